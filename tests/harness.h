@@ -1,0 +1,85 @@
+/*
+ * harness — minimal test macros. A test is a main() that runs cases with RUN(fn); each CHECK
+ * failure prints file:line and the values, and the process exits 1 if any check failed, 77 when
+ * the test skips itself (ctest SKIP_RETURN_CODE), 0 otherwise. The last line printed is
+ * "N passed, N failed" over checks.
+ */
+#pragma once
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int g_checks_passed, g_checks_failed;
+
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            g_checks_passed++;                                                                     \
+        } else {                                                                                   \
+            g_checks_failed++;                                                                     \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
+        }                                                                                          \
+    } while (0)
+
+#define CHECK_EQ(a, b)                                                                             \
+    do {                                                                                           \
+        long long a_ = (long long)(a), b_ = (long long)(b);                                        \
+        if (a_ == b_) {                                                                            \
+            g_checks_passed++;                                                                     \
+        } else {                                                                                   \
+            g_checks_failed++;                                                                     \
+            fprintf(stderr, "%s:%d: CHECK_EQ failed: %s = %lld, %s = %lld\n", __FILE__, __LINE__,  \
+                    #a, a_, #b, b_);                                                               \
+        }                                                                                          \
+    } while (0)
+
+#define CHECK_STR_EQ(a, b)                                                                         \
+    do {                                                                                           \
+        const char *a_ = (a), *b_ = (b);                                                           \
+        if (a_ && b_ && strcmp(a_, b_) == 0) {                                                     \
+            g_checks_passed++;                                                                     \
+        } else {                                                                                   \
+            g_checks_failed++;                                                                     \
+            fprintf(stderr, "%s:%d: CHECK_STR_EQ failed: \"%s\" vs \"%s\"\n", __FILE__, __LINE__,  \
+                    a_ ? a_ : "(null)", b_ ? b_ : "(null)");                                       \
+        }                                                                                          \
+    } while (0)
+
+#define CHECK_NEAR(a, b, tol)                                                                      \
+    do {                                                                                           \
+        double a_ = (double)(a), b_ = (double)(b);                                                 \
+        if (fabs(a_ - b_) <= (tol)) {                                                              \
+            g_checks_passed++;                                                                     \
+        } else {                                                                                   \
+            g_checks_failed++;                                                                     \
+            fprintf(stderr, "%s:%d: CHECK_NEAR failed: %s = %.9g, %s = %.9g (tol %g)\n",           \
+                    __FILE__, __LINE__, #a, a_, #b, b_, (double)(tol));                            \
+        }                                                                                          \
+    } while (0)
+
+#define DI_TEST_SKIP(msg)                                                                          \
+    do {                                                                                           \
+        fprintf(stderr, "SKIP: %s\n", msg);                                                        \
+        exit(77);                                                                                  \
+    } while (0)
+
+#define RUN(fn)                                                                                    \
+    do {                                                                                           \
+        int before_ = g_checks_failed;                                                             \
+        fn();                                                                                      \
+        fprintf(stderr, "%s %s\n", g_checks_failed == before_ ? "ok  " : "FAIL", #fn);             \
+    } while (0)
+
+static inline int test_finish(void) {
+    printf("%d passed, %d failed\n", g_checks_passed, g_checks_failed);
+    return g_checks_failed ? 1 : 0;
+}
+
+// Path of a file relative to the source tree (ctest runs with DI_SOURCE_DIR set).
+static inline const char *test_src_path(const char *rel, char *buf, size_t cap) {
+    const char *root = getenv("DI_SOURCE_DIR");
+    snprintf(buf, cap, "%s/%s", root ? root : ".", rel);
+    return buf;
+}

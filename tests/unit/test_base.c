@@ -1,0 +1,105 @@
+// Tests for src/base: buffer, thread pool partitioning and execution, json helpers.
+#include "harness.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "base/buf.h"
+#include "base/json.h"
+#include "base/mem.h"
+#include "base/thread.h"
+
+static void test_buf(void) {
+    di_buf b;
+    di_buf_init(&b);
+    CHECK(di_buf_append_str(&b, "abc") == DI_OK);
+    CHECK(di_buf_printf(&b, "-%d-", 42) == DI_OK);
+    for (int i = 0; i < 1000; i++) CHECK(di_buf_append(&b, "x", 1) == DI_OK);
+    CHECK_EQ(b.len, 1007);
+    CHECK(strncmp(b.data, "abc-42-x", 8) == 0);
+    CHECK_EQ(b.data[b.len], 0);
+    char *s = di_buf_take(&b);
+    CHECK(b.data == NULL);
+    di_free(s);
+    di_buf_deinit(&b);
+}
+
+static void test_split_range(void) {
+    for (int nth = 1; nth <= 7; nth++) {
+        for (int64_t n = 0; n < 30; n++) {
+            int64_t expect_lo = 0;
+            for (int ith = 0; ith < nth; ith++) {
+                int64_t lo, hi;
+                di_split_range(n, ith, nth, &lo, &hi);
+                CHECK_EQ(lo, expect_lo);
+                CHECK(hi - lo <= n / nth + 1);
+                expect_lo = hi;
+            }
+            CHECK_EQ(expect_lo, n);
+        }
+    }
+}
+
+typedef struct sum_ctx {
+    const int64_t *v;
+    int64_t n;
+    int64_t partial[16];
+    atomic_int calls;
+} sum_ctx;
+
+static void sum_task(void *p, int ith, int nth) {
+    sum_ctx *c = p;
+    int64_t lo, hi, s = 0;
+    di_split_range(c->n, ith, nth, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) s += c->v[i];
+    c->partial[ith] = s;
+    atomic_fetch_add(&c->calls, 1);
+}
+
+static void test_pool(void) {
+    int64_t v[1000];
+    for (int i = 0; i < 1000; i++) v[i] = i;
+    for (int nt = 1; nt <= 4; nt++) {
+        di_pool *pool = NULL;
+        CHECK(di_pool_create(nt, &pool) == DI_OK);
+        CHECK_EQ(di_pool_n_threads(pool), nt);
+        for (int rep = 0; rep < 50; rep++) {
+            sum_ctx c = {.v = v, .n = 1000};
+            atomic_init(&c.calls, 0);
+            di_pool_run(pool, sum_task, &c);
+            int64_t s = 0;
+            for (int i = 0; i < nt; i++) s += c.partial[i];
+            CHECK_EQ(s, 499500);
+            CHECK_EQ(atomic_load(&c.calls), nt);
+        }
+        di_pool_destroy(pool);
+    }
+    di_pool_destroy(NULL);
+}
+
+static void test_json(void) {
+    json_error_t err;
+    json_t *j = json_loads("{\"a\": 3, \"b\": 2.0, \"c\": 1.5, \"s\": \"x\", \"t\": true}", 0, &err);
+    CHECK(j != NULL);
+    int64_t i;
+    double d;
+    bool b;
+    CHECK(di_json_get_int(j, "a", &i) && i == 3);
+    CHECK(di_json_get_int(j, "b", &i) && i == 2);
+    CHECK(!di_json_get_int(j, "c", &i));
+    CHECK(di_json_get_num(j, "c", &d) && d == 1.5);
+    CHECK(di_json_get_bool(j, "t", &b) && b);
+    CHECK_STR_EQ(di_json_get_str(j, "s"), "x");
+    CHECK(di_json_get_str(j, "a") == NULL);
+    json_decref(j);
+    json_t *out = NULL;
+    CHECK(di_json_load_file("/nonexistent/x.json", &out) == DI_ERR_IO);
+}
+
+int main(void) {
+    RUN(test_buf);
+    RUN(test_split_range);
+    RUN(test_pool);
+    RUN(test_json);
+    return test_finish();
+}

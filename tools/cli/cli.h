@@ -1,0 +1,9 @@
+/*
+ * cli — the deepinfer subcommands. Each takes (argc, argv) with argv[0] = the command name and
+ * returns the process exit status: 0 success, 1 runtime failure, 2 usage error.
+ */
+#pragma once
+
+int di_cli_info(int argc, char **argv);
+int di_cli_logits(int argc, char **argv);
+int di_cli_generate(int argc, char **argv);

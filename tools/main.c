@@ -1,0 +1,34 @@
+// deepinfer: subcommand dispatch. Each subcommand lives in tools/cli/<name>.c.
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/cli.h"
+
+static const struct {
+    const char *name;
+    int (*fn)(int argc, char **argv);
+    const char *help;
+} k_commands[] = {
+    {"info", di_cli_info, "print a checkpoint's configuration and tensor summary"},
+    {"logits", di_cli_logits, "run the forward pass on token ids and write logits as .npy"},
+    {"generate", di_cli_generate, "generate token ids from a prompt of token ids"},
+};
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: deepinfer <command> [options]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
+        fprintf(f, "  %-10s %s\n", k_commands[i].name, k_commands[i].help);
+    fprintf(f, "\n'deepinfer <command> --help' describes a command's options.\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
+        if (strcmp(argv[1], k_commands[i].name) == 0) return k_commands[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "deepinfer: unknown command '%s'\n\n", argv[1]);
+    usage(stderr);
+    return 2;
+}
