@@ -1,0 +1,116 @@
+/*
+ * quant_ref — the scalar numeric primitives of the model, written to be obviously right rather
+ * than fast: the oracle every optimised CPU or CUDA kernel is tested against.
+ *
+ * What it does (spec deepseek-v4.md §2.0, §4.3, §5 items 14–16):
+ *   - element conversions: f32 <-> bf16 (round to nearest even), f16 -> f32, FP8 e4m3fn <-> f32,
+ *     FP4 e2m1 <-> f32, UE8M0 scale byte -> f32;
+ *   - the R-OFF fake-quantisers Q8 (e4m3, power-of-two scale per block), Q4 (e2m1, same scheme)
+ *     and the activation quant A8 = Q8 with 128-element blocks;
+ *   - the Walsh-Hadamard transform (Sylvester order, orthonormal scale);
+ *   - row dequantisation of F32/F16/BF16, FP8 block-scaled and packed FP4 weights to f32, used by
+ *     the matmul reference.
+ * Every result is bit-exact and deterministic: rounding is done by hand (round to nearest, ties to
+ * even) and never depends on the floating-point environment's rounding mode.
+ *
+ * Owns: nothing but two constant 256-entry decode tables (e4m3 and UE8M0). No allocation.
+ * Does not: quantise whole tensors, choose block layouts, thread, or vectorise; callers loop.
+ * Inputs are assumed to be validated (block sizes, even lengths); violations are invariants and
+ * abort through DI_ASSERT.
+ *
+ * Thread-safety: any thread (pure functions over caller-owned memory, constant tables).
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "tensor/dtype.h" // di_dtype
+
+// ---- element conversions ----
+
+// f32 -> bf16 bit pattern, round to nearest, ties to even. Overflow rounds to ±inf as IEEE does;
+// NaN stays NaN (the quiet bit is forced so that a signalling NaN cannot truncate to inf).
+uint16_t di_f32_to_bf16(float x);
+
+// bf16 bit pattern -> f32. Exact.
+float di_bf16_to_f32(uint16_t h);
+
+// f32 -> bf16 -> f32: the value a BF16 tensor would store. Written bf16(x) in the spec.
+float di_round_bf16(float x);
+
+// IEEE 754 binary16 bit pattern -> f32, including subnormals, ±inf and NaN. Exact.
+float di_f16_to_f32(uint16_t h);
+
+// FP8 e4m3fn byte -> f32 (spec §4.3): sign bit 7, exponent bits 6–3 (bias 7), mantissa bits 2–0;
+// exponent 0 is subnormal (f/8 · 2^-6); 0x7F/0xFF are NaN; no infinities; max ±448. Exact.
+float di_e4m3_to_f32(uint8_t code);
+
+// f32 -> FP8 e4m3fn byte: clamp to ±448 (so ±inf saturates to ±448), then round to nearest,
+// ties to even mantissa, on the e4m3 grid including subnormals (step 2^-9 below 2^-6). The sign
+// of zero is kept (-1e-9 -> 0x80). NaN -> 0x7F (0xFF if the sign bit is set).
+uint8_t di_f32_to_e4m3(float x);
+
+// FP4 e2m1 code (low 4 bits of `code`; high bits ignored) -> f32: bit 3 is the sign, magnitude
+// {0, 0.5, 1, 1.5, 2, 3, 4, 6}[code & 7]. Code 8 is -0. Exact.
+float di_e2m1_to_f32(uint8_t code);
+
+// f32 -> e2m1 code in 0..15: clamp to ±6, then round to nearest with ties to the even code
+// (2.5 -> 2, 5 -> 4, 0.25 -> 0, spec §6.5). The sign of zero is kept. e2m1 has no NaN: NaN maps to
+// code 0 (+0); fake-quant callers deal with non-finite blocks before getting here.
+uint8_t di_f32_to_e2m1(float x);
+
+// UE8M0 scale byte -> 2^(u-127) (spec §4.3). u = 0 gives 2^-127, an exact f32 subnormal;
+// u = 255 gives NaN. Exact.
+float di_ue8m0_to_f32(uint8_t u);
+
+// ceil(log2(x)) read from the f32 bit pattern: biased exponent - 127 + (mantissa != 0). So an
+// exact power of two gives that power and anything above it gives the next one (spec §5.15).
+// Contract: x > 0 and normal (DI_ASSERT); the fake-quant floors guarantee this.
+int di_ceil_log2_bits(float x);
+
+// ---- fake quantisation (R-OFF, spec §2.0) ----
+
+// Q8(v, block), in place over n elements (n a multiple of block, block > 0; DI_ASSERT). Per block
+// of `block` contiguous elements: amax = max(max|v|, 1e-4); s =
+// 2^ceil_log2(fl32(amax·fl32(1/448))); v = e4m3_RNE(clamp(v/s, ±448)) · s. Results are exact in
+// BF16. A block containing inf or NaN becomes all NaN (as the PyTorch reference's NaN/inf amax
+// would make it).
+void di_fake_quant_q8(float *v, int64_t n, int64_t block);
+
+// Q4(v, block), in place (model block 32; same preconditions as Q8): amax floor 6·2^-126,
+// s = 2^ceil_log2(fl32(amax·fl32(1/6))), v = e2m1_RNE(clamp(v/s, ±6)) · s. Non-finite blocks
+// become all NaN.
+void di_fake_quant_q4(float *v, int64_t n, int64_t block);
+
+// A8(v) = Q8(v, 128): activation quant in front of every FP8/FP4 GEMM in R-OFF. n must be a
+// multiple of 128 (DI_ASSERT).
+void di_act_quant_a8(float *v, int64_t n);
+
+// ---- Hadamard ----
+
+// In place Walsh-Hadamard transform of n elements (n a power of two, n >= 1; DI_ASSERT):
+// y_i = n^-1/2 · Σ_j (-1)^popcount(i & j) · v_j, Sylvester natural order (as
+// fast_hadamard_transform.hadamard_transform(x, scale=n^-1/2)). Computed in f32 by the
+// O(n log n) butterfly, then each output multiplied by fl32(n^-1/2). The output stays f32; the
+// indexer rounds it to BF16 itself.
+void di_hadamard(float *v, int64_t n);
+
+// ---- row dequantisation (matmul reference) ----
+
+// Converts one row of n elements of dtype F32, F16 or BF16 (`row`, borrowed, n · size bytes) to
+// f32 in `out` (caller-owned, n floats). Any other dtype is an invariant violation (DI_ASSERT).
+void di_dequant_row_f32(di_dtype dtype, const void *row, int64_t n, float *restrict out);
+
+// FP8 block-scaled row: out[i] = e4m3(row[i]) · ue8m0(scale_row[i / block]). `scale_row` is the
+// scale row of this output row's block (V4: block = 128, scale tensor [out/128, in/128], so the
+// caller passes scale + (o / 128) · (in / 128)); it holds ceil(n / block) bytes. All pointers are
+// borrowed; out has n floats.
+void di_dequant_row_fp8(const uint8_t *restrict row, const uint8_t *restrict scale_row, int64_t n,
+                        int64_t block, float *restrict out);
+
+// Packed FP4 row (V4 routed experts): `packed` holds n/2 bytes (n even; DI_ASSERT), the low nibble
+// of byte k is element 2k and the high nibble element 2k+1 (spec §4.3).
+// out[i] = e2m1(code_i) · ue8m0(scale_row[i / block]) (V4: block = 32, one scale row per output
+// row). All pointers are borrowed; out has n floats.
+void di_dequant_row_fp4(const uint8_t *restrict packed, const uint8_t *restrict scale_row,
+                        int64_t n, int64_t block, float *restrict out);
