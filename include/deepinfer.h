@@ -84,6 +84,7 @@ typedef struct di_model_info {
     int32_t n_routed_experts;
     int32_t n_experts_per_tok;
     int32_t sliding_window;
+    int32_t bos_token_id, eos_token_id;
     int64_t n_params;         // parameters in the main stack, embedding and head (MTP excluded)
     int64_t n_params_mtp;
     size_t weight_bytes;      // bytes of tensor data in the checkpoint files
@@ -97,6 +98,14 @@ void di_model_get_info(const di_model *model, di_model_info *out);
 size_t di_model_describe(const di_model *model, char *buf, size_t cap);
 // Compression ratio of layer il (0 = sliding window only, 4 = CSA, other = HCA); -1 if out of range.
 int32_t di_model_layer_ratio(const di_model *model, int32_t il);
+
+// Writes a random-weight DeepSeek V4 checkpoint (config.json + model.safetensors) into the
+// existing directory dir. preset: "tiny" (the spec's tiny test shapes with the real 129,280-token
+// vocabulary; the built-in default model) or "flash-4l" (true V4-Flash widths, 4 layers, 32
+// experts; for benchmarks). official: DeepSeek's FP8/FP4 layout with an MTP block, else the
+// Hugging Face naming in BF16. The weights are random, so generated text is meaningless.
+// Returns DI_ERR_INVALID (unknown preset), DI_ERR_IO, DI_ERR_NOMEM.
+di_status di_synth_checkpoint(const char *preset, const char *dir, bool official, uint64_t seed);
 
 // ---- session: one sequence's incremental state ----
 
@@ -144,6 +153,68 @@ di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes);
 // not such a state (wrong model, truncated, corrupted); the session is then left reset.
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes);
 void di_free_buffer(void *p);
+
+// ---- tokenizer and chat rendering ----
+//
+// DeepSeek V4/V4.1 byte-level BPE tokenizer (HF tokenizer.json), prompt rendering and output
+// parsing; implemented in src/tok (docs/tokenizer.md). A di_tokenizer is immutable after load and
+// may be used from any thread; a di_detok belongs to one stream (one thread at a time).
+
+typedef struct di_tokenizer di_tokenizer;
+
+// Loads a Hugging Face tokenizer.json (plain, or gzip-compressed) of a byte-level BPE model with
+// DeepSeek V3/V4's pre-tokenizer. Returns DI_ERR_IO (cannot read), DI_ERR_FORMAT (malformed or
+// inconsistent file), DI_ERR_UNSUPPORTED (another model type or pre-tokenizer), DI_ERR_NOMEM.
+di_status di_tokenizer_load(const char *path, di_tokenizer **out);
+// The tokenizer of a model directory: model_dir/tokenizer.json if present, else the copy of
+// DeepSeek V4's tokenizer committed with the sources (data/tokenizer/deepseek-v4/tokenizer.json;
+// the environment variable DI_TOKENIZER overrides that fallback). model_dir may be NULL.
+// Same return codes as di_tokenizer_load.
+di_status di_tokenizer_load_for_model(const char *model_dir, di_tokenizer **out);
+// Frees the tokenizer. NULL does nothing. Detokenizers made from it must be destroyed first.
+void di_tokenizer_destroy(di_tokenizer *tok);
+// Ids run 0 .. n_vocab-1 (129,280 for DeepSeek V4).
+int32_t di_tokenizer_n_vocab(const di_tokenizer *tok);
+// Id of the token whose text is exactly the NUL-terminated `text` (e.g. "<｜User｜>"), or -1.
+int32_t di_tokenizer_token_id(const di_tokenizer *tok, const char *text);
+// Bytes of token id (borrowed from tok, not NUL-terminated; *n_bytes gets the length), or NULL
+// if id is not a token.
+const char *di_tokenizer_token_bytes(const di_tokenizer *tok, int32_t id, size_t *n_bytes);
+// true if id is an added token marked special (BOS, EOS, <｜User｜>, ...).
+bool di_tokenizer_is_special(const di_tokenizer *tok, int32_t id);
+
+// Encodes n_bytes of UTF-8 text. special = true: added tokens in the text are recognised (use for
+// template text only); false: the text is plain BPE, so "<｜User｜>" typed by a user becomes
+// ordinary tokens (spec serving.md §1.1 rule 2). Ids are identical to HF tokenizers' encode
+// (special) or its pre-tokenizer + model (plain). *ids is a new array (free with di_tok_free;
+// NULL when *n_ids is 0). DI_ERR_INVALID (text is not valid UTF-8; logged with the byte offset),
+// DI_ERR_NOMEM.
+di_status di_tokenizer_encode(const di_tokenizer *tok, const char *text, size_t n_bytes,
+                              bool special, int32_t **ids, size_t *n_ids);
+// Decodes ids to text exactly as HF tokenizers' decode: token bytes concatenated, then invalid
+// UTF-8 replaced by U+FFFD per maximal invalid subpart. skip_special drops special tokens.
+// *text is NUL-terminated (free with di_tok_free). DI_ERR_INVALID (an id out of range),
+// DI_ERR_NOMEM.
+di_status di_tokenizer_decode(const di_tokenizer *tok, const int32_t *ids, size_t n_ids,
+                              bool skip_special, char **text, size_t *n_bytes);
+// Frees memory returned by the di_tokenizer_*, di_detok_* and di_render_* functions. NULL ok.
+void di_tok_free(void *p);
+
+// Streaming detokenizer: text for each generated token as soon as it forms complete UTF-8
+// characters. Never emits a partial UTF-8 sequence; bytes that can never become valid are
+// replaced by U+FFFD as HF's decode would, so the concatenation of all outputs (with the final
+// flush) equals di_tokenizer_decode of all ids.
+typedef struct di_detok di_detok;
+
+// DI_ERR_NOMEM. tok is borrowed and must outlive the detokenizer.
+di_status di_detok_create(const di_tokenizer *tok, bool skip_special, di_detok **out);
+void di_detok_destroy(di_detok *d);
+// Feeds one id; *text receives the newly completed text (possibly empty), borrowed from d and
+// valid until the next call on d. DI_ERR_INVALID (id out of range; the state is unchanged).
+di_status di_detok_push(di_detok *d, int32_t id, const char **text, size_t *n_bytes);
+// Ends the stream: held bytes of an incomplete character come out as U+FFFD. The detokenizer is
+// then empty and may be reused.
+void di_detok_flush(di_detok *d, const char **text, size_t *n_bytes);
 
 #ifdef __cplusplus
 }

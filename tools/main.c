@@ -12,6 +12,7 @@ static const struct {
     {"info", di_cli_info, "print a checkpoint's configuration and tensor summary"},
     {"logits", di_cli_logits, "run the forward pass on token ids and write logits as .npy"},
     {"generate", di_cli_generate, "generate token ids from a prompt of token ids"},
+    {"synth", di_cli_synth, "write a random-weight V4 checkpoint (tests, benchmarks, default)"},
 };
 
 static void usage(FILE *f) {

@@ -7,3 +7,4 @@
 int di_cli_info(int argc, char **argv);
 int di_cli_logits(int argc, char **argv);
 int di_cli_generate(int argc, char **argv);
+int di_cli_synth(int argc, char **argv);

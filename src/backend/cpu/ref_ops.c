@@ -1,0 +1,97 @@
+#include "backend/cpu/ref_ops.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "base/mem.h"
+
+di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row) {
+    cpu->pool = pool;
+    cpu->n_threads = di_pool_n_threads(pool);
+    cpu->row_cap = max_row;
+    cpu->row_scratch = di_aligned_alloc(sizeof(float) * (size_t)max_row * (size_t)cpu->n_threads);
+    return cpu->row_scratch ? DI_OK : DI_ERR_NOMEM;
+}
+
+void di_cpu_deinit(di_cpu *cpu) {
+    di_aligned_free(cpu->row_scratch);
+    cpu->row_scratch = NULL;
+}
+
+float di_ref_dot(const float *a, const float *b, int64_t n) {
+    // Eight independent partial sums (vectorisable), combined pairwise in a fixed order.
+    float s[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) s[k] += a[i + k] * b[i + k];
+    float tail = 0;
+    for (; i < n; i++) tail += a[i] * b[i];
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + tail;
+}
+
+// ---- matmul ----
+
+typedef struct matmul_ctx {
+    di_cpu *cpu;
+    const di_tensor *w;
+    const float *x;
+    int64_t n_tok, x_stride;
+    float *y;
+    int64_t y_stride;
+    bool split_rows; // partition output rows (else tokens)
+} matmul_ctx;
+
+static void matmul_task(void *p, int ith, int nth) {
+    matmul_ctx *c = p;
+    float *row = c->cpu->row_scratch + (size_t)ith * (size_t)c->cpu->row_cap;
+    int64_t n_in = c->w->ne[0], n_out = c->w->ne[1];
+    int64_t r_lo = 0, r_hi = n_out, t_lo = 0, t_hi = c->n_tok;
+    if (c->split_rows) di_split_range(n_out, ith, nth, &r_lo, &r_hi);
+    else di_split_range(c->n_tok, ith, nth, &t_lo, &t_hi);
+    if (t_lo >= t_hi) return;
+    for (int64_t o = r_lo; o < r_hi; o++) {
+        di_tensor_row_f32(c->w, o, row);
+        for (int64_t t = t_lo; t < t_hi; t++)
+            c->y[t * c->y_stride + o] = di_ref_dot(row, c->x + t * c->x_stride, n_in);
+    }
+}
+
+void di_ref_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok,
+                   int64_t x_stride, float *y, int64_t y_stride) {
+    DI_ASSERT(w->ne[0] <= cpu->row_cap);
+    if (n_tok <= 0 || w->ne[1] <= 0) return;
+    matmul_ctx c = {cpu, w, x, n_tok, x_stride, y, y_stride, true};
+    // Few output rows and many tokens: split tokens so every thread has work (each thread then
+    // dequantises all rows; the rows are few).
+    c.split_rows = w->ne[1] >= 8 * (int64_t)cpu->n_threads || n_tok < cpu->n_threads;
+    di_pool_run(cpu->pool, matmul_task, &c);
+}
+
+// ---- elementwise ----
+
+void di_ref_rmsnorm(float *x, int64_t n_rows, int64_t n, int64_t stride, const float *w,
+                    float eps) {
+    for (int64_t r = 0; r < n_rows; r++) {
+        float *v = x + r * stride;
+        float ss = di_ref_dot(v, v, n);
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        if (w)
+            for (int64_t i = 0; i < n; i++) v[i] = w[i] * (v[i] * inv);
+        else
+            for (int64_t i = 0; i < n; i++) v[i] = v[i] * inv;
+    }
+}
+
+void di_ref_rope(float *v, int64_t n, int32_t n_rot, const float *omega, int64_t pos,
+                 float scale, bool inverse) {
+    float *r = v + (n - n_rot);
+    for (int32_t i = 0; i < n_rot / 2; i++) {
+        float ang = (float)pos * omega[i]; // one FP32 rounding, as the references
+        float c = cosf(ang) * scale, s = sinf(ang) * scale;
+        if (inverse) s = -s;
+        float a = r[2 * i], b = r[2 * i + 1];
+        r[2 * i] = a * c - b * s;
+        r[2 * i + 1] = b * c + a * s;
+    }
+}

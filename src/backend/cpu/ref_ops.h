@@ -1,0 +1,62 @@
+/*
+ * ref_ops — the scalar reference of every op of the V4 forward pass on the CPU: plain loops,
+ * FP32 accumulation, no tricks. It is the oracle every optimised kernel (CPU SIMD or CUDA) is
+ * tested against, and the engine's CPU path until those exist.
+ *
+ * Parallel ops run on the persistent thread pool with static partitioning (di_split_range), so a
+ * result never depends on the number of threads: each output element is computed by exactly one
+ * thread in a fixed order.
+ *
+ * Owns: di_cpu owns per-thread row scratch; the pool is borrowed.
+ * Thread-safety: a di_cpu is used by one submitting thread (the engine thread).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "base/thread.h"   // di_pool
+#include "deepinfer.h"     // di_status
+#include "tensor/tensor.h" // di_tensor
+
+#include <math.h>
+
+typedef struct di_cpu {
+    di_pool *pool;      // borrowed
+    int n_threads;
+    float *row_scratch; // owned; n_threads * row_cap floats (one dequantised weight row each)
+    int64_t row_cap;
+} di_cpu;
+
+// max_row: the widest weight row (n_in) any matmul will see.
+di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row);
+void di_cpu_deinit(di_cpu *cpu);
+
+// y[t*y_stride + o] = sum_i W[o, i] * x[t*x_stride + i] for t < n_tok, o < W.ne[1].
+// FP32 accumulation; W dequantised row by row (exact).
+void di_ref_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok,
+                   int64_t x_stride, float *y, int64_t y_stride);
+
+// In place over n_rows rows of n values (stride apart): x = x * rsqrt(mean(x^2) + eps) [* w].
+// w may be NULL (unweighted, as the per-head q normalisation).
+void di_ref_rmsnorm(float *x, int64_t n_rows, int64_t n, int64_t stride, const float *w,
+                    float eps);
+
+// Interleaved partial RoPE on the trailing n_rot entries of v[n]: pairs (n-n_rot+2i, +1) rotate
+// by pos*omega[i]; inverse rotates by the negative angle. cos and sin are multiplied by scale.
+void di_ref_rope(float *v, int64_t n, int32_t n_rot, const float *omega, int64_t pos,
+                 float scale, bool inverse);
+
+// Dot product with FP32 accumulation in a fixed order (the same as di_ref_matmul's).
+float di_ref_dot(const float *a, const float *b, int64_t n);
+
+static inline float di_sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+static inline float di_silu(float x) {
+    return x / (1.0f + expf(-x));
+}
+// PyTorch softplus with threshold 20 (x > 20 returns x).
+static inline float di_softplus(float x) {
+    return x > 20.0f ? x : log1pf(expf(x));
+}

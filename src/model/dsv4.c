@@ -1,0 +1,389 @@
+// dsv4 — DeepSeek V4 model load, the decoder layer loop, mHC and the final head (spec §2).
+// The attention, MoE, MTP and state pieces live in dsv4_attn.c, dsv4_moe.c, dsv4_mtp.c and
+// dsv4_state.c; this file reads top to bottom as the model does.
+#include "model/dsv4.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "base/buf.h"
+#include "base/log.h"
+#include "base/mem.h"
+#include "base/status.h"
+#include "tensor/quant_ref.h"
+
+// ---- options ----
+
+di_model_options di_model_options_default(void) {
+    di_model_options o = {.n_threads = 0, .precision = DI_PRECISION_FP32};
+    return o;
+}
+
+void di_set_log_level(int level) {
+    di_log_set_level(level < 0 ? DI_LOG_LEVEL_ERROR
+                     : level > 3 ? DI_LOG_LEVEL_DEBUG
+                                 : (di_log_level)level);
+}
+
+void di_free_buffer(void *p) {
+    di_free(p);
+}
+
+void di_dsv4_round(const di_model *m, float *v, int64_t n) {
+    if (m->opt.precision != DI_PRECISION_OFFICIAL) return;
+    for (int64_t i = 0; i < n; i++) v[i] = di_round_bf16(v[i]);
+}
+
+// ---- load ----
+
+static int64_t widest_row(const di_hparams *hp) {
+    int64_t w = hp->n_embd;
+    int64_t cand[] = {hp->q_lora_rank, (int64_t)hp->n_head * hp->head_dim / hp->o_groups,
+                      (int64_t)hp->o_groups * hp->o_lora_rank, hp->expert_ff,
+                      (int64_t)hp->hc_mult * hp->n_embd};
+    for (size_t i = 0; i < sizeof cand / sizeof cand[0]; i++)
+        if (cand[i] > w) w = cand[i];
+    return w;
+}
+
+di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out) {
+    di_status st = DI_OK;
+    di_model *m = di_calloc(1, sizeof *m);
+    if (!m) return DI_ERR_NOMEM;
+    m->opt = opt ? *opt : di_model_options_default();
+    if (m->opt.precision != DI_PRECISION_FP32 && m->opt.precision != DI_PRECISION_OFFICIAL) {
+        DI_LOG_ERROR("unknown precision %d", (int)m->opt.precision);
+        st = DI_ERR_INVALID;
+        goto fail;
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    DI_TRY(di_hparams_load(path, &m->hp));
+    DI_LOG_INFO("loading %s: %s, %d layers (+%d MTP), hidden %d, %d experts (top-%d)", dir,
+                m->hp.model_type, m->hp.n_layer, m->hp.n_mtp, m->hp.n_embd, m->hp.n_expert,
+                m->hp.n_expert_used);
+    DI_TRY(di_st_set_open_dir(dir, &m->st));
+    DI_TRY(di_dsv4_weights_bind(m));
+    DI_TRY(di_pool_create(m->opt.n_threads, &m->pool));
+    DI_TRY(di_cpu_init(&m->cpu, m->pool, widest_row(&m->hp)));
+    int half = m->hp.rope_main.n_dims / 2;
+    m->omega_main = di_malloc(sizeof(float) * (size_t)half);
+    m->omega_compress = di_malloc(sizeof(float) * (size_t)half);
+    if (!m->omega_main || !m->omega_compress) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    di_rope_freqs(&m->hp.rope_main, m->omega_main);
+    di_rope_freqs(&m->hp.rope_compress, m->omega_compress);
+    DI_LOG_INFO("loaded %s layout: %.2f B parameters (+%.2f B MTP), %.1f MiB mapped, %d threads, "
+                "%s precision",
+                m->layout, m->n_params / 1e9, m->n_params_mtp / 1e9,
+                di_st_set_data_bytes(m->st) / 1048576.0, di_pool_n_threads(m->pool),
+                m->opt.precision == DI_PRECISION_OFFICIAL ? "official" : "fp32");
+    *out = m;
+    return DI_OK;
+fail:
+    di_model_destroy(m);
+    return st;
+}
+
+void di_model_destroy(di_model *m) {
+    if (!m) return;
+    di_cpu_deinit(&m->cpu);
+    di_pool_destroy(m->pool);
+    di_dsv4_weights_free(m);
+    di_st_set_close(m->st);
+    di_free(m->omega_main);
+    di_free(m->omega_compress);
+    di_free(m);
+}
+
+void di_model_get_info(const di_model *m, di_model_info *out) {
+    const di_hparams *hp = &m->hp;
+    di_model_info i = {
+        .arch = hp->model_type,
+        .layout = m->layout,
+        .n_vocab = hp->n_vocab,
+        .n_layers = hp->n_layer,
+        .n_mtp_layers = m->n_mtp_loaded,
+        .hidden_size = hp->n_embd,
+        .n_heads = hp->n_head,
+        .head_dim = hp->head_dim,
+        .n_routed_experts = hp->n_expert,
+        .n_experts_per_tok = hp->n_expert_used,
+        .sliding_window = hp->window,
+        .bos_token_id = hp->bos_token,
+        .eos_token_id = hp->eos_token,
+        .n_params = m->n_params,
+        .n_params_mtp = m->n_params_mtp,
+        .weight_bytes = di_st_set_data_bytes(m->st),
+        .n_threads = di_pool_n_threads(m->pool),
+        .precision = m->opt.precision,
+    };
+    *out = i;
+}
+
+int32_t di_model_layer_ratio(const di_model *m, int32_t il) {
+    if (il < 0 || il >= m->hp.n_layer + m->hp.n_mtp) return -1;
+    return m->hp.compress_ratio[il];
+}
+
+size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
+    const di_hparams *hp = &m->hp;
+    di_buf b;
+    di_buf_init(&b);
+#define OUT(...) (void)di_buf_printf(&b, __VA_ARGS__)
+    OUT("architecture      %s (%s layout)\n", hp->model_type, m->layout);
+    OUT("parameters        %lld main + %lld MTP\n", (long long)m->n_params,
+        (long long)m->n_params_mtp);
+    OUT("tensor bytes      %zu\n", di_st_set_data_bytes(m->st));
+    OUT("vocab             %d\n", hp->n_vocab);
+    OUT("hidden            %d, %d layers, %d MTP block(s) loaded of %d declared\n", hp->n_embd,
+        hp->n_layer, m->n_mtp_loaded, hp->n_mtp);
+    OUT("attention         %d heads x %d (rope %d), q rank %d, %d output groups x %d, window %d\n",
+        hp->n_head, hp->head_dim, hp->rope_main.n_dims, hp->q_lora_rank, hp->o_groups,
+        hp->o_lora_rank, hp->window);
+    OUT("indexer           %d heads x %d, top-%d\n", hp->n_index_head, hp->index_head_dim,
+        hp->index_topk);
+    OUT("moe               %d routed experts (top-%d) + %d shared, width %d, route scale %g, "
+        "swiglu limit %g%s\n",
+        hp->n_expert, hp->n_expert_used, hp->n_expert_shared, hp->expert_ff, hp->route_scale,
+        hp->swiglu_limit, hp->shared_expert_clamp ? " (shared clamped)" : "");
+    OUT("mhc               %d streams, %d Sinkhorn iterations, eps %g\n", hp->hc_mult,
+        hp->hc_iters, hp->hc_eps);
+    OUT("rope main         theta %g\n", hp->rope_main.theta);
+    OUT("rope compress     theta %g%s (factor %g, L0 %lld)\n", hp->rope_compress.theta,
+        hp->rope_compress.yarn ? " + YaRN" : "", hp->rope_compress.factor,
+        (long long)hp->rope_compress.original_max_pos);
+    OUT("layers           ");
+    for (int il = 0; il < hp->n_layer + m->n_mtp_loaded; il++) {
+        int r = hp->compress_ratio[il];
+        OUT(" %s%s%s", il == hp->n_layer ? "| mtp " : "",
+            r == 0 ? "SWA" : r == 4 ? "CSA" : "HCA", hp->hash_routed[il] ? "/hash" : "");
+    }
+    OUT("\n");
+    if (m->n_params > 0) {
+        const di_dsv4_layer_w *l0 = &m->layers[0];
+        OUT("dtypes            embed %s, wq_a %s, experts %s\n", di_tensor_kind_name(m->embed.kind),
+            di_tensor_kind_name(l0->wq_a.kind), di_tensor_kind_name(l0->w1[0].kind));
+    }
+#undef OUT
+    size_t n = b.len;
+    if (buf && cap) {
+        size_t k = n < cap ? n : cap - 1;
+        if (k) memcpy(buf, b.data, k);
+        buf[k] = 0;
+    }
+    di_buf_deinit(&b);
+    return n;
+}
+
+// ---- mHC (spec §2.3) ----
+
+typedef struct hc_ctx {
+    const di_model *m;
+    const di_dsv4_hc_w *hc;
+    const float *x;    // [T, NC, D]
+    const float *mix;  // [T, n_mix] raw projections (before the RMS factor)
+    float *a;          // [T, D]
+    float *post;       // [T, NC]
+    float *comb;       // [T, NC, NC]
+    int32_t n_tok;
+    bool head;
+} hc_ctx;
+
+static void hc_pre_task(void *p, int ith, int nth) {
+    hc_ctx *c = p;
+    const di_hparams *hp = &c->m->hp;
+    const int nc = hp->hc_mult, D = hp->n_embd;
+    const int n_mix = c->head ? nc : (2 + nc) * nc;
+    const float eps = hp->hc_eps;
+    int64_t lo, hi;
+    di_split_range(c->n_tok, ith, nth, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        const float *xf = c->x + t * nc * D;
+        float r = 1.0f / sqrtf(di_ref_dot(xf, xf, (int64_t)nc * D) / (float)(nc * D) + hp->norm_eps);
+        float mix[16 * 18];
+        for (int i = 0; i < n_mix; i++) mix[i] = c->mix[t * n_mix + i] * r;
+        const float *base = c->hc->base, *scale = c->hc->scale;
+        float pre[16];
+        for (int s = 0; s < nc; s++) pre[s] = di_sigmoid(mix[s] * scale[0] + base[s]) + eps;
+        if (!c->head) {
+            float *post = c->post + t * nc, *C = c->comb + t * nc * nc;
+            for (int s = 0; s < nc; s++)
+                post[s] = 2.0f * di_sigmoid(mix[nc + s] * scale[1] + base[nc + s]);
+            for (int j = 0; j < nc; j++)
+                for (int k = 0; k < nc; k++)
+                    C[j * nc + k] = mix[2 * nc + j * nc + k] * scale[2] + base[2 * nc + j * nc + k];
+            // Sinkhorn: row softmax + eps, column normalisation, then (iters - 1) x (rows, columns).
+            for (int j = 0; j < nc; j++) {
+                float mx = C[j * nc];
+                for (int k = 1; k < nc; k++) mx = fmaxf(mx, C[j * nc + k]);
+                float sum = 0;
+                for (int k = 0; k < nc; k++) sum += (C[j * nc + k] = expf(C[j * nc + k] - mx));
+                for (int k = 0; k < nc; k++) C[j * nc + k] = C[j * nc + k] / sum + eps;
+            }
+            for (int it = 0; it < hp->hc_iters; it++) {
+                if (it > 0) {
+                    for (int j = 0; j < nc; j++) {
+                        float sum = 0;
+                        for (int k = 0; k < nc; k++) sum += C[j * nc + k];
+                        for (int k = 0; k < nc; k++) C[j * nc + k] /= sum + eps;
+                    }
+                }
+                for (int k = 0; k < nc; k++) {
+                    float sum = 0;
+                    for (int j = 0; j < nc; j++) sum += C[j * nc + k];
+                    for (int j = 0; j < nc; j++) C[j * nc + k] /= sum + eps;
+                }
+            }
+        }
+        float *a = c->a + t * D;
+        for (int d = 0; d < D; d++) {
+            float acc = 0;
+            for (int s = 0; s < nc; s++) acc += pre[s] * xf[s * D + d];
+            a[d] = acc;
+        }
+    }
+}
+
+// (a, post, comb) = hc_pre(X); with head = true only `a` (spec §2.9).
+static void hc_pre(di_session *s, const di_dsv4_hc_w *hc, const float *x, int32_t n_tok, float *a,
+                   bool head) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    int nc = hp->hc_mult;
+    int n_mix = head ? nc : (2 + nc) * nc;
+    float *mix = di_dsv4_scratch(s, DI_SCR_MIX);
+    // mix_raw = fn . xf  [T, n_mix] (FP32 weights, FP32 input)
+    di_ref_matmul(&m->cpu, &hc->fn, x, n_tok, (int64_t)nc * hp->n_embd, mix, n_mix);
+    hc_ctx c = {m,    hc, x, mix, a, di_dsv4_scratch(s, DI_SCR_POST), di_dsv4_scratch(s, DI_SCR_COMB),
+                n_tok, head};
+    di_pool_run(m->pool, hc_pre_task, &c);
+    di_dsv4_round(m, a, (int64_t)n_tok * hp->n_embd); // R-OFF: collapsed input is BF16
+}
+
+// X'[t, k] = post_k * o[t] + sum_j C[j][k] * X[t, j]
+static void hc_post(di_session *s, const float *o, float *x, int32_t n_tok) {
+    const di_model *m = s->model;
+    const int nc = m->hp.hc_mult, D = m->hp.n_embd;
+    const float *post = di_dsv4_scratch(s, DI_SCR_POST), *comb = di_dsv4_scratch(s, DI_SCR_COMB);
+    float mixed[16];
+    for (int32_t t = 0; t < n_tok; t++) {
+        float *xt = x + (int64_t)t * nc * D;
+        const float *C = comb + t * nc * nc, *pt = post + t * nc, *ot = o + (int64_t)t * D;
+        for (int d = 0; d < D; d++) {
+            for (int k = 0; k < nc; k++) {
+                float acc = pt[k] * ot[d];
+                for (int j = 0; j < nc; j++) acc += C[j * nc + k] * xt[j * D + d];
+                mixed[k] = acc;
+            }
+            for (int k = 0; k < nc; k++) xt[k * D + d] = mixed[k];
+        }
+    }
+    di_dsv4_round(m, x, (int64_t)n_tok * nc * D); // R-OFF: residual streams are BF16
+}
+
+// ---- decoder block (spec §2.2) ----
+
+void di_dsv4_block(di_session *s, const di_dsv4_layer_w *lw, di_dsv4_layer_state *ls, float *x,
+                   const int32_t *ids, int32_t n_tok, int32_t p0) {
+    const di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd;
+    float *a = di_dsv4_scratch(s, DI_SCR_A);   // [T, D]
+    float *o = di_dsv4_scratch(s, DI_SCR_OUT); // [T, D]
+
+    hc_pre(s, &lw->hc_attn, x, n_tok, a, false);
+    di_ref_rmsnorm(a, n_tok, D, D, lw->attn_norm, hp->norm_eps);
+    di_dsv4_round(m, a, n_tok * D);
+    di_dsv4_attention(s, lw, ls, a, n_tok, p0, o);
+    if (s->trace) s->trace(s->trace_user, "attn_out", lw->il, o, false, n_tok, D);
+    hc_post(s, o, x, n_tok);
+
+    hc_pre(s, &lw->hc_ffn, x, n_tok, a, false);
+    di_ref_rmsnorm(a, n_tok, D, D, lw->ffn_norm, hp->norm_eps);
+    di_dsv4_round(m, a, n_tok * D);
+    di_dsv4_moe(s, lw, a, ids, n_tok, o);
+    if (s->trace) s->trace(s->trace_user, "ffn_out", lw->il, o, false, n_tok, D);
+    hc_post(s, o, x, n_tok);
+}
+
+void di_dsv4_hc_head(di_session *s, const di_dsv4_hc_w *hc, const float *norm, const float *x,
+                     int32_t n_tok, float *h) {
+    const di_model *m = s->model;
+    hc_pre(s, hc, x, n_tok, h, true);
+    di_ref_rmsnorm(h, n_tok, m->hp.n_embd, m->hp.n_embd, norm, m->hp.norm_eps);
+    di_dsv4_round(m, h, (int64_t)n_tok * m->hp.n_embd);
+}
+
+// ---- the forward pass of one call ----
+
+di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
+                             const di_forward_out *out) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    if (n_tok < 1 || !tokens) {
+        DI_LOG_ERROR("forward: need at least one token");
+        return DI_ERR_INVALID;
+    }
+    if ((int64_t)s->pos + n_tok > s->n_ctx_max) {
+        DI_LOG_ERROR("forward: %d + %d tokens exceed the session's context of %d", s->pos, n_tok,
+                     s->n_ctx_max);
+        return DI_ERR_INVALID;
+    }
+    for (int32_t t = 0; t < n_tok; t++) {
+        if (tokens[t] < 0 || tokens[t] >= hp->n_vocab) {
+            DI_LOG_ERROR("forward: token id %d at index %d is outside the vocabulary [0, %d)",
+                         tokens[t], t, hp->n_vocab);
+            return DI_ERR_INVALID;
+        }
+    }
+    di_status st = di_dsv4_session_reserve(s, n_tok);
+    if (st != DI_OK) return st;
+
+    const int32_t p0 = s->pos;
+    const int nc = hp->hc_mult;
+    const int64_t D = hp->n_embd;
+    float *x = di_dsv4_scratch(s, DI_SCR_X); // [T, NC, D]
+
+    // Embedding, copied into every stream (§2.1).
+    for (int32_t t = 0; t < n_tok; t++) {
+        float *xt = x + (int64_t)t * nc * D;
+        di_tensor_row_f32(&m->embed, tokens[t], xt);
+        for (int k = 1; k < nc; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        di_dsv4_block(s, &m->layers[il], &s->layers[il], x, tokens, n_tok, p0);
+        if (s->trace) s->trace(s->trace_user, "layer_out", il, x, false, n_tok, nc * D);
+    }
+
+    // Final head (§2.9): logits of every position, or of the last one.
+    if (out && out->logits) {
+        int32_t first = out->last_only ? n_tok - 1 : 0, n_rows = n_tok - first;
+        float *h = di_dsv4_scratch(s, DI_SCR_H);
+        di_dsv4_hc_head(s, &m->hc_head, m->norm, x + (int64_t)first * nc * D, n_rows, h);
+        di_ref_matmul(&m->cpu, &m->head, h, n_rows, D, out->logits, hp->n_vocab);
+    }
+
+    // MTP (§2.10): position p needs the token at p + 1, so this call completes positions
+    // p0 - 1 (pending from the previous call) .. p0 + T - 2; the last position waits.
+    if (s->mtp) {
+        float *xm = di_dsv4_scratch(s, DI_SCR_XMAIN);
+        int32_t n = 0, p_first = s->mtp_pending ? p0 - 1 : p0;
+        size_t row = sizeof(float) * (size_t)(nc * D);
+        if (s->mtp_pending) memcpy(xm, s->mtp_pending_x, row), n = 1;
+        memcpy(xm + (int64_t)n * nc * D, x, row * (size_t)(n_tok - 1));
+        n += n_tok - 1;
+        const int32_t *ids_next = s->mtp_pending ? tokens : tokens + 1;
+        if (n > 0) di_dsv4_mtp_forward(s, xm, ids_next, n, p_first, out ? out->mtp_logits : NULL);
+        memcpy(s->mtp_pending_x, x + (int64_t)(n_tok - 1) * nc * D, row);
+        s->mtp_pending = true;
+        if (out && out->n_mtp_out) *out->n_mtp_out = n;
+    } else if (out && out->n_mtp_out) {
+        *out->n_mtp_out = 0;
+    }
+    s->pos = p0 + n_tok;
+    return DI_OK;
+}

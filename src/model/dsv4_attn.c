@@ -1,0 +1,354 @@
+// dsv4_attn — one attention layer call with state (spec §2.4–§2.7, §3.4): the q low-rank path,
+// the shared K=V row with partial interleaved RoPE, the compressors of CSA/HCA layers, the
+// lightning indexer of CSA layers, the sink softmax over window + compressed keys, inverse RoPE
+// and the grouped output projection.
+#include <float.h>
+#include <math.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "model/dsv4.h"
+#include "tensor/quant_ref.h"
+
+// ---- linear layers ----
+
+// y = W x for T rows; in official precision, FP8/FP4 weights see A8-quantised activations and
+// every output is rounded to BF16 (spec §2.0 "Linear layers").
+static void linear(di_session *s, const di_tensor *w, const float *x, int32_t n_tok,
+                   int64_t x_stride, float *y, int64_t y_stride, bool act_quant) {
+    di_model *m = s->model;
+    if (m->opt.precision == DI_PRECISION_OFFICIAL && act_quant &&
+        (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)) {
+        float *xq = di_dsv4_scratch(s, DI_SCR_AQ);
+        int64_t n = w->ne[0];
+        for (int32_t t = 0; t < n_tok; t++) {
+            memcpy(xq + t * n, x + t * x_stride, sizeof(float) * (size_t)n);
+            di_act_quant_a8(xq + t * n, n);
+        }
+        x = xq;
+        x_stride = n;
+    }
+    di_ref_matmul(&m->cpu, w, x, n_tok, x_stride, y, y_stride);
+    if (m->opt.precision == DI_PRECISION_OFFICIAL)
+        for (int32_t t = 0; t < n_tok; t++) di_dsv4_round(m, y + t * y_stride, w->ne[1]);
+}
+
+void di_dsv4_linear(di_session *s, const di_tensor *w, const float *x, int32_t n_tok,
+                    int64_t x_stride, float *y, int64_t y_stride, bool act_quant) {
+    linear(s, w, x, n_tok, x_stride, y, y_stride, act_quant);
+}
+
+// ---- compressor (spec §2.5, §3.2) ----
+
+// Finishes entry w from pooled values: RMSNorm, RoPE at the window's first position, and in
+// official precision Q8 of the nope dims (main) or Hadamard + Q4 (indexer).
+static void finalise_entry(const di_model *m, const di_dsv4_compressor_w *cw, bool indexer,
+                           float *e, int64_t w) {
+    const di_hparams *hp = &m->hp;
+    int32_t d = cw->d, n_rot = hp->rope_compress.n_dims;
+    di_dsv4_round(m, e, d);
+    di_ref_rmsnorm(e, 1, d, d, cw->norm, hp->norm_eps);
+    di_dsv4_round(m, e, d);
+    di_ref_rope(e, d, n_rot, m->omega_compress, w * cw->m, hp->rope_compress.attention_factor,
+                false);
+    di_dsv4_round(m, e, d);
+    if (m->opt.precision == DI_PRECISION_OFFICIAL) {
+        if (indexer) {
+            di_hadamard(e, d);
+            di_dsv4_round(m, e, d);
+            di_fake_quant_q4(e, d, 32);
+        } else {
+            di_fake_quant_q8(e, d - n_rot, 64);
+        }
+    }
+}
+
+// Appends one token's (C, Z) at absolute position P; closes the window when P is its last token.
+// c_row / z_row: [c*d] projections of this token (Z without the position bias).
+static void compressor_step(const di_model *m, const di_dsv4_compressor_w *cw,
+                            di_dsv4_cmp_state *cs, bool indexer, const float *c_row,
+                            const float *z_row, int64_t P) {
+    const int32_t mm = cw->m, c = cw->c, d = cw->d, width = c * d;
+    const int32_t slot = (int32_t)(P % mm);
+    float *bc = cs->buf_c + (int64_t)slot * width, *bz = cs->buf_z + (int64_t)slot * width;
+    const float *ape = cw->ape + (int64_t)slot * width;
+    for (int32_t i = 0; i < width; i++) {
+        bc[i] = c_row[i];
+        bz[i] = z_row[i] + ape[i];
+    }
+    if ((P + 1) % mm != 0) return;
+
+    DI_ASSERT(cs->n_entries < cs->cap_entries);
+    int64_t w = P / mm;
+    float *e = cs->entries + cs->n_entries * d;
+    for (int32_t ch = 0; ch < d; ch++) {
+        // Softmax over the window's slots, per channel. CSA: 4 overlap slots (Ca, Za of window
+        // w-1; empty before the first window closes) then 4 slots (Cb, Zb) of window w.
+        float mx = -INFINITY;
+        if (c == 2) {
+            if (cs->has_ovl)
+                for (int32_t j = 0; j < mm; j++) mx = fmaxf(mx, cs->ovl_z[j * d + ch]);
+            for (int32_t j = 0; j < mm; j++) mx = fmaxf(mx, cs->buf_z[j * width + d + ch]);
+        } else {
+            for (int32_t j = 0; j < mm; j++) mx = fmaxf(mx, cs->buf_z[j * width + ch]);
+        }
+        float den = 0, num = 0;
+        if (c == 2) {
+            if (cs->has_ovl) {
+                for (int32_t j = 0; j < mm; j++) {
+                    float p = expf(cs->ovl_z[j * d + ch] - mx);
+                    den += p;
+                    num += p * cs->ovl_c[j * d + ch];
+                }
+            }
+            for (int32_t j = 0; j < mm; j++) {
+                float p = expf(cs->buf_z[j * width + d + ch] - mx);
+                den += p;
+                num += p * cs->buf_c[j * width + d + ch];
+            }
+        } else {
+            for (int32_t j = 0; j < mm; j++) {
+                float p = expf(cs->buf_z[j * width + ch] - mx);
+                den += p;
+                num += p * cs->buf_c[j * width + ch];
+            }
+        }
+        e[ch] = num / den;
+    }
+    if (c == 2) { // this window's (Ca, Za) overlap into the next entry
+        for (int32_t j = 0; j < mm; j++) {
+            memcpy(cs->ovl_c + j * d, cs->buf_c + j * width, sizeof(float) * (size_t)d);
+            memcpy(cs->ovl_z + j * d, cs->buf_z + j * width, sizeof(float) * (size_t)d);
+        }
+        cs->has_ovl = true;
+    }
+    finalise_entry(m, cw, indexer, e, w);
+    cs->n_entries++;
+}
+
+// Projects the T tokens (FP32, no activation quant) and steps the compressor through them.
+static void run_compressor(di_session *s, const di_dsv4_compressor_w *cw, di_dsv4_cmp_state *cs,
+                           bool indexer, const float *a, int32_t n_tok, int32_t p0) {
+    di_model *m = s->model;
+    int64_t width = (int64_t)cw->c * cw->d, D = m->hp.n_embd;
+    float *cc = di_dsv4_scratch(s, DI_SCR_CC), *cz = di_dsv4_scratch(s, DI_SCR_CZ);
+    di_ref_matmul(&m->cpu, &cw->wkv, a, n_tok, D, cc, width);   // C: [T, c*d]
+    di_ref_matmul(&m->cpu, &cw->wgate, a, n_tok, D, cz, width); // Z: [T, c*d]
+    for (int32_t t = 0; t < n_tok; t++)
+        compressor_step(m, cw, cs, indexer, cc + t * width, cz + t * width, (int64_t)p0 + t);
+}
+
+// ---- lightning indexer (spec §2.6) ----
+
+typedef struct indexer_ctx {
+    const di_model *m;
+    const float *qi;  // [T, HI, DI]
+    const float *wi;  // [T, HI]
+    const float *keys; // [n_entries, DI]
+    int32_t n_tok, p0, topk;
+    int32_t *sel;     // [T, topk], ascending, -1 padded
+    float *scores;    // per thread [n_entries]
+    int64_t scores_stride;
+} indexer_ctx;
+
+static void indexer_task(void *p, int ith, int nth) {
+    indexer_ctx *c = p;
+    const di_hparams *hp = &c->m->hp;
+    const int32_t HI = hp->n_index_head, DI = hp->index_head_dim;
+    float *sc = c->scores + (int64_t)ith * c->scores_stride;
+    int64_t lo, hi;
+    di_split_range(c->n_tok, ith, nth, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t vis = ((int64_t)c->p0 + t + 1) / 4;
+        int32_t *sel = c->sel + t * c->topk;
+        for (int32_t i = 0; i < c->topk; i++) sel[i] = -1;
+        int32_t k = (int32_t)(vis < c->topk ? vis : c->topk);
+        if (k == vis) { // every visible entry is selected: no scores needed
+            for (int32_t i = 0; i < k; i++) sel[i] = i;
+            continue;
+        }
+        for (int64_t w = 0; w < vis; w++) {
+            float acc = 0;
+            for (int32_t h = 0; h < HI; h++) {
+                float dot = di_ref_dot(c->qi + (t * HI + h) * DI, c->keys + w * DI, DI);
+                acc += c->wi[t * HI + h] * (dot > 0 ? dot : 0); // ReLU, then the head weight
+            }
+            sc[w] = acc;
+        }
+        di_dsv4_round(c->m, sc, vis); // R-OFF: BF16 scores
+        // Top-k by repeated selection over the candidates (k is small relative to the cost of
+        // the scores above); ties go to the lower index.
+        for (int32_t i = 0; i < k; i++) {
+            int64_t best = -1;
+            for (int64_t w = 0; w < vis; w++)
+                if (sc[w] != -INFINITY && (best < 0 || sc[w] > sc[best])) best = w;
+            sel[i] = (int32_t)best;
+            sc[best] = -INFINITY;
+        }
+        // ascending order (insertion sort, k small)
+        for (int32_t i = 1; i < k; i++) {
+            int32_t v = sel[i], j = i - 1;
+            while (j >= 0 && sel[j] > v) sel[j + 1] = sel[j], j--;
+            sel[j + 1] = v;
+        }
+    }
+}
+
+// ---- attention core ----
+
+typedef struct attn_ctx {
+    const di_model *m;
+    const di_dsv4_layer_w *lw;
+    const di_dsv4_layer_state *ls;
+    const float *q;   // [T, H, Dh]
+    const float *kv;  // [T, Dh]
+    float *o;         // [T, H, Dh]
+    const int32_t *sel; // CSA: [T, topk]
+    int32_t n_tok, p0;
+    float *scores;    // per thread
+    int64_t scores_stride;
+} attn_ctx;
+
+static void attn_task(void *p, int ith, int nth) {
+    attn_ctx *c = p;
+    const di_hparams *hp = &c->m->hp;
+    const int32_t H = hp->n_head, Dh = hp->head_dim, W = hp->window, n_rot = hp->rope_main.n_dims;
+    const int32_t ratio = c->lw->ratio, topk = hp->index_topk;
+    const float scale = 1.0f / sqrtf((float)Dh);
+    const bool compress = ratio > 0;
+    const float *omega = compress ? c->m->omega_compress : c->m->omega_main;
+    const float rscale = compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
+    float *sc = c->scores + (int64_t)ith * c->scores_stride;
+    int64_t lo, hi;
+    di_split_range((int64_t)c->n_tok * H, ith, nth, &lo, &hi);
+    for (int64_t th = lo; th < hi; th++) {
+        int64_t t = th / H, h = th % H;
+        int64_t P = c->p0 + t;
+        const float *q = c->q + th * Dh;
+        float *o = c->o + th * Dh;
+        int64_t w_lo = P - W + 1 > 0 ? P - W + 1 : 0;
+        int64_t n_win = P - w_lo + 1;
+        // Key rows: window positions (ring for positions before this call), then compressed.
+        int64_t n_cmp = 0;
+        const int32_t *sel = NULL;
+        if (ratio == 4) {
+            sel = c->sel + t * topk;
+            while (n_cmp < topk && sel[n_cmp] >= 0) n_cmp++;
+        } else if (compress) {
+            n_cmp = (P + 1) / ratio;
+        }
+#define KEY(j)                                                                                     \
+    ((j) < n_win ? ((w_lo + (j)) < c->p0 ? c->ls->ring + ((w_lo + (j)) % W) * Dh                  \
+                                         : c->kv + ((w_lo + (j)) - c->p0) * Dh)                   \
+                 : c->ls->cmp.entries + (sel ? sel[(j) - n_win] : ((j) - n_win)) * Dh)
+        int64_t n_keys = n_win + n_cmp;
+        float mx = c->lw->attn_sink[h];
+        for (int64_t j = 0; j < n_keys; j++) {
+            sc[j] = di_ref_dot(q, KEY(j), Dh) * scale;
+            mx = fmaxf(mx, sc[j]);
+        }
+        float den = expf(c->lw->attn_sink[h] - mx); // the sink takes mass, gives no value
+        for (int64_t j = 0; j < n_keys; j++) den += (sc[j] = expf(sc[j] - mx));
+        float inv = 1.0f / den;
+        memset(o, 0, sizeof(float) * (size_t)Dh);
+        for (int64_t j = 0; j < n_keys; j++) {
+            float pj = sc[j] * inv;
+            if (c->m->opt.precision == DI_PRECISION_OFFICIAL) pj = di_round_bf16(pj);
+            const float *k = KEY(j);
+            for (int32_t i = 0; i < Dh; i++) o[i] += pj * k[i];
+        }
+#undef KEY
+        di_dsv4_round(c->m, o, Dh);
+        di_ref_rope(o, Dh, n_rot, omega, P, rscale, true); // de-rotate at the query position
+        di_dsv4_round(c->m, o, Dh);
+    }
+}
+
+// ---- the layer ----
+
+void di_dsv4_attention(di_session *s, const di_dsv4_layer_w *lw, di_dsv4_layer_state *ls,
+                       const float *a, int32_t n_tok, int32_t p0, float *out) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
+    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, W = hp->window;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    const bool compress = lw->ratio > 0;
+    const float *omega = compress ? m->omega_compress : m->omega_main;
+    const float rscale =
+        compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
+    const bool official = m->opt.precision == DI_PRECISION_OFFICIAL;
+
+    // q path: qr = RMSNorm(wq_a a); q = per-head RMS(wq_b qr); RoPE.
+    float *qr = di_dsv4_scratch(s, DI_SCR_QR); // [T, Rq]
+    linear(s, &lw->wq_a, a, n_tok, D, qr, Rq, true);
+    di_ref_rmsnorm(qr, n_tok, Rq, Rq, lw->q_norm, hp->norm_eps);
+    di_dsv4_round(m, qr, n_tok * Rq);
+    float *q = di_dsv4_scratch(s, DI_SCR_Q); // [T, H, Dh]
+    linear(s, &lw->wq_b, qr, n_tok, Rq, q, H * Dh, true);
+    di_ref_rmsnorm(q, n_tok * H, Dh, Dh, NULL, hp->norm_eps);
+    for (int64_t r = 0; r < n_tok * H; r++)
+        di_ref_rope(q + r * Dh, Dh, n_rot, omega, p0 + r / H, rscale, false);
+    di_dsv4_round(m, q, n_tok * H * Dh);
+
+    // kv path: one row per token, shared by all heads as K and V.
+    float *kv = di_dsv4_scratch(s, DI_SCR_KV); // [T, Dh]
+    linear(s, &lw->wkv, a, n_tok, D, kv, Dh, true);
+    di_ref_rmsnorm(kv, n_tok, Dh, Dh, lw->kv_norm, hp->norm_eps);
+    di_dsv4_round(m, kv, n_tok * Dh);
+    for (int32_t t = 0; t < n_tok; t++) {
+        di_ref_rope(kv + t * Dh, Dh, n_rot, omega, p0 + t, rscale, false);
+        di_dsv4_round(m, kv + t * Dh, Dh);
+        if (official) di_fake_quant_q8(kv + t * Dh, Dh - n_rot, 64);
+    }
+
+    // CSA: the indexer (its compressor first, then scores and top-k).
+    int32_t *sel = NULL;
+    if (lw->ratio == 4) {
+        const int64_t HI = hp->n_index_head, DI = hp->index_head_dim;
+        run_compressor(s, &lw->idx_cmp, &ls->idx, true, a, n_tok, p0);
+        float *qi = di_dsv4_scratch(s, DI_SCR_IQ); // [T, HI, DI]
+        linear(s, &lw->idx_wq_b, qr, n_tok, Rq, qi, HI * DI, true);
+        for (int64_t r = 0; r < n_tok * HI; r++) {
+            di_ref_rope(qi + r * DI, DI, n_rot, m->omega_compress, p0 + r / HI,
+                        hp->rope_compress.attention_factor, false);
+            di_dsv4_round(m, qi + r * DI, DI);
+            if (official) {
+                di_hadamard(qi + r * DI, DI);
+                di_dsv4_round(m, qi + r * DI, DI);
+                di_fake_quant_q4(qi + r * DI, DI, 32);
+            }
+        }
+        float *wi = di_dsv4_scratch(s, DI_SCR_IW); // [T, HI]
+        linear(s, &lw->idx_weights_proj, a, n_tok, D, wi, HI, false);
+        const float wscale = 1.0f / sqrtf((float)DI) / sqrtf((float)HI);
+        for (int64_t i = 0; i < n_tok * HI; i++) wi[i] *= wscale;
+        di_dsv4_round(m, wi, n_tok * HI);
+        sel = s->sel;
+        indexer_ctx ic = {m, qi, wi, ls->idx.entries, n_tok, p0, hp->index_topk, sel,
+                          s->attn_scratch, (int64_t)(s->attn_scratch_floats / (size_t)m->cpu.n_threads)};
+        di_pool_run(m->pool, indexer_task, &ic);
+        if (s->trace) s->trace(s->trace_user, "indexer_topk", lw->il, sel, true, n_tok, hp->index_topk);
+    }
+    // CSA and HCA: the main compressor, before the attention of the same tokens.
+    if (compress) run_compressor(s, &lw->cmp, &ls->cmp, false, a, n_tok, p0);
+
+    float *o = di_dsv4_scratch(s, DI_SCR_O); // [T, H, Dh]
+    attn_ctx ac = {m, lw, ls, q, kv, o, sel, n_tok, p0, s->attn_scratch,
+                   (int64_t)(s->attn_scratch_floats / (size_t)m->cpu.n_threads)};
+    di_pool_run(m->pool, attn_task, &ac);
+
+    // Grouped output: u_g = wo_a[g] . concat(o of the heads of group g); out = wo_b . u.
+    float *u = di_dsv4_scratch(s, DI_SCR_U); // [T, G*Ro]
+    const int64_t group_in = H * Dh / G;
+    for (int64_t g = 0; g < G; g++) {
+        di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
+        // wo_a: plain BF16 GEMM without activation quant in R-OFF (spec §5.17).
+        linear(s, &wg, o + g * group_in, n_tok, H * Dh, u + g * Ro, G * Ro, false);
+    }
+    linear(s, &lw->wo_b, u, n_tok, G * Ro, out, D, true);
+
+    // State: the last W kv rows go into the ring (slot = position mod W).
+    for (int32_t t = n_tok > W ? n_tok - (int32_t)W : 0; t < n_tok; t++)
+        memcpy(ls->ring + ((p0 + t) % W) * Dh, kv + t * Dh, sizeof(float) * (size_t)Dh);
+}

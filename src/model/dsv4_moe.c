@@ -1,0 +1,120 @@
+// dsv4_moe — the mixture of experts of one layer (spec §2.8): the router (hash-routed layers take
+// tid2eid[token], score-routed layers take the top-K of sqrt(softplus(logit)) + bias), the routed
+// experts grouped by expert so each expert's weights are read once per call, and the shared
+// expert. SwiGLU with the one-sided gate clamp and the symmetric up clamp.
+#include <math.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "model/dsv4.h"
+#include "tensor/quant_ref.h"
+
+// h = silu(min(gate, L)) * clamp(up, -L, L); in place into g. L <= 0: no clamp.
+static void swiglu(float *g, const float *u, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        float gt = g[i], up = u[i];
+        if (limit > 0) {
+            gt = fminf(gt, limit);
+            up = fminf(fmaxf(up, -limit), limit);
+        }
+        g[i] = di_silu(gt) * up;
+    }
+}
+
+// One expert on n rows of x [n, D] -> y [n, D]; `weight` (per row, may be NULL) scales h before
+// w2 in official precision (R-OFF) and the output otherwise (R-HF), which is the same in exact
+// arithmetic.
+static void expert(di_session *s, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
+                   const float *x, int32_t n, float limit, const float *weight, float *y) {
+    const di_model *m = s->model;
+    const int64_t D = m->hp.n_embd, F = w1->ne[1];
+    const bool official = m->opt.precision == DI_PRECISION_OFFICIAL;
+    float *g = di_dsv4_scratch(s, DI_SCR_MOE_G), *u = di_dsv4_scratch(s, DI_SCR_MOE_U);
+    di_dsv4_linear(s, w1, x, n, D, g, F, true); // gate: [n, F]
+    di_dsv4_linear(s, w3, x, n, D, u, F, true); // up:   [n, F]
+    swiglu(g, u, (int64_t)n * F, limit);
+    if (official && weight) {
+        for (int32_t r = 0; r < n; r++)
+            for (int64_t i = 0; i < F; i++) g[r * F + i] *= weight[r];
+    }
+    di_dsv4_round(m, g, (int64_t)n * F);
+    di_dsv4_linear(s, w2, g, n, F, y, D, true); // [n, D]
+    if (!official && weight) {
+        for (int32_t r = 0; r < n; r++)
+            for (int64_t i = 0; i < D; i++) y[r * D + i] *= weight[r];
+    }
+}
+
+void di_dsv4_moe(di_session *s, const di_dsv4_layer_w *lw, const float *f, const int32_t *ids,
+                 int32_t n_tok, float *out) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd, E = hp->n_expert;
+    const int32_t K = hp->n_expert_used;
+    const bool official = m->opt.precision == DI_PRECISION_OFFICIAL;
+
+    // Router in FP32: s = sqrt(softplus(gate . f)).
+    float *score = di_dsv4_scratch(s, DI_SCR_LOGIT); // [T, E]
+    di_ref_matmul(&m->cpu, &lw->gate, f, n_tok, D, score, E);
+    for (int64_t i = 0; i < (int64_t)n_tok * E; i++) score[i] = sqrtf(di_softplus(score[i]));
+
+    // Selection and routing weights: sel [T, K] (session int scratch), wgt [T, K].
+    int32_t *sel = s->sel;
+    float *wgt = di_dsv4_scratch(s, DI_SCR_MOE_W);
+    for (int32_t t = 0; t < n_tok; t++) {
+        const float *st = score + t * E;
+        int32_t *se = sel + t * K;
+        if (lw->hash_routed) {
+            memcpy(se, lw->tid2eid + (int64_t)ids[t] * K, sizeof(int32_t) * (size_t)K);
+        } else {
+            // top-K of s + bias (selection only); ties to the lower expert id.
+            for (int32_t k = 0; k < K; k++) {
+                int32_t best = -1;
+                float bv = -INFINITY;
+                for (int32_t e = 0; e < E; e++) {
+                    bool taken = false;
+                    for (int32_t j = 0; j < k; j++) taken |= se[j] == e;
+                    float v = st[e] + lw->gate_bias[e];
+                    if (!taken && (best < 0 || v > bv)) best = e, bv = v;
+                }
+                se[k] = best;
+            }
+        }
+        float sum = 0;
+        for (int32_t k = 0; k < K; k++) sum += st[se[k]];
+        if (!official) sum += 1e-20f; // R-HF's denominator epsilon
+        for (int32_t k = 0; k < K; k++) wgt[t * K + k] = st[se[k]] / sum * hp->route_scale;
+    }
+
+    // Routed experts, in ascending expert id; each gathers the (token, slot) pairs routed to it.
+    // Duplicates in a hash row contribute twice (as R-HF does).
+    memset(out, 0, sizeof(float) * (size_t)(n_tok * D));
+    float *xin = di_dsv4_scratch(s, DI_SCR_MOE_IN), *yout = di_dsv4_scratch(s, DI_SCR_MOE_OUT);
+    float *rw = di_dsv4_scratch(s, DI_SCR_MOE_RW);
+    int32_t *rows = s->sel + (int64_t)n_tok * K; // token of each gathered row
+    for (int32_t e = 0; e < E; e++) {
+        int32_t n = 0;
+        for (int32_t t = 0; t < n_tok; t++) {
+            for (int32_t k = 0; k < K; k++) {
+                if (sel[t * K + k] != e) continue;
+                memcpy(xin + (int64_t)n * D, f + (int64_t)t * D, sizeof(float) * (size_t)D);
+                rows[n] = t;
+                rw[n] = wgt[t * K + k];
+                n++;
+            }
+        }
+        if (n == 0) continue;
+        expert(s, &lw->w1[e], &lw->w3[e], &lw->w2[e], xin, n, hp->swiglu_limit, rw, yout);
+        for (int32_t r = 0; r < n; r++) {
+            float *o = out + (int64_t)rows[r] * D;
+            const float *y = yout + (int64_t)r * D;
+            for (int64_t i = 0; i < D; i++) o[i] += y[i];
+        }
+    }
+
+    // Shared expert on every token, then one sum.
+    float limit = hp->shared_expert_clamp ? hp->swiglu_limit : 0;
+    expert(s, &lw->sh_w1, &lw->sh_w3, &lw->sh_w2, f, n_tok, limit, NULL, yout);
+    for (int64_t i = 0; i < (int64_t)n_tok * D; i++) out[i] += yout[i];
+    di_dsv4_round(m, out, (int64_t)n_tok * D);
+}

@@ -1,0 +1,47 @@
+// dsv4_mtp — the multi-token-prediction block (spec §2.10): it reads the main model's residual
+// streams after the last layer (before the head's mHC) at position p and the embedding of the
+// token at p + 1, runs one sliding-window decoder block with its own window ring, and predicts
+// the token at p + 2 through its own head mHC and norm and the shared lm head.
+#include <string.h>
+
+#include "model/dsv4.h"
+
+void di_dsv4_mtp_forward(di_session *s, const float *x_main, const int32_t *ids_next, int32_t n,
+                         int32_t p_first, float *logits) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    const di_dsv4_mtp_w *mw = &m->mtp[0];
+    const int nc = hp->hc_mult;
+    const int64_t D = hp->n_embd;
+    float *tmp = di_dsv4_scratch(s, DI_SCR_A);  // [n, D]
+    float *e = di_dsv4_scratch(s, DI_SCR_H);    // [n, D]
+    float *xm = di_dsv4_scratch(s, DI_SCR_XM);  // [n, NC, D]
+
+    // e = e_proj . RMSNorm(embed[id_next], enorm)
+    for (int32_t t = 0; t < n; t++) di_tensor_row_f32(&m->embed, ids_next[t], tmp + t * D);
+    di_ref_rmsnorm(tmp, n, D, D, mw->enorm, hp->norm_eps);
+    di_dsv4_round(m, tmp, n * D);
+    di_dsv4_linear(s, &mw->e_proj, tmp, n, D, e, D, true);
+    // X0[t, s] = e[t] + h_proj . RMSNorm(Xmain[t, s], hnorm)
+    for (int k = 0; k < nc; k++) {
+        for (int32_t t = 0; t < n; t++)
+            memcpy(tmp + t * D, x_main + ((int64_t)t * nc + k) * D, sizeof(float) * (size_t)D);
+        di_ref_rmsnorm(tmp, n, D, D, mw->hnorm, hp->norm_eps);
+        di_dsv4_round(m, tmp, n * D);
+        di_dsv4_linear(s, &mw->h_proj, tmp, n, D, xm + k * D, nc * D, true);
+    }
+    for (int32_t t = 0; t < n; t++)
+        for (int k = 0; k < nc; k++) {
+            float *row = xm + ((int64_t)t * nc + k) * D;
+            for (int64_t i = 0; i < D; i++) row[i] += e[t * D + i];
+        }
+    di_dsv4_round(m, xm, (int64_t)n * nc * D);
+
+    di_dsv4_block(s, &mw->block, &s->layers[hp->n_layer], xm, ids_next, n, p_first);
+    if (s->trace) s->trace(s->trace_user, "mtp_out", hp->n_layer, xm, false, n, nc * D);
+    if (logits) {
+        float *h = di_dsv4_scratch(s, DI_SCR_H);
+        di_dsv4_hc_head(s, &mw->hc_head, mw->norm, xm, n, h);
+        di_ref_matmul(&m->cpu, &m->head, h, n, D, logits, hp->n_vocab);
+    }
+}

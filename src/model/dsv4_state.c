@@ -1,0 +1,376 @@
+// dsv4_state — the per-sequence state of spec §3 (window rings, compressed pools, compressor
+// partial-window and overlap buffers, MTP pending row), the per-call scratch, and the byte
+// serialisation of the state.
+#include <string.h>
+
+#include "base/buf.h"
+#include "base/log.h"
+#include "base/mem.h"
+#include "model/dsv4.h"
+
+// ---- create / destroy ----
+
+di_session_options di_session_options_default(void) {
+    di_session_options o = {.n_ctx_max = 0, .mtp = false};
+    return o;
+}
+
+static int32_t n_state_layers(const di_session *s) {
+    return s->model->hp.n_layer + (s->mtp ? s->model->n_mtp_loaded : 0);
+}
+
+static di_status cmp_state_init(di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw) {
+    size_t width = (size_t)cw->c * (size_t)cw->d;
+    cs->buf_c = di_aligned_calloc(sizeof(float) * (size_t)cw->m * width);
+    cs->buf_z = di_aligned_calloc(sizeof(float) * (size_t)cw->m * width);
+    if (!cs->buf_c || !cs->buf_z) return DI_ERR_NOMEM;
+    if (cw->c == 2) {
+        cs->ovl_c = di_aligned_calloc(sizeof(float) * (size_t)cw->m * (size_t)cw->d);
+        cs->ovl_z = di_aligned_calloc(sizeof(float) * (size_t)cw->m * (size_t)cw->d);
+        if (!cs->ovl_c || !cs->ovl_z) return DI_ERR_NOMEM;
+    }
+    return DI_OK;
+}
+
+static void cmp_state_free(di_dsv4_cmp_state *cs) {
+    di_aligned_free(cs->buf_c);
+    di_aligned_free(cs->buf_z);
+    di_aligned_free(cs->ovl_c);
+    di_aligned_free(cs->ovl_z);
+    di_free(cs->entries);
+    memset(cs, 0, sizeof *cs);
+}
+
+static const di_dsv4_layer_w *layer_w(const di_session *s, int il) {
+    const di_model *m = s->model;
+    return il < m->hp.n_layer ? &m->layers[il] : &m->mtp[il - m->hp.n_layer].block;
+}
+
+di_status di_session_create(di_model *m, const di_session_options *opt, di_session **out) {
+    di_session *s = di_calloc(1, sizeof *s);
+    if (!s) return DI_ERR_NOMEM;
+    s->model = m;
+    s->opt = opt ? *opt : di_session_options_default();
+    s->n_ctx_max = s->opt.n_ctx_max > 0 ? s->opt.n_ctx_max : (int32_t)m->hp.max_pos;
+    if (s->opt.n_ctx_max < 0) {
+        DI_LOG_ERROR("session: n_ctx_max must not be negative");
+        di_free(s);
+        return DI_ERR_INVALID;
+    }
+    if (s->opt.mtp && m->n_mtp_loaded == 0) {
+        DI_LOG_ERROR("session: MTP requested but the checkpoint has no MTP weights");
+        di_free(s);
+        return DI_ERR_INVALID;
+    }
+    s->mtp = s->opt.mtp;
+    di_status st = DI_OK;
+    const di_hparams *hp = &m->hp;
+    int32_t nl = n_state_layers(s);
+    s->layers = di_calloc((size_t)nl, sizeof *s->layers);
+    s->mtp_pending_x = di_aligned_calloc(sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
+    if (!s->layers || !s->mtp_pending_x) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    for (int il = 0; il < nl; il++) {
+        const di_dsv4_layer_w *lw = layer_w(s, il);
+        di_dsv4_layer_state *ls = &s->layers[il];
+        ls->ring = di_aligned_calloc(sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
+        if (!ls->ring) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
+        if (lw->ratio > 0 && (st = cmp_state_init(&ls->cmp, &lw->cmp)) != DI_OK) goto fail;
+        if (lw->ratio == 4 && (st = cmp_state_init(&ls->idx, &lw->idx_cmp)) != DI_OK) goto fail;
+    }
+    *out = s;
+    return DI_OK;
+fail:
+    di_session_destroy(s);
+    return st;
+}
+
+void di_session_destroy(di_session *s) {
+    if (!s) return;
+    if (s->layers) {
+        for (int il = 0; il < n_state_layers(s); il++) {
+            di_aligned_free(s->layers[il].ring);
+            cmp_state_free(&s->layers[il].cmp);
+            cmp_state_free(&s->layers[il].idx);
+        }
+    }
+    di_free(s->layers);
+    di_aligned_free(s->mtp_pending_x);
+    di_aligned_free(s->scratch);
+    di_aligned_free(s->attn_scratch);
+    di_free(s->sel);
+    di_free(s);
+}
+
+int32_t di_session_n_past(const di_session *s) {
+    return s->pos;
+}
+
+void di_session_reset(di_session *s) {
+    s->pos = 0;
+    s->mtp_pending = false;
+    for (int il = 0; il < n_state_layers(s); il++) {
+        s->layers[il].cmp.n_entries = s->layers[il].idx.n_entries = 0;
+        s->layers[il].cmp.has_ovl = s->layers[il].idx.has_ovl = false;
+    }
+}
+
+// ---- scratch ----
+
+static size_t scratch_sizes(const di_session *s, int32_t T, size_t *sz) {
+    const di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    size_t t = (size_t)T, nc = (size_t)hp->hc_mult, D = (size_t)hp->n_embd;
+    size_t K = (size_t)hp->n_expert_used, F = (size_t)hp->expert_ff;
+    size_t cmp_w = 2 * (size_t)(hp->head_dim > hp->index_head_dim ? hp->head_dim : hp->index_head_dim);
+    size_t widest = (size_t)m->cpu.row_cap;
+    sz[DI_SCR_X] = t * nc * D;
+    sz[DI_SCR_A] = t * D;
+    sz[DI_SCR_OUT] = t * D;
+    sz[DI_SCR_POST] = t * nc;
+    sz[DI_SCR_COMB] = t * nc * nc;
+    sz[DI_SCR_MIX] = t * (2 + nc) * nc;
+    sz[DI_SCR_QR] = t * (size_t)hp->q_lora_rank;
+    sz[DI_SCR_Q] = t * (size_t)hp->n_head * (size_t)hp->head_dim;
+    sz[DI_SCR_KV] = t * (size_t)hp->head_dim;
+    sz[DI_SCR_O] = sz[DI_SCR_Q];
+    sz[DI_SCR_U] = t * (size_t)hp->o_groups * (size_t)hp->o_lora_rank;
+    sz[DI_SCR_CC] = t * cmp_w;
+    sz[DI_SCR_CZ] = t * cmp_w;
+    sz[DI_SCR_IQ] = t * (size_t)hp->n_index_head * (size_t)hp->index_head_dim;
+    sz[DI_SCR_IW] = t * (size_t)hp->n_index_head;
+    sz[DI_SCR_MOE_IN] = t * K * D;
+    sz[DI_SCR_MOE_G] = t * K * F;
+    sz[DI_SCR_MOE_U] = t * K * F;
+    sz[DI_SCR_MOE_OUT] = t * K * D;
+    sz[DI_SCR_LOGIT] = t * (size_t)hp->n_expert;
+    sz[DI_SCR_XM] = s->mtp ? t * nc * D : 0;
+    sz[DI_SCR_XMAIN] = s->mtp ? t * nc * D : 0;
+    sz[DI_SCR_H] = t * D;
+    sz[DI_SCR_AQ] = m->opt.precision == DI_PRECISION_OFFICIAL ? t * K * widest : 0;
+    sz[DI_SCR_MOE_W] = t * K;
+    sz[DI_SCR_MOE_RW] = t * K;
+    size_t total = 0;
+    for (int i = 0; i < DI_SCR_COUNT; i++) total += (sz[i] + 15) & ~(size_t)15; // 64-byte aligned
+    return total;
+}
+
+float *di_dsv4_scratch(di_session *s, int which) {
+    DI_ASSERT(which >= 0 && which < DI_SCR_COUNT && s->scratch);
+    return s->scratch + s->scratch_off[which];
+}
+
+static di_status grow_entries(di_dsv4_cmp_state *cs, int64_t need, int32_t d) {
+    if (need <= cs->cap_entries) return DI_OK;
+    int64_t cap = cs->cap_entries ? cs->cap_entries : 16;
+    while (cap < need) cap *= 2;
+    float *p = di_realloc(cs->entries, sizeof(float) * (size_t)cap * (size_t)d);
+    if (!p) return DI_ERR_NOMEM;
+    cs->entries = p;
+    cs->cap_entries = cap;
+    return DI_OK;
+}
+
+di_status di_dsv4_session_reserve(di_session *s, int32_t n_tok) {
+    const di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    // Compressed pools: every entry this call can close.
+    int64_t end = (int64_t)s->pos + n_tok, max_entries = 0;
+    for (int il = 0; il < n_state_layers(s); il++) {
+        const di_dsv4_layer_w *lw = layer_w(s, il);
+        if (lw->ratio <= 0) continue;
+        int64_t need = end / lw->ratio;
+        if (grow_entries(&s->layers[il].cmp, need, lw->cmp.d) != DI_OK) return DI_ERR_NOMEM;
+        if (lw->ratio == 4 && grow_entries(&s->layers[il].idx, need, lw->idx_cmp.d) != DI_OK)
+            return DI_ERR_NOMEM;
+        if (need > max_entries) max_entries = need;
+    }
+    // Per-thread score rows: window + compressed keys (attention) or every entry (indexer).
+    size_t per_thread = (size_t)(hp->window + hp->index_topk + max_entries + 16);
+    size_t attn = per_thread * (size_t)m->cpu.n_threads;
+    if (attn > s->attn_scratch_floats) {
+        float *p = di_aligned_alloc(sizeof(float) * attn);
+        if (!p) return DI_ERR_NOMEM;
+        di_aligned_free(s->attn_scratch);
+        s->attn_scratch = p;
+        s->attn_scratch_floats = attn;
+    }
+    if (n_tok <= s->scratch_tokens) return DI_OK;
+    size_t sz[DI_SCR_COUNT];
+    size_t total = scratch_sizes(s, n_tok, sz);
+    float *p = di_aligned_alloc(sizeof(float) * total);
+    size_t n_sel = (size_t)n_tok * (size_t)(hp->index_topk > 2 * hp->n_expert_used
+                                                ? hp->index_topk
+                                                : 2 * hp->n_expert_used);
+    int32_t *sel = di_malloc(sizeof(int32_t) * n_sel);
+    if (!p || !sel) {
+        di_aligned_free(p);
+        di_free(sel);
+        DI_LOG_ERROR("session: cannot allocate %.1f MiB of scratch for %d tokens",
+                     sizeof(float) * total / 1048576.0, n_tok);
+        return DI_ERR_NOMEM;
+    }
+    di_aligned_free(s->scratch);
+    di_free(s->sel);
+    s->scratch = p;
+    s->scratch_floats = total;
+    s->sel = sel;
+    s->sel_cap = n_sel;
+    s->scratch_tokens = n_tok;
+    size_t off = 0;
+    for (int i = 0; i < DI_SCR_COUNT; i++) {
+        s->scratch_off[i] = off;
+        off += (sz[i] + 15) & ~(size_t)15;
+    }
+    return DI_OK;
+}
+
+// ---- serialisation ----
+// Layout: header {magic "DI4S", version, model fingerprint, pos, mtp, mtp_pending}, then per
+// state layer: ring [W, Dh]; for each compressor: buf_c, buf_z, (ovl_c, ovl_z, has_ovl),
+// n_entries, entries; then mtp_pending_x; then an FNV-1a 64 checksum of everything before it.
+
+#define STATE_MAGIC 0x53344944u // "DI4S"
+#define STATE_VERSION 1u
+
+static uint64_t fnv1a(const void *p, size_t n, uint64_t h) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static uint64_t model_fingerprint(const di_model *m) {
+    return fnv1a(&m->hp, sizeof m->hp, 0xcbf29ce484222325ull);
+}
+
+static di_status put(di_buf *b, const void *p, size_t n) {
+    return di_buf_append(b, p, n);
+}
+
+static di_status put_cmp(di_buf *b, const di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw) {
+    size_t width = (size_t)cw->c * (size_t)cw->d, nb = sizeof(float) * (size_t)cw->m * width;
+    di_status st = put(b, cs->buf_c, nb);
+    if (!st) st = put(b, cs->buf_z, nb);
+    if (!st && cw->c == 2) {
+        size_t no = sizeof(float) * (size_t)cw->m * (size_t)cw->d;
+        uint8_t has = cs->has_ovl;
+        st = put(b, cs->ovl_c, no);
+        if (!st) st = put(b, cs->ovl_z, no);
+        if (!st) st = put(b, &has, 1);
+    }
+    if (!st) st = put(b, &cs->n_entries, sizeof cs->n_entries);
+    if (!st) st = put(b, cs->entries, sizeof(float) * (size_t)cs->n_entries * (size_t)cw->d);
+    return st;
+}
+
+di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
+    const di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    di_buf b;
+    di_buf_init(&b);
+    uint32_t hdr[2] = {STATE_MAGIC, STATE_VERSION};
+    uint64_t fp = model_fingerprint(m);
+    uint8_t flags[2] = {s->mtp, s->mtp_pending};
+    di_status st = put(&b, hdr, sizeof hdr);
+    if (!st) st = put(&b, &fp, sizeof fp);
+    if (!st) st = put(&b, &s->pos, sizeof s->pos);
+    if (!st) st = put(&b, flags, sizeof flags);
+    for (int il = 0; !st && il < n_state_layers(s); il++) {
+        const di_dsv4_layer_w *lw = layer_w(s, il);
+        const di_dsv4_layer_state *ls = &s->layers[il];
+        st = put(&b, ls->ring, sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
+        if (!st && lw->ratio > 0) st = put_cmp(&b, &ls->cmp, &lw->cmp);
+        if (!st && lw->ratio == 4) st = put_cmp(&b, &ls->idx, &lw->idx_cmp);
+    }
+    if (!st) st = put(&b, s->mtp_pending_x, sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
+    if (!st) {
+        uint64_t sum = fnv1a(b.data, b.len, 0xcbf29ce484222325ull);
+        st = put(&b, &sum, sizeof sum);
+    }
+    if (st) {
+        di_buf_deinit(&b);
+        return st;
+    }
+    *n_bytes = b.len;
+    *bytes = di_buf_take(&b);
+    return DI_OK;
+}
+
+typedef struct reader {
+    const unsigned char *p;
+    size_t left;
+} reader;
+
+static bool get(reader *r, void *dst, size_t n) {
+    if (n > r->left) return false;
+    memcpy(dst, r->p, n);
+    r->p += n;
+    r->left -= n;
+    return true;
+}
+
+static bool get_cmp(reader *r, di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw,
+                    int64_t max_entries) {
+    size_t width = (size_t)cw->c * (size_t)cw->d, nb = sizeof(float) * (size_t)cw->m * width;
+    if (!get(r, cs->buf_c, nb) || !get(r, cs->buf_z, nb)) return false;
+    if (cw->c == 2) {
+        size_t no = sizeof(float) * (size_t)cw->m * (size_t)cw->d;
+        uint8_t has;
+        if (!get(r, cs->ovl_c, no) || !get(r, cs->ovl_z, no) || !get(r, &has, 1) || has > 1)
+            return false;
+        cs->has_ovl = has;
+    }
+    int64_t n;
+    if (!get(r, &n, sizeof n) || n != max_entries) return false;
+    if (grow_entries(cs, n, cw->d) != DI_OK) return false;
+    cs->n_entries = n;
+    return get(r, cs->entries, sizeof(float) * (size_t)n * (size_t)cw->d);
+}
+
+di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
+    const di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    reader r = {bytes, n_bytes};
+    uint32_t hdr[2];
+    uint64_t fp, sum;
+    int32_t pos;
+    uint8_t flags[2];
+    if (n_bytes < sizeof sum ||
+        fnv1a(bytes, n_bytes - sizeof sum, 0xcbf29ce484222325ull) !=
+            (memcpy(&sum, (const unsigned char *)bytes + n_bytes - sizeof sum, sizeof sum), sum)) {
+        DI_LOG_ERROR("session restore: checksum mismatch (truncated or corrupted state)");
+        di_session_reset(s);
+        return DI_ERR_FORMAT;
+    }
+    r.left -= sizeof sum;
+    bool ok = get(&r, hdr, sizeof hdr) && hdr[0] == STATE_MAGIC && hdr[1] == STATE_VERSION &&
+              get(&r, &fp, sizeof fp) && fp == model_fingerprint(m) && get(&r, &pos, sizeof pos) &&
+              pos >= 0 && pos <= s->n_ctx_max && get(&r, flags, sizeof flags) &&
+              flags[0] == s->mtp && flags[1] <= 1;
+    for (int il = 0; ok && il < n_state_layers(s); il++) {
+        const di_dsv4_layer_w *lw = layer_w(s, il);
+        di_dsv4_layer_state *ls = &s->layers[il];
+        ok = get(&r, ls->ring, sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
+        int64_t n_ent = lw->ratio > 0 ? pos / lw->ratio : 0;
+        // The MTP block's positions lag the main model's by one.
+        if (il >= hp->n_layer && lw->ratio > 0) n_ent = (pos > 0 ? pos - 1 : 0) / lw->ratio;
+        if (ok && lw->ratio > 0) ok = get_cmp(&r, &ls->cmp, &lw->cmp, n_ent);
+        if (ok && lw->ratio == 4) ok = get_cmp(&r, &ls->idx, &lw->idx_cmp, n_ent);
+    }
+    ok = ok && get(&r, s->mtp_pending_x, sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd) &&
+         r.left == 0;
+    if (!ok) {
+        DI_LOG_ERROR("session restore: the bytes are not a state of this model (%zu bytes)",
+                     n_bytes);
+        di_session_reset(s);
+        return DI_ERR_FORMAT;
+    }
+    s->pos = pos;
+    s->mtp_pending = flags[1];
+    return DI_OK;
+}

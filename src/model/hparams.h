@@ -1,0 +1,82 @@
+/*
+ * hparams — the hyper-parameters of a DeepSeek V4 checkpoint, read once from config.json and
+ * validated at load. Accepts both Hugging Face field names (hidden_size, layer_types,
+ * rope_parameters, ...) and the official inference names (dim, n_layers, compress_ratios,
+ * rope_factor, ...), and reproduces how transformers' DeepseekV4Config derives its layer schedule
+ * and RoPE parameters (spec deepseek-v4.md §1.1).
+ *
+ * Owns: nothing on the heap (fixed arrays). Thread-safety: immutable after di_hparams_load.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "deepinfer.h" // di_status
+
+#define DI_MAX_LAYERS 256 // main layers + MTP layers
+
+typedef enum di_layer_kind {
+    DI_LAYER_KIND_SWA = 0, // sliding window only (compress ratio 0)
+    DI_LAYER_KIND_CSA = 1, // ratio 4: overlapping compressor + lightning indexer
+    DI_LAYER_KIND_HCA = 2, // any other ratio: non-overlapping compressor, all entries attended
+} di_layer_kind;
+
+typedef struct di_rope_params {
+    float theta;
+    bool yarn;
+    float factor;                 // YaRN factor
+    int64_t original_max_pos;     // YaRN L0
+    float beta_fast, beta_slow;
+    float attention_factor;       // multiplies cos and sin (1.0 for V4)
+    int32_t n_dims;               // rotated trailing dims (64 for V4)
+} di_rope_params;
+
+typedef struct di_hparams {
+    int32_t n_vocab;
+    int32_t n_embd;       // D
+    int32_t n_layer;      // main decoder layers
+    int32_t n_mtp;        // MTP blocks declared by the config
+    int32_t n_head;       // H
+    int32_t head_dim;     // Dh
+    int32_t q_lora_rank;  // Rq
+    int32_t o_groups;     // G
+    int32_t o_lora_rank;  // Ro
+    int32_t window;       // W, sliding window including the query
+    int32_t n_index_head; // HI
+    int32_t index_head_dim;
+    int32_t index_topk;
+    int32_t hc_mult; // NC
+    int32_t hc_iters;
+    float hc_eps;
+    float norm_eps;
+    int32_t n_expert;      // E
+    int32_t n_expert_used; // K
+    int32_t n_expert_shared;
+    int32_t expert_ff; // F
+    float route_scale;
+    float swiglu_limit;        // 0 = no clamp
+    bool shared_expert_clamp;  // the shared expert uses the SwiGLU clamp too (current revision)
+    int64_t max_pos;
+    int32_t bos_token, eos_token;
+    // Per layer, main layers first then MTP layers (index n_layer + i).
+    int32_t compress_ratio[DI_MAX_LAYERS];
+    bool hash_routed[DI_MAX_LAYERS];
+    di_rope_params rope_main;     // layers with ratio 0 and MTP
+    di_rope_params rope_compress; // every rotation inside a layer with ratio > 0
+    // Checkpoint quantisation (official layout).
+    int32_t fp8_block_out, fp8_block_in; // 128 x 128
+    char model_type[32];
+} di_hparams;
+
+// Reads and validates dir/config.json. DI_ERR_IO if missing; DI_ERR_FORMAT (logged with the field
+// name) for missing/invalid fields; DI_ERR_UNSUPPORTED for another model_type.
+di_status di_hparams_load(const char *config_path, di_hparams *out);
+
+static inline di_layer_kind di_hparams_layer_kind(const di_hparams *hp, int il) {
+    int32_t m = hp->compress_ratio[il];
+    return m == 0 ? DI_LAYER_KIND_SWA : m == 4 ? DI_LAYER_KIND_CSA : DI_LAYER_KIND_HCA;
+}
+
+// Fills omega[n_dims/2] with the rotation frequencies of p (spec §2.0), in FP32.
+void di_rope_freqs(const di_rope_params *p, float *omega);

@@ -1,0 +1,454 @@
+#include "model/synth.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "base/buf.h"
+#include "base/log.h"
+#include "base/mem.h"
+#include "io/safetensors.h"
+#include "tensor/quant_ref.h"
+
+// ---- presets ----
+
+di_status di_synth_preset(const char *name, di_synth_config *c) {
+    memset(c, 0, sizeof *c);
+    c->seed = 1234;
+    c->official = true;
+    c->route_scale = 1.5f;
+    c->swiglu_limit = 10.0f;
+    c->rope_dims = 64;
+    c->n_mtp = 1;
+    c->n_hash_layers = 2;
+    if (strcmp(name, "tiny") == 0) {
+        c->n_vocab = 129280;
+        c->n_embd = 128;
+        c->n_layer = 6;
+        c->n_head = 4;
+        c->head_dim = 128;
+        c->q_lora_rank = 128;
+        c->o_groups = 2;
+        c->o_lora_rank = 128;
+        c->window = 16;
+        c->n_index_head = 4;
+        c->index_head_dim = 128;
+        c->index_topk = 3;
+        c->n_expert = 8;
+        c->n_expert_used = 2;
+        c->expert_ff = 128;
+        c->hca_ratio = 8;
+        int32_t r[6] = {0, 4, 8, 4, 8, 0};
+        memcpy(c->ratios, r, sizeof r);
+        return DI_OK;
+    }
+    if (strcmp(name, "flash-4l") == 0) {
+        c->n_vocab = 129280;
+        c->n_embd = 4096;
+        c->n_layer = 4;
+        c->n_head = 64;
+        c->head_dim = 512;
+        c->q_lora_rank = 1024;
+        c->o_groups = 8;
+        c->o_lora_rank = 1024;
+        c->window = 128;
+        c->n_index_head = 64;
+        c->index_head_dim = 128;
+        c->index_topk = 512;
+        c->n_expert = 32;
+        c->n_expert_used = 6;
+        c->expert_ff = 2048;
+        c->hca_ratio = 128;
+        c->n_hash_layers = 1;
+        int32_t r[4] = {0, 4, 128, 4};
+        memcpy(c->ratios, r, sizeof r);
+        return DI_OK;
+    }
+    DI_LOG_ERROR("synth: unknown preset \"%s\" (tiny, flash-4l)", name);
+    return DI_ERR_INVALID;
+}
+
+// ---- random numbers (splitmix64 + Box-Muller), deterministic per seed ----
+
+typedef struct rng {
+    uint64_t s;
+} rng;
+
+static uint64_t next_u64(rng *r) {
+    uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float uniform(rng *r) {
+    return ((float)(next_u64(r) >> 40) + 0.5f) / 16777216.0f;
+}
+
+static float normal(rng *r) {
+    float u1 = uniform(r), u2 = uniform(r);
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+}
+
+// ---- tensor list ----
+
+typedef struct tlist {
+    di_st_write_tensor *t; // owned array; names and data owned too
+    int64_t n, cap;
+} tlist;
+
+static di_status add(tlist *l, const char *name, di_dtype dt, int nd, int64_t d0, int64_t d1,
+                     void *data) {
+    if (!data) return DI_ERR_NOMEM;
+    if (l->n == l->cap) {
+        int64_t cap = l->cap ? 2 * l->cap : 256;
+        di_st_write_tensor *p = di_realloc(l->t, sizeof *p * (size_t)cap);
+        if (!p) {
+            di_free(data);
+            return DI_ERR_NOMEM;
+        }
+        l->t = p;
+        l->cap = cap;
+    }
+    char *nm = di_strdup(name);
+    if (!nm) {
+        di_free(data);
+        return DI_ERR_NOMEM;
+    }
+    di_st_write_tensor *t = &l->t[l->n++];
+    memset(t, 0, sizeof *t);
+    t->name = nm;
+    t->dtype = dt;
+    t->n_dims = nd;
+    t->shape[0] = d0;
+    t->shape[1] = d1;
+    t->data = data;
+    return DI_OK;
+}
+
+static void tlist_free(tlist *l) {
+    for (int64_t i = 0; i < l->n; i++) {
+        di_free((void *)l->t[i].name);
+        di_free((void *)l->t[i].data);
+    }
+    di_free(l->t);
+}
+
+typedef struct gen {
+    const di_synth_config *c;
+    rng r;
+    tlist l;
+} gen;
+
+// Values: mean + std * N(0,1), returned as a new F32 array of n.
+static float *randn(gen *g, int64_t n, float mean, float std) {
+    float *v = di_malloc(sizeof(float) * (size_t)n);
+    if (v)
+        for (int64_t i = 0; i < n; i++) v[i] = mean + std * normal(&g->r);
+    return v;
+}
+
+static void *to_bf16(float *v, int64_t n) {
+    if (!v) return NULL;
+    uint16_t *o = di_malloc(sizeof(uint16_t) * (size_t)n);
+    if (o)
+        for (int64_t i = 0; i < n; i++) o[i] = di_f32_to_bf16(v[i]);
+    di_free(v);
+    return o;
+}
+
+static di_status add_f32(gen *g, const char *name, int nd, int64_t d0, int64_t d1, float mean,
+                         float std) {
+    return add(&g->l, name, DI_DTYPE_F32, nd, d0, d1, randn(g, nd == 1 ? d0 : d0 * d1, mean, std));
+}
+
+static di_status add_bf16(gen *g, const char *name, int nd, int64_t d0, int64_t d1, float mean,
+                          float std) {
+    int64_t n = nd == 1 ? d0 : d0 * d1;
+    return add(&g->l, name, DI_DTYPE_BF16, nd, d0, d1, to_bf16(randn(g, n, mean, std), n));
+}
+
+static uint8_t pow2_scale_byte(float amax, float qmax) {
+    float s = amax / qmax;
+    if (!(s > 1e-30f)) s = 1e-30f;
+    return (uint8_t)(di_ceil_log2_bits(s) + 127);
+}
+
+// A [rows, cols] linear weight ~ N(0, 1/cols): FP8 + 128x128 scales (official) or BF16.
+static di_status add_linear(gen *g, const char *name, int64_t rows, int64_t cols, bool fp8) {
+    float std = 1.0f / sqrtf((float)cols);
+    if (!g->c->official || !fp8) return add_bf16(g, name, 2, rows, cols, 0, std);
+    float *w = randn(g, rows * cols, 0, std);
+    int64_t br = (rows + 127) / 128, bc = (cols + 127) / 128;
+    uint8_t *q = di_malloc((size_t)(rows * cols)), *sc = di_malloc((size_t)(br * bc));
+    if (!w || !q || !sc) {
+        di_free(w), di_free(q), di_free(sc);
+        return DI_ERR_NOMEM;
+    }
+    for (int64_t bi = 0; bi < br; bi++)
+        for (int64_t bj = 0; bj < bc; bj++) {
+            float amax = 0;
+            for (int64_t r = bi * 128; r < rows && r < bi * 128 + 128; r++)
+                for (int64_t c = bj * 128; c < cols && c < bj * 128 + 128; c++)
+                    amax = fmaxf(amax, fabsf(w[r * cols + c]));
+            uint8_t sb = pow2_scale_byte(amax, 448.0f);
+            float inv = 1.0f / di_ue8m0_to_f32(sb);
+            sc[bi * bc + bj] = sb;
+            for (int64_t r = bi * 128; r < rows && r < bi * 128 + 128; r++)
+                for (int64_t c = bj * 128; c < cols && c < bj * 128 + 128; c++)
+                    q[r * cols + c] = di_f32_to_e4m3(w[r * cols + c] * inv);
+        }
+    di_free(w);
+    char sname[256];
+    snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
+    di_status st = add(&g->l, name, DI_DTYPE_F8_E4M3, 2, rows, cols, q);
+    if (st == DI_OK) st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, br, bc, sc);
+    else di_free(sc);
+    return st;
+}
+
+// A routed expert's [rows, cols] weight: FP4 e2m1 pairs + 1x32 scales (official) or BF16.
+static di_status add_expert(gen *g, const char *name, int64_t rows, int64_t cols) {
+    if (!g->c->official) return add_linear(g, name, rows, cols, false);
+    float std = 1.0f / sqrtf((float)cols);
+    float *w = randn(g, rows * cols, 0, std);
+    uint8_t *q = di_calloc((size_t)(rows * cols / 2), 1), *sc = di_malloc((size_t)(rows * cols / 32));
+    if (!w || !q || !sc) {
+        di_free(w), di_free(q), di_free(sc);
+        return DI_ERR_NOMEM;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < cols / 32; b++) {
+            float amax = 0;
+            const float *v = w + r * cols + b * 32;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            uint8_t sb = pow2_scale_byte(amax, 6.0f);
+            float inv = 1.0f / di_ue8m0_to_f32(sb);
+            sc[r * (cols / 32) + b] = sb;
+            for (int i = 0; i < 32; i++) {
+                uint8_t code = di_f32_to_e2m1(v[i] * inv) & 0xF;
+                int64_t idx = r * cols + b * 32 + i;
+                q[idx / 2] |= (uint8_t)(idx % 2 ? code << 4 : code);
+            }
+        }
+    di_free(w);
+    char sname[256];
+    snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
+    di_status st = add(&g->l, name, DI_DTYPE_I8, 2, rows, cols / 2, q);
+    if (st == DI_OK) st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, rows, cols / 32, sc);
+    else di_free(sc);
+    return st;
+}
+
+// ---- the model's tensors (names as weights.c binds them) ----
+
+#define TRY(x)                                                                                     \
+    do {                                                                                           \
+        di_status st_ = (x);                                                                       \
+        if (st_ != DI_OK) return st_;                                                              \
+    } while (0)
+
+static const char *nm(char *buf, const char *a, const char *b) {
+    snprintf(buf, 256, "%s%s", a, b);
+    return buf;
+}
+
+static di_status gen_block(gen *g, const char *p, int ratio, bool hash) {
+    const di_synth_config *c = g->c;
+    int64_t D = c->n_embd, nc = 4, mix = (2 + nc) * nc, H = c->n_head, Dh = c->head_dim;
+    int64_t Rq = c->q_lora_rank, G = c->o_groups, Ro = c->o_lora_rank, E = c->n_expert;
+    int64_t F = c->expert_ff;
+    bool off = c->official;
+    char b[256];
+    TRY(add_bf16(g, nm(b, p, off ? "attn_norm.weight" : "input_layernorm.weight"), 1, D, 0, 1, 0.1f));
+    TRY(add_bf16(g, nm(b, p, off ? "ffn_norm.weight" : "post_attention_layernorm.weight"), 1, D, 0, 1, 0.1f));
+    const char *sites[2] = {"attn", "ffn"};
+    for (int s = 0; s < 2; s++) {
+        char suf[64];
+        snprintf(suf, sizeof suf, off ? "hc_%s_fn" : "%s_hc.fn", sites[s]);
+        TRY(add_f32(g, nm(b, p, suf), 2, mix, nc * D, 0, 1.0f / sqrtf((float)(nc * D))));
+        snprintf(suf, sizeof suf, off ? "hc_%s_base" : "%s_hc.base", sites[s]);
+        TRY(add_f32(g, nm(b, p, suf), 1, mix, 0, 0, 0.5f));
+        snprintf(suf, sizeof suf, off ? "hc_%s_scale" : "%s_hc.scale", sites[s]);
+        TRY(add_f32(g, nm(b, p, suf), 1, 3, 0, 1, 0.2f));
+    }
+    const char *A = off ? "attn." : "self_attn.";
+    char pa[256];
+    snprintf(pa, sizeof pa, "%s%s", p, A);
+    TRY(add_linear(g, nm(b, pa, off ? "wq_a.weight" : "q_a_proj.weight"), Rq, D, true));
+    TRY(add_bf16(g, nm(b, pa, off ? "q_norm.weight" : "q_a_norm.weight"), 1, Rq, 0, 1, 0.1f));
+    TRY(add_linear(g, nm(b, pa, off ? "wq_b.weight" : "q_b_proj.weight"), H * Dh, Rq, true));
+    TRY(add_linear(g, nm(b, pa, off ? "wkv.weight" : "kv_proj.weight"), Dh, D, true));
+    TRY(add_bf16(g, nm(b, pa, "kv_norm.weight"), 1, Dh, 0, 1, 0.1f));
+    TRY(add_linear(g, nm(b, pa, off ? "wo_a.weight" : "o_a_proj.weight"), G * Ro, H * Dh / G, true));
+    TRY(add_linear(g, nm(b, pa, off ? "wo_b.weight" : "o_b_proj.weight"), D, G * Ro, true));
+    TRY(add_f32(g, nm(b, pa, off ? "attn_sink" : "sinks"), 1, H, 0, 0, 1));
+    for (int which = 0; which < (ratio == 4 ? 2 : ratio > 0 ? 1 : 0); which++) {
+        int64_t d = which ? c->index_head_dim : Dh, m = which ? 4 : ratio, cc = m == 4 ? 2 : 1;
+        char pc[256];
+        snprintf(pc, sizeof pc, "%s%s", pa,
+                 off ? (which ? "indexer.compressor." : "compressor.")
+                     : (which ? "compressor.indexer." : "compressor."));
+        TRY(add_bf16(g, nm(b, pc, off ? "wkv.weight" : "kv_proj.weight"), 2, cc * d, D, 0, 1.0f / sqrtf((float)D)));
+        TRY(add_bf16(g, nm(b, pc, off ? "wgate.weight" : "gate_proj.weight"), 2, cc * d, D, 0, 1.0f / sqrtf((float)D)));
+        TRY(add_f32(g, nm(b, pc, off ? "ape" : "position_bias"), 2, m, cc * d, 0, 0.5f));
+        TRY(add_bf16(g, nm(b, pc, off ? "norm.weight" : "kv_norm.weight"), 1, d, 0, 1, 0.1f));
+    }
+    if (ratio == 4) {
+        int64_t HI = c->n_index_head, DI = c->index_head_dim;
+        TRY(add_linear(g, nm(b, pa, off ? "indexer.wq_b.weight" : "compressor.indexer.q_b_proj.weight"), HI * DI, Rq, true));
+        TRY(add_bf16(g, nm(b, pa, off ? "indexer.weights_proj.weight" : "compressor.indexer.scorer.weights_proj.weight"), 2, HI, D, 0, 1.0f / sqrtf((float)D)));
+    }
+    char pf[256];
+    snprintf(pf, sizeof pf, "%s%s", p, off ? "ffn." : "mlp.");
+    TRY(add_bf16(g, nm(b, pf, "gate.weight"), 2, E, D, 0, 1.0f / sqrtf((float)D)));
+    if (hash) {
+        int64_t K = c->n_expert_used;
+        int64_t *t2e = di_malloc(sizeof(int64_t) * (size_t)(c->n_vocab * K));
+        if (!t2e) return DI_ERR_NOMEM;
+        for (int64_t v = 0; v < c->n_vocab; v++)
+            for (int64_t k = 0; k < K; k++) {
+                int64_t e;
+                bool dup;
+                do { // K distinct experts per token
+                    e = (int64_t)(next_u64(&g->r) % (uint64_t)E);
+                    dup = false;
+                    for (int64_t j = 0; j < k; j++) dup |= t2e[v * K + j] == e;
+                } while (dup);
+                t2e[v * K + k] = e;
+            }
+        TRY(add(&g->l, nm(b, pf, "gate.tid2eid"), DI_DTYPE_I64, 2, c->n_vocab, K, t2e));
+    } else {
+        TRY(add_f32(g, nm(b, pf, off ? "gate.bias" : "gate.e_score_correction_bias"), 1, E, 0, 0, 0.1f));
+    }
+    if (off) {
+        for (int64_t e = 0; e < E; e++) {
+            char s[96];
+            snprintf(s, sizeof s, "experts.%lld.w1.weight", (long long)e);
+            TRY(add_expert(g, nm(b, pf, s), F, D));
+            snprintf(s, sizeof s, "experts.%lld.w2.weight", (long long)e);
+            TRY(add_expert(g, nm(b, pf, s), D, F));
+            snprintf(s, sizeof s, "experts.%lld.w3.weight", (long long)e);
+            TRY(add_expert(g, nm(b, pf, s), F, D));
+        }
+        TRY(add_linear(g, nm(b, pf, "shared_experts.w1.weight"), F, D, true));
+        TRY(add_linear(g, nm(b, pf, "shared_experts.w2.weight"), D, F, true));
+        TRY(add_linear(g, nm(b, pf, "shared_experts.w3.weight"), F, D, true));
+    } else {
+        TRY(add_bf16(g, nm(b, pf, "experts.gate_up_proj"), 2, E * 2 * F, D, 0, 1.0f / sqrtf((float)D)));
+        g->l.t[g->l.n - 1].n_dims = 3, g->l.t[g->l.n - 1].shape[0] = E, g->l.t[g->l.n - 1].shape[1] = 2 * F, g->l.t[g->l.n - 1].shape[2] = D;
+        TRY(add_bf16(g, nm(b, pf, "experts.down_proj"), 2, E * D, F, 0, 1.0f / sqrtf((float)F)));
+        g->l.t[g->l.n - 1].n_dims = 3, g->l.t[g->l.n - 1].shape[0] = E, g->l.t[g->l.n - 1].shape[1] = D, g->l.t[g->l.n - 1].shape[2] = F;
+        TRY(add_linear(g, nm(b, pf, "shared_experts.gate_proj.weight"), F, D, false));
+        TRY(add_linear(g, nm(b, pf, "shared_experts.down_proj.weight"), D, F, false));
+        TRY(add_linear(g, nm(b, pf, "shared_experts.up_proj.weight"), F, D, false));
+    }
+    return DI_OK;
+}
+
+static di_status write_config(const di_synth_config *c, const char *dir) {
+    di_buf b;
+    di_buf_init(&b);
+    di_buf_printf(&b,
+                  "{\n  \"architectures\": [\"DeepseekV4ForCausalLM\"],\n  \"model_type\": \"deepseek_v4\",\n"
+                  "  \"_comment\": \"random weights written by deepinfer synth (seed %llu): the model's text is meaningless\",\n"
+                  "  \"vocab_size\": %d, \"hidden_size\": %d, \"num_hidden_layers\": %d,\n"
+                  "  \"num_attention_heads\": %d, \"num_key_value_heads\": 1, \"head_dim\": %d,\n"
+                  "  \"qk_rope_head_dim\": %d, \"q_lora_rank\": %d, \"o_groups\": %d, \"o_lora_rank\": %d,\n"
+                  "  \"sliding_window\": %d, \"index_n_heads\": %d, \"index_head_dim\": %d, \"index_topk\": %d,\n"
+                  "  \"n_routed_experts\": %d, \"num_experts_per_tok\": %d, \"n_shared_experts\": 1,\n"
+                  "  \"moe_intermediate_size\": %d, \"num_hash_layers\": %d, \"scoring_func\": \"sqrtsoftplus\",\n"
+                  "  \"routed_scaling_factor\": %g, \"swiglu_limit\": %g, \"norm_topk_prob\": true,\n"
+                  "  \"hc_mult\": 4, \"hc_sinkhorn_iters\": 20, \"hc_eps\": 1e-06, \"rms_norm_eps\": 1e-06,\n"
+                  "  \"num_nextn_predict_layers\": %d, \"max_position_embeddings\": 1048576,\n"
+                  "  \"rope_theta\": 10000, \"compress_rope_theta\": 160000,\n"
+                  "  \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 16, \"original_max_position_embeddings\": 65536, \"beta_fast\": 32, \"beta_slow\": 1},\n"
+                  "  \"bos_token_id\": 0, \"eos_token_id\": 1, \"tie_word_embeddings\": false,\n",
+                  (unsigned long long)c->seed, c->n_vocab, c->n_embd, c->n_layer, c->n_head,
+                  c->head_dim, c->rope_dims, c->q_lora_rank, c->o_groups, c->o_lora_rank,
+                  c->window, c->n_index_head, c->index_head_dim, c->index_topk, c->n_expert,
+                  c->n_expert_used, c->expert_ff, c->n_hash_layers, c->route_scale,
+                  c->swiglu_limit, c->n_mtp);
+    di_buf_printf(&b, "  \"layer_types\": [");
+    for (int il = 0; il < c->n_layer; il++)
+        di_buf_printf(&b, "%s\"%s\"", il ? ", " : "",
+                      c->ratios[il] == 0   ? "sliding_attention"
+                      : c->ratios[il] == 4 ? "compressed_sparse_attention"
+                                           : "heavily_compressed_attention");
+    di_buf_printf(&b, "],\n  \"compress_rates\": {\"compressed_sparse_attention\": 4, "
+                      "\"heavily_compressed_attention\": %d}",
+                  c->hca_ratio);
+    if (c->official)
+        di_buf_printf(&b, ",\n  \"expert_dtype\": \"fp4\",\n  \"quantization_config\": {\"activation_scheme\": "
+                          "\"dynamic\", \"fmt\": \"e4m3\", \"quant_method\": \"fp8\", \"scale_fmt\": "
+                          "\"ue8m0\", \"weight_block_size\": [128, 128]}");
+    di_buf_printf(&b, "\n}\n");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *f = fopen(path, "w");
+    bool ok = f && b.data && fwrite(b.data, 1, b.len, f) == b.len;
+    if (f) ok = (fclose(f) == 0) && ok;
+    di_buf_deinit(&b);
+    if (!ok) {
+        DI_LOG_ERROR("synth: cannot write %s", path);
+        return DI_ERR_IO;
+    }
+    return DI_OK;
+}
+
+di_status di_synth_write(const di_synth_config *c, const char *dir) {
+    if (c->n_layer < 1 || c->n_layer > 64 || c->n_embd % 128 || c->n_expert_used > c->n_expert) {
+        DI_LOG_ERROR("synth: invalid configuration");
+        return DI_ERR_INVALID;
+    }
+    gen g = {.c = c, .r = {c->seed}};
+    di_status st = DI_OK;
+    bool off = c->official;
+    int64_t V = c->n_vocab, D = c->n_embd;
+    char b[256];
+#define GTRY(x)                                                                                    \
+    do {                                                                                           \
+        if ((st = (x)) != DI_OK) goto done;                                                        \
+    } while (0)
+    GTRY(add_bf16(&g, off ? "embed.weight" : "model.embed_tokens.weight", 2, V, D, 0, 1.0f));
+    GTRY(add_bf16(&g, off ? "head.weight" : "lm_head.weight", 2, V, D, 0, 1.0f / sqrtf((float)D)));
+    GTRY(add_bf16(&g, off ? "norm.weight" : "model.norm.weight", 1, D, 0, 1, 0.1f));
+    GTRY(add_f32(&g, off ? "hc_head_fn" : "model.hc_head.hc_fn", 2, 4, 4 * D, 0, 1.0f / sqrtf(4.0f * D)));
+    GTRY(add_f32(&g, off ? "hc_head_base" : "model.hc_head.hc_base", 1, 4, 0, 0, 0.5f));
+    GTRY(add_f32(&g, off ? "hc_head_scale" : "model.hc_head.hc_scale", 1, 1, 0, 1, 0.2f));
+    for (int il = 0; il < c->n_layer; il++) {
+        snprintf(b, sizeof b, off ? "layers.%d." : "model.layers.%d.", il);
+        GTRY(gen_block(&g, b, c->ratios[il], il < c->n_hash_layers));
+    }
+    if (off && c->n_mtp > 0) { // MTP block 0 (HF checkpoints carry no MTP)
+        char p[32] = "mtp.0.";
+        GTRY(add_linear(&g, nm(b, p, "e_proj.weight"), D, D, true));
+        GTRY(add_linear(&g, nm(b, p, "h_proj.weight"), D, D, true));
+        GTRY(add_bf16(&g, nm(b, p, "enorm.weight"), 1, D, 0, 1, 0.1f));
+        GTRY(add_bf16(&g, nm(b, p, "hnorm.weight"), 1, D, 0, 1, 0.1f));
+        GTRY(add_bf16(&g, nm(b, p, "norm.weight"), 1, D, 0, 1, 0.1f));
+        GTRY(add_f32(&g, nm(b, p, "hc_head_fn"), 2, 4, 4 * D, 0, 1.0f / sqrtf(4.0f * D)));
+        GTRY(add_f32(&g, nm(b, p, "hc_head_base"), 1, 4, 0, 0, 0.5f));
+        GTRY(add_f32(&g, nm(b, p, "hc_head_scale"), 1, 1, 0, 1, 0.2f));
+        GTRY(gen_block(&g, p, 0, false));
+    }
+    GTRY(write_config(c, dir));
+    char path[4096];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    GTRY(di_st_write_file(path, g.l.t, g.l.n));
+done:
+    if (c->official == false && c->n_mtp > 0 && st == DI_OK)
+        DI_LOG_INFO("synth: the HF layout carries no MTP block (as save_pretrained)");
+    tlist_free(&g.l);
+    return st;
+#undef GTRY
+}
+
+di_status di_synth_checkpoint(const char *preset, const char *dir, bool official, uint64_t seed) {
+    di_synth_config c;
+    di_status st = di_synth_preset(preset, &c);
+    if (st != DI_OK) return st;
+    c.official = official;
+    c.seed = seed;
+    return di_synth_write(&c, dir);
+}

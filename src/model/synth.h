@@ -1,0 +1,34 @@
+/*
+ * synth — writes a random-weight DeepSeek V4 checkpoint (config.json + model.safetensors) in the
+ * official layout (FP8 e4m3 with 128x128 UE8M0 scales, FP4 e2m1 experts with 1x32 scales) or the
+ * Hugging Face layout (BF16, stacked experts). Used for the built-in default model, the loader's
+ * bad-checkpoint tests, memory measurements and the benchmark models at true V4 widths. The
+ * weights are random: the model's text is meaningless.
+ *
+ * Owns: nothing after return. Thread-safety: any thread (no shared state).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "deepinfer.h" // di_status
+
+typedef struct di_synth_config {
+    int32_t n_vocab, n_embd, n_layer, n_head, head_dim, rope_dims, q_lora_rank;
+    int32_t o_groups, o_lora_rank, window;
+    int32_t n_index_head, index_head_dim, index_topk;
+    int32_t n_expert, n_expert_used, expert_ff, n_hash_layers, n_mtp;
+    int32_t hca_ratio;               // compress ratio of HCA layers (128 in V4)
+    int32_t ratios[64];              // per main layer: 0, 4 or hca_ratio
+    float swiglu_limit, route_scale;
+    uint64_t seed;
+    bool official;                   // official layout (FP8/FP4) else HF names in BF16
+} di_synth_config;
+
+// Presets: "tiny" (spec §6.2 shapes with the real 129,280-token vocabulary: the default model),
+// "flash-4l" (true V4-Flash widths, 4 layers SWA/CSA/HCA/CSA, 32 experts top-6 — benchmarks).
+// DI_ERR_INVALID for an unknown name.
+di_status di_synth_preset(const char *name, di_synth_config *out);
+// Writes dir/config.json and dir/model.safetensors (dir must exist). DI_ERR_IO, DI_ERR_NOMEM.
+di_status di_synth_write(const di_synth_config *cfg, const char *dir);

@@ -1,0 +1,121 @@
+#include "cli/args.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+bool di_args_int_list(const char *s, const char *what, int32_t **out, int32_t *n) {
+    size_t cap = 16, cnt = 0;
+    int32_t *v = malloc(cap * sizeof *v);
+    if (!v) return false;
+    const char *p = s;
+    while (*p) {
+        while (*p == ',' || *p == ' ' || *p == '\n' || *p == '\t') p++;
+        if (!*p) break;
+        char *end;
+        errno = 0;
+        long x = strtol(p, &end, 10);
+        if (end == p || errno || x < INT32_MIN || x > INT32_MAX ||
+            (*end && *end != ',' && *end != ' ' && *end != '\n' && *end != '\t')) {
+            fprintf(stderr, "deepinfer: %s: '%s' is not a list of integers\n", what, s);
+            free(v);
+            return false;
+        }
+        if (cnt == cap) {
+            cap *= 2;
+            int32_t *nv = realloc(v, cap * sizeof *v);
+            if (!nv) {
+                free(v);
+                return false;
+            }
+            v = nv;
+        }
+        v[cnt++] = (int32_t)x;
+        p = end;
+    }
+    if (cnt == 0) {
+        fprintf(stderr, "deepinfer: %s: empty list\n", what);
+        free(v);
+        return false;
+    }
+    *out = v;
+    *n = (int32_t)cnt;
+    return true;
+}
+
+bool di_args_int(const char *s, const char *what, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long x = strtol(s, &end, 10);
+    if (end == s || *end || errno || x < lo || x > hi) {
+        fprintf(stderr, "deepinfer: %s: '%s' is not an integer in [%ld, %ld]\n", what, s, lo, hi);
+        return false;
+    }
+    *out = x;
+    return true;
+}
+
+bool di_args_write_npy(const char *path, const float *data, int64_t rows, int64_t cols) {
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        fprintf(stderr, "deepinfer: cannot write %s: %s\n", path, strerror(errno));
+        return false;
+    }
+    char hdr[256];
+    int n = snprintf(hdr, sizeof hdr, "{'descr': '<f4', 'fortran_order': False, 'shape': (%lld, %lld), }",
+                     (long long)rows, (long long)cols);
+    // Magic (6) + version (2) + header length (2) + header, padded with spaces to a multiple of
+    // 64 and ending in a newline.
+    int total = 10 + n + 1;
+    int pad = (64 - total % 64) % 64;
+    unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, 0, 0};
+    uint16_t hl = (uint16_t)(n + pad + 1);
+    pre[8] = (unsigned char)(hl & 0xff);
+    pre[9] = (unsigned char)(hl >> 8);
+    bool ok = fwrite(pre, 1, 10, f) == 10 && fwrite(hdr, 1, (size_t)n, f) == (size_t)n;
+    for (int i = 0; ok && i < pad; i++) ok = fputc(' ', f) != EOF;
+    ok = ok && fputc('\n', f) != EOF;
+    ok = ok && fwrite(data, sizeof(float), (size_t)(rows * cols), f) == (size_t)(rows * cols);
+    ok = (fclose(f) == 0) && ok;
+    if (!ok) fprintf(stderr, "deepinfer: writing %s failed\n", path);
+    return ok;
+}
+
+int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
+    const char *a = argv[*i];
+    bool has_val = *i + 1 < argc;
+    if (strcmp(a, "--model") == 0 || strcmp(a, "--threads") == 0 ||
+        strcmp(a, "--precision") == 0 || strcmp(a, "--log-level") == 0) {
+        if (!has_val) {
+            fprintf(stderr, "deepinfer: %s needs a value\n", a);
+            return -1;
+        }
+        const char *v = argv[++*i];
+        if (strcmp(a, "--model") == 0) {
+            ma->model = v;
+        } else if (strcmp(a, "--threads") == 0) {
+            long n;
+            if (!di_args_int(v, "--threads", 0, 1024, &n)) return -1;
+            ma->opt.n_threads = (int)n;
+        } else if (strcmp(a, "--precision") == 0) {
+            if (strcmp(v, "fp32") == 0) ma->opt.precision = DI_PRECISION_FP32;
+            else if (strcmp(v, "official") == 0) ma->opt.precision = DI_PRECISION_OFFICIAL;
+            else {
+                fprintf(stderr, "deepinfer: --precision must be fp32 or official\n");
+                return -1;
+            }
+        } else {
+            static const char *lv[] = {"error", "warn", "info", "debug"};
+            int k = 0;
+            while (k < 4 && strcmp(v, lv[k]) != 0) k++;
+            if (k == 4) {
+                fprintf(stderr, "deepinfer: --log-level must be error, warn, info or debug\n");
+                return -1;
+            }
+            di_set_log_level(k);
+        }
+        return 1;
+    }
+    return 0;
+}

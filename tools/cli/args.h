@@ -1,0 +1,26 @@
+/*
+ * args — small helpers shared by the subcommands: option matching, integer lists, .npy output.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "deepinfer.h"
+
+// Parses "5,17,300" (commas or spaces) into a new array (*out, free with free()). false on a
+// malformed list (the message is printed to stderr, naming `what`).
+bool di_args_int_list(const char *s, const char *what, int32_t **out, int32_t *n);
+// Parses a non-negative integer option value; false (with a message) when malformed.
+bool di_args_int(const char *s, const char *what, long lo, long hi, long *out);
+// Writes a float32 C-order .npy of shape [rows, cols]. false (with a message) on I/O failure.
+bool di_args_write_npy(const char *path, const float *data, int64_t rows, int64_t cols);
+// Options shared by every model command: --model, --threads, --precision, --log-level.
+typedef struct di_model_args {
+    const char *model;
+    di_model_options opt;
+} di_model_args;
+// Consumes argv[*i] (and its value) if it is a shared model option; returns 1 if consumed,
+// 0 if not a model option, -1 on a malformed value.
+int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma);
