@@ -310,7 +310,7 @@ di_status di_hparams_load(const char *path, di_hparams *hp) {
     NEED(n_expert_used, "num_experts_per_tok", "n_activated_experts", 1, 1 << 10);
     NEED(expert_ff, "moe_intermediate_size", "moe_inter_dim", 1, 1 << 20);
 #undef NEED
-    hp->n_mtp = opt_int(j, "num_nextn_predict_layers", "n_mtp_layers", 0);
+    hp->n_mtp = opt_int(j, "num_nextn_predict_layers", "n_mtp_layers", 1); // ModelArgs default
     hp->n_index_head = opt_int(j, "index_n_heads", NULL, 64);
     hp->index_head_dim = opt_int(j, "index_head_dim", NULL, 128);
     hp->index_topk = opt_int(j, "index_topk", NULL, 512);

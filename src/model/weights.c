@@ -331,6 +331,8 @@ static di_status bind_experts(binder *b, const char *po, const char *ph, di_dsv4
         return mark_used(b, dn);
     }
     if (!po) return missing(NULL, fmt(h, ph, "mlp.experts.gate_up_proj"));
+    if (ph && !di_st_set_find(b->m->st, fmt(o, po, "ffn.experts.0.w1.weight")))
+        return missing(o, fmt(h, ph, "mlp.experts.gate_up_proj"));
     for (int64_t e = 0; e < E; e++) {
         char sfx[96];
         snprintf(sfx, sizeof sfx, "ffn.experts.%lld.w1.weight", (long long)e);
