@@ -4,6 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 bool di_args_int_list(const char *s, const char *what, int32_t **out, int32_t *n) {
     size_t cap = 16, cnt = 0;
@@ -118,4 +120,37 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
         return 1;
     }
     return 0;
+}
+
+static bool mkdir_p(const char *path) {
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    for (char *p = tmp + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return false;
+        *p = '/';
+    }
+    return mkdir(tmp, 0755) == 0 || errno == EEXIST;
+}
+
+const char *di_args_default_model(void) {
+    static char dir[4096];
+    const char *home = getenv("DEEPINFER_HOME");
+    if (home && *home) snprintf(dir, sizeof dir, "%s/tiny-v4", home);
+    else snprintf(dir, sizeof dir, "%s/.cache/deepinfer/tiny-v4", getenv("HOME") ? getenv("HOME") : "/tmp");
+    char cfg[4200];
+    snprintf(cfg, sizeof cfg, "%s/config.json", dir);
+    if (access(cfg, R_OK) != 0) {
+        fprintf(stderr, "deepinfer: no --model given: writing the built-in tiny random-weight V4 "
+                        "model to %s (once)\n", dir);
+        if (!mkdir_p(dir)) {
+            fprintf(stderr, "deepinfer: cannot create %s: %s\n", dir, strerror(errno));
+            return NULL;
+        }
+        if (di_synth_checkpoint("tiny", dir, true, 1234) != DI_OK) return NULL;
+    }
+    fprintf(stderr, "deepinfer: using the built-in tiny V4 model with random weights (%s): its "
+                    "output is meaningless; pass --model DIR for a real checkpoint\n", dir);
+    return dir;
 }

@@ -16,6 +16,10 @@ bool di_args_int_list(const char *s, const char *what, int32_t **out, int32_t *n
 bool di_args_int(const char *s, const char *what, long lo, long hi, long *out);
 // Writes a float32 C-order .npy of shape [rows, cols]. false (with a message) on I/O failure.
 bool di_args_write_npy(const char *path, const float *data, int64_t rows, int64_t cols);
+// The model directory to use when --model is absent: the built-in random-weight tiny V4 model,
+// written on first use to $DEEPINFER_HOME/tiny-v4 (default ~/.cache/deepinfer/tiny-v4). Says so
+// on stderr. Returns NULL (with a message) if it cannot be created.
+const char *di_args_default_model(void);
 // Options shared by every model command: --model, --threads, --precision, --log-level.
 typedef struct di_model_args {
     const char *model;

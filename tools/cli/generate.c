@@ -81,10 +81,11 @@ int di_cli_generate(int argc, char **argv) {
             return 2;
         }
     }
-    if (!ma.model || !tokens_s) {
+    if (!tokens_s) {
         usage(stderr);
         return 2;
     }
+    if (!ma.model && !(ma.model = di_args_default_model())) return 1;
     int32_t *prompt = NULL, n_prompt = 0;
     if (!di_args_int_list(tokens_s, "--tokens", &prompt, &n_prompt)) return 2;
     int rc = 1;

@@ -21,10 +21,7 @@ int di_cli_info(int argc, char **argv) {
             return 2;
         }
     }
-    if (!ma.model) {
-        fprintf(stderr, "deepinfer info: --model DIR is required\n");
-        return 2;
-    }
+    if (!ma.model && !(ma.model = di_args_default_model())) return 1;
     di_model *m = NULL;
     di_status st = di_model_load(ma.model, &ma.opt, &m);
     if (st != DI_OK) {

@@ -39,10 +39,11 @@ int di_cli_logits(int argc, char **argv) {
         }
         *dst = argv[++i];
     }
-    if (!ma.model || !tokens_s || !out) {
+    if (!tokens_s || !out) {
         usage(stderr);
         return 2;
     }
+    if (!ma.model && !(ma.model = di_args_default_model())) return 1;
     int32_t *tokens = NULL, *chunks = NULL, n_tok = 0, n_chunks = 0;
     if (!di_args_int_list(tokens_s, "--tokens", &tokens, &n_tok)) return 2;
     if (chunks_s) {
