@@ -4,6 +4,7 @@
 // and the grouped output projection.
 #include <float.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/log.h"
@@ -151,6 +152,16 @@ typedef struct indexer_ctx {
     int64_t scores_stride;
 } indexer_ctx;
 
+// Heap order: a is worse than b if its score is lower, or equal with a higher index.
+static inline bool worse(const float *sc, int32_t a, int32_t b) {
+    return sc[a] < sc[b] || (sc[a] == sc[b] && a > b);
+}
+
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
 static void indexer_task(void *p, int ith, int nth) {
     indexer_ctx *c = p;
     const di_hparams *hp = &c->m->hp;
@@ -176,21 +187,31 @@ static void indexer_task(void *p, int ith, int nth) {
             sc[w] = acc;
         }
         di_dsv4_round(c->m, sc, vis); // R-OFF: BF16 scores
-        // Top-k by repeated selection over the candidates (k is small relative to the cost of
-        // the scores above); ties go to the lower index.
-        for (int32_t i = 0; i < k; i++) {
-            int64_t best = -1;
-            for (int64_t w = 0; w < vis; w++)
-                if (sc[w] != -INFINITY && (best < 0 || sc[w] > sc[best])) best = w;
-            sel[i] = (int32_t)best;
-            sc[best] = -INFINITY;
+        // Top-k with a min-heap of the k best (score descending, index ascending): O(vis log k).
+        // Candidates come in ascending index, so an equal score never displaces: ties keep the
+        // lower index.
+        int32_t n_heap = 0;
+        for (int64_t w = 0; w < vis; w++) {
+            if (n_heap < k) {
+                int32_t i = n_heap++;
+                sel[i] = (int32_t)w;
+                while (i > 0 && worse(sc, sel[i], sel[(i - 1) / 2])) {
+                    int32_t par = (i - 1) / 2, tmp = sel[par];
+                    sel[par] = sel[i], sel[i] = tmp, i = par;
+                }
+            } else if (worse(sc, sel[0], (int32_t)w)) {
+                sel[0] = (int32_t)w;
+                for (int32_t i = 0;;) {
+                    int32_t l = 2 * i + 1, r = l + 1, m = i;
+                    if (l < k && worse(sc, sel[l], sel[m])) m = l;
+                    if (r < k && worse(sc, sel[r], sel[m])) m = r;
+                    if (m == i) break;
+                    int32_t tmp = sel[m];
+                    sel[m] = sel[i], sel[i] = tmp, i = m;
+                }
+            }
         }
-        // ascending order (insertion sort, k small)
-        for (int32_t i = 1; i < k; i++) {
-            int32_t v = sel[i], j = i - 1;
-            while (j >= 0 && sel[j] > v) sel[j + 1] = sel[j], j--;
-            sel[j + 1] = v;
-        }
+        qsort(sel, (size_t)k, sizeof *sel, cmp_i32); // ascending entry order
     }
 }
 
