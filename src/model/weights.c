@@ -47,9 +47,23 @@ static void *own(di_model *m, size_t bytes) {
     return mem;
 }
 
-// Finds the official name, else the HF name (either may be NULL). *which receives the name found.
+// An official name as published ("layers.3.attn.wq_a.weight") or as transformers'
+// save_pretrained writes it after reverting its conversion mapping ("model.layers.3.attn.wq_a...").
+static const di_st_tensor *find_official(binder *b, const char *off) {
+    if (!off) return NULL;
+    const di_st_tensor *t = di_st_set_find(b->m->st, off);
+    if (!t) {
+        char buf[300];
+        snprintf(buf, sizeof buf, "model.%s", off);
+        t = di_st_set_find(b->m->st, buf);
+    }
+    return t;
+}
+
+// Finds the official name (either form above), else the HF module name (either may be NULL).
+// *which receives the name asked for.
 static const di_st_tensor *lookup(binder *b, const char *off, const char *hf, const char **which) {
-    const di_st_tensor *t = off ? di_st_set_find(b->m->st, off) : NULL;
+    const di_st_tensor *t = find_official(b, off);
     if (t) *which = off;
     else if (hf && (t = di_st_set_find(b->m->st, hf))) *which = hf;
     return t;
@@ -331,7 +345,7 @@ static di_status bind_experts(binder *b, const char *po, const char *ph, di_dsv4
         return mark_used(b, dn);
     }
     if (!po) return missing(NULL, fmt(h, ph, "mlp.experts.gate_up_proj"));
-    if (ph && !di_st_set_find(b->m->st, fmt(o, po, "ffn.experts.0.w1.weight")))
+    if (ph && !find_official(b, fmt(o, po, "ffn.experts.0.w1.weight")))
         return missing(o, fmt(h, ph, "mlp.experts.gate_up_proj"));
     for (int64_t e = 0; e < E; e++) {
         char sfx[96];
@@ -378,8 +392,11 @@ static di_status bind_block(binder *b, const char *po, const char *ph, int il,
                   H * Dh, Rq, ALLOW_FP8, &lw->wq_b));
     T(bind_matrix(b, fmt(o, po, "attn.wkv.weight"), fmt(h, ph, "self_attn.kv_proj.weight"), Dh, D,
                   ALLOW_FP8, &lw->wkv));
-    T(bind_f32(b, fmt(o, po, "attn.kv_norm.weight"), fmt(h, ph, "self_attn.kv_norm.weight"), 1, Dh,
-               0, &lw->kv_norm));
+    // save_pretrained (transformers 5.x) writes the attention's kv_norm back as "attn.norm": its
+    // reverted mapping renames every kv_norm to norm, the compressors' as intended.
+    const char *kvn = fmt(o, po, "attn.kv_norm.weight");
+    if (!find_official(b, kvn) && find_official(b, fmt(po2, po, "attn.norm.weight"))) kvn = po2;
+    T(bind_f32(b, kvn, fmt(h, ph, "self_attn.kv_norm.weight"), 1, Dh, 0, &lw->kv_norm));
     T(bind_matrix(b, fmt(o, po, "attn.wo_a.weight"), fmt(h, ph, "self_attn.o_a_proj.weight"),
                   G * Ro, H * Dh / G, ALLOW_FP8, &lw->wo_a));
     T(bind_matrix(b, fmt(o, po, "attn.wo_b.weight"), fmt(h, ph, "self_attn.o_b_proj.weight"), D,
