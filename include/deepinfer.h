@@ -216,6 +216,34 @@ di_status di_detok_push(di_detok *d, int32_t id, const char **text, size_t *n_by
 // then empty and may be reused.
 void di_detok_flush(di_detok *d, const char **text, size_t *n_bytes);
 
+// Prompt rendering of an API request (spec serving.md §1-§2): the request is mapped to a
+// conversation, rendered in the DeepSeek V4 (dsv4) or V4.1 (dsv41) format, and tokenized: special
+// tokens written by the template become their ids, all text from the request (messages, reasoning,
+// tool schemas, arguments, results) is plain BPE.
+typedef enum di_render_api {
+    DI_RENDER_API_CHAT = 0,      // OpenAI Chat Completions request
+    DI_RENDER_API_RESPONSES = 1, // OpenAI Responses request
+    DI_RENDER_API_MESSAGES = 2,  // Anthropic Messages request
+    DI_RENDER_API_RAW = 3,       // the official encoder's input ({"messages", "tools", options})
+} di_render_api;
+
+typedef struct di_render_options {
+    int encoding;           // 0 = dsv4, 1 = dsv41
+    bool effort_table_0731; // dsv4: V4-0731/0813 effort texts (default: V4-0424 preview)
+    bool official;          // skip the recipe's system-message normalisation (parity tests)
+} di_render_options;
+
+di_render_options di_render_options_default(void);
+
+// Renders request_json (n_bytes of UTF-8 JSON). *text (NUL-terminated) and, when ids is not NULL,
+// *ids are new buffers (free with di_tok_free). tok may be NULL when ids is NULL.
+// Returns DI_ERR_INVALID (not JSON, or a request the format cannot express; logged with the
+// field), DI_ERR_UNSUPPORTED (the tokenizer lacks a token the encoding needs, e.g. <｜System｜>
+// for dsv41 with the V4 tokenizer), DI_ERR_NOMEM.
+di_status di_render_request(const di_tokenizer *tok, const char *request_json, size_t n_bytes,
+                            di_render_api api, const di_render_options *opt, char **text,
+                            size_t *n_text, int32_t **ids, size_t *n_ids);
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,6 +12,9 @@ static const struct {
     {"info", di_cli_info, "print a checkpoint's configuration and tensor summary"},
     {"logits", di_cli_logits, "run the forward pass on token ids and write logits as .npy"},
     {"generate", di_cli_generate, "generate token ids from a prompt of token ids"},
+    {"tokenize", di_cli_tokenize, "text to token ids (HF tokenizer.json)"},
+    {"detokenize", di_cli_detokenize, "token ids to text"},
+    {"render", di_cli_render, "render an API request as a V4/V4.1 prompt: text and ids"},
     {"synth", di_cli_synth, "write a random-weight V4 checkpoint (tests, benchmarks, default)"},
 };
 

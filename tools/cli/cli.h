@@ -7,4 +7,7 @@
 int di_cli_info(int argc, char **argv);
 int di_cli_logits(int argc, char **argv);
 int di_cli_generate(int argc, char **argv);
+int di_cli_tokenize(int argc, char **argv);   // tools/cli/tokenize.c
+int di_cli_detokenize(int argc, char **argv); // tools/cli/tokenize.c
+int di_cli_render(int argc, char **argv);     // tools/cli/render.c
 int di_cli_synth(int argc, char **argv);
