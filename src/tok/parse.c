@@ -171,7 +171,7 @@ typedef struct label {
 } label;
 
 enum {
-    L_THINK_END, L_DSML, L_DSML_CLOSE, L_INVOKE, L_PARAM, L_END_V4, L_END_V41, L_QUOTE, L_TRUE,
+    L_THINK_END, L_DSML, L_STRAY_DSML, L_DSML_CLOSE, L_INVOKE, L_PARAM, L_END_V4, L_END_V41, L_QUOTE, L_TRUE,
     L_FALSE, L_STOP0,
 };
 
@@ -182,10 +182,14 @@ static size_t stage_labels(const di_parse *p, label *l) {
     case ST_REASONING:
         ADD(k_think_end, L_THINK_END);
         ADD(k_dsml, L_DSML);
+        ADD(k_dsml_close, L_STRAY_DSML);
+        ADD("｜DSML｜", L_STRAY_DSML);
         break;
     case ST_CONTENT:
         ADD(k_think_end, L_THINK_END);
         ADD(k_dsml, L_DSML);
+        ADD(k_dsml_close, L_STRAY_DSML);
+        ADD("｜DSML｜", L_STRAY_DSML);
         for (size_t i = 0; i < p->opt.n_stop; i++)
             l[n++] = (label){p->opt.stop[i], strlen(p->opt.stop[i]), L_STOP0 + (int)i};
         break;
@@ -236,6 +240,9 @@ static di_status take_label(di_parse *p, int id) {
             p->flags |= DI_PARSE_FLAG_DSML_SUPPRESSED;
             DI_LOG_WARN("parse: DSML tool-call markup in output without tools; stripped");
         }
+        return DI_OK;
+    case L_STRAY_DSML: // a closer or bare DSML token outside a block: markup never reaches text
+        p->flags |= DI_PARSE_FLAG_STRAY_MARKUP;
         return DI_OK;
     case L_INVOKE:
         p->n_calls++;
@@ -327,6 +334,7 @@ static di_status run(di_parse *p, bool at_end) {
     size_t pos = 0;
     const char *s = p->pending.data;
     size_t n = p->pending.len;
+    if (n == 0) return DI_OK;
     for (;;) {
         label l[MAX_LABELS];
         size_t nl = stage_labels(p, l);
@@ -353,6 +361,22 @@ static di_status run(di_parse *p, bool at_end) {
             if ((st = stage_text(p, s + pos, n - pos - hold)) != DI_OK) return st;
             pos = n - hold;
             break;
+        }
+        if (!at_end) {
+            // A label that is a proper prefix of a longer one (stop "<｜" vs "<｜DSML｜") waits
+            // until the longer one is decided, so that any split gives the whole-text result.
+            bool wait = false;
+            for (size_t k = 0; k < nl && !wait; k++)
+                wait = l[k].n > l[best_k].n && n - best_at < l[k].n &&
+                       memcmp(s + best_at, l[k].s, n - best_at) == 0;
+            if (wait) {
+                size_t keep = best_at; // newlines that may precede a DSML block wait too
+                if (p->st == ST_REASONING || p->st == ST_CONTENT)
+                    for (int k = 0; k < 2 && keep > pos && s[keep - 1] == '\n'; k++) keep--;
+                if ((st = stage_text(p, s + pos, keep - pos)) != DI_OK) return st;
+                pos = keep;
+                break;
+            }
         }
         size_t text_end = best_at;
         if (l[best_k].id == L_DSML && (p->st == ST_REASONING || p->st == ST_CONTENT)) {

@@ -64,6 +64,7 @@ enum {
     DI_PARSE_FLAG_DUPLICATE_PARAMETER = 4,
     DI_PARSE_FLAG_DSML_SUPPRESSED = 8, // DSML without tools requested: calls dropped
     DI_PARSE_FLAG_CALL_ABORTED = 16,
+    DI_PARSE_FLAG_STRAY_MARKUP = 32, // a DSML closer / bare ｜DSML｜ outside a block was dropped
 };
 
 typedef struct di_parse_options {

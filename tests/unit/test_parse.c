@@ -222,8 +222,9 @@ static void normalize(di_buf *b) { // merge consecutive same-kind text events
 static void run_split(const char *text, size_t n, const size_t *cuts, size_t n_cuts, transcript *t,
                       di_parse_finish *fin) {
     di_buf_init(&t->b);
-    const char *stops[] = {"STOP!", "\n\nEND"};
-    di_parse_options opt = {.start = DI_PARSE_STAGE_REASONING, .tools_enabled = true, .stop = stops, .n_stop = 2};
+    // "<｜" is a prefix of the DSML label: any split must still give the whole-text result
+    const char *stops[] = {"STOP!", "\n\nEND", "<｜"};
+    di_parse_options opt = {.start = DI_PARSE_STAGE_REASONING, .tools_enabled = true, .stop = stops, .n_stop = 3};
     di_parse *p;
     CHECK(di_parse_create(&opt, tr_emit, t, &p) == DI_OK);
     size_t pos = 0;
@@ -248,6 +249,9 @@ static void test_splits(void) {
         "name=\"k\" string=\"true\">é</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>trailing",
         "reasoning only, truncated <｜DS",
         "r</think>ans\n\nEND more",
+        "r</think>x\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+        "r</think>y\n<｜other",
+        "r</think>z</｜DSML｜invoke>｜DSML｜w",
     };
     for (size_t k = 0; k < sizeof texts / sizeof *texts; k++) {
         const char *t = texts[k];
@@ -345,6 +349,13 @@ static void test_cases(void) {
     CHECK(di_parse_text(&opt, "r</think>a</think>b", 19, DI_PARSE_FINISH_STOP, &r) == DI_OK);
     CHECK_STR_EQ(r.content.data, "ab");
     CHECK(r.flags & DI_PARSE_FLAG_EXTRA_END_OF_THINKING);
+    di_parse_result_deinit(&r);
+    // stray DSML closers or bare DSML tokens never reach content (found by fuzz_parse)
+    di_parse_result_init(&r);
+    const char *st = "r</think>a</｜DSML｜parameter>b｜DSML｜c";
+    CHECK(di_parse_text(&opt, st, strlen(st), DI_PARSE_FINISH_STOP, &r) == DI_OK);
+    CHECK_STR_EQ(r.content.data, "aparameter>bc");
+    CHECK(r.flags & DI_PARSE_FLAG_STRAY_MARKUP);
     di_parse_result_deinit(&r);
     // bad options
     const char *empty[] = {""};
