@@ -47,6 +47,10 @@ static json_t *content_to_official(const json_t *c) {
 // ---- OpenAI Chat Completions ----
 
 static json_t *from_chat(const json_t *req) {
+    if (!json_is_array(json_object_get(req, "messages"))) {
+        DI_LOG_ERROR("render: a chat request needs a \"messages\" array");
+        return NULL;
+    }
     json_t *out = json_object();
     json_t *msgs = json_array();
     const json_t *in = json_object_get(req, "messages");
@@ -170,6 +174,10 @@ static json_t *from_responses(const json_t *req) {
 // ---- Anthropic Messages ----
 
 static json_t *from_messages(const json_t *req) {
+    if (!json_is_array(json_object_get(req, "messages"))) {
+        DI_LOG_ERROR("render: a Messages request needs a \"messages\" array");
+        return NULL;
+    }
     json_t *out = json_object();
     json_t *msgs = json_array();
     const json_t *sys = json_object_get(req, "system");
