@@ -88,8 +88,9 @@ static void test_errors(void) {
     CHECK(render("{\"messages\": 5}", DI_RENDER_API_CHAT, NULL) == NULL);
     CHECK(render("{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}], \"reasoning_effort\": \"extreme\"}",
                  DI_RENDER_API_CHAT, NULL) == NULL);
-    CHECK(render("{\"input\": 5}", DI_RENDER_API_RESPONSES, NULL) != NULL); // no messages: BOS only
-    char *t;
+    char *t = render("{\"input\": 5}", DI_RENDER_API_RESPONSES, NULL); // no messages: BOS only
+    CHECK_STR_EQ(t, "<｜begin▁of▁sentence｜>");
+    di_tok_free(t);
     size_t n;
     CHECK_EQ(di_render_request(NULL, NULL, 0, DI_RENDER_API_CHAT, NULL, &t, &n, NULL, NULL), DI_ERR_INVALID);
 }
