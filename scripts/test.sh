@@ -13,7 +13,7 @@ cmake --build "$root/build" -j"$jobs"
 (cd "$root/build" && ctest -L cpu --output-on-failure -j"$jobs" --timeout 900)
 
 echo "== ASan+UBSan build: unit and model tests" >&2
-cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=Debug -DDI_WERROR=ON \
+cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDI_WERROR=ON \
     -DDI_SANITIZE=address,undefined >/dev/null
 cmake --build "$root/build-asan" -j"$jobs"
 (cd "$root/build-asan" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \

@@ -76,9 +76,9 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
     }
     di_rope_freqs(&m->hp.rope_main, m->omega_main);
     di_rope_freqs(&m->hp.rope_compress, m->omega_compress);
-    DI_LOG_INFO("loaded %s layout: %.2f B parameters (+%.2f B MTP), %.1f MiB mapped, %d threads, "
+    DI_LOG_INFO("loaded %s layout: %.4g M parameters (+%.4g M MTP), %.1f MiB mapped, %d threads, "
                 "%s precision",
-                m->layout, m->n_params / 1e9, m->n_params_mtp / 1e9,
+                m->layout, m->n_params / 1e6, m->n_params_mtp / 1e6,
                 di_st_set_data_bytes(m->st) / 1048576.0, di_pool_n_threads(m->pool),
                 m->opt.precision == DI_PRECISION_OFFICIAL ? "official" : "fp32");
     *out = m;

@@ -292,14 +292,24 @@ void di_dequant_row_f32(di_dtype dtype, const void *row, int64_t n, float *restr
     case DI_DTYPE_F32:
         memcpy(out, row, (size_t)n * sizeof(float));
         return;
+    // safetensors does not align tensor data, so 16-bit elements are loaded with memcpy (a plain
+    // load on x86 and ARM64, and defined behaviour at any address).
     case DI_DTYPE_F16: {
-        const uint16_t *h = row;
-        for (int64_t i = 0; i < n; i++) out[i] = di_f16_to_f32(h[i]);
+        const unsigned char *b = row;
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, b + 2 * i, 2);
+            out[i] = di_f16_to_f32(h);
+        }
         return;
     }
     case DI_DTYPE_BF16: {
-        const uint16_t *h = row;
-        for (int64_t i = 0; i < n; i++) out[i] = di_bf16_to_f32(h[i]);
+        const unsigned char *b = row;
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, b + 2 * i, 2);
+            out[i] = di_bf16_to_f32(h);
+        }
         return;
     }
     default:
