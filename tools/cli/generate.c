@@ -1,4 +1,5 @@
 // deepinfer generate: greedy or temperature sampling from a prompt of token ids.
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,12 +9,15 @@
 #include "cli/cli.h"
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: deepinfer generate --model DIR --tokens 5,17,... [-n 64]\n"
-               "                          [--temperature 0] [--seed 0] [--threads N]\n"
+    fprintf(f, "usage: deepinfer generate [--model DIR] (--prompt TEXT | --tokens 5,17,...)\n"
+               "                          [-n 64] [--temperature 0] [--seed 0] [--threads N]\n"
                "                          [--precision fp32|official] [--no-stop]\n"
-               "Prints the generated token ids, comma-separated, on one line. Temperature 0 is\n"
-               "greedy (ties to the lowest id); generation stops at the model's EOS token unless\n"
-               "--no-stop is given.\n");
+               "--prompt renders TEXT as one user turn of a chat (DeepSeek V4 format, the\n"
+               "model's tokenizer) and prints the generated text as it is produced; --tokens\n"
+               "takes prompt token ids and prints the generated ids, comma-separated. Temperature\n"
+               "0 is greedy (ties to the lowest id); generation stops at the model's EOS token\n"
+               "unless --no-stop is given. Without --model, the built-in random-weight tiny model\n"
+               "is used (its text is meaningless).\n");
 }
 
 // splitmix64: a small deterministic generator for the seeded sampler.
@@ -39,9 +43,43 @@ static int32_t pick(const float *logits, int32_t n, double temperature, uint64_t
     return best;
 }
 
+// Renders text as one user turn (DeepSeek V4 chat format, non-thinking) with the model's
+// tokenizer; *ids is malloc'd. Sets up a streaming detokenizer for the output.
+static bool render_prompt(const char *model_dir, const char *text, di_tokenizer **tok,
+                          di_detok **detok, int32_t **ids, int32_t *n_ids) {
+    if (di_tokenizer_load_for_model(model_dir, tok) != DI_OK) {
+        fprintf(stderr, "deepinfer generate: no tokenizer for %s\n", model_dir);
+        return false;
+    }
+    json_t *req = json_pack("{s:[{s:s,s:s}]}", "messages", "role", "user", "content", text);
+    char *body = req ? json_dumps(req, JSON_COMPACT) : NULL;
+    json_decref(req);
+    if (!body) {
+        fprintf(stderr, "deepinfer generate: --prompt must be UTF-8 text\n");
+        return false;
+    }
+    di_render_options ro = di_render_options_default();
+    char *rendered = NULL;
+    size_t n_text = 0, n = 0;
+    int32_t *rids = NULL;
+    di_status st = di_render_request(*tok, body, strlen(body), DI_RENDER_API_CHAT, &ro, &rendered,
+                                     &n_text, &rids, &n);
+    free(body);
+    if (st != DI_OK) {
+        fprintf(stderr, "deepinfer generate: cannot render the prompt: %s\n", di_status_str(st));
+        return false;
+    }
+    *ids = malloc(sizeof(int32_t) * (n ? n : 1));
+    if (*ids) memcpy(*ids, rids, sizeof(int32_t) * n);
+    *n_ids = (int32_t)n;
+    di_tok_free(rendered);
+    di_tok_free(rids);
+    return *ids && di_detok_create(*tok, true, detok) == DI_OK;
+}
+
 int di_cli_generate(int argc, char **argv) {
     di_model_args ma = {.opt = di_model_options_default()};
-    const char *tokens_s = NULL;
+    const char *tokens_s = NULL, *prompt_s = NULL;
     long n_gen = 64, seed = 0;
     double temperature = 0;
     bool stop_at_eos = true;
@@ -64,6 +102,7 @@ int di_cli_generate(int argc, char **argv) {
         }
         const char *v = argv[++i];
         if (strcmp(a, "--tokens") == 0) tokens_s = v;
+        else if (strcmp(a, "--prompt") == 0) prompt_s = v;
         else if (strcmp(a, "-n") == 0) {
             if (!di_args_int(v, "-n", 0, 1 << 24, &n_gen)) return 2;
         } else if (strcmp(a, "--seed") == 0) {
@@ -81,24 +120,38 @@ int di_cli_generate(int argc, char **argv) {
             return 2;
         }
     }
-    if (!tokens_s) {
+    if (!tokens_s == !prompt_s) {
+        fprintf(stderr, "deepinfer generate: give exactly one of --prompt and --tokens\n");
         usage(stderr);
         return 2;
     }
     if (!ma.model && !(ma.model = di_args_default_model())) return 1;
     int32_t *prompt = NULL, n_prompt = 0;
-    if (!di_args_int_list(tokens_s, "--tokens", &prompt, &n_prompt)) return 2;
+    di_tokenizer *tok = NULL;
+    di_detok *detok = NULL;
     int rc = 1;
     di_model *m = NULL;
     di_session *s = NULL;
     float *logits = NULL;
-    di_status st = di_model_load(ma.model, &ma.opt, &m);
+    di_status st;
+    if (tokens_s) {
+        if (!di_args_int_list(tokens_s, "--tokens", &prompt, &n_prompt)) return 2;
+    } else if (!render_prompt(ma.model, prompt_s, &tok, &detok, &prompt, &n_prompt)) {
+        goto done;
+    }
+    st = di_model_load(ma.model, &ma.opt, &m);
     if (st != DI_OK) {
         fprintf(stderr, "deepinfer generate: cannot load %s: %s\n", ma.model, di_status_str(st));
         goto done;
     }
     di_model_info info;
     di_model_get_info(m, &info);
+    if (tok && di_tokenizer_n_vocab(tok) > info.n_vocab) {
+        fprintf(stderr, "deepinfer generate: the tokenizer has %d tokens but the model only %d; "
+                        "use --tokens with this model\n",
+                di_tokenizer_n_vocab(tok), info.n_vocab);
+        goto done;
+    }
     if ((st = di_session_create(m, NULL, &s)) != DI_OK) goto done;
     logits = malloc(sizeof(float) * (size_t)info.n_vocab);
     if (!logits) goto done;
@@ -110,20 +163,35 @@ int di_cli_generate(int argc, char **argv) {
     }
     const int32_t eos = info.eos_token_id;
     for (long i = 0; i < n_gen; i++) {
-        int32_t tok = pick(logits, info.n_vocab, temperature, &rng);
-        printf("%s%d", i ? "," : "", tok);
+        int32_t next = pick(logits, info.n_vocab, temperature, &rng);
+        if (stop_at_eos && next == eos && detok) break;
+        if (detok) {
+            const char *text;
+            size_t n_text;
+            if (di_detok_push(detok, next, &text, &n_text) == DI_OK) fwrite(text, 1, n_text, stdout);
+        } else {
+            printf("%s%d", i ? "," : "", next);
+        }
         fflush(stdout);
-        if ((stop_at_eos && tok == eos) || i + 1 == n_gen) break;
-        if ((st = di_session_forward(s, &tok, 1, &fo)) != DI_OK) {
+        if ((stop_at_eos && next == eos) || i + 1 == n_gen) break;
+        if ((st = di_session_forward(s, &next, 1, &fo)) != DI_OK) {
             fprintf(stderr, "\ndeepinfer generate: %s\n", di_status_str(st));
             goto done;
         }
+    }
+    if (detok) {
+        const char *text;
+        size_t n_text;
+        di_detok_flush(detok, &text, &n_text);
+        fwrite(text, 1, n_text, stdout);
     }
     printf("\n");
     rc = 0;
 done:
     free(logits);
     free(prompt);
+    di_detok_destroy(detok);
+    di_tokenizer_destroy(tok);
     di_session_destroy(s);
     di_model_destroy(m);
     return rc;
