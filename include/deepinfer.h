@@ -6,8 +6,10 @@
  * where they happen, through the library's log sink (stderr by default); the library never writes
  * to stdout.
  *
- * Thread-safety: a di_model is immutable after load and may be shared by sessions; a di_session is
- * used by one thread at a time.
+ * Thread-safety: a di_model is immutable after load and may be shared by sessions, but forward
+ * calls on sessions of the same model must not overlap in time: they share the model's thread
+ * pool and scratch (the serving engine drives one model from one thread). A di_session is used by
+ * one thread at a time.
  */
 #pragma once
 
