@@ -129,8 +129,9 @@ struct di_session {
     size_t attn_scratch_floats;
     int32_t *sel;                  // [T, max(topk, 2K)]: indexer selections / expert routing
     size_t sel_cap;
-    di_dsv4_trace_fn trace;
+    di_dsv4_trace_fn trace;        // named intermediates (tests; DI_DUMP writes them as .npy)
     void *trace_user;
+    char dump_dir[1024];
 };
 
 // Layer forward pieces (one sequence, T tokens at positions s->pos ...).

@@ -1,12 +1,43 @@
 // dsv4_state — the per-sequence state of spec §3 (window rings, compressed pools, compressor
 // partial-window and overlap buffers, MTP pending row), the per-call scratch, and the byte
 // serialisation of the state.
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/buf.h"
 #include "base/log.h"
 #include "base/mem.h"
 #include "model/dsv4.h"
+
+// ---- debug dumps (DI_DUMP=<dir>) ----
+// Each traced tensor of a call at position p is written to <dir>/<name>.<il>.p<p>.npy (float32 or
+// int32), under the names of python/di_ref/dump.py, so the two outputs can be compared file by
+// file. Only a debugging aid: nothing is written unless DI_DUMP is set.
+
+static void dump_trace(void *user, const char *name, int il, const void *data, bool is_int,
+                       int64_t n_rows, int64_t row_len) {
+    const di_session *s = user;
+    char path[4096], hdr[128];
+    snprintf(path, sizeof path, "%s/%s.%d.p%d.npy", s->dump_dir, name, il, s->pos);
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        DI_LOG_WARN("DI_DUMP: cannot write %s", path);
+        return;
+    }
+    int n = snprintf(hdr, sizeof hdr, "{'descr': '<%s', 'fortran_order': False, 'shape': (%lld, %lld), }",
+                     is_int ? "i4" : "f4", (long long)n_rows, (long long)row_len);
+    int pad = (64 - (10 + n + 1) % 64) % 64;
+    uint16_t hl = (uint16_t)(n + pad + 1);
+    unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(hl & 0xff),
+                             (unsigned char)(hl >> 8)};
+    fwrite(pre, 1, sizeof pre, f);
+    fwrite(hdr, 1, (size_t)n, f);
+    for (int i = 0; i < pad; i++) fputc(' ', f);
+    fputc('\n', f);
+    fwrite(data, 4, (size_t)(n_rows * row_len), f);
+    fclose(f);
+}
 
 // ---- create / destroy ----
 
@@ -63,6 +94,12 @@ di_status di_session_create(di_model *m, const di_session_options *opt, di_sessi
         return DI_ERR_INVALID;
     }
     s->mtp = s->opt.mtp;
+    const char *dump = getenv("DI_DUMP");
+    if (dump && *dump) {
+        snprintf(s->dump_dir, sizeof s->dump_dir, "%s", dump);
+        s->trace = dump_trace;
+        s->trace_user = s;
+    }
     di_status st = DI_OK;
     const di_hparams *hp = &m->hp;
     int32_t nl = n_state_layers(s);
