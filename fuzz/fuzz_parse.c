@@ -24,7 +24,11 @@ typedef struct tr {
 static void on_event(void *user, const di_parse_event *ev) {
     tr *t = user;
     if (ev->kind <= DI_PARSE_EVENT_CONTENT && ev->len &&
-        memmem(ev->text, ev->len, "\xef\xbd\x9c" "DSML" "\xef\xbd\x9c", 10))
+        memmem(ev->text, ev->len,
+               "\xef\xbd\x9c"
+               "DSML"
+               "\xef\xbd\x9c",
+               10))
         abort(); // DSML leaked into reasoning/content
     switch (ev->kind) {
     case DI_PARSE_EVENT_TOOL_CALL_BEGIN:
@@ -49,7 +53,8 @@ static void on_event(void *user, const di_parse_event *ev) {
         if (!t->open) abort();
         t->open = 0;
         break;
-    default: break;
+    default:
+        break;
     }
     // transcript with text events of one kind merged, so that splits compare equal
     bool text = ev->kind == DI_PARSE_EVENT_REASONING || ev->kind == DI_PARSE_EVENT_CONTENT ||
@@ -61,8 +66,10 @@ static void on_event(void *user, const di_parse_event *ev) {
 
 static void run(const char *s, size_t n, uint8_t mode, bool split, tr *t) {
     static const char *stops[] = {"STOP", "\n\n", "<｜"};
-    di_parse_options opt = {.start = (di_parse_stage)(mode % 3), .tools_enabled = (mode >> 2) & 1,
-                            .stop = stops, .n_stop = (mode >> 3) % 4};
+    di_parse_options opt = {.start = (di_parse_stage)(mode % 3),
+                            .tools_enabled = (mode >> 2) & 1,
+                            .stop = stops,
+                            .n_stop = (mode >> 3) % 4};
     di_buf_init(&t->b);
     t->open = 0;
     t->last_kind = -1;
@@ -110,12 +117,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char *text;
     size_t nt;
     di_status st = di_render_request(NULL, s, n, DI_RENDER_API_RAW, NULL, &text, &nt, NULL, NULL);
-    if (st == DI_OK) di_tok_free(text);
-    else if (st != DI_ERR_INVALID && st != DI_ERR_UNSUPPORTED) abort();
+    if (st == DI_OK)
+        di_tok_free(text);
+    else if (st != DI_ERR_INVALID && st != DI_ERR_UNSUPPORTED)
+        abort();
     for (int api = 0; api < 3; api++) {
         st = di_render_request(NULL, s, n, (di_render_api)api, NULL, &text, &nt, NULL, NULL);
-        if (st == DI_OK) di_tok_free(text);
-        else if (st != DI_ERR_INVALID && st != DI_ERR_UNSUPPORTED) abort();
+        if (st == DI_OK)
+            di_tok_free(text);
+        else if (st != DI_ERR_INVALID && st != DI_ERR_UNSUPPORTED)
+            abort();
     }
     return 0;
 }

@@ -73,6 +73,7 @@ def main():
  */
 #pragma once
 
+// clang-format off
 // added to [\\p{{L}}\\p{{M}}] (and to the excluded set [^\\r\\n\\p{{L}}\\p{{P}}\\p{{S}}])
 #define DI_PRETOK_EXTRA_LM \\
 {pcre_class(ranges(lm))}
@@ -84,6 +85,7 @@ def main():
 // added to \\p{{N}}
 #define DI_PRETOK_EXTRA_N \\
 {pcre_class(ranges(nn))}
+// clang-format on
 """)
     print(f"LM {len(lm)} ({len(ranges(lm))} ranges), PS {len(ps)}, N {len(nn)} -> {out}", file=sys.stderr)
 

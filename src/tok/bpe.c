@@ -26,7 +26,9 @@ void di_bpe_ids_deinit(di_bpe_ids *a) {
     memset(a, 0, sizeof *a);
 }
 
-void di_bpe_scratch_init(di_bpe_scratch *s) { memset(s, 0, sizeof *s); }
+void di_bpe_scratch_init(di_bpe_scratch *s) {
+    memset(s, 0, sizeof *s);
+}
 
 void di_bpe_scratch_deinit(di_bpe_scratch *s) {
     di_free(s->sym);
@@ -156,11 +158,13 @@ static di_status encode_heap(const di_vocab *v, di_bpe_scratch *s, const char *p
         if (next[nx] >= 0) prev[next[nx]] = pos;
         if (prev[pos] >= 0) {
             int32_t pp = prev[pos], pr = pair_rank(v, sym[pp], sym[pos]);
-            if (pr != INT32_MAX) heap_push(heap, &hn, ((uint64_t)(uint32_t)pr << 32) | (uint32_t)pp);
+            if (pr != INT32_MAX)
+                heap_push(heap, &hn, ((uint64_t)(uint32_t)pr << 32) | (uint32_t)pp);
         }
         if (next[pos] >= 0) {
             int32_t nr = pair_rank(v, sym[pos], sym[next[pos]]);
-            if (nr != INT32_MAX) heap_push(heap, &hn, ((uint64_t)(uint32_t)nr << 32) | (uint32_t)pos);
+            if (nr != INT32_MAX)
+                heap_push(heap, &hn, ((uint64_t)(uint32_t)nr << 32) | (uint32_t)pos);
         }
     }
     for (int32_t i = 0; i >= 0; i = next[i]) {
@@ -176,5 +180,6 @@ di_status di_bpe_encode_piece(const di_vocab *v, di_bpe_scratch *s, const char *
     if (n == 1) return di_bpe_ids_push(out, v->byte_id[(uint8_t)piece[0]]);
     di_status st = scratch_reserve(s, n);
     if (st != DI_OK) return st;
-    return n <= SCAN_MAX_BYTES ? encode_scan(v, s, piece, n, out) : encode_heap(v, s, piece, n, out);
+    return n <= SCAN_MAX_BYTES ? encode_scan(v, s, piece, n, out)
+                               : encode_heap(v, s, piece, n, out);
 }

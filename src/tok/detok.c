@@ -54,7 +54,8 @@ void di_detok_flush(di_detok *d, const char **text, size_t *n_bytes) {
     di_buf_clear(&d->out);
     // Cannot fail for want of memory: out holds at least one earlier token's worth or is grown
     // by at most 3 * 3 bytes here; on failure nothing is emitted.
-    if (di_utf8_append_lossy(&d->out, d->held, d->n_held, true, NULL) != DI_OK) di_buf_clear(&d->out);
+    if (di_utf8_append_lossy(&d->out, d->held, d->n_held, true, NULL) != DI_OK)
+        di_buf_clear(&d->out);
     d->n_held = 0;
     *text = d->out.data ? d->out.data : "";
     *n_bytes = d->out.len;

@@ -29,12 +29,12 @@ struct di_parse {
     di_parse_emit_fn emit;
     void *user;
     stage st;
-    bool leading;     // drop leading newlines of the reasoning/content section
-    int32_t n_calls;  // calls begun
-    bool call_open;   // a call has begun and not ended
-    int32_t n_params; // parameters of the open call
-    di_buf pending;   // owned: bytes not yet processed (held back)
-    di_buf scratch;   // owned: escaped text for events
+    bool leading;       // drop leading newlines of the reasoning/content section
+    int32_t n_calls;    // calls begun
+    bool call_open;     // a call has begun and not ended
+    int32_t n_params;   // parameters of the open call
+    di_buf pending;     // owned: bytes not yet processed (held back)
+    di_buf scratch;     // owned: escaped text for events
     di_buf param_names; // owned: NUL-separated parameter names of the open call
     di_buf cur_name;    // owned: name of the parameter being read
     di_detok *detok;    // owned, created on the first token
@@ -91,12 +91,18 @@ void di_parse_destroy(di_parse *p) {
     di_free(p);
 }
 
-bool di_parse_finished(const di_parse *p) { return p->st == ST_FINISHED; }
-uint32_t di_parse_flags(const di_parse *p) { return p->flags; }
+bool di_parse_finished(const di_parse *p) {
+    return p->st == ST_FINISHED;
+}
+uint32_t di_parse_flags(const di_parse *p) {
+    return p->flags;
+}
 
 // ---- events ----
 
-static bool calls_visible(const di_parse *p) { return p->opt.tools_enabled; }
+static bool calls_visible(const di_parse *p) {
+    return p->opt.tools_enabled;
+}
 
 static void emit(di_parse *p, di_parse_event_kind kind, const char *text, size_t n) {
     bool call_ev = kind >= DI_PARSE_EVENT_TOOL_CALL_BEGIN;
@@ -114,13 +120,27 @@ static di_status emit_escaped(di_parse *p, const char *s, size_t n) {
         unsigned char c = (unsigned char)s[i];
         char e[8];
         switch (c) {
-        case '"': st = di_buf_append(&p->scratch, "\\\"", 2); break;
-        case '\\': st = di_buf_append(&p->scratch, "\\\\", 2); break;
-        case '\n': st = di_buf_append(&p->scratch, "\\n", 2); break;
-        case '\r': st = di_buf_append(&p->scratch, "\\r", 2); break;
-        case '\t': st = di_buf_append(&p->scratch, "\\t", 2); break;
-        case '\b': st = di_buf_append(&p->scratch, "\\b", 2); break;
-        case '\f': st = di_buf_append(&p->scratch, "\\f", 2); break;
+        case '"':
+            st = di_buf_append(&p->scratch, "\\\"", 2);
+            break;
+        case '\\':
+            st = di_buf_append(&p->scratch, "\\\\", 2);
+            break;
+        case '\n':
+            st = di_buf_append(&p->scratch, "\\n", 2);
+            break;
+        case '\r':
+            st = di_buf_append(&p->scratch, "\\r", 2);
+            break;
+        case '\t':
+            st = di_buf_append(&p->scratch, "\\t", 2);
+            break;
+        case '\b':
+            st = di_buf_append(&p->scratch, "\\b", 2);
+            break;
+        case '\f':
+            st = di_buf_append(&p->scratch, "\\f", 2);
+            break;
         default:
             if (c < 0x20) {
                 snprintf(e, sizeof e, "\\u%04x", c);
@@ -140,25 +160,35 @@ static void emit_section(di_parse *p, const char *s, size_t n) {
         while (n && *s == '\n') s++, n--;
         if (n) p->leading = false;
     }
-    if (p->st == ST_REASONING) emit(p, DI_PARSE_EVENT_REASONING, s, n);
-    else if (p->st == ST_CONTENT) emit(p, DI_PARSE_EVENT_CONTENT, s, n);
+    if (p->st == ST_REASONING)
+        emit(p, DI_PARSE_EVENT_REASONING, s, n);
+    else if (p->st == ST_CONTENT)
+        emit(p, DI_PARSE_EVENT_CONTENT, s, n);
 }
 
 // Bytes of the current stage that are not part of a label.
 static di_status stage_text(di_parse *p, const char *s, size_t n) {
     switch (p->st) {
     case ST_REASONING:
-    case ST_CONTENT: emit_section(p, s, n); return DI_OK;
-    case ST_TOOL_NAME: emit(p, DI_PARSE_EVENT_TOOL_NAME, s, n); return DI_OK;
+    case ST_CONTENT:
+        emit_section(p, s, n);
+        return DI_OK;
+    case ST_TOOL_NAME:
+        emit(p, DI_PARSE_EVENT_TOOL_NAME, s, n);
+        return DI_OK;
     case ST_PARAM_NAME:
         if (di_buf_append(&p->cur_name, s, n) != DI_OK) return DI_ERR_NOMEM;
         return emit_escaped(p, s, n);
-    case ST_VALUE_STR: return emit_escaped(p, s, n);
-    case ST_VALUE_RAW: emit(p, DI_PARSE_EVENT_ARGS_DELTA, s, n); return DI_OK;
+    case ST_VALUE_STR:
+        return emit_escaped(p, s, n);
+    case ST_VALUE_RAW:
+        emit(p, DI_PARSE_EVENT_ARGS_DELTA, s, n);
+        return DI_OK;
     case ST_FINISHED:
         if (n) p->flags |= DI_PARSE_FLAG_CONTENT_AFTER_FINISHED;
         return DI_OK;
-    default: return DI_OK; // markup between labels is dropped
+    default:
+        return DI_OK; // markup between labels is dropped
     }
 }
 
@@ -171,8 +201,18 @@ typedef struct label {
 } label;
 
 enum {
-    L_THINK_END, L_DSML, L_STRAY_DSML, L_DSML_CLOSE, L_INVOKE, L_PARAM, L_END_V4, L_END_V41, L_QUOTE, L_TRUE,
-    L_FALSE, L_STOP0,
+    L_THINK_END,
+    L_DSML,
+    L_STRAY_DSML,
+    L_DSML_CLOSE,
+    L_INVOKE,
+    L_PARAM,
+    L_END_V4,
+    L_END_V41,
+    L_QUOTE,
+    L_TRUE,
+    L_FALSE,
+    L_STOP0,
 };
 
 static size_t stage_labels(const di_parse *p, label *l) {
@@ -199,7 +239,9 @@ static size_t stage_labels(const di_parse *p, label *l) {
         ADD(k_end_v41, L_END_V41);
         break;
     case ST_TOOL_NAME:
-    case ST_PARAM_NAME: ADD("\"", L_QUOTE); break;
+    case ST_PARAM_NAME:
+        ADD("\"", L_QUOTE);
+        break;
     case ST_ARGS:
         ADD(k_param, L_PARAM);
         ADD(k_dsml_close, L_DSML_CLOSE);
@@ -209,8 +251,11 @@ static size_t stage_labels(const di_parse *p, label *l) {
         ADD("false\">", L_FALSE);
         break;
     case ST_VALUE_STR:
-    case ST_VALUE_RAW: ADD(k_dsml_close, L_DSML_CLOSE); break;
-    case ST_FINISHED: break;
+    case ST_VALUE_RAW:
+        ADD(k_dsml_close, L_DSML_CLOSE);
+        break;
+    case ST_FINISHED:
+        break;
     }
 #undef ADD
     return n;
@@ -253,7 +298,9 @@ static di_status take_label(di_parse *p, int id) {
         p->st = ST_TOOL_NAME;
         return DI_OK;
     case L_END_V4:
-    case L_END_V41: p->st = ST_FINISHED; return DI_OK;
+    case L_END_V41:
+        p->st = ST_FINISHED;
+        return DI_OK;
     case L_QUOTE:
         if (p->st == ST_TOOL_NAME) {
             emit(p, DI_PARSE_EVENT_TOOL_NAME_END, NULL, 0);
@@ -285,7 +332,9 @@ static di_status take_label(di_parse *p, int id) {
         emit(p, DI_PARSE_EVENT_ARGS_DELTA, "\"", 1);
         p->st = ST_VALUE_STR;
         return DI_OK;
-    case L_FALSE: p->st = ST_VALUE_RAW; return DI_OK;
+    case L_FALSE:
+        p->st = ST_VALUE_RAW;
+        return DI_OK;
     case L_DSML_CLOSE:
         if (p->st == ST_VALUE_STR) emit(p, DI_PARSE_EVENT_ARGS_DELTA, "\"", 1);
         if (p->st == ST_ARGS) {
@@ -470,7 +519,9 @@ void di_parse_result_emit(void *user, const di_parse_event *ev) {
         r->has_reasoning = true;
         di_buf_append(&r->reasoning, ev->text, ev->len);
         break;
-    case DI_PARSE_EVENT_CONTENT: di_buf_append(&r->content, ev->text, ev->len); break;
+    case DI_PARSE_EVENT_CONTENT:
+        di_buf_append(&r->content, ev->text, ev->len);
+        break;
     case DI_PARSE_EVENT_TOOL_CALL_BEGIN: {
         di_parse_call *nc = di_realloc(r->calls, (r->n_calls + 1) * sizeof *nc);
         if (!nc) break;
@@ -495,7 +546,8 @@ void di_parse_result_emit(void *user, const di_parse_event *ev) {
             r->n_calls--;
         }
         break;
-    default: break;
+    default:
+        break;
     }
 }
 

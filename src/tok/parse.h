@@ -27,16 +27,16 @@
 typedef enum di_parse_stage {
     DI_PARSE_STAGE_REASONING = 0, // after "<think>" (thinking mode)
     DI_PARSE_STAGE_CONTENT,       // after "</think>" (chat mode, or a closed prefix)
-    DI_PARSE_STAGE_TOOL_CALLS,    // after a forced "<｜DSML｜tool_calls>\n" (tool_choice=required)
+    DI_PARSE_STAGE_TOOL_CALLS, // after a forced "<｜DSML｜tool_calls>\n" (tool_choice=required)
 } di_parse_stage;
 
 typedef enum di_parse_event_kind {
-    DI_PARSE_EVENT_REASONING = 0,  // text: reasoning bytes
-    DI_PARSE_EVENT_CONTENT,        // text: answer bytes
+    DI_PARSE_EVENT_REASONING = 0, // text: reasoning bytes
+    DI_PARSE_EVENT_CONTENT,       // text: answer bytes
     DI_PARSE_EVENT_TOOL_CALL_BEGIN,
-    DI_PARSE_EVENT_TOOL_NAME,      // text: bytes of the name (may come in pieces)
+    DI_PARSE_EVENT_TOOL_NAME, // text: bytes of the name (may come in pieces)
     DI_PARSE_EVENT_TOOL_NAME_END,
-    DI_PARSE_EVENT_ARGS_DELTA,     // text: JSON text of the arguments, in pieces
+    DI_PARSE_EVENT_ARGS_DELTA, // text: JSON text of the arguments, in pieces
     DI_PARSE_EVENT_TOOL_CALL_END,
     DI_PARSE_EVENT_TOOL_CALL_ABORT, // the open call was incomplete at the end and is discarded
 } di_parse_event_kind;
@@ -52,7 +52,7 @@ typedef void (*di_parse_emit_fn)(void *user, const di_parse_event *ev);
 
 typedef enum di_parse_finish {
     DI_PARSE_FINISH_NONE = 0,
-    DI_PARSE_FINISH_STOP,       // EOS or the end of a tool-call block
+    DI_PARSE_FINISH_STOP, // EOS or the end of a tool-call block
     DI_PARSE_FINISH_STOP_SEQUENCE,
     DI_PARSE_FINISH_LENGTH,     // the caller ran out of tokens
     DI_PARSE_FINISH_TOOL_CALLS, // stopped with at least one complete tool call
@@ -69,8 +69,8 @@ enum {
 
 typedef struct di_parse_options {
     di_parse_stage start;
-    bool tools_enabled;            // false: DSML blocks are stripped, no call events
-    const char *const *stop;       // borrowed stop strings (content only); may be NULL
+    bool tools_enabled;      // false: DSML blocks are stripped, no call events
+    const char *const *stop; // borrowed stop strings (content only); may be NULL
     size_t n_stop;
 } di_parse_options;
 
@@ -100,11 +100,11 @@ typedef struct di_parse_call {
 } di_parse_call;
 
 typedef struct di_parse_result {
-    di_buf reasoning; // owned
-    di_buf content;   // owned
+    di_buf reasoning;     // owned
+    di_buf content;       // owned
     di_parse_call *calls; // owned
     size_t n_calls;
-    bool has_reasoning;   // a reasoning section was present
+    bool has_reasoning; // a reasoning section was present
     di_parse_finish finish;
     uint32_t flags;
 } di_parse_result;

@@ -8,6 +8,7 @@
  */
 #pragma once
 
+// clang-format off
 // added to [\p{L}\p{M}] (and to the excluded set [^\r\n\p{L}\p{P}\p{S}])
 #define DI_PRETOK_EXTRA_LM \
     "\\x{897}\\x{cf3}\\x{ece}\\x{1c89}-\\x{1c8a}\\x{a7cb}-\\x{a7cd}" \
@@ -41,3 +42,4 @@
     "\\x{11f50}-\\x{11f59}\\x{16130}-\\x{16139}\\x{16d70}-\\x{16d79}" \
     "\\x{1ccf0}-\\x{1ccf9}\\x{1d2c0}-\\x{1d2d3}\\x{1e4f0}-\\x{1e4f9}" \
     "\\x{1e5f1}-\\x{1e5fa}"
+// clang-format on

@@ -28,15 +28,31 @@
 
 // Strings that are special tokens wherever the template writes them.
 static const char *const k_specials[] = {
-    S_BOS, S_EOS, S_USER, S_ASSISTANT, S_SYSTEM, S_REMINDER, S_THINK, S_UNTHINK, S_DSML, S_IMAGE,
-    "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>", "<｜read_url｜>",
-    "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>",
+    S_BOS,
+    S_EOS,
+    S_USER,
+    S_ASSISTANT,
+    S_SYSTEM,
+    S_REMINDER,
+    S_THINK,
+    S_UNTHINK,
+    S_DSML,
+    S_IMAGE,
+    "<｜action｜>",
+    "<｜query｜>",
+    "<｜authority｜>",
+    "<｜domain｜>",
+    "<｜title｜>",
+    "<｜read_url｜>",
+    "<｜fim▁begin｜>",
+    "<｜fim▁hole｜>",
+    "<｜fim▁end｜>",
 };
 
 static const char *const k_task_token[] = {
-    [DI_RENDER_TASK_ACTION] = "<｜action｜>", [DI_RENDER_TASK_QUERY] = "<｜query｜>",
+    [DI_RENDER_TASK_ACTION] = "<｜action｜>",       [DI_RENDER_TASK_QUERY] = "<｜query｜>",
     [DI_RENDER_TASK_AUTHORITY] = "<｜authority｜>", [DI_RENDER_TASK_DOMAIN] = "<｜domain｜>",
-    [DI_RENDER_TASK_TITLE] = "<｜title｜>", [DI_RENDER_TASK_READ_URL] = "<｜read_url｜>",
+    [DI_RENDER_TASK_TITLE] = "<｜title｜>",         [DI_RENDER_TASK_READ_URL] = "<｜read_url｜>",
 };
 
 static const char k_effort_a[] =
@@ -171,13 +187,27 @@ static di_status pystr(const char *s, size_t n, di_buf *b) {
         const char *esc = NULL;
         char u[8];
         switch (c) {
-        case '"': esc = "\\\""; break;
-        case '\\': esc = "\\\\"; break;
-        case '\n': esc = "\\n"; break;
-        case '\r': esc = "\\r"; break;
-        case '\t': esc = "\\t"; break;
-        case '\b': esc = "\\b"; break;
-        case '\f': esc = "\\f"; break;
+        case '"':
+            esc = "\\\"";
+            break;
+        case '\\':
+            esc = "\\\\";
+            break;
+        case '\n':
+            esc = "\\n";
+            break;
+        case '\r':
+            esc = "\\r";
+            break;
+        case '\t':
+            esc = "\\t";
+            break;
+        case '\b':
+            esc = "\\b";
+            break;
+        case '\f':
+            esc = "\\f";
+            break;
         default:
             if (c < 0x20) {
                 snprintf(u, sizeof u, "\\u%04x", c);
@@ -267,17 +297,25 @@ di_status di_render_pyjson(const json_t *v, di_buf *b) {
         }
         return st == DI_OK ? di_buf_append(b, "]", 1) : st;
     }
-    case JSON_STRING: return pystr(json_string_value(v), json_string_length(v), b);
-    case JSON_INTEGER: return di_buf_printf(b, "%lld", (long long)json_integer_value(v));
-    case JSON_REAL: return pyfloat(json_real_value(v), b);
-    case JSON_TRUE: return di_buf_append_str(b, "true");
-    case JSON_FALSE: return di_buf_append_str(b, "false");
-    case JSON_NULL: return di_buf_append_str(b, "null");
+    case JSON_STRING:
+        return pystr(json_string_value(v), json_string_length(v), b);
+    case JSON_INTEGER:
+        return di_buf_printf(b, "%lld", (long long)json_integer_value(v));
+    case JSON_REAL:
+        return pyfloat(json_real_value(v), b);
+    case JSON_TRUE:
+        return di_buf_append_str(b, "true");
+    case JSON_FALSE:
+        return di_buf_append_str(b, "false");
+    case JSON_NULL:
+        return di_buf_append_str(b, "null");
     }
     return DI_ERR_INVALID;
 }
 
-static di_status put_pyjson(di_render_out *o, const json_t *v) { return di_render_pyjson(v, &o->text); }
+static di_status put_pyjson(di_render_out *o, const json_t *v) {
+    return di_render_pyjson(v, &o->text);
+}
 
 // ---- working messages ----
 
@@ -301,8 +339,8 @@ typedef struct wmsg {
     di_render_task task;
     bool prefix;
     const char *tool_call_id; // borrowed
-    char *owned_content; // owned (merged system text), or NULL
-    wblock *blocks;      // owned when merged user/tool turn; NULL: use content
+    char *owned_content;      // owned (merged system text), or NULL
+    wblock *blocks;           // owned when merged user/tool turn; NULL: use content
     size_t n_blocks;
     const di_render_block *user_blocks; // borrowed content blocks of a plain message
     size_t n_user_blocks;
@@ -385,8 +423,8 @@ static di_status normalize_system(const di_render_conv *c, wlist *w) {
 
 // §1.2 step 3: request tools / response format onto the first system message.
 static di_status attach_request_tools(const di_render_conv *c, wlist *w) {
-    bool tools = c->tools && json_array_size(c->tools) > 0 &&
-                 c->tool_choice != DI_RENDER_TOOL_CHOICE_NONE;
+    bool tools =
+        c->tools && json_array_size(c->tools) > 0 && c->tool_choice != DI_RENDER_TOOL_CHOICE_NONE;
     bool rf = c->response_format && !json_is_null(c->response_format);
     if (!tools && !rf) return DI_OK;
     size_t i = 0;
@@ -412,8 +450,10 @@ static di_status merge_tools(wlist *in, wlist *out) {
         wmsg *m = &in->m[i];
         wmsg *last = out->n ? &out->m[out->n - 1] : NULL;
         if (m->role == DI_RENDER_ROLE_TOOL) {
-            wblock b = {.is_tool_result = true, .text = m->content ? m->content : "",
-                        .sub = m->user_blocks, .n_sub = m->n_user_blocks,
+            wblock b = {.is_tool_result = true,
+                        .text = m->content ? m->content : "",
+                        .sub = m->user_blocks,
+                        .n_sub = m->n_user_blocks,
                         .tool_use_id = m->tool_call_id};
             if (last && last->role == DI_RENDER_ROLE_USER && last->blocks) {
                 if ((st = block_push(last, &b)) != DI_OK) return st;
@@ -426,7 +466,8 @@ static di_status merge_tools(wlist *in, wlist *out) {
                 }
             }
         } else if (m->role == DI_RENDER_ROLE_USER) {
-            wblock b = {.text = m->content ? m->content : "", .sub = m->user_blocks,
+            wblock b = {.text = m->content ? m->content : "",
+                        .sub = m->user_blocks,
                         .n_sub = m->n_user_blocks};
             if (last && last->role == DI_RENDER_ROLE_USER && last->blocks &&
                 last->task == DI_RENDER_TASK_NONE) {
@@ -477,8 +518,8 @@ static void sort_tool_results(wlist *w) {
                 if (!m->blocks[b].is_tool_result) continue;
                 size_t ka = 0, kb = 0;
                 for (size_t k = 0; k < n_calls; k++) {
-                    // the first call with an id wins, as a Python dict built in order keeps the last;
-                    // ids are unique in practice
+                    // the first call with an id wins, as a Python dict built in order keeps the
+                    // last; ids are unique in practice
                     if (calls[k].id && m->blocks[a].tool_use_id &&
                         strcmp(calls[k].id, m->blocks[a].tool_use_id) == 0)
                         ka = k;
@@ -547,7 +588,8 @@ static di_status render_tools_block(rctx *r, const json_t *tools) {
         if (st == DI_OK) st = put(r->o, "{\"name\": ");
         if (st == DI_OK) st = put_pyjson(r->o, name);
         if (st == DI_OK) st = put(r->o, ", \"description\": ");
-        if (st == DI_OK) st = desc && !json_is_null(desc) ? put_pyjson(r->o, desc) : put(r->o, "\"\"");
+        if (st == DI_OK)
+            st = desc && !json_is_null(desc) ? put_pyjson(r->o, desc) : put(r->o, "\"\"");
         if (st == DI_OK) st = put(r->o, ", \"parameters\": ");
         if (st == DI_OK) st = params ? put_pyjson(r->o, params) : put(r->o, "{}");
         if (st == DI_OK) st = put(r->o, "}");
@@ -584,7 +626,8 @@ static di_status render_calls(rctx *r, const di_render_call *calls, size_t n) {
                 if (st == DI_OK) st = put(r->o, key);
                 if (json_is_string(val)) {
                     if (st == DI_OK) st = put(r->o, "\" string=\"true\">");
-                    if (st == DI_OK) st = put_n(r->o, json_string_value(val), json_string_length(val));
+                    if (st == DI_OK)
+                        st = put_n(r->o, json_string_value(val), json_string_length(val));
                 } else {
                     if (st == DI_OK) st = put(r->o, "\" string=\"false\">");
                     if (st == DI_OK) st = put_pyjson(r->o, val);
@@ -609,8 +652,10 @@ static di_status render_sub_blocks(rctx *r, const di_render_block *b, size_t n) 
     for (size_t i = 0; i < n && st == DI_OK; i++) {
         if (i) st = put(r->o, "\n\n");
         if (st != DI_OK) break;
-        if (b[i].is_image) st = r->v41 ? tpl(r, S_IMAGE) : put(r->o, "[Unsupported image]");
-        else st = put(r->o, b[i].text);
+        if (b[i].is_image)
+            st = r->v41 ? tpl(r, S_IMAGE) : put(r->o, "[Unsupported image]");
+        else
+            st = put(r->o, b[i].text);
     }
     return st;
 }
@@ -624,7 +669,8 @@ static di_status render_user_content(rctx *r, const wmsg *m) {
         if (st != DI_OK) break;
         if (b->is_tool_result) {
             st = put(r->o, "<tool_result>");
-            if (st == DI_OK) st = b->n_sub ? render_sub_blocks(r, b->sub, b->n_sub) : put(r->o, b->text);
+            if (st == DI_OK)
+                st = b->n_sub ? render_sub_blocks(r, b->sub, b->n_sub) : put(r->o, b->text);
             if (st == DI_OK) st = put(r->o, "</tool_result>");
         } else {
             st = b->n_sub ? render_sub_blocks(r, b->sub, b->n_sub) : put(r->o, b->text);
@@ -638,8 +684,10 @@ static di_status render_effort(rctx *r) {
     if (!c->thinking) return DI_OK;
     int32_t e = c->effort == DI_RENDER_EFFORT_DEFAULT ? DI_RENDER_EFFORT_HIGH : c->effort;
     if (r->v41) {
-        int32_t n = e == DI_RENDER_EFFORT_LOW ? 50 : e == DI_RENDER_EFFORT_HIGH ? 75
-                    : e == DI_RENDER_EFFORT_MAX ? 100 : e;
+        int32_t n = e == DI_RENDER_EFFORT_LOW    ? 50
+                    : e == DI_RENDER_EFFORT_HIGH ? 75
+                    : e == DI_RENDER_EFFORT_MAX  ? 100
+                                                 : e;
         char line[160];
         snprintf(line, sizeof line,
                  "Reasoning Effort: %d (range 1-100, the higher the value, the more thorough the "
@@ -738,7 +786,8 @@ static di_status render_message(rctx *r, const wlist *w, size_t idx, bool drop) 
         DI_TRY(tpl(r, c->thinking ? S_THINK : S_UNTHINK));
         return tpl(r, k_task_token[m->task]);
     }
-    bool user_side = is_user_side(m->role) || (r->v41 && m->role == DI_RENDER_ROLE_SYSTEM && idx > 0 && last);
+    bool user_side =
+        is_user_side(m->role) || (r->v41 && m->role == DI_RENDER_ROLE_SYSTEM && idx > 0 && last);
     if (user_side) {
         DI_TRY(tpl(r, S_ASSISTANT));
         bool think = c->thinking && (!drop || lu == SIZE_MAX || idx >= lu);
@@ -772,7 +821,8 @@ di_status di_render_conv_text(const di_render_conv *c, di_render_out *out) {
             return DI_ERR_INVALID;
         }
     } else if (c->effort > 0 || c->effort < DI_RENDER_EFFORT_MAX) {
-        DI_LOG_ERROR("render: Invalid reasoning effort: %d (dsv4 takes low|high|max)", (int)c->effort);
+        DI_LOG_ERROR("render: Invalid reasoning effort: %d (dsv4 takes low|high|max)",
+                     (int)c->effort);
         return DI_ERR_INVALID;
     }
     for (size_t i = 0; i < c->n_msgs; i++) {
@@ -788,10 +838,17 @@ di_status di_render_conv_text(const di_render_conv *c, di_render_out *out) {
             st = DI_ERR_INVALID;
             goto fail;
         }
-        wmsg w = {.role = m->role, .content = m->content, .reasoning = m->reasoning,
-                  .calls = m->calls, .n_calls = m->n_calls, .tools = m->tools,
-                  .response_format = m->response_format, .task = m->task, .prefix = m->prefix,
-                  .user_blocks = m->blocks, .n_user_blocks = m->n_blocks};
+        wmsg w = {.role = m->role,
+                  .content = m->content,
+                  .reasoning = m->reasoning,
+                  .calls = m->calls,
+                  .n_calls = m->n_calls,
+                  .tools = m->tools,
+                  .response_format = m->response_format,
+                  .task = m->task,
+                  .prefix = m->prefix,
+                  .user_blocks = m->blocks,
+                  .n_user_blocks = m->n_blocks};
         w.tool_call_id = m->tool_call_id;
         DI_TRY(wlist_push(&a, &w));
     }
@@ -834,7 +891,8 @@ di_status di_render_ids(const di_tokenizer *tok, const di_render_out *r, int32_t
         int32_t id = di_vocab_find(di_tokenizer_vocab(tok), text + end, n);
         if (id < 0) {
             DI_LOG_ERROR("render: the tokenizer has no token \"%.*s\" (wrong tokenizer for this "
-                         "encoding?)", (int)n, text + end);
+                         "encoding?)",
+                         (int)n, text + end);
             st = DI_ERR_UNSUPPORTED;
             break;
         }
@@ -948,11 +1006,14 @@ static di_status parse_effort(const json_t *v, int32_t *out) {
     const char *s = json_string_value(v);
     if (!s) goto bad;
     // API-level mapping (§1.5): minimal/low → low, medium/high/xhigh → high, max/ultra → max
-    if (!strcmp(s, "low") || !strcmp(s, "minimal")) *out = DI_RENDER_EFFORT_LOW;
+    if (!strcmp(s, "low") || !strcmp(s, "minimal"))
+        *out = DI_RENDER_EFFORT_LOW;
     else if (!strcmp(s, "high") || !strcmp(s, "medium") || !strcmp(s, "xhigh"))
         *out = DI_RENDER_EFFORT_HIGH;
-    else if (!strcmp(s, "max") || !strcmp(s, "ultra")) *out = DI_RENDER_EFFORT_MAX;
-    else goto bad;
+    else if (!strcmp(s, "max") || !strcmp(s, "ultra"))
+        *out = DI_RENDER_EFFORT_MAX;
+    else
+        goto bad;
     return DI_OK;
 bad:
     DI_LOG_ERROR("render: Invalid reasoning effort (bools, floats and unknown names are rejected)");
@@ -962,9 +1023,12 @@ bad:
 static const struct {
     const char *name;
     int value;
-} k_roles[] = {{"system", DI_RENDER_ROLE_SYSTEM},       {"user", DI_RENDER_ROLE_USER},
-               {"assistant", DI_RENDER_ROLE_ASSISTANT}, {"tool", DI_RENDER_ROLE_TOOL},
-               {"developer", DI_RENDER_ROLE_DEVELOPER}, {"latest_reminder", DI_RENDER_ROLE_LATEST_REMINDER}},
+} k_roles[] = {{"system", DI_RENDER_ROLE_SYSTEM},
+               {"user", DI_RENDER_ROLE_USER},
+               {"assistant", DI_RENDER_ROLE_ASSISTANT},
+               {"tool", DI_RENDER_ROLE_TOOL},
+               {"developer", DI_RENDER_ROLE_DEVELOPER},
+               {"latest_reminder", DI_RENDER_ROLE_LATEST_REMINDER}},
   k_tasks[] = {{"action", DI_RENDER_TASK_ACTION},       {"query", DI_RENDER_TASK_QUERY},
                {"authority", DI_RENDER_TASK_AUTHORITY}, {"domain", DI_RENDER_TASK_DOMAIN},
                {"title", DI_RENDER_TASK_TITLE},         {"read_url", DI_RENDER_TASK_READ_URL}};
@@ -1012,8 +1076,8 @@ static di_status parse_msg(conv_mem *cm, const json_t *jm, di_render_msg *m, siz
     }
     const json_t *rf = json_object_get(jm, "response_format");
     if (rf && !json_is_null(rf)) m->response_format = rf;
-    m->prefix = json_is_true(json_object_get(jm, "prefix")) ||
-                json_is_true(json_object_get(jm, "wo_eos"));
+    m->prefix =
+        json_is_true(json_object_get(jm, "prefix")) || json_is_true(json_object_get(jm, "wo_eos"));
     const json_t *calls = json_object_get(jm, "tool_calls");
     if (calls && !json_is_null(calls)) {
         if (!json_is_array(calls)) {
@@ -1092,7 +1156,8 @@ di_status di_render_conv_from_json(const json_t *doc, di_render_conv *conv, void
             conv->thinking = json_is_true(json_object_get(doc, "thinking"));
         if (st == DI_OK) st = parse_effort(json_object_get(doc, "reasoning_effort"), &conv->effort);
         if ((s = json_string_value(json_object_get(doc, "encoding")))) {
-            if (!strcmp(s, "dsv41")) conv->encoding = DI_RENDER_ENCODING_DSV41;
+            if (!strcmp(s, "dsv41"))
+                conv->encoding = DI_RENDER_ENCODING_DSV41;
             else if (strcmp(s, "dsv4") != 0) {
                 DI_LOG_ERROR("render: encoding must be dsv4 or dsv41");
                 st = DI_ERR_INVALID;
@@ -1102,8 +1167,10 @@ di_status di_render_conv_from_json(const json_t *doc, di_render_conv *conv, void
             conv->effort_table = !strcmp(s, "v4_0731") ? DI_RENDER_EFFORT_TABLE_V4_0731
                                                        : DI_RENDER_EFFORT_TABLE_V4_0424;
         if ((s = json_string_value(json_object_get(doc, "tool_choice")))) {
-            if (!strcmp(s, "none")) conv->tool_choice = DI_RENDER_TOOL_CHOICE_NONE;
-            else if (!strcmp(s, "required")) conv->tool_choice = DI_RENDER_TOOL_CHOICE_REQUIRED;
+            if (!strcmp(s, "none"))
+                conv->tool_choice = DI_RENDER_TOOL_CHOICE_NONE;
+            else if (!strcmp(s, "required"))
+                conv->tool_choice = DI_RENDER_TOOL_CHOICE_REQUIRED;
         }
         conv->keep_reasoning = json_is_false(json_object_get(doc, "drop_thinking"));
         conv->normalize_system = json_is_true(json_object_get(doc, "normalize_system"));

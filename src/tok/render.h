@@ -50,14 +50,14 @@ typedef struct di_render_call {
 
 // One content block of a user/tool/system message (V4.1 images, tool-result text parts).
 typedef struct di_render_block {
-    bool is_image;    // an image placeholder (V4.1: <｜deepseek_image｜>; V4: "[Unsupported image]")
+    bool is_image; // an image placeholder (V4.1: <｜deepseek_image｜>; V4: "[Unsupported image]")
     const char *text; // borrowed text of a text block
 } di_render_block;
 
 typedef struct di_render_msg {
     di_render_role role;
-    const char *content;   // borrowed; NULL = absent (renders as "")
-    const char *reasoning; // borrowed reasoning_content; NULL = absent
+    const char *content;           // borrowed; NULL = absent (renders as "")
+    const char *reasoning;         // borrowed reasoning_content; NULL = absent
     const di_render_block *blocks; // borrowed; used instead of content when n_blocks > 0
     size_t n_blocks;
     const di_render_call *calls; // borrowed
@@ -101,12 +101,12 @@ typedef struct di_render_conv {
     di_render_tool_choice tool_choice;
     di_render_encoding encoding;
     di_render_effort_table effort_table; // dsv4 only
-    bool thinking;            // thinking mode (else chat / non-think)
-    int32_t effort;           // DI_RENDER_EFFORT_* or, for dsv41, 1..100
-    bool keep_reasoning;      // disables drop_thinking (§1.7); default false
-    bool normalize_system;    // recipe normalisation of system messages (§1.2 step 2); the API
-                              // layer sets it, parity tests with the official encoder do not
-    bool no_bos;              // do not start with BOS
+    bool thinking;                       // thinking mode (else chat / non-think)
+    int32_t effort;                      // DI_RENDER_EFFORT_* or, for dsv41, 1..100
+    bool keep_reasoning;                 // disables drop_thinking (§1.7); default false
+    bool normalize_system; // recipe normalisation of system messages (§1.2 step 2); the API
+                           // layer sets it, parity tests with the official encoder do not
+    bool no_bos;           // do not start with BOS
 } di_render_conv;
 
 typedef struct di_render_out {

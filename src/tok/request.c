@@ -13,7 +13,9 @@
 
 // ---- shared helpers ----
 
-static json_t *msg(const char *role) { return json_pack("{s:s}", "role", role); }
+static json_t *msg(const char *role) {
+    return json_pack("{s:s}", "role", role);
+}
 
 static const char *effort_from_thinking(const json_t *req, bool *thinking) {
     // Chat: {"thinking": {"type": "enabled"|"disabled"}}, "reasoning_effort"; default on
@@ -34,10 +36,12 @@ static json_t *content_to_official(const json_t *c) {
         const char *t = json_string_value(json_object_get(b, "type"));
         if (json_is_string(b)) {
             json_array_append_new(blocks, json_pack("{s:s,s:O}", "type", "text", "text", b));
-        } else if (t && (!strcmp(t, "text") || !strcmp(t, "input_text") || !strcmp(t, "output_text"))) {
-            json_array_append_new(blocks, json_pack("{s:s,s:O}", "type", "text", "text",
-                                                    json_object_get(b, "text")));
-        } else if (t && (!strcmp(t, "image") || !strcmp(t, "image_url") || !strcmp(t, "input_image"))) {
+        } else if (t &&
+                   (!strcmp(t, "text") || !strcmp(t, "input_text") || !strcmp(t, "output_text"))) {
+            json_array_append_new(
+                blocks, json_pack("{s:s,s:O}", "type", "text", "text", json_object_get(b, "text")));
+        } else if (t &&
+                   (!strcmp(t, "image") || !strcmp(t, "image_url") || !strcmp(t, "input_image"))) {
             json_array_append_new(blocks, json_pack("{s:s}", "type", "image"));
         }
     }
@@ -59,10 +63,13 @@ static json_t *from_chat(const json_t *req) {
     json_array_foreach(in, i, m) {
         json_t *c = json_deep_copy(m);
         const char *role = json_string_value(json_object_get(c, "role"));
-        if (role && !strcmp(role, "developer")) json_object_set_new(c, "role", json_string("system"));
+        if (role && !strcmp(role, "developer"))
+            json_object_set_new(c, "role", json_string("system"));
         json_t *content = content_to_official(json_object_get(m, "content"));
-        if (content) json_object_set_new(c, "content", content);
-        else json_object_del(c, "content");
+        if (content)
+            json_object_set_new(c, "content", content);
+        else
+            json_object_del(c, "content");
         json_array_append_new(msgs, c);
     }
     json_object_set_new(out, "messages", msgs);
@@ -74,8 +81,10 @@ static json_t *from_chat(const json_t *req) {
     const json_t *tools = json_object_get(req, "tools");
     if (tools) json_object_set(out, "tools", (json_t *)tools);
     const json_t *tc = json_object_get(req, "tool_choice");
-    if (json_is_string(tc)) json_object_set(out, "tool_choice", (json_t *)tc);
-    else if (json_is_object(tc)) json_object_set_new(out, "tool_choice", json_string("required"));
+    if (json_is_string(tc))
+        json_object_set(out, "tool_choice", (json_t *)tc);
+    else if (json_is_object(tc))
+        json_object_set_new(out, "tool_choice", json_string("required"));
     const json_t *rf = json_object_get(req, "response_format");
     const char *rft = json_string_value(json_object_get(rf, "type"));
     if (rft && strcmp(rft, "text") != 0) json_object_set(out, "response_format", (json_t *)rf);
@@ -111,7 +120,8 @@ static json_t *from_responses(const json_t *req) {
             json_t *content = content_to_official(json_object_get(it, "content"));
             if (content) json_object_set_new(mm, "content", content);
             if (asst && last_asst && !json_object_get(last_asst, "content")) {
-                json_object_set_new(last_asst, "content", content ? json_incref(content) : json_string(""));
+                json_object_set_new(last_asst, "content",
+                                    content ? json_incref(content) : json_string(""));
                 json_decref(mm);
                 continue;
             }
@@ -124,7 +134,8 @@ static json_t *from_responses(const json_t *req) {
             }
             const json_t *c = json_object_get(it, "content");
             const json_t *t0 = json_object_get(json_array_get(c, 0), "text");
-            if (!t0) t0 = json_object_get(json_array_get(json_object_get(it, "summary"), 0), "text");
+            if (!t0)
+                t0 = json_object_get(json_array_get(json_object_get(it, "summary"), 0), "text");
             if (json_is_string(t0)) json_object_set(last_asst, "reasoning_content", (json_t *)t0);
         } else if (type && !strcmp(type, "function_call")) {
             if (!last_asst) {
@@ -133,10 +144,11 @@ static json_t *from_responses(const json_t *req) {
             }
             json_t *calls = json_object_get(last_asst, "tool_calls");
             if (!calls) json_object_set_new(last_asst, "tool_calls", calls = json_array());
-            json_array_append_new(calls, json_pack("{s:O?,s:s,s:{s:O?,s:O?}}", "id",
-                                                   json_object_get(it, "call_id"), "type", "function",
-                                                   "function", "name", json_object_get(it, "name"),
-                                                   "arguments", json_object_get(it, "arguments")));
+            json_array_append_new(calls,
+                                  json_pack("{s:O?,s:s,s:{s:O?,s:O?}}", "id",
+                                            json_object_get(it, "call_id"), "type", "function",
+                                            "function", "name", json_object_get(it, "name"),
+                                            "arguments", json_object_get(it, "arguments")));
         } else if (type && !strcmp(type, "function_call_output")) {
             json_t *t = msg("tool");
             json_object_set(t, "tool_call_id", json_object_get(it, "call_id"));
@@ -239,10 +251,11 @@ static json_t *from_messages(const json_t *req) {
             } else if (!strcmp(t, "tool_use")) {
                 if (!calls) json_object_set_new(cur, "tool_calls", calls = json_array());
                 json_t *args = json_object_get(b, "input");
-                json_array_append_new(calls, json_pack("{s:O?,s:s,s:{s:O?,s:O}}", "id",
-                                                       json_object_get(b, "id"), "type", "function",
-                                                       "function", "name", json_object_get(b, "name"),
-                                                       "arguments", args ? args : json_object()));
+                json_array_append_new(calls,
+                                      json_pack("{s:O?,s:s,s:{s:O?,s:O}}", "id",
+                                                json_object_get(b, "id"), "type", "function",
+                                                "function", "name", json_object_get(b, "name"),
+                                                "arguments", args ? args : json_object()));
             }
         }
     }
@@ -255,7 +268,8 @@ static json_t *from_messages(const json_t *req) {
         json_array_foreach(c, k, b) {
             const char *t = json_string_value(json_object_get(b, "text"));
             if (!t) continue;
-            json_t *n = json_sprintf("%s%s%s", json_string_value(s), json_string_length(s) ? "\n\n" : "", t);
+            json_t *n = json_sprintf("%s%s%s", json_string_value(s),
+                                     json_string_length(s) ? "\n\n" : "", t);
             json_decref(s);
             s = n;
         }
@@ -279,10 +293,13 @@ static json_t *from_messages(const json_t *req) {
         }
         json_object_set_new(out, "tools", ot);
     }
-    const char *tct = json_string_value(json_object_get(json_object_get(req, "tool_choice"), "type"));
-    if (tct) json_object_set_new(out, "tool_choice", json_string(!strcmp(tct, "none") ? "none"
-                                                                 : !strcmp(tct, "auto") ? "auto"
-                                                                                        : "required"));
+    const char *tct =
+        json_string_value(json_object_get(json_object_get(req, "tool_choice"), "type"));
+    if (tct)
+        json_object_set_new(out, "tool_choice",
+                            json_string(!strcmp(tct, "none")   ? "none"
+                                        : !strcmp(tct, "auto") ? "auto"
+                                                               : "required"));
     return out;
 }
 
@@ -304,11 +321,16 @@ di_status di_render_request(const di_tokenizer *tok, const char *request_json, s
         return DI_ERR_INVALID;
     }
     json_t *doc = NULL;
-    if (api == DI_RENDER_API_RAW) doc = json_incref(req);
-    else if (!json_is_object(req)) doc = NULL;
-    else if (api == DI_RENDER_API_CHAT) doc = from_chat(req);
-    else if (api == DI_RENDER_API_RESPONSES) doc = from_responses(req);
-    else if (api == DI_RENDER_API_MESSAGES) doc = from_messages(req);
+    if (api == DI_RENDER_API_RAW)
+        doc = json_incref(req);
+    else if (!json_is_object(req))
+        doc = NULL;
+    else if (api == DI_RENDER_API_CHAT)
+        doc = from_chat(req);
+    else if (api == DI_RENDER_API_RESPONSES)
+        doc = from_responses(req);
+    else if (api == DI_RENDER_API_MESSAGES)
+        doc = from_messages(req);
     di_status st = DI_OK;
     void *mem = NULL;
     di_render_conv conv;
@@ -321,7 +343,8 @@ di_status di_render_request(const di_tokenizer *tok, const char *request_json, s
     }
     if (api != DI_RENDER_API_RAW) {
         json_object_set_new(doc, "encoding", json_string(o.encoding == 1 ? "dsv41" : "dsv4"));
-        json_object_set_new(doc, "effort_table", json_string(o.effort_table_0731 ? "v4_0731" : "v4_0424"));
+        json_object_set_new(doc, "effort_table",
+                            json_string(o.effort_table_0731 ? "v4_0731" : "v4_0424"));
         json_object_set_new(doc, "normalize_system", json_boolean(!o.official));
     }
     st = di_render_conv_from_json(doc, &conv, &mem);

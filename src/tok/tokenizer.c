@@ -18,9 +18,9 @@
 // ---- contexts ----
 
 typedef struct enc_ctx {
-    di_pretok_ctx *pre;    // owned
-    di_bpe_scratch bpe;    // owned
-    struct enc_ctx *next;  // free-list link
+    di_pretok_ctx *pre;   // owned
+    di_bpe_scratch bpe;   // owned
+    struct enc_ctx *next; // free-list link
 } enc_ctx;
 
 struct di_tokenizer {
@@ -138,13 +138,19 @@ void di_tokenizer_destroy(di_tokenizer *tok) {
     di_free(tok);
 }
 
-void di_tok_free(void *p) { di_free(p); }
+void di_tok_free(void *p) {
+    di_free(p);
+}
 
-const di_vocab *di_tokenizer_vocab(const di_tokenizer *tok) { return tok->vocab; }
+const di_vocab *di_tokenizer_vocab(const di_tokenizer *tok) {
+    return tok->vocab;
+}
 
 // ---- lookups ----
 
-int32_t di_tokenizer_n_vocab(const di_tokenizer *tok) { return tok->vocab->n_vocab; }
+int32_t di_tokenizer_n_vocab(const di_tokenizer *tok) {
+    return tok->vocab->n_vocab;
+}
 
 int32_t di_tokenizer_token_id(const di_tokenizer *tok, const char *text) {
     return text ? di_vocab_find(tok->vocab, text, strlen(text)) : -1;
@@ -174,7 +180,8 @@ size_t di_utf8_valid_prefix(const char *s, size_t n) {
         }
         size_t len;
         unsigned char lo = 0x80, hi = 0xBF;
-        if (c >= 0xC2 && c <= 0xDF) len = 2;
+        if (c >= 0xC2 && c <= 0xDF)
+            len = 2;
         else if (c >= 0xE0 && c <= 0xEF) {
             len = 3;
             if (c == 0xE0) lo = 0xA0;
@@ -204,7 +211,8 @@ size_t di_utf8_invalid_len(const char *s, size_t n, bool final, bool *need_more)
     size_t len;
     unsigned char lo = 0x80, hi = 0xBF;
     if (c < 0x80) return 0;
-    if (c >= 0xC2 && c <= 0xDF) len = 2;
+    if (c >= 0xC2 && c <= 0xDF)
+        len = 2;
     else if (c >= 0xE0 && c <= 0xEF) {
         len = 3;
         if (c == 0xE0) lo = 0xA0;
@@ -349,8 +357,8 @@ di_status di_tokenizer_decode_raw(const di_tokenizer *tok, const int32_t *ids, s
     for (size_t i = 0; i < n_ids; i++) {
         int32_t id = ids[i];
         if (skip_special && (v->tok_flags[id] & DI_VOCAB_FLAG_SPECIAL)) continue;
-        di_status st = di_buf_append(out, v->tok_bytes + v->tok_off[id],
-                                     v->tok_off[id + 1] - v->tok_off[id]);
+        di_status st =
+            di_buf_append(out, v->tok_bytes + v->tok_off[id], v->tok_off[id + 1] - v->tok_off[id]);
         if (st != DI_OK) return st;
     }
     return di_buf_append(out, "", 0);

@@ -123,7 +123,8 @@ fail:
 
 // Code point that byte b is written as in byte-level token strings.
 static uint32_t byte_to_cp(int b) {
-    if ((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255)) return (uint32_t)b;
+    if ((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255))
+        return (uint32_t)b;
     int n = 0;
     for (int c = 0; c < b; c++)
         if (!((c >= 33 && c <= 126) || (c >= 161 && c <= 172) || (c >= 174 && c <= 255))) n++;
@@ -410,7 +411,8 @@ static di_status load_doc(const json_t *doc, di_vocab **out) {
     json_array_foreach((json_t *)added, i_added, a) {
         const json_t *idv = json_object_get(a, "id");
         if (!json_is_integer(idv) || json_integer_value(idv) < 0 ||
-            json_integer_value(idv) >= (1 << 24) || !json_is_string(json_object_get(a, "content")) ||
+            json_integer_value(idv) >= (1 << 24) ||
+            !json_is_string(json_object_get(a, "content")) ||
             json_string_length(json_object_get(a, "content")) == 0) {
             DI_LOG_ERROR("tokenizer.json: added_tokens[%zu] has a bad id or content", i_added);
             return DI_ERR_FORMAT;

@@ -37,24 +37,24 @@ typedef struct di_vocab_trie {
 } di_vocab_trie;
 
 struct di_vocab {
-    int32_t n_vocab;       // highest id + 1
-    int32_t n_model;       // tokens of the BPE model itself
-    uint32_t *tok_off;     // owned [n_vocab + 1]: token i's decoded bytes are bytes[off[i], off[i+1])
-    char *tok_bytes;       // owned
-    uint8_t *tok_flags;    // owned [n_vocab]: DI_VOCAB_FLAG_*
-    int32_t byte_id[256];  // id of the token for each single byte
+    int32_t n_vocab;    // highest id + 1
+    int32_t n_model;    // tokens of the BPE model itself
+    uint32_t *tok_off;  // owned [n_vocab + 1]: token i's decoded bytes are bytes[off[i], off[i+1])
+    char *tok_bytes;    // owned
+    uint8_t *tok_flags; // owned [n_vocab]: DI_VOCAB_FLAG_*
+    int32_t byte_id[256]; // id of the token for each single byte
     size_t max_token_bytes;
 
     // merges: open addressing on (left << 32 | right) → (rank, merged id)
-    uint64_t *merge_keys;  // owned [merge_cap]; UINT64_MAX = empty slot
-    int32_t *merge_rank;   // owned [merge_cap]
-    int32_t *merge_id;     // owned [merge_cap]
-    size_t merge_cap;      // power of two
+    uint64_t *merge_keys; // owned [merge_cap]; UINT64_MAX = empty slot
+    int32_t *merge_rank;  // owned [merge_cap]
+    int32_t *merge_id;    // owned [merge_cap]
+    size_t merge_cap;     // power of two
     int32_t n_merges;
 
     // exact token lookup: bytes → id over every token (model and added)
-    int32_t *tok_hash;     // owned [tok_hash_cap]; -1 = empty
-    size_t tok_hash_cap;   // power of two
+    int32_t *tok_hash;   // owned [tok_hash_cap]; -1 = empty
+    size_t tok_hash_cap; // power of two
 
     // Added tokens are split out of template text first by a leftmost-longest match over the
     // tokens marked normalized=false, then, in the gaps, over those marked normalized=true —

@@ -44,7 +44,8 @@ static bool stream_ok(const int32_t *ids, size_t n_ids, const char *text, size_t
     for (size_t i = 0; i < n_ids && ok; i++) {
         const char *t;
         size_t m;
-        if (di_detok_push(d, ids[i], &t, &m) != DI_OK || len + m > n) ok = false;
+        if (di_detok_push(d, ids[i], &t, &m) != DI_OK || len + m > n)
+            ok = false;
         else {
             if (di_utf8_valid_prefix(t, m) != m) ok = false;
             memcpy(acc + len, t, m);
@@ -96,8 +97,10 @@ static void test_corpus(void) {
         size_t n_ids = 0;
         n_rec++;
         if (di_tokenizer_encode(g_tok, t, n, true, &ids, &n_ids) == DI_OK) {
-            if (ids_equal(ids, n_ids, js)) n_special_ok++;
-            else print_mismatch("special", t, n, ids, n_ids, js);
+            if (ids_equal(ids, n_ids, js))
+                n_special_ok++;
+            else
+                print_mismatch("special", t, n, ids, n_ids, js);
             char *back;
             size_t n_back;
             if (di_tokenizer_decode(g_tok, ids, n_ids, false, &back, &n_back) == DI_OK) {
@@ -108,15 +111,18 @@ static void test_corpus(void) {
             di_tok_free(ids);
         }
         if (di_tokenizer_encode(g_tok, t, n, false, &ids, &n_ids) == DI_OK) {
-            if (ids_equal(ids, n_ids, jp)) n_plain_ok++;
-            else print_mismatch("plain", t, n, ids, n_ids, jp);
+            if (ids_equal(ids, n_ids, jp))
+                n_plain_ok++;
+            else
+                print_mismatch("plain", t, n, ids, n_ids, jp);
             di_tok_free(ids);
         }
         json_decref(rec);
     }
     di_free(data);
-    fprintf(stderr, "corpus: %zu strings; special ids %zu/%zu, plain ids %zu/%zu, decode %zu/%zu, "
-                    "stream %zu/%zu identical\n",
+    fprintf(stderr,
+            "corpus: %zu strings; special ids %zu/%zu, plain ids %zu/%zu, decode %zu/%zu, "
+            "stream %zu/%zu identical\n",
             n_rec, n_special_ok, n_rec, n_plain_ok, n_rec, n_rt_ok, n_rec, n_stream_ok, n_rec);
     CHECK_EQ(n_rec, n_declared);
     CHECK(n_rec >= 100000);
@@ -157,7 +163,7 @@ static void test_invalid_input(void) {
     size_t n = 7;
     const char bad[] = {'a', (char)0xC3, 'b'}; // truncated 2-byte sequence
     CHECK_EQ(di_tokenizer_encode(g_tok, bad, 3, true, &ids, &n), DI_ERR_INVALID);
-    CHECK(ids == (int32_t *)1 && n == 7); // outputs untouched on failure
+    CHECK(ids == (int32_t *)1 && n == 7);                    // outputs untouched on failure
     const char sur[] = {(char)0xED, (char)0xA0, (char)0x80}; // a UTF-8 encoded surrogate
     CHECK_EQ(di_tokenizer_encode(g_tok, sur, 3, false, &ids, &n), DI_ERR_INVALID);
     const char nul[] = {'a', 0, 'b'}; // NUL is valid text
@@ -181,7 +187,8 @@ static void test_lossy_decode(void) {
     char *t;
     size_t n;
     CHECK(di_tokenizer_decode(g_tok, ids, 7, false, &t, &n) == DI_OK);
-    CHECK_STR_EQ(t, "\xEF\xBF\xBD" "a\xEF\xBF\xBD中");
+    CHECK_STR_EQ(t, "\xEF\xBF\xBD"
+                    "a\xEF\xBF\xBD中");
     di_tok_free(t);
     // streaming: the first two bytes are held until 'a' shows they can never complete
     di_detok *d;
@@ -190,7 +197,10 @@ static void test_lossy_decode(void) {
     CHECK(di_detok_push(d, ids[0], &s, &n) == DI_OK && n == 0);
     CHECK(di_detok_push(d, ids[1], &s, &n) == DI_OK && n == 0);
     CHECK(di_detok_push(d, ids[2], &s, &n) == DI_OK);
-    CHECK(n == 4 && memcmp(s, "\xEF\xBF\xBD" "a", 4) == 0);
+    CHECK(n == 4 && memcmp(s,
+                           "\xEF\xBF\xBD"
+                           "a",
+                           4) == 0);
     CHECK(di_detok_push(d, ids[4], &s, &n) == DI_OK && n == 0);
     CHECK(di_detok_push(d, 129280, &s, &n) == DI_ERR_INVALID); // state unchanged
     CHECK(di_detok_push(d, ids[5], &s, &n) == DI_OK && n == 0);

@@ -13,14 +13,16 @@
 
 static di_tokenizer *g_tok;
 static unsigned g_rng = 12345;
-static unsigned rnd(void) { return g_rng = g_rng * 1103515245u + 12345u, (g_rng >> 16) & 0x7fff; }
+static unsigned rnd(void) {
+    return g_rng = g_rng * 1103515245u + 12345u, (g_rng >> 16) & 0x7fff;
+}
 
 // Completion text of assistant message `am` (JSON) after a one-user prompt, as the model would
 // write it: rendered [user, assistant] minus the rendered [user] prompt.
 static char *completion_of(const json_t *am, bool v41, bool thinking) {
-    json_t *doc = json_pack("{s:[{s:s,s:s},O],s:s,s:s,s:b}", "messages", "role", "user",
-                            "content", "q", am, "encoding", v41 ? "dsv41" : "dsv4",
-                            "thinking_mode", thinking ? "thinking" : "chat", "drop_thinking", 0);
+    json_t *doc = json_pack("{s:[{s:s,s:s},O],s:s,s:s,s:b}", "messages", "role", "user", "content",
+                            "q", am, "encoding", v41 ? "dsv41" : "dsv4", "thinking_mode",
+                            thinking ? "thinking" : "chat", "drop_thinking", 0);
     json_t *doc1 = json_pack("{s:[{s:s,s:s}],s:s,s:s,s:b}", "messages", "role", "user", "content",
                              "q", "encoding", v41 ? "dsv41" : "dsv4", "thinking_mode",
                              thinking ? "thinking" : "chat", "drop_thinking", 0);
@@ -30,9 +32,10 @@ static char *completion_of(const json_t *am, bool v41, bool thinking) {
     di_render_out o, o1;
     di_render_out_init(&o);
     di_render_out_init(&o1);
-    if (di_render_conv_from_json(doc, &c, &m) == DI_OK && di_render_conv_from_json(doc1, &c1, &m1) == DI_OK &&
-        di_render_conv_text(&c, &o) == DI_OK && di_render_conv_text(&c1, &o1) == DI_OK &&
-        o.text.len >= o1.text.len && memcmp(o.text.data, o1.text.data, o1.text.len) == 0)
+    if (di_render_conv_from_json(doc, &c, &m) == DI_OK &&
+        di_render_conv_from_json(doc1, &c1, &m1) == DI_OK && di_render_conv_text(&c, &o) == DI_OK &&
+        di_render_conv_text(&c1, &o1) == DI_OK && o.text.len >= o1.text.len &&
+        memcmp(o.text.data, o1.text.data, o1.text.len) == 0)
         res = strdup(o.text.data + o1.text.len);
     di_render_out_deinit(&o);
     di_render_out_deinit(&o1);
@@ -88,8 +91,8 @@ static void check_roundtrip(const json_t *am, bool v41, bool thinking) {
         json_t *b = json_loads(r.calls[i].arguments.data, 0, &e);
         ok &= a && b && json_equal(a, b);
         if (!(a && b && json_equal(a, b)))
-            fprintf(stderr, "  args: %s vs %s\n", json_string_value(json_object_get(fn, "arguments")),
-                    r.calls[i].arguments.data);
+            fprintf(stderr, "  args: %s vs %s\n",
+                    json_string_value(json_object_get(fn, "arguments")), r.calls[i].arguments.data);
         json_decref(a);
         json_decref(b);
     }
@@ -98,8 +101,10 @@ static void check_roundtrip(const json_t *am, bool v41, bool thinking) {
     CHECK(ok);
     if (!ok) {
         char *js = json_dumps(am, JSON_COMPACT);
-        fprintf(stderr, "round trip failed for %s\n  completion: %s\n  got reasoning \"%s\" content \"%s\" "
-                        "%zu calls finish %d flags %u\n", js, text, r.reasoning.data ? r.reasoning.data : "",
+        fprintf(stderr,
+                "round trip failed for %s\n  completion: %s\n  got reasoning \"%s\" content \"%s\" "
+                "%zu calls finish %d flags %u\n",
+                js, text, r.reasoning.data ? r.reasoning.data : "",
                 r.content.data ? r.content.data : "", r.n_calls, r.finish, r.flags);
         free(js);
     } else {
@@ -144,20 +149,24 @@ static void test_official_roundtrip(void) {
 }
 
 static json_t *call(const char *name, const char *args) {
-    return json_pack("{s:s,s:{s:s,s:s}}", "type", "function", "function", "name", name,
-                     "arguments", args);
+    return json_pack("{s:s,s:{s:s,s:s}}", "type", "function", "function", "name", name, "arguments",
+                     args);
 }
 
 static void test_synthetic_roundtrip(void) {
     const char *args[] = {
-        "{}", "{\"location\": \"Beijing\"}", "{\"n\": 5, \"x\": -1.5e-07, \"big\": 12345678901234}",
+        "{}",
+        "{\"location\": \"Beijing\"}",
+        "{\"n\": 5, \"x\": -1.5e-07, \"big\": 12345678901234}",
         "{\"o\": {\"a\": [1, 2, {\"b\": null}]}, \"t\": true, \"f\": false}",
         "{\"q\": \"say \\\"hi\\\"\\nnew line\\ttab \\\\ back\"}",
-        "{\"uni\": \"中文 😀 ñ\", \"arr\": [\"x\", \"y\"]}", "{\"empty\": \"\"}",
-        "{\"s\": \"</think> <think> a < b > c\"}", "{\"nested\": \"{\\\"json\\\": 1}\"}",
+        "{\"uni\": \"中文 😀 ñ\", \"arr\": [\"x\", \"y\"]}",
+        "{\"empty\": \"\"}",
+        "{\"s\": \"</think> <think> a < b > c\"}",
+        "{\"nested\": \"{\\\"json\\\": 1}\"}",
     };
-    const char *contents[] = {"", "Sure.", "Line one\nline two", "中文回答 😀", "x < y && y > z",
-                              "ends with newline\n"};
+    const char *contents[] = {"",           "Sure.",          "Line one\nline two",
+                              "中文回答 😀", "x < y && y > z", "ends with newline\n"};
     const char *reasonings[] = {"", "Think about it.", "Multi\nline\n\nreasoning", "推理过程"};
     int n = 0;
     for (int it = 0; it < 300; it++) {
@@ -168,10 +177,10 @@ static void test_synthetic_roundtrip(void) {
             snprintf(name, sizeof name, "tool_%d", (int)(rnd() % 100));
             json_array_append_new(calls, call(name, args[rnd() % (sizeof args / sizeof *args)]));
         }
-        json_t *m = json_pack("{s:s,s:s,s:s,s:o}", "role", "assistant", "content",
-                              contents[rnd() % (sizeof contents / sizeof *contents)],
-                              "reasoning_content", reasonings[rnd() % (sizeof reasonings / sizeof *reasonings)],
-                              "tool_calls", calls);
+        json_t *m = json_pack(
+            "{s:s,s:s,s:s,s:o}", "role", "assistant", "content",
+            contents[rnd() % (sizeof contents / sizeof *contents)], "reasoning_content",
+            reasonings[rnd() % (sizeof reasonings / sizeof *reasonings)], "tool_calls", calls);
         check_roundtrip(m, rnd() % 2, true);
         json_decref(m);
         n++;
@@ -224,7 +233,8 @@ static void run_split(const char *text, size_t n, const size_t *cuts, size_t n_c
     di_buf_init(&t->b);
     // "<｜" is a prefix of the DSML label: any split must still give the whole-text result
     const char *stops[] = {"STOP!", "\n\nEND", "<｜"};
-    di_parse_options opt = {.start = DI_PARSE_STAGE_REASONING, .tools_enabled = true, .stop = stops, .n_stop = 3};
+    di_parse_options opt = {
+        .start = DI_PARSE_STAGE_REASONING, .tools_enabled = true, .stop = stops, .n_stop = 3};
     di_parse *p;
     CHECK(di_parse_create(&opt, tr_emit, t, &p) == DI_OK);
     size_t pos = 0;
@@ -240,16 +250,20 @@ static void run_split(const char *text, size_t n, const size_t *cuts, size_t n_c
 
 static void test_splits(void) {
     const char *texts[] = {
-        "\n\nreason 中文 </think>\n\nanswer 😀\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n"
+        "\n\nreason 中文 </think>\n\nanswer 😀\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke "
+        "name=\"f\">\n"
         "<｜DSML｜parameter name=\"a\" string=\"true\">v \"q\"\n</｜DSML｜parameter>\n"
-        "<｜DSML｜parameter name=\"b\" string=\"false\">[1, 2]</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+        "<｜DSML｜parameter name=\"b\" string=\"false\">[1, "
+        "2]</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
         "<｜DSML｜invoke name=\"g\">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
         "r</think>text with STOP! after",
         "r</think>a </think> b <｜DSML｜ calls>\n<｜DSML｜ invoke name=\"x\">\n<｜DSML｜ parameter "
-        "name=\"k\" string=\"true\">é</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>trailing",
+        "name=\"k\" string=\"true\">é</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ "
+        "calls>trailing",
         "reasoning only, truncated <｜DS",
         "r</think>ans\n\nEND more",
-        "r</think>x\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+        "r</think>x\n<｜DSML｜tool_calls>\n<｜DSML｜invoke "
+        "name=\"f\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
         "r</think>y\n<｜other",
         "r</think>z</｜DSML｜invoke>｜DSML｜w",
     };
@@ -304,7 +318,8 @@ static void test_cases(void) {
     CHECK_STR_EQ(r.content.data, "x");
     di_parse_result_deinit(&r);
     // truncation (length) inside a call: the call is dropped, no markup leaks
-    const char *tr = "r</think>ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"a\" string=\"tr";
+    const char *tr = "r</think>ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke "
+                     "name=\"f\">\n<｜DSML｜parameter name=\"a\" string=\"tr";
     di_parse_result_init(&r);
     CHECK(di_parse_text(&opt, tr, strlen(tr), DI_PARSE_FINISH_LENGTH, &r) == DI_OK);
     CHECK_STR_EQ(r.content.data, "ok");
@@ -313,7 +328,8 @@ static void test_cases(void) {
     CHECK(r.flags & DI_PARSE_FLAG_CALL_ABORTED);
     di_parse_result_deinit(&r);
     // a complete call whose outer closing tag is missing is kept at EOS
-    const char *nc = "r</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\n";
+    const char *nc =
+        "r</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\n";
     di_parse_result_init(&r);
     CHECK(di_parse_text(&opt, nc, strlen(nc), DI_PARSE_FINISH_STOP, &r) == DI_OK);
     CHECK_EQ(r.n_calls, 1);
@@ -322,7 +338,8 @@ static void test_cases(void) {
     di_parse_result_deinit(&r);
     // DSML without tools: stripped, no calls, content kept
     di_parse_options nt = {.start = DI_PARSE_STAGE_CONTENT, .tools_enabled = false};
-    const char *d = "hello\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+    const char *d = "hello\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke "
+                    "name=\"f\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
     di_parse_result_init(&r);
     CHECK(di_parse_text(&nt, d, strlen(d), DI_PARSE_FINISH_STOP, &r) == DI_OK);
     CHECK_STR_EQ(r.content.data, "hello");
@@ -332,14 +349,18 @@ static void test_cases(void) {
     di_parse_result_deinit(&r);
     // forced tool call: parser starts in ToolCalls
     di_parse_options tc = {.start = DI_PARSE_STAGE_TOOL_CALLS, .tools_enabled = true};
-    const char *f = "<｜DSML｜invoke name=\"g\">\n<｜DSML｜parameter name=\"n\" string=\"false\">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+    const char *f =
+        "<｜DSML｜invoke name=\"g\">\n<｜DSML｜parameter name=\"n\" "
+        "string=\"false\">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
     di_parse_result_init(&r);
     CHECK(di_parse_text(&tc, f, strlen(f), DI_PARSE_FINISH_STOP, &r) == DI_OK);
     CHECK(r.n_calls == 1 && strcmp(r.calls[0].name.data, "g") == 0 &&
           strcmp(r.calls[0].arguments.data, "{\"n\": 3}") == 0);
     di_parse_result_deinit(&r);
     // duplicate parameter names are flagged
-    const char *dup = "<｜DSML｜invoke name=\"g\">\n<｜DSML｜parameter name=\"n\" string=\"false\">3</｜DSML｜parameter>\n<｜DSML｜parameter name=\"n\" string=\"false\">4</｜DSML｜parameter>\n</｜DSML｜invoke>";
+    const char *dup = "<｜DSML｜invoke name=\"g\">\n<｜DSML｜parameter name=\"n\" "
+                      "string=\"false\">3</｜DSML｜parameter>\n<｜DSML｜parameter name=\"n\" "
+                      "string=\"false\">4</｜DSML｜parameter>\n</｜DSML｜invoke>";
     di_parse_result_init(&r);
     CHECK(di_parse_text(&tc, dup, strlen(dup), DI_PARSE_FINISH_STOP, &r) == DI_OK);
     CHECK(r.flags & DI_PARSE_FLAG_DUPLICATE_PARAMETER);

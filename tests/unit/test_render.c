@@ -86,10 +86,18 @@ static void check_official(int n) {
     json_decref(doc);
 }
 
-static void test_official_1(void) { check_official(1); }
-static void test_official_2(void) { check_official(2); }
-static void test_official_3(void) { check_official(3); }
-static void test_official_4(void) { check_official(4); }
+static void test_official_1(void) {
+    check_official(1);
+}
+static void test_official_2(void) {
+    check_official(2);
+}
+static void test_official_3(void) {
+    check_official(3);
+}
+static void test_official_4(void) {
+    check_official(4);
+}
 
 // tests/data/tok/render_v41.json: [{"name", "input": {...conversation...}, "text": expected}]
 static void test_vectors_file(void) {
@@ -114,8 +122,10 @@ static void test_vectors_file(void) {
         if (st == DI_OK) st = di_render_conv_text(&conv, &out);
         const char *err_want = json_string_value(json_object_get(v, "error"));
         if (err_want) {
-            if (st != DI_OK) n_ok++;
-            else fprintf(stderr, "vector '%s': expected an error\n", name);
+            if (st != DI_OK)
+                n_ok++;
+            else
+                fprintf(stderr, "vector '%s': expected an error\n", name);
         } else if (st == DI_OK && want && strcmp(out.text.data, want) == 0) {
             n_ok++;
         } else {
@@ -157,8 +167,10 @@ static void test_pyjson(void) {
     check_py("1.7976931348623157e308", "1.7976931348623157e+308");
     check_py("5e-324", "5e-324");
     check_py("123.456e3", "123456.0");
-    check_py("\"a\\\"b\\\\c\\n\\u0001\\u007f/é\\u2028\"", "\"a\\\"b\\\\c\\n\\u0001\x7f/é\xe2\x80\xa8\"");
-    check_py("{\"z\": 1, \"a\": {\"y\": null, \"b\": true}}", "{\"z\": 1, \"a\": {\"y\": null, \"b\": true}}");
+    check_py("\"a\\\"b\\\\c\\n\\u0001\\u007f/é\\u2028\"",
+             "\"a\\\"b\\\\c\\n\\u0001\x7f/é\xe2\x80\xa8\"");
+    check_py("{\"z\": 1, \"a\": {\"y\": null, \"b\": true}}",
+             "{\"z\": 1, \"a\": {\"y\": null, \"b\": true}}");
 }
 
 static di_status render_json(const char *json_in, di_render_out *out) {
@@ -178,8 +190,9 @@ static void test_content_is_plain(void) {
     // spec §5.4: <｜User｜> typed by a user is 5 content tokens; empty chat prompt is 4 ids
     di_render_out out;
     di_render_out_init(&out);
-    CHECK(render_json("{\"thinking_mode\":\"chat\",\"messages\":[{\"role\":\"user\",\"content\":\"\"}]}",
-                      &out) == DI_OK);
+    CHECK(render_json(
+              "{\"thinking_mode\":\"chat\",\"messages\":[{\"role\":\"user\",\"content\":\"\"}]}",
+              &out) == DI_OK);
     int32_t *ids;
     size_t n;
     CHECK(di_render_ids(g_tok, &out, &ids, &n) == DI_OK);
@@ -187,14 +200,16 @@ static void test_content_is_plain(void) {
     CHECK(n == 4 && ids[0] == 0 && ids[1] == 128803 && ids[2] == 128804 && ids[3] == 128822);
     di_tok_free(ids);
     CHECK(render_json("{\"thinking_mode\":\"chat\",\"messages\":[{\"role\":\"user\",\"content\":"
-                      "\"<｜User｜>\"}]}", &out) == DI_OK);
+                      "\"<｜User｜>\"}]}",
+                      &out) == DI_OK);
     CHECK(di_render_ids(g_tok, &out, &ids, &n) == DI_OK);
     CHECK_EQ(n, 9);
     for (size_t i = 2; i < 7 && n == 9; i++) CHECK(ids[i] < 128000);
     di_tok_free(ids);
     // dsv41 needs <｜System｜>, which the V4 tokenizer lacks: a clear error, not silent BPE
-    CHECK(render_json("{\"encoding\":\"dsv41\",\"messages\":[{\"role\":\"user\",\"content\":\"q\"}]}",
-                      &out) == DI_OK);
+    CHECK(
+        render_json("{\"encoding\":\"dsv41\",\"messages\":[{\"role\":\"user\",\"content\":\"q\"}]}",
+                    &out) == DI_OK);
     CHECK_EQ(di_render_ids(g_tok, &out, &ids, &n), DI_ERR_UNSUPPORTED);
     di_render_out_deinit(&out);
 }
@@ -204,18 +219,25 @@ static void test_bad_input(void) {
     di_render_out_init(&out);
     CHECK_EQ(render_json("{\"messages\": 3}", &out), DI_ERR_INVALID);
     CHECK_EQ(render_json("{\"messages\": [{\"role\": \"wizard\"}]}", &out), DI_ERR_INVALID);
-    CHECK_EQ(render_json("{\"messages\": [{\"role\": \"user\", \"content\": 5}]}", &out), DI_ERR_INVALID);
+    CHECK_EQ(render_json("{\"messages\": [{\"role\": \"user\", \"content\": 5}]}", &out),
+             DI_ERR_INVALID);
     CHECK_EQ(render_json("{\"messages\": [{\"role\": \"developer\"}]}", &out), DI_ERR_INVALID);
-    CHECK_EQ(render_json("{\"messages\": [{\"role\": \"assistant\", \"content\": \"x\", \"prefix\": "
-                         "true}, {\"role\": \"user\", \"content\": \"q\"}]}", &out), DI_ERR_INVALID);
-    CHECK_EQ(render_json("{\"reasoning_effort\": 101, \"encoding\": \"dsv41\", \"messages\": []}", &out),
-             DI_ERR_INVALID);
+    CHECK_EQ(
+        render_json("{\"messages\": [{\"role\": \"assistant\", \"content\": \"x\", \"prefix\": "
+                    "true}, {\"role\": \"user\", \"content\": \"q\"}]}",
+                    &out),
+        DI_ERR_INVALID);
+    CHECK_EQ(
+        render_json("{\"reasoning_effort\": 101, \"encoding\": \"dsv41\", \"messages\": []}", &out),
+        DI_ERR_INVALID);
     CHECK_EQ(render_json("{\"reasoning_effort\": true, \"messages\": []}", &out), DI_ERR_INVALID);
-    CHECK_EQ(render_json("{\"reasoning_effort\": 50, \"encoding\": \"dsv4\", \"messages\": []}", &out),
-             DI_ERR_INVALID);
+    CHECK_EQ(
+        render_json("{\"reasoning_effort\": 50, \"encoding\": \"dsv4\", \"messages\": []}", &out),
+        DI_ERR_INVALID);
     CHECK_EQ(render_json("{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{}]}]}", &out),
              DI_ERR_INVALID);
-    CHECK_EQ(render_json("{\"messages\": [{\"role\": \"user\", \"task\": \"fly\"}]}", &out), DI_ERR_INVALID);
+    CHECK_EQ(render_json("{\"messages\": [{\"role\": \"user\", \"task\": \"fly\"}]}", &out),
+             DI_ERR_INVALID);
     di_render_out_deinit(&out);
 }
 
@@ -223,7 +245,8 @@ static void test_fim(void) {
     di_render_out out;
     di_render_out_init(&out);
     CHECK(di_render_fim("def f(", "):\n", &out) == DI_OK);
-    CHECK_STR_EQ(out.text.data, "<｜begin▁of▁sentence｜><｜fim▁begin｜>def f(<｜fim▁hole｜>):\n<｜fim▁end｜>");
+    CHECK_STR_EQ(out.text.data,
+                 "<｜begin▁of▁sentence｜><｜fim▁begin｜>def f(<｜fim▁hole｜>):\n<｜fim▁end｜>");
     int32_t *ids;
     size_t n;
     CHECK(di_render_ids(g_tok, &out, &ids, &n) == DI_OK);

@@ -13,28 +13,37 @@ static char *render(const char *json, di_render_api api, const di_render_options
     return st == DI_OK ? text : NULL;
 }
 
-#define TOOLS_OAI "[{\"type\":\"function\",\"function\":{\"name\":\"w\",\"description\":\"d\",\"parameters\":{\"type\":\"object\"}}}]"
+#define TOOLS_OAI                                                                                  \
+    "[{\"type\":\"function\",\"function\":{\"name\":\"w\",\"description\":\"d\",\"parameters\":{"  \
+    "\"type\":\"object\"}}}]"
 
 static void test_same_prompt_across_apis(void) {
     const char *chat =
         "{\"model\":\"m\",\"messages\":[{\"role\":\"system\",\"content\":\"S\"},"
         "{\"role\":\"user\",\"content\":\"q\"},"
         "{\"role\":\"assistant\",\"content\":\"\",\"reasoning_content\":\"r\",\"tool_calls\":"
-        "[{\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"w\",\"arguments\":\"{\\\"city\\\": \\\"B\\\"}\"}}]},"
+        "[{\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"w\",\"arguments\":\"{"
+        "\\\"city\\\": \\\"B\\\"}\"}}]},"
         "{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":\"sunny\"}],"
         "\"tools\":" TOOLS_OAI "}";
     const char *resp =
         "{\"model\":\"m\",\"instructions\":\"S\",\"input\":[{\"role\":\"user\",\"content\":\"q\"},"
         "{\"type\":\"reasoning\",\"content\":[{\"type\":\"reasoning_text\",\"text\":\"r\"}]},"
-        "{\"type\":\"function_call\",\"call_id\":\"c1\",\"name\":\"w\",\"arguments\":\"{\\\"city\\\": \\\"B\\\"}\"},"
+        "{\"type\":\"function_call\",\"call_id\":\"c1\",\"name\":\"w\",\"arguments\":\"{"
+        "\\\"city\\\": \\\"B\\\"}\"},"
         "{\"type\":\"function_call_output\",\"call_id\":\"c1\",\"output\":\"sunny\"}],"
-        "\"tools\":[{\"type\":\"function\",\"name\":\"w\",\"description\":\"d\",\"parameters\":{\"type\":\"object\"}}]}";
+        "\"tools\":[{\"type\":\"function\",\"name\":\"w\",\"description\":\"d\",\"parameters\":{"
+        "\"type\":\"object\"}}]}";
     const char *msgs =
-        "{\"model\":\"m\",\"max_tokens\":9,\"system\":\"S\",\"messages\":[{\"role\":\"user\",\"content\":\"q\"},"
-        "{\"role\":\"assistant\",\"content\":[{\"type\":\"thinking\",\"thinking\":\"r\",\"signature\":\"x\"},"
+        "{\"model\":\"m\",\"max_tokens\":9,\"system\":\"S\",\"messages\":[{\"role\":\"user\","
+        "\"content\":\"q\"},"
+        "{\"role\":\"assistant\",\"content\":[{\"type\":\"thinking\",\"thinking\":\"r\","
+        "\"signature\":\"x\"},"
         "{\"type\":\"tool_use\",\"id\":\"c1\",\"name\":\"w\",\"input\":{\"city\":\"B\"}}]},"
-        "{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"tool_use_id\":\"c1\",\"content\":\"sunny\"}]}],"
-        "\"tools\":[{\"name\":\"w\",\"description\":\"d\",\"input_schema\":{\"type\":\"object\"}}]}";
+        "{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"tool_use_id\":\"c1\","
+        "\"content\":\"sunny\"}]}],"
+        "\"tools\":[{\"name\":\"w\",\"description\":\"d\",\"input_schema\":{\"type\":\"object\"}}]"
+        "}";
     char *a = render(chat, DI_RENDER_API_CHAT, NULL);
     char *b = render(resp, DI_RENDER_API_RESPONSES, NULL);
     char *c = render(msgs, DI_RENDER_API_MESSAGES, NULL);
@@ -42,9 +51,11 @@ static void test_same_prompt_across_apis(void) {
     if (a && b) CHECK_STR_EQ(b, a);
     if (a && c) CHECK_STR_EQ(c, a);
     if (a) {
-        CHECK(strstr(a, "<｜User｜><tool_result>sunny</tool_result><｜Assistant｜><think>") != NULL);
+        CHECK(strstr(a, "<｜User｜><tool_result>sunny</tool_result><｜Assistant｜><think>") !=
+              NULL);
         CHECK(strstr(a, "<think>r</think>\n\n<｜DSML｜tool_calls>") != NULL);
-        CHECK(strstr(a, "{\"name\": \"w\", \"description\": \"d\", \"parameters\": {\"type\": \"object\"}}") != NULL);
+        CHECK(strstr(a, "{\"name\": \"w\", \"description\": \"d\", \"parameters\": {\"type\": "
+                        "\"object\"}}") != NULL);
     }
     di_tok_free(a);
     di_tok_free(b);
@@ -52,7 +63,8 @@ static void test_same_prompt_across_apis(void) {
 }
 
 static void test_options(void) {
-    const char *req = "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"}],\"reasoning_effort\":\"max\"}";
+    const char *req =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"}],\"reasoning_effort\":\"max\"}";
     char *t = render(req, DI_RENDER_API_CHAT, NULL);
     CHECK(t && strncmp(t, "<｜begin▁of▁sentence｜>Reasoning Effort: Absolute maximum", 50) == 0);
     di_tok_free(t);
@@ -63,10 +75,12 @@ static void test_options(void) {
     di_tok_free(t);
     o.encoding = 1;
     t = render(req, DI_RENDER_API_CHAT, &o);
-    CHECK_STR_EQ(t, "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 100 (range 1-100, the higher the "
-                    "value, the more thorough the reasoning)\n\n<｜User｜>q<｜Assistant｜><think>");
+    CHECK_STR_EQ(
+        t, "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 100 (range 1-100, the higher the "
+           "value, the more thorough the reasoning)\n\n<｜User｜>q<｜Assistant｜><think>");
     di_tok_free(t);
-    const char *chat_off = "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"}],\"thinking\":{\"type\":\"disabled\"}}";
+    const char *chat_off = "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"}],\"thinking\":{"
+                           "\"type\":\"disabled\"}}";
     t = render(chat_off, DI_RENDER_API_CHAT, NULL);
     CHECK_STR_EQ(t, "<｜begin▁of▁sentence｜><｜User｜>q<｜Assistant｜></think>");
     di_tok_free(t);
@@ -86,13 +100,15 @@ static void test_errors(void) {
     CHECK(render("not json", DI_RENDER_API_CHAT, NULL) == NULL);
     CHECK(render("[1, 2]", DI_RENDER_API_CHAT, NULL) == NULL);
     CHECK(render("{\"messages\": 5}", DI_RENDER_API_CHAT, NULL) == NULL);
-    CHECK(render("{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}], \"reasoning_effort\": \"extreme\"}",
+    CHECK(render("{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}], \"reasoning_effort\": "
+                 "\"extreme\"}",
                  DI_RENDER_API_CHAT, NULL) == NULL);
     char *t = render("{\"input\": 5}", DI_RENDER_API_RESPONSES, NULL); // no messages: BOS only
     CHECK_STR_EQ(t, "<｜begin▁of▁sentence｜>");
     di_tok_free(t);
     size_t n;
-    CHECK_EQ(di_render_request(NULL, NULL, 0, DI_RENDER_API_CHAT, NULL, &t, &n, NULL, NULL), DI_ERR_INVALID);
+    CHECK_EQ(di_render_request(NULL, NULL, 0, DI_RENDER_API_CHAT, NULL, &t, &n, NULL, NULL),
+             DI_ERR_INVALID);
 }
 
 int main(void) {

@@ -20,7 +20,9 @@ static void load(void) {
     }
 }
 
-static int32_t id_of(const char *s) { return di_vocab_find(g_v, s, strlen(s)); }
+static int32_t id_of(const char *s) {
+    return di_vocab_find(g_v, s, strlen(s));
+}
 
 static void test_table(void) {
     CHECK_EQ(g_v->n_vocab, 129280);
@@ -95,7 +97,8 @@ static void test_malformed(void) {
     CHECK_EQ(load_str(""), DI_ERR_FORMAT);
     CHECK_EQ(load_str("[]"), DI_ERR_FORMAT);
     CHECK_EQ(load_str("{\"model\": 3}"), DI_ERR_FORMAT);
-    CHECK_EQ(load_str("{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []"), DI_ERR_FORMAT);
+    CHECK_EQ(load_str("{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []"),
+             DI_ERR_FORMAT);
     // truncated gzip
     char p[4096];
     test_src_path("data/tokenizer/deepseek-v4/tokenizer.json", p, sizeof p);

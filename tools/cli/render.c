@@ -46,9 +46,12 @@ int di_cli_render(int argc, char **argv) {
     int enc = -1;
     bool ids_only = false;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--model") && i + 1 < argc) model = argv[++i];
-        else if (!strcmp(argv[i], "--request") && i + 1 < argc) request = argv[++i];
-        else if (!strcmp(argv[i], "--api") && i + 1 < argc) api_s = argv[++i];
+        if (!strcmp(argv[i], "--model") && i + 1 < argc)
+            model = argv[++i];
+        else if (!strcmp(argv[i], "--request") && i + 1 < argc)
+            request = argv[++i];
+        else if (!strcmp(argv[i], "--api") && i + 1 < argc)
+            api_s = argv[++i];
         else if (!strcmp(argv[i], "--encoding") && i + 1 < argc) {
             const char *e = argv[++i];
             enc = !strcmp(e, "dsv41") ? 1 : !strcmp(e, "dsv4") ? 0 : -2;
@@ -58,8 +61,10 @@ int di_cli_render(int argc, char **argv) {
             }
         } else if (!strcmp(argv[i], "--effort-table") && i + 1 < argc) {
             opt.effort_table_0731 = !strcmp(argv[++i], "0731");
-        } else if (!strcmp(argv[i], "--official")) opt.official = true;
-        else if (!strcmp(argv[i], "--ids-only")) ids_only = true;
+        } else if (!strcmp(argv[i], "--official"))
+            opt.official = true;
+        else if (!strcmp(argv[i], "--ids-only"))
+            ids_only = true;
         else if (!strcmp(argv[i], "--help")) {
             printf("usage: deepinfer render [--model DIR] --request FILE.json "
                    "[--api chat|responses|messages|raw]\n"
@@ -73,10 +78,14 @@ int di_cli_render(int argc, char **argv) {
         }
     }
     di_render_api api;
-    if (!strcmp(api_s, "chat")) api = DI_RENDER_API_CHAT;
-    else if (!strcmp(api_s, "responses")) api = DI_RENDER_API_RESPONSES;
-    else if (!strcmp(api_s, "messages")) api = DI_RENDER_API_MESSAGES;
-    else if (!strcmp(api_s, "raw")) api = DI_RENDER_API_RAW;
+    if (!strcmp(api_s, "chat"))
+        api = DI_RENDER_API_CHAT;
+    else if (!strcmp(api_s, "responses"))
+        api = DI_RENDER_API_RESPONSES;
+    else if (!strcmp(api_s, "messages"))
+        api = DI_RENDER_API_MESSAGES;
+    else if (!strcmp(api_s, "raw"))
+        api = DI_RENDER_API_RAW;
     else {
         fprintf(stderr, "deepinfer render: --api is chat, responses, messages or raw\n");
         return 2;
@@ -97,8 +106,7 @@ int di_cli_render(int argc, char **argv) {
     char *text = NULL;
     size_t n_text = 0, n_ids = 0;
     int32_t *ids = NULL;
-    if (st == DI_OK)
-        st = di_render_request(tok, json, n, api, &opt, &text, &n_text, &ids, &n_ids);
+    if (st == DI_OK) st = di_render_request(tok, json, n, api, &opt, &text, &n_text, &ids, &n_ids);
     free(json);
     if (st != DI_OK) {
         fprintf(stderr, "deepinfer render: %s\n", di_status_str(st));

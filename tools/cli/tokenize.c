@@ -15,8 +15,8 @@ static di_tokenizer *load_tok(const char *path, const char *cmd) {
     di_tokenizer *tok = NULL;
     di_status st = path ? di_tokenizer_load(path, &tok) : di_tokenizer_load_for_model(NULL, &tok);
     if (st != DI_OK) {
-        fprintf(stderr, "deepinfer %s: cannot load tokenizer %s: %s\n", cmd, path ? path : "(default)",
-                di_status_str(st));
+        fprintf(stderr, "deepinfer %s: cannot load tokenizer %s: %s\n", cmd,
+                path ? path : "(default)", di_status_str(st));
         return NULL;
     }
     return tok;
@@ -24,7 +24,8 @@ static di_tokenizer *load_tok(const char *path, const char *cmd) {
 
 static void print_ids(const int32_t *ids, size_t n, bool json) {
     if (json) putchar('[');
-    for (size_t i = 0; i < n; i++) printf(json ? "%s%d" : "%s%d", i ? (json ? "," : " ") : "", ids[i]);
+    for (size_t i = 0; i < n; i++)
+        printf(json ? "%s%d" : "%s%d", i ? (json ? "," : " ") : "", ids[i]);
     printf(json ? "]\n" : "\n");
 }
 
@@ -32,20 +33,25 @@ int di_cli_tokenize(int argc, char **argv) {
     const char *tok_path = NULL, *file = NULL, *text = NULL;
     bool special = false;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc) tok_path = argv[++i];
-        else if (!strcmp(argv[i], "--file") && i + 1 < argc) file = argv[++i];
-        else if (!strcmp(argv[i], "--special")) special = true;
+        if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc)
+            tok_path = argv[++i];
+        else if (!strcmp(argv[i], "--file") && i + 1 < argc)
+            file = argv[++i];
+        else if (!strcmp(argv[i], "--special"))
+            special = true;
         else if (!strcmp(argv[i], "--help")) {
-            printf("usage: deepinfer tokenize [--tokenizer FILE] [--special] TEXT\n"
-                   "       deepinfer tokenize [--tokenizer FILE] [--special] --file IN.jsonl\n"
-                   "Text is plain BPE (special-token text becomes ordinary tokens) unless --special.\n"
-                   "With --file each input line is a JSON string; each output line its ids as a "
-                   "JSON array.\n");
+            printf(
+                "usage: deepinfer tokenize [--tokenizer FILE] [--special] TEXT\n"
+                "       deepinfer tokenize [--tokenizer FILE] [--special] --file IN.jsonl\n"
+                "Text is plain BPE (special-token text becomes ordinary tokens) unless --special.\n"
+                "With --file each input line is a JSON string; each output line its ids as a "
+                "JSON array.\n");
             return 0;
         } else if (argv[i][0] == '-' && argv[i][1] == '-') {
             fprintf(stderr, "deepinfer tokenize: unknown option '%s'\n", argv[i]);
             return 2;
-        } else if (!text) text = argv[i];
+        } else if (!text)
+            text = argv[i];
         else {
             fprintf(stderr, "deepinfer tokenize: give the text as one argument\n");
             return 2;
@@ -94,7 +100,8 @@ int di_cli_tokenize(int argc, char **argv) {
                                                special, &ids, &n);
             json_decref(s);
             if (st != DI_OK) {
-                fprintf(stderr, "deepinfer tokenize: %s:%ld: %s\n", file, lineno, di_status_str(st));
+                fprintf(stderr, "deepinfer tokenize: %s:%ld: %s\n", file, lineno,
+                        di_status_str(st));
                 rc = 1;
                 break;
             }
@@ -117,8 +124,10 @@ int di_cli_detokenize(int argc, char **argv) {
     int rc = 0;
     if (!ids) return 1;
     for (int i = 1; i < argc && rc == 0; i++) {
-        if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc) tok_path = argv[++i];
-        else if (!strcmp(argv[i], "--skip-special")) skip = true;
+        if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc)
+            tok_path = argv[++i];
+        else if (!strcmp(argv[i], "--skip-special"))
+            skip = true;
         else if (!strcmp(argv[i], "--help")) {
             printf("usage: deepinfer detokenize [--tokenizer FILE] [--skip-special] [ID...]\n"
                    "Ids come from the arguments or, if none, from stdin (separated by spaces, "
@@ -149,7 +158,8 @@ int di_cli_detokenize(int argc, char **argv) {
                 if (v > 1 << 30) v = 1 << 30;
             } else if (c == '-' && !in) {
                 neg = true;
-            } else if (c == EOF || c == ' ' || c == ',' || c == '\n' || c == '\t' || c == '[' || c == ']' || c == '\r') {
+            } else if (c == EOF || c == ' ' || c == ',' || c == '\n' || c == '\t' || c == '[' ||
+                       c == ']' || c == '\r') {
                 if (in) {
                     if (n == cap) ids = realloc(ids, (cap *= 2) * sizeof *ids);
                     ids[n++] = (int32_t)(neg ? -v : v);
@@ -158,7 +168,8 @@ int di_cli_detokenize(int argc, char **argv) {
                 in = neg = false;
                 if (c == EOF) break;
             } else {
-                fprintf(stderr, "deepinfer detokenize: unexpected character '%c' in the input\n", c);
+                fprintf(stderr, "deepinfer detokenize: unexpected character '%c' in the input\n",
+                        c);
                 rc = 2;
                 break;
             }
