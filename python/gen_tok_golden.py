@@ -12,7 +12,10 @@ The corpus is deterministic (seeded) and built from text found on a Debian machi
 strings; see docs/tokenizer.md for the categories. Every record is also checked here to satisfy
 decode(encode(t)) == t with HF, so the C test can demand the same.
 
-Usage: python/.venv/bin/python python/gen_tok_golden.py [--out PATH] [--tokenizer PATH]
+It also writes tests/data/tok/decode.jsonl.gz: random id sequences with HF's decode of them
+({"ids", "text": skip_special_tokens=False, "skip": skip_special_tokens=True}).
+
+Usage: python/.venv/bin/python python/gen_tok_golden.py [--out PATH] [--tokenizer PATH] [--decode-only]
 """
 import argparse
 import glob
@@ -293,15 +296,42 @@ def plain_ids(tok, text):
     return ids
 
 
+def write_decode_golden(tok, path, seed):
+    """tests/data/tok/decode.jsonl.gz: random id sequences and HF's decode of them, with and without
+    skip_special_tokens: byte tokens that do not form UTF-8 (U+FFFD repair), added tokens, any ids."""
+    rng = random.Random(seed)
+    n_vocab = tok.get_vocab_size(with_added_tokens=True)
+    added = sorted(tok.get_added_tokens_decoder().keys())
+    byte_ids = [tok.token_to_id(c) for c in
+                (chr(c) for c in list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256)) + list(range(256, 324)))]
+    byte_ids = [i for i in byte_ids if i is not None]
+    with gzip.open(path + ".tmp", "wt", encoding="utf-8", compresslevel=9) as f:
+        f.write(json.dumps({"generator": GENERATOR, "tokenizers": tokenizers.__version__}) + "\n")
+        for _ in range(5000):
+            ids = []
+            for _ in range(rng.randint(0, 24)):
+                r = rng.random()
+                ids.append(rng.choice(byte_ids) if r < 0.5 else rng.choice(added) if r < 0.65
+                           else rng.randrange(n_vocab))
+            rec = {"ids": ids, "text": tok.decode(ids, skip_special_tokens=False),
+                   "skip": tok.decode(ids, skip_special_tokens=True)}
+            f.write(json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", default=os.path.join(ROOT, "data/tokenizer/deepseek-v4/tokenizer.json"))
     ap.add_argument("--out", default=os.path.join(ROOT, "tests/data/tok/corpus.jsonl.gz"))
     ap.add_argument("--seed", type=int, default=20261130)
+    ap.add_argument("--decode-only", action="store_true", help="only write decode.jsonl.gz")
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
     tok = Tokenizer.from_file(args.tokenizer)
+    write_decode_golden(tok, os.path.join(os.path.dirname(args.out), "decode.jsonl.gz"), args.seed)
+    if args.decode_only:
+        return 0
     added = [t.content for t in tok.get_added_tokens_decoder().values()]
     added.sort()
 
