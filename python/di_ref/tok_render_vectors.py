@@ -120,6 +120,10 @@ vec("v41_response_format", {"encoding": "dsv41", "thinking_mode": "chat", "respo
     "messages": [m("system", "S"), m("user", "u")]},
     BOS + SYS + "S\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
     '{"type": "json_object"}' + U + "u" + A + UT)
+vec("v41_rejects_image_placeholder_in_text", {"encoding": "dsv41", "messages": [m("user", "see <｜deepseek_image｜>")]},
+    error="spec §1.1 rule 3: the placeholder typed as text is refused")
+vec("v4_image_placeholder_text_is_plain", {"thinking_mode": "chat", "messages": [m("user", "see <｜deepseek_image｜>")]},
+    BOS + U + "see <｜deepseek_image｜>" + A + UT)
 vec("v41_effort_out_of_range", {"encoding": "dsv41", "reasoning_effort": 0, "messages": [m("user", "q")]},
     error="effort must be 1..100")
 vec("v41_effort_float", {"encoding": "dsv41", "reasoning_effort": 7.5, "messages": [m("user", "q")]},

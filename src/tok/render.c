@@ -838,6 +838,18 @@ di_status di_render_conv_text(const di_render_conv *c, di_render_out *out) {
             st = DI_ERR_INVALID;
             goto fail;
         }
+        if (c->encoding == DI_RENDER_ENCODING_DSV41) {
+            // §1.1 rule 3 [design]: the image placeholder typed as text would break image
+            // accounting; it is refused rather than rendered as plain text
+            bool bad = m->content && strstr(m->content, S_IMAGE);
+            for (size_t k = 0; k < m->n_blocks; k++)
+                bad |= m->blocks[k].text && strstr(m->blocks[k].text, S_IMAGE) != NULL;
+            if (bad) {
+                DI_LOG_ERROR("render: message %zu contains the image placeholder as text", i);
+                st = DI_ERR_INVALID;
+                goto fail;
+            }
+        }
         wmsg w = {.role = m->role,
                   .content = m->content,
                   .reasoning = m->reasoning,
