@@ -119,9 +119,13 @@ static void test_official_roundtrip(void) {
     int n_msgs = 0;
     for (int k = 1; k <= 4; k++) {
         char p[4096];
-        const char *sh = getenv("DI_SHARED_DIR");
-        snprintf(p, sizeof p, "%s/%s/reference/deepseek-v4-flash/encoding-tests/test_input_%d.json",
-                 getenv("DI_SOURCE_DIR") ? getenv("DI_SOURCE_DIR") : ".", sh ? sh : "../shared", k);
+        const char *sh = getenv("DI_SHARED_DIR"), *root = getenv("DI_SOURCE_DIR");
+        if (sh)
+            snprintf(p, sizeof p, "%s/reference/deepseek-v4-flash/encoding-tests/test_input_%d.json",
+                     sh, k);
+        else
+            snprintf(p, sizeof p, "%s/tests/data/tok/encoding-tests/test_input_%d.json",
+                     root ? root : ".", k);
         json_error_t e;
         json_t *doc = json_load_file(p, 0, &e);
         CHECK(doc != NULL);

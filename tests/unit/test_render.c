@@ -24,9 +24,11 @@ static char *read_text(const char *rel, size_t *n) {
 
 static const char *ref_dir(void) {
     static char dir[4096];
+    // DeepSeek's official encoder vectors, copied from shared/reference (MIT) so the tests need
+    // nothing outside the repository; DI_SHARED_DIR points at another copy of shared/.
     const char *env = getenv("DI_SHARED_DIR");
-    snprintf(dir, sizeof dir, "%s/reference/deepseek-v4-flash/encoding-tests",
-             env ? env : "../shared");
+    if (env) snprintf(dir, sizeof dir, "%s/reference/deepseek-v4-flash/encoding-tests", env);
+    else snprintf(dir, sizeof dir, "tests/data/tok/encoding-tests");
     return dir;
 }
 
