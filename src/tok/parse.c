@@ -42,6 +42,14 @@ struct di_parse {
     uint32_t flags;
     bool completed_call;
     di_parse_finish finish;
+    // JSON mode filter over content (opt.json_output)
+    int json_state;   // JS_* below
+    char json_hold[8]; // bytes that may still become a fence (before) or its end (fenced)
+    size_t json_n_hold;
+    int32_t json_depth;
+    bool json_in_string, json_escape;
+    di_buf json_out; // owned: filtered bytes of one content event
+    bool json_emitting; // the filter is emitting its output (not to be filtered again)
 };
 
 static const char k_think_end[] = "</think>";
@@ -77,6 +85,7 @@ di_status di_parse_create(const di_parse_options *opt, di_parse_emit_fn emit, vo
     di_buf_init(&p->scratch);
     di_buf_init(&p->param_names);
     di_buf_init(&p->cur_name);
+    di_buf_init(&p->json_out);
     *out = p;
     return DI_OK;
 }
@@ -87,6 +96,7 @@ void di_parse_destroy(di_parse *p) {
     di_buf_deinit(&p->scratch);
     di_buf_deinit(&p->param_names);
     di_buf_deinit(&p->cur_name);
+    di_buf_deinit(&p->json_out);
     di_detok_destroy(p->detok);
     di_free(p);
 }
@@ -104,12 +114,115 @@ static bool calls_visible(const di_parse *p) {
     return p->opt.tools_enabled;
 }
 
+static void json_filter(di_parse *p, const char *text, size_t n, bool end);
+
 static void emit(di_parse *p, di_parse_event_kind kind, const char *text, size_t n) {
+    if (kind == DI_PARSE_EVENT_CONTENT && p->opt.json_output && !p->json_emitting) {
+        json_filter(p, text, n, false);
+        return;
+    }
     bool call_ev = kind >= DI_PARSE_EVENT_TOOL_CALL_BEGIN;
     if (call_ev && !calls_visible(p)) return;
     if (!call_ev && n == 0) return;
     di_parse_event ev = {kind, call_ev ? p->n_calls - 1 : -1, text, n};
     p->emit(p->user, &ev);
+}
+
+// ---- JSON mode (spec serving.md §1.8) ----
+
+enum { JS_BEFORE = 0, JS_FENCED, JS_RAW, JS_AFTER };
+static const char k_fence_json[] = "```json\n", k_fence_plain[] = "```\n", k_fence_end[] = "\n```";
+
+static bool is_prefix(const char *hold, size_t n, const char *s) {
+    return n <= strlen(s) && memcmp(hold, s, n) == 0;
+}
+
+static void json_put(di_parse *p, const char *s, size_t n, bool blank) {
+    for (size_t i = 0; i < n; i++) (void)di_buf_append(&p->json_out, blank ? " " : s + i, 1);
+}
+
+// Filters content bytes; `end` flushes what is held. Emits one CONTENT event per call.
+static void json_filter(di_parse *p, const char *text, size_t n, bool end) {
+    di_buf_clear(&p->json_out);
+    for (size_t i = 0; i < n; i++) {
+        char c = text[i];
+        switch (p->json_state) {
+        case JS_BEFORE:
+            if (p->json_n_hold || c == '`') {
+                p->json_hold[p->json_n_hold++] = c;
+                bool pj = is_prefix(p->json_hold, p->json_n_hold, k_fence_json);
+                bool pp = is_prefix(p->json_hold, p->json_n_hold, k_fence_plain);
+                if ((pj && p->json_n_hold == strlen(k_fence_json)) ||
+                    (pp && p->json_n_hold == strlen(k_fence_plain))) {
+                    json_put(p, p->json_hold, p->json_n_hold, true);
+                    p->json_n_hold = 0;
+                    p->json_state = JS_FENCED;
+                } else if (!pj && !pp) { // not a fence: outside text, then look at c again
+                    json_put(p, p->json_hold, p->json_n_hold - 1, true);
+                    p->json_n_hold = 0;
+                    i--;
+                    if (c == '`') { // cannot restart a fence on the same byte twice
+                        json_put(p, &c, 1, true);
+                        i++;
+                    }
+                }
+            } else if (c == '{' || c == '[') {
+                p->json_state = JS_RAW;
+                p->json_depth = 1;
+                json_put(p, &c, 1, false);
+            } else {
+                json_put(p, &c, 1, true);
+            }
+            break;
+        case JS_FENCED:
+            if (p->json_n_hold || c == '\n') {
+                p->json_hold[p->json_n_hold++] = c;
+                if (!is_prefix(p->json_hold, p->json_n_hold, k_fence_end)) {
+                    // not the closing fence: the held bytes are JSON; c is examined again
+                    json_put(p, p->json_hold, p->json_n_hold - 1, false);
+                    p->json_n_hold = 0;
+                    i--;
+                    if (c == '\n') { // a newline can itself start the closing fence
+                        p->json_hold[p->json_n_hold++] = c;
+                        i++;
+                    }
+                } else if (p->json_n_hold == strlen(k_fence_end)) {
+                    json_put(p, p->json_hold, p->json_n_hold, true);
+                    p->json_n_hold = 0;
+                    p->json_state = JS_AFTER;
+                }
+            } else {
+                json_put(p, &c, 1, false);
+            }
+            break;
+        case JS_RAW:
+            json_put(p, &c, 1, false);
+            if (p->json_in_string) {
+                if (p->json_escape) p->json_escape = false;
+                else if (c == '\\') p->json_escape = true;
+                else if (c == '"') p->json_in_string = false;
+            } else if (c == '"') {
+                p->json_in_string = true;
+            } else if (c == '{' || c == '[') {
+                p->json_depth++;
+            } else if ((c == '}' || c == ']') && --p->json_depth == 0) {
+                p->json_state = JS_AFTER;
+            }
+            break;
+        default: // JS_AFTER
+            json_put(p, &c, 1, true);
+        }
+    }
+    if (end && p->json_n_hold) {
+        // an unfinished fence before the JSON is outside text; an unfinished end inside is JSON
+        json_put(p, p->json_hold, p->json_n_hold, p->json_state == JS_BEFORE);
+        p->json_n_hold = 0;
+    }
+    if (p->json_out.len) {
+        p->json_emitting = true;
+        emit(p, DI_PARSE_EVENT_CONTENT, p->json_out.data, p->json_out.len);
+        p->json_emitting = false;
+    }
 }
 
 // JSON-escapes bytes of a string value / key and emits them as an ARGS_DELTA.
@@ -475,6 +588,7 @@ di_parse_finish di_parse_end(di_parse *p, di_parse_finish reason) {
     // Held bytes: text of the section, or markup of an unfinished call (dropped).
     if (p->st == ST_REASONING || p->st == ST_CONTENT) run(p, true);
     p->pending.len = 0;
+    if (p->opt.json_output) json_filter(p, NULL, 0, true);
     if (p->call_open) {
         // spec §1.11: an incomplete call is dropped, never leaked; a complete call without the
         // outer closing tag is kept

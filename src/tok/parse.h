@@ -72,6 +72,11 @@ typedef struct di_parse_options {
     bool tools_enabled;      // false: DSML blocks are stripped, no call events
     const char *const *stop; // borrowed stop strings (content only); may be NULL
     size_t n_stop;
+    // JSON mode (response_format json_object / json_schema, spec serving.md §1.8): in the answer,
+    // a leading ```json / ``` fence is skipped and its closing newline + ``` ends the JSON; a raw
+    // { or [ also starts JSON and its matching bracket ends it; every byte outside the JSON is
+    // replaced by a space (not removed, so byte offsets hold). No validation is implied.
+    bool json_output;
 } di_parse_options;
 
 typedef struct di_parse di_parse;

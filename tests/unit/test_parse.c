@@ -397,8 +397,51 @@ static void test_cases(void) {
     di_parse_result_deinit(&r);
 }
 
+// JSON mode (spec serving.md §1.8): fences skipped, text outside the JSON blanked with spaces
+// (same byte count), identical whole-text and byte-by-byte.
+static void json_case(const char *in, const char *want) {
+    di_parse_options o = {.start = DI_PARSE_STAGE_CONTENT, .json_output = true};
+    di_parse_result whole;
+    di_parse_result_init(&whole);
+    CHECK(di_parse_text(&o, in, strlen(in), DI_PARSE_FINISH_STOP, &whole) == DI_OK);
+    CHECK_STR_EQ(whole.content.data ? whole.content.data : "", want);
+    CHECK_EQ(whole.content.len, strlen(in));
+    di_parse_result bytes;
+    di_parse_result_init(&bytes);
+    di_parse *p = NULL;
+    CHECK(di_parse_create(&o, di_parse_result_emit, &bytes, &p) == DI_OK);
+    for (size_t i = 0; in[i]; i++) CHECK(di_parse_feed(p, in + i, 1) == DI_OK);
+    di_parse_end(p, DI_PARSE_FINISH_STOP);
+    di_parse_destroy(p);
+    CHECK_STR_EQ(bytes.content.data ? bytes.content.data : "", want);
+    di_parse_result_deinit(&whole);
+    di_parse_result_deinit(&bytes);
+}
+
+static void test_json_mode(void) {
+    json_case("```json\n{\"a\": 1}\n```\nThanks", "        {\"a\": 1}           ");
+    json_case("```\n[1,2]\n```", "    [1,2]    ");
+    json_case("Sure! {\"x\": [1, {\"y\": \"}]\\\"\"}]} done",
+              "      {\"x\": [1, {\"y\": \"}]\\\"\"}]}     ");
+    json_case("no json here", "            ");
+    json_case("```js", "     ");
+    json_case("```python\n{}", "          {}");
+    json_case("```json\n{\"s\": \"a\nb\"}\n``", "        {\"s\": \"a\nb\"}\n``"); // unclosed fence
+    json_case("[1]\n[2]", "[1]    ");
+    // reasoning is untouched
+    di_parse_options o = {.start = DI_PARSE_STAGE_REASONING, .json_output = true};
+    di_parse_result r;
+    di_parse_result_init(&r);
+    const char *in = "think {x}</think>ok {\"k\":2}";
+    CHECK(di_parse_text(&o, in, strlen(in), DI_PARSE_FINISH_STOP, &r) == DI_OK);
+    CHECK_STR_EQ(r.reasoning.data, "think {x}");
+    CHECK_STR_EQ(r.content.data, "   {\"k\":2}");
+    di_parse_result_deinit(&r);
+}
+
 int main(void) {
     if (di_tokenizer_load_for_model(NULL, &g_tok) != DI_OK) return 1;
+    RUN(test_json_mode);
     RUN(test_official_roundtrip);
     RUN(test_synthetic_roundtrip);
     RUN(test_splits);
