@@ -33,6 +33,7 @@ typedef enum di_status {
     DI_ERR_CUDA = -6,        // a CUDA call failed
     DI_ERR_CANCELLED = -7,   // the request was cancelled
     DI_ERR_UNSUPPORTED = -8, // a valid input that this build cannot handle
+    DI_ERR_BUSY = -9,        // the engine's request queue is full; retry later
 } di_status;
 
 // A static, human-readable name for st.
@@ -155,6 +156,139 @@ di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes);
 // not such a state (wrong model, truncated, corrupted); the session is then left reset.
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes);
 void di_free_buffer(void *p);
+
+// ---- engine: many concurrent requests (continuous batching) ----
+//
+// An engine owns a model, a paged KV pool, a prefix cache, a scheduler and one engine thread.
+// Requests are submitted from any thread; each step the engine thread batches running decodes
+// with chunks of waiting prefills under a token budget, runs one ragged forward pass, samples,
+// and reports tokens through the request's callback. Results do not depend on what else runs:
+// every request's tokens and log-probabilities equal those of the request run alone.
+// See docs/architecture.md (engine) and docs/kv-cache.md.
+
+#define DI_MAX_LOGPROBS 20
+#define DI_MAX_STOP 16 // stop ids and stop strings per request, each
+
+typedef struct di_engine di_engine;
+
+typedef struct di_logit_bias {
+    int32_t token;
+    float bias; // added to the logit
+} di_logit_bias;
+
+typedef struct di_sample_params {
+    float temperature;        // 0 = greedy (ties to the lowest id)
+    int32_t top_k;            // keep the k most likely; 0 = all
+    float top_p;              // nucleus mass in (0, 1]; 1 = off
+    float min_p;              // drop tokens below min_p x the top probability; 0 = off
+    float repetition_penalty; // > 0; 1 = off. Divides positive / multiplies negative logits of
+                              // every token in the prompt or output (HF semantics)
+    float presence_penalty;   // subtracted once from each token already generated; 0 = off
+    float frequency_penalty;  // subtracted per occurrence in the output; 0 = off
+    const di_logit_bias *logit_bias; // borrowed until submit returns (copied); may be NULL
+    int32_t n_logit_bias;
+    uint64_t seed;            // randomness is a function of (seed, position) only
+    int32_t n_logprobs;       // top-N log-probabilities per token, 0 .. DI_MAX_LOGPROBS
+} di_sample_params;
+
+// Greedy, no truncation, no penalties, seed 0, no logprobs.
+di_sample_params di_sample_params_default(void);
+
+typedef enum di_finish {
+    DI_FINISH_NONE = 0,      // more tokens follow
+    DI_FINISH_STOP = 1,      // EOS, a stop id or a stop string
+    DI_FINISH_LENGTH = 2,    // max_tokens reached (or the context is full)
+    DI_FINISH_CANCELLED = 3, // di_engine_cancel
+    DI_FINISH_ERROR = 4,     // see di_event.status
+} di_finish;
+
+typedef struct di_event {
+    uint64_t request_id;
+    int32_t token;        // the new token, or -1 on a final event that carries none
+    int32_t index;        // index of the token in the output (0 = first generated)
+    float logprob;        // log-softmax of the raw logits at token
+    int32_t n_top;        // top-N log-probabilities (borrowed, valid during the callback)
+    const int32_t *top_ids;
+    const float *top_logprobs;
+    const char *text;     // bytes released by this token (stop strings held back; needs
+    size_t n_text;        // di_engine_options.token_bytes, else NULL / 0); borrowed
+    di_finish finish;     // != DI_FINISH_NONE on the request's last event
+    di_status status;     // DI_OK, or the error of DI_FINISH_ERROR
+    // On the last event: prompt tokens taken from the prefix cache, tokens recomputed to rebuild
+    // their window state (bounded replay), and forward rows the request cost in all.
+    int32_t n_cached, n_replayed, n_computed;
+    int32_t n_preempted;  // times the request was preempted and recomputed
+} di_event;
+
+// Called on the engine thread for every event; must be quick and must not call the engine
+// except di_engine_cancel.
+typedef void (*di_event_fn)(void *user, const di_event *ev);
+
+typedef struct di_request_params {
+    const int32_t *prompt; // n_prompt >= 1 ids (copied)
+    int32_t n_prompt;
+    di_sample_params sample;
+    int32_t max_tokens;    // >= 1
+    const int32_t *stop_ids; // extra stop token ids (copied), up to DI_MAX_STOP
+    int32_t n_stop_ids;
+    bool ignore_eos;       // do not stop at the model's EOS
+    const char *const *stop_strings; // NUL-terminated (copied), up to DI_MAX_STOP; need
+    int32_t n_stop_strings;          // di_engine_options.token_bytes
+    uint64_t cache_salt;   // prefix-cache namespace: only requests with the same salt share
+    float *first_logits;   // optional [n_vocab]: receives the logits that chose token 0
+    di_event_fn on_event;
+    void *user;
+} di_request_params;
+
+di_request_params di_request_params_default(void);
+
+typedef struct di_engine_options {
+    int n_threads;            // CPU threads; 0 = one per online CPU
+    di_precision precision;
+    size_t kv_memory_bytes;   // the KV pool (window rings, compressed entries, compressor
+                              // buffers); 0 = 256 MiB
+    int32_t max_seqs;         // sequences running at once; 0 = 16
+    int32_t max_batch_tokens; // forward rows per step (token budget); 0 = 256
+    int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)
+    int32_t max_queue;        // waiting requests; more are refused with DI_ERR_BUSY; 0 = 1024
+    bool no_prefix_cache;     // disable prefix reuse
+    // Optional token bytes (e.g. from a di_tokenizer) for stop strings and event text.
+    const char *(*token_bytes)(void *user, int32_t id, size_t *n_bytes);
+    void *token_bytes_user;
+} di_engine_options;
+
+di_engine_options di_engine_options_default(void);
+
+typedef struct di_engine_stats {
+    int64_t n_blocks_total, n_blocks_free; // KV pool blocks (free includes evictable cached)
+    int64_t n_blocks_cached;               // held only by the prefix cache
+    int64_t block_bytes;
+    int32_t block_tokens;
+    int32_t n_running, n_waiting;
+    int64_t n_steps, n_prefill_tokens, n_decode_tokens, n_preemptions;
+    int64_t n_cache_hit_tokens, n_replayed_tokens;
+    int64_t n_step_allocs; // heap allocations made by the engine thread inside steps (debug
+                           // builds count them; always 0 in a correct build)
+} di_engine_stats;
+
+// Loads the model at model_dir and starts the engine thread. DI_ERR_IO, DI_ERR_FORMAT,
+// DI_ERR_UNSUPPORTED (as di_model_load), DI_ERR_INVALID (bad options; e.g. a KV budget too
+// small for one sequence), DI_ERR_NOMEM.
+di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out);
+// Cancels every request (each gets its final event), stops the thread, frees everything.
+// NULL does nothing.
+void di_engine_destroy(di_engine *e);
+// Any thread. Copies the request and queues it; *id receives its id. DI_ERR_INVALID (bad
+// parameters, prompt + max_tokens beyond max_ctx, stop strings without token_bytes),
+// DI_ERR_BUSY (queue full), DI_ERR_NOMEM.
+di_status di_engine_submit(di_engine *e, const di_request_params *p, uint64_t *id);
+// Any thread. Marks the request cancelled; the engine thread frees its KV blocks before its next
+// step and sends DI_FINISH_CANCELLED. Unknown or finished ids are ignored.
+void di_engine_cancel(di_engine *e, uint64_t id);
+// Any thread. Blocks until no request is waiting or running.
+void di_engine_wait_idle(di_engine *e);
+// Any thread. A consistent snapshot taken between steps.
+void di_engine_get_stats(di_engine *e, di_engine_stats *out);
 
 // ---- tokenizer and chat rendering ----
 //

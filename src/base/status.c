@@ -11,6 +11,7 @@ const char *di_status_str(di_status st) {
     case DI_ERR_CUDA: return "CUDA error";
     case DI_ERR_CANCELLED: return "cancelled";
     case DI_ERR_UNSUPPORTED: return "unsupported";
+    case DI_ERR_BUSY: return "busy (request queue full)";
     }
     return "unknown status";
 }

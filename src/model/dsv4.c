@@ -249,26 +249,26 @@ static void hc_pre_task(void *p, int ith, int nth) {
 }
 
 // (a, post, comb) = hc_pre(X); with head = true only `a` (spec §2.9).
-static void hc_pre(di_session *s, const di_dsv4_hc_w *hc, const float *x, int32_t n_tok, float *a,
+static void hc_pre(di_dsv4_ctx *cx, const di_dsv4_hc_w *hc, const float *x, int32_t n_tok, float *a,
                    bool head) {
-    di_model *m = s->model;
+    di_model *m = cx->model;
     const di_hparams *hp = &m->hp;
     int nc = hp->hc_mult;
     int n_mix = head ? nc : (2 + nc) * nc;
-    float *mix = di_dsv4_scratch(s, DI_SCR_MIX);
+    float *mix = di_dsv4_scratch(cx, DI_SCR_MIX);
     // mix_raw = fn . xf  [T, n_mix] (FP32 weights, FP32 input)
     di_ref_matmul(&m->cpu, &hc->fn, x, n_tok, (int64_t)nc * hp->n_embd, mix, n_mix);
-    hc_ctx c = {m,    hc, x, mix, a, di_dsv4_scratch(s, DI_SCR_POST), di_dsv4_scratch(s, DI_SCR_COMB),
+    hc_ctx c = {m,    hc, x, mix, a, di_dsv4_scratch(cx, DI_SCR_POST), di_dsv4_scratch(cx, DI_SCR_COMB),
                 n_tok, head};
     di_pool_run(m->pool, hc_pre_task, &c);
     di_dsv4_round(m, a, (int64_t)n_tok * hp->n_embd); // R-OFF: collapsed input is BF16
 }
 
 // X'[t, k] = post_k * o[t] + sum_j C[j][k] * X[t, j]
-static void hc_post(di_session *s, const float *o, float *x, int32_t n_tok) {
-    const di_model *m = s->model;
+static void hc_post(di_dsv4_ctx *c, const float *o, float *x, int32_t n_tok) {
+    const di_model *m = c->model;
     const int nc = m->hp.hc_mult, D = m->hp.n_embd;
-    const float *post = di_dsv4_scratch(s, DI_SCR_POST), *comb = di_dsv4_scratch(s, DI_SCR_COMB);
+    const float *post = di_dsv4_scratch(c, DI_SCR_POST), *comb = di_dsv4_scratch(c, DI_SCR_COMB);
     float mixed[16];
     for (int32_t t = 0; t < n_tok; t++) {
         float *xt = x + (int64_t)t * nc * D;
@@ -287,38 +287,96 @@ static void hc_post(di_session *s, const float *o, float *x, int32_t n_tok) {
 
 // ---- decoder block (spec §2.2) ----
 
-void di_dsv4_block(di_session *s, const di_dsv4_layer_w *lw, di_dsv4_layer_state *ls, float *x,
-                   const int32_t *ids, int32_t n_tok, int32_t p0) {
-    const di_model *m = s->model;
+void di_dsv4_block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, float *x,
+                   const int32_t *ids) {
+    const di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd;
-    float *a = di_dsv4_scratch(s, DI_SCR_A);   // [T, D]
-    float *o = di_dsv4_scratch(s, DI_SCR_OUT); // [T, D]
+    const int32_t n_tok = c->n_rows;
+    float *a = di_dsv4_scratch(c, DI_SCR_A);   // [T, D]
+    float *o = di_dsv4_scratch(c, DI_SCR_OUT); // [T, D]
 
-    hc_pre(s, &lw->hc_attn, x, n_tok, a, false);
+    hc_pre(c, &lw->hc_attn, x, n_tok, a, false);
     di_ref_rmsnorm(a, n_tok, D, D, lw->attn_norm, hp->norm_eps);
     di_dsv4_round(m, a, n_tok * D);
-    di_dsv4_attention(s, lw, ls, a, n_tok, p0, o);
-    if (s->trace) s->trace(s->trace_user, "attn_out", lw->il, o, false, n_tok, D);
-    hc_post(s, o, x, n_tok);
+    di_dsv4_attention(c, lw, il_state, a, o);
+    if (c->trace) c->trace(c->trace_user, "attn_out", lw->il, o, false, n_tok, D);
+    hc_post(c, o, x, n_tok);
 
-    hc_pre(s, &lw->hc_ffn, x, n_tok, a, false);
+    hc_pre(c, &lw->hc_ffn, x, n_tok, a, false);
     di_ref_rmsnorm(a, n_tok, D, D, lw->ffn_norm, hp->norm_eps);
     di_dsv4_round(m, a, n_tok * D);
-    di_dsv4_moe(s, lw, a, ids, n_tok, o);
-    if (s->trace) s->trace(s->trace_user, "ffn_out", lw->il, o, false, n_tok, D);
-    hc_post(s, o, x, n_tok);
+    di_dsv4_moe(c, lw, a, ids, o);
+    if (c->trace) c->trace(c->trace_user, "ffn_out", lw->il, o, false, n_tok, D);
+    hc_post(c, o, x, n_tok);
 }
 
-void di_dsv4_hc_head(di_session *s, const di_dsv4_hc_w *hc, const float *norm, const float *x,
+void di_dsv4_hc_head(di_dsv4_ctx *c, const di_dsv4_hc_w *hc, const float *norm, const float *x,
                      int32_t n_tok, float *h) {
-    const di_model *m = s->model;
-    hc_pre(s, hc, x, n_tok, h, true);
+    const di_model *m = c->model;
+    hc_pre(c, hc, x, n_tok, h, true);
     di_ref_rmsnorm(h, n_tok, m->hp.n_embd, m->hp.n_embd, norm, m->hp.norm_eps);
     di_dsv4_round(m, h, (int64_t)n_tok * m->hp.n_embd);
 }
 
 // ---- the forward pass of one call ----
+
+void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
+                           int32_t n_logit_rows, float *logits) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int nc = hp->hc_mult;
+    const int64_t D = hp->n_embd;
+    di_dsv4_ws *ws = c->ws;
+
+    // Rows: sequence after sequence; each row knows its sequence and absolute position.
+    int32_t n_rows = 0;
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        di_dsv4_seq *sq = &c->seqs[i];
+        DI_ASSERT(sq->n_tok >= 1);
+        sq->row0 = n_rows;
+        for (int32_t t = 0; t < sq->n_tok; t++) {
+            ws->row_seq[n_rows + t] = i;
+            ws->row_pos[n_rows + t] = sq->pos + t;
+        }
+        n_rows += sq->n_tok;
+    }
+    DI_ASSERT(n_rows <= ws->scratch_tokens);
+    c->n_rows = n_rows;
+    float *x = di_dsv4_scratch(c, DI_SCR_X); // [T, NC, D]
+
+    // Embedding, copied into every stream (§2.1).
+    for (int32_t t = 0; t < n_rows; t++) {
+        float *xt = x + (int64_t)t * nc * D;
+        di_tensor_row_f32(&m->embed, tokens[t], xt);
+        for (int k = 1; k < nc; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        di_dsv4_block(c, &m->layers[il], il, x, tokens);
+        if (c->trace) c->trace(c->trace_user, "layer_out", il, x, false, n_rows, nc * D);
+    }
+
+    // Final head (§2.9) on the requested rows, gathered in place to the front of X (rows are
+    // ascending, so each copy moves a row down or leaves it; X is not read again after this).
+    if (logits && n_logit_rows > 0) {
+        const size_t row = sizeof(float) * (size_t)(nc * D);
+        bool contiguous = true;
+        for (int32_t k = 0; k < n_logit_rows; k++) {
+            DI_ASSERT(logit_rows[k] >= k && logit_rows[k] < n_rows);
+            contiguous &= logit_rows[k] == logit_rows[0] + k;
+        }
+        const float *xh = x + (int64_t)logit_rows[0] * nc * D;
+        if (!contiguous) {
+            for (int32_t k = 0; k < n_logit_rows; k++)
+                if (logit_rows[k] != k)
+                    memmove(x + (int64_t)k * nc * D, x + (int64_t)logit_rows[k] * nc * D, row);
+            xh = x;
+        }
+        float *h = di_dsv4_scratch(c, DI_SCR_H);
+        di_dsv4_hc_head(c, &m->hc_head, m->norm, xh, n_logit_rows, h);
+        di_ref_matmul(&m->cpu, &m->head, h, n_logit_rows, D, logits, hp->n_vocab);
+    }
+}
 
 di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
                              const di_forward_out *out) {
@@ -346,31 +404,23 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
     const int32_t p0 = s->pos;
     const int nc = hp->hc_mult;
     const int64_t D = hp->n_embd;
-    float *x = di_dsv4_scratch(s, DI_SCR_X); // [T, NC, D]
-
-    // Embedding, copied into every stream (§2.1).
-    for (int32_t t = 0; t < n_tok; t++) {
-        float *xt = x + (int64_t)t * nc * D;
-        di_tensor_row_f32(&m->embed, tokens[t], xt);
-        for (int k = 1; k < nc; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
-    }
-    for (int il = 0; il < hp->n_layer; il++) {
-        di_dsv4_block(s, &m->layers[il], &s->layers[il], x, tokens, n_tok, p0);
-        if (s->trace) s->trace(s->trace_user, "layer_out", il, x, false, n_tok, nc * D);
-    }
-
-    // Final head (§2.9): logits of every position, or of the last one.
+    di_dsv4_seq seq = {.layers = s->layers, .pos = p0, .n_tok = n_tok};
+    di_dsv4_ctx c = {.model = m, .ws = &s->ws, .seqs = &seq, .n_seq = 1,
+                     .trace = s->trace, .trace_user = s->trace_user};
+    float *x = di_dsv4_scratch(&c, DI_SCR_X); // [T, NC, D]
+    // The head reads X in place (its rows are contiguous), so X survives for the MTP block.
+    di_dsv4_forward_batch(&c, tokens, NULL, 0, NULL);
     if (out && out->logits) {
-        int32_t first = out->last_only ? n_tok - 1 : 0, n_rows = n_tok - first;
-        float *h = di_dsv4_scratch(s, DI_SCR_H);
-        di_dsv4_hc_head(s, &m->hc_head, m->norm, x + (int64_t)first * nc * D, n_rows, h);
-        di_ref_matmul(&m->cpu, &m->head, h, n_rows, D, out->logits, hp->n_vocab);
+        int32_t first = out->last_only ? n_tok - 1 : 0;
+        float *h = di_dsv4_scratch(&c, DI_SCR_H);
+        di_dsv4_hc_head(&c, &m->hc_head, m->norm, x + (int64_t)first * nc * D, n_tok - first, h);
+        di_ref_matmul(&m->cpu, &m->head, h, n_tok - first, D, out->logits, hp->n_vocab);
     }
 
     // MTP (§2.10): position p needs the token at p + 1, so this call completes positions
     // p0 - 1 (pending from the previous call) .. p0 + T - 2; the last position waits.
     if (s->mtp) {
-        float *xm = di_dsv4_scratch(s, DI_SCR_XMAIN);
+        float *xm = di_dsv4_scratch(&c, DI_SCR_XMAIN);
         int32_t n = 0, p_first = s->mtp_pending ? p0 - 1 : p0;
         size_t row = sizeof(float) * (size_t)(nc * D);
         if (s->mtp_pending) memcpy(xm, s->mtp_pending_x, row), n = 1;

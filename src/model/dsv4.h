@@ -94,22 +94,96 @@ void di_dsv4_weights_free(di_model *m);
 
 // ---- per-sequence state (spec §3) ----
 
+// One compressor's state. A session keeps its entries in one heap array (`entries`); an engine
+// sequence keeps them in KV pool blocks reached through a page table (`pages`), so the forward
+// pass reads and writes entries only through di_dsv4_entry().
 typedef struct di_dsv4_cmp_state {
-    float *buf_c, *buf_z; // owned [m, c*d]: C_j and Z_j (ape added) of the unfinished window
-    float *ovl_c, *ovl_z; // owned [m, d]: CSA overlap (Ca, Za) of the last completed window
+    float *buf_c, *buf_z; // owned (session) or view (pool block) [m, c*d]: C_j and Z_j (ape added)
+    float *ovl_c, *ovl_z; // owned or view [m, d]: CSA overlap (Ca, Za) of the last closed window
     bool has_ovl;
-    float *entries;       // owned [cap, d]: finished compressed entries
+    float *entries;       // owned [cap, d] (sessions); NULL when paged
+    // Entries [0, n_entries) exist. A window that closes with an index below n_entries already
+    // has its entry (a prefix-cache hit being replayed): the entry is left as it is and only the
+    // overlap is updated (docs/kv-cache.md, "bounded replay").
     int64_t n_entries, cap_entries;
+    // Paged storage: entry w lives at pages[w / page_entries] + page_off + (w % page_entries) * d.
+    float *const *pages;  // borrowed page table (engine sequences); NULL = contiguous `entries`
+    int64_t page_off;     // floats from the start of a page to this compressor's entries
+    int32_t page_entries; // entries of this compressor per page
 } di_dsv4_cmp_state;
 
+static inline float *di_dsv4_entry(const di_dsv4_cmp_state *cs, int64_t w, int32_t d) {
+    if (!cs->pages) return cs->entries + w * d;
+    return cs->pages[w / cs->page_entries] + cs->page_off + (w % cs->page_entries) * (int64_t)d;
+}
+
 typedef struct di_dsv4_layer_state {
-    float *ring;          // owned [W, Dh]: kv rows, slot = pos mod W
+    float *ring;          // owned (session) or view (pool block) [W, Dh]: kv rows, slot = pos mod W
     di_dsv4_cmp_state cmp, idx;
 } di_dsv4_layer_state;
 
 // Debug/test hook: called with named intermediate tensors (FP32 rows, or int32 when is_int).
 typedef void (*di_dsv4_trace_fn)(void *user, const char *name, int il, const void *data,
                                  bool is_int, int64_t n_rows, int64_t row_len);
+
+// ---- ragged batches ----
+//
+// One forward call runs any number of sequences, each with its own state and its own absolute
+// positions; their rows are concatenated (sequence after sequence) into one batch. Every op is
+// either per row (matmuls: di_ref_matmul computes y[t, o] in the same order whatever the other
+// rows; norms; RoPE; mHC; MoE experts, which gather rows but compute each row alone and sum a
+// row's experts in ascending id) or per sequence (compressors, indexer, attention, ring update),
+// so a sequence's results are bit-identical whatever else shares its batch. A session's forward
+// is the batch of one sequence.
+
+typedef struct di_dsv4_seq {
+    di_dsv4_layer_state *layers; // borrowed: the sequence's state [n_layer (+ MTP)]
+    int32_t pos;                 // absolute position of its first row in this call
+    int32_t n_tok;               // its rows in this call (>= 1)
+    int32_t row0;                // first row in the batch (set by the forward)
+    // Positions below win_lo have no window row (a bounded replay starts there); keys are taken
+    // from max(P - W + 1, win_lo). 0 for every ordinary call.
+    int32_t win_lo;
+} di_dsv4_seq;
+
+// Scratch for calls of up to `scratch_tokens` rows: grown by di_dsv4_ws_reserve (sessions, on
+// demand) or sized once at create (the engine), never on the per-step path.
+typedef struct di_dsv4_ws {
+    float *scratch;                // owned
+    size_t scratch_floats;
+    int32_t scratch_tokens;        // calls of up to this many rows fit
+    size_t scratch_off[32];        // float offset of each DI_SCR_* buffer
+    float *attn_scratch;           // owned: per-thread score buffers
+    size_t attn_scratch_floats;
+    int32_t *sel;                  // owned [T, max(topk, 2K)]: indexer selections / expert routing
+    size_t sel_cap;
+    int32_t *row_seq, *row_pos;    // owned [T]: sequence index and absolute position of each row
+    bool mtp;                      // MTP scratch included
+} di_dsv4_ws;
+
+// Grows ws for calls of n_rows rows whose sequences hold at most max_entries compressed entries
+// in one layer. DI_ERR_NOMEM (ws unchanged).
+di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
+                             int64_t max_entries, bool mtp);
+void di_dsv4_ws_free(di_dsv4_ws *ws);
+
+// The context of one call: who runs, on which rows.
+typedef struct di_dsv4_ctx {
+    di_model *model;      // borrowed
+    di_dsv4_ws *ws;       // borrowed
+    di_dsv4_seq *seqs;    // borrowed [n_seq]
+    int32_t n_seq, n_rows;
+    di_dsv4_trace_fn trace;
+    void *trace_user;
+} di_dsv4_ctx;
+
+// Runs the main layers on a ragged batch: seqs[i] feeds tokens[seqs[i].row0 ..] (rows are
+// concatenated in seqs order; row0 is set here) and advances its state (the caller then moves
+// its position). Logits of the rows listed in logit_rows (ascending) go to logits [n, V]; the
+// residual streams of all rows stay in the X scratch unless logits were gathered. Interior:
+// tokens, positions and capacities were validated by the caller (asserted here).
+void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
+                           int32_t n_logit_rows, float *logits);
 
 struct di_session {
     di_model *model; // borrowed
@@ -120,48 +194,44 @@ struct di_session {
     bool mtp;                      // MTP runs every step
     float *mtp_pending_x;          // owned [NC, D]: main streams of position pos-1
     bool mtp_pending;
-    // Scratch for one call, grown (never shrunk) when a call needs more; no per-token allocation.
-    float *scratch;
-    size_t scratch_floats;
-    int32_t scratch_tokens;        // calls of up to this many tokens fit
-    size_t scratch_off[32];        // float offset of each DI_SCR_* buffer
-    float *attn_scratch;           // per-thread score buffers
-    size_t attn_scratch_floats;
-    int32_t *sel;                  // [T, max(topk, 2K)]: indexer selections / expert routing
-    size_t sel_cap;
+    di_dsv4_ws ws;                 // owned scratch, grown (never shrunk) when a call needs more
     di_dsv4_trace_fn trace;        // named intermediates (tests; DI_DUMP writes them as .npy)
     void *trace_user;
     char dump_dir[1024];
 };
 
-// Layer forward pieces (one sequence, T tokens at positions s->pos ...).
-// a: [T, D] normed hidden; out: [T, D].
-void di_dsv4_attention(di_session *s, const di_dsv4_layer_w *lw, di_dsv4_layer_state *ls,
-                       const float *a, int32_t n_tok, int32_t p0, float *out);
+// Layer forward pieces; every one runs on all rows of c (il_state: index into each sequence's
+// layers[]). a: [T, D] normed hidden; out: [T, D].
+void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, const float *a,
+                       float *out);
 // f: [T, D] normed hidden; ids: [T] token ids (hash routing); out: [T, D].
-void di_dsv4_moe(di_session *s, const di_dsv4_layer_w *lw, const float *f, const int32_t *ids,
-                 int32_t n_tok, float *out);
+void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, const int32_t *ids,
+                 float *out);
 // One decoder block on streams X [T, NC, D] in place (§2.2).
-void di_dsv4_block(di_session *s, const di_dsv4_layer_w *lw, di_dsv4_layer_state *ls, float *x,
-                   const int32_t *ids, int32_t n_tok, int32_t p0);
-// Collapses streams to one row with a head mHC (§2.9) and normalises: h [T, D].
-void di_dsv4_hc_head(di_session *s, const di_dsv4_hc_w *hc, const float *norm, const float *x,
+void di_dsv4_block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, float *x,
+                   const int32_t *ids);
+// Collapses streams to one row with a head mHC (§2.9) and normalises: h [n, D].
+void di_dsv4_hc_head(di_dsv4_ctx *c, const di_dsv4_hc_w *hc, const float *norm, const float *x,
                      int32_t n_tok, float *h);
-// MTP block for n rows: x_main [n, NC, D], ids_next [n], positions p_first..; logits [n, V] or NULL.
+// MTP block of session s for n rows: x_main [n, NC, D], ids_next [n], positions p_first..;
+// logits [n, V] or NULL.
 void di_dsv4_mtp_forward(di_session *s, const float *x_main, const int32_t *ids_next, int32_t n,
                          int32_t p_first, float *logits);
 
 // y = W x for n_tok rows (x, y with row strides). In official precision, FP8/FP4 weights with
 // act_quant see A8-quantised inputs and outputs are rounded to BF16 (dsv4_attn.c).
-void di_dsv4_linear(di_session *s, const di_tensor *w, const float *x, int32_t n_tok,
+void di_dsv4_linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t n_tok,
                     int64_t x_stride, float *y, int64_t y_stride, bool act_quant);
 
 // Rounds to BF16 in place when the model runs the official precision recipe (no-op in FP32).
 void di_dsv4_round(const di_model *m, float *v, int64_t n);
 
-// Scratch layout for a call of n_tok tokens (dsv4_state.c).
+// Weights of state layer il (main layers, then MTP blocks).
+const di_dsv4_layer_w *di_dsv4_layer(const di_model *m, int il);
+
+float *di_dsv4_scratch(di_dsv4_ctx *c, int which);
+// Grows a session's entry arrays and scratch for a call of n_tok tokens (dsv4_state.c).
 di_status di_dsv4_session_reserve(di_session *s, int32_t n_tok);
-float *di_dsv4_scratch(di_session *s, int which);
 enum {
     DI_SCR_X = 0,   // [T, NC, D] residual streams
     DI_SCR_A,       // [T, D] collapsed + normed

@@ -15,12 +15,12 @@
 
 // y = W x for T rows; in official precision, FP8/FP4 weights see A8-quantised activations and
 // every output is rounded to BF16 (spec §2.0 "Linear layers").
-static void linear(di_session *s, const di_tensor *w, const float *x, int32_t n_tok,
+static void linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t n_tok,
                    int64_t x_stride, float *y, int64_t y_stride, bool act_quant) {
-    di_model *m = s->model;
+    di_model *m = c->model;
     if (m->opt.precision == DI_PRECISION_OFFICIAL && act_quant &&
         (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)) {
-        float *xq = di_dsv4_scratch(s, DI_SCR_AQ);
+        float *xq = di_dsv4_scratch(c, DI_SCR_AQ);
         int64_t n = w->ne[0];
         for (int32_t t = 0; t < n_tok; t++) {
             memcpy(xq + t * n, x + t * x_stride, sizeof(float) * (size_t)n);
@@ -34,9 +34,9 @@ static void linear(di_session *s, const di_tensor *w, const float *x, int32_t n_
         for (int32_t t = 0; t < n_tok; t++) di_dsv4_round(m, y + t * y_stride, w->ne[1]);
 }
 
-void di_dsv4_linear(di_session *s, const di_tensor *w, const float *x, int32_t n_tok,
+void di_dsv4_linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t n_tok,
                     int64_t x_stride, float *y, int64_t y_stride, bool act_quant) {
-    linear(s, w, x, n_tok, x_stride, y, y_stride, act_quant);
+    linear(c, w, x, n_tok, x_stride, y, y_stride, act_quant);
 }
 
 // ---- compressor (spec §2.5, §3.2) ----
@@ -79,10 +79,13 @@ static void compressor_step(const di_model *m, const di_dsv4_compressor_w *cw,
     }
     if ((P + 1) % mm != 0) return;
 
-    DI_ASSERT(cs->n_entries < cs->cap_entries);
     int64_t w = P / mm;
-    float *e = cs->entries + cs->n_entries * d;
-    for (int32_t ch = 0; ch < d; ch++) {
+    // A replayed window whose entry already exists (prefix-cache hit): keep the entry, update
+    // only the overlap below.
+    const bool have_entry = w < cs->n_entries;
+    DI_ASSERT(have_entry || (w == cs->n_entries && w < cs->cap_entries));
+    float *e = di_dsv4_entry(cs, w, d);
+    for (int32_t ch = 0; ch < d && !have_entry; ch++) {
         // Softmax over the window's slots, per channel. CSA: 4 overlap slots (Ca, Za of window
         // w-1; empty before the first window closes) then 4 slots (Cb, Zb) of window w.
         float mx = -INFINITY;
@@ -123,30 +126,41 @@ static void compressor_step(const di_model *m, const di_dsv4_compressor_w *cw,
         }
         cs->has_ovl = true;
     }
+    if (have_entry) return;
     finalise_entry(m, cw, indexer, e, w);
     cs->n_entries++;
 }
 
-// Projects the T tokens (FP32, no activation quant) and steps the compressor through them.
-static void run_compressor(di_session *s, const di_dsv4_compressor_w *cw, di_dsv4_cmp_state *cs,
-                           bool indexer, const float *a, int32_t n_tok, int32_t p0) {
-    di_model *m = s->model;
+// Projects all rows (FP32, no activation quant), then steps each sequence's compressor through
+// its own rows in position order.
+static void run_compressor(di_dsv4_ctx *c, const di_dsv4_compressor_w *cw, int il, bool indexer,
+                           const float *a) {
+    di_model *m = c->model;
     int64_t width = (int64_t)cw->c * cw->d, D = m->hp.n_embd;
-    float *cc = di_dsv4_scratch(s, DI_SCR_CC), *cz = di_dsv4_scratch(s, DI_SCR_CZ);
-    di_ref_matmul(&m->cpu, &cw->wkv, a, n_tok, D, cc, width);   // C: [T, c*d]
-    di_ref_matmul(&m->cpu, &cw->wgate, a, n_tok, D, cz, width); // Z: [T, c*d]
-    for (int32_t t = 0; t < n_tok; t++)
-        compressor_step(m, cw, cs, indexer, cc + t * width, cz + t * width, (int64_t)p0 + t);
+    float *cc = di_dsv4_scratch(c, DI_SCR_CC), *cz = di_dsv4_scratch(c, DI_SCR_CZ);
+    di_ref_matmul(&m->cpu, &cw->wkv, a, c->n_rows, D, cc, width);   // C: [T, c*d]
+    di_ref_matmul(&m->cpu, &cw->wgate, a, c->n_rows, D, cz, width); // Z: [T, c*d]
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        const di_dsv4_seq *sq = &c->seqs[i];
+        di_dsv4_layer_state *ls = &sq->layers[il];
+        di_dsv4_cmp_state *cs = indexer ? &ls->idx : &ls->cmp;
+        for (int32_t t = 0; t < sq->n_tok; t++) {
+            int64_t r = sq->row0 + t;
+            compressor_step(m, cw, cs, indexer, cc + r * width, cz + r * width,
+                            (int64_t)sq->pos + t);
+        }
+    }
 }
 
 // ---- lightning indexer (spec §2.6) ----
 
 typedef struct indexer_ctx {
     const di_model *m;
+    const di_dsv4_ctx *c;
+    int il;
     const float *qi;  // [T, HI, DI]
     const float *wi;  // [T, HI]
-    const float *keys; // [n_entries, DI]
-    int32_t n_tok, p0, topk;
+    int32_t n_tok, topk;
     int32_t *sel;     // [T, topk], ascending, -1 padded
     float *scores;    // per thread [n_entries]
     int64_t scores_stride;
@@ -169,8 +183,10 @@ static void indexer_task(void *p, int ith, int nth) {
     float *sc = c->scores + (int64_t)ith * c->scores_stride;
     int64_t lo, hi;
     di_split_range(c->n_tok, ith, nth, &lo, &hi);
+    const int32_t *row_seq = c->c->ws->row_seq, *row_pos = c->c->ws->row_pos;
     for (int64_t t = lo; t < hi; t++) {
-        int64_t vis = ((int64_t)c->p0 + t + 1) / 4;
+        int64_t vis = ((int64_t)row_pos[t] + 1) / 4;
+        const di_dsv4_cmp_state *keys = &c->c->seqs[row_seq[t]].layers[c->il].idx;
         int32_t *sel = c->sel + t * c->topk;
         for (int32_t i = 0; i < c->topk; i++) sel[i] = -1;
         int32_t k = (int32_t)(vis < c->topk ? vis : c->topk);
@@ -179,9 +195,10 @@ static void indexer_task(void *p, int ith, int nth) {
             continue;
         }
         for (int64_t w = 0; w < vis; w++) {
+            const float *kw = di_dsv4_entry(keys, w, DI);
             float acc = 0;
             for (int32_t h = 0; h < HI; h++) {
-                float dot = di_ref_dot(c->qi + (t * HI + h) * DI, c->keys + w * DI, DI);
+                float dot = di_ref_dot(c->qi + (t * HI + h) * DI, kw, DI);
                 acc += c->wi[t * HI + h] * (dot > 0 ? dot : 0); // ReLU, then the head weight
             }
             sc[w] = acc;
@@ -219,13 +236,14 @@ static void indexer_task(void *p, int ith, int nth) {
 
 typedef struct attn_ctx {
     const di_model *m;
+    const di_dsv4_ctx *c;
     const di_dsv4_layer_w *lw;
-    const di_dsv4_layer_state *ls;
+    int il;
     const float *q;   // [T, H, Dh]
     const float *kv;  // [T, Dh]
     float *o;         // [T, H, Dh]
     const int32_t *sel; // CSA: [T, topk]
-    int32_t n_tok, p0;
+    int32_t n_tok;
     float *scores;    // per thread
     int64_t scores_stride;
 } attn_ctx;
@@ -242,12 +260,18 @@ static void attn_task(void *p, int ith, int nth) {
     float *sc = c->scores + (int64_t)ith * c->scores_stride;
     int64_t lo, hi;
     di_split_range((int64_t)c->n_tok * H, ith, nth, &lo, &hi);
+    const int32_t *row_seq = c->c->ws->row_seq, *row_pos = c->c->ws->row_pos;
     for (int64_t th = lo; th < hi; th++) {
         int64_t t = th / H, h = th % H;
-        int64_t P = c->p0 + t;
+        const di_dsv4_seq *sq = &c->c->seqs[row_seq[t]];
+        const di_dsv4_layer_state *ls = &sq->layers[c->il];
+        // This sequence's rows of the call start at row0, position p0.
+        const int64_t p0 = sq->pos;
+        const float *kv_call = c->kv + (int64_t)sq->row0 * Dh;
+        int64_t P = row_pos[t];
         const float *q = c->q + th * Dh;
         float *o = c->o + th * Dh;
-        int64_t w_lo = P - W + 1 > 0 ? P - W + 1 : 0;
+        int64_t w_lo = P - W + 1 > sq->win_lo ? P - W + 1 : sq->win_lo;
         int64_t n_win = P - w_lo + 1;
         // Key rows: window positions (ring for positions before this call), then compressed.
         int64_t n_cmp = 0;
@@ -259,9 +283,9 @@ static void attn_task(void *p, int ith, int nth) {
             n_cmp = (P + 1) / ratio;
         }
 #define KEY(j)                                                                                     \
-    ((j) < n_win ? ((w_lo + (j)) < c->p0 ? c->ls->ring + ((w_lo + (j)) % W) * Dh                  \
-                                         : c->kv + ((w_lo + (j)) - c->p0) * Dh)                   \
-                 : c->ls->cmp.entries + (sel ? sel[(j) - n_win] : ((j) - n_win)) * Dh)
+    ((j) < n_win ? ((w_lo + (j)) < p0 ? ls->ring + ((w_lo + (j)) % W) * Dh                         \
+                                      : kv_call + ((w_lo + (j)) - p0) * Dh)                        \
+                 : di_dsv4_entry(&ls->cmp, sel ? sel[(j) - n_win] : ((j) - n_win), Dh))
         int64_t n_keys = n_win + n_cmp;
         float mx = c->lw->attn_sink[h];
         for (int64_t j = 0; j < n_keys; j++) {
@@ -287,38 +311,40 @@ static void attn_task(void *p, int ith, int nth) {
 
 // ---- the layer ----
 
-void di_dsv4_attention(di_session *s, const di_dsv4_layer_w *lw, di_dsv4_layer_state *ls,
-                       const float *a, int32_t n_tok, int32_t p0, float *out) {
-    di_model *m = s->model;
+void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const float *a,
+                       float *out) {
+    di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
     const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, W = hp->window;
-    const int32_t n_rot = hp->rope_main.n_dims;
+    const int32_t n_rot = hp->rope_main.n_dims, n_tok = c->n_rows;
+    const int32_t *row_pos = c->ws->row_pos;
     const bool compress = lw->ratio > 0;
     const float *omega = compress ? m->omega_compress : m->omega_main;
     const float rscale =
         compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
     const bool official = m->opt.precision == DI_PRECISION_OFFICIAL;
+    const int64_t scores_stride = (int64_t)(c->ws->attn_scratch_floats / (size_t)m->cpu.n_threads);
 
     // q path: qr = RMSNorm(wq_a a); q = per-head RMS(wq_b qr); RoPE.
-    float *qr = di_dsv4_scratch(s, DI_SCR_QR); // [T, Rq]
-    linear(s, &lw->wq_a, a, n_tok, D, qr, Rq, true);
+    float *qr = di_dsv4_scratch(c, DI_SCR_QR); // [T, Rq]
+    linear(c, &lw->wq_a, a, n_tok, D, qr, Rq, true);
     di_ref_rmsnorm(qr, n_tok, Rq, Rq, lw->q_norm, hp->norm_eps);
     di_dsv4_round(m, qr, n_tok * Rq);
-    float *q = di_dsv4_scratch(s, DI_SCR_Q); // [T, H, Dh]
-    linear(s, &lw->wq_b, qr, n_tok, Rq, q, H * Dh, true);
+    float *q = di_dsv4_scratch(c, DI_SCR_Q); // [T, H, Dh]
+    linear(c, &lw->wq_b, qr, n_tok, Rq, q, H * Dh, true);
     di_ref_rmsnorm(q, n_tok * H, Dh, Dh, NULL, hp->norm_eps);
     for (int64_t r = 0; r < n_tok * H; r++)
-        di_ref_rope(q + r * Dh, Dh, n_rot, omega, p0 + r / H, rscale, false);
+        di_ref_rope(q + r * Dh, Dh, n_rot, omega, row_pos[r / H], rscale, false);
     di_dsv4_round(m, q, n_tok * H * Dh);
 
     // kv path: one row per token, shared by all heads as K and V.
-    float *kv = di_dsv4_scratch(s, DI_SCR_KV); // [T, Dh]
-    linear(s, &lw->wkv, a, n_tok, D, kv, Dh, true);
+    float *kv = di_dsv4_scratch(c, DI_SCR_KV); // [T, Dh]
+    linear(c, &lw->wkv, a, n_tok, D, kv, Dh, true);
     di_ref_rmsnorm(kv, n_tok, Dh, Dh, lw->kv_norm, hp->norm_eps);
     di_dsv4_round(m, kv, n_tok * Dh);
     for (int32_t t = 0; t < n_tok; t++) {
-        di_ref_rope(kv + t * Dh, Dh, n_rot, omega, p0 + t, rscale, false);
+        di_ref_rope(kv + t * Dh, Dh, n_rot, omega, row_pos[t], rscale, false);
         di_dsv4_round(m, kv + t * Dh, Dh);
         if (official) di_fake_quant_q8(kv + t * Dh, Dh - n_rot, 64);
     }
@@ -327,11 +353,11 @@ void di_dsv4_attention(di_session *s, const di_dsv4_layer_w *lw, di_dsv4_layer_s
     int32_t *sel = NULL;
     if (lw->ratio == 4) {
         const int64_t HI = hp->n_index_head, DI = hp->index_head_dim;
-        run_compressor(s, &lw->idx_cmp, &ls->idx, true, a, n_tok, p0);
-        float *qi = di_dsv4_scratch(s, DI_SCR_IQ); // [T, HI, DI]
-        linear(s, &lw->idx_wq_b, qr, n_tok, Rq, qi, HI * DI, true);
+        run_compressor(c, &lw->idx_cmp, il, true, a);
+        float *qi = di_dsv4_scratch(c, DI_SCR_IQ); // [T, HI, DI]
+        linear(c, &lw->idx_wq_b, qr, n_tok, Rq, qi, HI * DI, true);
         for (int64_t r = 0; r < n_tok * HI; r++) {
-            di_ref_rope(qi + r * DI, DI, n_rot, m->omega_compress, p0 + r / HI,
+            di_ref_rope(qi + r * DI, DI, n_rot, m->omega_compress, row_pos[r / HI],
                         hp->rope_compress.attention_factor, false);
             di_dsv4_round(m, qi + r * DI, DI);
             if (official) {
@@ -340,36 +366,40 @@ void di_dsv4_attention(di_session *s, const di_dsv4_layer_w *lw, di_dsv4_layer_s
                 di_fake_quant_q4(qi + r * DI, DI, 32);
             }
         }
-        float *wi = di_dsv4_scratch(s, DI_SCR_IW); // [T, HI]
-        linear(s, &lw->idx_weights_proj, a, n_tok, D, wi, HI, false);
+        float *wi = di_dsv4_scratch(c, DI_SCR_IW); // [T, HI]
+        linear(c, &lw->idx_weights_proj, a, n_tok, D, wi, HI, false);
         const float wscale = 1.0f / sqrtf((float)DI) / sqrtf((float)HI);
         for (int64_t i = 0; i < n_tok * HI; i++) wi[i] *= wscale;
         di_dsv4_round(m, wi, n_tok * HI);
-        sel = s->sel;
-        indexer_ctx ic = {m, qi, wi, ls->idx.entries, n_tok, p0, hp->index_topk, sel,
-                          s->attn_scratch, (int64_t)(s->attn_scratch_floats / (size_t)m->cpu.n_threads)};
+        sel = c->ws->sel;
+        indexer_ctx ic = {m,   c,   il, qi, wi, n_tok, hp->index_topk, sel, c->ws->attn_scratch,
+                          scores_stride};
         di_pool_run(m->pool, indexer_task, &ic);
-        if (s->trace) s->trace(s->trace_user, "indexer_topk", lw->il, sel, true, n_tok, hp->index_topk);
+        if (c->trace) c->trace(c->trace_user, "indexer_topk", lw->il, sel, true, n_tok, hp->index_topk);
     }
     // CSA and HCA: the main compressor, before the attention of the same tokens.
-    if (compress) run_compressor(s, &lw->cmp, &ls->cmp, false, a, n_tok, p0);
+    if (compress) run_compressor(c, &lw->cmp, il, false, a);
 
-    float *o = di_dsv4_scratch(s, DI_SCR_O); // [T, H, Dh]
-    attn_ctx ac = {m, lw, ls, q, kv, o, sel, n_tok, p0, s->attn_scratch,
-                   (int64_t)(s->attn_scratch_floats / (size_t)m->cpu.n_threads)};
+    float *o = di_dsv4_scratch(c, DI_SCR_O); // [T, H, Dh]
+    attn_ctx ac = {m, c, lw, il, q, kv, o, sel, n_tok, c->ws->attn_scratch, scores_stride};
     di_pool_run(m->pool, attn_task, &ac);
 
     // Grouped output: u_g = wo_a[g] . concat(o of the heads of group g); out = wo_b . u.
-    float *u = di_dsv4_scratch(s, DI_SCR_U); // [T, G*Ro]
+    float *u = di_dsv4_scratch(c, DI_SCR_U); // [T, G*Ro]
     const int64_t group_in = H * Dh / G;
     for (int64_t g = 0; g < G; g++) {
         di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
         // wo_a: plain BF16 GEMM without activation quant in R-OFF (spec §5.17).
-        linear(s, &wg, o + g * group_in, n_tok, H * Dh, u + g * Ro, G * Ro, false);
+        linear(c, &wg, o + g * group_in, n_tok, H * Dh, u + g * Ro, G * Ro, false);
     }
-    linear(s, &lw->wo_b, u, n_tok, G * Ro, out, D, true);
+    linear(c, &lw->wo_b, u, n_tok, G * Ro, out, D, true);
 
-    // State: the last W kv rows go into the ring (slot = position mod W).
-    for (int32_t t = n_tok > W ? n_tok - (int32_t)W : 0; t < n_tok; t++)
-        memcpy(ls->ring + ((p0 + t) % W) * Dh, kv + t * Dh, sizeof(float) * (size_t)Dh);
+    // State: each sequence's last W kv rows go into its ring (slot = position mod W).
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        const di_dsv4_seq *sq = &c->seqs[i];
+        float *ring = sq->layers[il].ring;
+        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++)
+            memcpy(ring + ((sq->pos + t) % W) * Dh, kv + ((int64_t)sq->row0 + t) * Dh,
+                   sizeof(float) * (size_t)Dh);
+    }
 }

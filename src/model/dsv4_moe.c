@@ -24,43 +24,44 @@ static void swiglu(float *g, const float *u, int64_t n, float limit) {
 // One expert on n rows of x [n, D] -> y [n, D]; `weight` (per row, may be NULL) scales h before
 // w2 in official precision (R-OFF) and the output otherwise (R-HF), which is the same in exact
 // arithmetic.
-static void expert(di_session *s, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
+static void expert(di_dsv4_ctx *c, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
                    const float *x, int32_t n, float limit, const float *weight, float *y) {
-    const di_model *m = s->model;
+    const di_model *m = c->model;
     const int64_t D = m->hp.n_embd, F = w1->ne[1];
     const bool official = m->opt.precision == DI_PRECISION_OFFICIAL;
-    float *g = di_dsv4_scratch(s, DI_SCR_MOE_G), *u = di_dsv4_scratch(s, DI_SCR_MOE_U);
-    di_dsv4_linear(s, w1, x, n, D, g, F, true); // gate: [n, F]
-    di_dsv4_linear(s, w3, x, n, D, u, F, true); // up:   [n, F]
+    float *g = di_dsv4_scratch(c, DI_SCR_MOE_G), *u = di_dsv4_scratch(c, DI_SCR_MOE_U);
+    di_dsv4_linear(c, w1, x, n, D, g, F, true); // gate: [n, F]
+    di_dsv4_linear(c, w3, x, n, D, u, F, true); // up:   [n, F]
     swiglu(g, u, (int64_t)n * F, limit);
     if (official && weight) {
         for (int32_t r = 0; r < n; r++)
             for (int64_t i = 0; i < F; i++) g[r * F + i] *= weight[r];
     }
     di_dsv4_round(m, g, (int64_t)n * F);
-    di_dsv4_linear(s, w2, g, n, F, y, D, true); // [n, D]
+    di_dsv4_linear(c, w2, g, n, F, y, D, true); // [n, D]
     if (!official && weight) {
         for (int32_t r = 0; r < n; r++)
             for (int64_t i = 0; i < D; i++) y[r * D + i] *= weight[r];
     }
 }
 
-void di_dsv4_moe(di_session *s, const di_dsv4_layer_w *lw, const float *f, const int32_t *ids,
-                 int32_t n_tok, float *out) {
-    di_model *m = s->model;
+void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, const int32_t *ids,
+                 float *out) {
+    di_model *m = c->model;
+    const int32_t n_tok = c->n_rows;
     const di_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, E = hp->n_expert;
     const int32_t K = hp->n_expert_used;
     const bool official = m->opt.precision == DI_PRECISION_OFFICIAL;
 
     // Router in FP32: s = sqrt(softplus(gate . f)).
-    float *score = di_dsv4_scratch(s, DI_SCR_LOGIT); // [T, E]
+    float *score = di_dsv4_scratch(c, DI_SCR_LOGIT); // [T, E]
     di_ref_matmul(&m->cpu, &lw->gate, f, n_tok, D, score, E);
     for (int64_t i = 0; i < (int64_t)n_tok * E; i++) score[i] = sqrtf(di_softplus(score[i]));
 
     // Selection and routing weights: sel [T, K] (session int scratch), wgt [T, K].
-    int32_t *sel = s->sel;
-    float *wgt = di_dsv4_scratch(s, DI_SCR_MOE_W);
+    int32_t *sel = c->ws->sel;
+    float *wgt = di_dsv4_scratch(c, DI_SCR_MOE_W);
     for (int32_t t = 0; t < n_tok; t++) {
         const float *st = score + t * E;
         int32_t *se = sel + t * K;
@@ -89,9 +90,9 @@ void di_dsv4_moe(di_session *s, const di_dsv4_layer_w *lw, const float *f, const
     // Routed experts, in ascending expert id; each gathers the (token, slot) pairs routed to it.
     // Duplicates in a hash row contribute twice (as R-HF does).
     memset(out, 0, sizeof(float) * (size_t)(n_tok * D));
-    float *xin = di_dsv4_scratch(s, DI_SCR_MOE_IN), *yout = di_dsv4_scratch(s, DI_SCR_MOE_OUT);
-    float *rw = di_dsv4_scratch(s, DI_SCR_MOE_RW);
-    int32_t *rows = s->sel + (int64_t)n_tok * K; // token of each gathered row
+    float *xin = di_dsv4_scratch(c, DI_SCR_MOE_IN), *yout = di_dsv4_scratch(c, DI_SCR_MOE_OUT);
+    float *rw = di_dsv4_scratch(c, DI_SCR_MOE_RW);
+    int32_t *rows = c->ws->sel + (int64_t)n_tok * K; // token of each gathered row
     for (int32_t e = 0; e < E; e++) {
         int32_t n = 0;
         for (int32_t t = 0; t < n_tok; t++) {
@@ -104,7 +105,7 @@ void di_dsv4_moe(di_session *s, const di_dsv4_layer_w *lw, const float *f, const
             }
         }
         if (n == 0) continue;
-        expert(s, &lw->w1[e], &lw->w3[e], &lw->w2[e], xin, n, hp->swiglu_limit, rw, yout);
+        expert(c, &lw->w1[e], &lw->w3[e], &lw->w2[e], xin, n, hp->swiglu_limit, rw, yout);
         for (int32_t r = 0; r < n; r++) {
             float *o = out + (int64_t)rows[r] * D;
             const float *y = yout + (int64_t)r * D;
@@ -114,7 +115,7 @@ void di_dsv4_moe(di_session *s, const di_dsv4_layer_w *lw, const float *f, const
 
     // Shared expert on every token, then one sum.
     float limit = hp->shared_expert_clamp ? hp->swiglu_limit : 0;
-    expert(s, &lw->sh_w1, &lw->sh_w3, &lw->sh_w2, f, n_tok, limit, NULL, yout);
+    expert(c, &lw->sh_w1, &lw->sh_w3, &lw->sh_w2, f, n_tok, limit, NULL, yout);
     for (int64_t i = 0; i < (int64_t)n_tok * D; i++) out[i] += yout[i];
     di_dsv4_round(m, out, (int64_t)n_tok * D);
 }

@@ -13,22 +13,27 @@ void di_dsv4_mtp_forward(di_session *s, const float *x_main, const int32_t *ids_
     const di_dsv4_mtp_w *mw = &m->mtp[0];
     const int nc = hp->hc_mult;
     const int64_t D = hp->n_embd;
-    float *tmp = di_dsv4_scratch(s, DI_SCR_A);  // [n, D]
-    float *e = di_dsv4_scratch(s, DI_SCR_H);    // [n, D]
-    float *xm = di_dsv4_scratch(s, DI_SCR_XM);  // [n, NC, D]
+    // The MTP block is a one-sequence batch over its own layer state, at positions p_first...
+    di_dsv4_seq seq = {.layers = s->layers, .pos = p_first, .n_tok = n};
+    di_dsv4_ctx c = {.model = m, .ws = &s->ws, .seqs = &seq, .n_seq = 1, .n_rows = n,
+                     .trace = s->trace, .trace_user = s->trace_user};
+    for (int32_t t = 0; t < n; t++) s->ws.row_seq[t] = 0, s->ws.row_pos[t] = p_first + t;
+    float *tmp = di_dsv4_scratch(&c, DI_SCR_A);  // [n, D]
+    float *e = di_dsv4_scratch(&c, DI_SCR_H);    // [n, D]
+    float *xm = di_dsv4_scratch(&c, DI_SCR_XM);  // [n, NC, D]
 
     // e = e_proj . RMSNorm(embed[id_next], enorm)
     for (int32_t t = 0; t < n; t++) di_tensor_row_f32(&m->embed, ids_next[t], tmp + t * D);
     di_ref_rmsnorm(tmp, n, D, D, mw->enorm, hp->norm_eps);
     di_dsv4_round(m, tmp, n * D);
-    di_dsv4_linear(s, &mw->e_proj, tmp, n, D, e, D, true);
+    di_dsv4_linear(&c, &mw->e_proj, tmp, n, D, e, D, true);
     // X0[t, s] = e[t] + h_proj . RMSNorm(Xmain[t, s], hnorm)
     for (int k = 0; k < nc; k++) {
         for (int32_t t = 0; t < n; t++)
             memcpy(tmp + t * D, x_main + ((int64_t)t * nc + k) * D, sizeof(float) * (size_t)D);
         di_ref_rmsnorm(tmp, n, D, D, mw->hnorm, hp->norm_eps);
         di_dsv4_round(m, tmp, n * D);
-        di_dsv4_linear(s, &mw->h_proj, tmp, n, D, xm + k * D, nc * D, true);
+        di_dsv4_linear(&c, &mw->h_proj, tmp, n, D, xm + k * D, nc * D, true);
     }
     for (int32_t t = 0; t < n; t++)
         for (int k = 0; k < nc; k++) {
@@ -37,11 +42,11 @@ void di_dsv4_mtp_forward(di_session *s, const float *x_main, const int32_t *ids_
         }
     di_dsv4_round(m, xm, (int64_t)n * nc * D);
 
-    di_dsv4_block(s, &mw->block, &s->layers[hp->n_layer], xm, ids_next, n, p_first);
+    di_dsv4_block(&c, &mw->block, hp->n_layer, xm, ids_next);
     if (s->trace) s->trace(s->trace_user, "mtp_out", hp->n_layer, xm, false, n, nc * D);
     if (logits) {
-        float *h = di_dsv4_scratch(s, DI_SCR_H);
-        di_dsv4_hc_head(s, &mw->hc_head, mw->norm, xm, n, h);
+        float *h = di_dsv4_scratch(&c, DI_SCR_H);
+        di_dsv4_hc_head(&c, &mw->hc_head, mw->norm, xm, n, h);
         di_ref_matmul(&m->cpu, &m->head, h, n, D, logits, hp->n_vocab);
     }
 }

@@ -72,9 +72,12 @@ static void cmp_state_free(di_dsv4_cmp_state *cs) {
     memset(cs, 0, sizeof *cs);
 }
 
-static const di_dsv4_layer_w *layer_w(const di_session *s, int il) {
-    const di_model *m = s->model;
+const di_dsv4_layer_w *di_dsv4_layer(const di_model *m, int il) {
     return il < m->hp.n_layer ? &m->layers[il] : &m->mtp[il - m->hp.n_layer].block;
+}
+
+static const di_dsv4_layer_w *layer_w(const di_session *s, int il) {
+    return di_dsv4_layer(s->model, il);
 }
 
 di_status di_session_create(di_model *m, const di_session_options *opt, di_session **out) {
@@ -138,9 +141,7 @@ void di_session_destroy(di_session *s) {
     }
     di_free(s->layers);
     di_aligned_free(s->mtp_pending_x);
-    di_aligned_free(s->scratch);
-    di_aligned_free(s->attn_scratch);
-    di_free(s->sel);
+    di_dsv4_ws_free(&s->ws);
     di_free(s);
 }
 
@@ -159,8 +160,7 @@ void di_session_reset(di_session *s) {
 
 // ---- scratch ----
 
-static size_t scratch_sizes(const di_session *s, int32_t T, size_t *sz) {
-    const di_model *m = s->model;
+static size_t scratch_sizes(const di_model *m, bool mtp, int32_t T, size_t *sz) {
     const di_hparams *hp = &m->hp;
     size_t t = (size_t)T, nc = (size_t)hp->hc_mult, D = (size_t)hp->n_embd;
     size_t K = (size_t)hp->n_expert_used, F = (size_t)hp->expert_ff;
@@ -186,8 +186,8 @@ static size_t scratch_sizes(const di_session *s, int32_t T, size_t *sz) {
     sz[DI_SCR_MOE_U] = t * K * F;
     sz[DI_SCR_MOE_OUT] = t * K * D;
     sz[DI_SCR_LOGIT] = t * (size_t)hp->n_expert;
-    sz[DI_SCR_XM] = s->mtp ? t * nc * D : 0;
-    sz[DI_SCR_XMAIN] = s->mtp ? t * nc * D : 0;
+    sz[DI_SCR_XM] = mtp ? t * nc * D : 0;
+    sz[DI_SCR_XMAIN] = mtp ? t * nc * D : 0;
     sz[DI_SCR_H] = t * D;
     sz[DI_SCR_AQ] = m->opt.precision == DI_PRECISION_OFFICIAL ? t * K * widest : 0;
     sz[DI_SCR_MOE_W] = t * K;
@@ -197,9 +197,67 @@ static size_t scratch_sizes(const di_session *s, int32_t T, size_t *sz) {
     return total;
 }
 
-float *di_dsv4_scratch(di_session *s, int which) {
-    DI_ASSERT(which >= 0 && which < DI_SCR_COUNT && s->scratch);
-    return s->scratch + s->scratch_off[which];
+float *di_dsv4_scratch(di_dsv4_ctx *c, int which) {
+    DI_ASSERT(which >= 0 && which < DI_SCR_COUNT && c->ws->scratch);
+    return c->ws->scratch + c->ws->scratch_off[which];
+}
+
+di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
+                             int64_t max_entries, bool mtp) {
+    const di_hparams *hp = &m->hp;
+    // Per-thread score rows: window + compressed keys (attention) or every entry (indexer).
+    size_t per_thread = (size_t)(hp->window + hp->index_topk + max_entries + 16);
+    size_t attn = per_thread * (size_t)m->cpu.n_threads;
+    if (attn > ws->attn_scratch_floats) {
+        float *p = di_aligned_alloc(sizeof(float) * attn);
+        if (!p) return DI_ERR_NOMEM;
+        di_aligned_free(ws->attn_scratch);
+        ws->attn_scratch = p;
+        ws->attn_scratch_floats = attn;
+    }
+    if (n_rows <= ws->scratch_tokens && (ws->mtp || !mtp)) return DI_OK;
+    if (n_rows < ws->scratch_tokens) n_rows = ws->scratch_tokens;
+    size_t sz[DI_SCR_COUNT];
+    size_t total = scratch_sizes(m, mtp, n_rows, sz);
+    float *p = di_aligned_alloc(sizeof(float) * total);
+    size_t n_sel = (size_t)n_rows * (size_t)(hp->index_topk > 2 * hp->n_expert_used
+                                                 ? hp->index_topk
+                                                 : 2 * hp->n_expert_used);
+    int32_t *sel = di_malloc(sizeof(int32_t) * n_sel);
+    int32_t *rows = di_malloc(sizeof(int32_t) * 2 * (size_t)n_rows);
+    if (!p || !sel || !rows) {
+        di_aligned_free(p);
+        di_free(sel);
+        di_free(rows);
+        DI_LOG_ERROR("cannot allocate %.1f MiB of scratch for %d rows",
+                     sizeof(float) * total / 1048576.0, n_rows);
+        return DI_ERR_NOMEM;
+    }
+    di_aligned_free(ws->scratch);
+    di_free(ws->sel);
+    di_free(ws->row_seq);
+    ws->scratch = p;
+    ws->scratch_floats = total;
+    ws->sel = sel;
+    ws->sel_cap = n_sel;
+    ws->row_seq = rows;
+    ws->row_pos = rows + n_rows;
+    ws->scratch_tokens = n_rows;
+    ws->mtp = mtp;
+    size_t off = 0;
+    for (int i = 0; i < DI_SCR_COUNT; i++) {
+        ws->scratch_off[i] = off;
+        off += (sz[i] + 15) & ~(size_t)15;
+    }
+    return DI_OK;
+}
+
+void di_dsv4_ws_free(di_dsv4_ws *ws) {
+    di_aligned_free(ws->scratch);
+    di_aligned_free(ws->attn_scratch);
+    di_free(ws->sel);
+    di_free(ws->row_seq);
+    memset(ws, 0, sizeof *ws);
 }
 
 static di_status grow_entries(di_dsv4_cmp_state *cs, int64_t need, int32_t d) {
@@ -214,8 +272,6 @@ static di_status grow_entries(di_dsv4_cmp_state *cs, int64_t need, int32_t d) {
 }
 
 di_status di_dsv4_session_reserve(di_session *s, int32_t n_tok) {
-    const di_model *m = s->model;
-    const di_hparams *hp = &m->hp;
     // Compressed pools: every entry this call can close.
     int64_t end = (int64_t)s->pos + n_tok, max_entries = 0;
     for (int il = 0; il < n_state_layers(s); il++) {
@@ -227,44 +283,7 @@ di_status di_dsv4_session_reserve(di_session *s, int32_t n_tok) {
             return DI_ERR_NOMEM;
         if (need > max_entries) max_entries = need;
     }
-    // Per-thread score rows: window + compressed keys (attention) or every entry (indexer).
-    size_t per_thread = (size_t)(hp->window + hp->index_topk + max_entries + 16);
-    size_t attn = per_thread * (size_t)m->cpu.n_threads;
-    if (attn > s->attn_scratch_floats) {
-        float *p = di_aligned_alloc(sizeof(float) * attn);
-        if (!p) return DI_ERR_NOMEM;
-        di_aligned_free(s->attn_scratch);
-        s->attn_scratch = p;
-        s->attn_scratch_floats = attn;
-    }
-    if (n_tok <= s->scratch_tokens) return DI_OK;
-    size_t sz[DI_SCR_COUNT];
-    size_t total = scratch_sizes(s, n_tok, sz);
-    float *p = di_aligned_alloc(sizeof(float) * total);
-    size_t n_sel = (size_t)n_tok * (size_t)(hp->index_topk > 2 * hp->n_expert_used
-                                                ? hp->index_topk
-                                                : 2 * hp->n_expert_used);
-    int32_t *sel = di_malloc(sizeof(int32_t) * n_sel);
-    if (!p || !sel) {
-        di_aligned_free(p);
-        di_free(sel);
-        DI_LOG_ERROR("session: cannot allocate %.1f MiB of scratch for %d tokens",
-                     sizeof(float) * total / 1048576.0, n_tok);
-        return DI_ERR_NOMEM;
-    }
-    di_aligned_free(s->scratch);
-    di_free(s->sel);
-    s->scratch = p;
-    s->scratch_floats = total;
-    s->sel = sel;
-    s->sel_cap = n_sel;
-    s->scratch_tokens = n_tok;
-    size_t off = 0;
-    for (int i = 0; i < DI_SCR_COUNT; i++) {
-        s->scratch_off[i] = off;
-        off += (sz[i] + 15) & ~(size_t)15;
-    }
-    return DI_OK;
+    return di_dsv4_ws_reserve(&s->ws, s->model, n_tok, max_entries, s->mtp);
 }
 
 // ---- serialisation ----

@@ -1,0 +1,331 @@
+// engine — implements the engine part of include/deepinfer.h: a thread-safe submission queue in
+// front of one engine thread that owns the model, the KV manager, the scheduler and the sampler.
+// Each step: take new requests and cancellations (under the mutex), plan (scheduler), run one
+// ragged forward (model), sample and emit (callbacks), advance and publish blocks.
+//
+// Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
+// the logits of max_seqs rows, the sampler for the vocabulary, the scheduler's plan arrays, the
+// KV pool); the thread-local allocation counter around each step proves it (n_step_allocs).
+// Thread-safety: submit, cancel, wait_idle and get_stats from any thread; destroy from one.
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "base/mem.h"
+#include "base/status.h"
+#include "kv/kv_manager.h"
+#include "model/dsv4.h"
+#include "sample/sampler.h"
+#include "sched/request.h"
+#include "sched/scheduler.h"
+
+struct di_engine {
+    di_model *model;          // owned
+    di_engine_options opt;
+    di_kv_manager *kv;        // owned
+    di_sched sched;           // owned
+    di_sampler *sampler;      // owned
+    di_dsv4_ws ws;            // owned
+    float *logits;            // owned [max_seqs, V]
+    int32_t eos;
+    pthread_t thread;
+    bool thread_started;
+    // Guarded by mu.
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_idle;
+    di_request *in_head, *in_tail; // submitted, not yet taken by the engine thread
+    di_request *all;               // every live request (for cancel by id)
+    int32_t n_live, n_incoming;    // live requests; submitted but not yet taken
+    int32_t n_waiting_seen;        // the scheduler's queue length after the last step
+    uint64_t next_id;
+    bool stop, any_cancel;
+    di_engine_stats stats;
+};
+
+di_engine_options di_engine_options_default(void) {
+    di_engine_options o = {.n_threads = 0, .precision = DI_PRECISION_FP32};
+    return o;
+}
+
+static void *engine_main(void *p);
+
+// ---- create / destroy ----
+
+di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out) {
+    di_status st = DI_OK;
+    di_engine *e = di_calloc(1, sizeof *e);
+    if (!e) return DI_ERR_NOMEM;
+    e->opt = opt ? *opt : di_engine_options_default();
+    di_engine_options *o = &e->opt;
+    if (!o->kv_memory_bytes) o->kv_memory_bytes = (size_t)256 << 20;
+    if (!o->max_seqs) o->max_seqs = 16;
+    if (!o->max_batch_tokens) o->max_batch_tokens = 256;
+    if (!o->max_ctx) o->max_ctx = 8192;
+    if (!o->max_queue) o->max_queue = 1024;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv_work, NULL);
+    pthread_cond_init(&e->cv_idle, NULL);
+    if (o->max_seqs < 1 || o->max_batch_tokens < o->max_seqs || o->max_ctx < 2 || o->max_queue < 1) {
+        DI_LOG_ERROR("engine: need max_seqs >= 1, max_batch_tokens >= max_seqs, max_ctx >= 2");
+        st = DI_ERR_INVALID;
+        goto fail;
+    }
+    di_model_options mo = {.n_threads = o->n_threads, .precision = o->precision};
+    DI_TRY(di_model_load(model_dir, &mo, &e->model));
+    const di_hparams *hp = &e->model->hp;
+    if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
+    e->eos = hp->eos_token;
+    DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
+                                !o->no_prefix_cache, &e->kv));
+    DI_TRY(di_sched_init(&e->sched, e->kv, o->max_seqs, o->max_batch_tokens));
+    DI_TRY(di_sampler_create(hp->n_vocab, &e->sampler));
+    DI_TRY(di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
+    e->logits = di_malloc(sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab);
+    if (!e->logits) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    e->stats.n_blocks_total = di_block_pool_n_total(e->kv->pool);
+    e->stats.n_blocks_free = e->stats.n_blocks_total;
+    e->stats.block_bytes = (int64_t)di_block_pool_block_bytes(e->kv->pool);
+    e->stats.block_tokens = e->kv->block_tokens;
+    e->next_id = 1;
+    if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    e->thread_started = true;
+    *out = e;
+    return DI_OK;
+fail:
+    di_engine_destroy(e);
+    return st;
+}
+
+void di_engine_destroy(di_engine *e) {
+    if (!e) return;
+    if (e->thread_started) {
+        pthread_mutex_lock(&e->mu);
+        for (di_request *r = e->all; r; r = r->all_next) atomic_store(&r->cancelled, true);
+        e->any_cancel = true;
+        e->stop = true;
+        pthread_cond_broadcast(&e->cv_work);
+        pthread_mutex_unlock(&e->mu);
+        pthread_join(e->thread, NULL);
+    }
+    di_free(e->logits);
+    di_dsv4_ws_free(&e->ws);
+    di_sampler_destroy(e->sampler);
+    di_sched_deinit(&e->sched);
+    di_kv_manager_destroy(e->kv);
+    di_model_destroy(e->model);
+    pthread_cond_destroy(&e->cv_work);
+    pthread_cond_destroy(&e->cv_idle);
+    pthread_mutex_destroy(&e->mu);
+    di_free(e);
+}
+
+// ---- any thread ----
+
+di_status di_engine_submit(di_engine *e, const di_request_params *p, uint64_t *id) {
+    di_request *r = NULL;
+    di_status st = di_request_create(p, e->model->hp.n_vocab, e->opt.max_ctx,
+                                     e->opt.token_bytes != NULL, &r);
+    if (st != DI_OK) return st;
+    pthread_mutex_lock(&e->mu);
+    if (e->n_incoming + e->n_waiting_seen >= e->opt.max_queue || e->stop) {
+        pthread_mutex_unlock(&e->mu);
+        DI_LOG_WARN("engine: request queue full (%d waiting)", e->opt.max_queue);
+        di_request_destroy(r);
+        return DI_ERR_BUSY;
+    }
+    r->id = e->next_id++;
+    r->arrival = r->id;
+    r->next = NULL;
+    if (e->in_tail) e->in_tail->next = r;
+    else e->in_head = r;
+    e->in_tail = r;
+    r->all_next = e->all;
+    e->all = r;
+    e->n_live++;
+    e->n_incoming++;
+    *id = r->id;
+    pthread_cond_signal(&e->cv_work);
+    pthread_mutex_unlock(&e->mu);
+    return DI_OK;
+}
+
+void di_engine_cancel(di_engine *e, uint64_t id) {
+    pthread_mutex_lock(&e->mu);
+    for (di_request *r = e->all; r; r = r->all_next) {
+        if (r->id == id) {
+            atomic_store(&r->cancelled, true);
+            e->any_cancel = true;
+            pthread_cond_signal(&e->cv_work);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+void di_engine_wait_idle(di_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    while (e->n_live > 0) pthread_cond_wait(&e->cv_idle, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void di_engine_get_stats(di_engine *e, di_engine_stats *out) {
+    pthread_mutex_lock(&e->mu);
+    *out = e->stats;
+    pthread_mutex_unlock(&e->mu);
+}
+
+// ---- engine thread ----
+
+// Takes r out of the scheduler (its blocks go back) and frees it; updates the pool counts before
+// waking di_engine_wait_idle, so a waiter sees them.
+static void retire(di_engine *e, di_request *r) {
+    di_sched_remove(&e->sched, r);
+    pthread_mutex_lock(&e->mu);
+    di_request **link = &e->all;
+    while (*link != r) link = &(*link)->all_next;
+    *link = r->all_next;
+    e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);
+    e->stats.n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
+    e->n_live--;
+    if (e->n_live == 0) pthread_cond_broadcast(&e->cv_idle);
+    pthread_mutex_unlock(&e->mu);
+    di_request_destroy(r);
+}
+
+// Sends r's last event (no token), then retires it.
+static void finish(di_engine *e, di_request *r, di_finish why, di_status status) {
+    di_event ev = {.request_id = r->id, .token = -1, .index = r->n_gen, .finish = why,
+                   .status = status, .n_cached = r->n_cached, .n_replayed = r->n_replayed,
+                   .n_computed = r->n_computed, .n_preempted = r->n_preempted};
+    const char *txt;
+    size_t n_txt;
+    di_stop_flush(&r->stop, &txt, &n_txt);
+    ev.text = n_txt ? txt : NULL;
+    ev.n_text = n_txt;
+    r->on_event(r->user, &ev);
+    retire(e, r);
+}
+
+// Samples the next token of every request whose last known token was fed this step.
+static void sample_and_emit(di_engine *e, int64_t *cb_allocs) {
+    di_sched *s = &e->sched;
+    const int64_t V = e->model->hp.n_vocab;
+    for (int32_t k = 0; k < s->n_logit; k++) {
+        di_request *r = s->logit_req[k];
+        const float *lg = e->logits + k * V;
+        if (r->n_gen == 0 && r->first_logits) memcpy(r->first_logits, lg, sizeof(float) * (size_t)V);
+        di_sample_result res;
+        di_sampler_sample(e->sampler, lg, &r->sample, r->tokens, r->n_prompt, r->n_gen,
+                          di_request_n_tokens(r), &res);
+        r->tokens[di_request_n_tokens(r)] = res.token;
+        r->n_gen++;
+        di_finish why = DI_FINISH_NONE;
+        if (!r->ignore_eos && res.token == e->eos) why = DI_FINISH_STOP;
+        for (int32_t i = 0; i < r->n_stop_ids; i++)
+            if (res.token == r->stop_ids[i]) why = DI_FINISH_STOP;
+        const char *txt = NULL;
+        size_t n_txt = 0;
+        if (e->opt.token_bytes) {
+            size_t nb = 0;
+            const char *b = e->opt.token_bytes(e->opt.token_bytes_user, res.token, &nb);
+            if (di_stop_push(&r->stop, b ? b : "", b ? nb : 0, &txt, &n_txt)) why = DI_FINISH_STOP;
+        }
+        if (why == DI_FINISH_NONE &&
+            (r->n_gen >= r->max_tokens || di_request_n_tokens(r) >= e->opt.max_ctx))
+            why = DI_FINISH_LENGTH;
+        di_event ev = {.request_id = r->id, .token = res.token, .index = r->n_gen - 1,
+                       .logprob = res.logprob, .n_top = res.n_top, .top_ids = res.top_ids,
+                       .top_logprobs = res.top_logprobs, .text = n_txt ? txt : NULL,
+                       .n_text = n_txt, .status = DI_OK};
+        if (why == DI_FINISH_NONE) {
+            int64_t a0 = di_mem_thread_allocs();
+            r->on_event(r->user, &ev);
+            *cb_allocs += di_mem_thread_allocs() - a0;
+            continue;
+        }
+        // The last token carries the finish: one event, then the request is gone.
+        ev.finish = why;
+        ev.n_cached = r->n_cached;
+        ev.n_replayed = r->n_replayed;
+        ev.n_computed = r->n_computed;
+        ev.n_preempted = r->n_preempted;
+        int64_t a0 = di_mem_thread_allocs();
+        r->on_event(r->user, &ev);
+        *cb_allocs += di_mem_thread_allocs() - a0;
+        retire(e, r);
+    }
+}
+
+static void cancel_flagged(di_engine *e) {
+    di_sched *s = &e->sched;
+    for (int32_t i = s->n_running - 1; i >= 0; i--) {
+        di_request *r = s->running[i];
+        if (atomic_load(&r->cancelled)) finish(e, r, DI_FINISH_CANCELLED, DI_ERR_CANCELLED);
+    }
+    for (di_request *r = s->wait_head, *nx; r; r = nx) {
+        nx = r->next;
+        if (atomic_load(&r->cancelled)) finish(e, r, DI_FINISH_CANCELLED, DI_ERR_CANCELLED);
+    }
+}
+
+static void *engine_main(void *p) {
+    di_engine *e = p;
+    di_sched *s = &e->sched;
+    for (;;) {
+        // Take new requests and cancellations; sleep while there is nothing to do.
+        pthread_mutex_lock(&e->mu);
+        while (!e->stop && !e->in_head && !e->any_cancel && s->n_running == 0 && s->n_waiting == 0)
+            pthread_cond_wait(&e->cv_work, &e->mu);
+        di_request *in = e->in_head;
+        e->in_head = e->in_tail = NULL;
+        e->n_incoming = 0;
+        bool stop = e->stop, cancel = e->any_cancel;
+        e->any_cancel = false;
+        pthread_mutex_unlock(&e->mu);
+        for (di_request *r = in, *nx; r; r = nx) {
+            nx = r->next;
+            di_sched_enqueue(s, r);
+        }
+        if (cancel) cancel_flagged(e);
+        if (stop && s->n_running == 0 && s->n_waiting == 0) break;
+
+        // One step. Admitted requests leave the queue count.
+        int64_t a0 = di_mem_thread_allocs(), cb_allocs = 0;
+        di_sched_step(s);
+        if (s->n_seq == 0) continue;
+        di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = s->seqs, .n_seq = s->n_seq};
+        di_dsv4_forward_batch(&c, s->tokens, s->logit_rows, s->n_logit, e->logits);
+        di_sched_advance(s);
+        sample_and_emit(e, &cb_allocs);
+        int64_t step_allocs = di_mem_thread_allocs() - a0 - cb_allocs;
+
+        pthread_mutex_lock(&e->mu);
+        e->n_waiting_seen = s->n_waiting;
+        di_engine_stats *st = &e->stats;
+        st->n_steps++;
+        st->n_step_allocs += step_allocs;
+        st->n_prefill_tokens = s->n_prefill_rows;
+        st->n_decode_tokens = s->n_decode_rows;
+        st->n_preemptions = s->n_preemptions;
+        st->n_cache_hit_tokens = s->n_cache_hit_tokens;
+        st->n_replayed_tokens = s->n_replayed_tokens;
+        st->n_running = s->n_running;
+        st->n_waiting = s->n_waiting;
+        st->n_blocks_free = di_block_pool_n_available(e->kv->pool);
+        st->n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
+        pthread_mutex_unlock(&e->mu);
+    }
+    // Final stats after the last cancellations.
+    pthread_mutex_lock(&e->mu);
+    e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);
+    e->stats.n_running = e->stats.n_waiting = 0;
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}

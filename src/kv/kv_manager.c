@@ -1,0 +1,312 @@
+// kv_manager — V4 sequence state on pool blocks (see kv_manager.h and docs/kv-cache.md).
+#include "kv/kv_manager.h"
+
+#include <string.h>
+
+#include "base/log.h"
+#include "base/mem.h"
+#include "base/status.h"
+
+// ---- layout ----
+
+typedef struct packer {
+    int64_t block_floats;
+    int32_t n_blk;
+    int64_t used; // floats used in the current (last) block
+} packer;
+
+// Places an item of n floats: next-fit, never across a block (n <= block_floats).
+static di_kv_item place(packer *p, int64_t n) {
+    n = (n + 15) & ~(int64_t)15; // keep 64-byte alignment
+    if (p->n_blk == 0 || p->used + n > p->block_floats) {
+        p->n_blk++;
+        p->used = 0;
+    }
+    di_kv_item it = {p->n_blk - 1, p->used};
+    p->used += n;
+    return it;
+}
+
+static int32_t gcd32(int32_t a, int32_t b) {
+    while (b) {
+        int32_t t = a % b;
+        a = b, b = t;
+    }
+    return a;
+}
+
+static uint64_t model_id(const di_model *m) {
+    // FNV-1a over the hyper-parameters and the precision recipe: blocks are never shared
+    // between different models or numerics.
+    uint64_t h = 0xcbf29ce484222325ull;
+    const unsigned char *b = (const unsigned char *)&m->hp;
+    for (size_t i = 0; i < sizeof m->hp; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    h = (h ^ (uint64_t)m->opt.precision) * 0x100000001b3ull;
+    h = (h ^ (uint64_t)m->n_params) * 0x100000001b3ull;
+    return h;
+}
+
+di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, int32_t max_ctx,
+                               bool prefix_cache, di_kv_manager **out) {
+    const di_hparams *hp = &m->hp;
+    di_status st = DI_OK;
+    di_kv_manager *kv = di_calloc(1, sizeof *kv);
+    if (!kv) return DI_ERR_NOMEM;
+    kv->model = m;
+    kv->n_layer = hp->n_layer;
+    kv->max_seqs = max_seqs;
+    kv->max_ctx = max_ctx;
+    const int32_t L = hp->n_layer, W = hp->window, Dh = hp->head_dim, DI = hp->index_head_dim;
+    kv->replay_tokens = L * (W - 1);
+
+    // block_tokens: a multiple of every ratio (every window closes at a block boundary), at
+    // least the window.
+    int32_t lcm = 1;
+    for (int il = 0; il < L; il++) {
+        int32_t r = hp->compress_ratio[il];
+        if (r > 0) lcm = lcm / gcd32(lcm, r) * r;
+    }
+    kv->block_tokens = lcm * ((W + lcm - 1) / lcm);
+    const int32_t B = kv->block_tokens;
+
+    size_t nl = (size_t)L;
+    kv->page_off_cmp = di_calloc(nl, sizeof(int64_t));
+    kv->page_off_idx = di_calloc(nl, sizeof(int64_t));
+    di_kv_item **items[] = {&kv->ring,   &kv->buf_c,  &kv->buf_z,  &kv->ovl_c, &kv->ovl_z,
+                            &kv->ibuf_c, &kv->ibuf_z, &kv->iovl_c, &kv->iovl_z};
+    for (size_t i = 0; i < sizeof items / sizeof items[0]; i++)
+        *items[i] = di_calloc(nl, sizeof(di_kv_item));
+    if (!kv->page_off_cmp || !kv->page_off_idx || !kv->iovl_z || !kv->ring || !kv->buf_c ||
+        !kv->buf_z || !kv->ovl_c || !kv->ovl_z || !kv->ibuf_c || !kv->ibuf_z || !kv->iovl_c) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    // Entry block: per compressed layer, B / ratio entries of the main compressor, and for CSA as
+    // many indexer keys.
+    int64_t entry_floats = 0, largest = (int64_t)W * Dh;
+    for (int il = 0; il < L; il++) {
+        const di_dsv4_layer_w *lw = &m->layers[il];
+        if (lw->ratio <= 0) continue;
+        kv->page_off_cmp[il] = entry_floats;
+        entry_floats += (int64_t)(B / lw->ratio) * lw->cmp.d;
+        int64_t buf = (int64_t)lw->cmp.m * lw->cmp.c * lw->cmp.d;
+        if (buf > largest) largest = buf;
+        if (lw->ratio == 4) {
+            kv->page_off_idx[il] = entry_floats;
+            entry_floats += (int64_t)(B / 4) * lw->idx_cmp.d;
+            int64_t ib = (int64_t)lw->idx_cmp.m * lw->idx_cmp.c * lw->idx_cmp.d;
+            if (ib > largest) largest = ib;
+        }
+    }
+    kv->block_floats = ((entry_floats > largest ? entry_floats : largest) + 15) & ~(int64_t)15;
+    // Tail: rings, buffers, overlaps.
+    packer pk = {.block_floats = kv->block_floats};
+    for (int il = 0; il < L; il++) {
+        const di_dsv4_layer_w *lw = &m->layers[il];
+        kv->ring[il] = place(&pk, (int64_t)W * Dh);
+        if (lw->ratio <= 0) continue;
+        int64_t buf = (int64_t)lw->cmp.m * lw->cmp.c * lw->cmp.d;
+        kv->buf_c[il] = place(&pk, buf);
+        kv->buf_z[il] = place(&pk, buf);
+        if (lw->cmp.c == 2) {
+            kv->ovl_c[il] = place(&pk, (int64_t)lw->cmp.m * lw->cmp.d);
+            kv->ovl_z[il] = place(&pk, (int64_t)lw->cmp.m * lw->cmp.d);
+        }
+        if (lw->ratio == 4) {
+            int64_t ib = (int64_t)lw->idx_cmp.m * lw->idx_cmp.c * DI;
+            kv->ibuf_c[il] = place(&pk, ib);
+            kv->ibuf_z[il] = place(&pk, ib);
+            kv->iovl_c[il] = place(&pk, (int64_t)lw->idx_cmp.m * DI);
+            kv->iovl_z[il] = place(&pk, (int64_t)lw->idx_cmp.m * DI);
+        }
+    }
+    kv->n_tail = pk.n_blk;
+    kv->max_blocks = (max_ctx + B - 1) / B;
+    size_t block_bytes = sizeof(float) * (size_t)kv->block_floats;
+    int64_t n_blocks = (int64_t)(kv_bytes / block_bytes);
+    if (n_blocks < di_kv_blocks_for(kv, max_ctx)) {
+        DI_LOG_ERROR("kv: %zu bytes hold %lld blocks of %zu bytes; one sequence of %d positions "
+                     "needs %d",
+                     kv_bytes, (long long)n_blocks, block_bytes, max_ctx,
+                     di_kv_blocks_for(kv, max_ctx));
+        st = DI_ERR_INVALID;
+        goto fail;
+    }
+    if (n_blocks > INT32_MAX / 2) n_blocks = INT32_MAX / 2;
+    DI_TRY(di_block_pool_create((int32_t)n_blocks, block_bytes, &kv->pool));
+    if (prefix_cache) DI_TRY(di_prefix_cache_create(kv->pool, B, model_id(m), &kv->cache));
+    kv->seqs = di_calloc((size_t)max_seqs, sizeof *kv->seqs);
+    if (!kv->seqs) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    for (int32_t i = 0; i < max_seqs; i++) {
+        di_kv_seq *s = &kv->seqs[i];
+        s->tail = di_malloc(sizeof(int32_t) * (size_t)kv->n_tail);
+        s->blocks = di_malloc(sizeof(int32_t) * (size_t)kv->max_blocks);
+        s->pages = di_calloc((size_t)kv->max_blocks, sizeof(float *));
+        s->layers = di_calloc(nl, sizeof(di_dsv4_layer_state));
+        if (!s->tail || !s->blocks || !s->pages || !s->layers) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
+    }
+    DI_LOG_INFO("kv: %d blocks of %zu KiB (%d positions each), %d tail blocks per sequence, "
+                "replay bound %d tokens",
+                (int)n_blocks, block_bytes / 1024, B, kv->n_tail, kv->replay_tokens);
+    *out = kv;
+    return DI_OK;
+fail:
+    di_kv_manager_destroy(kv);
+    return st;
+}
+
+void di_kv_manager_destroy(di_kv_manager *kv) {
+    if (!kv) return;
+    if (kv->seqs) {
+        for (int32_t i = 0; i < kv->max_seqs; i++) {
+            di_free(kv->seqs[i].tail);
+            di_free(kv->seqs[i].blocks);
+            di_free(kv->seqs[i].pages);
+            di_free(kv->seqs[i].layers);
+        }
+    }
+    di_free(kv->seqs);
+    di_prefix_cache_destroy(kv->cache);
+    di_block_pool_destroy(kv->pool);
+    di_free(kv->page_off_cmp);
+    di_free(kv->page_off_idx);
+    di_kv_item *items[] = {kv->ring,   kv->buf_c,  kv->buf_z,  kv->ovl_c, kv->ovl_z,
+                           kv->ibuf_c, kv->ibuf_z, kv->iovl_c, kv->iovl_z};
+    for (size_t i = 0; i < sizeof items / sizeof items[0]; i++) di_free(items[i]);
+    di_free(kv);
+}
+
+int32_t di_kv_blocks_for(const di_kv_manager *kv, int32_t n_positions) {
+    return kv->n_tail + (n_positions + kv->block_tokens - 1) / kv->block_tokens;
+}
+
+// ---- sequences ----
+
+static float *at(const di_kv_manager *kv, const di_kv_seq *s, di_kv_item it) {
+    return (float *)di_block_pool_ptr(kv->pool, s->tail[it.blk]) + it.off;
+}
+
+static void bind_cmp(di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw, float *bc, float *bz,
+                     float *oc, float *oz, float *const *pages, int64_t page_off, int32_t B) {
+    memset(cs, 0, sizeof *cs);
+    cs->buf_c = bc, cs->buf_z = bz, cs->ovl_c = oc, cs->ovl_z = oz;
+    cs->pages = pages;
+    cs->page_off = page_off;
+    cs->page_entries = B / cw->m;
+}
+
+di_status di_kv_seq_open(di_kv_manager *kv, int32_t slot, uint64_t salt) {
+    DI_ASSERT(slot >= 0 && slot < kv->max_seqs && !kv->seqs[slot].open);
+    di_kv_seq *s = &kv->seqs[slot];
+    for (int32_t i = 0; i < kv->n_tail; i++) {
+        if (di_block_pool_alloc(kv->pool, &s->tail[i]) != DI_OK) {
+            while (i-- > 0) di_block_pool_unref(kv->pool, s->tail[i]);
+            return DI_ERR_NO_KV;
+        }
+        // Zeroed so that nothing unwritten is ever read as a float (docs/kv-cache.md).
+        memset(di_block_pool_ptr(kv->pool, s->tail[i]), 0, di_block_pool_block_bytes(kv->pool));
+    }
+    s->n_blocks = 0;
+    s->open = true;
+    s->salt = salt;
+    s->last_hash = 0;
+    s->n_published = 0;
+    const di_model *m = kv->model;
+    for (int il = 0; il < kv->n_layer; il++) {
+        const di_dsv4_layer_w *lw = &m->layers[il];
+        di_dsv4_layer_state *ls = &s->layers[il];
+        memset(ls, 0, sizeof *ls);
+        ls->ring = at(kv, s, kv->ring[il]);
+        if (lw->ratio <= 0) continue;
+        bool csa = lw->ratio == 4;
+        bind_cmp(&ls->cmp, &lw->cmp, at(kv, s, kv->buf_c[il]), at(kv, s, kv->buf_z[il]),
+                 csa ? at(kv, s, kv->ovl_c[il]) : NULL, csa ? at(kv, s, kv->ovl_z[il]) : NULL,
+                 s->pages, kv->page_off_cmp[il], kv->block_tokens);
+        if (csa)
+            bind_cmp(&ls->idx, &lw->idx_cmp, at(kv, s, kv->ibuf_c[il]), at(kv, s, kv->ibuf_z[il]),
+                     at(kv, s, kv->iovl_c[il]), at(kv, s, kv->iovl_z[il]), s->pages,
+                     kv->page_off_idx[il], kv->block_tokens);
+    }
+    return DI_OK;
+}
+
+void di_kv_seq_close(di_kv_manager *kv, int32_t slot) {
+    di_kv_seq *s = &kv->seqs[slot];
+    if (!s->open) return;
+    for (int32_t i = 0; i < kv->n_tail; i++) di_block_pool_unref(kv->pool, s->tail[i]);
+    for (int32_t i = 0; i < s->n_blocks; i++) di_block_pool_unref(kv->pool, s->blocks[i]);
+    s->n_blocks = 0;
+    s->open = false;
+}
+
+static void set_capacity(di_kv_manager *kv, di_kv_seq *s) {
+    for (int il = 0; il < kv->n_layer; il++) {
+        di_dsv4_layer_state *ls = &s->layers[il];
+        if (ls->cmp.pages) ls->cmp.cap_entries = (int64_t)s->n_blocks * ls->cmp.page_entries;
+        if (ls->idx.pages) ls->idx.cap_entries = (int64_t)s->n_blocks * ls->idx.page_entries;
+    }
+}
+
+di_status di_kv_seq_grow(di_kv_manager *kv, int32_t slot, int32_t end_pos) {
+    di_kv_seq *s = &kv->seqs[slot];
+    DI_ASSERT(s->open && end_pos <= kv->max_ctx);
+    int32_t need = (end_pos + kv->block_tokens - 1) / kv->block_tokens;
+    di_status st = DI_OK;
+    while (s->n_blocks < need) {
+        int32_t id;
+        if ((st = di_block_pool_alloc(kv->pool, &id)) != DI_OK) break;
+        s->blocks[s->n_blocks] = id;
+        s->pages[s->n_blocks] = di_block_pool_ptr(kv->pool, id);
+        s->n_blocks++;
+    }
+    set_capacity(kv, s);
+    return st;
+}
+
+int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *prompt,
+                                int32_t n_max_tokens) {
+    di_kv_seq *s = &kv->seqs[slot];
+    DI_ASSERT(s->open && s->n_blocks == 0);
+    if (!kv->cache || n_max_tokens < kv->block_tokens) return 0;
+    int32_t n = di_prefix_cache_match(kv->cache, prompt, n_max_tokens / kv->block_tokens, s->salt,
+                                      s->blocks);
+    uint64_t h = 0;
+    for (int32_t i = 0; i < n; i++) {
+        di_block_pool_ref(kv->pool, s->blocks[i]);
+        s->pages[i] = di_block_pool_ptr(kv->pool, s->blocks[i]);
+        h = di_prefix_cache_hash(kv->cache, h, prompt + (int64_t)i * kv->block_tokens, s->salt);
+    }
+    s->n_blocks = n;
+    s->n_published = n;
+    s->last_hash = h;
+    set_capacity(kv, s);
+    const int32_t hit = n * kv->block_tokens;
+    for (int il = 0; il < kv->n_layer; il++) {
+        const di_dsv4_layer_w *lw = &kv->model->layers[il];
+        if (lw->ratio <= 0) continue;
+        s->layers[il].cmp.n_entries = hit / lw->ratio;
+        if (lw->ratio == 4) s->layers[il].idx.n_entries = hit / 4;
+    }
+    return hit;
+}
+
+void di_kv_seq_publish(di_kv_manager *kv, int32_t slot, const int32_t *tokens, int32_t n_done) {
+    di_kv_seq *s = &kv->seqs[slot];
+    if (!kv->cache) return;
+    const int32_t B = kv->block_tokens;
+    while (s->n_published < s->n_blocks && (s->n_published + 1) * B <= n_done) {
+        int32_t i = s->n_published;
+        uint64_t h = di_prefix_cache_hash(kv->cache, s->last_hash, tokens + (int64_t)i * B, s->salt);
+        // Another sequence may have cached the same block first: this one then stays private.
+        (void)di_prefix_cache_insert(kv->cache, h, s->last_hash, tokens + (int64_t)i * B,
+                                     s->blocks[i]);
+        s->last_hash = h;
+        s->n_published++;
+    }
+}

@@ -1,0 +1,86 @@
+/*
+ * kv_manager — the V4 decode-time state of many sequences (spec §3) on the block pool.
+ *
+ * Every block has the same size. A sequence holds two kinds:
+ *   - tail blocks (a fixed number per sequence): the window ring of every layer and every
+ *     compressor's partial-window buffer and CSA overlap, packed so that no item crosses a block;
+ *   - entry blocks, one per `block_tokens` positions: the compressed entries (CSA, HCA) and the
+ *     indexer keys that windows inside those positions produce, for every layer. block_tokens is a
+ *     multiple of every compression ratio, so every window is closed at a block boundary and a
+ *     full entry block is final — the unit the prefix cache shares.
+ * The manager builds each sequence's di_dsv4_layer_state views (ring and buffers into its tail
+ * blocks, entries through a page table of its entry blocks), so the forward pass reads and writes
+ * the pool directly. Sequences hold block ids (reference counted), never own memory.
+ * See docs/kv-cache.md for the layout and the exact prefix-reuse rule (bounded replay).
+ *
+ * Owns: the pool, the prefix cache, per-slot metadata (sized at create; no allocation after).
+ * Thread-safety: engine thread only.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kv/block_pool.h"   // di_block_pool
+#include "kv/prefix_cache.h" // di_prefix_cache
+#include "model/dsv4.h"      // di_model, di_dsv4_layer_state
+
+typedef struct di_kv_seq {
+    int32_t *tail;               // owned [n_tail]: block ids of the ring/buffer state
+    int32_t *blocks;             // owned [max_blocks]: entry block ids, position order
+    float **pages;               // owned [max_blocks]: their addresses (the model's page table)
+    int32_t n_blocks;
+    di_dsv4_layer_state *layers; // owned [n_layer]: views into the blocks
+    bool open;
+    // Prefix-cache chain: blocks [0, n_published) are in the cache; last_hash is block
+    // n_published - 1's chain hash.
+    uint64_t salt, last_hash;
+    int32_t n_published;
+} di_kv_seq;
+
+typedef struct di_kv_item { // one tail item's place
+    int32_t blk;            // index into the sequence's tail
+    int64_t off;            // float offset in that block
+} di_kv_item;
+
+typedef struct di_kv_manager {
+    di_model *model;          // borrowed
+    di_block_pool *pool;      // owned
+    di_prefix_cache *cache;   // owned; NULL when prefix reuse is off
+    int32_t block_tokens;     // positions per entry block
+    int64_t block_floats;
+    int32_t n_tail;           // tail blocks per sequence
+    int32_t max_blocks;       // entry blocks per sequence (max_ctx / block_tokens, rounded up)
+    int32_t max_ctx;
+    int32_t n_layer;
+    int32_t replay_tokens;    // bounded replay R = n_layer * (W - 1) (docs/kv-cache.md)
+    // Layout, per layer.
+    int64_t *page_off_cmp, *page_off_idx; // owned [n_layer]
+    di_kv_item *ring, *buf_c, *buf_z, *ovl_c, *ovl_z;      // owned [n_layer]
+    di_kv_item *ibuf_c, *ibuf_z, *iovl_c, *iovl_z;         // owned [n_layer]
+    di_kv_seq *seqs;          // owned [max_seqs]
+    int32_t max_seqs;
+} di_kv_manager;
+
+// kv_bytes of blocks; max_seqs slots of up to max_ctx positions each. DI_ERR_INVALID (the pool
+// cannot hold one sequence of max_ctx positions), DI_ERR_NOMEM.
+di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, int32_t max_ctx,
+                               bool prefix_cache, di_kv_manager **out);
+void di_kv_manager_destroy(di_kv_manager *kv);
+
+// Blocks a sequence of n positions holds (tail + entry blocks).
+int32_t di_kv_blocks_for(const di_kv_manager *kv, int32_t n_positions);
+
+// Opens slot (empty state, position 0): takes and zeroes its tail blocks. DI_ERR_NO_KV (nothing
+// held).
+di_status di_kv_seq_open(di_kv_manager *kv, int32_t slot, uint64_t salt);
+// Returns every block of the slot (entry blocks that are cached stay in the cache, idle).
+void di_kv_seq_close(di_kv_manager *kv, int32_t slot);
+// Makes sure entry blocks cover positions [0, end_pos). DI_ERR_NO_KV (blocks taken so far stay).
+di_status di_kv_seq_grow(di_kv_manager *kv, int32_t slot, int32_t end_pos);
+// On a freshly opened slot: takes the longest cached prefix of prompt (at most n_max_tokens,
+// whole blocks) and marks its entries present. Returns the hit length in tokens (0 if none).
+int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *prompt,
+                                int32_t n_max_tokens);
+// Publishes the slot's entry blocks that became full once positions [0, n_done) are computed.
+void di_kv_seq_publish(di_kv_manager *kv, int32_t slot, const int32_t *tokens, int32_t n_done);

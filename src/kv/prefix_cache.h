@@ -1,0 +1,42 @@
+/*
+ * prefix_cache — full KV blocks of finished or running requests, found again by the tokens that
+ * produced them. Block i of a sequence is keyed by a hash chain: h_i = H(h_{i-1}, tokens of block
+ * i, salt, model identity), h_{-1} = 0, so a block is only reused behind the very same prefix
+ * under the same salt and model. Entries also keep the block's tokens and parent hash, compared on
+ * lookup, so a 64-bit hash collision can never reuse a wrong block. What a block holds and how a
+ * hit is continued exactly is the KV manager's business (docs/kv-cache.md).
+ *
+ * Owns: the table (sized at create for every block of the pool; no allocation afterwards).
+ * Borrows the block pool: the cache marks its blocks cached there and is told of evictions.
+ * Thread-safety: engine thread only.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "deepinfer.h"      // di_status
+#include "kv/block_pool.h"  // di_block_pool
+
+typedef struct di_prefix_cache di_prefix_cache;
+
+// DI_ERR_NOMEM. Installs itself as the pool's eviction hook.
+di_status di_prefix_cache_create(di_block_pool *pool, int32_t block_tokens, uint64_t model_id,
+                                 di_prefix_cache **out);
+void di_prefix_cache_destroy(di_prefix_cache *pc);
+
+// The chain hash of a block after `parent` (0 for the first block).
+uint64_t di_prefix_cache_hash(const di_prefix_cache *pc, uint64_t parent, const int32_t *tokens,
+                              uint64_t salt);
+
+// Longest run of cached blocks for tokens[0 .. n_blocks_max * block_tokens): writes their ids to
+// ids[] (no references taken) and returns how many.
+int32_t di_prefix_cache_match(di_prefix_cache *pc, const int32_t *tokens, int32_t n_blocks_max,
+                              uint64_t salt, int32_t *ids);
+
+// Records block `id` (full, final) under chain hash h with its parent and tokens. Returns false
+// when that hash is already cached (another sequence made the same block first).
+bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent,
+                            const int32_t *tokens, int32_t id);
+
+int32_t di_prefix_cache_n_blocks(const di_prefix_cache *pc);

@@ -1,0 +1,266 @@
+// sampler — logit processing and token choice for one request row (see sampler.h).
+#include "sample/sampler.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "base/mem.h"
+
+struct di_sampler {
+    int32_t n_vocab;
+    float *work;       // owned [V]: processed logits
+    double *prob;      // owned [V]
+    int32_t *cand;     // owned [V]: candidate ids (sorted prefix after truncation)
+    uint32_t *mark;    // owned [V]: stamp of the last call that counted the token
+    int32_t *count;    // owned [V]: occurrences in the output (valid where mark == stamp)
+    uint32_t stamp;
+};
+
+di_sample_params di_sample_params_default(void) {
+    di_sample_params p = {.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0,
+                          .repetition_penalty = 1};
+    return p;
+}
+
+// ---- create / check ----
+
+di_status di_sampler_create(int32_t n_vocab, di_sampler **out) {
+    if (n_vocab < 1) return DI_ERR_INVALID;
+    di_sampler *s = di_calloc(1, sizeof *s);
+    if (!s) return DI_ERR_NOMEM;
+    size_t V = (size_t)n_vocab;
+    s->n_vocab = n_vocab;
+    s->work = di_malloc(sizeof(float) * V);
+    s->prob = di_malloc(sizeof(double) * V);
+    s->cand = di_malloc(sizeof(int32_t) * V);
+    s->mark = di_calloc(V, sizeof(uint32_t));
+    s->count = di_calloc(V, sizeof(int32_t));
+    if (!s->work || !s->prob || !s->cand || !s->mark || !s->count) {
+        di_sampler_destroy(s);
+        return DI_ERR_NOMEM;
+    }
+    *out = s;
+    return DI_OK;
+}
+
+void di_sampler_destroy(di_sampler *s) {
+    if (!s) return;
+    di_free(s->work);
+    di_free(s->prob);
+    di_free(s->cand);
+    di_free(s->mark);
+    di_free(s->count);
+    di_free(s);
+}
+
+di_status di_sample_params_check(const di_sample_params *p, int32_t n_vocab) {
+    const char *why = NULL;
+    if (!(p->temperature >= 0) || !isfinite(p->temperature)) why = "temperature must be >= 0";
+    else if (p->top_k < 0) why = "top_k must be >= 0";
+    else if (!(p->top_p > 0 && p->top_p <= 1)) why = "top_p must be in (0, 1]";
+    else if (!(p->min_p >= 0 && p->min_p <= 1)) why = "min_p must be in [0, 1]";
+    else if (!(p->repetition_penalty > 0) || !isfinite(p->repetition_penalty))
+        why = "repetition_penalty must be > 0";
+    else if (!isfinite(p->presence_penalty) || !isfinite(p->frequency_penalty))
+        why = "penalties must be finite";
+    else if (p->n_logprobs < 0 || p->n_logprobs > DI_MAX_LOGPROBS)
+        why = "n_logprobs must be in [0, 20]";
+    else if (p->n_logit_bias < 0 || (p->n_logit_bias > 0 && !p->logit_bias))
+        why = "logit_bias is missing";
+    for (int32_t i = 0; !why && i < p->n_logit_bias; i++) {
+        if (p->logit_bias[i].token < 0 || p->logit_bias[i].token >= n_vocab)
+            why = "logit_bias names a token outside the vocabulary";
+        else if (isnan(p->logit_bias[i].bias)) why = "logit_bias value is NaN";
+    }
+    if (why) {
+        DI_LOG_ERROR("sampling parameters: %s", why);
+        return DI_ERR_INVALID;
+    }
+    return DI_OK;
+}
+
+// ---- counter-based randomness ----
+
+static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+double di_sample_uniform(uint64_t seed, int64_t pos) {
+    // Two rounds of the splitmix64 finaliser over (seed, pos): a keyed counter generator.
+    uint64_t z = mix64(seed + 0x9e3779b97f4a7c15ull);
+    z = mix64(z ^ ((uint64_t)pos * 0xd1b54a32d192ed03ull + 0x9e3779b97f4a7c15ull));
+    return (double)(z >> 11) * (1.0 / 9007199254740992.0);
+}
+
+// ---- selection helpers ----
+
+// a ranks before b: higher value, then lower id.
+static inline bool before(const float *v, int32_t a, int32_t b) {
+    return v[a] > v[b] || (v[a] == v[b] && a < b);
+}
+
+static int32_t argmax(const float *v, int32_t n) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (v[i] > v[best]) best = i;
+    return best;
+}
+
+static void sift_down(const float *v, int32_t *h, int32_t n, int32_t i) {
+    for (;;) { // min-heap on "before": the root is the worst kept candidate
+        int32_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < n && before(v, h[m], h[l])) m = l;
+        if (r < n && before(v, h[m], h[r])) m = r;
+        if (m == i) return;
+        int32_t t = h[m];
+        h[m] = h[i], h[i] = t, i = m;
+    }
+}
+
+// The k best ids of v[n] into out[0..k), best first. O(n log k).
+static void top_k_ids(const float *v, int32_t n, int32_t k, int32_t *out) {
+    for (int32_t i = 0; i < k; i++) out[i] = i;
+    for (int32_t i = k / 2 - 1; i >= 0; i--) sift_down(v, out, k, i);
+    for (int32_t i = k; i < n; i++) {
+        if (before(v, i, out[0])) {
+            out[0] = i;
+            sift_down(v, out, k, 0);
+        }
+    }
+    for (int32_t end = k - 1; end > 0; end--) { // heap sort: worst goes to the end
+        int32_t t = out[0];
+        out[0] = out[end], out[end] = t;
+        sift_down(v, out, end, 0);
+    }
+}
+
+// ---- sampling ----
+
+void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_params *p,
+                       const int32_t *history, int32_t n_prompt, int32_t n_gen, int64_t pos,
+                       di_sample_result *res) {
+    const int32_t V = s->n_vocab;
+    float *w = s->work;
+
+    // Log-probabilities of the raw logits (reported, whatever the processing).
+    double mx = logits[argmax(logits, V)], sum = 0;
+    for (int32_t i = 0; i < V; i++) sum += exp((double)logits[i] - mx);
+    const double lse = mx + log(sum);
+    res->n_top = p->n_logprobs;
+    if (p->n_logprobs > 0) {
+        top_k_ids(logits, V, p->n_logprobs, res->top_ids);
+        for (int32_t i = 0; i < p->n_logprobs; i++)
+            res->top_logprobs[i] = (float)(logits[res->top_ids[i]] - lse);
+    }
+
+    // Processing: bias, then penalties.
+    memcpy(w, logits, sizeof(float) * (size_t)V);
+    for (int32_t i = 0; i < p->n_logit_bias; i++) w[p->logit_bias[i].token] += p->logit_bias[i].bias;
+    if (++s->stamp == 0) { // wrapped: clear the stamps
+        memset(s->mark, 0, sizeof(uint32_t) * (size_t)V);
+        s->stamp = 1;
+    }
+    const uint32_t st = s->stamp;
+    const int32_t n_hist = n_prompt + n_gen;
+    if (p->presence_penalty != 0 || p->frequency_penalty != 0) {
+        for (int32_t i = n_prompt; i < n_hist; i++) {
+            int32_t t = history[i];
+            if (s->mark[t] != st) s->mark[t] = st, s->count[t] = 0;
+            s->count[t]++;
+        }
+        for (int32_t i = n_prompt; i < n_hist; i++) {
+            int32_t t = history[i];
+            if (s->count[t] > 0) {
+                w[t] -= p->presence_penalty + p->frequency_penalty * (float)s->count[t];
+                s->count[t] = 0; // once per distinct token
+            }
+        }
+        if (++s->stamp == 0) memset(s->mark, 0, sizeof(uint32_t) * (size_t)V), s->stamp = 1;
+    }
+    if (p->repetition_penalty != 1) {
+        const uint32_t st2 = s->stamp;
+        for (int32_t i = 0; i < n_hist; i++) {
+            int32_t t = history[i];
+            if (s->mark[t] == st2) continue;
+            s->mark[t] = st2;
+            w[t] = w[t] > 0 ? w[t] / p->repetition_penalty : w[t] * p->repetition_penalty;
+        }
+    }
+
+    int32_t tok;
+    if (p->temperature == 0) {
+        tok = argmax(w, V);
+    } else {
+        // Candidates, best first: top-k (or everything), then top-p / min-p on the tempered
+        // softmax. Truncation works on a sorted prefix; without any, the draw runs over ids in
+        // ascending order.
+        const bool truncate = p->top_k > 0 || p->top_p < 1 || p->min_p > 0;
+        int32_t n = V;
+        int32_t *c = s->cand;
+        double *pr = s->prob;
+        const double inv_t = 1.0 / p->temperature;
+        if (!truncate) {
+            for (int32_t i = 0; i < V; i++) c[i] = i;
+        } else {
+            int32_t k = p->top_k > 0 && p->top_k < V ? p->top_k : V;
+            if (p->top_k == 0 && p->top_p < 1) {
+                // Nucleus without top-k: sort only as much as needed — grow a sorted prefix
+                // until it holds top_p of the mass (the set is the same as with a full sort).
+                double m0 = w[argmax(w, V)], z = 0;
+                for (int32_t i = 0; i < V; i++) z += exp(((double)w[i] - m0) * inv_t);
+                for (k = 64 < V ? 64 : V;; k = k * 4 < V ? k * 4 : V) {
+                    top_k_ids(w, V, k, c);
+                    double acc = 0;
+                    for (int32_t i = 0; i < k; i++) acc += exp(((double)w[c[i]] - m0) * inv_t);
+                    if (acc / z >= p->top_p || k == V) break;
+                }
+            } else {
+                top_k_ids(w, V, k, c);
+            }
+            n = k;
+        }
+        double m0 = w[c[0]];
+        if (!truncate) m0 = w[argmax(w, V)];
+        double z = 0;
+        for (int32_t i = 0; i < n; i++) z += (pr[i] = exp(((double)w[c[i]] - m0) * inv_t));
+        if (truncate) {
+            // top-p: the smallest best-first prefix reaching top_p of the (top-k) mass.
+            if (p->top_p < 1) {
+                double acc = 0;
+                int32_t keep = n;
+                for (int32_t i = 0; i < n; i++) {
+                    acc += pr[i];
+                    if (acc >= p->top_p * z) {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+                n = keep;
+            }
+            // min-p: relative to the best candidate (pr[0] is its unnormalised weight, 1).
+            if (p->min_p > 0) {
+                int32_t keep = 0;
+                while (keep < n && pr[keep] >= p->min_p * pr[0]) keep++;
+                n = keep > 0 ? keep : 1;
+            }
+            z = 0;
+            for (int32_t i = 0; i < n; i++) z += pr[i];
+        }
+        double u = di_sample_uniform(p->seed, pos) * z, acc = 0;
+        tok = c[n - 1];
+        for (int32_t i = 0; i < n; i++) {
+            acc += pr[i];
+            if (u < acc) {
+                tok = c[i];
+                break;
+            }
+        }
+    }
+    res->token = tok;
+    res->logprob = (float)(logits[tok] - lse);
+}

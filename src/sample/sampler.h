@@ -1,0 +1,47 @@
+/*
+ * sampler — turns one row of logits into the next token of one request: logit bias, repetition /
+ * presence / frequency penalties, greedy or temperature sampling with top-k, top-p and min-p
+ * truncation, and the top-N log-probabilities. Randomness is counter-based: the uniform number
+ * for the token at absolute position `pos` of a request is a pure function of (seed, pos)
+ * (di_sample_uniform), so a seeded request draws the same tokens alone, in any batch, and after
+ * a preemption that recomputes it.
+ *
+ * Owns: di_sampler owns its work arrays (sized for the vocabulary at create; nothing is
+ * allocated per token). Does not: decide when a request stops (sched/request.c and stop.c do).
+ * Thread-safety: a di_sampler is used by one thread (the engine thread).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "deepinfer.h" // di_status, di_sample_params
+
+typedef struct di_sampler di_sampler;
+
+typedef struct di_sample_result {
+    int32_t token;
+    float logprob;  // log-softmax of the raw logits at `token`
+    int32_t n_top;  // = params.n_logprobs
+    int32_t top_ids[DI_MAX_LOGPROBS];
+    float top_logprobs[DI_MAX_LOGPROBS]; // descending; ties to the lower id
+} di_sample_result;
+
+// DI_ERR_INVALID (n_vocab < 1), DI_ERR_NOMEM.
+di_status di_sampler_create(int32_t n_vocab, di_sampler **out);
+void di_sampler_destroy(di_sampler *s);
+
+// Checks a request's parameters (the boundary): DI_ERR_INVALID with a logged reason.
+di_status di_sample_params_check(const di_sample_params *p, int32_t n_vocab);
+
+// Samples from logits [n_vocab] (not modified). history: the request's prompt then its generated
+// tokens (n_prompt + n_gen ids); the repetition penalty covers all of them, the presence and
+// frequency penalties only the generated ones. pos: the absolute position the new token will
+// take (n_prompt + n_gen). Parameters must have passed di_sample_params_check.
+void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_params *p,
+                       const int32_t *history, int32_t n_prompt, int32_t n_gen, int64_t pos,
+                       di_sample_result *res);
+
+// The counter-based generator: a uniform double in [0, 1) from (seed, pos) alone (splitmix64
+// finalisers over a hash of both).
+double di_sample_uniform(uint64_t seed, int64_t pos);

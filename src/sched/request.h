@@ -1,0 +1,53 @@
+/*
+ * request — one generation request inside the engine: its tokens (prompt, then generated), its
+ * sampling and stop parameters, and its progress through the KV state. Created by
+ * di_engine_submit (copies everything the caller passed), owned by the engine afterwards.
+ *
+ * Thread-safety: fields are engine-thread only, except `cancelled` (atomic, any thread).
+ */
+#pragma once
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "deepinfer.h"
+#include "sample/stop.h" // di_stop
+
+typedef struct di_request di_request;
+struct di_request {
+    uint64_t id;
+    uint64_t arrival;          // submission order: FCFS admission, newest preempted first
+    int32_t *tokens;           // owned [n_prompt + max_tokens]: prompt, then generated tokens
+    int32_t n_prompt, n_gen, max_tokens;
+    di_sample_params sample;   // logit_bias points at `bias`
+    di_logit_bias *bias;       // owned [sample.n_logit_bias]
+    int32_t stop_ids[DI_MAX_STOP];
+    int32_t n_stop_ids;
+    bool ignore_eos;
+    di_stop stop;              // owned stop strings and held bytes
+    uint64_t salt;
+    float *first_logits;       // borrowed (caller's buffer) or NULL
+    di_event_fn on_event;
+    void *user;
+    atomic_bool cancelled;
+
+    // Progress (engine thread).
+    int32_t slot;              // KV slot while running, -1 otherwise
+    int32_t n_done;            // positions whose state is computed: tokens[0, n_done)
+    int32_t win_lo;            // first position with a window row (bounded replay), 0 otherwise
+    int32_t n_cached, n_replayed, n_computed, n_preempted;
+    di_request *next;          // waiting-queue link
+    di_request *all_next;      // engine's list of live requests (guarded by the engine mutex)
+};
+
+// Tokens known so far (prompt + generated).
+static inline int32_t di_request_n_tokens(const di_request *r) {
+    return r->n_prompt + r->n_gen;
+}
+
+// Copies p into a new request. DI_ERR_INVALID (logged), DI_ERR_NOMEM. Free with
+// di_request_destroy.
+di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t max_ctx,
+                            bool have_token_bytes, di_request **out);
+void di_request_destroy(di_request *r);

@@ -1,0 +1,221 @@
+// scheduler — admission, token budget, chunked prefill, preemption by recompute (scheduler.h).
+#include "sched/scheduler.h"
+
+#include <string.h>
+
+#include "base/log.h"
+#include "base/mem.h"
+
+di_status di_sched_init(di_sched *s, di_kv_manager *kv, int32_t max_seqs, int32_t max_batch_tokens) {
+    memset(s, 0, sizeof *s);
+    if (max_seqs < 1 || max_batch_tokens < max_seqs || max_seqs > kv->max_seqs) return DI_ERR_INVALID;
+    s->kv = kv;
+    s->max_seqs = max_seqs;
+    s->max_batch_tokens = max_batch_tokens;
+    size_t n = (size_t)max_seqs;
+    s->running = di_calloc(n, sizeof *s->running);
+    s->free_slots = di_malloc(sizeof(int32_t) * n);
+    s->seqs = di_calloc(n, sizeof *s->seqs);
+    s->seq_req = di_calloc(n, sizeof *s->seq_req);
+    s->tokens = di_malloc(sizeof(int32_t) * (size_t)max_batch_tokens);
+    s->logit_rows = di_malloc(sizeof(int32_t) * n);
+    s->logit_req = di_calloc(n, sizeof *s->logit_req);
+    if (!s->running || !s->free_slots || !s->seqs || !s->seq_req || !s->tokens || !s->logit_rows ||
+        !s->logit_req) {
+        di_sched_deinit(s);
+        return DI_ERR_NOMEM;
+    }
+    for (int32_t i = 0; i < max_seqs; i++) s->free_slots[i] = max_seqs - 1 - i;
+    s->n_free_slots = max_seqs;
+    return DI_OK;
+}
+
+void di_sched_deinit(di_sched *s) {
+    di_free(s->running);
+    di_free(s->free_slots);
+    di_free(s->seqs);
+    di_free(s->seq_req);
+    di_free(s->tokens);
+    di_free(s->logit_rows);
+    di_free(s->logit_req);
+    memset(s, 0, sizeof *s);
+}
+
+// ---- queues ----
+
+void di_sched_enqueue(di_sched *s, di_request *r) {
+    r->next = NULL;
+    if (s->wait_tail) s->wait_tail->next = r;
+    else s->wait_head = r;
+    s->wait_tail = r;
+    s->n_waiting++;
+}
+
+static void push_front(di_sched *s, di_request *r) {
+    r->next = s->wait_head;
+    s->wait_head = r;
+    if (!s->wait_tail) s->wait_tail = r;
+    s->n_waiting++;
+}
+
+static void release(di_sched *s, di_request *r) {
+    di_kv_seq_close(s->kv, r->slot);
+    s->free_slots[s->n_free_slots++] = r->slot;
+    r->slot = -1;
+    for (int32_t i = 0; i < s->n_running; i++) {
+        if (s->running[i] != r) continue;
+        memmove(s->running + i, s->running + i + 1, sizeof(*s->running) * (size_t)(s->n_running - i - 1));
+        s->n_running--;
+        return;
+    }
+    DI_ASSERT(false);
+}
+
+void di_sched_remove(di_sched *s, di_request *r) {
+    if (r->slot >= 0) {
+        release(s, r);
+        return;
+    }
+    di_request **link = &s->wait_head, *prev = NULL;
+    while (*link && *link != r) prev = *link, link = &(*link)->next;
+    if (!*link) return;
+    *link = r->next;
+    if (s->wait_tail == r) s->wait_tail = prev;
+    s->n_waiting--;
+}
+
+// Preemption by recompute: the request keeps its tokens and starts over from position 0 when
+// readmitted (its published blocks usually come back from the prefix cache).
+static void preempt(di_sched *s, di_request *r) {
+    release(s, r);
+    r->n_done = 0;
+    r->win_lo = 0;
+    r->n_preempted++;
+    s->n_preemptions++;
+    push_front(s, r);
+}
+
+// ---- planning ----
+
+static void plan_rows(di_sched *s, di_request *r, int32_t n) {
+    di_dsv4_seq *sq = &s->seqs[s->n_seq];
+    *sq = (di_dsv4_seq){.layers = s->kv->seqs[r->slot].layers, .pos = r->n_done, .n_tok = n,
+                        .win_lo = r->win_lo};
+    s->seq_req[s->n_seq++] = r;
+    memcpy(s->tokens + s->n_rows, r->tokens + r->n_done, sizeof(int32_t) * (size_t)n);
+    s->n_rows += n;
+    if (r->n_done + n == di_request_n_tokens(r)) { // its last known token: sample the next
+        s->logit_rows[s->n_logit] = s->n_rows - 1;
+        s->logit_req[s->n_logit++] = r;
+    }
+}
+
+// Grows r's blocks for n more rows, preempting the newest running requests if needed. Returns
+// false if r itself was preempted.
+static bool reserve(di_sched *s, di_request *r, int32_t n) {
+    while (di_kv_seq_grow(s->kv, r->slot, r->n_done + n) != DI_OK) {
+        di_request *victim = s->running[s->n_running - 1];
+        preempt(s, victim);
+        if (victim == r) return false;
+    }
+    return true;
+}
+
+static void step_once(di_sched *s);
+
+void di_sched_step(di_sched *s) {
+    step_once(s);
+    // Nothing could run although requests are running: they all wait for blocks. Preempt the
+    // newest and plan again (each round frees a request's blocks, so this ends).
+    while (s->n_seq == 0 && s->n_running > 0) {
+        preempt(s, s->running[s->n_running - 1]);
+        step_once(s);
+    }
+}
+
+static void step_once(di_sched *s) {
+    s->n_seq = s->n_rows = s->n_logit = 0;
+    int32_t budget = s->max_batch_tokens;
+    // 1. decodes, oldest first (the array is in arrival order).
+    for (int32_t i = 0; i < s->n_running; i++) {
+        di_request *r = s->running[i];
+        if (di_request_n_tokens(r) - r->n_done != 1) continue;
+        if (!reserve(s, r, 1)) {
+            i = -1; // the running set changed: restart, skipping those already planned
+            s->n_seq = s->n_rows = s->n_logit = 0;
+            budget = s->max_batch_tokens;
+            continue;
+        }
+        bool planned = false;
+        for (int32_t k = 0; k < s->n_seq; k++) planned |= s->seq_req[k] == r;
+        if (planned) continue;
+        plan_rows(s, r, 1);
+        budget--;
+    }
+    // 2. prefill / replay chunks of running requests, cut to the blocks there are (no
+    // preemption here: a newer request may already be planned).
+    for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
+        di_request *r = s->running[i];
+        int32_t left = di_request_n_tokens(r) - r->n_done;
+        if (left <= 1) continue;
+        int32_t n = left < budget ? left : budget;
+        (void)di_kv_seq_grow(s->kv, r->slot, r->n_done + n);
+        int32_t cover = s->kv->seqs[r->slot].n_blocks * s->kv->block_tokens - r->n_done;
+        if (cover < n) n = cover;
+        if (n <= 0) continue;
+        plan_rows(s, r, n);
+        budget -= n;
+    }
+    // 3. admission, first come first served.
+    while (s->wait_head && s->n_free_slots > 0 && budget > 0) {
+        di_request *r = s->wait_head;
+        int32_t n_tok = di_request_n_tokens(r);
+        if (di_block_pool_n_available(s->kv->pool) < di_kv_blocks_for(s->kv, budget < n_tok ? budget : n_tok))
+            break;
+        int32_t slot = s->free_slots[s->n_free_slots - 1];
+        if (di_kv_seq_open(s->kv, slot, r->salt) != DI_OK) break;
+        s->n_free_slots--;
+        s->wait_head = r->next;
+        if (!s->wait_head) s->wait_tail = NULL;
+        s->n_waiting--;
+        r->slot = slot;
+        int32_t hit = di_kv_seq_attach_prefix(s->kv, slot, r->tokens, n_tok - 1);
+        int32_t q = hit > s->kv->replay_tokens ? hit - s->kv->replay_tokens : 0;
+        r->n_done = q;
+        r->win_lo = q;
+        r->n_cached += hit;
+        r->n_replayed += hit - q;
+        s->n_cache_hit_tokens += hit;
+        s->n_replayed_tokens += hit - q;
+        // Insert in arrival order (a preempted request is older than the running newer ones).
+        int32_t at = s->n_running;
+        while (at > 0 && s->running[at - 1]->arrival > r->arrival) at--;
+        memmove(s->running + at + 1, s->running + at, sizeof(*s->running) * (size_t)(s->n_running - at));
+        s->running[at] = r;
+        s->n_running++;
+        int32_t left = n_tok - r->n_done;
+        int32_t n = left < budget ? left : budget;
+        if (di_kv_seq_grow(s->kv, slot, r->n_done + n) != DI_OK) {
+            preempt(s, r); // blocks ran out after all; try again later
+            s->n_preemptions--; // not a real preemption: nothing was computed
+            r->n_preempted--;
+            break;
+        }
+        plan_rows(s, r, n);
+        budget -= n;
+    }
+}
+
+void di_sched_advance(di_sched *s) {
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        di_request *r = s->seq_req[i];
+        int32_t n = s->seqs[i].n_tok;
+        bool decode = di_request_n_tokens(r) - r->n_done == 1 && n == 1 && r->n_gen > 0 &&
+                      r->n_done >= r->n_prompt;
+        if (decode) s->n_decode_rows += n;
+        else s->n_prefill_rows += n;
+        r->n_done += n;
+        r->n_computed += n;
+        di_kv_seq_publish(s->kv, r->slot, r->tokens, r->n_done);
+    }
+}

@@ -1,0 +1,230 @@
+// deepinfer bench: offline throughput of the serving engine. Submits N requests of random
+// prompts at once, measures prefill and decode tokens/s, time to first token and inter-token
+// latency (mean, p50, p99), KV usage; then the decode throughput of 16 concurrent sequences
+// against one sequence (the continuous-batching gain).
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli/args.h"
+#include "cli/cli.h"
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: deepinfer bench [--model DIR] [--requests 16] [--prompt-len 128]\n"
+               "                       [--gen-len 64] [--kv-memory MiB] [--max-batch-tokens 256]\n"
+               "                       [--threads N] [--precision fp32|official] [--no-ratio]\n"
+               "Greedy generation of --gen-len tokens for --requests random prompts submitted\n"
+               "together; prints throughput, TTFT and ITL statistics and KV usage, then the\n"
+               "decode tokens/s of 16 concurrent sequences over 1 (skip with --no-ratio).\n");
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+typedef struct req_times {
+    double *t;  // [gen_len] token arrival times
+    int32_t n;
+} req_times;
+
+static void on_event(void *user, const di_event *ev) {
+    req_times *r = user;
+    if (ev->token >= 0) r->t[r->n++] = now_s();
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double pct(double *v, int64_t n, double p) {
+    if (n == 0) return 0;
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    int64_t i = (int64_t)(p * (double)(n - 1) + 0.5);
+    return v[i];
+}
+
+typedef struct run_result {
+    double wall_s, prefill_tps, decode_tps, ttft[3], itl[3]; // mean, p50, p99 (ms)
+    int64_t kv_peak_blocks, kv_total_blocks, block_bytes, n_allocs;
+} run_result;
+
+typedef struct poll_arg {
+    di_engine *e;
+    atomic_bool done;
+    int64_t peak;
+} poll_arg;
+
+static void *poll_kv(void *p) {
+    poll_arg *a = p;
+    while (!atomic_load(&a->done)) {
+        di_engine_stats st;
+        di_engine_get_stats(a->e, &st);
+        int64_t used = st.n_blocks_total - st.n_blocks_free;
+        if (used > a->peak) a->peak = used;
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+// Runs n requests at once; decode throughput counts tokens in the window where every request is
+// decoding (after the last first token, before the first request ends).
+static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int gen_len, uint64_t seed,
+               run_result *out) {
+    req_times *rt = calloc((size_t)n, sizeof *rt);
+    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)prompt_len);
+    if (!rt || !prompt) return 1;
+    poll_arg pa = {.e = e};
+    atomic_init(&pa.done, false);
+    pthread_t th;
+    pthread_create(&th, NULL, poll_kv, &pa);
+    double t0 = now_s();
+    for (int i = 0; i < n; i++) {
+        rt[i].t = malloc(sizeof(double) * (size_t)gen_len);
+        for (int k = 0; k < prompt_len; k++)
+            prompt[k] = (int32_t)((seed + (uint64_t)i * 7919u + (uint64_t)k * 104729u) % (uint64_t)n_vocab);
+        di_request_params p = di_request_params_default();
+        p.prompt = prompt;
+        p.n_prompt = prompt_len;
+        p.max_tokens = gen_len;
+        p.ignore_eos = true;
+        p.on_event = on_event;
+        p.user = &rt[i];
+        uint64_t id;
+        di_status st = di_engine_submit(e, &p, &id);
+        if (st != DI_OK) {
+            fprintf(stderr, "deepinfer bench: submit: %s\n", di_status_str(st));
+            return 1;
+        }
+    }
+    di_engine_wait_idle(e);
+    double t1 = now_s();
+    atomic_store(&pa.done, true);
+    pthread_join(th, NULL);
+    double *ttft = malloc(sizeof(double) * (size_t)n);
+    double *itl = malloc(sizeof(double) * (size_t)n * (size_t)gen_len);
+    int64_t n_itl = 0;
+    double last_first = 0, end_first = 1e300;
+    for (int i = 0; i < n; i++) {
+        ttft[i] = (rt[i].t[0] - t0) * 1e3;
+        if (rt[i].t[0] > last_first) last_first = rt[i].t[0];
+        if (rt[i].t[rt[i].n - 1] < end_first) end_first = rt[i].t[rt[i].n - 1];
+        for (int k = 1; k < rt[i].n; k++) itl[n_itl++] = (rt[i].t[k] - rt[i].t[k - 1]) * 1e3;
+    }
+    int64_t in_window = 0;
+    for (int i = 0; i < n; i++)
+        for (int k = 1; k < rt[i].n; k++) in_window += rt[i].t[k] > last_first && rt[i].t[k] <= end_first;
+    out->wall_s = t1 - t0;
+    out->prefill_tps = (double)n * prompt_len / (last_first - t0);
+    out->decode_tps = end_first > last_first ? (double)in_window / (end_first - last_first) : 0;
+    double s = 0;
+    for (int i = 0; i < n; i++) s += ttft[i];
+    out->ttft[0] = s / n;
+    out->ttft[1] = pct(ttft, n, 0.5);
+    out->ttft[2] = pct(ttft, n, 0.99);
+    s = 0;
+    for (int64_t i = 0; i < n_itl; i++) s += itl[i];
+    out->itl[0] = n_itl ? s / (double)n_itl : 0;
+    out->itl[1] = pct(itl, n_itl, 0.5);
+    out->itl[2] = pct(itl, n_itl, 0.99);
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    out->kv_peak_blocks = pa.peak;
+    out->kv_total_blocks = st.n_blocks_total;
+    out->block_bytes = st.block_bytes;
+    out->n_allocs = st.n_step_allocs;
+    for (int i = 0; i < n; i++) free(rt[i].t);
+    free(rt);
+    free(prompt);
+    free(ttft);
+    free(itl);
+    return 0;
+}
+
+static void print_run(const char *name, int n, const run_result *r) {
+    printf("%s: %d requests in %.2f s\n", name, n, r->wall_s);
+    printf("  prefill   %10.1f tokens/s\n", r->prefill_tps);
+    printf("  decode    %10.1f tokens/s\n", r->decode_tps);
+    printf("  TTFT ms   mean %8.1f  p50 %8.1f  p99 %8.1f\n", r->ttft[0], r->ttft[1], r->ttft[2]);
+    printf("  ITL  ms   mean %8.2f  p50 %8.2f  p99 %8.2f\n", r->itl[0], r->itl[1], r->itl[2]);
+    printf("  KV        peak %lld of %lld blocks (%.1f of %.1f MiB), step allocations %lld\n",
+           (long long)r->kv_peak_blocks, (long long)r->kv_total_blocks,
+           r->kv_peak_blocks * (double)r->block_bytes / 1048576.0,
+           r->kv_total_blocks * (double)r->block_bytes / 1048576.0, (long long)r->n_allocs);
+}
+
+int di_cli_bench(int argc, char **argv) {
+    di_model_args ma = {.opt = di_model_options_default()};
+    long n_req = 16, prompt_len = 128, gen_len = 64, kv_mib = 512, batch = 256;
+    bool ratio = true;
+    for (int i = 1; i < argc; i++) {
+        int r = di_args_model_option(argc, argv, &i, &ma);
+        if (r < 0) return 2;
+        if (r > 0) continue;
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0) {
+            usage(stdout);
+            return 0;
+        }
+        if (strcmp(a, "--no-ratio") == 0) {
+            ratio = false;
+            continue;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "deepinfer bench: unknown option or missing value '%s'\n", a);
+            return 2;
+        }
+        const char *v = argv[++i];
+        bool ok = true;
+        if (strcmp(a, "--requests") == 0) ok = di_args_int(v, a, 1, 4096, &n_req);
+        else if (strcmp(a, "--prompt-len") == 0) ok = di_args_int(v, a, 1, 1 << 20, &prompt_len);
+        else if (strcmp(a, "--gen-len") == 0) ok = di_args_int(v, a, 2, 1 << 20, &gen_len);
+        else if (strcmp(a, "--kv-memory") == 0) ok = di_args_int(v, a, 1, 1 << 20, &kv_mib);
+        else if (strcmp(a, "--max-batch-tokens") == 0) ok = di_args_int(v, a, 16, 1 << 16, &batch);
+        else {
+            fprintf(stderr, "deepinfer bench: unknown option '%s'\n", a);
+            usage(stderr);
+            return 2;
+        }
+        if (!ok) return 2;
+    }
+    if (!ma.model && !(ma.model = di_args_default_model())) return 1;
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = ma.opt.n_threads;
+    o.precision = ma.opt.precision;
+    o.kv_memory_bytes = (size_t)kv_mib << 20;
+    o.max_seqs = (int32_t)(n_req > 16 ? n_req : 16);
+    o.max_batch_tokens = (int32_t)batch;
+    o.max_ctx = (int32_t)(prompt_len + gen_len);
+    o.no_prefix_cache = true; // random prompts: measure compute, not reuse
+    di_engine *e = NULL;
+    di_status st = di_engine_create(ma.model, &o, &e);
+    if (st != DI_OK) {
+        fprintf(stderr, "deepinfer bench: cannot start the engine on %s: %s\n", ma.model,
+                di_status_str(st));
+        return 1;
+    }
+    // Prompt ids are drawn below 512, valid in any V4 vocabulary.
+    const int32_t n_vocab = 512;
+    run_result r;
+    if (run(e, n_vocab, (int)n_req, (int)prompt_len, (int)gen_len, 1, &r)) return 1;
+    print_run("batch", (int)n_req, &r);
+    if (ratio) {
+        run_result one, many;
+        if (run(e, n_vocab, 1, (int)prompt_len, (int)gen_len, 2, &one)) return 1;
+        if (run(e, n_vocab, 16, (int)prompt_len, (int)gen_len, 3, &many)) return 1;
+        print_run("1 sequence", 1, &one);
+        print_run("16 sequences", 16, &many);
+        printf("decode throughput 16 vs 1: %.2fx (%.1f vs %.1f tokens/s)\n",
+               one.decode_tps > 0 ? many.decode_tps / one.decode_tps : 0, many.decode_tps,
+               one.decode_tps);
+    }
+    di_engine_destroy(e);
+    return 0;
+}
