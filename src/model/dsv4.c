@@ -257,7 +257,7 @@ static void hc_pre(di_session *s, const di_dsv4_hc_w *hc, const float *x, int32_
     int n_mix = head ? nc : (2 + nc) * nc;
     float *mix = di_dsv4_scratch(s, DI_SCR_MIX);
     // mix_raw = fn . xf  [T, n_mix] (FP32 weights, FP32 input)
-    di_ref_matmul(&m->cpu, &hc->fn, x, n_tok, (int64_t)nc * hp->n_embd, mix, n_mix);
+    di_cpu_matmul(&m->cpu, &hc->fn, x, n_tok, (int64_t)nc * hp->n_embd, mix, n_mix);
     hc_ctx c = {m,    hc, x, mix, a, di_dsv4_scratch(s, DI_SCR_POST), di_dsv4_scratch(s, DI_SCR_COMB),
                 n_tok, head};
     di_pool_run(m->pool, hc_pre_task, &c);
@@ -364,7 +364,7 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
         int32_t first = out->last_only ? n_tok - 1 : 0, n_rows = n_tok - first;
         float *h = di_dsv4_scratch(s, DI_SCR_H);
         di_dsv4_hc_head(s, &m->hc_head, m->norm, x + (int64_t)first * nc * D, n_rows, h);
-        di_ref_matmul(&m->cpu, &m->head, h, n_rows, D, out->logits, hp->n_vocab);
+        di_cpu_matmul(&m->cpu, &m->head, h, n_rows, D, out->logits, hp->n_vocab);
     }
 
     // MTP (§2.10): position p needs the token at p + 1, so this call completes positions

@@ -19,6 +19,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "backend/cpu/gemm.h"    // di_cpu_matmul
 #include "backend/cpu/ref_ops.h" // di_cpu
 #include "base/thread.h"         // di_pool
 #include "deepinfer.h"

@@ -29,7 +29,7 @@ static void linear(di_session *s, const di_tensor *w, const float *x, int32_t n_
         x = xq;
         x_stride = n;
     }
-    di_ref_matmul(&m->cpu, w, x, n_tok, x_stride, y, y_stride);
+    di_cpu_matmul(&m->cpu, w, x, n_tok, x_stride, y, y_stride);
     if (m->opt.precision == DI_PRECISION_OFFICIAL)
         for (int32_t t = 0; t < n_tok; t++) di_dsv4_round(m, y + t * y_stride, w->ne[1]);
 }
@@ -133,8 +133,8 @@ static void run_compressor(di_session *s, const di_dsv4_compressor_w *cw, di_dsv
     di_model *m = s->model;
     int64_t width = (int64_t)cw->c * cw->d, D = m->hp.n_embd;
     float *cc = di_dsv4_scratch(s, DI_SCR_CC), *cz = di_dsv4_scratch(s, DI_SCR_CZ);
-    di_ref_matmul(&m->cpu, &cw->wkv, a, n_tok, D, cc, width);   // C: [T, c*d]
-    di_ref_matmul(&m->cpu, &cw->wgate, a, n_tok, D, cz, width); // Z: [T, c*d]
+    di_cpu_matmul(&m->cpu, &cw->wkv, a, n_tok, D, cc, width);   // C: [T, c*d]
+    di_cpu_matmul(&m->cpu, &cw->wgate, a, n_tok, D, cz, width); // Z: [T, c*d]
     for (int32_t t = 0; t < n_tok; t++)
         compressor_step(m, cw, cs, indexer, cc + t * width, cz + t * width, (int64_t)p0 + t);
 }
