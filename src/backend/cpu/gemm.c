@@ -57,7 +57,7 @@ enum {
     ROWS = 4,      // rows decoded together (the tile's height)
     TOKS = 3,      // tokens per tile
     SEG = 1024,    // columns per decoded segment when few tokens share it (4 rows x 4 KiB in L1)
-    SEG_TOKS = 3,  // at most this many tokens: stream segments, else decode whole rows
+    SEG_TOKS = 3,  // at most this many tokens: decode in registers or stream segments
 };
 
 typedef struct matmul_ctx {
@@ -69,6 +69,7 @@ typedef struct matmul_ctx {
     int64_t y_stride;
     bool split_rows; // partition output rows (else tokens)
     bool simd;       // AVX2 kernels (else the scalar level)
+    bool fused;      // AVX2 GEMV decoding in registers (few tokens, supported layout)
 } matmul_ctx;
 
 // The fixed lane reduction of di_ref_dot.
@@ -87,7 +88,8 @@ static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
         int nt = (int)(t_hi - t_lo);
         for (int j = 0; j < nt; j++) xs[j] = c->x + (t_lo + j) * c->x_stride;
         memset(acc, 0, sizeof acc);
-        for (int64_t c0 = 0; c0 < n; c0 += SEG) {
+        if (c->fused) di_gemm_avx2_gemv(w, o0, nr, xs, nt, acc);
+        else for (int64_t c0 = 0; c0 < n; c0 += SEG) {
             int64_t c1 = c0 + SEG < n ? c0 + SEG : n;
             di_gemm_avx2_decode(w, o0, nr, c0, c1, scr, ld);
             di_gemm_avx2_tile(scr, ld, nr, xs, nt, c0, c1, n, acc);
@@ -143,8 +145,10 @@ void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_to
                    int64_t x_stride, float *y, int64_t y_stride) {
     DI_ASSERT(w->ne[0] <= cpu->row_cap);
     if (n_tok <= 0 || w->ne[1] <= 0) return;
-    matmul_ctx c = {cpu, w, x, n_tok, x_stride, y, y_stride, true, false};
+    cpu->n_weight_bytes += di_tensor_bytes(w);
+    matmul_ctx c = {cpu, w, x, n_tok, x_stride, y, y_stride, true, false, false};
     c.simd = cpu->isa >= DI_CPU_ISA_AVX2 && avx2_layout_ok(w);
+    c.fused = c.simd && di_gemm_avx2_gemv_ok(w);
     // Few output rows and many tokens (the mHC mixes, the router): split tokens so every thread
     // has work; each thread then decodes all the (few) rows. Either split gives the same numbers.
     c.split_rows = w->ne[1] >= 8 * (int64_t)cpu->n_threads || n_tok < cpu->n_threads;

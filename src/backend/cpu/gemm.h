@@ -64,6 +64,13 @@ bool di_gemm_avx2_built(void);
 // value equals di_tensor_row_f32's).
 void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
                          float *dst, int64_t dst_stride);
+// True when di_gemm_avx2_gemv handles w: FP8 (block_in and n_in multiples of 16), FP4 (of 32),
+// BF16 (n_in a multiple of 8).
+bool di_gemm_avx2_gemv_ok(const di_tensor *w);
+// acc[i][j] (8 lanes each) += rows r0..r0+nr-1 of w (nr <= 4) times tokens xs[j] (nt <= 3) over
+// all columns, decoding in registers; the same bits as di_gemm_avx2_decode + di_gemm_avx2_tile.
+void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *const *xs, int nt,
+                       float acc[4][3][8]);
 // acc[i][j] (8 lanes each) += W rows (dst-layout, nr <= 4) times tokens xs[j] (nt <= 3) over
 // columns [c0, c1) of a row of n columns; the last partial 8-chunk reads x with a mask.
 void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,

@@ -19,17 +19,28 @@ bool di_gemm_avx2_built(void) {
 
 // ---- element decoders (8 values -> 8 floats, exact) ----
 
-// e4m3fn -> binary16 by moving bits: s eeee mmm -> s 0eeee mmm0000000 is the same number times
-// 2^-8 (bias 7 vs 15), subnormals included (e4m3 subnormals land on f16 subnormals); the 2^8 is
-// folded into the block scale. Codes 0x7F/0xFF (NaN in e4m3fn) are forced to an f16 NaN.
-static inline __m256 fp8x8(const uint8_t *p) {
-    __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    __m128i mag = _mm_and_si128(u, _mm_set1_epi16(0x7F));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
-                             _mm_and_si128(_mm_slli_epi16(u, 8), _mm_set1_epi16((short)0x8000)));
-    __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F));
-    h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7E00)));
+// e4m3fn -> binary16 by moving bits: with the byte in the high half of a 16-bit lane
+// (s eeee mmm 00000000), an arithmetic shift right by one and clearing bit 14 gives
+// s 0eeee mmm0000000, the same number times 2^-8 (bias 7 vs 15), subnormals included (e4m3
+// subnormals land on f16 subnormals); the 2^8 is folded into the block scale. The largest
+// magnitude 0x3F80 is e4m3fn's NaN (0x7F/0xFF): adding 0x80 reaches bit 14 only there, which
+// turns it into an f16 NaN.
+static inline __m256 fp8_hi8(__m128i v) { // v: 8 codes in the high bytes of 16-bit lanes
+    __m128i h = _mm_and_si128(_mm_srai_epi16(v, 1), _mm_set1_epi16((short)0xBFFF));
+    h = _mm_or_si128(h, _mm_and_si128(_mm_add_epi16(h, _mm_set1_epi16(0x80)),
+                                      _mm_set1_epi16(0x4000)));
     return _mm256_cvtph_ps(h);
+}
+
+// 16 codes -> two vectors of 8 floats (times 2^-8).
+static inline void fp8x16(const uint8_t *p, __m256 *a, __m256 *b) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
+    *a = fp8_hi8(_mm_unpacklo_epi8(z, v));
+    *b = fp8_hi8(_mm_unpackhi_epi8(z, v));
+}
+
+static inline __m256 fp8x8(const uint8_t *p) {
+    return fp8_hi8(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p)));
 }
 
 // e2m1 code -> high byte of its binary16 value (every e2m1 value has a zero low byte).
@@ -216,7 +227,146 @@ void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *co
     DI_ASSERT(!"tile shape out of range");
 }
 
+// ---- fused GEMV: decode in registers, no staging (at most 3 tokens) ----
+
+// How far ahead of the decode position each row is prefetched: the four rows of a group are four
+// interleaved streams, which the hardware prefetchers alone follow poorly.
+#define PF_BYTES 512
+
+// The same per-element arithmetic and accumulation order as decode + tile (exact dequantised
+// weight, one FMA per 8 columns in column order), so the two paths give the same bits.
+static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, int64_t r0,
+                                                           int NR, const float *const *xs, int NT,
+                                                           float acc[4][3][8]) {
+    const int64_t n = w->ne[0], bi = w->block_in;
+    const uint8_t *rows[4], *srows[4];
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
+        const int64_t c1 = c0 + bi < n ? c0 + bi : n;
+        scale8 s[4];
+        for (int i = 0; i < NR; i++) s[i] = fp8_scale(srows[i][blk]);
+        for (int64_t c = c0; c < c1; c += 16) {
+            for (int i = 0; i < NR; i++) {
+                _mm_prefetch((const char *)rows[i] + c + PF_BYTES, _MM_HINT_T0);
+                __m256 lo, hi;
+                fp8x16(rows[i] + c, &lo, &hi);
+                lo = _mm256_mul_ps(_mm256_mul_ps(lo, s[i].a), s[i].b);
+                hi = _mm256_mul_ps(_mm256_mul_ps(hi, s[i].a), s[i].b);
+                for (int j = 0; j < NT; j++) {
+                    a[i][j] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs[j] + c), a[i][j]);
+                    a[i][j] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[j] + c + 8), a[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, int64_t r0,
+                                                           int NR, const float *const *xs, int NT,
+                                                           float acc[4][3][8]) {
+    const int64_t n = w->ne[0], bi = w->block_in;
+    const uint8_t *rows[4], *srows[4];
+    const __m128i lut = fp4_lut(), m4 = _mm_set1_epi8(0x0F), z = _mm_setzero_si128();
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
+        const int64_t c1 = c0 + bi < n ? c0 + bi : n;
+        for (int i = 0; i < NR; i++) {
+            const __m256 s = _mm256_set1_ps(di_ue8m0_to_f32(srows[i][blk]));
+            for (int64_t c = c0; c < c1; c += 32) {
+                _mm_prefetch((const char *)rows[i] + c / 2 + PF_BYTES, _MM_HINT_T0);
+                __m128i v = _mm_loadu_si128((const __m128i *)(rows[i] + c / 2));
+                __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+                __m128i h0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)); // columns 0..15
+                __m128i h1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)); // 16..31
+                __m256 q[4] = {_mm256_cvtph_ps(_mm_unpacklo_epi8(z, h0)),
+                               _mm256_cvtph_ps(_mm_unpackhi_epi8(z, h0)),
+                               _mm256_cvtph_ps(_mm_unpacklo_epi8(z, h1)),
+                               _mm256_cvtph_ps(_mm_unpackhi_epi8(z, h1))};
+                for (int k = 0; k < 4; k++) {
+                    __m256 wv = _mm256_mul_ps(q[k], s);
+                    for (int j = 0; j < NT; j++)
+                        a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, int64_t r0,
+                                                            int NR, const float *const *xs,
+                                                            int NT, float acc[4][3][8]) {
+    const int64_t n = w->ne[0];
+    const uint8_t *rows[4];
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t c = 0; c < n; c += 8) {
+        for (int i = 0; i < NR; i++) {
+            if ((c & 31) == 0) _mm_prefetch((const char *)rows[i] + 2 * c + PF_BYTES, _MM_HINT_T0);
+            __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(rows[i] + 2 * c)));
+            __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            for (int j = 0; j < NT; j++)
+                a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c), a[i][j]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
+    const int64_t n = w->ne[0];
+    switch (w->kind) {
+    case DI_TENSOR_KIND_FP8: return w->block_in % 16 == 0 && n % 16 == 0;
+    case DI_TENSOR_KIND_FP4: return w->block_in % 32 == 0 && n % 32 == 0;
+    case DI_TENSOR_KIND_BF16: return n % 8 == 0;
+    default: return false;
+    }
+}
+
+void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *const *xs, int nt,
+                       float acc[4][3][8]) {
+#define G(R, N)                                                                                    \
+    case (R) * 4 + (N):                                                                            \
+        if (w->kind == DI_TENSOR_KIND_FP8) gemv_fp8(w, r0, R, xs, N, acc);                        \
+        else if (w->kind == DI_TENSOR_KIND_FP4) gemv_fp4(w, r0, R, xs, N, acc);                   \
+        else gemv_bf16(w, r0, R, xs, N, acc);                                                     \
+        return;
+    switch (nr * 4 + nt) {
+        G(1, 1) G(1, 2) G(1, 3) G(2, 1) G(2, 2) G(2, 3) G(3, 1) G(3, 2) G(3, 3) G(4, 1) G(4, 2)
+        G(4, 3)
+    }
+#undef G
+    DI_ASSERT(!"gemv shape out of range");
+}
+
 #else // not built with AVX2: gemm.c never selects this level
+
+bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
+    (void)w;
+    return false;
+}
+
+void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *const *xs, int nt,
+                       float acc[4][3][8]) {
+    (void)w, (void)r0, (void)nr, (void)xs, (void)nt, (void)acc;
+    DI_ASSERT(!"AVX2 kernels not built");
+}
 
 bool di_gemm_avx2_built(void) {
     return false;

@@ -30,6 +30,9 @@ typedef struct di_cpu {
     int isa;             // di_cpu_isa; di_cpu_isa_detect() at init, di_cpu_set_isa() in tests
     float *gemm_scratch; // owned; n_threads * 4 * gemm_ld floats, 64-byte aligned
     int64_t gemm_ld;     // floats between decoded rows: row_cap rounded up to 16
+    // Bytes of weights (data + scales) di_cpu_matmul has read since init: the numerator of the
+    // decode roofline ratio (bench/cpu). Engine thread only.
+    uint64_t n_weight_bytes;
 } di_cpu;
 
 // max_row: the widest weight row (n_in) any matmul will see. Returns DI_ERR_NOMEM.
