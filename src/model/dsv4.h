@@ -19,6 +19,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "backend/cpu/gemm.h"    // di_cpu_matmul
 #include "backend/cpu/ref_ops.h" // di_cpu
 #include "base/thread.h"         // di_pool
 #include "deepinfer.h"
@@ -130,7 +131,7 @@ typedef void (*di_dsv4_trace_fn)(void *user, const char *name, int il, const voi
 //
 // One forward call runs any number of sequences, each with its own state and its own absolute
 // positions; their rows are concatenated (sequence after sequence) into one batch. Every op is
-// either per row (matmuls: di_ref_matmul computes y[t, o] in the same order whatever the other
+// either per row (matmuls: di_cpu_matmul computes y[t, o] in the same order whatever the other
 // rows; norms; RoPE; mHC; MoE experts, which gather rows but compute each row alone and sum a
 // row's experts in ascending id) or per sequence (compressors, indexer, attention, ring update),
 // so a sequence's results are bit-identical whatever else shares its batch. A session's forward

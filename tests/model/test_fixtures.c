@@ -20,6 +20,10 @@
 // Chunked vs one prefill: the same kernels on the same rows; only the attention's key order
 // (ring vs this call's rows) can differ, so the bound is tighter.
 #define TOL_CHUNK 1e-5
+// The optimised CPU matmul (backend/cpu/gemm.h) against the reference arithmetic (its scalar
+// level, bit-identical to di_ref_matmul): they differ by FMA rounding only (~1e-7 relative per
+// matmul, tests/backend/test_ops.c); the acceptance bound for whole-model logits is 1e-3.
+#define TOL_FAST 1e-3
 
 typedef struct capture {
     const di_st_file *ref;
@@ -109,6 +113,21 @@ static bool run_chunks(di_model *m, bool mtp, const int32_t *ids, int32_t T, con
     return done == T && (!mtp || done_mtp == T - 1);
 }
 
+// Logits `fast` (computed at the model's own instruction-set level) against the same forward
+// pass at the scalar level, i.e. through the reference matmul arithmetic.
+static void check_fast_vs_ref(di_model *m, bool mtp, const int32_t *ids, int32_t T,
+                              const float *fast, float *buf, float *mtp_buf, const char *what) {
+    int keep = m->cpu.isa;
+    CHECK(di_cpu_set_isa(&m->cpu, DI_CPU_ISA_SCALAR));
+    int32_t one[1] = {T};
+    CHECK(run_chunks(m, mtp, ids, T, one, 1, buf, mtp ? mtp_buf : NULL, NULL));
+    CHECK(di_cpu_set_isa(&m->cpu, (di_cpu_isa)keep));
+    double e = rel_err(fast, buf, T * m->hp.n_vocab);
+    fprintf(stderr, "  %s: %s level vs reference matmul: logits %.3g\n", what,
+            di_cpu_isa_name((di_cpu_isa)keep), e);
+    CHECK(e <= TOL_FAST);
+}
+
 static void check_fixture(const char *dir, const char *name) {
     char path[4096];
     fprintf(stderr, "--- fixture %s\n", name);
@@ -163,6 +182,7 @@ static void check_fixture(const char *dir, const char *name) {
         fprintf(stderr, "  logits: max|d|/max|ref| = %.3g\n", e);
         CHECK(e <= TOL_REF);
     }
+    check_fast_vs_ref(m, mtp, ids, T, full, chunked, mtp_chunked, "hf layout");
     fprintf(stderr, "  worst layer_out %.3g (layer %d), attn_out %.3g (layer %d)\n",
             cap.worst_layer, cap.worst_layer_il, cap.worst_attn, cap.worst_attn_il);
     CHECK(cap.worst_layer <= TOL_REF);
@@ -279,6 +299,7 @@ static void check_fixture(const char *dir, const char *name) {
         double e = rel_err(full, ref_off, T * V);
         fprintf(stderr, "  official layout: logits %.3g\n", e);
         CHECK(e <= TOL_REF);
+        check_fast_vs_ref(m, off_mtp, ids, T, full, chunked, mtp_chunked, "official layout");
         const float *ref_off_mtp = ref_f32(ref, "official_mtp_logits", (T - 1) * V);
         if (off_mtp && ref_off_mtp) {
             double em = rel_err(mtp_full, ref_off_mtp, (T - 1) * V);

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "backend/cpu/gemm.h" // di_cpu_isa_detect
 #include "base/log.h"
 #include "base/mem.h"
 
@@ -11,12 +12,23 @@ di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row) {
     cpu->n_threads = di_pool_n_threads(pool);
     cpu->row_cap = max_row;
     cpu->row_scratch = di_aligned_alloc(sizeof(float) * (size_t)max_row * (size_t)cpu->n_threads);
-    return cpu->row_scratch ? DI_OK : DI_ERR_NOMEM;
+    cpu->isa = di_cpu_isa_detect();
+    cpu->n_weight_bytes = 0;
+    cpu->gemm_ld = (max_row + 15) & ~(int64_t)15;
+    cpu->gemm_scratch =
+        di_aligned_alloc(sizeof(float) * 4 * (size_t)cpu->gemm_ld * (size_t)cpu->n_threads);
+    if (!cpu->row_scratch || !cpu->gemm_scratch) {
+        di_cpu_deinit(cpu);
+        return DI_ERR_NOMEM;
+    }
+    return DI_OK;
 }
 
 void di_cpu_deinit(di_cpu *cpu) {
     di_aligned_free(cpu->row_scratch);
+    di_aligned_free(cpu->gemm_scratch);
     cpu->row_scratch = NULL;
+    cpu->gemm_scratch = NULL;
 }
 
 float di_ref_dot(const float *a, const float *b, int64_t n) {

@@ -1,0 +1,251 @@
+// bench_cpu — CPU roofline benchmark (not a test): in one run, on the same thread pool sizes,
+//   1. a STREAM-like read bandwidth (sum of a buffer far larger than the last-level cache);
+//   2. di_cpu_matmul GEMV over FP8 / FP4 / BF16 matrices larger than the cache: weight bytes per
+//      second and the ratio to (1);
+//   3. with --model: prefill tokens/s and decode tokens/s of a checkpoint, decode's weight bytes
+//      per token (counted by di_cpu_matmul) and its roofline ratio = achieved bytes/s / (1).
+// Every timing is the best of --reps repetitions (the machine is shared; best-of is the least
+// noisy estimate of what the hardware allows). Usage:
+//   bench_cpu [--model DIR] [--threads 1,2] [--prompt 64] [--decode 8] [--reps 3] [--bw-mib 1024]
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/cpu/gemm.h"
+#include "base/mem.h"
+#include "base/thread.h"
+#include "model/dsv4.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t g_rng = 42;
+static uint64_t rnd(void) {
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// ---- read bandwidth ----
+
+typedef struct bw_ctx {
+    const uint64_t *buf;
+    int64_t n;
+    uint64_t sums[64];
+} bw_ctx;
+
+static void bw_task(void *p, int ith, int nth) {
+    bw_ctx *c = p;
+    int64_t lo, hi;
+    di_split_range(c->n / 8, ith, nth, &lo, &hi);
+    uint64_t s[8] = {0};
+    for (int64_t i = lo * 8; i < hi * 8; i += 8)
+        for (int k = 0; k < 8; k++) s[k] += c->buf[i + k];
+    c->sums[ith] = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+}
+
+static double read_bandwidth(di_pool *pool, const uint64_t *buf, int64_t n, int reps) {
+    bw_ctx c = {.buf = buf, .n = n};
+    double best = 1e30;
+    for (int r = 0; r < reps + 1; r++) { // the first pass warms the TLB
+        double t0 = now_s();
+        di_pool_run(pool, bw_task, &c);
+        double t = now_s() - t0;
+        if (r > 0 && t < best) best = t;
+    }
+    return (double)n * 8 / best;
+}
+
+// ---- GEMV over synthetic matrices ----
+
+typedef struct synth_mat {
+    di_tensor t;
+    uint8_t *data, *scale; // owned
+} synth_mat;
+
+static synth_mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out) {
+    synth_mat m = {0};
+    di_tensor *t = &m.t;
+    t->name = "bench";
+    t->kind = kind;
+    t->ne[0] = n_in;
+    t->ne[1] = n_out;
+    t->nb1 = kind == DI_TENSOR_KIND_FP8    ? (size_t)n_in
+             : kind == DI_TENSOR_KIND_FP4  ? (size_t)n_in / 2
+             : kind == DI_TENSOR_KIND_BF16 ? (size_t)n_in * 2
+                                           : (size_t)n_in * 4;
+    size_t bytes = t->nb1 * (size_t)n_out;
+    m.data = di_aligned_alloc(bytes);
+    for (size_t i = 0; i < bytes; i += 8) {
+        uint64_t v = rnd() & 0x3F3F3F3F3F3F3F3Full; // finite, moderate FP8 / BF16 / FP4 codes
+        memcpy(m.data + i, &v, bytes - i < 8 ? bytes - i : 8);
+    }
+    t->data = m.data;
+    if (kind == DI_TENSOR_KIND_FP8 || kind == DI_TENSOR_KIND_FP4) {
+        t->block_out = kind == DI_TENSOR_KIND_FP8 ? 128 : 1;
+        t->block_in = kind == DI_TENSOR_KIND_FP8 ? 128 : 32;
+        t->scale_nb1 = (size_t)(n_in / t->block_in);
+        size_t sb = t->scale_nb1 * (size_t)((n_out + t->block_out - 1) / t->block_out);
+        m.scale = malloc(sb);
+        for (size_t i = 0; i < sb; i++) m.scale[i] = (uint8_t)(120 + rnd() % 8);
+        t->scale = m.scale;
+    }
+    return m;
+}
+
+static void bench_gemv(di_cpu *cpu, double bw, int reps) {
+    // Each matrix is 64 MiB (twice the last-level cache of the development machine).
+    static const struct {
+        di_tensor_kind kind;
+        int64_t n_in, n_out;
+    } cases[] = {{DI_TENSOR_KIND_FP8, 4096, 16384},
+                 {DI_TENSOR_KIND_FP4, 4096, 32768},
+                 {DI_TENSOR_KIND_BF16, 4096, 8192}};
+    float *x = di_aligned_alloc(sizeof(float) * 4096 * 64);
+    float *y = di_aligned_alloc(sizeof(float) * 32768 * 64);
+    for (int i = 0; i < 4096 * 64; i++) x[i] = (float)(rnd() % 1000) / 500.0f - 1.0f;
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        synth_mat m = make_mat(cases[k].kind, cases[k].n_in, cases[k].n_out);
+        double bytes = (double)di_tensor_bytes(&m.t);
+        double best = 1e30, best64 = 1e30;
+        for (int r = 0; r < reps + 1; r++) {
+            double t0 = now_s();
+            di_cpu_matmul(cpu, &m.t, x, 1, 4096, y, cases[k].n_out);
+            double t = now_s() - t0;
+            if (r > 0 && t < best) best = t;
+        }
+        for (int r = 0; r < 2; r++) {
+            double t0 = now_s();
+            di_cpu_matmul(cpu, &m.t, x, 64, 4096, y, cases[k].n_out);
+            double t = now_s() - t0;
+            if (t < best64) best64 = t;
+        }
+        double flops64 = 2.0 * 64 * (double)cases[k].n_in * (double)cases[k].n_out;
+        printf("  gemv %-15s %5lldx%-5lld %6.1f MiB: %6.2f GB/s = %.2f of read bandwidth; "
+               "64 tokens: %6.1f GFLOP/s\n",
+               di_tensor_kind_name(cases[k].kind), (long long)cases[k].n_out,
+               (long long)cases[k].n_in, bytes / 1048576.0, bytes / best / 1e9, bytes / best / bw,
+               flops64 / best64 / 1e9);
+        di_aligned_free(m.data);
+        free(m.scale);
+    }
+    di_aligned_free(x);
+    di_aligned_free(y);
+}
+
+// ---- model ----
+
+static int bench_model(const char *dir, int nth, int n_prompt, int n_decode, int reps, double bw) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = nth;
+    di_model *m = NULL;
+    if (di_model_load(dir, &mo, &m) != DI_OK) {
+        fprintf(stderr, "bench_cpu: cannot load %s\n", dir);
+        return 1;
+    }
+    int32_t V = m->hp.n_vocab;
+    float *logits = malloc(sizeof(float) * (size_t)V);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
+    for (int i = 0; i < n_prompt; i++) ids[i] = (int32_t)(10 + rnd() % (uint64_t)(V - 10));
+    double best_prefill = 1e30, best_tok = 1e30, sum_tok = 0;
+    double bytes_tok = 0;
+    int n_tok_timed = 0;
+    for (int r = 0; r < reps; r++) {
+        di_session *s = NULL;
+        if (di_session_create(m, NULL, &s) != DI_OK) return 1;
+        di_forward_out fo = {.logits = logits, .last_only = true};
+        double t0 = now_s();
+        if (di_session_forward(s, ids, n_prompt, &fo) != DI_OK) return 1;
+        double t = now_s() - t0;
+        if (t < best_prefill) best_prefill = t;
+        for (int i = 0; i < n_decode; i++) {
+            int32_t tok = 0;
+            for (int32_t v = 1; v < V; v++)
+                if (logits[v] > logits[tok]) tok = v;
+            uint64_t b0 = m->cpu.n_weight_bytes;
+            t0 = now_s();
+            if (di_session_forward(s, &tok, 1, &fo) != DI_OK) return 1;
+            t = now_s() - t0;
+            bytes_tok += (double)(m->cpu.n_weight_bytes - b0);
+            sum_tok += t;
+            n_tok_timed++;
+            if (t < best_tok) best_tok = t;
+        }
+        di_session_destroy(s);
+    }
+    bytes_tok /= n_tok_timed;
+    double mean_tok = sum_tok / n_tok_timed;
+    printf("  model %d thread(s): prefill %d tokens %.2f s = %.2f tokens/s; decode at context %d: "
+           "best %.3f s/token (mean %.3f) = %.2f tokens/s\n",
+           nth, n_prompt, best_prefill, n_prompt / best_prefill, n_prompt, best_tok, mean_tok,
+           1.0 / best_tok);
+    printf("  model %d thread(s): decode reads %.1f MiB of weights per token: %.2f GB/s = roofline "
+           "ratio %.2f (mean-time ratio %.2f)\n",
+           nth, bytes_tok / 1048576.0, bytes_tok / best_tok / 1e9, bytes_tok / best_tok / bw,
+           bytes_tok / mean_tok / bw);
+    free(logits);
+    free(ids);
+    di_model_destroy(m);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    const char *model = NULL, *threads = "1,2";
+    int n_prompt = 64, n_decode = 8, reps = 3;
+    long bw_mib = 1024;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) {
+            fprintf(stderr, "bench_cpu: %s needs a value\n", a);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "--model")) model = v;
+        else if (!strcmp(a, "--threads")) threads = v;
+        else if (!strcmp(a, "--prompt")) n_prompt = atoi(v);
+        else if (!strcmp(a, "--decode")) n_decode = atoi(v);
+        else if (!strcmp(a, "--reps")) reps = atoi(v);
+        else if (!strcmp(a, "--bw-mib")) bw_mib = atol(v);
+        else {
+            fprintf(stderr, "bench_cpu: unknown option %s\n", a);
+            return 2;
+        }
+    }
+    if (n_prompt < 1 || n_decode < 1 || reps < 1 || bw_mib < 64) {
+        fprintf(stderr, "bench_cpu: bad arguments\n");
+        return 2;
+    }
+    int64_t n = bw_mib * 1048576 / 8;
+    uint64_t *buf = di_aligned_alloc((size_t)n * 8);
+    if (!buf) return 1;
+    for (int64_t i = 0; i < n; i++) buf[i] = (uint64_t)i;
+    printf("level %s (DI_CPU_ISA lowers it)\n", di_cpu_isa_name(di_cpu_isa_detect()));
+    for (const char *p = threads; *p;) {
+        int nth = atoi(p);
+        di_pool *pool = NULL;
+        if (nth < 1 || di_pool_create(nth, &pool) != DI_OK) return 2;
+        double bw = read_bandwidth(pool, buf, n, reps);
+        printf("threads %d: read bandwidth %.2f GB/s (%ld MiB buffer)\n", nth, bw / 1e9, bw_mib);
+        di_cpu cpu;
+        if (di_cpu_init(&cpu, pool, 4096) != DI_OK) return 1;
+        bench_gemv(&cpu, bw, reps);
+        di_cpu_deinit(&cpu);
+        di_pool_destroy(pool);
+        if (model && bench_model(model, nth, n_prompt, n_decode, reps, bw)) return 1;
+        // Bandwidth again after the model, to show the drift of a shared machine.
+        di_pool_create(nth, &pool);
+        printf("threads %d: read bandwidth after: %.2f GB/s\n", nth,
+               read_bandwidth(pool, buf, n, reps) / 1e9);
+        di_pool_destroy(pool);
+        while (*p && *p != ',') p++;
+        if (*p == ',') p++;
+    }
+    di_aligned_free(buf);
+    return 0;
+}

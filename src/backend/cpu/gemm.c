@@ -1,0 +1,156 @@
+// gemm — instruction-set dispatch, static partitioning and row blocking of di_cpu_matmul (the
+// kernels themselves are in gemm_avx2.c). See gemm.h for the numerics contract.
+#include "backend/cpu/gemm.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+
+// ---- instruction-set level ----
+
+static const char *const k_isa_names[DI_CPU_ISA_COUNT] = {"scalar", "avx2"};
+
+const char *di_cpu_isa_name(di_cpu_isa isa) {
+    return isa >= 0 && isa < DI_CPU_ISA_COUNT ? k_isa_names[isa] : "?";
+}
+
+di_cpu_isa di_cpu_isa_supported(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (di_gemm_avx2_built() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return DI_CPU_ISA_AVX2;
+#endif
+    return DI_CPU_ISA_SCALAR;
+}
+
+di_cpu_isa di_cpu_isa_detect(void) {
+    static atomic_int warned;
+    di_cpu_isa best = di_cpu_isa_supported();
+    const char *env = getenv("DI_CPU_ISA");
+    if (!env || !*env) return best;
+    for (int i = 0; i < DI_CPU_ISA_COUNT; i++) {
+        if (strcmp(env, k_isa_names[i]) != 0) continue;
+        if (i > (int)best) {
+            if (!atomic_exchange(&warned, 1))
+                DI_LOG_WARN("DI_CPU_ISA=%s: this CPU supports at most %s; using that", env,
+                            di_cpu_isa_name(best));
+            return best;
+        }
+        return (di_cpu_isa)i;
+    }
+    if (!atomic_exchange(&warned, 1))
+        DI_LOG_WARN("DI_CPU_ISA=%s is not one of scalar, avx2; ignored", env);
+    return best;
+}
+
+bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa) {
+    if (isa < 0 || isa > di_cpu_isa_supported()) return false;
+    cpu->isa = isa;
+    return true;
+}
+
+// ---- matmul ----
+
+enum {
+    ROWS = 4,      // rows decoded together (the tile's height)
+    TOKS = 3,      // tokens per tile
+    SEG = 1024,    // columns per decoded segment when few tokens share it (4 rows x 4 KiB in L1)
+    SEG_TOKS = 3,  // at most this many tokens: decode in registers or stream segments
+};
+
+typedef struct matmul_ctx {
+    di_cpu *cpu;
+    const di_tensor *w;
+    const float *x;
+    int64_t n_tok, x_stride;
+    float *y;
+    int64_t y_stride;
+    bool split_rows; // partition output rows (else tokens)
+    bool simd;       // AVX2 kernels (else the scalar level)
+    bool fused;      // AVX2 GEMV decoding in registers (few tokens, supported layout)
+} matmul_ctx;
+
+// The fixed lane reduction of di_ref_dot.
+static inline float reduce8(const float a[8]) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+// Rows [o0, o0+nr) for tokens [t_lo, t_hi): decode once, multiply every token.
+static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, int nr,
+                       int64_t t_lo, int64_t t_hi) {
+    const di_tensor *w = c->w;
+    const int64_t n = w->ne[0];
+    float acc[4][3][8];
+    const float *xs[3];
+    if (t_hi - t_lo <= SEG_TOKS) {
+        int nt = (int)(t_hi - t_lo);
+        for (int j = 0; j < nt; j++) xs[j] = c->x + (t_lo + j) * c->x_stride;
+        memset(acc, 0, sizeof acc);
+        if (c->fused) di_gemm_avx2_gemv(w, o0, nr, xs, nt, acc);
+        else for (int64_t c0 = 0; c0 < n; c0 += SEG) {
+            int64_t c1 = c0 + SEG < n ? c0 + SEG : n;
+            di_gemm_avx2_decode(w, o0, nr, c0, c1, scr, ld);
+            di_gemm_avx2_tile(scr, ld, nr, xs, nt, c0, c1, n, acc);
+        }
+        for (int i = 0; i < nr; i++)
+            for (int j = 0; j < nt; j++) c->y[(t_lo + j) * c->y_stride + o0 + i] = reduce8(acc[i][j]);
+        return;
+    }
+    di_gemm_avx2_decode(w, o0, nr, 0, n, scr, ld);
+    for (int64_t t = t_lo; t < t_hi; t += TOKS) {
+        int nt = (int)(t_hi - t < TOKS ? t_hi - t : TOKS);
+        for (int j = 0; j < nt; j++) xs[j] = c->x + (t + j) * c->x_stride;
+        memset(acc, 0, sizeof acc);
+        // The tile offsets w by c0: whole rows start at column 0.
+        di_gemm_avx2_tile(scr, ld, nr, xs, nt, 0, n, n, acc);
+        for (int i = 0; i < nr; i++)
+            for (int j = 0; j < nt; j++) c->y[(t + j) * c->y_stride + o0 + i] = reduce8(acc[i][j]);
+    }
+}
+
+static void block_scalar(const matmul_ctx *c, float *scr, int64_t o, int64_t t_lo, int64_t t_hi) {
+    di_tensor_row_f32(c->w, o, scr);
+    for (int64_t t = t_lo; t < t_hi; t++)
+        c->y[t * c->y_stride + o] = di_ref_dot(scr, c->x + t * c->x_stride, c->w->ne[0]);
+}
+
+static void matmul_task(void *p, int ith, int nth) {
+    const matmul_ctx *c = p;
+    const int64_t ld = c->cpu->gemm_ld;
+    float *scr = c->cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * ld);
+    int64_t r_lo = 0, r_hi = c->w->ne[1], t_lo = 0, t_hi = c->n_tok;
+    if (c->split_rows) di_split_range(r_hi, ith, nth, &r_lo, &r_hi);
+    else di_split_range(t_hi, ith, nth, &t_lo, &t_hi);
+    if (t_lo >= t_hi) return;
+    if (!c->simd) {
+        for (int64_t o = r_lo; o < r_hi; o++) block_scalar(c, scr, o, t_lo, t_hi);
+        return;
+    }
+    for (int64_t o = r_lo; o < r_hi; o += ROWS) {
+        int nr = (int)(r_hi - o < ROWS ? r_hi - o : ROWS);
+        block_avx2(c, scr, ld, o, nr, t_lo, t_hi);
+    }
+}
+
+// The AVX2 decoders step through scale blocks in whole 8-column chunks.
+static bool avx2_layout_ok(const di_tensor *w) {
+    if (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)
+        return w->block_in > 0 && w->block_in % 8 == 0;
+    return true;
+}
+
+void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok,
+                   int64_t x_stride, float *y, int64_t y_stride) {
+    DI_ASSERT(w->ne[0] <= cpu->row_cap);
+    if (n_tok <= 0 || w->ne[1] <= 0) return;
+    cpu->n_weight_bytes += di_tensor_bytes(w);
+    matmul_ctx c = {cpu, w, x, n_tok, x_stride, y, y_stride, true, false, false};
+    c.simd = cpu->isa >= DI_CPU_ISA_AVX2 && avx2_layout_ok(w);
+    c.fused = c.simd && di_gemm_avx2_gemv_ok(w);
+    // Few output rows and many tokens (the mHC mixes, the router): split tokens so every thread
+    // has work; each thread then decodes all the (few) rows. Either split gives the same numbers.
+    c.split_rows = w->ne[1] >= 8 * (int64_t)cpu->n_threads || n_tok < cpu->n_threads;
+    di_pool_run(cpu->pool, matmul_task, &c);
+}

@@ -1,0 +1,77 @@
+/*
+ * gemm — the optimised CPU matmul over every di_tensor kind (F32, F16, BF16, FP8 e4m3 + UE8M0
+ * block scales, FP4 e2m1 + UE8M0 per-32 scales): the engine's one release path for linear layers.
+ * cpu/ref_ops.c's di_ref_matmul stays the oracle it is tested against (tests/backend/test_ops.c).
+ *
+ * Instruction-set levels, chosen once per di_cpu at init by CPU features (di_cpu_isa_detect):
+ *   - AVX2 + FMA + F16C: weights decoded eight at a time in registers (e4m3 through the F16C
+ *     half-float converter, e2m1 through a pshufb table), multiplied by the block scale (exact:
+ *     a power of two) and accumulated with FMA;
+ *   - scalar: the portable fallback; the reference arithmetic (row dequantisation + di_ref_dot)
+ *     with the same blocking and threading, so it equals di_ref_matmul bit for bit.
+ * There is no AVX-512 level yet: the development machine cannot run it, and untested kernels are
+ * not shipped. The environment switch DI_CPU_ISA=scalar|avx2 lowers the level (a debug switch for
+ * CI to cover the lower levels; it can never raise it above what the CPU supports).
+ *
+ * Numerics (why results do not depend on batching or threads): output element (t, o) is computed
+ * by exactly one thread as one 8-lane accumulator running over the columns in order (FMA at the
+ * AVX2 level), reduced in the fixed order of di_ref_dot. Neither the token tile, the row block,
+ * the column segment nor the thread partition changes that sequence, so a token's outputs are the
+ * same whatever other tokens share the call and whatever the thread count (the serving engine's
+ * batch invariance). Each weight row is decoded once per call: groups of four rows are decoded to
+ * per-thread scratch (in 1024-column segments when at most 3 tokens use them, whole rows
+ * otherwise) and every token of the call is multiplied against them in tiles of 4 rows x 3 tokens.
+ *
+ * Owns: nothing; scratch lives in di_cpu (ref_ops.h). Thread-safety: as di_cpu (engine thread).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend/cpu/ref_ops.h" // di_cpu
+#include "tensor/tensor.h"       // di_tensor
+
+typedef enum di_cpu_isa {
+    DI_CPU_ISA_SCALAR = 0,
+    DI_CPU_ISA_AVX2 = 1, // AVX2 + FMA + F16C
+    DI_CPU_ISA_COUNT
+} di_cpu_isa;
+
+// The best level this CPU and build support (no environment applied). Any thread.
+di_cpu_isa di_cpu_isa_supported(void);
+// di_cpu_isa_supported() lowered by DI_CPU_ISA when set (an unknown name or a level above the
+// supported one is logged once at WARN and ignored / clamped). Any thread.
+di_cpu_isa di_cpu_isa_detect(void);
+// "scalar", "avx2".
+const char *di_cpu_isa_name(di_cpu_isa isa);
+// Sets the level a di_cpu uses (tests sweep the levels). Returns false, changing nothing, when the
+// CPU cannot run it.
+bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa);
+
+// y[t*y_stride + o] = sum_i W[o, i] * x[t*x_stride + i] for t < n_tok, o < W.ne[1] (as
+// di_ref_matmul; FP32 accumulation, dequantisation fused). Needs W.ne[0] <= the max_row given to
+// di_cpu_init (DI_ASSERT). x and y must not overlap.
+void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok,
+                   int64_t x_stride, float *y, int64_t y_stride);
+
+// ---- internal: the AVX2 level (gemm_avx2.c, compiled with -mavx2 -mfma -mf16c) ----
+
+// True when gemm_avx2.c was built with its kernels (x86-64 only).
+bool di_gemm_avx2_built(void);
+// Decodes columns [c0, c1) of rows r0..r0+nr-1 of w into dst (row i at dst + i*dst_stride,
+// c1-c0 values, then zeros up to the next multiple of 8 when c1 == ne[0]). Exact (every decoded
+// value equals di_tensor_row_f32's).
+void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
+                         float *dst, int64_t dst_stride);
+// True when di_gemm_avx2_gemv handles w: FP8 (block_in and n_in multiples of 16), FP4 (of 32),
+// BF16 (n_in a multiple of 8).
+bool di_gemm_avx2_gemv_ok(const di_tensor *w);
+// acc[i][j] (8 lanes each) += rows r0..r0+nr-1 of w (nr <= 4) times tokens xs[j] (nt <= 3) over
+// all columns, decoding in registers; the same bits as di_gemm_avx2_decode + di_gemm_avx2_tile.
+void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *const *xs, int nt,
+                       float acc[4][3][8]);
+// acc[i][j] (8 lanes each) += W rows (dst-layout, nr <= 4) times tokens xs[j] (nt <= 3) over
+// columns [c0, c1) of a row of n columns; the last partial 8-chunk reads x with a mask.
+void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
+                       int64_t c0, int64_t c1, int64_t n, float acc[4][3][8]);

@@ -1,0 +1,387 @@
+// gemm_avx2 — the AVX2 + FMA + F16C kernels of gemm.h: weight decoding for every di_tensor kind
+// and the 4-row x 3-token FMA tile. Compiled with -mavx2 -mfma -mf16c on x86-64 (CMakeLists.txt);
+// called only after gemm.c checked the CPU supports them. Elsewhere the file builds to stubs that
+// report "not built".
+#include "backend/cpu/gemm.h"
+
+#include <string.h>
+
+#include "base/log.h"
+#include "tensor/quant_ref.h"
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+#include <immintrin.h>
+
+bool di_gemm_avx2_built(void) {
+    return true;
+}
+
+// ---- element decoders (8 values -> 8 floats, exact) ----
+
+// e4m3fn -> binary16 by moving bits: with the byte in the high half of a 16-bit lane
+// (s eeee mmm 00000000), an arithmetic shift right by one and clearing bit 14 gives
+// s 0eeee mmm0000000, the same number times 2^-8 (bias 7 vs 15), subnormals included (e4m3
+// subnormals land on f16 subnormals); the 2^8 is folded into the block scale. The largest
+// magnitude 0x3F80 is e4m3fn's NaN (0x7F/0xFF): adding 0x80 reaches bit 14 only there, which
+// turns it into an f16 NaN.
+static inline __m256 fp8_hi8(__m128i v) { // v: 8 codes in the high bytes of 16-bit lanes
+    __m128i h = _mm_and_si128(_mm_srai_epi16(v, 1), _mm_set1_epi16((short)0xBFFF));
+    h = _mm_or_si128(h, _mm_and_si128(_mm_add_epi16(h, _mm_set1_epi16(0x80)),
+                                      _mm_set1_epi16(0x4000)));
+    return _mm256_cvtph_ps(h);
+}
+
+// 16 codes -> two vectors of 8 floats (times 2^-8).
+static inline void fp8x16(const uint8_t *p, __m256 *a, __m256 *b) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
+    *a = fp8_hi8(_mm_unpacklo_epi8(z, v));
+    *b = fp8_hi8(_mm_unpackhi_epi8(z, v));
+}
+
+static inline __m256 fp8x8(const uint8_t *p) {
+    return fp8_hi8(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p)));
+}
+
+// e2m1 code -> high byte of its binary16 value (every e2m1 value has a zero low byte).
+static inline __m128i fp4_lut(void) {
+    return _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
+                         (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
+}
+
+// 16 e2m1 values from 8 packed bytes (low nibble first) -> two vectors of 8 floats.
+static inline void fp4x16(const uint8_t *p, __m128i lut, __m256 *a, __m256 *b) {
+    __m128i v = _mm_loadl_epi64((const __m128i *)p);
+    __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    __m128i hb = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)); // 16 codes in column order
+    __m128i z = _mm_setzero_si128();
+    *a = _mm256_cvtph_ps(_mm_unpacklo_epi8(z, hb));
+    *b = _mm256_cvtph_ps(_mm_unpackhi_epi8(z, hb));
+}
+
+static inline __m256 fp4x8(const uint8_t *p, __m128i lut) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    __m128i v = _mm_cvtsi32_si128((int)w);
+    __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    __m128i hb = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+    return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), hb));
+}
+
+// ---- row decoding ----
+
+// Multiplying by a UE8M0 scale 2^(u-127) is exact; for FP8 the decoded value also carries 2^-8.
+// s*256 overflows for u >= 248, so those blocks multiply twice (still exact, as the reference's
+// one product is whenever it is finite).
+typedef struct scale8 {
+    __m256 a, b; // w = (v * a) * b
+} scale8;
+
+static inline scale8 fp8_scale(uint8_t u) {
+    float s = di_ue8m0_to_f32(u);
+    scale8 r;
+    if (u < 248) {
+        r.a = _mm256_set1_ps(s * 256.0f);
+        r.b = _mm256_set1_ps(1.0f);
+    } else {
+        r.a = _mm256_set1_ps(256.0f);
+        r.b = _mm256_set1_ps(s);
+    }
+    return r;
+}
+
+static void decode_fp8(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    const uint8_t *srow = w->scale + (size_t)((w->row0 + r) / w->block_out) * w->scale_nb1;
+    const int64_t bi = w->block_in;
+    int64_t c = c0;
+    while (c + 8 <= c1) {
+        int64_t blk = c / bi, bend = (blk + 1) * bi;
+        if (bend > c1) bend = c1;
+        scale8 s = fp8_scale(srow[blk]);
+        for (; c + 8 <= bend; c += 8)
+            _mm256_store_ps(dst + (c - c0),
+                            _mm256_mul_ps(_mm256_mul_ps(fp8x8(row + c), s.a), s.b));
+        if (c < bend) break; // the row's tail (bi % 8 == 0, so only at c1)
+    }
+    for (; c < c1; c++) dst[c - c0] = di_e4m3_to_f32(row[c]) * di_ue8m0_to_f32(srow[c / bi]);
+}
+
+static void decode_fp4(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1; // column c at byte c/2
+    const uint8_t *srow = w->scale + (size_t)((w->row0 + r) / w->block_out) * w->scale_nb1;
+    const int64_t bi = w->block_in;
+    const __m128i lut = fp4_lut();
+    int64_t c = c0;
+    while (c + 8 <= c1) {
+        int64_t blk = c / bi, bend = (blk + 1) * bi;
+        if (bend > c1) bend = c1;
+        __m256 s = _mm256_set1_ps(di_ue8m0_to_f32(srow[blk]));
+        for (; c + 16 <= bend; c += 16) {
+            __m256 a, b;
+            fp4x16(row + c / 2, lut, &a, &b);
+            _mm256_store_ps(dst + (c - c0), _mm256_mul_ps(a, s));
+            _mm256_store_ps(dst + (c - c0) + 8, _mm256_mul_ps(b, s));
+        }
+        for (; c + 8 <= bend; c += 8)
+            _mm256_store_ps(dst + (c - c0), _mm256_mul_ps(fp4x8(row + c / 2, lut), s));
+        if (c < bend) break;
+    }
+    for (; c < c1; c++) {
+        uint8_t byte = row[c / 2];
+        dst[c - c0] = di_e2m1_to_f32(c & 1 ? byte >> 4 : byte & 15) * di_ue8m0_to_f32(srow[c / bi]);
+    }
+}
+
+static void decode_float(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    int64_t c = c0;
+    switch (w->kind) {
+    case DI_TENSOR_KIND_F32:
+        for (; c + 8 <= c1; c += 8)
+            _mm256_store_ps(dst + (c - c0), _mm256_loadu_ps((const float *)(row + 4 * c)));
+        for (; c < c1; c++) memcpy(dst + (c - c0), row + 4 * c, 4);
+        return;
+    case DI_TENSOR_KIND_F16:
+        for (; c + 8 <= c1; c += 8)
+            _mm256_store_ps(dst + (c - c0),
+                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * c))));
+        break;
+    case DI_TENSOR_KIND_BF16:
+        for (; c + 8 <= c1; c += 8) {
+            __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * c)));
+            _mm256_store_ps(dst + (c - c0), _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        }
+        break;
+    default: DI_ASSERT(!"not a float kind");
+    }
+    for (; c < c1; c++) {
+        uint16_t h;
+        memcpy(&h, row + 2 * c, 2);
+        dst[c - c0] = w->kind == DI_TENSOR_KIND_F16 ? di_f16_to_f32(h) : di_bf16_to_f32(h);
+    }
+}
+
+void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
+                         float *dst, int64_t dst_stride) {
+    const int64_t n = w->ne[0];
+    for (int i = 0; i < nr; i++) {
+        float *d = dst + i * dst_stride;
+        switch (w->kind) {
+        case DI_TENSOR_KIND_FP8: decode_fp8(w, r0 + i, c0, c1, d); break;
+        case DI_TENSOR_KIND_FP4: decode_fp4(w, r0 + i, c0, c1, d); break;
+        default: decode_float(w, r0 + i, c0, c1, d); break;
+        }
+        if (c1 == n)
+            for (int64_t c = c1; c < c0 + ((c1 - c0 + 7) & ~(int64_t)7); c++) d[c - c0] = 0;
+    }
+}
+
+// ---- the FMA tile ----
+
+// NR rows x NT tokens of 8-lane accumulators; always inlined with constant NR, NT so they stay in
+// registers (4 x 3 = 12 accumulators + 3 x + 1 w = 16 ymm).
+static inline __attribute__((always_inline)) void tile(const float *w, int64_t ws, int NR,
+                                                       const float *const *xs, int NT, int64_t c0,
+                                                       int64_t c1, int64_t n,
+                                                       float acc[4][3][8]) {
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    const int64_t full = c1 < (n & ~(int64_t)7) ? c1 : (n & ~(int64_t)7);
+    int64_t c = c0;
+    for (; c < full; c += 8) {
+        __m256 xv[3];
+        for (int j = 0; j < NT; j++) xv[j] = _mm256_loadu_ps(xs[j] + c);
+        for (int i = 0; i < NR; i++) {
+            __m256 wv = _mm256_load_ps(w + i * ws + (c - c0));
+            for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
+        }
+    }
+    if (c < c1) { // the last partial chunk of the row: x masked, w zero-padded by decode
+        int rem = (int)(n - c);
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 xv[3];
+        for (int j = 0; j < NT; j++) xv[j] = _mm256_maskload_ps(xs[j] + c, mask);
+        for (int i = 0; i < NR; i++) {
+            __m256 wv = _mm256_load_ps(w + i * ws + (c - c0));
+            for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
+                       int64_t c0, int64_t c1, int64_t n, float acc[4][3][8]) {
+#define T(R, N)                                                                                    \
+    case (R) * 4 + (N): tile(w, w_stride, R, xs, N, c0, c1, n, acc); return;
+    switch (nr * 4 + nt) {
+        T(1, 1) T(1, 2) T(1, 3) T(2, 1) T(2, 2) T(2, 3) T(3, 1) T(3, 2) T(3, 3) T(4, 1) T(4, 2)
+        T(4, 3)
+    }
+#undef T
+    DI_ASSERT(!"tile shape out of range");
+}
+
+// ---- fused GEMV: decode in registers, no staging (at most 3 tokens) ----
+
+// How far ahead of the decode position each row is prefetched: the four rows of a group are four
+// interleaved streams, which the hardware prefetchers alone follow poorly.
+#define PF_BYTES 512
+
+// The same per-element arithmetic and accumulation order as decode + tile (exact dequantised
+// weight, one FMA per 8 columns in column order), so the two paths give the same bits.
+static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, int64_t r0,
+                                                           int NR, const float *const *xs, int NT,
+                                                           float acc[4][3][8]) {
+    const int64_t n = w->ne[0], bi = w->block_in;
+    const uint8_t *rows[4], *srows[4];
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
+        const int64_t c1 = c0 + bi < n ? c0 + bi : n;
+        scale8 s[4];
+        for (int i = 0; i < NR; i++) s[i] = fp8_scale(srows[i][blk]);
+        for (int64_t c = c0; c < c1; c += 16) {
+            for (int i = 0; i < NR; i++) {
+                _mm_prefetch((const char *)rows[i] + c + PF_BYTES, _MM_HINT_T0);
+                __m256 lo, hi;
+                fp8x16(rows[i] + c, &lo, &hi);
+                lo = _mm256_mul_ps(_mm256_mul_ps(lo, s[i].a), s[i].b);
+                hi = _mm256_mul_ps(_mm256_mul_ps(hi, s[i].a), s[i].b);
+                for (int j = 0; j < NT; j++) {
+                    a[i][j] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs[j] + c), a[i][j]);
+                    a[i][j] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[j] + c + 8), a[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, int64_t r0,
+                                                           int NR, const float *const *xs, int NT,
+                                                           float acc[4][3][8]) {
+    const int64_t n = w->ne[0], bi = w->block_in;
+    const uint8_t *rows[4], *srows[4];
+    const __m128i lut = fp4_lut(), m4 = _mm_set1_epi8(0x0F), z = _mm_setzero_si128();
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
+        const int64_t c1 = c0 + bi < n ? c0 + bi : n;
+        for (int i = 0; i < NR; i++) {
+            const __m256 s = _mm256_set1_ps(di_ue8m0_to_f32(srows[i][blk]));
+            for (int64_t c = c0; c < c1; c += 32) {
+                _mm_prefetch((const char *)rows[i] + c / 2 + PF_BYTES, _MM_HINT_T0);
+                __m128i v = _mm_loadu_si128((const __m128i *)(rows[i] + c / 2));
+                __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+                __m128i h0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)); // columns 0..15
+                __m128i h1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)); // 16..31
+                __m256 q[4] = {_mm256_cvtph_ps(_mm_unpacklo_epi8(z, h0)),
+                               _mm256_cvtph_ps(_mm_unpackhi_epi8(z, h0)),
+                               _mm256_cvtph_ps(_mm_unpacklo_epi8(z, h1)),
+                               _mm256_cvtph_ps(_mm_unpackhi_epi8(z, h1))};
+                for (int k = 0; k < 4; k++) {
+                    __m256 wv = _mm256_mul_ps(q[k], s);
+                    for (int j = 0; j < NT; j++)
+                        a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, int64_t r0,
+                                                            int NR, const float *const *xs,
+                                                            int NT, float acc[4][3][8]) {
+    const int64_t n = w->ne[0];
+    const uint8_t *rows[4];
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t c = 0; c < n; c += 8) {
+        for (int i = 0; i < NR; i++) {
+            if ((c & 31) == 0) _mm_prefetch((const char *)rows[i] + 2 * c + PF_BYTES, _MM_HINT_T0);
+            __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(rows[i] + 2 * c)));
+            __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            for (int j = 0; j < NT; j++)
+                a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c), a[i][j]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
+    const int64_t n = w->ne[0];
+    switch (w->kind) {
+    case DI_TENSOR_KIND_FP8: return w->block_in % 16 == 0 && n % 16 == 0;
+    case DI_TENSOR_KIND_FP4: return w->block_in % 32 == 0 && n % 32 == 0;
+    case DI_TENSOR_KIND_BF16: return n % 8 == 0;
+    default: return false;
+    }
+}
+
+void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *const *xs, int nt,
+                       float acc[4][3][8]) {
+#define G(R, N)                                                                                    \
+    case (R) * 4 + (N):                                                                            \
+        if (w->kind == DI_TENSOR_KIND_FP8) gemv_fp8(w, r0, R, xs, N, acc);                        \
+        else if (w->kind == DI_TENSOR_KIND_FP4) gemv_fp4(w, r0, R, xs, N, acc);                   \
+        else gemv_bf16(w, r0, R, xs, N, acc);                                                     \
+        return;
+    switch (nr * 4 + nt) {
+        G(1, 1) G(1, 2) G(1, 3) G(2, 1) G(2, 2) G(2, 3) G(3, 1) G(3, 2) G(3, 3) G(4, 1) G(4, 2)
+        G(4, 3)
+    }
+#undef G
+    DI_ASSERT(!"gemv shape out of range");
+}
+
+#else // not built with AVX2: gemm.c never selects this level
+
+bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
+    (void)w;
+    return false;
+}
+
+void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *const *xs, int nt,
+                       float acc[4][3][8]) {
+    (void)w, (void)r0, (void)nr, (void)xs, (void)nt, (void)acc;
+    DI_ASSERT(!"AVX2 kernels not built");
+}
+
+bool di_gemm_avx2_built(void) {
+    return false;
+}
+
+void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
+                         float *dst, int64_t dst_stride) {
+    (void)w, (void)r0, (void)nr, (void)c0, (void)c1, (void)dst, (void)dst_stride;
+    DI_ASSERT(!"AVX2 kernels not built");
+}
+
+void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
+                       int64_t c0, int64_t c1, int64_t n, float acc[4][3][8]) {
+    (void)w, (void)w_stride, (void)nr, (void)xs, (void)nt, (void)c0, (void)c1, (void)n, (void)acc;
+    DI_ASSERT(!"AVX2 kernels not built");
+}
+
+#endif

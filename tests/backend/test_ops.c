@@ -1,0 +1,354 @@
+// Every optimised CPU kernel against cpu/ref_ops.c, on every instruction-set level this machine
+// can run (di_cpu_set_isa sweeps them; DI_CPU_ISA lowers the level the engine picks):
+//   - di_cpu_matmul over F32, F16, BF16, FP8 (128x128 UE8M0) and FP4 (per-32 UE8M0) weights, on
+//     edge shapes: 1 token, row/column counts that are not multiples of the tile (4 rows x 3
+//     tokens), the 8-lane vector, the 1024-column segment or the scale block, many tokens, strided
+//     activations and outputs, row views inside the FP8 scale grid, extreme UE8M0 scales and NaN
+//     codes;
+//   - batch invariance (a token's outputs do not depend on the other tokens of the call) and
+//     thread invariance (1, 2 and 3 threads give the same bits), which the serving engine relies
+//     on;
+//   - the DI_CPU_ISA switch.
+#include "harness.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "backend/cpu/gemm.h"
+#include "backend/cpu/ref_ops.h"
+#include "base/mem.h"
+#include "tensor/quant_ref.h"
+
+// Tolerances.
+// The AVX2 level sums each output in the reference's order (one 8-lane accumulator over the
+// columns, then di_ref_dot's lane reduction) but with FMA, which rounds w*x+acc once where the
+// reference rounds the product and the sum separately. Each of the two sums is within
+// gamma(k) * sum|w_i x_i| of the exact value, gamma(k) = k u / (1 - k u), u = 2^-24, with k = n/8
+// + 4 sequential roundings per lane (the accumulations, the product, the three reduction levels),
+// so they differ by at most twice that. A wrong decode, scale or column is off by about |w x|.
+#define TOL_GAMMA_FACTOR 2.0
+// The scalar level is the reference arithmetic: bit-identical.
+#define TOL_SCALAR 0.0
+
+static uint64_t g_rng = 0x1234567ull;
+static uint64_t rnd(void) {
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static float rndf(void) { // uniform in [-1, 1)
+    return (float)((double)(rnd() >> 11) / 4503599627370496.0 - 1.0);
+}
+
+// ---- test matrices ----
+
+typedef struct mat {
+    di_tensor t;
+    void *data;     // owned
+    uint8_t *scale; // owned
+} mat;
+
+typedef struct scale_range {
+    int lo, hi;     // UE8M0 bytes drawn from [lo, hi]
+    bool nan_codes; // FP8: allow the e4m3 NaN codes 0x7F / 0xFF
+} scale_range;
+
+static const scale_range k_normal = {118, 134, false};
+
+static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, scale_range sr) {
+    mat m = {0};
+    di_tensor *t = &m.t;
+    t->name = "test";
+    t->kind = kind;
+    t->ne[0] = n_in;
+    t->ne[1] = n_out;
+    switch (kind) {
+    case DI_TENSOR_KIND_F32: t->nb1 = 4 * (size_t)n_in; break;
+    case DI_TENSOR_KIND_F16:
+    case DI_TENSOR_KIND_BF16: t->nb1 = 2 * (size_t)n_in; break;
+    case DI_TENSOR_KIND_FP8: t->nb1 = (size_t)n_in, t->block_out = 128, t->block_in = 128; break;
+    case DI_TENSOR_KIND_FP4: t->nb1 = (size_t)n_in / 2, t->block_out = 1, t->block_in = 32; break;
+    }
+    t->nb1 += 3; // rows are not packed: kernels must use nb1
+    uint8_t *d = malloc(t->nb1 * (size_t)n_out);
+    for (int64_t r = 0; r < n_out; r++) {
+        uint8_t *row = d + (size_t)r * t->nb1;
+        for (int64_t i = 0; i < n_in; i++) {
+            float v = rndf() * 2.0f;
+            switch (kind) {
+            case DI_TENSOR_KIND_F32: memcpy(row + 4 * i, &v, 4); break;
+            case DI_TENSOR_KIND_F16: { // finite binary16 with a random exponent in [-14, 1]
+                uint16_t h = (uint16_t)(rnd() & 0xBFFF);
+                memcpy(row + 2 * i, &h, 2);
+                break;
+            }
+            case DI_TENSOR_KIND_BF16: {
+                uint16_t h = di_f32_to_bf16(v);
+                memcpy(row + 2 * i, &h, 2);
+                break;
+            }
+            case DI_TENSOR_KIND_FP8: {
+                uint8_t c = (uint8_t)rnd();
+                if (!sr.nan_codes && (c & 0x7F) == 0x7F) c ^= 1;
+                row[i] = c;
+                break;
+            }
+            case DI_TENSOR_KIND_FP4:
+                if (i % 2 == 0) row[i / 2] = (uint8_t)(rnd() & 0xFF);
+                break;
+            }
+        }
+    }
+    m.data = d;
+    t->data = d;
+    if (kind == DI_TENSOR_KIND_FP8 || kind == DI_TENSOR_KIND_FP4) {
+        int64_t srows = (n_out + t->block_out - 1) / t->block_out;
+        int64_t scols = (n_in + t->block_in - 1) / t->block_in;
+        t->scale_nb1 = (size_t)scols + 1;
+        m.scale = malloc(t->scale_nb1 * (size_t)srows);
+        for (size_t i = 0; i < t->scale_nb1 * (size_t)srows; i++)
+            m.scale[i] = (uint8_t)(sr.lo + (int)(rnd() % (uint64_t)(sr.hi - sr.lo + 1)));
+        t->scale = m.scale;
+    }
+    return m;
+}
+
+static void free_mat(mat *m) {
+    free(m->data);
+    free(m->scale);
+}
+
+// ---- comparison ----
+
+typedef struct run_cfg {
+    di_cpu *cpu;     // the level under test is set on it
+    di_cpu *ref_cpu; // for di_ref_matmul
+} run_cfg;
+
+static float *make_x(int64_t n_tok, int64_t stride) {
+    float *x = malloc(sizeof(float) * (size_t)(n_tok * stride));
+    for (int64_t i = 0; i < n_tok * stride; i++) x[i] = rndf();
+    return x;
+}
+
+// Checks y (fast) against yr (reference) for one matrix and call; returns the number of bad
+// elements (and counts one CHECK).
+static void compare(const di_tensor *w, const float *x, int64_t n_tok, int64_t xs, const float *y,
+                    const float *yr, int64_t ys, int isa, const char *what) {
+    const int64_t n = w->ne[0], n_out = w->ne[1];
+    float *row = malloc(sizeof(float) * (size_t)n);
+    const double u = 1.0 / 16777216.0, k = (double)(n / 8 + 4);
+    const double gamma = k * u / (1 - k * u);
+    int64_t bad = 0;
+    double worst = 0;
+    for (int64_t o = 0; o < n_out; o++) {
+        di_tensor_row_f32(w, o, row);
+        for (int64_t t = 0; t < n_tok; t++) {
+            double a = y[t * ys + o], b = yr[t * ys + o];
+            if (isnan(b) || isinf(b)) {
+                bool same = isnan(b) ? isnan(a) : a == b;
+                bad += !same;
+                continue;
+            }
+            double mag = 0;
+            for (int64_t i = 0; i < n; i++) mag += fabs((double)row[i] * x[t * xs + i]);
+            double tol = isa == DI_CPU_ISA_SCALAR ? TOL_SCALAR : TOL_GAMMA_FACTOR * gamma * mag;
+            double d = fabs(a - b);
+            if (!(d <= tol)) {
+                if (bad < 3)
+                    fprintf(stderr, "  %s: y[%lld][%lld] = %.9g, ref %.9g (tol %.3g)\n", what,
+                            (long long)t, (long long)o, a, b, tol);
+                bad++;
+            }
+            if (mag > 0 && d / mag > worst) worst = d / mag;
+        }
+    }
+    if (bad)
+        fprintf(stderr, "  %s [%s]: %lld of %lld outputs out of tolerance\n", what,
+                di_cpu_isa_name(isa), (long long)bad, (long long)(n_tok * n_out));
+    CHECK(bad == 0);
+    free(row);
+}
+
+// Bitwise equality, except that any NaN equals any NaN: which operand's payload x86 propagates
+// depends on register allocation, which differs between tile shapes.
+static bool same_bits(const float *a, const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!(isnan(a[i]) && isnan(b[i])) && memcmp(a + i, b + i, sizeof(float)) != 0) return false;
+    return true;
+}
+
+// One matmul case on every level: fast vs reference, then batch invariance (each token alone
+// gives the same bits as inside the call).
+static void gemm_case(run_cfg *rc, const di_tensor *w, int64_t n_tok, const char *what) {
+    const int64_t n = w->ne[0], n_out = w->ne[1];
+    const int64_t xs = n + 5, ys = n_out + 3; // strided rows
+    float *x = make_x(n_tok, xs);
+    float *yr = calloc((size_t)(n_tok * ys), sizeof(float));
+    float *y = calloc((size_t)(n_tok * ys), sizeof(float));
+    float *y1 = calloc((size_t)ys, sizeof(float));
+    di_ref_matmul(rc->ref_cpu, w, x, n_tok, xs, yr, ys);
+    for (int isa = 0; isa <= (int)di_cpu_isa_supported(); isa++) {
+        CHECK(di_cpu_set_isa(rc->cpu, (di_cpu_isa)isa));
+        for (int64_t i = 0; i < n_tok * ys; i++) y[i] = -12345.0f;
+        di_cpu_matmul(rc->cpu, w, x, n_tok, xs, y, ys);
+        compare(w, x, n_tok, xs, y, yr, ys, isa, what);
+        // Padding between output rows is untouched.
+        bool pad_ok = true;
+        for (int64_t t = 0; t < n_tok; t++)
+            for (int64_t o = n_out; o < ys; o++) pad_ok &= y[t * ys + o] == -12345.0f;
+        CHECK(pad_ok);
+        // Batch invariance: every token alone.
+        bool same = true;
+        for (int64_t t = 0; t < n_tok && n_tok > 1; t++) {
+            di_cpu_matmul(rc->cpu, w, x + t * xs, 1, xs, y1, ys);
+            same &= same_bits(y1, y + t * ys, n_out);
+        }
+        if (!same) fprintf(stderr, "  %s [%s]: batch variance\n", what, di_cpu_isa_name(isa));
+        CHECK(same);
+    }
+    free(x);
+    free(y);
+    free(yr);
+    free(y1);
+}
+
+// ---- cases ----
+
+static di_pool *g_pool2;
+static di_cpu g_cpu, g_ref;
+static run_cfg g_rc;
+enum { MAX_ROW = 16384 };
+
+static const di_tensor_kind k_kinds[] = {DI_TENSOR_KIND_F32, DI_TENSOR_KIND_F16,
+                                         DI_TENSOR_KIND_BF16, DI_TENSOR_KIND_FP8,
+                                         DI_TENSOR_KIND_FP4};
+
+static void test_gemm_shapes(void) {
+    // (n_in, n_out): one 8-chunk; odd tails; a tail inside a scale block; more than one
+    // 1024-column segment with a tail; rows crossing the 128-row FP8 scale block; full width.
+    static const int64_t shapes[][2] = {{8, 1},      {32, 5},     {100, 7},    {264, 9},
+                                        {2500, 6},   {384, 130},  {4096, 13}, {1026, 4}};
+    static const int64_t toks[] = {1, 2, 3, 4, 7, 13};
+    for (size_t k = 0; k < sizeof k_kinds / sizeof k_kinds[0]; k++) {
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            mat m = make_mat(k_kinds[k], shapes[s][0], shapes[s][1], k_normal);
+            for (size_t j = 0; j < sizeof toks / sizeof toks[0]; j++) {
+                char what[96];
+                snprintf(what, sizeof what, "%s %lldx%lld T=%lld", di_tensor_kind_name(k_kinds[k]),
+                         (long long)shapes[s][1], (long long)shapes[s][0], (long long)toks[j]);
+                gemm_case(&g_rc, &m.t, toks[j], what);
+            }
+            free_mat(&m);
+        }
+    }
+}
+
+// The widest row the model multiplies (the mHC mix over 4 x 4096 streams), many tokens.
+static void test_gemm_wide(void) {
+    mat m = make_mat(DI_TENSOR_KIND_F32, MAX_ROW, 24, k_normal);
+    gemm_case(&g_rc, &m.t, 5, "F32 24x16384 T=5");
+    free_mat(&m);
+    mat b = make_mat(DI_TENSOR_KIND_BF16, MAX_ROW, 6, k_normal);
+    gemm_case(&g_rc, &b.t, 40, "BF16 6x16384 T=40");
+    free_mat(&b);
+}
+
+// Row views: the FP8 scale row is (row0 + r) / 128, so a view starting inside a block must use
+// its offset; FP4 views likewise index their own scale rows.
+static void test_gemm_views(void) {
+    mat m = make_mat(DI_TENSOR_KIND_FP8, 256, 300, k_normal);
+    di_tensor v = di_tensor_rows(&m.t, 100, 150);
+    gemm_case(&g_rc, &v, 3, "FP8 view rows 100..250");
+    gemm_case(&g_rc, &v, 5, "FP8 view rows 100..250");
+    free_mat(&m);
+    mat f = make_mat(DI_TENSOR_KIND_FP4, 96, 40, k_normal);
+    di_tensor fv = di_tensor_rows(&f.t, 7, 21);
+    gemm_case(&g_rc, &fv, 4, "FP4 view rows 7..28");
+    free_mat(&f);
+}
+
+// Extreme scales: u = 0 (2^-127, subnormal products), u >= 248 (where the FP8 kernel cannot fold
+// its 2^8 into the scale), 255 (NaN), and the e4m3 NaN codes; results must match the reference
+// including its infinities and NaNs.
+static void test_gemm_extremes(void) {
+    static const scale_range ranges[] = {{0, 3, false}, {244, 254, false}, {250, 255, true},
+                                         {120, 130, true}};
+    for (size_t r = 0; r < sizeof ranges / sizeof ranges[0]; r++) {
+        for (int kind = DI_TENSOR_KIND_FP8; kind <= DI_TENSOR_KIND_FP4; kind++) {
+            mat m = make_mat((di_tensor_kind)kind, 200, 9, ranges[r]);
+            char what[64];
+            snprintf(what, sizeof what, "%s scales %d..%d", di_tensor_kind_name(kind),
+                     ranges[r].lo, ranges[r].hi);
+            gemm_case(&g_rc, &m.t, 1, what);
+            gemm_case(&g_rc, &m.t, 6, what);
+            free_mat(&m);
+        }
+    }
+}
+
+// 1, 2 and 3 threads (rows split or, with few rows, tokens split) give the same bits.
+static void test_gemm_threads(void) {
+    static const int64_t shapes[][3] = {{1000, 70, 1}, {1000, 70, 9}, {512, 5, 11}};
+    for (int isa = 0; isa <= (int)di_cpu_isa_supported(); isa++) {
+        for (size_t s = 0; s < 3; s++) {
+            mat m = make_mat(DI_TENSOR_KIND_FP8, shapes[s][0], shapes[s][1], k_normal);
+            int64_t T = shapes[s][2], n_out = shapes[s][1];
+            float *x = make_x(T, shapes[s][0]);
+            float *y[3];
+            for (int nt = 1; nt <= 3; nt++) {
+                di_pool *p = NULL;
+                di_cpu c;
+                CHECK(di_pool_create(nt, &p) == DI_OK);
+                CHECK(di_cpu_init(&c, p, MAX_ROW) == DI_OK);
+                CHECK(di_cpu_set_isa(&c, (di_cpu_isa)isa));
+                y[nt - 1] = malloc(sizeof(float) * (size_t)(T * n_out));
+                di_cpu_matmul(&c, &m.t, x, T, shapes[s][0], y[nt - 1], n_out);
+                di_cpu_deinit(&c);
+                di_pool_destroy(p);
+            }
+            CHECK(memcmp(y[0], y[1], sizeof(float) * (size_t)(T * n_out)) == 0);
+            CHECK(memcmp(y[0], y[2], sizeof(float) * (size_t)(T * n_out)) == 0);
+            for (int i = 0; i < 3; i++) free(y[i]);
+            free(x);
+            free_mat(&m);
+        }
+    }
+}
+
+static void test_isa_switch(void) {
+    di_cpu_isa best = di_cpu_isa_supported();
+    fprintf(stderr, "  supported level: %s\n", di_cpu_isa_name(best));
+    setenv("DI_CPU_ISA", "scalar", 1);
+    CHECK_EQ(di_cpu_isa_detect(), DI_CPU_ISA_SCALAR);
+    setenv("DI_CPU_ISA", "avx2", 1); // clamped to what the CPU has
+    CHECK_EQ(di_cpu_isa_detect(), best >= DI_CPU_ISA_AVX2 ? DI_CPU_ISA_AVX2 : best);
+    setenv("DI_CPU_ISA", "no-such-level", 1);
+    CHECK_EQ(di_cpu_isa_detect(), best);
+    unsetenv("DI_CPU_ISA");
+    CHECK_EQ(di_cpu_isa_detect(), best);
+    di_cpu c;
+    CHECK(di_cpu_init(&c, NULL, 64) == DI_OK);
+    CHECK_EQ(c.isa, best);
+    CHECK(!di_cpu_set_isa(&c, DI_CPU_ISA_COUNT));
+    CHECK_EQ(c.isa, best);
+    di_cpu_deinit(&c);
+}
+
+int main(void) {
+    if (di_pool_create(2, &g_pool2) != DI_OK) return 1;
+    if (di_cpu_init(&g_cpu, g_pool2, MAX_ROW) != DI_OK) return 1;
+    if (di_cpu_init(&g_ref, g_pool2, MAX_ROW) != DI_OK) return 1;
+    g_rc = (run_cfg){&g_cpu, &g_ref};
+    RUN(test_isa_switch);
+    RUN(test_gemm_shapes);
+    RUN(test_gemm_wide);
+    RUN(test_gemm_views);
+    RUN(test_gemm_extremes);
+    RUN(test_gemm_threads);
+    di_cpu_deinit(&g_cpu);
+    di_cpu_deinit(&g_ref);
+    di_pool_destroy(g_pool2);
+    return test_finish();
+}
