@@ -69,7 +69,8 @@ static void run(const char *s, size_t n, uint8_t mode, bool split, tr *t) {
     di_parse_options opt = {.start = (di_parse_stage)(mode % 3),
                             .tools_enabled = (mode >> 2) & 1,
                             .stop = stops,
-                            .n_stop = (mode >> 3) % 4};
+                            .n_stop = (mode >> 3) % 4,
+                            .json_output = (mode >> 5) & 1};
     di_buf_init(&t->b);
     t->open = 0;
     t->last_kind = -1;
