@@ -380,6 +380,71 @@ di_status di_render_request(const di_tokenizer *tok, const char *request_json, s
                             di_render_api api, const di_render_options *opt, char **text,
                             size_t *n_text, int32_t **ids, size_t *n_ids);
 
+// ---- output parser (public wrapper of src/tok/parse.c; implemented in src/tok/parse_api.c) ----
+//
+// Incremental parser of generated text (spec serving.md §1.11, §2.6): splits decoded output into
+// reasoning, content and DSML tool calls (name, then arguments as JSON text in pieces), holding
+// back only bytes that may still become a label. One parser per output stream, one thread at a
+// time. Event kinds and finish values mirror src/tok/parse.h one to one.
+
+typedef enum di_parser_event_kind {
+    DI_PARSER_EVENT_REASONING = 0, // text: reasoning bytes
+    DI_PARSER_EVENT_CONTENT,       // text: answer bytes
+    DI_PARSER_EVENT_TOOL_CALL_BEGIN,
+    DI_PARSER_EVENT_TOOL_NAME, // text: bytes of the name (may come in pieces)
+    DI_PARSER_EVENT_TOOL_NAME_END,
+    DI_PARSER_EVENT_ARGS_DELTA, // text: JSON text of the arguments, in pieces
+    DI_PARSER_EVENT_TOOL_CALL_END,
+    DI_PARSER_EVENT_TOOL_CALL_ABORT, // the open call was incomplete at the end and is discarded
+} di_parser_event_kind;
+
+typedef struct di_parser_event {
+    di_parser_event_kind kind;
+    int32_t call_index; // tool-call events: 0-based index of the call
+    const char *text;   // borrowed, valid during the callback; not NUL-terminated
+    size_t len;
+} di_parser_event;
+
+typedef void (*di_parser_emit_fn)(void *user, const di_parser_event *ev);
+
+typedef enum di_parser_stage {
+    DI_PARSER_STAGE_REASONING = 0, // the prompt ends with "<think>"
+    DI_PARSER_STAGE_CONTENT,       // the prompt ends with "</think>"
+    DI_PARSER_STAGE_TOOL_CALLS,    // the prompt ends with an opened DSML block
+} di_parser_stage;
+
+typedef enum di_parser_finish {
+    DI_PARSER_FINISH_NONE = 0,
+    DI_PARSER_FINISH_STOP, // EOS or the end of a tool-call block
+    DI_PARSER_FINISH_STOP_SEQUENCE,
+    DI_PARSER_FINISH_LENGTH,
+    DI_PARSER_FINISH_TOOL_CALLS, // stopped with at least one complete tool call
+} di_parser_finish;
+
+typedef struct di_parser di_parser;
+
+// stop: borrowed stop strings applied to content only (copied). tok: borrowed tokenizer used by
+// di_parser_feed_token; must outlive the parser. DI_ERR_INVALID (an empty stop string or one over
+// 256 bytes), DI_ERR_NOMEM.
+di_status di_parser_create(const di_tokenizer *tok, di_parser_stage start, bool tools_enabled,
+                           const char *const *stop, size_t n_stop, di_parser_emit_fn emit,
+                           void *user, di_parser **out);
+void di_parser_destroy(di_parser *p);
+// Feeds decoded bytes (any split). DI_ERR_NOMEM.
+di_status di_parser_feed(di_parser *p, const char *text, size_t n);
+// Feeds one generated token id (EOS ends the stream with STOP). DI_ERR_INVALID (bad id),
+// DI_ERR_NOMEM.
+di_status di_parser_feed_token(di_parser *p, int32_t id);
+// Ends the stream with reason (STOP or LENGTH); flushes held bytes, aborts an incomplete call and
+// returns the final reason (TOOL_CALLS when a call completed and the stream stopped normally).
+// Calling it again returns the same reason.
+di_parser_finish di_parser_end(di_parser *p, di_parser_finish reason);
+// true once the parser reached its Finished stage (a stop string or the end of the DSML block):
+// nothing more will be emitted and generation may be stopped.
+bool di_parser_finished(const di_parser *p);
+// The stop string that finished the stream (borrowed), or NULL.
+const char *di_parser_stop_string(const di_parser *p);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,93 @@
+"""Starts `deepinfer serve` (the built-in tiny model) on 127.0.0.1 with a random free port and a
+temporary $DEEPINFER_HOME, once per test session."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+MODEL = "deepinfer-tiny"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, extra=()):
+        self.home = tempfile.mkdtemp(prefix="deepinfer-home-")
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, DEEPINFER_HOME=self.home)
+        self.log = open(os.path.join(self.home, "serve.log"), "w+")
+        self.proc = subprocess.Popen(
+            [os.environ["DEEPINFER_BIN"], "serve", "--port", str(self.port), "--threads", "2",
+             "--keepalive", "1", *extra],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.logtext()
+            try:
+                with urllib.request.urlopen(self.base + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not become ready:\n" + self.logtext())
+
+    def logtext(self):
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def metrics(self):
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
+            out = {}
+            for line in r.read().decode().splitlines():
+                if line and not line.startswith("#"):
+                    name, value = line.rsplit(" ", 1)
+                    out[name.split("{")[0] if "le=" not in name and "status=" not in name
+                        else name] = float(value)
+            return out
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+        rc = self.proc.returncode
+        log = self.logtext()
+        self.log.close()
+        shutil.rmtree(self.home, ignore_errors=True)
+        return rc, log
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server()
+    yield s
+    rc, log = s.stop()
+    assert rc == 0, f"serve exited with {rc}:\n{log}"
+    assert "INFO  serve: stopped" in log
+
+
+def post(server, path, body, headers=None, raw=None):
+    """POST returning (status, headers, parsed JSON or text)."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(server.base + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, hdrs, text = r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, hdrs, text = e.code, dict(e.headers), e.read().decode()
+    try:
+        return status, hdrs, json.loads(text)
+    except ValueError:
+        return status, hdrs, text

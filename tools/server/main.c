@@ -1,0 +1,176 @@
+// deepinfer serve: arguments, wiring (tokenizer, engine, HTTP), signals and clean shutdown.
+// SIGTERM/SIGINT: /ready turns 503 and new generation requests get 503; in-flight requests are
+// drained (at most --drain-timeout seconds), then the HTTP daemon, engine and tokenizer are freed.
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli/args.h"
+#include "cli/cli.h"
+#include "server/server.h"
+
+void srv_http_quiesce(srv_http *h);
+
+static volatile sig_atomic_t g_stop;
+
+static void on_signal(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
+            "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
+            "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
+            "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
+            "                       [--drain-timeout 30] [--log-level 0..3]\n"
+            "OpenAI Chat Completions / Completions / Responses and Anthropic Messages over HTTP.\n"
+            "Without --model it serves the built-in tiny random-weight model (meaningless text).\n");
+}
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+// max_position_embeddings of the checkpoint's config.json (0 if absent).
+static int32_t config_ctx(const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_t *cfg = json_load_file(path, 0, NULL);
+    int32_t n = (int32_t)json_integer_value(json_object_get(cfg, "max_position_embeddings"));
+    json_decref(cfg);
+    return n;
+}
+
+int di_cli_serve(int argc, char **argv) {
+    srv *s = calloc(1, sizeof *s);
+    if (!s) return 1;
+    srv_config *c = &s->cfg;
+    *c = (srv_config){.host = "127.0.0.1",
+                      .port = 8000,
+                      .max_ctx = 8192,
+                      .max_seqs = 16,
+                      .max_body_bytes = 8u << 20,
+                      .max_inflight = 256,
+                      .timeout_s = 600,
+                      .keepalive_s = 15,
+                      .drain_s = 30};
+    di_model_args ma = {0};
+    ma.opt = di_model_options_default();
+    long v;
+    int rc = 2;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int m = di_args_model_option(argc, argv, &i, &ma);
+        if (m < 0) goto out;
+        if (m > 0) continue;
+        bool has = i + 1 < argc;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            rc = 0;
+            goto out;
+        } else if (!strcmp(a, "--host") && has) {
+            c->host = argv[++i];
+        } else if (!strcmp(a, "--port") && has) {
+            if (!di_args_int(argv[++i], "--port", 0, 65535, &v)) goto out;
+            c->port = (int)v;
+        } else if (!strcmp(a, "--api-key") && has) {
+            c->api_key = argv[++i];
+        } else if (!strcmp(a, "--served-model-name") && has) {
+            c->model_name = argv[++i];
+        } else if (!strcmp(a, "--kv-memory") && has) {
+            if (!di_args_int(argv[++i], "--kv-memory (MiB)", 1, 1 << 20, &v)) goto out;
+            c->kv_memory_bytes = (size_t)v << 20;
+        } else if (!strcmp(a, "--max-ctx") && has) {
+            if (!di_args_int(argv[++i], "--max-ctx", 16, 1 << 24, &v)) goto out;
+            c->max_ctx = (int32_t)v;
+        } else if (!strcmp(a, "--max-seqs") && has) {
+            if (!di_args_int(argv[++i], "--max-seqs", 1, 4096, &v)) goto out;
+            c->max_seqs = (int32_t)v;
+        } else if (!strcmp(a, "--max-inflight") && has) {
+            if (!di_args_int(argv[++i], "--max-inflight", 1, 100000, &v)) goto out;
+            c->max_inflight = (int)v;
+        } else if (!strcmp(a, "--max-body-mib") && has) {
+            if (!di_args_int(argv[++i], "--max-body-mib", 1, 1024, &v)) goto out;
+            c->max_body_bytes = (size_t)v << 20;
+        } else if (!strcmp(a, "--timeout") && has) {
+            if (!di_args_int(argv[++i], "--timeout", 1, 86400, &v)) goto out;
+            c->timeout_s = (int)v;
+        } else if (!strcmp(a, "--keepalive") && has) {
+            if (!di_args_int(argv[++i], "--keepalive", 1, 3600, &v)) goto out;
+            c->keepalive_s = (double)v;
+        } else if (!strcmp(a, "--drain-timeout") && has) {
+            if (!di_args_int(argv[++i], "--drain-timeout", 0, 3600, &v)) goto out;
+            c->drain_s = (int)v;
+        } else {
+            fprintf(stderr, "serve: unknown or incomplete option '%s'\n", a);
+            usage(stderr);
+            goto out;
+        }
+    }
+    rc = 1;
+    bool builtin = !ma.model;
+    if (builtin) {
+        fprintf(stderr, "INFO  serve: no --model given: serving the built-in tiny random-weight "
+                        "model (its text is meaningless)\n");
+        ma.model = di_args_default_model();
+        if (!ma.model) goto out;
+    } else {
+        fprintf(stderr, "INFO  serve: serving the model at %s\n", ma.model);
+    }
+    c->model_dir = ma.model;
+    if (!c->model_name) {
+        const char *b = strrchr(ma.model, '/');
+        c->model_name = builtin ? "deepinfer-tiny" : (b && b[1] ? b + 1 : ma.model);
+    }
+    pthread_mutex_init(&s->metrics_mu, NULL);
+    s->started_at = (long)time(NULL);
+    atomic_store(&s->next_id, (uint64_t)getpid() << 20);
+    if (di_tokenizer_load_for_model(ma.model, &s->tok) != DI_OK) {
+        fprintf(stderr, "ERROR serve: cannot load the tokenizer for %s\n", ma.model);
+        goto out;
+    }
+    di_engine_options eo = di_engine_options_default();
+    eo.n_threads = ma.opt.n_threads;
+    eo.precision = ma.opt.precision;
+    eo.kv_memory_bytes = c->kv_memory_bytes;
+    eo.max_ctx = c->max_ctx;
+    eo.max_seqs = c->max_seqs;
+    di_status st = di_engine_create(ma.model, &eo, &s->engine);
+    if (st != DI_OK) {
+        fprintf(stderr, "ERROR serve: cannot start the engine: %s\n", di_status_str(st));
+        goto out;
+    }
+    int32_t mp = config_ctx(ma.model);
+    s->n_ctx = mp > 0 && mp < c->max_ctx ? mp : c->max_ctx;
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    srv_http *h = NULL;
+    if (!srv_http_start(s, &h)) goto out;
+    atomic_store(&s->ready, true);
+    fprintf(stderr, "INFO  serve: listening on http://%s:%d (model '%s', context %d)\n", c->host,
+            c->port, c->model_name, s->n_ctx);
+    while (!g_stop) sleep_ms(100);
+    atomic_store(&s->draining, true);
+    fprintf(stderr, "INFO  serve: shutting down: draining %d in-flight request(s)\n",
+            atomic_load(&s->inflight));
+    srv_http_quiesce(h);
+    for (int t = 0; t < c->drain_s * 10 && atomic_load(&s->inflight) > 0; t++) sleep_ms(100);
+    srv_http_stop(h);
+    fprintf(stderr, "INFO  serve: stopped\n");
+    rc = 0;
+out:
+    di_engine_destroy(s->engine);
+    di_tokenizer_destroy(s->tok);
+    if (s->started_at) pthread_mutex_destroy(&s->metrics_mu);
+    free(s);
+    return rc;
+}

@@ -1,0 +1,228 @@
+// routes — the endpoint table (spec §2.1): generation endpoints of the three APIs, models,
+// health, readiness and Prometheus metrics; authentication, admission (429/503) and the
+// JSON-parse step of validation.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/server.h"
+
+// ---- metrics ----
+
+static const double k_buckets[SRV_N_BUCKETS] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
+                                                0.1,   0.25,  0.5,  1.0,  2.5,  5.0,  10.0};
+
+void srv_metrics_observe(srv_hist *h, double v) {
+    int i = 0;
+    while (i < SRV_N_BUCKETS && v > k_buckets[i]) i++;
+    h->counts[i]++;
+    h->sum += v;
+    h->n++;
+}
+
+void srv_metrics_status(srv *s, int status) {
+    pthread_mutex_lock(&s->metrics_mu);
+    int k = status / 100;
+    if (k >= 1 && k <= 5) s->n_status[k]++;
+    pthread_mutex_unlock(&s->metrics_mu);
+}
+
+static void hist(sb *b, const char *name, const char *help, const srv_hist *h, const char *m) {
+    sb_addf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int i = 0; i < SRV_N_BUCKETS; i++) {
+        cum += h->counts[i];
+        sb_addf(b, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, m, k_buckets[i],
+                (unsigned long long)cum);
+    }
+    cum += h->counts[SRV_N_BUCKETS];
+    sb_addf(b, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", name, m,
+            (unsigned long long)cum);
+    sb_addf(b, "%s_sum{model_name=\"%s\"} %.6f\n%s_count{model_name=\"%s\"} %llu\n", name, m,
+            h->sum, name, m, (unsigned long long)h->n);
+}
+
+char *srv_metrics_text(srv *s) {
+    di_engine_stats st;
+    di_engine_get_stats(s->engine, &st);
+    const char *m = s->cfg.model_name;
+    sb b = {0};
+#define GAUGE(name, help, fmt, v)                                                                 \
+    sb_addf(&b, "# HELP " name " " help "\n# TYPE " name " gauge\n" name "{model_name=\"%s\"} " fmt \
+                "\n",                                                                             \
+            m, v)
+#define COUNTER(name, help, v)                                                                    \
+    sb_addf(&b, "# HELP " name " " help "\n# TYPE " name " counter\n" name "{model_name=\"%s\"} %llu\n", \
+            m, (unsigned long long)(v))
+    GAUGE("deepinfer:num_requests_running", "Sequences in the running batch.", "%d", st.n_running);
+    GAUGE("deepinfer:num_requests_waiting", "Sequences waiting for admission.", "%d", st.n_waiting);
+    GAUGE("deepinfer:num_http_requests_in_flight", "Generation requests being served.", "%d",
+          atomic_load(&s->inflight));
+    double usage = st.n_blocks_total ? 1.0 - (double)st.n_blocks_free / (double)st.n_blocks_total : 0;
+    GAUGE("deepinfer:kv_cache_usage_perc", "KV pool usage (1 = full).", "%.6f", usage);
+    GAUGE("deepinfer:kv_blocks_total", "KV pool blocks.", "%lld", (long long)st.n_blocks_total);
+    GAUGE("deepinfer:kv_blocks_free", "Free KV blocks (evictable cached included).", "%lld",
+          (long long)st.n_blocks_free);
+    GAUGE("deepinfer:kv_blocks_cached", "KV blocks held only by the prefix cache.", "%lld",
+          (long long)st.n_blocks_cached);
+    double looked = (double)(st.n_cache_hit_tokens + st.n_prefill_tokens);
+    GAUGE("deepinfer:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.",
+          "%.6f", looked > 0 ? (double)st.n_cache_hit_tokens / looked : 0.0);
+    COUNTER("deepinfer:prefix_cache_hit_tokens_total", "Prompt tokens taken from the cache.",
+            st.n_cache_hit_tokens);
+    COUNTER("deepinfer:num_preemptions_total", "Preemptions.", st.n_preemptions);
+    COUNTER("deepinfer:engine_steps_total", "Engine steps.", st.n_steps);
+    pthread_mutex_lock(&s->metrics_mu);
+    COUNTER("deepinfer:prompt_tokens_total", "Prompt tokens processed.", s->n_prompt_tokens);
+    COUNTER("deepinfer:generation_tokens_total", "Tokens generated.", s->n_gen_tokens);
+    COUNTER("deepinfer:request_success_total", "Requests that finished.", s->n_requests_ok);
+    COUNTER("deepinfer:request_failure_total", "Requests failed or cancelled.", s->n_requests_err);
+    sb_addf(&b, "# HELP deepinfer:http_responses_total HTTP responses by status class.\n"
+                "# TYPE deepinfer:http_responses_total counter\n");
+    for (int k = 1; k <= 5; k++)
+        sb_addf(&b, "deepinfer:http_responses_total{model_name=\"%s\",status=\"%dxx\"} %llu\n", m,
+                k, (unsigned long long)s->n_status[k]);
+    hist(&b, "deepinfer:time_to_first_token_seconds", "Time to first token.", &s->ttft, m);
+    hist(&b, "deepinfer:inter_token_latency_seconds", "Inter-token latency.", &s->itl, m);
+    hist(&b, "deepinfer:e2e_request_latency_seconds", "End-to-end request latency.", &s->e2e, m);
+    pthread_mutex_unlock(&s->metrics_mu);
+#undef GAUGE
+#undef COUNTER
+    return b.p;
+}
+
+// ---- routing ----
+
+typedef enum kind { K_CHAT, K_CMPL, K_RESP, K_MSG, K_MODELS, K_HEALTH, K_READY, K_METRICS } kind;
+
+static const struct route {
+    const char *path;
+    const char *method;
+    kind k;
+} k_routes[] = {
+    {"/v1/chat/completions", "POST", K_CHAT}, {"/chat/completions", "POST", K_CHAT},
+    {"/v1/completions", "POST", K_CMPL},      {"/completions", "POST", K_CMPL},
+    {"/v1/responses", "POST", K_RESP},        {"/responses", "POST", K_RESP},
+    {"/v1/messages", "POST", K_MSG},          {"/anthropic/v1/messages", "POST", K_MSG},
+    {"/anthropic/messages", "POST", K_MSG},   {"/v1/models", "GET", K_MODELS},
+    {"/models", "GET", K_MODELS},             {"/health", "GET", K_HEALTH},
+    {"/ready", "GET", K_READY},               {"/metrics", "GET", K_METRICS},
+};
+
+static srv_api api_of(kind k) {
+    return k == K_CHAT ? SRV_API_CHAT
+           : k == K_CMPL ? SRV_API_COMPLETIONS
+           : k == K_RESP ? SRV_API_RESPONSES
+           : k == K_MSG  ? SRV_API_MESSAGES
+                         : SRV_API_OTHER;
+}
+
+static enum MHD_Result fail(srv *s, struct MHD_Connection *c, srv_api api, const srv_err *e) {
+    srv_metrics_status(s, e->status);
+    return srv_send_error(c, api, e);
+}
+
+static bool authorized(srv *s, struct MHD_Connection *c, kind k) {
+    if (!s->cfg.api_key) return true;
+    const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
+    if (a && !strncmp(a, "Bearer ", 7)) return !strcmp(a + 7, s->cfg.api_key); // Bearer wins
+    const char *x = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "x-api-key");
+    return k == K_MSG && x && !strcmp(x, s->cfg.api_key);
+}
+
+enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, const char *method,
+                          const char *body, size_t n_body, bool too_large) {
+    srv_err e;
+    const struct route *r = NULL;
+    bool path_known = false;
+    for (size_t i = 0; i < sizeof k_routes / sizeof k_routes[0]; i++) {
+        if (strcmp(url, k_routes[i].path)) continue;
+        path_known = true;
+        if (!strcmp(method, k_routes[i].method)) r = &k_routes[i];
+    }
+    if (!r) {
+        srv_api api = strstr(url, "messages") ? SRV_API_MESSAGES : SRV_API_OTHER;
+        if (path_known) {
+            srv_err_set(&e, 405, NULL, "Method %s is not allowed on %s.", method, url);
+        } else {
+            srv_err_set(&e, 404, NULL, "Unknown path %s.", url);
+            e.code = "not_found";
+        }
+        return fail(s, c, api, &e);
+    }
+    srv_api api = api_of(r->k);
+    if (r->k == K_HEALTH) {
+        srv_metrics_status(s, 200);
+        return srv_send_json(c, 200, json_pack("{s:s}", "status", "ok"), 0);
+    }
+    if (r->k == K_READY) {
+        bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining);
+        srv_metrics_status(s, ok ? 200 : 503);
+        return srv_send_json(c, ok ? 200 : 503,
+                             json_pack("{s:s}", "status",
+                                       ok ? "ready" : atomic_load(&s->draining) ? "draining"
+                                                                                : "loading"),
+                             ok ? 0 : 1);
+    }
+    if (r->k == K_METRICS) {
+        char *t = srv_metrics_text(s);
+        srv_metrics_status(s, 200);
+        enum MHD_Result ret =
+            srv_send_text(c, 200, "text/plain; version=0.0.4; charset=utf-8", t ? t : "");
+        free(t);
+        return ret;
+    }
+    if (!authorized(s, c, r->k)) {
+        srv_err_set(&e, 401, NULL, "Invalid or missing API key.");
+        return fail(s, c, api, &e);
+    }
+    if (r->k == K_MODELS) {
+        srv_metrics_status(s, 200);
+        return srv_send_json(c, 200,
+                             json_pack("{s:s,s:[{s:s,s:s,s:I,s:s,s:i}]}", "object", "list", "data",
+                                       "id", s->cfg.model_name, "object", "model", "created",
+                                       (json_int_t)s->started_at, "owned_by", "deepinfer",
+                                       "max_model_len", s->n_ctx),
+                             0);
+    }
+    // generation endpoints
+    if (too_large) {
+        srv_err_set(&e, 413, NULL, "The request body is larger than %zu bytes.",
+                    s->cfg.max_body_bytes);
+        return fail(s, c, api, &e);
+    }
+    if (atomic_load(&s->draining)) {
+        srv_err_set(&e, 503, NULL, "The server is shutting down.");
+        return fail(s, c, api, &e);
+    }
+    json_error_t jerr;
+    json_t *req = json_loadb(body, n_body, JSON_REJECT_DUPLICATES, &jerr);
+    if (!req) {
+        srv_err_set(&e, 400, NULL, "Invalid JSON body: %s (line %d, column %d).", jerr.text,
+                    jerr.line, jerr.column);
+        return fail(s, c, api, &e);
+    }
+    if (!json_is_object(req)) {
+        json_decref(req);
+        srv_err_set(&e, 400, NULL, "The request body must be a JSON object.");
+        return fail(s, c, api, &e);
+    }
+    if (atomic_fetch_add(&s->inflight, 1) >= s->cfg.max_inflight) {
+        atomic_fetch_sub(&s->inflight, 1);
+        json_decref(req);
+        srv_err_set(&e, 429, NULL, "Too many concurrent requests (limit %d); retry later.",
+                    s->cfg.max_inflight);
+        return fail(s, c, api, &e);
+    }
+    srv_gen *g = NULL;
+    bool ok = r->k == K_CHAT   ? srv_chat_prepare(s, req, &g, &e)
+              : r->k == K_CMPL ? srv_completions_prepare(s, req, &g, &e)
+              : r->k == K_RESP ? srv_responses_prepare(s, req, &g, &e)
+                               : srv_messages_prepare(s, req, &g, &e);
+    json_decref(req);
+    if (!ok) {
+        atomic_fetch_sub(&s->inflight, 1);
+        return fail(s, c, api, &e);
+    }
+    return srv_run_generation(s, c, g); // releases the in-flight slot
+}

@@ -1,0 +1,263 @@
+/*
+ * server — shared declarations of `deepinfer serve` (tools/server): the server context, the
+ * per-request generation driver (gen.c) that turns engine tokens into parser events, the
+ * per-API mappings (api_chat.c, api_responses.c, api_messages.c) and the HTTP glue (http.c).
+ *
+ * Threads: libmicrohttpd runs one thread per connection; each request's parsing, rendering,
+ * detokenisation and event generation happens on that thread. The engine thread only appends
+ * token events to the request's queue (queue.c). Counters in srv are atomics or under metrics_mu.
+ * Includes only the public header (conventions: tools/ include only include/deepinfer.h).
+ */
+#pragma once
+
+#include <jansson.h>
+#include <microhttpd.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "deepinfer.h"
+
+#define SRV_MAX_N 8 // choices per request (spec §3: n ≤ 8)
+
+typedef enum srv_api {
+    SRV_API_CHAT = 0,
+    SRV_API_COMPLETIONS,
+    SRV_API_RESPONSES,
+    SRV_API_MESSAGES,
+    SRV_API_OTHER, // models, health, metrics: OpenAI error shape
+} srv_api;
+
+// ---- string builder ----
+
+typedef struct sb {
+    char *p; // owned, NUL-terminated when n > 0
+    size_t n, cap;
+} sb;
+
+void sb_add(sb *b, const char *s, size_t n);
+void sb_adds(sb *b, const char *s);
+void sb_addf(sb *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void sb_free(sb *b);
+// Appends the compact JSON of v (a reference is NOT stolen).
+void sb_add_json(sb *b, const json_t *v);
+// A JSON string of n bytes that may not be valid UTF-8: invalid bytes become U+FFFD.
+json_t *json_stringn_lossy(const char *s, size_t n);
+
+// ---- errors ----
+
+typedef struct srv_err {
+    int status;           // HTTP status
+    const char *type;     // OpenAI type (the Anthropic type is derived from status)
+    const char *code;     // OpenAI code; NULL = type
+    const char *param;    // offending field or NULL
+    int retry_after_s;    // > 0: Retry-After header
+    char msg[512];
+} srv_err;
+
+void srv_err_set(srv_err *e, int status, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+// The error body in the API's own shape (spec §4.1). New reference.
+json_t *srv_err_body(srv_api api, const srv_err *e);
+
+// ---- server context ----
+
+typedef struct srv_config {
+    const char *host;
+    int port;
+    const char *api_key;    // NULL: no auth
+    const char *model_dir;  // borrowed
+    const char *model_name; // served model id
+    int n_threads;
+    size_t kv_memory_bytes;
+    int32_t max_ctx;
+    int32_t max_seqs;
+    size_t max_body_bytes;
+    int max_inflight;       // concurrent generation requests; more get 429
+    int timeout_s;          // idle connection timeout
+    double keepalive_s;     // SSE keep-alive period while nothing is produced
+    int drain_s;            // SIGTERM: wait at most this long for in-flight requests
+} srv_config;
+
+#define SRV_N_BUCKETS 14
+
+typedef struct srv_hist {
+    uint64_t counts[SRV_N_BUCKETS + 1]; // last = +Inf
+    double sum;
+    uint64_t n;
+} srv_hist;
+
+typedef struct srv {
+    srv_config cfg;
+    di_engine *engine;   // owned
+    di_tokenizer *tok;   // owned
+    int32_t n_ctx;       // effective context per request
+    long started_at;
+    atomic_int inflight;        // generation requests being served
+    atomic_bool draining;       // SIGTERM received
+    atomic_bool ready;
+    atomic_uint_fast64_t next_id;
+    pthread_mutex_t metrics_mu; // guards the fields below
+    uint64_t n_requests_ok, n_requests_err, n_prompt_tokens, n_gen_tokens, n_cached_tokens;
+    uint64_t n_status[6];       // by HTTP status class 1xx..5xx (index 1..5)
+    srv_hist ttft, itl, e2e;
+} srv;
+
+void srv_metrics_observe(srv_hist *h, double v);
+void srv_metrics_status(srv *s, int status);
+// Prometheus text exposition of the server and engine counters. Caller frees with free().
+char *srv_metrics_text(srv *s);
+
+// ---- generation: one HTTP request's engine requests (n choices) and their parsed output ----
+
+typedef struct srv_call {
+    char id[40];  // "call_…" / "toolu_…" / "fc_…" (the API's prefix)
+    sb name, args;
+    bool named;   // TOOL_NAME_END seen
+    bool done;    // TOOL_CALL_END seen
+} srv_call;
+
+typedef struct srv_tok_ev {
+    int32_t choice, token;
+    float logprob;
+    int32_t n_top;
+    int32_t top_ids[DI_MAX_LOGPROBS];
+    float top_lp[DI_MAX_LOGPROBS];
+    di_finish finish;
+    di_status status;
+    int32_t n_cached;
+} srv_tok_ev;
+
+struct srv_gen;
+
+typedef struct srv_choice {
+    struct srv_gen *g; // borrowed back-pointer
+    int idx;
+    uint64_t eid;      // engine request id
+    bool submitted, ended, parser_cancelled;
+    di_parser *parser; // owned
+    sb reasoning, content;
+    srv_call *calls;   // owned
+    int n_calls, cap_calls;
+    int32_t n_gen, n_cached, n_reasoning_tokens;
+    di_finish efinish;
+    di_status estatus;
+    di_parser_finish pfinish;
+    int section;       // 0 reasoning, 1 content: section of the latest text event
+    json_t *lp_content, *lp_reasoning; // owned logprobs arrays (when requested)
+    // per-API streaming state
+    int blk_kind;      // messages/responses: kind of the open block (0 none)
+    int blk_index;     // its index
+    int n_blocks;      // blocks/items emitted so far
+    bool head_sent;
+} srv_choice;
+
+typedef struct srv_api_ops {
+    // Streaming: called on the connection thread; they append SSE text to g->out.
+    void (*stream_begin)(struct srv_gen *g);
+    void (*stream_event)(struct srv_gen *g, srv_choice *c, const di_parser_event *ev);
+    void (*stream_choice_end)(struct srv_gen *g, srv_choice *c);
+    void (*stream_end)(struct srv_gen *g);
+    void (*stream_error)(struct srv_gen *g, const srv_err *e);
+    // Non-streaming body (new reference).
+    json_t *(*body)(struct srv_gen *g);
+    const char *keepalive; // SSE keep-alive text
+    const char *call_prefix;
+} srv_api_ops;
+
+typedef struct srv_gen {
+    srv *s;
+    srv_api api;
+    const srv_api_ops *ops;
+    json_t *req;          // owned request document
+    bool stream, include_usage;
+    char id[64];
+    long created;
+    int32_t *prompt;      // owned (di_tok_free)
+    size_t n_prompt;
+    di_parser_stage stage;
+    bool tools;           // tool calls parsed (tools given and tool_choice != none)
+    bool thinking;
+    int n;
+    srv_choice ch[SRV_MAX_N];
+    // engine request parameters (stop strings go to the parser, content only)
+    di_sample_params sp;
+    int32_t max_tokens;
+    const char *stop[DI_MAX_STOP]; // borrowed from req
+    int n_stop;
+    int top_logprobs;     // -1: no logprobs
+    // queue between the engine thread and the connection thread (queue.c)
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    srv_tok_ev *q;        // owned ring
+    size_t q_head, q_len, q_cap;
+    int n_final;          // final engine events received
+    bool q_oom;
+    // streaming output
+    sb out;
+    size_t out_off;
+    bool out_done, failed;
+    int64_t seq;          // Responses sequence_number
+    double t_start, t_first, t_last_out, t_last_tok;
+    struct MHD_Connection *conn; // borrowed, for the disconnect check
+    bool client_gone;
+} srv_gen;
+
+// gen.c
+// Creates a generation for api over the parsed request (req reference is taken). The caller
+// fills sampling fields, then calls srv_gen_start. NULL on out of memory.
+srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req);
+// Submits the n engine requests. On failure fills e and returns false (nothing is running).
+bool srv_gen_start(srv_gen *g, srv_err *e);
+// Processes engine events for up to wait_ms (0: only those queued). Returns true when every
+// choice has ended (and, when streaming, stream_end was appended).
+bool srv_gen_pump(srv_gen *g, int wait_ms);
+// Cancels unfinished choices, waits for their final events, logs the request line, frees.
+void srv_gen_destroy(srv_gen *g);
+double srv_now(void);
+// The time-ordered id "<prefix><24 url-safe chars>" into out (cap ≥ 40).
+void srv_make_id(srv *s, const char *prefix, char *out, size_t cap);
+// The finish reason names.
+const char *srv_finish_openai(const srv_choice *c);
+
+// queue.c
+void srv_queue_init(srv_gen *g);
+void srv_queue_deinit(srv_gen *g);
+void srv_queue_on_event(void *user, const di_event *ev); // di_event_fn; user = srv_choice
+// Pops one event into *ev, waiting up to wait_ms; false if none.
+bool srv_queue_pop(srv_gen *g, srv_tok_ev *ev, int wait_ms);
+// Waits until n final events were received.
+void srv_queue_wait_finals(srv_gen *g, int n);
+
+// Request validation helpers (validate.c). Each returns false and fills e on a bad value.
+bool srv_check_sampling(srv_gen *g, const json_t *req, srv_api api, srv_err *e);
+bool srv_check_model(srv *s, const json_t *req, bool required, srv_err *e);
+bool srv_check_tools(const json_t *tools, srv_api api, srv_err *e);
+bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e);
+bool srv_check_length(srv_gen *g, srv_err *e);
+
+// api_*.c
+extern const srv_api_ops srv_chat_ops, srv_completions_ops, srv_responses_ops, srv_messages_ops;
+// Validate and map a request; on success *out is a started generation.
+bool srv_chat_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
+bool srv_completions_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
+bool srv_responses_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
+bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
+
+// http.c
+typedef struct srv_http srv_http;
+bool srv_http_start(srv *s, srv_http **out);
+void srv_http_stop(srv_http *h);
+// routes.c: handles one complete request; returns the MHD result of queueing a response.
+enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, const char *method,
+                          const char *body, size_t n_body, bool too_large);
+// http.c helpers used by routes
+enum MHD_Result srv_send_json(struct MHD_Connection *c, int status, json_t *body,
+                              int retry_after_s); // steals body
+enum MHD_Result srv_send_text(struct MHD_Connection *c, int status, const char *ctype,
+                              const char *text);
+enum MHD_Result srv_send_error(struct MHD_Connection *c, srv_api api, const srv_err *e);
+enum MHD_Result srv_run_generation(srv *s, struct MHD_Connection *c, srv_gen *g);
+bool srv_client_gone(struct MHD_Connection *c);

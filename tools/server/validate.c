@@ -1,0 +1,330 @@
+// validate — request checks shared by the APIs (spec §4.3 order: types → ranges → model →
+// render → length) and the rendering of a validated request into prompt ids.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/server.h"
+
+// A JSON number (integer or real) as double; false if v is not a number.
+static bool num(const json_t *v, double *out) {
+    if (json_is_integer(v)) {
+        *out = (double)json_integer_value(v);
+        return true;
+    }
+    if (json_is_real(v)) {
+        *out = json_real_value(v);
+        return true;
+    }
+    return false;
+}
+
+// Optional number field in [lo, hi] (open ends when lo_open/hi_open). 400 on a wrong type,
+// 422 on a value out of range (spec §4.2).
+static bool opt_num(const json_t *req, const char *key, double lo, double hi, bool lo_open,
+                    double *out, bool *present, srv_err *e) {
+    const json_t *v = json_object_get(req, key);
+    if (present) *present = false;
+    if (!v || json_is_null(v)) return true;
+    double x;
+    if (!num(v, &x) || isnan(x)) {
+        srv_err_set(e, 400, key, "'%s' must be a number.", key);
+        return false;
+    }
+    if ((lo_open ? x <= lo : x < lo) || x > hi) {
+        srv_err_set(e, 422, key, "'%s' must be %s %g and <= %g; got %g.", key,
+                    lo_open ? ">" : ">=", lo, hi, x);
+        return false;
+    }
+    *out = x;
+    if (present) *present = true;
+    return true;
+}
+
+static bool opt_int(const json_t *req, const char *key, long long lo, long long hi,
+                    long long *out, bool *present, srv_err *e) {
+    const json_t *v = json_object_get(req, key);
+    if (present) *present = false;
+    if (!v || json_is_null(v)) return true;
+    if (!json_is_integer(v)) {
+        srv_err_set(e, 400, key, "'%s' must be an integer.", key);
+        return false;
+    }
+    long long x = json_integer_value(v);
+    if (x < lo || x > hi) {
+        srv_err_set(e, 422, key, "'%s' must be between %lld and %lld; got %lld.", key, lo, hi, x);
+        return false;
+    }
+    *out = x;
+    if (present) *present = true;
+    return true;
+}
+
+static bool opt_bool(const json_t *req, const char *key, bool *out, srv_err *e) {
+    const json_t *v = json_object_get(req, key);
+    if (!v || json_is_null(v)) return true;
+    if (!json_is_boolean(v)) {
+        srv_err_set(e, 400, key, "'%s' must be a boolean.", key);
+        return false;
+    }
+    *out = json_is_true(v);
+    return true;
+}
+
+bool srv_check_model(srv *s, const json_t *req, bool required, srv_err *e) {
+    (void)s;
+    const json_t *m = json_object_get(req, "model");
+    if (!m || json_is_null(m)) {
+        if (!required) return true;
+        srv_err_set(e, 400, "model", "'model' is required.");
+        return false;
+    }
+    if (!json_is_string(m)) {
+        srv_err_set(e, 400, "model", "'model' must be a string.");
+        return false;
+    }
+    return true; // looked up after the range checks (spec §4.3 order), see srv_lookup_model
+}
+
+bool srv_lookup_model(srv *s, const json_t *req, srv_api api, srv_err *e);
+bool srv_lookup_model(srv *s, const json_t *req, srv_api api, srv_err *e) {
+    const char *m = json_string_value(json_object_get(req, "model"));
+    if (!m || !strcmp(m, s->cfg.model_name)) return true;
+    // Anthropic clients send claude-* names; the hosted API routes them to its model (§2.4)
+    if (api == SRV_API_MESSAGES && !strncmp(m, "claude", 6)) return true;
+    srv_err_set(e, 404, "model", "The model '%s' does not exist. This server serves '%s'.", m,
+                s->cfg.model_name);
+    return false;
+}
+
+bool srv_check_sampling(srv_gen *g, const json_t *req, srv_api api, srv_err *e) {
+    double x;
+    bool have;
+    long long k;
+    if (!opt_bool(req, "stream", &g->stream, e)) return false;
+    double tmax = api == SRV_API_MESSAGES ? 1.0 : 2.0;
+    if (!opt_num(req, "temperature", 0, tmax, false, &x, &have, e)) return false;
+    if (have) g->sp.temperature = (float)x;
+    if (!opt_num(req, "top_p", 0, 1, true, &x, &have, e)) return false;
+    if (have) g->sp.top_p = (float)x;
+    if (!opt_int(req, "top_k", -1, 1 << 20, &k, &have, e)) return false;
+    if (have) g->sp.top_k = k < 0 ? 0 : (int32_t)k;
+    if (!opt_num(req, "min_p", 0, 1, false, &x, &have, e)) return false;
+    if (have) g->sp.min_p = (float)x;
+    if (api == SRV_API_CHAT || api == SRV_API_COMPLETIONS) {
+        if (!opt_num(req, "presence_penalty", -2, 2, false, &x, &have, e)) return false;
+        if (have) g->sp.presence_penalty = (float)x;
+        if (!opt_num(req, "frequency_penalty", -2, 2, false, &x, &have, e)) return false;
+        if (have) g->sp.frequency_penalty = (float)x;
+        if (!opt_num(req, "repetition_penalty", 0, 10, true, &x, &have, e)) return false;
+        if (have) g->sp.repetition_penalty = (float)x;
+        if (!opt_int(req, "seed", INT64_MIN, INT64_MAX, &k, &have, e)) return false;
+        if (have) g->sp.seed = (uint64_t)k;
+        if (!opt_int(req, "n", 1, SRV_MAX_N, &k, &have, e)) return false;
+        if (have) g->n = (int)k;
+        const json_t *lb = json_object_get(req, "logit_bias");
+        if (lb && !json_is_null(lb)) {
+            srv_err_set(e, 400, "logit_bias", "'logit_bias' is not supported by this server.");
+            return false;
+        }
+    }
+    // stop strings: Chat/Completions "stop", Messages "stop_sequences"
+    const char *skey = api == SRV_API_MESSAGES ? "stop_sequences" : "stop";
+    const json_t *stop = api == SRV_API_RESPONSES ? NULL : json_object_get(req, skey);
+    if (stop && !json_is_null(stop)) {
+        if (json_is_string(stop) && api != SRV_API_MESSAGES) {
+            g->stop[g->n_stop++] = json_string_value(stop);
+        } else if (json_is_array(stop)) {
+            if (json_array_size(stop) > DI_MAX_STOP) {
+                srv_err_set(e, 422, skey, "'%s' takes at most %d strings.", skey, DI_MAX_STOP);
+                return false;
+            }
+            size_t i;
+            json_t *v;
+            json_array_foreach(stop, i, v) {
+                if (!json_is_string(v)) {
+                    srv_err_set(e, 400, skey, "'%s' must hold strings.", skey);
+                    return false;
+                }
+                g->stop[g->n_stop++] = json_string_value(v);
+            }
+        } else {
+            srv_err_set(e, 400, skey, "'%s' must be %s.", skey,
+                        api == SRV_API_MESSAGES ? "an array of strings"
+                                                : "a string or an array of strings");
+            return false;
+        }
+        for (int i = 0; i < g->n_stop; i++) {
+            size_t n = strlen(g->stop[i]);
+            if (n == 0 || n > 256) {
+                srv_err_set(e, 422, skey, "Stop sequences must be 1 to 256 bytes long.");
+                return false;
+            }
+        }
+    }
+    // logprobs (Chat; Completions takes an integer)
+    if (api == SRV_API_CHAT) {
+        bool lp = false;
+        if (!opt_bool(req, "logprobs", &lp, e)) return false;
+        if (!opt_int(req, "top_logprobs", 0, DI_MAX_LOGPROBS, &k, &have, e)) return false;
+        if (have && !lp) {
+            srv_err_set(e, 400, "top_logprobs", "'top_logprobs' requires 'logprobs' to be true.");
+            return false;
+        }
+        if (lp) g->top_logprobs = have ? (int)k : 0;
+    } else if (api == SRV_API_COMPLETIONS) {
+        if (!opt_int(req, "logprobs", 0, 5, &k, &have, e)) return false;
+        if (have) g->top_logprobs = (int)k;
+    }
+    const json_t *so = json_object_get(req, "stream_options");
+    if (so && !json_is_null(so)) {
+        if (!json_is_object(so)) {
+            srv_err_set(e, 400, "stream_options", "'stream_options' must be an object.");
+            return false;
+        }
+        if (!opt_bool(so, "include_usage", &g->include_usage, e)) return false;
+    }
+    return true;
+}
+
+static bool name_ok(const char *s) {
+    size_t n = strlen(s);
+    if (n < 1 || n > 64) return false;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '_' || c == '-'))
+            return false;
+    }
+    return true;
+}
+
+bool srv_check_tools(const json_t *tools, srv_api api, srv_err *e) {
+    if (!tools || json_is_null(tools)) return true;
+    if (!json_is_array(tools)) {
+        srv_err_set(e, 400, "tools", "'tools' must be an array.");
+        return false;
+    }
+    if (json_array_size(tools) > 128) {
+        srv_err_set(e, 400, "tools", "At most 128 tools are supported.");
+        return false;
+    }
+    size_t i;
+    json_t *t;
+    json_array_foreach(tools, i, t) {
+        if (!json_is_object(t)) {
+            srv_err_set(e, 400, "tools", "tools[%zu] must be an object.", i);
+            return false;
+        }
+        const char *type = json_string_value(json_object_get(t, "type"));
+        const json_t *fn = t, *params = NULL;
+        const char *pkey = "parameters";
+        if (api == SRV_API_CHAT) {
+            if (!type || strcmp(type, "function")) {
+                srv_err_set(e, 400, "tools", "tools[%zu].type must be 'function'.", i);
+                return false;
+            }
+            fn = json_object_get(t, "function");
+            if (!json_is_object(fn)) {
+                srv_err_set(e, 400, "tools", "tools[%zu].function must be an object.", i);
+                return false;
+            }
+        } else if (api == SRV_API_RESPONSES) {
+            if (!type) {
+                srv_err_set(e, 400, "tools", "tools[%zu].type is required.", i);
+                return false;
+            }
+            if (strcmp(type, "function")) continue; // server tools are ignored (§2.3)
+        } else { // Messages
+            pkey = "input_schema";
+            if (type && strcmp(type, "custom") && !json_object_get(t, "input_schema")) {
+                srv_err_set(e, 400, "tools", "Server tools are not supported");
+                return false;
+            }
+        }
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        if (!name || !name_ok(name)) {
+            srv_err_set(e, 400, "tools",
+                        "tools[%zu]: the name must match ^[A-Za-z0-9_-]{1,64}$.", i);
+            return false;
+        }
+        params = json_object_get(fn, pkey);
+        if (api == SRV_API_MESSAGES && !params) {
+            srv_err_set(e, 400, "tools", "tools[%zu].input_schema is required.", i);
+            return false;
+        }
+        if (params && !json_is_null(params)) {
+            const json_t *pt = json_object_get(params, "type");
+            if (!json_is_object(params) || (pt && !json_is_string(pt))) {
+                srv_err_set(e, 400, "tools", "tools[%zu].%s must be a JSON Schema object.", i,
+                            pkey);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+// The parser's start stage from the end of the rendered prompt: whatever the renderer decided
+// about thinking mode and forced tool calls, the parser continues from there.
+static di_parser_stage stage_of(const char *text, size_t n, bool *thinking) {
+    static const char k_think[] = "<think>", k_dsml_open[] = "tool_calls>\n",
+                      k_dsml41[] = " calls>\n";
+    size_t lt = sizeof k_think - 1, ld = sizeof k_dsml_open - 1, l41 = sizeof k_dsml41 - 1;
+    *thinking = n >= lt && !memcmp(text + n - lt, k_think, lt);
+    if ((n >= ld && !memcmp(text + n - ld, k_dsml_open, ld)) ||
+        (n >= l41 && !memcmp(text + n - l41, k_dsml41, l41)))
+        return DI_PARSER_STAGE_TOOL_CALLS;
+    return *thinking ? DI_PARSER_STAGE_REASONING : DI_PARSER_STAGE_CONTENT;
+}
+
+bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e) {
+    char *body = json_dumps(g->req, JSON_COMPACT);
+    if (!body) {
+        srv_err_set(e, 503, NULL, "Out of memory.");
+        return false;
+    }
+    char *text = NULL;
+    size_t n_text = 0;
+    di_render_options o = di_render_options_default();
+    di_status st = di_render_request(g->s->tok, body, strlen(body), rapi, &o, &text, &n_text,
+                                     &g->prompt, &g->n_prompt);
+    free(body);
+    if (st != DI_OK) {
+        // the renderer logs the field; its message is not available through the public API
+        srv_err_set(e, 400, "messages",
+                    "The conversation cannot be rendered as a DeepSeek V4 prompt (%s): check "
+                    "roles, message order, tool calls and reasoning effort.",
+                    di_status_str(st));
+        return false;
+    }
+    bool thinking;
+    g->stage = stage_of(text, n_text, &thinking);
+    g->thinking = thinking || g->stage == DI_PARSER_STAGE_TOOL_CALLS;
+    di_tok_free(text);
+    for (int i = 0; i < SRV_MAX_N; i++)
+        g->ch[i].section = g->stage == DI_PARSER_STAGE_REASONING ? 0 : 1;
+    return true;
+}
+
+bool srv_check_length(srv_gen *g, srv_err *e) {
+    int64_t C = g->s->n_ctx, P = (int64_t)g->n_prompt;
+    if (g->max_tokens <= 0) { // default: what fits (spec default 8192/65536, capped by context)
+        int64_t def = g->thinking ? 65536 : 8192;
+        int64_t room = C - P;
+        g->max_tokens = (int32_t)(room < def ? room : def);
+        if (g->max_tokens < 1) g->max_tokens = 1;
+        if (P + 1 > C) goto overflow;
+        return true;
+    }
+    if (P + g->max_tokens <= C) return true;
+overflow:
+    srv_err_set(e, 400, "messages",
+                "This model's maximum context length is %lld tokens. However, you requested "
+                "%lld tokens (%lld in the messages, %lld in the completion). Please reduce the "
+                "length of the messages or completion.",
+                (long long)C, (long long)(P + (g->max_tokens > 0 ? g->max_tokens : 1)),
+                (long long)P, (long long)(g->max_tokens > 0 ? g->max_tokens : 1));
+    return false;
+}
