@@ -250,12 +250,16 @@ static json_t *from_messages(const json_t *req) {
                 json_object_set(cur, "reasoning_content", json_object_get(b, "thinking"));
             } else if (!strcmp(t, "tool_use")) {
                 if (!calls) json_object_set_new(cur, "tool_calls", calls = json_array());
+                // "O" takes a new reference, so a fresh {} for a missing "input" is released
+                // here; passing json_object() straight to "O" leaked it (fuzzer, leak-d7913e7d).
                 json_t *args = json_object_get(b, "input");
+                json_t *empty = args ? NULL : json_object();
                 json_array_append_new(calls,
                                       json_pack("{s:O?,s:s,s:{s:O?,s:O}}", "id",
                                                 json_object_get(b, "id"), "type", "function",
                                                 "function", "name", json_object_get(b, "name"),
-                                                "arguments", args ? args : json_object()));
+                                                "arguments", args ? args : empty));
+                json_decref(empty);
             }
         }
     }

@@ -111,11 +111,35 @@ static void test_errors(void) {
              DI_ERR_INVALID);
 }
 
+// Regression (fuzzer artifact leak-d7913e7d…): an Anthropic tool_use block without "input" leaked
+// the {} substituted for it. The leak itself is caught by LeakSanitizer in the ASan build
+// (DI_SANITIZE=address); here the prompt is also checked to carry the call with empty arguments.
+static void test_tool_use_without_input(void) {
+    const char *fuzz_case =
+        "{\"model\":\"m\",\"max_tokens\":5,\"system\":[{\"type\":\"text\",\"text\":\"s\"}],"
+        "\"messages\":[{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\","
+        "\"content\":[{\"type\":\"thinking\",\"thinking\":\"t\"},{\"type\":\"tool_use\","
+        "\"id\":\"a\",\"e\":\"user\",\"content\":\"x\"},{\"type\":\"function_call\","
+        "\"call_id\":\"c\",\"name\":\"f\",\"arguse_id\":\"a\",\"content\":\"r\"}]}]}";
+    char *t = render(fuzz_case, DI_RENDER_API_MESSAGES, NULL);
+    di_tok_free(t); // either outcome is fine; nothing may leak
+    const char *named =
+        "{\"model\":\"m\",\"max_tokens\":5,\"messages\":[{\"role\":\"user\",\"content\":"
+        "\"q\"},{\"role\":\"assistant\",\"content\":[{\"type\":\"tool_use\",\"id\":\"c1\","
+        "\"name\":\"w\"}]},{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\","
+        "\"tool_use_id\":\"c1\",\"content\":\"ok\"}]}]}";
+    t = render(named, DI_RENDER_API_MESSAGES, NULL);
+    CHECK(t != NULL);
+    if (t) CHECK(strstr(t, "invoke name=\"w\">") != NULL && strstr(t, "tool_calls>") != NULL);
+    di_tok_free(t);
+}
+
 int main(void) {
     if (di_tokenizer_load_for_model(NULL, &g_tok) != DI_OK) return 1;
     RUN(test_same_prompt_across_apis);
     RUN(test_options);
     RUN(test_errors);
+    RUN(test_tool_use_without_input);
     di_tokenizer_destroy(g_tok);
     return test_finish();
 }
