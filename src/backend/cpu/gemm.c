@@ -8,6 +8,16 @@
 
 #include "base/log.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+
+// F16C from CPUID leaf 1 (ECX bit 29): clang < 15 rejects "f16c" in __builtin_cpu_supports.
+static bool cpu_has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+#endif
+
 // ---- instruction-set level ----
 
 static const char *const k_isa_names[DI_CPU_ISA_COUNT] = {"scalar", "avx2"};
@@ -19,7 +29,7 @@ const char *di_cpu_isa_name(di_cpu_isa isa) {
 di_cpu_isa di_cpu_isa_supported(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (di_gemm_avx2_built() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
+        cpu_has_f16c())
         return DI_CPU_ISA_AVX2;
 #endif
     return DI_CPU_ISA_SCALAR;
