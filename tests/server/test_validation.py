@@ -1,5 +1,6 @@
 """Validation matrix: each bad request gets the API's own error shape and the expected 4xx; the
 server stays up (checked by /health after every case)."""
+import json
 import urllib.request
 
 import pytest
@@ -126,29 +127,35 @@ def test_unknown_path_and_method(server):
 
 
 def test_overload_429_with_retry_after(tmp_path):
+    # The in-flight request is a stream the test holds open (it reads the first event, then stops
+    # reading), so the 429 window does not depend on how fast the model generates on a loaded
+    # machine; closing it afterwards must free the slot (polled with a bounded deadline).
+    import http.client
+    import time
     from conftest import Server
     s = Server(extra=("--max-inflight", "1"))
     try:
-        import threading
-        res = []
-        def slow():
-            res.append(post(s, CHAT, {"model": MODEL, "messages": U, "max_tokens": 400}))
-        t = threading.Thread(target=slow)
-        t.start()
-        import time
-        deadline = time.time() + 30
-        while time.time() < deadline and s.metrics()["deepinfer:num_http_requests_in_flight"] < 1:
-            time.sleep(0.01)
-        got = None
-        while time.time() < deadline and t.is_alive():
-            st, hdrs, out = post(s, CHAT, {"model": MODEL, "messages": U, "max_tokens": 1})
-            if st == 429:
-                got = (hdrs, out)
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
+        conn.request("POST", CHAT, json.dumps({"model": MODEL, "messages": U, "max_tokens": 4000,
+                                               "stream": True}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200
+        first = r.readline()
+        assert first.startswith(b"data: {"), first  # generating: one request in flight
+        assert s.metrics()["deepinfer:num_http_requests_in_flight"] == 1
+        st, hdrs, out = post(s, CHAT, {"model": MODEL, "messages": U, "max_tokens": 1})
+        assert st == 429, (st, out)
+        assert hdrs.get("Retry-After") == "1"
+        assert out["error"]["type"] == "rate_limit_error"
+        conn.sock.close()  # disconnect: the stream is cancelled and its slot freed
+        conn.close()
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if s.metrics()["deepinfer:num_http_requests_in_flight"] == 0:
                 break
-        t.join()
-        assert got is not None, "no 429 while one request was in flight"
-        assert got[0].get("Retry-After") == "1"
-        assert got[1]["error"]["type"] == "rate_limit_error"
-        assert res and res[0][0] == 200
+            time.sleep(0.1)
+        st, _, out = post(s, CHAT, {"model": MODEL, "messages": U, "max_tokens": 1})
+        assert st == 200, (st, out)
     finally:
         assert s.stop()[0] == 0
