@@ -330,17 +330,21 @@ static void resp_event(srv_gen *g, srv_choice *c, const di_parser_event *e) {
                      "content_index", 0, "delta", json_stringn_lossy(e->text, e->len),
                      "logprobs"));
         return;
-    case DI_PARSER_EVENT_TOOL_NAME_END: open_item(g, c, IT_CALL); return;
-    case DI_PARSER_EVENT_ARGS_DELTA:
-        if (c->blk_kind != IT_CALL) return;
+    case DI_PARSER_EVENT_TOOL_CALL_END: {
+        // [design] A function_call item is added only once the call is complete: a call
+        // truncated mid-stream is dropped (spec §1.11) and must not leave an item without its
+        // done events, nor shift the output indices of the final object (docs/server.md).
+        const srv_call *k = &c->calls[c->n_calls - 1];
+        open_item(g, c, IT_CALL);
         item_id(g, "fc_", c->n_calls - 1, id, sizeof id);
-        ev(g, "response.function_call_arguments.delta",
-           json_pack("{s:s,s:i,s:o}", "item_id", id, "output_index", c->blk_index, "delta",
-                     json_stringn_lossy(e->text, e->len)));
+        if (k->args.n)
+            ev(g, "response.function_call_arguments.delta",
+               json_pack("{s:s,s:i,s:o}", "item_id", id, "output_index", c->blk_index, "delta",
+                         json_stringn_lossy(k->args.p, k->args.n)));
+        close_item(g, c);
         return;
-    case DI_PARSER_EVENT_TOOL_CALL_END: close_item(g, c); return;
-    case DI_PARSER_EVENT_TOOL_CALL_ABORT: c->blk_kind = IT_NONE; return; // never completed
-    default: return;
+    }
+    default: return; // name and argument pieces wait for the call's end; an aborted call: none
     }
 }
 

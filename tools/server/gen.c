@@ -177,12 +177,8 @@ srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req) {
 
 static void on_parser_event(void *user, const di_parser_event *ev);
 
-bool srv_gen_start(srv_gen *g, srv_err *e) {
+bool srv_gen_init_parsers(srv_gen *g, srv_err *e) {
     srv *s = g->s;
-    if (atomic_load(&s->draining)) {
-        srv_err_set(e, 503, NULL, "The server is shutting down; retry on another instance.");
-        return false;
-    }
     for (int i = 0; i < g->n; i++) {
         srv_choice *c = &g->ch[i];
         if (di_parser_create(s->tok, g->stage, g->tools, g->stop, (size_t)g->n_stop,
@@ -195,6 +191,16 @@ bool srv_gen_start(srv_gen *g, srv_err *e) {
             c->lp_reasoning = json_array();
         }
     }
+    return true;
+}
+
+bool srv_gen_start(srv_gen *g, srv_err *e) {
+    srv *s = g->s;
+    if (atomic_load(&s->draining)) {
+        srv_err_set(e, 503, NULL, "The server is shutting down; retry on another instance.");
+        return false;
+    }
+    if (!srv_gen_init_parsers(g, e)) return false;
     for (int i = 0; i < g->n; i++) {
         srv_choice *c = &g->ch[i];
         di_request_params p = di_request_params_default();
@@ -317,7 +323,7 @@ static void handle(srv_gen *g, const srv_tok_ev *ev) {
                 !c->parser_cancelled) {
                 // a stop string or the end of the DSML block: nothing more will be used
                 c->parser_cancelled = true;
-                di_engine_cancel(s->engine, c->eid);
+                if (c->submitted) di_engine_cancel(s->engine, c->eid);
             }
         }
     }
@@ -332,6 +338,15 @@ static void handle(srv_gen *g, const srv_tok_ev *ev) {
         if (ev->finish == DI_FINISH_ERROR) g->failed = true;
         if (g->stream && g->ops->stream_choice_end) g->ops->stream_choice_end(g, c);
     }
+}
+
+void srv_gen_replay(srv_gen *g, const srv_tok_ev *ev) {
+    handle(g, ev);
+}
+
+void srv_gen_replay_text(srv_gen *g, int choice, const char *text, size_t n) {
+    srv_choice *c = &g->ch[choice];
+    if (!c->ended && !di_parser_finished(c->parser)) di_parser_feed(c->parser, text, n);
 }
 
 static bool all_ended(const srv_gen *g) {

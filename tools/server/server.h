@@ -211,6 +211,13 @@ typedef struct srv_gen {
 srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req);
 // Submits the n engine requests. On failure fills e and returns false (nothing is running).
 bool srv_gen_start(srv_gen *g, srv_err *e);
+// The choices' output parsers (part of srv_gen_start; on its own only for srv_gen_replay).
+bool srv_gen_init_parsers(srv_gen *g, srv_err *e);
+// Test seam (tests/server/test_events.c), no engine involved: after srv_gen_init_parsers, feeds
+// one engine event (token and/or finish) exactly as srv_gen_pump would, or decoded bytes in any
+// split straight into choice's parser. The API hooks run as in serving.
+void srv_gen_replay(srv_gen *g, const srv_tok_ev *ev);
+void srv_gen_replay_text(srv_gen *g, int choice, const char *text, size_t n);
 // Processes engine events for up to wait_ms (0: only those queued). Returns true when every
 // choice has ended (and, when streaming, stream_end was appended).
 bool srv_gen_pump(srv_gen *g, int wait_ms);
