@@ -102,8 +102,14 @@ int di_cli_serve(int argc, char **argv) {
             if (!di_args_int(argv[++i], "--timeout", 1, 86400, &v)) goto out;
             c->timeout_s = (int)v;
         } else if (!strcmp(a, "--keepalive") && has) {
-            if (!di_args_int(argv[++i], "--keepalive", 1, 3600, &v)) goto out;
-            c->keepalive_s = (double)v;
+            // seconds, fractions allowed (the tests use 0.05 s to see keep-alives on any machine)
+            char *end = NULL;
+            double ka = strtod(argv[++i], &end);
+            if (!end || *end || !(ka >= 0.01 && ka <= 3600)) {
+                fprintf(stderr, "serve: --keepalive must be seconds in [0.01, 3600]\n");
+                goto out;
+            }
+            c->keepalive_s = ka;
         } else if (!strcmp(a, "--drain-timeout") && has) {
             if (!di_args_int(argv[++i], "--drain-timeout", 0, 3600, &v)) goto out;
             c->drain_s = (int)v;
