@@ -3,6 +3,8 @@
 // produces. The output is replayed (srv_gen_replay, no engine) token by token, in odd byte splits
 // that cut UTF-8 characters and DSML labels, and truncated inside a call; each API's SSE stream
 // (Chat, Responses, Messages) and non-streaming body must be exactly the expected events/JSON.
+// Tool calls stream incrementally (spec §2.6): begin at the name's end, then argument pieces; a
+// call cut off by max_tokens is closed properly in the stream and dropped from the body (§1.11).
 // Streams are compared after merging consecutive text deltas of the same field (their split
 // follows the input split); ids, timestamps and sequence numbers are normalised.
 #include "harness.h"
@@ -19,10 +21,10 @@ static const char k_out[] =
     "invoke name=\"get_weather\">\n<" D "parameter name=\"city\" string=\"true\">Paris \"FR\"</" D
     "parameter>\n<" D "parameter name=\"days\" string=\"false\">3</" D "parameter>\n</" D
     "invoke>\n<" D "invoke name=\"now\">\n</" D "invoke>\n</" D "tool_calls>";
-// cut inside the first call's "days" value: that call is incomplete and must vanish
+// cut inside the first call's "days" value: that call is incomplete
 static const char k_cut_at[] = "3</";
 
-enum mode { TOKENS, SPLITS, TRUNCATED };
+enum mode { TOKENS, SPLITS, TRUNCATED, TRUNCATED_SPLITS };
 
 typedef struct run {
     char *sse;   // stream text (stream runs)
@@ -69,9 +71,10 @@ static run replay(srv_api api, bool stream, enum mode mode) {
     CHECK(srv_gen_init_parsers(g, &e));
     if (stream && g->ops->stream_begin) g->ops->stream_begin(g);
     size_t n = sizeof k_out - 1;
-    if (mode == TRUNCATED) n = (size_t)(strstr(k_out, k_cut_at) - k_out) + 1;
+    bool truncated = mode == TRUNCATED || mode == TRUNCATED_SPLITS;
+    if (truncated) n = (size_t)(strstr(k_out, k_cut_at) - k_out) + 1;
     srv_tok_ev ev = {.choice = 0, .token = -1, .finish = DI_FINISH_NONE};
-    if (mode == SPLITS) {
+    if (mode == SPLITS || mode == TRUNCATED_SPLITS) {
         static const size_t k_sizes[] = {1, 2, 3, 5, 7, 11, 4};
         for (size_t i = 0, k = 0; i < n; k++) {
             size_t m = k_sizes[k % 7] < n - i ? k_sizes[k % 7] : n - i;
@@ -91,7 +94,7 @@ static run replay(srv_api api, bool stream, enum mode mode) {
     }
     // the engine's last event: EOS after a complete block, max_tokens inside the truncated call
     ev.token = -1;
-    ev.finish = mode == TRUNCATED ? DI_FINISH_LENGTH : DI_FINISH_STOP;
+    ev.finish = truncated ? DI_FINISH_LENGTH : DI_FINISH_STOP;
     srv_gen_replay(g, &ev);
     CHECK(srv_gen_pump(g, 0));
     char ids[2][40];
@@ -168,8 +171,11 @@ static json_t *text_field(json_t *data, const char **key_out, char *merge_key, s
     return NULL;
 }
 
+static int g_args_raw; // tool-argument delta records of the last normalised stream, unmerged
+
 // Returns the normalised stream; *n_raw = records before merging. Checks the SSE framing.
 static char *normalise(const char *sse, int *n_raw) {
+    g_args_raw = 0;
     sb out = {0};
     json_t *prev = NULL, *prev_holder = NULL;
     const char *prev_key = NULL;
@@ -212,6 +218,10 @@ static char *normalise(const char *sse, int *n_raw) {
         const char *key = NULL;
         char merge[160] = "";
         json_t *holder = j ? text_field(j, &key, merge, sizeof merge) : NULL;
+        if (holder && (!strncmp(merge, "chat.args.", 10) ||
+                       !strncmp(merge, "response.function_call_arguments.delta", 38) ||
+                       !strncmp(merge, "input_json_delta", 16)))
+            g_args_raw++;
         if (holder && prev && !strcmp(merge, prev_merge) && !strcmp(event, prev_event)) {
             const char *a = json_string_value(json_object_get(prev_holder, prev_key));
             const char *b = json_string_value(json_object_get(holder, key));
@@ -309,8 +319,10 @@ static void check_stream(srv_api api) {
     snprintf(name, sizeof name, "%s_stream", k_api_names[api]);
     int raw_tok = 0, raw_split = 0;
     char *tok = stream_lines(api, TOKENS, &raw_tok);
+    int args_tok = g_args_raw; // stream_lines(TOKENS) set it
     char *split = stream_lines(api, SPLITS, &raw_split);
     check_golden(tok, name);
+    CHECK(args_tok > 8); // tool arguments really were streamed in pieces (spec §2.6)
     CHECK_STR_EQ(split, tok);
     int merged = 0;
     for (const char *p = tok; *p; p++) merged += *p == '\n';
@@ -319,15 +331,34 @@ static void check_stream(srv_api api) {
     free(split);
 }
 
-// Truncated inside the first call (finish length): no event of that call at all, proper end.
+// Truncated inside the first call (finish length): the call was begun and partly streamed, so it
+// is closed properly (Chat: finish "length"; Responses: item done "incomplete", response
+// incomplete; Messages: content_block_stop, stop_reason max_tokens); no DSML ever leaks; token and
+// byte-split replays agree.
 static void check_truncated(srv_api api) {
     char name[64];
     snprintf(name, sizeof name, "%s_truncated", k_api_names[api]);
-    int raw = 0;
+    int raw = 0, raw_split = 0;
     char *tok = stream_lines(api, TRUNCATED, &raw);
+    int args_tok = g_args_raw;
+    char *split = stream_lines(api, TRUNCATED_SPLITS, &raw_split);
     check_golden(tok, name);
-    CHECK(strstr(tok, "get_weather") == NULL);
+    CHECK_STR_EQ(split, tok);
+    CHECK(strstr(tok, "get_weather") != NULL); // begun at the name's end
+    CHECK(args_tok > 4);                        // and its arguments streamed as they came
+    CHECK(strstr(tok, "DSML") == NULL && strstr(tok, "invoke") == NULL &&
+          strstr(tok, "parameter") == NULL);
     free(tok);
+    free(split);
+    // the non-streaming object drops the incomplete call (spec §1.11) and says it was cut off
+    run nb = replay(api, false, TRUNCATED);
+    char *body = json_dumps(nb.body, JSON_COMPACT);
+    CHECK(body && strstr(body, "get_weather") == NULL && strstr(body, "DSML") == NULL);
+    CHECK(body && strstr(body, api == SRV_API_CHAT        ? "\"finish_reason\":\"length\""
+                               : api == SRV_API_RESPONSES ? "\"status\":\"incomplete\""
+                                                          : "\"stop_reason\":\"max_tokens\"") != NULL);
+    free(body);
+    json_decref(nb.body);
 }
 
 static void check_body(srv_api api) {

@@ -364,21 +364,23 @@ static void chat_event(srv_gen *g, srv_choice *c, const di_parser_event *ev) {
         d = json_pack("{s:o}", "content", json_stringn_lossy(ev->text, ev->len));
         if (g->thinking) json_object_set_new(d, "reasoning_content", json_null());
         break;
-    case DI_PARSER_EVENT_TOOL_CALL_END: {
-        // [design] A chunk cannot take back a call, and a call truncated mid-stream is dropped
-        // (spec §1.11), so a call is streamed only once complete: its first delta (id, name,
-        // arguments "") and then its whole arguments as one delta (docs/server.md).
+    case DI_PARSER_EVENT_TOOL_NAME_END: {
+        // spec §2.2 step 4 / §2.6: the call's first delta at name end (id, name, arguments "")
         const srv_call *k = &c->calls[c->n_calls - 1];
         d = json_pack("{s:[{s:i,s:s,s:s,s:{s:o,s:s}}]}", "tool_calls", "index", c->n_calls - 1,
                       "id", k->id, "type", "function", "function", "name",
                       json_stringn_lossy(k->name.p, k->name.n), "arguments", "");
-        sse_data(g, chunk(g, c->idx, d, NULL, new_logprobs(c)));
-        if (!k->args.n) return;
-        d = json_pack("{s:[{s:i,s:{s:o}}]}", "tool_calls", "index", c->n_calls - 1, "function",
-                      "arguments", json_stringn_lossy(k->args.p, k->args.n));
         break;
     }
-    default: return; // name and argument pieces wait for the call's end
+    case DI_PARSER_EVENT_ARGS_DELTA:
+        if (!c->n_calls || !c->calls[c->n_calls - 1].named || !ev->len) return;
+        d = json_pack("{s:[{s:i,s:{s:o}}]}", "tool_calls", "index", c->n_calls - 1, "function",
+                      "arguments", json_stringn_lossy(ev->text, ev->len));
+        break;
+    default:
+        // TOOL_CALL_END needs no chunk; TOOL_CALL_ABORT (truncation inside a call, spec §1.11):
+        // no further deltas of that call, the finish chunk says "length"
+        return;
     }
     sse_data(g, chunk(g, c->idx, d, NULL, new_logprobs(c)));
 }

@@ -249,21 +249,24 @@ static void msg_event(srv_gen *g, srv_choice *c, const di_parser_event *e) {
         d = json_pack("{s:s,s:o}", "type", "text_delta", "text",
                       json_stringn_lossy(e->text, e->len));
         break;
-    case DI_PARSER_EVENT_TOOL_CALL_END: {
-        // [design] as in Chat and Responses, a tool_use block is streamed only once its call is
-        // complete, so a call truncated mid-stream (dropped, spec §1.11) leaves no block behind
+    case DI_PARSER_EVENT_TOOL_NAME_END: { // spec §2.4 / §2.6: the block starts at name end
         const srv_call *k = &c->calls[c->n_calls - 1];
         open_block(g, c, BLK_TOOL,
                    json_pack("{s:s,s:s,s:o,s:{}}", "type", "tool_use", "id", k->id, "name",
                              json_stringn_lossy(k->name.p, k->name.n), "input"));
-        if (k->args.n)
-            ev(g, "content_block_delta",
-               json_pack("{s:s,s:i,s:{s:s,s:o}}", "type", "content_block_delta", "index",
-                         c->blk_index, "delta", "type", "input_json_delta", "partial_json",
-                         json_stringn_lossy(k->args.p, k->args.n)));
-        close_block(g, c);
         return;
     }
+    case DI_PARSER_EVENT_ARGS_DELTA:
+        if (c->blk_kind != BLK_TOOL || !e->len) return;
+        d = json_pack("{s:s,s:o}", "type", "input_json_delta", "partial_json",
+                      json_stringn_lossy(e->text, e->len));
+        break;
+    case DI_PARSER_EVENT_TOOL_CALL_END:
+    case DI_PARSER_EVENT_TOOL_CALL_ABORT:
+        // a call cut off by max_tokens (spec §1.11) is closed like a complete one: exactly one
+        // content_block_stop per block; message_delta then says stop_reason "max_tokens"
+        if (c->blk_kind == BLK_TOOL) close_block(g, c);
+        return;
     default: return;
     }
     ev(g, "content_block_delta",

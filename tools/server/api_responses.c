@@ -179,10 +179,13 @@ static json_t *response_obj(srv_gen *g, const char *status, bool final) {
     json_t *usage = json_null(), *incomplete = json_null();
     if (final) {
         if (g->thinking) json_array_append_new(output, reasoning_item(g, c));
-        if (c->content.n || !c->n_calls)
+        if (c->content.n || (!c->n_calls && !c->aborted_item))
             json_array_append_new(output, message_item(g, c, "completed"));
         for (int k = 0; k < c->n_calls; k++)
             json_array_append_new(output, call_item(g, &c->calls[k], k, "completed"));
+        // streaming only: the call cut off by max_output_tokens was already announced, so the
+        // terminal object lists it as streamed (status "incomplete"); the body drops it (§1.11)
+        if (c->aborted_item) json_array_append(output, c->aborted_item);
         int64_t P = (int64_t)g->n_prompt;
         usage = json_pack("{s:I,s:{s:I},s:I,s:{s:I},s:I}", "input_tokens", (json_int_t)P,
                           "input_tokens_details", "cached_tokens", (json_int_t)c->n_cached,
@@ -330,27 +333,34 @@ static void resp_event(srv_gen *g, srv_choice *c, const di_parser_event *e) {
                      "content_index", 0, "delta", json_stringn_lossy(e->text, e->len),
                      "logprobs"));
         return;
-    case DI_PARSER_EVENT_TOOL_CALL_END: {
-        // [design] A function_call item is added only once the call is complete: a call
-        // truncated mid-stream is dropped (spec §1.11) and must not leave an item without its
-        // done events, nor shift the output indices of the final object (docs/server.md).
-        const srv_call *k = &c->calls[c->n_calls - 1];
-        open_item(g, c, IT_CALL);
+    case DI_PARSER_EVENT_TOOL_NAME_END: open_item(g, c, IT_CALL); return; // spec §2.6
+    case DI_PARSER_EVENT_ARGS_DELTA:
+        if (c->blk_kind != IT_CALL || !e->len) return;
         item_id(g, "fc_", c->n_calls - 1, id, sizeof id);
-        if (k->args.n)
-            ev(g, "response.function_call_arguments.delta",
-               json_pack("{s:s,s:i,s:o}", "item_id", id, "output_index", c->blk_index, "delta",
-                         json_stringn_lossy(k->args.p, k->args.n)));
-        close_item(g, c);
+        ev(g, "response.function_call_arguments.delta",
+           json_pack("{s:s,s:i,s:o}", "item_id", id, "output_index", c->blk_index, "delta",
+                     json_stringn_lossy(e->text, e->len)));
+        return;
+    case DI_PARSER_EVENT_TOOL_CALL_END: close_item(g, c); return;
+    case DI_PARSER_EVENT_TOOL_CALL_ABORT: {
+        // truncated inside a call (max_output_tokens, spec §1.11): the open item is finished
+        // with status "incomplete" (arguments as streamed, no .done since they are not); the
+        // response then ends with response.incomplete
+        if (c->blk_kind != IT_CALL) return; // cut before the name ended: nothing was sent
+        int k = c->n_calls - 1;
+        c->aborted_item = call_item(g, &c->calls[k], k, "incomplete");
+        ev(g, "response.output_item.done",
+           json_pack("{s:i,s:O}", "output_index", c->blk_index, "item", c->aborted_item));
+        c->blk_kind = IT_NONE;
         return;
     }
-    default: return; // name and argument pieces wait for the call's end; an aborted call: none
+    default: return;
     }
 }
 
 static void resp_choice_end(srv_gen *g, srv_choice *c) {
     close_item(g, c);
-    if (!c->content.n && !c->n_calls && c->efinish != DI_FINISH_ERROR) {
+    if (!c->content.n && !c->n_calls && !c->aborted_item && c->efinish != DI_FINISH_ERROR) {
         open_item(g, c, IT_MESSAGE); // the object always has a message when there are no calls
         close_item(g, c);
     }

@@ -424,6 +424,7 @@ void srv_gen_destroy(srv_gen *g) {
         free(c->calls);
         json_decref(c->lp_content);
         json_decref(c->lp_reasoning);
+        json_decref(c->aborted_item);
     }
     sb_free(&g->out);
     di_tok_free(g->prompt);

@@ -152,6 +152,7 @@ typedef struct srv_choice {
     int blk_index;     // its index
     int n_blocks;      // blocks/items emitted so far
     bool head_sent;
+    json_t *aborted_item; // Responses stream: the function_call item cut off by truncation
 } srv_choice;
 
 typedef struct srv_api_ops {
