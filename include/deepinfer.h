@@ -269,6 +269,9 @@ typedef struct di_engine_stats {
     int64_t n_cache_hit_tokens, n_replayed_tokens;
     int64_t n_step_allocs; // heap allocations made by the engine thread inside steps (debug
                            // builds count them; always 0 in a correct build)
+    // Asynchronous scheduling: steps whose plan was built while the previous step's forward
+    // ran, and those of them whose plan was complete before that forward returned.
+    int64_t n_plans_ahead, n_plans_overlapped;
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. DI_ERR_IO, DI_ERR_FORMAT,

@@ -6,7 +6,7 @@
  * di_split_range, so results never depend on timing. di_pool_run returns when all threads are done.
  *
  * Owns: its worker threads. Does not: queue work, nest (a task must not call di_pool_run).
- * Thread-safety: one thread at a time submits to a pool (the engine thread).
+ * Thread-safety: one thread at a time submits to a pool (the engine's forward thread).
  */
 #pragma once
 

@@ -1,7 +1,9 @@
 // engine — implements the engine part of include/deepinfer.h: a thread-safe submission queue in
 // front of one engine thread that owns the model, the KV manager, the scheduler and the sampler.
-// Each step: take new requests and cancellations (under the mutex), plan (scheduler), run one
-// ragged forward (model), sample and emit (callbacks), advance and publish blocks.
+// Asynchronous scheduling: step N's forward runs on the forward thread (thread 0 of the model's
+// pool) while the engine thread plans step N+1 (scheduler.h); then the engine thread samples and
+// emits step N, drops finished requests from the plan, fills in the sampled ids and launches
+// step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns.
 //
 // Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
 // the logits of max_seqs rows, the sampler for the vocabulary, the scheduler's plan arrays, the
@@ -31,6 +33,20 @@ struct di_engine {
     int32_t eos;
     pthread_t thread;
     bool thread_started;
+    bool sync_debug;          // DI_ENGINE_SYNC=1: plan after the forward (no overlap)
+    // The plan being run (a copy: the scheduler plans the next step meanwhile).
+    di_dsv4_seq *x_seqs;      // owned [max_seqs]
+    int32_t *x_tokens;        // owned [max_batch_tokens]
+    int32_t *x_logit_rows;    // owned [max_seqs]
+    di_request **x_logit_req; // owned [max_seqs]
+    int32_t x_n_seq, x_n_logit;
+    // The forward thread: runs one forward at a time for the engine thread.
+    pthread_t fwd_thread;
+    bool fwd_started;
+    pthread_mutex_t fmu;
+    pthread_cond_t fcv;
+    bool f_go, f_done, f_quit; // guarded by fmu
+    int64_t f_allocs;          // allocations inside the last forward (forward thread)
     // Guarded by mu.
     pthread_mutex_t mu;
     pthread_cond_t cv_work, cv_idle;
@@ -49,6 +65,7 @@ di_engine_options di_engine_options_default(void) {
 }
 
 static void *engine_main(void *p);
+static void *forward_main(void *p);
 
 // ---- create / destroy ----
 
@@ -64,6 +81,8 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     if (!o->max_ctx) o->max_ctx = 8192;
     if (!o->max_queue) o->max_queue = 1024;
     pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->fmu, NULL);
+    pthread_cond_init(&e->fcv, NULL);
     pthread_cond_init(&e->cv_work, NULL);
     pthread_cond_init(&e->cv_idle, NULL);
     if (o->max_seqs < 1 || o->max_batch_tokens < o->max_seqs || o->max_ctx < 2 || o->max_queue < 1) {
@@ -82,7 +101,11 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     DI_TRY(di_sampler_create(hp->n_vocab, &e->sampler));
     DI_TRY(di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
     e->logits = di_malloc(sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab);
-    if (!e->logits) {
+    e->x_seqs = di_calloc((size_t)o->max_seqs, sizeof *e->x_seqs);
+    e->x_tokens = di_malloc(sizeof(int32_t) * (size_t)o->max_batch_tokens);
+    e->x_logit_rows = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
+    e->x_logit_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_logit_req);
+    if (!e->logits || !e->x_seqs || !e->x_tokens || !e->x_logit_rows || !e->x_logit_req) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -91,6 +114,13 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     e->stats.block_bytes = (int64_t)di_block_pool_block_bytes(e->kv->pool);
     e->stats.block_tokens = e->kv->block_tokens;
     e->next_id = 1;
+    const char *sync_env = getenv("DI_ENGINE_SYNC");
+    e->sync_debug = sync_env && sync_env[0] == '1';
+    if (pthread_create(&e->fwd_thread, NULL, forward_main, e) != 0) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    e->fwd_started = true;
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
         st = DI_ERR_NOMEM;
         goto fail;
@@ -114,6 +144,17 @@ void di_engine_destroy(di_engine *e) {
         pthread_mutex_unlock(&e->mu);
         pthread_join(e->thread, NULL);
     }
+    if (e->fwd_started) {
+        pthread_mutex_lock(&e->fmu);
+        e->f_quit = true;
+        pthread_cond_broadcast(&e->fcv);
+        pthread_mutex_unlock(&e->fmu);
+        pthread_join(e->fwd_thread, NULL);
+    }
+    di_free(e->x_seqs);
+    di_free(e->x_tokens);
+    di_free(e->x_logit_rows);
+    di_free(e->x_logit_req);
     di_free(e->logits);
     di_dsv4_ws_free(&e->ws);
     di_sampler_destroy(e->sampler);
@@ -123,6 +164,8 @@ void di_engine_destroy(di_engine *e) {
     pthread_cond_destroy(&e->cv_work);
     pthread_cond_destroy(&e->cv_idle);
     pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->fcv);
+    pthread_mutex_destroy(&e->fmu);
     di_free(e);
 }
 
@@ -215,10 +258,13 @@ static void finish(di_engine *e, di_request *r, di_finish why, di_status status)
 
 // Samples the next token of every request whose last known token was fed this step.
 static void sample_and_emit(di_engine *e, int64_t *cb_allocs) {
-    di_sched *s = &e->sched;
     const int64_t V = e->model->hp.n_vocab;
-    for (int32_t k = 0; k < s->n_logit; k++) {
-        di_request *r = s->logit_req[k];
+    for (int32_t k = 0; k < e->x_n_logit; k++) { // the pending tokens first: none may stay
+        DI_ASSERT(e->x_logit_req[k]->n_pending == 1);
+        e->x_logit_req[k]->n_pending = 0;
+    }
+    for (int32_t k = 0; k < e->x_n_logit; k++) {
+        di_request *r = e->x_logit_req[k];
         const float *lg = e->logits + k * V;
         if (r->n_gen == 0 && r->first_logits) memcpy(r->first_logits, lg, sizeof(float) * (size_t)V);
         di_sample_result res;
@@ -275,41 +321,125 @@ static void cancel_flagged(di_engine *e) {
     }
 }
 
+// ---- forward thread ----
+
+static void *forward_main(void *p) {
+    di_engine *e = p;
+    pthread_mutex_lock(&e->fmu);
+    for (;;) {
+        while (!e->f_go && !e->f_quit) pthread_cond_wait(&e->fcv, &e->fmu);
+        if (e->f_quit) break;
+        e->f_go = false;
+        pthread_mutex_unlock(&e->fmu);
+        int64_t a0 = di_mem_thread_allocs();
+        di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
+        di_dsv4_forward_batch(&c, e->x_tokens, e->x_logit_rows, e->x_n_logit, e->logits);
+        int64_t allocs = di_mem_thread_allocs() - a0;
+        pthread_mutex_lock(&e->fmu);
+        e->f_allocs = allocs;
+        e->f_done = true;
+        pthread_cond_broadcast(&e->fcv);
+    }
+    pthread_mutex_unlock(&e->fmu);
+    return NULL;
+}
+
+// Copies the scheduler's (finalised) plan, advances its requests and starts its forward.
+static void launch(di_engine *e) {
+    di_sched *s = &e->sched;
+    e->x_n_seq = s->n_seq;
+    e->x_n_logit = s->n_logit;
+    memcpy(e->x_seqs, s->seqs, sizeof *s->seqs * (size_t)s->n_seq);
+    memcpy(e->x_tokens, s->tokens, sizeof *s->tokens * (size_t)s->n_rows);
+    memcpy(e->x_logit_rows, s->logit_rows, sizeof *s->logit_rows * (size_t)s->n_logit);
+    memcpy(e->x_logit_req, s->logit_req, sizeof *s->logit_req * (size_t)s->n_logit);
+    di_sched_advance(s);
+    s->n_seq = s->n_rows = s->n_logit = 0; // the plan now runs; the next one starts empty
+    pthread_mutex_lock(&e->fmu);
+    e->f_done = false;
+    e->f_go = true;
+    pthread_cond_signal(&e->fcv);
+    pthread_mutex_unlock(&e->fmu);
+}
+
+// Returns whether the forward in flight has returned (without waiting).
+static bool forward_done(di_engine *e) {
+    pthread_mutex_lock(&e->fmu);
+    bool done = e->f_done;
+    pthread_mutex_unlock(&e->fmu);
+    return done;
+}
+
+// Waits for the forward in flight; returns the allocations it made.
+static int64_t forward_wait(di_engine *e) {
+    pthread_mutex_lock(&e->fmu);
+    while (!e->f_done) pthread_cond_wait(&e->fcv, &e->fmu);
+    int64_t a = e->f_allocs;
+    pthread_mutex_unlock(&e->fmu);
+    return a;
+}
+
+// Takes the submitted requests into the waiting queue; returns whether cancellations arrived.
+// Sleeps first while there is nothing to do and sleep is set.
+static bool take_incoming(di_engine *e, bool sleep, bool *stop) {
+    di_sched *s = &e->sched;
+    pthread_mutex_lock(&e->mu);
+    while (sleep && !e->stop && !e->in_head && !e->any_cancel && s->n_running == 0 &&
+           s->n_waiting == 0)
+        pthread_cond_wait(&e->cv_work, &e->mu);
+    di_request *in = e->in_head;
+    e->in_head = e->in_tail = NULL;
+    e->n_incoming = 0;
+    *stop = e->stop;
+    bool cancel = e->any_cancel;
+    e->any_cancel = false;
+    pthread_mutex_unlock(&e->mu);
+    for (di_request *r = in, *nx; r; r = nx) {
+        nx = r->next;
+        di_sched_enqueue(s, r);
+    }
+    return cancel;
+}
+
 static void *engine_main(void *p) {
     di_engine *e = p;
     di_sched *s = &e->sched;
+    bool have_plan = false, cancel_later = false;
     for (;;) {
-        // Take new requests and cancellations; sleep while there is nothing to do.
-        pthread_mutex_lock(&e->mu);
-        while (!e->stop && !e->in_head && !e->any_cancel && s->n_running == 0 && s->n_waiting == 0)
-            pthread_cond_wait(&e->cv_work, &e->mu);
-        di_request *in = e->in_head;
-        e->in_head = e->in_tail = NULL;
-        e->n_incoming = 0;
-        bool stop = e->stop, cancel = e->any_cancel;
-        e->any_cancel = false;
-        pthread_mutex_unlock(&e->mu);
-        for (di_request *r = in, *nx; r; r = nx) {
-            nx = r->next;
-            di_sched_enqueue(s, r);
-        }
-        if (cancel) cancel_flagged(e);
+        // No forward is in flight here. Take new requests and cancellations (the ones that
+        // arrived while the last step ran too); sleep while there is nothing to do.
+        bool stop;
+        bool cancel = take_incoming(e, !have_plan, &stop) || cancel_later;
+        cancel_later = false;
+        if (cancel) cancel_flagged(e); // drops the cancelled requests' rows from the plan
         if (stop && s->n_running == 0 && s->n_waiting == 0) break;
 
-        // One step. Admitted requests leave the queue count.
         int64_t a0 = di_mem_thread_allocs(), cb_allocs = 0;
-        di_sched_step(s);
+        if (!have_plan || s->aborted || s->n_seq == 0) di_sched_step(s);
+        have_plan = false;
         if (s->n_seq == 0) continue;
-        di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = s->seqs, .n_seq = s->n_seq};
-        di_dsv4_forward_batch(&c, s->tokens, s->logit_rows, s->n_logit, e->logits);
-        di_sched_advance(s);
-        sample_and_emit(e, &cb_allocs);
-        int64_t step_allocs = di_mem_thread_allocs() - a0 - cb_allocs;
+        di_sched_finalize(s);
+        launch(e); // step N runs from here on
+
+        bool ahead = false, overlapped = false;
+        if (!e->sync_debug) { // plan step N+1 meanwhile
+            bool stop_now;
+            cancel_later = take_incoming(e, false, &stop_now);
+            di_sched_step_ahead(s);
+            ahead = !s->aborted;
+            overlapped = ahead && !forward_done(e);
+            have_plan = true;
+        }
+        int64_t fwd_allocs = forward_wait(e);
+        sample_and_emit(e, &cb_allocs); // retiring drops finished requests from the plan
+        int64_t step_allocs = di_mem_thread_allocs() - a0 - cb_allocs + fwd_allocs;
 
         pthread_mutex_lock(&e->mu);
         e->n_waiting_seen = s->n_waiting;
         di_engine_stats *st = &e->stats;
         st->n_steps++;
+        st->n_plans_ahead += ahead;
+        st->n_plans_overlapped += overlapped;
         st->n_step_allocs += step_allocs;
         st->n_prefill_tokens = s->n_prefill_rows;
         st->n_decode_tokens = s->n_decode_rows;

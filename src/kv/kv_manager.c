@@ -253,19 +253,27 @@ static void set_capacity(di_kv_manager *kv, di_kv_seq *s) {
     }
 }
 
-di_status di_kv_seq_grow(di_kv_manager *kv, int32_t slot, int32_t end_pos) {
+di_status di_kv_seq_reserve(di_kv_manager *kv, int32_t slot, int32_t end_pos) {
     di_kv_seq *s = &kv->seqs[slot];
     DI_ASSERT(s->open && end_pos <= kv->max_ctx);
     int32_t need = (end_pos + kv->block_tokens - 1) / kv->block_tokens;
-    di_status st = DI_OK;
     while (s->n_blocks < need) {
         int32_t id;
-        if ((st = di_block_pool_alloc(kv->pool, &id)) != DI_OK) break;
+        if (di_block_pool_alloc(kv->pool, &id) != DI_OK) return DI_ERR_NO_KV;
         s->blocks[s->n_blocks] = id;
         s->pages[s->n_blocks] = di_block_pool_ptr(kv->pool, id);
         s->n_blocks++;
     }
-    set_capacity(kv, s);
+    return DI_OK;
+}
+
+void di_kv_seq_commit(di_kv_manager *kv, int32_t slot) {
+    set_capacity(kv, &kv->seqs[slot]);
+}
+
+di_status di_kv_seq_grow(di_kv_manager *kv, int32_t slot, int32_t end_pos) {
+    di_status st = di_kv_seq_reserve(kv, slot, end_pos);
+    di_kv_seq_commit(kv, slot);
     return st;
 }
 

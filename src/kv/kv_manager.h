@@ -78,6 +78,11 @@ di_status di_kv_seq_open(di_kv_manager *kv, int32_t slot, uint64_t salt);
 void di_kv_seq_close(di_kv_manager *kv, int32_t slot);
 // Makes sure entry blocks cover positions [0, end_pos). DI_ERR_NO_KV (blocks taken so far stay).
 di_status di_kv_seq_grow(di_kv_manager *kv, int32_t slot, int32_t end_pos);
+// grow in two halves, for planning while a forward pass runs: reserve takes the blocks and
+// fills the page table beyond the sequence's current blocks (nothing a running forward reads);
+// commit then publishes the new capacity to the layer states (only while no forward runs).
+di_status di_kv_seq_reserve(di_kv_manager *kv, int32_t slot, int32_t end_pos);
+void di_kv_seq_commit(di_kv_manager *kv, int32_t slot);
 // On a freshly opened slot: takes the longest cached prefix of prompt (at most n_max_tokens,
 // whole blocks) and marks its entries present. Returns the hit length in tokens (0 if none).
 int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *prompt,

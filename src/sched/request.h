@@ -37,6 +37,7 @@ struct di_request {
     int32_t n_done;            // positions whose state is computed: tokens[0, n_done)
     int32_t win_lo;            // first position with a window row (bounded replay), 0 otherwise
     int32_t n_cached, n_replayed, n_computed, n_preempted;
+    int32_t n_pending;         // 1 while the step in flight samples its next token, else 0
     di_request *next;          // waiting-queue link
     di_request *all_next;      // engine's list of live requests (guarded by the engine mutex)
 };
@@ -44,6 +45,12 @@ struct di_request {
 // Tokens known so far (prompt + generated).
 static inline int32_t di_request_n_tokens(const di_request *r) {
     return r->n_prompt + r->n_gen;
+}
+
+// Tokens known once the step in flight is sampled: the plan of the next step counts the token
+// being sampled (its id is filled in by di_sched_finalize).
+static inline int32_t di_request_n_planned(const di_request *r) {
+    return r->n_prompt + r->n_gen + r->n_pending;
 }
 
 // Copies p into a new request. DI_ERR_INVALID (logged), DI_ERR_NOMEM. Free with

@@ -71,7 +71,32 @@ static void release(di_sched *s, di_request *r) {
     DI_ASSERT(false);
 }
 
+// Removes r's rows from the current plan, keeping the others in order.
+static void drop_rows(di_sched *s, di_request *r) {
+    int32_t row = 0, k = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        int32_t n = s->seqs[i].n_tok;
+        if (s->seq_req[i] != r) {
+            row += n;
+            continue;
+        }
+        memmove(s->tokens + row, s->tokens + row + n, sizeof(int32_t) * (size_t)(s->n_rows - row - n));
+        memmove(s->seqs + i, s->seqs + i + 1, sizeof(*s->seqs) * (size_t)(s->n_seq - i - 1));
+        memmove(s->seq_req + i, s->seq_req + i + 1, sizeof(*s->seq_req) * (size_t)(s->n_seq - i - 1));
+        s->n_seq--;
+        s->n_rows -= n;
+        for (int32_t j = 0; j < s->n_logit; j++) {
+            if (s->logit_req[j] == r) continue;
+            s->logit_rows[k] = s->logit_rows[j] >= row + n ? s->logit_rows[j] - n : s->logit_rows[j];
+            s->logit_req[k++] = s->logit_req[j];
+        }
+        s->n_logit = k;
+        return;
+    }
+}
+
 void di_sched_remove(di_sched *s, di_request *r) {
+    drop_rows(s, r);
     if (r->slot >= 0) {
         release(s, r);
         return;
@@ -102,9 +127,13 @@ static void plan_rows(di_sched *s, di_request *r, int32_t n) {
     *sq = (di_dsv4_seq){.layers = s->kv->seqs[r->slot].layers, .pos = r->n_done, .n_tok = n,
                         .win_lo = r->win_lo};
     s->seq_req[s->n_seq++] = r;
-    memcpy(s->tokens + s->n_rows, r->tokens + r->n_done, sizeof(int32_t) * (size_t)n);
+    // The pending token (being sampled by the step in flight) gets a placeholder.
+    int32_t known = di_request_n_tokens(r) - r->n_done;
+    if (known > n) known = n;
+    memcpy(s->tokens + s->n_rows, r->tokens + r->n_done, sizeof(int32_t) * (size_t)known);
+    for (int32_t i = known; i < n; i++) s->tokens[s->n_rows + i] = -1;
     s->n_rows += n;
-    if (r->n_done + n == di_request_n_tokens(r)) { // its last known token: sample the next
+    if (r->n_done + n == di_request_n_planned(r)) { // its last known token: sample the next
         s->logit_rows[s->n_logit] = s->n_rows - 1;
         s->logit_req[s->n_logit++] = r;
     }
@@ -113,7 +142,11 @@ static void plan_rows(di_sched *s, di_request *r, int32_t n) {
 // Grows r's blocks for n more rows, preempting the newest running requests if needed. Returns
 // false if r itself was preempted.
 static bool reserve(di_sched *s, di_request *r, int32_t n) {
-    while (di_kv_seq_grow(s->kv, r->slot, r->n_done + n) != DI_OK) {
+    while (di_kv_seq_reserve(s->kv, r->slot, r->n_done + n) != DI_OK) {
+        if (s->ahead) { // preempting would free state the running forward uses
+            s->aborted = true;
+            return false;
+        }
         di_request *victim = s->running[s->n_running - 1];
         preempt(s, victim);
         if (victim == r) return false;
@@ -124,6 +157,7 @@ static bool reserve(di_sched *s, di_request *r, int32_t n) {
 static void step_once(di_sched *s);
 
 void di_sched_step(di_sched *s) {
+    s->ahead = s->aborted = false;
     step_once(s);
     // Nothing could run although requests are running: they all wait for blocks. Preempt the
     // newest and plan again (each round frees a request's blocks, so this ends).
@@ -133,14 +167,42 @@ void di_sched_step(di_sched *s) {
     }
 }
 
+void di_sched_step_ahead(di_sched *s) {
+    s->ahead = true;
+    s->aborted = false;
+    step_once(s);
+    if (s->n_seq == 0) s->aborted = true; // plan again once the step is sampled
+    s->ahead = false;
+}
+
+void di_sched_finalize(di_sched *s) {
+    DI_ASSERT(!s->aborted);
+    int32_t row = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        di_request *r = s->seq_req[i];
+        int32_t n = s->seqs[i].n_tok;
+        DI_ASSERT(r->n_pending == 0 && s->seqs[i].pos + n <= di_request_n_tokens(r));
+        memcpy(s->tokens + row, r->tokens + s->seqs[i].pos, sizeof(int32_t) * (size_t)n);
+        di_kv_seq_commit(s->kv, r->slot);
+        row += n;
+    }
+}
+
+// A decode that ends by length when the step in flight is sampled: not planned ahead.
+static bool ends_by_length(const di_sched *s, const di_request *r) {
+    return r->n_pending &&
+           (r->n_gen + 1 >= r->max_tokens || di_request_n_planned(r) >= s->kv->max_ctx);
+}
+
 static void step_once(di_sched *s) {
     s->n_seq = s->n_rows = s->n_logit = 0;
     int32_t budget = s->max_batch_tokens;
     // 1. decodes, oldest first (the array is in arrival order).
     for (int32_t i = 0; i < s->n_running; i++) {
         di_request *r = s->running[i];
-        if (di_request_n_tokens(r) - r->n_done != 1) continue;
+        if (di_request_n_planned(r) - r->n_done != 1 || ends_by_length(s, r)) continue;
         if (!reserve(s, r, 1)) {
+            if (s->aborted) return;
             i = -1; // the running set changed: restart, skipping those already planned
             s->n_seq = s->n_rows = s->n_logit = 0;
             budget = s->max_batch_tokens;
@@ -156,10 +218,10 @@ static void step_once(di_sched *s) {
     // preemption here: a newer request may already be planned).
     for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
         di_request *r = s->running[i];
-        int32_t left = di_request_n_tokens(r) - r->n_done;
+        int32_t left = di_request_n_planned(r) - r->n_done;
         if (left <= 1) continue;
         int32_t n = left < budget ? left : budget;
-        (void)di_kv_seq_grow(s->kv, r->slot, r->n_done + n);
+        (void)di_kv_seq_reserve(s->kv, r->slot, r->n_done + n);
         int32_t cover = s->kv->seqs[r->slot].n_blocks * s->kv->block_tokens - r->n_done;
         if (cover < n) n = cover;
         if (n <= 0) continue;
@@ -195,7 +257,7 @@ static void step_once(di_sched *s) {
         s->n_running++;
         int32_t left = n_tok - r->n_done;
         int32_t n = left < budget ? left : budget;
-        if (di_kv_seq_grow(s->kv, slot, r->n_done + n) != DI_OK) {
+        if (di_kv_seq_reserve(s->kv, slot, r->n_done + n) != DI_OK) {
             preempt(s, r); // blocks ran out after all; try again later
             s->n_preemptions--; // not a real preemption: nothing was computed
             r->n_preempted--;
@@ -207,6 +269,7 @@ static void step_once(di_sched *s) {
 }
 
 void di_sched_advance(di_sched *s) {
+    for (int32_t k = 0; k < s->n_logit; k++) s->logit_req[k]->n_pending = 1;
     for (int32_t i = 0; i < s->n_seq; i++) {
         di_request *r = s->seq_req[i];
         int32_t n = s->seqs[i].n_tok;

@@ -13,6 +13,16 @@
  *
  * Owns: the running array, the waiting queue links and the plan arrays; requests are borrowed
  * (the engine creates and destroys them). Thread-safety: engine thread only.
+ *
+ * Asynchronous scheduling: the engine plans step N+1 (di_sched_step_ahead) while step N's forward
+ * runs on a copy of step N's plan. di_sched_advance has already moved every request of step N
+ * past its rows, and a request that samples at step N counts one pending token (n_pending) whose
+ * row gets a placeholder id. Planning ahead touches nothing the running forward reads: it takes
+ * free blocks and slots (di_kv_seq_reserve, open), never preempts (a plan that would need to is
+ * abandoned: `aborted`, and the engine plans again with di_sched_step once step N is done), and
+ * skips decodes that finish by length at step N. After step N is sampled, requests that finished
+ * or were cancelled leave the plan (di_sched_remove drops their rows) and di_sched_finalize fills
+ * in the sampled ids and commits the new block capacity.
  */
 #pragma once
 
@@ -39,6 +49,8 @@ typedef struct di_sched {
     int32_t *logit_rows;        // owned [max_seqs]: rows whose logits sample a token
     di_request **logit_req;     // owned [max_seqs]
     int32_t n_logit;
+    bool ahead;                 // planning while a forward runs: no preemption
+    bool aborted;               // the plan ahead needed a preemption (or planned nothing)
     int64_t n_preemptions, n_prefill_rows, n_decode_rows, n_cache_hit_tokens, n_replayed_tokens;
 } di_sched;
 
@@ -47,9 +59,18 @@ di_status di_sched_init(di_sched *s, di_kv_manager *kv, int32_t max_seqs, int32_
 void di_sched_deinit(di_sched *s);
 // Appends a new request to the waiting queue.
 void di_sched_enqueue(di_sched *s, di_request *r);
-// Takes a request out (finished, cancelled or failed): returns its blocks.
+// Takes a request out (finished, cancelled or failed): returns its blocks and drops its rows
+// from the current plan.
 void di_sched_remove(di_sched *s, di_request *r);
 // Builds the plan (seqs, tokens, logit rows). n_seq == 0 when nothing can run.
 void di_sched_step(di_sched *s);
-// After the forward: advances every planned request and publishes its full blocks.
+// Builds the plan of the next step while the current step's forward runs (see above). Sets
+// `aborted` when the plan must be rebuilt by di_sched_step after the current step.
+void di_sched_step_ahead(di_sched *s);
+// Before running the plan (no forward in flight, every pending token sampled): copies each
+// row's token id and commits each planned sequence's block capacity.
+void di_sched_finalize(di_sched *s);
+// Advances every planned request past its rows (called when the forward of the plan is
+// launched: the forward computes them) and publishes its full blocks; a request whose logits
+// are sampled gets n_pending = 1.
 void di_sched_advance(di_sched *s);
