@@ -112,11 +112,7 @@ static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
     for (int64_t t = t_lo; t < t_hi; t += TOKS) {
         int nt = (int)(t_hi - t < TOKS ? t_hi - t : TOKS);
         for (int j = 0; j < nt; j++) xs[j] = c->x + (t + j) * c->x_stride;
-        memset(acc, 0, sizeof acc);
-        // The tile offsets w by c0: whole rows start at column 0.
-        di_gemm_avx2_tile(scr, ld, nr, xs, nt, 0, n, n, acc);
-        for (int i = 0; i < nr; i++)
-            for (int j = 0; j < nt; j++) c->y[(t + j) * c->y_stride + o0 + i] = reduce8(acc[i][j]);
+        di_gemm_avx2_tile_y(scr, ld, nr, xs, nt, n, c->y + t * c->y_stride + o0, c->y_stride);
     }
 }
 

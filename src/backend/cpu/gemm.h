@@ -75,3 +75,7 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
 // columns [c0, c1) of a row of n columns; the last partial 8-chunk reads x with a mask.
 void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
                        int64_t c0, int64_t c1, int64_t n, float acc[4][3][8]);
+// Whole rows [0, n) from zero, sums written to y[j * y_stride + i] (row i, token j): the same bits
+// as di_gemm_avx2_tile from zeroed accumulators followed by the reduce8 order.
+void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
+                         int64_t n, float *y, int64_t y_stride);

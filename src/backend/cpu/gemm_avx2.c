@@ -227,6 +227,59 @@ void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *co
     DI_ASSERT(!"tile shape out of range");
 }
 
+// A whole-row tile that starts from zero and writes its sums straight to y (no accumulator
+// round trip through memory): row i of token j goes to y[j * y_stride + i]. The horizontal sum
+// is reduce8's order, ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)), so the bits equal those of
+// di_gemm_avx2_tile over [0, n) from zeroed accumulators followed by reduce8.
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); // a_i + a_i+4
+    __m128 h = _mm_hadd_ps(s, s);                         // (s0+s1, s2+s3, ...)
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))); // (s0+s1) + (s2+s3)
+}
+
+static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t ws, int NR,
+                                                         const float *const *xs, int NT,
+                                                         int64_t n, float *y, int64_t y_stride) {
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_setzero_ps();
+    const int64_t full = n & ~(int64_t)7;
+    int64_t c = 0;
+    for (; c < full; c += 8) {
+        __m256 xv[3];
+        for (int j = 0; j < NT; j++) xv[j] = _mm256_loadu_ps(xs[j] + c);
+        for (int i = 0; i < NR; i++) {
+            __m256 wv = _mm256_load_ps(w + i * ws + c);
+            for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
+        }
+    }
+    if (c < n) {
+        int rem = (int)(n - c);
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 xv[3];
+        for (int j = 0; j < NT; j++) xv[j] = _mm256_maskload_ps(xs[j] + c, mask);
+        for (int i = 0; i < NR; i++) {
+            __m256 wv = _mm256_load_ps(w + i * ws + c);
+            for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) y[j * y_stride + i] = hsum8(a[i][j]);
+}
+
+void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
+                         int64_t n, float *y, int64_t y_stride) {
+#define T(R, N)                                                                                    \
+    case (R) * 4 + (N): tile_y(w, w_stride, R, xs, N, n, y, y_stride); return;
+    switch (nr * 4 + nt) {
+        T(1, 1) T(1, 2) T(1, 3) T(2, 1) T(2, 2) T(2, 3) T(3, 1) T(3, 2) T(3, 3) T(4, 1) T(4, 2)
+        T(4, 3)
+    }
+#undef T
+    DI_ASSERT(!"tile shape out of range");
+}
+
 // ---- fused GEMV: decode in registers, no staging (at most 3 tokens) ----
 
 // How far ahead of the decode position each row is prefetched: the four rows of a group are four
@@ -375,6 +428,12 @@ bool di_gemm_avx2_built(void) {
 void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
                          float *dst, int64_t dst_stride) {
     (void)w, (void)r0, (void)nr, (void)c0, (void)c1, (void)dst, (void)dst_stride;
+    DI_ASSERT(!"AVX2 kernels not built");
+}
+
+void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
+                         int64_t n, float *y, int64_t y_stride) {
+    (void)w, (void)w_stride, (void)nr, (void)xs, (void)nt, (void)n, (void)y, (void)y_stride;
     DI_ASSERT(!"AVX2 kernels not built");
 }
 
