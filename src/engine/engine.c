@@ -1,8 +1,9 @@
 // engine — implements the engine part of include/deepinfer.h: a thread-safe submission queue in
 // front of one engine thread that owns the model, the KV manager, the scheduler and the sampler.
 // Asynchronous scheduling: step N's forward runs on the forward thread (thread 0 of the model's
-// pool) while the engine thread plans step N+1 (scheduler.h); then the engine thread samples and
-// emits step N, drops finished requests from the plan, fills in the sampled ids and launches
+// pool), followed by the sampling of its logit rows spread over the pool (one sampler per pool
+// thread), while the engine thread plans step N+1 (scheduler.h); then the engine thread emits
+// step N, drops finished requests from the plan, fills in the sampled ids and launches
 // step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns.
 //
 // Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
@@ -27,7 +28,9 @@ struct di_engine {
     di_engine_options opt;
     di_kv_manager *kv;        // owned
     di_sched sched;           // owned
-    di_sampler *sampler;      // owned
+    di_sampler **samplers;    // owned [n_samplers]: one per pool thread
+    int32_t n_samplers;
+    di_sample_result *x_res;  // owned [max_seqs]: the samples of the plan being run
     di_dsv4_ws ws;            // owned
     float *logits;            // owned [max_seqs, V]
     int32_t eos;
@@ -98,14 +101,22 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                 !o->no_prefix_cache, &e->kv));
     DI_TRY(di_sched_init(&e->sched, e->kv, o->max_seqs, o->max_batch_tokens));
-    DI_TRY(di_sampler_create(hp->n_vocab, &e->sampler));
+    e->n_samplers = di_pool_n_threads(e->model->pool);
+    e->samplers = di_calloc((size_t)e->n_samplers, sizeof *e->samplers);
+    if (!e->samplers) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    for (int32_t i = 0; i < e->n_samplers; i++) DI_TRY(di_sampler_create(hp->n_vocab, &e->samplers[i]));
     DI_TRY(di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
     e->logits = di_malloc(sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab);
     e->x_seqs = di_calloc((size_t)o->max_seqs, sizeof *e->x_seqs);
     e->x_tokens = di_malloc(sizeof(int32_t) * (size_t)o->max_batch_tokens);
     e->x_logit_rows = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
     e->x_logit_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_logit_req);
-    if (!e->logits || !e->x_seqs || !e->x_tokens || !e->x_logit_rows || !e->x_logit_req) {
+    e->x_res = di_calloc((size_t)o->max_seqs, sizeof *e->x_res);
+    if (!e->logits || !e->x_seqs || !e->x_tokens || !e->x_logit_rows || !e->x_logit_req ||
+        !e->x_res) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -157,7 +168,9 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_logit_req);
     di_free(e->logits);
     di_dsv4_ws_free(&e->ws);
-    di_sampler_destroy(e->sampler);
+    for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
+    di_free(e->samplers);
+    di_free(e->x_res);
     di_sched_deinit(&e->sched);
     di_kv_manager_destroy(e->kv);
     di_model_destroy(e->model);
@@ -256,7 +269,8 @@ static void finish(di_engine *e, di_request *r, di_finish why, di_status status)
     retire(e, r);
 }
 
-// Samples the next token of every request whose last known token was fed this step.
+// Emits the token sampled (on the forward thread) for every request whose last known token was
+// fed this step.
 static void sample_and_emit(di_engine *e, int64_t *cb_allocs) {
     const int64_t V = e->model->hp.n_vocab;
     for (int32_t k = 0; k < e->x_n_logit; k++) { // the pending tokens first: none may stay
@@ -267,9 +281,7 @@ static void sample_and_emit(di_engine *e, int64_t *cb_allocs) {
         di_request *r = e->x_logit_req[k];
         const float *lg = e->logits + k * V;
         if (r->n_gen == 0 && r->first_logits) memcpy(r->first_logits, lg, sizeof(float) * (size_t)V);
-        di_sample_result res;
-        di_sampler_sample(e->sampler, lg, &r->sample, r->tokens, r->n_prompt, r->n_gen,
-                          di_request_n_tokens(r), &res);
+        const di_sample_result res = e->x_res[k];
         r->tokens[di_request_n_tokens(r)] = res.token;
         r->n_gen++;
         di_finish why = DI_FINISH_NONE;
@@ -323,6 +335,21 @@ static void cancel_flagged(di_engine *e) {
 
 // ---- forward thread ----
 
+// Samples logit row k for k in this thread's share (pool task, one sampler per thread). Reads
+// only what the engine thread leaves alone while a step runs: the logits, the request's known
+// tokens and its sampling parameters. Each row's result depends on that row alone.
+static void sample_task(void *p, int ith, int nth) {
+    di_engine *e = p;
+    const int64_t V = e->model->hp.n_vocab;
+    int64_t lo, hi;
+    di_split_range(e->x_n_logit, ith, nth, &lo, &hi);
+    for (int64_t k = lo; k < hi; k++) {
+        const di_request *r = e->x_logit_req[k];
+        di_sampler_sample(e->samplers[ith], e->logits + k * V, &r->sample, r->tokens, r->n_prompt,
+                          r->n_gen, di_request_n_tokens(r), &e->x_res[k]);
+    }
+}
+
 static void *forward_main(void *p) {
     di_engine *e = p;
     pthread_mutex_lock(&e->fmu);
@@ -334,6 +361,7 @@ static void *forward_main(void *p) {
         int64_t a0 = di_mem_thread_allocs();
         di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
         di_dsv4_forward_batch(&c, e->x_tokens, e->x_logit_rows, e->x_n_logit, e->logits);
+        di_pool_run(e->model->pool, sample_task, e);
         int64_t allocs = di_mem_thread_allocs() - a0;
         pthread_mutex_lock(&e->fmu);
         e->f_allocs = allocs;
