@@ -141,6 +141,48 @@ static void top_k_ids(const float *v, int32_t n, int32_t k, int32_t *out) {
 
 // ---- sampling ----
 
+// exp(d) for d <= 0 (every exponent here is a logit minus the maximum): Cody-Waite reduction
+// d = k ln2 + r, |r| <= ln2/2, a degree-12 Taylor polynomial (relative error < 1e-15), then
+// 2^k through the exponent bits. Inlined and branch-light so the vocabulary-wide sums run several
+// times faster than libm's exp; deterministic. Below -708 (and NaN) gives 0.
+static inline double exp_le0(double d) {
+    if (!(d >= -708.0)) return 0.0;
+    const double shift = 6755399441055744.0; // 1.5 * 2^52: adding it rounds to an integer
+    double kd = (d * 1.4426950408889634 + shift) - shift;
+    double r = (d - kd * 6.93147180369123816490e-01) - kd * 1.90821492927058770002e-10;
+    double p = 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    uint64_t bits = (uint64_t)((int64_t)kd + 1023) << 52;
+    double two_k;
+    memcpy(&two_k, &bits, sizeof two_k);
+    return p * two_k;
+}
+
+// Sum over i of exp((x[i] - m) * scale), x[i] <= m; four interleaved partial sums.
+static double sum_exp(const float *x, int32_t n, double m, double scale) {
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int32_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += exp_le0(((double)x[i] - m) * scale);
+        s1 += exp_le0(((double)x[i + 1] - m) * scale);
+        s2 += exp_le0(((double)x[i + 2] - m) * scale);
+        s3 += exp_le0(((double)x[i + 3] - m) * scale);
+    }
+    for (; i < n; i++) s0 += exp_le0(((double)x[i] - m) * scale);
+    return (s0 + s1) + (s2 + s3);
+}
+
 void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_params *p,
                        const int32_t *history, int32_t n_prompt, int32_t n_gen, int64_t pos,
                        di_sample_result *res) {
@@ -148,8 +190,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
     float *w = s->work;
 
     // Log-probabilities of the raw logits (reported, whatever the processing).
-    double mx = logits[argmax(logits, V)], sum = 0;
-    for (int32_t i = 0; i < V; i++) sum += exp((double)logits[i] - mx);
+    double mx = logits[argmax(logits, V)], sum = sum_exp(logits, V, mx, 1.0);
     const double lse = mx + log(sum);
     res->n_top = p->n_logprobs;
     if (p->n_logprobs > 0) {
@@ -211,12 +252,11 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
             if (p->top_k == 0 && p->top_p < 1) {
                 // Nucleus without top-k: sort only as much as needed — grow a sorted prefix
                 // until it holds top_p of the mass (the set is the same as with a full sort).
-                double m0 = w[argmax(w, V)], z = 0;
-                for (int32_t i = 0; i < V; i++) z += exp(((double)w[i] - m0) * inv_t);
+                double m0 = w[argmax(w, V)], z = sum_exp(w, V, m0, inv_t);
                 for (k = 64 < V ? 64 : V;; k = k * 4 < V ? k * 4 : V) {
                     top_k_ids(w, V, k, c);
                     double acc = 0;
-                    for (int32_t i = 0; i < k; i++) acc += exp(((double)w[c[i]] - m0) * inv_t);
+                    for (int32_t i = 0; i < k; i++) acc += exp_le0(((double)w[c[i]] - m0) * inv_t);
                     if (acc / z >= p->top_p || k == V) break;
                 }
             } else {
@@ -227,7 +267,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
         double m0 = w[c[0]];
         if (!truncate) m0 = w[argmax(w, V)];
         double z = 0;
-        for (int32_t i = 0; i < n; i++) z += (pr[i] = exp(((double)w[c[i]] - m0) * inv_t));
+        for (int32_t i = 0; i < n; i++) z += (pr[i] = exp_le0(((double)w[c[i]] - m0) * inv_t));
         if (truncate) {
             // top-p: the smallest best-first prefix reaching top_p of the (top-k) mass.
             if (p->top_p < 1) {
