@@ -3,6 +3,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -169,8 +170,71 @@ static inline double exp_le0(double d) {
     return p * two_k;
 }
 
-// Sum over i of exp((x[i] - m) * scale), x[i] <= m; four interleaved partial sums.
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DI_SUM_EXP_AVX2 1
+
+// exp_le0 on 4 lanes with FMA (the same reduction and polynomial; FMA rounds once where the
+// scalar form rounds twice, so the bits may differ from it in the last place).
+__attribute__((target("avx2,fma"))) static inline __m256d exp4_le0(__m256d d) {
+    const __m256d shift = _mm256_set1_pd(6755399441055744.0);
+    __m256d ok = _mm256_cmp_pd(d, _mm256_set1_pd(-708.0), _CMP_GE_OQ); // false for NaN
+    __m256d ks = _mm256_fmadd_pd(d, _mm256_set1_pd(1.4426950408889634), shift);
+    __m256d kd = _mm256_sub_pd(ks, shift);
+    __m256d r = _mm256_fnmadd_pd(kd, _mm256_set1_pd(6.93147180369123816490e-01), d);
+    r = _mm256_fnmadd_pd(kd, _mm256_set1_pd(1.90821492927058770002e-10), r);
+    __m256d p = _mm256_set1_pd(1.0 / 479001600.0);
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 39916800.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 3628800.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 362880.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 40320.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 5040.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 720.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 120.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 24.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 6.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.5));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+    // k as an integer: ks's bits are shift's bits plus k.
+    __m256i k = _mm256_sub_epi64(_mm256_castpd_si256(ks), _mm256_castpd_si256(shift));
+    __m256i e = _mm256_slli_epi64(_mm256_add_epi64(k, _mm256_set1_epi64x(1023)), 52);
+    return _mm256_and_pd(_mm256_mul_pd(p, _mm256_castsi256_pd(e)), ok);
+}
+
+// sum_exp's body on AVX2: eight lanes of partial sums, then a fixed reduction; the tail as
+// the scalar form.
+__attribute__((target("avx2,fma"))) static double sum_exp_avx2(const float *x, int32_t n, double m,
+                                                                double scale) {
+    const __m256d vm = _mm256_set1_pd(m), vs = _mm256_set1_pd(scale);
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    int32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256d d0 = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), vm), vs);
+        __m256d d1 = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)), vm), vs);
+        a0 = _mm256_add_pd(a0, exp4_le0(d0));
+        a1 = _mm256_add_pd(a1, exp4_le0(d1));
+    }
+    double l[8];
+    _mm256_storeu_pd(l, a0);
+    _mm256_storeu_pd(l + 4, a1);
+    for (; i < n; i++) l[0] += exp_le0(((double)x[i] - m) * scale);
+    return ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+}
+#endif
+
+// Sum over i of exp((x[i] - m) * scale), x[i] <= m: the AVX2 form where the CPU has it (chosen
+// once per process, so a machine always gives the same bits), else four scalar partial sums.
 static double sum_exp(const float *x, int32_t n, double m, double scale) {
+#ifdef DI_SUM_EXP_AVX2
+    static atomic_int have = -1; // every thread that sets it sets the same value
+    int h = atomic_load_explicit(&have, memory_order_relaxed);
+    if (h < 0) {
+        h = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        atomic_store_explicit(&have, h, memory_order_relaxed);
+    }
+    if (h) return sum_exp_avx2(x, n, m, scale);
+#endif
     double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     int32_t i = 0;
     for (; i + 4 <= n; i += 4) {
