@@ -264,6 +264,17 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
         }
     }
+    if (NR == 4) { // four rows of a token at once: three hadds give reduce8's order per row
+        for (int j = 0; j < NT; j++) {
+            __m128 s[4];
+            for (int i = 0; i < 4; i++)
+                s[i] = _mm_add_ps(_mm256_castps256_ps128(a[i][j]), _mm256_extractf128_ps(a[i][j], 1));
+            __m128 h01 = _mm_hadd_ps(s[0], s[1]); // (s0_0+s0_1, s0_2+s0_3, s1_0+s1_1, s1_2+s1_3)
+            __m128 h23 = _mm_hadd_ps(s[2], s[3]);
+            _mm_storeu_ps(y + j * y_stride, _mm_hadd_ps(h01, h23));
+        }
+        return;
+    }
     for (int i = 0; i < NR; i++)
         for (int j = 0; j < NT; j++) y[j * y_stride + i] = hsum8(a[i][j]);
 }
