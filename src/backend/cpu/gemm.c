@@ -109,10 +109,14 @@ static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
         return;
     }
     di_gemm_avx2_decode(w, o0, nr, 0, n, scr, ld);
-    for (int64_t t = t_lo; t < t_hi; t += TOKS) {
-        int nt = (int)(t_hi - t < TOKS ? t_hi - t : TOKS);
+    // Tokens in balanced tiles of at most TOKS (16 = 3+3+3+3+2+2, not ...+3+1): a one-token
+    // tile costs almost what a three-token one does. Every output is the same whatever its tile.
+    const int64_t n_tiles = (t_hi - t_lo + TOKS - 1) / TOKS;
+    for (int64_t t = t_lo, k = 0; t < t_hi; k++) {
+        int nt = (int)((t_hi - t + (n_tiles - k) - 1) / (n_tiles - k));
         for (int j = 0; j < nt; j++) xs[j] = c->x + (t + j) * c->x_stride;
         di_gemm_avx2_tile_y(scr, ld, nr, xs, nt, n, c->y + t * c->y_stride + o0, c->y_stride);
+        t += nt;
     }
 }
 
