@@ -68,6 +68,7 @@ enum {
     TOKS = 3,      // tokens per tile
     SEG = 1024,    // columns per decoded segment when few tokens share it (4 rows x 4 KiB in L1)
     SEG_TOKS = 3,  // at most this many tokens: decode in registers or stream segments
+    PF_ROW_BYTES = 1024, // bytes of each upcoming row prefetched in the many-token path
 };
 
 typedef struct matmul_ctx {
@@ -107,6 +108,12 @@ static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
         for (int i = 0; i < nr; i++)
             for (int j = 0; j < nt; j++) c->y[(t_lo + j) * c->y_stride + o0 + i] = reduce8(acc[i][j]);
         return;
+    }
+    // The next two row blocks, while this one computes: with many tokens the rows are decoded
+    // whole, one block at a time, and their loads would otherwise wait on memory each time.
+    for (int64_t r = o0 + ROWS; r < o0 + 3 * ROWS && r < w->ne[1]; r++) {
+        const char *row = (const char *)w->data + (size_t)r * w->nb1;
+        for (int64_t b = 0; b < (int64_t)w->nb1 && b < PF_ROW_BYTES; b += 64) __builtin_prefetch(row + b);
     }
     di_gemm_avx2_decode(w, o0, nr, 0, n, scr, ld);
     // Tokens in balanced tiles of at most TOKS (16 = 3+3+3+3+2+2, not ...+3+1): a one-token
