@@ -254,13 +254,23 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
     float *w = s->work;
 
     // Log-probabilities of the raw logits (reported, whatever the processing).
-    double mx = logits[argmax(logits, V)], sum = sum_exp(logits, V, mx, 1.0);
+    const int32_t i_max = argmax(logits, V);
+    double mx = logits[i_max], sum = sum_exp(logits, V, mx, 1.0);
     const double lse = mx + log(sum);
     res->n_top = p->n_logprobs;
     if (p->n_logprobs > 0) {
         top_k_ids(logits, V, p->n_logprobs, res->top_ids);
         for (int32_t i = 0; i < p->n_logprobs; i++)
             res->top_logprobs[i] = (float)(logits[res->top_ids[i]] - lse);
+    }
+
+    // Plain greedy (no bias, no penalty): the raw argmax, which the processing below would
+    // find again on an unchanged copy.
+    if (p->temperature == 0 && p->n_logit_bias == 0 && p->presence_penalty == 0 &&
+        p->frequency_penalty == 0 && p->repetition_penalty == 1) {
+        res->token = i_max;
+        res->logprob = (float)(logits[i_max] - lse);
+        return;
     }
 
     // Processing: bias, then penalties.
