@@ -105,12 +105,15 @@ static inline bool before(const float *v, int32_t a, int32_t b) {
     return v[a] > v[b] || (v[a] == v[b] && a < b);
 }
 
-static int32_t argmax(const float *v, int32_t n) {
+// The first index of the largest value (NaNs never win; a NaN at 0 keeps 0).
+static int32_t argmax_scalar(const float *v, int32_t n) {
     int32_t best = 0;
     for (int32_t i = 1; i < n; i++)
         if (v[i] > v[best]) best = i;
     return best;
 }
+
+static int32_t argmax(const float *v, int32_t n);
 
 static void sift_down(const float *v, int32_t *h, int32_t n, int32_t i) {
     for (;;) { // min-heap on "before": the root is the worst kept candidate
@@ -223,9 +226,37 @@ __attribute__((target("avx2,fma"))) static double sum_exp_avx2(const float *x, i
 }
 #endif
 
-// Sum over i of exp((x[i] - m) * scale), x[i] <= m: the AVX2 form where the CPU has it (chosen
-// once per process, so a machine always gives the same bits), else four scalar partial sums.
-static double sum_exp(const float *x, int32_t n, double m, double scale) {
+#ifdef DI_SUM_EXP_AVX2
+// argmax_scalar's answer in two vector passes: the largest non-NaN value M (max_ps returns its
+// second operand when the first is NaN), then the first index holding M; the first index of the
+// maximum is what the scalar scan keeps (-0 and +0 compare equal in both).
+__attribute__((target("avx2"))) static int32_t argmax_avx2(const float *v, int32_t n) {
+    if (n < 16 || v[0] != v[0]) return argmax_scalar(v, n);
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    int32_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        m0 = _mm256_max_ps(_mm256_loadu_ps(v + i), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(v + i + 8), m1);
+    }
+    float l[8];
+    _mm256_storeu_ps(l, _mm256_max_ps(m0, m1));
+    float mx = l[0];
+    for (int k = 1; k < 8; k++) mx = l[k] > mx ? l[k] : mx;
+    for (; i < n; i++) mx = v[i] > mx ? v[i] : mx;
+    const __m256 vm = _mm256_set1_ps(mx);
+    for (i = 0; i + 8 <= n; i += 8) {
+        int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), vm, _CMP_EQ_OQ));
+        if (bits) return i + __builtin_ctz((unsigned)bits);
+    }
+    for (; i < n; i++)
+        if (v[i] == mx) return i;
+    return 0; // not reached: mx is one of the values
+}
+#endif
+
+// Whether the AVX2 forms are used (decided once per process, so a machine always gives the
+// same bits).
+static bool use_avx2(void) {
 #ifdef DI_SUM_EXP_AVX2
     static atomic_int have = -1; // every thread that sets it sets the same value
     int h = atomic_load_explicit(&have, memory_order_relaxed);
@@ -233,7 +264,24 @@ static double sum_exp(const float *x, int32_t n, double m, double scale) {
         h = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         atomic_store_explicit(&have, h, memory_order_relaxed);
     }
-    if (h) return sum_exp_avx2(x, n, m, scale);
+    return h != 0;
+#else
+    return false;
+#endif
+}
+
+static int32_t argmax(const float *v, int32_t n) {
+#ifdef DI_SUM_EXP_AVX2
+    if (use_avx2()) return argmax_avx2(v, n);
+#endif
+    return argmax_scalar(v, n);
+}
+
+// Sum over i of exp((x[i] - m) * scale), x[i] <= m: the AVX2 form where the CPU has it (chosen
+// once per process, so a machine always gives the same bits), else four scalar partial sums.
+static double sum_exp(const float *x, int32_t n, double m, double scale) {
+#ifdef DI_SUM_EXP_AVX2
+    if (use_avx2()) return sum_exp_avx2(x, n, m, scale);
 #endif
     double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     int32_t i = 0;

@@ -155,6 +155,12 @@ static void test_logprobs(void) {
     CHECK_NEAR(r.logprob, r.top_logprobs[0], 1e-7);
 }
 
+static int32_t draw_n(di_sampler *s, const float *l, const di_sample_params *p) {
+    di_sample_result r;
+    di_sampler_sample(s, l, p, NULL, 0, 0, 0, &r);
+    return r.token;
+}
+
 // The sampler's own exp (a polynomial, not libm): log-probabilities of logits spread over the
 // whole useful range (gaps up to 700 below the maximum, and -inf) match libm's to 1e-12.
 static void test_logprob_precision(void) {
@@ -179,6 +185,21 @@ static void test_logprob_precision(void) {
         CHECK_EQ(r.token, tok);
         CHECK_NEAR(r.logprob, (float)(l[tok] - lse), 1e-6 * fabs(l[tok] - lse) + 1e-6);
     }
+    // Greedy is the first index of the maximum; NaNs never win, a NaN at 0 keeps 0.
+    for (int i = 0; i < NV; i++) l[i] = (float)(i % 7) - 20.0f;
+    l[5] = NAN;
+    l[600] = l[900] = 4.0f;
+    l[1001] = 4.0f;
+    p = di_sample_params_default();
+    CHECK_EQ(draw_n(s, l, &p), 600);
+    l[600] = -0.0f, l[900] = 0.0f, l[1001] = -1e-30f;
+    for (int i = 0; i < NV; i++) if (l[i] > 0) l[i] = -l[i];
+    l[5] = NAN;
+    CHECK_EQ(draw_n(s, l, &p), 600); // -0 and +0 are equal: the first wins
+    l[1002] = INFINITY;
+    CHECK_EQ(draw_n(s, l, &p), 1002); // in the scalar tail of the vector scan
+    l[0] = NAN;
+    CHECK_EQ(draw_n(s, l, &p), 0);
     // Tempered draws see the same weights: a uniform-ish row gives every candidate.
     for (int i = 0; i < NV; i++) l[i] = (float)(i % 5) * 0.01f;
     p = di_sample_params_default();
