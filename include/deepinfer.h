@@ -76,11 +76,11 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
 void di_model_destroy(di_model *model);
 
 typedef struct di_model_info {
-    const char *arch;         // "deepseek_v4"; borrowed from the model
-    const char *layout;       // "official" or "hf"; borrowed
+    const char *arch;   // "deepseek_v4"; borrowed from the model
+    const char *layout; // "official" or "hf"; borrowed
     int32_t n_vocab;
-    int32_t n_layers;         // main decoder layers
-    int32_t n_mtp_layers;     // MTP blocks present in the checkpoint (0 if none)
+    int32_t n_layers;     // main decoder layers
+    int32_t n_mtp_layers; // MTP blocks present in the checkpoint (0 if none)
     int32_t hidden_size;
     int32_t n_heads;
     int32_t head_dim;
@@ -88,9 +88,9 @@ typedef struct di_model_info {
     int32_t n_experts_per_tok;
     int32_t sliding_window;
     int32_t bos_token_id, eos_token_id;
-    int64_t n_params;         // parameters in the main stack, embedding and head (MTP excluded)
+    int64_t n_params; // parameters in the main stack, embedding and head (MTP excluded)
     int64_t n_params_mtp;
-    size_t weight_bytes;      // bytes of tensor data in the checkpoint files
+    size_t weight_bytes; // bytes of tensor data in the checkpoint files
     int32_t n_threads;
     di_precision precision;
 } di_model_info;
@@ -99,7 +99,8 @@ void di_model_get_info(const di_model *model, di_model_info *out);
 // Writes a multi-line description (config, layer schedule, dtypes) into buf (NUL-terminated,
 // truncated to cap). Returns the length it needed.
 size_t di_model_describe(const di_model *model, char *buf, size_t cap);
-// Compression ratio of layer il (0 = sliding window only, 4 = CSA, other = HCA); -1 if out of range.
+// Compression ratio of layer il (0 = sliding window only, 4 = CSA, other = HCA); -1 if out of
+// range.
 int32_t di_model_layer_ratio(const di_model *model, int32_t il);
 
 // Writes a random-weight DeepSeek V4 checkpoint (config.json + model.safetensors) into the
@@ -187,8 +188,8 @@ typedef struct di_sample_params {
     float frequency_penalty;  // subtracted per occurrence in the output; 0 = off
     const di_logit_bias *logit_bias; // borrowed until submit returns (copied); may be NULL
     int32_t n_logit_bias;
-    uint64_t seed;            // randomness is a function of (seed, position) only
-    int32_t n_logprobs;       // top-N log-probabilities per token, 0 .. DI_MAX_LOGPROBS
+    uint64_t seed;      // randomness is a function of (seed, position) only
+    int32_t n_logprobs; // top-N log-probabilities per token, 0 .. DI_MAX_LOGPROBS
 } di_sample_params;
 
 // Greedy, no truncation, no penalties, seed 0, no logprobs.
@@ -204,20 +205,20 @@ typedef enum di_finish {
 
 typedef struct di_event {
     uint64_t request_id;
-    int32_t token;        // the new token, or -1 on a final event that carries none
-    int32_t index;        // index of the token in the output (0 = first generated)
-    float logprob;        // log-softmax of the raw logits at token
-    int32_t n_top;        // top-N log-probabilities (borrowed, valid during the callback)
+    int32_t token; // the new token, or -1 on a final event that carries none
+    int32_t index; // index of the token in the output (0 = first generated)
+    float logprob; // log-softmax of the raw logits at token
+    int32_t n_top; // top-N log-probabilities (borrowed, valid during the callback)
     const int32_t *top_ids;
     const float *top_logprobs;
-    const char *text;     // bytes released by this token (stop strings held back; needs
-    size_t n_text;        // di_engine_options.token_bytes, else NULL / 0); borrowed
-    di_finish finish;     // != DI_FINISH_NONE on the request's last event
-    di_status status;     // DI_OK, or the error of DI_FINISH_ERROR
+    const char *text; // bytes released by this token (stop strings held back; needs
+    size_t n_text;    // di_engine_options.token_bytes, else NULL / 0); borrowed
+    di_finish finish; // != DI_FINISH_NONE on the request's last event
+    di_status status; // DI_OK, or the error of DI_FINISH_ERROR
     // On the last event: prompt tokens taken from the prefix cache, tokens recomputed to rebuild
     // their window state (bounded replay), and forward rows the request cost in all.
     int32_t n_cached, n_replayed, n_computed;
-    int32_t n_preempted;  // times the request was preempted and recomputed
+    int32_t n_preempted; // times the request was preempted and recomputed
 } di_event;
 
 // Called on the engine thread for every event; must be quick and must not call the engine
@@ -228,14 +229,14 @@ typedef struct di_request_params {
     const int32_t *prompt; // n_prompt >= 1 ids (copied)
     int32_t n_prompt;
     di_sample_params sample;
-    int32_t max_tokens;    // >= 1
+    int32_t max_tokens;      // >= 1
     const int32_t *stop_ids; // extra stop token ids (copied), up to DI_MAX_STOP
     int32_t n_stop_ids;
-    bool ignore_eos;       // do not stop at the model's EOS
+    bool ignore_eos;                 // do not stop at the model's EOS
     const char *const *stop_strings; // NUL-terminated (copied), up to DI_MAX_STOP; need
     int32_t n_stop_strings;          // di_engine_options.token_bytes
-    uint64_t cache_salt;   // prefix-cache namespace: only requests with the same salt share
-    float *first_logits;   // optional [n_vocab]: receives the logits that chose token 0
+    uint64_t cache_salt; // prefix-cache namespace: only requests with the same salt share
+    float *first_logits; // optional [n_vocab]: receives the logits that chose token 0
     di_event_fn on_event;
     void *user;
 } di_request_params;
@@ -243,7 +244,7 @@ typedef struct di_request_params {
 di_request_params di_request_params_default(void);
 
 typedef struct di_engine_options {
-    int n_threads;            // CPU threads; 0 = one per online CPU
+    int n_threads; // CPU threads; 0 = one per online CPU
     di_precision precision;
     size_t kv_memory_bytes;   // the KV pool (window rings, compressed entries, compressor
                               // buffers); 0 = 256 MiB

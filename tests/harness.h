@@ -54,8 +54,8 @@ static int g_checks_passed, g_checks_failed;
             g_checks_passed++;                                                                     \
         } else {                                                                                   \
             g_checks_failed++;                                                                     \
-            fprintf(stderr, "%s:%d: CHECK_NEAR failed: %s = %.9g, %s = %.9g (tol %g)\n",           \
-                    __FILE__, __LINE__, #a, a_, #b, b_, (double)(tol));                            \
+            fprintf(stderr, "%s:%d: CHECK_NEAR failed: %s = %.9g, %s = %.9g (tol %g)\n", __FILE__, \
+                    __LINE__, #a, a_, #b, b_, (double)(tol));                                      \
         }                                                                                          \
     } while (0)
 

@@ -15,8 +15,10 @@ static const struct {
     {"tokenize", di_cli_tokenize, "text to token ids (HF tokenizer.json)"},
     {"detokenize", di_cli_detokenize, "token ids to text"},
     {"render", di_cli_render, "render an API request as a V4/V4.1 prompt: text and ids"},
-    {"bench", di_cli_bench, "serving-engine throughput: tokens/s, TTFT/ITL, KV usage, 16-vs-1 ratio"},
-    {"serve", di_cli_serve, "HTTP server: OpenAI Chat/Completions/Responses and Anthropic Messages"},
+    {"bench", di_cli_bench,
+     "serving-engine throughput: tokens/s, TTFT/ITL, KV usage, 16-vs-1 ratio"},
+    {"serve", di_cli_serve,
+     "HTTP server: OpenAI Chat/Completions/Responses and Anthropic Messages"},
     {"synth", di_cli_synth, "write a random-weight V4 checkpoint (tests, benchmarks, default)"},
 };
 

@@ -206,12 +206,18 @@ int main(int argc, char **argv) {
             return 2;
         }
         i++;
-        if (!strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "--threads")) threads = v;
-        else if (!strcmp(a, "--prompt")) n_prompt = atoi(v);
-        else if (!strcmp(a, "--decode")) n_decode = atoi(v);
-        else if (!strcmp(a, "--reps")) reps = atoi(v);
-        else if (!strcmp(a, "--bw-mib")) bw_mib = atol(v);
+        if (!strcmp(a, "--model"))
+            model = v;
+        else if (!strcmp(a, "--threads"))
+            threads = v;
+        else if (!strcmp(a, "--prompt"))
+            n_prompt = atoi(v);
+        else if (!strcmp(a, "--decode"))
+            n_decode = atoi(v);
+        else if (!strcmp(a, "--reps"))
+            reps = atoi(v);
+        else if (!strcmp(a, "--bw-mib"))
+            bw_mib = atol(v);
         else {
             fprintf(stderr, "bench_cpu: unknown option %s\n", a);
             return 2;

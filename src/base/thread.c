@@ -34,7 +34,8 @@ static void *worker_main(void *p) {
     uint64_t seen = 0;
     for (;;) {
         pthread_mutex_lock(&pool->mu);
-        while (!pool->stop && pool->generation == seen) pthread_cond_wait(&pool->cv_work, &pool->mu);
+        while (!pool->stop && pool->generation == seen)
+            pthread_cond_wait(&pool->cv_work, &pool->mu);
         if (pool->stop) {
             pthread_mutex_unlock(&pool->mu);
             return NULL;

@@ -24,19 +24,19 @@
 #include "sched/scheduler.h"
 
 struct di_engine {
-    di_model *model;          // owned
+    di_model *model; // owned
     di_engine_options opt;
-    di_kv_manager *kv;        // owned
-    di_sched sched;           // owned
-    di_sampler **samplers;    // owned [n_samplers]: one per pool thread
+    di_kv_manager *kv;     // owned
+    di_sched sched;        // owned
+    di_sampler **samplers; // owned [n_samplers]: one per pool thread
     int32_t n_samplers;
-    di_sample_result *x_res;  // owned [max_seqs]: the samples of the plan being run
-    di_dsv4_ws ws;            // owned
-    float *logits;            // owned [max_seqs, V]
+    di_sample_result *x_res; // owned [max_seqs]: the samples of the plan being run
+    di_dsv4_ws ws;           // owned
+    float *logits;           // owned [max_seqs, V]
     int32_t eos;
     pthread_t thread;
     bool thread_started;
-    bool sync_debug;          // DI_ENGINE_SYNC=1: plan after the forward (no overlap)
+    bool sync_debug; // DI_ENGINE_SYNC=1: plan after the forward (no overlap)
     // The plan being run (a copy: the scheduler plans the next step meanwhile).
     di_dsv4_seq *x_seqs;      // owned [max_seqs]
     int32_t *x_tokens;        // owned [max_batch_tokens]
@@ -88,7 +88,8 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     pthread_cond_init(&e->fcv, NULL);
     pthread_cond_init(&e->cv_work, NULL);
     pthread_cond_init(&e->cv_idle, NULL);
-    if (o->max_seqs < 1 || o->max_batch_tokens < o->max_seqs || o->max_ctx < 2 || o->max_queue < 1) {
+    if (o->max_seqs < 1 || o->max_batch_tokens < o->max_seqs || o->max_ctx < 2 ||
+        o->max_queue < 1) {
         DI_LOG_ERROR("engine: need max_seqs >= 1, max_batch_tokens >= max_seqs, max_ctx >= 2");
         st = DI_ERR_INVALID;
         goto fail;
@@ -107,7 +108,8 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
         st = DI_ERR_NOMEM;
         goto fail;
     }
-    for (int32_t i = 0; i < e->n_samplers; i++) DI_TRY(di_sampler_create(hp->n_vocab, &e->samplers[i]));
+    for (int32_t i = 0; i < e->n_samplers; i++)
+        DI_TRY(di_sampler_create(hp->n_vocab, &e->samplers[i]));
     DI_TRY(di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
     e->logits = di_malloc(sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab);
     e->x_seqs = di_calloc((size_t)o->max_seqs, sizeof *e->x_seqs);
@@ -186,8 +188,8 @@ void di_engine_destroy(di_engine *e) {
 
 di_status di_engine_submit(di_engine *e, const di_request_params *p, uint64_t *id) {
     di_request *r = NULL;
-    di_status st = di_request_create(p, e->model->hp.n_vocab, e->opt.max_ctx,
-                                     e->opt.token_bytes != NULL, &r);
+    di_status st =
+        di_request_create(p, e->model->hp.n_vocab, e->opt.max_ctx, e->opt.token_bytes != NULL, &r);
     if (st != DI_OK) return st;
     pthread_mutex_lock(&e->mu);
     if (e->n_incoming + e->n_waiting_seen >= e->opt.max_queue || e->stop) {
@@ -199,8 +201,10 @@ di_status di_engine_submit(di_engine *e, const di_request_params *p, uint64_t *i
     r->id = e->next_id++;
     r->arrival = r->id;
     r->next = NULL;
-    if (e->in_tail) e->in_tail->next = r;
-    else e->in_head = r;
+    if (e->in_tail)
+        e->in_tail->next = r;
+    else
+        e->in_head = r;
     e->in_tail = r;
     r->all_next = e->all;
     e->all = r;
@@ -257,9 +261,15 @@ static void retire(di_engine *e, di_request *r) {
 
 // Sends r's last event (no token), then retires it.
 static void finish(di_engine *e, di_request *r, di_finish why, di_status status) {
-    di_event ev = {.request_id = r->id, .token = -1, .index = r->n_gen, .finish = why,
-                   .status = status, .n_cached = r->n_cached, .n_replayed = r->n_replayed,
-                   .n_computed = r->n_computed, .n_preempted = r->n_preempted};
+    di_event ev = {.request_id = r->id,
+                   .token = -1,
+                   .index = r->n_gen,
+                   .finish = why,
+                   .status = status,
+                   .n_cached = r->n_cached,
+                   .n_replayed = r->n_replayed,
+                   .n_computed = r->n_computed,
+                   .n_preempted = r->n_preempted};
     const char *txt;
     size_t n_txt;
     di_stop_flush(&r->stop, &txt, &n_txt);
@@ -280,7 +290,8 @@ static void sample_and_emit(di_engine *e, int64_t *cb_allocs) {
     for (int32_t k = 0; k < e->x_n_logit; k++) {
         di_request *r = e->x_logit_req[k];
         const float *lg = e->logits + k * V;
-        if (r->n_gen == 0 && r->first_logits) memcpy(r->first_logits, lg, sizeof(float) * (size_t)V);
+        if (r->n_gen == 0 && r->first_logits)
+            memcpy(r->first_logits, lg, sizeof(float) * (size_t)V);
         const di_sample_result res = e->x_res[k];
         r->tokens[di_request_n_tokens(r)] = res.token;
         r->n_gen++;
@@ -298,10 +309,16 @@ static void sample_and_emit(di_engine *e, int64_t *cb_allocs) {
         if (why == DI_FINISH_NONE &&
             (r->n_gen >= r->max_tokens || di_request_n_tokens(r) >= e->opt.max_ctx))
             why = DI_FINISH_LENGTH;
-        di_event ev = {.request_id = r->id, .token = res.token, .index = r->n_gen - 1,
-                       .logprob = res.logprob, .n_top = res.n_top, .top_ids = res.top_ids,
-                       .top_logprobs = res.top_logprobs, .text = n_txt ? txt : NULL,
-                       .n_text = n_txt, .status = DI_OK};
+        di_event ev = {.request_id = r->id,
+                       .token = res.token,
+                       .index = r->n_gen - 1,
+                       .logprob = res.logprob,
+                       .n_top = res.n_top,
+                       .top_ids = res.top_ids,
+                       .top_logprobs = res.top_logprobs,
+                       .text = n_txt ? txt : NULL,
+                       .n_text = n_txt,
+                       .status = DI_OK};
         if (why == DI_FINISH_NONE) {
             int64_t a0 = di_mem_thread_allocs();
             r->on_event(r->user, &ev);

@@ -11,9 +11,9 @@ struct di_block_pool {
     unsigned char *arena; // owned [n * block_bytes]
     size_t block_bytes;
     int32_t n;
-    int32_t *refs;        // owned [n]
-    bool *cached;         // owned [n]
-    int32_t *free_stack;  // owned [n]
+    int32_t *refs;       // owned [n]
+    bool *cached;        // owned [n]
+    int32_t *free_stack; // owned [n]
     int32_t n_free;
     // LRU of idle cached blocks: doubly linked through prev/next; head = least recent.
     int32_t *prev, *next; // owned [n]; -2 = not in the list
@@ -72,10 +72,14 @@ void di_block_pool_set_evict(di_block_pool *p, di_block_evict_fn fn, void *user)
 static void lru_remove(di_block_pool *p, int32_t id) {
     DI_ASSERT(p->prev[id] != -2);
     int32_t a = p->prev[id], b = p->next[id];
-    if (a >= 0) p->next[a] = b;
-    else p->lru_head = b;
-    if (b >= 0) p->prev[b] = a;
-    else p->lru_tail = a;
+    if (a >= 0)
+        p->next[a] = b;
+    else
+        p->lru_head = b;
+    if (b >= 0)
+        p->prev[b] = a;
+    else
+        p->lru_tail = a;
     p->prev[id] = p->next[id] = -2;
     p->n_lru--;
 }
@@ -83,8 +87,10 @@ static void lru_remove(di_block_pool *p, int32_t id) {
 static void lru_push(di_block_pool *p, int32_t id) {
     p->prev[id] = p->lru_tail;
     p->next[id] = -1;
-    if (p->lru_tail >= 0) p->next[p->lru_tail] = id;
-    else p->lru_head = id;
+    if (p->lru_tail >= 0)
+        p->next[p->lru_tail] = id;
+    else
+        p->lru_head = id;
     p->lru_tail = id;
     p->n_lru++;
 }
@@ -121,8 +127,10 @@ void di_block_pool_ref(di_block_pool *p, int32_t id) {
 void di_block_pool_unref(di_block_pool *p, int32_t id) {
     DI_ASSERT(id >= 0 && id < p->n && p->refs[id] > 0);
     if (--p->refs[id] > 0) return;
-    if (p->cached[id]) lru_push(p, id);
-    else p->free_stack[p->n_free++] = id;
+    if (p->cached[id])
+        lru_push(p, id);
+    else
+        p->free_stack[p->n_free++] = id;
 }
 
 void di_block_pool_set_cached(di_block_pool *p, int32_t id, bool cached) {

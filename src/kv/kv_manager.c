@@ -310,7 +310,8 @@ void di_kv_seq_publish(di_kv_manager *kv, int32_t slot, const int32_t *tokens, i
     const int32_t B = kv->block_tokens;
     while (s->n_published < s->n_blocks && (s->n_published + 1) * B <= n_done) {
         int32_t i = s->n_published;
-        uint64_t h = di_prefix_cache_hash(kv->cache, s->last_hash, tokens + (int64_t)i * B, s->salt);
+        uint64_t h =
+            di_prefix_cache_hash(kv->cache, s->last_hash, tokens + (int64_t)i * B, s->salt);
         // Another sequence may have cached the same block first: this one then stays private.
         (void)di_prefix_cache_insert(kv->cache, h, s->last_hash, tokens + (int64_t)i * B,
                                      s->blocks[i]);

@@ -26,9 +26,9 @@
 #include "model/dsv4.h"      // di_model, di_dsv4_layer_state
 
 typedef struct di_kv_seq {
-    int32_t *tail;               // owned [n_tail]: block ids of the ring/buffer state
-    int32_t *blocks;             // owned [max_blocks]: entry block ids, position order
-    float **pages;               // owned [max_blocks]: their addresses (the model's page table)
+    int32_t *tail;   // owned [n_tail]: block ids of the ring/buffer state
+    int32_t *blocks; // owned [max_blocks]: entry block ids, position order
+    float **pages;   // owned [max_blocks]: their addresses (the model's page table)
     int32_t n_blocks;
     di_dsv4_layer_state *layers; // owned [n_layer]: views into the blocks
     bool open;
@@ -44,21 +44,21 @@ typedef struct di_kv_item { // one tail item's place
 } di_kv_item;
 
 typedef struct di_kv_manager {
-    di_model *model;          // borrowed
-    di_block_pool *pool;      // owned
-    di_prefix_cache *cache;   // owned; NULL when prefix reuse is off
-    int32_t block_tokens;     // positions per entry block
+    di_model *model;        // borrowed
+    di_block_pool *pool;    // owned
+    di_prefix_cache *cache; // owned; NULL when prefix reuse is off
+    int32_t block_tokens;   // positions per entry block
     int64_t block_floats;
-    int32_t n_tail;           // tail blocks per sequence
-    int32_t max_blocks;       // entry blocks per sequence (max_ctx / block_tokens, rounded up)
+    int32_t n_tail;     // tail blocks per sequence
+    int32_t max_blocks; // entry blocks per sequence (max_ctx / block_tokens, rounded up)
     int32_t max_ctx;
     int32_t n_layer;
-    int32_t replay_tokens;    // bounded replay R = n_layer * (W - 1) (docs/kv-cache.md)
+    int32_t replay_tokens; // bounded replay R = n_layer * (W - 1) (docs/kv-cache.md)
     // Layout, per layer.
-    int64_t *page_off_cmp, *page_off_idx; // owned [n_layer]
-    di_kv_item *ring, *buf_c, *buf_z, *ovl_c, *ovl_z;      // owned [n_layer]
-    di_kv_item *ibuf_c, *ibuf_z, *iovl_c, *iovl_z;         // owned [n_layer]
-    di_kv_seq *seqs;          // owned [max_seqs]
+    int64_t *page_off_cmp, *page_off_idx;             // owned [n_layer]
+    di_kv_item *ring, *buf_c, *buf_z, *ovl_c, *ovl_z; // owned [n_layer]
+    di_kv_item *ibuf_c, *ibuf_z, *iovl_c, *iovl_z;    // owned [n_layer]
+    di_kv_seq *seqs;                                  // owned [max_seqs]
     int32_t max_seqs;
 } di_kv_manager;
 

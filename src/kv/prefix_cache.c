@@ -10,13 +10,13 @@ struct di_prefix_cache {
     di_block_pool *pool; // borrowed
     int32_t block_tokens;
     uint64_t model_id;
-    int32_t n_ids;       // pool blocks
-    int32_t *bucket;     // owned [n_buckets]: first block id of the chain, -1 empty
+    int32_t n_ids;   // pool blocks
+    int32_t *bucket; // owned [n_buckets]: first block id of the chain, -1 empty
     uint64_t mask;
     uint64_t *hash, *parent; // owned [n_ids]
-    int32_t *next;       // owned [n_ids]: next id in the bucket chain
-    bool *present;       // owned [n_ids]
-    int32_t *tokens;     // owned [n_ids, block_tokens]
+    int32_t *next;           // owned [n_ids]: next id in the bucket chain
+    bool *present;           // owned [n_ids]
+    int32_t *tokens;         // owned [n_ids, block_tokens]
     int32_t n_present;
 };
 
@@ -101,8 +101,8 @@ int32_t di_prefix_cache_match(di_prefix_cache *pc, const int32_t *tokens, int32_
     return n;
 }
 
-bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent,
-                            const int32_t *tokens, int32_t id) {
+bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent, const int32_t *tokens,
+                            int32_t id) {
     DI_ASSERT(id >= 0 && id < pc->n_ids && !pc->present[id]);
     if (find(pc, h, parent, tokens) >= 0) return false;
     pc->hash[id] = h;

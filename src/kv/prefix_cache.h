@@ -15,8 +15,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "deepinfer.h"      // di_status
-#include "kv/block_pool.h"  // di_block_pool
+#include "deepinfer.h"     // di_status
+#include "kv/block_pool.h" // di_block_pool
 
 typedef struct di_prefix_cache di_prefix_cache;
 
@@ -36,7 +36,7 @@ int32_t di_prefix_cache_match(di_prefix_cache *pc, const int32_t *tokens, int32_
 
 // Records block `id` (full, final) under chain hash h with its parent and tokens. Returns false
 // when that hash is already cached (another sequence made the same block first).
-bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent,
-                            const int32_t *tokens, int32_t id);
+bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent, const int32_t *tokens,
+                            int32_t id);
 
 int32_t di_prefix_cache_n_blocks(const di_prefix_cache *pc);

@@ -21,7 +21,7 @@ di_model_options di_model_options_default(void) {
 }
 
 void di_set_log_level(int level) {
-    di_log_set_level(level < 0 ? DI_LOG_LEVEL_ERROR
+    di_log_set_level(level < 0   ? DI_LOG_LEVEL_ERROR
                      : level > 3 ? DI_LOG_LEVEL_DEBUG
                                  : (di_log_level)level);
 }
@@ -150,8 +150,8 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
         "swiglu limit %g%s\n",
         hp->n_expert, hp->n_expert_used, hp->n_expert_shared, hp->expert_ff, hp->route_scale,
         hp->swiglu_limit, hp->shared_expert_clamp ? " (shared clamped)" : "");
-    OUT("mhc               %d streams, %d Sinkhorn iterations, eps %g\n", hp->hc_mult,
-        hp->hc_iters, hp->hc_eps);
+    OUT("mhc               %d streams, %d Sinkhorn iterations, eps %g\n", hp->hc_mult, hp->hc_iters,
+        hp->hc_eps);
     OUT("rope main         theta %g\n", hp->rope_main.theta);
     OUT("rope compress     theta %g%s (factor %g, L0 %lld)\n", hp->rope_compress.theta,
         hp->rope_compress.yarn ? " + YaRN" : "", hp->rope_compress.factor,
@@ -160,7 +160,10 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     for (int il = 0; il < hp->n_layer + m->n_mtp_loaded; il++) {
         int r = hp->compress_ratio[il];
         OUT(" %s%s%s", il == hp->n_layer ? "| mtp " : "",
-            r == 0 ? "SWA" : r == 4 ? "CSA" : "HCA", hp->hash_routed[il] ? "/hash" : "");
+            r == 0   ? "SWA"
+            : r == 4 ? "CSA"
+                     : "HCA",
+            hp->hash_routed[il] ? "/hash" : "");
     }
     OUT("\n");
     if (m->n_params > 0) {
@@ -184,11 +187,11 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
 typedef struct hc_ctx {
     const di_model *m;
     const di_dsv4_hc_w *hc;
-    const float *x;    // [T, NC, D]
-    const float *mix;  // [T, n_mix] raw projections (before the RMS factor)
-    float *a;          // [T, D]
-    float *post;       // [T, NC]
-    float *comb;       // [T, NC, NC]
+    const float *x;   // [T, NC, D]
+    const float *mix; // [T, n_mix] raw projections (before the RMS factor)
+    float *a;         // [T, D]
+    float *post;      // [T, NC]
+    float *comb;      // [T, NC, NC]
     int32_t n_tok;
     bool head;
 } hc_ctx;
@@ -203,7 +206,8 @@ static void hc_pre_task(void *p, int ith, int nth) {
     di_split_range(c->n_tok, ith, nth, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
         const float *xf = c->x + t * nc * D;
-        float r = 1.0f / sqrtf(di_ref_dot(xf, xf, (int64_t)nc * D) / (float)(nc * D) + hp->norm_eps);
+        float r =
+            1.0f / sqrtf(di_ref_dot(xf, xf, (int64_t)nc * D) / (float)(nc * D) + hp->norm_eps);
         float mix[16 * 18];
         for (int i = 0; i < n_mix; i++) mix[i] = c->mix[t * n_mix + i] * r;
         const float *base = c->hc->base, *scale = c->hc->scale;
@@ -216,7 +220,8 @@ static void hc_pre_task(void *p, int ith, int nth) {
             for (int j = 0; j < nc; j++)
                 for (int k = 0; k < nc; k++)
                     C[j * nc + k] = mix[2 * nc + j * nc + k] * scale[2] + base[2 * nc + j * nc + k];
-            // Sinkhorn: row softmax + eps, column normalisation, then (iters - 1) x (rows, columns).
+            // Sinkhorn: row softmax + eps, column normalisation, then (iters - 1) x (rows,
+            // columns).
             for (int j = 0; j < nc; j++) {
                 float mx = C[j * nc];
                 for (int k = 1; k < nc; k++) mx = fmaxf(mx, C[j * nc + k]);
@@ -258,8 +263,9 @@ static void hc_pre(di_dsv4_ctx *cx, const di_dsv4_hc_w *hc, const float *x, int3
     float *mix = di_dsv4_scratch(cx, DI_SCR_MIX);
     // mix_raw = fn . xf  [T, n_mix] (FP32 weights, FP32 input)
     di_cpu_matmul(&m->cpu, &hc->fn, x, n_tok, (int64_t)nc * hp->n_embd, mix, n_mix);
-    hc_ctx c = {m,    hc, x, mix, a, di_dsv4_scratch(cx, DI_SCR_POST), di_dsv4_scratch(cx, DI_SCR_COMB),
-                n_tok, head};
+    hc_ctx c = {
+        m,     hc,  x, mix, a, di_dsv4_scratch(cx, DI_SCR_POST), di_dsv4_scratch(cx, DI_SCR_COMB),
+        n_tok, head};
     di_pool_run(m->pool, hc_pre_task, &c);
     di_dsv4_round(m, a, (int64_t)n_tok * hp->n_embd); // R-OFF: collapsed input is BF16
 }
@@ -405,8 +411,12 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
     const int nc = hp->hc_mult;
     const int64_t D = hp->n_embd;
     di_dsv4_seq seq = {.layers = s->layers, .pos = p0, .n_tok = n_tok};
-    di_dsv4_ctx c = {.model = m, .ws = &s->ws, .seqs = &seq, .n_seq = 1,
-                     .trace = s->trace, .trace_user = s->trace_user};
+    di_dsv4_ctx c = {.model = m,
+                     .ws = &s->ws,
+                     .seqs = &seq,
+                     .n_seq = 1,
+                     .trace = s->trace,
+                     .trace_user = s->trace_user};
     float *x = di_dsv4_scratch(&c, DI_SCR_X); // [T, NC, D]
     // The head reads X in place (its rows are contiguous), so X survives for the MTP block.
     di_dsv4_forward_batch(&c, tokens, NULL, 0, NULL);

@@ -30,16 +30,16 @@
 // ---- weights ----
 
 typedef struct di_dsv4_hc_w { // one mHC site (spec §2.3)
-    di_tensor fn;  // [(2+NC)*NC, NC*D] (or [NC, NC*D] for a head)
-    float *base;   // owned [(2+NC)*NC] (head: [NC])
-    float *scale;  // owned [3] (head: [1])
+    di_tensor fn;             // [(2+NC)*NC, NC*D] (or [NC, NC*D] for a head)
+    float *base;              // owned [(2+NC)*NC] (head: [NC])
+    float *scale;             // owned [3] (head: [1])
 } di_dsv4_hc_w;
 
 typedef struct di_dsv4_compressor_w { // spec §2.5
-    di_tensor wkv, wgate; // [c*d, D]
-    float *ape;           // owned [m, c*d]
-    float *norm;          // owned [d]
-    int32_t m, c, d;      // ratio, 2 if overlapping else 1, entry width
+    di_tensor wkv, wgate;             // [c*d, D]
+    float *ape;                       // owned [m, c*d]
+    float *norm;                      // owned [d]
+    int32_t m, c, d;                  // ratio, 2 if overlapping else 1, entry width
 } di_dsv4_compressor_w;
 
 typedef struct di_dsv4_layer_w {
@@ -50,21 +50,21 @@ typedef struct di_dsv4_layer_w {
     di_dsv4_hc_w hc_attn, hc_ffn;
     // attention
     di_tensor wq_a, wq_b, wkv, wo_a, wo_b;
-    float *q_norm, *kv_norm, *attn_sink; // owned [Rq], [Dh], [H]
-    di_dsv4_compressor_w cmp;            // ratio > 0
-    di_dsv4_compressor_w idx_cmp;        // CSA: the indexer's compressor (d = DI)
+    float *q_norm, *kv_norm, *attn_sink;  // owned [Rq], [Dh], [H]
+    di_dsv4_compressor_w cmp;             // ratio > 0
+    di_dsv4_compressor_w idx_cmp;         // CSA: the indexer's compressor (d = DI)
     di_tensor idx_wq_b, idx_weights_proj; // CSA: [HI*DI, Rq], [HI, D]
     // MoE
-    di_tensor gate;     // [E, D]
-    float *gate_bias;   // owned [E]; score-routed layers
-    int32_t *tid2eid;   // owned [V, K]; hash-routed layers
+    di_tensor gate;          // [E, D]
+    float *gate_bias;        // owned [E]; score-routed layers
+    int32_t *tid2eid;        // owned [V, K]; hash-routed layers
     di_tensor *w1, *w2, *w3; // owned arrays of E views: [F, D], [D, F], [F, D]
     di_tensor sh_w1, sh_w2, sh_w3;
 } di_dsv4_layer_w;
 
-typedef struct di_dsv4_mtp_w { // spec §2.10
-    di_tensor e_proj, h_proj;          // [D, D]
-    float *enorm, *hnorm, *norm;       // owned [D]
+typedef struct di_dsv4_mtp_w {   // spec §2.10
+    di_tensor e_proj, h_proj;    // [D, D]
+    float *enorm, *hnorm, *norm; // owned [D]
     di_dsv4_hc_w hc_head;
     di_dsv4_layer_w block;
 } di_dsv4_mtp_w;
@@ -84,7 +84,8 @@ struct di_model {
     int32_t n_mtp_loaded;
     float *omega_main, *omega_compress; // owned [n_rot/2]
     int64_t n_params, n_params_mtp;
-    // Small FP32 vectors copied out of the checkpoint (norm weights, biases, ...), freed at destroy.
+    // Small FP32 vectors copied out of the checkpoint (norm weights, biases, ...), freed at
+    // destroy.
     void **owned;
     int64_t n_owned, cap_owned;
 };
@@ -102,7 +103,7 @@ typedef struct di_dsv4_cmp_state {
     float *buf_c, *buf_z; // owned (session) or view (pool block) [m, c*d]: C_j and Z_j (ape added)
     float *ovl_c, *ovl_z; // owned or view [m, d]: CSA overlap (Ca, Za) of the last closed window
     bool has_ovl;
-    float *entries;       // owned [cap, d] (sessions); NULL when paged
+    float *entries; // owned [cap, d] (sessions); NULL when paged
     // Entries [0, n_entries) exist. A window that closes with an index below n_entries already
     // has its entry (a prefix-cache hit being replayed): the entry is left as it is and only the
     // overlap is updated (docs/kv-cache.md, "bounded replay").
@@ -119,7 +120,7 @@ static inline float *di_dsv4_entry(const di_dsv4_cmp_state *cs, int64_t w, int32
 }
 
 typedef struct di_dsv4_layer_state {
-    float *ring;          // owned (session) or view (pool block) [W, Dh]: kv rows, slot = pos mod W
+    float *ring; // owned (session) or view (pool block) [W, Dh]: kv rows, slot = pos mod W
     di_dsv4_cmp_state cmp, idx;
 } di_dsv4_layer_state;
 
@@ -150,29 +151,29 @@ typedef struct di_dsv4_seq {
 // Scratch for calls of up to `scratch_tokens` rows: grown by di_dsv4_ws_reserve (sessions, on
 // demand) or sized once at create (the engine), never on the per-step path.
 typedef struct di_dsv4_ws {
-    float *scratch;                // owned
+    float *scratch; // owned
     size_t scratch_floats;
-    int32_t scratch_tokens;        // calls of up to this many rows fit
-    size_t scratch_off[32];        // float offset of each DI_SCR_* buffer
-    float *attn_scratch;           // owned: per-thread score buffers
+    int32_t scratch_tokens; // calls of up to this many rows fit
+    size_t scratch_off[32]; // float offset of each DI_SCR_* buffer
+    float *attn_scratch;    // owned: per-thread score buffers
     size_t attn_scratch_floats;
-    int32_t *sel;                  // owned [T, max(topk, 2K)]: indexer selections / expert routing
+    int32_t *sel; // owned [T, max(topk, 2K)]: indexer selections / expert routing
     size_t sel_cap;
-    int32_t *row_seq, *row_pos;    // owned [T]: sequence index and absolute position of each row
-    bool mtp;                      // MTP scratch included
+    int32_t *row_seq, *row_pos; // owned [T]: sequence index and absolute position of each row
+    bool mtp;                   // MTP scratch included
 } di_dsv4_ws;
 
 // Grows ws for calls of n_rows rows whose sequences hold at most max_entries compressed entries
 // in one layer. DI_ERR_NOMEM (ws unchanged).
-di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
-                             int64_t max_entries, bool mtp);
+di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, int64_t max_entries,
+                             bool mtp);
 void di_dsv4_ws_free(di_dsv4_ws *ws);
 
 // The context of one call: who runs, on which rows.
 typedef struct di_dsv4_ctx {
-    di_model *model;      // borrowed
-    di_dsv4_ws *ws;       // borrowed
-    di_dsv4_seq *seqs;    // borrowed [n_seq]
+    di_model *model;   // borrowed
+    di_dsv4_ws *ws;    // borrowed
+    di_dsv4_seq *seqs; // borrowed [n_seq]
     int32_t n_seq, n_rows;
     di_dsv4_trace_fn trace;
     void *trace_user;
@@ -190,13 +191,13 @@ struct di_session {
     di_model *model; // borrowed
     di_session_options opt;
     int32_t n_ctx_max;
-    int32_t pos;                   // tokens consumed
-    di_dsv4_layer_state *layers;   // owned [n_layer + n_mtp]
-    bool mtp;                      // MTP runs every step
-    float *mtp_pending_x;          // owned [NC, D]: main streams of position pos-1
+    int32_t pos;                 // tokens consumed
+    di_dsv4_layer_state *layers; // owned [n_layer + n_mtp]
+    bool mtp;                    // MTP runs every step
+    float *mtp_pending_x;        // owned [NC, D]: main streams of position pos-1
     bool mtp_pending;
-    di_dsv4_ws ws;                 // owned scratch, grown (never shrunk) when a call needs more
-    di_dsv4_trace_fn trace;        // named intermediates (tests; DI_DUMP writes them as .npy)
+    di_dsv4_ws ws;          // owned scratch, grown (never shrunk) when a call needs more
+    di_dsv4_trace_fn trace; // named intermediates (tests; DI_DUMP writes them as .npy)
     void *trace_user;
     char dump_dir[1024];
 };

@@ -158,11 +158,11 @@ typedef struct indexer_ctx {
     const di_model *m;
     const di_dsv4_ctx *c;
     int il;
-    const float *qi;  // [T, HI, DI]
-    const float *wi;  // [T, HI]
+    const float *qi; // [T, HI, DI]
+    const float *wi; // [T, HI]
     int32_t n_tok, topk;
-    int32_t *sel;     // [T, topk], ascending, -1 padded
-    float *scores;    // per thread [n_entries]
+    int32_t *sel;  // [T, topk], ascending, -1 padded
+    float *scores; // per thread [n_entries]
     int64_t scores_stride;
 } indexer_ctx;
 
@@ -239,12 +239,12 @@ typedef struct attn_ctx {
     const di_dsv4_ctx *c;
     const di_dsv4_layer_w *lw;
     int il;
-    const float *q;   // [T, H, Dh]
-    const float *kv;  // [T, Dh]
-    float *o;         // [T, H, Dh]
+    const float *q;     // [T, H, Dh]
+    const float *kv;    // [T, Dh]
+    float *o;           // [T, H, Dh]
     const int32_t *sel; // CSA: [T, topk]
     int32_t n_tok;
-    float *scores;    // per thread
+    float *scores; // per thread
     int64_t scores_stride;
 } attn_ctx;
 
@@ -256,7 +256,8 @@ static void attn_task(void *p, int ith, int nth) {
     const float scale = 1.0f / sqrtf((float)Dh);
     const bool compress = ratio > 0;
     const float *omega = compress ? c->m->omega_compress : c->m->omega_main;
-    const float rscale = compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
+    const float rscale =
+        compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
     float *sc = c->scores + (int64_t)ith * c->scores_stride;
     int64_t lo, hi;
     di_split_range((int64_t)c->n_tok * H, ith, nth, &lo, &hi);
@@ -285,7 +286,7 @@ static void attn_task(void *p, int ith, int nth) {
 #define KEY(j)                                                                                     \
     ((j) < n_win ? ((w_lo + (j)) < p0 ? ls->ring + ((w_lo + (j)) % W) * Dh                         \
                                       : kv_call + ((w_lo + (j)) - p0) * Dh)                        \
-                 : di_dsv4_entry(&ls->cmp, sel ? sel[(j) - n_win] : ((j) - n_win), Dh))
+                 : di_dsv4_entry(&ls->cmp, sel ? sel[(j)-n_win] : ((j)-n_win), Dh))
         int64_t n_keys = n_win + n_cmp;
         float mx = c->lw->attn_sink[h];
         for (int64_t j = 0; j < n_keys; j++) {
@@ -372,10 +373,11 @@ void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
         for (int64_t i = 0; i < n_tok * HI; i++) wi[i] *= wscale;
         di_dsv4_round(m, wi, n_tok * HI);
         sel = c->ws->sel;
-        indexer_ctx ic = {m,   c,   il, qi, wi, n_tok, hp->index_topk, sel, c->ws->attn_scratch,
-                          scores_stride};
+        indexer_ctx ic = {
+            m, c, il, qi, wi, n_tok, hp->index_topk, sel, c->ws->attn_scratch, scores_stride};
         di_pool_run(m->pool, indexer_task, &ic);
-        if (c->trace) c->trace(c->trace_user, "indexer_topk", lw->il, sel, true, n_tok, hp->index_topk);
+        if (c->trace)
+            c->trace(c->trace_user, "indexer_topk", lw->il, sel, true, n_tok, hp->index_topk);
     }
     // CSA and HCA: the main compressor, before the attention of the same tokens.
     if (compress) run_compressor(c, &lw->cmp, il, false, a);

@@ -15,12 +15,17 @@ void di_dsv4_mtp_forward(di_session *s, const float *x_main, const int32_t *ids_
     const int64_t D = hp->n_embd;
     // The MTP block is a one-sequence batch over its own layer state, at positions p_first...
     di_dsv4_seq seq = {.layers = s->layers, .pos = p_first, .n_tok = n};
-    di_dsv4_ctx c = {.model = m, .ws = &s->ws, .seqs = &seq, .n_seq = 1, .n_rows = n,
-                     .trace = s->trace, .trace_user = s->trace_user};
+    di_dsv4_ctx c = {.model = m,
+                     .ws = &s->ws,
+                     .seqs = &seq,
+                     .n_seq = 1,
+                     .n_rows = n,
+                     .trace = s->trace,
+                     .trace_user = s->trace_user};
     for (int32_t t = 0; t < n; t++) s->ws.row_seq[t] = 0, s->ws.row_pos[t] = p_first + t;
-    float *tmp = di_dsv4_scratch(&c, DI_SCR_A);  // [n, D]
-    float *e = di_dsv4_scratch(&c, DI_SCR_H);    // [n, D]
-    float *xm = di_dsv4_scratch(&c, DI_SCR_XM);  // [n, NC, D]
+    float *tmp = di_dsv4_scratch(&c, DI_SCR_A); // [n, D]
+    float *e = di_dsv4_scratch(&c, DI_SCR_H);   // [n, D]
+    float *xm = di_dsv4_scratch(&c, DI_SCR_XM); // [n, NC, D]
 
     // e = e_proj . RMSNorm(embed[id_next], enorm)
     for (int32_t t = 0; t < n; t++) di_tensor_row_f32(&m->embed, ids_next[t], tmp + t * D);

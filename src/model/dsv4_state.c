@@ -25,12 +25,13 @@ static void dump_trace(void *user, const char *name, int il, const void *data, b
         DI_LOG_WARN("DI_DUMP: cannot write %s", path);
         return;
     }
-    int n = snprintf(hdr, sizeof hdr, "{'descr': '<%s', 'fortran_order': False, 'shape': (%lld, %lld), }",
+    int n = snprintf(hdr, sizeof hdr,
+                     "{'descr': '<%s', 'fortran_order': False, 'shape': (%lld, %lld), }",
                      is_int ? "i4" : "f4", (long long)n_rows, (long long)row_len);
     int pad = (64 - (10 + n + 1) % 64) % 64;
     uint16_t hl = (uint16_t)(n + pad + 1);
-    unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(hl & 0xff),
-                             (unsigned char)(hl >> 8)};
+    unsigned char pre[10] = {
+        0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(hl & 0xff), (unsigned char)(hl >> 8)};
     fwrite(pre, 1, sizeof pre, f);
     fwrite(hdr, 1, (size_t)n, f);
     for (int i = 0; i < pad; i++) fputc(' ', f);
@@ -164,7 +165,8 @@ static size_t scratch_sizes(const di_model *m, bool mtp, int32_t T, size_t *sz) 
     const di_hparams *hp = &m->hp;
     size_t t = (size_t)T, nc = (size_t)hp->hc_mult, D = (size_t)hp->n_embd;
     size_t K = (size_t)hp->n_expert_used, F = (size_t)hp->expert_ff;
-    size_t cmp_w = 2 * (size_t)(hp->head_dim > hp->index_head_dim ? hp->head_dim : hp->index_head_dim);
+    size_t cmp_w =
+        2 * (size_t)(hp->head_dim > hp->index_head_dim ? hp->head_dim : hp->index_head_dim);
     size_t widest = (size_t)m->cpu.row_cap;
     sz[DI_SCR_X] = t * nc * D;
     sz[DI_SCR_A] = t * D;
@@ -202,8 +204,8 @@ float *di_dsv4_scratch(di_dsv4_ctx *c, int which) {
     return c->ws->scratch + c->ws->scratch_off[which];
 }
 
-di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
-                             int64_t max_entries, bool mtp) {
+di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, int64_t max_entries,
+                             bool mtp) {
     const di_hparams *hp = &m->hp;
     // Per-thread score rows: window + compressed keys (attention) or every entry (indexer).
     size_t per_thread = (size_t)(hp->window + hp->index_topk + max_entries + 16);
@@ -220,9 +222,9 @@ di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
     size_t sz[DI_SCR_COUNT];
     size_t total = scratch_sizes(m, mtp, n_rows, sz);
     float *p = di_aligned_alloc(sizeof(float) * total);
-    size_t n_sel = (size_t)n_rows * (size_t)(hp->index_topk > 2 * hp->n_expert_used
-                                                 ? hp->index_topk
-                                                 : 2 * hp->n_expert_used);
+    size_t n_sel =
+        (size_t)n_rows *
+        (size_t)(hp->index_topk > 2 * hp->n_expert_used ? hp->index_topk : 2 * hp->n_expert_used);
     int32_t *sel = di_malloc(sizeof(int32_t) * n_sel);
     int32_t *rows = di_malloc(sizeof(int32_t) * 2 * (size_t)n_rows);
     if (!p || !sel || !rows) {
@@ -343,7 +345,8 @@ di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
         if (!st && lw->ratio > 0) st = put_cmp(&b, &ls->cmp, &lw->cmp);
         if (!st && lw->ratio == 4) st = put_cmp(&b, &ls->idx, &lw->idx_cmp);
     }
-    if (!st) st = put(&b, s->mtp_pending_x, sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
+    if (!st)
+        st = put(&b, s->mtp_pending_x, sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
     if (!st) {
         uint64_t sum = fnv1a(b.data, b.len, 0xcbf29ce484222325ull);
         st = put(&b, &sum, sizeof sum);
@@ -418,7 +421,8 @@ di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
         if (ok && lw->ratio > 0) ok = get_cmp(&r, &ls->cmp, &lw->cmp, n_ent);
         if (ok && lw->ratio == 4) ok = get_cmp(&r, &ls->idx, &lw->idx_cmp, n_ent);
     }
-    ok = ok && get(&r, s->mtp_pending_x, sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd) &&
+    ok = ok &&
+         get(&r, s->mtp_pending_x, sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd) &&
          r.left == 0;
     if (!ok) {
         DI_LOG_ERROR("session restore: the bytes are not a state of this model (%zu bytes)",

@@ -88,8 +88,7 @@ static di_status parse_rope_sub(const json_t *sub, const char *path, const char 
         p->beta_fast = opt_num(sub, "beta_fast", NULL, 32.0);
         p->beta_slow = opt_num(sub, "beta_slow", NULL, 1.0);
         // HF derives 0.1 ln(factor) + 1 when attention_factor is absent and scales cos and sin.
-        p->attention_factor =
-            opt_num(sub, "attention_factor", NULL, 0.1 * log(p->factor) + 1.0);
+        p->attention_factor = opt_num(sub, "attention_factor", NULL, 0.1 * log(p->factor) + 1.0);
     }
     return DI_OK;
 }
@@ -102,14 +101,15 @@ static di_status parse_rope(const json_t *j, const char *path, di_hparams *hp) {
         di_status st = parse_rope_sub(json_object_get(nested, "main"), path, "main", hp->head_dim,
                                       &hp->rope_main);
         if (st == DI_OK)
-            st = parse_rope_sub(json_object_get(nested, "compress"), path, "compress",
-                                hp->head_dim, &hp->rope_compress);
+            st = parse_rope_sub(json_object_get(nested, "compress"), path, "compress", hp->head_dim,
+                                &hp->rope_compress);
         return st;
     }
     // Flat form: main = rope_theta, compress = compress_rope_theta (+ YaRN from rope_scaling,
     // with attention_factor forced to 1.0 on this path).
     double prf;
-    if (di_json_get_num(j, "partial_rotary_factor", &prf)) rope_dims = (int32_t)lround(hp->head_dim * prf);
+    if (di_json_get_num(j, "partial_rotary_factor", &prf))
+        rope_dims = (int32_t)lround(hp->head_dim * prf);
     di_rope_params *m = &hp->rope_main, *c = &hp->rope_compress;
     memset(m, 0, sizeof *m);
     m->theta = opt_num(j, "rope_theta", NULL, 10000.0);
@@ -213,14 +213,17 @@ static di_status parse_layer_types(const json_t *j, const char *path, di_hparams
         }
         for (int il = 0; il < n_total; il++) {
             // MTP layers beyond layer_types are sliding-window layers (spec §1.2).
-            const char *s = il < (int)json_array_size(lt) ? json_string_value(json_array_get(lt, il))
-                                                           : "sliding_attention";
+            const char *s = il < (int)json_array_size(lt)
+                                ? json_string_value(json_array_get(lt, il))
+                                : "sliding_attention";
             if (!s) {
                 DI_LOG_ERROR("%s: layer_types[%d] is not a string", path, il);
                 return DI_ERR_FORMAT;
             }
-            if (strcmp(s, "sliding_attention") == 0) hp->compress_ratio[il] = 0;
-            else if (strcmp(s, "compressed_sparse_attention") == 0) hp->compress_ratio[il] = 4;
+            if (strcmp(s, "sliding_attention") == 0)
+                hp->compress_ratio[il] = 0;
+            else if (strcmp(s, "compressed_sparse_attention") == 0)
+                hp->compress_ratio[il] = 4;
             else if (strcmp(s, "heavily_compressed_attention") == 0)
                 hp->compress_ratio[il] = (int32_t)rate_hca;
             else {
@@ -290,7 +293,8 @@ di_status di_hparams_load(const char *path, di_hparams *hp) {
     }
     const char *mt = di_json_get_str(j, "model_type");
     if (mt && strcmp(mt, "deepseek_v4") != 0) {
-        DI_LOG_ERROR("%s: model_type \"%s\" is not supported by this build (deepseek_v4)", path, mt);
+        DI_LOG_ERROR("%s: model_type \"%s\" is not supported by this build (deepseek_v4)", path,
+                     mt);
         st = DI_ERR_UNSUPPORTED;
         goto done;
     }
@@ -373,17 +377,23 @@ di_status di_hparams_load(const char *path, di_hparams *hp) {
 
     // ---- cross-field validation ----
     const char *bad = NULL;
-    if (hp->n_expert_used > hp->n_expert) bad = "num_experts_per_tok exceeds n_routed_experts";
-    else if (hp->n_head % hp->o_groups) bad = "num_attention_heads is not a multiple of o_groups";
-    else if (hp->hc_mult < 1 || hp->hc_mult > 16) bad = "hc_mult must be in [1, 16]";
-    else if (hp->hc_iters < 1) bad = "hc_sinkhorn_iters must be >= 1";
+    if (hp->n_expert_used > hp->n_expert)
+        bad = "num_experts_per_tok exceeds n_routed_experts";
+    else if (hp->n_head % hp->o_groups)
+        bad = "num_attention_heads is not a multiple of o_groups";
+    else if (hp->hc_mult < 1 || hp->hc_mult > 16)
+        bad = "hc_mult must be in [1, 16]";
+    else if (hp->hc_iters < 1)
+        bad = "hc_sinkhorn_iters must be >= 1";
     else if (hp->rope_main.n_dims != hp->rope_compress.n_dims)
         bad = "main and compress RoPE must rotate the same number of dims";
-    else if (hp->rope_main.n_dims <= 0 || hp->rope_main.n_dims % 2 || hp->rope_main.n_dims > hp->head_dim)
+    else if (hp->rope_main.n_dims <= 0 || hp->rope_main.n_dims % 2 ||
+             hp->rope_main.n_dims > hp->head_dim)
         bad = "rotary dims must be even and at most head_dim";
     else if (hp->rope_main.n_dims > hp->index_head_dim)
         bad = "rotary dims exceed index_head_dim";
-    else if (hp->index_topk < 1 || hp->n_index_head < 1) bad = "index_topk and index_n_heads must be >= 1";
+    else if (hp->index_topk < 1 || hp->n_index_head < 1)
+        bad = "index_topk and index_n_heads must be >= 1";
     if (bad) {
         DI_LOG_ERROR("%s: %s", path, bad);
         st = DI_ERR_FORMAT;

@@ -25,11 +25,11 @@ typedef enum di_layer_kind {
 typedef struct di_rope_params {
     float theta;
     bool yarn;
-    float factor;                 // YaRN factor
-    int64_t original_max_pos;     // YaRN L0
+    float factor;             // YaRN factor
+    int64_t original_max_pos; // YaRN L0
     float beta_fast, beta_slow;
-    float attention_factor;       // multiplies cos and sin (1.0 for V4)
-    int32_t n_dims;               // rotated trailing dims (64 for V4)
+    float attention_factor; // multiplies cos and sin (1.0 for V4)
+    int32_t n_dims;         // rotated trailing dims (64 for V4)
 } di_rope_params;
 
 typedef struct di_hparams {
@@ -55,8 +55,8 @@ typedef struct di_hparams {
     int32_t n_expert_shared;
     int32_t expert_ff; // F
     float route_scale;
-    float swiglu_limit;        // 0 = no clamp
-    bool shared_expert_clamp;  // the shared expert uses the SwiGLU clamp too (current revision)
+    float swiglu_limit;       // 0 = no clamp
+    bool shared_expert_clamp; // the shared expert uses the SwiGLU clamp too (current revision)
     int64_t max_pos;
     int32_t bos_token, eos_token;
     // Per layer, main layers first then MTP layers (index n_layer + i).

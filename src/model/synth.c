@@ -202,8 +202,10 @@ static di_status add_linear(gen *g, const char *name, int64_t rows, int64_t cols
     char sname[256];
     snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
     di_status st = add(&g->l, name, DI_DTYPE_F8_E4M3, 2, rows, cols, q);
-    if (st == DI_OK) st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, br, bc, sc);
-    else di_free(sc);
+    if (st == DI_OK)
+        st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, br, bc, sc);
+    else
+        di_free(sc);
     return st;
 }
 
@@ -212,7 +214,8 @@ static di_status add_expert(gen *g, const char *name, int64_t rows, int64_t cols
     if (!g->c->official) return add_linear(g, name, rows, cols, false);
     float std = 1.0f / sqrtf((float)cols);
     float *w = randn(g, rows * cols, 0, std);
-    uint8_t *q = di_calloc((size_t)(rows * cols / 2), 1), *sc = di_malloc((size_t)(rows * cols / 32));
+    uint8_t *q = di_calloc((size_t)(rows * cols / 2), 1),
+            *sc = di_malloc((size_t)(rows * cols / 32));
     if (!w || !q || !sc) {
         di_free(w), di_free(q), di_free(sc);
         return DI_ERR_NOMEM;
@@ -235,8 +238,10 @@ static di_status add_expert(gen *g, const char *name, int64_t rows, int64_t cols
     char sname[256];
     snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
     di_status st = add(&g->l, name, DI_DTYPE_I8, 2, rows, cols / 2, q);
-    if (st == DI_OK) st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, rows, cols / 32, sc);
-    else di_free(sc);
+    if (st == DI_OK)
+        st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, rows, cols / 32, sc);
+    else
+        di_free(sc);
     return st;
 }
 
@@ -260,8 +265,10 @@ static di_status gen_block(gen *g, const char *p, int ratio, bool hash) {
     int64_t F = c->expert_ff;
     bool off = c->official;
     char b[256];
-    TRY(add_bf16(g, nm(b, p, off ? "attn_norm.weight" : "input_layernorm.weight"), 1, D, 0, 1, 0.1f));
-    TRY(add_bf16(g, nm(b, p, off ? "ffn_norm.weight" : "post_attention_layernorm.weight"), 1, D, 0, 1, 0.1f));
+    TRY(add_bf16(g, nm(b, p, off ? "attn_norm.weight" : "input_layernorm.weight"), 1, D, 0, 1,
+                 0.1f));
+    TRY(add_bf16(g, nm(b, p, off ? "ffn_norm.weight" : "post_attention_layernorm.weight"), 1, D, 0,
+                 1, 0.1f));
     const char *sites[2] = {"attn", "ffn"};
     for (int s = 0; s < 2; s++) {
         char suf[64];
@@ -280,7 +287,8 @@ static di_status gen_block(gen *g, const char *p, int ratio, bool hash) {
     TRY(add_linear(g, nm(b, pa, off ? "wq_b.weight" : "q_b_proj.weight"), H * Dh, Rq, true));
     TRY(add_linear(g, nm(b, pa, off ? "wkv.weight" : "kv_proj.weight"), Dh, D, true));
     TRY(add_bf16(g, nm(b, pa, "kv_norm.weight"), 1, Dh, 0, 1, 0.1f));
-    TRY(add_linear(g, nm(b, pa, off ? "wo_a.weight" : "o_a_proj.weight"), G * Ro, H * Dh / G, true));
+    TRY(add_linear(g, nm(b, pa, off ? "wo_a.weight" : "o_a_proj.weight"), G * Ro, H * Dh / G,
+                   true));
     TRY(add_linear(g, nm(b, pa, off ? "wo_b.weight" : "o_b_proj.weight"), D, G * Ro, true));
     TRY(add_f32(g, nm(b, pa, off ? "attn_sink" : "sinks"), 1, H, 0, 0, 1));
     for (int which = 0; which < (ratio == 4 ? 2 : ratio > 0 ? 1 : 0); which++) {
@@ -289,15 +297,23 @@ static di_status gen_block(gen *g, const char *p, int ratio, bool hash) {
         snprintf(pc, sizeof pc, "%s%s", pa,
                  off ? (which ? "indexer.compressor." : "compressor.")
                      : (which ? "compressor.indexer." : "compressor."));
-        TRY(add_bf16(g, nm(b, pc, off ? "wkv.weight" : "kv_proj.weight"), 2, cc * d, D, 0, 1.0f / sqrtf((float)D)));
-        TRY(add_bf16(g, nm(b, pc, off ? "wgate.weight" : "gate_proj.weight"), 2, cc * d, D, 0, 1.0f / sqrtf((float)D)));
+        TRY(add_bf16(g, nm(b, pc, off ? "wkv.weight" : "kv_proj.weight"), 2, cc * d, D, 0,
+                     1.0f / sqrtf((float)D)));
+        TRY(add_bf16(g, nm(b, pc, off ? "wgate.weight" : "gate_proj.weight"), 2, cc * d, D, 0,
+                     1.0f / sqrtf((float)D)));
         TRY(add_f32(g, nm(b, pc, off ? "ape" : "position_bias"), 2, m, cc * d, 0, 0.5f));
         TRY(add_bf16(g, nm(b, pc, off ? "norm.weight" : "kv_norm.weight"), 1, d, 0, 1, 0.1f));
     }
     if (ratio == 4) {
         int64_t HI = c->n_index_head, DI = c->index_head_dim;
-        TRY(add_linear(g, nm(b, pa, off ? "indexer.wq_b.weight" : "compressor.indexer.q_b_proj.weight"), HI * DI, Rq, true));
-        TRY(add_bf16(g, nm(b, pa, off ? "indexer.weights_proj.weight" : "compressor.indexer.scorer.weights_proj.weight"), 2, HI, D, 0, 1.0f / sqrtf((float)D)));
+        TRY(add_linear(
+            g, nm(b, pa, off ? "indexer.wq_b.weight" : "compressor.indexer.q_b_proj.weight"),
+            HI * DI, Rq, true));
+        TRY(add_bf16(g,
+                     nm(b, pa,
+                        off ? "indexer.weights_proj.weight"
+                            : "compressor.indexer.scorer.weights_proj.weight"),
+                     2, HI, D, 0, 1.0f / sqrtf((float)D)));
     }
     char pf[256];
     snprintf(pf, sizeof pf, "%s%s", p, off ? "ffn." : "mlp.");
@@ -319,7 +335,8 @@ static di_status gen_block(gen *g, const char *p, int ratio, bool hash) {
             }
         TRY(add(&g->l, nm(b, pf, "gate.tid2eid"), DI_DTYPE_I64, 2, c->n_vocab, K, t2e));
     } else {
-        TRY(add_f32(g, nm(b, pf, off ? "gate.bias" : "gate.e_score_correction_bias"), 1, E, 0, 0, 0.1f));
+        TRY(add_f32(g, nm(b, pf, off ? "gate.bias" : "gate.e_score_correction_bias"), 1, E, 0, 0,
+                    0.1f));
     }
     if (off) {
         for (int64_t e = 0; e < E; e++) {
@@ -335,10 +352,13 @@ static di_status gen_block(gen *g, const char *p, int ratio, bool hash) {
         TRY(add_linear(g, nm(b, pf, "shared_experts.w2.weight"), D, F, true));
         TRY(add_linear(g, nm(b, pf, "shared_experts.w3.weight"), F, D, true));
     } else {
-        TRY(add_bf16(g, nm(b, pf, "experts.gate_up_proj"), 2, E * 2 * F, D, 0, 1.0f / sqrtf((float)D)));
-        g->l.t[g->l.n - 1].n_dims = 3, g->l.t[g->l.n - 1].shape[0] = E, g->l.t[g->l.n - 1].shape[1] = 2 * F, g->l.t[g->l.n - 1].shape[2] = D;
+        TRY(add_bf16(g, nm(b, pf, "experts.gate_up_proj"), 2, E * 2 * F, D, 0,
+                     1.0f / sqrtf((float)D)));
+        g->l.t[g->l.n - 1].n_dims = 3, g->l.t[g->l.n - 1].shape[0] = E,
+                        g->l.t[g->l.n - 1].shape[1] = 2 * F, g->l.t[g->l.n - 1].shape[2] = D;
         TRY(add_bf16(g, nm(b, pf, "experts.down_proj"), 2, E * D, F, 0, 1.0f / sqrtf((float)F)));
-        g->l.t[g->l.n - 1].n_dims = 3, g->l.t[g->l.n - 1].shape[0] = E, g->l.t[g->l.n - 1].shape[1] = D, g->l.t[g->l.n - 1].shape[2] = F;
+        g->l.t[g->l.n - 1].n_dims = 3, g->l.t[g->l.n - 1].shape[0] = E,
+                        g->l.t[g->l.n - 1].shape[1] = D, g->l.t[g->l.n - 1].shape[2] = F;
         TRY(add_linear(g, nm(b, pf, "shared_experts.gate_proj.weight"), F, D, false));
         TRY(add_linear(g, nm(b, pf, "shared_experts.down_proj.weight"), D, F, false));
         TRY(add_linear(g, nm(b, pf, "shared_experts.up_proj.weight"), F, D, false));
@@ -349,39 +369,46 @@ static di_status gen_block(gen *g, const char *p, int ratio, bool hash) {
 static di_status write_config(const di_synth_config *c, const char *dir) {
     di_buf b;
     di_buf_init(&b);
-    di_buf_printf(&b,
-                  "{\n  \"architectures\": [\"DeepseekV4ForCausalLM\"],\n  \"model_type\": \"deepseek_v4\",\n"
-                  "  \"_comment\": \"random weights written by deepinfer synth (seed %llu): the model's text is meaningless\",\n"
-                  "  \"vocab_size\": %d, \"hidden_size\": %d, \"num_hidden_layers\": %d,\n"
-                  "  \"num_attention_heads\": %d, \"num_key_value_heads\": 1, \"head_dim\": %d,\n"
-                  "  \"qk_rope_head_dim\": %d, \"q_lora_rank\": %d, \"o_groups\": %d, \"o_lora_rank\": %d,\n"
-                  "  \"sliding_window\": %d, \"index_n_heads\": %d, \"index_head_dim\": %d, \"index_topk\": %d,\n"
-                  "  \"n_routed_experts\": %d, \"num_experts_per_tok\": %d, \"n_shared_experts\": 1,\n"
-                  "  \"moe_intermediate_size\": %d, \"num_hash_layers\": %d, \"scoring_func\": \"sqrtsoftplus\",\n"
-                  "  \"routed_scaling_factor\": %g, \"swiglu_limit\": %g, \"norm_topk_prob\": true,\n"
-                  "  \"hc_mult\": 4, \"hc_sinkhorn_iters\": 20, \"hc_eps\": 1e-06, \"rms_norm_eps\": 1e-06,\n"
-                  "  \"num_nextn_predict_layers\": %d, \"max_position_embeddings\": 1048576,\n"
-                  "  \"rope_theta\": 10000, \"compress_rope_theta\": 160000,\n"
-                  "  \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 16, \"original_max_position_embeddings\": 65536, \"beta_fast\": 32, \"beta_slow\": 1},\n"
-                  "  \"bos_token_id\": 0, \"eos_token_id\": 1, \"tie_word_embeddings\": false,\n",
-                  (unsigned long long)c->seed, c->n_vocab, c->n_embd, c->n_layer, c->n_head,
-                  c->head_dim, c->rope_dims, c->q_lora_rank, c->o_groups, c->o_lora_rank,
-                  c->window, c->n_index_head, c->index_head_dim, c->index_topk, c->n_expert,
-                  c->n_expert_used, c->expert_ff, c->n_hash_layers, c->route_scale,
-                  c->swiglu_limit, c->n_mtp);
+    di_buf_printf(
+        &b,
+        "{\n  \"architectures\": [\"DeepseekV4ForCausalLM\"],\n  \"model_type\": \"deepseek_v4\",\n"
+        "  \"_comment\": \"random weights written by deepinfer synth (seed %llu): the model's text "
+        "is meaningless\",\n"
+        "  \"vocab_size\": %d, \"hidden_size\": %d, \"num_hidden_layers\": %d,\n"
+        "  \"num_attention_heads\": %d, \"num_key_value_heads\": 1, \"head_dim\": %d,\n"
+        "  \"qk_rope_head_dim\": %d, \"q_lora_rank\": %d, \"o_groups\": %d, \"o_lora_rank\": %d,\n"
+        "  \"sliding_window\": %d, \"index_n_heads\": %d, \"index_head_dim\": %d, \"index_topk\": "
+        "%d,\n"
+        "  \"n_routed_experts\": %d, \"num_experts_per_tok\": %d, \"n_shared_experts\": 1,\n"
+        "  \"moe_intermediate_size\": %d, \"num_hash_layers\": %d, \"scoring_func\": "
+        "\"sqrtsoftplus\",\n"
+        "  \"routed_scaling_factor\": %g, \"swiglu_limit\": %g, \"norm_topk_prob\": true,\n"
+        "  \"hc_mult\": 4, \"hc_sinkhorn_iters\": 20, \"hc_eps\": 1e-06, \"rms_norm_eps\": 1e-06,\n"
+        "  \"num_nextn_predict_layers\": %d, \"max_position_embeddings\": 1048576,\n"
+        "  \"rope_theta\": 10000, \"compress_rope_theta\": 160000,\n"
+        "  \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 16, "
+        "\"original_max_position_embeddings\": 65536, \"beta_fast\": 32, \"beta_slow\": 1},\n"
+        "  \"bos_token_id\": 0, \"eos_token_id\": 1, \"tie_word_embeddings\": false,\n",
+        (unsigned long long)c->seed, c->n_vocab, c->n_embd, c->n_layer, c->n_head, c->head_dim,
+        c->rope_dims, c->q_lora_rank, c->o_groups, c->o_lora_rank, c->window, c->n_index_head,
+        c->index_head_dim, c->index_topk, c->n_expert, c->n_expert_used, c->expert_ff,
+        c->n_hash_layers, c->route_scale, c->swiglu_limit, c->n_mtp);
     di_buf_printf(&b, "  \"layer_types\": [");
     for (int il = 0; il < c->n_layer; il++)
         di_buf_printf(&b, "%s\"%s\"", il ? ", " : "",
                       c->ratios[il] == 0   ? "sliding_attention"
                       : c->ratios[il] == 4 ? "compressed_sparse_attention"
                                            : "heavily_compressed_attention");
-    di_buf_printf(&b, "],\n  \"compress_rates\": {\"compressed_sparse_attention\": 4, "
-                      "\"heavily_compressed_attention\": %d}",
+    di_buf_printf(&b,
+                  "],\n  \"compress_rates\": {\"compressed_sparse_attention\": 4, "
+                  "\"heavily_compressed_attention\": %d}",
                   c->hca_ratio);
     if (c->official)
-        di_buf_printf(&b, ",\n  \"expert_dtype\": \"fp4\",\n  \"quantization_config\": {\"activation_scheme\": "
-                          "\"dynamic\", \"fmt\": \"e4m3\", \"quant_method\": \"fp8\", \"scale_fmt\": "
-                          "\"ue8m0\", \"weight_block_size\": [128, 128]}");
+        di_buf_printf(
+            &b,
+            ",\n  \"expert_dtype\": \"fp4\",\n  \"quantization_config\": {\"activation_scheme\": "
+            "\"dynamic\", \"fmt\": \"e4m3\", \"quant_method\": \"fp8\", \"scale_fmt\": "
+            "\"ue8m0\", \"weight_block_size\": [128, 128]}");
     di_buf_printf(&b, "\n}\n");
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -413,7 +440,8 @@ di_status di_synth_write(const di_synth_config *c, const char *dir) {
     GTRY(add_bf16(&g, off ? "embed.weight" : "model.embed_tokens.weight", 2, V, D, 0, 1.0f));
     GTRY(add_bf16(&g, off ? "head.weight" : "lm_head.weight", 2, V, D, 0, 1.0f / sqrtf((float)D)));
     GTRY(add_bf16(&g, off ? "norm.weight" : "model.norm.weight", 1, D, 0, 1, 0.1f));
-    GTRY(add_f32(&g, off ? "hc_head_fn" : "model.hc_head.hc_fn", 2, 4, 4 * D, 0, 1.0f / sqrtf(4.0f * D)));
+    GTRY(add_f32(&g, off ? "hc_head_fn" : "model.hc_head.hc_fn", 2, 4, 4 * D, 0,
+                 1.0f / sqrtf(4.0f * D)));
     GTRY(add_f32(&g, off ? "hc_head_base" : "model.hc_head.hc_base", 1, 4, 0, 0, 0.5f));
     GTRY(add_f32(&g, off ? "hc_head_scale" : "model.hc_head.hc_scale", 1, 1, 0, 1, 0.2f));
     for (int il = 0; il < c->n_layer; il++) {

@@ -19,11 +19,11 @@ typedef struct di_synth_config {
     int32_t o_groups, o_lora_rank, window;
     int32_t n_index_head, index_head_dim, index_topk;
     int32_t n_expert, n_expert_used, expert_ff, n_hash_layers, n_mtp;
-    int32_t hca_ratio;               // compress ratio of HCA layers (128 in V4)
-    int32_t ratios[64];              // per main layer: 0, 4 or hca_ratio
+    int32_t hca_ratio;  // compress ratio of HCA layers (128 in V4)
+    int32_t ratios[64]; // per main layer: 0, 4 or hca_ratio
     float swiglu_limit, route_scale;
     uint64_t seed;
-    bool official;                   // official layout (FP8/FP4) else HF names in BF16
+    bool official; // official layout (FP8/FP4) else HF names in BF16
 } di_synth_config;
 
 // Presets: "tiny" (spec §6.2 shapes with the real 129,280-token vocabulary: the default model),

@@ -64,14 +64,18 @@ static const di_st_tensor *find_official(binder *b, const char *off) {
 // *which receives the name asked for.
 static const di_st_tensor *lookup(binder *b, const char *off, const char *hf, const char **which) {
     const di_st_tensor *t = find_official(b, off);
-    if (t) *which = off;
-    else if (hf && (t = di_st_set_find(b->m->st, hf))) *which = hf;
+    if (t)
+        *which = off;
+    else if (hf && (t = di_st_set_find(b->m->st, hf)))
+        *which = hf;
     return t;
 }
 
 static di_status missing(const char *off, const char *hf) {
-    if (off && hf) DI_LOG_ERROR("checkpoint: missing tensor %s (or %s)", off, hf);
-    else DI_LOG_ERROR("checkpoint: missing tensor %s", off ? off : hf);
+    if (off && hf)
+        DI_LOG_ERROR("checkpoint: missing tensor %s (or %s)", off, hf);
+    else
+        DI_LOG_ERROR("checkpoint: missing tensor %s", off ? off : hf);
     return DI_ERR_FORMAT;
 }
 
@@ -102,7 +106,7 @@ static bool shape_is(const di_st_tensor *t, int nd, const int64_t *want) {
 }
 
 static di_tensor_kind float_kind(di_dtype d) {
-    return d == DI_DTYPE_F32 ? DI_TENSOR_KIND_F32
+    return d == DI_DTYPE_F32   ? DI_TENSOR_KIND_F32
            : d == DI_DTYPE_F16 ? DI_TENSOR_KIND_F16
                                : DI_TENSOR_KIND_BF16;
 }
@@ -267,8 +271,8 @@ static di_status bind_compressor(binder *b, const char *po, const char *ph, int3
     c->d = d;
     int64_t w = (int64_t)c->c * d;
     di_status st;
-    if ((st = bind_matrix(b, fmt(o, po, "wkv.weight"), fmt(h, ph, "kv_proj.weight"), w,
-                          hp->n_embd, 0, &c->wkv)) != DI_OK)
+    if ((st = bind_matrix(b, fmt(o, po, "wkv.weight"), fmt(h, ph, "kv_proj.weight"), w, hp->n_embd,
+                          0, &c->wkv)) != DI_OK)
         return st;
     if ((st = bind_matrix(b, fmt(o, po, "wgate.weight"), fmt(h, ph, "gate_proj.weight"), w,
                           hp->n_embd, 0, &c->wgate)) != DI_OK)
@@ -296,7 +300,8 @@ static di_status bind_tid2eid(binder *b, const char *off, const char *hf, int32_
     if (!v) return DI_ERR_NOMEM;
     for (int64_t i = 0; i < n; i++) {
         int64_t e;
-        if (t->dtype == DI_DTYPE_I64) memcpy(&e, (const char *)t->data + 8 * i, 8);
+        if (t->dtype == DI_DTYPE_I64)
+            memcpy(&e, (const char *)t->data + 8 * i, 8);
         else {
             int32_t e32;
             memcpy(&e32, (const char *)t->data + 4 * i, 4);
@@ -324,7 +329,8 @@ static di_status bind_experts(binder *b, const char *po, const char *ph, di_dsv4
     char o[256], h[256];
     di_status st;
     // HF stacks experts: gate_up_proj [E, 2F, D] (rows 0..F-1 = w1), down_proj [E, D, F].
-    const di_st_tensor *gu = ph ? di_st_set_find(b->m->st, fmt(h, ph, "mlp.experts.gate_up_proj")) : NULL;
+    const di_st_tensor *gu =
+        ph ? di_st_set_find(b->m->st, fmt(h, ph, "mlp.experts.gate_up_proj")) : NULL;
     if (gu) {
         const di_st_tensor *dn = di_st_set_find(b->m->st, fmt(h, ph, "mlp.experts.down_proj"));
         if (!dn) return missing(h, NULL);
@@ -332,10 +338,16 @@ static di_status bind_experts(binder *b, const char *po, const char *ph, di_dsv4
         if (!shape_is(gu, 3, wgu) || !is_plain_float(gu->dtype)) return bad_shape(gu, 3, wgu);
         if (!shape_is(dn, 3, wdn) || !is_plain_float(dn->dtype)) return bad_shape(dn, 3, wdn);
         size_t es = di_dtype_size(gu->dtype), ed = di_dtype_size(dn->dtype);
-        di_tensor all_gu = {.name = gu->name, .kind = float_kind(gu->dtype), .ne = {D, E * 2 * F},
-                            .nb1 = (size_t)D * es, .data = gu->data};
-        di_tensor all_dn = {.name = dn->name, .kind = float_kind(dn->dtype), .ne = {F, E * D},
-                            .nb1 = (size_t)F * ed, .data = dn->data};
+        di_tensor all_gu = {.name = gu->name,
+                            .kind = float_kind(gu->dtype),
+                            .ne = {D, E * 2 * F},
+                            .nb1 = (size_t)D * es,
+                            .data = gu->data};
+        di_tensor all_dn = {.name = dn->name,
+                            .kind = float_kind(dn->dtype),
+                            .ne = {F, E * D},
+                            .nb1 = (size_t)F * ed,
+                            .data = dn->data};
         for (int64_t e = 0; e < E; e++) {
             lw->w1[e] = di_tensor_rows(&all_gu, e * 2 * F, F);
             lw->w3[e] = di_tensor_rows(&all_gu, e * 2 * F + F, F);
@@ -350,13 +362,16 @@ static di_status bind_experts(binder *b, const char *po, const char *ph, di_dsv4
     for (int64_t e = 0; e < E; e++) {
         char sfx[96];
         snprintf(sfx, sizeof sfx, "ffn.experts.%lld.w1.weight", (long long)e);
-        if ((st = bind_matrix(b, fmt(o, po, sfx), NULL, F, D, ALLOW_FP8 | ALLOW_FP4, &lw->w1[e])) != DI_OK)
+        if ((st = bind_matrix(b, fmt(o, po, sfx), NULL, F, D, ALLOW_FP8 | ALLOW_FP4, &lw->w1[e])) !=
+            DI_OK)
             return st;
         snprintf(sfx, sizeof sfx, "ffn.experts.%lld.w3.weight", (long long)e);
-        if ((st = bind_matrix(b, fmt(o, po, sfx), NULL, F, D, ALLOW_FP8 | ALLOW_FP4, &lw->w3[e])) != DI_OK)
+        if ((st = bind_matrix(b, fmt(o, po, sfx), NULL, F, D, ALLOW_FP8 | ALLOW_FP4, &lw->w3[e])) !=
+            DI_OK)
             return st;
         snprintf(sfx, sizeof sfx, "ffn.experts.%lld.w2.weight", (long long)e);
-        if ((st = bind_matrix(b, fmt(o, po, sfx), NULL, D, F, ALLOW_FP8 | ALLOW_FP4, &lw->w2[e])) != DI_OK)
+        if ((st = bind_matrix(b, fmt(o, po, sfx), NULL, D, F, ALLOW_FP8 | ALLOW_FP4, &lw->w2[e])) !=
+            DI_OK)
             return st;
     }
     return DI_OK;
@@ -384,8 +399,8 @@ static di_status bind_block(binder *b, const char *po, const char *ph, int il,
     T(bind_hc(b, po, ph, "attn", &lw->hc_attn));
     T(bind_hc(b, po, ph, "ffn", &lw->hc_ffn));
     // attention
-    T(bind_matrix(b, fmt(o, po, "attn.wq_a.weight"), fmt(h, ph, "self_attn.q_a_proj.weight"), Rq,
-                  D, ALLOW_FP8, &lw->wq_a));
+    T(bind_matrix(b, fmt(o, po, "attn.wq_a.weight"), fmt(h, ph, "self_attn.q_a_proj.weight"), Rq, D,
+                  ALLOW_FP8, &lw->wq_a));
     T(bind_f32(b, fmt(o, po, "attn.q_norm.weight"), fmt(h, ph, "self_attn.q_a_norm.weight"), 1, Rq,
                0, &lw->q_norm));
     T(bind_matrix(b, fmt(o, po, "attn.wq_b.weight"), fmt(h, ph, "self_attn.q_b_proj.weight"),
@@ -404,8 +419,8 @@ static di_status bind_block(binder *b, const char *po, const char *ph, int il,
     T(bind_f32(b, fmt(o, po, "attn.attn_sink"), fmt(h, ph, "self_attn.sinks"), 1, H, 0,
                &lw->attn_sink));
     if (lw->ratio > 0) {
-        T(bind_compressor(b, fmt(po2, po, "attn.compressor."), fmt(ph2, ph, "self_attn.compressor."),
-                          lw->ratio, (int32_t)Dh, &lw->cmp));
+        T(bind_compressor(b, fmt(po2, po, "attn.compressor."),
+                          fmt(ph2, ph, "self_attn.compressor."), lw->ratio, (int32_t)Dh, &lw->cmp));
     }
     if (lw->ratio == 4) {
         int64_t HI = hp->n_index_head, DI = hp->index_head_dim;
@@ -477,9 +492,9 @@ static int64_t count_params(const di_st_set *st, bool mtp) {
     for (int64_t i = 0; i < di_st_set_n_tensors(st); i++) {
         const di_st_tensor *t = di_st_set_tensor(st, i);
         size_t len = strlen(t->name);
-        bool is_scale = (len > 6 && strcmp(t->name + len - 6, ".scale") == 0 &&
-                         t->dtype == DI_DTYPE_F8_E8M0) ||
-                        strstr(t->name, "_scale_inv") != NULL;
+        bool is_scale =
+            (len > 6 && strcmp(t->name + len - 6, ".scale") == 0 && t->dtype == DI_DTYPE_F8_E8M0) ||
+            strstr(t->name, "_scale_inv") != NULL;
         if (is_scale || (strncmp(t->name, "mtp.", 4) == 0) != mtp) continue;
         // Packed FP4 holds two parameters per byte.
         n += t->dtype == DI_DTYPE_I8 && strstr(t->name, ".experts.") ? 2 * t->n_elements
@@ -533,7 +548,8 @@ di_status di_dsv4_weights_bind(di_model *m) {
         if (used) continue;
         size_t len = strlen(t->name);
         bool dup_copy = strncmp(t->name, "mtp.", 4) == 0 &&
-                        (strstr(t->name, "emb") || (len >= 11 && strcmp(t->name + len - 11, "head.weight") == 0));
+                        (strstr(t->name, "emb") ||
+                         (len >= 11 && strcmp(t->name + len - 11, "head.weight") == 0));
         if (dup_copy) continue;
         DI_LOG_ERROR("checkpoint: unexpected tensor %s (%s) is not part of this model's "
                      "configuration",

@@ -12,17 +12,17 @@
 
 struct di_sampler {
     int32_t n_vocab;
-    float *work;       // owned [V]: processed logits
-    double *prob;      // owned [V]
-    int32_t *cand;     // owned [V]: candidate ids (sorted prefix after truncation)
-    uint32_t *mark;    // owned [V]: stamp of the last call that counted the token
-    int32_t *count;    // owned [V]: occurrences in the output (valid where mark == stamp)
+    float *work;    // owned [V]: processed logits
+    double *prob;   // owned [V]
+    int32_t *cand;  // owned [V]: candidate ids (sorted prefix after truncation)
+    uint32_t *mark; // owned [V]: stamp of the last call that counted the token
+    int32_t *count; // owned [V]: occurrences in the output (valid where mark == stamp)
     uint32_t stamp;
 };
 
 di_sample_params di_sample_params_default(void) {
-    di_sample_params p = {.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0,
-                          .repetition_penalty = 1};
+    di_sample_params p = {
+        .temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .repetition_penalty = 1};
     return p;
 }
 
@@ -59,10 +59,14 @@ void di_sampler_destroy(di_sampler *s) {
 
 di_status di_sample_params_check(const di_sample_params *p, int32_t n_vocab) {
     const char *why = NULL;
-    if (!(p->temperature >= 0) || !isfinite(p->temperature)) why = "temperature must be >= 0";
-    else if (p->top_k < 0) why = "top_k must be >= 0";
-    else if (!(p->top_p > 0 && p->top_p <= 1)) why = "top_p must be in (0, 1]";
-    else if (!(p->min_p >= 0 && p->min_p <= 1)) why = "min_p must be in [0, 1]";
+    if (!(p->temperature >= 0) || !isfinite(p->temperature))
+        why = "temperature must be >= 0";
+    else if (p->top_k < 0)
+        why = "top_k must be >= 0";
+    else if (!(p->top_p > 0 && p->top_p <= 1))
+        why = "top_p must be in (0, 1]";
+    else if (!(p->min_p >= 0 && p->min_p <= 1))
+        why = "min_p must be in [0, 1]";
     else if (!(p->repetition_penalty > 0) || !isfinite(p->repetition_penalty))
         why = "repetition_penalty must be > 0";
     else if (!isfinite(p->presence_penalty) || !isfinite(p->frequency_penalty))
@@ -74,7 +78,8 @@ di_status di_sample_params_check(const di_sample_params *p, int32_t n_vocab) {
     for (int32_t i = 0; !why && i < p->n_logit_bias; i++) {
         if (p->logit_bias[i].token < 0 || p->logit_bias[i].token >= n_vocab)
             why = "logit_bias names a token outside the vocabulary";
-        else if (isnan(p->logit_bias[i].bias)) why = "logit_bias value is NaN";
+        else if (isnan(p->logit_bias[i].bias))
+            why = "logit_bias value is NaN";
     }
     if (why) {
         DI_LOG_ERROR("sampling parameters: %s", why);
@@ -208,7 +213,7 @@ __attribute__((target("avx2,fma"))) static inline __m256d exp4_le0(__m256d d) {
 // sum_exp's body on AVX2: eight lanes of partial sums, then a fixed reduction; the tail as
 // the scalar form.
 __attribute__((target("avx2,fma"))) static double sum_exp_avx2(const float *x, int32_t n, double m,
-                                                                double scale) {
+                                                               double scale) {
     const __m256d vm = _mm256_set1_pd(m), vs = _mm256_set1_pd(scale);
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
     int32_t i = 0;
@@ -323,7 +328,8 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
 
     // Processing: bias, then penalties.
     memcpy(w, logits, sizeof(float) * (size_t)V);
-    for (int32_t i = 0; i < p->n_logit_bias; i++) w[p->logit_bias[i].token] += p->logit_bias[i].bias;
+    for (int32_t i = 0; i < p->n_logit_bias; i++)
+        w[p->logit_bias[i].token] += p->logit_bias[i].bias;
     if (++s->stamp == 0) { // wrapped: clear the stamps
         memset(s->mark, 0, sizeof(uint32_t) * (size_t)V);
         s->stamp = 1;

@@ -21,8 +21,8 @@ typedef struct di_sampler di_sampler;
 
 typedef struct di_sample_result {
     int32_t token;
-    float logprob;  // log-softmax of the raw logits at `token`
-    int32_t n_top;  // = params.n_logprobs
+    float logprob; // log-softmax of the raw logits at `token`
+    int32_t n_top; // = params.n_logprobs
     int32_t top_ids[DI_MAX_LOGPROBS];
     float top_logprobs[DI_MAX_LOGPROBS]; // descending; ties to the lower id
 } di_sample_result;

@@ -19,12 +19,12 @@
 #define DI_STOP_TOKEN_MAX 1024 // bytes per token (tokenizer tokens are far shorter)
 
 typedef struct di_stop {
-    char *strings;              // owned: the stop strings back to back
+    char *strings;               // owned: the stop strings back to back
     size_t off[DI_MAX_STOP + 1]; // string i is strings[off[i] .. off[i+1])
     int32_t n;
-    char *held;                 // owned [longest]: bytes not yet released
+    char *held; // owned [longest]: bytes not yet released
     size_t n_held;
-    char *work;                 // owned [longest + DI_STOP_TOKEN_MAX]: held + this token
+    char *work; // owned [longest + DI_STOP_TOKEN_MAX]: held + this token
     size_t longest;
 } di_stop;
 

@@ -15,10 +15,14 @@ di_request_params di_request_params_default(void) {
 di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t max_ctx,
                             bool have_token_bytes, di_request **out) {
     const char *why = NULL;
-    if (!p->prompt || p->n_prompt < 1) why = "the prompt is empty";
-    else if (p->max_tokens < 1) why = "max_tokens must be >= 1";
-    else if ((int64_t)p->n_prompt + p->max_tokens > max_ctx) why = "prompt + max_tokens exceed the context";
-    else if (!p->on_event) why = "on_event is required";
+    if (!p->prompt || p->n_prompt < 1)
+        why = "the prompt is empty";
+    else if (p->max_tokens < 1)
+        why = "max_tokens must be >= 1";
+    else if ((int64_t)p->n_prompt + p->max_tokens > max_ctx)
+        why = "prompt + max_tokens exceed the context";
+    else if (!p->on_event)
+        why = "on_event is required";
     else if (p->n_stop_ids < 0 || p->n_stop_ids > DI_MAX_STOP || (p->n_stop_ids && !p->stop_ids))
         why = "bad stop_ids";
     else if (p->n_stop_strings < 0 || p->n_stop_strings > DI_MAX_STOP)
@@ -26,9 +30,11 @@ di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t
     else if (p->n_stop_strings > 0 && !have_token_bytes)
         why = "stop strings need the engine's token_bytes";
     for (int32_t i = 0; !why && i < p->n_prompt; i++)
-        if (p->prompt[i] < 0 || p->prompt[i] >= n_vocab) why = "a prompt token is outside the vocabulary";
+        if (p->prompt[i] < 0 || p->prompt[i] >= n_vocab)
+            why = "a prompt token is outside the vocabulary";
     for (int32_t i = 0; !why && i < p->n_stop_ids; i++)
-        if (p->stop_ids[i] < 0 || p->stop_ids[i] >= n_vocab) why = "a stop id is outside the vocabulary";
+        if (p->stop_ids[i] < 0 || p->stop_ids[i] >= n_vocab)
+            why = "a stop id is outside the vocabulary";
     if (why) {
         DI_LOG_ERROR("request: %s", why);
         return DI_ERR_INVALID;
@@ -53,7 +59,8 @@ di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t
     r->max_tokens = p->max_tokens;
     r->sample = p->sample;
     if (p->sample.n_logit_bias)
-        memcpy(r->bias, p->sample.logit_bias, sizeof(di_logit_bias) * (size_t)p->sample.n_logit_bias);
+        memcpy(r->bias, p->sample.logit_bias,
+               sizeof(di_logit_bias) * (size_t)p->sample.n_logit_bias);
     r->sample.logit_bias = r->bias;
     if (p->n_stop_ids) memcpy(r->stop_ids, p->stop_ids, sizeof(int32_t) * (size_t)p->n_stop_ids);
     r->n_stop_ids = p->n_stop_ids;

@@ -17,29 +17,29 @@
 typedef struct di_request di_request;
 struct di_request {
     uint64_t id;
-    uint64_t arrival;          // submission order: FCFS admission, newest preempted first
-    int32_t *tokens;           // owned [n_prompt + max_tokens]: prompt, then generated tokens
+    uint64_t arrival; // submission order: FCFS admission, newest preempted first
+    int32_t *tokens;  // owned [n_prompt + max_tokens]: prompt, then generated tokens
     int32_t n_prompt, n_gen, max_tokens;
-    di_sample_params sample;   // logit_bias points at `bias`
-    di_logit_bias *bias;       // owned [sample.n_logit_bias]
+    di_sample_params sample; // logit_bias points at `bias`
+    di_logit_bias *bias;     // owned [sample.n_logit_bias]
     int32_t stop_ids[DI_MAX_STOP];
     int32_t n_stop_ids;
     bool ignore_eos;
-    di_stop stop;              // owned stop strings and held bytes
+    di_stop stop; // owned stop strings and held bytes
     uint64_t salt;
-    float *first_logits;       // borrowed (caller's buffer) or NULL
+    float *first_logits; // borrowed (caller's buffer) or NULL
     di_event_fn on_event;
     void *user;
     atomic_bool cancelled;
 
     // Progress (engine thread).
-    int32_t slot;              // KV slot while running, -1 otherwise
-    int32_t n_done;            // positions whose state is computed: tokens[0, n_done)
-    int32_t win_lo;            // first position with a window row (bounded replay), 0 otherwise
+    int32_t slot;   // KV slot while running, -1 otherwise
+    int32_t n_done; // positions whose state is computed: tokens[0, n_done)
+    int32_t win_lo; // first position with a window row (bounded replay), 0 otherwise
     int32_t n_cached, n_replayed, n_computed, n_preempted;
-    int32_t n_pending;         // 1 while the step in flight samples its next token, else 0
-    di_request *next;          // waiting-queue link
-    di_request *all_next;      // engine's list of live requests (guarded by the engine mutex)
+    int32_t n_pending;    // 1 while the step in flight samples its next token, else 0
+    di_request *next;     // waiting-queue link
+    di_request *all_next; // engine's list of live requests (guarded by the engine mutex)
 };
 
 // Tokens known so far (prompt + generated).

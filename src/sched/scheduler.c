@@ -6,9 +6,11 @@
 #include "base/log.h"
 #include "base/mem.h"
 
-di_status di_sched_init(di_sched *s, di_kv_manager *kv, int32_t max_seqs, int32_t max_batch_tokens) {
+di_status di_sched_init(di_sched *s, di_kv_manager *kv, int32_t max_seqs,
+                        int32_t max_batch_tokens) {
     memset(s, 0, sizeof *s);
-    if (max_seqs < 1 || max_batch_tokens < max_seqs || max_seqs > kv->max_seqs) return DI_ERR_INVALID;
+    if (max_seqs < 1 || max_batch_tokens < max_seqs || max_seqs > kv->max_seqs)
+        return DI_ERR_INVALID;
     s->kv = kv;
     s->max_seqs = max_seqs;
     s->max_batch_tokens = max_batch_tokens;
@@ -45,8 +47,10 @@ void di_sched_deinit(di_sched *s) {
 
 void di_sched_enqueue(di_sched *s, di_request *r) {
     r->next = NULL;
-    if (s->wait_tail) s->wait_tail->next = r;
-    else s->wait_head = r;
+    if (s->wait_tail)
+        s->wait_tail->next = r;
+    else
+        s->wait_head = r;
     s->wait_tail = r;
     s->n_waiting++;
 }
@@ -64,7 +68,8 @@ static void release(di_sched *s, di_request *r) {
     r->slot = -1;
     for (int32_t i = 0; i < s->n_running; i++) {
         if (s->running[i] != r) continue;
-        memmove(s->running + i, s->running + i + 1, sizeof(*s->running) * (size_t)(s->n_running - i - 1));
+        memmove(s->running + i, s->running + i + 1,
+                sizeof(*s->running) * (size_t)(s->n_running - i - 1));
         s->n_running--;
         return;
     }
@@ -80,14 +85,17 @@ static void drop_rows(di_sched *s, di_request *r) {
             row += n;
             continue;
         }
-        memmove(s->tokens + row, s->tokens + row + n, sizeof(int32_t) * (size_t)(s->n_rows - row - n));
+        memmove(s->tokens + row, s->tokens + row + n,
+                sizeof(int32_t) * (size_t)(s->n_rows - row - n));
         memmove(s->seqs + i, s->seqs + i + 1, sizeof(*s->seqs) * (size_t)(s->n_seq - i - 1));
-        memmove(s->seq_req + i, s->seq_req + i + 1, sizeof(*s->seq_req) * (size_t)(s->n_seq - i - 1));
+        memmove(s->seq_req + i, s->seq_req + i + 1,
+                sizeof(*s->seq_req) * (size_t)(s->n_seq - i - 1));
         s->n_seq--;
         s->n_rows -= n;
         for (int32_t j = 0; j < s->n_logit; j++) {
             if (s->logit_req[j] == r) continue;
-            s->logit_rows[k] = s->logit_rows[j] >= row + n ? s->logit_rows[j] - n : s->logit_rows[j];
+            s->logit_rows[k] =
+                s->logit_rows[j] >= row + n ? s->logit_rows[j] - n : s->logit_rows[j];
             s->logit_req[k++] = s->logit_req[j];
         }
         s->n_logit = k;
@@ -124,8 +132,8 @@ static void preempt(di_sched *s, di_request *r) {
 
 static void plan_rows(di_sched *s, di_request *r, int32_t n) {
     di_dsv4_seq *sq = &s->seqs[s->n_seq];
-    *sq = (di_dsv4_seq){.layers = s->kv->seqs[r->slot].layers, .pos = r->n_done, .n_tok = n,
-                        .win_lo = r->win_lo};
+    *sq = (di_dsv4_seq){
+        .layers = s->kv->seqs[r->slot].layers, .pos = r->n_done, .n_tok = n, .win_lo = r->win_lo};
     s->seq_req[s->n_seq++] = r;
     // The pending token (being sampled by the step in flight) gets a placeholder.
     int32_t known = di_request_n_tokens(r) - r->n_done;
@@ -232,7 +240,8 @@ static void step_once(di_sched *s) {
     while (s->wait_head && s->n_free_slots > 0 && budget > 0) {
         di_request *r = s->wait_head;
         int32_t n_tok = di_request_n_tokens(r);
-        if (di_block_pool_n_available(s->kv->pool) < di_kv_blocks_for(s->kv, budget < n_tok ? budget : n_tok))
+        if (di_block_pool_n_available(s->kv->pool) <
+            di_kv_blocks_for(s->kv, budget < n_tok ? budget : n_tok))
             break;
         int32_t slot = s->free_slots[s->n_free_slots - 1];
         if (di_kv_seq_open(s->kv, slot, r->salt) != DI_OK) break;
@@ -252,13 +261,14 @@ static void step_once(di_sched *s) {
         // Insert in arrival order (a preempted request is older than the running newer ones).
         int32_t at = s->n_running;
         while (at > 0 && s->running[at - 1]->arrival > r->arrival) at--;
-        memmove(s->running + at + 1, s->running + at, sizeof(*s->running) * (size_t)(s->n_running - at));
+        memmove(s->running + at + 1, s->running + at,
+                sizeof(*s->running) * (size_t)(s->n_running - at));
         s->running[at] = r;
         s->n_running++;
         int32_t left = n_tok - r->n_done;
         int32_t n = left < budget ? left : budget;
         if (di_kv_seq_reserve(s->kv, slot, r->n_done + n) != DI_OK) {
-            preempt(s, r); // blocks ran out after all; try again later
+            preempt(s, r);      // blocks ran out after all; try again later
             s->n_preemptions--; // not a real preemption: nothing was computed
             r->n_preempted--;
             break;
@@ -275,8 +285,10 @@ void di_sched_advance(di_sched *s) {
         int32_t n = s->seqs[i].n_tok;
         bool decode = di_request_n_tokens(r) - r->n_done == 1 && n == 1 && r->n_gen > 0 &&
                       r->n_done >= r->n_prompt;
-        if (decode) s->n_decode_rows += n;
-        else s->n_prefill_rows += n;
+        if (decode)
+            s->n_decode_rows += n;
+        else
+            s->n_prefill_rows += n;
         r->n_done += n;
         r->n_computed += n;
         di_kv_seq_publish(s->kv, r->slot, r->tokens, r->n_done);

@@ -28,29 +28,29 @@
 
 #include <stdint.h>
 
-#include "kv/kv_manager.h"  // di_kv_manager
-#include "model/dsv4.h"     // di_dsv4_seq
-#include "sched/request.h"  // di_request
+#include "kv/kv_manager.h" // di_kv_manager
+#include "model/dsv4.h"    // di_dsv4_seq
+#include "sched/request.h" // di_request
 
 typedef struct di_sched {
-    di_kv_manager *kv;          // borrowed
+    di_kv_manager *kv; // borrowed
     int32_t max_seqs, max_batch_tokens;
-    di_request **running;       // owned [max_seqs], arrival order
+    di_request **running; // owned [max_seqs], arrival order
     int32_t n_running;
     di_request *wait_head, *wait_tail;
     int32_t n_waiting;
-    int32_t *free_slots;        // owned [max_seqs]
+    int32_t *free_slots; // owned [max_seqs]
     int32_t n_free_slots;
     // The plan of the current step.
-    di_dsv4_seq *seqs;          // owned [max_seqs]
-    di_request **seq_req;       // owned [max_seqs]
+    di_dsv4_seq *seqs;    // owned [max_seqs]
+    di_request **seq_req; // owned [max_seqs]
     int32_t n_seq, n_rows;
-    int32_t *tokens;            // owned [max_batch_tokens]
-    int32_t *logit_rows;        // owned [max_seqs]: rows whose logits sample a token
-    di_request **logit_req;     // owned [max_seqs]
+    int32_t *tokens;        // owned [max_batch_tokens]
+    int32_t *logit_rows;    // owned [max_seqs]: rows whose logits sample a token
+    di_request **logit_req; // owned [max_seqs]
     int32_t n_logit;
-    bool ahead;                 // planning while a forward runs: no preemption
-    bool aborted;               // the plan ahead needed a preemption (or planned nothing)
+    bool ahead;   // planning while a forward runs: no preemption
+    bool aborted; // the plan ahead needed a preemption (or planned nothing)
     int64_t n_preemptions, n_prefill_rows, n_decode_rows, n_cache_hit_tokens, n_replayed_tokens;
 } di_sched;
 

@@ -6,12 +6,12 @@ static const struct {
     const char *name;
     size_t size;
 } k_dtypes[DI_DTYPE_COUNT] = {
-    [DI_DTYPE_F32] = {"F32", 4},        [DI_DTYPE_F16] = {"F16", 2},
-    [DI_DTYPE_BF16] = {"BF16", 2},      [DI_DTYPE_F64] = {"F64", 8},
+    [DI_DTYPE_F32] = {"F32", 4},         [DI_DTYPE_F16] = {"F16", 2},
+    [DI_DTYPE_BF16] = {"BF16", 2},       [DI_DTYPE_F64] = {"F64", 8},
     [DI_DTYPE_F8_E4M3] = {"F8_E4M3", 1}, [DI_DTYPE_F8_E5M2] = {"F8_E5M2", 1},
     [DI_DTYPE_F8_E8M0] = {"F8_E8M0", 1}, [DI_DTYPE_I8] = {"I8", 1},
-    [DI_DTYPE_U8] = {"U8", 1},          [DI_DTYPE_I16] = {"I16", 2},
-    [DI_DTYPE_I32] = {"I32", 4},        [DI_DTYPE_I64] = {"I64", 8},
+    [DI_DTYPE_U8] = {"U8", 1},           [DI_DTYPE_I16] = {"I16", 2},
+    [DI_DTYPE_I32] = {"I32", 4},         [DI_DTYPE_I64] = {"I64", 8},
     [DI_DTYPE_BOOL] = {"BOOL", 1},
 };
 

@@ -8,9 +8,15 @@ void di_tensor_row_f32(const di_tensor *t, int64_t r, float *out) {
     const uint8_t *row = (const uint8_t *)t->data + (size_t)r * t->nb1;
     int64_t n = t->ne[0];
     switch (t->kind) {
-    case DI_TENSOR_KIND_F32: di_dequant_row_f32(DI_DTYPE_F32, row, n, out); return;
-    case DI_TENSOR_KIND_F16: di_dequant_row_f32(DI_DTYPE_F16, row, n, out); return;
-    case DI_TENSOR_KIND_BF16: di_dequant_row_f32(DI_DTYPE_BF16, row, n, out); return;
+    case DI_TENSOR_KIND_F32:
+        di_dequant_row_f32(DI_DTYPE_F32, row, n, out);
+        return;
+    case DI_TENSOR_KIND_F16:
+        di_dequant_row_f32(DI_DTYPE_F16, row, n, out);
+        return;
+    case DI_TENSOR_KIND_BF16:
+        di_dequant_row_f32(DI_DTYPE_BF16, row, n, out);
+        return;
     case DI_TENSOR_KIND_FP8: {
         const uint8_t *srow = t->scale + (size_t)((t->row0 + r) / t->block_out) * t->scale_nb1;
         di_dequant_row_fp8(row, srow, n, t->block_in, out);
@@ -45,11 +51,16 @@ size_t di_tensor_bytes(const di_tensor *t) {
 
 const char *di_tensor_kind_name(di_tensor_kind k) {
     switch (k) {
-    case DI_TENSOR_KIND_F32: return "F32";
-    case DI_TENSOR_KIND_F16: return "F16";
-    case DI_TENSOR_KIND_BF16: return "BF16";
-    case DI_TENSOR_KIND_FP8: return "FP8-e4m3/ue8m0";
-    case DI_TENSOR_KIND_FP4: return "FP4-e2m1/ue8m0";
+    case DI_TENSOR_KIND_F32:
+        return "F32";
+    case DI_TENSOR_KIND_F16:
+        return "F16";
+    case DI_TENSOR_KIND_BF16:
+        return "BF16";
+    case DI_TENSOR_KIND_FP8:
+        return "FP8-e4m3/ue8m0";
+    case DI_TENSOR_KIND_FP4:
+        return "FP4-e2m1/ue8m0";
     }
     return "?";
 }

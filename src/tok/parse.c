@@ -43,12 +43,12 @@ struct di_parse {
     bool completed_call;
     di_parse_finish finish;
     // JSON mode filter over content (opt.json_output)
-    int json_state;   // JS_* below
+    int json_state;    // JS_* below
     char json_hold[8]; // bytes that may still become a fence (before) or its end (fenced)
     size_t json_n_hold;
     int32_t json_depth;
     bool json_in_string, json_escape;
-    di_buf json_out; // owned: filtered bytes of one content event
+    di_buf json_out;    // owned: filtered bytes of one content event
     bool json_emitting; // the filter is emitting its output (not to be filtered again)
 };
 
@@ -198,9 +198,12 @@ static void json_filter(di_parse *p, const char *text, size_t n, bool end) {
         case JS_RAW:
             json_put(p, &c, 1, false);
             if (p->json_in_string) {
-                if (p->json_escape) p->json_escape = false;
-                else if (c == '\\') p->json_escape = true;
-                else if (c == '"') p->json_in_string = false;
+                if (p->json_escape)
+                    p->json_escape = false;
+                else if (c == '\\')
+                    p->json_escape = true;
+                else if (c == '"')
+                    p->json_in_string = false;
             } else if (c == '"') {
                 p->json_in_string = true;
             } else if (c == '{' || c == '[') {

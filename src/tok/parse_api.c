@@ -17,14 +17,14 @@ _Static_assert((int)DI_PARSER_STAGE_TOOL_CALLS == (int)DI_PARSE_STAGE_TOOL_CALLS
 enum { TAIL_BYTES = 1024 }; // > the longest stop string (256) plus one fed piece in practice
 
 struct di_parser {
-    di_parse *p;          // owned
-    char **stop;          // owned copies
+    di_parse *p; // owned
+    char **stop; // owned copies
     size_t n_stop;
     const di_tokenizer *tok; // borrowed
-    di_detok *detok;      // owned
-    char tail[TAIL_BYTES]; // last bytes fed, to name the stop string that matched
+    di_detok *detok;         // owned
+    char tail[TAIL_BYTES];   // last bytes fed, to name the stop string that matched
     size_t n_tail;
-    const char *matched;  // view into stop[], once finished by a stop string
+    const char *matched; // view into stop[], once finished by a stop string
     di_parser_emit_fn emit;
     void *user;
 };

@@ -254,11 +254,10 @@ static json_t *from_messages(const json_t *req) {
                 // here; passing json_object() straight to "O" leaked it (fuzzer, leak-d7913e7d).
                 json_t *args = json_object_get(b, "input");
                 json_t *empty = args ? NULL : json_object();
-                json_array_append_new(calls,
-                                      json_pack("{s:O?,s:s,s:{s:O?,s:O}}", "id",
-                                                json_object_get(b, "id"), "type", "function",
-                                                "function", "name", json_object_get(b, "name"),
-                                                "arguments", args ? args : empty));
+                json_array_append_new(
+                    calls, json_pack("{s:O?,s:s,s:{s:O?,s:O}}", "id", json_object_get(b, "id"),
+                                     "type", "function", "function", "name",
+                                     json_object_get(b, "name"), "arguments", args ? args : empty));
                 json_decref(empty);
             }
         }

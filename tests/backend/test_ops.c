@@ -64,11 +64,19 @@ static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, scale_rang
     t->ne[0] = n_in;
     t->ne[1] = n_out;
     switch (kind) {
-    case DI_TENSOR_KIND_F32: t->nb1 = 4 * (size_t)n_in; break;
+    case DI_TENSOR_KIND_F32:
+        t->nb1 = 4 * (size_t)n_in;
+        break;
     case DI_TENSOR_KIND_F16:
-    case DI_TENSOR_KIND_BF16: t->nb1 = 2 * (size_t)n_in; break;
-    case DI_TENSOR_KIND_FP8: t->nb1 = (size_t)n_in, t->block_out = 128, t->block_in = 128; break;
-    case DI_TENSOR_KIND_FP4: t->nb1 = (size_t)n_in / 2, t->block_out = 1, t->block_in = 32; break;
+    case DI_TENSOR_KIND_BF16:
+        t->nb1 = 2 * (size_t)n_in;
+        break;
+    case DI_TENSOR_KIND_FP8:
+        t->nb1 = (size_t)n_in, t->block_out = 128, t->block_in = 128;
+        break;
+    case DI_TENSOR_KIND_FP4:
+        t->nb1 = (size_t)n_in / 2, t->block_out = 1, t->block_in = 32;
+        break;
     }
     t->nb1 += 3; // rows are not packed: kernels must use nb1
     uint8_t *d = malloc(t->nb1 * (size_t)n_out);
@@ -77,7 +85,9 @@ static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, scale_rang
         for (int64_t i = 0; i < n_in; i++) {
             float v = rndf() * 2.0f;
             switch (kind) {
-            case DI_TENSOR_KIND_F32: memcpy(row + 4 * i, &v, 4); break;
+            case DI_TENSOR_KIND_F32:
+                memcpy(row + 4 * i, &v, 4);
+                break;
             case DI_TENSOR_KIND_F16: { // finite binary16 with a random exponent in [-14, 1]
                 uint16_t h = (uint16_t)(rnd() & 0xBFFF);
                 memcpy(row + 2 * i, &h, 2);
@@ -228,8 +238,8 @@ static const di_tensor_kind k_kinds[] = {DI_TENSOR_KIND_F32, DI_TENSOR_KIND_F16,
 static void test_gemm_shapes(void) {
     // (n_in, n_out): one 8-chunk; odd tails; a tail inside a scale block; more than one
     // 1024-column segment with a tail; rows crossing the 128-row FP8 scale block; full width.
-    static const int64_t shapes[][2] = {{8, 1},      {32, 5},     {100, 7},    {264, 9},
-                                        {2500, 6},   {384, 130},  {4096, 13}, {1026, 4}};
+    static const int64_t shapes[][2] = {{8, 1},    {32, 5},    {100, 7},   {264, 9},
+                                        {2500, 6}, {384, 130}, {4096, 13}, {1026, 4}};
     static const int64_t toks[] = {1, 2, 3, 4, 7, 13};
     for (size_t k = 0; k < sizeof k_kinds / sizeof k_kinds[0]; k++) {
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
@@ -273,14 +283,14 @@ static void test_gemm_views(void) {
 // its 2^8 into the scale), 255 (NaN), and the e4m3 NaN codes; results must match the reference
 // including its infinities and NaNs.
 static void test_gemm_extremes(void) {
-    static const scale_range ranges[] = {{0, 3, false}, {244, 254, false}, {250, 255, true},
-                                         {120, 130, true}};
+    static const scale_range ranges[] = {
+        {0, 3, false}, {244, 254, false}, {250, 255, true}, {120, 130, true}};
     for (size_t r = 0; r < sizeof ranges / sizeof ranges[0]; r++) {
         for (int kind = DI_TENSOR_KIND_FP8; kind <= DI_TENSOR_KIND_FP4; kind++) {
             mat m = make_mat((di_tensor_kind)kind, 200, 9, ranges[r]);
             char what[64];
-            snprintf(what, sizeof what, "%s scales %d..%d", di_tensor_kind_name(kind),
-                     ranges[r].lo, ranges[r].hi);
+            snprintf(what, sizeof what, "%s scales %d..%d", di_tensor_kind_name(kind), ranges[r].lo,
+                     ranges[r].hi);
             gemm_case(&g_rc, &m.t, 1, what);
             gemm_case(&g_rc, &m.t, 6, what);
             free_mat(&m);

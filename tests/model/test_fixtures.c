@@ -60,7 +60,8 @@ static void trace_cb(void *user, const char *name, int il, const void *data, boo
         for (int64_t r = 0; r < n_rows; r++) {
             c->sel_checked++;
             if (memcmp(ref + r * row_len, got + r * row_len, sizeof(int32_t) * (size_t)row_len)) {
-                if (c->sel_mismatch < 5) fprintf(stderr, "%s: query %lld selects differently\n", key, (long long)r);
+                if (c->sel_mismatch < 5)
+                    fprintf(stderr, "%s: query %lld selects differently\n", key, (long long)r);
                 c->sel_mismatch++;
             }
         }
@@ -73,8 +74,10 @@ static void trace_cb(void *user, const char *name, int il, const void *data, boo
         return;
     }
     double e = rel_err(data, t->data, n_rows * row_len);
-    if (strcmp(name, "layer_out") == 0 && e > c->worst_layer) c->worst_layer = e, c->worst_layer_il = il;
-    if (strcmp(name, "attn_out") == 0 && e > c->worst_attn) c->worst_attn = e, c->worst_attn_il = il;
+    if (strcmp(name, "layer_out") == 0 && e > c->worst_layer)
+        c->worst_layer = e, c->worst_layer_il = il;
+    if (strcmp(name, "attn_out") == 0 && e > c->worst_attn)
+        c->worst_attn = e, c->worst_attn_il = il;
 }
 
 static const float *ref_f32(const di_st_file *ref, const char *name, int64_t n_expect) {
@@ -108,8 +111,10 @@ static bool run_chunks(di_model *m, bool mtp, const int32_t *ids, int32_t T, con
         done += n;
         done_mtp += n_mtp;
     }
-    if (keep) *keep = s;
-    else di_session_destroy(s);
+    if (keep)
+        *keep = s;
+    else
+        di_session_destroy(s);
     return done == T && (!mtp || done_mtp == T - 1);
 }
 
@@ -187,7 +192,8 @@ static void check_fixture(const char *dir, const char *name) {
             cap.worst_layer, cap.worst_layer_il, cap.worst_attn, cap.worst_attn_il);
     CHECK(cap.worst_layer <= TOL_REF);
     CHECK(cap.worst_attn <= TOL_REF);
-    fprintf(stderr, "  indexer selections: %d queries, %d differ\n", cap.sel_checked, cap.sel_mismatch);
+    fprintf(stderr, "  indexer selections: %d queries, %d differ\n", cap.sel_checked,
+            cap.sel_mismatch);
     CHECK_EQ(cap.sel_mismatch, 0);
     const float *ref_mtp = ref_f32(ref, "mtp_logits", (T - 1) * V);
     if (mtp && ref_mtp) {
@@ -207,7 +213,8 @@ static void check_fixture(const char *dir, const char *name) {
     for (size_t cs = 0; cs < sizeof chunk_sets / sizeof chunk_sets[0]; cs++) {
         int n_chunks = 0;
         while (n_chunks < 12 && chunk_sets[cs][n_chunks]) n_chunks++;
-        CHECK(run_chunks(m, mtp, ids, T, chunk_sets[cs], n_chunks, chunked, mtp ? mtp_chunked : NULL, NULL));
+        CHECK(run_chunks(m, mtp, ids, T, chunk_sets[cs], n_chunks, chunked,
+                         mtp ? mtp_chunked : NULL, NULL));
         double e = rel_err(chunked, full, T * V);
         double em = mtp ? rel_err(mtp_chunked, mtp_full, (T - 1) * V) : 0;
         fprintf(stderr, "  chunk set %zu: logits %.3g, mtp %.3g\n", cs, e, em);
@@ -252,7 +259,9 @@ static void check_fixture(const char *dir, const char *name) {
         CHECK(di_session_restore(r, bytes, n_bytes) == DI_OK);
         CHECK_EQ(di_session_n_past(r), cut);
         int32_t n_mtp = 0;
-        di_forward_out fo = {.logits = chunked + cut * V, .mtp_logits = mtp ? mtp_chunked : NULL, .n_mtp_out = &n_mtp};
+        di_forward_out fo = {.logits = chunked + cut * V,
+                             .mtp_logits = mtp ? mtp_chunked : NULL,
+                             .n_mtp_out = &n_mtp};
         CHECK(di_session_forward(r, ids + cut, T - cut, &fo) == DI_OK);
         double e = rel_err(chunked + cut * V, full + cut * V, (T - cut) * V);
         fprintf(stderr, "  restore at %d (%zu bytes): %.3g\n", cut, n_bytes, e);
@@ -281,7 +290,8 @@ static void check_fixture(const char *dir, const char *name) {
             matched++;
             if (di_session_forward(s, &best, 1, &fo) != DI_OK) break;
         }
-        fprintf(stderr, "  greedy generate: %d / %lld tokens match\n", matched, (long long)gt->n_elements);
+        fprintf(stderr, "  greedy generate: %d / %lld tokens match\n", matched,
+                (long long)gt->n_elements);
         CHECK_EQ(matched, gt->n_elements);
         free(lg);
         di_session_destroy(s);

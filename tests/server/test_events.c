@@ -27,7 +27,7 @@ static const char k_cut_at[] = "3</";
 enum mode { TOKENS, SPLITS, TRUNCATED, TRUNCATED_SPLITS };
 
 typedef struct run {
-    char *sse;   // stream text (stream runs)
+    char *sse;    // stream text (stream runs)
     json_t *body; // non-stream body
     int raw_records;
 } run;
@@ -64,9 +64,10 @@ static run replay(srv_api api, bool stream, enum mode mode) {
     g->tools = true;
     g->stage = DI_PARSER_STAGE_REASONING;
     g->created = 1;
-    snprintf(g->id, sizeof g->id, "%s", api == SRV_API_CHAT        ? "chatcmpl-ID"
-                                        : api == SRV_API_RESPONSES ? "resp_ID"
-                                                                   : "msg_ID");
+    snprintf(g->id, sizeof g->id, "%s",
+             api == SRV_API_CHAT        ? "chatcmpl-ID"
+             : api == SRV_API_RESPONSES ? "resp_ID"
+                                        : "msg_ID");
     srv_err e;
     CHECK(srv_gen_init_parsers(g, &e));
     if (stream && g->ops->stream_begin) g->ops->stream_begin(g);
@@ -129,7 +130,8 @@ static json_t *text_field(json_t *data, const char **key_out, char *merge_key, s
     json_t *d = json_object_get(ch, "delta");
     if (d && json_is_null(json_object_get(ch, "finish_reason"))) {
         json_t *tc = json_object_get(d, "tool_calls");
-        if (json_is_string(json_object_get(d, "reasoning_content")) && !json_object_get(d, "role")) {
+        if (json_is_string(json_object_get(d, "reasoning_content")) &&
+            !json_object_get(d, "role")) {
             *key_out = "reasoning_content";
             snprintf(merge_key, cap, "chat.reasoning");
             return d;
@@ -345,7 +347,7 @@ static void check_truncated(srv_api api) {
     check_golden(tok, name);
     CHECK_STR_EQ(split, tok);
     CHECK(strstr(tok, "get_weather") != NULL); // begun at the name's end
-    CHECK(args_tok > 4);                        // and its arguments streamed as they came
+    CHECK(args_tok > 4);                       // and its arguments streamed as they came
     CHECK(strstr(tok, "DSML") == NULL && strstr(tok, "invoke") == NULL &&
           strstr(tok, "parameter") == NULL);
     free(tok);
@@ -354,9 +356,10 @@ static void check_truncated(srv_api api) {
     run nb = replay(api, false, TRUNCATED);
     char *body = json_dumps(nb.body, JSON_COMPACT);
     CHECK(body && strstr(body, "get_weather") == NULL && strstr(body, "DSML") == NULL);
-    CHECK(body && strstr(body, api == SRV_API_CHAT        ? "\"finish_reason\":\"length\""
-                               : api == SRV_API_RESPONSES ? "\"status\":\"incomplete\""
-                                                          : "\"stop_reason\":\"max_tokens\"") != NULL);
+    CHECK(body &&
+          strstr(body, api == SRV_API_CHAT        ? "\"finish_reason\":\"length\""
+                       : api == SRV_API_RESPONSES ? "\"status\":\"incomplete\""
+                                                  : "\"stop_reason\":\"max_tokens\"") != NULL);
     free(body);
     json_decref(nb.body);
 }

@@ -79,7 +79,8 @@ static void test_pool(void) {
 
 static void test_json(void) {
     json_error_t err;
-    json_t *j = json_loads("{\"a\": 3, \"b\": 2.0, \"c\": 1.5, \"s\": \"x\", \"t\": true}", 0, &err);
+    json_t *j =
+        json_loads("{\"a\": 3, \"b\": 2.0, \"c\": 1.5, \"s\": \"x\", \"t\": true}", 0, &err);
     CHECK(j != NULL);
     int64_t i;
     double d;

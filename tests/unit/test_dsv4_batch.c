@@ -16,11 +16,11 @@ enum { N_SEQ = 5, N_STEP = 9, V = 512 };
 
 // chunk[i][k]: tokens fed by sequence i at step k (0 = idle this step).
 static const int32_t k_chunks[N_SEQ][N_STEP] = {
-    {3, 1, 1, 1, 1, 1, 1, 1, 1},      // short prompt, then decodes
-    {17, 0, 1, 1, 1, 1, 1, 1, 1},     // idles one step
-    {8, 8, 8, 9, 1, 1, 1, 1, 1},      // chunked prefill across CSA/HCA windows and the ring
-    {1, 1, 1, 1, 1, 1, 1, 1, 1},      // pure decode from position 0
-    {0, 0, 0, 40, 1, 1, 1, 1, 1},     // joins late with a long chunk
+    {3, 1, 1, 1, 1, 1, 1, 1, 1},  // short prompt, then decodes
+    {17, 0, 1, 1, 1, 1, 1, 1, 1}, // idles one step
+    {8, 8, 8, 9, 1, 1, 1, 1, 1},  // chunked prefill across CSA/HCA windows and the ring
+    {1, 1, 1, 1, 1, 1, 1, 1, 1},  // pure decode from position 0
+    {0, 0, 0, 40, 1, 1, 1, 1, 1}, // joins late with a long chunk
 };
 
 static int32_t token_of(int seq, int32_t pos) {
@@ -81,8 +81,7 @@ static void run_case(di_precision prec) {
                 int32_t t = logit_rows[lr] - sq->row0;
                 rows_compared++;
                 if (memcmp(got + (int64_t)lr * V, ref + (int64_t)t * V, sizeof(float) * V)) {
-                    if (mismatches < 5)
-                        fprintf(stderr, "step %d seq %d row %d differs\n", k, i, t);
+                    if (mismatches < 5) fprintf(stderr, "step %d seq %d row %d differs\n", k, i, t);
                     mismatches++;
                 }
             }

@@ -98,7 +98,7 @@ static void check_clean(di_engine *e) {
     di_engine_stats st;
     di_engine_get_stats(e, &st);
     CHECK_EQ(st.n_blocks_free, st.n_blocks_total); // every block back (cached ones are idle)
-    CHECK_EQ(st.n_step_allocs, 0);                  // nothing allocated on the step path
+    CHECK_EQ(st.n_step_allocs, 0);                 // nothing allocated on the step path
     CHECK(st.n_steps > 0);
 }
 
@@ -181,8 +181,9 @@ static void test_async_overlap(void) {
     di_engine_stats st_sync, st_async;
     run_16(true, r_sync, &st_sync);
     run_16(false, r_async, &st_async);
-    fprintf(stderr, "sync: %lld steps, %lld planned ahead; async: %lld steps, %lld planned ahead, "
-                    "%lld complete before the forward returned\n",
+    fprintf(stderr,
+            "sync: %lld steps, %lld planned ahead; async: %lld steps, %lld planned ahead, "
+            "%lld complete before the forward returned\n",
             (long long)st_sync.n_steps, (long long)st_sync.n_plans_ahead,
             (long long)st_async.n_steps, (long long)st_async.n_plans_ahead,
             (long long)st_async.n_plans_overlapped);
@@ -198,7 +199,9 @@ static void test_async_overlap(void) {
         CHECK_EQ(atomic_load(&r_async[i].finished), 1);
         CHECK(r_async[i].n > 0);
         // Identical to alone up to the stop.
-        CHECK_EQ(memcmp(r_async[i].tokens, g_alone[i].tokens, sizeof(int32_t) * (size_t)r_async[i].n), 0);
+        CHECK_EQ(
+            memcmp(r_async[i].tokens, g_alone[i].tokens, sizeof(int32_t) * (size_t)r_async[i].n),
+            0);
         if (i % 2 == 0) {
             CHECK(r_async[i].n <= 4);
             CHECK_EQ(r_async[i].tokens[r_async[i].n - 1], g_alone[i].tokens[3]);
@@ -241,7 +244,8 @@ static void test_preemption_tiny_budget(void) {
         run_long(e, small, &st);
         int n_same = 0;
         for (int i = 0; i < N_LONG; i++) n_same += same(&small[i], &big[i]);
-        fprintf(stderr, "tiny budget (%lld blocks, prefix cache %s): %lld preemptions, %d/%d identical\n",
+        fprintf(stderr,
+                "tiny budget (%lld blocks, prefix cache %s): %lld preemptions, %d/%d identical\n",
                 (long long)st.n_blocks_total, prefix ? "on" : "off", (long long)st.n_preemptions,
                 n_same, N_LONG);
         CHECK(st.n_preemptions > 0);
@@ -344,7 +348,8 @@ static void test_stop_string(void) {
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     if (!e) return;
     // Greedy request 0 alone produced g_alone[0].tokens; stop at the text of tokens 2 and 3.
-    char stop_s[3] = {(char)('a' + g_alone[0].tokens[2] % 26), (char)('a' + g_alone[0].tokens[3] % 26), 0};
+    char stop_s[3] = {(char)('a' + g_alone[0].tokens[2] % 26),
+                      (char)('a' + g_alone[0].tokens[3] % 26), 0};
     const char *stops[] = {stop_s};
     result r;
     memset(&r, 0, sizeof r);
@@ -363,8 +368,8 @@ static void test_stop_string(void) {
     if (hit) {
         int at = (int)(hit - all);
         CHECK_EQ(r.finish, DI_FINISH_STOP);
-        CHECK_EQ(r.n, at + 2);           // tokens up to the one completing the stop string
-        CHECK_EQ(r.n_text, (size_t)at);  // text before the stop string only
+        CHECK_EQ(r.n, at + 2);          // tokens up to the one completing the stop string
+        CHECK_EQ(r.n_text, (size_t)at); // text before the stop string only
         CHECK(memcmp(r.text, all, (size_t)at) == 0);
     }
     di_engine_destroy(e);
@@ -380,7 +385,8 @@ int main(void) {
     for (int i = 0; i < N_REQ; i++) {
         g_len[i] = 5 + (i * 37) % 150; // 5 .. 154 tokens
         for (int t = 0; t < 200; t++)
-            g_prompt[i][t] = (int32_t)((t < 40 ? t * 31 + 3 : t * 17 + i * 101) % V); // shared start
+            g_prompt[i][t] =
+                (int32_t)((t < 40 ? t * 31 + 3 : t * 17 + i * 101) % V); // shared start
     }
     di_set_log_level(1);
     RUN(test_batch_invariance);

@@ -33,7 +33,8 @@ static void check_flash(const di_hparams *hp) {
     CHECK_EQ(hp->compress_ratio[42], 4);
     CHECK_EQ(hp->compress_ratio[43], 0);
     int csa = 0, hca = 0;
-    for (int il = 0; il < 43; il++) csa += hp->compress_ratio[il] == 4, hca += hp->compress_ratio[il] == 128;
+    for (int il = 0; il < 43; il++)
+        csa += hp->compress_ratio[il] == 4, hca += hp->compress_ratio[il] == 128;
     CHECK_EQ(csa, 21);
     CHECK_EQ(hca, 20);
     CHECK(hp->hash_routed[0] && hp->hash_routed[2] && !hp->hash_routed[3] && !hp->hash_routed[43]);
@@ -49,22 +50,34 @@ static void check_flash(const di_hparams *hp) {
 static void test_released_configs(void) {
     char p[1024];
     di_hparams hp;
-    CHECK(di_hparams_load(test_src_path("tests/data/configs/deepseek-v4-flash.json", p, sizeof p), &hp) == DI_OK);
+    CHECK(di_hparams_load(test_src_path("tests/data/configs/deepseek-v4-flash.json", p, sizeof p),
+                          &hp) == DI_OK);
     check_flash(&hp);
     // The official inference config uses dim / n_layers / rope_factor / original_seq_len ...
-    CHECK(di_hparams_load(test_src_path("tests/data/configs/deepseek-v4-flash-inference.json", p, sizeof p), &hp) == DI_OK);
+    CHECK(di_hparams_load(
+              test_src_path("tests/data/configs/deepseek-v4-flash-inference.json", p, sizeof p),
+              &hp) == DI_OK);
     check_flash(&hp);
 }
 
 // Spec §6.5 table: omega_i for main (theta 10000) and compress (160000 + YaRN).
 static void test_rope_table(void) {
     di_rope_params mainp = {.theta = 10000, .n_dims = 64, .factor = 1, .attention_factor = 1};
-    di_rope_params comp = {.theta = 160000, .yarn = true, .factor = 16, .original_max_pos = 65536,
-                           .beta_fast = 32, .beta_slow = 1, .attention_factor = 1, .n_dims = 64};
+    di_rope_params comp = {.theta = 160000,
+                           .yarn = true,
+                           .factor = 16,
+                           .original_max_pos = 65536,
+                           .beta_fast = 32,
+                           .beta_slow = 1,
+                           .attention_factor = 1,
+                           .n_dims = 64};
     float om[32], oc[32];
     di_rope_freqs(&mainp, om);
     di_rope_freqs(&comp, oc);
-    static const struct { int i; double m, c; } k[] = {
+    static const struct {
+        int i;
+        double m, c;
+    } k[] = {
         {0, 1, 1},
         {1, 0.749894202, 0.687656045},
         {15, 0.0133352149, 0.00363553851},
@@ -100,8 +113,10 @@ static di_status load_text(const char *json) {
 
 static void test_bad_configs(void) {
     CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4]}") == DI_OK);
-    CHECK(load_text("{" BASE ", \"layer_types\": [\"sliding_attention\", \"heavily_compressed_attention\"], "
-                    "\"compress_rates\": {\"compressed_sparse_attention\": 4, \"heavily_compressed_attention\": 8}}") == DI_OK);
+    CHECK(load_text("{" BASE
+                    ", \"layer_types\": [\"sliding_attention\", \"heavily_compressed_attention\"], "
+                    "\"compress_rates\": {\"compressed_sparse_attention\": 4, "
+                    "\"heavily_compressed_attention\": 8}}") == DI_OK);
     CHECK(load_text("not json") == DI_ERR_FORMAT);
     CHECK(load_text("[1, 2]") == DI_ERR_FORMAT);
     CHECK(load_text("{" BASE "}") == DI_ERR_FORMAT); // no schedule
@@ -110,30 +125,45 @@ static void test_bad_configs(void) {
     CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 1]}") == DI_ERR_FORMAT);
     CHECK(load_text("{" BASE ", \"compress_ratios\": [0, \"x\"]}") == DI_ERR_FORMAT);
     CHECK(load_text("{" BASE ", \"compress_ratios\": [0, -4]}") == DI_ERR_FORMAT);
-    CHECK(load_text("{" BASE ", \"layer_types\": [\"sliding_attention\", \"dense\"]}") == DI_ERR_FORMAT);
-    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"model_type\": \"llama\"}") == DI_ERR_UNSUPPORTED);
-    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"num_key_value_heads\": 2}") == DI_ERR_FORMAT);
-    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"num_experts_per_tok\": 9}") == DI_ERR_FORMAT);
-    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"hidden_size\": -1}") == DI_ERR_FORMAT);
-    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"hidden_size\": \"128\"}") == DI_ERR_FORMAT);
+    CHECK(load_text("{" BASE ", \"layer_types\": [\"sliding_attention\", \"dense\"]}") ==
+          DI_ERR_FORMAT);
+    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"model_type\": \"llama\"}") ==
+          DI_ERR_UNSUPPORTED);
+    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"num_key_value_heads\": 2}") ==
+          DI_ERR_FORMAT);
+    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"num_experts_per_tok\": 9}") ==
+          DI_ERR_FORMAT);
+    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"hidden_size\": -1}") ==
+          DI_ERR_FORMAT);
+    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"hidden_size\": \"128\"}") ==
+          DI_ERR_FORMAT);
     CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"o_groups\": 3}") == DI_ERR_FORMAT);
-    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"scoring_func\": \"softmax\"}") == DI_ERR_UNSUPPORTED);
-    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"rope_scaling\": {\"type\": \"yarn\"}}") == DI_ERR_FORMAT);
-    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"mlp_layer_types\": [\"moe\", 3]}") == DI_ERR_FORMAT);
-    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"vocab_size\": 1, \"vocab_size\": 2}") == DI_ERR_FORMAT);
+    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"scoring_func\": \"softmax\"}") ==
+          DI_ERR_UNSUPPORTED);
+    CHECK(load_text("{" BASE
+                    ", \"compress_ratios\": [0, 4], \"rope_scaling\": {\"type\": \"yarn\"}}") ==
+          DI_ERR_FORMAT);
+    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"mlp_layer_types\": [\"moe\", 3]}") ==
+          DI_ERR_FORMAT);
+    CHECK(load_text("{" BASE
+                    ", \"compress_ratios\": [0, 4], \"vocab_size\": 1, \"vocab_size\": 2}") ==
+          DI_ERR_FORMAT);
     char p[1024];
     di_hparams hp;
-    CHECK(di_hparams_load(test_src_path("tests/data/configs/missing.json", p, sizeof p), &hp) == DI_ERR_IO);
+    CHECK(di_hparams_load(test_src_path("tests/data/configs/missing.json", p, sizeof p), &hp) ==
+          DI_ERR_IO);
 }
 
 // Nested rope_parameters as the fixture configs write them; a missing attention_factor in the
 // nested YaRN form takes HF's derived value 0.1 ln(factor) + 1.
 static void test_nested_rope(void) {
-    const char *nested =
-        "{" BASE ", \"compress_ratios\": [0, 4], \"rope_parameters\": {"
-        "\"main\": {\"rope_type\": \"default\", \"rope_theta\": 10000, \"partial_rotary_factor\": 0.5},"
-        "\"compress\": {\"rope_type\": \"yarn\", \"rope_theta\": 160000, \"partial_rotary_factor\": 0.5,"
-        "\"factor\": 16, \"original_max_position_embeddings\": 65536, \"beta_fast\": 32, \"beta_slow\": 1%s}}}";
+    const char *nested = "{" BASE ", \"compress_ratios\": [0, 4], \"rope_parameters\": {"
+                         "\"main\": {\"rope_type\": \"default\", \"rope_theta\": 10000, "
+                         "\"partial_rotary_factor\": 0.5},"
+                         "\"compress\": {\"rope_type\": \"yarn\", \"rope_theta\": 160000, "
+                         "\"partial_rotary_factor\": 0.5,"
+                         "\"factor\": 16, \"original_max_position_embeddings\": 65536, "
+                         "\"beta_fast\": 32, \"beta_slow\": 1%s}}}";
     char buf[2048];
     snprintf(buf, sizeof buf, nested, ", \"attention_factor\": 1.0");
     char path[] = "/tmp/di_hparams_XXXXXX";

@@ -135,8 +135,8 @@ static void test_pages_and_prefix_replay(void) {
     int32_t hit = di_kv_seq_attach_prefix(kv, 2, p2, N2 - 1);
     CHECK_EQ(hit, SHARED / B * B);
     feed_kv(kv, &ws, 2, p2, hit - W, N2, hit - W, hit, warm + (int64_t)hit * V, false);
-    double e_short = rel_diff(warm + (int64_t)hit * V, cold + (int64_t)hit * V,
-                              (int64_t)(N2 - hit) * V);
+    double e_short =
+        rel_diff(warm + (int64_t)hit * V, cold + (int64_t)hit * V, (int64_t)(N2 - hit) * V);
     fprintf(stderr, "replay of only the last window (%d tokens): max rel diff %.3g\n", W, e_short);
     CHECK(e_short > 1e-3);
     di_kv_seq_close(kv, 2);
@@ -145,7 +145,8 @@ static void test_pages_and_prefix_replay(void) {
     CHECK_EQ(di_kv_seq_open(kv, 1, 0), DI_OK);
     CHECK_EQ(di_kv_seq_attach_prefix(kv, 1, p2, N2 - 1), hit);
     int32_t q = hit > R ? hit - R : 0;
-    fprintf(stderr, "hit %d tokens, replay %d tokens (positions %d..%d)\n", hit, hit - q, q, hit - 1);
+    fprintf(stderr, "hit %d tokens, replay %d tokens (positions %d..%d)\n", hit, hit - q, q,
+            hit - 1);
     CHECK(hit >= 3 * 128);
     CHECK_EQ(hit - q, R); // the replay count is exactly the bound
     feed_kv(kv, &ws, 1, p2, q, N2, q, hit, warm + (int64_t)hit * V, true);

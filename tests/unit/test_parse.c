@@ -121,8 +121,8 @@ static void test_official_roundtrip(void) {
         char p[4096];
         const char *sh = getenv("DI_SHARED_DIR"), *root = getenv("DI_SOURCE_DIR");
         if (sh)
-            snprintf(p, sizeof p, "%s/reference/deepseek-v4-flash/encoding-tests/test_input_%d.json",
-                     sh, k);
+            snprintf(p, sizeof p,
+                     "%s/reference/deepseek-v4-flash/encoding-tests/test_input_%d.json", sh, k);
         else
             snprintf(p, sizeof p, "%s/tests/data/tok/encoding-tests/test_input_%d.json",
                      root ? root : ".", k);

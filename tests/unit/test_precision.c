@@ -36,8 +36,10 @@ static double not_quantised(const float *rows, int64_t n, int64_t d, int64_t n_q
     int64_t bad = 0;
     for (int64_t r = 0; r < n; r++) {
         memcpy(buf, rows + r * d, sizeof(float) * (size_t)n_q);
-        if (q4) di_fake_quant_q4(buf, n_q, 32);
-        else di_fake_quant_q8(buf, n_q, 64);
+        if (q4)
+            di_fake_quant_q4(buf, n_q, 32);
+        else
+            di_fake_quant_q8(buf, n_q, 64);
         for (int64_t i = 0; i < n_q; i++) bad += buf[i] != rows[r * d + i];
     }
     return n ? (double)bad / (double)(n * n_q) : 0;
@@ -65,9 +67,11 @@ static void run(di_precision prec, float *logits, int32_t T, const int32_t *ids,
         int64_t n_ring = T < hp->window ? T : hp->window;
         *kv_bad = fmax(*kv_bad, not_quantised(ls->ring, n_ring, hp->head_dim, n_nope, false));
         if (m->layers[il].ratio > 0)
-            *cmp_bad = fmax(*cmp_bad, not_quantised(ls->cmp.entries, ls->cmp.n_entries, hp->head_dim, n_nope, false));
+            *cmp_bad = fmax(*cmp_bad, not_quantised(ls->cmp.entries, ls->cmp.n_entries,
+                                                    hp->head_dim, n_nope, false));
         if (m->layers[il].ratio == 4)
-            *idx_bad = fmax(*idx_bad, not_quantised(ls->idx.entries, ls->idx.n_entries, hp->index_head_dim, hp->index_head_dim, true));
+            *idx_bad = fmax(*idx_bad, not_quantised(ls->idx.entries, ls->idx.n_entries,
+                                                    hp->index_head_dim, hp->index_head_dim, true));
     }
     // chunked feeding is exact in this mode too
     float *chunked = malloc(sizeof(float) * (size_t)(T * hp->n_vocab));
@@ -82,7 +86,8 @@ static void run(di_precision prec, float *logits, int32_t T, const int32_t *ids,
         step = step == 7 ? 1 : 7;
     }
     double md = 0;
-    for (int64_t i = 0; i < (int64_t)T * hp->n_vocab; i++) md = fmax(md, fabs(chunked[i] - logits[i]));
+    for (int64_t i = 0; i < (int64_t)T * hp->n_vocab; i++)
+        md = fmax(md, fabs(chunked[i] - logits[i]));
     CHECK(md <= 1e-5);
     free(chunked);
     di_session_destroy(s);
@@ -99,12 +104,14 @@ static void test_official_rounding_points(void) {
     double kf, cf, xf, ko, co, xo;
     run(DI_PRECISION_FP32, lf, T, ids, &sf, &kf, &cf, &xf);
     run(DI_PRECISION_OFFICIAL, lo, T, ids, &so, &ko, &co, &xo);
-    fprintf(stderr, "fp32: %lld/%lld stream values not bf16, kv %.3f cmp %.3f idx %.3f not quantised\n",
+    fprintf(stderr,
+            "fp32: %lld/%lld stream values not bf16, kv %.3f cmp %.3f idx %.3f not quantised\n",
             (long long)sf.non_bf16, (long long)sf.total, kf, cf, xf);
-    fprintf(stderr, "official: %lld/%lld stream values not bf16, kv %.3f cmp %.3f idx %.3f not quantised\n",
+    fprintf(stderr,
+            "official: %lld/%lld stream values not bf16, kv %.3f cmp %.3f idx %.3f not quantised\n",
             (long long)so.non_bf16, (long long)so.total, ko, co, xo);
     CHECK(so.total > 0 && so.non_bf16 == 0); // BF16 residual streams
-    CHECK(sf.non_bf16 > sf.total / 2);      // FP32 mode keeps full precision
+    CHECK(sf.non_bf16 > sf.total / 2);       // FP32 mode keeps full precision
     CHECK(ko == 0 && co == 0 && xo == 0);    // Q8 / Q4 fixed points
     CHECK(kf > 0.5 && cf > 0.5 && xf > 0.5);
     // Same model, quantisation noise only: the logits stay strongly correlated. (FP8 activations

@@ -27,8 +27,10 @@ static const char *ref_dir(void) {
     // DeepSeek's official encoder vectors, copied from shared/reference (MIT) so the tests need
     // nothing outside the repository; DI_SHARED_DIR points at another copy of shared/.
     const char *env = getenv("DI_SHARED_DIR");
-    if (env) snprintf(dir, sizeof dir, "%s/reference/deepseek-v4-flash/encoding-tests", env);
-    else snprintf(dir, sizeof dir, "tests/data/tok/encoding-tests");
+    if (env)
+        snprintf(dir, sizeof dir, "%s/reference/deepseek-v4-flash/encoding-tests", env);
+    else
+        snprintf(dir, sizeof dir, "tests/data/tok/encoding-tests");
     return dir;
 }
 

@@ -74,7 +74,8 @@ static void test_truncation(void) {
     p.top_k = 2;
     memset(seen, 0, sizeof seen);
     for (int i = 0; i < 3000; i++) seen[draw(l, &p, i)]++;
-    CHECK(seen[0] > 0 && seen[1] > 0 && seen[2] + seen[3] + seen[4] + seen[5] + seen[6] + seen[7] == 0);
+    CHECK(seen[0] > 0 && seen[1] > 0 &&
+          seen[2] + seen[3] + seen[4] + seen[5] + seen[6] + seen[7] == 0);
     CHECK_NEAR((double)seen[0] / 3000, 0.35 / 0.6, 0.04);
     // top-p = 0.75: the smallest prefix reaching 0.75 is {0, 1, 2} (0.8).
     p.top_k = 0;
@@ -193,7 +194,8 @@ static void test_logprob_precision(void) {
     p = di_sample_params_default();
     CHECK_EQ(draw_n(s, l, &p), 600);
     l[600] = -0.0f, l[900] = 0.0f, l[1001] = -1e-30f;
-    for (int i = 0; i < NV; i++) if (l[i] > 0) l[i] = -l[i];
+    for (int i = 0; i < NV; i++)
+        if (l[i] > 0) l[i] = -l[i];
     l[5] = NAN;
     CHECK_EQ(draw_n(s, l, &p), 600); // -0 and +0 are equal: the first wins
     l[1002] = INFINITY;

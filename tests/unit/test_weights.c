@@ -72,12 +72,15 @@ static void mutate(const char *base, const char *dir, mutation mu, const char *n
         bool hit = name && strcmp(s->name, name) == 0;
         found |= hit;
         if (hit && mu == MUT_DROP) continue;
-        di_st_write_tensor w = {.name = s->name, .dtype = s->dtype, .n_dims = s->n_dims, .data = s->data};
+        di_st_write_tensor w = {
+            .name = s->name, .dtype = s->dtype, .n_dims = s->n_dims, .data = s->data};
         memcpy(w.shape, s->shape, sizeof w.shape);
         if (hit && mu == MUT_SHAPE) {
             // same byte count, different shape: [a, b] -> [a*b] (1-D) or [x] -> [x/2, 2]
-            if (s->n_dims >= 2) w.n_dims = 1, w.shape[0] = s->n_elements;
-            else w.n_dims = 2, w.shape[0] = s->shape[0] / 2, w.shape[1] = 2;
+            if (s->n_dims >= 2)
+                w.n_dims = 1, w.shape[0] = s->n_elements;
+            else
+                w.n_dims = 2, w.shape[0] = s->shape[0] / 2, w.shape[1] = 2;
         }
         if (hit && mu == MUT_DTYPE) {
             w.dtype = DI_DTYPE_I32;
@@ -93,7 +96,12 @@ static void mutate(const char *base, const char *dir, mutation mu, const char *n
     }
     CHECK(found);
     static const float extra[4] = {1, 2, 3, 4};
-    if (mu == MUT_EXTRA) t[k++] = (di_st_write_tensor){.name = "layers.0.attn.surprise", .dtype = DI_DTYPE_F32, .n_dims = 1, .shape = {4}, .data = extra};
+    if (mu == MUT_EXTRA)
+        t[k++] = (di_st_write_tensor){.name = "layers.0.attn.surprise",
+                                      .dtype = DI_DTYPE_F32,
+                                      .n_dims = 1,
+                                      .shape = {4},
+                                      .data = extra};
     char out[1024], cfg_from[1024], cfg_to[1024];
     snprintf(out, sizeof out, "%s/model.safetensors", dir);
     CHECK(di_st_write_file(out, t, k) == DI_OK);

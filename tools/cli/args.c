@@ -65,7 +65,8 @@ bool di_args_write_npy(const char *path, const float *data, int64_t rows, int64_
         return false;
     }
     char hdr[256];
-    int n = snprintf(hdr, sizeof hdr, "{'descr': '<f4', 'fortran_order': False, 'shape': (%lld, %lld), }",
+    int n = snprintf(hdr, sizeof hdr,
+                     "{'descr': '<f4', 'fortran_order': False, 'shape': (%lld, %lld), }",
                      (long long)rows, (long long)cols);
     // Magic (6) + version (2) + header length (2) + header, padded with spaces to a multiple of
     // 64 and ending in a newline.
@@ -87,8 +88,8 @@ bool di_args_write_npy(const char *path, const float *data, int64_t rows, int64_
 int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
     const char *a = argv[*i];
     bool has_val = *i + 1 < argc;
-    if (strcmp(a, "--model") == 0 || strcmp(a, "--threads") == 0 ||
-        strcmp(a, "--precision") == 0 || strcmp(a, "--log-level") == 0) {
+    if (strcmp(a, "--model") == 0 || strcmp(a, "--threads") == 0 || strcmp(a, "--precision") == 0 ||
+        strcmp(a, "--log-level") == 0) {
         if (!has_val) {
             fprintf(stderr, "deepinfer: %s needs a value\n", a);
             return -1;
@@ -101,8 +102,10 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
             if (!di_args_int(v, "--threads", 0, 1024, &n)) return -1;
             ma->opt.n_threads = (int)n;
         } else if (strcmp(a, "--precision") == 0) {
-            if (strcmp(v, "fp32") == 0) ma->opt.precision = DI_PRECISION_FP32;
-            else if (strcmp(v, "official") == 0) ma->opt.precision = DI_PRECISION_OFFICIAL;
+            if (strcmp(v, "fp32") == 0)
+                ma->opt.precision = DI_PRECISION_FP32;
+            else if (strcmp(v, "official") == 0)
+                ma->opt.precision = DI_PRECISION_OFFICIAL;
             else {
                 fprintf(stderr, "deepinfer: --precision must be fp32 or official\n");
                 return -1;
@@ -137,20 +140,27 @@ static bool mkdir_p(const char *path) {
 const char *di_args_default_model(void) {
     static char dir[4096];
     const char *home = getenv("DEEPINFER_HOME");
-    if (home && *home) snprintf(dir, sizeof dir, "%s/tiny-v4", home);
-    else snprintf(dir, sizeof dir, "%s/.cache/deepinfer/tiny-v4", getenv("HOME") ? getenv("HOME") : "/tmp");
+    if (home && *home)
+        snprintf(dir, sizeof dir, "%s/tiny-v4", home);
+    else
+        snprintf(dir, sizeof dir, "%s/.cache/deepinfer/tiny-v4",
+                 getenv("HOME") ? getenv("HOME") : "/tmp");
     char cfg[4200];
     snprintf(cfg, sizeof cfg, "%s/config.json", dir);
     if (access(cfg, R_OK) != 0) {
-        fprintf(stderr, "deepinfer: no --model given: writing the built-in tiny random-weight V4 "
-                        "model to %s (once)\n", dir);
+        fprintf(stderr,
+                "deepinfer: no --model given: writing the built-in tiny random-weight V4 "
+                "model to %s (once)\n",
+                dir);
         if (!mkdir_p(dir)) {
             fprintf(stderr, "deepinfer: cannot create %s: %s\n", dir, strerror(errno));
             return NULL;
         }
         if (di_synth_checkpoint("tiny", dir, true, 1234) != DI_OK) return NULL;
     }
-    fprintf(stderr, "deepinfer: using the built-in tiny V4 model with random weights (%s): its "
-                    "output is meaningless; pass --model DIR for a real checkpoint\n", dir);
+    fprintf(stderr,
+            "deepinfer: using the built-in tiny V4 model with random weights (%s): its "
+            "output is meaningless; pass --model DIR for a real checkpoint\n",
+            dir);
     return dir;
 }

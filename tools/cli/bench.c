@@ -28,7 +28,7 @@ static double now_s(void) {
 }
 
 typedef struct req_times {
-    double *t;  // [gen_len] token arrival times
+    double *t; // [gen_len] token arrival times
     int32_t n;
 } req_times;
 
@@ -88,7 +88,8 @@ static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int gen_len
     for (int i = 0; i < n; i++) {
         rt[i].t = malloc(sizeof(double) * (size_t)gen_len);
         for (int k = 0; k < prompt_len; k++)
-            prompt[k] = (int32_t)((seed + (uint64_t)i * 7919u + (uint64_t)k * 104729u) % (uint64_t)n_vocab);
+            prompt[k] =
+                (int32_t)((seed + (uint64_t)i * 7919u + (uint64_t)k * 104729u) % (uint64_t)n_vocab);
         di_request_params p = di_request_params_default();
         p.prompt = prompt;
         p.n_prompt = prompt_len;
@@ -119,7 +120,8 @@ static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int gen_len
     }
     int64_t in_window = 0;
     for (int i = 0; i < n; i++)
-        for (int k = 1; k < rt[i].n; k++) in_window += rt[i].t[k] > last_first && rt[i].t[k] <= end_first;
+        for (int k = 1; k < rt[i].n; k++)
+            in_window += rt[i].t[k] > last_first && rt[i].t[k] <= end_first;
     out->wall_s = t1 - t0;
     out->prefill_tps = (double)n * prompt_len / (last_first - t0);
     out->decode_tps = end_first > last_first ? (double)in_window / (end_first - last_first) : 0;
@@ -182,11 +184,16 @@ int di_cli_bench(int argc, char **argv) {
         }
         const char *v = argv[++i];
         bool ok = true;
-        if (strcmp(a, "--requests") == 0) ok = di_args_int(v, a, 1, 4096, &n_req);
-        else if (strcmp(a, "--prompt-len") == 0) ok = di_args_int(v, a, 1, 1 << 20, &prompt_len);
-        else if (strcmp(a, "--gen-len") == 0) ok = di_args_int(v, a, 2, 1 << 20, &gen_len);
-        else if (strcmp(a, "--kv-memory") == 0) ok = di_args_int(v, a, 1, 1 << 20, &kv_mib);
-        else if (strcmp(a, "--max-batch-tokens") == 0) ok = di_args_int(v, a, 16, 1 << 16, &batch);
+        if (strcmp(a, "--requests") == 0)
+            ok = di_args_int(v, a, 1, 4096, &n_req);
+        else if (strcmp(a, "--prompt-len") == 0)
+            ok = di_args_int(v, a, 1, 1 << 20, &prompt_len);
+        else if (strcmp(a, "--gen-len") == 0)
+            ok = di_args_int(v, a, 2, 1 << 20, &gen_len);
+        else if (strcmp(a, "--kv-memory") == 0)
+            ok = di_args_int(v, a, 1, 1 << 20, &kv_mib);
+        else if (strcmp(a, "--max-batch-tokens") == 0)
+            ok = di_args_int(v, a, 16, 1 << 16, &batch);
         else {
             fprintf(stderr, "deepinfer bench: unknown option '%s'\n", a);
             usage(stderr);

@@ -101,8 +101,10 @@ int di_cli_generate(int argc, char **argv) {
             return 2;
         }
         const char *v = argv[++i];
-        if (strcmp(a, "--tokens") == 0) tokens_s = v;
-        else if (strcmp(a, "--prompt") == 0) prompt_s = v;
+        if (strcmp(a, "--tokens") == 0)
+            tokens_s = v;
+        else if (strcmp(a, "--prompt") == 0)
+            prompt_s = v;
         else if (strcmp(a, "-n") == 0) {
             if (!di_args_int(v, "-n", 0, 1 << 24, &n_gen)) return 2;
         } else if (strcmp(a, "--seed") == 0) {
@@ -147,8 +149,9 @@ int di_cli_generate(int argc, char **argv) {
     di_model_info info;
     di_model_get_info(m, &info);
     if (tok && di_tokenizer_n_vocab(tok) > info.n_vocab) {
-        fprintf(stderr, "deepinfer generate: the tokenizer has %d tokens but the model only %d; "
-                        "use --tokens with this model\n",
+        fprintf(stderr,
+                "deepinfer generate: the tokenizer has %d tokens but the model only %d; "
+                "use --tokens with this model\n",
                 di_tokenizer_n_vocab(tok), info.n_vocab);
         goto done;
     }
@@ -168,7 +171,8 @@ int di_cli_generate(int argc, char **argv) {
         if (detok) {
             const char *text;
             size_t n_text;
-            if (di_detok_push(detok, next, &text, &n_text) == DI_OK) fwrite(text, 1, n_text, stdout);
+            if (di_detok_push(detok, next, &text, &n_text) == DI_OK)
+                fwrite(text, 1, n_text, stdout);
         } else {
             printf("%s%d", i ? "," : "", next);
         }

@@ -33,7 +33,8 @@ int di_cli_logits(int argc, char **argv) {
                            : strcmp(a, "--mtp-out") == 0 ? &mtp_out
                                                          : NULL;
         if (!dst || i + 1 >= argc) {
-            fprintf(stderr, "deepinfer logits: %s '%s'\n", dst ? "missing value for" : "unknown option", a);
+            fprintf(stderr, "deepinfer logits: %s '%s'\n",
+                    dst ? "missing value for" : "unknown option", a);
             usage(stderr);
             return 2;
         }

@@ -23,9 +23,12 @@ int di_cli_synth(int argc, char **argv) {
             return 2;
         }
         const char *v = argv[++i];
-        if (strcmp(a, "--preset") == 0) preset = v;
-        else if (strcmp(a, "--out") == 0) out = v;
-        else if (strcmp(a, "--layout") == 0) layout = v;
+        if (strcmp(a, "--preset") == 0)
+            preset = v;
+        else if (strcmp(a, "--out") == 0)
+            out = v;
+        else if (strcmp(a, "--layout") == 0)
+            layout = v;
         else if (strcmp(a, "--seed") == 0) {
             if (!di_args_int(v, "--seed", 0, 0x7fffffffL, &seed)) return 2;
         } else {
@@ -41,11 +44,13 @@ int di_cli_synth(int argc, char **argv) {
         fprintf(stderr, "deepinfer synth: cannot create %s: %s\n", out, strerror(errno));
         return 1;
     }
-    di_status st = di_synth_checkpoint(preset, out, strcmp(layout, "official") == 0, (uint64_t)seed);
+    di_status st =
+        di_synth_checkpoint(preset, out, strcmp(layout, "official") == 0, (uint64_t)seed);
     if (st != DI_OK) {
         fprintf(stderr, "deepinfer synth: %s\n", di_status_str(st));
         return st == DI_ERR_INVALID ? 2 : 1;
     }
-    fprintf(stderr, "deepinfer synth: wrote %s (%s, %s layout, seed %ld)\n", out, preset, layout, seed);
+    fprintf(stderr, "deepinfer synth: wrote %s (%s, %s layout, seed %ld)\n", out, preset, layout,
+            seed);
     return 0;
 }

@@ -9,8 +9,7 @@
 bool srv_lookup_model(srv *s, const json_t *req, srv_api api, srv_err *e);
 
 static const char *const k_roles[] = {"system", "developer", "user", "assistant", "tool"};
-static const char *const k_efforts[] = {"none", "minimal", "low", "medium", "high", "xhigh",
-                                        "max"};
+static const char *const k_efforts[] = {"none", "minimal", "low", "medium", "high", "xhigh", "max"};
 
 static bool in_list(const char *s, const char *const *l, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -56,8 +55,7 @@ static bool check_messages(const json_t *req, srv_err *e) {
             const char *t = json_string_value(json_object_get(p, "type"));
             if (!t || (strcmp(t, "text") && strcmp(t, "image_url"))) {
                 srv_err_set(e, 400, "messages",
-                            "messages[%zu].content[%zu].type must be 'text' or 'image_url'.", i,
-                            k);
+                            "messages[%zu].content[%zu].type must be 'text' or 'image_url'.", i, k);
                 return false;
             }
             if (!strcmp(t, "image_url")) {
@@ -76,8 +74,7 @@ static bool check_messages(const json_t *req, srv_err *e) {
         }
         const json_t *rc = json_object_get(m, "reasoning_content");
         if (rc && !json_is_null(rc) && !json_is_string(rc)) {
-            srv_err_set(e, 400, "messages", "messages[%zu].reasoning_content must be a string.",
-                        i);
+            srv_err_set(e, 400, "messages", "messages[%zu].reasoning_content must be a string.", i);
             return false;
         }
         const json_t *calls = json_object_get(m, "tool_calls");
@@ -116,7 +113,8 @@ static bool check_messages(const json_t *req, srv_err *e) {
         if (json_is_true(json_object_get(m, "prefix"))) {
             srv_err_set(e, 400, "messages", "prefix is only allowed on the last assistant message");
             if (i + 1 != json_array_size(msgs) || strcmp(role, "assistant")) return false;
-            srv_err_set(e, 400, "messages", "Chat prefix completion is served on the /beta path only.");
+            srv_err_set(e, 400, "messages",
+                        "Chat prefix completion is served on the /beta path only.");
             return false;
         }
     }
@@ -128,7 +126,8 @@ static bool check_options(const json_t *req, srv_gen *g, srv_err *e) {
     if (th && !json_is_null(th)) {
         const char *t = json_string_value(json_object_get(th, "type"));
         if (!json_is_object(th) || !t) {
-            srv_err_set(e, 400, "thinking", "'thinking' must be {\"type\": \"enabled\"|\"disabled\"}.");
+            srv_err_set(e, 400, "thinking",
+                        "'thinking' must be {\"type\": \"enabled\"|\"disabled\"}.");
             return false;
         }
         if (strcmp(t, "enabled") && strcmp(t, "disabled") && strcmp(t, "adaptive")) {
@@ -152,7 +151,8 @@ static bool check_options(const json_t *req, srv_gen *g, srv_err *e) {
     if (rf && !json_is_null(rf)) {
         const char *t = json_string_value(json_object_get(rf, "type"));
         if (!json_is_object(rf) || !t) {
-            srv_err_set(e, 400, "response_format", "'response_format' must be an object with 'type'.");
+            srv_err_set(e, 400, "response_format",
+                        "'response_format' must be an object with 'type'.");
             return false;
         }
         if (strcmp(t, "text")) {
@@ -173,7 +173,8 @@ static bool check_options(const json_t *req, srv_gen *g, srv_err *e) {
         if (json_is_string(tc)) {
             const char *s = json_string_value(tc);
             if (strcmp(s, "none") && strcmp(s, "auto") && strcmp(s, "required")) {
-                srv_err_set(e, 422, "tool_choice", "'tool_choice' must be none, auto, required or a function.");
+                srv_err_set(e, 422, "tool_choice",
+                            "'tool_choice' must be none, auto, required or a function.");
                 return false;
             }
             if (!strcmp(s, "none")) g->tools = false;
@@ -192,11 +193,13 @@ static bool check_options(const json_t *req, srv_gen *g, srv_err *e) {
             size_t i;
             json_t *t;
             json_array_foreach(has_tools ? tools : NULL, i, t) {
-                const char *n = json_string_value(json_object_get(json_object_get(t, "function"), "name"));
+                const char *n =
+                    json_string_value(json_object_get(json_object_get(t, "function"), "name"));
                 if (n && !strcmp(n, name)) found = true;
             }
             if (!found) {
-                srv_err_set(e, 400, "tool_choice", "tool_choice names '%s', which is not in 'tools'.", name);
+                srv_err_set(e, 400, "tool_choice",
+                            "tool_choice names '%s', which is not in 'tools'.", name);
                 return false;
             }
         } else {
@@ -270,9 +273,9 @@ static json_t *calls_json(const srv_choice *c, bool with_index) {
     json_t *a = json_array();
     for (int k = 0; k < c->n_calls; k++) {
         const srv_call *t = &c->calls[k];
-        json_t *o = json_pack("{s:s,s:s,s:{s:o,s:o}}", "id", t->id, "type", "function",
-                              "function", "name", json_stringn_lossy(t->name.p, t->name.n),
-                              "arguments", json_stringn_lossy(t->args.p, t->args.n));
+        json_t *o = json_pack("{s:s,s:s,s:{s:o,s:o}}", "id", t->id, "type", "function", "function",
+                              "name", json_stringn_lossy(t->name.p, t->name.n), "arguments",
+                              json_stringn_lossy(t->args.p, t->args.n));
         if (with_index) json_object_set_new(o, "index", json_integer(k));
         json_array_append_new(a, o);
     }
@@ -294,10 +297,9 @@ static json_t *chat_body(srv_gen *g) {
             json_object_set_new(msg, "reasoning_content",
                                 json_stringn_lossy(c->reasoning.p, c->reasoning.n));
         if (c->n_calls) json_object_set_new(msg, "tool_calls", calls_json(c, false));
-        json_array_append_new(choices,
-                              json_pack("{s:i,s:s,s:o,s:o}", "index", i, "finish_reason",
-                                        srv_finish_openai(c), "logprobs", logprobs_json(c),
-                                        "message", msg));
+        json_array_append_new(choices, json_pack("{s:i,s:s,s:o,s:o}", "index", i, "finish_reason",
+                                                 srv_finish_openai(c), "logprobs", logprobs_json(c),
+                                                 "message", msg));
     }
     return json_pack("{s:s,s:s,s:I,s:s,s:s,s:o,s:o}", "id", g->id, "object", "chat.completion",
                      "created", (json_int_t)g->created, "model", g->s->cfg.model_name,
@@ -318,18 +320,17 @@ static json_t *chunk(srv_gen *g, int index, json_t *delta, const char *finish, j
     json_t *ch = json_pack("{s:i,s:o,s:o,s:s?}", "index", index, "delta", delta, "logprobs",
                            lp ? lp : json_null(), "finish_reason", finish);
     if (!finish) json_object_set_new(ch, "finish_reason", json_null());
-    return json_pack("{s:s,s:s,s:I,s:s,s:s,s:[o]}", "id", g->id, "object",
-                     "chat.completion.chunk", "created", (json_int_t)g->created, "model",
-                     g->s->cfg.model_name, "system_fingerprint", "fp_deepinfer", "choices", ch);
+    return json_pack("{s:s,s:s,s:I,s:s,s:s,s:[o]}", "id", g->id, "object", "chat.completion.chunk",
+                     "created", (json_int_t)g->created, "model", g->s->cfg.model_name,
+                     "system_fingerprint", "fp_deepinfer", "choices", ch);
 }
 
 static void chat_head(srv_gen *g, srv_choice *c) {
     if (c->head_sent) return;
     c->head_sent = true;
-    json_t *d = g->thinking
-                    ? json_pack("{s:s,s:n,s:s}", "role", "assistant", "content",
-                                "reasoning_content", "")
-                    : json_pack("{s:s,s:s}", "role", "assistant", "content", "");
+    json_t *d = g->thinking ? json_pack("{s:s,s:n,s:s}", "role", "assistant", "content",
+                                        "reasoning_content", "")
+                            : json_pack("{s:s,s:s}", "role", "assistant", "content", "");
     sse_data(g, chunk(g, c->idx, d, NULL, NULL));
 }
 
@@ -406,8 +407,8 @@ static void chat_end(srv_gen *g) {
     if (g->include_usage) {
         json_t *u = json_pack("{s:s,s:s,s:I,s:s,s:s,s:[],s:o}", "id", g->id, "object",
                               "chat.completion.chunk", "created", (json_int_t)g->created, "model",
-                              g->s->cfg.model_name, "system_fingerprint", "fp_deepinfer",
-                              "choices", "usage", usage_json(g));
+                              g->s->cfg.model_name, "system_fingerprint", "fp_deepinfer", "choices",
+                              "usage", usage_json(g));
         sse_data(g, u);
     }
     sb_adds(&g->out, "data: [DONE]\n\n");
@@ -418,8 +419,8 @@ static void chat_error(srv_gen *g, const srv_err *e) {
     sb_adds(&g->out, "data: [DONE]\n\n");
 }
 
-const srv_api_ops srv_chat_ops = {chat_begin, chat_event,  chat_choice_end, chat_end,
-                                  chat_error, chat_body, ": keep-alive\n\n", "call_"};
+const srv_api_ops srv_chat_ops = {chat_begin, chat_event, chat_choice_end,    chat_end,
+                                  chat_error, chat_body,  ": keep-alive\n\n", "call_"};
 
 // ---- Completions (legacy): raw text continuation of a prompt ----
 
@@ -489,9 +490,8 @@ static json_t *cmpl_lp(const srv_choice *c) {
         json_t *t = json_object();
         size_t k;
         json_t *w;
-        json_array_foreach(json_object_get(v, "top_logprobs"), k, w)
-            json_object_set(t, json_string_value(json_object_get(w, "token")),
-                            json_object_get(w, "logprob"));
+        json_array_foreach(json_object_get(v, "top_logprobs"), k, w) json_object_set(
+            t, json_string_value(json_object_get(w, "token")), json_object_get(w, "logprob"));
         json_array_append_new(tops, t);
     }
     return json_pack("{s:o,s:o,s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs", tops);
@@ -524,9 +524,8 @@ static json_t *cmpl_chunk(srv_gen *g, int i, json_t *text, const char *finish) {
     json_t *ch = json_pack("{s:i,s:o,s:n,s:s?}", "index", i, "text", text, "logprobs",
                            "finish_reason", finish);
     if (!finish) json_object_set_new(ch, "finish_reason", json_null());
-    return json_pack("{s:s,s:s,s:I,s:s,s:[o]}", "id", g->id, "object", "text_completion",
-                     "created", (json_int_t)g->created, "model", g->s->cfg.model_name, "choices",
-                     ch);
+    return json_pack("{s:s,s:s,s:I,s:s,s:[o]}", "id", g->id, "object", "text_completion", "created",
+                     (json_int_t)g->created, "model", g->s->cfg.model_name, "choices", ch);
 }
 
 static void cmpl_event(srv_gen *g, srv_choice *c, const di_parser_event *ev) {
@@ -554,5 +553,5 @@ static void cmpl_end(srv_gen *g) {
     sb_adds(&g->out, "data: [DONE]\n\n");
 }
 
-const srv_api_ops srv_completions_ops = {NULL,       cmpl_event, cmpl_choice_end, cmpl_end,
+const srv_api_ops srv_completions_ops = {NULL,       cmpl_event, cmpl_choice_end,    cmpl_end,
                                          chat_error, cmpl_body,  ": keep-alive\n\n", "call_"};

@@ -42,17 +42,20 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
         }
         const json_t *c = json_object_get(m, "content");
         if (!json_is_string(c) && !json_is_array(c)) {
-            srv_err_set(e, 400, "messages", "messages.%zu.content: must be a string or a list of blocks", i);
+            srv_err_set(e, 400, "messages",
+                        "messages.%zu.content: must be a string or a list of blocks", i);
             return false;
         }
         json_array_foreach(json_is_array(c) ? c : NULL, k, b) {
             const char *t = json_string_value(json_object_get(b, "type"));
             if (!t) {
-                srv_err_set(e, 400, "messages", "messages.%zu.content.%zu.type: Field required", i, k);
+                srv_err_set(e, 400, "messages", "messages.%zu.content.%zu.type: Field required", i,
+                            k);
                 return false;
             }
             if (!strcmp(t, "text") && !json_is_string(json_object_get(b, "text"))) {
-                srv_err_set(e, 400, "messages", "messages.%zu.content.%zu.text: must be a string", i, k);
+                srv_err_set(e, 400, "messages", "messages.%zu.content.%zu.text: must be a string",
+                            i, k);
                 return false;
             }
             if (!strcmp(t, "image")) {
@@ -61,12 +64,15 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
             }
             if (!strcmp(t, "tool_use") && (!json_is_string(json_object_get(b, "name")) ||
                                            !json_is_object(json_object_get(b, "input")))) {
-                srv_err_set(e, 400, "messages",
-                            "messages.%zu.content.%zu: tool_use needs a string name and an object input", i, k);
+                srv_err_set(
+                    e, 400, "messages",
+                    "messages.%zu.content.%zu: tool_use needs a string name and an object input", i,
+                    k);
                 return false;
             }
             if (!strcmp(t, "tool_result") && !json_is_string(json_object_get(b, "tool_use_id"))) {
-                srv_err_set(e, 400, "messages", "messages.%zu.content.%zu.tool_use_id: Field required", i, k);
+                srv_err_set(e, 400, "messages",
+                            "messages.%zu.content.%zu.tool_use_id: Field required", i, k);
                 return false;
             }
         }
@@ -80,7 +86,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     if (th && !json_is_null(th)) {
         const char *t = json_string_value(json_object_get(th, "type"));
         if (!t || (strcmp(t, "enabled") && strcmp(t, "disabled") && strcmp(t, "adaptive"))) {
-            srv_err_set(e, 400, "thinking", "thinking.type: must be 'enabled', 'disabled' or 'adaptive'");
+            srv_err_set(e, 400, "thinking",
+                        "thinking.type: must be 'enabled', 'disabled' or 'adaptive'");
             return false;
         }
     }
@@ -90,7 +97,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     const json_t *tc = json_object_get(req, "tool_choice");
     if (tc && !json_is_null(tc)) {
         const char *t = json_string_value(json_object_get(tc, "type"));
-        if (!t || (strcmp(t, "auto") && strcmp(t, "any") && strcmp(t, "tool") && strcmp(t, "none"))) {
+        if (!t ||
+            (strcmp(t, "auto") && strcmp(t, "any") && strcmp(t, "tool") && strcmp(t, "none"))) {
             srv_err_set(e, 400, "tool_choice", "tool_choice.type: must be auto, any, tool or none");
             return false;
         }
@@ -126,10 +134,14 @@ bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
 
 static const char *stop_reason(const srv_choice *c) {
     switch (c->pfinish) {
-    case DI_PARSER_FINISH_LENGTH: return "max_tokens";
-    case DI_PARSER_FINISH_TOOL_CALLS: return "tool_use";
-    case DI_PARSER_FINISH_STOP_SEQUENCE: return "stop_sequence";
-    default: return "end_turn";
+    case DI_PARSER_FINISH_LENGTH:
+        return "max_tokens";
+    case DI_PARSER_FINISH_TOOL_CALLS:
+        return "tool_use";
+    case DI_PARSER_FINISH_STOP_SEQUENCE:
+        return "stop_sequence";
+    default:
+        return "end_turn";
     }
 }
 
@@ -144,14 +156,13 @@ static json_t *usage(const srv_gen *g, bool start) {
     const srv_choice *c = &g->ch[0];
     int64_t P = (int64_t)g->n_prompt;
     return json_pack("{s:I,s:I,s:I,s:I}", "input_tokens", (json_int_t)(P - c->n_cached),
-                     "output_tokens", (json_int_t)(start ? 0 : c->n_gen),
-                     "cache_read_input_tokens", (json_int_t)c->n_cached,
-                     "cache_creation_input_tokens", (json_int_t)0);
+                     "output_tokens", (json_int_t)(start ? 0 : c->n_gen), "cache_read_input_tokens",
+                     (json_int_t)c->n_cached, "cache_creation_input_tokens", (json_int_t)0);
 }
 
 static json_t *stop_seq(const srv_choice *c) {
-    const char *s = c->pfinish == DI_PARSER_FINISH_STOP_SEQUENCE ? di_parser_stop_string(c->parser)
-                                                                 : NULL;
+    const char *s =
+        c->pfinish == DI_PARSER_FINISH_STOP_SEQUENCE ? di_parser_stop_string(c->parser) : NULL;
     return s ? json_string(s) : json_null();
 }
 
@@ -179,11 +190,10 @@ static json_t *msg_body(srv_gen *g) {
         json_array_append_new(content, json_pack("{s:s,s:o}", "type", "text", "text",
                                                  json_stringn_lossy(c->content.p, c->content.n)));
     for (int k = 0; k < c->n_calls; k++)
-        json_array_append_new(content,
-                              json_pack("{s:s,s:s,s:o,s:o}", "type", "tool_use", "id",
-                                        c->calls[k].id, "name",
-                                        json_stringn_lossy(c->calls[k].name.p, c->calls[k].name.n),
-                                        "input", tool_input(&c->calls[k])));
+        json_array_append_new(
+            content, json_pack("{s:s,s:s,s:o,s:o}", "type", "tool_use", "id", c->calls[k].id,
+                               "name", json_stringn_lossy(c->calls[k].name.p, c->calls[k].name.n),
+                               "input", tool_input(&c->calls[k])));
     return json_pack("{s:s,s:s,s:s,s:s,s:o,s:s,s:o,s:o}", "id", g->id, "type", "message", "role",
                      "assistant", "model", g->s->cfg.model_name, "content", content, "stop_reason",
                      stop_reason(c), "stop_sequence", stop_seq(c), "usage", usage(g, false));
@@ -224,9 +234,8 @@ static void open_block(srv_gen *g, srv_choice *c, int kind, json_t *block) {
 static void msg_begin(srv_gen *g) {
     ev(g, "message_start",
        json_pack("{s:s,s:{s:s,s:s,s:s,s:s,s:[],s:n,s:n,s:o}}", "type", "message_start", "message",
-                 "id", g->id, "type", "message", "role", "assistant", "model",
-                 g->s->cfg.model_name, "content", "stop_reason", "stop_sequence", "usage",
-                 usage(g, true)));
+                 "id", g->id, "type", "message", "role", "assistant", "model", g->s->cfg.model_name,
+                 "content", "stop_reason", "stop_sequence", "usage", usage(g, true)));
     if (g->thinking) {
         open_block(g, &g->ch[0], BLK_THINKING,
                    json_pack("{s:s,s:s,s:s}", "type", "thinking", "thinking", "", "signature", ""));
@@ -267,17 +276,20 @@ static void msg_event(srv_gen *g, srv_choice *c, const di_parser_event *e) {
         // content_block_stop per block; message_delta then says stop_reason "max_tokens"
         if (c->blk_kind == BLK_TOOL) close_block(g, c);
         return;
-    default: return;
+    default:
+        return;
     }
     ev(g, "content_block_delta",
-       json_pack("{s:s,s:i,s:o}", "type", "content_block_delta", "index", c->blk_index, "delta", d));
+       json_pack("{s:s,s:i,s:o}", "type", "content_block_delta", "index", c->blk_index, "delta",
+                 d));
 }
 
 static void msg_choice_end(srv_gen *g, srv_choice *c) {
     close_block(g, c);
     if (c->efinish == DI_FINISH_ERROR) {
-        ev(g, "error", json_pack("{s:s,s:{s:s,s:s}}", "type", "error", "error", "type",
-                                 "api_error", "message", "Generation failed in the engine."));
+        ev(g, "error",
+           json_pack("{s:s,s:{s:s,s:s}}", "type", "error", "error", "type", "api_error", "message",
+                     "Generation failed in the engine."));
         return;
     }
     ev(g, "message_delta",
@@ -294,6 +306,11 @@ static void msg_error(srv_gen *g, const srv_err *e) {
     ev(g, "error", srv_err_body(SRV_API_MESSAGES, e));
 }
 
-const srv_api_ops srv_messages_ops = {msg_begin, msg_event, msg_choice_end,
-                                      msg_end,   msg_error, msg_body,
-                                      "event: ping\ndata: {\"type\": \"ping\"}\n\n", "toolu_"};
+const srv_api_ops srv_messages_ops = {msg_begin,
+                                      msg_event,
+                                      msg_choice_end,
+                                      msg_end,
+                                      msg_error,
+                                      msg_body,
+                                      "event: ping\ndata: {\"type\": \"ping\"}\n\n",
+                                      "toolu_"};

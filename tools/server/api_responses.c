@@ -11,8 +11,8 @@ bool srv_lookup_model(srv *s, const json_t *req, srv_api api, srv_err *e);
 
 enum { IT_NONE = 0, IT_REASONING, IT_MESSAGE, IT_CALL };
 
-static const char *const k_efforts[] = {"none", "minimal", "low", "medium", "high",
-                                        "xhigh", "max", "ultra"};
+static const char *const k_efforts[] = {"none", "minimal", "low", "medium",
+                                        "high", "xhigh",   "max", "ultra"};
 
 static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     const json_t *in = json_object_get(req, "input");
@@ -36,7 +36,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
         if ((!t || !strcmp(t, "message"))) {
             if (!role || (strcmp(role, "user") && strcmp(role, "assistant") &&
                           strcmp(role, "system") && strcmp(role, "developer"))) {
-                srv_err_set(e, 400, "input", "input[%zu].role must be user, assistant, system or developer.", i);
+                srv_err_set(e, 400, "input",
+                            "input[%zu].role must be user, assistant, system or developer.", i);
                 return false;
             }
             const json_t *c = json_object_get(it, "content");
@@ -48,7 +49,9 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
             if (!json_is_string(json_object_get(it, "name")) ||
                 !json_is_string(json_object_get(it, "arguments")) ||
                 !json_is_string(json_object_get(it, "call_id"))) {
-                srv_err_set(e, 400, "input", "input[%zu]: function_call needs string call_id, name and arguments.", i);
+                srv_err_set(e, 400, "input",
+                            "input[%zu]: function_call needs string call_id, name and arguments.",
+                            i);
                 return false;
             }
         } else if (!strcmp(t, "function_call_output")) {
@@ -62,8 +65,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
         }
     }
     const json_t *prev = json_object_get(req, "previous_response_id");
-    if ((prev && !json_is_null(prev)) ||
-        (json_object_get(req, "conversation") && !json_is_null(json_object_get(req, "conversation")))) {
+    if ((prev && !json_is_null(prev)) || (json_object_get(req, "conversation") &&
+                                          !json_is_null(json_object_get(req, "conversation")))) {
         srv_err_set(e, 400, "previous_response_id", "previous_response_id is not supported");
         return false;
     }
@@ -79,7 +82,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
             return false;
         }
         if (json_integer_value(mo) < 1 || json_integer_value(mo) > 393216) {
-            srv_err_set(e, 422, "max_output_tokens", "'max_output_tokens' must be between 1 and 393216.");
+            srv_err_set(e, 422, "max_output_tokens",
+                        "'max_output_tokens' must be between 1 and 393216.");
             return false;
         }
         g->max_tokens = (int32_t)json_integer_value(mo);
@@ -111,7 +115,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     if (json_is_string(tc)) {
         const char *s = json_string_value(tc);
         if (strcmp(s, "none") && strcmp(s, "auto") && strcmp(s, "required")) {
-            srv_err_set(e, 422, "tool_choice", "'tool_choice' must be none, auto, required or a function.");
+            srv_err_set(e, 422, "tool_choice",
+                        "'tool_choice' must be none, auto, required or a function.");
             return false;
         }
         if (!strcmp(s, "none")) g->tools = false;
@@ -205,11 +210,11 @@ static json_t *response_obj(srv_gen *g, const char *status, bool final) {
         "model", g->s->cfg.model_name, "output", output, "usage", usage, "incomplete_details",
         incomplete, "error", "parallel_tool_calls", 1, "tool_choice",
         tc ? json_incref(tc) : json_string("auto"), "tools",
-        json_is_array(tools) ? json_incref(tools) : json_array(),
-        "temperature", (double)g->sp.temperature, "top_p", (double)g->sp.top_p,
-        "max_output_tokens", g->max_tokens > 0 ? json_integer(g->max_tokens) : json_null(),
-        "reasoning", "effort", eff ? json_incref(eff) : json_string(g->thinking ? "high" : "none"), "text",
-        "format", "type", "text");
+        json_is_array(tools) ? json_incref(tools) : json_array(), "temperature",
+        (double)g->sp.temperature, "top_p", (double)g->sp.top_p, "max_output_tokens",
+        g->max_tokens > 0 ? json_integer(g->max_tokens) : json_null(), "reasoning", "effort",
+        eff ? json_incref(eff) : json_string(g->thinking ? "high" : "none"), "text", "format",
+        "type", "text");
     return r;
 }
 
@@ -284,8 +289,8 @@ static void open_item(srv_gen *g, srv_choice *c, int kind) {
     if (kind == IT_REASONING) {
         item_id(g, "rs_", 0, id, sizeof id);
         ev(g, "response.output_item.added",
-           json_pack("{s:i,s:{s:s,s:s,s:[],s:[]}}", "output_index", oi, "item", "type",
-                     "reasoning", "id", id, "summary", "content"));
+           json_pack("{s:i,s:{s:s,s:s,s:[],s:[]}}", "output_index", oi, "item", "type", "reasoning",
+                     "id", id, "summary", "content"));
         ev(g, "response.content_part.added",
            json_pack("{s:s,s:i,s:i,s:{s:s,s:s}}", "item_id", id, "output_index", oi,
                      "content_index", 0, "part", "type", "reasoning_text", "text", ""));
@@ -293,22 +298,22 @@ static void open_item(srv_gen *g, srv_choice *c, int kind) {
         item_id(g, "msg_", 0, id, sizeof id);
         ev(g, "response.output_item.added",
            json_pack("{s:i,s:{s:s,s:s,s:s,s:s,s:[]}}", "output_index", oi, "item", "type",
-                     "message", "id", id, "role", "assistant", "status", "in_progress",
-                     "content"));
+                     "message", "id", id, "role", "assistant", "status", "in_progress", "content"));
         ev(g, "response.content_part.added",
            json_pack("{s:s,s:i,s:i,s:{s:s,s:s,s:[]}}", "item_id", id, "output_index", oi,
-                     "content_index", 0, "part", "type", "output_text", "text", "",
-                     "annotations"));
+                     "content_index", 0, "part", "type", "output_text", "text", "", "annotations"));
     } else {
         int k = c->n_calls - 1;
         json_t *item = call_item(g, &c->calls[k], k, "in_progress");
         json_object_set_new(item, "arguments", json_string(""));
-        ev(g, "response.output_item.added", json_pack("{s:i,s:o}", "output_index", oi, "item", item));
+        ev(g, "response.output_item.added",
+           json_pack("{s:i,s:o}", "output_index", oi, "item", item));
     }
 }
 
 static void resp_begin(srv_gen *g) {
-    ev(g, "response.created", json_pack("{s:o}", "response", response_obj(g, "in_progress", false)));
+    ev(g, "response.created",
+       json_pack("{s:o}", "response", response_obj(g, "in_progress", false)));
     ev(g, "response.in_progress",
        json_pack("{s:o}", "response", response_obj(g, "in_progress", false)));
     if (g->thinking) open_item(g, &g->ch[0], IT_REASONING);
@@ -330,10 +335,11 @@ static void resp_event(srv_gen *g, srv_choice *c, const di_parser_event *e) {
         item_id(g, "msg_", 0, id, sizeof id);
         ev(g, "response.output_text.delta",
            json_pack("{s:s,s:i,s:i,s:o,s:[]}", "item_id", id, "output_index", c->blk_index,
-                     "content_index", 0, "delta", json_stringn_lossy(e->text, e->len),
-                     "logprobs"));
+                     "content_index", 0, "delta", json_stringn_lossy(e->text, e->len), "logprobs"));
         return;
-    case DI_PARSER_EVENT_TOOL_NAME_END: open_item(g, c, IT_CALL); return; // spec §2.6
+    case DI_PARSER_EVENT_TOOL_NAME_END:
+        open_item(g, c, IT_CALL);
+        return; // spec §2.6
     case DI_PARSER_EVENT_ARGS_DELTA:
         if (c->blk_kind != IT_CALL || !e->len) return;
         item_id(g, "fc_", c->n_calls - 1, id, sizeof id);
@@ -341,7 +347,9 @@ static void resp_event(srv_gen *g, srv_choice *c, const di_parser_event *e) {
            json_pack("{s:s,s:i,s:o}", "item_id", id, "output_index", c->blk_index, "delta",
                      json_stringn_lossy(e->text, e->len)));
         return;
-    case DI_PARSER_EVENT_TOOL_CALL_END: close_item(g, c); return;
+    case DI_PARSER_EVENT_TOOL_CALL_END:
+        close_item(g, c);
+        return;
     case DI_PARSER_EVENT_TOOL_CALL_ABORT: {
         // truncated inside a call (max_output_tokens, spec §1.11): the open item is finished
         // with status "incomplete" (arguments as streamed, no .done since they are not); the
@@ -354,7 +362,8 @@ static void resp_event(srv_gen *g, srv_choice *c, const di_parser_event *e) {
         c->blk_kind = IT_NONE;
         return;
     }
-    default: return;
+    default:
+        return;
     }
 }
 
@@ -370,8 +379,9 @@ static void resp_end(srv_gen *g) {
     const char *st = final_status(g);
     if (g->failed) {
         json_t *r = response_obj(g, "failed", true);
-        json_object_set_new(r, "error", json_pack("{s:s,s:s}", "code", "server_error", "message",
-                                                  "Generation failed in the engine."));
+        json_object_set_new(r, "error",
+                            json_pack("{s:s,s:s}", "code", "server_error", "message",
+                                      "Generation failed in the engine."));
         ev(g, "response.failed", json_pack("{s:o}", "response", r));
         return;
     }
@@ -381,9 +391,10 @@ static void resp_end(srv_gen *g) {
 }
 
 static void resp_error(srv_gen *g, const srv_err *e) {
-    ev(g, "error", json_pack("{s:s,s:s,s:s?}", "code", e->code ? e->code : e->type, "message",
-                             e->msg, "param", e->param));
+    ev(g, "error",
+       json_pack("{s:s,s:s,s:s?}", "code", e->code ? e->code : e->type, "message", e->msg, "param",
+                 e->param));
 }
 
-const srv_api_ops srv_responses_ops = {resp_begin, resp_event, resp_choice_end, resp_end,
+const srv_api_ops srv_responses_ops = {resp_begin, resp_event, resp_choice_end,    resp_end,
                                        resp_error, resp_body,  ": keep-alive\n\n", "call_"};

@@ -115,8 +115,8 @@ json_t *srv_err_body(srv_api api, const srv_err *e) {
         return json_pack("{s:s,s:{s:s,s:s}}", "type", "error", "error", "type", t, "message",
                          e->msg);
     }
-    return json_pack("{s:{s:s,s:s,s:s?,s:s}}", "error", "message", e->msg, "type", e->type,
-                     "param", e->param, "code", e->code ? e->code : e->type);
+    return json_pack("{s:{s:s,s:s,s:s?,s:s}}", "error", "message", e->msg, "type", e->type, "param",
+                     e->param, "code", e->code ? e->code : e->type);
 }
 
 // ---- ids and time ----
@@ -128,8 +128,7 @@ double srv_now(void) {
 }
 
 void srv_make_id(srv *s, const char *prefix, char *out, size_t cap) {
-    static const char k_abc[] =
-        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    static const char k_abc[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     // unique per process (counter) and unlikely to repeat across restarts (start time mixed in)
     uint64_t x = atomic_fetch_add(&s->next_id, 1) * 0x9E3779B97F4A7C15ull ^
                  (uint64_t)s->started_at * 0xBF58476D1CE4E5B9ull;
@@ -146,9 +145,12 @@ void srv_make_id(srv *s, const char *prefix, char *out, size_t cap) {
 
 const char *srv_finish_openai(const srv_choice *c) {
     switch (c->pfinish) {
-    case DI_PARSER_FINISH_LENGTH: return "length";
-    case DI_PARSER_FINISH_TOOL_CALLS: return "tool_calls";
-    default: return "stop";
+    case DI_PARSER_FINISH_LENGTH:
+        return "length";
+    case DI_PARSER_FINISH_TOOL_CALLS:
+        return "tool_calls";
+    default:
+        return "stop";
     }
 }
 
@@ -315,9 +317,8 @@ static void handle(srv_gen *g, const srv_tok_ev *ev) {
                 for (int i = 0; i < ev->n_top; i++)
                     json_array_append_new(top, token_lp(s, ev->top_ids[i], ev->top_lp[i]));
                 json_object_set_new(e, "top_logprobs", top);
-                json_array_append_new(c->section == 0 && g->thinking ? c->lp_reasoning
-                                                                     : c->lp_content,
-                                      e);
+                json_array_append_new(
+                    c->section == 0 && g->thinking ? c->lp_reasoning : c->lp_content, e);
             }
             if (di_parser_finished(c->parser) && ev->finish == DI_FINISH_NONE &&
                 !c->parser_cancelled) {
@@ -331,8 +332,8 @@ static void handle(srv_gen *g, const srv_tok_ev *ev) {
         c->efinish = ev->finish;
         c->estatus = ev->status;
         c->n_cached = ev->n_cached;
-        di_parser_finish r = ev->finish == DI_FINISH_LENGTH ? DI_PARSER_FINISH_LENGTH
-                                                            : DI_PARSER_FINISH_STOP;
+        di_parser_finish r =
+            ev->finish == DI_FINISH_LENGTH ? DI_PARSER_FINISH_LENGTH : DI_PARSER_FINISH_STOP;
         c->pfinish = di_parser_end(c->parser, r);
         c->ended = true;
         if (ev->finish == DI_FINISH_ERROR) g->failed = true;
@@ -409,7 +410,9 @@ void srv_gen_destroy(srv_gen *g) {
                 "INFO  request %s: prompt %zu tokens (cached %lld), generated %lld tokens, "
                 "TTFT %.1f ms, %.1f tokens/s, %s%s\n",
                 g->id, g->n_prompt, (long long)cached, (long long)gen, ttft * 1e3, tps,
-                g->failed ? "failed" : cancelled ? "cancelled" : "finished",
+                g->failed   ? "failed"
+                : cancelled ? "cancelled"
+                            : "finished",
                 g->client_gone ? " (client disconnected)" : "");
     }
     for (int i = 0; i < SRV_MAX_N; i++) {

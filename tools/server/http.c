@@ -203,14 +203,14 @@ bool srv_http_start(srv *s, srv_http **out) {
         free(h);
         return false;
     }
-    h->d = MHD_start_daemon(
-        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL | MHD_USE_ITC |
-            MHD_USE_ERROR_LOG,
-        0, NULL, NULL, on_access, s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)s->cfg.timeout_s, MHD_OPTION_CONNECTION_LIMIT, (unsigned)(s->cfg.max_inflight + 64),
-        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(64 * 1024), MHD_OPTION_LISTEN_BACKLOG_SIZE,
-        (unsigned)256, MHD_OPTION_END);
+    h->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
+                                MHD_USE_POLL | MHD_USE_ITC | MHD_USE_ERROR_LOG,
+                            0, NULL, NULL, on_access, s, MHD_OPTION_SOCK_ADDR,
+                            (struct sockaddr *)&addr, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)s->cfg.timeout_s,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)(s->cfg.max_inflight + 64),
+                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(64 * 1024),
+                            MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)256, MHD_OPTION_END);
     if (!h->d) {
         fprintf(stderr, "ERROR serve: cannot listen on %s:%d\n", s->cfg.host, s->cfg.port);
         free(h);

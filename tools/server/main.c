@@ -22,14 +22,14 @@ static void on_signal(int sig) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
-            "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
-            "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
-            "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
-            "                       [--drain-timeout 30] [--log-level 0..3]\n"
-            "OpenAI Chat Completions / Completions / Responses and Anthropic Messages over HTTP.\n"
-            "Without --model it serves the built-in tiny random-weight model (meaningless text).\n");
+    fprintf(
+        f, "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
+           "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
+           "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
+           "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
+           "                       [--drain-timeout 30] [--log-level 0..3]\n"
+           "OpenAI Chat Completions / Completions / Responses and Anthropic Messages over HTTP.\n"
+           "Without --model it serves the built-in tiny random-weight model (meaningless text).\n");
 }
 
 static void sleep_ms(int ms) {

@@ -36,8 +36,7 @@ static void hist(sb *b, const char *name, const char *help, const srv_hist *h, c
                 (unsigned long long)cum);
     }
     cum += h->counts[SRV_N_BUCKETS];
-    sb_addf(b, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", name, m,
-            (unsigned long long)cum);
+    sb_addf(b, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", name, m, (unsigned long long)cum);
     sb_addf(b, "%s_sum{model_name=\"%s\"} %.6f\n%s_count{model_name=\"%s\"} %llu\n", name, m,
             h->sum, name, m, (unsigned long long)h->n);
 }
@@ -47,18 +46,22 @@ char *srv_metrics_text(srv *s) {
     di_engine_get_stats(s->engine, &st);
     const char *m = s->cfg.model_name;
     sb b = {0};
-#define GAUGE(name, help, fmt, v)                                                                 \
-    sb_addf(&b, "# HELP " name " " help "\n# TYPE " name " gauge\n" name "{model_name=\"%s\"} " fmt \
-                "\n",                                                                             \
+#define GAUGE(name, help, fmt, v)                                                                  \
+    sb_addf(&b,                                                                                    \
+            "# HELP " name " " help "\n# TYPE " name " gauge\n" name "{model_name=\"%s\"} " fmt    \
+            "\n",                                                                                  \
             m, v)
-#define COUNTER(name, help, v)                                                                    \
-    sb_addf(&b, "# HELP " name " " help "\n# TYPE " name " counter\n" name "{model_name=\"%s\"} %llu\n", \
+#define COUNTER(name, help, v)                                                                     \
+    sb_addf(&b,                                                                                    \
+            "# HELP " name " " help "\n# TYPE " name " counter\n" name                             \
+            "{model_name=\"%s\"} %llu\n",                                                          \
             m, (unsigned long long)(v))
     GAUGE("deepinfer:num_requests_running", "Sequences in the running batch.", "%d", st.n_running);
     GAUGE("deepinfer:num_requests_waiting", "Sequences waiting for admission.", "%d", st.n_waiting);
     GAUGE("deepinfer:num_http_requests_in_flight", "Generation requests being served.", "%d",
           atomic_load(&s->inflight));
-    double usage = st.n_blocks_total ? 1.0 - (double)st.n_blocks_free / (double)st.n_blocks_total : 0;
+    double usage =
+        st.n_blocks_total ? 1.0 - (double)st.n_blocks_free / (double)st.n_blocks_total : 0;
     GAUGE("deepinfer:kv_cache_usage_perc", "KV pool usage (1 = full).", "%.6f", usage);
     GAUGE("deepinfer:kv_blocks_total", "KV pool blocks.", "%lld", (long long)st.n_blocks_total);
     GAUGE("deepinfer:kv_blocks_free", "Free KV blocks (evictable cached included).", "%lld",
@@ -66,8 +69,8 @@ char *srv_metrics_text(srv *s) {
     GAUGE("deepinfer:kv_blocks_cached", "KV blocks held only by the prefix cache.", "%lld",
           (long long)st.n_blocks_cached);
     double looked = (double)(st.n_cache_hit_tokens + st.n_prefill_tokens);
-    GAUGE("deepinfer:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.",
-          "%.6f", looked > 0 ? (double)st.n_cache_hit_tokens / looked : 0.0);
+    GAUGE("deepinfer:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.", "%.6f",
+          looked > 0 ? (double)st.n_cache_hit_tokens / looked : 0.0);
     COUNTER("deepinfer:prefix_cache_hit_tokens_total", "Prompt tokens taken from the cache.",
             st.n_cache_hit_tokens);
     COUNTER("deepinfer:num_preemptions_total", "Preemptions.", st.n_preemptions);
@@ -100,17 +103,24 @@ static const struct route {
     const char *method;
     kind k;
 } k_routes[] = {
-    {"/v1/chat/completions", "POST", K_CHAT}, {"/chat/completions", "POST", K_CHAT},
-    {"/v1/completions", "POST", K_CMPL},      {"/completions", "POST", K_CMPL},
-    {"/v1/responses", "POST", K_RESP},        {"/responses", "POST", K_RESP},
-    {"/v1/messages", "POST", K_MSG},          {"/anthropic/v1/messages", "POST", K_MSG},
-    {"/anthropic/messages", "POST", K_MSG},   {"/v1/models", "GET", K_MODELS},
-    {"/models", "GET", K_MODELS},             {"/health", "GET", K_HEALTH},
-    {"/ready", "GET", K_READY},               {"/metrics", "GET", K_METRICS},
+    {"/v1/chat/completions", "POST", K_CHAT},
+    {"/chat/completions", "POST", K_CHAT},
+    {"/v1/completions", "POST", K_CMPL},
+    {"/completions", "POST", K_CMPL},
+    {"/v1/responses", "POST", K_RESP},
+    {"/responses", "POST", K_RESP},
+    {"/v1/messages", "POST", K_MSG},
+    {"/anthropic/v1/messages", "POST", K_MSG},
+    {"/anthropic/messages", "POST", K_MSG},
+    {"/v1/models", "GET", K_MODELS},
+    {"/models", "GET", K_MODELS},
+    {"/health", "GET", K_HEALTH},
+    {"/ready", "GET", K_READY},
+    {"/metrics", "GET", K_METRICS},
 };
 
 static srv_api api_of(kind k) {
-    return k == K_CHAT ? SRV_API_CHAT
+    return k == K_CHAT   ? SRV_API_CHAT
            : k == K_CMPL ? SRV_API_COMPLETIONS
            : k == K_RESP ? SRV_API_RESPONSES
            : k == K_MSG  ? SRV_API_MESSAGES
@@ -160,8 +170,9 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         srv_metrics_status(s, ok ? 200 : 503);
         return srv_send_json(c, ok ? 200 : 503,
                              json_pack("{s:s}", "status",
-                                       ok ? "ready" : atomic_load(&s->draining) ? "draining"
-                                                                                : "loading"),
+                                       ok                          ? "ready"
+                                       : atomic_load(&s->draining) ? "draining"
+                                                                   : "loading"),
                              ok ? 0 : 1);
     }
     if (r->k == K_METRICS) {

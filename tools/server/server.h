@@ -49,11 +49,11 @@ json_t *json_stringn_lossy(const char *s, size_t n);
 // ---- errors ----
 
 typedef struct srv_err {
-    int status;           // HTTP status
-    const char *type;     // OpenAI type (the Anthropic type is derived from status)
-    const char *code;     // OpenAI code; NULL = type
-    const char *param;    // offending field or NULL
-    int retry_after_s;    // > 0: Retry-After header
+    int status;        // HTTP status
+    const char *type;  // OpenAI type (the Anthropic type is derived from status)
+    const char *code;  // OpenAI code; NULL = type
+    const char *param; // offending field or NULL
+    int retry_after_s; // > 0: Retry-After header
     char msg[512];
 } srv_err;
 
@@ -75,10 +75,10 @@ typedef struct srv_config {
     int32_t max_ctx;
     int32_t max_seqs;
     size_t max_body_bytes;
-    int max_inflight;       // concurrent generation requests; more get 429
-    int timeout_s;          // idle connection timeout
-    double keepalive_s;     // SSE keep-alive period while nothing is produced
-    int drain_s;            // SIGTERM: wait at most this long for in-flight requests
+    int max_inflight;   // concurrent generation requests; more get 429
+    int timeout_s;      // idle connection timeout
+    double keepalive_s; // SSE keep-alive period while nothing is produced
+    int drain_s;        // SIGTERM: wait at most this long for in-flight requests
 } srv_config;
 
 #define SRV_N_BUCKETS 14
@@ -91,17 +91,17 @@ typedef struct srv_hist {
 
 typedef struct srv {
     srv_config cfg;
-    di_engine *engine;   // owned
-    di_tokenizer *tok;   // owned
-    int32_t n_ctx;       // effective context per request
+    di_engine *engine; // owned
+    di_tokenizer *tok; // owned
+    int32_t n_ctx;     // effective context per request
     long started_at;
-    atomic_int inflight;        // generation requests being served
-    atomic_bool draining;       // SIGTERM received
+    atomic_int inflight;  // generation requests being served
+    atomic_bool draining; // SIGTERM received
     atomic_bool ready;
     atomic_uint_fast64_t next_id;
     pthread_mutex_t metrics_mu; // guards the fields below
     uint64_t n_requests_ok, n_requests_err, n_prompt_tokens, n_gen_tokens, n_cached_tokens;
-    uint64_t n_status[6];       // by HTTP status class 1xx..5xx (index 1..5)
+    uint64_t n_status[6]; // by HTTP status class 1xx..5xx (index 1..5)
     srv_hist ttft, itl, e2e;
 } srv;
 
@@ -113,10 +113,10 @@ char *srv_metrics_text(srv *s);
 // ---- generation: one HTTP request's engine requests (n choices) and their parsed output ----
 
 typedef struct srv_call {
-    char id[40];  // "call_…" / "toolu_…" / "fc_…" (the API's prefix)
+    char id[40]; // "call_…" / "toolu_…" / "fc_…" (the API's prefix)
     sb name, args;
-    bool named;   // TOOL_NAME_END seen
-    bool done;    // TOOL_CALL_END seen
+    bool named; // TOOL_NAME_END seen
+    bool done;  // TOOL_CALL_END seen
 } srv_call;
 
 typedef struct srv_tok_ev {
@@ -135,22 +135,22 @@ struct srv_gen;
 typedef struct srv_choice {
     struct srv_gen *g; // borrowed back-pointer
     int idx;
-    uint64_t eid;      // engine request id
+    uint64_t eid; // engine request id
     bool submitted, ended, parser_cancelled;
     di_parser *parser; // owned
     sb reasoning, content;
-    srv_call *calls;   // owned
+    srv_call *calls; // owned
     int n_calls, cap_calls;
     int32_t n_gen, n_cached, n_reasoning_tokens;
     di_finish efinish;
     di_status estatus;
     di_parser_finish pfinish;
-    int section;       // 0 reasoning, 1 content: section of the latest text event
+    int section;                       // 0 reasoning, 1 content: section of the latest text event
     json_t *lp_content, *lp_reasoning; // owned logprobs arrays (when requested)
     // per-API streaming state
-    int blk_kind;      // messages/responses: kind of the open block (0 none)
-    int blk_index;     // its index
-    int n_blocks;      // blocks/items emitted so far
+    int blk_kind;  // messages/responses: kind of the open block (0 none)
+    int blk_index; // its index
+    int n_blocks;  // blocks/items emitted so far
     bool head_sent;
     json_t *aborted_item; // Responses stream: the function_call item cut off by truncation
 } srv_choice;
@@ -172,14 +172,14 @@ typedef struct srv_gen {
     srv *s;
     srv_api api;
     const srv_api_ops *ops;
-    json_t *req;          // owned request document
+    json_t *req; // owned request document
     bool stream, include_usage;
     char id[64];
     long created;
-    int32_t *prompt;      // owned (di_tok_free)
+    int32_t *prompt; // owned (di_tok_free)
     size_t n_prompt;
     di_parser_stage stage;
-    bool tools;           // tool calls parsed (tools given and tool_choice != none)
+    bool tools; // tool calls parsed (tools given and tool_choice != none)
     bool thinking;
     int n;
     srv_choice ch[SRV_MAX_N];
@@ -188,19 +188,19 @@ typedef struct srv_gen {
     int32_t max_tokens;
     const char *stop[DI_MAX_STOP]; // borrowed from req
     int n_stop;
-    int top_logprobs;     // -1: no logprobs
+    int top_logprobs; // -1: no logprobs
     // queue between the engine thread and the connection thread (queue.c)
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    srv_tok_ev *q;        // owned ring
+    srv_tok_ev *q; // owned ring
     size_t q_head, q_len, q_cap;
-    int n_final;          // final engine events received
+    int n_final; // final engine events received
     bool q_oom;
     // streaming output
     sb out;
     size_t out_off;
     bool out_done, failed;
-    int64_t seq;          // Responses sequence_number
+    int64_t seq; // Responses sequence_number
     double t_start, t_first, t_last_out, t_last_tok;
     struct MHD_Connection *conn; // borrowed, for the disconnect check
     bool client_gone;

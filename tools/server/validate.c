@@ -42,8 +42,8 @@ static bool opt_num(const json_t *req, const char *key, double lo, double hi, bo
     return true;
 }
 
-static bool opt_int(const json_t *req, const char *key, long long lo, long long hi,
-                    long long *out, bool *present, srv_err *e) {
+static bool opt_int(const json_t *req, const char *key, long long lo, long long hi, long long *out,
+                    bool *present, srv_err *e) {
     const json_t *v = json_object_get(req, key);
     if (present) *present = false;
     if (!v || json_is_null(v)) return true;
@@ -236,7 +236,7 @@ bool srv_check_tools(const json_t *tools, srv_api api, srv_err *e) {
                 return false;
             }
             if (strcmp(type, "function")) continue; // server tools are ignored (§2.3)
-        } else { // Messages
+        } else {                                    // Messages
             pkey = "input_schema";
             if (type && strcmp(type, "custom") && !json_object_get(t, "input_schema")) {
                 srv_err_set(e, 400, "tools", "Server tools are not supported");
@@ -245,8 +245,8 @@ bool srv_check_tools(const json_t *tools, srv_api api, srv_err *e) {
         }
         const char *name = json_string_value(json_object_get(fn, "name"));
         if (!name || !name_ok(name)) {
-            srv_err_set(e, 400, "tools",
-                        "tools[%zu]: the name must match ^[A-Za-z0-9_-]{1,64}$.", i);
+            srv_err_set(e, 400, "tools", "tools[%zu]: the name must match ^[A-Za-z0-9_-]{1,64}$.",
+                        i);
             return false;
         }
         params = json_object_get(fn, pkey);

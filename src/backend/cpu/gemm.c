@@ -64,10 +64,10 @@ bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa) {
 // ---- matmul ----
 
 enum {
-    ROWS = 4,      // rows decoded together (the tile's height)
-    TOKS = 3,      // tokens per tile
-    SEG = 1024,    // columns per decoded segment when few tokens share it (4 rows x 4 KiB in L1)
-    SEG_TOKS = 3,  // at most this many tokens: decode in registers or stream segments
+    ROWS = 4,     // rows decoded together (the tile's height)
+    TOKS = 3,     // tokens per tile
+    SEG = 1024,   // columns per decoded segment when few tokens share it (4 rows x 4 KiB in L1)
+    SEG_TOKS = 3, // at most this many tokens: decode in registers or stream segments
     PF_ROW_BYTES = 1024, // bytes of each upcoming row prefetched in the many-token path
 };
 
@@ -99,21 +99,25 @@ static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
         int nt = (int)(t_hi - t_lo);
         for (int j = 0; j < nt; j++) xs[j] = c->x + (t_lo + j) * c->x_stride;
         memset(acc, 0, sizeof acc);
-        if (c->fused) di_gemm_avx2_gemv(w, o0, nr, xs, nt, acc);
-        else for (int64_t c0 = 0; c0 < n; c0 += SEG) {
-            int64_t c1 = c0 + SEG < n ? c0 + SEG : n;
-            di_gemm_avx2_decode(w, o0, nr, c0, c1, scr, ld);
-            di_gemm_avx2_tile(scr, ld, nr, xs, nt, c0, c1, n, acc);
-        }
+        if (c->fused)
+            di_gemm_avx2_gemv(w, o0, nr, xs, nt, acc);
+        else
+            for (int64_t c0 = 0; c0 < n; c0 += SEG) {
+                int64_t c1 = c0 + SEG < n ? c0 + SEG : n;
+                di_gemm_avx2_decode(w, o0, nr, c0, c1, scr, ld);
+                di_gemm_avx2_tile(scr, ld, nr, xs, nt, c0, c1, n, acc);
+            }
         for (int i = 0; i < nr; i++)
-            for (int j = 0; j < nt; j++) c->y[(t_lo + j) * c->y_stride + o0 + i] = reduce8(acc[i][j]);
+            for (int j = 0; j < nt; j++)
+                c->y[(t_lo + j) * c->y_stride + o0 + i] = reduce8(acc[i][j]);
         return;
     }
     // The next two row blocks, while this one computes: with many tokens the rows are decoded
     // whole, one block at a time, and their loads would otherwise wait on memory each time.
     for (int64_t r = o0 + ROWS; r < o0 + 3 * ROWS && r < w->ne[1]; r++) {
         const char *row = (const char *)w->data + (size_t)r * w->nb1;
-        for (int64_t b = 0; b < (int64_t)w->nb1 && b < PF_ROW_BYTES; b += 64) __builtin_prefetch(row + b);
+        for (int64_t b = 0; b < (int64_t)w->nb1 && b < PF_ROW_BYTES; b += 64)
+            __builtin_prefetch(row + b);
     }
     di_gemm_avx2_decode(w, o0, nr, 0, n, scr, ld);
     // Tokens in balanced tiles of at most TOKS (16 = 3+3+3+3+2+2, not ...+3+1): a one-token
@@ -138,8 +142,10 @@ static void matmul_task(void *p, int ith, int nth) {
     const int64_t ld = c->cpu->gemm_ld;
     float *scr = c->cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * ld);
     int64_t r_lo = 0, r_hi = c->w->ne[1], t_lo = 0, t_hi = c->n_tok;
-    if (c->split_rows) di_split_range(r_hi, ith, nth, &r_lo, &r_hi);
-    else di_split_range(t_hi, ith, nth, &t_lo, &t_hi);
+    if (c->split_rows)
+        di_split_range(r_hi, ith, nth, &r_lo, &r_hi);
+    else
+        di_split_range(t_hi, ith, nth, &t_lo, &t_hi);
     if (t_lo >= t_hi) return;
     if (!c->simd) {
         for (int64_t o = r_lo; o < r_hi; o++) block_scalar(c, scr, o, t_lo, t_hi);
@@ -158,8 +164,8 @@ static bool avx2_layout_ok(const di_tensor *w) {
     return true;
 }
 
-void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok,
-                   int64_t x_stride, float *y, int64_t y_stride) {
+void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok, int64_t x_stride,
+                   float *y, int64_t y_stride) {
     DI_ASSERT(w->ne[0] <= cpu->row_cap);
     if (n_tok <= 0 || w->ne[1] <= 0) return;
     cpu->n_weight_bytes += di_tensor_bytes(w);

@@ -52,8 +52,8 @@ bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa);
 // y[t*y_stride + o] = sum_i W[o, i] * x[t*x_stride + i] for t < n_tok, o < W.ne[1] (as
 // di_ref_matmul; FP32 accumulation, dequantisation fused). Needs W.ne[0] <= the max_row given to
 // di_cpu_init (DI_ASSERT). x and y must not overlap.
-void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok,
-                   int64_t x_stride, float *y, int64_t y_stride);
+void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok, int64_t x_stride,
+                   float *y, int64_t y_stride);
 
 // ---- internal: the AVX2 level (gemm_avx2.c, compiled with -mavx2 -mfma -mf16c) ----
 
@@ -62,8 +62,8 @@ bool di_gemm_avx2_built(void);
 // Decodes columns [c0, c1) of rows r0..r0+nr-1 of w into dst (row i at dst + i*dst_stride,
 // c1-c0 values, then zeros up to the next multiple of 8 when c1 == ne[0]). Exact (every decoded
 // value equals di_tensor_row_f32's).
-void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
-                         float *dst, int64_t dst_stride);
+void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,
+                         int64_t dst_stride);
 // True when di_gemm_avx2_gemv handles w: FP8 (block_in and n_in multiples of 16), FP4 (of 32),
 // BF16 (n_in a multiple of 8).
 bool di_gemm_avx2_gemv_ok(const di_tensor *w);

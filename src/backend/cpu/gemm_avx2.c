@@ -27,8 +27,8 @@ bool di_gemm_avx2_built(void) {
 // turns it into an f16 NaN.
 static inline __m256 fp8_hi8(__m128i v) { // v: 8 codes in the high bytes of 16-bit lanes
     __m128i h = _mm_and_si128(_mm_srai_epi16(v, 1), _mm_set1_epi16((short)0xBFFF));
-    h = _mm_or_si128(h, _mm_and_si128(_mm_add_epi16(h, _mm_set1_epi16(0x80)),
-                                      _mm_set1_epi16(0x4000)));
+    h = _mm_or_si128(h,
+                     _mm_and_si128(_mm_add_epi16(h, _mm_set1_epi16(0x80)), _mm_set1_epi16(0x4000)));
     return _mm256_cvtph_ps(h);
 }
 
@@ -102,8 +102,7 @@ static void decode_fp8(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, fl
         if (bend > c1) bend = c1;
         scale8 s = fp8_scale(srow[blk]);
         for (; c + 8 <= bend; c += 8)
-            _mm256_store_ps(dst + (c - c0),
-                            _mm256_mul_ps(_mm256_mul_ps(fp8x8(row + c), s.a), s.b));
+            _mm256_store_ps(dst + (c - c0), _mm256_mul_ps(_mm256_mul_ps(fp8x8(row + c), s.a), s.b));
         if (c < bend) break; // the row's tail (bi % 8 == 0, so only at c1)
     }
     for (; c < c1; c++) dst[c - c0] = di_e4m3_to_f32(row[c]) * di_ue8m0_to_f32(srow[c / bi]);
@@ -155,7 +154,8 @@ static void decode_float(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, 
             _mm256_store_ps(dst + (c - c0), _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
         }
         break;
-    default: DI_ASSERT(!"not a float kind");
+    default:
+        DI_ASSERT(!"not a float kind");
     }
     for (; c < c1; c++) {
         uint16_t h;
@@ -164,15 +164,21 @@ static void decode_float(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, 
     }
 }
 
-void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
-                         float *dst, int64_t dst_stride) {
+void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,
+                         int64_t dst_stride) {
     const int64_t n = w->ne[0];
     for (int i = 0; i < nr; i++) {
         float *d = dst + i * dst_stride;
         switch (w->kind) {
-        case DI_TENSOR_KIND_FP8: decode_fp8(w, r0 + i, c0, c1, d); break;
-        case DI_TENSOR_KIND_FP4: decode_fp4(w, r0 + i, c0, c1, d); break;
-        default: decode_float(w, r0 + i, c0, c1, d); break;
+        case DI_TENSOR_KIND_FP8:
+            decode_fp8(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_FP4:
+            decode_fp4(w, r0 + i, c0, c1, d);
+            break;
+        default:
+            decode_float(w, r0 + i, c0, c1, d);
+            break;
         }
         if (c1 == n)
             for (int64_t c = c1; c < c0 + ((c1 - c0 + 7) & ~(int64_t)7); c++) d[c - c0] = 0;
@@ -185,8 +191,7 @@ void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int
 // registers (4 x 3 = 12 accumulators + 3 x + 1 w = 16 ymm).
 static inline __attribute__((always_inline)) void tile(const float *w, int64_t ws, int NR,
                                                        const float *const *xs, int NT, int64_t c0,
-                                                       int64_t c1, int64_t n,
-                                                       float acc[4][3][8]) {
+                                                       int64_t c1, int64_t n, float acc[4][3][8]) {
     __m256 a[4][3];
     for (int i = 0; i < NR; i++)
         for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
@@ -202,8 +207,8 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t w
     }
     if (c < c1) { // the last partial chunk of the row: x masked, w zero-padded by decode
         int rem = (int)(n - c);
-        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem),
-                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i mask =
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256 xv[3];
         for (int j = 0; j < NT; j++) xv[j] = _mm256_maskload_ps(xs[j] + c, mask);
         for (int i = 0; i < NR; i++) {
@@ -218,10 +223,12 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t w
 void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
                        int64_t c0, int64_t c1, int64_t n, float acc[4][3][8]) {
 #define T(R, N)                                                                                    \
-    case (R) * 4 + (N): tile(w, w_stride, R, xs, N, c0, c1, n, acc); return;
+    case (R)*4 + (N):                                                                              \
+        tile(w, w_stride, R, xs, N, c0, c1, n, acc);                                               \
+        return;
     switch (nr * 4 + nt) {
-        T(1, 1) T(1, 2) T(1, 3) T(2, 1) T(2, 2) T(2, 3) T(3, 1) T(3, 2) T(3, 3) T(4, 1) T(4, 2)
-        T(4, 3)
+        T(1, 1)
+        T(1, 2) T(1, 3) T(2, 1) T(2, 2) T(2, 3) T(3, 1) T(3, 2) T(3, 3) T(4, 1) T(4, 2) T(4, 3)
     }
 #undef T
     DI_ASSERT(!"tile shape out of range");
@@ -233,13 +240,13 @@ void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *co
 // di_gemm_avx2_tile over [0, n) from zeroed accumulators followed by reduce8.
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); // a_i + a_i+4
-    __m128 h = _mm_hadd_ps(s, s);                         // (s0+s1, s2+s3, ...)
+    __m128 h = _mm_hadd_ps(s, s);                            // (s0+s1, s2+s3, ...)
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))); // (s0+s1) + (s2+s3)
 }
 
 static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t ws, int NR,
-                                                         const float *const *xs, int NT,
-                                                         int64_t n, float *y, int64_t y_stride) {
+                                                         const float *const *xs, int NT, int64_t n,
+                                                         float *y, int64_t y_stride) {
     __m256 a[4][3];
     for (int i = 0; i < NR; i++)
         for (int j = 0; j < NT; j++) a[i][j] = _mm256_setzero_ps();
@@ -255,8 +262,8 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
     }
     if (c < n) {
         int rem = (int)(n - c);
-        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem),
-                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i mask =
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256 xv[3];
         for (int j = 0; j < NT; j++) xv[j] = _mm256_maskload_ps(xs[j] + c, mask);
         for (int i = 0; i < NR; i++) {
@@ -268,7 +275,8 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
         for (int j = 0; j < NT; j++) {
             __m128 s[4];
             for (int i = 0; i < 4; i++)
-                s[i] = _mm_add_ps(_mm256_castps256_ps128(a[i][j]), _mm256_extractf128_ps(a[i][j], 1));
+                s[i] =
+                    _mm_add_ps(_mm256_castps256_ps128(a[i][j]), _mm256_extractf128_ps(a[i][j], 1));
             __m128 h01 = _mm_hadd_ps(s[0], s[1]); // (s0_0+s0_1, s0_2+s0_3, s1_0+s1_1, s1_2+s1_3)
             __m128 h23 = _mm_hadd_ps(s[2], s[3]);
             _mm_storeu_ps(y + j * y_stride, _mm_hadd_ps(h01, h23));
@@ -282,10 +290,12 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
 void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
                          int64_t n, float *y, int64_t y_stride) {
 #define T(R, N)                                                                                    \
-    case (R) * 4 + (N): tile_y(w, w_stride, R, xs, N, n, y, y_stride); return;
+    case (R)*4 + (N):                                                                              \
+        tile_y(w, w_stride, R, xs, N, n, y, y_stride);                                             \
+        return;
     switch (nr * 4 + nt) {
-        T(1, 1) T(1, 2) T(1, 3) T(2, 1) T(2, 2) T(2, 3) T(3, 1) T(3, 2) T(3, 3) T(4, 1) T(4, 2)
-        T(4, 3)
+        T(1, 1)
+        T(1, 2) T(1, 3) T(2, 1) T(2, 2) T(2, 3) T(3, 1) T(3, 2) T(3, 3) T(4, 1) T(4, 2) T(4, 3)
     }
 #undef T
     DI_ASSERT(!"tile shape out of range");
@@ -299,8 +309,8 @@ void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *
 
 // The same per-element arithmetic and accumulation order as decode + tile (exact dequantised
 // weight, one FMA per 8 columns in column order), so the two paths give the same bits.
-static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, int64_t r0,
-                                                           int NR, const float *const *xs, int NT,
+static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, int64_t r0, int NR,
+                                                           const float *const *xs, int NT,
                                                            float acc[4][3][8]) {
     const int64_t n = w->ne[0], bi = w->block_in;
     const uint8_t *rows[4], *srows[4];
@@ -332,8 +342,8 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
         for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
 }
 
-static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, int64_t r0,
-                                                           int NR, const float *const *xs, int NT,
+static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, int64_t r0, int NR,
+                                                           const float *const *xs, int NT,
                                                            float acc[4][3][8]) {
     const int64_t n = w->ne[0], bi = w->block_in;
     const uint8_t *rows[4], *srows[4];
@@ -370,9 +380,9 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
         for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
 }
 
-static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, int64_t r0,
-                                                            int NR, const float *const *xs,
-                                                            int NT, float acc[4][3][8]) {
+static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, int64_t r0, int NR,
+                                                            const float *const *xs, int NT,
+                                                            float acc[4][3][8]) {
     const int64_t n = w->ne[0];
     const uint8_t *rows[4];
     __m256 a[4][3];
@@ -396,24 +406,31 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
 bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     const int64_t n = w->ne[0];
     switch (w->kind) {
-    case DI_TENSOR_KIND_FP8: return w->block_in % 16 == 0 && n % 16 == 0;
-    case DI_TENSOR_KIND_FP4: return w->block_in % 32 == 0 && n % 32 == 0;
-    case DI_TENSOR_KIND_BF16: return n % 8 == 0;
-    default: return false;
+    case DI_TENSOR_KIND_FP8:
+        return w->block_in % 16 == 0 && n % 16 == 0;
+    case DI_TENSOR_KIND_FP4:
+        return w->block_in % 32 == 0 && n % 32 == 0;
+    case DI_TENSOR_KIND_BF16:
+        return n % 8 == 0;
+    default:
+        return false;
     }
 }
 
 void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *const *xs, int nt,
                        float acc[4][3][8]) {
 #define G(R, N)                                                                                    \
-    case (R) * 4 + (N):                                                                            \
-        if (w->kind == DI_TENSOR_KIND_FP8) gemv_fp8(w, r0, R, xs, N, acc);                        \
-        else if (w->kind == DI_TENSOR_KIND_FP4) gemv_fp4(w, r0, R, xs, N, acc);                   \
-        else gemv_bf16(w, r0, R, xs, N, acc);                                                     \
+    case (R)*4 + (N):                                                                              \
+        if (w->kind == DI_TENSOR_KIND_FP8)                                                         \
+            gemv_fp8(w, r0, R, xs, N, acc);                                                        \
+        else if (w->kind == DI_TENSOR_KIND_FP4)                                                    \
+            gemv_fp4(w, r0, R, xs, N, acc);                                                        \
+        else                                                                                       \
+            gemv_bf16(w, r0, R, xs, N, acc);                                                       \
         return;
     switch (nr * 4 + nt) {
-        G(1, 1) G(1, 2) G(1, 3) G(2, 1) G(2, 2) G(2, 3) G(3, 1) G(3, 2) G(3, 3) G(4, 1) G(4, 2)
-        G(4, 3)
+        G(1, 1)
+        G(1, 2) G(1, 3) G(2, 1) G(2, 2) G(2, 3) G(3, 1) G(3, 2) G(3, 3) G(4, 1) G(4, 2) G(4, 3)
     }
 #undef G
     DI_ASSERT(!"gemv shape out of range");
@@ -436,8 +453,8 @@ bool di_gemm_avx2_built(void) {
     return false;
 }
 
-void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
-                         float *dst, int64_t dst_stride) {
+void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,
+                         int64_t dst_stride) {
     (void)w, (void)r0, (void)nr, (void)c0, (void)c1, (void)dst, (void)dst_stride;
     DI_ASSERT(!"AVX2 kernels not built");
 }

@@ -59,8 +59,10 @@ static void matmul_task(void *p, int ith, int nth) {
     float *row = c->cpu->row_scratch + (size_t)ith * (size_t)c->cpu->row_cap;
     int64_t n_in = c->w->ne[0], n_out = c->w->ne[1];
     int64_t r_lo = 0, r_hi = n_out, t_lo = 0, t_hi = c->n_tok;
-    if (c->split_rows) di_split_range(n_out, ith, nth, &r_lo, &r_hi);
-    else di_split_range(c->n_tok, ith, nth, &t_lo, &t_hi);
+    if (c->split_rows)
+        di_split_range(n_out, ith, nth, &r_lo, &r_hi);
+    else
+        di_split_range(c->n_tok, ith, nth, &t_lo, &t_hi);
     if (t_lo >= t_hi) return;
     for (int64_t o = r_lo; o < r_hi; o++) {
         di_tensor_row_f32(c->w, o, row);
@@ -69,8 +71,8 @@ static void matmul_task(void *p, int ith, int nth) {
     }
 }
 
-void di_ref_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok,
-                   int64_t x_stride, float *y, int64_t y_stride) {
+void di_ref_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok, int64_t x_stride,
+                   float *y, int64_t y_stride) {
     DI_ASSERT(w->ne[0] <= cpu->row_cap);
     if (n_tok <= 0 || w->ne[1] <= 0) return;
     matmul_ctx c = {cpu, w, x, n_tok, x_stride, y, y_stride, true};
@@ -95,8 +97,8 @@ void di_ref_rmsnorm(float *x, int64_t n_rows, int64_t n, int64_t stride, const f
     }
 }
 
-void di_ref_rope(float *v, int64_t n, int32_t n_rot, const float *omega, int64_t pos,
-                 float scale, bool inverse) {
+void di_ref_rope(float *v, int64_t n, int32_t n_rot, const float *omega, int64_t pos, float scale,
+                 bool inverse) {
     float *r = v + (n - n_rot);
     for (int32_t i = 0; i < n_rot / 2; i++) {
         float ang = (float)pos * omega[i]; // one FP32 rounding, as the references

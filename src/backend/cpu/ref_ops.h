@@ -22,7 +22,7 @@
 #include <math.h>
 
 typedef struct di_cpu {
-    di_pool *pool;      // borrowed
+    di_pool *pool; // borrowed
     int n_threads;
     float *row_scratch; // owned; n_threads * row_cap floats (one dequantised weight row each)
     int64_t row_cap;
@@ -41,18 +41,17 @@ void di_cpu_deinit(di_cpu *cpu);
 
 // y[t*y_stride + o] = sum_i W[o, i] * x[t*x_stride + i] for t < n_tok, o < W.ne[1].
 // FP32 accumulation; W dequantised row by row (exact).
-void di_ref_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok,
-                   int64_t x_stride, float *y, int64_t y_stride);
+void di_ref_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok, int64_t x_stride,
+                   float *y, int64_t y_stride);
 
 // In place over n_rows rows of n values (stride apart): x = x * rsqrt(mean(x^2) + eps) [* w].
 // w may be NULL (unweighted, as the per-head q normalisation).
-void di_ref_rmsnorm(float *x, int64_t n_rows, int64_t n, int64_t stride, const float *w,
-                    float eps);
+void di_ref_rmsnorm(float *x, int64_t n_rows, int64_t n, int64_t stride, const float *w, float eps);
 
 // Interleaved partial RoPE on the trailing n_rot entries of v[n]: pairs (n-n_rot+2i, +1) rotate
 // by pos*omega[i]; inverse rotates by the negative angle. cos and sin are multiplied by scale.
-void di_ref_rope(float *v, int64_t n, int32_t n_rot, const float *omega, int64_t pos,
-                 float scale, bool inverse);
+void di_ref_rope(float *v, int64_t n, int32_t n_rot, const float *omega, int64_t pos, float scale,
+                 bool inverse);
 
 // Dot product with FP32 accumulation in a fixed order (the same as di_ref_matmul's).
 float di_ref_dot(const float *a, const float *b, int64_t n);
