@@ -430,9 +430,11 @@ typedef struct di_parser di_parser;
 // stop: borrowed stop strings applied to content only (copied). tok: borrowed tokenizer used by
 // di_parser_feed_token; must outlive the parser. DI_ERR_INVALID (an empty stop string or one over
 // 256 bytes), DI_ERR_NOMEM.
+// json_output: JSON mode (response_format json_object, serving.md §1.8): in the answer a leading
+// ```json / ``` fence is skipped and text outside the JSON becomes spaces.
 di_status di_parser_create(const di_tokenizer *tok, di_parser_stage start, bool tools_enabled,
-                           const char *const *stop, size_t n_stop, di_parser_emit_fn emit,
-                           void *user, di_parser **out);
+                           bool json_output, const char *const *stop, size_t n_stop,
+                           di_parser_emit_fn emit, void *user, di_parser **out);
 void di_parser_destroy(di_parser *p);
 // Feeds decoded bytes (any split). DI_ERR_NOMEM.
 di_status di_parser_feed(di_parser *p, const char *text, size_t n);

@@ -36,8 +36,8 @@ static void trampoline(void *user, const di_parse_event *ev) {
 }
 
 di_status di_parser_create(const di_tokenizer *tok, di_parser_stage start, bool tools_enabled,
-                           const char *const *stop, size_t n_stop, di_parser_emit_fn emit,
-                           void *user, di_parser **out) {
+                           bool json_output, const char *const *stop, size_t n_stop,
+                           di_parser_emit_fn emit, void *user, di_parser **out) {
     if (!emit || !out || (n_stop && !stop)) return DI_ERR_INVALID;
     di_parser *q = calloc(1, sizeof *q);
     if (!q) return DI_ERR_NOMEM;
@@ -61,7 +61,8 @@ di_status di_parser_create(const di_tokenizer *tok, di_parser_stage start, bool 
     di_parse_options o = {.start = (di_parse_stage)start,
                           .tools_enabled = tools_enabled,
                           .stop = (const char *const *)q->stop,
-                          .n_stop = q->n_stop};
+                          .n_stop = q->n_stop,
+                          .json_output = json_output};
     q->emit = emit;
     q->user = user;
     st = di_parse_create(&o, trampoline, q, &q->p);

@@ -43,6 +43,18 @@ def test_chat_nonstream(oai):
     assert isinstance(c.message.model_extra.get("reasoning_content"), str)
 
 
+def test_chat_json_mode(oai):
+    # response_format json_object (serving.md §1.8): accepted, rendered into the system message,
+    # and the answer parsed in JSON mode — nothing but spaces before the first { or [.
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json"}],
+                                    max_tokens=12, response_format={"type": "json_object"},
+                                    extra_body={"thinking": {"type": "disabled"}})
+    c = r.choices[0].message.content or ""
+    head = c.lstrip(" ")
+    assert head == "" or head[0] in "{[", repr(c)
+    assert "\n" not in c.split("{")[0].split("[")[0]
+
+
 def test_chat_seed_is_deterministic_and_n(oai):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "seed"}], max_tokens=5,
               temperature=1.0, seed=42, n=2)

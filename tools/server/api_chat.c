@@ -155,8 +155,12 @@ static bool check_options(const json_t *req, srv_gen *g, srv_err *e) {
                         "'response_format' must be an object with 'type'.");
             return false;
         }
-        if (strcmp(t, "text")) {
-            // structured output needs the grammar engine (a later issue): never ignore silently
+        if (!strcmp(t, "json_object")) {
+            // rendered into the system message by the recipe; the answer is parsed in JSON mode
+            // (no validation is implied, as in DeepSeek's API)
+            g->json_output = true;
+        } else if (strcmp(t, "text")) {
+            // a JSON schema needs the grammar engine (a later issue): never ignore it silently
             srv_err_set(e, 400, "response_format",
                         "response_format '%s' is not supported yet: this server cannot enforce "
                         "structured output. Use {\"type\": \"text\"}.",

@@ -183,7 +183,7 @@ bool srv_gen_init_parsers(srv_gen *g, srv_err *e) {
     srv *s = g->s;
     for (int i = 0; i < g->n; i++) {
         srv_choice *c = &g->ch[i];
-        if (di_parser_create(s->tok, g->stage, g->tools, g->stop, (size_t)g->n_stop,
+        if (di_parser_create(s->tok, g->stage, g->tools, g->json_output, g->stop, (size_t)g->n_stop,
                              on_parser_event, c, &c->parser) != DI_OK) {
             srv_err_set(e, 400, "stop", "Invalid stop sequence (empty or longer than 256 bytes).");
             return false;

@@ -179,7 +179,8 @@ typedef struct srv_gen {
     int32_t *prompt; // owned (di_tok_free)
     size_t n_prompt;
     di_parser_stage stage;
-    bool tools; // tool calls parsed (tools given and tool_choice != none)
+    bool tools;       // tool calls parsed (tools given and tool_choice != none)
+    bool json_output; // response_format json_object: JSON mode in the answer (serving.md §1.8)
     bool thinking;
     int n;
     srv_choice ch[SRV_MAX_N];
