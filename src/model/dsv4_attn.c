@@ -15,8 +15,8 @@
 
 // y = W x for T rows; in official precision, FP8/FP4 weights see A8-quantised activations and
 // every output is rounded to BF16 (spec §2.0 "Linear layers").
-static void linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t n_tok,
-                   int64_t x_stride, float *y, int64_t y_stride, bool act_quant) {
+void di_dsv4_linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t n_tok,
+                    int64_t x_stride, float *y, int64_t y_stride, bool act_quant) {
     di_model *m = c->model;
     if (m->opt.precision == DI_PRECISION_OFFICIAL && act_quant &&
         (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)) {
@@ -32,11 +32,6 @@ static void linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t n
     di_cpu_matmul(&m->cpu, w, x, n_tok, x_stride, y, y_stride);
     if (m->opt.precision == DI_PRECISION_OFFICIAL)
         for (int32_t t = 0; t < n_tok; t++) di_dsv4_round(m, y + t * y_stride, w->ne[1]);
-}
-
-void di_dsv4_linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t n_tok,
-                    int64_t x_stride, float *y, int64_t y_stride, bool act_quant) {
-    linear(c, w, x, n_tok, x_stride, y, y_stride, act_quant);
 }
 
 // ---- compressor (spec §2.5, §3.2) ----
@@ -329,11 +324,11 @@ void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
 
     // q path: qr = RMSNorm(wq_a a); q = per-head RMS(wq_b qr); RoPE.
     float *qr = di_dsv4_scratch(c, DI_SCR_QR); // [T, Rq]
-    linear(c, &lw->wq_a, a, n_tok, D, qr, Rq, true);
+    di_dsv4_linear(c, &lw->wq_a, a, n_tok, D, qr, Rq, true);
     di_ref_rmsnorm(qr, n_tok, Rq, Rq, lw->q_norm, hp->norm_eps);
     di_dsv4_round(m, qr, n_tok * Rq);
     float *q = di_dsv4_scratch(c, DI_SCR_Q); // [T, H, Dh]
-    linear(c, &lw->wq_b, qr, n_tok, Rq, q, H * Dh, true);
+    di_dsv4_linear(c, &lw->wq_b, qr, n_tok, Rq, q, H * Dh, true);
     di_ref_rmsnorm(q, n_tok * H, Dh, Dh, NULL, hp->norm_eps);
     for (int64_t r = 0; r < n_tok * H; r++)
         di_ref_rope(q + r * Dh, Dh, n_rot, omega, row_pos[r / H], rscale, false);
@@ -341,7 +336,7 @@ void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
 
     // kv path: one row per token, shared by all heads as K and V.
     float *kv = di_dsv4_scratch(c, DI_SCR_KV); // [T, Dh]
-    linear(c, &lw->wkv, a, n_tok, D, kv, Dh, true);
+    di_dsv4_linear(c, &lw->wkv, a, n_tok, D, kv, Dh, true);
     di_ref_rmsnorm(kv, n_tok, Dh, Dh, lw->kv_norm, hp->norm_eps);
     di_dsv4_round(m, kv, n_tok * Dh);
     for (int32_t t = 0; t < n_tok; t++) {
@@ -356,7 +351,7 @@ void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
         const int64_t HI = hp->n_index_head, DI = hp->index_head_dim;
         run_compressor(c, &lw->idx_cmp, il, true, a);
         float *qi = di_dsv4_scratch(c, DI_SCR_IQ); // [T, HI, DI]
-        linear(c, &lw->idx_wq_b, qr, n_tok, Rq, qi, HI * DI, true);
+        di_dsv4_linear(c, &lw->idx_wq_b, qr, n_tok, Rq, qi, HI * DI, true);
         for (int64_t r = 0; r < n_tok * HI; r++) {
             di_ref_rope(qi + r * DI, DI, n_rot, m->omega_compress, row_pos[r / HI],
                         hp->rope_compress.attention_factor, false);
@@ -368,7 +363,7 @@ void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
             }
         }
         float *wi = di_dsv4_scratch(c, DI_SCR_IW); // [T, HI]
-        linear(c, &lw->idx_weights_proj, a, n_tok, D, wi, HI, false);
+        di_dsv4_linear(c, &lw->idx_weights_proj, a, n_tok, D, wi, HI, false);
         const float wscale = 1.0f / sqrtf((float)DI) / sqrtf((float)HI);
         for (int64_t i = 0; i < n_tok * HI; i++) wi[i] *= wscale;
         di_dsv4_round(m, wi, n_tok * HI);
@@ -392,9 +387,9 @@ void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
     for (int64_t g = 0; g < G; g++) {
         di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
         // wo_a: plain BF16 GEMM without activation quant in R-OFF (spec §5.17).
-        linear(c, &wg, o + g * group_in, n_tok, H * Dh, u + g * Ro, G * Ro, false);
+        di_dsv4_linear(c, &wg, o + g * group_in, n_tok, H * Dh, u + g * Ro, G * Ro, false);
     }
-    linear(c, &lw->wo_b, u, n_tok, G * Ro, out, D, true);
+    di_dsv4_linear(c, &lw->wo_b, u, n_tok, G * Ro, out, D, true);
 
     // State: each sequence's last W kv rows go into its ring (slot = position mod W).
     for (int32_t i = 0; i < c->n_seq; i++) {

@@ -16,12 +16,6 @@
 
 #define DI_MAX_LAYERS 256 // main layers + MTP layers
 
-typedef enum di_layer_kind {
-    DI_LAYER_KIND_SWA = 0, // sliding window only (compress ratio 0)
-    DI_LAYER_KIND_CSA = 1, // ratio 4: overlapping compressor + lightning indexer
-    DI_LAYER_KIND_HCA = 2, // any other ratio: non-overlapping compressor, all entries attended
-} di_layer_kind;
-
 typedef struct di_rope_params {
     float theta;
     bool yarn;
@@ -72,11 +66,6 @@ typedef struct di_hparams {
 // Reads and validates dir/config.json. DI_ERR_IO if missing; DI_ERR_FORMAT (logged with the field
 // name) for missing/invalid fields; DI_ERR_UNSUPPORTED for another model_type.
 di_status di_hparams_load(const char *config_path, di_hparams *out);
-
-static inline di_layer_kind di_hparams_layer_kind(const di_hparams *hp, int il) {
-    int32_t m = hp->compress_ratio[il];
-    return m == 0 ? DI_LAYER_KIND_SWA : m == 4 ? DI_LAYER_KIND_CSA : DI_LAYER_KIND_HCA;
-}
 
 // Fills omega[n_dims/2] with the rotation frequencies of p (spec §2.0), in FP32.
 void di_rope_freqs(const di_rope_params *p, float *omega);
