@@ -53,7 +53,8 @@ typedef struct di_hparams {
     bool shared_expert_clamp; // the shared expert uses the SwiGLU clamp too (current revision)
     int64_t max_pos;
     int32_t bos_token, eos_token;
-    // Per layer, main layers first then MTP layers (index n_layer + i).
+    // Per layer, main layers first then MTP layers (index n_layer + i). Ratio 0: sliding window
+    // only; 4: CSA (overlapping compressor + lightning indexer); any other: HCA.
     int32_t compress_ratio[DI_MAX_LAYERS];
     bool hash_routed[DI_MAX_LAYERS];
     di_rope_params rope_main;     // layers with ratio 0 and MTP
