@@ -273,6 +273,9 @@ typedef struct di_engine_stats {
     // Asynchronous scheduling: steps whose plan was built while the previous step's forward
     // ran, and those of them whose plan was complete before that forward returned.
     int64_t n_plans_ahead, n_plans_overlapped;
+    // Work of the weight matmuls since create: bytes of weights read and multiply-adds done
+    // (what a step's time is bounded by: bytes / read bandwidth or multiply-adds / FMA peak).
+    int64_t weight_bytes, weight_macs;
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. DI_ERR_IO, DI_ERR_FORMAT,

@@ -1,7 +1,8 @@
 // bench_cpu — CPU roofline benchmark (not a test): in one run, on the same thread pool sizes,
 //   1. a STREAM-like read bandwidth (sum of a buffer far larger than the last-level cache);
 //   2. di_cpu_matmul GEMV over FP8 / FP4 / BF16 matrices larger than the cache: weight bytes per
-//      second and the ratio to (1);
+//      second and the ratio to (1); 64-token GEMM multiply-adds per second against the FMA peak
+//      (probe.h) measured on the same pool;
 //   3. with --model: prefill tokens/s and decode tokens/s of a checkpoint, decode's weight bytes
 //      per token (counted by di_cpu_matmul) and its roofline ratio = achieved bytes/s / (1).
 // Every timing is the best of --reps repetitions (the machine is shared; best-of is the least
@@ -14,6 +15,7 @@
 #include <time.h>
 
 #include "backend/cpu/gemm.h"
+#include "backend/cpu/probe.h"
 #include "base/mem.h"
 #include "base/thread.h"
 #include "model/dsv4.h"
@@ -30,36 +32,6 @@ static uint64_t rnd(void) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
-}
-
-// ---- read bandwidth ----
-
-typedef struct bw_ctx {
-    const uint64_t *buf;
-    int64_t n;
-    uint64_t sums[64];
-} bw_ctx;
-
-static void bw_task(void *p, int ith, int nth) {
-    bw_ctx *c = p;
-    int64_t lo, hi;
-    di_split_range(c->n / 8, ith, nth, &lo, &hi);
-    uint64_t s[8] = {0};
-    for (int64_t i = lo * 8; i < hi * 8; i += 8)
-        for (int k = 0; k < 8; k++) s[k] += c->buf[i + k];
-    c->sums[ith] = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
-}
-
-static double read_bandwidth(di_pool *pool, const uint64_t *buf, int64_t n, int reps) {
-    bw_ctx c = {.buf = buf, .n = n};
-    double best = 1e30;
-    for (int r = 0; r < reps + 1; r++) { // the first pass warms the TLB
-        double t0 = now_s();
-        di_pool_run(pool, bw_task, &c);
-        double t = now_s() - t0;
-        if (r > 0 && t < best) best = t;
-    }
-    return (double)n * 8 / best;
 }
 
 // ---- GEMV over synthetic matrices ----
@@ -99,7 +71,7 @@ static synth_mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out) {
     return m;
 }
 
-static void bench_gemv(di_cpu *cpu, double bw, int reps) {
+static void bench_gemv(di_cpu *cpu, double bw, double mac_peak, int reps) {
     // Each matrix is 64 MiB (twice the last-level cache of the development machine).
     static const struct {
         di_tensor_kind kind;
@@ -128,10 +100,10 @@ static void bench_gemv(di_cpu *cpu, double bw, int reps) {
         }
         double flops64 = 2.0 * 64 * (double)cases[k].n_in * (double)cases[k].n_out;
         printf("  gemv %-15s %5lldx%-5lld %6.1f MiB: %6.2f GB/s = %.2f of read bandwidth; "
-               "64 tokens: %6.1f GFLOP/s\n",
+               "64 tokens: %6.1f GFLOP/s = %.2f of FMA peak\n",
                di_tensor_kind_name(cases[k].kind), (long long)cases[k].n_out,
                (long long)cases[k].n_in, bytes / 1048576.0, bytes / best / 1e9, bytes / best / bw,
-               flops64 / best64 / 1e9);
+               flops64 / best64 / 1e9, flops64 / 2 / best64 / mac_peak);
         di_aligned_free(m.data);
         free(m.scale);
     }
@@ -227,31 +199,31 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_cpu: bad arguments\n");
         return 2;
     }
-    int64_t n = bw_mib * 1048576 / 8;
-    uint64_t *buf = di_aligned_alloc((size_t)n * 8);
-    if (!buf) return 1;
-    for (int64_t i = 0; i < n; i++) buf[i] = (uint64_t)i;
+    const size_t bw_bytes = (size_t)bw_mib << 20;
     printf("level %s (DI_CPU_ISA lowers it)\n", di_cpu_isa_name(di_cpu_isa_detect()));
     for (const char *p = threads; *p;) {
         int nth = atoi(p);
         di_pool *pool = NULL;
         if (nth < 1 || di_pool_create(nth, &pool) != DI_OK) return 2;
-        double bw = read_bandwidth(pool, buf, n, reps);
+        double bw = di_probe_read_bw(pool, bw_bytes, reps);
+        if (bw <= 0) return 1;
         printf("threads %d: read bandwidth %.2f GB/s (%ld MiB buffer)\n", nth, bw / 1e9, bw_mib);
         di_cpu cpu;
         if (di_cpu_init(&cpu, pool, 4096) != DI_OK) return 1;
-        bench_gemv(&cpu, bw, reps);
+        double mac = di_probe_fma_peak(pool, (di_cpu_isa)cpu.isa, reps);
+        printf("threads %d: FMA peak %.2f G multiply-adds/s (%s)\n", nth, mac / 1e9,
+               di_cpu_isa_name((di_cpu_isa)cpu.isa));
+        bench_gemv(&cpu, bw, mac, reps);
         di_cpu_deinit(&cpu);
         di_pool_destroy(pool);
         if (model && bench_model(model, nth, n_prompt, n_decode, reps, bw)) return 1;
         // Bandwidth again after the model, to show the drift of a shared machine.
         di_pool_create(nth, &pool);
         printf("threads %d: read bandwidth after: %.2f GB/s\n", nth,
-               read_bandwidth(pool, buf, n, reps) / 1e9);
+               di_probe_read_bw(pool, bw_bytes, reps) / 1e9);
         di_pool_destroy(pool);
         while (*p && *p != ',') p++;
         if (*p == ',') p++;
     }
-    di_aligned_free(buf);
     return 0;
 }

@@ -495,6 +495,8 @@ static void *engine_main(void *p) {
         st->n_waiting = s->n_waiting;
         st->n_blocks_free = di_block_pool_n_available(e->kv->pool);
         st->n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
+        st->weight_bytes = (int64_t)e->model->cpu.n_weight_bytes; // the forward thread is idle
+        st->weight_macs = (int64_t)e->model->cpu.n_weight_macs;
         pthread_mutex_unlock(&e->mu);
     }
     // Final stats after the last cancellations.

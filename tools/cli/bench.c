@@ -1,7 +1,8 @@
 // deepinfer bench: offline throughput of the serving engine. Submits N requests of random
 // prompts at once, measures prefill and decode tokens/s, time to first token and inter-token
 // latency (mean, p50, p99), KV usage; then the decode throughput of 16 concurrent sequences
-// against one sequence (the continuous-batching gain).
+// against one sequence (the continuous-batching gain), beside the gain an engine at this
+// machine's limits would get (read bandwidth and FMA peak measured in the same run).
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "backend/cpu/probe.h"
 #include "cli/args.h"
 #include "cli/cli.h"
 
@@ -52,25 +54,55 @@ static double pct(double *v, int64_t n, double p) {
 typedef struct run_result {
     double wall_s, prefill_tps, decode_tps, ttft[3], itl[3]; // mean, p50, p99 (ms)
     int64_t kv_peak_blocks, kv_total_blocks, block_bytes, n_allocs;
+    // Per step of the decode window: weight bytes read, multiply-adds, decoded tokens.
+    double step_bytes, step_macs, step_tokens;
 } run_result;
+
+enum { MAX_SAMPLES = 1 << 16 }; // 2 ms apart: over two minutes
+
+typedef struct stat_sample {
+    double t;
+    di_engine_stats st;
+} stat_sample;
 
 typedef struct poll_arg {
     di_engine *e;
     atomic_bool done;
     int64_t peak;
+    stat_sample *s; // [MAX_SAMPLES]
+    int32_t n;
 } poll_arg;
 
-static void *poll_kv(void *p) {
+// Samples the engine's stats every 2 ms: the KV peak, and the work counters the decode window's
+// per-step costs are read from.
+static void *poll_stats(void *p) {
     poll_arg *a = p;
     while (!atomic_load(&a->done)) {
         di_engine_stats st;
         di_engine_get_stats(a->e, &st);
         int64_t used = st.n_blocks_total - st.n_blocks_free;
         if (used > a->peak) a->peak = used;
+        if (a->n < MAX_SAMPLES) a->s[a->n++] = (stat_sample){now_s(), st};
         struct timespec ts = {0, 2000000};
         nanosleep(&ts, NULL);
     }
     return NULL;
+}
+
+// Weight bytes, multiply-adds and decoded tokens per step between the first sample at or after
+// t0 and the last at or before t1 (zeros when the window saw no complete step).
+static void window_costs(const poll_arg *a, double t0, double t1, run_result *out) {
+    int32_t i = 0, j = a->n - 1;
+    while (i < a->n && a->s[i].t < t0) i++;
+    while (j >= 0 && a->s[j].t > t1) j--;
+    out->step_bytes = out->step_macs = out->step_tokens = 0;
+    if (i >= j) return;
+    const di_engine_stats *x = &a->s[i].st, *y = &a->s[j].st;
+    double steps = (double)(y->n_steps - x->n_steps);
+    if (steps <= 0) return;
+    out->step_bytes = (double)(y->weight_bytes - x->weight_bytes) / steps;
+    out->step_macs = (double)(y->weight_macs - x->weight_macs) / steps;
+    out->step_tokens = (double)(y->n_decode_tokens - x->n_decode_tokens) / steps;
 }
 
 // Runs n requests at once; decode throughput counts tokens in the window where every request is
@@ -80,10 +112,11 @@ static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int gen_len
     req_times *rt = calloc((size_t)n, sizeof *rt);
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)prompt_len);
     if (!rt || !prompt) return 1;
-    poll_arg pa = {.e = e};
+    poll_arg pa = {.e = e, .s = malloc(sizeof(stat_sample) * MAX_SAMPLES)};
+    if (!pa.s) return 1;
     atomic_init(&pa.done, false);
     pthread_t th;
-    pthread_create(&th, NULL, poll_kv, &pa);
+    pthread_create(&th, NULL, poll_stats, &pa);
     double t0 = now_s();
     for (int i = 0; i < n; i++) {
         rt[i].t = malloc(sizeof(double) * (size_t)gen_len);
@@ -125,6 +158,8 @@ static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int gen_len
     out->wall_s = t1 - t0;
     out->prefill_tps = (double)n * prompt_len / (last_first - t0);
     out->decode_tps = end_first > last_first ? (double)in_window / (end_first - last_first) : 0;
+    window_costs(&pa, last_first, end_first, out);
+    free(pa.s);
     double s = 0;
     for (int i = 0; i < n; i++) s += ttft[i];
     out->ttft[0] = s / n;
@@ -159,6 +194,38 @@ static void print_run(const char *name, int n, const run_result *r) {
            (long long)r->kv_peak_blocks, (long long)r->kv_total_blocks,
            r->kv_peak_blocks * (double)r->block_bytes / 1048576.0,
            r->kv_total_blocks * (double)r->block_bytes / 1048576.0, (long long)r->n_allocs);
+}
+
+// The same decode windows against this machine's limits, measured now on a pool of the engine's
+// size: a step can take no less than max(weight bytes / read bandwidth, multiply-adds / FMA
+// peak), so an engine at those limits decodes step_tokens per that time. Their quotient is the
+// batching gain the hardware allows for this model (attention and the rest are not counted, so
+// the floor is a little low at long contexts).
+static void print_limits(int n_threads, const run_result *one, const run_result *many) {
+    di_pool *pool = NULL;
+    if (di_pool_create(n_threads, &pool) != DI_OK) return;
+    const di_cpu_isa isa = di_cpu_isa_detect();
+    const double bw = di_probe_read_bw(pool, (size_t)512 << 20, 3);
+    const double mac = di_probe_fma_peak(pool, isa, 3);
+    printf("limits (%d threads, %s): read bandwidth %.2f GB/s, FMA peak %.2f G multiply-adds/s\n",
+           di_pool_n_threads(pool), di_cpu_isa_name(isa), bw / 1e9, mac / 1e9);
+    di_pool_destroy(pool);
+    if (bw <= 0 || mac <= 0) return;
+    double ideal[2];
+    const run_result *r[2] = {one, many};
+    const char *name[2] = {"1 sequence", "16 sequences"};
+    for (int k = 0; k < 2; k++) {
+        double tb = r[k]->step_bytes / bw, tm = r[k]->step_macs / mac;
+        double floor_s = tb > tm ? tb : tm;
+        ideal[k] = floor_s > 0 ? r[k]->step_tokens / floor_s : 0;
+        printf("  %-12s per step %.1f MiB of weights, %.1f M multiply-adds, %.2f tokens: floor "
+               "%.2f ms (%s-bound) = %.1f tokens/s; achieved %.0f %%\n",
+               name[k], r[k]->step_bytes / 1048576.0, r[k]->step_macs / 1e6, r[k]->step_tokens,
+               floor_s * 1e3, tb > tm ? "bandwidth" : "FMA", ideal[k],
+               ideal[k] > 0 ? 100.0 * r[k]->decode_tps / ideal[k] : 0);
+    }
+    if (ideal[0] > 0)
+        printf("decode throughput 16 vs 1 at this machine's limits: %.2fx\n", ideal[1] / ideal[0]);
 }
 
 int di_cli_bench(int argc, char **argv) {
@@ -231,6 +298,7 @@ int di_cli_bench(int argc, char **argv) {
         printf("decode throughput 16 vs 1: %.2fx (%.1f vs %.1f tokens/s)\n",
                one.decode_tps > 0 ? many.decode_tps / one.decode_tps : 0, many.decode_tps,
                one.decode_tps);
+        print_limits(ma.opt.n_threads, &one, &many);
     }
     di_engine_destroy(e);
     return 0;

@@ -169,6 +169,7 @@ void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_to
     DI_ASSERT(w->ne[0] <= cpu->row_cap);
     if (n_tok <= 0 || w->ne[1] <= 0) return;
     cpu->n_weight_bytes += di_tensor_bytes(w);
+    cpu->n_weight_macs += (uint64_t)w->ne[0] * (uint64_t)w->ne[1] * (uint64_t)n_tok;
     matmul_ctx c = {cpu, w, x, n_tok, x_stride, y, y_stride, true, false, false};
     c.simd = cpu->isa >= DI_CPU_ISA_AVX2 && avx2_layout_ok(w);
     c.fused = c.simd && di_gemm_avx2_gemv_ok(w);

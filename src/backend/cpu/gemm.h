@@ -79,3 +79,5 @@ void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *co
 // as di_gemm_avx2_tile from zeroed accumulators followed by the reduce8 order.
 void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
                          int64_t n, float *y, int64_t y_stride);
+// Twelve independent 8-lane FMA chains, `iters` steps each (probe.c's multiply-add peak).
+float di_gemm_avx2_fma_loop(int64_t iters);

@@ -436,7 +436,26 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
     DI_ASSERT(!"gemv shape out of range");
 }
 
+// ---- the FMA peak probe (probe.c) ----
+
+float di_gemm_avx2_fma_loop(int64_t iters) {
+    __m256 a[12];
+    const __m256 h = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps((float)i);
+    for (int64_t k = 0; k < iters; k++)
+        for (int i = 0; i < 12; i++) a[i] = _mm256_fmadd_ps(a[i], h, one);
+    float s = 0;
+    for (int i = 0; i < 12; i++) s += _mm256_cvtss_f32(a[i]);
+    return s;
+}
+
 #else // not built with AVX2: gemm.c never selects this level
+
+float di_gemm_avx2_fma_loop(int64_t iters) {
+    (void)iters;
+    DI_ASSERT(!"AVX2 kernels not built");
+    return 0;
+}
 
 bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     (void)w;

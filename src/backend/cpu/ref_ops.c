@@ -14,6 +14,7 @@ di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row) {
     cpu->row_scratch = di_aligned_alloc(sizeof(float) * (size_t)max_row * (size_t)cpu->n_threads);
     cpu->isa = di_cpu_isa_detect();
     cpu->n_weight_bytes = 0;
+    cpu->n_weight_macs = 0;
     cpu->gemm_ld = (max_row + 15) & ~(int64_t)15;
     cpu->gemm_scratch =
         di_aligned_alloc(sizeof(float) * 4 * (size_t)cpu->gemm_ld * (size_t)cpu->n_threads);

@@ -33,6 +33,8 @@ typedef struct di_cpu {
     // Bytes of weights (data + scales) di_cpu_matmul has read since init: the numerator of the
     // decode roofline ratio (bench/cpu). Engine thread only.
     uint64_t n_weight_bytes;
+    // Multiply-adds di_cpu_matmul has done since init (n_in x n_out x tokens per call).
+    uint64_t n_weight_macs;
 } di_cpu;
 
 // max_row: the widest weight row (n_in) any matmul will see. Returns DI_ERR_NOMEM.
