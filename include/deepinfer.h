@@ -188,7 +188,11 @@ typedef struct di_sample_params {
     float frequency_penalty;  // subtracted per occurrence in the output; 0 = off
     const di_logit_bias *logit_bias; // borrowed until submit returns (copied); may be NULL
     int32_t n_logit_bias;
-    uint64_t seed;      // randomness is a function of (seed, position) only
+    uint64_t seed; // randomness is a function of (seed, position) only
+    // Report di_event.logprob, the chosen token's log-probability under the raw logits (a softmax
+    // over the whole vocabulary per token; skipped, and logprob 0, when off). n_logprobs > 0
+    // implies it.
+    bool logprobs;
     int32_t n_logprobs; // top-N log-probabilities per token, 0 .. DI_MAX_LOGPROBS
 } di_sample_params;
 
@@ -207,7 +211,8 @@ typedef struct di_event {
     uint64_t request_id;
     int32_t token; // the new token, or -1 on a final event that carries none
     int32_t index; // index of the token in the output (0 = first generated)
-    float logprob; // log-softmax of the raw logits at token
+    float
+        logprob; // log-softmax of the raw logits at token (0 unless sample.logprobs or n_logprobs)
     int32_t n_top; // top-N log-probabilities (borrowed, valid during the callback)
     const int32_t *top_ids;
     const float *top_logprobs;

@@ -306,10 +306,10 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
     const int32_t V = s->n_vocab;
     float *w = s->work;
 
-    // Log-probabilities of the raw logits (reported, whatever the processing).
+    // Log-probabilities of the raw logits (reported, whatever the processing), when asked for.
     const int32_t i_max = argmax(logits, V);
-    double mx = logits[i_max], sum = sum_exp(logits, V, mx, 1.0);
-    const double lse = mx + log(sum);
+    const bool want_lp = p->logprobs || p->n_logprobs > 0;
+    const double lse = want_lp ? logits[i_max] + log(sum_exp(logits, V, logits[i_max], 1.0)) : 0;
     res->n_top = p->n_logprobs;
     if (p->n_logprobs > 0) {
         top_k_ids(logits, V, p->n_logprobs, res->top_ids);
@@ -322,7 +322,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
     if (p->temperature == 0 && p->n_logit_bias == 0 && p->presence_penalty == 0 &&
         p->frequency_penalty == 0 && p->repetition_penalty == 1) {
         res->token = i_max;
-        res->logprob = (float)(logits[i_max] - lse);
+        res->logprob = want_lp ? (float)(logits[i_max] - lse) : 0;
         return;
     }
 
@@ -430,5 +430,5 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
         }
     }
     res->token = tok;
-    res->logprob = (float)(logits[tok] - lse);
+    res->logprob = want_lp ? (float)(logits[tok] - lse) : 0;
 }

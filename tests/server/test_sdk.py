@@ -76,6 +76,12 @@ def test_chat_logprobs(oai):
     assert len(lp) == 4
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in lp)
     assert r.choices[0].message.model_extra.get("reasoning_content") is None
+    # logprobs without top_logprobs: each token's own log-probability, a real (negative) one.
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                    max_tokens=4, logprobs=True,
+                                    extra_body={"thinking": {"type": "disabled"}})
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == 4 and all(t.logprob < 0 and not t.top_logprobs for t in lp)
 
 
 def test_chat_stream_with_tools(oai):

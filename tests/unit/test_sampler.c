@@ -128,11 +128,15 @@ static void test_penalties_and_bias(void) {
     p.presence_penalty = 0.05f;
     di_sampler_sample(g_s, l, &p, hist, 1, 3, 4, &r);
     CHECK_EQ(r.token, 0);
-    // logit bias forces a token; logprob is still of the raw logits.
+    // logit bias forces a token; logprob is still of the raw logits (and 0 when not asked for).
     p = di_sample_params_default();
     di_logit_bias b = {7, 100};
     p.logit_bias = &b;
     p.n_logit_bias = 1;
+    di_sampler_sample(g_s, l, &p, NULL, 0, 0, 0, &r);
+    CHECK_EQ(r.token, 7);
+    CHECK_EQ(r.logprob, 0);
+    p.logprobs = true;
     di_sampler_sample(g_s, l, &p, NULL, 0, 0, 0, &r);
     CHECK_EQ(r.token, 7);
     double lse = 0;
@@ -174,6 +178,7 @@ static void test_logprob_precision(void) {
     l[17] = -INFINITY;
     l[500] = 12.5f;
     di_sample_params p = di_sample_params_default();
+    p.logprobs = true;
     for (int tok = 0; tok < NV; tok += 97) {
         float mx = l[500];
         double z = 0;

@@ -210,6 +210,7 @@ bool srv_gen_start(srv_gen *g, srv_err *e) {
         p.n_prompt = (int32_t)g->n_prompt;
         p.sample = g->sp;
         p.sample.seed = g->sp.seed + (uint64_t)i; // n choices: independent streams
+        p.sample.logprobs = g->top_logprobs >= 0;
         p.sample.n_logprobs = g->top_logprobs > 0 ? g->top_logprobs : 0;
         p.max_tokens = g->max_tokens;
         p.on_event = srv_queue_on_event;

@@ -72,8 +72,8 @@ static float fma_scalar(int64_t iters) {
 static void fma_task(void *p, int ith, int nth) {
     (void)ith, (void)nth;
     fma_ctx *c = p;
-    c->sink = c->isa >= DI_CPU_ISA_AVX2 ? di_gemm_avx2_fma_loop(FMA_ITERS)
-                                        : fma_scalar(FMA_ITERS / 8);
+    c->sink =
+        c->isa >= DI_CPU_ISA_AVX2 ? di_gemm_avx2_fma_loop(FMA_ITERS) : fma_scalar(FMA_ITERS / 8);
 }
 
 double di_probe_fma_peak(di_pool *pool, di_cpu_isa isa, int reps) {
