@@ -27,6 +27,12 @@ g1=$("$B" generate --model $M --tokens 5,17,300 -n 12 --no-stop --log-level erro
 g2=$("$B" generate --model $M --tokens 5,17,300 -n 12 --no-stop --threads 1 --log-level error)
 check "greedy deterministic" "$g1" "$g2"
 check "generate count" "$(echo "$g1" | tr ',' '\n' | wc -l)" "12"
+# seeded sampling: a function of (seed, position) only, so thread count and reruns agree
+s1=$("$B" generate --model $M --tokens 5,17,300 -n 12 --no-stop --temperature 1.5 --seed 7 --log-level error)
+s2=$("$B" generate --model $M --tokens 5,17,300 -n 12 --no-stop --temperature 1.5 --seed 7 --threads 1 --log-level error)
+s3=$("$B" generate --model $M --tokens 5,17,300 -n 12 --no-stop --temperature 1.5 --seed 8 --log-level error)
+check "seeded sampling deterministic" "$s1" "$s2"
+check "another seed draws other tokens" "$([ "$s1" != "$s3" ] && [ "$s1" != "$g1" ] && echo differ)" "differ"
 
 # bad input: clear message and non-zero status, never a crash
 "$B" logits --model $M --tokens 5,999 --out "$T/x.npy" --log-level error 2>/dev/null; check "token out of vocab exits 1" "$?" "1"

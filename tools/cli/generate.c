@@ -1,4 +1,5 @@
-// deepinfer generate: greedy or temperature sampling from a prompt of token ids.
+// deepinfer generate: greedy or temperature sampling from a prompt, one session, through the
+// engine's sampler (sample/sampler.h: the same tokens a seeded server request gets).
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -7,6 +8,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "sample/sampler.h"
 
 static void usage(FILE *f) {
     fprintf(f, "usage: deepinfer generate [--model DIR] (--prompt TEXT | --tokens 5,17,...)\n"
@@ -18,29 +20,6 @@ static void usage(FILE *f) {
                "0 is greedy (ties to the lowest id); generation stops at the model's EOS token\n"
                "unless --no-stop is given. Without --model, the built-in random-weight tiny model\n"
                "is used (its text is meaningless).\n");
-}
-
-// splitmix64: a small deterministic generator for the seeded sampler.
-static uint64_t next_u64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static int32_t pick(const float *logits, int32_t n, double temperature, uint64_t *rng) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (logits[i] > logits[best]) best = i;
-    if (temperature <= 0) return best;
-    double sum = 0;
-    for (int32_t i = 0; i < n; i++) sum += exp((logits[i] - logits[best]) / temperature);
-    double u = (double)(next_u64(rng) >> 11) / 9007199254740992.0 * sum, acc = 0;
-    for (int32_t i = 0; i < n; i++) {
-        acc += exp((logits[i] - logits[best]) / temperature);
-        if (u < acc) return i;
-    }
-    return best;
 }
 
 // Renders text as one user turn (DeepSeek V4 chat format, non-thinking) with the model's
@@ -135,6 +114,8 @@ int di_cli_generate(int argc, char **argv) {
     di_model *m = NULL;
     di_session *s = NULL;
     float *logits = NULL;
+    int32_t *history = NULL;
+    di_sampler *sampler = NULL;
     di_status st;
     if (tokens_s) {
         if (!di_args_int_list(tokens_s, "--tokens", &prompt, &n_prompt)) return 2;
@@ -157,8 +138,13 @@ int di_cli_generate(int argc, char **argv) {
     }
     if ((st = di_session_create(m, NULL, &s)) != DI_OK) goto done;
     logits = malloc(sizeof(float) * (size_t)info.n_vocab);
-    if (!logits) goto done;
-    uint64_t rng = (uint64_t)seed;
+    history = malloc(sizeof(int32_t) * (size_t)(n_prompt + n_gen));
+    if (!logits || !history) goto done;
+    memcpy(history, prompt, sizeof(int32_t) * (size_t)n_prompt);
+    if ((st = di_sampler_create(info.n_vocab, &sampler)) != DI_OK) goto done;
+    di_sample_params sp = di_sample_params_default();
+    sp.temperature = (float)temperature;
+    sp.seed = (uint64_t)seed;
     di_forward_out fo = {.logits = logits, .last_only = true};
     if ((st = di_session_forward(s, prompt, n_prompt, &fo)) != DI_OK) {
         fprintf(stderr, "deepinfer generate: %s\n", di_status_str(st));
@@ -166,7 +152,10 @@ int di_cli_generate(int argc, char **argv) {
     }
     const int32_t eos = info.eos_token_id;
     for (long i = 0; i < n_gen; i++) {
-        int32_t next = pick(logits, info.n_vocab, temperature, &rng);
+        di_sample_result res;
+        di_sampler_sample(sampler, logits, &sp, history, n_prompt, (int32_t)i, n_prompt + i, &res);
+        const int32_t next = res.token;
+        history[n_prompt + i] = next;
         if (stop_at_eos && next == eos && detok) break;
         if (detok) {
             const char *text;
@@ -192,6 +181,8 @@ int di_cli_generate(int argc, char **argv) {
     printf("\n");
     rc = 0;
 done:
+    di_sampler_destroy(sampler);
+    free(history);
     free(logits);
     free(prompt);
     di_detok_destroy(detok);
