@@ -170,48 +170,8 @@ static bool check_options(const json_t *req, srv_gen *g, srv_err *e) {
     }
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_CHAT, e)) return false;
-    const json_t *tc = json_object_get(req, "tool_choice");
-    bool has_tools = json_array_size(tools) > 0;
-    g->tools = has_tools;
-    if (tc && !json_is_null(tc)) {
-        if (json_is_string(tc)) {
-            const char *s = json_string_value(tc);
-            if (strcmp(s, "none") && strcmp(s, "auto") && strcmp(s, "required")) {
-                srv_err_set(e, 422, "tool_choice",
-                            "'tool_choice' must be none, auto, required or a function.");
-                return false;
-            }
-            if (!strcmp(s, "none")) g->tools = false;
-            if (!strcmp(s, "required") && !has_tools) {
-                srv_err_set(e, 400, "tool_choice", "tool_choice 'required' needs 'tools'.");
-                return false;
-            }
-        } else if (json_is_object(tc)) {
-            const char *name =
-                json_string_value(json_object_get(json_object_get(tc, "function"), "name"));
-            if (!name) {
-                srv_err_set(e, 400, "tool_choice", "'tool_choice.function.name' is required.");
-                return false;
-            }
-            bool found = false;
-            size_t i;
-            json_t *t;
-            json_array_foreach(has_tools ? tools : NULL, i, t) {
-                const char *n =
-                    json_string_value(json_object_get(json_object_get(t, "function"), "name"));
-                if (n && !strcmp(n, name)) found = true;
-            }
-            if (!found) {
-                srv_err_set(e, 400, "tool_choice",
-                            "tool_choice names '%s', which is not in 'tools'.", name);
-                return false;
-            }
-        } else {
-            srv_err_set(e, 400, "tool_choice", "'tool_choice' must be a string or an object.");
-            return false;
-        }
-    }
-    return true;
+    return srv_check_tool_choice(tools, json_object_get(req, "tool_choice"), SRV_API_CHAT,
+                                 &g->tools, e);
 }
 
 static bool max_tokens(const json_t *req, srv_gen *g, const char *k1, const char *k2, srv_err *e) {

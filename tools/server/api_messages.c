@@ -93,22 +93,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     }
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_MESSAGES, e)) return false;
-    g->tools = json_array_size(tools) > 0;
-    const json_t *tc = json_object_get(req, "tool_choice");
-    if (tc && !json_is_null(tc)) {
-        const char *t = json_string_value(json_object_get(tc, "type"));
-        if (!t ||
-            (strcmp(t, "auto") && strcmp(t, "any") && strcmp(t, "tool") && strcmp(t, "none"))) {
-            srv_err_set(e, 400, "tool_choice", "tool_choice.type: must be auto, any, tool or none");
-            return false;
-        }
-        if (!strcmp(t, "none")) g->tools = false;
-        if ((!strcmp(t, "any") || !strcmp(t, "tool")) && !json_array_size(tools)) {
-            srv_err_set(e, 400, "tool_choice", "tool_choice '%s' needs tools", t);
-            return false;
-        }
-    }
-    return true;
+    return srv_check_tool_choice(tools, json_object_get(req, "tool_choice"), SRV_API_MESSAGES,
+                                 &g->tools, e);
 }
 
 bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {

@@ -110,21 +110,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     }
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_RESPONSES, e)) return false;
-    g->tools = json_array_size(tools) > 0;
-    const json_t *tc = json_object_get(req, "tool_choice");
-    if (json_is_string(tc)) {
-        const char *s = json_string_value(tc);
-        if (strcmp(s, "none") && strcmp(s, "auto") && strcmp(s, "required")) {
-            srv_err_set(e, 422, "tool_choice",
-                        "'tool_choice' must be none, auto, required or a function.");
-            return false;
-        }
-        if (!strcmp(s, "none")) g->tools = false;
-    } else if (tc && !json_is_null(tc) && !json_is_object(tc)) {
-        srv_err_set(e, 400, "tool_choice", "'tool_choice' must be a string or an object.");
-        return false;
-    }
-    return true;
+    return srv_check_tool_choice(tools, json_object_get(req, "tool_choice"), SRV_API_RESPONSES,
+                                 &g->tools, e);
 }
 
 bool srv_responses_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {

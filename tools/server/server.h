@@ -244,6 +244,11 @@ void srv_queue_wait_finals(srv_gen *g, int n);
 bool srv_check_sampling(srv_gen *g, const json_t *req, srv_api api, srv_err *e);
 bool srv_check_model(srv *s, const json_t *req, bool required, srv_err *e);
 bool srv_check_tools(const json_t *tools, srv_api api, srv_err *e);
+// tool_choice in the API's spelling, checked against the (already checked) tools: a forced or
+// named choice needs tools, a named one must be among them. *use_tools: tools given and the
+// choice is not none (tool calls are rendered and parsed).
+bool srv_check_tool_choice(const json_t *tools, const json_t *tc, srv_api api, bool *use_tools,
+                           srv_err *e);
 bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e);
 bool srv_check_length(srv_gen *g, srv_err *e);
 

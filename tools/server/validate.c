@@ -279,6 +279,81 @@ static di_parser_stage stage_of(const char *text, size_t n, bool *thinking) {
     return *thinking ? DI_PARSER_STAGE_REASONING : DI_PARSER_STAGE_CONTENT;
 }
 
+// The name of tool i of a request's tools (NULL when it has none): Chat nests it in "function".
+static const char *tool_name(const json_t *t, srv_api api) {
+    return json_string_value(
+        json_object_get(api == SRV_API_CHAT ? json_object_get(t, "function") : t, "name"));
+}
+
+bool srv_check_tool_choice(const json_t *tools, const json_t *tc, srv_api api, bool *use_tools,
+                           srv_err *e) {
+    const bool has_tools = json_array_size(tools) > 0;
+    *use_tools = has_tools;
+    if (!tc || json_is_null(tc)) return true;
+    // Each API's spelling of the four choices (serving spec §2.2, §3, §4).
+    const char *mode = NULL, *name = NULL;
+    if (api == SRV_API_MESSAGES) {
+        mode = json_string_value(json_object_get(tc, "type"));
+        if (!mode || (strcmp(mode, "auto") && strcmp(mode, "any") && strcmp(mode, "tool") &&
+                      strcmp(mode, "none"))) {
+            srv_err_set(e, 400, "tool_choice", "tool_choice.type: must be auto, any, tool or none");
+            return false;
+        }
+        if (!strcmp(mode, "tool") && !(name = json_string_value(json_object_get(tc, "name")))) {
+            srv_err_set(e, 400, "tool_choice", "tool_choice.name is required for type 'tool'.");
+            return false;
+        }
+    } else if (json_is_string(tc)) {
+        mode = json_string_value(tc);
+        if (strcmp(mode, "none") && strcmp(mode, "auto") && strcmp(mode, "required")) {
+            srv_err_set(e, 422, "tool_choice",
+                        "'tool_choice' must be none, auto, required or a function.");
+            return false;
+        }
+    } else if (json_is_object(tc)) {
+        const char *type = json_string_value(json_object_get(tc, "type"));
+        if (!type || strcmp(type, "function")) {
+            srv_err_set(e, 400, "tool_choice", "tool_choice.type must be 'function'.");
+            return false;
+        }
+        mode = "function";
+        name = json_string_value(
+            json_object_get(api == SRV_API_CHAT ? json_object_get(tc, "function") : tc, "name"));
+        if (!name) {
+            srv_err_set(e, 400, "tool_choice", "'%s' is required.",
+                        api == SRV_API_CHAT ? "tool_choice.function.name" : "tool_choice.name");
+            return false;
+        }
+    } else {
+        srv_err_set(e, 400, "tool_choice", "'tool_choice' must be a string or an object.");
+        return false;
+    }
+    if (!strcmp(mode, "none")) {
+        *use_tools = false;
+        return true;
+    }
+    if (!strcmp(mode, "auto")) return true;
+    if (!has_tools) { // required / any / a named tool
+        srv_err_set(e, 400, "tool_choice", "tool_choice '%s' needs 'tools'.", name ? name : mode);
+        return false;
+    }
+    if (name) {
+        size_t i;
+        json_t *t;
+        bool found = false;
+        json_array_foreach(tools, i, t) {
+            const char *n = tool_name(t, api);
+            if (n && !strcmp(n, name)) found = true;
+        }
+        if (!found) {
+            srv_err_set(e, 400, "tool_choice", "tool_choice names '%s', which is not in 'tools'.",
+                        name);
+            return false;
+        }
+    }
+    return true;
+}
+
 bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e) {
     char *body = json_dumps(g->req, JSON_COMPACT);
     if (!body) {
