@@ -498,7 +498,8 @@ static di_status parse_v41(const json_t *j, const char *path, di_hparams *hp) {
     }
     if (hp->n_mtp > 0 &&
         (hp->dspark_block_size < 1 || hp->dspark_block_size > 16 || hp->dspark_noise_token < 0 ||
-         hp->dspark_noise_token >= hp->n_vocab || hp->dspark_n_expert_used > hp->dspark_n_expert)) {
+         hp->dspark_noise_token >= hp->n_vocab || hp->dspark_n_expert_used > hp->dspark_n_expert ||
+         hp->dspark_n_expert > hp->n_expert || hp->dspark_n_expert_used > hp->n_expert_used)) {
         DI_LOG_ERROR("%s: dspark fields out of range (block size 1..16, noise token < vocab, "
                      "top-k <= experts)",
                      path);
