@@ -145,8 +145,8 @@ di_status di_engram_hash_init(di_engram_hash *h, const di_hparams *hp) {
             return DI_ERR_FORMAT;
         }
         int64_t u[8];
-        di_engram_numpy_integers(10007ull * (uint64_t)hp->engram_layer[L], h->bound,
-                                 h->max_ngram, u);
+        di_engram_numpy_integers(10007ull * (uint64_t)hp->engram_layer[L], h->bound, h->max_ngram,
+                                 u);
         for (int k = 0; k < h->max_ngram; k++) h->mult[L][k] = 2 * u[k] + 1;
     }
     return DI_OK;

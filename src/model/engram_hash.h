@@ -19,13 +19,13 @@
 #define DI_ENGRAM_DEAD (-1)    // compressed id of a position that breaks n-grams (image span)
 
 typedef struct di_engram_hash {
-    int32_t n_layer;      // Engram layers
-    int32_t max_ngram;    // n-grams of size 2 .. max_ngram
-    int32_t n_head;       // hash heads per n-gram size
-    int32_t n_col;        // (max_ngram - 1) · n_head columns per layer
-    int64_t bound;        // multipliers are 2u + 1 with u < bound
-    int64_t mult[DI_MAX_ENGRAM][8];                  // [layer][look-back]
-    int64_t prime[DI_MAX_ENGRAM][DI_ENGRAM_MAX_COLS];  // [layer][column]
+    int32_t n_layer;                                  // Engram layers
+    int32_t max_ngram;                                // n-grams of size 2 .. max_ngram
+    int32_t n_head;                                   // hash heads per n-gram size
+    int32_t n_col;                                    // (max_ngram - 1) · n_head columns per layer
+    int64_t bound;                                    // multipliers are 2u + 1 with u < bound
+    int64_t mult[DI_MAX_ENGRAM][8];                   // [layer][look-back]
+    int64_t prime[DI_MAX_ENGRAM][DI_ENGRAM_MAX_COLS]; // [layer][column]
     int64_t offset[DI_MAX_ENGRAM][DI_ENGRAM_MAX_COLS]; // running sums of the primes
     int64_t rows[DI_MAX_ENGRAM];                       // sum of a layer's primes
 } di_engram_hash;
