@@ -166,8 +166,26 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     OUT("rope compress     theta %g%s (factor %g, L0 %lld)\n", hp->rope_compress.theta,
         hp->rope_compress.yarn ? " + YaRN" : "", hp->rope_compress.factor,
         (long long)hp->rope_compress.original_max_pos);
-    OUT("layers           ");
-    for (int il = 0; il < hp->n_layer + m->n_mtp_loaded; il++) {
+    if (hp->v41) {
+        // V4.1: m0 = window only; m2 / m1 = CSA2 ratio; +kv = compressor owner, +idx = indexer,
+        // +cand = candidate source, +eg = Engram (spec deepseek-v41.md §1.2).
+        OUT("engram            %d layer(s), n-grams 2..%d, %d heads x %d\n", hp->n_engram,
+            hp->engram_max_ngram, hp->engram_n_head, hp->engram_head_dim);
+        OUT("dspark            %d block(s) loaded, block size %d, targets %d layers\n",
+            m->n_mtp_loaded, hp->dspark_block_size, hp->n_dspark_target);
+        OUT("layers           ");
+        for (int il = 0; il < hp->n_layer + m->n_mtp_loaded; il++) {
+            bool eg = false;
+            for (int e = 0; e < hp->n_engram; e++) eg |= hp->engram_layer[e] == il;
+            OUT(" %s%s%d%s%s%s%s", il == hp->n_layer ? "| dspark " : "", "m",
+                hp->compress_ratio[il], il < hp->n_layer && hp->kv_source[il] ? "+kv" : "",
+                il < hp->n_layer && hp->index_source[il] ? "+idx" : "",
+                il == hp->candidate_layer ? "+cand" : "", eg ? "+eg" : "");
+        }
+        OUT("\n");
+    }
+    if (!hp->v41) OUT("layers           ");
+    for (int il = 0; !hp->v41 && il < hp->n_layer + m->n_mtp_loaded; il++) {
         int r = hp->compress_ratio[il];
         OUT(" %s%s%s", il == hp->n_layer ? "| mtp " : "",
             r == 0   ? "SWA"
@@ -175,7 +193,7 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
                      : "HCA",
             hp->hash_routed[il] ? "/hash" : "");
     }
-    OUT("\n");
+    if (!hp->v41) OUT("\n");
     if (m->n_params > 0) {
         const di_dsv4_layer_w *l0 = &m->layers[0];
         OUT("dtypes            embed %s, wq_a %s, experts %s\n", di_tensor_kind_name(m->embed.kind),

@@ -114,7 +114,8 @@ static void engram(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw
     // E = table rows (dequantised: exact in BF16), flattened column-major by column j, dim d.
     for (int32_t t = 0; t < n_tok; t++)
         for (int64_t j = 0; j < n_col; j++)
-            di_tensor_row_f32(&lw->eg_table, rows[t * rows_stride + j], st->eg_in + t * n_in + j * hd);
+            di_tensor_row_f32(&lw->eg_table, rows[t * rows_stride + j],
+                              st->eg_in + t * n_in + j * hd);
     di_dsv4_linear(c, &lw->eg_wkv, st->eg_in, n_tok, n_in, st->eg_kv, n_out, true);
     const float eps = hp->norm_eps, inv_sqrt_d = 1.0f / sqrtf((float)D);
     for (int32_t t = 0; t < n_tok; t++) {
@@ -202,8 +203,7 @@ static void head(di_dsv4_ctx *c, const float *x, const float *pre, int32_t n, co
 
 // ---- the forward pass of one call (§2.1) ----
 
-static void setup_ctx(di_session *s, di_dsv4_seq *seq, di_dsv4_ctx *c, int32_t pos,
-                      int32_t n_tok) {
+static void setup_ctx(di_session *s, di_dsv4_seq *seq, di_dsv4_ctx *c, int32_t pos, int32_t n_tok) {
     *seq = (di_dsv4_seq){.layers = NULL, .pos = pos, .n_tok = n_tok, .row0 = 0};
     *c = (di_dsv4_ctx){.model = s->model,
                        .ws = &s->ws,
@@ -285,8 +285,8 @@ static void dspark_context(di_session *s, di_dsv4_ctx *c, int32_t p0, int32_t n_
     di_dsv41_state *st = s->v41;
     const int64_t D = hp->n_embd;
     float *mx = di_dsv4_scratch(c, DI_SCR_H); // [T, D]
-    di_dsv4_linear(c, &m->dspark.main_proj, st->taps, n_tok, (int64_t)hp->n_dspark_target * D,
-                   mx, D, true);
+    di_dsv4_linear(c, &m->dspark.main_proj, st->taps, n_tok, (int64_t)hp->n_dspark_target * D, mx,
+                   D, true);
     di_ref_rmsnorm(mx, n_tok, D, D, m->dspark.main_norm, hp->norm_eps);
     di_dsv4_round(m, mx, (int64_t)n_tok * D);
     for (int i = 0; i < m->n_mtp_loaded; i++)
@@ -294,8 +294,7 @@ static void dspark_context(di_session *s, di_dsv4_ctx *c, int32_t p0, int32_t n_
     st->dspark_pos = p0 + n_tok;
 }
 
-di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out,
-                               float *logits) {
+di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits) {
     di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     di_dsv41_state *st = s->v41;
@@ -365,5 +364,28 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
     }
     di_free(lg);
     di_free(me);
+    return DI_OK;
+}
+
+// ---- public API (deepinfer.h) ----
+
+di_status di_session_rollback(di_session *s, int32_t n_tokens) {
+    if (!s->v41) {
+        DI_LOG_ERROR("rollback: only DeepSeek V4.1 sessions can take tokens back");
+        return DI_ERR_UNSUPPORTED;
+    }
+    return di_dsv41_rollback(s, n_tokens);
+}
+
+di_status di_session_draft(di_session *s, int32_t anchor, di_draft *out, float *logits) {
+    if (!s->v41) {
+        DI_LOG_ERROR("draft: DSpark drafting needs a DeepSeek V4.1 checkpoint");
+        return DI_ERR_UNSUPPORTED;
+    }
+    _Static_assert(sizeof(di_draft) == sizeof(di_dsv41_draft), "same layout");
+    di_dsv41_draft d;
+    di_status st = di_dsv41_draft_block(s, anchor, &d, logits);
+    if (st != DI_OK) return st;
+    memcpy(out, &d, sizeof d);
     return DI_OK;
 }

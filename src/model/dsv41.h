@@ -53,14 +53,14 @@ typedef struct di_dsv41_state {
     // Per-call scratch, grown on demand.
     int32_t cap_tok;
     int64_t cap_ent;
-    int32_t *topk;   // [T, topk] published selection (ascending entry ids)
-    int32_t *n_topk; // [T] picks per query
-    bool have_topk;  // an index source published in this call
-    int32_t *cand;   // [T, candidate_topk_blocks] kept candidate blocks of each query
-    int32_t *n_cand; // [T]
-    bool have_cand;  // the candidate source ran in this call
-    float *pre;      // [T, NC] P carried between sites
-    float *pre_attn; // [T, NC] the attention site's pre
+    int32_t *topk;    // [T, topk] published selection (ascending entry ids)
+    int32_t *n_topk;  // [T] picks per query
+    bool have_topk;   // an index source published in this call
+    int32_t *cand;    // [T, candidate_topk_blocks] kept candidate blocks of each query
+    int32_t *n_cand;  // [T]
+    bool have_cand;   // the candidate source ran in this call
+    float *pre;       // [T, NC] P carried between sites
+    float *pre_attn;  // [T, NC] the attention site's pre
     int64_t *eg_rows; // [T, n_engram, n_col]
     float *eg_in;     // [T, n_col * hd]
     float *eg_kv;     // [T, (NC + 1) D]

@@ -69,17 +69,17 @@ static void out_proj(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *o, 
 typedef struct attn_ctx {
     const di_model *m;
     const di_dsv41_state *st;
-    const float *ring; // this layer's ring [ring_rows, Dh]
-    const float *q;    // [T, H, Dh]
-    const float *kv;   // [T, Dh] this call's rows
-    const float *sink; // [H]
-    const float *cmain;        // selected entries come from here (or NULL)
-    const int32_t *sel;        // [T, topk] or NULL
-    const int32_t *n_sel;      // [T]
+    const float *ring;    // this layer's ring [ring_rows, Dh]
+    const float *q;       // [T, H, Dh]
+    const float *kv;      // [T, Dh] this call's rows
+    const float *sink;    // [H]
+    const float *cmain;   // selected entries come from here (or NULL)
+    const int32_t *sel;   // [T, topk] or NULL
+    const int32_t *n_sel; // [T]
     int32_t topk;
     int32_t n_tok, p0;
-    int32_t win_keys;  // W (backbone: window including the query) or W context rows (DSpark)
-    bool dspark;       // keys: ring positions [p0 - W, p0) + every call row
+    int32_t win_keys; // W (backbone: window including the query) or W context rows (DSpark)
+    bool dspark;      // keys: ring positions [p0 - W, p0) + every call row
     const float *omega;
     float rscale;
     float *o;      // [T, H, Dh]
@@ -325,7 +325,8 @@ static void indexer(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *l
     di_pool_run(m->pool, idx_task, &ic);
     st->have_topk = true;
     if (is_cand) st->have_cand = true;
-    if (c->trace) c->trace(c->trace_user, "indexer_topk", il, st->topk, true, n_tok, hp->index_topk);
+    if (c->trace)
+        c->trace(c->trace_user, "indexer_topk", il, st->topk, true, n_tok, hp->index_topk);
 }
 
 // ---- the layer ----

@@ -36,8 +36,8 @@ di_status di_dsv41_state_create(di_session *s) {
     }
     for (int il = 0; il < hp->n_layer; il++) {
         if (!hp->kv_source[il] || hp->compress_ratio[il] != 2) continue;
-        st->src[il].cz = di_calloc((size_t)DI_DSV41_CZ_SLOTS * 2 * (size_t)hp->head_dim,
-                                   sizeof(float));
+        st->src[il].cz =
+            di_calloc((size_t)DI_DSV41_CZ_SLOTS * 2 * (size_t)hp->head_dim, sizeof(float));
         if (!st->src[il].cz) return DI_ERR_NOMEM;
     }
     return DI_OK;

@@ -704,6 +704,7 @@ done:
 }
 
 di_status di_synth_checkpoint(const char *preset, const char *dir, bool official, uint64_t seed) {
+    if (strcmp(preset, "v41-tiny") == 0) return di_synth_v41_write(dir, official, official, seed);
     di_synth_config c;
     di_status st = di_synth_preset(preset, &c);
     if (st != DI_OK) return st;

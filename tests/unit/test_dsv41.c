@@ -336,6 +336,12 @@ static void check_refusals(const char *off, const char *hf) {
     }
     di_model *m = NULL;
     CHECK_EQ(di_model_load(dir, NULL, &m), DI_ERR_IO);
+    // The serving engine runs V4 only: a V4.1 checkpoint is refused, not crashed on.
+    di_engine_options eo = di_engine_options_default();
+    eo.n_threads = 1;
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(hf, &eo, &e), DI_ERR_UNSUPPORTED);
+    CHECK(e == NULL);
 }
 
 int main(void) {
