@@ -265,7 +265,10 @@ void di_dsv41_forward(di_session *s, const int32_t *tokens, int32_t n_tok, float
             }
         }
         block(&c, st, lw, il, x, tokens, false, 0);
-        if (c.trace) c.trace(c.trace_user, "layer_out", il, x, false, n_tok, nc * D);
+        if (c.trace) {
+            c.trace(c.trace_user, "layer_out", il, x, false, n_tok, nc * D);
+            c.trace(c.trace_user, "hc_pre", il, st->pre, false, n_tok, nc);
+        }
     }
     if (logits && n_out > 0) {
         int32_t first = n_tok - n_out;

@@ -285,6 +285,7 @@ static void idx_task(void *p, int ith, int nth) {
         int32_t k = (int32_t)(vis < topk ? vis : topk);
         di_dsv4_topk(sc, vis, k, order);
         memcpy(st->topk + t * topk, order, sizeof(int32_t) * (size_t)k);
+        for (int32_t i = k; i < topk; i++) st->topk[t * topk + i] = -1; // as R-HF's dump pads
         st->n_topk[t] = k;
     }
 }

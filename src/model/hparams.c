@@ -482,7 +482,10 @@ static di_status parse_v41(const json_t *j, const char *path, di_hparams *hp) {
     hp->dspark_n_expert = opt_int(j, "dspark_n_routed_experts", NULL, hp->n_expert);
     hp->dspark_n_expert_used =
         opt_int(j, "dspark_num_experts_per_tok", "dspark_n_activated_experts", hp->n_expert_used);
-    if (get_int_list(j, path, "dspark_target_layer_ids", NULL, 0, n - 1, buf, 8, &cnt, &st)) {
+    // Without DSpark blocks the dspark fields are not used (R-HF's config carries release
+    // defaults such as targets [37, 38, 39] whatever the layer count): read them only with blocks.
+    if (hp->n_mtp > 0 &&
+        get_int_list(j, path, "dspark_target_layer_ids", NULL, 0, n - 1, buf, 8, &cnt, &st)) {
         hp->n_dspark_target = cnt;
         for (int i = 0; i < cnt; i++) hp->dspark_target[i] = (int32_t)buf[i];
     } else if (st != DI_OK) {
