@@ -81,11 +81,12 @@ static bool grow(void **p, size_t bytes) {
     return true;
 }
 
-di_status di_dsv41_reserve(di_session *s, int32_t n_tok) {
+// Capacity for positions < end and scratch for calls of n_tok rows.
+static di_status reserve(di_session *s, int64_t end, int32_t n_tok) {
     const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     di_dsv41_state *st = s->v41;
-    const int64_t end = (int64_t)s->pos + n_tok, Dh = hp->head_dim, DI = hp->index_head_dim;
+    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
     int64_t max_ent = 0;
     for (int il = 0; il < hp->n_layer; il++) {
         if (!hp->kv_source[il]) continue;
@@ -134,6 +135,10 @@ di_status di_dsv41_reserve(di_session *s, int32_t n_tok) {
     }
     // Attention scores per thread: window + top-k (+ the DSpark block rows).
     return di_dsv4_ws_reserve(&s->ws, m, n_tok, max_ent + hp->dspark_block_size, false);
+}
+
+di_status di_dsv41_reserve(di_session *s, int32_t n_tok) {
+    return reserve(s, (int64_t)s->pos + n_tok, n_tok);
 }
 
 // ---- rollback (§5.3) ----
@@ -253,8 +258,7 @@ di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes) {
          pos[0] >= 0 && pos[0] <= s->n_ctx_max && pos[1] >= 0 && pos[1] <= pos[0] &&
          get(&r, &mtp, 1) && mtp == s->mtp;
     if (ok) {
-        s->pos = 0; // reserve from an empty state: capacities for pos[0] positions
-        ok = di_dsv41_reserve(s, pos[0] > 0 ? pos[0] : 1) == DI_OK;
+        ok = reserve(s, pos[0], 1) == DI_OK; // capacities for pos[0] positions
     }
     for (int il = 0; ok && il < st->n_state_layers; il++)
         ok = get(&r, st->ring[il], sizeof(float) * (size_t)st->ring_rows * Dh);
