@@ -344,6 +344,169 @@ static void check_refusals(const char *off, const char *hf) {
     CHECK(e == NULL);
 }
 
+// ---- R-HF runtime names (spec §6.4) ----
+
+static const char *const k_rename[][2] = {
+    {"attn_norm.weight", "input_layernorm.weight"},
+    {"ffn_norm.weight", "post_attention_layernorm.weight"},
+    {"hc_attn_fn", "attn_hc.fn"},
+    {"hc_attn_base", "attn_hc.base"},
+    {"hc_attn_scale", "attn_hc.scale"},
+    {"hc_ffn_fn", "ffn_hc.fn"},
+    {"hc_ffn_base", "ffn_hc.base"},
+    {"hc_ffn_scale", "ffn_hc.scale"},
+    {"attn.wq_a.weight", "self_attn.q_a_proj.weight"},
+    {"attn.q_norm.weight", "self_attn.q_a_norm.weight"},
+    {"attn.wq_b.weight", "self_attn.q_b_proj.weight"},
+    {"attn.wkv.weight", "self_attn.kv_proj.weight"},
+    {"attn.kv_norm.weight", "self_attn.kv_norm.weight"},
+    {"attn.wo_a.weight", "self_attn.o_a_proj.weight"},
+    {"attn.wo_b.weight", "self_attn.o_b_proj.weight"},
+    {"attn.attn_sink", "self_attn.sinks"},
+    {"attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight"},
+    {"attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight"},
+    {"attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight"},
+    {"attn.indexer.wq_b.weight", "self_attn.indexer.q_b_proj.weight"},
+    {"attn.indexer.weights_proj.weight", "self_attn.indexer.weights_proj.weight"},
+    {"attn.indexer.wk.weight", "self_attn.indexer.k_proj.weight"},
+    {"attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.weight"},
+    {"ffn.gate.weight", "mlp.gate.weight"},
+    {"ffn.gate.bias", "mlp.gate.e_score_correction_bias"},
+    {"ffn.gate.bias_vl", "mlp.gate.e_score_correction_bias_vl"},
+    {"ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight"},
+    {"ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"},
+    {"ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"},
+    {"engram.wkv.weight", "engram.wkv.weight"},
+    {"engram.q_weight", "engram.q_weight"},
+    {"engram.k_weight", "engram.k_weight"},
+};
+
+// Rewrites the native-name float checkpoint `from` under transformers' runtime names (fused
+// experts, model.engram_tables.* with weight_scale_inv) into `to`: the same model.
+static void write_runtime_names(const char *from, const char *to) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/model.safetensors", from);
+    di_st_file *f = NULL;
+    CHECK(di_st_file_open(path, &f) == DI_OK);
+    if (!f) return;
+    int64_t n = di_st_file_n_tensors(f), k = 0;
+    di_st_write_tensor *t = calloc((size_t)n + 32, sizeof *t);
+    char **names = calloc((size_t)n + 32, sizeof *names);
+    void **bufs = calloc(64, sizeof *bufs);
+    int n_bufs = 0;
+    const int64_t E = 4, F = 128, D = 256;
+    for (int64_t i = 0; i < n; i++) {
+        const di_st_tensor *s = di_st_file_tensor(f, i);
+        di_st_write_tensor w = {.dtype = s->dtype, .n_dims = s->n_dims, .data = s->data};
+        memcpy(w.shape, s->shape, sizeof w.shape);
+        char *nm = malloc(256);
+        int il = -1, e = -1, wi = -1, used = 0;
+        char rest[200] = "";
+        if (strcmp(s->name, "embed.weight") == 0)
+            snprintf(nm, 256, "model.embed_tokens.weight");
+        else if (strcmp(s->name, "head.weight") == 0)
+            snprintf(nm, 256, "lm_head.weight");
+        else if (strcmp(s->name, "norm.weight") == 0)
+            snprintf(nm, 256, "model.norm.weight");
+        else if (sscanf(s->name, "layers.%d.ffn.experts.%d.w%d.weight%n", &il, &e, &wi, &used) ==
+                 3) {
+            free(nm);
+            if (e != 0) continue; // fused once per layer below, at expert 0's w1
+            if (wi != 1) continue;
+            // gate_up_proj [E, 2F, D] and down_proj [E, D, F] from every expert of the layer
+            float *gu = malloc(sizeof(float) * (size_t)(E * 2 * F * D));
+            float *dn = malloc(sizeof(float) * (size_t)(E * D * F));
+            for (int64_t x = 0; x < E; x++) {
+                char q[128];
+                snprintf(q, sizeof q, "layers.%d.ffn.experts.%lld.w1.weight", il, (long long)x);
+                memcpy(gu + x * 2 * F * D, di_st_file_find(f, q)->data, sizeof(float) * F * D);
+                snprintf(q, sizeof q, "layers.%d.ffn.experts.%lld.w3.weight", il, (long long)x);
+                memcpy(gu + x * 2 * F * D + F * D, di_st_file_find(f, q)->data,
+                       sizeof(float) * F * D);
+                snprintf(q, sizeof q, "layers.%d.ffn.experts.%lld.w2.weight", il, (long long)x);
+                memcpy(dn + x * D * F, di_st_file_find(f, q)->data, sizeof(float) * D * F);
+            }
+            bufs[n_bufs++] = gu, bufs[n_bufs++] = dn;
+            char *a = malloc(256), *b = malloc(256);
+            snprintf(a, 256, "model.layers.%d.mlp.experts.gate_up_proj", il);
+            snprintf(b, 256, "model.layers.%d.mlp.experts.down_proj", il);
+            names[k] = a;
+            t[k++] = (di_st_write_tensor){
+                .name = a, .dtype = DI_DTYPE_F32, .n_dims = 3, .shape = {E, 2 * F, D}, .data = gu};
+            names[k] = b;
+            t[k++] = (di_st_write_tensor){
+                .name = b, .dtype = DI_DTYPE_F32, .n_dims = 3, .shape = {E, D, F}, .data = dn};
+            continue;
+        } else if (sscanf(s->name, "layers.%d.engram.embed.weight%n", &il, &used) == 1 &&
+                   s->name[used] == 0) {
+            snprintf(nm, 256, "model.engram_tables.%d.weight", il);
+            // R-HF's weight_scale_inv: ones, unused in a float model.
+            float *ones = malloc(sizeof(float) * (size_t)(s->shape[0] * (s->shape[1] / 32)));
+            for (int64_t x = 0; x < s->shape[0] * (s->shape[1] / 32); x++) ones[x] = 1;
+            bufs[n_bufs++] = ones;
+            char *sn = malloc(256);
+            snprintf(sn, 256, "model.engram_tables.%d.weight_scale_inv", il);
+            names[k] = sn;
+            t[k++] = (di_st_write_tensor){.name = sn,
+                                          .dtype = DI_DTYPE_F32,
+                                          .n_dims = 2,
+                                          .shape = {s->shape[0], s->shape[1] / 32},
+                                          .data = ones};
+        } else if (sscanf(s->name, "layers.%d.%199s", &il, rest) == 2) {
+            const char *hf = NULL;
+            for (size_t r = 0; r < sizeof k_rename / sizeof k_rename[0] && !hf; r++)
+                if (strcmp(rest, k_rename[r][0]) == 0) hf = k_rename[r][1];
+            CHECK(hf != NULL);
+            if (!hf) fprintf(stderr, "no runtime name for %s\n", s->name);
+            snprintf(nm, 256, "model.layers.%d.%s", il, hf ? hf : rest);
+        } else {
+            snprintf(nm, 256, "%s", s->name);
+        }
+        names[k] = nm;
+        w.name = nm;
+        t[k++] = w;
+    }
+    snprintf(path, sizeof path, "%s/model.safetensors", to);
+    CHECK(di_st_write_file(path, t, k) == DI_OK);
+    char a[1024], b[1024];
+    snprintf(a, sizeof a, "%s/config.json", from);
+    snprintf(b, sizeof b, "%s/config.json", to);
+    copy_file(a, b);
+    snprintf(b, sizeof b, "%s/engram", to);
+    mkdir(b, 0755);
+    snprintf(a, sizeof a, "%s/engram/token_map.safetensors", from);
+    snprintf(b, sizeof b, "%s/engram/token_map.safetensors", to);
+    copy_file(a, b);
+    for (int64_t i = 0; i < k; i++) free(names[i]);
+    for (int i = 0; i < n_bufs; i++) free(bufs[i]);
+    free(names);
+    free(bufs);
+    free(t);
+    di_st_file_close(f);
+}
+
+static void check_runtime_names(const char *hf) {
+    char rt[512];
+    snprintf(rt, sizeof rt, "%s/runtime", g_root);
+    mkdir(rt, 0755);
+    write_runtime_names(hf, rt);
+    di_model *a = load(hf, DI_PRECISION_FP32), *b = load(rt, DI_PRECISION_FP32);
+    CHECK(a && b);
+    if (a && b) {
+        enum { T = 20 };
+        int32_t ids[T], one[1] = {T};
+        make_ids(ids, T, 8);
+        float *la = malloc(sizeof(float) * T * 512), *lb = malloc(sizeof(float) * T * 512);
+        di_session_destroy(run(a, false, ids, T, one, 1, la));
+        di_session_destroy(run(b, false, ids, T, one, 1, lb));
+        CHECK(memcmp(la, lb, sizeof(float) * T * 512) == 0);
+        free(la);
+        free(lb);
+    }
+    di_model_destroy(a);
+    di_model_destroy(b);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_dsv41_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -362,6 +525,7 @@ int main(void) {
     check_save_restore(off);
     check_dspark(off);
     check_refusals(off, hf);
+    check_runtime_names(hf);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
