@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h> // access
 
 #include "base/log.h"
 #include "base/mem.h"
@@ -25,12 +26,15 @@ di_status di_dsv41_model_init(di_model *m, const char *dir) {
     char path[4096];
     snprintf(path, sizeof path, "%s/engram/token_map.safetensors", dir);
     di_st_file *f = NULL;
-    if ((st = di_st_file_open(path, &f)) != DI_OK) {
-        DI_LOG_ERROR("%s: the Engram layers need the compressed token map (tensor \"token_map\", "
-                     "one compressed id per token id), made from the tokenizer",
-                     path);
-        return st;
+    if (access(path, F_OK) != 0) {
+        // The model loads (info works); sessions are refused until the map exists.
+        DI_LOG_WARN("%s is missing: the Engram layers need the compressed token map (tensor "
+                    "\"token_map\", one compressed id per token id, made from the tokenizer); "
+                    "this model cannot run until it exists",
+                    path);
+        return DI_OK;
     }
+    if ((st = di_st_file_open(path, &f)) != DI_OK) return st;
     const di_st_tensor *t = di_st_file_find(f, "token_map");
     if (!t || (t->dtype != DI_DTYPE_I32 && t->dtype != DI_DTYPE_I64) ||
         t->n_elements < hp->n_vocab) {

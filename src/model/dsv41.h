@@ -74,8 +74,9 @@ typedef struct di_dsv41_state {
 
 // Loads the V4.1 extras after the weights are bound: the Engram hash constants and, when there are
 // Engram layers, the compressed token map from <dir>/engram/token_map.safetensors (tensor
-// "token_map", I32 or I64, >= vocab_size entries in [0, engram_compressed_vocab_size)).
-// DI_ERR_IO (missing file, logged with its path), DI_ERR_FORMAT, DI_ERR_NOMEM.
+// "token_map", I32 or I64, >= vocab_size entries in [0, engram_compressed_vocab_size)). A missing
+// map is a warning (the model loads for info; sessions are refused with DI_ERR_INVALID).
+// DI_ERR_IO, DI_ERR_FORMAT (a malformed map), DI_ERR_NOMEM.
 di_status di_dsv41_model_init(di_model *m, const char *dir);
 void di_dsv41_model_free(di_model *m);
 

@@ -335,7 +335,11 @@ static void check_refusals(const char *off, const char *hf) {
         copy_file(path, to);
     }
     di_model *m = NULL;
-    CHECK_EQ(di_model_load(dir, NULL, &m), DI_ERR_IO);
+    CHECK_EQ(di_model_load(dir, NULL, &m), DI_OK); // loads (deepinfer info works) ...
+    di_session *s = NULL;
+    CHECK_EQ(di_session_create(m, NULL, &s), DI_ERR_INVALID); // ... but cannot run
+    CHECK(s == NULL);
+    di_model_destroy(m);
     // The serving engine runs V4 only: a V4.1 checkpoint is refused, not crashed on.
     di_engine_options eo = di_engine_options_default();
     eo.n_threads = 1;
