@@ -2,6 +2,7 @@
 // (released Flash constants) and App. A.2 (tiny config: primes, multipliers and row ids).
 #include "harness.h"
 
+#include "base/json.h"
 #include "model/engram_hash.h"
 
 static di_hparams flash_hp(void) {
@@ -105,8 +106,78 @@ static void test_tiny_rows(void) {
     for (int j = 0; j < 6; j++) CHECK_EQ(rows[j], dead[j]);
 }
 
+// Every case of tests/data/fixtures/v41_engram/engram_kat.json (row ids computed by R-HF's
+// DeepseekV41NgramHashState, with DEAD positions) for the tiny and the released configs.
+static void test_rhf_known_answers(void) {
+    json_t *j = NULL;
+    if (di_json_load_file("tests/data/fixtures/v41_engram/engram_kat.json", &j) != DI_OK) {
+        fprintf(stderr, "no engram_kat.json: skipped\n");
+        return;
+    }
+    const char *sets[2] = {"tiny", "flash"};
+    int n_cases = 0;
+    for (int si = 0; si < 2; si++) {
+        const json_t *set = json_object_get(j, sets[si]), *cfg = json_object_get(set, "config");
+        CHECK(set && cfg);
+        if (!set || !cfg) continue;
+        di_hparams hp;
+        memset(&hp, 0, sizeof hp);
+        hp.n_vocab = 1 << 20;
+        const json_t *ids = json_object_get(cfg, "engram_layer_ids");
+        const json_t *rows = json_object_get(cfg, "engram_num_embeddings");
+        hp.n_engram = (int32_t)json_array_size(ids);
+        for (int L = 0; L < hp.n_engram; L++) {
+            hp.engram_layer[L] = (int32_t)json_integer_value(json_array_get(ids, (size_t)L));
+            hp.engram_rows[L] = json_integer_value(json_array_get(rows, (size_t)L));
+        }
+        int64_t v;
+        di_json_get_int(cfg, "engram_vocab_size", &v), hp.engram_vocab = v;
+        di_json_get_int(cfg, "engram_compressed_vocab_size", &v), hp.engram_cvocab = v;
+        di_json_get_int(cfg, "engram_max_ngram_size", &v), hp.engram_max_ngram = (int32_t)v;
+        di_json_get_int(cfg, "engram_n_heads", &v), hp.engram_n_head = (int32_t)v;
+        hp.engram_head_dim = 32;
+        di_engram_hash h;
+        CHECK(di_engram_hash_init(&h, &hp) == DI_OK);
+        int64_t pad = 0;
+        di_json_get_int(set, "pad_compressed_id", &pad);
+        const bool div2 = strcmp(sets[si], "tiny") == 0; // cmap id div 2, else identity
+        const json_t *cases = json_object_get(set, "cases");
+        for (size_t ci = 0; ci < json_array_size(cases); ci++) {
+            const json_t *cs = json_array_get(cases, ci);
+            const json_t *tok = json_object_get(cs, "token_ids"),
+                         *dead = json_object_get(cs, "dead");
+            const json_t *want = json_object_get(cs, "row_ids");
+            int64_t T = (int64_t)json_array_size(tok);
+            int bad = 0;
+            for (int64_t t = 0; t < T; t++) {
+                int32_t look[8];
+                for (int k = 0; k < h.max_ngram; k++) {
+                    int64_t p = t - k;
+                    bool is_dead = p < 0 || (json_is_array(dead) &&
+                                             json_is_true(json_array_get(dead, (size_t)p)));
+                    int64_t id = p >= 0 ? json_integer_value(json_array_get(tok, (size_t)p)) : 0;
+                    look[k] = is_dead ? DI_ENGRAM_DEAD : (int32_t)(div2 ? id / 2 : id);
+                }
+                for (int L = 0; L < h.n_layer; L++) {
+                    int64_t r[DI_ENGRAM_MAX_COLS];
+                    di_engram_hash_rows(&h, L, look, (int32_t)pad, r);
+                    const json_t *w = json_array_get(json_array_get(want, (size_t)t), (size_t)L);
+                    for (int c = 0; c < h.n_col; c++)
+                        bad += r[c] != json_integer_value(json_array_get(w, (size_t)c));
+                }
+            }
+            CHECK_EQ(bad, 0);
+            n_cases++;
+        }
+    }
+    CHECK(n_cases >= 2);
+    fprintf(stderr, "  %d R-HF hash cases\n", n_cases);
+    json_decref(j);
+}
+
 int main(void) {
     RUN(test_flash_constants);
     RUN(test_tiny_rows);
+    RUN(test_rhf_known_answers);
     return test_finish();
 }
