@@ -524,6 +524,7 @@ di_status di_hparams_load(const char *path, di_hparams *hp) {
     json_t *j = NULL;
     di_status st = di_json_load_file(path, &j);
     if (st != DI_OK) return st;
+    const json_t *root = j;
     memset(hp, 0, sizeof *hp);
     if (!json_is_object(j)) {
         DI_LOG_ERROR("%s: not a JSON object", path);
@@ -531,7 +532,6 @@ di_status di_hparams_load(const char *path, di_hparams *hp) {
         goto done;
     }
     const char *mt = di_json_get_str(j, "model_type");
-    const json_t *root = j;
     // V4.1: model_type deepseek_v41 (HF composite, text fields in text_config) or
     // deepseek_v41_text, or the official flat config (no model_type; V4.1-only fields).
     hp->v41 = (mt && (strcmp(mt, "deepseek_v41") == 0 || strcmp(mt, "deepseek_v41_text") == 0)) ||
@@ -677,6 +677,6 @@ di_status di_hparams_load(const char *path, di_hparams *hp) {
     st = DI_OK;
 done:
 fail:
-    json_decref(j);
+    json_decref((json_t *)root); // j may point into it (text_config)
     return st;
 }
