@@ -28,6 +28,10 @@ check "dspark drafts" "$(grep -c '"position"' "$T/d.json")" "5"
 check "dspark logits size" "$(stat -c %s "$T/d.npy")" "$((128 + 5 * 2 * 512 * 4))"
 g1=$("$B" generate --model $M --tokens 5,17,300 -n 8 --no-stop --log-level error)
 check "generate count" "$(echo "$g1" | tr ',' '\n' | wc -l)" "8"
+g2=$("$B" generate --model $M --tokens 5,17,300 -n 8 --no-stop --dspark --log-level error 2>/dev/null)
+check "greedy with DSpark speculation equals plain greedy" "$g2" "$g1"
+"$B" generate --model $M --tokens 5 -n 2 --dspark --temperature 1 2>/dev/null
+check "dspark sampling refused" "$?" "2"
 "$B" logits --model "$T/hf" --tokens 5,6 --out "$T/x.npy" --dspark "$T/x.json" --log-level error 2>/dev/null
 check "dspark without DSpark weights exits 1" "$?" "1"
 exit $fail
