@@ -47,7 +47,7 @@ static double rel_err(const float *a, const float *b, int64_t n) {
 
 typedef struct capture {
     const di_st_file *ref;
-    double worst[3];   // layer_out, attn_out, hc_pre
+    double worst[3]; // layer_out, attn_out, hc_pre
     int worst_il[3];
     int n_compared;
     int topk_mismatch, topk_checked;
@@ -70,7 +70,8 @@ static void trace_cb(void *user, const char *name, int il, const void *data, boo
         for (int64_t r = 0; r < n_rows; r++) {
             c->topk_checked++;
             if (memcmp(ref + r * row_len, got + r * row_len, sizeof(int32_t) * (size_t)row_len)) {
-                if (c->topk_mismatch < 5) fprintf(stderr, "%s: query %lld differs\n", key, (long long)r);
+                if (c->topk_mismatch < 5)
+                    fprintf(stderr, "%s: query %lld differs\n", key, (long long)r);
                 c->topk_mismatch++;
             }
         }
@@ -82,9 +83,10 @@ static void trace_cb(void *user, const char *name, int il, const void *data, boo
         CHECK(false);
         return;
     }
-    int w = strcmp(name, "layer_out") == 0 ? 0 : strcmp(name, "attn_out") == 0 ? 1
-            : strcmp(name, "hc_pre") == 0  ? 2
-                                           : -1;
+    int w = strcmp(name, "layer_out") == 0  ? 0
+            : strcmp(name, "attn_out") == 0 ? 1
+            : strcmp(name, "hc_pre") == 0   ? 2
+                                            : -1;
     if (w < 0) return;
     double e = rel_err(data, t->data, n_rows * row_len);
     c->n_compared++;
@@ -181,6 +183,38 @@ static void check_state_vs_ref(const di_model *m, const di_session *s, const di_
     }
 }
 
+// Level-1 candidate pool of the one-shot prefill: entry w of query t is a candidate iff its block
+// was kept. Compared on the visible entries (what a later indexer can pick).
+static void check_candidates(const di_model *m, const di_session *s, const di_st_file *ref,
+                             int32_t T) {
+    const di_hparams *hp = &m->hp;
+    const int cl = hp->candidate_layer;
+    if (cl < 0) return;
+    char key[64];
+    snprintf(key, sizeof key, "candidates.%d", cl);
+    const di_st_tensor *t = ref_t(ref, key, DI_DTYPE_I32);
+    if (!t) {
+        fprintf(stderr, "  (no %s in the fixture)\n", key);
+        return;
+    }
+    const int64_t n_end = s->v41->src[cl].n_entries, bs = hp->candidate_block_size;
+    CHECK_EQ(t->n_elements, (int64_t)T * n_end);
+    if (t->n_elements != (int64_t)T * n_end) return;
+    const int32_t *r = t->data;
+    int bad = 0, ratio = hp->compress_ratio[cl];
+    for (int32_t q = 0; q < T; q++) {
+        int64_t vis = (q + 1) / ratio;
+        const int32_t *kept = s->v41->cand + (int64_t)q * hp->candidate_topk_blocks;
+        for (int64_t w = 0; w < vis; w++) {
+            int in = 0;
+            for (int32_t i = 0; i < s->v41->n_cand[q]; i++) in |= kept[i] == w / bs;
+            bad += in != (r[q * n_end + w] != 0);
+        }
+    }
+    fprintf(stderr, "  candidate pool of layer %d: %d visible entries differ\n", cl, bad);
+    CHECK_EQ(bad, 0);
+}
+
 static void check_engram_hash(const di_model *m, const int32_t *ids, int32_t T,
                               const di_st_file *ref, const int32_t *cmap) {
     const di_hparams *hp = &m->hp;
@@ -218,7 +252,8 @@ static void check_rollback(di_model *m, const int32_t *ids, int32_t T, const flo
         CHECK(s != NULL);
         if (!s) continue;
         int32_t ver[8];
-        for (int32_t i = 0; i < k; i++) ver[i] = i < k - j ? ids[pre + i] : (ids[pre + i] + 7) % 512;
+        for (int32_t i = 0; i < k; i++)
+            ver[i] = i < k - j ? ids[pre + i] : (ids[pre + i] + 7) % 512;
         di_forward_out fo = {.logits = tmp};
         CHECK(di_session_forward(s, ver, k, &fo) == DI_OK);
         CHECK(di_session_rollback(s, j) == DI_OK);
@@ -235,8 +270,9 @@ static void check_rollback(di_model *m, const int32_t *ids, int32_t T, const flo
         CHECK(di_session_forward(s, ids + at, rest, &fo) == DI_OK);
         double e_self = rel_err(got + at * V, one + at * V, (int64_t)rest * V);
         double e_ref = rel_err(got + at * V, hf_ref + at * V, (int64_t)rest * V);
-        fprintf(stderr, "  rollback at %d (verify %d, reject %d) + save/restore: vs one prefill "
-                        "%.3g, vs reference %.3g\n",
+        fprintf(stderr,
+                "  rollback at %d (verify %d, reject %d) + save/restore: vs one prefill "
+                "%.3g, vs reference %.3g\n",
                 pre, k, j, e_self, e_ref);
         CHECK(e_self <= TOL_CHUNK);
         CHECK(e_ref <= TOL_REF);
@@ -277,7 +313,8 @@ static void check_fixture(const char *dir, const char *name) {
     const int64_t V = m->hp.n_vocab;
     CHECK_EQ(lg_t->n_elements, (int64_t)T * V);
     const float *hf_ref = lg_t->data;
-    float *one = malloc(sizeof(float) * (size_t)(T * V)), *got = malloc(sizeof(float) * (size_t)(T * V));
+    float *one = malloc(sizeof(float) * (size_t)(T * V)),
+          *got = malloc(sizeof(float) * (size_t)(T * V));
 
     // One prefill with every named intermediate compared.
     capture cap = {.ref = ref};
@@ -285,16 +322,18 @@ static void check_fixture(const char *dir, const char *name) {
     di_session *s = feed(m, ids, T, all, 1, one, &cap);
     CHECK(s != NULL);
     double e_logits = rel_err(one, hf_ref, (int64_t)T * V);
-    fprintf(stderr, "  prefill of %d: logits %.3g; worst layer_out %.3g (layer %d), attn_out %.3g "
-                    "(layer %d), hc_pre %.3g (layer %d); top-k %d/%d queries differ\n",
-            T, e_logits, cap.worst[0], cap.worst_il[0], cap.worst[1], cap.worst_il[1],
-            cap.worst[2], cap.worst_il[2], cap.topk_mismatch, cap.topk_checked);
+    fprintf(stderr,
+            "  prefill of %d: logits %.3g; worst layer_out %.3g (layer %d), attn_out %.3g "
+            "(layer %d), hc_pre %.3g (layer %d); top-k %d/%d queries differ\n",
+            T, e_logits, cap.worst[0], cap.worst_il[0], cap.worst[1], cap.worst_il[1], cap.worst[2],
+            cap.worst_il[2], cap.topk_mismatch, cap.topk_checked);
     CHECK(e_logits <= TOL_REF);
     CHECK(cap.n_compared >= 3 * m->hp.n_layer);
     CHECK(cap.worst[0] <= TOL_REF && cap.worst[1] <= TOL_REF && cap.worst[2] <= TOL_REF);
     CHECK(cap.topk_checked > 0);
     CHECK_EQ(cap.topk_mismatch, 0);
     if (s) check_state_vs_ref(m, s, ref);
+    if (s) check_candidates(m, s, ref, T);
     di_session_destroy(s);
     check_engram_hash(m, ids, T, ref, cmap_t->data);
 
