@@ -326,8 +326,8 @@ static void indexer(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *l
     di_pool_run(m->pool, idx_task, &ic);
     st->have_topk = true;
     if (is_cand) st->have_cand = true;
-    if (c->trace)
-        c->trace(c->trace_user, "indexer_topk", il, st->topk, true, n_tok, hp->index_topk);
+    // "topk.<il>": ascending picks, -1 padded (the names of python/di_ref/v41.py).
+    if (c->trace) c->trace(c->trace_user, "topk", il, st->topk, true, n_tok, hp->index_topk);
 }
 
 // ---- the layer ----

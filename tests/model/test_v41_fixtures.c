@@ -344,9 +344,22 @@ static void check_fixture(const char *dir, const char *name) {
     s = feed(m, ids, T, chunks, n_chunks, got, NULL);
     double e_chunk = rel_err(got, one, (int64_t)T * V);
     di_session_destroy(s);
+    // ... and against transformers' own streaming run over the same split (its DynamicCache).
+    const di_st_tensor *rc = ref_t(ref, "logits_chunked", DI_DTYPE_F32);
+    if (rc && rc->n_elements == (int64_t)T * V) {
+        double e = rel_err(got, rc->data, (int64_t)T * V);
+        fprintf(stderr, "  chunked vs reference chunked: %.3g\n", e);
+        CHECK(e <= TOL_REF);
+    }
     s = feed(m, ids, T, tok, 1, got, NULL);
     double e_tok = rel_err(got, one, (int64_t)T * V);
     di_session_destroy(s);
+    const di_st_tensor *rs = ref_t(ref, "logits_stepwise", DI_DTYPE_F32);
+    if (rs && rs->n_elements == (int64_t)T * V) {
+        double e = rel_err(got, rs->data, (int64_t)T * V);
+        fprintf(stderr, "  token by token vs reference stepwise: %.3g\n", e);
+        CHECK(e <= TOL_REF);
+    }
     fprintf(stderr, "  chunked %.3g, token by token %.3g (vs one prefill)\n", e_chunk, e_tok);
     CHECK(e_chunk <= TOL_CHUNK);
     CHECK(e_tok <= TOL_CHUNK);
