@@ -21,6 +21,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/json.h"
 #include "io/safetensors.h"
 #include "model/dsv41.h"
 
@@ -215,6 +216,29 @@ static void check_candidates(const di_model *m, const di_session *s, const di_st
     CHECK_EQ(bad, 0);
 }
 
+// The RoPE tables (meta.json "rope": transformers' main / compress inv_freq) against ours.
+static void check_rope(const di_model *m, const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/meta.json", dir);
+    json_t *j = NULL;
+    if (di_json_load_file(path, &j) != DI_OK) return;
+    const json_t *rope = json_object_get(j, "rope");
+    const char *keys[2] = {"main_inv_freq", "compress_inv_freq"};
+    const float *ours[2] = {m->omega_main, m->omega_compress};
+    for (int i = 0; i < 2 && rope; i++) {
+        const json_t *a = json_object_get(rope, keys[i]);
+        CHECK_EQ(json_array_size(a), m->hp.rope_main.n_dims / 2);
+        double worst = 0;
+        for (size_t k = 0; k < json_array_size(a) && (int)k < m->hp.rope_main.n_dims / 2; k++) {
+            double r = json_number_value(json_array_get(a, k));
+            worst = fmax(worst, fabs(ours[i][k] - r) / fabs(r));
+        }
+        fprintf(stderr, "  rope %s: %.3g relative\n", keys[i], worst);
+        CHECK(worst <= 1e-6);
+    }
+    json_decref(j);
+}
+
 static void check_engram_hash(const di_model *m, const int32_t *ids, int32_t T,
                               const di_st_file *ref, const int32_t *cmap) {
     const di_hparams *hp = &m->hp;
@@ -336,6 +360,7 @@ static void check_fixture(const char *dir, const char *name) {
     if (s) check_candidates(m, s, ref, T);
     di_session_destroy(s);
     check_engram_hash(m, ids, T, ref, cmap_t->data);
+    check_rope(m, dir);
 
     // Chunked (the fixture's split) and token by token.
     const di_st_tensor *cl = ref_t(ref, "chunk_lens", DI_DTYPE_I32);
