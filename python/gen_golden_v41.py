@@ -60,10 +60,10 @@ FIXTURES = {
         "(m=2 KV source); m=1 candidate source 3; layer 5 reindexes inside the candidate pool",
     ),
     "v41_long": dict(
-        preset="long", seed=2, data_seed=2000, T=192, chunks=[31, 6, 1, 1, 17, 64, 72],
-        what="T=192, window 16: 96 m=2 groups and 192 m=1 entries; index_topk 16 < visible entries for "
+        preset="long", seed=2, data_seed=2000, T=160, chunks=[31, 6, 1, 1, 17, 64, 40],
+        what="T=160, window 16: 80 m=2 groups and 160 m=1 entries; index_topk 16 < visible entries for "
         "most queries; 4 candidate blocks of 8 (level 2 restricts layer 6); reindex layer 3 (m=2, no "
-        "own keys); 8 indexer heads",
+        "own keys); Engram on the two KV sources",
     ),
 }
 
@@ -90,7 +90,8 @@ def key_patterns(keys) -> list[str]:
 
 
 def gaps_ok(g: dict) -> bool:
-    return g["indexer"] >= INDEXER_GAP_MIN and g["candidate_blocks"] >= INDEXER_GAP_MIN and g["router"] >= ROUTER_GAP_MIN
+    return (g["indexer"] >= INDEXER_GAP_MIN and g["candidate_blocks"] >= INDEXER_GAP_MIN
+            and g["router"] >= ROUTER_GAP_MIN and g["quant_fragile"] == 0)
 
 
 def topk_stats(cfg, cap, T) -> dict:
