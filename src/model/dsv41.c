@@ -222,8 +222,6 @@ static void setup_ctx(di_session *s, di_dsv4_seq *seq, di_dsv4_ctx *c, int32_t p
     }
 }
 
-static void dspark_context(di_session *s, di_dsv4_ctx *c, int32_t p0, int32_t n_tok);
-
 void di_dsv41_forward(di_session *s, const int32_t *tokens, int32_t n_tok, float *logits,
                       int32_t n_out) {
     di_model *m = s->model;
@@ -279,26 +277,27 @@ void di_dsv41_forward(di_session *s, const int32_t *tokens, int32_t n_tok, float
         head(&c, x + (int64_t)first * nc * D, st->pre + first * nc, n_out, m->norm,
              di_dsv4_scratch(&c, DI_SCR_H), logits);
     }
-    if (s->mtp) dspark_context(s, &c, p0, n_tok);
+    if (s->mtp) di_dsv41_dspark_context(s, st->taps, p0, n_tok);
 }
 
 // ---- DSpark (§3) ----
 
-// main_x = RMSNorm(main_proj · taps) for the call's rows; ring rows of every DSpark block for
-// positions p0 .. p0 + n_tok - 1.
-static void dspark_context(di_session *s, di_dsv4_ctx *c, int32_t p0, int32_t n_tok) {
+void di_dsv41_dspark_context(di_session *s, const float *taps, int32_t p0, int32_t n_tok) {
     di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     di_dsv41_state *st = s->v41;
     const int64_t D = hp->n_embd;
-    float *mx = di_dsv4_scratch(c, DI_SCR_H); // [T, D]
-    di_dsv4_linear(c, &m->dspark.main_proj, st->taps, n_tok, (int64_t)hp->n_dspark_target * D, mx,
-                   D, true);
+    di_dsv4_seq seq;
+    di_dsv4_ctx c;
+    setup_ctx(s, &seq, &c, p0, n_tok);
+    float *mx = di_dsv4_scratch(&c, DI_SCR_H); // [T, D]: main_x = RMSNorm(main_proj · taps)
+    di_dsv4_linear(&c, &m->dspark.main_proj, taps, n_tok, (int64_t)hp->n_dspark_target * D, mx, D,
+                   true);
     di_ref_rmsnorm(mx, n_tok, D, D, m->dspark.main_norm, hp->norm_eps);
     di_dsv4_round(m, mx, (int64_t)n_tok * D);
     for (int i = 0; i < m->n_mtp_loaded; i++)
-        di_dsv41_dspark_ring(c, st, &m->mtp[i].block, hp->n_layer + i, mx, n_tok, p0);
-    st->dspark_pos = p0 + n_tok;
+        di_dsv41_dspark_ring(&c, st, &m->mtp[i].block, hp->n_layer + i, mx, n_tok, p0);
+    if (p0 + n_tok > st->dspark_pos) st->dspark_pos = p0 + n_tok;
 }
 
 di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits) {

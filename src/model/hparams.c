@@ -479,9 +479,12 @@ static di_status parse_v41(const json_t *j, const char *path, di_hparams *hp) {
     hp->dspark_block_size = opt_int(j, "dspark_block_size", NULL, 5);
     hp->dspark_noise_token = opt_int(j, "dspark_noise_token_id", NULL, 128799);
     hp->dspark_markov_rank = opt_int(j, "dspark_markov_rank", NULL, 256);
-    hp->dspark_n_expert = opt_int(j, "dspark_n_routed_experts", NULL, hp->n_expert);
+    // 0 (R-OFF's ModelArgs default) or absent: the backbone's expert counts.
+    hp->dspark_n_expert = opt_int(j, "dspark_n_routed_experts", NULL, 0);
     hp->dspark_n_expert_used =
-        opt_int(j, "dspark_num_experts_per_tok", "dspark_n_activated_experts", hp->n_expert_used);
+        opt_int(j, "dspark_num_experts_per_tok", "dspark_n_activated_experts", 0);
+    if (hp->dspark_n_expert <= 0) hp->dspark_n_expert = hp->n_expert;
+    if (hp->dspark_n_expert_used <= 0) hp->dspark_n_expert_used = hp->n_expert_used;
     // Without DSpark blocks the dspark fields are not used (R-HF's config carries release
     // defaults such as targets [37, 38, 39] whatever the layer count): read them only with blocks.
     if (hp->n_mtp > 0 &&

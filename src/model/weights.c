@@ -533,7 +533,10 @@ static di_status bind_block(binder *b, const char *po, const char *ph, int il,
     else
         T(bind_f32(b, fmt(o, po, "ffn.gate.bias"), fmt(h, ph, "mlp.gate.e_score_correction_bias"),
                    1, E, 0, &lw->gate_bias));
-    if (hp->v41) // image-span routing bias: bound (the checkpoint has it), unused by text
+    // V4.1 image-span routing bias: bound when present (the release has it; R-OFF test models and
+    // DSpark blocks may not), unused by text.
+    if (hp->v41 && has_tensor(b, fmt(o, po, "ffn.gate.bias_vl"),
+                              fmt(h, ph, "mlp.gate.e_score_correction_bias_vl")))
         T(bind_f32(b, fmt(o, po, "ffn.gate.bias_vl"),
                    fmt(h, ph, "mlp.gate.e_score_correction_bias_vl"), 1, E, 0, &lw->gate_bias_vl));
     T(bind_experts(b, po, ph, lw));
