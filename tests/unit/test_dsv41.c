@@ -12,6 +12,7 @@
 #include "io/safetensors.h"
 #include "model/dsv41.h"
 #include "model/synth.h"
+#include "tensor/quant_ref.h"
 
 // Same kernels on the same rows: only the attention's key source (ring vs this call's rows) and
 // the per-call batching of matmuls differ, so chunked == one call to FP32 rounding.
@@ -511,6 +512,83 @@ static void check_runtime_names(const char *hf) {
     di_model_destroy(b);
 }
 
+// ---- rounding points (spec §2.0, §7.3) ----
+
+typedef struct bf16_check {
+    int64_t non_bf16, total;
+} bf16_check;
+
+static void on_layer_out(void *user, const char *name, int il, const void *data, bool is_int,
+                         int64_t n_rows, int64_t row_len) {
+    (void)il;
+    bf16_check *c = user;
+    if (is_int || strcmp(name, "layer_out") != 0) return;
+    const float *v = data;
+    for (int64_t i = 0; i < n_rows * row_len; i++, c->total++)
+        c->non_bf16 += di_round_bf16(v[i]) != v[i];
+}
+
+// Values already on a fake-quant grid are fixed points of it.
+static int64_t off_grid(const float *v, int64_t n, int64_t block, int kind) {
+    float *w = malloc(sizeof(float) * (size_t)n);
+    memcpy(w, v, sizeof(float) * (size_t)n);
+    if (kind == 0) di_fake_quant_q8(w, n, block);
+    if (kind == 1) di_fake_quant_q4(w, n, block);
+    if (kind == 2) di_fake_quant_q4e(w, n, block);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad += w[i] != v[i];
+    free(w);
+    return bad;
+}
+
+static void check_rounding_points(const char *dir) {
+    for (int prec = 0; prec < 2; prec++) {
+        di_model *m = load(dir, prec ? DI_PRECISION_OFFICIAL : DI_PRECISION_FP32);
+        CHECK(m != NULL);
+        if (!m) continue;
+        enum { T = 40 };
+        int32_t ids[T];
+        make_ids(ids, T, 21);
+        float *lg = malloc(sizeof(float) * T * 512);
+        di_session_options so = di_session_options_default();
+        di_session *s = NULL;
+        CHECK(di_session_create(m, &so, &s) == DI_OK);
+        bf16_check bc = {0, 0};
+        s->trace = on_layer_out, s->trace_user = &bc;
+        di_forward_out fo = {.logits = lg};
+        CHECK(di_session_forward(s, ids, T, &fo) == DI_OK);
+        // Residual streams: BF16 in official precision only.
+        CHECK(bc.total > 0);
+        if (prec)
+            CHECK_EQ(bc.non_bf16, 0);
+        else
+            CHECK(bc.non_bf16 > bc.total / 2);
+        // KV fake-quant in both precisions (R-HF applies it in FP32 too): window rows Q8 (32-blocks
+        // over all dims), entries Q4e (16), index keys Q4 (32).
+        const di_hparams *hp = &m->hp;
+        int64_t bad_ring = 0, bad_e = 0, bad_k = 0;
+        for (int il = 0; il < hp->n_layer; il++) {
+            bad_ring +=
+                off_grid(s->v41->ring[il], (int64_t)s->v41->ring_rows * hp->head_dim, 32, 0);
+            if (!hp->kv_source[il]) continue;
+            const di_dsv41_src *src = &s->v41->src[il];
+            CHECK(src->n_entries > 0);
+            bad_e += off_grid(src->cmain, src->n_entries * hp->head_dim, 16, 2);
+            bad_k += off_grid(src->kidx, src->n_entries * hp->index_head_dim, 32, 1);
+        }
+        CHECK_EQ(bad_ring, 0);
+        CHECK_EQ(bad_e, 0);
+        CHECK_EQ(bad_k, 0);
+        // Not every value is trivially on the grids (the check can fail): FP32 streams are not.
+        float probe[32];
+        for (int i = 0; i < 32; i++) probe[i] = 0.1f * (float)i + 0.013f;
+        CHECK(off_grid(probe, 32, 32, 0) > 0 && off_grid(probe, 32, 16, 2) > 0);
+        free(lg);
+        di_session_destroy(s);
+        di_model_destroy(m);
+    }
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_dsv41_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -530,6 +608,7 @@ int main(void) {
     check_dspark(off);
     check_refusals(off, hf);
     check_runtime_names(hf);
+    check_rounding_points(off);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
