@@ -388,7 +388,9 @@ static const char *const k_rename[][2] = {
 
 // Rewrites the native-name float checkpoint `from` under transformers' runtime names (fused
 // experts, model.engram_tables.* with weight_scale_inv) into `to`: the same model.
-static void write_runtime_names(const char *from, const char *to) {
+// mix: save_pretrained's default output instead (spec §6.4): model.embed_tokens / model.norm /
+// model.engram_tables.* / head.weight, and model.layers.N.<native sub-name> for the rest.
+static void write_runtime_names(const char *from, const char *to, bool mix) {
     char path[1024];
     snprintf(path, sizeof path, "%s/model.safetensors", from);
     di_st_file *f = NULL;
@@ -410,7 +412,9 @@ static void write_runtime_names(const char *from, const char *to) {
         if (strcmp(s->name, "embed.weight") == 0)
             snprintf(nm, 256, "model.embed_tokens.weight");
         else if (strcmp(s->name, "head.weight") == 0)
-            snprintf(nm, 256, "lm_head.weight");
+            snprintf(nm, 256, mix ? "head.weight" : "lm_head.weight");
+        else if (mix && strncmp(s->name, "layers.", 7) == 0 && !strstr(s->name, "engram.embed"))
+            snprintf(nm, 256, "model.%s", s->name);
         else if (strcmp(s->name, "norm.weight") == 0)
             snprintf(nm, 256, "model.norm.weight");
         else if (sscanf(s->name, "layers.%d.ffn.experts.%d.w%d.weight%n", &il, &e, &wi, &used) ==
@@ -490,11 +494,11 @@ static void write_runtime_names(const char *from, const char *to) {
     di_st_file_close(f);
 }
 
-static void check_runtime_names(const char *hf) {
+static void check_runtime_names(const char *hf, bool mix) {
     char rt[512];
-    snprintf(rt, sizeof rt, "%s/runtime", g_root);
+    snprintf(rt, sizeof rt, "%s/runtime%d", g_root, (int)mix);
     mkdir(rt, 0755);
-    write_runtime_names(hf, rt);
+    write_runtime_names(hf, rt, mix);
     di_model *a = load(hf, DI_PRECISION_FP32), *b = load(rt, DI_PRECISION_FP32);
     CHECK(a && b);
     if (a && b) {
@@ -607,7 +611,8 @@ int main(void) {
     check_save_restore(off);
     check_dspark(off);
     check_refusals(off, hf);
-    check_runtime_names(hf);
+    check_runtime_names(hf, false);
+    check_runtime_names(hf, true);
     check_rounding_points(off);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
