@@ -339,14 +339,7 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
     memcpy(hn, h, sizeof(float) * (size_t)(B * D));
     di_ref_rmsnorm(hn, B, D, D, m->dspark.norm, hp->norm_eps);
     di_dsv4_round(m, hn, (int64_t)B * D);
-    float *lg = di_malloc(sizeof(float) * (size_t)V * 2);
-    float *me = di_malloc(sizeof(float) * (size_t)(D + R));
-    if (!lg || !me) {
-        di_free(lg);
-        di_free(me);
-        return DI_ERR_NOMEM;
-    }
-    float *mk = lg + V;
+    float *lg = st->draft, *mk = lg + V, *me = mk + V; // [V] logits, [V] Markov, [D + R] input
     int32_t prev = anchor;
     memset(out, 0, sizeof *out);
     out->n = B;
@@ -368,8 +361,6 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
         out->tokens[j] = best;
         prev = best;
     }
-    di_free(lg);
-    di_free(me);
     return DI_OK;
 }
 

@@ -68,6 +68,7 @@ typedef struct di_dsv41_state {
     float *scores;    // [n_threads, cap_ent] indexer scores
     float *blk;       // [n_threads, cap_ent + 1] block scores / candidate flags
     int32_t *order;   // [n_threads, cap_ent + 1] selections
+    float *draft;     // [2 V + D + markov_rank] DSpark head scratch (DSpark sessions)
 } di_dsv41_state;
 
 // ---- model (dsv41.c) ----
@@ -81,8 +82,9 @@ di_status di_dsv41_model_init(di_model *m, const char *dir);
 void di_dsv41_model_free(di_model *m);
 
 // The forward of one call for a session: n_tok tokens at positions s->pos .. (the caller
-// validated them). logits [n_out, V] of the last n_out rows (NULL: none). taps: when not NULL,
-// [n_tok, n_target · D] DSpark inputs of every row.
+// validated them and reserved capacity with di_dsv41_reserve; the caller advances s->pos).
+// logits [n_out, V] of the last n_out rows (NULL: none). A DSpark session also writes the DSpark
+// context rows of every position of the call.
 void di_dsv41_forward(di_session *s, const int32_t *tokens, int32_t n_tok, float *logits,
                       int32_t n_out);
 

@@ -30,6 +30,11 @@ di_status di_dsv41_state_create(di_session *s) {
     if (!st) return DI_ERR_NOMEM;
     s->v41 = st;
     st->ring_rows = hp->window + DI_DSV41_ROLLBACK_MAX;
+    if (s->mtp) {
+        st->draft = di_malloc(sizeof(float) * (size_t)(2 * (int64_t)hp->n_vocab + hp->n_embd +
+                                                       hp->dspark_markov_rank));
+        if (!st->draft) return DI_ERR_NOMEM;
+    }
     st->n_state_layers = n_state(s);
     st->ring = di_calloc((size_t)st->n_state_layers, sizeof *st->ring);
     st->src = di_calloc((size_t)hp->n_layer, sizeof *st->src);
@@ -73,6 +78,7 @@ void di_dsv41_state_destroy(di_session *s) {
     di_free(st->scores);
     di_free(st->blk);
     di_free(st->order);
+    di_free(st->draft);
     di_free(st);
     s->v41 = NULL;
 }
