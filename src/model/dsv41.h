@@ -129,7 +129,8 @@ typedef struct di_dsv41_draft {
 // Writes the DSpark context rows of positions p0 .. p0 + n_tok - 1 from taps [n_tok, n_target · D]
 // (the stream means of the target layers' inputs): main_x = RMSNorm(main_proj · taps), then every
 // block's ring row (§3.2). Called by every forward of a DSpark session; tests call it with a
-// reference's taps. n_tok <= the scratch rows reserved; p0 + n_tok <= s->pos.
+// reference's taps. n_tok <= the scratch rows reserved; positions at most those fed (by the
+// forward in progress or before).
 void di_dsv41_dspark_context(di_session *s, const float *taps, int32_t p0, int32_t n_tok);
 
 // Drafts a block after a forward whose last position is a-1 and whose argmax y_a (anchor) is the
