@@ -412,110 +412,152 @@ static void check_fixture(const char *dir, const char *name) {
     di_st_file_close(ref);
 }
 
-// ---- DSpark against R-OFF (v41_dspark: official inference code in BF16 with FP8 activation
-// quant; backbone weights = v41_tiny/official, DSpark block in official/mtp.safetensors) ----
+// ---- DSpark against R-OFF (v41_dspark: DeepSeek's official inference code on CPU; backbone
+// weights = v41_tiny/official, the DSpark block in official/mtp.safetensors). Two numerics:
+// fp32.* (R-OFF with FP32 kernels = R-HF's numerics) is checked end to end in FP32 precision with
+// the reference tolerance; bf16.* (R-OFF as released) only for the DSpark module fed R-OFF's own
+// taps: R-OFF's BF16 backbone is chaotic on random weights (docs/reference-tooling.md). ----
 
-// R-OFF's BF16 arithmetic and ours round at the same points but not in the same order inside
-// GEMMs and softmaxes; on this random-weight model the difference grows to a few per cent of the
-// largest draft logit (a wrong block wiring gives 50 %+). Measured 2-7 %.
-#define TOL_DSPARK_LOGITS 0.12
-#define TOL_DSPARK_CONF 0.6 // absolute, confidence logit of the first draft (measured <= 0.3)
+// bf16.*: R-OFF's BF16 arithmetic and ours round at the same points but not in the same order
+// inside GEMMs and softmaxes: a few per cent of the largest draft logit (a wrong block wiring gives
+// 50 %+). Measured 2-7 %.
+#define TOL_DSPARK_BF16_LOGITS 0.12
+#define TOL_DSPARK_BF16_CONF 0.6 // absolute, confidence logit of the first draft (measured <= 0.3)
+
+static const float *fx(const di_st_file *ref, const char *mode, const char *name, int64_t n) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.%s", mode, name);
+    const di_st_tensor *t = di_st_file_find(ref, key);
+    if (!t || t->n_elements != n) {
+        fprintf(stderr, "v41_dspark: %s missing or of the wrong size\n", key);
+        return NULL;
+    }
+    return t->data;
+}
+
+static void dspark_mode(const char *mdir, const di_st_file *ref, bool bf16) {
+    const char *mode = bf16 ? "bf16" : "fp32";
+    di_model_options o = di_model_options_default();
+    o.precision = bf16 ? DI_PRECISION_OFFICIAL : DI_PRECISION_FP32;
+    di_model *m = NULL;
+    CHECK(di_model_load(mdir, &o, &m) == DI_OK);
+    const di_st_tensor *ids_t = ref_t(ref, "input_ids", DI_DTYPE_I32);
+    if (!m || !ids_t) {
+        di_model_destroy(m);
+        return;
+    }
+    const int64_t V = m->hp.n_vocab, B = m->hp.dspark_block_size, D = m->hp.n_embd;
+    const int64_t W = (int64_t)m->hp.n_dspark_target * D;
+    const int32_t T = (int32_t)ids_t->n_elements, steps = 8;
+    const float *pl = fx(ref, mode, "prefill_logits_last", V);
+    const float *pmh = fx(ref, mode, "prefill_main_hidden", T * W);
+    const float *dmh = fx(ref, mode, "decode_main_hidden", steps * W);
+    const float *dlg = fx(ref, mode, "decode_logits", steps * V);
+    const float *dl_ref = fx(ref, mode, "draft_logits", steps * B * V);
+    const float *dc = fx(ref, mode, "draft_confidence", steps * B);
+    const int32_t *dt = (const int32_t *)fx(ref, mode, "decode_tokens", steps);
+    const int32_t *did = (const int32_t *)fx(ref, mode, "draft_ids", steps * (B + 1));
+    CHECK(pl && pmh && dmh && dlg && dl_ref && dc && dt && did);
+    if (!(pl && pmh && dmh && dlg && dl_ref && dc && dt && did)) {
+        di_model_destroy(m);
+        return;
+    }
+    di_session_options so = di_session_options_default();
+    so.mtp = true;
+    di_session *s = NULL;
+    CHECK(di_session_create(m, &so, &s) == DI_OK);
+    float *lg = malloc(sizeof(float) * (size_t)V), *dl = malloc(sizeof(float) * (size_t)(B * V));
+    di_forward_out fo = {.logits = lg, .last_only = true};
+    CHECK(di_session_forward(s, ids_t->data, T, &fo) == DI_OK);
+    double e_pre = rel_err(lg, pl, V), e_taps = rel_err(s->v41->taps, pmh, (int64_t)T * W);
+    double e_dec = 0, e_dtaps = 0, e_draft = 0, e_conf = 0;
+    int same_ids = 0, same_first = 0;
+    for (int32_t k = 0; k < steps; k++) {
+        CHECK(di_session_forward(s, dt + k, 1, &fo) == DI_OK);
+        e_dec = fmax(e_dec, rel_err(lg, dlg + k * V, V));
+        e_dtaps = fmax(e_dtaps, rel_err(s->v41->taps, dmh + k * W, W));
+        // The draft module alone: context rows from R-OFF's own taps (R-OFF's decode steps differ
+        // from ours, see below).
+        di_dsv41_dspark_context(s, pmh, 0, T);
+        for (int32_t j = 0; j <= k; j++) di_dsv41_dspark_context(s, dmh + j * W, T + j, 1);
+        di_dsv41_draft d;
+        CHECK(di_dsv41_draft_block(s, did[k * (B + 1)], &d, dl) == DI_OK);
+        bool all = true;
+        for (int64_t j = 0; j < B; j++) all &= d.tokens[j] == did[k * (B + 1) + 1 + j];
+        same_ids += all;
+        same_first += d.tokens[0] == did[k * (B + 1) + 1];
+        // Every row in FP32; the first only in BF16 (later rows follow the previous draft).
+        e_draft = fmax(e_draft, rel_err(dl, dl_ref + k * B * V, (bf16 ? 1 : B) * V));
+        for (int64_t j = 0; j < (bf16 ? 1 : B); j++)
+            e_conf = fmax(e_conf, fabs(d.conf_logit[j] - dc[k * B + j]) /
+                                      (bf16 ? 1 : 1 + fabs(dc[k * B + j])));
+    }
+    fprintf(stderr,
+            "  %s: prefill logits %.3g, taps %.3g; decode logits %.3g, taps %.3g (not checked); "
+            "drafts equal "
+            "%d/%d (first %d/%d); draft logits %.3g; confidence logits %.3g\n",
+            mode, e_pre, e_taps, e_dec, e_dtaps, same_ids, steps, same_first, steps, e_draft,
+            e_conf);
+    if (bf16) {
+        CHECK(same_first >= steps - 1);
+        CHECK(e_draft <= TOL_DSPARK_BF16_LOGITS);
+        CHECK(e_conf <= TOL_DSPARK_BF16_CONF);
+    } else {
+        // The prefill is compared end to end. R-OFF's decode steps are not: at a decode step in
+        // which a ratio-2 kv source completes no group, R-OFF's indexer reads a stale
+        // shared_attn.index_k (the last one published: another source's keys), a quirk of its
+        // one-token decode path that breaks its own chunking invariance; this engine (and R-HF)
+        // use the source's own keys (docs/architecture.md, "Spec vs reference").
+        CHECK(e_pre <= TOL_REF && e_taps <= TOL_REF);
+        CHECK_EQ(same_ids, steps);
+        CHECK(e_draft <= TOL_REF);
+        CHECK(e_conf <= TOL_REF);
+    }
+    free(lg);
+    free(dl);
+    di_session_destroy(s);
+    di_model_destroy(m);
+}
 
 static void check_dspark_roff(const char *root) {
-    char dir[1024], tiny[1024], path[4096], mdir[2048];
-    snprintf(dir, sizeof dir, "%s/v41_dspark", root);
-    snprintf(tiny, sizeof tiny, "%s/v41_tiny", root);
-    snprintf(path, sizeof path, "%s/ref.safetensors", dir);
+    char path[4096], mdir[2048];
+    snprintf(path, sizeof path, "%s/v41_dspark/ref.safetensors", root);
     di_st_file *ref = NULL, *tref = NULL;
-    if (access(path, F_OK) != 0 || di_st_file_open(path, &ref) != DI_OK) return;
-    fprintf(stderr, "--- fixture v41_dspark (R-OFF, official precision)\n");
-    snprintf(path, sizeof path, "%s/ref.safetensors", tiny);
+    if (access(path, F_OK) != 0) return;
+    CHECK(di_st_file_open(path, &ref) == DI_OK);
+    fprintf(stderr, "--- fixture v41_dspark (R-OFF)\n");
+    snprintf(path, sizeof path, "%s/v41_tiny/ref.safetensors", root);
     CHECK(di_st_file_open(path, &tref) == DI_OK);
     const di_st_tensor *cmap = tref ? ref_t(tref, "engram_cmap", DI_DTYPE_I32) : NULL;
-    CHECK(cmap != NULL);
-    // Model dir: the DSpark config, the tiny official backbone, the DSpark block, the token map.
-    snprintf(mdir, sizeof mdir, "%s/dspark", g_tmp);
-    mkdir(mdir, 0755);
-    char cwd[1024], a[4096], b[4096];
-    CHECK(getcwd(cwd, sizeof cwd) != NULL);
-    const char *from[3] = {"v41_dspark/official/config.json", "v41_tiny/official/model.safetensors",
-                           "v41_dspark/official/mtp.safetensors"};
-    const char *to[3] = {"config.json", "model.safetensors", "mtp.safetensors"};
-    for (int i = 0; i < 3; i++) {
-        snprintf(a, sizeof a, "%s/%s/%s", cwd, root, from[i]);
-        snprintf(b, sizeof b, "%s/%s", mdir, to[i]);
-        unlink(b);
-        CHECK(symlink(a, b) == 0);
-    }
-    snprintf(b, sizeof b, "%s/engram", mdir);
-    mkdir(b, 0755);
-    snprintf(b, sizeof b, "%s/engram/token_map.safetensors", mdir);
-    if (cmap) {
+    CHECK(ref && cmap);
+    if (ref && cmap) {
+        // Model dir: the DSpark config, the tiny official backbone, the DSpark block, the map.
+        snprintf(mdir, sizeof mdir, "%s/dspark", g_tmp);
+        mkdir(mdir, 0755);
+        char cwd[1024], a[4096], b[4096];
+        CHECK(getcwd(cwd, sizeof cwd) != NULL);
+        const char *from[3] = {"v41_dspark/official/config.json",
+                               "v41_tiny/official/model.safetensors",
+                               "v41_dspark/official/mtp.safetensors"};
+        const char *to[3] = {"config.json", "model.safetensors", "mtp.safetensors"};
+        for (int i = 0; i < 3; i++) {
+            snprintf(a, sizeof a, "%s/%s/%s", cwd, root, from[i]);
+            snprintf(b, sizeof b, "%s/%s", mdir, to[i]);
+            unlink(b);
+            CHECK(symlink(a, b) == 0);
+        }
+        snprintf(b, sizeof b, "%s/engram", mdir);
+        mkdir(b, 0755);
+        snprintf(b, sizeof b, "%s/engram/token_map.safetensors", mdir);
         di_st_write_tensor t = {.name = "token_map",
                                 .dtype = DI_DTYPE_I32,
                                 .n_dims = 1,
                                 .shape = {cmap->n_elements},
                                 .data = cmap->data};
         CHECK(di_st_write_file(b, &t, 1) == DI_OK);
+        dspark_mode(mdir, ref, false);
+        dspark_mode(mdir, ref, true);
     }
-    di_model_options o = di_model_options_default();
-    o.precision = DI_PRECISION_OFFICIAL;
-    di_model *m = NULL;
-    CHECK(di_model_load(mdir, &o, &m) == DI_OK);
-    const di_st_tensor *ids_t = ref_t(ref, "input_ids", DI_DTYPE_I32);
-    const di_st_tensor *dt_t = ref_t(ref, "decode_tokens", DI_DTYPE_I32);
-    const di_st_tensor *did_t = ref_t(ref, "draft_ids", DI_DTYPE_I32);
-    const di_st_tensor *dc_t = ref_t(ref, "draft_confidence", DI_DTYPE_F32);
-    const di_st_tensor *dl_t = ref_t(ref, "draft_logits", DI_DTYPE_F32);
-    const di_st_tensor *pl_t = ref_t(ref, "prefill_logits_last", DI_DTYPE_F32);
-    const di_st_tensor *pmh_t = ref_t(ref, "prefill_main_hidden", DI_DTYPE_F32);
-    const di_st_tensor *dmh_t = ref_t(ref, "decode_main_hidden", DI_DTYPE_F32);
-    bool have = m && ids_t && dt_t && did_t && dc_t && dl_t && pl_t && pmh_t && dmh_t;
-    CHECK(have);
-    if (have) {
-        const int64_t V = m->hp.n_vocab, B = m->hp.dspark_block_size;
-        const int64_t W = (int64_t)m->hp.n_dspark_target * m->hp.n_embd;
-        const int32_t T = (int32_t)ids_t->n_elements, steps = (int32_t)dt_t->n_elements;
-        CHECK_EQ(pmh_t->n_elements, T * W);
-        CHECK_EQ(dl_t->n_elements, steps * B * V);
-        di_session_options so = di_session_options_default();
-        so.mtp = true;
-        di_session *s = NULL;
-        CHECK(di_session_create(m, &so, &s) == DI_OK);
-        float *lg = malloc(sizeof(float) * (size_t)V),
-              *dl = malloc(sizeof(float) * (size_t)(B * V));
-        di_forward_out fo = {.logits = lg, .last_only = true};
-        CHECK(di_session_forward(s, ids_t->data, T, &fo) == DI_OK);
-        fprintf(stderr, "  backbone (not checked: R-OFF's BF16 order): prefill last logits %.3g\n",
-                rel_err(lg, pl_t->data, V));
-        int same_first = 0;
-        double worst = 0, worst_conf = 0;
-        const int32_t *did = did_t->data;
-        for (int32_t k = 0; k < steps; k++) {
-            CHECK(di_session_forward(s, (const int32_t *)dt_t->data + k, 1, &fo) == DI_OK);
-            // The draft module alone: context rows from R-OFF's own taps.
-            di_dsv41_dspark_context(s, pmh_t->data, 0, T);
-            for (int32_t j = 0; j <= k; j++)
-                di_dsv41_dspark_context(s, (const float *)dmh_t->data + j * W, T + j, 1);
-            di_dsv41_draft d;
-            CHECK(di_dsv41_draft_block(s, did[k * (B + 1)], &d, dl) == DI_OK);
-            same_first += d.tokens[0] == did[k * (B + 1) + 1];
-            double e = rel_err(dl, (const float *)dl_t->data + k * B * V, V); // first draft row
-            double ec = fabs(d.conf_logit[0] - ((const float *)dc_t->data)[k * B]);
-            worst = fmax(worst, e), worst_conf = fmax(worst_conf, ec);
-        }
-        fprintf(stderr,
-                "  DSpark with R-OFF taps: first drafts equal %d/%d, first-row draft logits "
-                "%.3g, confidence logit |diff| %.3g\n",
-                same_first, steps, worst, worst_conf);
-        CHECK(same_first >= steps - 1);
-        CHECK(worst <= TOL_DSPARK_LOGITS);
-        CHECK(worst_conf <= TOL_DSPARK_CONF);
-        free(lg);
-        free(dl);
-        di_session_destroy(s);
-    }
-    di_model_destroy(m);
     di_st_file_close(tref);
     di_st_file_close(ref);
 }
