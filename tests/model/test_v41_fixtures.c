@@ -277,7 +277,7 @@ static void check_rollback(di_model *m, const int32_t *ids, int32_t T, const flo
         if (!s) continue;
         int32_t ver[8];
         for (int32_t i = 0; i < k; i++)
-            ver[i] = i < k - j ? ids[pre + i] : (ids[pre + i] + 7) % 512;
+            ver[i] = i < k - j ? ids[pre + i] : (int32_t)((ids[pre + i] + 7) % V);
         di_forward_out fo = {.logits = tmp};
         CHECK(di_session_forward(s, ver, k, &fo) == DI_OK);
         CHECK(di_session_rollback(s, j) == DI_OK);
