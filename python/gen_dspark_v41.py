@@ -328,6 +328,24 @@ def main() -> int:
                 "max_seq_len": 128})
     dump.write_json(os.path.join(out, "official", "config.json"), cfg)
     dump.write_safetensors(os.path.join(out, "official", "mtp.safetensors"), mtp, metadata={"format": "pt"})
+    # The same block dequantised (values exact in BF16), for engines that read the hf/ layout.
+    os.makedirs(os.path.join(out, "hf"), exist_ok=True)
+    hf_mtp = {}
+    for k, (dt, t) in mtp.items():
+        if k.endswith(".scale"):
+            continue
+        if dt == "F8_E4M3":
+            v = official.dequant_fp8_block(t, mtp[k[: -len(".weight")] + ".scale"][1], 32)
+        elif dt == "I8":
+            v = official.dequant_fp4_rows(t, mtp[k[: -len(".weight")] + ".scale"][1])
+        else:
+            v = t.float()
+        if dt == "F32":
+            hf_mtp[k] = ("F32", v)
+        else:
+            assert torch.equal(v.bfloat16().float(), v), k
+            hf_mtp[k] = ("BF16", v.bfloat16())
+    dump.write_safetensors(os.path.join(out, "hf", "mtp.safetensors"), hf_mtp, metadata={"format": "pt"})
     ref = {"input_ids": ids.to(torch.int32)}
     for mode, r in res.items():
         for k, t in r.items():
@@ -341,7 +359,8 @@ def main() -> int:
         "r_off_files": files,
         "r_off_source": TT_METAL,
         "backbone_weights": "tests/data/fixtures/v41_tiny/official/model.safetensors (not copied)",
-        "dspark_weights": "official/mtp.safetensors, seed %d" % SEED,
+        "dspark_weights": "official/mtp.safetensors (FP8/FP4 + scales), hf/mtp.safetensors (same values, "
+        "BF16/F32, no scales); seed %d" % SEED,
         "T": T,
         "decode_steps": N_DECODE,
         "config": cfg,

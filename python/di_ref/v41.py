@@ -520,6 +520,9 @@ def indexer_scores(ix, hidden_states, q_residual, position_ids, shared):
 # under a relative perturbation of QUANT_REL (+ QUANT_ABS of the block maximum).
 QUANT_REL = 1e-6
 QUANT_ABS = 1e-7
+# Flips smaller than this fraction of the block maximum are ignored (0 = count every flip). Only FP8
+# codes can flip by so little (near-zero e4m3 steps); an e2m1 step is >= 1/12 of the block maximum.
+QUANT_SIGNIFICANT = 0.0
 
 
 def _fragile_fp8(x: torch.Tensor, block: int) -> int:
@@ -534,7 +537,8 @@ def _fragile_fp8(x: torch.Tensor, block: int) -> int:
     e = QUANT_REL * q.abs() + QUANT_ABS * (amax / s).unsqueeze(-1)
     lo = (q - e).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
     hi = (q + e).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
-    return bad + int((lo != hi).sum())
+    flip = (lo != hi) & ((hi - lo) >= QUANT_SIGNIFICANT * (amax / s).unsqueeze(-1))
+    return bad + int(flip.sum())
 
 
 def _fragile_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> int:
