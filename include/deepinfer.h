@@ -105,10 +105,11 @@ int32_t di_model_layer_ratio(const di_model *model, int32_t il);
 
 // Writes a random-weight DeepSeek V4 checkpoint (config.json + model.safetensors) into the
 // existing directory dir. preset: "tiny" (the spec's tiny test shapes with the real 129,280-token
-// vocabulary; the built-in default model) or "flash-4l" (true V4-Flash widths, 4 layers, 32
-// experts; for benchmarks). official: DeepSeek's FP8/FP4 layout with an MTP block, else the
-// Hugging Face naming in BF16. The weights are random, so generated text is meaningless.
-// Returns DI_ERR_INVALID (unknown preset), DI_ERR_IO, DI_ERR_NOMEM.
+// vocabulary; the built-in default model), "flash-4l" (true V4-Flash widths, 4 layers, 32
+// experts; for benchmarks) or "v41-tiny" (the DeepSeek V4.1 tiny test model of
+// deepseek-v41.md §7.2, with DSpark in the official layout). official: DeepSeek's FP8/FP4 layout
+// with an MTP block, else the Hugging Face naming in BF16. The weights are random, so generated
+// text is meaningless. Returns DI_ERR_INVALID (unknown preset), DI_ERR_IO, DI_ERR_NOMEM.
 di_status di_synth_checkpoint(const char *preset, const char *dir, bool official, uint64_t seed);
 
 // ---- session: one sequence's incremental state ----
@@ -117,7 +118,7 @@ typedef struct di_session di_session;
 
 typedef struct di_session_options {
     int32_t n_ctx_max; // positions this session may reach; 0 = the model's max_position_embeddings
-    bool mtp;          // run the MTP block on every step (needs MTP weights)
+    bool mtp; // run the MTP block (V4) / DSpark context (V4.1) on every step (needs its weights)
 } di_session_options;
 
 di_session_options di_session_options_default(void);
@@ -157,6 +158,28 @@ di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes);
 // not such a state (wrong model, truncated, corrupted); the session is then left reset.
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes);
 void di_free_buffer(void *p);
+
+// Takes back the last n_tokens positions (speculative tokens the target rejected): afterwards the
+// session is exactly the state of a run that never fed them. DeepSeek V4.1 sessions only, at most
+// 16 positions per call. Returns DI_ERR_INVALID (n_tokens < 0, more than fed, over the limit),
+// DI_ERR_UNSUPPORTED (a V4 session).
+di_status di_session_rollback(di_session *s, int32_t n_tokens);
+
+// One DSpark draft block (DeepSeek V4.1, spec deepseek-v41.md §3.3).
+typedef struct di_draft {
+    int32_t n;          // drafts in the block (dspark_block_size, <= 16)
+    int32_t tokens[16]; // greedy drafts for positions a+1 .. a+n (a = di_session_n_past)
+    float
+        confidence[16]; // P(draft j accepted | drafts before j accepted), from the confidence head
+    float conf_logit[16]; // the confidence head's logits
+} di_draft;
+
+// Drafts a block after the last forward: anchor = the token chosen for position a =
+// di_session_n_past(s) (not fed yet). logits: NULL or [n, n_vocab] Markov-corrected draft logits.
+// The session must run the speculative module (di_session_options.mtp on a V4.1 checkpoint with
+// DSpark weights). The session state is unchanged. Returns DI_ERR_INVALID (no DSpark, bad anchor,
+// nothing fed yet), DI_ERR_UNSUPPORTED (a V4 session), DI_ERR_NOMEM.
+di_status di_session_draft(di_session *s, int32_t anchor, di_draft *out, float *logits);
 
 // ---- engine: many concurrent requests (continuous batching) ----
 //

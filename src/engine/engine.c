@@ -97,6 +97,13 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     di_model_options mo = {.n_threads = o->n_threads, .precision = o->precision};
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
     const di_hparams *hp = &e->model->hp;
+    if (hp->v41) { // TODO(v41-model): paged KV and batching for V4.1's shared compressed KV
+        DI_LOG_ERROR("engine: %s is a DeepSeek V4.1 checkpoint; the serving engine runs V4 only "
+                     "(use deepinfer generate / logits for V4.1)",
+                     model_dir);
+        st = DI_ERR_UNSUPPORTED;
+        goto fail;
+    }
     if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
     e->eos = hp->eos_token;
     DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,

@@ -2,6 +2,7 @@
 // The attention, MoE, MTP and state pieces live in dsv4_attn.c, dsv4_moe.c, dsv4_mtp.c and
 // dsv4_state.c; this file reads top to bottom as the model does.
 #include "model/dsv4.h"
+#include "model/dsv41.h" // V4.1 extras and forward
 
 #include <math.h>
 #include <stdio.h>
@@ -44,6 +45,13 @@ static int64_t widest_row(const di_hparams *hp) {
                       (int64_t)hp->hc_mult * hp->n_embd};
     for (size_t i = 0; i < sizeof cand / sizeof cand[0]; i++)
         if (cand[i] > w) w = cand[i];
+    if (hp->v41) { // Engram wkv input, DSpark main_proj input, Markov head
+        int64_t v41[] = {(int64_t)(hp->engram_max_ngram - 1) * hp->engram_n_head *
+                             hp->engram_head_dim,
+                         (int64_t)hp->n_dspark_target * hp->n_embd, hp->dspark_markov_rank};
+        for (size_t i = 0; i < sizeof v41 / sizeof v41[0]; i++)
+            if (v41[i] > w) w = v41[i];
+    }
     return w;
 }
 
@@ -65,6 +73,7 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
                 m->hp.n_expert_used);
     DI_TRY(di_st_set_open_dir(dir, &m->st));
     DI_TRY(di_dsv4_weights_bind(m));
+    if (m->hp.v41) DI_TRY(di_dsv41_model_init(m, dir));
     DI_TRY(di_pool_create(m->opt.n_threads, &m->pool));
     DI_TRY(di_cpu_init(&m->cpu, m->pool, widest_row(&m->hp)));
     int half = m->hp.rope_main.n_dims / 2;
@@ -93,6 +102,7 @@ void di_model_destroy(di_model *m) {
     di_cpu_deinit(&m->cpu);
     di_pool_destroy(m->pool);
     di_dsv4_weights_free(m);
+    di_dsv41_model_free(m);
     di_st_set_close(m->st);
     di_free(m->omega_main);
     di_free(m->omega_compress);
@@ -156,8 +166,26 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     OUT("rope compress     theta %g%s (factor %g, L0 %lld)\n", hp->rope_compress.theta,
         hp->rope_compress.yarn ? " + YaRN" : "", hp->rope_compress.factor,
         (long long)hp->rope_compress.original_max_pos);
-    OUT("layers           ");
-    for (int il = 0; il < hp->n_layer + m->n_mtp_loaded; il++) {
+    if (hp->v41) {
+        // V4.1: m0 = window only; m2 / m1 = CSA2 ratio; +kv = compressor owner, +idx = indexer,
+        // +cand = candidate source, +eg = Engram (spec deepseek-v41.md §1.2).
+        OUT("engram            %d layer(s), n-grams 2..%d, %d heads x %d\n", hp->n_engram,
+            hp->engram_max_ngram, hp->engram_n_head, hp->engram_head_dim);
+        OUT("dspark            %d block(s) loaded, block size %d, targets %d layers\n",
+            m->n_mtp_loaded, hp->dspark_block_size, hp->n_dspark_target);
+        OUT("layers           ");
+        for (int il = 0; il < hp->n_layer + m->n_mtp_loaded; il++) {
+            bool eg = false;
+            for (int e = 0; e < hp->n_engram; e++) eg |= hp->engram_layer[e] == il;
+            OUT(" %s%s%d%s%s%s%s", il == hp->n_layer ? "| dspark " : "", "m",
+                hp->compress_ratio[il], il < hp->n_layer && hp->kv_source[il] ? "+kv" : "",
+                il < hp->n_layer && hp->index_source[il] ? "+idx" : "",
+                il == hp->candidate_layer ? "+cand" : "", eg ? "+eg" : "");
+        }
+        OUT("\n");
+    }
+    if (!hp->v41) OUT("layers           ");
+    for (int il = 0; !hp->v41 && il < hp->n_layer + m->n_mtp_loaded; il++) {
         int r = hp->compress_ratio[il];
         OUT(" %s%s%s", il == hp->n_layer ? "| mtp " : "",
             r == 0   ? "SWA"
@@ -165,7 +193,7 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
                      : "HCA",
             hp->hash_routed[il] ? "/hash" : "");
     }
-    OUT("\n");
+    if (!hp->v41) OUT("\n");
     if (m->n_params > 0) {
         const di_dsv4_layer_w *l0 = &m->layers[0];
         OUT("dtypes            embed %s, wq_a %s, experts %s\n", di_tensor_kind_name(m->embed.kind),
@@ -189,7 +217,8 @@ typedef struct hc_ctx {
     const di_dsv4_hc_w *hc;
     const float *x;   // [T, NC, D]
     const float *mix; // [T, n_mix] raw projections (before the RMS factor)
-    float *a;         // [T, D]
+    float *a;         // [T, D] or NULL
+    float *pre;       // [T, NC] or NULL
     float *post;      // [T, NC]
     float *comb;      // [T, NC, NC]
     int32_t n_tok;
@@ -244,6 +273,9 @@ static void hc_pre_task(void *p, int ith, int nth) {
                 }
             }
         }
+        if (c->pre)
+            for (int s = 0; s < nc; s++) c->pre[t * nc + s] = pre[s];
+        if (!c->a) continue;
         float *a = c->a + t * D;
         for (int d = 0; d < D; d++) {
             float acc = 0;
@@ -253,9 +285,8 @@ static void hc_pre_task(void *p, int ith, int nth) {
     }
 }
 
-// (a, post, comb) = hc_pre(X); with head = true only `a` (spec §2.9).
-static void hc_pre(di_dsv4_ctx *cx, const di_dsv4_hc_w *hc, const float *x, int32_t n_tok, float *a,
-                   bool head) {
+void di_dsv4_hc_mix(di_dsv4_ctx *cx, const di_dsv4_hc_w *hc, const float *x, int32_t n_tok,
+                    float *pre, float *a, bool head) {
     di_model *m = cx->model;
     const di_hparams *hp = &m->hp;
     int nc = hp->hc_mult;
@@ -263,15 +294,28 @@ static void hc_pre(di_dsv4_ctx *cx, const di_dsv4_hc_w *hc, const float *x, int3
     float *mix = di_dsv4_scratch(cx, DI_SCR_MIX);
     // mix_raw = fn . xf  [T, n_mix] (FP32 weights, FP32 input)
     di_cpu_matmul(&m->cpu, &hc->fn, x, n_tok, (int64_t)nc * hp->n_embd, mix, n_mix);
-    hc_ctx c = {
-        m,     hc,  x, mix, a, di_dsv4_scratch(cx, DI_SCR_POST), di_dsv4_scratch(cx, DI_SCR_COMB),
-        n_tok, head};
+    hc_ctx c = {m,
+                hc,
+                x,
+                mix,
+                a,
+                pre,
+                di_dsv4_scratch(cx, DI_SCR_POST),
+                di_dsv4_scratch(cx, DI_SCR_COMB),
+                n_tok,
+                head};
     di_pool_run(m->pool, hc_pre_task, &c);
-    di_dsv4_round(m, a, (int64_t)n_tok * hp->n_embd); // R-OFF: collapsed input is BF16
+    if (a) di_dsv4_round(m, a, (int64_t)n_tok * hp->n_embd); // R-OFF: collapsed input is BF16
+}
+
+// (a, post, comb) = hc_pre(X); with head = true only `a` (spec §2.9).
+static void hc_pre(di_dsv4_ctx *cx, const di_dsv4_hc_w *hc, const float *x, int32_t n_tok, float *a,
+                   bool head) {
+    di_dsv4_hc_mix(cx, hc, x, n_tok, NULL, a, head);
 }
 
 // X'[t, k] = post_k * o[t] + sum_j C[j][k] * X[t, j]
-static void hc_post(di_dsv4_ctx *c, const float *o, float *x, int32_t n_tok) {
+void di_dsv4_hc_post(di_dsv4_ctx *c, const float *o, float *x, int32_t n_tok) {
     const di_model *m = c->model;
     const int nc = m->hp.hc_mult, D = m->hp.n_embd;
     const float *post = di_dsv4_scratch(c, DI_SCR_POST), *comb = di_dsv4_scratch(c, DI_SCR_COMB);
@@ -307,14 +351,14 @@ void di_dsv4_block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, floa
     di_dsv4_round(m, a, n_tok * D);
     di_dsv4_attention(c, lw, il_state, a, o);
     if (c->trace) c->trace(c->trace_user, "attn_out", lw->il, o, false, n_tok, D);
-    hc_post(c, o, x, n_tok);
+    di_dsv4_hc_post(c, o, x, n_tok);
 
     hc_pre(c, &lw->hc_ffn, x, n_tok, a, false);
     di_ref_rmsnorm(a, n_tok, D, D, lw->ffn_norm, hp->norm_eps);
     di_dsv4_round(m, a, n_tok * D);
     di_dsv4_moe(c, lw, a, ids, o);
     if (c->trace) c->trace(c->trace_user, "ffn_out", lw->il, o, false, n_tok, D);
-    hc_post(c, o, x, n_tok);
+    di_dsv4_hc_post(c, o, x, n_tok);
 }
 
 void di_dsv4_hc_head(di_dsv4_ctx *c, const di_dsv4_hc_w *hc, const float *norm, const float *x,
@@ -403,6 +447,16 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
                          tokens[t], t, hp->n_vocab);
             return DI_ERR_INVALID;
         }
+    }
+    if (s->v41) { // DeepSeek V4.1 (dsv41.c)
+        di_status st = di_dsv41_reserve(s, n_tok);
+        if (st != DI_OK) return st;
+        bool want = out && out->logits;
+        di_dsv41_forward(s, tokens, n_tok, want ? out->logits : NULL,
+                         want ? (out->last_only ? 1 : n_tok) : 0);
+        if (out && out->n_mtp_out) *out->n_mtp_out = 0;
+        s->pos += n_tok;
+        return DI_OK;
     }
     di_status st = di_dsv4_session_reserve(s, n_tok);
     if (st != DI_OK) return st;

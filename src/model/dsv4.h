@@ -60,7 +60,24 @@ typedef struct di_dsv4_layer_w {
     int32_t *tid2eid;        // owned [V, K]; hash-routed layers
     di_tensor *w1, *w2, *w3; // owned arrays of E views: [F, D], [D, F], [F, D]
     di_tensor sh_w1, sh_w2, sh_w3;
+    int32_t n_expert, n_expert_used; // E, K of this layer (DSpark blocks differ from the backbone)
+    // ---- DeepSeek V4.1 only (spec deepseek-v41.md §2.3-§2.6) ----
+    bool kv_source, index_source; // owns a compressor (cmp: c = 1, no ape) / runs an indexer
+    di_tensor idx_wk;             // kv sources: [DI, Dh] index-key projection of the latent
+    float *idx_k_norm;            // owned [DI]
+    float *gate_bias_vl;          // owned [E]; image-span bias (loaded, unused: text only)
+    int32_t engram;               // index of this layer's Engram module, -1 if none
+    di_tensor eg_table;           // [rows, engram_head_dim] (FP8 with per-32 scales, or float)
+    di_tensor eg_wkv;             // [(NC + 1) D, n_col · engram_head_dim]
+    float *eg_qk;                 // owned [NC, D]: q_weight ⊙ k_weight (only the product is used)
 } di_dsv4_layer_w;
+
+typedef struct di_dsv41_dspark_w { // V4.1 DSpark heads (deepseek-v41.md §3.1), on mtp.0 / mtp.2
+    di_tensor main_proj;           // [D, n_target · D]
+    float *main_norm, *norm;       // owned [D]
+    di_tensor markov_embed, markov_head; // [V, markov_rank]
+    float *confidence;                   // owned [D + markov_rank]
+} di_dsv41_dspark_w;
 
 typedef struct di_dsv4_mtp_w {   // spec §2.10
     di_tensor e_proj, h_proj;    // [D, D]
@@ -79,8 +96,10 @@ struct di_model {
     di_tensor embed, head; // [V, D]
     float *norm;           // owned [D]
     di_dsv4_hc_w hc_head;
-    di_dsv4_layer_w *layers; // owned [n_layer]
-    di_dsv4_mtp_w *mtp;      // owned [n_mtp_loaded]
+    di_dsv4_layer_w *layers;    // owned [n_layer]
+    di_dsv4_mtp_w *mtp;         // owned [n_mtp_loaded] (V4.1: the DSpark blocks in .block)
+    di_dsv41_dspark_w dspark;   // V4.1 DSpark heads (when n_mtp_loaded > 0)
+    struct di_dsv41_model *v41; // owned: V4.1 constants (Engram hash, token map); NULL for V4
     int32_t n_mtp_loaded;
     float *omega_main, *omega_compress; // owned [n_rot/2]
     int64_t n_params, n_params_mtp;
@@ -200,6 +219,7 @@ struct di_session {
     di_dsv4_trace_fn trace; // named intermediates (tests; DI_DUMP writes them as .npy)
     void *trace_user;
     char dump_dir[1024];
+    struct di_dsv41_state *v41; // owned: the V4.1 state (dsv41.h); NULL for V4 (then layers)
 };
 
 // Layer forward pieces; every one runs on all rows of c (il_state: index into each sequence's
@@ -212,6 +232,13 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
 // One decoder block on streams X [T, NC, D] in place (§2.2).
 void di_dsv4_block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, float *x,
                    const int32_t *ids);
+// mHC coefficients of one site (§2.3) for the rows of c: post and comb go to the DI_SCR_POST /
+// DI_SCR_COMB scratch; pre [T, NC] is written when not NULL; a [T, D] (when not NULL) receives
+// the collapse with this site's own pre (V4 wiring). head: only pre (head mHC).
+void di_dsv4_hc_mix(di_dsv4_ctx *c, const di_dsv4_hc_w *hc, const float *x, int32_t n_tok,
+                    float *pre, float *a, bool head);
+// X'[t, k] = post_k o[t] + sum_j C[j][k] X[t, j] with the last di_dsv4_hc_mix's post/comb.
+void di_dsv4_hc_post(di_dsv4_ctx *c, const float *o, float *x, int32_t n_tok);
 // Collapses streams to one row with a head mHC (§2.9) and normalises: h [n, D].
 void di_dsv4_hc_head(di_dsv4_ctx *c, const di_dsv4_hc_w *hc, const float *norm, const float *x,
                      int32_t n_tok, float *h);
@@ -227,6 +254,9 @@ void di_dsv4_linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t 
 
 // Rounds to BF16 in place when the model runs the official precision recipe (no-op in FP32).
 void di_dsv4_round(const di_model *m, float *v, int64_t n);
+
+// The k best of sc[0 .. n) (k <= n; ties to the lower index) into sel[k], ascending index.
+void di_dsv4_topk(const float *sc, int64_t n, int32_t k, int32_t *sel);
 
 // Weights of state layer il (main layers, then MTP blocks).
 const di_dsv4_layer_w *di_dsv4_layer(const di_model *m, int il);

@@ -24,7 +24,8 @@ void di_dsv4_linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t 
         int64_t n = w->ne[0];
         for (int32_t t = 0; t < n_tok; t++) {
             memcpy(xq + t * n, x + t * x_stride, sizeof(float) * (size_t)n);
-            di_act_quant_a8(xq + t * n, n);
+            // A8: blocks of 128 (V4) or 32 (V4.1) along K.
+            di_fake_quant_q8(xq + t * n, n, m->hp.v41 ? 32 : 128);
         }
         x = xq;
         x_stride = n;
@@ -171,6 +172,33 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+void di_dsv4_topk(const float *sc, int64_t n, int32_t k, int32_t *sel) {
+    // Min-heap of the k best (score descending, index ascending): O(n log k). Candidates come
+    // in ascending index, so an equal score never displaces: ties keep the lower index.
+    int32_t n_heap = 0;
+    for (int64_t w = 0; w < n; w++) {
+        if (n_heap < k) {
+            int32_t i = n_heap++;
+            sel[i] = (int32_t)w;
+            while (i > 0 && worse(sc, sel[i], sel[(i - 1) / 2])) {
+                int32_t par = (i - 1) / 2, tmp = sel[par];
+                sel[par] = sel[i], sel[i] = tmp, i = par;
+            }
+        } else if (worse(sc, sel[0], (int32_t)w)) {
+            sel[0] = (int32_t)w;
+            for (int32_t i = 0;;) {
+                int32_t l = 2 * i + 1, r = l + 1, m = i;
+                if (l < k && worse(sc, sel[l], sel[m])) m = l;
+                if (r < k && worse(sc, sel[r], sel[m])) m = r;
+                if (m == i) break;
+                int32_t tmp = sel[m];
+                sel[m] = sel[i], sel[i] = tmp, i = m;
+            }
+        }
+    }
+    qsort(sel, (size_t)n_heap, sizeof *sel, cmp_i32); // ascending entry order
+}
+
 static void indexer_task(void *p, int ith, int nth) {
     indexer_ctx *c = p;
     const di_hparams *hp = &c->m->hp;
@@ -199,31 +227,7 @@ static void indexer_task(void *p, int ith, int nth) {
             sc[w] = acc;
         }
         di_dsv4_round(c->m, sc, vis); // R-OFF: BF16 scores
-        // Top-k with a min-heap of the k best (score descending, index ascending): O(vis log k).
-        // Candidates come in ascending index, so an equal score never displaces: ties keep the
-        // lower index.
-        int32_t n_heap = 0;
-        for (int64_t w = 0; w < vis; w++) {
-            if (n_heap < k) {
-                int32_t i = n_heap++;
-                sel[i] = (int32_t)w;
-                while (i > 0 && worse(sc, sel[i], sel[(i - 1) / 2])) {
-                    int32_t par = (i - 1) / 2, tmp = sel[par];
-                    sel[par] = sel[i], sel[i] = tmp, i = par;
-                }
-            } else if (worse(sc, sel[0], (int32_t)w)) {
-                sel[0] = (int32_t)w;
-                for (int32_t i = 0;;) {
-                    int32_t l = 2 * i + 1, r = l + 1, m = i;
-                    if (l < k && worse(sc, sel[l], sel[m])) m = l;
-                    if (r < k && worse(sc, sel[r], sel[m])) m = r;
-                    if (m == i) break;
-                    int32_t tmp = sel[m];
-                    sel[m] = sel[i], sel[i] = tmp, i = m;
-                }
-            }
-        }
-        qsort(sel, (size_t)k, sizeof *sel, cmp_i32); // ascending entry order
+        di_dsv4_topk(sc, vis, k, sel);
     }
 }
 

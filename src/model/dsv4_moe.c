@@ -50,14 +50,16 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
     di_model *m = c->model;
     const int32_t n_tok = c->n_rows;
     const di_hparams *hp = &m->hp;
-    const int64_t D = hp->n_embd, E = hp->n_expert;
-    const int32_t K = hp->n_expert_used;
+    const int64_t D = hp->n_embd, E = lw->n_expert;
+    const int32_t K = lw->n_expert_used;
     const bool official = m->opt.precision == DI_PRECISION_OFFICIAL;
 
     // Router in FP32: s = sqrt(softplus(gate . f)).
     float *score = di_dsv4_scratch(c, DI_SCR_LOGIT); // [T, E]
     di_cpu_matmul(&m->cpu, &lw->gate, f, n_tok, D, score, E);
-    for (int64_t i = 0; i < (int64_t)n_tok * E; i++) score[i] = sqrtf(di_softplus(score[i]));
+    // V4.1 divides the logits by gate_temp first (1 for V4: the division is exact, a no-op).
+    for (int64_t i = 0; i < (int64_t)n_tok * E; i++)
+        score[i] = sqrtf(di_softplus(score[i] / hp->gate_temp));
 
     // Selection and routing weights: sel [T, K] (session int scratch), wgt [T, K].
     int32_t *sel = c->ws->sel;
@@ -83,7 +85,7 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
         }
         float sum = 0;
         for (int32_t k = 0; k < K; k++) sum += st[se[k]];
-        if (!official) sum += 1e-20f; // R-HF's denominator epsilon
+        if (!official || hp->v41) sum += 1e-20f; // R-HF's epsilon; V4.1's R-OFF has it too
         for (int32_t k = 0; k < K; k++) wgt[t * K + k] = st[se[k]] / sum * hp->route_scale;
     }
 

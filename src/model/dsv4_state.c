@@ -9,6 +9,7 @@
 #include "base/log.h"
 #include "base/mem.h"
 #include "model/dsv4.h"
+#include "model/dsv41.h" // V4.1 state (sessions dispatch on the model)
 
 // ---- debug dumps (DI_DUMP=<dir>) ----
 // Each traced tensor of a call at position p is written to <dir>/<name>.<il>.p<p>.npy (float32 or
@@ -106,6 +107,11 @@ di_status di_session_create(di_model *m, const di_session_options *opt, di_sessi
     }
     di_status st = DI_OK;
     const di_hparams *hp = &m->hp;
+    if (hp->v41) { // V4.1 keeps its own per-sequence state (dsv41_state.c)
+        if ((st = di_dsv41_state_create(s)) != DI_OK) goto fail;
+        *out = s;
+        return DI_OK;
+    }
     int32_t nl = n_state_layers(s);
     s->layers = di_calloc((size_t)nl, sizeof *s->layers);
     s->mtp_pending_x = di_aligned_calloc(sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
@@ -133,6 +139,7 @@ fail:
 
 void di_session_destroy(di_session *s) {
     if (!s) return;
+    di_dsv41_state_destroy(s);
     if (s->layers) {
         for (int il = 0; il < n_state_layers(s); il++) {
             di_aligned_free(s->layers[il].ring);
@@ -153,6 +160,11 @@ int32_t di_session_n_past(const di_session *s) {
 void di_session_reset(di_session *s) {
     s->pos = 0;
     s->mtp_pending = false;
+    if (s->v41) {
+        s->v41->dspark_pos = 0;
+        for (int il = 0; il < s->model->hp.n_layer; il++) s->v41->src[il].n_entries = 0;
+        return;
+    }
     for (int il = 0; il < n_state_layers(s); il++) {
         s->layers[il].cmp.n_entries = s->layers[il].idx.n_entries = 0;
         s->layers[il].cmp.has_ovl = s->layers[il].idx.has_ovl = false;
@@ -327,6 +339,7 @@ static di_status put_cmp(di_buf *b, const di_dsv4_cmp_state *cs, const di_dsv4_c
 }
 
 di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
+    if (s->v41) return di_dsv41_save(s, bytes, n_bytes);
     const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     di_buf b;
@@ -392,6 +405,7 @@ static bool get_cmp(reader *r, di_dsv4_cmp_state *cs, const di_dsv4_compressor_w
 }
 
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
+    if (s->v41) return di_dsv41_restore(s, bytes, n_bytes);
     const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     reader r = {bytes, n_bytes};

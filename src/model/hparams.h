@@ -15,6 +15,7 @@
 #include "deepinfer.h" // di_status
 
 #define DI_MAX_LAYERS 256 // main layers + MTP layers
+#define DI_MAX_ENGRAM 8
 
 typedef struct di_rope_params {
     float theta;
@@ -60,11 +61,32 @@ typedef struct di_hparams {
     di_rope_params rope_main;     // layers with ratio 0 and MTP
     di_rope_params rope_compress; // every rotation inside a layer with ratio > 0
     // Checkpoint quantisation (official layout).
-    int32_t fp8_block_out, fp8_block_in; // 128 x 128
+    int32_t fp8_block_out, fp8_block_in; // 128 x 128 (V4), 32 x 32 (V4.1)
     char model_type[32];
+    float gate_temp; // router logits are divided by it (V4.1; 1 for V4)
+
+    // ---- DeepSeek V4.1 (model_type deepseek_v41; spec deepseek-v41.md §1) ----
+    // Ratios are 0 (window only), 2 (CSA2 pooling, non-overlapping) or 1 (plain projection).
+    bool v41;
+    bool kv_source[DI_MAX_LAYERS];    // layer owns a compressor (Cmain + Kidx)
+    bool index_source[DI_MAX_LAYERS]; // layer runs an indexer and publishes a top-k
+    int32_t candidate_layer;          // level-1 candidate pool source; -1 disables
+    int32_t candidate_topk_blocks, candidate_block_size;
+    int32_t n_engram;                    // Engram layers (ascending)
+    int32_t engram_layer[DI_MAX_ENGRAM]; // layer ids
+    int64_t engram_rows[DI_MAX_ENGRAM];  // table rows per Engram layer
+    int64_t engram_vocab;                // start of the prime search
+    int64_t engram_cvocab;               // compressed vocabulary size
+    int32_t engram_max_ngram, engram_n_head, engram_head_dim, engram_pad_id;
+    int32_t dspark_block_size, dspark_noise_token, dspark_markov_rank;
+    int32_t dspark_n_expert, dspark_n_expert_used;
+    int32_t n_dspark_target, dspark_target[8];
+    int32_t image_token;
 } di_hparams;
 
-// Reads and validates dir/config.json. DI_ERR_IO if missing; DI_ERR_FORMAT (logged with the field
+// Reads and validates dir/config.json: DeepSeek V4 (model_type deepseek_v4, or no model_type) or
+// V4.1 (deepseek_v41: the composite HF config with text_config, or the official flat config, which
+// V4.1's kv_source_layers identify). DI_ERR_IO if missing; DI_ERR_FORMAT (logged with the field
 // name) for missing/invalid fields; DI_ERR_UNSUPPORTED for another model_type.
 di_status di_hparams_load(const char *config_path, di_hparams *out);
 

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h> // mkdir
 
 #include "base/buf.h"
 #include "base/log.h"
@@ -175,27 +176,37 @@ static uint8_t pow2_scale_byte(float amax, float qmax) {
 }
 
 // A [rows, cols] linear weight ~ N(0, 1/cols): FP8 + 128x128 scales (official) or BF16.
+static di_status add_linear_blk(gen *g, const char *name, int64_t rows, int64_t cols, bool fp8,
+                                int64_t bo, int64_t bi);
+
 static di_status add_linear(gen *g, const char *name, int64_t rows, int64_t cols, bool fp8) {
+    int64_t blk = g->c->fp8_block > 0 ? g->c->fp8_block : 128;
+    return add_linear_blk(g, name, rows, cols, fp8, blk, blk);
+}
+
+// An FP8 weight with bo x bi UE8M0 block scales (official), else BF16.
+static di_status add_linear_blk(gen *g, const char *name, int64_t rows, int64_t cols, bool fp8,
+                                int64_t bo, int64_t bi) {
     float std = 1.0f / sqrtf((float)cols);
     if (!g->c->official || !fp8) return add_bf16(g, name, 2, rows, cols, 0, std);
     float *w = randn(g, rows * cols, 0, std);
-    int64_t br = (rows + 127) / 128, bc = (cols + 127) / 128;
+    int64_t br = (rows + bo - 1) / bo, bc = (cols + bi - 1) / bi;
     uint8_t *q = di_malloc((size_t)(rows * cols)), *sc = di_malloc((size_t)(br * bc));
     if (!w || !q || !sc) {
         di_free(w), di_free(q), di_free(sc);
         return DI_ERR_NOMEM;
     }
-    for (int64_t bi = 0; bi < br; bi++)
-        for (int64_t bj = 0; bj < bc; bj++) {
+    for (int64_t i0 = 0; i0 < br; i0++)
+        for (int64_t j0 = 0; j0 < bc; j0++) {
             float amax = 0;
-            for (int64_t r = bi * 128; r < rows && r < bi * 128 + 128; r++)
-                for (int64_t c = bj * 128; c < cols && c < bj * 128 + 128; c++)
+            for (int64_t r = i0 * bo; r < rows && r < i0 * bo + bo; r++)
+                for (int64_t c = j0 * bi; c < cols && c < j0 * bi + bi; c++)
                     amax = fmaxf(amax, fabsf(w[r * cols + c]));
             uint8_t sb = pow2_scale_byte(amax, 448.0f);
             float inv = 1.0f / di_ue8m0_to_f32(sb);
-            sc[bi * bc + bj] = sb;
-            for (int64_t r = bi * 128; r < rows && r < bi * 128 + 128; r++)
-                for (int64_t c = bj * 128; c < cols && c < bj * 128 + 128; c++)
+            sc[i0 * bc + j0] = sb;
+            for (int64_t r = i0 * bo; r < rows && r < i0 * bo + bo; r++)
+                for (int64_t c = j0 * bi; c < cols && c < j0 * bi + bi; c++)
                     q[r * cols + c] = di_f32_to_e4m3(w[r * cols + c] * inv);
         }
     di_free(w);
@@ -472,7 +483,228 @@ done:
 #undef GTRY
 }
 
+// ---- DeepSeek V4.1 tiny model (deepseek-v41.md §7.2) ----
+
+// Native names throughout; official: FP8 / FP4 where the release has them, else F32.
+static di_status v41_lin(gen *g, const char *p, const char *name, int64_t rows, int64_t cols,
+                         bool fp8) {
+    char b[256];
+    if (g->c->official) return add_linear(g, nm(b, p, name), rows, cols, fp8);
+    return add_f32(g, nm(b, p, name), 2, rows, cols, 0, 1.0f / sqrtf((float)cols));
+}
+
+static di_status v41_vec(gen *g, const char *p, const char *name, int64_t n, float mean,
+                         float std) {
+    char b[256];
+    if (g->c->official) return add_bf16(g, nm(b, p, name), 1, n, 0, mean, std);
+    return add_f32(g, nm(b, p, name), 1, n, 0, mean, std);
+}
+
+typedef struct v41_shape {
+    int64_t D, H, Dh, Rq, G, Ro, HI, DI, F, NC, ncol, hd, V;
+} v41_shape;
+
+static di_status gen_v41_block(gen *g, const v41_shape *z, const char *p, int ratio, bool kv_src,
+                               bool idx_src, int64_t engram_rows, int64_t E) {
+    char b[256], pa[256], pf[256];
+    const int64_t D = z->D, mix = (2 + z->NC) * z->NC;
+    TRY(v41_vec(g, p, "attn_norm.weight", D, 1, 0.1f));
+    TRY(v41_vec(g, p, "ffn_norm.weight", D, 1, 0.1f));
+    const char *sites[2] = {"attn", "ffn"};
+    for (int s = 0; s < 2; s++) {
+        char suf[64];
+        snprintf(suf, sizeof suf, "hc_%s_fn", sites[s]);
+        TRY(add_f32(g, nm(b, p, suf), 2, mix, z->NC * D, 0, 1.0f / sqrtf((float)(z->NC * D))));
+        snprintf(suf, sizeof suf, "hc_%s_base", sites[s]);
+        TRY(add_f32(g, nm(b, p, suf), 1, mix, 0, 0, 0.5f));
+        snprintf(suf, sizeof suf, "hc_%s_scale", sites[s]);
+        TRY(add_f32(g, nm(b, p, suf), 1, 3, 0, 1, 0.2f));
+    }
+    if (engram_rows > 0) {
+        const int64_t n = engram_rows * z->hd;
+        if (g->c->official) {
+            TRY(add_linear_blk(g, nm(b, p, "engram.embed.weight"), engram_rows, z->hd, true, 1,
+                               32));
+        } else {
+            TRY(add(&g->l, nm(b, p, "engram.embed.weight"), DI_DTYPE_F32, 2, engram_rows, z->hd,
+                    randn(g, n, 0, 1.0f)));
+        }
+        TRY(v41_lin(g, p, "engram.wkv.weight", (z->NC + 1) * D, z->ncol * z->hd, true));
+        if (g->c->official) {
+            TRY(add_bf16(g, nm(b, p, "engram.q_weight"), 2, z->NC, D, 1, 0.3f));
+            TRY(add_bf16(g, nm(b, p, "engram.k_weight"), 2, z->NC, D, 1, 0.3f));
+        } else {
+            TRY(add_f32(g, nm(b, p, "engram.q_weight"), 2, z->NC, D, 1, 0.3f));
+            TRY(add_f32(g, nm(b, p, "engram.k_weight"), 2, z->NC, D, 1, 0.3f));
+        }
+    }
+    snprintf(pa, sizeof pa, "%sattn.", p);
+    TRY(v41_lin(g, pa, "wq_a.weight", z->Rq, D, true));
+    TRY(v41_vec(g, pa, "q_norm.weight", z->Rq, 1, 0.1f));
+    TRY(v41_lin(g, pa, "wq_b.weight", z->H * z->Dh, z->Rq, true));
+    TRY(v41_lin(g, pa, "wkv.weight", z->Dh, D, true));
+    TRY(v41_vec(g, pa, "kv_norm.weight", z->Dh, 1, 0.1f));
+    TRY(v41_lin(g, pa, "wo_a.weight", z->G * z->Ro, z->H * z->Dh / z->G, true));
+    TRY(v41_lin(g, pa, "wo_b.weight", D, z->G * z->Ro, true));
+    TRY(add_f32(g, nm(b, pa, "attn_sink"), 1, z->H, 0, 0, 1));
+    if (kv_src) {
+        TRY(v41_lin(g, pa, "compressor.wkv.weight", z->Dh, D, false));
+        if (ratio == 2) TRY(v41_lin(g, pa, "compressor.wgate.weight", z->Dh, D, false));
+        TRY(v41_vec(g, pa, "compressor.norm.weight", z->Dh, 1, 0.1f));
+        TRY(v41_lin(g, pa, "indexer.wk.weight", z->DI, z->Dh, false));
+        TRY(v41_vec(g, pa, "indexer.k_norm.weight", z->DI, 1, 0.1f));
+    }
+    if (idx_src) {
+        TRY(v41_lin(g, pa, "indexer.wq_b.weight", z->HI * z->DI, z->Rq, true));
+        TRY(v41_lin(g, pa, "indexer.weights_proj.weight", z->HI, D, false));
+    }
+    snprintf(pf, sizeof pf, "%sffn.", p);
+    TRY(v41_lin(g, pf, "gate.weight", E, D, false));
+    TRY(add_f32(g, nm(b, pf, "gate.bias"), 1, E, 0, 0, 0.1f));
+    TRY(add_f32(g, nm(b, pf, "gate.bias_vl"), 1, E, 0, 0, 0.1f));
+    for (int64_t e = 0; e < E; e++) {
+        char s[96];
+        for (int w = 1; w <= 3; w++) {
+            snprintf(s, sizeof s, "experts.%lld.w%d.weight", (long long)e, w);
+            int64_t rows = w == 2 ? D : z->F, cols = w == 2 ? z->F : D;
+            if (g->c->official)
+                TRY(add_expert(g, nm(b, pf, s), rows, cols));
+            else
+                TRY(v41_lin(g, pf, s, rows, cols, false));
+        }
+    }
+    TRY(v41_lin(g, pf, "shared_experts.w1.weight", z->F, D, true));
+    TRY(v41_lin(g, pf, "shared_experts.w2.weight", D, z->F, true));
+    TRY(v41_lin(g, pf, "shared_experts.w3.weight", z->F, D, true));
+    return DI_OK;
+}
+
+di_status di_synth_v41_write(const char *dir, bool official, bool dspark, uint64_t seed) {
+    di_synth_config c;
+    memset(&c, 0, sizeof c);
+    c.official = official;
+    c.seed = seed;
+    c.fp8_block = 32;
+    gen g = {.c = &c, .r = {seed}};
+    const v41_shape z = {.D = 256,
+                         .H = 4,
+                         .Dh = 64,
+                         .Rq = 64,
+                         .G = 2,
+                         .Ro = 64,
+                         .HI = 4,
+                         .DI = 64,
+                         .F = 128,
+                         .NC = 4,
+                         .ncol = 6,
+                         .hd = 32,
+                         .V = 512};
+    const int ratios[6] = {0, 2, 2, 1, 1, 1};
+    const bool kv[6] = {0, 1, 0, 1, 0, 0}, idx[6] = {0, 1, 0, 1, 0, 1};
+    const int64_t rows[6] = {660, 864, 0, 0, 0, 0};
+    di_status st = DI_OK;
+    char b[256];
+    di_buf cfg;
+    di_buf_init(&cfg);
+#define GTRY(x)                                                                                    \
+    do {                                                                                           \
+        if ((st = (x)) != DI_OK) goto done;                                                        \
+    } while (0)
+    if (official) {
+        GTRY(add_bf16(&g, "embed.weight", 2, z.V, z.D, 0, 1.0f));
+        GTRY(add_bf16(&g, "head.weight", 2, z.V, z.D, 0, 1.0f / sqrtf((float)z.D)));
+    } else {
+        GTRY(add_f32(&g, "embed.weight", 2, z.V, z.D, 0, 1.0f));
+        GTRY(add_f32(&g, "head.weight", 2, z.V, z.D, 0, 1.0f / sqrtf((float)z.D)));
+    }
+    GTRY(v41_vec(&g, "", "norm.weight", z.D, 1, 0.1f));
+    for (int il = 0; il < 6; il++) {
+        snprintf(b, sizeof b, "layers.%d.", il);
+        GTRY(gen_v41_block(&g, &z, b, ratios[il], kv[il], idx[il], rows[il], 4));
+    }
+    if (dspark) {
+        GTRY(gen_v41_block(&g, &z, "mtp.0.", 0, false, false, 0, 4));
+        GTRY(v41_lin(&g, "mtp.0.", "main_proj.weight", z.D, 2 * z.D, true));
+        GTRY(v41_vec(&g, "mtp.0.", "main_norm.weight", z.D, 1, 0.1f));
+        GTRY(v41_vec(&g, "mtp.0.", "norm.weight", z.D, 1, 0.1f));
+        GTRY(add_bf16(&g, "mtp.0.markov_head.embed.weight", 2, z.V, 32, 0, 1.0f));
+        GTRY(add_bf16(&g, "mtp.0.markov_head.head.weight", 2, z.V, 32, 0, 0.2f));
+        GTRY(add_bf16(&g, "mtp.0.confidence_head.proj.weight", 2, 1, z.D + 32, 0, 0.05f));
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    GTRY(di_st_write_file(path, g.l.t, g.l.n));
+    // The Engram compressed-token stub map cmap[id] = id div 2 (spec §7.4).
+    {
+        int32_t *map = di_malloc(sizeof(int32_t) * (size_t)z.V);
+        if (!map) GTRY(DI_ERR_NOMEM);
+        for (int64_t i = 0; i < z.V; i++) map[i] = (int32_t)(i / 2);
+        di_st_write_tensor t = {
+            .name = "token_map", .dtype = DI_DTYPE_I32, .n_dims = 1, .shape = {z.V}, .data = map};
+        snprintf(path, sizeof path, "%s/engram", dir);
+        mkdir(path, 0755); // may exist
+        snprintf(path, sizeof path, "%s/engram/token_map.safetensors", dir);
+        st = di_st_write_file(path, &t, 1);
+        di_free(map);
+        if (st != DI_OK) goto done;
+    }
+    di_buf_printf(
+        &cfg,
+        "{\n  \"model_type\": \"deepseek_v41\", \"architectures\": [\"DeepseekV41ForCausalLM\"],\n"
+        "  \"_comment\": \"random weights written by deepinfer synth (seed %llu)\",\n"
+        "  \"bos_token_id\": 0, \"eos_token_id\": 1, \"image_token_id\": 500,\n%s"
+        "  \"text_config\": {\n"
+        "    \"vocab_size\": 512, \"hidden_size\": 256, \"num_hidden_layers\": 6,\n"
+        "    \"num_nextn_predict_layers\": %d, \"compress_ratios\": [0, 2, 2, 1, 1, 1%s],\n"
+        "    \"kv_source_layer_ids\": [1, 3], \"index_source_layer_ids\": [1, 3, 5],\n"
+        "    \"candidate_source_layer_id\": 3, \"candidate_topk_blocks\": 3,\n"
+        "    \"candidate_block_size\": 4, \"index_n_heads\": 4, \"index_head_dim\": 64,\n"
+        "    \"index_topk\": 8, \"num_attention_heads\": 4, \"num_key_value_heads\": 1,\n"
+        "    \"head_dim\": 64, \"qk_rope_head_dim\": 16, \"q_lora_rank\": 64, \"o_groups\": 2,\n"
+        "    \"o_lora_rank\": 64, \"sliding_window\": 16, \"n_routed_experts\": 4,\n"
+        "    \"num_experts_per_tok\": 2, \"n_shared_experts\": 1, \"moe_intermediate_size\": 128,\n"
+        "    \"scoring_func\": \"sqrtsoftplus\", \"norm_topk_prob\": true,\n"
+        "    \"routed_scaling_factor\": 1.5, \"gate_temp\": 1.0, \"swiglu_limit\": 10.0,\n"
+        "    \"rms_norm_eps\": 1e-20, \"hc_mult\": 4, \"hc_sinkhorn_iters\": 20, \"hc_eps\": "
+        "1e-06,\n"
+        "    \"rope_theta\": 10000.0, \"compress_rope_theta\": 160000.0,\n"
+        "    \"rope_parameters\": {\"main\": {\"rope_type\": \"default\", \"rope_theta\": "
+        "10000.0,\n"
+        "      \"partial_rotary_factor\": 0.25}, \"compress\": {\"rope_type\": \"yarn\",\n"
+        "      \"rope_theta\": 160000.0, \"partial_rotary_factor\": 0.25, \"factor\": 4.0,\n"
+        "      \"original_max_position_embeddings\": 32, \"beta_fast\": 32.0, \"beta_slow\": 1.0,\n"
+        "      \"attention_factor\": 1.0}},\n"
+        "    \"max_position_embeddings\": 4096,\n"
+        "    \"engram_layer_ids\": [0, 1], \"engram_num_embeddings\": [660, 864],\n"
+        "    \"engram_vocab_size\": 100, \"engram_max_ngram_size\": 4, \"engram_n_heads\": 2,\n"
+        "    \"engram_head_dim\": 32, \"engram_pad_id\": 2, \"engram_compressed_vocab_size\": "
+        "256,\n"
+        "    \"dspark_block_size\": 2, \"dspark_noise_token_id\": 511,\n"
+        "    \"dspark_target_layer_ids\": [4, 5], \"dspark_markov_rank\": 32,\n"
+        "    \"tie_word_embeddings\": false\n  }\n}\n",
+        (unsigned long long)seed,
+        official ? "  \"quantization_config\": {\"quant_method\": \"fp8\", \"activation_scheme\": "
+                   "\"dynamic\", \"weight_block_size\": [32, 32], \"scale_fmt\": \"ue8m0\", "
+                   "\"expert_dtype\": \"fp4\"},\n"
+                 : "",
+        dspark ? 1 : 0, dspark ? ", 0" : "");
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *f = fopen(path, "w");
+    bool ok = f && cfg.data && fwrite(cfg.data, 1, cfg.len, f) == cfg.len;
+    if (f) ok = (fclose(f) == 0) && ok;
+    if (!ok) {
+        DI_LOG_ERROR("synth: cannot write %s", path);
+        st = DI_ERR_IO;
+    }
+done:
+    di_buf_deinit(&cfg);
+    tlist_free(&g.l);
+    return st;
+#undef GTRY
+}
+
 di_status di_synth_checkpoint(const char *preset, const char *dir, bool official, uint64_t seed) {
+    if (strcmp(preset, "v41-tiny") == 0) return di_synth_v41_write(dir, official, official, seed);
     di_synth_config c;
     di_status st = di_synth_preset(preset, &c);
     if (st != DI_OK) return st;

@@ -23,7 +23,8 @@ typedef struct di_synth_config {
     int32_t ratios[64]; // per main layer: 0, 4 or hca_ratio
     float swiglu_limit, route_scale;
     uint64_t seed;
-    bool official; // official layout (FP8/FP4) else HF names in BF16
+    bool official;     // official layout (FP8/FP4) else HF names in BF16
+    int32_t fp8_block; // FP8 weight block (0 = 128)
 } di_synth_config;
 
 // Presets: "tiny" (spec §6.2 shapes with the real 129,280-token vocabulary: the default model),
@@ -32,3 +33,11 @@ typedef struct di_synth_config {
 di_status di_synth_preset(const char *name, di_synth_config *out);
 // Writes dir/config.json and dir/model.safetensors (dir must exist). DI_ERR_IO, DI_ERR_NOMEM.
 di_status di_synth_write(const di_synth_config *cfg, const char *dir);
+
+// Writes the DeepSeek V4.1 tiny test model of deepseek-v41.md §7.2 (6 layers SWA / kv+index source
+// m=2 / reuse m=2 / candidate source m=1 / reuse m=1 / reindex m=1, Engram on layers 0 and 1) into
+// dir: config.json, model.safetensors and engram/token_map.safetensors (the stub map id div 2).
+// official: FP8 32x32 / FP4 1x32 / Engram FP8 per-32 tensors under the official names, with the
+// DSpark block mtp.0 when dspark; else the native names in FP32 with no DSpark (as the fixtures'
+// R-HF export). Random weights. DI_ERR_IO, DI_ERR_NOMEM.
+di_status di_synth_v41_write(const char *dir, bool official, bool dspark, uint64_t seed);

@@ -129,7 +129,7 @@ static const di_st_tensor *find_scale(binder *b, const char *wname) {
     return di_st_set_find(b->m->st, buf);
 }
 
-enum { ALLOW_FP8 = 1, ALLOW_FP4 = 2 };
+enum { ALLOW_FP8 = 1, ALLOW_FP4 = 2, FP8_ROW32 = 4 }; // FP8_ROW32: one scale per row and 32 columns
 
 // A [n_out, n_in] matrix: float, or FP8 / FP4 block-quantised where `allow` says so.
 static di_status bind_matrix_t(binder *b, const di_st_tensor *t, int64_t n_out, int64_t n_in,
@@ -149,6 +149,7 @@ static di_status bind_matrix_t(binder *b, const di_st_tensor *t, int64_t n_out, 
             return DI_ERR_FORMAT;
         }
         int64_t bo = hp->fp8_block_out, bi = hp->fp8_block_in;
+        if (allow & FP8_ROW32) bo = 1, bi = 32; // Engram tables (V4.1 §6.3)
         int64_t swant[2] = {(n_out + bo - 1) / bo, (n_in + bi - 1) / bi};
         if (s->dtype != DI_DTYPE_F8_E8M0) {
             DI_LOG_ERROR("checkpoint: scale tensor %s is %s; UE8M0 (F8_E8M0) scales are "
@@ -321,7 +322,7 @@ static di_status bind_tid2eid(binder *b, const char *off, const char *hf, int32_
 
 static di_status bind_experts(binder *b, const char *po, const char *ph, di_dsv4_layer_w *lw) {
     const di_hparams *hp = &b->m->hp;
-    int64_t E = hp->n_expert, F = hp->expert_ff, D = hp->n_embd;
+    int64_t E = lw->n_expert, F = hp->expert_ff, D = hp->n_embd;
     lw->w1 = own(b->m, sizeof(di_tensor) * (size_t)E);
     lw->w2 = own(b->m, sizeof(di_tensor) * (size_t)E);
     lw->w3 = own(b->m, sizeof(di_tensor) * (size_t)E);
@@ -377,17 +378,101 @@ static di_status bind_experts(binder *b, const char *po, const char *ph, di_dsv4
     return DI_OK;
 }
 
+// ---- DeepSeek V4.1 layer parts (deepseek-v41.md §6.2, §6.4) ----
+
+// A tensor that may be absent (returns DI_OK with *found = false).
+static bool has_tensor(binder *b, const char *off, const char *hf) {
+    const char *which;
+    return lookup(b, off, hf, &which) != NULL;
+}
+
+// CSA2 compressor of a kv source (m = 2: wkv + wgate, m = 1: wkv only; no ape), the index-key
+// projection of kv sources, the indexer queries of index sources, and the Engram module.
+static di_status bind_v41_attn_extra(binder *b, const char *po, const char *ph, int il,
+                                     di_dsv4_layer_w *lw) {
+    const di_hparams *hp = &b->m->hp;
+    const bool main_layer = il < hp->n_layer;
+    int64_t D = hp->n_embd, Dh = hp->head_dim, Rq = hp->q_lora_rank;
+    int64_t HI = hp->n_index_head, DI = hp->index_head_dim;
+    char o[256], h[256];
+    di_status st;
+    lw->kv_source = main_layer && hp->kv_source[il];
+    lw->index_source = main_layer && hp->index_source[il];
+#define T(call)                                                                                    \
+    do {                                                                                           \
+        if ((st = (call)) != DI_OK) return st;                                                     \
+    } while (0)
+    if (lw->kv_source) {
+        di_dsv4_compressor_w *c = &lw->cmp;
+        c->m = lw->ratio;
+        c->c = 1;
+        c->d = (int32_t)Dh;
+        T(bind_matrix(b, fmt(o, po, "attn.compressor.wkv.weight"),
+                      fmt(h, ph, "self_attn.compressor.kv_proj.weight"), Dh, D, 0, &c->wkv));
+        if (lw->ratio >= 2)
+            T(bind_matrix(b, fmt(o, po, "attn.compressor.wgate.weight"),
+                          fmt(h, ph, "self_attn.compressor.gate_proj.weight"), Dh, D, 0,
+                          &c->wgate));
+        T(bind_f32(b, fmt(o, po, "attn.compressor.norm.weight"),
+                   fmt(h, ph, "self_attn.compressor.kv_norm.weight"), 1, Dh, 0, &c->norm));
+        T(bind_matrix(b, fmt(o, po, "attn.indexer.wk.weight"),
+                      fmt(h, ph, "self_attn.indexer.k_proj.weight"), DI, Dh, 0, &lw->idx_wk));
+        T(bind_f32(b, fmt(o, po, "attn.indexer.k_norm.weight"),
+                   fmt(h, ph, "self_attn.indexer.k_norm.weight"), 1, DI, 0, &lw->idx_k_norm));
+    }
+    if (lw->index_source) {
+        T(bind_matrix(b, fmt(o, po, "attn.indexer.wq_b.weight"),
+                      fmt(h, ph, "self_attn.indexer.q_b_proj.weight"), HI * DI, Rq, ALLOW_FP8,
+                      &lw->idx_wq_b));
+        T(bind_matrix(b, fmt(o, po, "attn.indexer.weights_proj.weight"),
+                      fmt(h, ph, "self_attn.indexer.weights_proj.weight"), HI, D, 0,
+                      &lw->idx_weights_proj));
+    }
+    for (int e = 0; e < hp->n_engram && main_layer; e++)
+        if (hp->engram_layer[e] == il) lw->engram = e;
+    if (lw->engram >= 0) {
+        int64_t nc = hp->hc_mult, hd = hp->engram_head_dim;
+        int64_t n_col = (int64_t)(hp->engram_max_ngram - 1) * hp->engram_n_head;
+        char hf_tab[96];
+        snprintf(hf_tab, sizeof hf_tab, "model.engram_tables.%d.weight", il);
+        T(bind_matrix(b, fmt(o, po, "engram.embed.weight"), hf_tab, hp->engram_rows[lw->engram], hd,
+                      ALLOW_FP8 | FP8_ROW32, &lw->eg_table));
+        if (lw->eg_table.kind != DI_TENSOR_KIND_FP8) {
+            // R-HF keeps weight_scale_inv next to a float table; it is unused there (ones).
+            const di_st_tensor *sc = find_scale(b, lw->eg_table.name);
+            if (sc && (st = mark_used(b, sc)) != DI_OK) return st;
+        }
+        T(bind_matrix(b, fmt(o, po, "engram.wkv.weight"), fmt(h, ph, "engram.wkv.weight"),
+                      (nc + 1) * D, n_col * hd, ALLOW_FP8, &lw->eg_wkv));
+        float *q = NULL, *k = NULL;
+        T(bind_f32(b, fmt(o, po, "engram.q_weight"), fmt(h, ph, "engram.q_weight"), 2, nc, D, &q));
+        T(bind_f32(b, fmt(o, po, "engram.k_weight"), fmt(h, ph, "engram.k_weight"), 2, nc, D, &k));
+        for (int64_t i = 0; i < nc * D; i++) q[i] *= k[i];
+        lw->eg_qk = q;
+    } else if (main_layer &&
+               (has_tensor(b, fmt(o, po, "engram.wkv.weight"), fmt(h, ph, "engram.wkv.weight")))) {
+        DI_LOG_ERROR("checkpoint: layer %d has Engram tensors but is not in engram_layer_ids", il);
+        return DI_ERR_FORMAT;
+    }
+#undef T
+    return DI_OK;
+}
+
 // po: official prefix ("layers.3." / "mtp.0."), ph: HF prefix ("model.layers.3.") or NULL.
 static di_status bind_block(binder *b, const char *po, const char *ph, int il,
                             di_dsv4_layer_w *lw) {
     const di_hparams *hp = &b->m->hp;
     int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
-    int64_t G = hp->o_groups, Ro = hp->o_lora_rank, E = hp->n_expert, F = hp->expert_ff;
+    const bool dspark = hp->v41 && il >= hp->n_layer;
+    lw->n_expert = dspark ? hp->dspark_n_expert : hp->n_expert;
+    lw->n_expert_used = dspark ? hp->dspark_n_expert_used : hp->n_expert_used;
+    int64_t G = hp->o_groups, Ro = hp->o_lora_rank, E = lw->n_expert, F = hp->expert_ff;
     char o[256], h[256], po2[256], ph2[256];
     di_status st;
     lw->il = il;
     lw->ratio = hp->compress_ratio[il];
     lw->hash_routed = hp->hash_routed[il];
+    lw->engram = -1;
 #define T(call)                                                                                    \
     do {                                                                                           \
         if ((st = (call)) != DI_OK) return st;                                                     \
@@ -418,11 +503,13 @@ static di_status bind_block(binder *b, const char *po, const char *ph, int il,
                   G * Ro, ALLOW_FP8, &lw->wo_b));
     T(bind_f32(b, fmt(o, po, "attn.attn_sink"), fmt(h, ph, "self_attn.sinks"), 1, H, 0,
                &lw->attn_sink));
-    if (lw->ratio > 0) {
+    if (hp->v41) {
+        T(bind_v41_attn_extra(b, po, ph, il, lw));
+    } else if (lw->ratio > 0) {
         T(bind_compressor(b, fmt(po2, po, "attn.compressor."),
                           fmt(ph2, ph, "self_attn.compressor."), lw->ratio, (int32_t)Dh, &lw->cmp));
     }
-    if (lw->ratio == 4) {
+    if (lw->ratio == 4 && !hp->v41) {
         int64_t HI = hp->n_index_head, DI = hp->index_head_dim;
         T(bind_compressor(b, fmt(po2, po, "attn.indexer.compressor."),
                           fmt(ph2, ph, "self_attn.compressor.indexer."), 4, (int32_t)DI,
@@ -446,6 +533,12 @@ static di_status bind_block(binder *b, const char *po, const char *ph, int il,
     else
         T(bind_f32(b, fmt(o, po, "ffn.gate.bias"), fmt(h, ph, "mlp.gate.e_score_correction_bias"),
                    1, E, 0, &lw->gate_bias));
+    // V4.1 image-span routing bias: bound when present (the release has it; R-OFF test models and
+    // DSpark blocks may not), unused by text.
+    if (hp->v41 && has_tensor(b, fmt(o, po, "ffn.gate.bias_vl"),
+                              fmt(h, ph, "mlp.gate.e_score_correction_bias_vl")))
+        T(bind_f32(b, fmt(o, po, "ffn.gate.bias_vl"),
+                   fmt(h, ph, "mlp.gate.e_score_correction_bias_vl"), 1, E, 0, &lw->gate_bias_vl));
     T(bind_experts(b, po, ph, lw));
     T(bind_matrix(b, fmt(o, po, "ffn.shared_experts.w1.weight"),
                   fmt(h, ph, "mlp.shared_experts.gate_proj.weight"), F, D, ALLOW_FP8, &lw->sh_w1));
@@ -503,6 +596,38 @@ static int64_t count_params(const di_st_set *st, bool mtp) {
     return n;
 }
 
+// DSpark (V4.1 §3.5): mtp.{i} are window-only V4.1 blocks; mtp.0 adds main_proj/main_norm, the
+// last block the final norm, the Markov head and the confidence head.
+static di_status bind_dspark(binder *b) {
+    di_model *m = b->m;
+    const di_hparams *hp = &m->hp;
+    int64_t D = hp->n_embd, V = hp->n_vocab, R = hp->dspark_markov_rank;
+    char po[64], o[256];
+    di_status st;
+    m->mtp = own(m, sizeof(di_dsv4_mtp_w) * (size_t)hp->n_mtp);
+    if (!m->mtp) return DI_ERR_NOMEM;
+    memset(m->mtp, 0, sizeof(di_dsv4_mtp_w) * (size_t)hp->n_mtp);
+    for (int i = 0; i < hp->n_mtp; i++) {
+        snprintf(po, sizeof po, "mtp.%d.", i);
+        if ((st = bind_block(b, po, NULL, hp->n_layer + i, &m->mtp[i].block)) != DI_OK) return st;
+    }
+    di_dsv41_dspark_w *d = &m->dspark;
+    snprintf(po, sizeof po, "mtp.%d.", hp->n_mtp - 1);
+    if ((st = bind_matrix(b, "mtp.0.main_proj.weight", NULL, D, (int64_t)hp->n_dspark_target * D,
+                          ALLOW_FP8, &d->main_proj)) ||
+        (st = bind_f32(b, "mtp.0.main_norm.weight", NULL, 1, D, 0, &d->main_norm)) ||
+        (st = bind_f32(b, fmt(o, po, "norm.weight"), NULL, 1, D, 0, &d->norm)) ||
+        (st = bind_matrix(b, fmt(o, po, "markov_head.embed.weight"), NULL, V, R, 0,
+                          &d->markov_embed)) ||
+        (st = bind_matrix(b, fmt(o, po, "markov_head.head.weight"), NULL, V, R, 0,
+                          &d->markov_head)) ||
+        (st = bind_f32(b, fmt(o, po, "confidence_head.proj.weight"), NULL, 2, 1, D + R,
+                       &d->confidence)))
+        return st;
+    m->n_mtp_loaded = hp->n_mtp;
+    return DI_OK;
+}
+
 di_status di_dsv4_weights_bind(di_model *m) {
     const di_hparams *hp = &m->hp;
     binder b = {.m = m};
@@ -514,8 +639,10 @@ di_status di_dsv4_weights_bind(di_model *m) {
     DI_TRY(bind_matrix(&b, "embed.weight", "model.embed_tokens.weight", V, D, 0, &m->embed));
     DI_TRY(bind_matrix(&b, "head.weight", "lm_head.weight", V, D, 0, &m->head));
     DI_TRY(bind_f32(&b, "norm.weight", "model.norm.weight", 1, D, 0, &m->norm));
-    DI_TRY(bind_head_hc(&b, "hc_head_fn", "hc_head_base", "hc_head_scale", "model.hc_head.hc_fn",
-                        "model.hc_head.hc_base", "model.hc_head.hc_scale", &m->hc_head));
+    if (!hp->v41) // V4.1 has no hc_head: the last FFN site's pre collapses the streams
+        DI_TRY(bind_head_hc(&b, "hc_head_fn", "hc_head_base", "hc_head_scale",
+                            "model.hc_head.hc_fn", "model.hc_head.hc_base",
+                            "model.hc_head.hc_scale", &m->hc_head));
     m->layers = own(m, sizeof(di_dsv4_layer_w) * (size_t)hp->n_layer);
     if (!m->layers) {
         st = DI_ERR_NOMEM;
@@ -530,7 +657,9 @@ di_status di_dsv4_weights_bind(di_model *m) {
     }
     // MTP: all or nothing. Save_pretrained drops it; official checkpoints carry it.
     m->n_mtp_loaded = 0;
-    if (hp->n_mtp > 0 && di_st_set_find(m->st, "mtp.0.e_proj.weight")) {
+    if (hp->v41 && hp->n_mtp > 0 && di_st_set_find(m->st, "mtp.0.main_proj.weight")) {
+        DI_TRY(bind_dspark(&b));
+    } else if (!hp->v41 && hp->n_mtp > 0 && di_st_set_find(m->st, "mtp.0.e_proj.weight")) {
         m->mtp = own(m, sizeof(di_dsv4_mtp_w) * (size_t)hp->n_mtp);
         if (!m->mtp) {
             st = DI_ERR_NOMEM;

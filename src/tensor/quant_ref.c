@@ -2,6 +2,7 @@
 // See quant_ref.h for the contracts; spec deepseek-v4.md §2.0, §4.3, §5 items 14–16.
 #include "tensor/quant_ref.h"
 
+#include <stdbool.h>
 #include <math.h>   // ldexpf, frexpf, floorf, fmodf, sqrt, isnan, isfinite, signbit, NAN
 #include <string.h> // memcpy
 
@@ -262,6 +263,31 @@ void di_fake_quant_q4(float *v, int64_t n, int64_t block) {
 
 void di_act_quant_a8(float *v, int64_t n) {
     di_fake_quant_q8(v, n, 128);
+}
+
+void di_fake_quant_q4e(float *v, int64_t n, int64_t block) {
+    DI_ASSERT(block > 0 && n >= 0 && n % block == 0);
+    for (int64_t i = 0; i < n; i += block) {
+        float *b = v + i, amax = 0.0f;
+        bool finite = true;
+        for (int64_t j = 0; j < block; j++) {
+            finite &= isfinite(b[j]) != 0;
+            if (fabsf(b[j]) > amax) amax = fabsf(b[j]);
+        }
+        if (!finite) {
+            for (int64_t j = 0; j < block; j++) b[j] = NAN;
+            continue;
+        }
+        if (amax < 6.0f * 0x1p-9f) amax = 6.0f * 0x1p-9f;
+        // A true E4M3 scale by division (not a power of two), saturating at 448.
+        float s = di_e4m3_to_f32(di_f32_to_e4m3(amax / 6.0f));
+        for (int64_t j = 0; j < block; j++) {
+            float x = b[j] / s;
+            if (x > 6.0f) x = 6.0f;
+            if (x < -6.0f) x = -6.0f;
+            b[j] = e2m1_grid(x) * s; // exact: 2 significant bits times 4
+        }
+    }
 }
 
 // ---- Hadamard ----

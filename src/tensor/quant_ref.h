@@ -86,6 +86,12 @@ void di_fake_quant_q4(float *v, int64_t n, int64_t block);
 // multiple of 128 (DI_ASSERT).
 void di_act_quant_a8(float *v, int64_t n);
 
+// Q4e(v, block), in place (DeepSeek V4.1 compressed KV, block 16; spec deepseek-v41.md §2.0):
+// amax = max(max|v|, 6·2^-9); s = e4m3_RNE_sat(fl32(amax / 6)) (an E4M3 value, not a power of
+// two); v = e2m1_RNE(clamp(fl32(v / s), ±6)) · s. Non-finite blocks become all NaN. n a multiple
+// of block (DI_ASSERT).
+void di_fake_quant_q4e(float *v, int64_t n, int64_t block);
+
 // ---- Hadamard ----
 
 // In place Walsh-Hadamard transform of n elements (n a power of two, n >= 1; DI_ASSERT):

@@ -184,10 +184,89 @@ static void test_nested_rope(void) {
     unlink(path);
 }
 
+// DeepSeek V4.1 (spec deepseek-v41.md §1): the released config in both namings, derived
+// schedules and the validation errors.
+static void check_v41_flash(const di_hparams *hp) {
+    CHECK(hp->v41);
+    CHECK_STR_EQ(hp->model_type, "deepseek_v41");
+    CHECK_EQ(hp->n_embd, 5120);
+    CHECK_EQ(hp->n_layer, 40);
+    CHECK_EQ(hp->n_mtp, 3);
+    CHECK_EQ(hp->q_lora_rank, 1280);
+    CHECK_EQ(hp->n_expert, 384);
+    CHECK_EQ(hp->expert_ff, 2304);
+    CHECK_EQ(hp->n_index_head, 32);
+    CHECK(hp->norm_eps == 1e-20f);
+    CHECK_EQ(hp->compress_ratio[1], 0);
+    CHECK_EQ(hp->compress_ratio[2], 2);
+    CHECK_EQ(hp->compress_ratio[19], 2);
+    CHECK_EQ(hp->compress_ratio[20], 1);
+    CHECK_EQ(hp->compress_ratio[39], 1);
+    CHECK_EQ(hp->compress_ratio[40], 0);
+    int n_kv = 0, n_idx = 0;
+    for (int il = 0; il < 40; il++) n_kv += hp->kv_source[il], n_idx += hp->index_source[il];
+    CHECK_EQ(n_kv, 4);
+    CHECK_EQ(n_idx, 8);
+    CHECK(hp->kv_source[20] && hp->index_source[36] && !hp->index_source[37]);
+    CHECK_EQ(hp->candidate_layer, 20);
+    CHECK_EQ(hp->candidate_topk_blocks, 2048);
+    CHECK_EQ(hp->n_engram, 2);
+    CHECK_EQ(hp->engram_layer[1], 14);
+    CHECK_EQ(hp->engram_cvocab, 99092);
+    CHECK_EQ(hp->dspark_n_expert, 128);
+    CHECK_EQ(hp->dspark_n_expert_used, 3);
+    CHECK_EQ(hp->n_dspark_target, 3);
+    CHECK_EQ(hp->dspark_target[0], 37);
+    CHECK_EQ(hp->fp8_block_out, 32);
+    CHECK_EQ(hp->fp8_block_in, 32);
+    CHECK(hp->rope_compress.yarn);
+    CHECK_EQ(hp->rope_compress.original_max_pos, 65536);
+    CHECK(!hp->hash_routed[0]);
+}
+
+#define V41 "\"model_type\": \"deepseek_v41_text\", " BASE
+
+static void test_v41_configs(void) {
+    char p[1024];
+    di_hparams hp;
+    CHECK(di_hparams_load(test_src_path("tests/data/configs/deepseek-v41-flash.json", p, sizeof p),
+                          &hp) == DI_OK);
+    check_v41_flash(&hp);
+    CHECK(di_hparams_load(
+              test_src_path("tests/data/configs/deepseek-v41-flash-inference.json", p, sizeof p),
+              &hp) == DI_OK);
+    check_v41_flash(&hp);
+    // Derived schedule (R-HF __post_init__): 2 layers -> [0, 0]; sources from runs.
+    CHECK(load_text("{" V41 "}") == DI_OK);
+    CHECK(load_text("{" V41 ", \"compress_ratios\": [0, 2]}") == DI_OK);
+    CHECK(load_text("{" V41 ", \"compress_ratios\": [0, 3]}") == DI_ERR_FORMAT);
+    CHECK(load_text("{" V41 ", \"compress_ratios\": [0, 2], \"kv_source_layer_ids\": [0]}") ==
+          DI_ERR_FORMAT); // source with ratio 0
+    CHECK(load_text("{" V41 ", \"compress_ratios\": [0, 2], \"kv_source_layer_ids\": [1], "
+                    "\"index_source_layer_ids\": []}") == DI_ERR_FORMAT); // kv source not indexed
+    CHECK(load_text("{" V41 ", \"compress_ratios\": [0, 2], \"kv_source_layer_ids\": []}") ==
+          DI_ERR_FORMAT); // ratio > 0 without a source
+    CHECK(load_text("{" V41 ", \"compress_ratios\": [0, 2], \"candidate_source_layer_id\": 0}") ==
+          DI_ERR_FORMAT);
+    CHECK(load_text("{" V41 ", \"compress_ratios\": [0, 2], \"kv_source_layer_ids\": [7]}") ==
+          DI_ERR_FORMAT);
+    CHECK(load_text("{" V41 ", \"num_hash_layers\": 3}") == DI_ERR_FORMAT);
+    CHECK(load_text("{" V41 ", \"engram_layer_ids\": [1]}") == DI_ERR_FORMAT); // no sizes
+    CHECK(load_text("{" V41 ", \"engram_layer_ids\": [1], \"engram_num_embeddings\": [10], "
+                    "\"engram_vocab_size\": 100, \"engram_compressed_vocab_size\": 64, "
+                    "\"engram_max_ngram_size\": 3, \"engram_n_heads\": 2, "
+                    "\"engram_head_dim\": 32, \"engram_pad_id\": 2}") == DI_OK);
+    CHECK(load_text("{" V41 ", \"engram_layer_ids\": [1], \"engram_num_embeddings\": [10], "
+                    "\"engram_vocab_size\": 100, \"engram_compressed_vocab_size\": 64, "
+                    "\"engram_max_ngram_size\": 3, \"engram_n_heads\": 2, "
+                    "\"engram_head_dim\": 30, \"engram_pad_id\": 2}") == DI_ERR_FORMAT);
+}
+
 int main(void) {
     RUN(test_released_configs);
     RUN(test_rope_table);
     RUN(test_bad_configs);
     RUN(test_nested_rope);
+    RUN(test_v41_configs);
     return test_finish();
 }

@@ -487,6 +487,34 @@ static void test_dequant_fp4_row(void) {
     CHECK_FEQ(out[34], 0.0625f); // k = 17: low nibble 1 -> 0.5 · 2^-3
 }
 
+// Q4e (spec deepseek-v41.md App. A.3): FP4 e2m1 with one E4M3 scale per 16.
+static void test_q4e_known_answers(void) {
+    float a[16] = {0.1f, -0.2f, 0.3f,  0.4f, 1.0f, -2.5f, 3.3f, 0,
+                   5.0f, -7.0f, 0.05f, 0.6f, 0.7f, 0.8f,  0.9f, 1.1f};
+    const float wa[16] = {0,    -0.0f,  0.5625f, 0.5625f, 1.125f,  -2.25f,  3.375f, 0,
+                          4.5f, -6.75f, 0,       0.5625f, 0.5625f, 0.5625f, 1.125f, 1.125f};
+    di_fake_quant_q4e(a, 16, 16);
+    for (int i = 0; i < 16; i++) CHECK(a[i] == wa[i]);
+    CHECK(signbit(a[1]));
+    float z[16] = {0};
+    di_fake_quant_q4e(z, 16, 16);
+    for (int i = 0; i < 16; i++) CHECK(z[i] == 0);
+    float b[32] = {1.0f, 0.3f, -0.26f, 0.74f, 0.76f, 1.24f, 1.26f, 2.4f,
+                   2.6f, 3.4f, 3.6f,   5.9f,  0,     0,     0,     -0.01f};
+    const float wb[16] = {1, 0.5f, -0.5f, 0.5f, 1, 1, 1.5f, 2, 3, 3, 4, 6, 0, 0, 0, -0.0f};
+    for (int i = 16; i < 32; i++) b[i] = b[i - 16] * 4; // a second block, scaled: same codes
+    di_fake_quant_q4e(b, 32, 16);
+    for (int i = 0; i < 16; i++) CHECK(b[i] == wb[i]);
+    for (int i = 16; i < 32; i++) CHECK(b[i] == 4 * wb[i - 16]);
+    CHECK(signbit(b[15]));
+    // Ties after division by the scale 1 (amax 6): 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
+    // 3.5->4, 5->4.
+    float t[16] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f};
+    const float wt[8] = {0, 1, 1, 2, 2, 4, 4, 6};
+    di_fake_quant_q4e(t, 16, 16);
+    for (int i = 0; i < 8; i++) CHECK(t[i] == wt[i]);
+}
+
 int main(void) {
     RUN(test_bf16);
     RUN(test_f16);
@@ -503,5 +531,6 @@ int main(void) {
     RUN(test_dequant_f32_rows);
     RUN(test_dequant_fp8_row);
     RUN(test_dequant_fp4_row);
+    RUN(test_q4e_known_answers);
     return test_finish();
 }

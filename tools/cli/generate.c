@@ -13,13 +13,87 @@
 static void usage(FILE *f) {
     fprintf(f, "usage: deepinfer generate [--model DIR] (--prompt TEXT | --tokens 5,17,...)\n"
                "                          [-n 64] [--temperature 0] [--seed 0] [--threads N]\n"
-               "                          [--precision fp32|official] [--no-stop]\n"
+               "                          [--precision fp32|official] [--no-stop] [--dspark]\n"
+               "--dspark (DeepSeek V4.1, greedy only): speculative decoding with the DSpark draft\n"
+               "module; every draft block is verified in one forward and rejected tokens are\n"
+               "rolled back, so the output equals plain greedy decoding (acceptance on stderr).\n"
                "--prompt renders TEXT as one user turn of a chat (DeepSeek V4 format, the\n"
                "model's tokenizer) and prints the generated text as it is produced; --tokens\n"
                "takes prompt token ids and prints the generated ids, comma-separated. Temperature\n"
                "0 is greedy (ties to the lowest id); generation stops at the model's EOS token\n"
                "unless --no-stop is given. Without --model, the built-in random-weight tiny model\n"
                "is used (its text is meaningless).\n");
+}
+
+
+// Prints one generated token (text through detok, else the id). Returns false at the end
+// (n_gen reached or EOS).
+static bool emit(int32_t t, long *n_out, long n_gen, bool stop_at_eos, int32_t eos,
+                 di_detok *detok) {
+    if (stop_at_eos && t == eos && detok) return false;
+    if (detok) {
+        const char *text;
+        size_t n_text;
+        if (di_detok_push(detok, t, &text, &n_text) == DI_OK) fwrite(text, 1, n_text, stdout);
+    } else {
+        printf("%s%d", *n_out ? "," : "", t);
+    }
+    fflush(stdout);
+    ++*n_out;
+    return !(stop_at_eos && t == eos) && *n_out < n_gen;
+}
+
+static int32_t argmax(const float *v, int32_t n) {
+    int32_t b = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (v[i] > v[b]) b = i;
+    return b;
+}
+
+// Greedy speculative decoding with DSpark (spec deepseek-v41.md §3.4): draft a block from the
+// anchor, verify anchor + drafts in one forward, accept the drafts that equal the target's
+// argmax, roll back the rest; the bonus token is the next anchor. logits holds >= 17 rows.
+static bool dspark_loop(di_session *s, const di_model_info *info, float *logits, long n_gen,
+                        bool stop_at_eos, di_detok *detok) {
+    const int32_t V = info->n_vocab, eos = info->eos_token_id;
+    int32_t anchor = argmax(logits, V);
+    long n_out = 0, n_drafted = 0, n_accepted = 0, n_verify = 0;
+    di_status st;
+    while (emit(anchor, &n_out, n_gen, stop_at_eos, eos, detok)) {
+        di_draft d;
+        if ((st = di_session_draft(s, anchor, &d, NULL)) != DI_OK) {
+            fprintf(stderr, "\ndeepinfer generate: --dspark: %s\n", di_status_str(st));
+            return false;
+        }
+        int32_t ver[17];
+        ver[0] = anchor;
+        memcpy(ver + 1, d.tokens, sizeof(int32_t) * (size_t)d.n);
+        di_forward_out fo = {.logits = logits};
+        if ((st = di_session_forward(s, ver, d.n + 1, &fo)) != DI_OK) {
+            fprintf(stderr, "\ndeepinfer generate: %s\n", di_status_str(st));
+            return false;
+        }
+        int32_t acc = 0;
+        while (acc < d.n && d.tokens[acc] == argmax(logits + (size_t)acc * V, V)) acc++;
+        n_drafted += d.n, n_accepted += acc, n_verify++;
+        if ((st = di_session_rollback(s, d.n - acc)) != DI_OK) return false;
+        bool more = true;
+        for (int32_t j = 0; j < acc && more; j++)
+            more = emit(d.tokens[j], &n_out, n_gen, stop_at_eos, eos, detok);
+        if (!more) break;
+        anchor = argmax(logits + (size_t)acc * V, V);
+    }
+    if (detok) {
+        const char *text;
+        size_t n_text;
+        di_detok_flush(detok, &text, &n_text);
+        fwrite(text, 1, n_text, stdout);
+    }
+    printf("\n");
+    fflush(stdout);
+    fprintf(stderr, "dspark: %ld verify steps, %ld of %ld drafts accepted\n", n_verify, n_accepted,
+            n_drafted);
+    return true;
 }
 
 // Renders text as one user turn (DeepSeek V4 chat format, non-thinking) with the model's
@@ -61,7 +135,7 @@ int di_cli_generate(int argc, char **argv) {
     const char *tokens_s = NULL, *prompt_s = NULL;
     long n_gen = 64, seed = 0;
     double temperature = 0;
-    bool stop_at_eos = true;
+    bool stop_at_eos = true, dspark = false;
     for (int i = 1; i < argc; i++) {
         int r = di_args_model_option(argc, argv, &i, &ma);
         if (r < 0) return 2;
@@ -70,6 +144,10 @@ int di_cli_generate(int argc, char **argv) {
         if (strcmp(a, "--help") == 0) {
             usage(stdout);
             return 0;
+        }
+        if (strcmp(a, "--dspark") == 0) {
+            dspark = true;
+            continue;
         }
         if (strcmp(a, "--no-stop") == 0) {
             stop_at_eos = false;
@@ -100,6 +178,10 @@ int di_cli_generate(int argc, char **argv) {
             usage(stderr);
             return 2;
         }
+    }
+    if (dspark && temperature != 0) {
+        fprintf(stderr, "deepinfer generate: --dspark decodes greedily (--temperature 0)\n");
+        return 2;
     }
     if (!tokens_s == !prompt_s) {
         fprintf(stderr, "deepinfer generate: give exactly one of --prompt and --tokens\n");
@@ -136,8 +218,13 @@ int di_cli_generate(int argc, char **argv) {
                 di_tokenizer_n_vocab(tok), info.n_vocab);
         goto done;
     }
-    if ((st = di_session_create(m, NULL, &s)) != DI_OK) goto done;
-    logits = malloc(sizeof(float) * (size_t)info.n_vocab);
+    di_session_options so = di_session_options_default();
+    so.mtp = dspark;
+    if ((st = di_session_create(m, &so, &s)) != DI_OK) {
+        fprintf(stderr, "deepinfer generate: %s\n", di_status_str(st));
+        goto done;
+    }
+    logits = malloc(sizeof(float) * (size_t)info.n_vocab * (dspark ? 17 : 1));
     history = malloc(sizeof(int32_t) * (size_t)(n_prompt + n_gen));
     if (!logits || !history) goto done;
     memcpy(history, prompt, sizeof(int32_t) * (size_t)n_prompt);
@@ -151,6 +238,10 @@ int di_cli_generate(int argc, char **argv) {
         goto done;
     }
     const int32_t eos = info.eos_token_id;
+    if (dspark) {
+        rc = dspark_loop(s, &info, logits, n_gen, stop_at_eos, detok) ? 0 : 1;
+        goto done;
+    }
     for (long i = 0; i < n_gen; i++) {
         di_sample_result res;
         di_sampler_sample(sampler, logits, &sp, history, n_prompt, (int32_t)i, n_prompt + i, &res);

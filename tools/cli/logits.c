@@ -7,17 +7,23 @@
 #include "cli/cli.h"
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: deepinfer logits --model DIR --tokens 5,17,300,... --out FILE.npy\n"
-               "                        [--chunks 21,1,1,13,...] [--mtp-out FILE.npy]\n"
-               "                        [--precision fp32|official] [--threads N]\n"
-               "Writes the logits of every position as float32 [T, vocab]. --chunks feeds the\n"
-               "tokens through the incremental state in those chunk sizes (default: one call).\n"
-               "--mtp-out writes the MTP block's logits [T-1, vocab] (row t predicts t+2).\n");
+    fprintf(f,
+            "usage: deepinfer logits --model DIR --tokens 5,17,300,... --out FILE.npy\n"
+            "                        [--chunks 21,1,1,13,...] [--mtp-out FILE.npy]\n"
+            "                        [--dspark FILE.json [--dspark-logits FILE.npy]]\n"
+            "                        [--precision fp32|official] [--threads N]\n"
+            "Writes the logits of every position as float32 [T, vocab]. --chunks feeds the\n"
+            "tokens through the incremental state in those chunk sizes (default: one call).\n"
+            "--mtp-out writes the MTP block's logits [T-1, vocab] (row t predicts t+2).\n"
+            "--dspark (DeepSeek V4.1): after every chunk, drafts a DSpark block anchored on the\n"
+            "argmax of the chunk's last logits and writes the drafts and confidences as JSON;\n"
+            "--dspark-logits writes the Markov-corrected draft logits [chunks * block, vocab].\n");
 }
 
 int di_cli_logits(int argc, char **argv) {
     di_model_args ma = {.opt = di_model_options_default()};
     const char *tokens_s = NULL, *chunks_s = NULL, *out = NULL, *mtp_out = NULL;
+    const char *dspark_out = NULL, *dspark_logits = NULL;
     for (int i = 1; i < argc; i++) {
         int r = di_args_model_option(argc, argv, &i, &ma);
         if (r < 0) return 2;
@@ -27,11 +33,13 @@ int di_cli_logits(int argc, char **argv) {
             usage(stdout);
             return 0;
         }
-        const char **dst = strcmp(a, "--tokens") == 0    ? &tokens_s
-                           : strcmp(a, "--chunks") == 0  ? &chunks_s
-                           : strcmp(a, "--out") == 0     ? &out
-                           : strcmp(a, "--mtp-out") == 0 ? &mtp_out
-                                                         : NULL;
+        const char **dst = strcmp(a, "--tokens") == 0          ? &tokens_s
+                           : strcmp(a, "--chunks") == 0        ? &chunks_s
+                           : strcmp(a, "--out") == 0           ? &out
+                           : strcmp(a, "--mtp-out") == 0       ? &mtp_out
+                           : strcmp(a, "--dspark") == 0        ? &dspark_out
+                           : strcmp(a, "--dspark-logits") == 0 ? &dspark_logits
+                                                               : NULL;
         if (!dst || i + 1 >= argc) {
             fprintf(stderr, "deepinfer logits: %s '%s'\n",
                     dst ? "missing value for" : "unknown option", a);
@@ -40,7 +48,7 @@ int di_cli_logits(int argc, char **argv) {
         }
         *dst = argv[++i];
     }
-    if (!tokens_s || !out) {
+    if (!tokens_s || !out || (dspark_logits && !dspark_out) || (dspark_out && mtp_out)) {
         usage(stderr);
         return 2;
     }
@@ -78,7 +86,8 @@ int di_cli_logits(int argc, char **argv) {
     int rc = 1;
     di_model *m = NULL;
     di_session *s = NULL;
-    float *logits = NULL, *mtp = NULL;
+    float *logits = NULL, *mtp = NULL, *dl = NULL;
+    FILE *dj = NULL;
     di_status st = di_model_load(ma.model, &ma.opt, &m);
     if (st != DI_OK) {
         fprintf(stderr, "deepinfer logits: cannot load %s: %s\n", ma.model, di_status_str(st));
@@ -87,7 +96,7 @@ int di_cli_logits(int argc, char **argv) {
     di_model_info info;
     di_model_get_info(m, &info);
     di_session_options so = di_session_options_default();
-    so.mtp = mtp_out != NULL;
+    so.mtp = mtp_out != NULL || dspark_out != NULL;
     if ((st = di_session_create(m, &so, &s)) != DI_OK) {
         fprintf(stderr, "deepinfer logits: %s\n", di_status_str(st));
         goto done;
@@ -99,7 +108,16 @@ int di_cli_logits(int argc, char **argv) {
         fprintf(stderr, "deepinfer logits: out of memory\n");
         goto done;
     }
-    int32_t done_tok = 0, n_mtp_total = 0;
+    if (dspark_out && !(dj = fopen(dspark_out, "w"))) {
+        fprintf(stderr, "deepinfer logits: cannot write %s\n", dspark_out);
+        goto done;
+    }
+    if (dspark_logits && !(dl = malloc(sizeof(float) * row * 16 * (size_t)n_chunks))) {
+        fprintf(stderr, "deepinfer logits: out of memory\n");
+        goto done;
+    }
+    if (dj) fprintf(dj, "{\"drafts\": [");
+    int32_t done_tok = 0, n_mtp_total = 0, n_dl = 0;
     for (int32_t c = 0; c < n_chunks; c++) {
         int32_t n_mtp = 0;
         di_forward_out fo = {.logits = logits + row * (size_t)done_tok,
@@ -111,11 +129,44 @@ int di_cli_logits(int argc, char **argv) {
         }
         done_tok += chunks[c];
         n_mtp_total += n_mtp;
+        if (dj) { // draft anchored on the greedy token for the next position
+            const float *last = logits + row * (size_t)(done_tok - 1);
+            int32_t anchor = 0;
+            for (int32_t v = 1; v < info.n_vocab; v++)
+                if (last[v] > last[anchor]) anchor = v;
+            di_draft d;
+            if ((st = di_session_draft(s, anchor, &d, dl ? dl + row * (size_t)n_dl : NULL)) !=
+                DI_OK) {
+                fprintf(stderr, "deepinfer logits: --dspark: %s\n", di_status_str(st));
+                goto done;
+            }
+            n_dl += d.n;
+            fprintf(dj, "%s\n  {\"position\": %d, \"anchor\": %d, \"tokens\": [", c ? "," : "",
+                    done_tok, anchor);
+            for (int j = 0; j < d.n; j++) fprintf(dj, "%s%d", j ? ", " : "", d.tokens[j]);
+            fprintf(dj, "], \"confidence\": [");
+            for (int j = 0; j < d.n; j++) fprintf(dj, "%s%.9g", j ? ", " : "", d.confidence[j]);
+            fprintf(dj, "], \"confidence_logit\": [");
+            for (int j = 0; j < d.n; j++) fprintf(dj, "%s%.9g", j ? ", " : "", d.conf_logit[j]);
+            fprintf(dj, "]}");
+        }
     }
+    if (dj) {
+        fprintf(dj, "\n]}\n");
+        bool ok = fclose(dj) == 0;
+        dj = NULL;
+        if (!ok) {
+            fprintf(stderr, "deepinfer logits: cannot write %s\n", dspark_out);
+            goto done;
+        }
+    }
+    if (dl && !di_args_write_npy(dspark_logits, dl, n_dl, info.n_vocab)) goto done;
     if (!di_args_write_npy(out, logits, n_tok, info.n_vocab)) goto done;
     if (mtp_out && !di_args_write_npy(mtp_out, mtp, n_mtp_total, info.n_vocab)) goto done;
     rc = 0;
 done:
+    if (dj) fclose(dj);
+    free(dl);
     free(logits);
     free(mtp);
     free(tokens);

@@ -13,9 +13,10 @@ int di_cli_synth(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0) {
-            printf("usage: deepinfer synth --out DIR [--preset tiny|flash-4l] "
+            printf("usage: deepinfer synth --out DIR [--preset tiny|flash-4l|v41-tiny] "
                    "[--layout official|hf] [--seed N]\n"
-                   "Writes a random-weight DeepSeek V4 checkpoint; its text is meaningless.\n");
+                   "Writes a random-weight DeepSeek V4 (or V4.1: v41-tiny) checkpoint; its text "
+                   "is meaningless.\n");
             return 0;
         }
         if (i + 1 >= argc) {

@@ -1,0 +1,388 @@
+// dsv41 — DeepSeek V4.1: model extras, Engram, the single-pass mHC layer loop, the head and the
+// DSpark draft module (deepseek-v41.md §2.1-§2.3, §3). Reads top to bottom as the model does;
+// attention is in dsv41_attn.c, the state in dsv41_state.c, the MoE is V4's (dsv4_moe.c).
+#include "model/dsv41.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h> // access
+
+#include "base/log.h"
+#include "base/mem.h"
+#include "io/safetensors.h"
+#include "tensor/quant_ref.h"
+
+// ---- model extras ----
+
+di_status di_dsv41_model_init(di_model *m, const char *dir) {
+    const di_hparams *hp = &m->hp;
+    di_dsv41_model *v = di_calloc(1, sizeof *v);
+    if (!v) return DI_ERR_NOMEM;
+    m->v41 = v;
+    di_status st = di_engram_hash_init(&v->hash, hp);
+    if (st != DI_OK || hp->n_engram == 0) return st;
+    // The compressed token map is data made from the tokenizer (§2.3.1 step 1).
+    char path[4096];
+    snprintf(path, sizeof path, "%s/engram/token_map.safetensors", dir);
+    di_st_file *f = NULL;
+    if (access(path, F_OK) != 0) {
+        // The model loads (info works); sessions are refused until the map exists.
+        DI_LOG_WARN("%s is missing: the Engram layers need the compressed token map (tensor "
+                    "\"token_map\", one compressed id per token id, made from the tokenizer); "
+                    "this model cannot run until it exists",
+                    path);
+        return DI_OK;
+    }
+    if ((st = di_st_file_open(path, &f)) != DI_OK) return st;
+    const di_st_tensor *t = di_st_file_find(f, "token_map");
+    if (!t || (t->dtype != DI_DTYPE_I32 && t->dtype != DI_DTYPE_I64) ||
+        t->n_elements < hp->n_vocab) {
+        DI_LOG_ERROR("%s: needs an I32/I64 tensor \"token_map\" of at least vocab_size = %d "
+                     "entries",
+                     path, hp->n_vocab);
+        di_st_file_close(f);
+        return DI_ERR_FORMAT;
+    }
+    v->n_cmap = (int32_t)t->n_elements;
+    v->cmap = di_malloc(sizeof(int32_t) * (size_t)v->n_cmap);
+    if (!v->cmap) {
+        di_st_file_close(f);
+        return DI_ERR_NOMEM;
+    }
+    for (int64_t i = 0; i < t->n_elements; i++) {
+        int64_t c;
+        if (t->dtype == DI_DTYPE_I64) {
+            memcpy(&c, (const char *)t->data + 8 * i, 8);
+        } else {
+            int32_t c32;
+            memcpy(&c32, (const char *)t->data + 4 * i, 4);
+            c = c32;
+        }
+        if (c < 0 || c >= hp->engram_cvocab) {
+            DI_LOG_ERROR("%s: token_map[%lld] = %lld is outside [0, "
+                         "engram_compressed_vocab_size = %lld)",
+                         path, (long long)i, (long long)c, (long long)hp->engram_cvocab);
+            di_st_file_close(f);
+            return DI_ERR_FORMAT;
+        }
+        v->cmap[i] = (int32_t)c;
+    }
+    di_st_file_close(f);
+    v->pad_c = v->cmap[hp->engram_pad_id];
+    return DI_OK;
+}
+
+void di_dsv41_model_free(di_model *m) {
+    if (!m->v41) return;
+    di_free(m->v41->cmap);
+    di_free(m->v41);
+    m->v41 = NULL;
+}
+
+// ---- small pieces ----
+
+// collapse(X, p) = Σ_s p[s] X[s] (FP32 sum in stream order; BF16 in official precision).
+static void collapse(const di_model *m, const float *x, const float *pre, int32_t n_tok, float *a) {
+    const int nc = m->hp.hc_mult;
+    const int64_t D = m->hp.n_embd;
+    for (int32_t t = 0; t < n_tok; t++) {
+        const float *xt = x + (int64_t)t * nc * D, *p = pre + t * nc;
+        float *at = a + (int64_t)t * D;
+        for (int64_t d = 0; d < D; d++) {
+            float acc = 0;
+            for (int s = 0; s < nc; s++) acc += p[s] * xt[s * D + d];
+            at[d] = acc;
+        }
+    }
+    di_dsv4_round(m, a, (int64_t)n_tok * D);
+}
+
+static void one_hot_pre(const di_model *m, float *pre, int32_t n_tok) {
+    const int nc = m->hp.hc_mult;
+    memset(pre, 0, sizeof(float) * (size_t)n_tok * (size_t)nc);
+    for (int32_t t = 0; t < n_tok; t++) pre[t * nc] = 1.0f;
+}
+
+// ---- Engram (§2.3.2) ----
+
+// X [T, NC, D] += gate · value for the Engram module of layer lw; rows [T, n_col] of its table.
+static void engram(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
+                   const int64_t *rows, int64_t rows_stride, float *x) {
+    const di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int32_t n_tok = c->n_rows, nc = hp->hc_mult;
+    const int64_t D = hp->n_embd, hd = hp->engram_head_dim;
+    const int64_t n_col = (int64_t)(hp->engram_max_ngram - 1) * hp->engram_n_head;
+    const int64_t n_in = n_col * hd, n_out = (int64_t)(nc + 1) * D;
+    // E = table rows (dequantised: exact in BF16), flattened column-major by column j, dim d.
+    for (int32_t t = 0; t < n_tok; t++)
+        for (int64_t j = 0; j < n_col; j++)
+            di_tensor_row_f32(&lw->eg_table, rows[t * rows_stride + j],
+                              st->eg_in + t * n_in + j * hd);
+    di_dsv4_linear(c, &lw->eg_wkv, st->eg_in, n_tok, n_in, st->eg_kv, n_out, true);
+    const float eps = hp->norm_eps, inv_sqrt_d = 1.0f / sqrtf((float)D);
+    for (int32_t t = 0; t < n_tok; t++) {
+        const float *kv = st->eg_kv + t * n_out, *val = kv + nc * D;
+        float *xt = x + (int64_t)t * nc * D;
+        for (int s = 0; s < nc; s++) {
+            const float *key = kv + s * D, *w = lw->eg_qk + s * D;
+            float *hs = xt + s * D;
+            float ss_h = 0, ss_k = 0, dot = 0;
+            for (int64_t d = 0; d < D; d++) {
+                ss_h += hs[d] * hs[d];
+                ss_k += key[d] * key[d];
+                dot += hs[d] * w[d] * key[d];
+            }
+            dot *= 1.0f / sqrtf(ss_h / (float)D + eps) * (1.0f / sqrtf(ss_k / (float)D + eps)) *
+                   inv_sqrt_d;
+            float sgn = dot > 0 ? 1.0f : dot < 0 ? -1.0f : 0.0f;
+            float g = di_sigmoid(sgn * sqrtf(fmaxf(fabsf(dot), 1e-6f)));
+            for (int64_t d = 0; d < D; d++) hs[d] = hs[d] + g * val[d];
+        }
+    }
+    di_dsv4_round(m, x, (int64_t)n_tok * nc * D);
+}
+
+// Row ids of every Engram layer for the call's tokens (history already holds their ids).
+static void engram_rows(const di_model *m, const di_dsv41_state *st, int32_t p0, int32_t n_tok,
+                        int64_t *rows) {
+    const di_hparams *hp = &m->hp;
+    const di_engram_hash *h = &m->v41->hash;
+    for (int32_t t = 0; t < n_tok; t++) {
+        int32_t look[8];
+        int64_t P = (int64_t)p0 + t;
+        for (int k = 0; k < h->max_ngram; k++)
+            look[k] = P - k >= 0 ? st->hist[P - k] : DI_ENGRAM_DEAD;
+        for (int L = 0; L < hp->n_engram; L++)
+            di_engram_hash_rows(h, L, look, m->v41->pad_c,
+                                rows + ((int64_t)t * hp->n_engram + L) * h->n_col);
+    }
+}
+
+// ---- the single-pass mHC block (§2.2) ----
+
+// One block on streams x [T, NC, D] with the carried pre st->pre (in: P_in, out: F_pre).
+static void block(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il_state,
+                  float *x, const int32_t *ids, bool dspark, int32_t dspark_pos0) {
+    const di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd;
+    const int32_t n_tok = c->n_rows;
+    float *a = di_dsv4_scratch(c, DI_SCR_A);   // [T, D]
+    float *o = di_dsv4_scratch(c, DI_SCR_OUT); // [T, D]
+
+    // Attention site: coefficients from X, input collapsed with the previous site's pre.
+    di_dsv4_hc_mix(c, &lw->hc_attn, x, n_tok, st->pre_attn, NULL, false);
+    collapse(m, x, st->pre, n_tok, a);
+    di_ref_rmsnorm(a, n_tok, D, D, lw->attn_norm, hp->norm_eps);
+    di_dsv4_round(m, a, n_tok * D);
+    if (dspark)
+        di_dsv41_dspark_attention(c, st, lw, il_state, a, n_tok, dspark_pos0, o);
+    else
+        di_dsv41_attention(c, st, lw, il_state, a, o);
+    if (c->trace) c->trace(c->trace_user, "attn_out", lw->il, o, false, n_tok, D);
+    di_dsv4_hc_post(c, o, x, n_tok);
+
+    // FFN site: coefficients from X1, input collapsed with the attention site's pre.
+    di_dsv4_hc_mix(c, &lw->hc_ffn, x, n_tok, st->pre, NULL, false); // st->pre = F_pre
+    collapse(m, x, st->pre_attn, n_tok, a);
+    di_ref_rmsnorm(a, n_tok, D, D, lw->ffn_norm, hp->norm_eps);
+    di_dsv4_round(m, a, n_tok * D);
+    di_dsv4_moe(c, lw, a, ids, o);
+    if (c->trace) c->trace(c->trace_user, "ffn_out", lw->il, o, false, n_tok, D);
+    di_dsv4_hc_post(c, o, x, n_tok);
+}
+
+// h = RMSNorm(collapse(X, P)) for n rows; logits = head · h (FP32).
+static void head(di_dsv4_ctx *c, const float *x, const float *pre, int32_t n, const float *norm,
+                 float *h, float *logits) {
+    di_model *m = c->model;
+    const int64_t D = m->hp.n_embd;
+    collapse(m, x, pre, n, h);
+    di_ref_rmsnorm(h, n, D, D, norm, m->hp.norm_eps);
+    di_dsv4_round(m, h, (int64_t)n * D);
+    di_cpu_matmul(&m->cpu, &m->head, h, n, D, logits, m->hp.n_vocab);
+}
+
+// ---- the forward pass of one call (§2.1) ----
+
+static void setup_ctx(di_session *s, di_dsv4_seq *seq, di_dsv4_ctx *c, int32_t pos, int32_t n_tok) {
+    *seq = (di_dsv4_seq){.layers = NULL, .pos = pos, .n_tok = n_tok, .row0 = 0};
+    *c = (di_dsv4_ctx){.model = s->model,
+                       .ws = &s->ws,
+                       .seqs = seq,
+                       .n_seq = 1,
+                       .n_rows = n_tok,
+                       .trace = s->trace,
+                       .trace_user = s->trace_user};
+    for (int32_t t = 0; t < n_tok; t++) {
+        s->ws.row_seq[t] = 0;
+        s->ws.row_pos[t] = pos + t;
+    }
+}
+
+void di_dsv41_forward(di_session *s, const int32_t *tokens, int32_t n_tok, float *logits,
+                      int32_t n_out) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    di_dsv41_state *st = s->v41;
+    const int nc = hp->hc_mult;
+    const int64_t D = hp->n_embd;
+    const int32_t p0 = s->pos;
+    di_dsv4_seq seq;
+    di_dsv4_ctx c;
+    setup_ctx(s, &seq, &c, p0, n_tok);
+    float *x = di_dsv4_scratch(&c, DI_SCR_X); // [T, NC, D]
+
+    // Engram history and row ids, once per call for every Engram layer.
+    if (hp->n_engram > 0) {
+        for (int32_t t = 0; t < n_tok; t++) st->hist[p0 + t] = m->v41->cmap[tokens[t]];
+        engram_rows(m, st, p0, n_tok, st->eg_rows);
+    }
+    // Embedding in every stream; P = one-hot(stream 0).
+    for (int32_t t = 0; t < n_tok; t++) {
+        float *xt = x + (int64_t)t * nc * D;
+        di_tensor_row_f32(&m->embed, tokens[t], xt);
+        for (int k = 1; k < nc; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
+    }
+    one_hot_pre(m, st->pre, n_tok);
+    st->have_topk = st->have_cand = false;
+    const int64_t n_col = m->v41->hash.n_col;
+    for (int il = 0; il < hp->n_layer; il++) {
+        const di_dsv4_layer_w *lw = &m->layers[il];
+        if (lw->engram >= 0)
+            engram(&c, st, lw, st->eg_rows + lw->engram * n_col, hp->n_engram * n_col, x);
+        for (int k = 0; k < hp->n_dspark_target && s->mtp; k++) {
+            if (hp->dspark_target[k] != il) continue;
+            for (int32_t t = 0; t < n_tok; t++) { // tap = mean over the streams of the input
+                float *tap = st->taps + ((int64_t)t * hp->n_dspark_target + k) * D;
+                const float *xt = x + (int64_t)t * nc * D;
+                for (int64_t d = 0; d < D; d++) {
+                    float acc = 0;
+                    for (int q = 0; q < nc; q++) acc += xt[q * D + d];
+                    tap[d] = acc / (float)nc;
+                }
+                di_dsv4_round(m, tap, D);
+            }
+        }
+        block(&c, st, lw, il, x, tokens, false, 0);
+        if (c.trace) {
+            c.trace(c.trace_user, "layer_out", il, x, false, n_tok, nc * D);
+            c.trace(c.trace_user, "hc_pre", il, st->pre, false, n_tok, nc);
+        }
+    }
+    if (logits && n_out > 0) {
+        int32_t first = n_tok - n_out;
+        head(&c, x + (int64_t)first * nc * D, st->pre + first * nc, n_out, m->norm,
+             di_dsv4_scratch(&c, DI_SCR_H), logits);
+    }
+    if (s->mtp) di_dsv41_dspark_context(s, st->taps, p0, n_tok);
+}
+
+// ---- DSpark (§3) ----
+
+void di_dsv41_dspark_context(di_session *s, const float *taps, int32_t p0, int32_t n_tok) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    di_dsv41_state *st = s->v41;
+    const int64_t D = hp->n_embd;
+    di_dsv4_seq seq;
+    di_dsv4_ctx c;
+    setup_ctx(s, &seq, &c, p0, n_tok);
+    float *mx = di_dsv4_scratch(&c, DI_SCR_H); // [T, D]: main_x = RMSNorm(main_proj · taps)
+    di_dsv4_linear(&c, &m->dspark.main_proj, taps, n_tok, (int64_t)hp->n_dspark_target * D, mx, D,
+                   true);
+    di_ref_rmsnorm(mx, n_tok, D, D, m->dspark.main_norm, hp->norm_eps);
+    di_dsv4_round(m, mx, (int64_t)n_tok * D);
+    for (int i = 0; i < m->n_mtp_loaded; i++)
+        di_dsv41_dspark_ring(&c, st, &m->mtp[i].block, hp->n_layer + i, mx, n_tok, p0);
+    if (p0 + n_tok > st->dspark_pos) st->dspark_pos = p0 + n_tok;
+}
+
+di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    di_dsv41_state *st = s->v41;
+    if (!s->mtp || !st || m->n_mtp_loaded == 0) {
+        DI_LOG_ERROR("dspark: the session runs no DSpark module (create it with mtp)");
+        return DI_ERR_INVALID;
+    }
+    if (anchor < 0 || anchor >= hp->n_vocab || s->pos < 1 || st->dspark_pos != s->pos) {
+        DI_LOG_ERROR("dspark: needs a committed forward and an anchor token id < %d", hp->n_vocab);
+        return DI_ERR_INVALID;
+    }
+    const int32_t B = hp->dspark_block_size, nc = hp->hc_mult, R = hp->dspark_markov_rank;
+    const int64_t D = hp->n_embd, V = hp->n_vocab;
+    di_status rs = di_dsv41_reserve(s, B);
+    if (rs != DI_OK) return rs;
+    const int32_t a_pos = s->pos; // the anchor stands at position a = pos
+    di_dsv4_seq seq;
+    di_dsv4_ctx c;
+    setup_ctx(s, &seq, &c, a_pos, B);
+    int32_t ids[16];
+    ids[0] = anchor;
+    for (int j = 1; j < B; j++) ids[j] = hp->dspark_noise_token;
+    float *x = di_dsv4_scratch(&c, DI_SCR_X);
+    for (int32_t t = 0; t < B; t++) {
+        float *xt = x + (int64_t)t * nc * D;
+        di_tensor_row_f32(&m->embed, ids[t], xt);
+        for (int k = 1; k < nc; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
+    }
+    one_hot_pre(m, st->pre, B);
+    for (int i = 0; i < m->n_mtp_loaded; i++)
+        block(&c, st, &m->mtp[i].block, hp->n_layer + i, x, ids, true, a_pos);
+    // h = collapse (pre-norm, kept for the confidence head); base logits from the final norm.
+    float *h = di_dsv4_scratch(&c, DI_SCR_A); // [B, D]
+    collapse(m, x, st->pre, B, h);
+    float *hn = di_dsv4_scratch(&c, DI_SCR_H);
+    memcpy(hn, h, sizeof(float) * (size_t)(B * D));
+    di_ref_rmsnorm(hn, B, D, D, m->dspark.norm, hp->norm_eps);
+    di_dsv4_round(m, hn, (int64_t)B * D);
+    float *lg = st->draft, *mk = lg + V, *me = mk + V; // [V] logits, [V] Markov, [D + R] input
+    int32_t prev = anchor;
+    memset(out, 0, sizeof *out);
+    out->n = B;
+    for (int32_t j = 0; j < B; j++) {
+        di_cpu_matmul(&m->cpu, &m->head, hn + j * D, 1, D, lg, V); // base logits [V]
+        // Markov head: + head_markov · embed_markov[prev] (FP32).
+        memcpy(me, h + j * D, sizeof(float) * (size_t)D);
+        di_tensor_row_f32(&m->dspark.markov_embed, prev, me + D);
+        di_cpu_matmul(&m->cpu, &m->dspark.markov_head, me + D, 1, R, mk, V);
+        int32_t best = 0;
+        for (int64_t v = 0; v < V; v++) {
+            lg[v] += mk[v];
+            if (lg[v] > lg[best]) best = (int32_t)v;
+        }
+        if (logits) memcpy(logits + j * V, lg, sizeof(float) * (size_t)V);
+        float conf = di_ref_dot(m->dspark.confidence, me, D + R);
+        out->conf_logit[j] = conf;
+        out->confidence[j] = di_sigmoid(conf);
+        out->tokens[j] = best;
+        prev = best;
+    }
+    return DI_OK;
+}
+
+// ---- public API (deepinfer.h) ----
+
+di_status di_session_rollback(di_session *s, int32_t n_tokens) {
+    if (!s->v41) {
+        DI_LOG_ERROR("rollback: only DeepSeek V4.1 sessions can take tokens back");
+        return DI_ERR_UNSUPPORTED;
+    }
+    return di_dsv41_rollback(s, n_tokens);
+}
+
+di_status di_session_draft(di_session *s, int32_t anchor, di_draft *out, float *logits) {
+    if (!s->v41) {
+        DI_LOG_ERROR("draft: DSpark drafting needs a DeepSeek V4.1 checkpoint");
+        return DI_ERR_UNSUPPORTED;
+    }
+    _Static_assert(sizeof(di_draft) == sizeof(di_dsv41_draft), "same layout");
+    di_dsv41_draft d;
+    di_status st = di_dsv41_draft_block(s, anchor, &d, logits);
+    if (st != DI_OK) return st;
+    memcpy(out, &d, sizeof d);
+    return DI_OK;
+}

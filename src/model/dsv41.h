@@ -1,0 +1,140 @@
+/*
+ * dsv41 — the DeepSeek V4.1 (Flash) model on top of the V4 machinery (dsv4.h): same di_model /
+ * di_session handles, same weight structs (the V4.1 parts are the "V4.1 only" fields of
+ * di_dsv4_layer_w), same linear / MoE / mHC / RoPE / RMSNorm primitives. What differs is read top
+ * to bottom here:
+ *   dsv41.c        Engram, the single-pass mHC layer loop, the head without hc_head, DSpark
+ *   dsv41_attn.c   attention: CSA2 compressors on kv sources, shared compressed KV, index keys
+ *                  from the latent, the two-level indexer, top-k reuse, window Q8w / entry Q4e
+ *   dsv41_state.c  per-sequence state, rollback of rejected speculative tokens, save/restore
+ * Spec: ../shared/spec/deepseek-v41.md (section numbers below refer to it).
+ *
+ * Owns: di_dsv41_model (Engram hash constants and the compressed token map) belongs to the model;
+ * di_dsv41_state to a session. Thread-safety: as dsv4.h (a session is used by one thread).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "model/dsv4.h"        // di_model, di_session, di_dsv4_ctx
+#include "model/engram_hash.h" // di_engram_hash
+
+// Rolled-back positions a session can take back (di_dsv41_rollback): window rings keep this many
+// rows beyond the window so rejected rows never overwrite rows still needed (§5.3).
+#define DI_DSV41_ROLLBACK_MAX 16
+
+typedef struct di_dsv41_model {
+    di_engram_hash hash;
+    int32_t *cmap; // owned [n_cmap]: token id -> compressed id (§2.3.1 step 1), or NULL
+    int32_t n_cmap;
+    int32_t pad_c; // cmap[engram_pad_id]
+} di_dsv41_model;
+
+// One kv source's global state (§5.1).
+typedef struct di_dsv41_src {
+    float *cmain;      // owned [cap, Dh]: compressed entries (post RoPE, Q4e)
+    float *kidx;       // owned [cap, DI]: index keys (post RoPE, Q4)
+    int64_t n_entries; // entries [0, n_entries) exist
+    int64_t cap;
+    float *cz; // owned [DI_DSV41_CZ_SLOTS, 2 Dh]: FP32 (C, Z) of recent even positions (m = 2)
+} di_dsv41_src;
+
+#define DI_DSV41_CZ_SLOTS (DI_DSV41_ROLLBACK_MAX / 2 + 2)
+
+typedef struct di_dsv41_state {
+    int32_t ring_rows; // W + DI_DSV41_ROLLBACK_MAX; slot of position p = p mod ring_rows
+    float **ring;      // owned [n_state_layers] of owned [ring_rows, Dh]
+    int32_t n_state_layers;
+    di_dsv41_src *src; // owned [n_layer]; only kv sources hold memory
+    int32_t *hist;     // owned [cap_hist]: compressed id of every position (Engram look-back)
+    int64_t cap_hist;
+    int32_t dspark_pos; // DSpark rings hold positions < dspark_pos
+    // Per-call scratch, grown on demand.
+    int32_t cap_tok;
+    int64_t cap_ent;
+    int32_t *topk;    // [T, topk] published selection (ascending entry ids)
+    int32_t *n_topk;  // [T] picks per query
+    bool have_topk;   // an index source published in this call
+    int32_t *cand;    // [T, candidate_topk_blocks] kept candidate blocks of each query
+    int32_t *n_cand;  // [T]
+    bool have_cand;   // the candidate source ran in this call
+    float *pre;       // [T, NC] P carried between sites
+    float *pre_attn;  // [T, NC] the attention site's pre
+    int64_t *eg_rows; // [T, n_engram, n_col]
+    float *eg_in;     // [T, n_col * hd]
+    float *eg_kv;     // [T, (NC + 1) D]
+    float *taps;      // [T, n_target, D] DSpark taps (block inputs of the target layers)
+    float *scores;    // [n_threads, cap_ent] indexer scores
+    float *blk;       // [n_threads, cap_ent + 1] block scores / candidate flags
+    int32_t *order;   // [n_threads, cap_ent + 1] selections
+    float *draft;     // [2 V + D + markov_rank] DSpark head scratch (DSpark sessions)
+} di_dsv41_state;
+
+// ---- model (dsv41.c) ----
+
+// Loads the V4.1 extras after the weights are bound: the Engram hash constants and, when there are
+// Engram layers, the compressed token map from <dir>/engram/token_map.safetensors (tensor
+// "token_map", I32 or I64, >= vocab_size entries in [0, engram_compressed_vocab_size)). A missing
+// map is a warning (the model loads for info; sessions are refused with DI_ERR_INVALID).
+// DI_ERR_IO, DI_ERR_FORMAT (a malformed map), DI_ERR_NOMEM.
+di_status di_dsv41_model_init(di_model *m, const char *dir);
+void di_dsv41_model_free(di_model *m);
+
+// The forward of one call for a session: n_tok tokens at positions s->pos .. (the caller
+// validated them and reserved capacity with di_dsv41_reserve; the caller advances s->pos).
+// logits [n_out, V] of the last n_out rows (NULL: none). A DSpark session also writes the DSpark
+// context rows of every position of the call.
+void di_dsv41_forward(di_session *s, const int32_t *tokens, int32_t n_tok, float *logits,
+                      int32_t n_out);
+
+// ---- attention (dsv41_attn.c) ----
+
+// One attention layer for the single sequence of c (a [T, D] normed input, out [T, D]).
+void di_dsv41_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il,
+                        const float *a, float *out);
+// DSpark attention of a draft block: queries = the block rows (positions pos0 ..), keys = the
+// block's ring (context positions < pos0) plus every block row (non-causal).
+void di_dsv41_dspark_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
+                               int il_state, const float *a, int32_t n_tok, int32_t pos0,
+                               float *out);
+// Writes the DSpark ring rows of block il_state for context positions p0 .. p0 + n - 1 from the
+// projected context main_x [n, D].
+void di_dsv41_dspark_ring(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
+                          int il_state, const float *main_x, int32_t n, int32_t p0);
+
+// ---- state (dsv41_state.c) ----
+
+di_status di_dsv41_state_create(di_session *s);
+void di_dsv41_state_destroy(di_session *s);
+// Grows entry arrays, history and scratch for a call of n_tok tokens. DI_ERR_NOMEM.
+di_status di_dsv41_reserve(di_session *s, int32_t n_tok);
+di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes);
+di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes);
+
+// Takes back the last n positions (rejected speculative tokens, §5.3): afterwards the session is
+// exactly the state of a run that never saw them. DI_ERR_INVALID if n < 0, n > s->pos or
+// n > DI_DSV41_ROLLBACK_MAX (then nothing changes).
+di_status di_dsv41_rollback(di_session *s, int32_t n);
+
+// ---- DSpark (dsv41.c) ----
+
+typedef struct di_dsv41_draft {
+    int32_t n;            // drafts (dspark_block_size)
+    int32_t tokens[16];   // greedy (argmax) draft for positions a+1 .. a+n
+    float confidence[16]; // sigmoid(confidence logit): P(draft j accepted | drafts < j accepted)
+    float conf_logit[16];
+} di_dsv41_draft;
+
+// Writes the DSpark context rows of positions p0 .. p0 + n_tok - 1 from taps [n_tok, n_target · D]
+// (the stream means of the target layers' inputs): main_x = RMSNorm(main_proj · taps), then every
+// block's ring row (§3.2). Called by every forward of a DSpark session; tests call it with a
+// reference's taps. n_tok <= the scratch rows reserved; positions at most those fed (by the
+// forward in progress or before).
+void di_dsv41_dspark_context(di_session *s, const float *taps, int32_t p0, int32_t n_tok);
+
+// Drafts a block after a forward whose last position is a-1 and whose argmax y_a (anchor) is the
+// token for position a (§3.3). The session must have been created with mtp (DSpark) and the
+// previous forward must have run with taps (DSpark sessions always do). logits: when not NULL,
+// [n, V] Markov-corrected draft logits. DI_ERR_INVALID without DSpark weights.
+di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits);

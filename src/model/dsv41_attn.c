@@ -1,0 +1,423 @@
+// dsv41_attn — one DeepSeek V4.1 attention layer (deepseek-v41.md §2.4, §2.5): projections (no
+// per-head q RMS), the window row with Q8w over all dims, the CSA2 compressor of kv sources
+// (m = 2 non-overlapping pooling without ape, m = 1 plain projection) finalising index keys and
+// Q4e entries, the indexer of index sources (no Hadamard; level-1 candidate pool on the candidate
+// source, level-2 restriction after it), top-k reuse on the other layers, the sink softmax over
+// window + selected entries, the grouped output. Also the DSpark block attention (§3.3).
+// Order per call (R-OFF): projections -> compressor -> indexer -> attention -> ring update.
+#include <math.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "model/dsv41.h"
+#include "tensor/quant_ref.h"
+
+// ---- shared helpers ----
+
+// The latest kv source at or before layer il (validated at load to exist when ratio > 0).
+static int source_of(const di_hparams *hp, int il) {
+    for (int l = il; l >= 0; l--)
+        if (hp->kv_source[l]) return l;
+    return -1;
+}
+
+// q [T, H, Dh] and the window row kv [T, Dh] of a normed input a (scratch DI_SCR_QR/Q/KV).
+static void project(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *a, const float *omega,
+                    float rscale, int32_t n_tok, const int32_t *pos) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    float *qr = di_dsv4_scratch(c, DI_SCR_QR); // [T, Rq]
+    di_dsv4_linear(c, &lw->wq_a, a, n_tok, D, qr, Rq, true);
+    di_ref_rmsnorm(qr, n_tok, Rq, Rq, lw->q_norm, hp->norm_eps);
+    di_dsv4_round(m, qr, n_tok * Rq);
+    float *q = di_dsv4_scratch(c, DI_SCR_Q); // [T, H, Dh]; no per-head RMS in V4.1
+    di_dsv4_linear(c, &lw->wq_b, qr, n_tok, Rq, q, H * Dh, true);
+    for (int64_t r = 0; r < n_tok * H; r++)
+        di_ref_rope(q + r * Dh, Dh, n_rot, omega, pos[r / H], rscale, false);
+    di_dsv4_round(m, q, n_tok * H * Dh);
+    float *kv = di_dsv4_scratch(c, DI_SCR_KV); // [T, Dh]
+    di_dsv4_linear(c, &lw->wkv, a, n_tok, D, kv, Dh, true);
+    di_ref_rmsnorm(kv, n_tok, Dh, Dh, lw->kv_norm, hp->norm_eps);
+    di_dsv4_round(m, kv, n_tok * Dh);
+    for (int32_t t = 0; t < n_tok; t++) {
+        di_ref_rope(kv + t * Dh, Dh, n_rot, omega, pos[t], rscale, false);
+        di_dsv4_round(m, kv + t * Dh, Dh);
+        // Q8w: e4m3 with power-of-two scales per 32 over all Dh dims, in every precision
+        // (R-HF applies it in FP32 too, §7.3 item 2).
+        if (Dh % 32 == 0) di_fake_quant_q8(kv + t * Dh, Dh, 32);
+    }
+}
+
+// out [T, D] = wo_b · (grouped wo_a · o) (V4 §2.4).
+static void out_proj(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *o, int32_t n_tok,
+                     float *out) {
+    const di_hparams *hp = &c->model->hp;
+    const int64_t H = hp->n_head, Dh = hp->head_dim, G = hp->o_groups, Ro = hp->o_lora_rank;
+    float *u = di_dsv4_scratch(c, DI_SCR_U); // [T, G*Ro]
+    const int64_t group_in = H * Dh / G;
+    for (int64_t g = 0; g < G; g++) {
+        di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
+        di_dsv4_linear(c, &wg, o + g * group_in, n_tok, H * Dh, u + g * Ro, G * Ro, false);
+    }
+    di_dsv4_linear(c, &lw->wo_b, u, n_tok, G * Ro, out, hp->n_embd, true);
+}
+
+// ---- attention core: sink softmax over a list of key rows ----
+
+typedef struct attn_ctx {
+    const di_model *m;
+    const di_dsv41_state *st;
+    const float *ring;    // this layer's ring [ring_rows, Dh]
+    const float *q;       // [T, H, Dh]
+    const float *kv;      // [T, Dh] this call's rows
+    const float *sink;    // [H]
+    const float *cmain;   // selected entries come from here (or NULL)
+    const int32_t *sel;   // [T, topk] or NULL
+    const int32_t *n_sel; // [T]
+    int32_t topk;
+    int32_t n_tok, p0;
+    int32_t win_keys; // W (backbone: window including the query) or W context rows (DSpark)
+    bool dspark;      // keys: ring positions [p0 - W, p0) + every call row
+    const float *omega;
+    float rscale;
+    float *o;      // [T, H, Dh]
+    float *scores; // per thread
+    int64_t scores_stride;
+} attn_ctx;
+
+static void attn_task(void *p, int ith, int nth) {
+    attn_ctx *c = p;
+    const di_hparams *hp = &c->m->hp;
+    const int32_t H = hp->n_head, Dh = hp->head_dim, n_rot = hp->rope_main.n_dims;
+    const int32_t rr = c->st->ring_rows;
+    const float scale = 1.0f / sqrtf((float)Dh);
+    float *sc = c->scores + (int64_t)ith * c->scores_stride;
+    int64_t lo, hi;
+    di_split_range((int64_t)c->n_tok * H, ith, nth, &lo, &hi);
+    for (int64_t th = lo; th < hi; th++) {
+        int64_t t = th / H, h = th % H, P = c->p0 + t;
+        const float *q = c->q + th * Dh;
+        float *o = c->o + th * Dh;
+        // Keys: positions w_lo .. w_hi (ring below p0, this call's rows from p0), then entries.
+        int64_t w_lo, w_hi;
+        if (c->dspark) {
+            w_lo = c->p0 - c->win_keys > 0 ? c->p0 - c->win_keys : 0;
+            w_hi = c->p0 + c->n_tok - 1;
+        } else {
+            w_lo = P - c->win_keys + 1 > 0 ? P - c->win_keys + 1 : 0;
+            w_hi = P;
+        }
+        const int64_t n_win = w_hi - w_lo + 1;
+        const int64_t n_cmp = c->sel ? c->n_sel[t] : 0;
+#define KEY(j)                                                                                     \
+    ((j) < n_win ? ((w_lo + (j)) < c->p0 ? c->ring + ((w_lo + (j)) % rr) * Dh                      \
+                                         : c->kv + ((w_lo + (j)) - c->p0) * Dh)                    \
+                 : c->cmain + (int64_t)c->sel[t * c->topk + ((j)-n_win)] * Dh)
+        const int64_t n_keys = n_win + n_cmp;
+        float mx = c->sink[h];
+        for (int64_t j = 0; j < n_keys; j++) {
+            sc[j] = di_ref_dot(q, KEY(j), Dh) * scale;
+            mx = fmaxf(mx, sc[j]);
+        }
+        float den = expf(c->sink[h] - mx); // the sink takes mass, gives no value
+        for (int64_t j = 0; j < n_keys; j++) den += (sc[j] = expf(sc[j] - mx));
+        float inv = 1.0f / den;
+        memset(o, 0, sizeof(float) * (size_t)Dh);
+        for (int64_t j = 0; j < n_keys; j++) {
+            float pj = sc[j] * inv;
+            if (c->m->opt.precision == DI_PRECISION_OFFICIAL) pj = di_round_bf16(pj);
+            const float *k = KEY(j);
+            for (int32_t i = 0; i < Dh; i++) o[i] += pj * k[i];
+        }
+#undef KEY
+        di_dsv4_round(c->m, o, Dh);
+        di_ref_rope(o, Dh, n_rot, c->omega, P, c->rscale, true); // de-rotate at the query
+        di_dsv4_round(c->m, o, Dh);
+    }
+}
+
+static void ring_write(const di_dsv41_state *st, float *ring, const float *kv, int32_t n_tok,
+                       int32_t p0, int32_t Dh) {
+    for (int32_t t = n_tok > st->ring_rows ? n_tok - st->ring_rows : 0; t < n_tok; t++)
+        memcpy(ring + (int64_t)((p0 + t) % st->ring_rows) * Dh, kv + (int64_t)t * Dh,
+               sizeof(float) * (size_t)Dh);
+}
+
+// ---- CSA2 compressor of a kv source (§2.5.1) ----
+
+// Index key and Q4e main entry of entry w from its latent [Dh] (pre-RoPE; modified).
+static void finalise(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, di_dsv41_src *src, float *latent,
+                     int64_t w) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int32_t Dh = hp->head_dim, DI = hp->index_head_dim, n_rot = hp->rope_main.n_dims;
+    const int64_t pos = w * lw->ratio;
+    const float rs = hp->rope_compress.attention_factor;
+    float *k = src->kidx + w * DI;
+    di_dsv4_linear(c, &lw->idx_wk, latent, 1, Dh, k, DI, false); // BF16 matmul in R-OFF
+    di_ref_rmsnorm(k, 1, DI, DI, lw->idx_k_norm, hp->norm_eps);
+    di_dsv4_round(m, k, DI);
+    di_ref_rope(k, DI, n_rot, m->omega_compress, pos, rs, false);
+    di_dsv4_round(m, k, DI);
+    if (DI % 32 == 0) di_fake_quant_q4(k, DI, 32);
+    float *e = src->cmain + w * Dh;
+    memcpy(e, latent, sizeof(float) * (size_t)Dh);
+    di_ref_rope(e, Dh, n_rot, m->omega_compress, pos, rs, false);
+    di_dsv4_round(m, e, Dh);
+    if (Dh % 16 == 0) di_fake_quant_q4e(e, Dh, 16);
+}
+
+static void compressor(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il,
+                       const float *a, int32_t n_tok, int32_t p0) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd, Dh = hp->head_dim;
+    di_dsv41_src *src = &st->src[il];
+    const di_dsv4_compressor_w *cw = &lw->cmp;
+    float *cc = di_dsv4_scratch(c, DI_SCR_CC), *cz = di_dsv4_scratch(c, DI_SCR_CZ);
+    float latent[4096];
+    DI_ASSERT(Dh <= 4096);
+    if (lw->ratio == 1) {
+        // latent_j = RMSNorm(wkv · a_j): BF16 matmul (no activation quant) in R-OFF.
+        di_dsv4_linear(c, &cw->wkv, a, n_tok, D, cc, Dh, false);
+        for (int32_t t = 0; t < n_tok; t++) {
+            int64_t w = (int64_t)p0 + t;
+            memcpy(latent, cc + t * Dh, sizeof(float) * (size_t)Dh);
+            di_ref_rmsnorm(latent, 1, Dh, Dh, cw->norm, hp->norm_eps);
+            di_dsv4_round(m, latent, Dh);
+            DI_ASSERT(w == src->n_entries && w < src->cap);
+            finalise(c, lw, src, latent, w);
+            src->n_entries = w + 1;
+        }
+        return;
+    }
+    // m = 2: C, Z in FP32 (FP32 weights and input); groups (2w, 2w + 1), softmax per channel.
+    DI_ASSERT(lw->ratio == 2);
+    di_cpu_matmul(&m->cpu, &cw->wkv, a, n_tok, D, cc, Dh);   // C: [T, Dh]
+    di_cpu_matmul(&m->cpu, &cw->wgate, a, n_tok, D, cz, Dh); // Z: [T, Dh]
+    for (int32_t t = 0; t < n_tok; t++) {
+        int64_t P = (int64_t)p0 + t;
+        float *slot = src->cz + ((P / 2) % DI_DSV41_CZ_SLOTS) * 2 * Dh;
+        if (P % 2 == 0) { // stash as the pending half of group P / 2
+            memcpy(slot, cc + t * Dh, sizeof(float) * (size_t)Dh);
+            memcpy(slot + Dh, cz + t * Dh, sizeof(float) * (size_t)Dh);
+            continue;
+        }
+        const float *c0 = slot, *z0 = slot + Dh, *c1 = cc + t * Dh, *z1 = cz + t * Dh;
+        for (int64_t d = 0; d < Dh; d++) {
+            float mx = fmaxf(z0[d], z1[d]);
+            float e0 = expf(z0[d] - mx), e1 = expf(z1[d] - mx);
+            latent[d] = (e0 * c0[d] + e1 * c1[d]) / (e0 + e1);
+        }
+        di_dsv4_round(m, latent, Dh);
+        di_ref_rmsnorm(latent, 1, Dh, Dh, cw->norm, hp->norm_eps);
+        di_dsv4_round(m, latent, Dh);
+        int64_t w = P / 2;
+        DI_ASSERT(w == src->n_entries && w < src->cap);
+        finalise(c, lw, src, latent, w);
+        src->n_entries = w + 1;
+    }
+}
+
+// ---- indexer (§2.5.3) ----
+
+typedef struct idx_ctx {
+    const di_model *m;
+    di_dsv41_state *st;
+    const di_dsv41_src *src;
+    int32_t src_ratio;
+    const float *qi; // [T, HI, DI]
+    const float *wi; // [T, HI]
+    int32_t n_tok, p0;
+    bool is_cand_source; // build the candidate pool (level 1)
+    bool restrict_cand;  // apply the published pool (level 2)
+} idx_ctx;
+
+static void idx_task(void *p, int ith, int nth) {
+    idx_ctx *c = p;
+    const di_hparams *hp = &c->m->hp;
+    di_dsv41_state *st = c->st;
+    const int32_t HI = hp->n_index_head, DI = hp->index_head_dim, topk = hp->index_topk;
+    const int32_t bs = hp->candidate_block_size, ntb = hp->candidate_topk_blocks;
+    float *sc = st->scores + (int64_t)ith * st->cap_ent;
+    float *blk = st->blk + (int64_t)ith * (st->cap_ent + 1);
+    int32_t *order = st->order + (int64_t)ith * (st->cap_ent + 1);
+    int64_t lo, hi;
+    di_split_range(c->n_tok, ith, nth, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t P = (int64_t)c->p0 + t, vis = (P + 1) / c->src_ratio;
+        DI_ASSERT(vis <= c->src->n_entries);
+        for (int64_t w = 0; w < vis; w++) {
+            const float *kw = c->src->kidx + w * DI;
+            float acc = 0;
+            for (int32_t h = 0; h < HI; h++) {
+                float dot = di_ref_dot(c->qi + (t * HI + h) * DI, kw, DI);
+                acc += c->wi[t * HI + h] * (dot > 0 ? dot : 0); // ReLU per head, then weight
+            }
+            sc[w] = acc;
+        }
+        di_dsv4_round(c->m, sc, vis); // R-OFF: BF16 scores
+        int32_t *cand = st->cand + t * ntb;
+        if (c->is_cand_source) {
+            // Level 1: blocks of bs entries scored by their best entry; the newest visible
+            // entry's block always kept; the top min(ntb, n_blocks) blocks.
+            int64_t n_blk = (vis + bs - 1) / bs;
+            for (int64_t b = 0; b < n_blk; b++) {
+                float mx = -INFINITY;
+                for (int64_t w = b * bs; w < (b + 1) * bs && w < vis; w++) mx = fmaxf(mx, sc[w]);
+                blk[b] = mx;
+            }
+            if (n_blk > 0) blk[n_blk - 1] = INFINITY;
+            int32_t k = (int32_t)(n_blk < ntb ? n_blk : ntb);
+            di_dsv4_topk(blk, n_blk, k, cand);
+            st->n_cand[t] = k;
+        } else if (c->restrict_cand) {
+            // Level 2: scores outside the pool are -inf.
+            int64_t n_blk = (vis + bs - 1) / bs;
+            for (int64_t b = 0; b < n_blk; b++) blk[b] = 0;
+            for (int32_t i = 0; i < st->n_cand[t]; i++) blk[cand[i]] = 1;
+            for (int64_t w = 0; w < vis; w++)
+                if (blk[w / bs] == 0) sc[w] = -INFINITY;
+        }
+        // Top-k over the visible entries (R-OFF keeps a -inf pick; see docs/architecture.md).
+        int32_t k = (int32_t)(vis < topk ? vis : topk);
+        di_dsv4_topk(sc, vis, k, order);
+        memcpy(st->topk + t * topk, order, sizeof(int32_t) * (size_t)k);
+        for (int32_t i = k; i < topk; i++) st->topk[t * topk + i] = -1; // as R-HF's dump pads
+        st->n_topk[t] = k;
+    }
+}
+
+static void indexer(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il,
+                    const float *a, int32_t n_tok, int32_t p0, int src_il) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd, Rq = hp->q_lora_rank, HI = hp->n_index_head;
+    const int64_t DI = hp->index_head_dim;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    const float *qr = di_dsv4_scratch(c, DI_SCR_QR);
+    float *qi = di_dsv4_scratch(c, DI_SCR_IQ); // [T, HI, DI]
+    di_dsv4_linear(c, &lw->idx_wq_b, qr, n_tok, Rq, qi, HI * DI, true);
+    for (int64_t r = 0; r < n_tok * HI; r++) {
+        di_ref_rope(qi + r * DI, DI, n_rot, m->omega_compress, p0 + r / HI,
+                    hp->rope_compress.attention_factor, false);
+        di_dsv4_round(m, qi + r * DI, DI);
+        if (DI % 32 == 0) di_fake_quant_q4(qi + r * DI, DI, 32); // no Hadamard in V4.1
+    }
+    float *wi = di_dsv4_scratch(c, DI_SCR_IW); // [T, HI]
+    di_dsv4_linear(c, &lw->idx_weights_proj, a, n_tok, D, wi, HI, false);
+    const float wscale = 1.0f / sqrtf((float)DI) / sqrtf((float)HI);
+    for (int64_t i = 0; i < n_tok * HI; i++) wi[i] *= wscale;
+    di_dsv4_round(m, wi, n_tok * HI);
+    const bool is_cand = il == hp->candidate_layer;
+    idx_ctx ic = {.m = m,
+                  .st = st,
+                  .src = &st->src[src_il],
+                  .src_ratio = hp->compress_ratio[src_il],
+                  .qi = qi,
+                  .wi = wi,
+                  .n_tok = n_tok,
+                  .p0 = p0,
+                  .is_cand_source = is_cand,
+                  .restrict_cand = !is_cand && st->have_cand && hp->candidate_layer >= 0 &&
+                                   hp->candidate_layer < il};
+    di_pool_run(m->pool, idx_task, &ic);
+    st->have_topk = true;
+    if (is_cand) st->have_cand = true;
+    // "topk.<il>": ascending picks, -1 padded (the names of python/di_ref/v41.py).
+    if (c->trace) c->trace(c->trace_user, "topk", il, st->topk, true, n_tok, hp->index_topk);
+}
+
+// ---- the layer ----
+
+void di_dsv41_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il,
+                        const float *a, float *out) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int32_t n_tok = c->n_rows, p0 = c->seqs[0].pos;
+    const bool compress = lw->ratio > 0;
+    const float *omega = compress ? m->omega_compress : m->omega_main;
+    const float rscale =
+        compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
+    project(c, lw, a, omega, rscale, n_tok, c->ws->row_pos);
+    int src_il = compress ? source_of(hp, il) : -1;
+    if (lw->kv_source) compressor(c, st, lw, il, a, n_tok, p0);
+    if (lw->index_source) indexer(c, st, lw, il, a, n_tok, p0, src_il);
+
+    attn_ctx ac = {
+        .m = m,
+        .st = st,
+        .ring = st->ring[il],
+        .q = di_dsv4_scratch(c, DI_SCR_Q),
+        .kv = di_dsv4_scratch(c, DI_SCR_KV),
+        .sink = lw->attn_sink,
+        .cmain = compress ? st->src[src_il].cmain : NULL,
+        .sel = compress && st->have_topk ? st->topk : NULL,
+        .n_sel = st->n_topk,
+        .topk = hp->index_topk,
+        .n_tok = n_tok,
+        .p0 = p0,
+        .win_keys = hp->window,
+        .dspark = false,
+        .omega = omega,
+        .rscale = rscale,
+        .o = di_dsv4_scratch(c, DI_SCR_O),
+        .scores = c->ws->attn_scratch,
+        .scores_stride = (int64_t)(c->ws->attn_scratch_floats / (size_t)m->cpu.n_threads),
+    };
+    di_pool_run(m->pool, attn_task, &ac);
+    out_proj(c, lw, ac.o, n_tok, out);
+    ring_write(st, st->ring[il], ac.kv, n_tok, p0, hp->head_dim);
+}
+
+// ---- DSpark (§3.2, §3.3) ----
+
+void di_dsv41_dspark_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
+                               int il_state, const float *a, int32_t n_tok, int32_t pos0,
+                               float *out) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    project(c, lw, a, m->omega_main, hp->rope_main.attention_factor, n_tok, c->ws->row_pos);
+    attn_ctx ac = {
+        .m = m,
+        .st = st,
+        .ring = st->ring[il_state],
+        .q = di_dsv4_scratch(c, DI_SCR_Q),
+        .kv = di_dsv4_scratch(c, DI_SCR_KV),
+        .sink = lw->attn_sink,
+        .n_sel = st->n_topk,
+        .topk = hp->index_topk,
+        .n_tok = n_tok,
+        .p0 = pos0,
+        .win_keys = hp->window,
+        .dspark = true,
+        .omega = m->omega_main,
+        .rscale = hp->rope_main.attention_factor,
+        .o = di_dsv4_scratch(c, DI_SCR_O),
+        .scores = c->ws->attn_scratch,
+        .scores_stride = (int64_t)(c->ws->attn_scratch_floats / (size_t)m->cpu.n_threads),
+    };
+    di_pool_run(m->pool, attn_task, &ac);
+    out_proj(c, lw, ac.o, n_tok, out); // block rows are not stored
+}
+
+void di_dsv41_dspark_ring(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
+                          int il_state, const float *main_x, int32_t n, int32_t p0) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd, Dh = hp->head_dim;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    float *kv = di_dsv4_scratch(c, DI_SCR_KV); // [n, Dh]
+    di_dsv4_linear(c, &lw->wkv, main_x, n, D, kv, Dh, true);
+    di_ref_rmsnorm(kv, n, Dh, Dh, lw->kv_norm, hp->norm_eps);
+    di_dsv4_round(m, kv, n * Dh);
+    for (int32_t t = 0; t < n; t++) {
+        di_ref_rope(kv + t * Dh, Dh, n_rot, m->omega_main, p0 + t, hp->rope_main.attention_factor,
+                    false);
+        di_dsv4_round(m, kv + t * Dh, Dh);
+        if (Dh % 32 == 0) di_fake_quant_q8(kv + t * Dh, Dh, 32);
+    }
+    ring_write(st, st->ring[il_state], kv, n, p0, (int32_t)Dh);
+}

@@ -1,0 +1,302 @@
+// dsv41_state — the per-sequence state of DeepSeek V4.1 (deepseek-v41.md §5.1): window rings of
+// every backbone layer and DSpark block (W + DI_DSV41_ROLLBACK_MAX rows, so rejected speculative
+// rows never overwrite rows still needed), the compressed entries and index keys of the kv
+// sources, the FP32 (C, Z) of recent even positions (pending groups, kept for rollback), the
+// Engram history; rollback (§5.3) and the byte serialisation.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/buf.h"
+#include "base/log.h"
+#include "base/mem.h"
+#include "model/dsv41.h"
+
+// ---- create / destroy ----
+
+static int32_t n_state(const di_session *s) {
+    return s->model->hp.n_layer + (s->mtp ? s->model->n_mtp_loaded : 0);
+}
+
+di_status di_dsv41_state_create(di_session *s) {
+    const di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    if (hp->n_engram > 0 && !m->v41->cmap) {
+        DI_LOG_ERROR("session: the checkpoint's Engram layers need engram/token_map.safetensors "
+                     "(the compressed token map) in the model directory");
+        return DI_ERR_INVALID;
+    }
+    di_dsv41_state *st = di_calloc(1, sizeof *st);
+    if (!st) return DI_ERR_NOMEM;
+    s->v41 = st;
+    st->ring_rows = hp->window + DI_DSV41_ROLLBACK_MAX;
+    if (s->mtp) {
+        st->draft = di_malloc(sizeof(float) * (size_t)(2 * (int64_t)hp->n_vocab + hp->n_embd +
+                                                       hp->dspark_markov_rank));
+        if (!st->draft) return DI_ERR_NOMEM;
+    }
+    st->n_state_layers = n_state(s);
+    st->ring = di_calloc((size_t)st->n_state_layers, sizeof *st->ring);
+    st->src = di_calloc((size_t)hp->n_layer, sizeof *st->src);
+    if (!st->ring || !st->src) return DI_ERR_NOMEM;
+    for (int il = 0; il < st->n_state_layers; il++) {
+        st->ring[il] =
+            di_aligned_calloc(sizeof(float) * (size_t)st->ring_rows * (size_t)hp->head_dim);
+        if (!st->ring[il]) return DI_ERR_NOMEM;
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!hp->kv_source[il] || hp->compress_ratio[il] != 2) continue;
+        st->src[il].cz =
+            di_calloc((size_t)DI_DSV41_CZ_SLOTS * 2 * (size_t)hp->head_dim, sizeof(float));
+        if (!st->src[il].cz) return DI_ERR_NOMEM;
+    }
+    return DI_OK;
+}
+
+void di_dsv41_state_destroy(di_session *s) {
+    di_dsv41_state *st = s->v41;
+    if (!st) return;
+    for (int il = 0; st->ring && il < st->n_state_layers; il++) di_aligned_free(st->ring[il]);
+    di_free(st->ring);
+    for (int il = 0; st->src && il < s->model->hp.n_layer; il++) {
+        di_free(st->src[il].cmain);
+        di_free(st->src[il].kidx);
+        di_free(st->src[il].cz);
+    }
+    di_free(st->src);
+    di_free(st->hist);
+    di_free(st->topk);
+    di_free(st->n_topk);
+    di_free(st->cand);
+    di_free(st->n_cand);
+    di_free(st->pre);
+    di_free(st->pre_attn);
+    di_free(st->eg_rows);
+    di_free(st->eg_in);
+    di_free(st->eg_kv);
+    di_free(st->taps);
+    di_free(st->scores);
+    di_free(st->blk);
+    di_free(st->order);
+    di_free(st->draft);
+    di_free(st);
+    s->v41 = NULL;
+}
+
+// ---- capacity ----
+
+static bool grow(void **p, size_t bytes) {
+    void *q = di_realloc(*p, bytes ? bytes : 1);
+    if (!q) return false;
+    *p = q;
+    return true;
+}
+
+// Capacity for positions < end and scratch for calls of n_tok rows.
+static di_status reserve(di_session *s, int64_t end, int32_t n_tok) {
+    const di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    di_dsv41_state *st = s->v41;
+    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
+    int64_t max_ent = 0;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        di_dsv41_src *src = &st->src[il];
+        int64_t need = end / hp->compress_ratio[il];
+        if (need > max_ent) max_ent = need;
+        if (need <= src->cap) continue;
+        int64_t cap = src->cap ? src->cap : 64;
+        while (cap < need) cap *= 2;
+        if (!grow((void **)&src->cmain, sizeof(float) * (size_t)(cap * Dh)) ||
+            !grow((void **)&src->kidx, sizeof(float) * (size_t)(cap * DI)))
+            return DI_ERR_NOMEM;
+        src->cap = cap;
+    }
+    if (end > st->cap_hist) {
+        int64_t cap = st->cap_hist ? st->cap_hist : 256;
+        while (cap < end) cap *= 2;
+        if (!grow((void **)&st->hist, sizeof(int32_t) * (size_t)cap)) return DI_ERR_NOMEM;
+        st->cap_hist = cap;
+    }
+    if (max_ent > st->cap_ent) {
+        int64_t cap = st->cap_ent ? st->cap_ent : 64;
+        while (cap < max_ent) cap *= 2;
+        size_t nth = (size_t)m->cpu.n_threads;
+        if (!grow((void **)&st->scores, sizeof(float) * nth * (size_t)cap) ||
+            !grow((void **)&st->blk, sizeof(float) * nth * (size_t)(cap + 1)) ||
+            !grow((void **)&st->order, sizeof(int32_t) * nth * (size_t)(cap + 1)))
+            return DI_ERR_NOMEM;
+        st->cap_ent = cap;
+    }
+    if (n_tok > st->cap_tok) {
+        size_t T = (size_t)n_tok, nc = (size_t)hp->hc_mult, D = (size_t)hp->n_embd;
+        size_t n_col = (size_t)m->v41->hash.n_col;
+        if (!grow((void **)&st->topk, sizeof(int32_t) * T * (size_t)hp->index_topk) ||
+            !grow((void **)&st->n_topk, sizeof(int32_t) * T) ||
+            !grow((void **)&st->cand, sizeof(int32_t) * T * (size_t)hp->candidate_topk_blocks) ||
+            !grow((void **)&st->n_cand, sizeof(int32_t) * T) ||
+            !grow((void **)&st->pre, sizeof(float) * T * nc) ||
+            !grow((void **)&st->pre_attn, sizeof(float) * T * nc) ||
+            !grow((void **)&st->eg_rows, sizeof(int64_t) * T * (size_t)hp->n_engram * n_col) ||
+            !grow((void **)&st->eg_in, sizeof(float) * T * n_col * (size_t)hp->engram_head_dim) ||
+            !grow((void **)&st->eg_kv, sizeof(float) * T * (nc + 1) * D) ||
+            !grow((void **)&st->taps, sizeof(float) * T * (size_t)hp->n_dspark_target * D))
+            return DI_ERR_NOMEM;
+        st->cap_tok = n_tok;
+    }
+    // Attention scores per thread: window + top-k (+ the DSpark block rows).
+    return di_dsv4_ws_reserve(&s->ws, m, n_tok, max_ent + hp->dspark_block_size, false);
+}
+
+di_status di_dsv41_reserve(di_session *s, int32_t n_tok) {
+    return reserve(s, (int64_t)s->pos + n_tok, n_tok);
+}
+
+// ---- rollback (§5.3) ----
+
+di_status di_dsv41_rollback(di_session *s, int32_t n) {
+    if (!s->v41 || n < 0 || n > s->pos || n > DI_DSV41_ROLLBACK_MAX) {
+        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d)", n, s->pos,
+                     DI_DSV41_ROLLBACK_MAX);
+        return DI_ERR_INVALID;
+    }
+    const di_hparams *hp = &s->model->hp;
+    di_dsv41_state *st = s->v41;
+    const int32_t pos = s->pos - n;
+    // Entries of groups completed by a rejected token go; a group left half full is pending
+    // again, its (C, Z) still in its slot (compressor in dsv41_attn.c). Window rows of rejected
+    // positions lie in slots no kept query reads (the ring has DI_DSV41_ROLLBACK_MAX spare rows).
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il]) st->src[il].n_entries = pos / hp->compress_ratio[il];
+    if (st->dspark_pos > pos) st->dspark_pos = pos;
+    s->pos = pos;
+    return DI_OK;
+}
+
+// ---- serialisation ----
+// Layout: {magic "D41S", version, model fingerprint, pos, dspark_pos, mtp}, rings of every state
+// layer, per kv source {n_entries, entries, index keys, (C, Z) slots}, Engram history [pos], then
+// an FNV-1a 64 checksum of everything before it.
+
+#define STATE_MAGIC 0x53313444u // "D41S"
+#define STATE_VERSION 1u
+
+static uint64_t fnv1a(const void *p, size_t n, uint64_t h) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static uint64_t fingerprint(const di_model *m) {
+    return fnv1a(&m->hp, sizeof m->hp, 0xcbf29ce484222325ull);
+}
+
+di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes) {
+    const di_hparams *hp = &s->model->hp;
+    const di_dsv41_state *st = s->v41;
+    const size_t Dh = (size_t)hp->head_dim, DI = (size_t)hp->index_head_dim;
+    di_buf b;
+    di_buf_init(&b);
+    uint32_t hdr[2] = {STATE_MAGIC, STATE_VERSION};
+    uint64_t fp = fingerprint(s->model);
+    int32_t pos[2] = {s->pos, st->dspark_pos};
+    uint8_t mtp = s->mtp;
+    di_status r = di_buf_append(&b, hdr, sizeof hdr);
+    if (!r) r = di_buf_append(&b, &fp, sizeof fp);
+    if (!r) r = di_buf_append(&b, pos, sizeof pos);
+    if (!r) r = di_buf_append(&b, &mtp, 1);
+    for (int il = 0; !r && il < st->n_state_layers; il++)
+        r = di_buf_append(&b, st->ring[il], sizeof(float) * (size_t)st->ring_rows * Dh);
+    for (int il = 0; !r && il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        const di_dsv41_src *src = &st->src[il];
+        size_t ne = (size_t)src->n_entries;
+        r = di_buf_append(&b, &src->n_entries, sizeof src->n_entries);
+        if (!r && ne) r = di_buf_append(&b, src->cmain, sizeof(float) * ne * Dh);
+        if (!r && ne) r = di_buf_append(&b, src->kidx, sizeof(float) * ne * DI);
+        if (!r && src->cz)
+            r = di_buf_append(&b, src->cz, sizeof(float) * DI_DSV41_CZ_SLOTS * 2 * Dh);
+    }
+    if (!r && hp->n_engram > 0 && s->pos > 0)
+        r = di_buf_append(&b, st->hist, sizeof(int32_t) * (size_t)s->pos);
+    if (!r) {
+        uint64_t sum = fnv1a(b.data, b.len, 0xcbf29ce484222325ull);
+        r = di_buf_append(&b, &sum, sizeof sum);
+    }
+    if (r) {
+        di_buf_deinit(&b);
+        return r;
+    }
+    *n_bytes = b.len;
+    *bytes = di_buf_take(&b);
+    return DI_OK;
+}
+
+typedef struct reader {
+    const unsigned char *p;
+    size_t left;
+} reader;
+
+static bool get(reader *r, void *dst, size_t n) {
+    if (n > r->left) return false;
+    if (n) memcpy(dst, r->p, n);
+    r->p += n;
+    r->left -= n;
+    return true;
+}
+
+di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes) {
+    const di_hparams *hp = &s->model->hp;
+    di_dsv41_state *st = s->v41;
+    const size_t Dh = (size_t)hp->head_dim, DI = (size_t)hp->index_head_dim;
+    reader r = {bytes, n_bytes};
+    uint32_t hdr[2];
+    uint64_t fp, sum;
+    int32_t pos[2];
+    uint8_t mtp;
+    bool ok = n_bytes >= sizeof sum;
+    if (ok) {
+        memcpy(&sum, (const unsigned char *)bytes + n_bytes - sizeof sum, sizeof sum);
+        ok = fnv1a(bytes, n_bytes - sizeof sum, 0xcbf29ce484222325ull) == sum;
+    }
+    if (!ok) {
+        DI_LOG_ERROR("session restore: checksum mismatch (truncated or corrupted state)");
+        goto fail;
+    }
+    r.left -= sizeof sum;
+    ok = get(&r, hdr, sizeof hdr) && hdr[0] == STATE_MAGIC && hdr[1] == STATE_VERSION &&
+         get(&r, &fp, sizeof fp) && fp == fingerprint(s->model) && get(&r, pos, sizeof pos) &&
+         pos[0] >= 0 && pos[0] <= s->n_ctx_max && pos[1] >= 0 && pos[1] <= pos[0] &&
+         get(&r, &mtp, 1) && mtp == s->mtp;
+    if (ok) {
+        ok = reserve(s, pos[0], 1) == DI_OK; // capacities for pos[0] positions
+    }
+    for (int il = 0; ok && il < st->n_state_layers; il++)
+        ok = get(&r, st->ring[il], sizeof(float) * (size_t)st->ring_rows * Dh);
+    for (int il = 0; ok && il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        di_dsv41_src *src = &st->src[il];
+        int64_t ne;
+        ok = get(&r, &ne, sizeof ne) && ne == pos[0] / hp->compress_ratio[il] &&
+             get(&r, src->cmain, sizeof(float) * (size_t)ne * Dh) &&
+             get(&r, src->kidx, sizeof(float) * (size_t)ne * DI) &&
+             (!src->cz || get(&r, src->cz, sizeof(float) * DI_DSV41_CZ_SLOTS * 2 * Dh));
+        if (ok) src->n_entries = ne;
+    }
+    if (ok && hp->n_engram > 0 && pos[0] > 0)
+        ok = get(&r, st->hist, sizeof(int32_t) * (size_t)pos[0]);
+    ok = ok && r.left == 0;
+    if (!ok) {
+        DI_LOG_ERROR("session restore: the bytes are not a state of this model (%zu bytes)",
+                     n_bytes);
+        goto fail;
+    }
+    s->pos = pos[0];
+    st->dspark_pos = pos[1];
+    return DI_OK;
+fail:
+    s->pos = 0;
+    st->dspark_pos = 0;
+    for (int il = 0; il < hp->n_layer; il++) st->src[il].n_entries = 0;
+    return DI_ERR_FORMAT;
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# CLI test for DeepSeek V4.1: deepinfer synth --preset v41-tiny, then info / logits (chunked,
+# --dspark) / generate on it, and the serving engine's refusal.
+# Usage: test_v41_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
+set -u
+B=${1:?path to deepinfer}
+fail=0
+check() { # name, got, want
+    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
+}
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+"$B" synth --preset v41-tiny --out "$T/off" --seed 3 2>/dev/null
+check "synth official" "$?" "0"
+"$B" synth --preset v41-tiny --layout hf --out "$T/hf" --seed 3 2>/dev/null
+check "synth hf" "$?" "0"
+M=$T/off
+check "info arch" "$("$B" info --model $M --log-level error | grep -c 'deepseek_v41')" "1"
+check "info layers" "$("$B" info --model $M --log-level error | grep -c 'm0+eg m2+kv+idx+eg m2 m1+kv+idx+cand m1 m1+idx | dspark m0')" "1"
+ids=$(seq -s, 5 9 300)   # 33 ids < 512
+"$B" logits --model $M --tokens "$ids" --out "$T/a.npy" --log-level error
+check "logits exit" "$?" "0"
+"$B" logits --model $M --tokens "$ids" --chunks 7,6,1,1,18 --out "$T/b.npy" --dspark "$T/d.json" \
+    --dspark-logits "$T/d.npy" --log-level error
+check "chunked logits with dspark exit" "$?" "0"
+check "chunked logits identical" "$(cmp "$T/a.npy" "$T/b.npy" && echo same)" "same"
+check "dspark drafts" "$(grep -c '"position"' "$T/d.json")" "5"
+check "dspark logits size" "$(stat -c %s "$T/d.npy")" "$((128 + 5 * 2 * 512 * 4))"
+g1=$("$B" generate --model $M --tokens 5,17,300 -n 8 --no-stop --log-level error)
+check "generate count" "$(echo "$g1" | tr ',' '\n' | wc -l)" "8"
+g2=$("$B" generate --model $M --tokens 5,17,300 -n 8 --no-stop --dspark --log-level error 2>/dev/null)
+check "greedy with DSpark speculation equals plain greedy" "$g2" "$g1"
+"$B" generate --model $M --tokens 5 -n 2 --dspark --temperature 1 2>/dev/null
+check "dspark sampling refused" "$?" "2"
+"$B" logits --model "$T/hf" --tokens 5,6 --out "$T/x.npy" --dspark "$T/x.json" --log-level error 2>/dev/null
+check "dspark without DSpark weights exits 1" "$?" "1"
+exit $fail
