@@ -263,8 +263,8 @@ extern "C" void di_cuda_graph_destroy(di_cuda_graph *g) {
 // ---- op dispatch ----
 
 static const char *const k_op_names[DI_CUDA_OP_COUNT] = {
-    "matmul", "rmsnorm",  "rope", "softmax",  "swiglu",   "mhc",
-    "router", "moe",      "kv_quant", "attn", "compress", "indexer",
+    "matmul", "rmsnorm", "rope",     "softmax", "swiglu",   "mhc",
+    "router", "moe",     "kv_quant", "attn",    "compress", "indexer",
 };
 
 extern "C" const char *di_cuda_op_name(di_cuda_op op) {

@@ -36,8 +36,8 @@ typedef struct di_cuda {
     void *stream;   // owned cudaStream_t
     void *cublaslt; // owned cublasLtHandle_t
     int cc_major, cc_minor, n_sm;
-    size_t smem_optin;  // max dynamic shared memory per block after opting in
-    size_t l2_bytes;    // L2 size
+    size_t smem_optin;   // max dynamic shared memory per block after opting in
+    size_t l2_bytes;     // L2 size
     double hbm_peak_gbs; // from memory clock and bus width (a datasheet-style number)
     // Caching pool: freed blocks keep their memory and are reused for requests of the same
     // rounded size; everything is returned to the driver at destroy.
