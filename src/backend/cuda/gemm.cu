@@ -44,16 +44,16 @@ __device__ __forceinline__ void decode8(const di_tensor &w, int64_t r, int64_t c
     }
     case DI_TENSOR_KIND_FP8: {
         uint2 q = *(const uint2 *)(row + c);
-        const float s =
-            di_ue8m0_f32(w.scale[(size_t)((w.row0 + r) / w.block_out) * w.scale_nb1 + c / w.block_in]);
+        const float s = di_ue8m0_f32(
+            w.scale[(size_t)((w.row0 + r) / w.block_out) * w.scale_nb1 + c / w.block_in]);
         for (int i = 0; i < 4; i++) v[i] = di_e4m3_f32((q.x >> (8 * i)) & 0xFFu) * s;
         for (int i = 0; i < 4; i++) v[4 + i] = di_e4m3_f32((q.y >> (8 * i)) & 0xFFu) * s;
         return;
     }
     case DI_TENSOR_KIND_FP4: {
         uint32_t q = *(const uint32_t *)(row + c / 2);
-        const float s =
-            di_ue8m0_f32(w.scale[(size_t)((w.row0 + r) / w.block_out) * w.scale_nb1 + c / w.block_in]);
+        const float s = di_ue8m0_f32(
+            w.scale[(size_t)((w.row0 + r) / w.block_out) * w.scale_nb1 + c / w.block_in]);
         for (int i = 0; i < 8; i++) v[i] = di_e2m1_f32((q >> (4 * i)) & 15u) * s;
         return;
     }
@@ -218,11 +218,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
 }
 
-extern "C" di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *experts,
-                                            int32_t n_expert, int64_t n_out, int64_t n_in,
-                                            const int32_t *offsets, const int32_t *x_rows,
-                                            const float *x, int64_t x_stride, float *y,
-                                            int64_t y_stride) {
+extern "C" di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *experts, int32_t n_expert,
+                                            int64_t n_out, int64_t n_in, const int32_t *offsets,
+                                            const int32_t *x_rows, const float *x, int64_t x_stride,
+                                            float *y, int64_t y_stride) {
     if (n_expert <= 0 || n_out <= 0) return DI_OK;
     // The vector path's conditions hold for every expert when they hold for the shape: experts of
     // one layer share kind, block sizes and strides (weights.c checks every shape at load).
