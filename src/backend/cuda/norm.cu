@@ -14,7 +14,8 @@ __global__ void __launch_bounds__(NORM_THREADS)
     ss = di_block_sum(ss, red);
     // As the reference: 1 / sqrt(mean + eps), then w * (v * inv).
     const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) v[i] = w ? w[i] * (v[i] * inv) : v[i] * inv;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+        v[i] = w ? w[i] * (v[i] * inv) : v[i] * inv;
 }
 
 extern "C" di_status di_cuda_rmsnorm(di_cuda *cu, float *x, int64_t n_rows, int64_t n,

@@ -17,8 +17,8 @@ extern "C" {
 // pos[r / rows_per_pos] (rows_per_pos = heads per token for q, 1 for kv). omega: device
 // [n_rot / 2]; pos: device int32. DI_ERR_CUDA.
 di_status di_cuda_rope(di_cuda *cu, float *x, int64_t n_rows, int64_t row_stride, int64_t n,
-                       int32_t n_rot, const float *omega, const int32_t *pos,
-                       int32_t rows_per_pos, float scale, bool inverse);
+                       int32_t n_rot, const float *omega, const int32_t *pos, int32_t rows_per_pos,
+                       float scale, bool inverse);
 
 #ifdef __cplusplus
 }
