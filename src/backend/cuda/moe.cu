@@ -200,16 +200,16 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
     const int64_t D = w->D, F = w->F;
     void *b[10] = {0};
     const size_t sizes[10] = {
-        sizeof(float) * (size_t)n_tok * E,     // 0 logits
-        sizeof(int32_t) * (size_t)P,           // 1 sel
-        sizeof(float) * (size_t)P,             // 2 wgt
-        sizeof(int32_t) * (size_t)(E + 1),     // 3 offsets
-        sizeof(int32_t) * (size_t)P,           // 4 rows
-        sizeof(int32_t) * (size_t)P,           // 5 row_of_pair
-        sizeof(float) * (size_t)P * F,         // 6 g (routed; also the shared expert's g)
-        sizeof(float) * (size_t)P * F,         // 7 u
-        sizeof(float) * (size_t)P * D,         // 8 y (routed outputs, grouped)
-        sizeof(float) * (size_t)n_tok * D,     // 9 shared expert output
+        sizeof(float) * (size_t)n_tok * E, // 0 logits
+        sizeof(int32_t) * (size_t)P,       // 1 sel
+        sizeof(float) * (size_t)P,         // 2 wgt
+        sizeof(int32_t) * (size_t)(E + 1), // 3 offsets
+        sizeof(int32_t) * (size_t)P,       // 4 rows
+        sizeof(int32_t) * (size_t)P,       // 5 row_of_pair
+        sizeof(float) * (size_t)P * F,     // 6 g (routed; also the shared expert's g)
+        sizeof(float) * (size_t)P * F,     // 7 u
+        sizeof(float) * (size_t)P * D,     // 8 y (routed outputs, grouped)
+        sizeof(float) * (size_t)n_tok * D, // 9 shared expert output
     };
     for (int i = 0; i < 10; i++) DI_TRY(di_cuda_alloc(cu, sizes[i], &b[i]));
     {

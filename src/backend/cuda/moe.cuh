@@ -29,8 +29,8 @@ di_status di_cuda_router(di_cuda *cu, const float *logits, const float *bias,
 // Groups the n_pairs = T*K pairs of sel by expert: offsets [E+1] (prefix sums), rows [n_pairs]
 // (token of each grouped row), row_of_pair [n_pairs] (grouped row of pair t*K+k). Within an
 // expert, pairs keep ascending pair order. E <= 4096. DI_ERR_CUDA.
-di_status di_cuda_moe_group(di_cuda *cu, const int32_t *sel, int32_t n_pairs, int32_t K,
-                            int32_t E, int32_t *offsets, int32_t *rows, int32_t *row_of_pair);
+di_status di_cuda_moe_group(di_cuda *cu, const int32_t *sel, int32_t n_pairs, int32_t K, int32_t E,
+                            int32_t *offsets, int32_t *rows, int32_t *row_of_pair);
 
 // g = silu(min(g, L)) * clamp(u, -L, L) in place over n_rows rows of F (L <= 0: no clamp).
 di_status di_cuda_swiglu(di_cuda *cu, float *g, const float *u, int64_t n_rows, int64_t F,
@@ -44,9 +44,9 @@ di_status di_cuda_moe_combine(di_cuda *cu, const float *y, const int32_t *row_of
 
 // A layer's MoE weights on the device.
 typedef struct di_cuda_moe_w {
-    di_tensor gate;              // device [E, D] (F32/BF16)
-    const float *gate_bias;      // device [E]; NULL for hash-routed layers
-    const int32_t *tid2eid;      // device [V, K]; NULL for score-routed layers
+    di_tensor gate;                // device [E, D] (F32/BF16)
+    const float *gate_bias;        // device [E]; NULL for hash-routed layers
+    const int32_t *tid2eid;        // device [V, K]; NULL for score-routed layers
     const di_tensor *w1, *w2, *w3; // device arrays [E] of device tensors: [F, D], [D, F], [F, D]
     di_tensor sh_w1, sh_w2, sh_w3; // device tensors
     int32_t n_expert, n_used;
