@@ -31,8 +31,8 @@ __global__ void kv_quant_kernel(const float *__restrict__ kv, int64_t n, int64_t
     for (int32_t b = 0; b < nb; b++) {
         const float x0 = v[b * 64 + lane], x1 = v[b * 64 + 32 + lane];
         float amax = di_warp_max(fmaxf(fabsf(x0), fabsf(x1)));
-        amax = fmaxf(amax, 1e-4f);                               // Q8's floor
-        const int k = ceil_log2_bits(amax * (1.0f / 448.0f));    // one f32 rounding
+        amax = fmaxf(amax, 1e-4f);                                      // Q8's floor
+        const int k = ceil_log2_bits(amax * (1.0f / 448.0f));           // one f32 rounding
         const float inv_s = __uint_as_float((uint32_t)(127 - k) << 23); // 2^-k, exact
         row[b * 64 + lane] = to_e4m3(x0 * inv_s);
         row[b * 64 + 32 + lane] = to_e4m3(x1 * inv_s);
@@ -47,8 +47,7 @@ __global__ void kv_quant_kernel(const float *__restrict__ kv, int64_t n, int64_t
 extern "C" di_status di_cuda_kv_quant(di_cuda *cu, const float *kv, int64_t n, int64_t kv_stride,
                                       int32_t dh, int32_t n_rot, uint8_t *pool,
                                       const int32_t *dst_rows) {
-    if ((dh - n_rot) % 64 != 0 || n_rot % 2 != 0 || dh > DI_CUDA_ATTN_MAX_DH)
-        return DI_ERR_INVALID;
+    if ((dh - n_rot) % 64 != 0 || n_rot % 2 != 0 || dh > DI_CUDA_ATTN_MAX_DH) return DI_ERR_INVALID;
     if (n <= 0) return DI_OK;
     kv_quant_kernel<<<di_div_up(n, 8), 256, 0, di_stream(cu)>>>(
         kv, n, kv_stride, dh, n_rot, di_cuda_kv_row_bytes(dh, n_rot), pool, dst_rows);
@@ -57,8 +56,7 @@ extern "C" di_status di_cuda_kv_quant(di_cuda *cu, const float *kv, int64_t n, i
 }
 
 // Dimension d of a KV row, exact.
-__device__ __forceinline__ float kv_at(const uint8_t *row, int32_t d, int32_t nope,
-                                       int32_t n_rot) {
+__device__ __forceinline__ float kv_at(const uint8_t *row, int32_t d, int32_t nope, int32_t n_rot) {
     if (d < nope) return di_e4m3_f32(row[d]) * di_ue8m0_f32(row[nope + 2 * n_rot + d / 64]);
     return di_bf16_f32(((const uint16_t *)(row + nope))[d - nope]);
 }
@@ -85,7 +83,11 @@ extern "C" di_status di_cuda_kv_dequant(di_cuda *cu, const uint8_t *pool, const 
 
 // ---- attention ----
 
-enum { ATTN_THREADS = 128, ATTN_WARPS = ATTN_THREADS / 32, ATTN_PER_LANE = DI_CUDA_ATTN_MAX_DH / 32 };
+enum {
+    ATTN_THREADS = 128,
+    ATTN_WARPS = ATTN_THREADS / 32,
+    ATTN_PER_LANE = DI_CUDA_ATTN_MAX_DH / 32
+};
 
 // One block per (query row, head). Pass 1: a warp per key computes its score (lane l takes dims
 // l, l+32, ...: consecutive lanes read consecutive bytes); pass 2: max and sum with the sink;
@@ -96,8 +98,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     attn_kernel(const float *__restrict__ q, const uint8_t *__restrict__ pool,
                 const int32_t *__restrict__ key_idx, int64_t key_stride,
                 const int32_t *__restrict__ n_keys, const float *__restrict__ sink, int32_t H,
-                int32_t dh, int32_t n_rot, int64_t row_bytes, float scale,
-                float *__restrict__ o) {
+                int32_t dh, int32_t n_rot, int64_t row_bytes, float scale, float *__restrict__ o) {
     extern __shared__ float sm[]; // q [dh] | red [ATTN_WARPS * dh] | scores [max_keys]
     __shared__ float red32[32];
     float *qs = sm, *part = sm + dh, *sc = part + ATTN_WARPS * dh;
@@ -150,10 +151,9 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 }
 
 extern "C" di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *pool,
-                                  const int32_t *key_idx, int64_t key_stride,
-                                  const int32_t *n_keys, int32_t max_keys, const float *sink,
-                                  int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot, float scale,
-                                  float *o) {
+                                  const int32_t *key_idx, int64_t key_stride, const int32_t *n_keys,
+                                  int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
+                                  int32_t dh, int32_t n_rot, float scale, float *o) {
     if ((dh - n_rot) % 64 != 0 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0) return DI_ERR_INVALID;
     if (n_tok <= 0 || H <= 0) return DI_OK;
     const size_t smem = sizeof(float) * ((size_t)dh * (1 + ATTN_WARPS) + (size_t)max_keys);
@@ -162,8 +162,8 @@ extern "C" di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *po
                           max_keys, smem, cu->smem_optin);
         return DI_ERR_INVALID;
     }
-    CUDA_CHECK(cudaFuncSetAttribute(attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)smem));
+    CUDA_CHECK(
+        cudaFuncSetAttribute(attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     attn_kernel<<<(unsigned)((int64_t)n_tok * H), ATTN_THREADS, smem, di_stream(cu)>>>(
         q, pool, key_idx, key_stride, n_keys, sink, H, dh, n_rot, di_cuda_kv_row_bytes(dh, n_rot),
         scale, o);

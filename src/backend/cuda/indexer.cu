@@ -42,17 +42,16 @@ __global__ void __launch_bounds__(IDX_THREADS)
 extern "C" di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const float *wi,
                                             const float *keys, const int64_t *key_base,
                                             const int32_t *n_vis, int32_t max_vis, int32_t n_tok,
-                                            int32_t HI, int32_t DI, bool round_bf16,
-                                            float *scores, int64_t score_stride) {
+                                            int32_t HI, int32_t DI, bool round_bf16, float *scores,
+                                            int64_t score_stride) {
     const size_t smem = sizeof(float) * ((size_t)HI * DI + (size_t)HI);
     if (smem > cu->smem_optin) return DI_ERR_INVALID;
     if (n_tok <= 0 || max_vis <= 0) return DI_OK;
     CUDA_CHECK(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)smem));
     dim3 grid(di_div_up(max_vis, IDX_KEYS_PER_BLOCK), (unsigned)n_tok);
-    scores_kernel<<<grid, IDX_THREADS, smem, di_stream(cu)>>>(qi, wi, keys, key_base, n_vis, HI,
-                                                              DI, round_bf16, scores,
-                                                              score_stride);
+    scores_kernel<<<grid, IDX_THREADS, smem, di_stream(cu)>>>(qi, wi, keys, key_base, n_vis, HI, DI,
+                                                              round_bf16, scores, score_stride);
     DI_CUDA_LAUNCHED("scores_kernel");
     return DI_OK;
 }
@@ -138,8 +137,7 @@ __global__ void __launch_bounds__(TOPK_THREADS)
 }
 
 extern "C" di_status di_cuda_topk(di_cuda *cu, const float *scores, int64_t score_stride,
-                                  const int32_t *n_vis, int32_t n_tok, int32_t topk,
-                                  int32_t *sel) {
+                                  const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel) {
     if (topk <= 0) return DI_ERR_INVALID;
     if (n_tok <= 0) return DI_OK;
     topk_kernel<<<(unsigned)n_tok, TOPK_THREADS, 0, di_stream(cu)>>>(scores, score_stride, n_vis,
