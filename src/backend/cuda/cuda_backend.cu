@@ -227,7 +227,9 @@ struct di_cuda_graph {
 };
 
 extern "C" di_status di_cuda_graph_begin(di_cuda *cu) {
-    CUDA_CHECK(cudaStreamBeginCapture(di_stream(cu), cudaStreamCaptureModeThreadLocal));
+    // Relaxed: a pool miss inside the capture may call cudaMalloc, which the stricter modes refuse
+    // (the pool's blocks are reused in stream order, which the graph keeps as dependencies).
+    CUDA_CHECK(cudaStreamBeginCapture(di_stream(cu), cudaStreamCaptureModeRelaxed));
     return DI_OK;
 }
 

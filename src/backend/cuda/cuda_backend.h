@@ -93,7 +93,9 @@ di_status di_cuda_tensor_upload(di_cuda *cu, const di_tensor *host, di_tensor *d
 
 typedef struct di_cuda_graph di_cuda_graph;
 // Starts capturing everything enqueued on cu->stream (no launch runs until the graph is
-// launched). Launchers must not synchronise while capturing. DI_ERR_CUDA.
+// launched). Launchers must not synchronise while capturing (no upload/download/sync). Pool
+// blocks taken and freed inside the capture stay bound to the graph's kernels: run the step once
+// uncaptured first so the pool holds every block it needs. DI_ERR_CUDA.
 di_status di_cuda_graph_begin(di_cuda *cu);
 // Ends the capture and instantiates the graph (*out, free with di_cuda_graph_destroy).
 di_status di_cuda_graph_end(di_cuda *cu, di_cuda_graph **out);
