@@ -353,6 +353,7 @@ static void moe_make(moe_layer &L, int32_t E, int32_t K, int64_t D, int64_t F) {
                      weight_bytes(L.w.gate);
     L.w.n_expert = E, L.w.n_used = K, L.w.D = D, L.w.F = F;
     L.w.route_scale = 1.5f, L.w.swiglu_limit = 10.0f, L.w.shared_clamp = true;
+    CK(cudaDeviceSynchronize()); // fills on the non-blocking stream vs legacy-stream copies
 }
 
 static void moe_free(moe_layer &L) {
@@ -468,12 +469,13 @@ typedef struct layer_w {
 static const int32_t kD = 4096, kNC = 4, kH = 64, kDh = 512, kRot = 64, kRq = 1024, kG = 8,
                      kRo = 1024, kHI = 64, kDI = 128, kTopk = 512, kW = 128;
 
-static float *dev_floats(int64_t n, float a, float bias = 0.0f) {
+static float *dev_floats(int64_t n, float a, float value = 0.0f) {
     float *p = (float *)dmalloc(sizeof(float) * (size_t)n);
-    fill(p, sizeof(float) * (size_t)n, 3, 0, a);
-    if (bias != 0.0f) {
-        std::vector<float> h((size_t)n, bias);
+    if (value != 0.0f) { // a constant (norm weights, scales): no random fill to race with
+        std::vector<float> h((size_t)n, value);
         CK(cudaMemcpy(p, h.data(), sizeof(float) * (size_t)n, cudaMemcpyHostToDevice));
+    } else {
+        fill(p, sizeof(float) * (size_t)n, 3, 0, a);
     }
     return p;
 }
@@ -499,6 +501,7 @@ static void layer_make(layer_w &L) {
     for (int g = 0; g < kG; g++)
         L.wo_a.push_back(dev_weight(DI_TENSOR_KIND_BF16, kH * kDh / kG, kRo));
     moe_make(L.moe, 256, 6, kD, 2048);
+    CK(cudaDeviceSynchronize());
     L.bytes_fixed = 2 * weight_bytes(L.hc_fn_attn) + weight_bytes(L.wq_a) + weight_bytes(L.wq_b) +
                     weight_bytes(L.wkv) + weight_bytes(L.wo_b) + weight_bytes(L.idx_wq_b) +
                     weight_bytes(L.idx_wp) + kG * weight_bytes(L.wo_a[0]) + L.moe.shared_bytes;
@@ -510,6 +513,7 @@ typedef struct step_buf {
     int64_t ctx;
     float *x, *a, *mix, *post, *comb, *qr, *q, *kv, *o, *u, *out, *qi, *wi, *scores, *ikeys;
     int32_t *pos, *ids, *sel, *key_idx, *n_keys, *n_vis;
+    int64_t *key_base; // each sequence's own indexer keys
     uint8_t *kv_pool;
 } step_buf;
 
@@ -537,14 +541,20 @@ static void step_make(step_buf &s, int32_t B, int64_t ctx) {
     CK(cudaMemcpy(s.n_keys, nk.data(), 4 * (size_t)B, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(s.n_vis, nv.data(), 4 * (size_t)B, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(s.key_idx, idx.data(), 4 * idx.size(), cudaMemcpyHostToDevice));
+    std::vector<int64_t> kb((size_t)B);
+    for (int32_t b = 0; b < B; b++) kb[(size_t)b] = (int64_t)b * n_ent;
+    s.key_base = (int64_t *)dmalloc(8 * (size_t)B);
+    CK(cudaMemcpy(s.key_base, kb.data(), 8 * (size_t)B, cudaMemcpyHostToDevice));
     s.kv_pool = (uint8_t *)dmalloc((size_t)(B * n_keys * di_cuda_kv_row_bytes(kDh, kRot)));
     fill(s.kv_pool, (size_t)(B * n_keys * di_cuda_kv_row_bytes(kDh, kRot)), 1);
+    // The stream is non-blocking: order the legacy-stream copies above and the fills on it.
+    CK(cudaDeviceSynchronize());
 }
 
 static void step_free(step_buf &s) {
-    void *p[] = {s.x,   s.a,   s.mix,     s.post,   s.comb,  s.qr,     s.q,     s.kv,
-                 s.o,   s.u,   s.out,     s.qi,     s.wi,    s.scores, s.ikeys, s.pos,
-                 s.ids, s.sel, s.key_idx, s.n_keys, s.n_vis, s.kv_pool};
+    void *p[] = {s.x,   s.a,   s.mix,     s.post,   s.comb,  s.qr,      s.q,       s.kv,
+                 s.o,   s.u,   s.out,     s.qi,     s.wi,    s.scores,  s.ikeys,   s.pos,
+                 s.ids, s.sel, s.key_idx, s.n_keys, s.n_vis, s.kv_pool, s.key_base};
     for (void *q : p) cudaFree(q);
 }
 
@@ -569,8 +579,8 @@ static void layer_step(const layer_w &L, step_buf &s) {
     // indexer over ctx/4 entries, top-512
     DK(di_cuda_matmul(g_cu, &L.idx_wq_b, s.qr, B, kRq, s.qi, kHI * kDI));
     DK(di_cuda_matmul(g_cu, &L.idx_wp, s.a, B, kD, s.wi, kHI));
-    DK(di_cuda_indexer_scores(g_cu, s.qi, s.wi, s.ikeys, NULL, s.n_vis, (int32_t)(s.ctx / 4), B,
-                              kHI, kDI, false, s.scores, s.ctx / 4));
+    DK(di_cuda_indexer_scores(g_cu, s.qi, s.wi, s.ikeys, s.key_base, s.n_vis, (int32_t)(s.ctx / 4),
+                              B, kHI, kDI, false, s.scores, s.ctx / 4));
     DK(di_cuda_topk(g_cu, s.scores, s.ctx / 4, s.n_vis, B, kTopk, s.sel));
     DK(di_cuda_attn(g_cu, s.q, s.kv_pool, s.key_idx, kW + kTopk, s.n_keys, kW + kTopk, L.sink, B,
                     kH, kDh, kRot, 1.0f / sqrtf((float)kDh), s.o));
