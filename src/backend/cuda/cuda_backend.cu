@@ -274,8 +274,8 @@ extern "C" const char *di_cuda_op_name(di_cuda_op op) {
 }
 
 extern "C" bool di_cuda_supports_op(const di_cuda *cu, di_cuda_op op, const di_tensor *w) {
-    (void)cu;
     if (op < 0 || op >= DI_CUDA_OP_COUNT) return false;
+    if (cu->disabled_ops & (1u << op)) return false;
     if (op == DI_CUDA_OP_MATMUL || op == DI_CUDA_OP_MOE) {
         if (!w) return false;
         switch (w->kind) {

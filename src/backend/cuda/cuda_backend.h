@@ -48,6 +48,9 @@ typedef struct di_cuda {
     int64_t n_weights, cap_weights;
     size_t weight_bytes;
     bool warned_fallback[32]; // one WARN per op that fell back to the CPU
+    // Debug switch (tests): ops whose bit (1 << di_cuda_op) is set report unsupported, so the CPU
+    // fallback path can be checked with ordinary inputs. 0 in the engine.
+    uint32_t disabled_ops;
 } di_cuda;
 
 // Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.

@@ -46,34 +46,39 @@ static void test_ops_table(void) {
     CHECK(di_cuda_supports_op(g_cu, DI_CUDA_OP_RMSNORM, NULL));
 }
 
-// An F32 matrix whose kind is reported unsupported is impossible, so the fallback runs on a
-// FP4 matrix with an odd row length (never in a V4 checkpoint, but a valid di_tensor for the CPU).
+// The fallback path: matmul reported unsupported through the debug switch, so an ordinary BF16
+// matrix runs through di_cpu_matmul; the result must be the CPU's bits.
 static void test_fallback(void) {
     di_pool *pool;
     di_cpu cpu;
     CK(di_pool_create(2, &pool));
     CK(di_cpu_init(&cpu, pool, 256));
     const int64_t n = 64, n_out = 5, T = 3;
-    uint8_t data[5 * 32], scale[5 * 2];
-    for (size_t i = 0; i < sizeof data; i++) data[i] = (uint8_t)rnd();
-    for (size_t i = 0; i < sizeof scale; i++) scale[i] = 126 + (uint8_t)(rnd() % 3);
-    di_tensor w = {.name = "odd",
-                   .kind = DI_TENSOR_KIND_FP4,
-                   .ne = {n - 1, n_out},
-                   .nb1 = 32,
-                   .data = data,
-                   .scale = scale,
-                   .scale_nb1 = 2,
-                   .block_out = 1,
-                   .block_in = 32};
+    uint16_t data[5 * 64];
+    for (size_t i = 0; i < 5 * 64; i++) data[i] = (uint16_t)(0x3C00 + (rnd() & 0x1FF)); // ~1..2
+    di_tensor w = {.name = "fallback",
+                   .kind = DI_TENSOR_KIND_BF16,
+                   .ne = {n, n_out},
+                   .nb1 = 2 * (size_t)n,
+                   .data = data};
+    di_tensor wd;
+    CK(di_cuda_tensor_upload(g_cu, &w, &wd));
     float x[3 * 64], y[3 * 5], yr[3 * 5];
     fill_rand(x, T * n, 1.0f);
     di_cpu_matmul(&cpu, &w, x, T, n, yr, n_out);
     float *xd = dev_from(x, sizeof x), *yd = dev_alloc(sizeof y);
     dev_poison(yd, sizeof y);
-    CK(di_cuda_matmul_or_cpu(g_cu, &cpu, &w, NULL, xd, T, n, yd, n_out));
+    g_cu->disabled_ops = 1u << DI_CUDA_OP_MATMUL;
+    CHECK(!di_cuda_supports_op(g_cu, DI_CUDA_OP_MATMUL, &w));
+    CK(di_cuda_matmul_or_cpu(g_cu, &cpu, &w, &wd, xd, T, n, yd, n_out));
+    g_cu->disabled_ops = 0;
     dev_to(y, yd, sizeof y);
     CHECK(memcmp(y, yr, sizeof y) == 0); // the same CPU code: identical bits
+    // And the GPU path of the same call agrees to rounding.
+    dev_poison(yd, sizeof y);
+    CK(di_cuda_matmul_or_cpu(g_cu, &cpu, &w, &wd, xd, T, n, yd, n_out));
+    dev_to(y, yd, sizeof y);
+    CHECK(rel_l2(y, yr, T * n_out) < 1e-5);
     dev_free(xd), dev_free(yd);
     di_cpu_deinit(&cpu);
     di_pool_destroy(pool);
