@@ -56,7 +56,7 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
 
     // Router in FP32: s = sqrt(softplus(gate . f)).
     float *score = di_dsv4_scratch(c, DI_SCR_LOGIT); // [T, E]
-    di_cpu_matmul(&m->cpu, &lw->gate, f, n_tok, D, score, E);
+    di_dsv4_matmul(m, &lw->gate, f, n_tok, D, score, E);
     for (int64_t i = 0; i < (int64_t)n_tok * E; i++) score[i] = sqrtf(di_softplus(score[i]));
 
     // Selection and routing weights: sel [T, K] (session int scratch), wgt [T, K].
