@@ -17,6 +17,19 @@ static bool vec8_ok(const di_tensor *w) {
     return w->nb1 % 16 == 0;
 }
 
+// The 16-element path (decode GEMV): 16-byte loads of FP8 codes (8 of FP4, 32 of BF16/F16, 64 of
+// F32) per lane; needs n_in and block_in multiples of 16 and 16-byte aligned rows.
+static bool vec16_ok(const di_tensor *w) {
+    if (w->ne[0] % 16 != 0) return false;
+    if (w->kind == DI_TENSOR_KIND_FP8) return w->block_in % 16 == 0 && w->nb1 % 16 == 0;
+    if (w->kind == DI_TENSOR_KIND_FP4) return w->block_in % 16 == 0 && w->nb1 % 8 == 0;
+    return w->nb1 % 16 == 0;
+}
+
+static int vec_mode(const di_tensor *w) {
+    return vec16_ok(w) ? 16 : vec8_ok(w) ? 8 : 0;
+}
+
 // Columns [c, c+8) of row r, exact (equal to di_w_at element by element).
 __device__ __forceinline__ void decode8(const di_tensor &w, int64_t r, int64_t c, float v[8]) {
     const uint8_t *row = (const uint8_t *)w.data + (size_t)r * w.nb1;
@@ -60,15 +73,75 @@ __device__ __forceinline__ void decode8(const di_tensor &w, int64_t r, int64_t c
     }
 }
 
+// Columns [c, c+16) of row r, exact (vec16_ok).
+__device__ __forceinline__ void decode16(const di_tensor &w, int64_t r, int64_t c, float v[16]) {
+    const uint8_t *row = (const uint8_t *)w.data + (size_t)r * w.nb1;
+    switch (w.kind) {
+    case DI_TENSOR_KIND_F32: {
+        const float4 *p = (const float4 *)(row + 4 * c);
+        for (int k = 0; k < 4; k++) {
+            const float4 a = p[k];
+            v[4 * k] = a.x, v[4 * k + 1] = a.y, v[4 * k + 2] = a.z, v[4 * k + 3] = a.w;
+        }
+        return;
+    }
+    case DI_TENSOR_KIND_F16: {
+        const uint4 q0 = *(const uint4 *)(row + 2 * c), q1 = *(const uint4 *)(row + 2 * c + 16);
+        const __half *h0 = (const __half *)&q0, *h1 = (const __half *)&q1;
+        for (int i = 0; i < 8; i++) v[i] = __half2float(h0[i]), v[8 + i] = __half2float(h1[i]);
+        return;
+    }
+    case DI_TENSOR_KIND_BF16: {
+        const uint4 q0 = *(const uint4 *)(row + 2 * c), q1 = *(const uint4 *)(row + 2 * c + 16);
+        const uint32_t u[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        for (int i = 0; i < 8; i++) {
+            v[2 * i] = __uint_as_float(u[i] << 16);
+            v[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
+        }
+        return;
+    }
+    case DI_TENSOR_KIND_FP8: {
+        const uint4 q = *(const uint4 *)(row + c);
+        const float s = di_ue8m0_f32(
+            w.scale[(size_t)((w.row0 + r) / w.block_out) * w.scale_nb1 + c / w.block_in]);
+        const uint32_t u[4] = {q.x, q.y, q.z, q.w};
+        for (int k = 0; k < 4; k++)
+            for (int i = 0; i < 4; i++) v[4 * k + i] = di_e4m3_f32((u[k] >> (8 * i)) & 0xFFu) * s;
+        return;
+    }
+    case DI_TENSOR_KIND_FP4: {
+        const uint2 q = *(const uint2 *)(row + c / 2);
+        const float s = di_ue8m0_f32(
+            w.scale[(size_t)((w.row0 + r) / w.block_out) * w.scale_nb1 + c / w.block_in]);
+        for (int i = 0; i < 8; i++) v[i] = di_e2m1_f32((q.x >> (4 * i)) & 15u) * s;
+        for (int i = 0; i < 8; i++) v[8 + i] = di_e2m1_f32((q.y >> (4 * i)) & 15u) * s;
+        return;
+    }
+    }
+}
+
 // ---- gemv: one warp per output row, up to NT tokens ----
 
 template <int NT>
 __device__ __forceinline__ void gemv_row(const di_tensor &w, int64_t o, const float *const *xs,
-                                         int nt, bool vec, float acc[NT]) {
+                                         int nt, int vec, float acc[NT]) {
     const int lane = threadIdx.x & 31;
     const int64_t n = w.ne[0];
     for (int j = 0; j < NT; j++) acc[j] = 0.0f;
-    if (vec) {
+    if (vec == 16) {
+#pragma unroll 2
+        for (int64_t c = (int64_t)lane * 16; c < n; c += 512) {
+            float v[16];
+            decode16(w, o, c, v);
+            for (int j = 0; j < NT; j++) {
+                if (j >= nt) break;
+                const float *x = xs[j] + c;
+                float s = 0.0f;
+                for (int i = 0; i < 16; i++) s = fmaf(v[i], x[i], s);
+                acc[j] += s;
+            }
+        }
+    } else if (vec == 8) {
         for (int64_t c = (int64_t)lane * 8; c < n; c += 256) {
             float v[8];
             decode8(w, o, c, v);
@@ -96,7 +169,7 @@ enum { GEMV_WARPS = 8, GEMV_NT = 8 };
 
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_kernel(const di_tensor w, const float *__restrict__ x, int64_t n_tok, int64_t x_stride,
-                float *__restrict__ y, int64_t y_stride, bool vec) {
+                float *__restrict__ y, int64_t y_stride, int vec) {
     const int64_t o = (int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int64_t t0 = (int64_t)blockIdx.y * GEMV_NT;
     if (o >= w.ne[1]) return;
@@ -113,8 +186,7 @@ extern "C" di_status di_cuda_matmul_gemv(di_cuda *cu, const di_tensor *w, const 
                                          int64_t n_tok, int64_t x_stride, float *y,
                                          int64_t y_stride) {
     if (n_tok <= 0 || w->ne[1] <= 0) return DI_OK;
-    // Vector x loads need 16-byte aligned rows of x as well.
-    const bool vec = vec8_ok(w) && ((uintptr_t)x % 16 == 0) && x_stride % 4 == 0;
+    const int vec = vec_mode(w); // x is read with scalar loads: any alignment and stride
     dim3 grid(di_div_up(w->ne[1], GEMV_WARPS), di_div_up(n_tok, GEMV_NT));
     gemv_kernel<<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(*w, x, n_tok, x_stride, y, y_stride,
                                                              vec);
@@ -196,7 +268,7 @@ extern "C" di_status di_cuda_matmul(di_cuda *cu, const di_tensor *w, const float
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     grouped_kernel(const di_tensor *__restrict__ experts, const int32_t *__restrict__ offsets,
                    const int32_t *__restrict__ x_rows, const float *__restrict__ x,
-                   int64_t x_stride, float *__restrict__ y, int64_t y_stride, bool vec) {
+                   int64_t x_stride, float *__restrict__ y, int64_t y_stride, int vec) {
     const int e = blockIdx.y;
     const int32_t r0 = offsets[e], r1 = offsets[e + 1];
     if (r0 >= r1) return; // expert without tokens: its weights are never read
@@ -225,7 +297,8 @@ extern "C" di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *expert
     if (n_expert <= 0 || n_out <= 0) return DI_OK;
     // The vector path's conditions hold for every expert when they hold for the shape: experts of
     // one layer share kind, block sizes and strides (weights.c checks every shape at load).
-    const bool vec = n_in % 8 == 0 && ((uintptr_t)x % 16 == 0) && x_stride % 4 == 0;
+    // Expert kinds: FP4 (block 32), FP8 (128) or float kinds, rows packed (nb1 = natural size).
+    const int vec = n_in % 16 == 0 ? 16 : n_in % 8 == 0 ? 8 : 0;
     dim3 grid(di_div_up(n_out, GEMV_WARPS), (unsigned)n_expert);
     grouped_kernel<<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(experts, offsets, x_rows, x,
                                                                 x_stride, y, y_stride, vec);

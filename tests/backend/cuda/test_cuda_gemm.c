@@ -1,8 +1,9 @@
 // CUDA matmul (backend/cuda/gemm.cuh) against di_ref_matmul (backend/cpu/ref_ops.h): every weight
 // kind (F32, F16, BF16, FP8 128x128 UE8M0, FP4 per-32 UE8M0), the gemv, tiled and dispatching
 // entry points, 1 token up to more than one 64-token tile, row and column counts that are not
-// multiples of the 8-row block, the 64x64 tile, the 8-element vector or the scale block, packed
-// rows (vector path) and padded rows / strided activations (scalar path), row views inside the
+// multiples of the 8-row block, the 64x64 tile, the 8/16-element vectors or the scale block, packed
+// rows (16-element vector path; 8-element for n_in = 200) and padded rows / strided activations
+// (scalar path), row views inside the
 // FP8 scale grid, and the grouped expert GEMM (one launch for all experts, some without tokens).
 #include "backend/cuda/cuda_test.h"
 
@@ -172,9 +173,10 @@ static void test_kinds(void) {
     static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_F32, DI_TENSOR_KIND_F16,
                                            DI_TENSOR_KIND_BF16, DI_TENSOR_KIND_FP8,
                                            DI_TENSOR_KIND_FP4};
-    static const int64_t shapes[][2] = {{32, 1}, {128, 128}, {256, 130}, {196, 67}, {1024, 257}};
+    static const int64_t shapes[][2] = {{32, 1},   {128, 128}, {256, 130},
+                                        {196, 67}, {200, 33},  {1024, 257}};
     for (size_t k = 0; k < 5; k++) {
-        for (size_t s = 0; s < 5; s++) {
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
             for (int variant = 0; variant < 2; variant++) {
                 mat m = make_mat(kinds[k], shapes[s][0], shapes[s][1], variant == 1);
                 gemm_case(&m.t, variant == 1, variant ? "padded+strided" : "packed");
