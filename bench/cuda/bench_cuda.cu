@@ -271,9 +271,9 @@ static void bench_gemm(void) {
         if (g_quick && sh.n_out == 2048) continue;
         di_tensor w0 = dev_weight(DI_TENSOR_KIND_FP8, sh.n_in, sh.n_out);
         const size_t wb = weight_bytes(w0);
-        // Rotate copies so the set is >= 4x a 60 MB L2.
+        // Rotate copies so the set is >= 4x a 60 MB L2 (up to 64 copies of small matrices).
         const int n_rot =
-            (int)std::min<size_t>(8, std::max<size_t>(1, ((size_t)240 << 20) / wb + 1));
+            (int)std::min<size_t>(64, std::max<size_t>(1, ((size_t)240 << 20) / wb + 1));
         std::vector<di_tensor> ws((size_t)n_rot);
         ws[0] = w0;
         for (int r = 1; r < n_rot; r++)
