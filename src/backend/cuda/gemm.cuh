@@ -46,6 +46,31 @@ di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *experts, int32_t 
                                  const int32_t *x_rows, const float *x, int64_t x_stride, float *y,
                                  int64_t y_stride);
 
+// ---- FP8 x FP8 through cuBLASLt block scaling (gemm_lt.cu): the official precision recipe ----
+//
+// In the official recipe (spec §2.0) activations are A8-quantised (e4m3, one power-of-two scale
+// per 128 values) before every FP8 GEMM, so the product is FP8 x FP8 with DeepSeek's block scales:
+// 1x128 for activations, 128x128 for weights, which cuBLASLt runs on Hopper tensor cores
+// (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / BLK128x128_32F, no fast accumulation).
+
+// A8 on the device, bit-exact with tensor/quant_ref.h di_act_quant_a8: for each of n_tok rows of
+// n values (n % 128 == 0): amax = max(max|x|, 1e-4) per 128-block, s = 2^ceil_log2(amax / 448),
+// codes[t*n + i] = e4m3(x / s), scales[t*(n/128) + b] = s. DI_ERR_INVALID, DI_ERR_CUDA.
+di_status di_cuda_act_quant_a8(di_cuda *cu, const float *x, int64_t n_tok, int64_t x_stride,
+                               int64_t n, uint8_t *codes, float *scales);
+
+// The UE8M0 block scales of a device FP8 weight (block 128x128, row0 0) as FP32
+// [ceil(n_out/128)][ceil(n_in/128)] (out: device, that many floats): once per weight.
+di_status di_cuda_fp8_scales_f32(di_cuda *cu, const di_tensor *w, float *out);
+
+// y[t*y_stride + o] = sum_i W[o,i] * codes[t*n_in + i] * x_scales[t][i/128] through cuBLASLt.
+// w: device FP8 with packed rows (nb1 = n_in, n_in % 128 == 0); w_scales: from
+// di_cuda_fp8_scales_f32. DI_ERR_UNSUPPORTED when cuBLASLt offers no algorithm for this shape on
+// this GPU (callers fall back to di_cuda_matmul on dequantised activations), DI_ERR_CUDA.
+di_status di_cuda_matmul_fp8_lt(di_cuda *cu, const di_tensor *w, const float *w_scales,
+                                const uint8_t *codes, const float *x_scales, int64_t n_tok,
+                                float *y, int64_t y_stride);
+
 // CPU fallback (conventions §7): when di_cuda_supports_op(MATMUL, w_host) is false the product
 // runs on the CPU through di_cpu_matmul (x downloaded, y uploaded; one WARN per process), else on
 // the GPU with w_dev. cpu is a di_cpu (backend/cpu/ref_ops.h) sized for w. DI_ERR_CUDA,

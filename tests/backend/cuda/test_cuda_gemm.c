@@ -4,7 +4,8 @@
 // multiples of the 8-row block, the 64x64 tile, the 8/16-element vectors or the scale block, packed
 // rows (16-element vector path; 8-element for n_in = 200) and padded rows / strided activations
 // (scalar path), row views inside the
-// FP8 scale grid, and the grouped expert GEMM (one launch for all experts, some without tokens).
+// FP8 scale grid, the grouped expert GEMM (one launch for all experts, some without tokens), A8
+// activation quantisation (bit-exact) and the cuBLASLt FP8 x FP8 block-scaled GEMM.
 #include "backend/cuda/cuda_test.h"
 
 #include <string.h>
@@ -242,6 +243,101 @@ static void test_grouped(void) {
     }
 }
 
+// ---- A8 and the cuBLASLt block-scaled FP8 GEMM (official recipe) ----
+
+// A8 on the device against di_act_quant_a8: codes times scales must give the CPU's values bit for
+// bit (magnitudes spread over blocks so the scales differ, one all-tiny block for the 1e-4 floor).
+static void test_act_quant(void) {
+    const int64_t T = 5, n = 512, xs = n + 4;
+    float *x = malloc(sizeof(float) * (size_t)(T * xs)), *want = malloc(sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < T * xs; i++) {
+        const int64_t b = (i % xs) / 128;
+        x[i] = rndf() * (b == 1 ? 1e-6f : powf(2.0f, (float)(b * 5 % 9) - 3.0f));
+    }
+    uint8_t *codes = malloc((size_t)(T * n));
+    float *scales = malloc(sizeof(float) * (size_t)(T * n / 128));
+    float *xd = dev_from(x, sizeof(float) * (size_t)(T * xs));
+    uint8_t *cd = dev_alloc((size_t)(T * n));
+    float *sd = dev_alloc(sizeof(float) * (size_t)(T * n / 128));
+    dev_poison(cd, (size_t)(T * n));
+    dev_poison(sd, sizeof(float) * (size_t)(T * n / 128));
+    CK(di_cuda_act_quant_a8(g_cu, xd, T, xs, n, cd, sd));
+    dev_to(codes, cd, (size_t)(T * n));
+    dev_to(scales, sd, sizeof(float) * (size_t)(T * n / 128));
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(want, x + t * xs, sizeof(float) * (size_t)n);
+        di_act_quant_a8(want, n);
+        for (int64_t i = 0; i < n; i++) {
+            const float got = di_e4m3_to_f32(codes[t * n + i]) * scales[t * (n / 128) + i / 128];
+            bad += !(got == want[i]); // -0 == +0 is fine; any other difference is not
+        }
+    }
+    fprintf(stderr, "  act_quant_a8 %lldx%lld: %lld values differ from di_act_quant_a8\n",
+            (long long)T, (long long)n, (long long)bad);
+    CHECK(bad == 0);
+    CHECK(di_cuda_act_quant_a8(g_cu, xd, T, xs, 100, cd, sd) == DI_ERR_INVALID);
+    dev_free(xd), dev_free(cd), dev_free(sd);
+    free(x), free(want), free(codes), free(scales);
+}
+
+// Hopper's FP8 tensor cores accumulate with fewer than 24 mantissa bits between the promotions
+// to FP32 that cuBLASLt does once per 128-deep block (DeepSeek-V3 report §3.3.2: ~14 bits), so
+// the bound is 2^-11 of the sum of |terms| rather than gamma(K): still ~100x below one term's
+// size for K <= 2048, so a wrong scale, block or transpose fails.
+#define TOL_FP8_TC 4.8828125e-4
+
+static void lt_case(int64_t n_out, int64_t n_in, int64_t T) {
+    mat m = make_mat(DI_TENSOR_KIND_FP8, n_in, n_out, false);
+    di_tensor wd;
+    CK(di_cuda_tensor_upload(g_cu, &m.t, &wd));
+    const int64_t ys = n_out + 3;
+    float *x = malloc(sizeof(float) * (size_t)(T * n_in)),
+          *xq = malloc(sizeof(float) * (size_t)(T * n_in));
+    float *yr = malloc(sizeof(float) * (size_t)(T * ys)),
+          *y = malloc(sizeof(float) * (size_t)(T * ys));
+    double *tol = malloc(sizeof(double) * (size_t)(T * ys));
+    fill_rand(x, T * n_in, 1.0f);
+    memcpy(xq, x, sizeof(float) * (size_t)(T * n_in));
+    for (int64_t t = 0; t < T; t++) di_act_quant_a8(xq + t * n_in, n_in);
+    for (int64_t i = 0; i < T * ys; i++) yr[i] = NAN, tol[i] = 0;
+    di_ref_matmul(&g_cpu, &m.t, xq, T, n_in, yr, ys);
+    abs_terms(&m.t, xq, T, n_in, tol, ys);
+    for (int64_t i = 0; i < T * ys; i++) tol[i] *= TOL_FP8_TC;
+    float *xd = dev_from(x, sizeof(float) * (size_t)(T * n_in)),
+          *yd = dev_alloc(sizeof(float) * (size_t)(T * ys));
+    uint8_t *cd = dev_alloc((size_t)(T * n_in));
+    float *sd = dev_alloc(sizeof(float) * (size_t)(T * n_in / 128));
+    float *wsd = dev_alloc(sizeof(float) * (size_t)(((n_out + 127) / 128) * (n_in / 128)));
+    dev_poison(yd, sizeof(float) * (size_t)(T * ys));
+    CK(di_cuda_fp8_scales_f32(g_cu, &wd, wsd));
+    CK(di_cuda_act_quant_a8(g_cu, xd, T, n_in, n_in, cd, sd));
+    di_status st = di_cuda_matmul_fp8_lt(g_cu, &wd, wsd, cd, sd, T, yd, ys);
+    char what[96];
+    snprintf(what, sizeof what, "fp8 cuBLASLt block-scaled %lldx%lld T=%lld", (long long)n_out,
+             (long long)n_in, (long long)T);
+    if (st == DI_ERR_UNSUPPORTED) {
+        fprintf(stderr, "  %s: UNSUPPORTED by this cuBLASLt/GPU (no algorithm)\n", what);
+    } else {
+        CK(st);
+        dev_to(y, yd, sizeof(float) * (size_t)(T * ys));
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t o = n_out; o < ys; o++) y[t * ys + o] = NAN; // gaps: not ours to check
+        CHECK(check_bounds(what, y, yr, tol, T * ys) == 0);
+        fprintf(stderr, "  rel_l2 %.3g\n", rel_l2(y, yr, T * ys));
+    }
+    dev_free(xd), dev_free(yd), dev_free(cd), dev_free(sd), dev_free(wsd);
+    free(x), free(xq), free(yr), free(y), free(tol);
+    free_mat(&m);
+}
+
+static void test_fp8_lt(void) {
+    lt_case(256, 512, 1);
+    lt_case(256, 512, 64);
+    lt_case(200, 384, 7);
+    lt_case(1024, 2048, 200);
+}
+
 int main(void) {
     cuda_test_init();
     CK(di_pool_create(2, &g_pool));
@@ -249,6 +345,8 @@ int main(void) {
     RUN(test_kinds);
     RUN(test_row_view);
     RUN(test_grouped);
+    RUN(test_act_quant);
+    RUN(test_fp8_lt);
     di_cpu_deinit(&g_cpu);
     di_pool_destroy(g_pool);
     return cuda_test_finish();
