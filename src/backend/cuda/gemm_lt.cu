@@ -2,8 +2,8 @@
 // (gemm.cuh). Which operand carries which scale mode is not spelled out for Hopper in the
 // headers: the natural formulation (A = weights, 128x128 blocks; B = activations, 1x128) is
 // tried first, then the swapped one (A = activations, B = weights), whose column-major result is
-// y transposed and is transposed back. The test (tests/backend/cuda/test_cuda_gemm.c) checks
-// whichever runs against the CPU reference.
+// y transposed and is transposed back (results land in a padded buffer, then in y). The test
+// (tests/backend/cuda/test_cuda_gemm.c) checks whichever runs against the CPU reference.
 #include <cublasLt.h>
 #include <cuda_fp8.h>
 
@@ -69,13 +69,14 @@ extern "C" di_status di_cuda_fp8_scales_f32(di_cuda *cu, const di_tensor *w, flo
 
 // ---- cuBLASLt ----
 
-__global__ void transpose_kernel(const float *__restrict__ in, int64_t rows, int64_t cols,
-                                 float *__restrict__ out, int64_t out_stride) {
-    // in: [rows][cols] (row o, column t) -> out[t * out_stride + o]
+// y[t * y_stride + o] = in[o * s_o + t * s_t]: cuBLASLt's column-major result (either
+// formulation, leading dimension padded to 16 bytes) into the caller's rows.
+__global__ void scatter_kernel(const float *__restrict__ in, int64_t n_out, int64_t T, int64_t s_o,
+                               int64_t s_t, float *__restrict__ y, int64_t y_stride) {
     const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= rows * cols) return;
-    const int64_t o = k / cols, t = k % cols;
-    out[t * out_stride + o] = in[k];
+    if (k >= n_out * T) return;
+    const int64_t t = k / n_out, o = k % n_out;
+    y[t * y_stride + o] = in[o * s_o + t * s_t];
 }
 
 static const size_t k_ws_bytes = (size_t)32 << 20;
@@ -156,24 +157,30 @@ extern "C" di_status di_cuda_matmul_fp8_lt(di_cuda *cu, const di_tensor *w, cons
         w->row0 != 0 || w->ne[0] % 128 != 0 || w->nb1 != (size_t)w->ne[0])
         return DI_ERR_INVALID;
     if (n_tok <= 0) return DI_OK;
+    const int64_t n_out = w->ne[1];
+    // Leading dimensions padded to 4 floats (16 bytes), which cuBLASLt's kernels want.
+    const int64_t ld_n = (n_out + 3) / 4 * 4, ld_t = (n_tok + 3) / 4 * 4;
+    const bool direct = y_stride == ld_n; // natural formulation straight into y
     di_status st;
     void *ws = NULL, *tmp = NULL;
-    bool no_algo = false;
+    bool no_algo = false, swapped = false;
+    const size_t tmp_bytes =
+        sizeof(float) * (size_t)(ld_n * n_tok > ld_t * n_out ? ld_n * n_tok : ld_t * n_out);
     if ((st = di_cuda_alloc(cu, k_ws_bytes, &ws)) != DI_OK) return st;
-    st = lt_try(cu, false, w, w_scales, codes, x_scales, n_tok, y, y_stride, ws, &no_algo);
+    if ((st = di_cuda_alloc(cu, tmp_bytes, &tmp)) != DI_OK) goto out;
+    st = lt_try(cu, false, w, w_scales, codes, x_scales, n_tok, direct ? y : (float *)tmp, ld_n, ws,
+                &no_algo);
     if (st != DI_OK && no_algo) {
-        // Swapped: D = [T x n_out] column-major = [n_out][T] row-major, then transposed into y.
-        const int64_t n_out = w->ne[1];
-        if ((st = di_cuda_alloc(cu, sizeof(float) * (size_t)(n_out * n_tok), &tmp)) == DI_OK) {
-            st = lt_try(cu, true, w, w_scales, codes, x_scales, n_tok, (float *)tmp, n_tok, ws,
-                        &no_algo);
-            if (st == DI_OK) {
-                transpose_kernel<<<di_div_up(n_out * n_tok, 256), 256, 0, di_stream(cu)>>>(
-                    (const float *)tmp, n_out, n_tok, y, y_stride);
-                st = di_cuda_check_launch("transpose_kernel");
-            }
-        }
+        swapped = true;
+        st =
+            lt_try(cu, true, w, w_scales, codes, x_scales, n_tok, (float *)tmp, ld_t, ws, &no_algo);
     }
+    if (st == DI_OK && (swapped || !direct)) {
+        scatter_kernel<<<di_div_up(n_out * n_tok, 256), 256, 0, di_stream(cu)>>>(
+            (const float *)tmp, n_out, n_tok, swapped ? ld_t : 1, swapped ? 1 : ld_n, y, y_stride);
+        st = di_cuda_check_launch("scatter_kernel");
+    }
+out:
     di_cuda_free(cu, tmp);
     di_cuda_free(cu, ws);
     return st;

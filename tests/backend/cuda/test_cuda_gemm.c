@@ -287,11 +287,13 @@ static void test_act_quant(void) {
 // size for K <= 2048, so a wrong scale, block or transpose fails.
 #define TOL_FP8_TC 4.8828125e-4
 
-static void lt_case(int64_t n_out, int64_t n_in, int64_t T) {
+// strided: output rows n_out + 3 apart (the padded-buffer path), else packed (cuBLASLt writes y
+// directly when n_out is a multiple of 4).
+static void lt_case(int64_t n_out, int64_t n_in, int64_t T, bool strided) {
     mat m = make_mat(DI_TENSOR_KIND_FP8, n_in, n_out, false);
     di_tensor wd;
     CK(di_cuda_tensor_upload(g_cu, &m.t, &wd));
-    const int64_t ys = n_out + 3;
+    const int64_t ys = strided ? n_out + 3 : n_out;
     float *x = malloc(sizeof(float) * (size_t)(T * n_in)),
           *xq = malloc(sizeof(float) * (size_t)(T * n_in));
     float *yr = malloc(sizeof(float) * (size_t)(T * ys)),
@@ -332,10 +334,11 @@ static void lt_case(int64_t n_out, int64_t n_in, int64_t T) {
 }
 
 static void test_fp8_lt(void) {
-    lt_case(256, 512, 1);
-    lt_case(256, 512, 64);
-    lt_case(200, 384, 7);
-    lt_case(1024, 2048, 200);
+    lt_case(256, 512, 1, false);
+    lt_case(256, 512, 64, false);
+    lt_case(256, 512, 64, true);
+    lt_case(200, 384, 7, true);
+    lt_case(1024, 2048, 200, false);
 }
 
 int main(void) {
