@@ -122,64 +122,109 @@ __device__ __forceinline__ void decode16(const di_tensor &w, int64_t r, int64_t 
 
 // ---- gemv: one warp per output row, up to NT tokens ----
 
-template <int NT>
-__device__ __forceinline__ void gemv_row(const di_tensor &w, int64_t o, const float *const *xs,
-                                         int nt, int vec, float acc[NT]) {
+// Rows o0 .. o0+nr-1 (nr <= NR, warp-uniform) times up to NT tokens. Each lane decodes the same
+// 16 (or 8) columns of the NR rows, then reads each token's matching x values once for all NR
+// rows: x traffic per weight byte drops NR-fold (FP4 rows would otherwise read 8 bytes of x from
+// L1 per byte of weight). Sums: per lane in column order, then across the warp.
+template <int NT, int NR>
+__device__ __forceinline__ void gemv_rows(const di_tensor &w, int64_t o0, int nr,
+                                          const float *const *xs, int nt, int vec,
+                                          float acc[NR][NT]) {
     const int lane = threadIdx.x & 31;
     const int64_t n = w.ne[0];
-    for (int j = 0; j < NT; j++) acc[j] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[r][j] = 0.0f;
+    // Fully unrolled loops with predicates (no early exits), so v, xv and acc stay in registers.
     if (vec == 16) {
-#pragma unroll 2
         for (int64_t c = (int64_t)lane * 16; c < n; c += 512) {
-            float v[16];
-            decode16(w, o, c, v);
+            float v[NR][16];
+#pragma unroll
+            for (int r = 0; r < NR; r++)
+                if (r < nr) decode16(w, o0 + r, c, v[r]);
+#pragma unroll
             for (int j = 0; j < NT; j++) {
-                if (j >= nt) break;
-                const float *x = xs[j] + c;
-                float s = 0.0f;
-                for (int i = 0; i < 16; i++) s = fmaf(v[i], x[i], s);
-                acc[j] += s;
+                if (j < nt) {
+                    float xv[16];
+#pragma unroll
+                    for (int i = 0; i < 16; i++) xv[i] = xs[j][c + i];
+#pragma unroll
+                    for (int r = 0; r < NR; r++) {
+                        float s = 0.0f;
+#pragma unroll
+                        for (int i = 0; i < 16; i++) s = fmaf(v[r][i], xv[i], s);
+                        if (r < nr) acc[r][j] += s;
+                    }
+                }
             }
         }
     } else if (vec == 8) {
         for (int64_t c = (int64_t)lane * 8; c < n; c += 256) {
-            float v[8];
-            decode8(w, o, c, v);
+            float v[NR][8];
+#pragma unroll
+            for (int r = 0; r < NR; r++)
+                if (r < nr) decode8(w, o0 + r, c, v[r]);
+#pragma unroll
             for (int j = 0; j < NT; j++) {
-                if (j >= nt) break;
-                const float *x = xs[j] + c;
-                float s = 0.0f;
-                for (int i = 0; i < 8; i++) s = fmaf(v[i], x[i], s);
-                acc[j] += s;
+                if (j < nt) {
+                    float xv[8];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) xv[i] = xs[j][c + i];
+#pragma unroll
+                    for (int r = 0; r < NR; r++) {
+                        float s = 0.0f;
+#pragma unroll
+                        for (int i = 0; i < 8; i++) s = fmaf(v[r][i], xv[i], s);
+                        if (r < nr) acc[r][j] += s;
+                    }
+                }
             }
         }
     } else {
         for (int64_t c = lane; c < n; c += 32) {
-            float v = di_w_at(w, o, c);
-            for (int j = 0; j < NT; j++) {
-                if (j >= nt) break;
-                acc[j] = fmaf(v, xs[j][c], acc[j]);
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                if (r < nr) {
+                    const float v = di_w_at(w, o0 + r, c);
+#pragma unroll
+                    for (int j = 0; j < NT; j++)
+                        if (j < nt) acc[r][j] = fmaf(v, xs[j][c], acc[r][j]);
+                }
             }
         }
     }
-    for (int j = 0; j < NT; j++) acc[j] = di_warp_sum(acc[j]);
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[r][j] = di_warp_sum(acc[r][j]);
 }
 
-enum { GEMV_WARPS = 8, GEMV_NT = 8 };
+enum { GEMV_WARPS = 8, GEMV_NT = 8, GEMV_ROWS = 4 };
 
+// NT tokens per pass: 1 for single-token decode (fewer registers, more warps in flight per SM),
+// GEMV_NT otherwise.
+template <int NT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_kernel(const di_tensor w, const float *__restrict__ x, int64_t n_tok, int64_t x_stride,
                 float *__restrict__ y, int64_t y_stride, int vec) {
-    const int64_t o = (int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    const int64_t t0 = (int64_t)blockIdx.y * GEMV_NT;
-    if (o >= w.ne[1]) return;
-    const int nt = (int)(n_tok - t0 < GEMV_NT ? n_tok - t0 : GEMV_NT);
-    const float *xs[GEMV_NT];
-    for (int j = 0; j < GEMV_NT; j++) xs[j] = x + (t0 + (j < nt ? j : 0)) * x_stride;
-    float acc[GEMV_NT];
-    gemv_row<GEMV_NT>(w, o, xs, nt, vec, acc);
-    if ((threadIdx.x & 31) == 0)
-        for (int j = 0; j < nt; j++) y[(t0 + j) * y_stride + o] = acc[j];
+    const int64_t o0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_ROWS;
+    const int64_t t0 = (int64_t)blockIdx.y * NT;
+    if (o0 >= w.ne[1]) return;
+    const int nr = (int)(w.ne[1] - o0 < GEMV_ROWS ? w.ne[1] - o0 : GEMV_ROWS);
+    const int nt = (int)(n_tok - t0 < NT ? n_tok - t0 : NT);
+    const float *xs[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xs[j] = x + (t0 + (j < nt ? j : 0)) * x_stride;
+    float acc[GEMV_ROWS][NT];
+    gemv_rows<NT, GEMV_ROWS>(w, o0, nr, xs, nt, vec, acc);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; r++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+                if (r < nr && j < nt) y[(t0 + j) * y_stride + o0 + r] = acc[r][j];
+    }
 }
 
 extern "C" di_status di_cuda_matmul_gemv(di_cuda *cu, const di_tensor *w, const float *x,
@@ -187,9 +232,15 @@ extern "C" di_status di_cuda_matmul_gemv(di_cuda *cu, const di_tensor *w, const 
                                          int64_t y_stride) {
     if (n_tok <= 0 || w->ne[1] <= 0) return DI_OK;
     const int vec = vec_mode(w); // x is read with scalar loads: any alignment and stride
-    dim3 grid(di_div_up(w->ne[1], GEMV_WARPS), di_div_up(n_tok, GEMV_NT));
-    gemv_kernel<<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(*w, x, n_tok, x_stride, y, y_stride,
-                                                             vec);
+    if (n_tok == 1) {
+        dim3 grid(di_div_up(w->ne[1], GEMV_WARPS * GEMV_ROWS), 1);
+        gemv_kernel<1>
+            <<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(*w, x, n_tok, x_stride, y, y_stride, vec);
+    } else {
+        dim3 grid(di_div_up(w->ne[1], GEMV_WARPS * GEMV_ROWS), di_div_up(n_tok, GEMV_NT));
+        gemv_kernel<GEMV_NT>
+            <<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(*w, x, n_tok, x_stride, y, y_stride, vec);
+    }
     DI_CUDA_LAUNCHED("gemv_kernel");
     return DI_OK;
 }
@@ -265,6 +316,7 @@ extern "C" di_status di_cuda_matmul(di_cuda *cu, const di_tensor *w, const float
 
 // ---- grouped experts: one launch, blockIdx.y = expert ----
 
+template <int NT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     grouped_kernel(const di_tensor *__restrict__ experts, const int32_t *__restrict__ offsets,
                    const int32_t *__restrict__ x_rows, const float *__restrict__ x,
@@ -273,35 +325,46 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     const int32_t r0 = offsets[e], r1 = offsets[e + 1];
     if (r0 >= r1) return; // expert without tokens: its weights are never read
     const di_tensor w = experts[e];
-    const int64_t o = (int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (o >= w.ne[1]) return;
-    // Each pass reads the expert's row once for up to GEMV_NT of its tokens.
-    for (int32_t i0 = r0; i0 < r1; i0 += GEMV_NT) {
-        const int nt = r1 - i0 < GEMV_NT ? r1 - i0 : GEMV_NT;
-        const float *xs[GEMV_NT];
-        for (int j = 0; j < GEMV_NT; j++) {
+    const int64_t o0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_ROWS;
+    if (o0 >= w.ne[1]) return;
+    const int nr = (int)(w.ne[1] - o0 < GEMV_ROWS ? w.ne[1] - o0 : GEMV_ROWS);
+    // Each pass reads the expert's rows once for up to NT of its tokens.
+    for (int32_t i0 = r0; i0 < r1; i0 += NT) {
+        const int nt = r1 - i0 < NT ? r1 - i0 : NT;
+        const float *xs[NT];
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
             const int32_t i = i0 + (j < nt ? j : 0);
             xs[j] = x + (int64_t)(x_rows ? x_rows[i] : i) * x_stride;
         }
-        float acc[GEMV_NT];
-        gemv_row<GEMV_NT>(w, o, xs, nt, vec, acc);
-        if ((threadIdx.x & 31) == 0)
-            for (int j = 0; j < nt; j++) y[(int64_t)(i0 + j) * y_stride + o] = acc[j];
+        float acc[GEMV_ROWS][NT];
+        gemv_rows<NT, GEMV_ROWS>(w, o0, nr, xs, nt, vec, acc);
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; r++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+                    if (r < nr && j < nt) y[(int64_t)(i0 + j) * y_stride + o0 + r] = acc[r][j];
+        }
     }
 }
 
 extern "C" di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *experts, int32_t n_expert,
                                             int64_t n_out, int64_t n_in, const int32_t *offsets,
                                             const int32_t *x_rows, const float *x, int64_t x_stride,
-                                            float *y, int64_t y_stride) {
+                                            float *y, int64_t y_stride, int32_t rows_hint) {
     if (n_expert <= 0 || n_out <= 0) return DI_OK;
     // The vector path's conditions hold for every expert when they hold for the shape: experts of
     // one layer share kind, block sizes and strides (weights.c checks every shape at load).
     // Expert kinds: FP4 (block 32), FP8 (128) or float kinds, rows packed (nb1 = natural size).
     const int vec = n_in % 16 == 0 ? 16 : n_in % 8 == 0 ? 8 : 0;
-    dim3 grid(di_div_up(n_out, GEMV_WARPS), (unsigned)n_expert);
-    grouped_kernel<<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(experts, offsets, x_rows, x,
-                                                                x_stride, y, y_stride, vec);
+    dim3 grid(di_div_up(n_out, GEMV_WARPS * GEMV_ROWS), (unsigned)n_expert);
+    if (rows_hint == 1)
+        grouped_kernel<1><<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(experts, offsets, x_rows, x,
+                                                                       x_stride, y, y_stride, vec);
+    else
+        grouped_kernel<GEMV_NT><<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(
+            experts, offsets, x_rows, x, x_stride, y, y_stride, vec);
     DI_CUDA_LAUNCHED("grouped_kernel");
     return DI_OK;
 }

@@ -39,12 +39,13 @@ di_status di_cuda_matmul_tiled(di_cuda *cu, const di_tensor *w, const float *x, 
 // Grouped expert GEMM: for each expert e < n_expert and each grouped row i in
 // [offsets[e], offsets[e+1]):  y[i*y_stride + o] = sum_c W_e[o, c] * x[src(i)*x_stride + c]
 // with src(i) = x_rows[i] (x_rows may be NULL: src(i) = i). experts: device array of n_expert
-// device tensors of one shape [n_out, n_in]; offsets: device [n_expert + 1]; n_rows_max bounds
-// offsets[n_expert] (only for the launch shape). One launch.
+// device tensors of one shape [n_out, n_in]; offsets: device [n_expert + 1]. rows_hint: the
+// expected rows per expert (1 in single-token decode picks the leaner one-token kernel; any
+// count stays correct, only speed depends on it; 0 = unknown). One launch.
 di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *experts, int32_t n_expert,
                                  int64_t n_out, int64_t n_in, const int32_t *offsets,
                                  const int32_t *x_rows, const float *x, int64_t x_stride, float *y,
-                                 int64_t y_stride);
+                                 int64_t y_stride, int32_t rows_hint);
 
 // ---- FP8 x FP8 through cuBLASLt block scaling (gemm_lt.cu): the official precision recipe ----
 //

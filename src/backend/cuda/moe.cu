@@ -222,10 +222,15 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
                               w->route_scale, true, sel, wgt));
         DI_TRY(di_cuda_moe_group(cu, sel, P, K, E, offsets, rows, rop));
         // Routed experts: gate and up read the token rows directly (rows = token of each row).
-        DI_TRY(di_cuda_matmul_grouped(cu, w->w1, E, F, D, offsets, rows, f, D, g, F)); // [P, F]
-        DI_TRY(di_cuda_matmul_grouped(cu, w->w3, E, F, D, offsets, rows, f, D, u, F)); // [P, F]
+        // One token: every expert has one row (a hash duplicate makes two; still correct).
+        const int32_t hint = n_tok == 1 ? 1 : 0;
+        DI_TRY(
+            di_cuda_matmul_grouped(cu, w->w1, E, F, D, offsets, rows, f, D, g, F, hint)); // [P,F]
+        DI_TRY(
+            di_cuda_matmul_grouped(cu, w->w3, E, F, D, offsets, rows, f, D, u, F, hint)); // [P,F]
         DI_TRY(di_cuda_swiglu(cu, g, u, P, F, w->swiglu_limit));
-        DI_TRY(di_cuda_matmul_grouped(cu, w->w2, E, D, F, offsets, NULL, g, F, y, D)); // [P, D]
+        DI_TRY(
+            di_cuda_matmul_grouped(cu, w->w2, E, D, F, offsets, NULL, g, F, y, D, hint)); // [P,D]
         // Shared expert on every token (g, u reused: the grouped w2 above is enqueued first).
         DI_TRY(di_cuda_matmul(cu, &w->sh_w1, f, n_tok, D, g, F));
         DI_TRY(di_cuda_matmul(cu, &w->sh_w3, f, n_tok, D, u, F));

@@ -233,10 +233,16 @@ static void test_grouped(void) {
         int32_t *rowsd = dev_from(x_rows, sizeof(int32_t) * (size_t)n_rows);
         float *xd = dev_from(x, sizeof(float) * (size_t)(n_src * n_in));
         float *yd = dev_alloc(sizeof(float) * (size_t)(n_rows * n_out));
-        dev_poison(yd, sizeof(float) * (size_t)(n_rows * n_out));
-        CK(di_cuda_matmul_grouped(g_cu, wdd, E, n_out, n_in, offd, rowsd, xd, n_in, yd, n_out));
-        dev_to(y, yd, sizeof(float) * (size_t)(n_rows * n_out));
-        CHECK(check_bounds(kind ? "grouped FP4" : "grouped FP8", y, yr, tol, n_rows * n_out) == 0);
+        // Both kernels: rows_hint 1 (one-token passes; experts with 17 rows take 17 passes) and 0.
+        for (int hint = 0; hint < 2; hint++) {
+            dev_poison(yd, sizeof(float) * (size_t)(n_rows * n_out));
+            CK(di_cuda_matmul_grouped(g_cu, wdd, E, n_out, n_in, offd, rowsd, xd, n_in, yd, n_out,
+                                      hint));
+            dev_to(y, yd, sizeof(float) * (size_t)(n_rows * n_out));
+            char what[64];
+            snprintf(what, sizeof what, "grouped %s rows_hint %d", kind ? "FP4" : "FP8", hint);
+            CHECK(check_bounds(what, y, yr, tol, n_rows * n_out) == 0);
+        }
         for (int e = 0; e < E; e++) free_mat(&ms[e]);
         dev_free(wdd), dev_free(offd), dev_free(rowsd), dev_free(xd), dev_free(yd);
         free(x_rows), free(x), free(yr), free(y), free(tol);
