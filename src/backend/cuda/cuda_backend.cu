@@ -39,8 +39,13 @@ extern "C" di_status di_cuda_create(int device, di_cuda **out) {
     cu->n_sm = p.multiProcessorCount;
     cu->smem_optin = p.sharedMemPerBlockOptin;
     cu->l2_bytes = (size_t)p.l2CacheSize;
-    CUDA_TRY(cudaDeviceGetAttribute(&mem_clock_khz, cudaDevAttrMemoryClockRate, device));
-    CUDA_TRY(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
+    // Informational only (the benchmarks measure the real ceiling): a driver that no longer reports
+    // the memory clock leaves it 0 instead of failing the context.
+    if (cudaDeviceGetAttribute(&mem_clock_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mem_clock_khz = bus_bits = 0;
+    }
     // DDR: two transfers per clock.
     cu->hbm_peak_gbs = 2.0 * mem_clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;
     CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
