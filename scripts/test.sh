@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README; .ci/run calls it): installs dependencies, builds, runs every CPU test
-# with ctest, then rebuilds the library and unit tests with AddressSanitizer + UBSan and runs the
-# unit tests again. Exits non-zero on any failure.
+# with ctest, compiles the CUDA backend and its tests for sm_80, sm_90a and sm_100 when nvcc is
+# installed (no GPU needed; the tests labelled cuda run only where a GPU is present), then rebuilds
+# the library and unit tests with AddressSanitizer + UBSan and runs the unit tests again. Exits
+# non-zero on any failure, a CUDA compile error included.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 jobs=${DI_JOBS:-$(nproc)}
@@ -11,6 +13,21 @@ echo "== release build: all CPU tests" >&2
 cmake -S "$root" -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DDI_WERROR=ON >/dev/null
 cmake --build "$root/build" -j"$jobs"
 (cd "$root/build" && ctest -L cpu --output-on-failure -j"$jobs" --timeout 900)
+
+# CUDA: configure and compile (library + tests; no tools, no benchmarks, to keep CI short).
+nvcc=$(command -v nvcc || true)
+[[ -z $nvcc && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
+if [[ -n $nvcc ]]; then
+    echo "== CUDA build (compile only unless a GPU is present)" >&2
+    cmake -S "$root" -B "$root/build-cuda" -DCMAKE_BUILD_TYPE=Release -DDI_WERROR=ON -DDI_CUDA=ON \
+        -DDI_BUILD_TOOLS=OFF -DDI_CUDA_BENCH=OFF -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
+    cmake --build "$root/build-cuda" -j"$jobs" --target di_cuda_tests
+    if nvidia-smi -L >/dev/null 2>&1; then
+        (cd "$root/build-cuda" && ctest -L cuda --output-on-failure --timeout 900)
+    fi
+else
+    echo "== CUDA build skipped: no nvcc" >&2
+fi
 
 echo "== ASan+UBSan build: unit and model tests" >&2
 cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDI_WERROR=ON \

@@ -293,7 +293,7 @@ void di_dsv4_hc_mix(di_dsv4_ctx *cx, const di_dsv4_hc_w *hc, const float *x, int
     int n_mix = head ? nc : (2 + nc) * nc;
     float *mix = di_dsv4_scratch(cx, DI_SCR_MIX);
     // mix_raw = fn . xf  [T, n_mix] (FP32 weights, FP32 input)
-    di_cpu_matmul(&m->cpu, &hc->fn, x, n_tok, (int64_t)nc * hp->n_embd, mix, n_mix);
+    di_dsv4_matmul(m, &hc->fn, x, n_tok, (int64_t)nc * hp->n_embd, mix, n_mix);
     hc_ctx c = {m,
                 hc,
                 x,
@@ -424,7 +424,7 @@ void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t 
         }
         float *h = di_dsv4_scratch(c, DI_SCR_H);
         di_dsv4_hc_head(c, &m->hc_head, m->norm, xh, n_logit_rows, h);
-        di_cpu_matmul(&m->cpu, &m->head, h, n_logit_rows, D, logits, hp->n_vocab);
+        di_dsv4_matmul(m, &m->head, h, n_logit_rows, D, logits, hp->n_vocab);
     }
 }
 
@@ -478,7 +478,7 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
         int32_t first = out->last_only ? n_tok - 1 : 0;
         float *h = di_dsv4_scratch(&c, DI_SCR_H);
         di_dsv4_hc_head(&c, &m->hc_head, m->norm, x + (int64_t)first * nc * D, n_tok - first, h);
-        di_cpu_matmul(&m->cpu, &m->head, h, n_tok - first, D, out->logits, hp->n_vocab);
+        di_dsv4_matmul(m, &m->head, h, n_tok - first, D, out->logits, hp->n_vocab);
     }
 
     // MTP (§2.10): position p needs the token at p + 1, so this call completes positions

@@ -86,6 +86,9 @@ typedef struct di_dsv4_mtp_w {   // spec §2.10
     di_dsv4_layer_w block;
 } di_dsv4_mtp_w;
 
+typedef bool (*di_dsv4_matmul_fn)(void *user, const di_tensor *w, const float *x, int64_t n_tok,
+                                  int64_t x_stride, float *y, int64_t y_stride);
+
 struct di_model {
     di_hparams hp;
     di_model_options opt;
@@ -107,7 +110,21 @@ struct di_model {
     // destroy.
     void **owned;
     int64_t n_owned, cap_owned;
+    // Optional accelerator for every matmul of the forward (di_dsv4_matmul): returns true when it
+    // computed y (same contract as di_cpu_matmul), false to let the CPU do it. NULL: CPU only.
+    // Set before the first forward (backend/cuda/offload.cuh; tests/backend/cuda).
+    di_dsv4_matmul_fn accel_matmul;
+    void *accel_user; // borrowed
 };
+
+// The matmul of every layer: the accelerator's when one is attached and takes it, else
+// di_cpu_matmul. y[t*y_stride + o] = sum_i W[o, i] x[t*x_stride + i].
+static inline void di_dsv4_matmul(di_model *m, const di_tensor *w, const float *x, int64_t n_tok,
+                                  int64_t x_stride, float *y, int64_t y_stride) {
+    if (m->accel_matmul && m->accel_matmul(m->accel_user, w, x, n_tok, x_stride, y, y_stride))
+        return;
+    di_cpu_matmul(&m->cpu, w, x, n_tok, x_stride, y, y_stride);
+}
 
 // Binds every tensor of the checkpoint to m (weights.c). Needs m->hp and m->st.
 di_status di_dsv4_weights_bind(di_model *m);

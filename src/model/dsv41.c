@@ -202,7 +202,7 @@ static void head(di_dsv4_ctx *c, const float *x, const float *pre, int32_t n, co
     collapse(m, x, pre, n, h);
     di_ref_rmsnorm(h, n, D, D, norm, m->hp.norm_eps);
     di_dsv4_round(m, h, (int64_t)n * D);
-    di_cpu_matmul(&m->cpu, &m->head, h, n, D, logits, m->hp.n_vocab);
+    di_dsv4_matmul(m, &m->head, h, n, D, logits, m->hp.n_vocab);
 }
 
 // ---- the forward pass of one call (§2.1) ----
@@ -344,11 +344,11 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
     memset(out, 0, sizeof *out);
     out->n = B;
     for (int32_t j = 0; j < B; j++) {
-        di_cpu_matmul(&m->cpu, &m->head, hn + j * D, 1, D, lg, V); // base logits [V]
+        di_dsv4_matmul(m, &m->head, hn + j * D, 1, D, lg, V); // base logits [V]
         // Markov head: + head_markov · embed_markov[prev] (FP32).
         memcpy(me, h + j * D, sizeof(float) * (size_t)D);
         di_tensor_row_f32(&m->dspark.markov_embed, prev, me + D);
-        di_cpu_matmul(&m->cpu, &m->dspark.markov_head, me + D, 1, R, mk, V);
+        di_dsv4_matmul(m, &m->dspark.markov_head, me + D, 1, R, mk, V);
         int32_t best = 0;
         for (int64_t v = 0; v < V; v++) {
             lg[v] += mk[v];

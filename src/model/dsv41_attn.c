@@ -195,8 +195,8 @@ static void compressor(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w
     }
     // m = 2: C, Z in FP32 (FP32 weights and input); groups (2w, 2w + 1), softmax per channel.
     DI_ASSERT(lw->ratio == 2);
-    di_cpu_matmul(&m->cpu, &cw->wkv, a, n_tok, D, cc, Dh);   // C: [T, Dh]
-    di_cpu_matmul(&m->cpu, &cw->wgate, a, n_tok, D, cz, Dh); // Z: [T, Dh]
+    di_dsv4_matmul(m, &cw->wkv, a, n_tok, D, cc, Dh);   // C: [T, Dh]
+    di_dsv4_matmul(m, &cw->wgate, a, n_tok, D, cz, Dh); // Z: [T, Dh]
     for (int32_t t = 0; t < n_tok; t++) {
         int64_t P = (int64_t)p0 + t;
         float *slot = src->cz + ((P / 2) % DI_DSV41_CZ_SLOTS) * 2 * Dh;

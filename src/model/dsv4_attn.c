@@ -30,7 +30,7 @@ void di_dsv4_linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t 
         x = xq;
         x_stride = n;
     }
-    di_cpu_matmul(&m->cpu, w, x, n_tok, x_stride, y, y_stride);
+    di_dsv4_matmul(m, w, x, n_tok, x_stride, y, y_stride);
     if (m->opt.precision == DI_PRECISION_OFFICIAL)
         for (int32_t t = 0; t < n_tok; t++) di_dsv4_round(m, y + t * y_stride, w->ne[1]);
 }
@@ -134,8 +134,8 @@ static void run_compressor(di_dsv4_ctx *c, const di_dsv4_compressor_w *cw, int i
     di_model *m = c->model;
     int64_t width = (int64_t)cw->c * cw->d, D = m->hp.n_embd;
     float *cc = di_dsv4_scratch(c, DI_SCR_CC), *cz = di_dsv4_scratch(c, DI_SCR_CZ);
-    di_cpu_matmul(&m->cpu, &cw->wkv, a, c->n_rows, D, cc, width);   // C: [T, c*d]
-    di_cpu_matmul(&m->cpu, &cw->wgate, a, c->n_rows, D, cz, width); // Z: [T, c*d]
+    di_dsv4_matmul(m, &cw->wkv, a, c->n_rows, D, cc, width);   // C: [T, c*d]
+    di_dsv4_matmul(m, &cw->wgate, a, c->n_rows, D, cz, width); // Z: [T, c*d]
     for (int32_t i = 0; i < c->n_seq; i++) {
         const di_dsv4_seq *sq = &c->seqs[i];
         di_dsv4_layer_state *ls = &sq->layers[il];

@@ -56,7 +56,7 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
 
     // Router in FP32: s = sqrt(softplus(gate . f)).
     float *score = di_dsv4_scratch(c, DI_SCR_LOGIT); // [T, E]
-    di_cpu_matmul(&m->cpu, &lw->gate, f, n_tok, D, score, E);
+    di_dsv4_matmul(m, &lw->gate, f, n_tok, D, score, E);
     // V4.1 divides the logits by gate_temp first (1 for V4: the division is exact, a no-op).
     for (int64_t i = 0; i < (int64_t)n_tok * E; i++)
         score[i] = sqrtf(di_softplus(score[i] / hp->gate_temp));

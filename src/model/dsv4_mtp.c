@@ -52,6 +52,6 @@ void di_dsv4_mtp_forward(di_session *s, const float *x_main, const int32_t *ids_
     if (logits) {
         float *h = di_dsv4_scratch(&c, DI_SCR_H);
         di_dsv4_hc_head(&c, &mw->hc_head, mw->norm, xm, n, h);
-        di_cpu_matmul(&m->cpu, &m->head, h, n, D, logits, hp->n_vocab);
+        di_dsv4_matmul(m, &m->head, h, n, D, logits, hp->n_vocab);
     }
 }

@@ -1,0 +1,158 @@
+// common — device-side helpers shared by every .cu of the CUDA backend: CUDA_CHECK (CUDA error ->
+// di_status with the error string, logged once where it happens), warp and block reductions, and
+// the exact element decoders (FP8 e4m3fn, FP4 e2m1, UE8M0, BF16, F16) that match
+// tensor/quant_ref.c bit for bit. C++ (nvcc) only; never included from C.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "backend/cuda/cuda_backend.h"
+
+// base/log.h uses C-only keywords (_Noreturn); its one function is declared here with C linkage
+// (level: 0 error, 1 warn, 2 info, 3 debug as di_log_level).
+extern "C" void di_log_write(int level, const char *file, int line, const char *fmt, ...);
+#define DI_CUDA_LOG_ERROR(...) di_log_write(0, __FILE__, __LINE__, __VA_ARGS__)
+#define DI_CUDA_LOG_WARN(...) di_log_write(1, __FILE__, __LINE__, __VA_ARGS__)
+
+// Runs a CUDA runtime call; on failure logs it with the CUDA error string and returns
+// DI_ERR_CUDA from the enclosing function (which must return di_status and own nothing that
+// needs cleanup at that point; otherwise use CUDA_TRY with a `fail` label).
+#define CUDA_CHECK(call)                                                                           \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            DI_CUDA_LOG_ERROR("%s: %s (%s)", #call, cudaGetErrorString(e_), cudaGetErrorName(e_)); \
+            return DI_ERR_CUDA;                                                                    \
+        }                                                                                          \
+    } while (0)
+
+#define CUDA_TRY(call)                                                                             \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            DI_CUDA_LOG_ERROR("%s: %s (%s)", #call, cudaGetErrorString(e_), cudaGetErrorName(e_)); \
+            st = DI_ERR_CUDA;                                                                      \
+            goto fail;                                                                             \
+        }                                                                                          \
+    } while (0)
+
+// Propagates a failing di_status to the enclosing function's `fail` label (as base/status.h).
+#define DI_TRY(expr)                                                                               \
+    do {                                                                                           \
+        st = (expr);                                                                               \
+        if (st != DI_OK) goto fail;                                                                \
+    } while (0)
+
+// After a launch: returns the launch error (bad configuration, missing kernel image) at once.
+#define DI_CUDA_LAUNCHED(what)                                                                     \
+    do {                                                                                           \
+        di_status s_ = di_cuda_check_launch(what);                                                 \
+        if (s_ != DI_OK) return s_;                                                                \
+    } while (0)
+
+static inline cudaStream_t di_stream(const di_cuda *cu) {
+    return (cudaStream_t)cu->stream;
+}
+
+static inline unsigned di_div_up(int64_t a, int64_t b) {
+    return (unsigned)((a + b - 1) / b);
+}
+
+// ---- reductions ----
+
+__device__ __forceinline__ float di_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float di_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum/max; every thread gets the result. `red` is shared scratch of 32 floats; the
+// block size is a multiple of 32. Contains __syncthreads: call from all threads.
+__device__ __forceinline__ float di_block_sum(float v, float *red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = di_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : 0.0f;
+    return di_warp_sum(r);
+}
+
+__device__ __forceinline__ float di_block_max(float v, float *red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = di_warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : -INFINITY;
+    return di_warp_max(r);
+}
+
+// ---- exact element decoders (tensor/quant_ref.c) ----
+
+// FP8 e4m3fn: exponent 0 subnormal (m/8 * 2^-6), 0x7F/0xFF NaN, no infinities.
+__device__ __forceinline__ float di_e4m3_f32(uint32_t b) {
+    const uint32_t sign = (b & 0x80u) << 24, e = (b >> 3) & 15u, m = b & 7u;
+    if ((b & 0x7Fu) == 0x7Fu) return __int_as_float(0x7FC00000u | sign);
+    if (e == 0) {
+        float v = (float)m * 0.001953125f; // 2^-9
+        return sign ? -v : v;
+    }
+    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// FP4 e2m1 code (low 4 bits): magnitude {0, .5, 1, 1.5, 2, 3, 4, 6}.
+__device__ __forceinline__ float di_e2m1_f32(uint32_t c) {
+    const uint32_t e = (c >> 1) & 3u, m = c & 1u;
+    float v = e == 0 ? 0.5f * (float)m : (1.0f + 0.5f * (float)m) * (float)(1u << (e - 1));
+    return (c & 8u) ? -v : v;
+}
+
+// UE8M0: 2^(u-127); u = 0 is the subnormal 2^-127, u = 255 NaN.
+__device__ __forceinline__ float di_ue8m0_f32(uint32_t u) {
+    if (u == 255u) return __int_as_float(0x7FC00000);
+    if (u == 0u) return __uint_as_float(0x00400000u);
+    return __uint_as_float(u << 23);
+}
+
+__device__ __forceinline__ float di_bf16_f32(uint32_t h) {
+    return __uint_as_float(h << 16);
+}
+
+// f32 -> bf16 -> f32, round to nearest even (di_round_bf16); NaN stays NaN.
+__device__ __forceinline__ float di_round_bf16_dev(float x) {
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return __uint_as_float((u | 0x00400000u) & 0xFFFF0000u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return __uint_as_float(u & 0xFFFF0000u);
+}
+
+// Element (r, c) of a weight matrix (host or device layout of tensor/tensor.h), exact.
+__device__ __forceinline__ float di_w_at(const di_tensor &w, int64_t r, int64_t c) {
+    const uint8_t *row = (const uint8_t *)w.data + (size_t)r * w.nb1;
+    switch (w.kind) {
+    case DI_TENSOR_KIND_F32:
+        return ((const float *)row)[c];
+    case DI_TENSOR_KIND_F16:
+        return __half2float(((const __half *)row)[c]);
+    case DI_TENSOR_KIND_BF16:
+        return di_bf16_f32(((const uint16_t *)row)[c]);
+    case DI_TENSOR_KIND_FP8: {
+        const uint8_t *s = w.scale + (size_t)((w.row0 + r) / w.block_out) * w.scale_nb1;
+        return di_e4m3_f32(row[c]) * di_ue8m0_f32(s[c / w.block_in]);
+    }
+    case DI_TENSOR_KIND_FP4: {
+        const uint8_t *s = w.scale + (size_t)((w.row0 + r) / w.block_out) * w.scale_nb1;
+        uint32_t byte = row[c >> 1];
+        return di_e2m1_f32((c & 1) ? byte >> 4 : byte & 15u) * di_ue8m0_f32(s[c / w.block_in]);
+    }
+    }
+    return 0.0f;
+}

@@ -1,0 +1,300 @@
+// cuda_backend — device context, the caching memory pool, weight upload, CUDA graphs and the op
+// dispatch table (cuda_backend.h).
+#include <cublasLt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/common.cuh"
+
+// ---- context ----
+
+extern "C" int di_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError(); // no driver / no device is not an error here
+        return 0;
+    }
+    return n;
+}
+
+extern "C" di_status di_cuda_create(int device, di_cuda **out) {
+    di_status st = DI_OK;
+    int n = di_cuda_device_count();
+    if (device < 0 || device >= n) {
+        DI_CUDA_LOG_ERROR("CUDA device %d requested, %d present", device, n);
+        return DI_ERR_UNSUPPORTED;
+    }
+    di_cuda *cu = (di_cuda *)calloc(1, sizeof *cu);
+    if (!cu) return DI_ERR_NOMEM;
+    cu->device = device;
+    cudaDeviceProp p;
+    cudaStream_t s = NULL;
+    cublasLtHandle_t lt = NULL;
+    int mem_clock_khz = 0, bus_bits = 0;
+    CUDA_TRY(cudaSetDevice(device));
+    CUDA_TRY(cudaGetDeviceProperties(&p, device));
+    cu->cc_major = p.major;
+    cu->cc_minor = p.minor;
+    cu->n_sm = p.multiProcessorCount;
+    cu->smem_optin = p.sharedMemPerBlockOptin;
+    cu->l2_bytes = (size_t)p.l2CacheSize;
+    // Informational only (the benchmarks measure the real ceiling): a driver that no longer reports
+    // the memory clock leaves it 0 instead of failing the context.
+    if (cudaDeviceGetAttribute(&mem_clock_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mem_clock_khz = bus_bits = 0;
+    }
+    // DDR: two transfers per clock.
+    cu->hbm_peak_gbs = 2.0 * mem_clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;
+    CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cu->stream = s;
+    if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) {
+        DI_CUDA_LOG_ERROR("cublasLtCreate failed");
+        st = DI_ERR_CUDA;
+        goto fail;
+    }
+    cu->cublaslt = lt;
+    *out = cu;
+    return DI_OK;
+fail:
+    di_cuda_destroy(cu);
+    return st;
+}
+
+struct di_cuda_pool_block {
+    void *ptr;
+    size_t bytes;
+    bool in_use;
+    di_cuda_pool_block *next;
+};
+
+extern "C" void di_cuda_destroy(di_cuda *cu) {
+    if (!cu) return;
+    if (cu->stream) (void)cudaStreamSynchronize(di_stream(cu));
+    for (di_cuda_pool_block *b = cu->blocks, *nx; b; b = nx) {
+        nx = b->next;
+        (void)cudaFree(b->ptr);
+        free(b);
+    }
+    for (int64_t i = 0; i < cu->n_weights; i++) (void)cudaFree(cu->weights[i]);
+    free(cu->weights);
+    if (cu->cublaslt) cublasLtDestroy((cublasLtHandle_t)cu->cublaslt);
+    if (cu->stream) (void)cudaStreamDestroy(di_stream(cu));
+    free(cu);
+}
+
+extern "C" void di_cuda_describe(const di_cuda *cu, char *buf, size_t cap) {
+    cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, cu->device) != cudaSuccess) {
+        snprintf(buf, cap, "CUDA device %d (properties unavailable)", cu->device);
+        return;
+    }
+    snprintf(buf, cap, "%s (sm_%d%d, %d SMs, %.1f GiB, L2 %.0f MiB, HBM peak %.0f GB/s)", p.name,
+             p.major, p.minor, p.multiProcessorCount, p.totalGlobalMem / 1073741824.0,
+             cu->l2_bytes / 1048576.0, cu->hbm_peak_gbs);
+}
+
+// ---- memory ----
+
+// Small requests round to 256 bytes, larger ones to 2 MiB, so freed blocks match later requests.
+static size_t pool_round(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    if (bytes <= ((size_t)1 << 20)) return (bytes + 255) & ~(size_t)255;
+    const size_t big = (size_t)2 << 20;
+    return (bytes + big - 1) / big * big;
+}
+
+extern "C" di_status di_cuda_alloc(di_cuda *cu, size_t bytes, void **out) {
+    const size_t want = pool_round(bytes);
+    for (di_cuda_pool_block *b = cu->blocks; b; b = b->next) {
+        if (!b->in_use && b->bytes == want) {
+            b->in_use = true;
+            *out = b->ptr;
+            return DI_OK;
+        }
+    }
+    di_cuda_pool_block *b = (di_cuda_pool_block *)calloc(1, sizeof *b);
+    if (!b) return DI_ERR_NOMEM;
+    cudaError_t e = cudaMalloc(&b->ptr, want);
+    if (e != cudaSuccess) {
+        DI_CUDA_LOG_ERROR("cudaMalloc(%zu bytes; pool holds %zu): %s", want, cu->pool_bytes,
+                          cudaGetErrorString(e));
+        free(b);
+        return DI_ERR_CUDA;
+    }
+    b->bytes = want;
+    b->in_use = true;
+    b->next = cu->blocks;
+    cu->blocks = b;
+    cu->pool_bytes += want;
+    *out = b->ptr;
+    return DI_OK;
+}
+
+extern "C" void di_cuda_free(di_cuda *cu, void *p) {
+    if (!p) return;
+    for (di_cuda_pool_block *b = cu->blocks; b; b = b->next) {
+        if (b->ptr == p) {
+            b->in_use = false;
+            return;
+        }
+    }
+    DI_CUDA_LOG_ERROR("di_cuda_free: %p is not a pool block", p);
+}
+
+extern "C" di_status di_cuda_upload(di_cuda *cu, void *dst, const void *src, size_t bytes) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, di_stream(cu)));
+    // Sync: the host buffer is pageable and the caller may reuse it at once.
+    CUDA_CHECK(cudaStreamSynchronize(di_stream(cu)));
+    return DI_OK;
+}
+
+extern "C" di_status di_cuda_download(di_cuda *cu, void *dst, const void *src, size_t bytes) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, di_stream(cu)));
+    // Sync: the caller reads the host buffer at once.
+    CUDA_CHECK(cudaStreamSynchronize(di_stream(cu)));
+    return DI_OK;
+}
+
+extern "C" di_status di_cuda_memset(di_cuda *cu, void *dst, int value, size_t bytes) {
+    CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, di_stream(cu)));
+    return DI_OK;
+}
+
+extern "C" di_status di_cuda_copy_d2d(di_cuda *cu, void *dst, const void *src, size_t bytes) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, di_stream(cu)));
+    return DI_OK;
+}
+
+extern "C" di_status di_cuda_sync(di_cuda *cu) {
+    CUDA_CHECK(cudaStreamSynchronize(di_stream(cu)));
+    CUDA_CHECK(cudaGetLastError());
+    return DI_OK;
+}
+
+extern "C" di_status di_cuda_check_launch(const char *what) {
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        DI_CUDA_LOG_ERROR("launch of %s failed: %s (%s)", what, cudaGetErrorString(e),
+                          cudaGetErrorName(e));
+        return DI_ERR_CUDA;
+    }
+    return DI_OK;
+}
+
+// ---- weights ----
+
+static di_status weight_alloc(di_cuda *cu, size_t bytes, void **out) {
+    if (cu->n_weights == cu->cap_weights) {
+        int64_t cap = cu->cap_weights ? 2 * cu->cap_weights : 256;
+        void **w = (void **)realloc(cu->weights, sizeof(void *) * (size_t)cap);
+        if (!w) return DI_ERR_NOMEM;
+        cu->weights = w;
+        cu->cap_weights = cap;
+    }
+    CUDA_CHECK(cudaMalloc(out, bytes ? bytes : 1));
+    cu->weights[cu->n_weights++] = *out;
+    cu->weight_bytes += bytes;
+    return DI_OK;
+}
+
+extern "C" di_status di_cuda_tensor_upload(di_cuda *cu, const di_tensor *host, di_tensor *dev) {
+    di_status st;
+    di_tensor d = *host;
+    const size_t data_bytes = host->nb1 * (size_t)host->ne[1];
+    void *p = NULL;
+    if ((st = weight_alloc(cu, data_bytes, &p)) != DI_OK) return st;
+    if ((st = di_cuda_upload(cu, p, host->data, data_bytes)) != DI_OK) return st;
+    d.data = p;
+    if (host->scale) {
+        // Scale rows covering rows [row0, row0 + ne1) of the scale grid.
+        const int64_t s0 = host->row0 / host->block_out;
+        const int64_t s1 = (host->row0 + host->ne[1] + host->block_out - 1) / host->block_out;
+        const size_t scale_bytes = host->scale_nb1 * (size_t)(s1 - s0);
+        void *sp = NULL;
+        if ((st = weight_alloc(cu, scale_bytes, &sp)) != DI_OK) return st;
+        st = di_cuda_upload(cu, sp, host->scale + (size_t)s0 * host->scale_nb1, scale_bytes);
+        if (st != DI_OK) return st;
+        d.scale = (const uint8_t *)sp;
+        d.row0 = host->row0 - s0 * host->block_out;
+    }
+    *dev = d;
+    return DI_OK;
+}
+
+// ---- CUDA graphs ----
+
+struct di_cuda_graph {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+};
+
+extern "C" di_status di_cuda_graph_begin(di_cuda *cu) {
+    // Relaxed: a pool miss inside the capture may call cudaMalloc, which the stricter modes refuse
+    // (the pool's blocks are reused in stream order, which the graph keeps as dependencies).
+    CUDA_CHECK(cudaStreamBeginCapture(di_stream(cu), cudaStreamCaptureModeRelaxed));
+    return DI_OK;
+}
+
+extern "C" di_status di_cuda_graph_end(di_cuda *cu, di_cuda_graph **out) {
+    di_status st = DI_OK;
+    di_cuda_graph *g = (di_cuda_graph *)calloc(1, sizeof *g);
+    if (!g) {
+        cudaGraph_t tmp;
+        if (cudaStreamEndCapture(di_stream(cu), &tmp) == cudaSuccess) cudaGraphDestroy(tmp);
+        return DI_ERR_NOMEM;
+    }
+    CUDA_TRY(cudaStreamEndCapture(di_stream(cu), &g->graph));
+    CUDA_TRY(cudaGraphInstantiate(&g->exec, g->graph, 0));
+    *out = g;
+    return DI_OK;
+fail:
+    di_cuda_graph_destroy(g);
+    return st;
+}
+
+extern "C" di_status di_cuda_graph_launch(di_cuda *cu, const di_cuda_graph *g) {
+    CUDA_CHECK(cudaGraphLaunch(g->exec, di_stream(cu)));
+    return DI_OK;
+}
+
+extern "C" void di_cuda_graph_destroy(di_cuda_graph *g) {
+    if (!g) return;
+    if (g->exec) cudaGraphExecDestroy(g->exec);
+    if (g->graph) cudaGraphDestroy(g->graph);
+    free(g);
+}
+
+// ---- op dispatch ----
+
+static const char *const k_op_names[DI_CUDA_OP_COUNT] = {
+    "matmul", "rmsnorm", "rope",     "softmax", "swiglu",   "mhc",
+    "router", "moe",     "kv_quant", "attn",    "compress", "indexer",
+};
+
+extern "C" const char *di_cuda_op_name(di_cuda_op op) {
+    return op >= 0 && op < DI_CUDA_OP_COUNT ? k_op_names[op] : "?";
+}
+
+extern "C" bool di_cuda_supports_op(const di_cuda *cu, di_cuda_op op, const di_tensor *w) {
+    if (op < 0 || op >= DI_CUDA_OP_COUNT) return false;
+    if (cu->disabled_ops & (1u << op)) return false;
+    if (op == DI_CUDA_OP_MATMUL || op == DI_CUDA_OP_MOE) {
+        if (!w) return false;
+        switch (w->kind) {
+        case DI_TENSOR_KIND_F32:
+        case DI_TENSOR_KIND_F16:
+        case DI_TENSOR_KIND_BF16:
+            return true;
+        case DI_TENSOR_KIND_FP8:
+            return w->block_in > 0 && w->block_out > 0;
+        case DI_TENSOR_KIND_FP4:
+            // Packed pairs: an even row length (tensor/quant_ref.h).
+            return w->block_in > 0 && w->block_out > 0 && w->ne[0] % 2 == 0;
+        }
+        return false;
+    }
+    return true;
+}

@@ -1,0 +1,133 @@
+/*
+ * cuda_backend — the CUDA backend's host side: one device context (device, one stream, a cuBLASLt
+ * handle), a caching device memory pool, weight upload (once, from the mapped di_tensor), CUDA
+ * graph capture of decode steps, and the op dispatch table with supports_op and the CPU fallback.
+ * The kernels live one op family per <op>.cu, declared in <op>.cuh (plain C launchers).
+ *
+ * Conventions (docs/cuda.md):
+ *   - Every launcher takes device pointers, enqueues on cu->stream and returns di_status: launch
+ *     errors come back at once (cudaGetLastError), faults inside a kernel at the next
+ *     di_cuda_sync (DI_ERR_CUDA, logged with the CUDA error string).
+ *   - A device weight is a di_tensor whose data/scale point to device memory (same layout as the
+ *     host tensor, row0 reduced to the offset inside the first scale block), so every kernel
+ *     decodes exactly what quant_ref.c decodes on the CPU.
+ *   - Activations are FP32 on the device, as in the CPU forward; accumulation is FP32.
+ *
+ * Owns: di_cuda owns its stream, cuBLASLt handle, every pool block and every uploaded weight.
+ * Thread-safety: engine thread only (one stream per engine; conventions §5).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "deepinfer.h"     // di_status
+#include "tensor/tensor.h" // di_tensor
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct di_cuda_pool_block di_cuda_pool_block; // cuda_backend.cu
+
+typedef struct di_cuda {
+    int device;
+    void *stream;   // owned cudaStream_t
+    void *cublaslt; // owned cublasLtHandle_t
+    int cc_major, cc_minor, n_sm;
+    size_t smem_optin;   // max dynamic shared memory per block after opting in
+    size_t l2_bytes;     // L2 size
+    double hbm_peak_gbs; // from memory clock and bus width (a datasheet-style number)
+    // Caching pool: freed blocks keep their memory and are reused for requests of the same
+    // rounded size; everything is returned to the driver at destroy.
+    di_cuda_pool_block *blocks; // owned list of every block
+    size_t pool_bytes;          // bytes held from the driver
+    // Weights uploaded with di_cuda_tensor_upload: freed at destroy.
+    void **weights; // owned array of device pointers
+    int64_t n_weights, cap_weights;
+    size_t weight_bytes;
+    bool warned_fallback[32]; // one WARN per op that fell back to the CPU
+    // Debug switch (tests): ops whose bit (1 << di_cuda_op) is set report unsupported, so the CPU
+    // fallback path can be checked with ordinary inputs. 0 in the engine.
+    uint32_t disabled_ops;
+} di_cuda;
+
+// Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.
+int di_cuda_device_count(void);
+
+// Creates a context on `device`: its stream and cuBLASLt handle. DI_ERR_UNSUPPORTED when there is
+// no such device, DI_ERR_CUDA, DI_ERR_NOMEM. Free with di_cuda_destroy.
+di_status di_cuda_create(int device, di_cuda **out);
+// Synchronises, then frees every pool block, weight, the handle and the stream. NULL: no-op.
+void di_cuda_destroy(di_cuda *cu);
+// "NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB)" into buf.
+void di_cuda_describe(const di_cuda *cu, char *buf, size_t cap);
+
+// ---- memory ----
+
+// Device memory of at least `bytes` (256-byte aligned) from the caching pool. Stream-ordered: it
+// may be used by work enqueued after this call. DI_ERR_CUDA (out of memory), DI_ERR_NOMEM.
+di_status di_cuda_alloc(di_cuda *cu, size_t bytes, void **out);
+// Returns a block to the pool (work already enqueued on the stream may still use it: the pool
+// only hands it out again for later work on the same stream). NULL: no-op.
+void di_cuda_free(di_cuda *cu, void *p);
+// Host <-> device copies on the stream. Upload and download synchronise the stream before they
+// return (host memory is pageable; the caller may reuse or read it at once). DI_ERR_CUDA.
+di_status di_cuda_upload(di_cuda *cu, void *dst, const void *src, size_t bytes);
+di_status di_cuda_download(di_cuda *cu, void *dst, const void *src, size_t bytes);
+di_status di_cuda_memset(di_cuda *cu, void *dst, int value, size_t bytes);
+di_status di_cuda_copy_d2d(di_cuda *cu, void *dst, const void *src, size_t bytes);
+// Waits for the stream; turns an asynchronous kernel fault into DI_ERR_CUDA (logged). The named
+// sync points of the engine (end of step, logits readback) call this.
+di_status di_cuda_sync(di_cuda *cu);
+// Status of the last launch (cudaGetLastError), logged with `what` when it failed.
+di_status di_cuda_check_launch(const char *what);
+
+// ---- weights ----
+
+// Copies a host weight matrix (mapped checkpoint view) to the device once: *dev gets the same
+// kind, shape and strides with device data and scale pointers (the scale rows covering the view
+// only; row0 becomes row0 mod block_out). The memory belongs to cu (freed at destroy).
+// DI_ERR_CUDA, DI_ERR_NOMEM.
+di_status di_cuda_tensor_upload(di_cuda *cu, const di_tensor *host, di_tensor *dev);
+
+// ---- CUDA graphs (decode steps) ----
+
+typedef struct di_cuda_graph di_cuda_graph;
+// Starts capturing everything enqueued on cu->stream (no launch runs until the graph is
+// launched). Launchers must not synchronise while capturing (no upload/download/sync). Pool
+// blocks taken and freed inside the capture stay bound to the graph's kernels: run the step once
+// uncaptured first so the pool holds every block it needs. DI_ERR_CUDA.
+di_status di_cuda_graph_begin(di_cuda *cu);
+// Ends the capture and instantiates the graph (*out, free with di_cuda_graph_destroy).
+di_status di_cuda_graph_end(di_cuda *cu, di_cuda_graph **out);
+di_status di_cuda_graph_launch(di_cuda *cu, const di_cuda_graph *g);
+void di_cuda_graph_destroy(di_cuda_graph *g);
+
+// ---- op dispatch ----
+
+typedef enum di_cuda_op {
+    DI_CUDA_OP_MATMUL = 0, // gemm.cuh: any weight kind, FP32 activations
+    DI_CUDA_OP_RMSNORM,    // norm.cuh
+    DI_CUDA_OP_ROPE,       // rope.cuh
+    DI_CUDA_OP_SOFTMAX,    // norm.cuh (sampling-side softmax)
+    DI_CUDA_OP_SWIGLU,     // moe.cuh
+    DI_CUDA_OP_MHC,        // mhc.cuh: hc_pre (Sinkhorn) and hc_post
+    DI_CUDA_OP_ROUTER,     // moe.cuh: sqrtsoftplus + bias top-k, or hash
+    DI_CUDA_OP_MOE,        // moe.cuh: grouped routed experts
+    DI_CUDA_OP_KV_QUANT,   // attn.cuh: FP32 row -> 584-byte FP8 KV row
+    DI_CUDA_OP_ATTN,       // attn.cuh: window + compressed keys with the sink
+    DI_CUDA_OP_COMPRESS,   // attn.cuh: compressor window pooling
+    DI_CUDA_OP_INDEXER,    // indexer.cuh: scores + top-k
+    DI_CUDA_OP_COUNT
+} di_cuda_op;
+
+const char *di_cuda_op_name(di_cuda_op op);
+// Whether this build and device run `op` on the GPU for weights of kind `w` (w may be NULL for
+// ops without weights). An unsupported op runs on the CPU (di_cuda_matmul_or_cpu) with one WARN.
+bool di_cuda_supports_op(const di_cuda *cu, di_cuda_op op, const di_tensor *w);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,187 @@
+// gemm_lt — A8 activation quantisation and FP8 x FP8 block-scaled GEMM through cuBLASLt
+// (gemm.cuh). Which operand carries which scale mode is not spelled out for Hopper in the
+// headers: the natural formulation (A = weights, 128x128 blocks; B = activations, 1x128) is
+// tried first, then the swapped one (A = activations, B = weights), whose column-major result is
+// y transposed and is transposed back (results land in a padded buffer, then in y). The test
+// (tests/backend/cuda/test_cuda_gemm.c) checks whichever runs against the CPU reference.
+#include <cublasLt.h>
+#include <cuda_fp8.h>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/gemm.cuh"
+
+// ---- A8 ----
+
+__device__ __forceinline__ int ceil_log2_u(float x) {
+    const uint32_t u = __float_as_uint(x);
+    return (int)((u >> 23) & 0xFFu) - 127 + ((u & 0x7FFFFFu) != 0);
+}
+
+// One warp per 128-block: 4 values per lane.
+__global__ void act_quant_kernel(const float *__restrict__ x, int64_t n_tok, int64_t x_stride,
+                                 int64_t n, uint8_t *__restrict__ codes,
+                                 float *__restrict__ scales) {
+    const int64_t nb = n / 128;
+    const int64_t blk = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (blk >= n_tok * nb) return;
+    const int64_t t = blk / nb, b = blk % nb;
+    const float *v = x + t * x_stride + b * 128;
+    float a[4], amax = 0.0f;
+    for (int i = 0; i < 4; i++) a[i] = v[lane + 32 * i], amax = fmaxf(amax, fabsf(a[i]));
+    amax = fmaxf(di_warp_max(amax), 1e-4f);
+    const int k = ceil_log2_u(amax * (1.0f / 448.0f));              // one f32 rounding, as Q8
+    const float inv_s = __uint_as_float((uint32_t)(127 - k) << 23); // 2^-k, exact
+    uint8_t *c = codes + t * n + b * 128;
+    for (int i = 0; i < 4; i++)
+        c[lane + 32 * i] = (uint8_t)__nv_cvt_float_to_fp8(a[i] * inv_s, __NV_SATFINITE, __NV_E4M3);
+    if (lane == 0) scales[t * nb + b] = __uint_as_float((uint32_t)(127 + k) << 23);
+}
+
+extern "C" di_status di_cuda_act_quant_a8(di_cuda *cu, const float *x, int64_t n_tok,
+                                          int64_t x_stride, int64_t n, uint8_t *codes,
+                                          float *scales) {
+    if (n % 128 != 0) return DI_ERR_INVALID;
+    const int64_t blocks = n_tok * (n / 128);
+    if (blocks <= 0) return DI_OK;
+    act_quant_kernel<<<di_div_up(blocks, 8), 256, 0, di_stream(cu)>>>(x, n_tok, x_stride, n, codes,
+                                                                      scales);
+    DI_CUDA_LAUNCHED("act_quant_kernel");
+    return DI_OK;
+}
+
+__global__ void scales_f32_kernel(const uint8_t *__restrict__ s, size_t s_nb1, int64_t rows,
+                                  int64_t cols, float *__restrict__ out) {
+    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= rows * cols) return;
+    out[k] = di_ue8m0_f32(s[(size_t)(k / cols) * s_nb1 + (size_t)(k % cols)]);
+}
+
+extern "C" di_status di_cuda_fp8_scales_f32(di_cuda *cu, const di_tensor *w, float *out) {
+    if (w->kind != DI_TENSOR_KIND_FP8 || w->block_in != 128 || w->block_out != 128 || w->row0 != 0)
+        return DI_ERR_INVALID;
+    const int64_t rows = (w->ne[1] + 127) / 128, cols = (w->ne[0] + 127) / 128;
+    scales_f32_kernel<<<di_div_up(rows * cols, 256), 256, 0, di_stream(cu)>>>(
+        w->scale, w->scale_nb1, rows, cols, out);
+    DI_CUDA_LAUNCHED("scales_f32_kernel");
+    return DI_OK;
+}
+
+// ---- cuBLASLt ----
+
+// y[t * y_stride + o] = in[o * s_o + t * s_t]: cuBLASLt's column-major result (either
+// formulation, leading dimension padded to 16 bytes) into the caller's rows.
+__global__ void scatter_kernel(const float *__restrict__ in, int64_t n_out, int64_t T, int64_t s_o,
+                               int64_t s_t, float *__restrict__ y, int64_t y_stride) {
+    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n_out * T) return;
+    const int64_t t = k / n_out, o = k % n_out;
+    y[t * y_stride + o] = in[o * s_o + t * s_t];
+}
+
+static const size_t k_ws_bytes = (size_t)32 << 20;
+
+// One attempt: swapped = false: D[n_out x T] = W^T-op . X; true: D[T x n_out] = X^T-op . W.
+static di_status lt_try(di_cuda *cu, bool swapped, const di_tensor *w, const float *w_scales,
+                        const uint8_t *codes, const float *x_scales, int64_t T, float *d,
+                        int64_t ldd, void *ws, bool *no_algo) {
+    const int64_t K = w->ne[0], N_out = w->ne[1];
+    const cublasLtHandle_t lt = (cublasLtHandle_t)cu->cublaslt;
+    cublasLtMatmulDesc_t op = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t heur;
+    int n_res = 0;
+    di_status st = DI_ERR_CUDA;
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const cublasLtMatmulMatrixScale_t blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const cublasLtMatmulMatrixScale_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const void *a = swapped ? (const void *)codes : w->data;
+    const void *b = swapped ? w->data : (const void *)codes;
+    const void *sa = swapped ? (const void *)x_scales : (const void *)w_scales;
+    const void *sb = swapped ? (const void *)w_scales : (const void *)x_scales;
+    const int64_t M = swapped ? T : N_out, N = swapped ? N_out : T;
+    const float alpha = 1.0f, beta = 0.0f;
+    const size_t wsb = k_ws_bytes;
+    *no_algo = false;
+    if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
+        goto out;
+    if (cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) ||
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) ||
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, swapped ? &vec : &blk,
+                                       sizeof blk) ||
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, swapped ? &blk : &vec,
+                                       sizeof vec) ||
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof sa) ||
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof sb)) {
+        *no_algo = true; // this cuBLASLt does not know the attributes
+        st = DI_ERR_UNSUPPORTED;
+        goto out;
+    }
+    // Both operands stored K-major (rows of K bytes): K x M and K x N column-major.
+    if (cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)M, K) ||
+        cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)N, K) ||
+        cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, (uint64_t)M, (uint64_t)N, ldd))
+        goto out;
+    if (cublasLtMatmulPreferenceCreate(&pref) ||
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb,
+                                             sizeof wsb))
+        goto out;
+    if (cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1, &heur, &n_res) !=
+            CUBLAS_STATUS_SUCCESS ||
+        n_res == 0) {
+        *no_algo = true;
+        st = DI_ERR_UNSUPPORTED;
+        goto out;
+    }
+    if (cublasLtMatmul(lt, op, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &heur.algo, ws, wsb,
+                       di_stream(cu)) != CUBLAS_STATUS_SUCCESS) {
+        DI_CUDA_LOG_ERROR("cublasLtMatmul (FP8 block-scaled, %s) failed",
+                          swapped ? "swapped" : "natural");
+        goto out;
+    }
+    st = DI_OK;
+out:
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+    return st;
+}
+
+extern "C" di_status di_cuda_matmul_fp8_lt(di_cuda *cu, const di_tensor *w, const float *w_scales,
+                                           const uint8_t *codes, const float *x_scales,
+                                           int64_t n_tok, float *y, int64_t y_stride) {
+    if (w->kind != DI_TENSOR_KIND_FP8 || w->block_in != 128 || w->block_out != 128 ||
+        w->row0 != 0 || w->ne[0] % 128 != 0 || w->nb1 != (size_t)w->ne[0])
+        return DI_ERR_INVALID;
+    if (n_tok <= 0) return DI_OK;
+    const int64_t n_out = w->ne[1];
+    // Leading dimensions padded to 4 floats (16 bytes), which cuBLASLt's kernels want.
+    const int64_t ld_n = (n_out + 3) / 4 * 4, ld_t = (n_tok + 3) / 4 * 4;
+    const bool direct = y_stride == ld_n; // natural formulation straight into y
+    di_status st;
+    void *ws = NULL, *tmp = NULL;
+    bool no_algo = false, swapped = false;
+    const size_t tmp_bytes =
+        sizeof(float) * (size_t)(ld_n * n_tok > ld_t * n_out ? ld_n * n_tok : ld_t * n_out);
+    if ((st = di_cuda_alloc(cu, k_ws_bytes, &ws)) != DI_OK) return st;
+    if ((st = di_cuda_alloc(cu, tmp_bytes, &tmp)) != DI_OK) goto out;
+    st = lt_try(cu, false, w, w_scales, codes, x_scales, n_tok, direct ? y : (float *)tmp, ld_n, ws,
+                &no_algo);
+    if (st != DI_OK && no_algo) {
+        swapped = true;
+        st =
+            lt_try(cu, true, w, w_scales, codes, x_scales, n_tok, (float *)tmp, ld_t, ws, &no_algo);
+    }
+    if (st == DI_OK && (swapped || !direct)) {
+        scatter_kernel<<<di_div_up(n_out * n_tok, 256), 256, 0, di_stream(cu)>>>(
+            (const float *)tmp, n_out, n_tok, swapped ? ld_t : 1, swapped ? 1 : ld_n, y, y_stride);
+        st = di_cuda_check_launch("scatter_kernel");
+    }
+out:
+    di_cuda_free(cu, tmp);
+    di_cuda_free(cu, ws);
+    return st;
+}

@@ -1,0 +1,147 @@
+// indexer — lightning indexer scores and the exact top-k (indexer.cuh).
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/indexer.cuh"
+
+enum { IDX_THREADS = 256, IDX_WARPS = IDX_THREADS / 32, IDX_KEYS_PER_BLOCK = 64 };
+enum { TOPK_THREADS = 1024 };
+
+// ---- scores ----
+
+// Block (row t, 64 entries): the row's qI [HI, DI] and wI [HI] in shared memory; a warp per entry,
+// lanes over DI (coalesced key reads), ReLU then the head weight, summed in head order.
+__global__ void __launch_bounds__(IDX_THREADS)
+    scores_kernel(const float *__restrict__ qi, const float *__restrict__ wi,
+                  const float *__restrict__ keys, const int64_t *__restrict__ key_base,
+                  const int32_t *__restrict__ n_vis, int32_t HI, int32_t DI, bool round_bf16,
+                  float *__restrict__ scores, int64_t score_stride) {
+    extern __shared__ float qs[]; // [HI * DI] then wI [HI]
+    float *ws = qs + (int64_t)HI * DI;
+    const int64_t t = blockIdx.y;
+    const int32_t vis = n_vis[t];
+    const int64_t w0 = (int64_t)blockIdx.x * IDX_KEYS_PER_BLOCK;
+    if (w0 >= vis) return;
+    for (int64_t i = threadIdx.x; i < (int64_t)HI * DI; i += blockDim.x)
+        qs[i] = qi[t * HI * DI + i];
+    for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float *kb = keys + (key_base ? key_base[t] : 0) * DI;
+    for (int64_t w = w0 + warp; w < w0 + IDX_KEYS_PER_BLOCK && w < vis; w += IDX_WARPS) {
+        const float *k = kb + w * DI;
+        float acc = 0.0f;
+        for (int32_t h = 0; h < HI; h++) {
+            float dot = 0.0f;
+            for (int32_t d = lane; d < DI; d += 32) dot = fmaf(qs[h * DI + d], k[d], dot);
+            dot = di_warp_sum(dot);
+            acc += ws[h] * (dot > 0 ? dot : 0); // ReLU, then the head weight
+        }
+        if (lane == 0) scores[t * score_stride + w] = round_bf16 ? di_round_bf16_dev(acc) : acc;
+    }
+}
+
+extern "C" di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const float *wi,
+                                            const float *keys, const int64_t *key_base,
+                                            const int32_t *n_vis, int32_t max_vis, int32_t n_tok,
+                                            int32_t HI, int32_t DI, bool round_bf16, float *scores,
+                                            int64_t score_stride) {
+    const size_t smem = sizeof(float) * ((size_t)HI * DI + (size_t)HI);
+    if (smem > cu->smem_optin) return DI_ERR_INVALID;
+    if (n_tok <= 0 || max_vis <= 0) return DI_OK;
+    CUDA_CHECK(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)smem));
+    dim3 grid(di_div_up(max_vis, IDX_KEYS_PER_BLOCK), (unsigned)n_tok);
+    scores_kernel<<<grid, IDX_THREADS, smem, di_stream(cu)>>>(qi, wi, keys, key_base, n_vis, HI, DI,
+                                                              round_bf16, scores, score_stride);
+    DI_CUDA_LAUNCHED("scores_kernel");
+    return DI_OK;
+}
+
+// ---- top-k ----
+
+// Order-preserving map of a float to uint32 (larger float -> larger key; -0 < +0).
+__device__ __forceinline__ uint32_t ordered(float f) {
+    const uint32_t u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Block-wide exclusive prefix of a 0/1 flag over the threads in order, plus the block total.
+__device__ __forceinline__ int block_prefix(bool flag, int *warp_tot, int *total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const unsigned b = __ballot_sync(0xffffffffu, flag);
+    const int in_warp = __popc(b & ((1u << lane) - 1u));
+    __syncthreads();
+    if (lane == 0) warp_tot[warp] = __popc(b);
+    __syncthreads();
+    int before = 0, tot = 0;
+    for (int w = 0; w < nw; w++) {
+        if (w < warp) before += warp_tot[w];
+        tot += warp_tot[w];
+    }
+    *total = tot;
+    return before + in_warp;
+}
+
+__global__ void __launch_bounds__(TOPK_THREADS)
+    topk_kernel(const float *__restrict__ scores, int64_t score_stride,
+                const int32_t *__restrict__ n_vis, int32_t topk, int32_t *__restrict__ sel) {
+    __shared__ int warp_tot[32];
+    __shared__ int cnt;
+    const int64_t t = blockIdx.x;
+    const int32_t vis = n_vis[t];
+    const int32_t k = vis < topk ? vis : topk;
+    int32_t *out = sel + t * topk;
+    for (int32_t i = k + threadIdx.x; i < topk; i += blockDim.x) out[i] = -1;
+    if (k == vis) { // every visible entry is selected
+        for (int32_t i = threadIdx.x; i < k; i += blockDim.x) out[i] = i;
+        return;
+    }
+    const float *s = scores + t * score_stride;
+    // Radix select: the largest thr with count(key >= thr) >= k is the k-th largest key.
+    uint32_t thr = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+        const uint32_t cand = thr | (1u << bit);
+        if (threadIdx.x == 0) cnt = 0;
+        __syncthreads();
+        int c = 0;
+        for (int32_t w = threadIdx.x; w < vis; w += blockDim.x) c += ordered(s[w]) >= cand;
+        c = __reduce_add_sync(0xffffffffu, c);
+        if ((threadIdx.x & 31) == 0) atomicAdd(&cnt, c);
+        __syncthreads();
+        if (cnt >= k) thr = cand;
+        __syncthreads();
+    }
+    // Entries above thr all go in; ties at thr fill the rest, lowest index first.
+    if (threadIdx.x == 0) cnt = 0;
+    __syncthreads();
+    {
+        int c = 0;
+        for (int32_t w = threadIdx.x; w < vis; w += blockDim.x) c += ordered(s[w]) > thr;
+        c = __reduce_add_sync(0xffffffffu, c);
+        if ((threadIdx.x & 31) == 0) atomicAdd(&cnt, c);
+    }
+    __syncthreads();
+    const int32_t need_eq = k - cnt;
+    int32_t eq_seen = 0, n_out = 0;
+    for (int32_t base = 0; base < vis; base += blockDim.x) {
+        const int32_t w = base + threadIdx.x;
+        const uint32_t key = w < vis ? ordered(s[w]) : 0u;
+        const bool eq = w < vis && key == thr;
+        int eq_tot, sel_tot;
+        const int eq_before = block_prefix(eq, warp_tot, &eq_tot);
+        const bool take = w < vis && (key > thr || (eq && eq_seen + eq_before < need_eq));
+        const int pos = block_prefix(take, warp_tot, &sel_tot);
+        if (take) out[n_out + pos] = w;
+        eq_seen += eq_tot;
+        n_out += sel_tot;
+    }
+}
+
+extern "C" di_status di_cuda_topk(di_cuda *cu, const float *scores, int64_t score_stride,
+                                  const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel) {
+    if (topk <= 0) return DI_ERR_INVALID;
+    if (n_tok <= 0) return DI_OK;
+    topk_kernel<<<(unsigned)n_tok, TOPK_THREADS, 0, di_stream(cu)>>>(scores, score_stride, n_vis,
+                                                                     topk, sel);
+    DI_CUDA_LAUNCHED("topk_kernel");
+    return DI_OK;
+}

@@ -1,0 +1,109 @@
+// mhc — hc_pre (RMS-scaled gates + Sinkhorn) and hc_post (mhc.cuh). One block per token; the
+// NC x NC Sinkhorn runs in one thread (NC = 4: 20 iterations of 16 elements), in the order of
+// model/dsv4.c's hc_pre_task so results match to FP32 rounding.
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/mhc.cuh"
+
+enum { MHC_THREADS = 256 };
+
+__device__ __forceinline__ float sigmoidf_(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+__global__ void __launch_bounds__(MHC_THREADS)
+    mhc_pre_kernel(const float *__restrict__ x, const float *__restrict__ mix_raw,
+                   const float *__restrict__ base, const float *__restrict__ scale, int32_t nc,
+                   int64_t D, int32_t iters, float hc_eps, float norm_eps, bool head,
+                   float *__restrict__ a, float *__restrict__ post, float *__restrict__ comb) {
+    __shared__ float red[32];
+    __shared__ float pre[DI_CUDA_MHC_MAX_NC];
+    const int64_t t = blockIdx.x;
+    const int n_mix = head ? nc : (2 + nc) * nc;
+    const float *xf = x + t * nc * D;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < nc * D; i += blockDim.x) ss = fmaf(xf[i], xf[i], ss);
+    ss = di_block_sum(ss, red);
+    if (threadIdx.x == 0) {
+        const float r = 1.0f / sqrtf(ss / (float)(nc * D) + norm_eps);
+        const float *mr = mix_raw + t * n_mix;
+        for (int s = 0; s < nc; s++) pre[s] = sigmoidf_(mr[s] * r * scale[0] + base[s]) + hc_eps;
+        if (!head) {
+            float *pt = post + t * nc, *C = comb + t * nc * nc;
+            for (int s = 0; s < nc; s++)
+                pt[s] = 2.0f * sigmoidf_(mr[nc + s] * r * scale[1] + base[nc + s]);
+            for (int j = 0; j < nc; j++)
+                for (int k = 0; k < nc; k++)
+                    C[j * nc + k] =
+                        mr[2 * nc + j * nc + k] * r * scale[2] + base[2 * nc + j * nc + k];
+            // Row softmax + eps, column normalisation, then (iters - 1) x (rows, columns).
+            for (int j = 0; j < nc; j++) {
+                float mx = C[j * nc];
+                for (int k = 1; k < nc; k++) mx = fmaxf(mx, C[j * nc + k]);
+                float sum = 0;
+                for (int k = 0; k < nc; k++) sum += (C[j * nc + k] = expf(C[j * nc + k] - mx));
+                for (int k = 0; k < nc; k++) C[j * nc + k] = C[j * nc + k] / sum + hc_eps;
+            }
+            for (int it = 0; it < iters; it++) {
+                if (it > 0) {
+                    for (int j = 0; j < nc; j++) {
+                        float sum = 0;
+                        for (int k = 0; k < nc; k++) sum += C[j * nc + k];
+                        for (int k = 0; k < nc; k++) C[j * nc + k] /= sum + hc_eps;
+                    }
+                }
+                for (int k = 0; k < nc; k++) {
+                    float sum = 0;
+                    for (int j = 0; j < nc; j++) sum += C[j * nc + k];
+                    for (int j = 0; j < nc; j++) C[j * nc + k] /= sum + hc_eps;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    float *at = a + t * D;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0;
+        for (int s = 0; s < nc; s++) acc += pre[s] * xf[s * D + d];
+        at[d] = acc;
+    }
+}
+
+extern "C" di_status di_cuda_mhc_pre(di_cuda *cu, const float *x, const float *mix_raw,
+                                     const float *base, const float *scale, int32_t nc, int64_t D,
+                                     int32_t n_tok, int32_t iters, float hc_eps, float norm_eps,
+                                     bool head, float *a, float *post, float *comb) {
+    if (nc < 1 || nc > DI_CUDA_MHC_MAX_NC) return DI_ERR_INVALID;
+    if (n_tok <= 0) return DI_OK;
+    mhc_pre_kernel<<<(unsigned)n_tok, MHC_THREADS, 0, di_stream(cu)>>>(
+        x, mix_raw, base, scale, nc, D, iters, hc_eps, norm_eps, head, a, post, comb);
+    DI_CUDA_LAUNCHED("mhc_pre_kernel");
+    return DI_OK;
+}
+
+__global__ void mhc_post_kernel(const float *__restrict__ o, float *__restrict__ x,
+                                const float *__restrict__ post, const float *__restrict__ comb,
+                                int32_t nc, int64_t D, int64_t n) {
+    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n) return;
+    const int64_t t = k / D, d = k % D;
+    float *xt = x + t * nc * D;
+    const float *C = comb + t * nc * nc, *pt = post + t * nc;
+    float xin[DI_CUDA_MHC_MAX_NC], mixed[DI_CUDA_MHC_MAX_NC];
+    for (int j = 0; j < nc; j++) xin[j] = xt[j * D + d];
+    for (int kk = 0; kk < nc; kk++) {
+        float acc = pt[kk] * o[t * D + d];
+        for (int j = 0; j < nc; j++) acc += C[j * nc + kk] * xin[j];
+        mixed[kk] = acc;
+    }
+    for (int kk = 0; kk < nc; kk++) xt[kk * D + d] = mixed[kk];
+}
+
+extern "C" di_status di_cuda_mhc_post(di_cuda *cu, const float *o, float *x, const float *post,
+                                      const float *comb, int32_t nc, int64_t D, int32_t n_tok) {
+    if (nc < 1 || nc > DI_CUDA_MHC_MAX_NC) return DI_ERR_INVALID;
+    const int64_t n = (int64_t)n_tok * D;
+    if (n <= 0) return DI_OK;
+    mhc_post_kernel<<<di_div_up(n, 256), 256, 0, di_stream(cu)>>>(o, x, post, comb, nc, D, n);
+    DI_CUDA_LAUNCHED("mhc_post_kernel");
+    return DI_OK;
+}

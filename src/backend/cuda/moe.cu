@@ -1,0 +1,244 @@
+// moe — router, expert grouping, SwiGLU, combine and the whole MoE layer (moe.cuh).
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/gemm.cuh"
+#include "backend/cuda/moe.cuh"
+
+enum { ROUTER_THREADS = 256, GROUP_THREADS = 1024, MAX_E = 4096, MAX_K = 16 };
+
+// ---- router ----
+
+// (v, e) beats (v2, e2): higher value, or equal value and lower id.
+__device__ __forceinline__ bool beats(float v, int e, float v2, int e2) {
+    return e2 < 0 || (e >= 0 && (v > v2 || (v == v2 && e < e2)));
+}
+
+__global__ void __launch_bounds__(ROUTER_THREADS)
+    router_kernel(const float *__restrict__ logits, const float *__restrict__ bias,
+                  const int32_t *__restrict__ tid2eid, const int32_t *__restrict__ ids, int32_t E,
+                  int32_t K, float route_scale, bool hf_eps, int32_t *__restrict__ sel,
+                  float *__restrict__ wgt) {
+    extern __shared__ float s[]; // [E] scores
+    __shared__ float wv[32];
+    __shared__ int wi[32];
+    __shared__ int se[MAX_K];
+    const int64_t t = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const float x = logits[t * E + e];
+        s[e] = sqrtf(x > 20.0f ? x : log1pf(expf(x))); // softplus with PyTorch's threshold 20
+    }
+    __syncthreads();
+    if (tid2eid) {
+        if (threadIdx.x < K) se[threadIdx.x] = tid2eid[(int64_t)ids[t] * K + threadIdx.x];
+    } else {
+        for (int k = 0; k < K; k++) {
+            float bv = 0.0f;
+            int be = -1;
+            for (int e = threadIdx.x; e < E; e += blockDim.x) {
+                bool taken = false;
+                for (int j = 0; j < k; j++) taken |= se[j] == e;
+                const float v = s[e] + (bias ? bias[e] : 0.0f);
+                if (!taken && beats(v, e, bv, be)) bv = v, be = e;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int e2 = __shfl_xor_sync(0xffffffffu, be, o);
+                if (beats(v2, e2, bv, be)) bv = v2, be = e2;
+            }
+            if (lane == 0) wv[warp] = bv, wi[warp] = be;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                float v = wv[0];
+                int e = wi[0];
+                for (int w = 1; w < nw; w++)
+                    if (beats(wv[w], wi[w], v, e)) v = wv[w], e = wi[w];
+                se[k] = e;
+            }
+            __syncthreads();
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0;
+        for (int k = 0; k < K; k++) sum += s[se[k]];
+        if (hf_eps) sum += 1e-20f; // R-HF's denominator epsilon
+        for (int k = 0; k < K; k++) {
+            sel[t * K + k] = se[k];
+            wgt[t * K + k] = s[se[k]] / sum * route_scale;
+        }
+    }
+}
+
+extern "C" di_status di_cuda_router(di_cuda *cu, const float *logits, const float *bias,
+                                    const int32_t *tid2eid, const int32_t *ids, int32_t n_tok,
+                                    int32_t E, int32_t K, float route_scale, bool hf_eps,
+                                    int32_t *sel, float *wgt) {
+    if (E < 1 || E > MAX_E || K < 1 || K > MAX_K || K > E) return DI_ERR_INVALID;
+    if (n_tok <= 0) return DI_OK;
+    router_kernel<<<(unsigned)n_tok, ROUTER_THREADS, sizeof(float) * (size_t)E, di_stream(cu)>>>(
+        logits, bias, tid2eid, ids, E, K, route_scale, hf_eps, sel, wgt);
+    DI_CUDA_LAUNCHED("router_kernel");
+    return DI_OK;
+}
+
+// ---- grouping ----
+
+// One block; thread e owns expert e (and e + blockDim ...): it counts, then places its pairs in
+// ascending pair order, so the result is deterministic without atomics.
+// TODO(cuda): a parallel scan for prefill batches (each thread walks all pairs: O(T*K) each).
+__global__ void __launch_bounds__(GROUP_THREADS)
+    group_kernel(const int32_t *__restrict__ sel, int32_t n_pairs, int32_t K, int32_t E,
+                 int32_t *__restrict__ offsets, int32_t *__restrict__ rows,
+                 int32_t *__restrict__ row_of_pair) {
+    __shared__ int32_t cnt[MAX_E + 1];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int32_t c = 0;
+        for (int32_t p = 0; p < n_pairs; p++) c += sel[p] == e;
+        cnt[e] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int32_t acc = 0;
+        for (int e = 0; e < E; e++) {
+            const int32_t c = cnt[e];
+            cnt[e] = acc;
+            offsets[e] = acc;
+            acc += c;
+        }
+        offsets[E] = acc;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int32_t r = cnt[e];
+        for (int32_t p = 0; p < n_pairs; p++) {
+            if (sel[p] != e) continue;
+            rows[r] = p / K;
+            row_of_pair[p] = r;
+            r++;
+        }
+    }
+}
+
+extern "C" di_status di_cuda_moe_group(di_cuda *cu, const int32_t *sel, int32_t n_pairs, int32_t K,
+                                       int32_t E, int32_t *offsets, int32_t *rows,
+                                       int32_t *row_of_pair) {
+    if (E < 1 || E > MAX_E) return DI_ERR_INVALID;
+    group_kernel<<<1, GROUP_THREADS, 0, di_stream(cu)>>>(sel, n_pairs, K, E, offsets, rows,
+                                                         row_of_pair);
+    DI_CUDA_LAUNCHED("group_kernel");
+    return DI_OK;
+}
+
+// ---- SwiGLU and combine ----
+
+__global__ void swiglu_kernel(float *__restrict__ g, const float *__restrict__ u, int64_t n,
+                              float limit) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float gt = g[i], up = u[i];
+    if (limit > 0) {
+        gt = fminf(gt, limit);
+        up = fminf(fmaxf(up, -limit), limit);
+    }
+    g[i] = gt / (1.0f + expf(-gt)) * up;
+}
+
+extern "C" di_status di_cuda_swiglu(di_cuda *cu, float *g, const float *u, int64_t n_rows,
+                                    int64_t F, float limit) {
+    const int64_t n = n_rows * F;
+    if (n <= 0) return DI_OK;
+    swiglu_kernel<<<di_div_up(n, 256), 256, 0, di_stream(cu)>>>(g, u, n, limit);
+    DI_CUDA_LAUNCHED("swiglu_kernel");
+    return DI_OK;
+}
+
+__global__ void combine_kernel(const float *__restrict__ y, const int32_t *__restrict__ row_of_pair,
+                               const int32_t *__restrict__ sel, const float *__restrict__ wgt,
+                               const float *__restrict__ shared, int32_t K, int64_t D,
+                               float *__restrict__ out) {
+    const int64_t t = blockIdx.y;
+    const int64_t d = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    // The token's slots sorted by (expert, slot): the CPU adds experts in ascending id.
+    int order[MAX_K];
+    for (int k = 0; k < K; k++) order[k] = k;
+    for (int i = 1; i < K; i++)
+        for (int j = i; j > 0 && sel[t * K + order[j]] < sel[t * K + order[j - 1]]; j--) {
+            const int tmp = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = tmp;
+        }
+    float acc = 0.0f;
+    for (int i = 0; i < K; i++) {
+        const int k = order[i];
+        // Separate product and sum roundings, as the CPU's y *= w; o += y.
+        acc = __fadd_rn(acc, __fmul_rn(y[(int64_t)row_of_pair[t * K + k] * D + d], wgt[t * K + k]));
+    }
+    if (shared) acc = __fadd_rn(acc, shared[t * D + d]);
+    out[t * D + d] = acc;
+}
+
+extern "C" di_status di_cuda_moe_combine(di_cuda *cu, const float *y, const int32_t *row_of_pair,
+                                         const int32_t *sel, const float *wgt, const float *shared,
+                                         int32_t n_tok, int32_t K, int64_t D, float *out) {
+    if (K < 1 || K > MAX_K) return DI_ERR_INVALID;
+    if (n_tok <= 0) return DI_OK;
+    dim3 grid(di_div_up(D, 256), (unsigned)n_tok);
+    combine_kernel<<<grid, 256, 0, di_stream(cu)>>>(y, row_of_pair, sel, wgt, shared, K, D, out);
+    DI_CUDA_LAUNCHED("combine_kernel");
+    return DI_OK;
+}
+
+// ---- the whole layer ----
+
+extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const float *f,
+                                 const int32_t *ids, int32_t n_tok, float *out, int32_t *sel_out,
+                                 float *wgt_out) {
+    if (n_tok <= 0) return DI_OK;
+    di_status st = DI_OK;
+    const int32_t E = w->n_expert, K = w->n_used, P = n_tok * K;
+    const int64_t D = w->D, F = w->F;
+    void *b[10] = {0};
+    const size_t sizes[10] = {
+        sizeof(float) * (size_t)n_tok * E, // 0 logits
+        sizeof(int32_t) * (size_t)P,       // 1 sel
+        sizeof(float) * (size_t)P,         // 2 wgt
+        sizeof(int32_t) * (size_t)(E + 1), // 3 offsets
+        sizeof(int32_t) * (size_t)P,       // 4 rows
+        sizeof(int32_t) * (size_t)P,       // 5 row_of_pair
+        sizeof(float) * (size_t)P * F,     // 6 g (routed; also the shared expert's g)
+        sizeof(float) * (size_t)P * F,     // 7 u
+        sizeof(float) * (size_t)P * D,     // 8 y (routed outputs, grouped)
+        sizeof(float) * (size_t)n_tok * D, // 9 shared expert output
+    };
+    for (int i = 0; i < 10; i++) DI_TRY(di_cuda_alloc(cu, sizes[i], &b[i]));
+    {
+        float *logits = (float *)b[0], *wgt = wgt_out ? wgt_out : (float *)b[2];
+        int32_t *sel = sel_out ? sel_out : (int32_t *)b[1];
+        int32_t *offsets = (int32_t *)b[3], *rows = (int32_t *)b[4], *rop = (int32_t *)b[5];
+        float *g = (float *)b[6], *u = (float *)b[7], *y = (float *)b[8], *sh = (float *)b[9];
+        DI_TRY(di_cuda_matmul(cu, &w->gate, f, n_tok, D, logits, E)); // [T, E]
+        DI_TRY(di_cuda_router(cu, logits, w->gate_bias, w->tid2eid, ids, n_tok, E, K,
+                              w->route_scale, true, sel, wgt));
+        DI_TRY(di_cuda_moe_group(cu, sel, P, K, E, offsets, rows, rop));
+        // Routed experts: gate and up read the token rows directly (rows = token of each row).
+        // One token: every expert has one row (a hash duplicate makes two; still correct).
+        const int32_t hint = n_tok == 1 ? 1 : 0;
+        DI_TRY(
+            di_cuda_matmul_grouped(cu, w->w1, E, F, D, offsets, rows, f, D, g, F, hint)); // [P,F]
+        DI_TRY(
+            di_cuda_matmul_grouped(cu, w->w3, E, F, D, offsets, rows, f, D, u, F, hint)); // [P,F]
+        DI_TRY(di_cuda_swiglu(cu, g, u, P, F, w->swiglu_limit));
+        DI_TRY(
+            di_cuda_matmul_grouped(cu, w->w2, E, D, F, offsets, NULL, g, F, y, D, hint)); // [P,D]
+        // Shared expert on every token (g, u reused: the grouped w2 above is enqueued first).
+        DI_TRY(di_cuda_matmul(cu, &w->sh_w1, f, n_tok, D, g, F));
+        DI_TRY(di_cuda_matmul(cu, &w->sh_w3, f, n_tok, D, u, F));
+        DI_TRY(di_cuda_swiglu(cu, g, u, n_tok, F, w->shared_clamp ? w->swiglu_limit : 0.0f));
+        DI_TRY(di_cuda_matmul(cu, &w->sh_w2, g, n_tok, F, sh, D));
+        DI_TRY(di_cuda_moe_combine(cu, y, rop, sel, wgt, sh, n_tok, K, D, out));
+    }
+fail:
+    for (int i = 9; i >= 0; i--) di_cuda_free(cu, b[i]);
+    return st;
+}

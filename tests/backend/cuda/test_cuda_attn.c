@@ -1,0 +1,247 @@
+// CUDA attention pieces (backend/cuda/attn.cuh): the FP8 KV row format against Q8 of
+// tensor/quant_ref.c (bit-exact, decoded on the host with di_e4m3_to_f32 / di_ue8m0_to_f32), the
+// attention over index-listed keys with the sink against a double-precision host reference on the
+// same decoded keys (V4 head_dim 512 / 64 rope dims = 584-byte rows, and the tiny fixture's
+// 128 / 64), queries with 0 keys, 1 key, a window only, window + hundreds of compressed entries;
+// and the compressor pooling against a transcription of model/dsv4_attn.c compressor_step (HCA
+// c = 1, CSA c = 2 with and without the overlap).
+#include "backend/cuda/cuda_test.h"
+
+#include "backend/cuda/attn.cuh"
+#include "tensor/quant_ref.h"
+
+// Attention: the GPU's FP32 scores differ from exact by at most gamma(dh) * scale * sum|q k| each
+// (the bound E below); each probability then moves by at most ~2E relative, and o_d by
+// sum_j p_j |k_jd| times that, plus FP32 rounding of the value sum (1e-5 relative covers n_keys up
+// to ~1000 realistically). A wrong key, head, scale or sink moves o by O(p_j |k_j|).
+#define TOL_ATTN_SUM_REL 1e-5
+// Pooling: softmax over <= 8 slots in the same order with expf on both sides (2 ulp): 16u.
+#define TOL_POOL_REL (16 * 5.96e-8)
+
+// Host decode of one KV row (independent of the GPU decoder).
+static void host_decode(const uint8_t *row, int32_t dh, int32_t n_rot, float *out) {
+    const int32_t nope = dh - n_rot;
+    for (int32_t d = 0; d < nope; d++)
+        out[d] = di_e4m3_to_f32(row[d]) * di_ue8m0_to_f32(row[nope + 2 * n_rot + d / 64]);
+    for (int32_t d = 0; d < n_rot; d++) {
+        uint16_t h;
+        memcpy(&h, row + nope + 2 * d, 2);
+        out[nope + d] = di_bf16_to_f32(h);
+    }
+}
+
+// Quantises n rows on the GPU and checks them; returns the device pool (n rows) and the decoded
+// keys on the host ([n, dh], caller frees).
+static uint8_t *kv_rows(int64_t n, int32_t dh, int32_t n_rot, float **keys_out) {
+    const int64_t rb = di_cuda_kv_row_bytes(dh, n_rot);
+    float *kv = malloc(sizeof(float) * (size_t)(n * dh)),
+          *want = malloc(sizeof(float) * (size_t)dh);
+    float *keys = malloc(sizeof(float) * (size_t)(n * dh)),
+          *gdec = malloc(sizeof(float) * (size_t)(n * dh));
+    for (int64_t i = 0; i < n * dh; i++) {
+        // A spread of magnitudes per 64-block so scales differ; some tiny values (subnormal
+        // codes) and an all-small block (the 1e-4 floor).
+        const int64_t blk = (i % dh) / 64;
+        float mag = blk == 1 ? 1e-6f : powf(2.0f, (float)(blk * 3 % 11) - 5.0f);
+        kv[i] = rndf() * mag;
+    }
+    uint8_t *pool = dev_alloc((size_t)(n * rb)), *host = malloc((size_t)(n * rb));
+    float *kvd = dev_from(kv, sizeof(float) * (size_t)(n * dh));
+    float *gd = dev_alloc(sizeof(float) * (size_t)(n * dh));
+    dev_poison(pool, (size_t)(n * rb));
+    dev_poison(gd, sizeof(float) * (size_t)(n * dh));
+    CK(di_cuda_kv_quant(g_cu, kvd, n, dh, dh, n_rot, pool, NULL));
+    CK(di_cuda_kv_dequant(g_cu, pool, NULL, n, dh, n_rot, gd));
+    dev_to(host, pool, (size_t)(n * rb));
+    dev_to(gdec, gd, sizeof(float) * (size_t)(n * dh));
+    int64_t bad = 0, pad_bad = 0;
+    const int32_t nope = dh - n_rot;
+    for (int64_t r = 0; r < n; r++) {
+        memcpy(want, kv + r * dh, sizeof(float) * (size_t)dh);
+        di_fake_quant_q8(want, nope, 64);
+        for (int32_t d = nope; d < dh; d++) want[d] = di_round_bf16(want[d]);
+        host_decode(host + r * rb, dh, n_rot, keys + r * dh);
+        for (int32_t d = 0; d < dh; d++) {
+            bad += memcmp(&want[d], &keys[r * dh + d], 4) != 0 &&
+                   !(want[d] == 0 && keys[r * dh + d] == 0);
+            bad += memcmp(&gdec[r * dh + d], &keys[r * dh + d], 4) != 0;
+        }
+        for (int64_t p = nope + 2 * n_rot + nope / 64; p < rb; p++)
+            pad_bad += host[r * rb + p] != 0;
+    }
+    fprintf(stderr, "  kv rows dh=%d rot=%d (%lld bytes) x %lld: %lld values differ from Q8\n", dh,
+            n_rot, (long long)rb, (long long)n, (long long)bad);
+    CHECK(bad == 0);
+    CHECK(pad_bad == 0);
+    dev_free(kvd), dev_free(gd);
+    free(kv), free(want), free(host), free(gdec);
+    *keys_out = keys;
+    return pool;
+}
+
+static void test_kv_row_size(void) {
+    CHECK_EQ(di_cuda_kv_row_bytes(512, 64), 584); // spec §3.3
+    CHECK_EQ(di_cuda_kv_row_bytes(128, 64), 200);
+}
+
+static void attn_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_t n_pool) {
+    float *keys;
+    uint8_t *pool = kv_rows(n_pool, dh, n_rot, &keys);
+    const int32_t max_keys = 128 + 700;
+    int32_t *n_keys = malloc(sizeof(int32_t) * (size_t)T);
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * max_keys));
+    for (int32_t t = 0; t < T; t++) {
+        int32_t nk = t == 0 ? 0 : t == 1 ? 1 : t == 2 ? 128 : (int32_t)(rnd() % (uint64_t)max_keys);
+        if (t == 3) nk = max_keys;
+        n_keys[t] = nk;
+        const int64_t w0 = (int64_t)(rnd() % (uint64_t)n_pool);
+        for (int32_t j = 0; j < max_keys; j++)
+            idx[t * max_keys + j] =
+                j < nk
+                    ? (int32_t)(j < 128 ? (w0 + j) % n_pool : (int64_t)(rnd() % (uint64_t)n_pool))
+                    : -7;
+    }
+    float *q = malloc(sizeof(float) * (size_t)(T * H * dh)),
+          *sink = malloc(sizeof(float) * (size_t)H);
+    fill_rand(q, (int64_t)T * H * dh, 1.0f);
+    fill_rand(sink, H, 2.0f);
+    const float scale = 1.0f / sqrtf((float)dh);
+    float *ref = malloc(sizeof(float) * (size_t)(T * H * dh)),
+          *out = malloc(sizeof(float) * (size_t)(T * H * dh));
+    double *tol = malloc(sizeof(double) * (size_t)(T * H * dh));
+    double *sc = malloc(sizeof(double) * (size_t)max_keys);
+    for (int32_t t = 0; t < T; t++)
+        for (int32_t h = 0; h < H; h++) {
+            const float *qv = q + ((int64_t)t * H + h) * dh;
+            double mx = sink[h], maxabs = 0;
+            for (int32_t j = 0; j < n_keys[t]; j++) {
+                const float *k = keys + (int64_t)idx[t * max_keys + j] * dh;
+                double s = 0, a = 0;
+                for (int32_t d = 0; d < dh; d++)
+                    s += (double)qv[d] * k[d], a += fabs((double)qv[d] * k[d]);
+                sc[j] = s * scale;
+                if (sc[j] > mx) mx = sc[j];
+                if (a > maxabs) maxabs = a;
+            }
+            double den = exp(sink[h] - mx);
+            for (int32_t j = 0; j < n_keys[t]; j++) den += (sc[j] = exp(sc[j] - mx));
+            const double E = gamma_k(dh) * scale * maxabs;
+            for (int32_t d = 0; d < dh; d++) {
+                double o = 0, mag = 0;
+                for (int32_t j = 0; j < n_keys[t]; j++) {
+                    const double kd = keys[(int64_t)idx[t * max_keys + j] * dh + d];
+                    o += sc[j] / den * kd;
+                    mag += sc[j] / den * fabs(kd);
+                }
+                const int64_t i = ((int64_t)t * H + h) * dh + d;
+                ref[i] = (float)o;
+                tol[i] = mag * (4 * E + TOL_ATTN_SUM_REL) + 1e-30;
+            }
+        }
+    float *qd = dev_from(q, sizeof(float) * (size_t)(T * H * dh)),
+          *sd = dev_from(sink, sizeof(float) * (size_t)H);
+    int32_t *idxd = dev_from(idx, sizeof(int32_t) * (size_t)(T * max_keys));
+    int32_t *nkd = dev_from(n_keys, sizeof(int32_t) * (size_t)T);
+    float *od = dev_alloc(sizeof(float) * (size_t)(T * H * dh));
+    dev_poison(od, sizeof(float) * (size_t)(T * H * dh));
+    CK(di_cuda_attn(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh, n_rot, scale, od));
+    dev_to(out, od, sizeof(float) * (size_t)(T * H * dh));
+    char what[96];
+    snprintf(what, sizeof what, "attn dh=%d H=%d T=%d keys<=%d", dh, H, T, max_keys);
+    CHECK(check_bounds(what, out, ref, tol, (int64_t)T * H * dh) == 0);
+    fprintf(stderr, "  rel_l2 %.3g\n", rel_l2(out, ref, (int64_t)T * H * dh));
+    dev_free(qd), dev_free(sd), dev_free(idxd), dev_free(nkd), dev_free(od), dev_free(pool);
+    free(keys), free(n_keys), free(idx), free(q), free(sink), free(ref), free(out), free(tol),
+        free(sc);
+}
+
+static void test_attn(void) {
+    attn_case(512, 64, 8, 9, 1500);
+    attn_case(512, 64, 64, 4, 900);
+    attn_case(128, 64, 4, 7, 300);
+}
+
+// ---- compressor pooling ----
+
+static void ref_pool(const float *bc, const float *bz, const float *oc, const float *oz, bool ovl,
+                     int32_t m, int32_t c, int32_t d, float *e) {
+    const int32_t width = c * d;
+    for (int32_t ch = 0; ch < d; ch++) {
+        float mx = -INFINITY;
+        if (c == 2) {
+            if (ovl)
+                for (int32_t j = 0; j < m; j++) mx = fmaxf(mx, oz[j * d + ch]);
+            for (int32_t j = 0; j < m; j++) mx = fmaxf(mx, bz[j * width + d + ch]);
+        } else {
+            for (int32_t j = 0; j < m; j++) mx = fmaxf(mx, bz[j * width + ch]);
+        }
+        float den = 0, num = 0;
+        if (c == 2) {
+            if (ovl)
+                for (int32_t j = 0; j < m; j++) {
+                    float p = expf(oz[j * d + ch] - mx);
+                    den += p;
+                    num += p * oc[j * d + ch];
+                }
+            for (int32_t j = 0; j < m; j++) {
+                float p = expf(bz[j * width + d + ch] - mx);
+                den += p;
+                num += p * bc[j * width + d + ch];
+            }
+        } else {
+            for (int32_t j = 0; j < m; j++) {
+                float p = expf(bz[j * width + ch] - mx);
+                den += p;
+                num += p * bc[j * width + ch];
+            }
+        }
+        e[ch] = num / den;
+    }
+}
+
+static void pool_case(int32_t n_win, int32_t m, int32_t c, int32_t d) {
+    const int64_t nb = (int64_t)n_win * m * c * d, no = (int64_t)n_win * m * d;
+    float *bc = malloc(sizeof(float) * (size_t)nb), *bz = malloc(sizeof(float) * (size_t)nb);
+    float *oc = malloc(sizeof(float) * (size_t)no), *oz = malloc(sizeof(float) * (size_t)no);
+    uint8_t *has = malloc((size_t)n_win);
+    fill_rand(bc, nb, 2.0f), fill_rand(bz, nb, 6.0f), fill_rand(oc, no, 2.0f),
+        fill_rand(oz, no, 6.0f);
+    for (int32_t w = 0; w < n_win; w++) has[w] = w % 3 != 0;
+    float *ref = malloc(sizeof(float) * (size_t)(n_win * d)),
+          *out = malloc(sizeof(float) * (size_t)(n_win * d));
+    double *tol = malloc(sizeof(double) * (size_t)(n_win * d));
+    for (int32_t w = 0; w < n_win; w++)
+        ref_pool(bc + (int64_t)w * m * c * d, bz + (int64_t)w * m * c * d, oc + (int64_t)w * m * d,
+                 oz + (int64_t)w * m * d, has[w], m, c, d, ref + (int64_t)w * d);
+    for (int64_t i = 0; i < (int64_t)n_win * d; i++)
+        tol[i] = 2.0 * TOL_POOL_REL * 8 + 1e-7; // |e| <= 2
+    float *bcd = dev_from(bc, sizeof(float) * (size_t)nb),
+          *bzd = dev_from(bz, sizeof(float) * (size_t)nb);
+    float *ocd = dev_from(oc, sizeof(float) * (size_t)no),
+          *ozd = dev_from(oz, sizeof(float) * (size_t)no);
+    uint8_t *hd = dev_from(has, (size_t)n_win);
+    float *ed = dev_alloc(sizeof(float) * (size_t)(n_win * d));
+    dev_poison(ed, sizeof(float) * (size_t)(n_win * d));
+    CK(di_cuda_compress_pool(g_cu, bcd, bzd, ocd, ozd, hd, n_win, m, c, d, ed));
+    dev_to(out, ed, sizeof(float) * (size_t)(n_win * d));
+    char what[96];
+    snprintf(what, sizeof what, "compress_pool windows=%d m=%d c=%d d=%d", n_win, m, c, d);
+    CHECK(check_bounds(what, out, ref, tol, (int64_t)n_win * d) == 0);
+    dev_free(bcd), dev_free(bzd), dev_free(ocd), dev_free(ozd), dev_free(hd), dev_free(ed);
+    free(bc), free(bz), free(oc), free(oz), free(has), free(ref), free(out), free(tol);
+}
+
+static void test_compress_pool(void) {
+    pool_case(1, 128, 1, 512); // HCA, V4
+    pool_case(3, 8, 1, 128);   // HCA, tiny fixture
+    pool_case(7, 4, 2, 512);   // CSA main
+    pool_case(5, 4, 2, 128);   // CSA indexer
+}
+
+int main(void) {
+    cuda_test_init();
+    RUN(test_kv_row_size);
+    RUN(test_attn);
+    RUN(test_compress_pool);
+    return cuda_test_finish();
+}

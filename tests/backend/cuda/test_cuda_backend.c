@@ -1,0 +1,151 @@
+// CUDA backend structure (backend/cuda/cuda_backend.h): context and description, the caching
+// pool (reuse of a freed block, distinct live blocks), upload/download round trips, memset,
+// weight upload of a row view (scale rows and row0), op names and supports_op, the CPU fallback of
+// an unsupported matmul (odd-length FP4 rows) against di_cpu_matmul, error reporting (an invalid
+// launch configuration returns DI_ERR_INVALID / DI_ERR_CUDA, and the context stays usable), and a
+// CUDA graph of a decode-like sequence replayed against the same launches run directly.
+#include "backend/cuda/cuda_test.h"
+
+#include "backend/cpu/gemm.h"
+#include "backend/cuda/attn.cuh"
+#include "backend/cuda/gemm.cuh"
+#include "backend/cuda/norm.cuh"
+#include "backend/cuda/rope.cuh"
+#include "base/thread.h"
+
+static void test_pool(void) {
+    void *a = dev_alloc(1000), *b = dev_alloc(1000);
+    CHECK(a != b);
+    dev_free(a);
+    void *c = dev_alloc(900); // same 256-byte class: the freed block comes back
+    CHECK(c == a);
+    void *big = dev_alloc((size_t)5 << 20);
+    uint8_t *h = malloc((size_t)5 << 20), *h2 = malloc((size_t)5 << 20);
+    for (size_t i = 0; i < ((size_t)5 << 20); i++) h[i] = (uint8_t)rnd();
+    CK(di_cuda_upload(g_cu, big, h, (size_t)5 << 20));
+    dev_to(h2, big, (size_t)5 << 20);
+    CHECK(memcmp(h, h2, (size_t)5 << 20) == 0);
+    CK(di_cuda_memset(g_cu, big, 0xAB, 4096));
+    dev_to(h2, big, 4096);
+    bool all = true;
+    for (int i = 0; i < 4096; i++) all &= h2[i] == 0xAB;
+    CHECK(all);
+    dev_free(b), dev_free(c), dev_free(big);
+    free(h), free(h2);
+    CHECK(g_cu->pool_bytes >= ((size_t)5 << 20));
+}
+
+static void test_ops_table(void) {
+    for (int op = 0; op < DI_CUDA_OP_COUNT; op++) CHECK(strcmp(di_cuda_op_name(op), "?") != 0);
+    CHECK(strcmp(di_cuda_op_name(DI_CUDA_OP_COUNT), "?") == 0);
+    di_tensor w = {.kind = DI_TENSOR_KIND_FP4, .ne = {33, 4}, .block_in = 32, .block_out = 1};
+    CHECK(!di_cuda_supports_op(g_cu, DI_CUDA_OP_MATMUL, &w)); // odd packed row
+    w.ne[0] = 64;
+    CHECK(di_cuda_supports_op(g_cu, DI_CUDA_OP_MATMUL, &w));
+    CHECK(!di_cuda_supports_op(g_cu, DI_CUDA_OP_MATMUL, NULL));
+    CHECK(di_cuda_supports_op(g_cu, DI_CUDA_OP_RMSNORM, NULL));
+}
+
+// The fallback path: matmul reported unsupported through the debug switch, so an ordinary BF16
+// matrix runs through di_cpu_matmul; the result must be the CPU's bits.
+static void test_fallback(void) {
+    di_pool *pool;
+    di_cpu cpu;
+    CK(di_pool_create(2, &pool));
+    CK(di_cpu_init(&cpu, pool, 256));
+    const int64_t n = 64, n_out = 5, T = 3;
+    uint16_t data[5 * 64];
+    for (size_t i = 0; i < 5 * 64; i++) data[i] = (uint16_t)(0x3C00 + (rnd() & 0x1FF)); // ~1..2
+    di_tensor w = {.name = "fallback",
+                   .kind = DI_TENSOR_KIND_BF16,
+                   .ne = {n, n_out},
+                   .nb1 = 2 * (size_t)n,
+                   .data = data};
+    di_tensor wd;
+    CK(di_cuda_tensor_upload(g_cu, &w, &wd));
+    float x[3 * 64], y[3 * 5], yr[3 * 5];
+    fill_rand(x, T * n, 1.0f);
+    di_cpu_matmul(&cpu, &w, x, T, n, yr, n_out);
+    float *xd = dev_from(x, sizeof x), *yd = dev_alloc(sizeof y);
+    dev_poison(yd, sizeof y);
+    g_cu->disabled_ops = 1u << DI_CUDA_OP_MATMUL;
+    CHECK(!di_cuda_supports_op(g_cu, DI_CUDA_OP_MATMUL, &w));
+    CK(di_cuda_matmul_or_cpu(g_cu, &cpu, &w, &wd, xd, T, n, yd, n_out));
+    g_cu->disabled_ops = 0;
+    dev_to(y, yd, sizeof y);
+    CHECK(memcmp(y, yr, sizeof y) == 0); // the same CPU code: identical bits
+    // And the GPU path of the same call agrees to rounding.
+    dev_poison(yd, sizeof y);
+    CK(di_cuda_matmul_or_cpu(g_cu, &cpu, &w, &wd, xd, T, n, yd, n_out));
+    dev_to(y, yd, sizeof y);
+    CHECK(rel_l2(y, yr, T * n_out) < 1e-5);
+    dev_free(xd), dev_free(yd);
+    di_cpu_deinit(&cpu);
+    di_pool_destroy(pool);
+}
+
+static void test_errors(void) {
+    // Refused before launch: shape outside what the kernel supports.
+    CHECK(di_cuda_kv_quant(g_cu, NULL, 1, 100, 100, 64, NULL, NULL) == DI_ERR_INVALID);
+    CHECK(di_cuda_attn(g_cu, NULL, NULL, NULL, 0, NULL, 1 << 28, NULL, 1, 1, 512, 64, 1.0f, NULL) ==
+          DI_ERR_INVALID);
+    // A launch the device rejects: more blocks in y than CUDA allows.
+    float *x = dev_alloc(64);
+    CHECK(di_cuda_rmsnorm(g_cu, x, 0, 16, 16, NULL, 1e-6f) == DI_OK); // zero rows: nothing
+    di_status st = di_cuda_softmax(g_cu, x, (int64_t)1 << 40, 16, 16, 1.0f);
+    CHECK(st == DI_ERR_CUDA);
+    CK(di_cuda_sync(g_cu)); // the context is still usable
+    dev_free(x);
+}
+
+// rmsnorm -> rope -> matmul captured once and replayed: same bits as running them directly.
+static void test_graph(void) {
+    const int64_t n = 512, T = 4, n_out = 300;
+    float x[4 * 512], w[512], omega[32], out1[4 * 300], out2[4 * 300];
+    int32_t pos[4] = {0, 7, 1000, 65535};
+    fill_rand(x, T * n, 1.0f), fill_rand(w, n, 1.0f);
+    for (int i = 0; i < 32; i++) omega[i] = powf(10000.0f, -(float)i / 32.0f);
+    float *wm = malloc(sizeof(float) * (size_t)(n * n_out));
+    fill_rand(wm, n * n_out, 0.05f);
+    di_tensor ht = {.name = "g",
+                    .kind = DI_TENSOR_KIND_F32,
+                    .ne = {n, n_out},
+                    .nb1 = 4 * (size_t)n,
+                    .data = wm},
+              dt;
+    CK(di_cuda_tensor_upload(g_cu, &ht, &dt));
+    float *xd = dev_alloc(sizeof x), *x0 = dev_from(x, sizeof x), *wd = dev_from(w, sizeof w);
+    float *od = dev_from(omega, sizeof omega), *yd = dev_alloc(sizeof out1);
+    int32_t *pd = dev_from(pos, sizeof pos);
+    for (int pass = 0; pass < 2; pass++) {
+        di_cuda_graph *g = NULL;
+        if (pass == 1) CK(di_cuda_graph_begin(g_cu));
+        CK(di_cuda_copy_d2d(g_cu, xd, x0, sizeof x));
+        CK(di_cuda_rmsnorm(g_cu, xd, T, n, n, wd, 1e-6f));
+        CK(di_cuda_rope(g_cu, xd, T, n, n, 64, od, pd, 1, 1.0f, false));
+        CK(di_cuda_matmul(g_cu, &dt, xd, T, n, yd, n_out));
+        if (pass == 1) {
+            CK(di_cuda_graph_end(g_cu, &g));
+            dev_poison(yd, sizeof out2);
+            for (int r = 0; r < 3; r++) CK(di_cuda_graph_launch(g_cu, g));
+        }
+        dev_to(pass ? out2 : out1, yd, sizeof out1);
+        di_cuda_graph_destroy(g);
+    }
+    CHECK(memcmp(out1, out2, sizeof out1) == 0);
+    bool finite = true;
+    for (int i = 0; i < 4 * 300; i++) finite &= isfinite(out1[i]);
+    CHECK(finite);
+    dev_free(xd), dev_free(x0), dev_free(wd), dev_free(od), dev_free(yd), dev_free(pd);
+    free(wm);
+}
+
+int main(void) {
+    cuda_test_init();
+    RUN(test_pool);
+    RUN(test_ops_table);
+    RUN(test_fallback);
+    RUN(test_errors);
+    RUN(test_graph);
+    return cuda_test_finish();
+}

@@ -1,0 +1,166 @@
+// CUDA lightning indexer (backend/cuda/indexer.cuh): scores against a host transcription of
+// model/dsv4_attn.c indexer_task (ReLU per head, then the head weight, summed in head order), and
+// the top-k against the model's own heap selection on identical scores (exact: the same set in
+// ascending order, -1 padded): rows with fewer visible entries than k (all selected), exactly k,
+// many more (V4: 64 heads x 128, top-512 of up to 32768 entries), heavy ties (scores on a coarse
+// grid: the lower index must win), negative scores, BF16-rounded scores, 1 visible entry.
+#include "backend/cuda/cuda_test.h"
+
+#include <stdlib.h>
+
+#include "backend/cpu/ref_ops.h"
+#include "backend/cuda/indexer.cuh"
+#include "tensor/quant_ref.h"
+
+// Scores: each head's dot in another order (gamma(DI) * sum|q k|) before the ReLU, then a sum of
+// HI weighted terms: bound gamma(DI) * sum_h |w_h| sum|q k| + gamma(HI) * sum_h |w_h relu(dot)|.
+#define TOL_SCORE_FACTOR 2.0
+
+static bool worse(const float *sc, int32_t a, int32_t b) {
+    return sc[a] < sc[b] || (sc[a] == sc[b] && a > b);
+}
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+// model/dsv4_attn.c's selection, verbatim.
+static void ref_topk(const float *sc, int64_t vis, int32_t topk, int32_t *sel) {
+    for (int32_t i = 0; i < topk; i++) sel[i] = -1;
+    int32_t k = (int32_t)(vis < topk ? vis : topk);
+    if (k == vis) {
+        for (int32_t i = 0; i < k; i++) sel[i] = i;
+        return;
+    }
+    int32_t n_heap = 0;
+    for (int64_t w = 0; w < vis; w++) {
+        if (n_heap < k) {
+            int32_t i = n_heap++;
+            sel[i] = (int32_t)w;
+            while (i > 0 && worse(sc, sel[i], sel[(i - 1) / 2])) {
+                int32_t par = (i - 1) / 2, tmp = sel[par];
+                sel[par] = sel[i], sel[i] = tmp, i = par;
+            }
+        } else if (worse(sc, sel[0], (int32_t)w)) {
+            sel[0] = (int32_t)w;
+            for (int32_t i = 0;;) {
+                int32_t l = 2 * i + 1, r = l + 1, m = i;
+                if (l < k && worse(sc, sel[l], sel[m])) m = l;
+                if (r < k && worse(sc, sel[r], sel[m])) m = r;
+                if (m == i) break;
+                int32_t tmp = sel[m];
+                sel[m] = sel[i], sel[i] = tmp, i = m;
+            }
+        }
+    }
+    qsort(sel, (size_t)k, sizeof *sel, cmp_i32);
+}
+
+static void scores_case(int32_t T, int32_t HI, int32_t DI, int32_t n_ent, bool round) {
+    float *qi = malloc(sizeof(float) * (size_t)(T * HI * DI)),
+          *wi = malloc(sizeof(float) * (size_t)(T * HI));
+    float *keys = malloc(sizeof(float) * (size_t)(n_ent * DI));
+    int32_t *vis = malloc(sizeof(int32_t) * (size_t)T);
+    fill_rand(qi, (int64_t)T * HI * DI, 1.0f);
+    fill_rand(wi, (int64_t)T * HI, 0.1f);
+    fill_rand(keys, (int64_t)n_ent * DI, 1.0f);
+    for (int32_t t = 0; t < T; t++)
+        vis[t] = t == 0 ? 1 : t == 1 ? n_ent : (int32_t)(rnd() % (uint64_t)n_ent) + 1;
+    float *ref = malloc(sizeof(float) * (size_t)(T * n_ent)),
+          *out = malloc(sizeof(float) * (size_t)(T * n_ent));
+    double *tol = malloc(sizeof(double) * (size_t)(T * n_ent));
+    for (int64_t i = 0; i < (int64_t)T * n_ent; i++) ref[i] = NAN, tol[i] = 0;
+    for (int32_t t = 0; t < T; t++)
+        for (int32_t w = 0; w < vis[t]; w++) {
+            const float *kw = keys + (int64_t)w * DI;
+            float acc = 0;
+            double bound = 0;
+            for (int32_t h = 0; h < HI; h++) {
+                const float *q = qi + ((int64_t)t * HI + h) * DI;
+                float dot = di_ref_dot(q, kw, DI);
+                double a = 0;
+                for (int32_t d = 0; d < DI; d++) a += fabs((double)q[d] * kw[d]);
+                acc += wi[t * HI + h] * (dot > 0 ? dot : 0);
+                bound +=
+                    fabs(wi[t * HI + h]) * (gamma_k(DI) * a + gamma_k(HI) * (dot > 0 ? dot : 0));
+            }
+            ref[(int64_t)t * n_ent + w] = round ? di_round_bf16(acc) : acc;
+            // BF16 rounding can land one BF16 step apart (2^-8 relative) near a rounding edge.
+            tol[(int64_t)t * n_ent + w] = TOL_SCORE_FACTOR * bound + (round ? fabs(acc) / 128 : 0);
+        }
+    float *qd = dev_from(qi, sizeof(float) * (size_t)(T * HI * DI)),
+          *wd = dev_from(wi, sizeof(float) * (size_t)(T * HI));
+    float *kd = dev_from(keys, sizeof(float) * (size_t)(n_ent * DI));
+    int32_t *vd = dev_from(vis, sizeof(int32_t) * (size_t)T);
+    float *sd = dev_alloc(sizeof(float) * (size_t)(T * n_ent));
+    dev_poison(sd, sizeof(float) * (size_t)(T * n_ent));
+    CK(di_cuda_indexer_scores(g_cu, qd, wd, kd, NULL, vd, n_ent, T, HI, DI, round, sd, n_ent));
+    dev_to(out, sd, sizeof(float) * (size_t)(T * n_ent));
+    char what[96];
+    snprintf(what, sizeof what, "indexer scores T=%d HI=%d DI=%d n=%d%s", T, HI, DI, n_ent,
+             round ? " bf16" : "");
+    CHECK(check_bounds(what, out, ref, tol, (int64_t)T * n_ent) == 0);
+    dev_free(qd), dev_free(wd), dev_free(kd), dev_free(vd), dev_free(sd);
+    free(qi), free(wi), free(keys), free(vis), free(ref), free(out), free(tol);
+}
+
+static void test_scores(void) {
+    scores_case(3, 4, 128, 40, false);    // tiny fixture
+    scores_case(5, 64, 128, 3000, false); // V4 heads
+    scores_case(4, 64, 128, 700, true);
+}
+
+// grid: 0 = continuous scores, else scores drawn from `grid` values (ties).
+static void topk_case(int32_t T, int32_t n_ent, int32_t topk, int grid) {
+    float *sc = malloc(sizeof(float) * (size_t)(T * n_ent));
+    int32_t *vis = malloc(sizeof(int32_t) * (size_t)T);
+    for (int64_t i = 0; i < (int64_t)T * n_ent; i++)
+        sc[i] = grid ? (float)(int)(rnd() % (uint64_t)grid) - (float)grid / 2 : rndf() * 100.0f;
+    for (int32_t t = 0; t < T; t++) {
+        vis[t] = t == 0   ? 1
+                 : t == 1 ? n_ent
+                 : t == 2 ? (topk < n_ent ? topk : n_ent)
+                          : (int32_t)(rnd() % (uint64_t)n_ent) + 1;
+    }
+    int32_t *ref = malloc(sizeof(int32_t) * (size_t)(T * topk)),
+            *out = malloc(sizeof(int32_t) * (size_t)(T * topk));
+    for (int32_t t = 0; t < T; t++) ref_topk(sc + (int64_t)t * n_ent, vis[t], topk, ref + t * topk);
+    float *sd = dev_from(sc, sizeof(float) * (size_t)(T * n_ent));
+    int32_t *vd = dev_from(vis, sizeof(int32_t) * (size_t)T),
+            *od = dev_alloc(sizeof(int32_t) * (size_t)(T * topk));
+    CK(di_cuda_memset(g_cu, od, 0x55, sizeof(int32_t) * (size_t)(T * topk))); // poison (not -1)
+    CK(di_cuda_topk(g_cu, sd, n_ent, vd, T, topk, od));
+    dev_to(out, od, sizeof(int32_t) * (size_t)(T * topk));
+    int64_t bad_rows = 0;
+    for (int32_t t = 0; t < T; t++) {
+        if (memcmp(ref + t * topk, out + t * topk, sizeof(int32_t) * (size_t)topk) != 0) {
+            if (bad_rows++ < 3) {
+                int32_t i = 0;
+                while (ref[t * topk + i] == out[t * topk + i]) i++;
+                fprintf(stderr, "  row %d (vis %d): first difference at %d: got %d, want %d\n", t,
+                        vis[t], i, out[t * topk + i], ref[t * topk + i]);
+            }
+        }
+    }
+    fprintf(stderr, "  topk T=%d n=%d k=%d grid=%d: %lld rows differ\n", T, n_ent, topk, grid,
+            (long long)bad_rows);
+    CHECK(bad_rows == 0);
+    dev_free(sd), dev_free(vd), dev_free(od);
+    free(sc), free(vis), free(ref), free(out);
+}
+
+static void test_topk(void) {
+    topk_case(6, 40, 3, 0);      // tiny fixture
+    topk_case(6, 40, 3, 4);      // ties
+    topk_case(8, 32768, 512, 0); // V4-Flash at 128k context
+    topk_case(8, 5000, 512, 7);  // heavy ties
+    topk_case(4, 20000, 1024, 0);
+    topk_case(3, 600, 512, 2);
+}
+
+int main(void) {
+    cuda_test_init();
+    RUN(test_scores);
+    RUN(test_topk);
+    return cuda_test_finish();
+}
