@@ -25,7 +25,6 @@ static void usage(FILE *f) {
                "is used (its text is meaningless).\n");
 }
 
-
 // Prints one generated token (text through detok, else the id). Returns false at the end
 // (n_gen reached or EOS).
 static bool emit(int32_t t, long *n_out, long n_gen, bool stop_at_eos, int32_t eos,

@@ -4,6 +4,7 @@
 
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/log.h"
@@ -65,10 +66,10 @@ bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa) {
 
 enum {
     ROWS = 4,     // rows decoded together (the tile's height)
-    TOKS = 3,     // tokens per tile
     SEG = 1024,   // columns per decoded segment when few tokens share it (4 rows x 4 KiB in L1)
     SEG_TOKS = 3, // at most this many tokens: decode in registers or stream segments
     PF_ROW_BYTES = 1024, // bytes of each upcoming row prefetched in the many-token path
+    PF_AHEAD = 8,        // row blocks ahead the many-token path prefetches
 };
 
 typedef struct matmul_ctx {
@@ -89,7 +90,7 @@ static inline float reduce8(const float a[8]) {
 }
 
 // Rows [o0, o0+nr) for tokens [t_lo, t_hi): decode once, multiply every token.
-static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, int nr,
+static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, bool first, int nr,
                        int64_t t_lo, int64_t t_hi) {
     const di_tensor *w = c->w;
     const int64_t n = w->ne[0];
@@ -112,23 +113,21 @@ static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
                 c->y[(t_lo + j) * c->y_stride + o0 + i] = reduce8(acc[i][j]);
         return;
     }
-    // The next two row blocks, while this one computes: with many tokens the rows are decoded
-    // whole, one block at a time, and their loads would otherwise wait on memory each time.
-    for (int64_t r = o0 + ROWS; r < o0 + 3 * ROWS && r < w->ne[1]; r++) {
+    // Row blocks PF_AHEAD ahead, while this one computes (the first block of a thread asks for
+    // all of them): with many tokens the rows are decoded whole, one block at a time, and their
+    // loads would otherwise wait on memory each time (short rows, e.g. a 129280 x 128 head, read
+    // at 2-3x the time without it).
+    const int64_t pf_lo = first ? o0 + ROWS : o0 + (PF_AHEAD - 1) * ROWS;
+    for (int64_t r = pf_lo; r < o0 + PF_AHEAD * ROWS && r < w->ne[1]; r++) {
         const char *row = (const char *)w->data + (size_t)r * w->nb1;
         for (int64_t b = 0; b < (int64_t)w->nb1 && b < PF_ROW_BYTES; b += 64)
             __builtin_prefetch(row + b);
     }
     di_gemm_avx2_decode(w, o0, nr, 0, n, scr, ld);
-    // Tokens in balanced tiles of at most TOKS (16 = 3+3+3+3+2+2, not ...+3+1): a one-token
-    // tile costs almost what a three-token one does. Every output is the same whatever its tile.
-    const int64_t n_tiles = (t_hi - t_lo + TOKS - 1) / TOKS;
-    for (int64_t t = t_lo, k = 0; t < t_hi; k++) {
-        int nt = (int)((t_hi - t + (n_tiles - k) - 1) / (n_tiles - k));
-        for (int j = 0; j < nt; j++) xs[j] = c->x + (t + j) * c->x_stride;
-        di_gemm_avx2_tile_y(scr, ld, nr, xs, nt, n, c->y + t * c->y_stride + o0, c->y_stride);
-        t += nt;
-    }
+    // Tokens in balanced tiles of at most 3 (16 = 3+3+3+3+2+2, not ...+3+1): a one-token tile
+    // costs almost what a three-token one does. Every output is the same whatever its tile.
+    di_gemm_avx2_rows_y(scr, ld, nr, c->x + t_lo * c->x_stride, c->x_stride, t_hi - t_lo, n,
+                        c->y + t_lo * c->y_stride + o0, c->y_stride);
 }
 
 static void block_scalar(const matmul_ctx *c, float *scr, int64_t o, int64_t t_lo, int64_t t_hi) {
@@ -153,7 +152,7 @@ static void matmul_task(void *p, int ith, int nth) {
     }
     for (int64_t o = r_lo; o < r_hi; o += ROWS) {
         int nr = (int)(r_hi - o < ROWS ? r_hi - o : ROWS);
-        block_avx2(c, scr, ld, o, nr, t_lo, t_hi);
+        block_avx2(c, scr, ld, o, o == r_lo, nr, t_lo, t_hi);
     }
 }
 

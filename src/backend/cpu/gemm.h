@@ -79,5 +79,9 @@ void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *co
 // as di_gemm_avx2_tile from zeroed accumulators followed by the reduce8 order.
 void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
                          int64_t n, float *y, int64_t y_stride);
+// di_gemm_avx2_tile_y over tokens [0, n_tok) (token t at x + t*x_stride, sums to y + t*y_stride)
+// in balanced tiles of at most 3 tokens; the same bits per output as any single tile.
+void di_gemm_avx2_rows_y(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
+                         int64_t n_tok, int64_t n, float *y, int64_t y_stride);
 // Twelve independent 8-lane FMA chains, `iters` steps each (probe.c's multiply-add peak).
 float di_gemm_avx2_fma_loop(int64_t iters);

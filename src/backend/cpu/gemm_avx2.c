@@ -301,6 +301,25 @@ void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *
     DI_ASSERT(!"tile shape out of range");
 }
 
+// Every token of [0, n_tok) against nr decoded rows, in balanced tiles of at most 3 tokens
+// (16 = 3+3+3+3+2+2): one call per row block, the common 4 x 3 tile inlined.
+void di_gemm_avx2_rows_y(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
+                         int64_t n_tok, int64_t n, float *y, int64_t y_stride) {
+    const int64_t n_tiles = (n_tok + 2) / 3;
+    const float *xs[3];
+    for (int64_t t = 0, k = 0; t < n_tok; k++) {
+        int nt = (int)((n_tok - t + (n_tiles - k) - 1) / (n_tiles - k));
+        for (int j = 0; j < nt; j++) xs[j] = x + (t + j) * x_stride;
+        if (nr == 4 && nt == 3)
+            tile_y(w, w_stride, 4, xs, 3, n, y + t * y_stride, y_stride);
+        else if (nr == 4 && nt == 2)
+            tile_y(w, w_stride, 4, xs, 2, n, y + t * y_stride, y_stride);
+        else
+            di_gemm_avx2_tile_y(w, w_stride, nr, xs, nt, n, y + t * y_stride, y_stride);
+        t += nt;
+    }
+}
+
 // ---- fused GEMV: decode in registers, no staging (at most 3 tokens) ----
 
 // How far ahead of the decode position each row is prefetched: the four rows of a group are four
