@@ -164,6 +164,85 @@ static void decode_float(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, 
     }
 }
 
+// ---- ggml block formats ----
+
+// Columns [c0, c1) fall on whole blocks: c0 is 0 or a multiple of the 1024-column segment and c1
+// a segment end or the row end, and every block size (32, 256) divides 1024 and the row.
+static inline __m256 i8x8(const uint8_t *p) { // 8 int8 -> 8 floats
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return di_f16_to_f32(h);
+}
+
+static void decode_q8_0(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    for (int64_t c = c0; c < c1; c += 32) {
+        const uint8_t *blk = row + (size_t)(c / 32) * 34;
+        const __m256 d = _mm256_set1_ps(f16_at(blk));
+        for (int k = 0; k < 4; k++)
+            _mm256_store_ps(dst + (c - c0) + 8 * k, _mm256_mul_ps(i8x8(blk + 2 + 8 * k), d));
+    }
+}
+
+// 8 nibbles (low or high half of 8 bytes) -> 8 floats.
+static inline __m256 nib8(const uint8_t *p, bool high) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    v = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0xF));
+    return _mm256_cvtepi32_ps(v);
+}
+
+// Q4_K's sub-block scale and min as the reference computes them: d * sc and dmin * m in f32.
+static inline void q4k_sub(const uint8_t *blk, int j, float d, float dmin, __m256 *dv, __m256 *mv) {
+    uint8_t sc, m;
+    di_q4_k_scale_min(j, blk + 4, &sc, &m);
+    *dv = _mm256_set1_ps(d * (float)sc);
+    *mv = _mm256_set1_ps(dmin * (float)m);
+}
+
+static void decode_q4_k(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    for (int64_t c = c0; c < c1; c += 256) {
+        const uint8_t *blk = row + (size_t)(c / 256) * 144;
+        const float d = f16_at(blk), dmin = f16_at(blk + 2);
+        float *y = dst + (c - c0);
+        for (int j = 0; j < 8; j++) {
+            __m256 dv, mv;
+            q4k_sub(blk, j, d, dmin, &dv, &mv);
+            const uint8_t *q = blk + 16 + 32 * (j / 2);
+            for (int k = 0; k < 4; k++) // (d*sc)*q - dmin*m: a product, then a difference
+                _mm256_store_ps(y + 32 * j + 8 * k,
+                                _mm256_sub_ps(_mm256_mul_ps(dv, nib8(q + 8 * k, j & 1)), mv));
+        }
+    }
+}
+
+// Q2_K, IQ2_XXS and MXFP4 decode through the reference (exact by definition); the FMA tile that
+// follows is vectorised.
+static void decode_block_ref(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    int64_t blk;
+    size_t bb;
+    di_tensor_kind_block(w->kind, &blk, &bb);
+    const uint8_t *p = row + (size_t)(c0 / blk) * bb;
+    switch (w->kind) {
+    case DI_TENSOR_KIND_Q2_K:
+        di_dequant_row_q2_k(p, c1 - c0, dst);
+        break;
+    case DI_TENSOR_KIND_IQ2_XXS:
+        di_dequant_row_iq2_xxs(p, c1 - c0, dst);
+        break;
+    case DI_TENSOR_KIND_MXFP4:
+        di_dequant_row_mxfp4(p, c1 - c0, dst);
+        break;
+    default:
+        DI_ASSERT(!"not a reference-decoded block kind");
+    }
+}
+
 void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,
                          int64_t dst_stride) {
     const int64_t n = w->ne[0];
@@ -175,6 +254,17 @@ void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int
             break;
         case DI_TENSOR_KIND_FP4:
             decode_fp4(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_Q8_0:
+            decode_q8_0(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_Q4_K:
+            decode_q4_k(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_Q2_K:
+        case DI_TENSOR_KIND_IQ2_XXS:
+        case DI_TENSOR_KIND_MXFP4:
+            decode_block_ref(w, r0 + i, c0, c1, d);
             break;
         default:
             decode_float(w, r0 + i, c0, c1, d);
@@ -403,6 +493,77 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
         for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
 }
 
+static inline __attribute__((always_inline)) void gemv_q8_0(const di_tensor *w, int64_t r0, int NR,
+                                                            const float *const *xs, int NT,
+                                                            float acc[4][3][8]) {
+    const int64_t n = w->ne[0];
+    const uint8_t *rows[4];
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t c = 0; c < n; c += 32) {
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = rows[i] + (size_t)(c / 32) * 34;
+            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
+            const __m256 d = _mm256_set1_ps(f16_at(blk));
+            for (int k = 0; k < 4; k++) {
+                __m256 wv = _mm256_mul_ps(i8x8(blk + 2 + 8 * k), d);
+                for (int j = 0; j < NT; j++)
+                    a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+static inline __attribute__((always_inline)) void gemv_q4_k(const di_tensor *w, int64_t r0, int NR,
+                                                            const float *const *xs, int NT,
+                                                            float acc[4][3][8]) {
+    const int64_t n = w->ne[0];
+    const uint8_t *rows[4];
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    const __m256i m4 = _mm256_set1_epi32(0xF);
+    for (int64_t c = 0; c < n; c += 256) {
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = rows[i] + (size_t)(c / 256) * 144;
+            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PF_BYTES + 64, _MM_HINT_T0);
+            const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            for (int jp = 0; jp < 8; jp += 2) {
+                __m256 d0, m0, d1, m1;
+                q4k_sub(blk, jp, d, dmin, &d0, &m0);
+                q4k_sub(blk, jp + 1, d, dmin, &d1, &m1);
+                const uint8_t *q = blk + 16 + 16 * jp;
+                for (int k = 0; k < 4; k++) { // low nibbles: columns 32*jp + 8k
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
+                    __m256 wv = _mm256_sub_ps(
+                        _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_and_si256(v, m4))), m0);
+                    for (int j = 0; j < NT; j++)
+                        a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 32 * jp + 8 * k),
+                                                  a[i][j]);
+                }
+                for (int k = 0; k < 4; k++) { // high nibbles: columns 32*(jp+1) + 8k
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
+                    __m256 wv = _mm256_sub_ps(
+                        _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))), m1);
+                    for (int j = 0; j < NT; j++)
+                        a[i][j] = _mm256_fmadd_ps(
+                            wv, _mm256_loadu_ps(xs[j] + c + 32 * (jp + 1) + 8 * k), a[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
 bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     const int64_t n = w->ne[0];
     switch (w->kind) {
@@ -412,6 +573,9 @@ bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
         return w->block_in % 32 == 0 && n % 32 == 0;
     case DI_TENSOR_KIND_BF16:
         return n % 8 == 0;
+    case DI_TENSOR_KIND_Q8_0: // rows are whole blocks by construction
+    case DI_TENSOR_KIND_Q4_K:
+        return true;
     default:
         return false;
     }
@@ -425,6 +589,10 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
             gemv_fp8(w, r0, R, xs, N, acc);                                                        \
         else if (w->kind == DI_TENSOR_KIND_FP4)                                                    \
             gemv_fp4(w, r0, R, xs, N, acc);                                                        \
+        else if (w->kind == DI_TENSOR_KIND_Q8_0)                                                   \
+            gemv_q8_0(w, r0, R, xs, N, acc);                                                       \
+        else if (w->kind == DI_TENSOR_KIND_Q4_K)                                                   \
+            gemv_q4_k(w, r0, R, xs, N, acc);                                                       \
         else                                                                                       \
             gemv_bf16(w, r0, R, xs, N, acc);                                                       \
         return;
