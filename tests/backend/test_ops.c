@@ -368,7 +368,7 @@ static void test_gemm_extremes(void) {
 static void test_gemm_threads(void) {
     static const int64_t shapes[][3] = {{1024, 70, 1}, {1024, 70, 9}, {512, 5, 11}};
     static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_FP8, DI_TENSOR_KIND_Q8_0,
-                                           DI_TENSOR_KIND_Q4_K};
+                                           DI_TENSOR_KIND_Q4_K, DI_TENSOR_KIND_MXFP4};
     for (int isa = 0; isa <= (int)di_cpu_isa_supported(); isa++) {
         for (size_t s = 0; s < 3 * sizeof kinds / sizeof kinds[0]; s++) {
             mat m = make_mat(kinds[s / 3], shapes[s % 3][0], shapes[s % 3][1], k_normal);

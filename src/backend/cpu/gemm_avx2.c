@@ -220,7 +220,43 @@ static void decode_q4_k(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, f
     }
 }
 
-// Q2_K, IQ2_XXS and MXFP4 decode through the reference (exact by definition); the FMA tile that
+// MXFP4: ggml's doubled e2m1 values as int8 through a pshufb table, times 2^(e-128) (exact: small
+// integers times a power of two). Low nibbles are columns 0..15 of the block, high 16..31.
+static inline __m128i mxfp4_lut(void) {
+    return _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// The 32 values of one block as four vectors of 8 (unscaled).
+static inline void mxfp4x32(const uint8_t *qs, __m128i lut, __m256 q[4]) {
+    __m128i v = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, m4));
+    __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static void decode_mxfp4(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    const __m128i lut = mxfp4_lut();
+    for (int64_t c = c0; c < c1; c += 32) {
+        const uint8_t *blk = row + (size_t)(c / 32) * 17;
+        const __m256 d = _mm256_set1_ps(e8m0_half(blk[0]));
+        __m256 q[4];
+        mxfp4x32(blk + 1, lut, q);
+        for (int k = 0; k < 4; k++) _mm256_store_ps(dst + (c - c0) + 8 * k, _mm256_mul_ps(q[k], d));
+    }
+}
+
+// Q2_K and IQ2_XXS decode through the reference (exact by definition); the FMA tile that
 // follows is vectorised.
 static void decode_block_ref(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
     const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
@@ -261,9 +297,11 @@ void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int
         case DI_TENSOR_KIND_Q4_K:
             decode_q4_k(w, r0 + i, c0, c1, d);
             break;
+        case DI_TENSOR_KIND_MXFP4:
+            decode_mxfp4(w, r0 + i, c0, c1, d);
+            break;
         case DI_TENSOR_KIND_Q2_K:
         case DI_TENSOR_KIND_IQ2_XXS:
-        case DI_TENSOR_KIND_MXFP4:
             decode_block_ref(w, r0 + i, c0, c1, d);
             break;
         default:
@@ -564,6 +602,35 @@ static inline __attribute__((always_inline)) void gemv_q4_k(const di_tensor *w, 
         for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
 }
 
+static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w, int64_t r0, int NR,
+                                                             const float *const *xs, int NT,
+                                                             float acc[4][3][8]) {
+    const int64_t n = w->ne[0];
+    const uint8_t *rows[4];
+    const __m128i lut = mxfp4_lut();
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t c = 0; c < n; c += 32) {
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = rows[i] + (size_t)(c / 32) * 17;
+            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
+            const __m256 d = _mm256_set1_ps(e8m0_half(blk[0]));
+            __m256 q[4];
+            mxfp4x32(blk + 1, lut, q);
+            for (int k = 0; k < 4; k++) {
+                __m256 wv = _mm256_mul_ps(q[k], d);
+                for (int j = 0; j < NT; j++)
+                    a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
 bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     const int64_t n = w->ne[0];
     switch (w->kind) {
@@ -575,6 +642,7 @@ bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
         return n % 8 == 0;
     case DI_TENSOR_KIND_Q8_0: // rows are whole blocks by construction
     case DI_TENSOR_KIND_Q4_K:
+    case DI_TENSOR_KIND_MXFP4:
         return true;
     default:
         return false;
@@ -593,6 +661,8 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
             gemv_q8_0(w, r0, R, xs, N, acc);                                                       \
         else if (w->kind == DI_TENSOR_KIND_Q4_K)                                                   \
             gemv_q4_k(w, r0, R, xs, N, acc);                                                       \
+        else if (w->kind == DI_TENSOR_KIND_MXFP4)                                                  \
+            gemv_mxfp4(w, r0, R, xs, N, acc);                                                      \
         else                                                                                       \
             gemv_bf16(w, r0, R, xs, N, acc);                                                       \
         return;
@@ -605,6 +675,35 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
 }
 
 #else // not built with AVX2: gemm.c never selects this level
+
+static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w, int64_t r0, int NR,
+                                                             const float *const *xs, int NT,
+                                                             float acc[4][3][8]) {
+    const int64_t n = w->ne[0];
+    const uint8_t *rows[4];
+    const __m128i lut = mxfp4_lut();
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t c = 0; c < n; c += 32) {
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = rows[i] + (size_t)(c / 32) * 17;
+            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
+            const __m256 d = _mm256_set1_ps(e8m0_half(blk[0]));
+            __m256 q[4];
+            mxfp4x32(blk + 1, lut, q);
+            for (int k = 0; k < 4; k++) {
+                __m256 wv = _mm256_mul_ps(q[k], d);
+                for (int j = 0; j < NT; j++)
+                    a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
 
 bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     (void)w;
