@@ -321,6 +321,28 @@ static void test_gemm_ggml(void) {
     }
 }
 
+// The AVX2 decoders of the block kinds are exact: every value equals the reference's bits.
+static void test_decode_ggml_exact(void) {
+    if (di_cpu_isa_supported() < DI_CPU_ISA_AVX2) return; // nothing to compare
+    const int64_t n = 2048;
+    float *ref = malloc(sizeof(float) * n), *got = di_aligned_alloc(sizeof(float) * n);
+    for (size_t k = 0; k < sizeof k_ggml_kinds / sizeof k_ggml_kinds[0]; k++) {
+        mat m = make_mat(k_ggml_kinds[k], n, 3, (scale_range){0, 255, false});
+        bool same = true;
+        for (int64_t r = 0; r < 3; r++) {
+            di_tensor_row_f32(&m.t, r, ref);
+            di_gemm_avx2_decode(&m.t, r, 1, 1024, n, got + 1024, n); // not the first segment
+            di_gemm_avx2_decode(&m.t, r, 1, 0, 1024, got, n);
+            same &= same_bits(ref, got, n);
+        }
+        if (!same) fprintf(stderr, "  %s: AVX2 decode differs\n", di_tensor_kind_name(m.t.kind));
+        CHECK(same);
+        free_mat(&m);
+    }
+    free(ref);
+    di_aligned_free(got);
+}
+
 // The widest row the model multiplies (the mHC mix over 4 x 4096 streams), many tokens.
 static void test_gemm_wide(void) {
     mat m = make_mat(DI_TENSOR_KIND_F32, MAX_ROW, 24, k_normal);
@@ -367,8 +389,9 @@ static void test_gemm_extremes(void) {
 // 1, 2 and 3 threads (rows split or, with few rows, tokens split) give the same bits.
 static void test_gemm_threads(void) {
     static const int64_t shapes[][3] = {{1024, 70, 1}, {1024, 70, 9}, {512, 5, 11}};
-    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_FP8, DI_TENSOR_KIND_Q8_0,
-                                           DI_TENSOR_KIND_Q4_K, DI_TENSOR_KIND_MXFP4};
+    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_FP8,  DI_TENSOR_KIND_Q8_0,
+                                           DI_TENSOR_KIND_Q4_K, DI_TENSOR_KIND_MXFP4,
+                                           DI_TENSOR_KIND_Q2_K, DI_TENSOR_KIND_IQ2_XXS};
     for (int isa = 0; isa <= (int)di_cpu_isa_supported(); isa++) {
         for (size_t s = 0; s < 3 * sizeof kinds / sizeof kinds[0]; s++) {
             mat m = make_mat(kinds[s / 3], shapes[s % 3][0], shapes[s % 3][1], k_normal);
@@ -422,6 +445,7 @@ int main(void) {
     RUN(test_isa_switch);
     RUN(test_gemm_shapes);
     RUN(test_gemm_ggml);
+    RUN(test_decode_ggml_exact);
     RUN(test_gemm_wide);
     RUN(test_gemm_views);
     RUN(test_gemm_extremes);

@@ -256,26 +256,79 @@ static void decode_mxfp4(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, 
     }
 }
 
-// Q2_K and IQ2_XXS decode through the reference (exact by definition); the FMA tile that
-// follows is vectorised.
-static void decode_block_ref(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+// Q2_K: per 16 values (d * sc) * q - (dmin * m), q the 2-bit code at `shift` of 16 bytes.
+static inline __m256 q2x8(const uint8_t *q, int shift) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    v = _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(3));
+    return _mm256_cvtepi32_ps(v);
+}
+
+// Calls body(k, w8) for the 32 8-value chunks of one Q2_K block in column order.
+#define Q2K_BLOCK(blk, body)                                                                       \
+    do {                                                                                           \
+        const float d_ = f16_at((blk) + 80), dmin_ = f16_at((blk) + 82);                           \
+        int is_ = 0, k_ = 0;                                                                       \
+        for (int h_ = 0; h_ < 2; h_++)                                                             \
+            for (int sh_ = 0; sh_ < 8; sh_ += 2)                                                   \
+                for (int part_ = 0; part_ < 2; part_++) {                                          \
+                    const uint8_t sc_ = (blk)[is_++];                                              \
+                    const __m256 dl_ = _mm256_set1_ps(d_ * (float)(sc_ & 0xF));                    \
+                    const __m256 ml_ = _mm256_set1_ps(dmin_ * (float)(sc_ >> 4));                  \
+                    const uint8_t *q_ = (blk) + 16 + 32 * h_ + 16 * part_;                         \
+                    for (int c_ = 0; c_ < 2; c_++, k_++) {                                         \
+                        __m256 w8 =                                                                \
+                            _mm256_sub_ps(_mm256_mul_ps(dl_, q2x8(q_ + 8 * c_, sh_)), ml_);        \
+                        body(k_, w8);                                                              \
+                    }                                                                              \
+                }                                                                                  \
+    } while (0)
+
+static void decode_q2_k(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
     const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
-    int64_t blk;
-    size_t bb;
-    di_tensor_kind_block(w->kind, &blk, &bb);
-    const uint8_t *p = row + (size_t)(c0 / blk) * bb;
-    switch (w->kind) {
-    case DI_TENSOR_KIND_Q2_K:
-        di_dequant_row_q2_k(p, c1 - c0, dst);
-        break;
-    case DI_TENSOR_KIND_IQ2_XXS:
-        di_dequant_row_iq2_xxs(p, c1 - c0, dst);
-        break;
-    case DI_TENSOR_KIND_MXFP4:
-        di_dequant_row_mxfp4(p, c1 - c0, dst);
-        break;
-    default:
-        DI_ASSERT(!"not a reference-decoded block kind");
+    for (int64_t c = c0; c < c1; c += 256) {
+        const uint8_t *blk = row + (size_t)(c / 256) * 84;
+        float *y = dst + (c - c0);
+#define STORE(k, w8) _mm256_store_ps(y + 8 * (k), w8)
+        Q2K_BLOCK(blk, STORE);
+#undef STORE
+    }
+}
+
+// IQ2_XXS: per 8 values ((d * (0.5 + s)) * 0.25) * grid, negated where the sign bit is set (a
+// sign-bit flip is exactly the reference's multiplication by -1).
+static inline __m256 iq2x8(uint8_t idx, uint8_t signs, __m256 db) {
+    const uint64_t g = di_iq2xxs_grid(idx);
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)g)));
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(signs), bit), bit);
+    return _mm256_xor_ps(_mm256_mul_ps(db, v),
+                         _mm256_and_ps(_mm256_castsi256_ps(neg), _mm256_set1_ps(-0.0f)));
+}
+
+#define IQ2XXS_BLOCK(blk, body)                                                                    \
+    do {                                                                                           \
+        const float d_ = f16_at(blk);                                                              \
+        for (int ib_ = 0; ib_ < 8; ib_++) {                                                        \
+            uint32_t aux_[2];                                                                      \
+            memcpy(aux_, (blk) + 2 + 8 * ib_, 8);                                                  \
+            const float t_ = d_ * (0.5f + (float)(aux_[1] >> 28));                                 \
+            const __m256 db_ = _mm256_set1_ps(t_ * 0.25f);                                         \
+            for (int l_ = 0; l_ < 4; l_++) {                                                       \
+                const uint8_t sg_ = di_iq2xs_signs((int)((aux_[1] >> (7 * l_)) & 127));            \
+                __m256 w8 = iq2x8((uint8_t)(aux_[0] >> (8 * l_)), sg_, db_);                       \
+                body(4 * ib_ + l_, w8);                                                            \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+static void decode_iq2_xxs(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    for (int64_t c = c0; c < c1; c += 256) {
+        const uint8_t *blk = row + (size_t)(c / 256) * 66;
+        float *y = dst + (c - c0);
+#define STORE(k, w8) _mm256_store_ps(y + 8 * (k), w8)
+        IQ2XXS_BLOCK(blk, STORE);
+#undef STORE
     }
 }
 
@@ -301,8 +354,10 @@ void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int
             decode_mxfp4(w, r0 + i, c0, c1, d);
             break;
         case DI_TENSOR_KIND_Q2_K:
+            decode_q2_k(w, r0 + i, c0, c1, d);
+            break;
         case DI_TENSOR_KIND_IQ2_XXS:
-            decode_block_ref(w, r0 + i, c0, c1, d);
+            decode_iq2_xxs(w, r0 + i, c0, c1, d);
             break;
         default:
             decode_float(w, r0 + i, c0, c1, d);
@@ -631,6 +686,37 @@ static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w,
         for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
 }
 
+// Q2_K and IQ2_XXS: one 256-column block of a row at a time, decoded in registers chunk by chunk.
+#define GEMV_BLOCK256(NAME, BB, BLOCK_MACRO)                                                       \
+    static inline __attribute__((always_inline)) void NAME(const di_tensor *w, int64_t r0, int NR, \
+                                                           const float *const *xs, int NT,         \
+                                                           float acc[4][3][8]) {                   \
+        const int64_t n = w->ne[0];                                                                \
+        const uint8_t *rows[4];                                                                    \
+        __m256 a[4][3];                                                                            \
+        for (int i = 0; i < NR; i++) {                                                             \
+            rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;                        \
+            for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);                     \
+        }                                                                                          \
+        for (int64_t c = 0; c < n; c += 256) {                                                     \
+            for (int i = 0; i < NR; i++) {                                                         \
+                const uint8_t *blk = rows[i] + (size_t)(c / 256) * (BB);                           \
+                _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);                           \
+                _mm_prefetch((const char *)blk + PF_BYTES + 64, _MM_HINT_T0);                      \
+                BLOCK_MACRO(blk, FMA_BODY);                                                        \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < NR; i++)                                                               \
+            for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);                     \
+    }
+#define FMA_BODY(k, w8)                                                                            \
+    for (int j = 0; j < NT; j++)                                                                   \
+    a[i][j] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(xs[j] + c + 8 * (k)), a[i][j])
+GEMV_BLOCK256(gemv_q2_k, 84, Q2K_BLOCK)
+GEMV_BLOCK256(gemv_iq2_xxs, 66, IQ2XXS_BLOCK)
+#undef FMA_BODY
+#undef GEMV_BLOCK256
+
 bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     const int64_t n = w->ne[0];
     switch (w->kind) {
@@ -643,6 +729,8 @@ bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     case DI_TENSOR_KIND_Q8_0: // rows are whole blocks by construction
     case DI_TENSOR_KIND_Q4_K:
     case DI_TENSOR_KIND_MXFP4:
+    case DI_TENSOR_KIND_Q2_K:
+    case DI_TENSOR_KIND_IQ2_XXS:
         return true;
     default:
         return false;
@@ -663,6 +751,10 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
             gemv_q4_k(w, r0, R, xs, N, acc);                                                       \
         else if (w->kind == DI_TENSOR_KIND_MXFP4)                                                  \
             gemv_mxfp4(w, r0, R, xs, N, acc);                                                      \
+        else if (w->kind == DI_TENSOR_KIND_Q2_K)                                                   \
+            gemv_q2_k(w, r0, R, xs, N, acc);                                                       \
+        else if (w->kind == DI_TENSOR_KIND_IQ2_XXS)                                                \
+            gemv_iq2_xxs(w, r0, R, xs, N, acc);                                                    \
         else                                                                                       \
             gemv_bf16(w, r0, R, xs, N, acc);                                                       \
         return;
@@ -704,6 +796,37 @@ static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w,
     for (int i = 0; i < NR; i++)
         for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
 }
+
+// Q2_K and IQ2_XXS: one 256-column block of a row at a time, decoded in registers chunk by chunk.
+#define GEMV_BLOCK256(NAME, BB, BLOCK_MACRO)                                                       \
+    static inline __attribute__((always_inline)) void NAME(const di_tensor *w, int64_t r0, int NR, \
+                                                           const float *const *xs, int NT,         \
+                                                           float acc[4][3][8]) {                   \
+        const int64_t n = w->ne[0];                                                                \
+        const uint8_t *rows[4];                                                                    \
+        __m256 a[4][3];                                                                            \
+        for (int i = 0; i < NR; i++) {                                                             \
+            rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;                        \
+            for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);                     \
+        }                                                                                          \
+        for (int64_t c = 0; c < n; c += 256) {                                                     \
+            for (int i = 0; i < NR; i++) {                                                         \
+                const uint8_t *blk = rows[i] + (size_t)(c / 256) * (BB);                           \
+                _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);                           \
+                _mm_prefetch((const char *)blk + PF_BYTES + 64, _MM_HINT_T0);                      \
+                BLOCK_MACRO(blk, FMA_BODY);                                                        \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < NR; i++)                                                               \
+            for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);                     \
+    }
+#define FMA_BODY(k, w8)                                                                            \
+    for (int j = 0; j < NT; j++)                                                                   \
+    a[i][j] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(xs[j] + c + 8 * (k)), a[i][j])
+GEMV_BLOCK256(gemv_q2_k, 84, Q2K_BLOCK)
+GEMV_BLOCK256(gemv_iq2_xxs, 66, IQ2XXS_BLOCK)
+#undef FMA_BODY
+#undef GEMV_BLOCK256
 
 bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     (void)w;
