@@ -106,11 +106,10 @@ struct di_gguf_file {
     di_mmap map; // owned; zero when parsed from caller memory
     char *what;  // owned
     uint32_t version, alignment;
-    di_gguf_kv *kv; // owned [n_kv]
-    int64_t n_kv;
-    di_gguf_tensor *tensors; // owned [n_tensors]
-    int64_t n_tensors;
-    char *strings;       // owned: keys and names, NUL-terminated
+    di_gguf_kv *kv; // owned [cap_kv]; keys owned (NULL past the last parsed entry)
+    int64_t n_kv, cap_kv;
+    di_gguf_tensor *tensors; // owned [cap_tensors]; names owned
+    int64_t n_tensors, cap_tensors;
     name_index kv_index; // owned
     name_index t_index;  // owned
     size_t data_bytes;
@@ -154,7 +153,8 @@ void di_gguf_close(di_gguf_file *f) {
     if (!f) return;
     di_free(f->kv_index.slots);
     di_free(f->t_index.slots);
-    di_free(f->strings);
+    for (int64_t i = 0; f->kv && i < f->cap_kv; i++) di_free((char *)f->kv[i].key);
+    for (int64_t i = 0; f->tensors && i < f->cap_tensors; i++) di_free((char *)f->tensors[i].name);
     di_free(f->tensors);
     di_free(f->kv);
     di_free(f->what);
@@ -181,13 +181,14 @@ static int span_cmp(const void *a, const void *b) {
         goto fail;                                                                                 \
     } while (0)
 
-// Copies a length-delimited name into the string pool at *pool_pos; rejects embedded NULs.
-static bool pool_add(char *pool, size_t *pool_pos, const char *s, uint64_t len) {
-    if (memchr(s, 0, (size_t)len)) return false;
-    memcpy(pool + *pool_pos, s, (size_t)len);
-    pool[*pool_pos + len] = 0;
-    *pool_pos += (size_t)len + 1;
-    return true;
+// A NUL-terminated heap copy of a length-delimited name (free with di_free), or NULL.
+static char *dup_name(const char *s, uint64_t len) {
+    char *p = di_malloc((size_t)len + 1);
+    if (p) {
+        memcpy(p, s, (size_t)len);
+        p[len] = 0;
+    }
+    return p;
 }
 
 // Skips (and checks) one value of type t at the cursor. Arrays are one level deep.
@@ -265,16 +266,16 @@ di_status di_gguf_parse(const uint8_t *bytes, size_t n_bytes, const char *what,
     f->version = version;
     f->alignment = DI_GGUF_DEFAULT_ALIGNMENT;
 
-    // The string pool holds every key and name with a NUL: at most the image size plus one per
-    // entry.
-    f->strings = di_malloc(n_bytes + (size_t)n_kv + (size_t)n_tensors + 1);
+    // Keys and names are copied one by one (a GGUF's header is small next to its data, so the
+    // counts, bounded above by the bytes left, are the only sizes allocated up front).
     f->kv = di_calloc((size_t)n_kv + 1, sizeof *f->kv);
     f->tensors = di_calloc((size_t)n_tensors + 1, sizeof *f->tensors);
-    if (!f->strings || !f->kv || !f->tensors) {
+    f->cap_kv = (int64_t)n_kv;
+    f->cap_tensors = (int64_t)n_tensors;
+    if (!f->kv || !f->tensors) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
-    size_t pool_pos = 0;
     if ((st = index_init(&f->kv_index, (int64_t)n_kv)) != DI_OK) goto fail;
     if ((st = index_init(&f->t_index, (int64_t)n_tensors)) != DI_OK) goto fail;
 
@@ -286,9 +287,12 @@ di_status di_gguf_parse(const uint8_t *bytes, size_t n_bytes, const char *what,
             BAD("%s: metadata entry %llu: truncated key", what, (unsigned long long)i);
         if (klen == 0) BAD("%s: metadata entry %llu: empty key", what, (unsigned long long)i);
         di_gguf_kv *kv = &f->kv[i];
-        kv->key = f->strings + pool_pos;
-        if (!pool_add(f->strings, &pool_pos, key, klen))
+        if (memchr(key, 0, (size_t)klen))
             BAD("%s: metadata entry %llu: key contains a NUL byte", what, (unsigned long long)i);
+        if (!(kv->key = dup_name(key, klen))) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
         uint32_t t;
         if (!rd(&c, &t, 4))
             BAD("%s: key \"%.*s\": truncated value type", what, NAME_LOG_MAX, kv->key);
@@ -340,9 +344,12 @@ di_status di_gguf_parse(const uint8_t *bytes, size_t n_bytes, const char *what,
         if (nlen >= DI_GGUF_NAME_MAX)
             BAD("%s: tensor \"%.*s\": name is %llu bytes, ggml allows at most %d", what,
                 NAME_LOG_MAX, name, (unsigned long long)nlen, DI_GGUF_NAME_MAX - 1);
-        t->name = f->strings + pool_pos;
-        if (!pool_add(f->strings, &pool_pos, name, nlen))
+        if (memchr(name, 0, (size_t)nlen))
             BAD("%s: tensor info %llu: name contains a NUL byte", what, (unsigned long long)i);
+        if (!(t->name = dup_name(name, nlen))) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
         uint32_t nd;
         if (!rd(&c, &nd, 4)) BAD("%s: tensor \"%s\": truncated info", what, t->name);
         if (nd < 1 || nd > DI_GGUF_MAX_DIMS)
