@@ -768,66 +768,6 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
 
 #else // not built with AVX2: gemm.c never selects this level
 
-static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w, int64_t r0, int NR,
-                                                             const float *const *xs, int NT,
-                                                             float acc[4][3][8]) {
-    const int64_t n = w->ne[0];
-    const uint8_t *rows[4];
-    const __m128i lut = mxfp4_lut();
-    __m256 a[4][3];
-    for (int i = 0; i < NR; i++) {
-        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
-        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
-    }
-    for (int64_t c = 0; c < n; c += 32) {
-        for (int i = 0; i < NR; i++) {
-            const uint8_t *blk = rows[i] + (size_t)(c / 32) * 17;
-            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
-            const __m256 d = _mm256_set1_ps(e8m0_half(blk[0]));
-            __m256 q[4];
-            mxfp4x32(blk + 1, lut, q);
-            for (int k = 0; k < 4; k++) {
-                __m256 wv = _mm256_mul_ps(q[k], d);
-                for (int j = 0; j < NT; j++)
-                    a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
-            }
-        }
-    }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
-}
-
-// Q2_K and IQ2_XXS: one 256-column block of a row at a time, decoded in registers chunk by chunk.
-#define GEMV_BLOCK256(NAME, BB, BLOCK_MACRO)                                                       \
-    static inline __attribute__((always_inline)) void NAME(const di_tensor *w, int64_t r0, int NR, \
-                                                           const float *const *xs, int NT,         \
-                                                           float acc[4][3][8]) {                   \
-        const int64_t n = w->ne[0];                                                                \
-        const uint8_t *rows[4];                                                                    \
-        __m256 a[4][3];                                                                            \
-        for (int i = 0; i < NR; i++) {                                                             \
-            rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;                        \
-            for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);                     \
-        }                                                                                          \
-        for (int64_t c = 0; c < n; c += 256) {                                                     \
-            for (int i = 0; i < NR; i++) {                                                         \
-                const uint8_t *blk = rows[i] + (size_t)(c / 256) * (BB);                           \
-                _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);                           \
-                _mm_prefetch((const char *)blk + PF_BYTES + 64, _MM_HINT_T0);                      \
-                BLOCK_MACRO(blk, FMA_BODY);                                                        \
-            }                                                                                      \
-        }                                                                                          \
-        for (int i = 0; i < NR; i++)                                                               \
-            for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);                     \
-    }
-#define FMA_BODY(k, w8)                                                                            \
-    for (int j = 0; j < NT; j++)                                                                   \
-    a[i][j] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(xs[j] + c + 8 * (k)), a[i][j])
-GEMV_BLOCK256(gemv_q2_k, 84, Q2K_BLOCK)
-GEMV_BLOCK256(gemv_iq2_xxs, 66, IQ2XXS_BLOCK)
-#undef FMA_BODY
-#undef GEMV_BLOCK256
-
 bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     (void)w;
     return false;
