@@ -555,7 +555,13 @@ static di_status fill_item(void *user, int64_t i, uint8_t *dst, size_t n_bytes) 
     return DI_OK;
 }
 
-static di_status add_metadata(di_gguf_writer *w, const di_hparams *hp) {
+// llama.cpp's general.file_type: MOSTLY_MXFP4_MOE (38) as its converter sets for V4 (experts in
+// MXFP4), MOSTLY_Q4_K_S (14) when everything is Q4_K.
+static uint32_t file_type(const char *mode) {
+    return strcmp(mode, "q4_k") == 0 ? 14u : 38u;
+}
+
+static di_status add_metadata(di_gguf_writer *w, const di_hparams *hp, const char *mode) {
     di_status st = DI_OK;
 #define S(call)                                                                                    \
     do {                                                                                           \
@@ -565,6 +571,7 @@ static di_status add_metadata(di_gguf_writer *w, const di_hparams *hp) {
     S(di_gguf_writer_add_str(w, "general.architecture", ARCH));
     S(di_gguf_writer_add_str(w, "general.name", "deepinfer synthetic DeepSeek V4"));
     S(di_gguf_writer_add_u32(w, "general.quantization_version", 2));
+    S(di_gguf_writer_add_u32(w, "general.file_type", file_type(mode)));
     S(di_gguf_writer_add_u32(w, K("vocab_size"), (uint32_t)hp->n_vocab));
     S(di_gguf_writer_add_u32(w, K("context_length"), (uint32_t)hp->max_pos));
     S(di_gguf_writer_add_u32(w, K("embedding_length"), (uint32_t)hp->n_embd));
@@ -681,7 +688,7 @@ di_status di_dsv4_gguf_convert(const char *src_dir, const char *dst_path, const 
         st = DI_ERR_NOMEM;
         goto fail;
     }
-    if ((st = add_metadata(w, &hp)) != DI_OK) goto fail;
+    if ((st = add_metadata(w, &hp, type)) != DI_OK) goto fail;
     for (int64_t i = 0; i < n_src; i++) {
         const di_st_tensor *t = di_st_set_tensor(st_set, i);
         const char *name = t->name;
