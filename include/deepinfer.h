@@ -67,8 +67,10 @@ di_model_options di_model_options_default(void);
 
 // Loads a checkpoint directory: config.json plus model.safetensors or a sharded set with
 // model.safetensors.index.json, in DeepSeek's official layout (FP8/FP4) or as written by
-// transformers' save_pretrained. Weights are memory-mapped. Every tensor is checked against the
-// config; the first mismatch is logged with the tensor's name.
+// transformers' save_pretrained; or a GGUF file of llama.cpp's deepseek4 architecture (`dir` names
+// the .gguf file, or a directory without config.json holding exactly one), whose metadata gives
+// the hyper-parameters. Weights are memory-mapped. Every tensor is checked against the config; the
+// first mismatch is logged with the tensor's name.
 // Returns DI_ERR_IO (missing/unreadable file), DI_ERR_FORMAT (bad config or checkpoint),
 // DI_ERR_UNSUPPORTED (an architecture this build does not run), DI_ERR_NOMEM.
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out);
@@ -111,6 +113,13 @@ int32_t di_model_layer_ratio(const di_model *model, int32_t il);
 // with an MTP block, else the Hugging Face naming in BF16. The weights are random, so generated
 // text is meaningless. Returns DI_ERR_INVALID (unknown preset), DI_ERR_IO, DI_ERR_NOMEM.
 di_status di_synth_checkpoint(const char *preset, const char *dir, bool official, uint64_t seed);
+
+// Converts the official-layout checkpoint in src_dir to a GGUF file of llama.cpp's deepseek4
+// architecture at dst_path (loadable by di_model_load and by llama.cpp). type: "q8_0" (what
+// llama.cpp's converter writes: FP8 -> Q8_0, FP4 experts -> MXFP4, float kept), "q4_k", "bf16",
+// "f16" or "f32". Returns DI_ERR_INVALID (unknown type, not the official layout), DI_ERR_IO,
+// DI_ERR_FORMAT, DI_ERR_NOMEM.
+di_status di_convert_gguf(const char *src_dir, const char *dst_path, const char *type);
 
 // ---- session: one sequence's incremental state ----
 

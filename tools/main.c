@@ -20,6 +20,7 @@ static const struct {
     {"serve", di_cli_serve,
      "HTTP server: OpenAI Chat/Completions/Responses and Anthropic Messages"},
     {"synth", di_cli_synth, "write a random-weight V4 checkpoint (tests, benchmarks, default)"},
+    {"convert", di_cli_convert, "convert an official-layout checkpoint to GGUF (llama.cpp)"},
 };
 
 static void usage(FILE *f) {

@@ -1,8 +1,8 @@
 // bench_cpu — CPU roofline benchmark (not a test): in one run, on the same thread pool sizes,
 //   1. a STREAM-like read bandwidth (sum of a buffer far larger than the last-level cache);
-//   2. di_cpu_matmul GEMV over FP8 / FP4 / BF16 matrices larger than the cache: weight bytes per
-//      second and the ratio to (1); 64-token GEMM multiply-adds per second against the FMA peak
-//      (probe.h) measured on the same pool;
+//   2. di_cpu_matmul GEMV over FP8 / FP4 / BF16 / Q8_0 / Q4_K / MXFP4 matrices larger than the
+//      cache: weight bytes per second and the ratio to (1); 64-token GEMM multiply-adds per
+//      second against the FMA peak (probe.h) measured on the same pool;
 //   3. with --model: prefill tokens/s and decode tokens/s of a checkpoint, decode's weight bytes
 //      per token (counted by di_cpu_matmul) and its roofline ratio = achieved bytes/s / (1).
 // Every timing is the best of --reps repetitions (the machine is shared; best-of is the least
@@ -48,7 +48,11 @@ static synth_mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out) {
     t->kind = kind;
     t->ne[0] = n_in;
     t->ne[1] = n_out;
-    t->nb1 = kind == DI_TENSOR_KIND_FP8    ? (size_t)n_in
+    int64_t be;
+    size_t bb;
+    bool block = di_tensor_kind_block(kind, &be, &bb); // ggml block kinds (GGUF)
+    t->nb1 = block                         ? (size_t)(n_in / be) * bb
+             : kind == DI_TENSOR_KIND_FP8  ? (size_t)n_in
              : kind == DI_TENSOR_KIND_FP4  ? (size_t)n_in / 2
              : kind == DI_TENSOR_KIND_BF16 ? (size_t)n_in * 2
                                            : (size_t)n_in * 4;
@@ -58,6 +62,8 @@ static synth_mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out) {
         uint64_t v = rnd() & 0x3F3F3F3F3F3F3F3Full; // finite, moderate FP8 / BF16 / FP4 codes
         memcpy(m.data + i, &v, bytes - i < 8 ? bytes - i : 8);
     }
+    // Block scales (f16 d / dmin, or the MXFP4 exponent) anywhere in the 0x3F-masked bytes are
+    // finite: 0x3F3F as f16 is about 1.3.
     t->data = m.data;
     if (kind == DI_TENSOR_KIND_FP8 || kind == DI_TENSOR_KIND_FP4) {
         t->block_out = kind == DI_TENSOR_KIND_FP8 ? 128 : 1;
@@ -76,9 +82,9 @@ static void bench_gemv(di_cpu *cpu, double bw, double mac_peak, int reps) {
     static const struct {
         di_tensor_kind kind;
         int64_t n_in, n_out;
-    } cases[] = {{DI_TENSOR_KIND_FP8, 4096, 16384},
-                 {DI_TENSOR_KIND_FP4, 4096, 32768},
-                 {DI_TENSOR_KIND_BF16, 4096, 8192}};
+    } cases[] = {{DI_TENSOR_KIND_FP8, 4096, 16384},  {DI_TENSOR_KIND_FP4, 4096, 32768},
+                 {DI_TENSOR_KIND_BF16, 4096, 8192},  {DI_TENSOR_KIND_Q8_0, 4096, 16384},
+                 {DI_TENSOR_KIND_Q4_K, 4096, 32768}, {DI_TENSOR_KIND_MXFP4, 4096, 32768}};
     float *x = di_aligned_alloc(sizeof(float) * 4096 * 64);
     float *y = di_aligned_alloc(sizeof(float) * 32768 * 64);
     for (int i = 0; i < 4096 * 64; i++) x[i] = (float)(rnd() % 1000) / 500.0f - 1.0f;

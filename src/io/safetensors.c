@@ -407,8 +407,9 @@ struct di_st_set {
     di_st_file **files; // owned [n_files]
     int n_files;
     di_st_tensor *tensors; // owned [n_tensors]: copies with shard set; names borrowed from files
-    int64_t n_tensors;
-    name_index index; // owned
+    int64_t n_tensors;     // (or from `names` for a view set)
+    char *names;           // owned by a view set (di_st_set_create_view); NULL otherwise
+    name_index index;      // owned
     size_t data_bytes;
 };
 
@@ -640,9 +641,44 @@ void di_st_set_close(di_st_set *s) {
     if (!s) return;
     name_index_deinit(&s->index);
     di_free(s->tensors);
+    di_free(s->names);
     for (int i = 0; i < s->n_files; i++) di_st_file_close(s->files[i]);
     di_free(s->files);
     di_free(s);
+}
+
+di_status di_st_set_create_view(const di_st_tensor *tensors, int64_t n_tensors, di_st_set **out) {
+    di_st_set *s = di_calloc(1, sizeof *s);
+    if (!s) return DI_ERR_NOMEM;
+    di_status st = DI_OK;
+    size_t n_chars = 0;
+    for (int64_t i = 0; i < n_tensors; i++) n_chars += strlen(tensors[i].name) + 1;
+    s->names = di_malloc(n_chars + 1);
+    s->tensors = di_calloc((size_t)n_tensors + 1, sizeof *s->tensors);
+    if (!s->names || !s->tensors || name_index_init(&s->index, n_tensors) != DI_OK) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    size_t pos = 0;
+    for (int64_t i = 0; i < n_tensors; i++) {
+        size_t len = strlen(tensors[i].name);
+        memcpy(s->names + pos, tensors[i].name, len + 1);
+        s->tensors[i] = tensors[i];
+        s->tensors[i].name = s->names + pos;
+        pos += len + 1;
+        if (name_index_insert(&s->index, s->tensors, i) >= 0) {
+            DI_LOG_ERROR("tensor \"%.*s\" is listed twice", NAME_LOG_MAX, tensors[i].name);
+            st = DI_ERR_FORMAT;
+            goto fail;
+        }
+        s->data_bytes += tensors[i].n_bytes;
+        s->n_tensors = i + 1;
+    }
+    *out = s;
+    return DI_OK;
+fail:
+    di_st_set_close(s);
+    return st;
 }
 
 int64_t di_st_set_n_tensors(const di_st_set *s) {
@@ -676,7 +712,7 @@ static di_status write_tensor_bytes(const di_st_write_tensor *t, size_t *out) {
         n *= (uint64_t)dim;
     }
     size_t elt = di_dtype_size(t->dtype);
-    if (n > SIZE_MAX / elt) return DI_ERR_INVALID;
+    if (elt == 0 || n > SIZE_MAX / elt) return DI_ERR_INVALID; // 0: a ggml block format
     *out = (size_t)n * elt;
     if (*out > 0 && !t->data) return DI_ERR_INVALID;
     return DI_OK;

@@ -76,6 +76,10 @@ typedef struct di_st_set di_st_set;
 // DI_ERR_FORMAT (a malformed file or index, an index/shard mismatch, a duplicate name),
 // DI_ERR_NOMEM.
 di_status di_st_set_open_dir(const char *dir, di_st_set **out);
+// A set over tensors held elsewhere (the GGUF loader presents a GGUF file this way): copies the
+// array and the names; data pointers stay views into memory the caller keeps alive (and
+// unmaps) — the set owns no mapping. Duplicate names are DI_ERR_FORMAT; DI_ERR_NOMEM.
+di_status di_st_set_create_view(const di_st_tensor *tensors, int64_t n_tensors, di_st_set **out);
 // Closes every shard. NULL does nothing.
 void di_st_set_close(di_st_set *s);
 int64_t di_st_set_n_tensors(const di_st_set *s);

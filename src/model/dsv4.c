@@ -4,14 +4,17 @@
 #include "model/dsv4.h"
 #include "model/dsv41.h" // V4.1 extras and forward
 
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/buf.h"
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/status.h"
+#include "model/dsv4_gguf.h"
 #include "tensor/quant_ref.h"
 
 // ---- options ----
@@ -55,6 +58,26 @@ static int64_t widest_row(const di_hparams *hp) {
     return w;
 }
 
+// A GGUF model: `dir` itself when it names a .gguf file, else the one .gguf file in a directory
+// without config.json (several are ambiguous: none is chosen). Returns the path in buf, or NULL.
+static const char *find_gguf(const char *dir, char *buf, size_t cap) {
+    if (di_dsv4_gguf_is_path(dir)) {
+        snprintf(buf, cap, "%s", dir);
+        return buf;
+    }
+    snprintf(buf, cap, "%s/config.json", dir);
+    if (access(buf, F_OK) == 0) return NULL;
+    DIR *d = opendir(dir);
+    if (!d) return NULL;
+    int n = 0;
+    const struct dirent *de;
+    while ((de = readdir(d)) != NULL)
+        if (de->d_name[0] != '.' && di_dsv4_gguf_is_path(de->d_name) && n++ == 0)
+            snprintf(buf, cap, "%s/%s", dir, de->d_name);
+    closedir(d);
+    return n == 1 ? buf : NULL;
+}
+
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out) {
     di_status st = DI_OK;
     di_model *m = di_calloc(1, sizeof *m);
@@ -66,14 +89,20 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
         goto fail;
     }
     char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    DI_TRY(di_hparams_load(path, &m->hp));
+    const char *gguf_path = find_gguf(dir, path, sizeof path);
+    if (gguf_path) {
+        DI_TRY(di_dsv4_gguf_open(gguf_path, &m->gguf, &m->hp, &m->st));
+    } else {
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        DI_TRY(di_hparams_load(path, &m->hp));
+    }
     DI_LOG_INFO("loading %s: %s, %d layers (+%d MTP), hidden %d, %d experts (top-%d)", dir,
                 m->hp.model_type, m->hp.n_layer, m->hp.n_mtp, m->hp.n_embd, m->hp.n_expert,
                 m->hp.n_expert_used);
-    DI_TRY(di_st_set_open_dir(dir, &m->st));
+    if (!m->st) DI_TRY(di_st_set_open_dir(dir, &m->st));
     DI_TRY(di_dsv4_weights_bind(m));
     if (m->hp.v41) DI_TRY(di_dsv41_model_init(m, dir));
+    if (m->gguf) snprintf(m->layout, sizeof m->layout, "%s", "gguf");
     DI_TRY(di_pool_create(m->opt.n_threads, &m->pool));
     DI_TRY(di_cpu_init(&m->cpu, m->pool, widest_row(&m->hp)));
     int half = m->hp.rope_main.n_dims / 2;
@@ -104,6 +133,7 @@ void di_model_destroy(di_model *m) {
     di_dsv4_weights_free(m);
     di_dsv41_model_free(m);
     di_st_set_close(m->st);
+    di_gguf_close(m->gguf); // after the set, which points into it
     di_free(m->omega_main);
     di_free(m->omega_compress);
     di_free(m);

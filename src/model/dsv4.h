@@ -23,6 +23,7 @@
 #include "backend/cpu/ref_ops.h" // di_cpu
 #include "base/thread.h"         // di_pool
 #include "deepinfer.h"
+#include "io/gguf.h"        // di_gguf_file
 #include "io/safetensors.h" // di_st_set
 #include "model/hparams.h"  // di_hparams
 #include "tensor/tensor.h"  // di_tensor
@@ -92,9 +93,10 @@ typedef bool (*di_dsv4_matmul_fn)(void *user, const di_tensor *w, const float *x
 struct di_model {
     di_hparams hp;
     di_model_options opt;
-    char layout[16]; // "official" or "hf"
-    di_st_set *st;   // owned checkpoint mapping
-    di_pool *pool;   // owned
+    char layout[16];    // "official" or "hf"
+    di_st_set *st;      // owned checkpoint mapping (a view into `gguf` for GGUF files)
+    di_gguf_file *gguf; // owned GGUF file, when loaded from one; NULL otherwise
+    di_pool *pool;      // owned
     di_cpu cpu;
     di_tensor embed, head; // [V, D]
     float *norm;           // owned [D]

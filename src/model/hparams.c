@@ -521,6 +521,34 @@ static di_status parse_v41(const json_t *j, const char *path, di_hparams *hp) {
     return DI_OK;
 }
 
+// ---- cross-field validation (shared by config.json and GGUF metadata) ----
+
+di_status di_hparams_check(const char *path, const di_hparams *hp) {
+    const char *bad = NULL;
+    if (hp->n_expert_used > hp->n_expert)
+        bad = "num_experts_per_tok exceeds n_routed_experts";
+    else if (hp->n_head % hp->o_groups)
+        bad = "num_attention_heads is not a multiple of o_groups";
+    else if (hp->hc_mult < 1 || hp->hc_mult > 16)
+        bad = "hc_mult must be in [1, 16]";
+    else if (hp->hc_iters < 1)
+        bad = "hc_sinkhorn_iters must be >= 1";
+    else if (hp->rope_main.n_dims != hp->rope_compress.n_dims)
+        bad = "main and compress RoPE must rotate the same number of dims";
+    else if (hp->rope_main.n_dims <= 0 || hp->rope_main.n_dims % 2 ||
+             hp->rope_main.n_dims > hp->head_dim)
+        bad = "rotary dims must be even and at most head_dim";
+    else if (hp->rope_main.n_dims > hp->index_head_dim)
+        bad = "rotary dims exceed index_head_dim";
+    else if (hp->index_topk < 1 || hp->n_index_head < 1)
+        bad = "index_topk and index_n_heads must be >= 1";
+    if (bad) {
+        DI_LOG_ERROR("%s: %s", path, bad);
+        return DI_ERR_FORMAT;
+    }
+    return DI_OK;
+}
+
 // ---- the whole config ----
 
 di_status di_hparams_load(const char *path, di_hparams *hp) {
@@ -653,31 +681,7 @@ di_status di_hparams_load(const char *path, di_hparams *hp) {
         }
     }
 
-    // ---- cross-field validation ----
-    const char *bad = NULL;
-    if (hp->n_expert_used > hp->n_expert)
-        bad = "num_experts_per_tok exceeds n_routed_experts";
-    else if (hp->n_head % hp->o_groups)
-        bad = "num_attention_heads is not a multiple of o_groups";
-    else if (hp->hc_mult < 1 || hp->hc_mult > 16)
-        bad = "hc_mult must be in [1, 16]";
-    else if (hp->hc_iters < 1)
-        bad = "hc_sinkhorn_iters must be >= 1";
-    else if (hp->rope_main.n_dims != hp->rope_compress.n_dims)
-        bad = "main and compress RoPE must rotate the same number of dims";
-    else if (hp->rope_main.n_dims <= 0 || hp->rope_main.n_dims % 2 ||
-             hp->rope_main.n_dims > hp->head_dim)
-        bad = "rotary dims must be even and at most head_dim";
-    else if (hp->rope_main.n_dims > hp->index_head_dim)
-        bad = "rotary dims exceed index_head_dim";
-    else if (hp->index_topk < 1 || hp->n_index_head < 1)
-        bad = "index_topk and index_n_heads must be >= 1";
-    if (bad) {
-        DI_LOG_ERROR("%s: %s", path, bad);
-        st = DI_ERR_FORMAT;
-        goto done;
-    }
-    st = DI_OK;
+    st = di_hparams_check(path, hp);
 done:
 fail:
     json_decref((json_t *)root); // j may point into it (text_config)

@@ -90,5 +90,9 @@ typedef struct di_hparams {
 // name) for missing/invalid fields; DI_ERR_UNSUPPORTED for another model_type.
 di_status di_hparams_load(const char *config_path, di_hparams *out);
 
+// The cross-field checks every source of hyper-parameters must pass (experts, head groups, hc
+// and RoPE dims, indexer); `path` names the source in the message. DI_ERR_FORMAT.
+di_status di_hparams_check(const char *path, const di_hparams *hp);
+
 // Fills omega[n_dims/2] with the rotation frequencies of p (spec §2.0), in FP32.
 void di_rope_freqs(const di_rope_params *p, float *omega);

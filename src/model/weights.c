@@ -115,6 +115,31 @@ static bool is_plain_float(di_dtype d) {
     return d == DI_DTYPE_F32 || d == DI_DTYPE_F16 || d == DI_DTYPE_BF16;
 }
 
+// The di_tensor kind of a ggml block dtype (GGUF files).
+static di_tensor_kind ggml_kind(di_dtype d) {
+    switch (d) {
+    case DI_DTYPE_GGML_Q8_0:
+        return DI_TENSOR_KIND_Q8_0;
+    case DI_DTYPE_GGML_Q4_K:
+        return DI_TENSOR_KIND_Q4_K;
+    case DI_DTYPE_GGML_Q2_K:
+        return DI_TENSOR_KIND_Q2_K;
+    case DI_DTYPE_GGML_IQ2_XXS:
+        return DI_TENSOR_KIND_IQ2_XXS;
+    default:
+        return DI_TENSOR_KIND_MXFP4;
+    }
+}
+
+// Bytes of one row of n_in elements of a ggml block dtype (the GGUF parser checked that n_in is a
+// multiple of the block).
+static size_t ggml_row_bytes(di_dtype d, int64_t n_in) {
+    int64_t be;
+    size_t bb;
+    di_tensor_kind_block(ggml_kind(d), &be, &bb);
+    return (size_t)(n_in / be) * bb;
+}
+
 // The scale tensor of an FP8/FP4 weight: "<x>.scale" for "<x>.weight" (official), or
 // "<x>.weight_scale_inv" (HF's FP8 naming; also a multiplier).
 static const di_st_tensor *find_scale(binder *b, const char *wname) {
@@ -141,6 +166,10 @@ static di_status bind_matrix_t(binder *b, const di_st_tensor *t, int64_t n_out, 
         if (!shape_is(t, 2, want)) return bad_shape(t, 2, want);
         w.kind = float_kind(t->dtype);
         w.nb1 = (size_t)n_in * di_dtype_size(t->dtype);
+    } else if (di_dtype_is_ggml_block(t->dtype)) { // GGUF: any matrix may be block-quantised
+        if (!shape_is(t, 2, want)) return bad_shape(t, 2, want);
+        w.kind = ggml_kind(t->dtype);
+        w.nb1 = ggml_row_bytes(t->dtype, n_in);
     } else if (t->dtype == DI_DTYPE_F8_E4M3 && (allow & ALLOW_FP8)) {
         if (!shape_is(t, 2, want)) return bad_shape(t, 2, want);
         const di_st_tensor *s = find_scale(b, t->name);
@@ -216,7 +245,8 @@ static di_status bind_f32(binder *b, const char *off, const char *hf, int nd, in
     const di_st_tensor *t = lookup(b, off, hf, &which);
     if (!t) return missing(off, hf);
     int64_t want[2] = {d0, d1};
-    if (!is_plain_float(t->dtype)) {
+    bool block = di_dtype_is_ggml_block(t->dtype);
+    if (!is_plain_float(t->dtype) && !block) {
         DI_LOG_ERROR("checkpoint: tensor %s has dtype %s, expected a float type", t->name,
                      di_dtype_name(t->dtype));
         return DI_ERR_FORMAT;
@@ -225,7 +255,17 @@ static di_status bind_f32(binder *b, const char *off, const char *hf, int nd, in
     int64_t n = nd == 1 ? d0 : d0 * d1;
     float *v = own(b->m, sizeof(float) * (size_t)n);
     if (!v) return DI_ERR_NOMEM;
-    di_dequant_row_f32(t->dtype, t->data, n, v);
+    if (block) { // a quantised GGUF vector or matrix: dequantise row by row
+        int64_t n_in = nd == 1 ? d0 : d1, n_rows = nd == 1 ? 1 : d0;
+        di_tensor w = {.name = t->name,
+                       .kind = ggml_kind(t->dtype),
+                       .ne = {n_in, n_rows},
+                       .nb1 = ggml_row_bytes(t->dtype, n_in),
+                       .data = t->data};
+        for (int64_t r = 0; r < n_rows; r++) di_tensor_row_f32(&w, r, v + r * n_in);
+    } else {
+        di_dequant_row_f32(t->dtype, t->data, n, v);
+    }
     *out = v;
     return mark_used(b, t);
 }
@@ -356,6 +396,32 @@ static di_status bind_experts(binder *b, const char *po, const char *ph, di_dsv4
         }
         if ((st = mark_used(b, gu)) != DI_OK) return st;
         return mark_used(b, dn);
+    }
+    // GGUF (llama.cpp deepseek4): three stacked tensors [E, F, D], [E, D, F], [E, F, D] of any
+    // type, renamed to layers.N.ffn.experts.wK.stacked by dsv4_gguf.c.
+    const di_st_tensor *s1 = po ? find_official(b, fmt(o, po, "ffn.experts.w1.stacked")) : NULL;
+    if (s1) {
+        const char *const stacked[3] = {"ffn.experts.w1.stacked", "ffn.experts.w2.stacked",
+                                        "ffn.experts.w3.stacked"};
+        di_tensor *dst[3] = {lw->w1, lw->w2, lw->w3};
+        for (int k = 0; k < 3; k++) {
+            const di_st_tensor *t = find_official(b, fmt(o, po, stacked[k]));
+            if (!t) return missing(o, NULL);
+            int64_t rows = k == 1 ? D : F, cols = k == 1 ? F : D;
+            int64_t want[3] = {E, rows, cols};
+            bool block = di_dtype_is_ggml_block(t->dtype);
+            if (!shape_is(t, 3, want) || (!block && !is_plain_float(t->dtype)))
+                return bad_shape(t, 3, want);
+            di_tensor all = {.name = t->name,
+                             .kind = block ? ggml_kind(t->dtype) : float_kind(t->dtype),
+                             .ne = {cols, E * rows},
+                             .nb1 = block ? ggml_row_bytes(t->dtype, cols)
+                                          : (size_t)cols * di_dtype_size(t->dtype),
+                             .data = t->data};
+            for (int64_t e = 0; e < E; e++) dst[k][e] = di_tensor_rows(&all, e * rows, rows);
+            if ((st = mark_used(b, t)) != DI_OK) return st;
+        }
+        return DI_OK;
     }
     if (!po) return missing(NULL, fmt(h, ph, "mlp.experts.gate_up_proj"));
     if (ph && !find_official(b, fmt(o, po, "ffn.experts.0.w1.weight")))

@@ -120,3 +120,49 @@ void di_dequant_row_fp8(const uint8_t *restrict row, const uint8_t *restrict sca
 // row). All pointers are borrowed; out has n floats.
 void di_dequant_row_fp4(const uint8_t *restrict packed, const uint8_t *restrict scale_row,
                         int64_t n, int64_t block, float *restrict out);
+
+// ---- ggml block formats (GGUF files) ----
+//
+// Row dequantisation of the ggml block formats, bit-exact to ggml's dequantize_row_* (ggml-quants.c
+// as of llama.cpp 0c1e57098): the same products in the same order, each rounded to f32 (no fused
+// multiply-add; every product is its own statement so no compiler contracts it). `row` holds
+// n / block blocks (n a multiple of the block; DI_ASSERT); out has n floats.
+//   Q8_0    (32 per block, 34 bytes): f16 d, int8 q[32];            y = q * d
+//   Q4_K    (256, 144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales/mins for 8 sub-blocks of
+//           32, 128 bytes of nibbles (each 32 bytes: low nibbles sub-block 2k, high 2k+1);
+//           y = (d * sc) * q - (dmin * m)
+//   Q2_K    (256, 84 bytes): 16 bytes of 4-bit scale | 4-bit min per 16 values, 64 bytes of 2-bit
+//           codes, f16 d, f16 dmin;                                 y = (d * sc) * q - (dmin * m)
+//   IQ2_XXS (256, 66 bytes): f16 d, 32 uint16: per 32 values 4 grid indices (8 values each from
+//           ggml's iq2xxs_grid), 4 x 7 sign bits and a 4-bit scale;  y = ((d * (0.5 + s)) * 0.25) *
+//           grid * ±1
+//   MXFP4   (32, 17 bytes): UE8M0 e, 16 bytes: low nibble = value j, high = value j + 16, codes
+//           e2m1 doubled {0,1,2,3,4,6,8,12,...}; y = code * 2^(e-128)
+void di_dequant_row_q8_0(const uint8_t *restrict row, int64_t n, float *restrict out);
+void di_dequant_row_q4_k(const uint8_t *restrict row, int64_t n, float *restrict out);
+void di_dequant_row_q2_k(const uint8_t *restrict row, int64_t n, float *restrict out);
+void di_dequant_row_iq2_xxs(const uint8_t *restrict row, int64_t n, float *restrict out);
+void di_dequant_row_mxfp4(const uint8_t *restrict row, int64_t n, float *restrict out);
+
+// Q4_K's 6-bit scale and min of sub-block j (0..7) from the 12 scale bytes (ggml's
+// get_scale_min_k4).
+void di_q4_k_scale_min(int j, const uint8_t *restrict scales, uint8_t *sc, uint8_t *m);
+// ggml's iq2xxs_grid entry i (0..255): 8 bytes, each 0x08, 0x19 or 0x2b.
+uint64_t di_iq2xxs_grid(int i);
+// ggml's ksigns_iq2xs: i (0..127) with bit 7 set to make an even number of set bits.
+uint8_t di_iq2xs_signs(int i);
+
+// f32 -> IEEE binary16 bit pattern, round to nearest even; overflow to ±inf; NaN stays NaN.
+uint16_t di_f32_to_f16(float x);
+
+// Quantisers used by the GGUF writer (not bit-exact to ggml's; any valid encoding loads the same
+// everywhere). n a multiple of the block (DI_ASSERT); out receives n / block blocks.
+// Q8_0: d = amax / 127 (stored f16), q = round(x / d) clamped to [-127, 127].
+void di_quant_row_q8_0(const float *restrict x, int64_t n, uint8_t *restrict out);
+// Q4_K: per sub-block of 32 an asymmetric range [min(0, lo), hi] with 15 steps; the sub-block
+// scales and mins are themselves 6-bit multiples of per-block f16 d and dmin.
+void di_quant_row_q4_k(const float *restrict x, int64_t n, uint8_t *restrict out);
+// MXFP4 from a row already in our FP4 layout (two e2m1 codes per byte, low nibble = even column,
+// one UE8M0 scale per 32): exact repacking (code doubled with exponent one lower).
+void di_repack_row_fp4_mxfp4(const uint8_t *restrict packed, const uint8_t *restrict scale_row,
+                             int64_t n, uint8_t *restrict out);

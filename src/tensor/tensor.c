@@ -27,6 +27,23 @@ void di_tensor_row_f32(const di_tensor *t, int64_t r, float *out) {
         di_dequant_row_fp4(row, srow, n, t->block_in, out);
         return;
     }
+    case DI_TENSOR_KIND_Q8_0:
+        di_dequant_row_q8_0(row, n, out);
+        return;
+    case DI_TENSOR_KIND_Q4_K:
+        di_dequant_row_q4_k(row, n, out);
+        return;
+    case DI_TENSOR_KIND_Q2_K:
+        di_dequant_row_q2_k(row, n, out);
+        return;
+    case DI_TENSOR_KIND_IQ2_XXS:
+        di_dequant_row_iq2_xxs(row, n, out);
+        return;
+    case DI_TENSOR_KIND_MXFP4:
+        di_dequant_row_mxfp4(row, n, out);
+        return;
+    case DI_TENSOR_KIND_COUNT:
+        break;
     }
     DI_ASSERT(!"unknown tensor kind");
 }
@@ -61,6 +78,45 @@ const char *di_tensor_kind_name(di_tensor_kind k) {
         return "FP8-e4m3/ue8m0";
     case DI_TENSOR_KIND_FP4:
         return "FP4-e2m1/ue8m0";
+    case DI_TENSOR_KIND_Q8_0:
+        return "Q8_0";
+    case DI_TENSOR_KIND_Q4_K:
+        return "Q4_K";
+    case DI_TENSOR_KIND_Q2_K:
+        return "Q2_K";
+    case DI_TENSOR_KIND_IQ2_XXS:
+        return "IQ2_XXS";
+    case DI_TENSOR_KIND_MXFP4:
+        return "MXFP4";
+    case DI_TENSOR_KIND_COUNT:
+        break;
     }
     return "?";
+}
+
+bool di_tensor_kind_block(di_tensor_kind k, int64_t *elems, size_t *bytes) {
+    int64_t e;
+    size_t b;
+    switch (k) {
+    case DI_TENSOR_KIND_Q8_0:
+        e = 32, b = 34;
+        break;
+    case DI_TENSOR_KIND_Q4_K:
+        e = 256, b = 144;
+        break;
+    case DI_TENSOR_KIND_Q2_K:
+        e = 256, b = 84;
+        break;
+    case DI_TENSOR_KIND_IQ2_XXS:
+        e = 256, b = 66;
+        break;
+    case DI_TENSOR_KIND_MXFP4:
+        e = 32, b = 17;
+        break;
+    default:
+        return false;
+    }
+    if (elems) *elems = e;
+    if (bytes) *bytes = b;
+    return true;
 }

@@ -10,6 +10,7 @@
  */
 #pragma once
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -21,6 +22,14 @@ typedef enum di_tensor_kind {
     DI_TENSOR_KIND_BF16,
     DI_TENSOR_KIND_FP8, // e4m3fn bytes; scale[(row0+r)/block_out][c/block_in] UE8M0
     DI_TENSOR_KIND_FP4, // two e2m1 codes per byte (low nibble = even column); scale[row0+r][c/32]
+    // ggml block formats from GGUF files (quant_ref.h): self-contained blocks along each row, no
+    // separate scale tensor; nb1 = (ne[0] / block) * block bytes.
+    DI_TENSOR_KIND_Q8_0,    // 32 per 34-byte block
+    DI_TENSOR_KIND_Q4_K,    // 256 per 144-byte block
+    DI_TENSOR_KIND_Q2_K,    // 256 per 84-byte block
+    DI_TENSOR_KIND_IQ2_XXS, // 256 per 66-byte block
+    DI_TENSOR_KIND_MXFP4,   // 32 per 17-byte block
+    DI_TENSOR_KIND_COUNT
 } di_tensor_kind;
 
 typedef struct di_tensor {
@@ -43,3 +52,5 @@ di_tensor di_tensor_rows(const di_tensor *t, int64_t r0, int64_t n);
 // Bytes of data and scales the matrix occupies.
 size_t di_tensor_bytes(const di_tensor *t);
 const char *di_tensor_kind_name(di_tensor_kind k);
+// For the ggml block kinds: elements and bytes per block (true); false for the other kinds.
+bool di_tensor_kind_block(di_tensor_kind k, int64_t *elems, size_t *bytes);

@@ -77,6 +77,13 @@ static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, scale_rang
     case DI_TENSOR_KIND_FP4:
         t->nb1 = (size_t)n_in / 2, t->block_out = 1, t->block_in = 32;
         break;
+    default: { // ggml block kinds
+        int64_t be;
+        size_t bb;
+        di_tensor_kind_block(kind, &be, &bb);
+        t->nb1 = (size_t)(n_in / be) * bb;
+        break;
+    }
     }
     t->nb1 += 3; // rows are not packed: kernels must use nb1
     uint8_t *d = malloc(t->nb1 * (size_t)n_out);
@@ -107,6 +114,36 @@ static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, scale_rang
             case DI_TENSOR_KIND_FP4:
                 if (i % 2 == 0) row[i / 2] = (uint8_t)(rnd() & 0xFF);
                 break;
+            default:
+                break;
+            }
+        }
+        int64_t be;
+        size_t bb;
+        if (di_tensor_kind_block(kind, &be, &bb)) { // random codes, then sane block scales
+            for (size_t b = 0; b < t->nb1 - 3; b++) row[b] = (uint8_t)rnd();
+            for (int64_t b = 0; b < n_in / be; b++) {
+                uint8_t *blk = row + (size_t)b * bb;
+                uint16_t h[2] = {
+                    di_f32_to_f16(ldexpf(1.0f + rndf() * 0.5f, (int)(rnd() % 8) - 10)),
+                    di_f32_to_f16(ldexpf(1.0f + rndf() * 0.5f, (int)(rnd() % 8) - 10))};
+                switch (kind) {
+                case DI_TENSOR_KIND_Q8_0:
+                case DI_TENSOR_KIND_IQ2_XXS:
+                    memcpy(blk, h, 2);
+                    break;
+                case DI_TENSOR_KIND_Q4_K:
+                    memcpy(blk, h, 4);
+                    break;
+                case DI_TENSOR_KIND_Q2_K:
+                    memcpy(blk + 80, h, 4);
+                    break;
+                case DI_TENSOR_KIND_MXFP4:
+                    blk[0] = (uint8_t)(sr.lo + (int)(rnd() % (uint64_t)(sr.hi - sr.lo + 1)));
+                    break;
+                default:
+                    break;
+                }
             }
         }
     }
@@ -255,6 +292,57 @@ static void test_gemm_shapes(void) {
     }
 }
 
+// The ggml block kinds of GGUF files: rows are whole blocks (32 or 256 columns); shapes cross the
+// 1024-column segment, leave row and token remainders of the 4 x 3 tile, and have many tokens.
+static const di_tensor_kind k_ggml_kinds[] = {DI_TENSOR_KIND_Q8_0, DI_TENSOR_KIND_Q4_K,
+                                              DI_TENSOR_KIND_Q2_K, DI_TENSOR_KIND_IQ2_XXS,
+                                              DI_TENSOR_KIND_MXFP4};
+
+static void test_gemm_ggml(void) {
+    static const int64_t shapes[][2] = {{256, 1}, {512, 5}, {2560, 7}, {1280, 130}, {4096, 9}};
+    static const int64_t toks[] = {1, 2, 3, 4, 7, 13};
+    for (size_t k = 0; k < sizeof k_ggml_kinds / sizeof k_ggml_kinds[0]; k++) {
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            mat m = make_mat(k_ggml_kinds[k], shapes[s][0], shapes[s][1], k_normal);
+            for (size_t j = 0; j < sizeof toks / sizeof toks[0]; j++) {
+                char what[96];
+                snprintf(what, sizeof what, "%s %lldx%lld T=%lld",
+                         di_tensor_kind_name(k_ggml_kinds[k]), (long long)shapes[s][1],
+                         (long long)shapes[s][0], (long long)toks[j]);
+                gemm_case(&g_rc, &m.t, toks[j], what);
+            }
+            free_mat(&m);
+        }
+        // A row view (stacked experts are views of one 3-D tensor).
+        mat m = make_mat(k_ggml_kinds[k], 512, 40, k_normal);
+        di_tensor v = di_tensor_rows(&m.t, 11, 21);
+        gemm_case(&g_rc, &v, 2, "ggml view rows 11..32");
+        free_mat(&m);
+    }
+}
+
+// The AVX2 decoders of the block kinds are exact: every value equals the reference's bits.
+static void test_decode_ggml_exact(void) {
+    if (di_cpu_isa_supported() < DI_CPU_ISA_AVX2) return; // nothing to compare
+    const int64_t n = 2048;
+    float *ref = malloc(sizeof(float) * n), *got = di_aligned_alloc(sizeof(float) * n);
+    for (size_t k = 0; k < sizeof k_ggml_kinds / sizeof k_ggml_kinds[0]; k++) {
+        mat m = make_mat(k_ggml_kinds[k], n, 3, (scale_range){0, 255, false});
+        bool same = true;
+        for (int64_t r = 0; r < 3; r++) {
+            di_tensor_row_f32(&m.t, r, ref);
+            di_gemm_avx2_decode(&m.t, r, 1, 1024, n, got + 1024, n); // not the first segment
+            di_gemm_avx2_decode(&m.t, r, 1, 0, 1024, got, n);
+            same &= same_bits(ref, got, n);
+        }
+        if (!same) fprintf(stderr, "  %s: AVX2 decode differs\n", di_tensor_kind_name(m.t.kind));
+        CHECK(same);
+        free_mat(&m);
+    }
+    free(ref);
+    di_aligned_free(got);
+}
+
 // The widest row the model multiplies (the mHC mix over 4 x 4096 streams), many tokens.
 static void test_gemm_wide(void) {
     mat m = make_mat(DI_TENSOR_KIND_F32, MAX_ROW, 24, k_normal);
@@ -300,12 +388,15 @@ static void test_gemm_extremes(void) {
 
 // 1, 2 and 3 threads (rows split or, with few rows, tokens split) give the same bits.
 static void test_gemm_threads(void) {
-    static const int64_t shapes[][3] = {{1000, 70, 1}, {1000, 70, 9}, {512, 5, 11}};
+    static const int64_t shapes[][3] = {{1024, 70, 1}, {1024, 70, 9}, {512, 5, 11}};
+    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_FP8,  DI_TENSOR_KIND_Q8_0,
+                                           DI_TENSOR_KIND_Q4_K, DI_TENSOR_KIND_MXFP4,
+                                           DI_TENSOR_KIND_Q2_K, DI_TENSOR_KIND_IQ2_XXS};
     for (int isa = 0; isa <= (int)di_cpu_isa_supported(); isa++) {
-        for (size_t s = 0; s < 3; s++) {
-            mat m = make_mat(DI_TENSOR_KIND_FP8, shapes[s][0], shapes[s][1], k_normal);
-            int64_t T = shapes[s][2], n_out = shapes[s][1];
-            float *x = make_x(T, shapes[s][0]);
+        for (size_t s = 0; s < 3 * sizeof kinds / sizeof kinds[0]; s++) {
+            mat m = make_mat(kinds[s / 3], shapes[s % 3][0], shapes[s % 3][1], k_normal);
+            int64_t T = shapes[s % 3][2], n_out = shapes[s % 3][1];
+            float *x = make_x(T, shapes[s % 3][0]);
             float *y[3];
             for (int nt = 1; nt <= 3; nt++) {
                 di_pool *p = NULL;
@@ -314,7 +405,7 @@ static void test_gemm_threads(void) {
                 CHECK(di_cpu_init(&c, p, MAX_ROW) == DI_OK);
                 CHECK(di_cpu_set_isa(&c, (di_cpu_isa)isa));
                 y[nt - 1] = malloc(sizeof(float) * (size_t)(T * n_out));
-                di_cpu_matmul(&c, &m.t, x, T, shapes[s][0], y[nt - 1], n_out);
+                di_cpu_matmul(&c, &m.t, x, T, shapes[s % 3][0], y[nt - 1], n_out);
                 di_cpu_deinit(&c);
                 di_pool_destroy(p);
             }
@@ -353,6 +444,8 @@ int main(void) {
     g_rc = (run_cfg){&g_cpu, &g_ref};
     RUN(test_isa_switch);
     RUN(test_gemm_shapes);
+    RUN(test_gemm_ggml);
+    RUN(test_decode_ggml_exact);
     RUN(test_gemm_wide);
     RUN(test_gemm_views);
     RUN(test_gemm_extremes);

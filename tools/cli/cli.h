@@ -11,5 +11,6 @@ int di_cli_tokenize(int argc, char **argv);   // tools/cli/tokenize.c
 int di_cli_detokenize(int argc, char **argv); // tools/cli/tokenize.c
 int di_cli_render(int argc, char **argv);     // tools/cli/render.c
 int di_cli_synth(int argc, char **argv);
+int di_cli_convert(int argc, char **argv);
 int di_cli_bench(int argc, char **argv); // tools/cli/bench.c
 int di_cli_serve(int argc, char **argv); // tools/server/main.c

@@ -1,6 +1,8 @@
 /*
  * gemm — the optimised CPU matmul over every di_tensor kind (F32, F16, BF16, FP8 e4m3 + UE8M0
- * block scales, FP4 e2m1 + UE8M0 per-32 scales): the engine's one release path for linear layers.
+ * block scales, FP4 e2m1 + UE8M0 per-32 scales, and the ggml block formats of GGUF files: Q8_0,
+ * Q4_K, Q2_K, IQ2_XXS and MXFP4, each decoded in registers with the reference's arithmetic): the
+ * engine's one release path for linear layers.
  * cpu/ref_ops.c's di_ref_matmul stays the oracle it is tested against (tests/backend/test_ops.c).
  *
  * Instruction-set levels, chosen once per di_cpu at init by CPU features (di_cpu_isa_detect):
@@ -65,7 +67,7 @@ bool di_gemm_avx2_built(void);
 void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,
                          int64_t dst_stride);
 // True when di_gemm_avx2_gemv handles w: FP8 (block_in and n_in multiples of 16), FP4 (of 32),
-// BF16 (n_in a multiple of 8).
+// BF16 (n_in a multiple of 8), Q8_0, Q4_K, Q2_K, IQ2_XXS, MXFP4.
 bool di_gemm_avx2_gemv_ok(const di_tensor *w);
 // acc[i][j] (8 lanes each) += rows r0..r0+nr-1 of w (nr <= 4) times tokens xs[j] (nt <= 3) over
 // all columns, decoding in registers; the same bits as di_gemm_avx2_decode + di_gemm_avx2_tile.

@@ -164,6 +164,174 @@ static void decode_float(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, 
     }
 }
 
+// ---- ggml block formats ----
+
+// Columns [c0, c1) fall on whole blocks: c0 is 0 or a multiple of the 1024-column segment and c1
+// a segment end or the row end, and every block size (32, 256) divides 1024 and the row.
+static inline __m256 i8x8(const uint8_t *p) { // 8 int8 -> 8 floats
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return di_f16_to_f32(h);
+}
+
+static void decode_q8_0(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    for (int64_t c = c0; c < c1; c += 32) {
+        const uint8_t *blk = row + (size_t)(c / 32) * 34;
+        const __m256 d = _mm256_set1_ps(f16_at(blk));
+        for (int k = 0; k < 4; k++)
+            _mm256_store_ps(dst + (c - c0) + 8 * k, _mm256_mul_ps(i8x8(blk + 2 + 8 * k), d));
+    }
+}
+
+// 8 nibbles (low or high half of 8 bytes) -> 8 floats.
+static inline __m256 nib8(const uint8_t *p, bool high) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    v = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0xF));
+    return _mm256_cvtepi32_ps(v);
+}
+
+// Q4_K's sub-block scale and min as the reference computes them: d * sc and dmin * m in f32.
+static inline void q4k_sub(const uint8_t *blk, int j, float d, float dmin, __m256 *dv, __m256 *mv) {
+    uint8_t sc, m;
+    di_q4_k_scale_min(j, blk + 4, &sc, &m);
+    *dv = _mm256_set1_ps(d * (float)sc);
+    *mv = _mm256_set1_ps(dmin * (float)m);
+}
+
+static void decode_q4_k(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    for (int64_t c = c0; c < c1; c += 256) {
+        const uint8_t *blk = row + (size_t)(c / 256) * 144;
+        const float d = f16_at(blk), dmin = f16_at(blk + 2);
+        float *y = dst + (c - c0);
+        for (int j = 0; j < 8; j++) {
+            __m256 dv, mv;
+            q4k_sub(blk, j, d, dmin, &dv, &mv);
+            const uint8_t *q = blk + 16 + 32 * (j / 2);
+            for (int k = 0; k < 4; k++) // (d*sc)*q - dmin*m: a product, then a difference
+                _mm256_store_ps(y + 32 * j + 8 * k,
+                                _mm256_sub_ps(_mm256_mul_ps(dv, nib8(q + 8 * k, j & 1)), mv));
+        }
+    }
+}
+
+// MXFP4: ggml's doubled e2m1 values as int8 through a pshufb table, times 2^(e-128) (exact: small
+// integers times a power of two). Low nibbles are columns 0..15 of the block, high 16..31.
+static inline __m128i mxfp4_lut(void) {
+    return _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// The 32 values of one block as four vectors of 8 (unscaled).
+static inline void mxfp4x32(const uint8_t *qs, __m128i lut, __m256 q[4]) {
+    __m128i v = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, m4));
+    __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static void decode_mxfp4(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    const __m128i lut = mxfp4_lut();
+    for (int64_t c = c0; c < c1; c += 32) {
+        const uint8_t *blk = row + (size_t)(c / 32) * 17;
+        const __m256 d = _mm256_set1_ps(e8m0_half(blk[0]));
+        __m256 q[4];
+        mxfp4x32(blk + 1, lut, q);
+        for (int k = 0; k < 4; k++) _mm256_store_ps(dst + (c - c0) + 8 * k, _mm256_mul_ps(q[k], d));
+    }
+}
+
+// Q2_K: per 16 values (d * sc) * q - (dmin * m), q the 2-bit code at `shift` of 16 bytes.
+static inline __m256 q2x8(const uint8_t *q, int shift) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    v = _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(3));
+    return _mm256_cvtepi32_ps(v);
+}
+
+// Calls body(k, w8) for the 32 8-value chunks of one Q2_K block in column order.
+#define Q2K_BLOCK(blk, body)                                                                       \
+    do {                                                                                           \
+        const float d_ = f16_at((blk) + 80), dmin_ = f16_at((blk) + 82);                           \
+        int is_ = 0, k_ = 0;                                                                       \
+        for (int h_ = 0; h_ < 2; h_++)                                                             \
+            for (int sh_ = 0; sh_ < 8; sh_ += 2)                                                   \
+                for (int part_ = 0; part_ < 2; part_++) {                                          \
+                    const uint8_t sc_ = (blk)[is_++];                                              \
+                    const __m256 dl_ = _mm256_set1_ps(d_ * (float)(sc_ & 0xF));                    \
+                    const __m256 ml_ = _mm256_set1_ps(dmin_ * (float)(sc_ >> 4));                  \
+                    const uint8_t *q_ = (blk) + 16 + 32 * h_ + 16 * part_;                         \
+                    for (int c_ = 0; c_ < 2; c_++, k_++) {                                         \
+                        __m256 w8 =                                                                \
+                            _mm256_sub_ps(_mm256_mul_ps(dl_, q2x8(q_ + 8 * c_, sh_)), ml_);        \
+                        body(k_, w8);                                                              \
+                    }                                                                              \
+                }                                                                                  \
+    } while (0)
+
+static void decode_q2_k(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    for (int64_t c = c0; c < c1; c += 256) {
+        const uint8_t *blk = row + (size_t)(c / 256) * 84;
+        float *y = dst + (c - c0);
+#define STORE(k, w8) _mm256_store_ps(y + 8 * (k), w8)
+        Q2K_BLOCK(blk, STORE);
+#undef STORE
+    }
+}
+
+// IQ2_XXS: per 8 values ((d * (0.5 + s)) * 0.25) * grid, negated where the sign bit is set (a
+// sign-bit flip is exactly the reference's multiplication by -1).
+static inline __m256 iq2x8(uint8_t idx, uint8_t signs, __m256 db) {
+    const uint64_t g = di_iq2xxs_grid(idx);
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)g)));
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(signs), bit), bit);
+    return _mm256_xor_ps(_mm256_mul_ps(db, v),
+                         _mm256_and_ps(_mm256_castsi256_ps(neg), _mm256_set1_ps(-0.0f)));
+}
+
+#define IQ2XXS_BLOCK(blk, body)                                                                    \
+    do {                                                                                           \
+        const float d_ = f16_at(blk);                                                              \
+        for (int ib_ = 0; ib_ < 8; ib_++) {                                                        \
+            uint32_t aux_[2];                                                                      \
+            memcpy(aux_, (blk) + 2 + 8 * ib_, 8);                                                  \
+            const float t_ = d_ * (0.5f + (float)(aux_[1] >> 28));                                 \
+            const __m256 db_ = _mm256_set1_ps(t_ * 0.25f);                                         \
+            for (int l_ = 0; l_ < 4; l_++) {                                                       \
+                const uint8_t sg_ = di_iq2xs_signs((int)((aux_[1] >> (7 * l_)) & 127));            \
+                __m256 w8 = iq2x8((uint8_t)(aux_[0] >> (8 * l_)), sg_, db_);                       \
+                body(4 * ib_ + l_, w8);                                                            \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+static void decode_iq2_xxs(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    for (int64_t c = c0; c < c1; c += 256) {
+        const uint8_t *blk = row + (size_t)(c / 256) * 66;
+        float *y = dst + (c - c0);
+#define STORE(k, w8) _mm256_store_ps(y + 8 * (k), w8)
+        IQ2XXS_BLOCK(blk, STORE);
+#undef STORE
+    }
+}
+
 void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,
                          int64_t dst_stride) {
     const int64_t n = w->ne[0];
@@ -175,6 +343,21 @@ void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int
             break;
         case DI_TENSOR_KIND_FP4:
             decode_fp4(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_Q8_0:
+            decode_q8_0(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_Q4_K:
+            decode_q4_k(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_MXFP4:
+            decode_mxfp4(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_Q2_K:
+            decode_q2_k(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_IQ2_XXS:
+            decode_iq2_xxs(w, r0 + i, c0, c1, d);
             break;
         default:
             decode_float(w, r0 + i, c0, c1, d);
@@ -422,6 +605,137 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
         for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
 }
 
+static inline __attribute__((always_inline)) void gemv_q8_0(const di_tensor *w, int64_t r0, int NR,
+                                                            const float *const *xs, int NT,
+                                                            float acc[4][3][8]) {
+    const int64_t n = w->ne[0];
+    const uint8_t *rows[4];
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t c = 0; c < n; c += 32) {
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = rows[i] + (size_t)(c / 32) * 34;
+            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
+            const __m256 d = _mm256_set1_ps(f16_at(blk));
+            for (int k = 0; k < 4; k++) {
+                __m256 wv = _mm256_mul_ps(i8x8(blk + 2 + 8 * k), d);
+                for (int j = 0; j < NT; j++)
+                    a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+static inline __attribute__((always_inline)) void gemv_q4_k(const di_tensor *w, int64_t r0, int NR,
+                                                            const float *const *xs, int NT,
+                                                            float acc[4][3][8]) {
+    const int64_t n = w->ne[0];
+    const uint8_t *rows[4];
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    const __m256i m4 = _mm256_set1_epi32(0xF);
+    for (int64_t c = 0; c < n; c += 256) {
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = rows[i] + (size_t)(c / 256) * 144;
+            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PF_BYTES + 64, _MM_HINT_T0);
+            const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            for (int jp = 0; jp < 8; jp += 2) {
+                __m256 d0, m0, d1, m1;
+                q4k_sub(blk, jp, d, dmin, &d0, &m0);
+                q4k_sub(blk, jp + 1, d, dmin, &d1, &m1);
+                const uint8_t *q = blk + 16 + 16 * jp;
+                for (int k = 0; k < 4; k++) { // low nibbles: columns 32*jp + 8k
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
+                    __m256 wv = _mm256_sub_ps(
+                        _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_and_si256(v, m4))), m0);
+                    for (int j = 0; j < NT; j++)
+                        a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 32 * jp + 8 * k),
+                                                  a[i][j]);
+                }
+                for (int k = 0; k < 4; k++) { // high nibbles: columns 32*(jp+1) + 8k
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
+                    __m256 wv = _mm256_sub_ps(
+                        _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))), m1);
+                    for (int j = 0; j < NT; j++)
+                        a[i][j] = _mm256_fmadd_ps(
+                            wv, _mm256_loadu_ps(xs[j] + c + 32 * (jp + 1) + 8 * k), a[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w, int64_t r0, int NR,
+                                                             const float *const *xs, int NT,
+                                                             float acc[4][3][8]) {
+    const int64_t n = w->ne[0];
+    const uint8_t *rows[4];
+    const __m128i lut = mxfp4_lut();
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+    for (int64_t c = 0; c < n; c += 32) {
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = rows[i] + (size_t)(c / 32) * 17;
+            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
+            const __m256 d = _mm256_set1_ps(e8m0_half(blk[0]));
+            __m256 q[4];
+            mxfp4x32(blk + 1, lut, q);
+            for (int k = 0; k < 4; k++) {
+                __m256 wv = _mm256_mul_ps(q[k], d);
+                for (int j = 0; j < NT; j++)
+                    a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
+// Q2_K and IQ2_XXS: one 256-column block of a row at a time, decoded in registers chunk by chunk.
+#define GEMV_BLOCK256(NAME, BB, BLOCK_MACRO)                                                       \
+    static inline __attribute__((always_inline)) void NAME(const di_tensor *w, int64_t r0, int NR, \
+                                                           const float *const *xs, int NT,         \
+                                                           float acc[4][3][8]) {                   \
+        const int64_t n = w->ne[0];                                                                \
+        const uint8_t *rows[4];                                                                    \
+        __m256 a[4][3];                                                                            \
+        for (int i = 0; i < NR; i++) {                                                             \
+            rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;                        \
+            for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);                     \
+        }                                                                                          \
+        for (int64_t c = 0; c < n; c += 256) {                                                     \
+            for (int i = 0; i < NR; i++) {                                                         \
+                const uint8_t *blk = rows[i] + (size_t)(c / 256) * (BB);                           \
+                _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);                           \
+                _mm_prefetch((const char *)blk + PF_BYTES + 64, _MM_HINT_T0);                      \
+                BLOCK_MACRO(blk, FMA_BODY);                                                        \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < NR; i++)                                                               \
+            for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);                     \
+    }
+#define FMA_BODY(k, w8)                                                                            \
+    for (int j = 0; j < NT; j++)                                                                   \
+    a[i][j] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(xs[j] + c + 8 * (k)), a[i][j])
+GEMV_BLOCK256(gemv_q2_k, 84, Q2K_BLOCK)
+GEMV_BLOCK256(gemv_iq2_xxs, 66, IQ2XXS_BLOCK)
+#undef FMA_BODY
+#undef GEMV_BLOCK256
+
 bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
     const int64_t n = w->ne[0];
     switch (w->kind) {
@@ -431,6 +745,12 @@ bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
         return w->block_in % 32 == 0 && n % 32 == 0;
     case DI_TENSOR_KIND_BF16:
         return n % 8 == 0;
+    case DI_TENSOR_KIND_Q8_0: // rows are whole blocks by construction
+    case DI_TENSOR_KIND_Q4_K:
+    case DI_TENSOR_KIND_MXFP4:
+    case DI_TENSOR_KIND_Q2_K:
+    case DI_TENSOR_KIND_IQ2_XXS:
+        return true;
     default:
         return false;
     }
@@ -444,6 +764,16 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
             gemv_fp8(w, r0, R, xs, N, acc);                                                        \
         else if (w->kind == DI_TENSOR_KIND_FP4)                                                    \
             gemv_fp4(w, r0, R, xs, N, acc);                                                        \
+        else if (w->kind == DI_TENSOR_KIND_Q8_0)                                                   \
+            gemv_q8_0(w, r0, R, xs, N, acc);                                                       \
+        else if (w->kind == DI_TENSOR_KIND_Q4_K)                                                   \
+            gemv_q4_k(w, r0, R, xs, N, acc);                                                       \
+        else if (w->kind == DI_TENSOR_KIND_MXFP4)                                                  \
+            gemv_mxfp4(w, r0, R, xs, N, acc);                                                      \
+        else if (w->kind == DI_TENSOR_KIND_Q2_K)                                                   \
+            gemv_q2_k(w, r0, R, xs, N, acc);                                                       \
+        else if (w->kind == DI_TENSOR_KIND_IQ2_XXS)                                                \
+            gemv_iq2_xxs(w, r0, R, xs, N, acc);                                                    \
         else                                                                                       \
             gemv_bf16(w, r0, R, xs, N, acc);                                                       \
         return;
