@@ -300,6 +300,8 @@ di_status di_dsv4_gguf_hparams(const di_gguf_file *f, const char *what, di_hpara
         }
     }
     hp->fp8_block_out = hp->fp8_block_in = 128; // unused: GGUF carries no FP8
+    hp->gate_temp = 1.0f;                       // V4 routes on the raw logits
+    hp->candidate_layer = -1;                   // (V4.1 only)
     return di_hparams_check(what, hp);
 }
 

@@ -542,6 +542,8 @@ di_status di_hparams_check(const char *path, const di_hparams *hp) {
         bad = "rotary dims exceed index_head_dim";
     else if (hp->index_topk < 1 || hp->n_index_head < 1)
         bad = "index_topk and index_n_heads must be >= 1";
+    else if (!(hp->gate_temp > 0))
+        bad = "gate_temp must be > 0";
     if (bad) {
         DI_LOG_ERROR("%s: %s", path, bad);
         return DI_ERR_FORMAT;
