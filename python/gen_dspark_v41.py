@@ -268,6 +268,43 @@ def run(roff, args, allst: dict, ids: torch.Tensor, mode: str) -> dict:
     return out
 
 
+def crosscheck(roff, name: str) -> dict:
+    """R-OFF in FP32 mode (fp32_kernels must be active) on a V4.1 fixture's official checkpoint vs that
+    fixture's R-HF reference: max |d| / max |ref| of every block's output streams and attention output,
+    and the last-position logits."""
+    d = os.path.join(FIX, name)
+    with open(os.path.join(d, "official", "config.json")) as f:
+        cfg = json.load(f)
+    stored, _ = dump.read_safetensors(os.path.join(d, "official", "model.safetensors"))
+    ref, _ = dump.read_safetensors(os.path.join(d, "ref.safetensors"))
+    ids = ref["input_ids"][1].long()
+    args = model_args(roff, cfg)
+    args.n_mtp_layers, args.dspark_block_size, args.compress_ratios = 0, 0, tuple(cfg["compress_ratios"])
+    args.max_seq_len = max(128, 2 * ids.numel())
+    with roff.set_dtype(torch.float32):
+        model = roff.Transformer(args, StubTokenizer(args.vocab_size)).eval()
+    unused = load_(model, stored)
+    assert all(k.endswith("ffn.gate.bias_vl") for k in unused), unused
+    for p in model.parameters():
+        if p.dtype == torch.bfloat16:
+            p.data = p.data.float()
+    outs, hooks = {}, []
+    for i, layer in enumerate(model.layers):
+        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(f"layer_out.{i}", o[0][0])))
+        hooks.append(layer.attn.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(f"attn_out.{i}", o[0])))
+    with roff.set_dtype(torch.float32):
+        _, logits, _ = model(ids.view(1, -1), 0)
+    for h in hooks:
+        h.remove()
+    outs["logits_last"] = logits[0]
+    ref_t = {k: ref[k][1] for k in outs if k in ref}
+    ref_t["logits_last"] = ref["logits"][1][-1]
+    rel = {k: float((outs[k].float() - r).abs().max() / r.abs().max()) for k, r in ref_t.items()}
+    worst = max(rel.values())
+    print(f"R-OFF fp32 vs R-HF on {name}: worst relative difference {worst:.3e} over {len(rel)} tensors")
+    return {"worst_rel": worst, "per_tensor_rel": rel}
+
+
 def main() -> int:
     torch.set_num_threads(2)
     from deepseek_v41 import model as roff
@@ -301,6 +338,7 @@ def main() -> int:
     fp32_kernels(roff)
     try:
         res["fp32"] = run(roff, args, allst, ids, "fp32")
+        cross = {n: crosscheck(roff, n) for n in ("v41_tiny", "v41_long")}
     finally:
         for k, v in kernels.items():
             setattr(roff, k, v)
@@ -366,6 +404,7 @@ def main() -> int:
         "config": cfg,
         "r_off_vs_r_hf_last_prefill_logits": cmp,
         "fp32_draft_argmax_margin_min": margin,
+        "r_off_fp32_vs_r_hf_fixtures": cross,
         "ref_tensors": {k: [str(t.dtype).replace("torch.", ""), list(t.shape)] for k, t in sorted(ref.items())},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
     }

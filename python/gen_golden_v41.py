@@ -60,7 +60,7 @@ FIXTURES = {
         "(m=2 KV source); m=1 candidate source 3; layer 5 reindexes inside the candidate pool",
     ),
     "v41_long": dict(
-        preset="long", seed=2, data_seed=2000, T=160, chunks=[31, 6, 1, 1, 17, 64, 40], quant_significant=1e-4,
+        preset="long", seed=2, data_seed=2000, T=160, chunks=[31, 6, 1, 1, 17, 64, 40], quant_abs=3e-8,
         what="T=160, window 16: 80 m=2 groups and 160 m=1 entries; index_topk 16 < visible entries for "
         "most queries; 4 candidate blocks of 8 (level 2 restricts layer 6); reindex layer 3 (m=2, no "
         "own keys); Engram on the two KV sources",
@@ -120,6 +120,7 @@ def make_fixture(name: str, spec: dict, out_root: str, log) -> dict:
     model = v41.build(cfg, spec["seed"])
 
     v41.QUANT_SIGNIFICANT = spec.get("quant_significant", 0.0)
+    v41.QUANT_ABS = spec.get("quant_abs", 1e-7)
     rejected = {"gaps": 0, "stream": 0}
     for k in range(MAX_DATA_TRIES):
         ids = v41.random_ids(T, cfg.vocab_size, spec["data_seed"] + k)
@@ -207,7 +208,8 @@ def make_fixture(name: str, spec: dict, out_root: str, log) -> dict:
         "T": T,
         "reference": "R-HF: transformers DeepseekV41ForCausalLM, FP32, CPU, eager attention, eager experts, "
         "use_cache=False for the one-shot run",
-        "engram_stub": {"cmap": "id div 2 (ref.safetensors engram_cmap)", "pad_id_compressed": int(v41.cmap(cfg)[cfg.engram_pad_id])},
+        "engram_stub": {"cmap": "id div 2 (ref.safetensors engram_cmap)",
+                        "pad_id_compressed": int(v41.cmap(cfg)[cfg.engram_pad_id])},
         "config": {k_: v for k_, v in cfg.to_dict().items() if k_ not in ("transformers_version",)},
         "hash_tables": {
             "primes": model.model.engram_hash_state.primes.tolist(),

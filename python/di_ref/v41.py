@@ -70,7 +70,7 @@ LONG = dict(
     index_n_heads=4, index_head_dim=32, index_topk=16,
     num_attention_heads=2, o_groups=1, o_lora_rank=64, q_lora_rank=64,
     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-    engram_layer_ids=[1, 4], engram_num_embeddings=[660, 864],
+    engram_layer_ids=[1, 4], engram_num_embeddings=[660, 864], engram_compressed_vocab_size=128,
     initializer_range=0.08,
 )
 
@@ -83,7 +83,7 @@ UNSEEN = dict(
     index_n_heads=8, index_topk=12, sliding_window=8,
     num_attention_heads=3, o_groups=3, o_lora_rank=32, num_experts_per_tok=3, n_routed_experts=6,
     routed_scaling_factor=2.5, gate_temp=1.3, swiglu_limit=0.5,
-    engram_layer_ids=[0, 2], engram_num_embeddings=[660, 864],
+    engram_layer_ids=[0, 2], engram_num_embeddings=[660, 864], engram_compressed_vocab_size=192,
 )
 
 PRESETS = {"tiny": TINY, "long": LONG, "unseen": UNSEEN}
@@ -104,6 +104,9 @@ def make_config(preset: str, **override) -> DeepseekV41TextConfig:
         assert cfg.layer_types == EXPECT_LAYER_TYPES[preset], cfg.layer_types
     assert cfg.compress_ratios == kw["compress_ratios"], cfg.compress_ratios
     assert cfg.rope_parameters["compress"]["attention_factor"] == 1.0
+    # The stub map id div 2 has vocab_size / 2 distinct ids; R-OFF asserts that this equals
+    # engram_compressed_vocab_size (the hash multipliers derive from it), R-HF does not check.
+    assert cfg.engram_compressed_vocab_size == (cfg.vocab_size + 1) // 2, cfg.engram_compressed_vocab_size
     return cfg
 
 
@@ -330,10 +333,10 @@ def load_native_(model, native: dict) -> None:
             if f"layers.{i}.{b}" in native:
                 sd[pre + a] = native[f"layers.{i}.{b}"]
         E = model.config.n_routed_experts
+        ex = f"layers.{i}.ffn.experts."
         sd[pre + "mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([native[f"layers.{i}.ffn.experts.{e}.w1.weight"], native[f"layers.{i}.ffn.experts.{e}.w3.weight"]])
-             for e in range(E)])
-        sd[pre + "mlp.experts.down_proj"] = torch.stack([native[f"layers.{i}.ffn.experts.{e}.w2.weight"] for e in range(E)])
+            [torch.cat([native[f"{ex}{e}.w1.weight"], native[f"{ex}{e}.w3.weight"]]) for e in range(E)])
+        sd[pre + "mlp.experts.down_proj"] = torch.stack([native[f"{ex}{e}.w2.weight"] for e in range(E)])
         if f"layers.{i}.engram.embed.weight" in native:
             sd[f"model.engram_tables.{i}.weight"] = native[f"layers.{i}.engram.embed.weight"]
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
@@ -425,7 +428,8 @@ def official_config_json(cfg) -> dict:
         "rope_head_dim": int(c.head_dim * rp["partial_rotary_factor"]), "norm_eps": c.rms_norm_eps,
         "o_groups": c.o_groups, "o_lora_rank": c.o_lora_rank, "window_size": c.sliding_window,
         "kv_source_layers": list(c.kv_source_layer_ids), "index_source_layers": list(c.index_source_layer_ids),
-        "original_seq_len": rp["original_max_position_embeddings"], "rope_theta": c.rope_parameters["main"]["rope_theta"],
+        "original_seq_len": rp["original_max_position_embeddings"],
+        "rope_theta": c.rope_parameters["main"]["rope_theta"],
         "rope_factor": rp["factor"], "beta_fast": rp["beta_fast"], "beta_slow": rp["beta_slow"],
         "index_n_heads": c.index_n_heads, "index_head_dim": c.index_head_dim, "index_topk": c.index_topk,
         "candidate_source_layer": c.candidate_source_layer_id, "candidate_topk_blocks": c.candidate_topk_blocks,
