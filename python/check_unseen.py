@@ -213,6 +213,7 @@ def main_v41(argv) -> int:
         v41.write_official(ckpt, cfg, native)
     else:
         v41.write_hf(ckpt, cfg, native)
+    v41.write_token_map(ckpt, cfg)  # the stub map the reference ran with (R-HF binds it in memory)
     x_npy = os.path.join(work, "logits.npy")
     cmd = shlex.split(a.deepinfer) + ["logits", "--model", ckpt, "--tokens", ",".join(str(int(i)) for i in ids),
                                       "--out", x_npy]

@@ -459,6 +459,16 @@ def write_official(directory: str, cfg, native: dict) -> dict:
     return stored
 
 
+def write_token_map(directory: str, cfg) -> None:
+    """engram/token_map.safetensors: the compressed-token map the C engine reads beside a V4.1
+    checkpoint (tensor "token_map", I32 [vocab]); here the stub map of cmap()."""
+    if not cfg.engram_layer_ids:
+        return
+    os.makedirs(os.path.join(directory, "engram"), exist_ok=True)
+    dump.write_safetensors(os.path.join(directory, "engram", "token_map.safetensors"),
+                           {"token_map": cmap(cfg).to(torch.int32)}, metadata={"format": "pt"})
+
+
 def load_dir(directory: str):
     """Rebuild an R-HF model from a written hf/ directory (composite config + native names)."""
     with open(os.path.join(directory, "config.json")) as f:
