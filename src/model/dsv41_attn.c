@@ -281,12 +281,15 @@ static void idx_task(void *p, int ith, int nth) {
             for (int64_t w = 0; w < vis; w++)
                 if (blk[w / bs] == 0) sc[w] = -INFINITY;
         }
-        // Top-k over the visible entries (R-OFF keeps a -inf pick; see docs/architecture.md).
-        int32_t k = (int32_t)(vis < topk ? vis : topk);
+        // Top-k over the visible entries. A pick whose score is -inf (outside the level-2
+        // candidate pool, when the pool holds fewer than k visible entries) is dropped, as R-HF
+        // does (its -1 = never attended); R-OFF would keep it. R-HF is the reference.
+        int32_t k = (int32_t)(vis < topk ? vis : topk), n = 0;
         di_dsv4_topk(sc, vis, k, order);
-        memcpy(st->topk + t * topk, order, sizeof(int32_t) * (size_t)k);
-        for (int32_t i = k; i < topk; i++) st->topk[t * topk + i] = -1; // as R-HF's dump pads
-        st->n_topk[t] = k;
+        for (int32_t i = 0; i < k; i++)
+            if (sc[order[i]] > -INFINITY) st->topk[t * topk + n++] = order[i];
+        for (int32_t i = n; i < topk; i++) st->topk[t * topk + i] = -1; // as R-HF's dump pads
+        st->n_topk[t] = n;
     }
 }
 

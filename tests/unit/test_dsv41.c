@@ -593,6 +593,79 @@ static void check_rounding_points(const char *dir) {
     }
 }
 
+// Level-2 top-k with a candidate pool smaller than index_topk (UNSEEN-style configs: (candidate
+// blocks - 1) * block size + 1 < index_topk). R-HF drops the picks whose score is -inf (outside
+// the pool): every pick lies in the pool, the rest is -1. With one candidate block the pool is the
+// block of the newest visible entry. (The engine kept min(vis, topk) picks, -inf ones included.)
+typedef struct topk_capture {
+    int il;
+    int32_t *rows; // [T, topk]
+    int64_t n_rows, row_len;
+} topk_capture;
+
+static void on_topk(void *user, const char *name, int il, const void *data, bool is_int,
+                    int64_t n_rows, int64_t row_len) {
+    topk_capture *c = user;
+    if (!is_int || strcmp(name, "topk") != 0 || il != c->il) return;
+    c->rows = malloc(sizeof(int32_t) * (size_t)(n_rows * row_len));
+    memcpy(c->rows, data, sizeof(int32_t) * (size_t)(n_rows * row_len));
+    c->n_rows = n_rows, c->row_len = row_len;
+}
+
+static void check_small_candidate_pool(const char *dir) {
+    di_model *m = load(dir, DI_PRECISION_FP32);
+    CHECK(m != NULL);
+    if (!m) return;
+    di_hparams *hp = &m->hp;
+    int il = -1, src = -1;
+    for (int l = hp->n_layer - 1; l > hp->candidate_layer && il < 0; l--)
+        if (hp->index_source[l]) il = l;
+    CHECK(hp->candidate_layer >= 0 && il > hp->candidate_layer);
+    for (int l = il; l >= 0 && src < 0; l--)
+        if (hp->kv_source[l]) src = l;
+    CHECK(src >= 0 && hp->compress_ratio[src] > 0);
+    if (il < 0 || src < 0 || hp->compress_ratio[src] <= 0) {
+        di_model_destroy(m);
+        return;
+    }
+    hp->candidate_topk_blocks = 1; // pool = the newest block: at most block_size < index_topk
+    const int32_t bs = hp->candidate_block_size, K = hp->index_topk, r = hp->compress_ratio[src];
+    CHECK(bs < K);
+    enum { T = 40 };
+    int32_t ids[T];
+    make_ids(ids, T, 33);
+    float *lg = malloc(sizeof(float) * T * (size_t)hp->n_vocab);
+    di_session_options so = di_session_options_default();
+    di_session *s = NULL;
+    CHECK(di_session_create(m, &so, &s) == DI_OK);
+    topk_capture tc = {.il = il};
+    s->trace = on_topk, s->trace_user = &tc;
+    di_forward_out fo = {.logits = lg};
+    CHECK(di_session_forward(s, ids, T, &fo) == DI_OK);
+    CHECK(tc.rows != NULL && tc.n_rows == T && tc.row_len == K);
+    int64_t bad = 0, short_rows = 0;
+    for (int64_t t = 0; tc.rows && t < T; t++) {
+        int64_t vis = (t + 1) / r;
+        if (vis == 0) continue;
+        int64_t lo = (vis - 1) / bs * bs, want = vis - lo; // entries of the newest block
+        int64_t n = 0;
+        for (int64_t i = 0; i < K; i++) {
+            int32_t e = tc.rows[t * K + i];
+            if (e < 0) continue;
+            n++;
+            bad += e < lo || e >= vis;
+        }
+        bad += n != (want < K ? want : K);
+        short_rows += vis > want;
+    }
+    CHECK_EQ(bad, 0);
+    CHECK(short_rows > 0); // the pool really was smaller than the visible entries
+    free(tc.rows);
+    free(lg);
+    di_session_destroy(s);
+    di_model_destroy(m);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_dsv41_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -614,6 +687,7 @@ int main(void) {
     check_runtime_names(hf, false);
     check_runtime_names(hf, true);
     check_rounding_points(off);
+    check_small_candidate_pool(hf);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
