@@ -128,6 +128,9 @@ static di_tensor dev_weight(di_tensor_kind kind, int64_t n_in, int64_t n_out) {
     case DI_TENSOR_KIND_FP4:
         t.nb1 = (size_t)n_in / 2, t.block_out = 1, t.block_in = 32;
         break;
+    default: // GGUF block kinds: CPU-only
+        fprintf(stderr, "bench_cuda: %s is not a GPU kind\n", di_tensor_kind_name(kind));
+        exit(2);
     }
     void *d = dmalloc(t.nb1 * (size_t)n_out);
     const float a = 1.0f / sqrtf((float)n_in);

@@ -293,8 +293,9 @@ extern "C" bool di_cuda_supports_op(const di_cuda *cu, di_cuda_op op, const di_t
         case DI_TENSOR_KIND_FP4:
             // Packed pairs: an even row length (tensor/quant_ref.h).
             return w->block_in > 0 && w->block_out > 0 && w->ne[0] % 2 == 0;
+        default: // the GGUF block kinds (Q8_0, Q4_K, ...): not on the GPU yet, the CPU runs them
+            return false;
         }
-        return false;
     }
     return true;
 }

@@ -53,6 +53,9 @@ static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, bool padde
     case DI_TENSOR_KIND_FP4:
         t->nb1 = (size_t)n_in / 2, t->block_out = 1, t->block_in = 32;
         break;
+    default: // the GGUF block kinds are CPU-only (di_cuda_supports_op says no)
+        fprintf(stderr, "make_mat: %s is not a GPU kind\n", di_tensor_kind_name(kind));
+        abort();
     }
     if (padded) t->nb1 += 3;
     uint8_t *d = calloc(t->nb1 * (size_t)n_out + 16, 1);
@@ -82,6 +85,8 @@ static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, bool padde
             }
             case DI_TENSOR_KIND_FP4:
                 if (i % 2 == 0) row[i / 2] = (uint8_t)(rnd() & 0xFF);
+                break;
+            default: // refused above
                 break;
             }
         }
