@@ -17,7 +17,8 @@ Exit codes: 0 pass, 1 mismatch, 2 the engine failed or is missing, 3 bad argumen
 
 DeepSeek-V4.1 (`--arch v41`, R-HF V4.1 installed by install_v41_reference.py):
 
-    python/.venv/bin/python python/check_unseen.py --arch v41 --seed 5 [--variant unseen] [--official]
+    python/.venv/bin/python python/check_unseen.py --arch v41 --seed 5 [--variant unseen] \
+        [--official | --save-pretrained]
 
 builds a V4.1 checkpoint from a preset of di_ref/v41.py (default `unseen`, not a fixture config) and
 the seed, picks tie-free input ids (indexer, candidate-block and router gaps), writes it as the V4.1
@@ -183,10 +184,15 @@ def main_v41(argv) -> int:
     ap.add_argument("--T", type=int, default=48, help="tokens (default 48)")
     ap.add_argument("--deepinfer", default=os.path.join(REPO, "build", "deepinfer"))
     ap.add_argument("--official", action="store_true", help="write the official FP8/FP4 layout instead")
+    ap.add_argument("--save-pretrained", action="store_true",
+                    help="write the checkpoint with transformers' save_pretrained (its own tensor names)")
     ap.add_argument("--keep", help="keep the checkpoint and outputs in this directory")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.official and a.save_pretrained:
+        print("--official and --save-pretrained are two different layouts; pick one", file=sys.stderr)
+        return 3
     if any(f["preset"] == a.variant and f["seed"] == a.seed for f in gen_golden_v41.FIXTURES.values()):
         print(f"seed {a.seed} with variant {a.variant} is a committed fixture; pick another", file=sys.stderr)
         return 3
@@ -211,6 +217,8 @@ def main_v41(argv) -> int:
     native = v41.native_state_dict(model)
     if a.official:
         v41.write_official(ckpt, cfg, native)
+    elif a.save_pretrained:
+        model.save_pretrained(ckpt)
     else:
         v41.write_hf(ckpt, cfg, native)
     v41.write_token_map(ckpt, cfg)  # the stub map the reference ran with (R-HF binds it in memory)
@@ -218,7 +226,8 @@ def main_v41(argv) -> int:
     cmd = shlex.split(a.deepinfer) + ["logits", "--model", ckpt, "--tokens", ",".join(str(int(i)) for i in ids),
                                       "--out", x_npy]
     print(f"V4.1 variant {a.variant}, seed {a.seed}, T {a.T}, ratios {cfg.compress_ratios}, "
-          f"{'official FP8/FP4' if a.official else 'hf (native names, bf16)'} checkpoint in {ckpt}")
+          f"{'official FP8/FP4' if a.official else 'save_pretrained' if a.save_pretrained else 'hf (native names, bf16)'}"
+          f" checkpoint in {ckpt}")
     print("running:", " ".join(shlex.quote(c) for c in cmd[:6]), "...")
     env = dict(os.environ)
     env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")
