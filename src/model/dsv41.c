@@ -12,8 +12,46 @@
 #include "base/mem.h"
 #include "io/safetensors.h"
 #include "tensor/quant_ref.h"
+#include "tok/engram_map.h"
 
 // ---- model extras ----
+
+// Without engram/token_map.safetensors the map is built from the model directory's
+// tokenizer.json, as transformers' build_compressed_token_map does (src/tok/engram_map.h); its
+// compressed size must be the config's. With neither file the model loads (info works) and
+// sessions are refused.
+static di_status cmap_from_tokenizer(di_dsv41_model *v, const di_hparams *hp, const char *dir,
+                                     const char *map_path) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    if (access(path, F_OK) != 0) {
+        DI_LOG_WARN("%s is missing and so is %s: the Engram layers need the compressed token map "
+                    "(tensor \"token_map\", one compressed id per token id, made from the "
+                    "tokenizer); this model cannot run until one of them exists",
+                    map_path, path);
+        return DI_OK;
+    }
+    di_tokenizer *tok = NULL;
+    di_status st = di_tokenizer_load(path, &tok);
+    if (st != DI_OK) return st;
+    int32_t *map = NULL, n_map = 0, n_keys = 0;
+    st = di_engram_map_build(tok, &map, &n_map, &n_keys);
+    di_tokenizer_destroy(tok);
+    if (st != DI_OK) return st;
+    if (n_keys != hp->engram_cvocab || n_map < hp->n_vocab) {
+        DI_LOG_ERROR("%s: the Engram compressed token map made from it has %d compressed ids for "
+                     "%d token ids, but the config says engram_compressed_vocab_size = %lld and "
+                     "vocab_size = %d; not this model's tokenizer (or give the map as %s)",
+                     path, n_keys, n_map, (long long)hp->engram_cvocab, hp->n_vocab, map_path);
+        di_free(map);
+        return DI_ERR_FORMAT;
+    }
+    v->cmap = map;
+    v->n_cmap = n_map;
+    v->pad_c = v->cmap[hp->engram_pad_id];
+    DI_LOG_INFO("engram: compressed token map built from %s (%d ids -> %d)", path, n_map, n_keys);
+    return DI_OK;
+}
 
 di_status di_dsv41_model_init(di_model *m, const char *dir) {
     const di_hparams *hp = &m->hp;
@@ -26,14 +64,7 @@ di_status di_dsv41_model_init(di_model *m, const char *dir) {
     char path[4096];
     snprintf(path, sizeof path, "%s/engram/token_map.safetensors", dir);
     di_st_file *f = NULL;
-    if (access(path, F_OK) != 0) {
-        // The model loads (info works); sessions are refused until the map exists.
-        DI_LOG_WARN("%s is missing: the Engram layers need the compressed token map (tensor "
-                    "\"token_map\", one compressed id per token id, made from the tokenizer); "
-                    "this model cannot run until it exists",
-                    path);
-        return DI_OK;
-    }
+    if (access(path, F_OK) != 0) return cmap_from_tokenizer(v, hp, dir, path);
     if ((st = di_st_file_open(path, &f)) != DI_OK) return st;
     const di_st_tensor *t = di_st_file_find(f, "token_map");
     if (!t || (t->dtype != DI_DTYPE_I32 && t->dtype != DI_DTYPE_I64) ||

@@ -22,8 +22,9 @@ di_status di_dsv41_state_create(di_session *s) {
     const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     if (hp->n_engram > 0 && !m->v41->cmap) {
-        DI_LOG_ERROR("session: the checkpoint's Engram layers need engram/token_map.safetensors "
-                     "(the compressed token map) in the model directory");
+        DI_LOG_ERROR("session: the checkpoint's Engram layers need the compressed token map: "
+                     "tokenizer.json (the map is built from it) or engram/token_map.safetensors "
+                     "in the model directory");
         return DI_ERR_INVALID;
     }
     di_dsv41_state *st = di_calloc(1, sizeof *st);

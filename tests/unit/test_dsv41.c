@@ -6,12 +6,16 @@
 #include "harness.h"
 
 #include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/mem.h"
 #include "io/safetensors.h"
 #include "model/dsv41.h"
 #include "model/synth.h"
+#include "tok/engram_map.h"
+#include "tok/tokenizer.h"
 #include "tensor/quant_ref.h"
 
 // Same kernels on the same rows: only the attention's key source (ring vs this call's rows) and
@@ -349,6 +353,78 @@ static void check_refusals(const char *off, const char *hf) {
     CHECK(e == NULL);
 }
 
+// ---- the compressed token map made from tokenizer.json (no engram/token_map.safetensors) ----
+
+// Copies hf's config.json (compressed size replaced by cvocab when > 0), model.safetensors and
+// the committed V4 tokenizer.json into g_root/tag, then loads it.
+static di_status load_with_tokenizer(const char *hf, const char *tag, int32_t cvocab,
+                                     di_model **m) {
+    char dir[512], path[1024], to[1024];
+    snprintf(dir, sizeof dir, "%s/%s", g_root, tag);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/model.safetensors", hf);
+    snprintf(to, sizeof to, "%s/model.safetensors", dir);
+    copy_file(path, to);
+    snprintf(to, sizeof to, "%s/tokenizer.json", dir);
+    copy_file(test_src_path(DI_TOKENIZER_DEFAULT_REL, path, sizeof path), to);
+    snprintf(path, sizeof path, "%s/config.json", hf);
+    FILE *f = fopen(path, "rb");
+    static char cfg[1 << 16], out[1 << 16];
+    size_t n = f ? fread(cfg, 1, sizeof cfg - 1, f) : 0;
+    if (f) fclose(f);
+    cfg[n] = 0;
+    const char *key = "\"engram_compressed_vocab_size\": 256";
+    char *at = strstr(cfg, key);
+    CHECK(at != NULL);
+    if (at && cvocab > 0) {
+        snprintf(out, sizeof out, "%.*s\"engram_compressed_vocab_size\": %d%s", (int)(at - cfg),
+                 cfg, cvocab, at + strlen(key));
+    } else {
+        memcpy(out, cfg, n + 1);
+    }
+    snprintf(to, sizeof to, "%s/config.json", dir);
+    f = fopen(to, "wb");
+    if (f) {
+        fputs(out, f);
+        fclose(f);
+    }
+    di_model_options o = di_model_options_default();
+    o.n_threads = 1;
+    return di_model_load(dir, &o, m);
+}
+
+static void check_map_from_tokenizer(const char *hf) {
+    // The synthetic config's compressed size (256) is not the tokenizer's: refused, clearly.
+    di_model *m = NULL;
+    CHECK_EQ(load_with_tokenizer(hf, "tok_wrong", 0, &m), DI_ERR_FORMAT);
+    CHECK(m == NULL);
+    di_model_destroy(m);
+    // With the tokenizer's size the map is built at load and sessions run.
+    di_tokenizer *tok = NULL;
+    int32_t *want = NULL, n_want = 0, n_keys = 0;
+    CHECK(di_tokenizer_load_for_model(NULL, &tok) == DI_OK);
+    CHECK(tok && di_engram_map_build(tok, &want, &n_want, &n_keys) == DI_OK);
+    di_tokenizer_destroy(tok);
+    CHECK_EQ(load_with_tokenizer(hf, "tok_ok", n_keys, &m), DI_OK);
+    if (m && want) {
+        CHECK(m->v41->cmap != NULL);
+        CHECK_EQ(m->v41->n_cmap, n_want);
+        if (m->v41->cmap) CHECK(memcmp(m->v41->cmap, want, sizeof(int32_t) * (size_t)n_want) == 0);
+        di_session *s = NULL;
+        CHECK_EQ(di_session_create(m, NULL, &s), DI_OK);
+        if (s) {
+            int32_t ids[4] = {3, 17, 200, 5};
+            float *lg = malloc(sizeof(float) * 512);
+            di_forward_out fo = {.logits = lg, .last_only = true};
+            CHECK_EQ(di_session_forward(s, ids, 4, &fo), DI_OK);
+            free(lg);
+        }
+        di_session_destroy(s);
+    }
+    di_model_destroy(m);
+    di_free(want);
+}
+
 // ---- R-HF runtime names (spec §6.4) ----
 
 static const char *const k_rename[][2] = {
@@ -684,6 +760,7 @@ int main(void) {
     check_save_restore(off);
     check_dspark(off);
     check_refusals(off, hf);
+    check_map_from_tokenizer(hf);
     check_runtime_names(hf, false);
     check_runtime_names(hf, true);
     check_rounding_points(off);
