@@ -255,12 +255,44 @@ typedef struct hc_ctx {
     bool head;
 } hc_ctx;
 
+void di_dsv4_hc_coeffs(const float *mix, const float *base, const float *scale, int nc, int iters,
+                       float eps, float *pre, float *post, float *comb) {
+    for (int s = 0; s < nc; s++) pre[s] = di_sigmoid(mix[s] * scale[0] + base[s]) + eps;
+    if (!post) return;
+    float *C = comb;
+    for (int s = 0; s < nc; s++) post[s] = 2.0f * di_sigmoid(mix[nc + s] * scale[1] + base[nc + s]);
+    for (int j = 0; j < nc; j++)
+        for (int k = 0; k < nc; k++)
+            C[j * nc + k] = mix[2 * nc + j * nc + k] * scale[2] + base[2 * nc + j * nc + k];
+    // Sinkhorn: row softmax + eps, column normalisation, then (iters - 1) x (rows, columns).
+    for (int j = 0; j < nc; j++) {
+        float mx = C[j * nc];
+        for (int k = 1; k < nc; k++) mx = fmaxf(mx, C[j * nc + k]);
+        float sum = 0;
+        for (int k = 0; k < nc; k++) sum += (C[j * nc + k] = expf(C[j * nc + k] - mx));
+        for (int k = 0; k < nc; k++) C[j * nc + k] = C[j * nc + k] / sum + eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+            for (int j = 0; j < nc; j++) {
+                float sum = 0;
+                for (int k = 0; k < nc; k++) sum += C[j * nc + k];
+                for (int k = 0; k < nc; k++) C[j * nc + k] /= sum + eps;
+            }
+        }
+        for (int k = 0; k < nc; k++) {
+            float sum = 0;
+            for (int j = 0; j < nc; j++) sum += C[j * nc + k];
+            for (int j = 0; j < nc; j++) C[j * nc + k] /= sum + eps;
+        }
+    }
+}
+
 static void hc_pre_task(void *p, int ith, int nth) {
     hc_ctx *c = p;
     const di_hparams *hp = &c->m->hp;
     const int nc = hp->hc_mult, D = hp->n_embd;
     const int n_mix = c->head ? nc : (2 + nc) * nc;
-    const float eps = hp->hc_eps;
     int64_t lo, hi;
     di_split_range(c->n_tok, ith, nth, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
@@ -269,40 +301,10 @@ static void hc_pre_task(void *p, int ith, int nth) {
             1.0f / sqrtf(di_ref_dot(xf, xf, (int64_t)nc * D) / (float)(nc * D) + hp->norm_eps);
         float mix[16 * 18];
         for (int i = 0; i < n_mix; i++) mix[i] = c->mix[t * n_mix + i] * r;
-        const float *base = c->hc->base, *scale = c->hc->scale;
         float pre[16];
-        for (int s = 0; s < nc; s++) pre[s] = di_sigmoid(mix[s] * scale[0] + base[s]) + eps;
-        if (!c->head) {
-            float *post = c->post + t * nc, *C = c->comb + t * nc * nc;
-            for (int s = 0; s < nc; s++)
-                post[s] = 2.0f * di_sigmoid(mix[nc + s] * scale[1] + base[nc + s]);
-            for (int j = 0; j < nc; j++)
-                for (int k = 0; k < nc; k++)
-                    C[j * nc + k] = mix[2 * nc + j * nc + k] * scale[2] + base[2 * nc + j * nc + k];
-            // Sinkhorn: row softmax + eps, column normalisation, then (iters - 1) x (rows,
-            // columns).
-            for (int j = 0; j < nc; j++) {
-                float mx = C[j * nc];
-                for (int k = 1; k < nc; k++) mx = fmaxf(mx, C[j * nc + k]);
-                float sum = 0;
-                for (int k = 0; k < nc; k++) sum += (C[j * nc + k] = expf(C[j * nc + k] - mx));
-                for (int k = 0; k < nc; k++) C[j * nc + k] = C[j * nc + k] / sum + eps;
-            }
-            for (int it = 0; it < hp->hc_iters; it++) {
-                if (it > 0) {
-                    for (int j = 0; j < nc; j++) {
-                        float sum = 0;
-                        for (int k = 0; k < nc; k++) sum += C[j * nc + k];
-                        for (int k = 0; k < nc; k++) C[j * nc + k] /= sum + eps;
-                    }
-                }
-                for (int k = 0; k < nc; k++) {
-                    float sum = 0;
-                    for (int j = 0; j < nc; j++) sum += C[j * nc + k];
-                    for (int j = 0; j < nc; j++) C[j * nc + k] /= sum + eps;
-                }
-            }
-        }
+        di_dsv4_hc_coeffs(mix, c->hc->base, c->hc->scale, nc, hp->hc_iters, hp->hc_eps, pre,
+                          c->head ? NULL : c->post + t * nc,
+                          c->head ? NULL : c->comb + t * nc * nc);
         if (c->pre)
             for (int s = 0; s < nc; s++) c->pre[t * nc + s] = pre[s];
         if (!c->a) continue;

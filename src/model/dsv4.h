@@ -251,6 +251,11 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
 // One decoder block on streams X [T, NC, D] in place (§2.2).
 void di_dsv4_block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, float *x,
                    const int32_t *ids);
+// One token's mHC coefficients from its RMS-scaled mix row (spec §2.3): pre[s] = sigmoid gate +
+// eps; unless post is NULL (a head site), post[s] = 2 sigmoid and comb [nc, nc] = Sinkhorn of the
+// residual mix (row softmax + eps, then iters rounds of column / row normalisation).
+void di_dsv4_hc_coeffs(const float *mix, const float *base, const float *scale, int nc, int iters,
+                       float eps, float *pre, float *post, float *comb);
 // mHC coefficients of one site (§2.3) for the rows of c: post and comb go to the DI_SCR_POST /
 // DI_SCR_COMB scratch; pre [T, NC] is written when not NULL; a [T, D] (when not NULL) receives
 // the collapse with this site's own pre (V4 wiring). head: only pre (head mHC).

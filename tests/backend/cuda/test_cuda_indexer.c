@@ -1,30 +1,24 @@
 // CUDA lightning indexer (backend/cuda/indexer.cuh): scores against a host transcription of
 // model/dsv4_attn.c indexer_task (ReLU per head, then the head weight, summed in head order), and
-// the top-k against the model's own heap selection on identical scores (exact: the same set in
-// ascending order, -1 padded): rows with fewer visible entries than k (all selected), exactly k,
-// many more (V4: 64 heads x 128, top-512 of up to 32768 entries), heavy ties (scores on a coarse
-// grid: the lower index must win), negative scores, BF16-rounded scores, 1 visible entry.
+// the top-k against the model's own heap selection (di_dsv4_topk) on identical scores (exact: the
+// same set in ascending order, -1 padded): rows with fewer visible entries than k (all selected),
+// exactly k, many more (V4: 64 heads x 128, top-512 of up to 32768 entries), heavy ties (scores on
+// a coarse grid: the lower index must win), negative scores, BF16-rounded scores, 1 visible entry.
 #include "backend/cuda/cuda_test.h"
 
 #include <stdlib.h>
 
 #include "backend/cpu/ref_ops.h"
 #include "backend/cuda/indexer.cuh"
+#include "model/dsv4.h" // di_dsv4_topk
 #include "tensor/quant_ref.h"
 
 // Scores: each head's dot in another order (gamma(DI) * sum|q k|) before the ReLU, then a sum of
 // HI weighted terms: bound gamma(DI) * sum_h |w_h| sum|q k| + gamma(HI) * sum_h |w_h relu(dot)|.
 #define TOL_SCORE_FACTOR 2.0
 
-static bool worse(const float *sc, int32_t a, int32_t b) {
-    return sc[a] < sc[b] || (sc[a] == sc[b] && a > b);
-}
-static int cmp_i32(const void *a, const void *b) {
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
-
-// model/dsv4_attn.c's selection, verbatim.
+// The model's selection (model/dsv4_attn.c): k = min(visible, topk) picks, -1 padded; every
+// visible entry when there are no more than k.
 static void ref_topk(const float *sc, int64_t vis, int32_t topk, int32_t *sel) {
     for (int32_t i = 0; i < topk; i++) sel[i] = -1;
     int32_t k = (int32_t)(vis < topk ? vis : topk);
@@ -32,28 +26,7 @@ static void ref_topk(const float *sc, int64_t vis, int32_t topk, int32_t *sel) {
         for (int32_t i = 0; i < k; i++) sel[i] = i;
         return;
     }
-    int32_t n_heap = 0;
-    for (int64_t w = 0; w < vis; w++) {
-        if (n_heap < k) {
-            int32_t i = n_heap++;
-            sel[i] = (int32_t)w;
-            while (i > 0 && worse(sc, sel[i], sel[(i - 1) / 2])) {
-                int32_t par = (i - 1) / 2, tmp = sel[par];
-                sel[par] = sel[i], sel[i] = tmp, i = par;
-            }
-        } else if (worse(sc, sel[0], (int32_t)w)) {
-            sel[0] = (int32_t)w;
-            for (int32_t i = 0;;) {
-                int32_t l = 2 * i + 1, r = l + 1, m = i;
-                if (l < k && worse(sc, sel[l], sel[m])) m = l;
-                if (r < k && worse(sc, sel[r], sel[m])) m = r;
-                if (m == i) break;
-                int32_t tmp = sel[m];
-                sel[m] = sel[i], sel[i] = tmp, i = m;
-            }
-        }
-    }
-    qsort(sel, (size_t)k, sizeof *sel, cmp_i32);
+    di_dsv4_topk(sc, vis, k, sel);
 }
 
 static void scores_case(int32_t T, int32_t HI, int32_t DI, int32_t n_ent, bool round) {

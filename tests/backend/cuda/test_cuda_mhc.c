@@ -1,12 +1,13 @@
-// CUDA mHC (backend/cuda/mhc.cuh) against a host transcription of model/dsv4.c's hc_pre_task and
-// hc_post (FP32 precision recipe): NC = 4 streams and 20 Sinkhorn iterations as V4, the head
-// variant (pre only), 1 token and several, hidden sizes that are not multiples of the block.
-// The reference below is a line-by-line copy of the model's code (kept in step by hand; the model
-// functions are file-static), evaluated in FP32 as the model does.
+// CUDA mHC (backend/cuda/mhc.cuh) against the model's arithmetic (FP32 precision recipe): the
+// coefficients from model/dsv4.c's di_dsv4_hc_coeffs, the RMS scale, collapse and hc_post
+// transcribed beside it with the magnitudes their tolerances need: NC = 4 streams and 20 Sinkhorn
+// iterations as V4, the head variant (pre only), 1 token and several, hidden sizes that are not
+// multiples of the block.
 #include "backend/cuda/cuda_test.h"
 
 #include "backend/cpu/ref_ops.h" // di_sigmoid, di_ref_dot
 #include "backend/cuda/mhc.cuh"
+#include "model/dsv4.h" // di_dsv4_hc_coeffs
 
 // Gates and Sinkhorn see the mix through sigmoid/exp and 20 normalisation rounds in FP32 on both
 // sides, in the same order; the RMS factor comes from a sum of NC*D squares in another order
@@ -27,36 +28,8 @@ static void ref_pre(const float *x, const float *mix_raw, const float *base, con
         float mix[16 * 18];
         for (int i = 0; i < n_mix; i++) mix[i] = mix_raw[t * n_mix + i] * r;
         float pre[16];
-        for (int s = 0; s < nc; s++) pre[s] = di_sigmoid(mix[s] * scale[0] + base[s]) + hc_eps;
-        if (!head) {
-            float *pt = post + t * nc, *C = comb + t * nc * nc;
-            for (int s = 0; s < nc; s++)
-                pt[s] = 2.0f * di_sigmoid(mix[nc + s] * scale[1] + base[nc + s]);
-            for (int j = 0; j < nc; j++)
-                for (int k = 0; k < nc; k++)
-                    C[j * nc + k] = mix[2 * nc + j * nc + k] * scale[2] + base[2 * nc + j * nc + k];
-            for (int j = 0; j < nc; j++) {
-                float mx = C[j * nc];
-                for (int k = 1; k < nc; k++) mx = fmaxf(mx, C[j * nc + k]);
-                float sum = 0;
-                for (int k = 0; k < nc; k++) sum += (C[j * nc + k] = expf(C[j * nc + k] - mx));
-                for (int k = 0; k < nc; k++) C[j * nc + k] = C[j * nc + k] / sum + hc_eps;
-            }
-            for (int it = 0; it < iters; it++) {
-                if (it > 0) {
-                    for (int j = 0; j < nc; j++) {
-                        float sum = 0;
-                        for (int k = 0; k < nc; k++) sum += C[j * nc + k];
-                        for (int k = 0; k < nc; k++) C[j * nc + k] /= sum + hc_eps;
-                    }
-                }
-                for (int k = 0; k < nc; k++) {
-                    float sum = 0;
-                    for (int j = 0; j < nc; j++) sum += C[j * nc + k];
-                    for (int j = 0; j < nc; j++) C[j * nc + k] /= sum + hc_eps;
-                }
-            }
-        }
+        di_dsv4_hc_coeffs(mix, base, scale, nc, iters, hc_eps, pre, head ? NULL : post + t * nc,
+                          head ? NULL : comb + t * nc * nc);
         float *at = a + t * D;
         for (int64_t d = 0; d < D; d++) {
             float acc = 0;
