@@ -368,6 +368,24 @@ void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int
     }
 }
 
+// The fused GEMVs below start here: row pointers, and the running 8-lane sums into registers.
+static inline __attribute__((always_inline)) void gemv_begin(const di_tensor *w, int64_t r0, int NR,
+                                                             int NT, float acc[4][3][8],
+                                                             const uint8_t *rows[4],
+                                                             __m256 a[4][3]) {
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
+}
+
+// The tile and the GEMVs end here: the 8-lane sums back to memory.
+static inline __attribute__((always_inline)) void acc_store(int NR, int NT, __m256 a[4][3],
+                                                            float acc[4][3][8]) {
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+}
+
 // ---- the FMA tile ----
 
 // NR rows x NT tokens of 8-lane accumulators; always inlined with constant NR, NT so they stay in
@@ -399,8 +417,7 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t w
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
         }
     }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+    acc_store(NR, NT, a, acc);
 }
 
 void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
@@ -517,11 +534,9 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
     const int64_t n = w->ne[0], bi = w->block_in;
     const uint8_t *rows[4], *srows[4];
     __m256 a[4][3];
-    for (int i = 0; i < NR; i++) {
-        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+    gemv_begin(w, r0, NR, NT, acc, rows, a);
+    for (int i = 0; i < NR; i++)
         srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
-        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
-    }
     for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
         const int64_t c1 = c0 + bi < n ? c0 + bi : n;
         scale8 s[4];
@@ -540,8 +555,7 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
             }
         }
     }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+    acc_store(NR, NT, a, acc);
 }
 
 static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, int64_t r0, int NR,
@@ -551,11 +565,9 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
     const uint8_t *rows[4], *srows[4];
     const __m128i lut = fp4_lut(), m4 = _mm_set1_epi8(0x0F), z = _mm_setzero_si128();
     __m256 a[4][3];
-    for (int i = 0; i < NR; i++) {
-        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+    gemv_begin(w, r0, NR, NT, acc, rows, a);
+    for (int i = 0; i < NR; i++)
         srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
-        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
-    }
     for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
         const int64_t c1 = c0 + bi < n ? c0 + bi : n;
         for (int i = 0; i < NR; i++) {
@@ -578,8 +590,7 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
             }
         }
     }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+    acc_store(NR, NT, a, acc);
 }
 
 static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, int64_t r0, int NR,
@@ -588,10 +599,7 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
     const int64_t n = w->ne[0];
     const uint8_t *rows[4];
     __m256 a[4][3];
-    for (int i = 0; i < NR; i++) {
-        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
-        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
-    }
+    gemv_begin(w, r0, NR, NT, acc, rows, a);
     for (int64_t c = 0; c < n; c += 8) {
         for (int i = 0; i < NR; i++) {
             if ((c & 31) == 0) _mm_prefetch((const char *)rows[i] + 2 * c + PF_BYTES, _MM_HINT_T0);
@@ -601,8 +609,7 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
                 a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c), a[i][j]);
         }
     }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+    acc_store(NR, NT, a, acc);
 }
 
 static inline __attribute__((always_inline)) void gemv_q8_0(const di_tensor *w, int64_t r0, int NR,
@@ -611,10 +618,7 @@ static inline __attribute__((always_inline)) void gemv_q8_0(const di_tensor *w, 
     const int64_t n = w->ne[0];
     const uint8_t *rows[4];
     __m256 a[4][3];
-    for (int i = 0; i < NR; i++) {
-        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
-        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
-    }
+    gemv_begin(w, r0, NR, NT, acc, rows, a);
     for (int64_t c = 0; c < n; c += 32) {
         for (int i = 0; i < NR; i++) {
             const uint8_t *blk = rows[i] + (size_t)(c / 32) * 34;
@@ -627,8 +631,7 @@ static inline __attribute__((always_inline)) void gemv_q8_0(const di_tensor *w, 
             }
         }
     }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+    acc_store(NR, NT, a, acc);
 }
 
 static inline __attribute__((always_inline)) void gemv_q4_k(const di_tensor *w, int64_t r0, int NR,
@@ -637,10 +640,7 @@ static inline __attribute__((always_inline)) void gemv_q4_k(const di_tensor *w, 
     const int64_t n = w->ne[0];
     const uint8_t *rows[4];
     __m256 a[4][3];
-    for (int i = 0; i < NR; i++) {
-        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
-        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
-    }
+    gemv_begin(w, r0, NR, NT, acc, rows, a);
     const __m256i m4 = _mm256_set1_epi32(0xF);
     for (int64_t c = 0; c < n; c += 256) {
         for (int i = 0; i < NR; i++) {
@@ -672,8 +672,7 @@ static inline __attribute__((always_inline)) void gemv_q4_k(const di_tensor *w, 
             }
         }
     }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+    acc_store(NR, NT, a, acc);
 }
 
 static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w, int64_t r0, int NR,
@@ -683,10 +682,7 @@ static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w,
     const uint8_t *rows[4];
     const __m128i lut = mxfp4_lut();
     __m256 a[4][3];
-    for (int i = 0; i < NR; i++) {
-        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
-        for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
-    }
+    gemv_begin(w, r0, NR, NT, acc, rows, a);
     for (int64_t c = 0; c < n; c += 32) {
         for (int i = 0; i < NR; i++) {
             const uint8_t *blk = rows[i] + (size_t)(c / 32) * 17;
@@ -701,8 +697,7 @@ static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w,
             }
         }
     }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+    acc_store(NR, NT, a, acc);
 }
 
 // Q2_K and IQ2_XXS: one 256-column block of a row at a time, decoded in registers chunk by chunk.
