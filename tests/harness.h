@@ -7,6 +7,7 @@
 #pragma once
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,4 +83,16 @@ static inline const char *test_src_path(const char *rel, char *buf, size_t cap) 
     const char *root = getenv("DI_SOURCE_DIR");
     snprintf(buf, cap, "%s/%s", root ? root : ".", rel);
     return buf;
+}
+
+// max |a - b| / max |b| over n values (max |a - b| when b is all zeros); a NaN difference gives
+// infinity, so a NaN never passes a tolerance.
+static inline double test_rel_err(const float *a, const float *b, int64_t n) {
+    double mx = 0, md = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (d > md || d != d) md = d != d ? INFINITY : d;
+        if (fabs((double)b[i]) > mx) mx = fabs((double)b[i]);
+    }
+    return mx > 0 ? md / mx : md;
 }

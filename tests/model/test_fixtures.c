@@ -33,16 +33,6 @@ typedef struct capture {
     int sel_mismatch, sel_checked;
 } capture;
 
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double mx = 0, md = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        if (d > md || d != d) md = d != d ? INFINITY : d;
-        if (fabs((double)b[i]) > mx) mx = fabs((double)b[i]);
-    }
-    return mx > 0 ? md / mx : md;
-}
-
 static void trace_cb(void *user, const char *name, int il, const void *data, bool is_int,
                      int64_t n_rows, int64_t row_len) {
     capture *c = user;
@@ -73,7 +63,7 @@ static void trace_cb(void *user, const char *name, int il, const void *data, boo
         CHECK(false);
         return;
     }
-    double e = rel_err(data, t->data, n_rows * row_len);
+    double e = test_rel_err(data, t->data, n_rows * row_len);
     if (strcmp(name, "layer_out") == 0 && e > c->worst_layer)
         c->worst_layer = e, c->worst_layer_il = il;
     if (strcmp(name, "attn_out") == 0 && e > c->worst_attn)
@@ -127,7 +117,7 @@ static void check_fast_vs_ref(di_model *m, bool mtp, const int32_t *ids, int32_t
     int32_t one[1] = {T};
     CHECK(run_chunks(m, mtp, ids, T, one, 1, buf, mtp ? mtp_buf : NULL, NULL));
     CHECK(di_cpu_set_isa(&m->cpu, (di_cpu_isa)keep));
-    double e = rel_err(fast, buf, T * m->hp.n_vocab);
+    double e = test_rel_err(fast, buf, T * m->hp.n_vocab);
     fprintf(stderr, "  %s: %s level vs reference matmul: logits %.3g\n", what,
             di_cpu_isa_name((di_cpu_isa)keep), e);
     CHECK(e <= TOL_FAST);
@@ -183,7 +173,7 @@ static void check_fixture(const char *dir, const char *name) {
     const float *ref_logits = ref_f32(ref, "logits", T * V);
     CHECK(ref_logits != NULL);
     if (ref_logits) {
-        double e = rel_err(full, ref_logits, T * V);
+        double e = test_rel_err(full, ref_logits, T * V);
         fprintf(stderr, "  logits: max|d|/max|ref| = %.3g\n", e);
         CHECK(e <= TOL_REF);
     }
@@ -197,7 +187,7 @@ static void check_fixture(const char *dir, const char *name) {
     CHECK_EQ(cap.sel_mismatch, 0);
     const float *ref_mtp = ref_f32(ref, "mtp_logits", (T - 1) * V);
     if (mtp && ref_mtp) {
-        double e = rel_err(mtp_full, ref_mtp, (T - 1) * V);
+        double e = test_rel_err(mtp_full, ref_mtp, (T - 1) * V);
         fprintf(stderr, "  mtp logits: %.3g\n", e);
         CHECK(e <= TOL_REF);
     } else {
@@ -215,8 +205,8 @@ static void check_fixture(const char *dir, const char *name) {
         while (n_chunks < 12 && chunk_sets[cs][n_chunks]) n_chunks++;
         CHECK(run_chunks(m, mtp, ids, T, chunk_sets[cs], n_chunks, chunked,
                          mtp ? mtp_chunked : NULL, NULL));
-        double e = rel_err(chunked, full, T * V);
-        double em = mtp ? rel_err(mtp_chunked, mtp_full, (T - 1) * V) : 0;
+        double e = test_rel_err(chunked, full, T * V);
+        double em = mtp ? test_rel_err(mtp_chunked, mtp_full, (T - 1) * V) : 0;
         fprintf(stderr, "  chunk set %zu: logits %.3g, mtp %.3g\n", cs, e, em);
         CHECK(e <= TOL_CHUNK);
         CHECK(em <= TOL_CHUNK);
@@ -225,8 +215,8 @@ static void check_fixture(const char *dir, const char *name) {
         int32_t *ones = malloc(sizeof(int32_t) * (size_t)T);
         for (int32_t i = 0; i < T; i++) ones[i] = 1;
         CHECK(run_chunks(m, mtp, ids, T, ones, T, chunked, mtp ? mtp_chunked : NULL, NULL));
-        double e = rel_err(chunked, full, T * V);
-        double em = mtp ? rel_err(mtp_chunked, mtp_full, (T - 1) * V) : 0;
+        double e = test_rel_err(chunked, full, T * V);
+        double em = mtp ? test_rel_err(mtp_chunked, mtp_full, (T - 1) * V) : 0;
         fprintf(stderr, "  token by token: logits %.3g, mtp %.3g\n", e, em);
         CHECK(e <= TOL_CHUNK);
         CHECK(em <= TOL_CHUNK);
@@ -263,10 +253,11 @@ static void check_fixture(const char *dir, const char *name) {
                              .mtp_logits = mtp ? mtp_chunked : NULL,
                              .n_mtp_out = &n_mtp};
         CHECK(di_session_forward(r, ids + cut, T - cut, &fo) == DI_OK);
-        double e = rel_err(chunked + cut * V, full + cut * V, (T - cut) * V);
+        double e = test_rel_err(chunked + cut * V, full + cut * V, (T - cut) * V);
         fprintf(stderr, "  restore at %d (%zu bytes): %.3g\n", cut, n_bytes, e);
         CHECK(e <= TOL_CHUNK);
-        if (mtp) CHECK(rel_err(mtp_chunked, mtp_full + (cut - 1) * V, (T - cut) * V) <= TOL_CHUNK);
+        if (mtp)
+            CHECK(test_rel_err(mtp_chunked, mtp_full + (cut - 1) * V, (T - cut) * V) <= TOL_CHUNK);
         di_free_buffer(bytes);
         di_session_destroy(r);
     }
@@ -306,13 +297,13 @@ static void check_fixture(const char *dir, const char *name) {
         bool off_mtp = m->n_mtp_loaded > 0;
         int32_t one[1] = {T};
         CHECK(run_chunks(m, off_mtp, ids, T, one, 1, full, off_mtp ? mtp_full : NULL, NULL));
-        double e = rel_err(full, ref_off, T * V);
+        double e = test_rel_err(full, ref_off, T * V);
         fprintf(stderr, "  official layout: logits %.3g\n", e);
         CHECK(e <= TOL_REF);
         check_fast_vs_ref(m, off_mtp, ids, T, full, chunked, mtp_chunked, "official layout");
         const float *ref_off_mtp = ref_f32(ref, "official_mtp_logits", (T - 1) * V);
         if (off_mtp && ref_off_mtp) {
-            double em = rel_err(mtp_full, ref_off_mtp, (T - 1) * V);
+            double em = test_rel_err(mtp_full, ref_off_mtp, (T - 1) * V);
             fprintf(stderr, "  official layout: mtp logits %.3g\n", em);
             CHECK(em <= TOL_REF);
         }

@@ -36,16 +36,6 @@
 
 static char g_tmp[256];
 
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double mx = 0, md = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        if (d > md || d != d) md = d != d ? INFINITY : d;
-        if (fabs((double)b[i]) > mx) mx = fabs((double)b[i]);
-    }
-    return mx > 0 ? md / mx : md;
-}
-
 typedef struct capture {
     const di_st_file *ref;
     double worst[3]; // layer_out, attn_out, hc_pre
@@ -89,7 +79,7 @@ static void trace_cb(void *user, const char *name, int il, const void *data, boo
             : strcmp(name, "hc_pre") == 0   ? 2
                                             : -1;
     if (w < 0) return;
-    double e = rel_err(data, t->data, n_rows * row_len);
+    double e = test_rel_err(data, t->data, n_rows * row_len);
     c->n_compared++;
     if (e > c->worst[w]) c->worst[w] = e, c->worst_il[w] = il;
 }
@@ -173,8 +163,8 @@ static void check_state_vs_ref(const di_model *m, const di_session *s, const di_
         CHECK_EQ(c->n_elements, src->n_entries * hp->head_dim);
         CHECK_EQ(k->n_elements, src->n_entries * hp->index_head_dim);
         if (c->n_elements != src->n_entries * hp->head_dim) continue;
-        double ec = rel_err(src->cmain, c->data, c->n_elements);
-        double ek = rel_err(src->kidx, k->data, k->n_elements);
+        double ec = test_rel_err(src->cmain, c->data, c->n_elements);
+        double ek = test_rel_err(src->kidx, k->data, k->n_elements);
         fprintf(stderr, "  source %d: %lld entries, Cmain %.3g, Kidx %.3g\n", il,
                 (long long)src->n_entries, ec, ek);
         // Q4e / Q4 grids turn a 1e-6 difference into a full grid step when a value sits at a
@@ -292,8 +282,8 @@ static void check_rollback(di_model *m, const int32_t *ids, int32_t T, const flo
         int32_t at = pre + k - j, rest = T - at;
         fo.logits = got + (int64_t)at * V;
         CHECK(di_session_forward(s, ids + at, rest, &fo) == DI_OK);
-        double e_self = rel_err(got + at * V, one + at * V, (int64_t)rest * V);
-        double e_ref = rel_err(got + at * V, hf_ref + at * V, (int64_t)rest * V);
+        double e_self = test_rel_err(got + at * V, one + at * V, (int64_t)rest * V);
+        double e_ref = test_rel_err(got + at * V, hf_ref + at * V, (int64_t)rest * V);
         fprintf(stderr,
                 "  rollback at %d (verify %d, reject %d) + save/restore: vs one prefill "
                 "%.3g, vs reference %.3g\n",
@@ -345,7 +335,7 @@ static void check_fixture(const char *dir, const char *name) {
     int32_t all[1] = {T};
     di_session *s = feed(m, ids, T, all, 1, one, &cap);
     CHECK(s != NULL);
-    double e_logits = rel_err(one, hf_ref, (int64_t)T * V);
+    double e_logits = test_rel_err(one, hf_ref, (int64_t)T * V);
     fprintf(stderr,
             "  prefill of %d: logits %.3g; worst layer_out %.3g (layer %d), attn_out %.3g "
             "(layer %d), hc_pre %.3g (layer %d); top-k %d/%d queries differ\n",
@@ -367,21 +357,21 @@ static void check_fixture(const char *dir, const char *name) {
     int32_t split[3] = {7, 6, 13}, *chunks = split, n_chunks = 3, tok[1] = {1};
     if (cl) chunks = (int32_t *)cl->data, n_chunks = (int32_t)cl->n_elements;
     s = feed(m, ids, T, chunks, n_chunks, got, NULL);
-    double e_chunk = rel_err(got, one, (int64_t)T * V);
+    double e_chunk = test_rel_err(got, one, (int64_t)T * V);
     di_session_destroy(s);
     // ... and against transformers' own streaming run over the same split (its DynamicCache).
     const di_st_tensor *rc = ref_t(ref, "logits_chunked", DI_DTYPE_F32);
     if (rc && rc->n_elements == (int64_t)T * V) {
-        double e = rel_err(got, rc->data, (int64_t)T * V);
+        double e = test_rel_err(got, rc->data, (int64_t)T * V);
         fprintf(stderr, "  chunked vs reference chunked: %.3g\n", e);
         CHECK(e <= TOL_REF);
     }
     s = feed(m, ids, T, tok, 1, got, NULL);
-    double e_tok = rel_err(got, one, (int64_t)T * V);
+    double e_tok = test_rel_err(got, one, (int64_t)T * V);
     di_session_destroy(s);
     const di_st_tensor *rs = ref_t(ref, "logits_stepwise", DI_DTYPE_F32);
     if (rs && rs->n_elements == (int64_t)T * V) {
-        double e = rel_err(got, rs->data, (int64_t)T * V);
+        double e = test_rel_err(got, rs->data, (int64_t)T * V);
         fprintf(stderr, "  token by token vs reference stepwise: %.3g\n", e);
         CHECK(e <= TOL_REF);
     }
@@ -397,7 +387,7 @@ static void check_fixture(const char *dir, const char *name) {
         CHECK(mo != NULL);
         if (mo) {
             s = feed(mo, ids, T, all, 1, got, NULL);
-            double e_off = rel_err(got, one, (int64_t)T * V);
+            double e_off = test_rel_err(got, one, (int64_t)T * V);
             fprintf(stderr, "  official layout vs float: logits %.3g\n", e_off);
             CHECK(e_off <= TOL_LAYOUT);
             di_session_destroy(s);
@@ -469,13 +459,14 @@ static void dspark_mode(const char *mdir, const di_st_file *ref, bool bf16) {
     float *lg = malloc(sizeof(float) * (size_t)V), *dl = malloc(sizeof(float) * (size_t)(B * V));
     di_forward_out fo = {.logits = lg, .last_only = true};
     CHECK(di_session_forward(s, ids_t->data, T, &fo) == DI_OK);
-    double e_pre = rel_err(lg, pl, V), e_taps = rel_err(s->v41->taps, pmh, (int64_t)T * W);
+    double e_pre = test_rel_err(lg, pl, V),
+           e_taps = test_rel_err(s->v41->taps, pmh, (int64_t)T * W);
     double e_dec = 0, e_dtaps = 0, e_draft = 0, e_conf = 0;
     int same_ids = 0, same_first = 0;
     for (int32_t k = 0; k < steps; k++) {
         CHECK(di_session_forward(s, dt + k, 1, &fo) == DI_OK);
-        e_dec = fmax(e_dec, rel_err(lg, dlg + k * V, V));
-        e_dtaps = fmax(e_dtaps, rel_err(s->v41->taps, dmh + k * W, W));
+        e_dec = fmax(e_dec, test_rel_err(lg, dlg + k * V, V));
+        e_dtaps = fmax(e_dtaps, test_rel_err(s->v41->taps, dmh + k * W, W));
         // The draft module alone: context rows from R-OFF's own taps (R-OFF's decode steps differ
         // from ours, see below).
         di_dsv41_dspark_context(s, pmh, 0, T);
@@ -487,7 +478,7 @@ static void dspark_mode(const char *mdir, const di_st_file *ref, bool bf16) {
         same_ids += all;
         same_first += d.tokens[0] == did[k * (B + 1) + 1];
         // Every row in FP32; the first only in BF16 (later rows follow the previous draft).
-        e_draft = fmax(e_draft, rel_err(dl, dl_ref + k * B * V, (bf16 ? 1 : B) * V));
+        e_draft = fmax(e_draft, test_rel_err(dl, dl_ref + k * B * V, (bf16 ? 1 : B) * V));
         for (int64_t j = 0; j < (bf16 ? 1 : B); j++)
             e_conf = fmax(e_conf, fabs(d.conf_logit[j] - dc[k * B + j]) /
                                       (bf16 ? 1 : 1 + fabs(dc[k * B + j])));

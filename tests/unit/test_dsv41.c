@@ -24,16 +24,6 @@
 
 static char g_root[256];
 
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double mx = 0, md = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        if (d > md || d != d) md = d != d ? INFINITY : d;
-        if (fabs((double)b[i]) > mx) mx = fabs((double)b[i]);
-    }
-    return mx > 0 ? md / mx : md;
-}
-
 static di_model *load(const char *dir, di_precision prec) {
     di_model_options o = di_model_options_default();
     o.n_threads = 2;
@@ -87,10 +77,10 @@ static void check_streaming(const char *dir, di_precision prec, const char *what
     CHECK(finite);
     di_session_destroy(s);
     s = run(m, false, ids, T, split, 3, got);
-    double e_chunk = rel_err(got, ref, T * V);
+    double e_chunk = test_rel_err(got, ref, T * V);
     di_session_destroy(s);
     s = run(m, false, ids, T, tok, 1, got);
-    double e_tok = rel_err(got, ref, T * V);
+    double e_tok = test_rel_err(got, ref, T * V);
     di_session_destroy(s);
     fprintf(stderr, "  %s: chunked 7+6+13.. %.3g, token by token %.3g\n", what, e_chunk, e_tok);
     CHECK(e_chunk <= TOL_CHUNK);
@@ -100,7 +90,7 @@ static void check_streaming(const char *dir, di_precision prec, const char *what
     memcpy(ids2, ids, sizeof ids);
     ids2[3] = (ids2[3] + 1) % 512;
     s = run(m, false, ids2, T, one, 1, got);
-    CHECK(rel_err(got + (T - 1) * V, ref + (T - 1) * V, V) > 1e-3);
+    CHECK(test_rel_err(got + (T - 1) * V, ref + (T - 1) * V, V) > 1e-3);
     di_session_destroy(s);
     free(ref);
     free(got);
@@ -136,14 +126,14 @@ static void check_rollback(const char *dir) {
         di_forward_out fo = {.logits = tmp};
         CHECK(di_session_forward(s, ver, k, &fo) == DI_OK);
         // Accepted rows equal the reference already.
-        CHECK(rel_err(tmp, ref + (int64_t)pre * V, (int64_t)(k - j) * V) <= TOL_CHUNK);
+        CHECK(test_rel_err(tmp, ref + (int64_t)pre * V, (int64_t)(k - j) * V) <= TOL_CHUNK);
         CHECK(di_dsv41_rollback(s, j) == DI_OK);
         CHECK_EQ(di_session_n_past(s), pre + k - j);
         int32_t rest = T - (pre + k - j);
         fo.logits = got + (int64_t)(pre + k - j) * V;
         CHECK(di_session_forward(s, ids + pre + k - j, rest, &fo) == DI_OK);
-        double e = rel_err(got + (int64_t)(pre + k - j) * V, ref + (int64_t)(pre + k - j) * V,
-                           (int64_t)rest * V);
+        double e = test_rel_err(got + (int64_t)(pre + k - j) * V, ref + (int64_t)(pre + k - j) * V,
+                                (int64_t)rest * V);
         fprintf(stderr, "  rollback prefix %d verify %d reject %d: continuation %.3g\n", pre, k, j,
                 e);
         CHECK(e <= TOL_CHUNK);
@@ -184,7 +174,7 @@ static void check_save_restore(const char *dir) {
     CHECK_EQ(di_session_n_past(r), CUT);
     di_forward_out fo = {.logits = got + (int64_t)CUT * V};
     CHECK(di_session_forward(r, ids + CUT, T - CUT, &fo) == DI_OK);
-    CHECK(rel_err(got + CUT * V, ref + CUT * V, (T - CUT) * V) <= TOL_CHUNK);
+    CHECK(test_rel_err(got + CUT * V, ref + CUT * V, (T - CUT) * V) <= TOL_CHUNK);
     // Corrupted or truncated bytes are refused and leave the session reset.
     ((unsigned char *)bytes)[n / 2] ^= 1;
     CHECK(di_session_restore(r, bytes, n) == DI_ERR_FORMAT);

@@ -21,16 +21,6 @@
 // layers and the head that stays orders of magnitude below 1e-3.
 #define TOL_LOGITS 1e-3
 
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double mx = 0, md = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        if (d > md || d != d) md = d != d ? INFINITY : d;
-        if (fabs((double)b[i]) > mx) mx = fabs((double)b[i]);
-    }
-    return mx > 0 ? md / mx : md;
-}
-
 // Prefill of T tokens, then n_dec single tokens: logits [T + n_dec, V] (all rows).
 static bool run(di_model *m, bool mtp, const int32_t *ids, int32_t T, int32_t n_dec,
                 float *logits) {
@@ -74,8 +64,9 @@ static void model_case(const char *dir, di_precision prec, const char *what) {
     m->accel_matmul = NULL;
     di_cuda_offload_stats st;
     di_cuda_offload_get_stats(o, &st);
-    const double e_pre = rel_err(out, ref, (int64_t)T * V);
-    const double e_dec = rel_err(out + (int64_t)T * V, ref + (int64_t)T * V, (int64_t)n_dec * V);
+    const double e_pre = test_rel_err(out, ref, (int64_t)T * V);
+    const double e_dec =
+        test_rel_err(out + (int64_t)T * V, ref + (int64_t)T * V, (int64_t)n_dec * V);
     fprintf(stderr,
             "  %s: %lld GPU matmuls (%lld declined), %lld weights (%.1f MB) uploaded; "
             "prefill %.3g, decode %.3g of max|logit|\n",
