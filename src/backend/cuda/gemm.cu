@@ -122,6 +122,41 @@ __device__ __forceinline__ void decode16(const di_tensor &w, int64_t r, int64_t 
 
 // ---- gemv: one warp per output row, up to NT tokens ----
 
+// This lane's V-column chunks (V = 16 or 8, 32 lanes apart) of rows o0 .. o0+nr-1 against up to
+// NT tokens, added to acc: each chunk's product summed in column order, then added.
+template <int NT, int NR, int V>
+__device__ __forceinline__ void gemv_chunks(const di_tensor &w, int64_t o0, int nr,
+                                            const float *const *xs, int nt, float acc[NR][NT]) {
+    const int64_t n = w.ne[0];
+    for (int64_t c = (int64_t)(threadIdx.x & 31) * V; c < n; c += 32 * V) {
+        float v[NR][V];
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            if (r < nr) {
+                if constexpr (V == 16)
+                    decode16(w, o0 + r, c, v[r]);
+                else
+                    decode8(w, o0 + r, c, v[r]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (j < nt) {
+                float xv[V];
+#pragma unroll
+                for (int i = 0; i < V; i++) xv[i] = xs[j][c + i];
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    float s = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < V; i++) s = fmaf(v[r][i], xv[i], s);
+                    if (r < nr) acc[r][j] += s;
+                }
+            }
+        }
+    }
+}
+
 // Rows o0 .. o0+nr-1 (nr <= NR, warp-uniform) times up to NT tokens. Each lane decodes the same
 // 16 (or 8) columns of the NR rows, then reads each token's matching x values once for all NR
 // rows: x traffic per weight byte drops NR-fold (FP4 rows would otherwise read 8 bytes of x from
@@ -138,49 +173,9 @@ __device__ __forceinline__ void gemv_rows(const di_tensor &w, int64_t o0, int nr
         for (int j = 0; j < NT; j++) acc[r][j] = 0.0f;
     // Fully unrolled loops with predicates (no early exits), so v, xv and acc stay in registers.
     if (vec == 16) {
-        for (int64_t c = (int64_t)lane * 16; c < n; c += 512) {
-            float v[NR][16];
-#pragma unroll
-            for (int r = 0; r < NR; r++)
-                if (r < nr) decode16(w, o0 + r, c, v[r]);
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                if (j < nt) {
-                    float xv[16];
-#pragma unroll
-                    for (int i = 0; i < 16; i++) xv[i] = xs[j][c + i];
-#pragma unroll
-                    for (int r = 0; r < NR; r++) {
-                        float s = 0.0f;
-#pragma unroll
-                        for (int i = 0; i < 16; i++) s = fmaf(v[r][i], xv[i], s);
-                        if (r < nr) acc[r][j] += s;
-                    }
-                }
-            }
-        }
+        gemv_chunks<NT, NR, 16>(w, o0, nr, xs, nt, acc);
     } else if (vec == 8) {
-        for (int64_t c = (int64_t)lane * 8; c < n; c += 256) {
-            float v[NR][8];
-#pragma unroll
-            for (int r = 0; r < NR; r++)
-                if (r < nr) decode8(w, o0 + r, c, v[r]);
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                if (j < nt) {
-                    float xv[8];
-#pragma unroll
-                    for (int i = 0; i < 8; i++) xv[i] = xs[j][c + i];
-#pragma unroll
-                    for (int r = 0; r < NR; r++) {
-                        float s = 0.0f;
-#pragma unroll
-                        for (int i = 0; i < 8; i++) s = fmaf(v[r][i], xv[i], s);
-                        if (r < nr) acc[r][j] += s;
-                    }
-                }
-            }
-        }
+        gemv_chunks<NT, NR, 8>(w, o0, nr, xs, nt, acc);
     } else {
         for (int64_t c = lane; c < n; c += 32) {
 #pragma unroll
