@@ -5,10 +5,12 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "base/log.h"
 #include "base/mem.h"
+#include "base/name_index.h"
 #include "base/mmap.h"
 
 #define NAME_LOG_MAX 200 // names longer than this are cut in messages
@@ -97,11 +99,6 @@ static bool rd_str(cursor *c, const char **s, uint64_t *len) {
 
 // ---- the file ----
 
-typedef struct name_index {
-    int64_t *slots; // owned [mask + 1]; -1 empty
-    size_t mask;
-} name_index;
-
 struct di_gguf_file {
     di_mmap map; // owned; zero when parsed from caller memory
     char *what;  // owned
@@ -110,49 +107,19 @@ struct di_gguf_file {
     int64_t n_kv, cap_kv;
     di_gguf_tensor *tensors; // owned [cap_tensors]; names owned
     int64_t n_tensors, cap_tensors;
-    name_index kv_index; // owned
-    name_index t_index;  // owned
+    di_name_index kv_index; // owned
+    di_name_index t_index;  // owned
     size_t data_bytes;
 };
 
-static uint64_t hash_name(const char *s) {
-    uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        h ^= *p;
-        h *= 0x100000001b3ull;
-    }
-    return h;
-}
-
-static di_status index_init(name_index *h, int64_t n) {
-    size_t cap = 16;
-    while (cap / 2 < (size_t)n) cap *= 2;
-    h->slots = di_malloc(di_mul_size(cap, sizeof *h->slots));
-    if (!h->slots) return DI_ERR_NOMEM;
-    memset(h->slots, 0xff, cap * sizeof *h->slots);
-    h->mask = cap - 1;
-    return DI_OK;
-}
-
-// Inserts entry k (its name from names[k * stride]). Returns -1, or the index of an entry with
-// the same name (not inserted).
-static int64_t index_insert(name_index *h, const char *const *names, size_t stride, int64_t k) {
-#define NAME_AT(j) (*(const char *const *)((const char *)names + (size_t)(j)*stride))
-    for (size_t i = (size_t)hash_name(NAME_AT(k)) & h->mask;; i = (i + 1) & h->mask) {
-        int64_t j = h->slots[i];
-        if (j < 0) {
-            h->slots[i] = k;
-            return -1;
-        }
-        if (strcmp(NAME_AT(j), NAME_AT(k)) == 0) return j;
-    }
-#undef NAME_AT
-}
+#define KV_INDEX(f) &(f)->kv_index, (f)->kv, sizeof(di_gguf_kv), offsetof(di_gguf_kv, key)
+#define T_INDEX(f)                                                                                 \
+    &(f)->t_index, (f)->tensors, sizeof(di_gguf_tensor), offsetof(di_gguf_tensor, name)
 
 void di_gguf_close(di_gguf_file *f) {
     if (!f) return;
-    di_free(f->kv_index.slots);
-    di_free(f->t_index.slots);
+    di_name_index_deinit(&f->kv_index);
+    di_name_index_deinit(&f->t_index);
     for (int64_t i = 0; f->kv && i < f->cap_kv; i++) di_free((char *)f->kv[i].key);
     for (int64_t i = 0; f->tensors && i < f->cap_tensors; i++) di_free((char *)f->tensors[i].name);
     di_free(f->tensors);
@@ -276,8 +243,8 @@ di_status di_gguf_parse(const uint8_t *bytes, size_t n_bytes, const char *what,
         st = DI_ERR_NOMEM;
         goto fail;
     }
-    if ((st = index_init(&f->kv_index, (int64_t)n_kv)) != DI_OK) goto fail;
-    if ((st = index_init(&f->t_index, (int64_t)n_tensors)) != DI_OK) goto fail;
+    if ((st = di_name_index_init(&f->kv_index, (int64_t)n_kv)) != DI_OK) goto fail;
+    if ((st = di_name_index_init(&f->t_index, (int64_t)n_tensors)) != DI_OK) goto fail;
 
     // metadata
     for (uint64_t i = 0; i < n_kv; i++) {
@@ -318,7 +285,7 @@ di_status di_gguf_parse(const uint8_t *bytes, size_t n_bytes, const char *what,
                 t == DI_GGUF_VTYPE_ARRAY ? "array" : "scalar");
         kv->arr_type = (di_gguf_vtype)et;
         kv->data = bytes + vstart + (t == DI_GGUF_VTYPE_ARRAY ? 12 : 0);
-        if (index_insert(&f->kv_index, &f->kv[0].key, sizeof *f->kv, (int64_t)i) >= 0)
+        if (di_name_index_insert(KV_INDEX(f), (int64_t)i) >= 0)
             BAD("%s: duplicate metadata key \"%.*s\"", what, NAME_LOG_MAX, kv->key);
         f->n_kv = (int64_t)i + 1;
     }
@@ -381,7 +348,7 @@ di_status di_gguf_parse(const uint8_t *bytes, size_t n_bytes, const char *what,
         if (t->offset % f->alignment != 0)
             BAD("%s: tensor \"%s\": offset %llu is not a multiple of the alignment %u", what,
                 t->name, (unsigned long long)t->offset, f->alignment);
-        if (index_insert(&f->t_index, &f->tensors[0].name, sizeof *f->tensors, (int64_t)i) >= 0)
+        if (di_name_index_insert(T_INDEX(f), (int64_t)i) >= 0)
             BAD("%s: duplicate tensor name \"%s\"", what, t->name);
         f->n_tensors = (int64_t)i + 1;
     }
@@ -473,21 +440,13 @@ size_t di_gguf_data_bytes(const di_gguf_file *f) {
 }
 
 const di_gguf_kv *di_gguf_find_kv(const di_gguf_file *f, const char *key) {
-    if (!key || !f->kv_index.slots) return NULL;
-    for (size_t i = (size_t)hash_name(key) & f->kv_index.mask;; i = (i + 1) & f->kv_index.mask) {
-        int64_t k = f->kv_index.slots[i];
-        if (k < 0) return NULL;
-        if (strcmp(f->kv[k].key, key) == 0) return &f->kv[k];
-    }
+    int64_t k = di_name_index_find(KV_INDEX(f), key);
+    return k < 0 ? NULL : &f->kv[k];
 }
 
 const di_gguf_tensor *di_gguf_find_tensor(const di_gguf_file *f, const char *name) {
-    if (!name || !f->t_index.slots) return NULL;
-    for (size_t i = (size_t)hash_name(name) & f->t_index.mask;; i = (i + 1) & f->t_index.mask) {
-        int64_t k = f->t_index.slots[i];
-        if (k < 0) return NULL;
-        if (strcmp(f->tensors[k].name, name) == 0) return &f->tensors[k];
-    }
+    int64_t k = di_name_index_find(T_INDEX(f), name);
+    return k < 0 ? NULL : &f->tensors[k];
 }
 
 // Reads element i of integer type t at p into *out; false for a non-integer type or a uint64 that

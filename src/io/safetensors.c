@@ -7,72 +7,25 @@
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/stat.h>
 
 #include "base/json.h" // di_json_load_file
 #include "base/log.h"
 #include "base/mem.h"
+#include "base/name_index.h"
 #include "base/mmap.h"
 #include "base/status.h" // DI_TRY
 
 // Names longer than this are cut in error messages (a fuzzed header can hold a 100 MiB name).
 #define NAME_LOG_MAX 200
 
-// ---- name index: open addressing over an external tensor array ----
-
-// Linear probing, load factor <= 1/2. Slots hold indices into the owner's tensor array, so the
-// index stores no strings of its own.
-typedef struct name_index {
-    int64_t *slots; // owned [mask + 1]; -1 = empty
-    size_t mask;
-} name_index;
-
-static uint64_t hash_name(const char *s) {
-    uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        h ^= *p;
-        h *= 0x100000001b3ull;
-    }
-    return h;
-}
-
-static di_status name_index_init(name_index *h, int64_t n) {
-    size_t cap = 16;
-    while (cap / 2 < (size_t)n) cap *= 2;
-    size_t bytes = di_mul_size(cap, sizeof *h->slots);
-    h->slots = bytes ? di_malloc(bytes) : NULL;
-    if (!h->slots) return DI_ERR_NOMEM;
-    memset(h->slots, 0xff, bytes); // all -1
-    h->mask = cap - 1;
-    return DI_OK;
-}
-
-static void name_index_deinit(name_index *h) {
-    di_free(h->slots);
-    h->slots = NULL;
-}
-
-static int64_t name_index_find(const name_index *h, const di_st_tensor *ts, const char *name) {
-    if (!h->slots || !name) return -1;
-    for (size_t i = (size_t)hash_name(name) & h->mask;; i = (i + 1) & h->mask) {
-        int64_t k = h->slots[i];
-        if (k < 0) return -1;
-        if (strcmp(ts[k].name, name) == 0) return k;
-    }
-}
-
-// Inserts ts[k]. Returns -1, or the index of an entry that already has that name (not inserted).
-static int64_t name_index_insert(name_index *h, const di_st_tensor *ts, int64_t k) {
-    for (size_t i = (size_t)hash_name(ts[k].name) & h->mask;; i = (i + 1) & h->mask) {
-        int64_t j = h->slots[i];
-        if (j < 0) {
-            h->slots[i] = k;
-            return -1;
-        }
-        if (strcmp(ts[j].name, ts[k].name) == 0) return j;
-    }
-}
+// The tensor tables' name index (base/name_index.h) over di_st_tensor.name.
+#define ST_INSERT(h, ts, k)                                                                        \
+    di_name_index_insert(h, ts, sizeof(di_st_tensor), offsetof(di_st_tensor, name), k)
+#define ST_FIND(h, ts, name)                                                                       \
+    di_name_index_find(h, ts, sizeof(di_st_tensor), offsetof(di_st_tensor, name), name)
 
 // ---- parsing one image ----
 
@@ -83,8 +36,8 @@ struct di_st_file {
     int64_t n_tensors;
     const char **meta_kv; // owned [2 * n_meta]; strings point into `strings`
     int64_t n_meta;
-    char *strings;    // owned: tensor names and metadata keys/values, NUL-terminated
-    name_index index; // owned
+    char *strings;       // owned: tensor names and metadata keys/values, NUL-terminated
+    di_name_index index; // owned
 };
 
 typedef struct span {
@@ -328,10 +281,10 @@ di_status di_st_file_parse(const uint8_t *bytes, size_t n_bytes, const char *wha
     DI_ASSERT(f->n_tensors == n_tensors && f->n_meta == n_meta);
     DI_TRY(check_overlaps(what, f->tensors, spans, n_tensors));
 
-    if (name_index_init(&f->index, n_tensors) != DI_OK) goto nomem;
+    if (di_name_index_init(&f->index, n_tensors) != DI_OK) goto nomem;
     for (int64_t k = 0; k < n_tensors; k++) {
         // JSON_REJECT_DUPLICATES already refused repeated keys; this is the invariant.
-        DI_ASSERT(name_index_insert(&f->index, f->tensors, k) < 0);
+        DI_ASSERT(ST_INSERT(&f->index, f->tensors, k) < 0);
     }
 
     di_free(spans);
@@ -368,7 +321,7 @@ di_status di_st_file_open(const char *path, di_st_file **out) {
 
 void di_st_file_close(di_st_file *f) {
     if (!f) return;
-    name_index_deinit(&f->index);
+    di_name_index_deinit(&f->index);
     di_free(f->strings);
     di_free(f->meta_kv);
     di_free(f->tensors);
@@ -387,7 +340,7 @@ const di_st_tensor *di_st_file_tensor(const di_st_file *f, int64_t i) {
 }
 
 const di_st_tensor *di_st_file_find(const di_st_file *f, const char *name) {
-    int64_t k = name_index_find(&f->index, f->tensors, name);
+    int64_t k = ST_FIND(&f->index, f->tensors, name);
     return k < 0 ? NULL : &f->tensors[k];
 }
 
@@ -409,7 +362,7 @@ struct di_st_set {
     di_st_tensor *tensors; // owned [n_tensors]: copies with shard set; names borrowed from files
     int64_t n_tensors;     // (or from `names` for a view set)
     char *names;           // owned by a view set (di_st_set_create_view); NULL otherwise
-    name_index index;      // owned
+    di_name_index index;   // owned
     size_t data_bytes;
 };
 
@@ -445,14 +398,14 @@ static di_status build_set(di_st_set *s) {
     int64_t n = 0;
     for (int i = 0; i < s->n_files; i++) n += s->files[i]->n_tensors;
     s->tensors = di_calloc((size_t)n, sizeof *s->tensors);
-    if (!s->tensors || name_index_init(&s->index, n) != DI_OK) return DI_ERR_NOMEM;
+    if (!s->tensors || di_name_index_init(&s->index, n) != DI_OK) return DI_ERR_NOMEM;
     for (int i = 0; i < s->n_files; i++) {
         const di_st_file *f = s->files[i];
         for (int64_t j = 0; j < f->n_tensors; j++) {
             int64_t k = s->n_tensors;
             s->tensors[k] = f->tensors[j];
             s->tensors[k].shard = i;
-            int64_t dup = name_index_insert(&s->index, s->tensors, k);
+            int64_t dup = ST_INSERT(&s->index, s->tensors, k);
             if (dup >= 0) {
                 DI_LOG_ERROR("tensor \"%.*s\" is in both %s and %s", NAME_LOG_MAX,
                              f->tensors[j].name, s->files[s->tensors[dup].shard]->what, f->what);
@@ -639,7 +592,7 @@ fail:
 
 void di_st_set_close(di_st_set *s) {
     if (!s) return;
-    name_index_deinit(&s->index);
+    di_name_index_deinit(&s->index);
     di_free(s->tensors);
     di_free(s->names);
     for (int i = 0; i < s->n_files; i++) di_st_file_close(s->files[i]);
@@ -655,7 +608,7 @@ di_status di_st_set_create_view(const di_st_tensor *tensors, int64_t n_tensors, 
     for (int64_t i = 0; i < n_tensors; i++) n_chars += strlen(tensors[i].name) + 1;
     s->names = di_malloc(n_chars + 1);
     s->tensors = di_calloc((size_t)n_tensors + 1, sizeof *s->tensors);
-    if (!s->names || !s->tensors || name_index_init(&s->index, n_tensors) != DI_OK) {
+    if (!s->names || !s->tensors || di_name_index_init(&s->index, n_tensors) != DI_OK) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -666,7 +619,7 @@ di_status di_st_set_create_view(const di_st_tensor *tensors, int64_t n_tensors, 
         s->tensors[i] = tensors[i];
         s->tensors[i].name = s->names + pos;
         pos += len + 1;
-        if (name_index_insert(&s->index, s->tensors, i) >= 0) {
+        if (ST_INSERT(&s->index, s->tensors, i) >= 0) {
             DI_LOG_ERROR("tensor \"%.*s\" is listed twice", NAME_LOG_MAX, tensors[i].name);
             st = DI_ERR_FORMAT;
             goto fail;
@@ -691,7 +644,7 @@ const di_st_tensor *di_st_set_tensor(const di_st_set *s, int64_t i) {
 }
 
 const di_st_tensor *di_st_set_find(const di_st_set *s, const char *name) {
-    int64_t k = name_index_find(&s->index, s->tensors, name);
+    int64_t k = ST_FIND(&s->index, s->tensors, name);
     return k < 0 ? NULL : &s->tensors[k];
 }
 

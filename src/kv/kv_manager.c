@@ -3,6 +3,7 @@
 
 #include <string.h>
 
+#include "base/hash.h"
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/status.h"
@@ -38,10 +39,8 @@ static int32_t gcd32(int32_t a, int32_t b) {
 static uint64_t model_id(const di_model *m) {
     // FNV-1a over the hyper-parameters and the precision recipe: blocks are never shared
     // between different models or numerics.
-    uint64_t h = 0xcbf29ce484222325ull;
-    const unsigned char *b = (const unsigned char *)&m->hp;
-    for (size_t i = 0; i < sizeof m->hp; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    h = (h ^ (uint64_t)m->opt.precision) * 0x100000001b3ull;
+    uint64_t h = di_fnv1a(&m->hp, sizeof m->hp, DI_FNV1A_INIT);
+    h = (h ^ (uint64_t)m->opt.precision) * 0x100000001b3ull; // then one step per word
     h = (h ^ (uint64_t)m->n_params) * 0x100000001b3ull;
     return h;
 }

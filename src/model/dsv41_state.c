@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "base/buf.h"
+#include "base/hash.h"
 #include "base/log.h"
 #include "base/mem.h"
 #include "model/dsv41.h"
@@ -182,14 +183,8 @@ di_status di_dsv41_rollback(di_session *s, int32_t n) {
 #define STATE_MAGIC 0x53313444u // "D41S"
 #define STATE_VERSION 1u
 
-static uint64_t fnv1a(const void *p, size_t n, uint64_t h) {
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return h;
-}
-
 static uint64_t fingerprint(const di_model *m) {
-    return fnv1a(&m->hp, sizeof m->hp, 0xcbf29ce484222325ull);
+    return di_fnv1a(&m->hp, sizeof m->hp, DI_FNV1A_INIT);
 }
 
 di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes) {
@@ -221,7 +216,7 @@ di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes) {
     if (!r && hp->n_engram > 0 && s->pos > 0)
         r = di_buf_append(&b, st->hist, sizeof(int32_t) * (size_t)s->pos);
     if (!r) {
-        uint64_t sum = fnv1a(b.data, b.len, 0xcbf29ce484222325ull);
+        uint64_t sum = di_fnv1a(b.data, b.len, DI_FNV1A_INIT);
         r = di_buf_append(&b, &sum, sizeof sum);
     }
     if (r) {
@@ -258,7 +253,7 @@ di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes) {
     bool ok = n_bytes >= sizeof sum;
     if (ok) {
         memcpy(&sum, (const unsigned char *)bytes + n_bytes - sizeof sum, sizeof sum);
-        ok = fnv1a(bytes, n_bytes - sizeof sum, 0xcbf29ce484222325ull) == sum;
+        ok = di_fnv1a(bytes, n_bytes - sizeof sum, DI_FNV1A_INIT) == sum;
     }
     if (!ok) {
         DI_LOG_ERROR("session restore: checksum mismatch (truncated or corrupted state)");

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "base/buf.h"
+#include "base/hash.h"
 #include "base/log.h"
 #include "base/mem.h"
 #include "model/dsv4.h"
@@ -308,14 +309,8 @@ di_status di_dsv4_session_reserve(di_session *s, int32_t n_tok) {
 #define STATE_MAGIC 0x53344944u // "DI4S"
 #define STATE_VERSION 1u
 
-static uint64_t fnv1a(const void *p, size_t n, uint64_t h) {
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return h;
-}
-
 static uint64_t model_fingerprint(const di_model *m) {
-    return fnv1a(&m->hp, sizeof m->hp, 0xcbf29ce484222325ull);
+    return di_fnv1a(&m->hp, sizeof m->hp, DI_FNV1A_INIT);
 }
 
 static di_status put(di_buf *b, const void *p, size_t n) {
@@ -361,7 +356,7 @@ di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
     if (!st)
         st = put(&b, s->mtp_pending_x, sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
     if (!st) {
-        uint64_t sum = fnv1a(b.data, b.len, 0xcbf29ce484222325ull);
+        uint64_t sum = di_fnv1a(b.data, b.len, DI_FNV1A_INIT);
         st = put(&b, &sum, sizeof sum);
     }
     if (st) {
@@ -414,7 +409,7 @@ di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
     int32_t pos;
     uint8_t flags[2];
     if (n_bytes < sizeof sum ||
-        fnv1a(bytes, n_bytes - sizeof sum, 0xcbf29ce484222325ull) !=
+        di_fnv1a(bytes, n_bytes - sizeof sum, DI_FNV1A_INIT) !=
             (memcpy(&sum, (const unsigned char *)bytes + n_bytes - sizeof sum, sizeof sum), sum)) {
         DI_LOG_ERROR("session restore: checksum mismatch (truncated or corrupted state)");
         di_session_reset(s);
