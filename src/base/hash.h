@@ -19,6 +19,7 @@ static inline uint64_t di_fnv1a(const void *p, size_t n, uint64_t h) {
 // FNV-1a of a NUL-terminated string.
 static inline uint64_t di_fnv1a_str(const char *s) {
     uint64_t h = DI_FNV1A_INIT;
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) h = (h ^ *p) * 0x100000001b3ull;
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++)
+        h = (h ^ *p) * 0x100000001b3ull;
     return h;
 }

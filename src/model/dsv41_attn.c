@@ -90,9 +90,8 @@ typedef struct attn_ctx {
 static void attn_task(void *p, int ith, int nth) {
     attn_ctx *c = p;
     const di_hparams *hp = &c->m->hp;
-    const int32_t H = hp->n_head, Dh = hp->head_dim, n_rot = hp->rope_main.n_dims;
+    const int32_t H = hp->n_head, Dh = hp->head_dim;
     const int32_t rr = c->st->ring_rows;
-    const float scale = 1.0f / sqrtf((float)Dh);
     float *sc = c->scores + (int64_t)ith * c->scores_stride;
     int64_t lo, hi;
     di_split_range((int64_t)c->n_tok * H, ith, nth, &lo, &hi);
@@ -111,30 +110,16 @@ static void attn_task(void *p, int ith, int nth) {
         }
         const int64_t n_win = w_hi - w_lo + 1;
         const int64_t n_cmp = c->sel ? c->n_sel[t] : 0;
-#define KEY(j)                                                                                     \
-    ((j) < n_win ? ((w_lo + (j)) < c->p0 ? c->ring + ((w_lo + (j)) % rr) * Dh                      \
-                                         : c->kv + ((w_lo + (j)) - c->p0) * Dh)                    \
-                 : c->cmain + (int64_t)c->sel[t * c->topk + ((j)-n_win)] * Dh)
-        const int64_t n_keys = n_win + n_cmp;
-        float mx = c->sink[h];
-        for (int64_t j = 0; j < n_keys; j++) {
-            sc[j] = di_ref_dot(q, KEY(j), Dh) * scale;
-            mx = fmaxf(mx, sc[j]);
-        }
-        float den = expf(c->sink[h] - mx); // the sink takes mass, gives no value
-        for (int64_t j = 0; j < n_keys; j++) den += (sc[j] = expf(sc[j] - mx));
-        float inv = 1.0f / den;
-        memset(o, 0, sizeof(float) * (size_t)Dh);
-        for (int64_t j = 0; j < n_keys; j++) {
-            float pj = sc[j] * inv;
-            if (c->m->opt.precision == DI_PRECISION_OFFICIAL) pj = di_round_bf16(pj);
-            const float *k = KEY(j);
-            for (int32_t i = 0; i < Dh; i++) o[i] += pj * k[i];
-        }
-#undef KEY
-        di_dsv4_round(c->m, o, Dh);
-        di_ref_rope(o, Dh, n_rot, c->omega, P, c->rscale, true); // de-rotate at the query
-        di_dsv4_round(c->m, o, Dh);
+        const di_dsv4_keys keys = {.ring = c->ring,
+                                   .ring_rows = rr,
+                                   .rows = c->kv,
+                                   .p0 = c->p0,
+                                   .w_lo = w_lo,
+                                   .n_win = n_win,
+                                   .cmain = c->cmain,
+                                   .sel = c->sel ? c->sel + t * c->topk : NULL,
+                                   .n_cmp = n_cmp};
+        di_dsv4_attend_row(c->m, q, c->sink[h], &keys, P, c->omega, c->rscale, sc, o);
     }
 }
 

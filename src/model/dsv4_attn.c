@@ -233,6 +233,40 @@ static void indexer_task(void *p, int ith, int nth) {
 
 // ---- attention core ----
 
+static inline const float *key_row(const di_dsv4_keys *k, int64_t j, int32_t Dh) {
+    if (j < k->n_win) {
+        int64_t pos = k->w_lo + j;
+        return pos < k->p0 ? k->ring + (pos % k->ring_rows) * Dh : k->rows + (pos - k->p0) * Dh;
+    }
+    int64_t e = k->sel ? k->sel[j - k->n_win] : j - k->n_win;
+    return k->cmp ? di_dsv4_entry(k->cmp, e, Dh) : k->cmain + e * Dh;
+}
+
+void di_dsv4_attend_row(const di_model *m, const float *q, float sink, const di_dsv4_keys *keys,
+                        int64_t P, const float *omega, float rscale, float *sc, float *o) {
+    const int32_t Dh = m->hp.head_dim, n_rot = m->hp.rope_main.n_dims;
+    const float scale = 1.0f / sqrtf((float)Dh);
+    const int64_t n_keys = keys->n_win + keys->n_cmp;
+    float mx = sink;
+    for (int64_t j = 0; j < n_keys; j++) {
+        sc[j] = di_ref_dot(q, key_row(keys, j, Dh), Dh) * scale;
+        mx = fmaxf(mx, sc[j]);
+    }
+    float den = expf(sink - mx); // the sink takes mass, gives no value
+    for (int64_t j = 0; j < n_keys; j++) den += (sc[j] = expf(sc[j] - mx));
+    float inv = 1.0f / den;
+    memset(o, 0, sizeof(float) * (size_t)Dh);
+    for (int64_t j = 0; j < n_keys; j++) {
+        float pj = sc[j] * inv;
+        if (m->opt.precision == DI_PRECISION_OFFICIAL) pj = di_round_bf16(pj);
+        const float *k = key_row(keys, j, Dh);
+        for (int32_t i = 0; i < Dh; i++) o[i] += pj * k[i];
+    }
+    di_dsv4_round(m, o, Dh);
+    di_ref_rope(o, Dh, n_rot, omega, P, rscale, true); // de-rotate at the query position
+    di_dsv4_round(m, o, Dh);
+}
+
 typedef struct attn_ctx {
     const di_model *m;
     const di_dsv4_ctx *c;
@@ -250,9 +284,8 @@ typedef struct attn_ctx {
 static void attn_task(void *p, int ith, int nth) {
     attn_ctx *c = p;
     const di_hparams *hp = &c->m->hp;
-    const int32_t H = hp->n_head, Dh = hp->head_dim, W = hp->window, n_rot = hp->rope_main.n_dims;
+    const int32_t H = hp->n_head, Dh = hp->head_dim, W = hp->window;
     const int32_t ratio = c->lw->ratio, topk = hp->index_topk;
-    const float scale = 1.0f / sqrtf((float)Dh);
     const bool compress = ratio > 0;
     const float *omega = compress ? c->m->omega_compress : c->m->omega_main;
     const float rscale =
@@ -282,30 +315,16 @@ static void attn_task(void *p, int ith, int nth) {
         } else if (compress) {
             n_cmp = (P + 1) / ratio;
         }
-#define KEY(j)                                                                                     \
-    ((j) < n_win ? ((w_lo + (j)) < p0 ? ls->ring + ((w_lo + (j)) % W) * Dh                         \
-                                      : kv_call + ((w_lo + (j)) - p0) * Dh)                        \
-                 : di_dsv4_entry(&ls->cmp, sel ? sel[(j)-n_win] : ((j)-n_win), Dh))
-        int64_t n_keys = n_win + n_cmp;
-        float mx = c->lw->attn_sink[h];
-        for (int64_t j = 0; j < n_keys; j++) {
-            sc[j] = di_ref_dot(q, KEY(j), Dh) * scale;
-            mx = fmaxf(mx, sc[j]);
-        }
-        float den = expf(c->lw->attn_sink[h] - mx); // the sink takes mass, gives no value
-        for (int64_t j = 0; j < n_keys; j++) den += (sc[j] = expf(sc[j] - mx));
-        float inv = 1.0f / den;
-        memset(o, 0, sizeof(float) * (size_t)Dh);
-        for (int64_t j = 0; j < n_keys; j++) {
-            float pj = sc[j] * inv;
-            if (c->m->opt.precision == DI_PRECISION_OFFICIAL) pj = di_round_bf16(pj);
-            const float *k = KEY(j);
-            for (int32_t i = 0; i < Dh; i++) o[i] += pj * k[i];
-        }
-#undef KEY
-        di_dsv4_round(c->m, o, Dh);
-        di_ref_rope(o, Dh, n_rot, omega, P, rscale, true); // de-rotate at the query position
-        di_dsv4_round(c->m, o, Dh);
+        const di_dsv4_keys keys = {.ring = ls->ring,
+                                   .ring_rows = W,
+                                   .rows = kv_call,
+                                   .p0 = p0,
+                                   .w_lo = w_lo,
+                                   .n_win = n_win,
+                                   .cmp = &ls->cmp,
+                                   .sel = sel,
+                                   .n_cmp = n_cmp};
+        di_dsv4_attend_row(c->m, q, c->lw->attn_sink[h], &keys, P, omega, rscale, sc, o);
     }
 }
 
