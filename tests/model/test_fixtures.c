@@ -7,6 +7,7 @@
 //   - the official-layout FP8/FP4 variant against its dequantised reference;
 //   - greedy generation against transformers' greedy generate, where the fixture has one.
 #include "harness.h"
+#include "trace_ref.h"
 
 #include <dirent.h>
 #include <stdint.h>
@@ -36,34 +37,9 @@ typedef struct capture {
 static void trace_cb(void *user, const char *name, int il, const void *data, bool is_int,
                      int64_t n_rows, int64_t row_len) {
     capture *c = user;
-    char key[64];
-    snprintf(key, sizeof key, "%s.%d", name, il);
-    const di_st_tensor *t = di_st_file_find(c->ref, key);
-    if (!t) return;
-    if (is_int) {
-        if (t->dtype != DI_DTYPE_I32 || t->n_elements != n_rows * row_len) {
-            fprintf(stderr, "%s: shape mismatch\n", key);
-            c->sel_mismatch++;
-            return;
-        }
-        const int32_t *ref = t->data, *got = data;
-        for (int64_t r = 0; r < n_rows; r++) {
-            c->sel_checked++;
-            if (memcmp(ref + r * row_len, got + r * row_len, sizeof(int32_t) * (size_t)row_len)) {
-                if (c->sel_mismatch < 5)
-                    fprintf(stderr, "%s: query %lld selects differently\n", key, (long long)r);
-                c->sel_mismatch++;
-            }
-        }
-        return;
-    }
-    if (t->dtype != DI_DTYPE_F32 || t->n_elements != n_rows * row_len) {
-        fprintf(stderr, "%s: ref has %lld elements, got %lld\n", key, (long long)t->n_elements,
-                (long long)(n_rows * row_len));
-        CHECK(false);
-        return;
-    }
-    double e = test_rel_err(data, t->data, n_rows * row_len);
+    double e = trace_compare(c->ref, name, il, data, is_int, n_rows, row_len, &c->sel_checked,
+                             &c->sel_mismatch);
+    if (is_int || e < 0) return;
     if (strcmp(name, "layer_out") == 0 && e > c->worst_layer)
         c->worst_layer = e, c->worst_layer_il = il;
     if (strcmp(name, "attn_out") == 0 && e > c->worst_attn)

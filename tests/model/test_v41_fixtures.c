@@ -15,6 +15,7 @@
 // each model directory is assembled in a temp dir: links to config.json and model.safetensors
 // plus engram/token_map.safetensors written from engram_cmap.
 #include "harness.h"
+#include "trace_ref.h"
 
 #include <dirent.h>
 #include <stdint.h>
@@ -47,39 +48,14 @@ typedef struct capture {
 static void trace_cb(void *user, const char *name, int il, const void *data, bool is_int,
                      int64_t n_rows, int64_t row_len) {
     capture *c = user;
-    char key[64];
-    snprintf(key, sizeof key, "%s.%d", name, il);
-    const di_st_tensor *t = di_st_file_find(c->ref, key);
-    if (!t) return;
-    if (is_int) {
-        if (t->dtype != DI_DTYPE_I32 || t->n_elements != n_rows * row_len) {
-            fprintf(stderr, "%s: ref shape differs\n", key);
-            c->topk_mismatch++;
-            return;
-        }
-        const int32_t *ref = t->data, *got = data;
-        for (int64_t r = 0; r < n_rows; r++) {
-            c->topk_checked++;
-            if (memcmp(ref + r * row_len, got + r * row_len, sizeof(int32_t) * (size_t)row_len)) {
-                if (c->topk_mismatch < 5)
-                    fprintf(stderr, "%s: query %lld differs\n", key, (long long)r);
-                c->topk_mismatch++;
-            }
-        }
-        return;
-    }
-    if (t->dtype != DI_DTYPE_F32 || t->n_elements != n_rows * row_len) {
-        fprintf(stderr, "%s: ref has %lld elements, got %lld\n", key, (long long)t->n_elements,
-                (long long)(n_rows * row_len));
-        CHECK(false);
-        return;
-    }
+    double e = trace_compare(c->ref, name, il, data, is_int, n_rows, row_len, &c->topk_checked,
+                             &c->topk_mismatch);
+    if (is_int || e < 0) return;
     int w = strcmp(name, "layer_out") == 0  ? 0
             : strcmp(name, "attn_out") == 0 ? 1
             : strcmp(name, "hc_pre") == 0   ? 2
                                             : -1;
     if (w < 0) return;
-    double e = test_rel_err(data, t->data, n_rows * row_len);
     c->n_compared++;
     if (e > c->worst[w]) c->worst[w] = e, c->worst_il[w] = il;
 }
