@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/hash.h"
 #include "base/mem.h"
 
 void di_buf_init(di_buf *b) {
@@ -65,4 +66,35 @@ char *di_buf_take(di_buf *b) {
     char *p = b->data;
     di_buf_init(b);
     return p;
+}
+
+di_status di_buf_seal(di_buf *b, void **bytes, size_t *n_bytes) {
+    uint64_t sum = di_fnv1a(b->data, b->len, DI_FNV1A_INIT);
+    di_status st = di_buf_append(b, &sum, sizeof sum);
+    if (st) {
+        di_buf_deinit(b);
+        return st;
+    }
+    *n_bytes = b->len;
+    *bytes = di_buf_take(b);
+    return DI_OK;
+}
+
+bool di_reader_open(di_reader *r, const void *bytes, size_t n_bytes) {
+    uint64_t sum;
+    r->p = bytes;
+    r->left = 0;
+    if (n_bytes < sizeof sum) return false;
+    memcpy(&sum, r->p + n_bytes - sizeof sum, sizeof sum);
+    if (di_fnv1a(bytes, n_bytes - sizeof sum, DI_FNV1A_INIT) != sum) return false;
+    r->left = n_bytes - sizeof sum;
+    return true;
+}
+
+bool di_reader_get(di_reader *r, void *dst, size_t n) {
+    if (n > r->left) return false;
+    if (n) memcpy(dst, r->p, n);
+    r->p += n;
+    r->left -= n;
+    return true;
 }

@@ -215,72 +215,48 @@ di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes) {
     }
     if (!r && hp->n_engram > 0 && s->pos > 0)
         r = di_buf_append(&b, st->hist, sizeof(int32_t) * (size_t)s->pos);
-    if (!r) {
-        uint64_t sum = di_fnv1a(b.data, b.len, DI_FNV1A_INIT);
-        r = di_buf_append(&b, &sum, sizeof sum);
-    }
     if (r) {
         di_buf_deinit(&b);
         return r;
     }
-    *n_bytes = b.len;
-    *bytes = di_buf_take(&b);
-    return DI_OK;
-}
-
-typedef struct reader {
-    const unsigned char *p;
-    size_t left;
-} reader;
-
-static bool get(reader *r, void *dst, size_t n) {
-    if (n > r->left) return false;
-    if (n) memcpy(dst, r->p, n);
-    r->p += n;
-    r->left -= n;
-    return true;
+    return di_buf_seal(&b, bytes, n_bytes);
 }
 
 di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes) {
     const di_hparams *hp = &s->model->hp;
     di_dsv41_state *st = s->v41;
     const size_t Dh = (size_t)hp->head_dim, DI = (size_t)hp->index_head_dim;
-    reader r = {bytes, n_bytes};
+    di_reader r;
     uint32_t hdr[2];
-    uint64_t fp, sum;
+    uint64_t fp;
     int32_t pos[2];
     uint8_t mtp;
-    bool ok = n_bytes >= sizeof sum;
-    if (ok) {
-        memcpy(&sum, (const unsigned char *)bytes + n_bytes - sizeof sum, sizeof sum);
-        ok = di_fnv1a(bytes, n_bytes - sizeof sum, DI_FNV1A_INIT) == sum;
-    }
+    bool ok = di_reader_open(&r, bytes, n_bytes);
     if (!ok) {
         DI_LOG_ERROR("session restore: checksum mismatch (truncated or corrupted state)");
         goto fail;
     }
-    r.left -= sizeof sum;
-    ok = get(&r, hdr, sizeof hdr) && hdr[0] == STATE_MAGIC && hdr[1] == STATE_VERSION &&
-         get(&r, &fp, sizeof fp) && fp == fingerprint(s->model) && get(&r, pos, sizeof pos) &&
-         pos[0] >= 0 && pos[0] <= s->n_ctx_max && pos[1] >= 0 && pos[1] <= pos[0] &&
-         get(&r, &mtp, 1) && mtp == s->mtp;
+    ok = di_reader_get(&r, hdr, sizeof hdr) && hdr[0] == STATE_MAGIC && hdr[1] == STATE_VERSION &&
+         di_reader_get(&r, &fp, sizeof fp) && fp == fingerprint(s->model) &&
+         di_reader_get(&r, pos, sizeof pos) && pos[0] >= 0 && pos[0] <= s->n_ctx_max &&
+         pos[1] >= 0 && pos[1] <= pos[0] && di_reader_get(&r, &mtp, 1) && mtp == s->mtp;
     if (ok) {
         ok = reserve(s, pos[0], 1) == DI_OK; // capacities for pos[0] positions
     }
     for (int il = 0; ok && il < st->n_state_layers; il++)
-        ok = get(&r, st->ring[il], sizeof(float) * (size_t)st->ring_rows * Dh);
+        ok = di_reader_get(&r, st->ring[il], sizeof(float) * (size_t)st->ring_rows * Dh);
     for (int il = 0; ok && il < hp->n_layer; il++) {
         if (!hp->kv_source[il]) continue;
         di_dsv41_src *src = &st->src[il];
         int64_t ne;
-        ok = get(&r, &ne, sizeof ne) && ne == pos[0] / hp->compress_ratio[il] &&
-             get(&r, src->cmain, sizeof(float) * (size_t)ne * Dh) &&
-             get(&r, src->kidx, sizeof(float) * (size_t)ne * DI) &&
-             (!src->cz || get(&r, src->cz, sizeof(float) * DI_DSV41_CZ_SLOTS * 2 * Dh));
+        ok = di_reader_get(&r, &ne, sizeof ne) && ne == pos[0] / hp->compress_ratio[il] &&
+             di_reader_get(&r, src->cmain, sizeof(float) * (size_t)ne * Dh) &&
+             di_reader_get(&r, src->kidx, sizeof(float) * (size_t)ne * DI) &&
+             (!src->cz || di_reader_get(&r, src->cz, sizeof(float) * DI_DSV41_CZ_SLOTS * 2 * Dh));
         if (ok) src->n_entries = ne;
     }
     if (ok && hp->n_engram > 0 && pos[0] > 0)
-        ok = get(&r, st->hist, sizeof(int32_t) * (size_t)pos[0]);
+        ok = di_reader_get(&r, st->hist, sizeof(int32_t) * (size_t)pos[0]);
     ok = ok && r.left == 0;
     if (!ok) {
         DI_LOG_ERROR("session restore: the bytes are not a state of this model (%zu bytes)",

@@ -313,23 +313,20 @@ static uint64_t model_fingerprint(const di_model *m) {
     return di_fnv1a(&m->hp, sizeof m->hp, DI_FNV1A_INIT);
 }
 
-static di_status put(di_buf *b, const void *p, size_t n) {
-    return di_buf_append(b, p, n);
-}
-
 static di_status put_cmp(di_buf *b, const di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw) {
     size_t width = (size_t)cw->c * (size_t)cw->d, nb = sizeof(float) * (size_t)cw->m * width;
-    di_status st = put(b, cs->buf_c, nb);
-    if (!st) st = put(b, cs->buf_z, nb);
+    di_status st = di_buf_append(b, cs->buf_c, nb);
+    if (!st) st = di_buf_append(b, cs->buf_z, nb);
     if (!st && cw->c == 2) {
         size_t no = sizeof(float) * (size_t)cw->m * (size_t)cw->d;
         uint8_t has = cs->has_ovl;
-        st = put(b, cs->ovl_c, no);
-        if (!st) st = put(b, cs->ovl_z, no);
-        if (!st) st = put(b, &has, 1);
+        st = di_buf_append(b, cs->ovl_c, no);
+        if (!st) st = di_buf_append(b, cs->ovl_z, no);
+        if (!st) st = di_buf_append(b, &has, 1);
     }
-    if (!st) st = put(b, &cs->n_entries, sizeof cs->n_entries);
-    if (!st) st = put(b, cs->entries, sizeof(float) * (size_t)cs->n_entries * (size_t)cw->d);
+    if (!st) st = di_buf_append(b, &cs->n_entries, sizeof cs->n_entries);
+    if (!st)
+        st = di_buf_append(b, cs->entries, sizeof(float) * (size_t)cs->n_entries * (size_t)cw->d);
     return st;
 }
 
@@ -342,88 +339,69 @@ di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
     uint32_t hdr[2] = {STATE_MAGIC, STATE_VERSION};
     uint64_t fp = model_fingerprint(m);
     uint8_t flags[2] = {s->mtp, s->mtp_pending};
-    di_status st = put(&b, hdr, sizeof hdr);
-    if (!st) st = put(&b, &fp, sizeof fp);
-    if (!st) st = put(&b, &s->pos, sizeof s->pos);
-    if (!st) st = put(&b, flags, sizeof flags);
+    di_status st = di_buf_append(&b, hdr, sizeof hdr);
+    if (!st) st = di_buf_append(&b, &fp, sizeof fp);
+    if (!st) st = di_buf_append(&b, &s->pos, sizeof s->pos);
+    if (!st) st = di_buf_append(&b, flags, sizeof flags);
     for (int il = 0; !st && il < n_state_layers(s); il++) {
         const di_dsv4_layer_w *lw = layer_w(s, il);
         const di_dsv4_layer_state *ls = &s->layers[il];
-        st = put(&b, ls->ring, sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
+        st = di_buf_append(&b, ls->ring, sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
         if (!st && lw->ratio > 0) st = put_cmp(&b, &ls->cmp, &lw->cmp);
         if (!st && lw->ratio == 4) st = put_cmp(&b, &ls->idx, &lw->idx_cmp);
     }
     if (!st)
-        st = put(&b, s->mtp_pending_x, sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
-    if (!st) {
-        uint64_t sum = di_fnv1a(b.data, b.len, DI_FNV1A_INIT);
-        st = put(&b, &sum, sizeof sum);
-    }
+        st = di_buf_append(&b, s->mtp_pending_x,
+                           sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
     if (st) {
         di_buf_deinit(&b);
         return st;
     }
-    *n_bytes = b.len;
-    *bytes = di_buf_take(&b);
-    return DI_OK;
+    return di_buf_seal(&b, bytes, n_bytes);
 }
 
-typedef struct reader {
-    const unsigned char *p;
-    size_t left;
-} reader;
-
-static bool get(reader *r, void *dst, size_t n) {
-    if (n > r->left) return false;
-    memcpy(dst, r->p, n);
-    r->p += n;
-    r->left -= n;
-    return true;
-}
-
-static bool get_cmp(reader *r, di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw,
+static bool get_cmp(di_reader *r, di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw,
                     int64_t max_entries) {
     size_t width = (size_t)cw->c * (size_t)cw->d, nb = sizeof(float) * (size_t)cw->m * width;
-    if (!get(r, cs->buf_c, nb) || !get(r, cs->buf_z, nb)) return false;
+    if (!di_reader_get(r, cs->buf_c, nb) || !di_reader_get(r, cs->buf_z, nb)) return false;
     if (cw->c == 2) {
         size_t no = sizeof(float) * (size_t)cw->m * (size_t)cw->d;
         uint8_t has;
-        if (!get(r, cs->ovl_c, no) || !get(r, cs->ovl_z, no) || !get(r, &has, 1) || has > 1)
+        if (!di_reader_get(r, cs->ovl_c, no) || !di_reader_get(r, cs->ovl_z, no) ||
+            !di_reader_get(r, &has, 1) || has > 1)
             return false;
         cs->has_ovl = has;
     }
     int64_t n;
-    if (!get(r, &n, sizeof n) || n != max_entries) return false;
+    if (!di_reader_get(r, &n, sizeof n) || n != max_entries) return false;
     if (grow_entries(cs, n, cw->d) != DI_OK) return false;
     cs->n_entries = n;
-    return get(r, cs->entries, sizeof(float) * (size_t)n * (size_t)cw->d);
+    return di_reader_get(r, cs->entries, sizeof(float) * (size_t)n * (size_t)cw->d);
 }
 
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
     if (s->v41) return di_dsv41_restore(s, bytes, n_bytes);
     const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
-    reader r = {bytes, n_bytes};
+    di_reader r;
     uint32_t hdr[2];
-    uint64_t fp, sum;
+    uint64_t fp;
     int32_t pos;
     uint8_t flags[2];
-    if (n_bytes < sizeof sum ||
-        di_fnv1a(bytes, n_bytes - sizeof sum, DI_FNV1A_INIT) !=
-            (memcpy(&sum, (const unsigned char *)bytes + n_bytes - sizeof sum, sizeof sum), sum)) {
+    if (!di_reader_open(&r, bytes, n_bytes)) {
         DI_LOG_ERROR("session restore: checksum mismatch (truncated or corrupted state)");
         di_session_reset(s);
         return DI_ERR_FORMAT;
     }
-    r.left -= sizeof sum;
-    bool ok = get(&r, hdr, sizeof hdr) && hdr[0] == STATE_MAGIC && hdr[1] == STATE_VERSION &&
-              get(&r, &fp, sizeof fp) && fp == model_fingerprint(m) && get(&r, &pos, sizeof pos) &&
-              pos >= 0 && pos <= s->n_ctx_max && get(&r, flags, sizeof flags) &&
-              flags[0] == s->mtp && flags[1] <= 1;
+    bool ok = di_reader_get(&r, hdr, sizeof hdr) && hdr[0] == STATE_MAGIC &&
+              hdr[1] == STATE_VERSION && di_reader_get(&r, &fp, sizeof fp) &&
+              fp == model_fingerprint(m) && di_reader_get(&r, &pos, sizeof pos) && pos >= 0 &&
+              pos <= s->n_ctx_max && di_reader_get(&r, flags, sizeof flags) && flags[0] == s->mtp &&
+              flags[1] <= 1;
     for (int il = 0; ok && il < n_state_layers(s); il++) {
         const di_dsv4_layer_w *lw = layer_w(s, il);
         di_dsv4_layer_state *ls = &s->layers[il];
-        ok = get(&r, ls->ring, sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
+        ok = di_reader_get(&r, ls->ring, sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
         int64_t n_ent = lw->ratio > 0 ? pos / lw->ratio : 0;
         // The MTP block's positions lag the main model's by one.
         if (il >= hp->n_layer && lw->ratio > 0) n_ent = (pos > 0 ? pos - 1 : 0) / lw->ratio;
@@ -431,7 +409,8 @@ di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
         if (ok && lw->ratio == 4) ok = get_cmp(&r, &ls->idx, &lw->idx_cmp, n_ent);
     }
     ok = ok &&
-         get(&r, s->mtp_pending_x, sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd) &&
+         di_reader_get(&r, s->mtp_pending_x,
+                       sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd) &&
          r.left == 0;
     if (!ok) {
         DI_LOG_ERROR("session restore: the bytes are not a state of this model (%zu bytes)",

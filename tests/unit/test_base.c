@@ -24,6 +24,32 @@ static void test_buf(void) {
     di_buf_deinit(&b);
 }
 
+// di_buf_seal / di_reader: a sealed image reads back field by field; a changed byte, a truncated
+// image and a read past the end are refused.
+static void test_sealed_image(void) {
+    di_buf b;
+    di_buf_init(&b);
+    uint32_t a = 0xdeadbeef, x = 0;
+    double d = 3.5, y = 0;
+    CHECK(di_buf_append(&b, &a, sizeof a) == DI_OK);
+    CHECK(di_buf_append(&b, &d, sizeof d) == DI_OK);
+    void *img = NULL;
+    size_t n = 0;
+    CHECK(di_buf_seal(&b, &img, &n) == DI_OK);
+    CHECK(n == sizeof a + sizeof d + sizeof(uint64_t));
+    CHECK(b.data == NULL && b.len == 0);
+    di_reader r;
+    CHECK(di_reader_open(&r, img, n));
+    CHECK(di_reader_get(&r, &x, sizeof x) && x == a);
+    CHECK(di_reader_get(&r, &y, sizeof y) && y == d);
+    CHECK(r.left == 0 && !di_reader_get(&r, &x, 1));
+    CHECK(!di_reader_open(&r, img, n - 1));
+    CHECK(!di_reader_open(&r, img, 7));
+    ((unsigned char *)img)[2] ^= 0x10;
+    CHECK(!di_reader_open(&r, img, n));
+    di_free(img);
+}
+
 static void test_split_range(void) {
     for (int nth = 1; nth <= 7; nth++) {
         for (int64_t n = 0; n < 30; n++) {
@@ -99,6 +125,7 @@ static void test_json(void) {
 
 int main(void) {
     RUN(test_buf);
+    RUN(test_sealed_image);
     RUN(test_split_range);
     RUN(test_pool);
     RUN(test_json);
