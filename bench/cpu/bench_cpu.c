@@ -3,7 +3,8 @@
 //   2. di_cpu_matmul GEMV over FP8 / FP4 / BF16 / Q8_0 / Q4_K / MXFP4 matrices larger than the
 //      cache: weight bytes per second and the ratio to (1); 64-token GEMM multiply-adds per
 //      second against the FMA peak (probe.h) measured on the same pool;
-//   3. with --model: prefill tokens/s and decode tokens/s of a checkpoint, decode's weight bytes
+//   3. at 1 thread, the attention-side kernels (vec.h) at V4-Flash shapes, scalar vs best level;
+//   4. with --model: prefill tokens/s and decode tokens/s of a checkpoint, decode's weight bytes
 //      per token (counted by di_cpu_matmul) and its roofline ratio = achieved bytes/s / (1).
 // Every timing is the best of --reps repetitions (the machine is shared; best-of is the least
 // noisy estimate of what the hardware allows). Usage:
@@ -16,6 +17,7 @@
 
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/probe.h"
+#include "backend/cpu/vec.h"
 #include "base/mem.h"
 #include "base/thread.h"
 #include "model/dsv4.h"
@@ -115,6 +117,67 @@ static void bench_gemv(di_cpu *cpu, double bw, double mac_peak, int reps) {
     }
     di_aligned_free(x);
     di_aligned_free(y);
+}
+
+// ---- attention-side kernels (backend/cpu/vec.h), one thread ----
+
+// One token's CSA attention at V4-Flash shapes (64 heads x 512, 128 window + 512 selected keys:
+// scores and the weighted sum) and its lightning-indexer scores at context 16384 (64 index heads
+// x 128 against 4096 compressed keys), at the scalar level (the reference arithmetic) and the
+// best level; multiply-adds per second against one thread's FMA peak.
+static void bench_attention(double mac_peak, int reps) {
+    enum { H = 64, DH = 512, NK = 640, HI = 64, DI = 128, NI = 4096 };
+    float *keys = di_aligned_alloc(sizeof(float) * NK * DH),
+          *q = di_aligned_alloc(sizeof(float) * H * DH);
+    float *ik = di_aligned_alloc(sizeof(float) * NI * DI),
+          *iq = di_aligned_alloc(sizeof(float) * HI * DI);
+    float *sc = di_aligned_alloc(sizeof(float) * 8 * NI),
+          *o = di_aligned_alloc(sizeof(float) * 8 * DH);
+    float w[HI];
+    const float *kp[NI];
+    for (int i = 0; i < NK * DH; i++) keys[i] = (float)(rnd() % 1000) / 500.0f - 1.0f;
+    for (int i = 0; i < H * DH; i++) q[i] = (float)(rnd() % 1000) / 500.0f - 1.0f;
+    for (int i = 0; i < NI * DI; i++) ik[i] = (float)(rnd() % 1000) / 500.0f - 1.0f;
+    for (int i = 0; i < HI * DI; i++) iq[i] = (float)(rnd() % 1000) / 500.0f - 1.0f;
+    for (int i = 0; i < HI; i++) w[i] = (float)(rnd() % 1000) / 1000.0f;
+    double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};
+    const int top = (int)di_cpu_isa_detect();
+    for (int l = 0; l < 2; l++) {
+        int isa = l ? top : DI_CPU_ISA_SCALAR;
+        for (int r = 0; r < reps; r++) {
+            double t0 = now_s();
+            // As di_dsv4_attend_heads: groups of 8 heads share each 64-key block.
+            for (int j = 0; j < NK; j++) kp[j] = keys + (int64_t)j * DH;
+            for (int h0 = 0; h0 < H; h0 += 8) {
+                for (int j0 = 0; j0 < NK; j0 += 64)
+                    for (int h = h0; h < h0 + 8; h++)
+                        di_cpu_dots(isa, q + h * DH, kp + j0, 64, DH, 0.04f,
+                                    sc + (h - h0) * NK + j0);
+                for (int j = 0; j < 8 * NK; j++) sc[j] = 1.0f / NK;
+                for (int i = 0; i < 8 * DH; i++) o[i] = 0;
+                for (int j0 = 0; j0 < NK; j0 += 64)
+                    for (int h = 0; h < 8; h++)
+                        di_cpu_weighted_sum(isa, sc + h * NK + j0, kp + j0, 64, DH, o + h * DH);
+            }
+            double t1 = now_s();
+            for (int j = 0; j < NI; j++) kp[j] = ik + (int64_t)j * DI;
+            di_cpu_index_scores(isa, iq, w, HI, kp, NI, DI, sc);
+            double t2 = now_s();
+            if (t1 - t0 < best[l][0]) best[l][0] = t1 - t0;
+            if (t2 - t1 < best[l][1]) best[l][1] = t2 - t1;
+        }
+    }
+    const double macs[2] = {2.0 * H * NK * DH, (double)HI * NI * DI};
+    const char *what[2] = {"CSA attention, 64 heads x 640 keys x 512",
+                           "indexer, 64 x 128 vs 4096 keys"};
+    for (int k = 0; k < 2; k++)
+        printf("  %-42s scalar %7.2f ms, %s %7.2f ms (%.1fx): %.1f G multiply-adds/s = %.2f of "
+               "one thread's FMA peak\n",
+               what[k], best[0][k] * 1e3, di_cpu_isa_name((di_cpu_isa)top), best[1][k] * 1e3,
+               best[0][k] / best[1][k], macs[k] / best[1][k] / 1e9,
+               macs[k] / best[1][k] / mac_peak);
+    di_aligned_free(keys), di_aligned_free(q), di_aligned_free(ik), di_aligned_free(iq);
+    di_aligned_free(sc), di_aligned_free(o);
 }
 
 // ---- model ----
@@ -220,6 +283,7 @@ int main(int argc, char **argv) {
         printf("threads %d: FMA peak %.2f G multiply-adds/s (%s)\n", nth, mac / 1e9,
                di_cpu_isa_name((di_cpu_isa)cpu.isa));
         bench_gemv(&cpu, bw, mac, reps);
+        if (nth == 1) bench_attention(mac, reps); // one row's attention runs on one thread
         di_cpu_deinit(&cpu);
         di_pool_destroy(pool);
         if (model && bench_model(model, nth, n_prompt, n_decode, reps, bw)) return 1;

@@ -279,6 +279,12 @@ void di_dsv4_linear(di_dsv4_ctx *c, const di_tensor *w, const float *x, int32_t 
 // Rounds to BF16 in place when the model runs the official precision recipe (no-op in FP32).
 void di_dsv4_round(const di_model *m, float *v, int64_t n);
 
+// Key rows handed to the attention and indexer kernels (backend/cpu/vec.h) per call: 64 rows of
+// V4's 512 floats (128 KiB) stay in L2 while a head group uses them.
+#define DI_DSV4_KEY_CHUNK 64
+// Heads of one query row that an attention task takes together (they share the key rows).
+#define DI_DSV4_HEAD_GROUP 8
+
 // The keys of one attention row (spec §2.4): window positions [w_lo, w_lo + n_win), those below
 // p0 from a ring of ring_rows rows (slot = position mod ring_rows) and the rest from this call's
 // rows (row = position - p0), then n_cmp compressed entries: entry sel[i] (or i when sel is NULL)
@@ -294,12 +300,14 @@ typedef struct di_dsv4_keys {
     int64_t n_cmp;
 } di_dsv4_keys;
 
-// One query row q [Dh] of head h at position P: o = sum_j p_j key_j, with p the softmax of
-// q.key_j / sqrt(Dh) over the keys and the head's sink (which takes mass and gives no value; p_j
-// rounded to BF16 in the official recipe), then de-rotated at P (omega, rscale: the layer's RoPE).
-// sc: scratch of n_win + n_cmp floats.
-void di_dsv4_attend_row(const di_model *m, const float *q, float sink, const di_dsv4_keys *keys,
-                        int64_t P, const float *omega, float rscale, float *sc, float *o);
+// Heads [h0, h0 + nh) of one query row at position P (q and o: nh rows of Dh, contiguous; sink:
+// their sinks): o_h = sum_j p_hj key_j, with p_h the softmax of q_h.key_j / sqrt(Dh) over the
+// keys and the head's sink (which takes mass and gives no value; p rounded to BF16 in the official
+// recipe), then de-rotated at P (omega, rscale: the layer's RoPE). The heads share each block of
+// key rows while it is in cache. sc: scratch of nh * (n_win + n_cmp) floats.
+void di_dsv4_attend_heads(const di_model *m, const float *q, const float *sink, int32_t nh,
+                          const di_dsv4_keys *keys, int64_t P, const float *omega, float rscale,
+                          float *sc, float *o);
 
 // The k best of sc[0 .. n) (k <= n; ties to the lower index) into sel[k], ascending index.
 void di_dsv4_topk(const float *sc, int64_t n, int32_t k, int32_t *sel);

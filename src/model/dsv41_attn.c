@@ -8,6 +8,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "backend/cpu/vec.h"
 #include "base/log.h"
 #include "model/dsv41.h"
 #include "tensor/quant_ref.h"
@@ -94,11 +95,14 @@ static void attn_task(void *p, int ith, int nth) {
     const int32_t rr = c->st->ring_rows;
     float *sc = c->scores + (int64_t)ith * c->scores_stride;
     int64_t lo, hi;
-    di_split_range((int64_t)c->n_tok * H, ith, nth, &lo, &hi);
-    for (int64_t th = lo; th < hi; th++) {
-        int64_t t = th / H, h = th % H, P = c->p0 + t;
-        const float *q = c->q + th * Dh;
-        float *o = c->o + th * Dh;
+    const int32_t n_grp = (H + DI_DSV4_HEAD_GROUP - 1) / DI_DSV4_HEAD_GROUP;
+    di_split_range((int64_t)c->n_tok * n_grp, ith, nth, &lo, &hi);
+    for (int64_t tg = lo; tg < hi; tg++) {
+        int64_t t = tg / n_grp, P = c->p0 + t;
+        int32_t h0 = (int32_t)(tg % n_grp) * DI_DSV4_HEAD_GROUP;
+        int32_t nh = H - h0 < DI_DSV4_HEAD_GROUP ? H - h0 : DI_DSV4_HEAD_GROUP;
+        const float *q = c->q + (t * H + h0) * Dh;
+        float *o = c->o + (t * H + h0) * Dh;
         // Keys: positions w_lo .. w_hi (ring below p0, this call's rows from p0), then entries.
         int64_t w_lo, w_hi;
         if (c->dspark) {
@@ -119,7 +123,7 @@ static void attn_task(void *p, int ith, int nth) {
                                    .cmain = c->cmain,
                                    .sel = c->sel ? c->sel + t * c->topk : NULL,
                                    .n_cmp = n_cmp};
-        di_dsv4_attend_row(c->m, q, c->sink[h], &keys, P, c->omega, c->rscale, sc, o);
+        di_dsv4_attend_heads(c->m, q, c->sink + h0, nh, &keys, P, c->omega, c->rscale, sc, o);
     }
 }
 
@@ -234,14 +238,12 @@ static void idx_task(void *p, int ith, int nth) {
     for (int64_t t = lo; t < hi; t++) {
         int64_t P = (int64_t)c->p0 + t, vis = (P + 1) / c->src_ratio;
         DI_ASSERT(vis <= c->src->n_entries);
-        for (int64_t w = 0; w < vis; w++) {
-            const float *kw = c->src->kidx + w * DI;
-            float acc = 0;
-            for (int32_t h = 0; h < HI; h++) {
-                float dot = di_ref_dot(c->qi + (t * HI + h) * DI, kw, DI);
-                acc += c->wi[t * HI + h] * (dot > 0 ? dot : 0); // ReLU per head, then weight
-            }
-            sc[w] = acc;
+        const float *kp[DI_DSV4_KEY_CHUNK];
+        for (int64_t w0 = 0; w0 < vis; w0 += DI_DSV4_KEY_CHUNK) {
+            int64_t nk = vis - w0 < DI_DSV4_KEY_CHUNK ? vis - w0 : DI_DSV4_KEY_CHUNK;
+            for (int64_t w = 0; w < nk; w++) kp[w] = c->src->kidx + (w0 + w) * DI;
+            di_cpu_index_scores(c->m->cpu.isa, c->qi + t * HI * DI, c->wi + t * HI, HI, kp, nk, DI,
+                                sc + w0);
         }
         di_dsv4_round(c->m, sc, vis); // R-OFF: BF16 scores
         int32_t *cand = st->cand + t * ntb;

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/cpu/vec.h"
 #include "base/log.h"
 #include "model/dsv4.h"
 #include "tensor/quant_ref.h"
@@ -217,14 +218,12 @@ static void indexer_task(void *p, int ith, int nth) {
             for (int32_t i = 0; i < k; i++) sel[i] = i;
             continue;
         }
-        for (int64_t w = 0; w < vis; w++) {
-            const float *kw = di_dsv4_entry(keys, w, DI);
-            float acc = 0;
-            for (int32_t h = 0; h < HI; h++) {
-                float dot = di_ref_dot(c->qi + (t * HI + h) * DI, kw, DI);
-                acc += c->wi[t * HI + h] * (dot > 0 ? dot : 0); // ReLU, then the head weight
-            }
-            sc[w] = acc;
+        const float *kp[DI_DSV4_KEY_CHUNK];
+        for (int64_t w0 = 0; w0 < vis; w0 += DI_DSV4_KEY_CHUNK) {
+            int64_t nk = vis - w0 < DI_DSV4_KEY_CHUNK ? vis - w0 : DI_DSV4_KEY_CHUNK;
+            for (int64_t w = 0; w < nk; w++) kp[w] = di_dsv4_entry(keys, w0 + w, DI);
+            di_cpu_index_scores(c->m->cpu.isa, c->qi + t * HI * DI, c->wi + t * HI, HI, kp, nk, DI,
+                                sc + w0);
         }
         di_dsv4_round(c->m, sc, vis); // R-OFF: BF16 scores
         di_dsv4_topk(sc, vis, k, sel);
@@ -242,29 +241,43 @@ static inline const float *key_row(const di_dsv4_keys *k, int64_t j, int32_t Dh)
     return k->cmp ? di_dsv4_entry(k->cmp, e, Dh) : k->cmain + e * Dh;
 }
 
-void di_dsv4_attend_row(const di_model *m, const float *q, float sink, const di_dsv4_keys *keys,
-                        int64_t P, const float *omega, float rscale, float *sc, float *o) {
-    const int32_t Dh = m->hp.head_dim, n_rot = m->hp.rope_main.n_dims;
+void di_dsv4_attend_heads(const di_model *m, const float *q, const float *sink, int32_t nh,
+                          const di_dsv4_keys *keys, int64_t P, const float *omega, float rscale,
+                          float *sc, float *o) {
+    const int32_t Dh = m->hp.head_dim, n_rot = m->hp.rope_main.n_dims, isa = m->cpu.isa;
     const float scale = 1.0f / sqrtf((float)Dh);
     const int64_t n_keys = keys->n_win + keys->n_cmp;
-    float mx = sink;
-    for (int64_t j = 0; j < n_keys; j++) {
-        sc[j] = di_ref_dot(q, key_row(keys, j, Dh), Dh) * scale;
-        mx = fmaxf(mx, sc[j]);
+    const float *kp[DI_DSV4_KEY_CHUNK];
+    for (int64_t j0 = 0; j0 < n_keys; j0 += DI_DSV4_KEY_CHUNK) {
+        int64_t nk = n_keys - j0 < DI_DSV4_KEY_CHUNK ? n_keys - j0 : DI_DSV4_KEY_CHUNK;
+        for (int64_t j = 0; j < nk; j++) kp[j] = key_row(keys, j0 + j, Dh);
+        for (int32_t h = 0; h < nh; h++)
+            di_cpu_dots(isa, q + h * Dh, kp, nk, Dh, scale, sc + h * n_keys + j0);
     }
-    float den = expf(sink - mx); // the sink takes mass, gives no value
-    for (int64_t j = 0; j < n_keys; j++) den += (sc[j] = expf(sc[j] - mx));
-    float inv = 1.0f / den;
-    memset(o, 0, sizeof(float) * (size_t)Dh);
-    for (int64_t j = 0; j < n_keys; j++) {
-        float pj = sc[j] * inv;
-        if (m->opt.precision == DI_PRECISION_OFFICIAL) pj = di_round_bf16(pj);
-        const float *k = key_row(keys, j, Dh);
-        for (int32_t i = 0; i < Dh; i++) o[i] += pj * k[i];
+    for (int32_t h = 0; h < nh; h++) {
+        float *s = sc + h * n_keys, mx = sink[h];
+        for (int64_t j = 0; j < n_keys; j++) mx = fmaxf(mx, s[j]);
+        float den = expf(sink[h] - mx); // the sink takes mass, gives no value
+        for (int64_t j = 0; j < n_keys; j++) den += (s[j] = expf(s[j] - mx));
+        float inv = 1.0f / den;
+        for (int64_t j = 0; j < n_keys; j++) {
+            s[j] *= inv;
+            if (m->opt.precision == DI_PRECISION_OFFICIAL) s[j] = di_round_bf16(s[j]);
+        }
     }
-    di_dsv4_round(m, o, Dh);
-    di_ref_rope(o, Dh, n_rot, omega, P, rscale, true); // de-rotate at the query position
-    di_dsv4_round(m, o, Dh);
+    memset(o, 0, sizeof(float) * (size_t)nh * (size_t)Dh);
+    for (int64_t j0 = 0; j0 < n_keys; j0 += DI_DSV4_KEY_CHUNK) {
+        int64_t nk = n_keys - j0 < DI_DSV4_KEY_CHUNK ? n_keys - j0 : DI_DSV4_KEY_CHUNK;
+        for (int64_t j = 0; j < nk; j++) kp[j] = key_row(keys, j0 + j, Dh);
+        for (int32_t h = 0; h < nh; h++)
+            di_cpu_weighted_sum(isa, sc + h * n_keys + j0, kp, nk, Dh, o + h * Dh);
+    }
+    for (int32_t h = 0; h < nh; h++) {
+        float *oh = o + h * Dh;
+        di_dsv4_round(m, oh, Dh);
+        di_ref_rope(oh, Dh, n_rot, omega, P, rscale, true); // de-rotate at the query position
+        di_dsv4_round(m, oh, Dh);
+    }
 }
 
 typedef struct attn_ctx {
@@ -292,18 +305,21 @@ static void attn_task(void *p, int ith, int nth) {
         compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
     float *sc = c->scores + (int64_t)ith * c->scores_stride;
     int64_t lo, hi;
-    di_split_range((int64_t)c->n_tok * H, ith, nth, &lo, &hi);
+    const int32_t n_grp = (H + DI_DSV4_HEAD_GROUP - 1) / DI_DSV4_HEAD_GROUP;
+    di_split_range((int64_t)c->n_tok * n_grp, ith, nth, &lo, &hi);
     const int32_t *row_seq = c->c->ws->row_seq, *row_pos = c->c->ws->row_pos;
-    for (int64_t th = lo; th < hi; th++) {
-        int64_t t = th / H, h = th % H;
+    for (int64_t tg = lo; tg < hi; tg++) {
+        int64_t t = tg / n_grp;
+        int32_t h0 = (int32_t)(tg % n_grp) * DI_DSV4_HEAD_GROUP;
+        int32_t nh = H - h0 < DI_DSV4_HEAD_GROUP ? H - h0 : DI_DSV4_HEAD_GROUP;
         const di_dsv4_seq *sq = &c->c->seqs[row_seq[t]];
         const di_dsv4_layer_state *ls = &sq->layers[c->il];
         // This sequence's rows of the call start at row0, position p0.
         const int64_t p0 = sq->pos;
         const float *kv_call = c->kv + (int64_t)sq->row0 * Dh;
         int64_t P = row_pos[t];
-        const float *q = c->q + th * Dh;
-        float *o = c->o + th * Dh;
+        const float *q = c->q + (t * H + h0) * Dh;
+        float *o = c->o + (t * H + h0) * Dh;
         int64_t w_lo = P - W + 1 > sq->win_lo ? P - W + 1 : sq->win_lo;
         int64_t n_win = P - w_lo + 1;
         // Key rows: window positions (ring for positions before this call), then compressed.
@@ -324,7 +340,7 @@ static void attn_task(void *p, int ith, int nth) {
                                    .cmp = &ls->cmp,
                                    .sel = sel,
                                    .n_cmp = n_cmp};
-        di_dsv4_attend_row(c->m, q, c->lw->attn_sink[h], &keys, P, omega, rscale, sc, o);
+        di_dsv4_attend_heads(c->m, q, c->lw->attn_sink + h0, nh, &keys, P, omega, rscale, sc, o);
     }
 }
 

@@ -220,8 +220,10 @@ float *di_dsv4_scratch(di_dsv4_ctx *c, int which) {
 di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, int64_t max_entries,
                              bool mtp) {
     const di_hparams *hp = &m->hp;
-    // Per-thread score rows: window + compressed keys (attention) or every entry (indexer).
-    size_t per_thread = (size_t)(hp->window + hp->index_topk + max_entries + 16);
+    // Per-thread score rows: window + compressed keys for each head of a group (attention) or
+    // every entry (indexer).
+    size_t per_thread =
+        (size_t)(hp->window + hp->index_topk + max_entries + 16) * DI_DSV4_HEAD_GROUP;
     size_t attn = per_thread * (size_t)m->cpu.n_threads;
     if (attn > ws->attn_scratch_floats) {
         float *p = di_aligned_alloc(sizeof(float) * attn);
