@@ -7,8 +7,8 @@
 // Per position: max |test - ref| / max |ref|, cosine similarity, whether the argmaxes agree and how
 // many of the 5 largest logits the two share; then a summary line "summary LABEL: ..." (worst and
 // median of each measure) and a sanity verdict: "same model" when the median cosine is >= 0.99 and
-// >= 80 % of the argmaxes agree, else "DIFFERENT" (exit status 3). The numbers are reported, not
-// gated: the verdict only says whether the two computations are recognisably the same model.
+// at least half of the argmaxes agree, else "DIFFERENT" (exit status 3). The numbers are reported,
+// not gated: the verdict only says whether the two computations are recognisably the same model.
 // Medians, because one flipped discrete choice (an indexer top-k or expert selection at a near
 // tie) perturbs the positions after it, through the compressed KV, without the models differing.
 #include <math.h>
@@ -19,8 +19,10 @@
 #include <string.h>
 
 enum { TOPK = 5 };
-#define COS_SAME 0.99    // median; random-weight logits of two different models have cosine ~0
-#define ARGMAX_SAME 0.80 // quantisation flips near-ties (tiny models: up to ~10 %), not most
+#define COS_SAME 0.99 // median; random-weight logits of two different models have cosine ~0
+// Two different models agree on ~1/vocab of the argmaxes; quantisation flips near-ties, in tiny
+// random-weight models (top-3 of a few index entries) up to ~20 % of the positions.
+#define ARGMAX_SAME 0.5
 
 // Reads a whole file; skips an .npy header (v1: u16 length, v2/3: u32) if there is one.
 static float *load(const char *path, int64_t n_vocab, int64_t *n_rows) {

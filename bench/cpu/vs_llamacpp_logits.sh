@@ -24,7 +24,7 @@
 # for: deepinfer vs llama.cpp on the GGUF; and, with CHECKPOINT_DIR, the reference vs deepinfer on
 # the GGUF (our own quantisation error) and the reference vs llama.cpp on the GGUF. The numbers are
 # reported, not gated; the exit status is 1 only when the same-file comparison fails the sanity
-# verdict (median cosine below 0.99 or fewer than 80 % of the argmaxes agreeing: different models).
+# verdict (median cosine below 0.99 or fewer than half of the argmaxes agreeing: different models).
 set -euo pipefail
 
 usage() {
