@@ -558,9 +558,9 @@ static di_status fill_item(void *user, int64_t i, uint8_t *dst, size_t n_bytes) 
 }
 
 // llama.cpp's general.file_type: MOSTLY_MXFP4_MOE (38) as its converter sets for V4 (experts in
-// MXFP4), MOSTLY_Q4_K_S (14) when everything is Q4_K.
+// MXFP4), MOSTLY_Q4_K_S (14) when everything is Q4_K, ALL_F32 (0) for f32.
 static uint32_t file_type(const char *mode) {
-    return strcmp(mode, "q4_k") == 0 ? 14u : 38u;
+    return strcmp(mode, "q4_k") == 0 ? 14u : strcmp(mode, "f32") == 0 ? 0u : 38u;
 }
 
 static di_status add_metadata(di_gguf_writer *w, const di_hparams *hp, const char *mode) {
@@ -723,7 +723,11 @@ di_status di_dsv4_gguf_convert(const char *src_dir, const char *dst_path, const 
             it.rows = src.ne[1];
             it.cols = src.ne[0];
             it.n_mat = hp.n_expert;
-            bool mx = src.kind == DI_TENSOR_KIND_FP4 && strcmp(type, "q4_k") != 0;
+            // FP4 experts repack exactly to MXFP4, except in q4_k (everything Q4_K) and f32: there
+            // they are F32 (exact too), so that the file holds no quantised tensor at all and
+            // llama.cpp, which multiplies MXFP4 by 8-bit-quantised activations, computes in f32.
+            bool mx = src.kind == DI_TENSOR_KIND_FP4 && strcmp(type, "q4_k") != 0 &&
+                      strcmp(type, "f32") != 0;
             it.type = mx ? DI_GGML_TYPE_MXFP4 : pick_type(type, name, t->dtype, it.cols);
             static const char *const gn[3] = {"ffn_gate_exps", "ffn_down_exps", "ffn_up_exps"};
             snprintf(gname, sizeof gname, "blk.%d.%s.weight", il, gn[wk[1] - '1']);

@@ -33,11 +33,12 @@ di_status di_dsv4_gguf_open(const char *path, di_gguf_file **gguf, di_hparams *h
 
 // Converts the official-layout checkpoint in src_dir to a GGUF file at dst_path. `type` is the
 // ggml type of the 2-D weights: "q8_0" writes what llama.cpp's converter writes (FP8 -> Q8_0,
-// FP4 experts -> MXFP4 repacked exactly, BF16 and F32 kept); "bf16", "f16", "f32" likewise with
-// FP8 -> that float type (exact for BF16/F32); "q4_k" quantises every 2-D weight to Q4_K, experts
-// included. Norms, biases, sinks, hyper-connection and compressor APE tensors and the router stay
-// F32 in every mode; rows whose width is not a multiple of the block fall back to Q8_0, then F32.
-// The MTP block is dropped (as llama.cpp's converter does). Tensors are written one at a time, so
-// memory stays near one tensor. DI_ERR_INVALID (unknown type, not the official layout), DI_ERR_IO,
-// DI_ERR_FORMAT, DI_ERR_NOMEM.
+// FP4 experts -> MXFP4 repacked exactly, BF16 and F32 kept); "bf16", "f16" likewise with FP8 ->
+// that float type (exact for BF16); "f32" writes every tensor in F32, experts included (exact: no
+// quantised tensor, the file llama.cpp computes in f32); "q4_k" quantises every 2-D weight to
+// Q4_K, experts included. Norms, biases, sinks, hyper-connection and compressor APE tensors and the
+// router stay F32 in every mode; rows whose width is not a multiple of the block fall back to Q8_0,
+// then F32. The MTP block is dropped (as llama.cpp's converter does). Tensors are written one at a
+// time, so memory stays near one tensor. DI_ERR_INVALID (unknown type, not the official layout),
+// DI_ERR_IO, DI_ERR_FORMAT, DI_ERR_NOMEM.
 di_status di_dsv4_gguf_convert(const char *src_dir, const char *dst_path, const char *type);

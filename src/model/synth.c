@@ -43,6 +43,20 @@ di_status di_synth_preset(const char *name, di_synth_config *c) {
         memcpy(c->ratios, r, sizeof r);
         return DI_OK;
     }
+    if (strcmp(name, "tiny-128") == 0) {
+        // The tiny widths with V4's own compression ratios (4 and 128), the only ones llama.cpp's
+        // deepseek4 loader accepts: the small model both engines run (bench/cpu/
+        // vs_llamacpp_logits.sh). HCA needs > 128 tokens to hold an entry. 32 indexer heads
+        // instead of 4: an index score is a sum of ReLUs over heads, so with 4 heads 1/16 of the
+        // entries score exactly 0 and top-k ties are common, which each engine breaks its own way.
+        di_status st = di_synth_preset("tiny", c);
+        if (st != DI_OK) return st;
+        c->hca_ratio = 128;
+        c->n_index_head = 32;
+        int32_t r[6] = {0, 4, 128, 4, 128, 0};
+        memcpy(c->ratios, r, sizeof r);
+        return DI_OK;
+    }
     if (strcmp(name, "flash-4l") == 0) {
         c->n_vocab = 129280;
         c->n_embd = 4096;
@@ -65,7 +79,7 @@ di_status di_synth_preset(const char *name, di_synth_config *c) {
         memcpy(c->ratios, r, sizeof r);
         return DI_OK;
     }
-    DI_LOG_ERROR("synth: unknown preset \"%s\" (tiny, flash-4l)", name);
+    DI_LOG_ERROR("synth: unknown preset \"%s\" (tiny, tiny-128, flash-4l)", name);
     return DI_ERR_INVALID;
 }
 

@@ -28,8 +28,9 @@ typedef struct di_synth_config {
 } di_synth_config;
 
 // Presets: "tiny" (spec §6.2 shapes with the real 129,280-token vocabulary: the default model),
-// "flash-4l" (true V4-Flash widths, 4 layers SWA/CSA/HCA/CSA, 32 experts top-6 — benchmarks).
-// DI_ERR_INVALID for an unknown name.
+// "tiny-128" (the tiny widths with HCA ratio 128: layers SWA/CSA/HCA/CSA/HCA/SWA, and 32 indexer
+// heads; llama.cpp runs it too), "flash-4l" (true V4-Flash widths, 4 layers SWA/CSA/HCA/CSA, 32
+// experts top-6 — benchmarks). DI_ERR_INVALID for an unknown name.
 di_status di_synth_preset(const char *name, di_synth_config *out);
 // Writes dir/config.json and dir/model.safetensors (dir must exist). DI_ERR_IO, DI_ERR_NOMEM.
 di_status di_synth_write(const di_synth_config *cfg, const char *dir);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CLI test: GGUF (llama.cpp deepseek4) round trip. A synthesised official-layout tiny checkpoint is
-# converted to GGUF; BF16/F32 conversions (FP8 -> float exactly, FP4 experts -> MXFP4 exactly) must
-# give logits bit-identical to the safetensors path; Q8_0 and Q4_K files load and run at every
+# converted to GGUF; BF16/F32 conversions (FP8 -> float exactly, FP4 experts -> MXFP4 exactly in
+# BF16, -> F32 in F32) must give logits bit-identical to the safetensors path; Q8_0 and Q4_K files load and run at every
 # instruction-set level; malformed files and options fail cleanly.
 # Usage: test_gguf_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
 set -u
@@ -22,6 +22,8 @@ for ty in bf16 f32; do
     "$B" logits --model "$T/m-$ty.gguf" --tokens $ids --out "$T/$ty.npy" --log-level error
     check "gguf $ty logits identical to safetensors" "$(cmp "$T/ref.npy" "$T/$ty.npy" && echo same)" "same"
 done
+# f32 holds no quantised tensor (the file llama.cpp computes in f32: bench/cpu/vs_llamacpp_logits.sh).
+check "gguf f32 experts in F32" "$("$B" info --model "$T/m-f32.gguf" --log-level error | grep -c 'experts F32')" "1"
 for ty in q8_0 q4_k; do
     "$B" convert --model "$T/st" --out "$T/m-$ty.gguf" --type $ty 2>/dev/null
     check "convert $ty" "$?" "0"

@@ -17,7 +17,8 @@ int di_cli_convert(int argc, char **argv) {
                    "  q8_0  as llama.cpp's converter: FP8 -> Q8_0, FP4 experts -> MXFP4, float "
                    "kept (default)\n"
                    "  q4_k  every 2-D weight Q4_K (experts too)\n"
-                   "  bf16, f16, f32  FP8 -> that float type, FP4 experts -> MXFP4\n");
+                   "  bf16, f16  FP8 -> that float type, FP4 experts -> MXFP4\n"
+                   "  f32   every tensor F32, experts too (no quantised tensor)\n");
             return 0;
         }
         if (i + 1 >= argc) {
