@@ -1,5 +1,7 @@
 // attn — FP8 KV rows, attention over index-listed keys with the sink, compressor pooling
 // (attn.cuh).
+#include <cuda_bf16.h>
+#include <algorithm>
 #include <cuda_fp8.h>
 
 #include "backend/cuda/attn.cuh"
@@ -111,6 +113,10 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     __syncthreads();
     const int32_t *idx = key_idx + t * key_stride;
     for (int32_t j = warp; j < nk; j += ATTN_WARPS) {
+        if (idx[j] < 0) { // masked (top-k padding): no mass
+            if (lane == 0) sc[j] = -INFINITY;
+            continue;
+        }
         const uint8_t *row = pool + (int64_t)idx[j] * row_bytes;
         float s = 0.0f;
         for (int32_t d = lane; d < dh; d += 32) s = fmaf(qs[d], kv_at(row, d, nope, n_rot), s);
@@ -128,6 +134,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     float acc[ATTN_PER_LANE];
     for (int i = 0; i < ATTN_PER_LANE; i++) acc[i] = 0.0f;
     for (int32_t j = warp; j < nk; j += ATTN_WARPS) {
+        if (idx[j] < 0) continue;
         const uint8_t *row = pool + (int64_t)idx[j] * row_bytes;
         const float p = sc[j] * inv;
 #pragma unroll
@@ -169,6 +176,447 @@ extern "C" di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *po
         scale, o);
     DI_CUDA_LAUNCHED("attn_kernel");
     return DI_OK;
+}
+
+// ---- attention on tensor cores (BF16 mma.sync, FlashMLA-style sparse decode) ----
+//
+// Block = (query row t, group of 64 heads, key split), 8 warps. Per tile of 64 listed keys:
+//   1. cp.async (8-byte pieces: rows are 584 bytes, 8-aligned) of the raw rows into one of two
+//      raw stages; the next tile's copy is issued before this tile's arithmetic, so HBM reads
+//      overlap the tensor cores;
+//   2. exact decode to BF16 in shared memory (e4m3 x 2^k has 4 significant bits: exact in BF16's
+//      8; the rope dims are BF16 already); masked keys (index < 0, past the split) become zeros;
+//   3. S = Q K^T: warp w takes heads 16*(w%4).. and keys 32*(w/4).. (4 n-tiles), k over dh;
+//   4. online softmax: per-head tile maxima via shared memory, P = exp(S - m) rounded to BF16
+//      into shared memory, row sums of the rounded P;
+//   5. O += P V: warp w takes all 64 heads and dims w*dh/8.. (O in registers: 64 x dh/8 per warp,
+//      128 floats per thread at dh 512), V = the decoded keys read transposed (ldmatrix.trans).
+// Every thread keeps its own copy of the running max of the rows it touches; the copies stay
+// equal because each is the same fmaxf chain over the same shared values.
+// Shared memory (dh 512): Q 66.5 KB + K 66.5 KB + P 9 KB + 2 raw stages 73 KB + 1.5 KB = 213.5 KB.
+
+namespace {
+
+enum {
+    TC_THREADS = 256,
+    TC_WARPS = TC_THREADS / 32,
+    TC_HEADS = 64,               // heads per block (the MMA M side: 4 m-tiles)
+    TC_BN = 64,                  // keys per tile
+    TC_MIN_KEYS_PER_SPLIT = 128, // automatic splits keep >= 2 tiles each (load/compute overlap)
+    TC_MAX_SPLITS = 4096
+};
+
+template <int DH, int ROT> struct TcShape {
+    static constexpr int NOPE = DH - ROT;
+    static constexpr int RB = (NOPE + 2 * ROT + NOPE / 64 + 7) / 8 * 8; // di_cuda_kv_row_bytes
+    static constexpr int LD = DH + 8;     // BF16 row stride of Q and K: 16-byte skew per row,
+    static constexpr int LDP = TC_BN + 8; // so ldmatrix's 8 rows hit 8 different bank groups
+    static constexpr int NT = DH / 64;    // PV n-tiles (of 8 dims) per warp: dh/8 dims per warp
+    static constexpr size_t Q_OFF = 0;
+    static constexpr size_t K_OFF = Q_OFF + (size_t)TC_HEADS * LD * 2;
+    static constexpr size_t P_OFF = K_OFF + (size_t)TC_BN * LD * 2;
+    static constexpr size_t RAW_OFF = P_OFF + (size_t)TC_HEADS * LDP * 2;
+    static constexpr size_t IDX_OFF = RAW_OFF + 2 * (size_t)TC_BN * RB;
+    static constexpr size_t RED_OFF = IDX_OFF + 2 * (size_t)TC_BN * 4;
+    static constexpr size_t SMEM = RED_OFF + 4 * (size_t)TC_HEADS * 4;
+    static_assert(NOPE % 64 == 0 && ROT % 8 == 0 && DH % 64 == 0, "tile shapes");
+    static_assert(K_OFF % 16 == 0 && P_OFF % 16 == 0 && RAW_OFF % 16 == 0 && IDX_OFF % 16 == 0,
+                  "16-byte aligned regions");
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void ldsm_x4(const void *p, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(const void *p, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+// d += a (16x16, row) * b (16x8, col): BF16 inputs, FP32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async8(void *dst, const void *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+// Two e4m3 codes (low byte first) times the block scale, as BF16x2: exact (the e4m3 value goes
+// through F16 exactly, the product is a power-of-two scaling, the BF16 rounding is then exact).
+__device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint32_t two_codes, float sc) {
+    const __half2_raw h =
+        __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two_codes & 0xFFFFu), __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    return bf162_bits(__floats2bfloat162_rn(f.x * sc, f.y * sc));
+}
+
+template <int DH, int ROT>
+__global__ void __launch_bounds__(TC_THREADS, 1)
+    attn_tc_kernel(const float *__restrict__ q, const uint8_t *__restrict__ pool,
+                   const int32_t *__restrict__ key_idx, int64_t key_stride,
+                   const int32_t *__restrict__ n_keys, const float *__restrict__ sink, int32_t H,
+                   int32_t n_split, int32_t chunk, float scale, float *__restrict__ o,
+                   float *__restrict__ o_part, float *__restrict__ ml_part) {
+    using S = TcShape<DH, ROT>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    __nv_bfloat16 *Qs = (__nv_bfloat16 *)(smem + S::Q_OFF); // [64 heads][LD]
+    __nv_bfloat16 *Ks = (__nv_bfloat16 *)(smem + S::K_OFF); // [64 keys][LD] decoded
+    __nv_bfloat16 *Ps = (__nv_bfloat16 *)(smem + S::P_OFF); // [64 heads][LDP]
+    uint8_t *raw = smem + S::RAW_OFF;                       // [2][64][RB]
+    int32_t *idx_s = (int32_t *)(smem + S::IDX_OFF);        // [2][64], -1 = masked
+    float *red_max = (float *)(smem + S::RED_OFF);          // [2 key halves][64 heads]
+    float *red_sum = red_max + 2 * TC_HEADS;                // [2][64]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t t = blockIdx.x / n_split;
+    const int32_t split = (int32_t)(blockIdx.x % n_split), h0 = (int32_t)blockIdx.y * TC_HEADS;
+    const int32_t nk = n_keys[t];
+    const int32_t k_beg = split * chunk, k_end = min(nk, k_beg + chunk);
+    const int32_t n_tiles = k_end > k_beg ? (k_end - k_beg + TC_BN - 1) / TC_BN : 0;
+    const int32_t *idx_row = key_idx + t * key_stride;
+
+    // q rows h0 .. h0+63 -> BF16 (zeros past H: their scores are 0, their outputs unwritten).
+    for (int i = tid; i < TC_HEADS * (DH / 4); i += TC_THREADS) {
+        const int r = i / (DH / 4), c = (i % (DH / 4)) * 4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (h0 + r < H) v = *(const float4 *)(q + ((t * H + h0 + r) * DH + c));
+        uint2 b;
+        b.x = bf162_bits(__floats2bfloat162_rn(v.x, v.y));
+        b.y = bf162_bits(__floats2bfloat162_rn(v.z, v.w));
+        *(uint2 *)(Qs + r * S::LD + c) = b;
+    }
+    auto load_idx = [&](int32_t it, int st) {
+        if (tid < TC_BN) {
+            const int32_t j = k_beg + it * TC_BN + tid;
+            idx_s[st * TC_BN + tid] = j < k_end ? idx_row[j] : -1;
+        }
+    };
+    auto issue = [&](int st) { // raw rows of idx_s[st] -> raw stage st (masked rows skipped)
+        constexpr int CH = S::RB / 8;
+        uint8_t *dst = raw + (size_t)st * TC_BN * S::RB;
+        for (int c = tid; c < TC_BN * CH; c += TC_THREADS) {
+            const int r = c / CH, off = (c % CH) * 8;
+            const int32_t id = idx_s[st * TC_BN + r];
+            if (id >= 0) cp_async8(dst + r * S::RB + off, pool + (int64_t)id * S::RB + off);
+        }
+        cp_async_commit();
+    };
+    auto decode = [&](int st) { // raw stage st -> Ks (BF16), 8 dims (16 bytes) per step
+        constexpr int G = DH / 8;
+        const uint8_t *src = raw + (size_t)st * TC_BN * S::RB;
+        for (int g = tid; g < TC_BN * G; g += TC_THREADS) {
+            const int r = g / G, c = (g % G) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (idx_s[st * TC_BN + r] >= 0) {
+                const uint8_t *row = src + r * S::RB;
+                if (c < S::NOPE) {
+                    const uint2 codes = *(const uint2 *)(row + c);
+                    const float sc = di_ue8m0_f32(row[S::NOPE + 2 * ROT + c / 64]);
+                    v.x = e4m3x2_bf16x2(codes.x, sc);
+                    v.y = e4m3x2_bf16x2(codes.x >> 16, sc);
+                    v.z = e4m3x2_bf16x2(codes.y, sc);
+                    v.w = e4m3x2_bf16x2(codes.y >> 16, sc);
+                } else {
+                    const uint2 lo = *(const uint2 *)(row + S::NOPE + 2 * (c - S::NOPE));
+                    const uint2 hi = *(const uint2 *)(row + S::NOPE + 2 * (c - S::NOPE) + 8);
+                    v = make_uint4(lo.x, lo.y, hi.x, hi.y);
+                }
+            }
+            *(uint4 *)(Ks + r * S::LD + c) = v;
+        }
+    };
+
+    const int mq = warp & 3, kh = warp >> 2;       // S = QK^T: this warp's m-tile, key half
+    const int g4 = lane >> 2, c4 = (lane & 3) * 2; // C fragment: row g4 (+8), cols c4, c4+1
+    const int rq = mq * 16 + g4;                   // this thread's S rows rq, rq + 8
+    float m_q[2] = {-INFINITY, -INFINITY};         // running max of rows rq, rq + 8
+    float m_p[4][2], l_p[4][2];                    // running max / sum of rows 16*mt + g4 (+8)
+    float acc[4][S::NT][4];                        // O: rows 16*mt + g4 (+8), this warp's dims
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++) {
+        m_p[mt][0] = m_p[mt][1] = -INFINITY;
+        l_p[mt][0] = l_p[mt][1] = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < S::NT; nt++)
+            acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+    }
+    const int d0 = warp * (DH / 8); // this warp's PV dims d0 .. d0 + DH/8 - 1
+
+    if (n_tiles > 0) load_idx(0, 0);
+    __syncthreads(); // Qs, idx_s[0]
+    if (n_tiles > 0) issue(0);
+    for (int32_t it = 0; it < n_tiles; it++) {
+        const int st = it & 1;
+        cp_async_wait_all();
+        // (B) this tile's raw rows have landed for every thread; the previous tile's P.V (the
+        // last reader of Ks, Ps and red_*) is done everywhere.
+        __syncthreads();
+        decode(st);
+        if (it + 1 < n_tiles) load_idx(it + 1, st ^ 1); // stage st^1 free since tile it-1
+        __syncthreads();                                // (C) Ks, idx_s[st ^ 1]
+        if (it + 1 < n_tiles) issue(st ^ 1);            // in flight during this tile's arithmetic
+        const int32_t *msk = idx_s + st * TC_BN;
+
+        // ---- S = Q K^T (16 heads x 32 keys per warp) ----
+        float s[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        {
+            const __nv_bfloat16 *qa = Qs + (mq * 16 + (lane & 15)) * S::LD + (lane >> 4) * 8;
+            const __nv_bfloat16 *kb =
+                Ks + (kh * 32 + (lane & 7) + ((lane >> 4) << 3)) * S::LD + ((lane >> 3) & 1) * 8;
+#pragma unroll 4
+            for (int k0 = 0; k0 < DH; k0 += 16) {
+                uint32_t a[4], b0[4], b1[4];
+                ldsm_x4(qa + k0, a);
+                ldsm_x4(kb + k0, b0);              // keys +0..7 (b0[0..1]), +8..15 (b0[2..3])
+                ldsm_x4(kb + 16 * S::LD + k0, b1); // keys +16..23, +24..31
+                mma_bf16(s[0], a, b0[0], b0[1]);
+                mma_bf16(s[1], a, b0[2], b0[3]);
+                mma_bf16(s[2], a, b1[0], b1[1]);
+                mma_bf16(s[3], a, b1[2], b1[3]);
+            }
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const bool ok = msk[kh * 32 + nt * 8 + c4 + e] >= 0;
+                s[nt][e] = ok ? s[nt][e] * scale : -INFINITY;
+                s[nt][2 + e] = ok ? s[nt][2 + e] * scale : -INFINITY;
+                mx0 = fmaxf(mx0, s[nt][e]);
+                mx1 = fmaxf(mx1, s[nt][2 + e]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        if ((lane & 3) == 0) {
+            red_max[kh * TC_HEADS + rq] = mx0;
+            red_max[kh * TC_HEADS + rq + 8] = mx1;
+        }
+        __syncthreads(); // (D) tile maxima of both key halves
+
+        // ---- P = exp(S - m_new) in BF16, row sums of the rounded values ----
+        {
+            const float mn0 = fmaxf(m_q[0], fmaxf(red_max[rq], red_max[TC_HEADS + rq]));
+            const float mn1 = fmaxf(m_q[1], fmaxf(red_max[rq + 8], red_max[TC_HEADS + rq + 8]));
+            m_q[0] = mn0, m_q[1] = mn1;
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                // mn == -inf: every key of the row so far is masked (s = -inf too): p = 0.
+                const float p0 = mn0 == -INFINITY ? 0.0f : expf(s[nt][0] - mn0);
+                const float p1 = mn0 == -INFINITY ? 0.0f : expf(s[nt][1] - mn0);
+                const float p2 = mn1 == -INFINITY ? 0.0f : expf(s[nt][2] - mn1);
+                const float p3 = mn1 == -INFINITY ? 0.0f : expf(s[nt][3] - mn1);
+                const __nv_bfloat162 lo = __floats2bfloat162_rn(p0, p1);
+                const __nv_bfloat162 hi = __floats2bfloat162_rn(p2, p3);
+                const int col = kh * 32 + nt * 8 + c4;
+                *(__nv_bfloat162 *)(Ps + rq * S::LDP + col) = lo;
+                *(__nv_bfloat162 *)(Ps + (rq + 8) * S::LDP + col) = hi;
+                const float2 fl = __bfloat1622float2(lo), fh = __bfloat1622float2(hi);
+                sum0 += fl.x + fl.y;
+                sum1 += fh.x + fh.y;
+            }
+            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
+            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
+            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
+            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+            if ((lane & 3) == 0) {
+                red_sum[kh * TC_HEADS + rq] = sum0;
+                red_sum[kh * TC_HEADS + rq + 8] = sum1;
+            }
+        }
+        __syncthreads(); // (E) Ps, red_sum
+
+        // ---- rescale O, then O += P V (64 heads x DH/8 dims per warp) ----
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int r = mt * 16 + g4 + hf * 8;
+                const float mn = fmaxf(m_p[mt][hf], fmaxf(red_max[r], red_max[TC_HEADS + r]));
+                const float alpha = mn == -INFINITY ? 1.0f : expf(m_p[mt][hf] - mn);
+                l_p[mt][hf] = l_p[mt][hf] * alpha + (red_sum[r] + red_sum[TC_HEADS + r]);
+                m_p[mt][hf] = mn;
+#pragma unroll
+                for (int nt = 0; nt < S::NT; nt++) {
+                    acc[mt][nt][2 * hf] *= alpha;
+                    acc[mt][nt][2 * hf + 1] *= alpha;
+                }
+            }
+#pragma unroll
+        for (int k0 = 0; k0 < TC_BN; k0 += 16) {
+            uint32_t a[4][4];
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+                ldsm_x4(Ps + (mt * 16 + (lane & 15)) * S::LDP + k0 + (lane >> 4) * 8, a[mt]);
+#pragma unroll
+            for (int np = 0; np < S::NT / 2; np++) {
+                uint32_t b[4]; // dims d0 + 16 np + 0..7 (b[0..1]), + 8..15 (b[2..3])
+                ldsm_x4_trans(Ks + (k0 + (lane & 15)) * S::LD + d0 + np * 16 + (lane >> 4) * 8, b);
+#pragma unroll
+                for (int mt = 0; mt < 4; mt++) {
+                    mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    // ---- epilogue: the sink and 1/den (one split), or the split's (O, m, l) for the combine ----
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int32_t h = h0 + mt * 16 + g4 + hf * 8;
+            if (h >= H) continue;
+            const float m = m_p[mt][hf], l = l_p[mt][hf];
+            if (n_split == 1) {
+                const float sk = sink[h], M = fmaxf(m, sk);
+                const float f = m == -INFINITY ? 0.0f : expf(m - M);
+                const float mul = f / (l * f + expf(sk - M));
+                float *orow = o + (t * H + h) * DH + d0 + c4;
+#pragma unroll
+                for (int nt = 0; nt < S::NT; nt++)
+                    *(float2 *)(orow + nt * 8) =
+                        make_float2(acc[mt][nt][2 * hf] * mul, acc[mt][nt][2 * hf + 1] * mul);
+            } else {
+                const int64_t pr = (t * n_split + split) * H + h;
+                float *orow = o_part + pr * DH + d0 + c4;
+#pragma unroll
+                for (int nt = 0; nt < S::NT; nt++)
+                    *(float2 *)(orow + nt * 8) =
+                        make_float2(acc[mt][nt][2 * hf], acc[mt][nt][2 * hf + 1]);
+                if (warp == 0 && (lane & 3) == 0) ml_part[2 * pr] = m, ml_part[2 * pr + 1] = l;
+            }
+        }
+}
+
+// o[t, h] = sum_s O_s exp(m_s - M) / (exp(sink - M) + sum_s l_s exp(m_s - M)), M the largest of
+// the sink and the m_s. One block per (t, h); splits with no key (m = -inf) weigh 0.
+__global__ void attn_tc_combine_kernel(const float *__restrict__ o_part,
+                                       const float *__restrict__ ml_part,
+                                       const float *__restrict__ sink, int32_t H, int32_t dh,
+                                       int32_t n_split, float *__restrict__ o) {
+    extern __shared__ float wsplit[]; // [n_split]
+    __shared__ float red[32];
+    const int64_t t = blockIdx.x / H;
+    const int32_t h = (int32_t)(blockIdx.x % H);
+    const float *ml = ml_part + 2 * (t * n_split * H + h); // split s: ml[2 * s * H], +1
+    float M = sink[h];
+    for (int32_t s = threadIdx.x; s < n_split; s += blockDim.x)
+        M = fmaxf(M, ml[2 * (int64_t)s * H]);
+    M = di_block_max(M, red);
+    float den = 0.0f;
+    for (int32_t s = threadIdx.x; s < n_split; s += blockDim.x) {
+        const float m = ml[2 * (int64_t)s * H];
+        const float w = m == -INFINITY ? 0.0f : expf(m - M);
+        wsplit[s] = w;
+        den += w * ml[2 * (int64_t)s * H + 1];
+    }
+    den = di_block_sum(den, red) + expf(sink[h] - M); // its barriers also publish wsplit
+    const float inv = 1.0f / den;
+    for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) {
+        float a = 0.0f;
+        for (int32_t s = 0; s < n_split; s++)
+            if (wsplit[s] != 0.0f) a += wsplit[s] * o_part[((t * n_split + s) * H + h) * dh + d];
+        o[(t * H + h) * dh + d] = a * inv;
+    }
+}
+
+template <int DH, int ROT>
+di_status attn_tc_launch(di_cuda *cu, const float *q, const uint8_t *pool, const int32_t *key_idx,
+                         int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
+                         const float *sink, int32_t n_tok, int32_t H, float scale, int32_t n_split,
+                         float *o) {
+    using S = TcShape<DH, ROT>;
+    if (S::SMEM > cu->smem_optin) {
+        DI_CUDA_LOG_ERROR("attention (bf16): %zu bytes of shared memory per block needed, the "
+                          "device allows %zu",
+                          S::SMEM, cu->smem_optin);
+        return DI_ERR_INVALID;
+    }
+    const int64_t groups = (H + TC_HEADS - 1) / TC_HEADS,
+                  max_tiles = (max_keys + TC_BN - 1) / TC_BN;
+    int64_t ns = n_split;
+    if (ns <= 0) { // fill the SMs (one block each: shared memory), >= 2 tiles per split
+        const int64_t base = (int64_t)n_tok * groups;
+        ns = base >= cu->n_sm ? 1 : cu->n_sm / base;
+        ns = std::min<int64_t>(ns, std::max<int64_t>(1, max_keys / TC_MIN_KEYS_PER_SPLIT));
+    }
+    ns = std::max<int64_t>(1, std::min<int64_t>({ns, max_tiles, (int64_t)TC_MAX_SPLITS}));
+    const int64_t chunk = (max_tiles + ns - 1) / ns * TC_BN; // whole tiles per split
+    if (chunk > 0) ns = (max_keys + chunk - 1) / chunk;
+    const int64_t n_blocks = (int64_t)n_tok * ns;
+    if (n_blocks > 0x7FFFFFFF || groups > 65535) return DI_ERR_INVALID;
+    float *o_part = NULL, *ml_part = NULL;
+    di_status st = DI_OK;
+    if (ns > 1) {
+        const size_t rows = (size_t)n_tok * (size_t)ns * (size_t)H;
+        st = di_cuda_alloc(cu, sizeof(float) * rows * DH, (void **)&o_part);
+        if (st != DI_OK) return st;
+        st = di_cuda_alloc(cu, sizeof(float) * rows * 2, (void **)&ml_part);
+        if (st != DI_OK) goto fail;
+    }
+    CUDA_TRY(cudaFuncSetAttribute(attn_tc_kernel<DH, ROT>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S::SMEM));
+    attn_tc_kernel<DH, ROT>
+        <<<dim3((unsigned)n_blocks, (unsigned)groups), TC_THREADS, S::SMEM, di_stream(cu)>>>(
+            q, pool, key_idx, key_stride, n_keys, sink, H, (int32_t)ns,
+            (int32_t)(chunk > 0 ? chunk : TC_BN), scale, o, o_part, ml_part);
+    DI_TRY(di_cuda_check_launch("attn_tc_kernel"));
+    if (ns > 1) {
+        attn_tc_combine_kernel<<<(unsigned)((int64_t)n_tok * H), 128, sizeof(float) * (size_t)ns,
+                                 di_stream(cu)>>>(o_part, ml_part, sink, H, DH, (int32_t)ns, o);
+        DI_TRY(di_cuda_check_launch("attn_tc_combine_kernel"));
+    }
+fail: // the pool reuses the scratch only after the launches above (one stream)
+    if (ml_part) di_cuda_free(cu, ml_part);
+    if (o_part) di_cuda_free(cu, o_part);
+    return st;
+}
+
+} // namespace
+
+extern "C" di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_t *pool,
+                                       const int32_t *key_idx, int64_t key_stride,
+                                       const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                       int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
+                                       float scale, int32_t n_split, float *o) {
+    if (max_keys < 0 || ((uintptr_t)q & 15) != 0 || ((uintptr_t)o & 7) != 0) return DI_ERR_INVALID;
+    const bool v4 = dh == 512 && n_rot == 64, tiny = dh == 128 && n_rot == 64;
+    if (!v4 && !tiny) return DI_ERR_INVALID;
+    if (n_tok <= 0 || H <= 0) return DI_OK;
+    return v4 ? attn_tc_launch<512, 64>(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
+                                        n_tok, H, scale, n_split, o)
+              : attn_tc_launch<128, 64>(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
+                                        n_tok, H, scale, n_split, o);
 }
 
 // ---- compressor pooling ----

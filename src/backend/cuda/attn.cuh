@@ -44,14 +44,35 @@ di_status di_cuda_kv_dequant(di_cuda *cu, const uint8_t *pool, const int32_t *sr
                              int32_t dh, int32_t n_rot, float *out);
 
 // For query row t < n_tok and head h < H:  o[t,h] = sum_j p_j k_j with
-// p = softmax over {scale * q[t,h] . k_j : j < n_keys[t]} ∪ {sink[h]} (the sink takes mass and
-// gives no value), k_j = the KV row key_idx[t * key_stride + j] of pool. q, o: [T, H, dh] FP32;
-// n_keys: device [T] (0 allowed: o = 0); max_keys bounds every n_keys[t] (shared memory).
+// p = softmax over {scale * q[t,h] . k_j : j < n_keys[t], key_idx[t * key_stride + j] >= 0}
+// ∪ {sink[h]} (the sink takes mass and gives no value), k_j = the KV row
+// key_idx[t * key_stride + j] of pool; a negative index (the top-k's -1 padding) is a masked key.
+// q, o: [T, H, dh] FP32; n_keys: device [T] (0 allowed: o = 0); max_keys bounds every n_keys[t]
+// (shared memory). Exact decode, FP32 scores and sums (the `--precision fp32` kernel).
 // The inverse RoPE of o is the caller's (rope.cuh). DI_ERR_CUDA, DI_ERR_INVALID.
 di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *pool, const int32_t *key_idx,
                        int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                        const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
                        float scale, float *o);
+
+// The same function on tensor cores (the decode-speed kernel, FlashMLA-style sparse decode): one
+// block per (query row, group of 64 heads, key split) reads each listed KV row once for all its
+// heads, in tiles of 64 keys (cp.async double buffering), decodes them exactly to BF16 in shared
+// memory and computes q.k and p.v with BF16 mma.sync (FP32 accumulation) and an online FP32
+// softmax with the sink. Numerics (docs/cuda.md): q is rounded to BF16 (lossless in the official
+// recipe, where q is already BF16) and the unnormalised probabilities exp(s - running max) are
+// rounded to BF16 before p.v (their FP32 sum of the rounded values is the denominator); KV decode
+// is exact. Serves the official recipe (R-OFF runs attention in BF16), not `--precision fp32`.
+// Shapes: (dh, n_rot) = (512, 64) (V4) or (128, 64) (tiny fixture), any H (groups of 64, the last
+// padded), else DI_ERR_INVALID; q 16-byte and o 8-byte aligned. n_split: number of key splits per
+// row (0: chosen from n_tok, H, max_keys and the SM count; a value > 1 adds a combine kernel and a
+// pool scratch of n_tok * n_split * H * (dh + 2) floats); rounded to whole 64-key tiles.
+// Needs ~214 KB of shared memory per block at dh 512 (H100/H200; not A100): DI_ERR_INVALID where
+// the device has less. DI_ERR_CUDA, DI_ERR_NOMEM (scratch), DI_ERR_INVALID.
+di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_t *pool,
+                            const int32_t *key_idx, int64_t key_stride, const int32_t *n_keys,
+                            int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
+                            int32_t dh, int32_t n_rot, float scale, int32_t n_split, float *o);
 
 // Compressor pooling (spec §2.5) for n_win closing windows of m tokens, width c*d per token:
 // entry[w][ch] = sum over slots softmax(Z[ch]) * C[ch] where the slots are, for c == 1, the m

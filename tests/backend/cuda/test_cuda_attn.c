@@ -2,7 +2,10 @@
 // tensor/quant_ref.c (bit-exact, decoded on the host with di_e4m3_to_f32 / di_ue8m0_to_f32), the
 // attention over index-listed keys with the sink against a double-precision host reference on the
 // same decoded keys (V4 head_dim 512 / 64 rope dims = 584-byte rows, and the tiny fixture's
-// 128 / 64), queries with 0 keys, 1 key, a window only, window + hundreds of compressed entries;
+// 128 / 64), queries with 0 keys, 1 key, one tile, not a multiple of the tile, -1 padding, only
+// masked keys, 8300 keys; both kernels: the exact FP32 one (di_cuda_attn) and the BF16
+// tensor-core one (di_cuda_attn_bf16, with 1, automatic and 3 key splits, plus an exact check of
+// which keys it uses with one-hot keys);
 // and the compressor pooling against a transcription of model/dsv4_attn.c compressor_step (HCA
 // c = 1, CSA c = 2 with and without the overlap).
 #include "backend/cuda/cuda_test.h"
@@ -84,38 +87,50 @@ static void test_kv_row_size(void) {
     CHECK_EQ(di_cuda_kv_row_bytes(128, 64), 200);
 }
 
-static void attn_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_t n_pool) {
-    float *keys;
-    uint8_t *pool = kv_rows(n_pool, dh, n_rot, &keys);
-    const int32_t max_keys = 128 + 700;
-    int32_t *n_keys = malloc(sizeof(int32_t) * (size_t)T);
-    int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * max_keys));
+// Key lists for T query rows over a pool of n_pool rows, lengths by t % 8: 0 keys (o = 0), 1,
+// one whole tile (64), max_keys (not a multiple of 64), 65, max_keys - 1 with every third entry
+// -1 (top-k padding: masked), 50 entries all -1 (only the sink: o = 0), random. A window of 128
+// consecutive rows (ring) first, then random rows (repeats allowed); -7 past n_keys[t] (unread).
+static void make_lists(int32_t T, int32_t max_keys, int64_t n_pool, int32_t *n_keys, int32_t *idx) {
     for (int32_t t = 0; t < T; t++) {
-        int32_t nk = t == 0 ? 0 : t == 1 ? 1 : t == 2 ? 128 : (int32_t)(rnd() % (uint64_t)max_keys);
-        if (t == 3) nk = max_keys;
+        const int32_t kind = t % 8;
+        int32_t nk = kind == 0   ? 0
+                     : kind == 1 ? 1
+                     : kind == 2 ? 64
+                     : kind == 3 ? max_keys
+                     : kind == 4 ? 65
+                     : kind == 5 ? max_keys - 1
+                     : kind == 6 ? 50
+                                 : 1 + (int32_t)(rnd() % (uint64_t)max_keys);
+        if (nk > max_keys) nk = max_keys;
         n_keys[t] = nk;
         const int64_t w0 = (int64_t)(rnd() % (uint64_t)n_pool);
-        for (int32_t j = 0; j < max_keys; j++)
-            idx[t * max_keys + j] =
-                j < nk
-                    ? (int32_t)(j < 128 ? (w0 + j) % n_pool : (int64_t)(rnd() % (uint64_t)n_pool))
-                    : -7;
+        for (int32_t j = 0; j < max_keys; j++) {
+            int32_t v =
+                j < 128 ? (int32_t)((w0 + j) % n_pool) : (int32_t)(rnd() % (uint64_t)n_pool);
+            if ((kind == 5 && j % 3 == 2) || kind == 6) v = -1;
+            idx[(int64_t)t * max_keys + j] = j < nk ? v : -7;
+        }
     }
-    float *q = malloc(sizeof(float) * (size_t)(T * H * dh)),
-          *sink = malloc(sizeof(float) * (size_t)H);
-    fill_rand(q, (int64_t)T * H * dh, 1.0f);
-    fill_rand(sink, H, 2.0f);
-    const float scale = 1.0f / sqrtf((float)dh);
-    float *ref = malloc(sizeof(float) * (size_t)(T * H * dh)),
-          *out = malloc(sizeof(float) * (size_t)(T * H * dh));
-    double *tol = malloc(sizeof(double) * (size_t)(T * H * dh));
-    double *sc = malloc(sizeof(double) * (size_t)max_keys);
+}
+
+// Double-precision attention with the sink over the decoded keys for queries q (as the kernel
+// sees them), and per-element bounds tol = sum_j p_j |k_jd| * (4 E + rel) where
+// E = acc_gamma * gamma(dh) * scale * max_j sum_d |q_d k_jd| bounds each score's accumulation
+// error (a score error e moves each p_j by at most a factor e^{2e}) and rel covers the rest
+// (rounding of p, the value sums). Masked keys (index < 0) take no mass.
+static void ref_attn(const float *q, const float *keys, const int32_t *n_keys, const int32_t *idx,
+                     int32_t max_keys, const float *sink, int32_t T, int32_t H, int32_t dh,
+                     float scale, double acc_gamma, double rel, float *ref, double *tol) {
+    double *sc = malloc(sizeof(double) * (size_t)(max_keys + 1));
     for (int32_t t = 0; t < T; t++)
         for (int32_t h = 0; h < H; h++) {
             const float *qv = q + ((int64_t)t * H + h) * dh;
+            const int32_t *ix = idx + (int64_t)t * max_keys;
             double mx = sink[h], maxabs = 0;
             for (int32_t j = 0; j < n_keys[t]; j++) {
-                const float *k = keys + (int64_t)idx[t * max_keys + j] * dh;
+                if (ix[j] < 0) continue;
+                const float *k = keys + (int64_t)ix[j] * dh;
                 double s = 0, a = 0;
                 for (int32_t d = 0; d < dh; d++)
                     s += (double)qv[d] * k[d], a += fabs((double)qv[d] * k[d]);
@@ -124,41 +139,176 @@ static void attn_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_t n
                 if (a > maxabs) maxabs = a;
             }
             double den = exp(sink[h] - mx);
-            for (int32_t j = 0; j < n_keys[t]; j++) den += (sc[j] = exp(sc[j] - mx));
-            const double E = gamma_k(dh) * scale * maxabs;
+            for (int32_t j = 0; j < n_keys[t]; j++)
+                if (ix[j] >= 0) den += (sc[j] = exp(sc[j] - mx));
+            const double E = acc_gamma * gamma_k(dh) * scale * maxabs;
             for (int32_t d = 0; d < dh; d++) {
                 double o = 0, mag = 0;
                 for (int32_t j = 0; j < n_keys[t]; j++) {
-                    const double kd = keys[(int64_t)idx[t * max_keys + j] * dh + d];
+                    if (ix[j] < 0) continue;
+                    const double kd = keys[(int64_t)ix[j] * dh + d];
                     o += sc[j] / den * kd;
                     mag += sc[j] / den * fabs(kd);
                 }
                 const int64_t i = ((int64_t)t * H + h) * dh + d;
                 ref[i] = (float)o;
-                tol[i] = mag * (4 * E + TOL_ATTN_SUM_REL) + 1e-30;
+                if (tol) tol[i] = mag * (4 * E + rel) + 1e-30;
             }
         }
-    float *qd = dev_from(q, sizeof(float) * (size_t)(T * H * dh)),
+    free(sc);
+}
+
+// The BF16 tensor-core kernel (di_cuda_attn_bf16): q is rounded to BF16 (the reference gets the
+// same rounded q: lossless in the official recipe), scores accumulate in the MMA's FP32 (allow 4x
+// the RN gamma: Hopper's accumulator alignment may truncate, ~2 ulp per addition), and each
+// unnormalised p is rounded to BF16 (relative u = 2^-8) in both the numerator and the
+// denominator, so each normalised weight moves by at most 2u / (1 - u) relative.
+#define TOL_TC_ACC_GAMMA 4.0
+#define TOL_TC_P_REL (2.01 * 0.00390625 + 1e-4) // + FP32 rescaling and sums (1e-4 >> 100 u)
+// Against the unrounded q (the fp32 recipe's input), on spread softmaxes (|scale q.k| <~ 2): the
+// BF16 q moves each score by <= 2^-8 * scale * sum|q k| worst case, ~10x less in the mean.
+#define TOL_TC_QROUND_REL_L2 1e-2
+
+static void attn_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_t n_pool,
+                      int32_t max_keys, float q_amp) {
+    float *keys;
+    uint8_t *pool = kv_rows(n_pool, dh, n_rot, &keys);
+    int32_t *n_keys = malloc(sizeof(int32_t) * (size_t)T);
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)T * (size_t)max_keys);
+    make_lists(T, max_keys, n_pool, n_keys, idx);
+    const int64_t n_o = (int64_t)T * H * dh;
+    float *q = malloc(sizeof(float) * (size_t)n_o), *qb = malloc(sizeof(float) * (size_t)n_o),
+          *sink = malloc(sizeof(float) * (size_t)H);
+    fill_rand(q, n_o, q_amp);
+    for (int64_t i = 0; i < n_o; i++) qb[i] = di_round_bf16(q[i]);
+    fill_rand(sink, H, 2.0f);
+    const float scale = 1.0f / sqrtf((float)dh);
+    float *ref = malloc(sizeof(float) * (size_t)n_o), *refb = malloc(sizeof(float) * (size_t)n_o),
+          *out = malloc(sizeof(float) * (size_t)n_o);
+    double *tol = malloc(sizeof(double) * (size_t)n_o),
+           *tolb = malloc(sizeof(double) * (size_t)n_o);
+    ref_attn(q, keys, n_keys, idx, max_keys, sink, T, H, dh, scale, 1.0, TOL_ATTN_SUM_REL, ref,
+             tol);
+    ref_attn(qb, keys, n_keys, idx, max_keys, sink, T, H, dh, scale, TOL_TC_ACC_GAMMA, TOL_TC_P_REL,
+             refb, tolb);
+    float *qd = dev_from(q, sizeof(float) * (size_t)n_o),
           *sd = dev_from(sink, sizeof(float) * (size_t)H);
-    int32_t *idxd = dev_from(idx, sizeof(int32_t) * (size_t)(T * max_keys));
+    int32_t *idxd = dev_from(idx, sizeof(int32_t) * (size_t)T * (size_t)max_keys);
     int32_t *nkd = dev_from(n_keys, sizeof(int32_t) * (size_t)T);
-    float *od = dev_alloc(sizeof(float) * (size_t)(T * H * dh));
-    dev_poison(od, sizeof(float) * (size_t)(T * H * dh));
+    float *od = dev_alloc(sizeof(float) * (size_t)n_o);
+    char what[128];
+    // The exact FP32 kernel.
+    dev_poison(od, sizeof(float) * (size_t)n_o);
     CK(di_cuda_attn(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh, n_rot, scale, od));
-    dev_to(out, od, sizeof(float) * (size_t)(T * H * dh));
-    char what[96];
+    dev_to(out, od, sizeof(float) * (size_t)n_o);
     snprintf(what, sizeof what, "attn dh=%d H=%d T=%d keys<=%d", dh, H, T, max_keys);
-    CHECK(check_bounds(what, out, ref, tol, (int64_t)T * H * dh) == 0);
-    fprintf(stderr, "  rel_l2 %.3g\n", rel_l2(out, ref, (int64_t)T * H * dh));
+    CHECK(check_bounds(what, out, ref, tol, n_o) == 0);
+    fprintf(stderr, "  rel_l2 %.3g\n", rel_l2(out, ref, n_o));
+    // The BF16 tensor-core kernel: one split (sink in the main kernel), automatic, and 3 splits
+    // (partials + combine).
+    static const int32_t splits[] = {1, 0, 3};
+    for (int si = 0; si < 3; si++) {
+        dev_poison(od, sizeof(float) * (size_t)n_o);
+        CK(di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh, n_rot,
+                             scale, splits[si], od));
+        dev_to(out, od, sizeof(float) * (size_t)n_o);
+        snprintf(what, sizeof what, "attn_bf16 dh=%d H=%d T=%d keys<=%d q~%g split=%d", dh, H, T,
+                 max_keys, (double)q_amp, splits[si]);
+        CHECK(check_bounds(what, out, refb, tolb, n_o) == 0);
+        const double e = rel_l2(out, ref, n_o);
+        fprintf(stderr, "  rel_l2 vs bf16-q ref %.3g, vs fp32-q ref %.3g\n", rel_l2(out, refb, n_o),
+                e);
+        if (q_amp <= 0.1f) CHECK(e <= TOL_TC_QROUND_REL_L2);
+    }
     dev_free(qd), dev_free(sd), dev_free(idxd), dev_free(nkd), dev_free(od), dev_free(pool);
-    free(keys), free(n_keys), free(idx), free(q), free(sink), free(ref), free(out), free(tol),
-        free(sc);
+    free(keys), free(n_keys), free(idx), free(q), free(qb), free(sink), free(ref), free(refb),
+        free(out), free(tol), free(tolb);
 }
 
 static void test_attn(void) {
-    attn_case(512, 64, 8, 9, 1500);
-    attn_case(512, 64, 64, 4, 900);
-    attn_case(128, 64, 4, 7, 300);
+    attn_case(512, 64, 8, 9, 1500, 828, 1.0f);    // V4 dims, peaked softmax, padded head group
+    attn_case(512, 64, 64, 8, 900, 828, 0.05f);   // V4 shape, spread softmax, every length kind
+    attn_case(512, 64, 64, 4, 3000, 8300, 0.05f); // long lists (8k+), many splits
+    attn_case(128, 64, 4, 7, 300, 828, 1.0f);     // tiny fixture dims
+    attn_case(128, 64, 80, 8, 300, 200, 0.1f);    // two head groups, the second padded
+}
+
+// Which keys are used, exactly: q = 0 makes every listed key's score 0, so p = 1 exactly in BF16,
+// o_d = c_d / (n_valid + e^sink) where c_d counts the valid listed rows r with r % dh == d (row r
+// of the pool is the one-hot e_{r % dh}: exact in the KV format). A key wrongly used, dropped or
+// masked moves o_d * den by 1 (or den by 1); FP32 rounding of the final products and the split
+// combine stays under 1e-6 relative.
+#define TOL_ONEHOT_REL 1e-5
+
+static void onehot_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int32_t max_keys,
+                        int32_t n_split) {
+    const int64_t n_pool = 3 * dh + 5;
+    float *kv = calloc((size_t)(n_pool * dh), sizeof(float));
+    for (int64_t r = 0; r < n_pool; r++) kv[r * dh + r % dh] = 1.0f;
+    const int64_t rb = di_cuda_kv_row_bytes(dh, n_rot);
+    float *kvd = dev_from(kv, sizeof(float) * (size_t)(n_pool * dh));
+    uint8_t *pool = dev_alloc((size_t)(n_pool * rb));
+    CK(di_cuda_kv_quant(g_cu, kvd, n_pool, dh, dh, n_rot, pool, NULL));
+    int32_t *n_keys = malloc(sizeof(int32_t) * (size_t)T);
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)T * (size_t)max_keys);
+    make_lists(T, max_keys, n_pool, n_keys, idx);
+    const int64_t n_o = (int64_t)T * H * dh;
+    float *q = calloc((size_t)n_o, sizeof(float)), *sink = malloc(sizeof(float) * (size_t)H);
+    float *out = malloc(sizeof(float) * (size_t)n_o);
+    fill_rand(sink, H, 2.0f);
+    float *qd = dev_from(q, sizeof(float) * (size_t)n_o),
+          *sd = dev_from(sink, sizeof(float) * (size_t)H);
+    int32_t *idxd = dev_from(idx, sizeof(int32_t) * (size_t)T * (size_t)max_keys);
+    int32_t *nkd = dev_from(n_keys, sizeof(int32_t) * (size_t)T);
+    float *od = dev_alloc(sizeof(float) * (size_t)n_o);
+    dev_poison(od, sizeof(float) * (size_t)n_o);
+    CK(di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh, n_rot,
+                         1.0f / sqrtf((float)dh), n_split, od));
+    dev_to(out, od, sizeof(float) * (size_t)n_o);
+    int32_t *cnt = malloc(sizeof(int32_t) * (size_t)dh);
+    int64_t bad = 0;
+    for (int32_t t = 0; t < T; t++) {
+        int32_t nv = 0;
+        memset(cnt, 0, sizeof(int32_t) * (size_t)dh);
+        for (int32_t j = 0; j < n_keys[t]; j++) {
+            const int32_t r = idx[(int64_t)t * max_keys + j];
+            if (r >= 0) nv++, cnt[r % dh]++;
+        }
+        for (int32_t h = 0; h < H; h++) {
+            const double den = nv + exp((double)sink[h]);
+            for (int32_t d = 0; d < dh; d++) {
+                const double got = out[((int64_t)t * H + h) * dh + d] * den;
+                const bool ok = !isnan(got) && fabs(got - cnt[d]) <= TOL_ONEHOT_REL * (cnt[d] + 1);
+                if (!ok && bad++ < 5)
+                    fprintf(stderr,
+                            "  onehot t=%d (n=%d valid %d) h=%d d=%d: o*den %.7g, count %d\n", t,
+                            n_keys[t], nv, h, d, got, cnt[d]);
+            }
+        }
+    }
+    fprintf(stderr, "  onehot dh=%d H=%d T=%d keys<=%d split=%d: %lld wrong\n", dh, H, T, max_keys,
+            n_split, (long long)bad);
+    CHECK(bad == 0);
+    dev_free(kvd), dev_free(pool), dev_free(qd), dev_free(sd), dev_free(idxd), dev_free(nkd),
+        dev_free(od);
+    free(kv), free(n_keys), free(idx), free(q), free(sink), free(out), free(cnt);
+}
+
+static void test_attn_bf16_keys(void) {
+    onehot_case(512, 64, 64, 8, 8300, 1);
+    onehot_case(512, 64, 64, 8, 8300, 0);
+    onehot_case(128, 64, 4, 16, 700, 0);
+    onehot_case(128, 64, 4, 16, 700, 5);
+}
+
+static void test_attn_bf16_refuses(void) {
+    // Unsupported head dims are refused before any launch (the caller falls back).
+    CHECK_EQ(
+        di_cuda_attn_bf16(g_cu, NULL, NULL, NULL, 0, NULL, 0, NULL, 1, 1, 256, 64, 1.0f, 0, NULL),
+        DI_ERR_INVALID);
+    CHECK_EQ(
+        di_cuda_attn_bf16(g_cu, NULL, NULL, NULL, 0, NULL, 0, NULL, 1, 1, 512, 32, 1.0f, 0, NULL),
+        DI_ERR_INVALID);
 }
 
 // ---- compressor pooling ----
@@ -242,6 +392,8 @@ int main(void) {
     cuda_test_init();
     RUN(test_kv_row_size);
     RUN(test_attn);
+    RUN(test_attn_bf16_keys);
+    RUN(test_attn_bf16_refuses);
     RUN(test_compress_pool);
     return cuda_test_finish();
 }
