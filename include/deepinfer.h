@@ -57,12 +57,43 @@ typedef enum di_precision {
     DI_PRECISION_OFFICIAL = 1,
 } di_precision;
 
+// Where the model's matmuls run. DI_DEVICE_CPU (the zero value): everything on the CPU.
+// DI_DEVICE_CUDA: every matmul of the forward on CUDA device `index` (weights uploaded once, on
+// first use), while norms, attention, MoE routing and the sequence state stay on the CPU; every
+// matmul synchronises (a correctness path, not yet a fast one: docs/cuda.md). Needs a build
+// configured with -DDI_CUDA=ON.
+typedef enum di_device_kind {
+    DI_DEVICE_CPU = 0,
+    DI_DEVICE_CUDA = 1,
+} di_device_kind;
+
+typedef struct di_device {
+    di_device_kind kind;
+    int32_t index; // CUDA device ordinal (>= 0); 0 for the CPU
+} di_device;
+
+// DI_OK when this build can run on `device` (DI_DEVICE_CPU always; DI_DEVICE_CUDA in a DI_CUDA
+// build, for index >= 0). DI_ERR_UNSUPPORTED (logged: "this build has no CUDA backend: configure
+// with -DDI_CUDA=ON") or DI_ERR_INVALID (unknown kind, negative index) otherwise. Does not touch
+// the device: whether it exists is found out by di_model_load.
+di_status di_device_check(const di_device *device);
+
+// Work done on the device since the model was loaded (all zero on the CPU).
+typedef struct di_device_stats {
+    int64_t n_matmuls;    // matmuls run on the device
+    int64_t n_declined;   // matmuls the device declined (an unsupported weight kind, or a failed
+                          // CUDA call, logged): computed on the CPU instead
+    int64_t n_weights;    // distinct weight matrices uploaded
+    int64_t weight_bytes; // bytes of weights (and their scales) uploaded
+} di_device_stats;
+
 typedef struct di_model_options {
     int n_threads;          // CPU threads of the model's pool; 0 = one per online CPU
     di_precision precision; // numerics recipe; default DI_PRECISION_FP32
+    di_device device;       // where the matmuls run; default (zero) the CPU
 } di_model_options;
 
-// Default options: all CPUs, FP32.
+// Default options: all CPUs, FP32, CPU only.
 di_model_options di_model_options_default(void);
 
 // Loads a checkpoint directory: config.json plus model.safetensors or a sharded set with
@@ -71,8 +102,11 @@ di_model_options di_model_options_default(void);
 // the .gguf file, or a directory without config.json holding exactly one), whose metadata gives
 // the hyper-parameters. Weights are memory-mapped. Every tensor is checked against the config; the
 // first mismatch is logged with the tensor's name.
+// With a CUDA device, also creates the device context (freed by di_model_destroy).
 // Returns DI_ERR_IO (missing/unreadable file), DI_ERR_FORMAT (bad config or checkpoint),
-// DI_ERR_UNSUPPORTED (an architecture this build does not run), DI_ERR_NOMEM.
+// DI_ERR_UNSUPPORTED (an architecture this build does not run; a CUDA device in a build without
+// CUDA, or one that does not exist), DI_ERR_CUDA (the device context failed), DI_ERR_INVALID (bad
+// options), DI_ERR_NOMEM.
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out);
 // Frees the model and unmaps its files. NULL does nothing. Sessions must be destroyed first.
 void di_model_destroy(di_model *model);
@@ -95,6 +129,8 @@ typedef struct di_model_info {
     size_t weight_bytes; // bytes of tensor data in the checkpoint files
     int32_t n_threads;
     di_precision precision;
+    di_device device;
+    di_device_stats device_stats; // so far (a snapshot; call again after forwards)
 } di_model_info;
 
 void di_model_get_info(const di_model *model, di_model_info *out);
@@ -283,6 +319,7 @@ di_request_params di_request_params_default(void);
 typedef struct di_engine_options {
     int n_threads; // CPU threads; 0 = one per online CPU
     di_precision precision;
+    di_device device;         // where the model's matmuls run (di_model_options.device)
     size_t kv_memory_bytes;   // the KV pool (window rings, compressed entries, compressor
                               // buffers); 0 = 256 MiB
     int32_t max_seqs;         // sequences running at once; 0 = 16
@@ -310,9 +347,11 @@ typedef struct di_engine_stats {
     // Asynchronous scheduling: steps whose plan was built while the previous step's forward
     // ran, and those of them whose plan was complete before that forward returned.
     int64_t n_plans_ahead, n_plans_overlapped;
-    // Work of the weight matmuls since create: bytes of weights read and multiply-adds done
-    // (what a step's time is bounded by: bytes / read bandwidth or multiply-adds / FMA peak).
+    // Work of the weight matmuls run on the CPU since create: bytes of weights read and
+    // multiply-adds done (what a step's time is bounded by: bytes / read bandwidth or
+    // multiply-adds / FMA peak). Matmuls run on a device are counted in `device` instead.
     int64_t weight_bytes, weight_macs;
+    di_device_stats device; // the model's device work (zero on the CPU)
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. DI_ERR_IO, DI_ERR_FORMAT,

@@ -4,7 +4,10 @@
 // pool), followed by the sampling of its logit rows spread over the pool (one sampler per pool
 // thread), while the engine thread plans step N+1 (scheduler.h); then the engine thread emits
 // step N, drops finished requests from the plan, fills in the sampled ids and launches
-// step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns.
+// step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns. With a device
+// (di_engine_options.device: the model's matmul hook, backend/device.h) every matmul of the
+// batched forward runs there, called from the forward thread only (the model calls its hook
+// outside pool tasks), one forward at a time.
 //
 // Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
 // the logits of max_seqs rows, the sampler for the vocabulary, the scheduler's plan arrays, the
@@ -63,7 +66,8 @@ struct di_engine {
 };
 
 di_engine_options di_engine_options_default(void) {
-    di_engine_options o = {.n_threads = 0, .precision = DI_PRECISION_FP32};
+    di_engine_options o = {
+        .n_threads = 0, .precision = DI_PRECISION_FP32, .device = {.kind = DI_DEVICE_CPU}};
     return o;
 }
 
@@ -94,7 +98,8 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
         st = DI_ERR_INVALID;
         goto fail;
     }
-    di_model_options mo = {.n_threads = o->n_threads, .precision = o->precision};
+    di_model_options mo = {
+        .n_threads = o->n_threads, .precision = o->precision, .device = o->device};
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
     const di_hparams *hp = &e->model->hp;
     if (hp->v41) { // TODO(v41-model): paged KV and batching for V4.1's shared compressed KV
@@ -504,6 +509,7 @@ static void *engine_main(void *p) {
         st->n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
         st->weight_bytes = (int64_t)e->model->cpu.n_weight_bytes; // the forward thread is idle
         st->weight_macs = (int64_t)e->model->cpu.n_weight_macs;
+        di_accel_get_stats(&e->model->accel, &st->device);
         pthread_mutex_unlock(&e->mu);
     }
     // Final stats after the last cancellations.

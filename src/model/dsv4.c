@@ -20,7 +20,8 @@
 // ---- options ----
 
 di_model_options di_model_options_default(void) {
-    di_model_options o = {.n_threads = 0, .precision = DI_PRECISION_FP32};
+    di_model_options o = {
+        .n_threads = 0, .precision = DI_PRECISION_FP32, .device = {.kind = DI_DEVICE_CPU}};
     return o;
 }
 
@@ -88,6 +89,10 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
         st = DI_ERR_INVALID;
         goto fail;
     }
+    // The device first: a missing GPU fails before the checkpoint is mapped.
+    DI_TRY(di_accel_open(&m->opt.device, &m->accel));
+    m->accel_matmul = m->accel.matmul;
+    m->accel_user = m->accel.user;
     char path[4096];
     const char *gguf_path = find_gguf(dir, path, sizeof path);
     if (gguf_path) {
@@ -119,6 +124,11 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
                 m->layout, m->n_params / 1e6, m->n_params_mtp / 1e6,
                 di_st_set_data_bytes(m->st) / 1048576.0, di_pool_n_threads(m->pool),
                 m->opt.precision == DI_PRECISION_OFFICIAL ? "official" : "fp32");
+    if (m->accel.matmul)
+        DI_LOG_INFO("device: every matmul on %s (weights uploaded on first use, each matmul "
+                    "synchronised); norms, attention, MoE routing and state on the CPU (%d "
+                    "threads)",
+                    m->accel.desc, di_pool_n_threads(m->pool));
     *out = m;
     return DI_OK;
 fail:
@@ -128,6 +138,15 @@ fail:
 
 void di_model_destroy(di_model *m) {
     if (!m) return;
+    if (m->accel.matmul) {
+        di_device_stats ds;
+        di_accel_get_stats(&m->accel, &ds);
+        DI_LOG_INFO("device: %lld matmuls on %s (%lld declined to the CPU), %lld weights "
+                    "(%.1f MiB) uploaded",
+                    (long long)ds.n_matmuls, m->accel.name, (long long)ds.n_declined,
+                    (long long)ds.n_weights, ds.weight_bytes / 1048576.0);
+    }
+    di_accel_close(&m->accel);
     di_cpu_deinit(&m->cpu);
     di_pool_destroy(m->pool);
     di_dsv4_weights_free(m);
@@ -160,7 +179,9 @@ void di_model_get_info(const di_model *m, di_model_info *out) {
         .weight_bytes = di_st_set_data_bytes(m->st),
         .n_threads = di_pool_n_threads(m->pool),
         .precision = m->opt.precision,
+        .device = m->opt.device,
     };
+    di_accel_get_stats(&m->accel, &i.device_stats);
     *out = i;
 }
 
@@ -178,6 +199,7 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     OUT("parameters        %lld main + %lld MTP\n", (long long)m->n_params,
         (long long)m->n_params_mtp);
     OUT("tensor bytes      %zu\n", di_st_set_data_bytes(m->st));
+    OUT("device            %s\n", m->accel.matmul ? m->accel.desc : "cpu");
     OUT("vocab             %d\n", hp->n_vocab);
     OUT("hidden            %d, %d layers, %d MTP block(s) loaded of %d declared\n", hp->n_embd,
         hp->n_layer, m->n_mtp_loaded, hp->n_mtp);

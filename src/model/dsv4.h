@@ -21,6 +21,7 @@
 
 #include "backend/cpu/gemm.h"    // di_cpu_matmul
 #include "backend/cpu/ref_ops.h" // di_cpu
+#include "backend/device.h"      // di_accel
 #include "base/thread.h"         // di_pool
 #include "deepinfer.h"
 #include "io/gguf.h"        // di_gguf_file
@@ -114,9 +115,12 @@ struct di_model {
     int64_t n_owned, cap_owned;
     // Optional accelerator for every matmul of the forward (di_dsv4_matmul): returns true when it
     // computed y (same contract as di_cpu_matmul), false to let the CPU do it. NULL: CPU only.
-    // Set before the first forward (backend/cuda/offload.cuh; tests/backend/cuda).
+    // Set before the first forward: by di_model_load from opt.device (`accel`), or by a test
+    // (backend/cuda/offload.cuh; tests/backend/cuda). Called only from the thread running the
+    // forward, never from pool workers.
     di_dsv4_matmul_fn accel_matmul;
     void *accel_user; // borrowed
+    di_accel accel;   // owned: opened from opt.device by di_model_load (backend/device.h)
 };
 
 // The matmul of every layer: the accelerator's when one is attached and takes it, else

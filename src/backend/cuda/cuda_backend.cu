@@ -72,6 +72,7 @@ struct di_cuda_pool_block {
 
 extern "C" void di_cuda_destroy(di_cuda *cu) {
     if (!cu) return;
+    (void)cudaSetDevice(cu->device); // any thread may destroy it
     if (cu->stream) (void)cudaStreamSynchronize(di_stream(cu));
     for (di_cuda_pool_block *b = cu->blocks, *nx; b; b = nx) {
         nx = b->next;

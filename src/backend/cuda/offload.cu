@@ -106,6 +106,9 @@ static di_status dev_reserve(di_cuda *cu, void **p, size_t *cap, size_t bytes) {
 static di_status run(di_cuda_offload *o, const di_tensor *w, const float *x, int64_t n_tok,
                      int64_t x_stride, float *y, int64_t y_stride) {
     di_status st;
+    // The calling thread may not be the one that created the context (the engine's forward
+    // thread): make its device current here (cheap when it already is).
+    CUDA_CHECK(cudaSetDevice(o->cu->device));
     if (o->n * 2 >= o->cap && (st = grow_table(o)) != DI_OK) return st;
     entry *e = find(o->table, o->cap, w);
     if (!e->used) { // first sight: upload once

@@ -8,7 +8,8 @@
  * (tiny fixture logits vs the CPU), not the speed path.
  *
  * Owns: the weight table and staging buffers (device copies of weights belong to the di_cuda).
- * Thread-safety: engine thread only (the model calls it from its forward).
+ * Thread-safety: one thread at a time, any thread (each call makes cu's device current on the
+ * calling thread): the thread running the model's forward (the engine's forward thread).
  */
 #pragma once
 

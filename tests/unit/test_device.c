@@ -1,0 +1,70 @@
+// device (src/backend/device.c, di_model_options.device) on the CPU: the default is the CPU and
+// runs no device; malformed devices are refused with DI_ERR_INVALID; in a build without the CUDA
+// backend a CUDA device is refused with DI_ERR_UNSUPPORTED by di_device_check, di_model_load and
+// di_engine_create (cleanly: no model or engine is returned, nothing leaks under ASan). A CUDA
+// build runs the device itself in tests/backend/cuda/test_cuda_device.c (label cuda).
+#include "harness.h"
+
+#include "deepinfer.h"
+
+static char g_dir[4096];
+
+static void test_defaults(void) {
+    CHECK_EQ(di_model_options_default().device.kind, DI_DEVICE_CPU);
+    CHECK_EQ(di_engine_options_default().device.kind, DI_DEVICE_CPU);
+    di_device cpu = {.kind = DI_DEVICE_CPU};
+    CHECK_EQ(di_device_check(&cpu), DI_OK);
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (!m) return;
+    di_model_info info;
+    di_model_get_info(m, &info);
+    CHECK_EQ(info.device.kind, DI_DEVICE_CPU);
+    CHECK_EQ(info.device_stats.n_matmuls, 0);
+    CHECK_EQ(info.device_stats.n_weights, 0);
+    char desc[4096];
+    di_model_describe(m, desc, sizeof desc);
+    CHECK(strstr(desc, "device            cpu\n") != NULL);
+    di_model_destroy(m);
+}
+
+static void test_invalid(void) {
+    di_device bad_kind = {.kind = (di_device_kind)7},
+              bad_index = {.kind = DI_DEVICE_CUDA, .index = -1};
+    CHECK_EQ(di_device_check(&bad_kind), DI_ERR_INVALID);
+    CHECK_EQ(di_device_check(&bad_index), DI_ERR_INVALID);
+    di_model_options mo = di_model_options_default();
+    mo.device = bad_index;
+    di_model *m = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_INVALID);
+    CHECK(m == NULL);
+}
+
+static void test_cuda_without_backend(void) {
+    di_device cuda = {.kind = DI_DEVICE_CUDA, .index = 0};
+    if (di_device_check(&cuda) == DI_OK) {
+        fprintf(stderr, "  this build has the CUDA backend: see test_cuda_device\n");
+        return;
+    }
+    CHECK_EQ(di_device_check(&cuda), DI_ERR_UNSUPPORTED);
+    di_model_options mo = di_model_options_default();
+    mo.device = cuda;
+    di_model *m = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_UNSUPPORTED);
+    CHECK(m == NULL);
+    di_engine_options eo = di_engine_options_default();
+    eo.device = cuda;
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &eo, &e), DI_ERR_UNSUPPORTED);
+    CHECK(e == NULL);
+}
+
+int main(void) {
+    test_src_path("tests/data/fixtures/tiny/official", g_dir, sizeof g_dir);
+    RUN(test_defaults);
+    RUN(test_invalid);
+    RUN(test_cuda_without_backend);
+    return test_finish();
+}
