@@ -85,11 +85,30 @@ bool di_args_write_npy(const char *path, const float *data, int64_t rows, int64_
     return ok;
 }
 
+bool di_args_device(const char *s, di_device *out) {
+    di_device d = {.kind = DI_DEVICE_CPU, .index = 0};
+    if (strcmp(s, "cpu") != 0) {
+        long n = 0;
+        if (strncmp(s, "cuda", 4) != 0 || (s[4] != 0 && s[4] != ':') ||
+            (s[4] == ':' && !di_args_int(s + 5, "--device cuda:N", 0, 1023, &n))) {
+            fprintf(stderr, "deepinfer: --device must be cpu, cuda or cuda:N (N >= 0), not '%s'\n",
+                    s);
+            return false;
+        }
+        d.kind = DI_DEVICE_CUDA;
+        d.index = (int32_t)n;
+    }
+    // This build's limits (no CUDA backend) are a usage error: the library logs why.
+    if (di_device_check(&d) != DI_OK) return false;
+    *out = d;
+    return true;
+}
+
 int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
     const char *a = argv[*i];
     bool has_val = *i + 1 < argc;
     if (strcmp(a, "--model") == 0 || strcmp(a, "--threads") == 0 || strcmp(a, "--precision") == 0 ||
-        strcmp(a, "--log-level") == 0) {
+        strcmp(a, "--device") == 0 || strcmp(a, "--log-level") == 0) {
         if (!has_val) {
             fprintf(stderr, "deepinfer: %s needs a value\n", a);
             return -1;
@@ -101,6 +120,8 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
             long n;
             if (!di_args_int(v, "--threads", 0, 1024, &n)) return -1;
             ma->opt.n_threads = (int)n;
+        } else if (strcmp(a, "--device") == 0) {
+            if (!di_args_device(v, &ma->opt.device)) return -1;
         } else if (strcmp(a, "--precision") == 0) {
             if (strcmp(v, "fp32") == 0)
                 ma->opt.precision = DI_PRECISION_FP32;

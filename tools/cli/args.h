@@ -20,7 +20,10 @@ bool di_args_write_npy(const char *path, const float *data, int64_t rows, int64_
 // written on first use to $DEEPINFER_HOME/tiny-v4 (default ~/.cache/deepinfer/tiny-v4). Says so
 // on stderr. Returns NULL (with a message) if it cannot be created.
 const char *di_args_default_model(void);
-// Options shared by every model command: --model, --threads, --precision, --log-level.
+// Parses --device: "cpu", "cuda" (= cuda:0) or "cuda:N". false (with a message) when malformed or
+// when this build cannot run it (a CUDA device without the CUDA backend).
+bool di_args_device(const char *s, di_device *out);
+// Options shared by every model command: --model, --threads, --precision, --device, --log-level.
 typedef struct di_model_args {
     const char *model;
     di_model_options opt;

@@ -18,6 +18,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: deepinfer bench [--model DIR] [--requests 16] [--prompt-len 128]\n"
                "                       [--gen-len 64] [--kv-memory MiB] [--max-batch-tokens 256]\n"
                "                       [--threads N] [--precision fp32|official] [--no-ratio]\n"
+               "                       [--device cpu|cuda[:N]]\n"
                "Greedy generation of --gen-len tokens for --requests random prompts submitted\n"
                "together; prints throughput, TTFT and ITL statistics and KV usage, then the\n"
                "decode tokens/s of 16 concurrent sequences over 1 (skip with --no-ratio).\n");
@@ -272,6 +273,7 @@ int di_cli_bench(int argc, char **argv) {
     di_engine_options o = di_engine_options_default();
     o.n_threads = ma.opt.n_threads;
     o.precision = ma.opt.precision;
+    o.device = ma.opt.device;
     o.kv_memory_bytes = (size_t)kv_mib << 20;
     o.max_seqs = (int32_t)(n_req > 16 ? n_req : 16);
     o.max_batch_tokens = (int32_t)batch;
@@ -298,7 +300,16 @@ int di_cli_bench(int argc, char **argv) {
         printf("decode throughput 16 vs 1: %.2fx (%.1f vs %.1f tokens/s)\n",
                one.decode_tps > 0 ? many.decode_tps / one.decode_tps : 0, many.decode_tps,
                one.decode_tps);
-        print_limits(ma.opt.n_threads, &one, &many);
+        // The CPU's limits bound only a CPU run (on a device the CPU counts no weight work).
+        if (o.device.kind == DI_DEVICE_CPU) print_limits(ma.opt.n_threads, &one, &many);
+    }
+    if (o.device.kind != DI_DEVICE_CPU) {
+        di_engine_stats es;
+        di_engine_get_stats(e, &es);
+        printf("device cuda:%d: %lld matmuls (%lld declined to the CPU), %lld weights "
+               "(%.1f MiB) uploaded\n",
+               (int)o.device.index, (long long)es.device.n_matmuls, (long long)es.device.n_declined,
+               (long long)es.device.n_weights, es.device.weight_bytes / 1048576.0);
     }
     di_engine_destroy(e);
     return 0;

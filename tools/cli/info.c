@@ -14,7 +14,7 @@ int di_cli_info(int argc, char **argv) {
         if (r < 0) return 2;
         if (r == 0) {
             if (strcmp(argv[i], "--help") == 0) {
-                printf("usage: deepinfer info --model DIR\n");
+                printf("usage: deepinfer info --model DIR [--device cpu|cuda[:N]]\n");
                 return 0;
             }
             fprintf(stderr, "deepinfer info: unknown option '%s'\n", argv[i]);

@@ -25,6 +25,7 @@ static void usage(FILE *f) {
     fprintf(
         f, "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
            "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
+           "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
            "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
            "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
            "                       [--drain-timeout 30] [--log-level 0..3]\n"
@@ -144,6 +145,7 @@ int di_cli_serve(int argc, char **argv) {
     di_engine_options eo = di_engine_options_default();
     eo.n_threads = ma.opt.n_threads;
     eo.precision = ma.opt.precision;
+    eo.device = ma.opt.device;
     eo.kv_memory_bytes = c->kv_memory_bytes;
     eo.max_ctx = c->max_ctx;
     eo.max_seqs = c->max_seqs;
