@@ -1,0 +1,259 @@
+// The product path to the GPU: di_model_options.device / di_engine_options.device = cuda:0 (what
+// `deepinfer logits|generate|bench|serve --device cuda` pass), through di_model_load, which opens
+// the device and attaches the offload as the model's matmul hook (backend/device.h), against the
+// same model on the CPU, on the committed tiny fixture (official FP8/FP4 layout, and the HF BF16
+// one for the logits):
+//   - logits of a 64-token prefill and 3 decode steps within 1e-3 of the largest logit;
+//   - greedy generation through a session: the same tokens;
+//   - the serving engine (ragged batched forward on its forward thread, 4 requests of different
+//     lengths at once): the same greedy tokens as the engine on the CPU;
+//   - the device's stats (matmuls run, none declined, weights uploaded) and a device index that
+//     does not exist refused with DI_ERR_UNSUPPORTED by di_model_load and di_engine_create.
+// Greedy tokens are compared up to the first step whose CPU top-two margin is within twice the
+// logits bound (2e-3 of the largest logit): a closer race may legitimately go either way.
+// Needs the full library (config and checkpoint loading): built by CMake with DI_CUDA, run by
+// scripts/gpu-check where jansson/PCRE2/zlib exist.
+#include "backend/cuda/cuda_test.h"
+
+#include <string.h>
+
+#include "deepinfer.h"
+
+#define TOL_LOGITS 1e-3
+enum { T_PRE = 64, N_DEC = 3, N_GEN = 16, N_REQ = 4, ENGINE_GEN = 12 };
+
+static char g_dir[4096];
+static double g_logit_scale; // max |logit| of the CPU prefill: the tie margins' scale
+
+static di_model *load(const char *dir, bool cuda, di_precision prec) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    mo.precision = prec;
+    if (cuda) mo.device = (di_device){.kind = DI_DEVICE_CUDA, .index = 0};
+    di_model *m = NULL;
+    di_status st = di_model_load(dir, &mo, &m);
+    CHECK_EQ(st, DI_OK);
+    return st == DI_OK ? m : NULL;
+}
+
+// Prefill of T_PRE tokens, then N_DEC single tokens: logits [T_PRE + N_DEC, V].
+static bool run_logits(di_model *m, int32_t V, float *logits) {
+    int32_t ids[T_PRE + N_DEC];
+    for (int32_t i = 0; i < T_PRE + N_DEC; i++) ids[i] = (int32_t)((i * 7919 + 13) % V);
+    di_session *s = NULL;
+    if (di_session_create(m, NULL, &s) != DI_OK) return false;
+    di_forward_out fo = {.logits = logits};
+    bool ok = di_session_forward(s, ids, T_PRE, &fo) == DI_OK;
+    for (int32_t i = 0; i < N_DEC && ok; i++) {
+        di_forward_out fd = {.logits = logits + (int64_t)(T_PRE + i) * V};
+        ok = di_session_forward(s, ids + T_PRE + i, 1, &fd) == DI_OK;
+    }
+    di_session_destroy(s);
+    return ok;
+}
+
+static void logits_case(const char *rel, di_precision prec, const char *what) {
+    char dir[4096];
+    test_src_path(rel, dir, sizeof dir);
+    di_model *cpu = load(dir, false, prec), *gpu = load(dir, true, prec);
+    if (!cpu || !gpu) goto done;
+    di_model_info info;
+    di_model_get_info(gpu, &info);
+    CHECK_EQ(info.device.kind, DI_DEVICE_CUDA);
+    const int32_t V = info.n_vocab;
+    const int64_t n = (int64_t)(T_PRE + N_DEC) * V;
+    float *ref = malloc(sizeof(float) * (size_t)n), *out = malloc(sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) out[i] = NAN;
+    CHECK(run_logits(cpu, V, ref));
+    CHECK(run_logits(gpu, V, out));
+    const double e_pre = test_rel_err(out, ref, (int64_t)T_PRE * V);
+    const double e_dec =
+        test_rel_err(out + (int64_t)T_PRE * V, ref + (int64_t)T_PRE * V, (int64_t)N_DEC * V);
+    di_model_get_info(gpu, &info);
+    const di_device_stats *ds = &info.device_stats;
+    fprintf(stderr,
+            "  %s: %lld GPU matmuls (%lld declined), %lld weights (%.1f MB); prefill %.3g, "
+            "decode %.3g of max|logit|\n",
+            what, (long long)ds->n_matmuls, (long long)ds->n_declined, (long long)ds->n_weights,
+            ds->weight_bytes / 1e6, e_pre, e_dec);
+    CHECK(ds->n_matmuls > 0);
+    CHECK_EQ(ds->n_declined, 0);
+    CHECK(ds->n_weights > 0 && ds->weight_bytes > 0);
+    CHECK(e_pre <= TOL_LOGITS);
+    CHECK(e_dec <= TOL_LOGITS);
+    di_model_get_info(cpu, &info);
+    CHECK_EQ(info.device_stats.n_matmuls, 0); // the CPU model has no device
+    if (g_logit_scale == 0)
+        for (int64_t i = 0; i < (int64_t)T_PRE * V; i++)
+            if (fabs(ref[i]) > g_logit_scale) g_logit_scale = fabs(ref[i]);
+    free(ref), free(out);
+done:
+    di_model_destroy(gpu);
+    di_model_destroy(cpu);
+}
+
+static void test_logits(void) {
+    logits_case("tests/data/fixtures/tiny/official", DI_PRECISION_FP32,
+                "tiny fixture (official FP8/FP4), fp32 recipe");
+    logits_case("tests/data/fixtures/tiny/official", DI_PRECISION_OFFICIAL,
+                "tiny fixture (official FP8/FP4), official recipe");
+    logits_case("tests/data/fixtures/tiny/hf", DI_PRECISION_FP32, "tiny fixture (HF, BF16)");
+}
+
+// Greedy tokens (ties to the lower id) after a prompt; margin[i]: top-1 minus top-2 logit.
+static bool greedy(di_model *m, int32_t V, const int32_t *prompt, int32_t n_prompt, int32_t *tok,
+                   float *margin) {
+    float *lg = malloc(sizeof(float) * (size_t)V);
+    di_session *s = NULL;
+    bool ok = lg && di_session_create(m, NULL, &s) == DI_OK;
+    di_forward_out fo = {.logits = lg, .last_only = true};
+    ok = ok && di_session_forward(s, prompt, n_prompt, &fo) == DI_OK;
+    for (int32_t i = 0; i < N_GEN && ok; i++) {
+        int32_t best = 0, second = -1;
+        for (int32_t v = 1; v < V; v++) {
+            if (lg[v] > lg[best]) {
+                second = best;
+                best = v;
+            } else if (second < 0 || lg[v] > lg[second]) {
+                second = v;
+            }
+        }
+        tok[i] = best;
+        margin[i] = lg[best] - lg[second];
+        if (i + 1 < N_GEN) ok = di_session_forward(s, &best, 1, &fo) == DI_OK;
+    }
+    di_session_destroy(s);
+    free(lg);
+    return ok;
+}
+
+// Number of leading tokens that must agree: up to the first near tie on the CPU.
+static int32_t decided(const float *margin, int32_t n) {
+    int32_t k = 0;
+    while (k < n && margin[k] > 2 * TOL_LOGITS * g_logit_scale) k++;
+    return k;
+}
+
+static void test_generate(void) {
+    di_model *cpu = load(g_dir, false, DI_PRECISION_FP32),
+             *gpu = load(g_dir, true, DI_PRECISION_FP32);
+    if (!cpu || !gpu) goto done;
+    di_model_info info;
+    di_model_get_info(cpu, &info);
+    const int32_t prompt[5] = {5, 17, 300, 42, 7};
+    int32_t t_cpu[N_GEN], t_gpu[N_GEN];
+    float m_cpu[N_GEN], m_gpu[N_GEN];
+    CHECK(greedy(cpu, info.n_vocab, prompt, 5, t_cpu, m_cpu));
+    CHECK(greedy(gpu, info.n_vocab, prompt, 5, t_gpu, m_gpu));
+    const int32_t k = decided(m_cpu, N_GEN);
+    fprintf(stderr, "  greedy: %d of %d tokens decided (scale %.3g), first %d %d %d\n", k, N_GEN,
+            g_logit_scale, t_cpu[0], t_cpu[1], t_cpu[2]);
+    CHECK(k > 0);
+    for (int32_t i = 0; i < k; i++) CHECK_EQ(t_gpu[i], t_cpu[i]);
+done:
+    di_model_destroy(gpu);
+    di_model_destroy(cpu);
+}
+
+typedef struct result {
+    int32_t tokens[ENGINE_GEN];
+    float margin[ENGINE_GEN]; // top-1 minus top-2 logprob (= their logits' difference)
+    int32_t n;
+    bool finished;
+} result;
+
+static void on_event(void *user, const di_event *ev) {
+    result *r = user;
+    if (ev->token >= 0 && r->n < ENGINE_GEN) {
+        r->margin[r->n] = ev->n_top >= 2 ? ev->top_logprobs[0] - ev->top_logprobs[1] : INFINITY;
+        r->tokens[r->n++] = ev->token;
+    }
+    if (ev->finish != DI_FINISH_NONE) r->finished = true;
+}
+
+// N_REQ greedy requests (prompts of 5, 17, 33 and 64 tokens) submitted together.
+static bool engine_run(bool cuda, result *res, di_engine_stats *st) {
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = 2;
+    if (cuda) o.device = (di_device){.kind = DI_DEVICE_CUDA, .index = 0};
+    di_engine *e = NULL;
+    di_status s = di_engine_create(g_dir, &o, &e);
+    CHECK_EQ(s, DI_OK);
+    if (s != DI_OK) return false;
+    static const int32_t lens[N_REQ] = {5, 17, 33, 64};
+    int32_t prompt[N_REQ][64];
+    bool ok = true;
+    for (int r = 0; r < N_REQ; r++) {
+        for (int32_t i = 0; i < lens[r]; i++)
+            prompt[r][i] = (int32_t)((i * 131 + r * 17 + 3) % 512);
+        memset(&res[r], 0, sizeof res[r]);
+        di_request_params p = di_request_params_default();
+        p.prompt = prompt[r];
+        p.n_prompt = lens[r];
+        p.max_tokens = ENGINE_GEN;
+        p.ignore_eos = true;
+        p.sample.n_logprobs = 2;
+        p.on_event = on_event;
+        p.user = &res[r];
+        uint64_t id;
+        ok &= di_engine_submit(e, &p, &id) == DI_OK;
+    }
+    di_engine_wait_idle(e);
+    di_engine_get_stats(e, st);
+    di_engine_destroy(e);
+    return ok;
+}
+
+static void test_engine(void) {
+    result cpu[N_REQ], gpu[N_REQ];
+    di_engine_stats st_cpu, st_gpu;
+    CHECK(engine_run(false, cpu, &st_cpu));
+    CHECK(engine_run(true, gpu, &st_gpu));
+    int32_t compared = 0;
+    for (int r = 0; r < N_REQ; r++) {
+        CHECK(cpu[r].finished && gpu[r].finished);
+        CHECK_EQ(cpu[r].n, ENGINE_GEN);
+        CHECK_EQ(gpu[r].n, ENGINE_GEN);
+        const int32_t k = decided(cpu[r].margin, cpu[r].n);
+        for (int32_t i = 0; i < k; i++) CHECK_EQ(gpu[r].tokens[i], cpu[r].tokens[i]);
+        compared += k;
+    }
+    fprintf(stderr,
+            "  engine: %d of %d tokens decided and equal; %lld steps, %lld GPU matmuls (%lld "
+            "declined), %lld weights (%.1f MB)\n",
+            compared, N_REQ * ENGINE_GEN, (long long)st_gpu.n_steps,
+            (long long)st_gpu.device.n_matmuls, (long long)st_gpu.device.n_declined,
+            (long long)st_gpu.device.n_weights, st_gpu.device.weight_bytes / 1e6);
+    CHECK(compared > 0);
+    CHECK(st_gpu.device.n_matmuls > 0);
+    CHECK_EQ(st_gpu.device.n_declined, 0);
+    CHECK_EQ(st_cpu.device.n_matmuls, 0);
+    // On the GPU the CPU ran no weight matmul.
+    CHECK_EQ(st_gpu.weight_macs, 0);
+}
+
+// A device that does not exist: a clear error from load and engine create, no crash.
+static void test_missing_device(void) {
+    di_model_options mo = di_model_options_default();
+    mo.device = (di_device){.kind = DI_DEVICE_CUDA, .index = di_cuda_device_count()};
+    di_model *m = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_UNSUPPORTED);
+    CHECK(m == NULL);
+    di_engine_options eo = di_engine_options_default();
+    eo.device = mo.device;
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &eo, &e), DI_ERR_UNSUPPORTED);
+    CHECK(e == NULL);
+    mo.device.index = -1;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_INVALID);
+}
+
+int main(void) {
+    cuda_test_init();
+    test_src_path("tests/data/fixtures/tiny/official", g_dir, sizeof g_dir);
+    RUN(test_logits);
+    RUN(test_generate);
+    RUN(test_engine);
+    RUN(test_missing_device);
+    return cuda_test_finish();
+}
