@@ -57,7 +57,8 @@ void di_vec_avx2_weighted_sum(const float *p, const float *const *rows, int64_t 
         for (int64_t j = 0; j < n_rows; j++) {
             __m256 pv = _mm256_broadcast_ss(p + j);
             const float *r = rows[j] + c;
-            for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(r + 8 * k), a[k]);
+            for (int k = 0; k < 8; k++)
+                a[k] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(r + 8 * k), a[k]);
         }
         for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + c + 8 * k, a[k]);
     }
