@@ -541,18 +541,15 @@ void di_dequant_row_iq2_xxs(const uint8_t *restrict row, int64_t n, float *restr
     }
 }
 
-// ggml's e8m0 "half" scale: 2^(e-128), subnormal for e < 2.
-static float e8m0_half(uint8_t e) {
-    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    return f32_from_bits(bits);
-}
+// ggml's kvalues_mxfp4: the e2m1 values doubled.
+static const int8_t k_mxfp4_vals[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 void di_dequant_row_mxfp4(const uint8_t *restrict row, int64_t n, float *restrict out) {
-    static const int8_t k_vals[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    const int8_t *k_vals = k_mxfp4_vals;
     DI_ASSERT(n % 32 == 0);
     for (int64_t b = 0; b < n / 32; b++) {
         const uint8_t *blk = row + 17 * b;
-        const float d = e8m0_half(blk[0]);
+        const float d = di_mxfp4_scale(blk[0]);
         for (int j = 0; j < 16; j++) {
             out[32 * b + j] = (float)k_vals[blk[1 + j] & 0xF] * d;
             out[32 * b + j + 16] = (float)k_vals[blk[1 + j] >> 4] * d;
@@ -659,6 +656,48 @@ void di_repack_row_fp4_mxfp4(const uint8_t *restrict packed, const uint8_t *rest
             uint8_t lo = (uint8_t)(j & 1 ? p[j / 2] >> 4 : p[j / 2] & 15);
             uint8_t hi = (uint8_t)((j + 16) & 1 ? p[(j + 16) / 2] >> 4 : p[(j + 16) / 2] & 15);
             blk[1 + j] = (uint8_t)(lo | (hi << 4));
+        }
+    }
+}
+
+// ---- 8-bit activations and integer weight codes ----
+
+void di_quant_act_q8(const float *restrict x, int64_t n, int8_t *restrict q, float *restrict d) {
+    DI_ASSERT(n % 32 == 0);
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *v = x + 32 * b;
+        float amax = 0;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float dr = amax / 127.0f;
+        d[b] = di_f16_to_f32(di_f32_to_f16(dr));
+        const float id = d[b] != 0 ? 1.0f / dr : 0.0f;
+        for (int j = 0; j < 32; j++) {
+            const float s = v[j] * id;
+            const float r = s + copysignf(0x1.fffffep-2f, s); // 0.5 - 2^-25
+            q[32 * b + j] = (int8_t)(int)r;                   // truncation toward zero
+        }
+    }
+}
+
+void di_codes_row_q8_0(const uint8_t *restrict row, int64_t n, int8_t *restrict q,
+                       float *restrict d) {
+    DI_ASSERT(n % 32 == 0);
+    for (int64_t b = 0; b < n / 32; b++) {
+        const uint8_t *blk = row + 34 * b;
+        d[b] = ld_f16(blk);
+        memcpy(q + 32 * b, blk + 2, 32);
+    }
+}
+
+void di_codes_row_mxfp4(const uint8_t *restrict row, int64_t n, int8_t *restrict q,
+                        float *restrict d) {
+    DI_ASSERT(n % 32 == 0);
+    for (int64_t b = 0; b < n / 32; b++) {
+        const uint8_t *blk = row + 17 * b;
+        d[b] = di_mxfp4_scale(blk[0]);
+        for (int j = 0; j < 16; j++) {
+            q[32 * b + j] = k_mxfp4_vals[blk[1 + j] & 0xF];
+            q[32 * b + j + 16] = k_mxfp4_vals[blk[1 + j] >> 4];
         }
     }
 }

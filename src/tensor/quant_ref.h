@@ -23,6 +23,7 @@
 #pragma once
 
 #include <stdint.h>
+#include <string.h> // memcpy
 
 #include "tensor/dtype.h" // di_dtype
 
@@ -151,6 +152,39 @@ void di_q4_k_scale_min(int j, const uint8_t *restrict scales, uint8_t *sc, uint8
 uint64_t di_iq2xxs_grid(int i);
 // ggml's ksigns_iq2xs: i (0..127) with bit 7 set to make an even number of set bits.
 uint8_t di_iq2xs_signs(int i);
+
+// ---- 8-bit activations and integer weight codes (the GGUF matmul contract, backend/cpu/gemm.h)
+// ----
+//
+// Q8_0 and MXFP4 weights are multiplied by 8-bit activations with integer dot products, as ggml
+// does. These are the scalar primitives of that contract; the SIMD code reproduces their bits.
+
+// One activation row of n values (n a multiple of 32; DI_ASSERT) in blocks of 32, ggml's
+// quantize_row_q8_0 reference: amax = max|x|, dr = amax / 127, d = f16(dr) (round to nearest even,
+// stored back as f32 in d[b]), id = 1 / dr where d != 0 else 0, q = round-half-away(x * id)
+// computed as trunc(x * id + copysign(0.5 - 2^-25, x * id)) (exactly roundf on |v| < 2^23; the
+// same two float operations in the SIMD code). |q| <= 127 (x * id <= 127 (1 + 3 ulp)). Where d is
+// 0 the block's q are 0 (ggml's q there are multiplied by d = 0 and cannot matter). Inputs must be
+// finite; a block with amax > 65504 * 127 gets d = inf, as in ggml.
+void di_quant_act_q8(const float *restrict x, int64_t n, int8_t *restrict q, float *restrict d);
+
+// The integer codes and per-32 scales of one weight row (n a multiple of 32), whose products are
+// exactly di_dequant_row_*'s values:
+//   Q8_0: q = the stored int8, d = the f16 block scale;
+//   MXFP4: q = the e2m1 code doubled {0, ±1, ±2, ±3, ±4, ±6, ±8, ±12} (ggml's kvalues_mxfp4) in
+//   column order, d = 2^(e-128) (the UE8M0 scale times 0.5).
+void di_codes_row_q8_0(const uint8_t *restrict row, int64_t n, int8_t *restrict q,
+                       float *restrict d);
+void di_codes_row_mxfp4(const uint8_t *restrict row, int64_t n, int8_t *restrict q,
+                        float *restrict d);
+// ggml's MXFP4 block scale 2^(e-128) (subnormal for e < 2). Exact. Inline: the AVX2 GEMV calls it
+// once per row and block.
+static inline float di_mxfp4_scale(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 // f32 -> IEEE binary16 bit pattern, round to nearest even; overflow to ±inf; NaN stays NaN.
 uint16_t di_f32_to_f16(float x);

@@ -8,6 +8,10 @@
 //   - batch invariance (a token's outputs do not depend on the other tokens of the call) and
 //     thread invariance (1, 2 and 3 threads give the same bits), which the serving engine relies
 //     on;
+//   - Q8_0 and MXFP4 on 8-bit activations (gemm.h): the quantiser's rounding (exhaustively), its
+//     AVX2 bits, bit-identity with di_ref_matmul at every level on edge shapes (1..7 tokens, rows
+//     off the tile, 32-column rows, a token-chunk boundary, zero and extreme blocks), and the
+//     distance to exact f32 activations within the quantisation bound;
 //   - the DI_CPU_ISA switch.
 #include "harness.h"
 
@@ -29,6 +33,17 @@
 #define TOL_GAMMA_FACTOR 2.0
 // The scalar level is the reference arithmetic: bit-identical.
 #define TOL_SCALAR 0.0
+// Q8_0 and MXFP4 (the 8-bit activation contract of gemm.h) at every level: the activation codes
+// are the reference's bits, the integer block sums are exact, and the f32 part (one FMA per lane
+// and block, blocks in order, then reduce8) is the same operations in the same order as
+// di_ref_dot_q8, so the bound on f32 summation rounding between the two is zero: bit-identical.
+#define TOL_INT8 0.0
+// The 8-bit path against exact f32 activations (x times the exactly dequantised weights): each
+// activation is off by at most d/2 (rounding to the code) + 127 |dr - d| (d is dr rounded to f16,
+// relative error <= 2^-11), so |x - q d| <= d (1/2 + 127 * 2^-11 / (1 - 2^-11)) < 0.5625 d with
+// d <= amax/127 * (1 + 2^-11), and |y8 - y| <= 0.5625 sum_i |w_i| d_b(i) plus f32 summation
+// rounding of both sides (TOL_GAMMA_FACTOR's bound, on sum |w x| + sum |w| d).
+#define ACT_Q8_ERR 0.5625
 
 static uint64_t g_rng = 0x1234567ull;
 static uint64_t rnd(void) {
@@ -200,7 +215,9 @@ static void compare(const di_tensor *w, const float *x, int64_t n_tok, int64_t x
             }
             double mag = 0;
             for (int64_t i = 0; i < n; i++) mag += fabs((double)row[i] * x[t * xs + i]);
-            double tol = isa == DI_CPU_ISA_SCALAR ? TOL_SCALAR : TOL_GAMMA_FACTOR * gamma * mag;
+            double tol = di_ref_matmul_int8(w)      ? TOL_INT8
+                         : isa == DI_CPU_ISA_SCALAR ? TOL_SCALAR
+                                                    : TOL_GAMMA_FACTOR * gamma * mag;
             double d = fabs(a - b);
             if (!(d <= tol)) {
                 if (bad < 3)
@@ -321,13 +338,16 @@ static void test_gemm_ggml(void) {
     }
 }
 
-// The AVX2 decoders of the block kinds are exact: every value equals the reference's bits.
+// The AVX2 decoders of the block kinds multiplied in f32 are exact: every value equals the
+// reference's bits (Q8_0 and MXFP4 are never decoded to f32: they use integer dot products).
 static void test_decode_ggml_exact(void) {
     if (di_cpu_isa_supported() < DI_CPU_ISA_AVX2) return; // nothing to compare
+    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_Q4_K, DI_TENSOR_KIND_Q2_K,
+                                           DI_TENSOR_KIND_IQ2_XXS};
     const int64_t n = 2048;
     float *ref = malloc(sizeof(float) * n), *got = di_aligned_alloc(sizeof(float) * n);
-    for (size_t k = 0; k < sizeof k_ggml_kinds / sizeof k_ggml_kinds[0]; k++) {
-        mat m = make_mat(k_ggml_kinds[k], n, 3, (scale_range){0, 255, false});
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        mat m = make_mat(kinds[k], n, 3, (scale_range){0, 255, false});
         bool same = true;
         for (int64_t r = 0; r < 3; r++) {
             di_tensor_row_f32(&m.t, r, ref);
@@ -341,6 +361,179 @@ static void test_decode_ggml_exact(void) {
     }
     free(ref);
     di_aligned_free(got);
+}
+
+// ---- 8-bit activations (Q8_0, MXFP4) ----
+
+// The quantiser's rounding, trunc(v + copysign(0.5 - 2^-25, v)), is roundf (half away from zero)
+// for every float of magnitude up to 128 (all the quantiser can see): checked on every one.
+static void test_act_round_exhaustive(void) {
+    int64_t bad = 0;
+    for (uint32_t u = 0; u <= 0x43000000u; u++) { // +0 .. 128
+        float v;
+        memcpy(&v, &u, 4);
+        float r = v + copysignf(0x1.fffffep-2f, v);
+        bad += (float)(int)r != roundf(v);
+        float nv = -v, nr = nv + copysignf(0x1.fffffep-2f, nv);
+        bad += (float)(int)nr != roundf(nv);
+    }
+    CHECK_EQ(bad, 0);
+}
+
+// One activation row (n values) with blocks of the hard cases: all zero, one nonzero, exact ties
+// (x * id landing on k + 0.5), the largest value reaching the +-127 clamp, tiny (f16-subnormal
+// and zero d), large (d near the f16 maximum), and random.
+static void fill_act_cases(float *x, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        float *v = x + 32 * b;
+        const int kind = (int)(b % 8);
+        for (int j = 0; j < 32; j++) {
+            switch (kind) {
+            case 0:
+                v[j] = 0.0f;
+                break;
+            case 1:
+                v[j] = j == 7 ? -3.0f : (j == 9 ? -0.0f : 0.0f);
+                break;
+            case 2: // amax 127: id = 1, values k + 0.5 are ties
+                v[j] = j == 0 ? 127.0f : (float)(j - 16) + 0.5f;
+                break;
+            case 3: // -127 and +127 ends
+                v[j] = j == 0 ? -5.0f : (j == 1 ? 5.0f : rndf() * 5.0f);
+                break;
+            case 4: // d below the f16 subnormal range: rounds to 0
+                v[j] = rndf() * 1e-9f;
+                break;
+            case 5: // f16-subnormal d
+                v[j] = rndf() * 1e-4f;
+                break;
+            case 6: // large: d about 7.8e3 (f16 max 65504)
+                v[j] = rndf() * 1e6f;
+                break;
+            default:
+                v[j] = rndf() * ldexpf(1.0f, (int)(rnd() % 20) - 10);
+                break;
+            }
+        }
+    }
+}
+
+// The AVX2 quantiser gives the reference's bits; the codes stay in [-127, 127] and reconstruct
+// x within ACT_Q8_ERR * d.
+static void test_act_quant(void) {
+    const int64_t n = 32 * 64;
+    float *x = malloc(sizeof(float) * n), *d0 = malloc(sizeof(float) * n / 32),
+          *d1 = malloc(sizeof(float) * n / 32);
+    int8_t *q0 = malloc((size_t)n), *q1 = malloc((size_t)n);
+    fill_act_cases(x, n);
+    di_quant_act_q8(x, n, q0, d0);
+    bool range = true, close = true, ends = false;
+    for (int64_t i = 0; i < n; i++) {
+        range &= q0[i] != -128; // int8: <= 127 by type
+        ends |= q0[i] == -127;
+        float d = d0[i / 32];
+        if (d >= 0x1p-14f && isfinite(d)) // f16-normal d: relative rounding <= 2^-11
+            close &= fabsf(x[i] - (float)q0[i] * d) <= ACT_Q8_ERR * d;
+    }
+    CHECK(range);
+    CHECK(close);
+    CHECK(ends);
+    CHECK_EQ(q0[64 + 0], 127); // the tie block: 127, then -14.5 -> -15, 0.5 -> 1, -0.5 -> -1
+    CHECK_EQ(q0[64 + 1], -15);
+    CHECK_EQ(q0[64 + 16], 1);
+    CHECK_EQ(q0[64 + 15], -1);
+    if (di_cpu_isa_supported() >= DI_CPU_ISA_AVX2) {
+        di_gemm_avx2_quant_act(x, n, q1, d1);
+        CHECK(memcmp(q0, q1, (size_t)n) == 0);
+        CHECK(memcmp(d0, d1, sizeof(float) * (size_t)(n / 32)) == 0);
+    }
+    free(x), free(d0), free(d1), free(q0), free(q1);
+}
+
+// Edge shapes of the kinds with 32-column blocks (rows need not be multiples of 256): 1..7 tokens
+// (odd token tiles), row counts off the 4-row tile, a chunk boundary (more than
+// DI_CPU_ACT_TOKENS tokens), all-zero and extreme activation blocks, zero weight blocks.
+static void test_gemm_int8_edges(void) {
+    static const int64_t shapes[][2] = {{32, 1}, {96, 3}, {160, 6}, {1056, 11}};
+    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_Q8_0, DI_TENSOR_KIND_MXFP4};
+    for (size_t k = 0; k < 2; k++) {
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            mat m = make_mat(kinds[k], shapes[s][0], shapes[s][1], k_normal);
+            for (int64_t T = 1; T <= 7; T++) {
+                char what[96];
+                snprintf(what, sizeof what, "%s %lldx%lld T=%lld", di_tensor_kind_name(kinds[k]),
+                         (long long)shapes[s][1], (long long)shapes[s][0], (long long)T);
+                gemm_case(&g_rc, &m.t, T, what);
+            }
+            free_mat(&m);
+        }
+        // Zero weight blocks (Q8_0 d = 0, MXFP4 codes 0) and hard activation rows, many tokens
+        // across a chunk boundary.
+        const int64_t n = 512, n_out = 9, T = DI_CPU_ACT_TOKENS + 7, xs = n + 3;
+        mat m = make_mat(kinds[k], n, n_out, k_normal);
+        uint8_t *row0 = m.data; // row 0: every other block zero
+        for (int64_t b = 0; b < n / 32; b += 2)
+            memset(row0 + (size_t)b * (kinds[k] == DI_TENSOR_KIND_Q8_0 ? 34 : 17) +
+                       (kinds[k] == DI_TENSOR_KIND_Q8_0 ? 0 : 1),
+                   0, kinds[k] == DI_TENSOR_KIND_Q8_0 ? 2 : 16);
+        float *x = make_x(T, xs), *yr = malloc(sizeof(float) * (size_t)(T * n_out)),
+              *y = malloc(sizeof(float) * (size_t)(T * n_out)), y1[9];
+        for (int64_t t = 0; t < T; t += 3) fill_act_cases(x + t * xs, n);
+        di_ref_matmul(g_rc.ref_cpu, &m.t, x, T, xs, yr, n_out);
+        for (int isa = 0; isa <= (int)di_cpu_isa_supported(); isa++) {
+            CHECK(di_cpu_set_isa(g_rc.cpu, (di_cpu_isa)isa));
+            di_cpu_matmul(g_rc.cpu, &m.t, x, T, xs, y, n_out);
+            CHECK(same_bits(y, yr, T * n_out));
+            bool alone = true; // batch invariance across the chunk boundary
+            for (int64_t t = 0; t < T; t++) {
+                di_cpu_matmul(g_rc.cpu, &m.t, x + t * xs, 1, xs, y1, n_out);
+                alone &= same_bits(y1, y + t * n_out, n_out);
+            }
+            CHECK(alone);
+        }
+        free(x), free(y), free(yr);
+        free_mat(&m);
+    }
+}
+
+// The 8-bit path against exact f32 activations: within the activation quantisation bound
+// (ACT_Q8_ERR), and not bit-identical (the contract is really in use).
+static void test_gemm_int8_vs_f32(void) {
+    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_Q8_0, DI_TENSOR_KIND_MXFP4};
+    const int64_t n = 1024, n_out = 13, T = 5;
+    const double u = 1.0 / 16777216.0, kk = (double)(n / 8 + 4), gamma = kk * u / (1 - kk * u);
+    for (size_t k = 0; k < 2; k++) {
+        mat m = make_mat(kinds[k], n, n_out, k_normal);
+        float *x = make_x(T, n), *y = malloc(sizeof(float) * (size_t)(T * n_out)),
+              *row = malloc(sizeof(float) * (size_t)n), *d = malloc(sizeof(float) * n / 32);
+        int8_t *q = malloc((size_t)n);
+        di_cpu_matmul(g_rc.cpu, &m.t, x, T, n, y, n_out);
+        int64_t bad = 0, differ = 0;
+        double worst = 0;
+        for (int64_t o = 0; o < n_out; o++) {
+            di_tensor_row_f32(&m.t, o, row);
+            for (int64_t t = 0; t < T; t++) {
+                di_quant_act_q8(x + t * n, n, q, d);
+                double exact = 0, mag = 0, bound = 0;
+                for (int64_t i = 0; i < n; i++) {
+                    exact += (double)row[i] * x[t * n + i];
+                    mag += fabs((double)row[i] * x[t * n + i]);
+                    bound += fabs((double)row[i]) * d[i / 32];
+                }
+                double err = fabs(y[t * n_out + o] - exact);
+                double tol = ACT_Q8_ERR * bound + TOL_GAMMA_FACTOR * gamma * (mag + bound);
+                bad += !(err <= tol);
+                differ += (float)exact != y[t * n_out + o];
+                if (mag > 0 && err / mag > worst) worst = err / mag;
+            }
+        }
+        fprintf(stderr, "  %s: 8-bit activations vs f32, worst |dy| / sum|w x| = %.2e\n",
+                di_tensor_kind_name(kinds[k]), worst);
+        CHECK_EQ(bad, 0);
+        CHECK(differ > 0);
+        free(x), free(y), free(row), free(d), free(q);
+        free_mat(&m);
+    }
 }
 
 // The widest row the model multiplies (the mHC mix over 4 x 4096 streams), many tokens.
@@ -446,6 +639,10 @@ int main(void) {
     RUN(test_gemm_shapes);
     RUN(test_gemm_ggml);
     RUN(test_decode_ggml_exact);
+    RUN(test_act_round_exhaustive);
+    RUN(test_act_quant);
+    RUN(test_gemm_int8_edges);
+    RUN(test_gemm_int8_vs_f32);
     RUN(test_gemm_wide);
     RUN(test_gemm_views);
     RUN(test_gemm_extremes);

@@ -4,10 +4,10 @@
 
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "base/log.h"
+#include "tensor/quant_ref.h" // di_quant_act_q8
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
@@ -156,6 +156,101 @@ static void matmul_task(void *p, int ith, int nth) {
     }
 }
 
+// ---- 8-bit activations (Q8_0, MXFP4) ----
+
+typedef struct int8_ctx {
+    di_cpu *cpu;
+    const di_tensor *w;
+    const float *x; // the chunk's first token
+    int64_t n_tok, x_stride;
+    float *y; // the chunk's first token
+    int64_t y_stride;
+    bool split_rows;
+    bool simd;
+} int8_ctx;
+
+// Tokens [t_lo, t_hi) of the chunk into cpu->act_q / act_d.
+static void quant_rows(const int8_ctx *c, int64_t t_lo, int64_t t_hi) {
+    const di_cpu *cpu = c->cpu;
+    const int64_t n = c->w->ne[0], ldd = cpu->act_ld / 32;
+    for (int64_t t = t_lo; t < t_hi; t++) {
+        const float *x = c->x + t * c->x_stride;
+        if (c->simd)
+            di_gemm_avx2_quant_act(x, n, cpu->act_q + t * cpu->act_ld, cpu->act_d + t * ldd);
+        else
+            di_quant_act_q8(x, n, cpu->act_q + t * cpu->act_ld, cpu->act_d + t * ldd);
+    }
+}
+
+static void quant_task(void *p, int ith, int nth) {
+    const int8_ctx *c = p;
+    int64_t t_lo, t_hi;
+    di_split_range(c->n_tok, ith, nth, &t_lo, &t_hi);
+    quant_rows(c, t_lo, t_hi);
+}
+
+// Output rows [r_lo, r_hi) x tokens [t_lo, t_hi) of the chunk. AVX2: blocks of 4 rows, tokens in
+// balanced tiles of at most 3 (as block_avx2), the weights read in place; scalar: the reference's
+// di_ref_dot_q8 against the row's codes.
+static void int8_task(void *p, int ith, int nth) {
+    const int8_ctx *c = p;
+    const di_cpu *cpu = c->cpu;
+    const int64_t n = c->w->ne[0], ldq = cpu->act_ld, ldd = ldq / 32;
+    int64_t r_lo = 0, r_hi = c->w->ne[1], t_lo = 0, t_hi = c->n_tok;
+    if (c->split_rows)
+        di_split_range(r_hi, ith, nth, &r_lo, &r_hi);
+    else
+        di_split_range(t_hi, ith, nth, &t_lo, &t_hi);
+    if (t_lo >= t_hi) return;
+    if (!c->simd) {
+        int8_t *qw = (int8_t *)(cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * cpu->gemm_ld));
+        float *dw = (float *)(qw + n);
+        for (int64_t o = r_lo; o < r_hi; o++) {
+            di_ref_row_codes(c->w, o, qw, dw);
+            for (int64_t t = t_lo; t < t_hi; t++)
+                c->y[t * c->y_stride + o] =
+                    di_ref_dot_q8(qw, dw, cpu->act_q + t * ldq, cpu->act_d + t * ldd, n);
+        }
+        return;
+    }
+    const int64_t nt_all = t_hi - t_lo, n_tiles = (nt_all + 2) / 3;
+    for (int64_t o = r_lo; o < r_hi; o += ROWS) {
+        const int nr = (int)(r_hi - o < ROWS ? r_hi - o : ROWS);
+        for (int64_t t = t_lo, k = 0; t < t_hi; k++) {
+            const int nt = (int)((t_hi - t + (n_tiles - k) - 1) / (n_tiles - k));
+            const int8_t *xq[3];
+            const float *xd[3];
+            for (int j = 0; j < nt; j++) {
+                xq[j] = cpu->act_q + (t + j) * ldq;
+                xd[j] = cpu->act_d + (t + j) * ldd;
+            }
+            di_gemm_avx2_gemv_int8(c->w, o, nr, xq, xd, nt, c->y + t * c->y_stride + o,
+                                   c->y_stride);
+            t += nt;
+        }
+    }
+}
+
+// Chunks of DI_CPU_ACT_TOKENS tokens: quantise them (on this thread for one token, else split over
+// the pool), then multiply. A token's outputs depend only on its own activation row and the
+// weights, so neither the chunking nor the partition changes a bit.
+static void matmul_int8(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok,
+                        int64_t x_stride, float *y, int64_t y_stride) {
+    for (int64_t t0 = 0; t0 < n_tok; t0 += DI_CPU_ACT_TOKENS) {
+        const int64_t nt = n_tok - t0 < DI_CPU_ACT_TOKENS ? n_tok - t0 : DI_CPU_ACT_TOKENS;
+        int8_ctx c = {cpu,      w,    x + t0 * x_stride,          nt, x_stride, y + t0 * y_stride,
+                      y_stride, true, cpu->isa >= DI_CPU_ISA_AVX2};
+        c.split_rows = w->ne[1] >= 8 * (int64_t)cpu->n_threads || nt < cpu->n_threads;
+        if (nt == 1)
+            quant_rows(&c, 0, 1);
+        else
+            di_pool_run(cpu->pool, quant_task, &c);
+        di_pool_run(cpu->pool, int8_task, &c);
+    }
+}
+
+// ---- dispatch ----
+
 // The AVX2 decoders step through scale blocks in whole 8-column chunks.
 static bool avx2_layout_ok(const di_tensor *w) {
     if (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)
@@ -169,6 +264,10 @@ void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_to
     if (n_tok <= 0 || w->ne[1] <= 0) return;
     cpu->n_weight_bytes += di_tensor_bytes(w);
     cpu->n_weight_macs += (uint64_t)w->ne[0] * (uint64_t)w->ne[1] * (uint64_t)n_tok;
+    if (di_ref_matmul_int8(w)) {
+        matmul_int8(cpu, w, x, n_tok, x_stride, y, y_stride);
+        return;
+    }
     matmul_ctx c = {cpu, w, x, n_tok, x_stride, y, y_stride, true, false, false};
     c.simd = cpu->isa >= DI_CPU_ISA_AVX2 && avx2_layout_ok(w);
     c.fused = c.simd && di_gemm_avx2_gemv_ok(w);

@@ -1,8 +1,9 @@
 /*
  * gemm — the optimised CPU matmul over every di_tensor kind (F32, F16, BF16, FP8 e4m3 + UE8M0
- * block scales, FP4 e2m1 + UE8M0 per-32 scales, and the ggml block formats of GGUF files: Q8_0,
- * Q4_K, Q2_K, IQ2_XXS and MXFP4, each decoded in registers with the reference's arithmetic): the
- * engine's one release path for linear layers.
+ * block scales, FP4 e2m1 + UE8M0 per-32 scales, and the ggml block formats of GGUF files: Q4_K,
+ * Q2_K and IQ2_XXS decoded in registers with the reference's arithmetic, Q8_0 and MXFP4 multiplied
+ * by 8-bit activations with integer dot products): the engine's one release path for linear
+ * layers.
  * cpu/ref_ops.c's di_ref_matmul stays the oracle it is tested against (tests/backend/test_ops.c).
  *
  * Instruction-set levels, chosen once per di_cpu at init by CPU features (di_cpu_isa_detect):
@@ -15,6 +16,22 @@
  * not shipped. The environment switch DI_CPU_ISA=scalar|avx2 lowers the level (a debug switch for
  * CI to cover the lower levels; it can never raise it above what the CPU supports).
  *
+ * Two numerics contracts, by weight kind:
+ *   - exact weights, f32 activations (F32, F16, BF16, FP8, FP4, Q4_K, Q2_K, IQ2_XXS): every weight
+ *     dequantised exactly (di_tensor_row_f32) and multiplied by the f32 activations, as below;
+ *   - 8-bit activations (Q8_0, MXFP4: di_ref_matmul_int8), the arithmetic llama.cpp's CPU backend
+ *     uses for these files: each token's activation row is quantised once per call in blocks of
+ *     32 (di_quant_act_q8: d = f16(amax / 127), q = round-half-away(x * 127 / amax), |q| <= 127),
+ *     the weight row is taken as its integer codes and per-32 scales (Q8_0: the stored int8 and
+ *     f16 d; MXFP4: the e2m1 codes doubled, {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}, with d =
+ *     2^(e-128), the UE8M0 scale times 0.5), and y = sum over blocks b of (d_w,b * d_x,b) * (the
+ *     exact integer dot of the block's codes) in the fixed f32 order of di_ref_dot_q8: eight lanes,
+ *     lane l of block b holding columns 4l..4l+3, one FMA per lane and block in block order, then
+ *     di_ref_dot's lane reduction. Both levels compute exactly that, so they agree bit for bit with
+ *     di_ref_matmul; against f32 activations the result moves by up to ~0.56 d_x per activation
+ *     (about 1e-3 of sum |w x| on random data; tests/backend/test_ops.c). Q4_K, Q2_K and IQ2_XXS
+ *     (ggml multiplies them by per-256 Q8_K activations) are not on this contract yet.
+ *
  * Numerics (why results do not depend on batching or threads): output element (t, o) is computed
  * by exactly one thread as one 8-lane accumulator running over the columns in order (FMA at the
  * AVX2 level), reduced in the fixed order of di_ref_dot. Neither the token tile, the row block,
@@ -23,6 +40,9 @@
  * batch invariance). Each weight row is decoded once per call: groups of four rows are decoded to
  * per-thread scratch (in 1024-column segments when at most 3 tokens use them, whole rows
  * otherwise) and every token of the call is multiplied against them in tiles of 4 rows x 3 tokens.
+ * The 8-bit kinds keep the same invariance: a token's codes depend only on its own row, its
+ * outputs only on its codes and the weights; the token chunks (DI_CPU_ACT_TOKENS), tiles and
+ * thread partition never enter the arithmetic.
  *
  * Owns: nothing; scratch lives in di_cpu (ref_ops.h). Thread-safety: as di_cpu (engine thread).
  */
@@ -52,8 +72,8 @@ const char *di_cpu_isa_name(di_cpu_isa isa);
 bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa);
 
 // y[t*y_stride + o] = sum_i W[o, i] * x[t*x_stride + i] for t < n_tok, o < W.ne[1] (as
-// di_ref_matmul; FP32 accumulation, dequantisation fused). Needs W.ne[0] <= the max_row given to
-// di_cpu_init (DI_ASSERT). x and y must not overlap.
+// di_ref_matmul; FP32 accumulation, dequantisation fused; Q8_0 and MXFP4 on 8-bit activations).
+// Needs W.ne[0] <= the max_row given to di_cpu_init (DI_ASSERT). x and y must not overlap.
 void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok, int64_t x_stride,
                    float *y, int64_t y_stride);
 
@@ -61,13 +81,13 @@ void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_to
 
 // True when gemm_avx2.c was built with its kernels (x86-64 only).
 bool di_gemm_avx2_built(void);
-// Decodes columns [c0, c1) of rows r0..r0+nr-1 of w into dst (row i at dst + i*dst_stride,
-// c1-c0 values, then zeros up to the next multiple of 8 when c1 == ne[0]). Exact (every decoded
-// value equals di_tensor_row_f32's).
+// Decodes columns [c0, c1) of rows r0..r0+nr-1 of w (any kind but Q8_0 and MXFP4) into dst (row i
+// at dst + i*dst_stride, c1-c0 values, then zeros up to the next multiple of 8 when c1 == ne[0]).
+// Exact (every decoded value equals di_tensor_row_f32's).
 void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,
                          int64_t dst_stride);
 // True when di_gemm_avx2_gemv handles w: FP8 (block_in and n_in multiples of 16), FP4 (of 32),
-// BF16 (n_in a multiple of 8), Q8_0, Q4_K, Q2_K, IQ2_XXS, MXFP4.
+// BF16 (n_in a multiple of 8), Q4_K, Q2_K, IQ2_XXS.
 bool di_gemm_avx2_gemv_ok(const di_tensor *w);
 // acc[i][j] (8 lanes each) += rows r0..r0+nr-1 of w (nr <= 4) times tokens xs[j] (nt <= 3) over
 // all columns, decoding in registers; the same bits as di_gemm_avx2_decode + di_gemm_avx2_tile.
@@ -85,5 +105,12 @@ void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *
 // in balanced tiles of at most 3 tokens; the same bits per output as any single tile.
 void di_gemm_avx2_rows_y(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
                          int64_t n_tok, int64_t n, float *y, int64_t y_stride);
+// One token's activations (n a multiple of 32) as di_quant_act_q8 computes them, bit for bit.
+void di_gemm_avx2_quant_act(const float *x, int64_t n, int8_t *q, float *d);
+// y[j * y_stride + i] = row r0+i (i < nr <= 4) of w (Q8_0 or MXFP4) times token j (j < nt <= 3,
+// codes xq[j], scales xd[j] from di_gemm_avx2_quant_act), over whole rows: the bits of
+// di_ref_dot_q8 on the row's codes (di_ref_row_codes).
+void di_gemm_avx2_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8_t *const *xq,
+                            const float *const *xd, int nt, float *y, int64_t y_stride);
 // Twelve independent 8-lane FMA chains, `iters` steps each (probe.c's multiply-add peak).
 float di_gemm_avx2_fma_loop(int64_t iters);

@@ -1,5 +1,6 @@
 // gemm_avx2 — the AVX2 + FMA + F16C kernels of gemm.h: weight decoding for every di_tensor kind
-// and the 4-row x 3-token FMA tile. Compiled with -mavx2 -mfma -mf16c on x86-64 (CMakeLists.txt);
+// multiplied in f32 and the 4-row x 3-token FMA tile; the 8-bit activation quantiser and the
+// integer-dot GEMV of Q8_0 and MXFP4. Compiled with -mavx2 -mfma -mf16c on x86-64 (CMakeLists.txt);
 // called only after gemm.c checked the CPU supports them. Elsewhere the file builds to stubs that
 // report "not built".
 #include "backend/cpu/gemm.h"
@@ -168,24 +169,10 @@ static void decode_float(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, 
 
 // Columns [c0, c1) fall on whole blocks: c0 is 0 or a multiple of the 1024-column segment and c1
 // a segment end or the row end, and every block size (32, 256) divides 1024 and the row.
-static inline __m256 i8x8(const uint8_t *p) { // 8 int8 -> 8 floats
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-
 static inline float f16_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return di_f16_to_f32(h);
-}
-
-static void decode_q8_0(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
-    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
-    for (int64_t c = c0; c < c1; c += 32) {
-        const uint8_t *blk = row + (size_t)(c / 32) * 34;
-        const __m256 d = _mm256_set1_ps(f16_at(blk));
-        for (int k = 0; k < 4; k++)
-            _mm256_store_ps(dst + (c - c0) + 8 * k, _mm256_mul_ps(i8x8(blk + 2 + 8 * k), d));
-    }
 }
 
 // 8 nibbles (low or high half of 8 bytes) -> 8 floats.
@@ -217,42 +204,6 @@ static void decode_q4_k(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, f
                 _mm256_store_ps(y + 32 * j + 8 * k,
                                 _mm256_sub_ps(_mm256_mul_ps(dv, nib8(q + 8 * k, j & 1)), mv));
         }
-    }
-}
-
-// MXFP4: ggml's doubled e2m1 values as int8 through a pshufb table, times 2^(e-128) (exact: small
-// integers times a power of two). Low nibbles are columns 0..15 of the block, high 16..31.
-static inline __m128i mxfp4_lut(void) {
-    return _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-}
-
-static inline float e8m0_half(uint8_t e) {
-    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-// The 32 values of one block as four vectors of 8 (unscaled).
-static inline void mxfp4x32(const uint8_t *qs, __m128i lut, __m256 q[4]) {
-    __m128i v = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, m4));
-    __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-static void decode_mxfp4(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
-    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
-    const __m128i lut = mxfp4_lut();
-    for (int64_t c = c0; c < c1; c += 32) {
-        const uint8_t *blk = row + (size_t)(c / 32) * 17;
-        const __m256 d = _mm256_set1_ps(e8m0_half(blk[0]));
-        __m256 q[4];
-        mxfp4x32(blk + 1, lut, q);
-        for (int k = 0; k < 4; k++) _mm256_store_ps(dst + (c - c0) + 8 * k, _mm256_mul_ps(q[k], d));
     }
 }
 
@@ -344,14 +295,8 @@ void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int
         case DI_TENSOR_KIND_FP4:
             decode_fp4(w, r0 + i, c0, c1, d);
             break;
-        case DI_TENSOR_KIND_Q8_0:
-            decode_q8_0(w, r0 + i, c0, c1, d);
-            break;
         case DI_TENSOR_KIND_Q4_K:
             decode_q4_k(w, r0 + i, c0, c1, d);
-            break;
-        case DI_TENSOR_KIND_MXFP4:
-            decode_mxfp4(w, r0 + i, c0, c1, d);
             break;
         case DI_TENSOR_KIND_Q2_K:
             decode_q2_k(w, r0 + i, c0, c1, d);
@@ -444,6 +389,25 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))); // (s0+s1) + (s2+s3)
 }
 
+// The reduce8 sums of NR x NT accumulators to y[j * y_stride + i] (row i, token j).
+static inline __attribute__((always_inline)) void sums_store(int NR, int NT, __m256 a[4][3],
+                                                             float *y, int64_t y_stride) {
+    if (NR == 4) { // four rows of a token at once: three hadds give reduce8's order per row
+        for (int j = 0; j < NT; j++) {
+            __m128 s[4];
+            for (int i = 0; i < 4; i++)
+                s[i] =
+                    _mm_add_ps(_mm256_castps256_ps128(a[i][j]), _mm256_extractf128_ps(a[i][j], 1));
+            __m128 h01 = _mm_hadd_ps(s[0], s[1]); // (s0_0+s0_1, s0_2+s0_3, s1_0+s1_1, s1_2+s1_3)
+            __m128 h23 = _mm_hadd_ps(s[2], s[3]);
+            _mm_storeu_ps(y + j * y_stride, _mm_hadd_ps(h01, h23));
+        }
+        return;
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) y[j * y_stride + i] = hsum8(a[i][j]);
+}
+
 static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t ws, int NR,
                                                          const float *const *xs, int NT, int64_t n,
                                                          float *y, int64_t y_stride) {
@@ -471,20 +435,7 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
         }
     }
-    if (NR == 4) { // four rows of a token at once: three hadds give reduce8's order per row
-        for (int j = 0; j < NT; j++) {
-            __m128 s[4];
-            for (int i = 0; i < 4; i++)
-                s[i] =
-                    _mm_add_ps(_mm256_castps256_ps128(a[i][j]), _mm256_extractf128_ps(a[i][j], 1));
-            __m128 h01 = _mm_hadd_ps(s[0], s[1]); // (s0_0+s0_1, s0_2+s0_3, s1_0+s1_1, s1_2+s1_3)
-            __m128 h23 = _mm_hadd_ps(s[2], s[3]);
-            _mm_storeu_ps(y + j * y_stride, _mm_hadd_ps(h01, h23));
-        }
-        return;
-    }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NT; j++) y[j * y_stride + i] = hsum8(a[i][j]);
+    sums_store(NR, NT, a, y, y_stride);
 }
 
 void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
@@ -612,28 +563,6 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
     acc_store(NR, NT, a, acc);
 }
 
-static inline __attribute__((always_inline)) void gemv_q8_0(const di_tensor *w, int64_t r0, int NR,
-                                                            const float *const *xs, int NT,
-                                                            float acc[4][3][8]) {
-    const int64_t n = w->ne[0];
-    const uint8_t *rows[4];
-    __m256 a[4][3];
-    gemv_begin(w, r0, NR, NT, acc, rows, a);
-    for (int64_t c = 0; c < n; c += 32) {
-        for (int i = 0; i < NR; i++) {
-            const uint8_t *blk = rows[i] + (size_t)(c / 32) * 34;
-            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
-            const __m256 d = _mm256_set1_ps(f16_at(blk));
-            for (int k = 0; k < 4; k++) {
-                __m256 wv = _mm256_mul_ps(i8x8(blk + 2 + 8 * k), d);
-                for (int j = 0; j < NT; j++)
-                    a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
-            }
-        }
-    }
-    acc_store(NR, NT, a, acc);
-}
-
 static inline __attribute__((always_inline)) void gemv_q4_k(const di_tensor *w, int64_t r0, int NR,
                                                             const float *const *xs, int NT,
                                                             float acc[4][3][8]) {
@@ -669,31 +598,6 @@ static inline __attribute__((always_inline)) void gemv_q4_k(const di_tensor *w, 
                         a[i][j] = _mm256_fmadd_ps(
                             wv, _mm256_loadu_ps(xs[j] + c + 32 * (jp + 1) + 8 * k), a[i][j]);
                 }
-            }
-        }
-    }
-    acc_store(NR, NT, a, acc);
-}
-
-static inline __attribute__((always_inline)) void gemv_mxfp4(const di_tensor *w, int64_t r0, int NR,
-                                                             const float *const *xs, int NT,
-                                                             float acc[4][3][8]) {
-    const int64_t n = w->ne[0];
-    const uint8_t *rows[4];
-    const __m128i lut = mxfp4_lut();
-    __m256 a[4][3];
-    gemv_begin(w, r0, NR, NT, acc, rows, a);
-    for (int64_t c = 0; c < n; c += 32) {
-        for (int i = 0; i < NR; i++) {
-            const uint8_t *blk = rows[i] + (size_t)(c / 32) * 17;
-            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
-            const __m256 d = _mm256_set1_ps(e8m0_half(blk[0]));
-            __m256 q[4];
-            mxfp4x32(blk + 1, lut, q);
-            for (int k = 0; k < 4; k++) {
-                __m256 wv = _mm256_mul_ps(q[k], d);
-                for (int j = 0; j < NT; j++)
-                    a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
             }
         }
     }
@@ -740,9 +644,7 @@ bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
         return w->block_in % 32 == 0 && n % 32 == 0;
     case DI_TENSOR_KIND_BF16:
         return n % 8 == 0;
-    case DI_TENSOR_KIND_Q8_0: // rows are whole blocks by construction
-    case DI_TENSOR_KIND_Q4_K:
-    case DI_TENSOR_KIND_MXFP4:
+    case DI_TENSOR_KIND_Q4_K: // rows are whole blocks by construction
     case DI_TENSOR_KIND_Q2_K:
     case DI_TENSOR_KIND_IQ2_XXS:
         return true;
@@ -759,18 +661,127 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
             gemv_fp8(w, r0, R, xs, N, acc);                                                        \
         else if (w->kind == DI_TENSOR_KIND_FP4)                                                    \
             gemv_fp4(w, r0, R, xs, N, acc);                                                        \
-        else if (w->kind == DI_TENSOR_KIND_Q8_0)                                                   \
-            gemv_q8_0(w, r0, R, xs, N, acc);                                                       \
         else if (w->kind == DI_TENSOR_KIND_Q4_K)                                                   \
             gemv_q4_k(w, r0, R, xs, N, acc);                                                       \
-        else if (w->kind == DI_TENSOR_KIND_MXFP4)                                                  \
-            gemv_mxfp4(w, r0, R, xs, N, acc);                                                      \
         else if (w->kind == DI_TENSOR_KIND_Q2_K)                                                   \
             gemv_q2_k(w, r0, R, xs, N, acc);                                                       \
         else if (w->kind == DI_TENSOR_KIND_IQ2_XXS)                                                \
             gemv_iq2_xxs(w, r0, R, xs, N, acc);                                                    \
         else                                                                                       \
             gemv_bf16(w, r0, R, xs, N, acc);                                                       \
+        return;
+    switch (nr * 4 + nt) {
+        G(1, 1)
+        G(1, 2) G(1, 3) G(2, 1) G(2, 2) G(2, 3) G(3, 1) G(3, 2) G(3, 3) G(4, 1) G(4, 2) G(4, 3)
+    }
+#undef G
+    DI_ASSERT(!"gemv shape out of range");
+}
+
+// ---- 8-bit activations: quantisation and the integer GEMV (Q8_0, MXFP4) ----
+
+// di_quant_act_q8's bits: the same amax (max is exact in any order), the same scalar d and id,
+// then per value the same two float operations (x * id, + copysign(0.5 - 2^-25)) and truncation.
+void di_gemm_avx2_quant_act(const float *x, int64_t n, int8_t *q, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0x1.fffffep-2f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *v = x + 32 * b;
+        __m256 xv[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            xv[k] = _mm256_loadu_ps(v + 8 * k);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, xv[k]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float dr = _mm_cvtss_f32(m4) / 127.0f;
+        d[b] = di_f16_to_f32(di_f32_to_f16(dr));
+        const __m256 id = _mm256_set1_ps(d[b] != 0 ? 1.0f / dr : 0.0f);
+        __m256i qi[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 s = _mm256_mul_ps(xv[k], id);
+            __m256 r = _mm256_add_ps(s, _mm256_or_ps(_mm256_and_ps(s, sign), half));
+            qi[k] = _mm256_cvttps_epi32(r);
+        }
+        // |q| <= 127: the packs never saturate. packs interleave 128-bit lanes; perm undoes it.
+        __m256i p =
+            _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(p, perm));
+    }
+}
+
+// MXFP4's doubled e2m1 codes as int8 through a pshufb table (ggml's kvalues_mxfp4).
+static inline __m128i mxfp4_lut(void) {
+    return _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+// One block's 32 weight codes in column order and its scale. Q8_0: the int8 values and the f16 d
+// (F16C converts exactly); MXFP4: low nibbles are columns 0..15, high nibbles 16..31.
+static inline __attribute__((always_inline)) __m256i int8_block(bool mx, const uint8_t *blk,
+                                                                __m128i lut, float *dw) {
+    if (!mx) {
+        uint16_t h;
+        memcpy(&h, blk, 2);
+        *dw = _cvtsh_ss(h);
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    }
+    *dw = di_mxfp4_scale(blk[0]);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 1)), m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, m4));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+// NR rows x NT tokens, whole rows, sums to y (di_ref_dot_q8's bits). Per block of 32: |w| and
+// x * sign(w) (vpsignb; |w| <= 128 and |x| <= 127 keep vpmaddubsw's pair sums within int16),
+// vpmaddubsw + vpmaddwd give lane l the exact sum of columns 4l..4l+3, converted exactly to f32
+// (|sum| <= 4 * 128 * 127 < 2^24) and added by one FMA with dw * dx, as di_ref_dot_q8's fmaf.
+static inline __attribute__((always_inline)) void gemv_int8(bool mx, const di_tensor *w, int64_t r0,
+                                                            int NR, const int8_t *const *xq,
+                                                            const float *const *xd, int NT,
+                                                            float *y, int64_t y_stride) {
+    const int64_t nb = w->ne[0] / 32;
+    const size_t bb = mx ? 17 : 34;
+    const uint8_t *rows[4];
+    const __m128i lut = mxfp4_lut();
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i xv[3];
+        for (int j = 0; j < NT; j++) xv[j] = _mm256_loadu_si256((const __m256i *)(xq[j] + 32 * b));
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = rows[i] + (size_t)b * bb;
+            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
+            float dw;
+            const __m256i wv = int8_block(mx, blk, lut, &dw);
+            const __m256i aw = _mm256_sign_epi8(wv, wv);
+            const __m256 dwv = _mm256_set1_ps(dw);
+            for (int j = 0; j < NT; j++) {
+                __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[j], wv));
+                __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                __m256 d = _mm256_mul_ps(dwv, _mm256_broadcast_ss(xd[j] + b));
+                a[i][j] = _mm256_fmadd_ps(d, s, a[i][j]);
+            }
+        }
+    }
+    sums_store(NR, NT, a, y, y_stride);
+}
+
+void di_gemm_avx2_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8_t *const *xq,
+                            const float *const *xd, int nt, float *y, int64_t y_stride) {
+    const bool mx = w->kind == DI_TENSOR_KIND_MXFP4;
+    DI_ASSERT(mx || w->kind == DI_TENSOR_KIND_Q8_0);
+#define G(R, N)                                                                                    \
+    case (R)*4 + (N):                                                                              \
+        if (mx)                                                                                    \
+            gemv_int8(true, w, r0, R, xq, xd, N, y, y_stride);                                     \
+        else                                                                                       \
+            gemv_int8(false, w, r0, R, xq, xd, N, y, y_stride);                                    \
         return;
     switch (nr * 4 + nt) {
         G(1, 1)
@@ -814,6 +825,17 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
 
 bool di_gemm_avx2_built(void) {
     return false;
+}
+
+void di_gemm_avx2_quant_act(const float *x, int64_t n, int8_t *q, float *d) {
+    (void)x, (void)n, (void)q, (void)d;
+    DI_ASSERT(!"AVX2 kernels not built");
+}
+
+void di_gemm_avx2_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8_t *const *xq,
+                            const float *const *xd, int nt, float *y, int64_t y_stride) {
+    (void)w, (void)r0, (void)nr, (void)xq, (void)xd, (void)nt, (void)y, (void)y_stride;
+    DI_ASSERT(!"AVX2 kernels not built");
 }
 
 void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,

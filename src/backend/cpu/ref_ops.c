@@ -6,6 +6,7 @@
 #include "backend/cpu/gemm.h" // di_cpu_isa_detect
 #include "base/log.h"
 #include "base/mem.h"
+#include "tensor/quant_ref.h" // di_quant_act_q8, di_codes_row_*
 
 di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row) {
     cpu->pool = pool;
@@ -18,7 +19,11 @@ di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row) {
     cpu->gemm_ld = (max_row + 15) & ~(int64_t)15;
     cpu->gemm_scratch =
         di_aligned_alloc(sizeof(float) * 4 * (size_t)cpu->gemm_ld * (size_t)cpu->n_threads);
-    if (!cpu->row_scratch || !cpu->gemm_scratch) {
+    cpu->act_ld = (max_row + 63) & ~(int64_t)63;
+    cpu->act_q = di_aligned_alloc((size_t)DI_CPU_ACT_TOKENS * (size_t)cpu->act_ld);
+    cpu->act_d =
+        di_aligned_alloc(sizeof(float) * (size_t)DI_CPU_ACT_TOKENS * (size_t)(cpu->act_ld / 32));
+    if (!cpu->row_scratch || !cpu->gemm_scratch || !cpu->act_q || !cpu->act_d) {
         di_cpu_deinit(cpu);
         return DI_ERR_NOMEM;
     }
@@ -28,8 +33,12 @@ di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row) {
 void di_cpu_deinit(di_cpu *cpu) {
     di_aligned_free(cpu->row_scratch);
     di_aligned_free(cpu->gemm_scratch);
+    di_aligned_free(cpu->act_q);
+    di_aligned_free(cpu->act_d);
     cpu->row_scratch = NULL;
     cpu->gemm_scratch = NULL;
+    cpu->act_q = NULL;
+    cpu->act_d = NULL;
 }
 
 float di_ref_dot(const float *a, const float *b, int64_t n) {
@@ -41,6 +50,38 @@ float di_ref_dot(const float *a, const float *b, int64_t n) {
     float tail = 0;
     for (; i < n; i++) tail += a[i] * b[i];
     return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + tail;
+}
+
+// ---- 8-bit activations (Q8_0, MXFP4) ----
+
+bool di_ref_matmul_int8(const di_tensor *w) {
+    return w->kind == DI_TENSOR_KIND_Q8_0 || w->kind == DI_TENSOR_KIND_MXFP4;
+}
+
+void di_ref_row_codes(const di_tensor *w, int64_t r, int8_t *q, float *d) {
+    DI_ASSERT(r >= 0 && r < w->ne[1]);
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    if (w->kind == DI_TENSOR_KIND_Q8_0)
+        di_codes_row_q8_0(row, w->ne[0], q, d);
+    else if (w->kind == DI_TENSOR_KIND_MXFP4)
+        di_codes_row_mxfp4(row, w->ne[0], q, d);
+    else
+        DI_ASSERT(!"not an 8-bit-activation kind");
+}
+
+float di_ref_dot_q8(const int8_t *qw, const float *dw, const int8_t *qx, const float *dx,
+                    int64_t n) {
+    float s[8] = {0};
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float d = dw[b] * dx[b]; // exact for Q8_0 (two f16 values) and MXFP4 (2^k)
+        for (int l = 0; l < 8; l++) {
+            const int8_t *a = qw + 32 * b + 4 * l, *c = qx + 32 * b + 4 * l;
+            int32_t v = 0;
+            for (int k = 0; k < 4; k++) v += (int32_t)a[k] * (int32_t)c[k];
+            s[l] = fmaf(d, (float)v, s[l]); // one rounding, as the AVX2 level's FMA
+        }
+    }
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
 // ---- matmul ----
@@ -65,6 +106,19 @@ static void matmul_task(void *p, int ith, int nth) {
     else
         di_split_range(c->n_tok, ith, nth, &t_lo, &t_hi);
     if (t_lo >= t_hi) return;
+    if (di_ref_matmul_int8(c->w)) {
+        // Scratch (4 * row_cap bytes): the weight row's codes and scales, then one token's.
+        int8_t *qw = (int8_t *)row, *qx = qw + n_in + n_in / 8;
+        float *dw = (float *)(qw + n_in), *dx = (float *)(qx + n_in);
+        for (int64_t o = r_lo; o < r_hi; o++) {
+            di_ref_row_codes(c->w, o, qw, dw);
+            for (int64_t t = t_lo; t < t_hi; t++) {
+                di_quant_act_q8(c->x + t * c->x_stride, n_in, qx, dx);
+                c->y[t * c->y_stride + o] = di_ref_dot_q8(qw, dw, qx, dx, n_in);
+            }
+        }
+        return;
+    }
     for (int64_t o = r_lo; o < r_hi; o++) {
         di_tensor_row_f32(c->w, o, row);
         for (int64_t t = t_lo; t < t_hi; t++)

@@ -35,14 +35,26 @@ typedef struct di_cpu {
     uint64_t n_weight_bytes;
     // Multiply-adds di_cpu_matmul has done since init (n_in x n_out x tokens per call).
     uint64_t n_weight_macs;
+    // gemm.c: the 8-bit activations of up to DI_CPU_ACT_TOKENS tokens (di_quant_act_q8), token t
+    // at act_q + t * act_ld and act_d + t * (act_ld / 32).
+    int8_t *act_q;  // owned; DI_CPU_ACT_TOKENS * act_ld bytes, 64-byte aligned
+    float *act_d;   // owned; DI_CPU_ACT_TOKENS * act_ld / 32 floats
+    int64_t act_ld; // row_cap rounded up to 64
 } di_cpu;
+
+// Tokens whose 8-bit activations gemm.c holds at once: longer calls run in chunks of this many
+// tokens (each chunk reads the weights once more; at 64 tokens a Q8_0 weight byte already feeds
+// 64 multiply-adds, so the extra reads cost little).
+enum { DI_CPU_ACT_TOKENS = 64 };
 
 // max_row: the widest weight row (n_in) any matmul will see. Returns DI_ERR_NOMEM.
 di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row);
 void di_cpu_deinit(di_cpu *cpu);
 
 // y[t*y_stride + o] = sum_i W[o, i] * x[t*x_stride + i] for t < n_tok, o < W.ne[1].
-// FP32 accumulation; W dequantised row by row (exact).
+// FP32 accumulation; W dequantised row by row (exact). Q8_0 and MXFP4 weights follow the 8-bit
+// contract instead (di_ref_matmul_int8): each token row quantised by di_quant_act_q8, then
+// di_ref_dot_q8 against the weight row's codes.
 void di_ref_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok, int64_t x_stride,
                    float *y, int64_t y_stride);
 
@@ -57,6 +69,20 @@ void di_ref_rope(float *v, int64_t n, int32_t n_rot, const float *omega, int64_t
 
 // Dot product with FP32 accumulation in a fixed order (the same as di_ref_matmul's).
 float di_ref_dot(const float *a, const float *b, int64_t n);
+
+// True for the weight kinds multiplied by 8-bit activations (gemm.h, "8-bit activations"):
+// Q8_0 and MXFP4.
+bool di_ref_matmul_int8(const di_tensor *w);
+
+// The integer codes and per-32 scales of row r of an int8-contract weight (di_codes_row_*): q gets
+// ne[0] values, d ne[0] / 32.
+void di_ref_row_codes(const di_tensor *w, int64_t r, int8_t *q, float *d);
+
+// The 8-bit dot product of gemm.h: eight f32 lanes, lane l of block b adding
+// fma(dw[b] * dx[b], s, acc[l]) with s = sum over k < 4 of qw[32b+4l+k] * qx[32b+4l+k] (exact
+// int32), blocks in order, then di_ref_dot's lane reduction. n a multiple of 32.
+float di_ref_dot_q8(const int8_t *qw, const float *dw, const int8_t *qx, const float *dx,
+                    int64_t n);
 
 static inline float di_sigmoid(float x) {
     return 1.0f / (1.0f + expf(-x));
