@@ -467,6 +467,12 @@ static void test_gemm_int8_edges(void) {
             }
             free_mat(&m);
         }
+        if (kinds[k] == DI_TENSOR_KIND_MXFP4) { // every exponent byte (the AVX2 scale table)
+            mat m = make_mat(kinds[k], 8192, 6, (scale_range){0, 255, false});
+            gemm_case(&g_rc, &m.t, 1, "MXFP4 exponents 0..255 T=1");
+            gemm_case(&g_rc, &m.t, 5, "MXFP4 exponents 0..255 T=5");
+            free_mat(&m);
+        }
         // Zero weight blocks (Q8_0 d = 0, MXFP4 codes 0) and hard activation rows, many tokens
         // across a chunk boundary.
         const int64_t n = 512, n_out = 9, T = DI_CPU_ACT_TOKENS + 7, xs = n + 3;

@@ -214,8 +214,16 @@ static void int8_task(void *p, int ith, int nth) {
         return;
     }
     const int64_t nt_all = t_hi - t_lo, n_tiles = (nt_all + 2) / 3;
+    // More than one token tile: each group of rows is decoded once to aligned int8 codes and
+    // float scales (per-thread scratch, 4 x (n + n/8) bytes) and every tile reads those; one
+    // tile reads the blocks in place.
+    const bool staged = nt_all > SEG_TOKS;
+    const int64_t ldw = cpu->act_ld, ldwd = ldw / 32;
+    int8_t *wq = (int8_t *)(cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * cpu->gemm_ld));
+    float *wd = (float *)(wq + ROWS * ldw);
     for (int64_t o = r_lo; o < r_hi; o += ROWS) {
         const int nr = (int)(r_hi - o < ROWS ? r_hi - o : ROWS);
+        if (staged) di_gemm_avx2_codes(c->w, o, nr, wq, ldw, wd, ldwd);
         for (int64_t t = t_lo, k = 0; t < t_hi; k++) {
             const int nt = (int)((t_hi - t + (n_tiles - k) - 1) / (n_tiles - k));
             const int8_t *xq[3];
@@ -224,8 +232,11 @@ static void int8_task(void *p, int ith, int nth) {
                 xq[j] = cpu->act_q + (t + j) * ldq;
                 xd[j] = cpu->act_d + (t + j) * ldd;
             }
-            di_gemm_avx2_gemv_int8(c->w, o, nr, xq, xd, nt, c->y + t * c->y_stride + o,
-                                   c->y_stride);
+            float *y = c->y + t * c->y_stride + o;
+            if (staged)
+                di_gemm_avx2_gemv_codes(wq, ldw, wd, ldwd, n, nr, xq, xd, nt, y, c->y_stride);
+            else
+                di_gemm_avx2_gemv_int8(c->w, o, nr, xq, xd, nt, y, c->y_stride);
             t += nt;
         }
     }

@@ -112,5 +112,14 @@ void di_gemm_avx2_quant_act(const float *x, int64_t n, int8_t *q, float *d);
 // di_ref_dot_q8 on the row's codes (di_ref_row_codes).
 void di_gemm_avx2_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8_t *const *xq,
                             const float *const *xd, int nt, float *y, int64_t y_stride);
+// Rows r0..r0+nr-1 (nr <= 4) of a Q8_0 or MXFP4 w as their codes (row i at q + i*ldq, 32-byte
+// aligned, ldq a multiple of 32) and per-32 scales (d + i*ldd): di_ref_row_codes's values.
+void di_gemm_avx2_codes(const di_tensor *w, int64_t r0, int nr, int8_t *q, int64_t ldq, float *d,
+                        int64_t ldd);
+// di_gemm_avx2_gemv_int8 over rows already decoded by di_gemm_avx2_codes (n columns): the same
+// bits.
+void di_gemm_avx2_gemv_codes(const int8_t *q, int64_t ldq, const float *d, int64_t ldd, int64_t n,
+                             int nr, const int8_t *const *xq, const float *const *xd, int nt,
+                             float *y, int64_t y_stride);
 // Twelve independent 8-lane FMA chains, `iters` steps each (probe.c's multiply-add peak).
 float di_gemm_avx2_fma_loop(int64_t iters);
