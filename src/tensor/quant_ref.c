@@ -457,16 +457,6 @@ void di_dequant_row_q8_0(const uint8_t *restrict row, int64_t n, float *restrict
     }
 }
 
-void di_q4_k_scale_min(int j, const uint8_t *restrict q, uint8_t *sc, uint8_t *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-    }
-}
-
 void di_dequant_row_q4_k(const uint8_t *restrict row, int64_t n, float *restrict out) {
     DI_ASSERT(n % 256 == 0);
     for (int64_t b = 0; b < n / 256; b++) {
@@ -699,5 +689,34 @@ void di_codes_row_mxfp4(const uint8_t *restrict row, int64_t n, int8_t *restrict
             q[32 * b + j] = k_mxfp4_vals[blk[1 + j] & 0xF];
             q[32 * b + j + 16] = k_mxfp4_vals[blk[1 + j] >> 4];
         }
+    }
+}
+
+void di_quant_act_q8_k(const float *restrict x, int64_t n, int8_t *restrict q, float *restrict d,
+                       int16_t *restrict bsums) {
+    DI_ASSERT(n % 256 == 0);
+    for (int64_t b = 0; b < n / 256; b++) {
+        const float *v = x + 256 * b;
+        int8_t *qb = q + 256 * b;
+        float amax = 0, mx = 0;
+        for (int j = 0; j < 256; j++)
+            if (fabsf(v[j]) > amax) amax = fabsf(v[j]), mx = v[j];
+        if (amax == 0) {
+            d[b] = 0;
+            memset(qb, 0, 256);
+            memset(bsums + 16 * b, 0, 16 * sizeof(int16_t));
+            continue;
+        }
+        const float is = -127.0f / mx;
+        for (int j = 0; j < 256; j++) {
+            const float r = round_half_even(is * v[j]);
+            qb[j] = (int8_t)(r > 127.0f ? 127 : (int)r);
+        }
+        for (int k = 0; k < 16; k++) {
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += qb[16 * k + j];
+            bsums[16 * b + k] = (int16_t)s;
+        }
+        d[b] = 1.0f / is;
     }
 }

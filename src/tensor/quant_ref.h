@@ -146,8 +146,16 @@ void di_dequant_row_iq2_xxs(const uint8_t *restrict row, int64_t n, float *restr
 void di_dequant_row_mxfp4(const uint8_t *restrict row, int64_t n, float *restrict out);
 
 // Q4_K's 6-bit scale and min of sub-block j (0..7) from the 12 scale bytes (ggml's
-// get_scale_min_k4).
-void di_q4_k_scale_min(int j, const uint8_t *restrict scales, uint8_t *sc, uint8_t *m);
+// get_scale_min_k4). Inline: the AVX2 GEMV unpacks eight per block and row.
+static inline void di_q4_k_scale_min(int j, const uint8_t *restrict q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
 // ggml's iq2xxs_grid entry i (0..255): 8 bytes, each 0x08, 0x19 or 0x2b.
 uint64_t di_iq2xxs_grid(int i);
 // ggml's ksigns_iq2xs: i (0..127) with bit 7 set to make an even number of set bits.
@@ -167,6 +175,14 @@ uint8_t di_iq2xs_signs(int i);
 // 0 the block's q are 0 (ggml's q there are multiplied by d = 0 and cannot matter). Inputs must be
 // finite; a block with amax > 65504 * 127 gets d = inf, as in ggml.
 void di_quant_act_q8(const float *restrict x, int64_t n, int8_t *restrict q, float *restrict d);
+
+// One activation row (n a multiple of 256; DI_ASSERT) in blocks of 256 for the K-quant weights,
+// ggml's quantize_row_q8_K reference: mx = the first value of largest magnitude, is = -127 / mx,
+// q = min(127, round-half-even(is * x)) (so mx itself gets -127), d[b] = 1 / is (f32, not rounded
+// to f16), bsums[16 b + k] = the sum of q over the block's values 16k..16k+15. An all-zero block
+// gets d = 0 and q = 0. Inputs must be finite.
+void di_quant_act_q8_k(const float *restrict x, int64_t n, int8_t *restrict q, float *restrict d,
+                       int16_t *restrict bsums);
 
 // The integer codes and per-32 scales of one weight row (n a multiple of 32), whose products are
 // exactly di_dequant_row_*'s values:

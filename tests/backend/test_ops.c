@@ -44,6 +44,9 @@
 // d <= amax/127 * (1 + 2^-11), and |y8 - y| <= 0.5625 sum_i |w_i| d_b(i) plus f32 summation
 // rounding of both sides (TOL_GAMMA_FACTOR's bound, on sum |w x| + sum |w| d).
 #define ACT_Q8_ERR 0.5625
+// The same for Q4_K's activations in blocks of 256 (d = amax/127 in f32, not rounded to f16): half
+// a step, plus f32 rounding of -127/mx, x * is and 1/is (a few ulp of 127 steps: < 1e-4 of a step).
+#define ACT_Q8K_ERR 0.5001
 
 static uint64_t g_rng = 0x1234567ull;
 static uint64_t rnd(void) {
@@ -215,9 +218,9 @@ static void compare(const di_tensor *w, const float *x, int64_t n_tok, int64_t x
             }
             double mag = 0;
             for (int64_t i = 0; i < n; i++) mag += fabs((double)row[i] * x[t * xs + i]);
-            double tol = di_ref_matmul_int8(w)      ? TOL_INT8
-                         : isa == DI_CPU_ISA_SCALAR ? TOL_SCALAR
-                                                    : TOL_GAMMA_FACTOR * gamma * mag;
+            double tol = di_ref_matmul_act(w) != DI_REF_ACT_F32 ? TOL_INT8
+                         : isa == DI_CPU_ISA_SCALAR             ? TOL_SCALAR
+                                                                : TOL_GAMMA_FACTOR * gamma * mag;
             double d = fabs(a - b);
             if (!(d <= tol)) {
                 if (bad < 3)
@@ -339,11 +342,10 @@ static void test_gemm_ggml(void) {
 }
 
 // The AVX2 decoders of the block kinds multiplied in f32 are exact: every value equals the
-// reference's bits (Q8_0 and MXFP4 are never decoded to f32: they use integer dot products).
+// reference's bits (Q8_0, MXFP4 and Q4_K are never decoded to f32: they use integer dot products).
 static void test_decode_ggml_exact(void) {
     if (di_cpu_isa_supported() < DI_CPU_ISA_AVX2) return; // nothing to compare
-    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_Q4_K, DI_TENSOR_KIND_Q2_K,
-                                           DI_TENSOR_KIND_IQ2_XXS};
+    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_Q2_K, DI_TENSOR_KIND_IQ2_XXS};
     const int64_t n = 2048;
     float *ref = malloc(sizeof(float) * n), *got = di_aligned_alloc(sizeof(float) * n);
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
@@ -447,6 +449,37 @@ static void test_act_quant(void) {
         CHECK(memcmp(q0, q1, (size_t)n) == 0);
         CHECK(memcmp(d0, d1, sizeof(float) * (size_t)(n / 32)) == 0);
     }
+    // Blocks of 256 (Q4_K's activations): one all-zero block, then the same hard cases; the first
+    // value of largest magnitude gets -127, sums per 16 match, AVX2 gives the same bits.
+    memset(x, 0, sizeof(float) * 256);
+    for (int i = 256; i < 512; i++) x[i] = rndf();
+    x[256 + 40] = -7.0f, x[256 + 41] = 7.0f; // a magnitude tie: the first (negative) one is mx
+    int16_t s0[2048 / 16], s1[2048 / 16];
+    di_quant_act_q8_k(x, n, q0, d0, s0);
+    CHECK(d0[0] == 0.0f && q0[0] == 0 && s0[0] == 0);
+    CHECK_EQ(q0[256 + 40], -127); // mx = -7 (the first): is = -127 / mx, d = 1 / is > 0
+    CHECK_EQ(q0[256 + 41], 127);
+    CHECK(d0[1] > 0);
+    bool sums = true, range8 = true, close8 = true;
+    for (int64_t k = 0; k < n / 16; k++) {
+        int v = 0;
+        for (int i = 0; i < 16; i++) v += q0[16 * k + i];
+        sums &= v == s0[k];
+    }
+    for (int64_t i = 0; i < n; i++) {
+        range8 &= q0[i] != -128;
+        float d = fabsf(d0[i / 256]);
+        close8 &= fabsf(x[i] - (float)q0[i] * d0[i / 256]) <= ACT_Q8K_ERR * d;
+    }
+    CHECK(sums);
+    CHECK(range8);
+    CHECK(close8);
+    if (di_cpu_isa_supported() >= DI_CPU_ISA_AVX2) {
+        di_gemm_avx2_quant_act_q8_k(x, n, q1, d1, s1);
+        CHECK(memcmp(q0, q1, (size_t)n) == 0);
+        CHECK(memcmp(d0, d1, sizeof(float) * (size_t)(n / 256)) == 0);
+        CHECK(memcmp(s0, s1, sizeof s0) == 0);
+    }
     free(x), free(d0), free(d1), free(q0), free(q1);
 }
 
@@ -455,14 +488,19 @@ static void test_act_quant(void) {
 // DI_CPU_ACT_TOKENS tokens), all-zero and extreme activation blocks, zero weight blocks.
 static void test_gemm_int8_edges(void) {
     static const int64_t shapes[][2] = {{32, 1}, {96, 3}, {160, 6}, {1056, 11}};
-    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_Q8_0, DI_TENSOR_KIND_MXFP4};
-    for (size_t k = 0; k < 2; k++) {
+    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_Q8_0, DI_TENSOR_KIND_MXFP4,
+                                           DI_TENSOR_KIND_Q4_K};
+    // Per kind: columns per block, block bytes, and the bytes zeroed to make a zero block (Q8_0's
+    // d, MXFP4's codes, Q4_K's d and dmin).
+    static const int zero_blk[][4] = {{32, 34, 0, 2}, {32, 17, 1, 16}, {256, 144, 0, 4}};
+    for (size_t k = 0; k < 3; k++) {
+        const int64_t widen = zero_blk[k][0] / 32; // Q4_K: rows of whole 256-column blocks
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
-            mat m = make_mat(kinds[k], shapes[s][0], shapes[s][1], k_normal);
+            mat m = make_mat(kinds[k], shapes[s][0] * widen, shapes[s][1], k_normal);
             for (int64_t T = 1; T <= 7; T++) {
                 char what[96];
                 snprintf(what, sizeof what, "%s %lldx%lld T=%lld", di_tensor_kind_name(kinds[k]),
-                         (long long)shapes[s][1], (long long)shapes[s][0], (long long)T);
+                         (long long)shapes[s][1], (long long)(shapes[s][0] * widen), (long long)T);
                 gemm_case(&g_rc, &m.t, T, what);
             }
             free_mat(&m);
@@ -478,10 +516,9 @@ static void test_gemm_int8_edges(void) {
         const int64_t n = 512, n_out = 9, T = DI_CPU_ACT_TOKENS + 7, xs = n + 3;
         mat m = make_mat(kinds[k], n, n_out, k_normal);
         uint8_t *row0 = m.data; // row 0: every other block zero
-        for (int64_t b = 0; b < n / 32; b += 2)
-            memset(row0 + (size_t)b * (kinds[k] == DI_TENSOR_KIND_Q8_0 ? 34 : 17) +
-                       (kinds[k] == DI_TENSOR_KIND_Q8_0 ? 0 : 1),
-                   0, kinds[k] == DI_TENSOR_KIND_Q8_0 ? 2 : 16);
+        for (int64_t b = 0; b < n / zero_blk[k][0]; b += 2)
+            memset(row0 + (size_t)b * (size_t)zero_blk[k][1] + (size_t)zero_blk[k][2], 0,
+                   (size_t)zero_blk[k][3]);
         float *x = make_x(T, xs), *yr = malloc(sizeof(float) * (size_t)(T * n_out)),
               *y = malloc(sizeof(float) * (size_t)(T * n_out)), y1[9];
         for (int64_t t = 0; t < T; t += 3) fill_act_cases(x + t * xs, n);
@@ -505,10 +542,14 @@ static void test_gemm_int8_edges(void) {
 // The 8-bit path against exact f32 activations: within the activation quantisation bound
 // (ACT_Q8_ERR), and not bit-identical (the contract is really in use).
 static void test_gemm_int8_vs_f32(void) {
-    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_Q8_0, DI_TENSOR_KIND_MXFP4};
+    static const di_tensor_kind kinds[] = {DI_TENSOR_KIND_Q8_0, DI_TENSOR_KIND_MXFP4,
+                                           DI_TENSOR_KIND_Q4_K};
     const int64_t n = 1024, n_out = 13, T = 5;
     const double u = 1.0 / 16777216.0, kk = (double)(n / 8 + 4), gamma = kk * u / (1 - kk * u);
-    for (size_t k = 0; k < 2; k++) {
+    int16_t bs[1024 / 16];
+    for (size_t k = 0; k < 3; k++) {
+        const bool k8 = kinds[k] == DI_TENSOR_KIND_Q4_K;
+        const int64_t blk = k8 ? 256 : 32;
         mat m = make_mat(kinds[k], n, n_out, k_normal);
         float *x = make_x(T, n), *y = malloc(sizeof(float) * (size_t)(T * n_out)),
               *row = malloc(sizeof(float) * (size_t)n), *d = malloc(sizeof(float) * n / 32);
@@ -519,15 +560,19 @@ static void test_gemm_int8_vs_f32(void) {
         for (int64_t o = 0; o < n_out; o++) {
             di_tensor_row_f32(&m.t, o, row);
             for (int64_t t = 0; t < T; t++) {
-                di_quant_act_q8(x + t * n, n, q, d);
+                if (k8)
+                    di_quant_act_q8_k(x + t * n, n, q, d, bs);
+                else
+                    di_quant_act_q8(x + t * n, n, q, d);
                 double exact = 0, mag = 0, bound = 0;
                 for (int64_t i = 0; i < n; i++) {
                     exact += (double)row[i] * x[t * n + i];
                     mag += fabs((double)row[i] * x[t * n + i]);
-                    bound += fabs((double)row[i]) * d[i / 32];
+                    bound += fabs((double)row[i] * d[i / blk]);
                 }
                 double err = fabs(y[t * n_out + o] - exact);
-                double tol = ACT_Q8_ERR * bound + TOL_GAMMA_FACTOR * gamma * (mag + bound);
+                double tol = (k8 ? ACT_Q8K_ERR : ACT_Q8_ERR) * bound +
+                             TOL_GAMMA_FACTOR * gamma * (mag + bound);
                 bad += !(err <= tol);
                 differ += (float)exact != y[t * n_out + o];
                 if (mag > 0 && err / mag > worst) worst = err / mag;

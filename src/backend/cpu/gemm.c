@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "tensor/quant_ref.h" // di_quant_act_q8
+#include "tensor/quant_ref.h" // di_quant_act_q8, di_quant_act_q8_k
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
@@ -156,7 +156,7 @@ static void matmul_task(void *p, int ith, int nth) {
     }
 }
 
-// ---- 8-bit activations (Q8_0, MXFP4) ----
+// ---- 8-bit activations (Q8_0, MXFP4: blocks of 32; Q4_K: blocks of 256) ----
 
 typedef struct int8_ctx {
     di_cpu *cpu;
@@ -169,16 +169,24 @@ typedef struct int8_ctx {
     bool simd;
 } int8_ctx;
 
-// Tokens [t_lo, t_hi) of the chunk into cpu->act_q / act_d.
+// Tokens [t_lo, t_hi) of the chunk into cpu->act_q / act_d (and act_s for Q4_K).
 static void quant_rows(const int8_ctx *c, int64_t t_lo, int64_t t_hi) {
     const di_cpu *cpu = c->cpu;
-    const int64_t n = c->w->ne[0], ldd = cpu->act_ld / 32;
+    const int64_t n = c->w->ne[0], ldd = cpu->act_ld / 32, lds = cpu->act_ld / 16;
+    const bool k = di_ref_matmul_act(c->w) == DI_REF_ACT_Q8_K;
     for (int64_t t = t_lo; t < t_hi; t++) {
         const float *x = c->x + t * c->x_stride;
-        if (c->simd)
-            di_gemm_avx2_quant_act(x, n, cpu->act_q + t * cpu->act_ld, cpu->act_d + t * ldd);
+        int8_t *q = cpu->act_q + t * cpu->act_ld;
+        float *d = cpu->act_d + t * ldd;
+        int16_t *s = cpu->act_s + t * lds;
+        if (k && c->simd)
+            di_gemm_avx2_quant_act_q8_k(x, n, q, d, s);
+        else if (k)
+            di_quant_act_q8_k(x, n, q, d, s);
+        else if (c->simd)
+            di_gemm_avx2_quant_act(x, n, q, d);
         else
-            di_quant_act_q8(x, n, cpu->act_q + t * cpu->act_ld, cpu->act_d + t * ldd);
+            di_quant_act_q8(x, n, q, d);
     }
 }
 
@@ -190,18 +198,28 @@ static void quant_task(void *p, int ith, int nth) {
 }
 
 // Output rows [r_lo, r_hi) x tokens [t_lo, t_hi) of the chunk. AVX2: blocks of 4 rows, tokens in
-// balanced tiles of at most 3 (as block_avx2), the weights read in place; scalar: the reference's
-// di_ref_dot_q8 against the row's codes.
+// balanced tiles of at most 3 (as block_avx2); scalar: the reference's di_ref_dot_q8 against the
+// row's codes, or di_ref_dot_q4_k.
 static void int8_task(void *p, int ith, int nth) {
     const int8_ctx *c = p;
     const di_cpu *cpu = c->cpu;
-    const int64_t n = c->w->ne[0], ldq = cpu->act_ld, ldd = ldq / 32;
+    const int64_t n = c->w->ne[0], ldq = cpu->act_ld, ldd = ldq / 32, lds = ldq / 16;
+    const bool k8 = di_ref_matmul_act(c->w) == DI_REF_ACT_Q8_K;
     int64_t r_lo = 0, r_hi = c->w->ne[1], t_lo = 0, t_hi = c->n_tok;
     if (c->split_rows)
         di_split_range(r_hi, ith, nth, &r_lo, &r_hi);
     else
         di_split_range(t_hi, ith, nth, &t_lo, &t_hi);
     if (t_lo >= t_hi) return;
+    if (!c->simd && k8) {
+        for (int64_t o = r_lo; o < r_hi; o++) {
+            const uint8_t *row = (const uint8_t *)c->w->data + (size_t)o * c->w->nb1;
+            for (int64_t t = t_lo; t < t_hi; t++)
+                c->y[t * c->y_stride + o] = di_ref_dot_q4_k(
+                    row, cpu->act_q + t * ldq, cpu->act_d + t * ldd, cpu->act_s + t * lds, n);
+        }
+        return;
+    }
     if (!c->simd) {
         int8_t *qw = (int8_t *)(cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * cpu->gemm_ld));
         float *dw = (float *)(qw + n);
@@ -215,9 +233,9 @@ static void int8_task(void *p, int ith, int nth) {
     }
     const int64_t nt_all = t_hi - t_lo, n_tiles = (nt_all + 2) / 3;
     // More than one token tile: each group of rows is decoded once to aligned int8 codes and
-    // float scales (per-thread scratch, 4 x (n + n/8) bytes) and every tile reads those; one
-    // tile reads the blocks in place.
-    const bool staged = nt_all > SEG_TOKS;
+    // float scales (per-thread scratch: 4.5 act_ld bytes of the 16 gemm_ld) and every tile reads
+    // those; one tile reads the blocks in place.
+    const bool staged = nt_all > SEG_TOKS && !k8; // Q4_K: its scales unpack per block anyway
     const int64_t ldw = cpu->act_ld, ldwd = ldw / 32;
     int8_t *wq = (int8_t *)(cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * cpu->gemm_ld));
     float *wd = (float *)(wq + ROWS * ldw);
@@ -228,12 +246,16 @@ static void int8_task(void *p, int ith, int nth) {
             const int nt = (int)((t_hi - t + (n_tiles - k) - 1) / (n_tiles - k));
             const int8_t *xq[3];
             const float *xd[3];
+            const int16_t *xs[3];
             for (int j = 0; j < nt; j++) {
                 xq[j] = cpu->act_q + (t + j) * ldq;
                 xd[j] = cpu->act_d + (t + j) * ldd;
+                xs[j] = cpu->act_s + (t + j) * lds;
             }
             float *y = c->y + t * c->y_stride + o;
-            if (staged)
+            if (k8)
+                di_gemm_avx2_gemv_q4_k8(c->w, o, nr, xq, xd, xs, nt, y, c->y_stride);
+            else if (staged)
                 di_gemm_avx2_gemv_codes(wq, ldw, wd, ldwd, n, nr, xq, xd, nt, y, c->y_stride);
             else
                 di_gemm_avx2_gemv_int8(c->w, o, nr, xq, xd, nt, y, c->y_stride);
@@ -275,7 +297,7 @@ void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_to
     if (n_tok <= 0 || w->ne[1] <= 0) return;
     cpu->n_weight_bytes += di_tensor_bytes(w);
     cpu->n_weight_macs += (uint64_t)w->ne[0] * (uint64_t)w->ne[1] * (uint64_t)n_tok;
-    if (di_ref_matmul_int8(w)) {
+    if (di_ref_matmul_act(w) != DI_REF_ACT_F32) {
         matmul_int8(cpu, w, x, n_tok, x_stride, y, y_stride);
         return;
     }

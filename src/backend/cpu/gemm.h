@@ -1,9 +1,8 @@
 /*
  * gemm — the optimised CPU matmul over every di_tensor kind (F32, F16, BF16, FP8 e4m3 + UE8M0
- * block scales, FP4 e2m1 + UE8M0 per-32 scales, and the ggml block formats of GGUF files: Q4_K,
- * Q2_K and IQ2_XXS decoded in registers with the reference's arithmetic, Q8_0 and MXFP4 multiplied
- * by 8-bit activations with integer dot products): the engine's one release path for linear
- * layers.
+ * block scales, FP4 e2m1 + UE8M0 per-32 scales, and the ggml block formats of GGUF files: Q2_K and
+ * IQ2_XXS decoded in registers with the reference's arithmetic, Q8_0, MXFP4 and Q4_K multiplied by
+ * 8-bit activations with integer dot products): the engine's one release path for linear layers.
  * cpu/ref_ops.c's di_ref_matmul stays the oracle it is tested against (tests/backend/test_ops.c).
  *
  * Instruction-set levels, chosen once per di_cpu at init by CPU features (di_cpu_isa_detect):
@@ -17,9 +16,9 @@
  * CI to cover the lower levels; it can never raise it above what the CPU supports).
  *
  * Two numerics contracts, by weight kind:
- *   - exact weights, f32 activations (F32, F16, BF16, FP8, FP4, Q4_K, Q2_K, IQ2_XXS): every weight
+ *   - exact weights, f32 activations (F32, F16, BF16, FP8, FP4, Q2_K, IQ2_XXS): every weight
  *     dequantised exactly (di_tensor_row_f32) and multiplied by the f32 activations, as below;
- *   - 8-bit activations (Q8_0, MXFP4: di_ref_matmul_int8), the arithmetic llama.cpp's CPU backend
+ *   - 8-bit activations (Q8_0, MXFP4: DI_REF_ACT_Q8_0), the arithmetic llama.cpp's CPU backend
  *     uses for these files: each token's activation row is quantised once per call in blocks of
  *     32 (di_quant_act_q8: d = f16(amax / 127), q = round-half-away(x * 127 / amax), |q| <= 127),
  *     the weight row is taken as its integer codes and per-32 scales (Q8_0: the stored int8 and
@@ -29,8 +28,12 @@
  *     lane l of block b holding columns 4l..4l+3, one FMA per lane and block in block order, then
  *     di_ref_dot's lane reduction. Both levels compute exactly that, so they agree bit for bit with
  *     di_ref_matmul; against f32 activations the result moves by up to ~0.56 d_x per activation
- *     (about 1e-3 of sum |w x| on random data; tests/backend/test_ops.c). Q4_K, Q2_K and IQ2_XXS
- *     (ggml multiplies them by per-256 Q8_K activations) are not on this contract yet.
+ *     (about 1e-3 of sum |w x| on random data; tests/backend/test_ops.c);
+ *   - 8-bit activations in blocks of 256 (Q4_K: DI_REF_ACT_Q8_K), ggml's Q8_K: per block of 256
+ *     d = mx / -127 in f32 (mx the first value of largest magnitude), q = round-half-even(x / d)
+ *     clamped at 127, and per-16 sums of q; the weight's nibbles, 6-bit sub-block scales and
+ *     mins are multiplied as integers and only two products per block are f32 (the exact
+ *     contract in di_ref_dot_q4_k). Q2_K and IQ2_XXS (also Q8_K in ggml) are not on it yet.
  *
  * Numerics (why results do not depend on batching or threads): output element (t, o) is computed
  * by exactly one thread as one 8-lane accumulator running over the columns in order (FMA at the
@@ -72,7 +75,7 @@ const char *di_cpu_isa_name(di_cpu_isa isa);
 bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa);
 
 // y[t*y_stride + o] = sum_i W[o, i] * x[t*x_stride + i] for t < n_tok, o < W.ne[1] (as
-// di_ref_matmul; FP32 accumulation, dequantisation fused; Q8_0 and MXFP4 on 8-bit activations).
+// di_ref_matmul; FP32 accumulation, dequantisation fused; Q8_0, MXFP4, Q4_K on 8-bit activations).
 // Needs W.ne[0] <= the max_row given to di_cpu_init (DI_ASSERT). x and y must not overlap.
 void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok, int64_t x_stride,
                    float *y, int64_t y_stride);
@@ -81,13 +84,13 @@ void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_to
 
 // True when gemm_avx2.c was built with its kernels (x86-64 only).
 bool di_gemm_avx2_built(void);
-// Decodes columns [c0, c1) of rows r0..r0+nr-1 of w (any kind but Q8_0 and MXFP4) into dst (row i
-// at dst + i*dst_stride, c1-c0 values, then zeros up to the next multiple of 8 when c1 == ne[0]).
+// Decodes columns [c0, c1) of rows r0..r0+nr-1 of w (any kind but Q8_0, MXFP4, Q4_K) into dst (row
+// i at dst + i*dst_stride, c1-c0 values, then zeros up to the next multiple of 8 when c1 == ne[0]).
 // Exact (every decoded value equals di_tensor_row_f32's).
 void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,
                          int64_t dst_stride);
 // True when di_gemm_avx2_gemv handles w: FP8 (block_in and n_in multiples of 16), FP4 (of 32),
-// BF16 (n_in a multiple of 8), Q4_K, Q2_K, IQ2_XXS.
+// BF16 (n_in a multiple of 8), Q2_K, IQ2_XXS.
 bool di_gemm_avx2_gemv_ok(const di_tensor *w);
 // acc[i][j] (8 lanes each) += rows r0..r0+nr-1 of w (nr <= 4) times tokens xs[j] (nt <= 3) over
 // all columns, decoding in registers; the same bits as di_gemm_avx2_decode + di_gemm_avx2_tile.
@@ -121,5 +124,13 @@ void di_gemm_avx2_codes(const di_tensor *w, int64_t r0, int nr, int8_t *q, int64
 void di_gemm_avx2_gemv_codes(const int8_t *q, int64_t ldq, const float *d, int64_t ldd, int64_t n,
                              int nr, const int8_t *const *xq, const float *const *xd, int nt,
                              float *y, int64_t y_stride);
+// One token's activations (n a multiple of 256) as di_quant_act_q8_k computes them, bit for bit.
+void di_gemm_avx2_quant_act_q8_k(const float *x, int64_t n, int8_t *q, float *d, int16_t *bsums);
+// y[j * y_stride + i] = row r0+i (i < nr <= 4) of a Q4_K w times token j (j < nt <= 3; codes xq[j]
+// 32-byte aligned, scales xd[j], sums xs[j] from di_gemm_avx2_quant_act_q8_k): the bits of
+// di_ref_dot_q4_k.
+void di_gemm_avx2_gemv_q4_k8(const di_tensor *w, int64_t r0, int nr, const int8_t *const *xq,
+                             const float *const *xd, const int16_t *const *xs, int nt, float *y,
+                             int64_t y_stride);
 // Twelve independent 8-lane FMA chains, `iters` steps each (probe.c's multiply-add peak).
 float di_gemm_avx2_fma_loop(int64_t iters);

@@ -1,10 +1,11 @@
 // gemm_avx2 — the AVX2 + FMA + F16C kernels of gemm.h: weight decoding for every di_tensor kind
-// multiplied in f32 and the 4-row x 3-token FMA tile; the 8-bit activation quantiser and the
-// integer-dot GEMV of Q8_0 and MXFP4. Compiled with -mavx2 -mfma -mf16c on x86-64 (CMakeLists.txt);
-// called only after gemm.c checked the CPU supports them. Elsewhere the file builds to stubs that
-// report "not built".
+// multiplied in f32 and the 4-row x 3-token FMA tile; the 8-bit activation quantisers and the
+// integer-dot GEMVs of Q8_0, MXFP4 and Q4_K. Compiled with -mavx2 -mfma -mf16c on x86-64
+// (CMakeLists.txt); called only after gemm.c checked the CPU supports them. Elsewhere the file
+// builds to stubs that report "not built".
 #include "backend/cpu/gemm.h"
 
+#include <math.h> // fabsf
 #include <string.h>
 
 #include "base/log.h"
@@ -175,38 +176,6 @@ static inline float f16_at(const uint8_t *p) {
     return di_f16_to_f32(h);
 }
 
-// 8 nibbles (low or high half of 8 bytes) -> 8 floats.
-static inline __m256 nib8(const uint8_t *p, bool high) {
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    v = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0xF));
-    return _mm256_cvtepi32_ps(v);
-}
-
-// Q4_K's sub-block scale and min as the reference computes them: d * sc and dmin * m in f32.
-static inline void q4k_sub(const uint8_t *blk, int j, float d, float dmin, __m256 *dv, __m256 *mv) {
-    uint8_t sc, m;
-    di_q4_k_scale_min(j, blk + 4, &sc, &m);
-    *dv = _mm256_set1_ps(d * (float)sc);
-    *mv = _mm256_set1_ps(dmin * (float)m);
-}
-
-static void decode_q4_k(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
-    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
-    for (int64_t c = c0; c < c1; c += 256) {
-        const uint8_t *blk = row + (size_t)(c / 256) * 144;
-        const float d = f16_at(blk), dmin = f16_at(blk + 2);
-        float *y = dst + (c - c0);
-        for (int j = 0; j < 8; j++) {
-            __m256 dv, mv;
-            q4k_sub(blk, j, d, dmin, &dv, &mv);
-            const uint8_t *q = blk + 16 + 32 * (j / 2);
-            for (int k = 0; k < 4; k++) // (d*sc)*q - dmin*m: a product, then a difference
-                _mm256_store_ps(y + 32 * j + 8 * k,
-                                _mm256_sub_ps(_mm256_mul_ps(dv, nib8(q + 8 * k, j & 1)), mv));
-        }
-    }
-}
-
 // Q2_K: per 16 values (d * sc) * q - (dmin * m), q the 2-bit code at `shift` of 16 bytes.
 static inline __m256 q2x8(const uint8_t *q, int shift) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
@@ -294,9 +263,6 @@ void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int
             break;
         case DI_TENSOR_KIND_FP4:
             decode_fp4(w, r0 + i, c0, c1, d);
-            break;
-        case DI_TENSOR_KIND_Q4_K:
-            decode_q4_k(w, r0 + i, c0, c1, d);
             break;
         case DI_TENSOR_KIND_Q2_K:
             decode_q2_k(w, r0 + i, c0, c1, d);
@@ -563,47 +529,6 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
     acc_store(NR, NT, a, acc);
 }
 
-static inline __attribute__((always_inline)) void gemv_q4_k(const di_tensor *w, int64_t r0, int NR,
-                                                            const float *const *xs, int NT,
-                                                            float acc[4][3][8]) {
-    const int64_t n = w->ne[0];
-    const uint8_t *rows[4];
-    __m256 a[4][3];
-    gemv_begin(w, r0, NR, NT, acc, rows, a);
-    const __m256i m4 = _mm256_set1_epi32(0xF);
-    for (int64_t c = 0; c < n; c += 256) {
-        for (int i = 0; i < NR; i++) {
-            const uint8_t *blk = rows[i] + (size_t)(c / 256) * 144;
-            _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + PF_BYTES + 64, _MM_HINT_T0);
-            const float d = f16_at(blk), dmin = f16_at(blk + 2);
-            for (int jp = 0; jp < 8; jp += 2) {
-                __m256 d0, m0, d1, m1;
-                q4k_sub(blk, jp, d, dmin, &d0, &m0);
-                q4k_sub(blk, jp + 1, d, dmin, &d1, &m1);
-                const uint8_t *q = blk + 16 + 16 * jp;
-                for (int k = 0; k < 4; k++) { // low nibbles: columns 32*jp + 8k
-                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
-                    __m256 wv = _mm256_sub_ps(
-                        _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_and_si256(v, m4))), m0);
-                    for (int j = 0; j < NT; j++)
-                        a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 32 * jp + 8 * k),
-                                                  a[i][j]);
-                }
-                for (int k = 0; k < 4; k++) { // high nibbles: columns 32*(jp+1) + 8k
-                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
-                    __m256 wv = _mm256_sub_ps(
-                        _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))), m1);
-                    for (int j = 0; j < NT; j++)
-                        a[i][j] = _mm256_fmadd_ps(
-                            wv, _mm256_loadu_ps(xs[j] + c + 32 * (jp + 1) + 8 * k), a[i][j]);
-                }
-            }
-        }
-    }
-    acc_store(NR, NT, a, acc);
-}
-
 // Q2_K and IQ2_XXS: one 256-column block of a row at a time, decoded in registers chunk by chunk.
 #define GEMV_BLOCK256(NAME, BB, BLOCK_MACRO)                                                       \
     static inline __attribute__((always_inline)) void NAME(const di_tensor *w, int64_t r0, int NR, \
@@ -644,8 +569,7 @@ bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
         return w->block_in % 32 == 0 && n % 32 == 0;
     case DI_TENSOR_KIND_BF16:
         return n % 8 == 0;
-    case DI_TENSOR_KIND_Q4_K: // rows are whole blocks by construction
-    case DI_TENSOR_KIND_Q2_K:
+    case DI_TENSOR_KIND_Q2_K: // rows are whole blocks by construction
     case DI_TENSOR_KIND_IQ2_XXS:
         return true;
     default:
@@ -661,8 +585,6 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
             gemv_fp8(w, r0, R, xs, N, acc);                                                        \
         else if (w->kind == DI_TENSOR_KIND_FP4)                                                    \
             gemv_fp4(w, r0, R, xs, N, acc);                                                        \
-        else if (w->kind == DI_TENSOR_KIND_Q4_K)                                                   \
-            gemv_q4_k(w, r0, R, xs, N, acc);                                                       \
         else if (w->kind == DI_TENSOR_KIND_Q2_K)                                                   \
             gemv_q2_k(w, r0, R, xs, N, acc);                                                       \
         else if (w->kind == DI_TENSOR_KIND_IQ2_XXS)                                                \
@@ -896,6 +818,132 @@ void di_gemm_avx2_gemv_codes(const int8_t *q, int64_t ldq, const float *d, int64
 }
 #undef INT8_SHAPES
 
+// ---- 8-bit activations in blocks of 256: Q4_K ----
+
+// di_quant_act_q8_k's bits: the same first value of largest magnitude (found by a scalar scan for
+// the vector maximum), the same scalar -127 / mx, per value the same product rounded to nearest
+// even (vroundps) and clamped at 127, the same integer sums.
+void di_gemm_avx2_quant_act_q8_k(const float *x, int64_t n, int8_t *q, float *d, int16_t *bsums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(127.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < n / 256; b++) {
+        const float *v = x + 256 * b;
+        int8_t *qb = q + 256 * b;
+        __m256 m = _mm256_setzero_ps();
+        for (int k = 0; k < 32; k++)
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        if (amax == 0) {
+            d[b] = 0;
+            memset(qb, 0, 256);
+            memset(bsums + 16 * b, 0, 16 * sizeof(int16_t));
+            continue;
+        }
+        int j = 0;
+        while (fabsf(v[j]) != amax) j++;
+        const float is = -127.0f / v[j];
+        const __m256 isv = _mm256_set1_ps(is);
+        for (int k = 0; k < 8; k++) {
+            __m256i qi[4];
+            for (int u = 0; u < 4; u++) {
+                __m256 r = _mm256_round_ps(_mm256_mul_ps(isv, _mm256_loadu_ps(v + 32 * k + 8 * u)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                qi[u] = _mm256_cvttps_epi32(_mm256_min_ps(r, top));
+            }
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                           _mm256_packs_epi32(qi[2], qi[3]));
+            _mm256_storeu_si256((__m256i *)(qb + 32 * k), _mm256_permutevar8x32_epi32(p, perm));
+        }
+        for (int k = 0; k < 16; k++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += qb[16 * k + i];
+            bsums[16 * b + k] = (int16_t)s;
+        }
+        d[b] = 1.0f / is;
+    }
+}
+
+// NR Q4_K rows x NT tokens, whole rows, sums to y (di_ref_dot_q4_k's bits). Per block and row: the
+// nibbles of sub-blocks 2p (low) and 2p+1 (high) times the token's codes by vpmaddubsw (unsigned
+// nibble x signed code: pair sums <= 2 * 15 * 127, no saturation), times the sub-block scale by
+// vpmaddwd: lane l gets the scaled sum of the sub-block's columns 4l..4l+3, summed over the eight
+// sub-blocks in int32 (exact in any order); then the reference's FMAs.
+static inline __attribute__((always_inline)) void
+gemv_q4_k8(const di_tensor *w, int64_t r0, int NR, const int8_t *const *xq, const float *const *xd,
+           const int16_t *const *xs, int NT, float *y, int64_t y_stride) {
+    const uint8_t *rows[4];
+    const size_t pf = 4 * w->nb1; // the next group of rows (see di_gemm_avx2_gemv_int8)
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 a[4][3];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        for (int j = 0; j < NT; j++) a[i][j] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < w->ne[0] / 256; b++) {
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = rows[i] + 144 * b;
+            _mm_prefetch((const char *)blk + pf, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + pf + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + pf + 128, _MM_HINT_T0);
+            uint8_t sc[8], mn[8];
+            for (int j = 0; j < 8; j++) di_q4_k_scale_min(j, blk + 4, &sc[j], &mn[j]);
+            __m256i s[3];
+            for (int t = 0; t < NT; t++) s[t] = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * p));
+                const __m256i lo = _mm256_and_si256(v, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const __m256i s0 = _mm256_set1_epi16(sc[2 * p]),
+                              s1 = _mm256_set1_epi16(sc[2 * p + 1]);
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *xb = xq[t] + 256 * b + 64 * p;
+                    __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i *)xb));
+                    __m256i p1 =
+                        _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i *)(xb + 32)));
+                    s[t] = _mm256_add_epi32(s[t], _mm256_add_epi32(_mm256_madd_epi16(p0, s0),
+                                                                   _mm256_madd_epi16(p1, s1)));
+                }
+            }
+            uint16_t h[2];
+            memcpy(h, blk, 4);
+            const float dw = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
+            // Lane l of vpmaddwd(mins duplicated, bsums) is m_l * (bsums[2l] + bsums[2l+1]).
+            const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+            const __m256i mins =
+                _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+            for (int t = 0; t < NT; t++) {
+                const __m256i ms =
+                    _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)(xs[t] + 16 * b)));
+                const float dx = xd[t][b];
+                a[i][t] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(dx * dw), _mm256_cvtepi32_ps(s[t]), a[i][t]);
+                a[i][t] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(-(dx * dmin)), _mm256_cvtepi32_ps(ms), a[i][t]);
+            }
+        }
+    }
+    sums_store(NR, NT, a, y, y_stride);
+}
+
+void di_gemm_avx2_gemv_q4_k8(const di_tensor *w, int64_t r0, int nr, const int8_t *const *xq,
+                             const float *const *xd, const int16_t *const *xs, int nt, float *y,
+                             int64_t y_stride) {
+    DI_ASSERT(w->kind == DI_TENSOR_KIND_Q4_K);
+#define G(R, N)                                                                                    \
+    case (R)*4 + (N):                                                                              \
+        gemv_q4_k8(w, r0, R, xq, xd, xs, N, y, y_stride);                                          \
+        return;
+    switch (nr * 4 + nt) {
+        G(1, 1)
+        G(1, 2) G(1, 3) G(2, 1) G(2, 2) G(2, 3) G(3, 1) G(3, 2) G(3, 3) G(4, 1) G(4, 2) G(4, 3)
+    }
+#undef G
+    DI_ASSERT(!"gemv shape out of range");
+}
+
 // ---- the FMA peak probe (probe.c) ----
 
 float di_gemm_avx2_fma_loop(int64_t iters) {
@@ -940,6 +988,18 @@ void di_gemm_avx2_quant_act(const float *x, int64_t n, int8_t *q, float *d) {
 void di_gemm_avx2_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8_t *const *xq,
                             const float *const *xd, int nt, float *y, int64_t y_stride) {
     (void)w, (void)r0, (void)nr, (void)xq, (void)xd, (void)nt, (void)y, (void)y_stride;
+    DI_ASSERT(!"AVX2 kernels not built");
+}
+
+void di_gemm_avx2_quant_act_q8_k(const float *x, int64_t n, int8_t *q, float *d, int16_t *bsums) {
+    (void)x, (void)n, (void)q, (void)d, (void)bsums;
+    DI_ASSERT(!"AVX2 kernels not built");
+}
+
+void di_gemm_avx2_gemv_q4_k8(const di_tensor *w, int64_t r0, int nr, const int8_t *const *xq,
+                             const float *const *xd, const int16_t *const *xs, int nt, float *y,
+                             int64_t y_stride) {
+    (void)w, (void)r0, (void)nr, (void)xq, (void)xd, (void)xs, (void)nt, (void)y, (void)y_stride;
     DI_ASSERT(!"AVX2 kernels not built");
 }
 

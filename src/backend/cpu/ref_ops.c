@@ -23,7 +23,9 @@ di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row) {
     cpu->act_q = di_aligned_alloc((size_t)DI_CPU_ACT_TOKENS * (size_t)cpu->act_ld);
     cpu->act_d =
         di_aligned_alloc(sizeof(float) * (size_t)DI_CPU_ACT_TOKENS * (size_t)(cpu->act_ld / 32));
-    if (!cpu->row_scratch || !cpu->gemm_scratch || !cpu->act_q || !cpu->act_d) {
+    cpu->act_s =
+        di_aligned_alloc(sizeof(int16_t) * (size_t)DI_CPU_ACT_TOKENS * (size_t)(cpu->act_ld / 16));
+    if (!cpu->row_scratch || !cpu->gemm_scratch || !cpu->act_q || !cpu->act_d || !cpu->act_s) {
         di_cpu_deinit(cpu);
         return DI_ERR_NOMEM;
     }
@@ -35,10 +37,12 @@ void di_cpu_deinit(di_cpu *cpu) {
     di_aligned_free(cpu->gemm_scratch);
     di_aligned_free(cpu->act_q);
     di_aligned_free(cpu->act_d);
+    di_aligned_free(cpu->act_s);
     cpu->row_scratch = NULL;
     cpu->gemm_scratch = NULL;
     cpu->act_q = NULL;
     cpu->act_d = NULL;
+    cpu->act_s = NULL;
 }
 
 float di_ref_dot(const float *a, const float *b, int64_t n) {
@@ -54,8 +58,16 @@ float di_ref_dot(const float *a, const float *b, int64_t n) {
 
 // ---- 8-bit activations (Q8_0, MXFP4) ----
 
-bool di_ref_matmul_int8(const di_tensor *w) {
-    return w->kind == DI_TENSOR_KIND_Q8_0 || w->kind == DI_TENSOR_KIND_MXFP4;
+di_ref_act di_ref_matmul_act(const di_tensor *w) {
+    switch (w->kind) {
+    case DI_TENSOR_KIND_Q8_0:
+    case DI_TENSOR_KIND_MXFP4:
+        return DI_REF_ACT_Q8_0;
+    case DI_TENSOR_KIND_Q4_K:
+        return DI_REF_ACT_Q8_K;
+    default:
+        return DI_REF_ACT_F32;
+    }
 }
 
 void di_ref_row_codes(const di_tensor *w, int64_t r, int8_t *q, float *d) {
@@ -84,6 +96,36 @@ float di_ref_dot_q8(const int8_t *qw, const float *dw, const int8_t *qx, const f
     return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
+float di_ref_dot_q4_k(const uint8_t *row, const int8_t *qx, const float *dx, const int16_t *bsums,
+                      int64_t n) {
+    float s[8] = {0};
+    for (int64_t b = 0; b < n / 256; b++) {
+        const uint8_t *blk = row + 144 * b;
+        uint16_t h[2];
+        memcpy(h, blk, 4);
+        const int8_t *x = qx + 256 * b;
+        int32_t lanes[8] = {0}, mins[8];
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, m;
+            di_q4_k_scale_min(j, blk + 4, &sc, &m);
+            const uint8_t *q = blk + 16 + 32 * (j / 2); // low nibbles: even j, high: odd j
+            for (int l = 0; l < 8; l++) {
+                int32_t v = 0;
+                for (int k = 0; k < 4; k++) {
+                    const int c = 4 * l + k;
+                    v += (int32_t)((j & 1 ? q[c] >> 4 : q[c] & 15)) * (int32_t)x[32 * j + c];
+                }
+                lanes[l] += (int32_t)sc * v;
+            }
+            mins[j] = (int32_t)m * ((int32_t)bsums[16 * b + 2 * j] + bsums[16 * b + 2 * j + 1]);
+        }
+        const float dd = dx[b] * di_f16_to_f32(h[0]), dm = dx[b] * di_f16_to_f32(h[1]);
+        for (int l = 0; l < 8; l++) s[l] = fmaf(dd, (float)lanes[l], s[l]);
+        for (int l = 0; l < 8; l++) s[l] = fmaf(-dm, (float)mins[l], s[l]);
+    }
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
 // ---- matmul ----
 
 typedef struct matmul_ctx {
@@ -106,7 +148,21 @@ static void matmul_task(void *p, int ith, int nth) {
     else
         di_split_range(c->n_tok, ith, nth, &t_lo, &t_hi);
     if (t_lo >= t_hi) return;
-    if (di_ref_matmul_int8(c->w)) {
+    if (di_ref_matmul_act(c->w) == DI_REF_ACT_Q8_K) {
+        // Scratch (4 * row_cap bytes): one token's codes, scales and sums.
+        int8_t *qx = (int8_t *)row;
+        float *dx = (float *)(qx + n_in);
+        int16_t *bs = (int16_t *)(dx + n_in / 256);
+        for (int64_t o = r_lo; o < r_hi; o++) {
+            const uint8_t *wrow = (const uint8_t *)c->w->data + (size_t)o * c->w->nb1;
+            for (int64_t t = t_lo; t < t_hi; t++) {
+                di_quant_act_q8_k(c->x + t * c->x_stride, n_in, qx, dx, bs);
+                c->y[t * c->y_stride + o] = di_ref_dot_q4_k(wrow, qx, dx, bs, n_in);
+            }
+        }
+        return;
+    }
+    if (di_ref_matmul_act(c->w) == DI_REF_ACT_Q8_0) {
         // Scratch (4 * row_cap bytes): the weight row's codes and scales, then one token's.
         int8_t *qw = (int8_t *)row, *qx = qw + n_in + n_in / 8;
         float *dw = (float *)(qw + n_in), *dx = (float *)(qx + n_in);

@@ -40,6 +40,7 @@ typedef struct di_cpu {
     int8_t *act_q;  // owned; DI_CPU_ACT_TOKENS * act_ld bytes, 64-byte aligned
     float *act_d;   // owned; DI_CPU_ACT_TOKENS * act_ld / 32 floats
     int64_t act_ld; // row_cap rounded up to 64
+    int16_t *act_s; // owned; DI_CPU_ACT_TOKENS * act_ld / 16 (Q4_K's per-16 sums, act_ld / 16 each)
 } di_cpu;
 
 // Tokens whose 8-bit activations gemm.c holds at once: longer calls run in chunks of this many
@@ -53,8 +54,9 @@ void di_cpu_deinit(di_cpu *cpu);
 
 // y[t*y_stride + o] = sum_i W[o, i] * x[t*x_stride + i] for t < n_tok, o < W.ne[1].
 // FP32 accumulation; W dequantised row by row (exact). Q8_0 and MXFP4 weights follow the 8-bit
-// contract instead (di_ref_matmul_int8): each token row quantised by di_quant_act_q8, then
-// di_ref_dot_q8 against the weight row's codes.
+// contract instead (di_ref_matmul_act): each token row quantised by di_quant_act_q8, then
+// di_ref_dot_q8 against the weight row's codes; Q4_K likewise with di_quant_act_q8_k and
+// di_ref_dot_q4_k.
 void di_ref_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_tok, int64_t x_stride,
                    float *y, int64_t y_stride);
 
@@ -70,9 +72,15 @@ void di_ref_rope(float *v, int64_t n, int32_t n_rot, const float *omega, int64_t
 // Dot product with FP32 accumulation in a fixed order (the same as di_ref_matmul's).
 float di_ref_dot(const float *a, const float *b, int64_t n);
 
-// True for the weight kinds multiplied by 8-bit activations (gemm.h, "8-bit activations"):
-// Q8_0 and MXFP4.
-bool di_ref_matmul_int8(const di_tensor *w);
+// How di_ref_matmul multiplies a weight kind (gemm.h's contracts): f32 activations, 8-bit
+// activations in blocks of 32 (Q8_0, MXFP4: di_quant_act_q8 and di_ref_dot_q8) or in blocks of
+// 256 (Q4_K: di_quant_act_q8_k and di_ref_dot_q4_k).
+typedef enum di_ref_act {
+    DI_REF_ACT_F32 = 0,
+    DI_REF_ACT_Q8_0,
+    DI_REF_ACT_Q8_K,
+} di_ref_act;
+di_ref_act di_ref_matmul_act(const di_tensor *w);
 
 // The integer codes and per-32 scales of row r of an int8-contract weight (di_codes_row_*): q gets
 // ne[0] values, d ne[0] / 32.
@@ -83,6 +91,16 @@ void di_ref_row_codes(const di_tensor *w, int64_t r, int8_t *q, float *d);
 // int32), blocks in order, then di_ref_dot's lane reduction. n a multiple of 32.
 float di_ref_dot_q8(const int8_t *qw, const float *dw, const int8_t *qx, const float *dx,
                     int64_t n);
+
+// A Q4_K row (n / 256 blocks of 144 bytes) against 8-bit activations of blocks of 256 (codes qx,
+// scales dx, sums of 16 bsums; di_quant_act_q8_k). Per block b, with the 6-bit sub-block scales
+// sc_j and mins m_j (j < 8, sub-block j = columns 32j..32j+31) and the codes q4:
+//   S_l = sum over j of sc_j * (sum over k < 4 of q4[32j+4l+k] * qx[32j+4l+k])   (l < 8, exact)
+//   M_l = m_l * (bsums[2l] + bsums[2l+1])                                           (exact)
+//   lane l: acc_l = fma(dx[b] * f16(d), S_l, acc_l), then acc_l = fma(-(dx[b] * f16(dmin)), M_l,
+//   acc_l), over the blocks in order; y = di_ref_dot's reduction of the lanes.
+float di_ref_dot_q4_k(const uint8_t *row, const int8_t *qx, const float *dx, const int16_t *bsums,
+                      int64_t n);
 
 static inline float di_sigmoid(float x) {
     return 1.0f / (1.0f + expf(-x));
