@@ -72,6 +72,8 @@ enum {
     PF_AHEAD = 8,        // row blocks ahead the many-token path prefetches
 };
 
+// One matmul call (f32 path), or one chunk of DI_CPU_ACT_TOKENS tokens of an 8-bit one (x, y: the
+// chunk's first token).
 typedef struct matmul_ctx {
     di_cpu *cpu;
     const di_tensor *w;
@@ -81,8 +83,26 @@ typedef struct matmul_ctx {
     int64_t y_stride;
     bool split_rows; // partition output rows (else tokens)
     bool simd;       // AVX2 kernels (else the scalar level)
-    bool fused;      // AVX2 GEMV decoding in registers (few tokens, supported layout)
+    bool fused;      // f32 path: AVX2 GEMV decoding in registers (few tokens, supported layout)
 } matmul_ctx;
+
+// This thread's output rows [r_lo, r_hi) and tokens [t_lo, t_hi): rows or tokens split, the
+// other whole. Returns false when the thread has no work.
+static bool task_range(const matmul_ctx *c, int ith, int nth, int64_t *r_lo, int64_t *r_hi,
+                       int64_t *t_lo, int64_t *t_hi) {
+    *r_lo = 0, *r_hi = c->w->ne[1], *t_lo = 0, *t_hi = c->n_tok;
+    if (c->split_rows)
+        di_split_range(c->w->ne[1], ith, nth, r_lo, r_hi);
+    else
+        di_split_range(c->n_tok, ith, nth, t_lo, t_hi);
+    return *t_lo < *t_hi && *r_lo < *r_hi;
+}
+
+// Few output rows and many tokens (the mHC mixes, the router): split tokens so every thread has
+// work; each thread then decodes all the (few) rows. Either split gives the same numbers.
+static bool split_rows(const di_cpu *cpu, const di_tensor *w, int64_t n_tok) {
+    return w->ne[1] >= 8 * (int64_t)cpu->n_threads || n_tok < cpu->n_threads;
+}
 
 // The fixed lane reduction of di_ref_dot.
 static inline float reduce8(const float a[8]) {
@@ -140,12 +160,8 @@ static void matmul_task(void *p, int ith, int nth) {
     const matmul_ctx *c = p;
     const int64_t ld = c->cpu->gemm_ld;
     float *scr = c->cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * ld);
-    int64_t r_lo = 0, r_hi = c->w->ne[1], t_lo = 0, t_hi = c->n_tok;
-    if (c->split_rows)
-        di_split_range(r_hi, ith, nth, &r_lo, &r_hi);
-    else
-        di_split_range(t_hi, ith, nth, &t_lo, &t_hi);
-    if (t_lo >= t_hi) return;
+    int64_t r_lo, r_hi, t_lo, t_hi;
+    if (!task_range(c, ith, nth, &r_lo, &r_hi, &t_lo, &t_hi)) return;
     if (!c->simd) {
         for (int64_t o = r_lo; o < r_hi; o++) block_scalar(c, scr, o, t_lo, t_hi);
         return;
@@ -158,19 +174,8 @@ static void matmul_task(void *p, int ith, int nth) {
 
 // ---- 8-bit activations (Q8_0, MXFP4: blocks of 32; Q4_K: blocks of 256) ----
 
-typedef struct int8_ctx {
-    di_cpu *cpu;
-    const di_tensor *w;
-    const float *x; // the chunk's first token
-    int64_t n_tok, x_stride;
-    float *y; // the chunk's first token
-    int64_t y_stride;
-    bool split_rows;
-    bool simd;
-} int8_ctx;
-
 // Tokens [t_lo, t_hi) of the chunk into cpu->act_q / act_d (and act_s for Q4_K).
-static void quant_rows(const int8_ctx *c, int64_t t_lo, int64_t t_hi) {
+static void quant_rows(const matmul_ctx *c, int64_t t_lo, int64_t t_hi) {
     const di_cpu *cpu = c->cpu;
     const int64_t n = c->w->ne[0], ldd = cpu->act_ld / 32, lds = cpu->act_ld / 16;
     const bool k = di_ref_matmul_act(c->w) == DI_REF_ACT_Q8_K;
@@ -191,7 +196,7 @@ static void quant_rows(const int8_ctx *c, int64_t t_lo, int64_t t_hi) {
 }
 
 static void quant_task(void *p, int ith, int nth) {
-    const int8_ctx *c = p;
+    const matmul_ctx *c = p;
     int64_t t_lo, t_hi;
     di_split_range(c->n_tok, ith, nth, &t_lo, &t_hi);
     quant_rows(c, t_lo, t_hi);
@@ -201,16 +206,12 @@ static void quant_task(void *p, int ith, int nth) {
 // balanced tiles of at most 3 (as block_avx2); scalar: the reference's di_ref_dot_q8 against the
 // row's codes, or di_ref_dot_q4_k.
 static void int8_task(void *p, int ith, int nth) {
-    const int8_ctx *c = p;
+    const matmul_ctx *c = p;
     const di_cpu *cpu = c->cpu;
     const int64_t n = c->w->ne[0], ldq = cpu->act_ld, ldd = ldq / 32, lds = ldq / 16;
     const bool k8 = di_ref_matmul_act(c->w) == DI_REF_ACT_Q8_K;
-    int64_t r_lo = 0, r_hi = c->w->ne[1], t_lo = 0, t_hi = c->n_tok;
-    if (c->split_rows)
-        di_split_range(r_hi, ith, nth, &r_lo, &r_hi);
-    else
-        di_split_range(t_hi, ith, nth, &t_lo, &t_hi);
-    if (t_lo >= t_hi) return;
+    int64_t r_lo, r_hi, t_lo, t_hi;
+    if (!task_range(c, ith, nth, &r_lo, &r_hi, &t_lo, &t_hi)) return;
     if (!c->simd && k8) {
         for (int64_t o = r_lo; o < r_hi; o++) {
             const uint8_t *row = (const uint8_t *)c->w->data + (size_t)o * c->w->nb1;
@@ -271,9 +272,15 @@ static void matmul_int8(di_cpu *cpu, const di_tensor *w, const float *x, int64_t
                         int64_t x_stride, float *y, int64_t y_stride) {
     for (int64_t t0 = 0; t0 < n_tok; t0 += DI_CPU_ACT_TOKENS) {
         const int64_t nt = n_tok - t0 < DI_CPU_ACT_TOKENS ? n_tok - t0 : DI_CPU_ACT_TOKENS;
-        int8_ctx c = {cpu,      w,    x + t0 * x_stride,          nt, x_stride, y + t0 * y_stride,
-                      y_stride, true, cpu->isa >= DI_CPU_ISA_AVX2};
-        c.split_rows = w->ne[1] >= 8 * (int64_t)cpu->n_threads || nt < cpu->n_threads;
+        matmul_ctx c = {.cpu = cpu,
+                        .w = w,
+                        .x = x + t0 * x_stride,
+                        .n_tok = nt,
+                        .x_stride = x_stride,
+                        .y = y + t0 * y_stride,
+                        .y_stride = y_stride,
+                        .split_rows = split_rows(cpu, w, nt),
+                        .simd = cpu->isa >= DI_CPU_ISA_AVX2};
         if (nt == 1)
             quant_rows(&c, 0, 1);
         else
@@ -301,11 +308,9 @@ void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_to
         matmul_int8(cpu, w, x, n_tok, x_stride, y, y_stride);
         return;
     }
-    matmul_ctx c = {cpu, w, x, n_tok, x_stride, y, y_stride, true, false, false};
+    matmul_ctx c = {cpu,   w,    x, n_tok, x_stride, y, y_stride, split_rows(cpu, w, n_tok),
+                    false, false};
     c.simd = cpu->isa >= DI_CPU_ISA_AVX2 && avx2_layout_ok(w);
     c.fused = c.simd && di_gemm_avx2_gemv_ok(w);
-    // Few output rows and many tokens (the mHC mixes, the router): split tokens so every thread
-    // has work; each thread then decodes all the (few) rows. Either split gives the same numbers.
-    c.split_rows = w->ne[1] >= 8 * (int64_t)cpu->n_threads || n_tok < cpu->n_threads;
     di_pool_run(cpu->pool, matmul_task, &c);
 }
