@@ -1,0 +1,177 @@
+/*
+ * backend — the compute backend vtable (conventions §7): memory, copies, synchronisation, weight
+ * upload, supports_op, and one entry per op of the device-resident V4 forward
+ * (model/dsv4_dev.h). Two implementations:
+ *   - CPU (backend/cpu/cpu_backend.c): "device" memory is host memory and every op runs the
+ *     CPU kernels on it. It is the oracle twin of the CUDA backend: the device-resident forward
+ *     run on it must give the model's own CPU forward (tests/model/test_dev_forward.c), which
+ *     tests the forward's orchestration (state layout, key lists, compressor windows, ring
+ *     updates) without a GPU.
+ *   - CUDA (backend/cuda/cuda_ops.cu): the launchers of backend/cuda/*.cuh on a di_cuda context.
+ * Every op of one backend is tested against the CPU backend on the same inputs
+ * (tests/backend/cuda/test_cuda_ops.c).
+ *
+ * Conventions of every entry:
+ *   - Pointers named like data (x, y, q, pool, ...) and every int array are backend memory (from
+ *     alloc, or inside an uploaded weight); plain scalars are host values.
+ *   - Entries enqueue in order on the backend's one stream and return di_status: DI_ERR_INVALID
+ *     for shapes the op cannot handle (checked before any work), DI_ERR_CUDA / DI_ERR_NOMEM.
+ *     Faults inside asynchronous work surface at the next sync (or download).
+ *   - Activations are FP32 rows; accumulation is FP32. Weights are di_tensor with backend data
+ *     and scale pointers (weight_upload), decoded exactly as tensor/quant_ref.c.
+ *   - Row counts of 0 are no-ops.
+ *
+ * Owns: a di_backend owns its context, every block from alloc not yet freed, and every uploaded
+ * weight (freed at destroy). Thread-safety: one thread at a time (the thread running the
+ * forward); create/destroy on any thread.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "deepinfer.h"     // di_status, di_device
+#include "tensor/tensor.h" // di_tensor
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct di_backend di_backend;
+
+// compress_pool's "no such slot" source (the overlap of the first window).
+#define DI_BACKEND_NO_ROW INT32_MIN
+
+// A layer's MoE weights in backend memory (the CPU forward's di_dsv4_layer_w fields, uploaded).
+typedef struct di_backend_moe_w {
+    di_tensor gate;                // [E, D]
+    const float *gate_bias;        // [E]; NULL for hash-routed layers
+    const int32_t *tid2eid;        // [V, K]; NULL for score-routed layers
+    const di_tensor *w1, *w2, *w3; // arrays [E] of tensors ([F, D], [D, F], [F, D]), the arrays
+                                   // themselves in backend memory
+    di_tensor sh_w1, sh_w2, sh_w3; // shared expert
+    int32_t n_expert, n_used;
+    int64_t D, F;
+    float route_scale, swiglu_limit;
+    bool shared_clamp; // the shared expert's SwiGLU is clamped too
+    bool hf_eps;       // the routing-weight denominator gets + 1e-20 (model's rule)
+} di_backend_moe_w;
+
+typedef struct di_backend_vt {
+    const char *name; // "cpu", "cuda"
+
+    // ---- memory and copies ----
+    // At least `bytes` (256-byte aligned), contents undefined. Stream-ordered reuse.
+    di_status (*alloc)(di_backend *b, size_t bytes, void **out);
+    void (*free)(di_backend *b, void *p); // NULL: no-op
+    // Host -> backend and backend -> host; both return when the host buffer may be reused / read.
+    di_status (*upload)(di_backend *b, void *dst, const void *src, size_t bytes);
+    di_status (*download)(di_backend *b, void *dst, const void *src, size_t bytes);
+    di_status (*memset)(di_backend *b, void *dst, int value, size_t bytes);
+    di_status (*copy)(di_backend *b, void *dst, const void *src, size_t bytes); // within backend
+    di_status (*sync)(di_backend *b);
+    // Copies a host weight (a mapped checkpoint view) into backend memory once: *dev gets the same
+    // kind, shape and layout with backend pointers. The CPU backend makes no copy (dev = host).
+    di_status (*weight_upload)(di_backend *b, const di_tensor *host, di_tensor *dev);
+    // Whether the backend computes matmuls with weights of this kind (host tensor).
+    bool (*supports_matmul)(const di_backend *b, const di_tensor *w);
+
+    // ---- ops ----
+    // y[t*ys + o] = sum_i W[o, i] x[t*xs + i] (backend/cpu/gemm.h contract). x, y do not overlap.
+    di_status (*matmul)(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
+                        int64_t xs, float *y, int64_t ys);
+    // x[t, k, :] = table row ids[t] as FP32 for every k < copies (x: [n, copies, D], D =
+    // table->ne[0]); the embedding copied into every mHC stream.
+    di_status (*embed)(di_backend *b, const di_tensor *table, const int32_t *ids, int32_t n,
+                       int32_t copies, float *x);
+    // In place over n_rows rows of n values, `stride` apart: x *= rsqrt(mean(x^2) + eps) (* w).
+    di_status (*rmsnorm)(di_backend *b, float *x, int64_t n_rows, int64_t n, int64_t stride,
+                         const float *w, float eps);
+    // Interleaved partial RoPE (di_ref_rope) on n_rows rows of n values: row r at position
+    // pos[r / rows_per_pos]; omega [n_rot / 2]; inverse de-rotates.
+    di_status (*rope)(di_backend *b, float *x, int64_t n_rows, int64_t row_stride, int64_t n,
+                      int32_t n_rot, const float *omega, const int32_t *pos, int32_t rows_per_pos,
+                      float scale, bool inverse);
+    // x[i] *= s for i < n.
+    di_status (*scale)(di_backend *b, float *x, int64_t n, float s);
+    // mHC pre and post: exactly backend/cuda/mhc.cuh di_cuda_mhc_pre / di_cuda_mhc_post
+    // (mix_raw = fn . x from matmul; head: only a).
+    di_status (*mhc_pre)(di_backend *b, const float *x, const float *mix_raw, const float *base,
+                         const float *scale, int32_t nc, int64_t D, int32_t n_tok, int32_t iters,
+                         float hc_eps, float norm_eps, bool head, float *a, float *post,
+                         float *comb);
+    di_status (*mhc_post)(di_backend *b, const float *o, float *x, const float *post,
+                          const float *comb, int32_t nc, int64_t D, int32_t n_tok);
+    // out [T, D] = the MoE layer on f [T, D] (router, routed experts, shared expert, combine in
+    // ascending expert order; FP32 recipe: the routing weight scales each expert's output).
+    // ids: token ids [T] (hash routing).
+    di_status (*moe)(di_backend *b, const di_backend_moe_w *w, const float *f, const int32_t *ids,
+                     int32_t n_tok, float *out);
+    // dst + dst_rows[i] * dst_stride  <-  src + i * src_stride, `width` floats, for i < n
+    // (ring updates, compressed entries, the compressor's token ring). No two dst_rows equal.
+    di_status (*scatter_rows)(di_backend *b, const float *src, int64_t n, int64_t src_stride,
+                              int64_t width, float *dst, int64_t dst_stride,
+                              const int32_t *dst_rows);
+    // z[t, :] += ape[pos[t] mod m, :] over n rows of `width` floats (`stride` apart): the
+    // compressor's position bias (spec §2.5).
+    di_status (*add_ape)(di_backend *b, float *z, int64_t n, int64_t stride, int64_t width,
+                         const float *ape, const int32_t *pos, int32_t m);
+    // Compressor pooling (spec §2.5; model/dsv4_attn.c compressor_step) for n_win closing windows
+    // of ratio m, token width c*d. src[w * c*m + j] names the token row of slot j of window w:
+    // idx >= 0 is row idx of (call_c, call_z) (this call's projections, `call_stride` floats
+    // apart); idx < 0 and != DI_BACKEND_NO_ROW is row (-idx - 1) of (ring_c, ring_z) (the
+    // compressor's token ring, rows of c*d floats); DI_BACKEND_NO_ROW: no token (the overlap of
+    // window 0), skipped. Z rows carry their position bias already (add_ape). c == 1: slots
+    // j < m, columns [0, d). c == 2: slots j < m are the overlap (the previous window's tokens,
+    // columns [0, d)), then slots m..2m-1 this window's tokens (columns [d, 2d)). Per channel:
+    // max over the present slots, then den = sum exp(z - max), num = sum exp(z - max) * c in slot
+    // order, entry = num / den. entry: [n_win, d] contiguous.
+    di_status (*compress_pool)(di_backend *b, const float *call_c, const float *call_z,
+                               int64_t call_stride, const float *ring_c, const float *ring_z,
+                               const int32_t *src, int32_t n_win, int32_t m, int32_t c, int32_t d,
+                               float *entry);
+    // Sink attention over index-listed FP32 key rows (the shared K = V rows of V4, dh floats each,
+    // at pool + idx * dh): for query row t < n_tok and head h < H, o[t,h] = sum_j p_j k_j with p =
+    // softmax over {scale * q[t,h] . k_j : j < n_keys[t], key_idx[t * key_stride + j] >= 0} ∪
+    // {sink[h]} (the sink takes mass, gives no value); a negative index is a masked key.
+    // max_keys bounds every n_keys[t]. q, o: [T, H, dh]. Inverse RoPE of o is the caller's.
+    di_status (*attn)(di_backend *b, const float *q, const float *pool, const int32_t *key_idx,
+                      int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
+                      const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
+                      float *o);
+    // Lightning-indexer scores and top-k: exactly backend/cuda/indexer.cuh di_cuda_indexer_scores
+    // (key_base in entries, int64) and di_cuda_topk (ties to the lower index, ascending, -1
+    // padded; k == n_vis selects all without reading scores).
+    di_status (*index_scores)(di_backend *b, const float *qi, const float *wi, const float *keys,
+                              const int64_t *key_base, const int32_t *n_vis, int32_t max_vis,
+                              int32_t n_tok, int32_t HI, int32_t DI, float *scores,
+                              int64_t score_stride);
+    di_status (*topk)(di_backend *b, const float *scores, int64_t score_stride,
+                      const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel);
+    // dst[t * dst_stride + off[t] + i] = sel[t*k + i] >= 0 ? base[t] + sel[t*k + i] : -1 for
+    // i < k: a CSA row's selected entries appended to its key list (off: the row's window keys).
+    di_status (*offset_list)(di_backend *b, const int32_t *sel, int32_t n_tok, int32_t k,
+                             const int32_t *base, const int32_t *off, int32_t *dst,
+                             int64_t dst_stride);
+} di_backend_vt;
+
+struct di_backend {
+    const di_backend_vt *vt;
+    di_device device;
+    char desc[256]; // "cpu (2 threads)", "cuda:0, NVIDIA H200 (sm_90, ...)"
+    void *impl;     // owned by the implementation
+};
+
+// Opens the backend of `dev`: DI_DEVICE_CPU (n_threads: the CPU kernels' pool, 0 = all cores) or
+// DI_DEVICE_CUDA (DI_ERR_UNSUPPORTED without CUDA in this build or without that device).
+di_status di_backend_open(const di_device *dev, int n_threads, di_backend **out);
+void di_backend_destroy(di_backend *b); // NULL: no-op
+
+// The two implementations' constructors (di_backend_open calls them).
+di_status di_cpu_backend_create(int n_threads, di_backend **out);
+di_status di_cuda_backend_create(int device, di_backend **out); // only with DI_HAVE_CUDA
+
+#ifdef __cplusplus
+}
+#endif
