@@ -279,35 +279,7 @@ typedef struct hc_ctx {
 
 void di_dsv4_hc_coeffs(const float *mix, const float *base, const float *scale, int nc, int iters,
                        float eps, float *pre, float *post, float *comb) {
-    for (int s = 0; s < nc; s++) pre[s] = di_sigmoid(mix[s] * scale[0] + base[s]) + eps;
-    if (!post) return;
-    float *C = comb;
-    for (int s = 0; s < nc; s++) post[s] = 2.0f * di_sigmoid(mix[nc + s] * scale[1] + base[nc + s]);
-    for (int j = 0; j < nc; j++)
-        for (int k = 0; k < nc; k++)
-            C[j * nc + k] = mix[2 * nc + j * nc + k] * scale[2] + base[2 * nc + j * nc + k];
-    // Sinkhorn: row softmax + eps, column normalisation, then (iters - 1) x (rows, columns).
-    for (int j = 0; j < nc; j++) {
-        float mx = C[j * nc];
-        for (int k = 1; k < nc; k++) mx = fmaxf(mx, C[j * nc + k]);
-        float sum = 0;
-        for (int k = 0; k < nc; k++) sum += (C[j * nc + k] = expf(C[j * nc + k] - mx));
-        for (int k = 0; k < nc; k++) C[j * nc + k] = C[j * nc + k] / sum + eps;
-    }
-    for (int it = 0; it < iters; it++) {
-        if (it > 0) {
-            for (int j = 0; j < nc; j++) {
-                float sum = 0;
-                for (int k = 0; k < nc; k++) sum += C[j * nc + k];
-                for (int k = 0; k < nc; k++) C[j * nc + k] /= sum + eps;
-            }
-        }
-        for (int k = 0; k < nc; k++) {
-            float sum = 0;
-            for (int j = 0; j < nc; j++) sum += C[j * nc + k];
-            for (int j = 0; j < nc; j++) C[j * nc + k] /= sum + eps;
-        }
-    }
+    di_ref_hc_coeffs(mix, base, scale, nc, iters, eps, pre, post, comb);
 }
 
 static void hc_pre_task(void *p, int ith, int nth) {

@@ -163,41 +163,8 @@ typedef struct indexer_ctx {
     int64_t scores_stride;
 } indexer_ctx;
 
-// Heap order: a is worse than b if its score is lower, or equal with a higher index.
-static inline bool worse(const float *sc, int32_t a, int32_t b) {
-    return sc[a] < sc[b] || (sc[a] == sc[b] && a > b);
-}
-
-static int cmp_i32(const void *a, const void *b) {
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
-
 void di_dsv4_topk(const float *sc, int64_t n, int32_t k, int32_t *sel) {
-    // Min-heap of the k best (score descending, index ascending): O(n log k). Candidates come
-    // in ascending index, so an equal score never displaces: ties keep the lower index.
-    int32_t n_heap = 0;
-    for (int64_t w = 0; w < n; w++) {
-        if (n_heap < k) {
-            int32_t i = n_heap++;
-            sel[i] = (int32_t)w;
-            while (i > 0 && worse(sc, sel[i], sel[(i - 1) / 2])) {
-                int32_t par = (i - 1) / 2, tmp = sel[par];
-                sel[par] = sel[i], sel[i] = tmp, i = par;
-            }
-        } else if (worse(sc, sel[0], (int32_t)w)) {
-            sel[0] = (int32_t)w;
-            for (int32_t i = 0;;) {
-                int32_t l = 2 * i + 1, r = l + 1, m = i;
-                if (l < k && worse(sc, sel[l], sel[m])) m = l;
-                if (r < k && worse(sc, sel[r], sel[m])) m = r;
-                if (m == i) break;
-                int32_t tmp = sel[m];
-                sel[m] = sel[i], sel[i] = tmp, i = m;
-            }
-        }
-    }
-    qsort(sel, (size_t)n_heap, sizeof *sel, cmp_i32); // ascending entry order
+    di_ref_topk(sc, n, k, sel);
 }
 
 static void indexer_task(void *p, int ith, int nth) {

@@ -1,6 +1,7 @@
 #include "backend/cpu/ref_ops.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cpu/gemm.h" // di_cpu_isa_detect
@@ -220,3 +221,78 @@ void di_ref_rope(float *v, int64_t n, int32_t n_rot, const float *omega, int64_t
         r[2 * i + 1] = b * c + a * s;
     }
 }
+
+// ---- mHC coefficients (spec §2.3) ----
+
+void di_ref_hc_coeffs(const float *mix, const float *base, const float *scale, int nc, int iters,
+                      float eps, float *pre, float *post, float *comb) {
+    for (int s = 0; s < nc; s++) pre[s] = di_sigmoid(mix[s] * scale[0] + base[s]) + eps;
+    if (!post) return;
+    float *C = comb;
+    for (int s = 0; s < nc; s++) post[s] = 2.0f * di_sigmoid(mix[nc + s] * scale[1] + base[nc + s]);
+    for (int j = 0; j < nc; j++)
+        for (int k = 0; k < nc; k++)
+            C[j * nc + k] = mix[2 * nc + j * nc + k] * scale[2] + base[2 * nc + j * nc + k];
+    // Sinkhorn: row softmax + eps, column normalisation, then (iters - 1) x (rows, columns).
+    for (int j = 0; j < nc; j++) {
+        float mx = C[j * nc];
+        for (int k = 1; k < nc; k++) mx = fmaxf(mx, C[j * nc + k]);
+        float sum = 0;
+        for (int k = 0; k < nc; k++) sum += (C[j * nc + k] = expf(C[j * nc + k] - mx));
+        for (int k = 0; k < nc; k++) C[j * nc + k] = C[j * nc + k] / sum + eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+            for (int j = 0; j < nc; j++) {
+                float sum = 0;
+                for (int k = 0; k < nc; k++) sum += C[j * nc + k];
+                for (int k = 0; k < nc; k++) C[j * nc + k] /= sum + eps;
+            }
+        }
+        for (int k = 0; k < nc; k++) {
+            float sum = 0;
+            for (int j = 0; j < nc; j++) sum += C[j * nc + k];
+            for (int j = 0; j < nc; j++) C[j * nc + k] /= sum + eps;
+        }
+    }
+}
+
+// ---- top-k (spec §2.6) ----
+
+// Heap order: a is worse than b if its score is lower, or equal with a higher index.
+static inline bool worse(const float *sc, int32_t a, int32_t b) {
+    return sc[a] < sc[b] || (sc[a] == sc[b] && a > b);
+}
+
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+void di_ref_topk(const float *sc, int64_t n, int32_t k, int32_t *sel) {
+    // Min-heap of the k best (score descending, index ascending): O(n log k). Candidates come
+    // in ascending index, so an equal score never displaces: ties keep the lower index.
+    int32_t n_heap = 0;
+    for (int64_t w = 0; w < n; w++) {
+        if (n_heap < k) {
+            int32_t i = n_heap++;
+            sel[i] = (int32_t)w;
+            while (i > 0 && worse(sc, sel[i], sel[(i - 1) / 2])) {
+                int32_t par = (i - 1) / 2, tmp = sel[par];
+                sel[par] = sel[i], sel[i] = tmp, i = par;
+            }
+        } else if (worse(sc, sel[0], (int32_t)w)) {
+            sel[0] = (int32_t)w;
+            for (int32_t i = 0;;) {
+                int32_t l = 2 * i + 1, r = l + 1, m = i;
+                if (l < k && worse(sc, sel[l], sel[m])) m = l;
+                if (r < k && worse(sc, sel[r], sel[m])) m = r;
+                if (m == i) break;
+                int32_t tmp = sel[m];
+                sel[m] = sel[i], sel[i] = tmp, i = m;
+            }
+        }
+    }
+    qsort(sel, (size_t)n_heap, sizeof *sel, cmp_i32); // ascending entry order
+}
+

@@ -102,6 +102,18 @@ float di_ref_dot_q8(const int8_t *qw, const float *dw, const int8_t *qx, const f
 float di_ref_dot_q4_k(const uint8_t *row, const int8_t *qx, const float *dx, const int16_t *bsums,
                       int64_t n);
 
+// One token's mHC coefficients from its RMS-scaled mix row (spec §2.3): pre[s] = sigmoid gate +
+// eps; unless post is NULL (a head site), post[s] = 2 sigmoid and comb [nc, nc] = Sinkhorn of the
+// residual mix (row softmax + eps, then iters rounds of column / row normalisation). The one copy
+// of this arithmetic: model/dsv4.c (di_dsv4_hc_coeffs) and the CPU backend's mhc_pre call it.
+void di_ref_hc_coeffs(const float *mix, const float *base, const float *scale, int nc, int iters,
+                      float eps, float *pre, float *post, float *comb);
+
+// The k best of sc[0 .. n) (k <= n; score descending, ties to the lower index) into sel[k], in
+// ascending index order: a min-heap, O(n log k). The one copy: model/dsv4_attn.c (di_dsv4_topk)
+// and the CPU backend's topk call it.
+void di_ref_topk(const float *sc, int64_t n, int32_t k, int32_t *sel);
+
 static inline float di_sigmoid(float x) {
     return 1.0f / (1.0f + expf(-x));
 }

@@ -1,0 +1,28 @@
+// backend — opens the backend of a di_device (backend.h): the CPU twin always, CUDA when the build
+// has it (this file is compiled with DI_HAVE_CUDA when DI_CUDA=ON, as device.c).
+#include "backend/backend.h"
+
+#include "base/log.h"
+
+di_status di_backend_open(const di_device *dev, int n_threads, di_backend **out) {
+    if (!dev || dev->kind == DI_DEVICE_CPU) return di_cpu_backend_create(n_threads, out);
+    if (dev->kind != DI_DEVICE_CUDA) {
+        DI_LOG_ERROR("backend: unknown device kind %d", (int)dev->kind);
+        return DI_ERR_INVALID;
+    }
+    if (dev->index < 0) {
+        DI_LOG_ERROR("backend: CUDA device index %d: must be >= 0", (int)dev->index);
+        return DI_ERR_INVALID;
+    }
+#ifdef DI_HAVE_CUDA
+    return di_cuda_backend_create(dev->index, out);
+#else
+    DI_LOG_ERROR("backend: this build has no CUDA backend: configure with -DDI_CUDA=ON");
+    return DI_ERR_UNSUPPORTED;
+#endif
+}
+
+void di_backend_destroy(di_backend *b) {
+    if (!b) return;
+    b->vt->destroy(b);
+}

@@ -1,0 +1,680 @@
+// cpu_backend — the backend vtable (backend.h) on host memory with the CPU kernels: the oracle twin
+// of the CUDA backend. Every op repeats the arithmetic of the model's own CPU forward
+// (model/dsv4.c, dsv4_attn.c, dsv4_moe.c in the FP32 recipe) on the same kernels (di_cpu_matmul,
+// vec.h, ref_ops.h), in the same order, so the device-resident forward run here reproduces
+// di_session_forward (tests/model/test_dev_forward.c). Memory is host memory: upload, download
+// and copy are memcpy, sync does nothing, weights are used in place (weight_upload makes no copy).
+//
+// Owns: its thread pool, di_cpu scratch (grown to the widest weight row uploaded or multiplied),
+// the MoE and attention scratch (grown when a call needs more: the first calls of a shape only).
+// Thread-safety: one thread at a time (backend.h).
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "backend/cpu/gemm.h"    // di_cpu_matmul
+#include "backend/cpu/ref_ops.h" // di_ref_*, di_cpu
+#include "backend/cpu/vec.h"     // di_cpu_dots, di_cpu_weighted_sum, di_cpu_index_scores
+#include "base/log.h"
+#include "base/mem.h"
+#include "base/thread.h"
+
+// Key rows handed to the vec.h kernels at once (model/dsv4.h DI_DSV4_KEY_CHUNK: the same chunks,
+// though the results do not depend on them) and heads of a row sharing them (DI_DSV4_HEAD_GROUP).
+enum { KEY_CHUNK = 64, HEAD_GROUP = 8, ALIGN_BYTES = 256 };
+
+typedef struct cpu_impl {
+    di_pool *pool; // owned
+    di_cpu cpu;    // owned scratch; row_cap grows to the widest row seen
+    bool cpu_ok;
+    // MoE scratch (floats and ints), grown as needed.
+    float *moe_f; // owned
+    size_t moe_f_cap;
+    int32_t *moe_i; // owned
+    size_t moe_i_cap;
+    // Attention / indexer scratch: per thread, key pointers and scores.
+    const float **kp; // owned [n_threads * kp_per_thread]
+    size_t kp_per_thread;
+    float *sc; // owned [n_threads * sc_per_thread]
+    size_t sc_per_thread;
+} cpu_impl;
+
+static cpu_impl *impl_of(const di_backend *b) {
+    return b->impl;
+}
+
+// ---- memory and copies ----
+
+static di_status cpu_alloc(di_backend *b, size_t bytes, void **out) {
+    (void)b;
+    void *p = NULL;
+    size_t n = (bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
+    if (posix_memalign(&p, ALIGN_BYTES, n ? n : ALIGN_BYTES) != 0) {
+        DI_LOG_ERROR("cpu backend: cannot allocate %zu bytes", bytes);
+        return DI_ERR_NOMEM;
+    }
+    *out = p;
+    return DI_OK;
+}
+
+static void cpu_free(di_backend *b, void *p) {
+    (void)b;
+    free(p);
+}
+
+static di_status cpu_copy(di_backend *b, void *dst, const void *src, size_t bytes) {
+    (void)b;
+    if (bytes) memmove(dst, src, bytes);
+    return DI_OK;
+}
+
+static di_status cpu_memset(di_backend *b, void *dst, int value, size_t bytes) {
+    (void)b;
+    if (bytes) memset(dst, value, bytes);
+    return DI_OK;
+}
+
+static di_status cpu_sync(di_backend *b) {
+    (void)b;
+    return DI_OK;
+}
+
+// di_cpu_matmul asserts its row capacity: grow it (re-init) for a wider weight.
+static di_status ensure_row(cpu_impl *c, int64_t n_in) {
+    if (c->cpu_ok && n_in <= c->cpu.row_cap) return DI_OK;
+    int64_t cap = c->cpu_ok ? c->cpu.row_cap : 0;
+    if (n_in > cap) cap = n_in;
+    if (c->cpu_ok) di_cpu_deinit(&c->cpu);
+    c->cpu_ok = false;
+    di_status st = di_cpu_init(&c->cpu, c->pool, cap);
+    if (st != DI_OK) {
+        DI_LOG_ERROR("cpu backend: cannot allocate matmul scratch for rows of %lld",
+                     (long long)cap);
+        return st;
+    }
+    c->cpu_ok = true;
+    return DI_OK;
+}
+
+static di_status cpu_weight_upload(di_backend *b, const di_tensor *host, di_tensor *dev) {
+    di_status st = ensure_row(impl_of(b), host->ne[0]);
+    if (st != DI_OK) return st;
+    *dev = *host; // host memory is this backend's memory: no copy
+    return DI_OK;
+}
+
+static bool cpu_supports_matmul(const di_backend *b, const di_tensor *w) {
+    (void)b;
+    switch (w->kind) {
+    case DI_TENSOR_KIND_F32:
+    case DI_TENSOR_KIND_F16:
+    case DI_TENSOR_KIND_BF16:
+    case DI_TENSOR_KIND_FP8:
+    case DI_TENSOR_KIND_FP4:
+    case DI_TENSOR_KIND_Q8_0:
+    case DI_TENSOR_KIND_MXFP4:
+    case DI_TENSOR_KIND_Q4_K:
+    case DI_TENSOR_KIND_Q2_K:
+    case DI_TENSOR_KIND_IQ2_XXS:
+        return true;
+    default:
+        return false;
+    }
+}
+
+// ---- dense ops ----
+
+static di_status cpu_matmul(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
+                            int64_t xs, float *y, int64_t ys) {
+    if (n_tok <= 0) return DI_OK;
+    cpu_impl *c = impl_of(b);
+    di_status st = ensure_row(c, w->ne[0]);
+    if (st != DI_OK) return st;
+    di_cpu_matmul(&c->cpu, w, x, n_tok, xs, y, ys);
+    return DI_OK;
+}
+
+static di_status cpu_embed(di_backend *b, const di_tensor *table, const int32_t *ids, int32_t n,
+                           int32_t copies, float *x) {
+    (void)b;
+    const int64_t D = table->ne[0];
+    for (int32_t t = 0; t < n; t++) {
+        if (ids[t] < 0 || ids[t] >= table->ne[1]) {
+            DI_LOG_ERROR("cpu backend: embed id %d outside [0, %lld)", ids[t],
+                         (long long)table->ne[1]);
+            return DI_ERR_INVALID;
+        }
+        float *xt = x + (int64_t)t * copies * D;
+        di_tensor_row_f32(table, ids[t], xt);
+        for (int32_t k = 1; k < copies; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
+    }
+    return DI_OK;
+}
+
+static di_status cpu_rmsnorm(di_backend *b, float *x, int64_t n_rows, int64_t n, int64_t stride,
+                             const float *w, float eps) {
+    (void)b;
+    if (n_rows > 0) di_ref_rmsnorm(x, n_rows, n, stride, w, eps);
+    return DI_OK;
+}
+
+static di_status cpu_rope(di_backend *b, float *x, int64_t n_rows, int64_t row_stride, int64_t n,
+                          int32_t n_rot, const float *omega, const int32_t *pos,
+                          int32_t rows_per_pos, float scale, bool inverse) {
+    (void)b;
+    if (rows_per_pos < 1 || n_rot > n || n_rot % 2) return DI_ERR_INVALID;
+    for (int64_t r = 0; r < n_rows; r++)
+        di_ref_rope(x + r * row_stride, n, n_rot, omega, pos[r / rows_per_pos], scale, inverse);
+    return DI_OK;
+}
+
+static di_status cpu_scale(di_backend *b, float *x, int64_t n, float s) {
+    (void)b;
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+    return DI_OK;
+}
+
+// ---- mHC (model/dsv4.c hc_pre_task, di_dsv4_hc_post) ----
+
+typedef struct mhc_ctx {
+    const float *x, *mix_raw, *base, *scale;
+    int32_t nc, n_tok, iters;
+    int64_t D;
+    float hc_eps, norm_eps;
+    bool head;
+    float *a, *post, *comb;
+} mhc_ctx;
+
+static void mhc_pre_task(void *p, int ith, int nth) {
+    const mhc_ctx *c = p;
+    const int nc = c->nc;
+    const int64_t D = c->D;
+    const int n_mix = c->head ? nc : (2 + nc) * nc;
+    int64_t lo, hi;
+    di_split_range(c->n_tok, ith, nth, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        const float *xf = c->x + t * nc * D;
+        float r = 1.0f / sqrtf(di_ref_dot(xf, xf, (int64_t)nc * D) / (float)(nc * D) + c->norm_eps);
+        float mix[16 * 18];
+        for (int i = 0; i < n_mix; i++) mix[i] = c->mix_raw[t * n_mix + i] * r;
+        float pre[16];
+        di_ref_hc_coeffs(mix, c->base, c->scale, nc, c->iters, c->hc_eps, pre,
+                         c->head ? NULL : c->post + t * nc, c->head ? NULL : c->comb + t * nc * nc);
+        float *a = c->a + t * D;
+        for (int64_t d = 0; d < D; d++) {
+            float acc = 0;
+            for (int s = 0; s < nc; s++) acc += pre[s] * xf[s * D + d];
+            a[d] = acc;
+        }
+    }
+}
+
+static di_status cpu_mhc_pre(di_backend *b, const float *x, const float *mix_raw,
+                             const float *base, const float *scale, int32_t nc, int64_t D,
+                             int32_t n_tok, int32_t iters, float hc_eps, float norm_eps, bool head,
+                             float *a, float *post, float *comb) {
+    if (nc < 1 || nc > 16) return DI_ERR_INVALID;
+    if (n_tok <= 0) return DI_OK;
+    mhc_ctx c = {x,        mix_raw, base, scale, nc, n_tok, iters, D, hc_eps,
+                 norm_eps, head,    a,    post,  comb};
+    di_pool_run(impl_of(b)->pool, mhc_pre_task, &c);
+    return DI_OK;
+}
+
+static di_status cpu_mhc_post(di_backend *b, const float *o, float *x, const float *post,
+                              const float *comb, int32_t nc, int64_t D, int32_t n_tok) {
+    (void)b;
+    if (nc < 1 || nc > 16) return DI_ERR_INVALID;
+    float mixed[16];
+    for (int32_t t = 0; t < n_tok; t++) {
+        float *xt = x + (int64_t)t * nc * D;
+        const float *C = comb + t * nc * nc, *pt = post + t * nc, *ot = o + (int64_t)t * D;
+        for (int64_t d = 0; d < D; d++) {
+            for (int k = 0; k < nc; k++) {
+                float acc = pt[k] * ot[d];
+                for (int j = 0; j < nc; j++) acc += C[j * nc + k] * xt[j * D + d];
+                mixed[k] = acc;
+            }
+            for (int k = 0; k < nc; k++) xt[k * D + d] = mixed[k];
+        }
+    }
+    return DI_OK;
+}
+
+// ---- MoE (model/dsv4_moe.c, FP32 recipe) ----
+
+static di_status grow_f(float **p, size_t *cap, size_t need) {
+    if (need <= *cap) return DI_OK;
+    float *q = di_aligned_alloc(sizeof(float) * need);
+    if (!q) return DI_ERR_NOMEM;
+    di_aligned_free(*p);
+    *p = q;
+    *cap = need;
+    return DI_OK;
+}
+
+static di_status grow_i(int32_t **p, size_t *cap, size_t need) {
+    if (need <= *cap) return DI_OK;
+    int32_t *q = di_malloc(sizeof(int32_t) * need);
+    if (!q) return DI_ERR_NOMEM;
+    di_free(*p);
+    *p = q;
+    *cap = need;
+    return DI_OK;
+}
+
+// h = silu(min(gate, L)) * clamp(up, -L, L) into g; L <= 0: no clamp (dsv4_moe.c swiglu).
+static void swiglu(float *g, const float *u, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        float gt = g[i], up = u[i];
+        if (limit > 0) {
+            gt = fminf(gt, limit);
+            up = fminf(fmaxf(up, -limit), limit);
+        }
+        g[i] = di_silu(gt) * up;
+    }
+}
+
+// One expert on n rows of x [n, D] -> y [n, D]; weight (per row, may be NULL) scales the output.
+static void expert(cpu_impl *c, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
+                   const float *x, int32_t n, int64_t D, float limit, const float *weight,
+                   float *g, float *u, float *y) {
+    const int64_t F = w1->ne[1];
+    di_cpu_matmul(&c->cpu, w1, x, n, D, g, F); // gate: [n, F]
+    di_cpu_matmul(&c->cpu, w3, x, n, D, u, F); // up:   [n, F]
+    swiglu(g, u, (int64_t)n * F, limit);
+    di_cpu_matmul(&c->cpu, w2, g, n, F, y, D); // [n, D]
+    if (weight)
+        for (int32_t r = 0; r < n; r++)
+            for (int64_t i = 0; i < D; i++) y[r * D + i] *= weight[r];
+}
+
+static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *f,
+                         const int32_t *ids, int32_t n_tok, float *out) {
+    cpu_impl *c = impl_of(b);
+    if (n_tok <= 0) return DI_OK;
+    const int64_t D = w->D, F = w->F, E = w->n_expert;
+    const int32_t K = w->n_used;
+    if (K < 1 || K > E || (!w->tid2eid && !w->gate_bias)) return DI_ERR_INVALID;
+    int64_t widest = D > F ? D : F;
+    di_status st = ensure_row(c, widest);
+    if (st != DI_OK) return st;
+    // Floats: score [T, E], wgt [T, K], rw [T*K], xin [T*K, D], g, u [max(T*K, T), F], yout
+    // [max(T*K, T), D] (the shared expert runs on all T rows).
+    const size_t T = (size_t)n_tok, TK = T * (size_t)K, TR = TK > T ? TK : T;
+    const size_t o_score = 0, o_wgt = o_score + T * (size_t)E, o_rw = o_wgt + TK,
+                 o_xin = o_rw + TK, o_g = o_xin + TK * (size_t)D, o_u = o_g + TR * (size_t)F,
+                 o_y = o_u + TR * (size_t)F, n_f = o_y + TR * (size_t)D;
+    if ((st = grow_f(&c->moe_f, &c->moe_f_cap, n_f)) != DI_OK ||
+        (st = grow_i(&c->moe_i, &c->moe_i_cap, 2 * TK)) != DI_OK) {
+        DI_LOG_ERROR("cpu backend: cannot allocate MoE scratch for %d rows", n_tok);
+        return st;
+    }
+    float *score = c->moe_f + o_score, *wgt = c->moe_f + o_wgt, *rw = c->moe_f + o_rw;
+    float *xin = c->moe_f + o_xin, *g = c->moe_f + o_g, *u = c->moe_f + o_u;
+    float *yout = c->moe_f + o_y;
+    int32_t *sel = c->moe_i, *rows = c->moe_i + TK;
+
+    // Router in FP32: s = sqrt(softplus(gate . f)).
+    di_cpu_matmul(&c->cpu, &w->gate, f, n_tok, D, score, E);
+    for (int64_t i = 0; i < (int64_t)n_tok * E; i++) score[i] = sqrtf(di_softplus(score[i]));
+    for (int32_t t = 0; t < n_tok; t++) {
+        const float *s = score + t * E;
+        int32_t *se = sel + t * K;
+        if (w->tid2eid) {
+            memcpy(se, w->tid2eid + (int64_t)ids[t] * K, sizeof(int32_t) * (size_t)K);
+        } else {
+            // top-K of s + bias (selection only); ties to the lower expert id.
+            for (int32_t k = 0; k < K; k++) {
+                int32_t best = -1;
+                float bv = -INFINITY;
+                for (int32_t e = 0; e < E; e++) {
+                    bool taken = false;
+                    for (int32_t j = 0; j < k; j++) taken |= se[j] == e;
+                    float v = s[e] + w->gate_bias[e];
+                    if (!taken && (best < 0 || v > bv)) best = e, bv = v;
+                }
+                se[k] = best;
+            }
+        }
+        float sum = 0;
+        for (int32_t k = 0; k < K; k++) sum += s[se[k]];
+        if (w->hf_eps) sum += 1e-20f;
+        for (int32_t k = 0; k < K; k++) wgt[t * K + k] = s[se[k]] / sum * w->route_scale;
+    }
+
+    // Routed experts in ascending id, each on the rows routed to it (duplicates count twice).
+    memset(out, 0, sizeof(float) * T * (size_t)D);
+    for (int32_t e = 0; e < E; e++) {
+        int32_t n = 0;
+        for (int32_t t = 0; t < n_tok; t++) {
+            for (int32_t k = 0; k < K; k++) {
+                if (sel[t * K + k] != e) continue;
+                memcpy(xin + (int64_t)n * D, f + (int64_t)t * D, sizeof(float) * (size_t)D);
+                rows[n] = t;
+                rw[n] = wgt[t * K + k];
+                n++;
+            }
+        }
+        if (n == 0) continue;
+        expert(c, &w->w1[e], &w->w3[e], &w->w2[e], xin, n, D, w->swiglu_limit, rw, g, u, yout);
+        for (int32_t r = 0; r < n; r++) {
+            float *o = out + (int64_t)rows[r] * D;
+            const float *y = yout + (int64_t)r * D;
+            for (int64_t i = 0; i < D; i++) o[i] += y[i];
+        }
+    }
+    // Shared expert on every row, then one sum.
+    expert(c, &w->sh_w1, &w->sh_w3, &w->sh_w2, f, n_tok, D, w->shared_clamp ? w->swiglu_limit : 0,
+           NULL, g, u, yout);
+    for (int64_t i = 0; i < (int64_t)n_tok * D; i++) out[i] += yout[i];
+    return DI_OK;
+}
+
+// ---- rows, compressor ----
+
+static di_status cpu_scatter_rows(di_backend *b, const float *src, int64_t n, int64_t src_stride,
+                                  int64_t width, float *dst, int64_t dst_stride,
+                                  const int32_t *dst_rows) {
+    (void)b;
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + (int64_t)dst_rows[i] * dst_stride, src + i * src_stride,
+               sizeof(float) * (size_t)width);
+    return DI_OK;
+}
+
+static di_status cpu_add_ape(di_backend *b, float *z, int64_t n, int64_t stride, int64_t width,
+                             const float *ape, const int32_t *pos, int32_t m) {
+    (void)b;
+    if (m < 1) return DI_ERR_INVALID;
+    for (int64_t t = 0; t < n; t++) {
+        float *zt = z + t * stride;
+        const float *a = ape + (int64_t)(pos[t] % m) * width;
+        for (int64_t i = 0; i < width; i++) zt[i] = zt[i] + a[i];
+    }
+    return DI_OK;
+}
+
+// The token rows of slot j of a window: C and Z at column offset col, or NULL (no token).
+static void pool_slot(const float *call_c, const float *call_z, int64_t call_stride,
+                      const float *ring_c, const float *ring_z, int64_t ring_width, int32_t idx,
+                      int64_t col, const float **pc, const float **pz) {
+    if (idx == DI_BACKEND_NO_ROW) {
+        *pc = *pz = NULL;
+    } else if (idx >= 0) {
+        *pc = call_c + (int64_t)idx * call_stride + col;
+        *pz = call_z + (int64_t)idx * call_stride + col;
+    } else {
+        int64_t r = -(int64_t)idx - 1;
+        *pc = ring_c + r * ring_width + col;
+        *pz = ring_z + r * ring_width + col;
+    }
+}
+
+static di_status cpu_compress_pool(di_backend *b, const float *call_c, const float *call_z,
+                                   int64_t call_stride, const float *ring_c, const float *ring_z,
+                                   const int32_t *src, int32_t n_win, int32_t m, int32_t c,
+                                   int32_t d, float *entry) {
+    (void)b;
+    if ((c != 1 && c != 2) || m < 1 || m > 1024 || d < 1) return DI_ERR_INVALID;
+    const int64_t width = (int64_t)c * d;
+    const int32_t n_slot = c * m;
+    const float *pc[2048], *pz[2048];
+    for (int32_t w = 0; w < n_win; w++) {
+        const int32_t *s = src + (int64_t)w * n_slot;
+        // Slot j's columns: c == 2 takes the overlap's [0, d) and this window's [d, 2d).
+        for (int32_t j = 0; j < n_slot; j++)
+            pool_slot(call_c, call_z, call_stride, ring_c, ring_z, width, s[j],
+                      c == 2 && j >= m ? d : 0, &pc[j], &pz[j]);
+        float *e = entry + (int64_t)w * d;
+        for (int32_t ch = 0; ch < d; ch++) {
+            float mx = -INFINITY;
+            for (int32_t j = 0; j < n_slot; j++)
+                if (pz[j]) mx = fmaxf(mx, pz[j][ch]);
+            float den = 0, num = 0;
+            for (int32_t j = 0; j < n_slot; j++) {
+                if (!pz[j]) continue;
+                float p = expf(pz[j][ch] - mx);
+                den += p;
+                num += p * pc[j][ch];
+            }
+            e[ch] = num / den;
+        }
+    }
+    return DI_OK;
+}
+
+// ---- attention, indexer ----
+
+static di_status grow_scratch(cpu_impl *c, size_t kp_per_thread, size_t sc_per_thread) {
+    const size_t nth = (size_t)di_pool_n_threads(c->pool);
+    if (kp_per_thread > c->kp_per_thread) {
+        const float **p = di_malloc(sizeof(*p) * kp_per_thread * nth);
+        if (!p) return DI_ERR_NOMEM;
+        di_free((void *)c->kp);
+        c->kp = p;
+        c->kp_per_thread = kp_per_thread;
+    }
+    if (sc_per_thread > c->sc_per_thread) {
+        float *p = di_aligned_alloc(sizeof(float) * sc_per_thread * nth);
+        if (!p) return DI_ERR_NOMEM;
+        di_aligned_free(c->sc);
+        c->sc = p;
+        c->sc_per_thread = sc_per_thread;
+    }
+    return DI_OK;
+}
+
+typedef struct attn_ctx {
+    const cpu_impl *c;
+    const float *q, *pool, *sink;
+    const int32_t *key_idx, *n_keys;
+    int64_t key_stride;
+    int32_t n_tok, H, dh;
+    float scale;
+    float *o;
+} attn_ctx;
+
+// Heads [h0, h0 + nh) of row t (model/dsv4_attn.c di_dsv4_attend_heads without the inverse RoPE).
+static void attn_task(void *p, int ith, int nth) {
+    const attn_ctx *a = p;
+    const int isa = a->c->cpu.isa;
+    const int32_t H = a->H, dh = a->dh;
+    const float **kp = a->c->kp + (size_t)ith * a->c->kp_per_thread;
+    float *sc = a->c->sc + (size_t)ith * a->c->sc_per_thread;
+    const int32_t n_grp = (H + HEAD_GROUP - 1) / HEAD_GROUP;
+    int64_t lo, hi, t_prev = -1, n_k = 0;
+    di_split_range((int64_t)a->n_tok * n_grp, ith, nth, &lo, &hi);
+    for (int64_t tg = lo; tg < hi; tg++) {
+        const int64_t t = tg / n_grp;
+        const int32_t h0 = (int32_t)(tg % n_grp) * HEAD_GROUP;
+        const int32_t nh = H - h0 < HEAD_GROUP ? H - h0 : HEAD_GROUP;
+        if (t != t_prev) { // this row's present keys, in list order
+            n_k = 0;
+            const int32_t *ki = a->key_idx + t * a->key_stride;
+            for (int32_t j = 0; j < a->n_keys[t]; j++)
+                if (ki[j] >= 0) kp[n_k++] = a->pool + (int64_t)ki[j] * dh;
+            t_prev = t;
+        }
+        const float *q = a->q + (t * H + h0) * dh;
+        float *o = a->o + (t * H + h0) * dh;
+        for (int64_t j0 = 0; j0 < n_k; j0 += KEY_CHUNK) {
+            int64_t nk = n_k - j0 < KEY_CHUNK ? n_k - j0 : KEY_CHUNK;
+            for (int32_t h = 0; h < nh; h++)
+                di_cpu_dots(isa, q + h * dh, kp + j0, nk, dh, a->scale, sc + h * n_k + j0);
+        }
+        for (int32_t h = 0; h < nh; h++) {
+            float *s = sc + h * n_k, mx = a->sink[h0 + h];
+            for (int64_t j = 0; j < n_k; j++) mx = fmaxf(mx, s[j]);
+            float den = expf(a->sink[h0 + h] - mx); // the sink takes mass, gives no value
+            for (int64_t j = 0; j < n_k; j++) den += (s[j] = expf(s[j] - mx));
+            float inv = 1.0f / den;
+            for (int64_t j = 0; j < n_k; j++) s[j] *= inv;
+        }
+        memset(o, 0, sizeof(float) * (size_t)nh * (size_t)dh);
+        for (int64_t j0 = 0; j0 < n_k; j0 += KEY_CHUNK) {
+            int64_t nk = n_k - j0 < KEY_CHUNK ? n_k - j0 : KEY_CHUNK;
+            for (int32_t h = 0; h < nh; h++)
+                di_cpu_weighted_sum(isa, sc + h * n_k + j0, kp + j0, nk, dh, o + h * dh);
+        }
+    }
+}
+
+static di_status cpu_attn(di_backend *b, const float *q, const float *pool, const int32_t *key_idx,
+                          int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
+                          const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
+                          float *o) {
+    cpu_impl *c = impl_of(b);
+    if (n_tok <= 0) return DI_OK;
+    if (max_keys < 0 || H < 1 || dh < 1 || key_stride < max_keys) return DI_ERR_INVALID;
+    for (int32_t t = 0; t < n_tok; t++)
+        if (n_keys[t] < 0 || n_keys[t] > max_keys) return DI_ERR_INVALID;
+    size_t mk = (size_t)max_keys + 1;
+    if (grow_scratch(c, mk, mk * HEAD_GROUP) != DI_OK) {
+        DI_LOG_ERROR("cpu backend: cannot allocate attention scratch for %d keys", max_keys);
+        return DI_ERR_NOMEM;
+    }
+    attn_ctx a = {c, q, pool, sink, key_idx, n_keys, key_stride, n_tok, H, dh, scale, o};
+    di_pool_run(c->pool, attn_task, &a);
+    return DI_OK;
+}
+
+typedef struct index_ctx {
+    const cpu_impl *c;
+    const float *qi, *wi, *keys;
+    const int64_t *key_base;
+    const int32_t *n_vis;
+    int32_t n_tok, HI, DI;
+    float *scores;
+    int64_t score_stride;
+} index_ctx;
+
+static void index_task(void *p, int ith, int nth) {
+    const index_ctx *x = p;
+    const float **kp = x->c->kp + (size_t)ith * x->c->kp_per_thread;
+    int64_t lo, hi;
+    di_split_range(x->n_tok, ith, nth, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        const float *keys = x->keys + (x->key_base ? x->key_base[t] : 0) * x->DI;
+        for (int64_t w0 = 0; w0 < x->n_vis[t]; w0 += KEY_CHUNK) {
+            int64_t nk = x->n_vis[t] - w0 < KEY_CHUNK ? x->n_vis[t] - w0 : KEY_CHUNK;
+            for (int64_t w = 0; w < nk; w++) kp[w] = keys + (w0 + w) * x->DI;
+            di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI, x->HI,
+                                kp, nk, x->DI, x->scores + t * x->score_stride + w0);
+        }
+    }
+}
+
+static di_status cpu_index_scores(di_backend *b, const float *qi, const float *wi,
+                                  const float *keys, const int64_t *key_base,
+                                  const int32_t *n_vis, int32_t max_vis, int32_t n_tok, int32_t HI,
+                                  int32_t DI, float *scores, int64_t score_stride) {
+    cpu_impl *c = impl_of(b);
+    if (n_tok <= 0) return DI_OK;
+    if (score_stride < max_vis || HI < 1 || DI < 1) return DI_ERR_INVALID;
+    for (int32_t t = 0; t < n_tok; t++)
+        if (n_vis[t] < 0 || n_vis[t] > max_vis) return DI_ERR_INVALID;
+    if (grow_scratch(c, KEY_CHUNK, 0) != DI_OK) return DI_ERR_NOMEM;
+    index_ctx x = {c, qi, wi, keys, key_base, n_vis, n_tok, HI, DI, scores, score_stride};
+    di_pool_run(c->pool, index_task, &x);
+    return DI_OK;
+}
+
+static di_status cpu_topk(di_backend *b, const float *scores, int64_t score_stride,
+                          const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel) {
+    (void)b;
+    if (topk < 1) return DI_ERR_INVALID;
+    for (int32_t t = 0; t < n_tok; t++) {
+        int32_t *s = sel + (int64_t)t * topk;
+        for (int32_t i = 0; i < topk; i++) s[i] = -1;
+        int32_t vis = n_vis[t], k = vis < topk ? vis : topk;
+        if (k == vis) { // every visible entry is selected: no scores needed
+            for (int32_t i = 0; i < k; i++) s[i] = i;
+            continue;
+        }
+        di_ref_topk(scores + t * score_stride, vis, k, s);
+    }
+    return DI_OK;
+}
+
+static di_status cpu_offset_list(di_backend *b, const int32_t *sel, int32_t n_tok, int32_t k,
+                                 const int32_t *base, const int32_t *off, int32_t *dst,
+                                 int64_t dst_stride) {
+    (void)b;
+    for (int32_t t = 0; t < n_tok; t++)
+        for (int32_t i = 0; i < k; i++) {
+            int32_t s = sel[(int64_t)t * k + i];
+            dst[t * dst_stride + off[t] + i] = s >= 0 ? base[t] + s : -1;
+        }
+    return DI_OK;
+}
+
+// ---- lifetime ----
+
+static void cpu_destroy(di_backend *b) {
+    cpu_impl *c = impl_of(b);
+    if (c) {
+        if (c->cpu_ok) di_cpu_deinit(&c->cpu);
+        di_pool_destroy(c->pool);
+        di_aligned_free(c->moe_f);
+        di_free(c->moe_i);
+        di_free((void *)c->kp);
+        di_aligned_free(c->sc);
+        di_free(c);
+    }
+    di_free(b);
+}
+
+static const di_backend_vt cpu_vt = {
+    .name = "cpu",
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .memset = cpu_memset,
+    .copy = cpu_copy,
+    .sync = cpu_sync,
+    .weight_upload = cpu_weight_upload,
+    .supports_matmul = cpu_supports_matmul,
+    .matmul = cpu_matmul,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .scale = cpu_scale,
+    .mhc_pre = cpu_mhc_pre,
+    .mhc_post = cpu_mhc_post,
+    .moe = cpu_moe,
+    .scatter_rows = cpu_scatter_rows,
+    .add_ape = cpu_add_ape,
+    .compress_pool = cpu_compress_pool,
+    .attn = cpu_attn,
+    .index_scores = cpu_index_scores,
+    .topk = cpu_topk,
+    .offset_list = cpu_offset_list,
+    .destroy = cpu_destroy,
+};
+
+di_status di_cpu_backend_create(int n_threads, di_backend **out) {
+    di_backend *b = di_calloc(1, sizeof *b);
+    cpu_impl *c = di_calloc(1, sizeof *c);
+    if (!b || !c) {
+        di_free(b);
+        di_free(c);
+        return DI_ERR_NOMEM;
+    }
+    b->vt = &cpu_vt;
+    b->device.kind = DI_DEVICE_CPU;
+    b->impl = c;
+    di_status st = di_pool_create(n_threads, &c->pool);
+    if (st == DI_OK) st = ensure_row(c, 256);
+    if (st != DI_OK) {
+        cpu_destroy(b);
+        return st;
+    }
+    snprintf(b->desc, sizeof b->desc, "cpu (%d threads, %s)", di_pool_n_threads(c->pool),
+             di_cpu_isa_name((di_cpu_isa)c->cpu.isa));
+    *out = b;
+    return DI_OK;
+}
