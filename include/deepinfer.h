@@ -192,15 +192,19 @@ typedef struct di_forward_out {
 
 // Feeds n_tokens tokens (ids < n_vocab) at the next positions and advances the state. Feeding
 // the same tokens in any chunking yields the same logits as one call.
-// Returns DI_ERR_INVALID (bad token id, n_tokens < 1, context exceeds n_ctx_max), DI_ERR_NOMEM.
+// Returns DI_ERR_INVALID (bad token id, n_tokens < 1, context exceeds n_ctx_max), DI_ERR_NOMEM;
+// on the device-resident forward (--device cuda, V4 in the FP32 recipe, no MTP) also DI_ERR_CUDA,
+// after which the session is reset to position 0.
 di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tokens,
                              const di_forward_out *out);
 
 // Serialises the whole state (position, window rings, compressed pools, compressor buffers) into
-// a new buffer (*bytes, free with di_free_buffer). DI_ERR_NOMEM.
+// a new buffer (*bytes, free with di_free_buffer). DI_ERR_NOMEM; DI_ERR_UNSUPPORTED for a session
+// on the device-resident forward (its state lives in device memory).
 di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes);
 // Restores a state written by di_session_save for the same model. DI_ERR_FORMAT if the bytes are
 // not such a state (wrong model, truncated, corrupted); the session is then left reset.
+// DI_ERR_UNSUPPORTED (session unchanged) on the device-resident forward, as di_session_save.
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes);
 void di_free_buffer(void *p);
 

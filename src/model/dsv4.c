@@ -14,6 +14,7 @@
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/status.h"
+#include "model/dsv4_dev.h" // the device-resident forward
 #include "model/dsv4_gguf.h"
 #include "tensor/quant_ref.h"
 
@@ -79,6 +80,27 @@ static const char *find_gguf(const char *dir, char *buf, size_t cap) {
     return n == 1 ? buf : NULL;
 }
 
+// --device cuda: the device-resident forward (dsv4_dev.h) for sessions, when the model and recipe
+// allow it (V4, FP32); otherwise (and for MTP sessions and the engine) the offloaded CPU forward.
+static di_status open_dev(di_model *m) {
+    if (m->hp.v41 || m->opt.precision != DI_PRECISION_FP32) {
+        DI_LOG_INFO("device: no device-resident forward for %s (V4 in the FP32 recipe only); "
+                    "sessions use the offloaded matmuls",
+                    m->hp.v41 ? "DeepSeek V4.1" : "the official precision recipe");
+        return DI_OK;
+    }
+    di_status st = di_backend_open(&m->opt.device, m->opt.n_threads, &m->dev_backend);
+    if (st == DI_OK) st = di_dsv4_dev_attach(m, m->dev_backend);
+    if (st == DI_ERR_UNSUPPORTED) { // a weight kind the backend lacks: logged; keep the offload
+        DI_LOG_WARN("device: the device-resident forward is unavailable; sessions use the "
+                    "offloaded matmuls");
+        di_backend_destroy(m->dev_backend);
+        m->dev_backend = NULL;
+        return DI_OK;
+    }
+    return st;
+}
+
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out) {
     di_status st = DI_OK;
     di_model *m = di_calloc(1, sizeof *m);
@@ -129,6 +151,7 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
                     "synchronised); norms, attention, MoE routing and state on the CPU (%d "
                     "threads)",
                     m->accel.desc, di_pool_n_threads(m->pool));
+    if (m->opt.device.kind == DI_DEVICE_CUDA) DI_TRY(open_dev(m));
     *out = m;
     return DI_OK;
 fail:
@@ -146,6 +169,8 @@ void di_model_destroy(di_model *m) {
                     (long long)ds.n_matmuls, m->accel.name, (long long)ds.n_declined,
                     (long long)ds.n_weights, ds.weight_bytes / 1048576.0);
     }
+    di_dsv4_dev_destroy(m->dev); // before its backend
+    di_backend_destroy(m->dev_backend);
     di_accel_close(&m->accel);
     di_cpu_deinit(&m->cpu);
     di_pool_destroy(m->pool);
@@ -454,6 +479,38 @@ void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t 
     }
 }
 
+// A session on the device-resident forward: slot 0 of its dev state, in chunks of at most
+// dev_max_rows rows (validated by the caller).
+static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
+                             const di_forward_out *out) {
+    const int64_t V = s->model->hp.n_vocab;
+    const bool want = out && out->logits;
+    for (int32_t done = 0; done < n_tok;) {
+        const int32_t n = n_tok - done < s->dev_max_rows ? n_tok - done : s->dev_max_rows;
+        const bool last = done + n == n_tok;
+        int32_t n_rows = 0;
+        float *logits = NULL;
+        if (want && !out->last_only) {
+            for (int32_t t = 0; t < n; t++) s->dev_rows[n_rows++] = t;
+            logits = out->logits + done * V;
+        } else if (want && last) {
+            s->dev_rows[n_rows++] = n - 1;
+            logits = out->logits;
+        }
+        di_dsv4_dev_seq seq = {.slot = 0, .pos = s->pos, .n_tok = n};
+        di_status st = di_dsv4_dev_forward(s->dev, &seq, 1, tokens + done, s->dev_rows, n_rows,
+                                           logits);
+        if (st != DI_OK) {
+            s->pos = 0; // the device state of this call is incomplete: start again
+            return st;
+        }
+        s->pos += n;
+        done += n;
+    }
+    if (out && out->n_mtp_out) *out->n_mtp_out = 0;
+    return DI_OK;
+}
+
 di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
                              const di_forward_out *out) {
     di_model *m = s->model;
@@ -484,6 +541,7 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
         s->pos += n_tok;
         return DI_OK;
     }
+    if (s->dev) return dev_forward(s, tokens, n_tok, out);
     di_status st = di_dsv4_session_reserve(s, n_tok);
     if (st != DI_OK) return st;
 

@@ -121,6 +121,11 @@ struct di_model {
     di_dsv4_matmul_fn accel_matmul;
     void *accel_user; // borrowed
     di_accel accel;   // owned: opened from opt.device by di_model_load (backend/device.h)
+    // The device-resident forward (model/dsv4_dev.h): every weight of the main layers and the head
+    // uploaded to a backend once; sessions without MTP created afterwards run on it. NULL: none.
+    struct di_dsv4_dev *dev;        // owned (di_dsv4_dev_attach)
+    struct di_backend *dev_backend; // owned when di_model_load opened it (CUDA); NULL when a
+                                    // caller attached its own backend (borrowed by dev)
 };
 
 // The matmul of every layer: the accelerator's when one is attached and takes it, else
@@ -229,6 +234,9 @@ typedef struct di_dsv4_ctx {
 void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
                            int32_t n_logit_rows, float *logits);
 
+// Rows of one device-resident call of a session (its scratch is sized for this many rows).
+#define DI_DSV4_DEV_SESSION_ROWS 256
+
 struct di_session {
     di_model *model; // borrowed
     di_session_options opt;
@@ -243,6 +251,11 @@ struct di_session {
     void *trace_user;
     char dump_dir[1024];
     struct di_dsv41_state *v41; // owned: the V4.1 state (dsv41.h); NULL for V4 (then layers)
+    // The model's device-resident forward runs this session (1 slot of n_ctx_max positions):
+    // layers are unused then, and save / restore are refused. NULL: the CPU forward.
+    struct di_dsv4_dev_state *dev; // owned
+    int32_t *dev_rows;             // owned [dev_max_rows]: logit rows of one dev call
+    int32_t dev_max_rows;          // rows per dev call (longer feeds run in chunks)
 };
 
 // Layer forward pieces; every one runs on all rows of c (il_state: index into each sequence's

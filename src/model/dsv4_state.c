@@ -10,7 +10,8 @@
 #include "base/log.h"
 #include "base/mem.h"
 #include "model/dsv4.h"
-#include "model/dsv41.h" // V4.1 state (sessions dispatch on the model)
+#include "model/dsv41.h"    // V4.1 state (sessions dispatch on the model)
+#include "model/dsv4_dev.h" // the device-resident forward
 
 // ---- debug dumps (DI_DUMP=<dir>) ----
 // Each traced tensor of a call at position p is written to <dir>/<name>.<il>.p<p>.npy (float32 or
@@ -131,6 +132,20 @@ di_status di_session_create(di_model *m, const di_session_options *opt, di_sessi
         if (lw->ratio > 0 && (st = cmp_state_init(&ls->cmp, &lw->cmp)) != DI_OK) goto fail;
         if (lw->ratio == 4 && (st = cmp_state_init(&ls->idx, &lw->idx_cmp)) != DI_OK) goto fail;
     }
+    if (m->dev && !s->mtp) {
+        // The device-resident forward: one slot of the whole context, sized once; calls longer
+        // than dev_max_rows rows are fed in chunks (the same logits as one call).
+        s->dev_max_rows = s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max
+                                                                  : DI_DSV4_DEV_SESSION_ROWS;
+        s->dev_rows = di_malloc(sizeof(int32_t) * (size_t)s->dev_max_rows);
+        if (!s->dev_rows) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
+        if ((st = di_dsv4_dev_state_create(m->dev, 1, s->n_ctx_max, s->dev_max_rows, &s->dev)) !=
+            DI_OK)
+            goto fail;
+    }
     *out = s;
     return DI_OK;
 fail:
@@ -141,6 +156,8 @@ fail:
 void di_session_destroy(di_session *s) {
     if (!s) return;
     di_dsv41_state_destroy(s);
+    di_dsv4_dev_state_destroy(s->dev);
+    di_free(s->dev_rows);
     if (s->layers) {
         for (int il = 0; il < n_state_layers(s); il++) {
             di_aligned_free(s->layers[il].ring);
@@ -334,6 +351,11 @@ static di_status put_cmp(di_buf *b, const di_dsv4_cmp_state *cs, const di_dsv4_c
 
 di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
     if (s->v41) return di_dsv41_save(s, bytes, n_bytes);
+    if (s->dev) {
+        DI_LOG_ERROR("session save: the state lives on the model's device (device-resident "
+                     "forward); saving it is not supported");
+        return DI_ERR_UNSUPPORTED;
+    }
     const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     di_buf b;
@@ -383,6 +405,11 @@ static bool get_cmp(di_reader *r, di_dsv4_cmp_state *cs, const di_dsv4_compresso
 
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
     if (s->v41) return di_dsv41_restore(s, bytes, n_bytes);
+    if (s->dev) {
+        DI_LOG_ERROR("session restore: the state lives on the model's device (device-resident "
+                     "forward); restoring it is not supported");
+        return DI_ERR_UNSUPPORTED;
+    }
     const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     di_reader r;

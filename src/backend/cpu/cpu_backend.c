@@ -211,14 +211,14 @@ static void mhc_pre_task(void *p, int ith, int nth) {
     }
 }
 
-static di_status cpu_mhc_pre(di_backend *b, const float *x, const float *mix_raw,
-                             const float *base, const float *scale, int32_t nc, int64_t D,
-                             int32_t n_tok, int32_t iters, float hc_eps, float norm_eps, bool head,
-                             float *a, float *post, float *comb) {
+static di_status cpu_mhc_pre(di_backend *b, const float *x, const float *mix_raw, const float *base,
+                             const float *scale, int32_t nc, int64_t D, int32_t n_tok,
+                             int32_t iters, float hc_eps, float norm_eps, bool head, float *a,
+                             float *post, float *comb) {
     if (nc < 1 || nc > 16) return DI_ERR_INVALID;
     if (n_tok <= 0) return DI_OK;
-    mhc_ctx c = {x,        mix_raw, base, scale, nc, n_tok, iters, D, hc_eps,
-                 norm_eps, head,    a,    post,  comb};
+    mhc_ctx c = {x, mix_raw, base,     scale, nc, n_tok, iters,
+                 D, hc_eps,  norm_eps, head,  a,  post,  comb};
     di_pool_run(impl_of(b)->pool, mhc_pre_task, &c);
     return DI_OK;
 }
@@ -279,8 +279,8 @@ static void swiglu(float *g, const float *u, int64_t n, float limit) {
 
 // One expert on n rows of x [n, D] -> y [n, D]; weight (per row, may be NULL) scales the output.
 static void expert(cpu_impl *c, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
-                   const float *x, int32_t n, int64_t D, float limit, const float *weight,
-                   float *g, float *u, float *y) {
+                   const float *x, int32_t n, int64_t D, float limit, const float *weight, float *g,
+                   float *u, float *y) {
     const int64_t F = w1->ne[1];
     di_cpu_matmul(&c->cpu, w1, x, n, D, g, F); // gate: [n, F]
     di_cpu_matmul(&c->cpu, w3, x, n, D, u, F); // up:   [n, F]
@@ -295,7 +295,8 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
                          const int32_t *ids, int32_t n_tok, float *out) {
     cpu_impl *c = impl_of(b);
     if (n_tok <= 0) return DI_OK;
-    const int64_t D = w->D, F = w->F, E = w->n_expert;
+    // Scratch for the wider of the routed and the shared expert.
+    const int64_t D = w->D, F = w->F > w->sh_w1.ne[1] ? w->F : w->sh_w1.ne[1], E = w->n_expert;
     const int32_t K = w->n_used;
     if (K < 1 || K > E || (!w->tid2eid && !w->gate_bias)) return DI_ERR_INVALID;
     int64_t widest = D > F ? D : F;
@@ -304,8 +305,8 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
     // Floats: score [T, E], wgt [T, K], rw [T*K], xin [T*K, D], g, u [max(T*K, T), F], yout
     // [max(T*K, T), D] (the shared expert runs on all T rows).
     const size_t T = (size_t)n_tok, TK = T * (size_t)K, TR = TK > T ? TK : T;
-    const size_t o_score = 0, o_wgt = o_score + T * (size_t)E, o_rw = o_wgt + TK,
-                 o_xin = o_rw + TK, o_g = o_xin + TK * (size_t)D, o_u = o_g + TR * (size_t)F,
+    const size_t o_score = 0, o_wgt = o_score + T * (size_t)E, o_rw = o_wgt + TK, o_xin = o_rw + TK,
+                 o_g = o_xin + TK * (size_t)D, o_u = o_g + TR * (size_t)F,
                  o_y = o_u + TR * (size_t)F, n_f = o_y + TR * (size_t)D;
     if ((st = grow_f(&c->moe_f, &c->moe_f_cap, n_f)) != DI_OK ||
         (st = grow_i(&c->moe_i, &c->moe_i_cap, 2 * TK)) != DI_OK) {
@@ -568,9 +569,9 @@ static void index_task(void *p, int ith, int nth) {
 }
 
 static di_status cpu_index_scores(di_backend *b, const float *qi, const float *wi,
-                                  const float *keys, const int64_t *key_base,
-                                  const int32_t *n_vis, int32_t max_vis, int32_t n_tok, int32_t HI,
-                                  int32_t DI, float *scores, int64_t score_stride) {
+                                  const float *keys, const int64_t *key_base, const int32_t *n_vis,
+                                  int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
+                                  float *scores, int64_t score_stride) {
     cpu_impl *c = impl_of(b);
     if (n_tok <= 0) return DI_OK;
     if (score_stride < max_vis || HI < 1 || DI < 1) return DI_ERR_INVALID;

@@ -295,4 +295,3 @@ void di_ref_topk(const float *sc, int64_t n, int32_t k, int32_t *sel) {
     }
     qsort(sel, (size_t)n_heap, sizeof *sel, cmp_i32); // ascending entry order
 }
-

@@ -1,0 +1,923 @@
+// dsv4_dev — the device-resident V4 forward on a backend (dsv4_dev.h). It mirrors model/dsv4.c,
+// dsv4_attn.c and dsv4_moe.c op for op in the FP32 recipe; where those keep sequential state
+// (compressor buffers, rings) this file keeps rows in backend pools and lists on the host which
+// rows each op reads. Sections: weights, state, per-call metadata, the layer, the call.
+#include "model/dsv4_dev.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "base/mem.h"
+#include "base/status.h" // DI_TRY
+#include "model/dsv4.h"
+
+// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]).
+enum { HEAD_CHUNK = 64, MAX_CLASSES = 4 };
+
+// ---- weights ----
+
+typedef struct dev_hc {
+    di_tensor fn;
+    float *base, *scale; // backend
+} dev_hc;
+
+typedef struct dev_cmp {
+    di_tensor wkv, wgate;
+    float *ape, *norm; // backend [m, c*d], [d]
+    int32_t m, c, d;
+} dev_cmp;
+
+typedef struct dev_layer {
+    int32_t ratio;
+    float *attn_norm, *ffn_norm; // backend [D]
+    dev_hc hc_attn, hc_ffn;
+    di_tensor wq_a, wq_b, wkv, wo_a, wo_b;
+    float *q_norm, *kv_norm, *attn_sink; // backend
+    dev_cmp cmp, idx_cmp;
+    di_tensor idx_wq_b, idx_weights_proj;
+    di_backend_moe_w moe;
+} dev_layer;
+
+struct di_dsv4_dev {
+    di_model *m;   // borrowed
+    di_backend *b; // borrowed
+    di_tensor embed, head;
+    float *norm; // backend [D]
+    dev_hc hc_head;
+    float *omega_main, *omega_compress; // backend [n_rot / 2]
+    dev_layer *layers;                  // owned [n_layer]
+    void **blocks;                      // owned list of backend blocks freed at destroy
+    int32_t n_blocks, cap_blocks;
+};
+
+static di_status track(di_dsv4_dev *d, void *p) {
+    if (d->n_blocks == d->cap_blocks) {
+        int32_t cap = d->cap_blocks ? 2 * d->cap_blocks : 64;
+        void **q = di_realloc(d->blocks, sizeof(void *) * (size_t)cap);
+        if (!q) return DI_ERR_NOMEM;
+        d->blocks = q;
+        d->cap_blocks = cap;
+    }
+    d->blocks[d->n_blocks++] = p;
+    return DI_OK;
+}
+
+// A host array copied into a new backend block (tracked).
+static di_status up_bytes(di_dsv4_dev *d, const void *host, size_t bytes, void **out) {
+    di_backend *b = d->b;
+    void *p = NULL;
+    di_status st = b->vt->alloc(b, bytes, &p);
+    if (st != DI_OK) return st;
+    if ((st = track(d, p)) != DI_OK) {
+        b->vt->free(b, p);
+        return st;
+    }
+    if ((st = b->vt->upload(b, p, host, bytes)) != DI_OK) return st;
+    *out = p;
+    return DI_OK;
+}
+
+static di_status up_floats(di_dsv4_dev *d, const float *host, int64_t n, float **out) {
+    void *p = NULL;
+    di_status st = up_bytes(d, host, sizeof(float) * (size_t)n, &p);
+    if (st == DI_OK) *out = p;
+    return st;
+}
+
+static di_status up_weight(di_dsv4_dev *d, const di_tensor *w, di_tensor *out) {
+    if (!d->b->vt->supports_matmul(d->b, w)) {
+        DI_LOG_ERROR("dev forward: backend %s cannot multiply %s (%s)", d->b->vt->name,
+                     w->name ? w->name : "?", di_tensor_kind_name(w->kind));
+        return DI_ERR_UNSUPPORTED;
+    }
+    di_status st = d->b->vt->weight_upload(d->b, w, out);
+    if (st != DI_OK)
+        DI_LOG_ERROR("dev forward: cannot upload %s to %s", w->name ? w->name : "?", d->b->desc);
+    return st;
+}
+
+static di_status up_hc(di_dsv4_dev *d, const di_dsv4_hc_w *hc, int32_t n_base, int32_t n_scale,
+                       dev_hc *out) {
+    di_status st = up_weight(d, &hc->fn, &out->fn);
+    if (st == DI_OK) st = up_floats(d, hc->base, n_base, &out->base);
+    if (st == DI_OK) st = up_floats(d, hc->scale, n_scale, &out->scale);
+    return st;
+}
+
+static di_status up_cmp(di_dsv4_dev *d, const di_dsv4_compressor_w *cw, dev_cmp *out) {
+    out->m = cw->m, out->c = cw->c, out->d = cw->d;
+    di_status st = up_weight(d, &cw->wkv, &out->wkv);
+    if (st == DI_OK) st = up_weight(d, &cw->wgate, &out->wgate);
+    if (st == DI_OK) st = up_floats(d, cw->ape, (int64_t)cw->m * cw->c * cw->d, &out->ape);
+    if (st == DI_OK) st = up_floats(d, cw->norm, cw->d, &out->norm);
+    return st;
+}
+
+// The experts' tensors: each uploaded, then the array of them copied into backend memory.
+static di_status up_experts(di_dsv4_dev *d, const di_tensor *w, int32_t E, di_tensor *tmp,
+                           const di_tensor **out) {
+    di_status st = DI_OK;
+    for (int32_t e = 0; e < E && st == DI_OK; e++) st = up_weight(d, &w[e], &tmp[e]);
+    void *p = NULL;
+    if (st == DI_OK) st = up_bytes(d, tmp, sizeof(di_tensor) * (size_t)E, &p);
+    if (st == DI_OK) *out = p;
+    return st;
+}
+
+static di_status up_layer(di_dsv4_dev *d, const di_dsv4_layer_w *lw, dev_layer *out,
+                          di_tensor *tmp) {
+    const di_model *m = d->m;
+    const di_hparams *hp = &m->hp;
+    const int32_t nc = hp->hc_mult, D = hp->n_embd;
+    di_status st = DI_OK;
+    out->ratio = lw->ratio;
+    DI_TRY(up_floats(d, lw->attn_norm, D, &out->attn_norm));
+    DI_TRY(up_floats(d, lw->ffn_norm, D, &out->ffn_norm));
+    DI_TRY(up_hc(d, &lw->hc_attn, (2 + nc) * nc, 3, &out->hc_attn));
+    DI_TRY(up_hc(d, &lw->hc_ffn, (2 + nc) * nc, 3, &out->hc_ffn));
+    DI_TRY(up_weight(d, &lw->wq_a, &out->wq_a));
+    DI_TRY(up_weight(d, &lw->wq_b, &out->wq_b));
+    DI_TRY(up_weight(d, &lw->wkv, &out->wkv));
+    DI_TRY(up_weight(d, &lw->wo_a, &out->wo_a));
+    DI_TRY(up_weight(d, &lw->wo_b, &out->wo_b));
+    DI_TRY(up_floats(d, lw->q_norm, hp->q_lora_rank, &out->q_norm));
+    DI_TRY(up_floats(d, lw->kv_norm, hp->head_dim, &out->kv_norm));
+    DI_TRY(up_floats(d, lw->attn_sink, hp->n_head, &out->attn_sink));
+    if (lw->ratio > 0) DI_TRY(up_cmp(d, &lw->cmp, &out->cmp));
+    if (lw->ratio == 4) {
+        DI_TRY(up_cmp(d, &lw->idx_cmp, &out->idx_cmp));
+        DI_TRY(up_weight(d, &lw->idx_wq_b, &out->idx_wq_b));
+        DI_TRY(up_weight(d, &lw->idx_weights_proj, &out->idx_weights_proj));
+    }
+    // MoE: the CPU forward's fields, uploaded (FP32 recipe: hf_eps, output scaled by the weight).
+    di_backend_moe_w *mw = &out->moe;
+    const int32_t E = lw->n_expert, K = lw->n_expert_used;
+    mw->n_expert = E;
+    mw->n_used = K;
+    mw->D = D;
+    mw->F = lw->w1[0].ne[1];
+    mw->route_scale = hp->route_scale;
+    mw->swiglu_limit = hp->swiglu_limit;
+    mw->shared_clamp = hp->shared_expert_clamp;
+    mw->hf_eps = true;
+    DI_TRY(up_weight(d, &lw->gate, &mw->gate));
+    if (lw->hash_routed) {
+        void *p = NULL;
+        DI_TRY(up_bytes(d, lw->tid2eid, sizeof(int32_t) * (size_t)hp->n_vocab * (size_t)K, &p));
+        mw->tid2eid = p;
+    } else {
+        float *p = NULL;
+        DI_TRY(up_floats(d, lw->gate_bias, E, &p));
+        mw->gate_bias = p;
+    }
+    DI_TRY(up_experts(d, lw->w1, E, tmp, &mw->w1));
+    DI_TRY(up_experts(d, lw->w2, E, tmp, &mw->w2));
+    DI_TRY(up_experts(d, lw->w3, E, tmp, &mw->w3));
+    DI_TRY(up_weight(d, &lw->sh_w1, &mw->sh_w1));
+    DI_TRY(up_weight(d, &lw->sh_w2, &mw->sh_w2));
+    DI_TRY(up_weight(d, &lw->sh_w3, &mw->sh_w3));
+    return DI_OK;
+fail:
+    DI_LOG_ERROR("dev forward: layer %d not uploaded (%s)", lw->il, di_status_str(st));
+    return st;
+}
+
+di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
+    const di_hparams *hp = &m->hp;
+    if (hp->v41) {
+        DI_LOG_ERROR("dev forward: DeepSeek V4.1 models are not supported (V4 only)");
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (m->opt.precision != DI_PRECISION_FP32) {
+        DI_LOG_ERROR("dev forward: only the FP32 precision recipe is supported");
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (hp->hc_mult > 16 || hp->hc_mult < 1) {
+        DI_LOG_ERROR("dev forward: %d mHC streams (at most 16)", hp->hc_mult);
+        return DI_ERR_UNSUPPORTED;
+    }
+    di_status st = DI_OK;
+    di_tensor *tmp = NULL;
+    di_dsv4_dev *d = di_calloc(1, sizeof *d);
+    if (!d) return DI_ERR_NOMEM;
+    d->m = m;
+    d->b = b;
+    d->layers = di_calloc((size_t)hp->n_layer, sizeof *d->layers);
+    int32_t max_e = 1;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (m->layers[il].n_expert > max_e) max_e = m->layers[il].n_expert;
+    tmp = di_calloc((size_t)max_e, sizeof *tmp);
+    if (!d->layers || !tmp) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    const int half = hp->rope_main.n_dims / 2;
+    DI_TRY(up_weight(d, &m->embed, &d->embed));
+    DI_TRY(up_weight(d, &m->head, &d->head));
+    DI_TRY(up_floats(d, m->norm, hp->n_embd, &d->norm));
+    DI_TRY(up_hc(d, &m->hc_head, hp->hc_mult, 1, &d->hc_head));
+    DI_TRY(up_floats(d, m->omega_main, half, &d->omega_main));
+    DI_TRY(up_floats(d, m->omega_compress, half, &d->omega_compress));
+    for (int il = 0; il < hp->n_layer; il++) DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
+    DI_TRY(b->vt->sync(b)); // the host arrays of the uploads may be reused after this
+    di_free(tmp);
+    *out = d;
+    return DI_OK;
+fail:
+    di_free(tmp);
+    di_dsv4_dev_destroy(d);
+    return st;
+}
+
+void di_dsv4_dev_destroy(di_dsv4_dev *d) {
+    if (!d) return;
+    for (int32_t i = 0; i < d->n_blocks; i++) d->b->vt->free(d->b, d->blocks[i]);
+    di_free(d->blocks);
+    di_free(d->layers);
+    di_free(d);
+}
+
+// ---- state ----
+
+// An int array with a host mirror (built per call) and a backend copy (uploaded per call).
+typedef struct iarr {
+    void *host; // owned
+    void *dev;  // backend block (state-owned)
+    size_t elem, cap;
+} iarr;
+
+// Per distinct compress ratio: the pool layout (every layer of a ratio has the same) and this
+// call's lists.
+typedef struct ratio_class {
+    int32_t ratio;      // 0 (window only), 4 (CSA), else HCA
+    int32_t c;          // compressor copies (2: overlapping windows), 0 without compressor
+    int32_t cap;        // compressed entries per slot: n_ctx / ratio
+    int64_t slot_rows;  // KV pool rows per slot: W + cap
+    int64_t key_stride; // key list row: W + (CSA: topk, HCA: cap)
+    int32_t R;          // compressor token ring rows per slot (c * ratio)
+    int32_t win_cap;    // closing windows one call can hold
+    iarr key_idx, n_keys, win_dst;
+    iarr src, ent_pos, ent_dst, ent_dst_idx, ring_dst; // compressor
+    iarr base, off, n_vis, key_base;                   // CSA
+    // This call:
+    int32_t max_keys, max_vis, n_win;
+    int32_t *win_off, *ring_off, *ring_n; // owned host [n_seq max = n_slots]: per sequence
+} ratio_class;
+
+typedef struct dev_lstate {
+    float *kv;             // [max_rows + n_slots * slot_rows, Dh]
+    float *idx;            // CSA: [n_slots * cap, DI]
+    float *ring_c, *ring_z; // compressing: [n_slots * R, c * d]
+    float *iring_c, *iring_z; // CSA indexer compressor
+} dev_lstate;
+
+struct di_dsv4_dev_state {
+    di_dsv4_dev *d; // borrowed
+    int32_t n_slots, n_ctx, max_rows;
+    int32_t *n_past; // owned [n_slots]; -1: must restart at 0
+    dev_lstate *ls;  // owned [n_layer]
+    ratio_class cls[MAX_CLASSES];
+    int32_t n_cls;
+    int8_t *layer_cls; // owned [n_layer]
+    // scratch (backend), sized for max_rows rows
+    float *x, *a, *out, *post, *comb, *mix, *qr, *q, *o, *u, *cc, *cz, *ent, *iq, *iw, *scores;
+    float *hx, *h, *logits;
+    int32_t *sel;
+    int64_t score_stride;
+    iarr tokens, pos;
+    int32_t *row0; // owned host [n_slots]: this call's first row per sequence
+    uint8_t *used; // owned host [n_slots]: slot seen in this call
+    void **blocks; // owned list of backend blocks
+    int32_t n_blocks, cap_blocks;
+};
+
+static di_status st_track(di_dsv4_dev_state *s, void *p) {
+    if (s->n_blocks == s->cap_blocks) {
+        int32_t cap = s->cap_blocks ? 2 * s->cap_blocks : 64;
+        void **q = di_realloc(s->blocks, sizeof(void *) * (size_t)cap);
+        if (!q) return DI_ERR_NOMEM;
+        s->blocks = q;
+        s->cap_blocks = cap;
+    }
+    s->blocks[s->n_blocks++] = p;
+    return DI_OK;
+}
+
+static di_status st_alloc(di_dsv4_dev_state *s, size_t bytes, void **out) {
+    di_backend *b = s->d->b;
+    void *p = NULL;
+    di_status st = b->vt->alloc(b, bytes ? bytes : 1, &p);
+    if (st != DI_OK) return st;
+    if ((st = st_track(s, p)) != DI_OK) {
+        b->vt->free(b, p);
+        return st;
+    }
+    *out = p;
+    return DI_OK;
+}
+
+static di_status st_floats(di_dsv4_dev_state *s, int64_t n, float **out) {
+    void *p = NULL;
+    di_status st = st_alloc(s, sizeof(float) * (size_t)n, &p);
+    if (st == DI_OK) *out = p;
+    return st;
+}
+
+static di_status iarr_init(di_dsv4_dev_state *s, iarr *a, size_t elem, size_t cap) {
+    a->elem = elem;
+    a->cap = cap ? cap : 1;
+    a->host = di_malloc(elem * a->cap);
+    if (!a->host) return DI_ERR_NOMEM;
+    return st_alloc(s, elem * a->cap, &a->dev);
+}
+
+static di_status iarr_upload(di_dsv4_dev_state *s, const iarr *a, size_t n) {
+    DI_ASSERT(n <= a->cap);
+    if (n == 0) return DI_OK;
+    return s->d->b->vt->upload(s->d->b, a->dev, a->host, a->elem * n);
+}
+
+#define I32(a) ((int32_t *)(a).host)
+#define D32(a) ((int32_t *)(a).dev)
+
+static int find_class(const di_dsv4_dev_state *s, int32_t ratio) {
+    for (int i = 0; i < s->n_cls; i++)
+        if (s->cls[i].ratio == ratio) return i;
+    return -1;
+}
+
+static di_status class_init(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_layer_w *lw) {
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t W = hp->window, T = s->max_rows;
+    k->ratio = lw->ratio;
+    k->c = lw->ratio > 0 ? lw->cmp.c : 0;
+    k->cap = lw->ratio > 0 ? s->n_ctx / lw->ratio : 0;
+    k->slot_rows = W + k->cap;
+    k->key_stride = W + (lw->ratio == 4 ? hp->index_topk : k->cap);
+    k->R = k->c * lw->ratio;
+    // A sequence closes at most n_tok / m + 1 windows in a call, and each needs one of its rows.
+    int64_t wc = lw->ratio > 0 ? T / lw->ratio + s->n_slots : 0;
+    k->win_cap = (int32_t)(wc < T ? wc : T);
+    di_status st = DI_OK;
+    DI_TRY(iarr_init(s, &k->key_idx, sizeof(int32_t), (size_t)(T * k->key_stride)));
+    DI_TRY(iarr_init(s, &k->n_keys, sizeof(int32_t), (size_t)T));
+    DI_TRY(iarr_init(s, &k->win_dst, sizeof(int32_t), (size_t)T));
+    k->win_off = di_calloc((size_t)s->n_slots, sizeof(int32_t));
+    k->ring_off = di_calloc((size_t)s->n_slots, sizeof(int32_t));
+    k->ring_n = di_calloc((size_t)s->n_slots, sizeof(int32_t));
+    if (!k->win_off || !k->ring_off || !k->ring_n) return DI_ERR_NOMEM;
+    if (lw->ratio > 0) {
+        DI_TRY(iarr_init(s, &k->src, sizeof(int32_t), (size_t)k->win_cap * (size_t)k->R));
+        DI_TRY(iarr_init(s, &k->ent_pos, sizeof(int32_t), (size_t)k->win_cap));
+        DI_TRY(iarr_init(s, &k->ent_dst, sizeof(int32_t), (size_t)k->win_cap));
+        DI_TRY(iarr_init(s, &k->ent_dst_idx, sizeof(int32_t), (size_t)k->win_cap));
+        DI_TRY(iarr_init(s, &k->ring_dst, sizeof(int32_t), (size_t)T));
+    }
+    if (lw->ratio == 4) {
+        DI_TRY(iarr_init(s, &k->base, sizeof(int32_t), (size_t)T));
+        DI_TRY(iarr_init(s, &k->off, sizeof(int32_t), (size_t)T));
+        DI_TRY(iarr_init(s, &k->n_vis, sizeof(int32_t), (size_t)T));
+        DI_TRY(iarr_init(s, &k->key_base, sizeof(int64_t), (size_t)T));
+    }
+    return DI_OK;
+fail:
+    return st;
+}
+
+static void iarr_free(iarr *a) {
+    di_free(a->host); // the backend block is in the state's list
+    a->host = NULL;
+}
+
+void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
+    if (!s) return;
+    for (int i = 0; i < MAX_CLASSES; i++) {
+        ratio_class *k = &s->cls[i];
+        iarr *arrs[] = {&k->key_idx,     &k->n_keys,   &k->win_dst, &k->src,   &k->ent_pos,
+                        &k->ent_dst,     &k->ring_dst, &k->base,    &k->off,   &k->n_vis,
+                        &k->ent_dst_idx, &k->key_base};
+        for (size_t j = 0; j < sizeof arrs / sizeof arrs[0]; j++) iarr_free(arrs[j]);
+        di_free(k->win_off);
+        di_free(k->ring_off);
+        di_free(k->ring_n);
+    }
+    iarr_free(&s->tokens);
+    iarr_free(&s->pos);
+    for (int32_t i = 0; i < s->n_blocks; i++) s->d->b->vt->free(s->d->b, s->blocks[i]);
+    di_free(s->blocks);
+    di_free(s->n_past);
+    di_free(s->ls);
+    di_free(s->layer_cls);
+    di_free(s->row0);
+    di_free(s->used);
+    di_free(s);
+}
+
+di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx,
+                                   int32_t max_rows, di_dsv4_dev_state **out) {
+    const di_model *m = d->m;
+    const di_hparams *hp = &m->hp;
+    if (n_slots < 1 || n_ctx < 1 || max_rows < 1) {
+        DI_LOG_ERROR("dev state: %d slots, context %d, %d rows: each must be >= 1", n_slots, n_ctx,
+                     max_rows);
+        return DI_ERR_INVALID;
+    }
+    const int64_t W = hp->window, Dh = hp->head_dim, DI = hp->index_head_dim;
+    const int64_t T = max_rows, nc = hp->hc_mult, D = hp->n_embd;
+    // Every pool row index (key lists, scatter rows) is an int32.
+    for (int il = 0; il < hp->n_layer; il++) {
+        int32_t r = m->layers[il].ratio;
+        int64_t rows = T + (int64_t)n_slots * (W + (r > 0 ? n_ctx / r : 0));
+        if (rows > INT32_MAX / 2) {
+            DI_LOG_ERROR("dev state: %lld KV rows per layer overflow the row index", (long long)rows);
+            return DI_ERR_INVALID;
+        }
+    }
+    di_status st = DI_OK;
+    di_dsv4_dev_state *s = di_calloc(1, sizeof *s);
+    if (!s) return DI_ERR_NOMEM;
+    s->d = d;
+    s->n_slots = n_slots, s->n_ctx = n_ctx, s->max_rows = max_rows;
+    s->n_past = di_malloc(sizeof(int32_t) * (size_t)n_slots);
+    s->ls = di_calloc((size_t)hp->n_layer, sizeof *s->ls);
+    s->layer_cls = di_calloc((size_t)hp->n_layer, 1);
+    s->row0 = di_calloc((size_t)n_slots, sizeof(int32_t));
+    s->used = di_calloc((size_t)n_slots, 1);
+    if (!s->n_past || !s->ls || !s->layer_cls || !s->row0 || !s->used) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    for (int32_t i = 0; i < n_slots; i++) s->n_past[i] = 0;
+    int32_t cap4 = 1;
+    for (int il = 0; il < hp->n_layer; il++) {
+        const di_dsv4_layer_w *lw = &m->layers[il];
+        int k = find_class(s, lw->ratio);
+        if (k < 0) {
+            if (s->n_cls == MAX_CLASSES) {
+                DI_LOG_ERROR("dev state: more than %d distinct compress ratios", MAX_CLASSES);
+                st = DI_ERR_UNSUPPORTED;
+                goto fail;
+            }
+            k = s->n_cls++;
+            DI_TRY(class_init(s, &s->cls[k], lw));
+        }
+        s->layer_cls[il] = (int8_t)k;
+        const ratio_class *rc = &s->cls[k];
+        dev_lstate *ls = &s->ls[il];
+        DI_TRY(st_floats(s, (T + n_slots * rc->slot_rows) * Dh, &ls->kv));
+        if (lw->ratio > 0) {
+            int64_t n = (int64_t)n_slots * rc->R * lw->cmp.c * lw->cmp.d;
+            DI_TRY(st_floats(s, n, &ls->ring_c));
+            DI_TRY(st_floats(s, n, &ls->ring_z));
+        }
+        if (lw->ratio == 4) {
+            int64_t n = (int64_t)n_slots * rc->R * lw->idx_cmp.c * lw->idx_cmp.d;
+            DI_TRY(st_floats(s, n, &ls->iring_c));
+            DI_TRY(st_floats(s, n, &ls->iring_z));
+            DI_TRY(st_floats(s, (int64_t)n_slots * rc->cap * DI, &ls->idx));
+            if (rc->cap > cap4) cap4 = rc->cap;
+        }
+    }
+    const int64_t H = hp->n_head, Rq = hp->q_lora_rank, G = hp->o_groups, Ro = hp->o_lora_rank;
+    const int64_t HI = hp->n_index_head, cw = 2 * (Dh > DI ? Dh : DI);
+    const int64_t HC = T < HEAD_CHUNK ? T : HEAD_CHUNK;
+    int64_t n_win_max = 1;
+    for (int i = 0; i < s->n_cls; i++)
+        if (s->cls[i].win_cap > n_win_max) n_win_max = s->cls[i].win_cap;
+    s->score_stride = cap4;
+    DI_TRY(st_floats(s, T * nc * D, &s->x));
+    DI_TRY(st_floats(s, T * D, &s->a));
+    DI_TRY(st_floats(s, T * D, &s->out));
+    DI_TRY(st_floats(s, T * nc, &s->post));
+    DI_TRY(st_floats(s, T * nc * nc, &s->comb));
+    DI_TRY(st_floats(s, T * (2 + nc) * nc, &s->mix));
+    DI_TRY(st_floats(s, T * Rq, &s->qr));
+    DI_TRY(st_floats(s, T * H * Dh, &s->q));
+    DI_TRY(st_floats(s, T * H * Dh, &s->o));
+    DI_TRY(st_floats(s, T * G * Ro, &s->u));
+    DI_TRY(st_floats(s, T * cw, &s->cc));
+    DI_TRY(st_floats(s, T * cw, &s->cz));
+    DI_TRY(st_floats(s, n_win_max * (Dh > DI ? Dh : DI), &s->ent));
+    DI_TRY(st_floats(s, T * HI * DI, &s->iq));
+    DI_TRY(st_floats(s, T * HI, &s->iw));
+    DI_TRY(st_floats(s, T * cap4, &s->scores));
+    DI_TRY(st_floats(s, HC * nc * D, &s->hx));
+    DI_TRY(st_floats(s, HC * D, &s->h));
+    DI_TRY(st_floats(s, HC * hp->n_vocab, &s->logits));
+    void *p = NULL;
+    DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk, &p));
+    s->sel = p;
+    DI_TRY(iarr_init(s, &s->tokens, sizeof(int32_t), (size_t)T));
+    DI_TRY(iarr_init(s, &s->pos, sizeof(int32_t), (size_t)T));
+    *out = s;
+    return DI_OK;
+fail:
+    if (st == DI_ERR_NOMEM)
+        DI_LOG_ERROR("dev state: cannot allocate %d slots x %d positions, %d rows on %s", n_slots,
+                     n_ctx, max_rows, d->b->desc);
+    di_dsv4_dev_state_destroy(s);
+    return st;
+}
+
+int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot) {
+    return slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1;
+}
+
+// ---- per-call metadata (host lists of rows, uploaded once per call) ----
+
+// The KV pool row of position q of sequence i (first position p0 this call, first row r0): this
+// call's row, or the slot's ring (row = q mod W).
+static inline int32_t win_row(int64_t q, int64_t p0, int32_t r0, int64_t ring0, int64_t W) {
+    return (int32_t)(q >= p0 ? r0 + (q - p0) : ring0 + q % W);
+}
+
+// Compressor source of position q: this call's row (>= 0) or the slot's token ring (-(row) - 1).
+static inline int32_t cmp_src(int64_t q, int64_t p0, int32_t r0, int64_t ring0, int64_t R) {
+    if (q < 0) return DI_BACKEND_NO_ROW;
+    return (int32_t)(q >= p0 ? r0 + (q - p0) : -(ring0 + q % R) - 1);
+}
+
+static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_seq *seqs,
+                             int32_t n_seq) {
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t W = hp->window, T = s->max_rows;
+    const int32_t ratio = k->ratio, topk = hp->index_topk;
+    int32_t *ki = I32(k->key_idx), *nk = I32(k->n_keys), *wd = I32(k->win_dst);
+    int32_t n_rows = 0, n_wd = 0, n_rd = 0;
+    k->max_keys = 0, k->max_vis = 0, k->n_win = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv4_dev_seq *sq = &seqs[i];
+        const int64_t p0 = sq->pos, ring0 = T + (int64_t)sq->slot * k->slot_rows;
+        const int32_t r0 = s->row0[i];
+        // Key lists: window positions max(P - W + 1, 0)..P, then HCA entries (CSA: the
+        // indexer's top-k, appended on the backend by offset_list at base + entry).
+        for (int32_t t = 0; t < sq->n_tok; t++) {
+            const int64_t P = p0 + t, w_lo = P - W + 1 > 0 ? P - W + 1 : 0;
+            int32_t *row = ki + (int64_t)(r0 + t) * k->key_stride, n = 0;
+            for (int64_t q = w_lo; q <= P; q++) row[n++] = win_row(q, p0, r0, ring0, W);
+            if (ratio == 4) {
+                I32(k->base)[r0 + t] = (int32_t)(ring0 + W);
+                I32(k->off)[r0 + t] = n;
+                int32_t vis = (int32_t)((P + 1) / 4);
+                I32(k->n_vis)[r0 + t] = vis;
+                ((int64_t *)k->key_base.host)[r0 + t] = (int64_t)sq->slot * k->cap;
+                if (vis > k->max_vis) k->max_vis = vis;
+                n += topk;
+            } else if (ratio > 0) {
+                for (int64_t e = 0; e < (P + 1) / ratio; e++) row[n++] = (int32_t)(ring0 + W + e);
+            }
+            nk[r0 + t] = n;
+            if (n > k->max_keys) k->max_keys = n;
+        }
+        // The window ring after attention: the last min(n_tok, W) rows.
+        k->win_off[i] = n_wd;
+        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++)
+            wd[n_wd++] = (int32_t)(ring0 + (p0 + t) % W);
+        n_rows += sq->n_tok;
+        if (ratio <= 0) continue;
+        // Windows closing in this call (model/dsv4_attn.c compressor_step): slots j < m are the
+        // overlap (window w - 1, c == 2) or the window itself (c == 1), slots m..2m-1 window w.
+        const int32_t m = ratio, c = k->c, R = k->R;
+        const int64_t cring0 = (int64_t)sq->slot * R;
+        for (int64_t P = p0; P < p0 + sq->n_tok; P++) {
+            if ((P + 1) % m != 0) continue;
+            const int64_t w = P / m;
+            int32_t *src = I32(k->src) + (int64_t)k->n_win * R;
+            for (int32_t j = 0; j < c * m; j++) {
+                int64_t q = c == 2 ? (w - 1) * m + j : w * m + j;
+                src[j] = cmp_src(q, p0, r0, cring0, R);
+            }
+            I32(k->ent_pos)[k->n_win] = (int32_t)(w * m);
+            I32(k->ent_dst)[k->n_win] = (int32_t)(ring0 + W + w);
+            I32(k->ent_dst_idx)[k->n_win] = (int32_t)((int64_t)sq->slot * k->cap + w);
+            k->n_win++;
+        }
+        // The compressor token ring after pooling: the last min(n_tok, R) rows.
+        k->ring_off[i] = n_rd;
+        k->ring_n[i] = sq->n_tok < R ? sq->n_tok : R;
+        for (int32_t t = sq->n_tok - k->ring_n[i]; t < sq->n_tok; t++)
+            I32(k->ring_dst)[n_rd++] = (int32_t)(cring0 + (p0 + t) % R);
+    }
+    DI_ASSERT(k->n_win <= k->win_cap);
+    di_status st = DI_OK;
+    DI_TRY(iarr_upload(s, &k->key_idx, (size_t)n_rows * (size_t)k->key_stride));
+    DI_TRY(iarr_upload(s, &k->n_keys, (size_t)n_rows));
+    DI_TRY(iarr_upload(s, &k->win_dst, (size_t)n_wd));
+    if (ratio > 0) {
+        DI_TRY(iarr_upload(s, &k->src, (size_t)k->n_win * (size_t)k->R));
+        DI_TRY(iarr_upload(s, &k->ent_pos, (size_t)k->n_win));
+        DI_TRY(iarr_upload(s, &k->ent_dst, (size_t)k->n_win));
+        DI_TRY(iarr_upload(s, &k->ent_dst_idx, (size_t)k->n_win));
+        DI_TRY(iarr_upload(s, &k->ring_dst, (size_t)n_rd));
+    }
+    if (ratio == 4) {
+        DI_TRY(iarr_upload(s, &k->base, (size_t)n_rows));
+        DI_TRY(iarr_upload(s, &k->off, (size_t)n_rows));
+        DI_TRY(iarr_upload(s, &k->n_vis, (size_t)n_rows));
+        DI_TRY(iarr_upload(s, &k->key_base, (size_t)n_rows));
+    }
+    return DI_OK;
+fail:
+    return st;
+}
+
+// ---- the layer ----
+
+typedef struct call {
+    di_dsv4_dev_state *s;
+    const di_dsv4_dev_seq *seqs;
+    int32_t n_seq, T;
+} call;
+
+#define B (c->s->d->b)
+#define OP(name, ...) DI_TRY(B->vt->name(B, __VA_ARGS__))
+
+// One compressor on this call's rows (model/dsv4_attn.c run_compressor + compressor_step):
+// project C and Z, add the position bias, pool every closing window from this call's rows and the
+// ring, normalise and rotate the entries, scatter them into their pool, then ring the last tokens.
+static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class *k, const float *a,
+                            float *ring_c, float *ring_z, float *pool, int64_t pool_stride,
+                            const int32_t *ent_dst) {
+    di_dsv4_dev_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t width = (int64_t)cw->c * cw->d, D = hp->n_embd;
+    di_status st = DI_OK;
+    OP(matmul, &cw->wkv, a, c->T, D, s->cc, width);   // C: [T, c*d]
+    OP(matmul, &cw->wgate, a, c->T, D, s->cz, width); // Z: [T, c*d]
+    OP(add_ape, s->cz, c->T, width, width, cw->ape, D32(s->pos), cw->m);
+    if (k->n_win > 0) {
+        OP(compress_pool, s->cc, s->cz, width, ring_c, ring_z, D32(k->src), k->n_win, cw->m, cw->c,
+           cw->d, s->ent); // entries: [n_win, d]
+        OP(rmsnorm, s->ent, k->n_win, cw->d, cw->d, cw->norm, hp->norm_eps);
+        OP(rope, s->ent, k->n_win, cw->d, cw->d, hp->rope_compress.n_dims, s->d->omega_compress,
+           D32(k->ent_pos), 1, hp->rope_compress.attention_factor, false);
+        OP(scatter_rows, s->ent, k->n_win, cw->d, cw->d, pool, pool_stride, ent_dst);
+    }
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        const int64_t r = s->row0[i] + c->seqs[i].n_tok - k->ring_n[i];
+        const int32_t *dst = D32(k->ring_dst) + k->ring_off[i];
+        OP(scatter_rows, s->cc + r * width, k->ring_n[i], width, width, ring_c, width, dst);
+        OP(scatter_rows, s->cz + r * width, k->ring_n[i], width, width, ring_z, width, dst);
+    }
+    return DI_OK;
+fail:
+    return st;
+}
+
+static di_status attention(const call *c, int il, const float *a, float *out) {
+    di_dsv4_dev_state *s = c->s;
+    const di_dsv4_dev *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const dev_layer *lw = &d->layers[il];
+    const dev_lstate *ls = &s->ls[il];
+    const ratio_class *k = &s->cls[s->layer_cls[il]];
+    const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
+    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, W = hp->window;
+    const int32_t n_rot = hp->rope_main.n_dims, T = c->T;
+    const bool compress = lw->ratio > 0;
+    const float *omega = compress ? d->omega_compress : d->omega_main;
+    const float rscale =
+        compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
+    const int32_t *pos = D32(s->pos);
+    di_status st = DI_OK;
+
+    // q path: qr = RMSNorm(wq_a a); q = per-head RMS(wq_b qr); RoPE.
+    OP(matmul, &lw->wq_a, a, T, D, s->qr, Rq); // qr: [T, Rq]
+    OP(rmsnorm, s->qr, T, Rq, Rq, lw->q_norm, hp->norm_eps);
+    OP(matmul, &lw->wq_b, s->qr, T, Rq, s->q, H * Dh); // q: [T, H, Dh]
+    OP(rmsnorm, s->q, T * H, Dh, Dh, NULL, hp->norm_eps);
+    OP(rope, s->q, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, false);
+    // kv path: straight into this call's rows of the layer's KV pool.
+    float *kv = ls->kv; // [T, Dh]
+    OP(matmul, &lw->wkv, a, T, D, kv, Dh);
+    OP(rmsnorm, kv, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
+    OP(rope, kv, T, Dh, Dh, n_rot, omega, pos, 1, rscale, false);
+
+    // CSA: the indexer (its compressor, q, weights, scores, top-k appended to the key lists).
+    if (lw->ratio == 4) {
+        const int64_t HI = hp->n_index_head, DI = hp->index_head_dim;
+        DI_TRY(compressor(c, &lw->idx_cmp, k, a, ls->iring_c, ls->iring_z, ls->idx, DI,
+                          D32(k->ent_dst_idx)));
+        OP(matmul, &lw->idx_wq_b, s->qr, T, Rq, s->iq, HI * DI); // qi: [T, HI, DI]
+        OP(rope, s->iq, T * HI, DI, DI, n_rot, d->omega_compress, pos, (int32_t)HI,
+           hp->rope_compress.attention_factor, false);
+        OP(matmul, &lw->idx_weights_proj, a, T, D, s->iw, HI); // wi: [T, HI]
+        OP(scale, s->iw, T * HI, 1.0f / sqrtf((float)DI) / sqrtf((float)HI));
+        OP(index_scores, s->iq, s->iw, ls->idx, (const int64_t *)k->key_base.dev, D32(k->n_vis),
+           k->max_vis, T, (int32_t)HI, (int32_t)DI, s->scores, s->score_stride);
+        OP(topk, s->scores, s->score_stride, D32(k->n_vis), T, hp->index_topk, s->sel);
+        OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), D32(k->key_idx),
+           k->key_stride);
+    }
+    // CSA and HCA: the main compressor, before the attention of the same tokens.
+    if (compress)
+        DI_TRY(compressor(c, &lw->cmp, k, a, ls->ring_c, ls->ring_z, ls->kv, Dh, D32(k->ent_dst)));
+
+    OP(attn, s->q, ls->kv, D32(k->key_idx), k->key_stride, D32(k->n_keys), k->max_keys,
+       lw->attn_sink, T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh), s->o); // o: [T, H, Dh]
+    OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, true);
+
+    // Grouped output: u_g = wo_a[g] . (o of the heads of group g); out = wo_b . u.
+    const int64_t group_in = H * Dh / G;
+    for (int64_t g = 0; g < G; g++) {
+        di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
+        OP(matmul, &wg, s->o + g * group_in, T, H * Dh, s->u + g * Ro, G * Ro);
+    }
+    OP(matmul, &lw->wo_b, s->u, T, G * Ro, out, D);
+
+    // Each sequence's last min(n_tok, W) kv rows into its ring, after every read of the ring.
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        const int32_t n = c->seqs[i].n_tok < W ? c->seqs[i].n_tok : (int32_t)W;
+        const int64_t r = s->row0[i] + c->seqs[i].n_tok - n;
+        OP(scatter_rows, kv + r * Dh, n, Dh, Dh, ls->kv, Dh, D32(k->win_dst) + k->win_off[i]);
+    }
+    return DI_OK;
+fail:
+    return st;
+}
+
+// mHC pre of one site (fn matmul, then coefficients and the collapse into a), then the norm.
+static di_status hc_pre(const call *c, const dev_hc *hc, const float *norm) {
+    di_dsv4_dev_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd, n_mix = (2 + nc) * nc;
+    di_status st = DI_OK;
+    OP(matmul, &hc->fn, s->x, c->T, nc * D, s->mix, n_mix); // mix_raw: [T, (2+NC)*NC]
+    OP(mhc_pre, s->x, s->mix, hc->base, hc->scale, (int32_t)nc, D, c->T, hp->hc_iters, hp->hc_eps,
+       hp->norm_eps, false, s->a, s->post, s->comb);
+    OP(rmsnorm, s->a, c->T, D, D, norm, hp->norm_eps);
+    return DI_OK;
+fail:
+    return st;
+}
+
+static di_status block(const call *c, int il) {
+    di_dsv4_dev_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const dev_layer *lw = &s->d->layers[il];
+    const int32_t nc = hp->hc_mult;
+    di_status st = DI_OK;
+    DI_TRY(hc_pre(c, &lw->hc_attn, lw->attn_norm));
+    DI_TRY(attention(c, il, s->a, s->out));
+    OP(mhc_post, s->out, s->x, s->post, s->comb, nc, hp->n_embd, c->T);
+    DI_TRY(hc_pre(c, &lw->hc_ffn, lw->ffn_norm));
+    OP(moe, &lw->moe, s->a, D32(s->tokens), c->T, s->out);
+    OP(mhc_post, s->out, s->x, s->post, s->comb, nc, hp->n_embd, c->T);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// Final head (§2.9) on n rows of X listed in rows: gathered, collapsed, normed, projected.
+static di_status head(const call *c, const int32_t *rows, int32_t n, float *logits) {
+    di_dsv4_dev_state *s = c->s;
+    const di_dsv4_dev *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd, V = hp->n_vocab;
+    const size_t row = sizeof(float) * (size_t)(nc * D);
+    di_status st = DI_OK;
+    for (int32_t k = 0; k < n;) {
+        // Runs of consecutive rows are copied at once.
+        int32_t j = 1;
+        while (k + j < n && rows[k + j] == rows[k] + j) j++;
+        OP(copy, s->hx + (int64_t)k * nc * D, s->x + (int64_t)rows[k] * nc * D, row * (size_t)j);
+        k += j;
+    }
+    OP(matmul, &d->hc_head.fn, s->hx, n, nc * D, s->mix, nc); // mix_raw: [n, NC]
+    OP(mhc_pre, s->hx, s->mix, d->hc_head.base, d->hc_head.scale, (int32_t)nc, D, n, hp->hc_iters,
+       hp->hc_eps, hp->norm_eps, true, s->h, NULL, NULL);
+    OP(rmsnorm, s->h, n, D, D, d->norm, hp->norm_eps);
+    OP(matmul, &d->head, s->h, n, D, s->logits, V); // logits: [n, V]
+    OP(download, logits, s->logits, sizeof(float) * (size_t)n * (size_t)V);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// ---- the call ----
+
+static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                            const int32_t *tokens, const int32_t *logit_rows, int32_t n_logit_rows,
+                            const float *logits, int32_t *n_rows_out) {
+    const di_hparams *hp = &s->d->m->hp;
+    if (n_seq < 1 || !seqs || !tokens) {
+        DI_LOG_ERROR("dev forward: need at least one sequence with tokens");
+        return DI_ERR_INVALID;
+    }
+    memset(s->used, 0, (size_t)s->n_slots);
+    int64_t n_rows = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv4_dev_seq *sq = &seqs[i];
+        if (sq->slot < 0 || sq->slot >= s->n_slots || s->used[sq->slot]) {
+            DI_LOG_ERROR("dev forward: sequence %d: slot %d is out of range [0, %d) or repeated", i,
+                         sq->slot, s->n_slots);
+            return DI_ERR_INVALID;
+        }
+        s->used[sq->slot] = 1;
+        if (sq->n_tok < 1) {
+            DI_LOG_ERROR("dev forward: sequence %d feeds %d tokens", i, sq->n_tok);
+            return DI_ERR_INVALID;
+        }
+        if (sq->pos != 0 && sq->pos != s->n_past[sq->slot]) {
+            DI_LOG_ERROR("dev forward: slot %d is at position %d, not %d (0 restarts it)",
+                         sq->slot, s->n_past[sq->slot], sq->pos);
+            return DI_ERR_INVALID;
+        }
+        if ((int64_t)sq->pos + sq->n_tok > s->n_ctx) {
+            DI_LOG_ERROR("dev forward: slot %d: %d + %d tokens exceed the context of %d", sq->slot,
+                         sq->pos, sq->n_tok, s->n_ctx);
+            return DI_ERR_INVALID;
+        }
+        n_rows += sq->n_tok;
+    }
+    if (n_rows > s->max_rows) {
+        DI_LOG_ERROR("dev forward: %lld rows exceed the state's %d", (long long)n_rows,
+                     s->max_rows);
+        return DI_ERR_INVALID;
+    }
+    for (int64_t t = 0; t < n_rows; t++) {
+        if (tokens[t] < 0 || tokens[t] >= hp->n_vocab) {
+            DI_LOG_ERROR("dev forward: token id %d at row %lld is outside [0, %d)", tokens[t],
+                         (long long)t, hp->n_vocab);
+            return DI_ERR_INVALID;
+        }
+    }
+    if (n_logit_rows < 0 || n_logit_rows > n_rows || (n_logit_rows > 0 && (!logits || !logit_rows))) {
+        DI_LOG_ERROR("dev forward: %d logit rows for %lld rows", n_logit_rows, (long long)n_rows);
+        return DI_ERR_INVALID;
+    }
+    for (int32_t k = 0; k < n_logit_rows; k++) {
+        if (logit_rows[k] < 0 || logit_rows[k] >= n_rows || (k > 0 && logit_rows[k] <= logit_rows[k - 1])) {
+            DI_LOG_ERROR("dev forward: logit row %d (index %d) is out of range or not ascending",
+                         logit_rows[k], k);
+            return DI_ERR_INVALID;
+        }
+    }
+    *n_rows_out = (int32_t)n_rows;
+    return DI_OK;
+}
+
+di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                              const int32_t *tokens, const int32_t *logit_rows,
+                              int32_t n_logit_rows, float *logits) {
+    const di_model *m = s->d->m;
+    const di_hparams *hp = &m->hp;
+    int32_t T = 0;
+    di_status st = check_call(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T);
+    if (st != DI_OK) return st;
+    call cl = {s, seqs, n_seq, T};
+    const call *c = &cl;
+
+    // Rows: sequence after sequence; tokens and positions to the backend.
+    int32_t r = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        s->row0[i] = r;
+        for (int32_t t = 0; t < seqs[i].n_tok; t++) I32(s->pos)[r + t] = seqs[i].pos + t;
+        r += seqs[i].n_tok;
+    }
+    memcpy(s->tokens.host, tokens, sizeof(int32_t) * (size_t)T);
+    for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = -1; // until the call succeeds
+    DI_TRY(iarr_upload(s, &s->tokens, (size_t)T));
+    DI_TRY(iarr_upload(s, &s->pos, (size_t)T));
+    for (int i = 0; i < s->n_cls; i++) DI_TRY(build_class(s, &s->cls[i], seqs, n_seq));
+
+    // Embedding, copied into every stream (§2.1); the layers; the head on the logit rows.
+    OP(embed, &s->d->embed, D32(s->tokens), T, hp->hc_mult, s->x);
+    for (int il = 0; il < hp->n_layer; il++) DI_TRY(block(c, il));
+    const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
+    for (int32_t k = 0; k < n_logit_rows; k += HC) {
+        int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
+        DI_TRY(head(c, logit_rows + k, n, logits + (int64_t)k * hp->n_vocab));
+    }
+    // The end of the step: every op done (and its faults surfaced) before the slots advance.
+    DI_TRY(s->d->b->vt->sync(s->d->b));
+    for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
+    return DI_OK;
+fail:
+    DI_LOG_ERROR("dev forward: %s on %s; the call's slots must restart at position 0",
+                 di_status_str(st), s->d->b->desc);
+    return st;
+}
+
+#undef OP
+#undef B
+
+// ---- model wiring ----
+
+di_status di_dsv4_dev_attach(di_model *m, di_backend *b) {
+    if (m->dev) {
+        DI_LOG_ERROR("dev forward: the model already has one attached");
+        return DI_ERR_INVALID;
+    }
+    di_dsv4_dev *d = NULL;
+    di_status st = di_dsv4_dev_create(m, b, &d);
+    if (st != DI_OK) return st;
+    m->dev = d;
+    DI_LOG_INFO("device-resident forward on %s: sessions without MTP run every layer, their KV "
+                "and compressor state there; MTP sessions and the serving engine keep the "
+                "CPU forward%s",
+                b->desc, m->accel_matmul ? " with its matmuls offloaded" : "");
+    return DI_OK;
+}

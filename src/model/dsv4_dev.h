@@ -1,0 +1,76 @@
+/*
+ * dsv4_dev — the DeepSeek V4 forward with activations, KV and compressor state resident in one
+ * backend's memory (backend/backend.h), written once against the backend vtable: on the CUDA
+ * backend it is the GPU forward; on the CPU backend (the oracle twin) it must reproduce the
+ * model's own CPU forward (di_session_forward), which tests its orchestration without a GPU
+ * (tests/model/test_dev_forward.c).
+ *
+ * Scope: DeepSeek V4 (not V4.1), the FP32 precision recipe, the main layers and the head (no MTP).
+ *
+ * State layout (per layer, backend memory):
+ *   - one FP32 KV pool of Dh-float rows: [max_rows rows of this call | slot 0: W ring rows, then
+ *     cap compressed entries | slot 1: ...], so one attention call addresses this call's kv rows,
+ *     every slot's window ring (row = pos mod W) and compressed entries by row index;
+ *   - CSA layers: the indexer's entries [n_slots, cap, DI];
+ *   - compressing layers: per compressor a token ring per slot, R = c*m rows (c = 2 with overlap,
+ *     1 for HCA) of c*d floats for C and for Z (Z with its position bias), row = pos mod R.
+ * The compressor has no sequential state machine: for every window closing in a call the host
+ * lists the token row of each slot (this call's rows, or the ring for earlier positions; the
+ * overlap of window 0 is absent), compress_pool pools them, the entries are normalised, rotated
+ * and scattered into their pool, and only then the call's last tokens go into the ring. Key lists
+ * (window rows + the HCA entries, or + the indexer's top-k for CSA) are built on the host per call
+ * (O(rows x keys) integers) into preallocated buffers.
+ *
+ * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
+ * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
+ * its pools, scratch and host metadata, all sized at create (nothing is allocated per step; the
+ * CPU backend grows its own op scratch on first use of a size). Thread-safety: one thread at a
+ * time per backend (all states of one dev share the backend's stream).
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "backend/backend.h" // di_backend
+#include "deepinfer.h"       // di_model, di_status
+
+typedef struct di_dsv4_dev di_dsv4_dev;             // a model's weights on one backend
+typedef struct di_dsv4_dev_state di_dsv4_dev_state; // KV + compressor state of n_slots sequences
+
+// Uploads every weight the main layers and the head use (once). DI_ERR_UNSUPPORTED (logged) for
+// V4.1 models, the official precision recipe, or a weight the backend cannot matmul;
+// DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed.
+di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out);
+void di_dsv4_dev_destroy(di_dsv4_dev *d); // NULL: no-op
+
+// The state of n_slots sequences of up to n_ctx positions each, for calls of up to max_rows rows
+// in total. Every slot starts empty. DI_ERR_INVALID (counts < 1, index overflow), DI_ERR_NOMEM.
+di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx,
+                                   int32_t max_rows, di_dsv4_dev_state **out);
+void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s); // NULL: no-op
+
+typedef struct di_dsv4_dev_seq {
+    int32_t slot, pos, n_tok;
+} di_dsv4_dev_seq;
+
+// A ragged batch: seqs[i] feeds its n_tok tokens (host ids; rows concatenated in seqs order) at
+// positions pos.. of slot `slot`; pos must equal the tokens the slot has consumed (pos 0 starts
+// the slot afresh). Logits of the rows listed in logit_rows (ascending) go to host logits [n, V].
+// DI_ERR_INVALID for bad slots (out of range or repeated), positions, token ids, row counts or
+// capacity (checked before any work, logged). A backend error (DI_ERR_CUDA, DI_ERR_NOMEM) leaves
+// the call's slots to be restarted at pos 0.
+di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                              const int32_t *tokens, const int32_t *logit_rows,
+                              int32_t n_logit_rows, float *logits);
+
+// Tokens slot `slot` has consumed (-1 after a failed call: restart it at pos 0).
+int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot);
+
+// ---- model wiring ----
+
+// Creates the model's dev forward on backend b (borrowed; must outlive m) and attaches it:
+// sessions created afterwards without MTP run di_session_forward through a 1-slot state of their
+// n_ctx_max (dsv4_state.c). di_model_load calls it with the CUDA backend for --device cuda; tests
+// call it with the CPU backend. Errors as di_dsv4_dev_create (nothing attached);
+// DI_ERR_INVALID when one is attached already.
+di_status di_dsv4_dev_attach(di_model *m, di_backend *b);

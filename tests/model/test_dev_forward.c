@@ -1,0 +1,317 @@
+// The device-resident forward (model/dsv4_dev.h) on the CPU backend against the model's own CPU
+// forward (di_session_forward) fed the same chunks: it runs the same kernels, so any difference
+// is the orchestration's (state layout, key lists, compressor windows and overlap, rings).
+//   (a) one sequence, prefill chunks straddling window / ratio boundaries then decodes, on the
+//       tiny-128 synthetic model (SWA / CSA m=4 / HCA m=128) and the committed hca128 fixture in
+//       both layouts;
+//   (b) a ragged batch of 3 slots at different positions in one call, each vs its own session;
+//   (c) a slot restarted at position 0 inside a batch;
+//   (d) bad calls refused with DI_ERR_INVALID and no change of state;
+//   (e) the product wiring: di_dsv4_dev_attach, then plain sessions (chunked internally, save
+//       refused) against a model without it.
+#include "harness.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "backend/backend.h"
+#include "model/dsv4.h"
+#include "model/dsv4_dev.h"
+#include "model/synth.h"
+
+// Both sides run the same kernels in the same order on the same rows, so the logits should be
+// bit-identical; the bound leaves room only for a reordered sum somewhere (~1e-7 relative per op),
+// far below what a wrong key, window slot or ring row does (~1e-2 and more).
+#define TOL_DEV 1e-5
+
+enum { V_SYNTH = 512, N_SLOTS = 3, N_CTX = 320, MAX_ROWS = 96 };
+
+static char g_dir[256];
+
+static int32_t token_of(int slot, int gen, int32_t pos, int32_t V) {
+    return (int32_t)((slot * 131 + gen * 71 + pos * 97 + 7) % V);
+}
+
+typedef struct harness_ctx {
+    di_model *m;
+    di_backend *b;
+    di_dsv4_dev *d;
+    di_dsv4_dev_state *st;
+    di_session *ses[N_SLOTS];
+    int gen[N_SLOTS]; // token stream of each slot (changes at a restart)
+    int32_t V;
+    float *got, *ref;
+    double max_diff, max_ref;
+    int64_t rows;
+} harness_ctx;
+
+static bool open_ctx(harness_ctx *h, const char *dir) {
+    memset(h, 0, sizeof *h);
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    if (di_model_load(dir, &mo, &h->m) != DI_OK) return false;
+    h->V = h->m->hp.n_vocab;
+    CHECK(di_cpu_backend_create(2, &h->b) == DI_OK);
+    CHECK(di_dsv4_dev_create(h->m, h->b, &h->d) == DI_OK);
+    CHECK(di_dsv4_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, &h->st) == DI_OK);
+    di_session_options so = {.n_ctx_max = N_CTX};
+    for (int i = 0; i < N_SLOTS; i++) CHECK(di_session_create(h->m, &so, &h->ses[i]) == DI_OK);
+    h->got = malloc(sizeof(float) * MAX_ROWS * (size_t)h->V);
+    h->ref = malloc(sizeof(float) * MAX_ROWS * (size_t)h->V);
+    return h->st && h->got && h->ref;
+}
+
+static void close_ctx(harness_ctx *h) {
+    for (int i = 0; i < N_SLOTS; i++) di_session_destroy(h->ses[i]);
+    di_dsv4_dev_state_destroy(h->st);
+    di_dsv4_dev_destroy(h->d);
+    di_backend_destroy(h->b);
+    di_model_destroy(h->m);
+    free(h->got);
+    free(h->ref);
+}
+
+// One call: n_seq (slot, n_tok, restart) triples; every row's logits compared to each slot's
+// session fed the same chunk.
+typedef struct step {
+    int n;
+    int slot[N_SLOTS], n_tok[N_SLOTS];
+    bool restart[N_SLOTS];
+} step;
+
+static void run_step(harness_ctx *h, const step *sp) {
+    di_dsv4_dev_seq seqs[N_SLOTS];
+    int32_t tokens[MAX_ROWS], rows[MAX_ROWS];
+    int32_t T = 0;
+    for (int i = 0; i < sp->n; i++) {
+        int s = sp->slot[i];
+        if (sp->restart[i]) {
+            h->gen[s]++;
+            di_session_reset(h->ses[s]);
+        }
+        int32_t pos = di_session_n_past(h->ses[s]);
+        seqs[i] = (di_dsv4_dev_seq){.slot = s, .pos = pos, .n_tok = sp->n_tok[i]};
+        for (int32_t t = 0; t < sp->n_tok[i]; t++) tokens[T + t] = token_of(s, h->gen[s], pos + t, h->V);
+        T += sp->n_tok[i];
+    }
+    for (int32_t t = 0; t < T; t++) rows[t] = t;
+    CHECK_EQ(di_dsv4_dev_forward(h->st, seqs, sp->n, tokens, rows, T, h->got), DI_OK);
+    int32_t r0 = 0;
+    for (int i = 0; i < sp->n; i++) {
+        int s = sp->slot[i];
+        di_forward_out fo = {.logits = h->ref};
+        CHECK_EQ(di_session_forward(h->ses[s], tokens + r0, sp->n_tok[i], &fo), DI_OK);
+        CHECK_EQ(di_dsv4_dev_n_past(h->st, s), di_session_n_past(h->ses[s]));
+        for (int64_t k = 0; k < (int64_t)sp->n_tok[i] * h->V; k++) {
+            double r = h->ref[k], g = h->got[(int64_t)r0 * h->V + k];
+            if (fabs(r) > h->max_ref) h->max_ref = fabs(r);
+            if (!(fabs(g - r) <= h->max_diff)) h->max_diff = isnan(g) ? INFINITY : fabs(g - r);
+        }
+        h->rows += sp->n_tok[i];
+        r0 += sp->n_tok[i];
+    }
+}
+
+static void report(const harness_ctx *h, const char *what) {
+    double rel = h->max_ref > 0 ? h->max_diff / h->max_ref : INFINITY;
+    fprintf(stderr, "%s: %lld rows, max |dev - cpu| = %.3g, max |logit| = %.3g, relative %.3g\n",
+            what, (long long)h->rows, h->max_diff, h->max_ref, rel);
+    CHECK(h->rows > 0);
+    CHECK(rel <= TOL_DEV);
+}
+
+#define ONE(slot_, n_tok_) {.n = 1, .slot = {slot_}, .n_tok = {n_tok_}}
+
+// (a) one sequence: 1, 3, 5 (crosses CSA windows and the 16-row window), 64 (to 73), 60 (crosses
+// 128: the first HCA window closes mid-chunk), decodes, 96, then 30 (crosses 256).
+static void one_sequence(const char *dir, const char *what) {
+    harness_ctx h;
+    if (!open_ctx(&h, dir)) {
+        CHECK(false);
+        close_ctx(&h);
+        return;
+    }
+    const int chunks[] = {1, 3, 5, 64, 60, 1, 1, 1, 1, 1, 1, 1, 96, 30, 1, 1};
+    for (size_t i = 0; i < sizeof chunks / sizeof chunks[0]; i++) {
+        step sp = ONE(0, chunks[i]);
+        run_step(&h, &sp);
+    }
+    CHECK_EQ(di_session_n_past(h.ses[0]), 268);
+    report(&h, what);
+    close_ctx(&h);
+}
+
+static void test_one_sequence_synth(void) {
+    one_sequence(g_dir, "(a) tiny-128, one sequence");
+}
+
+static void test_one_sequence_fixture(void) {
+    one_sequence("tests/data/fixtures/hca128/hf", "(a) hca128 fixture, hf layout");
+    one_sequence("tests/data/fixtures/hca128/official", "(a) hca128 fixture, official layout");
+}
+
+// (b) ragged batches of 3 slots, (c) a restart, (d) refused calls.
+static void test_ragged(void) {
+    harness_ctx h;
+    if (!open_ctx(&h, g_dir)) {
+        CHECK(false);
+        close_ctx(&h);
+        return;
+    }
+    const step steps[] = {
+        {.n = 3, .slot = {0, 1, 2}, .n_tok = {10, 1, 40}},
+        {.n = 3, .slot = {2, 0, 1}, .n_tok = {60, 1, 30}}, // slots out of order
+        {.n = 3, .slot = {0, 1, 2}, .n_tok = {50, 1, 40}}, // slot 2 crosses 128
+        {.n = 3, .slot = {0, 1, 2}, .n_tok = {1, 1, 1}},
+        {.n = 1, .slot = {1}, .n_tok = {90}},
+        {.n = 3, .slot = {0, 1, 2}, .n_tok = {70, 10, 5}},
+        // (c) slot 1 starts a new sequence at position 0 while the others continue
+        {.n = 3, .slot = {1, 0, 2}, .n_tok = {20, 1, 3}, .restart = {true, false, false}},
+        {.n = 3, .slot = {0, 1, 2}, .n_tok = {1, 17, 1}},
+    };
+    for (size_t i = 0; i < sizeof steps / sizeof steps[0]; i++) run_step(&h, &steps[i]);
+    report(&h, "(b, c) ragged batches with a restart");
+
+    // (d) refused calls leave every slot as it was.
+    int32_t tok[MAX_ROWS + 1] = {0}, row0 = 0;
+    int32_t past[N_SLOTS];
+    for (int s = 0; s < N_SLOTS; s++) past[s] = di_dsv4_dev_n_past(h.st, s);
+    di_dsv4_dev_seq bad[][2] = {
+        {{.slot = 0, .pos = past[0] + 1, .n_tok = 1}}, // wrong position
+        {{.slot = 0, .pos = 5, .n_tok = 1}},           // neither n_past nor 0
+        {{.slot = N_SLOTS, .pos = 0, .n_tok = 1}},     // bad slot
+        {{.slot = -1, .pos = 0, .n_tok = 1}},
+        {{.slot = 0, .pos = 0, .n_tok = MAX_ROWS + 1}}, // too many rows
+        {{.slot = 0, .pos = past[0], .n_tok = 0}},      // no tokens
+        {{.slot = 2, .pos = past[2], .n_tok = N_CTX - past[2] + 1}},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK_EQ(di_dsv4_dev_forward(h.st, bad[i], 1, tok, &row0, 1, h.got), DI_ERR_INVALID);
+    }
+    di_dsv4_dev_seq twice[2] = {{.slot = 1, .pos = past[1], .n_tok = 1},
+                                {.slot = 1, .pos = past[1], .n_tok = 1}};
+    CHECK_EQ(di_dsv4_dev_forward(h.st, twice, 2, tok, &row0, 1, h.got), DI_ERR_INVALID);
+    di_dsv4_dev_seq ok = {.slot = 0, .pos = past[0], .n_tok = 2};
+    int32_t bad_tok[2] = {0, h.V}, desc_rows[2] = {1, 0};
+    CHECK_EQ(di_dsv4_dev_forward(h.st, &ok, 1, bad_tok, &row0, 1, h.got), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv4_dev_forward(h.st, &ok, 1, tok, desc_rows, 2, h.got), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv4_dev_forward(h.st, &ok, 1, tok, &row0, 1, NULL), DI_ERR_INVALID);
+    for (int s = 0; s < N_SLOTS; s++) CHECK_EQ(di_dsv4_dev_n_past(h.st, s), past[s]);
+    // ... and the slots continue exactly.
+    h.rows = 0, h.max_diff = 0;
+    const step after = {.n = 3, .slot = {2, 1, 0}, .n_tok = {1, 2, 3}};
+    run_step(&h, &after);
+    report(&h, "(d) after refused calls");
+    close_ctx(&h);
+}
+
+// (e) di_dsv4_dev_attach: plain sessions on the device-resident forward vs a model without it.
+static void test_attach(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    di_model *cpu = NULL, *dev = NULL;
+    di_backend *b = NULL;
+    CHECK(di_model_load(g_dir, &mo, &cpu) == DI_OK);
+    CHECK(di_model_load(g_dir, &mo, &dev) == DI_OK);
+    CHECK(di_cpu_backend_create(2, &b) == DI_OK);
+    if (!cpu || !dev || !b) goto done;
+    CHECK_EQ(di_dsv4_dev_attach(dev, b), DI_OK);
+    CHECK_EQ(di_dsv4_dev_attach(dev, b), DI_ERR_INVALID); // one per model
+    {
+        const int32_t n_ctx = 300, V = cpu->hp.n_vocab;
+        di_session_options so = {.n_ctx_max = n_ctx};
+        di_session *a = NULL, *s = NULL;
+        CHECK(di_session_create(cpu, &so, &a) == DI_OK);
+        CHECK(di_session_create(dev, &so, &s) == DI_OK);
+        CHECK(s && s->dev && a && !a->dev);
+        float *ra = malloc(sizeof(float) * (size_t)n_ctx * (size_t)V);
+        float *rs = malloc(sizeof(float) * (size_t)n_ctx * (size_t)V);
+        int32_t toks[300];
+        for (int32_t t = 0; t < n_ctx; t++) toks[t] = token_of(0, 0, t, V);
+        double max_diff = 0, max_ref = 0;
+        // 270 rows: more than a session's dev call (DI_DSV4_DEV_SESSION_ROWS), fed in chunks.
+        const int32_t chunks[] = {270, 1, 1, 20};
+        const bool last_only[] = {false, true, false, true};
+        int32_t p = 0;
+        for (int k = 0; k < 4; k++) {
+            di_forward_out fa = {.logits = ra, .last_only = last_only[k]};
+            di_forward_out fs = {.logits = rs, .last_only = last_only[k]};
+            CHECK_EQ(di_session_forward(a, toks + p, chunks[k], &fa), DI_OK);
+            CHECK_EQ(di_session_forward(s, toks + p, chunks[k], &fs), DI_OK);
+            int64_t n = (last_only[k] ? 1 : chunks[k]) * (int64_t)V;
+            for (int64_t i = 0; i < n; i++) {
+                if (fabs(ra[i]) > max_ref) max_ref = fabs(ra[i]);
+                double e = fabs((double)rs[i] - ra[i]);
+                if (!(e <= max_diff)) max_diff = isnan(e) ? INFINITY : e;
+            }
+            p += chunks[k];
+        }
+        CHECK_EQ(di_session_n_past(s), 292);
+        fprintf(stderr, "(e) attached: max |dev - cpu| = %.3g of max |logit| %.3g\n", max_diff,
+                max_ref);
+        CHECK(max_diff <= TOL_DEV * max_ref);
+        void *bytes = NULL;
+        size_t nb = 0;
+        CHECK_EQ(di_session_save(s, &bytes, &nb), DI_ERR_UNSUPPORTED);
+        // Reset starts slot 0 afresh: the first position again.
+        di_session_reset(s);
+        di_session_reset(a);
+        di_forward_out fa = {.logits = ra}, fs = {.logits = rs};
+        CHECK_EQ(di_session_forward(a, toks, 3, &fa), DI_OK);
+        CHECK_EQ(di_session_forward(s, toks, 3, &fs), DI_OK);
+        for (int64_t i = 0; i < 3 * (int64_t)V; i++)
+            CHECK(fabs((double)rs[i] - ra[i]) <= TOL_DEV * max_ref);
+        free(ra);
+        free(rs);
+        di_session_destroy(a);
+        di_session_destroy(s);
+        // MTP sessions keep the CPU forward.
+        so.mtp = true;
+        CHECK(di_session_create(dev, &so, &s) == DI_OK);
+        CHECK(s && !s->dev);
+        di_session_destroy(s);
+    }
+done:
+    di_model_destroy(dev); // before the backend it borrows
+    di_model_destroy(cpu);
+    di_backend_destroy(b);
+}
+
+// The model refuses what the forward does not do.
+static void test_unsupported(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    mo.precision = DI_PRECISION_OFFICIAL;
+    di_model *m = NULL;
+    di_backend *b = NULL;
+    di_dsv4_dev *d = NULL;
+    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
+    CHECK(di_cpu_backend_create(1, &b) == DI_OK);
+    if (m && b) CHECK_EQ(di_dsv4_dev_create(m, b, &d), DI_ERR_UNSUPPORTED);
+    CHECK(d == NULL);
+    di_device cuda = {.kind = DI_DEVICE_CUDA};
+    di_backend *cb = NULL;
+    if (di_device_check(&cuda) == DI_ERR_UNSUPPORTED) // a build without CUDA
+        CHECK_EQ(di_backend_open(&cuda, 1, &cb), DI_ERR_UNSUPPORTED);
+    di_backend_destroy(cb);
+    di_model_destroy(m);
+    di_backend_destroy(b);
+}
+
+int main(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/di_test_dev_XXXXXX");
+    if (!mkdtemp(g_dir)) return 1;
+    di_synth_config c;
+    CHECK(di_synth_preset("tiny-128", &c) == DI_OK);
+    c.n_vocab = V_SYNTH;
+    CHECK(di_synth_write(&c, g_dir) == DI_OK);
+    RUN(test_one_sequence_synth);
+    RUN(test_one_sequence_fixture);
+    RUN(test_ragged);
+    RUN(test_attach);
+    RUN(test_unsupported);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    return test_finish();
+}
