@@ -498,8 +498,8 @@ static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok
             logits = out->logits;
         }
         di_dsv4_dev_seq seq = {.slot = 0, .pos = s->pos, .n_tok = n};
-        di_status st = di_dsv4_dev_forward(s->dev, &seq, 1, tokens + done, s->dev_rows, n_rows,
-                                           logits);
+        di_status st =
+            di_dsv4_dev_forward(s->dev, &seq, 1, tokens + done, s->dev_rows, n_rows, logits);
         if (st != DI_OK) {
             s->pos = 0; // the device state of this call is incomplete: start again
             return st;

@@ -117,7 +117,7 @@ static di_status up_cmp(di_dsv4_dev *d, const di_dsv4_compressor_w *cw, dev_cmp 
 
 // The experts' tensors: each uploaded, then the array of them copied into backend memory.
 static di_status up_experts(di_dsv4_dev *d, const di_tensor *w, int32_t E, di_tensor *tmp,
-                           const di_tensor **out) {
+                            const di_tensor **out) {
     di_status st = DI_OK;
     for (int32_t e = 0; e < E && st == DI_OK; e++) st = up_weight(d, &w[e], &tmp[e]);
     void *p = NULL;
@@ -220,7 +220,8 @@ di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
     DI_TRY(up_hc(d, &m->hc_head, hp->hc_mult, 1, &d->hc_head));
     DI_TRY(up_floats(d, m->omega_main, half, &d->omega_main));
     DI_TRY(up_floats(d, m->omega_compress, half, &d->omega_compress));
-    for (int il = 0; il < hp->n_layer; il++) DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
+    for (int il = 0; il < hp->n_layer; il++)
+        DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
     DI_TRY(b->vt->sync(b)); // the host arrays of the uploads may be reused after this
     di_free(tmp);
     *out = d;
@@ -267,9 +268,9 @@ typedef struct ratio_class {
 } ratio_class;
 
 typedef struct dev_lstate {
-    float *kv;             // [max_rows + n_slots * slot_rows, Dh]
-    float *idx;            // CSA: [n_slots * cap, DI]
-    float *ring_c, *ring_z; // compressing: [n_slots * R, c * d]
+    float *kv;                // [max_rows + n_slots * slot_rows, Dh]
+    float *idx;               // CSA: [n_slots * cap, DI]
+    float *ring_c, *ring_z;   // compressing: [n_slots * R, c * d]
     float *iring_c, *iring_z; // CSA indexer compressor
 } dev_lstate;
 
@@ -395,9 +396,9 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     if (!s) return;
     for (int i = 0; i < MAX_CLASSES; i++) {
         ratio_class *k = &s->cls[i];
-        iarr *arrs[] = {&k->key_idx,     &k->n_keys,   &k->win_dst, &k->src,   &k->ent_pos,
-                        &k->ent_dst,     &k->ring_dst, &k->base,    &k->off,   &k->n_vis,
-                        &k->ent_dst_idx, &k->key_base};
+        iarr *arrs[] = {&k->key_idx, &k->n_keys,  &k->win_dst,     &k->src,
+                        &k->ent_pos, &k->ent_dst, &k->ring_dst,    &k->base,
+                        &k->off,     &k->n_vis,   &k->ent_dst_idx, &k->key_base};
         for (size_t j = 0; j < sizeof arrs / sizeof arrs[0]; j++) iarr_free(arrs[j]);
         di_free(k->win_off);
         di_free(k->ring_off);
@@ -415,8 +416,8 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     di_free(s);
 }
 
-di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx,
-                                   int32_t max_rows, di_dsv4_dev_state **out) {
+di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
+                                   di_dsv4_dev_state **out) {
     const di_model *m = d->m;
     const di_hparams *hp = &m->hp;
     if (n_slots < 1 || n_ctx < 1 || max_rows < 1) {
@@ -431,7 +432,8 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
         int32_t r = m->layers[il].ratio;
         int64_t rows = T + (int64_t)n_slots * (W + (r > 0 ? n_ctx / r : 0));
         if (rows > INT32_MAX / 2) {
-            DI_LOG_ERROR("dev state: %lld KV rows per layer overflow the row index", (long long)rows);
+            DI_LOG_ERROR("dev state: %lld KV rows per layer overflow the row index",
+                         (long long)rows);
             return DI_ERR_INVALID;
         }
     }
@@ -821,8 +823,8 @@ static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *s
             return DI_ERR_INVALID;
         }
         if (sq->pos != 0 && sq->pos != s->n_past[sq->slot]) {
-            DI_LOG_ERROR("dev forward: slot %d is at position %d, not %d (0 restarts it)",
-                         sq->slot, s->n_past[sq->slot], sq->pos);
+            DI_LOG_ERROR("dev forward: slot %d is at position %d, not %d (0 restarts it)", sq->slot,
+                         s->n_past[sq->slot], sq->pos);
             return DI_ERR_INVALID;
         }
         if ((int64_t)sq->pos + sq->n_tok > s->n_ctx) {
@@ -844,12 +846,14 @@ static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *s
             return DI_ERR_INVALID;
         }
     }
-    if (n_logit_rows < 0 || n_logit_rows > n_rows || (n_logit_rows > 0 && (!logits || !logit_rows))) {
+    if (n_logit_rows < 0 || n_logit_rows > n_rows ||
+        (n_logit_rows > 0 && (!logits || !logit_rows))) {
         DI_LOG_ERROR("dev forward: %d logit rows for %lld rows", n_logit_rows, (long long)n_rows);
         return DI_ERR_INVALID;
     }
     for (int32_t k = 0; k < n_logit_rows; k++) {
-        if (logit_rows[k] < 0 || logit_rows[k] >= n_rows || (k > 0 && logit_rows[k] <= logit_rows[k - 1])) {
+        if (logit_rows[k] < 0 || logit_rows[k] >= n_rows ||
+            (k > 0 && logit_rows[k] <= logit_rows[k - 1])) {
             DI_LOG_ERROR("dev forward: logit row %d (index %d) is out of range or not ascending",
                          logit_rows[k], k);
             return DI_ERR_INVALID;

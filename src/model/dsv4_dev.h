@@ -45,8 +45,8 @@ void di_dsv4_dev_destroy(di_dsv4_dev *d); // NULL: no-op
 
 // The state of n_slots sequences of up to n_ctx positions each, for calls of up to max_rows rows
 // in total. Every slot starts empty. DI_ERR_INVALID (counts < 1, index overflow), DI_ERR_NOMEM.
-di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx,
-                                   int32_t max_rows, di_dsv4_dev_state **out);
+di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
+                                   di_dsv4_dev_state **out);
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s); // NULL: no-op
 
 typedef struct di_dsv4_dev_seq {

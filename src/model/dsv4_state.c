@@ -135,8 +135,8 @@ di_status di_session_create(di_model *m, const di_session_options *opt, di_sessi
     if (m->dev && !s->mtp) {
         // The device-resident forward: one slot of the whole context, sized once; calls longer
         // than dev_max_rows rows are fed in chunks (the same logits as one call).
-        s->dev_max_rows = s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max
-                                                                  : DI_DSV4_DEV_SESSION_ROWS;
+        s->dev_max_rows =
+            s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max : DI_DSV4_DEV_SESSION_ROWS;
         s->dev_rows = di_malloc(sizeof(int32_t) * (size_t)s->dev_max_rows);
         if (!s->dev_rows) {
             st = DI_ERR_NOMEM;

@@ -91,7 +91,8 @@ static void run_step(harness_ctx *h, const step *sp) {
         }
         int32_t pos = di_session_n_past(h->ses[s]);
         seqs[i] = (di_dsv4_dev_seq){.slot = s, .pos = pos, .n_tok = sp->n_tok[i]};
-        for (int32_t t = 0; t < sp->n_tok[i]; t++) tokens[T + t] = token_of(s, h->gen[s], pos + t, h->V);
+        for (int32_t t = 0; t < sp->n_tok[i]; t++)
+            tokens[T + t] = token_of(s, h->gen[s], pos + t, h->V);
         T += sp->n_tok[i];
     }
     for (int32_t t = 0; t < T; t++) rows[t] = t;
@@ -120,7 +121,10 @@ static void report(const harness_ctx *h, const char *what) {
     CHECK(rel <= TOL_DEV);
 }
 
-#define ONE(slot_, n_tok_) {.n = 1, .slot = {slot_}, .n_tok = {n_tok_}}
+#define ONE(slot_, n_tok_)                                                                         \
+    {                                                                                              \
+        .n = 1, .slot = {slot_}, .n_tok = { n_tok_ }                                               \
+    }
 
 // (a) one sequence: 1, 3, 5 (crosses CSA windows and the 16-row window), 64 (to 73), 60 (crosses
 // 128: the first HCA window closes mid-chunk), decodes, 96, then 30 (crosses 256).
