@@ -14,7 +14,8 @@
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/status.h"
-#include "model/dsv4_dev.h" // the device-resident forward
+#include "backend/backend.h" // di_backend (the device-resident forward)
+#include "model/dsv4_dev.h"  // the device-resident forward
 #include "model/dsv4_gguf.h"
 #include "tensor/quant_ref.h"
 
@@ -225,6 +226,9 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
         (long long)m->n_params_mtp);
     OUT("tensor bytes      %zu\n", di_st_set_data_bytes(m->st));
     OUT("device            %s\n", m->accel.matmul ? m->accel.desc : "cpu");
+    if (m->dev_backend)
+        OUT("device forward    %s (sessions without MTP; the engine offloads matmuls)\n",
+            m->dev_backend->desc);
     OUT("vocab             %d\n", hp->n_vocab);
     OUT("hidden            %d, %d layers, %d MTP block(s) loaded of %d declared\n", hp->n_embd,
         hp->n_layer, m->n_mtp_loaded, hp->n_mtp);

@@ -467,6 +467,13 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
         }
         s->layer_cls[il] = (int8_t)k;
         const ratio_class *rc = &s->cls[k];
+        // One pool layout per ratio: every layer of a ratio must pool the same way.
+        if (lw->ratio > 0 && (lw->cmp.c != rc->c || (lw->ratio == 4 && lw->idx_cmp.c != rc->c))) {
+            DI_LOG_ERROR("dev state: layer %d: ratio %d with %d-fold windows, other layers %d", il,
+                         lw->ratio, lw->cmp.c, rc->c);
+            st = DI_ERR_UNSUPPORTED;
+            goto fail;
+        }
         dev_lstate *ls = &s->ls[il];
         DI_TRY(st_floats(s, (T + n_slots * rc->slot_rows) * Dh, &ls->kv));
         if (lw->ratio > 0) {
