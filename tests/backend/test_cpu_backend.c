@@ -1,0 +1,162 @@
+// The CPU backend's ops (backend/cpu/cpu_backend.c) on small hand-made inputs, against the
+// contracts of backend/backend.h written out as plain loops: compress_pool's row sources (this
+// call's rows, the ring, the absent overlap of window 0), attention's masked keys and sink, top-k
+// ties and padding, offset_list, scatter_rows, add_ape, embed, memory alignment. The whole
+// forward on this backend is tested against the model in tests/model/test_dev_forward.c.
+#include "harness.h"
+
+#include <math.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+
+// The backend runs the same float operations in the same order as these loops; only a compiler
+// contracting a multiply-add differently could move a result, by an ulp or so.
+#define TOL_OP 1e-6
+
+static di_backend *g_b;
+
+static void test_alloc(void) {
+    void *p = NULL;
+    CHECK_EQ(g_b->vt->alloc(g_b, 1000, &p), DI_OK);
+    CHECK(p && ((uintptr_t)p % 256) == 0);
+    CHECK_EQ(g_b->vt->memset(g_b, p, 0, 1000), DI_OK);
+    g_b->vt->free(g_b, p);
+    g_b->vt->free(g_b, NULL);
+    CHECK_EQ(g_b->vt->sync(g_b), DI_OK);
+    CHECK(g_b->device.kind == DI_DEVICE_CPU && strncmp(g_b->desc, "cpu", 3) == 0);
+}
+
+// Windows of m = 2, c = 2, d = 3: window 0 (no overlap) from call rows, window 1 with its overlap
+// from the ring and its own tokens from the call.
+static void test_compress_pool(void) {
+    enum { M = 2, C = 2, Dd = 3, W = C * Dd };
+    float call_c[4 * W], call_z[4 * W], ring_c[4 * W], ring_z[4 * W];
+    for (int i = 0; i < 4 * W; i++) {
+        call_c[i] = (float)sin(i * 0.7), call_z[i] = (float)cos(i * 0.3);
+        ring_c[i] = (float)sin(i * 1.3 + 1), ring_z[i] = (float)cos(i * 0.9 + 2);
+    }
+    // window 0: overlap absent, tokens call rows 0, 1; window 1: overlap ring rows 2, 3 (encoded
+    // -3, -4), tokens call rows 2, 3.
+    const int32_t src[2 * C * M] = {DI_BACKEND_NO_ROW, DI_BACKEND_NO_ROW, 0, 1, -3, -4, 2, 3};
+    float got[2 * Dd];
+    CHECK_EQ(g_b->vt->compress_pool(g_b, call_c, call_z, W, ring_c, ring_z, src, 2, M, C, Dd, got),
+             DI_OK);
+    for (int w = 0; w < 2; w++) {
+        for (int ch = 0; ch < Dd; ch++) {
+            const float *zc[4], *cc[4];
+            int n = 0;
+            if (w == 1)
+                for (int j = 0; j < M; j++)
+                    zc[n] = ring_z + (2 + j) * W + ch, cc[n++] = ring_c + (2 + j) * W + ch;
+            for (int j = 0; j < M; j++) {
+                int r = 2 * w + j;
+                zc[n] = call_z + r * W + Dd + ch, cc[n++] = call_c + r * W + Dd + ch;
+            }
+            float mx = -INFINITY, den = 0, num = 0;
+            for (int j = 0; j < n; j++) mx = fmaxf(mx, *zc[j]);
+            for (int j = 0; j < n; j++) {
+                float p = expf(*zc[j] - mx);
+                den += p, num += p * *cc[j];
+            }
+            CHECK_NEAR(got[w * Dd + ch], num / den, TOL_OP);
+        }
+    }
+    // c = 1: slots are the window's own tokens, columns [0, d).
+    const int32_t src1[M] = {-1, 0};
+    float one[Dd];
+    CHECK_EQ(g_b->vt->compress_pool(g_b, call_c, call_z, W, ring_c, ring_z, src1, 1, M, 1, Dd, one),
+             DI_OK);
+    for (int ch = 0; ch < Dd; ch++) {
+        float z0 = ring_z[0 * Dd + ch], z1 = call_z[ch], mx = fmaxf(z0, z1);
+        float p0 = expf(z0 - mx), p1 = expf(z1 - mx);
+        float want = (p0 * ring_c[ch] + p1 * call_c[ch]) / (p0 + p1);
+        CHECK_NEAR(one[ch], want, TOL_OP);
+    }
+}
+
+// Masked keys change nothing; a row without keys gives zero (the sink takes all the mass).
+static void test_attn(void) {
+    enum { H = 2, DH = 8, NK = 5 };
+    float q[2 * H * DH], pool[NK * DH], sink[H] = {0.5f, -1.0f}, o1[2 * H * DH], o2[2 * H * DH];
+    for (int i = 0; i < 2 * H * DH; i++) q[i] = (float)sin(i * 0.37);
+    for (int i = 0; i < NK * DH; i++) pool[i] = (float)cos(i * 0.11);
+    const int32_t dense[2 * 4] = {0, 2, 4, 0, 0, 0, 0, 0},
+                            masked[2 * 4] = {0, -1, 2, 4, 0, 0, 0, 0};
+    const int32_t n_dense[2] = {3, 0}, n_masked[2] = {4, 0};
+    const float scale = 1.0f / sqrtf(DH);
+    CHECK_EQ(g_b->vt->attn(g_b, q, pool, dense, 4, n_dense, 4, sink, 2, H, DH, scale, o1), DI_OK);
+    CHECK_EQ(g_b->vt->attn(g_b, q, pool, masked, 4, n_masked, 4, sink, 2, H, DH, scale, o2), DI_OK);
+    CHECK(memcmp(o1, o2, sizeof o1) == 0);
+    for (int i = H * DH; i < 2 * H * DH; i++) CHECK_EQ(o1[i], 0.0f);
+    // Head 0 of row 0 by hand.
+    float s[3], mx = sink[0], den, out[DH] = {0};
+    for (int j = 0; j < 3; j++) {
+        float acc = 0;
+        for (int i = 0; i < DH; i++) acc += q[i] * pool[dense[j] * DH + i];
+        s[j] = acc * scale;
+        mx = fmaxf(mx, s[j]);
+    }
+    den = expf(sink[0] - mx);
+    for (int j = 0; j < 3; j++) den += (s[j] = expf(s[j] - mx));
+    for (int j = 0; j < 3; j++)
+        for (int i = 0; i < DH; i++) out[i] += s[j] / den * pool[dense[j] * DH + i];
+    for (int i = 0; i < DH; i++) CHECK_NEAR(o1[i], out[i], 1e-5);
+    // n_keys beyond max_keys is refused.
+    const int32_t too_many[2] = {5, 0};
+    CHECK_EQ(g_b->vt->attn(g_b, q, pool, dense, 4, too_many, 4, sink, 2, H, DH, scale, o1),
+             DI_ERR_INVALID);
+}
+
+static void test_topk_offsets(void) {
+    // Row 0: ties to the lower index; row 1: k == n_vis selects all (scores unread: NaN);
+    // row 2: nothing visible, all padding.
+    const float sc[3 * 6] = {1, 3, 3, 0, 3, 2, NAN, NAN, NAN, NAN, NAN, NAN};
+    const int32_t n_vis[3] = {6, 2, 0};
+    int32_t sel[3 * 3];
+    CHECK_EQ(g_b->vt->topk(g_b, sc, 6, n_vis, 3, 3, sel), DI_OK);
+    const int32_t want[9] = {1, 2, 4, 0, 1, -1, -1, -1, -1};
+    CHECK(memcmp(sel, want, sizeof want) == 0);
+    int32_t dst[3 * 5];
+    for (int i = 0; i < 15; i++) dst[i] = 99;
+    const int32_t base[3] = {100, 200, 300}, off[3] = {2, 0, 1};
+    CHECK_EQ(g_b->vt->offset_list(g_b, sel, 3, 3, base, off, dst, 5), DI_OK);
+    const int32_t want_dst[15] = {99, 99, 101, 102, 104, 200, 201, -1, 99, 99, 99, -1, -1, -1, 99};
+    CHECK(memcmp(dst, want_dst, sizeof want_dst) == 0);
+}
+
+static void test_rows(void) {
+    float src[3 * 4], dst[5 * 4] = {0}, z[3 * 2] = {0}, ape[3 * 2];
+    for (int i = 0; i < 12; i++) src[i] = (float)i;
+    for (int i = 0; i < 6; i++) ape[i] = (float)(10 * i);
+    const int32_t rows[2] = {4, 1}, pos[3] = {5, 3, 0};
+    // rows 0 and 1 of src (2 of 4 floats each, stride 4) into dst rows 4 and 1.
+    CHECK_EQ(g_b->vt->scatter_rows(g_b, src, 2, 4, 2, dst, 4, rows), DI_OK);
+    CHECK(dst[16] == 0 && dst[17] == 1 && dst[4] == 4 && dst[5] == 5 && dst[6] == 0);
+    CHECK_EQ(g_b->vt->add_ape(g_b, z, 3, 2, 2, ape, pos, 3), DI_OK);
+    const float want[6] = {40, 50, 0, 10, 0, 10}; // pos mod 3 = 2, 0, 0
+    CHECK(memcmp(z, want, sizeof want) == 0);
+    // embed: row ids[t] of an F32 table into every copy.
+    float table[3 * 2] = {1, 2, 3, 4, 5, 6}, x[2 * 2 * 2];
+    di_tensor t = {.kind = DI_TENSOR_KIND_F32, .ne = {2, 3}, .nb1 = 8, .data = table};
+    const int32_t ids[2] = {2, 0};
+    CHECK_EQ(g_b->vt->embed(g_b, &t, ids, 2, 2, x), DI_OK);
+    const float want_x[8] = {5, 6, 5, 6, 1, 2, 1, 2};
+    CHECK(memcmp(x, want_x, sizeof want_x) == 0);
+    const int32_t bad[1] = {3};
+    CHECK_EQ(g_b->vt->embed(g_b, &t, bad, 1, 2, x), DI_ERR_INVALID);
+}
+
+int main(void) {
+    di_device cpu = {.kind = DI_DEVICE_CPU};
+    CHECK_EQ(di_backend_open(&cpu, 2, &g_b), DI_OK);
+    if (!g_b) return test_finish();
+    RUN(test_alloc);
+    RUN(test_compress_pool);
+    RUN(test_attn);
+    RUN(test_topk_offsets);
+    RUN(test_rows);
+    di_backend_destroy(g_b);
+    di_backend_destroy(NULL);
+    return test_finish();
+}
