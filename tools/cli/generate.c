@@ -220,6 +220,10 @@ int di_cli_generate(int argc, char **argv) {
     }
     di_session_options so = di_session_options_default();
     so.mtp = dspark;
+    // On a GPU the session's state is sized for its whole context at create (the device-resident
+    // forward): the prompt, the output and a verified draft block, not the model's maximum.
+    if (ma.opt.device.kind == DI_DEVICE_CUDA && (int64_t)n_prompt + n_gen + 17 < INT32_MAX)
+        so.n_ctx_max = (int32_t)(n_prompt + n_gen + 17);
     if ((st = di_session_create(m, &so, &s)) != DI_OK) {
         fprintf(stderr, "deepinfer generate: %s\n", di_status_str(st));
         goto done;

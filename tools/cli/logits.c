@@ -98,6 +98,9 @@ int di_cli_logits(int argc, char **argv) {
     di_model_get_info(m, &info);
     di_session_options so = di_session_options_default();
     so.mtp = mtp_out != NULL || dspark_out != NULL;
+    // On a GPU the session's state is sized for its whole context at create (the device-resident
+    // forward): these tokens, not the model's maximum.
+    if (ma.opt.device.kind == DI_DEVICE_CUDA) so.n_ctx_max = n_tok;
     if ((st = di_session_create(m, &so, &s)) != DI_OK) {
         fprintf(stderr, "deepinfer logits: %s\n", di_status_str(st));
         goto done;
