@@ -52,7 +52,7 @@ typedef struct di_backend_moe_w {
                                    // themselves in backend memory
     di_tensor sh_w1, sh_w2, sh_w3; // shared expert
     int32_t n_expert, n_used;
-    int64_t D, F;
+    int64_t D, F; // F: the routed experts' width (the shared expert's is sh_w1.ne[1])
     float route_scale, swiglu_limit;
     bool shared_clamp; // the shared expert's SwiGLU is clamped too
     bool hf_eps;       // the routing-weight denominator gets + 1e-20 (model's rule)
