@@ -77,6 +77,7 @@ typedef struct step {
     int n;
     int slot[N_SLOTS], n_tok[N_SLOTS];
     bool restart[N_SLOTS];
+    bool last_rows; // logits of each sequence's last row only (gathered rows), else every row
 } step;
 
 static void run_step(harness_ctx *h, const step *sp) {
@@ -95,22 +96,28 @@ static void run_step(harness_ctx *h, const step *sp) {
             tokens[T + t] = token_of(s, h->gen[s], pos + t, h->V);
         T += sp->n_tok[i];
     }
-    for (int32_t t = 0; t < T; t++) rows[t] = t;
-    CHECK_EQ(di_dsv4_dev_forward(h->st, seqs, sp->n, tokens, rows, T, h->got), DI_OK);
-    int32_t r0 = 0;
+    int32_t n_rows = 0;
+    for (int32_t i = 0, r = 0; i < sp->n; r += sp->n_tok[i++])
+        for (int32_t t = sp->last_rows ? sp->n_tok[i] - 1 : 0; t < sp->n_tok[i]; t++)
+            rows[n_rows++] = r + t;
+    CHECK_EQ(di_dsv4_dev_forward(h->st, seqs, sp->n, tokens, rows, n_rows, h->got), DI_OK);
+    int32_t r0 = 0, k_got = 0;
     for (int i = 0; i < sp->n; i++) {
         int s = sp->slot[i];
-        di_forward_out fo = {.logits = h->ref};
+        di_forward_out fo = {.logits = h->ref, .last_only = sp->last_rows};
         CHECK_EQ(di_session_forward(h->ses[s], tokens + r0, sp->n_tok[i], &fo), DI_OK);
         CHECK_EQ(di_dsv4_dev_n_past(h->st, s), di_session_n_past(h->ses[s]));
-        for (int64_t k = 0; k < (int64_t)sp->n_tok[i] * h->V; k++) {
-            double r = h->ref[k], g = h->got[(int64_t)r0 * h->V + k];
+        const int32_t n = sp->last_rows ? 1 : sp->n_tok[i];
+        for (int64_t k = 0; k < (int64_t)n * h->V; k++) {
+            double r = h->ref[k], g = h->got[(int64_t)k_got * h->V + k];
             if (fabs(r) > h->max_ref) h->max_ref = fabs(r);
             if (!(fabs(g - r) <= h->max_diff)) h->max_diff = isnan(g) ? INFINITY : fabs(g - r);
         }
-        h->rows += sp->n_tok[i];
+        h->rows += n;
+        k_got += n;
         r0 += sp->n_tok[i];
     }
+    CHECK_EQ(k_got, n_rows);
 }
 
 static void report(const harness_ctx *h, const char *what) {
@@ -167,7 +174,8 @@ static void test_ragged(void) {
         {.n = 3, .slot = {2, 0, 1}, .n_tok = {60, 1, 30}}, // slots out of order
         {.n = 3, .slot = {0, 1, 2}, .n_tok = {50, 1, 40}}, // slot 2 crosses 128
         {.n = 3, .slot = {0, 1, 2}, .n_tok = {1, 1, 1}},
-        {.n = 1, .slot = {1}, .n_tok = {90}},
+        {.n = 3, .slot = {2, 0, 1}, .n_tok = {7, 3, 5}, .last_rows = true}, // gathered rows
+        {.n = 1, .slot = {1}, .n_tok = {85}},
         {.n = 3, .slot = {0, 1, 2}, .n_tok = {70, 10, 5}},
         // (c) slot 1 starts a new sequence at position 0 while the others continue
         {.n = 3, .slot = {1, 0, 2}, .n_tok = {20, 1, 3}, .restart = {true, false, false}},
