@@ -7,7 +7,7 @@
  *     run on it must give the model's own CPU forward (tests/model/test_dev_forward.c), which
  *     tests the forward's orchestration (state layout, key lists, compressor windows, ring
  *     updates) without a GPU.
- *   - CUDA (backend/cuda/cuda_ops.cu): the launchers of backend/cuda/*.cuh on a di_cuda context.
+ *   - CUDA (backend/cuda/cuda_ops.cu): the launchers of backend/cuda/<op>.cuh on a di_cuda context.
  * Every op of one backend is tested against the CPU backend on the same inputs
  * (tests/backend/cuda/test_cuda_ops.c).
  *
@@ -154,6 +154,10 @@ typedef struct di_backend_vt {
     di_status (*offset_list)(di_backend *b, const int32_t *sel, int32_t n_tok, int32_t k,
                              const int32_t *base, const int32_t *off, int32_t *dst,
                              int64_t dst_stride);
+
+    // ---- lifetime ----
+    // Frees everything the backend owns (context, blocks, uploaded weights) and b itself.
+    void (*destroy)(di_backend *b);
 } di_backend_vt;
 
 struct di_backend {
