@@ -381,6 +381,7 @@ static void moe_make(moe_layer &L, int32_t E, int32_t K, int64_t D, int64_t F) {
                      weight_bytes(L.w.gate);
     L.w.n_expert = E, L.w.n_used = K, L.w.D = D, L.w.F = F;
     L.w.route_scale = 1.5f, L.w.swiglu_limit = 10.0f, L.w.shared_clamp = true;
+    L.w.hf_eps = true;
     CK(cudaDeviceSynchronize()); // fills on the non-blocking stream vs legacy-stream copies
 }
 

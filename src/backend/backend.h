@@ -155,9 +155,9 @@ typedef struct di_backend_vt {
                              const int32_t *base, const int32_t *off, int32_t *dst,
                              int64_t dst_stride);
 
-    // ---- lifetime (added after the first version of this header) ----
-    // Frees everything the backend owns (its blocks, uploaded weights, context) and b itself;
-    // di_backend_destroy calls it. Required.
+    // ---- lifetime ----
+    // Frees everything the backend owns (context, blocks, uploaded weights) and b itself;
+    // di_backend_destroy calls it.
     void (*destroy)(di_backend *b);
 } di_backend_vt;
 

@@ -91,35 +91,56 @@ enum {
     ATTN_PER_LANE = DI_CUDA_ATTN_MAX_DH / 32
 };
 
+// Key row decoders of the exact SIMT kernel: at(idx, d) = dimension d of pool row idx (idx >= 0).
+// Two instances of attn_kernel, one per decoder: KeyRowsFp8 (di_cuda_attn, 584-byte KV rows) and
+// KeyRowsF32 (di_cuda_attn_f32, plain FP32 rows of dh floats).
+struct KeyRowsFp8 {
+    const uint8_t *pool;
+    int64_t row_bytes;
+    int32_t nope, n_rot;
+    __device__ __forceinline__ float at(int32_t idx, int32_t d) const {
+        return kv_at(pool + (int64_t)idx * row_bytes, d, nope, n_rot);
+    }
+};
+
+struct KeyRowsF32 {
+    const float *pool;
+    int32_t dh;
+    __device__ __forceinline__ float at(int32_t idx, int32_t d) const {
+        return pool[(int64_t)idx * dh + d];
+    }
+};
+
 // One block per (query row, head). Pass 1: a warp per key computes its score (lane l takes dims
 // l, l+32, ...: consecutive lanes read consecutive bytes); pass 2: max and sum with the sink;
 // pass 3: warps accumulate p_j k_j over their keys in registers, then sum across warps.
 // TODO(cuda): a block per (row, group of heads) reading each key once for all heads (MQA), with
 // 16-byte loads and the sink softmax done online: the decode-speed version (docs/cuda.md).
+template <class Rows>
 __global__ void __launch_bounds__(ATTN_THREADS)
-    attn_kernel(const float *__restrict__ q, const uint8_t *__restrict__ pool,
-                const int32_t *__restrict__ key_idx, int64_t key_stride,
-                const int32_t *__restrict__ n_keys, const float *__restrict__ sink, int32_t H,
-                int32_t dh, int32_t n_rot, int64_t row_bytes, float scale, float *__restrict__ o) {
+    attn_kernel(const float *__restrict__ q, Rows rows, const int32_t *__restrict__ key_idx,
+                int64_t key_stride, const int32_t *__restrict__ n_keys,
+                const float *__restrict__ sink, int32_t H, int32_t dh, float scale,
+                float *__restrict__ o) {
     extern __shared__ float sm[]; // q [dh] | red [ATTN_WARPS * dh] | scores [max_keys]
     __shared__ float red32[32];
     float *qs = sm, *part = sm + dh, *sc = part + ATTN_WARPS * dh;
     const int64_t t = blockIdx.x / H;
     const int32_t h = blockIdx.x % H;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int32_t nope = dh - n_rot, nk = n_keys[t];
+    const int32_t nk = n_keys[t];
     const float *qrow = q + (t * H + h) * dh;
     for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) qs[d] = qrow[d];
     __syncthreads();
     const int32_t *idx = key_idx + t * key_stride;
     for (int32_t j = warp; j < nk; j += ATTN_WARPS) {
-        if (idx[j] < 0) { // masked (top-k padding): no mass
+        const int32_t id = idx[j];
+        if (id < 0) { // masked (top-k padding): no mass
             if (lane == 0) sc[j] = -INFINITY;
             continue;
         }
-        const uint8_t *row = pool + (int64_t)idx[j] * row_bytes;
         float s = 0.0f;
-        for (int32_t d = lane; d < dh; d += 32) s = fmaf(qs[d], kv_at(row, d, nope, n_rot), s);
+        for (int32_t d = lane; d < dh; d += 32) s = fmaf(qs[d], rows.at(id, d), s);
         s = di_warp_sum(s);
         if (lane == 0) sc[j] = s * scale;
     }
@@ -134,13 +155,13 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     float acc[ATTN_PER_LANE];
     for (int i = 0; i < ATTN_PER_LANE; i++) acc[i] = 0.0f;
     for (int32_t j = warp; j < nk; j += ATTN_WARPS) {
-        if (idx[j] < 0) continue;
-        const uint8_t *row = pool + (int64_t)idx[j] * row_bytes;
+        const int32_t id = idx[j];
+        if (id < 0) continue;
         const float p = sc[j] * inv;
 #pragma unroll
         for (int i = 0; i < ATTN_PER_LANE; i++) {
             const int32_t d = lane + 32 * i;
-            if (d < dh) acc[i] = fmaf(p, kv_at(row, d, nope, n_rot), acc[i]);
+            if (d < dh) acc[i] = fmaf(p, rows.at(id, d), acc[i]);
         }
     }
 #pragma unroll
@@ -157,11 +178,12 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     }
 }
 
-extern "C" di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *pool,
-                                  const int32_t *key_idx, int64_t key_stride, const int32_t *n_keys,
-                                  int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
-                                  int32_t dh, int32_t n_rot, float scale, float *o) {
-    if ((dh - n_rot) % 64 != 0 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0) return DI_ERR_INVALID;
+// The launch shared by both decoders: shared memory q + per-warp partial outputs + scores.
+template <class Rows>
+static di_status attn_launch(di_cuda *cu, const float *q, Rows rows, const int32_t *key_idx,
+                             int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
+                             const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
+                             float *o) {
     if (n_tok <= 0 || H <= 0) return DI_OK;
     const size_t smem = sizeof(float) * ((size_t)dh * (1 + ATTN_WARPS) + (size_t)max_keys);
     if (smem > cu->smem_optin) {
@@ -169,13 +191,32 @@ extern "C" di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *po
                           max_keys, smem, cu->smem_optin);
         return DI_ERR_INVALID;
     }
-    CUDA_CHECK(
-        cudaFuncSetAttribute(attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    attn_kernel<<<(unsigned)((int64_t)n_tok * H), ATTN_THREADS, smem, di_stream(cu)>>>(
-        q, pool, key_idx, key_stride, n_keys, sink, H, dh, n_rot, di_cuda_kv_row_bytes(dh, n_rot),
-        scale, o);
+    CUDA_CHECK(cudaFuncSetAttribute(attn_kernel<Rows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)smem));
+    attn_kernel<Rows><<<(unsigned)((int64_t)n_tok * H), ATTN_THREADS, smem, di_stream(cu)>>>(
+        q, rows, key_idx, key_stride, n_keys, sink, H, dh, scale, o);
     DI_CUDA_LAUNCHED("attn_kernel");
     return DI_OK;
+}
+
+extern "C" di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *pool,
+                                  const int32_t *key_idx, int64_t key_stride, const int32_t *n_keys,
+                                  int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
+                                  int32_t dh, int32_t n_rot, float scale, float *o) {
+    if ((dh - n_rot) % 64 != 0 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0) return DI_ERR_INVALID;
+    const KeyRowsFp8 rows = {pool, di_cuda_kv_row_bytes(dh, n_rot), dh - n_rot, n_rot};
+    return attn_launch(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
+                       scale, o);
+}
+
+extern "C" di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *pool,
+                                      const int32_t *key_idx, int64_t key_stride,
+                                      const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                      int32_t n_tok, int32_t H, int32_t dh, float scale, float *o) {
+    if (dh < 1 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0 || H < 0) return DI_ERR_INVALID;
+    const KeyRowsF32 rows = {pool, dh};
+    return attn_launch(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
+                       scale, o);
 }
 
 // ---- attention on tensor cores (BF16 mma.sync, FlashMLA-style sparse decode) ----
@@ -621,6 +662,43 @@ extern "C" di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_
 
 // ---- compressor pooling ----
 
+// Softmax pooling of one channel over the slots in slot order, as model/dsv4_attn.c
+// compressor_step: the max over the present slots, then den and num accumulated in slot order,
+// entry = num / den. slots.get(j, &c, &z) loads slot j's values and says whether it holds a token.
+template <class Slots>
+__device__ __forceinline__ float pool_slots(const Slots &slots, int32_t n_slots) {
+    float mx = -INFINITY, cv, zv;
+    for (int32_t j = 0; j < n_slots; j++)
+        if (slots.get(j, &cv, &zv)) mx = fmaxf(mx, zv);
+    float den = 0, num = 0;
+    for (int32_t j = 0; j < n_slots; j++) {
+        if (!slots.get(j, &cv, &zv)) continue;
+        const float p = expf(zv - mx);
+        den += p;
+        num += p * cv;
+    }
+    return num / den;
+}
+
+// The staged layout of di_cuda_compress_pool: window w's buffer (and overlap) arrays.
+struct SlotsStaged {
+    const float *bc, *bz, *oc, *oz; // oc/oz NULL: no overlap
+    int32_t m, width, off, ch, d;
+    __device__ __forceinline__ bool get(int32_t j, float *c, float *z) const {
+        if (oc) {
+            if (j < m) {
+                *c = oc[j * d + ch];
+                *z = oz[j * d + ch];
+                return true;
+            }
+            j -= m;
+        }
+        *c = bc[j * width + off + ch];
+        *z = bz[j * width + off + ch];
+        return true;
+    }
+};
+
 __global__ void compress_pool_kernel(const float *__restrict__ buf_c,
                                      const float *__restrict__ buf_z,
                                      const float *__restrict__ ovl_c,
@@ -631,27 +709,13 @@ __global__ void compress_pool_kernel(const float *__restrict__ buf_c,
     if (k >= (int64_t)n_win * d) return;
     const int64_t w = k / d;
     const int32_t ch = (int32_t)(k % d), width = c * d;
-    const float *bc = buf_c + w * m * width, *bz = buf_z + w * m * width;
     const bool ovl = c == 2 && has_ovl && has_ovl[w];
-    const float *oc = ovl ? ovl_c + w * m * d : NULL, *oz = ovl ? ovl_z + w * m * d : NULL;
-    const int32_t off = c == 2 ? d : 0; // CSA: this window's slots are the second halves
-    float mx = -INFINITY;
-    if (ovl)
-        for (int32_t j = 0; j < m; j++) mx = fmaxf(mx, oz[j * d + ch]);
-    for (int32_t j = 0; j < m; j++) mx = fmaxf(mx, bz[j * width + off + ch]);
-    float den = 0, num = 0;
-    if (ovl)
-        for (int32_t j = 0; j < m; j++) {
-            const float p = expf(oz[j * d + ch] - mx);
-            den += p;
-            num += p * oc[j * d + ch];
-        }
-    for (int32_t j = 0; j < m; j++) {
-        const float p = expf(bz[j * width + off + ch] - mx);
-        den += p;
-        num += p * bc[j * width + off + ch];
-    }
-    entry[w * d + ch] = num / den;
+    SlotsStaged s;
+    s.bc = buf_c + w * m * width, s.bz = buf_z + w * m * width;
+    s.oc = ovl ? ovl_c + w * m * d : NULL, s.oz = ovl ? ovl_z + w * m * d : NULL;
+    s.m = m, s.width = width, s.ch = ch, s.d = d;
+    s.off = c == 2 ? d : 0; // CSA: this window's slots are the second halves
+    entry[w * d + ch] = pool_slots(s, ovl ? 2 * m : m);
 }
 
 extern "C" di_status di_cuda_compress_pool(di_cuda *cu, const float *buf_c, const float *buf_z,
@@ -664,5 +728,59 @@ extern "C" di_status di_cuda_compress_pool(di_cuda *cu, const float *buf_c, cons
     compress_pool_kernel<<<di_div_up(n, 256), 256, 0, di_stream(cu)>>>(
         buf_c, buf_z, ovl_c, ovl_z, has_ovl, n_win, m, c, d, entry);
     DI_CUDA_LAUNCHED("compress_pool_kernel");
+    return DI_OK;
+}
+
+// The index-listed layout of di_cuda_compress_pool_list: slot j of window w names its token row.
+struct SlotsListed {
+    const float *call_c, *call_z, *ring_c, *ring_z;
+    const int32_t *src; // window w's c*m slot rows
+    int64_t call_stride;
+    int32_t m, c, d, ch;
+    __device__ __forceinline__ bool get(int32_t j, float *cv, float *zv) const {
+        const int32_t idx = src[j];
+        if (idx == DI_CUDA_POOL_NO_ROW) return false;
+        const int64_t col = (c == 2 && j >= m ? d : 0) + ch; // CSA: overlap first halves, then
+                                                             // this window's second halves
+        if (idx >= 0) {
+            *cv = call_c[(int64_t)idx * call_stride + col];
+            *zv = call_z[(int64_t)idx * call_stride + col];
+        } else {
+            const int64_t r = -(int64_t)idx - 1;
+            *cv = ring_c[r * c * d + col];
+            *zv = ring_z[r * c * d + col];
+        }
+        return true;
+    }
+};
+
+__global__ void compress_pool_list_kernel(const float *__restrict__ call_c,
+                                          const float *__restrict__ call_z, int64_t call_stride,
+                                          const float *__restrict__ ring_c,
+                                          const float *__restrict__ ring_z,
+                                          const int32_t *__restrict__ src, int32_t n_win, int32_t m,
+                                          int32_t c, int32_t d, float *__restrict__ entry) {
+    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= (int64_t)n_win * d) return;
+    const int64_t w = k / d;
+    SlotsListed s;
+    s.call_c = call_c, s.call_z = call_z, s.ring_c = ring_c, s.ring_z = ring_z;
+    s.src = src + w * c * m;
+    s.call_stride = call_stride;
+    s.m = m, s.c = c, s.d = d, s.ch = (int32_t)(k % d);
+    entry[k] = pool_slots(s, c * m);
+}
+
+extern "C" di_status di_cuda_compress_pool_list(di_cuda *cu, const float *call_c,
+                                                const float *call_z, int64_t call_stride,
+                                                const float *ring_c, const float *ring_z,
+                                                const int32_t *src, int32_t n_win, int32_t m,
+                                                int32_t c, int32_t d, float *entry) {
+    if ((c != 1 && c != 2) || m < 1 || d < 0) return DI_ERR_INVALID;
+    const int64_t n = (int64_t)n_win * d;
+    if (n <= 0) return DI_OK;
+    compress_pool_list_kernel<<<di_div_up(n, 256), 256, 0, di_stream(cu)>>>(
+        call_c, call_z, call_stride, ring_c, ring_z, src, n_win, m, c, d, entry);
+    DI_CUDA_LAUNCHED("compress_pool_list_kernel");
     return DI_OK;
 }

@@ -55,6 +55,16 @@ di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *pool, const i
                        const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
                        float scale, float *o);
 
+// The same attention over plain FP32 key rows (the device-resident forward's K = V rows, dh floats
+// each at pool + idx * dh; backend.h `attn`): the kernel above with another row decoder, so the
+// same arithmetic (FP32 scores and sums). Any dh in [1, DI_CUDA_ATTN_MAX_DH], any H; n_keys[t]
+// 0 gives o = 0; masked (negative) keys take no mass. DI_ERR_CUDA, DI_ERR_INVALID (shape, or
+// max_keys needing more shared memory than the device has).
+di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *pool, const int32_t *key_idx,
+                           int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
+                           const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
+                           float *o);
+
 // The same function on tensor cores (the decode-speed kernel, FlashMLA-style sparse decode): one
 // block per (query row, group of 64 heads, key split) reads each listed KV row once for all its
 // heads, in tiles of 64 keys (cp.async double buffering), decodes them exactly to BF16 in shared
@@ -82,6 +92,21 @@ di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_t *pool,
 di_status di_cuda_compress_pool(di_cuda *cu, const float *buf_c, const float *buf_z,
                                 const float *ovl_c, const float *ovl_z, const uint8_t *has_ovl,
                                 int32_t n_win, int32_t m, int32_t c, int32_t d, float *entry);
+
+// compress_pool_list's "no token in this slot" (= backend.h DI_BACKEND_NO_ROW).
+#define DI_CUDA_POOL_NO_ROW INT32_MIN
+
+// The same pooling with the slots named by index lists (backend.h `compress_pool`): for window
+// w < n_win, src[w * c*m + j] is slot j's token row: idx >= 0 is row idx of (call_c, call_z),
+// call_stride floats apart; idx < 0 (not DI_CUDA_POOL_NO_ROW) is row -idx-1 of the token ring
+// (ring_c, ring_z), rows of c*d floats; DI_CUDA_POOL_NO_ROW: no token (skipped). c == 1: slots
+// j < m, columns [0, d); c == 2: slots j < m (the overlap) columns [0, d), slots m..2m-1 columns
+// [d, 2d). Same operation order as compressor_step (max, then den and num in slot order).
+// Every window has at least one token. entry: [n_win, d]. DI_ERR_INVALID (c, m), DI_ERR_CUDA.
+di_status di_cuda_compress_pool_list(di_cuda *cu, const float *call_c, const float *call_z,
+                                     int64_t call_stride, const float *ring_c, const float *ring_z,
+                                     const int32_t *src, int32_t n_win, int32_t m, int32_t c,
+                                     int32_t d, float *entry);
 
 #ifdef __cplusplus
 }

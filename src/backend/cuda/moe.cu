@@ -219,7 +219,7 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
         float *g = (float *)b[6], *u = (float *)b[7], *y = (float *)b[8], *sh = (float *)b[9];
         DI_TRY(di_cuda_matmul(cu, &w->gate, f, n_tok, D, logits, E)); // [T, E]
         DI_TRY(di_cuda_router(cu, logits, w->gate_bias, w->tid2eid, ids, n_tok, E, K,
-                              w->route_scale, true, sel, wgt));
+                              w->route_scale, w->hf_eps, sel, wgt));
         DI_TRY(di_cuda_moe_group(cu, sel, P, K, E, offsets, rows, rop));
         // Routed experts: gate and up read the token rows directly (rows = token of each row).
         // One token: every expert has one row (a hash duplicate makes two; still correct).

@@ -53,6 +53,7 @@ typedef struct di_cuda_moe_w {
     int64_t D, F;
     float route_scale, swiglu_limit;
     bool shared_clamp; // shared expert clamped too
+    bool hf_eps;       // the routing-weight denominator gets + 1e-20 (di_cuda_router's hf_eps)
 } di_cuda_moe_w;
 
 // out [T, D] = MoE(f [T, D]) with token ids (hash routing); all device pointers. The routing

@@ -253,6 +253,7 @@ static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool
     CK(di_cuda_tensor_upload(g_cu, &sh[2].t, &mw.sh_w3));
     mw.n_expert = E, mw.n_used = K, mw.D = D, mw.F = F;
     mw.route_scale = 1.5f, mw.swiglu_limit = limit, mw.shared_clamp = false;
+    mw.hf_eps = true; // ref_router adds 1e-20
     float *fd = dev_from(f, sizeof(float) * (size_t)(T * D)),
           *od = dev_alloc(sizeof(float) * (size_t)(T * D));
     int32_t *idd = dev_from(ids, sizeof(int32_t) * (size_t)T),

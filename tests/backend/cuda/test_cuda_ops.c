@@ -1,0 +1,1178 @@
+// The CUDA backend's vtable (backend/backend.h, backend/cuda/cuda_ops.cu) op by op against CPU
+// oracles on the same inputs: plain reference loops here for the ops that are new with the
+// vtable (embed, scatter_rows, add_ape, scale, compress_pool, attn over FP32 rows, offset_list)
+// and the existing CPU functions for the rest (di_ref_matmul, di_ref_rmsnorm, di_ref_rope,
+// di_dsv4_hc_coeffs, di_dsv4_topk). Every launch goes through b->vt, every output is poisoned
+// with NaN (0xFF bytes) first, and the edge shapes are in: 1 row, sizes that are not multiples of
+// any tile, strided rows, masked keys, 0 keys, the compressor's no-row overlap slots and ring
+// sources, rows past n not written, another thread calling the backend. The kernels behind the
+// older entries have their own tests (test_cuda_gemm, _norm, _mhc, _moe, _indexer); here the
+// point is that each entry passes its arguments through as backend.h says.
+#include "backend/cuda/cuda_test.h" // harness, rnd, check_bounds (its g_cu is the backend's context)
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+#include "backend/cpu/ref_ops.h"
+#include "base/thread.h"
+#include "model/dsv4.h" // di_dsv4_hc_coeffs, di_dsv4_topk
+#include "tensor/quant_ref.h"
+
+#define U32 5.96e-8 // FP32 unit roundoff 2^-24
+
+// matmul: both sides sum n_in products in some order, each within gamma(n_in) * sum|w x| of the
+// exact value: their difference within twice that.
+#define TOL_MATMUL_GAMMAS 2.0
+// RMSNorm: sums of squares in another order (gamma(n) relative, positive terms), then a few
+// roundings per element (test_cuda_norm.c).
+#define TOL_NORM(n) (gamma_k((double)(n)) + 8 * U32)
+// RoPE: cosf/sinf within 2 ulp on the GPU, then one product and one sum: 8u of the pair's
+// magnitude times scale (test_cuda_norm.c).
+#define TOL_ROPE_ULPS 8.0
+// mHC: test_cuda_mhc.c's bound (RMS factor from a sum in another order, amplified by the gates).
+#define TOL_MHC_REL 1e-4
+#define TOL_MHC_ABS 1e-6
+// MoE layer: three chained FP32 GEMMs per expert and a weighted sum over K+1 experts in another
+// order (test_cuda_moe.c): 1e-4 of the row's RMS; a wrong expert or weight moves O(1) of it.
+#define TOL_MOE_ROW_RMS 1e-4
+// Compressor pooling: the same operations in the same slot order on both sides; expf differs by
+// up to 2 ulp per slot and the GPU may fuse p * c into num: each p moves by <= 3u, num and den
+// by <= (3u + gamma(n_slots)) of their sums of |terms|, so entry by <= 2 (3u + gamma(n)) of
+// sum_j p_j |c_j| / den, plus the division (u |entry|). Doubled for margin.
+#define TOL_POOL(n) (4.0 * (3 * U32 + gamma_k((double)(n))))
+// Attention over FP32 rows: scores within gamma(dh) * scale * sum|q k| (bound E); each p moves by
+// <= e^{2E} - 1 ~ 2E relative and o_d by sum_j p_j |k_jd| times that plus the value sums' FP32
+// rounding (1e-5 relative: n_keys <~ 1000), as test_cuda_attn.c.
+#define TOL_ATTN_SUM_REL 1e-5
+// Indexer scores: gamma(DI) per head dot, then a sum of HI weighted terms (test_cuda_indexer.c).
+#define TOL_SCORE_FACTOR 2.0
+
+static di_backend *g_b;
+static di_pool *g_pool;
+static di_cpu g_cpu;
+
+// ---- backend buffers (through the vtable) ----
+
+static void *bk_alloc(size_t bytes) {
+    void *p = NULL;
+    CK(g_b->vt->alloc(g_b, bytes, &p));
+    return p;
+}
+static void *bk_from(const void *host, size_t bytes) {
+    void *p = bk_alloc(bytes);
+    CK(g_b->vt->upload(g_b, p, host, bytes));
+    return p;
+}
+static void bk_poison(void *p, size_t bytes) { // every float NaN, every int32 -1
+    CK(g_b->vt->memset(g_b, p, 0xFF, bytes));
+}
+static void bk_to(void *host, const void *p, size_t bytes) {
+    CK(g_b->vt->sync(g_b)); // a kernel fault surfaces here as DI_ERR_CUDA
+    CK(g_b->vt->download(g_b, host, p, bytes));
+}
+static void bk_free(void *p) {
+    g_b->vt->free(g_b, p);
+}
+
+// Elements whose bits differ (NaN equal to NaN): exact ops.
+static int64_t n_diff_f32(const float *a, const float *b, int64_t n) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        bad += !(isnan(a[i]) && isnan(b[i])) && memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return bad;
+}
+
+// ---- host weights of every kind ----
+
+typedef struct mat {
+    di_tensor t;
+    uint8_t *data, *scale; // owned
+} mat;
+
+static uint16_t f16_bits(float x) {
+    return di_f32_to_f16(x);
+}
+
+static void put_f16(uint8_t *p, float x) {
+    const uint16_t h = f16_bits(x);
+    memcpy(p, &h, 2);
+}
+
+// Random weights [n_out, n_in] of `kind` with magnitudes ~1/sqrt(n_in) (float kinds, FP8, FP4) or
+// whatever random codes give (ggml kinds: embeddings only). NaN-free.
+static mat make_w(di_tensor_kind kind, int64_t n_in, int64_t n_out) {
+    mat m = {0};
+    di_tensor *t = &m.t;
+    t->name = "w";
+    t->kind = kind;
+    t->ne[0] = n_in, t->ne[1] = n_out;
+    const float amp = 1.0f / sqrtf((float)n_in);
+    int64_t blk_elems = 0;
+    size_t blk_bytes = 0;
+    switch (kind) {
+    case DI_TENSOR_KIND_F32:
+    case DI_TENSOR_KIND_F16:
+    case DI_TENSOR_KIND_BF16: {
+        const size_t es = kind == DI_TENSOR_KIND_F32 ? 4 : 2;
+        t->nb1 = es * (size_t)n_in;
+        m.data = malloc(t->nb1 * (size_t)n_out);
+        for (int64_t i = 0; i < n_in * n_out; i++) {
+            const float v = rndf() * amp;
+            if (kind == DI_TENSOR_KIND_F32) {
+                memcpy(m.data + 4 * i, &v, 4);
+            } else {
+                const uint16_t h = kind == DI_TENSOR_KIND_F16 ? f16_bits(v) : di_f32_to_bf16(v);
+                memcpy(m.data + 2 * i, &h, 2);
+            }
+        }
+        break;
+    }
+    case DI_TENSOR_KIND_FP8:
+    case DI_TENSOR_KIND_FP4: {
+        const bool fp8 = kind == DI_TENSOR_KIND_FP8;
+        t->nb1 = fp8 ? (size_t)n_in : (size_t)n_in / 2;
+        t->block_out = fp8 ? 128 : 1, t->block_in = fp8 ? 128 : 32;
+        m.data = malloc(t->nb1 * (size_t)n_out);
+        for (size_t i = 0; i < t->nb1 * (size_t)n_out; i++) {
+            uint8_t c = (uint8_t)rnd();
+            if (fp8 && (c & 0x7F) == 0x7F) c ^= 1; // no NaN codes
+            m.data[i] = c;
+        }
+        const int64_t sr = (n_out + t->block_out - 1) / t->block_out,
+                      sc = (n_in + t->block_in - 1) / t->block_in;
+        t->scale_nb1 = (size_t)sc;
+        m.scale = malloc((size_t)(sr * sc));
+        // Codes up to 448 (FP8) or 6 (FP4): scales bring weights to ~1/sqrt(n_in).
+        const int base = (fp8 ? 127 - 9 : 127 - 3) - (int)log2f(sqrtf((float)n_in));
+        for (int64_t i = 0; i < sr * sc; i++) m.scale[i] = (uint8_t)(base + (int)(rnd() % 2));
+        t->scale = m.scale;
+        break;
+    }
+    default: { // ggml block kinds: random bytes, finite f16 block scales
+        di_tensor_kind_block(kind, &blk_elems, &blk_bytes);
+        const int64_t nb = n_in / blk_elems;
+        t->nb1 = (size_t)nb * blk_bytes;
+        m.data = malloc(t->nb1 * (size_t)n_out);
+        for (size_t i = 0; i < t->nb1 * (size_t)n_out; i++) m.data[i] = (uint8_t)rnd();
+        for (int64_t r = 0; r < n_out; r++)
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t *blk = m.data + (size_t)r * t->nb1 + (size_t)b * blk_bytes;
+                if (kind == DI_TENSOR_KIND_Q8_0 || kind == DI_TENSOR_KIND_IQ2_XXS) {
+                    put_f16(blk, rndf() * 0.01f);
+                } else if (kind == DI_TENSOR_KIND_Q4_K) {
+                    put_f16(blk, rndf() * 0.01f);
+                    put_f16(blk + 2, rndf() * 0.01f);
+                } else if (kind == DI_TENSOR_KIND_Q2_K) {
+                    put_f16(blk + 80, rndf() * 0.01f);
+                    put_f16(blk + 82, rndf() * 0.01f);
+                } else if (kind == DI_TENSOR_KIND_MXFP4) {
+                    blk[0] = (uint8_t)(118 + rnd() % 12); // 2^-10 .. 2^1
+                }
+            }
+        break;
+    }
+    }
+    t->data = m.data;
+    return m;
+}
+
+static void free_w(mat *m) {
+    free(m->data), free(m->scale);
+}
+
+// ---- memory, copies, the vtable itself ----
+
+static void test_vtable(void) {
+    const di_backend_vt *vt = g_b->vt;
+    CHECK_STR_EQ(vt->name, "cuda");
+    CHECK(strncmp(g_b->desc, "cuda:0, ", 8) == 0);
+    CHECK(g_b->device.kind == DI_DEVICE_CUDA && g_b->device.index == 0);
+    // Every entry is set (a NULL would crash the forward, not fail a test).
+#define NULL_ENTRY(e) (vt->e == NULL)
+    const int n_null =
+        NULL_ENTRY(alloc) + NULL_ENTRY(free) + NULL_ENTRY(upload) + NULL_ENTRY(download) +
+        NULL_ENTRY(memset) + NULL_ENTRY(copy) + NULL_ENTRY(sync) + NULL_ENTRY(weight_upload) +
+        NULL_ENTRY(supports_matmul) + NULL_ENTRY(matmul) + NULL_ENTRY(embed) + NULL_ENTRY(rmsnorm) +
+        NULL_ENTRY(rope) + NULL_ENTRY(scale) + NULL_ENTRY(mhc_pre) + NULL_ENTRY(mhc_post) +
+        NULL_ENTRY(moe) + NULL_ENTRY(scatter_rows) + NULL_ENTRY(add_ape) +
+        NULL_ENTRY(compress_pool) + NULL_ENTRY(attn) + NULL_ENTRY(index_scores) + NULL_ENTRY(topk) +
+        NULL_ENTRY(offset_list) + NULL_ENTRY(destroy);
+#undef NULL_ENTRY
+    CHECK_EQ(n_null, 0);
+    // A device that does not exist is refused, not crashed on.
+    di_backend *none = NULL;
+    CHECK_EQ(di_cuda_backend_create(di_cuda_device_count(), &none), DI_ERR_UNSUPPORTED);
+    CHECK(none == NULL);
+}
+
+static void test_memory(void) {
+    static const size_t sizes[] = {1, 1000, 4096, (size_t)3 << 20};
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+        const size_t n = sizes[s];
+        uint8_t *h = malloc(n), *back = malloc(n);
+        for (size_t i = 0; i < n; i++) h[i] = (uint8_t)rnd();
+        uint8_t *a = bk_alloc(n), *b = bk_alloc(n);
+        CHECK((uintptr_t)a % 256 == 0 && (uintptr_t)b % 256 == 0);
+        CK(g_b->vt->upload(g_b, a, h, n));
+        bk_poison(b, n);
+        CK(g_b->vt->copy(g_b, b, a, n));
+        bk_to(back, b, n);
+        CHECK(memcmp(back, h, n) == 0);
+        CK(g_b->vt->memset(g_b, b, 0x5A, n / 2));
+        bk_to(back, b, n);
+        int64_t bad = 0;
+        for (size_t i = 0; i < n; i++) bad += back[i] != (i < n / 2 ? 0x5A : h[i]);
+        CHECK_EQ(bad, 0);
+        // Zero bytes: no-ops.
+        CK(g_b->vt->copy(g_b, b, a, 0));
+        CK(g_b->vt->upload(g_b, b, h, 0));
+        CK(g_b->vt->download(g_b, back, b, 0));
+        CK(g_b->vt->memset(g_b, b, 0, 0));
+        bk_free(a), bk_free(b);
+        free(h), free(back);
+    }
+    void *z = bk_alloc(0); // a zero-byte block is still a valid, distinct block
+    CHECK(z != NULL);
+    bk_free(z);
+    g_b->vt->free(g_b, NULL);
+    CK(g_b->vt->sync(g_b));
+}
+
+// ---- matmul ----
+
+static void matmul_case(di_tensor_kind kind, int64_t n_in, int64_t n_out, int64_t n_tok,
+                        int64_t view0) {
+    mat m = make_w(kind, n_in, n_out + view0);
+    di_tensor w = di_tensor_rows(&m.t, view0, n_out); // a row view inside the scale grid
+    CHECK(g_b->vt->supports_matmul(g_b, &w));
+    di_tensor wd;
+    CK(g_b->vt->weight_upload(g_b, &w, &wd));
+    const int64_t xs = n_in + 3, ys = n_out + 5;
+    float *x = malloc(sizeof(float) * (size_t)(n_tok * xs)),
+          *ref = malloc(sizeof(float) * (size_t)(n_tok * ys)),
+          *out = malloc(sizeof(float) * (size_t)(n_tok * ys));
+    double *tol = malloc(sizeof(double) * (size_t)(n_tok * ys));
+    fill_rand(x, n_tok * xs, 1.0f);
+    for (int64_t i = 0; i < n_tok * ys; i++) ref[i] = NAN, tol[i] = 0; // gaps stay poisoned
+    di_ref_matmul(&g_cpu, &w, x, n_tok, xs, ref, ys);
+    float *row = malloc(sizeof(float) * (size_t)n_in);
+    for (int64_t o = 0; o < n_out; o++) {
+        di_tensor_row_f32(&w, o, row);
+        for (int64_t t = 0; t < n_tok; t++) {
+            double a = 0;
+            for (int64_t i = 0; i < n_in; i++) a += fabs((double)row[i] * x[t * xs + i]);
+            tol[t * ys + o] = TOL_MATMUL_GAMMAS * gamma_k((double)n_in) * a + 1e-30;
+        }
+    }
+    float *xd = bk_from(x, sizeof(float) * (size_t)(n_tok * xs)),
+          *yd = bk_alloc(sizeof(float) * (size_t)(n_tok * ys));
+    bk_poison(yd, sizeof(float) * (size_t)(n_tok * ys));
+    CK(g_b->vt->matmul(g_b, &wd, xd, n_tok, xs, yd, ys));
+    bk_to(out, yd, sizeof(float) * (size_t)(n_tok * ys));
+    char what[96];
+    snprintf(what, sizeof what, "matmul %s %lldx%lld x %lld tok (view %lld)",
+             di_tensor_kind_name(kind), (long long)n_out, (long long)n_in, (long long)n_tok,
+             (long long)view0);
+    CHECK(check_bounds(what, out, ref, tol, n_tok * ys) == 0);
+    bk_free(xd), bk_free(yd);
+    free(x), free(ref), free(out), free(tol), free(row);
+    free_w(&m);
+}
+
+static void test_matmul(void) {
+    matmul_case(DI_TENSOR_KIND_F32, 64, 1, 1, 0);
+    matmul_case(DI_TENSOR_KIND_BF16, 200, 37, 3, 0);
+    matmul_case(DI_TENSOR_KIND_F16, 96, 33, 9, 0); // > 8 tokens: the tiled kernel
+    matmul_case(DI_TENSOR_KIND_FP8, 256, 70, 1, 130);
+    matmul_case(DI_TENSOR_KIND_FP8, 384, 130, 17, 0);
+    matmul_case(DI_TENSOR_KIND_FP4, 128, 65, 2, 3);
+    // A kind the GPU does not multiply: reported unsupported and refused before any work.
+    mat q = make_w(DI_TENSOR_KIND_Q8_0, 64, 4);
+    CHECK(!g_b->vt->supports_matmul(g_b, &q.t));
+    di_tensor qd;
+    CK(g_b->vt->weight_upload(g_b, &q.t, &qd));
+    float *xd = bk_alloc(sizeof(float) * 64), *yd = bk_alloc(sizeof(float) * 4);
+    CHECK_EQ(g_b->vt->matmul(g_b, &qd, xd, 1, 64, yd, 4), DI_ERR_INVALID);
+    bk_free(xd), bk_free(yd);
+    free_w(&q);
+}
+
+// ---- embed ----
+
+static void embed_case(di_tensor_kind kind, int64_t D, int64_t V, int64_t view0, int32_t n,
+                       int32_t copies) {
+    mat m = make_w(kind, D, V + view0);
+    di_tensor tab = di_tensor_rows(&m.t, view0, V);
+    di_tensor td;
+    CK(g_b->vt->weight_upload(g_b, &tab, &td));
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+    for (int32_t t = 0; t < n; t++) // first and last rows, repeats
+        ids[t] = t == 0 ? (int32_t)(V - 1) : t == 1 ? 0 : (int32_t)(rnd() % (uint64_t)V);
+    const int64_t nx = (int64_t)n * copies * D;
+    float *ref = malloc(sizeof(float) * (size_t)nx), *out = malloc(sizeof(float) * (size_t)nx);
+    for (int32_t t = 0; t < n; t++) {
+        di_tensor_row_f32(&tab, ids[t], ref + (int64_t)t * copies * D);
+        for (int32_t k = 1; k < copies; k++)
+            memcpy(ref + ((int64_t)t * copies + k) * D, ref + (int64_t)t * copies * D,
+                   sizeof(float) * (size_t)D);
+    }
+    int32_t *idd = bk_from(ids, sizeof(int32_t) * (size_t)n);
+    float *xd = bk_alloc(sizeof(float) * (size_t)nx);
+    bk_poison(xd, sizeof(float) * (size_t)nx);
+    CK(g_b->vt->embed(g_b, &td, idd, n, copies, xd));
+    bk_to(out, xd, sizeof(float) * (size_t)nx);
+    const int64_t bad = n_diff_f32(out, ref, nx);
+    int64_t n_nan = 0;
+    for (int64_t i = 0; i < nx; i++) n_nan += isnan(out[i]);
+    fprintf(stderr, "  embed %-8s D=%lld V=%lld view=%lld n=%d copies=%d: %lld differ, %lld NaN\n",
+            di_tensor_kind_name(kind), (long long)D, (long long)V, (long long)view0, n, copies,
+            (long long)bad, (long long)n_nan);
+    CHECK(bad == 0);
+    CHECK(n_nan == 0);
+    bk_free(idd), bk_free(xd);
+    free(ids), free(ref), free(out);
+    free_w(&m);
+}
+
+static void test_embed(void) {
+    embed_case(DI_TENSOR_KIND_F32, 300, 37, 0, 1, 1);
+    embed_case(DI_TENSOR_KIND_F32, 257, 11, 0, 7, 4);
+    embed_case(DI_TENSOR_KIND_F16, 300, 37, 0, 5, 4);
+    embed_case(DI_TENSOR_KIND_BF16, 4096, 50, 0, 3, 4); // V4: D 4096, 4 mHC streams
+    embed_case(DI_TENSOR_KIND_FP8, 300, 70, 130, 6, 2); // view inside the 128-row scale grid
+    embed_case(DI_TENSOR_KIND_FP4, 96, 20, 0, 4, 1);
+    embed_case(DI_TENSOR_KIND_Q8_0, 96, 20, 0, 9, 4);
+    embed_case(DI_TENSOR_KIND_Q4_K, 512, 9, 0, 4, 2);
+    embed_case(DI_TENSOR_KIND_Q2_K, 512, 9, 0, 4, 1);
+    embed_case(DI_TENSOR_KIND_MXFP4, 64, 13, 0, 6, 3);
+    // n 0: no-op; IQ2_XXS and copies 0: refused before any work.
+    mat m = make_w(DI_TENSOR_KIND_F32, 8, 4);
+    di_tensor td;
+    CK(g_b->vt->weight_upload(g_b, &m.t, &td));
+    int32_t *idd = bk_alloc(sizeof(int32_t));
+    float *xd = bk_alloc(sizeof(float) * 8);
+    CK(g_b->vt->embed(g_b, &td, idd, 0, 1, xd));
+    CHECK_EQ(g_b->vt->embed(g_b, &td, idd, 1, 0, xd), DI_ERR_INVALID);
+    mat iq = make_w(DI_TENSOR_KIND_IQ2_XXS, 256, 2);
+    di_tensor iqd;
+    CK(g_b->vt->weight_upload(g_b, &iq.t, &iqd));
+    CHECK_EQ(g_b->vt->embed(g_b, &iqd, idd, 1, 1, xd), DI_ERR_INVALID);
+    bk_free(idd), bk_free(xd);
+    free_w(&m), free_w(&iq);
+}
+
+// ---- rmsnorm, rope, scale ----
+
+static void test_rmsnorm(void) {
+    static const int64_t shapes[][2] = {{1, 1}, {1, 7}, {3, 4096}, {5, 1000}};
+    for (size_t s = 0; s < 4; s++)
+        for (int weighted = 0; weighted < 2; weighted++) {
+            const int64_t rows = shapes[s][0], n = shapes[s][1], stride = n + 3;
+            const size_t b = sizeof(float) * (size_t)(rows * stride);
+            float *x = malloc(b), *ref = malloc(b), *out = malloc(b),
+                  *w = malloc(sizeof(float) * (size_t)n);
+            double *tol = malloc(sizeof(double) * (size_t)(rows * stride));
+            fill_rand(x, rows * stride, 3.0f);
+            fill_rand(w, n, 2.0f);
+            memcpy(ref, x, b);
+            di_ref_rmsnorm(ref, rows, n, stride, weighted ? w : NULL, 1e-6f);
+            for (int64_t i = 0; i < rows * stride; i++) tol[i] = fabs(ref[i]) * TOL_NORM(n);
+            float *xd = bk_from(x, b), *wd = bk_from(w, sizeof(float) * (size_t)n);
+            CK(g_b->vt->rmsnorm(g_b, xd, rows, n, stride, weighted ? wd : NULL, 1e-6f));
+            bk_to(out, xd, b);
+            char what[96];
+            snprintf(what, sizeof what, "rmsnorm %lldx%lld%s", (long long)rows, (long long)n,
+                     weighted ? " weighted" : "");
+            CHECK(check_bounds(what, out, ref, tol, rows * stride) == 0);
+            bk_free(xd), bk_free(wd);
+            free(x), free(ref), free(out), free(w), free(tol);
+        }
+}
+
+static void test_rope(void) {
+    // (rows, rows per position, n, n_rot): q-like (heads share a position), kv-like, partial.
+    static const int64_t shapes[][4] = {{3 * 5, 5, 512, 64}, {1, 1, 128, 64}, {7, 1, 72, 8}};
+    for (size_t s = 0; s < 3; s++)
+        for (int inv = 0; inv < 2; inv++) {
+            const int64_t rows = shapes[s][0], rpp = shapes[s][1], n = shapes[s][2];
+            const int32_t n_rot = (int32_t)shapes[s][3], n_pos = (int32_t)(rows / rpp);
+            const int64_t stride = n + 1;
+            const size_t b = sizeof(float) * (size_t)(rows * stride);
+            float *x = malloc(b), *ref = malloc(b), *out = malloc(b);
+            float *omega = malloc(sizeof(float) * (size_t)(n_rot / 2));
+            int32_t *pos = malloc(sizeof(int32_t) * (size_t)n_pos);
+            double *tol = malloc(sizeof(double) * (size_t)(rows * stride));
+            fill_rand(x, rows * stride, 2.0f);
+            for (int32_t i = 0; i < n_rot / 2; i++)
+                omega[i] = powf(10000.0f, -2.0f * (float)i / (float)n_rot);
+            for (int32_t p = 0; p < n_pos; p++)
+                pos[p] = p == 0 ? 0 : p == 1 ? 65535 : (int32_t)(rnd() % 5000);
+            const float scale = inv ? 1.0f : 0.75f;
+            memcpy(ref, x, b);
+            for (int64_t r = 0; r < rows; r++)
+                di_ref_rope(ref + r * stride, n, n_rot, omega, pos[r / rpp], scale, inv);
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t i = 0; i < stride; i++) {
+                    const int64_t k = r * stride + i;
+                    if (i < n - n_rot || i >= n) {
+                        tol[k] = 0; // untouched: exact
+                    } else {
+                        const int64_t p0 = r * stride + n - n_rot + ((i - (n - n_rot)) & ~1);
+                        tol[k] = TOL_ROPE_ULPS * U32 * scale * (fabs(x[p0]) + fabs(x[p0 + 1])) * 2;
+                    }
+                }
+            float *xd = bk_from(x, b), *od = bk_from(omega, sizeof(float) * (size_t)(n_rot / 2));
+            int32_t *pd = bk_from(pos, sizeof(int32_t) * (size_t)n_pos);
+            CK(g_b->vt->rope(g_b, xd, rows, stride, n, n_rot, od, pd, (int32_t)rpp, scale,
+                             inv != 0));
+            bk_to(out, xd, b);
+            char what[96];
+            snprintf(what, sizeof what, "rope rows=%lld n=%lld rot=%d%s", (long long)rows,
+                     (long long)n, n_rot, inv ? " inverse" : "");
+            CHECK(check_bounds(what, out, ref, tol, rows * stride) == 0);
+            bk_free(xd), bk_free(od), bk_free(pd);
+            free(x), free(ref), free(out), free(omega), free(pos), free(tol);
+        }
+}
+
+static void test_scale(void) {
+    static const int64_t ns[] = {1, 255, 257, 100000};
+    for (size_t s = 0; s < 4; s++) {
+        const int64_t n = ns[s], pad = 7;
+        const size_t b = sizeof(float) * (size_t)(n + pad);
+        float *x = malloc(b), *ref = malloc(b), *out = malloc(b);
+        fill_rand(x, n + pad, 5.0f);
+        const float sc = 0.1f * (float)(s + 1);
+        memcpy(ref, x, b);
+        for (int64_t i = 0; i < n; i++) ref[i] = x[i] * sc; // one rounding on both sides
+        float *xd = bk_from(x, b);
+        CK(g_b->vt->scale(g_b, xd, n, sc));
+        bk_to(out, xd, b);
+        const int64_t bad = n_diff_f32(out, ref, n + pad); // elements past n untouched
+        fprintf(stderr, "  scale n=%lld: %lld differ\n", (long long)n, (long long)bad);
+        CHECK(bad == 0);
+        bk_free(xd);
+        free(x), free(ref), free(out);
+    }
+}
+
+// ---- mHC ----
+
+static void ref_mhc_pre(const float *x, const float *mix_raw, const float *base, const float *scale,
+                        int nc, int64_t D, int32_t T, int iters, float hc_eps, float norm_eps,
+                        bool head, float *a, float *post, float *comb, double *mag_a) {
+    const int n_mix = head ? nc : (2 + nc) * nc;
+    for (int32_t t = 0; t < T; t++) {
+        const float *xf = x + (int64_t)t * nc * D;
+        float r = 1.0f / sqrtf(di_ref_dot(xf, xf, (int64_t)nc * D) / (float)(nc * D) + norm_eps);
+        float mix[16 * 18], pre[16];
+        for (int i = 0; i < n_mix; i++) mix[i] = mix_raw[t * n_mix + i] * r;
+        di_dsv4_hc_coeffs(mix, base, scale, nc, iters, hc_eps, pre, head ? NULL : post + t * nc,
+                          head ? NULL : comb + t * nc * nc);
+        for (int64_t d = 0; d < D; d++) {
+            float acc = 0;
+            double mag = 0;
+            for (int s = 0; s < nc; s++) {
+                acc += pre[s] * xf[s * D + d];
+                mag += fabs((double)pre[s] * xf[s * D + d]);
+            }
+            a[t * D + d] = acc;
+            mag_a[t * D + d] = mag;
+        }
+    }
+}
+
+static void mhc_case(int nc, int64_t D, int32_t T, bool head) {
+    const int n_mix = head ? nc : (2 + nc) * nc, iters = 20;
+    const float hc_eps = 1e-6f, norm_eps = 1e-6f;
+    const int64_t nx = (int64_t)T * nc * D;
+    float *x = malloc(sizeof(float) * (size_t)nx),
+          *mix = malloc(sizeof(float) * (size_t)(T * n_mix));
+    float base[16 * 18], scale[3] = {0.7f, 1.3f, 0.9f};
+    fill_rand(x, nx, 2.0f);
+    fill_rand(mix, (int64_t)T * n_mix, 3.0f);
+    fill_rand(base, n_mix, 1.0f);
+    float *a = malloc(sizeof(float) * (size_t)(T * D)),
+          *ga = malloc(sizeof(float) * (size_t)(T * D));
+    float *post = malloc(sizeof(float) * (size_t)(T * nc)),
+          *gpost = malloc(sizeof(float) * (size_t)(T * nc));
+    float *comb = malloc(sizeof(float) * (size_t)(T * nc * nc)),
+          *gcomb = malloc(sizeof(float) * (size_t)(T * nc * nc));
+    double *tol_a = malloc(sizeof(double) * (size_t)(T * D));
+    ref_mhc_pre(x, mix, base, scale, nc, D, T, iters, hc_eps, norm_eps, head, a, post, comb, tol_a);
+    for (int64_t i = 0; i < (int64_t)T * D; i++) tol_a[i] = tol_a[i] * TOL_MHC_REL + TOL_MHC_ABS;
+    float *xd = bk_from(x, sizeof(float) * (size_t)nx),
+          *md = bk_from(mix, sizeof(float) * (size_t)(T * n_mix));
+    float *bd = bk_from(base, sizeof(float) * (size_t)n_mix), *sd = bk_from(scale, sizeof scale);
+    float *ad = bk_alloc(sizeof(float) * (size_t)(T * D));
+    float *pd = bk_alloc(sizeof(float) * (size_t)(T * nc)),
+          *cd = bk_alloc(sizeof(float) * (size_t)(T * nc * nc));
+    bk_poison(ad, sizeof(float) * (size_t)(T * D));
+    bk_poison(pd, sizeof(float) * (size_t)(T * nc));
+    bk_poison(cd, sizeof(float) * (size_t)(T * nc * nc));
+    CK(g_b->vt->mhc_pre(g_b, xd, md, bd, sd, nc, D, T, iters, hc_eps, norm_eps, head, ad,
+                        head ? NULL : pd, head ? NULL : cd));
+    bk_to(ga, ad, sizeof(float) * (size_t)(T * D));
+    char what[96];
+    snprintf(what, sizeof what, "mhc_pre a nc=%d D=%lld T=%d%s", nc, (long long)D, T,
+             head ? " head" : "");
+    CHECK(check_bounds(what, ga, a, tol_a, (int64_t)T * D) == 0);
+    if (!head) {
+        bk_to(gpost, pd, sizeof(float) * (size_t)(T * nc));
+        bk_to(gcomb, cd, sizeof(float) * (size_t)(T * nc * nc));
+        double *tp = malloc(sizeof(double) * (size_t)(T * nc * nc));
+        for (int64_t i = 0; i < (int64_t)T * nc; i++)
+            tp[i] = fabs(post[i]) * TOL_MHC_REL + TOL_MHC_ABS;
+        CHECK(check_bounds("mhc_pre post", gpost, post, tp, (int64_t)T * nc) == 0);
+        for (int64_t i = 0; i < (int64_t)T * nc * nc; i++)
+            tp[i] = fabs(comb[i]) * TOL_MHC_REL + TOL_MHC_ABS;
+        CHECK(check_bounds("mhc_pre comb", gcomb, comb, tp, (int64_t)T * nc * nc) == 0);
+        free(tp);
+
+        // mhc_post on the host's post/comb (uploaded): x'[t,k] = post_k o + sum_j C[j][k] x_j.
+        float *o = malloc(sizeof(float) * (size_t)(T * D)),
+              *ref = malloc(sizeof(float) * (size_t)nx);
+        float *out = malloc(sizeof(float) * (size_t)nx);
+        double *tol = malloc(sizeof(double) * (size_t)nx);
+        fill_rand(o, (int64_t)T * D, 1.0f);
+        for (int32_t t = 0; t < T; t++)
+            for (int64_t d = 0; d < D; d++)
+                for (int k = 0; k < nc; k++) {
+                    const float *C = comb + t * nc * nc;
+                    float acc = post[t * nc + k] * o[t * D + d];
+                    double mg = fabs((double)post[t * nc + k] * o[t * D + d]);
+                    for (int j = 0; j < nc; j++) {
+                        acc += C[j * nc + k] * x[((int64_t)t * nc + j) * D + d];
+                        mg += fabs((double)C[j * nc + k] * x[((int64_t)t * nc + j) * D + d]);
+                    }
+                    const int64_t i = ((int64_t)t * nc + k) * D + d;
+                    ref[i] = acc;
+                    tol[i] = mg * TOL_MHC_REL + TOL_MHC_ABS;
+                }
+        float *od = bk_from(o, sizeof(float) * (size_t)(T * D));
+        CK(g_b->vt->upload(g_b, pd, post, sizeof(float) * (size_t)(T * nc)));
+        CK(g_b->vt->upload(g_b, cd, comb, sizeof(float) * (size_t)(T * nc * nc)));
+        CK(g_b->vt->mhc_post(g_b, od, xd, pd, cd, nc, D, T));
+        bk_to(out, xd, sizeof(float) * (size_t)nx);
+        snprintf(what, sizeof what, "mhc_post nc=%d D=%lld T=%d", nc, (long long)D, T);
+        CHECK(check_bounds(what, out, ref, tol, nx) == 0);
+        bk_free(od);
+        free(o), free(ref), free(out), free(tol);
+    }
+    bk_free(xd), bk_free(md), bk_free(bd), bk_free(sd), bk_free(ad), bk_free(pd), bk_free(cd);
+    free(x), free(mix), free(a), free(ga), free(post), free(gpost), free(comb), free(gcomb),
+        free(tol_a);
+}
+
+static void test_mhc(void) {
+    mhc_case(4, 7, 1, false);
+    mhc_case(4, 300, 5, false);
+    mhc_case(4, 300, 3, true);
+    mhc_case(3, 129, 2, false); // NC not a power of two
+}
+
+// ---- MoE ----
+
+static void ref_router(const float *logits, const float *bias, const int32_t *tid2eid,
+                       const int32_t *ids, int32_t T, int32_t E, int32_t K, float route_scale,
+                       bool hf_eps, int32_t *sel, float *wgt) {
+    float *st = malloc(sizeof(float) * (size_t)E);
+    for (int32_t t = 0; t < T; t++) {
+        for (int32_t e = 0; e < E; e++) st[e] = sqrtf(di_softplus(logits[(int64_t)t * E + e]));
+        int32_t *se = sel + t * K;
+        if (tid2eid) {
+            memcpy(se, tid2eid + (int64_t)ids[t] * K, sizeof(int32_t) * (size_t)K);
+        } else {
+            for (int32_t k = 0; k < K; k++) {
+                int32_t best = -1;
+                float bv = -INFINITY;
+                for (int32_t e = 0; e < E; e++) {
+                    bool taken = false;
+                    for (int32_t j = 0; j < k; j++) taken |= se[j] == e;
+                    const float v = st[e] + (bias ? bias[e] : 0.0f);
+                    if (!taken && (best < 0 || v > bv)) best = e, bv = v;
+                }
+                se[k] = best;
+            }
+        }
+        float sum = 0;
+        for (int32_t k = 0; k < K; k++) sum += st[se[k]];
+        if (hf_eps) sum += 1e-20f;
+        for (int32_t k = 0; k < K; k++) wgt[t * K + k] = st[se[k]] / sum * route_scale;
+    }
+    free(st);
+}
+
+static void swiglu_host(float *g, const float *u, int64_t F, float limit) {
+    for (int64_t i = 0; i < F; i++) {
+        float gt = g[i], up = u[i];
+        if (limit > 0) gt = fminf(gt, limit), up = fminf(fmaxf(up, -limit), limit);
+        g[i] = di_silu(gt) * up;
+    }
+}
+
+static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool hash,
+                     bool shared_clamp, bool hf_eps) {
+    const int32_t V = 40;
+    const float limit = 0.3f, route_scale = 1.5f;
+    mat gate = make_w(DI_TENSOR_KIND_F32, D, E);
+    mat *w[3];
+    di_tensor *dw[3];
+    for (int i = 0; i < 3; i++) {
+        w[i] = malloc(sizeof(mat) * (size_t)E);
+        dw[i] = malloc(sizeof(di_tensor) * (size_t)E);
+    }
+    for (int32_t e = 0; e < E; e++) {
+        w[0][e] = make_w(DI_TENSOR_KIND_FP4, D, F); // w1 [F, D]
+        w[1][e] = make_w(DI_TENSOR_KIND_FP4, F, D); // w2 [D, F]
+        w[2][e] = make_w(DI_TENSOR_KIND_FP4, D, F); // w3 [F, D]
+        for (int i = 0; i < 3; i++) CK(g_b->vt->weight_upload(g_b, &w[i][e].t, &dw[i][e]));
+    }
+    mat sh[3] = {make_w(DI_TENSOR_KIND_FP8, D, F), make_w(DI_TENSOR_KIND_FP8, F, D),
+                 make_w(DI_TENSOR_KIND_FP8, D, F)};
+    float *bias = malloc(sizeof(float) * (size_t)E);
+    fill_rand(bias, E, 0.3f);
+    int32_t *tid2eid = malloc(sizeof(int32_t) * (size_t)(V * K)),
+            *ids = malloc(sizeof(int32_t) * (size_t)T);
+    for (int32_t i = 0; i < V * K; i++) tid2eid[i] = (int32_t)(rnd() % (uint64_t)E);
+    for (int32_t t = 0; t < T; t++) ids[t] = (int32_t)(rnd() % (uint64_t)V);
+    const int64_t nf = (int64_t)T * D;
+    float *f = malloc(sizeof(float) * (size_t)nf), *ref = malloc(sizeof(float) * (size_t)nf),
+          *out = malloc(sizeof(float) * (size_t)nf);
+    fill_rand(f, nf, 1.0f);
+
+    // Host layer (model/dsv4_moe.c's FP32 recipe on di_ref_matmul): experts in ascending id.
+    float *logits = malloc(sizeof(float) * (size_t)(T * E)),
+          *wgt = malloc(sizeof(float) * (size_t)(T * K));
+    int32_t *sel = malloc(sizeof(int32_t) * (size_t)(T * K));
+    float *g = malloc(sizeof(float) * (size_t)F), *u = malloc(sizeof(float) * (size_t)F),
+          *y = malloc(sizeof(float) * (size_t)D);
+    di_ref_matmul(&g_cpu, &gate.t, f, T, D, logits, E);
+    ref_router(logits, hash ? NULL : bias, hash ? tid2eid : NULL, ids, T, E, K, route_scale, hf_eps,
+               sel, wgt);
+    memset(ref, 0, sizeof(float) * (size_t)nf);
+    for (int32_t e = 0; e < E; e++)
+        for (int32_t t = 0; t < T; t++)
+            for (int32_t k = 0; k < K; k++) {
+                if (sel[t * K + k] != e) continue;
+                di_ref_matmul(&g_cpu, &w[0][e].t, f + (int64_t)t * D, 1, D, g, F);
+                di_ref_matmul(&g_cpu, &w[2][e].t, f + (int64_t)t * D, 1, D, u, F);
+                swiglu_host(g, u, F, limit);
+                di_ref_matmul(&g_cpu, &w[1][e].t, g, 1, F, y, D);
+                for (int64_t i = 0; i < D; i++) ref[(int64_t)t * D + i] += y[i] * wgt[t * K + k];
+            }
+    for (int32_t t = 0; t < T; t++) {
+        di_ref_matmul(&g_cpu, &sh[0].t, f + (int64_t)t * D, 1, D, g, F);
+        di_ref_matmul(&g_cpu, &sh[2].t, f + (int64_t)t * D, 1, D, u, F);
+        swiglu_host(g, u, F, shared_clamp ? limit : 0.0f);
+        di_ref_matmul(&g_cpu, &sh[1].t, g, 1, F, y, D);
+        for (int64_t i = 0; i < D; i++) ref[(int64_t)t * D + i] += y[i];
+    }
+
+    di_backend_moe_w mw;
+    memset(&mw, 0, sizeof mw);
+    CK(g_b->vt->weight_upload(g_b, &gate.t, &mw.gate));
+    mw.gate_bias = hash ? NULL : bk_from(bias, sizeof(float) * (size_t)E);
+    mw.tid2eid = hash ? bk_from(tid2eid, sizeof(int32_t) * (size_t)(V * K)) : NULL;
+    mw.w1 = bk_from(dw[0], sizeof(di_tensor) * (size_t)E);
+    mw.w2 = bk_from(dw[1], sizeof(di_tensor) * (size_t)E);
+    mw.w3 = bk_from(dw[2], sizeof(di_tensor) * (size_t)E);
+    CK(g_b->vt->weight_upload(g_b, &sh[0].t, &mw.sh_w1));
+    CK(g_b->vt->weight_upload(g_b, &sh[1].t, &mw.sh_w2));
+    CK(g_b->vt->weight_upload(g_b, &sh[2].t, &mw.sh_w3));
+    mw.n_expert = E, mw.n_used = K, mw.D = D, mw.F = F;
+    mw.route_scale = route_scale, mw.swiglu_limit = limit;
+    mw.shared_clamp = shared_clamp, mw.hf_eps = hf_eps;
+    float *fd = bk_from(f, sizeof(float) * (size_t)nf), *od = bk_alloc(sizeof(float) * (size_t)nf);
+    int32_t *idd = bk_from(ids, sizeof(int32_t) * (size_t)T);
+    bk_poison(od, sizeof(float) * (size_t)nf);
+    CK(g_b->vt->moe(g_b, &mw, fd, idd, T, od));
+    bk_to(out, od, sizeof(float) * (size_t)nf);
+    double *tol = malloc(sizeof(double) * (size_t)nf);
+    for (int32_t t = 0; t < T; t++) {
+        double ss = 0;
+        for (int64_t i = 0; i < D; i++) ss += (double)ref[t * D + i] * ref[t * D + i];
+        for (int64_t i = 0; i < D; i++) tol[t * D + i] = TOL_MOE_ROW_RMS * sqrt(ss / D) + 1e-7;
+    }
+    char what[128];
+    snprintf(what, sizeof what, "moe T=%d E=%d K=%d D=%lld F=%lld%s%s%s", T, E, K, (long long)D,
+             (long long)F, hash ? " hash" : "", shared_clamp ? " clamp" : "", hf_eps ? " eps" : "");
+    CHECK(check_bounds(what, out, ref, tol, nf) == 0);
+    bk_free(fd), bk_free(od), bk_free(idd);
+    bk_free((void *)mw.gate_bias), bk_free((void *)mw.tid2eid);
+    bk_free((void *)mw.w1), bk_free((void *)mw.w2), bk_free((void *)mw.w3);
+    for (int i = 0; i < 3; i++) {
+        for (int32_t e = 0; e < E; e++) free_w(&w[i][e]);
+        free(w[i]), free(dw[i]);
+        free_w(&sh[i]);
+    }
+    free_w(&gate);
+    free(bias), free(tid2eid), free(ids), free(f), free(ref), free(out), free(logits), free(wgt),
+        free(sel), free(g), free(u), free(y), free(tol);
+}
+
+static void test_moe(void) {
+    moe_case(1, 8, 2, 128, 64, false, false, true);
+    moe_case(9, 8, 2, 128, 96, true, true, false);
+    moe_case(3, 16, 6, 256, 64, false, true, false);
+}
+
+// ---- scatter_rows, add_ape, offset_list ----
+
+static void test_scatter_rows(void) {
+    // (n, width, src_stride, dst rows, dst_stride)
+    static const int64_t shapes[][5] = {
+        {1, 1, 1, 1, 1}, {5, 7, 9, 20, 8}, {70, 300, 300, 128, 301}};
+    for (size_t s = 0; s < 3; s++) {
+        const int64_t n = shapes[s][0], width = shapes[s][1], ss = shapes[s][2];
+        const int64_t nd = shapes[s][3], ds = shapes[s][4];
+        float *src = malloc(sizeof(float) * (size_t)(n * ss)),
+              *dst = malloc(sizeof(float) * (size_t)(nd * ds));
+        float *ref = malloc(sizeof(float) * (size_t)(nd * ds)),
+              *out = malloc(sizeof(float) * (size_t)(nd * ds));
+        int32_t *rows = malloc(sizeof(int32_t) * (size_t)nd);
+        fill_rand(src, n * ss, 1.0f);
+        fill_rand(dst, nd * ds, 1.0f);
+        // A random permutation of the destination rows; the first n are written (a ring's rows
+        // wrap around: not in order).
+        for (int64_t i = 0; i < nd; i++) rows[i] = (int32_t)i;
+        for (int64_t i = nd - 1; i > 0; i--) {
+            const int64_t j = (int64_t)(rnd() % (uint64_t)(i + 1));
+            const int32_t tmp = rows[i];
+            rows[i] = rows[j], rows[j] = tmp;
+        }
+        memcpy(ref, dst, sizeof(float) * (size_t)(nd * ds));
+        for (int64_t i = 0; i < n; i++)
+            memcpy(ref + rows[i] * ds, src + i * ss, sizeof(float) * (size_t)width);
+        float *sd = bk_from(src, sizeof(float) * (size_t)(n * ss)),
+              *dd = bk_from(dst, sizeof(float) * (size_t)(nd * ds));
+        int32_t *rd = bk_from(rows, sizeof(int32_t) * (size_t)n);
+        CK(g_b->vt->scatter_rows(g_b, sd, n, ss, width, dd, ds, rd));
+        CK(g_b->vt->scatter_rows(g_b, sd, 0, ss, width, dd, ds, rd)); // n 0: no-op
+        bk_to(out, dd, sizeof(float) * (size_t)(nd * ds));
+        const int64_t bad = n_diff_f32(out, ref, nd * ds); // other rows and columns untouched
+        fprintf(stderr, "  scatter_rows n=%lld width=%lld: %lld differ\n", (long long)n,
+                (long long)width, (long long)bad);
+        CHECK(bad == 0);
+        bk_free(sd), bk_free(dd), bk_free(rd);
+        free(src), free(dst), free(ref), free(out), free(rows);
+    }
+}
+
+static void test_add_ape(void) {
+    // (n, width, stride, m)
+    static const int64_t shapes[][4] = {{1, 1, 1, 1}, {6, 10, 12, 4}, {300, 1024, 1030, 128}};
+    for (size_t s = 0; s < 3; s++) {
+        const int64_t n = shapes[s][0], width = shapes[s][1], stride = shapes[s][2];
+        const int32_t m = (int32_t)shapes[s][3];
+        float *z = malloc(sizeof(float) * (size_t)(n * stride)),
+              *ape = malloc(sizeof(float) * (size_t)(m * width));
+        float *ref = malloc(sizeof(float) * (size_t)(n * stride)),
+              *out = malloc(sizeof(float) * (size_t)(n * stride));
+        int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
+        fill_rand(z, n * stride, 1.0f);
+        fill_rand(ape, (int64_t)m * width, 1.0f);
+        for (int64_t t = 0; t < n; t++)
+            pos[t] = t == 0 ? 0 : t == 1 ? m - 1 : (int32_t)(rnd() % 100000);
+        memcpy(ref, z, sizeof(float) * (size_t)(n * stride));
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t i = 0; i < width; i++)
+                ref[t * stride + i] += ape[(int64_t)(pos[t] % m) * width + i];
+        float *zd = bk_from(z, sizeof(float) * (size_t)(n * stride)),
+              *ad = bk_from(ape, sizeof(float) * (size_t)(m * width));
+        int32_t *pd = bk_from(pos, sizeof(int32_t) * (size_t)n);
+        CK(g_b->vt->add_ape(g_b, zd, n, stride, width, ad, pd, m));
+        bk_to(out, zd, sizeof(float) * (size_t)(n * stride));
+        const int64_t bad = n_diff_f32(out, ref, n * stride);
+        fprintf(stderr, "  add_ape n=%lld width=%lld m=%d: %lld differ\n", (long long)n,
+                (long long)width, m, (long long)bad);
+        CHECK(bad == 0);
+        bk_free(zd), bk_free(ad), bk_free(pd);
+        free(z), free(ape), free(ref), free(out), free(pos);
+    }
+}
+
+static void test_offset_list(void) {
+    // (n_tok, k, dst_stride)
+    static const int64_t shapes[][3] = {{1, 1, 3}, {5, 16, 40}, {33, 512, 700}};
+    for (size_t s = 0; s < 3; s++) {
+        const int32_t T = (int32_t)shapes[s][0], k = (int32_t)shapes[s][1];
+        const int64_t ds = shapes[s][2];
+        int32_t *sel = malloc(sizeof(int32_t) * (size_t)(T * k)),
+                *base = malloc(sizeof(int32_t) * (size_t)T);
+        int32_t *off = malloc(sizeof(int32_t) * (size_t)T),
+                *ref = malloc(sizeof(int32_t) * (size_t)(T * ds));
+        int32_t *out = malloc(sizeof(int32_t) * (size_t)(T * ds));
+        for (int32_t i = 0; i < T * k; i++) sel[i] = rnd() % 4 == 0 ? -1 : (int32_t)(rnd() % 5000);
+        for (int32_t t = 0; t < T; t++) {
+            base[t] = (int32_t)(rnd() % 100000);
+            off[t] = (int32_t)(rnd() % (uint64_t)(ds - k + 1));
+        }
+        for (int64_t i = 0; i < T * ds; i++) ref[i] = 7777; // the window keys: untouched
+        for (int32_t t = 0; t < T; t++)
+            for (int32_t i = 0; i < k; i++) {
+                const int32_t v = sel[t * k + i];
+                ref[t * ds + off[t] + i] = v >= 0 ? base[t] + v : -1;
+            }
+        int32_t *sd = bk_from(sel, sizeof(int32_t) * (size_t)(T * k)),
+                *bd = bk_from(base, sizeof(int32_t) * (size_t)T);
+        int32_t *od = bk_from(off, sizeof(int32_t) * (size_t)T),
+                *dd = bk_alloc(4 * (size_t)(T * ds));
+        for (int64_t i = 0; i < T * ds; i++) out[i] = 7777;
+        CK(g_b->vt->upload(g_b, dd, out, 4 * (size_t)(T * ds)));
+        CK(g_b->vt->offset_list(g_b, sd, T, k, bd, od, dd, ds));
+        bk_to(out, dd, 4 * (size_t)(T * ds));
+        int64_t bad = 0;
+        for (int64_t i = 0; i < T * ds; i++) bad += out[i] != ref[i];
+        fprintf(stderr, "  offset_list T=%d k=%d: %lld differ\n", T, k, (long long)bad);
+        CHECK(bad == 0);
+        bk_free(sd), bk_free(bd), bk_free(od), bk_free(dd);
+        free(sel), free(base), free(off), free(ref), free(out);
+    }
+}
+
+// ---- compressor pooling ----
+
+// Window w's slot j token values (c, z) at channel ch, as backend.h defines the src lists.
+static bool slot_at(const float *call_c, const float *call_z, int64_t call_stride,
+                    const float *ring_c, const float *ring_z, const int32_t *src, int32_t m,
+                    int32_t c, int32_t d, int32_t j, int32_t ch, float *cv, float *zv) {
+    const int32_t idx = src[j];
+    if (idx == DI_BACKEND_NO_ROW) return false;
+    const int64_t col = (c == 2 && j >= m ? d : 0) + ch;
+    if (idx >= 0) {
+        *cv = call_c[(int64_t)idx * call_stride + col];
+        *zv = call_z[(int64_t)idx * call_stride + col];
+    } else {
+        const int64_t r = -(int64_t)idx - 1;
+        *cv = ring_c[r * c * d + col];
+        *zv = ring_z[r * c * d + col];
+    }
+    return true;
+}
+
+// n_call rows this call, n_ring ring rows; window 0 of a CSA case has the no-row overlap (the
+// first window of a sequence); the other windows mix ring rows (tokens of earlier calls) and this
+// call's rows.
+static void pool_case(int32_t n_win, int32_t m, int32_t c, int32_t d, bool first_window) {
+    const int32_t n_slots = c * m, width = c * d;
+    const int64_t n_call = (int64_t)n_win * m + 3, call_stride = width + 5, n_ring = 2 * m;
+    float *cc = malloc(sizeof(float) * (size_t)(n_call * call_stride)),
+          *cz = malloc(sizeof(float) * (size_t)(n_call * call_stride));
+    float *rc = malloc(sizeof(float) * (size_t)(n_ring * width)),
+          *rz = malloc(sizeof(float) * (size_t)(n_ring * width));
+    fill_rand(cc, n_call * call_stride, 2.0f);
+    fill_rand(cz, n_call * call_stride, 4.0f);
+    fill_rand(rc, n_ring * width, 2.0f);
+    fill_rand(rz, n_ring * width, 4.0f);
+    int32_t *src = malloc(sizeof(int32_t) * (size_t)(n_win * n_slots));
+    for (int32_t w = 0; w < n_win; w++)
+        for (int32_t j = 0; j < n_slots; j++) {
+            int32_t v;
+            if (first_window && w == 0 && c == 2 && j < m)
+                v = DI_BACKEND_NO_ROW; // no previous window: no overlap
+            else if (rnd() % 3 == 0)
+                v = -(int32_t)(rnd() % (uint64_t)n_ring) - 1; // ring row
+            else
+                v = (int32_t)(rnd() % (uint64_t)n_call);
+            src[w * n_slots + j] = v;
+        }
+    const int64_t ne = (int64_t)n_win * d;
+    float *ref = malloc(sizeof(float) * (size_t)ne), *out = malloc(sizeof(float) * (size_t)ne);
+    double *tol = malloc(sizeof(double) * (size_t)ne);
+    for (int32_t w = 0; w < n_win; w++)
+        for (int32_t ch = 0; ch < d; ch++) {
+            const int32_t *sw = src + w * n_slots;
+            float mx = -INFINITY, cv, zv;
+            int n_present = 0;
+            for (int32_t j = 0; j < n_slots; j++)
+                if (slot_at(cc, cz, call_stride, rc, rz, sw, m, c, d, j, ch, &cv, &zv))
+                    mx = fmaxf(mx, zv), n_present++;
+            float den = 0, num = 0;
+            double mag = 0;
+            for (int32_t j = 0; j < n_slots; j++) {
+                if (!slot_at(cc, cz, call_stride, rc, rz, sw, m, c, d, j, ch, &cv, &zv)) continue;
+                const float p = expf(zv - mx);
+                den += p;
+                num += p * cv;
+                mag += (double)p * fabs(cv);
+            }
+            ref[w * d + ch] = num / den;
+            tol[w * d + ch] = TOL_POOL(n_present) * mag / den + 2 * U32 * fabs(num / den) + 1e-30;
+        }
+    float *ccd = bk_from(cc, sizeof(float) * (size_t)(n_call * call_stride)),
+          *czd = bk_from(cz, sizeof(float) * (size_t)(n_call * call_stride));
+    float *rcd = bk_from(rc, sizeof(float) * (size_t)(n_ring * width)),
+          *rzd = bk_from(rz, sizeof(float) * (size_t)(n_ring * width));
+    int32_t *srcd = bk_from(src, sizeof(int32_t) * (size_t)(n_win * n_slots));
+    float *ed = bk_alloc(sizeof(float) * (size_t)ne);
+    bk_poison(ed, sizeof(float) * (size_t)ne);
+    CK(g_b->vt->compress_pool(g_b, ccd, czd, call_stride, rcd, rzd, srcd, n_win, m, c, d, ed));
+    bk_to(out, ed, sizeof(float) * (size_t)ne);
+    char what[96];
+    snprintf(what, sizeof what, "compress_pool n_win=%d m=%d c=%d d=%d%s", n_win, m, c, d,
+             first_window ? " first" : "");
+    CHECK(check_bounds(what, out, ref, tol, ne) == 0);
+    bk_free(ccd), bk_free(czd), bk_free(rcd), bk_free(rzd), bk_free(srcd), bk_free(ed);
+    free(cc), free(cz), free(rc), free(rz), free(src), free(ref), free(out), free(tol);
+}
+
+static void test_compress_pool(void) {
+    pool_case(1, 4, 2, 7, true);      // CSA, the first window: overlap slots without rows
+    pool_case(5, 4, 2, 131, true);    // CSA, first window then later ones in one call
+    pool_case(3, 4, 2, 128, false);   // CSA, overlaps from the ring
+    pool_case(1, 128, 1, 130, false); // HCA (m = 128)
+    pool_case(4, 8, 1, 1, false);     // one channel
+}
+
+// ---- attention over FP32 rows ----
+
+// Key lists (as test_cuda_attn.c's make_lists): by t % 8: 0 keys, 1, 64, max_keys, 65,
+// max_keys - 1 with every third key masked, 50 keys all masked (only the sink), random; a window
+// of consecutive pool rows first, then random rows (repeats allowed); -7 past n_keys[t] (unread).
+static void make_lists(int32_t T, int32_t max_keys, int64_t stride, int64_t n_pool, int32_t *n_keys,
+                       int32_t *idx) {
+    for (int32_t t = 0; t < T; t++) {
+        const int32_t kind = t % 8;
+        int32_t nk = kind == 0   ? 0
+                     : kind == 1 ? 1
+                     : kind == 2 ? 64
+                     : kind == 3 ? max_keys
+                     : kind == 4 ? 65
+                     : kind == 5 ? max_keys - 1
+                     : kind == 6 ? 50
+                                 : 1 + (int32_t)(rnd() % (uint64_t)max_keys);
+        if (nk > max_keys) nk = max_keys;
+        if (nk < 0) nk = 0;
+        n_keys[t] = nk;
+        const int64_t w0 = (int64_t)(rnd() % (uint64_t)n_pool);
+        for (int64_t j = 0; j < stride; j++) {
+            int32_t v =
+                j < 128 ? (int32_t)((w0 + j) % n_pool) : (int32_t)(rnd() % (uint64_t)n_pool);
+            if ((kind == 5 && j % 3 == 2) || kind == 6) v = -1;
+            idx[t * stride + j] = j < nk ? v : -7;
+        }
+    }
+}
+
+static void attn_case(int32_t dh, int32_t H, int32_t T, int64_t n_pool, int32_t max_keys) {
+    const int64_t ks = max_keys + 3; // key_stride > max_keys
+    const int64_t n_o = (int64_t)T * H * dh;
+    float *pool = malloc(sizeof(float) * (size_t)(n_pool * dh));
+    float *q = malloc(sizeof(float) * (size_t)n_o), *sink = malloc(sizeof(float) * (size_t)H);
+    int32_t *n_keys = malloc(sizeof(int32_t) * (size_t)T),
+            *idx = malloc(sizeof(int32_t) * (size_t)(T * ks));
+    fill_rand(pool, n_pool * dh, 1.0f);
+    fill_rand(q, n_o, 2.0f);
+    fill_rand(sink, H, 2.0f);
+    make_lists(T, max_keys, ks, n_pool, n_keys, idx);
+    const float scale = 1.0f / sqrtf((float)dh);
+    float *ref = malloc(sizeof(float) * (size_t)n_o), *out = malloc(sizeof(float) * (size_t)n_o);
+    double *tol = malloc(sizeof(double) * (size_t)n_o),
+           *sc = malloc(sizeof(double) * (size_t)(max_keys + 1));
+    for (int32_t t = 0; t < T; t++)
+        for (int32_t h = 0; h < H; h++) {
+            const float *qv = q + ((int64_t)t * H + h) * dh;
+            const int32_t *ix = idx + t * ks;
+            double mx = sink[h], maxabs = 0;
+            for (int32_t j = 0; j < n_keys[t]; j++) {
+                if (ix[j] < 0) continue;
+                const float *k = pool + (int64_t)ix[j] * dh;
+                double s = 0, a = 0;
+                for (int32_t d = 0; d < dh; d++)
+                    s += (double)qv[d] * k[d], a += fabs((double)qv[d] * k[d]);
+                sc[j] = s * scale;
+                if (sc[j] > mx) mx = sc[j];
+                if (a > maxabs) maxabs = a;
+            }
+            double den = exp(sink[h] - mx);
+            for (int32_t j = 0; j < n_keys[t]; j++)
+                if (ix[j] >= 0) den += (sc[j] = exp(sc[j] - mx));
+            const double E = gamma_k(dh) * scale * maxabs;
+            for (int32_t d = 0; d < dh; d++) {
+                double o = 0, mag = 0;
+                for (int32_t j = 0; j < n_keys[t]; j++) {
+                    if (ix[j] < 0) continue;
+                    const double kd = pool[(int64_t)ix[j] * dh + d];
+                    o += sc[j] / den * kd;
+                    mag += sc[j] / den * fabs(kd);
+                }
+                const int64_t i = ((int64_t)t * H + h) * dh + d;
+                ref[i] = (float)o;
+                tol[i] = mag * (4 * E + TOL_ATTN_SUM_REL) + 1e-30;
+            }
+        }
+    float *pd = bk_from(pool, sizeof(float) * (size_t)(n_pool * dh)),
+          *qd = bk_from(q, sizeof(float) * (size_t)n_o);
+    float *sd = bk_from(sink, sizeof(float) * (size_t)H),
+          *od = bk_alloc(sizeof(float) * (size_t)n_o);
+    int32_t *nkd = bk_from(n_keys, sizeof(int32_t) * (size_t)T),
+            *idxd = bk_from(idx, sizeof(int32_t) * (size_t)(T * ks));
+    bk_poison(od, sizeof(float) * (size_t)n_o);
+    CK(g_b->vt->attn(g_b, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, scale, od));
+    bk_to(out, od, sizeof(float) * (size_t)n_o);
+    char what[96];
+    snprintf(what, sizeof what, "attn dh=%d H=%d T=%d pool=%lld max_keys=%d", dh, H, T,
+             (long long)n_pool, max_keys);
+    CHECK(check_bounds(what, out, ref, tol, n_o) == 0);
+    bk_free(pd), bk_free(qd), bk_free(sd), bk_free(od), bk_free(nkd), bk_free(idxd);
+    free(pool), free(q), free(sink), free(n_keys), free(idx), free(ref), free(out), free(tol),
+        free(sc);
+}
+
+static void test_attn(void) {
+    attn_case(512, 3, 8, 700, 640);  // V4's head_dim, every list kind once
+    attn_case(128, 5, 9, 300, 200);  // the tiny fixture's head_dim, H not a power of two
+    attn_case(7, 1, 8, 50, 70);      // odd head_dim, one head
+    attn_case(512, 64, 2, 200, 130); // 64 heads, 0 keys and 1 key
+    // max_keys beyond the shared memory of any device: refused before any work.
+    float *d = bk_alloc(sizeof(float) * 64);
+    int32_t *id = bk_alloc(sizeof(int32_t) * 4);
+    CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 1 << 30, d, 1, 1, 64, 1.0f, d), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 4, d, 1, 1, 2048, 1.0f, d), DI_ERR_INVALID);
+    bk_free(d), bk_free(id);
+}
+
+// ---- indexer scores and top-k ----
+
+static void test_indexer(void) {
+    const int32_t T = 5, HI = 4, DI = 96, n_ent = 300, max_vis = 260;
+    const int64_t ss = max_vis + 5; // score_stride
+    float *qi = malloc(sizeof(float) * (size_t)(T * HI * DI)),
+          *wi = malloc(sizeof(float) * (size_t)(T * HI));
+    float *keys = malloc(sizeof(float) * (size_t)(n_ent * DI));
+    int32_t *vis = malloc(sizeof(int32_t) * (size_t)T);
+    int64_t *kb = malloc(sizeof(int64_t) * (size_t)T);
+    fill_rand(qi, (int64_t)T * HI * DI, 1.0f);
+    fill_rand(wi, (int64_t)T * HI, 0.1f);
+    fill_rand(keys, (int64_t)n_ent * DI, 1.0f);
+    for (int32_t t = 0; t < T; t++) {
+        vis[t] = t == 0 ? 1 : t == 1 ? max_vis : (int32_t)(rnd() % (uint64_t)max_vis) + 1;
+        kb[t] = (int64_t)(rnd() % (uint64_t)(n_ent - vis[t] + 1)); // sequences' entry bases
+    }
+    float *ref = malloc(sizeof(float) * (size_t)(T * ss)),
+          *out = malloc(sizeof(float) * (size_t)(T * ss));
+    double *tol = malloc(sizeof(double) * (size_t)(T * ss));
+    for (int64_t i = 0; i < T * ss; i++) ref[i] = NAN, tol[i] = 0; // past n_vis: not written
+    for (int32_t t = 0; t < T; t++)
+        for (int32_t w = 0; w < vis[t]; w++) {
+            const float *kw = keys + (kb[t] + w) * DI;
+            float acc = 0;
+            double bound = 0;
+            for (int32_t h = 0; h < HI; h++) {
+                const float *q = qi + ((int64_t)t * HI + h) * DI;
+                const float dot = di_ref_dot(q, kw, DI);
+                double a = 0;
+                for (int32_t d = 0; d < DI; d++) a += fabs((double)q[d] * kw[d]);
+                acc += wi[t * HI + h] * (dot > 0 ? dot : 0);
+                bound +=
+                    fabs(wi[t * HI + h]) * (gamma_k(DI) * a + gamma_k(HI) * (dot > 0 ? dot : 0));
+            }
+            ref[t * ss + w] = acc;
+            tol[t * ss + w] = TOL_SCORE_FACTOR * bound + 1e-30;
+        }
+    float *qd = bk_from(qi, sizeof(float) * (size_t)(T * HI * DI)),
+          *wd = bk_from(wi, sizeof(float) * (size_t)(T * HI));
+    float *kd = bk_from(keys, sizeof(float) * (size_t)(n_ent * DI)),
+          *sd = bk_alloc(sizeof(float) * (size_t)(T * ss));
+    int32_t *vd = bk_from(vis, sizeof(int32_t) * (size_t)T);
+    int64_t *kbd = bk_from(kb, sizeof(int64_t) * (size_t)T);
+    bk_poison(sd, sizeof(float) * (size_t)(T * ss));
+    CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, vd, max_vis, T, HI, DI, sd, ss));
+    bk_to(out, sd, sizeof(float) * (size_t)(T * ss));
+    CHECK(check_bounds("index_scores", out, ref, tol, T * ss) == 0);
+
+    // top-k on the GPU's own scores (identical inputs on both sides), with ties: every third
+    // score of row 2 set equal (the lower index must win); k above, at and below n_vis.
+    for (int64_t w = 0; w < vis[2]; w += 3) out[2 * ss + w] = 0.5f;
+    CK(g_b->vt->upload(g_b, sd, out, sizeof(float) * (size_t)(T * ss)));
+    static const int32_t ks[] = {1, 7, 64, 300};
+    for (size_t s = 0; s < 4; s++) {
+        const int32_t k = ks[s];
+        int32_t *sel = malloc(sizeof(int32_t) * (size_t)(T * k)),
+                *gsel = malloc(sizeof(int32_t) * (size_t)(T * k));
+        for (int32_t t = 0; t < T; t++) {
+            int32_t *st = sel + t * k;
+            for (int32_t i = 0; i < k; i++) st[i] = -1;
+            const int32_t kk = vis[t] < k ? vis[t] : k;
+            if (kk == vis[t])
+                for (int32_t i = 0; i < kk; i++) st[i] = i;
+            else
+                di_dsv4_topk(out + t * ss, vis[t], kk, st);
+        }
+        int32_t *seld = bk_alloc(sizeof(int32_t) * (size_t)(T * k));
+        bk_poison(seld, sizeof(int32_t) * (size_t)(T * k));
+        CK(g_b->vt->topk(g_b, sd, ss, vd, T, k, seld));
+        bk_to(gsel, seld, sizeof(int32_t) * (size_t)(T * k));
+        int64_t bad = 0;
+        for (int32_t i = 0; i < T * k; i++) bad += sel[i] != gsel[i];
+        fprintf(stderr, "  topk k=%d: %lld differ\n", k, (long long)bad);
+        CHECK(bad == 0);
+        bk_free(seld);
+        free(sel), free(gsel);
+    }
+    bk_free(qd), bk_free(wd), bk_free(kd), bk_free(sd), bk_free(vd), bk_free(kbd);
+    free(qi), free(wi), free(keys), free(vis), free(kb), free(ref), free(out), free(tol);
+}
+
+// ---- another thread ----
+
+typedef struct thread_arg {
+    float *xd;
+    di_status st;
+} thread_arg;
+
+static void *thread_main(void *p) {
+    thread_arg *a = p;
+    a->st = g_b->vt->scale(g_b, a->xd, 1000, 2.0f);
+    if (a->st == DI_OK) a->st = g_b->vt->sync(g_b);
+    return NULL;
+}
+
+// The forward may run on a thread that did not create the backend: each entry makes the device
+// current itself.
+static void test_other_thread(void) {
+    float x[1000], out[1000];
+    fill_rand(x, 1000, 1.0f);
+    thread_arg a = {bk_from(x, sizeof x), DI_OK};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, thread_main, &a) == 0);
+    pthread_join(th, NULL);
+    CHECK_EQ(a.st, DI_OK);
+    bk_to(out, a.xd, sizeof out);
+    int64_t bad = 0;
+    for (int i = 0; i < 1000; i++) bad += out[i] != x[i] * 2.0f;
+    CHECK_EQ(bad, 0);
+    bk_free(a.xd);
+}
+
+int main(void) {
+    if (di_cuda_device_count() == 0) DI_TEST_SKIP("no CUDA device");
+    CK(di_cuda_backend_create(0, &g_b));
+    g_cu = (di_cuda *)g_b->impl; // cuda_test.h's helpers (unused here) see the same context
+    fprintf(stderr, "backend: %s\n", g_b->desc);
+    CK(di_pool_create(2, &g_pool));
+    CK(di_cpu_init(&g_cpu, g_pool, 4096));
+    RUN(test_vtable);
+    RUN(test_memory);
+    RUN(test_matmul);
+    RUN(test_embed);
+    RUN(test_rmsnorm);
+    RUN(test_rope);
+    RUN(test_scale);
+    RUN(test_mhc);
+    RUN(test_moe);
+    RUN(test_scatter_rows);
+    RUN(test_add_ape);
+    RUN(test_offset_list);
+    RUN(test_compress_pool);
+    RUN(test_attn);
+    RUN(test_indexer);
+    RUN(test_other_thread);
+    CK(g_b->vt->sync(g_b));
+    g_b->vt->destroy(g_b);
+    di_cpu_deinit(&g_cpu);
+    di_pool_destroy(g_pool);
+    return test_finish();
+}
