@@ -109,7 +109,8 @@ typedef struct di_backend_vt {
     di_status (*moe)(di_backend *b, const di_backend_moe_w *w, const float *f, const int32_t *ids,
                      int32_t n_tok, float *out);
     // dst + dst_rows[i] * dst_stride  <-  src + i * src_stride, `width` floats, for i < n
-    // (ring updates, compressed entries, the compressor's token ring). No two dst_rows equal.
+    // (ring updates, compressed entries, the compressor's token ring). No two dst_rows >= 0
+    // equal; a negative dst_rows[i] skips row i (the padding of a graph-stable list).
     di_status (*scatter_rows)(di_backend *b, const float *src, int64_t n, int64_t src_stride,
                               int64_t width, float *dst, int64_t dst_stride,
                               const int32_t *dst_rows);
@@ -126,7 +127,8 @@ typedef struct di_backend_vt {
     // j < m, columns [0, d). c == 2: slots j < m are the overlap (the previous window's tokens,
     // columns [0, d)), then slots m..2m-1 this window's tokens (columns [d, 2d)). Per channel:
     // max over the present slots, then den = sum exp(z - max), num = sum exp(z - max) * c in slot
-    // order, entry = num / den. entry: [n_win, d] contiguous.
+    // order, entry = num / den; a window without any slot present (every src DI_BACKEND_NO_ROW:
+    // the padding of a graph-stable list) gets entry 0. entry: [n_win, d] contiguous.
     di_status (*compress_pool)(di_backend *b, const float *call_c, const float *call_z,
                                int64_t call_stride, const float *ring_c, const float *ring_z,
                                const int32_t *src, int32_t n_win, int32_t m, int32_t c, int32_t d,
@@ -157,8 +159,25 @@ typedef struct di_backend_vt {
 
     // ---- lifetime ----
     // Frees everything the backend owns (context, blocks, uploaded weights) and b itself;
-    // di_backend_destroy calls it.
+    // di_backend_destroy calls it. Graphs must be destroyed before.
     void (*destroy)(di_backend *b);
+
+    // ---- graphs (CUDA graphs; docs/cuda.md "CUDA graphs of decode steps") ----
+    // graph_begin starts a capture: the entries called until graph_end are recorded, not run
+    // (their scalars and pointers by value; the backend memory they point to is read when the
+    // graph runs). Inside a capture alloc, free, upload, download, sync and weight_upload are
+    // refused (DI_ERR_INVALID, logged; free only logs) and the capture fails: a CUDA stream cannot
+    // synchronise while capturing, and memory taken there would stay bound to the graph. Every
+    // other entry may be captured; a shape error is reported when the entry is called (CUDA) or
+    // when the graph runs (CPU). DI_ERR_INVALID when a capture is open already.
+    di_status (*graph_begin)(di_backend *b);
+    // Ends the capture: *graph (destroy with graph_destroy) on success. The capture is closed in
+    // every case; DI_ERR_INVALID when something was refused inside it, DI_ERR_CUDA, DI_ERR_NOMEM.
+    di_status (*graph_end)(di_backend *b, void **graph);
+    // Runs the captured entries in order on the stream, as if called again with the same
+    // arguments (asynchronous like them: faults surface at the next sync). Not inside a capture.
+    di_status (*graph_launch)(di_backend *b, const void *graph);
+    void (*graph_destroy)(di_backend *b, void *graph); // NULL: no-op
 } di_backend_vt;
 
 struct di_backend {

@@ -1,11 +1,15 @@
 // The CPU backend's ops (backend/cpu/cpu_backend.c) on small hand-made inputs, against the
 // contracts of backend/backend.h written out as plain loops: compress_pool's row sources (this
 // call's rows, the ring, the absent overlap of window 0), attention's masked keys and sink, top-k
-// ties and padding, offset_list, scatter_rows, add_ape, embed, memory alignment. The whole
-// forward on this backend is tested against the model in tests/model/test_dev_forward.c.
+// ties and padding, offset_list, scatter_rows, add_ape, embed, memory alignment; the padding of
+// graph-stable lists (scatter destinations < 0, windows without rows); graphs: a replay equals the
+// same calls run directly, reads the memory as it is at launch, keeps the scalars and tensors of
+// the capture, and a capture refuses what a CUDA capture cannot hold. The whole forward on this
+// backend is tested against the model in tests/model/test_dev_forward.c.
 #include "harness.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 
 #include "backend/backend.h"
@@ -147,6 +151,137 @@ static void test_rows(void) {
     CHECK_EQ(g_b->vt->embed(g_b, &t, bad, 1, 2, x), DI_ERR_INVALID);
 }
 
+// Padding entries of graph-stable lists: a negative scatter destination moves nothing, a window
+// without rows pools to 0.
+static void test_padding(void) {
+    float src[3 * 2] = {1, 2, 3, 4, 5, 6}, dst[4 * 2] = {0};
+    const int32_t rows[3] = {-1, 3, -1};
+    CHECK_EQ(g_b->vt->scatter_rows(g_b, src, 3, 2, 2, dst, 2, rows), DI_OK);
+    const float want[8] = {0, 0, 0, 0, 0, 0, 3, 4};
+    CHECK(memcmp(dst, want, sizeof want) == 0);
+    float c[2 * 4], z[2 * 4], e[2 * 2] = {7, 7, 7, 7};
+    for (int i = 0; i < 8; i++) c[i] = (float)i, z[i] = (float)(i % 3);
+    // window 0: rows 0 and 1 (c == 1, m == 2); window 1: padding.
+    const int32_t srcs[4] = {0, 1, DI_BACKEND_NO_ROW, DI_BACKEND_NO_ROW};
+    CHECK_EQ(g_b->vt->compress_pool(g_b, c, z, 4, c, z, srcs, 2, 2, 1, 2, e), DI_OK);
+    CHECK(e[2] == 0.0f && e[3] == 0.0f);
+    CHECK(e[0] > 0.0f && e[1] > 0.0f);
+}
+
+// A small decode-like sequence: matmul with a stack tensor, rmsnorm, rope at device positions,
+// attention over a device key list, a scatter to device rows, a copy and a memset.
+enum { G_D = 8, G_T = 2, G_KEYS = 6 };
+typedef struct gbuf {
+    float w[G_D * G_D], x[G_T * G_D], y[G_T * G_D], pool[G_KEYS * G_D], o[G_T * G_D], ring[4 * G_D],
+        cp[G_D], omega[G_D / 2], sink[1];
+    int32_t key_idx[G_T * G_KEYS], n_keys[G_T], pos[G_T], dst[G_T];
+} gbuf;
+
+static di_status g_ops(gbuf *g, float eps) {
+    di_backend *b = g_b;
+    di_tensor w = {.kind = DI_TENSOR_KIND_F32, .ne = {G_D, G_D}, .nb1 = 4 * G_D, .data = g->w};
+    di_status st = b->vt->matmul(b, &w, g->x, G_T, G_D, g->y, G_D);
+    if (st == DI_OK) st = b->vt->rmsnorm(b, g->y, G_T, G_D, G_D, NULL, eps);
+    if (st == DI_OK) st = b->vt->rope(b, g->y, G_T, G_D, G_D, 4, g->omega, g->pos, 1, 1.0f, false);
+    if (st == DI_OK)
+        st = b->vt->attn(b, g->y, g->pool, g->key_idx, G_KEYS, g->n_keys, G_KEYS, g->sink, G_T, 1,
+                         G_D, 0.5f, g->o);
+    if (st == DI_OK) st = b->vt->scatter_rows(b, g->o, G_T, G_D, G_D, g->ring, G_D, g->dst);
+    if (st == DI_OK) st = b->vt->copy(b, g->cp, g->o, sizeof g->cp);
+    if (st == DI_OK) st = b->vt->memset(b, g->x, 0, sizeof(float) * G_D); // row 0 of x
+    return st;
+}
+
+// The step's varying inputs, as the host would upload them before a launch.
+static void g_fill(gbuf *g, int step) {
+    for (int i = 0; i < G_D * G_D; i++) g->w[i] = (float)sin(i * 0.3 + step);
+    for (int i = 0; i < G_T * G_D; i++) g->x[i] = (float)cos(i * 0.7 + step);
+    for (int i = 0; i < G_KEYS * G_D; i++) g->pool[i] = (float)sin(i * 0.13 - step);
+    for (int i = 0; i < G_D / 2; i++) g->omega[i] = 1.0f / (float)(1 + i);
+    g->sink[0] = 0.25f;
+    for (int t = 0; t < G_T; t++) {
+        g->pos[t] = 3 * step + t;
+        g->n_keys[t] = 1 + (step + t) % G_KEYS;
+        g->dst[t] = (step + t) % 4;
+        for (int j = 0; j < G_KEYS; j++) g->key_idx[t * G_KEYS + j] = (j + step) % G_KEYS;
+    }
+    memset(g->ring, 0, sizeof g->ring);
+}
+
+static void test_graph(void) {
+    const di_backend_vt *vt = g_b->vt;
+    gbuf *a = calloc(1, sizeof *a), *r = calloc(1, sizeof *r); // a: replayed, r: run directly
+    void *graph = NULL;
+    // Capture on a's memory: nothing runs.
+    g_fill(a, 0);
+    gbuf before = *a;
+    CHECK_EQ(vt->graph_begin(g_b), DI_OK);
+    CHECK_EQ(vt->graph_begin(g_b), DI_ERR_INVALID); // one capture at a time
+    CHECK_EQ(g_ops(a, 1e-6f), DI_OK);
+    CHECK_EQ(vt->graph_end(g_b, &graph), DI_OK);
+    CHECK(graph && memcmp(a, &before, sizeof before) == 0);
+    // Each step: new data in a's memory (positions, key lists, destinations, weights), then the
+    // replay must equal the same calls run directly on the same data.
+    for (int step = 0; step < 4; step++) {
+        g_fill(a, step);
+        g_fill(r, step);
+        CHECK_EQ(vt->graph_launch(g_b, graph), DI_OK);
+        CHECK_EQ(g_ops(r, 1e-6f), DI_OK);
+        CHECK(memcmp(a->o, r->o, sizeof a->o) == 0);
+        CHECK(memcmp(a->ring, r->ring, sizeof a->ring) == 0);
+        CHECK(memcmp(a->cp, r->cp, sizeof a->cp) == 0);
+        CHECK(memcmp(a->x, r->x, sizeof a->x) == 0);
+    }
+    // The scalars are the capture's: a direct run with another eps differs from the replay.
+    g_fill(a, 1);
+    g_fill(r, 1);
+    CHECK_EQ(vt->graph_launch(g_b, graph), DI_OK);
+    CHECK_EQ(g_ops(r, 0.5f), DI_OK);
+    CHECK(memcmp(a->o, r->o, sizeof a->o) != 0);
+    // Device data the replay checks: n_keys beyond the captured max_keys fails the launch.
+    a->n_keys[1] = G_KEYS + 1;
+    CHECK_EQ(vt->graph_launch(g_b, graph), DI_ERR_INVALID);
+    vt->graph_destroy(g_b, graph);
+    vt->graph_destroy(g_b, NULL);
+
+    // What a CUDA capture cannot hold is refused, and the capture fails (and is closed).
+    void *p = NULL;
+    CHECK_EQ(vt->alloc(g_b, 64, &p), DI_OK);
+    for (int what = 0; what < 6; what++) {
+        float h[4] = {0};
+        void *q = NULL;
+        graph = NULL;
+        CHECK_EQ(vt->graph_begin(g_b), DI_OK);
+        switch (what) {
+        case 0:
+            CHECK_EQ(vt->upload(g_b, p, h, sizeof h), DI_ERR_INVALID);
+            break;
+        case 1:
+            CHECK_EQ(vt->download(g_b, h, p, sizeof h), DI_ERR_INVALID);
+            break;
+        case 2:
+            CHECK_EQ(vt->sync(g_b), DI_ERR_INVALID);
+            break;
+        case 3:
+            CHECK_EQ(vt->alloc(g_b, 64, &q), DI_ERR_INVALID);
+            break;
+        case 4:
+            vt->free(g_b, p);
+            break; // refused: p stays valid
+        default:
+            CHECK_EQ(vt->graph_launch(g_b, &before), DI_ERR_INVALID);
+            break;
+        }
+        CHECK_EQ(vt->graph_end(g_b, &graph), DI_ERR_INVALID);
+        CHECK(graph == NULL && q == NULL);
+    }
+    CHECK_EQ(vt->graph_end(g_b, &graph), DI_ERR_INVALID); // no capture open
+    CHECK_EQ(vt->upload(g_b, p, &before, 64), DI_OK);     // closed: everything runs again
+    vt->free(g_b, p);
+    free(a);
+    free(r);
+}
+
 int main(void) {
     di_device cpu = {.kind = DI_DEVICE_CPU};
     CHECK_EQ(di_backend_open(&cpu, 2, &g_b), DI_OK);
@@ -156,6 +291,8 @@ int main(void) {
     RUN(test_attn);
     RUN(test_topk_offsets);
     RUN(test_rows);
+    RUN(test_padding);
+    RUN(test_graph);
     di_backend_destroy(g_b);
     di_backend_destroy(NULL);
     return test_finish();

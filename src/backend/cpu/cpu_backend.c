@@ -5,6 +5,13 @@
 // di_session_forward (tests/model/test_dev_forward.c). Memory is host memory: upload, download
 // and copy are memcpy, sync does nothing, weights are used in place (weight_upload makes no copy).
 //
+// Graphs (the twin of CUDA graph capture): between graph_begin and graph_end every op, memset and
+// copy is recorded as a command (the entry and all its arguments by value) instead of run, and
+// graph_launch runs the commands again through the same entries. Like a CUDA graph, a replay reads
+// the backend memory the pointers name as it is at launch, and uses the scalars and pointers of
+// the capture; the calls a CUDA capture cannot hold (alloc, free, upload, download, sync,
+// weight_upload) are refused and fail the capture. Shapes are checked when the graph runs.
+//
 // Owns: its thread pool, di_cpu scratch (grown to the widest weight row uploaded or multiplied),
 // the MoE and attention scratch (grown when a call needs more: the first calls of a shape only).
 // Thread-safety: one thread at a time (backend.h).
@@ -39,16 +46,212 @@ typedef struct cpu_impl {
     size_t kp_per_thread;
     float *sc; // owned [n_threads * sc_per_thread]
     size_t sc_per_thread;
+    // Graph capture: the commands recorded so far (owned), whether a capture is open, whether
+    // something was refused inside it.
+    struct cmd *rec;
+    int64_t n_rec, cap_rec;
+    bool capturing, refused;
 } cpu_impl;
 
 static cpu_impl *impl_of(const di_backend *b) {
     return b->impl;
 }
 
+// ---- graph commands ----
+
+typedef enum cmd_op {
+    CMD_MEMSET,
+    CMD_COPY,
+    CMD_MATMUL,
+    CMD_EMBED,
+    CMD_RMSNORM,
+    CMD_ROPE,
+    CMD_SCALE,
+    CMD_MHC_PRE,
+    CMD_MHC_POST,
+    CMD_MOE,
+    CMD_SCATTER_ROWS,
+    CMD_ADD_APE,
+    CMD_COMPRESS_POOL,
+    CMD_ATTN,
+    CMD_INDEX_SCORES,
+    CMD_TOPK,
+    CMD_OFFSET_LIST,
+} cmd_op;
+
+// One recorded entry: its arguments by value (tensors and the MoE weight struct copied: the
+// caller's may be a stack temporary; the memory their pointers name is read at launch).
+typedef struct cmd {
+    cmd_op op;
+    union {
+        struct {
+            void *dst;
+            int value;
+            size_t bytes;
+        } memset;
+        struct {
+            void *dst;
+            const void *src;
+            size_t bytes;
+        } copy;
+        struct {
+            di_tensor w;
+            const float *x;
+            int64_t n_tok, xs;
+            float *y;
+            int64_t ys;
+        } matmul;
+        struct {
+            di_tensor table;
+            const int32_t *ids;
+            int32_t n, copies;
+            float *x;
+        } embed;
+        struct {
+            float *x;
+            int64_t n_rows, n, stride;
+            const float *w;
+            float eps;
+        } rmsnorm;
+        struct {
+            float *x;
+            int64_t n_rows, row_stride, n;
+            int32_t n_rot;
+            const float *omega;
+            const int32_t *pos;
+            int32_t rows_per_pos;
+            float scale;
+            bool inverse;
+        } rope;
+        struct {
+            float *x;
+            int64_t n;
+            float s;
+        } scale;
+        struct {
+            const float *x, *mix_raw, *base, *scale;
+            int32_t nc;
+            int64_t D;
+            int32_t n_tok, iters;
+            float hc_eps, norm_eps;
+            bool head;
+            float *a, *post, *comb;
+        } mhc_pre;
+        struct {
+            const float *o;
+            float *x;
+            const float *post, *comb;
+            int32_t nc;
+            int64_t D;
+            int32_t n_tok;
+        } mhc_post;
+        struct {
+            di_backend_moe_w w;
+            const float *f;
+            const int32_t *ids;
+            int32_t n_tok;
+            float *out;
+        } moe;
+        struct {
+            const float *src;
+            int64_t n, src_stride, width;
+            float *dst;
+            int64_t dst_stride;
+            const int32_t *dst_rows;
+        } scatter_rows;
+        struct {
+            float *z;
+            int64_t n, stride, width;
+            const float *ape;
+            const int32_t *pos;
+            int32_t m;
+        } add_ape;
+        struct {
+            const float *call_c, *call_z;
+            int64_t call_stride;
+            const float *ring_c, *ring_z;
+            const int32_t *src;
+            int32_t n_win, m, c, d;
+            float *entry;
+        } compress_pool;
+        struct {
+            const float *q, *pool;
+            const int32_t *key_idx;
+            int64_t key_stride;
+            const int32_t *n_keys;
+            int32_t max_keys;
+            const float *sink;
+            int32_t n_tok, H, dh;
+            float scale;
+            float *o;
+        } attn;
+        struct {
+            const float *qi, *wi, *keys;
+            const int64_t *key_base;
+            const int32_t *n_vis;
+            int32_t max_vis, n_tok, HI, DI;
+            float *scores;
+            int64_t score_stride;
+        } index_scores;
+        struct {
+            const float *scores;
+            int64_t score_stride;
+            const int32_t *n_vis;
+            int32_t n_tok, topk;
+            int32_t *sel;
+        } topk;
+        struct {
+            const int32_t *sel;
+            int32_t n_tok, k;
+            const int32_t *base, *off;
+            int32_t *dst;
+            int64_t dst_stride;
+        } offset_list;
+    } u;
+} cmd;
+
+typedef struct cpu_graph {
+    cmd *cmds; // owned [n]
+    int64_t n;
+} cpu_graph;
+
+// Appends a command to the open capture (the list grows on the host: capture time only).
+static di_status record(cpu_impl *c, const cmd *k) {
+    if (c->n_rec == c->cap_rec) {
+        int64_t cap = c->cap_rec ? 2 * c->cap_rec : 256;
+        cmd *p = di_realloc(c->rec, sizeof(cmd) * (size_t)cap);
+        if (!p) {
+            c->refused = true;
+            return DI_ERR_NOMEM;
+        }
+        c->rec = p;
+        c->cap_rec = cap;
+    }
+    c->rec[c->n_rec++] = *k;
+    return DI_OK;
+}
+
+// An entry a capture cannot hold: refused, and the capture fails.
+static di_status refuse(cpu_impl *c, const char *what) {
+    DI_LOG_ERROR("cpu backend: %s inside a graph capture (a CUDA capture cannot hold it)", what);
+    c->refused = true;
+    return DI_ERR_INVALID;
+}
+
+// During a capture: records the entry (enum value op, union member `member`, the arguments of
+// the enclosing call in the member's order) and returns.
+#define RECORD(c, op_, member, ...)                                                                \
+    do {                                                                                           \
+        if ((c)->capturing) {                                                                      \
+            cmd k_ = {.op = op_, .u.member = {__VA_ARGS__}};                                       \
+            return record((c), &k_);                                                               \
+        }                                                                                          \
+    } while (0)
+
 // ---- memory and copies ----
 
 static di_status cpu_alloc(di_backend *b, size_t bytes, void **out) {
-    (void)b;
+    if (impl_of(b)->capturing) return refuse(impl_of(b), "alloc");
     void *p = NULL;
     size_t n = (bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
     if (posix_memalign(&p, ALIGN_BYTES, n ? n : ALIGN_BYTES) != 0) {
@@ -60,24 +263,40 @@ static di_status cpu_alloc(di_backend *b, size_t bytes, void **out) {
 }
 
 static void cpu_free(di_backend *b, void *p) {
-    (void)b;
+    if (impl_of(b)->capturing) {
+        (void)refuse(impl_of(b), "free"); // not freed: the capture fails
+        return;
+    }
     free(p);
 }
 
 static di_status cpu_copy(di_backend *b, void *dst, const void *src, size_t bytes) {
-    (void)b;
+    RECORD(impl_of(b), CMD_COPY, copy, dst, src, bytes);
+    if (bytes) memmove(dst, src, bytes);
+    return DI_OK;
+}
+
+// Host <-> backend copies synchronise on CUDA: not inside a capture.
+static di_status cpu_upload(di_backend *b, void *dst, const void *src, size_t bytes) {
+    if (impl_of(b)->capturing) return refuse(impl_of(b), "upload");
+    if (bytes) memmove(dst, src, bytes);
+    return DI_OK;
+}
+
+static di_status cpu_download(di_backend *b, void *dst, const void *src, size_t bytes) {
+    if (impl_of(b)->capturing) return refuse(impl_of(b), "download");
     if (bytes) memmove(dst, src, bytes);
     return DI_OK;
 }
 
 static di_status cpu_memset(di_backend *b, void *dst, int value, size_t bytes) {
-    (void)b;
+    RECORD(impl_of(b), CMD_MEMSET, memset, dst, value, bytes);
     if (bytes) memset(dst, value, bytes);
     return DI_OK;
 }
 
 static di_status cpu_sync(di_backend *b) {
-    (void)b;
+    if (impl_of(b)->capturing) return refuse(impl_of(b), "sync");
     return DI_OK;
 }
 
@@ -99,6 +318,7 @@ static di_status ensure_row(cpu_impl *c, int64_t n_in) {
 }
 
 static di_status cpu_weight_upload(di_backend *b, const di_tensor *host, di_tensor *dev) {
+    if (impl_of(b)->capturing) return refuse(impl_of(b), "weight_upload");
     di_status st = ensure_row(impl_of(b), host->ne[0]);
     if (st != DI_OK) return st;
     *dev = *host; // host memory is this backend's memory: no copy
@@ -128,8 +348,9 @@ static bool cpu_supports_matmul(const di_backend *b, const di_tensor *w) {
 
 static di_status cpu_matmul(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
                             int64_t xs, float *y, int64_t ys) {
-    if (n_tok <= 0) return DI_OK;
     cpu_impl *c = impl_of(b);
+    RECORD(c, CMD_MATMUL, matmul, *w, x, n_tok, xs, y, ys);
+    if (n_tok <= 0) return DI_OK;
     di_status st = ensure_row(c, w->ne[0]);
     if (st != DI_OK) return st;
     di_cpu_matmul(&c->cpu, w, x, n_tok, xs, y, ys);
@@ -138,7 +359,7 @@ static di_status cpu_matmul(di_backend *b, const di_tensor *w, const float *x, i
 
 static di_status cpu_embed(di_backend *b, const di_tensor *table, const int32_t *ids, int32_t n,
                            int32_t copies, float *x) {
-    (void)b;
+    RECORD(impl_of(b), CMD_EMBED, embed, *table, ids, n, copies, x);
     const int64_t D = table->ne[0];
     for (int32_t t = 0; t < n; t++) {
         if (ids[t] < 0 || ids[t] >= table->ne[1]) {
@@ -155,7 +376,7 @@ static di_status cpu_embed(di_backend *b, const di_tensor *table, const int32_t 
 
 static di_status cpu_rmsnorm(di_backend *b, float *x, int64_t n_rows, int64_t n, int64_t stride,
                              const float *w, float eps) {
-    (void)b;
+    RECORD(impl_of(b), CMD_RMSNORM, rmsnorm, x, n_rows, n, stride, w, eps);
     if (n_rows > 0) di_ref_rmsnorm(x, n_rows, n, stride, w, eps);
     return DI_OK;
 }
@@ -163,7 +384,8 @@ static di_status cpu_rmsnorm(di_backend *b, float *x, int64_t n_rows, int64_t n,
 static di_status cpu_rope(di_backend *b, float *x, int64_t n_rows, int64_t row_stride, int64_t n,
                           int32_t n_rot, const float *omega, const int32_t *pos,
                           int32_t rows_per_pos, float scale, bool inverse) {
-    (void)b;
+    RECORD(impl_of(b), CMD_ROPE, rope, x, n_rows, row_stride, n, n_rot, omega, pos, rows_per_pos,
+           scale, inverse);
     if (rows_per_pos < 1 || n_rot > n || n_rot % 2) return DI_ERR_INVALID;
     for (int64_t r = 0; r < n_rows; r++)
         di_ref_rope(x + r * row_stride, n, n_rot, omega, pos[r / rows_per_pos], scale, inverse);
@@ -171,7 +393,7 @@ static di_status cpu_rope(di_backend *b, float *x, int64_t n_rows, int64_t row_s
 }
 
 static di_status cpu_scale(di_backend *b, float *x, int64_t n, float s) {
-    (void)b;
+    RECORD(impl_of(b), CMD_SCALE, scale, x, n, s);
     for (int64_t i = 0; i < n; i++) x[i] *= s;
     return DI_OK;
 }
@@ -215,6 +437,8 @@ static di_status cpu_mhc_pre(di_backend *b, const float *x, const float *mix_raw
                              const float *scale, int32_t nc, int64_t D, int32_t n_tok,
                              int32_t iters, float hc_eps, float norm_eps, bool head, float *a,
                              float *post, float *comb) {
+    RECORD(impl_of(b), CMD_MHC_PRE, mhc_pre, x, mix_raw, base, scale, nc, D, n_tok, iters, hc_eps,
+           norm_eps, head, a, post, comb);
     if (nc < 1 || nc > 16) return DI_ERR_INVALID;
     if (n_tok <= 0) return DI_OK;
     mhc_ctx c = {x, mix_raw, base,     scale, nc, n_tok, iters,
@@ -225,7 +449,7 @@ static di_status cpu_mhc_pre(di_backend *b, const float *x, const float *mix_raw
 
 static di_status cpu_mhc_post(di_backend *b, const float *o, float *x, const float *post,
                               const float *comb, int32_t nc, int64_t D, int32_t n_tok) {
-    (void)b;
+    RECORD(impl_of(b), CMD_MHC_POST, mhc_post, o, x, post, comb, nc, D, n_tok);
     if (nc < 1 || nc > 16) return DI_ERR_INVALID;
     float mixed[16];
     for (int32_t t = 0; t < n_tok; t++) {
@@ -294,6 +518,7 @@ static void expert(cpu_impl *c, const di_tensor *w1, const di_tensor *w3, const 
 static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *f,
                          const int32_t *ids, int32_t n_tok, float *out) {
     cpu_impl *c = impl_of(b);
+    RECORD(c, CMD_MOE, moe, *w, f, ids, n_tok, out);
     if (n_tok <= 0) return DI_OK;
     // Scratch for the wider of the routed and the shared expert.
     const int64_t D = w->D, F = w->F > w->sh_w1.ne[1] ? w->F : w->sh_w1.ne[1], E = w->n_expert;
@@ -379,16 +604,18 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
 static di_status cpu_scatter_rows(di_backend *b, const float *src, int64_t n, int64_t src_stride,
                                   int64_t width, float *dst, int64_t dst_stride,
                                   const int32_t *dst_rows) {
-    (void)b;
+    RECORD(impl_of(b), CMD_SCATTER_ROWS, scatter_rows, src, n, src_stride, width, dst, dst_stride,
+           dst_rows);
     for (int64_t i = 0; i < n; i++)
-        memcpy(dst + (int64_t)dst_rows[i] * dst_stride, src + i * src_stride,
-               sizeof(float) * (size_t)width);
+        if (dst_rows[i] >= 0) // negative: padding, skipped
+            memcpy(dst + (int64_t)dst_rows[i] * dst_stride, src + i * src_stride,
+                   sizeof(float) * (size_t)width);
     return DI_OK;
 }
 
 static di_status cpu_add_ape(di_backend *b, float *z, int64_t n, int64_t stride, int64_t width,
                              const float *ape, const int32_t *pos, int32_t m) {
-    (void)b;
+    RECORD(impl_of(b), CMD_ADD_APE, add_ape, z, n, stride, width, ape, pos, m);
     if (m < 1) return DI_ERR_INVALID;
     for (int64_t t = 0; t < n; t++) {
         float *zt = z + t * stride;
@@ -418,7 +645,8 @@ static di_status cpu_compress_pool(di_backend *b, const float *call_c, const flo
                                    int64_t call_stride, const float *ring_c, const float *ring_z,
                                    const int32_t *src, int32_t n_win, int32_t m, int32_t c,
                                    int32_t d, float *entry) {
-    (void)b;
+    RECORD(impl_of(b), CMD_COMPRESS_POOL, compress_pool, call_c, call_z, call_stride, ring_c,
+           ring_z, src, n_win, m, c, d, entry);
     if ((c != 1 && c != 2) || m < 1 || m > 1024 || d < 1) return DI_ERR_INVALID;
     const int64_t width = (int64_t)c * d;
     const int32_t n_slot = c * m;
@@ -441,7 +669,7 @@ static di_status cpu_compress_pool(di_backend *b, const float *call_c, const flo
                 den += p;
                 num += p * pc[j][ch];
             }
-            e[ch] = num / den;
+            e[ch] = den > 0 ? num / den : 0.0f; // no slot present: a padding window
         }
     }
     return DI_OK;
@@ -528,6 +756,8 @@ static di_status cpu_attn(di_backend *b, const float *q, const float *pool, cons
                           const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
                           float *o) {
     cpu_impl *c = impl_of(b);
+    RECORD(c, CMD_ATTN, attn, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
+           scale, o);
     if (n_tok <= 0) return DI_OK;
     if (max_keys < 0 || H < 1 || dh < 1 || key_stride < max_keys) return DI_ERR_INVALID;
     for (int32_t t = 0; t < n_tok; t++)
@@ -573,6 +803,8 @@ static di_status cpu_index_scores(di_backend *b, const float *qi, const float *w
                                   int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
                                   float *scores, int64_t score_stride) {
     cpu_impl *c = impl_of(b);
+    RECORD(c, CMD_INDEX_SCORES, index_scores, qi, wi, keys, key_base, n_vis, max_vis, n_tok, HI, DI,
+           scores, score_stride);
     if (n_tok <= 0) return DI_OK;
     if (score_stride < max_vis || HI < 1 || DI < 1) return DI_ERR_INVALID;
     for (int32_t t = 0; t < n_tok; t++)
@@ -585,7 +817,7 @@ static di_status cpu_index_scores(di_backend *b, const float *qi, const float *w
 
 static di_status cpu_topk(di_backend *b, const float *scores, int64_t score_stride,
                           const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel) {
-    (void)b;
+    RECORD(impl_of(b), CMD_TOPK, topk, scores, score_stride, n_vis, n_tok, topk, sel);
     if (topk < 1) return DI_ERR_INVALID;
     for (int32_t t = 0; t < n_tok; t++) {
         int32_t *s = sel + (int64_t)t * topk;
@@ -603,7 +835,7 @@ static di_status cpu_topk(di_backend *b, const float *scores, int64_t score_stri
 static di_status cpu_offset_list(di_backend *b, const int32_t *sel, int32_t n_tok, int32_t k,
                                  const int32_t *base, const int32_t *off, int32_t *dst,
                                  int64_t dst_stride) {
-    (void)b;
+    RECORD(impl_of(b), CMD_OFFSET_LIST, offset_list, sel, n_tok, k, base, off, dst, dst_stride);
     for (int32_t t = 0; t < n_tok; t++)
         for (int32_t i = 0; i < k; i++) {
             int32_t s = sel[(int64_t)t * k + i];
@@ -612,11 +844,143 @@ static di_status cpu_offset_list(di_backend *b, const int32_t *sel, int32_t n_to
     return DI_OK;
 }
 
+// ---- graphs ----
+
+static di_status cpu_graph_begin(di_backend *b) {
+    cpu_impl *c = impl_of(b);
+    if (c->capturing) {
+        DI_LOG_ERROR("cpu backend: graph_begin inside a capture");
+        return DI_ERR_INVALID;
+    }
+    c->capturing = true;
+    c->refused = false;
+    c->n_rec = 0;
+    return DI_OK;
+}
+
+static di_status cpu_graph_end(di_backend *b, void **graph) {
+    cpu_impl *c = impl_of(b);
+    if (!c->capturing) {
+        DI_LOG_ERROR("cpu backend: graph_end without a capture");
+        return DI_ERR_INVALID;
+    }
+    c->capturing = false;
+    if (c->refused) return DI_ERR_INVALID; // logged where it was refused
+    cpu_graph *g = di_calloc(1, sizeof *g);
+    if (!g) return DI_ERR_NOMEM;
+    if (c->n_rec > 0) {
+        g->cmds = di_malloc(sizeof(cmd) * (size_t)c->n_rec);
+        if (!g->cmds) {
+            di_free(g);
+            return DI_ERR_NOMEM;
+        }
+        memcpy(g->cmds, c->rec, sizeof(cmd) * (size_t)c->n_rec);
+    }
+    g->n = c->n_rec;
+    *graph = g;
+    return DI_OK;
+}
+
+static di_status replay(di_backend *b, const cmd *k) {
+    switch (k->op) {
+#define A(m) k->u.m
+    case CMD_MEMSET:
+        return cpu_memset(b, A(memset).dst, A(memset).value, A(memset).bytes);
+    case CMD_COPY:
+        return cpu_copy(b, A(copy).dst, A(copy).src, A(copy).bytes);
+    case CMD_MATMUL:
+        return cpu_matmul(b, &A(matmul).w, A(matmul).x, A(matmul).n_tok, A(matmul).xs, A(matmul).y,
+                          A(matmul).ys);
+    case CMD_EMBED:
+        return cpu_embed(b, &A(embed).table, A(embed).ids, A(embed).n, A(embed).copies, A(embed).x);
+    case CMD_RMSNORM:
+        return cpu_rmsnorm(b, A(rmsnorm).x, A(rmsnorm).n_rows, A(rmsnorm).n, A(rmsnorm).stride,
+                           A(rmsnorm).w, A(rmsnorm).eps);
+    case CMD_ROPE:
+        return cpu_rope(b, A(rope).x, A(rope).n_rows, A(rope).row_stride, A(rope).n, A(rope).n_rot,
+                        A(rope).omega, A(rope).pos, A(rope).rows_per_pos, A(rope).scale,
+                        A(rope).inverse);
+    case CMD_SCALE:
+        return cpu_scale(b, A(scale).x, A(scale).n, A(scale).s);
+    case CMD_MHC_PRE:
+        return cpu_mhc_pre(b, A(mhc_pre).x, A(mhc_pre).mix_raw, A(mhc_pre).base, A(mhc_pre).scale,
+                           A(mhc_pre).nc, A(mhc_pre).D, A(mhc_pre).n_tok, A(mhc_pre).iters,
+                           A(mhc_pre).hc_eps, A(mhc_pre).norm_eps, A(mhc_pre).head, A(mhc_pre).a,
+                           A(mhc_pre).post, A(mhc_pre).comb);
+    case CMD_MHC_POST:
+        return cpu_mhc_post(b, A(mhc_post).o, A(mhc_post).x, A(mhc_post).post, A(mhc_post).comb,
+                            A(mhc_post).nc, A(mhc_post).D, A(mhc_post).n_tok);
+    case CMD_MOE:
+        return cpu_moe(b, &A(moe).w, A(moe).f, A(moe).ids, A(moe).n_tok, A(moe).out);
+    case CMD_SCATTER_ROWS:
+        return cpu_scatter_rows(b, A(scatter_rows).src, A(scatter_rows).n,
+                                A(scatter_rows).src_stride, A(scatter_rows).width,
+                                A(scatter_rows).dst, A(scatter_rows).dst_stride,
+                                A(scatter_rows).dst_rows);
+    case CMD_ADD_APE:
+        return cpu_add_ape(b, A(add_ape).z, A(add_ape).n, A(add_ape).stride, A(add_ape).width,
+                           A(add_ape).ape, A(add_ape).pos, A(add_ape).m);
+    case CMD_COMPRESS_POOL:
+        return cpu_compress_pool(b, A(compress_pool).call_c, A(compress_pool).call_z,
+                                 A(compress_pool).call_stride, A(compress_pool).ring_c,
+                                 A(compress_pool).ring_z, A(compress_pool).src,
+                                 A(compress_pool).n_win, A(compress_pool).m, A(compress_pool).c,
+                                 A(compress_pool).d, A(compress_pool).entry);
+    case CMD_ATTN:
+        return cpu_attn(b, A(attn).q, A(attn).pool, A(attn).key_idx, A(attn).key_stride,
+                        A(attn).n_keys, A(attn).max_keys, A(attn).sink, A(attn).n_tok, A(attn).H,
+                        A(attn).dh, A(attn).scale, A(attn).o);
+    case CMD_INDEX_SCORES:
+        return cpu_index_scores(b, A(index_scores).qi, A(index_scores).wi, A(index_scores).keys,
+                                A(index_scores).key_base, A(index_scores).n_vis,
+                                A(index_scores).max_vis, A(index_scores).n_tok, A(index_scores).HI,
+                                A(index_scores).DI, A(index_scores).scores,
+                                A(index_scores).score_stride);
+    case CMD_TOPK:
+        return cpu_topk(b, A(topk).scores, A(topk).score_stride, A(topk).n_vis, A(topk).n_tok,
+                        A(topk).topk, A(topk).sel);
+    case CMD_OFFSET_LIST:
+        return cpu_offset_list(b, A(offset_list).sel, A(offset_list).n_tok, A(offset_list).k,
+                               A(offset_list).base, A(offset_list).off, A(offset_list).dst,
+                               A(offset_list).dst_stride);
+#undef A
+    }
+    return DI_ERR_INVALID;
+}
+
+static di_status cpu_graph_launch(di_backend *b, const void *graph) {
+    cpu_impl *c = impl_of(b);
+    if (c->capturing) {
+        DI_LOG_ERROR("cpu backend: graph_launch inside a capture");
+        c->refused = true;
+        return DI_ERR_INVALID;
+    }
+    const cpu_graph *g = graph;
+    for (int64_t i = 0; i < g->n; i++) {
+        di_status st = replay(b, &g->cmds[i]);
+        if (st != DI_OK) {
+            DI_LOG_ERROR("cpu backend: graph command %lld (op %d) failed: %s", (long long)i,
+                         (int)g->cmds[i].op, di_status_str(st));
+            return st;
+        }
+    }
+    return DI_OK;
+}
+
+static void cpu_graph_destroy(di_backend *b, void *graph) {
+    (void)b;
+    cpu_graph *g = graph;
+    if (!g) return;
+    di_free(g->cmds);
+    di_free(g);
+}
+
 // ---- lifetime ----
 
 static void cpu_destroy(di_backend *b) {
     cpu_impl *c = impl_of(b);
     if (c) {
+        di_free(c->rec);
         if (c->cpu_ok) di_cpu_deinit(&c->cpu);
         di_pool_destroy(c->pool);
         di_aligned_free(c->moe_f);
@@ -632,8 +996,8 @@ static const di_backend_vt cpu_vt = {
     .name = "cpu",
     .alloc = cpu_alloc,
     .free = cpu_free,
-    .upload = cpu_copy,
-    .download = cpu_copy,
+    .upload = cpu_upload,
+    .download = cpu_download,
     .memset = cpu_memset,
     .copy = cpu_copy,
     .sync = cpu_sync,
@@ -655,6 +1019,10 @@ static const di_backend_vt cpu_vt = {
     .topk = cpu_topk,
     .offset_list = cpu_offset_list,
     .destroy = cpu_destroy,
+    .graph_begin = cpu_graph_begin,
+    .graph_end = cpu_graph_end,
+    .graph_launch = cpu_graph_launch,
+    .graph_destroy = cpu_graph_destroy,
 };
 
 di_status di_cpu_backend_create(int n_threads, di_backend **out) {

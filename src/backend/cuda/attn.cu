@@ -677,7 +677,7 @@ __device__ __forceinline__ float pool_slots(const Slots &slots, int32_t n_slots)
         den += p;
         num += p * cv;
     }
-    return num / den;
+    return den > 0.0f ? num / den : 0.0f; // no slot present (a padding window): 0
 }
 
 // The staged layout of di_cuda_compress_pool: window w's buffer (and overlap) arrays.

@@ -102,7 +102,8 @@ di_status di_cuda_compress_pool(di_cuda *cu, const float *buf_c, const float *bu
 // (ring_c, ring_z), rows of c*d floats; DI_CUDA_POOL_NO_ROW: no token (skipped). c == 1: slots
 // j < m, columns [0, d); c == 2: slots j < m (the overlap) columns [0, d), slots m..2m-1 columns
 // [d, 2d). Same operation order as compressor_step (max, then den and num in slot order).
-// Every window has at least one token. entry: [n_win, d]. DI_ERR_INVALID (c, m), DI_ERR_CUDA.
+// A window without any token (every slot DI_CUDA_POOL_NO_ROW: padding) gets 0. entry: [n_win, d].
+// DI_ERR_INVALID (c, m), DI_ERR_CUDA.
 di_status di_cuda_compress_pool_list(di_cuda *cu, const float *call_c, const float *call_z,
                                      int64_t call_stride, const float *ring_c, const float *ring_z,
                                      const int32_t *src, int32_t n_win, int32_t m, int32_t c,

@@ -67,6 +67,7 @@ struct di_cuda_pool_block {
     void *ptr;
     size_t bytes;
     bool in_use;
+    bool graph; // taken inside a capture: bound to graphs, reused only inside captures
     di_cuda_pool_block *next;
 };
 
@@ -110,7 +111,10 @@ static size_t pool_round(size_t bytes) {
 extern "C" di_status di_cuda_alloc(di_cuda *cu, size_t bytes, void **out) {
     const size_t want = pool_round(bytes);
     for (di_cuda_pool_block *b = cu->blocks; b; b = b->next) {
-        if (!b->in_use && b->bytes == want) {
+        // A graph's scratch is rewritten by every replay: never handed out outside a capture
+        // (the caller might keep it across replays). Inside a capture only graph blocks are
+        // reused, so no block that a caller outside may take later gets bound to a graph.
+        if (!b->in_use && b->bytes == want && b->graph == cu->capturing) {
             b->in_use = true;
             *out = b->ptr;
             return DI_OK;
@@ -127,6 +131,7 @@ extern "C" di_status di_cuda_alloc(di_cuda *cu, size_t bytes, void **out) {
     }
     b->bytes = want;
     b->in_use = true;
+    b->graph = cu->capturing; // relaxed capture mode allows cudaMalloc
     b->next = cu->blocks;
     cu->blocks = b;
     cu->pool_bytes += want;
@@ -236,16 +241,22 @@ extern "C" di_status di_cuda_graph_begin(di_cuda *cu) {
     // Relaxed: a pool miss inside the capture may call cudaMalloc, which the stricter modes refuse
     // (the pool's blocks are reused in stream order, which the graph keeps as dependencies).
     CUDA_CHECK(cudaStreamBeginCapture(di_stream(cu), cudaStreamCaptureModeRelaxed));
+    cu->capturing = true;
+    cu->refused = false;
     return DI_OK;
 }
 
 extern "C" di_status di_cuda_graph_end(di_cuda *cu, di_cuda_graph **out) {
     di_status st = DI_OK;
+    const bool refused = cu->refused;
+    cu->capturing = false;
+    cu->refused = false;
     di_cuda_graph *g = (di_cuda_graph *)calloc(1, sizeof *g);
-    if (!g) {
+    if (!g || refused) { // the capture is closed either way
         cudaGraph_t tmp;
-        if (cudaStreamEndCapture(di_stream(cu), &tmp) == cudaSuccess) cudaGraphDestroy(tmp);
-        return DI_ERR_NOMEM;
+        if (cudaStreamEndCapture(di_stream(cu), &tmp) == cudaSuccess && tmp) cudaGraphDestroy(tmp);
+        free(g);
+        return refused ? DI_ERR_INVALID : DI_ERR_NOMEM;
     }
     CUDA_TRY(cudaStreamEndCapture(di_stream(cu), &g->graph));
     CUDA_TRY(cudaGraphInstantiate(&g->exec, g->graph, 0));

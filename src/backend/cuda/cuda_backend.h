@@ -51,6 +51,9 @@ typedef struct di_cuda {
     // Debug switch (tests): ops whose bit (1 << di_cuda_op) is set report unsupported, so the CPU
     // fallback path can be checked with ordinary inputs. 0 in the engine.
     uint32_t disabled_ops;
+    // Graph capture: open between di_cuda_graph_begin and _end; `refused` is set by the backend
+    // vtable (cuda_ops.cu) when it refused a call inside the capture (the capture then fails).
+    bool capturing, refused;
 } di_cuda;
 
 // Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.
@@ -97,8 +100,10 @@ di_status di_cuda_tensor_upload(di_cuda *cu, const di_tensor *host, di_tensor *d
 typedef struct di_cuda_graph di_cuda_graph;
 // Starts capturing everything enqueued on cu->stream (no launch runs until the graph is
 // launched). Launchers must not synchronise while capturing (no upload/download/sync). Pool
-// blocks taken and freed inside the capture stay bound to the graph's kernels: run the step once
-// uncaptured first so the pool holds every block it needs. DI_ERR_CUDA.
+// blocks taken inside a capture (a launcher's scratch) stay bound to the graph's kernels for
+// good: the pool hands them out again only inside captures (whose graphs run in stream order
+// with each other), never outside one, where a caller may keep a block across replays.
+// DI_ERR_CUDA.
 di_status di_cuda_graph_begin(di_cuda *cu);
 // Ends the capture and instantiates the graph (*out, free with di_cuda_graph_destroy).
 di_status di_cuda_graph_end(di_cuda *cu, di_cuda_graph **out);

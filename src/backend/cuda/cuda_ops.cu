@@ -27,24 +27,45 @@ static_assert(DI_CUDA_POOL_NO_ROW == DI_BACKEND_NO_ROW, "compress_pool's no-row 
     di_cuda *cu = (di_cuda *)(b)->impl;                                                            \
     CUDA_CHECK(cudaSetDevice(cu->device))
 
+// Entries a capture cannot hold (backend.h graph_begin): refused, and the capture fails, as on
+// the CPU twin (which checks the same list).
+static di_status refuse(di_cuda *cu, const char *what) {
+    DI_CUDA_LOG_ERROR("cuda backend: %s inside a graph capture", what);
+    cu->refused = true;
+    return DI_ERR_INVALID;
+}
+
+#define NOT_CAPTURING(cu, what)                                                                    \
+    do {                                                                                           \
+        if ((cu)->capturing) return refuse((cu), (what));                                          \
+    } while (0)
+
 // ---- memory and copies ----
 
 static di_status op_alloc(di_backend *b, size_t bytes, void **out) {
     ENTER(b);
+    NOT_CAPTURING(cu, "alloc");
     return di_cuda_alloc(cu, bytes, out);
 }
 
 static void op_free(di_backend *b, void *p) {
-    di_cuda_free((di_cuda *)b->impl, p); // host bookkeeping only: no device call
+    di_cuda *cu = (di_cuda *)b->impl;
+    if (cu->capturing) {
+        (void)refuse(cu, "free"); // not freed: the capture fails
+        return;
+    }
+    di_cuda_free(cu, p); // host bookkeeping only: no device call
 }
 
 static di_status op_upload(di_backend *b, void *dst, const void *src, size_t bytes) {
     ENTER(b);
+    NOT_CAPTURING(cu, "upload");
     return bytes ? di_cuda_upload(cu, dst, src, bytes) : DI_OK;
 }
 
 static di_status op_download(di_backend *b, void *dst, const void *src, size_t bytes) {
     ENTER(b);
+    NOT_CAPTURING(cu, "download");
     return bytes ? di_cuda_download(cu, dst, src, bytes) : DI_OK;
 }
 
@@ -60,11 +81,13 @@ static di_status op_copy(di_backend *b, void *dst, const void *src, size_t bytes
 
 static di_status op_sync(di_backend *b) {
     ENTER(b);
+    NOT_CAPTURING(cu, "sync");
     return di_cuda_sync(cu);
 }
 
 static di_status op_weight_upload(di_backend *b, const di_tensor *host, di_tensor *dev) {
     ENTER(b);
+    NOT_CAPTURING(cu, "weight_upload");
     return di_cuda_tensor_upload(cu, host, dev);
 }
 
@@ -208,6 +231,40 @@ static di_status op_offset_list(di_backend *b, const int32_t *sel, int32_t n_tok
     return di_cuda_offset_list(cu, sel, n_tok, k, base, off, dst, dst_stride);
 }
 
+// ---- graphs ----
+
+static di_status op_graph_begin(di_backend *b) {
+    ENTER(b);
+    if (cu->capturing) {
+        DI_CUDA_LOG_ERROR("cuda backend: graph_begin inside a capture");
+        return DI_ERR_INVALID;
+    }
+    return di_cuda_graph_begin(cu);
+}
+
+static di_status op_graph_end(di_backend *b, void **graph) {
+    ENTER(b);
+    if (!cu->capturing) {
+        DI_CUDA_LOG_ERROR("cuda backend: graph_end without a capture");
+        return DI_ERR_INVALID;
+    }
+    di_cuda_graph *g = NULL;
+    di_status st = di_cuda_graph_end(cu, &g); // closes the capture in every case
+    if (st == DI_OK) *graph = g;
+    return st;
+}
+
+static di_status op_graph_launch(di_backend *b, const void *graph) {
+    ENTER(b);
+    NOT_CAPTURING(cu, "graph_launch");
+    return di_cuda_graph_launch(cu, (const di_cuda_graph *)graph);
+}
+
+static void op_graph_destroy(di_backend *b, void *graph) {
+    (void)b;
+    di_cuda_graph_destroy((di_cuda_graph *)graph);
+}
+
 // ---- lifetime ----
 
 static void op_destroy(di_backend *b) {
@@ -245,6 +302,10 @@ static di_backend_vt make_vt(void) {
     vt.topk = op_topk;
     vt.offset_list = op_offset_list;
     vt.destroy = op_destroy;
+    vt.graph_begin = op_graph_begin;
+    vt.graph_end = op_graph_end;
+    vt.graph_launch = op_graph_launch;
+    vt.graph_destroy = op_graph_destroy;
     return vt;
 }
 

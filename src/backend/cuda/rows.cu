@@ -127,8 +127,10 @@ __global__ void scatter_rows_kernel(const float *__restrict__ src, int64_t n, in
                                     const int32_t *__restrict__ dst_rows) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= width) return;
-    for (int64_t i = blockIdx.y; i < n; i += gridDim.y)
-        dst[(int64_t)dst_rows[i] * dst_stride + c] = src[i * src_stride + c];
+    for (int64_t i = blockIdx.y; i < n; i += gridDim.y) {
+        const int32_t r = dst_rows[i];
+        if (r >= 0) dst[(int64_t)r * dst_stride + c] = src[i * src_stride + c]; // < 0: padding
+    }
 }
 
 extern "C" di_status di_cuda_scatter_rows(di_cuda *cu, const float *src, int64_t n,

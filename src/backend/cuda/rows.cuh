@@ -26,8 +26,9 @@ bool di_cuda_embed_supports(di_tensor_kind kind);
 di_status di_cuda_embed(di_cuda *cu, const di_tensor *table, const int32_t *ids, int32_t n,
                         int32_t copies, float *x);
 
-// dst + dst_rows[i] * dst_stride <- src + i * src_stride (`width` floats) for i < n. No two
-// dst_rows equal; src and dst do not overlap. DI_ERR_CUDA.
+// dst + dst_rows[i] * dst_stride <- src + i * src_stride (`width` floats) for i < n; a negative
+// dst_rows[i] skips row i (padding). No two dst_rows >= 0 equal; src and dst do not overlap.
+// DI_ERR_CUDA.
 di_status di_cuda_scatter_rows(di_cuda *cu, const float *src, int64_t n, int64_t src_stride,
                                int64_t width, float *dst, int64_t dst_stride,
                                const int32_t *dst_rows);

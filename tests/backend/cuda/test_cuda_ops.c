@@ -5,7 +5,11 @@
 // di_dsv4_hc_coeffs, di_dsv4_topk). Every launch goes through b->vt, every output is poisoned
 // with NaN (0xFF bytes) first, and the edge shapes are in: 1 row, sizes that are not multiples of
 // any tile, strided rows, masked keys, 0 keys, the compressor's no-row overlap slots and ring
-// sources, rows past n not written, another thread calling the backend. The kernels behind the
+// sources, rows past n not written, another thread calling the backend; graphs (graph_begin /
+// end / launch): a replay equals the same entries run directly for new data in the same buffers,
+// the padding of graph-stable lists (scatter destination -1, windows without rows), the calls a
+// capture refuses, and pool blocks taken inside a capture kept out of later allocations. The
+// kernels behind the
 // older entries have their own tests (test_cuda_gemm, _norm, _mhc, _moe, _indexer); here the
 // point is that each entry passes its arguments through as backend.h says.
 #include "backend/cuda/cuda_test.h" // harness, rnd, check_bounds (its g_cu is the backend's context)
@@ -1147,6 +1151,179 @@ static void test_other_thread(void) {
     bk_free(a.xd);
 }
 
+// ---- graphs ----
+
+enum { GR_D = 64, GR_T = 3, GR_H = 2, GR_KEYS = 40, GR_RING = 8, GR_M = 4 };
+
+// One set of buffers a step reads and writes (device), as the dev forward's state.
+typedef struct gr_set {
+    float *x, *y, *pool, *o, *ring, *cz, *ent, *omega, *sink;
+    int32_t *pos, *key_idx, *n_keys, *dst, *src;
+} gr_set;
+
+static gr_set gr_alloc(void) {
+    gr_set g;
+    g.x = bk_alloc(sizeof(float) * GR_T * GR_D);
+    g.y = bk_alloc(sizeof(float) * GR_T * GR_H * GR_D);
+    g.pool = bk_alloc(sizeof(float) * GR_KEYS * GR_D);
+    g.o = bk_alloc(sizeof(float) * GR_T * GR_H * GR_D);
+    g.ring = bk_alloc(sizeof(float) * GR_RING * GR_H * GR_D);
+    g.cz = bk_alloc(sizeof(float) * GR_T * GR_D);
+    g.ent = bk_alloc(sizeof(float) * 2 * GR_D);
+    g.omega = bk_alloc(sizeof(float) * GR_D / 2);
+    g.sink = bk_alloc(sizeof(float) * GR_H);
+    g.pos = bk_alloc(sizeof(int32_t) * GR_T);
+    g.key_idx = bk_alloc(sizeof(int32_t) * GR_T * GR_KEYS);
+    g.n_keys = bk_alloc(sizeof(int32_t) * GR_T);
+    g.dst = bk_alloc(sizeof(int32_t) * GR_T);
+    g.src = bk_alloc(sizeof(int32_t) * 2 * GR_M);
+    return g;
+}
+
+static void gr_free(gr_set *g) {
+    void *ps[] = {g->x,     g->y,    g->pool, g->o,       g->ring,   g->cz,  g->ent,
+                  g->omega, g->sink, g->pos,  g->key_idx, g->n_keys, g->dst, g->src};
+    for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++) bk_free(ps[i]);
+}
+
+// The step's inputs for `step` (what the host uploads before a launch): positions, key lists,
+// destinations (one -1: padding), compressor sources (window 1: padding), activations.
+static void gr_upload(const gr_set *g, int step) {
+    float x[GR_T * GR_D], pool[GR_KEYS * GR_D], ring[GR_RING * GR_H * GR_D], cz[GR_T * GR_D];
+    float omega[GR_D / 2], sink[GR_H] = {0.3f, -0.2f};
+    int32_t pos[GR_T], ki[GR_T * GR_KEYS], nk[GR_T], dst[GR_T], src[2 * GR_M];
+    g_rng = 0x5eedull + (uint64_t)step; // the same inputs for both sets of a step
+    fill_rand(x, GR_T * GR_D, 1.0f);
+    fill_rand(pool, GR_KEYS * GR_D, 1.0f);
+    fill_rand(ring, GR_RING * GR_H * GR_D, 1.0f);
+    fill_rand(cz, GR_T * GR_D, 1.0f);
+    for (int i = 0; i < GR_D / 2; i++) omega[i] = powf(10000.0f, -2.0f * (float)i / GR_D);
+    for (int t = 0; t < GR_T; t++) {
+        pos[t] = 7 * step + t;
+        nk[t] = (step * 5 + t * 11) % (GR_KEYS + 1); // 0 keys too
+        for (int j = 0; j < GR_KEYS; j++)
+            ki[t * GR_KEYS + j] = (j * 3 + step + t) % 5 == 0 ? -1 : (j * 7 + step) % GR_KEYS;
+        dst[t] = t == step % GR_T ? -1 : (step + 2 * t) % GR_RING;
+    }
+    for (int j = 0; j < GR_M; j++) src[j] = (j + step) % GR_T; // window 0: call rows
+    for (int j = GR_M; j < 2 * GR_M; j++) src[j] = DI_BACKEND_NO_ROW;
+    CK(g_b->vt->upload(g_b, g->x, x, sizeof x));
+    CK(g_b->vt->upload(g_b, g->pool, pool, sizeof pool));
+    CK(g_b->vt->upload(g_b, g->ring, ring, sizeof ring));
+    CK(g_b->vt->upload(g_b, g->cz, cz, sizeof cz));
+    CK(g_b->vt->upload(g_b, g->omega, omega, sizeof omega));
+    CK(g_b->vt->upload(g_b, g->sink, sink, sizeof sink));
+    CK(g_b->vt->upload(g_b, g->pos, pos, sizeof pos));
+    CK(g_b->vt->upload(g_b, g->key_idx, ki, sizeof ki));
+    CK(g_b->vt->upload(g_b, g->n_keys, nk, sizeof nk));
+    CK(g_b->vt->upload(g_b, g->dst, dst, sizeof dst));
+    CK(g_b->vt->upload(g_b, g->src, src, sizeof src));
+}
+
+// The step: q = W x (a tensor on the stack), per-head RMSNorm, RoPE at device positions,
+// attention with max_keys at the list's capacity, scatter of o rows to device destinations,
+// compressor pooling of one window and one padding window, a device copy.
+static di_status gr_ops(const gr_set *g, const di_tensor *w_dev) {
+    di_backend *b = g_b;
+    di_tensor w = *w_dev;
+    di_status st = b->vt->matmul(b, &w, g->x, GR_T, GR_D, g->y, GR_H * GR_D);
+    if (st == DI_OK) st = b->vt->rmsnorm(b, g->y, GR_T * GR_H, GR_D, GR_D, NULL, 1e-6f);
+    if (st == DI_OK)
+        st = b->vt->rope(b, g->y, GR_T * GR_H, GR_D, GR_D, 16, g->omega, g->pos, GR_H, 1.0f, false);
+    if (st == DI_OK)
+        st = b->vt->attn(b, g->y, g->pool, g->key_idx, GR_KEYS, g->n_keys, GR_KEYS, g->sink, GR_T,
+                         GR_H, GR_D, 0.125f, g->o);
+    if (st == DI_OK)
+        st = b->vt->scatter_rows(b, g->o, GR_T, GR_H * GR_D, GR_H * GR_D, g->ring, GR_H * GR_D,
+                                 g->dst);
+    if (st == DI_OK)
+        st = b->vt->compress_pool(b, g->x, g->cz, GR_D, g->x, g->cz, g->src, 2, GR_M, 1, GR_D,
+                                  g->ent);
+    if (st == DI_OK) st = b->vt->copy(b, g->x, g->o, sizeof(float) * GR_D);
+    return st;
+}
+
+static void gr_compare(const gr_set *a, const gr_set *r, int step) {
+    static float ha[GR_RING * GR_H * GR_D], hr[GR_RING * GR_H * GR_D];
+    const struct {
+        const float *pa, *pr;
+        int64_t n;
+    } outs[] = {{a->o, r->o, GR_T * GR_H * GR_D},
+                {a->ring, r->ring, GR_RING * GR_H * GR_D},
+                {a->ent, r->ent, 2 * GR_D},
+                {a->x, r->x, GR_T * GR_D}};
+    int64_t bad = 0;
+    for (size_t k = 0; k < sizeof outs / sizeof outs[0]; k++) {
+        bk_to(ha, outs[k].pa, sizeof(float) * (size_t)outs[k].n);
+        bk_to(hr, outs[k].pr, sizeof(float) * (size_t)outs[k].n);
+        bad += n_diff_f32(ha, hr, outs[k].n);
+        if (k == 2) // the padding window pools to 0, the real one is finite
+            for (int i = 0; i < GR_D; i++) bad += ha[GR_D + i] != 0.0f || !isfinite(ha[i]);
+    }
+    fprintf(stderr, "  graph replay, step %d: %lld values differ from direct launches\n", step,
+            (long long)bad);
+    CHECK_EQ(bad, 0);
+}
+
+static void test_graph(void) {
+    const di_backend_vt *vt = g_b->vt;
+    mat w = make_w(DI_TENSOR_KIND_BF16, GR_D, GR_H * GR_D);
+    di_tensor wd;
+    CK(vt->weight_upload(g_b, &w.t, &wd));
+    gr_set a = gr_alloc(), r = gr_alloc(); // a: replayed, r: run directly
+    // Run once directly (the pool's blocks), then capture on a's buffers.
+    gr_upload(&a, 0);
+    CK(gr_ops(&a, &wd));
+    void *graph = NULL;
+    CK(vt->graph_begin(g_b));
+    CHECK_EQ(vt->graph_begin(g_b), DI_ERR_INVALID);
+    di_status st = gr_ops(&a, &wd);
+    CK(vt->graph_end(g_b, &graph));
+    CK(st);
+    for (int step = 1; step <= 4; step++) {
+        gr_upload(&a, step);
+        gr_upload(&r, step);
+        CK(vt->graph_launch(g_b, graph));
+        CK(gr_ops(&r, &wd));
+        gr_compare(&a, &r, step);
+    }
+    vt->graph_destroy(g_b, graph);
+    vt->graph_destroy(g_b, NULL);
+
+    // Refused inside a capture, which then fails and is closed; the stream works afterwards.
+    float h[4] = {0};
+    for (int what = 0; what < 4; what++) {
+        void *q = NULL;
+        graph = NULL;
+        CK(vt->graph_begin(g_b));
+        if (what == 0) CHECK_EQ(vt->upload(g_b, a.x, h, sizeof h), DI_ERR_INVALID);
+        if (what == 1) CHECK_EQ(vt->download(g_b, h, a.x, sizeof h), DI_ERR_INVALID);
+        if (what == 2) CHECK_EQ(vt->sync(g_b), DI_ERR_INVALID);
+        if (what == 3) CHECK_EQ(vt->alloc(g_b, 64, &q), DI_ERR_INVALID);
+        CHECK_EQ(vt->graph_end(g_b, &graph), DI_ERR_INVALID);
+        CHECK(graph == NULL && q == NULL);
+    }
+    CK(vt->upload(g_b, a.x, h, sizeof h));
+    CK(vt->sync(g_b));
+
+    // A launcher's scratch taken inside a capture stays bound to graphs: not handed out outside.
+    void *in = NULL, *out = NULL;
+    CK(vt->graph_begin(g_b));
+    CK(di_cuda_alloc(g_cu, 12345, &in));
+    CK(vt->memset(g_b, in, 0, 12345));
+    di_cuda_free(g_cu, in);
+    CK(vt->graph_end(g_b, &graph));
+    CK(di_cuda_alloc(g_cu, 12345, &out));
+    CHECK(out != in);
+    di_cuda_free(g_cu, out);
+    CK(vt->graph_launch(g_b, graph));
+    CK(vt->sync(g_b));
+    vt->graph_destroy(g_b, graph);
+    gr_free(&a);
+    gr_free(&r);
+    free_w(&w);
+}
+
 int main(void) {
     if (di_cuda_device_count() == 0) DI_TEST_SKIP("no CUDA device");
     CK(di_cuda_backend_create(0, &g_b));
@@ -1170,6 +1347,7 @@ int main(void) {
     RUN(test_attn);
     RUN(test_indexer);
     RUN(test_other_thread);
+    RUN(test_graph);
     CK(g_b->vt->sync(g_b));
     g_b->vt->destroy(g_b);
     di_cpu_deinit(&g_cpu);
