@@ -1,11 +1,13 @@
 // dsv4_dev — the device-resident V4 forward on a backend (dsv4_dev.h). It mirrors model/dsv4.c,
 // dsv4_attn.c and dsv4_moe.c op for op in the FP32 recipe; where those keep sequential state
 // (compressor buffers, rings) this file keeps rows in backend pools and lists on the host which
-// rows each op reads. Sections: weights, state, per-call metadata, the layer, the call.
+// rows each op reads. Sections: weights, state, per-call metadata, the layer, checks, decode
+// graphs, the call.
 #include "model/dsv4_dev.h"
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h> // getenv
 #include <string.h>
 
 #include "base/log.h"
@@ -13,8 +15,9 @@
 #include "base/status.h" // DI_TRY
 #include "model/dsv4.h"
 
-// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]).
-enum { HEAD_CHUNK = 64, MAX_CLASSES = 4 };
+// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); decode graphs cached
+// per state (one per batch size in use; the least recently used is replaced).
+enum { HEAD_CHUNK = 64, MAX_CLASSES = 4, GRAPH_CACHE = 8 };
 
 // ---- weights ----
 
@@ -258,12 +261,14 @@ typedef struct ratio_class {
     int64_t slot_rows;  // KV pool rows per slot: W + cap
     int64_t key_stride; // key list row: W + (CSA: topk, HCA: cap)
     int32_t R;          // compressor token ring rows per slot (c * ratio)
-    int32_t win_cap;    // closing windows one call can hold
+    int32_t win_cap;    // windows one call pools (closing ones and padding)
     iarr key_idx, n_keys, win_dst;
     iarr src, ent_pos, ent_dst, ent_dst_idx, ring_dst; // compressor
     iarr base, off, n_vis, key_base;                   // CSA
-    // This call:
-    int32_t max_keys, max_vis, n_win;
+    // This call (host scalars the ops get: functions of the call's shape only, never of its
+    // positions, so a decode graph replays them for any position; dsv4_dev.h "Graphs"):
+    int32_t n_pool; // windows pooled: sum over sequences of (n_tok - 1) / m + 1, the most that
+                    // can close; the ones that do not close are padding (no rows, dst -1)
     int32_t *win_off, *ring_off, *ring_n; // owned host [n_seq max = n_slots]: per sequence
 } ratio_class;
 
@@ -292,6 +297,17 @@ struct di_dsv4_dev_state {
     uint8_t *used; // owned host [n_slots]: slot seen in this call
     void **blocks; // owned list of backend blocks
     int32_t n_blocks, cap_blocks;
+    // Decode graphs (dsv4_dev.h "Graphs"), keyed by the number of sequences; graph NULL: seen
+    // once, run directly (captured the next time).
+    bool graphs_on; // DI_DEV_GRAPHS != "0" at create
+    struct {
+        int32_t n_seq;
+        void *graph; // owned backend graph
+        uint64_t used;
+    } graphs[GRAPH_CACHE];
+    int32_t n_graphs;
+    uint64_t clock;
+    di_dsv4_dev_graph_stats stats;
 };
 
 static di_status st_track(di_dsv4_dev_state *s, void *p) {
@@ -394,6 +410,8 @@ static void iarr_free(iarr *a) {
 
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     if (!s) return;
+    for (int32_t i = 0; i < s->n_graphs; i++)
+        s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
     for (int i = 0; i < MAX_CLASSES; i++) {
         ratio_class *k = &s->cls[i];
         iarr *arrs[] = {&k->key_idx, &k->n_keys,  &k->win_dst,     &k->src,
@@ -442,6 +460,9 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     if (!s) return DI_ERR_NOMEM;
     s->d = d;
     s->n_slots = n_slots, s->n_ctx = n_ctx, s->max_rows = max_rows;
+    // Debug switch (conventions §7): DI_DEV_GRAPHS=0 runs decode steps without graphs, to compare.
+    const char *env = getenv("DI_DEV_GRAPHS");
+    s->graphs_on = !(env && strcmp(env, "0") == 0);
     s->n_past = di_malloc(sizeof(int32_t) * (size_t)n_slots);
     s->ls = di_calloc((size_t)hp->n_layer, sizeof *s->ls);
     s->layer_cls = di_calloc((size_t)hp->n_layer, 1);
@@ -534,6 +555,12 @@ int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot) {
     return slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1;
 }
 
+void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out) {
+    *out = s->stats;
+    out->n_cached = 0;
+    for (int32_t i = 0; i < s->n_graphs; i++) out->n_cached += s->graphs[i].graph != NULL;
+}
+
 // ---- per-call metadata (host lists of rows, uploaded once per call) ----
 
 // The KV pool row of position q of sequence i (first position p0 this call, first row r0): this
@@ -554,8 +581,8 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
     const int64_t W = hp->window, T = s->max_rows;
     const int32_t ratio = k->ratio, topk = hp->index_topk;
     int32_t *ki = I32(k->key_idx), *nk = I32(k->n_keys), *wd = I32(k->win_dst);
-    int32_t n_rows = 0, n_wd = 0, n_rd = 0;
-    k->max_keys = 0, k->max_vis = 0, k->n_win = 0;
+    int32_t n_rows = 0, n_wd = 0, n_rd = 0, n_win = 0;
+    k->n_pool = 0;
     for (int32_t i = 0; i < n_seq; i++) {
         const di_dsv4_dev_seq *sq = &seqs[i];
         const int64_t p0 = sq->pos, ring0 = T + (int64_t)sq->slot * k->slot_rows;
@@ -569,16 +596,13 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
             if (ratio == 4) {
                 I32(k->base)[r0 + t] = (int32_t)(ring0 + W);
                 I32(k->off)[r0 + t] = n;
-                int32_t vis = (int32_t)((P + 1) / 4);
-                I32(k->n_vis)[r0 + t] = vis;
+                I32(k->n_vis)[r0 + t] = (int32_t)((P + 1) / 4);
                 ((int64_t *)k->key_base.host)[r0 + t] = (int64_t)sq->slot * k->cap;
-                if (vis > k->max_vis) k->max_vis = vis;
                 n += topk;
             } else if (ratio > 0) {
                 for (int64_t e = 0; e < (P + 1) / ratio; e++) row[n++] = (int32_t)(ring0 + W + e);
             }
             nk[r0 + t] = n;
-            if (n > k->max_keys) k->max_keys = n;
         }
         // The window ring after attention: the last min(n_tok, W) rows.
         k->win_off[i] = n_wd;
@@ -590,18 +614,19 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
         // overlap (window w - 1, c == 2) or the window itself (c == 1), slots m..2m-1 window w.
         const int32_t m = ratio, c = k->c, R = k->R;
         const int64_t cring0 = (int64_t)sq->slot * R;
+        k->n_pool += (sq->n_tok - 1) / m + 1; // n_tok positions close at most this many windows
         for (int64_t P = p0; P < p0 + sq->n_tok; P++) {
             if ((P + 1) % m != 0) continue;
             const int64_t w = P / m;
-            int32_t *src = I32(k->src) + (int64_t)k->n_win * R;
+            int32_t *src = I32(k->src) + (int64_t)n_win * R;
             for (int32_t j = 0; j < c * m; j++) {
                 int64_t q = c == 2 ? (w - 1) * m + j : w * m + j;
                 src[j] = cmp_src(q, p0, r0, cring0, R);
             }
-            I32(k->ent_pos)[k->n_win] = (int32_t)(w * m);
-            I32(k->ent_dst)[k->n_win] = (int32_t)(ring0 + W + w);
-            I32(k->ent_dst_idx)[k->n_win] = (int32_t)((int64_t)sq->slot * k->cap + w);
-            k->n_win++;
+            I32(k->ent_pos)[n_win] = (int32_t)(w * m);
+            I32(k->ent_dst)[n_win] = (int32_t)(ring0 + W + w);
+            I32(k->ent_dst_idx)[n_win] = (int32_t)((int64_t)sq->slot * k->cap + w);
+            n_win++;
         }
         // The compressor token ring after pooling: the last min(n_tok, R) rows.
         k->ring_off[i] = n_rd;
@@ -609,16 +634,24 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
         for (int32_t t = sq->n_tok - k->ring_n[i]; t < sq->n_tok; t++)
             I32(k->ring_dst)[n_rd++] = (int32_t)(cring0 + (p0 + t) % R);
     }
-    DI_ASSERT(k->n_win <= k->win_cap);
+    // Padding up to n_pool: windows without rows (entry 0), scattered nowhere.
+    DI_ASSERT(n_win <= k->n_pool && k->n_pool <= k->win_cap);
+    for (int32_t w = n_win; w < k->n_pool; w++) {
+        int32_t *src = I32(k->src) + (int64_t)w * k->R;
+        for (int32_t j = 0; j < k->R; j++) src[j] = DI_BACKEND_NO_ROW;
+        I32(k->ent_pos)[w] = 0;
+        I32(k->ent_dst)[w] = -1;
+        I32(k->ent_dst_idx)[w] = -1;
+    }
     di_status st = DI_OK;
     DI_TRY(iarr_upload(s, &k->key_idx, (size_t)n_rows * (size_t)k->key_stride));
     DI_TRY(iarr_upload(s, &k->n_keys, (size_t)n_rows));
     DI_TRY(iarr_upload(s, &k->win_dst, (size_t)n_wd));
     if (ratio > 0) {
-        DI_TRY(iarr_upload(s, &k->src, (size_t)k->n_win * (size_t)k->R));
-        DI_TRY(iarr_upload(s, &k->ent_pos, (size_t)k->n_win));
-        DI_TRY(iarr_upload(s, &k->ent_dst, (size_t)k->n_win));
-        DI_TRY(iarr_upload(s, &k->ent_dst_idx, (size_t)k->n_win));
+        DI_TRY(iarr_upload(s, &k->src, (size_t)k->n_pool * (size_t)k->R));
+        DI_TRY(iarr_upload(s, &k->ent_pos, (size_t)k->n_pool));
+        DI_TRY(iarr_upload(s, &k->ent_dst, (size_t)k->n_pool));
+        DI_TRY(iarr_upload(s, &k->ent_dst_idx, (size_t)k->n_pool));
         DI_TRY(iarr_upload(s, &k->ring_dst, (size_t)n_rd));
     }
     if (ratio == 4) {
@@ -656,14 +689,13 @@ static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class 
     OP(matmul, &cw->wkv, a, c->T, D, s->cc, width);   // C: [T, c*d]
     OP(matmul, &cw->wgate, a, c->T, D, s->cz, width); // Z: [T, c*d]
     OP(add_ape, s->cz, c->T, width, width, cw->ape, D32(s->pos), cw->m);
-    if (k->n_win > 0) {
-        OP(compress_pool, s->cc, s->cz, width, ring_c, ring_z, D32(k->src), k->n_win, cw->m, cw->c,
-           cw->d, s->ent); // entries: [n_win, d]
-        OP(rmsnorm, s->ent, k->n_win, cw->d, cw->d, cw->norm, hp->norm_eps);
-        OP(rope, s->ent, k->n_win, cw->d, cw->d, hp->rope_compress.n_dims, s->d->omega_compress,
-           D32(k->ent_pos), 1, hp->rope_compress.attention_factor, false);
-        OP(scatter_rows, s->ent, k->n_win, cw->d, cw->d, pool, pool_stride, ent_dst);
-    }
+    // Every window that may close in a call of this shape (padding: entry 0, scattered nowhere).
+    OP(compress_pool, s->cc, s->cz, width, ring_c, ring_z, D32(k->src), k->n_pool, cw->m, cw->c,
+       cw->d, s->ent); // entries: [n_pool, d]
+    OP(rmsnorm, s->ent, k->n_pool, cw->d, cw->d, cw->norm, hp->norm_eps);
+    OP(rope, s->ent, k->n_pool, cw->d, cw->d, hp->rope_compress.n_dims, s->d->omega_compress,
+       D32(k->ent_pos), 1, hp->rope_compress.attention_factor, false);
+    OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, pool, pool_stride, ent_dst);
     for (int32_t i = 0; i < c->n_seq; i++) {
         const int64_t r = s->row0[i] + c->seqs[i].n_tok - k->ring_n[i];
         const int32_t *dst = D32(k->ring_dst) + k->ring_off[i];
@@ -714,8 +746,9 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
            hp->rope_compress.attention_factor, false);
         OP(matmul, &lw->idx_weights_proj, a, T, D, s->iw, HI); // wi: [T, HI]
         OP(scale, s->iw, T * HI, 1.0f / sqrtf((float)DI) / sqrtf((float)HI));
+        // max_vis: the slot capacity (a bound independent of the positions).
         OP(index_scores, s->iq, s->iw, ls->idx, (const int64_t *)k->key_base.dev, D32(k->n_vis),
-           k->max_vis, T, (int32_t)HI, (int32_t)DI, s->scores, s->score_stride);
+           k->cap, T, (int32_t)HI, (int32_t)DI, s->scores, s->score_stride);
         OP(topk, s->scores, s->score_stride, D32(k->n_vis), T, hp->index_topk, s->sel);
         OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), D32(k->key_idx),
            k->key_stride);
@@ -724,7 +757,8 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     if (compress)
         DI_TRY(compressor(c, &lw->cmp, k, a, ls->ring_c, ls->ring_z, ls->kv, Dh, D32(k->ent_dst)));
 
-    OP(attn, s->q, ls->kv, D32(k->key_idx), k->key_stride, D32(k->n_keys), k->max_keys,
+    // max_keys: the key list capacity (a bound independent of the positions).
+    OP(attn, s->q, ls->kv, D32(k->key_idx), k->key_stride, D32(k->n_keys), (int32_t)k->key_stride,
        lw->attn_sink, T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh), s->o); // o: [T, H, Dh]
     OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, true);
 
@@ -779,8 +813,9 @@ fail:
     return st;
 }
 
-// Final head (§2.9) on n rows of X listed in rows: gathered, collapsed, normed, projected.
-static di_status head(const call *c, const int32_t *rows, int32_t n, float *logits) {
+// Final head (§2.9) on n rows of X listed in rows: gathered, collapsed, normed, projected into
+// s->logits [n, V] (the caller downloads them: not inside a graph).
+static di_status head(const call *c, const int32_t *rows, int32_t n) {
     di_dsv4_dev_state *s = c->s;
     const di_dsv4_dev *d = s->d;
     const di_hparams *hp = &d->m->hp;
@@ -799,13 +834,12 @@ static di_status head(const call *c, const int32_t *rows, int32_t n, float *logi
        hp->hc_eps, hp->norm_eps, true, s->h, NULL, NULL);
     OP(rmsnorm, s->h, n, D, D, d->norm, hp->norm_eps);
     OP(matmul, &d->head, s->h, n, D, s->logits, V); // logits: [n, V]
-    OP(download, logits, s->logits, sizeof(float) * (size_t)n * (size_t)V);
     return DI_OK;
 fail:
     return st;
 }
 
-// ---- the call ----
+// ---- checks ----
 
 static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                             const int32_t *tokens, const int32_t *logit_rows, int32_t n_logit_rows,
@@ -870,6 +904,64 @@ static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *s
     return DI_OK;
 }
 
+// ---- decode graphs ----
+
+// The embedding, copied into every stream (§2.1), and the layers.
+static di_status layers(const call *c) {
+    di_dsv4_dev_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    di_status st = DI_OK;
+    OP(embed, &s->d->embed, D32(s->tokens), c->T, hp->hc_mult, s->x);
+    for (int il = 0; il < hp->n_layer; il++) DI_TRY(block(c, il));
+    return DI_OK;
+fail:
+    return st;
+}
+
+// A decode step: every sequence feeds one token and takes the logits of its row (ascending and
+// distinct in [0, n_seq): rows 0..n_seq-1), all in one head chunk. Its ops depend on n_seq only.
+static bool is_decode(const di_dsv4_dev_seq *seqs, int32_t n_seq, int32_t n_logit_rows) {
+    if (n_logit_rows != n_seq || n_seq > HEAD_CHUNK) return false;
+    for (int32_t i = 0; i < n_seq; i++)
+        if (seqs[i].n_tok != 1) return false;
+    return true;
+}
+
+// The cache entry of n_seq sequences: found, or a new one (used == 0) in a free entry or in place
+// of the least recently used (its graph destroyed).
+static int32_t graph_entry(di_dsv4_dev_state *s, int32_t n_seq) {
+    int32_t lru = 0;
+    for (int32_t i = 0; i < s->n_graphs; i++) {
+        if (s->graphs[i].n_seq == n_seq) return i;
+        if (s->graphs[i].used < s->graphs[lru].used) lru = i;
+    }
+    const int32_t e = s->n_graphs < GRAPH_CACHE ? s->n_graphs++ : lru;
+    s->d->b->vt->graph_destroy(s->d->b, s->graphs[e].graph);
+    s->graphs[e].n_seq = n_seq;
+    s->graphs[e].graph = NULL;
+    s->graphs[e].used = 0;
+    return e;
+}
+
+// Captures the layers and the head of n rows (not launched). The capture is closed on every path.
+static di_status capture(const call *c, const int32_t *rows, int32_t n, void **out) {
+    di_backend *b = c->s->d->b;
+    di_status st = b->vt->graph_begin(b);
+    if (st != DI_OK) return st;
+    st = layers(c);
+    if (st == DI_OK) st = head(c, rows, n);
+    void *g = NULL;
+    di_status st_end = b->vt->graph_end(b, &g);
+    if (st == DI_OK)
+        st = st_end;
+    else if (st_end == DI_OK)
+        b->vt->graph_destroy(b, g);
+    if (st == DI_OK) *out = g;
+    return st;
+}
+
+// ---- the call ----
+
 di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                               const int32_t *tokens, const int32_t *logit_rows,
                               int32_t n_logit_rows, float *logits) {
@@ -894,13 +986,44 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     DI_TRY(iarr_upload(s, &s->pos, (size_t)T));
     for (int i = 0; i < s->n_cls; i++) DI_TRY(build_class(s, &s->cls[i], seqs, n_seq));
 
-    // Embedding, copied into every stream (§2.1); the layers; the head on the logit rows.
-    OP(embed, &s->d->embed, D32(s->tokens), T, hp->hc_mult, s->x);
-    for (int il = 0; il < hp->n_layer; il++) DI_TRY(block(c, il));
-    const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
-    for (int32_t k = 0; k < n_logit_rows; k += HC) {
-        int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
-        DI_TRY(head(c, logit_rows + k, n, logits + (int64_t)k * hp->n_vocab));
+    // Embedding, the layers, the head on the logit rows: a decode step through its graph (after
+    // it ran once directly), every other call directly, chunk by chunk of the head.
+    const size_t row_bytes = sizeof(float) * (size_t)hp->n_vocab;
+    if (s->graphs_on && is_decode(seqs, n_seq, n_logit_rows)) {
+        const int32_t e = graph_entry(s, n_seq);
+        bool direct = s->graphs[e].used == 0; // first seen: directly (the pools take their blocks)
+        if (!direct && !s->graphs[e].graph) { // seen before: captured, then launched
+            st = capture(c, logit_rows, n_logit_rows, &s->graphs[e].graph);
+            if (st == DI_OK) {
+                s->stats.n_captured++;
+            } else { // nothing ran: the step runs directly, and so will every later one
+                DI_LOG_WARN("dev forward: capturing a decode step of %d sequences failed on %s "
+                            "(%s): decode graphs are off for this state",
+                            n_seq, s->d->b->desc, di_status_str(st));
+                s->graphs_on = false;
+                direct = true;
+            }
+        } else if (!direct) {
+            s->stats.n_replayed++;
+        }
+        if (direct) {
+            DI_TRY(layers(c));
+            DI_TRY(head(c, logit_rows, n_logit_rows));
+            s->stats.n_direct++;
+        } else {
+            OP(graph_launch, s->graphs[e].graph);
+        }
+        s->graphs[e].used = ++s->clock;
+        OP(download, logits, s->logits, row_bytes * (size_t)n_logit_rows);
+    } else {
+        DI_TRY(layers(c));
+        const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
+        for (int32_t k = 0; k < n_logit_rows; k += HC) {
+            int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
+            DI_TRY(head(c, logit_rows + k, n));
+            OP(download, logits + (int64_t)k * hp->n_vocab, s->logits, row_bytes * (size_t)n);
+        }
+        s->stats.n_direct++;
     }
     // The end of the step: every op done (and its faults surfaced) before the slots advance.
     DI_TRY(s->d->b->vt->sync(s->d->b));

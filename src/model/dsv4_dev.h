@@ -21,6 +21,22 @@
  * (window rows + the HCA entries, or + the indexer's top-k for CSA) are built on the host per call
  * (O(rows x keys) integers) into preallocated buffers.
  *
+ * Graphs: a decode step (every sequence feeds one token and takes the logits of its row; at most
+ * 64 sequences) runs as a backend graph (backend.h graph_*; CUDA graphs on the GPU) keyed by its
+ * number of sequences alone: the first step of n sequences runs directly (the CUDA pool takes the
+ * launchers' scratch), the second is captured and launched, every later one launches the cached
+ * graph, whatever its slots and positions. A state keeps 8 graphs (the least recently used is
+ * replaced). This works because every host scalar an op gets is a function of the call's shape
+ * (rows per sequence, logit rows), never of its positions: everything that moves with the
+ * positions is backend data the host rewrites before the launch (tokens, positions, key lists and
+ * counts, compressor sources, entry positions, scatter destinations); position-dependent bounds
+ * are capacities (attention's max_keys = the key list stride, the indexer's max_vis = the slot's
+ * entries) and the compressor pools the most windows the shape can close, the others being
+ * padding (no rows: entry 0, destination -1: not scattered). Prefill and mixed calls run
+ * directly, through the same ops. A capture that fails (nothing ran) logs a WARN, runs the step
+ * directly and turns graphs off for the state. DI_DEV_GRAPHS=0 (read at state create) runs every
+ * call directly: the debug switch to compare.
+ *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
  * its pools, scratch and host metadata, all sized at create (nothing is allocated per step; the
@@ -65,6 +81,15 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
 
 // Tokens slot `slot` has consumed (-1 after a failed call: restart it at pos 0).
 int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot);
+
+// Calls of a state so far: run directly (prefill, mixed, the first decode step of a batch size,
+// or every call with DI_DEV_GRAPHS=0), captured into a graph (then launched), launched from a
+// cached graph (hits); graphs cached now.
+typedef struct di_dsv4_dev_graph_stats {
+    int64_t n_direct, n_captured, n_replayed;
+    int32_t n_cached;
+} di_dsv4_dev_graph_stats;
+void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out);
 
 // ---- model wiring ----
 

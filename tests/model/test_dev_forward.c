@@ -8,7 +8,11 @@
 //   (c) a slot restarted at position 0 inside a batch;
 //   (d) bad calls refused with DI_ERR_INVALID and no change of state;
 //   (e) the product wiring: di_dsv4_dev_attach, then plain sessions (chunked internally, save
-//       refused) against a model without it.
+//       refused) against a model without it;
+//   (f) decode graphs: a long ragged decode of 3 and 2 slots (every ratio's windows closing, the
+//       sliding window wrapping, a slot restarted inside a decode batch) on a state with graphs
+//       and on one with DI_DEV_GRAPHS=0: bit-identical logits, both equal to the sessions, and the
+//       graphs actually replayed (stats).
 #include "harness.h"
 
 #include <math.h>
@@ -37,10 +41,11 @@ typedef struct harness_ctx {
     di_backend *b;
     di_dsv4_dev *d;
     di_dsv4_dev_state *st;
+    di_dsv4_dev_state *st2; // NULL, or a second state fed the same calls (logits bit-identical)
     di_session *ses[N_SLOTS];
     int gen[N_SLOTS]; // token stream of each slot (changes at a restart)
     int32_t V;
-    float *got, *ref;
+    float *got, *got2, *ref;
     double max_diff, max_ref;
     int64_t rows;
 } harness_ctx;
@@ -57,6 +62,7 @@ static bool open_ctx(harness_ctx *h, const char *dir) {
     di_session_options so = {.n_ctx_max = N_CTX};
     for (int i = 0; i < N_SLOTS; i++) CHECK(di_session_create(h->m, &so, &h->ses[i]) == DI_OK);
     h->got = malloc(sizeof(float) * MAX_ROWS * (size_t)h->V);
+    h->got2 = malloc(sizeof(float) * MAX_ROWS * (size_t)h->V);
     h->ref = malloc(sizeof(float) * MAX_ROWS * (size_t)h->V);
     return h->st && h->got && h->ref;
 }
@@ -64,10 +70,12 @@ static bool open_ctx(harness_ctx *h, const char *dir) {
 static void close_ctx(harness_ctx *h) {
     for (int i = 0; i < N_SLOTS; i++) di_session_destroy(h->ses[i]);
     di_dsv4_dev_state_destroy(h->st);
+    di_dsv4_dev_state_destroy(h->st2);
     di_dsv4_dev_destroy(h->d);
     di_backend_destroy(h->b);
     di_model_destroy(h->m);
     free(h->got);
+    free(h->got2);
     free(h->ref);
 }
 
@@ -101,6 +109,10 @@ static void run_step(harness_ctx *h, const step *sp) {
         for (int32_t t = sp->last_rows ? sp->n_tok[i] - 1 : 0; t < sp->n_tok[i]; t++)
             rows[n_rows++] = r + t;
     CHECK_EQ(di_dsv4_dev_forward(h->st, seqs, sp->n, tokens, rows, n_rows, h->got), DI_OK);
+    if (h->st2) {
+        CHECK_EQ(di_dsv4_dev_forward(h->st2, seqs, sp->n, tokens, rows, n_rows, h->got2), DI_OK);
+        CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)n_rows * (size_t)h->V) == 0);
+    }
     int32_t r0 = 0, k_got = 0;
     for (int i = 0; i < sp->n; i++) {
         int s = sp->slot[i];
@@ -289,6 +301,61 @@ done:
     di_backend_destroy(b);
 }
 
+// (f) decode graphs vs direct calls (DI_DEV_GRAPHS=0) vs the sessions over a long ragged decode.
+static void test_graphs(void) {
+    harness_ctx h;
+    if (!open_ctx(&h, g_dir)) { // h.st: graphs on (DI_DEV_GRAPHS unset)
+        CHECK(false);
+        close_ctx(&h);
+        return;
+    }
+    CHECK(setenv("DI_DEV_GRAPHS", "0", 1) == 0);
+    CHECK_EQ(di_dsv4_dev_state_create(h.d, N_SLOTS, N_CTX, MAX_ROWS, &h.st2), DI_OK);
+    CHECK(unsetenv("DI_DEV_GRAPHS") == 0);
+    if (!h.st2) {
+        close_ctx(&h);
+        return;
+    }
+    // Prefill: slot 0 to 120 (its first HCA window closes at 127), slot 1 to 5, slot 2 to 250
+    // (its second closes at 255); then decode steps of 3 and 2 slots in changing orders, with
+    // slot 1 restarted at position 0 inside a decode batch. W = 16 wraps every 16 steps, CSA
+    // windows close every 4.
+    const step prefill[] = {
+        {.n = 3, .slot = {0, 1, 2}, .n_tok = {60, 5, 31}},
+        {.n = 1, .slot = {2}, .n_tok = {96}},
+        {.n = 1, .slot = {2}, .n_tok = {96}},
+        {.n = 2, .slot = {2, 0}, .n_tok = {27, 60}},
+    };
+    for (size_t i = 0; i < sizeof prefill / sizeof prefill[0]; i++) run_step(&h, &prefill[i]);
+    di_dsv4_dev_graph_stats g0;
+    di_dsv4_dev_get_graph_stats(h.st, &g0);
+    for (int k = 0; k < 30; k++) {
+        step sp = {.n = 3, .slot = {k % 3, (k + 1) % 3, (k + 2) % 3}, .n_tok = {1, 1, 1}};
+        if (k % 5 == 3) sp = (step){.n = 2, .slot = {2, 0}, .n_tok = {1, 1}};
+        if (k == 11) // slot 1 restarts at position 0 in a decode batch (its graph is cached)
+            for (int i = 0; i < 3; i++) sp.restart[i] = sp.slot[i] == 1;
+        run_step(&h, &sp);
+    }
+    CHECK_EQ(di_session_n_past(h.ses[0]), 150);
+    CHECK_EQ(di_session_n_past(h.ses[2]), 280);
+    report(&h, "(f) ragged decode with graphs = without = sessions");
+    di_dsv4_dev_graph_stats g, n;
+    di_dsv4_dev_get_graph_stats(h.st, &g);
+    di_dsv4_dev_get_graph_stats(h.st2, &n);
+    fprintf(stderr,
+            "(f) graphs on: %lld direct, %lld captured, %lld replayed, %d cached; off: %lld "
+            "direct\n",
+            (long long)g.n_direct, (long long)g.n_captured, (long long)g.n_replayed, g.n_cached,
+            (long long)n.n_direct);
+    CHECK_EQ(g0.n_captured, 0); // prefill runs directly
+    CHECK_EQ(g.n_captured, 2);  // 3 slots and 2 slots: each once
+    CHECK_EQ(g.n_cached, 2);
+    CHECK_EQ(g.n_replayed, 30 - 2 - 2); // every decode step but the first two of each size
+    CHECK_EQ(g.n_direct, 4 + 2);
+    CHECK(n.n_captured == 0 && n.n_replayed == 0 && n.n_direct == 4 + 30);
+    close_ctx(&h);
+}
+
 // The model refuses what the forward does not do.
 static void test_unsupported(void) {
     di_model_options mo = di_model_options_default();
@@ -321,6 +388,7 @@ int main(void) {
     RUN(test_one_sequence_fixture);
     RUN(test_ragged);
     RUN(test_attach);
+    RUN(test_graphs);
     RUN(test_unsupported);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
