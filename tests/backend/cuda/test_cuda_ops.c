@@ -201,7 +201,8 @@ static void test_vtable(void) {
         NULL_ENTRY(rope) + NULL_ENTRY(scale) + NULL_ENTRY(mhc_pre) + NULL_ENTRY(mhc_post) +
         NULL_ENTRY(moe) + NULL_ENTRY(scatter_rows) + NULL_ENTRY(add_ape) +
         NULL_ENTRY(compress_pool) + NULL_ENTRY(attn) + NULL_ENTRY(index_scores) + NULL_ENTRY(topk) +
-        NULL_ENTRY(offset_list) + NULL_ENTRY(destroy);
+        NULL_ENTRY(offset_list) + NULL_ENTRY(destroy) + NULL_ENTRY(graph_begin) +
+        NULL_ENTRY(graph_end) + NULL_ENTRY(graph_launch) + NULL_ENTRY(graph_destroy);
 #undef NULL_ENTRY
     CHECK_EQ(n_null, 0);
     // A device that does not exist is refused, not crashed on.
