@@ -991,7 +991,7 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     const size_t row_bytes = sizeof(float) * (size_t)hp->n_vocab;
     if (s->graphs_on && is_decode(seqs, n_seq, n_logit_rows)) {
         const int32_t e = graph_entry(s, n_seq);
-        bool direct = s->graphs[e].used == 0; // first seen: directly (the pools take their blocks)
+        bool direct = s->graphs[e].used == 0; // first seen: directly (no capture for one step)
         if (!direct && !s->graphs[e].graph) { // seen before: captured, then launched
             st = capture(c, logit_rows, n_logit_rows, &s->graphs[e].graph);
             if (st == DI_OK) {

@@ -23,10 +23,10 @@
  *
  * Graphs: a decode step (every sequence feeds one token and takes the logits of its row; at most
  * 64 sequences) runs as a backend graph (backend.h graph_*; CUDA graphs on the GPU) keyed by its
- * number of sequences alone: the first step of n sequences runs directly (the CUDA pool takes the
- * launchers' scratch), the second is captured and launched, every later one launches the cached
- * graph, whatever its slots and positions. A state keeps 8 graphs (the least recently used is
- * replaced). This works because every host scalar an op gets is a function of the call's shape
+ * number of sequences alone: the first step of n sequences runs directly (a batch size seen once
+ * never pays for a capture), the second is captured and launched, every later one launches the
+ * cached graph, whatever its slots and positions. A state keeps 8 graphs (the least recently used
+ * is replaced). This works because every host scalar an op gets is a function of the call's shape
  * (rows per sequence, logit rows), never of its positions: everything that moves with the
  * positions is backend data the host rewrites before the launch (tokens, positions, key lists and
  * counts, compressor sources, entry positions, scatter destinations); position-dependent bounds
