@@ -8,7 +8,9 @@
 //       cache asked for is off; nothing is allocated inside a step; every block comes back;
 //   (b) a forward failure injected mid-run ends exactly the requests of that step with
 //       DI_FINISH_ERROR / DI_ERR_CUDA; the others, and requests submitted afterwards into the
-//       failed slots, give the CPU engine's tokens.
+//       failed slots, give the CPU engine's tokens;
+//   (c) requests cancelled mid-decode free their slots mid-sequence; the requests that reuse
+//       them (from position 0) give the CPU engine's tokens.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -28,6 +30,9 @@ static int32_t g_prompt[N_REQ][160];
 static const int32_t g_len[N_REQ] = {150, 5, 121, 40, 140, 90};
 
 typedef struct result {
+    di_engine *cancel_engine; // (c): cancel the request after cancel_after tokens
+    uint64_t id;
+    int32_t cancel_after;
     int32_t tokens[64];
     float logprob[64], top[64][N_TOP];
     float first[V]; // the logits that chose token 0
@@ -45,6 +50,8 @@ static void on_event(void *user, const di_event *ev) {
         r->logprob[r->n] = ev->logprob;
         for (int k = 0; k < ev->n_top && k < N_TOP; k++) r->top[r->n][k] = ev->top_logprobs[k];
         r->n++;
+        if (r->cancel_engine && r->n == r->cancel_after) // allowed from a callback
+            di_engine_cancel(r->cancel_engine, ev->request_id);
     }
     if (ev->finish != DI_FINISH_NONE) {
         r->finish = ev->finish;
@@ -248,6 +255,54 @@ static void test_failure(void) {
     di_backend_destroy(b);
 }
 
+// ---- (c) ----
+
+static void test_cancel(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine *e = engine((size_t)64 << 20, 3, b);
+    if (!e) {
+        di_backend_destroy(b);
+        return;
+    }
+    static result got[N_REQ];
+    memset(got, 0, sizeof got);
+    for (int i = 0; i < N_REQ; i++) {
+        if (i % 2 == 0) { // 0, 2, 4: cancelled after 3, 5, 7 tokens
+            got[i].cancel_engine = e;
+            got[i].cancel_after = 3 + i;
+        }
+        di_request_params p = request(i, &got[i]);
+        CHECK_EQ(di_engine_submit(e, &p, &got[i].id), DI_OK);
+    }
+    di_engine_wait_idle(e);
+    int n_cancelled = 0;
+    for (int i = 0; i < N_REQ; i++) {
+        CHECK_EQ(atomic_load(&got[i].finished), 1);
+        if (i % 2) {
+            CHECK(same(&got[i], &g_ref[i]));
+            continue;
+        }
+        n_cancelled += got[i].finish == DI_FINISH_CANCELLED;
+        // Tokens up to the cancellation (the step in flight may add one) are the CPU engine's.
+        CHECK(got[i].n >= got[i].cancel_after && got[i].n <= got[i].cancel_after + 1);
+        CHECK(!memcmp(got[i].tokens, g_ref[i].tokens, sizeof(int32_t) * (size_t)got[i].n));
+    }
+    CHECK_EQ(n_cancelled, 3);
+    // The slots left mid-sequence serve the whole set again.
+    run(e, got, 0, N_REQ);
+    di_engine_wait_idle(e);
+    int n_same = 0;
+    for (int i = 0; i < N_REQ; i++) n_same += same(&got[i], &g_ref[i]);
+    fprintf(stderr, "(c) 3 requests cancelled mid-decode; then %d/%d identical to the CPU engine\n",
+            n_same, N_REQ);
+    CHECK_EQ(n_same, N_REQ);
+    check_clean(e, true);
+    di_engine_destroy(e);
+    di_backend_destroy(b);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_dev_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -261,6 +316,7 @@ int main(void) {
     di_set_log_level(1);
     RUN(test_same_tokens);
     RUN(test_failure);
+    RUN(test_cancel);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
