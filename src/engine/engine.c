@@ -20,7 +20,8 @@
 //     pool tasks), one forward at a time.
 //
 // Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
-// the logits of max_seqs rows, the sampler for the vocabulary, the scheduler's plan arrays, the
+// or the dev state and its warm-up call, which grows the backend's op scratch; the logits of
+// max_seqs rows, the sampler for the vocabulary, the scheduler's plan arrays, the
 // KV pool); the thread-local allocation counter around each step proves it (n_step_allocs).
 // Thread-safety: submit, cancel, wait_idle and get_stats from any thread; destroy from one.
 #include <pthread.h>
