@@ -85,6 +85,10 @@ typedef struct di_device_stats {
                           // CUDA call, logged): computed on the CPU instead
     int64_t n_weights;    // distinct weight matrices uploaded
     int64_t weight_bytes; // bytes of weights (and their scales) uploaded
+    // The forward is device-resident (docs/cuda.md): activations, KV and compressor state stay in
+    // the device's memory and only token ids and logits cross (the engine's steps; a model's
+    // sessions without MTP). false: the CPU forward, its matmuls offloaded when n_matmuls > 0.
+    bool resident;
 } di_device_stats;
 
 typedef struct di_model_options {
@@ -323,14 +327,17 @@ di_request_params di_request_params_default(void);
 typedef struct di_engine_options {
     int n_threads; // CPU threads; 0 = one per online CPU
     di_precision precision;
-    di_device device;         // where the model's matmuls run (di_model_options.device)
+    di_device device;         // where the model runs (di_model_options.device); CUDA on a V4
+                              // FP32 checkpoint: the device-resident forward (see create)
     size_t kv_memory_bytes;   // the KV pool (window rings, compressed entries, compressor
-                              // buffers); 0 = 256 MiB
+                              // buffers); 0 = 256 MiB. On the device-resident forward the pool
+                              // only budgets admission and preemption; the KV itself is the
+                              // device state of max_seqs x max_ctx positions
     int32_t max_seqs;         // sequences running at once; 0 = 16
     int32_t max_batch_tokens; // forward rows per step (token budget); 0 = 256
     int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)
     int32_t max_queue;        // waiting requests; more are refused with DI_ERR_BUSY; 0 = 1024
-    bool no_prefix_cache;     // disable prefix reuse
+    bool no_prefix_cache;     // disable prefix reuse (always off on the device-resident forward)
     // Optional token bytes (e.g. from a di_tokenizer) for stop strings and event text.
     const char *(*token_bytes)(void *user, int32_t id, size_t *n_bytes);
     void *token_bytes_user;
@@ -356,11 +363,20 @@ typedef struct di_engine_stats {
     // multiply-adds / FMA peak). Matmuls run on a device are counted in `device` instead.
     int64_t weight_bytes, weight_macs;
     di_device_stats device; // the model's device work (zero on the CPU)
+    // Steps whose forward failed (the device-resident forward: DI_ERR_CUDA, DI_ERR_NOMEM): their
+    // requests ended with DI_FINISH_ERROR and the error in di_event.status; the engine goes on.
+    int64_t n_failed_steps;
 } di_engine_stats;
 
-// Loads the model at model_dir and starts the engine thread. DI_ERR_IO, DI_ERR_FORMAT,
-// DI_ERR_UNSUPPORTED (as di_model_load), DI_ERR_INVALID (bad options; e.g. a KV budget too
-// small for one sequence), DI_ERR_NOMEM.
+// Loads the model at model_dir and starts the engine thread. When the model has the
+// device-resident forward (di_model_load with a CUDA device on a V4 FP32 checkpoint), every step
+// runs on it: one device state of max_seqs slots of max_ctx positions and max_batch_tokens rows,
+// sized and exercised once here; the prefix cache is off (logged), since the KV lives in that
+// state; a step whose device call fails ends its requests with DI_FINISH_ERROR and goes on.
+// Otherwise the CPU forward runs, its matmuls on the device when one is given. DI_ERR_IO,
+// DI_ERR_FORMAT, DI_ERR_UNSUPPORTED (as di_model_load), DI_ERR_INVALID (bad options; e.g. a KV
+// budget too small for one sequence), DI_ERR_CUDA (the device state or its first call failed),
+// DI_ERR_NOMEM.
 di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out);
 // Cancels every request (each gets its final event), stops the thread, frees everything.
 // NULL does nothing.

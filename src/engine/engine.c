@@ -4,24 +4,38 @@
 // pool), followed by the sampling of its logit rows spread over the pool (one sampler per pool
 // thread), while the engine thread plans step N+1 (scheduler.h); then the engine thread emits
 // step N, drops finished requests from the plan, fills in the sampled ids and launches
-// step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns. With a device
-// (di_engine_options.device: the model's matmul hook, backend/device.h) every matmul of the
-// batched forward runs there, called from the forward thread only (the model calls its hook
-// outside pool tasks), one forward at a time.
+// step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns.
+//
+// Two forwards, chosen at create:
+//   - the device-resident forward (model/dsv4_dev.h), when the model has one attached (m->dev:
+//     --device cuda on a V4 FP32 checkpoint, or a test's CPU twin): one dev state of max_seqs
+//     slots of max_ctx positions for max_batch_tokens rows; a running request's scheduler slot
+//     is its dev slot, and every admission feeds it from position 0 (the prefix cache is off on
+//     this path: the KV contents live in the dev state, not in the pool's blocks, which only
+//     keep the scheduler's admission and preemption budget). A failed dev call fails the
+//     requests of that step (DI_FINISH_ERROR with its status); the engine keeps serving.
+//   - otherwise the CPU batched forward (di_dsv4_forward_batch) on the KV manager's blocks; with
+//     a device (di_engine_options.device: the model's matmul hook, backend/device.h) every
+//     matmul runs there, called from the forward thread only (the model calls its hook outside
+//     pool tasks), one forward at a time.
 //
 // Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
-// the logits of max_seqs rows, the sampler for the vocabulary, the scheduler's plan arrays, the
+// or the dev state and its warm-up call, which grows the backend's op scratch; the logits of
+// max_seqs rows, the sampler for the vocabulary, the scheduler's plan arrays, the
 // KV pool); the thread-local allocation counter around each step proves it (n_step_allocs).
 // Thread-safety: submit, cancel, wait_idle and get_stats from any thread; destroy from one.
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/status.h"
+#include "engine/engine_internal.h" // test hooks
 #include "kv/kv_manager.h"
 #include "model/dsv4.h"
+#include "model/dsv4_dev.h" // the device-resident forward
 #include "sample/sampler.h"
 #include "sched/request.h"
 #include "sched/scheduler.h"
@@ -34,8 +48,14 @@ struct di_engine {
     di_sampler **samplers; // owned [n_samplers]: one per pool thread
     int32_t n_samplers;
     di_sample_result *x_res; // owned [max_seqs]: the samples of the plan being run
-    di_dsv4_ws ws;           // owned
+    di_dsv4_ws ws;           // owned (CPU forward only)
     float *logits;           // owned [max_seqs, V]
+    // The device-resident forward (model->dev != NULL): one state for every slot.
+    di_dsv4_dev_state *dstate; // owned; NULL on the CPU forward
+    di_dsv4_dev_seq *x_dev;    // owned [max_seqs]: the plan being run as (slot, pos, n_tok)
+    di_request **x_seq_req;    // owned [max_seqs]: the request of each planned sequence
+    atomic_int fail_in;        // test hook: the fail_in-th next dev forward fails (0: none)
+    atomic_int fail_status;    // ... with this status
     int32_t eos;
     pthread_t thread;
     bool thread_started;
@@ -53,6 +73,7 @@ struct di_engine {
     pthread_cond_t fcv;
     bool f_go, f_done, f_quit; // guarded by fmu
     int64_t f_allocs;          // allocations inside the last forward (forward thread)
+    di_status f_status;        // the last forward's status (DI_OK on the CPU forward)
     // Guarded by mu.
     pthread_mutex_t mu;
     pthread_cond_t cv_work, cv_idle;
@@ -76,7 +97,25 @@ static void *forward_main(void *p);
 
 // ---- create / destroy ----
 
-di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out) {
+// The warm-up call of the device-resident forward at create: max_rows rows (at most the context)
+// of token 0 on slot 0, so that a backend growing its op scratch on the first call of a size (the
+// CPU twin: matmul and MoE rows) does it here and not inside a step; it also surfaces a broken
+// device at create rather than on the first request. Slot 0 restarts at pos 0 when first used.
+static di_status dev_warm_up(di_engine *e) {
+    const di_engine_options *o = &e->opt;
+    int32_t n = o->max_batch_tokens < o->max_ctx ? o->max_batch_tokens : o->max_ctx;
+    memset(e->x_tokens, 0, sizeof(int32_t) * (size_t)n);
+    di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = n};
+    int32_t last = n - 1;
+    di_status st = di_dsv4_dev_forward(e->dstate, &sq, 1, e->x_tokens, &last, 1, e->logits);
+    if (st != DI_OK)
+        DI_LOG_ERROR("engine: the device-resident forward failed its warm-up call of %d rows: %s",
+                     (int)n, di_status_str(st));
+    return st;
+}
+
+static di_status create(const char *model_dir, const di_engine_options *opt,
+                        di_engine_prepare_fn prepare, void *prepare_user, di_engine **out) {
     di_status st = DI_OK;
     di_engine *e = di_calloc(1, sizeof *e);
     if (!e) return DI_ERR_NOMEM;
@@ -101,6 +140,7 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     di_model_options mo = {
         .n_threads = o->n_threads, .precision = o->precision, .device = o->device};
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
+    if (prepare) DI_TRY(prepare(e->model, prepare_user));
     const di_hparams *hp = &e->model->hp;
     if (hp->v41) { // TODO(v41-model): paged KV and batching for V4.1's shared compressed KV
         DI_LOG_ERROR("engine: %s is a DeepSeek V4.1 checkpoint; the serving engine runs V4 only "
@@ -111,6 +151,13 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     }
     if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
     e->eos = hp->eos_token;
+    if (e->model->dev && !o->no_prefix_cache) {
+        // A prefix hit attaches cached blocks of the pool, whose contents the device-resident
+        // forward never writes: every admission recomputes from position 0 instead.
+        DI_LOG_INFO("engine: prefix cache off: the device-resident forward keeps the KV in its "
+                    "own state, not in the pool's blocks");
+        o->no_prefix_cache = true;
+    }
     DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                 !o->no_prefix_cache, &e->kv));
     DI_TRY(di_sched_init(&e->sched, e->kv, o->max_seqs, o->max_batch_tokens));
@@ -122,7 +169,19 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     }
     for (int32_t i = 0; i < e->n_samplers; i++)
         DI_TRY(di_sampler_create(hp->n_vocab, &e->samplers[i]));
-    DI_TRY(di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
+    if (e->model->dev) {
+        DI_TRY(di_dsv4_dev_state_create(e->model->dev, o->max_seqs, o->max_ctx, o->max_batch_tokens,
+                                        &e->dstate));
+        e->x_dev = di_calloc((size_t)o->max_seqs, sizeof *e->x_dev);
+        e->x_seq_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_seq_req);
+        if (!e->x_dev || !e->x_seq_req) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
+    } else {
+        DI_TRY(
+            di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
+    }
     e->logits = di_malloc(sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab);
     e->x_seqs = di_calloc((size_t)o->max_seqs, sizeof *e->x_seqs);
     e->x_tokens = di_malloc(sizeof(int32_t) * (size_t)o->max_batch_tokens);
@@ -138,6 +197,14 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
     e->stats.n_blocks_free = e->stats.n_blocks_total;
     e->stats.block_bytes = (int64_t)di_block_pool_block_bytes(e->kv->pool);
     e->stats.block_tokens = e->kv->block_tokens;
+    if (e->dstate) {
+        DI_TRY(dev_warm_up(e));
+        e->stats.device.resident = true;
+        DI_LOG_INFO("engine: the device-resident forward on %s: %d slots of %d positions, %d "
+                    "rows per step",
+                    e->model->dev_backend ? e->model->dev_backend->desc : "an attached backend",
+                    (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens);
+    }
     e->next_id = 1;
     const char *sync_env = getenv("DI_ENGINE_SYNC");
     e->sync_debug = sync_env && sync_env[0] == '1';
@@ -156,6 +223,20 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
 fail:
     di_engine_destroy(e);
     return st;
+}
+
+di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out) {
+    return create(model_dir, opt, NULL, NULL, out);
+}
+
+di_status di_engine_create_prepared(const char *model_dir, const di_engine_options *opt,
+                                    di_engine_prepare_fn prepare, void *user, di_engine **out) {
+    return create(model_dir, opt, prepare, user, out);
+}
+
+void di_engine_fail_forward(di_engine *e, int32_t n_ok, di_status st) {
+    atomic_store(&e->fail_status, (int)st);
+    atomic_store(&e->fail_in, n_ok + 1);
 }
 
 void di_engine_destroy(di_engine *e) {
@@ -182,6 +263,9 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_logit_req);
     di_free(e->logits);
     di_dsv4_ws_free(&e->ws);
+    di_dsv4_dev_state_destroy(e->dstate); // before the model, which owns its dev
+    di_free(e->x_dev);
+    di_free(e->x_seq_req);
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
     di_free(e->x_res);
@@ -379,6 +463,17 @@ static void sample_task(void *p, int ith, int nth) {
     }
 }
 
+// Test hook (di_engine_fail_forward): the call it names fails with the hook's status without
+// running, as a backend error would (the requests of the step fail; the slots they held restart
+// at position 0 when they are next admitted, like the slots of a real failed call).
+static di_status inject_failure(di_engine *e) {
+    if (atomic_load(&e->fail_in) <= 0) return DI_OK;
+    if (atomic_fetch_sub(&e->fail_in, 1) != 1) return DI_OK;
+    di_status st = (di_status)atomic_load(&e->fail_status);
+    DI_LOG_ERROR("engine: injected failure of the device-resident forward: %s", di_status_str(st));
+    return st;
+}
+
 static void *forward_main(void *p) {
     di_engine *e = p;
     pthread_mutex_lock(&e->fmu);
@@ -388,12 +483,22 @@ static void *forward_main(void *p) {
         e->f_go = false;
         pthread_mutex_unlock(&e->fmu);
         int64_t a0 = di_mem_thread_allocs();
-        di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
-        di_dsv4_forward_batch(&c, e->x_tokens, e->x_logit_rows, e->x_n_logit, e->logits);
-        di_pool_run(e->model->pool, sample_task, e);
+        di_status st = DI_OK;
+        if (e->dstate) {
+            st = inject_failure(e);
+            if (st == DI_OK)
+                st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens,
+                                         e->x_logit_rows, e->x_n_logit, e->logits);
+        } else {
+            di_dsv4_ctx c = {
+                .model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
+            di_dsv4_forward_batch(&c, e->x_tokens, e->x_logit_rows, e->x_n_logit, e->logits);
+        }
+        if (st == DI_OK) di_pool_run(e->model->pool, sample_task, e);
         int64_t allocs = di_mem_thread_allocs() - a0;
         pthread_mutex_lock(&e->fmu);
         e->f_allocs = allocs;
+        e->f_status = st;
         e->f_done = true;
         pthread_cond_broadcast(&e->fcv);
     }
@@ -410,6 +515,18 @@ static void launch(di_engine *e) {
     memcpy(e->x_tokens, s->tokens, sizeof *s->tokens * (size_t)s->n_rows);
     memcpy(e->x_logit_rows, s->logit_rows, sizeof *s->logit_rows * (size_t)s->n_logit);
     memcpy(e->x_logit_req, s->logit_req, sizeof *s->logit_req * (size_t)s->n_logit);
+    if (e->dstate) {
+        // A running request's scheduler slot is its dev slot. With the prefix cache off every
+        // admission (a new request, or a preempted one readmitted) starts at position 0, which
+        // restarts the slot; later chunks continue at the slot's n_past (the forward refuses
+        // anything else with DI_ERR_INVALID, which fails the step's requests).
+        for (int32_t i = 0; i < s->n_seq; i++) {
+            DI_ASSERT(s->seqs[i].win_lo == 0); // no bounded replay without the prefix cache
+            e->x_dev[i] = (di_dsv4_dev_seq){
+                .slot = s->seq_req[i]->slot, .pos = s->seqs[i].pos, .n_tok = s->seqs[i].n_tok};
+            e->x_seq_req[i] = s->seq_req[i];
+        }
+    }
     di_sched_advance(s);
     s->n_seq = s->n_rows = s->n_logit = 0; // the plan now runs; the next one starts empty
     pthread_mutex_lock(&e->fmu);
@@ -427,13 +544,33 @@ static bool forward_done(di_engine *e) {
     return done;
 }
 
-// Waits for the forward in flight; returns the allocations it made.
-static int64_t forward_wait(di_engine *e) {
+// Waits for the forward in flight; returns its status and (*allocs) the allocations it made.
+static di_status forward_wait(di_engine *e, int64_t *allocs) {
     pthread_mutex_lock(&e->fmu);
     while (!e->f_done) pthread_cond_wait(&e->fcv, &e->fmu);
-    int64_t a = e->f_allocs;
+    *allocs = e->f_allocs;
+    di_status st = e->f_status;
     pthread_mutex_unlock(&e->fmu);
-    return a;
+    return st;
+}
+
+// The forward of the step just run failed (the device-resident forward: DI_ERR_CUDA, DI_ERR_NOMEM,
+// or DI_ERR_INVALID for a call it refused): every request of the step ends with DI_FINISH_ERROR
+// and that status; their slots return to the free list and restart at position 0 when reused.
+// Requests not in the step (waiting, or admitted by the plan ahead) go on. Their rows leave the
+// plan built ahead as they retire.
+static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
+    DI_LOG_ERROR("engine: step %lld failed on the device-resident forward (%s): ending its %d "
+                 "requests (first id %llu) with an error",
+                 (long long)e->stats.n_steps, di_status_str(st), (int)e->x_n_seq,
+                 (unsigned long long)(e->x_n_seq ? e->x_seq_req[0]->id : 0));
+    for (int32_t i = 0; i < e->x_n_seq; i++) {
+        di_request *r = e->x_seq_req[i];
+        r->n_pending = 0; // its token was never sampled
+        int64_t a0 = di_mem_thread_allocs();
+        finish(e, r, DI_FINISH_ERROR, st);
+        *cb_allocs += di_mem_thread_allocs() - a0; // the user callback's, as elsewhere
+    }
 }
 
 // Takes the submitted requests into the waiting queue; returns whether cancellations arrived.
@@ -487,8 +624,12 @@ static void *engine_main(void *p) {
             overlapped = ahead && !forward_done(e);
             have_plan = true;
         }
-        int64_t fwd_allocs = forward_wait(e);
-        sample_and_emit(e, &cb_allocs); // retiring drops finished requests from the plan
+        int64_t fwd_allocs = 0;
+        di_status fst = forward_wait(e, &fwd_allocs);
+        if (fst == DI_OK)
+            sample_and_emit(e, &cb_allocs); // retiring drops finished requests from the plan
+        else
+            fail_step(e, fst, &cb_allocs);
         int64_t step_allocs = di_mem_thread_allocs() - a0 - cb_allocs + fwd_allocs;
 
         pthread_mutex_lock(&e->mu);
@@ -510,6 +651,8 @@ static void *engine_main(void *p) {
         st->weight_bytes = (int64_t)e->model->cpu.n_weight_bytes; // the forward thread is idle
         st->weight_macs = (int64_t)e->model->cpu.n_weight_macs;
         di_accel_get_stats(&e->model->accel, &st->device);
+        st->device.resident = e->dstate != NULL;
+        st->n_failed_steps += fst != DI_OK;
         pthread_mutex_unlock(&e->mu);
     }
     // Final stats after the last cancellations.

@@ -208,6 +208,7 @@ void di_model_get_info(const di_model *m, di_model_info *out) {
         .device = m->opt.device,
     };
     di_accel_get_stats(&m->accel, &i.device_stats);
+    i.device_stats.resident = m->dev != NULL; // sessions without MTP run on it
     *out = i;
 }
 

@@ -306,10 +306,15 @@ int di_cli_bench(int argc, char **argv) {
     if (o.device.kind != DI_DEVICE_CPU) {
         di_engine_stats es;
         di_engine_get_stats(e, &es);
-        printf("device cuda:%d: %lld matmuls (%lld declined to the CPU), %lld weights "
-               "(%.1f MiB) uploaded\n",
-               (int)o.device.index, (long long)es.device.n_matmuls, (long long)es.device.n_declined,
-               (long long)es.device.n_weights, es.device.weight_bytes / 1048576.0);
+        if (es.device.resident) // activations and KV on the device; no offloaded matmuls
+            printf("device cuda:%d: the device-resident forward, %lld steps (%lld failed)\n",
+                   (int)o.device.index, (long long)es.n_steps, (long long)es.n_failed_steps);
+        else
+            printf("device cuda:%d: %lld matmuls (%lld declined to the CPU), %lld weights "
+                   "(%.1f MiB) uploaded\n",
+                   (int)o.device.index, (long long)es.device.n_matmuls,
+                   (long long)es.device.n_declined, (long long)es.device.n_weights,
+                   es.device.weight_bytes / 1048576.0);
     }
     di_engine_destroy(e);
     return 0;

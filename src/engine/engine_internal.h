@@ -1,0 +1,29 @@
+/*
+ * engine_internal — test hooks of the engine (engine.c), not part of the public API: tests
+ * include this header (tests may include internal headers); tools never do.
+ *   - di_engine_create_prepared: di_engine_create with a callback on the loaded model before the
+ *     engine sizes its state, e.g. di_dsv4_dev_attach(m, cpu_backend) so the engine runs the
+ *     device-resident forward on the CPU backend (the oracle twin of the CUDA one) without a GPU.
+ *   - di_engine_fail_forward: makes one later device-resident forward fail, as a CUDA error would.
+ * Thread-safety: create before start; di_engine_fail_forward from any thread.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "deepinfer.h" // di_engine, di_model, di_status
+
+// Called once on the loaded model (borrowed; owned by the engine) before anything else is
+// created; a status other than DI_OK fails the create with it.
+typedef di_status (*di_engine_prepare_fn)(di_model *m, void *user);
+
+// di_engine_create (same contract and return codes), calling prepare(model, user) first. Whatever
+// prepare attaches must outlive the engine (e.g. a backend given to di_dsv4_dev_attach: destroy it
+// after di_engine_destroy).
+di_status di_engine_create_prepared(const char *model_dir, const di_engine_options *opt,
+                                    di_engine_prepare_fn prepare, void *user, di_engine **out);
+
+// Device-resident forward only: after n_ok more forwards, the next one returns `st` (e.g.
+// DI_ERR_CUDA) without running, so the engine fails that step's requests. Replaces an earlier
+// pending injection.
+void di_engine_fail_forward(di_engine *e, int32_t n_ok, di_status st);

@@ -1,0 +1,324 @@
+// The engine on the device-resident forward (model/dsv4_dev.h), run on the CPU backend (its oracle
+// twin: bit-identical logits to the CPU forward, tests/model/test_dev_forward.c) through the test
+// hook of engine/engine_internal.h:
+//   (a) six concurrent requests (prompts 5..150 tokens, greedy and seeded) with max_seqs 3 (slots
+//       reused), 32 rows per step (chunked prefill) and the smallest KV pool that admits three
+//       sequences (they grow into each other: preemption, readmission from position 0) give the
+//       tokens, logprobs and first-token logits of the plain CPU engine bit for bit; the prefix
+//       cache asked for is off; nothing is allocated inside a step; every block comes back;
+//   (b) a forward failure injected mid-run ends exactly the requests of that step with
+//       DI_FINISH_ERROR / DI_ERR_CUDA; the others, and requests submitted afterwards into the
+//       failed slots, give the CPU engine's tokens;
+//   (c) requests cancelled mid-decode free their slots mid-sequence; the requests that reuse
+//       them (from position 0) give the CPU engine's tokens.
+#include "harness.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "backend/backend.h"
+#include "engine/engine_internal.h"
+#include "kv/kv_manager.h"
+#include "model/dsv4.h"
+#include "model/dsv4_dev.h"
+#include "model/synth.h"
+
+enum { V = 512, N_REQ = 6, MAX_GEN = 24, MAX_CTX = 256, N_TOP = 3 };
+
+static char g_dir[256];
+static int32_t g_prompt[N_REQ][160];
+static const int32_t g_len[N_REQ] = {150, 5, 121, 40, 140, 90};
+
+typedef struct result {
+    di_engine *cancel_engine; // (c): cancel the request after cancel_after tokens
+    uint64_t id;
+    int32_t cancel_after;
+    int32_t tokens[64];
+    float logprob[64], top[64][N_TOP];
+    float first[V]; // the logits that chose token 0
+    int32_t n;
+    atomic_int finished; // final events
+    di_finish finish;
+    di_status status;
+    int32_t n_preempted, n_cached;
+} result;
+
+static void on_event(void *user, const di_event *ev) {
+    result *r = user;
+    if (ev->token >= 0 && r->n < 64) {
+        r->tokens[r->n] = ev->token;
+        r->logprob[r->n] = ev->logprob;
+        for (int k = 0; k < ev->n_top && k < N_TOP; k++) r->top[r->n][k] = ev->top_logprobs[k];
+        r->n++;
+        if (r->cancel_engine && r->n == r->cancel_after) // allowed from a callback
+            di_engine_cancel(r->cancel_engine, ev->request_id);
+    }
+    if (ev->finish != DI_FINISH_NONE) {
+        r->finish = ev->finish;
+        r->status = ev->status;
+        r->n_preempted = ev->n_preempted;
+        r->n_cached = ev->n_cached;
+        atomic_fetch_add(&r->finished, 1);
+    }
+}
+
+static di_request_params request(int i, result *res) {
+    di_request_params p = di_request_params_default();
+    p.prompt = g_prompt[i];
+    p.n_prompt = g_len[i];
+    p.max_tokens = MAX_GEN - 2 * (i % 3);
+    p.ignore_eos = true;
+    p.sample.n_logprobs = N_TOP;
+    if (i % 2) { // seeded sampling on odd requests: keyed by (seed, position), so it must match
+        p.sample.temperature = 0.8f;
+        p.sample.top_k = 40;
+        p.sample.seed = 77 + (uint64_t)i;
+    }
+    p.first_logits = res->first;
+    p.on_event = on_event;
+    p.user = res;
+    return p;
+}
+
+static bool same(const result *a, const result *b) {
+    return a->n == b->n && !memcmp(a->tokens, b->tokens, sizeof(int32_t) * (size_t)a->n) &&
+           !memcmp(a->logprob, b->logprob, sizeof(float) * (size_t)a->n) &&
+           !memcmp(a->top, b->top, sizeof(a->top[0]) * (size_t)a->n) &&
+           !memcmp(a->first, b->first, sizeof a->first);
+}
+
+// ---- engines ----
+
+static di_status attach_cpu_twin(di_model *m, void *user) {
+    return di_dsv4_dev_attach(m, user); // the test's CPU backend, borrowed
+}
+
+static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = 2;
+    o.kv_memory_bytes = kv_bytes;
+    o.max_seqs = max_seqs;
+    o.max_batch_tokens = 32; // chunked prefill
+    o.max_ctx = MAX_CTX;
+    o.no_prefix_cache = false; // asked for; the dev path turns it off
+    return o;
+}
+
+// dev: the engine runs the device-resident forward on backend b; else the CPU forward.
+static di_engine *engine(size_t kv_bytes, int32_t max_seqs, di_backend *b) {
+    di_engine_options o = options(kv_bytes, max_seqs);
+    di_engine *e = NULL;
+    if (b)
+        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+    else
+        CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    return e;
+}
+
+static void run(di_engine *e, result *res, int from, int to) {
+    for (int i = from; i < to; i++) {
+        memset(&res[i], 0, sizeof res[i]);
+        uint64_t id;
+        di_request_params p = request(i, &res[i]);
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    }
+}
+
+// The smallest pool that admits three sequences' first chunks (tail blocks + one entry block
+// each): any of them crossing an entry block needs a block another holds.
+static size_t pool_for_three(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_kv_manager *kv = NULL;
+    size_t bytes = 0;
+    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
+    if (m && di_kv_manager_create(m, (size_t)64 << 20, 3, MAX_CTX, false, &kv) == DI_OK) {
+        bytes = di_block_pool_block_bytes(kv->pool) * (size_t)(3 * di_kv_blocks_for(kv, 1));
+        int32_t one_full = di_kv_blocks_for(kv, MAX_CTX);
+        if ((int64_t)bytes < (int64_t)di_block_pool_block_bytes(kv->pool) * one_full)
+            bytes = di_block_pool_block_bytes(kv->pool) * (size_t)one_full;
+    }
+    di_kv_manager_destroy(kv);
+    di_model_destroy(m);
+    return bytes;
+}
+
+static result g_ref[N_REQ];
+
+static void check_clean(di_engine *e, bool dev) {
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    CHECK_EQ(st.n_step_allocs, 0);
+    CHECK_EQ(st.device.resident, dev);
+    if (dev) CHECK_EQ(st.n_cache_hit_tokens, 0); // the prefix cache is off on this path
+}
+
+// ---- (a) ----
+
+static void test_same_tokens(void) {
+    // Reference: the CPU engine with room for everything (batch invariance: tests/unit/
+    // test_engine.c), the prefix cache on.
+    di_engine *e = engine((size_t)64 << 20, N_REQ, NULL);
+    if (!e) return;
+    run(e, g_ref, 0, N_REQ);
+    di_engine_wait_idle(e);
+    check_clean(e, false);
+    di_engine_destroy(e);
+
+    size_t tiny = pool_for_three();
+    CHECK(tiny > 0);
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b || !tiny) return;
+    for (int round = 0; round < 2; round++) { // a tiny KV pool, then a roomy one
+        e = engine(round == 0 ? tiny : (size_t)64 << 20, round == 0 ? 3 : N_REQ, b);
+        if (!e) break;
+        static result got[N_REQ];
+        int n_same = 0, preempted = 0;
+        for (int pass = 0; pass < 2; pass++) { // again: a prefix cache would hit; here none
+            run(e, got, 0, N_REQ);
+            di_engine_wait_idle(e);
+            for (int i = 0; i < N_REQ; i++) {
+                n_same += same(&got[i], &g_ref[i]);
+                CHECK_EQ(atomic_load(&got[i].finished), 1);
+                CHECK_EQ(got[i].finish, DI_FINISH_LENGTH);
+                CHECK_EQ(got[i].n_cached, 0);
+                preempted += got[i].n_preempted;
+            }
+        }
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        fprintf(stderr,
+                "(a) dev engine, %s pool (%lld blocks), max_seqs %d, two passes: %d/%d requests "
+                "identical to the CPU engine, %lld steps, %lld preemptions (%d counted by the "
+                "requests)\n",
+                round == 0 ? "tiny" : "roomy", (long long)st.n_blocks_total, round == 0 ? 3 : N_REQ,
+                n_same, 2 * N_REQ, (long long)st.n_steps, (long long)st.n_preemptions, preempted);
+        CHECK_EQ(n_same, 2 * N_REQ);
+        if (round == 0) CHECK(st.n_preemptions > 0);
+        CHECK_EQ(st.n_failed_steps, 0);
+        check_clean(e, true);
+        di_engine_destroy(e);
+    }
+    di_backend_destroy(b); // after the engine's model, which borrows it
+}
+
+// ---- (b) ----
+
+static void test_failure(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine *e = engine((size_t)64 << 20, 2, b);
+    if (!e) {
+        di_backend_destroy(b);
+        return;
+    }
+    static result got[N_REQ];
+    // Two run at a time. Request 0's 150-token prompt takes steps 1-5 (32 rows each), request 1
+    // (5 tokens) joins in step 5's leftover rows; the 9th forward, where both decode (and the plan
+    // of step 10, built during it, holds their placeholder rows), fails. 2 and 3 wait meanwhile.
+    di_engine_fail_forward(e, 8, DI_ERR_CUDA);
+    run(e, got, 0, 4);
+    di_engine_wait_idle(e);
+    int n_failed = 0, n_ok = 0;
+    for (int i = 0; i < 4; i++) {
+        CHECK_EQ(atomic_load(&got[i].finished), 1);
+        if (got[i].finish == DI_FINISH_ERROR) {
+            CHECK_EQ(got[i].status, DI_ERR_CUDA);
+            n_failed++;
+        } else {
+            CHECK(same(&got[i], &g_ref[i]));
+            n_ok++;
+        }
+    }
+    CHECK(got[0].finish == DI_FINISH_ERROR && got[1].finish == DI_FINISH_ERROR);
+    CHECK(got[0].n > 0 && got[1].n > 0); // both had begun to decode
+    for (int i = 0; i < 2; i++)          // the tokens before the failure are the CPU engine's
+        CHECK(!memcmp(got[i].tokens, g_ref[i].tokens, sizeof(int32_t) * (size_t)got[i].n));
+    CHECK(got[2].finish != DI_FINISH_ERROR && got[3].finish != DI_FINISH_ERROR);
+    // Afterwards the failed slots serve new requests from position 0.
+    run(e, got, 4, N_REQ);
+    di_engine_wait_idle(e);
+    for (int i = 4; i < N_REQ; i++) CHECK(same(&got[i], &g_ref[i]));
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    fprintf(stderr,
+            "(b) injected DI_ERR_CUDA: %d requests ended with the error, %d + %d identical to "
+            "the CPU engine; %lld failed steps\n",
+            n_failed, n_ok, N_REQ - 4, (long long)st.n_failed_steps);
+    CHECK_EQ(st.n_failed_steps, 1);
+    check_clean(e, true);
+    di_engine_destroy(e);
+    di_backend_destroy(b);
+}
+
+// ---- (c) ----
+
+static void test_cancel(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine *e = engine((size_t)64 << 20, 3, b);
+    if (!e) {
+        di_backend_destroy(b);
+        return;
+    }
+    static result got[N_REQ];
+    memset(got, 0, sizeof got);
+    for (int i = 0; i < N_REQ; i++) {
+        if (i % 2 == 0) { // 0, 2, 4: cancelled after 3, 5, 7 tokens
+            got[i].cancel_engine = e;
+            got[i].cancel_after = 3 + i;
+        }
+        di_request_params p = request(i, &got[i]);
+        CHECK_EQ(di_engine_submit(e, &p, &got[i].id), DI_OK);
+    }
+    di_engine_wait_idle(e);
+    int n_cancelled = 0;
+    for (int i = 0; i < N_REQ; i++) {
+        CHECK_EQ(atomic_load(&got[i].finished), 1);
+        if (i % 2) {
+            CHECK(same(&got[i], &g_ref[i]));
+            continue;
+        }
+        n_cancelled += got[i].finish == DI_FINISH_CANCELLED;
+        // Tokens up to the cancellation (the step in flight may add one) are the CPU engine's.
+        CHECK(got[i].n >= got[i].cancel_after && got[i].n <= got[i].cancel_after + 1);
+        CHECK(!memcmp(got[i].tokens, g_ref[i].tokens, sizeof(int32_t) * (size_t)got[i].n));
+    }
+    CHECK_EQ(n_cancelled, 3);
+    // The slots left mid-sequence serve the whole set again.
+    run(e, got, 0, N_REQ);
+    di_engine_wait_idle(e);
+    int n_same = 0;
+    for (int i = 0; i < N_REQ; i++) n_same += same(&got[i], &g_ref[i]);
+    fprintf(stderr, "(c) 3 requests cancelled mid-decode; then %d/%d identical to the CPU engine\n",
+            n_same, N_REQ);
+    CHECK_EQ(n_same, N_REQ);
+    check_clean(e, true);
+    di_engine_destroy(e);
+    di_backend_destroy(b);
+}
+
+int main(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_dev_XXXXXX");
+    if (!mkdtemp(g_dir)) return 1;
+    di_synth_config c;
+    CHECK(di_synth_preset("tiny-128", &c) == DI_OK); // SWA, CSA m=4, HCA m=128 layers
+    c.n_vocab = V;
+    CHECK(di_synth_write(&c, g_dir) == DI_OK);
+    for (int i = 0; i < N_REQ; i++)
+        for (int t = 0; t < 160; t++)
+            g_prompt[i][t] = (int32_t)((t < 40 ? t * 31 + 3 : t * 17 + i * 101) % V);
+    di_set_log_level(1);
+    RUN(test_same_tokens);
+    RUN(test_failure);
+    RUN(test_cancel);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    return test_finish();
+}
