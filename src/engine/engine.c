@@ -100,7 +100,9 @@ static void *forward_main(void *p);
 // The warm-up call of the device-resident forward at create: max_rows rows (at most the context)
 // of token 0 on slot 0, so that a backend growing its op scratch on the first call of a size (the
 // CPU twin: matmul and MoE rows) does it here and not inside a step; it also surfaces a broken
-// device at create rather than on the first request. Slot 0 restarts at pos 0 when first used.
+// device at create rather than on the first request. Then the decode graph of every batch size
+// up to max_seqs is captured (di_dsv4_dev_prepare_decode), so that no step captures (a capture
+// allocates). The slots used restart at pos 0 when first used.
 static di_status dev_warm_up(di_engine *e) {
     const di_engine_options *o = &e->opt;
     int32_t n = o->max_batch_tokens < o->max_ctx ? o->max_batch_tokens : o->max_ctx;
@@ -108,6 +110,7 @@ static di_status dev_warm_up(di_engine *e) {
     di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = n};
     int32_t last = n - 1;
     di_status st = di_dsv4_dev_forward(e->dstate, &sq, 1, e->x_tokens, &last, 1, e->logits);
+    if (st == DI_OK) st = di_dsv4_dev_prepare_decode(e->dstate, o->max_seqs);
     if (st != DI_OK)
         DI_LOG_ERROR("engine: the device-resident forward failed its warm-up call of %d rows: %s",
                      (int)n, di_status_str(st));
@@ -232,6 +235,11 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
 di_status di_engine_create_prepared(const char *model_dir, const di_engine_options *opt,
                                     di_engine_prepare_fn prepare, void *user, di_engine **out) {
     return create(model_dir, opt, prepare, user, out);
+}
+
+void di_engine_get_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out) {
+    memset(out, 0, sizeof *out);
+    if (e->dstate) di_dsv4_dev_get_graph_stats(e->dstate, out);
 }
 
 void di_engine_fail_forward(di_engine *e, int32_t n_ok, di_status st) {

@@ -5,13 +5,15 @@
  *     engine sizes its state, e.g. di_dsv4_dev_attach(m, cpu_backend) so the engine runs the
  *     device-resident forward on the CPU backend (the oracle twin of the CUDA one) without a GPU.
  *   - di_engine_fail_forward: makes one later device-resident forward fail, as a CUDA error would.
+ *   - di_engine_get_graph_stats: how many decode steps ran from captured graphs.
  * Thread-safety: create before start; di_engine_fail_forward from any thread.
  */
 #pragma once
 
 #include <stdint.h>
 
-#include "deepinfer.h" // di_engine, di_model, di_status
+#include "deepinfer.h"      // di_engine, di_model, di_status
+#include "model/dsv4_dev.h" // di_dsv4_dev_graph_stats
 
 // Called once on the loaded model (borrowed; owned by the engine) before anything else is
 // created; a status other than DI_OK fails the create with it.
@@ -27,3 +29,8 @@ di_status di_engine_create_prepared(const char *model_dir, const di_engine_optio
 // DI_ERR_CUDA) without running, so the engine fails that step's requests. Replaces an earlier
 // pending injection.
 void di_engine_fail_forward(di_engine *e, int32_t n_ok, di_status st);
+
+// Device-resident forward only: the decode-graph counts of the engine's dev state (zeroes on the
+// CPU forward). Call while the engine is idle (after di_engine_wait_idle): the forward thread
+// updates them during steps.
+void di_engine_get_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out);

@@ -15,9 +15,9 @@
 #include "base/status.h" // DI_TRY
 #include "model/dsv4.h"
 
-// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); decode graphs cached
-// per state (one per batch size in use; the least recently used is replaced).
-enum { HEAD_CHUNK = 64, MAX_CLASSES = 4, GRAPH_CACHE = 8 };
+// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the largest decode
+// step run as a graph (one graph per batch size up to min(n_slots, HEAD_CHUNK), never evicted).
+enum { HEAD_CHUNK = 64, MAX_CLASSES = 4 };
 
 // ---- weights ----
 
@@ -297,16 +297,14 @@ struct di_dsv4_dev_state {
     uint8_t *used; // owned host [n_slots]: slot seen in this call
     void **blocks; // owned list of backend blocks
     int32_t n_blocks, cap_blocks;
-    // Decode graphs (dsv4_dev.h "Graphs"), keyed by the number of sequences; graph NULL: seen
-    // once, run directly (captured the next time).
+    // Decode graphs (dsv4_dev.h "Graphs"): entry n - 1 for steps of n sequences, n <= n_graphs
+    // = min(n_slots, HEAD_CHUNK); graph NULL and seen: run once directly (captured the next time).
     bool graphs_on; // DI_DEV_GRAPHS != "0" at create
-    struct {
-        int32_t n_seq;
+    struct dev_graph {
         void *graph; // owned backend graph
-        uint64_t used;
-    } graphs[GRAPH_CACHE];
+        bool seen;
+    } * graphs; // owned [n_graphs]
     int32_t n_graphs;
-    uint64_t clock;
     di_dsv4_dev_graph_stats stats;
 };
 
@@ -412,6 +410,7 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     if (!s) return;
     for (int32_t i = 0; i < s->n_graphs; i++)
         s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
+    di_free(s->graphs);
     for (int i = 0; i < MAX_CLASSES; i++) {
         ratio_class *k = &s->cls[i];
         iarr *arrs[] = {&k->key_idx, &k->n_keys,  &k->win_dst,     &k->src,
@@ -468,7 +467,9 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     s->layer_cls = di_calloc((size_t)hp->n_layer, 1);
     s->row0 = di_calloc((size_t)n_slots, sizeof(int32_t));
     s->used = di_calloc((size_t)n_slots, 1);
-    if (!s->n_past || !s->ls || !s->layer_cls || !s->row0 || !s->used) {
+    s->n_graphs = n_slots < HEAD_CHUNK ? n_slots : HEAD_CHUNK;
+    s->graphs = di_calloc((size_t)s->n_graphs, sizeof *s->graphs);
+    if (!s->n_past || !s->ls || !s->layer_cls || !s->row0 || !s->used || !s->graphs) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -559,6 +560,30 @@ void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_s
     *out = s->stats;
     out->n_cached = 0;
     for (int32_t i = 0; i < s->n_graphs; i++) out->n_cached += s->graphs[i].graph != NULL;
+}
+
+di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs) {
+    if (!s->graphs_on) return DI_OK;
+    const int32_t n_max = max_seqs < s->n_graphs ? max_seqs : s->n_graphs;
+    const int64_t V = s->d->m->hp.n_vocab;
+    di_dsv4_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)n_max);
+    int32_t *ids = di_calloc((size_t)n_max, sizeof *ids); // token 0 everywhere
+    int32_t *rows = di_malloc(sizeof *rows * (size_t)n_max);
+    float *logits = di_malloc(sizeof *logits * (size_t)n_max * (size_t)V);
+    di_status st = seqs && ids && rows && logits ? DI_OK : DI_ERR_NOMEM;
+    // Two steps of each size at position 0: the first runs directly, the second is captured.
+    for (int32_t n = 1; n <= n_max && st == DI_OK && s->graphs_on; n++) {
+        for (int32_t i = 0; i < n; i++)
+            seqs[i] = (di_dsv4_dev_seq){.slot = i, .pos = 0, .n_tok = 1};
+        for (int32_t i = 0; i < n; i++) rows[i] = i;
+        for (int pass = 0; pass < 2 && st == DI_OK && !s->graphs[n - 1].graph; pass++)
+            st = di_dsv4_dev_forward(s, seqs, n, ids, rows, n, logits);
+    }
+    di_free(seqs);
+    di_free(ids);
+    di_free(rows);
+    di_free(logits);
+    return st;
 }
 
 // ---- per-call metadata (host lists of rows, uploaded once per call) ----
@@ -927,22 +952,6 @@ static bool is_decode(const di_dsv4_dev_seq *seqs, int32_t n_seq, int32_t n_logi
     return true;
 }
 
-// The cache entry of n_seq sequences: found, or a new one (used == 0) in a free entry or in place
-// of the least recently used (its graph destroyed).
-static int32_t graph_entry(di_dsv4_dev_state *s, int32_t n_seq) {
-    int32_t lru = 0;
-    for (int32_t i = 0; i < s->n_graphs; i++) {
-        if (s->graphs[i].n_seq == n_seq) return i;
-        if (s->graphs[i].used < s->graphs[lru].used) lru = i;
-    }
-    const int32_t e = s->n_graphs < GRAPH_CACHE ? s->n_graphs++ : lru;
-    s->d->b->vt->graph_destroy(s->d->b, s->graphs[e].graph);
-    s->graphs[e].n_seq = n_seq;
-    s->graphs[e].graph = NULL;
-    s->graphs[e].used = 0;
-    return e;
-}
-
 // Captures the layers and the head of n rows (not launched). The capture is closed on every path.
 static di_status capture(const call *c, const int32_t *rows, int32_t n, void **out) {
     di_backend *b = c->s->d->b;
@@ -990,10 +999,10 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     // it ran once directly), every other call directly, chunk by chunk of the head.
     const size_t row_bytes = sizeof(float) * (size_t)hp->n_vocab;
     if (s->graphs_on && is_decode(seqs, n_seq, n_logit_rows)) {
-        const int32_t e = graph_entry(s, n_seq);
-        bool direct = s->graphs[e].used == 0; // first seen: directly (no capture for one step)
-        if (!direct && !s->graphs[e].graph) { // seen before: captured, then launched
-            st = capture(c, logit_rows, n_logit_rows, &s->graphs[e].graph);
+        struct dev_graph *g = &s->graphs[n_seq - 1]; // n_seq <= n_slots, HEAD_CHUNK
+        bool direct = !g->seen;     // first seen: directly (no capture for one step)
+        if (!direct && !g->graph) { // seen before: captured, then launched
+            st = capture(c, logit_rows, n_logit_rows, &g->graph);
             if (st == DI_OK) {
                 s->stats.n_captured++;
             } else { // nothing ran: the step runs directly, and so will every later one
@@ -1011,9 +1020,9 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
             DI_TRY(head(c, logit_rows, n_logit_rows));
             s->stats.n_direct++;
         } else {
-            OP(graph_launch, s->graphs[e].graph);
+            OP(graph_launch, g->graph);
         }
-        s->graphs[e].used = ++s->clock;
+        g->seen = true;
         OP(download, logits, s->logits, row_bytes * (size_t)n_logit_rows);
     } else {
         DI_TRY(layers(c));

@@ -25,17 +25,18 @@
  * 64 sequences) runs as a backend graph (backend.h graph_*; CUDA graphs on the GPU) keyed by its
  * number of sequences alone: the first step of n sequences runs directly (a batch size seen once
  * never pays for a capture), the second is captured and launched, every later one launches the
- * cached graph, whatever its slots and positions. A state keeps 8 graphs (the least recently used
- * is replaced). This works because every host scalar an op gets is a function of the call's shape
- * (rows per sequence, logit rows), never of its positions: everything that moves with the
- * positions is backend data the host rewrites before the launch (tokens, positions, key lists and
- * counts, compressor sources, entry positions, scatter destinations); position-dependent bounds
- * are capacities (attention's max_keys = the key list stride, the indexer's max_vis = the slot's
- * entries) and the compressor pools the most windows the shape can close, the others being
- * padding (no rows: entry 0, destination -1: not scattered). Prefill and mixed calls run
- * directly, through the same ops. A capture that fails (nothing ran) logs a WARN, runs the step
- * directly and turns graphs off for the state. DI_DEV_GRAPHS=0 (read at state create) runs every
- * call directly: the debug switch to compare.
+ * cached graph, whatever its slots and positions. A state keeps one graph per decode size up to
+ * min(n_slots, 64), never evicted; di_dsv4_dev_prepare_decode captures them all up front (the
+ * serving engine does, so that no step captures or allocates). This works because every host scalar
+ * an op gets is a function of the call's shape (rows per sequence, logit rows), never of its
+ * positions: everything that moves with the positions is backend data the host rewrites before the
+ * launch (tokens, positions, key lists and counts, compressor sources, entry positions, scatter
+ * destinations); position-dependent bounds are capacities (attention's max_keys = the key list
+ * stride, the indexer's max_vis = the slot's entries) and the compressor pools the most windows the
+ * shape can close, the others being padding (no rows: entry 0, destination -1: not scattered).
+ * Prefill and mixed calls run directly, through the same ops. A capture that fails (nothing ran)
+ * logs a WARN, runs the step directly and turns graphs off for the state. DI_DEV_GRAPHS=0 (read at
+ * state create) runs every call directly: the debug switch to compare.
  *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
@@ -90,6 +91,10 @@ typedef struct di_dsv4_dev_graph_stats {
     int32_t n_cached;
 } di_dsv4_dev_graph_stats;
 void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out);
+// Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps
+// of token 0 at position 0 on slots 0..n-1 per size (the slots are left at position 1: restart
+// them at 0). No-op with graphs off. Errors as di_dsv4_dev_forward.
+di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs);
 
 // ---- model wiring ----
 

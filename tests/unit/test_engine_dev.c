@@ -153,6 +153,17 @@ static void check_clean(di_engine *e, bool dev) {
     CHECK_EQ(st.n_step_allocs, 0);
     CHECK_EQ(st.device.resident, dev);
     if (dev) CHECK_EQ(st.n_cache_hit_tokens, 0); // the prefix cache is off on this path
+    // Decode steps ran from the graphs captured at create (one per batch size up to max_seqs),
+    // and no step captured one.
+    di_dsv4_dev_graph_stats gs;
+    di_engine_get_graph_stats(e, &gs);
+    if (dev) {
+        CHECK_EQ(gs.n_captured, gs.n_cached);
+        CHECK(gs.n_cached >= 2); // max_seqs is 2, 3 or 6 here
+        CHECK(gs.n_replayed > 0);
+    } else {
+        CHECK_EQ(gs.n_cached + gs.n_replayed, 0);
+    }
 }
 
 // ---- (a) ----
