@@ -606,6 +606,7 @@ int main(int argc, char **argv) {
         " selected per layer; roof ms = bytes the step must read (weights touched + KV rows +\n"
         " CSA index entries [+ head]) / copy %.0f GB/s; of roof = roof ms / ms; %.0f s in all)\n",
         o.n_layer, gbs, now_s() - t_start);
+    if (o.cpu) printf("(--cpu: a smoke run on the CPU backend; no copy figure, no roofline)\n");
 
     if (!o.cpu) {
         cudaEventDestroy(x.e0);
