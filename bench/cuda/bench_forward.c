@@ -16,7 +16,8 @@
 //   3. prefill: one sequence of --prefill tokens (default 512) from position 0, logits of its last
 //      row: tokens/s;
 //   4. decode at batch 1 and batch --batch (default 64): every slot is filled to --ctx positions
-//      (default 1024; batch: 4 sequences x 512 rows per call), then timed steps of one token per
+//      (default 1024; batch: 8 sequences x 256 rows per call, stopped early at a multiple of 256
+//      when --budget would be passed), then timed steps of one token per
 //      slot: `decode` rows fetch every slot's logits (the product's step: layers + head + logits
 //      download), `layers` rows fetch none (n_logit_rows = 0: the layers alone), whose time per
 //      layer is reported;
@@ -80,6 +81,7 @@
 
 typedef struct opts {
     int n_layer, ctx, prefill, batch, steps, reps;
+    int budget_s; // stop filling the batch's contexts early to end within this (0: no limit)
     const char *dir;
     bool quick, keep, cpu;
 } opts;
@@ -300,15 +302,21 @@ static float timed_forward(bench *x, di_dsv4_dev_state *st, const di_dsv4_dev_se
     return ms;
 }
 
-// Fills slots [0, B) from position 0 to ctx, chunk rows per sequence, up to max_rows per call.
+// Fills slots [0, B) from position 0 to ctx, chunk rows per sequence, up to max_rows per call,
+// one chunk position of every slot after another. When `deadline` (now_s seconds; 0: none) would
+// be passed by one more round of the length of the last, stops after a complete round: every slot
+// then holds the same *reached positions (< ctx).
 static double fill(bench *x, di_dsv4_dev_state *st, int32_t B, int32_t ctx, int32_t chunk,
-                   int32_t max_rows) {
+                   int32_t max_rows, double deadline, int32_t *reached) {
     const int per_call = max_rows / chunk > 0 ? max_rows / chunk : 1;
     di_dsv4_dev_seq *seqs = malloc(sizeof *seqs * (size_t)per_call);
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)max_rows);
     if (!seqs || !tok) exit(1);
-    double ms = 0;
-    for (int32_t p0 = 0; p0 < ctx; p0 += chunk) {
+    double ms = 0, t_round = 0;
+    int32_t p0 = 0;
+    for (; p0 < ctx; p0 += chunk) {
+        if (deadline > 0 && p0 > 0 && now_s() + t_round > deadline) break;
+        const double t0 = now_s();
         const int32_t n = ctx - p0 < chunk ? ctx - p0 : chunk;
         for (int32_t s0 = 0; s0 < B; s0 += per_call) {
             int k = 0, T = 0;
@@ -318,7 +326,9 @@ static double fill(bench *x, di_dsv4_dev_state *st, int32_t B, int32_t ctx, int3
             }
             ms += timed_forward(x, st, seqs, k, tok, NULL, 0);
         }
+        t_round = now_s() - t0;
     }
+    *reached = p0 < ctx ? p0 : ctx;
     free(seqs), free(tok);
     return ms;
 }
@@ -396,7 +406,9 @@ static void usage(void) {
     fprintf(stderr,
             "usage: bench_forward [--quick] [--layers N (2)] [--ctx N (1024)] [--prefill N (512)]\n"
             "                     [--batch N (64)] [--steps N (20; quick 5)] [--dir DIR] "
-            "[--keep] [--cpu]\n");
+            "[--keep] [--cpu]\n"
+            "                     [--budget S (0: none): fill the batch's contexts only as far as\n"
+            "                      ends the run within S seconds]\n");
 }
 
 // A directory for the model: `want` or the first of /dev/shm, $TMPDIR, /tmp with room.
@@ -451,6 +463,8 @@ int main(int argc, char **argv) {
             ok = parse_int(v, 1, 1 << 16, &o.prefill);
         } else if (!strcmp(a, "--batch")) {
             ok = parse_int(v, 1, 4096, &o.batch);
+        } else if (!strcmp(a, "--budget")) {
+            ok = parse_int(v, 0, 1 << 20, &o.budget_s);
         } else if (!strcmp(a, "--steps")) {
             ok = parse_int(v, 1, 1000, &o.steps);
         } else if (!strcmp(a, "--dir")) {
@@ -560,7 +574,8 @@ int main(int argc, char **argv) {
         free(tok);
     }
     const double n_exp1 = x.m->hp.n_expert_used; // one token: K distinct experts
-    fill(&x, s1, 1, o.ctx, chunk, chunk);
+    int32_t reached = 0;
+    fill(&x, s1, 1, o.ctx, chunk, chunk, 0, &reached);
     step_fig f = decode(&x, s1, 1, warm, o.steps, true);
     f.n_expert = n_exp1;
     print_step("decode", &x, 1, &f, true, gbs);
@@ -569,16 +584,23 @@ int main(int argc, char **argv) {
     print_step("layers", &x, 1, &f, false, gbs);
     di_dsv4_dev_state_destroy(s1);
 
-    // Batch B: fill every slot (4 sequences x 512 rows per call), then decode.
+    // Batch B: fill every slot (8 sequences x 256 rows per call), then decode.
     if (B > 1) {
         const int32_t max_rows = 4 * chunk > B ? 4 * chunk : B;
         di_dsv4_dev_state *sb = NULL;
         DK(di_dsv4_dev_state_create(x.d, B, o.ctx + 2 * (warm + o.steps) + 8, max_rows, &sb));
-        const double fill_ms = fill(&x, sb, B, o.ctx, chunk, max_rows);
+        // The decode steps after the fill take a few seconds (B = 64: ~1 s of steps, the expert
+        // count ~1 s, teardown): the fill stops 10 s before the budget's end.
+        // (A budget under 10 s: one round only. 0: no deadline.)
+        const double deadline =
+            o.budget_s <= 0 ? 0 : (o.budget_s > 10 ? t_start + o.budget_s - 10.0 : 1.0);
+        // Rounds of 256 positions (8 sequences per call): a finer stop for the budget.
+        const double fill_ms = fill(&x, sb, B, o.ctx, chunk / 2, max_rows, deadline, &reached);
         printf("%-8s %6d %6d %8s %10.1f %10.1f %9s %9s %9s %8s   (%d x %d tokens, %d rows per "
-               "call)\n",
-               "fill", B, o.ctx, "-", fill_ms, (double)B * o.ctx / (fill_ms * 1e-3), "-", "-", "-",
-               "-", B, o.ctx, max_rows);
+               "call%s)\n",
+               "fill", B, reached, "-", fill_ms, (double)B * reached / (fill_ms * 1e-3), "-", "-",
+               "-", "-", B, reached, max_rows,
+               reached < o.ctx ? "; stopped early for --budget" : "");
         fflush(stdout);
         step_fig fd = decode(&x, sb, B, warm, o.steps, true);
         step_fig fl = decode(&x, sb, B, warm, o.steps, false);
