@@ -609,7 +609,19 @@ int main(int argc, char **argv) {
         g_vt_count = *g_vt_orig;
         g_vt_count.moe = count_moe;
         x.b->vt = &g_vt_count;
-        decode(&x, sb, B, 0, 1, false);
+        {
+            // Not through DK: a failure here (e.g. a download refused inside a graph capture of a
+            // later forward) costs only the count, not the rows below.
+            di_dsv4_dev_seq *sq = malloc(sizeof *sq * (size_t)B);
+            int32_t *tk = malloc(sizeof(int32_t) * (size_t)B);
+            if (!sq || !tk) return 1;
+            for (int32_t i = 0; i < B; i++) {
+                sq[i] = (di_dsv4_dev_seq){.slot = i, .pos = di_dsv4_dev_n_past(sb, i), .n_tok = 1};
+                tk[i] = rand_token(x.V);
+            }
+            if (di_dsv4_dev_forward(sb, sq, B, tk, NULL, 0, NULL) != DI_OK) g_count_failed = true;
+            free(sq), free(tk);
+        }
         x.b->vt = g_vt_orig;
         const int64_t E = x.m->hp.n_expert, K = x.m->hp.n_expert_used;
         double n_exp = E * (1.0 - pow(1.0 - (double)K / (double)E, B)); // uniform expectation
