@@ -148,8 +148,10 @@ int32_t di_model_layer_ratio(const di_model *model, int32_t il);
 // Writes a random-weight DeepSeek V4 checkpoint (config.json + model.safetensors) into the
 // existing directory dir. preset: "tiny" (the spec's tiny test shapes with the real 129,280-token
 // vocabulary; the built-in default model), "flash-4l" (true V4-Flash widths, 4 layers, 32
-// experts; for benchmarks) or "v41-tiny" (the DeepSeek V4.1 tiny test model of
-// deepseek-v41.md §7.2, with DSpark in the official layout). official: DeepSeek's FP8/FP4 layout
+// experts; for benchmarks), "flash-full" / "flash-full-<N>l" (every V4-Flash width with 256
+// experts, N layers (default 2), no MTP block, fast random codes: ~3.3 GB per layer + 2.1 GB) or
+// "v41-tiny" (the DeepSeek V4.1 tiny test model of deepseek-v41.md §7.2, with DSpark in the
+// official layout). official: DeepSeek's FP8/FP4 layout
 // with an MTP block, else the Hugging Face naming in BF16. The weights are random, so generated
 // text is meaningless. Returns DI_ERR_INVALID (unknown preset), DI_ERR_IO, DI_ERR_NOMEM.
 di_status di_synth_checkpoint(const char *preset, const char *dir, bool official, uint64_t seed);

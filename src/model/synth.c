@@ -8,6 +8,7 @@
 #include "base/buf.h"
 #include "base/log.h"
 #include "base/mem.h"
+#include "base/thread.h" // di_pool: fast codes on every core
 #include "io/safetensors.h"
 #include "tensor/quant_ref.h"
 
@@ -79,7 +80,28 @@ di_status di_synth_preset(const char *name, di_synth_config *c) {
         memcpy(c->ratios, r, sizeof r);
         return DI_OK;
     }
-    DI_LOG_ERROR("synth: unknown preset \"%s\" (tiny, tiny-128, flash-4l)", name);
+    if (strncmp(name, "flash-full", 10) == 0) {
+        // Every V4-Flash width (256 experts), few layers: the device forward's benchmark model.
+        int n = 2;
+        char tail = 0;
+        const size_t len = strlen(name);
+        if (name[10] != 0 && (name[10] != '-' || name[len - 1] != 'l' ||
+                              sscanf(name + 10, "-%dl%c", &n, &tail) != 1 || n < 1 || n > 64)) {
+            DI_LOG_ERROR("synth: preset \"%s\": flash-full-<N>l takes N = 1..64", name);
+            return DI_ERR_INVALID;
+        }
+        di_status st = di_synth_preset("flash-4l", c);
+        if (st != DI_OK) return st;
+        c->n_layer = n;
+        c->n_expert = 256;
+        c->n_hash_layers = 0; // score routing, as 40 of V4-Flash's 43 layers
+        c->n_mtp = 0;
+        c->fast = true;
+        for (int il = 0; il < n; il++) c->ratios[il] = il % 2 ? 128 : 4;
+        return DI_OK;
+    }
+    DI_LOG_ERROR("synth: unknown preset \"%s\" (tiny, tiny-128, flash-4l, flash-full[-<N>l])",
+                 name);
     return DI_ERR_INVALID;
 }
 
@@ -153,7 +175,75 @@ typedef struct gen {
     const di_synth_config *c;
     rng r;
     tlist l;
+    di_pool *pool; // owned by di_synth_write; NULL: one thread
 } gen;
+
+// ---- fast random codes (di_synth_config.fast) ----
+
+// Work is cut into fixed chunks, each with its own generator seeded from (tensor seed, chunk): the
+// bytes do not depend on the number of threads.
+enum { FAST_CHUNK = 1 << 16 };
+
+typedef enum fast_kind { FAST_KIND_BF16, FAST_KIND_FP8, FAST_KIND_BYTES } fast_kind;
+
+typedef struct fast_job {
+    fast_kind kind;
+    void *out; // owned by the caller
+    int64_t n; // elements (bytes for FAST_KIND_BYTES)
+    uint64_t seed;
+    float mean, std, inv_scale; // value = mean + std * N(0,1), FP8 code of value * inv_scale
+} fast_job;
+
+// An approximate N(0, 1) from one 64-bit draw: the sum of four 16-bit uniforms (mean 2, variance
+// 1/3) centred and scaled; bounded by +-3.46 (no outliers, which suits random weights).
+static inline float fast_normal(uint64_t z) {
+    float s = (float)(z & 0xffff) + (float)((z >> 16) & 0xffff) + (float)((z >> 32) & 0xffff) +
+              (float)(z >> 48);
+    return ((s + 2.0f) * (1.0f / 65536.0f) - 2.0f) * 1.7320508f;
+}
+
+static void fast_fill(void *ctx, int ith, int nth) {
+    const fast_job *j = ctx;
+    const int64_t n_chunk = (j->n + FAST_CHUNK - 1) / FAST_CHUNK;
+    int64_t lo, hi;
+    di_split_range(n_chunk, ith, nth, &lo, &hi);
+    for (int64_t k = lo; k < hi; k++) {
+        rng r = {j->seed};
+        r.s ^= next_u64(&(rng){(uint64_t)k * 0x2545f4914f6cdd1dull + 1});
+        const int64_t i0 = k * FAST_CHUNK, i1 = i0 + FAST_CHUNK < j->n ? i0 + FAST_CHUNK : j->n;
+        if (j->kind == FAST_KIND_BF16) {
+            uint16_t *o = j->out;
+            for (int64_t i = i0; i < i1; i++)
+                o[i] = di_f32_to_bf16(j->mean + j->std * fast_normal(next_u64(&r)));
+        } else if (j->kind == FAST_KIND_FP8) {
+            uint8_t *o = j->out;
+            for (int64_t i = i0; i < i1; i++)
+                o[i] = di_f32_to_e4m3(j->std * fast_normal(next_u64(&r)) * j->inv_scale);
+        } else {
+            uint8_t *o = j->out;
+            for (int64_t i = i0; i < i1; i += 8) {
+                uint64_t z = next_u64(&r);
+                memcpy(o + i, &z, (size_t)(i1 - i < 8 ? i1 - i : 8));
+            }
+        }
+    }
+}
+
+// A new array of n codes (2 bytes each for BF16, 1 otherwise), or NULL.
+static void *fast_codes(gen *g, fast_kind kind, int64_t n, float mean, float std, float inv_scale) {
+    fast_job j = {kind,     di_malloc((size_t)n * (kind == FAST_KIND_BF16 ? 2 : 1)),
+                  n,        next_u64(&g->r),
+                  mean,     std,
+                  inv_scale};
+    if (j.out) di_pool_run(g->pool, fast_fill, &j);
+    return j.out;
+}
+
+static uint8_t *const_bytes(int64_t n, uint8_t v) {
+    uint8_t *p = di_malloc((size_t)n);
+    if (p) memset(p, v, (size_t)n);
+    return p;
+}
 
 // Values: mean + std * N(0,1), returned as a new F32 array of n.
 static float *randn(gen *g, int64_t n, float mean, float std) {
@@ -180,6 +270,9 @@ static di_status add_f32(gen *g, const char *name, int nd, int64_t d0, int64_t d
 static di_status add_bf16(gen *g, const char *name, int nd, int64_t d0, int64_t d1, float mean,
                           float std) {
     int64_t n = nd == 1 ? d0 : d0 * d1;
+    if (g->c->fast)
+        return add(&g->l, name, DI_DTYPE_BF16, nd, d0, d1,
+                   fast_codes(g, FAST_KIND_BF16, n, mean, std, 1.0f));
     return add(&g->l, name, DI_DTYPE_BF16, nd, d0, d1, to_bf16(randn(g, n, mean, std), n));
 }
 
@@ -187,6 +280,24 @@ static uint8_t pow2_scale_byte(float amax, float qmax) {
     float s = amax / qmax;
     if (!(s > 1e-30f)) s = 1e-30f;
     return (uint8_t)(di_ceil_log2_bits(s) + 127);
+}
+
+// Adds an FP8 weight's codes q [rows, cols] and its scales sc [br, bc] (both taken over, also on
+// failure) as `name` and `name` with ".weight" replaced by ".scale".
+static di_status add_fp8(gen *g, const char *name, int64_t rows, int64_t cols, int64_t br,
+                         int64_t bc, uint8_t *q, uint8_t *sc) {
+    if (!q || !sc) {
+        di_free(q), di_free(sc);
+        return DI_ERR_NOMEM;
+    }
+    char sname[256];
+    snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
+    di_status st = add(&g->l, name, DI_DTYPE_F8_E4M3, 2, rows, cols, q);
+    if (st == DI_OK)
+        st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, br, bc, sc);
+    else
+        di_free(sc);
+    return st;
 }
 
 // A [rows, cols] linear weight ~ N(0, 1/cols): FP8 + 128x128 scales (official) or BF16.
@@ -203,8 +314,14 @@ static di_status add_linear_blk(gen *g, const char *name, int64_t rows, int64_t 
                                 int64_t bo, int64_t bi) {
     float std = 1.0f / sqrtf((float)cols);
     if (!g->c->official || !fp8) return add_bf16(g, name, 2, rows, cols, 0, std);
-    float *w = randn(g, rows * cols, 0, std);
     int64_t br = (rows + bo - 1) / bo, bc = (cols + bi - 1) / bi;
+    if (g->c->fast) { // one scale for the whole tensor: the values' bound 3.47 std maps to <= 448
+        const uint8_t sb = pow2_scale_byte(3.47f * std, 448.0f);
+        uint8_t *q = fast_codes(g, FAST_KIND_FP8, rows * cols, 0, std, 1.0f / di_ue8m0_to_f32(sb));
+        uint8_t *sc = const_bytes(br * bc, sb);
+        return add_fp8(g, name, rows, cols, br, bc, q, sc);
+    }
+    float *w = randn(g, rows * cols, 0, std);
     uint8_t *q = di_malloc((size_t)(rows * cols)), *sc = di_malloc((size_t)(br * bc));
     if (!w || !q || !sc) {
         di_free(w), di_free(q), di_free(sc);
@@ -224,20 +341,32 @@ static di_status add_linear_blk(gen *g, const char *name, int64_t rows, int64_t 
                     q[r * cols + c] = di_f32_to_e4m3(w[r * cols + c] * inv);
         }
     di_free(w);
-    char sname[256];
-    snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
-    di_status st = add(&g->l, name, DI_DTYPE_F8_E4M3, 2, rows, cols, q);
-    if (st == DI_OK)
-        st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, br, bc, sc);
-    else
-        di_free(sc);
-    return st;
+    return add_fp8(g, name, rows, cols, br, bc, q, sc);
 }
 
 // A routed expert's [rows, cols] weight: FP4 e2m1 pairs + 1x32 scales (official) or BF16.
 static di_status add_expert(gen *g, const char *name, int64_t rows, int64_t cols) {
     if (!g->c->official) return add_linear(g, name, rows, cols, false);
     float std = 1.0f / sqrtf((float)cols);
+    char sname[256];
+    snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
+    if (g->c->fast) {
+        // Uniform random codes: RMS of the e2m1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} is
+        // sqrt(68.5 / 8) = 2.93; the nearest power-of-two scale to std / 2.93.
+        const uint8_t sb = (uint8_t)(127 + (int)lroundf(log2f(std / 2.926f)));
+        uint8_t *q = fast_codes(g, FAST_KIND_BYTES, rows * cols / 2, 0, 0, 0);
+        uint8_t *sc = const_bytes(rows * cols / 32, sb);
+        if (!q || !sc) {
+            di_free(q), di_free(sc);
+            return DI_ERR_NOMEM;
+        }
+        di_status st = add(&g->l, name, DI_DTYPE_I8, 2, rows, cols / 2, q);
+        if (st == DI_OK)
+            st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, rows, cols / 32, sc);
+        else
+            di_free(sc);
+        return st;
+    }
     float *w = randn(g, rows * cols, 0, std);
     uint8_t *q = di_calloc((size_t)(rows * cols / 2), 1),
             *sc = di_malloc((size_t)(rows * cols / 32));
@@ -260,8 +389,6 @@ static di_status add_expert(gen *g, const char *name, int64_t rows, int64_t cols
             }
         }
     di_free(w);
-    char sname[256];
-    snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
     di_status st = add(&g->l, name, DI_DTYPE_I8, 2, rows, cols / 2, q);
     if (st == DI_OK)
         st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, rows, cols / 32, sc);
@@ -455,6 +582,7 @@ di_status di_synth_write(const di_synth_config *c, const char *dir) {
     }
     gen g = {.c = c, .r = {c->seed}};
     di_status st = DI_OK;
+    if (c->fast && (st = di_pool_create(0, &g.pool)) != DI_OK) return st;
     bool off = c->official;
     int64_t V = c->n_vocab, D = c->n_embd;
     char b[256];
@@ -493,6 +621,7 @@ done:
     if (c->official == false && c->n_mtp > 0 && st == DI_OK)
         DI_LOG_INFO("synth: the HF layout carries no MTP block (as save_pretrained)");
     tlist_free(&g.l);
+    di_pool_destroy(g.pool);
     return st;
 #undef GTRY
 }

@@ -25,12 +25,21 @@ typedef struct di_synth_config {
     uint64_t seed;
     bool official;     // official layout (FP8/FP4) else HF names in BF16
     int32_t fp8_block; // FP8 weight block (0 = 128)
+    // Fast random codes (benchmark models at full width, where the exact path takes minutes per
+    // layer): BF16 and FP8 values from a cheap approximate normal (a sum of four uniforms) with one
+    // power-of-two scale per tensor, FP4 expert bytes uniformly random with one UE8M0 scale giving
+    // an RMS near 1/sqrt(cols); generated on every core, deterministic per seed whatever the core
+    // count. F32 vectors and hash tables as the exact path.
+    bool fast;
 } di_synth_config;
 
 // Presets: "tiny" (spec §6.2 shapes with the real 129,280-token vocabulary: the default model),
 // "tiny-128" (the tiny widths with HCA ratio 128: layers SWA/CSA/HCA/CSA/HCA/SWA, and 32 indexer
 // heads; llama.cpp runs it too), "flash-4l" (true V4-Flash widths, 4 layers SWA/CSA/HCA/CSA, 32
-// experts top-6 — benchmarks). DI_ERR_INVALID for an unknown name.
+// experts top-6 — benchmarks), "flash-full" / "flash-full-<N>l" (N = 1..64, default 2: every
+// V4-Flash width including 256 experts top-6, layers CSA/HCA alternating, score routing on every
+// layer (no hash layers), no MTP block, fast random codes: ~3.3 GB per layer + 2.1 GB embedding
+// and head — bench/cuda/bench_forward.c). DI_ERR_INVALID for an unknown name.
 di_status di_synth_preset(const char *name, di_synth_config *out);
 // Writes dir/config.json and dir/model.safetensors (dir must exist). DI_ERR_IO, DI_ERR_NOMEM.
 di_status di_synth_write(const di_synth_config *cfg, const char *dir);

@@ -1,4 +1,5 @@
-// deepinfer synth --preset tiny|tiny-128|flash-4l --out DIR [--layout official|hf] [--seed N]
+// deepinfer synth --out DIR [--preset tiny|tiny-128|flash-4l|flash-full[-<N>l]|v41-tiny]
+//                 [--layout official|hf] [--seed N]
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
@@ -13,7 +14,8 @@ int di_cli_synth(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0) {
-            printf("usage: deepinfer synth --out DIR [--preset tiny|tiny-128|flash-4l|v41-tiny] "
+            printf("usage: deepinfer synth --out DIR [--preset tiny|tiny-128|flash-4l|"
+                   "flash-full[-<N>l]|v41-tiny] "
                    "[--layout official|hf] [--seed N]\n"
                    "Writes a random-weight DeepSeek V4 (or V4.1: v41-tiny) checkpoint; its text "
                    "is meaningless.\n");
