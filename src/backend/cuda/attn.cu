@@ -601,7 +601,7 @@ di_status attn_tc_launch(di_cuda *cu, const float *q, const uint8_t *pool, const
         DI_CUDA_LOG_ERROR("attention (bf16): %zu bytes of shared memory per block needed, the "
                           "device allows %zu",
                           S::SMEM, cu->smem_optin);
-        return DI_ERR_INVALID;
+        return DI_ERR_UNSUPPORTED; // this device (A100: 163 KB), not the shape
     }
     const int64_t groups = (H + TC_HEADS - 1) / TC_HEADS,
                   max_tiles = (max_keys + TC_BN - 1) / TC_BN;

@@ -77,8 +77,9 @@ di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *pool, const
 // padded), else DI_ERR_INVALID; q 16-byte and o 8-byte aligned. n_split: number of key splits per
 // row (0: chosen from n_tok, H, max_keys and the SM count; a value > 1 adds a combine kernel and a
 // pool scratch of n_tok * n_split * H * (dh + 2) floats); rounded to whole 64-key tiles.
-// Needs ~214 KB of shared memory per block at dh 512 (H100/H200; not A100): DI_ERR_INVALID where
-// the device has less. DI_ERR_CUDA, DI_ERR_NOMEM (scratch), DI_ERR_INVALID.
+// Needs ~214 KB of shared memory per block at dh 512 (H100/H200/B200; not A100's 163 KB):
+// DI_ERR_UNSUPPORTED where the device has less. DI_ERR_CUDA, DI_ERR_NOMEM (scratch),
+// DI_ERR_INVALID (shape, alignment), DI_ERR_UNSUPPORTED.
 di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_t *pool,
                             const int32_t *key_idx, int64_t key_stride, const int32_t *n_keys,
                             int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,

@@ -7,6 +7,8 @@
 #include <cublasLt.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
+
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm.cuh"
 
@@ -77,6 +79,29 @@ __global__ void scatter_kernel(const float *__restrict__ in, int64_t n_out, int6
     if (k >= n_out * T) return;
     const int64_t t = k / n_out, o = k % n_out;
     y[t * y_stride + o] = in[o * s_o + t * s_t];
+}
+
+// The scale layouts cuBLASLt reads (they are not our storage orders): a VEC128_32F operand's
+// scales outer-dimension-major, [K/128][outer] (scale of row r, K-block b at b * outer + r); a
+// BLK128x128_32F operand's scales [outer/128][round_up(K/128, 4)] (per 128-row block its K-blocks,
+// padded to 4 floats). Source: the stride checks PyTorch applies before handing these modes to
+// cuBLASLt (aten/src/ATen/native/cuda/ScaledBlas.cpp, _scaled_block1x128_block128x128: As
+// stride (1, M), Bs [round_up(K/128, 4), N/128] stride (1, round_up(K/128, 4))). Ours:
+// x_scales [T][K/128] (di_cuda_act_quant_a8) and w_scales [n_out/128][K/128]
+// (di_cuda_fp8_scales_f32).
+__global__ void lt_scales_kernel(const float *__restrict__ xs, int64_t T,
+                                 const float *__restrict__ ws, int64_t n_ob, int64_t nkb,
+                                 int64_t ldk, float *__restrict__ xs_lt,
+                                 float *__restrict__ ws_lt) {
+    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k < T * nkb) {
+        const int64_t t = k / nkb, b = k % nkb;
+        xs_lt[b * T + t] = xs[k];
+    }
+    if (k < n_ob * ldk) {
+        const int64_t o = k / ldk, b = k % ldk;
+        ws_lt[k] = b < nkb ? ws[o * nkb + b] : 1.0f; // padding: never applied to data
+    }
 }
 
 static const size_t k_ws_bytes = (size_t)32 << 20;
@@ -162,18 +187,25 @@ extern "C" di_status di_cuda_matmul_fp8_lt(di_cuda *cu, const di_tensor *w, cons
     const int64_t ld_n = (n_out + 3) / 4 * 4, ld_t = (n_tok + 3) / 4 * 4;
     const bool direct = y_stride == ld_n; // natural formulation straight into y
     di_status st;
-    void *ws = NULL, *tmp = NULL;
+    void *ws = NULL, *tmp = NULL, *xs_lt = NULL, *ws_lt = NULL;
     bool no_algo = false, swapped = false;
     const size_t tmp_bytes =
         sizeof(float) * (size_t)(ld_n * n_tok > ld_t * n_out ? ld_n * n_tok : ld_t * n_out);
+    const int64_t nkb = w->ne[0] / 128, n_ob = (n_out + 127) / 128, ldk = (nkb + 3) / 4 * 4;
+    const int64_t n_sc = std::max<int64_t>(n_tok * nkb, n_ob * ldk);
     if ((st = di_cuda_alloc(cu, k_ws_bytes, &ws)) != DI_OK) return st;
     if ((st = di_cuda_alloc(cu, tmp_bytes, &tmp)) != DI_OK) goto out;
-    st = lt_try(cu, false, w, w_scales, codes, x_scales, n_tok, direct ? y : (float *)tmp, ld_n, ws,
-                &no_algo);
+    if ((st = di_cuda_alloc(cu, sizeof(float) * (size_t)(n_tok * nkb), &xs_lt)) != DI_OK) goto out;
+    if ((st = di_cuda_alloc(cu, sizeof(float) * (size_t)(n_ob * ldk), &ws_lt)) != DI_OK) goto out;
+    lt_scales_kernel<<<di_div_up(n_sc, 256), 256, 0, di_stream(cu)>>>(
+        x_scales, n_tok, w_scales, n_ob, nkb, ldk, (float *)xs_lt, (float *)ws_lt);
+    if ((st = di_cuda_check_launch("lt_scales_kernel")) != DI_OK) goto out;
+    st = lt_try(cu, false, w, (const float *)ws_lt, codes, (const float *)xs_lt, n_tok,
+                direct ? y : (float *)tmp, ld_n, ws, &no_algo);
     if (st != DI_OK && no_algo) {
         swapped = true;
-        st =
-            lt_try(cu, true, w, w_scales, codes, x_scales, n_tok, (float *)tmp, ld_t, ws, &no_algo);
+        st = lt_try(cu, true, w, (const float *)ws_lt, codes, (const float *)xs_lt, n_tok,
+                    (float *)tmp, ld_t, ws, &no_algo);
     }
     if (st == DI_OK && (swapped || !direct)) {
         scatter_kernel<<<di_div_up(n_out * n_tok, 256), 256, 0, di_stream(cu)>>>(
@@ -181,6 +213,8 @@ extern "C" di_status di_cuda_matmul_fp8_lt(di_cuda *cu, const di_tensor *w, cons
         st = di_cuda_check_launch("scatter_kernel");
     }
 out:
+    di_cuda_free(cu, ws_lt);
+    di_cuda_free(cu, xs_lt);
     di_cuda_free(cu, tmp);
     di_cuda_free(cu, ws);
     return st;

@@ -58,9 +58,10 @@ extern "C" di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const 
 
 // ---- top-k ----
 
-// Order-preserving map of a float to uint32 (larger float -> larger key; -0 < +0).
+// Order-preserving map of a float to uint32 (larger float -> larger key). -0 is mapped as +0:
+// the CPU's comparisons see them equal (a tie, to the lower index), not -0 < +0.
 __device__ __forceinline__ uint32_t ordered(float f) {
-    const uint32_t u = __float_as_uint(f);
+    const uint32_t u = f == 0.0f ? 0u : __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 

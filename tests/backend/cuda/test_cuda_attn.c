@@ -169,6 +169,17 @@ static void ref_attn(const float *q, const float *keys, const int32_t *n_keys, c
 // BF16 q moves each score by <= 2^-8 * scale * sum|q k| worst case, ~10x less in the mean.
 #define TOL_TC_QROUND_REL_L2 1e-2
 
+// The tensor-core kernel at dh 512 needs more shared memory than an A100 has: it says
+// DI_ERR_UNSUPPORTED there, and the case is skipped (logged), not failed. Any other status fails.
+static bool tc_ran(di_status st, const char *what) {
+    if (st == DI_ERR_UNSUPPORTED) {
+        fprintf(stderr, "  %s: UNSUPPORTED on this device (shared memory), skipped\n", what);
+        return false;
+    }
+    CK(st);
+    return true;
+}
+
 static void attn_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_t n_pool,
                       int32_t max_keys, float q_amp) {
     float *keys;
@@ -209,11 +220,13 @@ static void attn_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_t n
     static const int32_t splits[] = {1, 0, 3};
     for (int si = 0; si < 3; si++) {
         dev_poison(od, sizeof(float) * (size_t)n_o);
-        CK(di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh, n_rot,
-                             scale, splits[si], od));
-        dev_to(out, od, sizeof(float) * (size_t)n_o);
         snprintf(what, sizeof what, "attn_bf16 dh=%d H=%d T=%d keys<=%d q~%g split=%d", dh, H, T,
                  max_keys, (double)q_amp, splits[si]);
+        if (!tc_ran(di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh,
+                                      n_rot, scale, splits[si], od),
+                    what))
+            break;
+        dev_to(out, od, sizeof(float) * (size_t)n_o);
         CHECK(check_bounds(what, out, refb, tolb, n_o) == 0);
         const double e = rel_l2(out, ref, n_o);
         fprintf(stderr, "  rel_l2 vs bf16-q ref %.3g, vs fp32-q ref %.3g\n", rel_l2(out, refb, n_o),
@@ -262,11 +275,17 @@ static void onehot_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int32_t
     int32_t *nkd = dev_from(n_keys, sizeof(int32_t) * (size_t)T);
     float *od = dev_alloc(sizeof(float) * (size_t)n_o);
     dev_poison(od, sizeof(float) * (size_t)n_o);
-    CK(di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh, n_rot,
-                         1.0f / sqrtf((float)dh), n_split, od));
-    dev_to(out, od, sizeof(float) * (size_t)n_o);
     int32_t *cnt = malloc(sizeof(int32_t) * (size_t)dh);
     int64_t bad = 0;
+    char what[96];
+    snprintf(what, sizeof what, "onehot dh=%d H=%d T=%d keys<=%d split=%d", dh, H, T, max_keys,
+             n_split);
+    if (!tc_ran(di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh,
+                                  n_rot, 1.0f / sqrtf((float)dh), n_split, od),
+                what))
+        T = 0; // skipped: nothing to compare
+    else
+        dev_to(out, od, sizeof(float) * (size_t)n_o);
     for (int32_t t = 0; t < T; t++) {
         int32_t nv = 0;
         memset(cnt, 0, sizeof(int32_t) * (size_t)dh);
@@ -286,8 +305,7 @@ static void onehot_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int32_t
             }
         }
     }
-    fprintf(stderr, "  onehot dh=%d H=%d T=%d keys<=%d split=%d: %lld wrong\n", dh, H, T, max_keys,
-            n_split, (long long)bad);
+    fprintf(stderr, "  %s: %lld wrong\n", what, (long long)bad);
     CHECK(bad == 0);
     dev_free(kvd), dev_free(pool), dev_free(qd), dev_free(sd), dev_free(idxd), dev_free(nkd),
         dev_free(od);

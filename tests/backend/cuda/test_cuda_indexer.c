@@ -89,6 +89,9 @@ static void topk_case(int32_t T, int32_t n_ent, int32_t topk, int grid) {
     int32_t *vis = malloc(sizeof(int32_t) * (size_t)T);
     for (int64_t i = 0; i < (int64_t)T * n_ent; i++)
         sc[i] = grid ? (float)(int)(rnd() % (uint64_t)grid) - (float)grid / 2 : rndf() * 100.0f;
+    // Signed zeros among the ties: -0 == +0 for the CPU (a tie, to the lower index).
+    for (int64_t i = 0; grid && i < (int64_t)T * n_ent; i += 2)
+        if (sc[i] == 0.0f) sc[i] = -0.0f;
     for (int32_t t = 0; t < T; t++) {
         vis[t] = t == 0   ? 1
                  : t == 1 ? n_ent
