@@ -375,19 +375,7 @@ void di_dsv4_hc_post(di_dsv4_ctx *c, const float *o, float *x, int32_t n_tok) {
     const di_model *m = c->model;
     const int nc = m->hp.hc_mult, D = m->hp.n_embd;
     const float *post = di_dsv4_scratch(c, DI_SCR_POST), *comb = di_dsv4_scratch(c, DI_SCR_COMB);
-    float mixed[16];
-    for (int32_t t = 0; t < n_tok; t++) {
-        float *xt = x + (int64_t)t * nc * D;
-        const float *C = comb + t * nc * nc, *pt = post + t * nc, *ot = o + (int64_t)t * D;
-        for (int d = 0; d < D; d++) {
-            for (int k = 0; k < nc; k++) {
-                float acc = pt[k] * ot[d];
-                for (int j = 0; j < nc; j++) acc += C[j * nc + k] * xt[j * D + d];
-                mixed[k] = acc;
-            }
-            for (int k = 0; k < nc; k++) xt[k * D + d] = mixed[k];
-        }
-    }
+    di_ref_hc_post(o, x, post, comb, nc, D, n_tok);
     di_dsv4_round(m, x, (int64_t)n_tok * nc * D); // R-OFF: residual streams are BF16
 }
 

@@ -67,26 +67,12 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
     for (int32_t t = 0; t < n_tok; t++) {
         const float *st = score + t * E;
         int32_t *se = sel + t * K;
-        if (lw->hash_routed) {
+        if (lw->hash_routed)
             memcpy(se, lw->tid2eid + (int64_t)ids[t] * K, sizeof(int32_t) * (size_t)K);
-        } else {
-            // top-K of s + bias (selection only); ties to the lower expert id.
-            for (int32_t k = 0; k < K; k++) {
-                int32_t best = -1;
-                float bv = -INFINITY;
-                for (int32_t e = 0; e < E; e++) {
-                    bool taken = false;
-                    for (int32_t j = 0; j < k; j++) taken |= se[j] == e;
-                    float v = st[e] + lw->gate_bias[e];
-                    if (!taken && (best < 0 || v > bv)) best = e, bv = v;
-                }
-                se[k] = best;
-            }
-        }
-        float sum = 0;
-        for (int32_t k = 0; k < K; k++) sum += st[se[k]];
-        if (!official || hp->v41) sum += 1e-20f; // R-HF's epsilon; V4.1's R-OFF has it too
-        for (int32_t k = 0; k < K; k++) wgt[t * K + k] = st[se[k]] / sum * hp->route_scale;
+        // R-HF's denominator epsilon; V4.1's R-OFF has it too.
+        const float eps = !official || hp->v41 ? 1e-20f : 0.0f;
+        di_ref_route(st, (int32_t)E, K, lw->hash_routed ? NULL : lw->gate_bias, eps,
+                     hp->route_scale, se, wgt + t * K);
     }
 
     // Routed experts, in ascending expert id; each gathers the (token, slot) pairs routed to it.

@@ -451,19 +451,7 @@ static di_status cpu_mhc_post(di_backend *b, const float *o, float *x, const flo
                               const float *comb, int32_t nc, int64_t D, int32_t n_tok) {
     RECORD(impl_of(b), CMD_MHC_POST, mhc_post, o, x, post, comb, nc, D, n_tok);
     if (nc < 1 || nc > 16) return DI_ERR_INVALID;
-    float mixed[16];
-    for (int32_t t = 0; t < n_tok; t++) {
-        float *xt = x + (int64_t)t * nc * D;
-        const float *C = comb + t * nc * nc, *pt = post + t * nc, *ot = o + (int64_t)t * D;
-        for (int64_t d = 0; d < D; d++) {
-            for (int k = 0; k < nc; k++) {
-                float acc = pt[k] * ot[d];
-                for (int j = 0; j < nc; j++) acc += C[j * nc + k] * xt[j * D + d];
-                mixed[k] = acc;
-            }
-            for (int k = 0; k < nc; k++) xt[k * D + d] = mixed[k];
-        }
-    }
+    di_ref_hc_post(o, x, post, comb, nc, D, n_tok);
     return DI_OK;
 }
 
@@ -549,26 +537,9 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
     for (int32_t t = 0; t < n_tok; t++) {
         const float *s = score + t * E;
         int32_t *se = sel + t * K;
-        if (w->tid2eid) {
-            memcpy(se, w->tid2eid + (int64_t)ids[t] * K, sizeof(int32_t) * (size_t)K);
-        } else {
-            // top-K of s + bias (selection only); ties to the lower expert id.
-            for (int32_t k = 0; k < K; k++) {
-                int32_t best = -1;
-                float bv = -INFINITY;
-                for (int32_t e = 0; e < E; e++) {
-                    bool taken = false;
-                    for (int32_t j = 0; j < k; j++) taken |= se[j] == e;
-                    float v = s[e] + w->gate_bias[e];
-                    if (!taken && (best < 0 || v > bv)) best = e, bv = v;
-                }
-                se[k] = best;
-            }
-        }
-        float sum = 0;
-        for (int32_t k = 0; k < K; k++) sum += s[se[k]];
-        if (w->hf_eps) sum += 1e-20f;
-        for (int32_t k = 0; k < K; k++) wgt[t * K + k] = s[se[k]] / sum * w->route_scale;
+        if (w->tid2eid) memcpy(se, w->tid2eid + (int64_t)ids[t] * K, sizeof(int32_t) * (size_t)K);
+        di_ref_route(s, (int32_t)E, K, w->tid2eid ? NULL : w->gate_bias, w->hf_eps ? 1e-20f : 0.0f,
+                     w->route_scale, se, wgt + t * K);
     }
 
     // Routed experts in ascending id, each on the rows routed to it (duplicates count twice).

@@ -295,3 +295,39 @@ void di_ref_topk(const float *sc, int64_t n, int32_t k, int32_t *sel) {
     }
     qsort(sel, (size_t)n_heap, sizeof *sel, cmp_i32); // ascending entry order
 }
+
+void di_ref_hc_post(const float *o, float *x, const float *post, const float *comb, int nc,
+                    int64_t D, int32_t n_tok) {
+    float mixed[16];
+    for (int32_t t = 0; t < n_tok; t++) {
+        float *xt = x + (int64_t)t * nc * D;
+        const float *C = comb + t * nc * nc, *pt = post + t * nc, *ot = o + (int64_t)t * D;
+        for (int64_t d = 0; d < D; d++) {
+            for (int k = 0; k < nc; k++) {
+                float acc = pt[k] * ot[d];
+                for (int j = 0; j < nc; j++) acc += C[j * nc + k] * xt[j * D + d];
+                mixed[k] = acc;
+            }
+            for (int k = 0; k < nc; k++) xt[k * D + d] = mixed[k];
+        }
+    }
+}
+
+void di_ref_route(const float *s, int32_t E, int32_t K, const float *bias, float eps,
+                  float route_scale, int32_t *sel, float *wgt) {
+    for (int32_t k = 0; k < K && bias; k++) {
+        int32_t best = -1;
+        float bv = -INFINITY;
+        for (int32_t e = 0; e < E; e++) {
+            bool taken = false;
+            for (int32_t j = 0; j < k; j++) taken |= sel[j] == e;
+            float v = s[e] + bias[e];
+            if (!taken && (best < 0 || v > bv)) best = e, bv = v;
+        }
+        sel[k] = best;
+    }
+    float sum = 0;
+    for (int32_t k = 0; k < K; k++) sum += s[sel[k]];
+    sum += eps;
+    for (int32_t k = 0; k < K; k++) wgt[k] = s[sel[k]] / sum * route_scale;
+}

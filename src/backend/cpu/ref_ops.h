@@ -114,6 +114,19 @@ void di_ref_hc_coeffs(const float *mix, const float *base, const float *scale, i
 // and the CPU backend's topk call it.
 void di_ref_topk(const float *sc, int64_t n, int32_t k, int32_t *sel);
 
+// mHC post (spec §2.3) in place over n_tok tokens: x[t, k] = post[t, k] o[t] + sum_j comb[t, j, k]
+// x[t, j], per element in that order (x: [T, nc, D], o: [T, D], post: [T, nc], comb: [T, nc, nc];
+// nc <= 16). The one copy: model/dsv4.c (di_dsv4_hc_post) and the CPU backend's mhc_post.
+void di_ref_hc_post(const float *o, float *x, const float *post, const float *comb, int nc,
+                    int64_t D, int32_t n_tok);
+
+// A score-routed token's experts (spec §2.8): the K best of s[e] + bias[e] over E experts, ties to
+// the lower id, in selection order, into sel[K]; then wgt[k] = s[sel[k]] / (sum_k s[sel[k]] + eps)
+// * route_scale (the sum in slot order). Hash routing passes its table row as sel and bias NULL
+// (only the weights are computed). The one copy: model/dsv4_moe.c and the CPU backend's moe.
+void di_ref_route(const float *s, int32_t E, int32_t K, const float *bias, float eps,
+                  float route_scale, int32_t *sel, float *wgt);
+
 static inline float di_sigmoid(float x) {
     return 1.0f / (1.0f + expf(-x));
 }
