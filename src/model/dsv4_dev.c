@@ -301,7 +301,8 @@ struct di_dsv4_dev_state {
     // = min(n_slots, HEAD_CHUNK); graph NULL and seen: run once directly (captured the next time).
     bool graphs_on; // DI_DEV_GRAPHS != "0" at create
     struct dev_graph {
-        void *graph; // owned backend graph
+        void *graph;   // owned backend graph
+        int64_t n_ops; // ops it captured
         bool seen;
     } * graphs; // owned [n_graphs]
     int32_t n_graphs;
@@ -351,6 +352,8 @@ static di_status iarr_init(di_dsv4_dev_state *s, iarr *a, size_t elem, size_t ca
 static di_status iarr_upload(di_dsv4_dev_state *s, const iarr *a, size_t n) {
     DI_ASSERT(n <= a->cap);
     if (n == 0) return DI_OK;
+    s->stats.last_uploads++;
+    s->stats.last_upload_bytes += (int64_t)(a->elem * n);
     return s->d->b->vt->upload(s->d->b, a->dev, a->host, a->elem * n);
 }
 
@@ -699,7 +702,12 @@ typedef struct call {
 } call;
 
 #define B (c->s->d->b)
-#define OP(name, ...) DI_TRY(B->vt->name(B, __VA_ARGS__))
+// An op enqueued on the backend (counted: stats.last_ops).
+#define OP(name, ...)                                                                              \
+    do {                                                                                           \
+        c->s->stats.last_ops++;                                                                    \
+        DI_TRY(B->vt->name(B, __VA_ARGS__));                                                       \
+    } while (0)
 
 // One compressor on this call's rows (model/dsv4_attn.c run_compressor + compressor_step):
 // project C and Z, add the position bias, pool every closing window from this call's rows and the
@@ -980,6 +988,7 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     di_status st = check_call(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T);
     if (st != DI_OK) return st;
     call cl = {s, seqs, n_seq, T};
+    s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
     const call *c = &cl;
 
     // Rows: sequence after sequence; tokens and positions to the backend.
@@ -1002,7 +1011,10 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
         struct dev_graph *g = &s->graphs[n_seq - 1]; // n_seq <= n_slots, HEAD_CHUNK
         bool direct = !g->seen;     // first seen: directly (no capture for one step)
         if (!direct && !g->graph) { // seen before: captured, then launched
+            const int64_t ops0 = s->stats.last_ops;
             st = capture(c, logit_rows, n_logit_rows, &g->graph);
+            g->n_ops = s->stats.last_ops - ops0; // recorded, not run: counted at the launch
+            s->stats.last_ops = ops0;
             if (st == DI_OK) {
                 s->stats.n_captured++;
             } else { // nothing ran: the step runs directly, and so will every later one
@@ -1020,17 +1032,19 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
             DI_TRY(head(c, logit_rows, n_logit_rows));
             s->stats.n_direct++;
         } else {
-            OP(graph_launch, g->graph);
+            s->stats.last_ops += g->n_ops;
+            DI_TRY(s->d->b->vt->graph_launch(s->d->b, g->graph));
         }
         g->seen = true;
-        OP(download, logits, s->logits, row_bytes * (size_t)n_logit_rows);
+        DI_TRY(s->d->b->vt->download(s->d->b, logits, s->logits, row_bytes * (size_t)n_logit_rows));
     } else {
         DI_TRY(layers(c));
         const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
         for (int32_t k = 0; k < n_logit_rows; k += HC) {
             int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
             DI_TRY(head(c, logit_rows + k, n));
-            OP(download, logits + (int64_t)k * hp->n_vocab, s->logits, row_bytes * (size_t)n);
+            DI_TRY(s->d->b->vt->download(s->d->b, logits + (int64_t)k * hp->n_vocab, s->logits,
+                                         row_bytes * (size_t)n));
         }
         s->stats.n_direct++;
     }

@@ -86,9 +86,13 @@ int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot);
 // Calls of a state so far: run directly (prefill, mixed, the first decode step of a batch size,
 // or every call with DI_DEV_GRAPHS=0), captured into a graph (then launched), launched from a
 // cached graph (hits); graphs cached now.
+// The last call's costs (issue #7: what a step launches and uploads): ops it enqueued on the
+// backend (the entries from embed to the head's matmul; a launched graph counts the ops it
+// captured; the logits download and the sync not counted), host-to-backend uploads and their bytes.
 typedef struct di_dsv4_dev_graph_stats {
     int64_t n_direct, n_captured, n_replayed;
     int32_t n_cached;
+    int64_t last_ops, last_uploads, last_upload_bytes;
 } di_dsv4_dev_graph_stats;
 void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out);
 // Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps
