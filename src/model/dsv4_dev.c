@@ -262,14 +262,15 @@ typedef struct ratio_class {
     int64_t key_stride; // key list row: W + (CSA: topk, HCA: cap)
     int32_t R;          // compressor token ring rows per slot (c * ratio)
     int32_t win_cap;    // windows one call pools (closing ones and padding)
-    iarr key_idx, n_keys, win_dst;
-    iarr src, ent_pos, ent_dst, ent_dst_idx, ring_dst; // compressor
-    iarr base, off, n_vis, key_base;                   // CSA
+    iarr key_idx, n_keys, win_dst, win_src;
+    iarr src, ent_pos, ent_dst, ent_dst_idx, ring_dst, ring_src; // compressor
+    iarr base, off, n_vis, key_base;                             // CSA
     // This call (host scalars the ops get: functions of the call's shape only, never of its
     // positions, so a decode graph replays them for any position; dsv4_dev.h "Graphs"):
     int32_t n_pool; // windows pooled: sum over sequences of (n_tok - 1) / m + 1, the most that
                     // can close; the ones that do not close are padding (no rows, dst -1)
-    int32_t *win_off, *ring_off, *ring_n; // owned host [n_seq max = n_slots]: per sequence
+    int32_t n_wd;   // window ring rows written: sum of min(n_tok, W) (one scatter, every sequence)
+    int32_t n_rd;   // compressor token ring rows written: sum of min(n_tok, R)
 } ratio_class;
 
 typedef struct dev_lstate {
@@ -382,16 +383,14 @@ static di_status class_init(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_
     DI_TRY(iarr_init(s, &k->key_idx, sizeof(int32_t), (size_t)(T * k->key_stride)));
     DI_TRY(iarr_init(s, &k->n_keys, sizeof(int32_t), (size_t)T));
     DI_TRY(iarr_init(s, &k->win_dst, sizeof(int32_t), (size_t)T));
-    k->win_off = di_calloc((size_t)s->n_slots, sizeof(int32_t));
-    k->ring_off = di_calloc((size_t)s->n_slots, sizeof(int32_t));
-    k->ring_n = di_calloc((size_t)s->n_slots, sizeof(int32_t));
-    if (!k->win_off || !k->ring_off || !k->ring_n) return DI_ERR_NOMEM;
+    DI_TRY(iarr_init(s, &k->win_src, sizeof(int32_t), (size_t)T));
     if (lw->ratio > 0) {
         DI_TRY(iarr_init(s, &k->src, sizeof(int32_t), (size_t)k->win_cap * (size_t)k->R));
         DI_TRY(iarr_init(s, &k->ent_pos, sizeof(int32_t), (size_t)k->win_cap));
         DI_TRY(iarr_init(s, &k->ent_dst, sizeof(int32_t), (size_t)k->win_cap));
         DI_TRY(iarr_init(s, &k->ent_dst_idx, sizeof(int32_t), (size_t)k->win_cap));
         DI_TRY(iarr_init(s, &k->ring_dst, sizeof(int32_t), (size_t)T));
+        DI_TRY(iarr_init(s, &k->ring_src, sizeof(int32_t), (size_t)T));
     }
     if (lw->ratio == 4) {
         DI_TRY(iarr_init(s, &k->base, sizeof(int32_t), (size_t)T));
@@ -416,13 +415,10 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     di_free(s->graphs);
     for (int i = 0; i < MAX_CLASSES; i++) {
         ratio_class *k = &s->cls[i];
-        iarr *arrs[] = {&k->key_idx, &k->n_keys,  &k->win_dst,     &k->src,
-                        &k->ent_pos, &k->ent_dst, &k->ring_dst,    &k->base,
-                        &k->off,     &k->n_vis,   &k->ent_dst_idx, &k->key_base};
+        iarr *arrs[] = {&k->key_idx, &k->n_keys,  &k->win_dst,  &k->win_src,    &k->src,
+                        &k->ent_pos, &k->ent_dst, &k->ring_dst, &k->ring_src,   &k->base,
+                        &k->off,     &k->n_vis,   &k->key_base, &k->ent_dst_idx};
         for (size_t j = 0; j < sizeof arrs / sizeof arrs[0]; j++) iarr_free(arrs[j]);
-        di_free(k->win_off);
-        di_free(k->ring_off);
-        di_free(k->ring_n);
     }
     iarr_free(&s->tokens);
     iarr_free(&s->pos);
@@ -609,6 +605,7 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
     const int64_t W = hp->window, T = s->max_rows;
     const int32_t ratio = k->ratio, topk = hp->index_topk;
     int32_t *ki = I32(k->key_idx), *nk = I32(k->n_keys), *wd = I32(k->win_dst);
+    int32_t *ws = I32(k->win_src);
     int32_t n_rows = 0, n_wd = 0, n_rd = 0, n_win = 0;
     k->n_pool = 0;
     for (int32_t i = 0; i < n_seq; i++) {
@@ -632,10 +629,11 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
             }
             nk[r0 + t] = n;
         }
-        // The window ring after attention: the last min(n_tok, W) rows.
-        k->win_off[i] = n_wd;
-        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++)
+        // The window ring after attention: the last min(n_tok, W) rows, from this call's rows.
+        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++) {
+            ws[n_wd] = r0 + t;
             wd[n_wd++] = (int32_t)(ring0 + (p0 + t) % W);
+        }
         n_rows += sq->n_tok;
         if (ratio <= 0) continue;
         // Windows closing in this call (model/dsv4_attn.c compressor_step): slots j < m are the
@@ -657,11 +655,12 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
             n_win++;
         }
         // The compressor token ring after pooling: the last min(n_tok, R) rows.
-        k->ring_off[i] = n_rd;
-        k->ring_n[i] = sq->n_tok < R ? sq->n_tok : R;
-        for (int32_t t = sq->n_tok - k->ring_n[i]; t < sq->n_tok; t++)
+        for (int32_t t = sq->n_tok > R ? sq->n_tok - R : 0; t < sq->n_tok; t++) {
+            I32(k->ring_src)[n_rd] = r0 + t;
             I32(k->ring_dst)[n_rd++] = (int32_t)(cring0 + (p0 + t) % R);
+        }
     }
+    k->n_wd = n_wd, k->n_rd = n_rd;
     // Padding up to n_pool: windows without rows (entry 0), scattered nowhere.
     DI_ASSERT(n_win <= k->n_pool && k->n_pool <= k->win_cap);
     for (int32_t w = n_win; w < k->n_pool; w++) {
@@ -675,12 +674,14 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
     DI_TRY(iarr_upload(s, &k->key_idx, (size_t)n_rows * (size_t)k->key_stride));
     DI_TRY(iarr_upload(s, &k->n_keys, (size_t)n_rows));
     DI_TRY(iarr_upload(s, &k->win_dst, (size_t)n_wd));
+    DI_TRY(iarr_upload(s, &k->win_src, (size_t)n_wd));
     if (ratio > 0) {
         DI_TRY(iarr_upload(s, &k->src, (size_t)k->n_pool * (size_t)k->R));
         DI_TRY(iarr_upload(s, &k->ent_pos, (size_t)k->n_pool));
         DI_TRY(iarr_upload(s, &k->ent_dst, (size_t)k->n_pool));
         DI_TRY(iarr_upload(s, &k->ent_dst_idx, (size_t)k->n_pool));
         DI_TRY(iarr_upload(s, &k->ring_dst, (size_t)n_rd));
+        DI_TRY(iarr_upload(s, &k->ring_src, (size_t)n_rd));
     }
     if (ratio == 4) {
         DI_TRY(iarr_upload(s, &k->base, (size_t)n_rows));
@@ -728,13 +729,12 @@ static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class 
     OP(rmsnorm, s->ent, k->n_pool, cw->d, cw->d, cw->norm, hp->norm_eps);
     OP(rope, s->ent, k->n_pool, cw->d, cw->d, hp->rope_compress.n_dims, s->d->omega_compress,
        D32(k->ent_pos), 1, hp->rope_compress.attention_factor, false);
-    OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, pool, pool_stride, ent_dst);
-    for (int32_t i = 0; i < c->n_seq; i++) {
-        const int64_t r = s->row0[i] + c->seqs[i].n_tok - k->ring_n[i];
-        const int32_t *dst = D32(k->ring_dst) + k->ring_off[i];
-        OP(scatter_rows, s->cc + r * width, k->ring_n[i], width, width, ring_c, width, dst);
-        OP(scatter_rows, s->cz + r * width, k->ring_n[i], width, width, ring_z, width, dst);
-    }
+    OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, pool, pool_stride, ent_dst, NULL);
+    // Every sequence's last min(n_tok, R) token rows into its ring: one gather-scatter each.
+    OP(scatter_rows, s->cc, k->n_rd, width, width, ring_c, width, D32(k->ring_dst),
+       D32(k->ring_src));
+    OP(scatter_rows, s->cz, k->n_rd, width, width, ring_z, width, D32(k->ring_dst),
+       D32(k->ring_src));
     return DI_OK;
 fail:
     return st;
@@ -748,7 +748,7 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     const dev_lstate *ls = &s->ls[il];
     const ratio_class *k = &s->cls[s->layer_cls[il]];
     const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
-    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, W = hp->window;
+    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank;
     const int32_t n_rot = hp->rope_main.n_dims, T = c->T;
     const bool compress = lw->ratio > 0;
     const float *omega = compress ? d->omega_compress : d->omega_main;
@@ -803,12 +803,9 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     }
     OP(matmul, &lw->wo_b, s->u, T, G * Ro, out, D);
 
-    // Each sequence's last min(n_tok, W) kv rows into its ring, after every read of the ring.
-    for (int32_t i = 0; i < c->n_seq; i++) {
-        const int32_t n = c->seqs[i].n_tok < W ? c->seqs[i].n_tok : (int32_t)W;
-        const int64_t r = s->row0[i] + c->seqs[i].n_tok - n;
-        OP(scatter_rows, kv + r * Dh, n, Dh, Dh, ls->kv, Dh, D32(k->win_dst) + k->win_off[i]);
-    }
+    // Each sequence's last min(n_tok, W) kv rows (this call's rows of the pool) into its window
+    // ring, after every read of the ring: one gather-scatter for every sequence.
+    OP(scatter_rows, kv, k->n_wd, Dh, Dh, ls->kv, Dh, D32(k->win_dst), D32(k->win_src));
     return DI_OK;
 fail:
     return st;

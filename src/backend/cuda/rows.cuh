@@ -26,12 +26,13 @@ bool di_cuda_embed_supports(di_tensor_kind kind);
 di_status di_cuda_embed(di_cuda *cu, const di_tensor *table, const int32_t *ids, int32_t n,
                         int32_t copies, float *x);
 
-// dst + dst_rows[i] * dst_stride <- src + i * src_stride (`width` floats) for i < n; a negative
-// dst_rows[i] skips row i (padding). No two dst_rows >= 0 equal; src and dst do not overlap.
+// dst + dst_rows[i] * dst_stride <- src + s_i * src_stride (`width` floats) for i < n, s_i =
+// src_rows[i] (device [n]) or i when src_rows is NULL; a negative dst_rows[i] skips row i
+// (padding). No two dst_rows >= 0 equal; no row written is read (src and dst may be one block).
 // DI_ERR_CUDA.
 di_status di_cuda_scatter_rows(di_cuda *cu, const float *src, int64_t n, int64_t src_stride,
                                int64_t width, float *dst, int64_t dst_stride,
-                               const int32_t *dst_rows);
+                               const int32_t *dst_rows, const int32_t *src_rows);
 
 // z[t * stride + i] += ape[(pos[t] mod m) * width + i] for t < n, i < width (pos >= 0 in the
 // model; a negative pos takes the mathematical modulus). DI_ERR_INVALID (m < 1), DI_ERR_CUDA.
