@@ -245,10 +245,14 @@ void di_dsv4_dev_destroy(di_dsv4_dev *d) {
 
 // ---- state ----
 
-// An int array with a host mirror (built per call) and a backend copy (uploaded per call).
+// An int array of the call's metadata: a view of the state's one host staging buffer (built per
+// call) and the same bytes of its one backend copy (uploaded per call, all arrays at once).
+// Placed per call (iarr_place) right after the previous array, for as many elements as the call's
+// shape needs, so one upload of the used bytes covers every array; the placement depends on the
+// call's shape only, so a decode graph's captured pointers stay right at every replay.
 typedef struct iarr {
-    void *host; // owned
-    void *dev;  // backend block (state-owned)
+    void *host; // view into meta_host
+    void *dev;  // view into meta_dev
     size_t elem, cap;
 } iarr;
 
@@ -294,6 +298,11 @@ struct di_dsv4_dev_state {
     int32_t *sel;
     int64_t score_stride;
     iarr tokens, pos;
+    // Every iarr of a call packed (iarr_place): one host staging buffer and one backend block of
+    // meta_cap bytes (every array at its capacity), meta_used of them this call (one upload).
+    uint8_t *meta_host; // owned
+    void *meta_dev;     // backend block (in blocks)
+    size_t meta_cap, meta_used;
     int32_t *row0; // owned host [n_slots]: this call's first row per sequence
     uint8_t *used; // owned host [n_slots]: slot seen in this call
     void **blocks; // owned list of backend blocks
@@ -342,20 +351,28 @@ static di_status st_floats(di_dsv4_dev_state *s, int64_t n, float **out) {
     return st;
 }
 
+// Arrays start META_ALIGN bytes apart in the packed buffers (int64 key_base included).
+enum { META_ALIGN = 16 };
+
+static size_t meta_round(size_t bytes) {
+    return (bytes + META_ALIGN - 1) / META_ALIGN * META_ALIGN;
+}
+
+// Reserves an array of up to cap elements in the packed buffers (allocated after every reserve).
 static di_status iarr_init(di_dsv4_dev_state *s, iarr *a, size_t elem, size_t cap) {
     a->elem = elem;
     a->cap = cap ? cap : 1;
-    a->host = di_malloc(elem * a->cap);
-    if (!a->host) return DI_ERR_NOMEM;
-    return st_alloc(s, elem * a->cap, &a->dev);
+    s->meta_cap += meta_round(elem * a->cap);
+    return DI_OK;
 }
 
-static di_status iarr_upload(di_dsv4_dev_state *s, const iarr *a, size_t n) {
+// Places a for n elements (<= its capacity) after the arrays placed so far in this call.
+static void iarr_place(di_dsv4_dev_state *s, iarr *a, size_t n) {
     DI_ASSERT(n <= a->cap);
-    if (n == 0) return DI_OK;
-    s->stats.last_uploads++;
-    s->stats.last_upload_bytes += (int64_t)(a->elem * n);
-    return s->d->b->vt->upload(s->d->b, a->dev, a->host, a->elem * n);
+    a->host = s->meta_host + s->meta_used;
+    a->dev = (uint8_t *)s->meta_dev + s->meta_used;
+    s->meta_used += meta_round(a->elem * n);
+    DI_ASSERT(s->meta_used <= s->meta_cap);
 }
 
 #define I32(a) ((int32_t *)(a).host)
@@ -403,25 +420,12 @@ fail:
     return st;
 }
 
-static void iarr_free(iarr *a) {
-    di_free(a->host); // the backend block is in the state's list
-    a->host = NULL;
-}
-
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     if (!s) return;
     for (int32_t i = 0; i < s->n_graphs; i++)
         s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
     di_free(s->graphs);
-    for (int i = 0; i < MAX_CLASSES; i++) {
-        ratio_class *k = &s->cls[i];
-        iarr *arrs[] = {&k->key_idx, &k->n_keys,  &k->win_dst,  &k->win_src,    &k->src,
-                        &k->ent_pos, &k->ent_dst, &k->ring_dst, &k->ring_src,   &k->base,
-                        &k->off,     &k->n_vis,   &k->key_base, &k->ent_dst_idx};
-        for (size_t j = 0; j < sizeof arrs / sizeof arrs[0]; j++) iarr_free(arrs[j]);
-    }
-    iarr_free(&s->tokens);
-    iarr_free(&s->pos);
+    di_free(s->meta_host); // meta_dev is in the blocks
     for (int32_t i = 0; i < s->n_blocks; i++) s->d->b->vt->free(s->d->b, s->blocks[i]);
     di_free(s->blocks);
     di_free(s->n_past);
@@ -541,6 +545,13 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     s->sel = p;
     DI_TRY(iarr_init(s, &s->tokens, sizeof(int32_t), (size_t)T));
     DI_TRY(iarr_init(s, &s->pos, sizeof(int32_t), (size_t)T));
+    // The packed metadata: every array reserved above, at its capacity.
+    DI_TRY(st_alloc(s, s->meta_cap, &s->meta_dev));
+    s->meta_host = di_malloc(s->meta_cap);
+    if (!s->meta_host) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
     *out = s;
     return DI_OK;
 fail:
@@ -599,15 +610,44 @@ static inline int32_t cmp_src(int64_t q, int64_t p0, int32_t r0, int64_t ring0, 
     return (int32_t)(q >= p0 ? r0 + (q - p0) : -(ring0 + q % R) - 1);
 }
 
-static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_seq *seqs,
-                             int32_t n_seq) {
+static void build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_seq *seqs,
+                        int32_t n_seq) {
     const di_hparams *hp = &s->d->m->hp;
     const int64_t W = hp->window, T = s->max_rows;
     const int32_t ratio = k->ratio, topk = hp->index_topk;
+    // The lists' lengths (functions of the call's shape: n_tok per sequence), then every list
+    // placed in the packed buffers for them.
+    int32_t n_call = 0;
+    k->n_wd = k->n_rd = k->n_pool = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const int32_t n = seqs[i].n_tok;
+        n_call += n;
+        k->n_wd += n < W ? n : (int32_t)W;
+        if (ratio <= 0) continue;
+        k->n_rd += n < k->R ? n : k->R;
+        k->n_pool += (n - 1) / ratio + 1; // n positions close at most this many windows
+    }
+    iarr_place(s, &k->key_idx, (size_t)n_call * (size_t)k->key_stride);
+    iarr_place(s, &k->n_keys, (size_t)n_call);
+    iarr_place(s, &k->win_dst, (size_t)k->n_wd);
+    iarr_place(s, &k->win_src, (size_t)k->n_wd);
+    if (ratio > 0) {
+        iarr_place(s, &k->src, (size_t)k->n_pool * (size_t)k->R);
+        iarr_place(s, &k->ent_pos, (size_t)k->n_pool);
+        iarr_place(s, &k->ent_dst, (size_t)k->n_pool);
+        iarr_place(s, &k->ent_dst_idx, (size_t)k->n_pool);
+        iarr_place(s, &k->ring_dst, (size_t)k->n_rd);
+        iarr_place(s, &k->ring_src, (size_t)k->n_rd);
+    }
+    if (ratio == 4) {
+        iarr_place(s, &k->base, (size_t)n_call);
+        iarr_place(s, &k->off, (size_t)n_call);
+        iarr_place(s, &k->n_vis, (size_t)n_call);
+        iarr_place(s, &k->key_base, (size_t)n_call);
+    }
     int32_t *ki = I32(k->key_idx), *nk = I32(k->n_keys), *wd = I32(k->win_dst);
     int32_t *ws = I32(k->win_src);
-    int32_t n_rows = 0, n_wd = 0, n_rd = 0, n_win = 0;
-    k->n_pool = 0;
+    int32_t n_wd = 0, n_rd = 0, n_win = 0;
     for (int32_t i = 0; i < n_seq; i++) {
         const di_dsv4_dev_seq *sq = &seqs[i];
         const int64_t p0 = sq->pos, ring0 = T + (int64_t)sq->slot * k->slot_rows;
@@ -634,13 +674,11 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
             ws[n_wd] = r0 + t;
             wd[n_wd++] = (int32_t)(ring0 + (p0 + t) % W);
         }
-        n_rows += sq->n_tok;
         if (ratio <= 0) continue;
         // Windows closing in this call (model/dsv4_attn.c compressor_step): slots j < m are the
         // overlap (window w - 1, c == 2) or the window itself (c == 1), slots m..2m-1 window w.
         const int32_t m = ratio, c = k->c, R = k->R;
         const int64_t cring0 = (int64_t)sq->slot * R;
-        k->n_pool += (sq->n_tok - 1) / m + 1; // n_tok positions close at most this many windows
         for (int64_t P = p0; P < p0 + sq->n_tok; P++) {
             if ((P + 1) % m != 0) continue;
             const int64_t w = P / m;
@@ -660,7 +698,7 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
             I32(k->ring_dst)[n_rd++] = (int32_t)(cring0 + (p0 + t) % R);
         }
     }
-    k->n_wd = n_wd, k->n_rd = n_rd;
+    DI_ASSERT(n_wd == k->n_wd && n_rd == k->n_rd);
     // Padding up to n_pool: windows without rows (entry 0), scattered nowhere.
     DI_ASSERT(n_win <= k->n_pool && k->n_pool <= k->win_cap);
     for (int32_t w = n_win; w < k->n_pool; w++) {
@@ -670,28 +708,6 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
         I32(k->ent_dst)[w] = -1;
         I32(k->ent_dst_idx)[w] = -1;
     }
-    di_status st = DI_OK;
-    DI_TRY(iarr_upload(s, &k->key_idx, (size_t)n_rows * (size_t)k->key_stride));
-    DI_TRY(iarr_upload(s, &k->n_keys, (size_t)n_rows));
-    DI_TRY(iarr_upload(s, &k->win_dst, (size_t)n_wd));
-    DI_TRY(iarr_upload(s, &k->win_src, (size_t)n_wd));
-    if (ratio > 0) {
-        DI_TRY(iarr_upload(s, &k->src, (size_t)k->n_pool * (size_t)k->R));
-        DI_TRY(iarr_upload(s, &k->ent_pos, (size_t)k->n_pool));
-        DI_TRY(iarr_upload(s, &k->ent_dst, (size_t)k->n_pool));
-        DI_TRY(iarr_upload(s, &k->ent_dst_idx, (size_t)k->n_pool));
-        DI_TRY(iarr_upload(s, &k->ring_dst, (size_t)n_rd));
-        DI_TRY(iarr_upload(s, &k->ring_src, (size_t)n_rd));
-    }
-    if (ratio == 4) {
-        DI_TRY(iarr_upload(s, &k->base, (size_t)n_rows));
-        DI_TRY(iarr_upload(s, &k->off, (size_t)n_rows));
-        DI_TRY(iarr_upload(s, &k->n_vis, (size_t)n_rows));
-        DI_TRY(iarr_upload(s, &k->key_base, (size_t)n_rows));
-    }
-    return DI_OK;
-fail:
-    return st;
 }
 
 // ---- the layer ----
@@ -988,7 +1004,11 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
     const call *c = &cl;
 
-    // Rows: sequence after sequence; tokens and positions to the backend.
+    // Rows: sequence after sequence. Tokens, positions and every class's lists are packed into
+    // the staging buffer (placed by the call's shape) and go to the backend in one upload.
+    s->meta_used = 0;
+    iarr_place(s, &s->tokens, (size_t)T);
+    iarr_place(s, &s->pos, (size_t)T);
     int32_t r = 0;
     for (int32_t i = 0; i < n_seq; i++) {
         s->row0[i] = r;
@@ -996,10 +1016,11 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
         r += seqs[i].n_tok;
     }
     memcpy(s->tokens.host, tokens, sizeof(int32_t) * (size_t)T);
+    for (int i = 0; i < s->n_cls; i++) build_class(s, &s->cls[i], seqs, n_seq);
     for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = -1; // until the call succeeds
-    DI_TRY(iarr_upload(s, &s->tokens, (size_t)T));
-    DI_TRY(iarr_upload(s, &s->pos, (size_t)T));
-    for (int i = 0; i < s->n_cls; i++) DI_TRY(build_class(s, &s->cls[i], seqs, n_seq));
+    s->stats.last_uploads = 1;
+    s->stats.last_upload_bytes = (int64_t)s->meta_used;
+    DI_TRY(s->d->b->vt->upload(s->d->b, s->meta_dev, s->meta_host, s->meta_used));
 
     // Embedding, the layers, the head on the logit rows: a decode step through its graph (after
     // it ran once directly), every other call directly, chunk by chunk of the head.
