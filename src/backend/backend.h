@@ -155,6 +155,8 @@ typedef struct di_backend_vt {
                       const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel);
     // dst[t * dst_stride + off[t] + i] = sel[t*k + i] >= 0 ? base[t] + sel[t*k + i] : -1 for
     // i < k: a CSA row's selected entries appended to its key list (off: the row's window keys).
+    // sel NULL stands for sel[t*k + i] = i: entries 0..k-1 (an HCA row's visible entries, the
+    // tail past the row's key count unread); base and off 0 with sel a [n_tok, k] list copies it.
     di_status (*offset_list)(di_backend *b, const int32_t *sel, int32_t n_tok, int32_t k,
                              const int32_t *base, const int32_t *off, int32_t *dst,
                              int64_t dst_stride);

@@ -266,9 +266,16 @@ typedef struct ratio_class {
     int64_t key_stride; // key list row: W + (CSA: topk, HCA: cap)
     int32_t R;          // compressor token ring rows per slot (c * ratio)
     int32_t win_cap;    // windows one call pools (closing ones and padding)
-    iarr key_idx, n_keys, win_dst, win_src;
+    // Key lists: the host builds each row's window keys (win_keys [rows, W], -1 padded); for
+    // compressing ratios `keys` [max_rows, key_stride] (backend) is assembled on the backend at
+    // the start of the call (key_lists: the window keys, then HCA's entries 0..cap-1 at base from
+    // off on; CSA's top-k go there per layer), so the uploaded bytes per row are W ints, not
+    // W + n_ctx / 128. Ratio 0: the window keys are the list (key_stride == W).
+    iarr win_keys, n_keys, win_dst, win_src;
+    int32_t *keys; // backend (state block); NULL for ratio 0
     iarr src, ent_pos, ent_dst, ent_dst_idx, ring_dst, ring_src; // compressor
-    iarr base, off, n_vis, key_base;                             // CSA
+    iarr base, off;                                              // compressing: entry 0, 1st entry
+    iarr n_vis, key_base;                                        // CSA
     // This call (host scalars the ops get: functions of the call's shape only, never of its
     // positions, so a decode graph replays them for any position; dsv4_dev.h "Graphs"):
     int32_t n_pool; // windows pooled: sum over sequences of (n_tok - 1) / m + 1, the most that
@@ -296,6 +303,7 @@ struct di_dsv4_dev_state {
     float *x, *a, *out, *post, *comb, *mix, *qr, *q, *o, *u, *cc, *cz, *ent, *iq, *iw, *scores;
     float *hx, *h, *logits;
     int32_t *sel;
+    int32_t *zeros; // [max_rows] of 0: key_lists' base and offset of the window keys
     int64_t score_stride;
     iarr tokens, pos;
     // Every iarr of a call packed (iarr_place): one host staging buffer and one backend block of
@@ -397,7 +405,12 @@ static di_status class_init(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_
     int64_t wc = lw->ratio > 0 ? T / lw->ratio + s->n_slots : 0;
     k->win_cap = (int32_t)(wc < T ? wc : T);
     di_status st = DI_OK;
-    DI_TRY(iarr_init(s, &k->key_idx, sizeof(int32_t), (size_t)(T * k->key_stride)));
+    DI_TRY(iarr_init(s, &k->win_keys, sizeof(int32_t), (size_t)(T * W)));
+    if (lw->ratio > 0) {
+        void *p = NULL;
+        DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)(T * k->key_stride), &p));
+        k->keys = p;
+    }
     DI_TRY(iarr_init(s, &k->n_keys, sizeof(int32_t), (size_t)T));
     DI_TRY(iarr_init(s, &k->win_dst, sizeof(int32_t), (size_t)T));
     DI_TRY(iarr_init(s, &k->win_src, sizeof(int32_t), (size_t)T));
@@ -408,10 +421,10 @@ static di_status class_init(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_
         DI_TRY(iarr_init(s, &k->ent_dst_idx, sizeof(int32_t), (size_t)k->win_cap));
         DI_TRY(iarr_init(s, &k->ring_dst, sizeof(int32_t), (size_t)T));
         DI_TRY(iarr_init(s, &k->ring_src, sizeof(int32_t), (size_t)T));
-    }
-    if (lw->ratio == 4) {
         DI_TRY(iarr_init(s, &k->base, sizeof(int32_t), (size_t)T));
         DI_TRY(iarr_init(s, &k->off, sizeof(int32_t), (size_t)T));
+    }
+    if (lw->ratio == 4) {
         DI_TRY(iarr_init(s, &k->n_vis, sizeof(int32_t), (size_t)T));
         DI_TRY(iarr_init(s, &k->key_base, sizeof(int64_t), (size_t)T));
     }
@@ -543,6 +556,9 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     void *p = NULL;
     DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk, &p));
     s->sel = p;
+    DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)T, &p));
+    s->zeros = p;
+    DI_TRY(d->b->vt->memset(d->b, s->zeros, 0, sizeof(int32_t) * (size_t)T));
     DI_TRY(iarr_init(s, &s->tokens, sizeof(int32_t), (size_t)T));
     DI_TRY(iarr_init(s, &s->pos, sizeof(int32_t), (size_t)T));
     // The packed metadata: every array reserved above, at its capacity.
@@ -627,7 +643,7 @@ static void build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_
         k->n_rd += n < k->R ? n : k->R;
         k->n_pool += (n - 1) / ratio + 1; // n positions close at most this many windows
     }
-    iarr_place(s, &k->key_idx, (size_t)n_call * (size_t)k->key_stride);
+    iarr_place(s, &k->win_keys, (size_t)n_call * (size_t)W);
     iarr_place(s, &k->n_keys, (size_t)n_call);
     iarr_place(s, &k->win_dst, (size_t)k->n_wd);
     iarr_place(s, &k->win_src, (size_t)k->n_wd);
@@ -638,34 +654,38 @@ static void build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_
         iarr_place(s, &k->ent_dst_idx, (size_t)k->n_pool);
         iarr_place(s, &k->ring_dst, (size_t)k->n_rd);
         iarr_place(s, &k->ring_src, (size_t)k->n_rd);
-    }
-    if (ratio == 4) {
         iarr_place(s, &k->base, (size_t)n_call);
         iarr_place(s, &k->off, (size_t)n_call);
+    }
+    if (ratio == 4) {
         iarr_place(s, &k->n_vis, (size_t)n_call);
         iarr_place(s, &k->key_base, (size_t)n_call);
     }
-    int32_t *ki = I32(k->key_idx), *nk = I32(k->n_keys), *wd = I32(k->win_dst);
+    int32_t *ki = I32(k->win_keys), *nk = I32(k->n_keys), *wd = I32(k->win_dst);
     int32_t *ws = I32(k->win_src);
     int32_t n_wd = 0, n_rd = 0, n_win = 0;
     for (int32_t i = 0; i < n_seq; i++) {
         const di_dsv4_dev_seq *sq = &seqs[i];
         const int64_t p0 = sq->pos, ring0 = T + (int64_t)sq->slot * k->slot_rows;
         const int32_t r0 = s->row0[i];
-        // Key lists: window positions max(P - W + 1, 0)..P, then HCA entries (CSA: the
-        // indexer's top-k, appended on the backend by offset_list at base + entry).
+        // Key lists: window positions max(P - W + 1, 0)..P (the host), then the entries at
+        // base + entry from off on, appended on the backend: HCA's first (P + 1) / m (key_lists),
+        // CSA's top-k of the indexer (offset_list per layer).
         for (int32_t t = 0; t < sq->n_tok; t++) {
             const int64_t P = p0 + t, w_lo = P - W + 1 > 0 ? P - W + 1 : 0;
-            int32_t *row = ki + (int64_t)(r0 + t) * k->key_stride, n = 0;
+            int32_t *row = ki + (int64_t)(r0 + t) * W, n = 0;
             for (int64_t q = w_lo; q <= P; q++) row[n++] = win_row(q, p0, r0, ring0, W);
-            if (ratio == 4) {
+            for (int64_t j = n; j < W; j++) row[j] = -1; // past the window: copied, never read
+            if (ratio > 0) {
                 I32(k->base)[r0 + t] = (int32_t)(ring0 + W);
                 I32(k->off)[r0 + t] = n;
+            }
+            if (ratio == 4) {
                 I32(k->n_vis)[r0 + t] = (int32_t)((P + 1) / 4);
                 ((int64_t *)k->key_base.host)[r0 + t] = (int64_t)sq->slot * k->cap;
                 n += topk;
             } else if (ratio > 0) {
-                for (int64_t e = 0; e < (P + 1) / ratio; e++) row[n++] = (int32_t)(ring0 + W + e);
+                n += (int32_t)((P + 1) / ratio);
             }
             nk[r0 + t] = n;
         }
@@ -799,7 +819,7 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
         OP(index_scores, s->iq, s->iw, ls->idx, (const int64_t *)k->key_base.dev, D32(k->n_vis),
            k->cap, T, (int32_t)HI, (int32_t)DI, s->scores, s->score_stride);
         OP(topk, s->scores, s->score_stride, D32(k->n_vis), T, hp->index_topk, s->sel);
-        OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), D32(k->key_idx),
+        OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), k->keys,
            k->key_stride);
     }
     // CSA and HCA: the main compressor, before the attention of the same tokens.
@@ -807,8 +827,9 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
         DI_TRY(compressor(c, &lw->cmp, k, a, ls->ring_c, ls->ring_z, ls->kv, Dh, D32(k->ent_dst)));
 
     // max_keys: the key list capacity (a bound independent of the positions).
-    OP(attn, s->q, ls->kv, D32(k->key_idx), k->key_stride, D32(k->n_keys), (int32_t)k->key_stride,
-       lw->attn_sink, T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh), s->o); // o: [T, H, Dh]
+    OP(attn, s->q, ls->kv, k->keys ? k->keys : D32(k->win_keys), k->key_stride, D32(k->n_keys),
+       (int32_t)k->key_stride, lw->attn_sink, T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh),
+       s->o); // o: [T, H, Dh]
     OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, true);
 
     // Grouped output: u_g = wo_a[g] . (o of the heads of group g); out = wo_b . u.
@@ -953,10 +974,27 @@ static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *s
 // ---- decode graphs ----
 
 // The embedding, copied into every stream (§2.1), and the layers.
+// The key lists of a compressing class (ratio_class "Key lists"), once per call: each row's window
+// keys, then (HCA) entries 0..cap-1 from its window count on; past a row's n_keys nothing is read,
+// so the entries not visible yet do no harm. CSA's top-k are appended per layer.
+static di_status key_lists(const call *c, const ratio_class *k) {
+    di_dsv4_dev_state *s = c->s;
+    const int32_t W = s->d->m->hp.window;
+    di_status st = DI_OK;
+    if (k->ratio <= 0) return DI_OK;
+    OP(offset_list, D32(k->win_keys), c->T, W, s->zeros, s->zeros, k->keys, k->key_stride);
+    if (k->ratio != 4)
+        OP(offset_list, NULL, c->T, k->cap, D32(k->base), D32(k->off), k->keys, k->key_stride);
+    return DI_OK;
+fail:
+    return st;
+}
+
 static di_status layers(const call *c) {
     di_dsv4_dev_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     di_status st = DI_OK;
+    for (int i = 0; i < s->n_cls; i++) DI_TRY(key_lists(c, &s->cls[i]));
     OP(embed, &s->d->embed, D32(s->tokens), c->T, hp->hc_mult, s->x);
     for (int il = 0; il < hp->n_layer; il++) DI_TRY(block(c, il));
     return DI_OK;

@@ -127,6 +127,11 @@ static void test_topk_offsets(void) {
     CHECK_EQ(g_b->vt->offset_list(g_b, sel, 3, 3, base, off, dst, 5), DI_OK);
     const int32_t want_dst[15] = {99, 99, 101, 102, 104, 200, 201, -1, 99, 99, 99, -1, -1, -1, 99};
     CHECK(memcmp(dst, want_dst, sizeof want_dst) == 0);
+    // sel NULL: entries 0..k-1 at base + i (HCA's visible entries).
+    CHECK_EQ(g_b->vt->offset_list(g_b, NULL, 3, 2, base, off, dst, 5), DI_OK);
+    const int32_t want_iota[15] = {99, 99, 100, 101, 104, 200, 201, -1,
+                                   99, 99, 99,  300, 301, -1,  99};
+    CHECK(memcmp(dst, want_iota, sizeof want_iota) == 0);
 }
 
 static void test_rows(void) {

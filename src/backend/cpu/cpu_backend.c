@@ -840,7 +840,7 @@ static di_status cpu_offset_list(di_backend *b, const int32_t *sel, int32_t n_to
     RECORD(impl_of(b), CMD_OFFSET_LIST, offset_list, sel, n_tok, k, base, off, dst, dst_stride);
     for (int32_t t = 0; t < n_tok; t++)
         for (int32_t i = 0; i < k; i++) {
-            int32_t s = sel[(int64_t)t * k + i];
+            int32_t s = sel ? sel[(int64_t)t * k + i] : i; // NULL: entry i
             dst[t * dst_stride + off[t] + i] = s >= 0 ? base[t] + s : -1;
         }
     return DI_OK;

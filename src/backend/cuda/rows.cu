@@ -195,7 +195,7 @@ __global__ void offset_list_kernel(const int32_t *__restrict__ sel, int32_t n_to
     for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
          e += (int64_t)gridDim.x * blockDim.x) {
         const int64_t t = e / k, i = e % k;
-        const int32_t s = sel[e];
+        const int32_t s = sel ? sel[e] : (int32_t)i; // NULL: entry i
         dst[t * dst_stride + off[t] + i] = s >= 0 ? base[t] + s : -1;
     }
 }

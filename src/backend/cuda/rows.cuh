@@ -43,7 +43,7 @@ di_status di_cuda_add_ape(di_cuda *cu, float *z, int64_t n, int64_t stride, int6
 di_status di_cuda_scale(di_cuda *cu, float *x, int64_t n, float s);
 
 // dst[t * dst_stride + off[t] + i] = sel[t*k + i] >= 0 ? base[t] + sel[t*k + i] : -1 for i < k,
-// t < n_tok. DI_ERR_INVALID (k < 0), DI_ERR_CUDA.
+// t < n_tok; sel NULL stands for sel[t*k + i] = i. DI_ERR_INVALID (k < 0), DI_ERR_CUDA.
 di_status di_cuda_offset_list(di_cuda *cu, const int32_t *sel, int32_t n_tok, int32_t k,
                               const int32_t *base, const int32_t *off, int32_t *dst,
                               int64_t dst_stride);
