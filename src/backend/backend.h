@@ -198,6 +198,9 @@ void di_backend_destroy(di_backend *b); // NULL: no-op
 
 // The two implementations' constructors (di_backend_open calls them).
 di_status di_cpu_backend_create(int n_threads, di_backend **out);
+// The commands a CPU backend graph (its graph_end) holds: the entries one launch runs (tests count
+// the ops of a captured step with it).
+int64_t di_cpu_backend_graph_n_cmds(const void *graph);
 di_status di_cuda_backend_create(int device, di_backend **out); // only with DI_HAVE_CUDA
 
 #ifdef __cplusplus

@@ -12,7 +12,10 @@
 //   (f) decode graphs: a long ragged decode of 3 and 2 slots (every ratio's windows closing, the
 //       sliding window wrapping, a slot restarted inside a decode batch) on a state with graphs
 //       and on one with DI_DEV_GRAPHS=0: bit-identical logits, both equal to the sessions, and the
-//       graphs actually replayed (stats).
+//       graphs actually replayed (stats);
+//   (g) what a decode step costs (issue #7): ops enqueued (= the commands the CPU backend records
+//       in its graph), uploads and bytes at 1, 3, 16 sequences on tiny-128 and 1, 64 on flash-4l's
+//       shapes scaled down: the ops must not grow with the sequences, and a call uploads once.
 #include "harness.h"
 
 #include <math.h>
@@ -356,6 +359,24 @@ static void test_graphs(void) {
     close_ctx(&h);
 }
 
+// The CPU backend's graph_end, wrapped to count the commands of each captured graph.
+static di_backend_vt g_count_vt;
+static di_status (*g_real_graph_end)(di_backend *, void **);
+static int64_t g_graph_cmds = -1;
+
+static di_status counting_graph_end(di_backend *b, void **graph) {
+    di_status st = g_real_graph_end(b, graph);
+    if (st == DI_OK) g_graph_cmds = di_cpu_backend_graph_n_cmds(*graph);
+    return st;
+}
+
+static void count_graphs(di_backend *b) {
+    g_count_vt = *b->vt;
+    g_real_graph_end = b->vt->graph_end;
+    g_count_vt.graph_end = counting_graph_end;
+    b->vt = &g_count_vt;
+}
+
 // (g) What a decode step costs (issue #7): ops enqueued (a replayed graph counts the ops it
 // captured), uploads and bytes, at n sequences on a fresh state of n_slots slots: three decode
 // steps at positions 0, 1, 2 (direct, captured, replayed). Returns the replayed step's stats.
@@ -364,6 +385,7 @@ static di_dsv4_dev_graph_stats decode_costs(di_dsv4_dev *d, int32_t n_slots, int
     di_dsv4_dev_graph_stats g[3];
     memset(g, 0, sizeof g);
     di_dsv4_dev_state *st = NULL;
+    g_graph_cmds = -1;
     CHECK_EQ(di_dsv4_dev_state_create(d, n_slots, n_ctx, n, &st), DI_OK);
     di_dsv4_dev_seq *seqs = calloc((size_t)n, sizeof *seqs);
     int32_t *tok = calloc((size_t)n, sizeof *tok), *rows = calloc((size_t)n, sizeof *rows);
@@ -381,10 +403,13 @@ static di_dsv4_dev_graph_stats decode_costs(di_dsv4_dev *d, int32_t n_slots, int
         CHECK_EQ(di_dsv4_dev_forward(st, seqs, n, tok, rows, n, logits), DI_OK);
         di_dsv4_dev_get_graph_stats(st, &g[p]);
     }
-    // The replayed graph holds the ops the direct run enqueued; the uploads are the same.
+    // The replayed graph holds the ops the direct run enqueued (the backend recorded as many
+    // commands); the uploads are the same: one per call.
     CHECK_EQ(g[2].n_replayed, 1);
     CHECK_EQ(g[0].last_ops, g[2].last_ops);
+    CHECK_EQ(g[2].last_ops, g_graph_cmds);
     CHECK_EQ(g[0].last_upload_bytes, g[2].last_upload_bytes);
+    CHECK_EQ(g[2].last_uploads, 1);
 done:
     free(seqs), free(tok), free(rows), free(logits);
     di_dsv4_dev_state_destroy(st);
@@ -407,6 +432,7 @@ static void test_decode_costs(void) {
     di_dsv4_dev *d = NULL;
     CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
     CHECK(di_cpu_backend_create(2, &b) == DI_OK);
+    if (b) count_graphs(b);
     if (m && b) CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
     if (!d) goto done;
     const int32_t ns[] = {1, 3, 16};
@@ -415,6 +441,10 @@ static void test_decode_costs(void) {
         g[i] = decode_costs(d, 16, N_CTX, ns[i], m->hp.n_vocab);
         print_costs("tiny-128", N_CTX, ns[i], &g[i]);
     }
+    // One launch per op whatever the number of sequences (no per-sequence ops in a graph).
+    CHECK(g[0].last_ops > 0);
+    CHECK_EQ(g[1].last_ops, g[0].last_ops);
+    CHECK_EQ(g[2].last_ops, g[0].last_ops);
 done:
     di_dsv4_dev_destroy(d);
     di_backend_destroy(b);
@@ -443,13 +473,16 @@ static void test_decode_costs_flash(void) {
     di_dsv4_dev *d = NULL;
     CHECK(di_model_load(dir, &mo, &m) == DI_OK);
     CHECK(di_cpu_backend_create(2, &b) == DI_OK);
+    if (b) count_graphs(b);
     if (m && b) CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
     if (d) {
         const int32_t n_ctx = 8192, ns[] = {1, 64};
+        di_dsv4_dev_graph_stats g[2];
         for (int i = 0; i < 2; i++) {
-            di_dsv4_dev_graph_stats g = decode_costs(d, 64, n_ctx, ns[i], m->hp.n_vocab);
-            print_costs("flash-4l shapes", n_ctx, ns[i], &g);
+            g[i] = decode_costs(d, 64, n_ctx, ns[i], m->hp.n_vocab);
+            print_costs("flash-4l shapes", n_ctx, ns[i], &g[i]);
         }
+        CHECK_EQ(g[1].last_ops, g[0].last_ops);
     }
     di_dsv4_dev_destroy(d);
     di_backend_destroy(b);

@@ -969,6 +969,10 @@ static di_status cpu_graph_launch(di_backend *b, const void *graph) {
     return DI_OK;
 }
 
+int64_t di_cpu_backend_graph_n_cmds(const void *graph) {
+    return ((const cpu_graph *)graph)->n;
+}
+
 static void cpu_graph_destroy(di_backend *b, void *graph) {
     (void)b;
     cpu_graph *g = graph;
