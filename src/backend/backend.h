@@ -108,12 +108,14 @@ typedef struct di_backend_vt {
     // ids: token ids [T] (hash routing).
     di_status (*moe)(di_backend *b, const di_backend_moe_w *w, const float *f, const int32_t *ids,
                      int32_t n_tok, float *out);
-    // dst + dst_rows[i] * dst_stride  <-  src + i * src_stride, `width` floats, for i < n
-    // (ring updates, compressed entries, the compressor's token ring). No two dst_rows >= 0
-    // equal; a negative dst_rows[i] skips row i (the padding of a graph-stable list).
+    // dst + dst_rows[i] * dst_stride  <-  src + s_i * src_stride, `width` floats, for i < n, where
+    // s_i = src_rows[i] (a gather: the ring updates of every sequence of a call in one launch) or
+    // i when src_rows is NULL (compressed entries). No two dst_rows >= 0 equal, and no row written
+    // is read (src and dst may be one buffer, e.g. a KV pool's call rows into its rings); a
+    // negative dst_rows[i] skips row i (the padding of a graph-stable list).
     di_status (*scatter_rows)(di_backend *b, const float *src, int64_t n, int64_t src_stride,
                               int64_t width, float *dst, int64_t dst_stride,
-                              const int32_t *dst_rows);
+                              const int32_t *dst_rows, const int32_t *src_rows);
     // z[t, :] += ape[pos[t] mod m, :] over n rows of `width` floats (`stride` apart): the
     // compressor's position bias (spec §2.5).
     di_status (*add_ape)(di_backend *b, float *z, int64_t n, int64_t stride, int64_t width,
@@ -153,6 +155,8 @@ typedef struct di_backend_vt {
                       const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel);
     // dst[t * dst_stride + off[t] + i] = sel[t*k + i] >= 0 ? base[t] + sel[t*k + i] : -1 for
     // i < k: a CSA row's selected entries appended to its key list (off: the row's window keys).
+    // sel NULL stands for sel[t*k + i] = i: entries 0..k-1 (an HCA row's visible entries, the
+    // tail past the row's key count unread); base and off 0 with sel a [n_tok, k] list copies it.
     di_status (*offset_list)(di_backend *b, const int32_t *sel, int32_t n_tok, int32_t k,
                              const int32_t *base, const int32_t *off, int32_t *dst,
                              int64_t dst_stride);
@@ -194,6 +198,9 @@ void di_backend_destroy(di_backend *b); // NULL: no-op
 
 // The two implementations' constructors (di_backend_open calls them).
 di_status di_cpu_backend_create(int n_threads, di_backend **out);
+// The commands a CPU backend graph (its graph_end) holds: the entries one launch runs (tests count
+// the ops of a captured step with it).
+int64_t di_cpu_backend_graph_n_cmds(const void *graph);
 di_status di_cuda_backend_create(int device, di_backend **out); // only with DI_HAVE_CUDA
 
 #ifdef __cplusplus

@@ -245,10 +245,14 @@ void di_dsv4_dev_destroy(di_dsv4_dev *d) {
 
 // ---- state ----
 
-// An int array with a host mirror (built per call) and a backend copy (uploaded per call).
+// An int array of the call's metadata: a view of the state's one host staging buffer (built per
+// call) and the same bytes of its one backend copy (uploaded per call, all arrays at once).
+// Placed per call (iarr_place) right after the previous array, for as many elements as the call's
+// shape needs, so one upload of the used bytes covers every array; the placement depends on the
+// call's shape only, so a decode graph's captured pointers stay right at every replay.
 typedef struct iarr {
-    void *host; // owned
-    void *dev;  // backend block (state-owned)
+    void *host; // view into meta_host
+    void *dev;  // view into meta_dev
     size_t elem, cap;
 } iarr;
 
@@ -262,14 +266,22 @@ typedef struct ratio_class {
     int64_t key_stride; // key list row: W + (CSA: topk, HCA: cap)
     int32_t R;          // compressor token ring rows per slot (c * ratio)
     int32_t win_cap;    // windows one call pools (closing ones and padding)
-    iarr key_idx, n_keys, win_dst;
-    iarr src, ent_pos, ent_dst, ent_dst_idx, ring_dst; // compressor
-    iarr base, off, n_vis, key_base;                   // CSA
+    // Key lists: the host builds each row's window keys (win_keys [rows, W], -1 padded); for
+    // compressing ratios `keys` [max_rows, key_stride] (backend) is assembled on the backend at
+    // the start of the call (key_lists: the window keys, then HCA's entries 0..cap-1 at base from
+    // off on; CSA's top-k go there per layer), so the uploaded bytes per row are W ints, not
+    // W + n_ctx / 128. Ratio 0: the window keys are the list (key_stride == W).
+    iarr win_keys, n_keys, win_dst, win_src;
+    int32_t *keys; // backend (state block); NULL for ratio 0
+    iarr src, ent_pos, ent_dst, ent_dst_idx, ring_dst, ring_src; // compressor
+    iarr base, off;                                              // compressing: entry 0, 1st entry
+    iarr n_vis, key_base;                                        // CSA
     // This call (host scalars the ops get: functions of the call's shape only, never of its
     // positions, so a decode graph replays them for any position; dsv4_dev.h "Graphs"):
     int32_t n_pool; // windows pooled: sum over sequences of (n_tok - 1) / m + 1, the most that
                     // can close; the ones that do not close are padding (no rows, dst -1)
-    int32_t *win_off, *ring_off, *ring_n; // owned host [n_seq max = n_slots]: per sequence
+    int32_t n_wd;   // window ring rows written: sum of min(n_tok, W) (one scatter, every sequence)
+    int32_t n_rd;   // compressor token ring rows written: sum of min(n_tok, R)
 } ratio_class;
 
 typedef struct dev_lstate {
@@ -291,8 +303,14 @@ struct di_dsv4_dev_state {
     float *x, *a, *out, *post, *comb, *mix, *qr, *q, *o, *u, *cc, *cz, *ent, *iq, *iw, *scores;
     float *hx, *h, *logits;
     int32_t *sel;
+    int32_t *zeros; // [max_rows] of 0: key_lists' base and offset of the window keys
     int64_t score_stride;
     iarr tokens, pos;
+    // Every iarr of a call packed (iarr_place): one host staging buffer and one backend block of
+    // meta_cap bytes (every array at its capacity), meta_used of them this call (one upload).
+    uint8_t *meta_host; // owned
+    void *meta_dev;     // backend block (in blocks)
+    size_t meta_cap, meta_used;
     int32_t *row0; // owned host [n_slots]: this call's first row per sequence
     uint8_t *used; // owned host [n_slots]: slot seen in this call
     void **blocks; // owned list of backend blocks
@@ -301,7 +319,8 @@ struct di_dsv4_dev_state {
     // = min(n_slots, HEAD_CHUNK); graph NULL and seen: run once directly (captured the next time).
     bool graphs_on; // DI_DEV_GRAPHS != "0" at create
     struct dev_graph {
-        void *graph; // owned backend graph
+        void *graph;   // owned backend graph
+        int64_t n_ops; // ops it captured
         bool seen;
     } * graphs; // owned [n_graphs]
     int32_t n_graphs;
@@ -340,18 +359,28 @@ static di_status st_floats(di_dsv4_dev_state *s, int64_t n, float **out) {
     return st;
 }
 
+// Arrays start META_ALIGN bytes apart in the packed buffers (int64 key_base included).
+enum { META_ALIGN = 16 };
+
+static size_t meta_round(size_t bytes) {
+    return (bytes + META_ALIGN - 1) / META_ALIGN * META_ALIGN;
+}
+
+// Reserves an array of up to cap elements in the packed buffers (allocated after every reserve).
 static di_status iarr_init(di_dsv4_dev_state *s, iarr *a, size_t elem, size_t cap) {
     a->elem = elem;
     a->cap = cap ? cap : 1;
-    a->host = di_malloc(elem * a->cap);
-    if (!a->host) return DI_ERR_NOMEM;
-    return st_alloc(s, elem * a->cap, &a->dev);
+    s->meta_cap += meta_round(elem * a->cap);
+    return DI_OK;
 }
 
-static di_status iarr_upload(di_dsv4_dev_state *s, const iarr *a, size_t n) {
+// Places a for n elements (<= its capacity) after the arrays placed so far in this call.
+static void iarr_place(di_dsv4_dev_state *s, iarr *a, size_t n) {
     DI_ASSERT(n <= a->cap);
-    if (n == 0) return DI_OK;
-    return s->d->b->vt->upload(s->d->b, a->dev, a->host, a->elem * n);
+    a->host = s->meta_host + s->meta_used;
+    a->dev = (uint8_t *)s->meta_dev + s->meta_used;
+    s->meta_used += meta_round(a->elem * n);
+    DI_ASSERT(s->meta_used <= s->meta_cap);
 }
 
 #define I32(a) ((int32_t *)(a).host)
@@ -376,23 +405,26 @@ static di_status class_init(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_
     int64_t wc = lw->ratio > 0 ? T / lw->ratio + s->n_slots : 0;
     k->win_cap = (int32_t)(wc < T ? wc : T);
     di_status st = DI_OK;
-    DI_TRY(iarr_init(s, &k->key_idx, sizeof(int32_t), (size_t)(T * k->key_stride)));
+    DI_TRY(iarr_init(s, &k->win_keys, sizeof(int32_t), (size_t)(T * W)));
+    if (lw->ratio > 0) {
+        void *p = NULL;
+        DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)(T * k->key_stride), &p));
+        k->keys = p;
+    }
     DI_TRY(iarr_init(s, &k->n_keys, sizeof(int32_t), (size_t)T));
     DI_TRY(iarr_init(s, &k->win_dst, sizeof(int32_t), (size_t)T));
-    k->win_off = di_calloc((size_t)s->n_slots, sizeof(int32_t));
-    k->ring_off = di_calloc((size_t)s->n_slots, sizeof(int32_t));
-    k->ring_n = di_calloc((size_t)s->n_slots, sizeof(int32_t));
-    if (!k->win_off || !k->ring_off || !k->ring_n) return DI_ERR_NOMEM;
+    DI_TRY(iarr_init(s, &k->win_src, sizeof(int32_t), (size_t)T));
     if (lw->ratio > 0) {
         DI_TRY(iarr_init(s, &k->src, sizeof(int32_t), (size_t)k->win_cap * (size_t)k->R));
         DI_TRY(iarr_init(s, &k->ent_pos, sizeof(int32_t), (size_t)k->win_cap));
         DI_TRY(iarr_init(s, &k->ent_dst, sizeof(int32_t), (size_t)k->win_cap));
         DI_TRY(iarr_init(s, &k->ent_dst_idx, sizeof(int32_t), (size_t)k->win_cap));
         DI_TRY(iarr_init(s, &k->ring_dst, sizeof(int32_t), (size_t)T));
-    }
-    if (lw->ratio == 4) {
+        DI_TRY(iarr_init(s, &k->ring_src, sizeof(int32_t), (size_t)T));
         DI_TRY(iarr_init(s, &k->base, sizeof(int32_t), (size_t)T));
         DI_TRY(iarr_init(s, &k->off, sizeof(int32_t), (size_t)T));
+    }
+    if (lw->ratio == 4) {
         DI_TRY(iarr_init(s, &k->n_vis, sizeof(int32_t), (size_t)T));
         DI_TRY(iarr_init(s, &k->key_base, sizeof(int64_t), (size_t)T));
     }
@@ -401,28 +433,12 @@ fail:
     return st;
 }
 
-static void iarr_free(iarr *a) {
-    di_free(a->host); // the backend block is in the state's list
-    a->host = NULL;
-}
-
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     if (!s) return;
     for (int32_t i = 0; i < s->n_graphs; i++)
         s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
     di_free(s->graphs);
-    for (int i = 0; i < MAX_CLASSES; i++) {
-        ratio_class *k = &s->cls[i];
-        iarr *arrs[] = {&k->key_idx, &k->n_keys,  &k->win_dst,     &k->src,
-                        &k->ent_pos, &k->ent_dst, &k->ring_dst,    &k->base,
-                        &k->off,     &k->n_vis,   &k->ent_dst_idx, &k->key_base};
-        for (size_t j = 0; j < sizeof arrs / sizeof arrs[0]; j++) iarr_free(arrs[j]);
-        di_free(k->win_off);
-        di_free(k->ring_off);
-        di_free(k->ring_n);
-    }
-    iarr_free(&s->tokens);
-    iarr_free(&s->pos);
+    di_free(s->meta_host); // meta_dev is in the blocks
     for (int32_t i = 0; i < s->n_blocks; i++) s->d->b->vt->free(s->d->b, s->blocks[i]);
     di_free(s->blocks);
     di_free(s->n_past);
@@ -540,8 +556,18 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     void *p = NULL;
     DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk, &p));
     s->sel = p;
+    DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)T, &p));
+    s->zeros = p;
+    DI_TRY(d->b->vt->memset(d->b, s->zeros, 0, sizeof(int32_t) * (size_t)T));
     DI_TRY(iarr_init(s, &s->tokens, sizeof(int32_t), (size_t)T));
     DI_TRY(iarr_init(s, &s->pos, sizeof(int32_t), (size_t)T));
+    // The packed metadata: every array reserved above, at its capacity.
+    DI_TRY(st_alloc(s, s->meta_cap, &s->meta_dev));
+    s->meta_host = di_malloc(s->meta_cap);
+    if (!s->meta_host) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
     *out = s;
     return DI_OK;
 fail:
@@ -600,46 +626,79 @@ static inline int32_t cmp_src(int64_t q, int64_t p0, int32_t r0, int64_t ring0, 
     return (int32_t)(q >= p0 ? r0 + (q - p0) : -(ring0 + q % R) - 1);
 }
 
-static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_seq *seqs,
-                             int32_t n_seq) {
+static void build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_seq *seqs,
+                        int32_t n_seq) {
     const di_hparams *hp = &s->d->m->hp;
     const int64_t W = hp->window, T = s->max_rows;
     const int32_t ratio = k->ratio, topk = hp->index_topk;
-    int32_t *ki = I32(k->key_idx), *nk = I32(k->n_keys), *wd = I32(k->win_dst);
-    int32_t n_rows = 0, n_wd = 0, n_rd = 0, n_win = 0;
-    k->n_pool = 0;
+    // The lists' lengths (functions of the call's shape: n_tok per sequence), then every list
+    // placed in the packed buffers for them.
+    int32_t n_call = 0;
+    k->n_wd = k->n_rd = k->n_pool = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const int32_t n = seqs[i].n_tok;
+        n_call += n;
+        k->n_wd += n < W ? n : (int32_t)W;
+        if (ratio <= 0) continue;
+        k->n_rd += n < k->R ? n : k->R;
+        k->n_pool += (n - 1) / ratio + 1; // n positions close at most this many windows
+    }
+    iarr_place(s, &k->win_keys, (size_t)n_call * (size_t)W);
+    iarr_place(s, &k->n_keys, (size_t)n_call);
+    iarr_place(s, &k->win_dst, (size_t)k->n_wd);
+    iarr_place(s, &k->win_src, (size_t)k->n_wd);
+    if (ratio > 0) {
+        iarr_place(s, &k->src, (size_t)k->n_pool * (size_t)k->R);
+        iarr_place(s, &k->ent_pos, (size_t)k->n_pool);
+        iarr_place(s, &k->ent_dst, (size_t)k->n_pool);
+        iarr_place(s, &k->ent_dst_idx, (size_t)k->n_pool);
+        iarr_place(s, &k->ring_dst, (size_t)k->n_rd);
+        iarr_place(s, &k->ring_src, (size_t)k->n_rd);
+        iarr_place(s, &k->base, (size_t)n_call);
+        iarr_place(s, &k->off, (size_t)n_call);
+    }
+    if (ratio == 4) {
+        iarr_place(s, &k->n_vis, (size_t)n_call);
+        iarr_place(s, &k->key_base, (size_t)n_call);
+    }
+    int32_t *ki = I32(k->win_keys), *nk = I32(k->n_keys), *wd = I32(k->win_dst);
+    int32_t *ws = I32(k->win_src);
+    int32_t n_wd = 0, n_rd = 0, n_win = 0;
     for (int32_t i = 0; i < n_seq; i++) {
         const di_dsv4_dev_seq *sq = &seqs[i];
         const int64_t p0 = sq->pos, ring0 = T + (int64_t)sq->slot * k->slot_rows;
         const int32_t r0 = s->row0[i];
-        // Key lists: window positions max(P - W + 1, 0)..P, then HCA entries (CSA: the
-        // indexer's top-k, appended on the backend by offset_list at base + entry).
+        // Key lists: window positions max(P - W + 1, 0)..P (the host), then the entries at
+        // base + entry from off on, appended on the backend: HCA's first (P + 1) / m (key_lists),
+        // CSA's top-k of the indexer (offset_list per layer).
         for (int32_t t = 0; t < sq->n_tok; t++) {
             const int64_t P = p0 + t, w_lo = P - W + 1 > 0 ? P - W + 1 : 0;
-            int32_t *row = ki + (int64_t)(r0 + t) * k->key_stride, n = 0;
+            int32_t *row = ki + (int64_t)(r0 + t) * W, n = 0;
             for (int64_t q = w_lo; q <= P; q++) row[n++] = win_row(q, p0, r0, ring0, W);
-            if (ratio == 4) {
+            for (int64_t j = n; j < W; j++) row[j] = -1; // past the window: copied, never read
+            if (ratio > 0) {
                 I32(k->base)[r0 + t] = (int32_t)(ring0 + W);
                 I32(k->off)[r0 + t] = n;
+            }
+            if (ratio == 4) {
                 I32(k->n_vis)[r0 + t] = (int32_t)((P + 1) / 4);
                 ((int64_t *)k->key_base.host)[r0 + t] = (int64_t)sq->slot * k->cap;
                 n += topk;
             } else if (ratio > 0) {
-                for (int64_t e = 0; e < (P + 1) / ratio; e++) row[n++] = (int32_t)(ring0 + W + e);
+                n += (int32_t)((P + 1) / ratio);
             }
             nk[r0 + t] = n;
         }
-        // The window ring after attention: the last min(n_tok, W) rows.
-        k->win_off[i] = n_wd;
-        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++)
+        // The window ring after attention: the last min(n_tok, W) rows, from this call's rows.
+        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++) {
+            ws[n_wd] = r0 + t;
             wd[n_wd++] = (int32_t)(ring0 + (p0 + t) % W);
-        n_rows += sq->n_tok;
+        }
         if (ratio <= 0) continue;
         // Windows closing in this call (model/dsv4_attn.c compressor_step): slots j < m are the
         // overlap (window w - 1, c == 2) or the window itself (c == 1), slots m..2m-1 window w.
         const int32_t m = ratio, c = k->c, R = k->R;
         const int64_t cring0 = (int64_t)sq->slot * R;
-        k->n_pool += (sq->n_tok - 1) / m + 1; // n_tok positions close at most this many windows
         for (int64_t P = p0; P < p0 + sq->n_tok; P++) {
             if ((P + 1) % m != 0) continue;
             const int64_t w = P / m;
@@ -654,11 +713,12 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
             n_win++;
         }
         // The compressor token ring after pooling: the last min(n_tok, R) rows.
-        k->ring_off[i] = n_rd;
-        k->ring_n[i] = sq->n_tok < R ? sq->n_tok : R;
-        for (int32_t t = sq->n_tok - k->ring_n[i]; t < sq->n_tok; t++)
+        for (int32_t t = sq->n_tok > R ? sq->n_tok - R : 0; t < sq->n_tok; t++) {
+            I32(k->ring_src)[n_rd] = r0 + t;
             I32(k->ring_dst)[n_rd++] = (int32_t)(cring0 + (p0 + t) % R);
+        }
     }
+    DI_ASSERT(n_wd == k->n_wd && n_rd == k->n_rd);
     // Padding up to n_pool: windows without rows (entry 0), scattered nowhere.
     DI_ASSERT(n_win <= k->n_pool && k->n_pool <= k->win_cap);
     for (int32_t w = n_win; w < k->n_pool; w++) {
@@ -668,26 +728,6 @@ static di_status build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4
         I32(k->ent_dst)[w] = -1;
         I32(k->ent_dst_idx)[w] = -1;
     }
-    di_status st = DI_OK;
-    DI_TRY(iarr_upload(s, &k->key_idx, (size_t)n_rows * (size_t)k->key_stride));
-    DI_TRY(iarr_upload(s, &k->n_keys, (size_t)n_rows));
-    DI_TRY(iarr_upload(s, &k->win_dst, (size_t)n_wd));
-    if (ratio > 0) {
-        DI_TRY(iarr_upload(s, &k->src, (size_t)k->n_pool * (size_t)k->R));
-        DI_TRY(iarr_upload(s, &k->ent_pos, (size_t)k->n_pool));
-        DI_TRY(iarr_upload(s, &k->ent_dst, (size_t)k->n_pool));
-        DI_TRY(iarr_upload(s, &k->ent_dst_idx, (size_t)k->n_pool));
-        DI_TRY(iarr_upload(s, &k->ring_dst, (size_t)n_rd));
-    }
-    if (ratio == 4) {
-        DI_TRY(iarr_upload(s, &k->base, (size_t)n_rows));
-        DI_TRY(iarr_upload(s, &k->off, (size_t)n_rows));
-        DI_TRY(iarr_upload(s, &k->n_vis, (size_t)n_rows));
-        DI_TRY(iarr_upload(s, &k->key_base, (size_t)n_rows));
-    }
-    return DI_OK;
-fail:
-    return st;
 }
 
 // ---- the layer ----
@@ -699,7 +739,12 @@ typedef struct call {
 } call;
 
 #define B (c->s->d->b)
-#define OP(name, ...) DI_TRY(B->vt->name(B, __VA_ARGS__))
+// An op enqueued on the backend (counted: stats.last_ops).
+#define OP(name, ...)                                                                              \
+    do {                                                                                           \
+        c->s->stats.last_ops++;                                                                    \
+        DI_TRY(B->vt->name(B, __VA_ARGS__));                                                       \
+    } while (0)
 
 // One compressor on this call's rows (model/dsv4_attn.c run_compressor + compressor_step):
 // project C and Z, add the position bias, pool every closing window from this call's rows and the
@@ -720,13 +765,12 @@ static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class 
     OP(rmsnorm, s->ent, k->n_pool, cw->d, cw->d, cw->norm, hp->norm_eps);
     OP(rope, s->ent, k->n_pool, cw->d, cw->d, hp->rope_compress.n_dims, s->d->omega_compress,
        D32(k->ent_pos), 1, hp->rope_compress.attention_factor, false);
-    OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, pool, pool_stride, ent_dst);
-    for (int32_t i = 0; i < c->n_seq; i++) {
-        const int64_t r = s->row0[i] + c->seqs[i].n_tok - k->ring_n[i];
-        const int32_t *dst = D32(k->ring_dst) + k->ring_off[i];
-        OP(scatter_rows, s->cc + r * width, k->ring_n[i], width, width, ring_c, width, dst);
-        OP(scatter_rows, s->cz + r * width, k->ring_n[i], width, width, ring_z, width, dst);
-    }
+    OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, pool, pool_stride, ent_dst, NULL);
+    // Every sequence's last min(n_tok, R) token rows into its ring: one gather-scatter each.
+    OP(scatter_rows, s->cc, k->n_rd, width, width, ring_c, width, D32(k->ring_dst),
+       D32(k->ring_src));
+    OP(scatter_rows, s->cz, k->n_rd, width, width, ring_z, width, D32(k->ring_dst),
+       D32(k->ring_src));
     return DI_OK;
 fail:
     return st;
@@ -740,7 +784,7 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     const dev_lstate *ls = &s->ls[il];
     const ratio_class *k = &s->cls[s->layer_cls[il]];
     const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
-    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, W = hp->window;
+    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank;
     const int32_t n_rot = hp->rope_main.n_dims, T = c->T;
     const bool compress = lw->ratio > 0;
     const float *omega = compress ? d->omega_compress : d->omega_main;
@@ -775,7 +819,7 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
         OP(index_scores, s->iq, s->iw, ls->idx, (const int64_t *)k->key_base.dev, D32(k->n_vis),
            k->cap, T, (int32_t)HI, (int32_t)DI, s->scores, s->score_stride);
         OP(topk, s->scores, s->score_stride, D32(k->n_vis), T, hp->index_topk, s->sel);
-        OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), D32(k->key_idx),
+        OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), k->keys,
            k->key_stride);
     }
     // CSA and HCA: the main compressor, before the attention of the same tokens.
@@ -783,8 +827,9 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
         DI_TRY(compressor(c, &lw->cmp, k, a, ls->ring_c, ls->ring_z, ls->kv, Dh, D32(k->ent_dst)));
 
     // max_keys: the key list capacity (a bound independent of the positions).
-    OP(attn, s->q, ls->kv, D32(k->key_idx), k->key_stride, D32(k->n_keys), (int32_t)k->key_stride,
-       lw->attn_sink, T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh), s->o); // o: [T, H, Dh]
+    OP(attn, s->q, ls->kv, k->keys ? k->keys : D32(k->win_keys), k->key_stride, D32(k->n_keys),
+       (int32_t)k->key_stride, lw->attn_sink, T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh),
+       s->o); // o: [T, H, Dh]
     OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, true);
 
     // Grouped output: u_g = wo_a[g] . (o of the heads of group g); out = wo_b . u.
@@ -795,12 +840,9 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     }
     OP(matmul, &lw->wo_b, s->u, T, G * Ro, out, D);
 
-    // Each sequence's last min(n_tok, W) kv rows into its ring, after every read of the ring.
-    for (int32_t i = 0; i < c->n_seq; i++) {
-        const int32_t n = c->seqs[i].n_tok < W ? c->seqs[i].n_tok : (int32_t)W;
-        const int64_t r = s->row0[i] + c->seqs[i].n_tok - n;
-        OP(scatter_rows, kv + r * Dh, n, Dh, Dh, ls->kv, Dh, D32(k->win_dst) + k->win_off[i]);
-    }
+    // Each sequence's last min(n_tok, W) kv rows (this call's rows of the pool) into its window
+    // ring, after every read of the ring: one gather-scatter for every sequence.
+    OP(scatter_rows, kv, k->n_wd, Dh, Dh, ls->kv, Dh, D32(k->win_dst), D32(k->win_src));
     return DI_OK;
 fail:
     return st;
@@ -932,10 +974,27 @@ static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *s
 // ---- decode graphs ----
 
 // The embedding, copied into every stream (§2.1), and the layers.
+// The key lists of a compressing class (ratio_class "Key lists"), once per call: each row's window
+// keys, then (HCA) entries 0..cap-1 from its window count on; past a row's n_keys nothing is read,
+// so the entries not visible yet do no harm. CSA's top-k are appended per layer.
+static di_status key_lists(const call *c, const ratio_class *k) {
+    di_dsv4_dev_state *s = c->s;
+    const int32_t W = s->d->m->hp.window;
+    di_status st = DI_OK;
+    if (k->ratio <= 0) return DI_OK;
+    OP(offset_list, D32(k->win_keys), c->T, W, s->zeros, s->zeros, k->keys, k->key_stride);
+    if (k->ratio != 4)
+        OP(offset_list, NULL, c->T, k->cap, D32(k->base), D32(k->off), k->keys, k->key_stride);
+    return DI_OK;
+fail:
+    return st;
+}
+
 static di_status layers(const call *c) {
     di_dsv4_dev_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     di_status st = DI_OK;
+    for (int i = 0; i < s->n_cls; i++) DI_TRY(key_lists(c, &s->cls[i]));
     OP(embed, &s->d->embed, D32(s->tokens), c->T, hp->hc_mult, s->x);
     for (int il = 0; il < hp->n_layer; il++) DI_TRY(block(c, il));
     return DI_OK;
@@ -980,9 +1039,14 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     di_status st = check_call(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T);
     if (st != DI_OK) return st;
     call cl = {s, seqs, n_seq, T};
+    s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
     const call *c = &cl;
 
-    // Rows: sequence after sequence; tokens and positions to the backend.
+    // Rows: sequence after sequence. Tokens, positions and every class's lists are packed into
+    // the staging buffer (placed by the call's shape) and go to the backend in one upload.
+    s->meta_used = 0;
+    iarr_place(s, &s->tokens, (size_t)T);
+    iarr_place(s, &s->pos, (size_t)T);
     int32_t r = 0;
     for (int32_t i = 0; i < n_seq; i++) {
         s->row0[i] = r;
@@ -990,10 +1054,11 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
         r += seqs[i].n_tok;
     }
     memcpy(s->tokens.host, tokens, sizeof(int32_t) * (size_t)T);
+    for (int i = 0; i < s->n_cls; i++) build_class(s, &s->cls[i], seqs, n_seq);
     for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = -1; // until the call succeeds
-    DI_TRY(iarr_upload(s, &s->tokens, (size_t)T));
-    DI_TRY(iarr_upload(s, &s->pos, (size_t)T));
-    for (int i = 0; i < s->n_cls; i++) DI_TRY(build_class(s, &s->cls[i], seqs, n_seq));
+    s->stats.last_uploads = 1;
+    s->stats.last_upload_bytes = (int64_t)s->meta_used;
+    DI_TRY(s->d->b->vt->upload(s->d->b, s->meta_dev, s->meta_host, s->meta_used));
 
     // Embedding, the layers, the head on the logit rows: a decode step through its graph (after
     // it ran once directly), every other call directly, chunk by chunk of the head.
@@ -1002,7 +1067,10 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
         struct dev_graph *g = &s->graphs[n_seq - 1]; // n_seq <= n_slots, HEAD_CHUNK
         bool direct = !g->seen;     // first seen: directly (no capture for one step)
         if (!direct && !g->graph) { // seen before: captured, then launched
+            const int64_t ops0 = s->stats.last_ops;
             st = capture(c, logit_rows, n_logit_rows, &g->graph);
+            g->n_ops = s->stats.last_ops - ops0; // recorded, not run: counted at the launch
+            s->stats.last_ops = ops0;
             if (st == DI_OK) {
                 s->stats.n_captured++;
             } else { // nothing ran: the step runs directly, and so will every later one
@@ -1020,17 +1088,19 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
             DI_TRY(head(c, logit_rows, n_logit_rows));
             s->stats.n_direct++;
         } else {
-            OP(graph_launch, g->graph);
+            s->stats.last_ops += g->n_ops;
+            DI_TRY(s->d->b->vt->graph_launch(s->d->b, g->graph));
         }
         g->seen = true;
-        OP(download, logits, s->logits, row_bytes * (size_t)n_logit_rows);
+        DI_TRY(s->d->b->vt->download(s->d->b, logits, s->logits, row_bytes * (size_t)n_logit_rows));
     } else {
         DI_TRY(layers(c));
         const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
         for (int32_t k = 0; k < n_logit_rows; k += HC) {
             int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
             DI_TRY(head(c, logit_rows + k, n));
-            OP(download, logits + (int64_t)k * hp->n_vocab, s->logits, row_bytes * (size_t)n);
+            DI_TRY(s->d->b->vt->download(s->d->b, logits + (int64_t)k * hp->n_vocab, s->logits,
+                                         row_bytes * (size_t)n));
         }
         s->stats.n_direct++;
     }

@@ -17,9 +17,12 @@
  * The compressor has no sequential state machine: for every window closing in a call the host
  * lists the token row of each slot (this call's rows, or the ring for earlier positions; the
  * overlap of window 0 is absent), compress_pool pools them, the entries are normalised, rotated
- * and scattered into their pool, and only then the call's last tokens go into the ring. Key lists
- * (window rows + the HCA entries, or + the indexer's top-k for CSA) are built on the host per call
- * (O(rows x keys) integers) into preallocated buffers.
+ * and scattered into their pool, and only then the call's last tokens go into the ring. Key lists:
+ * the host lists each row's window rows (O(rows x W) integers); the backend appends the HCA
+ * entries (a range) or the indexer's top-k for CSA (offset_list). Every per-call list, the tokens
+ * and the positions are packed into one staging buffer and go to the backend in one upload; each
+ * ring update (window, compressor C and Z) is one scatter_rows for all sequences, so a step's ops
+ * do not depend on the number of sequences.
  *
  * Graphs: a decode step (every sequence feeds one token and takes the logits of its row; at most
  * 64 sequences) runs as a backend graph (backend.h graph_*; CUDA graphs on the GPU) keyed by its
@@ -31,12 +34,13 @@
  * an op gets is a function of the call's shape (rows per sequence, logit rows), never of its
  * positions: everything that moves with the positions is backend data the host rewrites before the
  * launch (tokens, positions, key lists and counts, compressor sources, entry positions, scatter
- * destinations); position-dependent bounds are capacities (attention's max_keys = the key list
- * stride, the indexer's max_vis = the slot's entries) and the compressor pools the most windows the
- * shape can close, the others being padding (no rows: entry 0, destination -1: not scattered).
- * Prefill and mixed calls run directly, through the same ops. A capture that fails (nothing ran)
- * logs a WARN, runs the step directly and turns graphs off for the state. DI_DEV_GRAPHS=0 (read at
- * state create) runs every call directly: the debug switch to compare.
+ * sources and destinations; packed at offsets that are functions of the shape too);
+ * position-dependent bounds are capacities (attention's max_keys = the key list stride, the
+ * indexer's max_vis = the slot's entries) and the compressor pools the most windows the shape can
+ * close, the others being padding (no rows: entry 0, destination -1: not scattered). Prefill and
+ * mixed calls run directly, through the same ops. A capture that fails (nothing ran) logs a WARN,
+ * runs the step directly and turns graphs off for the state. DI_DEV_GRAPHS=0 (read at state create)
+ * runs every call directly: the debug switch to compare.
  *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
@@ -86,9 +90,13 @@ int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot);
 // Calls of a state so far: run directly (prefill, mixed, the first decode step of a batch size,
 // or every call with DI_DEV_GRAPHS=0), captured into a graph (then launched), launched from a
 // cached graph (hits); graphs cached now.
+// The last call's costs (issue #7: what a step launches and uploads): ops it enqueued on the
+// backend (the entries from embed to the head's matmul; a launched graph counts the ops it
+// captured; the logits download and the sync not counted), host-to-backend uploads and their bytes.
 typedef struct di_dsv4_dev_graph_stats {
     int64_t n_direct, n_captured, n_replayed;
     int32_t n_cached;
+    int64_t last_ops, last_uploads, last_upload_bytes;
 } di_dsv4_dev_graph_stats;
 void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out);
 // Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps

@@ -127,6 +127,11 @@ static void test_topk_offsets(void) {
     CHECK_EQ(g_b->vt->offset_list(g_b, sel, 3, 3, base, off, dst, 5), DI_OK);
     const int32_t want_dst[15] = {99, 99, 101, 102, 104, 200, 201, -1, 99, 99, 99, -1, -1, -1, 99};
     CHECK(memcmp(dst, want_dst, sizeof want_dst) == 0);
+    // sel NULL: entries 0..k-1 at base + i (HCA's visible entries).
+    CHECK_EQ(g_b->vt->offset_list(g_b, NULL, 3, 2, base, off, dst, 5), DI_OK);
+    const int32_t want_iota[15] = {99, 99, 100, 101, 104, 200, 201, -1,
+                                   99, 99, 99,  300, 301, -1,  99};
+    CHECK(memcmp(dst, want_iota, sizeof want_iota) == 0);
 }
 
 static void test_rows(void) {
@@ -135,8 +140,13 @@ static void test_rows(void) {
     for (int i = 0; i < 6; i++) ape[i] = (float)(10 * i);
     const int32_t rows[2] = {4, 1}, pos[3] = {5, 3, 0};
     // rows 0 and 1 of src (2 of 4 floats each, stride 4) into dst rows 4 and 1.
-    CHECK_EQ(g_b->vt->scatter_rows(g_b, src, 2, 4, 2, dst, 4, rows), DI_OK);
+    CHECK_EQ(g_b->vt->scatter_rows(g_b, src, 2, 4, 2, dst, 4, rows, NULL), DI_OK);
     CHECK(dst[16] == 0 && dst[17] == 1 && dst[4] == 4 && dst[5] == 5 && dst[6] == 0);
+    // A gather-scatter: src rows 2 and 0 into dst rows 0 and 3; dst row 2 is padding.
+    const int32_t to[3] = {0, -1, 3}, from[3] = {2, 1, 0};
+    CHECK_EQ(g_b->vt->scatter_rows(g_b, src, 3, 4, 2, dst, 4, to, from), DI_OK);
+    CHECK(dst[0] == 8 && dst[1] == 9 && dst[12] == 0 && dst[13] == 1 && dst[8] == 0);
+    CHECK(dst[16] == 0 && dst[4] == 4); // rows not listed keep their values
     CHECK_EQ(g_b->vt->add_ape(g_b, z, 3, 2, 2, ape, pos, 3), DI_OK);
     const float want[6] = {40, 50, 0, 10, 0, 10}; // pos mod 3 = 2, 0, 0
     CHECK(memcmp(z, want, sizeof want) == 0);
@@ -156,7 +166,7 @@ static void test_rows(void) {
 static void test_padding(void) {
     float src[3 * 2] = {1, 2, 3, 4, 5, 6}, dst[4 * 2] = {0};
     const int32_t rows[3] = {-1, 3, -1};
-    CHECK_EQ(g_b->vt->scatter_rows(g_b, src, 3, 2, 2, dst, 2, rows), DI_OK);
+    CHECK_EQ(g_b->vt->scatter_rows(g_b, src, 3, 2, 2, dst, 2, rows, NULL), DI_OK);
     const float want[8] = {0, 0, 0, 0, 0, 0, 3, 4};
     CHECK(memcmp(dst, want, sizeof want) == 0);
     float c[2 * 4], z[2 * 4], e[2 * 2] = {7, 7, 7, 7};
@@ -174,7 +184,7 @@ enum { G_D = 8, G_T = 2, G_KEYS = 6 };
 typedef struct gbuf {
     float w[G_D * G_D], x[G_T * G_D], y[G_T * G_D], pool[G_KEYS * G_D], o[G_T * G_D], ring[4 * G_D],
         cp[G_D], omega[G_D / 2], sink[1];
-    int32_t key_idx[G_T * G_KEYS], n_keys[G_T], pos[G_T], dst[G_T];
+    int32_t key_idx[G_T * G_KEYS], n_keys[G_T], pos[G_T], dst[G_T], src_rows[G_T];
 } gbuf;
 
 static di_status g_ops(gbuf *g, float eps) {
@@ -186,7 +196,8 @@ static di_status g_ops(gbuf *g, float eps) {
     if (st == DI_OK)
         st = b->vt->attn(b, g->y, g->pool, g->key_idx, G_KEYS, g->n_keys, G_KEYS, g->sink, G_T, 1,
                          G_D, 0.5f, g->o);
-    if (st == DI_OK) st = b->vt->scatter_rows(b, g->o, G_T, G_D, G_D, g->ring, G_D, g->dst);
+    if (st == DI_OK)
+        st = b->vt->scatter_rows(b, g->o, G_T, G_D, G_D, g->ring, G_D, g->dst, g->src_rows);
     if (st == DI_OK) st = b->vt->copy(b, g->cp, g->o, sizeof g->cp);
     if (st == DI_OK) st = b->vt->memset(b, g->x, 0, sizeof(float) * G_D); // row 0 of x
     return st;
@@ -203,6 +214,7 @@ static void g_fill(gbuf *g, int step) {
         g->pos[t] = 3 * step + t;
         g->n_keys[t] = 1 + (step + t) % G_KEYS;
         g->dst[t] = (step + t) % 4;
+        g->src_rows[t] = (step + t + 1) % G_T; // a gather: rows swap every step
         for (int j = 0; j < G_KEYS; j++) g->key_idx[t * G_KEYS + j] = (j + step) % G_KEYS;
     }
     memset(g->ring, 0, sizeof g->ring);

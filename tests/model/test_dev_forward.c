@@ -12,7 +12,10 @@
 //   (f) decode graphs: a long ragged decode of 3 and 2 slots (every ratio's windows closing, the
 //       sliding window wrapping, a slot restarted inside a decode batch) on a state with graphs
 //       and on one with DI_DEV_GRAPHS=0: bit-identical logits, both equal to the sessions, and the
-//       graphs actually replayed (stats).
+//       graphs actually replayed (stats);
+//   (g) what a decode step costs (issue #7): ops enqueued (= the commands the CPU backend records
+//       in its graph), uploads and bytes at 1, 3, 16 sequences on tiny-128 and 1, 64 on flash-4l's
+//       shapes scaled down: the ops must not grow with the sequences, and a call uploads once.
 #include "harness.h"
 
 #include <math.h>
@@ -356,6 +359,139 @@ static void test_graphs(void) {
     close_ctx(&h);
 }
 
+// The CPU backend's graph_end, wrapped to count the commands of each captured graph.
+static di_backend_vt g_count_vt;
+static di_status (*g_real_graph_end)(di_backend *, void **);
+static int64_t g_graph_cmds = -1;
+
+static di_status counting_graph_end(di_backend *b, void **graph) {
+    di_status st = g_real_graph_end(b, graph);
+    if (st == DI_OK) g_graph_cmds = di_cpu_backend_graph_n_cmds(*graph);
+    return st;
+}
+
+static void count_graphs(di_backend *b) {
+    g_count_vt = *b->vt;
+    g_real_graph_end = b->vt->graph_end;
+    g_count_vt.graph_end = counting_graph_end;
+    b->vt = &g_count_vt;
+}
+
+// (g) What a decode step costs (issue #7): ops enqueued (a replayed graph counts the ops it
+// captured), uploads and bytes, at n sequences on a fresh state of n_slots slots: three decode
+// steps at positions 0, 1, 2 (direct, captured, replayed). Returns the replayed step's stats.
+static di_dsv4_dev_graph_stats decode_costs(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx,
+                                            int32_t n, int32_t V) {
+    di_dsv4_dev_graph_stats g[3];
+    memset(g, 0, sizeof g);
+    di_dsv4_dev_state *st = NULL;
+    g_graph_cmds = -1;
+    CHECK_EQ(di_dsv4_dev_state_create(d, n_slots, n_ctx, n, &st), DI_OK);
+    di_dsv4_dev_seq *seqs = calloc((size_t)n, sizeof *seqs);
+    int32_t *tok = calloc((size_t)n, sizeof *tok), *rows = calloc((size_t)n, sizeof *rows);
+    float *logits = malloc(sizeof(float) * (size_t)n * (size_t)V);
+    if (!st || !seqs || !tok || !rows || !logits) {
+        CHECK(false);
+        goto done;
+    }
+    for (int32_t p = 0; p < 3; p++) {
+        for (int32_t i = 0; i < n; i++) {
+            seqs[i] = (di_dsv4_dev_seq){.slot = i, .pos = p, .n_tok = 1};
+            tok[i] = (i * 7 + p) % V;
+            rows[i] = i;
+        }
+        CHECK_EQ(di_dsv4_dev_forward(st, seqs, n, tok, rows, n, logits), DI_OK);
+        di_dsv4_dev_get_graph_stats(st, &g[p]);
+    }
+    // The replayed graph holds the ops the direct run enqueued (the backend recorded as many
+    // commands); the uploads are the same: one per call.
+    CHECK_EQ(g[2].n_replayed, 1);
+    CHECK_EQ(g[0].last_ops, g[2].last_ops);
+    CHECK_EQ(g[2].last_ops, g_graph_cmds);
+    CHECK_EQ(g[0].last_upload_bytes, g[2].last_upload_bytes);
+    CHECK_EQ(g[2].last_uploads, 1);
+done:
+    free(seqs), free(tok), free(rows), free(logits);
+    di_dsv4_dev_state_destroy(st);
+    return g[2];
+}
+
+static void print_costs(const char *model, int32_t n_ctx, int32_t n,
+                        const di_dsv4_dev_graph_stats *g) {
+    fprintf(stderr,
+            "(g) %s, n_ctx %d, decode of %2d: %5lld ops, %3lld uploads, %8lld bytes uploaded\n",
+            model, n_ctx, n, (long long)g->last_ops, (long long)g->last_uploads,
+            (long long)g->last_upload_bytes);
+}
+
+static void test_decode_costs(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    di_model *m = NULL;
+    di_backend *b = NULL;
+    di_dsv4_dev *d = NULL;
+    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
+    CHECK(di_cpu_backend_create(2, &b) == DI_OK);
+    if (b) count_graphs(b);
+    if (m && b) CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
+    if (!d) goto done;
+    const int32_t ns[] = {1, 3, 16};
+    di_dsv4_dev_graph_stats g[3];
+    for (int i = 0; i < 3; i++) {
+        g[i] = decode_costs(d, 16, N_CTX, ns[i], m->hp.n_vocab);
+        print_costs("tiny-128", N_CTX, ns[i], &g[i]);
+    }
+    // One launch per op whatever the number of sequences (no per-sequence ops in a graph).
+    CHECK(g[0].last_ops > 0);
+    CHECK_EQ(g[1].last_ops, g[0].last_ops);
+    CHECK_EQ(g[2].last_ops, g[0].last_ops);
+done:
+    di_dsv4_dev_destroy(d);
+    di_backend_destroy(b);
+    di_model_destroy(m);
+}
+
+// (g) The same on flash-4l's shapes scaled down (W 128, top-k 512, 8 output groups, layers
+// SWA / CSA 4 / HCA 128 / CSA 4; tiny widths): the per-call lists of V4-Flash.
+static void test_decode_costs_flash(void) {
+    char dir[256];
+    snprintf(dir, sizeof dir, "/tmp/di_test_dev_flash_XXXXXX");
+    if (!mkdtemp(dir)) {
+        CHECK(false);
+        return;
+    }
+    di_synth_config c;
+    CHECK(di_synth_preset("flash-4l", &c) == DI_OK);
+    c.n_vocab = V_SYNTH, c.n_embd = 128, c.n_head = 8, c.head_dim = 128, c.q_lora_rank = 128;
+    c.o_lora_rank = 128, c.n_index_head = 4, c.index_head_dim = 128, c.n_expert = 8;
+    c.expert_ff = 128;
+    CHECK(di_synth_write(&c, dir) == DI_OK);
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    di_model *m = NULL;
+    di_backend *b = NULL;
+    di_dsv4_dev *d = NULL;
+    CHECK(di_model_load(dir, &mo, &m) == DI_OK);
+    CHECK(di_cpu_backend_create(2, &b) == DI_OK);
+    if (b) count_graphs(b);
+    if (m && b) CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
+    if (d) {
+        const int32_t n_ctx = 8192, ns[] = {1, 64};
+        di_dsv4_dev_graph_stats g[2];
+        for (int i = 0; i < 2; i++) {
+            g[i] = decode_costs(d, 64, n_ctx, ns[i], m->hp.n_vocab);
+            print_costs("flash-4l shapes", n_ctx, ns[i], &g[i]);
+        }
+        CHECK_EQ(g[1].last_ops, g[0].last_ops);
+    }
+    di_dsv4_dev_destroy(d);
+    di_backend_destroy(b);
+    di_model_destroy(m);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+}
+
 // The model refuses what the forward does not do.
 static void test_unsupported(void) {
     di_model_options mo = di_model_options_default();
@@ -389,6 +525,8 @@ int main(void) {
     RUN(test_ragged);
     RUN(test_attach);
     RUN(test_graphs);
+    RUN(test_decode_costs);
+    RUN(test_decode_costs_flash);
     RUN(test_unsupported);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);

@@ -157,7 +157,7 @@ typedef struct cmd {
             int64_t n, src_stride, width;
             float *dst;
             int64_t dst_stride;
-            const int32_t *dst_rows;
+            const int32_t *dst_rows, *src_rows;
         } scatter_rows;
         struct {
             float *z;
@@ -574,13 +574,15 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
 
 static di_status cpu_scatter_rows(di_backend *b, const float *src, int64_t n, int64_t src_stride,
                                   int64_t width, float *dst, int64_t dst_stride,
-                                  const int32_t *dst_rows) {
+                                  const int32_t *dst_rows, const int32_t *src_rows) {
     RECORD(impl_of(b), CMD_SCATTER_ROWS, scatter_rows, src, n, src_stride, width, dst, dst_stride,
-           dst_rows);
-    for (int64_t i = 0; i < n; i++)
-        if (dst_rows[i] >= 0) // negative: padding, skipped
-            memcpy(dst + (int64_t)dst_rows[i] * dst_stride, src + i * src_stride,
-                   sizeof(float) * (size_t)width);
+           dst_rows, src_rows);
+    for (int64_t i = 0; i < n; i++) {
+        if (dst_rows[i] < 0) continue; // padding, skipped
+        const int64_t r = src_rows ? src_rows[i] : i;
+        memcpy(dst + (int64_t)dst_rows[i] * dst_stride, src + r * src_stride,
+               sizeof(float) * (size_t)width);
+    }
     return DI_OK;
 }
 
@@ -809,7 +811,7 @@ static di_status cpu_offset_list(di_backend *b, const int32_t *sel, int32_t n_to
     RECORD(impl_of(b), CMD_OFFSET_LIST, offset_list, sel, n_tok, k, base, off, dst, dst_stride);
     for (int32_t t = 0; t < n_tok; t++)
         for (int32_t i = 0; i < k; i++) {
-            int32_t s = sel[(int64_t)t * k + i];
+            int32_t s = sel ? sel[(int64_t)t * k + i] : i; // NULL: entry i
             dst[t * dst_stride + off[t] + i] = s >= 0 ? base[t] + s : -1;
         }
     return DI_OK;
@@ -887,7 +889,7 @@ static di_status replay(di_backend *b, const cmd *k) {
         return cpu_scatter_rows(b, A(scatter_rows).src, A(scatter_rows).n,
                                 A(scatter_rows).src_stride, A(scatter_rows).width,
                                 A(scatter_rows).dst, A(scatter_rows).dst_stride,
-                                A(scatter_rows).dst_rows);
+                                A(scatter_rows).dst_rows, A(scatter_rows).src_rows);
     case CMD_ADD_APE:
         return cpu_add_ape(b, A(add_ape).z, A(add_ape).n, A(add_ape).stride, A(add_ape).width,
                            A(add_ape).ape, A(add_ape).pos, A(add_ape).m);
@@ -936,6 +938,10 @@ static di_status cpu_graph_launch(di_backend *b, const void *graph) {
         }
     }
     return DI_OK;
+}
+
+int64_t di_cpu_backend_graph_n_cmds(const void *graph) {
+    return ((const cpu_graph *)graph)->n;
 }
 
 static void cpu_graph_destroy(di_backend *b, void *graph) {

@@ -179,9 +179,9 @@ static di_status op_moe(di_backend *b, const di_backend_moe_w *w, const float *f
 
 static di_status op_scatter_rows(di_backend *b, const float *src, int64_t n, int64_t src_stride,
                                  int64_t width, float *dst, int64_t dst_stride,
-                                 const int32_t *dst_rows) {
+                                 const int32_t *dst_rows, const int32_t *src_rows) {
     ENTER(b);
-    return di_cuda_scatter_rows(cu, src, n, src_stride, width, dst, dst_stride, dst_rows);
+    return di_cuda_scatter_rows(cu, src, n, src_stride, width, dst, dst_stride, dst_rows, src_rows);
 }
 
 static di_status op_add_ape(di_backend *b, float *z, int64_t n, int64_t stride, int64_t width,

@@ -122,24 +122,30 @@ extern "C" di_status di_cuda_embed(di_cuda *cu, const di_tensor *table, const in
 
 // ---- scatter, position bias, scale, key lists ----
 
-__global__ void scatter_rows_kernel(const float *__restrict__ src, int64_t n, int64_t src_stride,
-                                    int64_t width, float *__restrict__ dst, int64_t dst_stride,
-                                    const int32_t *__restrict__ dst_rows) {
+// src and dst may be one block (a KV pool's call rows into its rings: disjoint rows), so neither
+// is __restrict__.
+__global__ void scatter_rows_kernel(const float *src, int64_t n, int64_t src_stride, int64_t width,
+                                    float *dst, int64_t dst_stride,
+                                    const int32_t *__restrict__ dst_rows,
+                                    const int32_t *__restrict__ src_rows) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= width) return;
     for (int64_t i = blockIdx.y; i < n; i += gridDim.y) {
         const int32_t r = dst_rows[i];
-        if (r >= 0) dst[(int64_t)r * dst_stride + c] = src[i * src_stride + c]; // < 0: padding
+        if (r < 0) continue; // padding
+        const int64_t s = src_rows ? src_rows[i] : i;
+        dst[(int64_t)r * dst_stride + c] = src[s * src_stride + c];
     }
 }
 
 extern "C" di_status di_cuda_scatter_rows(di_cuda *cu, const float *src, int64_t n,
                                           int64_t src_stride, int64_t width, float *dst,
-                                          int64_t dst_stride, const int32_t *dst_rows) {
+                                          int64_t dst_stride, const int32_t *dst_rows,
+                                          const int32_t *src_rows) {
     if (n <= 0 || width <= 0) return DI_OK;
     dim3 grid(di_div_up(width, ROWS_THREADS), grid_rows(n));
     scatter_rows_kernel<<<grid, ROWS_THREADS, 0, di_stream(cu)>>>(src, n, src_stride, width, dst,
-                                                                  dst_stride, dst_rows);
+                                                                  dst_stride, dst_rows, src_rows);
     DI_CUDA_LAUNCHED("scatter_rows_kernel");
     return DI_OK;
 }
@@ -189,7 +195,7 @@ __global__ void offset_list_kernel(const int32_t *__restrict__ sel, int32_t n_to
     for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
          e += (int64_t)gridDim.x * blockDim.x) {
         const int64_t t = e / k, i = e % k;
-        const int32_t s = sel[e];
+        const int32_t s = sel ? sel[e] : (int32_t)i; // NULL: entry i
         dst[t * dst_stride + off[t] + i] = s >= 0 ? base[t] + s : -1;
     }
 }

@@ -26,12 +26,13 @@ bool di_cuda_embed_supports(di_tensor_kind kind);
 di_status di_cuda_embed(di_cuda *cu, const di_tensor *table, const int32_t *ids, int32_t n,
                         int32_t copies, float *x);
 
-// dst + dst_rows[i] * dst_stride <- src + i * src_stride (`width` floats) for i < n; a negative
-// dst_rows[i] skips row i (padding). No two dst_rows >= 0 equal; src and dst do not overlap.
+// dst + dst_rows[i] * dst_stride <- src + s_i * src_stride (`width` floats) for i < n, s_i =
+// src_rows[i] (device [n]) or i when src_rows is NULL; a negative dst_rows[i] skips row i
+// (padding). No two dst_rows >= 0 equal; no row written is read (src and dst may be one block).
 // DI_ERR_CUDA.
 di_status di_cuda_scatter_rows(di_cuda *cu, const float *src, int64_t n, int64_t src_stride,
                                int64_t width, float *dst, int64_t dst_stride,
-                               const int32_t *dst_rows);
+                               const int32_t *dst_rows, const int32_t *src_rows);
 
 // z[t * stride + i] += ape[(pos[t] mod m) * width + i] for t < n, i < width (pos >= 0 in the
 // model; a negative pos takes the mathematical modulus). DI_ERR_INVALID (m < 1), DI_ERR_CUDA.
@@ -42,7 +43,7 @@ di_status di_cuda_add_ape(di_cuda *cu, float *z, int64_t n, int64_t stride, int6
 di_status di_cuda_scale(di_cuda *cu, float *x, int64_t n, float s);
 
 // dst[t * dst_stride + off[t] + i] = sel[t*k + i] >= 0 ? base[t] + sel[t*k + i] : -1 for i < k,
-// t < n_tok. DI_ERR_INVALID (k < 0), DI_ERR_CUDA.
+// t < n_tok; sel NULL stands for sel[t*k + i] = i. DI_ERR_INVALID (k < 0), DI_ERR_CUDA.
 di_status di_cuda_offset_list(di_cuda *cu, const int32_t *sel, int32_t n_tok, int32_t k,
                               const int32_t *base, const int32_t *off, int32_t *dst,
                               int64_t dst_stride);

@@ -753,15 +753,29 @@ static void test_scatter_rows(void) {
         float *sd = bk_from(src, sizeof(float) * (size_t)(n * ss)),
               *dd = bk_from(dst, sizeof(float) * (size_t)(nd * ds));
         int32_t *rd = bk_from(rows, sizeof(int32_t) * (size_t)n);
-        CK(g_b->vt->scatter_rows(g_b, sd, n, ss, width, dd, ds, rd));
-        CK(g_b->vt->scatter_rows(g_b, sd, 0, ss, width, dd, ds, rd)); // n 0: no-op
+        CK(g_b->vt->scatter_rows(g_b, sd, n, ss, width, dd, ds, rd, NULL));
+        CK(g_b->vt->scatter_rows(g_b, sd, 0, ss, width, dd, ds, rd, NULL)); // n 0: no-op
         bk_to(out, dd, sizeof(float) * (size_t)(nd * ds));
-        const int64_t bad = n_diff_f32(out, ref, nd * ds); // other rows and columns untouched
-        fprintf(stderr, "  scatter_rows n=%lld width=%lld: %lld differ\n", (long long)n,
-                (long long)width, (long long)bad);
+        int64_t bad = n_diff_f32(out, ref, nd * ds); // other rows and columns untouched
+        // The gather form: source row s_i = (i * 7 + 3) mod n, every third destination padding.
+        int32_t *from = malloc(sizeof(int32_t) * (size_t)n),
+                *to = malloc(sizeof(int32_t) * (size_t)n);
+        for (int64_t i = 0; i < n; i++) {
+            from[i] = (int32_t)((i * 7 + 3) % n);
+            to[i] = i % 3 == 1 ? -1 : rows[i];
+            if (to[i] >= 0)
+                memcpy(ref + to[i] * ds, src + from[i] * ss, sizeof(float) * (size_t)width);
+        }
+        int32_t *fd = bk_from(from, sizeof(int32_t) * (size_t)n),
+                *td = bk_from(to, sizeof(int32_t) * (size_t)n);
+        CK(g_b->vt->scatter_rows(g_b, sd, n, ss, width, dd, ds, td, fd));
+        bk_to(out, dd, sizeof(float) * (size_t)(nd * ds));
+        bad += n_diff_f32(out, ref, nd * ds);
+        fprintf(stderr, "  scatter_rows n=%lld width=%lld (and gathered): %lld differ\n",
+                (long long)n, (long long)width, (long long)bad);
         CHECK(bad == 0);
-        bk_free(sd), bk_free(dd), bk_free(rd);
-        free(src), free(dst), free(ref), free(out), free(rows);
+        bk_free(sd), bk_free(dd), bk_free(rd), bk_free(fd), bk_free(td);
+        free(src), free(dst), free(ref), free(out), free(rows), free(from), free(to);
     }
 }
 
@@ -830,7 +844,14 @@ static void test_offset_list(void) {
         bk_to(out, dd, 4 * (size_t)(T * ds));
         int64_t bad = 0;
         for (int64_t i = 0; i < T * ds; i++) bad += out[i] != ref[i];
-        fprintf(stderr, "  offset_list T=%d k=%d: %lld differ\n", T, k, (long long)bad);
+        // sel NULL: entries 0..k-1 (HCA's visible entries) over the same rows.
+        for (int32_t t = 0; t < T; t++)
+            for (int32_t i = 0; i < k; i++) ref[t * ds + off[t] + i] = base[t] + i;
+        CK(g_b->vt->offset_list(g_b, NULL, T, k, bd, od, dd, ds));
+        bk_to(out, dd, 4 * (size_t)(T * ds));
+        for (int64_t i = 0; i < T * ds; i++) bad += out[i] != ref[i];
+        fprintf(stderr, "  offset_list T=%d k=%d (and sel NULL): %lld differ\n", T, k,
+                (long long)bad);
         CHECK(bad == 0);
         bk_free(sd), bk_free(bd), bk_free(od), bk_free(dd);
         free(sel), free(base), free(off), free(ref), free(out);
@@ -1159,7 +1180,7 @@ enum { GR_D = 64, GR_T = 3, GR_H = 2, GR_KEYS = 40, GR_RING = 8, GR_M = 4 };
 // One set of buffers a step reads and writes (device), as the dev forward's state.
 typedef struct gr_set {
     float *x, *y, *pool, *o, *ring, *cz, *ent, *omega, *sink;
-    int32_t *pos, *key_idx, *n_keys, *dst, *src;
+    int32_t *pos, *key_idx, *n_keys, *dst, *src, *src_rows;
 } gr_set;
 
 static gr_set gr_alloc(void) {
@@ -1178,21 +1199,23 @@ static gr_set gr_alloc(void) {
     g.n_keys = bk_alloc(sizeof(int32_t) * GR_T);
     g.dst = bk_alloc(sizeof(int32_t) * GR_T);
     g.src = bk_alloc(sizeof(int32_t) * 2 * GR_M);
+    g.src_rows = bk_alloc(sizeof(int32_t) * GR_T);
     return g;
 }
 
 static void gr_free(gr_set *g) {
-    void *ps[] = {g->x,     g->y,    g->pool, g->o,       g->ring,   g->cz,  g->ent,
-                  g->omega, g->sink, g->pos,  g->key_idx, g->n_keys, g->dst, g->src};
+    void *ps[] = {g->x,    g->y,   g->pool,    g->o,      g->ring, g->cz,  g->ent,     g->omega,
+                  g->sink, g->pos, g->key_idx, g->n_keys, g->dst,  g->src, g->src_rows};
     for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++) bk_free(ps[i]);
 }
 
 // The step's inputs for `step` (what the host uploads before a launch): positions, key lists,
-// destinations (one -1: padding), compressor sources (window 1: padding), activations.
+// destinations (one -1: padding) and gathered source rows, compressor sources (window 1:
+// padding), activations.
 static void gr_upload(const gr_set *g, int step) {
     float x[GR_T * GR_D], pool[GR_KEYS * GR_D], ring[GR_RING * GR_H * GR_D], cz[GR_T * GR_D];
     float omega[GR_D / 2], sink[GR_H] = {0.3f, -0.2f};
-    int32_t pos[GR_T], ki[GR_T * GR_KEYS], nk[GR_T], dst[GR_T], src[2 * GR_M];
+    int32_t pos[GR_T], ki[GR_T * GR_KEYS], nk[GR_T], dst[GR_T], src[2 * GR_M], from[GR_T];
     g_rng = 0x5eedull + (uint64_t)step; // the same inputs for both sets of a step
     fill_rand(x, GR_T * GR_D, 1.0f);
     fill_rand(pool, GR_KEYS * GR_D, 1.0f);
@@ -1205,6 +1228,7 @@ static void gr_upload(const gr_set *g, int step) {
         for (int j = 0; j < GR_KEYS; j++)
             ki[t * GR_KEYS + j] = (j * 3 + step + t) % 5 == 0 ? -1 : (j * 7 + step) % GR_KEYS;
         dst[t] = t == step % GR_T ? -1 : (step + 2 * t) % GR_RING;
+        from[t] = (t + step) % GR_T; // gathered rows move with the step
     }
     for (int j = 0; j < GR_M; j++) src[j] = (j + step) % GR_T; // window 0: call rows
     for (int j = GR_M; j < 2 * GR_M; j++) src[j] = DI_BACKEND_NO_ROW;
@@ -1219,6 +1243,7 @@ static void gr_upload(const gr_set *g, int step) {
     CK(g_b->vt->upload(g_b, g->n_keys, nk, sizeof nk));
     CK(g_b->vt->upload(g_b, g->dst, dst, sizeof dst));
     CK(g_b->vt->upload(g_b, g->src, src, sizeof src));
+    CK(g_b->vt->upload(g_b, g->src_rows, from, sizeof from));
 }
 
 // The step: q = W x (a tensor on the stack), per-head RMSNorm, RoPE at device positions,
@@ -1236,7 +1261,7 @@ static di_status gr_ops(const gr_set *g, const di_tensor *w_dev) {
                          GR_H, GR_D, 0.125f, g->o);
     if (st == DI_OK)
         st = b->vt->scatter_rows(b, g->o, GR_T, GR_H * GR_D, GR_H * GR_D, g->ring, GR_H * GR_D,
-                                 g->dst);
+                                 g->dst, g->src_rows);
     if (st == DI_OK)
         st = b->vt->compress_pool(b, g->x, g->cz, GR_D, g->x, g->cz, g->src, 2, GR_M, 1, GR_D,
                                   g->ent);
