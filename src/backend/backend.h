@@ -56,6 +56,11 @@ typedef struct di_backend_moe_w {
     float route_scale, swiglu_limit;
     bool shared_clamp; // the shared expert's SwiGLU is clamped too
     bool hf_eps;       // the routing-weight denominator gets + 1e-20 (model's rule)
+    // The official precision recipe (spec §2.0, model/dsv4_moe.c): FP8/FP4 expert weights see
+    // A8-quantised inputs (Q8, blocks of 128), every expert linear's output is rounded to BF16,
+    // the routing weight scales h before w2 (then h is rounded to BF16) instead of the output,
+    // and the layer's output is rounded to BF16. false: the FP32 recipe.
+    bool official;
 } di_backend_moe_w;
 
 typedef struct di_backend_vt {
@@ -140,16 +145,18 @@ typedef struct di_backend_vt {
     // softmax over {scale * q[t,h] . k_j : j < n_keys[t], key_idx[t * key_stride + j] >= 0} ∪
     // {sink[h]} (the sink takes mass, gives no value); a negative index is a masked key.
     // max_keys bounds every n_keys[t]. q, o: [T, H, dh]. Inverse RoPE of o is the caller's.
+    // round_p (the official recipe): each p_j, normalised, is rounded to BF16 before p.v.
     di_status (*attn)(di_backend *b, const float *q, const float *pool, const int32_t *key_idx,
                       int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                       const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
-                      float *o);
+                      bool round_p, float *o);
     // Lightning-indexer scores and top-k: exactly backend/cuda/indexer.cuh di_cuda_indexer_scores
     // (key_base in entries, int64) and di_cuda_topk (ties to the lower index, ascending, -1
-    // padded; k == n_vis selects all without reading scores).
+    // padded; k == n_vis selects all without reading scores). round_bf16 (the official recipe):
+    // every score is rounded to BF16.
     di_status (*index_scores)(di_backend *b, const float *qi, const float *wi, const float *keys,
                               const int64_t *key_base, const int32_t *n_vis, int32_t max_vis,
-                              int32_t n_tok, int32_t HI, int32_t DI, float *scores,
+                              int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16, float *scores,
                               int64_t score_stride);
     di_status (*topk)(di_backend *b, const float *scores, int64_t score_stride,
                       const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel);
@@ -182,6 +189,21 @@ typedef struct di_backend_vt {
     // arguments (asynchronous like them: faults surface at the next sync). Not inside a capture.
     di_status (*graph_launch)(di_backend *b, const void *graph);
     void (*graph_destroy)(di_backend *b, void *graph); // NULL: no-op
+
+    // ---- the official precision recipe (R-OFF, spec §2.0): its rounding points ----
+    // x[i] = bf16(x[i]) (tensor/quant_ref.h di_round_bf16: nearest even) for i < n.
+    di_status (*round_bf16)(di_backend *b, float *x, int64_t n);
+    // Over n_rows rows `stride` floats apart: y[r, :n] = the fake-quantised x[r, :n] per block of
+    // `block` values, bits 8: Q8 (e4m3, di_fake_quant_q8), bits 4: Q4 (e2m1, di_fake_quant_q4),
+    // exactly tensor/quant_ref.c (power-of-two scales; a block with a non-finite value becomes
+    // NaN). y may be x (in place); the columns past n are not touched. DI_ERR_INVALID unless
+    // block >= 1 divides n and block <= 1024, bits is 8 or 4.
+    di_status (*fake_quant)(di_backend *b, const float *x, int64_t n_rows, int64_t n,
+                            int64_t stride, int32_t block, int32_t bits, float *y);
+    // In place over n_rows contiguous rows of n floats: the scaled Walsh-Hadamard transform of
+    // di_hadamard (the same butterfly order, then * fl32(n^-1/2)). DI_ERR_INVALID unless n is a
+    // power of two <= 1024.
+    di_status (*hadamard)(di_backend *b, float *x, int64_t n_rows, int64_t n);
 } di_backend_vt;
 
 struct di_backend {

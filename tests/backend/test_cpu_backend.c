@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "tensor/quant_ref.h" // di_round_bf16, di_fake_quant_q8/q4, di_hadamard
 
 // The backend runs the same float operations in the same order as these loops; only a compiler
 // contracting a multiply-add differently could move a result, by an ulp or so.
@@ -89,8 +90,10 @@ static void test_attn(void) {
                             masked[2 * 4] = {0, -1, 2, 4, 0, 0, 0, 0};
     const int32_t n_dense[2] = {3, 0}, n_masked[2] = {4, 0};
     const float scale = 1.0f / sqrtf(DH);
-    CHECK_EQ(g_b->vt->attn(g_b, q, pool, dense, 4, n_dense, 4, sink, 2, H, DH, scale, o1), DI_OK);
-    CHECK_EQ(g_b->vt->attn(g_b, q, pool, masked, 4, n_masked, 4, sink, 2, H, DH, scale, o2), DI_OK);
+    CHECK_EQ(g_b->vt->attn(g_b, q, pool, dense, 4, n_dense, 4, sink, 2, H, DH, scale, false, o1),
+             DI_OK);
+    CHECK_EQ(g_b->vt->attn(g_b, q, pool, masked, 4, n_masked, 4, sink, 2, H, DH, scale, false, o2),
+             DI_OK);
     CHECK(memcmp(o1, o2, sizeof o1) == 0);
     for (int i = H * DH; i < 2 * H * DH; i++) CHECK_EQ(o1[i], 0.0f);
     // Head 0 of row 0 by hand.
@@ -106,10 +109,67 @@ static void test_attn(void) {
     for (int j = 0; j < 3; j++)
         for (int i = 0; i < DH; i++) out[i] += s[j] / den * pool[dense[j] * DH + i];
     for (int i = 0; i < DH; i++) CHECK_NEAR(o1[i], out[i], 1e-5);
+    // round_p (the official recipe): p normalised, then rounded to BF16, before p.v.
+    CHECK_EQ(g_b->vt->attn(g_b, q, pool, dense, 4, n_dense, 4, sink, 2, H, DH, scale, true, o2),
+             DI_OK);
+    float out_r[DH] = {0};
+    for (int j = 0; j < 3; j++)
+        for (int i = 0; i < DH; i++)
+            out_r[i] += di_round_bf16(s[j] * (1.0f / den)) * pool[dense[j] * DH + i];
+    for (int i = 0; i < DH; i++) CHECK_NEAR(o2[i], out_r[i], 1e-6);
+    CHECK(memcmp(o1, o2, sizeof(float) * DH) != 0);
     // n_keys beyond max_keys is refused.
     const int32_t too_many[2] = {5, 0};
-    CHECK_EQ(g_b->vt->attn(g_b, q, pool, dense, 4, too_many, 4, sink, 2, H, DH, scale, o1),
+    CHECK_EQ(g_b->vt->attn(g_b, q, pool, dense, 4, too_many, 4, sink, 2, H, DH, scale, false, o1),
              DI_ERR_INVALID);
+}
+
+// The official recipe's rounding points: exactly tensor/quant_ref.c, row by row.
+static void test_official_ops(void) {
+    enum { R = 3, N = 64, S = 72 };
+    float x[R * S], y[R * S], want[R * S];
+    for (int i = 0; i < R * S; i++) x[i] = (float)(sin(i * 0.731) * exp(0.05 * (i % 37)));
+    x[5] = 0.0f, x[N + 3] = -1e-7f; // a zero and a tiny value
+    // round_bf16
+    memcpy(y, x, sizeof x);
+    CHECK_EQ(g_b->vt->round_bf16(g_b, y, R * S), DI_OK);
+    for (int i = 0; i < R * S; i++) CHECK_EQ(y[i], di_round_bf16(x[i]));
+    // fake_quant Q8 / Q4, out of place (y keeps its columns past n) and in place.
+    for (int bits = 8; bits >= 4; bits -= 4) {
+        const int block = bits == 8 ? 64 : 32;
+        memcpy(want, x, sizeof x);
+        for (int r = 0; r < R; r++) {
+            if (bits == 8)
+                di_fake_quant_q8(want + r * S, N, block);
+            else
+                di_fake_quant_q4(want + r * S, N, block);
+        }
+        for (int i = 0; i < R * S; i++) y[i] = -7.0f;
+        CHECK_EQ(g_b->vt->fake_quant(g_b, x, R, N, S, block, bits, y), DI_OK);
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < S; i++) CHECK_EQ(y[r * S + i], i < N ? want[r * S + i] : -7.0f);
+        memcpy(y, x, sizeof x);
+        CHECK_EQ(g_b->vt->fake_quant(g_b, y, R, N, S, block, bits, y), DI_OK);
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < S; i++)
+                CHECK_EQ(y[r * S + i], i < N ? want[r * S + i] : x[r * S + i]);
+    }
+    // A non-finite value turns its block into NaN, the other blocks are kept.
+    memcpy(y, x, sizeof x);
+    y[1] = INFINITY;
+    CHECK_EQ(g_b->vt->fake_quant(g_b, y, 1, N, S, 32, 8, y), DI_OK);
+    CHECK(isnan(y[0]) && isnan(y[31]) && !isnan(y[32]));
+    // hadamard
+    memcpy(y, x, sizeof x);
+    memcpy(want, x, sizeof x);
+    CHECK_EQ(g_b->vt->hadamard(g_b, y, 2, 64), DI_OK);
+    di_hadamard(want, 64);
+    di_hadamard(want + 64, 64);
+    for (int i = 0; i < R * S; i++) CHECK_EQ(y[i], want[i]);
+    // Refused shapes.
+    CHECK_EQ(g_b->vt->fake_quant(g_b, x, 1, N, S, 48, 8, y), DI_ERR_INVALID); // 48 does not divide
+    CHECK_EQ(g_b->vt->fake_quant(g_b, x, 1, N, S, 32, 6, y), DI_ERR_INVALID); // bits
+    CHECK_EQ(g_b->vt->hadamard(g_b, y, 1, 48), DI_ERR_INVALID);               // not a power of 2
 }
 
 static void test_topk_offsets(void) {
@@ -195,7 +255,12 @@ static di_status g_ops(gbuf *g, float eps) {
     if (st == DI_OK) st = b->vt->rope(b, g->y, G_T, G_D, G_D, 4, g->omega, g->pos, 1, 1.0f, false);
     if (st == DI_OK)
         st = b->vt->attn(b, g->y, g->pool, g->key_idx, G_KEYS, g->n_keys, G_KEYS, g->sink, G_T, 1,
-                         G_D, 0.5f, g->o);
+                         G_D, 0.5f, true, g->o);
+    // The official recipe's ops: recorded and replayed like the others.
+    if (st == DI_OK) st = b->vt->round_bf16(b, g->o, G_T * G_D);
+    if (st == DI_OK) st = b->vt->fake_quant(b, g->o, G_T, 4, G_D, 4, 8, g->y);
+    if (st == DI_OK) st = b->vt->hadamard(b, g->o, G_T, G_D);
+    if (st == DI_OK) st = b->vt->fake_quant(b, g->o, G_T, G_D, G_D, 4, 4, g->y);
     if (st == DI_OK)
         st = b->vt->scatter_rows(b, g->o, G_T, G_D, G_D, g->ring, G_D, g->dst, g->src_rows);
     if (st == DI_OK) st = b->vt->copy(b, g->cp, g->o, sizeof g->cp);
@@ -240,6 +305,7 @@ static void test_graph(void) {
         CHECK_EQ(vt->graph_launch(g_b, graph), DI_OK);
         CHECK_EQ(g_ops(r, 1e-6f), DI_OK);
         CHECK(memcmp(a->o, r->o, sizeof a->o) == 0);
+        CHECK(memcmp(a->y, r->y, sizeof a->y) == 0);
         CHECK(memcmp(a->ring, r->ring, sizeof a->ring) == 0);
         CHECK(memcmp(a->cp, r->cp, sizeof a->cp) == 0);
         CHECK(memcmp(a->x, r->x, sizeof a->x) == 0);
@@ -301,6 +367,7 @@ int main(void) {
     RUN(test_alloc);
     RUN(test_compress_pool);
     RUN(test_attn);
+    RUN(test_official_ops);
     RUN(test_topk_offsets);
     RUN(test_rows);
     RUN(test_padding);

@@ -1,9 +1,10 @@
 // cpu_backend — the backend vtable (backend.h) on host memory with the CPU kernels: the oracle twin
 // of the CUDA backend. Every op repeats the arithmetic of the model's own CPU forward
-// (model/dsv4.c, dsv4_attn.c, dsv4_moe.c in the FP32 recipe) on the same kernels (di_cpu_matmul,
-// vec.h, ref_ops.h), in the same order, so the device-resident forward run here reproduces
-// di_session_forward (tests/model/test_dev_forward.c). Memory is host memory: upload, download
-// and copy are memcpy, sync does nothing, weights are used in place (weight_upload makes no copy).
+// (model/dsv4.c, dsv4_attn.c, dsv4_moe.c, in the FP32 and the official recipe) on the same kernels
+// (di_cpu_matmul, vec.h, ref_ops.h), in the same order, so the device-resident forward run here
+// reproduces di_session_forward (tests/model/test_dev_forward.c). Memory is host memory: upload,
+// download and copy are memcpy, sync does nothing, weights are used in place (weight_upload makes
+// no copy).
 //
 // Graphs (the twin of CUDA graph capture): between graph_begin and graph_end every op, memset and
 // copy is recorded as a command (the entry and all its arguments by value) instead of run, and
@@ -27,6 +28,7 @@
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/thread.h"
+#include "tensor/quant_ref.h" // di_round_bf16, di_fake_quant_q8/q4, di_hadamard
 
 // Key rows handed to the vec.h kernels at once (model/dsv4.h DI_DSV4_KEY_CHUNK: the same chunks,
 // though the results do not depend on them) and heads of a row sharing them (DI_DSV4_HEAD_GROUP).
@@ -77,6 +79,9 @@ typedef enum cmd_op {
     CMD_INDEX_SCORES,
     CMD_TOPK,
     CMD_OFFSET_LIST,
+    CMD_ROUND_BF16,
+    CMD_FAKE_QUANT,
+    CMD_HADAMARD,
 } cmd_op;
 
 // One recorded entry: its arguments by value (tensors and the MoE weight struct copied: the
@@ -183,6 +188,7 @@ typedef struct cmd {
             const float *sink;
             int32_t n_tok, H, dh;
             float scale;
+            bool round_p;
             float *o;
         } attn;
         struct {
@@ -190,6 +196,7 @@ typedef struct cmd {
             const int64_t *key_base;
             const int32_t *n_vis;
             int32_t max_vis, n_tok, HI, DI;
+            bool round_bf16;
             float *scores;
             int64_t score_stride;
         } index_scores;
@@ -207,6 +214,20 @@ typedef struct cmd {
             int32_t *dst;
             int64_t dst_stride;
         } offset_list;
+        struct {
+            float *x;
+            int64_t n;
+        } round_bf16;
+        struct {
+            const float *x;
+            int64_t n_rows, n, stride;
+            int32_t block, bits;
+            float *y;
+        } fake_quant;
+        struct {
+            float *x;
+            int64_t n_rows, n;
+        } hadamard;
     } u;
 } cmd;
 
@@ -455,7 +476,7 @@ static di_status cpu_mhc_post(di_backend *b, const float *o, float *x, const flo
     return DI_OK;
 }
 
-// ---- MoE (model/dsv4_moe.c, FP32 recipe) ----
+// ---- MoE (model/dsv4_moe.c) ----
 
 static di_status grow_f(float **p, size_t *cap, size_t need) {
     if (need <= *cap) return DI_OK;
@@ -489,16 +510,39 @@ static void swiglu(float *g, const float *u, int64_t n, float limit) {
     }
 }
 
-// One expert on n rows of x [n, D] -> y [n, D]; weight (per row, may be NULL) scales the output.
+static void round_all(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = di_round_bf16(x[i]);
+}
+
+// y = W x (model/dsv4_attn.c di_dsv4_linear): official, FP8/FP4 weights see A8 of x (Q8, blocks
+// of 128, into xq [n, K]) and the output is rounded to BF16.
+static void linear(cpu_impl *c, const di_tensor *w, const float *x, int32_t n, float *xq, float *y,
+                   bool official) {
+    const int64_t K = w->ne[0], N = w->ne[1];
+    if (official && (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)) {
+        memcpy(xq, x, sizeof(float) * (size_t)n * (size_t)K);
+        for (int32_t r = 0; r < n; r++) di_fake_quant_q8(xq + (int64_t)r * K, K, 128);
+        x = xq;
+    }
+    di_cpu_matmul(&c->cpu, w, x, n, K, y, N);
+    if (official) round_all(y, (int64_t)n * N);
+}
+
+// One expert on n rows of x [n, D] -> y [n, D]; weight (per row, may be NULL) scales the output
+// (FP32 recipe) or h before w2 (official: dsv4_moe.c expert). xq: A8 scratch [n, max(D, F)].
 static void expert(cpu_impl *c, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
                    const float *x, int32_t n, int64_t D, float limit, const float *weight, float *g,
-                   float *u, float *y) {
+                   float *u, float *y, float *xq, bool official) {
     const int64_t F = w1->ne[1];
-    di_cpu_matmul(&c->cpu, w1, x, n, D, g, F); // gate: [n, F]
-    di_cpu_matmul(&c->cpu, w3, x, n, D, u, F); // up:   [n, F]
+    linear(c, w1, x, n, xq, g, official); // gate: [n, F]
+    linear(c, w3, x, n, xq, u, official); // up:   [n, F]
     swiglu(g, u, (int64_t)n * F, limit);
-    di_cpu_matmul(&c->cpu, w2, g, n, F, y, D); // [n, D]
-    if (weight)
+    if (official && weight)
+        for (int32_t r = 0; r < n; r++)
+            for (int64_t i = 0; i < F; i++) g[r * F + i] *= weight[r];
+    if (official) round_all(g, (int64_t)n * F);
+    linear(c, w2, g, n, xq, y, official); // [n, D]
+    if (!official && weight)
         for (int32_t r = 0; r < n; r++)
             for (int64_t i = 0; i < D; i++) y[r * D + i] *= weight[r];
 }
@@ -516,11 +560,12 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
     di_status st = ensure_row(c, widest);
     if (st != DI_OK) return st;
     // Floats: score [T, E], wgt [T, K], rw [T*K], xin [T*K, D], g, u [max(T*K, T), F], yout
-    // [max(T*K, T), D] (the shared expert runs on all T rows).
+    // [max(T*K, T), D] (the shared expert runs on all T rows), official: xq [max(T*K, T), widest].
     const size_t T = (size_t)n_tok, TK = T * (size_t)K, TR = TK > T ? TK : T;
     const size_t o_score = 0, o_wgt = o_score + T * (size_t)E, o_rw = o_wgt + TK, o_xin = o_rw + TK,
                  o_g = o_xin + TK * (size_t)D, o_u = o_g + TR * (size_t)F,
-                 o_y = o_u + TR * (size_t)F, n_f = o_y + TR * (size_t)D;
+                 o_y = o_u + TR * (size_t)F, o_xq = o_y + TR * (size_t)D,
+                 n_f = o_xq + (w->official ? TR * (size_t)widest : 0);
     if ((st = grow_f(&c->moe_f, &c->moe_f_cap, n_f)) != DI_OK ||
         (st = grow_i(&c->moe_i, &c->moe_i_cap, 2 * TK)) != DI_OK) {
         DI_LOG_ERROR("cpu backend: cannot allocate MoE scratch for %d rows", n_tok);
@@ -528,7 +573,7 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
     }
     float *score = c->moe_f + o_score, *wgt = c->moe_f + o_wgt, *rw = c->moe_f + o_rw;
     float *xin = c->moe_f + o_xin, *g = c->moe_f + o_g, *u = c->moe_f + o_u;
-    float *yout = c->moe_f + o_y;
+    float *yout = c->moe_f + o_y, *xq = w->official ? c->moe_f + o_xq : NULL;
     int32_t *sel = c->moe_i, *rows = c->moe_i + TK;
 
     // Router in FP32: s = sqrt(softplus(gate . f)).
@@ -556,7 +601,8 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
             }
         }
         if (n == 0) continue;
-        expert(c, &w->w1[e], &w->w3[e], &w->w2[e], xin, n, D, w->swiglu_limit, rw, g, u, yout);
+        expert(c, &w->w1[e], &w->w3[e], &w->w2[e], xin, n, D, w->swiglu_limit, rw, g, u, yout, xq,
+               w->official);
         for (int32_t r = 0; r < n; r++) {
             float *o = out + (int64_t)rows[r] * D;
             const float *y = yout + (int64_t)r * D;
@@ -565,8 +611,9 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
     }
     // Shared expert on every row, then one sum.
     expert(c, &w->sh_w1, &w->sh_w3, &w->sh_w2, f, n_tok, D, w->shared_clamp ? w->swiglu_limit : 0,
-           NULL, g, u, yout);
+           NULL, g, u, yout, xq, w->official);
     for (int64_t i = 0; i < (int64_t)n_tok * D; i++) out[i] += yout[i];
+    if (w->official) round_all(out, (int64_t)n_tok * D);
     return DI_OK;
 }
 
@@ -676,6 +723,7 @@ typedef struct attn_ctx {
     int64_t key_stride;
     int32_t n_tok, H, dh;
     float scale;
+    bool round_p;
     float *o;
 } attn_ctx;
 
@@ -713,7 +761,10 @@ static void attn_task(void *p, int ith, int nth) {
             float den = expf(a->sink[h0 + h] - mx); // the sink takes mass, gives no value
             for (int64_t j = 0; j < n_k; j++) den += (s[j] = expf(s[j] - mx));
             float inv = 1.0f / den;
-            for (int64_t j = 0; j < n_k; j++) s[j] *= inv;
+            for (int64_t j = 0; j < n_k; j++) {
+                s[j] *= inv;
+                if (a->round_p) s[j] = di_round_bf16(s[j]); // official: BF16 p
+            }
         }
         memset(o, 0, sizeof(float) * (size_t)nh * (size_t)dh);
         for (int64_t j0 = 0; j0 < n_k; j0 += KEY_CHUNK) {
@@ -727,10 +778,10 @@ static void attn_task(void *p, int ith, int nth) {
 static di_status cpu_attn(di_backend *b, const float *q, const float *pool, const int32_t *key_idx,
                           int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                           const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
-                          float *o) {
+                          bool round_p, float *o) {
     cpu_impl *c = impl_of(b);
     RECORD(c, CMD_ATTN, attn, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-           scale, o);
+           scale, round_p, o);
     if (n_tok <= 0) return DI_OK;
     if (max_keys < 0 || H < 1 || dh < 1 || key_stride < max_keys) return DI_ERR_INVALID;
     for (int32_t t = 0; t < n_tok; t++)
@@ -740,7 +791,7 @@ static di_status cpu_attn(di_backend *b, const float *q, const float *pool, cons
         DI_LOG_ERROR("cpu backend: cannot allocate attention scratch for %d keys", max_keys);
         return DI_ERR_NOMEM;
     }
-    attn_ctx a = {c, q, pool, sink, key_idx, n_keys, key_stride, n_tok, H, dh, scale, o};
+    attn_ctx a = {c, q, pool, sink, key_idx, n_keys, key_stride, n_tok, H, dh, scale, round_p, o};
     di_pool_run(c->pool, attn_task, &a);
     return DI_OK;
 }
@@ -751,6 +802,7 @@ typedef struct index_ctx {
     const int64_t *key_base;
     const int32_t *n_vis;
     int32_t n_tok, HI, DI;
+    bool round_bf16;
     float *scores;
     int64_t score_stride;
 } index_ctx;
@@ -768,22 +820,24 @@ static void index_task(void *p, int ith, int nth) {
             di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI, x->HI,
                                 kp, nk, x->DI, x->scores + t * x->score_stride + w0);
         }
+        if (x->round_bf16) round_all(x->scores + t * x->score_stride, x->n_vis[t]);
     }
 }
 
 static di_status cpu_index_scores(di_backend *b, const float *qi, const float *wi,
                                   const float *keys, const int64_t *key_base, const int32_t *n_vis,
                                   int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
-                                  float *scores, int64_t score_stride) {
+                                  bool round_bf16, float *scores, int64_t score_stride) {
     cpu_impl *c = impl_of(b);
     RECORD(c, CMD_INDEX_SCORES, index_scores, qi, wi, keys, key_base, n_vis, max_vis, n_tok, HI, DI,
-           scores, score_stride);
+           round_bf16, scores, score_stride);
     if (n_tok <= 0) return DI_OK;
     if (score_stride < max_vis || HI < 1 || DI < 1) return DI_ERR_INVALID;
     for (int32_t t = 0; t < n_tok; t++)
         if (n_vis[t] < 0 || n_vis[t] > max_vis) return DI_ERR_INVALID;
     if (grow_scratch(c, KEY_CHUNK, 0) != DI_OK) return DI_ERR_NOMEM;
-    index_ctx x = {c, qi, wi, keys, key_base, n_vis, n_tok, HI, DI, scores, score_stride};
+    index_ctx x = {c,     qi, wi, keys,       key_base, n_vis,
+                   n_tok, HI, DI, round_bf16, scores,   score_stride};
     di_pool_run(c->pool, index_task, &x);
     return DI_OK;
 }
@@ -814,6 +868,37 @@ static di_status cpu_offset_list(di_backend *b, const int32_t *sel, int32_t n_to
             int32_t s = sel ? sel[(int64_t)t * k + i] : i; // NULL: entry i
             dst[t * dst_stride + off[t] + i] = s >= 0 ? base[t] + s : -1;
         }
+    return DI_OK;
+}
+
+// ---- the official recipe's rounding points (tensor/quant_ref.c) ----
+
+static di_status cpu_round_bf16(di_backend *b, float *x, int64_t n) {
+    RECORD(impl_of(b), CMD_ROUND_BF16, round_bf16, x, n);
+    round_all(x, n);
+    return DI_OK;
+}
+
+static di_status cpu_fake_quant(di_backend *b, const float *x, int64_t n_rows, int64_t n,
+                                int64_t stride, int32_t block, int32_t bits, float *y) {
+    RECORD(impl_of(b), CMD_FAKE_QUANT, fake_quant, x, n_rows, n, stride, block, bits, y);
+    if (block < 1 || block > 1024 || n % block != 0 || (bits != 8 && bits != 4) || n > stride)
+        return DI_ERR_INVALID;
+    for (int64_t r = 0; r < n_rows; r++) {
+        float *yr = y + r * stride;
+        if (yr != x + r * stride) memcpy(yr, x + r * stride, sizeof(float) * (size_t)n);
+        if (bits == 8)
+            di_fake_quant_q8(yr, n, block);
+        else
+            di_fake_quant_q4(yr, n, block);
+    }
+    return DI_OK;
+}
+
+static di_status cpu_hadamard(di_backend *b, float *x, int64_t n_rows, int64_t n) {
+    RECORD(impl_of(b), CMD_HADAMARD, hadamard, x, n_rows, n);
+    if (n < 1 || n > 1024 || (n & (n - 1)) != 0) return DI_ERR_INVALID;
+    for (int64_t r = 0; r < n_rows; r++) di_hadamard(x + r * n, n);
     return DI_OK;
 }
 
@@ -902,13 +987,13 @@ static di_status replay(di_backend *b, const cmd *k) {
     case CMD_ATTN:
         return cpu_attn(b, A(attn).q, A(attn).pool, A(attn).key_idx, A(attn).key_stride,
                         A(attn).n_keys, A(attn).max_keys, A(attn).sink, A(attn).n_tok, A(attn).H,
-                        A(attn).dh, A(attn).scale, A(attn).o);
+                        A(attn).dh, A(attn).scale, A(attn).round_p, A(attn).o);
     case CMD_INDEX_SCORES:
         return cpu_index_scores(b, A(index_scores).qi, A(index_scores).wi, A(index_scores).keys,
                                 A(index_scores).key_base, A(index_scores).n_vis,
                                 A(index_scores).max_vis, A(index_scores).n_tok, A(index_scores).HI,
-                                A(index_scores).DI, A(index_scores).scores,
-                                A(index_scores).score_stride);
+                                A(index_scores).DI, A(index_scores).round_bf16,
+                                A(index_scores).scores, A(index_scores).score_stride);
     case CMD_TOPK:
         return cpu_topk(b, A(topk).scores, A(topk).score_stride, A(topk).n_vis, A(topk).n_tok,
                         A(topk).topk, A(topk).sel);
@@ -916,6 +1001,14 @@ static di_status replay(di_backend *b, const cmd *k) {
         return cpu_offset_list(b, A(offset_list).sel, A(offset_list).n_tok, A(offset_list).k,
                                A(offset_list).base, A(offset_list).off, A(offset_list).dst,
                                A(offset_list).dst_stride);
+    case CMD_ROUND_BF16:
+        return cpu_round_bf16(b, A(round_bf16).x, A(round_bf16).n);
+    case CMD_FAKE_QUANT:
+        return cpu_fake_quant(b, A(fake_quant).x, A(fake_quant).n_rows, A(fake_quant).n,
+                              A(fake_quant).stride, A(fake_quant).block, A(fake_quant).bits,
+                              A(fake_quant).y);
+    case CMD_HADAMARD:
+        return cpu_hadamard(b, A(hadamard).x, A(hadamard).n_rows, A(hadamard).n);
 #undef A
     }
     return DI_ERR_INVALID;
@@ -1000,6 +1093,9 @@ static const di_backend_vt cpu_vt = {
     .graph_end = cpu_graph_end,
     .graph_launch = cpu_graph_launch,
     .graph_destroy = cpu_graph_destroy,
+    .round_bf16 = cpu_round_bf16,
+    .fake_quant = cpu_fake_quant,
+    .hadamard = cpu_hadamard,
 };
 
 di_status di_cpu_backend_create(int n_threads, di_backend **out) {
