@@ -81,13 +81,13 @@ static const char *find_gguf(const char *dir, char *buf, size_t cap) {
     return n == 1 ? buf : NULL;
 }
 
-// --device cuda: the device-resident forward (dsv4_dev.h) for sessions, when the model and recipe
-// allow it (V4, FP32); otherwise (and for MTP sessions and the engine) the offloaded CPU forward.
+// --device cuda: the device-resident forward (dsv4_dev.h) for sessions, when the model allows it
+// (V4, either precision recipe); otherwise (and for MTP sessions and the engine) the offloaded CPU
+// forward.
 static di_status open_dev(di_model *m) {
-    if (m->hp.v41 || m->opt.precision != DI_PRECISION_FP32) {
-        DI_LOG_INFO("device: no device-resident forward for %s (V4 in the FP32 recipe only); "
-                    "sessions use the offloaded matmuls",
-                    m->hp.v41 ? "DeepSeek V4.1" : "the official precision recipe");
+    if (m->hp.v41) {
+        DI_LOG_INFO("device: no device-resident forward for DeepSeek V4.1 (V4 only); sessions use "
+                    "the offloaded matmuls");
         return DI_OK;
     }
     di_status st = di_backend_open(&m->opt.device, m->opt.n_threads, &m->dev_backend);

@@ -1,5 +1,8 @@
 // dsv4_dev — the device-resident V4 forward on a backend (dsv4_dev.h). It mirrors model/dsv4.c,
-// dsv4_attn.c and dsv4_moe.c op for op in the FP32 recipe; where those keep sequential state
+// dsv4_attn.c and dsv4_moe.c op for op in the FP32 recipe and in the official one (R-OFF: every
+// BF16 rounding, A8 / Q8 / Hadamard + Q4 point of the CPU forward, in the same order, through the
+// backend's round_bf16, fake_quant and hadamard and the flags of attn, index_scores and moe);
+// where those keep sequential state
 // (compressor buffers, rings) this file keeps rows in backend pools and lists on the host which
 // rows each op reads. Sections: weights, state, per-call metadata, the layer, checks, decode
 // graphs, the call.
@@ -53,6 +56,7 @@ struct di_dsv4_dev {
     dev_layer *layers;                  // owned [n_layer]
     void **blocks;                      // owned list of backend blocks freed at destroy
     int32_t n_blocks, cap_blocks;
+    bool official; // the official precision recipe (R-OFF, spec §2.0)
 };
 
 static di_status track(di_dsv4_dev *d, void *p) {
@@ -154,7 +158,7 @@ static di_status up_layer(di_dsv4_dev *d, const di_dsv4_layer_w *lw, dev_layer *
         DI_TRY(up_weight(d, &lw->idx_wq_b, &out->idx_wq_b));
         DI_TRY(up_weight(d, &lw->idx_weights_proj, &out->idx_weights_proj));
     }
-    // MoE: the CPU forward's fields, uploaded (FP32 recipe: hf_eps, output scaled by the weight).
+    // MoE: the CPU forward's fields, uploaded (and its recipe: dsv4_moe.c).
     di_backend_moe_w *mw = &out->moe;
     const int32_t E = lw->n_expert, K = lw->n_expert_used;
     mw->n_expert = E;
@@ -164,7 +168,9 @@ static di_status up_layer(di_dsv4_dev *d, const di_dsv4_layer_w *lw, dev_layer *
     mw->route_scale = hp->route_scale;
     mw->swiglu_limit = hp->swiglu_limit;
     mw->shared_clamp = hp->shared_expert_clamp;
-    mw->hf_eps = true;
+    // dsv4_moe.c: R-HF's denominator epsilon; V4's official recipe has none.
+    mw->official = m->opt.precision == DI_PRECISION_OFFICIAL;
+    mw->hf_eps = !mw->official;
     DI_TRY(up_weight(d, &lw->gate, &mw->gate));
     if (lw->hash_routed) {
         void *p = NULL;
@@ -193,8 +199,8 @@ di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
         DI_LOG_ERROR("dev forward: DeepSeek V4.1 models are not supported (V4 only)");
         return DI_ERR_UNSUPPORTED;
     }
-    if (m->opt.precision != DI_PRECISION_FP32) {
-        DI_LOG_ERROR("dev forward: only the FP32 precision recipe is supported");
+    if (m->opt.precision != DI_PRECISION_FP32 && m->opt.precision != DI_PRECISION_OFFICIAL) {
+        DI_LOG_ERROR("dev forward: unknown precision recipe %d", (int)m->opt.precision);
         return DI_ERR_UNSUPPORTED;
     }
     if (hp->hc_mult > 16 || hp->hc_mult < 1) {
@@ -207,6 +213,7 @@ di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
     if (!d) return DI_ERR_NOMEM;
     d->m = m;
     d->b = b;
+    d->official = m->opt.precision == DI_PRECISION_OFFICIAL;
     d->layers = di_calloc((size_t)hp->n_layer, sizeof *d->layers);
     int32_t max_e = 1;
     for (int il = 0; il < hp->n_layer; il++)
@@ -301,6 +308,7 @@ struct di_dsv4_dev_state {
     int8_t *layer_cls; // owned [n_layer]
     // scratch (backend), sized for max_rows rows
     float *x, *a, *out, *post, *comb, *mix, *qr, *q, *o, *u, *cc, *cz, *ent, *iq, *iw, *scores;
+    float *aq; // official recipe: A8-quantised linear inputs [max_rows, max(D, Rq, G*Ro)]
     float *hx, *h, *logits;
     int32_t *sel;
     int32_t *zeros; // [max_rows] of 0: key_lists' base and offset of the window keys
@@ -553,6 +561,11 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     DI_TRY(st_floats(s, HC * nc * D, &s->hx));
     DI_TRY(st_floats(s, HC * D, &s->h));
     DI_TRY(st_floats(s, HC * hp->n_vocab, &s->logits));
+    if (d->official) {
+        int64_t w = D > Rq ? D : Rq;
+        if (G * Ro > w) w = G * Ro;
+        DI_TRY(st_floats(s, T * w, &s->aq));
+    }
     void *p = NULL;
     DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk, &p));
     s->sel = p;
@@ -745,13 +758,42 @@ typedef struct call {
         c->s->stats.last_ops++;                                                                    \
         DI_TRY(B->vt->name(B, __VA_ARGS__));                                                       \
     } while (0)
+// A rounding point of the official recipe (model/dsv4.c di_dsv4_round): n floats from x to BF16;
+// nothing in the FP32 recipe.
+#define ROUND(x_, n_)                                                                              \
+    do {                                                                                           \
+        if (c->s->d->official) OP(round_bf16, (x_), (int64_t)(n_));                                \
+    } while (0)
+
+// y = W x for the call's rows (model/dsv4_attn.c di_dsv4_linear): in the official recipe FP8/FP4
+// weights with act_quant see A8(x) (Q8, blocks of 128, into the state's aq scratch) and the
+// output rows (contiguous: ys == W's rows) are rounded to BF16.
+static di_status linear(const call *c, const di_tensor *w, const float *x, int64_t xs, float *y,
+                        int64_t ys, bool act_quant) {
+    di_dsv4_dev_state *s = c->s;
+    const int64_t K = w->ne[0], N = w->ne[1];
+    di_status st = DI_OK;
+    if (s->d->official && act_quant &&
+        (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)) {
+        OP(fake_quant, x, c->T, K, xs, 128, 8, s->aq); // aq rows xs apart, like x
+        x = s->aq;
+    }
+    OP(matmul, w, x, c->T, xs, y, ys);
+    DI_ASSERT(!s->d->official || ys == N);
+    ROUND(y, (int64_t)c->T * N);
+    return DI_OK;
+fail:
+    return st;
+}
 
 // One compressor on this call's rows (model/dsv4_attn.c run_compressor + compressor_step):
 // project C and Z, add the position bias, pool every closing window from this call's rows and the
 // ring, normalise and rotate the entries, scatter them into their pool, then ring the last tokens.
+// Official recipe (dsv4_attn.c finalise_entry): the entries are rounded to BF16 around the norm
+// and the rotation, then Q8 on the nope dims (main) or Hadamard, BF16 and Q4 (indexer).
 static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class *k, const float *a,
-                            float *ring_c, float *ring_z, float *pool, int64_t pool_stride,
-                            const int32_t *ent_dst) {
+                            bool indexer, float *ring_c, float *ring_z, float *pool,
+                            int64_t pool_stride, const int32_t *ent_dst) {
     di_dsv4_dev_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     const int64_t width = (int64_t)cw->c * cw->d, D = hp->n_embd;
@@ -762,9 +804,21 @@ static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class 
     // Every window that may close in a call of this shape (padding: entry 0, scattered nowhere).
     OP(compress_pool, s->cc, s->cz, width, ring_c, ring_z, D32(k->src), k->n_pool, cw->m, cw->c,
        cw->d, s->ent); // entries: [n_pool, d]
+    const int64_t n_ent = (int64_t)k->n_pool * cw->d;
+    const int32_t n_rot = hp->rope_compress.n_dims;
+    ROUND(s->ent, n_ent);
     OP(rmsnorm, s->ent, k->n_pool, cw->d, cw->d, cw->norm, hp->norm_eps);
-    OP(rope, s->ent, k->n_pool, cw->d, cw->d, hp->rope_compress.n_dims, s->d->omega_compress,
-       D32(k->ent_pos), 1, hp->rope_compress.attention_factor, false);
+    ROUND(s->ent, n_ent);
+    OP(rope, s->ent, k->n_pool, cw->d, cw->d, n_rot, s->d->omega_compress, D32(k->ent_pos), 1,
+       hp->rope_compress.attention_factor, false);
+    ROUND(s->ent, n_ent);
+    if (s->d->official && indexer) {
+        OP(hadamard, s->ent, k->n_pool, cw->d);
+        ROUND(s->ent, n_ent);
+        OP(fake_quant, s->ent, k->n_pool, cw->d, cw->d, 32, 4, s->ent);
+    } else if (s->d->official) {
+        OP(fake_quant, s->ent, k->n_pool, cw->d - n_rot, cw->d, 64, 8, s->ent);
+    }
     OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, pool, pool_stride, ent_dst, NULL);
     // Every sequence's last min(n_tok, R) token rows into its ring: one gather-scatter each.
     OP(scatter_rows, s->cc, k->n_rd, width, width, ring_c, width, D32(k->ring_dst),
@@ -793,52 +847,73 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     const int32_t *pos = D32(s->pos);
     di_status st = DI_OK;
 
+    const bool official = d->official;
     // q path: qr = RMSNorm(wq_a a); q = per-head RMS(wq_b qr); RoPE.
-    OP(matmul, &lw->wq_a, a, T, D, s->qr, Rq); // qr: [T, Rq]
+    DI_TRY(linear(c, &lw->wq_a, a, D, s->qr, Rq, true)); // qr: [T, Rq]
     OP(rmsnorm, s->qr, T, Rq, Rq, lw->q_norm, hp->norm_eps);
-    OP(matmul, &lw->wq_b, s->qr, T, Rq, s->q, H * Dh); // q: [T, H, Dh]
+    ROUND(s->qr, T * Rq);
+    DI_TRY(linear(c, &lw->wq_b, s->qr, Rq, s->q, H * Dh, true)); // q: [T, H, Dh]
     OP(rmsnorm, s->q, T * H, Dh, Dh, NULL, hp->norm_eps);
     OP(rope, s->q, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, false);
-    // kv path: straight into this call's rows of the layer's KV pool.
+    ROUND(s->q, T * H * Dh);
+    // kv path: straight into this call's rows of the layer's KV pool (official: BF16, then Q8 of
+    // the nope dims in blocks of 64, so the pool rows hold Q8-exact values).
     float *kv = ls->kv; // [T, Dh]
-    OP(matmul, &lw->wkv, a, T, D, kv, Dh);
+    DI_TRY(linear(c, &lw->wkv, a, D, kv, Dh, true));
     OP(rmsnorm, kv, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
+    ROUND(kv, T * Dh);
     OP(rope, kv, T, Dh, Dh, n_rot, omega, pos, 1, rscale, false);
+    ROUND(kv, T * Dh);
+    if (official) OP(fake_quant, kv, T, Dh - n_rot, Dh, 64, 8, kv);
 
     // CSA: the indexer (its compressor, q, weights, scores, top-k appended to the key lists).
     if (lw->ratio == 4) {
         const int64_t HI = hp->n_index_head, DI = hp->index_head_dim;
-        DI_TRY(compressor(c, &lw->idx_cmp, k, a, ls->iring_c, ls->iring_z, ls->idx, DI,
+        DI_TRY(compressor(c, &lw->idx_cmp, k, a, true, ls->iring_c, ls->iring_z, ls->idx, DI,
                           D32(k->ent_dst_idx)));
-        OP(matmul, &lw->idx_wq_b, s->qr, T, Rq, s->iq, HI * DI); // qi: [T, HI, DI]
+        DI_TRY(linear(c, &lw->idx_wq_b, s->qr, Rq, s->iq, HI * DI, true)); // qi: [T, HI, DI]
         OP(rope, s->iq, T * HI, DI, DI, n_rot, d->omega_compress, pos, (int32_t)HI,
            hp->rope_compress.attention_factor, false);
-        OP(matmul, &lw->idx_weights_proj, a, T, D, s->iw, HI); // wi: [T, HI]
+        ROUND(s->iq, T * HI * DI);
+        if (official) { // Hadamard, BF16, Q4 in blocks of 32
+            OP(hadamard, s->iq, T * HI, DI);
+            ROUND(s->iq, T * HI * DI);
+            OP(fake_quant, s->iq, T * HI, DI, DI, 32, 4, s->iq);
+        }
+        DI_TRY(linear(c, &lw->idx_weights_proj, a, D, s->iw, HI, false)); // wi: [T, HI]
         OP(scale, s->iw, T * HI, 1.0f / sqrtf((float)DI) / sqrtf((float)HI));
-        // max_vis: the slot capacity (a bound independent of the positions).
+        ROUND(s->iw, T * HI);
+        // max_vis: the slot capacity (a bound independent of the positions). Official: BF16
+        // scores.
         OP(index_scores, s->iq, s->iw, ls->idx, (const int64_t *)k->key_base.dev, D32(k->n_vis),
-           k->cap, T, (int32_t)HI, (int32_t)DI, s->scores, s->score_stride);
+           k->cap, T, (int32_t)HI, (int32_t)DI, official, s->scores, s->score_stride);
         OP(topk, s->scores, s->score_stride, D32(k->n_vis), T, hp->index_topk, s->sel);
         OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), k->keys,
            k->key_stride);
     }
     // CSA and HCA: the main compressor, before the attention of the same tokens.
     if (compress)
-        DI_TRY(compressor(c, &lw->cmp, k, a, ls->ring_c, ls->ring_z, ls->kv, Dh, D32(k->ent_dst)));
+        DI_TRY(compressor(c, &lw->cmp, k, a, false, ls->ring_c, ls->ring_z, ls->kv, Dh,
+                          D32(k->ent_dst)));
 
-    // max_keys: the key list capacity (a bound independent of the positions).
+    // max_keys: the key list capacity (a bound independent of the positions). Official: p
+    // normalised, then rounded to BF16.
     OP(attn, s->q, ls->kv, k->keys ? k->keys : D32(k->win_keys), k->key_stride, D32(k->n_keys),
        (int32_t)k->key_stride, lw->attn_sink, T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh),
-       s->o); // o: [T, H, Dh]
+       official, s->o); // o: [T, H, Dh]
+    ROUND(s->o, T * H * Dh);
     OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, true);
+    ROUND(s->o, T * H * Dh);
 
-    // Grouped output: u_g = wo_a[g] . (o of the heads of group g); out = wo_b . u.
+    // Grouped output: u_g = wo_a[g] . (o of the heads of group g); out = wo_b . u. wo_a has no
+    // activation quant (spec §5.17); its rounding is done once for all groups.
     const int64_t group_in = H * Dh / G;
     for (int64_t g = 0; g < G; g++) {
         di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
         OP(matmul, &wg, s->o + g * group_in, T, H * Dh, s->u + g * Ro, G * Ro);
     }
-    OP(matmul, &lw->wo_b, s->u, T, G * Ro, out, D);
+    ROUND(s->u, T * G * Ro);
+    DI_TRY(linear(c, &lw->wo_b, s->u, G * Ro, out, D, true));
 
     // Each sequence's last min(n_tok, W) kv rows (this call's rows of the pool) into its window
     // ring, after every read of the ring: one gather-scatter for every sequence.
@@ -857,7 +932,9 @@ static di_status hc_pre(const call *c, const dev_hc *hc, const float *norm) {
     OP(matmul, &hc->fn, s->x, c->T, nc * D, s->mix, n_mix); // mix_raw: [T, (2+NC)*NC]
     OP(mhc_pre, s->x, s->mix, hc->base, hc->scale, (int32_t)nc, D, c->T, hp->hc_iters, hp->hc_eps,
        hp->norm_eps, false, s->a, s->post, s->comb);
+    ROUND(s->a, c->T * D); // official: the collapsed input and the normed one are BF16
     OP(rmsnorm, s->a, c->T, D, D, norm, hp->norm_eps);
+    ROUND(s->a, c->T * D);
     return DI_OK;
 fail:
     return st;
@@ -870,11 +947,14 @@ static di_status block(const call *c, int il) {
     const int32_t nc = hp->hc_mult;
     di_status st = DI_OK;
     DI_TRY(hc_pre(c, &lw->hc_attn, lw->attn_norm));
+    const int64_t n_x = (int64_t)c->T * nc * hp->n_embd;
     DI_TRY(attention(c, il, s->a, s->out));
     OP(mhc_post, s->out, s->x, s->post, s->comb, nc, hp->n_embd, c->T);
+    ROUND(s->x, n_x); // official: the residual streams are BF16
     DI_TRY(hc_pre(c, &lw->hc_ffn, lw->ffn_norm));
     OP(moe, &lw->moe, s->a, D32(s->tokens), c->T, s->out);
     OP(mhc_post, s->out, s->x, s->post, s->comb, nc, hp->n_embd, c->T);
+    ROUND(s->x, n_x);
     return DI_OK;
 fail:
     return st;
@@ -899,7 +979,9 @@ static di_status head(const call *c, const int32_t *rows, int32_t n) {
     OP(matmul, &d->hc_head.fn, s->hx, n, nc * D, s->mix, nc); // mix_raw: [n, NC]
     OP(mhc_pre, s->hx, s->mix, d->hc_head.base, d->hc_head.scale, (int32_t)nc, D, n, hp->hc_iters,
        hp->hc_eps, hp->norm_eps, true, s->h, NULL, NULL);
+    ROUND(s->h, n * D);
     OP(rmsnorm, s->h, n, D, D, d->norm, hp->norm_eps);
+    ROUND(s->h, n * D);
     OP(matmul, &d->head, s->h, n, D, s->logits, V); // logits: [n, V]
     return DI_OK;
 fail:
@@ -1114,6 +1196,7 @@ fail:
     return st;
 }
 
+#undef ROUND
 #undef OP
 #undef B
 

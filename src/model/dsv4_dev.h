@@ -5,7 +5,11 @@
  * model's own CPU forward (di_session_forward), which tests its orchestration without a GPU
  * (tests/model/test_dev_forward.c).
  *
- * Scope: DeepSeek V4 (not V4.1), the FP32 precision recipe, the main layers and the head (no MTP).
+ * Scope: DeepSeek V4 (not V4.1), the main layers and the head (no MTP), in both precision recipes:
+ * FP32 and the official one (R-OFF, spec §2.0), where every rounding point of the CPU forward
+ * (BF16 roundings, A8 before FP8/FP4 linears, the KV rows' Q8, the indexer's Hadamard + Q4, BF16
+ * scores and attention probabilities, the MoE's order) is an op of its own, in the same order. KV
+ * rows stay FP32 (in R-OFF they hold Q8-exact values).
  *
  * State layout (per layer, backend memory):
  *   - one FP32 KV pool of Dh-float rows: [max_rows rows of this call | slot 0: W ring rows, then
@@ -58,8 +62,9 @@
 typedef struct di_dsv4_dev di_dsv4_dev;             // a model's weights on one backend
 typedef struct di_dsv4_dev_state di_dsv4_dev_state; // KV + compressor state of n_slots sequences
 
-// Uploads every weight the main layers and the head use (once). DI_ERR_UNSUPPORTED (logged) for
-// V4.1 models, the official precision recipe, or a weight the backend cannot matmul;
+// Uploads every weight the main layers and the head use (once); the model's precision recipe
+// (m->opt.precision) is the forward's. DI_ERR_UNSUPPORTED (logged) for V4.1 models or a weight the
+// backend cannot matmul;
 // DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed.
 di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out);
 void di_dsv4_dev_destroy(di_dsv4_dev *d); // NULL: no-op

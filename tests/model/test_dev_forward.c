@@ -15,7 +15,13 @@
 //       graphs actually replayed (stats);
 //   (g) what a decode step costs (issue #7): ops enqueued (= the commands the CPU backend records
 //       in its graph), uploads and bytes at 1, 3, 16 sequences on tiny-128 and 1, 64 on flash-4l's
-//       shapes scaled down: the ops must not grow with the sequences, and a call uploads once.
+//       shapes scaled down: the ops must not grow with the sequences, and a call uploads once;
+//   (h) the official precision recipe (R-OFF): (a), (b, c), (e) and (f) again on models loaded
+//       with DI_PRECISION_OFFICIAL (tiny-128 in the official layout: FP8 / FP4 weights, A8, CSA's
+//       indexer with Hadamard + Q4; the hca128 fixture in both layouts): every BF16 rounding and
+//       fake quantisation of the CPU forward is an op of the dev forward, so the logits are
+//       bit-identical too (dropping any one rounding point breaks that: checked by hand);
+//   (i) what the dev forward refuses: DeepSeek V4.1.
 #include "harness.h"
 
 #include <math.h>
@@ -34,6 +40,8 @@
 enum { V_SYNTH = 512, N_SLOTS = 3, N_CTX = 320, MAX_ROWS = 96 };
 
 static char g_dir[256];
+// The precision recipe every model of the harness is loaded with ((h) runs under OFFICIAL).
+static di_precision g_prec = DI_PRECISION_FP32;
 
 static int32_t token_of(int slot, int gen, int32_t pos, int32_t V) {
     return (int32_t)((slot * 131 + gen * 71 + pos * 97 + 7) % V);
@@ -57,6 +65,7 @@ static bool open_ctx(harness_ctx *h, const char *dir) {
     memset(h, 0, sizeof *h);
     di_model_options mo = di_model_options_default();
     mo.n_threads = 2;
+    mo.precision = g_prec;
     if (di_model_load(dir, &mo, &h->m) != DI_OK) return false;
     h->V = h->m->hp.n_vocab;
     CHECK(di_cpu_backend_create(2, &h->b) == DI_OK);
@@ -236,6 +245,7 @@ static void test_ragged(void) {
 static void test_attach(void) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 2;
+    mo.precision = g_prec;
     di_model *cpu = NULL, *dev = NULL;
     di_backend *b = NULL;
     CHECK(di_model_load(g_dir, &mo, &cpu) == DI_OK);
@@ -492,7 +502,19 @@ static void test_decode_costs_flash(void) {
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
 }
 
-// The model refuses what the forward does not do.
+// (h) the official recipe: the same checks, models loaded with DI_PRECISION_OFFICIAL.
+static void test_official(void) {
+    g_prec = DI_PRECISION_OFFICIAL;
+    one_sequence(g_dir, "(h) official recipe: tiny-128 (FP8/FP4), one sequence");
+    one_sequence("tests/data/fixtures/hca128/official", "(h) official recipe: hca128, official");
+    one_sequence("tests/data/fixtures/hca128/hf", "(h) official recipe: hca128, hf layout");
+    test_ragged();
+    test_attach();
+    test_graphs();
+    g_prec = DI_PRECISION_FP32;
+}
+
+// (i) The model refuses what the forward does not do: DeepSeek V4.1 (either recipe).
 static void test_unsupported(void) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
@@ -500,7 +522,7 @@ static void test_unsupported(void) {
     di_model *m = NULL;
     di_backend *b = NULL;
     di_dsv4_dev *d = NULL;
-    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
+    CHECK(di_model_load("tests/data/fixtures/v41_tiny/official", &mo, &m) == DI_OK);
     CHECK(di_cpu_backend_create(1, &b) == DI_OK);
     if (m && b) CHECK_EQ(di_dsv4_dev_create(m, b, &d), DI_ERR_UNSUPPORTED);
     CHECK(d == NULL);
@@ -527,6 +549,7 @@ int main(void) {
     RUN(test_graphs);
     RUN(test_decode_costs);
     RUN(test_decode_costs_flash);
+    RUN(test_official);
     RUN(test_unsupported);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
