@@ -61,6 +61,8 @@ typedef struct di_backend_moe_w {
     // the routing weight scales h before w2 (then h is rounded to BF16) instead of the output,
     // and the layer's output is rounded to BF16. false: the FP32 recipe.
     bool official;
+    di_tensor_kind routed_kind; // w1/w2/w3[e].kind, one for every routed expert (a host copy: the
+                                // arrays are backend memory)
 } di_backend_moe_w;
 
 typedef struct di_backend_vt {

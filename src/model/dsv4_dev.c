@@ -181,6 +181,15 @@ static di_status up_layer(di_dsv4_dev *d, const di_dsv4_layer_w *lw, dev_layer *
         DI_TRY(up_floats(d, lw->gate_bias, E, &p));
         mw->gate_bias = p;
     }
+    mw->routed_kind = lw->w1[0].kind;
+    for (int32_t e = 0; e < E; e++) {
+        if (lw->w1[e].kind != mw->routed_kind || lw->w2[e].kind != mw->routed_kind ||
+            lw->w3[e].kind != mw->routed_kind) {
+            DI_LOG_ERROR("dev forward: layer %d: routed experts of mixed weight kinds", lw->il);
+            st = DI_ERR_UNSUPPORTED;
+            goto fail;
+        }
+    }
     DI_TRY(up_experts(d, lw->w1, E, tmp, &mw->w1));
     DI_TRY(up_experts(d, lw->w2, E, tmp, &mw->w2));
     DI_TRY(up_experts(d, lw->w3, E, tmp, &mw->w3));

@@ -120,7 +120,7 @@ template <class Rows>
 __global__ void __launch_bounds__(ATTN_THREADS)
     attn_kernel(const float *__restrict__ q, Rows rows, const int32_t *__restrict__ key_idx,
                 int64_t key_stride, const int32_t *__restrict__ n_keys,
-                const float *__restrict__ sink, int32_t H, int32_t dh, float scale,
+                const float *__restrict__ sink, int32_t H, int32_t dh, float scale, bool round_p,
                 float *__restrict__ o) {
     extern __shared__ float sm[]; // q [dh] | red [ATTN_WARPS * dh] | scores [max_keys]
     __shared__ float red32[32];
@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     for (int32_t j = warp; j < nk; j += ATTN_WARPS) {
         const int32_t id = idx[j];
         if (id < 0) continue;
-        const float p = sc[j] * inv;
+        float p = sc[j] * inv;
+        if (round_p) p = di_round_bf16_dev(p); // the official recipe: BF16 p, normalised first
 #pragma unroll
         for (int i = 0; i < ATTN_PER_LANE; i++) {
             const int32_t d = lane + 32 * i;
@@ -183,7 +184,7 @@ template <class Rows>
 static di_status attn_launch(di_cuda *cu, const float *q, Rows rows, const int32_t *key_idx,
                              int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                              const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
-                             float *o) {
+                             bool round_p, float *o) {
     if (n_tok <= 0 || H <= 0) return DI_OK;
     const size_t smem = sizeof(float) * ((size_t)dh * (1 + ATTN_WARPS) + (size_t)max_keys);
     if (smem > cu->smem_optin) {
@@ -194,7 +195,7 @@ static di_status attn_launch(di_cuda *cu, const float *q, Rows rows, const int32
     CUDA_CHECK(cudaFuncSetAttribute(attn_kernel<Rows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)smem));
     attn_kernel<Rows><<<(unsigned)((int64_t)n_tok * H), ATTN_THREADS, smem, di_stream(cu)>>>(
-        q, rows, key_idx, key_stride, n_keys, sink, H, dh, scale, o);
+        q, rows, key_idx, key_stride, n_keys, sink, H, dh, scale, round_p, o);
     DI_CUDA_LAUNCHED("attn_kernel");
     return DI_OK;
 }
@@ -206,17 +207,18 @@ extern "C" di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *po
     if ((dh - n_rot) % 64 != 0 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0) return DI_ERR_INVALID;
     const KeyRowsFp8 rows = {pool, di_cuda_kv_row_bytes(dh, n_rot), dh - n_rot, n_rot};
     return attn_launch(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-                       scale, o);
+                       scale, false, o);
 }
 
 extern "C" di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *pool,
                                       const int32_t *key_idx, int64_t key_stride,
                                       const int32_t *n_keys, int32_t max_keys, const float *sink,
-                                      int32_t n_tok, int32_t H, int32_t dh, float scale, float *o) {
+                                      int32_t n_tok, int32_t H, int32_t dh, float scale,
+                                      bool round_p, float *o) {
     if (dh < 1 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0 || H < 0) return DI_ERR_INVALID;
     const KeyRowsF32 rows = {pool, dh};
     return attn_launch(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-                       scale, o);
+                       scale, round_p, o);
 }
 
 // ---- attention on tensor cores (BF16 mma.sync, FlashMLA-style sparse decode) ----

@@ -59,11 +59,12 @@ di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *pool, const i
 // each at pool + idx * dh; backend.h `attn`): the kernel above with another row decoder, so the
 // same arithmetic (FP32 scores and sums). Any dh in [1, DI_CUDA_ATTN_MAX_DH], any H; n_keys[t]
 // 0 gives o = 0; masked (negative) keys take no mass. DI_ERR_CUDA, DI_ERR_INVALID (shape, or
-// max_keys needing more shared memory than the device has).
+// max_keys needing more shared memory than the device has). round_p (the official recipe, as the
+// CPU forward's di_dsv4_attend_heads): each normalised p is rounded to BF16 before p.v.
 di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *pool, const int32_t *key_idx,
                            int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                            const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
-                           float *o);
+                           bool round_p, float *o);
 
 // The same function on tensor cores (the decode-speed kernel, FlashMLA-style sparse decode): one
 // block per (query row, group of 64 heads, key split) reads each listed KV row once for all its

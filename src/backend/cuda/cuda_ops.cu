@@ -17,6 +17,7 @@
 #include "backend/cuda/mhc.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/norm.cuh"
+#include "backend/cuda/quant.cuh"
 #include "backend/cuda/rope.cuh"
 #include "backend/cuda/rows.cuh"
 
@@ -174,6 +175,8 @@ static di_status op_moe(di_backend *b, const di_backend_moe_w *w, const float *f
     cw.route_scale = w->route_scale, cw.swiglu_limit = w->swiglu_limit;
     cw.shared_clamp = w->shared_clamp;
     cw.hf_eps = w->hf_eps;
+    cw.official = w->official;
+    cw.routed_kind = w->routed_kind;
     return di_cuda_moe(cu, &cw, f, ids, n_tok, out, NULL, NULL);
 }
 
@@ -202,20 +205,19 @@ static di_status op_compress_pool(di_backend *b, const float *call_c, const floa
 static di_status op_attn(di_backend *b, const float *q, const float *pool, const int32_t *key_idx,
                          int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                          const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
-                         float *o) {
+                         bool round_p, float *o) {
     ENTER(b);
     return di_cuda_attn_f32(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-                            scale, o);
+                            scale, round_p, o);
 }
 
 static di_status op_index_scores(di_backend *b, const float *qi, const float *wi, const float *keys,
                                  const int64_t *key_base, const int32_t *n_vis, int32_t max_vis,
-                                 int32_t n_tok, int32_t HI, int32_t DI, float *scores,
-                                 int64_t score_stride) {
+                                 int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16,
+                                 float *scores, int64_t score_stride) {
     ENTER(b);
-    // FP32 recipe: scores are not rounded to BF16.
-    return di_cuda_indexer_scores(cu, qi, wi, keys, key_base, n_vis, max_vis, n_tok, HI, DI, false,
-                                  scores, score_stride);
+    return di_cuda_indexer_scores(cu, qi, wi, keys, key_base, n_vis, max_vis, n_tok, HI, DI,
+                                  round_bf16, scores, score_stride);
 }
 
 static di_status op_topk(di_backend *b, const float *scores, int64_t score_stride,
@@ -229,6 +231,24 @@ static di_status op_offset_list(di_backend *b, const int32_t *sel, int32_t n_tok
                                 int64_t dst_stride) {
     ENTER(b);
     return di_cuda_offset_list(cu, sel, n_tok, k, base, off, dst, dst_stride);
+}
+
+// ---- the official recipe's rounding points (quant.cuh) ----
+
+static di_status op_round_bf16(di_backend *b, float *x, int64_t n) {
+    ENTER(b);
+    return di_cuda_round_bf16(cu, x, n);
+}
+
+static di_status op_fake_quant(di_backend *b, const float *x, int64_t n_rows, int64_t n,
+                               int64_t stride, int32_t block, int32_t bits, float *y) {
+    ENTER(b);
+    return di_cuda_fake_quant(cu, x, n_rows, n, stride, block, bits, y);
+}
+
+static di_status op_hadamard(di_backend *b, float *x, int64_t n_rows, int64_t n) {
+    ENTER(b);
+    return di_cuda_hadamard(cu, x, n_rows, n);
 }
 
 // ---- graphs ----
@@ -306,6 +326,9 @@ static di_backend_vt make_vt(void) {
     vt.graph_end = op_graph_end;
     vt.graph_launch = op_graph_launch;
     vt.graph_destroy = op_graph_destroy;
+    vt.round_bf16 = op_round_bf16;
+    vt.fake_quant = op_fake_quant;
+    vt.hadamard = op_hadamard;
     return vt;
 }
 

@@ -2,6 +2,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/quant.cuh"
 
 enum { ROUTER_THREADS = 256, GROUP_THREADS = 1024, MAX_E = 4096, MAX_K = 16 };
 
@@ -172,7 +173,8 @@ __global__ void combine_kernel(const float *__restrict__ y, const int32_t *__res
     for (int i = 0; i < K; i++) {
         const int k = order[i];
         // Separate product and sum roundings, as the CPU's y *= w; o += y.
-        acc = __fadd_rn(acc, __fmul_rn(y[(int64_t)row_of_pair[t * K + k] * D + d], wgt[t * K + k]));
+        const float yv = y[(int64_t)row_of_pair[t * K + k] * D + d];
+        acc = __fadd_rn(acc, wgt ? __fmul_rn(yv, wgt[t * K + k]) : yv);
     }
     if (shared) acc = __fadd_rn(acc, shared[t * D + d]);
     out[t * D + d] = acc;
@@ -189,6 +191,30 @@ extern "C" di_status di_cuda_moe_combine(di_cuda *cu, const float *y, const int3
     return DI_OK;
 }
 
+// g[row_of_pair[p], :] *= wgt[p] for every pair p (official recipe: the routing weight scales h
+// before w2; each grouped row is one pair's).
+__global__ void scale_pairs_kernel(float *__restrict__ g, const int32_t *__restrict__ row_of_pair,
+                                   const float *__restrict__ wgt, int64_t n, int64_t F) {
+    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n) return;
+    const int64_t p = k / F;
+    float *v = g + (int64_t)row_of_pair[p] * F + k % F;
+    *v = __fmul_rn(*v, wgt[p]);
+}
+
+static di_status scale_pairs(di_cuda *cu, float *g, const int32_t *row_of_pair, const float *wgt,
+                             int32_t n_pairs, int64_t F) {
+    const int64_t n = (int64_t)n_pairs * F;
+    if (n <= 0) return DI_OK;
+    scale_pairs_kernel<<<di_div_up(n, 256), 256, 0, di_stream(cu)>>>(g, row_of_pair, wgt, n, F);
+    DI_CUDA_LAUNCHED("scale_pairs_kernel");
+    return DI_OK;
+}
+
+static bool quantised(di_tensor_kind k) {
+    return k == DI_TENSOR_KIND_FP8 || k == DI_TENSOR_KIND_FP4;
+}
+
 // ---- the whole layer ----
 
 extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const float *f,
@@ -197,48 +223,78 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
     if (n_tok <= 0) return DI_OK;
     di_status st = DI_OK;
     const int32_t E = w->n_expert, K = w->n_used, P = n_tok * K;
-    const int64_t D = w->D, F = w->F;
-    void *b[10] = {0};
-    const size_t sizes[10] = {
+    const int64_t D = w->D, F = w->F, Fs = w->sh_w1.ne[1];
+    // The official recipe (model/dsv4_moe.c): A8 of the FP8/FP4 linears' inputs (Q8, blocks of
+    // 128), every linear's output in BF16, the weight on h before w2, h and the output in BF16.
+    const bool off = w->official;
+    const bool aq_r = off && quantised(w->routed_kind), aq_s = off && quantised(w->sh_w1.kind);
+    const int64_t gw = (int64_t)P * F > n_tok * Fs ? (int64_t)P * F : n_tok * Fs;
+    void *b[11] = {0};
+    const size_t sizes[11] = {
         sizeof(float) * (size_t)n_tok * E, // 0 logits
         sizeof(int32_t) * (size_t)P,       // 1 sel
         sizeof(float) * (size_t)P,         // 2 wgt
         sizeof(int32_t) * (size_t)(E + 1), // 3 offsets
         sizeof(int32_t) * (size_t)P,       // 4 rows
         sizeof(int32_t) * (size_t)P,       // 5 row_of_pair
-        sizeof(float) * (size_t)P * F,     // 6 g (routed; also the shared expert's g)
-        sizeof(float) * (size_t)P * F,     // 7 u
+        sizeof(float) * (size_t)gw,        // 6 g (routed; also the shared expert's g)
+        sizeof(float) * (size_t)gw,        // 7 u
         sizeof(float) * (size_t)P * D,     // 8 y (routed outputs, grouped)
         sizeof(float) * (size_t)n_tok * D, // 9 shared expert output
+        // 10 official: A8 of f [T, D] (the routed w1/w3 read it by token row, like f)
+        (aq_r || aq_s) ? sizeof(float) * (size_t)n_tok * (size_t)D : 1,
     };
-    for (int i = 0; i < 10; i++) DI_TRY(di_cuda_alloc(cu, sizes[i], &b[i]));
+    for (int i = 0; i < 11; i++) DI_TRY(di_cuda_alloc(cu, sizes[i], &b[i]));
     {
         float *logits = (float *)b[0], *wgt = wgt_out ? wgt_out : (float *)b[2];
         int32_t *sel = sel_out ? sel_out : (int32_t *)b[1];
         int32_t *offsets = (int32_t *)b[3], *rows = (int32_t *)b[4], *rop = (int32_t *)b[5];
         float *g = (float *)b[6], *u = (float *)b[7], *y = (float *)b[8], *sh = (float *)b[9];
+        float *fq = (float *)b[10];
         DI_TRY(di_cuda_matmul(cu, &w->gate, f, n_tok, D, logits, E)); // [T, E]
         DI_TRY(di_cuda_router(cu, logits, w->gate_bias, w->tid2eid, ids, n_tok, E, K,
                               w->route_scale, w->hf_eps, sel, wgt));
         DI_TRY(di_cuda_moe_group(cu, sel, P, K, E, offsets, rows, rop));
+        if (aq_r || aq_s) DI_TRY(di_cuda_fake_quant(cu, f, n_tok, D, D, 128, 8, fq));
+        const float *fr = aq_r ? fq : f, *fs = aq_s ? fq : f;
         // Routed experts: gate and up read the token rows directly (rows = token of each row).
         // One token: every expert has one row (a hash duplicate makes two; still correct).
         const int32_t hint = n_tok == 1 ? 1 : 0;
         DI_TRY(
-            di_cuda_matmul_grouped(cu, w->w1, E, F, D, offsets, rows, f, D, g, F, hint)); // [P,F]
+            di_cuda_matmul_grouped(cu, w->w1, E, F, D, offsets, rows, fr, D, g, F, hint)); // [P,F]
         DI_TRY(
-            di_cuda_matmul_grouped(cu, w->w3, E, F, D, offsets, rows, f, D, u, F, hint)); // [P,F]
+            di_cuda_matmul_grouped(cu, w->w3, E, F, D, offsets, rows, fr, D, u, F, hint)); // [P,F]
+        if (off) {
+            DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)P * F));
+            DI_TRY(di_cuda_round_bf16(cu, u, (int64_t)P * F));
+        }
         DI_TRY(di_cuda_swiglu(cu, g, u, P, F, w->swiglu_limit));
+        if (off) {
+            DI_TRY(scale_pairs(cu, g, rop, wgt, P, F));
+            DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)P * F));
+            if (aq_r) DI_TRY(di_cuda_fake_quant(cu, g, P, F, F, 128, 8, g));
+        }
         DI_TRY(
             di_cuda_matmul_grouped(cu, w->w2, E, D, F, offsets, NULL, g, F, y, D, hint)); // [P,D]
+        if (off) DI_TRY(di_cuda_round_bf16(cu, y, (int64_t)P * D));
         // Shared expert on every token (g, u reused: the grouped w2 above is enqueued first).
-        DI_TRY(di_cuda_matmul(cu, &w->sh_w1, f, n_tok, D, g, F));
-        DI_TRY(di_cuda_matmul(cu, &w->sh_w3, f, n_tok, D, u, F));
-        DI_TRY(di_cuda_swiglu(cu, g, u, n_tok, F, w->shared_clamp ? w->swiglu_limit : 0.0f));
-        DI_TRY(di_cuda_matmul(cu, &w->sh_w2, g, n_tok, F, sh, D));
-        DI_TRY(di_cuda_moe_combine(cu, y, rop, sel, wgt, sh, n_tok, K, D, out));
+        DI_TRY(di_cuda_matmul(cu, &w->sh_w1, fs, n_tok, D, g, Fs));
+        DI_TRY(di_cuda_matmul(cu, &w->sh_w3, fs, n_tok, D, u, Fs));
+        if (off) {
+            DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)n_tok * Fs));
+            DI_TRY(di_cuda_round_bf16(cu, u, (int64_t)n_tok * Fs));
+        }
+        DI_TRY(di_cuda_swiglu(cu, g, u, n_tok, Fs, w->shared_clamp ? w->swiglu_limit : 0.0f));
+        if (off) {
+            DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)n_tok * Fs));
+            if (aq_s) DI_TRY(di_cuda_fake_quant(cu, g, n_tok, Fs, Fs, 128, 8, g));
+        }
+        DI_TRY(di_cuda_matmul(cu, &w->sh_w2, g, n_tok, Fs, sh, D));
+        if (off) DI_TRY(di_cuda_round_bf16(cu, sh, (int64_t)n_tok * D));
+        DI_TRY(di_cuda_moe_combine(cu, y, rop, sel, off ? NULL : wgt, sh, n_tok, K, D, out));
+        if (off) DI_TRY(di_cuda_round_bf16(cu, out, (int64_t)n_tok * D));
     }
 fail:
-    for (int i = 9; i >= 0; i--) di_cuda_free(cu, b[i]);
+    for (int i = 10; i >= 0; i--) di_cuda_free(cu, b[i]);
     return st;
 }

@@ -4,8 +4,10 @@
  * the grouping of (token, slot) pairs by expert (deterministic: ascending token, then slot, inside
  * each expert), SwiGLU with the clamps, the weighted combine in ascending expert order, and
  * di_cuda_moe which runs a whole layer: router, grouped w1/w3 (one launch each for all experts),
- * SwiGLU, grouped w2, the shared expert, combine. FP32 precision recipe (routing weight applied
- * to the expert output, as R-HF); the official recipe's BF16 roundings are not done here yet.
+ * SwiGLU, grouped w2, the shared expert, combine. Both precision recipes: FP32 (routing weight
+ * applied to the expert output, as R-HF) and the official one (di_cuda_moe_w.official: A8 before
+ * FP8/FP4 expert linears, BF16 linear outputs, the weight applied to h before w2, BF16 h and
+ * output; model/dsv4_moe.c's order).
  *
  * Owns: nothing; di_cuda_moe takes its scratch from the pool for the call. Thread-safety: engine
  * thread only.
@@ -36,8 +38,9 @@ di_status di_cuda_moe_group(di_cuda *cu, const int32_t *sel, int32_t n_pairs, in
 di_status di_cuda_swiglu(di_cuda *cu, float *g, const float *u, int64_t n_rows, int64_t F,
                          float limit);
 
-// out[t] = sum over t's pairs in ascending (expert, slot) order of y[row_of_pair] * wgt, then
-// + shared[t] (shared may be NULL). y: grouped [T*K, D]. DI_ERR_CUDA.
+// out[t] = sum over t's pairs in ascending (expert, slot) order of y[row_of_pair] * wgt (wgt NULL:
+// y alone, the official recipe having weighted h already), then + shared[t] (shared may be NULL).
+// y: grouped [T*K, D]. DI_ERR_CUDA.
 di_status di_cuda_moe_combine(di_cuda *cu, const float *y, const int32_t *row_of_pair,
                               const int32_t *sel, const float *wgt, const float *shared,
                               int32_t n_tok, int32_t K, int64_t D, float *out);
@@ -54,6 +57,8 @@ typedef struct di_cuda_moe_w {
     float route_scale, swiglu_limit;
     bool shared_clamp; // shared expert clamped too
     bool hf_eps;       // the routing-weight denominator gets + 1e-20 (di_cuda_router's hf_eps)
+    bool official;     // the official precision recipe (backend.h di_backend_moe_w.official)
+    di_tensor_kind routed_kind; // the routed experts' weight kind (w1/w2/w3 live on the device)
 } di_cuda_moe_w;
 
 // out [T, D] = MoE(f [T, D]) with token ids (hash routing); all device pointers. The routing

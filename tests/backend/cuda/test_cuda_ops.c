@@ -40,6 +40,13 @@
 // MoE layer: three chained FP32 GEMMs per expert and a weighted sum over K+1 experts in another
 // order (test_cuda_moe.c): 1e-4 of the row's RMS; a wrong expert or weight moves O(1) of it.
 #define TOL_MOE_ROW_RMS 1e-4
+// The official recipe's MoE rounds to BF16 and quantises to e4m3 (A8) in between: a value whose
+// FP32 sum differs in the last bits from the host's may round the other way, one BF16 ulp (2^-8
+// relative) or one e4m3 step (2^-3 relative) of one element, which moves a row of the next matmul
+// by about 2^-3 / sqrt(F) of its RMS. The bound allows a few such flips per row; a wrong order
+// (the weight on the output instead of h, a missing A8) moves every element by far more. The
+// rounding points themselves are exact (test_official_ops).
+#define TOL_MOE_OFF_ROW_RMS 5e-2
 // Compressor pooling: the same operations in the same slot order on both sides; expf differs by
 // up to 2 ulp per slot and the GPU may fuse p * c into num: each p moves by <= 3u, num and den
 // by <= (3u + gamma(n_slots)) of their sums of |terms|, so entry by <= 2 (3u + gamma(n)) of
@@ -617,8 +624,23 @@ static void swiglu_host(float *g, const float *u, int64_t F, float limit) {
     }
 }
 
+static void round_host(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = di_round_bf16(x[i]);
+}
+
+// y = W A8(x) rounded to BF16 (official) or W x, one row.
+static void linear_host(const mat *w, const float *x, int64_t n_in, int64_t n_out, float *y,
+                        bool official) {
+    float *xq = malloc(sizeof(float) * (size_t)n_in);
+    memcpy(xq, x, sizeof(float) * (size_t)n_in);
+    if (official) di_fake_quant_q8(xq, n_in, 128);
+    di_ref_matmul(&g_cpu, &w->t, xq, 1, n_in, y, n_out);
+    if (official) round_host(y, n_out);
+    free(xq);
+}
+
 static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool hash,
-                     bool shared_clamp, bool hf_eps) {
+                     bool shared_clamp, bool hf_eps, bool official) {
     const int32_t V = 40;
     const float limit = 0.3f, route_scale = 1.5f;
     mat gate = make_w(DI_TENSOR_KIND_F32, D, E);
@@ -647,7 +669,7 @@ static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool
           *out = malloc(sizeof(float) * (size_t)nf);
     fill_rand(f, nf, 1.0f);
 
-    // Host layer (model/dsv4_moe.c's FP32 recipe on di_ref_matmul): experts in ascending id.
+    // Host layer (model/dsv4_moe.c on di_ref_matmul, either recipe): experts in ascending id.
     float *logits = malloc(sizeof(float) * (size_t)(T * E)),
           *wgt = malloc(sizeof(float) * (size_t)(T * K));
     int32_t *sel = malloc(sizeof(int32_t) * (size_t)(T * K));
@@ -661,19 +683,26 @@ static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool
         for (int32_t t = 0; t < T; t++)
             for (int32_t k = 0; k < K; k++) {
                 if (sel[t * K + k] != e) continue;
-                di_ref_matmul(&g_cpu, &w[0][e].t, f + (int64_t)t * D, 1, D, g, F);
-                di_ref_matmul(&g_cpu, &w[2][e].t, f + (int64_t)t * D, 1, D, u, F);
+                linear_host(&w[0][e], f + (int64_t)t * D, D, F, g, official);
+                linear_host(&w[2][e], f + (int64_t)t * D, D, F, u, official);
                 swiglu_host(g, u, F, limit);
-                di_ref_matmul(&g_cpu, &w[1][e].t, g, 1, F, y, D);
-                for (int64_t i = 0; i < D; i++) ref[(int64_t)t * D + i] += y[i] * wgt[t * K + k];
+                if (official) { // the weight on h, then h in BF16
+                    for (int64_t i = 0; i < F; i++) g[i] *= wgt[t * K + k];
+                    round_host(g, F);
+                }
+                linear_host(&w[1][e], g, F, D, y, official);
+                for (int64_t i = 0; i < D; i++)
+                    ref[(int64_t)t * D + i] += official ? y[i] : y[i] * wgt[t * K + k];
             }
     for (int32_t t = 0; t < T; t++) {
-        di_ref_matmul(&g_cpu, &sh[0].t, f + (int64_t)t * D, 1, D, g, F);
-        di_ref_matmul(&g_cpu, &sh[2].t, f + (int64_t)t * D, 1, D, u, F);
+        linear_host(&sh[0], f + (int64_t)t * D, D, F, g, official);
+        linear_host(&sh[2], f + (int64_t)t * D, D, F, u, official);
         swiglu_host(g, u, F, shared_clamp ? limit : 0.0f);
-        di_ref_matmul(&g_cpu, &sh[1].t, g, 1, F, y, D);
+        if (official) round_host(g, F);
+        linear_host(&sh[1], g, F, D, y, official);
         for (int64_t i = 0; i < D; i++) ref[(int64_t)t * D + i] += y[i];
     }
+    if (official) round_host(ref, nf);
 
     di_backend_moe_w mw;
     memset(&mw, 0, sizeof mw);
@@ -689,6 +718,7 @@ static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool
     mw.n_expert = E, mw.n_used = K, mw.D = D, mw.F = F;
     mw.route_scale = route_scale, mw.swiglu_limit = limit;
     mw.shared_clamp = shared_clamp, mw.hf_eps = hf_eps;
+    mw.official = official, mw.routed_kind = DI_TENSOR_KIND_FP4;
     float *fd = bk_from(f, sizeof(float) * (size_t)nf), *od = bk_alloc(sizeof(float) * (size_t)nf);
     int32_t *idd = bk_from(ids, sizeof(int32_t) * (size_t)T);
     bk_poison(od, sizeof(float) * (size_t)nf);
@@ -698,11 +728,13 @@ static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool
     for (int32_t t = 0; t < T; t++) {
         double ss = 0;
         for (int64_t i = 0; i < D; i++) ss += (double)ref[t * D + i] * ref[t * D + i];
-        for (int64_t i = 0; i < D; i++) tol[t * D + i] = TOL_MOE_ROW_RMS * sqrt(ss / D) + 1e-7;
+        const double rel = official ? TOL_MOE_OFF_ROW_RMS : TOL_MOE_ROW_RMS;
+        for (int64_t i = 0; i < D; i++) tol[t * D + i] = rel * sqrt(ss / D) + 1e-7;
     }
     char what[128];
-    snprintf(what, sizeof what, "moe T=%d E=%d K=%d D=%lld F=%lld%s%s%s", T, E, K, (long long)D,
-             (long long)F, hash ? " hash" : "", shared_clamp ? " clamp" : "", hf_eps ? " eps" : "");
+    snprintf(what, sizeof what, "moe T=%d E=%d K=%d D=%lld F=%lld%s%s%s%s", T, E, K, (long long)D,
+             (long long)F, hash ? " hash" : "", shared_clamp ? " clamp" : "", hf_eps ? " eps" : "",
+             official ? " official" : "");
     CHECK(check_bounds(what, out, ref, tol, nf) == 0);
     bk_free(fd), bk_free(od), bk_free(idd);
     bk_free((void *)mw.gate_bias), bk_free((void *)mw.tid2eid);
@@ -718,9 +750,12 @@ static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool
 }
 
 static void test_moe(void) {
-    moe_case(1, 8, 2, 128, 64, false, false, true);
-    moe_case(9, 8, 2, 128, 96, true, true, false);
-    moe_case(3, 16, 6, 256, 64, false, true, false);
+    moe_case(1, 8, 2, 128, 64, false, false, true, false);
+    moe_case(9, 8, 2, 128, 96, true, true, false, false);
+    moe_case(3, 16, 6, 256, 64, false, true, false, false);
+    // The official recipe (A8 needs F, D multiples of 128): decode, a hash-routed prefill.
+    moe_case(1, 8, 2, 128, 128, false, false, false, true);
+    moe_case(9, 8, 2, 256, 128, true, true, false, true);
 }
 
 // ---- scatter_rows, add_ape, offset_list ----
@@ -982,7 +1017,10 @@ static void make_lists(int32_t T, int32_t max_keys, int64_t stride, int64_t n_po
     }
 }
 
-static void attn_case(int32_t dh, int32_t H, int32_t T, int64_t n_pool, int32_t max_keys) {
+// round_p: p normalised, then rounded to BF16 (the official recipe); the GPU's p may round to the
+// neighbouring BF16 value where the host's lies near a midpoint: one ulp, 2^-7 relative at most.
+static void attn_case(int32_t dh, int32_t H, int32_t T, int64_t n_pool, int32_t max_keys,
+                      bool round_p) {
     const int64_t ks = max_keys + 3; // key_stride > max_keys
     const int64_t n_o = (int64_t)T * H * dh;
     float *pool = malloc(sizeof(float) * (size_t)(n_pool * dh));
@@ -1021,12 +1059,13 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int64_t n_pool, int32_t 
                 for (int32_t j = 0; j < n_keys[t]; j++) {
                     if (ix[j] < 0) continue;
                     const double kd = pool[(int64_t)ix[j] * dh + d];
-                    o += sc[j] / den * kd;
-                    mag += sc[j] / den * fabs(kd);
+                    const double p = round_p ? di_round_bf16((float)(sc[j] / den)) : sc[j] / den;
+                    o += p * kd;
+                    mag += p * fabs(kd);
                 }
                 const int64_t i = ((int64_t)t * H + h) * dh + d;
                 ref[i] = (float)o;
-                tol[i] = mag * (4 * E + TOL_ATTN_SUM_REL) + 1e-30;
+                tol[i] = mag * (4 * E + TOL_ATTN_SUM_REL + (round_p ? 0x1p-7 : 0.0)) + 1e-30;
             }
         }
     float *pd = bk_from(pool, sizeof(float) * (size_t)(n_pool * dh)),
@@ -1036,11 +1075,11 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int64_t n_pool, int32_t 
     int32_t *nkd = bk_from(n_keys, sizeof(int32_t) * (size_t)T),
             *idxd = bk_from(idx, sizeof(int32_t) * (size_t)(T * ks));
     bk_poison(od, sizeof(float) * (size_t)n_o);
-    CK(g_b->vt->attn(g_b, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, scale, od));
+    CK(g_b->vt->attn(g_b, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, scale, round_p, od));
     bk_to(out, od, sizeof(float) * (size_t)n_o);
     char what[96];
-    snprintf(what, sizeof what, "attn dh=%d H=%d T=%d pool=%lld max_keys=%d", dh, H, T,
-             (long long)n_pool, max_keys);
+    snprintf(what, sizeof what, "attn dh=%d H=%d T=%d pool=%lld max_keys=%d%s", dh, H, T,
+             (long long)n_pool, max_keys, round_p ? " round_p" : "");
     CHECK(check_bounds(what, out, ref, tol, n_o) == 0);
     bk_free(pd), bk_free(qd), bk_free(sd), bk_free(od), bk_free(nkd), bk_free(idxd);
     free(pool), free(q), free(sink), free(n_keys), free(idx), free(ref), free(out), free(tol),
@@ -1048,16 +1087,85 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int64_t n_pool, int32_t 
 }
 
 static void test_attn(void) {
-    attn_case(512, 3, 8, 700, 640);  // V4's head_dim, every list kind once
-    attn_case(128, 5, 9, 300, 200);  // the tiny fixture's head_dim, H not a power of two
-    attn_case(7, 1, 8, 50, 70);      // odd head_dim, one head
-    attn_case(512, 64, 2, 200, 130); // 64 heads, 0 keys and 1 key
+    attn_case(512, 3, 8, 700, 640, false);  // V4's head_dim, every list kind once
+    attn_case(128, 5, 9, 300, 200, false);  // the tiny fixture's head_dim, H not a power of two
+    attn_case(7, 1, 8, 50, 70, false);      // odd head_dim, one head
+    attn_case(512, 64, 2, 200, 130, false); // 64 heads, 0 keys and 1 key
+    attn_case(512, 3, 8, 700, 640, true);   // the official recipe: BF16 p
+    attn_case(128, 5, 9, 300, 200, true);
     // max_keys beyond the shared memory of any device: refused before any work.
     float *d = bk_alloc(sizeof(float) * 64);
     int32_t *id = bk_alloc(sizeof(int32_t) * 4);
-    CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 1 << 30, d, 1, 1, 64, 1.0f, d), DI_ERR_INVALID);
-    CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 4, d, 1, 1, 2048, 1.0f, d), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 1 << 30, d, 1, 1, 64, 1.0f, false, d),
+             DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 4, d, 1, 1, 2048, 1.0f, false, d), DI_ERR_INVALID);
     bk_free(d), bk_free(id);
+}
+
+// ---- the official recipe's rounding points: exactly tensor/quant_ref.c ----
+
+static void test_official_ops(void) {
+    enum { R = 37, N = 256, S = 260 };
+    float *x = malloc(sizeof(float) * R * S), *want = malloc(sizeof(float) * R * S),
+          *got = malloc(sizeof(float) * R * S);
+    fill_rand(x, (int64_t)R * S, 1.0f);
+    for (int i = 0; i < R * S; i++) x[i] *= (float)exp((double)(i % 41) - 20.0); // wide exponents
+    for (int i = 0; i < 8; i++) x[3 * S + i] = 0.0f; // a zero block start
+    x[4 * S + 2] = -0.0f;
+    x[5 * S + 7] = 1e-30f;   // underflows to 0 on both grids
+    x[6 * S + 1] = INFINITY; // non-finite block: NaN
+    float *xd = bk_from(x, sizeof(float) * R * S), *yd = bk_alloc(sizeof(float) * R * S);
+    // round_bf16
+    CK(g_b->vt->copy(g_b, yd, xd, sizeof(float) * R * S));
+    CK(g_b->vt->round_bf16(g_b, yd, (int64_t)R * S));
+    bk_to(got, yd, sizeof(float) * R * S);
+    int64_t bad = 0;
+    for (int i = 0; i < R * S; i++) bad += memcmp(&got[i], &(float){di_round_bf16(x[i])}, 4) != 0;
+    CHECK_EQ(bad, 0);
+    // fake_quant: Q8 / Q4, blocks 128, 64, 32, out of place (y keeps its columns past n) and in
+    // place; NaN blocks compared as NaN.
+    static const int32_t cfg[][2] = {{8, 128}, {8, 64}, {4, 32}, {8, 32}};
+    for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+        const int32_t bits = cfg[c][0], block = cfg[c][1];
+        memcpy(want, x, sizeof(float) * R * S);
+        for (int r = 0; r < R; r++) {
+            if (bits == 8)
+                di_fake_quant_q8(want + r * S, N, block);
+            else
+                di_fake_quant_q4(want + r * S, N, block);
+        }
+        for (int inplace = 0; inplace < 2; inplace++) {
+            CK(g_b->vt->copy(g_b, yd, xd, sizeof(float) * R * S));
+            CK(g_b->vt->fake_quant(g_b, inplace ? yd : xd, R, N, S, block, bits, yd));
+            bk_to(got, yd, sizeof(float) * R * S);
+            bad = 0;
+            for (int i = 0; i < R * S; i++) {
+                const bool nan_ok = isnan(want[i]) && isnan(got[i]);
+                bad += !nan_ok && memcmp(&got[i], &want[i], 4) != 0;
+            }
+            fprintf(stderr, "  fake_quant Q%d block %d%s: %lld differ\n", bits, block,
+                    inplace ? " in place" : "", (long long)bad);
+            CHECK_EQ(bad, 0);
+        }
+    }
+    // hadamard on rows of 128 and 32 (the indexer's head_dim and a small one)
+    for (int n = 32; n <= 128; n *= 4) {
+        float *h = malloc(sizeof(float) * R * n);
+        fill_rand(h, (int64_t)R * n, 1.0f);
+        float *hd = bk_from(h, sizeof(float) * R * n);
+        CK(g_b->vt->hadamard(g_b, hd, R, n));
+        bk_to(got, hd, sizeof(float) * R * n);
+        for (int r = 0; r < R; r++) di_hadamard(h + r * n, n);
+        CHECK(memcmp(got, h, sizeof(float) * R * n) == 0);
+        bk_free(hd);
+        free(h);
+    }
+    // Refused shapes.
+    CHECK_EQ(g_b->vt->fake_quant(g_b, xd, 1, N, S, 48, 8, yd), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->fake_quant(g_b, xd, 1, N, S, 32, 6, yd), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->hadamard(g_b, yd, 1, 48), DI_ERR_INVALID);
+    bk_free(xd), bk_free(yd);
+    free(x), free(want), free(got);
 }
 
 // ---- indexer scores and top-k ----
@@ -1105,9 +1213,29 @@ static void test_indexer(void) {
     int32_t *vd = bk_from(vis, sizeof(int32_t) * (size_t)T);
     int64_t *kbd = bk_from(kb, sizeof(int64_t) * (size_t)T);
     bk_poison(sd, sizeof(float) * (size_t)(T * ss));
-    CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, vd, max_vis, T, HI, DI, sd, ss));
+    CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, vd, max_vis, T, HI, DI, false, sd, ss));
     bk_to(out, sd, sizeof(float) * (size_t)(T * ss));
     CHECK(check_bounds("index_scores", out, ref, tol, T * ss) == 0);
+    // The official recipe: the same scores rounded to BF16 (one BF16 ulp apart at most).
+    {
+        float *rd = malloc(sizeof(float) * (size_t)(T * ss));
+        double *rtol = malloc(sizeof(double) * (size_t)(T * ss));
+        float *ro = malloc(sizeof(float) * (size_t)(T * ss));
+        for (int64_t i = 0; i < T * ss; i++) {
+            rd[i] = isnan(ref[i]) ? ref[i] : di_round_bf16(ref[i]);
+            rtol[i] = isnan(ref[i]) ? 0 : tol[i] + fabs(ref[i]) * 0x1p-7;
+        }
+        CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, vd, max_vis, T, HI, DI, true, sd, ss));
+        bk_to(ro, sd, sizeof(float) * (size_t)(T * ss));
+        int64_t not_bf16 = 0;
+        for (int32_t t = 0; t < T; t++)
+            for (int32_t w = 0; w < vis[t]; w++)
+                not_bf16 += ro[t * ss + w] != di_round_bf16(ro[t * ss + w]);
+        CHECK_EQ(not_bf16, 0);
+        CHECK(check_bounds("index_scores bf16", ro, rd, rtol, T * ss) == 0);
+        CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, vd, max_vis, T, HI, DI, false, sd, ss));
+        free(rd), free(rtol), free(ro);
+    }
 
     // top-k on the GPU's own scores (identical inputs on both sides), with ties: every third
     // score of row 2 set equal (the lower index must win); k above, at and below n_vis.
@@ -1258,7 +1386,11 @@ static di_status gr_ops(const gr_set *g, const di_tensor *w_dev) {
         st = b->vt->rope(b, g->y, GR_T * GR_H, GR_D, GR_D, 16, g->omega, g->pos, GR_H, 1.0f, false);
     if (st == DI_OK)
         st = b->vt->attn(b, g->y, g->pool, g->key_idx, GR_KEYS, g->n_keys, GR_KEYS, g->sink, GR_T,
-                         GR_H, GR_D, 0.125f, g->o);
+                         GR_H, GR_D, 0.125f, true, g->o);
+    // The official recipe's ops (captured like the others).
+    if (st == DI_OK) st = b->vt->round_bf16(b, g->o, GR_T * GR_H * GR_D);
+    if (st == DI_OK) st = b->vt->hadamard(b, g->o, GR_T * GR_H, GR_D);
+    if (st == DI_OK) st = b->vt->fake_quant(b, g->o, GR_T * GR_H, GR_D, GR_D, 16, 4, g->o);
     if (st == DI_OK)
         st = b->vt->scatter_rows(b, g->o, GR_T, GR_H * GR_D, GR_H * GR_D, g->ring, GR_H * GR_D,
                                  g->dst, g->src_rows);
@@ -1371,6 +1503,7 @@ int main(void) {
     RUN(test_offset_list);
     RUN(test_compress_pool);
     RUN(test_attn);
+    RUN(test_official_ops);
     RUN(test_indexer);
     RUN(test_other_thread);
     RUN(test_graph);
