@@ -3,7 +3,8 @@
 // the device and attaches the offload as the model's matmul hook (backend/device.h), against the
 // same model on the CPU, on the committed tiny fixture (official FP8/FP4 layout, and the HF BF16
 // one for the logits):
-//   - logits of a 64-token prefill and 3 decode steps within 1e-3 of the largest logit;
+//   - logits of a 64-token prefill and 3 decode steps within 1e-3 of the largest logit (the FP32
+//     recipe; the official recipe has its own, looser bound: TOL_LOGITS_OFFICIAL);
 //   - greedy generation through a session: the same tokens;
 //   - the serving engine (ragged batched forward on its forward thread, 4 requests of different
 //     lengths at once): the same greedy tokens as the engine on the CPU;
@@ -20,6 +21,19 @@
 #include "deepinfer.h"
 
 #define TOL_LOGITS 1e-3
+// The official recipe (R-OFF) rounds to BF16 and quantises to e4m3 / e2m1 between the ops, so a
+// value whose FP32 sum differs from the CPU's in the last bits (the GPU sums in another order)
+// can round to the neighbouring grid point, and this tiny random-weight model amplifies such
+// flips from layer to layer and position to position. Measured on the CPU twin (the dev forward
+// on the CPU backend, tests/model/test_dev_forward.c) with every matmul output perturbed by -1..2
+// FP32 ulps, this file's prefill + decodes on the tiny fixture: FP32 recipe 1.2e-6 of
+// max|logit|, R-OFF 0.22 (0.115 RMS, top-1 token equal on 52 of 67 rows); without perturbation
+// both are bit-identical. So no logits bound separates a correct R-OFF GPU forward from one that
+// drops a rounding point (that mutation measured 0.39 on the CPU twin); this bound only checks
+// that the path runs and stays in range. The R-OFF arithmetic is checked where it is exact: each
+// rounding point bit-for-bit against tensor/quant_ref.c (test_cuda_ops), and the orchestration
+// bit-for-bit on the CPU twin (test_dev_forward (h)).
+#define TOL_LOGITS_OFFICIAL 0.5
 enum { T_PRE = 64, N_DEC = 3, N_GEN = 16, N_REQ = 4, ENGINE_GEN = 12 };
 
 static char g_dir[4096];
@@ -79,8 +93,9 @@ static void logits_case(const char *rel, di_precision prec, const char *what) {
     CHECK(ds->n_matmuls > 0);
     CHECK_EQ(ds->n_declined, 0);
     CHECK(ds->n_weights > 0 && ds->weight_bytes > 0);
-    CHECK(e_pre <= TOL_LOGITS);
-    CHECK(e_dec <= TOL_LOGITS);
+    const double tol = prec == DI_PRECISION_OFFICIAL ? TOL_LOGITS_OFFICIAL : TOL_LOGITS;
+    CHECK(e_pre <= tol);
+    CHECK(e_dec <= tol);
     di_model_get_info(cpu, &info);
     CHECK_EQ(info.device_stats.n_matmuls, 0); // the CPU model has no device
     if (g_logit_scale == 0)
