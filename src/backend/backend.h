@@ -111,8 +111,8 @@ typedef struct di_backend_vt {
     di_status (*mhc_post)(di_backend *b, const float *o, float *x, const float *post,
                           const float *comb, int32_t nc, int64_t D, int32_t n_tok);
     // out [T, D] = the MoE layer on f [T, D] (router, routed experts, shared expert, combine in
-    // ascending expert order; FP32 recipe: the routing weight scales each expert's output).
-    // ids: token ids [T] (hash routing).
+    // ascending expert order; FP32 recipe: the routing weight scales each expert's output; the
+    // official recipe (w->official): model/dsv4_moe.c's order). ids: token ids [T] (hash routing).
     di_status (*moe)(di_backend *b, const di_backend_moe_w *w, const float *f, const int32_t *ids,
                      int32_t n_tok, float *out);
     // dst + dst_rows[i] * dst_stride  <-  src + s_i * src_stride, `width` floats, for i < n, where

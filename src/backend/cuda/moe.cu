@@ -225,9 +225,11 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
     const int32_t E = w->n_expert, K = w->n_used, P = n_tok * K;
     const int64_t D = w->D, F = w->F, Fs = w->sh_w1.ne[1];
     // The official recipe (model/dsv4_moe.c): A8 of the FP8/FP4 linears' inputs (Q8, blocks of
-    // 128), every linear's output in BF16, the weight on h before w2, h and the output in BF16.
+    // 128; per weight kind, as di_dsv4_linear decides), every linear's output in BF16, the weight
+    // on h before w2, h and the output in BF16.
     const bool off = w->official;
-    const bool aq_r = off && quantised(w->routed_kind), aq_s = off && quantised(w->sh_w1.kind);
+    const bool aq_r = off && quantised(w->routed_kind), aq_s1 = off && quantised(w->sh_w1.kind);
+    const bool aq_s2 = off && quantised(w->sh_w2.kind), aq_s3 = off && quantised(w->sh_w3.kind);
     const int64_t gw = (int64_t)P * F > n_tok * Fs ? (int64_t)P * F : n_tok * Fs;
     void *b[11] = {0};
     const size_t sizes[11] = {
@@ -242,7 +244,7 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
         sizeof(float) * (size_t)P * D,     // 8 y (routed outputs, grouped)
         sizeof(float) * (size_t)n_tok * D, // 9 shared expert output
         // 10 official: A8 of f [T, D] (the routed w1/w3 read it by token row, like f)
-        (aq_r || aq_s) ? sizeof(float) * (size_t)n_tok * (size_t)D : 1,
+        (aq_r || aq_s1 || aq_s3) ? sizeof(float) * (size_t)n_tok * (size_t)D : 1,
     };
     for (int i = 0; i < 11; i++) DI_TRY(di_cuda_alloc(cu, sizes[i], &b[i]));
     {
@@ -255,8 +257,8 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
         DI_TRY(di_cuda_router(cu, logits, w->gate_bias, w->tid2eid, ids, n_tok, E, K,
                               w->route_scale, w->hf_eps, sel, wgt));
         DI_TRY(di_cuda_moe_group(cu, sel, P, K, E, offsets, rows, rop));
-        if (aq_r || aq_s) DI_TRY(di_cuda_fake_quant(cu, f, n_tok, D, D, 128, 8, fq));
-        const float *fr = aq_r ? fq : f, *fs = aq_s ? fq : f;
+        if (aq_r || aq_s1 || aq_s3) DI_TRY(di_cuda_fake_quant(cu, f, n_tok, D, D, 128, 8, fq));
+        const float *fr = aq_r ? fq : f;
         // Routed experts: gate and up read the token rows directly (rows = token of each row).
         // One token: every expert has one row (a hash duplicate makes two; still correct).
         const int32_t hint = n_tok == 1 ? 1 : 0;
@@ -278,8 +280,8 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
             di_cuda_matmul_grouped(cu, w->w2, E, D, F, offsets, NULL, g, F, y, D, hint)); // [P,D]
         if (off) DI_TRY(di_cuda_round_bf16(cu, y, (int64_t)P * D));
         // Shared expert on every token (g, u reused: the grouped w2 above is enqueued first).
-        DI_TRY(di_cuda_matmul(cu, &w->sh_w1, fs, n_tok, D, g, Fs));
-        DI_TRY(di_cuda_matmul(cu, &w->sh_w3, fs, n_tok, D, u, Fs));
+        DI_TRY(di_cuda_matmul(cu, &w->sh_w1, aq_s1 ? fq : f, n_tok, D, g, Fs));
+        DI_TRY(di_cuda_matmul(cu, &w->sh_w3, aq_s3 ? fq : f, n_tok, D, u, Fs));
         if (off) {
             DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)n_tok * Fs));
             DI_TRY(di_cuda_round_bf16(cu, u, (int64_t)n_tok * Fs));
@@ -287,7 +289,7 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
         DI_TRY(di_cuda_swiglu(cu, g, u, n_tok, Fs, w->shared_clamp ? w->swiglu_limit : 0.0f));
         if (off) {
             DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)n_tok * Fs));
-            if (aq_s) DI_TRY(di_cuda_fake_quant(cu, g, n_tok, Fs, Fs, 128, 8, g));
+            if (aq_s2) DI_TRY(di_cuda_fake_quant(cu, g, n_tok, Fs, Fs, 128, 8, g));
         }
         DI_TRY(di_cuda_matmul(cu, &w->sh_w2, g, n_tok, Fs, sh, D));
         if (off) DI_TRY(di_cuda_round_bf16(cu, sh, (int64_t)n_tok * D));
