@@ -40,6 +40,14 @@ extern "C" {
 
 typedef struct di_backend di_backend;
 
+// Bytes of one KV row (kv_quant, attn_kv) for head_dim dh with n_rot rope dims: the nope codes,
+// the BF16 rope dims, a scale per 64 nope dims, padded to 8 bytes (= di_cuda_kv_row_bytes; 584 for
+// V4's 512/64).
+static inline int64_t di_backend_kv_row_bytes(int32_t dh, int32_t n_rot) {
+    const int64_t nope = dh - n_rot, b = nope + 2 * (int64_t)n_rot + nope / 64;
+    return (b + 7) / 8 * 8;
+}
+
 // compress_pool's "no such slot" source (the overlap of the first window).
 #define DI_BACKEND_NO_ROW INT32_MIN
 
@@ -120,6 +128,8 @@ typedef struct di_backend_vt {
     // i when src_rows is NULL (compressed entries). No two dst_rows >= 0 equal, and no row written
     // is read (src and dst may be one buffer, e.g. a KV pool's call rows into its rings); a
     // negative dst_rows[i] skips row i (the padding of a graph-stable list).
+    // The rows' bits are copied as they are (32-bit words), so KV rows of bytes (kv_quant; a
+    // multiple of 8 bytes) go through it as rows of row_bytes / 4 words, strides likewise.
     di_status (*scatter_rows)(di_backend *b, const float *src, int64_t n, int64_t src_stride,
                               int64_t width, float *dst, int64_t dst_stride,
                               const int32_t *dst_rows, const int32_t *src_rows);
@@ -152,6 +162,21 @@ typedef struct di_backend_vt {
                       int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                       const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
                       bool round_p, float *o);
+    // KV rows (di_backend_kv_row_bytes bytes each; the layout of backend/cuda/attn.cuh: e4m3
+    // codes of the dh - n_rot nope dims, the n_rot rope dims as BF16, one UE8M0 scale per 64
+    // nope dims, zero padding): row i of the n FP32 rows kv + i * kv_stride (dh values) is encoded
+    // into pool + dst_rows[i] * row_bytes (dst_rows NULL: row i; a negative dst_rows[i] skips row
+    // i). Exactly di_cuda_kv_quant: the codes and scales of Q8(nope, 64) (di_fake_quant_q8) and
+    // BF16 rope dims, so rows already Q8-exact (nope) and BF16 (rope) decode to themselves.
+    // DI_ERR_INVALID unless (dh - n_rot) is a multiple of 64, n_rot even, dh <= 1024.
+    di_status (*kv_quant)(di_backend *b, const float *kv, int64_t n, int64_t kv_stride, int32_t dh,
+                          int32_t n_rot, uint8_t *pool, const int32_t *dst_rows);
+    // attn over KV rows (kv_quant's layout) instead of FP32 rows: each key row decoded exactly,
+    // then the same arithmetic as attn (CUDA: di_cuda_attn's FP8-row instance).
+    di_status (*attn_kv)(di_backend *b, const float *q, const uint8_t *pool, const int32_t *key_idx,
+                         int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
+                         const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
+                         float scale, bool round_p, float *o);
     // Lightning-indexer scores and top-k: exactly backend/cuda/indexer.cuh di_cuda_indexer_scores
     // (key_base in entries, int64) and di_cuda_topk (ties to the lower index, ascending, -1
     // padded; k == n_vis selects all without reading scores). round_bf16 (the official recipe):

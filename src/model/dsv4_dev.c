@@ -301,7 +301,8 @@ typedef struct ratio_class {
 } ratio_class;
 
 typedef struct dev_lstate {
-    float *kv;                // [max_rows + n_slots * slot_rows, Dh]
+    float *kv;                // FP32 recipe: [max_rows + n_slots * slot_rows, Dh]
+    uint8_t *kvb;             // official: the same rows as KV rows of kv_row_bytes (kv_quant)
     float *idx;               // CSA: [n_slots * cap, DI]
     float *ring_c, *ring_z;   // compressing: [n_slots * R, c * d]
     float *iring_c, *iring_z; // CSA indexer compressor
@@ -317,7 +318,9 @@ struct di_dsv4_dev_state {
     int8_t *layer_cls; // owned [n_layer]
     // scratch (backend), sized for max_rows rows
     float *x, *a, *out, *post, *comb, *mix, *qr, *q, *o, *u, *cc, *cz, *ent, *iq, *iw, *scores;
-    float *aq; // official recipe: A8-quantised linear inputs [max_rows, max(D, Rq, G*Ro)]
+    float *aq;  // official recipe: A8-quantised linear inputs [max_rows, max(D, Rq, G*Ro)]
+    float *kvf; // official recipe: this call's FP32 kv rows [max_rows, Dh] (then kv_quant)
+    int64_t kv_row_bytes; // bytes per KV pool row: 4 Dh (FP32 rows) or the KV row format's
     float *hx, *h, *logits;
     int32_t *sel;
     int32_t *zeros; // [max_rows] of 0: key_lists' base and offset of the window keys
@@ -450,6 +453,10 @@ fail:
     return st;
 }
 
+int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s) {
+    return s->kv_row_bytes;
+}
+
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     if (!s) return;
     for (int32_t i = 0; i < s->n_graphs; i++)
@@ -487,10 +494,21 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
             return DI_ERR_INVALID;
         }
     }
+    // Official recipe: KV rows of the FP8 format (lossless there: the rows are Q8-exact on the
+    // nope dims and BF16 on the rope dims), the compressed entries' rope dims those of the rows.
+    const int32_t n_rot = hp->rope_main.n_dims;
+    if (d->official && (n_rot % 2 != 0 || Dh <= n_rot || (Dh - n_rot) % 64 != 0 || Dh > 1024 ||
+                        hp->rope_compress.n_dims != n_rot)) {
+        DI_LOG_ERROR("dev state: head_dim %lld with %d/%d rope dims: no FP8 KV rows", (long long)Dh,
+                     n_rot, hp->rope_compress.n_dims);
+        return DI_ERR_UNSUPPORTED;
+    }
     di_status st = DI_OK;
     di_dsv4_dev_state *s = di_calloc(1, sizeof *s);
     if (!s) return DI_ERR_NOMEM;
     s->d = d;
+    s->kv_row_bytes =
+        d->official ? di_backend_kv_row_bytes((int32_t)Dh, n_rot) : (int64_t)sizeof(float) * Dh;
     s->n_slots = n_slots, s->n_ctx = n_ctx, s->max_rows = max_rows;
     // Debug switch (conventions §7): DI_DEV_GRAPHS=0 runs decode steps without graphs, to compare.
     const char *env = getenv("DI_DEV_GRAPHS");
@@ -530,7 +548,13 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
             goto fail;
         }
         dev_lstate *ls = &s->ls[il];
-        DI_TRY(st_floats(s, (T + n_slots * rc->slot_rows) * Dh, &ls->kv));
+        if (d->official) {
+            void *kp = NULL;
+            DI_TRY(st_alloc(s, (size_t)((T + n_slots * rc->slot_rows) * s->kv_row_bytes), &kp));
+            ls->kvb = kp;
+        } else {
+            DI_TRY(st_floats(s, (T + n_slots * rc->slot_rows) * Dh, &ls->kv));
+        }
         if (lw->ratio > 0) {
             int64_t n = (int64_t)n_slots * rc->R * lw->cmp.c * lw->cmp.d;
             DI_TRY(st_floats(s, n, &ls->ring_c));
@@ -574,6 +598,7 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
         int64_t w = D > Rq ? D : Rq;
         if (G * Ro > w) w = G * Ro;
         DI_TRY(st_floats(s, T * w, &s->aq));
+        DI_TRY(st_floats(s, T * Dh, &s->kvf));
     }
     void *p = NULL;
     DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk, &p));
@@ -799,9 +824,11 @@ fail:
 // project C and Z, add the position bias, pool every closing window from this call's rows and the
 // ring, normalise and rotate the entries, scatter them into their pool, then ring the last tokens.
 // Official recipe (dsv4_attn.c finalise_entry): the entries are rounded to BF16 around the norm
-// and the rotation, then Q8 on the nope dims (main) or Hadamard, BF16 and Q4 (indexer).
+// and the rotation, then Q8 on the nope dims (main) or Hadamard, BF16 and Q4 (indexer); the main
+// entries go into their KV rows by kv_quant (lossless: they are Q8-exact), the indexer's stay FP32.
+// pool: FP32 rows pool_stride floats apart, or (official main compressor) KV rows.
 static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class *k, const float *a,
-                            bool indexer, float *ring_c, float *ring_z, float *pool,
+                            bool indexer, float *ring_c, float *ring_z, void *pool,
                             int64_t pool_stride, const int32_t *ent_dst) {
     di_dsv4_dev_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
@@ -828,7 +855,11 @@ static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class 
     } else if (s->d->official) {
         OP(fake_quant, s->ent, k->n_pool, cw->d - n_rot, cw->d, 64, 8, s->ent);
     }
-    OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, pool, pool_stride, ent_dst, NULL);
+    if (s->d->official && !indexer)
+        OP(kv_quant, s->ent, k->n_pool, cw->d, (int32_t)cw->d, n_rot, (uint8_t *)pool, ent_dst);
+    else
+        OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, (float *)pool, pool_stride, ent_dst,
+           NULL);
     // Every sequence's last min(n_tok, R) token rows into its ring: one gather-scatter each.
     OP(scatter_rows, s->cc, k->n_rd, width, width, ring_c, width, D32(k->ring_dst),
        D32(k->ring_src));
@@ -866,14 +897,18 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     OP(rope, s->q, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, false);
     ROUND(s->q, T * H * Dh);
     // kv path: straight into this call's rows of the layer's KV pool (official: BF16, then Q8 of
-    // the nope dims in blocks of 64, so the pool rows hold Q8-exact values).
-    float *kv = ls->kv; // [T, Dh]
+    // the nope dims in blocks of 64, so the rows hold Q8-exact values, then encoded losslessly as
+    // KV rows into the call's rows of the pool).
+    float *kv = official ? s->kvf : ls->kv; // [T, Dh]
     DI_TRY(linear(c, &lw->wkv, a, D, kv, Dh, true));
     OP(rmsnorm, kv, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
     ROUND(kv, T * Dh);
     OP(rope, kv, T, Dh, Dh, n_rot, omega, pos, 1, rscale, false);
     ROUND(kv, T * Dh);
-    if (official) OP(fake_quant, kv, T, Dh - n_rot, Dh, 64, 8, kv);
+    if (official) {
+        OP(fake_quant, kv, T, Dh - n_rot, Dh, 64, 8, kv);
+        OP(kv_quant, kv, T, Dh, (int32_t)Dh, n_rot, ls->kvb, NULL);
+    }
 
     // CSA: the indexer (its compressor, q, weights, scores, top-k appended to the key lists).
     if (lw->ratio == 4) {
@@ -902,14 +937,19 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     }
     // CSA and HCA: the main compressor, before the attention of the same tokens.
     if (compress)
-        DI_TRY(compressor(c, &lw->cmp, k, a, false, ls->ring_c, ls->ring_z, ls->kv, Dh,
-                          D32(k->ent_dst)));
+        DI_TRY(compressor(c, &lw->cmp, k, a, false, ls->ring_c, ls->ring_z,
+                          official ? (void *)ls->kvb : (void *)ls->kv, Dh, D32(k->ent_dst)));
 
     // max_keys: the key list capacity (a bound independent of the positions). Official: p
     // normalised, then rounded to BF16.
-    OP(attn, s->q, ls->kv, k->keys ? k->keys : D32(k->win_keys), k->key_stride, D32(k->n_keys),
-       (int32_t)k->key_stride, lw->attn_sink, T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh),
-       official, s->o); // o: [T, H, Dh]
+    const int32_t *keys = k->keys ? k->keys : D32(k->win_keys);
+    if (official) // KV rows, each decoded exactly
+        OP(attn_kv, s->q, ls->kvb, keys, k->key_stride, D32(k->n_keys), (int32_t)k->key_stride,
+           lw->attn_sink, T, (int32_t)H, (int32_t)Dh, n_rot, 1.0f / sqrtf((float)Dh), true,
+           s->o); // o: [T, H, Dh]
+    else
+        OP(attn, s->q, ls->kv, keys, k->key_stride, D32(k->n_keys), (int32_t)k->key_stride,
+           lw->attn_sink, T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh), false, s->o);
     ROUND(s->o, T * H * Dh);
     OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, true);
     ROUND(s->o, T * H * Dh);
@@ -926,7 +966,10 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
 
     // Each sequence's last min(n_tok, W) kv rows (this call's rows of the pool) into its window
     // ring, after every read of the ring: one gather-scatter for every sequence.
-    OP(scatter_rows, kv, k->n_wd, Dh, Dh, ls->kv, Dh, D32(k->win_dst), D32(k->win_src));
+    // Official: the KV rows as rows of 32-bit words (scatter_rows copies bits).
+    const int64_t rw = s->kv_row_bytes / (int64_t)sizeof(float);
+    float *pool = official ? (float *)ls->kvb : ls->kv;
+    OP(scatter_rows, pool, k->n_wd, rw, rw, pool, rw, D32(k->win_dst), D32(k->win_src));
     return DI_OK;
 fail:
     return st;

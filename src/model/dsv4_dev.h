@@ -9,12 +9,15 @@
  * FP32 and the official one (R-OFF, spec §2.0), where every rounding point of the CPU forward
  * (BF16 roundings, A8 before FP8/FP4 linears, the KV rows' Q8, the indexer's Hadamard + Q4, BF16
  * scores and attention probabilities, the MoE's order) is an op of its own, in the same order. KV
- * rows stay FP32 (in R-OFF they hold Q8-exact values).
+ * rows are FP32 in the FP32 recipe; in R-OFF they hold Q8-exact values and are stored as the FP8
+ * KV rows of backend.h kv_quant (584 bytes at V4's head_dim 512, lossless), attention reading them
+ * with attn_kv.
  *
  * State layout (per layer, backend memory):
- *   - one FP32 KV pool of Dh-float rows: [max_rows rows of this call | slot 0: W ring rows, then
- *     cap compressed entries | slot 1: ...], so one attention call addresses this call's kv rows,
- *     every slot's window ring (row = pos mod W) and compressed entries by row index;
+ *   - one KV pool of Dh-float rows (R-OFF: kv_row_bytes-byte KV rows): [max_rows rows of this call
+ * | slot 0: W ring rows, then cap compressed entries | slot 1: ...], so one attention call
+ * addresses this call's kv rows, every slot's window ring (row = pos mod W) and compressed entries
+ * by row index;
  *   - CSA layers: the indexer's entries [n_slots, cap, DI];
  *   - compressing layers: per compressor a token ring per slot, R = c*m rows (c = 2 with overlap,
  *     1 for HCA) of c*d floats for C and for Z (Z with its position bias), row = pos mod R.
@@ -74,6 +77,10 @@ void di_dsv4_dev_destroy(di_dsv4_dev *d); // NULL: no-op
 di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
                                    di_dsv4_dev_state **out);
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s); // NULL: no-op
+
+// Bytes per row of the state's KV pools: 4 * head_dim (FP32 rows, the FP32 recipe) or
+// di_backend_kv_row_bytes(head_dim, rope dims) (the FP8 KV rows of the official recipe).
+int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s);
 
 typedef struct di_dsv4_dev_seq {
     int32_t slot, pos, n_tok;

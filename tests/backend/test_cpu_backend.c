@@ -172,6 +172,89 @@ static void test_official_ops(void) {
     CHECK_EQ(g_b->vt->hadamard(g_b, y, 1, 48), DI_ERR_INVALID);               // not a power of 2
 }
 
+// KV rows (kv_quant, attn_kv): the layout of backend/cuda/attn.cuh, decoded by hand; rows that
+// are Q8-exact (nope) and BF16 (rope) decode to themselves, so attn_kv equals attn on the FP32
+// rows bit for bit; a negative destination skips its row; a graph replays both ops.
+static void test_kv_rows(void) {
+    enum { DH = 128, NR = 64, NOPE = DH - NR, NK = 4, H = 3, T = 2, KS = 4 };
+    const int64_t rb = di_backend_kv_row_bytes(DH, NR);
+    CHECK_EQ(rb, 200);
+    CHECK_EQ(di_backend_kv_row_bytes(512, 64), 584);
+    float kv[NK * DH], want[NK * DH];
+    for (int i = 0; i < NK * DH; i++)
+        kv[i] = (float)(sin(i * 0.731) * exp(0.07 * (i % 41)) * (i % DH < 64 ? 1.0 : 1e-3));
+    kv[DH + 3] = 0.0f;
+    for (int r = 0; r < NK * DH; r += 64) // one block per row of very different magnitude
+        if ((r / 64) % 3 == 1)
+            for (int j = 0; j < 64; j++) kv[r + j] *= 37.0f;
+    memcpy(want, kv, sizeof kv);
+    for (int r = 0; r < NK; r++) {
+        di_fake_quant_q8(want + r * DH, NOPE, 64);
+        for (int d = NOPE; d < DH; d++) want[r * DH + d] = di_round_bf16(want[r * DH + d]);
+    }
+    uint8_t pool[(NK + 2) * 200];
+    memset(pool, 0xAB, sizeof pool);
+    const int32_t dst[NK] = {3, -1, 0, 5}; // row 1 skipped (padding)
+    CHECK_EQ(g_b->vt->kv_quant(g_b, kv, NK, DH, DH, NR, pool, dst), DI_OK);
+    for (int i = 0; i < NK; i++) {
+        if (dst[i] < 0) continue;
+        const uint8_t *row = pool + dst[i] * rb;
+        for (int d = 0; d < NOPE; d++)
+            CHECK_EQ(di_e4m3_to_f32(row[d]) * di_ue8m0_to_f32(row[NOPE + 2 * NR + d / 64]),
+                     want[i * DH + d]);
+        for (int d = 0; d < NR; d++) {
+            const uint16_t h = (uint16_t)(row[NOPE + 2 * d] | row[NOPE + 2 * d + 1] << 8);
+            CHECK_EQ(di_bf16_to_f32(h), want[i * DH + NOPE + d]);
+        }
+        for (int64_t p = NOPE + 2 * NR + NOPE / 64; p < rb; p++) CHECK_EQ(row[p], 0);
+    }
+    for (int r = 0; r < NK + 2; r++)
+        if (r != 3 && r != 0 && r != 5)
+            for (int64_t p = 0; p < rb; p++) CHECK_EQ(pool[r * rb + p], 0xAB);
+    // Encoding the decoded rows again gives the same bytes (lossless on Q8-exact rows).
+    uint8_t again[(NK + 2) * 200];
+    memcpy(again, pool, sizeof pool);
+    CHECK_EQ(g_b->vt->kv_quant(g_b, want, NK, DH, DH, NR, again, dst), DI_OK);
+    CHECK(memcmp(again, pool, sizeof pool) == 0);
+    // attn_kv on the KV rows == attn on the FP32 rows they hold (pool row r = want row src[r]).
+    float fp[(NK + 2) * DH];
+    memset(fp, 0, sizeof fp);
+    for (int i = 0; i < NK; i++)
+        if (dst[i] >= 0) memcpy(fp + dst[i] * DH, want + i * DH, sizeof(float) * DH);
+    float q[T * H * DH], sink[H] = {0.3f, -2.0f, 1.0f}, o1[T * H * DH], o2[T * H * DH];
+    for (int i = 0; i < T * H * DH; i++) q[i] = (float)cos(i * 0.173) * 0.3f;
+    const int32_t keys[T * KS] = {3, -1, 0, 5, 5, 0, 9, 9}, n_keys[T] = {4, 2};
+    for (int rp = 0; rp < 2; rp++) {
+        CHECK_EQ(g_b->vt->attn(g_b, q, fp, keys, KS, n_keys, KS, sink, T, H, DH, 0.1f, rp, o1),
+                 DI_OK);
+        CHECK_EQ(
+            g_b->vt->attn_kv(g_b, q, pool, keys, KS, n_keys, KS, sink, T, H, DH, NR, 0.1f, rp, o2),
+            DI_OK);
+        CHECK(memcmp(o1, o2, sizeof o1) == 0);
+    }
+    // A graph replays both.
+    void *g = NULL;
+    uint8_t pool2[(NK + 2) * 200];
+    memset(pool2, 0xAB, sizeof pool2);
+    float o3[T * H * DH];
+    CHECK_EQ(g_b->vt->graph_begin(g_b), DI_OK);
+    CHECK_EQ(g_b->vt->kv_quant(g_b, kv, NK, DH, DH, NR, pool2, dst), DI_OK);
+    CHECK_EQ(
+        g_b->vt->attn_kv(g_b, q, pool2, keys, KS, n_keys, KS, sink, T, H, DH, NR, 0.1f, true, o3),
+        DI_OK);
+    CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_OK);
+    CHECK_EQ(di_cpu_backend_graph_n_cmds(g), 2);
+    CHECK_EQ(g_b->vt->graph_launch(g_b, g), DI_OK);
+    g_b->vt->graph_destroy(g_b, g);
+    CHECK(memcmp(pool2, pool, sizeof pool) == 0);
+    CHECK(memcmp(o3, o2, sizeof o3) == 0);
+    // Refused shapes: nope not a multiple of 64.
+    CHECK_EQ(g_b->vt->kv_quant(g_b, kv, 1, DH, DH, 32, pool, NULL), DI_ERR_INVALID);
+    CHECK_EQ(
+        g_b->vt->attn_kv(g_b, q, pool, keys, KS, n_keys, KS, sink, T, H, DH, 32, 0.1f, true, o2),
+        DI_ERR_INVALID);
+}
+
 static void test_topk_offsets(void) {
     // Row 0: ties to the lower index; row 1: k == n_vis selects all (scores unread: NaN);
     // row 2: nothing visible, all padding.
@@ -368,6 +451,7 @@ int main(void) {
     RUN(test_compress_pool);
     RUN(test_attn);
     RUN(test_official_ops);
+    RUN(test_kv_rows);
     RUN(test_topk_offsets);
     RUN(test_rows);
     RUN(test_padding);

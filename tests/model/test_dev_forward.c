@@ -16,7 +16,8 @@
 //   (g) what a decode step costs (issue #7): ops enqueued (= the commands the CPU backend records
 //       in its graph), uploads and bytes at 1, 3, 16 sequences on tiny-128 and 1, 64 on flash-4l's
 //       shapes scaled down: the ops must not grow with the sequences, and a call uploads once;
-//   (h) the official precision recipe (R-OFF): (a), (b, c), (e) and (f) again on models loaded
+//   (h) the official precision recipe (R-OFF; KV pools of FP8 KV rows, asserted by their bytes
+//       per row): (a), (b, c), (e) and (f) again on models loaded
 //       with DI_PRECISION_OFFICIAL (tiny-128 in the official layout: FP8 / FP4 weights, A8, CSA's
 //       indexer with Hadamard + Q4; the hca128 fixture in both layouts): every BF16 rounding and
 //       fake quantisation of the CPU forward is an op of the dev forward, so the logits are
@@ -71,6 +72,16 @@ static bool open_ctx(harness_ctx *h, const char *dir) {
     CHECK(di_cpu_backend_create(2, &h->b) == DI_OK);
     CHECK(di_dsv4_dev_create(h->m, h->b, &h->d) == DI_OK);
     CHECK(di_dsv4_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, &h->st) == DI_OK);
+    // The KV pools' format: FP32 rows, or (official recipe) the FP8 KV rows, which the
+    // comparisons below show lossless (bit-identical logits).
+    const di_hparams *hp = &h->m->hp;
+    if (h->st)
+        CHECK_EQ(di_dsv4_dev_state_kv_row_bytes(h->st),
+                 g_prec == DI_PRECISION_OFFICIAL
+                     ? di_backend_kv_row_bytes(hp->head_dim, hp->rope_main.n_dims)
+                     : (int64_t)sizeof(float) * hp->head_dim);
+    if (h->st && g_prec == DI_PRECISION_OFFICIAL)
+        CHECK(di_dsv4_dev_state_kv_row_bytes(h->st) < (int64_t)sizeof(float) * hp->head_dim);
     di_session_options so = {.n_ctx_max = N_CTX};
     for (int i = 0; i < N_SLOTS; i++) CHECK(di_session_create(h->m, &so, &h->ses[i]) == DI_OK);
     h->got = malloc(sizeof(float) * MAX_ROWS * (size_t)h->V);

@@ -82,6 +82,8 @@ typedef enum cmd_op {
     CMD_ROUND_BF16,
     CMD_FAKE_QUANT,
     CMD_HADAMARD,
+    CMD_KV_QUANT,
+    CMD_ATTN_KV,
 } cmd_op;
 
 // One recorded entry: its arguments by value (tensors and the MoE weight struct copied: the
@@ -191,6 +193,26 @@ typedef struct cmd {
             bool round_p;
             float *o;
         } attn;
+        struct {
+            const float *kv;
+            int64_t n, kv_stride;
+            int32_t dh, n_rot;
+            uint8_t *pool;
+            const int32_t *dst_rows;
+        } kv_quant;
+        struct {
+            const float *q;
+            const uint8_t *pool;
+            const int32_t *key_idx;
+            int64_t key_stride;
+            const int32_t *n_keys;
+            int32_t max_keys;
+            const float *sink;
+            int32_t n_tok, H, dh, n_rot;
+            float scale;
+            bool round_p;
+            float *o;
+        } attn_kv;
         struct {
             const float *qi, *wi, *keys;
             const int64_t *key_base;
@@ -796,6 +818,100 @@ static di_status cpu_attn(di_backend *b, const float *q, const float *pool, cons
     return DI_OK;
 }
 
+// ---- KV rows (backend.h kv_quant; the layout of backend/cuda/attn.cuh) ----
+
+// One FP32 row of dh values -> one KV row of row_bytes (di_cuda_kv_quant's encoding).
+static void kv_encode_row(const float *v, int32_t dh, int32_t n_rot, int64_t row_bytes,
+                          uint8_t *row) {
+    const int32_t nope = dh - n_rot, nb = nope / 64;
+    for (int32_t b = 0; b < nb; b++) {
+        const float *x = v + (int64_t)b * 64;
+        float amax = 0.0f;
+        for (int32_t j = 0; j < 64; j++) amax = fmaxf(amax, fabsf(x[j]));
+        amax = fmaxf(amax, 1e-4f);                               // Q8's floor
+        const int k = di_ceil_log2_bits(amax * (1.0f / 448.0f)); // one f32 rounding
+        const float inv_s = ldexpf(1.0f, -k);                    // exact
+        for (int32_t j = 0; j < 64; j++) row[b * 64 + j] = di_f32_to_e4m3(x[j] * inv_s);
+        row[nope + 2 * n_rot + b] = (uint8_t)(127 + k);
+    }
+    for (int32_t d = 0; d < n_rot; d++) {
+        const uint16_t h = di_f32_to_bf16(v[nope + d]);
+        memcpy(row + nope + 2 * d, &h, sizeof h); // little-endian hosts (conventions)
+    }
+    const int64_t used = nope + 2 * (int64_t)n_rot + nb;
+    memset(row + used, 0, (size_t)(row_bytes - used));
+}
+
+// One KV row -> dh FP32 values, exactly.
+static void kv_decode_row(const uint8_t *row, int32_t dh, int32_t n_rot, float *v) {
+    const int32_t nope = dh - n_rot;
+    for (int32_t d = 0; d < nope; d++)
+        v[d] = di_e4m3_to_f32(row[d]) * di_ue8m0_to_f32(row[nope + 2 * n_rot + d / 64]);
+    for (int32_t d = 0; d < n_rot; d++) {
+        uint16_t h;
+        memcpy(&h, row + nope + 2 * d, sizeof h);
+        v[nope + d] = di_bf16_to_f32(h);
+    }
+}
+
+static bool kv_shape_ok(int32_t dh, int32_t n_rot) {
+    return n_rot >= 0 && n_rot % 2 == 0 && dh > n_rot && (dh - n_rot) % 64 == 0 && dh <= 1024;
+}
+
+static di_status cpu_kv_quant(di_backend *b, const float *kv, int64_t n, int64_t kv_stride,
+                              int32_t dh, int32_t n_rot, uint8_t *pool, const int32_t *dst_rows) {
+    RECORD(impl_of(b), CMD_KV_QUANT, kv_quant, kv, n, kv_stride, dh, n_rot, pool, dst_rows);
+    if (!kv_shape_ok(dh, n_rot)) return DI_ERR_INVALID;
+    const int64_t rb = di_backend_kv_row_bytes(dh, n_rot);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = dst_rows ? dst_rows[i] : i;
+        if (r < 0) continue; // padding, skipped
+        kv_encode_row(kv + i * kv_stride, dh, n_rot, rb, pool + r * rb);
+    }
+    return DI_OK;
+}
+
+// The twin of di_cuda_attn's FP8-row instance: the listed rows decoded exactly into FP32 rows
+// (compacted: a list entry per present key), then attn's arithmetic on them.
+static di_status cpu_attn_kv(di_backend *b, const float *q, const uint8_t *pool,
+                             const int32_t *key_idx, int64_t key_stride, const int32_t *n_keys,
+                             int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
+                             int32_t dh, int32_t n_rot, float scale, bool round_p, float *o) {
+    cpu_impl *c = impl_of(b);
+    RECORD(c, CMD_ATTN_KV, attn_kv, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H,
+           dh, n_rot, scale, round_p, o);
+    if (n_tok <= 0) return DI_OK;
+    if (!kv_shape_ok(dh, n_rot) || max_keys < 0 || key_stride < max_keys) return DI_ERR_INVALID;
+    for (int32_t t = 0; t < n_tok; t++)
+        if (n_keys[t] < 0 || n_keys[t] > max_keys) return DI_ERR_INVALID;
+    const size_t n_idx = (size_t)n_tok * (size_t)key_stride;
+    size_t n_rows = 0;
+    for (int32_t t = 0; t < n_tok; t++)
+        for (int32_t j = 0; j < n_keys[t]; j++) n_rows += key_idx[(int64_t)t * key_stride + j] >= 0;
+    int32_t *idx = di_malloc(sizeof(int32_t) * (n_idx ? n_idx : 1));
+    float *rows = di_malloc(sizeof(float) * (size_t)dh * (n_rows ? n_rows : 1));
+    if (!idx || !rows) {
+        di_free(idx);
+        di_free(rows);
+        return DI_ERR_NOMEM;
+    }
+    const int64_t rb = di_backend_kv_row_bytes(dh, n_rot);
+    int32_t r = 0;
+    for (int32_t t = 0; t < n_tok; t++)
+        for (int64_t j = 0; j < key_stride; j++) {
+            const int64_t at = (int64_t)t * key_stride + j;
+            idx[at] = -1;
+            if (j >= n_keys[t] || key_idx[at] < 0) continue;
+            kv_decode_row(pool + (int64_t)key_idx[at] * rb, dh, n_rot, rows + (int64_t)r * dh);
+            idx[at] = r++;
+        }
+    di_status st = cpu_attn(b, q, rows, idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
+                            scale, round_p, o);
+    di_free(idx);
+    di_free(rows);
+    return st;
+}
+
 typedef struct index_ctx {
     const cpu_impl *c;
     const float *qi, *wi, *keys;
@@ -988,6 +1104,14 @@ static di_status replay(di_backend *b, const cmd *k) {
         return cpu_attn(b, A(attn).q, A(attn).pool, A(attn).key_idx, A(attn).key_stride,
                         A(attn).n_keys, A(attn).max_keys, A(attn).sink, A(attn).n_tok, A(attn).H,
                         A(attn).dh, A(attn).scale, A(attn).round_p, A(attn).o);
+    case CMD_KV_QUANT:
+        return cpu_kv_quant(b, A(kv_quant).kv, A(kv_quant).n, A(kv_quant).kv_stride, A(kv_quant).dh,
+                            A(kv_quant).n_rot, A(kv_quant).pool, A(kv_quant).dst_rows);
+    case CMD_ATTN_KV:
+        return cpu_attn_kv(b, A(attn_kv).q, A(attn_kv).pool, A(attn_kv).key_idx,
+                           A(attn_kv).key_stride, A(attn_kv).n_keys, A(attn_kv).max_keys,
+                           A(attn_kv).sink, A(attn_kv).n_tok, A(attn_kv).H, A(attn_kv).dh,
+                           A(attn_kv).n_rot, A(attn_kv).scale, A(attn_kv).round_p, A(attn_kv).o);
     case CMD_INDEX_SCORES:
         return cpu_index_scores(b, A(index_scores).qi, A(index_scores).wi, A(index_scores).keys,
                                 A(index_scores).key_base, A(index_scores).n_vis,
@@ -1085,6 +1209,8 @@ static const di_backend_vt cpu_vt = {
     .add_ape = cpu_add_ape,
     .compress_pool = cpu_compress_pool,
     .attn = cpu_attn,
+    .kv_quant = cpu_kv_quant,
+    .attn_kv = cpu_attn_kv,
     .index_scores = cpu_index_scores,
     .topk = cpu_topk,
     .offset_list = cpu_offset_list,

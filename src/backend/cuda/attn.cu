@@ -27,8 +27,10 @@ __global__ void kv_quant_kernel(const float *__restrict__ kv, int64_t n, int64_t
     const int64_t i = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (i >= n) return;
+    const int64_t r = dst_rows ? dst_rows[i] : i;
+    if (r < 0) return; // padding, skipped
     const float *v = kv + i * kv_stride;
-    uint8_t *row = pool + (int64_t)(dst_rows ? dst_rows[i] : i) * row_bytes;
+    uint8_t *row = pool + r * row_bytes;
     const int32_t nope = dh - n_rot, nb = nope / 64;
     for (int32_t b = 0; b < nb; b++) {
         const float x0 = v[b * 64 + lane], x1 = v[b * 64 + 32 + lane];
@@ -204,10 +206,21 @@ extern "C" di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *po
                                   const int32_t *key_idx, int64_t key_stride, const int32_t *n_keys,
                                   int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
                                   int32_t dh, int32_t n_rot, float scale, float *o) {
-    if ((dh - n_rot) % 64 != 0 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0) return DI_ERR_INVALID;
+    return di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
+                           n_rot, scale, false, o);
+}
+
+extern "C" di_status di_cuda_attn_kv(di_cuda *cu, const float *q, const uint8_t *pool,
+                                     const int32_t *key_idx, int64_t key_stride,
+                                     const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                     int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
+                                     float scale, bool round_p, float *o) {
+    if (n_rot < 0 || n_rot % 2 != 0 || dh <= n_rot || (dh - n_rot) % 64 != 0 ||
+        dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0 || H < 0)
+        return DI_ERR_INVALID;
     const KeyRowsFp8 rows = {pool, di_cuda_kv_row_bytes(dh, n_rot), dh - n_rot, n_rot};
     return attn_launch(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-                       scale, false, o);
+                       scale, round_p, o);
 }
 
 extern "C" di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *pool,

@@ -35,7 +35,8 @@ static inline int64_t di_cuda_kv_row_bytes(int32_t dh, int32_t n_rot) {
 }
 
 // Quantises n FP32 rows (kv + i*kv_stride, dh values) into KV rows: row i goes to
-// pool + dst_rows[i] * row_bytes (dst_rows NULL: row i). DI_ERR_CUDA, DI_ERR_INVALID (shape).
+// pool + dst_rows[i] * row_bytes (dst_rows NULL: row i; a negative dst_rows[i] skips row i: the
+// padding of a graph-stable list). DI_ERR_CUDA, DI_ERR_INVALID (shape).
 di_status di_cuda_kv_quant(di_cuda *cu, const float *kv, int64_t n, int64_t kv_stride, int32_t dh,
                            int32_t n_rot, uint8_t *pool, const int32_t *dst_rows);
 
@@ -54,6 +55,13 @@ di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *pool, const i
                        int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                        const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
                        float scale, float *o);
+
+// di_cuda_attn with the official recipe's round_p (di_cuda_attn_f32's): each normalised p is
+// rounded to BF16 before p.v (backend.h `attn_kv`: the device-resident forward's R-OFF KV rows).
+di_status di_cuda_attn_kv(di_cuda *cu, const float *q, const uint8_t *pool, const int32_t *key_idx,
+                          int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
+                          const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
+                          float scale, bool round_p, float *o);
 
 // The same attention over plain FP32 key rows (the device-resident forward's K = V rows, dh floats
 // each at pool + idx * dh; backend.h `attn`): the kernel above with another row decoder, so the

@@ -211,6 +211,21 @@ static di_status op_attn(di_backend *b, const float *q, const float *pool, const
                             scale, round_p, o);
 }
 
+static di_status op_kv_quant(di_backend *b, const float *kv, int64_t n, int64_t kv_stride,
+                             int32_t dh, int32_t n_rot, uint8_t *pool, const int32_t *dst_rows) {
+    ENTER(b);
+    return di_cuda_kv_quant(cu, kv, n, kv_stride, dh, n_rot, pool, dst_rows);
+}
+
+static di_status op_attn_kv(di_backend *b, const float *q, const uint8_t *pool,
+                            const int32_t *key_idx, int64_t key_stride, const int32_t *n_keys,
+                            int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
+                            int32_t dh, int32_t n_rot, float scale, bool round_p, float *o) {
+    ENTER(b);
+    return di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
+                           n_rot, scale, round_p, o);
+}
+
 static di_status op_index_scores(di_backend *b, const float *qi, const float *wi, const float *keys,
                                  const int64_t *key_base, const int32_t *n_vis, int32_t max_vis,
                                  int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16,
@@ -318,6 +333,8 @@ static di_backend_vt make_vt(void) {
     vt.add_ape = op_add_ape;
     vt.compress_pool = op_compress_pool;
     vt.attn = op_attn;
+    vt.kv_quant = op_kv_quant;
+    vt.attn_kv = op_attn_kv;
     vt.index_scores = op_index_scores;
     vt.topk = op_topk;
     vt.offset_list = op_offset_list;

@@ -207,9 +207,10 @@ static void test_vtable(void) {
         NULL_ENTRY(supports_matmul) + NULL_ENTRY(matmul) + NULL_ENTRY(embed) + NULL_ENTRY(rmsnorm) +
         NULL_ENTRY(rope) + NULL_ENTRY(scale) + NULL_ENTRY(mhc_pre) + NULL_ENTRY(mhc_post) +
         NULL_ENTRY(moe) + NULL_ENTRY(scatter_rows) + NULL_ENTRY(add_ape) +
-        NULL_ENTRY(compress_pool) + NULL_ENTRY(attn) + NULL_ENTRY(index_scores) + NULL_ENTRY(topk) +
-        NULL_ENTRY(offset_list) + NULL_ENTRY(destroy) + NULL_ENTRY(graph_begin) +
-        NULL_ENTRY(graph_end) + NULL_ENTRY(graph_launch) + NULL_ENTRY(graph_destroy);
+        NULL_ENTRY(compress_pool) + NULL_ENTRY(attn) + NULL_ENTRY(kv_quant) + NULL_ENTRY(attn_kv) +
+        NULL_ENTRY(index_scores) + NULL_ENTRY(topk) + NULL_ENTRY(offset_list) +
+        NULL_ENTRY(destroy) + NULL_ENTRY(graph_begin) + NULL_ENTRY(graph_end) +
+        NULL_ENTRY(graph_launch) + NULL_ENTRY(graph_destroy);
 #undef NULL_ENTRY
     CHECK_EQ(n_null, 0);
     // A device that does not exist is refused, not crashed on.
@@ -1102,6 +1103,84 @@ static void test_attn(void) {
     bk_free(d), bk_free(id);
 }
 
+// KV rows (kv_quant, attn_kv): the bytes equal the CPU backend's (a skipped row untouched), and
+// attn_kv on them equals attn on the FP32 rows they hold, bit for bit (one kernel, two row
+// decoders), with and without round_p.
+static void kv_rows_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_t n_rows,
+                         int32_t max_keys) {
+    const int64_t rb = di_backend_kv_row_bytes(dh, n_rot), ks = max_keys + 3;
+    const int64_t n_o = (int64_t)T * H * dh, nope = dh - n_rot;
+    float *kv = malloc(sizeof(float) * (size_t)(n_rows * dh));
+    float *want = malloc(sizeof(float) * (size_t)(n_rows * dh));
+    fill_rand(kv, n_rows * dh, 3.0f);
+    for (int64_t i = 0; i < n_rows * dh; i += 64) // blocks of very different magnitudes
+        for (int j = 0; j < 64 && i + j < n_rows * dh; j++)
+            kv[i + j] *= ldexpf(1.0f, (int)(i % 9) - 4);
+    memcpy(want, kv, sizeof(float) * (size_t)(n_rows * dh));
+    for (int64_t r = 0; r < n_rows; r++) {
+        di_fake_quant_q8(want + r * dh, nope, 64);
+        for (int64_t d = nope; d < dh; d++) want[r * dh + d] = di_round_bf16(want[r * dh + d]);
+    }
+    int32_t *dst = malloc(sizeof(int32_t) * (size_t)n_rows);
+    for (int64_t i = 0; i < n_rows; i++) dst[i] = (int32_t)(n_rows - 1 - i); // reversed
+    dst[1] = -1;                                                             // padding: skipped
+    uint8_t *cpu_pool = malloc((size_t)(n_rows * rb)), *gpu_pool = malloc((size_t)(n_rows * rb));
+    memset(cpu_pool, 0xFF, (size_t)(n_rows * rb));
+    di_backend *cb = NULL;
+    CK(di_cpu_backend_create(1, &cb));
+    CK(cb->vt->kv_quant(cb, kv, n_rows, dh, dh, n_rot, cpu_pool, dst));
+    float *kvd = bk_from(kv, sizeof(float) * (size_t)(n_rows * dh));
+    int32_t *dstd = bk_from(dst, sizeof(int32_t) * (size_t)n_rows);
+    uint8_t *pd = bk_alloc((size_t)(n_rows * rb));
+    bk_poison(pd, (size_t)(n_rows * rb));
+    CK(g_b->vt->kv_quant(g_b, kvd, n_rows, dh, dh, n_rot, pd, dstd));
+    bk_to(gpu_pool, pd, (size_t)(n_rows * rb));
+    CHECK(memcmp(cpu_pool, gpu_pool, (size_t)(n_rows * rb)) == 0);
+    // The FP32 rows the pool holds (row dst[i] = want row i; the skipped row's bytes are 0xFF,
+    // never listed below).
+    float *fp = calloc((size_t)(n_rows * dh), sizeof(float));
+    for (int64_t i = 0; i < n_rows; i++)
+        if (dst[i] >= 0)
+            memcpy(fp + (int64_t)dst[i] * dh, want + i * dh, sizeof(float) * (size_t)dh);
+    float *q = malloc(sizeof(float) * (size_t)n_o), *sink = malloc(sizeof(float) * (size_t)H);
+    int32_t *n_keys = malloc(sizeof(int32_t) * (size_t)T),
+            *idx = malloc(sizeof(int32_t) * (size_t)(T * ks));
+    fill_rand(q, n_o, 0.2f);
+    fill_rand(sink, H, 2.0f);
+    make_lists(T, max_keys, ks, n_rows, n_keys, idx);
+    const int32_t skipped = (int32_t)(n_rows - 2); // the row of dst[1]: masked wherever listed
+    for (int64_t i = 0; i < T * ks; i++)
+        if (idx[i] == skipped) idx[i] = -1;
+    float *fpd = bk_from(fp, sizeof(float) * (size_t)(n_rows * dh)),
+          *qd = bk_from(q, sizeof(float) * (size_t)n_o),
+          *sd = bk_from(sink, sizeof(float) * (size_t)H);
+    float *o1d = bk_alloc(sizeof(float) * (size_t)n_o),
+          *o2d = bk_alloc(sizeof(float) * (size_t)n_o);
+    int32_t *nkd = bk_from(n_keys, sizeof(int32_t) * (size_t)T),
+            *idxd = bk_from(idx, sizeof(int32_t) * (size_t)(T * ks));
+    float *o1 = malloc(sizeof(float) * (size_t)n_o), *o2 = malloc(sizeof(float) * (size_t)n_o);
+    const float scale = 1.0f / sqrtf((float)dh);
+    for (int rp = 0; rp < 2; rp++) {
+        CK(g_b->vt->attn(g_b, qd, fpd, idxd, ks, nkd, max_keys, sd, T, H, dh, scale, rp, o1d));
+        CK(g_b->vt->attn_kv(g_b, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, n_rot, scale, rp,
+                            o2d));
+        bk_to(o1, o1d, sizeof(float) * (size_t)n_o);
+        bk_to(o2, o2d, sizeof(float) * (size_t)n_o);
+        CHECK_EQ(n_diff_f32(o1, o2, n_o), 0);
+    }
+    CHECK_EQ(g_b->vt->kv_quant(g_b, kvd, 1, dh, dh, n_rot + 2, pd, NULL), DI_ERR_INVALID);
+    cb->vt->destroy(cb);
+    bk_free(kvd), bk_free(dstd), bk_free(pd), bk_free(fpd), bk_free(qd), bk_free(sd);
+    bk_free(o1d), bk_free(o2d), bk_free(nkd), bk_free(idxd);
+    free(kv), free(want), free(dst), free(cpu_pool), free(gpu_pool), free(fp), free(q), free(sink);
+    free(n_keys), free(idx), free(o1), free(o2);
+}
+
+static void test_kv_rows(void) {
+    kv_rows_case(512, 64, 3, 8, 700, 640); // V4: 584-byte rows
+    kv_rows_case(128, 64, 5, 9, 300, 200); // the tiny fixture: 200-byte rows
+}
+
 // ---- the official recipe's rounding points: exactly tensor/quant_ref.c ----
 
 static void test_official_ops(void) {
@@ -1503,6 +1582,7 @@ int main(void) {
     RUN(test_offset_list);
     RUN(test_compress_pool);
     RUN(test_attn);
+    RUN(test_kv_rows);
     RUN(test_official_ops);
     RUN(test_indexer);
     RUN(test_other_thread);
