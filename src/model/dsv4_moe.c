@@ -82,23 +82,10 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
     float *rw = di_dsv4_scratch(c, DI_SCR_MOE_RW);
     int32_t *rows = c->ws->sel + (int64_t)n_tok * K; // token of each gathered row
     for (int32_t e = 0; e < E; e++) {
-        int32_t n = 0;
-        for (int32_t t = 0; t < n_tok; t++) {
-            for (int32_t k = 0; k < K; k++) {
-                if (sel[t * K + k] != e) continue;
-                memcpy(xin + (int64_t)n * D, f + (int64_t)t * D, sizeof(float) * (size_t)D);
-                rows[n] = t;
-                rw[n] = wgt[t * K + k];
-                n++;
-            }
-        }
+        const int32_t n = di_ref_moe_gather(sel, wgt, n_tok, K, e, f, D, xin, rows, rw);
         if (n == 0) continue;
         expert(c, &lw->w1[e], &lw->w3[e], &lw->w2[e], xin, n, hp->swiglu_limit, rw, yout);
-        for (int32_t r = 0; r < n; r++) {
-            float *o = out + (int64_t)rows[r] * D;
-            const float *y = yout + (int64_t)r * D;
-            for (int64_t i = 0; i < D; i++) o[i] += y[i];
-        }
+        di_ref_moe_add_rows(yout, rows, n, D, out);
     }
 
     // Shared expert on every token, then one sum.

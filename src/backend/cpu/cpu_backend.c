@@ -612,24 +612,11 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
     // Routed experts in ascending id, each on the rows routed to it (duplicates count twice).
     memset(out, 0, sizeof(float) * T * (size_t)D);
     for (int32_t e = 0; e < E; e++) {
-        int32_t n = 0;
-        for (int32_t t = 0; t < n_tok; t++) {
-            for (int32_t k = 0; k < K; k++) {
-                if (sel[t * K + k] != e) continue;
-                memcpy(xin + (int64_t)n * D, f + (int64_t)t * D, sizeof(float) * (size_t)D);
-                rows[n] = t;
-                rw[n] = wgt[t * K + k];
-                n++;
-            }
-        }
+        const int32_t n = di_ref_moe_gather(sel, wgt, n_tok, K, e, f, D, xin, rows, rw);
         if (n == 0) continue;
         expert(c, &w->w1[e], &w->w3[e], &w->w2[e], xin, n, D, w->swiglu_limit, rw, g, u, yout, xq,
                w->official);
-        for (int32_t r = 0; r < n; r++) {
-            float *o = out + (int64_t)rows[r] * D;
-            const float *y = yout + (int64_t)r * D;
-            for (int64_t i = 0; i < D; i++) o[i] += y[i];
-        }
+        di_ref_moe_add_rows(yout, rows, n, D, out);
     }
     // Shared expert on every row, then one sum.
     expert(c, &w->sh_w1, &w->sh_w3, &w->sh_w2, f, n_tok, D, w->shared_clamp ? w->swiglu_limit : 0,

@@ -331,3 +331,26 @@ void di_ref_route(const float *s, int32_t E, int32_t K, const float *bias, float
     sum += eps;
     for (int32_t k = 0; k < K; k++) wgt[k] = s[sel[k]] / sum * route_scale;
 }
+
+int32_t di_ref_moe_gather(const int32_t *sel, const float *wgt, int32_t n_tok, int32_t K, int32_t e,
+                          const float *f, int64_t D, float *xin, int32_t *rows, float *rw) {
+    int32_t n = 0;
+    for (int32_t t = 0; t < n_tok; t++) {
+        for (int32_t k = 0; k < K; k++) {
+            if (sel[t * K + k] != e) continue;
+            memcpy(xin + (int64_t)n * D, f + (int64_t)t * D, sizeof(float) * (size_t)D);
+            rows[n] = t;
+            rw[n] = wgt[t * K + k];
+            n++;
+        }
+    }
+    return n;
+}
+
+void di_ref_moe_add_rows(const float *y, const int32_t *rows, int32_t n, int64_t D, float *out) {
+    for (int32_t r = 0; r < n; r++) {
+        float *o = out + (int64_t)rows[r] * D;
+        const float *yr = y + (int64_t)r * D;
+        for (int64_t i = 0; i < D; i++) o[i] += yr[i];
+    }
+}

@@ -127,6 +127,14 @@ void di_ref_hc_post(const float *o, float *x, const float *post, const float *co
 void di_ref_route(const float *s, int32_t E, int32_t K, const float *bias, float eps,
                   float route_scale, int32_t *sel, float *wgt);
 
+// Expert e's rows of a routed batch: every (token t, slot k) with sel[t*K + k] == e, in ascending
+// (t, k): f's row t copied to xin [n, D], rows[n] = t, rw[n] = wgt[t*K + k]. Returns n (a
+// duplicate in a hash row counts twice).
+int32_t di_ref_moe_gather(const int32_t *sel, const float *wgt, int32_t n_tok, int32_t K, int32_t e,
+                          const float *f, int64_t D, float *xin, int32_t *rows, float *rw);
+// out[rows[r]] += y[r] (D floats) for r < n, in order.
+void di_ref_moe_add_rows(const float *y, const int32_t *rows, int32_t n, int64_t D, float *out);
+
 static inline float di_sigmoid(float x) {
     return 1.0f / (1.0f + expf(-x));
 }
