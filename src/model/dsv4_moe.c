@@ -9,18 +9,6 @@
 #include "model/dsv4.h"
 #include "tensor/quant_ref.h"
 
-// h = silu(min(gate, L)) * clamp(up, -L, L); in place into g. L <= 0: no clamp.
-static void swiglu(float *g, const float *u, int64_t n, float limit) {
-    for (int64_t i = 0; i < n; i++) {
-        float gt = g[i], up = u[i];
-        if (limit > 0) {
-            gt = fminf(gt, limit);
-            up = fminf(fmaxf(up, -limit), limit);
-        }
-        g[i] = di_silu(gt) * up;
-    }
-}
-
 // One expert on n rows of x [n, D] -> y [n, D]; `weight` (per row, may be NULL) scales h before
 // w2 in official precision (R-OFF) and the output otherwise (R-HF), which is the same in exact
 // arithmetic.
@@ -32,7 +20,7 @@ static void expert(di_dsv4_ctx *c, const di_tensor *w1, const di_tensor *w3, con
     float *g = di_dsv4_scratch(c, DI_SCR_MOE_G), *u = di_dsv4_scratch(c, DI_SCR_MOE_U);
     di_dsv4_linear(c, w1, x, n, D, g, F, true); // gate: [n, F]
     di_dsv4_linear(c, w3, x, n, D, u, F, true); // up:   [n, F]
-    swiglu(g, u, (int64_t)n * F, limit);
+    di_ref_swiglu(g, u, (int64_t)n * F, limit);
     if (official && weight) {
         for (int32_t r = 0; r < n; r++)
             for (int64_t i = 0; i < F; i++) g[r * F + i] *= weight[r];

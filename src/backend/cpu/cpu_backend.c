@@ -520,18 +520,6 @@ static di_status grow_i(int32_t **p, size_t *cap, size_t need) {
     return DI_OK;
 }
 
-// h = silu(min(gate, L)) * clamp(up, -L, L) into g; L <= 0: no clamp (dsv4_moe.c swiglu).
-static void swiglu(float *g, const float *u, int64_t n, float limit) {
-    for (int64_t i = 0; i < n; i++) {
-        float gt = g[i], up = u[i];
-        if (limit > 0) {
-            gt = fminf(gt, limit);
-            up = fminf(fmaxf(up, -limit), limit);
-        }
-        g[i] = di_silu(gt) * up;
-    }
-}
-
 static void round_all(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = di_round_bf16(x[i]);
 }
@@ -558,7 +546,7 @@ static void expert(cpu_impl *c, const di_tensor *w1, const di_tensor *w3, const 
     const int64_t F = w1->ne[1];
     linear(c, w1, x, n, xq, g, official); // gate: [n, F]
     linear(c, w3, x, n, xq, u, official); // up:   [n, F]
-    swiglu(g, u, (int64_t)n * F, limit);
+    di_ref_swiglu(g, u, (int64_t)n * F, limit);
     if (official && weight)
         for (int32_t r = 0; r < n; r++)
             for (int64_t i = 0; i < F; i++) g[r * F + i] *= weight[r];

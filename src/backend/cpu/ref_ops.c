@@ -354,3 +354,14 @@ void di_ref_moe_add_rows(const float *y, const int32_t *rows, int32_t n, int64_t
         for (int64_t i = 0; i < D; i++) o[i] += yr[i];
     }
 }
+
+void di_ref_swiglu(float *g, const float *u, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        float gt = g[i], up = u[i];
+        if (limit > 0) {
+            gt = fminf(gt, limit);
+            up = fminf(fmaxf(up, -limit), limit);
+        }
+        g[i] = di_silu(gt) * up;
+    }
+}

@@ -132,6 +132,9 @@ void di_ref_route(const float *s, int32_t E, int32_t K, const float *bias, float
 // duplicate in a hash row counts twice).
 int32_t di_ref_moe_gather(const int32_t *sel, const float *wgt, int32_t n_tok, int32_t K, int32_t e,
                           const float *f, int64_t D, float *xin, int32_t *rows, float *rw);
+// SwiGLU with V4's clamps, in place into g: g = silu(min(g, L)) * clamp(u, -L, L) over n values;
+// L <= 0: no clamp. The one copy: model/dsv4_moe.c and the CPU backend's moe.
+void di_ref_swiglu(float *g, const float *u, int64_t n, float limit);
 // out[rows[r]] += y[r] (D floats) for r < n, in order.
 void di_ref_moe_add_rows(const float *y, const int32_t *rows, int32_t n, int64_t D, float *out);
 
