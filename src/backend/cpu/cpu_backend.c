@@ -43,6 +43,11 @@ typedef struct cpu_impl {
     size_t moe_f_cap;
     int32_t *moe_i; // owned
     size_t moe_i_cap;
+    // attn_kv scratch: the decoded key rows and their list, grown as needed.
+    float *kv_rows; // owned
+    size_t kv_rows_cap;
+    int32_t *kv_idx; // owned
+    size_t kv_idx_cap;
     // Attention / indexer scratch: per thread, key pointers and scores.
     const float **kp; // owned [n_threads * kp_per_thread]
     size_t kp_per_thread;
@@ -863,13 +868,11 @@ static di_status cpu_attn_kv(di_backend *b, const float *q, const uint8_t *pool,
     size_t n_rows = 0;
     for (int32_t t = 0; t < n_tok; t++)
         for (int32_t j = 0; j < n_keys[t]; j++) n_rows += key_idx[(int64_t)t * key_stride + j] >= 0;
-    int32_t *idx = di_malloc(sizeof(int32_t) * (n_idx ? n_idx : 1));
-    float *rows = di_malloc(sizeof(float) * (size_t)dh * (n_rows ? n_rows : 1));
-    if (!idx || !rows) {
-        di_free(idx);
-        di_free(rows);
+    if (grow_i(&c->kv_idx, &c->kv_idx_cap, n_idx ? n_idx : 1) != DI_OK ||
+        grow_f(&c->kv_rows, &c->kv_rows_cap, (size_t)dh * (n_rows ? n_rows : 1)) != DI_OK)
         return DI_ERR_NOMEM;
-    }
+    int32_t *idx = c->kv_idx;
+    float *rows = c->kv_rows;
     const int64_t rb = di_backend_kv_row_bytes(dh, n_rot);
     int32_t r = 0;
     for (int32_t t = 0; t < n_tok; t++)
@@ -880,11 +883,8 @@ static di_status cpu_attn_kv(di_backend *b, const float *q, const uint8_t *pool,
             kv_decode_row(pool + (int64_t)key_idx[at] * rb, dh, n_rot, rows + (int64_t)r * dh);
             idx[at] = r++;
         }
-    di_status st = cpu_attn(b, q, rows, idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-                            scale, round_p, o);
-    di_free(idx);
-    di_free(rows);
-    return st;
+    return cpu_attn(b, q, rows, idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh, scale,
+                    round_p, o);
 }
 
 typedef struct index_ctx {
@@ -1154,6 +1154,8 @@ static void cpu_destroy(di_backend *b) {
         di_pool_destroy(c->pool);
         di_aligned_free(c->moe_f);
         di_free(c->moe_i);
+        di_aligned_free(c->kv_rows);
+        di_free(c->kv_idx);
         di_free((void *)c->kp);
         di_aligned_free(c->sc);
         di_free(c);
