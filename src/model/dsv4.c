@@ -228,7 +228,7 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     OUT("tensor bytes      %zu\n", di_st_set_data_bytes(m->st));
     OUT("device            %s\n", m->accel.matmul ? m->accel.desc : "cpu");
     if (m->dev_backend)
-        OUT("device forward    %s (sessions without MTP; the engine offloads matmuls)\n",
+        OUT("device forward    %s (sessions without MTP and the serving engine)\n",
             m->dev_backend->desc);
     OUT("vocab             %d\n", hp->n_vocab);
     OUT("hidden            %d, %d layers, %d MTP block(s) loaded of %d declared\n", hp->n_embd,

@@ -1263,9 +1263,9 @@ di_status di_dsv4_dev_attach(di_model *m, di_backend *b) {
     di_status st = di_dsv4_dev_create(m, b, &d);
     if (st != DI_OK) return st;
     m->dev = d;
-    DI_LOG_INFO("device-resident forward on %s: sessions without MTP run every layer, their KV "
-                "and compressor state there; MTP sessions and the serving engine keep the "
-                "CPU forward%s",
+    DI_LOG_INFO("device-resident forward on %s: sessions without MTP and the serving engine run "
+                "every layer, their KV and compressor state there; MTP sessions keep the CPU "
+                "forward%s",
                 b->desc, m->accel_matmul ? " with its matmuls offloaded" : "");
     return DI_OK;
 }
