@@ -929,11 +929,12 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
         ROUND(s->iw, T * HI);
         // max_vis: the slot capacity (a bound independent of the positions). Official: BF16
         // scores.
-        OP(index_scores, s->iq, s->iw, ls->idx, (const int64_t *)k->key_base.dev, D32(k->n_vis),
-           k->cap, T, (int32_t)HI, (int32_t)DI, official, s->scores, s->score_stride);
+        OP(index_scores, s->iq, s->iw, ls->idx, (const int64_t *)k->key_base.dev, NULL, NULL, 0,
+           D32(k->n_vis), k->cap, T, (int32_t)HI, (int32_t)DI, official, s->scores,
+           s->score_stride);
         OP(topk, s->scores, s->score_stride, D32(k->n_vis), T, hp->index_topk, s->sel);
-        OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), k->keys,
-           k->key_stride);
+        OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), NULL, NULL, 0,
+           k->keys, k->key_stride);
     }
     // CSA and HCA: the main compressor, before the attention of the same tokens.
     if (compress)
@@ -1116,9 +1117,11 @@ static di_status key_lists(const call *c, const ratio_class *k) {
     const int32_t W = s->d->m->hp.window;
     di_status st = DI_OK;
     if (k->ratio <= 0) return DI_OK;
-    OP(offset_list, D32(k->win_keys), c->T, W, s->zeros, s->zeros, k->keys, k->key_stride);
+    OP(offset_list, D32(k->win_keys), c->T, W, s->zeros, s->zeros, NULL, NULL, 0, k->keys,
+       k->key_stride);
     if (k->ratio != 4)
-        OP(offset_list, NULL, c->T, k->cap, D32(k->base), D32(k->off), k->keys, k->key_stride);
+        OP(offset_list, NULL, c->T, k->cap, D32(k->base), D32(k->off), NULL, NULL, 0, k->keys,
+           k->key_stride);
     return DI_OK;
 fail:
     return st;
