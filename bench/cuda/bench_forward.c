@@ -554,7 +554,7 @@ int main(int argc, char **argv) {
     const int32_t chunk = 512;
     const int32_t n_ctx = (o.ctx > o.prefill ? o.ctx : o.prefill) + 2 * (warm + o.steps) + 8;
     di_dsv4_dev_state *s1 = NULL;
-    DK(di_dsv4_dev_state_create(x.d, 1, n_ctx, o.prefill > chunk ? o.prefill : chunk, &s1));
+    DK(di_dsv4_dev_state_create(x.d, 1, n_ctx, o.prefill > chunk ? o.prefill : chunk, 0, 0, &s1));
     {
         int32_t *tok = malloc(sizeof(int32_t) * (size_t)o.prefill);
         float ms[16];
@@ -588,7 +588,7 @@ int main(int argc, char **argv) {
     if (B > 1) {
         const int32_t max_rows = 4 * chunk > B ? 4 * chunk : B;
         di_dsv4_dev_state *sb = NULL;
-        DK(di_dsv4_dev_state_create(x.d, B, o.ctx + 2 * (warm + o.steps) + 8, max_rows, &sb));
+        DK(di_dsv4_dev_state_create(x.d, B, o.ctx + 2 * (warm + o.steps) + 8, max_rows, 0, 0, &sb));
         // The decode steps after the fill take a few seconds (B = 64: ~1 s of steps, the expert
         // count ~1 s, teardown): the fill stops 10 s before the budget's end.
         // (A budget under 10 s: one round only. 0: no deadline.)

@@ -174,7 +174,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         DI_TRY(di_sampler_create(hp->n_vocab, &e->samplers[i]));
     if (e->model->dev) {
         DI_TRY(di_dsv4_dev_state_create(e->model->dev, o->max_seqs, o->max_ctx, o->max_batch_tokens,
-                                        &e->dstate));
+                                        0, 0, &e->dstate));
         e->x_dev = di_calloc((size_t)o->max_seqs, sizeof *e->x_dev);
         e->x_seq_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_seq_req);
         if (!e->x_dev || !e->x_seq_req) {
