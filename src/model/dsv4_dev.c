@@ -399,7 +399,7 @@ static di_status st_floats(di_dsv4_dev_state *s, int64_t n, float **out) {
     return st;
 }
 
-// Arrays start META_ALIGN bytes apart in the packed buffers (int64 key_base included).
+// Arrays start META_ALIGN bytes apart in the packed buffers.
 enum { META_ALIGN = 16 };
 
 static size_t meta_round(size_t bytes) {
