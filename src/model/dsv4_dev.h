@@ -65,10 +65,10 @@
  * indexer's max_vis = the entries a sequence can have) and the compressor pools the most windows
  * the shape can close, the others being padding (no rows: entry 0, destination -1: not scattered).
  * Prefill and mixed calls run directly, through the same ops, with any number of page table
- * updates; so does a decode step needing more than one per sequence (e.g. a slot restarted on other
- * blocks; counted: n_direct_pages). A capture that fails (nothing ran) logs a WARN, runs the step
- * directly and turns graphs off for the state. DI_DEV_GRAPHS=0 (read at state create) runs every
- * call directly: the debug switch to compare.
+ * updates; so does a decode step needing more than one per sequence (e.g. a replay's first token
+ * after a prefix hit, on blocks its slot never listed; counted: n_direct_pages). A capture that
+ * fails (nothing ran) logs a WARN, runs the step directly and turns graphs off for the state.
+ * DI_DEV_GRAPHS=0 (read at state create) runs every call directly: the debug switch to compare.
  *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
@@ -176,7 +176,8 @@ typedef struct di_dsv4_dev_graph_stats {
 void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out);
 // Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps
 // of token 0 at position 0 on slots 0..n-1 per size (the slots are left at position 1: restart
-// them at 0). No-op with graphs off. Errors as di_dsv4_dev_forward.
+// them at 0). With shared blocks every slot lists block 0 (one token writes no entry, so block 0
+// is left as it was). No-op with graphs off. Errors as di_dsv4_dev_forward.
 di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs);
 
 // ---- model wiring ----

@@ -1,7 +1,8 @@
 // The CUDA backend's vtable (backend/backend.h, backend/cuda/cuda_ops.cu) op by op against CPU
 // oracles on the same inputs: plain reference loops here for the ops that are new with the
-// vtable (embed, scatter_rows, add_ape, scale, compress_pool, attn over FP32 rows, offset_list)
-// and the existing CPU functions for the rest (di_ref_matmul, di_ref_rmsnorm, di_ref_rope,
+// vtable (embed, scatter_rows, add_ape, scale, compress_pool, attn over FP32 rows, offset_list,
+// contiguous and through a page table; index_scores paged against its contiguous scores) and the
+// existing CPU functions for the rest (di_ref_matmul, di_ref_rmsnorm, di_ref_rope,
 // di_dsv4_hc_coeffs, di_dsv4_topk). Every launch goes through b->vt, every output is poisoned
 // with NaN (0xFF bytes) first, and the edge shapes are in: 1 row, sizes that are not multiples of
 // any tile, strided rows, masked keys, 0 keys, the compressor's no-row overlap slots and ring
