@@ -28,8 +28,9 @@
 //   (j) prefix reuse on shared entry blocks: a second slot attached to the first slot's full
 //       blocks replays from Q = max(0, H - n_layer (W - 1)) with win_lo = Q and continues
 //       bit-identically to the cold prefill (then both decode on the shared blocks with identical
-//       logits); the cached blocks' device bytes are unchanged; bad block lists and replay
-//       parameters are refused without changing anything.
+//       logits); a third attached to one block recomputes from 0 (win_lo 0) and matches too; the
+//       cached blocks' device bytes are unchanged; bad block lists and replay parameters are
+//       refused without changing anything.
 // Every state of (a)-(d), (f), (h) and (j) has shared entry blocks listed per call in a shuffled,
 // non-contiguous order (a restarted slot moves to other blocks); (e)'s sessions use private ones.
 #include "harness.h"
@@ -707,17 +708,38 @@ static void test_prefix(void) {
             if (!(e <= max_pair)) max_pair = isnan(e) ? INFINITY : e;
         }
     }
+    // A hit replayed from position 0 (what the engine does for a hit within the replay bound,
+    // H <= n_layer (W - 1)): slot 2 takes slot 0's first block (128 cached positions), recomputes
+    // from 0 with win_lo 0, stores no cached entry, and matches the cold rows from 128 on.
+    {
+        const int32_t b2[MAXB] = {h.blk[0][0], h.blk[2][1], h.blk[2][2]};
+        for (int32_t p = 0; p < L;) {
+            int32_t n = L - p < 96 ? L - p : 96;
+            di_dsv4_dev_seq sq = {
+                .slot = 2, .pos = p, .n_tok = n, .blocks = b2, .n_blocks = MAXB, .n_cached = BT};
+            CHECK_EQ(di_dsv4_dev_forward(h.st, &sq, 1, toks + p, rows, n, h.got), DI_OK);
+            for (int32_t t = 0; t < n; t++) {
+                if (p + t < BT) continue;
+                const float *a = h.got + (int64_t)t * V, *b = cold + (int64_t)(p + t) * V;
+                for (int32_t v = 0; v < V; v++)
+                    if (fabs((double)a[v] - b[v]) > max_diff) max_diff = fabs((double)a[v] - b[v]);
+                n_cmp++;
+            }
+            p += n;
+        }
+    }
     for (int b = 0; b < 2; b++)
         CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.blk[0][b], after + b * bb), DI_OK);
     const bool kept = memcmp(before, after, (size_t)(2 * bb)) == 0;
     CHECK(kept);
     fprintf(stderr,
-            "(j) prefix hit of %d positions, replay from %d: %lld rows from %d on, max |replayed "
-            "- cold| = %.3g; shared decode max |slot 1 - slot 0| = %.3g; cached blocks (%lld "
+            "(j) prefix hit of %d positions, replay from %d (and a hit of %d replayed from 0): "
+            "%lld rows compared, max |replayed - cold| = %.3g; shared decode max |slot 1 - slot 0| "
+            "= %.3g; cached blocks (%lld "
             "bytes each) %s\n",
-            H, Q, (long long)n_cmp, H, max_diff, max_pair, (long long)bb,
+            H, Q, BT, (long long)n_cmp, max_diff, max_pair, (long long)bb,
             kept ? "unchanged" : "CHANGED");
-    CHECK(n_cmp == L - H);
+    CHECK(n_cmp == (L - H) + (L - BT));
     CHECK(max_diff == 0);
     CHECK(max_pair == 0);
 done:
