@@ -800,19 +800,19 @@ typedef struct call {
     } while (0)
 
 // y = W x for the call's rows (model/dsv4_attn.c di_dsv4_linear): in the official recipe FP8/FP4
-// weights with act_quant see A8(x) (Q8, blocks of 128, into the state's aq scratch) and the
-// output rows (contiguous: ys == W's rows) are rounded to BF16.
+// weights with act_quant see A8(x) (Q8, blocks of 128; matmul_a8 with the state's aq scratch, rows
+// xs apart like x; FP8 tensor cores for prefill on CUDA) and the output rows (contiguous: ys ==
+// W's rows) are rounded to BF16.
 static di_status linear(const call *c, const di_tensor *w, const float *x, int64_t xs, float *y,
                         int64_t ys, bool act_quant) {
     di_dsv4_dev_state *s = c->s;
-    const int64_t K = w->ne[0], N = w->ne[1];
+    const int64_t N = w->ne[1];
     di_status st = DI_OK;
     if (s->d->official && act_quant &&
-        (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)) {
-        OP(fake_quant, x, c->T, K, xs, 128, 8, s->aq); // aq rows xs apart, like x
-        x = s->aq;
-    }
-    OP(matmul, w, x, c->T, xs, y, ys);
+        (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4))
+        OP(matmul_a8, w, x, c->T, xs, s->aq, y, ys);
+    else
+        OP(matmul, w, x, c->T, xs, y, ys);
     DI_ASSERT(!s->d->official || ys == N);
     ROUND(y, (int64_t)c->T * N);
     return DI_OK;

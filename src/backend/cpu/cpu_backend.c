@@ -405,6 +405,16 @@ static di_status cpu_matmul(di_backend *b, const di_tensor *w, const float *x, i
     return DI_OK;
 }
 
+// Two entries, each recorded on its own inside a capture (backend.h matmul_a8).
+static di_status cpu_fake_quant(di_backend *b, const float *x, int64_t n_rows, int64_t n,
+                                int64_t stride, int32_t block, int32_t bits, float *y);
+
+static di_status cpu_matmul_a8(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
+                               int64_t xs, float *aq, float *y, int64_t ys) {
+    di_status st = cpu_fake_quant(b, x, n_tok, w->ne[0], xs, 128, 8, aq);
+    return st == DI_OK ? cpu_matmul(b, w, aq, n_tok, xs, y, ys) : st;
+}
+
 static di_status cpu_embed(di_backend *b, const di_tensor *table, const int32_t *ids, int32_t n,
                            int32_t copies, float *x) {
     RECORD(impl_of(b), CMD_EMBED, embed, *table, ids, n, copies, x);
@@ -1175,6 +1185,7 @@ static const di_backend_vt cpu_vt = {
     .weight_upload = cpu_weight_upload,
     .supports_matmul = cpu_supports_matmul,
     .matmul = cpu_matmul,
+    .matmul_a8 = cpu_matmul_a8,
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,

@@ -109,6 +109,17 @@ static di_status op_matmul(di_backend *b, const di_tensor *w, const float *x, in
     return di_cuda_matmul(cu, w, x, n_tok, xs, y, ys);
 }
 
+static di_status op_matmul_a8(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
+                              int64_t xs, float *aq, float *y, int64_t ys) {
+    ENTER(b);
+    if (!di_cuda_supports_op(cu, DI_CUDA_OP_MATMUL, w)) {
+        DI_CUDA_LOG_ERROR("matmul_a8: weight %s of kind %d is not supported on the GPU",
+                          w->name ? w->name : "?", (int)w->kind);
+        return DI_ERR_INVALID;
+    }
+    return di_cuda_matmul_a8(cu, w, x, n_tok, xs, aq, y, ys);
+}
+
 static di_status op_embed(di_backend *b, const di_tensor *table, const int32_t *ids, int32_t n,
                           int32_t copies, float *x) {
     ENTER(b);
@@ -345,6 +356,7 @@ static di_backend_vt make_vt(void) {
     vt.graph_destroy = op_graph_destroy;
     vt.round_bf16 = op_round_bf16;
     vt.fake_quant = op_fake_quant;
+    vt.matmul_a8 = op_matmul_a8;
     vt.hadamard = op_hadamard;
     return vt;
 }
