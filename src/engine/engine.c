@@ -494,7 +494,7 @@ static void sample_task(void *p, int ith, int nth) {
 // call). Either forward.
 static di_status inject_failure(di_engine *e) {
     if (atomic_load(&e->fail_in) <= 0) return DI_OK;
-    if (atomic_fetch_sub(&e->fail_in, 1) != 1) return DI_OK; // one of the n_ok calls
+    if (atomic_fetch_sub(&e->fail_in, 1) != 1) return DI_OK;               // one of the n_ok calls
     if (atomic_fetch_sub(&e->fail_n, 1) > 1) atomic_store(&e->fail_in, 1); // more to fail
     di_status st = (di_status)atomic_load(&e->fail_status);
     DI_LOG_ERROR("engine: injected failure of the forward: %s", di_status_str(st));
@@ -514,8 +514,8 @@ static void *forward_main(void *p) {
         if (st != DI_OK) {
             // nothing ran
         } else if (e->dstate) {
-            st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens,
-                                     e->x_logit_rows, e->x_n_logit, e->logits);
+            st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens, e->x_logit_rows,
+                                     e->x_n_logit, e->logits);
         } else {
             di_dsv4_ctx c = {
                 .model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
@@ -615,9 +615,8 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
     DI_LOG_ERROR("engine: step %lld failed (%s): ended its %d requests (first id %llu) with an "
                  "error; %d blocks it published left the prefix cache, %d requests that had "
                  "attached them were preempted",
-                 (long long)e->stats.n_steps, di_status_str(st), (int)e->x_n_seq,
-                 first_id, (int)n_unpublished,
-                 (int)n_preempted);
+                 (long long)e->stats.n_steps, di_status_str(st), (int)e->x_n_seq, first_id,
+                 (int)n_unpublished, (int)n_preempted);
 }
 
 // Takes the submitted requests into the waiting queue; returns whether cancellations arrived.
