@@ -560,8 +560,11 @@ int main(int argc, char **argv) {
            t3 - t2);
     x.V = x.m->hp.n_vocab;
     const int32_t B = o.batch;
-    x.logits = malloc(sizeof(float) * (size_t)x.V * (size_t)(B > 1 ? B : 1));
-    if (!x.logits) return 1;
+    { // as the engine: the backend's host memory (page-locked on CUDA)
+        void *p = NULL;
+        DK(x.b->vt->host_alloc(x.b, sizeof(float) * (size_t)x.V * (size_t)(B > 1 ? B : 1), &p));
+        x.logits = p;
+    }
     if (!o.cpu) {
         CK(cudaEventCreate(&x.e0));
         CK(cudaEventCreate(&x.e1));
@@ -673,7 +676,7 @@ int main(int argc, char **argv) {
         cudaEventDestroy(x.e0);
         cudaEventDestroy(x.e1);
     }
-    free(x.logits);
+    x.b->vt->host_free(x.b, x.logits);
     di_dsv4_dev_destroy(x.d);
     di_model_destroy(x.m);
     di_backend_destroy(x.b);

@@ -92,6 +92,13 @@ typedef struct di_backend_vt {
     di_status (*memset)(di_backend *b, void *dst, int value, size_t bytes);
     di_status (*copy)(di_backend *b, void *dst, const void *src, size_t bytes); // within backend
     di_status (*sync)(di_backend *b);
+    // Host memory the backend copies to and from fastest, for buffers that cross every step (the
+    // device-resident forward's metadata staging, the engine's logits): CUDA page-locked memory
+    // (cudaHostAlloc: DMA at the link's speed instead of staged copies of pageable memory), the
+    // CPU backend plain 256-byte aligned memory. Not inside a capture. Free with host_free (NULL:
+    // no-op). DI_ERR_NOMEM.
+    di_status (*host_alloc)(di_backend *b, size_t bytes, void **out);
+    void (*host_free)(di_backend *b, void *p);
     // Copies a host weight (a mapped checkpoint view) into backend memory once: *dev gets the same
     // kind, shape and layout with backend pointers. The CPU backend makes no copy (dev = host).
     di_status (*weight_upload)(di_backend *b, const di_tensor *host, di_tensor *dev);

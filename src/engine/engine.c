@@ -187,7 +187,15 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         DI_TRY(
             di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
     }
-    e->logits = di_malloc(sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab);
+    const size_t logit_bytes = sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab;
+    if (e->model->dev) { // downloaded every step: the backend's host memory (page-locked on CUDA)
+        di_backend *hb = di_dsv4_dev_backend(e->model->dev);
+        void *p = NULL;
+        DI_TRY(hb->vt->host_alloc(hb, logit_bytes, &p));
+        e->logits = p;
+    } else {
+        e->logits = di_malloc(logit_bytes);
+    }
     e->x_seqs = di_calloc((size_t)o->max_seqs, sizeof *e->x_seqs);
     e->x_tokens = di_malloc(sizeof(int32_t) * (size_t)o->max_batch_tokens);
     e->x_logit_rows = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
@@ -285,7 +293,12 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_tokens);
     di_free(e->x_logit_rows);
     di_free(e->x_logit_req);
-    di_free(e->logits);
+    if (e->logits && e->model->dev) {
+        di_backend *hb = di_dsv4_dev_backend(e->model->dev);
+        hb->vt->host_free(hb, e->logits);
+    } else {
+        di_free(e->logits);
+    }
     di_dsv4_ws_free(&e->ws);
     di_dsv4_dev_state_destroy(e->dstate); // before the model, which owns its dev
     di_free(e->x_dev);

@@ -328,7 +328,7 @@ struct di_dsv4_dev_state {
     iarr tokens, pos;
     // Every iarr of a call packed (iarr_place): one host staging buffer and one backend block of
     // meta_cap bytes (every array at its capacity), meta_used of them this call (one upload).
-    uint8_t *meta_host; // owned
+    uint8_t *meta_host; // owned (backend host_alloc)
     void *meta_dev;     // backend block (in blocks)
     size_t meta_cap, meta_used;
     int32_t *row0; // owned host [n_slots]: this call's first row per sequence
@@ -453,6 +453,10 @@ fail:
     return st;
 }
 
+di_backend *di_dsv4_dev_backend(const di_dsv4_dev *d) {
+    return d->b;
+}
+
 int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s) {
     return s->kv_row_bytes;
 }
@@ -462,7 +466,7 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     for (int32_t i = 0; i < s->n_graphs; i++)
         s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
     di_free(s->graphs);
-    di_free(s->meta_host); // meta_dev is in the blocks
+    s->d->b->vt->host_free(s->d->b, s->meta_host); // meta_dev is in the blocks
     for (int32_t i = 0; i < s->n_blocks; i++) s->d->b->vt->free(s->d->b, s->blocks[i]);
     di_free(s->blocks);
     di_free(s->n_past);
@@ -610,10 +614,10 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     DI_TRY(iarr_init(s, &s->pos, sizeof(int32_t), (size_t)T));
     // The packed metadata: every array reserved above, at its capacity.
     DI_TRY(st_alloc(s, s->meta_cap, &s->meta_dev));
-    s->meta_host = di_malloc(s->meta_cap);
-    if (!s->meta_host) {
-        st = DI_ERR_NOMEM;
-        goto fail;
+    { // the backend's host memory: uploaded every call (page-locked on CUDA)
+        void *mh = NULL;
+        DI_TRY(d->b->vt->host_alloc(d->b, s->meta_cap, &mh));
+        s->meta_host = mh;
     }
     *out = s;
     return DI_OK;

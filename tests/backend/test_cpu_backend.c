@@ -30,6 +30,18 @@ static void test_alloc(void) {
     g_b->vt->free(g_b, NULL);
     CHECK_EQ(g_b->vt->sync(g_b), DI_OK);
     CHECK(g_b->device.kind == DI_DEVICE_CPU && strncmp(g_b->desc, "cpu", 3) == 0);
+    // host_alloc: aligned, usable, refused inside a capture.
+    void *h = NULL;
+    CHECK_EQ(g_b->vt->host_alloc(g_b, 1000, &h), DI_OK);
+    CHECK(h && ((uintptr_t)h % 256) == 0);
+    memset(h, 0x5A, 1000);
+    g_b->vt->host_free(g_b, h);
+    g_b->vt->host_free(g_b, NULL);
+    void *g = NULL, *h2 = NULL;
+    CHECK_EQ(g_b->vt->graph_begin(g_b), DI_OK);
+    CHECK_EQ(g_b->vt->host_alloc(g_b, 64, &h2), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_ERR_INVALID);
+    CHECK(h2 == NULL && g == NULL);
 }
 
 // Windows of m = 2, c = 2, d = 3: window 0 (no overlap) from call rows, window 1 with its overlap

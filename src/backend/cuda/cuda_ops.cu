@@ -86,6 +86,25 @@ static di_status op_sync(di_backend *b) {
     return di_cuda_sync(cu);
 }
 
+static di_status op_host_alloc(di_backend *b, size_t bytes, void **out) {
+    ENTER(b);
+    NOT_CAPTURING(cu, "host_alloc");
+    void *p = NULL;
+    const cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+        DI_CUDA_LOG_ERROR("cudaHostAlloc(%zu bytes): %s", bytes, cudaGetErrorString(e));
+        (void)cudaGetLastError(); // not sticky: clear it
+        return DI_ERR_NOMEM;
+    }
+    *out = p;
+    return DI_OK;
+}
+
+static void op_host_free(di_backend *b, void *p) {
+    (void)b;
+    if (p) (void)cudaFreeHost(p);
+}
+
 static di_status op_weight_upload(di_backend *b, const di_tensor *host, di_tensor *dev) {
     ENTER(b);
     NOT_CAPTURING(cu, "weight_upload");
@@ -332,6 +351,8 @@ static di_backend_vt make_vt(void) {
     vt.sync = op_sync;
     vt.weight_upload = op_weight_upload;
     vt.supports_matmul = op_supports_matmul;
+    vt.host_alloc = op_host_alloc;
+    vt.host_free = op_host_free;
     vt.matmul = op_matmul;
     vt.embed = op_embed;
     vt.rmsnorm = op_rmsnorm;

@@ -204,14 +204,15 @@ static void test_vtable(void) {
     const int n_null =
         NULL_ENTRY(alloc) + NULL_ENTRY(free) + NULL_ENTRY(upload) + NULL_ENTRY(download) +
         NULL_ENTRY(memset) + NULL_ENTRY(copy) + NULL_ENTRY(sync) + NULL_ENTRY(weight_upload) +
-        NULL_ENTRY(supports_matmul) + NULL_ENTRY(matmul) + NULL_ENTRY(matmul_a8) +
-        NULL_ENTRY(embed) + NULL_ENTRY(rmsnorm) + NULL_ENTRY(rope) + NULL_ENTRY(scale) +
-        NULL_ENTRY(mhc_pre) + NULL_ENTRY(mhc_post) + NULL_ENTRY(moe) + NULL_ENTRY(scatter_rows) +
-        NULL_ENTRY(add_ape) + NULL_ENTRY(compress_pool) + NULL_ENTRY(attn) + NULL_ENTRY(kv_quant) +
-        NULL_ENTRY(attn_kv) + NULL_ENTRY(index_scores) + NULL_ENTRY(topk) +
-        NULL_ENTRY(offset_list) + NULL_ENTRY(destroy) + NULL_ENTRY(graph_begin) +
-        NULL_ENTRY(graph_end) + NULL_ENTRY(graph_launch) + NULL_ENTRY(graph_destroy) +
-        NULL_ENTRY(round_bf16) + NULL_ENTRY(fake_quant) + NULL_ENTRY(hadamard);
+        NULL_ENTRY(host_alloc) + NULL_ENTRY(host_free) + NULL_ENTRY(supports_matmul) +
+        NULL_ENTRY(matmul) + NULL_ENTRY(matmul_a8) + NULL_ENTRY(embed) + NULL_ENTRY(rmsnorm) +
+        NULL_ENTRY(rope) + NULL_ENTRY(scale) + NULL_ENTRY(mhc_pre) + NULL_ENTRY(mhc_post) +
+        NULL_ENTRY(moe) + NULL_ENTRY(scatter_rows) + NULL_ENTRY(add_ape) +
+        NULL_ENTRY(compress_pool) + NULL_ENTRY(attn) + NULL_ENTRY(kv_quant) + NULL_ENTRY(attn_kv) +
+        NULL_ENTRY(index_scores) + NULL_ENTRY(topk) + NULL_ENTRY(offset_list) +
+        NULL_ENTRY(destroy) + NULL_ENTRY(graph_begin) + NULL_ENTRY(graph_end) +
+        NULL_ENTRY(graph_launch) + NULL_ENTRY(graph_destroy) + NULL_ENTRY(round_bf16) +
+        NULL_ENTRY(fake_quant) + NULL_ENTRY(hadamard);
 #undef NULL_ENTRY
     CHECK_EQ(n_null, 0);
     // A device that does not exist is refused, not crashed on.
@@ -249,6 +250,26 @@ static void test_memory(void) {
     void *z = bk_alloc(0); // a zero-byte block is still a valid, distinct block
     CHECK(z != NULL);
     bk_free(z);
+    // host_alloc (page-locked): a round trip through it, then refused inside a capture.
+    {
+        const size_t n = (size_t)5 << 20;
+        uint8_t *ph = NULL, *pb = NULL, *d = bk_alloc(n);
+        CK(g_b->vt->host_alloc(g_b, n, (void **)&ph));
+        CK(g_b->vt->host_alloc(g_b, n, (void **)&pb));
+        for (size_t i = 0; i < n; i++) ph[i] = (uint8_t)(i * 7 + 1);
+        CK(g_b->vt->upload(g_b, d, ph, n));
+        CK(g_b->vt->download(g_b, pb, d, n));
+        CHECK(memcmp(ph, pb, n) == 0);
+        g_b->vt->host_free(g_b, ph);
+        g_b->vt->host_free(g_b, pb);
+        g_b->vt->host_free(g_b, NULL);
+        bk_free(d);
+        void *g = NULL, *h2 = NULL;
+        CK(g_b->vt->graph_begin(g_b));
+        CHECK_EQ(g_b->vt->host_alloc(g_b, 64, &h2), DI_ERR_INVALID);
+        CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_ERR_INVALID);
+        CHECK(h2 == NULL && g == NULL);
+    }
     g_b->vt->free(g_b, NULL);
     CK(g_b->vt->sync(g_b));
 }
