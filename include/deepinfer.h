@@ -368,6 +368,10 @@ typedef struct di_engine_stats {
     // Steps whose forward failed (the device-resident forward: DI_ERR_CUDA, DI_ERR_NOMEM): their
     // requests ended with DI_FINISH_ERROR and the error in di_event.status; the engine goes on.
     int64_t n_failed_steps;
+    // Steps failed since the last step that succeeded (0 after a success): a device whose every
+    // step fails (a sticky CUDA error, which only a new process clears) keeps counting; the
+    // server reports itself failing from 3 in a row on (docs/server.md, /ready and /health).
+    int64_t n_failed_in_a_row;
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. When the model has the

@@ -14,14 +14,15 @@ cmake -S "$root" -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DDI_WERROR=ON >/de
 cmake --build "$root/build" -j"$jobs"
 (cd "$root/build" && ctest -L cpu --output-on-failure -j"$jobs" --timeout 900)
 
-# CUDA: configure and compile (library + tests; no tools, no benchmarks, to keep CI short).
+# CUDA: configure and compile the library, its tests and the two benchmarks scripts/gpu-check runs
+# on the device (no tools, to keep CI short).
 nvcc=$(command -v nvcc || true)
 [[ -z $nvcc && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
 if [[ -n $nvcc ]]; then
     echo "== CUDA build (compile only unless a GPU is present)" >&2
     cmake -S "$root" -B "$root/build-cuda" -DCMAKE_BUILD_TYPE=Release -DDI_WERROR=ON -DDI_CUDA=ON \
-        -DDI_BUILD_TOOLS=OFF -DDI_CUDA_BENCH=OFF -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
-    cmake --build "$root/build-cuda" -j"$jobs" --target di_cuda_tests
+        -DDI_BUILD_TOOLS=OFF -DDI_CUDA_BENCH=ON -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
+    cmake --build "$root/build-cuda" -j"$jobs" --target di_cuda_tests bench_cuda bench_forward
     if nvidia-smi -L >/dev/null 2>&1; then
         (cd "$root/build-cuda" && ctest -L cuda --output-on-failure --timeout 900)
     fi

@@ -14,7 +14,9 @@
 //      room, else $TMPDIR or /tmp), di_model_load, then the files are unlinked (the mapping keeps
 //      them); di_dsv4_dev_create uploads every weight once;
 //   3. prefill: one sequence of --prefill tokens (default 512) from position 0, logits of its last
-//      row: tokens/s;
+//      row: tokens/s; then (GPU) the same in the official recipe (row `pre-off`: A8 activations,
+//      its linears on FP8 tensor cores through matmul_a8, FP8 KV rows) on a second upload of the
+//      weights; the rest runs the FP32 recipe;
 //   4. decode at batch 1 and batch --batch (default 64): every slot is filled to --ctx positions
 //      (default 1024; batch: 8 sequences x 256 rows per call, stopped early at a multiple of 256
 //      when --budget would be passed), then timed steps of one token per
@@ -302,6 +304,30 @@ static float timed_forward(bench *x, di_dsv4_dev_state *st, const di_dsv4_dev_se
     return ms;
 }
 
+// Prefill of one sequence of o->prefill tokens from position 0 on dev d (a 1-slot state of its
+// own), logits of the last row: the median of reps timed calls after one untimed, as a row `name`.
+static void prefill(bench *x, di_dsv4_dev *d, const opts *o, int32_t n_ctx, int32_t chunk, int reps,
+                    const char *name) {
+    di_dsv4_dev_state *st = NULL;
+    DK(di_dsv4_dev_state_create(d, 1, n_ctx, o->prefill > chunk ? o->prefill : chunk, 0, 0, &st));
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)o->prefill);
+    float ms[16];
+    if (!tok) exit(1);
+    for (int32_t t = 0; t < o->prefill; t++) tok[t] = rand_token(x->V);
+    const di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = o->prefill};
+    const int32_t last = o->prefill - 1;
+    for (int i = 0; i < 1 + reps; i++) {
+        float t = timed_forward(x, st, &sq, 1, tok, &last, 1);
+        if (i >= 1) ms[i - 1] = t;
+    }
+    const float med = median(ms, reps);
+    printf("%-8s %6d %6d %8s %10.4f %10.1f %9s %9s %9s %8s\n", name, 1, o->prefill, "-", med,
+           o->prefill / (med * 1e-3), "-", "-", "-", "-");
+    fflush(stdout);
+    free(tok);
+    di_dsv4_dev_state_destroy(st);
+}
+
 // Fills slots [0, B) from position 0 to ctx, chunk rows per sequence, up to max_rows per call,
 // one chunk position of every slot after another. When `deadline` (now_s seconds; 0: none) would
 // be passed by one more round of the length of the last, stops after a complete round: every slot
@@ -534,8 +560,11 @@ int main(int argc, char **argv) {
            t3 - t2);
     x.V = x.m->hp.n_vocab;
     const int32_t B = o.batch;
-    x.logits = malloc(sizeof(float) * (size_t)x.V * (size_t)(B > 1 ? B : 1));
-    if (!x.logits) return 1;
+    { // as the engine: the backend's host memory (page-locked on CUDA)
+        void *p = NULL;
+        DK(x.b->vt->host_alloc(x.b, sizeof(float) * (size_t)x.V * (size_t)(B > 1 ? B : 1), &p));
+        x.logits = p;
+    }
     if (!o.cpu) {
         CK(cudaEventCreate(&x.e0));
         CK(cudaEventCreate(&x.e1));
@@ -553,26 +582,27 @@ int main(int argc, char **argv) {
     // Prefill of one sequence and batch-1 decode on a 1-slot state.
     const int32_t chunk = 512;
     const int32_t n_ctx = (o.ctx > o.prefill ? o.ctx : o.prefill) + 2 * (warm + o.steps) + 8;
+    print_header();
+    prefill(&x, x.d, &o, n_ctx, chunk, reps_prefill, "prefill");
+    if (!o.cpu) { // the official recipe's prefill: its linears on FP8 tensor cores (matmul_a8)
+        di_dsv4_dev *d8 = NULL;
+        x.m->opt.precision = DI_PRECISION_OFFICIAL; // read by di_dsv4_dev_create alone
+        DK(di_dsv4_dev_create(x.m, x.b, &d8));      // a second upload of the weights
+        x.m->opt.precision = DI_PRECISION_FP32;
+        const di_cuda *cu = (const di_cuda *)x.b->impl;
+        const int64_t tc0 = cu->n_fp8_tc_calls;
+        prefill(&x, d8, &o, n_ctx, chunk, reps_prefill, "pre-off");
+        printf("(pre-off: the official recipe (A8, BF16 rounding points, FP8 KV rows); FP8 tensor "
+               "cores %s, %lld linears on them per call)\n",
+               cu->fp8_tc > 0   ? "verified and used"
+               : cu->fp8_tc < 0 ? "OFF (see the log)"
+                                : "unused",
+               (long long)((cu->n_fp8_tc_calls - tc0) / (1 + reps_prefill)));
+        fflush(stdout);
+        di_dsv4_dev_destroy(d8);
+    }
     di_dsv4_dev_state *s1 = NULL;
     DK(di_dsv4_dev_state_create(x.d, 1, n_ctx, o.prefill > chunk ? o.prefill : chunk, 0, 0, &s1));
-    {
-        int32_t *tok = malloc(sizeof(int32_t) * (size_t)o.prefill);
-        float ms[16];
-        if (!tok) return 1;
-        for (int32_t t = 0; t < o.prefill; t++) tok[t] = rand_token(x.V);
-        const di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = o.prefill};
-        const int32_t last = o.prefill - 1;
-        for (int i = 0; i < 1 + reps_prefill; i++) {
-            float t = timed_forward(&x, s1, &sq, 1, tok, &last, 1);
-            if (i >= 1) ms[i - 1] = t;
-        }
-        const float med = median(ms, reps_prefill);
-        print_header();
-        printf("%-8s %6d %6d %8s %10.4f %10.1f %9s %9s %9s %8s\n", "prefill", 1, o.prefill, "-",
-               med, o.prefill / (med * 1e-3), "-", "-", "-", "-");
-        fflush(stdout);
-        free(tok);
-    }
     const double n_exp1 = x.m->hp.n_expert_used; // one token: K distinct experts
     int32_t reached = 0;
     fill(&x, s1, 1, o.ctx, chunk, chunk, 0, &reached);
@@ -646,7 +676,7 @@ int main(int argc, char **argv) {
         cudaEventDestroy(x.e0);
         cudaEventDestroy(x.e1);
     }
-    free(x.logits);
+    x.b->vt->host_free(x.b, x.logits);
     di_dsv4_dev_destroy(x.d);
     di_model_destroy(x.m);
     di_backend_destroy(x.b);

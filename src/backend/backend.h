@@ -48,6 +48,12 @@ static inline int64_t di_backend_kv_row_bytes(int32_t dh, int32_t n_rot) {
     return (b + 7) / 8 * 8;
 }
 
+// matmul_a8 rows from which the CUDA backend runs FP8 weights on tensor cores: prefill calls.
+// Above the largest decode graph (64 sequences), so no captured step holds a cuBLASLt call; below
+// it a step reads each weight once through the SIMT kernels, bound by HBM (bench_cuda `gemm`
+// prints both paths per M, to move this from the H200's numbers).
+#define DI_BACKEND_TC_MIN_ROWS 128
+
 // compress_pool's "no such slot" source (the overlap of the first window).
 #define DI_BACKEND_NO_ROW INT32_MIN
 
@@ -86,6 +92,13 @@ typedef struct di_backend_vt {
     di_status (*memset)(di_backend *b, void *dst, int value, size_t bytes);
     di_status (*copy)(di_backend *b, void *dst, const void *src, size_t bytes); // within backend
     di_status (*sync)(di_backend *b);
+    // Host memory the backend copies to and from fastest, for buffers that cross every step (the
+    // device-resident forward's metadata staging, the engine's logits): CUDA page-locked memory
+    // (cudaHostAlloc: DMA at the link's speed instead of staged copies of pageable memory), the
+    // CPU backend plain 256-byte aligned memory. Not inside a capture. Free with host_free (NULL:
+    // no-op). DI_ERR_NOMEM.
+    di_status (*host_alloc)(di_backend *b, size_t bytes, void **out);
+    void (*host_free)(di_backend *b, void *p);
     // Copies a host weight (a mapped checkpoint view) into backend memory once: *dev gets the same
     // kind, shape and layout with backend pointers. The CPU backend makes no copy (dev = host).
     di_status (*weight_upload)(di_backend *b, const di_tensor *host, di_tensor *dev);
@@ -96,6 +109,16 @@ typedef struct di_backend_vt {
     // y[t*ys + o] = sum_i W[o, i] x[t*xs + i] (backend/cpu/gemm.h contract). x, y do not overlap.
     di_status (*matmul)(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
                         int64_t xs, float *y, int64_t ys);
+    // The official recipe's FP8/FP4 linear (model/dsv4_attn.c di_dsv4_linear): y = W . A8(x),
+    // A8 = Q8 in blocks of 128 (fake_quant(x, n_tok, K, xs, 128, 8, aq), K = w->ne[0]), then
+    // matmul(w, aq, n_tok, xs, y, ys). aq: scratch of n_tok rows xs apart (contents afterwards
+    // unspecified). The CPU backend runs exactly those two entries. CUDA: the same two launches,
+    // except FP8 weights of 128x128 blocks at >= DI_BACKEND_TC_MIN_ROWS rows outside a capture
+    // (prefill), which run on FP8 tensor cores (cuBLASLt block-scaled, docs/cuda.md "FP8 tensor
+    // cores"): the products W[o,i] A8(x)[i] are exact in both, only the order of the FP32 sums
+    // differs.
+    di_status (*matmul_a8)(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
+                           int64_t xs, float *aq, float *y, int64_t ys);
     // x[t, k, :] = table row ids[t] as FP32 for every k < copies (x: [n, copies, D], D =
     // table->ne[0]); the embedding copied into every mHC stream.
     di_status (*embed)(di_backend *b, const di_tensor *table, const int32_t *ids, int32_t n,

@@ -4,7 +4,8 @@
 // pool), followed by the sampling of its logit rows spread over the pool (one sampler per pool
 // thread), while the engine thread plans step N+1 (scheduler.h); then the engine thread emits
 // step N, drops finished requests from the plan, fills in the sampled ids and launches
-// step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns.
+// step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns; DI_ENGINE_FAIL_STEPS=N
+// (debug) fails the first N steps as a device fault would.
 //
 // Two forwards, chosen at create:
 //   - the device-resident forward (model/dsv4_dev.h), when the model has one attached (m->dev:
@@ -59,8 +60,10 @@ struct di_engine {
     int32_t *x_blocks;         // owned [max_seqs, max_blocks]: the block ids x_dev points to
     int64_t dev_block_bytes;   // device bytes of one entry block
     di_request **x_seq_req;    // owned [max_seqs]: the request of each planned sequence
-    atomic_int fail_in;        // test hook: the fail_in-th next dev forward fails (0: none)
-    atomic_int fail_status;    // ... with this status
+    uint8_t *marks;            // owned [pool blocks], zero: fail_step's scratch
+    // Failure injection (di_engine_fail_forward, DI_ENGINE_FAIL_STEPS): the fail_in-th next
+    // forward and the fail_n - 1 after it fail with fail_status without running (0: none).
+    atomic_int fail_in, fail_n, fail_status;
     int32_t eos;
     pthread_t thread;
     bool thread_started;
@@ -224,9 +227,8 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
                                         di_block_pool_n_total(e->kv->pool), e->kv->block_tokens,
                                         &e->dstate));
         e->x_dev = di_calloc((size_t)o->max_seqs, sizeof *e->x_dev);
-        e->x_seq_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_seq_req);
         e->x_blocks = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs * (size_t)e->kv->max_blocks);
-        if (!e->x_dev || !e->x_seq_req || !e->x_blocks) {
+        if (!e->x_dev || !e->x_blocks) {
             st = DI_ERR_NOMEM;
             goto fail;
         }
@@ -234,14 +236,24 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         DI_TRY(
             di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
     }
-    e->logits = di_malloc(sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab);
+    const size_t logit_bytes = sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab;
+    if (e->model->dev) { // downloaded every step: the backend's host memory (page-locked on CUDA)
+        di_backend *hb = di_dsv4_dev_backend(e->model->dev);
+        void *p = NULL;
+        DI_TRY(hb->vt->host_alloc(hb, logit_bytes, &p));
+        e->logits = p;
+    } else {
+        e->logits = di_malloc(logit_bytes);
+    }
     e->x_seqs = di_calloc((size_t)o->max_seqs, sizeof *e->x_seqs);
     e->x_tokens = di_malloc(sizeof(int32_t) * (size_t)o->max_batch_tokens);
     e->x_logit_rows = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
     e->x_logit_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_logit_req);
     e->x_res = di_calloc((size_t)o->max_seqs, sizeof *e->x_res);
+    e->x_seq_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_seq_req);
+    e->marks = di_calloc((size_t)di_block_pool_n_total(e->kv->pool), 1);
     if (!e->logits || !e->x_seqs || !e->x_tokens || !e->x_logit_rows || !e->x_logit_req ||
-        !e->x_res) {
+        !e->x_res || !e->x_seq_req || !e->marks) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -265,6 +277,16 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->next_id = 1;
     const char *sync_env = getenv("DI_ENGINE_SYNC");
     e->sync_debug = sync_env && sync_env[0] == '1';
+    // Debug switch (conventions §7): DI_ENGINE_FAIL_STEPS=N fails the first N steps as a device
+    // fault would (their requests end with DI_ERR_CUDA): a drill of the failure path and of the
+    // server's health reporting (docs/server.md) without a device.
+    const char *fail_env = getenv("DI_ENGINE_FAIL_STEPS");
+    const int n_fail = fail_env ? atoi(fail_env) : 0;
+    if (n_fail > 0) {
+        DI_LOG_WARN("engine: DI_ENGINE_FAIL_STEPS=%d: the first %d steps fail with %s (a drill)",
+                    n_fail, n_fail, di_status_str(DI_ERR_CUDA));
+        di_engine_fail_forward(e, 0, n_fail, DI_ERR_CUDA);
+    }
     if (pthread_create(&e->fwd_thread, NULL, forward_main, e) != 0) {
         st = DI_ERR_NOMEM;
         goto fail;
@@ -300,9 +322,11 @@ int64_t di_engine_dev_state_bytes(const di_engine *e) {
     return e->dstate ? di_dsv4_dev_state_bytes(e->dstate) : 0;
 }
 
-void di_engine_fail_forward(di_engine *e, int32_t n_ok, di_status st) {
+void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_status st) {
+    atomic_store(&e->fail_in, 0); // no injection while the fields change
     atomic_store(&e->fail_status, (int)st);
-    atomic_store(&e->fail_in, n_ok + 1);
+    atomic_store(&e->fail_n, n_fail);
+    atomic_store(&e->fail_in, n_fail > 0 ? n_ok + 1 : 0);
 }
 
 void di_engine_destroy(di_engine *e) {
@@ -327,12 +351,18 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_tokens);
     di_free(e->x_logit_rows);
     di_free(e->x_logit_req);
-    di_free(e->logits);
+    if (e->logits && e->model->dev) {
+        di_backend *hb = di_dsv4_dev_backend(e->model->dev);
+        hb->vt->host_free(hb, e->logits);
+    } else {
+        di_free(e->logits);
+    }
     di_dsv4_ws_free(&e->ws);
     di_dsv4_dev_state_destroy(e->dstate); // before the model, which owns its dev
     di_free(e->x_dev);
     di_free(e->x_seq_req);
     di_free(e->x_blocks);
+    di_free(e->marks);
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
     di_free(e->x_res);
@@ -530,14 +560,16 @@ static void sample_task(void *p, int ith, int nth) {
     }
 }
 
-// Test hook (di_engine_fail_forward): the call it names fails with the hook's status without
-// running, as a backend error would (the requests of the step fail; the slots they held restart
-// at position 0 when they are next admitted, like the slots of a real failed call).
+// Failure injection (di_engine_fail_forward, DI_ENGINE_FAIL_STEPS): the calls it names fail with
+// its status without running, as a backend error would (the requests of the step fail; the slots
+// they held restart at position 0 when they are next admitted, like the slots of a real failed
+// call). Either forward.
 static di_status inject_failure(di_engine *e) {
     if (atomic_load(&e->fail_in) <= 0) return DI_OK;
-    if (atomic_fetch_sub(&e->fail_in, 1) != 1) return DI_OK;
+    if (atomic_fetch_sub(&e->fail_in, 1) != 1) return DI_OK;               // one of the n_ok calls
+    if (atomic_fetch_sub(&e->fail_n, 1) > 1) atomic_store(&e->fail_in, 1); // more to fail
     di_status st = (di_status)atomic_load(&e->fail_status);
-    DI_LOG_ERROR("engine: injected failure of the device-resident forward: %s", di_status_str(st));
+    DI_LOG_ERROR("engine: injected failure of the forward: %s", di_status_str(st));
     return st;
 }
 
@@ -550,12 +582,12 @@ static void *forward_main(void *p) {
         e->f_go = false;
         pthread_mutex_unlock(&e->fmu);
         int64_t a0 = di_mem_thread_allocs();
-        di_status st = DI_OK;
-        if (e->dstate) {
-            st = inject_failure(e);
-            if (st == DI_OK)
-                st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens,
-                                         e->x_logit_rows, e->x_n_logit, e->logits);
+        di_status st = inject_failure(e);
+        if (st != DI_OK) {
+            // nothing ran
+        } else if (e->dstate) {
+            st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens, e->x_logit_rows,
+                                     e->x_n_logit, e->logits);
         } else {
             di_dsv4_ctx c = {
                 .model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
@@ -582,6 +614,7 @@ static void launch(di_engine *e) {
     memcpy(e->x_tokens, s->tokens, sizeof *s->tokens * (size_t)s->n_rows);
     memcpy(e->x_logit_rows, s->logit_rows, sizeof *s->logit_rows * (size_t)s->n_logit);
     memcpy(e->x_logit_req, s->logit_req, sizeof *s->logit_req * (size_t)s->n_logit);
+    memcpy(e->x_seq_req, s->seq_req, sizeof *s->seq_req * (size_t)s->n_seq);
     if (e->dstate) {
         // A running request's scheduler slot is its dev slot. An admission (a new request, or a
         // preempted one readmitted) starts at position 0, or after a prefix hit of H positions
@@ -602,7 +635,6 @@ static void launch(di_engine *e) {
                                             .n_blocks = ks->n_blocks,
                                             .win_lo = s->seqs[i].win_lo,
                                             .n_cached = ks->n_cached};
-            e->x_seq_req[i] = s->seq_req[i];
         }
     }
     di_sched_advance(s);
@@ -633,15 +665,19 @@ static di_status forward_wait(di_engine *e, int64_t *allocs) {
 }
 
 // The forward of the step just run failed (the device-resident forward: DI_ERR_CUDA, DI_ERR_NOMEM,
-// or DI_ERR_INVALID for a call it refused): every request of the step ends with DI_FINISH_ERROR
+// or DI_ERR_INVALID for a call it refused; either forward under failure injection): every request
+// of the step ends with DI_FINISH_ERROR
 // and that status; their slots return to the free list and restart at position 0 when reused.
 // Requests not in the step (waiting, or admitted by the plan ahead) go on. Their rows leave the
-// plan built ahead as they retire.
+// plan built ahead as they retire. The blocks the step published to the prefix cache when it was
+// launched were never computed: they leave the cache first, and a request the plan ahead admitted
+// onto any of them is preempted (it attaches what is really cached when readmitted).
 static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
-    DI_LOG_ERROR("engine: step %lld failed on the device-resident forward (%s): ending its %d "
-                 "requests (first id %llu) with an error",
-                 (long long)e->stats.n_steps, di_status_str(st), (int)e->x_n_seq,
-                 (unsigned long long)(e->x_n_seq ? e->x_seq_req[0]->id : 0));
+    di_sched *s = &e->sched;
+    int32_t n_unpublished = 0, n_preempted = 0;
+    const unsigned long long first_id = e->x_n_seq ? e->x_seq_req[0]->id : 0; // before finish()
+    for (int32_t i = 0; i < e->x_n_seq; i++)
+        n_unpublished += di_kv_seq_unpublish_last(e->kv, e->x_seq_req[i]->slot, e->marks);
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         di_request *r = e->x_seq_req[i];
         r->n_pending = 0; // its token was never sampled
@@ -649,6 +685,21 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
         finish(e, r, DI_FINISH_ERROR, st);
         *cb_allocs += di_mem_thread_allocs() - a0; // the user callback's, as elsewhere
     }
+    if (n_unpublished > 0) {
+        for (int32_t i = s->n_running - 1; i >= 0; i--) {
+            di_request *r = s->running[i];
+            const di_kv_seq *q = &e->kv->seqs[r->slot];
+            bool stale = false;
+            for (int32_t b = 0; b < q->n_blocks && !stale; b++) stale = e->marks[q->blocks[b]];
+            if (stale) di_sched_preempt(s, r), n_preempted++;
+        }
+        memset(e->marks, 0, (size_t)di_block_pool_n_total(e->kv->pool));
+    }
+    DI_LOG_ERROR("engine: step %lld failed (%s): ended its %d requests (first id %llu) with an "
+                 "error; %d blocks it published left the prefix cache, %d requests that had "
+                 "attached them were preempted",
+                 (long long)e->stats.n_steps, di_status_str(st), (int)e->x_n_seq, first_id,
+                 (int)n_unpublished, (int)n_preempted);
 }
 
 // Takes the submitted requests into the waiting queue; returns whether cancellations arrived.
@@ -704,6 +755,12 @@ static void *engine_main(void *p) {
         }
         int64_t fwd_allocs = 0;
         di_status fst = forward_wait(e, &fwd_allocs);
+        // The failure counters change before any request of the step retires (a waiter woken by
+        // the last one sees them).
+        pthread_mutex_lock(&e->mu);
+        e->stats.n_failed_steps += fst != DI_OK;
+        e->stats.n_failed_in_a_row = fst != DI_OK ? e->stats.n_failed_in_a_row + 1 : 0;
+        pthread_mutex_unlock(&e->mu);
         if (fst == DI_OK)
             sample_and_emit(e, &cb_allocs); // retiring drops finished requests from the plan
         else
@@ -730,7 +787,6 @@ static void *engine_main(void *p) {
         st->weight_macs = (int64_t)e->model->cpu.n_weight_macs;
         di_accel_get_stats(&e->model->accel, &st->device);
         st->device.resident = e->dstate != NULL;
-        st->n_failed_steps += fst != DI_OK;
         pthread_mutex_unlock(&e->mu);
     }
     // Final stats after the last cancellations.

@@ -4,7 +4,7 @@
  *   - di_engine_create_prepared: di_engine_create with a callback on the loaded model before the
  *     engine sizes its state, e.g. di_dsv4_dev_attach(m, cpu_backend) so the engine runs the
  *     device-resident forward on the CPU backend (the oracle twin of the CUDA one) without a GPU.
- *   - di_engine_fail_forward: makes one later device-resident forward fail, as a CUDA error would.
+ *   - di_engine_fail_forward: makes later forwards fail, as a CUDA error would.
  *   - di_engine_get_graph_stats: how many decode steps ran from captured graphs.
  *   - di_engine_dev_state_bytes: the device memory of the engine's dev state.
  * Thread-safety: create before start; di_engine_fail_forward from any thread.
@@ -26,10 +26,11 @@ typedef di_status (*di_engine_prepare_fn)(di_model *m, void *user);
 di_status di_engine_create_prepared(const char *model_dir, const di_engine_options *opt,
                                     di_engine_prepare_fn prepare, void *user, di_engine **out);
 
-// Device-resident forward only: after n_ok more forwards, the next one returns `st` (e.g.
-// DI_ERR_CUDA) without running, so the engine fails that step's requests. Replaces an earlier
-// pending injection.
-void di_engine_fail_forward(di_engine *e, int32_t n_ok, di_status st);
+// After n_ok more forwards, the next n_fail ones return `st` (e.g. DI_ERR_CUDA) without running
+// (either forward), so the engine fails those steps' requests. Replaces an earlier pending
+// injection; n_fail 0 cancels it. DI_ENGINE_FAIL_STEPS=N in the environment calls it at create
+// with (0, N, DI_ERR_CUDA).
+void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_status st);
 
 // Device-resident forward only: the decode-graph counts of the engine's dev state (zeroes on the
 // CPU forward). Call while the engine is idle (after di_engine_wait_idle): the forward thread

@@ -254,7 +254,7 @@ di_status di_kv_seq_open(di_kv_manager *kv, int32_t slot, uint64_t salt) {
     s->open = true;
     s->salt = salt;
     s->last_hash = 0;
-    s->n_published = 0;
+    s->n_published = s->n_published_before = 0;
     s->n_cached = 0;
     if (kv->accounting) return DI_OK; // no memory: nothing to bind
     const di_model *m = kv->model;
@@ -331,7 +331,7 @@ int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *
         h = di_prefix_cache_hash(kv->cache, h, prompt + (int64_t)i * kv->block_tokens, s->salt);
     }
     s->n_blocks = n;
-    s->n_published = n;
+    s->n_published = s->n_published_before = n;
     s->last_hash = h;
     set_capacity(kv, s);
     const int32_t hit = n * kv->block_tokens;
@@ -347,6 +347,7 @@ int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *
 
 void di_kv_seq_publish(di_kv_manager *kv, int32_t slot, const int32_t *tokens, int32_t n_done) {
     di_kv_seq *s = &kv->seqs[slot];
+    s->n_published_before = s->n_published;
     if (!kv->cache) return;
     const int32_t B = kv->block_tokens;
     while (s->n_published < s->n_blocks && (s->n_published + 1) * B <= n_done) {
@@ -359,4 +360,18 @@ void di_kv_seq_publish(di_kv_manager *kv, int32_t slot, const int32_t *tokens, i
         s->last_hash = h;
         s->n_published++;
     }
+}
+
+int32_t di_kv_seq_unpublish_last(di_kv_manager *kv, int32_t slot, uint8_t *marks) {
+    di_kv_seq *s = &kv->seqs[slot];
+    int32_t n = 0;
+    if (!kv->cache || !s->open) return 0;
+    // A block another sequence had cached first was never inserted for this one: nothing to do.
+    for (int32_t i = s->n_published_before; i < s->n_published; i++)
+        if (di_prefix_cache_remove(kv->cache, s->blocks[i])) {
+            if (marks) marks[s->blocks[i]] = 1;
+            n++;
+        }
+    s->n_published = s->n_published_before; // last_hash is stale from here: the slot is closed next
+    return n;
 }

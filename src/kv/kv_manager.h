@@ -40,7 +40,8 @@ typedef struct di_kv_seq {
     // n_published - 1's chain hash.
     uint64_t salt, last_hash;
     int32_t n_published;
-    int32_t n_cached; // positions attached from the prefix cache at admission (0: none)
+    int32_t n_cached;           // positions attached from the prefix cache at admission (0: none)
+    int32_t n_published_before; // n_published before the last di_kv_seq_publish (its step's)
 } di_kv_seq;
 
 typedef struct di_kv_item { // one tail item's place
@@ -102,5 +103,10 @@ void di_kv_seq_commit(di_kv_manager *kv, int32_t slot);
 // whole blocks) and marks its entries present. Returns the hit length in tokens (0 if none).
 int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *prompt,
                                 int32_t n_max_tokens);
-// Publishes the slot's entry blocks that became full once positions [0, n_done) are computed.
+// Publishes the slot's entry blocks that became full once positions [0, n_done) are computed
+// (called when the step that computes them is launched).
 void di_kv_seq_publish(di_kv_manager *kv, int32_t slot, const int32_t *tokens, int32_t n_done);
+// The step of the slot's last publish failed, so the blocks it published hold nothing computed:
+// takes them out of the prefix cache (the slot keeps its references). Marks each block taken out
+// in marks[id] = 1 (pool-sized, may be NULL) and returns how many. Then close the slot.
+int32_t di_kv_seq_unpublish_last(di_kv_manager *kv, int32_t slot, uint8_t *marks);

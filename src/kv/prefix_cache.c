@@ -117,15 +117,26 @@ bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent, co
     return true;
 }
 
-// The pool reuses an idle cached block: unlink it.
-static void on_evict(void *user, int32_t id) {
-    di_prefix_cache *pc = user;
+static void unlink_id(di_prefix_cache *pc, int32_t id) {
     DI_ASSERT(pc->present[id]);
     int32_t *link = &pc->bucket[pc->hash[id] & pc->mask];
     while (*link != id) link = &pc->next[*link];
     *link = pc->next[id];
     pc->present[id] = false;
     pc->n_present--;
+}
+
+// The pool reuses an idle cached block: unlink it.
+static void on_evict(void *user, int32_t id) {
+    unlink_id(user, id);
+}
+
+bool di_prefix_cache_remove(di_prefix_cache *pc, int32_t id) {
+    DI_ASSERT(id >= 0 && id < pc->n_ids);
+    if (!pc->present[id]) return false;
+    unlink_id(pc, id);
+    di_block_pool_set_cached(pc->pool, id, false);
+    return true;
 }
 
 int32_t di_prefix_cache_n_blocks(const di_prefix_cache *pc) {

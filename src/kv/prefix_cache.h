@@ -39,4 +39,7 @@ int32_t di_prefix_cache_match(di_prefix_cache *pc, const int32_t *tokens, int32_
 bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent, const int32_t *tokens,
                             int32_t id);
 
+// Forgets block `id` (its contents were never computed: the step that was to write them failed);
+// an idle one becomes free. Returns whether it was cached.
+bool di_prefix_cache_remove(di_prefix_cache *pc, int32_t id);
 int32_t di_prefix_cache_n_blocks(const di_prefix_cache *pc);

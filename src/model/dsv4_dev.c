@@ -347,7 +347,7 @@ struct di_dsv4_dev_state {
     iarr tokens, pos;
     // Every iarr of a call packed (iarr_place): one host staging buffer and one backend block of
     // meta_cap bytes (every array at its capacity), meta_used of them this call (one upload).
-    uint8_t *meta_host; // owned
+    uint8_t *meta_host; // owned (backend host_alloc)
     void *meta_dev;     // backend block (in blocks)
     size_t meta_cap, meta_used;
     int32_t *row0; // owned host [n_slots]: this call's first row per sequence
@@ -471,6 +471,10 @@ fail:
     return st;
 }
 
+di_backend *di_dsv4_dev_backend(const di_dsv4_dev *d) {
+    return d->b;
+}
+
 int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s) {
     return s->kv_row_bytes;
 }
@@ -575,7 +579,7 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     for (int32_t i = 0; i < s->n_graphs; i++)
         s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
     di_free(s->graphs);
-    di_free(s->meta_host); // meta_dev is in the blocks
+    s->d->b->vt->host_free(s->d->b, s->meta_host); // meta_dev is in the blocks
     for (int32_t i = 0; i < s->n_blocks; i++) s->d->b->vt->free(s->d->b, s->blocks[i]);
     di_free(s->blocks);
     di_free(s->n_past);
@@ -756,10 +760,10 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     DI_TRY(iarr_init(s, &s->pt_val, sizeof(int32_t), s->shared ? n_pt : 0));
     // The packed metadata: every array reserved above, at its capacity.
     DI_TRY(st_alloc(s, s->meta_cap, &s->meta_dev));
-    s->meta_host = di_malloc(s->meta_cap);
-    if (!s->meta_host) {
-        st = DI_ERR_NOMEM;
-        goto fail;
+    { // the backend's host memory: uploaded every call (page-locked on CUDA)
+        void *mh = NULL;
+        DI_TRY(d->b->vt->host_alloc(d->b, s->meta_cap, &mh));
+        s->meta_host = mh;
     }
     *out = s;
     return DI_OK;
@@ -956,19 +960,19 @@ typedef struct call {
     } while (0)
 
 // y = W x for the call's rows (model/dsv4_attn.c di_dsv4_linear): in the official recipe FP8/FP4
-// weights with act_quant see A8(x) (Q8, blocks of 128, into the state's aq scratch) and the
-// output rows (contiguous: ys == W's rows) are rounded to BF16.
+// weights with act_quant see A8(x) (Q8, blocks of 128; matmul_a8 with the state's aq scratch, rows
+// xs apart like x; FP8 tensor cores for prefill on CUDA) and the output rows (contiguous: ys ==
+// W's rows) are rounded to BF16.
 static di_status linear(const call *c, const di_tensor *w, const float *x, int64_t xs, float *y,
                         int64_t ys, bool act_quant) {
     di_dsv4_dev_state *s = c->s;
-    const int64_t K = w->ne[0], N = w->ne[1];
+    const int64_t N = w->ne[1];
     di_status st = DI_OK;
     if (s->d->official && act_quant &&
-        (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)) {
-        OP(fake_quant, x, c->T, K, xs, 128, 8, s->aq); // aq rows xs apart, like x
-        x = s->aq;
-    }
-    OP(matmul, w, x, c->T, xs, y, ys);
+        (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4))
+        OP(matmul_a8, w, x, c->T, xs, s->aq, y, ys);
+    else
+        OP(matmul, w, x, c->T, xs, y, ys);
     DI_ASSERT(!s->d->official || ys == N);
     ROUND(y, (int64_t)c->T * N);
     return DI_OK;

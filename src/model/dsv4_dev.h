@@ -92,6 +92,8 @@ typedef struct di_dsv4_dev_state di_dsv4_dev_state; // KV + compressor state of 
 // DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed.
 di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out);
 void di_dsv4_dev_destroy(di_dsv4_dev *d); // NULL: no-op
+// The backend it runs on (borrowed): e.g. for host_alloc of the buffers logits go to.
+di_backend *di_dsv4_dev_backend(const di_dsv4_dev *d);
 
 // The state of n_slots sequences of up to n_ctx positions each, for calls of up to max_rows rows
 // in total, with n_blocks entry blocks of block_tokens positions ("State layout"). n_blocks > 0:

@@ -128,6 +128,13 @@ static void preempt(di_sched *s, di_request *r) {
     push_front(s, r);
 }
 
+void di_sched_preempt(di_sched *s, di_request *r) {
+    DI_ASSERT(r->slot >= 0);
+    drop_rows(s, r);
+    preempt(s, r);
+    s->aborted = true;
+}
+
 // ---- planning ----
 
 static void plan_rows(di_sched *s, di_request *r, int32_t n) {

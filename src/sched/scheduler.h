@@ -62,6 +62,9 @@ void di_sched_enqueue(di_sched *s, di_request *r);
 // Takes a request out (finished, cancelled or failed): returns its blocks and drops its rows
 // from the current plan.
 void di_sched_remove(di_sched *s, di_request *r);
+// Preempts running request r now (its rows leave the plan, which is marked `aborted`: the engine
+// plans again): after a failed step, a request that attached blocks that step was to compute.
+void di_sched_preempt(di_sched *s, di_request *r);
 // Builds the plan (seqs, tokens, logit rows). n_seq == 0 when nothing can run.
 void di_sched_step(di_sched *s);
 // Builds the plan of the next step while the current step's forward runs (see above). Sets

@@ -2,11 +2,11 @@
 // contracts of backend/backend.h written out as plain loops: compress_pool's row sources (this
 // call's rows, the ring, the absent overlap of window 0), attention's masked keys and sink, top-k
 // ties and padding, offset_list and index_scores (contiguous and through a page table),
-// scatter_rows, add_ape, embed, memory alignment; the padding of graph-stable lists (scatter
-// destinations < 0, windows without rows); graphs: a replay equals the same calls run directly,
-// reads the memory as it is at launch, keeps the scalars and tensors of the capture, and a capture
-// refuses what a CUDA capture cannot hold. The whole forward on this backend is tested against the
-// model in tests/model/test_dev_forward.c.
+// matmul_a8, scatter_rows, add_ape, embed, memory alignment; the padding of graph-stable lists
+// (scatter destinations < 0, windows without rows); graphs: a replay equals the same calls run
+// directly, reads the memory as it is at launch, keeps the scalars and tensors of the capture, and
+// a capture refuses what a CUDA capture cannot hold. The whole forward on this backend is tested
+// against the model in tests/model/test_dev_forward.c.
 #include "harness.h"
 
 #include <math.h>
@@ -31,6 +31,18 @@ static void test_alloc(void) {
     g_b->vt->free(g_b, NULL);
     CHECK_EQ(g_b->vt->sync(g_b), DI_OK);
     CHECK(g_b->device.kind == DI_DEVICE_CPU && strncmp(g_b->desc, "cpu", 3) == 0);
+    // host_alloc: aligned, usable, refused inside a capture.
+    void *h = NULL;
+    CHECK_EQ(g_b->vt->host_alloc(g_b, 1000, &h), DI_OK);
+    CHECK(h && ((uintptr_t)h % 256) == 0);
+    memset(h, 0x5A, 1000);
+    g_b->vt->host_free(g_b, h);
+    g_b->vt->host_free(g_b, NULL);
+    void *g = NULL, *h2 = NULL;
+    CHECK_EQ(g_b->vt->graph_begin(g_b), DI_OK);
+    CHECK_EQ(g_b->vt->host_alloc(g_b, 64, &h2), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_ERR_INVALID);
+    CHECK(h2 == NULL && g == NULL);
 }
 
 // Windows of m = 2, c = 2, d = 3: window 0 (no overlap) from call rows, window 1 with its overlap
@@ -176,6 +188,47 @@ static void test_official_ops(void) {
 // KV rows (kv_quant, attn_kv): the layout of backend/cuda/attn.cuh, decoded by hand; rows that
 // are Q8-exact (nope) and BF16 (rope) decode to themselves, so attn_kv equals attn on the FP32
 // rows bit for bit; a negative destination skips its row; a graph replays both ops.
+// matmul_a8 is fake_quant (Q8, blocks of 128, into aq) then matmul, bit for bit, directly and
+// replayed from a graph (two commands: each entry recorded on its own).
+static void test_matmul_a8(void) {
+    enum { K = 256, N = 130, T = 5, XS = K + 4, YS = N + 3 };
+    static uint8_t codes[N * K], scales[2 * 2];
+    for (int i = 0; i < N * K; i++) {
+        codes[i] = (uint8_t)(i * 37 + i / 7);
+        if ((codes[i] & 0x7F) == 0x7F) codes[i] ^= 1; // no NaN codes
+    }
+    for (int i = 0; i < 4; i++) scales[i] = (uint8_t)(118 + i);
+    di_tensor w = {.name = "w",
+                   .kind = DI_TENSOR_KIND_FP8,
+                   .ne = {K, N},
+                   .nb1 = K,
+                   .data = codes,
+                   .scale = scales,
+                   .scale_nb1 = 2,
+                   .block_out = 128,
+                   .block_in = 128};
+    static float x[T * XS], aq[T * XS], xq[T * XS], want[T * YS], y[T * YS], y2[T * YS];
+    for (int i = 0; i < T * XS; i++) x[i] = sinf(0.37f * (float)i) * (i % 11 == 0 ? 40.0f : 1.0f);
+    memcpy(xq, x, sizeof x);
+    for (int t = 0; t < T; t++) di_fake_quant_q8(xq + t * XS, K, 128);
+    CHECK_EQ(g_b->vt->matmul(g_b, &w, xq, T, XS, want, YS), DI_OK);
+    CHECK_EQ(g_b->vt->matmul_a8(g_b, &w, x, T, XS, aq, y, YS), DI_OK);
+    for (int t = 0; t < T; t++) CHECK(memcmp(y + t * YS, want + t * YS, sizeof(float) * N) == 0);
+    CHECK(memcmp(aq, xq, sizeof(float) * K) == 0); // A8 of row 0 (the CPU backend keeps it)
+    void *g = NULL;
+    CHECK_EQ(g_b->vt->graph_begin(g_b), DI_OK);
+    CHECK_EQ(g_b->vt->matmul_a8(g_b, &w, x, T, XS, aq, y2, YS), DI_OK);
+    CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_OK);
+    CHECK_EQ(di_cpu_backend_graph_n_cmds(g), 2);
+    CHECK_EQ(g_b->vt->graph_launch(g_b, g), DI_OK);
+    g_b->vt->graph_destroy(g_b, g);
+    for (int t = 0; t < T; t++) CHECK(memcmp(y2 + t * YS, want + t * YS, sizeof(float) * N) == 0);
+    // A weight of another width than the blocks of 128 allow: refused.
+    di_tensor w2 = w;
+    w2.ne[0] = 100;
+    CHECK_EQ(g_b->vt->matmul_a8(g_b, &w2, x, T, XS, aq, y, YS), DI_ERR_INVALID);
+}
+
 static void test_kv_rows(void) {
     enum { DH = 128, NR = 64, NOPE = DH - NR, NK = 4, H = 3, T = 2, KS = 4 };
     const int64_t rb = di_backend_kv_row_bytes(DH, NR);
@@ -511,6 +564,7 @@ int main(void) {
     RUN(test_compress_pool);
     RUN(test_attn);
     RUN(test_official_ops);
+    RUN(test_matmul_a8);
     RUN(test_kv_rows);
     RUN(test_topk_offsets);
     RUN(test_index_scores_paged);

@@ -21,11 +21,11 @@ def free_port():
 
 
 class Server:
-    def __init__(self, extra=()):
+    def __init__(self, extra=(), env=None):
         self.home = tempfile.mkdtemp(prefix="deepinfer-home-")
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, DEEPINFER_HOME=self.home)
+        env = dict(os.environ, DEEPINFER_HOME=self.home, **(env or {}))
         self.log = open(os.path.join(self.home, "serve.log"), "w+")
         self.proc = subprocess.Popen(
             [os.environ["DEEPINFER_BIN"], "serve", "--port", str(self.port), "--threads", "2",

@@ -13,10 +13,16 @@
 //       failed slots, give the CPU engine's tokens;
 //   (c) requests cancelled mid-decode free their slots mid-sequence; the requests that reuse
 //       them give the CPU engine's tokens;
-//   (d) requests sharing a 300-token prefix (two entry blocks) after a first one: each hits 256
+//   (d) on either forward, a step that fails after publishing a block to the prefix cache takes
+//       it out again, and the request the plan ahead had admitted onto it starts over and gives
+//       what it gives alone (the device path hits the prefix cache too, so B attached the block
+//       and is preempted there as on the CPU);
+//   (e) on either forward, failed steps in a row are counted (di_engine_stats.n_failed_in_a_row)
+//       until a step succeeds;
+//   (f) requests sharing a 300-token prefix (two entry blocks) after a first one: each hits 256
 //       cached positions on the device path and replays the bound (n_layer (W - 1) = 90), and the
 //       tokens equal the CPU engine's (which hits and replays the same);
-//   (e) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
+//   (g) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
 //       (di_dsv4_dev_sizes); one byte less than a max_ctx sequence needs is refused
 //       (DI_ERR_INVALID); the device state's bytes grow by exactly the entry blocks that more
 //       memory buys, and a small budget holds fewer blocks than max_seqs x max_ctx.
@@ -267,7 +273,7 @@ static void test_failure(void) {
     // Two run at a time. Request 0's 150-token prompt takes steps 1-5 (32 rows each), request 1
     // (5 tokens) joins in step 5's leftover rows; the 9th forward, where both decode (and the plan
     // of step 10, built during it, holds their placeholder rows), fails. 2 and 3 wait meanwhile.
-    di_engine_fail_forward(e, 8, DI_ERR_CUDA);
+    di_engine_fail_forward(e, 8, 1, DI_ERR_CUDA);
     run(e, got, 0, 4);
     di_engine_wait_idle(e);
     int n_failed = 0, n_ok = 0;
@@ -300,6 +306,112 @@ static void test_failure(void) {
     check_clean(e, true);
     di_engine_destroy(e);
     di_backend_destroy(b);
+}
+
+// ---- (d), (e): failures on either forward (0: the CPU forward, 1: the device-resident one) ----
+
+// A long prompt's first 128-token block is published to the prefix cache when the step that
+// computes it is launched; request B, sharing it, is admitted by the plan built during that step
+// and attaches it. The step fails: the block was never computed, so it must leave the cache and B
+// must start over (preempted), giving exactly what B gives alone.
+static void test_failure_prefix(void) {
+    static int32_t pa[150], pb[145];
+    for (int t = 0; t < 150; t++) pa[t] = g_prompt[0][t];
+    for (int t = 0; t < 145; t++) pb[t] = t < 140 ? pa[t] : (int32_t)((t * 7 + 5) % V);
+    static result ref_b, got_a, got_b;
+    di_request_params pra = di_request_params_default(), prb = pra;
+    pra.prompt = pa, pra.n_prompt = 150, pra.max_tokens = 8, pra.ignore_eos = true;
+    prb.prompt = pb, prb.n_prompt = 145, prb.max_tokens = 12, prb.ignore_eos = true;
+    pra.sample.n_logprobs = prb.sample.n_logprobs = N_TOP;
+    pra.on_event = prb.on_event = on_event;
+    uint64_t id;
+    { // B alone
+        di_engine *e = engine((size_t)64 << 20, 2, NULL);
+        if (!e) return;
+        memset(&ref_b, 0, sizeof ref_b);
+        prb.user = &ref_b, prb.first_logits = ref_b.first;
+        CHECK_EQ(di_engine_submit(e, &prb, &id), DI_OK);
+        di_engine_wait_idle(e);
+        di_engine_destroy(e);
+    }
+    for (int path = 0; path < 2; path++) {
+        di_backend *b = NULL;
+        if (path == 1) CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+        if (path == 1 && !b) return;
+        di_engine *e = engine((size_t)64 << 20, 2, b);
+        if (!e) {
+            di_backend_destroy(b);
+            return;
+        }
+        // A's prefill: 32 rows per step, block 0 full at the 4th; B waits for budget until the
+        // plan of step 5 (built while the 4th forward runs) admits it onto block 0.
+        di_engine_fail_forward(e, 3, 1, DI_ERR_CUDA);
+        memset(&got_a, 0, sizeof got_a);
+        memset(&got_b, 0, sizeof got_b);
+        pra.user = &got_a, pra.first_logits = got_a.first;
+        prb.user = &got_b, prb.first_logits = got_b.first;
+        CHECK_EQ(di_engine_submit(e, &pra, &id), DI_OK);
+        CHECK_EQ(di_engine_submit(e, &prb, &id), DI_OK);
+        di_engine_wait_idle(e);
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        fprintf(stderr,
+                "(d) %s forward: A %s (%s), B preempted %d times, %s B alone; %lld hit tokens, "
+                "%lld preemptions\n",
+                path ? "device-resident" : "CPU", got_a.finish == DI_FINISH_ERROR ? "failed" : "ok",
+                di_status_str(got_a.status), got_b.n_preempted,
+                same(&got_b, &ref_b) ? "identical to" : "DIFFERENT from",
+                (long long)st.n_cache_hit_tokens, (long long)st.n_preemptions);
+        CHECK(got_a.finish == DI_FINISH_ERROR && got_a.status == DI_ERR_CUDA && got_a.n == 0);
+        CHECK(got_b.finish == DI_FINISH_LENGTH);
+        CHECK(same(&got_b, &ref_b));
+        // The prefix cache is on on both paths: B had attached the failed block and was sent
+        // back.
+        CHECK(st.n_cache_hit_tokens > 0);
+        CHECK_EQ(got_b.n_preempted, 1);
+        CHECK_EQ(st.n_failed_steps, 1);
+        check_clean(e, path == 1);
+        di_engine_destroy(e);
+        di_backend_destroy(b);
+    }
+}
+
+// Three failed steps in a row (one request each), then one that runs: n_failed_in_a_row counts
+// 1, 2, 3, then 0; the request after the streak is the reference's.
+static void test_failure_streak(void) {
+    for (int path = 0; path < 2; path++) {
+        di_backend *b = NULL;
+        if (path == 1) CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+        if (path == 1 && !b) return;
+        di_engine *e = engine((size_t)64 << 20, 2, b);
+        if (!e) {
+            di_backend_destroy(b);
+            return;
+        }
+        static result got[N_REQ];
+        di_engine_stats st;
+        di_engine_fail_forward(e, 0, 3, DI_ERR_CUDA);
+        for (int i = 0; i < 3; i++) { // each request's first step fails
+            run(e, got, i, i + 1);
+            di_engine_wait_idle(e);
+            CHECK(got[i].finish == DI_FINISH_ERROR && got[i].status == DI_ERR_CUDA);
+            CHECK_EQ(got[i].n, 0);
+            di_engine_get_stats(e, &st);
+            CHECK_EQ(st.n_failed_in_a_row, i + 1);
+        }
+        run(e, got, 3, 4);
+        di_engine_wait_idle(e);
+        CHECK(same(&got[3], &g_ref[3]));
+        di_engine_get_stats(e, &st);
+        fprintf(stderr, "(e) %s forward: %lld failed steps, %lld in a row after a good one\n",
+                path ? "device-resident" : "CPU", (long long)st.n_failed_steps,
+                (long long)st.n_failed_in_a_row);
+        CHECK_EQ(st.n_failed_steps, 3);
+        CHECK_EQ(st.n_failed_in_a_row, 0);
+        check_clean(e, path == 1);
+        di_engine_destroy(e);
+        di_backend_destroy(b);
+    }
 }
 
 // ---- (c) ----
@@ -350,7 +462,7 @@ static void test_cancel(void) {
     di_backend_destroy(b);
 }
 
-// ---- (d) ----
+// ---- (f) ----
 
 enum { D_CTX = 512, D_PREFIX = 300, D_REQ = 4 };
 static int32_t g_dprompt[D_REQ][D_PREFIX + 10];
@@ -396,7 +508,7 @@ static void test_shared_prefix(void) {
             CHECK_EQ(got[i].n_replayed, i == 0 ? 0 : 90); // 6 layers x (16 - 1)
         }
         fprintf(stderr,
-                "(d) %d requests sharing a %d-token prefix: %d identical to the CPU engine; "
+                "(f) %d requests sharing a %d-token prefix: %d identical to the CPU engine; "
                 "request 1 reused %d positions and replayed %d\n",
                 D_REQ, D_PREFIX, n_same, got[1].n_cached, got[1].n_replayed);
         CHECK_EQ(n_same, D_REQ);
@@ -406,7 +518,7 @@ static void test_shared_prefix(void) {
     di_backend_destroy(b);
 }
 
-// ---- (e) ----
+// ---- (g) ----
 
 static void test_sizing(void) {
     int64_t blk = 0, slot = 0;
@@ -437,7 +549,7 @@ static void test_sizing(void) {
         di_engine_destroy(e);
     }
     fprintf(stderr,
-            "(e) entry block %lld bytes, slot tail %lld bytes: %lld bytes of kv memory -> %lld "
+            "(g) entry block %lld bytes, slot tail %lld bytes: %lld bytes of kv memory -> %lld "
             "blocks, %lld bytes of device state; 10 blocks more -> %lld blocks, %lld bytes\n",
             (long long)blk, (long long)slot, (long long)least, (long long)n_blocks[0],
             (long long)bytes[0], (long long)n_blocks[1], (long long)bytes[1]);
@@ -462,6 +574,8 @@ int main(void) {
     RUN(test_same_tokens);
     RUN(test_failure);
     RUN(test_cancel);
+    RUN(test_failure_prefix);
+    RUN(test_failure_streak);
     RUN(test_shared_prefix);
     RUN(test_sizing);
     char cmd[512];

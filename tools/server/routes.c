@@ -75,6 +75,13 @@ char *srv_metrics_text(srv *s) {
             st.n_cache_hit_tokens);
     COUNTER("deepinfer:num_preemptions_total", "Preemptions.", st.n_preemptions);
     COUNTER("deepinfer:engine_steps_total", "Engine steps.", st.n_steps);
+    COUNTER("deepinfer:engine_failed_steps_total",
+            "Engine steps whose forward failed (their requests ended with an error).",
+            st.n_failed_steps);
+    GAUGE("deepinfer:engine_failed_steps_in_a_row",
+          "Failed steps since the last one that succeeded (/ready and /health: 503 from " SRV_STR(
+              SRV_FAILING_STEPS) " on).",
+          "%lld", (long long)st.n_failed_in_a_row);
     pthread_mutex_lock(&s->metrics_mu);
     COUNTER("deepinfer:prompt_tokens_total", "Prompt tokens processed.", s->n_prompt_tokens);
     COUNTER("deepinfer:generation_tokens_total", "Tokens generated.", s->n_gen_tokens);
@@ -161,17 +168,33 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         return fail(s, c, api, &e);
     }
     srv_api api = api_of(r->k);
+    // Failing: the engine's last SRV_FAILING_STEPS steps or more all failed (a device whose every
+    // step fails, e.g. after a sticky CUDA error, which only a new process clears): /ready turns
+    // 503 so a load balancer stops sending, /health too so an orchestrator restarts the process.
+    // A step that succeeds ends it (requests are still accepted meanwhile).
+    int64_t n_failing = 0;
+    if ((r->k == K_HEALTH || r->k == K_READY) && atomic_load(&s->ready)) {
+        di_engine_stats st;
+        di_engine_get_stats(s->engine, &st);
+        if (st.n_failed_in_a_row >= SRV_FAILING_STEPS) n_failing = st.n_failed_in_a_row;
+    }
     if (r->k == K_HEALTH) {
-        srv_metrics_status(s, 200);
-        return srv_send_json(c, 200, json_pack("{s:s}", "status", "ok"), 0);
+        const int code = n_failing ? 503 : 200;
+        srv_metrics_status(s, code);
+        return srv_send_json(c, code,
+                             n_failing ? json_pack("{s:s,s:I}", "status", "failing",
+                                                   "failed_steps_in_a_row", (json_int_t)n_failing)
+                                       : json_pack("{s:s}", "status", "ok"),
+                             n_failing ? 1 : 0);
     }
     if (r->k == K_READY) {
-        bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining);
+        bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining) && !n_failing;
         srv_metrics_status(s, ok ? 200 : 503);
         return srv_send_json(c, ok ? 200 : 503,
                              json_pack("{s:s}", "status",
                                        ok                          ? "ready"
                                        : atomic_load(&s->draining) ? "draining"
+                                       : n_failing                 ? "failing"
                                                                    : "loading"),
                              ok ? 0 : 1);
     }

@@ -21,6 +21,10 @@
 #include "deepinfer.h"
 
 #define SRV_MAX_N 8 // choices per request (spec §3: n ≤ 8)
+// Failed engine steps in a row from which /ready and /health answer 503 "failing" (routes.c).
+#define SRV_FAILING_STEPS 3
+#define SRV_STR_(x) #x
+#define SRV_STR(x) SRV_STR_(x)
 
 typedef enum srv_api {
     SRV_API_CHAT = 0,

@@ -397,6 +397,23 @@ static bool cpu_supports_matmul(const di_backend *b, const di_tensor *w) {
 
 // ---- dense ops ----
 
+static di_status cpu_host_alloc(di_backend *b, size_t bytes, void **out) {
+    if (impl_of(b)->capturing) return refuse(impl_of(b), "host_alloc");
+    void *p = NULL;
+    size_t n = (bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
+    if (posix_memalign(&p, ALIGN_BYTES, n ? n : ALIGN_BYTES) != 0) {
+        DI_LOG_ERROR("cpu backend: cannot allocate %zu bytes of host memory", bytes);
+        return DI_ERR_NOMEM;
+    }
+    *out = p;
+    return DI_OK;
+}
+
+static void cpu_host_free(di_backend *b, void *p) {
+    (void)b;
+    free(p);
+}
+
 static di_status cpu_matmul(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
                             int64_t xs, float *y, int64_t ys) {
     cpu_impl *c = impl_of(b);
@@ -406,6 +423,16 @@ static di_status cpu_matmul(di_backend *b, const di_tensor *w, const float *x, i
     if (st != DI_OK) return st;
     di_cpu_matmul(&c->cpu, w, x, n_tok, xs, y, ys);
     return DI_OK;
+}
+
+// Two entries, each recorded on its own inside a capture (backend.h matmul_a8).
+static di_status cpu_fake_quant(di_backend *b, const float *x, int64_t n_rows, int64_t n,
+                                int64_t stride, int32_t block, int32_t bits, float *y);
+
+static di_status cpu_matmul_a8(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
+                               int64_t xs, float *aq, float *y, int64_t ys) {
+    di_status st = cpu_fake_quant(b, x, n_tok, w->ne[0], xs, 128, 8, aq);
+    return st == DI_OK ? cpu_matmul(b, w, aq, n_tok, xs, y, ys) : st;
 }
 
 static di_status cpu_embed(di_backend *b, const di_tensor *table, const int32_t *ids, int32_t n,
@@ -1230,7 +1257,10 @@ static const di_backend_vt cpu_vt = {
     .sync = cpu_sync,
     .weight_upload = cpu_weight_upload,
     .supports_matmul = cpu_supports_matmul,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_host_free,
     .matmul = cpu_matmul,
+    .matmul_a8 = cpu_matmul_a8,
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,

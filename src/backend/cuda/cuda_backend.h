@@ -54,6 +54,11 @@ typedef struct di_cuda {
     // Graph capture: open between di_cuda_graph_begin and _end; `refused` is set by the backend
     // vtable (cuda_ops.cu) when it refused a call inside the capture (the capture then fails).
     bool capturing, refused;
+    // matmul_a8's FP8 tensor-core path (gemm.cuh di_cuda_matmul_a8): 0 not checked yet, 1 checked
+    // against the SIMT path on its first call, -1 off (mismatch or no cuBLASLt algorithm); calls
+    // that took it.
+    int fp8_tc;
+    int64_t n_fp8_tc_calls;
 } di_cuda;
 
 // Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.

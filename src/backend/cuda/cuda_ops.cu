@@ -86,6 +86,25 @@ static di_status op_sync(di_backend *b) {
     return di_cuda_sync(cu);
 }
 
+static di_status op_host_alloc(di_backend *b, size_t bytes, void **out) {
+    ENTER(b);
+    NOT_CAPTURING(cu, "host_alloc");
+    void *p = NULL;
+    const cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+        DI_CUDA_LOG_ERROR("cudaHostAlloc(%zu bytes): %s", bytes, cudaGetErrorString(e));
+        (void)cudaGetLastError(); // not sticky: clear it
+        return DI_ERR_NOMEM;
+    }
+    *out = p;
+    return DI_OK;
+}
+
+static void op_host_free(di_backend *b, void *p) {
+    (void)b;
+    if (p) (void)cudaFreeHost(p);
+}
+
 static di_status op_weight_upload(di_backend *b, const di_tensor *host, di_tensor *dev) {
     ENTER(b);
     NOT_CAPTURING(cu, "weight_upload");
@@ -107,6 +126,17 @@ static di_status op_matmul(di_backend *b, const di_tensor *w, const float *x, in
         return DI_ERR_INVALID;
     }
     return di_cuda_matmul(cu, w, x, n_tok, xs, y, ys);
+}
+
+static di_status op_matmul_a8(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
+                              int64_t xs, float *aq, float *y, int64_t ys) {
+    ENTER(b);
+    if (!di_cuda_supports_op(cu, DI_CUDA_OP_MATMUL, w)) {
+        DI_CUDA_LOG_ERROR("matmul_a8: weight %s of kind %d is not supported on the GPU",
+                          w->name ? w->name : "?", (int)w->kind);
+        return DI_ERR_INVALID;
+    }
+    return di_cuda_matmul_a8(cu, w, x, n_tok, xs, aq, y, ys);
 }
 
 static di_status op_embed(di_backend *b, const di_tensor *table, const int32_t *ids, int32_t n,
@@ -324,6 +354,8 @@ static di_backend_vt make_vt(void) {
     vt.sync = op_sync;
     vt.weight_upload = op_weight_upload;
     vt.supports_matmul = op_supports_matmul;
+    vt.host_alloc = op_host_alloc;
+    vt.host_free = op_host_free;
     vt.matmul = op_matmul;
     vt.embed = op_embed;
     vt.rmsnorm = op_rmsnorm;
@@ -348,6 +380,7 @@ static di_backend_vt make_vt(void) {
     vt.graph_destroy = op_graph_destroy;
     vt.round_bf16 = op_round_bf16;
     vt.fake_quant = op_fake_quant;
+    vt.matmul_a8 = op_matmul_a8;
     vt.hadamard = op_hadamard;
     return vt;
 }

@@ -72,6 +72,16 @@ di_status di_cuda_matmul_fp8_lt(di_cuda *cu, const di_tensor *w, const float *w_
                                 const uint8_t *codes, const float *x_scales, int64_t n_tok,
                                 float *y, int64_t y_stride);
 
+// backend.h matmul_a8: y = W . A8(x) (A8 into aq, then di_cuda_matmul) or, for FP8 weights of
+// 128x128 blocks at n_tok >= DI_BACKEND_TC_MIN_ROWS outside a capture on sm_90+, the same product
+// on FP8 tensor cores (di_cuda_act_quant_a8 + di_cuda_matmul_fp8_lt). The scale layouts cuBLASLt
+// reads are inferred (above), so the first such call also runs the SIMT path and compares (FP32
+// sums in another order: max |diff| <= 1e-2 max |y|, a wrong scale or layout is off by O(max |y|));
+// a mismatch or no cuBLASLt algorithm turns the tensor-core path off for the context (logged,
+// cu->fp8_tc = -1), and every call is then the SIMT path. DI_ERR_INVALID, DI_ERR_CUDA.
+di_status di_cuda_matmul_a8(di_cuda *cu, const di_tensor *w, const float *x, int64_t n_tok,
+                            int64_t x_stride, float *aq, float *y, int64_t y_stride);
+
 // CPU fallback (conventions §7): when di_cuda_supports_op(MATMUL, w_host) is false the product
 // runs on the CPU through di_cpu_matmul (x downloaded, y uploaded; one WARN per process), else on
 // the GPU with w_dev. cpu is a di_cpu (backend/cpu/ref_ops.h) sized for w. DI_ERR_CUDA,

@@ -6,11 +6,14 @@
 // (tests/backend/cuda/test_cuda_gemm.c) checks whichever runs against the CPU reference.
 #include <cublasLt.h>
 #include <cuda_fp8.h>
+#include <stdlib.h>
 
 #include <algorithm>
 
+#include "backend/backend.h" // DI_BACKEND_TC_MIN_ROWS
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm.cuh"
+#include "backend/cuda/quant.cuh" // di_cuda_fake_quant
 
 // ---- A8 ----
 
@@ -217,5 +220,112 @@ out:
     di_cuda_free(cu, xs_lt);
     di_cuda_free(cu, tmp);
     di_cuda_free(cu, ws);
+    return st;
+}
+
+// ---- matmul_a8: A8 then the FP8 product, on tensor cores for prefill ----
+
+// Whether w at n_tok rows may take the tensor-core path (gemm.cuh di_cuda_matmul_a8).
+static bool tc_eligible(const di_cuda *cu, const di_tensor *w, int64_t n_tok) {
+    return cu->fp8_tc >= 0 && !cu->capturing && n_tok >= DI_BACKEND_TC_MIN_ROWS &&
+           cu->cc_major >= 9 && w->kind == DI_TENSOR_KIND_FP8 && w->block_in == 128 &&
+           w->block_out == 128 && w->row0 == 0 && w->ne[0] % 128 == 0 && w->nb1 == (size_t)w->ne[0];
+}
+
+// A8(x) into aq, then the SIMT product (the CPU backend's two entries).
+static di_status simt_a8(di_cuda *cu, const di_tensor *w, const float *x, int64_t n_tok,
+                         int64_t x_stride, float *aq, float *y, int64_t y_stride) {
+    di_status st = di_cuda_fake_quant(cu, x, n_tok, w->ne[0], x_stride, 128, 8, aq);
+    return st == DI_OK ? di_cuda_matmul(cu, w, aq, n_tok, x_stride, y, y_stride) : st;
+}
+
+// The codes and scales of A8(x) and the weight's FP32 scales (pool blocks), then cuBLASLt.
+static di_status tc_a8(di_cuda *cu, const di_tensor *w, const float *x, int64_t n_tok,
+                       int64_t x_stride, float *y, int64_t y_stride) {
+    const int64_t K = w->ne[0], nkb = K / 128, n_ob = (w->ne[1] + 127) / 128;
+    void *codes = NULL, *xsc = NULL, *wsc = NULL;
+    di_status st;
+    DI_TRY(di_cuda_alloc(cu, (size_t)(n_tok * K), &codes));
+    DI_TRY(di_cuda_alloc(cu, sizeof(float) * (size_t)(n_tok * nkb), &xsc));
+    DI_TRY(di_cuda_alloc(cu, sizeof(float) * (size_t)(n_ob * nkb), &wsc));
+    DI_TRY(di_cuda_act_quant_a8(cu, x, n_tok, x_stride, K, (uint8_t *)codes, (float *)xsc));
+    DI_TRY(di_cuda_fp8_scales_f32(cu, w, (float *)wsc));
+    DI_TRY(di_cuda_matmul_fp8_lt(cu, w, (const float *)wsc, (const uint8_t *)codes,
+                                 (const float *)xsc, n_tok, y, y_stride));
+fail:
+    di_cuda_free(cu, wsc);
+    di_cuda_free(cu, xsc);
+    di_cuda_free(cu, codes);
+    return st;
+}
+
+// The first eligible call: both paths, compared on the host; y gets the SIMT result unless the
+// tensor cores agree.
+static di_status tc_check(di_cuda *cu, const di_tensor *w, const float *x, int64_t n_tok,
+                          int64_t x_stride, float *aq, float *y, int64_t y_stride) {
+    const int64_t N = w->ne[1], n = n_tok * N;
+    void *ref = NULL;
+    float *h_tc = NULL, *h_ref = NULL;
+    di_status st;
+    DI_TRY(di_cuda_alloc(cu, sizeof(float) * (size_t)n, &ref));
+    DI_TRY(simt_a8(cu, w, x, n_tok, x_stride, aq, (float *)ref, N));
+    st = tc_a8(cu, w, x, n_tok, x_stride, y, y_stride);
+    if (st == DI_ERR_UNSUPPORTED) {
+        di_log_write(2, __FILE__, __LINE__,
+                     "cuda: no cuBLASLt FP8 block-scaled algorithm on this GPU: A8 matmuls stay on "
+                     "the SIMT kernels");
+        cu->fp8_tc = -1;
+    } else if (st != DI_OK) {
+        goto fail;
+    } else {
+        h_tc = (float *)malloc(sizeof(float) * (size_t)n);
+        h_ref = (float *)malloc(sizeof(float) * (size_t)n);
+        if (!h_tc || !h_ref) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
+        CUDA_TRY(cudaMemcpy2DAsync(h_tc, sizeof(float) * (size_t)N, y,
+                                   sizeof(float) * (size_t)y_stride, sizeof(float) * (size_t)N,
+                                   (size_t)n_tok, cudaMemcpyDeviceToHost, di_stream(cu)));
+        DI_TRY(di_cuda_download(cu, h_ref, ref, sizeof(float) * (size_t)n)); // synchronises
+        double amax = 0.0, dmax = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            const double r = h_ref[i], d = fabs((double)h_tc[i] - r);
+            amax = fmax(amax, fabs(r));
+            dmax = d > dmax || d != d ? d : dmax; // a NaN difference counts as a mismatch
+        }
+        const bool ok = dmax == dmax && dmax <= 1e-2 * amax;
+        cu->fp8_tc = ok ? 1 : -1;
+        di_log_write(
+            ok ? 2 : 1, __FILE__, __LINE__,
+            "cuda: FP8 tensor cores (cuBLASLt block-scaled) vs the SIMT kernels on the first "
+            "A8 matmul (%s, %lld x %lld x %lld): max |diff| %.3g of max |y| %.3g: %s",
+            w->name ? w->name : "?", (long long)n_tok, (long long)N, (long long)w->ne[0], dmax,
+            amax, ok ? "used from now on" : "MISMATCH, the SIMT kernels stay");
+        if (ok) cu->n_fp8_tc_calls++;
+    }
+    if (cu->fp8_tc < 0)
+        CUDA_TRY(cudaMemcpy2DAsync(y, sizeof(float) * (size_t)y_stride, ref,
+                                   sizeof(float) * (size_t)N, sizeof(float) * (size_t)N,
+                                   (size_t)n_tok, cudaMemcpyDeviceToDevice, di_stream(cu)));
+    st = DI_OK;
+fail:
+    free(h_ref);
+    free(h_tc);
+    di_cuda_free(cu, ref);
+    return st;
+}
+
+extern "C" di_status di_cuda_matmul_a8(di_cuda *cu, const di_tensor *w, const float *x,
+                                       int64_t n_tok, int64_t x_stride, float *aq, float *y,
+                                       int64_t y_stride) {
+    if (n_tok <= 0) return DI_OK;
+    if (!tc_eligible(cu, w, n_tok)) return simt_a8(cu, w, x, n_tok, x_stride, aq, y, y_stride);
+    if (cu->fp8_tc == 0) return tc_check(cu, w, x, n_tok, x_stride, aq, y, y_stride);
+    di_status st = tc_a8(cu, w, x, n_tok, x_stride, y, y_stride);
+    if (st == DI_ERR_UNSUPPORTED) { // no algorithm for this shape: this call on the SIMT path
+        return simt_a8(cu, w, x, n_tok, x_stride, aq, y, y_stride);
+    }
+    if (st == DI_OK) cu->n_fp8_tc_calls++;
     return st;
 }
