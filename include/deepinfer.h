@@ -332,14 +332,13 @@ typedef struct di_engine_options {
     di_device device;         // where the model runs (di_model_options.device); CUDA on a V4
                               // FP32 checkpoint: the device-resident forward (see create)
     size_t kv_memory_bytes;   // the KV pool (window rings, compressed entries, compressor
-                              // buffers); 0 = 256 MiB. On the device-resident forward the pool
-                              // only budgets admission and preemption; the KV itself is the
-                              // device state of max_seqs x max_ctx positions
+                              // buffers); 0 = 256 MiB. On the device-resident forward it is
+                              // device memory: max_seqs slots' rings, the rest entry blocks
     int32_t max_seqs;         // sequences running at once; 0 = 16
     int32_t max_batch_tokens; // forward rows per step (token budget); 0 = 256
     int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)
     int32_t max_queue;        // waiting requests; more are refused with DI_ERR_BUSY; 0 = 1024
-    bool no_prefix_cache;     // disable prefix reuse (always off on the device-resident forward)
+    bool no_prefix_cache;     // disable prefix reuse
     // Optional token bytes (e.g. from a di_tokenizer) for stop strings and event text.
     const char *(*token_bytes)(void *user, int32_t id, size_t *n_bytes);
     void *token_bytes_user;
@@ -348,7 +347,8 @@ typedef struct di_engine_options {
 di_engine_options di_engine_options_default(void);
 
 typedef struct di_engine_stats {
-    int64_t n_blocks_total, n_blocks_free; // KV pool blocks (free includes evictable cached)
+    int64_t n_blocks_total, n_blocks_free; // KV pool blocks (free includes evictable cached; on
+                                           // the device-resident forward: its entry blocks)
     int64_t n_blocks_cached;               // held only by the prefix cache
     int64_t block_bytes;
     int32_t block_tokens;
@@ -376,9 +376,10 @@ typedef struct di_engine_stats {
 
 // Loads the model at model_dir and starts the engine thread. When the model has the
 // device-resident forward (di_model_load with a CUDA device on a V4 FP32 checkpoint), every step
-// runs on it: one device state of max_seqs slots of max_ctx positions and max_batch_tokens rows,
-// sized and exercised once here; the prefix cache is off (logged), since the KV lives in that
-// state; a step whose device call fails ends its requests with DI_FINISH_ERROR and goes on.
+// runs on it: one device state of max_seqs slots and max_batch_tokens rows whose compressed
+// entries are paged in entry blocks sized from kv_memory_bytes (the KV manager's blocks: the
+// prefix cache and bounded replay work as on the CPU path), created and exercised once here; a
+// step whose device call fails ends its requests with DI_FINISH_ERROR and goes on.
 // Otherwise the CPU forward runs, its matmuls on the device when one is given. DI_ERR_IO,
 // DI_ERR_FORMAT, DI_ERR_UNSUPPORTED (as di_model_load), DI_ERR_INVALID (bad options; e.g. a KV
 // budget too small for one sequence), DI_ERR_CUDA (the device state or its first call failed),

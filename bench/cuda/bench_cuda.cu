@@ -626,8 +626,8 @@ static void layer_step(const layer_w &L, step_buf &s) {
     // indexer over ctx/4 entries, top-512
     DK(di_cuda_matmul(g_cu, &L.idx_wq_b, s.qr, B, kRq, s.qi, kHI * kDI));
     DK(di_cuda_matmul(g_cu, &L.idx_wp, s.a, B, kD, s.wi, kHI));
-    DK(di_cuda_indexer_scores(g_cu, s.qi, s.wi, s.ikeys, s.key_base, s.n_vis, (int32_t)(s.ctx / 4),
-                              B, kHI, kDI, false, s.scores, s.ctx / 4));
+    DK(di_cuda_indexer_scores(g_cu, s.qi, s.wi, s.ikeys, s.key_base, NULL, NULL, 0, s.n_vis,
+                              (int32_t)(s.ctx / 4), B, kHI, kDI, false, s.scores, s.ctx / 4));
     DK(di_cuda_topk(g_cu, s.scores, s.ctx / 4, s.n_vis, B, kTopk, s.sel));
     DK(di_cuda_attn(g_cu, s.q, s.kv_pool, s.key_idx, kW + kTopk, s.n_keys, kW + kTopk, L.sink, B,
                     kH, kDh, kRot, 1.0f / sqrtf((float)kDh), s.o));

@@ -309,7 +309,7 @@ static float timed_forward(bench *x, di_dsv4_dev_state *st, const di_dsv4_dev_se
 static void prefill(bench *x, di_dsv4_dev *d, const opts *o, int32_t n_ctx, int32_t chunk, int reps,
                     const char *name) {
     di_dsv4_dev_state *st = NULL;
-    DK(di_dsv4_dev_state_create(d, 1, n_ctx, o->prefill > chunk ? o->prefill : chunk, &st));
+    DK(di_dsv4_dev_state_create(d, 1, n_ctx, o->prefill > chunk ? o->prefill : chunk, 0, 0, &st));
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)o->prefill);
     float ms[16];
     if (!tok) exit(1);
@@ -602,7 +602,7 @@ int main(int argc, char **argv) {
         di_dsv4_dev_destroy(d8);
     }
     di_dsv4_dev_state *s1 = NULL;
-    DK(di_dsv4_dev_state_create(x.d, 1, n_ctx, o.prefill > chunk ? o.prefill : chunk, &s1));
+    DK(di_dsv4_dev_state_create(x.d, 1, n_ctx, o.prefill > chunk ? o.prefill : chunk, 0, 0, &s1));
     const double n_exp1 = x.m->hp.n_expert_used; // one token: K distinct experts
     int32_t reached = 0;
     fill(&x, s1, 1, o.ctx, chunk, chunk, 0, &reached);
@@ -618,7 +618,7 @@ int main(int argc, char **argv) {
     if (B > 1) {
         const int32_t max_rows = 4 * chunk > B ? 4 * chunk : B;
         di_dsv4_dev_state *sb = NULL;
-        DK(di_dsv4_dev_state_create(x.d, B, o.ctx + 2 * (warm + o.steps) + 8, max_rows, &sb));
+        DK(di_dsv4_dev_state_create(x.d, B, o.ctx + 2 * (warm + o.steps) + 8, max_rows, 0, 0, &sb));
         // The decode steps after the fill take a few seconds (B = 64: ~1 s of steps, the expert
         // count ~1 s, teardown): the fill stops 10 s before the budget's end.
         // (A budget under 10 s: one round only. 0: no deadline.)

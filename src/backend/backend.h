@@ -201,21 +201,30 @@ typedef struct di_backend_vt {
                          const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
                          float scale, bool round_p, float *o);
     // Lightning-indexer scores and top-k: exactly backend/cuda/indexer.cuh di_cuda_indexer_scores
-    // (key_base in entries, int64) and di_cuda_topk (ties to the lower index, ascending, -1
-    // padded; k == n_vis selects all without reading scores). round_bf16 (the official recipe):
-    // every score is rounded to BF16.
+    // and di_cuda_topk (ties to the lower index, ascending, -1 padded; k == n_vis selects all
+    // without reading scores). round_bf16 (the official recipe): every score is rounded to BF16.
+    // The key of entry w < n_vis[t] of row t is keys + row * DI, row = key_base[t] (int64; 0 when
+    // key_base is NULL) + (pages NULL: w, contiguous; else the paged entry
+    // pages[page_off[t] + w / per_page] * per_page + w % per_page: entries in pages of per_page,
+    // a sequence's pages listed from page_off[t] on). A negative page scores its entries -inf.
     di_status (*index_scores)(di_backend *b, const float *qi, const float *wi, const float *keys,
-                              const int64_t *key_base, const int32_t *n_vis, int32_t max_vis,
-                              int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16, float *scores,
-                              int64_t score_stride);
+                              const int64_t *key_base, const int32_t *pages,
+                              const int32_t *page_off, int32_t per_page, const int32_t *n_vis,
+                              int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
+                              bool round_bf16, float *scores, int64_t score_stride);
     di_status (*topk)(di_backend *b, const float *scores, int64_t score_stride,
                       const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel);
-    // dst[t * dst_stride + off[t] + i] = sel[t*k + i] >= 0 ? base[t] + sel[t*k + i] : -1 for
-    // i < k: a CSA row's selected entries appended to its key list (off: the row's window keys).
-    // sel NULL stands for sel[t*k + i] = i: entries 0..k-1 (an HCA row's visible entries, the
-    // tail past the row's key count unread); base and off 0 with sel a [n_tok, k] list copies it.
+    // dst[t * dst_stride + off[t] + i] = the key row of entry s = sel[t*k + i] for i < k, or -1
+    // when s < 0: a CSA row's selected entries appended to its key list (off: the row's window
+    // keys). The row of entry s is base[t] + s (pages NULL: entries contiguous), or, paged,
+    // base[t] + pages[page_off[t] + s / per_page] * per_page + s % per_page (the entry rows of a
+    // pool in pages of per_page rows; a negative page gives -1). sel NULL stands for
+    // sel[t*k + i] = i: entries 0..k-1 (an HCA row's visible entries, the tail past the row's key
+    // count unread); base and off 0, pages NULL, with sel a [n_tok, k] list copies it.
+    // DI_ERR_INVALID: k < 0, or pages with per_page < 1.
     di_status (*offset_list)(di_backend *b, const int32_t *sel, int32_t n_tok, int32_t k,
-                             const int32_t *base, const int32_t *off, int32_t *dst,
+                             const int32_t *base, const int32_t *off, const int32_t *pages,
+                             const int32_t *page_off, int32_t per_page, int32_t *dst,
                              int64_t dst_stride);
 
     // ---- lifetime ----

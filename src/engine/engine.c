@@ -10,11 +10,14 @@
 // Two forwards, chosen at create:
 //   - the device-resident forward (model/dsv4_dev.h), when the model has one attached (m->dev:
 //     --device cuda on a V4 FP32 checkpoint, or a test's CPU twin): one dev state of max_seqs
-//     slots of max_ctx positions for max_batch_tokens rows; a running request's scheduler slot
-//     is its dev slot, and every admission feeds it from position 0 (the prefix cache is off on
-//     this path: the KV contents live in the dev state, not in the pool's blocks, which only
-//     keep the scheduler's admission and preemption budget). A failed dev call fails the
-//     requests of that step (DI_FINISH_ERROR with its status); the engine keeps serving.
+//     slots for max_batch_tokens rows whose compressed entries live in entry blocks; the
+//     kv_manager keeps the accounting of those blocks (ids, references, the prefix cache; no host
+//     memory, no tail blocks: the state holds every slot's rings), sized from kv_memory_bytes
+//     (minus the slots' tails, di_dsv4_dev_sizes). A running request's scheduler slot is its dev
+//     slot; each call passes its block ids, its win_lo (bounded replay after a prefix hit) and
+//     the positions it attached from the prefix cache, so prefix reuse works as on the CPU path.
+//     A failed dev call fails the requests of that step (DI_FINISH_ERROR with its status); the
+//     engine keeps serving.
 //   - otherwise the CPU batched forward (di_dsv4_forward_batch) on the KV manager's blocks; with
 //     a device (di_engine_options.device: the model's matmul hook, backend/device.h) every
 //     matmul runs there, called from the forward thread only (the model calls its hook outside
@@ -53,7 +56,9 @@ struct di_engine {
     float *logits;           // owned [max_seqs, V]
     // The device-resident forward (model->dev != NULL): one state for every slot.
     di_dsv4_dev_state *dstate; // owned; NULL on the CPU forward
-    di_dsv4_dev_seq *x_dev;    // owned [max_seqs]: the plan being run as (slot, pos, n_tok)
+    di_dsv4_dev_seq *x_dev;    // owned [max_seqs]: the plan being run (slot, pos, blocks, ...)
+    int32_t *x_blocks;         // owned [max_seqs, max_blocks]: the block ids x_dev points to
+    int64_t dev_block_bytes;   // device bytes of one entry block
     di_request **x_seq_req;    // owned [max_seqs]: the request of each planned sequence
     uint8_t *marks;            // owned [pool blocks], zero: fail_step's scratch
     // Failure injection (di_engine_fail_forward, DI_ENGINE_FAIL_STEPS): the fail_in-th next
@@ -110,7 +115,11 @@ static di_status dev_warm_up(di_engine *e) {
     const di_engine_options *o = &e->opt;
     int32_t n = o->max_batch_tokens < o->max_ctx ? o->max_batch_tokens : o->max_ctx;
     memset(e->x_tokens, 0, sizeof(int32_t) * (size_t)n);
-    di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = n};
+    // Blocks 0.. of the pool: all free now (nothing is cached yet), so whatever the call writes
+    // is overwritten before anything reads it.
+    const int32_t nb = (n + e->kv->block_tokens - 1) / e->kv->block_tokens;
+    for (int32_t i = 0; i < nb; i++) e->x_blocks[i] = i;
+    di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = n, .blocks = e->x_blocks, .n_blocks = nb};
     int32_t last = n - 1;
     di_status st = di_dsv4_dev_forward(e->dstate, &sq, 1, e->x_tokens, &last, 1, e->logits);
     if (st == DI_OK) st = di_dsv4_dev_prepare_decode(e->dstate, o->max_seqs);
@@ -118,6 +127,47 @@ static di_status dev_warm_up(di_engine *e) {
         DI_LOG_ERROR("engine: the device-resident forward failed its warm-up call of %d rows: %s",
                      (int)n, di_status_str(st));
     return st;
+}
+
+// The device-resident forward's kv_manager (accounting only): kv_memory_bytes pays for the
+// max_seqs slots' tails first (window and compressor rings, page tables), the rest for entry
+// blocks; the dev state is created with exactly these blocks.
+static di_status dev_kv_create(di_engine *e) {
+    const di_engine_options *o = &e->opt;
+    const di_dsv4_dev *d = e->model->dev;
+    const int32_t bt = di_kv_block_tokens(e->model);
+    int64_t blk = 0, slot = 0;
+    di_status st = di_dsv4_dev_sizes(d, o->max_ctx, bt, &blk, &slot);
+    if (st != DI_OK) return st;
+    DI_ASSERT(bt == di_dsv4_dev_block_tokens(d) && blk > 0);
+    const int64_t tails = slot * o->max_seqs;
+    const int64_t need = (int64_t)((o->max_ctx + bt - 1) / bt) * blk;
+    if ((int64_t)o->kv_memory_bytes < tails + need) {
+        DI_LOG_ERROR("engine: --kv-memory %zu bytes cannot hold the device state of %d slots "
+                     "(%lld bytes of window and compressor rings) plus one sequence of %d "
+                     "positions (%lld bytes of entry blocks)",
+                     o->kv_memory_bytes, (int)o->max_seqs, (long long)tails, (int)o->max_ctx,
+                     (long long)need);
+        return DI_ERR_INVALID;
+    }
+    int64_t n = ((int64_t)o->kv_memory_bytes - tails) / blk;
+    // The dev state indexes rows of a layer's pool with int32: cap the blocks so they fit
+    // (V4-Flash, 32 CSA entries per block: about 33M blocks, far beyond any device's memory).
+    const int64_t fixed = (int64_t)o->max_batch_tokens + (int64_t)o->max_seqs * e->model->hp.window;
+    int64_t cap = INT32_MAX / 2;
+    for (int il = 0; il < e->model->hp.n_layer; il++) {
+        const int32_t r = e->model->layers[il].ratio;
+        if (r > 0 && (INT32_MAX / 2 - fixed) / (bt / r) < cap)
+            cap = (INT32_MAX / 2 - fixed) / (bt / r);
+    }
+    if (n > cap) {
+        DI_LOG_WARN("engine: %lld entry blocks exceed the device state's row index; using %lld",
+                    (long long)n, (long long)cap);
+        n = cap;
+    }
+    e->dev_block_bytes = blk;
+    return di_kv_manager_create_accounting(e->model, (int32_t)n, (size_t)blk, o->max_seqs,
+                                           o->max_ctx, !o->no_prefix_cache, &e->kv);
 }
 
 static di_status create(const char *model_dir, const di_engine_options *opt,
@@ -157,15 +207,11 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     }
     if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
     e->eos = hp->eos_token;
-    if (e->model->dev && !o->no_prefix_cache) {
-        // A prefix hit attaches cached blocks of the pool, whose contents the device-resident
-        // forward never writes: every admission recomputes from position 0 instead.
-        DI_LOG_INFO("engine: prefix cache off: the device-resident forward keeps the KV in its "
-                    "own state, not in the pool's blocks");
-        o->no_prefix_cache = true;
-    }
-    DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
-                                !o->no_prefix_cache, &e->kv));
+    if (e->model->dev)
+        DI_TRY(dev_kv_create(e));
+    else
+        DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
+                                    !o->no_prefix_cache, &e->kv));
     DI_TRY(di_sched_init(&e->sched, e->kv, o->max_seqs, o->max_batch_tokens));
     e->n_samplers = di_pool_n_threads(e->model->pool);
     e->samplers = di_calloc((size_t)e->n_samplers, sizeof *e->samplers);
@@ -176,10 +222,13 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     for (int32_t i = 0; i < e->n_samplers; i++)
         DI_TRY(di_sampler_create(hp->n_vocab, &e->samplers[i]));
     if (e->model->dev) {
+        // The state's entry blocks are the kv_manager's blocks (same ids, same block size).
         DI_TRY(di_dsv4_dev_state_create(e->model->dev, o->max_seqs, o->max_ctx, o->max_batch_tokens,
+                                        di_block_pool_n_total(e->kv->pool), e->kv->block_tokens,
                                         &e->dstate));
         e->x_dev = di_calloc((size_t)o->max_seqs, sizeof *e->x_dev);
-        if (!e->x_dev) {
+        e->x_blocks = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs * (size_t)e->kv->max_blocks);
+        if (!e->x_dev || !e->x_blocks) {
             st = DI_ERR_NOMEM;
             goto fail;
         }
@@ -210,15 +259,20 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     }
     e->stats.n_blocks_total = di_block_pool_n_total(e->kv->pool);
     e->stats.n_blocks_free = e->stats.n_blocks_total;
-    e->stats.block_bytes = (int64_t)di_block_pool_block_bytes(e->kv->pool);
+    e->stats.block_bytes =
+        e->dstate ? e->dev_block_bytes : (int64_t)di_block_pool_block_bytes(e->kv->pool);
     e->stats.block_tokens = e->kv->block_tokens;
     if (e->dstate) {
         DI_TRY(dev_warm_up(e));
         e->stats.device.resident = true;
-        DI_LOG_INFO("engine: the device-resident forward on %s: %d slots of %d positions, %d "
-                    "rows per step",
+        DI_LOG_INFO("engine: the device-resident forward on %s: %d slots of up to %d positions, "
+                    "%d entry blocks of %d positions, %d rows per step, %.1f MiB of device "
+                    "state, prefix cache %s",
                     e->model->dev_backend ? e->model->dev_backend->desc : "an attached backend",
-                    (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens);
+                    (int)o->max_seqs, (int)o->max_ctx, di_block_pool_n_total(e->kv->pool),
+                    e->kv->block_tokens, (int)o->max_batch_tokens,
+                    (double)di_dsv4_dev_state_bytes(e->dstate) / (1 << 20),
+                    o->no_prefix_cache ? "off" : "on");
     }
     e->next_id = 1;
     const char *sync_env = getenv("DI_ENGINE_SYNC");
@@ -264,6 +318,10 @@ void di_engine_get_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out)
     if (e->dstate) di_dsv4_dev_get_graph_stats(e->dstate, out);
 }
 
+int64_t di_engine_dev_state_bytes(const di_engine *e) {
+    return e->dstate ? di_dsv4_dev_state_bytes(e->dstate) : 0;
+}
+
 void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_status st) {
     atomic_store(&e->fail_in, 0); // no injection while the fields change
     atomic_store(&e->fail_status, (int)st);
@@ -303,6 +361,7 @@ void di_engine_destroy(di_engine *e) {
     di_dsv4_dev_state_destroy(e->dstate); // before the model, which owns its dev
     di_free(e->x_dev);
     di_free(e->x_seq_req);
+    di_free(e->x_blocks);
     di_free(e->marks);
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
@@ -557,14 +616,25 @@ static void launch(di_engine *e) {
     memcpy(e->x_logit_req, s->logit_req, sizeof *s->logit_req * (size_t)s->n_logit);
     memcpy(e->x_seq_req, s->seq_req, sizeof *s->seq_req * (size_t)s->n_seq);
     if (e->dstate) {
-        // A running request's scheduler slot is its dev slot. With the prefix cache off every
-        // admission (a new request, or a preempted one readmitted) starts at position 0, which
-        // restarts the slot; later chunks continue at the slot's n_past (the forward refuses
-        // anything else with DI_ERR_INVALID, which fails the step's requests).
+        // A running request's scheduler slot is its dev slot. An admission (a new request, or a
+        // preempted one readmitted) starts at position 0, or after a prefix hit of H positions
+        // at win_lo = Q (bounded replay), which restarts the slot; later chunks continue at the
+        // slot's n_past (the forward refuses anything else with DI_ERR_INVALID, which fails the
+        // step's requests). Its block ids are copied: the scheduler plans the next step
+        // (appending blocks) while this one runs.
+        const int32_t mb = e->kv->max_blocks;
         for (int32_t i = 0; i < s->n_seq; i++) {
-            DI_ASSERT(s->seqs[i].win_lo == 0); // no bounded replay without the prefix cache
-            e->x_dev[i] = (di_dsv4_dev_seq){
-                .slot = s->seq_req[i]->slot, .pos = s->seqs[i].pos, .n_tok = s->seqs[i].n_tok};
+            const di_request *r = s->seq_req[i];
+            const di_kv_seq *ks = &e->kv->seqs[r->slot];
+            int32_t *blk = e->x_blocks + (int64_t)i * mb;
+            memcpy(blk, ks->blocks, sizeof(int32_t) * (size_t)ks->n_blocks);
+            e->x_dev[i] = (di_dsv4_dev_seq){.slot = r->slot,
+                                            .pos = s->seqs[i].pos,
+                                            .n_tok = s->seqs[i].n_tok,
+                                            .blocks = blk,
+                                            .n_blocks = ks->n_blocks,
+                                            .win_lo = s->seqs[i].win_lo,
+                                            .n_cached = ks->n_cached};
         }
     }
     di_sched_advance(s);

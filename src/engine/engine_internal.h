@@ -6,6 +6,7 @@
  *     device-resident forward on the CPU backend (the oracle twin of the CUDA one) without a GPU.
  *   - di_engine_fail_forward: makes later forwards fail, as a CUDA error would.
  *   - di_engine_get_graph_stats: how many decode steps ran from captured graphs.
+ *   - di_engine_dev_state_bytes: the device memory of the engine's dev state.
  * Thread-safety: create before start; di_engine_fail_forward from any thread.
  */
 #pragma once
@@ -35,3 +36,7 @@ void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_statu
 // CPU forward). Call while the engine is idle (after di_engine_wait_idle): the forward thread
 // updates them during steps.
 void di_engine_get_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out);
+
+// Device-resident forward only: the backend bytes its dev state allocated
+// (di_dsv4_dev_state_bytes; 0 on the CPU forward). Any time after create.
+int64_t di_engine_dev_state_bytes(const di_engine *e);

@@ -22,20 +22,20 @@ struct di_block_pool {
     void *evict_user;
 };
 
-di_status di_block_pool_create(int32_t n_blocks, size_t block_bytes, di_block_pool **out) {
+static di_status create(int32_t n_blocks, size_t block_bytes, bool arena, di_block_pool **out) {
     if (n_blocks < 1 || block_bytes == 0) return DI_ERR_INVALID;
     di_block_pool *p = di_calloc(1, sizeof *p);
     if (!p) return DI_ERR_NOMEM;
     p->block_bytes = (block_bytes + 63) & ~(size_t)63;
     p->n = n_blocks;
-    size_t total = di_mul_size(p->block_bytes, (size_t)n_blocks);
+    size_t total = arena ? di_mul_size(p->block_bytes, (size_t)n_blocks) : 0;
     p->arena = total ? di_aligned_alloc(total) : NULL;
     p->refs = di_calloc((size_t)n_blocks, sizeof *p->refs);
     p->cached = di_calloc((size_t)n_blocks, sizeof *p->cached);
     p->free_stack = di_malloc(sizeof(int32_t) * (size_t)n_blocks);
     p->prev = di_malloc(sizeof(int32_t) * (size_t)n_blocks);
     p->next = di_malloc(sizeof(int32_t) * (size_t)n_blocks);
-    if (!p->arena || !p->refs || !p->cached || !p->free_stack || !p->prev || !p->next) {
+    if ((arena && !p->arena) || !p->refs || !p->cached || !p->free_stack || !p->prev || !p->next) {
         DI_LOG_ERROR("block pool: cannot allocate %d blocks of %zu bytes", n_blocks, block_bytes);
         di_block_pool_destroy(p);
         return DI_ERR_NOMEM;
@@ -49,6 +49,15 @@ di_status di_block_pool_create(int32_t n_blocks, size_t block_bytes, di_block_po
     p->lru_head = p->lru_tail = -1;
     *out = p;
     return DI_OK;
+}
+
+di_status di_block_pool_create(int32_t n_blocks, size_t block_bytes, di_block_pool **out) {
+    return create(n_blocks, block_bytes, true, out);
+}
+
+di_status di_block_pool_create_accounting(int32_t n_blocks, size_t block_bytes,
+                                          di_block_pool **out) {
+    return create(n_blocks, block_bytes, false, out);
 }
 
 void di_block_pool_destroy(di_block_pool *p) {
@@ -147,7 +156,7 @@ void di_block_pool_set_cached(di_block_pool *p, int32_t id, bool cached) {
 
 void *di_block_pool_ptr(const di_block_pool *p, int32_t id) {
     DI_ASSERT(id >= 0 && id < p->n);
-    return p->arena + (size_t)id * p->block_bytes;
+    return p->arena ? p->arena + (size_t)id * p->block_bytes : NULL;
 }
 
 int32_t di_block_pool_refs(const di_block_pool *p, int32_t id) {

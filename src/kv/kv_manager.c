@@ -45,6 +45,67 @@ static uint64_t model_id(const di_model *m) {
     return h;
 }
 
+int32_t di_kv_block_tokens(const di_model *m) {
+    // A multiple of every ratio (every window closes at a block boundary), at least the window.
+    int32_t lcm = 1;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        int32_t r = m->hp.compress_ratio[il];
+        if (r > 0) lcm = lcm / gcd32(lcm, r) * r;
+    }
+    return lcm * ((m->hp.window + lcm - 1) / lcm);
+}
+
+// The per-slot arrays every manager has (tails only with n_tail > 0).
+static di_status alloc_seqs(di_kv_manager *kv) {
+    kv->seqs = di_calloc((size_t)kv->max_seqs, sizeof *kv->seqs);
+    if (!kv->seqs) return DI_ERR_NOMEM;
+    for (int32_t i = 0; i < kv->max_seqs; i++) {
+        di_kv_seq *s = &kv->seqs[i];
+        s->tail = kv->n_tail ? di_malloc(sizeof(int32_t) * (size_t)kv->n_tail) : NULL;
+        s->blocks = di_malloc(sizeof(int32_t) * (size_t)kv->max_blocks);
+        s->pages = di_calloc((size_t)kv->max_blocks, sizeof(float *));
+        s->layers = di_calloc((size_t)kv->n_layer, sizeof(di_dsv4_layer_state));
+        if ((kv->n_tail && !s->tail) || !s->blocks || !s->pages || !s->layers) return DI_ERR_NOMEM;
+    }
+    return DI_OK;
+}
+
+di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t block_bytes,
+                                          int32_t max_seqs, int32_t max_ctx, bool prefix_cache,
+                                          di_kv_manager **out) {
+    di_status st = DI_OK;
+    di_kv_manager *kv = di_calloc(1, sizeof *kv);
+    if (!kv) return DI_ERR_NOMEM;
+    kv->model = m;
+    kv->accounting = true;
+    kv->n_layer = m->hp.n_layer;
+    kv->max_seqs = max_seqs;
+    kv->max_ctx = max_ctx;
+    kv->replay_tokens = m->hp.n_layer * (m->hp.window - 1);
+    kv->block_tokens = di_kv_block_tokens(m);
+    kv->block_floats = (int64_t)(block_bytes / sizeof(float));
+    kv->max_blocks = (max_ctx + kv->block_tokens - 1) / kv->block_tokens;
+    if (n_blocks < di_kv_blocks_for(kv, max_ctx)) {
+        DI_LOG_ERROR("kv: %d device blocks of %zu bytes; one sequence of %d positions needs %d",
+                     n_blocks, block_bytes, max_ctx, di_kv_blocks_for(kv, max_ctx));
+        st = DI_ERR_INVALID;
+        goto fail;
+    }
+    DI_TRY(di_block_pool_create_accounting(n_blocks, block_bytes, &kv->pool));
+    if (prefix_cache)
+        DI_TRY(di_prefix_cache_create(kv->pool, kv->block_tokens, model_id(m), &kv->cache));
+    DI_TRY(alloc_seqs(kv));
+    DI_LOG_INFO("kv: %d device entry blocks of %zu KiB (%d positions each), replay bound %d "
+                "tokens, prefix cache %s",
+                n_blocks, block_bytes / 1024, kv->block_tokens, kv->replay_tokens,
+                prefix_cache ? "on" : "off");
+    *out = kv;
+    return DI_OK;
+fail:
+    di_kv_manager_destroy(kv);
+    return st;
+}
+
 di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, int32_t max_ctx,
                                bool prefix_cache, di_kv_manager **out) {
     const di_hparams *hp = &m->hp;
@@ -58,14 +119,7 @@ di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, i
     const int32_t L = hp->n_layer, W = hp->window, Dh = hp->head_dim, DI = hp->index_head_dim;
     kv->replay_tokens = L * (W - 1);
 
-    // block_tokens: a multiple of every ratio (every window closes at a block boundary), at
-    // least the window.
-    int32_t lcm = 1;
-    for (int il = 0; il < L; il++) {
-        int32_t r = hp->compress_ratio[il];
-        if (r > 0) lcm = lcm / gcd32(lcm, r) * r;
-    }
-    kv->block_tokens = lcm * ((W + lcm - 1) / lcm);
+    kv->block_tokens = di_kv_block_tokens(m);
     const int32_t B = kv->block_tokens;
 
     size_t nl = (size_t)L;
@@ -134,22 +188,7 @@ di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, i
     if (n_blocks > INT32_MAX / 2) n_blocks = INT32_MAX / 2;
     DI_TRY(di_block_pool_create((int32_t)n_blocks, block_bytes, &kv->pool));
     if (prefix_cache) DI_TRY(di_prefix_cache_create(kv->pool, B, model_id(m), &kv->cache));
-    kv->seqs = di_calloc((size_t)max_seqs, sizeof *kv->seqs);
-    if (!kv->seqs) {
-        st = DI_ERR_NOMEM;
-        goto fail;
-    }
-    for (int32_t i = 0; i < max_seqs; i++) {
-        di_kv_seq *s = &kv->seqs[i];
-        s->tail = di_malloc(sizeof(int32_t) * (size_t)kv->n_tail);
-        s->blocks = di_malloc(sizeof(int32_t) * (size_t)kv->max_blocks);
-        s->pages = di_calloc((size_t)kv->max_blocks, sizeof(float *));
-        s->layers = di_calloc(nl, sizeof(di_dsv4_layer_state));
-        if (!s->tail || !s->blocks || !s->pages || !s->layers) {
-            st = DI_ERR_NOMEM;
-            goto fail;
-        }
-    }
+    DI_TRY(alloc_seqs(kv));
     DI_LOG_INFO("kv: %d blocks of %zu KiB (%d positions each), %d tail blocks per sequence, "
                 "replay bound %d tokens",
                 (int)n_blocks, block_bytes / 1024, B, kv->n_tail, kv->replay_tokens);
@@ -216,6 +255,8 @@ di_status di_kv_seq_open(di_kv_manager *kv, int32_t slot, uint64_t salt) {
     s->salt = salt;
     s->last_hash = 0;
     s->n_published = s->n_published_before = 0;
+    s->n_cached = 0;
+    if (kv->accounting) return DI_OK; // no memory: nothing to bind
     const di_model *m = kv->model;
     for (int il = 0; il < kv->n_layer; il++) {
         const di_dsv4_layer_w *lw = &m->layers[il];
@@ -294,6 +335,7 @@ int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *
     s->last_hash = h;
     set_capacity(kv, s);
     const int32_t hit = n * kv->block_tokens;
+    s->n_cached = hit;
     for (int il = 0; il < kv->n_layer; il++) {
         const di_dsv4_layer_w *lw = &kv->model->layers[il];
         if (lw->ratio <= 0) continue;

@@ -12,6 +12,10 @@
  * blocks, entries through a page table of its entry blocks), so the forward pass reads and writes
  * the pool directly. Sequences hold block ids (reference counted), never own memory.
  * See docs/kv-cache.md for the layout and the exact prefix-reuse rule (bounded replay).
+ * Created for accounting (di_kv_manager_create_accounting: the device-resident forward), the
+ * manager keeps block ids, counts, the prefix cache and the block tables only: no memory, no tail
+ * blocks (the device state holds every slot's tail), no layer views; the blocks are the device
+ * state's entry blocks (model/dsv4_dev.h), whose ids the engine passes with each call.
  *
  * Owns: the pool, the prefix cache, per-slot metadata (sized at create; no allocation after).
  * Thread-safety: engine thread only.
@@ -36,6 +40,7 @@ typedef struct di_kv_seq {
     // n_published - 1's chain hash.
     uint64_t salt, last_hash;
     int32_t n_published;
+    int32_t n_cached;           // positions attached from the prefix cache at admission (0: none)
     int32_t n_published_before; // n_published before the last di_kv_seq_publish (its step's)
 } di_kv_seq;
 
@@ -61,12 +66,22 @@ typedef struct di_kv_manager {
     di_kv_item *ibuf_c, *ibuf_z, *iovl_c, *iovl_z;    // owned [n_layer]
     di_kv_seq *seqs;                                  // owned [max_seqs]
     int32_t max_seqs;
+    bool accounting; // blocks without memory (di_kv_manager_create_accounting)
 } di_kv_manager;
 
 // kv_bytes of blocks; max_seqs slots of up to max_ctx positions each. DI_ERR_INVALID (the pool
 // cannot hold one sequence of max_ctx positions), DI_ERR_NOMEM.
 di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, int32_t max_ctx,
                                bool prefix_cache, di_kv_manager **out);
+// The accounting manager of the device-resident forward: n_blocks blocks standing for
+// block_bytes each (the device state's entry blocks), no tail blocks, no memory; block_tokens by
+// the same rule. DI_ERR_INVALID (n_blocks cannot hold one sequence of max_ctx positions; logged),
+// DI_ERR_NOMEM.
+di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t block_bytes,
+                                          int32_t max_seqs, int32_t max_ctx, bool prefix_cache,
+                                          di_kv_manager **out);
+// Positions per entry block for model m (the lcm of the compress ratios, at least the window).
+int32_t di_kv_block_tokens(const di_model *m);
 void di_kv_manager_destroy(di_kv_manager *kv);
 
 // Blocks a sequence of n positions holds (tail + entry blocks).

@@ -21,6 +21,9 @@
 // Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the largest decode
 // step run as a graph (one graph per batch size up to min(n_slots, HEAD_CHUNK), never evicted).
 enum { HEAD_CHUNK = 64, MAX_CLASSES = 4 };
+// A page table entry the device may not hold (shared blocks before their first call, or after a
+// failed call): never equal to a block id, so the next call that needs it writes it.
+enum { PT_UNKNOWN = -2 };
 
 // ---- weights ----
 
@@ -277,21 +280,23 @@ typedef struct iarr {
 typedef struct ratio_class {
     int32_t ratio;      // 0 (window only), 4 (CSA), else HCA
     int32_t c;          // compressor copies (2: overlapping windows), 0 without compressor
-    int32_t cap;        // compressed entries per slot: n_ctx / ratio
-    int64_t slot_rows;  // KV pool rows per slot: W + cap
+    int32_t cap;        // compressed entries a sequence can have: n_ctx / ratio
+    int32_t per_page;   // entries per entry block: block_tokens / ratio
+    int64_t entry_base; // KV pool row of entry block 0's first entry: max_rows + n_slots * W
     int64_t key_stride; // key list row: W + (CSA: topk, HCA: cap)
     int32_t R;          // compressor token ring rows per slot (c * ratio)
     int32_t win_cap;    // windows one call pools (closing ones and padding)
     // Key lists: the host builds each row's window keys (win_keys [rows, W], -1 padded); for
     // compressing ratios `keys` [max_rows, key_stride] (backend) is assembled on the backend at
-    // the start of the call (key_lists: the window keys, then HCA's entries 0..cap-1 at base from
-    // off on; CSA's top-k go there per layer), so the uploaded bytes per row are W ints, not
-    // W + n_ctx / 128. Ratio 0: the window keys are the list (key_stride == W).
+    // the start of the call (key_lists: the window keys, then HCA's entries 0..cap-1 from off on,
+    // through the slot's page table; CSA's top-k go there per layer), so the uploaded bytes per
+    // row are W ints, not W + n_ctx / 128. Ratio 0: the window keys are the list (key_stride ==
+    // W).
     iarr win_keys, n_keys, win_dst, win_src;
     int32_t *keys; // backend (state block); NULL for ratio 0
     iarr src, ent_pos, ent_dst, ent_dst_idx, ring_dst, ring_src; // compressor
-    iarr base, off;                                              // compressing: entry 0, 1st entry
-    iarr n_vis, key_base;                                        // CSA
+    iarr base, off; // compressing: entry_base, the row's first entry key
+    iarr n_vis;     // CSA
     // This call (host scalars the ops get: functions of the call's shape only, never of its
     // positions, so a decode graph replays them for any position; dsv4_dev.h "Graphs"):
     int32_t n_pool; // windows pooled: sum over sequences of (n_tok - 1) / m + 1, the most that
@@ -301,9 +306,9 @@ typedef struct ratio_class {
 } ratio_class;
 
 typedef struct dev_lstate {
-    float *kv;                // FP32 recipe: [max_rows + n_slots * slot_rows, Dh]
+    float *kv;                // FP32 recipe: [max_rows + n_slots * W + n_blocks * per_page, Dh]
     uint8_t *kvb;             // official: the same rows as KV rows of kv_row_bytes (kv_quant)
-    float *idx;               // CSA: [n_slots * cap, DI]
+    float *idx;               // CSA: [n_blocks * per_page, DI] (entry block b from b * per_page)
     float *ring_c, *ring_z;   // compressing: [n_slots * R, c * d]
     float *iring_c, *iring_z; // CSA indexer compressor
 } dev_lstate;
@@ -312,7 +317,21 @@ struct di_dsv4_dev_state {
     di_dsv4_dev *d; // borrowed
     int32_t n_slots, n_ctx, max_rows;
     int32_t *n_past; // owned [n_slots]; -1: must restart at 0
-    dev_lstate *ls;  // owned [n_layer]
+    int32_t *win_lo; // owned [n_slots]: the first position the slot's sequence has (bounded replay)
+    // Entry blocks (dsv4_dev.h "State layout"): n_eblocks blocks of block_tokens positions; a
+    // slot's page table lists the blocks of its positions, max_blocks of them.
+    int32_t block_tokens, max_blocks, n_eblocks;
+    bool shared;         // block ids come with each call (the engine's); else private: identity
+    int32_t *pages;      // backend [n_slots * max_blocks]: every slot's page table
+    int32_t *pages_host; // owned [n_slots * max_blocks]: what the device holds (PT_UNKNOWN: unsure)
+    // check_call's scratch (shared blocks): blk_mark[b] == mark when this call writes block b.
+    uint32_t *blk_mark; // owned [n_eblocks]
+    uint32_t mark;
+    iarr pg_off;         // [rows]: the row's slot's page table (slot * max_blocks)
+    iarr pt_dst, pt_val; // page table updates of this call: entry index, block id (-1 dst: pad)
+    int32_t n_pt;        // updates scattered this call (decode graphs: one per sequence)
+    int64_t n_bytes;     // backend bytes allocated
+    dev_lstate *ls;      // owned [n_layer]
     ratio_class cls[MAX_CLASSES];
     int32_t n_cls;
     int8_t *layer_cls; // owned [n_layer]
@@ -368,6 +387,7 @@ static di_status st_alloc(di_dsv4_dev_state *s, size_t bytes, void **out) {
         b->vt->free(b, p);
         return st;
     }
+    s->n_bytes += (int64_t)(bytes ? bytes : 1);
     *out = p;
     return DI_OK;
 }
@@ -379,7 +399,7 @@ static di_status st_floats(di_dsv4_dev_state *s, int64_t n, float **out) {
     return st;
 }
 
-// Arrays start META_ALIGN bytes apart in the packed buffers (int64 key_base included).
+// Arrays start META_ALIGN bytes apart in the packed buffers.
 enum { META_ALIGN = 16 };
 
 static size_t meta_round(size_t bytes) {
@@ -418,7 +438,8 @@ static di_status class_init(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_
     k->ratio = lw->ratio;
     k->c = lw->ratio > 0 ? lw->cmp.c : 0;
     k->cap = lw->ratio > 0 ? s->n_ctx / lw->ratio : 0;
-    k->slot_rows = W + k->cap;
+    k->per_page = lw->ratio > 0 ? s->block_tokens / lw->ratio : 0;
+    k->entry_base = T + (int64_t)s->n_slots * W;
     k->key_stride = W + (lw->ratio == 4 ? hp->index_topk : k->cap);
     k->R = k->c * lw->ratio;
     // A sequence closes at most n_tok / m + 1 windows in a call, and each needs one of its rows.
@@ -444,10 +465,7 @@ static di_status class_init(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_
         DI_TRY(iarr_init(s, &k->base, sizeof(int32_t), (size_t)T));
         DI_TRY(iarr_init(s, &k->off, sizeof(int32_t), (size_t)T));
     }
-    if (lw->ratio == 4) {
-        DI_TRY(iarr_init(s, &k->n_vis, sizeof(int32_t), (size_t)T));
-        DI_TRY(iarr_init(s, &k->key_base, sizeof(int64_t), (size_t)T));
-    }
+    if (lw->ratio == 4) DI_TRY(iarr_init(s, &k->n_vis, sizeof(int32_t), (size_t)T));
     return DI_OK;
 fail:
     return st;
@@ -461,6 +479,101 @@ int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s) {
     return s->kv_row_bytes;
 }
 
+// Bytes per KV pool row of d's recipe (dsv4_dev.h di_dsv4_dev_state_kv_row_bytes).
+static int64_t row_bytes_of(const di_dsv4_dev *d) {
+    const di_hparams *hp = &d->m->hp;
+    return d->official ? di_backend_kv_row_bytes(hp->head_dim, hp->rope_main.n_dims)
+                       : (int64_t)sizeof(float) * hp->head_dim;
+}
+
+int32_t di_dsv4_dev_block_tokens(const di_dsv4_dev *d) {
+    const di_hparams *hp = &d->m->hp;
+    int64_t lcm = 1;
+    for (int il = 0; il < hp->n_layer; il++) {
+        int64_t r = d->m->layers[il].ratio, a = lcm, b = r;
+        if (r <= 0) continue;
+        while (b) {
+            int64_t t = a % b;
+            a = b, b = t;
+        }
+        lcm = lcm / a * r;
+    }
+    return (int32_t)(lcm * ((hp->window + lcm - 1) / lcm));
+}
+
+// DI_ERR_INVALID (logged) unless block_tokens >= 1 is a multiple of every compress ratio.
+static di_status check_block_tokens(const di_dsv4_dev *d, int32_t block_tokens) {
+    const di_hparams *hp = &d->m->hp;
+    for (int il = 0; il < hp->n_layer; il++) {
+        int32_t r = d->m->layers[il].ratio;
+        if (block_tokens < 1 || (r > 0 && block_tokens % r != 0)) {
+            DI_LOG_ERROR("dev state: blocks of %d positions: not a multiple of layer %d's ratio %d",
+                         block_tokens, il, r);
+            return DI_ERR_INVALID;
+        }
+    }
+    return DI_OK;
+}
+
+di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_tokens,
+                            int64_t *block_bytes, int64_t *slot_bytes) {
+    const di_hparams *hp = &d->m->hp;
+    if (n_ctx < 1 || check_block_tokens(d, block_tokens) != DI_OK) return DI_ERR_INVALID;
+    const int64_t rb = row_bytes_of(d), W = hp->window, f = sizeof(float);
+    int64_t blk = 0, slot = (int64_t)sizeof(int32_t) * ((n_ctx + block_tokens - 1) / block_tokens);
+    for (int il = 0; il < hp->n_layer; il++) {
+        const di_dsv4_layer_w *lw = &d->m->layers[il];
+        slot += W * rb; // window ring
+        if (lw->ratio <= 0) continue;
+        const int64_t E = block_tokens / lw->ratio, R = (int64_t)lw->cmp.c * lw->ratio;
+        blk += E * rb;
+        slot += 2 * R * lw->cmp.c * lw->cmp.d * f; // compressor token rings C and Z
+        if (lw->ratio == 4) {
+            blk += E * hp->index_head_dim * f;
+            slot += 2 * R * lw->idx_cmp.c * lw->idx_cmp.d * f;
+        }
+    }
+    *block_bytes = blk;
+    *slot_bytes = slot;
+    return DI_OK;
+}
+
+int64_t di_dsv4_dev_state_bytes(const di_dsv4_dev_state *s) {
+    return s->n_bytes;
+}
+
+int32_t di_dsv4_dev_state_n_blocks(const di_dsv4_dev_state *s) {
+    return s->n_eblocks;
+}
+
+di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block, void *dst) {
+    const di_hparams *hp = &s->d->m->hp;
+    di_backend *b = s->d->b;
+    if (block < 0 || block >= s->n_eblocks || !dst) {
+        DI_LOG_ERROR("dev state: no entry block %d (the state has %d)", block, s->n_eblocks);
+        return DI_ERR_INVALID;
+    }
+    uint8_t *o = dst;
+    for (int il = 0; il < hp->n_layer; il++) {
+        const ratio_class *k = &s->cls[s->layer_cls[il]];
+        const dev_lstate *ls = &s->ls[il];
+        if (k->ratio <= 0) continue;
+        const int64_t E = k->per_page, row0 = k->entry_base + (int64_t)block * E;
+        const uint8_t *pool = s->d->official ? ls->kvb : (const uint8_t *)ls->kv;
+        const size_t n = (size_t)(E * s->kv_row_bytes);
+        di_status st = b->vt->download(b, o, pool + row0 * s->kv_row_bytes, n);
+        if (st != DI_OK) return st;
+        o += n;
+        if (k->ratio == 4) {
+            const size_t ni = sizeof(float) * (size_t)(E * hp->index_head_dim);
+            st = b->vt->download(b, o, ls->idx + (int64_t)block * E * hp->index_head_dim, ni);
+            if (st != DI_OK) return st;
+            o += ni;
+        }
+    }
+    return DI_OK;
+}
+
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     if (!s) return;
     for (int32_t i = 0; i < s->n_graphs; i++)
@@ -470,6 +583,9 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     for (int32_t i = 0; i < s->n_blocks; i++) s->d->b->vt->free(s->d->b, s->blocks[i]);
     di_free(s->blocks);
     di_free(s->n_past);
+    di_free(s->win_lo);
+    di_free(s->pages_host);
+    di_free(s->blk_mark);
     di_free(s->ls);
     di_free(s->layer_cls);
     di_free(s->row0);
@@ -478,20 +594,30 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
 }
 
 di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
+                                   int32_t n_blocks, int32_t block_tokens,
                                    di_dsv4_dev_state **out) {
     const di_model *m = d->m;
     const di_hparams *hp = &m->hp;
-    if (n_slots < 1 || n_ctx < 1 || max_rows < 1) {
-        DI_LOG_ERROR("dev state: %d slots, context %d, %d rows: each must be >= 1", n_slots, n_ctx,
-                     max_rows);
+    if (n_slots < 1 || n_ctx < 1 || max_rows < 1 || n_blocks < 0) {
+        DI_LOG_ERROR("dev state: %d slots, context %d, %d rows, %d blocks: each must be >= 1 "
+                     "(blocks: >= 0)",
+                     n_slots, n_ctx, max_rows, n_blocks);
         return DI_ERR_INVALID;
     }
+    if (block_tokens == 0) block_tokens = di_dsv4_dev_block_tokens(d);
+    if (check_block_tokens(d, block_tokens) != DI_OK) return DI_ERR_INVALID;
     const int64_t W = hp->window, Dh = hp->head_dim, DI = hp->index_head_dim;
     const int64_t T = max_rows, nc = hp->hc_mult, D = hp->n_embd;
-    // Every pool row index (key lists, scatter rows) is an int32.
+    const int64_t max_blocks = ((int64_t)n_ctx + block_tokens - 1) / block_tokens;
+    const int64_t n_eb = n_blocks > 0 ? n_blocks : n_slots * max_blocks;
+    // Every pool row index (key lists, scatter rows, page tables) is an int32.
+    if (n_eb > INT32_MAX / 2 || n_slots * max_blocks > INT32_MAX / 2) {
+        DI_LOG_ERROR("dev state: %lld entry blocks overflow the block index", (long long)n_eb);
+        return DI_ERR_INVALID;
+    }
     for (int il = 0; il < hp->n_layer; il++) {
         int32_t r = m->layers[il].ratio;
-        int64_t rows = T + (int64_t)n_slots * (W + (r > 0 ? n_ctx / r : 0));
+        int64_t rows = T + (int64_t)n_slots * W + (r > 0 ? n_eb * (block_tokens / r) : 0);
         if (rows > INT32_MAX / 2) {
             DI_LOG_ERROR("dev state: %lld KV rows per layer overflow the row index",
                          (long long)rows);
@@ -511,24 +637,39 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     di_dsv4_dev_state *s = di_calloc(1, sizeof *s);
     if (!s) return DI_ERR_NOMEM;
     s->d = d;
-    s->kv_row_bytes =
-        d->official ? di_backend_kv_row_bytes((int32_t)Dh, n_rot) : (int64_t)sizeof(float) * Dh;
+    s->kv_row_bytes = row_bytes_of(d);
     s->n_slots = n_slots, s->n_ctx = n_ctx, s->max_rows = max_rows;
+    s->block_tokens = block_tokens;
+    s->max_blocks = (int32_t)max_blocks;
+    s->n_eblocks = (int32_t)n_eb;
+    s->shared = n_blocks > 0;
     // Debug switch (conventions §7): DI_DEV_GRAPHS=0 runs decode steps without graphs, to compare.
     const char *env = getenv("DI_DEV_GRAPHS");
     s->graphs_on = !(env && strcmp(env, "0") == 0);
+    const size_t n_pt = (size_t)n_slots * (size_t)max_blocks;
     s->n_past = di_malloc(sizeof(int32_t) * (size_t)n_slots);
+    s->win_lo = di_calloc((size_t)n_slots, sizeof(int32_t));
+    s->pages_host = di_malloc(sizeof(int32_t) * n_pt);
+    s->blk_mark = s->shared ? di_calloc((size_t)n_eb, sizeof(uint32_t)) : NULL;
     s->ls = di_calloc((size_t)hp->n_layer, sizeof *s->ls);
     s->layer_cls = di_calloc((size_t)hp->n_layer, 1);
     s->row0 = di_calloc((size_t)n_slots, sizeof(int32_t));
     s->used = di_calloc((size_t)n_slots, 1);
     s->n_graphs = n_slots < HEAD_CHUNK ? n_slots : HEAD_CHUNK;
     s->graphs = di_calloc((size_t)s->n_graphs, sizeof *s->graphs);
-    if (!s->n_past || !s->ls || !s->layer_cls || !s->row0 || !s->used || !s->graphs) {
+    if (!s->n_past || !s->win_lo || !s->pages_host || (s->shared && !s->blk_mark) || !s->ls ||
+        !s->layer_cls || !s->row0 || !s->used || !s->graphs) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
     for (int32_t i = 0; i < n_slots; i++) s->n_past[i] = 0;
+    // Page tables: private blocks map slot s's i-th block to s * max_blocks + i, once; shared ones
+    // start unknown and get the blocks of each call.
+    for (size_t i = 0; i < n_pt; i++) s->pages_host[i] = s->shared ? PT_UNKNOWN : (int32_t)i;
+    void *pp = NULL;
+    DI_TRY(st_alloc(s, sizeof(int32_t) * n_pt, &pp));
+    s->pages = pp;
+    DI_TRY(d->b->vt->upload(d->b, s->pages, s->pages_host, sizeof(int32_t) * n_pt));
     int32_t cap4 = 1;
     for (int il = 0; il < hp->n_layer; il++) {
         const di_dsv4_layer_w *lw = &m->layers[il];
@@ -552,12 +693,14 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
             goto fail;
         }
         dev_lstate *ls = &s->ls[il];
+        // Rows: this call's, every slot's window ring, every entry block's entries.
+        const int64_t pool_rows = rc->entry_base + n_eb * rc->per_page;
         if (d->official) {
             void *kp = NULL;
-            DI_TRY(st_alloc(s, (size_t)((T + n_slots * rc->slot_rows) * s->kv_row_bytes), &kp));
+            DI_TRY(st_alloc(s, (size_t)(pool_rows * s->kv_row_bytes), &kp));
             ls->kvb = kp;
         } else {
-            DI_TRY(st_floats(s, (T + n_slots * rc->slot_rows) * Dh, &ls->kv));
+            DI_TRY(st_floats(s, pool_rows * Dh, &ls->kv));
         }
         if (lw->ratio > 0) {
             int64_t n = (int64_t)n_slots * rc->R * lw->cmp.c * lw->cmp.d;
@@ -568,7 +711,7 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
             int64_t n = (int64_t)n_slots * rc->R * lw->idx_cmp.c * lw->idx_cmp.d;
             DI_TRY(st_floats(s, n, &ls->iring_c));
             DI_TRY(st_floats(s, n, &ls->iring_z));
-            DI_TRY(st_floats(s, (int64_t)n_slots * rc->cap * DI, &ls->idx));
+            DI_TRY(st_floats(s, n_eb * rc->per_page * DI, &ls->idx));
             if (rc->cap > cap4) cap4 = rc->cap;
         }
     }
@@ -612,6 +755,9 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     DI_TRY(d->b->vt->memset(d->b, s->zeros, 0, sizeof(int32_t) * (size_t)T));
     DI_TRY(iarr_init(s, &s->tokens, sizeof(int32_t), (size_t)T));
     DI_TRY(iarr_init(s, &s->pos, sizeof(int32_t), (size_t)T));
+    DI_TRY(iarr_init(s, &s->pg_off, sizeof(int32_t), (size_t)T));
+    DI_TRY(iarr_init(s, &s->pt_dst, sizeof(int32_t), s->shared ? n_pt : 0));
+    DI_TRY(iarr_init(s, &s->pt_val, sizeof(int32_t), s->shared ? n_pt : 0));
     // The packed metadata: every array reserved above, at its capacity.
     DI_TRY(st_alloc(s, s->meta_cap, &s->meta_dev));
     { // the backend's host memory: uploaded every call (page-locked on CUDA)
@@ -623,8 +769,9 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     return DI_OK;
 fail:
     if (st == DI_ERR_NOMEM)
-        DI_LOG_ERROR("dev state: cannot allocate %d slots x %d positions, %d rows on %s", n_slots,
-                     n_ctx, max_rows, d->b->desc);
+        DI_LOG_ERROR("dev state: cannot allocate %d slots x %d positions, %d rows, %lld entry "
+                     "blocks on %s",
+                     n_slots, n_ctx, max_rows, (long long)n_eb, d->b->desc);
     di_dsv4_dev_state_destroy(s);
     return st;
 }
@@ -649,9 +796,16 @@ di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs) {
     float *logits = di_malloc(sizeof *logits * (size_t)n_max * (size_t)V);
     di_status st = seqs && ids && rows && logits ? DI_OK : DI_ERR_NOMEM;
     // Two steps of each size at position 0: the first runs directly, the second is captured.
+    // Shared blocks: every slot gets block 0 (one token closes no window: nothing is written to
+    // it, so the slots may share it).
+    static const int32_t block0 = 0;
     for (int32_t n = 1; n <= n_max && st == DI_OK && s->graphs_on; n++) {
         for (int32_t i = 0; i < n; i++)
-            seqs[i] = (di_dsv4_dev_seq){.slot = i, .pos = 0, .n_tok = 1};
+            seqs[i] = (di_dsv4_dev_seq){.slot = i,
+                                        .pos = 0,
+                                        .n_tok = 1,
+                                        .blocks = s->shared ? &block0 : NULL,
+                                        .n_blocks = s->shared ? 1 : 0};
         for (int32_t i = 0; i < n; i++) rows[i] = i;
         for (int pass = 0; pass < 2 && st == DI_OK && !s->graphs[n - 1].graph; pass++)
             st = di_dsv4_dev_forward(s, seqs, n, ids, rows, n, logits);
@@ -708,32 +862,30 @@ static void build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_
         iarr_place(s, &k->base, (size_t)n_call);
         iarr_place(s, &k->off, (size_t)n_call);
     }
-    if (ratio == 4) {
-        iarr_place(s, &k->n_vis, (size_t)n_call);
-        iarr_place(s, &k->key_base, (size_t)n_call);
-    }
+    if (ratio == 4) iarr_place(s, &k->n_vis, (size_t)n_call);
     int32_t *ki = I32(k->win_keys), *nk = I32(k->n_keys), *wd = I32(k->win_dst);
     int32_t *ws = I32(k->win_src);
     int32_t n_wd = 0, n_rd = 0, n_win = 0;
     for (int32_t i = 0; i < n_seq; i++) {
         const di_dsv4_dev_seq *sq = &seqs[i];
-        const int64_t p0 = sq->pos, ring0 = T + (int64_t)sq->slot * k->slot_rows;
+        const int64_t p0 = sq->pos, ring0 = T + (int64_t)sq->slot * W;
         const int32_t r0 = s->row0[i];
-        // Key lists: window positions max(P - W + 1, 0)..P (the host), then the entries at
-        // base + entry from off on, appended on the backend: HCA's first (P + 1) / m (key_lists),
-        // CSA's top-k of the indexer (offset_list per layer).
+        // The slot's page table as this call leaves it (the updates are applied first).
+        const int32_t *pt = s->pages_host + (int64_t)sq->slot * s->max_blocks;
+        // Key lists: window positions max(P - W + 1, win_lo)..P (the host), then the entries
+        // from off on, appended on the backend through the slot's page table: HCA's first
+        // (P + 1) / m (key_lists), CSA's top-k of the indexer (offset_list per layer).
         for (int32_t t = 0; t < sq->n_tok; t++) {
-            const int64_t P = p0 + t, w_lo = P - W + 1 > 0 ? P - W + 1 : 0;
+            const int64_t P = p0 + t, w_lo = P - W + 1 > sq->win_lo ? P - W + 1 : sq->win_lo;
             int32_t *row = ki + (int64_t)(r0 + t) * W, n = 0;
             for (int64_t q = w_lo; q <= P; q++) row[n++] = win_row(q, p0, r0, ring0, W);
             for (int64_t j = n; j < W; j++) row[j] = -1; // past the window: copied, never read
             if (ratio > 0) {
-                I32(k->base)[r0 + t] = (int32_t)(ring0 + W);
+                I32(k->base)[r0 + t] = (int32_t)k->entry_base;
                 I32(k->off)[r0 + t] = n;
             }
             if (ratio == 4) {
                 I32(k->n_vis)[r0 + t] = (int32_t)((P + 1) / 4);
-                ((int64_t *)k->key_base.host)[r0 + t] = (int64_t)sq->slot * k->cap;
                 n += topk;
             } else if (ratio > 0) {
                 n += (int32_t)((P + 1) / ratio);
@@ -748,8 +900,11 @@ static void build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_
         if (ratio <= 0) continue;
         // Windows closing in this call (model/dsv4_attn.c compressor_step): slots j < m are the
         // overlap (window w - 1, c == 2) or the window itself (c == 1), slots m..2m-1 window w.
-        const int32_t m = ratio, c = k->c, R = k->R;
-        const int64_t cring0 = (int64_t)sq->slot * R;
+        // Entry w goes to its block's rows (entry block pt[w / per_page], w % per_page in it);
+        // an entry the prefix cache holds (w < n_cached / m) stays untouched: nothing rewrites a
+        // shared block, and the window is pooled for nothing (destination -1).
+        const int32_t m = ratio, c = k->c, R = k->R, E = k->per_page;
+        const int64_t cring0 = (int64_t)sq->slot * R, w_cached = sq->n_cached / m;
         for (int64_t P = p0; P < p0 + sq->n_tok; P++) {
             if ((P + 1) % m != 0) continue;
             const int64_t w = P / m;
@@ -758,9 +913,10 @@ static void build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_
                 int64_t q = c == 2 ? (w - 1) * m + j : w * m + j;
                 src[j] = cmp_src(q, p0, r0, cring0, R);
             }
+            const int64_t e = w < w_cached ? -1 : (int64_t)pt[w / E] * E + w % E;
             I32(k->ent_pos)[n_win] = (int32_t)(w * m);
-            I32(k->ent_dst)[n_win] = (int32_t)(ring0 + W + w);
-            I32(k->ent_dst_idx)[n_win] = (int32_t)((int64_t)sq->slot * k->cap + w);
+            I32(k->ent_dst)[n_win] = e < 0 ? -1 : (int32_t)(k->entry_base + e);
+            I32(k->ent_dst_idx)[n_win] = (int32_t)e;
             n_win++;
         }
         // The compressor token ring after pooling: the last min(n_tok, R) rows.
@@ -933,11 +1089,12 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
         ROUND(s->iw, T * HI);
         // max_vis: the slot capacity (a bound independent of the positions). Official: BF16
         // scores.
-        OP(index_scores, s->iq, s->iw, ls->idx, (const int64_t *)k->key_base.dev, D32(k->n_vis),
-           k->cap, T, (int32_t)HI, (int32_t)DI, official, s->scores, s->score_stride);
+        OP(index_scores, s->iq, s->iw, ls->idx, NULL, s->pages, D32(s->pg_off), k->per_page,
+           D32(k->n_vis), k->cap, T, (int32_t)HI, (int32_t)DI, official, s->scores,
+           s->score_stride);
         OP(topk, s->scores, s->score_stride, D32(k->n_vis), T, hp->index_topk, s->sel);
-        OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), k->keys,
-           k->key_stride);
+        OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), s->pages,
+           D32(s->pg_off), k->per_page, k->keys, k->key_stride);
     }
     // CSA and HCA: the main compressor, before the attention of the same tokens.
     if (compress)
@@ -1046,9 +1203,119 @@ fail:
 
 // ---- checks ----
 
-static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+// The entry blocks (indices into seqs->blocks) a call may write: those of the windows closing in
+// it at or after the cached entries, over every compressing ratio; *lo > *hi: none.
+static void write_range(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *sq, int64_t *lo,
+                        int64_t *hi) {
+    *lo = INT64_MAX, *hi = -1;
+    for (int i = 0; i < s->n_cls; i++) {
+        const int64_t m = s->cls[i].ratio;
+        if (m <= 0) continue;
+        // Window w closes at (w + 1) m - 1: in the call for w in [pos / m, (pos + n_tok) / m).
+        int64_t w_lo = sq->pos / m, w_hi = ((int64_t)sq->pos + sq->n_tok) / m - 1;
+        if (w_lo < sq->n_cached / m) w_lo = sq->n_cached / m;
+        if (w_lo > w_hi) continue;
+        const int64_t b_lo = w_lo * m / s->block_tokens, b_hi = w_hi * m / s->block_tokens;
+        if (b_lo < *lo) *lo = b_lo;
+        if (b_hi > *hi) *hi = b_hi;
+    }
+}
+
+// Blocks, bounded replay and cached entries of sequence i (dsv4_dev.h di_dsv4_dev_seq).
+static di_status check_seq_blocks(const di_dsv4_dev_state *s, int32_t i,
+                                  const di_dsv4_dev_seq *sq) {
+    const int64_t need = ((int64_t)sq->pos + sq->n_tok + s->block_tokens - 1) / s->block_tokens;
+    if (sq->win_lo < 0 || sq->win_lo > sq->pos || sq->n_cached < 0 || sq->n_cached > s->n_ctx ||
+        sq->n_cached % s->block_tokens != 0) {
+        DI_LOG_ERROR(
+            "dev forward: sequence %d: win_lo %d (at most pos %d), n_cached %d (a multiple "
+            "of %d, at most %d)",
+            i, sq->win_lo, sq->pos, sq->n_cached, s->block_tokens, s->n_ctx);
+        return DI_ERR_INVALID;
+    }
+    // Bounded replay: every window the call pools and keeps reads positions >= win_lo only (the
+    // slot's rings hold nothing before it): the first kept window starts at n_cached (its overlap
+    // one window earlier).
+    for (int k = 0; k < s->n_cls && sq->win_lo > 0; k++) {
+        const ratio_class *rc = &s->cls[k];
+        if (rc->ratio > 0 && sq->win_lo > (int64_t)sq->n_cached - (rc->c - 1) * rc->ratio) {
+            DI_LOG_ERROR("dev forward: sequence %d: replay from %d with %d cached positions: the "
+                         "windows of ratio %d after them would read positions before it",
+                         i, sq->win_lo, sq->n_cached, rc->ratio);
+            return DI_ERR_INVALID;
+        }
+    }
+    if (!s->shared) {
+        if (sq->blocks || sq->n_blocks) {
+            DI_LOG_ERROR("dev forward: sequence %d lists blocks; the state's are private", i);
+            return DI_ERR_INVALID;
+        }
+        return DI_OK;
+    }
+    if (!sq->blocks || sq->n_blocks < need) {
+        DI_LOG_ERROR("dev forward: sequence %d: %d entry blocks for positions up to %d (%lld "
+                     "needed)",
+                     i, sq->blocks ? sq->n_blocks : 0, sq->pos + sq->n_tok, (long long)need);
+        return DI_ERR_INVALID;
+    }
+    for (int64_t j = 0; j < need; j++) {
+        if (sq->blocks[j] < 0 || sq->blocks[j] >= s->n_eblocks) {
+            DI_LOG_ERROR("dev forward: sequence %d: block %lld is %d, outside [0, %d)", i,
+                         (long long)j, sq->blocks[j], s->n_eblocks);
+            return DI_ERR_INVALID;
+        }
+    }
+    return DI_OK;
+}
+
+// Shared blocks: no block this call writes is written twice or read by another sequence (or by
+// the writer at another index); returns the page table entries the call changes in *n_upd.
+static di_status check_blocks(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                              int32_t *n_upd) {
+    *n_upd = 0;
+    if (!s->shared) return DI_OK;
+    if (++s->mark == 0) { // wrapped: start the marks afresh
+        memset(s->blk_mark, 0, sizeof(uint32_t) * (size_t)s->n_eblocks);
+        s->mark = 1;
+    }
+    for (int32_t i = 0; i < n_seq; i++) {
+        int64_t lo, hi;
+        write_range(s, &seqs[i], &lo, &hi);
+        for (int64_t j = lo; j <= hi; j++) {
+            const int32_t blk = seqs[i].blocks[j];
+            if (s->blk_mark[blk] == s->mark) {
+                DI_LOG_ERROR("dev forward: entry block %d is written twice by this call (sequence "
+                             "%d)",
+                             blk, i);
+                return DI_ERR_INVALID;
+            }
+            s->blk_mark[blk] = s->mark;
+        }
+    }
+    int32_t n = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv4_dev_seq *sq = &seqs[i];
+        const int64_t need = ((int64_t)sq->pos + sq->n_tok + s->block_tokens - 1) / s->block_tokens;
+        const int32_t *pt = s->pages_host + (int64_t)sq->slot * s->max_blocks;
+        int64_t lo, hi;
+        write_range(s, sq, &lo, &hi);
+        for (int64_t j = 0; j < need; j++) {
+            if ((j < lo || j > hi) && s->blk_mark[sq->blocks[j]] == s->mark) {
+                DI_LOG_ERROR("dev forward: sequence %d reads entry block %d, which this call "
+                             "writes",
+                             i, sq->blocks[j]);
+                return DI_ERR_INVALID;
+            }
+            n += pt[j] != sq->blocks[j];
+        }
+    }
+    *n_upd = n;
+    return DI_OK;
+}
+
+static di_status check_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                             const int32_t *tokens, const int32_t *logit_rows, int32_t n_logit_rows,
-                            const float *logits, int32_t *n_rows_out) {
+                            const float *logits, int32_t *n_rows_out, int32_t *n_upd) {
     const di_hparams *hp = &s->d->m->hp;
     if (n_seq < 1 || !seqs || !tokens) {
         DI_LOG_ERROR("dev forward: need at least one sequence with tokens");
@@ -1064,13 +1331,17 @@ static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *s
             return DI_ERR_INVALID;
         }
         s->used[sq->slot] = 1;
-        if (sq->n_tok < 1) {
-            DI_LOG_ERROR("dev forward: sequence %d feeds %d tokens", i, sq->n_tok);
+        if (sq->n_tok < 1 || sq->pos < 0) {
+            DI_LOG_ERROR("dev forward: sequence %d feeds %d tokens at %d", i, sq->n_tok, sq->pos);
             return DI_ERR_INVALID;
         }
-        if (sq->pos != 0 && sq->pos != s->n_past[sq->slot]) {
-            DI_LOG_ERROR("dev forward: slot %d is at position %d, not %d (0 restarts it)", sq->slot,
-                         s->n_past[sq->slot], sq->pos);
+        // pos 0, or pos == win_lo > 0 (a replay's first call), starts the slot afresh there;
+        // anything else continues it with the same win_lo.
+        const bool fresh = sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo);
+        if (!fresh && (sq->pos != s->n_past[sq->slot] || sq->win_lo != s->win_lo[sq->slot])) {
+            DI_LOG_ERROR("dev forward: slot %d is at position %d (window from %d), not %d (from "
+                         "%d); 0 or win_lo restarts it",
+                         sq->slot, s->n_past[sq->slot], s->win_lo[sq->slot], sq->pos, sq->win_lo);
             return DI_ERR_INVALID;
         }
         if ((int64_t)sq->pos + sq->n_tok > s->n_ctx) {
@@ -1078,6 +1349,8 @@ static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *s
                          sq->pos, sq->n_tok, s->n_ctx);
             return DI_ERR_INVALID;
         }
+        di_status st = check_seq_blocks(s, i, sq);
+        if (st != DI_OK) return st;
         n_rows += sq->n_tok;
     }
     if (n_rows > s->max_rows) {
@@ -1105,6 +1378,8 @@ static di_status check_call(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *s
             return DI_ERR_INVALID;
         }
     }
+    di_status st = check_blocks(s, seqs, n_seq, n_upd);
+    if (st != DI_OK) return st;
     *n_rows_out = (int32_t)n_rows;
     return DI_OK;
 }
@@ -1120,9 +1395,11 @@ static di_status key_lists(const call *c, const ratio_class *k) {
     const int32_t W = s->d->m->hp.window;
     di_status st = DI_OK;
     if (k->ratio <= 0) return DI_OK;
-    OP(offset_list, D32(k->win_keys), c->T, W, s->zeros, s->zeros, k->keys, k->key_stride);
+    OP(offset_list, D32(k->win_keys), c->T, W, s->zeros, s->zeros, NULL, NULL, 0, k->keys,
+       k->key_stride);
     if (k->ratio != 4)
-        OP(offset_list, NULL, c->T, k->cap, D32(k->base), D32(k->off), k->keys, k->key_stride);
+        OP(offset_list, NULL, c->T, k->cap, D32(k->base), D32(k->off), s->pages, D32(s->pg_off),
+           k->per_page, k->keys, k->key_stride);
     return DI_OK;
 fail:
     return st;
@@ -1132,6 +1409,11 @@ static di_status layers(const call *c) {
     di_dsv4_dev_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     di_status st = DI_OK;
+    // Shared blocks: this call's page table updates (1-word rows, their bits as they are; -1
+    // destinations: a decode graph's padding), before anything reads the page tables.
+    if (s->shared)
+        OP(scatter_rows, (const float *)s->pt_val.dev, s->n_pt, 1, 1, (float *)s->pages, 1,
+           D32(s->pt_dst), NULL);
     for (int i = 0; i < s->n_cls; i++) DI_TRY(key_lists(c, &s->cls[i]));
     OP(embed, &s->d->embed, D32(s->tokens), c->T, hp->hc_mult, s->x);
     for (int il = 0; il < hp->n_layer; il++) DI_TRY(block(c, il));
@@ -1173,23 +1455,53 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
                               int32_t n_logit_rows, float *logits) {
     const di_model *m = s->d->m;
     const di_hparams *hp = &m->hp;
-    int32_t T = 0;
-    di_status st = check_call(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T);
+    int32_t T = 0, n_upd = 0;
+    di_status st = check_call(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T, &n_upd);
     if (st != DI_OK) return st;
     call cl = {s, seqs, n_seq, T};
     s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
     const call *c = &cl;
+    // A decode step runs from its graph unless its page table changes more than one entry per
+    // sequence (the graph's scatter count): then directly, counted.
+    const bool decode = s->graphs_on && is_decode(seqs, n_seq, n_logit_rows);
+    const bool graph = decode && n_upd <= n_seq;
+    if (decode && !graph) s->stats.n_direct_pages++;
 
-    // Rows: sequence after sequence. Tokens, positions and every class's lists are packed into
-    // the staging buffer (placed by the call's shape) and go to the backend in one upload.
+    // Rows: sequence after sequence. Tokens, positions, page table updates and every class's
+    // lists are packed into the staging buffer (placed by the call's shape) and go to the backend
+    // in one upload.
     s->meta_used = 0;
     iarr_place(s, &s->tokens, (size_t)T);
     iarr_place(s, &s->pos, (size_t)T);
-    int32_t r = 0;
+    iarr_place(s, &s->pg_off, (size_t)T);
+    s->n_pt = graph && s->shared ? n_seq : n_upd;
+    iarr_place(s, &s->pt_dst, (size_t)s->n_pt);
+    iarr_place(s, &s->pt_val, (size_t)s->n_pt);
+    int32_t r = 0, n_pt = 0;
     for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv4_dev_seq *sq = &seqs[i];
         s->row0[i] = r;
-        for (int32_t t = 0; t < seqs[i].n_tok; t++) I32(s->pos)[r + t] = seqs[i].pos + t;
-        r += seqs[i].n_tok;
+        for (int32_t t = 0; t < sq->n_tok; t++) {
+            I32(s->pos)[r + t] = sq->pos + t;
+            I32(s->pg_off)[r + t] = sq->slot * s->max_blocks;
+        }
+        r += sq->n_tok;
+        if (!s->shared) continue;
+        // The page table entries that change, applied to the host mirror now (the lists below
+        // read it) and to the device by the call's first op.
+        const int64_t need = ((int64_t)sq->pos + sq->n_tok + s->block_tokens - 1) / s->block_tokens;
+        int32_t *pt = s->pages_host + (int64_t)sq->slot * s->max_blocks;
+        for (int64_t j = 0; j < need; j++) {
+            if (pt[j] == sq->blocks[j]) continue;
+            I32(s->pt_dst)[n_pt] = (int32_t)(sq->slot * s->max_blocks + j);
+            I32(s->pt_val)[n_pt++] = sq->blocks[j];
+            pt[j] = sq->blocks[j];
+        }
+    }
+    DI_ASSERT(n_pt == n_upd && n_pt <= s->n_pt);
+    for (; n_pt < s->n_pt; n_pt++) { // a decode graph's padding
+        I32(s->pt_dst)[n_pt] = -1;
+        I32(s->pt_val)[n_pt] = 0;
     }
     memcpy(s->tokens.host, tokens, sizeof(int32_t) * (size_t)T);
     for (int i = 0; i < s->n_cls; i++) build_class(s, &s->cls[i], seqs, n_seq);
@@ -1201,7 +1513,7 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     // Embedding, the layers, the head on the logit rows: a decode step through its graph (after
     // it ran once directly), every other call directly, chunk by chunk of the head.
     const size_t row_bytes = sizeof(float) * (size_t)hp->n_vocab;
-    if (s->graphs_on && is_decode(seqs, n_seq, n_logit_rows)) {
+    if (graph) {
         struct dev_graph *g = &s->graphs[n_seq - 1]; // n_seq <= n_slots, HEAD_CHUNK
         bool direct = !g->seen;     // first seen: directly (no capture for one step)
         if (!direct && !g->graph) { // seen before: captured, then launched
@@ -1244,9 +1556,17 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     }
     // The end of the step: every op done (and its faults surfaced) before the slots advance.
     DI_TRY(s->d->b->vt->sync(s->d->b));
-    for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
+    for (int32_t i = 0; i < n_seq; i++) {
+        s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
+        s->win_lo[seqs[i].slot] = seqs[i].win_lo;
+    }
     return DI_OK;
 fail:
+    // Whether the page table updates reached the device is unknown: the next call of these
+    // slots writes their entries again.
+    for (int32_t i = 0; i < n_seq && s->shared; i++)
+        for (int32_t j = 0; j < s->max_blocks; j++)
+            s->pages_host[(int64_t)seqs[i].slot * s->max_blocks + j] = PT_UNKNOWN;
     DI_LOG_ERROR("dev forward: %s on %s; the call's slots must restart at position 0",
                  di_status_str(st), s->d->b->desc);
     return st;

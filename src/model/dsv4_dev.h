@@ -13,14 +13,31 @@
  * KV rows of backend.h kv_quant (584 bytes at V4's head_dim 512, lossless), attention reading them
  * with attn_kv.
  *
- * State layout (per layer, backend memory):
+ * State layout (backend memory). Compressed entries live in entry blocks of block_tokens
+ * positions (a multiple of every compress ratio; the serving engine's KV blocks: their ids are the
+ * engine's kv_manager block ids, so admission, preemption, reference counts and the prefix cache
+ * govern them directly); in a compressing layer of ratio m, block b holds E = block_tokens / m
+ * entries, and entry w of a sequence is entry w % E of block blocks[w / E]. Per layer:
  *   - one KV pool of Dh-float rows (R-OFF: kv_row_bytes-byte KV rows): [max_rows rows of this call
- * | slot 0: W ring rows, then cap compressed entries | slot 1: ...], so one attention call
- * addresses this call's kv rows, every slot's window ring (row = pos mod W) and compressed entries
- * by row index;
- *   - CSA layers: the indexer's entries [n_slots, cap, DI];
+ * | slot 0's W window ring rows | slot 1's | ... | block 0's E entries | block 1's | ...], so one
+ * attention call addresses this call's kv rows, every slot's window ring (row = pos mod W) and
+ * every entry by row index;
+ *   - CSA layers: the indexer's keys [n_blocks * E, DI], block b's from b * E;
  *   - compressing layers: per compressor a token ring per slot, R = c*m rows (c = 2 with overlap,
  *     1 for HCA) of c*d floats for C and for Z (Z with its position bias), row = pos mod R.
+ * The window rings, the token rings and the call rows are the fixed "tail" of each slot (sized at
+ * create for n_slots); only the entries are paged. Each slot has a page table on the backend (its
+ * blocks in position order, max_blocks = ceil(n_ctx / block_tokens) of them) and a host mirror:
+ * each call lists every sequence's blocks, the entries that differ from the mirror go into the
+ * call's one upload and one scatter_rows of 1-word rows applies them; offset_list (key lists) and
+ * index_scores (indexer keys) translate entries to rows through it. A state created with private
+ * blocks (n_blocks 0: sessions) owns n_slots * max_blocks blocks, slot s's i-th being
+ * s * max_blocks + i, fixed at create (no updates).
+ * Prefix reuse (docs/kv-cache.md): a sequence may start at win_lo > 0 on blocks whose first
+ * n_cached positions' entries another sequence computed (the prefix cache): it replays positions
+ * win_lo.., takes no window key before win_lo, and a window closing with entry index
+ * < n_cached / m is pooled but not stored (destination -1), so a cached block's device contents
+ * are never written again (nothing else writes a full block's entries).
  * The compressor has no sequential state machine: for every window closing in a call the host
  * lists the token row of each slot (this call's rows, or the ring for earlier positions; the
  * overlap of window 0 is absent), compress_pool pools them, the entries are normalised, rotated
@@ -32,7 +49,8 @@
  * do not depend on the number of sequences.
  *
  * Graphs: a decode step (every sequence feeds one token and takes the logits of its row; at most
- * 64 sequences) runs as a backend graph (backend.h graph_*; CUDA graphs on the GPU) keyed by its
+ * 64 sequences; with shared blocks, at most one page table entry changed per sequence) runs as a
+ * backend graph (backend.h graph_*; CUDA graphs on the GPU) keyed by its
  * number of sequences alone: the first step of n sequences runs directly (a batch size seen once
  * never pays for a capture), the second is captured and launched, every later one launches the
  * cached graph, whatever its slots and positions. A state keeps one graph per decode size up to
@@ -41,13 +59,16 @@
  * an op gets is a function of the call's shape (rows per sequence, logit rows), never of its
  * positions: everything that moves with the positions is backend data the host rewrites before the
  * launch (tokens, positions, key lists and counts, compressor sources, entry positions, scatter
- * sources and destinations; packed at offsets that are functions of the shape too);
+ * sources and destinations, the page table updates: one per sequence, padded with destination
+ * -1; packed at offsets that are functions of the shape too);
  * position-dependent bounds are capacities (attention's max_keys = the key list stride, the
- * indexer's max_vis = the slot's entries) and the compressor pools the most windows the shape can
- * close, the others being padding (no rows: entry 0, destination -1: not scattered). Prefill and
- * mixed calls run directly, through the same ops. A capture that fails (nothing ran) logs a WARN,
- * runs the step directly and turns graphs off for the state. DI_DEV_GRAPHS=0 (read at state create)
- * runs every call directly: the debug switch to compare.
+ * indexer's max_vis = the entries a sequence can have) and the compressor pools the most windows
+ * the shape can close, the others being padding (no rows: entry 0, destination -1: not scattered).
+ * Prefill and mixed calls run directly, through the same ops, with any number of page table
+ * updates; so does a decode step needing more than one per sequence (e.g. a replay's first token
+ * after a prefix hit, on blocks its slot never listed; counted: n_direct_pages). A capture that
+ * fails (nothing ran) logs a WARN, runs the step directly and turns graphs off for the state.
+ * DI_DEV_GRAPHS=0 (read at state create) runs every call directly: the debug switch to compare.
  *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
@@ -75,25 +96,65 @@ void di_dsv4_dev_destroy(di_dsv4_dev *d); // NULL: no-op
 di_backend *di_dsv4_dev_backend(const di_dsv4_dev *d);
 
 // The state of n_slots sequences of up to n_ctx positions each, for calls of up to max_rows rows
-// in total. Every slot starts empty. DI_ERR_INVALID (counts < 1, index overflow), DI_ERR_NOMEM.
+// in total, with n_blocks entry blocks of block_tokens positions ("State layout"). n_blocks > 0:
+// shared blocks, listed by each call (di_dsv4_dev_seq.blocks: ids in [0, n_blocks)); n_blocks 0:
+// private blocks (n_slots * ceil(n_ctx / block_tokens), identity). block_tokens 0: the default
+// (di_dsv4_dev_block_tokens). Every slot starts empty. DI_ERR_INVALID (counts < 1, n_blocks < 0,
+// block_tokens not a multiple of every ratio, index overflow; logged), DI_ERR_NOMEM.
 di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
-                                   di_dsv4_dev_state **out);
+                                   int32_t n_blocks, int32_t block_tokens, di_dsv4_dev_state **out);
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s); // NULL: no-op
 
 // Bytes per row of the state's KV pools: 4 * head_dim (FP32 rows, the FP32 recipe) or
 // di_backend_kv_row_bytes(head_dim, rope dims) (the FP8 KV rows of the official recipe).
 int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s);
 
+// The least common multiple of the compress ratios rounded up to at least the window: the serving
+// engine's block size (kv/kv_manager.c, the same rule) and the default of a state.
+int32_t di_dsv4_dev_block_tokens(const di_dsv4_dev *d);
+
+// Backend bytes of one entry block (every compressing layer's E entries of kv_row_bytes, CSA's E
+// indexer keys) and of one slot's tail (window rings, compressor token rings, its page table) for
+// blocks of block_tokens positions and a context of n_ctx: the engine sizes its blocks from
+// kv_memory_bytes with them. The call rows and scratch (max_rows) are not included.
+// DI_ERR_INVALID (bad n_ctx or block_tokens).
+di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_tokens,
+                            int64_t *block_bytes, int64_t *slot_bytes);
+
+// Backend bytes the state allocated (pools, rings, page tables, scratch, metadata); its entry
+// blocks (n_blocks, or the private ones).
+int64_t di_dsv4_dev_state_bytes(const di_dsv4_dev_state *s);
+int32_t di_dsv4_dev_state_n_blocks(const di_dsv4_dev_state *s);
+// Copies entry block `block`'s contents (per compressing layer in order: its KV pool rows, then
+// for CSA its indexer keys) into dst (di_dsv4_dev_sizes' block_bytes): tests check that cached
+// blocks are never rewritten. Syncs. DI_ERR_INVALID (no such block), DI_ERR_CUDA.
+di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block, void *dst);
+
 typedef struct di_dsv4_dev_seq {
     int32_t slot, pos, n_tok;
+    // Shared blocks: the sequence's entry block ids in position order (blocks[i] holds positions
+    // [i * block_tokens, (i + 1) * block_tokens)), n_blocks >= ceil((pos + n_tok) / block_tokens)
+    // of them (borrowed for the call). Private blocks: NULL, 0.
+    const int32_t *blocks;
+    int32_t n_blocks;
+    // Bounded replay (docs/kv-cache.md): no window key before win_lo (0: none); a call at
+    // pos == win_lo > 0 starts the slot afresh there, like pos 0. Later calls pass the same win_lo.
+    int32_t win_lo;
+    // Positions whose entries are cached (a multiple of block_tokens): windows closing with entry
+    // index < n_cached / m leave their entry untouched (their rings are still updated). With
+    // win_lo > 0 the first window kept must start at or after win_lo: win_lo <= n_cached - (c - 1)
+    // * m for every compressing ratio m (c = 2 with overlap).
+    int32_t n_cached;
 } di_dsv4_dev_seq;
 
 // A ragged batch: seqs[i] feeds its n_tok tokens (host ids; rows concatenated in seqs order) at
-// positions pos.. of slot `slot`; pos must equal the tokens the slot has consumed (pos 0 starts
-// the slot afresh). Logits of the rows listed in logit_rows (ascending) go to host logits [n, V].
-// DI_ERR_INVALID for bad slots (out of range or repeated), positions, token ids, row counts or
-// capacity (checked before any work, logged). A backend error (DI_ERR_CUDA, DI_ERR_NOMEM) leaves
-// the call's slots to be restarted at pos 0.
+// positions pos.. of slot `slot`; pos must equal the tokens the slot has consumed (pos 0, or
+// pos == win_lo > 0, starts the slot afresh). Logits of the rows listed in logit_rows (ascending)
+// go to host logits [n, V]. DI_ERR_INVALID for bad slots (out of range or repeated), positions,
+// token ids, row counts, capacity, blocks (missing, out of range, a block the call writes listed
+// twice or read by another sequence), win_lo or n_cached (checked before any work, logged). A
+// backend error (DI_ERR_CUDA, DI_ERR_NOMEM) leaves the call's slots to be restarted at pos 0 (or
+// their win_lo).
 di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                               const int32_t *tokens, const int32_t *logit_rows,
                               int32_t n_logit_rows, float *logits);
@@ -104,18 +165,21 @@ int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot);
 // Calls of a state so far: run directly (prefill, mixed, the first decode step of a batch size,
 // or every call with DI_DEV_GRAPHS=0), captured into a graph (then launched), launched from a
 // cached graph (hits); graphs cached now.
+// n_direct_pages: decode steps run directly because their page table changed more than one entry
+// per sequence ("Graphs"; also counted in n_direct).
 // The last call's costs (issue #7: what a step launches and uploads): ops it enqueued on the
 // backend (the entries from embed to the head's matmul; a launched graph counts the ops it
 // captured; the logits download and the sync not counted), host-to-backend uploads and their bytes.
 typedef struct di_dsv4_dev_graph_stats {
-    int64_t n_direct, n_captured, n_replayed;
+    int64_t n_direct, n_captured, n_replayed, n_direct_pages;
     int32_t n_cached;
     int64_t last_ops, last_uploads, last_upload_bytes;
 } di_dsv4_dev_graph_stats;
 void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out);
 // Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps
 // of token 0 at position 0 on slots 0..n-1 per size (the slots are left at position 1: restart
-// them at 0). No-op with graphs off. Errors as di_dsv4_dev_forward.
+// them at 0). With shared blocks every slot lists block 0 (one token writes no entry, so block 0
+// is left as it was). No-op with graphs off. Errors as di_dsv4_dev_forward.
 di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs);
 
 // ---- model wiring ----

@@ -142,8 +142,8 @@ di_status di_session_create(di_model *m, const di_session_options *opt, di_sessi
             st = DI_ERR_NOMEM;
             goto fail;
         }
-        if ((st = di_dsv4_dev_state_create(m->dev, 1, s->n_ctx_max, s->dev_max_rows, &s->dev)) !=
-            DI_OK)
+        if ((st = di_dsv4_dev_state_create(m->dev, 1, s->n_ctx_max, s->dev_max_rows, 0, 0,
+                                           &s->dev)) != DI_OK)
             goto fail;
         if (s->trace)
             DI_LOG_WARN("DI_DUMP: a session on the device-resident forward writes no "

@@ -1,11 +1,12 @@
 // The CPU backend's ops (backend/cpu/cpu_backend.c) on small hand-made inputs, against the
 // contracts of backend/backend.h written out as plain loops: compress_pool's row sources (this
 // call's rows, the ring, the absent overlap of window 0), attention's masked keys and sink, top-k
-// ties and padding, offset_list, matmul_a8, scatter_rows, add_ape, embed, memory alignment; the
-// padding of graph-stable lists (scatter destinations < 0, windows without rows); graphs: a replay
-// equals the same calls run directly, reads the memory as it is at launch, keeps the scalars and
-// tensors of the capture, and a capture refuses what a CUDA capture cannot hold. The whole forward
-// on this backend is tested against the model in tests/model/test_dev_forward.c.
+// ties and padding, offset_list and index_scores (contiguous and through a page table),
+// matmul_a8, scatter_rows, add_ape, embed, memory alignment; the padding of graph-stable lists
+// (scatter destinations < 0, windows without rows); graphs: a replay equals the same calls run
+// directly, reads the memory as it is at launch, keeps the scalars and tensors of the capture, and
+// a capture refuses what a CUDA capture cannot hold. The whole forward on this backend is tested
+// against the model in tests/model/test_dev_forward.c.
 #include "harness.h"
 
 #include <math.h>
@@ -320,14 +321,73 @@ static void test_topk_offsets(void) {
     int32_t dst[3 * 5];
     for (int i = 0; i < 15; i++) dst[i] = 99;
     const int32_t base[3] = {100, 200, 300}, off[3] = {2, 0, 1};
-    CHECK_EQ(g_b->vt->offset_list(g_b, sel, 3, 3, base, off, dst, 5), DI_OK);
+    CHECK_EQ(g_b->vt->offset_list(g_b, sel, 3, 3, base, off, NULL, NULL, 0, dst, 5), DI_OK);
     const int32_t want_dst[15] = {99, 99, 101, 102, 104, 200, 201, -1, 99, 99, 99, -1, -1, -1, 99};
     CHECK(memcmp(dst, want_dst, sizeof want_dst) == 0);
     // sel NULL: entries 0..k-1 at base + i (HCA's visible entries).
-    CHECK_EQ(g_b->vt->offset_list(g_b, NULL, 3, 2, base, off, dst, 5), DI_OK);
+    CHECK_EQ(g_b->vt->offset_list(g_b, NULL, 3, 2, base, off, NULL, NULL, 0, dst, 5), DI_OK);
     const int32_t want_iota[15] = {99, 99, 100, 101, 104, 200, 201, -1,
                                    99, 99, 99,  300, 301, -1,  99};
     CHECK(memcmp(dst, want_iota, sizeof want_iota) == 0);
+    // Paged (2 entries per page): row 0's pages from 0 on (5, 3), row 1's from 2 (7, -1: a
+    // missing page), row 2's from 4 (0); entry s -> base + pages[off + s / 2] * 2 + s % 2.
+    const int32_t pages[5] = {5, 3, 7, -1, 0}, pg_off[3] = {0, 2, 4};
+    const int32_t psel[9] = {0, 1, 3, 1, 2, -1, 1, 0, -1};
+    for (int i = 0; i < 15; i++) dst[i] = 99;
+    CHECK_EQ(g_b->vt->offset_list(g_b, psel, 3, 3, base, off, pages, pg_off, 2, dst, 5), DI_OK);
+    const int32_t want_pg[15] = {99, 99, 110, 111, 107, 215, -1, -1, 99, 99, 99, 301, 300, -1, 99};
+    CHECK(memcmp(dst, want_pg, sizeof want_pg) == 0);
+    // sel NULL, paged: HCA's entries 0..3 of row 0 through its pages.
+    CHECK_EQ(g_b->vt->offset_list(g_b, NULL, 1, 4, base, off, pages, pg_off, 2, dst, 5), DI_OK);
+    const int32_t want_pg_iota[4] = {110, 111, 106, 107};
+    CHECK(memcmp(dst + 2, want_pg_iota, sizeof want_pg_iota) == 0);
+    CHECK_EQ(g_b->vt->offset_list(g_b, NULL, 1, 4, base, off, pages, pg_off, 0, dst, 5),
+             DI_ERR_INVALID);
+}
+
+// index_scores through a page table equals the contiguous keys it names: keys of 2 rows laid out
+// in shuffled pages of 3 entries (one page missing: -inf), against the same keys contiguous.
+static void test_index_scores_paged(void) {
+    enum { HI = 3, DI = 8, PER = 3, NPG = 4, VIS = 10, T = 2 };
+    float qi[T * HI * DI], wi[T * HI], cont[T * 12 * DI], paged[8 * PER * DI];
+    for (int i = 0; i < T * HI * DI; i++) qi[i] = (float)((i * 37) % 17 - 8) / 8.0f;
+    for (int i = 0; i < T * HI; i++) wi[i] = 0.25f + 0.125f * (float)i;
+    for (int i = 0; i < T * 12 * DI; i++) cont[i] = (float)((i * 53) % 29 - 14) / 16.0f;
+    // Row t's page j (entries 3j..3j+2) lives in block pages[t * NPG + j].
+    const int32_t pages[T * NPG] = {6, 1, 4, 2, 0, 7, -1, 5}, pg_off[T] = {0, NPG};
+    memset(paged, 0, sizeof paged);
+    for (int t = 0; t < T; t++)
+        for (int w = 0; w < 12; w++) {
+            int32_t pg = pages[t * NPG + w / PER];
+            if (pg >= 0)
+                memcpy(paged + ((int64_t)pg * PER + w % PER) * DI, cont + (t * 12 + w) * DI,
+                       sizeof(float) * DI);
+        }
+    const int64_t key_base[T] = {0, 12};
+    const int32_t n_vis[T] = {VIS, VIS};
+    float sc_c[T * 12], sc_p[T * 12];
+    for (int i = 0; i < T * 12; i++) sc_c[i] = sc_p[i] = 42;
+    for (int r = 0; r < 2; r++) { // FP32, then BF16 scores
+        CHECK_EQ(g_b->vt->index_scores(g_b, qi, wi, cont, key_base, NULL, NULL, 0, n_vis, 12, T, HI,
+                                       DI, r == 1, sc_c, 12),
+                 DI_OK);
+        CHECK_EQ(g_b->vt->index_scores(g_b, qi, wi, paged, NULL, pages, pg_off, PER, n_vis, 12, T,
+                                       HI, DI, r == 1, sc_p, 12),
+                 DI_OK);
+        for (int t = 0; t < T; t++)
+            for (int w = 0; w < 12; w++) {
+                if (w >= VIS) {
+                    CHECK(sc_p[t * 12 + w] == 42); // not visible: not written
+                } else if (t == 1 && w / PER == 2) {
+                    CHECK(isinf(sc_p[t * 12 + w]) && sc_p[t * 12 + w] < 0); // missing page
+                } else {
+                    CHECK(memcmp(&sc_p[t * 12 + w], &sc_c[t * 12 + w], sizeof(float)) == 0);
+                }
+            }
+    }
+    CHECK_EQ(g_b->vt->index_scores(g_b, qi, wi, paged, NULL, pages, pg_off, 0, n_vis, 12, T, HI, DI,
+                                   false, sc_p, 12),
+             DI_ERR_INVALID);
 }
 
 static void test_rows(void) {
@@ -507,6 +567,7 @@ int main(void) {
     RUN(test_matmul_a8);
     RUN(test_kv_rows);
     RUN(test_topk_offsets);
+    RUN(test_index_scores_paged);
     RUN(test_rows);
     RUN(test_padding);
     RUN(test_graph);

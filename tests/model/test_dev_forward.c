@@ -15,14 +15,24 @@
 //       graphs actually replayed (stats);
 //   (g) what a decode step costs (issue #7): ops enqueued (= the commands the CPU backend records
 //       in its graph), uploads and bytes at 1, 3, 16 sequences on tiny-128 and 1, 64 on flash-4l's
-//       shapes scaled down: the ops must not grow with the sequences, and a call uploads once;
+//       shapes scaled down, with private and with shared blocks: the ops must not grow with the
+//       sequences (shared blocks add exactly one: the page table's scatter), and a call uploads
+//       once;
 //   (h) the official precision recipe (R-OFF; KV pools of FP8 KV rows, asserted by their bytes
 //       per row): (a), (b, c), (e) and (f) again on models loaded
 //       with DI_PRECISION_OFFICIAL (tiny-128 in the official layout: FP8 / FP4 weights, A8, CSA's
 //       indexer with Hadamard + Q4; the hca128 fixture in both layouts): every BF16 rounding and
 //       fake quantisation of the CPU forward is an op of the dev forward, so the logits are
 //       bit-identical too (dropping any one rounding point breaks that: checked by hand);
-//   (i) what the dev forward refuses: DeepSeek V4.1.
+//   (i) what the dev forward refuses: DeepSeek V4.1;
+//   (j) prefix reuse on shared entry blocks: a second slot attached to the first slot's full
+//       blocks replays from Q = max(0, H - n_layer (W - 1)) with win_lo = Q and continues
+//       bit-identically to the cold prefill (then both decode on the shared blocks with identical
+//       logits); a third attached to one block recomputes from 0 (win_lo 0) and matches too; the
+//       cached blocks' device bytes are unchanged; bad block lists and replay parameters are
+//       refused without changing anything.
+// Every state of (a)-(d), (f), (h) and (j) has shared entry blocks listed per call in a shuffled,
+// non-contiguous order (a restarted slot moves to other blocks); (e)'s sessions use private ones.
 #include "harness.h"
 
 #include <math.h>
@@ -39,6 +49,9 @@
 #define TOL_DEV 1e-5
 
 enum { V_SYNTH = 512, N_SLOTS = 3, N_CTX = 320, MAX_ROWS = 96 };
+// Entry blocks of the harness's states: tiny-128's ratios 4 and 128 and window 16 give blocks of
+// 128 positions, so N_CTX takes 3 per slot; the state has one spare set for restarts.
+enum { BT = 128, MAXB = (N_CTX + BT - 1) / BT, N_BLK = (N_SLOTS + 1) * MAXB };
 
 static char g_dir[256];
 // The precision recipe every model of the harness is loaded with ((h) runs under OFFICIAL).
@@ -56,11 +69,28 @@ typedef struct harness_ctx {
     di_dsv4_dev_state *st2; // NULL, or a second state fed the same calls (logits bit-identical)
     di_session *ses[N_SLOTS];
     int gen[N_SLOTS]; // token stream of each slot (changes at a restart)
+    // Shared entry blocks: each slot's block ids (a shuffled, non-contiguous set), and a spare
+    // set a restarted slot swaps its own with (so its page table changes).
+    int32_t blk[N_SLOTS][MAXB], spare[MAXB];
     int32_t V;
     float *got, *got2, *ref;
     double max_diff, max_ref;
     int64_t rows;
 } harness_ctx;
+
+// Block ids 0..N_BLK-1 in a fixed shuffled order, MAXB per slot, then the spare set.
+static void shuffle_blocks(harness_ctx *h) {
+    int32_t ids[N_BLK];
+    uint32_t x = 12345;
+    for (int32_t i = 0; i < N_BLK; i++) ids[i] = i;
+    for (int32_t i = N_BLK - 1; i > 0; i--) {
+        x = x * 1103515245u + 12345u;
+        int32_t j = (int32_t)((x >> 8) % (uint32_t)(i + 1)), t = ids[i];
+        ids[i] = ids[j], ids[j] = t;
+    }
+    for (int s = 0; s < N_SLOTS; s++) memcpy(h->blk[s], ids + s * MAXB, sizeof h->blk[s]);
+    memcpy(h->spare, ids + N_SLOTS * MAXB, sizeof h->spare);
+}
 
 static bool open_ctx(harness_ctx *h, const char *dir) {
     memset(h, 0, sizeof *h);
@@ -71,7 +101,9 @@ static bool open_ctx(harness_ctx *h, const char *dir) {
     h->V = h->m->hp.n_vocab;
     CHECK(di_cpu_backend_create(2, &h->b) == DI_OK);
     CHECK(di_dsv4_dev_create(h->m, h->b, &h->d) == DI_OK);
-    CHECK(di_dsv4_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, &h->st) == DI_OK);
+    CHECK_EQ(di_dsv4_dev_block_tokens(h->d), BT);
+    CHECK(di_dsv4_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h->st) == DI_OK);
+    shuffle_blocks(h);
     // The KV pools' format: FP32 rows, or (official recipe) the FP8 KV rows, which the
     // comparisons below show lossless (bit-identical logits).
     const di_hparams *hp = &h->m->hp;
@@ -120,9 +152,14 @@ static void run_step(harness_ctx *h, const step *sp) {
         if (sp->restart[i]) {
             h->gen[s]++;
             di_session_reset(h->ses[s]);
+            int32_t t[MAXB];
+            memcpy(t, h->blk[s], sizeof t);
+            memcpy(h->blk[s], h->spare, sizeof t);
+            memcpy(h->spare, t, sizeof t);
         }
         int32_t pos = di_session_n_past(h->ses[s]);
-        seqs[i] = (di_dsv4_dev_seq){.slot = s, .pos = pos, .n_tok = sp->n_tok[i]};
+        seqs[i] = (di_dsv4_dev_seq){
+            .slot = s, .pos = pos, .n_tok = sp->n_tok[i], .blocks = h->blk[s], .n_blocks = MAXB};
         for (int32_t t = 0; t < sp->n_tok[i]; t++)
             tokens[T + t] = token_of(s, h->gen[s], pos + t, h->V);
         T += sp->n_tok[i];
@@ -161,6 +198,7 @@ static void report(const harness_ctx *h, const char *what) {
             what, (long long)h->rows, h->max_diff, h->max_ref, rel);
     CHECK(h->rows > 0);
     CHECK(rel <= TOL_DEV);
+    CHECK(h->max_diff == 0); // the same kernels on the same rows: bit-identical
 }
 
 #define ONE(slot_, n_tok_)                                                                         \
@@ -233,12 +271,17 @@ static void test_ragged(void) {
         {{.slot = 2, .pos = past[2], .n_tok = N_CTX - past[2] + 1}},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int s = bad[i][0].slot >= 0 && bad[i][0].slot < N_SLOTS ? bad[i][0].slot : 0;
+        bad[i][0].blocks = h.blk[s];
+        bad[i][0].n_blocks = MAXB;
         CHECK_EQ(di_dsv4_dev_forward(h.st, bad[i], 1, tok, &row0, 1, h.got), DI_ERR_INVALID);
     }
-    di_dsv4_dev_seq twice[2] = {{.slot = 1, .pos = past[1], .n_tok = 1},
-                                {.slot = 1, .pos = past[1], .n_tok = 1}};
+    di_dsv4_dev_seq twice[2] = {
+        {.slot = 1, .pos = past[1], .n_tok = 1, .blocks = h.blk[1], .n_blocks = MAXB},
+        {.slot = 1, .pos = past[1], .n_tok = 1, .blocks = h.blk[1], .n_blocks = MAXB}};
     CHECK_EQ(di_dsv4_dev_forward(h.st, twice, 2, tok, &row0, 1, h.got), DI_ERR_INVALID);
-    di_dsv4_dev_seq ok = {.slot = 0, .pos = past[0], .n_tok = 2};
+    di_dsv4_dev_seq ok = {
+        .slot = 0, .pos = past[0], .n_tok = 2, .blocks = h.blk[0], .n_blocks = MAXB};
     int32_t bad_tok[2] = {0, h.V}, desc_rows[2] = {1, 0};
     CHECK_EQ(di_dsv4_dev_forward(h.st, &ok, 1, bad_tok, &row0, 1, h.got), DI_ERR_INVALID);
     CHECK_EQ(di_dsv4_dev_forward(h.st, &ok, 1, tok, desc_rows, 2, h.got), DI_ERR_INVALID);
@@ -334,7 +377,7 @@ static void test_graphs(void) {
         return;
     }
     CHECK(setenv("DI_DEV_GRAPHS", "0", 1) == 0);
-    CHECK_EQ(di_dsv4_dev_state_create(h.d, N_SLOTS, N_CTX, MAX_ROWS, &h.st2), DI_OK);
+    CHECK_EQ(di_dsv4_dev_state_create(h.d, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h.st2), DI_OK);
     CHECK(unsetenv("DI_DEV_GRAPHS") == 0);
     if (!h.st2) {
         close_ctx(&h);
@@ -401,23 +444,33 @@ static void count_graphs(di_backend *b) {
 // (g) What a decode step costs (issue #7): ops enqueued (a replayed graph counts the ops it
 // captured), uploads and bytes, at n sequences on a fresh state of n_slots slots: three decode
 // steps at positions 0, 1, 2 (direct, captured, replayed). Returns the replayed step's stats.
+// shared: the engine's kind of state (entry blocks listed per call: slot i's block j is
+// (n_slots - 1 - i) * max_blocks + j); else private blocks (sessions).
 static di_dsv4_dev_graph_stats decode_costs(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx,
-                                            int32_t n, int32_t V) {
+                                            int32_t n, int32_t V, bool shared) {
     di_dsv4_dev_graph_stats g[3];
     memset(g, 0, sizeof g);
     di_dsv4_dev_state *st = NULL;
     g_graph_cmds = -1;
-    CHECK_EQ(di_dsv4_dev_state_create(d, n_slots, n_ctx, n, &st), DI_OK);
+    const int32_t bt = di_dsv4_dev_block_tokens(d), mb = (n_ctx + bt - 1) / bt;
+    CHECK_EQ(di_dsv4_dev_state_create(d, n_slots, n_ctx, n, shared ? n_slots * mb : 0, bt, &st),
+             DI_OK);
     di_dsv4_dev_seq *seqs = calloc((size_t)n, sizeof *seqs);
     int32_t *tok = calloc((size_t)n, sizeof *tok), *rows = calloc((size_t)n, sizeof *rows);
+    int32_t *blk = calloc((size_t)(n_slots * mb), sizeof *blk);
     float *logits = malloc(sizeof(float) * (size_t)n * (size_t)V);
-    if (!st || !seqs || !tok || !rows || !logits) {
+    if (!st || !seqs || !tok || !rows || !logits || !blk) {
         CHECK(false);
         goto done;
     }
+    for (int32_t i = 0; i < n_slots * mb; i++) blk[i] = (n_slots - 1 - i / mb) * mb + i % mb;
     for (int32_t p = 0; p < 3; p++) {
         for (int32_t i = 0; i < n; i++) {
-            seqs[i] = (di_dsv4_dev_seq){.slot = i, .pos = p, .n_tok = 1};
+            seqs[i] = (di_dsv4_dev_seq){.slot = i,
+                                        .pos = p,
+                                        .n_tok = 1,
+                                        .blocks = shared ? blk + i * mb : NULL,
+                                        .n_blocks = shared ? mb : 0};
             tok[i] = (i * 7 + p) % V;
             rows[i] = i;
         }
@@ -432,17 +485,18 @@ static di_dsv4_dev_graph_stats decode_costs(di_dsv4_dev *d, int32_t n_slots, int
     CHECK_EQ(g[0].last_upload_bytes, g[2].last_upload_bytes);
     CHECK_EQ(g[2].last_uploads, 1);
 done:
-    free(seqs), free(tok), free(rows), free(logits);
+    free(seqs), free(tok), free(rows), free(logits), free(blk);
     di_dsv4_dev_state_destroy(st);
     return g[2];
 }
 
-static void print_costs(const char *model, int32_t n_ctx, int32_t n,
+static void print_costs(const char *model, int32_t n_ctx, int32_t n, bool shared,
                         const di_dsv4_dev_graph_stats *g) {
     fprintf(stderr,
-            "(g) %s, n_ctx %d, decode of %2d: %5lld ops, %3lld uploads, %8lld bytes uploaded\n",
-            model, n_ctx, n, (long long)g->last_ops, (long long)g->last_uploads,
-            (long long)g->last_upload_bytes);
+            "(g) %s, n_ctx %d, %s blocks, decode of %2d: %5lld ops, %3lld uploads, %8lld bytes "
+            "uploaded\n",
+            model, n_ctx, shared ? "shared " : "private", n, (long long)g->last_ops,
+            (long long)g->last_uploads, (long long)g->last_upload_bytes);
 }
 
 static void test_decode_costs(void) {
@@ -457,15 +511,18 @@ static void test_decode_costs(void) {
     if (m && b) CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
     if (!d) goto done;
     const int32_t ns[] = {1, 3, 16};
-    di_dsv4_dev_graph_stats g[3];
-    for (int i = 0; i < 3; i++) {
-        g[i] = decode_costs(d, 16, N_CTX, ns[i], m->hp.n_vocab);
-        print_costs("tiny-128", N_CTX, ns[i], &g[i]);
+    for (int sh = 0; sh < 2; sh++) {
+        di_dsv4_dev_graph_stats g[3];
+        for (int i = 0; i < 3; i++) {
+            g[i] = decode_costs(d, 16, N_CTX, ns[i], m->hp.n_vocab, sh == 1);
+            print_costs("tiny-128", N_CTX, ns[i], sh == 1, &g[i]);
+        }
+        // One launch per op whatever the number of sequences (no per-sequence ops in a graph):
+        // 215 with private blocks; shared blocks add the page table's one scatter.
+        CHECK_EQ(g[0].last_ops, sh ? 216 : 215);
+        CHECK_EQ(g[1].last_ops, g[0].last_ops);
+        CHECK_EQ(g[2].last_ops, g[0].last_ops);
     }
-    // One launch per op whatever the number of sequences (no per-sequence ops in a graph).
-    CHECK(g[0].last_ops > 0);
-    CHECK_EQ(g[1].last_ops, g[0].last_ops);
-    CHECK_EQ(g[2].last_ops, g[0].last_ops);
 done:
     di_dsv4_dev_destroy(d);
     di_backend_destroy(b);
@@ -498,12 +555,15 @@ static void test_decode_costs_flash(void) {
     if (m && b) CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
     if (d) {
         const int32_t n_ctx = 8192, ns[] = {1, 64};
-        di_dsv4_dev_graph_stats g[2];
-        for (int i = 0; i < 2; i++) {
-            g[i] = decode_costs(d, 64, n_ctx, ns[i], m->hp.n_vocab);
-            print_costs("flash-4l shapes", n_ctx, ns[i], &g[i]);
+        for (int sh = 0; sh < 2; sh++) {
+            di_dsv4_dev_graph_stats g[2];
+            for (int i = 0; i < 2; i++) {
+                g[i] = decode_costs(d, 64, n_ctx, ns[i], m->hp.n_vocab, sh == 1);
+                print_costs("flash-4l shapes", n_ctx, ns[i], sh == 1, &g[i]);
+            }
+            CHECK_EQ(g[0].last_ops, sh ? 185 : 184); // + the page table's scatter
+            CHECK_EQ(g[1].last_ops, g[0].last_ops);
         }
-        CHECK_EQ(g[1].last_ops, g[0].last_ops);
     }
     di_dsv4_dev_destroy(d);
     di_backend_destroy(b);
@@ -511,6 +571,180 @@ static void test_decode_costs_flash(void) {
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+}
+
+// (j) Prefix reuse on shared blocks (docs/kv-cache.md, bounded replay): slot 0 prefills 300
+// positions cold in chunks across block boundaries; slot 1 then takes slot 0's two full blocks
+// (H = 256 cached positions) and a block of its own, replays from Q = max(0, H - n_layer (W - 1))
+// with win_lo = Q, and its logits from H on equal slot 0's bit for bit; slot 0's cached blocks
+// hold the same bytes after the replay; both slots then decode together, sharing the blocks,
+// with identical logits. Bad block lists and replay parameters are refused before any work, and
+// nothing changes.
+static void test_prefix(void) {
+    harness_ctx h;
+    if (!open_ctx(&h, g_dir)) {
+        CHECK(false);
+        close_ctx(&h);
+        return;
+    }
+    const di_hparams *hp = &h.m->hp;
+    const int32_t V = h.V, L = 300, H = 2 * BT, R = hp->n_layer * (hp->window - 1);
+    const int32_t Q = H - R > 0 ? H - R : 0;
+    int32_t toks[N_CTX], rows[MAX_ROWS], r0 = 0;
+    for (int32_t t = 0; t < N_CTX; t++) toks[t] = token_of(0, 7, t, V);
+    for (int32_t i = 0; i < MAX_ROWS; i++) rows[i] = i;
+    float *cold = malloc(sizeof(float) * (size_t)N_CTX * (size_t)V);
+    int64_t bb = 0, sb = 0;
+    CHECK_EQ(di_dsv4_dev_sizes(h.d, N_CTX, BT, &bb, &sb), DI_OK);
+    uint8_t *before = malloc((size_t)(2 * bb)), *after = malloc((size_t)(2 * bb));
+    if (!cold || !before || !after || bb <= 0) {
+        CHECK(false);
+        goto done;
+    }
+    // Slot 0, cold: chunks of 96 cross both block boundaries (128, 256) mid-chunk.
+    for (int32_t p = 0; p < L;) {
+        int32_t n = L - p < 96 ? L - p : 96;
+        di_dsv4_dev_seq sq = {
+            .slot = 0, .pos = p, .n_tok = n, .blocks = h.blk[0], .n_blocks = MAXB};
+        CHECK_EQ(di_dsv4_dev_forward(h.st, &sq, 1, toks + p, rows, n, cold + (int64_t)p * V),
+                 DI_OK);
+        p += n;
+    }
+    for (int b = 0; b < 2; b++)
+        CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.blk[0][b], before + b * bb), DI_OK);
+
+    // Refused: each leaves both slots where they are.
+    const int32_t shared_blk[MAXB] = {h.blk[0][0], h.blk[0][1], h.blk[1][2]};
+    const int32_t out_of_range[MAXB] = {h.blk[0][0], N_BLK, h.blk[1][2]};
+    const int32_t negative[MAXB] = {-1, h.blk[0][1], h.blk[1][2]};
+    const int32_t reads_written[MAXB] = {h.blk[0][2], h.blk[0][1], h.blk[1][2]};
+    const di_dsv4_dev_seq replay = {.slot = 1,
+                                    .pos = Q,
+                                    .n_tok = 1,
+                                    .blocks = shared_blk,
+                                    .n_blocks = MAXB,
+                                    .win_lo = Q,
+                                    .n_cached = H};
+    // slot 0 closes a CSA window in its block 2 (positions 300..303).
+    const di_dsv4_dev_seq writer = {
+        .slot = 0, .pos = L, .n_tok = 4, .blocks = h.blk[0], .n_blocks = MAXB};
+    di_dsv4_dev_seq bad[][2] = {
+        {replay, writer}, {replay, writer}, {replay, writer}, {replay, writer}, {replay, writer},
+        {replay, writer}, {replay, writer}, {replay, writer}, {replay, writer},
+    };
+    int32_t n_bad[9] = {1, 1, 1, 1, 1, 1, 1, 2, 2};
+    bad[0][0].blocks = NULL;          // no blocks on a shared state
+    bad[1][0].n_blocks = 1;           // fewer than its positions need
+    bad[2][0].blocks = out_of_range;  // a block id past the state's
+    bad[3][0].blocks = negative;      // a negative block id
+    bad[4][0].n_cached = H - 4;       // not a multiple of the block
+    bad[5][0].win_lo = Q + 1;         // after pos
+    bad[6][0].n_cached = BT;          // kept windows would read positions before win_lo
+    bad[7][0].blocks = reads_written; // reads the block slot 0 writes
+    bad[8][0] = (di_dsv4_dev_seq){.slot = 1,
+                                  .pos = 0,
+                                  .n_tok = 4,
+                                  .blocks = reads_written,
+                                  .n_blocks = MAXB}; // writes it too: twice
+    for (int i = 0; i < 9; i++) {
+        int32_t tk[8] = {0};
+        CHECK_EQ(di_dsv4_dev_forward(h.st, bad[i], n_bad[i], tk, &r0, 1, h.got), DI_ERR_INVALID);
+        CHECK_EQ(di_dsv4_dev_n_past(h.st, 0), L);
+        CHECK_EQ(di_dsv4_dev_n_past(h.st, 1), 0);
+    }
+    {
+        di_dsv4_dev_state *ps = NULL; // a private state refuses block lists
+        CHECK_EQ(di_dsv4_dev_state_create(h.d, 1, N_CTX, 8, 0, 0, &ps), DI_OK);
+        di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = 1, .blocks = shared_blk, .n_blocks = 3};
+        if (ps) CHECK_EQ(di_dsv4_dev_forward(ps, &sq, 1, toks, &r0, 1, h.got), DI_ERR_INVALID);
+        di_dsv4_dev_state_destroy(ps);
+    }
+    CHECK_EQ(di_dsv4_dev_state_create(h.d, 1, N_CTX, 8, 0, 100, &(di_dsv4_dev_state *){NULL}),
+             DI_ERR_INVALID); // blocks of 100 positions: not a multiple of the ratio 128
+
+    // The replay: its first call is decode-shaped (one token, its logits) but writes slot 1's
+    // page table entries 0 and 1: run directly, counted.
+    di_dsv4_dev_graph_stats g0, g1;
+    di_dsv4_dev_get_graph_stats(h.st, &g0);
+    CHECK_EQ(di_dsv4_dev_forward(h.st, &replay, 1, toks + Q, &r0, 1, h.got), DI_OK);
+    di_dsv4_dev_get_graph_stats(h.st, &g1);
+    CHECK_EQ(g1.n_direct_pages, g0.n_direct_pages + 1);
+    CHECK_EQ(g1.n_direct, g0.n_direct + 1);
+    {
+        di_dsv4_dev_seq other = replay; // continuing with another win_lo: refused
+        other.pos = Q + 1;
+        other.win_lo = 0;
+        CHECK_EQ(di_dsv4_dev_forward(h.st, &other, 1, toks + Q + 1, &r0, 1, h.got), DI_ERR_INVALID);
+    }
+    double max_diff = 0;
+    int64_t n_cmp = 0;
+    for (int32_t p = Q + 1; p < L;) {
+        int32_t n = L - p < 96 ? L - p : 96;
+        di_dsv4_dev_seq sq = replay;
+        sq.pos = p, sq.n_tok = n;
+        CHECK_EQ(di_dsv4_dev_forward(h.st, &sq, 1, toks + p, rows, n, h.got), DI_OK);
+        for (int32_t t = 0; t < n; t++) {
+            if (p + t < H) continue; // replayed rows: not exact before H by design
+            const float *a = h.got + (int64_t)t * V, *b = cold + (int64_t)(p + t) * V;
+            for (int32_t v = 0; v < V; v++)
+                if (fabs((double)a[v] - b[v]) > max_diff) max_diff = fabs((double)a[v] - b[v]);
+            n_cmp++;
+        }
+        p += n;
+    }
+    for (int b = 0; b < 2; b++)
+        CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.blk[0][b], after + b * bb), DI_OK);
+    CHECK(memcmp(before, after, (size_t)(2 * bb)) == 0);
+    // Both continue together on the shared blocks (decode graphs): identical logits.
+    double max_pair = 0;
+    for (int32_t p = L; p < L + 6; p++) {
+        di_dsv4_dev_seq two[2] = {
+            {.slot = 0, .pos = p, .n_tok = 1, .blocks = h.blk[0], .n_blocks = MAXB}, replay};
+        two[1].pos = p;
+        int32_t tk[2] = {token_of(1, 1, p, V), token_of(1, 1, p, V)}, rr[2] = {0, 1};
+        CHECK_EQ(di_dsv4_dev_forward(h.st, two, 2, tk, rr, 2, h.got), DI_OK);
+        for (int32_t v = 0; v < V; v++) {
+            double e = fabs((double)h.got[v] - h.got[V + v]);
+            if (!(e <= max_pair)) max_pair = isnan(e) ? INFINITY : e;
+        }
+    }
+    // A hit replayed from position 0 (what the engine does for a hit within the replay bound,
+    // H <= n_layer (W - 1)): slot 2 takes slot 0's first block (128 cached positions), recomputes
+    // from 0 with win_lo 0, stores no cached entry, and matches the cold rows from 128 on.
+    {
+        const int32_t b2[MAXB] = {h.blk[0][0], h.blk[2][1], h.blk[2][2]};
+        for (int32_t p = 0; p < L;) {
+            int32_t n = L - p < 96 ? L - p : 96;
+            di_dsv4_dev_seq sq = {
+                .slot = 2, .pos = p, .n_tok = n, .blocks = b2, .n_blocks = MAXB, .n_cached = BT};
+            CHECK_EQ(di_dsv4_dev_forward(h.st, &sq, 1, toks + p, rows, n, h.got), DI_OK);
+            for (int32_t t = 0; t < n; t++) {
+                if (p + t < BT) continue;
+                const float *a = h.got + (int64_t)t * V, *b = cold + (int64_t)(p + t) * V;
+                for (int32_t v = 0; v < V; v++)
+                    if (fabs((double)a[v] - b[v]) > max_diff) max_diff = fabs((double)a[v] - b[v]);
+                n_cmp++;
+            }
+            p += n;
+        }
+    }
+    for (int b = 0; b < 2; b++)
+        CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.blk[0][b], after + b * bb), DI_OK);
+    const bool kept = memcmp(before, after, (size_t)(2 * bb)) == 0;
+    CHECK(kept);
+    fprintf(stderr,
+            "(j) prefix hit of %d positions, replay from %d (and a hit of %d replayed from 0): "
+            "%lld rows compared, max |replayed - cold| = %.3g; shared decode max |slot 1 - slot 0| "
+            "= %.3g; cached blocks (%lld "
+            "bytes each) %s\n",
+            H, Q, BT, (long long)n_cmp, max_diff, max_pair, (long long)bb,
+            kept ? "unchanged" : "CHANGED");
+    CHECK(n_cmp == (L - H) + (L - BT));
+    CHECK(max_diff == 0);
+    CHECK(max_pair == 0);
+done:
+    free(cold), free(before), free(after);
+    close_ctx(&h);
 }
 
 // (h) the official recipe: the same checks, models loaded with DI_PRECISION_OFFICIAL.
@@ -522,6 +756,7 @@ static void test_official(void) {
     test_ragged();
     test_attach();
     test_graphs();
+    test_prefix();
     g_prec = DI_PRECISION_FP32;
 }
 
@@ -560,6 +795,7 @@ int main(void) {
     RUN(test_graphs);
     RUN(test_decode_costs);
     RUN(test_decode_costs_flash);
+    RUN(test_prefix);
     RUN(test_official);
     RUN(test_unsupported);
     char cmd[512];

@@ -2,20 +2,30 @@
 // twin: bit-identical logits to the CPU forward, tests/model/test_dev_forward.c) through the test
 // hook of engine/engine_internal.h:
 //   (a) six concurrent requests (prompts 5..150 tokens, greedy and seeded) with max_seqs 3 (slots
-//       reused), 32 rows per step (chunked prefill) and the smallest KV pool that admits three
-//       sequences (they grow into each other: preemption, readmission from position 0) give the
-//       tokens, logprobs and first-token logits of the plain CPU engine bit for bit; the prefix
-//       cache asked for is off; nothing is allocated inside a step; every block comes back;
+//       reused), 32 rows per step (chunked prefill) and the smallest device KV memory that admits
+//       three sequences (they grow into each other's entry blocks: preemption, readmission with
+//       prefix hits), then with a roomy one, twice each (the second pass hits the prefix cache:
+//       n_cached and n_replayed as on the CPU engine), give the tokens, logprobs and first-token
+//       logits of the plain CPU engine bit for bit; nothing is allocated inside a step; every
+//       block comes back;
 //   (b) a forward failure injected mid-run ends exactly the requests of that step with
 //       DI_FINISH_ERROR / DI_ERR_CUDA; the others, and requests submitted afterwards into the
 //       failed slots, give the CPU engine's tokens;
 //   (c) requests cancelled mid-decode free their slots mid-sequence; the requests that reuse
-//       them (from position 0) give the CPU engine's tokens;
+//       them give the CPU engine's tokens;
 //   (d) on either forward, a step that fails after publishing a block to the prefix cache takes
 //       it out again, and the request the plan ahead had admitted onto it starts over and gives
-//       what it gives alone;
+//       what it gives alone (the device path hits the prefix cache too, so B attached the block
+//       and is preempted there as on the CPU);
 //   (e) on either forward, failed steps in a row are counted (di_engine_stats.n_failed_in_a_row)
-//       until a step succeeds.
+//       until a step succeeds;
+//   (f) requests sharing a 300-token prefix (two entry blocks) after a first one: each hits 256
+//       cached positions on the device path and replays the bound (n_layer (W - 1) = 90), and the
+//       tokens equal the CPU engine's (which hits and replays the same);
+//   (g) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
+//       (di_dsv4_dev_sizes); one byte less than a max_ctx sequence needs is refused
+//       (DI_ERR_INVALID); the device state's bytes grow by exactly the entry blocks that more
+//       memory buys, and a small budget holds fewer blocks than max_seqs x max_ctx.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -45,7 +55,7 @@ typedef struct result {
     atomic_int finished; // final events
     di_finish finish;
     di_status status;
-    int32_t n_preempted, n_cached;
+    int32_t n_preempted, n_cached, n_replayed;
 } result;
 
 static void on_event(void *user, const di_event *ev) {
@@ -63,6 +73,7 @@ static void on_event(void *user, const di_event *ev) {
         r->status = ev->status;
         r->n_preempted = ev->n_preempted;
         r->n_cached = ev->n_cached;
+        r->n_replayed = ev->n_replayed;
         atomic_fetch_add(&r->finished, 1);
     }
 }
@@ -105,7 +116,7 @@ static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
     o.max_seqs = max_seqs;
     o.max_batch_tokens = 32; // chunked prefill
     o.max_ctx = MAX_CTX;
-    o.no_prefix_cache = false; // asked for; the dev path turns it off
+    o.no_prefix_cache = false; // on, on both paths
     return o;
 }
 
@@ -129,27 +140,39 @@ static void run(di_engine *e, result *res, int from, int to) {
     }
 }
 
-// The smallest pool that admits three sequences' first chunks (tail blocks + one entry block
-// each): any of them crossing an entry block needs a block another holds.
-static size_t pool_for_three(void) {
+// The device bytes of one entry block and of one slot's tail for a context of max_ctx (the
+// engine's blocks of di_kv_block_tokens positions), from a dev forward on a CPU backend.
+static void dev_sizes(const char *dir, int32_t max_ctx, int64_t *blk, int64_t *slot, int32_t *bt) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
     di_model *m = NULL;
-    di_kv_manager *kv = NULL;
-    size_t bytes = 0;
-    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
-    if (m && di_kv_manager_create(m, (size_t)64 << 20, 3, MAX_CTX, false, &kv) == DI_OK) {
-        bytes = di_block_pool_block_bytes(kv->pool) * (size_t)(3 * di_kv_blocks_for(kv, 1));
-        int32_t one_full = di_kv_blocks_for(kv, MAX_CTX);
-        if ((int64_t)bytes < (int64_t)di_block_pool_block_bytes(kv->pool) * one_full)
-            bytes = di_block_pool_block_bytes(kv->pool) * (size_t)one_full;
+    di_backend *b = NULL;
+    di_dsv4_dev *d = NULL;
+    *blk = *slot = 0;
+    CHECK(di_model_load(dir, &mo, &m) == DI_OK);
+    CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
+    if (m && b) CHECK_EQ(di_dsv4_dev_create(m, b, &d), DI_OK);
+    if (d) {
+        *bt = di_kv_block_tokens(m);
+        CHECK_EQ(di_dsv4_dev_sizes(d, max_ctx, *bt, blk, slot), DI_OK);
     }
-    di_kv_manager_destroy(kv);
+    di_dsv4_dev_destroy(d);
+    di_backend_destroy(b);
     di_model_destroy(m);
-    return bytes;
 }
 
-static result g_ref[N_REQ];
+// The smallest device KV memory that admits three sequences' first chunks (three slot tails and
+// an entry block each; at least one max_ctx sequence): any of them crossing an entry block needs
+// a block another holds.
+static size_t pool_for_three(void) {
+    int64_t blk, slot;
+    int32_t bt = 1;
+    dev_sizes(g_dir, MAX_CTX, &blk, &slot, &bt);
+    int32_t n = (MAX_CTX + bt - 1) / bt > 3 ? (MAX_CTX + bt - 1) / bt : 3;
+    return (size_t)(3 * slot + n * blk);
+}
+
+static result g_ref[N_REQ], g_ref2[N_REQ]; // the CPU engine's first and second pass
 
 static void check_clean(di_engine *e, bool dev) {
     di_engine_stats st;
@@ -157,7 +180,6 @@ static void check_clean(di_engine *e, bool dev) {
     CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
     CHECK_EQ(st.n_step_allocs, 0);
     CHECK_EQ(st.device.resident, dev);
-    if (dev) CHECK_EQ(st.n_cache_hit_tokens, 0); // the prefix cache is off on this path
     // Decode steps ran from the graphs captured at create (one per batch size up to max_seqs),
     // and no step captured one.
     di_dsv4_dev_graph_stats gs;
@@ -180,6 +202,14 @@ static void test_same_tokens(void) {
     if (!e) return;
     run(e, g_ref, 0, N_REQ);
     di_engine_wait_idle(e);
+    run(e, g_ref2, 0, N_REQ); // again: hits its own cached prompt blocks
+    di_engine_wait_idle(e);
+    int n_hits = 0;
+    for (int i = 0; i < N_REQ; i++) {
+        CHECK(same(&g_ref2[i], &g_ref[i]));
+        n_hits += g_ref2[i].n_cached > 0;
+    }
+    CHECK(n_hits >= 2); // the prompts longer than a block
     check_clean(e, false);
     di_engine_destroy(e);
 
@@ -193,25 +223,32 @@ static void test_same_tokens(void) {
         if (!e) break;
         static result got[N_REQ];
         int n_same = 0, preempted = 0;
-        for (int pass = 0; pass < 2; pass++) { // again: a prefix cache would hit; here none
+        for (int pass = 0; pass < 2; pass++) { // again: the prefix cache hits
             run(e, got, 0, N_REQ);
             di_engine_wait_idle(e);
             for (int i = 0; i < N_REQ; i++) {
                 n_same += same(&got[i], &g_ref[i]);
                 CHECK_EQ(atomic_load(&got[i].finished), 1);
                 CHECK_EQ(got[i].finish, DI_FINISH_LENGTH);
-                CHECK_EQ(got[i].n_cached, 0);
+                if (round == 1) { // room for every block: the CPU engine's hits exactly
+                    const result *want = pass == 0 ? &g_ref[i] : &g_ref2[i];
+                    CHECK_EQ(got[i].n_cached, want->n_cached);
+                    CHECK_EQ(got[i].n_replayed, want->n_replayed);
+                }
                 preempted += got[i].n_preempted;
             }
         }
         di_engine_stats st;
         di_engine_get_stats(e, &st);
         fprintf(stderr,
-                "(a) dev engine, %s pool (%lld blocks), max_seqs %d, two passes: %d/%d requests "
-                "identical to the CPU engine, %lld steps, %lld preemptions (%d counted by the "
-                "requests)\n",
-                round == 0 ? "tiny" : "roomy", (long long)st.n_blocks_total, round == 0 ? 3 : N_REQ,
-                n_same, 2 * N_REQ, (long long)st.n_steps, (long long)st.n_preemptions, preempted);
+                "(a) dev engine, %s pool (%lld blocks of %lld bytes), max_seqs %d, two passes: "
+                "%d/%d requests identical to the CPU engine, %lld steps, %lld preemptions (%d "
+                "counted by the requests), %lld positions from the prefix cache, %lld replayed\n",
+                round == 0 ? "tiny" : "roomy", (long long)st.n_blocks_total,
+                (long long)st.block_bytes, round == 0 ? 3 : N_REQ, n_same, 2 * N_REQ,
+                (long long)st.n_steps, (long long)st.n_preemptions, preempted,
+                (long long)st.n_cache_hit_tokens, (long long)st.n_replayed_tokens);
+        if (round == 1) CHECK(st.n_cache_hit_tokens > 0); // the tiny pool evicts them
         CHECK_EQ(n_same, 2 * N_REQ);
         if (round == 0) CHECK(st.n_preemptions > 0);
         CHECK_EQ(st.n_failed_steps, 0);
@@ -328,8 +365,10 @@ static void test_failure_prefix(void) {
         CHECK(got_a.finish == DI_FINISH_ERROR && got_a.status == DI_ERR_CUDA && got_a.n == 0);
         CHECK(got_b.finish == DI_FINISH_LENGTH);
         CHECK(same(&got_b, &ref_b));
-        // Where the prefix cache is on, B had attached the failed block and was sent back.
-        if (st.n_cache_hit_tokens > 0 || path == 0) CHECK_EQ(got_b.n_preempted, 1);
+        // The prefix cache is on on both paths: B had attached the failed block and was sent
+        // back.
+        CHECK(st.n_cache_hit_tokens > 0);
+        CHECK_EQ(got_b.n_preempted, 1);
         CHECK_EQ(st.n_failed_steps, 1);
         check_clean(e, path == 1);
         di_engine_destroy(e);
@@ -423,6 +462,104 @@ static void test_cancel(void) {
     di_backend_destroy(b);
 }
 
+// ---- (f) ----
+
+enum { D_CTX = 512, D_PREFIX = 300, D_REQ = 4 };
+static int32_t g_dprompt[D_REQ][D_PREFIX + 10];
+
+static void run_shared(di_engine *e, result *res) {
+    for (int i = 0; i < D_REQ; i++) { // the first alone, then the rest together
+        memset(&res[i], 0, sizeof res[i]);
+        di_request_params p = request(i, &res[i]);
+        p.prompt = g_dprompt[i];
+        p.n_prompt = D_PREFIX + 3 + i;
+        uint64_t id;
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+        if (i == 0) di_engine_wait_idle(e);
+    }
+    di_engine_wait_idle(e);
+}
+
+static void test_shared_prefix(void) {
+    for (int i = 0; i < D_REQ; i++)
+        for (int t = 0; t < D_PREFIX + 10; t++)
+            g_dprompt[i][t] = (int32_t)((t < D_PREFIX ? t * 13 + 5 : t * 7 + i * 59) % V);
+    static result ref[D_REQ], got[D_REQ];
+    di_engine_options o = options((size_t)64 << 20, 3);
+    o.max_ctx = D_CTX;
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    if (!e) return;
+    run_shared(e, ref);
+    check_clean(e, false);
+    di_engine_destroy(e);
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    e = NULL;
+    if (b) CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+    if (e) {
+        run_shared(e, got);
+        int n_same = 0;
+        for (int i = 0; i < D_REQ; i++) {
+            n_same += same(&got[i], &ref[i]);
+            CHECK_EQ(got[i].n_cached, ref[i].n_cached);
+            CHECK_EQ(got[i].n_replayed, ref[i].n_replayed);
+            CHECK_EQ(got[i].n_cached, i == 0 ? 0 : 256);  // two blocks of 128 positions
+            CHECK_EQ(got[i].n_replayed, i == 0 ? 0 : 90); // 6 layers x (16 - 1)
+        }
+        fprintf(stderr,
+                "(f) %d requests sharing a %d-token prefix: %d identical to the CPU engine; "
+                "request 1 reused %d positions and replayed %d\n",
+                D_REQ, D_PREFIX, n_same, got[1].n_cached, got[1].n_replayed);
+        CHECK_EQ(n_same, D_REQ);
+        check_clean(e, true);
+        di_engine_destroy(e);
+    }
+    di_backend_destroy(b);
+}
+
+// ---- (g) ----
+
+static void test_sizing(void) {
+    int64_t blk = 0, slot = 0;
+    int32_t bt = 1;
+    dev_sizes(g_dir, MAX_CTX, &blk, &slot, &bt);
+    if (blk <= 0) return;
+    const int32_t max_seqs = 3, one = (MAX_CTX + bt - 1) / bt;
+    const size_t least = (size_t)(max_seqs * slot + one * blk);
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine_options o = options(least - 1, max_seqs);
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_INVALID);
+    CHECK(e == NULL);
+    int64_t bytes[2] = {0, 0}, n_blocks[2] = {0, 0};
+    for (int k = 0; k < 2; k++) { // the least memory, then 10 blocks more
+        o = options(least + (size_t)(k * 10 * blk), max_seqs);
+        e = NULL;
+        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+        if (!e) break;
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        bytes[k] = di_engine_dev_state_bytes(e);
+        n_blocks[k] = st.n_blocks_total;
+        CHECK_EQ(st.block_bytes, blk);
+        CHECK_EQ(st.block_tokens, bt);
+        di_engine_destroy(e);
+    }
+    fprintf(stderr,
+            "(g) entry block %lld bytes, slot tail %lld bytes: %lld bytes of kv memory -> %lld "
+            "blocks, %lld bytes of device state; 10 blocks more -> %lld blocks, %lld bytes\n",
+            (long long)blk, (long long)slot, (long long)least, (long long)n_blocks[0],
+            (long long)bytes[0], (long long)n_blocks[1], (long long)bytes[1]);
+    CHECK_EQ(n_blocks[0], one);
+    CHECK(n_blocks[0] < (int64_t)max_seqs * one); // less than max_seqs x max_ctx
+    CHECK_EQ(n_blocks[1], one + 10);
+    CHECK_EQ(bytes[1] - bytes[0], 10 * blk); // the state follows kv_memory, block by block
+    di_backend_destroy(b);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_dev_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -439,6 +576,8 @@ int main(void) {
     RUN(test_cancel);
     RUN(test_failure_prefix);
     RUN(test_failure_streak);
+    RUN(test_shared_prefix);
+    RUN(test_sizing);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);

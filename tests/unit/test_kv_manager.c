@@ -1,6 +1,7 @@
 // KV manager, block pool and prefix cache: reference counting, LRU eviction of idle cached
 // blocks, no leaks; the forward pass on pool pages bit-identical to a session; prefix reuse with
-// bounded replay bit-exact against a cold prefill (and wrong without the replay).
+// bounded replay bit-exact against a cold prefill (and wrong without the replay); the accounting
+// manager of the device-resident forward (no memory, no tail blocks).
 #include "harness.h"
 
 #include <stdlib.h>
@@ -172,6 +173,46 @@ static void test_pages_and_prefix_replay(void) {
     di_kv_manager_destroy(kv);
 }
 
+// The accounting manager (the device-resident forward's): no memory, no tail blocks; one
+// sequence of max_ctx positions must fit; blocks come back; a prefix hit records n_cached.
+static void test_accounting(void) {
+    di_block_pool *p = NULL;
+    CHECK_EQ(di_block_pool_create_accounting(3, 1000, &p), DI_OK);
+    int32_t id;
+    CHECK_EQ(di_block_pool_alloc(p, &id), DI_OK);
+    CHECK(di_block_pool_ptr(p, id) == NULL);
+    CHECK_EQ(di_block_pool_block_bytes(p), 1024);
+    di_block_pool_unref(p, id);
+    di_block_pool_destroy(p);
+
+    const int32_t B = di_kv_block_tokens(g_m), max_ctx = 4 * B;
+    di_kv_manager *kv = NULL;
+    CHECK_EQ(di_kv_manager_create_accounting(g_m, 3, 4096, 2, max_ctx, true, &kv), DI_ERR_INVALID);
+    CHECK(kv == NULL);
+    CHECK_EQ(di_kv_manager_create_accounting(g_m, 6, 4096, 2, max_ctx, true, &kv), DI_OK);
+    if (!kv) return;
+    CHECK_EQ(kv->n_tail, 0);
+    CHECK_EQ(kv->block_tokens, B);
+    CHECK_EQ(di_kv_blocks_for(kv, max_ctx), 4);
+    int32_t prompt[4 * 64];
+    for (int i = 0; i < 4 * B && i < 4 * 64; i++) prompt[i] = (i * 7 + 1) % V;
+    CHECK(4 * B <= 4 * 64);
+    CHECK_EQ(di_kv_seq_open(kv, 0, 0), DI_OK);
+    CHECK_EQ(di_kv_seq_grow(kv, 0, 2 * B + 1), DI_OK); // 3 blocks
+    CHECK_EQ(kv->seqs[0].n_blocks, 3);
+    di_kv_seq_publish(kv, 0, prompt, 2 * B + 1); // the first two are full
+    CHECK_EQ(di_kv_seq_open(kv, 1, 0), DI_OK);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 1, prompt, 3 * B), 2 * B);
+    CHECK_EQ(kv->seqs[1].n_cached, 2 * B);
+    CHECK_EQ(kv->seqs[1].blocks[0], kv->seqs[0].blocks[0]);
+    CHECK_EQ(kv->seqs[0].n_cached, 0);
+    di_kv_seq_close(kv, 0);
+    di_kv_seq_close(kv, 1);
+    CHECK_EQ(di_block_pool_n_available(kv->pool), 6);
+    CHECK_EQ(di_block_pool_n_cached_idle(kv->pool), 2);
+    di_kv_manager_destroy(kv);
+}
+
 static void test_budget_too_small(void) {
     di_kv_manager *kv = NULL;
     CHECK_EQ(di_kv_manager_create(g_m, 4096, 2, 1024, true, &kv), DI_ERR_INVALID);
@@ -192,6 +233,7 @@ int main(void) {
     RUN(test_lru_eviction);
     if (g_m) RUN(test_pages_and_prefix_replay);
     if (g_m) RUN(test_budget_too_small);
+    if (g_m) RUN(test_accounting);
     di_model_destroy(g_m);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);

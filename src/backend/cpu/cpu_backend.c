@@ -221,6 +221,8 @@ typedef struct cmd {
         struct {
             const float *qi, *wi, *keys;
             const int64_t *key_base;
+            const int32_t *pages, *page_off;
+            int32_t per_page;
             const int32_t *n_vis;
             int32_t max_vis, n_tok, HI, DI;
             bool round_bf16;
@@ -237,7 +239,8 @@ typedef struct cmd {
         struct {
             const int32_t *sel;
             int32_t n_tok, k;
-            const int32_t *base, *off;
+            const int32_t *base, *off, *pages, *page_off;
+            int32_t per_page;
             int32_t *dst;
             int64_t dst_stride;
         } offset_list;
@@ -918,6 +921,8 @@ typedef struct index_ctx {
     const cpu_impl *c;
     const float *qi, *wi, *keys;
     const int64_t *key_base;
+    const int32_t *pages, *page_off;
+    int32_t per_page;
     const int32_t *n_vis;
     int32_t n_tok, HI, DI;
     bool round_bf16;
@@ -932,30 +937,69 @@ static void index_task(void *p, int ith, int nth) {
     di_split_range(x->n_tok, ith, nth, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
         const float *keys = x->keys + (x->key_base ? x->key_base[t] : 0) * x->DI;
+        float *sc = x->scores + t * x->score_stride;
         for (int64_t w0 = 0; w0 < x->n_vis[t]; w0 += KEY_CHUNK) {
             int64_t nk = x->n_vis[t] - w0 < KEY_CHUNK ? x->n_vis[t] - w0 : KEY_CHUNK;
-            for (int64_t w = 0; w < nk; w++) kp[w] = keys + (w0 + w) * x->DI;
-            di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI, x->HI,
-                                kp, nk, x->DI, x->scores + t * x->score_stride + w0);
+            // Each key scored on its own (vec.h), so a chunk may gather keys from any rows.
+            int64_t n_ok = 0;
+            for (int64_t w = 0; w < nk; w++) {
+                int64_t row = w0 + w;
+                if (x->pages) {
+                    int32_t pg = x->pages[x->page_off[t] + row / x->per_page];
+                    if (pg < 0) continue; // scored -inf below
+                    row = (int64_t)pg * x->per_page + row % x->per_page;
+                }
+                kp[n_ok++] = keys + row * x->DI;
+            }
+            if (n_ok == nk) {
+                di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI,
+                                    x->HI, kp, nk, x->DI, sc + w0);
+                continue;
+            }
+            // Entries of negative pages: -inf, the others scored one by one.
+            for (int64_t w = 0, j = 0; w < nk; w++) {
+                int64_t row = w0 + w;
+                if (x->pages[x->page_off[t] + row / x->per_page] < 0) {
+                    sc[row] = -INFINITY;
+                    continue;
+                }
+                di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI,
+                                    x->HI, kp + j++, 1, x->DI, sc + row);
+            }
         }
         if (x->round_bf16) round_all(x->scores + t * x->score_stride, x->n_vis[t]);
     }
 }
 
 static di_status cpu_index_scores(di_backend *b, const float *qi, const float *wi,
-                                  const float *keys, const int64_t *key_base, const int32_t *n_vis,
+                                  const float *keys, const int64_t *key_base, const int32_t *pages,
+                                  const int32_t *page_off, int32_t per_page, const int32_t *n_vis,
                                   int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
                                   bool round_bf16, float *scores, int64_t score_stride) {
     cpu_impl *c = impl_of(b);
-    RECORD(c, CMD_INDEX_SCORES, index_scores, qi, wi, keys, key_base, n_vis, max_vis, n_tok, HI, DI,
-           round_bf16, scores, score_stride);
+    RECORD(c, CMD_INDEX_SCORES, index_scores, qi, wi, keys, key_base, pages, page_off, per_page,
+           n_vis, max_vis, n_tok, HI, DI, round_bf16, scores, score_stride);
     if (n_tok <= 0) return DI_OK;
-    if (score_stride < max_vis || HI < 1 || DI < 1) return DI_ERR_INVALID;
+    if (score_stride < max_vis || HI < 1 || DI < 1 || (pages && per_page < 1))
+        return DI_ERR_INVALID;
     for (int32_t t = 0; t < n_tok; t++)
         if (n_vis[t] < 0 || n_vis[t] > max_vis) return DI_ERR_INVALID;
     if (grow_scratch(c, KEY_CHUNK, 0) != DI_OK) return DI_ERR_NOMEM;
-    index_ctx x = {c,     qi, wi, keys,       key_base, n_vis,
-                   n_tok, HI, DI, round_bf16, scores,   score_stride};
+    index_ctx x = {.c = c,
+                   .qi = qi,
+                   .wi = wi,
+                   .keys = keys,
+                   .key_base = key_base,
+                   .pages = pages,
+                   .page_off = page_off,
+                   .per_page = per_page,
+                   .n_vis = n_vis,
+                   .n_tok = n_tok,
+                   .HI = HI,
+                   .DI = DI,
+                   .round_bf16 = round_bf16,
+                   .scores = scores,
+                   .score_stride = score_stride};
     di_pool_run(c->pool, index_task, &x);
     return DI_OK;
 }
@@ -978,13 +1022,23 @@ static di_status cpu_topk(di_backend *b, const float *scores, int64_t score_stri
 }
 
 static di_status cpu_offset_list(di_backend *b, const int32_t *sel, int32_t n_tok, int32_t k,
-                                 const int32_t *base, const int32_t *off, int32_t *dst,
+                                 const int32_t *base, const int32_t *off, const int32_t *pages,
+                                 const int32_t *page_off, int32_t per_page, int32_t *dst,
                                  int64_t dst_stride) {
-    RECORD(impl_of(b), CMD_OFFSET_LIST, offset_list, sel, n_tok, k, base, off, dst, dst_stride);
+    RECORD(impl_of(b), CMD_OFFSET_LIST, offset_list, sel, n_tok, k, base, off, pages, page_off,
+           per_page, dst, dst_stride);
+    if (k < 0 || (pages && per_page < 1)) return DI_ERR_INVALID;
     for (int32_t t = 0; t < n_tok; t++)
         for (int32_t i = 0; i < k; i++) {
             int32_t s = sel ? sel[(int64_t)t * k + i] : i; // NULL: entry i
-            dst[t * dst_stride + off[t] + i] = s >= 0 ? base[t] + s : -1;
+            int32_t row = -1;
+            if (s >= 0 && !pages) {
+                row = base[t] + s;
+            } else if (s >= 0) {
+                int32_t pg = pages[page_off[t] + s / per_page];
+                if (pg >= 0) row = (int32_t)(base[t] + (int64_t)pg * per_page + s % per_page);
+            }
+            dst[t * dst_stride + off[t] + i] = row;
         }
     return DI_OK;
 }
@@ -1115,17 +1169,19 @@ static di_status replay(di_backend *b, const cmd *k) {
                            A(attn_kv).sink, A(attn_kv).n_tok, A(attn_kv).H, A(attn_kv).dh,
                            A(attn_kv).n_rot, A(attn_kv).scale, A(attn_kv).round_p, A(attn_kv).o);
     case CMD_INDEX_SCORES:
-        return cpu_index_scores(b, A(index_scores).qi, A(index_scores).wi, A(index_scores).keys,
-                                A(index_scores).key_base, A(index_scores).n_vis,
-                                A(index_scores).max_vis, A(index_scores).n_tok, A(index_scores).HI,
-                                A(index_scores).DI, A(index_scores).round_bf16,
-                                A(index_scores).scores, A(index_scores).score_stride);
+        return cpu_index_scores(
+            b, A(index_scores).qi, A(index_scores).wi, A(index_scores).keys,
+            A(index_scores).key_base, A(index_scores).pages, A(index_scores).page_off,
+            A(index_scores).per_page, A(index_scores).n_vis, A(index_scores).max_vis,
+            A(index_scores).n_tok, A(index_scores).HI, A(index_scores).DI,
+            A(index_scores).round_bf16, A(index_scores).scores, A(index_scores).score_stride);
     case CMD_TOPK:
         return cpu_topk(b, A(topk).scores, A(topk).score_stride, A(topk).n_vis, A(topk).n_tok,
                         A(topk).topk, A(topk).sel);
     case CMD_OFFSET_LIST:
         return cpu_offset_list(b, A(offset_list).sel, A(offset_list).n_tok, A(offset_list).k,
-                               A(offset_list).base, A(offset_list).off, A(offset_list).dst,
+                               A(offset_list).base, A(offset_list).off, A(offset_list).pages,
+                               A(offset_list).page_off, A(offset_list).per_page, A(offset_list).dst,
                                A(offset_list).dst_stride);
     case CMD_ROUND_BF16:
         return cpu_round_bf16(b, A(round_bf16).x, A(round_bf16).n);

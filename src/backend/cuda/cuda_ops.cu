@@ -257,12 +257,13 @@ static di_status op_attn_kv(di_backend *b, const float *q, const uint8_t *pool,
 }
 
 static di_status op_index_scores(di_backend *b, const float *qi, const float *wi, const float *keys,
-                                 const int64_t *key_base, const int32_t *n_vis, int32_t max_vis,
-                                 int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16,
-                                 float *scores, int64_t score_stride) {
+                                 const int64_t *key_base, const int32_t *pages,
+                                 const int32_t *page_off, int32_t per_page, const int32_t *n_vis,
+                                 int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
+                                 bool round_bf16, float *scores, int64_t score_stride) {
     ENTER(b);
-    return di_cuda_indexer_scores(cu, qi, wi, keys, key_base, n_vis, max_vis, n_tok, HI, DI,
-                                  round_bf16, scores, score_stride);
+    return di_cuda_indexer_scores(cu, qi, wi, keys, key_base, pages, page_off, per_page, n_vis,
+                                  max_vis, n_tok, HI, DI, round_bf16, scores, score_stride);
 }
 
 static di_status op_topk(di_backend *b, const float *scores, int64_t score_stride,
@@ -272,10 +273,12 @@ static di_status op_topk(di_backend *b, const float *scores, int64_t score_strid
 }
 
 static di_status op_offset_list(di_backend *b, const int32_t *sel, int32_t n_tok, int32_t k,
-                                const int32_t *base, const int32_t *off, int32_t *dst,
+                                const int32_t *base, const int32_t *off, const int32_t *pages,
+                                const int32_t *page_off, int32_t per_page, int32_t *dst,
                                 int64_t dst_stride) {
     ENTER(b);
-    return di_cuda_offset_list(cu, sel, n_tok, k, base, off, dst, dst_stride);
+    return di_cuda_offset_list(cu, sel, n_tok, k, base, off, pages, page_off, per_page, dst,
+                               dst_stride);
 }
 
 // ---- the official recipe's rounding points (quant.cuh) ----

@@ -12,8 +12,9 @@ enum { TOPK_THREADS = 1024 };
 __global__ void __launch_bounds__(IDX_THREADS)
     scores_kernel(const float *__restrict__ qi, const float *__restrict__ wi,
                   const float *__restrict__ keys, const int64_t *__restrict__ key_base,
-                  const int32_t *__restrict__ n_vis, int32_t HI, int32_t DI, bool round_bf16,
-                  float *__restrict__ scores, int64_t score_stride) {
+                  const int32_t *__restrict__ pages, const int32_t *__restrict__ page_off,
+                  int32_t per_page, const int32_t *__restrict__ n_vis, int32_t HI, int32_t DI,
+                  bool round_bf16, float *__restrict__ scores, int64_t score_stride) {
     extern __shared__ float qs[]; // [HI * DI] then wI [HI]
     float *ws = qs + (int64_t)HI * DI;
     const int64_t t = blockIdx.y;
@@ -25,9 +26,18 @@ __global__ void __launch_bounds__(IDX_THREADS)
     for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float *kb = keys + (key_base ? key_base[t] : 0) * DI;
+    const int64_t kb = key_base ? key_base[t] : 0;
     for (int64_t w = w0 + warp; w < w0 + IDX_KEYS_PER_BLOCK && w < vis; w += IDX_WARPS) {
-        const float *k = kb + w * DI;
+        int64_t row = kb + w; // contiguous entries, or the paged entry w (warp-uniform)
+        if (pages) {
+            const int32_t pg = pages[page_off[t] + w / per_page];
+            if (pg < 0) {
+                if (lane == 0) scores[t * score_stride + w] = -INFINITY;
+                continue;
+            }
+            row = kb + (int64_t)pg * per_page + w % per_page;
+        }
+        const float *k = keys + row * DI;
         float acc = 0.0f;
         for (int32_t h = 0; h < HI; h++) {
             float dot = 0.0f;
@@ -41,16 +51,18 @@ __global__ void __launch_bounds__(IDX_THREADS)
 
 extern "C" di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const float *wi,
                                             const float *keys, const int64_t *key_base,
-                                            const int32_t *n_vis, int32_t max_vis, int32_t n_tok,
-                                            int32_t HI, int32_t DI, bool round_bf16, float *scores,
-                                            int64_t score_stride) {
+                                            const int32_t *pages, const int32_t *page_off,
+                                            int32_t per_page, const int32_t *n_vis, int32_t max_vis,
+                                            int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16,
+                                            float *scores, int64_t score_stride) {
     const size_t smem = sizeof(float) * ((size_t)HI * DI + (size_t)HI);
-    if (smem > cu->smem_optin) return DI_ERR_INVALID;
+    if (smem > cu->smem_optin || (pages && per_page < 1)) return DI_ERR_INVALID;
     if (n_tok <= 0 || max_vis <= 0) return DI_OK;
     CUDA_CHECK(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)smem));
     dim3 grid(di_div_up(max_vis, IDX_KEYS_PER_BLOCK), (unsigned)n_tok);
-    scores_kernel<<<grid, IDX_THREADS, smem, di_stream(cu)>>>(qi, wi, keys, key_base, n_vis, HI, DI,
+    scores_kernel<<<grid, IDX_THREADS, smem, di_stream(cu)>>>(qi, wi, keys, key_base, pages,
+                                                              page_off, per_page, n_vis, HI, DI,
                                                               round_bf16, scores, score_stride);
     DI_CUDA_LAUNCHED("scores_kernel");
     return DI_OK;

@@ -19,13 +19,16 @@ extern "C" {
 #endif
 
 // scores[t * score_stride + w] for w < n_vis[t] (entries beyond are not written). qi: [T, HI, DI];
-// wi: [T, HI] (already scaled by DI^-1/2 HI^-1/2); keys: [n_entries, DI] FP32 (entry w of query
-// t's sequence at keys + (key_base ? key_base[t] : 0) + w) * DI). max_vis bounds n_vis (launch
-// shape). round_bf16: round each score to BF16 (official precision). DI_ERR_CUDA, DI_ERR_INVALID.
+// wi: [T, HI] (already scaled by DI^-1/2 HI^-1/2); keys: [n_entries, DI] FP32: entry w of query
+// t's sequence at keys + row * DI, row = (key_base ? key_base[t] : 0) + (pages NULL: w; else
+// pages[page_off[t] + w / per_page] * per_page + w % per_page, a negative page scoring -inf)
+// (backend.h index_scores). max_vis bounds n_vis (launch shape). round_bf16: round each score to
+// BF16 (official precision). DI_ERR_CUDA, DI_ERR_INVALID (shared memory; per_page < 1 with pages).
 di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const float *wi, const float *keys,
-                                 const int64_t *key_base, const int32_t *n_vis, int32_t max_vis,
-                                 int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16,
-                                 float *scores, int64_t score_stride);
+                                 const int64_t *key_base, const int32_t *pages,
+                                 const int32_t *page_off, int32_t per_page, const int32_t *n_vis,
+                                 int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
+                                 bool round_bf16, float *scores, int64_t score_stride);
 
 // sel[t * topk + i]: the k = min(topk, n_vis[t]) best entries of scores row t (ascending index),
 // then -1 up to topk. When k == n_vis[t] the scores are not read (every entry is selected).

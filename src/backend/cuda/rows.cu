@@ -189,26 +189,37 @@ extern "C" di_status di_cuda_scale(di_cuda *cu, float *x, int64_t n, float s) {
 
 __global__ void offset_list_kernel(const int32_t *__restrict__ sel, int32_t n_tok, int32_t k,
                                    const int32_t *__restrict__ base,
-                                   const int32_t *__restrict__ off, int32_t *__restrict__ dst,
-                                   int64_t dst_stride) {
+                                   const int32_t *__restrict__ off,
+                                   const int32_t *__restrict__ pages,
+                                   const int32_t *__restrict__ page_off, int32_t per_page,
+                                   int32_t *__restrict__ dst, int64_t dst_stride) {
     const int64_t n = (int64_t)n_tok * k;
     for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
          e += (int64_t)gridDim.x * blockDim.x) {
         const int64_t t = e / k, i = e % k;
         const int32_t s = sel ? sel[e] : (int32_t)i; // NULL: entry i
-        dst[t * dst_stride + off[t] + i] = s >= 0 ? base[t] + s : -1;
+        int32_t row = -1;
+        if (s >= 0 && !pages) {
+            row = base[t] + s;
+        } else if (s >= 0) { // the paged entry s: its page's rows, then the offset in it
+            const int32_t pg = pages[page_off[t] + s / per_page];
+            if (pg >= 0) row = (int32_t)(base[t] + (int64_t)pg * per_page + s % per_page);
+        }
+        dst[t * dst_stride + off[t] + i] = row;
     }
 }
 
 extern "C" di_status di_cuda_offset_list(di_cuda *cu, const int32_t *sel, int32_t n_tok, int32_t k,
-                                         const int32_t *base, const int32_t *off, int32_t *dst,
-                                         int64_t dst_stride) {
-    if (k < 0) return DI_ERR_INVALID;
+                                         const int32_t *base, const int32_t *off,
+                                         const int32_t *pages, const int32_t *page_off,
+                                         int32_t per_page, int32_t *dst, int64_t dst_stride) {
+    if (k < 0 || (pages && per_page < 1)) return DI_ERR_INVALID;
     const int64_t n = (int64_t)n_tok * k;
     if (n_tok <= 0 || n <= 0) return DI_OK;
     const int64_t blocks = (n + ROWS_THREADS - 1) / ROWS_THREADS;
     offset_list_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), ROWS_THREADS, 0,
-                         di_stream(cu)>>>(sel, n_tok, k, base, off, dst, dst_stride);
+                         di_stream(cu)>>>(sel, n_tok, k, base, off, pages, page_off, per_page, dst,
+                                          dst_stride);
     DI_CUDA_LAUNCHED("offset_list_kernel");
     return DI_OK;
 }

@@ -2,8 +2,8 @@
  * rows — row moves and small element-wise ops of the device-resident forward (backend/backend.h):
  * the token embedding gathered from a device weight table (every kind a checkpoint embedding can
  * have, decoded exactly as tensor/tensor.c di_tensor_row_f32), row scatters (ring updates,
- * compressed entries), the compressor's position bias, a scalar scale, and the CSA key-list
- * append of selected entries.
+ * compressed entries), the compressor's position bias, a scalar scale, and the key-list append
+ * of compressed entries (CSA's selected ones, HCA's visible ones), translated through a page table.
  *
  * Owns: nothing. Thread-safety: engine thread only (enqueues on cu->stream).
  */
@@ -42,10 +42,13 @@ di_status di_cuda_add_ape(di_cuda *cu, float *z, int64_t n, int64_t stride, int6
 // x[i] *= s for i < n. DI_ERR_CUDA.
 di_status di_cuda_scale(di_cuda *cu, float *x, int64_t n, float s);
 
-// dst[t * dst_stride + off[t] + i] = sel[t*k + i] >= 0 ? base[t] + sel[t*k + i] : -1 for i < k,
-// t < n_tok; sel NULL stands for sel[t*k + i] = i. DI_ERR_INVALID (k < 0), DI_ERR_CUDA.
+// dst[t * dst_stride + off[t] + i] = the row of entry s = sel[t*k + i] for i < k, t < n_tok, or
+// -1 when s < 0; sel NULL stands for sel[t*k + i] = i. The row: base[t] + s (pages NULL), or
+// base[t] + pages[page_off[t] + s / per_page] * per_page + s % per_page (-1 for a negative page):
+// backend.h offset_list. DI_ERR_INVALID (k < 0; per_page < 1 with pages), DI_ERR_CUDA.
 di_status di_cuda_offset_list(di_cuda *cu, const int32_t *sel, int32_t n_tok, int32_t k,
-                              const int32_t *base, const int32_t *off, int32_t *dst,
+                              const int32_t *base, const int32_t *off, const int32_t *pages,
+                              const int32_t *page_off, int32_t per_page, int32_t *dst,
                               int64_t dst_stride);
 
 #ifdef __cplusplus

@@ -67,7 +67,8 @@ static void scores_case(int32_t T, int32_t HI, int32_t DI, int32_t n_ent, bool r
     int32_t *vd = dev_from(vis, sizeof(int32_t) * (size_t)T);
     float *sd = dev_alloc(sizeof(float) * (size_t)(T * n_ent));
     dev_poison(sd, sizeof(float) * (size_t)(T * n_ent));
-    CK(di_cuda_indexer_scores(g_cu, qd, wd, kd, NULL, vd, n_ent, T, HI, DI, round, sd, n_ent));
+    CK(di_cuda_indexer_scores(g_cu, qd, wd, kd, NULL, NULL, NULL, 0, vd, n_ent, T, HI, DI, round,
+                              sd, n_ent));
     dev_to(out, sd, sizeof(float) * (size_t)(T * n_ent));
     char what[96];
     snprintf(what, sizeof what, "indexer scores T=%d HI=%d DI=%d n=%d%s", T, HI, DI, n_ent,

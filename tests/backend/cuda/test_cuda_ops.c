@@ -1,7 +1,8 @@
 // The CUDA backend's vtable (backend/backend.h, backend/cuda/cuda_ops.cu) op by op against CPU
 // oracles on the same inputs: plain reference loops here for the ops that are new with the
-// vtable (embed, scatter_rows, add_ape, scale, compress_pool, attn over FP32 rows, offset_list)
-// and the existing CPU functions for the rest (di_ref_matmul, di_ref_rmsnorm, di_ref_rope,
+// vtable (embed, scatter_rows, add_ape, scale, compress_pool, attn over FP32 rows, offset_list,
+// contiguous and through a page table; index_scores paged against its contiguous scores) and the
+// existing CPU functions for the rest (di_ref_matmul, di_ref_rmsnorm, di_ref_rope,
 // di_dsv4_hc_coeffs, di_dsv4_topk). Every launch goes through b->vt, every output is poisoned
 // with NaN (0xFF bytes) first, and the edge shapes are in: 1 row, sizes that are not multiples of
 // any tile, strided rows, masked keys, 0 keys, the compressor's no-row overlap slots and ring
@@ -930,21 +931,43 @@ static void test_offset_list(void) {
                 *dd = bk_alloc(4 * (size_t)(T * ds));
         for (int64_t i = 0; i < T * ds; i++) out[i] = 7777;
         CK(g_b->vt->upload(g_b, dd, out, 4 * (size_t)(T * ds)));
-        CK(g_b->vt->offset_list(g_b, sd, T, k, bd, od, dd, ds));
+        CK(g_b->vt->offset_list(g_b, sd, T, k, bd, od, NULL, NULL, 0, dd, ds));
         bk_to(out, dd, 4 * (size_t)(T * ds));
         int64_t bad = 0;
         for (int64_t i = 0; i < T * ds; i++) bad += out[i] != ref[i];
         // sel NULL: entries 0..k-1 (HCA's visible entries) over the same rows.
         for (int32_t t = 0; t < T; t++)
             for (int32_t i = 0; i < k; i++) ref[t * ds + off[t] + i] = base[t] + i;
-        CK(g_b->vt->offset_list(g_b, NULL, T, k, bd, od, dd, ds));
+        CK(g_b->vt->offset_list(g_b, NULL, T, k, bd, od, NULL, NULL, 0, dd, ds));
         bk_to(out, dd, 4 * (size_t)(T * ds));
         for (int64_t i = 0; i < T * ds; i++) bad += out[i] != ref[i];
-        fprintf(stderr, "  offset_list T=%d k=%d (and sel NULL): %lld differ\n", T, k,
+        // Paged: pages of 13 entries, row t's pages from t * n_pg on, every 5th page missing (-1).
+        const int32_t per = 13, n_pg = 5000 / per + 1;
+        int32_t *pages = malloc(sizeof(int32_t) * (size_t)(T * n_pg)),
+                *pg_off = malloc(sizeof(int32_t) * (size_t)T);
+        for (int32_t i = 0; i < T * n_pg; i++)
+            pages[i] = rnd() % 5 == 0 ? -1 : (int32_t)(rnd() % 4000);
+        for (int32_t t = 0; t < T; t++) pg_off[t] = t * n_pg;
+        for (int pass = 0; pass < 2; pass++) { // sel, then sel NULL
+            for (int32_t t = 0; t < T; t++)
+                for (int32_t i = 0; i < k; i++) {
+                    const int32_t v = pass ? i : sel[t * k + i];
+                    const int32_t pg = v >= 0 ? pages[pg_off[t] + v / per] : -1;
+                    ref[t * ds + off[t] + i] = pg >= 0 ? base[t] + pg * per + v % per : -1;
+                }
+            int32_t *pd = bk_from(pages, sizeof(int32_t) * (size_t)(T * n_pg)),
+                    *pod = bk_from(pg_off, sizeof(int32_t) * (size_t)T);
+            CK(g_b->vt->offset_list(g_b, pass ? NULL : sd, T, k, bd, od, pd, pod, per, dd, ds));
+            bk_to(out, dd, 4 * (size_t)(T * ds));
+            for (int64_t i = 0; i < T * ds; i++) bad += out[i] != ref[i];
+            bk_free(pd), bk_free(pod);
+        }
+        fprintf(stderr, "  offset_list T=%d k=%d (sel, sel NULL, both paged): %lld differ\n", T, k,
                 (long long)bad);
         CHECK(bad == 0);
+        CHECK_EQ(g_b->vt->offset_list(g_b, sd, T, k, bd, od, bd, od, 0, dd, ds), DI_ERR_INVALID);
         bk_free(sd), bk_free(bd), bk_free(od), bk_free(dd);
-        free(sel), free(base), free(off), free(ref), free(out);
+        free(sel), free(base), free(off), free(ref), free(out), free(pages), free(pg_off);
     }
 }
 
@@ -1346,9 +1369,55 @@ static void test_indexer(void) {
     int32_t *vd = bk_from(vis, sizeof(int32_t) * (size_t)T);
     int64_t *kbd = bk_from(kb, sizeof(int64_t) * (size_t)T);
     bk_poison(sd, sizeof(float) * (size_t)(T * ss));
-    CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, vd, max_vis, T, HI, DI, false, sd, ss));
+    CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, NULL, NULL, 0, vd, max_vis, T, HI, DI, false, sd,
+                             ss));
     bk_to(out, sd, sizeof(float) * (size_t)(T * ss));
     CHECK(check_bounds("index_scores", out, ref, tol, T * ss) == 0);
+    // Paged: the same keys in shuffled pages of 7 entries (row t's pages from t * n_pg on, row 3's
+    // page 2 missing: -inf) give the contiguous scores bit for bit (the same arithmetic per key).
+    {
+        const int32_t per = 7, n_pg = (max_vis + per - 1) / per, n_all = T * n_pg;
+        int32_t *pages = malloc(sizeof(int32_t) * (size_t)n_all),
+                *pg_off = malloc(sizeof(int32_t) * (size_t)T);
+        float *paged = calloc((size_t)n_all * per * DI, sizeof(float));
+        float *po = malloc(sizeof(float) * (size_t)(T * ss));
+        for (int32_t i = 0; i < n_all; i++) pages[i] = i;
+        for (int32_t i = n_all - 1; i > 0; i--) { // shuffle
+            int32_t j = (int32_t)(rnd() % (uint64_t)(i + 1)), x = pages[i];
+            pages[i] = pages[j], pages[j] = x;
+        }
+        for (int32_t t = 0; t < T; t++) {
+            pg_off[t] = t * n_pg;
+            for (int32_t w = 0; w < vis[t]; w++)
+                memcpy(paged + ((int64_t)pages[t * n_pg + w / per] * per + w % per) * DI,
+                       keys + (kb[t] + w) * DI, sizeof(float) * (size_t)DI);
+        }
+        if (T > 3 && n_pg > 2) pages[3 * n_pg + 2] = -1;
+        float *pkd = bk_from(paged, sizeof(float) * (size_t)n_all * per * DI);
+        int32_t *pgd = bk_from(pages, sizeof(int32_t) * (size_t)n_all),
+                *pod = bk_from(pg_off, sizeof(int32_t) * (size_t)T);
+        bk_poison(sd, sizeof(float) * (size_t)(T * ss));
+        CK(g_b->vt->index_scores(g_b, qd, wd, pkd, NULL, pgd, pod, per, vd, max_vis, T, HI, DI,
+                                 false, sd, ss));
+        bk_to(po, sd, sizeof(float) * (size_t)(T * ss));
+        int64_t bad = 0;
+        for (int32_t t = 0; t < T; t++)
+            for (int32_t w = 0; w < vis[t]; w++) {
+                const float g = po[t * ss + w];
+                if (t == 3 && w / per == 2)
+                    bad += !(isinf(g) && g < 0);
+                else
+                    bad += memcmp(&g, &out[t * ss + w], sizeof g) != 0;
+            }
+        fprintf(stderr, "  index_scores paged (7 per page, shuffled, one missing): %lld differ\n",
+                (long long)bad);
+        CHECK(bad == 0);
+        CHECK_EQ(g_b->vt->index_scores(g_b, qd, wd, pkd, NULL, pgd, pod, 0, vd, max_vis, T, HI, DI,
+                                       false, sd, ss),
+                 DI_ERR_INVALID);
+        bk_free(pkd), bk_free(pgd), bk_free(pod);
+        free(pages), free(pg_off), free(paged), free(po);
+    }
     // The official recipe: the same scores rounded to BF16 (one BF16 ulp apart at most).
     {
         float *rd = malloc(sizeof(float) * (size_t)(T * ss));
@@ -1358,7 +1427,8 @@ static void test_indexer(void) {
             rd[i] = isnan(ref[i]) ? ref[i] : di_round_bf16(ref[i]);
             rtol[i] = isnan(ref[i]) ? 0 : tol[i] + fabs(ref[i]) * 0x1p-7;
         }
-        CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, vd, max_vis, T, HI, DI, true, sd, ss));
+        CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, NULL, NULL, 0, vd, max_vis, T, HI, DI, true,
+                                 sd, ss));
         bk_to(ro, sd, sizeof(float) * (size_t)(T * ss));
         int64_t not_bf16 = 0;
         for (int32_t t = 0; t < T; t++)
@@ -1366,7 +1436,8 @@ static void test_indexer(void) {
                 not_bf16 += ro[t * ss + w] != di_round_bf16(ro[t * ss + w]);
         CHECK_EQ(not_bf16, 0);
         CHECK(check_bounds("index_scores bf16", ro, rd, rtol, T * ss) == 0);
-        CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, vd, max_vis, T, HI, DI, false, sd, ss));
+        CK(g_b->vt->index_scores(g_b, qd, wd, kd, kbd, NULL, NULL, 0, vd, max_vis, T, HI, DI, false,
+                                 sd, ss));
         free(rd), free(rtol), free(ro);
     }
 
