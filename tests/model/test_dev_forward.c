@@ -573,6 +573,28 @@ static void test_decode_costs_flash(void) {
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
 }
 
+// Feeds positions [from, to) of toks to sequence `sq` (its slot, blocks, win_lo, n_cached) in
+// chunks of 96, every row's logits, and folds |logits - cold| of the rows from exact_from on into
+// *max_diff (n_cmp rows compared).
+static void feed_compare(harness_ctx *h, di_dsv4_dev_seq sq, int32_t from, int32_t to,
+                         int32_t exact_from, const int32_t *toks, const int32_t *rows,
+                         const float *cold, double *max_diff, int64_t *n_cmp) {
+    const int32_t V = h->V;
+    for (int32_t p = from; p < to;) {
+        int32_t n = to - p < 96 ? to - p : 96;
+        sq.pos = p, sq.n_tok = n;
+        CHECK_EQ(di_dsv4_dev_forward(h->st, &sq, 1, toks + p, rows, n, h->got), DI_OK);
+        for (int32_t t = 0; t < n; t++) {
+            if (p + t < exact_from) continue;
+            const float *a = h->got + (int64_t)t * V, *b = cold + (int64_t)(p + t) * V;
+            for (int32_t v = 0; v < V; v++)
+                if (fabs((double)a[v] - b[v]) > *max_diff) *max_diff = fabs((double)a[v] - b[v]);
+            (*n_cmp)++;
+        }
+        p += n;
+    }
+}
+
 // (j) Prefix reuse on shared blocks (docs/kv-cache.md, bounded replay): slot 0 prefills 300
 // positions cold in chunks across block boundaries; slot 1 then takes slot 0's two full blocks
 // (H = 256 cached positions) and a block of its own, replays from Q = max(0, H - n_layer (W - 1))
@@ -678,20 +700,8 @@ static void test_prefix(void) {
     }
     double max_diff = 0;
     int64_t n_cmp = 0;
-    for (int32_t p = Q + 1; p < L;) {
-        int32_t n = L - p < 96 ? L - p : 96;
-        di_dsv4_dev_seq sq = replay;
-        sq.pos = p, sq.n_tok = n;
-        CHECK_EQ(di_dsv4_dev_forward(h.st, &sq, 1, toks + p, rows, n, h.got), DI_OK);
-        for (int32_t t = 0; t < n; t++) {
-            if (p + t < H) continue; // replayed rows: not exact before H by design
-            const float *a = h.got + (int64_t)t * V, *b = cold + (int64_t)(p + t) * V;
-            for (int32_t v = 0; v < V; v++)
-                if (fabs((double)a[v] - b[v]) > max_diff) max_diff = fabs((double)a[v] - b[v]);
-            n_cmp++;
-        }
-        p += n;
-    }
+    // Replayed rows before H are not exact by design: compared from H on.
+    feed_compare(&h, replay, Q + 1, L, H, toks, rows, cold, &max_diff, &n_cmp);
     for (int b = 0; b < 2; b++)
         CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.blk[0][b], after + b * bb), DI_OK);
     CHECK(memcmp(before, after, (size_t)(2 * bb)) == 0);
@@ -713,20 +723,8 @@ static void test_prefix(void) {
     // from 0 with win_lo 0, stores no cached entry, and matches the cold rows from 128 on.
     {
         const int32_t b2[MAXB] = {h.blk[0][0], h.blk[2][1], h.blk[2][2]};
-        for (int32_t p = 0; p < L;) {
-            int32_t n = L - p < 96 ? L - p : 96;
-            di_dsv4_dev_seq sq = {
-                .slot = 2, .pos = p, .n_tok = n, .blocks = b2, .n_blocks = MAXB, .n_cached = BT};
-            CHECK_EQ(di_dsv4_dev_forward(h.st, &sq, 1, toks + p, rows, n, h.got), DI_OK);
-            for (int32_t t = 0; t < n; t++) {
-                if (p + t < BT) continue;
-                const float *a = h.got + (int64_t)t * V, *b = cold + (int64_t)(p + t) * V;
-                for (int32_t v = 0; v < V; v++)
-                    if (fabs((double)a[v] - b[v]) > max_diff) max_diff = fabs((double)a[v] - b[v]);
-                n_cmp++;
-            }
-            p += n;
-        }
+        const di_dsv4_dev_seq sq = {.slot = 2, .blocks = b2, .n_blocks = MAXB, .n_cached = BT};
+        feed_compare(&h, sq, 0, L, BT, toks, rows, cold, &max_diff, &n_cmp);
     }
     for (int b = 0; b < 2; b++)
         CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.blk[0][b], after + b * bb), DI_OK);

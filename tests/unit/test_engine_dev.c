@@ -310,6 +310,20 @@ static void test_failure(void) {
 
 // ---- (d), (e): failures on either forward (0: the CPU forward, 1: the device-resident one) ----
 
+// Path 0: the CPU forward; 1: the device-resident one on a CPU backend (*b, destroy it after the
+// engine). Two slots, a 64 MiB pool. NULL (nothing left to destroy) when either fails.
+static di_engine *engine_on(int path, di_backend **b) {
+    *b = NULL;
+    if (path == 1) CHECK_EQ(di_cpu_backend_create(2, b), DI_OK);
+    if (path == 1 && !*b) return NULL;
+    di_engine *e = engine((size_t)64 << 20, 2, *b);
+    if (!e) {
+        di_backend_destroy(*b);
+        *b = NULL;
+    }
+    return e;
+}
+
 // A long prompt's first 128-token block is published to the prefix cache when the step that
 // computes it is launched; request B, sharing it, is admitted by the plan built during that step
 // and attaches it. The step fails: the block was never computed, so it must leave the cache and B
@@ -336,13 +350,8 @@ static void test_failure_prefix(void) {
     }
     for (int path = 0; path < 2; path++) {
         di_backend *b = NULL;
-        if (path == 1) CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
-        if (path == 1 && !b) return;
-        di_engine *e = engine((size_t)64 << 20, 2, b);
-        if (!e) {
-            di_backend_destroy(b);
-            return;
-        }
+        di_engine *e = engine_on(path, &b);
+        if (!e) return;
         // A's prefill: 32 rows per step, block 0 full at the 4th; B waits for budget until the
         // plan of step 5 (built while the 4th forward runs) admits it onto block 0.
         di_engine_fail_forward(e, 3, 1, DI_ERR_CUDA);
@@ -381,13 +390,8 @@ static void test_failure_prefix(void) {
 static void test_failure_streak(void) {
     for (int path = 0; path < 2; path++) {
         di_backend *b = NULL;
-        if (path == 1) CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
-        if (path == 1 && !b) return;
-        di_engine *e = engine((size_t)64 << 20, 2, b);
-        if (!e) {
-            di_backend_destroy(b);
-            return;
-        }
+        di_engine *e = engine_on(path, &b);
+        if (!e) return;
         static result got[N_REQ];
         di_engine_stats st;
         di_engine_fail_forward(e, 0, 3, DI_ERR_CUDA);
