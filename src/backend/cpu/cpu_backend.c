@@ -397,23 +397,6 @@ static bool cpu_supports_matmul(const di_backend *b, const di_tensor *w) {
 
 // ---- dense ops ----
 
-static di_status cpu_host_alloc(di_backend *b, size_t bytes, void **out) {
-    if (impl_of(b)->capturing) return refuse(impl_of(b), "host_alloc");
-    void *p = NULL;
-    size_t n = (bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
-    if (posix_memalign(&p, ALIGN_BYTES, n ? n : ALIGN_BYTES) != 0) {
-        DI_LOG_ERROR("cpu backend: cannot allocate %zu bytes of host memory", bytes);
-        return DI_ERR_NOMEM;
-    }
-    *out = p;
-    return DI_OK;
-}
-
-static void cpu_host_free(di_backend *b, void *p) {
-    (void)b;
-    free(p);
-}
-
 static di_status cpu_matmul(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
                             int64_t xs, float *y, int64_t ys) {
     cpu_impl *c = impl_of(b);
@@ -1257,8 +1240,8 @@ static const di_backend_vt cpu_vt = {
     .sync = cpu_sync,
     .weight_upload = cpu_weight_upload,
     .supports_matmul = cpu_supports_matmul,
-    .host_alloc = cpu_host_alloc,
-    .host_free = cpu_host_free,
+    .host_alloc = cpu_alloc, // this backend's memory is host memory
+    .host_free = cpu_free,
     .matmul = cpu_matmul,
     .matmul_a8 = cpu_matmul_a8,
     .embed = cpu_embed,
