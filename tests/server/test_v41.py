@@ -36,6 +36,19 @@ def v41():
     assert "prompts render in the V4.1 format" in log
 
 
+def test_context_from_text_config():
+    # V4.1 keeps max_position_embeddings (4096 in the tiny model) in text_config: the server's
+    # context is capped by it as the engine's is.
+    d = tempfile.mkdtemp(prefix="deepinfer-v41-")
+    subprocess.run([os.environ["DEEPINFER_BIN"], "synth", "--preset", "v41-tiny", "--out", d],
+                   check=True, capture_output=True)
+    s = Server(extra=("--model", d, "--max-seqs", "1", "--kv-memory", "64"))
+    rc, log = s.stop()
+    shutil.rmtree(d, ignore_errors=True)
+    assert rc == 0, log
+    assert "context 4096)" in log
+
+
 def complete(server, prompt, n, **kw):
     st, _, body = post(server, "/v1/completions",
                        {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, **kw})

@@ -43,7 +43,9 @@ static int32_t config_ctx(const char *dir) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     json_t *cfg = json_load_file(path, 0, NULL);
-    int32_t n = (int32_t)json_integer_value(json_object_get(cfg, "max_position_embeddings"));
+    json_t *v = json_object_get(cfg, "max_position_embeddings");
+    if (!v) v = json_object_get(json_object_get(cfg, "text_config"), "max_position_embeddings");
+    int32_t n = (int32_t)json_integer_value(v); // V4.1: in text_config
     json_decref(cfg);
     return n;
 }
