@@ -20,7 +20,8 @@
 //     engine keeps serving.
 //   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h): one V4.1 session
 //     per scheduler slot, created at create with every buffer a call can grow reserved for max_ctx
-//     positions and max_batch_tokens rows (di_dsv41_reserve_ctx). A step runs its sequences one
+//     positions and max_batch_tokens rows (di_dsv41_reserve_ctx), all sharing the engine's
+//     workspace (di_dsv41_share_ws: they run one at a time). A step runs its sequences one
 //     after another (no cross-sequence batching yet): a sequence planned from position 0 resets its
 //     slot's session, then di_session_forward feeds its rows and writes the logits of its last row
 //     when the plan samples it. A session's result depends on its own tokens only (any chunking
@@ -65,7 +66,7 @@ struct di_engine {
     di_sampler **samplers; // owned [n_samplers]: one per pool thread
     int32_t n_samplers;
     di_sample_result *x_res; // owned [max_seqs]: the samples of the plan being run
-    di_dsv4_ws ws;           // owned (CPU forward only)
+    di_dsv4_ws ws;           // owned (CPU forward; on V4.1 the slots' sessions share it)
     float *logits;           // owned [max_seqs, V]
     // The device-resident forward (model->dev != NULL): one state for every slot.
     di_dsv4_dev_state *dstate; // owned; NULL on the CPU forward
@@ -77,7 +78,7 @@ struct di_engine {
     di_session **v41;       // owned [max_seqs]; NULL on the other forwards
     int32_t n_v41;          // sessions created
     int32_t *x_slot;        // owned [max_seqs]: the slot of each planned sequence (V4.1)
-    int64_t v41_slot_bytes; // the memory of one slot's session (state + workspace)
+    int64_t v41_slot_bytes; // the memory of one slot's session state (the workspace is shared)
     uint8_t *marks;         // owned [pool blocks], zero: fail_step's scratch
     // Failure injection (di_engine_fail_forward, DI_ENGINE_FAIL_STEPS): the fail_in-th next
     // forward and the fail_n - 1 after it fail with fail_status without running (0: none).
@@ -188,11 +189,13 @@ static di_status dev_kv_create(di_engine *e) {
                                            o->max_ctx, !o->no_prefix_cache, &e->kv);
 }
 
-// The V4.1 forward's sessions and kv_manager. Every slot's session is reserved for max_ctx
-// positions and max_batch_tokens rows now, so its bytes are committed: kv_memory_bytes pays for
-// whole slots (max_seqs is clamped to the slots that fit), and the accounting manager gets the
-// blocks of exactly those slots (max_blocks each, a block standing for 1 / max_blocks of a slot's
-// bytes): a sequence never lacks blocks, admission is bounded by the free slots.
+// The V4.1 forward's sessions and kv_manager. The sessions share the engine's workspace (they run
+// one at a time; like the CPU forward's, it is not part of kv_memory_bytes). Every slot's session
+// is reserved for max_ctx positions and max_batch_tokens rows now, so its bytes are committed:
+// kv_memory_bytes pays for whole slots (max_seqs is clamped to the slots that fit), and the
+// accounting manager gets the blocks of exactly those slots (max_blocks each, a block standing for
+// 1 / max_blocks of a slot's bytes): a sequence never lacks blocks, admission is bounded by the
+// free slots.
 static di_status v41_create(di_engine *e) {
     di_engine_options *o = &e->opt;
     di_status st = DI_OK;
@@ -202,6 +205,7 @@ static di_status v41_create(di_engine *e) {
     for (int32_t i = 0; i < o->max_seqs; i++) {
         DI_TRY(di_session_create(e->model, &so, &e->v41[i]));
         e->n_v41 = i + 1;
+        di_dsv41_share_ws(e->v41[i], &e->ws); // one slot runs at a time
         DI_TRY(di_dsv41_reserve_ctx(e->v41[i], o->max_ctx, o->max_batch_tokens));
         if (i > 0) continue;
         e->v41_slot_bytes = di_dsv41_state_bytes(e->v41[0]);
@@ -232,9 +236,11 @@ static di_status v41_create(di_engine *e) {
     DI_TRY(di_kv_manager_create_accounting(e->model, o->max_seqs * max_blocks, block_bytes,
                                            o->max_seqs, o->max_ctx, false, &e->kv));
     DI_LOG_INFO("engine: the V4.1 forward: %d slots of up to %d positions, %d rows per step, "
-                "%.1f MiB per slot (sequence state and workspace), one sequence after another",
+                "%.2f MiB per slot (sequence state) and %.1f MiB of workspace shared by the slots, "
+                "one sequence after another",
                 (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens,
-                (double)e->v41_slot_bytes / (1 << 20));
+                (double)e->v41_slot_bytes / (1 << 20),
+                (double)di_dsv41_ws_bytes(&e->ws) / (1 << 20));
     return DI_OK;
 fail: // what was created is the engine's (di_engine_destroy frees it)
     return st;

@@ -147,7 +147,7 @@ static di_status reserve(di_session *s, int64_t end, int32_t n_tok) {
         st->cap_tok = n_tok;
     }
     // Attention scores per thread: window + top-k (+ the DSpark block rows).
-    return di_dsv4_ws_reserve(&s->ws, m, n_tok, max_ent + hp->dspark_block_size, false);
+    return di_dsv4_ws_reserve(di_dsv41_ws(s), m, n_tok, max_ent + hp->dspark_block_size, false);
 }
 
 di_status di_dsv41_reserve(di_session *s, int32_t n_tok) {
@@ -176,10 +176,20 @@ int64_t di_dsv41_state_bytes(const di_session *s) {
     b += T * (2 * nc + n_col * hp->engram_head_dim + (nc + 1) * D + hp->n_dspark_target * D) * f;
     b += T * hp->n_engram * n_col * (int64_t)sizeof(int64_t);
     if (st->draft) b += (2 * (int64_t)hp->n_vocab + D + hp->dspark_markov_rank) * f;
-    // The workspace (dsv4_state.c: scratch, selections, row maps, attention scores).
-    b += (int64_t)(s->ws.scratch_floats + s->ws.attn_scratch_floats) * f;
-    b += (int64_t)s->ws.sel_cap * (int64_t)sizeof(int32_t) + 2 * (int64_t)s->ws.scratch_tokens * 4;
+    // Its own workspace (dsv4_state.c: scratch, selections, row maps, attention scores).
+    if (!s->ws_shared) b += di_dsv41_ws_bytes(&s->ws);
     return b;
+}
+
+int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws) {
+    return (int64_t)(ws->scratch_floats + ws->attn_scratch_floats) * (int64_t)sizeof(float) +
+           (int64_t)ws->sel_cap * (int64_t)sizeof(int32_t) +
+           2 * (int64_t)ws->scratch_tokens * (int64_t)sizeof(int32_t);
+}
+
+void di_dsv41_share_ws(di_session *s, di_dsv4_ws *ws) {
+    di_dsv4_ws_free(&s->ws);
+    s->ws_shared = ws;
 }
 
 // ---- rollback (§5.3) ----

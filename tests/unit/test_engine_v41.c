@@ -13,9 +13,10 @@
 //       DI_FINISH_ERROR and its status; the others, and requests submitted afterwards into the
 //       failed slots, give the reference's tokens;
 //   (d) sizing: kv_memory_bytes buys whole slots of di_dsv41_state_bytes (a session reserved for
-//       max_ctx positions and max_batch_tokens rows): one byte less than one slot is refused with
-//       DI_ERR_INVALID, exactly one slot clamps max_seqs to 1 (and still serves three requests
-//       correctly, one after another), two and a half slots clamp max_seqs 4 to 2.
+//       max_ctx positions and max_batch_tokens rows; the workspace is shared): one byte less than
+//       one slot is refused with DI_ERR_INVALID, exactly one slot clamps max_seqs to 1 (and still
+//       serves three requests correctly, one after another), two and a half slots clamp max_seqs 4
+//       to 2.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -298,16 +299,22 @@ static void test_sizing(void) {
         di_model_destroy(m);
         return;
     }
+    di_dsv4_ws ws = {0}; // the engine's slots share its workspace, outside kv_memory_bytes
+    di_dsv41_share_ws(s, &ws);
     const int64_t before = di_dsv41_state_bytes(s);
     CHECK_EQ(di_dsv41_reserve_ctx(s, MAX_CTX, ROWS), DI_OK);
-    const int64_t slot = di_dsv41_state_bytes(s);
+    const int64_t slot = di_dsv41_state_bytes(s), ws_bytes = di_dsv41_ws_bytes(&ws);
+    CHECK(ws_bytes > 0); // the reservation grew the shared workspace, not the session's own
     const int32_t bt = di_kv_block_tokens(m);
     const int32_t max_blocks = (MAX_CTX + bt - 1) / bt;
     di_session_destroy(s);
+    di_dsv4_ws_free(&ws);
     di_model_destroy(m);
     CHECK(slot > before); // the reservation grew the entry arrays, history and scratch
-    fprintf(stderr, "(d) one V4.1 slot (%d positions, %d rows per step): %lld bytes (%.2f MiB)\n",
-            MAX_CTX, ROWS, (long long)slot, (double)slot / (1 << 20));
+    fprintf(stderr,
+            "(d) one V4.1 slot (%d positions, %d rows per step): %lld bytes (%.2f MiB), "
+            "the shared workspace %lld bytes\n",
+            MAX_CTX, ROWS, (long long)slot, (double)slot / (1 << 20), (long long)ws_bytes);
 
     di_engine_options o = options((size_t)slot - 1, 4);
     di_engine *e = NULL;
