@@ -333,7 +333,8 @@ typedef struct di_engine_options {
                               // FP32 checkpoint: the device-resident forward (see create)
     size_t kv_memory_bytes;   // the KV pool (window rings, compressed entries, compressor
                               // buffers); 0 = 256 MiB. On the device-resident forward it is
-                              // device memory: max_seqs slots' rings, the rest entry blocks
+                              // device memory: max_seqs slots' rings, the rest entry blocks.
+                              // On V4.1: whole slots' session states (see create)
     int32_t max_seqs;         // sequences running at once; 0 = 16
     int32_t max_batch_tokens; // forward rows per step (token budget); 0 = 256
     int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)
@@ -380,10 +381,14 @@ typedef struct di_engine_stats {
 // entries are paged in entry blocks sized from kv_memory_bytes (the KV manager's blocks: the
 // prefix cache and bounded replay work as on the CPU path), created and exercised once here; a
 // step whose device call fails ends its requests with DI_FINISH_ERROR and goes on.
+// A DeepSeek V4.1 checkpoint runs one V4.1 session per slot (no MTP / DSpark), each reserved here
+// for max_ctx positions and max_batch_tokens rows; a step runs its sequences one after another.
+// kv_memory_bytes buys whole slots: max_seqs is lowered (logged) to the slots that fit, and the
+// prefix cache is off (no_prefix_cache is forced on).
 // Otherwise the CPU forward runs, its matmuls on the device when one is given. DI_ERR_IO,
 // DI_ERR_FORMAT, DI_ERR_UNSUPPORTED (as di_model_load), DI_ERR_INVALID (bad options; e.g. a KV
-// budget too small for one sequence), DI_ERR_CUDA (the device state or its first call failed),
-// DI_ERR_NOMEM.
+// budget too small for one sequence, or a V4.1 checkpoint whose sessions cannot run: no Engram
+// token map), DI_ERR_CUDA (the device state or its first call failed), DI_ERR_NOMEM.
 di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out);
 // Cancels every request (each gets its final event), stops the thread, frees everything.
 // NULL does nothing.

@@ -7,7 +7,7 @@
 // step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns; DI_ENGINE_FAIL_STEPS=N
 // (debug) fails the first N steps as a device fault would.
 //
-// Two forwards, chosen at create:
+// Three forwards, chosen at create:
 //   - the device-resident forward (model/dsv4_dev.h), when the model has one attached (m->dev:
 //     --device cuda on a V4 FP32 checkpoint, or a test's CPU twin): one dev state of max_seqs
 //     slots for max_batch_tokens rows whose compressed entries live in entry blocks; the
@@ -18,6 +18,19 @@
 //     the positions it attached from the prefix cache, so prefix reuse works as on the CPU path.
 //     A failed dev call fails the requests of that step (DI_FINISH_ERROR with its status); the
 //     engine keeps serving.
+//   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h): one V4.1 session
+//     per scheduler slot, created at create with every buffer a call can grow reserved for max_ctx
+//     positions and max_batch_tokens rows (di_dsv41_reserve_ctx), all sharing the engine's
+//     workspace (di_dsv41_share_ws: they run one at a time). A step runs its sequences one
+//     after another (no cross-sequence batching yet): a sequence planned from position 0 resets its
+//     slot's session, then di_session_forward feeds its rows and writes the logits of its last row
+//     when the plan samples it. A session's result depends on its own tokens only (any chunking
+//     gives the same logits), so a request's tokens do not depend on what shares its steps. The
+//     kv_manager is the accounting one: each slot's state is committed at create, so
+//     kv_memory_bytes buys whole slots (max_seqs is clamped to what fits) and the blocks of the
+//     max_seqs slots (each block standing for its share of one slot's bytes) always fit: admission
+//     is bounded by the slots, and nothing is ever preempted for blocks. Prefix cache off (a hit
+//     would copy a V4.1 state's entries between sessions: not done).
 //   - otherwise the CPU batched forward (di_dsv4_forward_batch) on the KV manager's blocks; with
 //     a device (di_engine_options.device: the model's matmul hook, backend/device.h) every
 //     matmul runs there, called from the forward thread only (the model calls its hook outside
@@ -39,6 +52,7 @@
 #include "engine/engine_internal.h" // test hooks
 #include "kv/kv_manager.h"
 #include "model/dsv4.h"
+#include "model/dsv41.h"    // the V4.1 forward: di_dsv41_reserve_ctx, di_dsv41_state_bytes
 #include "model/dsv4_dev.h" // the device-resident forward
 #include "sample/sampler.h"
 #include "sched/request.h"
@@ -52,7 +66,7 @@ struct di_engine {
     di_sampler **samplers; // owned [n_samplers]: one per pool thread
     int32_t n_samplers;
     di_sample_result *x_res; // owned [max_seqs]: the samples of the plan being run
-    di_dsv4_ws ws;           // owned (CPU forward only)
+    di_dsv4_ws ws;           // owned (CPU forward; on V4.1 the slots' sessions share it)
     float *logits;           // owned [max_seqs, V]
     // The device-resident forward (model->dev != NULL): one state for every slot.
     di_dsv4_dev_state *dstate; // owned; NULL on the CPU forward
@@ -60,7 +74,12 @@ struct di_engine {
     int32_t *x_blocks;         // owned [max_seqs, max_blocks]: the block ids x_dev points to
     int64_t dev_block_bytes;   // device bytes of one entry block
     di_request **x_seq_req;    // owned [max_seqs]: the request of each planned sequence
-    uint8_t *marks;            // owned [pool blocks], zero: fail_step's scratch
+    // The V4.1 forward (model->hp.v41): one session per scheduler slot.
+    di_session **v41;       // owned [max_seqs]; NULL on the other forwards
+    int32_t n_v41;          // sessions created
+    int32_t *x_slot;        // owned [max_seqs]: the slot of each planned sequence (V4.1)
+    int64_t v41_slot_bytes; // the memory of one slot's session state (the workspace is shared)
+    uint8_t *marks;         // owned [pool blocks], zero: fail_step's scratch
     // Failure injection (di_engine_fail_forward, DI_ENGINE_FAIL_STEPS): the fail_in-th next
     // forward and the fail_n - 1 after it fail with fail_status without running (0: none).
     atomic_int fail_in, fail_n, fail_status;
@@ -170,6 +189,63 @@ static di_status dev_kv_create(di_engine *e) {
                                            o->max_ctx, !o->no_prefix_cache, &e->kv);
 }
 
+// The V4.1 forward's sessions and kv_manager. The sessions share the engine's workspace (they run
+// one at a time; like the CPU forward's, it is not part of kv_memory_bytes). Every slot's session
+// is reserved for max_ctx positions and max_batch_tokens rows now, so its bytes are committed:
+// kv_memory_bytes pays for whole slots (max_seqs is clamped to the slots that fit), and the
+// accounting manager gets the blocks of exactly those slots (max_blocks each, a block standing for
+// 1 / max_blocks of a slot's bytes): a sequence never lacks blocks, admission is bounded by the
+// free slots.
+static di_status v41_create(di_engine *e) {
+    di_engine_options *o = &e->opt;
+    di_status st = DI_OK;
+    di_session_options so = {.n_ctx_max = o->max_ctx, .mtp = false};
+    e->v41 = di_calloc((size_t)o->max_seqs, sizeof *e->v41);
+    if (!e->v41) return DI_ERR_NOMEM;
+    for (int32_t i = 0; i < o->max_seqs; i++) {
+        DI_TRY(di_session_create(e->model, &so, &e->v41[i]));
+        e->n_v41 = i + 1;
+        di_dsv41_share_ws(e->v41[i], &e->ws); // one slot runs at a time
+        DI_TRY(di_dsv41_reserve_ctx(e->v41[i], o->max_ctx, o->max_batch_tokens));
+        if (i > 0) continue;
+        e->v41_slot_bytes = di_dsv41_state_bytes(e->v41[0]);
+        const int64_t fit = (int64_t)o->kv_memory_bytes / e->v41_slot_bytes;
+        if (fit < 1) {
+            DI_LOG_ERROR("engine: --kv-memory %zu bytes cannot hold one V4.1 sequence state of %d "
+                         "positions and %d rows per step (%lld bytes)",
+                         o->kv_memory_bytes, (int)o->max_ctx, (int)o->max_batch_tokens,
+                         (long long)e->v41_slot_bytes);
+            st = DI_ERR_INVALID;
+            goto fail;
+        }
+        if (fit < o->max_seqs) {
+            DI_LOG_INFO("engine: --kv-memory %zu bytes holds %lld V4.1 sequence states of %lld "
+                        "bytes: max_seqs %d -> %lld",
+                        o->kv_memory_bytes, (long long)fit, (long long)e->v41_slot_bytes,
+                        (int)o->max_seqs, (long long)fit);
+            o->max_seqs = (int32_t)fit;
+        }
+    }
+    const int32_t bt = di_kv_block_tokens(e->model);
+    const int32_t max_blocks = (o->max_ctx + bt - 1) / bt;
+    const size_t block_bytes = (size_t)((e->v41_slot_bytes + max_blocks - 1) / max_blocks);
+    if (!o->no_prefix_cache)
+        DI_LOG_INFO("engine: prefix cache off for DeepSeek V4.1 (sharing a prefix would copy a "
+                    "V4.1 state's entries between sessions: not done)");
+    o->no_prefix_cache = true;
+    DI_TRY(di_kv_manager_create_accounting(e->model, o->max_seqs * max_blocks, block_bytes,
+                                           o->max_seqs, o->max_ctx, false, &e->kv));
+    DI_LOG_INFO("engine: the V4.1 forward: %d slots of up to %d positions, %d rows per step, "
+                "%.2f MiB per slot (sequence state) and %.1f MiB of workspace shared by the slots, "
+                "one sequence after another",
+                (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens,
+                (double)e->v41_slot_bytes / (1 << 20),
+                (double)di_dsv41_ws_bytes(&e->ws) / (1 << 20));
+    return DI_OK;
+fail: // what was created is the engine's (di_engine_destroy frees it)
+    return st;
+}
+
 static di_status create(const char *model_dir, const di_engine_options *opt,
                         di_engine_prepare_fn prepare, void *prepare_user, di_engine **out) {
     di_status st = DI_OK;
@@ -198,16 +274,11 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
     if (prepare) DI_TRY(prepare(e->model, prepare_user));
     const di_hparams *hp = &e->model->hp;
-    if (hp->v41) { // TODO(v41-model): paged KV and batching for V4.1's shared compressed KV
-        DI_LOG_ERROR("engine: %s is a DeepSeek V4.1 checkpoint; the serving engine runs V4 only "
-                     "(use deepinfer generate / logits for V4.1)",
-                     model_dir);
-        st = DI_ERR_UNSUPPORTED;
-        goto fail;
-    }
     if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
     e->eos = hp->eos_token;
-    if (e->model->dev)
+    if (hp->v41)
+        DI_TRY(v41_create(e));
+    else if (e->model->dev)
         DI_TRY(dev_kv_create(e));
     else
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
@@ -229,6 +300,12 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         e->x_dev = di_calloc((size_t)o->max_seqs, sizeof *e->x_dev);
         e->x_blocks = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs * (size_t)e->kv->max_blocks);
         if (!e->x_dev || !e->x_blocks) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
+    } else if (e->v41) {
+        e->x_slot = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
+        if (!e->x_slot) {
             st = DI_ERR_NOMEM;
             goto fail;
         }
@@ -362,6 +439,9 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_dev);
     di_free(e->x_seq_req);
     di_free(e->x_blocks);
+    for (int32_t i = 0; i < e->n_v41; i++) di_session_destroy(e->v41[i]);
+    di_free(e->v41);
+    di_free(e->x_slot);
     di_free(e->marks);
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
@@ -573,6 +653,36 @@ static di_status inject_failure(di_engine *e) {
     return st;
 }
 
+// The V4.1 forward of the plan being run: its sequences one after another, each on its slot's
+// session. The logits of a sequence's last row land in the row of its logit (the plan samples only
+// a sequence's last row). A session call that fails fails the step (fail_step); sequences after it
+// do not run, and every slot of the step restarts at position 0 when reused.
+static di_status v41_forward(di_engine *e) {
+    const int64_t V = e->model->hp.n_vocab;
+    int32_t row = 0, n_out = 0;
+    for (int32_t i = 0; i < e->x_n_seq; i++) {
+        const di_dsv4_seq *sq = &e->x_seqs[i];
+        di_session *s = e->v41[e->x_slot[i]];
+        DI_ASSERT(sq->win_lo == 0); // no prefix cache: no bounded replay
+        if (sq->pos == 0) di_session_reset(s);
+        if (di_session_n_past(s) != sq->pos) { // an invariant of the plan; fail rather than abort
+            DI_LOG_ERROR("engine: V4.1 slot %d is at position %d, the plan feeds position %d",
+                         (int)e->x_slot[i], (int)di_session_n_past(s), (int)sq->pos);
+            return DI_ERR_INVALID;
+        }
+        const int32_t last = row + sq->n_tok - 1;
+        di_forward_out out = {.logits = NULL, .last_only = true};
+        for (int32_t k = 0; k < e->x_n_logit; k++)
+            if (e->x_logit_rows[k] == last) out.logits = e->logits + k * V;
+        n_out += out.logits != NULL;
+        di_status st = di_session_forward(s, e->x_tokens + row, sq->n_tok, &out);
+        if (st != DI_OK) return st;
+        row += sq->n_tok;
+    }
+    DI_ASSERT(n_out == e->x_n_logit); // every logit row is the last row of its sequence
+    return DI_OK;
+}
+
 static void *forward_main(void *p) {
     di_engine *e = p;
     pthread_mutex_lock(&e->fmu);
@@ -585,6 +695,8 @@ static void *forward_main(void *p) {
         di_status st = inject_failure(e);
         if (st != DI_OK) {
             // nothing ran
+        } else if (e->v41) {
+            st = v41_forward(e);
         } else if (e->dstate) {
             st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens, e->x_logit_rows,
                                      e->x_n_logit, e->logits);
@@ -637,6 +749,8 @@ static void launch(di_engine *e) {
                                             .n_cached = ks->n_cached};
         }
     }
+    if (e->v41)
+        for (int32_t i = 0; i < s->n_seq; i++) e->x_slot[i] = s->seq_req[i]->slot;
     di_sched_advance(s);
     s->n_seq = s->n_rows = s->n_logit = 0; // the plan now runs; the next one starts empty
     pthread_mutex_lock(&e->fmu);

@@ -95,8 +95,8 @@ di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t 
     if (prefix_cache)
         DI_TRY(di_prefix_cache_create(kv->pool, kv->block_tokens, model_id(m), &kv->cache));
     DI_TRY(alloc_seqs(kv));
-    DI_LOG_INFO("kv: %d device entry blocks of %zu KiB (%d positions each), replay bound %d "
-                "tokens, prefix cache %s",
+    DI_LOG_INFO("kv: %d accounted blocks of %zu KiB (%d positions each; the forward's state holds "
+                "the memory), replay bound %d tokens, prefix cache %s",
                 n_blocks, block_bytes / 1024, kv->block_tokens, kv->replay_tokens,
                 prefix_cache ? "on" : "off");
     *out = kv;

@@ -12,10 +12,12 @@
  * blocks, entries through a page table of its entry blocks), so the forward pass reads and writes
  * the pool directly. Sequences hold block ids (reference counted), never own memory.
  * See docs/kv-cache.md for the layout and the exact prefix-reuse rule (bounded replay).
- * Created for accounting (di_kv_manager_create_accounting: the device-resident forward), the
- * manager keeps block ids, counts, the prefix cache and the block tables only: no memory, no tail
- * blocks (the device state holds every slot's tail), no layer views; the blocks are the device
- * state's entry blocks (model/dsv4_dev.h), whose ids the engine passes with each call.
+ * Created for accounting (di_kv_manager_create_accounting: the device-resident forward and the
+ * V4.1 forward), the manager keeps block ids, counts, the prefix cache and the block tables only:
+ * no memory, no tail blocks (the forward's state holds every slot's tail), no layer views. On the
+ * device-resident forward the blocks are the device state's entry blocks (model/dsv4_dev.h), whose
+ * ids the engine passes with each call; on the V4.1 forward each block stands for a share of one
+ * slot's V4.1 session state, which is committed at create (engine.c).
  *
  * Owns: the pool, the prefix cache, per-slot metadata (sized at create; no allocation after).
  * Thread-safety: engine thread only.
@@ -73,10 +75,10 @@ typedef struct di_kv_manager {
 // cannot hold one sequence of max_ctx positions), DI_ERR_NOMEM.
 di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, int32_t max_ctx,
                                bool prefix_cache, di_kv_manager **out);
-// The accounting manager of the device-resident forward: n_blocks blocks standing for
-// block_bytes each (the device state's entry blocks), no tail blocks, no memory; block_tokens by
-// the same rule. DI_ERR_INVALID (n_blocks cannot hold one sequence of max_ctx positions; logged),
-// DI_ERR_NOMEM.
+// The accounting manager of the device-resident and V4.1 forwards: n_blocks blocks standing for
+// block_bytes each (device entry blocks / shares of V4.1 slot states), no tail blocks, no memory;
+// block_tokens by the same rule. DI_ERR_INVALID (n_blocks cannot hold one sequence of max_ctx
+// positions; logged), DI_ERR_NOMEM.
 di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t block_bytes,
                                           int32_t max_seqs, int32_t max_ctx, bool prefix_cache,
                                           di_kv_manager **out);

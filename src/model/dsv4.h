@@ -251,6 +251,7 @@ struct di_session {
     void *trace_user;
     char dump_dir[1024];
     struct di_dsv41_state *v41; // owned: the V4.1 state (dsv41.h); NULL for V4 (then layers)
+    di_dsv4_ws *ws_shared;      // borrowed: V4.1 calls use it instead of ws (di_dsv41_share_ws)
     // The model's device-resident forward runs this session (1 slot of n_ctx_max positions):
     // layers are unused then, and save / restore are refused. NULL: the CPU forward.
     struct di_dsv4_dev_state *dev; // owned

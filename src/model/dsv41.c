@@ -240,16 +240,17 @@ static void head(di_dsv4_ctx *c, const float *x, const float *pre, int32_t n, co
 
 static void setup_ctx(di_session *s, di_dsv4_seq *seq, di_dsv4_ctx *c, int32_t pos, int32_t n_tok) {
     *seq = (di_dsv4_seq){.layers = NULL, .pos = pos, .n_tok = n_tok, .row0 = 0};
+    di_dsv4_ws *ws = di_dsv41_ws(s);
     *c = (di_dsv4_ctx){.model = s->model,
-                       .ws = &s->ws,
+                       .ws = ws,
                        .seqs = seq,
                        .n_seq = 1,
                        .n_rows = n_tok,
                        .trace = s->trace,
                        .trace_user = s->trace_user};
     for (int32_t t = 0; t < n_tok; t++) {
-        s->ws.row_seq[t] = 0;
-        s->ws.row_pos[t] = pos + t;
+        ws->row_seq[t] = 0;
+        ws->row_pos[t] = pos + t;
     }
 }
 

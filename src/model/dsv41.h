@@ -109,6 +109,25 @@ di_status di_dsv41_state_create(di_session *s);
 void di_dsv41_state_destroy(di_session *s);
 // Grows entry arrays, history and scratch for a call of n_tok tokens. DI_ERR_NOMEM.
 di_status di_dsv41_reserve(di_session *s, int32_t n_tok);
+// Reserves everything a call can grow for positions < n_ctx and calls of up to n_tok rows (the
+// entry arrays, the history, the per-call scratch and the session's workspace), so that no later
+// call within those bounds allocates: the serving engine's per-slot sessions (engine.c).
+// DI_ERR_NOMEM.
+di_status di_dsv41_reserve_ctx(di_session *s, int32_t n_ctx, int32_t n_tok);
+// Bytes the session holds now: the V4.1 state (rings, entries, index keys, (C, Z) slots, history,
+// per-call scratch) plus its own workspace (none when it shares one). After di_dsv41_reserve_ctx,
+// the memory of one engine slot.
+int64_t di_dsv41_state_bytes(const di_session *s);
+// Makes the session's calls use ws (borrowed; it must outlive them) instead of its own workspace,
+// which is freed: sessions that never run at the same time (the engine's slots, run one after
+// another on the forward thread) share one. Reservations grow ws.
+void di_dsv41_share_ws(di_session *s, di_dsv4_ws *ws);
+// Bytes of a workspace's buffers.
+int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws);
+// The workspace the session's calls use.
+static inline di_dsv4_ws *di_dsv41_ws(di_session *s) {
+    return s->ws_shared ? s->ws_shared : &s->ws;
+}
 di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes);
 di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes);
 

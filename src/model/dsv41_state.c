@@ -147,11 +147,49 @@ static di_status reserve(di_session *s, int64_t end, int32_t n_tok) {
         st->cap_tok = n_tok;
     }
     // Attention scores per thread: window + top-k (+ the DSpark block rows).
-    return di_dsv4_ws_reserve(&s->ws, m, n_tok, max_ent + hp->dspark_block_size, false);
+    return di_dsv4_ws_reserve(di_dsv41_ws(s), m, n_tok, max_ent + hp->dspark_block_size, false);
 }
 
 di_status di_dsv41_reserve(di_session *s, int32_t n_tok) {
     return reserve(s, (int64_t)s->pos + n_tok, n_tok);
+}
+
+di_status di_dsv41_reserve_ctx(di_session *s, int32_t n_ctx, int32_t n_tok) {
+    return reserve(s, n_ctx, n_tok);
+}
+
+int64_t di_dsv41_state_bytes(const di_session *s) {
+    const di_hparams *hp = &s->model->hp;
+    const di_dsv41_state *st = s->v41;
+    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim, f = sizeof(float);
+    int64_t b = (int64_t)st->n_state_layers * st->ring_rows * Dh * f;
+    for (int il = 0; il < hp->n_layer; il++) {
+        const di_dsv41_src *src = &st->src[il];
+        b += src->cap * (Dh + DI) * f;
+        if (src->cz) b += (int64_t)DI_DSV41_CZ_SLOTS * 2 * Dh * f;
+    }
+    b += st->cap_hist * (int64_t)sizeof(int32_t);
+    const int64_t nth = s->model->cpu.n_threads, T = st->cap_tok, nc = hp->hc_mult;
+    const int64_t D = hp->n_embd, n_col = s->model->v41->hash.n_col;
+    b += nth * (st->cap_ent * f + (st->cap_ent + 1) * (f + (int64_t)sizeof(int32_t)));
+    b += T * (hp->index_topk + 1 + hp->candidate_topk_blocks + 1) * (int64_t)sizeof(int32_t);
+    b += T * (2 * nc + n_col * hp->engram_head_dim + (nc + 1) * D + hp->n_dspark_target * D) * f;
+    b += T * hp->n_engram * n_col * (int64_t)sizeof(int64_t);
+    if (st->draft) b += (2 * (int64_t)hp->n_vocab + D + hp->dspark_markov_rank) * f;
+    // Its own workspace (dsv4_state.c: scratch, selections, row maps, attention scores).
+    if (!s->ws_shared) b += di_dsv41_ws_bytes(&s->ws);
+    return b;
+}
+
+int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws) {
+    return (int64_t)(ws->scratch_floats + ws->attn_scratch_floats) * (int64_t)sizeof(float) +
+           (int64_t)ws->sel_cap * (int64_t)sizeof(int32_t) +
+           2 * (int64_t)ws->scratch_tokens * (int64_t)sizeof(int32_t);
+}
+
+void di_dsv41_share_ws(di_session *s, di_dsv4_ws *ws) {
+    di_dsv4_ws_free(&s->ws);
+    s->ws_shared = ws;
 }
 
 // ---- rollback (§5.3) ----

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CLI test for DeepSeek V4.1: deepinfer synth --preset v41-tiny, then info / logits (chunked,
-# --dspark) / generate on it, and the serving engine's refusal.
+# --dspark) / generate on it, and deepinfer bench (the serving engine's V4.1 forward).
 # Usage: test_v41_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
 set -u
 B=${1:?path to deepinfer}
@@ -34,4 +34,9 @@ check "greedy with DSpark speculation equals plain greedy" "$g2" "$g1"
 check "dspark sampling refused" "$?" "2"
 "$B" logits --model "$T/hf" --tokens 5,6 --out "$T/x.npy" --dspark "$T/x.json" --log-level error 2>/dev/null
 check "dspark without DSpark weights exits 1" "$?" "1"
+b=$("$B" bench --model $M --requests 5 --prompt-len 40 --gen-len 6 --max-batch-tokens 32 \
+    --no-ratio --threads 2 --log-level error 2>&1)
+check "bench exit" "$?" "0"
+check "bench: 5 requests" "$(echo "$b" | grep -c '^batch: 5 requests')" "1"
+check "bench: no allocation in a step" "$(echo "$b" | grep -c 'step allocations 0$')" "1"
 exit $fail

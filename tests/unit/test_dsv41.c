@@ -335,12 +335,17 @@ static void check_refusals(const char *off, const char *hf) {
     CHECK_EQ(di_session_create(m, NULL, &s), DI_ERR_INVALID); // ... but cannot run
     CHECK(s == NULL);
     di_model_destroy(m);
-    // The serving engine runs V4 only: a V4.1 checkpoint is refused, not crashed on.
+    // The serving engine runs V4.1 on sessions (tests/unit/test_engine_v41.c): without the token
+    // map it is refused as the session is, not crashed on; with it, it starts.
     di_engine_options eo = di_engine_options_default();
     eo.n_threads = 1;
+    eo.max_seqs = 2;
+    eo.max_ctx = 256;
     di_engine *e = NULL;
-    CHECK_EQ(di_engine_create(hf, &eo, &e), DI_ERR_UNSUPPORTED);
+    CHECK_EQ(di_engine_create(dir, &eo, &e), DI_ERR_INVALID);
     CHECK(e == NULL);
+    CHECK_EQ(di_engine_create(hf, &eo, &e), DI_OK);
+    di_engine_destroy(e);
 }
 
 // ---- the compressed token map made from tokenizer.json (no engram/token_map.safetensors) ----

@@ -43,9 +43,28 @@ static int32_t config_ctx(const char *dir) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     json_t *cfg = json_load_file(path, 0, NULL);
-    int32_t n = (int32_t)json_integer_value(json_object_get(cfg, "max_position_embeddings"));
+    json_t *v = json_object_get(cfg, "max_position_embeddings");
+    if (!v) v = json_object_get(json_object_get(cfg, "text_config"), "max_position_embeddings");
+    int32_t n = (int32_t)json_integer_value(v); // V4.1: in text_config
     json_decref(cfg);
     return n;
+}
+
+// The model's config.json: whether it is a DeepSeek V4.1 checkpoint (its model_type, at the top or
+// in text_config: prompts render in the dsv41 format, docs/tokenizer.md) and its vocabulary size
+// (0 if absent).
+static void config_model(const char *dir, bool *v41, int32_t *n_vocab) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_t *cfg = json_load_file(path, 0, NULL);
+    json_t *tc = json_object_get(cfg, "text_config");
+    const char *mt = json_string_value(json_object_get(cfg, "model_type"));
+    const char *tmt = json_string_value(json_object_get(tc, "model_type"));
+    *v41 = (mt && strstr(mt, "deepseek_v41")) || (tmt && strstr(tmt, "deepseek_v41"));
+    json_t *nv = json_object_get(cfg, "vocab_size");
+    if (!nv) nv = json_object_get(tc, "vocab_size");
+    *n_vocab = (int32_t)json_integer_value(nv);
+    json_decref(cfg);
 }
 
 int di_cli_serve(int argc, char **argv) {
@@ -154,6 +173,18 @@ int di_cli_serve(int argc, char **argv) {
         fprintf(stderr, "ERROR serve: cannot start the engine: %s\n", di_status_str(st));
         goto out;
     }
+    bool v41 = false;
+    int32_t n_vocab = 0;
+    config_model(ma.model, &v41, &n_vocab);
+    s->encoding = v41 ? 1 : 0;
+    if (v41)
+        fprintf(stderr, "INFO  serve: a DeepSeek V4.1 checkpoint: prompts render in the V4.1 "
+                        "format\n");
+    if (n_vocab > 0 && di_tokenizer_n_vocab(s->tok) > n_vocab)
+        fprintf(stderr,
+                "WARN  serve: the tokenizer has %d ids but the model's vocabulary has %d: every "
+                "prompt holding an id >= %d (special tokens, most text) is refused with 400\n",
+                di_tokenizer_n_vocab(s->tok), n_vocab, n_vocab);
     int32_t mp = config_ctx(ma.model);
     s->n_ctx = mp > 0 && mp < c->max_ctx ? mp : c->max_ctx;
     struct sigaction sa = {0};

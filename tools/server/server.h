@@ -98,6 +98,7 @@ typedef struct srv {
     di_engine *engine; // owned
     di_tokenizer *tok; // owned
     int32_t n_ctx;     // effective context per request
+    int encoding;      // prompt format (di_render_options.encoding): 1 (dsv41) for a V4.1 model
     long started_at;
     atomic_int inflight;  // generation requests being served
     atomic_bool draining; // SIGTERM received

@@ -363,15 +363,23 @@ bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e) {
     char *text = NULL;
     size_t n_text = 0;
     di_render_options o = di_render_options_default();
+    o.encoding = g->s->encoding;
     di_status st = di_render_request(g->s->tok, body, strlen(body), rapi, &o, &text, &n_text,
                                      &g->prompt, &g->n_prompt);
     free(body);
+    if (st == DI_ERR_UNSUPPORTED) { // the server's tokenizer, not the request (docs/server.md)
+        srv_err_set(e, 500, NULL,
+                    "The served model's tokenizer lacks a special token of the DeepSeek %s "
+                    "prompt format: the model directory needs its own tokenizer.json.",
+                    g->s->encoding ? "V4.1" : "V4");
+        return false;
+    }
     if (st != DI_OK) {
         // the renderer logs the field; its message is not available through the public API
         srv_err_set(e, 400, "messages",
-                    "The conversation cannot be rendered as a DeepSeek V4 prompt (%s): check "
+                    "The conversation cannot be rendered as a DeepSeek %s prompt (%s): check "
                     "roles, message order, tool calls and reasoning effort.",
-                    di_status_str(st));
+                    g->s->encoding ? "V4.1" : "V4", di_status_str(st));
         return false;
     }
     bool thinking;

@@ -1,0 +1,371 @@
+// The engine on a DeepSeek V4.1 checkpoint (the V4.1 forward of engine.c: one V4.1 session per
+// scheduler slot), on the V4.1 tiny model (di_synth_v41_write, official layout with DSpark, which
+// the engine does not run), against an independent reference: a plain V4.1 session fed each
+// request's whole prompt in one call, then one token per call, sampled with di_sampler.
+//   (a) six concurrent requests (prompts 5..150 tokens, greedy and seeded) with max_seqs 3 (slots
+//       reused) and 32 rows per step (chunked prefill), then with max_seqs 6, twice each, give the
+//       reference's tokens, logprobs and first-token logits bit for bit; nothing is allocated
+//       inside a step; every block comes back; the prefix cache is off (nothing cached or hit) and
+//       nothing is preempted;
+//   (b) requests cancelled mid-decode free their slots; the requests that reuse them give the
+//       reference's tokens;
+//   (c) a forward failure injected mid-run ends exactly the requests of that step with
+//       DI_FINISH_ERROR and its status; the others, and requests submitted afterwards into the
+//       failed slots, give the reference's tokens;
+//   (d) sizing: kv_memory_bytes buys whole slots of di_dsv41_state_bytes (a session reserved for
+//       max_ctx positions and max_batch_tokens rows; the workspace is shared): one byte less than
+//       one slot is refused with DI_ERR_INVALID, exactly one slot clamps max_seqs to 1 (and still
+//       serves three requests correctly, one after another), two and a half slots clamp max_seqs 4
+//       to 2.
+#include "harness.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include "engine/engine_internal.h"
+#include "kv/kv_manager.h"
+#include "model/dsv41.h"
+#include "model/synth.h"
+#include "sample/sampler.h"
+
+enum { V = 512, N_REQ = 6, MAX_GEN = 24, MAX_CTX = 256, N_TOP = 3, ROWS = 32, N_THREADS = 2 };
+
+static char g_root[256], g_dir[300];
+static int32_t g_prompt[N_REQ][160];
+static const int32_t g_len[N_REQ] = {150, 5, 121, 40, 140, 90};
+
+typedef struct result {
+    di_engine *cancel_engine; // (b): cancel the request after cancel_after tokens
+    int32_t cancel_after;
+    int32_t tokens[64];
+    float logprob[64], top[64][N_TOP];
+    float first[V]; // the logits that chose token 0
+    int32_t n;
+    atomic_int finished; // final events
+    di_finish finish;
+    di_status status;
+    int32_t n_preempted, n_cached;
+} result;
+
+static void on_event(void *user, const di_event *ev) {
+    result *r = user;
+    if (ev->token >= 0 && r->n < 64) {
+        r->tokens[r->n] = ev->token;
+        r->logprob[r->n] = ev->logprob;
+        for (int k = 0; k < ev->n_top && k < N_TOP; k++) r->top[r->n][k] = ev->top_logprobs[k];
+        r->n++;
+        if (r->cancel_engine && r->n == r->cancel_after) // allowed from a callback
+            di_engine_cancel(r->cancel_engine, ev->request_id);
+    }
+    if (ev->finish != DI_FINISH_NONE) {
+        r->finish = ev->finish;
+        r->status = ev->status;
+        r->n_preempted = ev->n_preempted;
+        r->n_cached = ev->n_cached;
+        atomic_fetch_add(&r->finished, 1);
+    }
+}
+
+static di_request_params request(int i, result *res) {
+    di_request_params p = di_request_params_default();
+    p.prompt = g_prompt[i];
+    p.n_prompt = g_len[i];
+    p.max_tokens = MAX_GEN - 2 * (i % 3);
+    p.ignore_eos = true;
+    p.sample.n_logprobs = N_TOP;
+    if (i % 2) { // seeded sampling on odd requests: keyed by (seed, position), so it must match
+        p.sample.temperature = 0.8f;
+        p.sample.top_k = 40;
+        p.sample.seed = 77 + (uint64_t)i;
+    }
+    p.first_logits = res->first;
+    p.on_event = on_event;
+    p.user = res;
+    return p;
+}
+
+static bool same(const result *a, const result *b) {
+    return a->n == b->n && !memcmp(a->tokens, b->tokens, sizeof(int32_t) * (size_t)a->n) &&
+           !memcmp(a->logprob, b->logprob, sizeof(float) * (size_t)a->n) &&
+           !memcmp(a->top, b->top, sizeof(a->top[0]) * (size_t)a->n) &&
+           !memcmp(a->first, b->first, sizeof a->first);
+}
+
+// ---- the reference: one plain V4.1 session per request ----
+
+static result g_ref[N_REQ];
+
+static void reference(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = N_THREADS; // as the engines below
+    di_model *m = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    di_sampler *smp = NULL;
+    CHECK_EQ(di_sampler_create(V, &smp), DI_OK);
+    static float logits[V];
+    for (int i = 0; m && smp && i < N_REQ; i++) {
+        result *r = &g_ref[i];
+        memset(r, 0, sizeof *r);
+        di_request_params p = request(i, r);
+        di_session_options so = {.n_ctx_max = MAX_CTX};
+        di_session *s = NULL;
+        CHECK_EQ(di_session_create(m, &so, &s), DI_OK);
+        if (!s) break;
+        static int32_t hist[MAX_CTX];
+        memcpy(hist, p.prompt, sizeof(int32_t) * (size_t)p.n_prompt);
+        di_forward_out out = {.logits = logits, .last_only = true};
+        CHECK_EQ(di_session_forward(s, hist, p.n_prompt, &out), DI_OK); // the whole prompt
+        memcpy(r->first, logits, sizeof logits);
+        for (int32_t g = 0; g < p.max_tokens; g++) {
+            di_sample_result res;
+            const int32_t n_known = p.n_prompt + g;
+            di_sampler_sample(smp, logits, &p.sample, hist, p.n_prompt, g, n_known, &res);
+            r->tokens[r->n] = res.token;
+            r->logprob[r->n] = res.logprob;
+            for (int k = 0; k < res.n_top && k < N_TOP; k++) r->top[r->n][k] = res.top_logprobs[k];
+            r->n++;
+            hist[n_known] = res.token;
+            if (g + 1 < p.max_tokens)
+                CHECK_EQ(di_session_forward(s, &hist[n_known], 1, &out), DI_OK);
+        }
+        di_session_destroy(s);
+    }
+    di_sampler_destroy(smp);
+    di_model_destroy(m);
+}
+
+// ---- engines ----
+
+static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = N_THREADS;
+    o.kv_memory_bytes = kv_bytes;
+    o.max_seqs = max_seqs;
+    o.max_batch_tokens = ROWS; // chunked prefill
+    o.max_ctx = MAX_CTX;
+    return o; // the prefix cache asked for (the default): the V4.1 forward turns it off
+}
+
+static di_engine *engine(size_t kv_bytes, int32_t max_seqs) {
+    di_engine_options o = options(kv_bytes, max_seqs);
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    return e;
+}
+
+static void run(di_engine *e, result *res, int from, int to) {
+    for (int i = from; i < to; i++) {
+        memset(&res[i], 0, sizeof res[i]);
+        uint64_t id;
+        di_request_params p = request(i, &res[i]);
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    }
+}
+
+static void check_clean(di_engine *e) {
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    CHECK_EQ(st.n_blocks_cached, 0);
+    CHECK_EQ(st.n_cache_hit_tokens, 0);
+    CHECK_EQ(st.n_preemptions, 0);
+    CHECK_EQ(st.n_step_allocs, 0);
+    CHECK(!st.device.resident);
+}
+
+// ---- (a) ----
+
+static void test_same_tokens(void) {
+    const int32_t seqs[2] = {3, N_REQ};
+    for (int round = 0; round < 2; round++) {
+        di_engine *e = engine((size_t)64 << 20, seqs[round]);
+        if (!e) return;
+        static result got[N_REQ];
+        int n_same = 0;
+        for (int pass = 0; pass < 2; pass++) { // again: no prefix cache, the same tokens
+            run(e, got, 0, N_REQ);
+            di_engine_wait_idle(e);
+            for (int i = 0; i < N_REQ; i++) {
+                n_same += same(&got[i], &g_ref[i]);
+                CHECK_EQ(atomic_load(&got[i].finished), 1);
+                CHECK_EQ(got[i].finish, DI_FINISH_LENGTH);
+                CHECK_EQ(got[i].n_cached, 0);
+                CHECK_EQ(got[i].n_preempted, 0);
+            }
+        }
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        fprintf(stderr,
+                "(a) V4.1 engine, max_seqs %d, two passes: %d/%d requests identical to a plain "
+                "session; %lld steps, %lld prefill + %lld decode rows, %lld blocks of %lld bytes\n",
+                seqs[round], n_same, 2 * N_REQ, (long long)st.n_steps,
+                (long long)st.n_prefill_tokens, (long long)st.n_decode_tokens,
+                (long long)st.n_blocks_total, (long long)st.block_bytes);
+        CHECK_EQ(n_same, 2 * N_REQ);
+        // Batching happened: fewer steps than running the requests one after another would take.
+        int64_t alone = 0;
+        for (int i = 0; i < N_REQ; i++)
+            alone += (g_len[i] + ROWS - 1) / ROWS + (MAX_GEN - 2 * (i % 3)) - 1;
+        CHECK(st.n_steps < 2 * alone);
+        CHECK_EQ(st.n_failed_steps, 0);
+        check_clean(e);
+        di_engine_destroy(e);
+    }
+}
+
+// ---- (b) ----
+
+static void test_cancel(void) {
+    di_engine *e = engine((size_t)64 << 20, 2);
+    if (!e) return;
+    static result got[N_REQ];
+    // 0 and 1 run first and are cancelled after 3 and 5 tokens; 2 and 3 take their slots.
+    memset(got, 0, sizeof got);
+    for (int i = 0; i < 4; i++) {
+        uint64_t id;
+        di_request_params p = request(i, &got[i]);
+        if (i < 2) {
+            got[i].cancel_engine = e;
+            got[i].cancel_after = 3 + 2 * i;
+        }
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    }
+    di_engine_wait_idle(e);
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(got[i].finish, DI_FINISH_CANCELLED);
+        CHECK(got[i].n >= 3 + 2 * i && got[i].n < g_ref[i].n);
+        CHECK(!memcmp(got[i].tokens, g_ref[i].tokens, sizeof(int32_t) * (size_t)got[i].n));
+    }
+    for (int i = 2; i < 4; i++) CHECK(same(&got[i], &g_ref[i]));
+    run(e, got, 4, N_REQ); // into the slots the cancelled ones left
+    di_engine_wait_idle(e);
+    for (int i = 4; i < N_REQ; i++) CHECK(same(&got[i], &g_ref[i]));
+    fprintf(stderr, "(b) cancelled after %d and %d tokens; the 4 requests after them identical\n",
+            got[0].n, got[1].n);
+    check_clean(e);
+    di_engine_destroy(e);
+}
+
+// ---- (c) ----
+
+static void test_failure(void) {
+    di_engine *e = engine((size_t)64 << 20, 2);
+    if (!e) return;
+    static result got[N_REQ];
+    // Two run at a time. Request 0's 150-token prompt takes steps 1-5 (32 rows each), request 1
+    // (5 tokens) joins in step 5's leftover rows; the 9th forward, where both decode, fails.
+    // 2 and 3 wait meanwhile.
+    di_engine_fail_forward(e, 8, 1, DI_ERR_NOMEM);
+    run(e, got, 0, 4);
+    di_engine_wait_idle(e);
+    for (int i = 0; i < 4; i++) CHECK_EQ(atomic_load(&got[i].finished), 1);
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(got[i].finish, DI_FINISH_ERROR);
+        CHECK_EQ(got[i].status, DI_ERR_NOMEM);
+        CHECK(got[i].n > 0 && got[i].n < g_ref[i].n); // it had begun to decode
+        CHECK(!memcmp(got[i].tokens, g_ref[i].tokens, sizeof(int32_t) * (size_t)got[i].n));
+    }
+    for (int i = 2; i < 4; i++) CHECK(same(&got[i], &g_ref[i]));
+    run(e, got, 4, N_REQ); // the failed slots serve new requests from position 0
+    di_engine_wait_idle(e);
+    for (int i = 4; i < N_REQ; i++) CHECK(same(&got[i], &g_ref[i]));
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    fprintf(stderr,
+            "(c) injected failure at forward 9: requests 0 (%d tokens) and 1 (%d tokens) ended "
+            "with %s, the 4 others identical; %lld failed steps\n",
+            got[0].n, got[1].n, di_status_str(got[0].status), (long long)st.n_failed_steps);
+    CHECK_EQ(st.n_failed_steps, 1);
+    CHECK_EQ(st.n_failed_in_a_row, 0);
+    check_clean(e);
+    di_engine_destroy(e);
+}
+
+// ---- (d) ----
+
+static void test_sizing(void) {
+    // One slot's bytes, measured as the engine does: a session reserved for MAX_CTX positions and
+    // ROWS rows on a model with the engine's thread count.
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = N_THREADS;
+    di_model *m = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (!m) return;
+    di_session_options so = {.n_ctx_max = MAX_CTX};
+    di_session *s = NULL;
+    CHECK_EQ(di_session_create(m, &so, &s), DI_OK);
+    if (!s) {
+        di_model_destroy(m);
+        return;
+    }
+    di_dsv4_ws ws = {0}; // the engine's slots share its workspace, outside kv_memory_bytes
+    di_dsv41_share_ws(s, &ws);
+    const int64_t before = di_dsv41_state_bytes(s);
+    CHECK_EQ(di_dsv41_reserve_ctx(s, MAX_CTX, ROWS), DI_OK);
+    const int64_t slot = di_dsv41_state_bytes(s), ws_bytes = di_dsv41_ws_bytes(&ws);
+    CHECK(ws_bytes > 0); // the reservation grew the shared workspace, not the session's own
+    const int32_t bt = di_kv_block_tokens(m);
+    const int32_t max_blocks = (MAX_CTX + bt - 1) / bt;
+    di_session_destroy(s);
+    di_dsv4_ws_free(&ws);
+    di_model_destroy(m);
+    CHECK(slot > before); // the reservation grew the entry arrays, history and scratch
+    fprintf(stderr,
+            "(d) one V4.1 slot (%d positions, %d rows per step): %lld bytes (%.2f MiB), "
+            "the shared workspace %lld bytes\n",
+            MAX_CTX, ROWS, (long long)slot, (double)slot / (1 << 20), (long long)ws_bytes);
+
+    di_engine_options o = options((size_t)slot - 1, 4);
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_INVALID);
+    CHECK(e == NULL);
+
+    // Exactly one slot: max_seqs 4 -> 1; three requests run one after another, correctly.
+    o = options((size_t)slot, 4);
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    if (e) {
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_blocks_total, max_blocks);
+        // A block stands for 1 / max_blocks of the slot (the pool rounds its size up to 64).
+        CHECK(st.block_bytes * max_blocks >= slot &&
+              st.block_bytes * max_blocks < slot + 64 * max_blocks);
+        static result got[N_REQ];
+        run(e, got, 0, 3);
+        di_engine_wait_idle(e);
+        for (int i = 0; i < 3; i++) CHECK(same(&got[i], &g_ref[i]));
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_running, 0);
+        check_clean(e);
+        di_engine_destroy(e);
+    }
+    o = options((size_t)(2 * slot + slot / 2), 4); // two and a half: max_seqs 2
+    e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    if (e) {
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_blocks_total, 2 * max_blocks);
+        di_engine_destroy(e);
+    }
+}
+
+int main(void) {
+    snprintf(g_root, sizeof g_root, "/tmp/di_test_engine_v41_XXXXXX");
+    if (!mkdtemp(g_root)) return 1;
+    snprintf(g_dir, sizeof g_dir, "%s/v41-tiny", g_root);
+    mkdir(g_dir, 0755);
+    CHECK_EQ(di_synth_v41_write(g_dir, true, true, 41), DI_OK);
+    for (int i = 0; i < N_REQ; i++)
+        for (int t = 0; t < g_len[i]; t++) g_prompt[i][t] = (int32_t)((t * 31 + i * 97 + 11) % V);
+    reference();
+    test_same_tokens();
+    test_cancel();
+    test_failure();
+    test_sizing();
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    return test_finish();
+}
