@@ -4,7 +4,8 @@
  * tokens (the includer fills g_prompt), greedy requests and seeded sampling on odd ones, every
  * request asking N_TOP logprobs and its first-token logits; a result keeps the tokens, logprobs,
  * top logprobs, first logits and the final event, and can cancel its request after cancel_after
- * tokens. Header-only (static): the includer defines V, N_REQ (6), MAX_GEN and N_TOP first.
+ * tokens; run() submits requests [from, to). Header-only (static): the includer includes harness.h
+ * and defines V, N_REQ (6), MAX_GEN and N_TOP first.
  */
 #pragma once
 
@@ -73,4 +74,14 @@ static bool same(const result *a, const result *b) {
            !memcmp(a->logprob, b->logprob, sizeof(float) * (size_t)a->n) &&
            !memcmp(a->top, b->top, sizeof(a->top[0]) * (size_t)a->n) &&
            !memcmp(a->first, b->first, sizeof a->first);
+}
+
+// Submits requests [from, to) into res[from..to) (cleared first).
+static void run(di_engine *e, result *res, int from, int to) {
+    for (int i = from; i < to; i++) {
+        memset(&res[i], 0, sizeof res[i]);
+        uint64_t id;
+        di_request_params p = request(i, &res[i]);
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    }
 }

@@ -71,15 +71,6 @@ static di_engine *engine(size_t kv_bytes, int32_t max_seqs, di_backend *b) {
     return e;
 }
 
-static void run(di_engine *e, result *res, int from, int to) {
-    for (int i = from; i < to; i++) {
-        memset(&res[i], 0, sizeof res[i]);
-        uint64_t id;
-        di_request_params p = request(i, &res[i]);
-        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-    }
-}
-
 // The device bytes of one entry block and of one slot's tail for a context of max_ctx (the
 // engine's blocks of di_kv_block_tokens positions), from a dev forward on a CPU backend.
 static void dev_sizes(const char *dir, int32_t max_ctx, int64_t *blk, int64_t *slot, int32_t *bt) {

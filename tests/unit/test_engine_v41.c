@@ -96,15 +96,6 @@ static di_engine *engine(size_t kv_bytes, int32_t max_seqs) {
     return e;
 }
 
-static void run(di_engine *e, result *res, int from, int to) {
-    for (int i = from; i < to; i++) {
-        memset(&res[i], 0, sizeof res[i]);
-        uint64_t id;
-        di_request_params p = request(i, &res[i]);
-        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-    }
-}
-
 static void check_clean(di_engine *e) {
     di_engine_stats st;
     di_engine_get_stats(e, &st);
