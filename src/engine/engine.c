@@ -516,8 +516,8 @@ void di_engine_get_stats(di_engine *e, di_engine_stats *out) {
 
 // ---- engine thread ----
 
-// Takes r out of the scheduler (its blocks go back) and frees it; updates the pool counts before
-// waking di_engine_wait_idle, so a waiter sees them.
+// Takes r out of the scheduler (its blocks go back) and frees it; updates the pool and request
+// counts before waking di_engine_wait_idle, so a waiter sees them.
 static void retire(di_engine *e, di_request *r) {
     di_sched_remove(&e->sched, r);
     pthread_mutex_lock(&e->mu);
@@ -526,6 +526,8 @@ static void retire(di_engine *e, di_request *r) {
     *link = r->all_next;
     e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);
     e->stats.n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
+    e->stats.n_running = e->sched.n_running;
+    e->stats.n_waiting = e->sched.n_waiting;
     e->n_live--;
     if (e->n_live == 0) pthread_cond_broadcast(&e->cv_idle);
     pthread_mutex_unlock(&e->mu);
