@@ -344,28 +344,35 @@ static di_status add_linear_blk(gen *g, const char *name, int64_t rows, int64_t 
     return add_fp8(g, name, rows, cols, br, bc, q, sc);
 }
 
+// Takes q (FP4 e2m1 pairs, [rows, cols / 2] bytes) and sc (1x32 scales) into the checkpoint as
+// `name` and its ".scale" (as add_fp8).
+static di_status add_fp4(gen *g, const char *name, int64_t rows, int64_t cols, uint8_t *q,
+                         uint8_t *sc) {
+    if (!q || !sc) {
+        di_free(q), di_free(sc);
+        return DI_ERR_NOMEM;
+    }
+    char sname[256];
+    snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
+    di_status st = add(&g->l, name, DI_DTYPE_I8, 2, rows, cols / 2, q);
+    if (st == DI_OK)
+        st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, rows, cols / 32, sc);
+    else
+        di_free(sc);
+    return st;
+}
+
 // A routed expert's [rows, cols] weight: FP4 e2m1 pairs + 1x32 scales (official) or BF16.
 static di_status add_expert(gen *g, const char *name, int64_t rows, int64_t cols) {
     if (!g->c->official) return add_linear(g, name, rows, cols, false);
     float std = 1.0f / sqrtf((float)cols);
-    char sname[256];
-    snprintf(sname, sizeof sname, "%.*s.scale", (int)(strlen(name) - 7), name);
     if (g->c->fast) {
         // Uniform random codes: RMS of the e2m1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} is
         // sqrt(68.5 / 8) = 2.93; the nearest power-of-two scale to std / 2.93.
         const uint8_t sb = (uint8_t)(127 + (int)lroundf(log2f(std / 2.926f)));
-        uint8_t *q = fast_codes(g, FAST_KIND_BYTES, rows * cols / 2, 0, 0, 0);
-        uint8_t *sc = const_bytes(rows * cols / 32, sb);
-        if (!q || !sc) {
-            di_free(q), di_free(sc);
-            return DI_ERR_NOMEM;
-        }
-        di_status st = add(&g->l, name, DI_DTYPE_I8, 2, rows, cols / 2, q);
-        if (st == DI_OK)
-            st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, rows, cols / 32, sc);
-        else
-            di_free(sc);
-        return st;
+        return add_fp4(g, name, rows, cols,
+                       fast_codes(g, FAST_KIND_BYTES, rows * cols / 2, 0, 0, 0),
+                       const_bytes(rows * cols / 32, sb));
     }
     float *w = randn(g, rows * cols, 0, std);
     uint8_t *q = di_calloc((size_t)(rows * cols / 2), 1),
@@ -389,12 +396,7 @@ static di_status add_expert(gen *g, const char *name, int64_t rows, int64_t cols
             }
         }
     di_free(w);
-    di_status st = add(&g->l, name, DI_DTYPE_I8, 2, rows, cols / 2, q);
-    if (st == DI_OK)
-        st = add(&g->l, sname, DI_DTYPE_F8_E8M0, 2, rows, cols / 32, sc);
-    else
-        di_free(sc);
-    return st;
+    return add_fp4(g, name, rows, cols, q, sc);
 }
 
 // ---- the model's tensors (names as weights.c binds them) ----
