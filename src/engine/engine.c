@@ -240,7 +240,7 @@ static di_status v41_create(di_engine *e) {
                 "one sequence after another",
                 (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens,
                 (double)e->v41_slot_bytes / (1 << 20),
-                (double)di_dsv41_ws_bytes(&e->ws) / (1 << 20));
+                (double)di_dsv4_ws_bytes(&e->ws) / (1 << 20));
     return DI_OK;
 fail: // what was created is the engine's (di_engine_destroy frees it)
     return st;

@@ -215,6 +215,8 @@ typedef struct di_dsv4_ws {
 di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, int64_t max_entries,
                              bool mtp);
 void di_dsv4_ws_free(di_dsv4_ws *ws);
+// Bytes of a workspace's buffers (scratch, attention scratch, selections, row maps).
+int64_t di_dsv4_ws_bytes(const di_dsv4_ws *ws);
 
 // The context of one call: who runs, on which rows.
 typedef struct di_dsv4_ctx {

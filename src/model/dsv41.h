@@ -122,8 +122,6 @@ int64_t di_dsv41_state_bytes(const di_session *s);
 // which is freed: sessions that never run at the same time (the engine's slots, run one after
 // another on the forward thread) share one. Reservations grow ws.
 void di_dsv41_share_ws(di_session *s, di_dsv4_ws *ws);
-// Bytes of a workspace's buffers.
-int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws);
 // The workspace the session's calls use.
 static inline di_dsv4_ws *di_dsv41_ws(di_session *s) {
     return s->ws_shared ? s->ws_shared : &s->ws;

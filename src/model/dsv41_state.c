@@ -177,14 +177,8 @@ int64_t di_dsv41_state_bytes(const di_session *s) {
     b += T * hp->n_engram * n_col * (int64_t)sizeof(int64_t);
     if (st->draft) b += (2 * (int64_t)hp->n_vocab + D + hp->dspark_markov_rank) * f;
     // Its own workspace (dsv4_state.c: scratch, selections, row maps, attention scores).
-    if (!s->ws_shared) b += di_dsv41_ws_bytes(&s->ws);
+    if (!s->ws_shared) b += di_dsv4_ws_bytes(&s->ws);
     return b;
-}
-
-int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws) {
-    return (int64_t)(ws->scratch_floats + ws->attn_scratch_floats) * (int64_t)sizeof(float) +
-           (int64_t)ws->sel_cap * (int64_t)sizeof(int32_t) +
-           2 * (int64_t)ws->scratch_tokens * (int64_t)sizeof(int32_t);
 }
 
 void di_dsv41_share_ws(di_session *s, di_dsv4_ws *ws) {

@@ -236,7 +236,7 @@ static void test_sizing(void) {
     di_dsv41_share_ws(s, &ws);
     const int64_t before = di_dsv41_state_bytes(s);
     CHECK_EQ(di_dsv41_reserve_ctx(s, MAX_CTX, ROWS), DI_OK);
-    const int64_t slot = di_dsv41_state_bytes(s), ws_bytes = di_dsv41_ws_bytes(&ws);
+    const int64_t slot = di_dsv41_state_bytes(s), ws_bytes = di_dsv4_ws_bytes(&ws);
     CHECK(ws_bytes > 0); // the reservation grew the shared workspace, not the session's own
     const int32_t bt = di_kv_block_tokens(m);
     const int32_t max_blocks = (MAX_CTX + bt - 1) / bt;
