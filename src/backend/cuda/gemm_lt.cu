@@ -239,7 +239,9 @@ static di_status simt_a8(di_cuda *cu, const di_tensor *w, const float *x, int64_
     return st == DI_OK ? di_cuda_matmul(cu, w, aq, n_tok, x_stride, y, y_stride) : st;
 }
 
-// The codes and scales of A8(x) and the weight's FP32 scales (pool blocks), then cuBLASLt.
+// The codes and scales of A8(x) and the weight's FP32 scales (pool blocks), then cuBLASLt. The
+// weight's scales are converted on every call (one small kernel; matmul_fp8_lt repacks them and
+// asks cuBLASLt for an algorithm per call too): a per-weight cache of both is not done yet.
 static di_status tc_a8(di_cuda *cu, const di_tensor *w, const float *x, int64_t n_tok,
                        int64_t x_stride, float *y, int64_t y_stride) {
     const int64_t K = w->ne[0], nkb = K / 128, n_ob = (w->ne[1] + 127) / 128;
