@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/gemm.cuh" // di_cuda_lt_*
 
 // ---- context ----
 
@@ -56,6 +57,7 @@ extern "C" di_status di_cuda_create(int device, di_cuda **out) {
         goto fail;
     }
     cu->cublaslt = lt;
+    DI_TRY(di_cuda_lt_cache_create(cu));
     *out = cu;
     return DI_OK;
 fail:
@@ -82,6 +84,7 @@ extern "C" void di_cuda_destroy(di_cuda *cu) {
     }
     for (int64_t i = 0; i < cu->n_weights; i++) (void)cudaFree(cu->weights[i]);
     free(cu->weights);
+    di_cuda_lt_cache_free(cu);
     if (cu->cublaslt) cublasLtDestroy((cublasLtHandle_t)cu->cublaslt);
     if (cu->stream) (void)cudaStreamDestroy(di_stream(cu));
     free(cu);
@@ -226,6 +229,7 @@ extern "C" di_status di_cuda_tensor_upload(di_cuda *cu, const di_tensor *host, d
         d.scale = (const uint8_t *)sp;
         d.row0 = host->row0 - s0 * host->block_out;
     }
+    if ((st = di_cuda_lt_weight_uploaded(cu, &d)) != DI_OK) return st;
     *dev = d;
     return DI_OK;
 }

@@ -30,6 +30,7 @@ extern "C" {
 #endif
 
 typedef struct di_cuda_pool_block di_cuda_pool_block; // cuda_backend.cu
+typedef struct di_cuda_lt_cache di_cuda_lt_cache;     // gemm_lt.cu
 
 typedef struct di_cuda {
     int device;
@@ -59,6 +60,10 @@ typedef struct di_cuda {
     // that took it.
     int fp8_tc;
     int64_t n_fp8_tc_calls;
+    // What those calls reuse (gemm_lt.cu): the cuBLASLt-layout scales of every uploaded FP8 weight
+    // (made once at upload) and the cuBLASLt algorithm of each shape; calls that found both.
+    di_cuda_lt_cache *lt_cache; // owned
+    int64_t n_fp8_tc_cached;
 } di_cuda;
 
 // Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.

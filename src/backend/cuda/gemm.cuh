@@ -72,9 +72,21 @@ di_status di_cuda_matmul_fp8_lt(di_cuda *cu, const di_tensor *w, const float *w_
                                 const uint8_t *codes, const float *x_scales, int64_t n_tok,
                                 float *y, int64_t y_stride);
 
+// Called by di_cuda_tensor_upload for every uploaded weight: on sm_90+, an FP8 weight the
+// tensor-core path can take gets its scales in cuBLASLt's layout once, kept (device memory of cu)
+// as long as the weight, so that matmul_a8 converts only the activations' scales per call.
+// Other weights: no-op. DI_ERR_CUDA, DI_ERR_NOMEM.
+di_status di_cuda_lt_weight_uploaded(di_cuda *cu, const di_tensor *dev);
+// cu->lt_cache, empty (di_cuda_create) / its host side freed (di_cuda_destroy; the device side
+// is pool memory). DI_ERR_NOMEM.
+di_status di_cuda_lt_cache_create(di_cuda *cu);
+void di_cuda_lt_cache_free(di_cuda *cu);
+
 // backend.h matmul_a8: y = W . A8(x) (A8 into aq, then di_cuda_matmul) or, for FP8 weights of
 // 128x128 blocks at n_tok >= DI_BACKEND_TC_MIN_ROWS outside a capture on sm_90+, the same product
-// on FP8 tensor cores (di_cuda_act_quant_a8 + di_cuda_matmul_fp8_lt). The scale layouts cuBLASLt
+// on FP8 tensor cores (A8 codes and scales, then cuBLASLt; an uploaded weight brings its scales
+// in cuBLASLt's layout and each shape's algorithm is asked for once: di_cuda.n_fp8_tc_cached
+// counts the calls that reused both). The scale layouts cuBLASLt
 // reads are inferred (above), so the first such call also runs the SIMT path and compares (FP32
 // sums in another order: max |diff| <= 1e-2 max |y|, a wrong scale or layout is off by O(max |y|));
 // a mismatch or no cuBLASLt algorithm turns the tensor-core path off for the context (logged,

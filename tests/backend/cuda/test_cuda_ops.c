@@ -335,6 +335,24 @@ static void matmul_case(di_tensor_kind kind, int64_t n_in, int64_t n_out, int64_
         fprintf(stderr, "%s: the FP8 tensor-core path did not run (fp8_tc %d; see the log)\n", what,
                 g_cu->fp8_tc);
     CHECK(g_cu->n_fp8_tc_calls == tc_calls + (tc ? 1 : 0));
+    if (tc && g_cu->fp8_tc > 0) {
+        // Again: the weight's upload-time scales and this shape's cuBLASLt plan are reused, and
+        // the result is the same bits.
+        const int64_t cached = g_cu->n_fp8_tc_cached;
+        float *again = malloc(sizeof(float) * (size_t)(n_tok * ys));
+        bk_poison(yd, sizeof(float) * (size_t)(n_tok * ys));
+        CK(g_b->vt->matmul_a8(g_b, &wd, xd, n_tok, xs, aq, yd, ys));
+        bk_to(again, yd, sizeof(float) * (size_t)(n_tok * ys));
+        int64_t n_diff = 0;
+        for (int64_t t = 0; t < n_tok; t++)
+            n_diff += memcmp(again + t * ys, out + t * ys, sizeof(float) * (size_t)n_out) != 0;
+        if (n_diff || g_cu->n_fp8_tc_cached != cached + 1)
+            fprintf(stderr, "%s, cached plan: %lld rows differ, cached calls %lld -> %lld\n", what,
+                    (long long)n_diff, (long long)cached, (long long)g_cu->n_fp8_tc_cached);
+        CHECK(n_diff == 0);
+        CHECK(g_cu->n_fp8_tc_cached == cached + 1);
+        free(again);
+    }
     bk_free(xd), bk_free(aq), bk_free(yd);
     free(x), free(xq), free(ref), free(out), free(tol), free(row);
     free_w(&m);
