@@ -1,0 +1,99 @@
+/*
+ * kv_disk — the persistent tier of the prefix cache: full, final entry blocks kept on disk across
+ * evictions and restarts (docs/kv-cache.md, "Disk tier").
+ *
+ * One file per block, `DIR/<hh>/<hash:016x>.kvb` (hh = the hash's top byte: 256 fan-out
+ * directories), named by the block's chain hash. A record is a 128-byte header (magic, format
+ * version, model id, precision, block_tokens, block_floats, payload_floats, chain hash, parent
+ * hash, salt, a CRC-32 of the tokens + payload and one of the header), the block's tokens and its
+ * payload (the block's entry floats). Every field is checked on read against what the caller
+ * expects; any mismatch, a short or long file or a bad checksum drops the record (the file is
+ * deleted, counted, logged) and the read is a miss: a wrong block is never returned.
+ * Files are written to `<name>.tmp` and renamed (atomic on POSIX file systems), without fsync: a
+ * crash can lose recent records, or leave a renamed file whose data never reached the disk, but
+ * such a file fails its checksum and is dropped. Leftover `.tmp` files are deleted at open.
+ * Retention: a byte budget (least recently used records go first) and a time-to-live since last
+ * use (a record's mtime, refreshed on every hit; expired records are dropped at open and on
+ * lookup). `DIR/LOCK` is held with flock for the store's lifetime: a second store (another engine,
+ * in this process or another) on the same directory is refused with DI_ERR_BUSY.
+ *
+ * Owns: the index (sized at create for the budget; no allocation afterwards), the lock, one
+ * header buffer. Does not: know what a payload means, or hash chains (the caller gives the hash).
+ * Writes and reads are synchronous on the caller's thread (cost: docs/kv-cache.md).
+ * Thread-safety: engine thread only (one thread at a time).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "deepinfer.h" // di_status
+
+typedef struct di_kv_disk di_kv_disk;
+
+#define DI_KV_DISK_VERSION 1
+#define DI_KV_DISK_BYTES_DEFAULT ((size_t)16 << 30) // 16 GiB
+#define DI_KV_DISK_TTL_S_DEFAULT ((int64_t)72 * 3600)
+
+// What every record of a store must match (else it is dropped on read).
+typedef struct di_kv_disk_layout {
+    uint64_t model_id;      // the prefix cache's model identity (hyper-parameters, precision)
+    uint32_t precision;     // di_precision
+    int32_t block_tokens;   // tokens per block
+    int64_t block_floats;   // floats per pool block (the layout's identity)
+    int64_t payload_floats; // floats stored per record (the entry part of a block, <= block_floats)
+} di_kv_disk_layout;
+
+typedef struct di_kv_disk_options {
+    const char *dir;  // borrowed during create; created if missing (its parent must exist)
+    size_t max_bytes; // record bytes kept at most; 0 = DI_KV_DISK_BYTES_DEFAULT
+    int64_t ttl_s;    // drop records unused for longer; 0 = DI_KV_DISK_TTL_S_DEFAULT
+    // Seconds since the epoch (tests move time); NULL = the real clock.
+    int64_t (*now_s)(void *user);
+    void *now_user;
+} di_kv_disk_options;
+
+typedef struct di_kv_disk_stats {
+    int64_t n_records, n_bytes; // on disk now (what the index holds)
+    int64_t n_written, n_read;  // records written / read and verified since create
+    int64_t n_dropped;          // records dropped as corrupt, truncated or not matching
+    int64_t n_expired;          // records dropped by the time-to-live
+    int64_t n_evicted;          // records deleted to stay within the byte budget
+    int64_t n_write_errors;     // writes that failed (disk full, ...): the block is just not kept
+    int64_t write_us, read_us;  // time spent in writes / reads (verification included)
+    int64_t n_found_at_open, bytes_found_at_open;
+} di_kv_disk_stats;
+
+// Opens (creating if needed) the store at o->dir, takes its lock and scans it: records of the
+// wrong size and expired ones are deleted, the rest indexed (oldest first out). DI_ERR_INVALID (no
+// dir, a budget below one record, a bad layout), DI_ERR_IO (the directory cannot be created or
+// read), DI_ERR_BUSY (another store holds the lock), DI_ERR_NOMEM. All logged.
+di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout *l,
+                            di_kv_disk **out);
+// Releases the lock and frees the index (records stay on disk). NULL does nothing.
+void di_kv_disk_destroy(di_kv_disk *d);
+
+// Bytes of one record (header, tokens, payload).
+size_t di_kv_disk_record_bytes(const di_kv_disk *d);
+
+// Whether a record for hash h is indexed and not expired (an expired one is dropped).
+bool di_kv_disk_has(di_kv_disk *d, uint64_t h);
+
+// Stores a block (tokens: block_tokens ids; payload: payload_floats) unless h is already there,
+// deleting least recently used records first to stay within the budget. DI_ERR_IO (logged; the
+// block is simply not kept).
+di_status di_kv_disk_write(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
+                           const int32_t *tokens, const float *payload);
+
+// Reads the record of h into payload (payload_floats) if it exists, is not expired and matches
+// the layout, h, parent, salt and tokens with valid checksums; refreshes its last use. Returns
+// true on such a hit. Otherwise false; a record that exists but fails any check is deleted.
+// payload may be overwritten even on a miss.
+bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
+                     const int32_t *tokens, float *payload);
+
+void di_kv_disk_get_stats(const di_kv_disk *d, di_kv_disk_stats *out);
+
+// The path of h's record into buf (tests corrupt it). Returns buf.
+const char *di_kv_disk_path(const di_kv_disk *d, uint64_t h, char *buf, size_t cap);

@@ -1,0 +1,386 @@
+// kv_disk: records round-trip across a reopen; every kind of damage (truncated, extended, flipped
+// payload / token / header bytes, another model, a record under another hash's name, different
+// tokens, parent or salt, a vanished file) makes the read a miss and deletes the record; the byte
+// budget evicts the least recently used; the time-to-live drops records at open and on lookup;
+// a second store on a locked directory is refused; leftovers are cleaned at open; writes and
+// reads allocate nothing; and the time of one write / read of a V4-Flash-shaped block.
+#include "harness.h"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/mem.h"
+#include "kv/kv_disk.h"
+
+enum { BT = 16, NF = 1000 };
+
+static char g_root[256];
+static int g_n_dirs;
+static int64_t g_now;
+
+static int64_t fake_now(void *user) {
+    (void)user;
+    return g_now;
+}
+
+static const char *new_dir(char *buf, size_t cap) {
+    snprintf(buf, cap, "%s/d%d", g_root, g_n_dirs++);
+    return buf;
+}
+
+static di_kv_disk_layout layout(uint64_t model_id) {
+    return (di_kv_disk_layout){.model_id = model_id,
+                               .precision = 0,
+                               .block_tokens = BT,
+                               .block_floats = 1024,
+                               .payload_floats = NF};
+}
+
+static di_kv_disk *open_store(const char *dir, uint64_t model_id, size_t max_bytes, int64_t ttl) {
+    di_kv_disk_options o = {
+        .dir = dir, .max_bytes = max_bytes, .ttl_s = ttl, .now_s = fake_now, .now_user = NULL};
+    di_kv_disk_layout l = layout(model_id);
+    di_kv_disk *d = NULL;
+    CHECK_EQ(di_kv_disk_create(&o, &l, &d), DI_OK);
+    return d;
+}
+
+// Block k's tokens and payload (deterministic).
+static void block(int k, int32_t *tok, float *pay) {
+    for (int i = 0; i < BT; i++) tok[i] = k * 100 + i;
+    for (int i = 0; i < NF; i++) pay[i] = (float)k + (float)i * 0.001f;
+}
+
+static uint64_t hash_of(int k) {
+    return 0x1234567890abcdefull * (uint64_t)(k + 1);
+}
+
+static bool exists(const char *p) {
+    return access(p, F_OK) == 0;
+}
+
+static void test_roundtrip(void) {
+    char dir[300];
+    new_dir(dir, sizeof dir);
+    g_now = 1700000000;
+    di_kv_disk *d = open_store(dir, 7, 0, 0);
+    if (!d) return;
+    int32_t tok[BT];
+    static float pay[NF], back[NF];
+    block(1, tok, pay);
+    CHECK(!di_kv_disk_has(d, hash_of(1)));
+    CHECK(!di_kv_disk_read(d, hash_of(1), 11, 5, tok, back));
+    int64_t a0 = di_mem_thread_allocs();
+    CHECK_EQ(di_kv_disk_write(d, hash_of(1), 11, 5, tok, pay), DI_OK);
+    CHECK_EQ(di_kv_disk_write(d, hash_of(1), 11, 5, tok, pay), DI_OK); // already there: no write
+    CHECK(di_kv_disk_read(d, hash_of(1), 11, 5, tok, back));
+    CHECK_EQ(di_mem_thread_allocs() - a0, 0); // nothing allocated on the step path
+    CHECK(!memcmp(pay, back, sizeof pay));
+    di_kv_disk_stats st;
+    di_kv_disk_get_stats(d, &st);
+    CHECK_EQ(st.n_written, 1);
+    CHECK_EQ(st.n_read, 1);
+    CHECK_EQ(st.n_records, 1);
+    CHECK_EQ(st.n_bytes, (int64_t)di_kv_disk_record_bytes(d));
+    CHECK_EQ(di_kv_disk_record_bytes(d), 128 + 4 * BT + 4 * NF);
+    di_kv_disk_destroy(d);
+    // A restart finds it.
+    d = open_store(dir, 7, 0, 0);
+    if (!d) return;
+    di_kv_disk_get_stats(d, &st);
+    CHECK_EQ(st.n_found_at_open, 1);
+    memset(back, 0, sizeof back);
+    CHECK(di_kv_disk_read(d, hash_of(1), 11, 5, tok, back));
+    CHECK(!memcmp(pay, back, sizeof pay));
+    di_kv_disk_destroy(d);
+}
+
+// Damage kinds applied to a record file.
+enum {
+    DMG_TRUNCATE,
+    DMG_EXTEND,
+    DMG_PAYLOAD,
+    DMG_TOKEN,
+    DMG_MAGIC,
+    DMG_HEADER_FIELD, // a header byte (the salt) with its checksum left as is
+    DMG_DELETE,
+    DMG_N
+};
+
+static void damage(const char *p, int kind, size_t rec) {
+    if (kind == DMG_DELETE) {
+        CHECK_EQ(unlink(p), 0);
+        return;
+    }
+    int fd = open(p, O_RDWR);
+    CHECK(fd >= 0);
+    if (fd < 0) return;
+    unsigned char c;
+    off_t at = kind == DMG_PAYLOAD ? (off_t)rec - 3
+               : kind == DMG_TOKEN ? 128 + 5
+               : kind == DMG_MAGIC ? 0
+                                   : 64; // rec_header.salt
+    if (kind == DMG_TRUNCATE) {
+        CHECK_EQ(ftruncate(fd, (off_t)rec - 1), 0);
+    } else if (kind == DMG_EXTEND) {
+        c = 0;
+        CHECK_EQ(pwrite(fd, &c, 1, (off_t)rec), 1);
+    } else {
+        CHECK_EQ(pread(fd, &c, 1, at), 1);
+        c ^= 0x10;
+        CHECK_EQ(pwrite(fd, &c, 1, at), 1);
+    }
+    close(fd);
+}
+
+static void test_corruption(void) {
+    char dir[300], p[4200];
+    new_dir(dir, sizeof dir);
+    g_now = 1700000000;
+    di_kv_disk *d = open_store(dir, 7, 0, 0);
+    if (!d) return;
+    int32_t tok[BT];
+    static float pay[NF], back[NF];
+    const size_t rec = di_kv_disk_record_bytes(d);
+    int64_t dropped = 0;
+    di_kv_disk_stats st;
+    for (int kind = 0; kind < DMG_N; kind++) {
+        block(kind, tok, pay);
+        uint64_t h = hash_of(kind);
+        CHECK_EQ(di_kv_disk_write(d, h, 3, 4, tok, pay), DI_OK);
+        di_kv_disk_path(d, h, p, sizeof p);
+        CHECK(exists(p));
+        damage(p, kind, rec);
+        CHECK(!di_kv_disk_read(d, h, 3, 4, tok, back));
+        CHECK(!exists(p)); // deleted
+        CHECK(!di_kv_disk_has(d, h));
+        di_kv_disk_get_stats(d, &st);
+        CHECK_EQ(st.n_dropped, ++dropped);
+        CHECK_EQ(st.n_records, 0);
+    }
+    // A valid record looked up with different tokens, parent or salt (what a 64-bit collision
+    // would look like): a miss, and dropped.
+    for (int which = 0; which < 3; which++) {
+        block(20, tok, pay);
+        CHECK_EQ(di_kv_disk_write(d, hash_of(20), 3, 4, tok, pay), DI_OK);
+        if (which == 0) tok[BT - 1]++;
+        CHECK(!di_kv_disk_read(d, hash_of(20), which == 1 ? 9 : 3, which == 2 ? 9 : 4, tok, back));
+        CHECK(!di_kv_disk_has(d, hash_of(20)));
+        di_kv_disk_get_stats(d, &st);
+        CHECK_EQ(st.n_dropped, ++dropped);
+    }
+    // A valid record under another hash's name (copied there while the store was closed).
+    block(30, tok, pay);
+    CHECK_EQ(di_kv_disk_write(d, hash_of(30), 3, 4, tok, pay), DI_OK);
+    di_kv_disk_destroy(d);
+    char q[4200], cmd[9000];
+    {
+        di_kv_disk *t = open_store(dir, 7, 0, 0);
+        if (!t) return;
+        di_kv_disk_path(t, hash_of(30), p, sizeof p);
+        di_kv_disk_path(t, hash_of(31), q, sizeof q);
+        di_kv_disk_destroy(t);
+    }
+    snprintf(cmd, sizeof cmd, "cp '%s' '%s'", p, q);
+    CHECK_EQ(system(cmd), 0);
+    d = open_store(dir, 7, 0, 0);
+    if (!d) return;
+    di_kv_disk_get_stats(d, &st);
+    CHECK_EQ(st.n_found_at_open, 2);
+    CHECK(!di_kv_disk_read(d, hash_of(31), 3, 4, tok, back));
+    CHECK(!exists(q));
+    CHECK(di_kv_disk_read(d, hash_of(30), 3, 4, tok, back));
+    CHECK(!memcmp(pay, back, sizeof pay));
+    di_kv_disk_destroy(d);
+    // Another model (same sizes): its records are never returned.
+    d = open_store(dir, 8, 0, 0);
+    if (!d) return;
+    CHECK(!di_kv_disk_read(d, hash_of(30), 3, 4, tok, back));
+    di_kv_disk_get_stats(d, &st);
+    CHECK_EQ(st.n_dropped, 1);
+    CHECK(!exists(p));
+    di_kv_disk_destroy(d);
+}
+
+static void test_budget_lru(void) {
+    char dir[300], p[4200];
+    new_dir(dir, sizeof dir);
+    g_now = (int64_t)time(NULL);
+    di_kv_disk *d = open_store(dir, 7, 0, 0);
+    if (!d) return;
+    const size_t rec = di_kv_disk_record_bytes(d);
+    di_kv_disk_destroy(d);
+    d = open_store(dir, 7, 3 * rec, 0);
+    if (!d) return;
+    int32_t tok[BT];
+    static float pay[NF], back[NF];
+    for (int k = 0; k < 3; k++) {
+        g_now++;
+        block(k, tok, pay);
+        CHECK_EQ(di_kv_disk_write(d, hash_of(k), 0, 0, tok, pay), DI_OK);
+    }
+    g_now++;
+    block(0, tok, pay);
+    CHECK(di_kv_disk_read(d, hash_of(0), 0, 0, tok, back)); // 0 is now the most recent
+    g_now++;
+    block(3, tok, pay);
+    CHECK_EQ(di_kv_disk_write(d, hash_of(3), 0, 0, tok, pay), DI_OK); // evicts 1
+    CHECK(di_kv_disk_has(d, hash_of(0)));
+    CHECK(!di_kv_disk_has(d, hash_of(1)));
+    CHECK(!exists(di_kv_disk_path(d, hash_of(1), p, sizeof p)));
+    CHECK(di_kv_disk_has(d, hash_of(2)));
+    CHECK(di_kv_disk_has(d, hash_of(3)));
+    di_kv_disk_stats st;
+    di_kv_disk_get_stats(d, &st);
+    CHECK_EQ(st.n_evicted, 1);
+    CHECK_EQ(st.n_records, 3);
+    CHECK_EQ(st.n_bytes, (int64_t)(3 * rec));
+    di_kv_disk_destroy(d);
+    // Reopened with room for two: the two most recently used stay (3 at now, 0 read before).
+    d = open_store(dir, 7, 2 * rec, 0);
+    if (!d) return;
+    CHECK(di_kv_disk_has(d, hash_of(0)));
+    CHECK(!di_kv_disk_has(d, hash_of(2)));
+    CHECK(di_kv_disk_has(d, hash_of(3)));
+    di_kv_disk_get_stats(d, &st);
+    CHECK_EQ(st.n_records, 2);
+    CHECK_EQ(st.n_evicted, 1);
+    di_kv_disk_destroy(d);
+    // A budget below one record is refused.
+    di_kv_disk_options o = {.dir = dir, .max_bytes = rec - 1};
+    di_kv_disk_layout l = layout(7);
+    CHECK_EQ(di_kv_disk_create(&o, &l, &d), DI_ERR_INVALID);
+}
+
+static void test_ttl(void) {
+    char dir[300], p[4200];
+    new_dir(dir, sizeof dir);
+    const int64_t t0 = (int64_t)time(NULL);
+    g_now = t0;
+    di_kv_disk *d = open_store(dir, 7, 0, 100);
+    if (!d) return;
+    int32_t tok[BT];
+    static float pay[NF], back[NF];
+    block(1, tok, pay);
+    CHECK_EQ(di_kv_disk_write(d, hash_of(1), 0, 0, tok, pay), DI_OK);
+    block(2, tok, pay);
+    CHECK_EQ(di_kv_disk_write(d, hash_of(2), 0, 0, tok, pay), DI_OK);
+    g_now = t0 + 60;
+    CHECK(di_kv_disk_read(d, hash_of(2), 0, 0, tok, back)); // used: lives until t0 + 160
+    g_now = t0 + 150;
+    CHECK(!di_kv_disk_has(d, hash_of(1))); // unused for 150 s > 100: dropped on lookup
+    CHECK(!exists(di_kv_disk_path(d, hash_of(1), p, sizeof p)));
+    CHECK(di_kv_disk_has(d, hash_of(2)));
+    di_kv_disk_stats st;
+    di_kv_disk_get_stats(d, &st);
+    CHECK_EQ(st.n_expired, 1);
+    di_kv_disk_destroy(d);
+    // At open: the file's mtime (last use, t0 + 60) is too old at t0 + 200.
+    g_now = t0 + 200;
+    d = open_store(dir, 7, 0, 100);
+    if (!d) return;
+    di_kv_disk_get_stats(d, &st);
+    CHECK_EQ(st.n_found_at_open, 0);
+    CHECK_EQ(st.n_expired, 1);
+    CHECK(!exists(di_kv_disk_path(d, hash_of(2), p, sizeof p)));
+    di_kv_disk_destroy(d);
+}
+
+static void test_lock_and_leftovers(void) {
+    char dir[300], p[4200], q[4200];
+    new_dir(dir, sizeof dir);
+    g_now = (int64_t)time(NULL);
+    di_kv_disk *a = open_store(dir, 7, 0, 0), *b = NULL;
+    if (!a) return;
+    di_kv_disk_options o = {.dir = dir, .now_s = fake_now};
+    di_kv_disk_layout l = layout(7);
+    CHECK_EQ(di_kv_disk_create(&o, &l, &b), DI_ERR_BUSY); // a second engine on the same directory
+    CHECK(b == NULL);
+    // Leftovers for the next open: a crash's temporary file, a record of another size, a stranger.
+    di_kv_disk_path(a, hash_of(5), p, sizeof p);
+    snprintf(q, sizeof q, "%.*s.tmp", (int)(strlen(p) - 4), p);
+    FILE *f = fopen(q, "w");
+    CHECK(f != NULL);
+    if (f) fclose(f);
+    f = fopen(p, "w");
+    CHECK(f != NULL);
+    if (f) fputs("short", f), fclose(f);
+    char other[4200];
+    snprintf(other, sizeof other, "%s/README", dir);
+    f = fopen(other, "w");
+    if (f) fclose(f);
+    di_kv_disk_destroy(a);
+    CHECK_EQ(di_kv_disk_create(&o, &l, &b), DI_OK); // the lock is free again
+    CHECK(!exists(p));
+    CHECK(!exists(q));
+    CHECK(exists(other));
+    di_kv_disk_stats st;
+    di_kv_disk_get_stats(b, &st);
+    CHECK_EQ(st.n_records, 0);
+    di_kv_disk_destroy(b);
+}
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+// One write and one read of a V4-Flash-shaped block: 128 positions, 21 CSA layers (32 entries of
+// 512 floats + 32 indexer keys of 128) and 20 HCA layers (1 entry of 512): 440,320 floats
+// (1.76 MB). Page cache, no fsync: what the engine thread pays per evicted / restored block.
+static void test_flash_block_time(void) {
+    enum { FB = 128, FF = 21 * (32 * 512 + 32 * 128) + 20 * 512, N = 16 };
+    char dir[300];
+    new_dir(dir, sizeof dir);
+    di_kv_disk_options o = {.dir = dir};
+    di_kv_disk_layout l = {
+        .model_id = 1, .block_tokens = FB, .block_floats = FF, .payload_floats = FF};
+    di_kv_disk *d = NULL;
+    CHECK_EQ(di_kv_disk_create(&o, &l, &d), DI_OK);
+    if (!d) return;
+    float *pay = di_malloc(sizeof(float) * FF), *back = di_malloc(sizeof(float) * FF);
+    int32_t tok[FB];
+    CHECK(pay && back);
+    if (!pay || !back) goto out;
+    for (int i = 0; i < FF; i++) pay[i] = (float)i * 1e-3f;
+    for (int i = 0; i < FB; i++) tok[i] = i;
+    double t = now_ms();
+    for (int k = 0; k < N; k++) {
+        pay[0] = (float)k;
+        CHECK_EQ(di_kv_disk_write(d, hash_of(k), 0, 0, tok, pay), DI_OK);
+    }
+    const double w = (now_ms() - t) / N;
+    t = now_ms();
+    for (int k = 0; k < N; k++) {
+        CHECK(di_kv_disk_read(d, hash_of(k), 0, 0, tok, back));
+        CHECK_EQ(back[0], (float)k);
+    }
+    const double r = (now_ms() - t) / N;
+    CHECK(!memcmp(pay + 1, back + 1, sizeof(float) * (FF - 1)));
+    fprintf(stderr, "V4-Flash-shaped block (%zu bytes a record): write %.3f ms, read %.3f ms\n",
+            di_kv_disk_record_bytes(d), w, r);
+out:
+    di_free(pay);
+    di_free(back);
+    di_kv_disk_destroy(d);
+}
+
+int main(void) {
+    snprintf(g_root, sizeof g_root, "/tmp/di_test_kv_disk_XXXXXX");
+    if (!mkdtemp(g_root)) return 1;
+    di_set_log_level(1);
+    RUN(test_roundtrip);
+    RUN(test_corruption);
+    RUN(test_budget_lru);
+    RUN(test_ttl);
+    RUN(test_lock_and_leftovers);
+    RUN(test_flash_block_time);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    return test_finish();
+}
