@@ -340,6 +340,14 @@ typedef struct di_engine_options {
     int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)
     int32_t max_queue;        // waiting requests; more are refused with DI_ERR_BUSY; 0 = 1024
     bool no_prefix_cache;     // disable prefix reuse
+    // The prefix cache's disk tier (docs/kv-cache.md, "Disk tier"): a directory (created if
+    // missing; borrowed until di_engine_create returns) where evicted cached blocks are written
+    // and from which a later request, or a later engine on the same directory, reads them back.
+    // NULL = off. CPU forward only (refused with DI_ERR_UNSUPPORTED on the device-resident and
+    // V4.1 forwards); needs the prefix cache. One engine per directory (DI_ERR_BUSY otherwise).
+    const char *kv_disk_dir;
+    size_t kv_disk_bytes;  // the disk tier's byte budget (least recently used out); 0 = 16 GiB
+    int64_t kv_disk_ttl_s; // records unused this long are dropped; 0 = 72 hours
     // Optional token bytes (e.g. from a di_tokenizer) for stop strings and event text.
     const char *(*token_bytes)(void *user, int32_t id, size_t *n_bytes);
     void *token_bytes_user;
@@ -356,6 +364,12 @@ typedef struct di_engine_stats {
     int32_t n_running, n_waiting;
     int64_t n_steps, n_prefill_tokens, n_decode_tokens, n_preemptions;
     int64_t n_cache_hit_tokens, n_replayed_tokens;
+    // The disk tier (all 0 without one): prompt tokens of n_cache_hit_tokens whose blocks were
+    // read from disk; blocks written (evicted or flushed at destroy) and read back since create;
+    // records and bytes on disk now; records dropped because they failed verification (corrupt,
+    // truncated, another model or layout, different tokens).
+    int64_t n_disk_hit_tokens, n_disk_blocks_written, n_disk_blocks_read;
+    int64_t n_disk_records, disk_bytes, n_disk_dropped;
     int64_t n_step_allocs; // heap allocations made by the engine thread inside steps (debug
                            // builds count them; always 0 in a correct build)
     // Asynchronous scheduling: steps whose plan was built while the previous step's forward
@@ -385,13 +399,17 @@ typedef struct di_engine_stats {
 // for max_ctx positions and max_batch_tokens rows; a step runs its sequences one after another.
 // kv_memory_bytes buys whole slots: max_seqs is lowered (logged) to the slots that fit, and the
 // prefix cache is off (no_prefix_cache is forced on).
-// Otherwise the CPU forward runs, its matmuls on the device when one is given. DI_ERR_IO,
-// DI_ERR_FORMAT, DI_ERR_UNSUPPORTED (as di_model_load), DI_ERR_INVALID (bad options; e.g. a KV
-// budget too small for one sequence, or a V4.1 checkpoint whose sessions cannot run: no Engram
-// token map), DI_ERR_CUDA (the device state or its first call failed), DI_ERR_NOMEM.
+// Otherwise the CPU forward runs, its matmuls on the device when one is given; with kv_disk_dir,
+// it opens the disk tier there. DI_ERR_IO (also: the disk tier's directory cannot be created or
+// read), DI_ERR_FORMAT, DI_ERR_UNSUPPORTED (as di_model_load; kv_disk_dir on the device-resident
+// or V4.1 forward), DI_ERR_INVALID (bad options; e.g. a KV budget too small for one sequence, a
+// V4.1 checkpoint whose sessions cannot run: no Engram token map, kv_disk_dir with
+// no_prefix_cache), DI_ERR_BUSY (kv_disk_dir is locked by another engine), DI_ERR_CUDA (the
+// device state or its first call failed), DI_ERR_NOMEM.
 di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out);
-// Cancels every request (each gets its final event), stops the thread, frees everything.
-// NULL does nothing.
+// Cancels every request (each gets its final event), stops the thread, writes the cached blocks
+// not yet on disk to the disk tier (if any, so that a restarted engine finds them), frees
+// everything. NULL does nothing.
 void di_engine_destroy(di_engine *e);
 // Any thread. Copies the request and queues it; *id receives its id. DI_ERR_INVALID (bad
 // parameters, prompt + max_tokens beyond max_ctx, stop strings without token_bytes),

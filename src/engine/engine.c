@@ -121,6 +121,7 @@ di_engine_options di_engine_options_default(void) {
 
 static void *engine_main(void *p);
 static void *forward_main(void *p);
+static void disk_stats(di_engine *e, di_engine_stats *st);
 
 // ---- create / destroy ----
 
@@ -283,6 +284,12 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     else
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                     !o->no_prefix_cache, &e->kv));
+    if (o->kv_disk_dir) { // refused on the accounting managers (their memory is not the pool's)
+        di_kv_disk_options dko = {
+            .dir = o->kv_disk_dir, .max_bytes = o->kv_disk_bytes, .ttl_s = o->kv_disk_ttl_s};
+        DI_TRY(di_kv_manager_open_disk(e->kv, &dko));
+    }
+    o->kv_disk_dir = NULL; // borrowed until here
     DI_TRY(di_sched_init(&e->sched, e->kv, o->max_seqs, o->max_batch_tokens));
     e->n_samplers = di_pool_n_threads(e->model->pool);
     e->samplers = di_calloc((size_t)e->n_samplers, sizeof *e->samplers);
@@ -339,6 +346,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->stats.block_bytes =
         e->dstate ? e->dev_block_bytes : (int64_t)di_block_pool_block_bytes(e->kv->pool);
     e->stats.block_tokens = e->kv->block_tokens;
+    disk_stats(e, &e->stats); // the records found at open
     if (e->dstate) {
         DI_TRY(dev_warm_up(e));
         e->stats.device.resident = true;
@@ -423,6 +431,21 @@ void di_engine_destroy(di_engine *e) {
         pthread_cond_broadcast(&e->fcv);
         pthread_mutex_unlock(&e->fmu);
         pthread_join(e->fwd_thread, NULL);
+    }
+    if (e->kv && e->kv->disk) {
+        // Orderly shutdown: no step runs, so every cached block is computed; write back the ones
+        // eviction has not written yet, so that a restarted engine finds them.
+        int32_t n = di_kv_manager_flush_disk(e->kv);
+        di_kv_disk_stats ds;
+        di_kv_disk_get_stats(e->kv->disk, &ds);
+        DI_LOG_INFO(
+            "engine: kv disk: %d cached blocks written at shutdown; since start %lld "
+            "blocks written (%.3f ms each), %lld read (%.3f ms each), %lld dropped; %lld "
+            "records (%.1f MiB) on disk",
+            (int)n, (long long)ds.n_written,
+            ds.n_written ? (double)ds.write_us / 1000.0 / (double)ds.n_written : 0.0,
+            (long long)ds.n_read, ds.n_read ? (double)ds.read_us / 1000.0 / (double)ds.n_read : 0.0,
+            (long long)ds.n_dropped, (long long)ds.n_records, (double)ds.n_bytes / (1 << 20));
     }
     di_free(e->x_seqs);
     di_free(e->x_tokens);
@@ -515,6 +538,19 @@ void di_engine_get_stats(di_engine *e, di_engine_stats *out) {
 }
 
 // ---- engine thread ----
+
+// The disk tier's counters into st (engine thread, or after it stopped; under mu).
+static void disk_stats(di_engine *e, di_engine_stats *st) {
+    if (!e->kv->disk) return;
+    di_kv_disk_stats ds;
+    di_kv_disk_get_stats(e->kv->disk, &ds);
+    st->n_disk_hit_tokens = e->kv->n_disk_hit_tokens;
+    st->n_disk_blocks_written = ds.n_written;
+    st->n_disk_blocks_read = ds.n_read;
+    st->n_disk_records = ds.n_records;
+    st->disk_bytes = ds.n_bytes;
+    st->n_disk_dropped = ds.n_dropped;
+}
 
 // Takes r out of the scheduler (its blocks go back) and frees it; updates the pool and request
 // counts before waking di_engine_wait_idle, so a waiter sees them.
@@ -895,6 +931,7 @@ static void *engine_main(void *p) {
         st->n_preemptions = s->n_preemptions;
         st->n_cache_hit_tokens = s->n_cache_hit_tokens;
         st->n_replayed_tokens = s->n_replayed_tokens;
+        disk_stats(e, st);
         st->n_running = s->n_running;
         st->n_waiting = s->n_waiting;
         st->n_blocks_free = di_block_pool_n_available(e->kv->pool);
@@ -909,6 +946,7 @@ static void *engine_main(void *p) {
     pthread_mutex_lock(&e->mu);
     e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);
     e->stats.n_running = e->stats.n_waiting = 0;
+    disk_stats(e, &e->stats);
     pthread_mutex_unlock(&e->mu);
     return NULL;
 }

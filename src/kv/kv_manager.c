@@ -152,6 +152,7 @@ di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, i
         }
     }
     kv->block_floats = ((entry_floats > largest ? entry_floats : largest) + 15) & ~(int64_t)15;
+    kv->entry_floats = entry_floats;
     // Tail: rings, buffers, overlaps.
     packer pk = {.block_floats = kv->block_floats};
     for (int il = 0; il < L; il++) {
@@ -210,6 +211,7 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
         }
     }
     di_free(kv->seqs);
+    di_kv_disk_destroy(kv->disk);
     di_prefix_cache_destroy(kv->cache);
     di_block_pool_destroy(kv->pool);
     di_free(kv->page_off_cmp);
@@ -218,6 +220,46 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
                            kv->ibuf_c, kv->ibuf_z, kv->iovl_c, kv->iovl_z};
     for (size_t i = 0; i < sizeof items / sizeof items[0]; i++) di_free(items[i]);
     di_free(kv);
+}
+
+// ---- disk tier ----
+
+// The prefix cache evicts (or flushes) a cached block: write it back.
+static void spill(void *user, uint64_t h, uint64_t parent, uint64_t salt, const int32_t *tokens,
+                  int32_t id) {
+    di_kv_manager *kv = user;
+    (void)di_kv_disk_write(kv->disk, h, parent, salt, tokens, di_block_pool_ptr(kv->pool, id));
+}
+
+di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o) {
+    if (kv->accounting) {
+        DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) needs the CPU forward's KV memory: the "
+                     "device-resident and V4.1 forwards keep their blocks elsewhere");
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (!kv->cache) {
+        DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) extends the prefix cache, which is off");
+        return DI_ERR_INVALID;
+    }
+    DI_ASSERT(!kv->disk && kv->entry_floats > 0);
+    di_kv_disk_layout l = {.model_id = model_id(kv->model),
+                           .precision = (uint32_t)kv->model->opt.precision,
+                           .block_tokens = kv->block_tokens,
+                           .block_floats = kv->block_floats,
+                           .payload_floats = kv->entry_floats};
+    di_status st = di_kv_disk_create(o, &l, &kv->disk);
+    if (st != DI_OK) return st;
+    di_prefix_cache_set_spill(kv->cache, spill, kv);
+    return DI_OK;
+}
+
+int32_t di_kv_manager_flush_disk(di_kv_manager *kv) {
+    if (!kv->disk) return 0;
+    di_kv_disk_stats a, b;
+    di_kv_disk_get_stats(kv->disk, &a);
+    (void)di_prefix_cache_spill_all(kv->cache);
+    di_kv_disk_get_stats(kv->disk, &b);
+    return (int32_t)(b.n_written - a.n_written);
 }
 
 int32_t di_kv_blocks_for(const di_kv_manager *kv, int32_t n_positions) {
@@ -322,19 +364,46 @@ int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *
     di_kv_seq *s = &kv->seqs[slot];
     DI_ASSERT(s->open && s->n_blocks == 0);
     if (!kv->cache || n_max_tokens < kv->block_tokens) return 0;
-    int32_t n = di_prefix_cache_match(kv->cache, prompt, n_max_tokens / kv->block_tokens, s->salt,
-                                      s->blocks);
+    const int32_t B = kv->block_tokens, n_max = n_max_tokens / B;
+    int32_t n = di_prefix_cache_match(kv->cache, prompt, n_max, s->salt, s->blocks);
     uint64_t h = 0;
     for (int32_t i = 0; i < n; i++) {
         di_block_pool_ref(kv->pool, s->blocks[i]);
         s->pages[i] = di_block_pool_ptr(kv->pool, s->blocks[i]);
-        h = di_prefix_cache_hash(kv->cache, h, prompt + (int64_t)i * kv->block_tokens, s->salt);
+        h = di_prefix_cache_hash(kv->cache, h, prompt + (int64_t)i * B, s->salt);
     }
+    // The disk tier continues the chain: each next block is either cached in memory (a later
+    // block may have outlived an evicted one) or read from disk into a fresh block, verified
+    // against this chain's hash, parent, salt and tokens, and cached. The blocks matched so far
+    // are referenced, so taking a block cannot evict them.
+    int32_t n_disk = 0;
+    while (kv->disk && n < n_max) {
+        const int32_t *t = prompt + (int64_t)n * B;
+        const uint64_t hn = di_prefix_cache_hash(kv->cache, h, t, s->salt);
+        int32_t id = di_prefix_cache_find(kv->cache, hn, h, t);
+        if (id >= 0) {
+            di_block_pool_ref(kv->pool, id);
+        } else {
+            if (!di_kv_disk_has(kv->disk, hn) || di_block_pool_alloc(kv->pool, &id) != DI_OK) break;
+            if (!di_kv_disk_read(kv->disk, hn, h, s->salt, t, di_block_pool_ptr(kv->pool, id))) {
+                di_block_pool_unref(kv->pool, id); // never cached: back to the free list
+                break;
+            }
+            bool fresh = di_prefix_cache_insert(kv->cache, hn, h, s->salt, t, id);
+            DI_ASSERT(fresh); // find() missed it just now
+            n_disk++;
+        }
+        s->blocks[n] = id;
+        s->pages[n] = di_block_pool_ptr(kv->pool, id);
+        n++;
+        h = hn;
+    }
+    kv->n_disk_hit_tokens += (int64_t)n_disk * B;
     s->n_blocks = n;
     s->n_published = s->n_published_before = n;
     s->last_hash = h;
     set_capacity(kv, s);
-    const int32_t hit = n * kv->block_tokens;
+    const int32_t hit = n * B;
     s->n_cached = hit;
     for (int il = 0; il < kv->n_layer; il++) {
         const di_dsv4_layer_w *lw = &kv->model->layers[il];
@@ -355,7 +424,7 @@ void di_kv_seq_publish(di_kv_manager *kv, int32_t slot, const int32_t *tokens, i
         uint64_t h =
             di_prefix_cache_hash(kv->cache, s->last_hash, tokens + (int64_t)i * B, s->salt);
         // Another sequence may have cached the same block first: this one then stays private.
-        (void)di_prefix_cache_insert(kv->cache, h, s->last_hash, tokens + (int64_t)i * B,
+        (void)di_prefix_cache_insert(kv->cache, h, s->last_hash, s->salt, tokens + (int64_t)i * B,
                                      s->blocks[i]);
         s->last_hash = h;
         s->n_published++;

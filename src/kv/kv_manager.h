@@ -19,7 +19,12 @@
  * ids the engine passes with each call; on the V4.1 forward each block stands for a share of one
  * slot's V4.1 session state, which is committed at create (engine.c).
  *
- * Owns: the pool, the prefix cache, per-slot metadata (sized at create; no allocation after).
+ * With a disk tier (di_kv_manager_open_disk, CPU manager only) the prefix cache writes every block
+ * it loses to eviction to disk, and admission continues a prefix match with blocks read back from
+ * it (docs/kv-cache.md, "Disk tier").
+ *
+ * Owns: the pool, the prefix cache, the disk tier, per-slot metadata (sized at create; no
+ * allocation after).
  * Thread-safety: engine thread only.
  */
 #pragma once
@@ -28,6 +33,7 @@
 #include <stdint.h>
 
 #include "kv/block_pool.h"   // di_block_pool
+#include "kv/kv_disk.h"      // di_kv_disk: the prefix cache's disk tier
 #include "kv/prefix_cache.h" // di_prefix_cache
 #include "model/dsv4.h"      // di_model, di_dsv4_layer_state
 
@@ -57,8 +63,9 @@ typedef struct di_kv_manager {
     di_prefix_cache *cache; // owned; NULL when prefix reuse is off
     int32_t block_tokens;   // positions per entry block
     int64_t block_floats;
-    int32_t n_tail;     // tail blocks per sequence
-    int32_t max_blocks; // entry blocks per sequence (max_ctx / block_tokens, rounded up)
+    int64_t entry_floats; // the entry part of an entry block (what the disk tier stores)
+    int32_t n_tail;       // tail blocks per sequence
+    int32_t max_blocks;   // entry blocks per sequence (max_ctx / block_tokens, rounded up)
     int32_t max_ctx;
     int32_t n_layer;
     int32_t replay_tokens; // bounded replay R = n_layer * (W - 1) (docs/kv-cache.md)
@@ -68,7 +75,9 @@ typedef struct di_kv_manager {
     di_kv_item *ibuf_c, *ibuf_z, *iovl_c, *iovl_z;    // owned [n_layer]
     di_kv_seq *seqs;                                  // owned [max_seqs]
     int32_t max_seqs;
-    bool accounting; // blocks without memory (di_kv_manager_create_accounting)
+    bool accounting;           // blocks without memory (di_kv_manager_create_accounting)
+    di_kv_disk *disk;          // owned; NULL without a disk tier
+    int64_t n_disk_hit_tokens; // prompt tokens attached from blocks read from the disk tier
 } di_kv_manager;
 
 // kv_bytes of blocks; max_seqs slots of up to max_ctx positions each. DI_ERR_INVALID (the pool
@@ -85,6 +94,15 @@ di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t 
 // Positions per entry block for model m (the lcm of the compress ratios, at least the window).
 int32_t di_kv_block_tokens(const di_model *m);
 void di_kv_manager_destroy(di_kv_manager *kv);
+// Adds the disk tier at o->dir to the prefix cache (kv/kv_disk.h): evicted cached blocks are
+// written there, and di_kv_seq_attach_prefix continues a match with the blocks found there.
+// Before any sequence opens. DI_ERR_UNSUPPORTED (an accounting manager: its blocks' memory is not
+// here), DI_ERR_INVALID (no prefix cache; a bad budget), DI_ERR_IO, DI_ERR_BUSY (the directory is
+// another engine's), DI_ERR_NOMEM; all logged.
+di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o);
+// Writes every cached block not yet on disk there (orderly shutdown, so that a restart finds
+// them). Returns the blocks written. Nothing without a disk tier.
+int32_t di_kv_manager_flush_disk(di_kv_manager *kv);
 
 // Blocks a sequence of n positions holds (tail + entry blocks).
 int32_t di_kv_blocks_for(const di_kv_manager *kv, int32_t n_positions);
@@ -102,7 +120,9 @@ di_status di_kv_seq_grow(di_kv_manager *kv, int32_t slot, int32_t end_pos);
 di_status di_kv_seq_reserve(di_kv_manager *kv, int32_t slot, int32_t end_pos);
 void di_kv_seq_commit(di_kv_manager *kv, int32_t slot);
 // On a freshly opened slot: takes the longest cached prefix of prompt (at most n_max_tokens,
-// whole blocks) and marks its entries present. Returns the hit length in tokens (0 if none).
+// whole blocks) and marks its entries present. With a disk tier, the chain continues with blocks
+// cached in memory or read from disk into fresh blocks (then cached), while the pool has blocks.
+// Returns the hit length in tokens (0 if none).
 int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *prompt,
                                 int32_t n_max_tokens);
 // Publishes the slot's entry blocks that became full once positions [0, n_done) are computed

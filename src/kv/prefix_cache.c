@@ -13,11 +13,13 @@ struct di_prefix_cache {
     int32_t n_ids;   // pool blocks
     int32_t *bucket; // owned [n_buckets]: first block id of the chain, -1 empty
     uint64_t mask;
-    uint64_t *hash, *parent; // owned [n_ids]
-    int32_t *next;           // owned [n_ids]: next id in the bucket chain
-    bool *present;           // owned [n_ids]
-    int32_t *tokens;         // owned [n_ids, block_tokens]
+    uint64_t *hash, *parent, *salt; // owned [n_ids]
+    int32_t *next;                  // owned [n_ids]: next id in the bucket chain
+    bool *present;                  // owned [n_ids]
+    int32_t *tokens;                // owned [n_ids, block_tokens]
     int32_t n_present;
+    di_prefix_cache_spill_fn spill; // NULL: none
+    void *spill_user;
 };
 
 static uint64_t mix64(uint64_t z) {
@@ -42,10 +44,12 @@ di_status di_prefix_cache_create(di_block_pool *pool, int32_t block_tokens, uint
     pc->bucket = di_malloc(sizeof(int32_t) * nb);
     pc->hash = di_calloc((size_t)pc->n_ids, sizeof(uint64_t));
     pc->parent = di_calloc((size_t)pc->n_ids, sizeof(uint64_t));
+    pc->salt = di_calloc((size_t)pc->n_ids, sizeof(uint64_t));
     pc->next = di_calloc((size_t)pc->n_ids, sizeof(int32_t));
     pc->present = di_calloc((size_t)pc->n_ids, sizeof(bool));
     pc->tokens = di_malloc(sizeof(int32_t) * (size_t)pc->n_ids * (size_t)block_tokens);
-    if (!pc->bucket || !pc->hash || !pc->parent || !pc->next || !pc->present || !pc->tokens) {
+    if (!pc->bucket || !pc->hash || !pc->parent || !pc->salt || !pc->next || !pc->present ||
+        !pc->tokens) {
         di_prefix_cache_destroy(pc);
         return DI_ERR_NOMEM;
     }
@@ -60,6 +64,7 @@ void di_prefix_cache_destroy(di_prefix_cache *pc) {
     di_free(pc->bucket);
     di_free(pc->hash);
     di_free(pc->parent);
+    di_free(pc->salt);
     di_free(pc->next);
     di_free(pc->present);
     di_free(pc->tokens);
@@ -101,12 +106,18 @@ int32_t di_prefix_cache_match(di_prefix_cache *pc, const int32_t *tokens, int32_
     return n;
 }
 
-bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent, const int32_t *tokens,
-                            int32_t id) {
+int32_t di_prefix_cache_find(const di_prefix_cache *pc, uint64_t h, uint64_t parent,
+                             const int32_t *tokens) {
+    return find(pc, h, parent, tokens);
+}
+
+bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent, uint64_t salt,
+                            const int32_t *tokens, int32_t id) {
     DI_ASSERT(id >= 0 && id < pc->n_ids && !pc->present[id]);
     if (find(pc, h, parent, tokens) >= 0) return false;
     pc->hash[id] = h;
     pc->parent[id] = parent;
+    pc->salt[id] = salt;
     memcpy(pc->tokens + (int64_t)id * pc->block_tokens, tokens,
            sizeof(int32_t) * (size_t)pc->block_tokens);
     pc->next[id] = pc->bucket[h & pc->mask];
@@ -126,9 +137,29 @@ static void unlink_id(di_prefix_cache *pc, int32_t id) {
     pc->n_present--;
 }
 
-// The pool reuses an idle cached block: unlink it.
+static void spill(const di_prefix_cache *pc, int32_t id) {
+    pc->spill(pc->spill_user, pc->hash[id], pc->parent[id], pc->salt[id],
+              pc->tokens + (int64_t)id * pc->block_tokens, id);
+}
+
+// The pool reuses an idle cached block: spill it (its memory is intact until the hook returns),
+// then unlink it.
 static void on_evict(void *user, int32_t id) {
-    unlink_id(user, id);
+    di_prefix_cache *pc = user;
+    if (pc->spill) spill(pc, id);
+    unlink_id(pc, id);
+}
+
+void di_prefix_cache_set_spill(di_prefix_cache *pc, di_prefix_cache_spill_fn fn, void *user) {
+    pc->spill = fn;
+    pc->spill_user = user;
+}
+
+int32_t di_prefix_cache_spill_all(di_prefix_cache *pc) {
+    int32_t n = 0;
+    for (int32_t id = 0; pc->spill && id < pc->n_ids; id++)
+        if (pc->present[id]) spill(pc, id), n++;
+    return n;
 }
 
 bool di_prefix_cache_remove(di_prefix_cache *pc, int32_t id) {

@@ -3,7 +3,8 @@
  * produced them. Block i of a sequence is keyed by a hash chain: h_i = H(h_{i-1}, tokens of block
  * i, salt, model identity), h_{-1} = 0, so a block is only reused behind the very same prefix
  * under the same salt and model. Entries also keep the block's tokens and parent hash, compared on
- * lookup, so a 64-bit hash collision can never reuse a wrong block. What a block holds and how a
+ * lookup, so a 64-bit hash collision can never reuse a wrong block. An optional spill function
+ * sees every evicted block first (the disk tier writes it back). What a block holds and how a
  * hit is continued exactly is the KV manager's business (docs/kv-cache.md).
  *
  * Owns: the table (sized at create for every block of the pool; no allocation afterwards).
@@ -34,10 +35,22 @@ uint64_t di_prefix_cache_hash(const di_prefix_cache *pc, uint64_t parent, const 
 int32_t di_prefix_cache_match(di_prefix_cache *pc, const int32_t *tokens, int32_t n_blocks_max,
                               uint64_t salt, int32_t *ids);
 
-// Records block `id` (full, final) under chain hash h with its parent and tokens. Returns false
-// when that hash is already cached (another sequence made the same block first).
-bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent, const int32_t *tokens,
-                            int32_t id);
+// The cached block with chain hash h, parent and tokens, or -1 (no reference taken).
+int32_t di_prefix_cache_find(const di_prefix_cache *pc, uint64_t h, uint64_t parent,
+                             const int32_t *tokens);
+
+// Records block `id` (full, final) under chain hash h with its parent, tokens and salt. Returns
+// false when that hash is already cached (another sequence made the same block first).
+bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent, uint64_t salt,
+                            const int32_t *tokens, int32_t id);
+
+// Called with a cached block's identity just before the pool reuses it (eviction; its memory is
+// still intact) and by di_prefix_cache_spill_all: the disk tier's write-back (kv/kv_disk.h).
+typedef void (*di_prefix_cache_spill_fn)(void *user, uint64_t h, uint64_t parent, uint64_t salt,
+                                         const int32_t *tokens, int32_t id);
+void di_prefix_cache_set_spill(di_prefix_cache *pc, di_prefix_cache_spill_fn fn, void *user);
+// Calls the spill function for every cached block (orderly shutdown); returns how many.
+int32_t di_prefix_cache_spill_all(di_prefix_cache *pc);
 
 // Forgets block `id` (its contents were never computed: the step that was to write them failed);
 // an idle one becomes free. Returns whether it was cached.

@@ -492,6 +492,14 @@ static void test_sizing(void) {
     CHECK(n_blocks[0] < (int64_t)max_seqs * one); // less than max_seqs x max_ctx
     CHECK_EQ(n_blocks[1], one + 10);
     CHECK_EQ(bytes[1] - bytes[0], 10 * blk); // the state follows kv_memory, block by block
+    // The prefix cache's disk tier needs the CPU forward's block memory: refused here.
+    char disk[300];
+    snprintf(disk, sizeof disk, "%s/kv-disk", g_dir);
+    o = options(least, max_seqs);
+    o.kv_disk_dir = disk;
+    e = NULL;
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_UNSUPPORTED);
+    CHECK(e == NULL);
     di_backend_destroy(b);
 }
 

@@ -282,6 +282,14 @@ static void test_sizing(void) {
         CHECK_EQ(st.n_blocks_total, 2 * max_blocks);
         di_engine_destroy(e);
     }
+    // The prefix cache's disk tier needs the V4 CPU forward's block memory: refused on V4.1.
+    char disk[300];
+    snprintf(disk, sizeof disk, "%s/kv-disk", g_root);
+    o = options((size_t)slot, 4);
+    o.kv_disk_dir = disk;
+    e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_UNSUPPORTED);
+    CHECK(e == NULL);
 }
 
 int main(void) {

@@ -1,0 +1,253 @@
+// engine + the prefix cache's disk tier (docs/kv-cache.md, "Disk tier"), on the tiny synthesised
+// model: (a) a restart: an engine runs a long prompt and is destroyed (its cached blocks are
+// flushed to disk), a new engine on the same directory runs the prompt plus a continuation and
+// takes the prefix from disk: its tokens and logprobs equal those of an engine without any cache;
+// (b) the same after one record is corrupted: the chain stops there, the rest is recomputed, the
+// output is still identical and the record is dropped; (c) write-back on eviction inside one
+// engine with the smallest pool: the evicted blocks come back from disk, identical output, no
+// allocation in any step; (d) options: a disk tier without the prefix cache, and two engines on
+// one directory, are refused.
+#include "harness.h"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kv/kv_manager.h"
+#include "model/synth.h"
+
+enum { V = 512, N_TOP = 3, MAX_GEN = 8, N_P = 200, N_P2 = 300, N_OTHER = 480, N_CTX = 512 };
+
+static char g_dir[256], g_disk[300];
+static int32_t g_p2[N_P2]; // the prompt plus a continuation; its first N_P tokens are the prompt
+static int32_t g_other[N_OTHER]; // an unrelated long prompt (fills the pool in (c))
+
+typedef struct result {
+    int32_t tokens[MAX_GEN];
+    float logprob[MAX_GEN], top[MAX_GEN][N_TOP];
+    int32_t n, n_cached;
+} result;
+
+static void on_event(void *user, const di_event *ev) {
+    result *r = user;
+    if (ev->token >= 0 && r->n < MAX_GEN) {
+        r->tokens[r->n] = ev->token;
+        r->logprob[r->n] = ev->logprob;
+        for (int k = 0; k < ev->n_top && k < N_TOP; k++) r->top[r->n][k] = ev->top_logprobs[k];
+        r->n++;
+    }
+    if (ev->finish != DI_FINISH_NONE) r->n_cached = ev->n_cached;
+}
+
+static bool same(const result *a, const result *b) {
+    return a->n == b->n && !memcmp(a->tokens, b->tokens, sizeof a->tokens) &&
+           !memcmp(a->logprob, b->logprob, sizeof a->logprob) &&
+           !memcmp(a->top, b->top, sizeof a->top);
+}
+
+static di_engine_options options(size_t kv_bytes, const char *disk) {
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = 2;
+    o.kv_memory_bytes = kv_bytes;
+    o.max_seqs = 4;
+    o.max_batch_tokens = 64; // chunked prefill
+    o.max_ctx = N_CTX;
+    o.no_prefix_cache = false;
+    o.kv_disk_dir = disk;
+    return o;
+}
+
+static di_engine *engine(size_t kv_bytes, const char *disk, bool prefix) {
+    di_engine_options o = options(kv_bytes, disk);
+    o.no_prefix_cache = !prefix;
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    return e;
+}
+
+// Runs prompt[0..n) to completion: greedy (seeded = false) or seeded sampling, with logprobs.
+static void run(di_engine *e, const int32_t *prompt, int32_t n, bool seeded, int max_gen,
+                result *r) {
+    memset(r, 0, sizeof *r);
+    di_request_params p = di_request_params_default();
+    p.prompt = prompt;
+    p.n_prompt = n;
+    p.max_tokens = max_gen;
+    p.ignore_eos = true;
+    p.sample.n_logprobs = N_TOP;
+    if (seeded) {
+        p.sample.temperature = 0.9f;
+        p.sample.top_k = 40;
+        p.sample.seed = 4242;
+    }
+    p.on_event = on_event;
+    p.user = r;
+    uint64_t id;
+    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    di_engine_wait_idle(e);
+    CHECK_EQ(r->n, max_gen);
+}
+
+static void check_clean(di_engine *e, di_engine_stats *st) {
+    di_engine_get_stats(e, st);
+    CHECK_EQ(st->n_blocks_free, st->n_blocks_total);
+    CHECK_EQ(st->n_step_allocs, 0); // disk writes and reads inside steps allocate nothing
+}
+
+static result g_ref[2]; // g_p2 on an engine without any cache: greedy, seeded
+
+// The path of the record of block `blk` of g_p2 (salt 0), through a kv_manager of the same model
+// that holds the directory's lock meanwhile (no engine may run on it then).
+static void record_path(int blk, char *buf, size_t cap) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_kv_manager *kv = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (m) CHECK_EQ(di_kv_manager_create(m, 8u << 20, 1, N_CTX, true, &kv), DI_OK);
+    di_kv_disk_options o = {.dir = g_disk};
+    if (kv) CHECK_EQ(di_kv_manager_open_disk(kv, &o), DI_OK);
+    if (kv && kv->disk) {
+        uint64_t h = 0;
+        for (int i = 0; i <= blk; i++)
+            h = di_prefix_cache_hash(kv->cache, h, g_p2 + i * kv->block_tokens, 0);
+        CHECK(di_kv_disk_has(kv->disk, h));
+        di_kv_disk_path(kv->disk, h, buf, cap);
+    }
+    di_kv_manager_destroy(kv);
+    di_model_destroy(m);
+}
+
+static void test_restart_and_corruption(void) {
+    di_engine_stats st;
+    di_engine *e = engine(64u << 20, NULL, false);
+    if (!e) return;
+    run(e, g_p2, N_P2, false, MAX_GEN, &g_ref[0]);
+    run(e, g_p2, N_P2, true, MAX_GEN, &g_ref[1]);
+    check_clean(e, &st);
+    CHECK_EQ(st.n_cache_hit_tokens, 0);
+    di_engine_destroy(e);
+
+    // The first server life: the prompt alone; destroy flushes its cached blocks.
+    e = engine(64u << 20, g_disk, true);
+    if (!e) return;
+    result r;
+    run(e, g_p2, N_P, false, 4, &r);
+    check_clean(e, &st);
+    CHECK_EQ(st.n_disk_blocks_written, 0); // nothing evicted: the pool is large
+    CHECK_EQ(st.n_disk_hit_tokens, 0);
+    di_engine_destroy(e);
+
+    // A restart: prompt + continuation take the 12 full blocks of the first 200 + 3 computed
+    // positions from disk (then bounded replay), and give the no-cache output exactly.
+    e = engine(64u << 20, g_disk, true);
+    if (!e) return;
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_disk_records, 12);
+    for (int k = 0; k < 2; k++) {
+        run(e, g_p2, N_P2, k == 1, MAX_GEN, &r);
+        CHECK(same(&r, &g_ref[k]));
+        CHECK_EQ(r.n_cached, k == 0 ? 192 : 288); // the second one hits memory, 18 blocks
+    }
+    check_clean(e, &st);
+    CHECK_EQ(st.n_disk_hit_tokens, 192);
+    CHECK_EQ(st.n_disk_blocks_read, 12);
+    CHECK_EQ(st.n_disk_dropped, 0);
+    fprintf(stderr, "restart: %lld prompt tokens from disk (%lld blocks), output identical\n",
+            (long long)st.n_disk_hit_tokens, (long long)st.n_disk_blocks_read);
+    di_engine_destroy(e); // flushes the continuation's blocks too
+
+    // Corrupt block 6's record (one payload byte): blocks 0..5 come from disk, the rest is
+    // recomputed, the record is dropped, the output is still exact.
+    char p[4200];
+    record_path(6, p, sizeof p);
+    struct stat sb;
+    CHECK_EQ(stat(p, &sb), 0);
+    int fd = open(p, O_RDWR);
+    CHECK(fd >= 0);
+    unsigned char c = 0;
+    CHECK_EQ(pread(fd, &c, 1, sb.st_size - 100), 1);
+    c ^= 0x01;
+    CHECK_EQ(pwrite(fd, &c, 1, sb.st_size - 100), 1);
+    close(fd);
+    e = engine(64u << 20, g_disk, true);
+    if (!e) return;
+    run(e, g_p2, N_P2, false, MAX_GEN, &r);
+    CHECK(same(&r, &g_ref[0]));
+    CHECK_EQ(r.n_cached, 96);
+    check_clean(e, &st);
+    CHECK_EQ(st.n_disk_hit_tokens, 96);
+    CHECK_EQ(st.n_disk_dropped, 1);
+    CHECK(access(p, F_OK) != 0); // deleted
+    di_engine_destroy(e);
+}
+
+static void test_eviction_write_back(void) {
+    char disk[320];
+    snprintf(disk, sizeof disk, "%s-evict", g_disk);
+    di_engine_stats st;
+    // The smallest pool the engine accepts: one sequence of max_ctx positions (test_engine.c).
+    di_engine *e = engine(64u << 20, NULL, false);
+    if (!e) return;
+    di_engine_get_stats(e, &st);
+    di_engine_destroy(e);
+    const size_t tiny = (size_t)st.block_bytes * (size_t)(14 + N_CTX / st.block_tokens);
+    e = engine(tiny, disk, true);
+    if (!e) return;
+    result r;
+    run(e, g_p2, N_P, false, 4, &r); // 12 cached blocks
+    run(e, g_other, N_OTHER, false, 4, &r);
+    di_engine_get_stats(e, &st);
+    CHECK(st.n_disk_blocks_written > 0); // the prompt's idle blocks were evicted to disk
+    const int64_t written = st.n_disk_blocks_written;
+    for (int k = 0; k < 2; k++) {
+        run(e, g_p2, N_P2, k == 1, MAX_GEN, &r);
+        CHECK(same(&r, &g_ref[k]));
+    }
+    check_clean(e, &st);
+    CHECK(st.n_disk_hit_tokens > 0);
+    CHECK(st.n_disk_blocks_read > 0);
+    CHECK_EQ(st.n_disk_dropped, 0);
+    fprintf(stderr,
+            "eviction: %lld blocks written while running, %lld tokens read back from disk\n",
+            (long long)written, (long long)st.n_disk_hit_tokens);
+    di_engine_destroy(e);
+}
+
+static void test_options(void) {
+    char disk[320];
+    snprintf(disk, sizeof disk, "%s-opt", g_disk);
+    di_engine *a = NULL, *b = NULL;
+    di_engine_options o = options(16u << 20, disk);
+    o.no_prefix_cache = true;
+    CHECK_EQ(di_engine_create(g_dir, &o, &a), DI_ERR_INVALID); // the tier extends the cache
+    CHECK(a == NULL);
+    o.no_prefix_cache = false;
+    CHECK_EQ(di_engine_create(g_dir, &o, &a), DI_OK);
+    CHECK_EQ(di_engine_create(g_dir, &o, &b), DI_ERR_BUSY); // one engine per directory
+    CHECK(b == NULL);
+    di_engine_destroy(a);
+    CHECK_EQ(di_engine_create(g_dir, &o, &b), DI_OK);
+    di_engine_destroy(b);
+}
+
+int main(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_disk_XXXXXX");
+    if (!mkdtemp(g_dir)) return 1;
+    snprintf(g_disk, sizeof g_disk, "%s/kv", g_dir);
+    di_synth_config c;
+    CHECK(di_synth_preset("tiny", &c) == DI_OK);
+    c.n_vocab = V;
+    CHECK(di_synth_write(&c, g_dir) == DI_OK);
+    for (int t = 0; t < N_P2; t++) g_p2[t] = (int32_t)((t * 37 + 11) % V);
+    for (int t = 0; t < N_OTHER; t++) g_other[t] = (int32_t)((t * 53 + 5) % V);
+    di_set_log_level(1);
+    RUN(test_restart_and_corruption);
+    RUN(test_eviction_write_back);
+    RUN(test_options);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    return test_finish();
+}
