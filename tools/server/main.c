@@ -1,6 +1,7 @@
 // deepinfer serve: arguments, wiring (tokenizer, engine, HTTP), signals and clean shutdown.
 // SIGTERM/SIGINT: /ready turns 503 and new generation requests get 503; in-flight requests are
 // drained (at most --drain-timeout seconds), then the HTTP daemon, engine and tokenizer are freed.
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,10 +28,67 @@ static void usage(FILE *f) {
            "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
            "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
            "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
+           "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
            "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
            "                       [--drain-timeout 30] [--log-level 0..3]\n"
            "OpenAI Chat Completions / Completions / Responses and Anthropic Messages over HTTP.\n"
            "Without --model it serves the built-in tiny random-weight model (meaningless text).\n");
+}
+
+// "<n>[k|m|g|t]" (binary multiples; bytes without a suffix) into *out; false if malformed.
+static bool parse_bytes(const char *s, size_t *out) {
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || s[0] == '-') return false;
+    int shift = 0;
+    switch (*end) {
+    case 0:
+        break;
+    case 'k':
+    case 'K':
+        shift = 10;
+        break;
+    case 'm':
+    case 'M':
+        shift = 20;
+        break;
+    case 'g':
+    case 'G':
+        shift = 30;
+        break;
+    case 't':
+    case 'T':
+        shift = 40;
+        break;
+    default:
+        return false;
+    }
+    if (*end && end[1] && strcmp(end + 1, "iB") && strcmp(end + 1, "B")) return false;
+    if (v == 0 || v > (~0ull >> shift)) return false;
+    *out = (size_t)(v << shift);
+    return true;
+}
+
+// "<n>[s|m|h|d]" (seconds without a suffix) into *out; false if malformed.
+static bool parse_seconds(const char *s, int64_t *out) {
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || v <= 0) return false;
+    long long mul = 1;
+    if (*end == 'm')
+        mul = 60;
+    else if (*end == 'h')
+        mul = 3600;
+    else if (*end == 'd')
+        mul = 86400;
+    else if (*end && *end != 's')
+        return false;
+    if (*end && end[1]) return false;
+    if (v > INT64_MAX / mul) return false;
+    *out = (int64_t)(v * mul);
+    return true;
 }
 
 static void sleep_ms(int ms) {
@@ -106,6 +164,19 @@ int di_cli_serve(int argc, char **argv) {
         } else if (!strcmp(a, "--kv-memory") && has) {
             if (!di_args_int(argv[++i], "--kv-memory (MiB)", 1, 1 << 20, &v)) goto out;
             c->kv_memory_bytes = (size_t)v << 20;
+        } else if (!strcmp(a, "--kv-disk-dir") && has) {
+            c->kv_disk_dir = argv[++i];
+        } else if (!strcmp(a, "--kv-disk-bytes") && has) {
+            if (!parse_bytes(argv[++i], &c->kv_disk_bytes)) {
+                fprintf(stderr, "serve: --kv-disk-bytes takes a size such as 16G, 512M or bytes\n");
+                goto out;
+            }
+        } else if (!strcmp(a, "--kv-disk-ttl") && has) {
+            if (!parse_seconds(argv[++i], &c->kv_disk_ttl_s)) {
+                fprintf(stderr, "serve: --kv-disk-ttl takes a duration such as 72h, 3d, 90m or "
+                                "seconds\n");
+                goto out;
+            }
         } else if (!strcmp(a, "--max-ctx") && has) {
             if (!di_args_int(argv[++i], "--max-ctx", 16, 1 << 24, &v)) goto out;
             c->max_ctx = (int32_t)v;
@@ -166,6 +237,9 @@ int di_cli_serve(int argc, char **argv) {
     eo.precision = ma.opt.precision;
     eo.device = ma.opt.device;
     eo.kv_memory_bytes = c->kv_memory_bytes;
+    eo.kv_disk_dir = c->kv_disk_dir;
+    eo.kv_disk_bytes = c->kv_disk_bytes;
+    eo.kv_disk_ttl_s = c->kv_disk_ttl_s;
     eo.max_ctx = c->max_ctx;
     eo.max_seqs = c->max_seqs;
     di_status st = di_engine_create(ma.model, &eo, &s->engine);

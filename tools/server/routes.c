@@ -73,6 +73,20 @@ char *srv_metrics_text(srv *s) {
           looked > 0 ? (double)st.n_cache_hit_tokens / looked : 0.0);
     COUNTER("deepinfer:prefix_cache_hit_tokens_total", "Prompt tokens taken from the cache.",
             st.n_cache_hit_tokens);
+    COUNTER("deepinfer:prefix_cache_disk_hit_tokens_total",
+            "Prompt tokens taken from the prefix cache's disk tier (part of the hit tokens).",
+            st.n_disk_hit_tokens);
+    COUNTER("deepinfer:kv_disk_blocks_written_total",
+            "KV blocks written to the disk tier (evicted, or flushed at shutdown).",
+            st.n_disk_blocks_written);
+    COUNTER("deepinfer:kv_disk_blocks_read_total", "KV blocks read back from the disk tier.",
+            st.n_disk_blocks_read);
+    COUNTER("deepinfer:kv_disk_dropped_total",
+            "Disk-tier records dropped as corrupt, truncated or not matching.", st.n_disk_dropped);
+    GAUGE("deepinfer:kv_disk_records", "Records in the disk tier.", "%lld",
+          (long long)st.n_disk_records);
+    GAUGE("deepinfer:kv_disk_bytes", "Bytes of records in the disk tier.", "%lld",
+          (long long)st.disk_bytes);
     COUNTER("deepinfer:num_preemptions_total", "Preemptions.", st.n_preemptions);
     COUNTER("deepinfer:engine_steps_total", "Engine steps.", st.n_steps);
     COUNTER("deepinfer:engine_failed_steps_total",

@@ -76,6 +76,9 @@ typedef struct srv_config {
     const char *model_name; // served model id
     int n_threads;
     size_t kv_memory_bytes;
+    const char *kv_disk_dir; // borrowed (argv); NULL: no disk tier
+    size_t kv_disk_bytes;    // 0: the engine's default (16 GiB)
+    int64_t kv_disk_ttl_s;   // 0: the engine's default (72 h)
     int32_t max_ctx;
     int32_t max_seqs;
     size_t max_body_bytes;
