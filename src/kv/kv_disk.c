@@ -43,7 +43,7 @@ typedef struct rec_header {
     int64_t written_s;   // when written (informational; retention uses the file's mtime)
     uint32_t crc_data;   // CRC-32 of the tokens, then the payload
     uint32_t crc_header; // CRC-32 of this header with crc_header = 0
-    unsigned char pad[HEADER_BYTES - 92];
+    unsigned char pad[HEADER_BYTES - 88]; // zero
 } rec_header;
 _Static_assert(sizeof(rec_header) == HEADER_BYTES, "record header is 128 bytes");
 

@@ -1,7 +1,8 @@
 // KV manager, block pool and prefix cache: reference counting, LRU eviction of idle cached
 // blocks, no leaks; the forward pass on pool pages bit-identical to a session; prefix reuse with
 // bounded replay bit-exact against a cold prefill (and wrong without the replay); the accounting
-// manager of the device-resident forward (no memory, no tail blocks).
+// manager of the device-resident forward (no memory, no tail blocks); the disk tier continuing a
+// prefix match with evicted blocks read back (then memory again), contents intact.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -213,6 +214,76 @@ static void test_accounting(void) {
     di_kv_manager_destroy(kv);
 }
 
+// Entry block i's payload pattern.
+static float pattern(int32_t i, int64_t j) {
+    return (float)i * 1000.0f + (float)(j % 977);
+}
+
+static void test_disk_tier(void) {
+    enum { N_BLK = 8 };
+    char disk[300];
+    snprintf(disk, sizeof disk, "%s/kv-disk", g_dir);
+    di_kv_manager *kv = NULL;
+    // A pool of exactly one 1024-position sequence (tail + 64 entry blocks).
+    CHECK_EQ(di_kv_manager_create(g_m, 64u << 20, 2, 1024, true, &kv), DI_OK);
+    if (!kv) return;
+    const size_t bb = di_block_pool_block_bytes(kv->pool);
+    const int32_t n_pool = di_kv_blocks_for(kv, 1024);
+    di_kv_manager_destroy(kv);
+    kv = NULL;
+    CHECK_EQ(di_kv_manager_create(g_m, bb * (size_t)n_pool, 2, 1024, true, &kv), DI_OK);
+    if (!kv) return;
+    di_kv_disk_options o = {.dir = disk};
+    CHECK_EQ(di_kv_manager_open_disk(kv, &o), DI_OK);
+    const int32_t B = kv->block_tokens;
+    int32_t *p = malloc(sizeof(int32_t) * (size_t)(N_BLK * B));
+    CHECK(p != NULL);
+    if (!p || !kv->disk) goto out;
+    prompt_of(p, N_BLK * B, 3);
+    // Sequence 0 computes (here: writes a pattern into) N_BLK entry blocks and publishes them.
+    CHECK_EQ(di_kv_seq_open(kv, 0, 0), DI_OK);
+    CHECK_EQ(di_kv_seq_grow(kv, 0, N_BLK * B), DI_OK);
+    for (int32_t i = 0; i < N_BLK; i++)
+        for (int64_t j = 0; j < kv->entry_floats; j++) kv->seqs[0].pages[i][j] = pattern(i, j);
+    di_kv_seq_publish(kv, 0, p, N_BLK * B);
+    di_kv_seq_close(kv, 0); // blocks 0..7 idle cached, block 0 least recent
+    CHECK_EQ(di_prefix_cache_n_blocks(kv->cache), N_BLK);
+    // Sequence 1 takes every free block and three more: blocks 0, 1, 2 are evicted (written to
+    // disk) and overwritten.
+    CHECK_EQ(di_kv_seq_open(kv, 1, 0), DI_OK);
+    const int32_t free_now = di_block_pool_n_available(kv->pool) - N_BLK;
+    CHECK_EQ(di_kv_seq_grow(kv, 1, (free_now + 3) * B), DI_OK);
+    for (int32_t i = 0; i < kv->seqs[1].n_blocks; i++)
+        memset(kv->seqs[1].pages[i], 0x7f, sizeof(float) * (size_t)kv->entry_floats);
+    di_kv_disk_stats ds;
+    di_kv_disk_get_stats(kv->disk, &ds);
+    CHECK_EQ(ds.n_written, 3);
+    CHECK_EQ(di_prefix_cache_n_blocks(kv->cache), N_BLK - 3);
+    di_kv_seq_close(kv, 1); // never published: its blocks are free
+    // Another salt finds nothing, on disk either.
+    CHECK_EQ(di_kv_seq_open(kv, 0, 99), DI_OK);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 0, p, N_BLK * B), 0);
+    di_kv_seq_close(kv, 0);
+    // The prompt again: blocks 0..2 come from disk, 3..7 from memory, all intact.
+    CHECK_EQ(di_kv_seq_open(kv, 0, 0), DI_OK);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 0, p, N_BLK * B), N_BLK * B);
+    CHECK_EQ(kv->n_disk_hit_tokens, 3 * B);
+    int bad = 0;
+    for (int32_t i = 0; i < N_BLK; i++)
+        for (int64_t j = 0; j < kv->entry_floats; j++)
+            bad += kv->seqs[0].pages[i][j] != pattern(i, j);
+    CHECK_EQ(bad, 0);
+    CHECK_EQ(di_prefix_cache_n_blocks(kv->cache), N_BLK); // read blocks are cached again
+    di_kv_seq_close(kv, 0);
+    // Shutdown flush: the 5 blocks never evicted are written too; a second flush writes nothing.
+    CHECK_EQ(di_kv_manager_flush_disk(kv), N_BLK - 3);
+    CHECK_EQ(di_kv_manager_flush_disk(kv), 0);
+    CHECK_EQ(di_block_pool_n_available(kv->pool), di_block_pool_n_total(kv->pool));
+out:
+    free(p);
+    di_kv_manager_destroy(kv);
+}
+
 static void test_budget_too_small(void) {
     di_kv_manager *kv = NULL;
     CHECK_EQ(di_kv_manager_create(g_m, 4096, 2, 1024, true, &kv), DI_ERR_INVALID);
@@ -233,6 +304,7 @@ int main(void) {
     RUN(test_lru_eviction);
     if (g_m) RUN(test_pages_and_prefix_replay);
     if (g_m) RUN(test_budget_too_small);
+    if (g_m) RUN(test_disk_tier);
     if (g_m) RUN(test_accounting);
     di_model_destroy(g_m);
     char cmd[512];
