@@ -178,3 +178,12 @@ int32_t di_block_pool_n_cached_idle(const di_block_pool *p) {
 size_t di_block_pool_block_bytes(const di_block_pool *p) {
     return p->block_bytes;
 }
+
+int32_t di_block_pool_lru_newest(const di_block_pool *p) {
+    return p->lru_tail;
+}
+
+int32_t di_block_pool_lru_older(const di_block_pool *p, int32_t id) {
+    DI_ASSERT(id >= 0 && id < p->n && p->prev[id] != -2);
+    return p->prev[id];
+}

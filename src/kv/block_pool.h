@@ -49,3 +49,7 @@ int32_t di_block_pool_n_available(const di_block_pool *p);
 // Cached blocks with no reference (evictable).
 int32_t di_block_pool_n_cached_idle(const di_block_pool *p);
 size_t di_block_pool_block_bytes(const di_block_pool *p);
+// The idle cached blocks from the most recently used on: the first, then the one after id; -1 at
+// the end.
+int32_t di_block_pool_lru_newest(const di_block_pool *p);
+int32_t di_block_pool_lru_older(const di_block_pool *p, int32_t id);

@@ -411,6 +411,10 @@ size_t di_kv_disk_record_bytes(const di_kv_disk *d) {
     return d->rec_bytes;
 }
 
+int32_t di_kv_disk_capacity(const di_kv_disk *d) {
+    return d->cap;
+}
+
 void di_kv_disk_get_stats(const di_kv_disk *d, di_kv_disk_stats *out) {
     *out = d->st;
 }

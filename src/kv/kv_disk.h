@@ -76,6 +76,8 @@ void di_kv_disk_destroy(di_kv_disk *d);
 
 // Bytes of one record (header, tokens, payload).
 size_t di_kv_disk_record_bytes(const di_kv_disk *d);
+// Records the budget (and the index) hold at most.
+int32_t di_kv_disk_capacity(const di_kv_disk *d);
 
 // Whether a record for hash h is indexed and not expired (an expired one is dropped).
 bool di_kv_disk_has(di_kv_disk *d, uint64_t h);

@@ -253,13 +253,20 @@ di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o
     return DI_OK;
 }
 
+// Flush: writes a block not yet on disk; true if it was written.
+static bool flush_one(void *user, uint64_t h, uint64_t parent, uint64_t salt, const int32_t *tokens,
+                      int32_t id) {
+    di_kv_manager *kv = user;
+    if (di_kv_disk_has(kv->disk, h)) return false;
+    return di_kv_disk_write(kv->disk, h, parent, salt, tokens, di_block_pool_ptr(kv->pool, id)) ==
+           DI_OK;
+}
+
 int32_t di_kv_manager_flush_disk(di_kv_manager *kv) {
     if (!kv->disk) return 0;
-    di_kv_disk_stats a, b;
-    di_kv_disk_get_stats(kv->disk, &a);
-    (void)di_prefix_cache_spill_all(kv->cache);
-    di_kv_disk_get_stats(kv->disk, &b);
-    return (int32_t)(b.n_written - a.n_written);
+    // Most recent first, at most what the budget holds: a pool larger than the budget does not
+    // write blocks that would only evict each other.
+    return di_prefix_cache_offer_recent(kv->cache, flush_one, kv, di_kv_disk_capacity(kv->disk));
 }
 
 int32_t di_kv_blocks_for(const di_kv_manager *kv, int32_t n_positions) {

@@ -100,8 +100,9 @@ void di_kv_manager_destroy(di_kv_manager *kv);
 // here), DI_ERR_INVALID (no prefix cache; a bad budget), DI_ERR_IO, DI_ERR_BUSY (the directory is
 // another engine's), DI_ERR_NOMEM; all logged.
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o);
-// Writes every cached block not yet on disk there (orderly shutdown, so that a restart finds
-// them). Returns the blocks written. Nothing without a disk tier.
+// Writes the cached blocks not yet on disk there (orderly shutdown, so that a restart finds
+// them): most recently used first, at most as many as the disk budget holds. Returns the blocks
+// written. Nothing without a disk tier.
 int32_t di_kv_manager_flush_disk(di_kv_manager *kv);
 
 // Blocks a sequence of n positions holds (tail + entry blocks).

@@ -155,10 +155,20 @@ void di_prefix_cache_set_spill(di_prefix_cache *pc, di_prefix_cache_spill_fn fn,
     pc->spill_user = user;
 }
 
-int32_t di_prefix_cache_spill_all(di_prefix_cache *pc) {
+int32_t di_prefix_cache_offer_recent(di_prefix_cache *pc, di_prefix_cache_offer_fn fn, void *user,
+                                     int32_t max_n) {
     int32_t n = 0;
-    for (int32_t id = 0; pc->spill && id < pc->n_ids; id++)
-        if (pc->present[id]) spill(pc, id), n++;
+    // Referenced cached blocks first: in use now, the most recent of all.
+    for (int32_t id = 0; id < pc->n_ids && n < max_n; id++)
+        if (pc->present[id] && di_block_pool_refs(pc->pool, id) > 0)
+            n += fn(user, pc->hash[id], pc->parent[id], pc->salt[id],
+                    pc->tokens + (int64_t)id * pc->block_tokens, id);
+    for (int32_t id = di_block_pool_lru_newest(pc->pool); id >= 0 && n < max_n;
+         id = di_block_pool_lru_older(pc->pool, id)) {
+        DI_ASSERT(pc->present[id]); // the LRU holds only cached blocks
+        n += fn(user, pc->hash[id], pc->parent[id], pc->salt[id],
+                pc->tokens + (int64_t)id * pc->block_tokens, id);
+    }
     return n;
 }
 

@@ -45,12 +45,18 @@ bool di_prefix_cache_insert(di_prefix_cache *pc, uint64_t h, uint64_t parent, ui
                             const int32_t *tokens, int32_t id);
 
 // Called with a cached block's identity just before the pool reuses it (eviction; its memory is
-// still intact) and by di_prefix_cache_spill_all: the disk tier's write-back (kv/kv_disk.h).
+// still intact): the disk tier's write-back (kv/kv_disk.h).
 typedef void (*di_prefix_cache_spill_fn)(void *user, uint64_t h, uint64_t parent, uint64_t salt,
                                          const int32_t *tokens, int32_t id);
 void di_prefix_cache_set_spill(di_prefix_cache *pc, di_prefix_cache_spill_fn fn, void *user);
-// Calls the spill function for every cached block (orderly shutdown); returns how many.
-int32_t di_prefix_cache_spill_all(di_prefix_cache *pc);
+// Calls the spill function for cached blocks, most recently used first (those in use, then the
+// idle ones newest first), until it has returned true max_n times (orderly shutdown: the blocks
+// most worth keeping, within the disk budget) or every block was offered; returns how many it
+// returned true for.
+typedef bool (*di_prefix_cache_offer_fn)(void *user, uint64_t h, uint64_t parent, uint64_t salt,
+                                         const int32_t *tokens, int32_t id);
+int32_t di_prefix_cache_offer_recent(di_prefix_cache *pc, di_prefix_cache_offer_fn fn, void *user,
+                                     int32_t max_n);
 
 // Forgets block `id` (its contents were never computed: the step that was to write them failed);
 // an idle one becomes free. Returns whether it was cached.

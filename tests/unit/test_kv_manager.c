@@ -279,6 +279,29 @@ static void test_disk_tier(void) {
     CHECK_EQ(di_kv_manager_flush_disk(kv), N_BLK - 3);
     CHECK_EQ(di_kv_manager_flush_disk(kv), 0);
     CHECK_EQ(di_block_pool_n_available(kv->pool), di_block_pool_n_total(kv->pool));
+    di_kv_manager_destroy(kv);
+    kv = NULL;
+    // A disk budget of two records: the flush writes the two most recently used blocks only.
+    CHECK_EQ(di_kv_manager_create(g_m, bb * (size_t)n_pool, 2, 1024, true, &kv), DI_OK);
+    if (!kv) goto out;
+    snprintf(disk, sizeof disk, "%s/kv-disk-2", g_dir);
+    o.max_bytes = 1; // below one record: refused
+    CHECK_EQ(di_kv_manager_open_disk(kv, &o), DI_ERR_INVALID);
+    CHECK(kv->disk == NULL);
+    o.max_bytes =
+        2 * (128 + sizeof(int32_t) * (size_t)B + sizeof(float) * (size_t)kv->entry_floats);
+    CHECK_EQ(di_kv_manager_open_disk(kv, &o), DI_OK);
+    if (!kv->disk) goto out;
+    CHECK_EQ(di_kv_seq_open(kv, 0, 0), DI_OK);
+    CHECK_EQ(di_kv_seq_grow(kv, 0, N_BLK * B), DI_OK);
+    di_kv_seq_publish(kv, 0, p, N_BLK * B);
+    di_kv_seq_close(kv, 0); // block N_BLK - 1 the most recently used
+    CHECK_EQ(di_kv_manager_flush_disk(kv), 2);
+    uint64_t h = 0;
+    for (int32_t i = 0; i < N_BLK; i++) {
+        h = di_prefix_cache_hash(kv->cache, h, p + i * B, 0);
+        CHECK_EQ(di_kv_disk_has(kv->disk, h), i >= N_BLK - 2);
+    }
 out:
     free(p);
     di_kv_manager_destroy(kv);
