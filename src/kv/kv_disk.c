@@ -294,7 +294,7 @@ static di_status scan(di_kv_disk *d) {
     d->st.n_found_at_open = d->st.n_records;
     d->st.bytes_found_at_open = d->st.n_bytes;
     DI_LOG_INFO("kv disk: %s: %lld records (%.1f MiB) found in %.1f ms; deleted %lld expired, "
-                "%lld of another size, %lld temporary, %lld over the budget",
+                "%lld of another size, %lld temporary or misplaced, %lld over the budget",
                 d->dir, (long long)d->st.n_records, (double)d->st.n_bytes / (1 << 20),
                 (double)(mono_us() - t0) / 1000.0, (long long)n_old, (long long)n_bad,
                 (long long)n_tmp, (long long)(n - keep));
