@@ -109,6 +109,7 @@ struct di_model {
     int32_t n_mtp_loaded;
     float *omega_main, *omega_compress; // owned [n_rot/2]
     int64_t n_params, n_params_mtp;
+    uint64_t weights_id; // fingerprint of the checkpoint's tensors (weights.c)
     // Small FP32 vectors copied out of the checkpoint (norm weights, biases, ...), freed at
     // destroy.
     void **owned;

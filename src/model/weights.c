@@ -11,6 +11,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "base/mem.h"
+#include "base/hash.h" // di_fnv1a
 #include "model/dsv4.h"
 #include "tensor/quant_ref.h"
 
@@ -646,6 +647,30 @@ static di_status bind_mtp(binder *b, int i, di_dsv4_mtp_w *mw) {
     return bind_block(b, po, NULL, hp->n_layer + i, &mw->block);
 }
 
+// A fingerprint of the checkpoint's weights, for what outlives the process (the prefix cache's
+// disk tier keys its records with it): every tensor's name, type and size, and 3 x 64 sampled
+// bytes (start, middle, end) of every tensor but the routed experts after expert 0 (V4-Flash has
+// ~66k expert tensors: sampling them all would touch pages across the whole file at load). Two
+// checkpoints of one architecture (a fine-tune, another quantisation, random weights of another
+// seed) differ in it.
+static uint64_t weights_fingerprint(const di_st_set *st) {
+    uint64_t h = DI_FNV1A_INIT;
+    for (int64_t i = 0; i < di_st_set_n_tensors(st); i++) {
+        const di_st_tensor *t = di_st_set_tensor(st, i);
+        h = di_fnv1a(t->name, strlen(t->name) + 1, h);
+        const uint64_t meta[2] = {(uint64_t)t->dtype, (uint64_t)t->n_bytes};
+        h = di_fnv1a(meta, sizeof meta, h);
+        const char *ex = strstr(t->name, ".experts.");
+        if (ex && strncmp(ex, ".experts.0.", 11) != 0) continue;
+        const size_t n = t->n_bytes, k = n < 64 ? n : 64;
+        const uint8_t *d = t->data;
+        h = di_fnv1a(d, k, h);
+        h = di_fnv1a(d + (n - k) / 2, k, h);
+        h = di_fnv1a(d + n - k, k, h);
+    }
+    return h;
+}
+
 static int64_t count_params(const di_st_set *st, bool mtp) {
     int64_t n = 0;
     for (int64_t i = 0; i < di_st_set_n_tensors(st); i++) {
@@ -754,6 +779,7 @@ di_status di_dsv4_weights_bind(di_model *m) {
     }
     m->n_params = count_params(m->st, false);
     m->n_params_mtp = count_params(m->st, true);
+    m->weights_id = weights_fingerprint(m->st);
     di_free(b.used);
     return DI_OK;
 fail:

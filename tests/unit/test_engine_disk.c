@@ -215,6 +215,33 @@ static void test_eviction_write_back(void) {
     di_engine_destroy(e);
 }
 
+// Another checkpoint of the same architecture (random weights of another seed: as a fine-tune
+// or another quantisation would be) finds none of the first one's records on the same directory.
+static void test_other_checkpoint(void) {
+    char dir2[300];
+    snprintf(dir2, sizeof dir2, "%s/other", g_dir);
+    CHECK_EQ(mkdir(dir2, 0700), 0);
+    di_synth_config c;
+    CHECK(di_synth_preset("tiny", &c) == DI_OK);
+    c.n_vocab = V;
+    c.seed ^= 0x5eed;
+    CHECK(di_synth_write(&c, dir2) == DI_OK);
+    di_engine_options o = options(64u << 20, g_disk);
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(dir2, &o, &e), DI_OK);
+    if (!e) return;
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    CHECK(st.n_disk_records > 0); // the first checkpoint's records are there
+    result r;
+    run(e, g_p2, N_P2, false, MAX_GEN, &r);
+    CHECK_EQ(r.n_cached, 0);
+    check_clean(e, &st);
+    CHECK_EQ(st.n_disk_hit_tokens, 0);
+    CHECK_EQ(st.n_disk_blocks_read, 0);
+    di_engine_destroy(e);
+}
+
 static void test_options(void) {
     char disk[320];
     snprintf(disk, sizeof disk, "%s-opt", g_disk);
@@ -245,6 +272,7 @@ int main(void) {
     di_set_log_level(1);
     RUN(test_restart_and_corruption);
     RUN(test_eviction_write_back);
+    RUN(test_other_checkpoint);
     RUN(test_options);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
