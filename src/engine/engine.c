@@ -609,8 +609,18 @@ void di_engine_get_stats(di_engine *e, di_engine_stats *out) {
 
 // ---- engine thread ----
 
-// Takes r out of the scheduler (its blocks go back) and frees it; updates the pool and request
-// counts before waking di_engine_wait_idle, so a waiter sees them.
+// Copies the speculative-decoding counters into the stats (caller holds e->mu).
+static void publish_spec_stats(di_engine *e) {
+    e->stats.n_spec_verifies = e->spec_n[0];
+    e->stats.n_spec_drafted = e->spec_n[1];
+    e->stats.n_spec_verified = e->spec_n[2];
+    e->stats.n_spec_accepted = e->spec_n[3];
+    memcpy(e->stats.n_spec_accept_hist, e->spec_hist, sizeof e->spec_hist);
+}
+
+// Takes r out of the scheduler (its blocks go back) and frees it; updates the pool, request and
+// speculation counts before waking di_engine_wait_idle, so a waiter sees them (its last verify
+// included).
 static void retire(di_engine *e, di_request *r) {
     di_sched_remove(&e->sched, r);
     pthread_mutex_lock(&e->mu);
@@ -621,6 +631,7 @@ static void retire(di_engine *e, di_request *r) {
     e->stats.n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
     e->stats.n_running = e->sched.n_running;
     e->stats.n_waiting = e->sched.n_waiting;
+    publish_spec_stats(e);
     e->n_live--;
     if (e->n_live == 0) pthread_cond_broadcast(&e->cv_idle);
     pthread_mutex_unlock(&e->mu);
@@ -816,6 +827,10 @@ static di_status inject_failure(di_engine *e) {
 // speculation ("verify by resampling": for greedy requests the rule of §3.4 step 3; for sampled
 // ones it replaces rejection sampling by the target's own draw, which needs no draft
 // distribution and keeps outputs bitwise). The rejected rows are rolled back (§5.3).
+
+_Static_assert(DI_MAX_SPEC_TOKENS <= DI_DSV41_ROLLBACK_MAX, "a verify's rejected rows roll back");
+_Static_assert(DI_MAX_SPEC_TOKENS <= (int)(sizeof(((di_draft *)0)->tokens) / sizeof(int32_t)),
+               "a draft block holds the drafts of a verify");
 
 // Whether slot k's sequence verifies drafts this step, and which: feeds nothing; writes the
 // drafts after r's known tokens (the sampling history of the verify rows) and ver[0..*n_ver) =
@@ -1136,11 +1151,7 @@ static void *engine_main(void *p) {
         st->n_preemptions = s->n_preemptions;
         st->n_cache_hit_tokens = s->n_cache_hit_tokens;
         st->n_replayed_tokens = s->n_replayed_tokens;
-        st->n_spec_verifies = e->spec_n[0];
-        st->n_spec_drafted = e->spec_n[1];
-        st->n_spec_verified = e->spec_n[2];
-        st->n_spec_accepted = e->spec_n[3];
-        memcpy(st->n_spec_accept_hist, e->spec_hist, sizeof e->spec_hist);
+        publish_spec_stats(e);
         st->n_running = s->n_running;
         st->n_waiting = s->n_waiting;
         st->n_blocks_free = di_block_pool_n_available(e->kv->pool);

@@ -282,6 +282,7 @@ static void run_oracle(oracle mode, bool cut_conf, float min_conf, const counts 
     CHECK_EQ(st.n_spec_accepted, want->accepted);
     CHECK(!memcmp(st.n_spec_accept_hist, want->hist, sizeof want->hist));
     CHECK_EQ(atomic_load(&g_hook.n_calls), want->verifies);
+    CHECK(st.n_plans_ahead > 0); // the plans built ahead were corrected for the accepted drafts
     check_clean(e);
     di_engine_destroy(e);
 }
