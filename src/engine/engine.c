@@ -220,10 +220,9 @@ static di_status dev_kv_create(di_engine *e) {
 static di_status v41_create(di_engine *e) {
     di_engine_options *o = &e->opt;
     di_status st = DI_OK;
-    // With speculation the sessions run DSpark (its rings and taps are part of a slot's bytes),
-    // and a draft block looks up to dspark_block_size positions past the last one fed (the
-    // Engram history it reserves), a verify call feeds spec_k + 1 rows: reserved too, so that no
-    // step allocates.
+    // With speculation the sessions run DSpark (its rings and draft scratch are part of a slot's
+    // bytes), a draft reserves the Engram history dspark_block_size positions past the last one
+    // fed, and a verify call feeds spec_k + 1 rows: all reserved here, so that no step allocates.
     di_session_options so = {.n_ctx_max = o->max_ctx, .mtp = e->spec_k > 0};
     const int32_t B = e->model->hp.dspark_block_size;
     const int32_t n_ctx_res = o->max_ctx + (e->spec_k > 0 ? B : 0);
