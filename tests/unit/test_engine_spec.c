@@ -23,7 +23,9 @@
 //       exactly those requests with the error; the others, and later ones in the failed slots,
 //       are exact;
 //   (g) options: spec_tokens on a V4 checkpoint or a V4.1 one without DSpark is DI_ERR_UNSUPPORTED;
-//       out-of-range spec_tokens / spec_min_confidence are DI_ERR_INVALID.
+//       out-of-range spec_tokens / spec_min_confidence are DI_ERR_INVALID;
+//   (h) verifies beyond a one-row token budget, and the synchronous order (DI_ENGINE_SYNC=1):
+//       exact, no step allocation.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -492,6 +494,58 @@ static void test_options(void) {
     di_engine_destroy(e);
 }
 
+// ---- (h) ----
+
+// One request with oracle drafts on an engine of one slot and a token budget of one row (every
+// verify of 6 rows is beyond the budget: the sessions are reserved for it), and six on an engine
+// that plans each step after the previous one (DI_ENGINE_SYNC=1: no plan to correct): exact, no
+// allocation in a step.
+static void test_budget_and_sync(void) {
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = N_THREADS;
+    o.kv_memory_bytes = (size_t)64 << 20;
+    o.max_seqs = 1;
+    o.max_batch_tokens = 1;
+    o.max_ctx = 256;
+    o.spec_tokens = K;
+    o.spec_min_confidence = -1;
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    if (!e) return;
+    g_hook.mode = ORACLE_FULL;
+    g_hook.cut_conf = false;
+    g_hook.truth = g_off;
+    di_engine_set_draft_hook(e, draft_hook, NULL);
+    static result got[N_REQ];
+    run_all(e, got, 2, STOP_NONE); // ids 1, 2: requests 0 and 1, one after the other
+    const bool budget_same = same(&got[0], &g_off[0]) && same(&got[1], &g_off[1]);
+    CHECK(budget_same);
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    CHECK(st.n_spec_accepted > 0);
+    check_clean(e);
+    di_engine_destroy(e);
+    setenv("DI_ENGINE_SYNC", "1", 1);
+    e = engine(K, -1, 3);
+    unsetenv("DI_ENGINE_SYNC");
+    if (!e) return;
+    di_engine_set_draft_hook(e, draft_hook, NULL);
+    run_all(e, got, N_REQ, STOP_NONE);
+    int n_same = 0;
+    for (int i = 0; i < N_REQ; i++) n_same += same(&got[i], &g_off[i]);
+    di_engine_get_stats(e, &st);
+    fprintf(stderr,
+            "(h) one-row budget: 2/2 requests %s; DI_ENGINE_SYNC=1: %d/%d identical, %lld plans "
+            "ahead, %lld accepted\n",
+            budget_same ? "identical" : "DIFFERENT", n_same, N_REQ, (long long)st.n_plans_ahead,
+            (long long)st.n_spec_accepted);
+    CHECK_EQ(n_same, N_REQ);
+    CHECK_EQ(st.n_plans_ahead, 0);
+    CHECK(st.n_spec_accepted > 0);
+    check_clean(e);
+    di_engine_destroy(e);
+}
+
 // The tiny config's DSpark block is 2 drafts (spec §7.2); the released model's is 5. Nothing in
 // the DSpark weights depends on it (the block is its rows), so the test model's config.json
 // says 5: verifies of up to 5 drafts, blocks of up to 6 tokens.
@@ -546,6 +600,7 @@ int main(void) {
     test_cancel();
     test_failure();
     test_options();
+    test_budget_and_sync();
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
