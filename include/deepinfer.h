@@ -348,12 +348,28 @@ typedef struct di_engine_options {
     const char *kv_disk_dir;
     size_t kv_disk_bytes;  // the disk tier's byte budget (least recently used out); 0 = 16 GiB
     int64_t kv_disk_ttl_s; // records unused this long are dropped; 0 = 72 hours
+    // Speculative decoding with DSpark (DeepSeek V4.1 checkpoints with DSpark weights only;
+    // docs/architecture.md, "Speculative decoding"): each decode step of a sequence drafts a block
+    // and verifies up to spec_tokens drafts in one forward of spec_tokens + 1 rows, emitting the
+    // accepted drafts and one sampled token. Outputs (tokens, logprobs) are bit for bit those
+    // without it, for every sampling configuration; only the cost changes. 0 = off (the default);
+    // at most DI_MAX_SPEC_TOKENS, and capped (logged) at the checkpoint's DSpark block size.
+    // Refused by di_engine_create with DI_ERR_UNSUPPORTED on a V4 checkpoint or a V4.1 checkpoint
+    // without DSpark weights.
+    int32_t spec_tokens;
+    // Verify only the longest draft prefix whose estimated survival (the product of the DSpark
+    // confidence head's acceptance probabilities) is at least this, and at least one draft.
+    // 0 = DI_SPEC_MIN_CONFIDENCE_DEFAULT; negative: no cut (always spec_tokens drafts). In [-1, 1].
+    float spec_min_confidence;
     // Optional token bytes (e.g. from a di_tokenizer) for stop strings and event text.
     const char *(*token_bytes)(void *user, int32_t id, size_t *n_bytes);
     void *token_bytes_user;
 } di_engine_options;
 
 di_engine_options di_engine_options_default(void);
+
+#define DI_MAX_SPEC_TOKENS 16               // di_engine_options.spec_tokens at most
+#define DI_SPEC_MIN_CONFIDENCE_DEFAULT 0.1f // di_engine_options.spec_min_confidence's default
 
 typedef struct di_engine_stats {
     int64_t n_blocks_total, n_blocks_free; // KV pool blocks (free includes evictable cached; on
@@ -387,6 +403,13 @@ typedef struct di_engine_stats {
     // step fails (a sticky CUDA error, which only a new process clears) keeps counting; the
     // server reports itself failing from 3 in a row on (docs/server.md, /ready and /health).
     int64_t n_failed_in_a_row;
+    // Speculative decoding (di_engine_options.spec_tokens): verify forwards (one per sequence and
+    // step that speculated), drafts the DSpark module proposed, drafts fed to the target after
+    // the confidence cut (the extra forward rows), drafts accepted (tokens gained over one per
+    // verify), and verifies by accepted drafts (n_spec_accept_hist[j]: j drafts accepted).
+    // Tokens per verify = (n_spec_verifies + n_spec_accepted) / n_spec_verifies.
+    int64_t n_spec_verifies, n_spec_drafted, n_spec_verified, n_spec_accepted;
+    int64_t n_spec_accept_hist[DI_MAX_SPEC_TOKENS + 1];
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. When the model has the
@@ -395,15 +418,18 @@ typedef struct di_engine_stats {
 // entries are paged in entry blocks sized from kv_memory_bytes (the KV manager's blocks: the
 // prefix cache and bounded replay work as on the CPU path), created and exercised once here; a
 // step whose device call fails ends its requests with DI_FINISH_ERROR and goes on.
-// A DeepSeek V4.1 checkpoint runs one V4.1 session per slot (no MTP / DSpark), each reserved here
-// for max_ctx positions and max_batch_tokens rows; a step runs its sequences one after another.
-// kv_memory_bytes buys whole slots: max_seqs is lowered (logged) to the slots that fit, and the
-// prefix cache is off (no_prefix_cache is forced on).
+// A DeepSeek V4.1 checkpoint runs one V4.1 session per slot (with the DSpark module when
+// spec_tokens > 0, which makes a slot's state larger), each reserved here for max_ctx positions
+// and max_batch_tokens rows; a step runs its sequences one after another. kv_memory_bytes buys
+// whole slots: max_seqs is lowered (logged) to the slots that fit, and the prefix cache is off
+// (no_prefix_cache is forced on). A verify forward feeds spec_tokens + 1 rows of one sequence
+// beside the step's token budget (max_batch_tokens bounds the rows of one call).
 // Otherwise the CPU forward runs, its matmuls on the device when one is given; with kv_disk_dir,
 // it opens the disk tier there. DI_ERR_IO (also: the disk tier's directory cannot be created or
-// read), DI_ERR_FORMAT, DI_ERR_UNSUPPORTED (as di_model_load; kv_disk_dir on the device-resident
-// or V4.1 forward), DI_ERR_INVALID (bad options; e.g. a KV budget too small for one sequence, a
-// V4.1 checkpoint whose sessions cannot run: no Engram token map, kv_disk_dir with
+// read), DI_ERR_FORMAT, DI_ERR_UNSUPPORTED (as di_model_load; spec_tokens > 0 on a checkpoint
+// without DSpark; kv_disk_dir on the device-resident or V4.1 forward), DI_ERR_INVALID (bad
+// options; e.g. a KV budget too small for one sequence, a spec_tokens or spec_min_confidence out
+// of range, a V4.1 checkpoint whose sessions cannot run: no Engram token map, kv_disk_dir with
 // no_prefix_cache), DI_ERR_BUSY (kv_disk_dir is locked by another engine), DI_ERR_CUDA (the
 // device state or its first call failed), DI_ERR_NOMEM.
 di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out);

@@ -30,7 +30,11 @@
 //     kv_memory_bytes buys whole slots (max_seqs is clamped to what fits) and the blocks of the
 //     max_seqs slots (each block standing for its share of one slot's bytes) always fit: admission
 //     is bounded by the slots, and nothing is ever preempted for blocks. Prefix cache off (a hit
-//     would copy a V4.1 state's entries between sessions: not done).
+//     would copy a V4.1 state's entries between sessions: not done). With spec_tokens > 0 the
+//     sessions run DSpark and a decode sequence verifies a draft block in its call, yielding up
+//     to spec_tokens + 1 tokens per step, bit for bit those of plain decoding ("speculative
+//     decoding" below); the plan built ahead is corrected for the extra tokens when they are
+//     emitted (spec_settle).
 //   - otherwise the CPU batched forward (di_dsv4_forward_batch) on the KV manager's blocks; with
 //     a device (di_engine_options.device: the model's matmul hook, backend/device.h) every
 //     matmul runs there, called from the forward thread only (the model calls its hook outside
@@ -79,7 +83,24 @@ struct di_engine {
     int32_t n_v41;          // sessions created
     int32_t *x_slot;        // owned [max_seqs]: the slot of each planned sequence (V4.1)
     int64_t v41_slot_bytes; // the memory of one slot's session state (the workspace is shared)
-    uint8_t *marks;         // owned [pool blocks], zero: fail_step's scratch
+    // Speculative decoding (V4.1 with DSpark, opt.spec_tokens > 0; "speculative decoding" below).
+    // Logit slot k (a sampled sequence of the plan) owns lstride rows of logits and of sample
+    // results: its verify rows. lstride is 1 when speculation is off.
+    int32_t spec_k;    // drafts per verify at most (0: off)
+    float spec_tau;    // the confidence cut (< 0: none)
+    int32_t lstride;   // logit rows per logit slot: spec_k + 1
+    int32_t *x_nrows;  // owned [max_seqs]: rows of slot k to sample (1, or drafts + 1)
+    int32_t *x_emit;   // owned [max_seqs]: tokens slot k yields (1, or accepted drafts + 1)
+    int32_t *x_ndraft; // owned [max_seqs]: drafts verified for slot k (0: no verify)
+    int32_t *x_nprop;  // owned [max_seqs]: drafts DSpark proposed for slot k
+    int32_t *x_lslot;  // owned [max_seqs]: the V4.1 slot of logit slot k
+    int32_t *x_job;    // owned [max_seqs * lstride]: the rows to sample, k * lstride + i
+    int32_t x_n_job;   // (the forward thread's)
+    int64_t spec_n[4]; // engine thread: verifies, drafted, verified, accepted so far
+    int64_t spec_hist[DI_MAX_SPEC_TOKENS + 1];
+    di_engine_draft_fn draft_hook; // a test's (engine_internal.h); NULL: DSpark's own drafts
+    void *draft_user;
+    uint8_t *marks; // owned [pool blocks], zero: fail_step's scratch
     // Failure injection (di_engine_fail_forward, DI_ENGINE_FAIL_STEPS): the fail_in-th next
     // forward and the fail_n - 1 after it fail with fail_status without running (0: none).
     atomic_int fail_in, fail_n, fail_status;
@@ -200,14 +221,21 @@ static di_status dev_kv_create(di_engine *e) {
 static di_status v41_create(di_engine *e) {
     di_engine_options *o = &e->opt;
     di_status st = DI_OK;
-    di_session_options so = {.n_ctx_max = o->max_ctx, .mtp = false};
+    // With speculation the sessions run DSpark (its rings and draft scratch are part of a slot's
+    // bytes), a draft reserves the Engram history dspark_block_size positions past the last one
+    // fed, and a verify call feeds spec_k + 1 rows: all reserved here, so that no step allocates.
+    di_session_options so = {.n_ctx_max = o->max_ctx, .mtp = e->spec_k > 0};
+    const int32_t B = e->model->hp.dspark_block_size;
+    const int32_t n_ctx_res = o->max_ctx + (e->spec_k > 0 ? B : 0);
+    int32_t n_rows_res = o->max_batch_tokens;
+    if (e->spec_k > 0 && n_rows_res < B + 1) n_rows_res = B + 1;
     e->v41 = di_calloc((size_t)o->max_seqs, sizeof *e->v41);
     if (!e->v41) return DI_ERR_NOMEM;
     for (int32_t i = 0; i < o->max_seqs; i++) {
         DI_TRY(di_session_create(e->model, &so, &e->v41[i]));
         e->n_v41 = i + 1;
         di_dsv41_share_ws(e->v41[i], &e->ws); // one slot runs at a time
-        DI_TRY(di_dsv41_reserve_ctx(e->v41[i], o->max_ctx, o->max_batch_tokens));
+        DI_TRY(di_dsv41_reserve_ctx(e->v41[i], n_ctx_res, n_rows_res));
         if (i > 0) continue;
         e->v41_slot_bytes = di_dsv41_state_bytes(e->v41[0]);
         const int64_t fit = (int64_t)o->kv_memory_bytes / e->v41_slot_bytes;
@@ -242,9 +270,46 @@ static di_status v41_create(di_engine *e) {
                 (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens,
                 (double)e->v41_slot_bytes / (1 << 20),
                 (double)di_dsv4_ws_bytes(&e->ws) / (1 << 20));
+    if (e->spec_k > 0)
+        DI_LOG_INFO("engine: speculative decoding with DSpark: up to %d drafts per verify, "
+                    "confidence cut %g",
+                    (int)e->spec_k, (double)e->spec_tau);
     return DI_OK;
 fail: // what was created is the engine's (di_engine_destroy frees it)
     return st;
+}
+
+// Speculative decoding's options against the loaded model: refused (DI_ERR_UNSUPPORTED) where
+// there is no DSpark to draft with, rather than silently off: a user who asks for it on the wrong
+// checkpoint should hear so at start. spec_tokens beyond the DSpark block is capped (logged).
+static di_status spec_setup(di_engine *e) {
+    di_engine_options *o = &e->opt;
+    const di_hparams *hp = &e->model->hp;
+    e->lstride = 1;
+    if (o->spec_tokens == 0) return DI_OK;
+    if (!hp->v41) {
+        DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) needs a DeepSeek V4.1 "
+                     "checkpoint with DSpark weights; this is a V4 checkpoint (its MTP state has "
+                     "no rollback: not supported)",
+                     (int)o->spec_tokens);
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (e->model->n_mtp_loaded == 0 || hp->dspark_block_size < 1) {
+        DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) needs the checkpoint's DSpark "
+                     "weights (mtp.*); this V4.1 checkpoint has none",
+                     (int)o->spec_tokens);
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (o->spec_tokens > hp->dspark_block_size) {
+        DI_LOG_INFO("engine: spec_tokens %d -> %d (the DSpark block size)", (int)o->spec_tokens,
+                    (int)hp->dspark_block_size);
+        o->spec_tokens = hp->dspark_block_size;
+    }
+    e->spec_k = o->spec_tokens;
+    e->spec_tau =
+        o->spec_min_confidence == 0 ? DI_SPEC_MIN_CONFIDENCE_DEFAULT : o->spec_min_confidence;
+    e->lstride = e->spec_k + 1;
+    return DI_OK;
 }
 
 static di_status create(const char *model_dir, const di_engine_options *opt,
@@ -270,6 +335,13 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         st = DI_ERR_INVALID;
         goto fail;
     }
+    if (o->spec_tokens < 0 || o->spec_tokens > DI_MAX_SPEC_TOKENS ||
+        !(o->spec_min_confidence >= -1.0f && o->spec_min_confidence <= 1.0f)) {
+        DI_LOG_ERROR("engine: need spec_tokens in [0, %d] and spec_min_confidence in [-1, 1]",
+                     DI_MAX_SPEC_TOKENS);
+        st = DI_ERR_INVALID;
+        goto fail;
+    }
     di_model_options mo = {
         .n_threads = o->n_threads, .precision = o->precision, .device = o->device};
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
@@ -277,6 +349,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     const di_hparams *hp = &e->model->hp;
     if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
     e->eos = hp->eos_token;
+    DI_TRY(spec_setup(e));
     if (hp->v41)
         DI_TRY(v41_create(e));
     else if (e->model->dev)
@@ -320,7 +393,8 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         DI_TRY(
             di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
     }
-    const size_t logit_bytes = sizeof(float) * (size_t)o->max_seqs * (size_t)hp->n_vocab;
+    const size_t n_lrows = (size_t)o->max_seqs * (size_t)e->lstride; // logit slots' rows
+    const size_t logit_bytes = sizeof(float) * n_lrows * (size_t)hp->n_vocab;
     if (e->model->dev) { // downloaded every step: the backend's host memory (page-locked on CUDA)
         di_backend *hb = di_dsv4_dev_backend(e->model->dev);
         void *p = NULL;
@@ -333,11 +407,18 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->x_tokens = di_malloc(sizeof(int32_t) * (size_t)o->max_batch_tokens);
     e->x_logit_rows = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
     e->x_logit_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_logit_req);
-    e->x_res = di_calloc((size_t)o->max_seqs, sizeof *e->x_res);
+    e->x_res = di_calloc(n_lrows, sizeof *e->x_res);
+    e->x_nrows = di_calloc((size_t)o->max_seqs, sizeof(int32_t));
+    e->x_emit = di_calloc((size_t)o->max_seqs, sizeof(int32_t));
+    e->x_ndraft = di_calloc((size_t)o->max_seqs, sizeof(int32_t));
+    e->x_nprop = di_calloc((size_t)o->max_seqs, sizeof(int32_t));
+    e->x_lslot = di_calloc((size_t)o->max_seqs, sizeof(int32_t));
+    e->x_job = di_calloc(n_lrows, sizeof(int32_t));
     e->x_seq_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_seq_req);
     e->marks = di_calloc((size_t)di_block_pool_n_total(e->kv->pool), 1);
     if (!e->logits || !e->x_seqs || !e->x_tokens || !e->x_logit_rows || !e->x_logit_req ||
-        !e->x_res || !e->x_seq_req || !e->marks) {
+        !e->x_res || !e->x_seq_req || !e->marks || !e->x_nrows || !e->x_emit || !e->x_ndraft ||
+        !e->x_nprop || !e->x_lslot || !e->x_job) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -414,6 +495,11 @@ void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_statu
     atomic_store(&e->fail_in, n_fail > 0 ? n_ok + 1 : 0);
 }
 
+void di_engine_set_draft_hook(di_engine *e, di_engine_draft_fn fn, void *user) {
+    e->draft_hook = fn;
+    e->draft_user = user;
+}
+
 void di_engine_destroy(di_engine *e) {
     if (!e) return;
     if (e->thread_started) {
@@ -469,6 +555,12 @@ void di_engine_destroy(di_engine *e) {
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
     di_free(e->x_res);
+    di_free(e->x_nrows);
+    di_free(e->x_emit);
+    di_free(e->x_ndraft);
+    di_free(e->x_nprop);
+    di_free(e->x_lslot);
+    di_free(e->x_job);
     di_sched_deinit(&e->sched);
     di_kv_manager_destroy(e->kv);
     di_model_destroy(e->model);
@@ -552,8 +644,18 @@ static void disk_stats(di_engine *e, di_engine_stats *st) {
     st->n_disk_dropped = ds.n_dropped;
 }
 
-// Takes r out of the scheduler (its blocks go back) and frees it; updates the pool and request
-// counts before waking di_engine_wait_idle, so a waiter sees them.
+// Copies the speculative-decoding counters into the stats (caller holds e->mu).
+static void publish_spec_stats(di_engine *e) {
+    e->stats.n_spec_verifies = e->spec_n[0];
+    e->stats.n_spec_drafted = e->spec_n[1];
+    e->stats.n_spec_verified = e->spec_n[2];
+    e->stats.n_spec_accepted = e->spec_n[3];
+    memcpy(e->stats.n_spec_accept_hist, e->spec_hist, sizeof e->spec_hist);
+}
+
+// Takes r out of the scheduler (its blocks go back) and frees it; updates the pool, request and
+// speculation counts before waking di_engine_wait_idle, so a waiter sees them (its last verify
+// included).
 static void retire(di_engine *e, di_request *r) {
     di_sched_remove(&e->sched, r);
     pthread_mutex_lock(&e->mu);
@@ -564,6 +666,7 @@ static void retire(di_engine *e, di_request *r) {
     e->stats.n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
     e->stats.n_running = e->sched.n_running;
     e->stats.n_waiting = e->sched.n_waiting;
+    publish_spec_stats(e);
     e->n_live--;
     if (e->n_live == 0) pthread_cond_broadcast(&e->cv_idle);
     pthread_mutex_unlock(&e->mu);
@@ -590,8 +693,83 @@ static void finish(di_engine *e, di_request *r, di_finish why, di_status status)
     retire(e, r);
 }
 
-// Emits the token sampled (on the forward thread) for every request whose last known token was
-// fed this step.
+// Emits one sampled token of r (it becomes r's next known token) with its finish, if any.
+// Returns true when r finished (it is then retired and gone).
+static bool emit_token(di_engine *e, di_request *r, const di_sample_result *res,
+                       int64_t *cb_allocs) {
+    r->tokens[di_request_n_tokens(r)] = res->token;
+    r->n_gen++;
+    di_finish why = DI_FINISH_NONE;
+    if (!r->ignore_eos && res->token == e->eos) why = DI_FINISH_STOP;
+    for (int32_t i = 0; i < r->n_stop_ids; i++)
+        if (res->token == r->stop_ids[i]) why = DI_FINISH_STOP;
+    const char *txt = NULL;
+    size_t n_txt = 0;
+    if (e->opt.token_bytes) {
+        size_t nb = 0;
+        const char *b = e->opt.token_bytes(e->opt.token_bytes_user, res->token, &nb);
+        if (di_stop_push(&r->stop, b ? b : "", b ? nb : 0, &txt, &n_txt)) why = DI_FINISH_STOP;
+    }
+    if (why == DI_FINISH_NONE &&
+        (r->n_gen >= r->max_tokens || di_request_n_tokens(r) >= e->opt.max_ctx))
+        why = DI_FINISH_LENGTH;
+    di_event ev = {.request_id = r->id,
+                   .token = res->token,
+                   .index = r->n_gen - 1,
+                   .logprob = res->logprob,
+                   .n_top = res->n_top,
+                   .top_ids = res->top_ids,
+                   .top_logprobs = res->top_logprobs,
+                   .text = n_txt ? txt : NULL,
+                   .n_text = n_txt,
+                   .status = DI_OK};
+    if (why != DI_FINISH_NONE) { // the last token carries the finish: one event, then it is gone
+        ev.finish = why;
+        ev.n_cached = r->n_cached;
+        ev.n_replayed = r->n_replayed;
+        ev.n_computed = r->n_computed;
+        ev.n_preempted = r->n_preempted;
+    }
+    int64_t a0 = di_mem_thread_allocs();
+    r->on_event(r->user, &ev);
+    *cb_allocs += di_mem_thread_allocs() - a0;
+    if (why == DI_FINISH_NONE) return false;
+    retire(e, r);
+    return true;
+}
+
+// After a verify of r that emitted n_emit tokens and r goes on: the accepted drafts among them
+// were fed by the verify forward (the session stands at the last emitted token, which is r's
+// pending token, as after a plain decode step), so r moves past them, and the plan built ahead
+// (which assumed one token, as for every decode) feeds that token at its true position. When the
+// block was cut short (a cancellation mid-block: r finishes before the next step runs), the
+// session takes back the accepted tokens that were not emitted too.
+static void spec_settle(di_engine *e, di_request *r, int32_t k, int32_t n_emit) {
+    di_sched *s = &e->sched;
+    di_session *ss = e->v41[e->x_lslot[k]];
+    const int32_t extra = n_emit - 1; // accepted drafts emitted
+    if (n_emit < e->x_emit[k]) {
+        di_status st = di_session_rollback(ss, e->x_emit[k] - n_emit);
+        DI_ASSERT(st == DI_OK);
+    }
+    r->n_done += extra;
+    r->n_computed += e->x_ndraft[k]; // every verify row cost a forward row
+    s->n_decode_rows += extra;
+    DI_ASSERT(di_session_n_past(ss) == r->n_done && r->n_done == di_request_n_tokens(r) - 1);
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        if (s->seq_req[i] != r) continue;
+        DI_ASSERT(s->seqs[i].n_tok == 1); // a decode: its pending token, one row
+        s->seqs[i].pos = r->n_done;       // di_sched_finalize copies tokens[pos] into the row
+    }
+    // The V4.1 slots' blocks always fit (v41_create): this cannot fail.
+    di_status st = di_kv_seq_reserve(e->kv, r->slot, r->n_done + 1);
+    DI_ASSERT(st == DI_OK);
+}
+
+// Emits what the forward thread sampled for every request whose last known token was fed this
+// step: one token, or the block of a verify (accepted drafts, then the correction or bonus
+// token). A finish inside a block (EOS, a stop id or string, max_tokens) drops the rest of it; so
+// does a cancellation (the block stops at the token whose callback cancelled).
 static void sample_and_emit(di_engine *e, int64_t *cb_allocs) {
     const int64_t V = e->model->hp.n_vocab;
     for (int32_t k = 0; k < e->x_n_logit; k++) { // the pending tokens first: none may stay
@@ -600,52 +778,25 @@ static void sample_and_emit(di_engine *e, int64_t *cb_allocs) {
     }
     for (int32_t k = 0; k < e->x_n_logit; k++) {
         di_request *r = e->x_logit_req[k];
-        const float *lg = e->logits + k * V;
+        const int64_t base = (int64_t)k * e->lstride;
         if (r->n_gen == 0 && r->first_logits)
-            memcpy(r->first_logits, lg, sizeof(float) * (size_t)V);
-        const di_sample_result res = e->x_res[k];
-        r->tokens[di_request_n_tokens(r)] = res.token;
-        r->n_gen++;
-        di_finish why = DI_FINISH_NONE;
-        if (!r->ignore_eos && res.token == e->eos) why = DI_FINISH_STOP;
-        for (int32_t i = 0; i < r->n_stop_ids; i++)
-            if (res.token == r->stop_ids[i]) why = DI_FINISH_STOP;
-        const char *txt = NULL;
-        size_t n_txt = 0;
-        if (e->opt.token_bytes) {
-            size_t nb = 0;
-            const char *b = e->opt.token_bytes(e->opt.token_bytes_user, res.token, &nb);
-            if (di_stop_push(&r->stop, b ? b : "", b ? nb : 0, &txt, &n_txt)) why = DI_FINISH_STOP;
+            memcpy(r->first_logits, e->logits + base * V, sizeof(float) * (size_t)V);
+        const int32_t nd = e->x_ndraft[k], n_tok = e->x_emit[k];
+        if (nd > 0) {
+            e->spec_n[0]++;
+            e->spec_n[1] += e->x_nprop[k];
+            e->spec_n[2] += nd;
+            e->spec_n[3] += n_tok - 1;
+            e->spec_hist[n_tok - 1]++;
         }
-        if (why == DI_FINISH_NONE &&
-            (r->n_gen >= r->max_tokens || di_request_n_tokens(r) >= e->opt.max_ctx))
-            why = DI_FINISH_LENGTH;
-        di_event ev = {.request_id = r->id,
-                       .token = res.token,
-                       .index = r->n_gen - 1,
-                       .logprob = res.logprob,
-                       .n_top = res.n_top,
-                       .top_ids = res.top_ids,
-                       .top_logprobs = res.top_logprobs,
-                       .text = n_txt ? txt : NULL,
-                       .n_text = n_txt,
-                       .status = DI_OK};
-        if (why == DI_FINISH_NONE) {
-            int64_t a0 = di_mem_thread_allocs();
-            r->on_event(r->user, &ev);
-            *cb_allocs += di_mem_thread_allocs() - a0;
-            continue;
+        int32_t n_emit = 0;
+        bool gone = false;
+        while (n_emit < n_tok && !gone) {
+            if (n_emit > 0 && atomic_load(&r->cancelled)) break;
+            gone = emit_token(e, r, &e->x_res[base + n_emit], cb_allocs);
+            n_emit++;
         }
-        // The last token carries the finish: one event, then the request is gone.
-        ev.finish = why;
-        ev.n_cached = r->n_cached;
-        ev.n_replayed = r->n_replayed;
-        ev.n_computed = r->n_computed;
-        ev.n_preempted = r->n_preempted;
-        int64_t a0 = di_mem_thread_allocs();
-        r->on_event(r->user, &ev);
-        *cb_allocs += di_mem_thread_allocs() - a0;
-        retire(e, r);
+        if (!gone && nd > 0) spec_settle(e, r, k, n_emit);
     }
 }
 
@@ -663,18 +814,22 @@ static void cancel_flagged(di_engine *e) {
 
 // ---- forward thread ----
 
-// Samples logit row k for k in this thread's share (pool task, one sampler per thread). Reads
-// only what the engine thread leaves alone while a step runs: the logits, the request's known
-// tokens and its sampling parameters. Each row's result depends on that row alone.
+// Samples the step's rows in this thread's share (pool task, one sampler per thread): row i of
+// logit slot k samples output token n_gen + i of its request at position n_tokens + i, with the
+// history extended by the drafts before it (written past the known tokens by v41_verify); a
+// plain slot has row 0 only. Reads only what the engine thread leaves alone while a step runs:
+// the logits, the request's tokens and its sampling parameters. Each row's result depends on that
+// row alone, so a verify row samples exactly what a plain decode of the same position would.
 static void sample_task(void *p, int ith, int nth) {
     di_engine *e = p;
     const int64_t V = e->model->hp.n_vocab;
     int64_t lo, hi;
-    di_split_range(e->x_n_logit, ith, nth, &lo, &hi);
-    for (int64_t k = lo; k < hi; k++) {
+    di_split_range(e->x_n_job, ith, nth, &lo, &hi);
+    for (int64_t j = lo; j < hi; j++) {
+        const int32_t row = e->x_job[j], k = row / e->lstride, i = row % e->lstride;
         const di_request *r = e->x_logit_req[k];
-        di_sampler_sample(e->samplers[ith], e->logits + k * V, &r->sample, r->tokens, r->n_prompt,
-                          r->n_gen, di_request_n_tokens(r), &e->x_res[k]);
+        di_sampler_sample(e->samplers[ith], e->logits + row * V, &r->sample, r->tokens, r->n_prompt,
+                          r->n_gen + i, di_request_n_tokens(r) + i, &e->x_res[row]);
     }
 }
 
@@ -691,10 +846,85 @@ static di_status inject_failure(di_engine *e) {
     return st;
 }
 
+// ---- speculative decoding (V4.1 with DSpark) ----
+//
+// A decode sequence of the plan (one row: its last sampled token y at position P, the anchor)
+// whose request may still take more than one token drafts a DSpark block after its last forward
+// (spec §3.3), keeps the longest draft prefix d1..dk whose estimated survival (the product of the
+// confidence head's acceptance probabilities, §3.4 step 1) stays at or above spec_tau (at least
+// one draft, at most spec_k, never past max_tokens or the context), and feeds [y, d1..dk] in one
+// call with logits for every row. Row i is then sampled exactly as a plain decode step would
+// sample position P + 1 + i after y, d1..di: the same sampler call on the same logits (a V4.1
+// forward gives a position the same logits however the tokens are split into calls), the same
+// history, parameters and position (the randomness is a pure function of (seed, position)). d(i+1)
+// is accepted iff it equals row i's token; at the first mismatch, or after row k, the row's token
+// is the correction (bonus). So the emitted tokens and logprobs are exactly those without
+// speculation ("verify by resampling": for greedy requests the rule of §3.4 step 3; for sampled
+// ones it replaces rejection sampling by the target's own draw, which needs no draft
+// distribution and keeps outputs bitwise). The rejected rows are rolled back (§5.3).
+
+_Static_assert(DI_MAX_SPEC_TOKENS <= DI_DSV41_ROLLBACK_MAX, "a verify's rejected rows roll back");
+_Static_assert(DI_MAX_SPEC_TOKENS <= (int)(sizeof(((di_draft *)0)->tokens) / sizeof(int32_t)),
+               "a draft block holds the drafts of a verify");
+
+// Whether slot k's sequence verifies drafts this step, and which: feeds nothing; writes the
+// drafts after r's known tokens (the sampling history of the verify rows) and ver[0..*n_ver) =
+// [anchor, drafts]. *n_ver is 1 (a plain decode) when it does not speculate.
+static di_status v41_spec_plan(di_engine *e, int32_t k, const di_dsv4_seq *sq, di_session *s,
+                               int32_t anchor, int32_t *ver, int32_t *n_ver) {
+    di_request *r = e->x_logit_req[k];
+    ver[0] = anchor;
+    *n_ver = 1;
+    // Only the decode of a generated token: its session has fed every position before it.
+    if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1) return DI_OK;
+    DI_ASSERT(sq->pos == di_request_n_tokens(r) - 1);
+    int32_t k_max = e->spec_k;
+    if (r->max_tokens - r->n_gen - 1 < k_max) k_max = r->max_tokens - r->n_gen - 1;
+    if (e->opt.max_ctx - sq->pos - 2 < k_max) k_max = e->opt.max_ctx - sq->pos - 2;
+    if (k_max < 1) return DI_OK;
+    di_draft d;
+    di_status st = di_session_draft(s, anchor, &d, NULL);
+    if (st != DI_OK) return st;
+    if (e->draft_hook) e->draft_hook(e->draft_user, r->id, r->n_gen, &d);
+    if (d.n < k_max) k_max = d.n;
+    int32_t n = 1;
+    float surv = d.confidence[0];
+    while (n < k_max && (e->spec_tau < 0 || surv * d.confidence[n] >= e->spec_tau))
+        surv *= d.confidence[n++];
+    for (int32_t j = 0; j < n; j++) {
+        DI_ASSERT(d.tokens[j] >= 0 && d.tokens[j] < e->model->hp.n_vocab);
+        ver[1 + j] = d.tokens[j];
+        r->tokens[sq->pos + 1 + j] = d.tokens[j]; // within n_prompt + max_tokens: n <= k_max
+    }
+    *n_ver = n + 1;
+    e->x_nrows[k] = n + 1;
+    e->x_ndraft[k] = n;
+    e->x_nprop[k] = d.n;
+    return DI_OK;
+}
+
+// After the step's rows are sampled: each verify accepts its drafts up to the first one that
+// differs from its row's token and rolls the rejected rows back.
+static void v41_spec_accept(di_engine *e) {
+    for (int32_t k = 0; k < e->x_n_logit; k++) {
+        const int32_t nd = e->x_ndraft[k];
+        if (nd == 0) continue;
+        const di_request *r = e->x_logit_req[k];
+        const di_sample_result *res = e->x_res + (int64_t)k * e->lstride;
+        const int32_t *draft = r->tokens + di_request_n_tokens(r);
+        int32_t n = 0;
+        while (n < nd && res[n].token == draft[n]) n++;
+        e->x_emit[k] = n + 1;
+        di_status st = di_session_rollback(e->v41[e->x_lslot[k]], nd - n);
+        DI_ASSERT(st == DI_OK); // nd <= DI_MAX_SPEC_TOKENS = DI_DSV41_ROLLBACK_MAX positions
+    }
+}
+
 // The V4.1 forward of the plan being run: its sequences one after another, each on its slot's
-// session. The logits of a sequence's last row land in the row of its logit (the plan samples only
-// a sequence's last row). A session call that fails fails the step (fail_step); sequences after it
-// do not run, and every slot of the step restarts at position 0 when reused.
+// session. The logits of a sequence's last row land in the rows of its logit slot (the plan
+// samples only a sequence's last row; a verify writes its k + 1 rows there). A session call that
+// fails fails the step (fail_step); sequences after it do not run, and every slot of the step
+// restarts at position 0 when reused.
 static di_status v41_forward(di_engine *e) {
     const int64_t V = e->model->hp.n_vocab;
     int32_t row = 0, n_out = 0;
@@ -709,11 +939,25 @@ static di_status v41_forward(di_engine *e) {
             return DI_ERR_INVALID;
         }
         const int32_t last = row + sq->n_tok - 1;
-        di_forward_out out = {.logits = NULL, .last_only = true};
+        int32_t kslot = -1;
         for (int32_t k = 0; k < e->x_n_logit; k++)
-            if (e->x_logit_rows[k] == last) out.logits = e->logits + k * V;
-        n_out += out.logits != NULL;
-        di_status st = di_session_forward(s, e->x_tokens + row, sq->n_tok, &out);
+            if (e->x_logit_rows[k] == last) kslot = k;
+        di_forward_out out = {.logits = NULL, .last_only = true};
+        di_status st = DI_OK;
+        int32_t ver[DI_MAX_SPEC_TOKENS + 1], n_ver = 1;
+        if (kslot >= 0) {
+            out.logits = e->logits + (int64_t)kslot * e->lstride * V;
+            e->x_lslot[kslot] = e->x_slot[i];
+            st = v41_spec_plan(e, kslot, sq, s, e->x_tokens[last], ver, &n_ver);
+            if (st != DI_OK) return st;
+        }
+        n_out += kslot >= 0;
+        if (n_ver > 1) { // a verify: [anchor, drafts], logits of every row
+            out.last_only = false;
+            st = di_session_forward(s, ver, n_ver, &out);
+        } else {
+            st = di_session_forward(s, e->x_tokens + row, sq->n_tok, &out);
+        }
         if (st != DI_OK) return st;
         row += sq->n_tok;
     }
@@ -743,7 +987,14 @@ static void *forward_main(void *p) {
                 .model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
             di_dsv4_forward_batch(&c, e->x_tokens, e->x_logit_rows, e->x_n_logit, e->logits);
         }
-        if (st == DI_OK) di_pool_run(e->model->pool, sample_task, e);
+        if (st == DI_OK) {
+            e->x_n_job = 0;
+            for (int32_t k = 0; k < e->x_n_logit; k++)
+                for (int32_t i = 0; i < e->x_nrows[k]; i++)
+                    e->x_job[e->x_n_job++] = k * e->lstride + i;
+            di_pool_run(e->model->pool, sample_task, e);
+            if (e->spec_k > 0) v41_spec_accept(e);
+        }
         int64_t allocs = di_mem_thread_allocs() - a0;
         pthread_mutex_lock(&e->fmu);
         e->f_allocs = allocs;
@@ -789,6 +1040,10 @@ static void launch(di_engine *e) {
     }
     if (e->v41)
         for (int32_t i = 0; i < s->n_seq; i++) e->x_slot[i] = s->seq_req[i]->slot;
+    for (int32_t k = 0; k < s->n_logit; k++) { // one token each, unless the forward verifies
+        e->x_nrows[k] = e->x_emit[k] = 1;
+        e->x_ndraft[k] = e->x_nprop[k] = 0;
+    }
     di_sched_advance(s);
     s->n_seq = s->n_rows = s->n_logit = 0; // the plan now runs; the next one starts empty
     pthread_mutex_lock(&e->fmu);
@@ -932,6 +1187,7 @@ static void *engine_main(void *p) {
         st->n_cache_hit_tokens = s->n_cache_hit_tokens;
         st->n_replayed_tokens = s->n_replayed_tokens;
         disk_stats(e, st);
+        publish_spec_stats(e);
         st->n_running = s->n_running;
         st->n_waiting = s->n_waiting;
         st->n_blocks_free = di_block_pool_n_available(e->kv->pool);

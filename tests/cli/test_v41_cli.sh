@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CLI test for DeepSeek V4.1: deepinfer synth --preset v41-tiny, then info / logits (chunked,
-# --dspark) / generate on it, and deepinfer bench (the serving engine's V4.1 forward).
+# --dspark) / generate on it, and deepinfer bench (the serving engine's V4.1 forward, with and
+# without speculative decoding).
 # Usage: test_v41_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
 set -u
 B=${1:?path to deepinfer}
@@ -39,4 +40,14 @@ b=$("$B" bench --model $M --requests 5 --prompt-len 40 --gen-len 6 --max-batch-t
 check "bench exit" "$?" "0"
 check "bench: 5 requests" "$(echo "$b" | grep -c '^batch: 5 requests')" "1"
 check "bench: no allocation in a step" "$(echo "$b" | grep -c 'step allocations 0$')" "1"
+# The speculative row (DSpark, the tiny block of 2 drafts): decode with and without, acceptance.
+b=$("$B" bench --model $M --requests 2 --prompt-len 40 --gen-len 12 --max-batch-tokens 32 \
+    --no-ratio --threads 2 --spec-tokens 3 --log-level error 2>&1)
+check "bench --spec-tokens exit" "$?" "0"
+check "bench --spec-tokens: the row" "$(echo "$b" | grep -c '^speculative decoding (--spec-tokens 3, confidence cut 0.1), greedy:$')" "1"
+check "bench --spec-tokens: speedup" "$(echo "$b" | grep -c '^  1 sequence    decode .*(without: .*x), step allocations 0$')" "1"
+check "bench --spec-tokens: acceptance" "$(echo "$b" | grep -Ec '^  [0-9]+ verifies: 2.00 drafts proposed, .* tokens per verify step$')" "1"
+"$B" bench --model "$T/hf" --requests 1 --prompt-len 8 --gen-len 4 --no-ratio --threads 2 \
+    --spec-tokens 2 --log-level error >/dev/null 2>&1
+check "bench --spec-tokens without DSpark weights exits 1" "$?" "1"
 exit $fail

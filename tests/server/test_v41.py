@@ -110,3 +110,93 @@ def test_ids_outside_the_vocabulary_refused(v41):
                        {"model": NAME, "prompt": "hello", "max_tokens": 4})  # id 33310
     assert st == 400
     assert body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def v41_pair():
+    """Two servers on one V4.1 tiny checkpoint: without and with speculative decoding (DSpark
+    drafts of the tiny block size, 2; no confidence cut, so every verify feeds both drafts)."""
+    d = tempfile.mkdtemp(prefix="deepinfer-v41-spec-")
+    subprocess.run([os.environ["DEEPINFER_BIN"], "synth", "--preset", "v41-tiny", "--out", d],
+                   check=True, capture_output=True)
+    common = ("--model", d, "--served-model-name", NAME, "--max-ctx", "512", "--max-seqs", "3",
+              "--kv-memory", "64")
+    plain = Server(extra=common)
+    spec = Server(extra=(*common, "--spec-tokens", "4", "--spec-min-confidence", "-1"))
+    yield plain, spec
+    logs = []
+    for s in (plain, spec):
+        rc, log = s.stop()
+        assert rc == 0, log
+        logs.append(log)
+    shutil.rmtree(d, ignore_errors=True)
+    assert "speculative decoding" not in logs[0]
+    assert "spec_tokens 4 -> 2 (the DSpark block size)" in logs[1]
+    assert "speculative decoding with DSpark: up to 2 drafts per verify" in logs[1]
+
+
+SPEC_REQUESTS = [
+    ("1 2 3", 20, {}),
+    ("3 2 1 " * 20, 17, {"temperature": 0.9, "seed": 7, "top_p": 0.9}),
+    ("2 3 " * 40, 19, {"temperature": 1.2, "seed": 11, "presence_penalty": 0.5,
+                       "frequency_penalty": 0.3}),
+    ("1 1", 15, {"stop": ["3"]}),
+]
+
+
+def spec_complete(server, prompt, n, kw):
+    body = {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 2,
+            **kw}
+    st, _, b = post(server, "/v1/completions", body)
+    assert st == 200, b
+    c = b["choices"][0]
+    return c["text"], c["finish_reason"], c["logprobs"], b["usage"]["completion_tokens"]
+
+
+def spec_metrics(server):
+    m = server.metrics()
+    with urllib.request.urlopen(server.base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    hist = {}
+    for line in text.splitlines():
+        if line.startswith("deepinfer:spec_decode_verifies_by_accepted_total{"):
+            name, value = line.rsplit(" ", 1)
+            hist[int(name.split('accepted="')[1].split('"')[0])] = float(value)
+    return {k.split(":")[1]: v for k, v in m.items() if k.startswith("deepinfer:spec_decode_")
+            and "by_accepted" not in k}, hist
+
+
+def test_spec_equals_plain(v41_pair):
+    # Greedy, seeded sampling with nucleus and penalties, a stop string: the same text, finish
+    # reason and log-probabilities with speculative decoding, alone and concurrently.
+    plain, spec = v41_pair
+    want = [spec_complete(plain, p, n, kw) for p, n, kw in SPEC_REQUESTS]
+    got = [spec_complete(spec, p, n, kw) for p, n, kw in SPEC_REQUESTS]
+    assert got == want
+    with concurrent.futures.ThreadPoolExecutor(len(SPEC_REQUESTS)) as ex:
+        together = list(ex.map(lambda r: spec_complete(spec, *r), SPEC_REQUESTS))
+    assert together == want
+    m, hist = spec_metrics(spec)
+    assert m["spec_decode_num_verifies_total"] > 0
+    assert m["spec_decode_num_draft_tokens_total"] == 2 * m["spec_decode_num_verifies_total"]
+    # No cut: every verify feeds both drafts unless max_tokens is one token away.
+    assert m["spec_decode_num_verified_tokens_total"] > m["spec_decode_num_verifies_total"]
+    assert m["spec_decode_num_accepted_tokens_total"] <= m["spec_decode_num_verified_tokens_total"]
+    assert sum(hist.values()) == m["spec_decode_num_verifies_total"]
+    assert sum(j * v for j, v in hist.items()) == m["spec_decode_num_accepted_tokens_total"]
+    pm, phist = spec_metrics(plain)
+    assert all(v == 0 for v in pm.values()) and all(v == 0 for v in phist.values())
+
+
+def test_spec_refused_without_dspark():
+    # The built-in model is DeepSeek V4: asking for speculative decoding fails at start, saying why.
+    home = tempfile.mkdtemp(prefix="deepinfer-home-")
+    r = subprocess.run([os.environ["DEEPINFER_BIN"], "serve", "--port", "0", "--threads", "2",
+                        "--spec-tokens", "2"],
+                       env=dict(os.environ, DEEPINFER_HOME=home), capture_output=True, text=True,
+                       timeout=300)
+    shutil.rmtree(home, ignore_errors=True)
+    assert r.returncode != 0
+    assert "needs a DeepSeek V4.1 checkpoint with DSpark weights" in r.stderr
+    assert "cannot start the engine: unsupported" in r.stderr.lower() or \
+        "cannot start the engine" in r.stderr

@@ -1,7 +1,8 @@
 // DeepSeek V4.1 on the spec's tiny random-weight model (deepseek-v41.md §7.2, written by
 // di_synth_v41_write) in both layouts: loading, strict refusal of broken checkpoints, streaming
 // self-consistency (chunked prefill split inside a ratio-2 group, token by token, multi-token
-// verify), rollback of rejected tokens (state equal to a run that never saw them), save/restore,
+// verify; a verify's rows bit for bit those of one-token calls), rollback of rejected tokens
+// (state equal to a run that never saw them), save/restore,
 // and the DSpark draft. The reference comparisons live in tests/model/test_v41_fixtures.c.
 #include "harness.h"
 
@@ -737,6 +738,65 @@ static void check_small_candidate_pool(const char *dir) {
     di_model_destroy(m);
 }
 
+// The premise of the engine's exact speculative decoding (engine.c): a verify call of k + 1 rows
+// gives every row the logits a one-token call at that position gives, bit for bit (not only to
+// TOL_CHUNK), also after a rollback of rejected rows and past the window ring's wrap (positions
+// beyond W + DI_DSV41_ROLLBACK_MAX), in both recipes, with DSpark running.
+static void check_verify_bitwise(const char *dir, di_precision prec, const char *what) {
+    di_model *m = load(dir, prec);
+    CHECK(m != NULL);
+    if (!m) return;
+    enum { T = 230, K1 = 6 };
+    const int64_t V = m->hp.n_vocab;
+    int32_t ids[T];
+    make_ids(ids, T, 5);
+    float *one = malloc(sizeof(float) * K1 * V), *ver = malloc(sizeof(float) * K1 * V);
+    float *pl = malloc(sizeof(float) * T * V); // the prefixes' logits (unused)
+    int32_t n_diff = 0, n_checked = 0;
+    for (int32_t pre = 33; pre + 2 * K1 <= T; pre += 47) {
+        int32_t chunk[1] = {pre};
+        di_session *a = run(m, true, ids, pre, chunk, 1, pl); // token by token from pre
+        di_session *b = run(m, true, ids, pre, chunk, 1, pl); // verify K1 rows, reject 3
+        CHECK(a && b);
+        if (!a || !b) {
+            di_session_destroy(a);
+            di_session_destroy(b);
+            continue;
+        }
+        for (int32_t i = 0; i < K1; i++) {
+            di_forward_out fo = {.logits = one + i * V};
+            CHECK(di_session_forward(a, ids + pre + i, 1, &fo) == DI_OK);
+        }
+        int32_t junk[K1];
+        memcpy(junk, ids + pre, sizeof junk);
+        for (int32_t i = K1 - 3; i < K1; i++) junk[i] = (junk[i] + 1) % 512;
+        di_forward_out fo = {.logits = ver};
+        CHECK(di_session_forward(b, junk, K1, &fo) == DI_OK);
+        n_diff += memcmp(one, ver, sizeof(float) * (size_t)((K1 - 3) * V)) != 0; // the kept rows
+        CHECK(di_session_rollback(b, 3) == DI_OK);
+        // Continue both with one verify of the true tokens: equal rows again.
+        fo.logits = ver;
+        CHECK(di_session_forward(b, ids + pre + K1 - 3, K1, &fo) == DI_OK);
+        for (int32_t i = 0; i < 3; i++) memmove(one + i * V, one + (i + 3) * V, sizeof(float) * V);
+        for (int32_t i = 3; i < K1; i++) {
+            fo.logits = one + i * V;
+            CHECK(di_session_forward(a, ids + pre + K1 + i - 3, 1, &fo) == DI_OK);
+        }
+        n_diff += memcmp(one, ver, sizeof(float) * (size_t)(K1 * V)) != 0;
+        n_checked += 2;
+        di_session_destroy(a);
+        di_session_destroy(b);
+    }
+    fprintf(stderr, "  verify == one token per call (%s): %d of %d blocks differ\n", what, n_diff,
+            n_checked);
+    CHECK(n_checked >= 8);
+    CHECK_EQ(n_diff, 0);
+    free(one);
+    free(ver);
+    free(pl);
+    di_model_destroy(m);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_dsv41_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -752,6 +812,8 @@ int main(void) {
     check_streaming(off, DI_PRECISION_FP32, "official layout, fp32");
     check_streaming(off, DI_PRECISION_OFFICIAL, "official layout, official precision");
     check_rollback(hf);
+    check_verify_bitwise(off, DI_PRECISION_FP32, "fp32");
+    check_verify_bitwise(off, DI_PRECISION_OFFICIAL, "official");
     check_save_restore(off);
     check_dspark(off);
     check_refusals(off, hf);

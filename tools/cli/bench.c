@@ -2,7 +2,10 @@
 // prompts at once, measures prefill and decode tokens/s, time to first token and inter-token
 // latency (mean, p50, p99), KV usage; then the decode throughput of 16 concurrent sequences
 // against one sequence (the continuous-batching gain), beside the gain an engine at this
-// machine's limits would get (read bandwidth and FMA peak measured in the same run).
+// machine's limits would get (read bandwidth and FMA peak measured in the same run). With
+// --spec-tokens N (a DeepSeek V4.1 checkpoint with DSpark), the speculative row: the same greedy
+// runs (one sequence, then the batch) on a second engine with speculative decoding, its decode
+// tokens/s beside the first engine's, and DSpark's acceptance.
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -18,10 +21,14 @@ static void usage(FILE *f) {
     fprintf(f, "usage: deepinfer bench [--model DIR] [--requests 16] [--prompt-len 128]\n"
                "                       [--gen-len 64] [--kv-memory MiB] [--max-batch-tokens 256]\n"
                "                       [--threads N] [--precision fp32|official] [--no-ratio]\n"
-               "                       [--device cpu|cuda[:N]]\n"
+               "                       [--device cpu|cuda[:N]] [--spec-tokens N]\n"
+               "                       [--spec-min-confidence X]\n"
                "Greedy generation of --gen-len tokens for --requests random prompts submitted\n"
                "together; prints throughput, TTFT and ITL statistics and KV usage, then the\n"
-               "decode tokens/s of 16 concurrent sequences over 1 (skip with --no-ratio).\n");
+               "decode tokens/s of 16 concurrent sequences over 1 (skip with --no-ratio).\n"
+               "--spec-tokens N (DeepSeek V4.1 with DSpark): also runs one sequence and the batch\n"
+               "with speculative decoding (up to N drafts per verify) and prints the speedup,\n"
+               "the acceptance rate and the tokens per verify step.\n");
 }
 
 static double now_s(void) {
@@ -229,9 +236,50 @@ static void print_limits(int n_threads, const run_result *one, const run_result 
         printf("decode throughput 16 vs 1 at this machine's limits: %.2fx\n", ideal[1] / ideal[0]);
 }
 
+// The speculative row: one sequence and the batch of n requests again on an engine with
+// speculative decoding (options o plus spec), against the runs of the plain engine.
+static int spec_row(const char *model, di_engine_options o, int32_t n_vocab, int n, int prompt_len,
+                    int gen_len, const run_result *plain_one, const run_result *plain_batch) {
+    di_engine *e = NULL;
+    di_status st = di_engine_create(model, &o, &e);
+    if (st != DI_OK) {
+        fprintf(stderr, "deepinfer bench: --spec-tokens: cannot start the engine: %s\n",
+                di_status_str(st));
+        return 1;
+    }
+    run_result one, batch;
+    if (run(e, n_vocab, 1, prompt_len, gen_len, 4, &one) ||
+        run(e, n_vocab, n, prompt_len, gen_len, 1, &batch))
+        return 1;
+    di_engine_stats es;
+    di_engine_get_stats(e, &es);
+    di_engine_destroy(e);
+    const double nv = es.n_spec_verifies > 0 ? (double)es.n_spec_verifies : 1;
+    printf("speculative decoding (--spec-tokens %d, confidence cut %g), greedy:\n",
+           (int)o.spec_tokens,
+           (double)(o.spec_min_confidence != 0 ? o.spec_min_confidence
+                                               : DI_SPEC_MIN_CONFIDENCE_DEFAULT));
+    printf("  1 sequence    decode %10.1f tokens/s (without: %.1f, %.2fx), step allocations %lld\n",
+           one.decode_tps, plain_one->decode_tps,
+           plain_one->decode_tps > 0 ? one.decode_tps / plain_one->decode_tps : 0,
+           (long long)one.n_allocs);
+    printf("  %-3d sequences decode %10.1f tokens/s (without: %.1f, %.2fx)\n", n, batch.decode_tps,
+           plain_batch->decode_tps,
+           plain_batch->decode_tps > 0 ? batch.decode_tps / plain_batch->decode_tps : 0);
+    printf("  %lld verifies: %.2f drafts proposed, %.2f verified, %.2f accepted per verify "
+           "(acceptance %.1f %% of verified drafts); %.2f tokens per verify step\n",
+           (long long)es.n_spec_verifies, (double)es.n_spec_drafted / nv,
+           (double)es.n_spec_verified / nv, (double)es.n_spec_accepted / nv,
+           es.n_spec_verified ? 100.0 * (double)es.n_spec_accepted / (double)es.n_spec_verified
+                              : 0.0,
+           (double)(es.n_spec_verifies + es.n_spec_accepted) / nv);
+    return 0;
+}
+
 int di_cli_bench(int argc, char **argv) {
     di_model_args ma = {.opt = di_model_options_default()};
-    long n_req = 16, prompt_len = 128, gen_len = 64, kv_mib = 512, batch = 256;
+    long n_req = 16, prompt_len = 128, gen_len = 64, kv_mib = 512, batch = 256, spec = 0;
+    double spec_conf = 0;
     bool ratio = true;
     for (int i = 1; i < argc; i++) {
         int r = di_args_model_option(argc, argv, &i, &ma);
@@ -262,7 +310,14 @@ int di_cli_bench(int argc, char **argv) {
             ok = di_args_int(v, a, 1, 1 << 20, &kv_mib);
         else if (strcmp(a, "--max-batch-tokens") == 0)
             ok = di_args_int(v, a, 16, 1 << 16, &batch);
-        else {
+        else if (strcmp(a, "--spec-tokens") == 0)
+            ok = di_args_int(v, a, 1, DI_MAX_SPEC_TOKENS, &spec);
+        else if (strcmp(a, "--spec-min-confidence") == 0) {
+            char *end = NULL;
+            spec_conf = strtod(v, &end);
+            ok = end && !*end && spec_conf >= -1 && spec_conf <= 1;
+            if (!ok) fprintf(stderr, "deepinfer bench: --spec-min-confidence is in [-1, 1]\n");
+        } else {
             fprintf(stderr, "deepinfer bench: unknown option '%s'\n", a);
             usage(stderr);
             return 2;
@@ -291,6 +346,15 @@ int di_cli_bench(int argc, char **argv) {
     run_result r;
     if (run(e, n_vocab, (int)n_req, (int)prompt_len, (int)gen_len, 1, &r)) return 1;
     print_run("batch", (int)n_req, &r);
+    if (spec > 0) {
+        run_result one;
+        if (run(e, n_vocab, 1, (int)prompt_len, (int)gen_len, 4, &one)) return 1;
+        di_engine_options so = o;
+        so.spec_tokens = (int32_t)spec;
+        so.spec_min_confidence = (float)spec_conf;
+        if (spec_row(ma.model, so, n_vocab, (int)n_req, (int)prompt_len, (int)gen_len, &one, &r))
+            return 1;
+    }
     if (ratio) {
         run_result one, many;
         if (run(e, n_vocab, 1, (int)prompt_len, (int)gen_len, 2, &one)) return 1;

@@ -24,15 +24,22 @@ static void on_signal(int sig) {
 
 static void usage(FILE *f) {
     fprintf(
-        f, "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
-           "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
-           "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
-           "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
-           "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
-           "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
-           "                       [--drain-timeout 30] [--log-level 0..3]\n"
-           "OpenAI Chat Completions / Completions / Responses and Anthropic Messages over HTTP.\n"
-           "Without --model it serves the built-in tiny random-weight model (meaningless text).\n");
+        f,
+        "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
+        "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
+        "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
+        "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
+        "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
+        "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
+        "                       [--drain-timeout 30] [--log-level 0..3]\n"
+        "                       [--spec-tokens N] [--spec-min-confidence X]\n"
+        "OpenAI Chat Completions / Completions / Responses and Anthropic Messages over HTTP.\n"
+        "Without --model it serves the built-in tiny random-weight model (meaningless text).\n"
+        "--spec-tokens N (DeepSeek V4.1 with DSpark weights; default 0 = off): speculative\n"
+        "decoding, up to N drafts verified per step; outputs are identical without it.\n"
+        "--spec-min-confidence X: verify drafts while their estimated survival is >= X\n"
+        "(default %g; negative: always N).\n",
+        (double)DI_SPEC_MIN_CONFIDENCE_DEFAULT);
 }
 
 // "<n>[k|m|g|t]" (binary multiples; bytes without a suffix) into *out; false if malformed.
@@ -183,6 +190,18 @@ int di_cli_serve(int argc, char **argv) {
         } else if (!strcmp(a, "--max-seqs") && has) {
             if (!di_args_int(argv[++i], "--max-seqs", 1, 4096, &v)) goto out;
             c->max_seqs = (int32_t)v;
+        } else if (!strcmp(a, "--spec-tokens") && has) {
+            if (!di_args_int(argv[++i], "--spec-tokens", 0, DI_MAX_SPEC_TOKENS, &v)) goto out;
+            c->spec_tokens = (int32_t)v;
+        } else if (!strcmp(a, "--spec-min-confidence") && has) {
+            char *end = NULL;
+            double x = strtod(argv[++i], &end);
+            if (!end || *end || !(x >= -1 && x <= 1) || x == 0) {
+                fprintf(stderr, "serve: --spec-min-confidence must be a number in [-1, 1], not 0 "
+                                "(negative: no cut)\n");
+                goto out;
+            }
+            c->spec_min_confidence = (float)x;
         } else if (!strcmp(a, "--max-inflight") && has) {
             if (!di_args_int(argv[++i], "--max-inflight", 1, 100000, &v)) goto out;
             c->max_inflight = (int)v;
@@ -242,6 +261,8 @@ int di_cli_serve(int argc, char **argv) {
     eo.kv_disk_ttl_s = c->kv_disk_ttl_s;
     eo.max_ctx = c->max_ctx;
     eo.max_seqs = c->max_seqs;
+    eo.spec_tokens = c->spec_tokens;
+    eo.spec_min_confidence = c->spec_min_confidence;
     di_status st = di_engine_create(ma.model, &eo, &s->engine);
     if (st != DI_OK) {
         fprintf(stderr, "ERROR serve: cannot start the engine: %s\n", di_status_str(st));

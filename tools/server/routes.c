@@ -96,6 +96,24 @@ char *srv_metrics_text(srv *s) {
           "Failed steps since the last one that succeeded (/ready and /health: 503 from " SRV_STR(
               SRV_FAILING_STEPS) " on).",
           "%lld", (long long)st.n_failed_in_a_row);
+    // Speculative decoding (--spec-tokens; all zero when off).
+    COUNTER("deepinfer:spec_decode_num_verifies_total",
+            "Verify forwards of speculative decoding (one per sequence and step).",
+            st.n_spec_verifies);
+    COUNTER("deepinfer:spec_decode_num_draft_tokens_total", "Draft tokens DSpark proposed.",
+            st.n_spec_drafted);
+    COUNTER("deepinfer:spec_decode_num_verified_tokens_total",
+            "Draft tokens verified by the target (after the confidence cut).", st.n_spec_verified);
+    COUNTER("deepinfer:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
+            st.n_spec_accepted);
+    sb_addf(&b, "# HELP deepinfer:spec_decode_verifies_by_accepted_total Verifies by the number "
+                "of drafts they accepted.\n"
+                "# TYPE deepinfer:spec_decode_verifies_by_accepted_total counter\n");
+    for (int j = 0; j <= DI_MAX_SPEC_TOKENS; j++)
+        sb_addf(&b,
+                "deepinfer:spec_decode_verifies_by_accepted_total{model_name=\"%s\","
+                "accepted=\"%d\"} %llu\n",
+                m, j, (unsigned long long)st.n_spec_accept_hist[j]);
     pthread_mutex_lock(&s->metrics_mu);
     COUNTER("deepinfer:prompt_tokens_total", "Prompt tokens processed.", s->n_prompt_tokens);
     COUNTER("deepinfer:generation_tokens_total", "Tokens generated.", s->n_gen_tokens);

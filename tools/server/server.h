@@ -81,6 +81,8 @@ typedef struct srv_config {
     int64_t kv_disk_ttl_s;   // 0: the engine's default (72 h)
     int32_t max_ctx;
     int32_t max_seqs;
+    int32_t spec_tokens;       // DSpark drafts per verify (V4.1 with DSpark); 0 = off
+    float spec_min_confidence; // the confidence cut; 0 = the engine's default, < 0 none
     size_t max_body_bytes;
     int max_inflight;   // concurrent generation requests; more get 429
     int timeout_s;      // idle connection timeout
