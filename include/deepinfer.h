@@ -236,6 +236,45 @@ typedef struct di_draft {
 // nothing fed yet), DI_ERR_UNSUPPORTED (a V4 session), DI_ERR_NOMEM.
 di_status di_session_draft(di_session *s, int32_t anchor, di_draft *out, float *logits);
 
+// ---- structured output: grammars (src/grammar; docs/structured-output.md) ----
+//
+// A di_grammar constrains what a request may generate. It is compiled once (any thread), is
+// immutable afterwards, and may be shared by any number of requests. A di_grammar_vocab is the
+// byte trie of a tokenizer's tokens that the engine walks to compute each step's allowed tokens;
+// build it once per tokenizer and pass it in di_engine_options.
+
+typedef struct di_grammar di_grammar;
+typedef struct di_tokenizer di_tokenizer; // (declared again below with its API)
+typedef struct di_grammar_vocab di_grammar_vocab;
+
+typedef enum di_grammar_kind {
+    DI_GRAMMAR_KIND_EBNF = 0,        // GBNF-style EBNF text; the start rule is `root`
+    DI_GRAMMAR_KIND_JSON_SCHEMA = 1, // a JSON Schema (JSON text)
+    DI_GRAMMAR_KIND_JSON_OBJECT = 2, // any JSON object (text ignored, may be NULL)
+    DI_GRAMMAR_KIND_REGEX = 3,       // an ECMAScript regular expression; the whole output matches
+} di_grammar_kind;
+
+enum {
+    // JSON Schema: OpenAI's strict mode (an object without additionalProperties allows none).
+    DI_GRAMMAR_FLAG_STRICT = 1,
+};
+
+// Compiles n_text bytes of text of the given kind into *out (free with di_grammar_destroy).
+// flags: DI_GRAMMAR_FLAG_*. On DI_ERR_INVALID, err (err_size bytes, may be NULL) receives a
+// human-readable reason: "line:col: ..." for EBNF, the keyword and its JSON pointer for JSON
+// Schema, the offset for a regex. DI_ERR_NOMEM.
+di_status di_grammar_compile(di_grammar_kind kind, const char *text, size_t n_text, uint32_t flags,
+                             di_grammar **out, char *err, size_t err_size);
+// NULL does nothing. Requests using g must have been submitted (the engine keeps its own state).
+void di_grammar_destroy(di_grammar *g);
+// Number of rules in g (generated rules included): a size measure for logs and tests.
+int32_t di_grammar_n_rules(const di_grammar *g);
+
+// Builds the token trie of tok (borrowed only during the call): every token except added tokens
+// (special or not: they are never allowed by a grammar). DI_ERR_NOMEM.
+di_status di_grammar_vocab_create(const di_tokenizer *tok, di_grammar_vocab **out);
+void di_grammar_vocab_destroy(di_grammar_vocab *v);
+
 // ---- engine: many concurrent requests (continuous batching) ----
 //
 // An engine owns a model, a paged KV pool, a prefix cache, a scheduler and one engine thread.
