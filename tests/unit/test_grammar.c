@@ -287,7 +287,8 @@ static void regex_diff(const char *re, const char *alphabet) {
     int ec;
     PCRE2_SIZE eo;
     pcre2_code *pc = pcre2_compile((PCRE2_SPTR)re, PCRE2_ZERO_TERMINATED,
-                                   PCRE2_UTF | PCRE2_ALT_BSUX | PCRE2_ANCHORED | PCRE2_ENDANCHORED, &ec, &eo, NULL);
+                                   PCRE2_UTF | PCRE2_ALT_BSUX | PCRE2_ANCHORED | PCRE2_ENDANCHORED,
+                                   &ec, &eo, NULL);
     CHECK(pc != NULL);
     if (!g || !pc) goto out;
     pcre2_match_data *md = pcre2_match_data_create_from_pattern(pc, NULL);
