@@ -265,7 +265,8 @@ enum {
 // Schema, the offset for a regex. DI_ERR_NOMEM.
 di_status di_grammar_compile(di_grammar_kind kind, const char *text, size_t n_text, uint32_t flags,
                              di_grammar **out, char *err, size_t err_size);
-// NULL does nothing. Requests using g must have been submitted (the engine keeps its own state).
+// Releases the caller's reference. NULL does nothing. Requests already submitted with g keep their
+// own reference (the grammar is freed when the last of them finishes).
 void di_grammar_destroy(di_grammar *g);
 // Number of rules in g (generated rules included): a size measure for logs and tests.
 int32_t di_grammar_n_rules(const di_grammar *g);
@@ -359,6 +360,17 @@ typedef struct di_request_params {
     int32_t n_stop_strings;          // di_engine_options.token_bytes
     uint64_t cache_salt; // prefix-cache namespace: only requests with the same salt share
     float *first_logits; // optional [n_vocab]: receives the logits that chose token 0
+    // Structured output (docs/structured-output.md): while the grammar is active, only tokens it
+    // accepts next may be sampled (masked to -inf before bias, penalties and truncation; logprobs
+    // then describe that masked distribution); EOS and the stop ids only when the grammar can end;
+    // when nothing more can follow, the request finishes with DI_FINISH_STOP. The grammar is
+    // borrowed for the call (the request keeps a reference); the engine needs
+    // di_engine_options.grammar_vocab. A matcher limit exceeded (nesting too deep, too many
+    // parses) ends the request with DI_FINISH_ERROR and DI_ERR_UNSUPPORTED.
+    const di_grammar *grammar; // NULL: unconstrained
+    // The grammar becomes active after this token is generated (e.g. </think>: reasoning is never
+    // constrained); -1 (the default): from the first generated token.
+    int32_t grammar_after;
     di_event_fn on_event;
     void *user;
 } di_request_params;
@@ -382,6 +394,9 @@ typedef struct di_engine_options {
     // Optional token bytes (e.g. from a di_tokenizer) for stop strings and event text.
     const char *(*token_bytes)(void *user, int32_t id, size_t *n_bytes);
     void *token_bytes_user;
+    // Token trie for requests with a grammar (borrowed; must outlive the engine). NULL: requests
+    // with a grammar are refused with DI_ERR_INVALID.
+    const di_grammar_vocab *grammar_vocab;
 } di_engine_options;
 
 di_engine_options di_engine_options_default(void);

@@ -7,14 +7,16 @@
  *   - di_engine_fail_forward: makes later forwards fail, as a CUDA error would.
  *   - di_engine_get_graph_stats: how many decode steps ran from captured graphs.
  *   - di_engine_dev_state_bytes: the device memory of the engine's dev state.
+ *   - di_engine_set_grammar_limits: the matcher limits of later requests with a grammar.
  * Thread-safety: create before start; di_engine_fail_forward from any thread.
  */
 #pragma once
 
 #include <stdint.h>
 
-#include "deepinfer.h"      // di_engine, di_model, di_status
-#include "model/dsv4_dev.h" // di_dsv4_dev_graph_stats
+#include "deepinfer.h"       // di_engine, di_model, di_status
+#include "grammar/grammar.h" // di_grammar_matcher_limits
+#include "model/dsv4_dev.h"  // di_dsv4_dev_graph_stats
 
 // Called once on the loaded model (borrowed; owned by the engine) before anything else is
 // created; a status other than DI_OK fails the create with it.
@@ -40,3 +42,7 @@ void di_engine_get_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out)
 // Device-resident forward only: the backend bytes its dev state allocated
 // (di_dsv4_dev_state_bytes; 0 on the CPU forward). Any time after create.
 int64_t di_engine_dev_state_bytes(const di_engine *e);
+
+// The matcher limits of requests submitted afterwards (default di_grammar_matcher_limits_default):
+// tests drive a request into a limit. Before submitting (not concurrently with submit).
+void di_engine_set_grammar_limits(di_engine *e, const di_grammar_matcher_limits *lim);

@@ -905,8 +905,13 @@ static bool check(cc *c) {
 
 // ---- assembly ----
 
+const di_grammar *di_grammar_retain(const di_grammar *g) {
+    atomic_fetch_add(&((di_grammar *)g)->refs, 1); // the count is the one mutable field
+    return g;
+}
+
 void di_grammar_destroy(di_grammar *g) {
-    if (!g) return;
+    if (!g || atomic_fetch_sub(&g->refs, 1) > 1) return;
     for (int32_t i = 0; g->rule_names && i < g->n_rules; i++) di_free(g->rule_names[i]);
     di_free(g->rule_names);
     di_free(g->alt_off);
@@ -930,6 +935,7 @@ static di_status assemble(cc *c, int32_t root, di_grammar **out) {
         n_elems += (int64_t)n;
         for (size_t k = 0; k < n; k++) n_alts += CODE_TYPE(b[k]) == DI_GRAMMAR_ELEM_END;
     }
+    atomic_init(&g->refs, 1);
     g->n_rules = c->n_rules;
     g->rule_names = di_calloc((size_t)c->n_rules, sizeof(char *));
     g->alt_off = di_malloc(sizeof(int32_t) * ((size_t)c->n_rules + 1));

@@ -21,6 +21,7 @@
  */
 #pragma once
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -46,6 +47,7 @@ typedef struct di_grammar_elem {
 } di_grammar_elem;
 
 struct di_grammar {
+    atomic_int refs; // di_grammar_destroy drops one; matchers of requests hold one each
     int32_t n_rules;
     char **rule_names;      // owned [n_rules] (owned strings)
     int32_t *alt_off;       // owned [n_rules + 1]: rule r's alternatives are alts[alt_off[r]..)
@@ -60,6 +62,10 @@ struct di_grammar {
 static inline bool di_grammar_set_has(const uint64_t *set, uint8_t b) {
     return (set[b >> 6] >> (b & 63)) & 1;
 }
+
+// Takes a reference (released by di_grammar_destroy): the engine keeps a request's grammar alive
+// after the caller destroyed its own. Any thread.
+const di_grammar *di_grammar_retain(const di_grammar *g);
 
 // Compiles EBNF text (grammar.c). Errors: DI_ERR_INVALID with "line:col: message" in err.
 di_status di_grammar_compile_ebnf(const char *text, size_t n, di_grammar **out, char *err,
