@@ -329,8 +329,8 @@ typedef struct di_event {
     uint64_t request_id;
     int32_t token; // the new token, or -1 on a final event that carries none
     int32_t index; // index of the token in the output (0 = first generated)
-    float
-        logprob; // log-softmax of the raw logits at token (0 unless sample.logprobs or n_logprobs)
+    float logprob; // log-softmax of the raw logits at token (0 unless sample.logprobs or
+                   // n_logprobs); under an active grammar, of the masked logits
     int32_t n_top; // top-N log-probabilities (borrowed, valid during the callback)
     const int32_t *top_ids;
     const float *top_logprobs;
