@@ -8,6 +8,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include "base/mem.h" // di_mem_thread_allocs
 #include "grammar/grammar.h"
 
 static di_tokenizer *g_tok;
@@ -204,10 +205,14 @@ static void check_mask(const di_grammar *g, const char *prefix) {
     const int32_t V = di_grammar_vocab_n_tokens(g_vocab);
     uint64_t *mask = calloc((size_t)(V + 63) / 64, 8);
     int32_t n_allowed = -1, n_brute = 0, n_bad = 0;
+    const int64_t a0 = di_mem_thread_allocs();
     CHECK(di_grammar_matcher_mask(m, mask, &n_allowed) == DI_OK);
+    CHECK_EQ(di_mem_thread_allocs() - a0, 0); // the step path allocates nothing
     for (int32_t id = 0; id < V; id++) {
         di_grammar_matcher_copy(c, m);
+        const int64_t a1 = di_mem_thread_allocs();
         bool want = di_grammar_matcher_advance_token(c, id);
+        if (di_mem_thread_allocs() != a1) n_bad++;
         bool got = (mask[id >> 6] >> (id & 63)) & 1;
         n_brute += want;
         if (want != got && n_bad++ < 5) {
