@@ -629,26 +629,36 @@ static void trans_put(di_grammar_matcher *m, uint64_t h, uint8_t b, int32_t s2, 
 // the memoised ones). A byte that loops back to the same level descends with that level; a
 // subtree whose every byte loops is marked wholesale (its tokens are one contiguous range in
 // preorder).
-static void descend(walk *w, int32_t x, int32_t start, int32_t n, uint64_t h) {
+// lv: the level's union (u, [0..4)) and known / loop sets ([4..8), [8..12)), shared by the
+// descents that stay on the same level; NULL for a new level.
+static void descend(walk *w, int32_t x, int32_t start, int32_t n, uint64_t h, uint64_t *lv) {
     di_grammar_matcher *m = w->m;
     const di_grammar_vocab *v = w->v;
     const di_grammar *g = m->g;
-    uint64_t u[4] = {0}; // bytes some stack accepts next
-    for (int32_t i = 0; i < n; i++) {
-        const uint64_t *s = g->sets[g->elems[m->nodes[m->tops[start + i]].pos].val];
-        u[0] |= s[0], u[1] |= s[1], u[2] |= s[2], u[3] |= s[3];
+    uint64_t own[12];
+    if (!lv) {
+        lv = own;
+        memset(lv, 0, sizeof(uint64_t) * 4); // bytes some stack accepts next
+        for (int32_t i = 0; i < n; i++) {
+            const uint64_t *s = g->sets[g->elems[m->nodes[m->tops[start + i]].pos].val];
+            lv[0] |= s[0], lv[1] |= s[1], lv[2] |= s[2], lv[3] |= s[3];
+        }
+        // known [4..8), loop [8..12): from the cache, updated as bytes are tried
+        memcpy(lv + 4, loop_slot(m, h), sizeof(uint64_t) * 8);
     }
-    uint64_t kl[8]; // known [0..4), loop [4..8): from the cache, updated as bytes are tried
-    memcpy(kl, loop_slot(m, h), sizeof kl);
+    const uint64_t *u = lv;
+    uint64_t *kl = lv + 4;
     const uint64_t *loop = kl + 4;
     for (int32_t c = x + 1; c < v->end[x] && m->err == DI_OK; c = v->end[c]) {
         const uint8_t b = v->byte[c];
         if (!di_grammar_set_has(u, b)) continue;
         const int32_t nodes0 = m->n_nodes_used, tops0 = m->n_tops_used;
-        int32_t s2, n2;
-        bool acc2, fresh = false;
-        uint64_t h2;
-        if (!trans_get(m, h, b, &s2, &n2, &acc2, &h2)) {
+        int32_t s2 = start, n2 = n;
+        bool acc2 = false, fresh = false;
+        uint64_t h2 = h;
+        if (di_grammar_set_has(kl, b) && di_grammar_set_has(loop, b)) {
+            // a known loop: the same level again (no lookup)
+        } else if (!trans_get(m, h, b, &s2, &n2, &acc2, &h2)) {
             step(m, m->tops + start, n, b);
             if (m->err != DI_OK) break;
             s2 = m->lvl_start, n2 = m->n_tops_used - m->lvl_start, acc2 = m->lvl_accept;
@@ -671,7 +681,7 @@ static void descend(walk *w, int32_t x, int32_t start, int32_t n, uint64_t h) {
             }
             kl[b >> 6] |= 1ull << (b & 63);
             if (n2 == n && h2 == h) kl[4 + (b >> 6)] |= 1ull << (b & 63);
-            memcpy(loop_slot(m, h), kl, sizeof kl);
+            memcpy(loop_slot(m, h), kl, sizeof(uint64_t) * 8);
         }
         if (n2 == n && h2 == h) {
             const int32_t si = v->sub_idx[c];
@@ -681,15 +691,12 @@ static void descend(walk *w, int32_t x, int32_t start, int32_t n, uint64_t h) {
                 continue;
             }
             mark_range(w, v->at_off[c], v->at_off[c + 1]);
-            if (v->end[c] > c + 1) {
-                descend(w, c, start, n, h);
-                memcpy(kl, loop_slot(m, h), sizeof kl); // what the subtree learnt
-            }
+            if (v->end[c] > c + 1) descend(w, c, start, n, h, lv);
             continue;
         }
         if (n2 > 0 || acc2) {
             mark_range(w, v->at_off[c], v->at_off[c + 1]);
-            if (n2 > 0 && v->end[c] > c + 1) descend(w, c, s2, n2, h2);
+            if (n2 > 0 && v->end[c] > c + 1) descend(w, c, s2, n2, h2, NULL);
         }
         if (fresh) { // not memoised: free it (never below what is)
             m->n_nodes_used = nodes0 > m->floor_nodes ? nodes0 : m->floor_nodes;
@@ -722,7 +729,7 @@ di_status di_grammar_matcher_mask(di_grammar_matcher *m, uint64_t *mask, int32_t
     }
     m->caching = true;
     m->floor_nodes = m->n_nodes, m->floor_tops = m->n_tops;
-    if (m->n_tops > 0) descend(&w, 0, 0, m->n_tops, key);
+    if (m->n_tops > 0) descend(&w, 0, 0, m->n_tops, key, NULL);
     m->n_nodes_used = m->n_nodes;
     m->n_tops_used = m->n_tops;
     if (m->err != DI_OK) return m->err;
