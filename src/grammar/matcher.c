@@ -265,7 +265,7 @@ struct di_grammar_matcher {
 
 di_grammar_matcher_limits di_grammar_matcher_limits_default(void) {
     di_grammar_matcher_limits l = {
-        .max_stacks = 512, .max_depth = 512, .max_nodes = 1 << 16, .n_cache = 8};
+        .max_stacks = 512, .max_depth = 512, .max_nodes = 1 << 14, .n_cache = 8};
     return l;
 }
 
@@ -342,7 +342,7 @@ static void expand(di_grammar_matcher *m, int32_t r, int32_t ret) {
     uint32_t mask = (uint32_t)m->ex_cap - 1, k = (uint32_t)key & mask;
     for (; m->ex_stamp[k] == m->stamp; k = (k + 1) & mask)
         if (m->ex_key[k] == key) return; // already expanded with this continuation
-    if (++m->work > (int64_t)m->lim.max_stacks * 16) {
+    if (++m->work > (int64_t)m->lim.max_stacks * 4) {
         set_err(m, "expansion work");
         return;
     }
@@ -480,7 +480,7 @@ di_status di_grammar_matcher_create(const di_grammar *g, const di_grammar_vocab 
     while (m->ht_cap < 2 * m->lim.max_stacks) m->ht_cap *= 2;
     m->ht_stamp = di_calloc((size_t)m->ht_cap, sizeof(uint32_t));
     m->ht_top = di_malloc(sizeof(int32_t) * (size_t)m->ht_cap);
-    m->ex_cap = 2 * m->ht_cap * 16; // > the work limit (max_stacks * 16 expansions per level)
+    m->ex_cap = 2 * m->ht_cap * 4; // > 2x the work limit (max_stacks * 4 expansions per level)
     m->ex_stamp = di_calloc((size_t)m->ex_cap, sizeof(uint32_t));
     m->ex_key = di_malloc(sizeof(uint64_t) * (size_t)m->ex_cap);
     m->n_loop = 64;
