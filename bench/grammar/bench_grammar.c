@@ -4,7 +4,7 @@
 // the vocabulary trie) and with it. Prints µs/token by where the document is (inside a string
 // value, or in structure: between keys, values, punctuation) and the overall mean. Not a test.
 //
-//   build/bench_grammar [reps]
+//   build/bench_grammar [reps] [-v]
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +42,7 @@ static const char *k_doc =
 
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 3;
+    const bool verbose = argc > 2 && !strcmp(argv[2], "-v"); // print each token's mask time
     di_tokenizer *tok = NULL;
     di_grammar_vocab *vocab = NULL;
     if (di_tokenizer_load_for_model(NULL, &tok) != DI_OK) return 1;
@@ -94,6 +95,13 @@ int main(int argc, char **argv) {
                 }
                 s_all += dt;
                 if (dt * 1e6 > max_us) max_us = dt * 1e6;
+                if (verbose && r == 0) {
+                    size_t nb = 0;
+                    const char *tb = di_tokenizer_token_bytes(tok, ids[i], &nb);
+                    printf("  cache %d token %3zu %-16.*s %9.1f us, %6d allowed, %d stacks\n",
+                           cached, i, (int)nb, tb, dt * 1e6, n_allowed,
+                           di_grammar_matcher_n_stacks(m));
+                }
                 if (in_string)
                     s_str += dt, n_str++;
                 else
