@@ -194,3 +194,12 @@ def test_tools_with_schema_400(server):
         "max_tokens": 5})
     assert st == 400, r
     assert r["error"]["param"] == "response_format"
+
+
+def test_matcher_limit_is_a_clear_500(server):
+    # A grammar that only nests deeper: the matcher's depth limit (512) ends the request.
+    st, _, r = post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": U, "max_tokens": 600, "seed": 1,
+        "response_format": {"type": "grammar", "grammar": 'root ::= "[" root "]"'}, **NO_THINK})
+    assert st == 500, r
+    assert "structured-output constraint" in r["error"]["message"]

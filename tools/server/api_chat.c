@@ -337,7 +337,7 @@ static void chat_choice_end(srv_gen *g, srv_choice *c) {
     chat_head(g, c);
     if (c->efinish == DI_FINISH_ERROR) {
         srv_err err;
-        srv_err_set(&err, 500, NULL, "Generation failed: %s.", di_status_str(c->estatus));
+        srv_err_set(&err, 500, NULL, "%s", srv_gen_fail_message(g));
         sse_data(g, srv_err_body(SRV_API_CHAT, &err));
         return;
     }

@@ -275,6 +275,15 @@ bool srv_gen_response_format(srv_gen *g, const json_t *fmt, const char *param, s
     return true;
 }
 
+const char *srv_gen_fail_message(const srv_gen *g) {
+    for (int i = 0; g->grammar && i < g->n; i++)
+        if (g->ch[i].efinish == DI_FINISH_ERROR && g->ch[i].estatus == DI_ERR_UNSUPPORTED)
+            return "Generation failed: the structured-output constraint could not go on (its "
+                   "matcher's limits: nesting too deep or too many parses; or no token can "
+                   "continue the grammar).";
+    return "Generation failed in the engine.";
+}
+
 bool srv_gen_start(srv_gen *g, srv_err *e) {
     srv *s = g->s;
     if (g->grammar && g->tools) {

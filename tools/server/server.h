@@ -225,6 +225,8 @@ srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req);
 // constraint into g->grammar (docs/structured-output.md). false with a 400 in e when the format or
 // its schema / regex / grammar is invalid.
 bool srv_gen_response_format(srv_gen *g, const json_t *fmt, const char *param, srv_err *e);
+// The message of a failed generation (500): the engine's, or the structured-output constraint's.
+const char *srv_gen_fail_message(const srv_gen *g);
 // Submits the n engine requests. On failure fills e and returns false (nothing is running).
 bool srv_gen_start(srv_gen *g, srv_err *e);
 // The choices' output parsers (part of srv_gen_start; on its own only for srv_gen_replay).
