@@ -64,13 +64,27 @@ static void bput(sc *c, di_buf *b, const char *s) {
 }
 
 static void bputf(sc *c, di_buf *b, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+// Any length (rule bodies hold property names of any size).
 static void bputf(sc *c, di_buf *b, const char *fmt, ...) {
     char tmp[256];
-    va_list ap;
+    va_list ap, ap2;
     va_start(ap, fmt);
-    vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_copy(ap2, ap);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
-    bput(c, b, tmp);
+    if (n >= 0 && (size_t)n < sizeof tmp) {
+        bput(c, b, tmp);
+    } else if (n >= 0) {
+        char *big = di_malloc((size_t)n + 1);
+        if (big) {
+            vsnprintf(big, (size_t)n + 1, fmt, ap2);
+            bput(c, b, big);
+            di_free(big);
+        } else {
+            c->failed = true, c->st = DI_ERR_NOMEM;
+        }
+    }
+    va_end(ap2);
 }
 
 static void blit(sc *c, di_buf *b, const char *s, size_t n) {

@@ -495,6 +495,15 @@ static void test_json_schema(void) {
         "{\"p\":{\"$ref\":\"#/definitions/x\",\"description\":\"d\"}},\"required\":[\"p\"]}",
         DI_GRAMMAR_FLAG_STRICT, (const char *[]){"{\"p\":\"x\"}", NULL},
         (const char *[]){"{\"p\":1}", NULL});
+    // A property name longer than any fixed buffer (a fuzzer find).
+    char long_key[1200];
+    size_t nk =
+        (size_t)snprintf(long_key, sizeof long_key, "{\"type\":\"object\",\"properties\":{\"");
+    for (int i = 0; i < 300; i++) long_key[nk++] = (char)('a' + i % 26);
+    nk += (size_t)snprintf(long_key + nk, sizeof long_key - nk, "\":{\"type\":\"null\"}}}");
+    di_grammar *lk = compile(DI_GRAMMAR_KIND_JSON_SCHEMA, long_key, DI_GRAMMAR_FLAG_STRICT);
+    CHECK(lk != NULL);
+    di_grammar_destroy(lk);
     schema_case("true", 0, (const char *[]){"1", "\"s\"", "[{}]", NULL},
                 (const char *[]){"", NULL});
     // Errors name the keyword and the pointer.
