@@ -51,6 +51,8 @@ typedef struct cc {
     int32_t n_classes, cap_classes;
     int64_t n_codes;  // elements emitted so far (the size limit)
     int32_t cur_rule; // the user rule being parsed (names generated rules)
+    int32_t *name_ht; // owned [name_cap]: user rule ids by name hash, -1 empty
+    int32_t name_cap, n_names;
     int32_t n_gen;
 } cc;
 
@@ -84,6 +86,31 @@ static void nomem(cc *c) {
     }
 }
 
+// Enters user rule r (its name set) into the name table, growing it to stay under half full.
+static bool index_name(cc *c, int32_t r) {
+    if (2 * (c->n_names + 1) > c->name_cap) {
+        int32_t cap = c->name_cap ? c->name_cap * 2 : 256;
+        int32_t *t = di_malloc(sizeof(int32_t) * (size_t)cap);
+        if (!t) return false;
+        memset(t, 0xff, sizeof(int32_t) * (size_t)cap);
+        int32_t *old = c->name_ht;
+        const int32_t old_cap = c->name_cap;
+        c->name_ht = t;
+        c->name_cap = cap;
+        c->n_names = 0;
+        for (int32_t k = 0; k < old_cap; k++)
+            if (old[k] >= 0) index_name(c, old[k]);
+        di_free(old);
+    }
+    const char *name = c->rules[r].name;
+    const uint32_t mask = (uint32_t)c->name_cap - 1;
+    uint32_t k = (uint32_t)di_fnv1a(name, strlen(name), 14695981039346656037ull) & mask;
+    while (c->name_ht[k] >= 0) k = (k + 1) & mask;
+    c->name_ht[k] = r;
+    c->n_names++;
+    return true;
+}
+
 static int32_t add_rule(cc *c, const char *name, size_t n, bool generated) {
     if (c->n_rules >= DI_GRAMMAR_MAX_RULES) {
         fail_at(c, c->i, "the grammar is too large (more than %d rules)", DI_GRAMMAR_MAX_RULES);
@@ -104,15 +131,20 @@ static int32_t add_rule(cc *c, const char *name, size_t n, bool generated) {
     r->name[n] = 0;
     di_buf_init(&r->body);
     r->generated = generated;
+    if (!generated && !index_name(c, c->n_rules)) return nomem(c), -1;
     return c->n_rules++;
 }
 
+// The user rule named name[0..n), or -1 (open addressing over the names' hashes).
 static int32_t find_rule(const cc *c, const char *name, size_t n) {
-    for (int32_t i = 0; i < c->n_rules; i++)
-        if (!c->rules[i].generated && strlen(c->rules[i].name) == n &&
-            !memcmp(c->rules[i].name, name, n))
-            return i;
-    return -1;
+    if (!c->name_cap) return -1;
+    const uint32_t mask = (uint32_t)c->name_cap - 1;
+    for (uint32_t k = (uint32_t)di_fnv1a(name, n, 14695981039346656037ull) & mask;;
+         k = (k + 1) & mask) {
+        const int32_t i = c->name_ht[k];
+        if (i < 0) return -1;
+        if (strlen(c->rules[i].name) == n && !memcmp(c->rules[i].name, name, n)) return i;
+    }
 }
 
 static int32_t gen_rule(cc *c) {
@@ -1027,6 +1059,7 @@ di_status di_grammar_compile_ebnf(const char *text, size_t n, di_grammar **out, 
         di_buf_deinit(&c.rules[r].body);
     }
     di_free(c.rules);
+    di_free(c.name_ht);
     di_free(c.sets);
     di_free(c.classes);
     return st;
