@@ -1,6 +1,7 @@
 // engine + grammar (structured output) on the tiny random-weight model with the real DeepSeek V4
 // vocabulary: constrained requests with a JSON Schema produce text that parses (jansson) and
-// satisfies the schema, greedy and seeded; the same tokens alone and batched with other requests;
+// satisfies the schema, greedy and seeded; the same tokens alone, batched with other requests and
+// preempted (a tiny KV budget);
 // grammar_after leaves the tokens up to the trigger unconstrained; a grammar that is done finishes
 // the request with DI_FINISH_STOP; a matcher limit ends just that request with an error; the step
 // path allocates nothing. The weights are random: the grammar is what makes the output valid.
@@ -50,10 +51,10 @@ static const char *tok_bytes(void *user, int32_t id, size_t *n) {
     return di_tokenizer_token_bytes(g_tok, id, n);
 }
 
-static di_engine *engine(void) {
+static di_engine *engine_kv(size_t kv_bytes) {
     di_engine_options o = di_engine_options_default();
     o.n_threads = 2;
-    o.kv_memory_bytes = 64u << 20;
+    o.kv_memory_bytes = kv_bytes;
     o.max_seqs = 8;
     o.max_batch_tokens = 64;
     o.max_ctx = 640;
@@ -62,6 +63,10 @@ static di_engine *engine(void) {
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     return e;
+}
+
+static di_engine *engine(void) {
+    return engine_kv(64u << 20);
 }
 
 static void check_clean(di_engine *e) {
@@ -112,13 +117,14 @@ static bool valid_doc(const char *text, size_t n) {
     return ok;
 }
 
-static int32_t g_prompt[6][40];
+static int32_t g_prompt[6][256];
+static int g_long; // prompts of 200+ tokens (the preemption test)
 
 static di_request_params request(int i, const di_grammar *g, result *res) {
     di_request_params p = di_request_params_default();
-    for (int t = 0; t < 40; t++) g_prompt[i][t] = (int32_t)((t * 131 + i * 977 + 7) % 120000);
+    for (int t = 0; t < 256; t++) g_prompt[i][t] = (int32_t)((t * 131 + i * 977 + 7) % 120000);
     p.prompt = g_prompt[i];
-    p.n_prompt = 10 + 5 * i;
+    p.n_prompt = g_long ? 200 + 10 * i : 10 + 5 * i;
     p.max_tokens = 400;
     p.grammar = g;
     if (i % 2) { // seeded sampling on odd requests
@@ -175,6 +181,48 @@ static void test_json_schema_alone_and_batched(void) {
     printf("constrained (seeded): %.*s\n", (int)g_alone[1].n_text, g_alone[1].text);
     check_clean(e);
 out:
+    di_engine_destroy(e);
+    di_grammar_destroy(g);
+}
+
+// The smallest KV pool the engine accepts (one sequence of max_ctx positions): four constrained
+// requests with long prompts grow into each other and are preempted and recomputed; the matcher
+// state survives (the tokens of each run alone).
+static void test_preemption(void) {
+    g_long = 1;
+    di_grammar *g = compile(DI_GRAMMAR_KIND_JSON_SCHEMA, k_schema);
+    di_engine *e = engine();
+    static result alone[4], tiny[4];
+    di_engine_stats st;
+    if (!g || !e) goto out;
+    for (int i = 0; i < 4; i++) {
+        uint64_t id;
+        di_request_params p = request(i, g, &alone[i]);
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+        di_engine_wait_idle(e);
+        CHECK_EQ(alone[i].finish, DI_FINISH_STOP);
+    }
+    di_engine_get_stats(e, &st);
+    di_engine_destroy(e);
+    e = engine_kv((size_t)st.block_bytes * (size_t)(14 + 640 / st.block_tokens));
+    if (!e) goto out;
+    for (int i = 0; i < 4; i++) {
+        uint64_t id;
+        di_request_params p = request(i, g, &tiny[i]);
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    }
+    di_engine_wait_idle(e);
+    di_engine_get_stats(e, &st);
+    printf("tiny KV budget: %lld preemptions\n", (long long)st.n_preemptions);
+    CHECK(st.n_preemptions > 0);
+    for (int i = 0; i < 4; i++) {
+        CHECK_EQ(tiny[i].n, alone[i].n);
+        CHECK(!memcmp(tiny[i].tokens, alone[i].tokens, sizeof(int32_t) * (size_t)alone[i].n));
+        CHECK(valid_doc(tiny[i].text, tiny[i].n_text));
+    }
+    check_clean(e);
+out:
+    g_long = 0;
     di_engine_destroy(e);
     di_grammar_destroy(g);
 }
@@ -273,6 +321,7 @@ int main(void) {
     CHECK(di_grammar_vocab_create(g_tok, &g_gv) == DI_OK);
     di_set_log_level(0);
     RUN(test_json_schema_alone_and_batched);
+    RUN(test_preemption);
     RUN(test_grammar_after);
     RUN(test_done_and_limit_error);
     di_grammar_vocab_destroy(g_gv);
