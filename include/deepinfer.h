@@ -236,6 +236,46 @@ typedef struct di_draft {
 // nothing fed yet), DI_ERR_UNSUPPORTED (a V4 session), DI_ERR_NOMEM.
 di_status di_session_draft(di_session *s, int32_t anchor, di_draft *out, float *logits);
 
+// ---- structured output: grammars (src/grammar; docs/structured-output.md) ----
+//
+// A di_grammar constrains what a request may generate. It is compiled once (any thread), is
+// immutable afterwards, and may be shared by any number of requests. A di_grammar_vocab is the
+// byte trie of a tokenizer's tokens that the engine walks to compute each step's allowed tokens;
+// build it once per tokenizer and pass it in di_engine_options.
+
+typedef struct di_grammar di_grammar;
+typedef struct di_tokenizer di_tokenizer; // (declared again below with its API)
+typedef struct di_grammar_vocab di_grammar_vocab;
+
+typedef enum di_grammar_kind {
+    DI_GRAMMAR_KIND_EBNF = 0,        // GBNF-style EBNF text; the start rule is `root`
+    DI_GRAMMAR_KIND_JSON_SCHEMA = 1, // a JSON Schema (JSON text)
+    DI_GRAMMAR_KIND_JSON_OBJECT = 2, // any JSON object (text ignored, may be NULL)
+    DI_GRAMMAR_KIND_REGEX = 3,       // an ECMAScript regular expression; the whole output matches
+} di_grammar_kind;
+
+enum {
+    // JSON Schema: OpenAI's strict mode (an object without additionalProperties allows none).
+    DI_GRAMMAR_FLAG_STRICT = 1,
+};
+
+// Compiles n_text bytes of text of the given kind into *out (free with di_grammar_destroy).
+// flags: DI_GRAMMAR_FLAG_*. On DI_ERR_INVALID, err (err_size bytes, may be NULL) receives a
+// human-readable reason: "line:col: ..." for EBNF, the keyword and its JSON pointer for JSON
+// Schema, the offset for a regex. DI_ERR_NOMEM.
+di_status di_grammar_compile(di_grammar_kind kind, const char *text, size_t n_text, uint32_t flags,
+                             di_grammar **out, char *err, size_t err_size);
+// Releases the caller's reference. NULL does nothing. Requests already submitted with g keep their
+// own reference (the grammar is freed when the last of them finishes).
+void di_grammar_destroy(di_grammar *g);
+// Number of rules in g (generated rules included): a size measure for logs and tests.
+int32_t di_grammar_n_rules(const di_grammar *g);
+
+// Builds the token trie of tok (borrowed only during the call): every token except added tokens
+// (special or not: they are never allowed by a grammar). DI_ERR_NOMEM.
+di_status di_grammar_vocab_create(const di_tokenizer *tok, di_grammar_vocab **out);
+void di_grammar_vocab_destroy(di_grammar_vocab *v);
+
 // ---- engine: many concurrent requests (continuous batching) ----
 //
 // An engine owns a model, a paged KV pool, a prefix cache, a scheduler and one engine thread.
@@ -289,8 +329,8 @@ typedef struct di_event {
     uint64_t request_id;
     int32_t token; // the new token, or -1 on a final event that carries none
     int32_t index; // index of the token in the output (0 = first generated)
-    float
-        logprob; // log-softmax of the raw logits at token (0 unless sample.logprobs or n_logprobs)
+    float logprob; // log-softmax of the raw logits at token (0 unless sample.logprobs or
+                   // n_logprobs); under an active grammar, of the masked logits
     int32_t n_top; // top-N log-probabilities (borrowed, valid during the callback)
     const int32_t *top_ids;
     const float *top_logprobs;
@@ -320,6 +360,17 @@ typedef struct di_request_params {
     int32_t n_stop_strings;          // di_engine_options.token_bytes
     uint64_t cache_salt; // prefix-cache namespace: only requests with the same salt share
     float *first_logits; // optional [n_vocab]: receives the logits that chose token 0
+    // Structured output (docs/structured-output.md): while the grammar is active, only tokens it
+    // accepts next may be sampled (masked to -inf before bias, penalties and truncation; logprobs
+    // then describe that masked distribution); EOS and the stop ids only when the grammar can end;
+    // when nothing more can follow, the request finishes with DI_FINISH_STOP. The grammar is
+    // borrowed for the call (the request keeps a reference); the engine needs
+    // di_engine_options.grammar_vocab. A matcher limit exceeded (nesting too deep, too many
+    // parses) ends the request with DI_FINISH_ERROR and DI_ERR_UNSUPPORTED.
+    const di_grammar *grammar; // NULL: unconstrained
+    // The grammar becomes active after this token is generated (e.g. </think>: reasoning is never
+    // constrained); -1 (the default): from the first generated token.
+    int32_t grammar_after;
     di_event_fn on_event;
     void *user;
 } di_request_params;
@@ -364,6 +415,9 @@ typedef struct di_engine_options {
     // Optional token bytes (e.g. from a di_tokenizer) for stop strings and event text.
     const char *(*token_bytes)(void *user, int32_t id, size_t *n_bytes);
     void *token_bytes_user;
+    // Token trie for requests with a grammar (borrowed; must outlive the engine). NULL: requests
+    // with a grammar are refused with DI_ERR_INVALID.
+    const di_grammar_vocab *grammar_vocab;
 } di_engine_options;
 
 di_engine_options di_engine_options_default(void);

@@ -105,6 +105,7 @@ struct di_engine {
     // forward and the fail_n - 1 after it fail with fail_status without running (0: none).
     atomic_int fail_in, fail_n, fail_status;
     int32_t eos;
+    di_grammar_matcher_limits glim; // of the matchers of requests with a grammar
     pthread_t thread;
     bool thread_started;
     bool sync_debug; // DI_ENGINE_SYNC=1: plan after the forward (no overlap)
@@ -318,6 +319,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     di_engine *e = di_calloc(1, sizeof *e);
     if (!e) return DI_ERR_NOMEM;
     e->opt = opt ? *opt : di_engine_options_default();
+    e->glim = di_grammar_matcher_limits_default();
     di_engine_options *o = &e->opt;
     if (!o->kv_memory_bytes) o->kv_memory_bytes = (size_t)256 << 20;
     if (!o->max_seqs) o->max_seqs = 16;
@@ -488,6 +490,10 @@ int64_t di_engine_dev_state_bytes(const di_engine *e) {
     return e->dstate ? di_dsv4_dev_state_bytes(e->dstate) : 0;
 }
 
+void di_engine_set_grammar_limits(di_engine *e, const di_grammar_matcher_limits *lim) {
+    e->glim = *lim;
+}
+
 void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_status st) {
     atomic_store(&e->fail_in, 0); // no injection while the fields change
     atomic_store(&e->fail_status, (int)st);
@@ -577,7 +583,8 @@ void di_engine_destroy(di_engine *e) {
 di_status di_engine_submit(di_engine *e, const di_request_params *p, uint64_t *id) {
     di_request *r = NULL;
     di_status st =
-        di_request_create(p, e->model->hp.n_vocab, e->opt.max_ctx, e->opt.token_bytes != NULL, &r);
+        di_request_create(p, e->model->hp.n_vocab, e->opt.max_ctx, e->opt.token_bytes != NULL,
+                          e->opt.grammar_vocab, &e->glim, &r);
     if (st != DI_OK) return st;
     pthread_mutex_lock(&e->mu);
     if (e->n_incoming + e->n_waiting_seen >= e->opt.max_queue || e->stop) {
@@ -710,6 +717,8 @@ static bool emit_token(di_engine *e, di_request *r, const di_sample_result *res,
         const char *b = e->opt.token_bytes(e->opt.token_bytes_user, res->token, &nb);
         if (di_stop_push(&r->stop, b ? b : "", b ? nb : 0, &txt, &n_txt)) why = DI_FINISH_STOP;
     }
+    if (r->gm && r->g_active && di_grammar_matcher_is_done(r->gm))
+        why = DI_FINISH_STOP; // nothing more can follow: as if EOS
     if (why == DI_FINISH_NONE &&
         (r->n_gen >= r->max_tokens || di_request_n_tokens(r) >= e->opt.max_ctx))
         why = DI_FINISH_LENGTH;
@@ -781,6 +790,15 @@ static void sample_and_emit(di_engine *e, int64_t *cb_allocs) {
         const int64_t base = (int64_t)k * e->lstride;
         if (r->n_gen == 0 && r->first_logits)
             memcpy(r->first_logits, e->logits + base * V, sizeof(float) * (size_t)V);
+        if (r->g_status != DI_OK) {
+            DI_LOG_ERROR("engine: request %llu: the grammar constraint failed after %d tokens (%s: "
+                         "a matcher limit, or no token can continue the grammar)",
+                         (unsigned long long)r->id, (int)r->n_gen, di_status_str(r->g_status));
+            int64_t a0 = di_mem_thread_allocs();
+            finish(e, r, DI_FINISH_ERROR, r->g_status);
+            *cb_allocs += di_mem_thread_allocs() - a0;
+            continue;
+        }
         const int32_t nd = e->x_ndraft[k], n_tok = e->x_emit[k];
         if (nd > 0) {
             e->spec_n[0]++;
@@ -814,12 +832,63 @@ static void cancel_flagged(di_engine *e) {
 
 // ---- forward thread ----
 
+// Whether t ends the request when sampled (EOS unless ignored, a stop id).
+static bool is_stop_token(const di_engine *e, const di_request *r, int32_t t) {
+    if (t == e->eos && !r->ignore_eos) return true;
+    for (int32_t i = 0; i < r->n_stop_ids; i++)
+        if (t == r->stop_ids[i]) return true;
+    return false;
+}
+
+static inline void mask_put(uint64_t *mask, int32_t t, bool on) {
+    if (on)
+        mask[t >> 6] |= 1ull << (t & 63);
+    else
+        mask[t >> 6] &= ~(1ull << (t & 63));
+}
+
+// A constrained row: the grammar's mask (EOS and stop ids only when it can end), the masked
+// sample, then the matcher advanced by the token. A failure (a matcher limit, or no token
+// allowed) is left in r->g_status for sample_and_emit, which ends the request.
+static void sample_constrained(di_engine *e, di_sampler *smp, di_request *r, const float *logits,
+                               di_sample_result *res) {
+    int32_t n_ok = 0;
+    di_status st = di_grammar_matcher_mask(r->gm, r->g_mask, &n_ok);
+    if (st == DI_OK) {
+        const bool can_end = di_grammar_matcher_can_end(r->gm);
+        // Stop tokens are the grammar's end: ordinary ones among them leave the mask too.
+        for (int32_t i = 0; i < r->n_stop_ids; i++) {
+            const int32_t t = r->stop_ids[i];
+            n_ok -= (int32_t)((r->g_mask[t >> 6] >> (t & 63)) & 1);
+            mask_put(r->g_mask, t, false);
+        }
+        if (can_end) {
+            if (!r->ignore_eos) mask_put(r->g_mask, e->eos, true), n_ok++;
+            for (int32_t i = 0; i < r->n_stop_ids; i++)
+                mask_put(r->g_mask, r->stop_ids[i], true), n_ok++;
+        }
+        if (n_ok <= 0) st = DI_ERR_UNSUPPORTED; // the grammar needs text no token can start
+    }
+    if (st != DI_OK) {
+        r->g_status = st;
+        res->token = -1;
+        return;
+    }
+    di_sampler_sample_allowed(smp, logits, r->g_mask, &r->sample, r->tokens, r->n_prompt, r->n_gen,
+                              di_request_n_tokens(r), res);
+    if (!is_stop_token(e, r, res->token) && !di_grammar_matcher_advance_token(r->gm, res->token))
+        r->g_status = DI_ERR_UNSUPPORTED; // a limit (the mask allowed the token)
+}
+
 // Samples the step's rows in this thread's share (pool task, one sampler per thread): row i of
 // logit slot k samples output token n_gen + i of its request at position n_tokens + i, with the
 // history extended by the drafts before it (written past the known tokens by v41_verify); a
 // plain slot has row 0 only. Reads only what the engine thread leaves alone while a step runs:
 // the logits, the request's tokens and its sampling parameters. Each row's result depends on that
 // row alone, so a verify row samples exactly what a plain decode of the same position would.
+// A request with an active grammar (it never speculates: one row) samples through
+// sample_constrained, which also advances its matcher (one row per request: no other thread
+// touches it).
 static void sample_task(void *p, int ith, int nth) {
     di_engine *e = p;
     const int64_t V = e->model->hp.n_vocab;
@@ -827,9 +896,15 @@ static void sample_task(void *p, int ith, int nth) {
     di_split_range(e->x_n_job, ith, nth, &lo, &hi);
     for (int64_t j = lo; j < hi; j++) {
         const int32_t row = e->x_job[j], k = row / e->lstride, i = row % e->lstride;
-        const di_request *r = e->x_logit_req[k];
+        di_request *r = e->x_logit_req[k];
+        if (r->gm && r->g_active && r->g_status == DI_OK) {
+            DI_ASSERT(i == 0);
+            sample_constrained(e, e->samplers[ith], r, e->logits + row * V, &e->x_res[row]);
+            continue;
+        }
         di_sampler_sample(e->samplers[ith], e->logits + row * V, &r->sample, r->tokens, r->n_prompt,
                           r->n_gen + i, di_request_n_tokens(r) + i, &e->x_res[row]);
+        if (r->gm && !r->g_active && e->x_res[row].token == r->grammar_after) r->g_active = true;
     }
 }
 
@@ -875,8 +950,9 @@ static di_status v41_spec_plan(di_engine *e, int32_t k, const di_dsv4_seq *sq, d
     di_request *r = e->x_logit_req[k];
     ver[0] = anchor;
     *n_ver = 1;
-    // Only the decode of a generated token: its session has fed every position before it.
-    if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1) return DI_OK;
+    // Only the decode of a generated token: its session has fed every position before it. A
+    // request with a grammar does not speculate (its matcher advances one sampled token at a time).
+    if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1 || r->gm) return DI_OK;
     DI_ASSERT(sq->pos == di_request_n_tokens(r) - 1);
     int32_t k_max = e->spec_k;
     if (r->max_tokens - r->n_gen - 1 < k_max) k_max = r->max_tokens - r->n_gen - 1;

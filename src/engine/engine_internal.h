@@ -10,6 +10,7 @@
  *   - di_engine_set_draft_hook: lets a test replace the DSpark drafts of speculative decoding
  *     (e.g. with a request's known continuation), so that the accept path runs on purpose on a
  *     random-weight model whose own drafts are almost never accepted.
+ *   - di_engine_set_grammar_limits: the matcher limits of later requests with a grammar.
  * Thread-safety: create before start; di_engine_fail_forward from any thread;
  * di_engine_set_draft_hook while the engine is idle.
  */
@@ -17,8 +18,9 @@
 
 #include <stdint.h>
 
-#include "deepinfer.h"      // di_engine, di_model, di_status
-#include "model/dsv4_dev.h" // di_dsv4_dev_graph_stats
+#include "deepinfer.h"       // di_engine, di_model, di_status
+#include "grammar/grammar.h" // di_grammar_matcher_limits
+#include "model/dsv4_dev.h"  // di_dsv4_dev_graph_stats
 
 // Called once on the loaded model (borrowed; owned by the engine) before anything else is
 // created; a status other than DI_OK fails the create with it.
@@ -54,3 +56,7 @@ typedef void (*di_engine_draft_fn)(void *user, uint64_t request_id, int32_t n_ge
 
 // Installs (fn != NULL) or removes the draft hook. Call while no request is submitted or running.
 void di_engine_set_draft_hook(di_engine *e, di_engine_draft_fn fn, void *user);
+
+// The matcher limits of requests submitted afterwards (default di_grammar_matcher_limits_default):
+// tests drive a request into a limit. Before submitting (not concurrently with submit).
+void di_engine_set_grammar_limits(di_engine *e, const di_grammar_matcher_limits *lim);

@@ -18,6 +18,7 @@ struct di_sampler {
     uint32_t *mark; // owned [V]: stamp of the last call that counted the token
     int32_t *count; // owned [V]: occurrences in the output (valid where mark == stamp)
     uint32_t stamp;
+    float *masked; // owned [V]: the logits under a grammar's mask
 };
 
 di_sample_params di_sample_params_default(void) {
@@ -39,7 +40,8 @@ di_status di_sampler_create(int32_t n_vocab, di_sampler **out) {
     s->cand = di_malloc(sizeof(int32_t) * V);
     s->mark = di_calloc(V, sizeof(uint32_t));
     s->count = di_calloc(V, sizeof(int32_t));
-    if (!s->work || !s->prob || !s->cand || !s->mark || !s->count) {
+    s->masked = di_malloc(sizeof(float) * V);
+    if (!s->work || !s->prob || !s->cand || !s->mark || !s->count || !s->masked) {
         di_sampler_destroy(s);
         return DI_ERR_NOMEM;
     }
@@ -54,6 +56,7 @@ void di_sampler_destroy(di_sampler *s) {
     di_free(s->cand);
     di_free(s->mark);
     di_free(s->count);
+    di_free(s->masked);
     di_free(s);
 }
 
@@ -431,4 +434,22 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
     }
     res->token = tok;
     res->logprob = want_lp ? (float)(logits[tok] - lse) : 0;
+}
+
+void di_sampler_sample_allowed(di_sampler *s, const float *logits, const uint64_t *allow,
+                               const di_sample_params *p, const int32_t *history, int32_t n_prompt,
+                               int32_t n_gen, int64_t pos, di_sample_result *res) {
+    const int32_t V = s->n_vocab;
+    float *m = s->masked;
+    for (int32_t i = 0; i < V; i++)
+        m[i] = ((allow[i >> 6] >> (i & 63)) & 1) ? logits[i] : -INFINITY;
+    di_sampler_sample(s, m, p, history, n_prompt, n_gen, pos, res);
+    // The draw's fallback (the last candidate, when rounding leaves the cumulative sum short of
+    // the uniform) could land on a masked token: take the best allowed one instead.
+    if (!((allow[res->token >> 6] >> (res->token & 63)) & 1)) {
+        int32_t best = -1;
+        for (int32_t i = 0; i < V; i++)
+            if (m[i] != -INFINITY && (best < 0 || m[i] > m[best])) best = i;
+        if (best >= 0) res->token = best, res->logprob = -INFINITY;
+    }
 }

@@ -42,6 +42,14 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
                        const int32_t *history, int32_t n_prompt, int32_t n_gen, int64_t pos,
                        di_sample_result *res);
 
+// di_sampler_sample over the logits with every token outside `allow` (a bitset over the
+// vocabulary: bit i of allow[i / 64]) set to -inf first: a grammar's mask, applied before bias,
+// penalties and truncation; the log-probabilities reported are those of the masked logits. At
+// least one token must be allowed.
+void di_sampler_sample_allowed(di_sampler *s, const float *logits, const uint64_t *allow,
+                               const di_sample_params *p, const int32_t *history, int32_t n_prompt,
+                               int32_t n_gen, int64_t pos, di_sample_result *res);
+
 // The counter-based generator: a uniform double in [0, 1) from (seed, pos) alone (splitmix64
 // finalisers over a hash of both).
 double di_sample_uniform(uint64_t seed, int64_t pos);

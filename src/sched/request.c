@@ -8,12 +8,14 @@
 #include "sample/sampler.h" // di_sample_params_check
 
 di_request_params di_request_params_default(void) {
-    di_request_params p = {.sample = di_sample_params_default(), .max_tokens = 16};
+    di_request_params p = {
+        .sample = di_sample_params_default(), .max_tokens = 16, .grammar_after = -1};
     return p;
 }
 
 di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t max_ctx,
-                            bool have_token_bytes, di_request **out) {
+                            bool have_token_bytes, const di_grammar_vocab *gvocab,
+                            const di_grammar_matcher_limits *glim, di_request **out) {
     const char *why = NULL;
     if (!p->prompt || p->n_prompt < 1)
         why = "the prompt is empty";
@@ -29,6 +31,10 @@ di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t
         why = "too many stop strings";
     else if (p->n_stop_strings > 0 && !have_token_bytes)
         why = "stop strings need the engine's token_bytes";
+    else if (p->grammar && !gvocab)
+        why = "a grammar needs the engine's grammar_vocab";
+    else if (p->grammar && (p->grammar_after < -1 || p->grammar_after >= n_vocab))
+        why = "grammar_after must be -1 or a token id";
     for (int32_t i = 0; !why && i < p->n_prompt; i++)
         if (p->prompt[i] < 0 || p->prompt[i] >= n_vocab)
             why = "a prompt token is outside the vocabulary";
@@ -71,6 +77,23 @@ di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t
     r->user = p->user;
     r->slot = -1;
     atomic_init(&r->cancelled, false);
+    r->grammar_after = p->grammar ? p->grammar_after : -1;
+    if (p->grammar) {
+        r->grammar = di_grammar_retain(p->grammar);
+        const int32_t nv = n_vocab > di_grammar_vocab_n_tokens(gvocab)
+                               ? n_vocab
+                               : di_grammar_vocab_n_tokens(gvocab);
+        const int32_t words = (nv + 63) / 64;
+        r->g_mask = di_calloc((size_t)words, sizeof(uint64_t));
+        st = r->g_mask ? di_grammar_matcher_create(p->grammar, gvocab, glim, &r->gm) : DI_ERR_NOMEM;
+        if (st != DI_OK) {
+            if (st == DI_ERR_UNSUPPORTED)
+                DI_LOG_ERROR("request: the grammar's start state exceeds the matcher's limits");
+            di_request_destroy(r);
+            return st == DI_ERR_UNSUPPORTED ? DI_ERR_INVALID : st;
+        }
+        r->g_active = p->grammar_after < 0;
+    }
     *out = r;
     return DI_OK;
 }
@@ -78,6 +101,9 @@ di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t
 void di_request_destroy(di_request *r) {
     if (!r) return;
     di_stop_deinit(&r->stop);
+    di_grammar_matcher_destroy(r->gm);
+    di_free(r->g_mask);
+    di_grammar_destroy((di_grammar *)r->grammar); // drops the request's reference
     di_free(r->tokens);
     di_free(r->bias);
     di_free(r);

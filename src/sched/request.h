@@ -12,7 +12,8 @@
 #include <stdint.h>
 
 #include "deepinfer.h"
-#include "sample/stop.h" // di_stop
+#include "grammar/grammar.h" // di_grammar_matcher
+#include "sample/stop.h"     // di_stop
 
 typedef struct di_request di_request;
 struct di_request {
@@ -31,6 +32,14 @@ struct di_request {
     di_event_fn on_event;
     void *user;
     atomic_bool cancelled;
+    // Structured output (NULL gm: none). The matcher and mask are made at submit; the step path
+    // (sample_task on a pool thread, one row per request) only computes masks and advances.
+    const di_grammar *grammar; // owned reference (di_grammar_retain)
+    di_grammar_matcher *gm;    // owned
+    uint64_t *g_mask;          // owned [(n_vocab + 63) / 64]: this step's allowed tokens
+    int32_t grammar_after;     // -1: active from the first token
+    bool g_active;             // the constraint applies to the next token
+    di_status g_status;        // DI_OK, or why the constraint failed (set by sample_task)
 
     // Progress (engine thread).
     int32_t slot;   // KV slot while running, -1 otherwise
@@ -55,6 +64,9 @@ static inline int32_t di_request_n_planned(const di_request *r) {
 
 // Copies p into a new request. DI_ERR_INVALID (logged), DI_ERR_NOMEM. Free with
 // di_request_destroy.
+// gvocab: the engine's grammar vocabulary (NULL: requests with a grammar are refused); glim: the
+// matcher's limits (NULL: the defaults).
 di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t max_ctx,
-                            bool have_token_bytes, di_request **out);
+                            bool have_token_bytes, const di_grammar_vocab *gvocab,
+                            const di_grammar_matcher_limits *glim, di_request **out);
 void di_request_destroy(di_request *r);

@@ -50,6 +50,19 @@ static json_t *content_to_official(const json_t *c) {
 
 // ---- OpenAI Chat Completions ----
 
+// The response-format section of the system message (spec serving.md §1.8): json_object renders
+// the response_format object itself (the recipe's text), json_schema the schema object (the
+// design's `{schema}`; the whole format when it has none). regex and grammar (deepinfer
+// extensions) are enforced only, never rendered.
+static void set_response_format(json_t *out, const char *type, const json_t *rf,
+                                const json_t *schema) {
+    if (!type) return;
+    if (!strcmp(type, "json_object"))
+        json_object_set(out, "response_format", (json_t *)rf);
+    else if (!strcmp(type, "json_schema"))
+        json_object_set(out, "response_format", (json_t *)(schema ? schema : rf));
+}
+
 static json_t *from_chat(const json_t *req) {
     if (!json_is_array(json_object_get(req, "messages"))) {
         DI_LOG_ERROR("render: a chat request needs a \"messages\" array");
@@ -86,8 +99,8 @@ static json_t *from_chat(const json_t *req) {
     else if (json_is_object(tc))
         json_object_set_new(out, "tool_choice", json_string("required"));
     const json_t *rf = json_object_get(req, "response_format");
-    const char *rft = json_string_value(json_object_get(rf, "type"));
-    if (rft && strcmp(rft, "text") != 0) json_object_set(out, "response_format", (json_t *)rf);
+    const json_t *rs = json_object_get(json_object_get(rf, "json_schema"), "schema");
+    set_response_format(out, json_string_value(json_object_get(rf, "type")), rf, rs);
     return out;
 }
 
@@ -180,6 +193,15 @@ static json_t *from_responses(const json_t *req) {
     }
     const json_t *tc = json_object_get(req, "tool_choice");
     if (json_is_string(tc)) json_object_set(out, "tool_choice", (json_t *)tc);
+    const json_t *fmt = json_object_get(json_object_get(req, "text"), "format");
+    const char *ft = json_string_value(json_object_get(fmt, "type"));
+    if (ft && !strcmp(ft, "json_object")) {
+        json_t *jo = json_pack("{s:s}", "type", "json_object");
+        set_response_format(out, ft, jo, NULL);
+        json_decref(jo);
+    } else {
+        set_response_format(out, ft, fmt, json_object_get(fmt, "schema"));
+    }
     return out;
 }
 

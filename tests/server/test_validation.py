@@ -74,7 +74,7 @@ CASES = [
     (RESP, {"model": MODEL, "input": "x", "previous_response_id": "resp_1"}, 400),
     (RESP, {"model": MODEL, "input": "x", "max_output_tokens": -1}, 422),
     (RESP, {"model": MODEL, "input": "x", "reasoning": {"effort": "huge"}}, 422),
-    (RESP, {"model": MODEL, "input": "x", "text": {"format": {"type": "json_object"}}}, 400),
+    (RESP, {"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema"}}}, 400),
     (RESP, {"model": MODEL, "input": [{"type": "bogus"}]}, 400),
     (RESP, {"model": "other", "input": "x"}, 404),
     (RESP, {"model": MODEL, "input": "x", "tool_choice": "required"}, 400),

@@ -1,5 +1,6 @@
 // sampler: greedy, temperature, top-k / top-p / min-p, penalties, logit bias, logprobs, and the
-// counter-based randomness (same (seed, position) -> same token, whatever the call order).
+// counter-based randomness (same (seed, position) -> same token, whatever the call order); a
+// grammar's allowed-token mask.
 #include "harness.h"
 
 #include <math.h>
@@ -239,8 +240,37 @@ static void test_params_check(void) {
     CHECK_EQ(di_sample_params_check(&p, V), DI_ERR_INVALID);
 }
 
+// A grammar's mask: only allowed tokens are drawn (greedy, sampled, with top-k applied over the
+// allowed ones only), and logprobs are those of the masked distribution.
+static void test_allowed_mask(void) {
+    float l[V] = {5, 1, 4, 0, 3, -1, 2, 6};
+    const uint64_t allow = (1u << 1) | (1u << 3) | (1u << 5); // ids 1, 3, 5
+    di_sample_params p = di_sample_params_default();
+    p.logprobs = true;
+    p.n_logprobs = 3;
+    di_sample_result r;
+    di_sampler_sample_allowed(g_s, l, &allow, &p, NULL, 0, 0, 0, &r);
+    CHECK_EQ(r.token, 1); // the best allowed, not the best overall (7)
+    const double z = exp(1.0) + exp(0.0) + exp(-1.0);
+    CHECK_NEAR(r.logprob, 1.0 - log(z), 1e-5);
+    CHECK_EQ(r.top_ids[0], 1);
+    CHECK_EQ(r.top_ids[1], 3);
+    CHECK_EQ(r.top_ids[2], 5);
+    p.temperature = 1.5f;
+    p.top_k = 2; // over the allowed tokens: 1 and 3
+    int seen[V] = {0};
+    for (int64_t pos = 0; pos < 400; pos++) {
+        di_sampler_sample_allowed(g_s, l, &allow, &p, NULL, 0, 0, pos, &r);
+        CHECK(r.token >= 0 && r.token < V);
+        if (r.token >= 0 && r.token < V) seen[r.token]++;
+    }
+    CHECK(seen[1] > 0 && seen[3] > 0);
+    CHECK_EQ(seen[0] + seen[2] + seen[4] + seen[5] + seen[6] + seen[7], 0);
+}
+
 int main(void) {
     if (di_sampler_create(V, &g_s) != DI_OK) return 1;
+    RUN(test_allowed_mask);
     RUN(test_greedy_and_ties);
     RUN(test_uniform_counter);
     RUN(test_distribution_and_order_independence);

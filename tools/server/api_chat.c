@@ -147,27 +147,10 @@ static bool check_options(const json_t *req, srv_gen *g, srv_err *e) {
             return false;
         }
     }
-    const json_t *rf = json_object_get(req, "response_format");
-    if (rf && !json_is_null(rf)) {
-        const char *t = json_string_value(json_object_get(rf, "type"));
-        if (!json_is_object(rf) || !t) {
-            srv_err_set(e, 400, "response_format",
-                        "'response_format' must be an object with 'type'.");
-            return false;
-        }
-        if (!strcmp(t, "json_object")) {
-            // rendered into the system message by the recipe; the answer is parsed in JSON mode
-            // (no validation is implied, as in DeepSeek's API)
-            g->json_output = true;
-        } else if (strcmp(t, "text")) {
-            // a JSON schema needs the grammar engine (a later issue): never ignore it silently
-            srv_err_set(e, 400, "response_format",
-                        "response_format '%s' is not supported yet: this server cannot enforce "
-                        "structured output. Use {\"type\": \"text\"}.",
-                        t);
-            return false;
-        }
-    }
+    // json_object / json_schema are rendered into the system message (serving.md §1.8) and
+    // enforced by a grammar after </think>; regex and grammar are enforced only.
+    if (!srv_gen_response_format(g, json_object_get(req, "response_format"), "response_format", e))
+        return false;
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_CHAT, e)) return false;
     return srv_check_tool_choice(tools, json_object_get(req, "tool_choice"), SRV_API_CHAT,
@@ -354,7 +337,7 @@ static void chat_choice_end(srv_gen *g, srv_choice *c) {
     chat_head(g, c);
     if (c->efinish == DI_FINISH_ERROR) {
         srv_err err;
-        srv_err_set(&err, 500, NULL, "Generation failed: %s.", di_status_str(c->estatus));
+        srv_err_set(&err, 500, NULL, "%s", srv_gen_fail_message(g));
         sse_data(g, srv_err_body(SRV_API_CHAT, &err));
         return;
     }

@@ -100,14 +100,7 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
         }
     }
     const json_t *fmt = json_object_get(json_object_get(req, "text"), "format");
-    const char *ft = json_string_value(json_object_get(fmt, "type"));
-    if (ft && strcmp(ft, "text")) {
-        srv_err_set(e, 400, "text.format",
-                    "text.format '%s' is not supported yet: this server cannot enforce structured "
-                    "output. Use {\"type\": \"text\"}.",
-                    ft);
-        return false;
-    }
+    if (!srv_gen_response_format(g, fmt, "text.format", e)) return false;
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_RESPONSES, e)) return false;
     return srv_check_tool_choice(tools, json_object_get(req, "tool_choice"), SRV_API_RESPONSES,
@@ -202,6 +195,9 @@ static json_t *response_obj(srv_gen *g, const char *status, bool final) {
         g->max_tokens > 0 ? json_integer(g->max_tokens) : json_null(), "reasoning", "effort",
         eff ? json_incref(eff) : json_string(g->thinking ? "high" : "none"), "text", "format",
         "type", "text");
+    const json_t *fmt = json_object_get(json_object_get(g->req, "text"), "format");
+    if (r && json_is_object(fmt)) // echo the requested format, as the hosted API does
+        json_object_set_new(r, "text", json_pack("{s:O}", "format", fmt));
     return r;
 }
 

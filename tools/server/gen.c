@@ -196,8 +196,103 @@ bool srv_gen_init_parsers(srv_gen *g, srv_err *e) {
     return true;
 }
 
+bool srv_gen_response_format(srv_gen *g, const json_t *fmt, const char *param, srv_err *e) {
+    if (!fmt || json_is_null(fmt)) return true;
+    const char *t = json_string_value(json_object_get(fmt, "type"));
+    if (!json_is_object(fmt) || !t) {
+        srv_err_set(e, 400, param, "'%s' must be an object with 'type'.", param);
+        return false;
+    }
+    g->grammar_param = param;
+    di_grammar_kind kind;
+    const char *text = NULL;
+    char *owned = NULL;
+    uint32_t flags = 0;
+    if (!strcmp(t, "text")) return true;
+    if (!strcmp(t, "json_object")) {
+        g->json_output = true; // the recipe's JSON mode in the parser, and now enforced too
+        kind = DI_GRAMMAR_KIND_JSON_OBJECT;
+    } else if (!strcmp(t, "json_schema")) {
+        // Chat nests the fields under "json_schema"; Responses has them on the format itself.
+        const json_t *js = g->api == SRV_API_RESPONSES ? fmt : json_object_get(fmt, "json_schema");
+        const char *pfx = g->api == SRV_API_RESPONSES ? "" : ".json_schema";
+        if (!json_is_object(js)) {
+            srv_err_set(e, 400, param, "Missing required parameter: '%s.json_schema'.", param);
+            return false;
+        }
+        if (!json_is_string(json_object_get(js, "name"))) {
+            srv_err_set(e, 400, param, "Missing required parameter: '%s%s.name'.", param, pfx);
+            return false;
+        }
+        const json_t *schema = json_object_get(js, "schema"),
+                     *strict = json_object_get(js, "strict");
+        if (schema && !json_is_object(schema)) {
+            srv_err_set(e, 400, param, "'%s%s.schema' must be an object.", param, pfx);
+            return false;
+        }
+        if (strict && !json_is_boolean(strict) && !json_is_null(strict)) {
+            srv_err_set(e, 400, param, "'%s%s.strict' must be a boolean.", param, pfx);
+            return false;
+        }
+        if (json_is_true(strict)) flags |= DI_GRAMMAR_FLAG_STRICT;
+        owned = schema ? json_dumps(schema, JSON_COMPACT) : strdup("true");
+        if (!owned) {
+            srv_err_set(e, 503, NULL, "The server is out of memory; retry later.");
+            return false;
+        }
+        text = owned;
+        kind = DI_GRAMMAR_KIND_JSON_SCHEMA;
+    } else if (!strcmp(t, "regex") || !strcmp(t, "grammar")) {
+        text = json_string_value(json_object_get(fmt, t));
+        if (!text) {
+            srv_err_set(e, 400, param, "'%s.%s' must be a string.", param, t);
+            return false;
+        }
+        kind = !strcmp(t, "regex") ? DI_GRAMMAR_KIND_REGEX : DI_GRAMMAR_KIND_EBNF;
+    } else {
+        srv_err_set(e, 400, param,
+                    "%s type '%s' is not supported: use text, json_object, json_schema, regex or "
+                    "grammar.",
+                    param, t);
+        return false;
+    }
+    char err[512];
+    di_status st = di_grammar_compile(kind, text, text ? strlen(text) : 0, flags, &g->grammar, err,
+                                      sizeof err);
+    free(owned);
+    if (st == DI_ERR_NOMEM) {
+        srv_err_set(e, 503, NULL, "The server is out of memory; retry later.");
+        return false;
+    }
+    if (st != DI_OK) {
+        srv_err_set(e, 400, param, "Invalid %s in '%s': %s",
+                    kind == DI_GRAMMAR_KIND_JSON_SCHEMA ? "JSON schema"
+                    : kind == DI_GRAMMAR_KIND_REGEX     ? "regex"
+                                                        : "grammar",
+                    param, err);
+        return false;
+    }
+    return true;
+}
+
+const char *srv_gen_fail_message(const srv_gen *g) {
+    for (int i = 0; g->grammar && i < g->n; i++)
+        if (g->ch[i].efinish == DI_FINISH_ERROR && g->ch[i].estatus == DI_ERR_UNSUPPORTED)
+            return "Generation failed: the structured-output constraint could not go on (its "
+                   "matcher's limits: nesting too deep or too many parses; or no token can "
+                   "continue the grammar).";
+    return "Generation failed in the engine.";
+}
+
 bool srv_gen_start(srv_gen *g, srv_err *e) {
     srv *s = g->s;
+    if (g->grammar && g->tools) {
+        srv_err_set(e, 400, g->grammar_param,
+                    "A constrained '%s' cannot be combined with tools (the constraint would rule "
+                    "out tool calls); set tool_choice to \"none\" or drop the format.",
+                    g->grammar_param);
+        return false;
+    }
     if (atomic_load(&s->draining)) {
         srv_err_set(e, 503, NULL, "The server is shutting down; retry on another instance.");
         return false;
@@ -213,6 +308,9 @@ bool srv_gen_start(srv_gen *g, srv_err *e) {
         p.sample.logprobs = g->top_logprobs >= 0;
         p.sample.n_logprobs = g->top_logprobs > 0 ? g->top_logprobs : 0;
         p.max_tokens = g->max_tokens;
+        // Structured output constrains the answer only: in thinking mode from </think> on.
+        p.grammar = g->grammar;
+        p.grammar_after = g->stage == DI_PARSER_STAGE_REASONING ? s->think_end : -1;
         p.on_event = srv_queue_on_event;
         p.user = c;
         di_status st = di_engine_submit(s->engine, &p, &c->eid);
@@ -434,5 +532,6 @@ void srv_gen_destroy(srv_gen *g) {
     di_tok_free(g->prompt);
     json_decref(g->req);
     srv_queue_deinit(g);
+    di_grammar_destroy(g->grammar);
     free(g);
 }

@@ -140,7 +140,7 @@ enum MHD_Result srv_run_generation(srv *s, struct MHD_Connection *c, srv_gen *g)
     enum MHD_Result ret;
     if (g->failed) {
         srv_err e;
-        srv_err_set(&e, 500, NULL, "Generation failed in the engine.");
+        srv_err_set(&e, 500, NULL, "%s", srv_gen_fail_message(g));
         srv_metrics_status(s, 500);
         ret = srv_send_error(c, g->api, &e);
     } else {

@@ -251,7 +251,13 @@ int di_cli_serve(int argc, char **argv) {
         fprintf(stderr, "ERROR serve: cannot load the tokenizer for %s\n", ma.model);
         goto out;
     }
+    if (di_grammar_vocab_create(s->tok, &s->gvocab) != DI_OK) {
+        fprintf(stderr, "ERROR serve: out of memory building the structured-output token trie\n");
+        goto out;
+    }
+    s->think_end = di_tokenizer_token_id(s->tok, "</think>");
     di_engine_options eo = di_engine_options_default();
+    eo.grammar_vocab = s->gvocab;
     eo.n_threads = ma.opt.n_threads;
     eo.precision = ma.opt.precision;
     eo.device = ma.opt.device;
@@ -303,6 +309,7 @@ int di_cli_serve(int argc, char **argv) {
     rc = 0;
 out:
     di_engine_destroy(s->engine);
+    di_grammar_vocab_destroy(s->gvocab); // after the engine, which borrows it
     di_tokenizer_destroy(s->tok);
     if (s->started_at) pthread_mutex_destroy(&s->metrics_mu);
     free(s);

@@ -100,10 +100,12 @@ typedef struct srv_hist {
 
 typedef struct srv {
     srv_config cfg;
-    di_engine *engine; // owned
-    di_tokenizer *tok; // owned
-    int32_t n_ctx;     // effective context per request
-    int encoding;      // prompt format (di_render_options.encoding): 1 (dsv41) for a V4.1 model
+    di_engine *engine;        // owned
+    di_tokenizer *tok;        // owned
+    di_grammar_vocab *gvocab; // owned: the token trie of structured output
+    int32_t think_end;        // id of </think> (structured output starts after it), or -1
+    int32_t n_ctx;            // effective context per request
+    int encoding; // prompt format (di_render_options.encoding): 1 (dsv41) for a V4.1 model
     long started_at;
     atomic_int inflight;  // generation requests being served
     atomic_bool draining; // SIGTERM received
@@ -189,8 +191,10 @@ typedef struct srv_gen {
     int32_t *prompt; // owned (di_tok_free)
     size_t n_prompt;
     di_parser_stage stage;
-    bool tools;       // tool calls parsed (tools given and tool_choice != none)
-    bool json_output; // response_format json_object: JSON mode in the answer (serving.md §1.8)
+    bool tools;          // tool calls parsed (tools given and tool_choice != none)
+    bool json_output;    // response_format json_object: JSON mode in the answer (serving.md §1.8)
+    di_grammar *grammar; // owned: the response format's constraint, or NULL
+    const char *grammar_param; // "response_format" or "text.format" (errors)
     bool thinking;
     int n;
     srv_choice ch[SRV_MAX_N];
@@ -221,6 +225,13 @@ typedef struct srv_gen {
 // Creates a generation for api over the parsed request (req reference is taken). The caller
 // fills sampling fields, then calls srv_gen_start. NULL on out of memory.
 srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req);
+// The response format (Chat response_format, Responses text.format; param names it in errors):
+// text, json_object, json_schema, and the deepinfer extensions regex and grammar. Compiles the
+// constraint into g->grammar (docs/structured-output.md). false with a 400 in e when the format or
+// its schema / regex / grammar is invalid.
+bool srv_gen_response_format(srv_gen *g, const json_t *fmt, const char *param, srv_err *e);
+// The message of a failed generation (500): the engine's, or the structured-output constraint's.
+const char *srv_gen_fail_message(const srv_gen *g);
 // Submits the n engine requests. On failure fills e and returns false (nothing is running).
 bool srv_gen_start(srv_gen *g, srv_err *e);
 // The choices' output parsers (part of srv_gen_start; on its own only for srv_gen_replay).
