@@ -25,7 +25,9 @@
 //   (g) options: spec_tokens on a V4 checkpoint or a V4.1 one without DSpark is DI_ERR_UNSUPPORTED;
 //       out-of-range spec_tokens / spec_min_confidence are DI_ERR_INVALID;
 //   (h) verifies beyond a one-row token budget, and the synchronous order (DI_ENGINE_SYNC=1):
-//       exact, no step allocation.
+//       exact, no step allocation;
+//   (i) a request with a grammar (a regex over the real tokenizer) is never drafted for on an
+//       engine with speculation, beside one that speculates: both exact, the constraint held.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -567,6 +569,79 @@ static bool set_block_size_5(const char *dir) {
     return fclose(f) == 0 && ok;
 }
 
+// ---- (i) a request with a grammar does not speculate ----
+
+static atomic_int g_drafts_for[N_REQ + 1]; // draft blocks the hook saw, per request id
+
+static void count_hook(void *user, uint64_t id, int32_t n_gen, di_draft *d) {
+    (void)user, (void)n_gen, (void)d;
+    if (id <= N_REQ) atomic_fetch_add(&g_drafts_for[id], 1);
+}
+
+// Its matcher advances one sampled token at a time, so on an engine with speculation it decodes
+// plainly beside a speculating request, and both give the tokens they give without speculation.
+static void test_grammar_no_spec(void) {
+    di_tokenizer *tok = NULL;
+    di_grammar_vocab *gv = NULL;
+    di_grammar *g = NULL;
+    char err[256] = "";
+    static const char re[] = "[a-z]{1,60}";
+    CHECK_EQ(di_tokenizer_load_for_model(NULL, &tok), DI_OK);
+    if (tok) CHECK_EQ(di_grammar_vocab_create(tok, &gv), DI_OK);
+    CHECK_EQ(di_grammar_compile(DI_GRAMMAR_KIND_REGEX, re, strlen(re), 0, &g, err, sizeof err),
+             DI_OK);
+    result res[2][2]; // [speculation off, on][the constrained request, a plain one]
+    for (int on = 0; gv && g && on < 2; on++) {
+        di_engine_options o = di_engine_options_default();
+        o.n_threads = N_THREADS;
+        o.kv_memory_bytes = (size_t)64 << 20;
+        o.max_seqs = 2;
+        o.max_batch_tokens = ROWS;
+        o.max_ctx = 256;
+        o.spec_tokens = on ? K : 0;
+        o.spec_min_confidence = -1; // no cut: every verify feeds K drafts
+        o.token_bytes = token_bytes;
+        o.grammar_vocab = gv;
+        di_engine *e = NULL;
+        CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+        if (!e) break;
+        di_engine_set_draft_hook(e, count_hook, NULL);
+        for (int i = 0; i <= N_REQ; i++) atomic_store(&g_drafts_for[i], 0);
+        for (int j = 0; j < 2; j++) {
+            memset(&res[on][j], 0, sizeof res[on][j]);
+            di_request_params p = request(j, &res[on][j]);
+            if (j == 0) p.grammar = g;
+            uint64_t id = 0;
+            CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+            res[on][j].id = id;
+        }
+        di_engine_wait_idle(e);
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_step_allocs, 0);
+        CHECK_EQ(atomic_load(&g_drafts_for[res[on][0].id]), 0); // never drafted for
+        if (on) {
+            CHECK(atomic_load(&g_drafts_for[res[on][1].id]) > 0);
+            CHECK(st.n_spec_verifies > 0);
+        }
+        di_engine_destroy(e);
+    }
+    if (gv && g) {
+        CHECK(same(&res[0][0], &res[1][0]));
+        CHECK(same(&res[0][1], &res[1][1]));
+        CHECK(res[0][0].n > 0);
+        for (int32_t t = 0; t < res[0][0].n; t++) { // the constraint held: letters only
+            size_t nb = 0;
+            const char *b = di_tokenizer_token_bytes(tok, res[0][0].tokens[t], &nb);
+            CHECK(b && nb > 0);
+            for (size_t k = 0; b && k < nb; k++) CHECK(b[k] >= 'a' && b[k] <= 'z');
+        }
+    }
+    di_grammar_destroy(g);
+    di_grammar_vocab_destroy(gv);
+    di_tokenizer_destroy(tok);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_engine_spec_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -601,6 +676,7 @@ int main(void) {
     test_failure();
     test_options();
     test_budget_and_sync();
+    test_grammar_no_spec();
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
