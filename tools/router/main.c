@@ -348,6 +348,7 @@ out:
         pthread_cond_destroy(&r->cv);
         pthread_mutex_destroy(&r->mu);
     }
+    rt_pool_free(r);
     if (curl) curl_global_cleanup();
     rt_ring_destroy(r->ring);
     free(r);

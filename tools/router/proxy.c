@@ -69,7 +69,7 @@ typedef struct call {
     bool streaming_path;
     // response
     long status;
-    bool headers_done, done, sent, client_gone;
+    bool headers_done, done, client_gone;
     CURLcode res;
     char ctype[128], retry_after[32];
     sb in; // body bytes received and not yet passed on
@@ -127,15 +127,42 @@ static void pump(call *x, int wait_ms) {
         }
 }
 
+// Releases a call. A transfer that completed cleanly returns its handles to the replica's pool
+// (its connection stays open for the next request); any other is closed, which is what tells the
+// replica that the request was abandoned.
 static void call_free(call *x) {
     if (!x) return;
     if (x->m && x->e) curl_multi_remove_handle(x->m, x->e);
-    if (x->e) curl_easy_cleanup(x->e); // closes the upstream socket: the replica cancels
-    if (x->m) curl_multi_cleanup(x->m);
+    bool keep = x->m && x->e && x->done && x->res == CURLE_OK;
+    if (keep) {
+        rt_replica *p = &x->r->rep[x->replica];
+        pthread_mutex_lock(&x->r->mu);
+        if (p->n_pool < RT_POOL) {
+            p->pool_m[p->n_pool] = x->m;
+            p->pool_e[p->n_pool] = x->e;
+            p->n_pool++;
+            x->m = NULL;
+            x->e = NULL;
+        }
+        pthread_mutex_unlock(&x->r->mu);
+    }
+    if (x->e) curl_easy_cleanup(x->e);
+    if (x->m) curl_multi_cleanup(x->m); // closes the upstream socket: the replica cancels
     curl_slist_free_all(x->hdrs);
     free(x->url);
     sb_free(&x->in);
     free(x);
+}
+
+void rt_pool_free(rt *r) {
+    for (int i = 0; i < r->n_rep; i++) {
+        rt_replica *p = &r->rep[i];
+        for (int k = 0; k < p->n_pool; k++) {
+            curl_easy_cleanup(p->pool_e[k]);
+            curl_multi_cleanup(p->pool_m[k]);
+        }
+        p->n_pool = 0;
+    }
 }
 
 static void header_from_client(call *x, struct MHD_Connection *c, const char *name) {
@@ -155,8 +182,20 @@ static call *call_start(rt *r, int replica, struct MHD_Connection *c, const char
     x->replica = replica;
     size_t nu = strlen(r->rep[replica].url) + strlen(path) + 1;
     x->url = malloc(nu);
-    x->m = curl_multi_init();
-    x->e = curl_easy_init();
+    pthread_mutex_lock(&r->mu);
+    rt_replica *p = &r->rep[replica];
+    if (p->n_pool) { // the most recently used: the likeliest to have a live connection
+        p->n_pool--;
+        x->m = p->pool_m[p->n_pool];
+        x->e = p->pool_e[p->n_pool];
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (x->e) {
+        curl_easy_reset(x->e); // options only: the multi handle keeps the connection
+    } else {
+        x->m = curl_multi_init();
+        x->e = curl_easy_init();
+    }
     if (!x->url || !x->m || !x->e) goto fail;
     snprintf(x->url, nu, "%s%s", r->rep[replica].url, path);
     x->hdrs = curl_slist_append(x->hdrs, "Expect:"); // no 100-continue round trip
@@ -233,7 +272,6 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
             memcpy(buf, x->in.p + x->in_off, k);
             x->in_off += k;
             if (x->in_off == x->in.n) x->in_off = x->in.n = 0;
-            x->sent = true;
             return (ssize_t)k;
         }
         if (x->done) // a transfer cut short ends the client's stream with an error too
@@ -250,8 +288,9 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
 static void stream_free(void *cls) {
     call *x = cls;
     rt *r = x->r;
-    bool failed = x->done ? x->res != CURLE_OK : !x->client_gone;
-    if (x->done && x->res != CURLE_OK)
+    // Only a transfer the replica cut is its error; one dropped because the client left is not.
+    bool failed = x->done && x->res != CURLE_OK;
+    if (failed)
         fprintf(stderr, "WARN  route: %s: stream cut: %s\n", x->url, curl_easy_strerror(x->res));
     call_account(x, failed);
     call_free(x); // an unfinished transfer is dropped here: the replica sees the disconnect

@@ -14,6 +14,7 @@
  */
 #pragma once
 
+#include <curl/curl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -24,6 +25,9 @@
 #include "server/server.h" // sb, srv_err, srv_http, srv_send_*, srv_client_gone
 
 #define RT_MAX_REPLICAS 64
+// Idle upstream handles kept per replica: each holds a kept-alive connection, so a request does
+// not pay a TCP connect and a new replica connection thread (about 2 ms on loopback).
+#define RT_POOL 32
 
 typedef struct rt_config {
     const char *host;            // borrowed (argv)
@@ -56,6 +60,9 @@ typedef struct rt_replica {
     double kv_usage;
     uint64_t n_requests, n_errors;          // attempts sent; attempts failed (transport or 5xx)
     uint64_t n_affine, n_fallback, n_least; // decisions that chose it
+    CURLM *pool_m[RT_POOL];                 // owned: idle multi handles, each with its easy one
+    CURL *pool_e[RT_POOL];                  // owned
+    int n_pool;
 } rt_replica;
 
 typedef struct rt {
@@ -77,6 +84,8 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
                           const char *body, size_t n_body, bool too_large);
 // Prometheus text of the router's state. Caller frees with free().
 char *rt_metrics_text(rt *r);
+// Frees the idle upstream handles (at shutdown, no request running).
+void rt_pool_free(rt *r);
 // A replica failed at the transport level (connect error, reset): out of rotation until a poll
 // finds it ready. Locks rt.mu.
 void rt_replica_down(rt *r, int i, const char *why);
