@@ -1,7 +1,8 @@
-// http — glue over libmicrohttpd: one thread per connection (handlers may block while a request
-// generates), request bodies collected up to the size limit, JSON and SSE responses, client
-// disconnect detection. Header size is bounded by MHD's per-connection memory limit (over it:
-// 431), idle connections time out after cfg.timeout_s.
+// http — glue over libmicrohttpd, shared by `deepinfer serve` and `deepinfer route`
+// (srv_http_listen takes the request handler): one thread per connection (handlers may block while
+// a request generates), request bodies collected up to the size limit, JSON and SSE responses,
+// client disconnect detection. Header size is bounded by MHD's per-connection memory limit (over
+// it: 431), idle connections time out after the configured timeout.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
