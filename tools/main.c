@@ -19,6 +19,7 @@ static const struct {
      "serving-engine throughput: tokens/s, TTFT/ITL, KV usage, 16-vs-1 ratio"},
     {"serve", di_cli_serve,
      "HTTP server: OpenAI Chat/Completions/Responses and Anthropic Messages"},
+    {"route", di_cli_route, "load balancer over serve replicas: prefix affinity, health, failover"},
     {"synth", di_cli_synth, "write a random-weight V4 checkpoint (tests, benchmarks, default)"},
     {"convert", di_cli_convert, "convert an official-layout checkpoint to GGUF (llama.cpp)"},
 };

@@ -21,9 +21,9 @@ def free_port():
 
 
 class Server:
-    def __init__(self, extra=(), env=None):
+    def __init__(self, extra=(), env=None, port=None):
         self.home = tempfile.mkdtemp(prefix="deepinfer-home-")
-        self.port = free_port()
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, DEEPINFER_HOME=self.home, **(env or {}))
         self.log = open(os.path.join(self.home, "serve.log"), "w+")

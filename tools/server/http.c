@@ -1,7 +1,8 @@
-// http — glue over libmicrohttpd: one thread per connection (handlers may block while a request
-// generates), request bodies collected up to the size limit, JSON and SSE responses, client
-// disconnect detection. Header size is bounded by MHD's per-connection memory limit (over it:
-// 431), idle connections time out after cfg.timeout_s.
+// http — glue over libmicrohttpd, shared by `deepinfer serve` and `deepinfer route`
+// (srv_http_listen takes the request handler): one thread per connection (handlers may block while
+// a request generates), request bodies collected up to the size limit, JSON and SSE responses,
+// client disconnect detection. Header size is bounded by MHD's per-connection memory limit (over
+// it: 431), idle connections time out after the configured timeout.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -14,6 +15,7 @@
 
 struct srv_http {
     struct MHD_Daemon *d;
+    srv_http_opts o;
 };
 
 typedef struct conn_ctx {
@@ -158,18 +160,18 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
                                  const char *method, const char *version, const char *upload,
                                  size_t *upload_size, void **con_cls) {
     (void)version;
-    srv *s = cls;
+    srv_http *h = cls;
     conn_ctx *x = *con_cls;
     if (!x) {
         x = calloc(1, sizeof *x);
         if (!x) return MHD_NO;
         *con_cls = x;
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
-        if (cl && strtoull(cl, NULL, 10) > s->cfg.max_body_bytes) x->too_large = true;
+        if (cl && strtoull(cl, NULL, 10) > h->o.max_body_bytes) x->too_large = true;
         return MHD_YES;
     }
     if (*upload_size) {
-        if (!x->too_large && x->body.n + *upload_size > s->cfg.max_body_bytes) {
+        if (!x->too_large && x->body.n + *upload_size > h->o.max_body_bytes) {
             x->too_large = true;
             sb_free(&x->body);
         }
@@ -177,7 +179,8 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         *upload_size = 0;
         return MHD_YES;
     }
-    return srv_route(s, c, url, method, x->body.p ? x->body.p : "", x->body.n, x->too_large);
+    return h->o.handler(h->o.cls, c, url, method, x->body.p ? x->body.p : "", x->body.n,
+                        x->too_large);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
@@ -192,27 +195,28 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
     *con_cls = NULL;
 }
 
-bool srv_http_start(srv *s, srv_http **out) {
+bool srv_http_listen(const srv_http_opts *o, srv_http **out) {
     srv_http *h = calloc(1, sizeof *h);
     if (!h) return false;
+    h->o = *o;
     struct sockaddr_in addr = {0};
     addr.sin_family = AF_INET;
-    addr.sin_port = htons((uint16_t)s->cfg.port);
-    if (inet_pton(AF_INET, s->cfg.host, &addr.sin_addr) != 1) {
-        fprintf(stderr, "ERROR serve: --host must be an IPv4 address, got '%s'\n", s->cfg.host);
+    addr.sin_port = htons((uint16_t)o->port);
+    if (inet_pton(AF_INET, o->host, &addr.sin_addr) != 1) {
+        fprintf(stderr, "ERROR %s: --host must be an IPv4 address, got '%s'\n", o->who, o->host);
         free(h);
         return false;
     }
     h->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
                                 MHD_USE_POLL | MHD_USE_ITC | MHD_USE_ERROR_LOG,
-                            0, NULL, NULL, on_access, s, MHD_OPTION_SOCK_ADDR,
-                            (struct sockaddr *)&addr, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
-                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)s->cfg.timeout_s,
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)(s->cfg.max_inflight + 64),
+                            0, NULL, NULL, on_access, h, MHD_OPTION_SOCK_ADDR,
+                            (struct sockaddr *)&addr, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)o->timeout_s,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
                             MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(64 * 1024),
                             MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)256, MHD_OPTION_END);
     if (!h->d) {
-        fprintf(stderr, "ERROR serve: cannot listen on %s:%d\n", s->cfg.host, s->cfg.port);
+        fprintf(stderr, "ERROR %s: cannot listen on %s:%d\n", o->who, o->host, o->port);
         free(h);
         return false;
     }
@@ -220,7 +224,24 @@ bool srv_http_start(srv *s, srv_http **out) {
     return true;
 }
 
-void srv_http_quiesce(srv_http *h);
+static enum MHD_Result serve_route(void *cls, struct MHD_Connection *c, const char *url,
+                                   const char *method, const char *body, size_t n_body,
+                                   bool too_large) {
+    return srv_route(cls, c, url, method, body, n_body, too_large);
+}
+
+bool srv_http_start(srv *s, srv_http **out) {
+    const srv_http_opts o = {.who = "serve",
+                             .host = s->cfg.host,
+                             .port = s->cfg.port,
+                             .max_body_bytes = s->cfg.max_body_bytes,
+                             .timeout_s = s->cfg.timeout_s,
+                             .max_connections = s->cfg.max_inflight + 64,
+                             .handler = serve_route,
+                             .cls = s};
+    return srv_http_listen(&o, out);
+}
+
 void srv_http_quiesce(srv_http *h) {
     MHD_quiesce_daemon(h->d); // stop accepting; open connections continue
 }

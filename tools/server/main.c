@@ -13,8 +13,6 @@
 #include "cli/cli.h"
 #include "server/server.h"
 
-void srv_http_quiesce(srv_http *h);
-
 static volatile sig_atomic_t g_stop;
 
 static void on_signal(int sig) {

@@ -283,7 +283,28 @@ bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
 
 // http.c
 typedef struct srv_http srv_http;
+// Handles one complete request (the body collected up to max_body_bytes; too_large: it was over
+// and is dropped) on its connection thread; returns the MHD result of queueing a response.
+typedef enum MHD_Result (*srv_http_handler)(void *cls, struct MHD_Connection *c, const char *url,
+                                            const char *method, const char *body, size_t n_body,
+                                            bool too_large);
+typedef struct srv_http_opts {
+    const char *who; // the subcommand, in messages ("serve", "route")
+    const char *host;
+    int port;
+    size_t max_body_bytes;
+    int timeout_s; // idle connection timeout
+    int max_connections;
+    srv_http_handler handler;
+    void *cls; // borrowed, passed to handler
+} srv_http_opts;
+// A libmicrohttpd daemon with one thread per connection on o->host:o->port (shared by
+// `deepinfer serve` and `deepinfer route`). false (with a message on stderr) if it cannot listen.
+bool srv_http_listen(const srv_http_opts *o, srv_http **out);
+// srv_http_listen with the server's configuration and srv_route.
 bool srv_http_start(srv *s, srv_http **out);
+// Stops accepting; open connections continue.
+void srv_http_quiesce(srv_http *h);
 void srv_http_stop(srv_http *h);
 // routes.c: handles one complete request; returns the MHD result of queueing a response.
 enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, const char *method,

@@ -1,0 +1,356 @@
+// deepinfer route: arguments, the consistent-hash ring, one health poller per replica, the HTTP
+// front (tools/server/http.c), signals and clean shutdown. SIGTERM/SIGINT: /ready turns 503, new
+// generation requests get 503, in-flight ones are drained (at most --drain-timeout seconds).
+#include <curl/curl.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli/args.h"
+#include "cli/cli.h"
+#include "router/router.h"
+
+static volatile sig_atomic_t g_stop;
+
+static void on_signal(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: deepinfer route --replica http://HOST:PORT [--replica ...]\n"
+            "                       [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
+            "                       [--replica-api-key KEY] [--health-interval 1s]\n"
+            "                       [--health-fails 3] [--connect-timeout 2s]\n"
+            "                       [--upstream-timeout 600s] [--prefix-bytes 1024]\n"
+            "                       [--max-imbalance 4] [--vnodes 64] [--no-user-pin]\n"
+            "                       [--max-body-mib 8] [--timeout 600] [--drain-timeout 30]\n"
+            "Spreads OpenAI Chat Completions / Completions / Responses and Anthropic Messages\n"
+            "requests over `deepinfer serve` replicas: prefix affinity on a consistent-hash ring,\n"
+            "least-loaded fallback, health polling, one retry before any byte reached the client\n"
+            "(docs/router.md). Durations: a number with ms, s (default) or m.\n");
+}
+
+// "<n>[ms|s|m]" (seconds without a suffix) into milliseconds in [1, 86400 s]; false if malformed.
+static bool parse_ms(const char *s, int *out) {
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || !(v > 0)) return false;
+    double mul = 1000;
+    if (!strcmp(end, "ms"))
+        mul = 1;
+    else if (!strcmp(end, "m"))
+        mul = 60000;
+    else if (*end && strcmp(end, "s"))
+        return false;
+    double ms = v * mul;
+    if (ms < 1 || ms > 86400e3) return false;
+    *out = (int)ms;
+    return true;
+}
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+// ---- health polling ----
+
+typedef struct poller {
+    rt *r;
+    int i;
+} poller;
+
+static size_t collect(char *p, size_t size, size_t n, void *user) {
+    sb_add(user, p, size * n);
+    return size * n;
+}
+
+// GET url into body (cleared first); returns the curl result, *status the HTTP status.
+static CURLcode get(CURL *e, const char *url, int timeout_ms, sb *body, long *status) {
+    body->n = 0;
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, collect);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, body);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    CURLcode res = curl_easy_perform(e);
+    *status = 0;
+    if (res == CURLE_OK) curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, status);
+    return res;
+}
+
+// The value of an unlabelled-or-labelled sample "name{...} v" or "name v" in Prometheus text.
+static bool metric(const char *text, const char *name, double *out) {
+    size_t n = strlen(name);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+        if (strncmp(p, name, n) || (p[n] != '{' && p[n] != ' ')) continue;
+        const char *sp = strchr(p, ' ');
+        const char *nl = strchr(p, '\n');
+        if (!sp || (nl && sp > nl)) continue;
+        if (p[n] == '{') { // the value follows the closing brace
+            const char *cb = strchr(p, '}');
+            if (!cb || (nl && cb > nl)) continue;
+            sp = cb + 1;
+        }
+        *out = strtod(sp, NULL);
+        return true;
+    }
+    return false;
+}
+
+static void poll_once(rt *r, int i, CURL *e, sb *body) {
+    rt_replica *p = &r->rep[i];
+    char url[300];
+    snprintf(url, sizeof url, "%s/ready", p->url);
+    int timeout_ms = r->cfg.health_interval_ms > r->cfg.connect_timeout_ms
+                         ? r->cfg.health_interval_ms
+                         : r->cfg.connect_timeout_ms;
+    long status;
+    CURLcode res = get(e, url, timeout_ms, body, &status);
+    bool ready = res == CURLE_OK && status == 200;
+    bool unreachable = res == CURLE_COULDNT_CONNECT || res == CURLE_COULDNT_RESOLVE_HOST;
+    double waiting = 0, running = 0, kv = 0;
+    bool have_load = false;
+    if (ready) {
+        snprintf(url, sizeof url, "%s/metrics", p->url);
+        if (get(e, url, timeout_ms, body, &status) == CURLE_OK && status == 200 && body->p) {
+            have_load = metric(body->p, "deepinfer:num_requests_waiting", &waiting);
+            metric(body->p, "deepinfer:num_requests_running", &running);
+            metric(body->p, "deepinfer:kv_cache_usage_perc", &kv);
+        }
+    }
+    pthread_mutex_lock(&r->mu);
+    bool was = p->healthy;
+    if (ready) {
+        p->healthy = true;
+        p->n_fails_in_a_row = 0;
+    } else {
+        p->n_fails_in_a_row++;
+        if (unreachable || p->n_fails_in_a_row >= r->cfg.health_fails) p->healthy = false;
+    }
+    if (have_load) {
+        p->n_waiting = (int64_t)waiting;
+        p->n_running = (int64_t)running;
+        p->kv_usage = kv;
+    }
+    bool now = p->healthy;
+    int fails = p->n_fails_in_a_row;
+    pthread_mutex_unlock(&r->mu);
+    if (now && !was) fprintf(stderr, "INFO  route: replica %d (%s) is ready\n", i, p->url);
+    if (!now && was)
+        fprintf(stderr, "WARN  route: replica %d (%s) out of rotation: %s (%d failed poll(s))\n", i,
+                p->url, res != CURLE_OK ? curl_easy_strerror(res) : "/ready not 200", fails);
+}
+
+static void *poll_main(void *arg) {
+    poller *pl = arg;
+    rt *r = pl->r;
+    CURL *e = curl_easy_init(); // one per poller: its connection is kept alive between polls
+    sb body = {0};
+    while (e && !atomic_load(&r->stop)) {
+        poll_once(r, pl->i, e, &body);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        long ns = until.tv_nsec + (long)(r->cfg.health_interval_ms % 1000) * 1000000L;
+        until.tv_sec += r->cfg.health_interval_ms / 1000 + ns / 1000000000L;
+        until.tv_nsec = ns % 1000000000L;
+        pthread_mutex_lock(&r->mu);
+        while (!atomic_load(&r->stop))
+            if (pthread_cond_timedwait(&r->cv, &r->mu, &until) == ETIMEDOUT) break;
+        pthread_mutex_unlock(&r->mu);
+    }
+    if (!e) fprintf(stderr, "ERROR route: cannot create a curl handle for %s\n", r->rep[pl->i].url);
+    sb_free(&body);
+    curl_easy_cleanup(e);
+    free(pl);
+    return NULL;
+}
+
+// ---- arguments and wiring ----
+
+// "http://host:port[/]" or "host:port" into out (no trailing slash); false if not http.
+static bool replica_url(const char *s, char *out, size_t cap) {
+    if (strstr(s, "://") && strncmp(s, "http://", 7)) return false;
+    int n = snprintf(out, cap, "%s%s", strncmp(s, "http://", 7) ? "http://" : "", s);
+    if (n <= 7 || (size_t)n >= cap) return false;
+    while (n > 7 && out[n - 1] == '/') out[--n] = 0;
+    return n > 7;
+}
+
+int di_cli_route(int argc, char **argv) {
+    rt *r = calloc(1, sizeof *r);
+    if (!r) return 1;
+    rt_config *c = &r->cfg;
+    *c = (rt_config){.host = "127.0.0.1",
+                     .port = 8000,
+                     .health_interval_ms = 1000,
+                     .health_fails = 3,
+                     .connect_timeout_ms = 2000,
+                     .upstream_timeout_s = 600,
+                     .max_body_bytes = 8u << 20,
+                     .prefix_bytes = 1024,
+                     .n_vnodes = 64,
+                     .max_imbalance = 4,
+                     .pin_user = true,
+                     .timeout_s = 600,
+                     .max_connections = 1024,
+                     .drain_s = 30};
+    int rc = 2, ms;
+    long v;
+    bool locks = false, curl = false;
+    srv_http *h = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        bool has = i + 1 < argc;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            rc = 0;
+            goto out;
+        } else if (!strcmp(a, "--replica") && has) {
+            if (r->n_rep == RT_MAX_REPLICAS) {
+                fprintf(stderr, "route: at most %d replicas\n", RT_MAX_REPLICAS);
+                goto out;
+            }
+            if (!replica_url(argv[++i], r->rep[r->n_rep].url, sizeof r->rep[0].url)) {
+                fprintf(stderr, "route: --replica takes http://HOST:PORT, got '%s'\n", argv[i]);
+                goto out;
+            }
+            for (int k = 0; k < r->n_rep; k++)
+                if (!strcmp(r->rep[k].url, r->rep[r->n_rep].url)) {
+                    fprintf(stderr, "route: replica %s given twice\n", argv[i]);
+                    goto out;
+                }
+            r->n_rep++;
+        } else if (!strcmp(a, "--host") && has) {
+            c->host = argv[++i];
+        } else if (!strcmp(a, "--port") && has) {
+            if (!di_args_int(argv[++i], "--port", 0, 65535, &v)) goto out;
+            c->port = (int)v;
+        } else if (!strcmp(a, "--api-key") && has) {
+            c->api_key = argv[++i];
+        } else if (!strcmp(a, "--replica-api-key") && has) {
+            c->replica_api_key = argv[++i];
+        } else if ((!strcmp(a, "--health-interval") || !strcmp(a, "--connect-timeout") ||
+                    !strcmp(a, "--upstream-timeout")) &&
+                   has) {
+            if (!parse_ms(argv[++i], &ms)) {
+                fprintf(stderr, "route: %s takes a duration such as 500ms, 2s or 1m\n", a);
+                goto out;
+            }
+            if (!strcmp(a, "--health-interval"))
+                c->health_interval_ms = ms;
+            else if (!strcmp(a, "--connect-timeout"))
+                c->connect_timeout_ms = ms;
+            else
+                c->upstream_timeout_s = ms < 1000 ? 1 : ms / 1000;
+        } else if (!strcmp(a, "--health-fails") && has) {
+            if (!di_args_int(argv[++i], "--health-fails", 1, 1000, &v)) goto out;
+            c->health_fails = (int)v;
+        } else if (!strcmp(a, "--prefix-bytes") && has) {
+            if (!di_args_int(argv[++i], "--prefix-bytes", 16, 1 << 20, &v)) goto out;
+            c->prefix_bytes = (size_t)v;
+        } else if (!strcmp(a, "--max-imbalance") && has) {
+            if (!di_args_int(argv[++i], "--max-imbalance", 1, 1 << 20, &v)) goto out;
+            c->max_imbalance = v;
+        } else if (!strcmp(a, "--vnodes") && has) {
+            if (!di_args_int(argv[++i], "--vnodes", 1, 4096, &v)) goto out;
+            c->n_vnodes = (int)v;
+        } else if (!strcmp(a, "--no-user-pin")) {
+            c->pin_user = false;
+        } else if (!strcmp(a, "--max-body-mib") && has) {
+            if (!di_args_int(argv[++i], "--max-body-mib", 1, 1024, &v)) goto out;
+            c->max_body_bytes = (size_t)v << 20;
+        } else if (!strcmp(a, "--timeout") && has) {
+            if (!di_args_int(argv[++i], "--timeout", 1, 86400, &v)) goto out;
+            c->timeout_s = (int)v;
+        } else if (!strcmp(a, "--drain-timeout") && has) {
+            if (!di_args_int(argv[++i], "--drain-timeout", 0, 3600, &v)) goto out;
+            c->drain_s = (int)v;
+        } else {
+            fprintf(stderr, "route: unknown or incomplete option '%s'\n", a);
+            usage(stderr);
+            goto out;
+        }
+    }
+    if (!r->n_rep) {
+        fprintf(stderr, "route: at least one --replica is needed\n");
+        usage(stderr);
+        goto out;
+    }
+    rc = 1;
+    const char *names[RT_MAX_REPLICAS];
+    for (int i = 0; i < r->n_rep; i++) names[i] = r->rep[i].url;
+    if (!rt_ring_create(r->n_rep, names, c->n_vnodes, &r->ring)) {
+        fprintf(stderr, "ERROR route: out of memory building the ring\n");
+        goto out;
+    }
+    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
+        fprintf(stderr, "ERROR route: cannot initialise libcurl\n");
+        goto out;
+    }
+    curl = true;
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    locks = true;
+    r->started_at = (long)time(NULL);
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    for (int i = 0; i < r->n_rep; i++) {
+        poller *pl = malloc(sizeof *pl);
+        if (!pl) goto out;
+        *pl = (poller){r, i};
+        if (pthread_create(&r->rep[i].poller, NULL, poll_main, pl)) {
+            free(pl);
+            fprintf(stderr, "ERROR route: cannot start a health poller\n");
+            goto out;
+        }
+        r->rep[i].poller_started = true;
+    }
+    const srv_http_opts o = {.who = "route",
+                             .host = c->host,
+                             .port = c->port,
+                             .max_body_bytes = c->max_body_bytes,
+                             .timeout_s = c->timeout_s,
+                             .max_connections = c->max_connections,
+                             .handler = rt_handle,
+                             .cls = r};
+    if (!srv_http_listen(&o, &h)) goto out;
+    fprintf(stderr, "INFO  route: listening on http://%s:%d, %d replica(s), health every %d ms\n",
+            c->host, c->port, r->n_rep, c->health_interval_ms);
+    while (!g_stop) sleep_ms(100);
+    atomic_store(&r->stop, true);
+    fprintf(stderr, "INFO  route: shutting down: draining %d in-flight request(s)\n",
+            atomic_load(&r->inflight));
+    srv_http_quiesce(h);
+    for (int t = 0; t < c->drain_s * 10 && atomic_load(&r->inflight) > 0; t++) sleep_ms(100);
+    rc = 0;
+out:
+    srv_http_stop(h);
+    if (locks) { // wake and join the pollers
+        pthread_mutex_lock(&r->mu);
+        atomic_store(&r->stop, true);
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+    }
+    for (int i = 0; i < r->n_rep; i++)
+        if (r->rep[i].poller_started) pthread_join(r->rep[i].poller, NULL);
+    if (h) fprintf(stderr, "INFO  route: stopped\n");
+    if (locks) {
+        pthread_cond_destroy(&r->cv);
+        pthread_mutex_destroy(&r->mu);
+    }
+    rt_pool_free(r);
+    if (curl) curl_global_cleanup();
+    rt_ring_destroy(r->ring);
+    free(r);
+    return rc;
+}

@@ -1,0 +1,61 @@
+/*
+ * policy — the routing decision of `deepinfer route` (docs/router.md), free of I/O so that it is
+ * unit-tested on its own (tests/router/test_router_policy.c):
+ *   - rt_prefix_key: the canonical prefix of a request that decides its replica;
+ *   - rt_ring: a consistent-hash ring of the replicas with virtual nodes;
+ *   - rt_policy_pick: prefix affinity on the ring, falling back to the least-loaded healthy
+ *     replica when the affine one is overloaded.
+ * Owns only the ring's points. Thread-safety: a ring is immutable after rt_ring_create and may be
+ * read from any thread; the functions keep no state.
+ */
+#pragma once
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+// 64-bit FNV-1a followed by the splitmix64 finaliser (FNV alone clusters on short keys).
+uint64_t rt_hash(const void *p, size_t n);
+
+// The routing key of a parsed request body, written to out (at most cap bytes, not terminated);
+// returns its length. When the request names a user (OpenAI `user`, Anthropic
+// `metadata.user_id`) and pin_user is set, the key is "user\x1f" + that name (*pinned = true).
+// Otherwise it is the first cap bytes of the canonical prompt text: for each of the fields
+// system, instructions, tools, messages, input, prompt present in the body, in that order, the
+// field name and "\x1f", then for an array every element as compact JSON with sorted keys
+// followed by "\n", for any other value its compact JSON followed by "\n". A conversation extended
+// by further messages therefore has its shorter form as a byte prefix. 0: nothing to hash.
+size_t rt_prefix_key(const json_t *req, bool pin_user, char *out, size_t cap, bool *pinned);
+
+typedef struct rt_ring rt_ring;
+
+// A ring of n_vnodes points per replica at rt_hash("<name>#<k>"), k = 0..n_vnodes-1. names are
+// copied only as hashes. false on out of memory or a bad argument. Destroy with rt_ring_destroy.
+bool rt_ring_create(int n_replicas, const char *const *names, int n_vnodes, rt_ring **out);
+void rt_ring_destroy(rt_ring *r);
+// The first replica clockwise from h whose usable[i] is true, or -1 when none is.
+int rt_ring_lookup(const rt_ring *r, uint64_t h, const bool *usable);
+
+// A replica's state as the policy sees it.
+typedef struct rt_replica_load {
+    bool healthy;
+    int64_t n_inflight; // requests the router has in flight on it
+    int64_t n_waiting;  // its deepinfer:num_requests_waiting at the last poll
+} rt_replica_load;
+
+typedef enum rt_pick {
+    RT_PICK_NONE = 0, // no healthy replica
+    RT_PICK_AFFINE,   // the ring's replica for the key
+    RT_PICK_FALLBACK, // the least-loaded one: the affine replica was overloaded
+    RT_PICK_LEAST,    // the least-loaded one: no key (nothing to hash) or a retry
+} rt_pick;
+
+// load = n_inflight + n_waiting. The affine replica (rt_ring_lookup over the healthy replicas
+// other than exclude) is overloaded when its load is at least min_load + max_imbalance, min_load
+// being the least load among those replicas; then, or when has_key is false, or on a retry
+// (exclude >= 0: the replica that failed the first try), the least-loaded usable one is taken
+// (ties: the lowest index). exclude: -1 for a first try.
+// Returns the replica index, or -1 with RT_PICK_NONE.
+int rt_policy_pick(const rt_ring *r, bool has_key, uint64_t key, const rt_replica_load *loads,
+                   int n, int exclude, int64_t max_imbalance, rt_pick *how);

@@ -1,0 +1,91 @@
+/*
+ * router — `deepinfer route`: a front process that spreads OpenAI Chat Completions / Completions /
+ * Responses and Anthropic Messages requests over N `deepinfer serve` replicas (docs/router.md).
+ *   main.c    arguments, wiring, signals, the per-replica health pollers (/ready, /metrics)
+ *   proxy.c   the front's endpoints and the upstream transfers (libcurl): choice, failover,
+ *             SSE pass-through, client-disconnect cancellation, the router's /metrics
+ *   policy.c  routing key, consistent-hash ring, affine-or-least-loaded choice (no I/O)
+ * The HTTP front is tools/server's libmicrohttpd layer (srv_http_listen, one thread per
+ * connection); error bodies use the server's shapes (srv_err_*).
+ *
+ * Threads: one per client connection (libmicrohttpd), one health poller per replica and the main
+ * thread waiting for a signal. Replica state and counters are guarded by rt.mu; the configuration
+ * and the ring are immutable once the front listens.
+ */
+#pragma once
+
+#include <curl/curl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "router/policy.h"
+#include "server/server.h" // sb, srv_err, srv_http, srv_send_*, srv_client_gone
+
+#define RT_MAX_REPLICAS 64
+// Idle upstream handles kept per replica: each holds a kept-alive connection, so a request does
+// not pay a TCP connect and a new replica connection thread (about 2 ms on loopback).
+#define RT_POOL 32
+
+typedef struct rt_config {
+    const char *host;            // borrowed (argv)
+    int port;                    //
+    const char *api_key;         // borrowed; NULL: clients need no key
+    const char *replica_api_key; // borrowed; NULL: the client's Authorization / x-api-key go up
+    int health_interval_ms;      // poll period of /ready and /metrics
+    int health_fails;            // failed polls in a row that take a replica out of rotation
+    int connect_timeout_ms;      // upstream connect (and health poll) timeout
+    int upstream_timeout_s;      // an upstream transfer receiving nothing this long is aborted
+    size_t max_body_bytes;       // client request bodies over it: 413
+    size_t prefix_bytes;         // routing-key length (rt_prefix_key)
+    int n_vnodes;                // ring points per replica
+    int64_t max_imbalance;       // rt_policy_pick: overload margin, in requests
+    bool pin_user;               // a request naming a user routes by it
+    int timeout_s;               // idle client connection timeout
+    int max_connections;         // client connections at once
+    int drain_s;                 // SIGTERM: wait at most this long for in-flight requests
+} rt_config;
+
+typedef struct rt_replica {
+    char url[256]; // "http://host:port", no trailing slash
+    pthread_t poller;
+    bool poller_started;
+    // guarded by rt.mu
+    bool healthy;         // in rotation
+    int n_fails_in_a_row; // failed /ready polls since the last good one
+    int64_t n_inflight;   // requests the router has open on it
+    int64_t n_waiting, n_running;
+    double kv_usage;
+    uint64_t n_requests, n_errors;          // attempts sent; attempts failed (transport or 5xx)
+    uint64_t n_affine, n_fallback, n_least; // decisions that chose it
+    CURLM *pool_m[RT_POOL];                 // owned: idle multi handles, each with its easy one
+    CURL *pool_e[RT_POOL];                  // owned
+    int n_pool;
+} rt_replica;
+
+typedef struct rt {
+    rt_config cfg;
+    rt_replica rep[RT_MAX_REPLICAS];
+    int n_rep;
+    rt_ring *ring; // owned
+    long started_at;
+    atomic_bool stop;
+    atomic_int inflight; // client requests being proxied
+    pthread_mutex_t mu;  // guards the rt_replica fields marked so and the counters below
+    pthread_cond_t cv;   // signalled on stop (wakes the pollers)
+    uint64_t n_retries, n_no_replica;
+    uint64_t n_status[6]; // responses by class 1xx..5xx (index 1..5)
+} rt;
+
+// proxy.c: the libmicrohttpd handler (srv_http_handler, cls = rt).
+enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                          const char *body, size_t n_body, bool too_large);
+// Prometheus text of the router's state. Caller frees with free().
+char *rt_metrics_text(rt *r);
+// Frees the idle upstream handles (at shutdown, no request running).
+void rt_pool_free(rt *r);
+// A replica failed at the transport level (connect error, reset): out of rotation until a poll
+// finds it ready. Locks rt.mu.
+void rt_replica_down(rt *r, int i, const char *why);
