@@ -4,10 +4,10 @@
 // `name ::=` starts; newlines are whitespace); alternatives separated by `|`; elements: "string"
 // literals (escapes \n \r \t \" \\ \' \[ \] \xHH \uHHHH \UHHHHHHHH; \x and \u name code points,
 // written as UTF-8), [classes] with ranges and [^negation], `.` (any code point), rule names
-// ([A-Za-z0-9_-]), ( groups ); postfix `*` `+` `?` `{m}` `{m,}` `{m,n}`; `#` comments to the end
-// of the line. The start rule is `root`. Unused rules are fine; undefined rules, left recursion
-// (direct or through nullable prefixes) and grammars over the limits of grammar.h are refused
-// with line:column.
+// ([A-Za-z0-9_-]), `<[id]>` (the one token id, as a unit: special tokens), ( groups ); postfix `*`
+// `+` `?` `{m}` `{m,}` `{m,n}`; `#` comments to the end of the line. The start rule is `root`.
+// Unused rules are fine; undefined rules, left recursion (direct or through nullable prefixes) and
+// grammars over the limits of grammar.h are refused with line:column.
 #include "grammar/grammar.h"
 
 #include <stdarg.h>
@@ -705,6 +705,27 @@ static void parse_seq(cc *c, seq *s, int depth) {
                 }
             }
             if (r != stackr) di_free(r);
+        } else if (ch == '<') {
+            // <[id]>: one token id, matched as a unit (a special token; see grammar.h)
+            int64_t id = -1;
+            c->i++;
+            if (c->i < c->n && c->s[c->i] == '[') {
+                c->i++;
+                for (size_t d0 = c->i; c->i < c->n && c->s[c->i] >= '0' && c->s[c->i] <= '9';) {
+                    id = (id < 0 ? 0 : id) * 10 + (c->s[c->i++] - '0');
+                    if (c->i - d0 > 10) break; // out of range below
+                }
+            }
+            if (id < 0 || c->n - c->i < 2 || c->s[c->i] != ']' || c->s[c->i + 1] != '>') {
+                fail_at(c, at, "expected a token terminal <[id]> (a token id in decimal)");
+                return;
+            }
+            if (id > 0x3fffffff) {
+                fail_at(c, at, "token id %lld is out of range", (long long)id);
+                return;
+            }
+            c->i += 2;
+            seq_push(c, s, CODE(DI_GRAMMAR_ELEM_TOKEN, id));
         } else if (ch == '.') {
             c->i++;
             range any = {0, 0x10FFFF};
@@ -818,7 +839,7 @@ static bool check(cc *c) {
                         break;
                     }
                     all = true;
-                } else if (t == DI_GRAMMAR_ELEM_BYTES || !nul[CODE_VAL(b[k])]) {
+                } else if (t != DI_GRAMMAR_ELEM_RULE || !nul[CODE_VAL(b[k])]) {
                     all = false;
                 }
             }
@@ -846,7 +867,7 @@ static bool check(cc *c) {
                 continue;
             }
             if (!lead) continue;
-            if (t == DI_GRAMMAR_ELEM_BYTES) {
+            if (t != DI_GRAMMAR_ELEM_RULE) {
                 lead = false;
                 continue;
             }

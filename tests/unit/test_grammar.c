@@ -190,7 +190,9 @@ static void test_limits(void) {
 
 // ---- masks vs brute force on the real vocabulary ----
 
-static void check_mask(const di_grammar *g, const char *prefix) {
+// The mask after prefix (bytes) then toks[0..n_toks) (token ids) equals brute force.
+static void check_mask_toks(const di_grammar *g, const char *prefix, const int32_t *toks,
+                            int n_toks) {
     di_grammar_matcher *m = NULL, *c = NULL;
     CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &m) == DI_OK);
     CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &c) == DI_OK);
@@ -198,6 +200,13 @@ static void check_mask(const di_grammar *g, const char *prefix) {
     for (const char *p = prefix; *p; p++) {
         if (!di_grammar_matcher_advance(m, p, 1)) {
             fprintf(stderr, "prefix '%s' refused at %zu\n", prefix, (size_t)(p - prefix));
+            CHECK(false);
+            goto out;
+        }
+    }
+    for (int i = 0; i < n_toks; i++) {
+        if (!di_grammar_matcher_advance_token(m, toks[i])) {
+            fprintf(stderr, "prefix '%s': token %d refused\n", prefix, (int)toks[i]);
             CHECK(false);
             goto out;
         }
@@ -237,6 +246,10 @@ out:
     di_grammar_matcher_destroy(c);
 }
 
+static void check_mask(const di_grammar *g, const char *prefix) {
+    check_mask_toks(g, prefix, NULL, 0);
+}
+
 static void test_mask_brute_force(void) {
     if (!g_vocab) return;
     const char *schema =
@@ -272,6 +285,80 @@ static void test_mask_brute_force(void) {
         check_mask(g, "");
         check_mask(g, "\xce");
         check_mask(g, "  ");
+    }
+    di_grammar_destroy(g);
+}
+
+// Token terminals <[id]>: a special token as a unit. Bytes never match one, it never matches
+// bytes; masks set its bit exactly when it can come next (brute force advances every id).
+static void test_token_terminals(void) {
+    expect_error("root ::= <[12a]>", "1:10: expected a token terminal <[id]>");
+    expect_error("root ::= <12>", "expected a token terminal");
+    expect_error("root ::= <[99999999999]>", "out of range");
+    // A token terminal consumes input: this is not left-recursive; the next one is.
+    di_grammar *g = compile(DI_GRAMMAR_KIND_EBNF, "root ::= <[7]>? x\nx ::= <[7]> x | \"a\"", 0);
+    CHECK(g != NULL);
+    di_grammar_destroy(g);
+    expect_error("root ::= x\nx ::= y? x <[7]> | \"b\"\ny ::= \"c\"", "left-recursive");
+    if (!g_vocab) return;
+    const int32_t dsml = 128825, eos = 1;
+    size_t nb = 0;
+    const char *dsml_text = di_tokenizer_token_bytes(g_tok, dsml, &nb);
+    CHECK(dsml_text && nb == strlen("｜DSML｜") && !memcmp(dsml_text, "｜DSML｜", nb));
+    CHECK(di_grammar_vocab_token(g_vocab, dsml, &nb) == NULL); // special: not in the trie
+    // The DSML terminal beside the same text spelled in bytes; EOS as a terminal; token 100 (an
+    // ordinary token) as a terminal too: it advances by its bytes or as the terminal (the union).
+    char text[512];
+    size_t n100 = 0;
+    const char *t100 = di_tokenizer_token_bytes(g_tok, 100, &n100);
+    CHECK(t100 && n100 > 0);
+    snprintf(text, sizeof text,
+             "root ::= \"<\" <[%d]> \"tool_calls>\" body | \"<tool\" [a-z_]* | \"<\" \"｜DSML｜\" "
+             "\"x\" | <[%d]> \"x\" | <[%d]> \"y\" | [!-~]+\nbody ::= \"\\n\" <[%d]>? \"z\"",
+             dsml, eos, 100, dsml);
+    g = compile(DI_GRAMMAR_KIND_EBNF, text, 0);
+    CHECK(g != NULL);
+    if (!g) return;
+    const int32_t t_dsml[] = {dsml}, t_eos[] = {eos}, t_100[] = {100};
+    check_mask(g, "");
+    check_mask(g, "<");
+    check_mask_toks(g, "<", t_dsml, 1);
+    check_mask(g, "<tool_calls");
+    check_mask_toks(g, "", t_eos, 1);
+    check_mask_toks(g, "", t_100, 1);
+    {
+        di_grammar_matcher *m = NULL;
+        CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &m) == DI_OK);
+        if (m) {
+            CHECK(di_grammar_matcher_advance(m, "<", 1));
+            CHECK(di_grammar_matcher_advance_token(m, dsml));
+            CHECK(!di_grammar_matcher_advance_token(m, dsml)); // bytes expected next
+            CHECK(!di_grammar_matcher_advance(m, "x", 1));     // the text branch is gone
+            CHECK(di_grammar_matcher_advance(m, "tool_calls>\n", 12));
+            di_grammar_matcher *c = NULL;
+            CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &c) == DI_OK);
+            if (c) {
+                di_grammar_matcher_copy(c, m);
+                CHECK(di_grammar_matcher_advance(c, "z", 1)); // the terminal is optional
+                CHECK(di_grammar_matcher_is_done(c));
+                di_grammar_matcher_destroy(c);
+            }
+            CHECK(di_grammar_matcher_advance_token(m, dsml));
+            CHECK(!di_grammar_matcher_can_end(m));
+            CHECK(di_grammar_matcher_advance(m, "z", 1));
+            CHECK(di_grammar_matcher_is_done(m));
+            di_grammar_matcher_destroy(m);
+        }
+        // The same text in bytes is the other branch, never the terminal.
+        m = NULL;
+        CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &m) == DI_OK);
+        if (m) {
+            CHECK(di_grammar_matcher_advance(m, "<｜DSML｜", strlen("<｜DSML｜")));
+            CHECK(!di_grammar_matcher_advance(m, "tool_calls>", 11));
+            CHECK(di_grammar_matcher_advance(m, "x", 1));
+            CHECK(di_grammar_matcher_is_done(m));
+            di_grammar_matcher_destroy(m);
+        }
     }
     di_grammar_destroy(g);
 }
@@ -534,6 +621,7 @@ int main(void) {
     test_utf8_split_and_done();
     test_limits();
     test_mask_brute_force();
+    test_token_terminals();
     test_regex_pcre2();
     test_json_schema();
     di_grammar_vocab_destroy(g_vocab);
