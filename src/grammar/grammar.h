@@ -28,7 +28,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "base/buf.h" // di_buf
+#include "base/buf.h"  // di_buf
+#include "base/json.h" // json_t
 #include "deepinfer.h"
 
 enum {
@@ -83,6 +84,18 @@ di_status di_grammar_regex_to_ebnf(const char *re, size_t n, const char *prefix,
                                    di_buf *out, char *err, size_t err_size);
 di_status di_grammar_schema_to_ebnf(const char *schema, size_t n, bool strict, di_buf *out,
                                     char *err, size_t err_size);
+// Several JSON Schemas into one grammar text: JSON's shared rules once, then each item's rules
+// (names unique across the items); items[i].name receives the rule that matches item i. The rules
+// never define `root`. DI_ERR_INVALID with "JSON Schema at '#ptr': ..." in err.
+typedef struct di_grammar_schema_item {
+    const json_t *root;   // borrowed: the document the item's $refs resolve in
+    const json_t *schema; // borrowed: the (sub)schema to convert
+    const char *ptr;      // its JSON pointer in root, for messages ("" for root)
+    bool strict;          // DI_GRAMMAR_FLAG_STRICT for this item
+    char name[32];        // out
+} di_grammar_schema_item;
+di_status di_grammar_schemas_to_ebnf(di_grammar_schema_item *items, size_t n, di_buf *out,
+                                     char *err, size_t err_size);
 // The grammar of any JSON object (response_format json_object).
 const char *di_grammar_json_object_ebnf(void);
 

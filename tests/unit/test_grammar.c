@@ -363,6 +363,169 @@ static void test_token_terminals(void) {
     di_grammar_destroy(g);
 }
 
+// ---- tool-call grammars (tools.c) ----
+
+// Whether g accepts exactly s, where each "｜DSML｜" in s is the special token (a token terminal)
+// and everything else is bytes.
+static bool accepts_dsml(const di_grammar *g, const char *s) {
+    const int32_t dsml = di_tokenizer_token_id(g_tok, "｜DSML｜");
+    di_grammar_matcher *m = NULL;
+    if (di_grammar_matcher_create(g, g_vocab, NULL, &m) != DI_OK) return false;
+    bool ok = true;
+    while (ok && *s) {
+        const char *d = strstr(s, "｜DSML｜");
+        size_t n = d ? (size_t)(d - s) : strlen(s);
+        for (size_t i = 0; i < n && ok; i++) ok = di_grammar_matcher_advance(m, s + i, 1);
+        s += n;
+        if (ok && d) {
+            ok = di_grammar_matcher_advance_token(m, dsml);
+            s += strlen("｜DSML｜");
+        }
+    }
+    ok = ok && di_grammar_matcher_can_end(m);
+    di_grammar_matcher_destroy(m);
+    return ok;
+}
+
+static di_grammar *tools_grammar(const char *tools, const char *name, bool parallel, int enc) {
+    di_grammar_tools_options o = {.name = name, .parallel = parallel, .encoding = enc};
+    di_grammar *g = NULL;
+    char err[512] = "";
+    di_status st = di_grammar_compile_tools(g_tok, tools, strlen(tools), &o, &g, err, sizeof err);
+    if (st != DI_OK) fprintf(stderr, "tools grammar: %s\n", err);
+    return g;
+}
+
+static const char k_tools[] =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"
+    "\"object\",\"properties\":{\"location\":{\"type\":\"string\"},\"unit\":{\"type\":\"string\","
+    "\"enum\":[\"c\",\"f\"]},\"days\":{\"type\":\"integer\",\"minimum\":1,\"maximum\":7}},"
+    "\"required\":[\"location\"]}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"search\",\"parameters\":{\"type\":\"object\","
+    "\"properties\":{\"query\":{\"type\":\"string\",\"maxLength\":20},\"filters\":{\"type\":"
+    "\"object\",\"properties\":{\"site\":{\"type\":\"string\"}},\"required\":[\"site\"],"
+    "\"additionalProperties\":false}},\"required\":[\"query\",\"filters\"]}}},"
+    "{\"name\":\"now\",\"input_schema\":{\"type\":\"object\"}}]";
+
+#define W_OPEN "<｜DSML｜invoke name=\"get_weather\">\n"
+#define W_LOC                                                                                      \
+    "<｜DSML｜parameter name=\"location\" string=\"true\">Beijing, 北京</｜DSML｜parameter>"
+#define W_UNIT "<｜DSML｜parameter name=\"unit\" string=\"true\">c</｜DSML｜parameter>"
+#define W_DAYS "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>"
+#define I_CLOSE "\n</｜DSML｜invoke>"
+#define B_CLOSE "\n</｜DSML｜tool_calls>"
+#define S_CALL                                                                                     \
+    "<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter name=\"query\" "                     \
+    "string=\"false\">\"deep \\\"infer\\\"\"</｜DSML｜parameter>\n<｜DSML｜parameter "         \
+    "name=\"filters\" string=\"false\">{\"site\": \"x.org\"}</｜DSML｜parameter>" I_CLOSE
+#define N_CALL "<｜DSML｜invoke name=\"now\">\n\n</｜DSML｜invoke>"
+
+static void test_tool_grammars(void) {
+    if (!g_tok) return;
+    di_grammar *g = tools_grammar(k_tools, NULL, true, 0);
+    CHECK(g != NULL);
+    if (g) {
+        CHECK(accepts_dsml(g, W_OPEN W_LOC I_CLOSE B_CLOSE));
+        CHECK(accepts_dsml(g, W_OPEN W_LOC "\n" W_UNIT "\n" W_DAYS I_CLOSE B_CLOSE));
+        CHECK(accepts_dsml(g, W_OPEN W_LOC "\n" W_DAYS I_CLOSE "\n" S_CALL "\n" N_CALL B_CLOSE));
+        CHECK(accepts_dsml(g, S_CALL B_CLOSE));
+        CHECK(accepts_dsml(g, N_CALL B_CLOSE));
+        // refused: an unknown tool, a missing required parameter, an undeclared one, declared
+        // order broken, a value outside its schema, the wrong string= form, '｜' in a raw value,
+        // a tag spelled in text, no closing tag, text after the block
+        CHECK(!accepts_dsml(g, "<｜DSML｜invoke name=\"get_wether\">\n" W_LOC I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_UNIT I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC "\n<｜DSML｜parameter name=\"city\" string=\"true\">x"
+                                            "</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC "\n" W_DAYS "\n" W_UNIT I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC "\n<｜DSML｜parameter name=\"days\" string=\"false\">"
+                                            "9</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC "\n<｜DSML｜parameter name=\"unit\" string=\"true\">"
+                                            "k</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN "<｜DSML｜parameter name=\"location\" string=\"false\">"
+                                      "\"x\"</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN "<｜DSML｜parameter name=\"location\" string=\"true\">"
+                                      "a｜b</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g,
+                            "<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter name=\"query\" "
+                            "string=\"false\">\"abc\"</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g,
+                            "<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter name=\"query\" "
+                            "string=\"false\">\"0123456789012345678901\"</｜DSML｜parameter>\n"
+                            "<｜DSML｜parameter name=\"filters\" string=\"false\">{\"site\": "
+                            "\"x\"}</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE B_CLOSE "\n"));
+        CHECK(!accepts_dsml(g, "<|DSML|invoke name=\"now\">\n\n</｜DSML｜invoke>" B_CLOSE));
+        CHECK(!accepts_dsml(g, ""));
+        // The text spelling of the token is refused where a tag goes (accepts_n: bytes only).
+        const char *as_text = N_CALL B_CLOSE;
+        CHECK(!accepts_n(g, as_text, strlen(as_text)));
+        // masks equal brute force inside a tool grammar (tag positions, a raw value, JSON)
+        const int32_t dsml = di_tokenizer_token_id(g_tok, "｜DSML｜");
+        const int32_t t1[] = {dsml};
+        check_mask(g, "");
+        check_mask(g, "<");
+        check_mask_toks(g, "<", t1, 1);
+        check_mask(g, "");
+        di_grammar_destroy(g);
+    }
+    // parallel_tool_calls false: exactly one invoke
+    g = tools_grammar(k_tools, NULL, false, 0);
+    CHECK(g != NULL);
+    if (g) {
+        CHECK(accepts_dsml(g, N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, N_CALL "\n" N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE "\n" N_CALL B_CLOSE));
+        di_grammar_destroy(g);
+    }
+    // a named tool: only that one
+    g = tools_grammar(k_tools, "get_weather", true, 0);
+    CHECK(g != NULL);
+    if (g) {
+        CHECK(accepts_dsml(g, W_OPEN W_LOC I_CLOSE B_CLOSE));
+        CHECK(accepts_dsml(g, W_OPEN W_LOC I_CLOSE "\n" W_OPEN W_LOC "\n" W_UNIT I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE "\n" N_CALL B_CLOSE));
+        di_grammar_destroy(g);
+    }
+    // V4.1 spelling: " calls", " invoke", " parameter"
+    g = tools_grammar(k_tools, "get_weather", false, 1);
+    CHECK(g != NULL);
+    if (g) {
+        CHECK(accepts_dsml(g, "<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter "
+                              "name=\"location\" string=\"true\">Paris</｜DSML｜ parameter>\n"
+                              "</｜DSML｜ invoke>\n</｜DSML｜ calls>"));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE B_CLOSE));
+        di_grammar_destroy(g);
+    }
+    // errors: unknown named tool, a schema the converter refuses (named: tool and pointer), a
+    // name DSML cannot carry, no tokenizer token
+    di_grammar_tools_options o = {.name = "nope", .parallel = true};
+    char err[512] = "";
+    CHECK(di_grammar_compile_tools(g_tok, k_tools, strlen(k_tools), &o, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "no tool named 'nope'") != NULL);
+    const char *bad =
+        "[{\"name\":\"a\",\"parameters\":{\"properties\":{\"x\":{\"type\":\"integer\"}}}},"
+        "{\"name\":\"b\",\"parameters\":{\"properties\":{\"y\":{\"not\":{}}}}}]";
+    o = (di_grammar_tools_options){.parallel = true};
+    CHECK(di_grammar_compile_tools(g_tok, bad, strlen(bad), &o, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "tools[1] 'b' parameters: JSON Schema at '#/properties/y': keyword 'not'") !=
+          NULL);
+    if (!strstr(err, "tools[1] 'b'")) fprintf(stderr, "error: %s\n", err);
+    o.name = "a"; // only the named tool's schemas are compiled
+    CHECK(di_grammar_compile_tools(g_tok, bad, strlen(bad), &o, &g, err, sizeof err) == DI_OK);
+    di_grammar_destroy(g);
+    const char *quote = "[{\"name\":\"a\",\"parameters\":{\"properties\":{\"x\\\"y\":{}}}}]";
+    CHECK(di_grammar_compile_tools(g_tok, quote, strlen(quote), NULL, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "cannot be written in DSML") != NULL);
+    CHECK(di_grammar_compile_tools(NULL, k_tools, strlen(k_tools), NULL, &g, err, sizeof err) ==
+          DI_ERR_UNSUPPORTED);
+}
+
 // ---- regex vs PCRE2 ----
 
 static uint64_t g_rng = 88172645463325252ull;
@@ -622,6 +785,7 @@ int main(void) {
     test_limits();
     test_mask_brute_force();
     test_token_terminals();
+    test_tool_grammars();
     test_regex_pcre2();
     test_json_schema();
     di_grammar_vocab_destroy(g_vocab);
