@@ -273,10 +273,18 @@ di_status di_grammar_compile(di_grammar_kind kind, const char *text, size_t n_te
 // text (no U+FF5C '｜'; an enum or const as its literal values), any other as string="false" and
 // a JSON value constrained by its schema; then the block's closing tag. DSML tags use the
 // tokenizer's ｜DSML｜ special token as a token terminal.
+typedef enum di_grammar_tools_start {
+    DI_GRAMMAR_TOOLS_AFTER_HEADER = 0, // after the prefilled "\n\n<｜DSML｜tool_calls>\n"
+    DI_GRAMMAR_TOOLS_AFTER_DSML = 1,   // after the first ｜DSML｜ token: "tool_calls>\n" ...
+                                       // (tool_choice auto, grammar_after = that token)
+    DI_GRAMMAR_TOOLS_BLOCK = 2, // the whole block: "\n"{0,2} "<" ｜DSML｜ "tool_calls>\n"...
+} di_grammar_tools_start;
+
 typedef struct di_grammar_tools_options {
-    const char *name; // only this tool (a named tool_choice); NULL: any of the tools
-    bool parallel;    // several invokes (parallel_tool_calls); false: exactly one
-    int encoding;     // 0 = dsv4 ("tool_calls", "invoke"), 1 = dsv41 (" calls", " invoke")
+    const char *name;             // only this tool (a named tool_choice); NULL: any of the tools
+    bool parallel;                // several invokes (parallel_tool_calls); false: exactly one
+    int encoding;                 // 0 = dsv4 ("tool_calls", "invoke"), 1 = dsv41 (" calls", ...)
+    di_grammar_tools_start start; // where the grammar begins
 } di_grammar_tools_options;
 
 // tools_json: a JSON array of tools, each {"name", "parameters"} (Responses), {"type":
@@ -287,6 +295,9 @@ typedef struct di_grammar_tools_options {
 di_status di_grammar_compile_tools(const di_tokenizer *tok, const char *tools_json, size_t n,
                                    const di_grammar_tools_options *o, di_grammar **out, char *err,
                                    size_t err_size);
+// A grammar that accepts what a or b accepts (root ::= a | b), e.g. a response format or a tool
+// block. a and b are borrowed (copied). DI_ERR_INVALID (over the grammar limits), DI_ERR_NOMEM.
+di_status di_grammar_union(const di_grammar *a, const di_grammar *b, di_grammar **out);
 // Releases the caller's reference. NULL does nothing. Requests already submitted with g keep their
 // own reference (the grammar is freed when the last of them finishes).
 void di_grammar_destroy(di_grammar *g);

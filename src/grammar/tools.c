@@ -1,10 +1,11 @@
 // tools — grammars over DSML tool-call blocks (di_grammar_compile_tools; include/deepinfer.h,
 // docs/structured-output.md "Tool calls", serving.md §1.6).
 //
-// The grammar covers the text after the prefilled header "<｜DSML｜tool_calls>\n" (V4.1
-// "<｜DSML｜ calls>\n"):
+// The grammar covers, by o->start, the text after the prefilled header "<｜DSML｜tool_calls>\n"
+// (V4.1 "<｜DSML｜ calls>\n"), the text after the first ｜DSML｜ token ("tool_calls>\n" first),
+// or the whole block ("\n"{0,2} "<" D "tool_calls>\n" first):
 //
-//   root   ::= invoke ("\n" invoke)* "\n</" D "tool_calls>"       (parallel: one or more invokes)
+//   body   ::= invoke ("\n" invoke)* "\n</" D "tool_calls>"       (parallel: one or more invokes)
 //   invoke ::= t0 | t1 | ...                                        (or the one named tool)
 //   t0     ::= "<" D "invoke name=\"" NAME "\">\n" F_0 "\n</" D "invoke>"
 //   F_j / A_j: the parameters j.. in declared order, joined by "\n" (A_j: one was written before),
@@ -205,8 +206,17 @@ static di_status tools_ebnf(const json_t *tools, const di_grammar_tools_options 
     if (st == DI_OK)
         st = putf(out,
                   "tc-raw ::= [^\\uFF5C]*\n"
-                  "root ::= tc-invoke %s\"\\n</\" <[%d]> \"%s>\"\n",
+                  "tc-body ::= tc-invoke %s\"\\n</\" <[%d]> \"%s>\"\n",
                   o->parallel ? "(\"\\n\" tc-invoke)* " : "", (int)dsml, calls);
+    if (st == DI_OK) {
+        if (o->start == DI_GRAMMAR_TOOLS_AFTER_HEADER)
+            st = put(out, "root ::= tc-body\n");
+        else if (o->start == DI_GRAMMAR_TOOLS_AFTER_DSML)
+            st = putf(out, "root ::= \"%s>\\n\" tc-body\n", calls);
+        else
+            st = putf(out, "root ::= \"\\n\"{0,2} \"<\" <[%d]> \"%s>\\n\" tc-body\n", (int)dsml,
+                      calls);
+    }
     if (st == DI_OK) st = put(out, "tc-invoke ::= ");
     bool first_alt = true;
     for (size_t i = 0; i < nt && st == DI_OK; i++) {

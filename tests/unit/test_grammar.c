@@ -499,6 +499,43 @@ static void test_tool_grammars(void) {
         CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE B_CLOSE));
         di_grammar_destroy(g);
     }
+    // where the grammar starts: after the first ｜DSML｜ token (tool_choice auto), the whole block
+    // (in a union with a response format)
+    di_grammar_tools_options os = {.parallel = true, .start = DI_GRAMMAR_TOOLS_AFTER_DSML};
+    g = NULL;
+    CHECK(di_grammar_compile_tools(g_tok, k_tools, strlen(k_tools), &os, &g, NULL, 0) == DI_OK);
+    if (g) {
+        CHECK(accepts_dsml(g, "tool_calls>\n" N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, N_CALL B_CLOSE));
+        di_grammar_destroy(g);
+    }
+    os.start = DI_GRAMMAR_TOOLS_BLOCK;
+    di_grammar *blk = NULL;
+    CHECK(di_grammar_compile_tools(g_tok, k_tools, strlen(k_tools), &os, &blk, NULL, 0) == DI_OK);
+    di_grammar *fmt = compile(DI_GRAMMAR_KIND_JSON_SCHEMA,
+                              "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},"
+                              "\"required\":[\"a\"],\"additionalProperties\":false}",
+                              0);
+    g = NULL;
+    CHECK(blk && fmt && di_grammar_union(fmt, blk, &g) == DI_OK);
+    if (g) {
+        CHECK(accepts_dsml(g, "{\"a\": 12}"));
+        CHECK(accepts_dsml(g, "\n\n<｜DSML｜tool_calls>\n" N_CALL B_CLOSE));
+        CHECK(accepts_dsml(g, "<｜DSML｜tool_calls>\n" W_OPEN W_LOC I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, "\n\n\n<｜DSML｜tool_calls>\n" N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, "{\"a\": 12}\n\n<｜DSML｜tool_calls>\n" N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, "{\"b\": 12}"));
+        CHECK(!accepts_dsml(g, "\n\n<｜DSML｜tool_calls>\n" B_CLOSE));
+        const int32_t dsml = di_tokenizer_token_id(g_tok, "｜DSML｜");
+        const int32_t t1[] = {dsml};
+        check_mask(g, "");
+        check_mask(g, "\n\n<");
+        check_mask_toks(g, "\n\n<", t1, 1);
+        check_mask(g, "{\"a\":");
+        di_grammar_destroy(g);
+    }
+    di_grammar_destroy(blk);
+    di_grammar_destroy(fmt);
     // errors: unknown named tool, a schema the converter refuses (named: tool and pointer), a
     // name DSML cannot carry, no tokenizer token
     di_grammar_tools_options o = {.name = "nope", .parallel = true};
