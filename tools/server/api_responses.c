@@ -103,8 +103,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     if (!srv_gen_response_format(g, fmt, "text.format", e)) return false;
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_RESPONSES, e)) return false;
-    return srv_check_tool_choice(tools, json_object_get(req, "tool_choice"), SRV_API_RESPONSES,
-                                 &g->tools, e);
+    return srv_check_tool_choice(g, tools, json_object_get(req, "tool_choice"), SRV_API_RESPONSES,
+                                 e);
 }
 
 bool srv_responses_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
