@@ -5,7 +5,8 @@
 // grammar_after leaves the tokens up to the trigger unconstrained; a grammar that is done finishes
 // the request with DI_FINISH_STOP; a matcher limit ends just that request with an error; the step
 // path allocates nothing; a named tool_choice (tool grammar after the prefilled block header)
-// gives a block that the output parser turns into one call whose arguments satisfy the schema. The
+// gives a block that the output parser turns into one call whose arguments satisfy the schema;
+// tool_choice auto (grammar_after = ｜DSML｜) constrains the text after that token to a block. The
 // weights are random: the grammar is what makes the output valid.
 #include "harness.h"
 
@@ -429,6 +430,88 @@ static void test_named_tool_choice(void) {
     di_tok_free(ids);
 }
 
+// tool_choice auto: unconstrained until the model writes ｜DSML｜ (grammar_after), then the rest
+// must be a valid block. The prompt ends with "<" and a logit bias makes ｜DSML｜ the first
+// token (a random model would practically never write it); what follows is the grammar's.
+static void test_auto_after_dsml(void) {
+    char *text = NULL;
+    int32_t *ids = NULL;
+    size_t n_text = 0, n_ids = 0;
+    static const char req_auto[] =
+        "{\"model\":\"m\",\"thinking\":{\"type\":\"disabled\"},\"messages\":[{\"role\":\"user\","
+        "\"content\":\"Weather?\"},{\"role\":\"assistant\",\"content\":\"\\n\\n<\",\"prefix\":"
+        "true}]}";
+    di_render_options ro = di_render_options_default();
+    CHECK_EQ(di_render_request(g_tok, req_auto, strlen(req_auto), DI_RENDER_API_CHAT, &ro, &text,
+                               &n_text, &ids, &n_ids),
+             DI_OK);
+    json_error_t je;
+    json_t *req = json_loads(k_tool_req, 0, &je);
+    char *tools = json_dumps(json_object_get(req, "tools"), JSON_COMPACT);
+    di_grammar_tools_options o = {.parallel = true, .start = DI_GRAMMAR_TOOLS_AFTER_DSML};
+    di_grammar *g = NULL;
+    char err[512];
+    CHECK_EQ(di_grammar_compile_tools(g_tok, tools, strlen(tools), &o, &g, err, sizeof err), DI_OK);
+    const int32_t dsml = di_tokenizer_token_id(g_tok, "｜DSML｜");
+    di_engine *e = engine_kv_ctx(64u << 20, 2048);
+    if (g && e && ids && n_text > 0 && text[n_text - 1] == '<') {
+        result r = {0};
+        di_logit_bias bias = {.token = dsml, .bias = 100.0f};
+        di_request_params p = di_request_params_default();
+        p.prompt = ids;
+        p.n_prompt = (int32_t)n_ids;
+        p.max_tokens = 600;
+        p.grammar = g;
+        p.grammar_after = dsml;
+        p.sample.temperature = 1.0f;
+        p.sample.seed = 77;
+        p.sample.logit_bias = &bias;
+        p.sample.n_logit_bias = 1;
+        p.on_event = on_event;
+        p.user = &r;
+        uint64_t id;
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+        di_engine_wait_idle(e);
+        CHECK_EQ(r.finish, DI_FINISH_STOP);
+        CHECK(r.n > 1 && r.tokens[0] == dsml);
+        calls_out c = {0};
+        di_parser *ps = NULL;
+        CHECK_EQ(di_parser_create(g_tok, DI_PARSER_STAGE_CONTENT, true, false, NULL, 0, on_parse,
+                                  &c, &ps),
+                 DI_OK);
+        if (ps) {
+            CHECK_EQ(di_parser_feed(ps, "\n\n<", 3), DI_OK); // the prefilled text
+            for (int32_t i = 0; i < r.n; i++)
+                CHECK_EQ(di_parser_feed_token(ps, r.tokens[i]), DI_OK);
+            CHECK(di_parser_finished(ps));
+            CHECK_EQ(di_parser_end(ps, DI_PARSER_FINISH_STOP), DI_PARSER_FINISH_TOOL_CALLS);
+            di_parser_destroy(ps);
+        }
+        CHECK(c.n >= 1);
+        for (int k = 0; k < c.n && k < 4; k++) {
+            if (!strcmp(c.name[k], "get_weather")) {
+                CHECK(valid_weather_args(c.args[k]));
+            } else {
+                CHECK(!strcmp(c.name[k], "other"));
+                json_t *a = json_loads(c.args[k], 0, &je);
+                CHECK(json_is_object(a) && json_object_size(a) <= 1);
+                CHECK(json_object_size(a) == 0 || json_is_string(json_object_get(a, "q")));
+                json_decref(a);
+            }
+            printf("auto tool call %d: %s(%.80s)\n", k, c.name[k], c.args[k]);
+        }
+    } else {
+        CHECK(false); // the prompt must end with the prefilled "<"
+    }
+    if (e) check_clean(e);
+    di_engine_destroy(e);
+    di_grammar_destroy(g);
+    free(tools);
+    json_decref(req);
+    di_tok_free(text);
+    di_tok_free(ids);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_grammar_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -443,6 +526,7 @@ int main(void) {
     RUN(test_grammar_after);
     RUN(test_done_and_limit_error);
     RUN(test_named_tool_choice);
+    RUN(test_auto_after_dsml);
     di_grammar_vocab_destroy(g_gv);
     di_tokenizer_destroy(g_tok);
     char cmd[512];
