@@ -152,6 +152,7 @@ def test_responses_named(oai, stream):
         r = final
     else:
         r = oai.responses.create(**kw)
+    assert r.parallel_tool_calls is False  # echoed
     calls = [o for o in r.output if o.type == "function_call"]
     assert len(calls) == 1, r.output
     assert calls[0].name == "get_weather"

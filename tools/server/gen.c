@@ -166,6 +166,8 @@ srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req) {
     g->sp = di_sample_params_default();
     g->sp.temperature = 1.0f;
     g->top_logprobs = -1;
+    g->tool_parallel = true;
+    g->grammar_after = -1;
     g->created = (long)time(NULL);
     g->t_start = srv_now();
     g->t_last_out = g->t_start;
