@@ -19,7 +19,9 @@
 // schema with pattern, format or a length bound is written as string="false" JSON instead (the
 // converter enforces those on JSON strings); enum / const strings are their raw literals. Every
 // other parameter is string="false" with a JSON value of its schema (json_schema.c, whose $refs
-// resolve in the tool's parameters document).
+// resolve in the tool's parameters document). Parameters are the declared "properties" only: a
+// parameters document with a top-level $ref, anyOf/oneOf/allOf, patternProperties or a schema for
+// additionalProperties is refused rather than narrowed to no parameters.
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -144,6 +146,22 @@ static di_status tools_ebnf(const json_t *tools, const di_grammar_tools_options 
             st = DI_ERR_INVALID;
             break;
         }
+        // Parameters come from "properties" only: a document that defines them otherwise would
+        // be silently narrowed to no parameters, so it is refused.
+        static const char *const k_other[] = {
+            "$ref", "anyOf", "oneOf", "allOf", "patternProperties", "additionalProperties"};
+        for (size_t q = 0; q < sizeof k_other / sizeof k_other[0] && st == DI_OK; q++) {
+            const json_t *v = json_object_get(x->params, k_other[q]);
+            if (!v ||
+                (q == 5 && (json_is_boolean(v) || (json_is_object(v) && json_object_size(v) == 0))))
+                continue; // additionalProperties true/false/{}: only declared ones are written
+            snprintf(err, err_size,
+                     "tools[%zu] '%s' parameters: '%s' at the top level is not supported in a "
+                     "tool-call grammar (parameters are the declared 'properties')",
+                     i, x->name, k_other[q]);
+            st = DI_ERR_INVALID;
+        }
+        if (st != DI_OK) break;
         const char *key;
         const json_t *val;
         json_object_foreach((json_t *)props, key, val) {

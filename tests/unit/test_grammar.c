@@ -561,6 +561,26 @@ static void test_tool_grammars(void) {
     CHECK(strstr(err, "cannot be written in DSML") != NULL);
     CHECK(di_grammar_compile_tools(NULL, k_tools, strlen(k_tools), NULL, &g, err, sizeof err) ==
           DI_ERR_UNSUPPORTED);
+    // parameters defined other than by "properties" are refused (not narrowed to none)
+    const char *refd = "[{\"name\":\"a\",\"parameters\":{\"$ref\":\"#/$defs/A\",\"$defs\":{\"A\":"
+                       "{\"type\":\"object\"}}}}]";
+    CHECK(di_grammar_compile_tools(g_tok, refd, strlen(refd), NULL, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "'$ref' at the top level is not supported") != NULL);
+    const char *dict = "[{\"name\":\"a\",\"parameters\":{\"type\":\"object\","
+                       "\"additionalProperties\":{\"type\":\"string\"}}}]";
+    CHECK(di_grammar_compile_tools(g_tok, dict, strlen(dict), NULL, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "'additionalProperties' at the top level") != NULL);
+    const char *closed = "[{\"name\":\"a\",\"parameters\":{\"type\":\"object\",\"properties\":{"
+                         "\"x\":{\"type\":\"integer\"}},\"additionalProperties\":false}}]";
+    g = NULL;
+    CHECK(di_grammar_compile_tools(g_tok, closed, strlen(closed), NULL, &g, err, sizeof err) ==
+          DI_OK);
+    CHECK(g && accepts_dsml(g, "<｜DSML｜invoke name=\"a\">\n<｜DSML｜parameter name=\"x\" "
+                               "string=\"false\">-4</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+                               "</｜DSML｜tool_calls>"));
+    di_grammar_destroy(g);
 }
 
 // ---- regex vs PCRE2 ----
