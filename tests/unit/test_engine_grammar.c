@@ -333,7 +333,9 @@ static void on_parse(void *user, const di_parser_event *ev) {
     char *dst = ev->kind == DI_PARSER_EVENT_TOOL_NAME    ? c->name[c->n - 1]
                 : ev->kind == DI_PARSER_EVENT_ARGS_DELTA ? c->args[c->n - 1]
                                                          : NULL;
-    if (dst && strlen(dst) + ev->len < 1024 - 1) strncat(dst, ev->text, ev->len);
+    const size_t cap =
+        ev->kind == DI_PARSER_EVENT_TOOL_NAME ? sizeof c->name[0] : sizeof c->args[0];
+    if (dst && ev->len && strlen(dst) + ev->len < cap) strncat(dst, ev->text, ev->len);
 }
 
 // Bounded parameters (an enum raw string, a JSON string with maxLength, an integer range, a
