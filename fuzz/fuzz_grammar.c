@@ -1,5 +1,7 @@
 // libFuzzer target: the EBNF compiler (src/grammar/grammar.c) and the matcher. The input is
-// grammar text, then optionally a NUL byte and text to feed. Invariants: compile either succeeds
+// grammar text, then optionally a NUL byte and text to feed; in that text the byte 0x01 followed by
+// a byte k advances by token id k (token terminals `<[k]>`; no vocabulary, so only as terminals).
+// Invariants: compile either succeeds
 // or fails with DI_ERR_INVALID and a message; the matcher never crashes, a refused byte leaves
 // its state unchanged (can_end / n_stacks), and a limit ends in DI_ERR_UNSUPPORTED.
 #include <stdint.h>
@@ -19,7 +21,9 @@ static void run(const di_grammar *g, const uint8_t *text, size_t n) {
     for (size_t i = 0; i < n; i++) {
         bool end0 = di_grammar_matcher_can_end(m);
         int32_t s0 = di_grammar_matcher_n_stacks(m);
-        if (!di_grammar_matcher_advance(m, text + i, 1)) {
+        bool ok = text[i] == 1 && i + 1 < n ? di_grammar_matcher_advance_token(m, text[++i])
+                                            : di_grammar_matcher_advance(m, text + i, 1);
+        if (!ok) {
             if (di_grammar_matcher_status(m) != DI_OK) break;
             if (di_grammar_matcher_can_end(m) != end0 || di_grammar_matcher_n_stacks(m) != s0)
                 abort(); // a refused byte must not move the state

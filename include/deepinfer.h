@@ -265,6 +265,39 @@ enum {
 // Schema, the offset for a regex. DI_ERR_NOMEM.
 di_status di_grammar_compile(di_grammar_kind kind, const char *text, size_t n_text, uint32_t flags,
                              di_grammar **out, char *err, size_t err_size);
+// Tool calls (docs/structured-output.md "Tool calls"): a grammar over DSML tool-call blocks
+// (serving.md §1.6) built from a tool list, for the text that follows a prompt prefilled with the
+// block header ("\n\n<｜DSML｜tool_calls>\n", V4.1 "\n\n<｜DSML｜ calls>\n"): one or more
+// invokes of the listed tools, each parameter a declared property of the tool's JSON-schema
+// parameters (declared order, required ones present): string-typed ones as string="true" raw
+// text (no U+FF5C '｜'; an enum or const as its literal values), any other as string="false" and
+// a JSON value constrained by its schema; then the block's closing tag. DSML tags use the
+// tokenizer's ｜DSML｜ special token as a token terminal.
+typedef enum di_grammar_tools_start {
+    DI_GRAMMAR_TOOLS_AFTER_HEADER = 0, // after the prefilled "\n\n<｜DSML｜tool_calls>\n"
+    DI_GRAMMAR_TOOLS_AFTER_DSML = 1,   // after the first ｜DSML｜ token: "tool_calls>\n" ...
+                                       // (tool_choice auto, grammar_after = that token)
+    DI_GRAMMAR_TOOLS_BLOCK = 2, // the whole block: "\n"{0,2} "<" ｜DSML｜ "tool_calls>\n"...
+} di_grammar_tools_start;
+
+typedef struct di_grammar_tools_options {
+    const char *name;             // only this tool (a named tool_choice); NULL: any of the tools
+    bool parallel;                // several invokes (parallel_tool_calls); false: exactly one
+    int encoding;                 // 0 = dsv4 ("tool_calls", "invoke"), 1 = dsv41 (" calls", ...)
+    di_grammar_tools_start start; // where the grammar begins
+} di_grammar_tools_options;
+
+// tools_json: a JSON array of tools, each {"name", "parameters"} (Responses), {"type":
+// "function", "function": {"name", "parameters", "strict"?}} (Chat) or {"name", "input_schema"}
+// (Anthropic); "strict": true applies DI_GRAMMAR_FLAG_STRICT to that tool's schemas.
+// DI_ERR_INVALID with a reason in err (a schema the converter refuses, a name that DSML cannot
+// carry, an unknown o->name), DI_ERR_UNSUPPORTED (tok has no ｜DSML｜ token), DI_ERR_NOMEM.
+di_status di_grammar_compile_tools(const di_tokenizer *tok, const char *tools_json, size_t n,
+                                   const di_grammar_tools_options *o, di_grammar **out, char *err,
+                                   size_t err_size);
+// A grammar that accepts what a or b accepts (root ::= a | b), e.g. a response format or a tool
+// block. a and b are borrowed (copied). DI_ERR_INVALID (over the grammar limits), DI_ERR_NOMEM.
+di_status di_grammar_union(const di_grammar *a, const di_grammar *b, di_grammar **out);
 // Releases the caller's reference. NULL does nothing. Requests already submitted with g keep their
 // own reference (the grammar is freed when the last of them finishes).
 void di_grammar_destroy(di_grammar *g);

@@ -2,7 +2,8 @@
 // time of a typical JSON Schema, then a document is fed token by token (its own tokenization) and
 // the allowed-token mask is computed before every token, without the mask cache (a cold walk of
 // the vocabulary trie) and with it. Prints µs/token by where the document is (inside a string
-// value, or in structure: between keys, values, punctuation) and the overall mean. Not a test.
+// value, or in structure: between keys, values, punctuation) and the overall mean; then the same
+// for a DSML tool-call block under a tool grammar (three tools, two calls). Not a test.
 //
 //   build/bench_grammar [reps] [-v]
 #include <stdio.h>
@@ -39,6 +40,95 @@ static const char *k_doc =
     "\"address\": {\"street\": \"12 St James's Square\", \"city\": \"London\", \"zip\": "
     "\"12345\"}, \"active\": true, \"notes\": \"Wrote the first published algorithm intended "
     "for a machine; translated Menabrea's article and added her own notes.\"}";
+
+// A tool-call grammar (di_grammar_compile_tools): three tools, the block after the prefilled header
+// with two calls; ｜DSML｜ is the special token (a token terminal), the rest the text's own tokens.
+static const char *k_tools =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"
+    "\"object\",\"properties\":{\"location\":{\"type\":\"string\"},\"unit\":{\"type\":\"string\","
+    "\"enum\":[\"celsius\",\"fahrenheit\"]},\"days\":{\"type\":\"integer\",\"minimum\":1,"
+    "\"maximum\":14}},\"required\":[\"location\"]}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"search\",\"parameters\":{\"type\":\"object\","
+    "\"properties\":{\"query\":{\"type\":\"string\"},\"limit\":{\"type\":\"integer\"},\"filters\":"
+    "{\"type\":\"object\",\"properties\":{\"site\":{\"type\":\"string\"},\"lang\":{\"type\":"
+    "\"string\"}}}},\"required\":[\"query\"]}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"send_email\",\"parameters\":{\"type\":"
+    "\"object\",\"properties\":{\"to\":{\"type\":\"string\",\"format\":\"email\"},\"subject\":"
+    "{\"type\":\"string\"},\"body\":{\"type\":\"string\"}},\"required\":[\"to\",\"body\"]}}}]";
+
+static const char *k_block =
+    "<｜DSML｜invoke name=\"get_weather\">\n<｜DSML｜parameter name=\"location\" "
+    "string=\"true\">San Francisco, California</｜DSML｜parameter>\n<｜DSML｜parameter "
+    "name=\"unit\" string=\"true\">celsius</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke "
+    "name=\"search\">\n<｜DSML｜parameter name=\"query\" string=\"true\">best hiking trails near "
+    "the Golden Gate bridge</｜DSML｜parameter>\n<｜DSML｜parameter name=\"filters\" "
+    "string=\"false\">{\"site\": \"alltrails.com\", \"lang\": \"en\"}</｜DSML｜parameter>\n"
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+
+static int bench_tools(di_tokenizer *tok, const di_grammar_vocab *vocab, int reps) {
+    const int32_t dsml = di_tokenizer_token_id(tok, "｜DSML｜");
+    di_grammar *g = NULL;
+    char err[512];
+    double t0 = now();
+    for (int r = 0; r < 20; r++) {
+        di_grammar_destroy(g);
+        g = NULL;
+        if (di_grammar_compile_tools(tok, k_tools, strlen(k_tools), NULL, &g, err, sizeof err) !=
+            DI_OK) {
+            fprintf(stderr, "tools: %s\n", err);
+            return 1;
+        }
+    }
+    const double t_compile = (now() - t0) / 20;
+    int32_t ids[1024];
+    size_t n_ids = 0;
+    for (const char *s = k_block; *s;) {
+        const char *d = strstr(s, "｜DSML｜");
+        size_t n = d ? (size_t)(d - s) : strlen(s);
+        int32_t *piece = NULL;
+        size_t np = 0;
+        if (n && di_tokenizer_encode(tok, s, n, false, &piece, &np) != DI_OK) return 1;
+        for (size_t i = 0; i < np && n_ids < 1023; i++) ids[n_ids++] = piece[i];
+        di_tok_free(piece);
+        s += n;
+        if (d) ids[n_ids++] = dsml, s += strlen("｜DSML｜");
+    }
+    const int32_t V = di_tokenizer_n_vocab(tok);
+    uint64_t *mask = malloc(sizeof(uint64_t) * (size_t)((V + 63) / 64));
+    printf("tool grammar: 3 tools compiled in %.3f ms (%d rules); block: %zu tokens\n",
+           t_compile * 1e3, di_grammar_n_rules(g), n_ids);
+    for (int cached = 0; cached < 2; cached++) {
+        di_grammar_matcher_limits lim = di_grammar_matcher_limits_default();
+        if (!cached) lim.n_cache = 0;
+        double best = 1e30, max_us = 0;
+        for (int r = 0; r < reps; r++) {
+            di_grammar_matcher *m = NULL;
+            if (di_grammar_matcher_create(g, vocab, &lim, &m) != DI_OK) return 1;
+            double s_all = 0;
+            for (size_t i = 0; i < n_ids; i++) {
+                int32_t n_allowed = 0;
+                double a = now();
+                if (di_grammar_matcher_mask(m, mask, &n_allowed) != DI_OK) return 1;
+                double dt = now() - a;
+                s_all += dt;
+                if (dt * 1e6 > max_us) max_us = dt * 1e6;
+                if (!((mask[ids[i] >> 6] >> (ids[i] & 63)) & 1) ||
+                    !di_grammar_matcher_advance_token(m, ids[i])) {
+                    fprintf(stderr, "tool block token %zu refused\n", i);
+                    return 1;
+                }
+            }
+            if (!di_grammar_matcher_is_done(m)) fprintf(stderr, "tool block not complete\n");
+            di_grammar_matcher_destroy(m);
+            if (s_all < best) best = s_all;
+        }
+        printf("tool mask %-9s: %7.1f us/token mean (%zu tokens), slowest %.0f us\n",
+               cached ? "cache on" : "cache off", best / (double)n_ids * 1e6, n_ids, max_us);
+    }
+    free(mask);
+    di_grammar_destroy(g);
+    return 0;
+}
 
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 3;
@@ -132,6 +222,7 @@ int main(int argc, char **argv) {
     free(mask);
     di_tok_free(ids);
     di_grammar_destroy(g);
+    if (bench_tools(tok, vocab, reps)) return 1;
     di_grammar_vocab_destroy(vocab);
     di_tokenizer_destroy(tok);
     return 0;

@@ -4,10 +4,10 @@
 // `name ::=` starts; newlines are whitespace); alternatives separated by `|`; elements: "string"
 // literals (escapes \n \r \t \" \\ \' \[ \] \xHH \uHHHH \UHHHHHHHH; \x and \u name code points,
 // written as UTF-8), [classes] with ranges and [^negation], `.` (any code point), rule names
-// ([A-Za-z0-9_-]), ( groups ); postfix `*` `+` `?` `{m}` `{m,}` `{m,n}`; `#` comments to the end
-// of the line. The start rule is `root`. Unused rules are fine; undefined rules, left recursion
-// (direct or through nullable prefixes) and grammars over the limits of grammar.h are refused
-// with line:column.
+// ([A-Za-z0-9_-]), `<[id]>` (the one token id, as a unit: special tokens), ( groups ); postfix `*`
+// `+` `?` `{m}` `{m,}` `{m,n}`; `#` comments to the end of the line. The start rule is `root`.
+// Unused rules are fine; undefined rules, left recursion (direct or through nullable prefixes) and
+// grammars over the limits of grammar.h are refused with line:column.
 #include "grammar/grammar.h"
 
 #include <stdarg.h>
@@ -705,6 +705,27 @@ static void parse_seq(cc *c, seq *s, int depth) {
                 }
             }
             if (r != stackr) di_free(r);
+        } else if (ch == '<') {
+            // <[id]>: one token id, matched as a unit (a special token; see grammar.h)
+            int64_t id = -1;
+            c->i++;
+            if (c->i < c->n && c->s[c->i] == '[') {
+                c->i++;
+                for (size_t d0 = c->i; c->i < c->n && c->s[c->i] >= '0' && c->s[c->i] <= '9';) {
+                    id = (id < 0 ? 0 : id) * 10 + (c->s[c->i++] - '0');
+                    if (c->i - d0 > 10) break; // out of range below
+                }
+            }
+            if (id < 0 || c->n - c->i < 2 || c->s[c->i] != ']' || c->s[c->i + 1] != '>') {
+                fail_at(c, at, "expected a token terminal <[id]> (a token id in decimal)");
+                return;
+            }
+            if (id > 0x3fffffff) {
+                fail_at(c, at, "token id %lld is out of range", (long long)id);
+                return;
+            }
+            c->i += 2;
+            seq_push(c, s, CODE(DI_GRAMMAR_ELEM_TOKEN, id));
         } else if (ch == '.') {
             c->i++;
             range any = {0, 0x10FFFF};
@@ -818,7 +839,7 @@ static bool check(cc *c) {
                         break;
                     }
                     all = true;
-                } else if (t == DI_GRAMMAR_ELEM_BYTES || !nul[CODE_VAL(b[k])]) {
+                } else if (t != DI_GRAMMAR_ELEM_RULE || !nul[CODE_VAL(b[k])]) {
                     all = false;
                 }
             }
@@ -846,7 +867,7 @@ static bool check(cc *c) {
                 continue;
             }
             if (!lead) continue;
-            if (t == DI_GRAMMAR_ELEM_BYTES) {
+            if (t != DI_GRAMMAR_ELEM_RULE) {
                 lead = false;
                 continue;
             }
@@ -1124,4 +1145,62 @@ di_status di_grammar_compile(di_grammar_kind kind, const char *text, size_t n_te
     }
     di_buf_deinit(&b);
     return st;
+}
+
+di_status di_grammar_union(const di_grammar *a, const di_grammar *b, di_grammar **out) {
+    // b's rules, alternatives, elements and sets follow a's (indices shifted); a new rule `root`
+    // with the alternatives a.root and b.root comes last. Neither part can reach the new rule,
+    // so no left recursion appears.
+    const int64_t n_rules = (int64_t)a->n_rules + b->n_rules + 1;
+    const int64_t n_elems = (int64_t)a->n_elems + b->n_elems + 4;
+    if (n_rules > DI_GRAMMAR_MAX_RULES || n_elems > DI_GRAMMAR_MAX_ELEMS) return DI_ERR_INVALID;
+    di_grammar *g = di_calloc(1, sizeof *g);
+    if (!g) return DI_ERR_NOMEM;
+    atomic_init(&g->refs, 1);
+    g->n_rules = (int32_t)n_rules;
+    g->n_alts = a->n_alts + b->n_alts + 2;
+    g->n_elems = (int32_t)n_elems;
+    g->n_sets = a->n_sets + b->n_sets;
+    g->rule_names = di_calloc((size_t)n_rules, sizeof(char *));
+    g->alt_off = di_malloc(sizeof(int32_t) * ((size_t)n_rules + 1));
+    g->alts = di_malloc(sizeof(int32_t) * (size_t)g->n_alts);
+    g->elems = di_malloc(sizeof(di_grammar_elem) * (size_t)n_elems);
+    g->sets = di_malloc(sizeof *g->sets * (size_t)(g->n_sets + 1));
+    if (!g->rule_names || !g->alt_off || !g->alts || !g->elems || !g->sets) goto nomem;
+    for (int32_t r = 0; r < g->n_rules; r++) {
+        const char *nm = r < a->n_rules                ? a->rule_names[r]
+                         : r < a->n_rules + b->n_rules ? b->rule_names[r - a->n_rules]
+                                                       : "root";
+        size_t len = strlen(nm);
+        if (!(g->rule_names[r] = di_malloc(len + 1))) goto nomem;
+        memcpy(g->rule_names[r], nm, len + 1);
+    }
+    memcpy(g->sets, a->sets, sizeof *g->sets * (size_t)a->n_sets);
+    memcpy(g->sets + a->n_sets, b->sets, sizeof *g->sets * (size_t)b->n_sets);
+    memcpy(g->elems, a->elems, sizeof *g->elems * (size_t)a->n_elems);
+    for (int32_t i = 0; i < b->n_elems; i++) {
+        di_grammar_elem e = b->elems[i];
+        if (e.type == DI_GRAMMAR_ELEM_BYTES) e.val += a->n_sets;
+        if (e.type == DI_GRAMMAR_ELEM_RULE) e.val += a->n_rules;
+        g->elems[a->n_elems + i] = e;
+    }
+    const int32_t e0 = a->n_elems + b->n_elems;
+    g->elems[e0] = (di_grammar_elem){DI_GRAMMAR_ELEM_RULE, a->root};
+    g->elems[e0 + 1] = (di_grammar_elem){DI_GRAMMAR_ELEM_END, 0};
+    g->elems[e0 + 2] = (di_grammar_elem){DI_GRAMMAR_ELEM_RULE, a->n_rules + b->root};
+    g->elems[e0 + 3] = (di_grammar_elem){DI_GRAMMAR_ELEM_END, 0};
+    memcpy(g->alts, a->alts, sizeof(int32_t) * (size_t)a->n_alts);
+    for (int32_t i = 0; i < b->n_alts; i++) g->alts[a->n_alts + i] = b->alts[i] + a->n_elems;
+    g->alts[a->n_alts + b->n_alts] = e0;
+    g->alts[a->n_alts + b->n_alts + 1] = e0 + 2;
+    memcpy(g->alt_off, a->alt_off, sizeof(int32_t) * (size_t)a->n_rules);
+    for (int32_t r = 0; r <= b->n_rules; r++)
+        g->alt_off[a->n_rules + r] = b->alt_off[r] + a->n_alts;
+    g->alt_off[n_rules] = g->n_alts;
+    g->root = (int32_t)n_rules - 1;
+    *out = g;
+    return DI_OK;
+nomem:
+    di_grammar_destroy(g);
+    return DI_ERR_NOMEM;
 }

@@ -11,7 +11,9 @@
  *
  * Compiled form: rules, each a list of alternatives; an alternative is a run of elements in the
  * flat `elems` array ending with an END element. An element matches one byte out of a 256-bit set
- * (BYTES) or refers to a rule (RULE). Repetition and groups become generated rules (right
+ * (BYTES), refers to a rule (RULE), or matches one token id as a unit (TOKEN: EBNF `<[id]>`, how
+ * a grammar names a special token such as DSML's `｜DSML｜`; bytes never match it, it never
+ * matches bytes). Repetition and groups become generated rules (right
  * recursion for `*`, a chain of optional rules for `{m,n}`); left recursion is refused at compile
  * time, so expanding a rule always terminates.
  *
@@ -26,13 +28,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "base/buf.h" // di_buf
+#include "base/buf.h"  // di_buf
+#include "base/json.h" // json_t
 #include "deepinfer.h"
 
 enum {
     DI_GRAMMAR_ELEM_END = 0,   // end of an alternative
     DI_GRAMMAR_ELEM_BYTES = 1, // one byte out of sets[val]
     DI_GRAMMAR_ELEM_RULE = 2,  // rule val
+    DI_GRAMMAR_ELEM_TOKEN = 3, // the one token id val, as a unit (EBNF `<[id]>`: special tokens)
 };
 
 // Limits of the compiler (refused with a clear message beyond them).
@@ -43,7 +47,7 @@ enum {
 
 typedef struct di_grammar_elem {
     uint32_t type; // DI_GRAMMAR_ELEM_*
-    int32_t val;   // set index (BYTES), rule id (RULE)
+    int32_t val;   // set index (BYTES), rule id (RULE), token id (TOKEN)
 } di_grammar_elem;
 
 struct di_grammar {
@@ -80,6 +84,18 @@ di_status di_grammar_regex_to_ebnf(const char *re, size_t n, const char *prefix,
                                    di_buf *out, char *err, size_t err_size);
 di_status di_grammar_schema_to_ebnf(const char *schema, size_t n, bool strict, di_buf *out,
                                     char *err, size_t err_size);
+// Several JSON Schemas into one grammar text: JSON's shared rules once, then each item's rules
+// (names unique across the items); items[i].name receives the rule that matches item i. The rules
+// never define `root`. DI_ERR_INVALID with "JSON Schema at '#ptr': ..." in err.
+typedef struct di_grammar_schema_item {
+    const json_t *root;   // borrowed: the document the item's $refs resolve in
+    const json_t *schema; // borrowed: the (sub)schema to convert
+    const char *ptr;      // its JSON pointer in root, for messages ("" for root)
+    bool strict;          // DI_GRAMMAR_FLAG_STRICT for this item
+    char name[32];        // out
+} di_grammar_schema_item;
+di_status di_grammar_schemas_to_ebnf(di_grammar_schema_item *items, size_t n, di_buf *out,
+                                     char *err, size_t err_size);
 // The grammar of any JSON object (response_format json_object).
 const char *di_grammar_json_object_ebnf(void);
 
@@ -111,7 +127,9 @@ void di_grammar_matcher_copy(di_grammar_matcher *dst, const di_grammar_matcher *
 // Advances by n bytes: true if the grammar accepts them (the state moves), false if not (the
 // state is unchanged). A limit exceeded also returns false and sets the error status.
 bool di_grammar_matcher_advance(di_grammar_matcher *m, const void *bytes, size_t n);
-// Advances by token id's bytes (vocab required); special tokens are refused.
+// Advances by token id: by its bytes (vocab required) and, where a token terminal `<[id]>` for
+// it can come next, by that terminal (the union of both). A special token (no bytes in the
+// vocab) advances only through a token terminal.
 bool di_grammar_matcher_advance_token(di_grammar_matcher *m, int32_t token);
 // The text so far is a complete sentence of the grammar.
 bool di_grammar_matcher_can_end(const di_grammar_matcher *m);
@@ -120,8 +138,9 @@ bool di_grammar_matcher_is_done(const di_grammar_matcher *m);
 // DI_OK, or DI_ERR_UNSUPPORTED once a limit was exceeded (the matcher is then unusable).
 di_status di_grammar_matcher_status(const di_grammar_matcher *m);
 // Writes the allowed-token bitset (bit i of mask[i / 64]) over the vocabulary: the tokens whose
-// bytes the grammar accepts next. Special tokens are never set (the caller allows EOS when
-// can_end). *n_allowed gets the count. DI_ERR_UNSUPPORTED (a limit exceeded; mask undefined).
+// bytes the grammar accepts next, and the tokens of the token terminals that can come next.
+// Other special tokens are never set (the caller allows EOS when can_end). *n_allowed gets the
+// count. DI_ERR_UNSUPPORTED (a limit exceeded; mask undefined).
 di_status di_grammar_matcher_mask(di_grammar_matcher *m, uint64_t *mask, int32_t *n_allowed);
 // Stacks in the current state (tests, benchmarks).
 int32_t di_grammar_matcher_n_stacks(const di_grammar_matcher *m);

@@ -743,3 +743,24 @@ di_status di_grammar_schema_to_ebnf(const char *schema, size_t n, bool strict, d
     json_decref(root);
     return st;
 }
+
+di_status di_grammar_schemas_to_ebnf(di_grammar_schema_item *items, size_t n, di_buf *out,
+                                     char *err, size_t err_size) {
+    sc *c = di_calloc(1, sizeof *c);
+    if (!c) return DI_ERR_NOMEM;
+    c->out = out;
+    c->err = err;
+    c->err_size = err_size;
+    bput(c, out, JSON_COMMON);
+    // One context for all items: rule numbers and $ref ids (keyed by the target's address, so
+    // distinct documents never share one) are unique across them.
+    for (size_t i = 0; i < n && !c->failed; i++) {
+        c->root = items[i].root;
+        c->strict = items[i].strict;
+        gen(c, items[i].schema, items[i].ptr ? items[i].ptr : "", items[i].name);
+    }
+    di_status st = c->failed ? c->st : DI_OK;
+    if (st == DI_ERR_NOMEM && err && err_size) snprintf(err, err_size, "out of memory");
+    di_free(c);
+    return st;
+}

@@ -365,7 +365,7 @@ static void expand(di_grammar_matcher *m, int32_t r, int32_t ret) {
 // Puts the stack (pos, parent) into the level, normalised (expanding a rule reference at pos).
 static void place(di_grammar_matcher *m, int32_t pos, int32_t parent, int32_t existing) {
     const di_grammar_elem *e = &m->g->elems[pos];
-    if (e->type == DI_GRAMMAR_ELEM_BYTES) {
+    if (e->type == DI_GRAMMAR_ELEM_BYTES || e->type == DI_GRAMMAR_ELEM_TOKEN) {
         add_top(m, pos, parent, existing);
         return;
     }
@@ -389,21 +389,45 @@ static void level_begin(di_grammar_matcher *m) {
     m->work = 0;
 }
 
-// Builds the level after byte b from the tops in[0..n_in).
+// Puts the stacks that follow top t (its element matched) into the level being built.
+static void step_past(di_grammar_matcher *m, int32_t t) {
+    const di_grammar *g = m->g;
+    int32_t q = m->nodes[t].pos + 1, parent = m->nodes[t].parent;
+    if (g->elems[q].type != DI_GRAMMAR_ELEM_END)
+        place(m, q, parent, -1);
+    else if (parent < 0)
+        m->lvl_accept = true;
+    else
+        place(m, m->nodes[parent].pos, m->nodes[parent].parent, parent);
+}
+
+// Builds the level after byte b from the tops in[0..n_in) (token terminals never match a byte).
 static void step(di_grammar_matcher *m, const int32_t *in, int32_t n_in, uint8_t b) {
     const di_grammar *g = m->g;
     level_begin(m);
     for (int32_t i = 0; i < n_in && m->err == DI_OK; i++) {
-        const gnode *t = &m->nodes[in[i]];
-        if (!di_grammar_set_has(g->sets[g->elems[t->pos].val], b)) continue;
-        int32_t q = t->pos + 1, parent = t->parent;
-        if (g->elems[q].type != DI_GRAMMAR_ELEM_END)
-            place(m, q, parent, -1);
-        else if (parent < 0)
-            m->lvl_accept = true;
-        else
-            place(m, m->nodes[parent].pos, m->nodes[parent].parent, parent);
+        const di_grammar_elem *e = &g->elems[m->nodes[in[i]].pos];
+        if (e->type != DI_GRAMMAR_ELEM_BYTES || !di_grammar_set_has(g->sets[e->val], b)) continue;
+        step_past(m, in[i]);
     }
+}
+
+// Adds to the level being built the stacks after token terminal `token` from in[0..n_in).
+static void step_token(di_grammar_matcher *m, const int32_t *in, int32_t n_in, int32_t token) {
+    const di_grammar *g = m->g;
+    for (int32_t i = 0; i < n_in && m->err == DI_OK; i++) {
+        const di_grammar_elem *e = &g->elems[m->nodes[in[i]].pos];
+        if (e->type == DI_GRAMMAR_ELEM_TOKEN && e->val == token) step_past(m, in[i]);
+    }
+}
+
+// A committed top is the token terminal `token`.
+static bool token_next(const di_grammar_matcher *m, int32_t token) {
+    for (int32_t i = 0; i < m->n_tops; i++) {
+        const di_grammar_elem *e = &m->g->elems[m->nodes[m->tops[i]].pos];
+        if (e->type == DI_GRAMMAR_ELEM_TOKEN && e->val == token) return true;
+    }
+    return false;
 }
 
 // ---- create / copy ----
@@ -551,7 +575,37 @@ bool di_grammar_matcher_advance(di_grammar_matcher *m, const void *bytes, size_t
 bool di_grammar_matcher_advance_token(di_grammar_matcher *m, int32_t token) {
     size_t n = 0;
     const uint8_t *b = m->v ? di_grammar_vocab_token(m->v, token, &n) : NULL;
-    return b && di_grammar_matcher_advance(m, b, n);
+    if (m->err != DI_OK) return false;
+    if (!token_next(m, token)) return b && di_grammar_matcher_advance(m, b, n);
+    // By the token terminal, and (an ordinary token) by its bytes too: the union of both.
+    int32_t s_b = 0, n_b = 0;
+    bool acc_b = false;
+    if (b) {
+        int32_t in_start = 0, n_in = m->n_tops;
+        for (size_t i = 0; i < n && m->err == DI_OK; i++) {
+            step(m, m->tops + in_start, n_in, b[i]);
+            in_start = m->lvl_start, n_in = m->n_tops_used - m->lvl_start;
+            acc_b = m->lvl_accept;
+            if (n_in == 0 && !acc_b) break;
+        }
+        s_b = in_start, n_b = n_in;
+    }
+    if (m->err == DI_OK) {
+        level_begin(m);
+        for (int32_t i = 0; i < n_b && m->err == DI_OK; i++) {
+            const int32_t t = m->tops[s_b + i];
+            add_top(m, m->nodes[t].pos, m->nodes[t].parent, t);
+        }
+        m->lvl_accept = acc_b;
+        step_token(m, m->tops, m->n_tops, token);
+    }
+    if (m->err != DI_OK || (m->n_tops_used == m->lvl_start && !m->lvl_accept)) {
+        m->n_nodes_used = m->n_nodes;
+        m->n_tops_used = m->n_tops;
+        return false;
+    }
+    commit(m);
+    return true;
 }
 
 bool di_grammar_matcher_can_end(const di_grammar_matcher *m) {
@@ -640,7 +694,9 @@ static void descend(walk *w, int32_t x, int32_t start, int32_t n, uint64_t h, ui
         lv = own;
         memset(lv, 0, sizeof(uint64_t) * 4); // bytes some stack accepts next
         for (int32_t i = 0; i < n; i++) {
-            const uint64_t *s = g->sets[g->elems[m->nodes[m->tops[start + i]].pos].val];
+            const di_grammar_elem *e = &g->elems[m->nodes[m->tops[start + i]].pos];
+            if (e->type != DI_GRAMMAR_ELEM_BYTES) continue; // a token terminal: not in the trie
+            const uint64_t *s = g->sets[e->val];
             lv[0] |= s[0], lv[1] |= s[1], lv[2] |= s[2], lv[3] |= s[3];
         }
         // known [4..8), loop [8..12): from the cache, updated as bytes are tried
@@ -733,6 +789,12 @@ di_status di_grammar_matcher_mask(di_grammar_matcher *m, uint64_t *mask, int32_t
     m->n_nodes_used = m->n_nodes;
     m->n_tops_used = m->n_tops;
     if (m->err != DI_OK) return m->err;
+    for (int32_t i = 0; i < m->n_tops; i++) { // token terminals that can come next
+        const di_grammar_elem *e = &m->g->elems[m->nodes[m->tops[i]].pos];
+        if (e->type != DI_GRAMMAR_ELEM_TOKEN || e->val >= v->n_vocab) continue;
+        uint64_t *wd = &mask[e->val >> 6], bit = 1ull << (e->val & 63);
+        if (!(*wd & bit)) *wd |= bit, w.n_allowed++;
+    }
     *n_allowed = w.n_allowed;
     if (m->cache) {
         int32_t i = m->cache_next;

@@ -192,7 +192,10 @@ static json_t *from_responses(const json_t *req) {
         json_object_set_new(out, "tools", ot);
     }
     const json_t *tc = json_object_get(req, "tool_choice");
-    if (json_is_string(tc)) json_object_set(out, "tool_choice", (json_t *)tc);
+    if (json_is_string(tc))
+        json_object_set(out, "tool_choice", (json_t *)tc);
+    else if (json_is_object(tc)) // a named function: forced like required (header prefill)
+        json_object_set_new(out, "tool_choice", json_string("required"));
     const json_t *fmt = json_object_get(json_object_get(req, "text"), "format");
     const char *ft = json_string_value(json_object_get(fmt, "type"));
     if (ft && !strcmp(ft, "json_object")) {

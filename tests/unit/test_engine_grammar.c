@@ -4,7 +4,10 @@
 // preempted (a tiny KV budget);
 // grammar_after leaves the tokens up to the trigger unconstrained; a grammar that is done finishes
 // the request with DI_FINISH_STOP; a matcher limit ends just that request with an error; the step
-// path allocates nothing. The weights are random: the grammar is what makes the output valid.
+// path allocates nothing; a named tool_choice (tool grammar after the prefilled block header)
+// gives a block that the output parser turns into one call whose arguments satisfy the schema;
+// tool_choice auto (grammar_after = ｜DSML｜) constrains the text after that token to a block. The
+// weights are random: the grammar is what makes the output valid.
 #include "harness.h"
 
 #include <jansson.h>
@@ -51,18 +54,22 @@ static const char *tok_bytes(void *user, int32_t id, size_t *n) {
     return di_tokenizer_token_bytes(g_tok, id, n);
 }
 
-static di_engine *engine_kv(size_t kv_bytes) {
+static di_engine *engine_kv_ctx(size_t kv_bytes, int32_t max_ctx) {
     di_engine_options o = di_engine_options_default();
     o.n_threads = 2;
     o.kv_memory_bytes = kv_bytes;
     o.max_seqs = 8;
     o.max_batch_tokens = 64;
-    o.max_ctx = 640;
+    o.max_ctx = max_ctx;
     o.grammar_vocab = g_gv;
     o.token_bytes = tok_bytes;
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     return e;
+}
+
+static di_engine *engine_kv(size_t kv_bytes) {
+    return engine_kv_ctx(kv_bytes, 640);
 }
 
 static di_engine *engine(void) {
@@ -311,6 +318,215 @@ out:
     di_grammar_destroy(deep);
 }
 
+// ---- tool calls: a named tool_choice (the prompt ends in the block header) ----
+
+typedef struct calls_out {
+    char name[4][64];
+    char args[4][1024];
+    int n;
+} calls_out;
+
+static void on_parse(void *user, const di_parser_event *ev) {
+    calls_out *c = user;
+    if (ev->kind == DI_PARSER_EVENT_TOOL_CALL_BEGIN && c->n < 4) c->n++;
+    if (c->n == 0 || c->n > 4) return;
+    char *dst = ev->kind == DI_PARSER_EVENT_TOOL_NAME    ? c->name[c->n - 1]
+                : ev->kind == DI_PARSER_EVENT_ARGS_DELTA ? c->args[c->n - 1]
+                                                         : NULL;
+    const size_t cap =
+        ev->kind == DI_PARSER_EVENT_TOOL_NAME ? sizeof c->name[0] : sizeof c->args[0];
+    if (dst && ev->len && strlen(dst) + ev->len < cap) strncat(dst, ev->text, ev->len);
+}
+
+// Bounded parameters (an enum raw string, a JSON string with maxLength, an integer range, a
+// nested object), so a random model finishes the block within max_tokens.
+static const char *k_tool_req =
+    "{\"model\":\"m\",\"thinking\":{\"type\":\"disabled\"},\"messages\":[{\"role\":\"user\","
+    "\"content\":\"Weather?\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"other\","
+    "\"parameters\":{\"type\":\"object\",\"properties\":{\"q\":{\"type\":\"string\"}}}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"
+    "\"object\",\"properties\":{\"unit\":{\"type\":\"string\",\"enum\":[\"celsius\","
+    "\"fahrenheit\"]},\"city\":{\"type\":\"string\",\"maxLength\":8},\"days\":{\"type\":"
+    "\"integer\",\"minimum\":1,\"maximum\":7},\"opts\":{\"type\":\"object\",\"properties\":{"
+    "\"hourly\":{\"type\":\"boolean\"}},\"required\":[\"hourly\"],\"additionalProperties\":false}},"
+    "\"required\":[\"unit\",\"city\",\"days\"],\"additionalProperties\":false}}}],"
+    "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}}";
+
+static bool valid_weather_args(const char *args) {
+    json_error_t je;
+    json_t *a = json_loads(args, 0, &je);
+    bool ok = json_is_object(a);
+    const json_t *unit = json_object_get(a, "unit"), *city = json_object_get(a, "city");
+    const json_t *days = json_object_get(a, "days"), *opts = json_object_get(a, "opts");
+    ok = ok && json_is_string(unit) &&
+         (!strcmp(json_string_value(unit), "celsius") ||
+          !strcmp(json_string_value(unit), "fahrenheit"));
+    ok = ok && json_is_string(city) && json_string_length(city) <= 8 * 4; // ≤ 8 characters
+    ok = ok && json_is_integer(days) && json_integer_value(days) >= 1 &&
+         json_integer_value(days) <= 7;
+    if (ok && opts)
+        ok = json_is_object(opts) && json_object_size(opts) == 1 &&
+             json_is_boolean(json_object_get(opts, "hourly"));
+    ok = ok && json_object_size(a) == (opts ? 4u : 3u);
+    if (!ok) fprintf(stderr, "arguments do not satisfy the schema: %s\n", args);
+    json_decref(a);
+    return ok;
+}
+
+static void test_named_tool_choice(void) {
+    char *text = NULL;
+    int32_t *ids = NULL;
+    size_t n_text = 0, n_ids = 0;
+    di_render_options ro = di_render_options_default();
+    CHECK_EQ(di_render_request(g_tok, k_tool_req, strlen(k_tool_req), DI_RENDER_API_CHAT, &ro,
+                               &text, &n_text, &ids, &n_ids),
+             DI_OK);
+    // the prompt ends in the block header (serving.md §1.4): the grammar applies from token one
+    static const char hdr[] = "\n\n<｜DSML｜tool_calls>\n";
+    CHECK(text && n_text > sizeof hdr && !strcmp(text + n_text - (sizeof hdr - 1), hdr));
+    json_error_t je;
+    json_t *req = json_loads(k_tool_req, 0, &je);
+    char *tools = json_dumps(json_object_get(req, "tools"), JSON_COMPACT);
+    di_grammar_tools_options o = {.name = "get_weather", .parallel = false};
+    di_grammar *g = NULL;
+    char err[512];
+    CHECK_EQ(di_grammar_compile_tools(g_tok, tools, strlen(tools), &o, &g, err, sizeof err), DI_OK);
+    // The V4.1 spelling (" invoke", " parameter", " calls") on the third run: the parser reads
+    // both (the tiny V4 model's prompt keeps the V4 header; only the output is checked).
+    di_grammar *g41 = NULL;
+    o.encoding = 1;
+    CHECK_EQ(di_grammar_compile_tools(g_tok, tools, strlen(tools), &o, &g41, err, sizeof err),
+             DI_OK);
+    printf("tool prompt: %zu tokens\n", n_ids);
+    di_engine *e = engine_kv_ctx(64u << 20, 2048);
+    for (int k = 0; k < 3 && g && e && ids; k++) {
+        result r = {0};
+        di_request_params p = di_request_params_default();
+        p.prompt = ids;
+        p.n_prompt = (int32_t)n_ids;
+        p.max_tokens = 400;
+        p.grammar = k == 2 ? g41 : g;
+        p.on_event = on_event;
+        p.user = &r;
+        if (k) p.sample.temperature = 1.0f, p.sample.seed = 40 + (uint64_t)k;
+        uint64_t id;
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+        di_engine_wait_idle(e);
+        CHECK_EQ(r.finish, DI_FINISH_STOP); // the grammar is done after the block's closing tag
+        calls_out c = {0};
+        di_parser *ps = NULL;
+        CHECK_EQ(di_parser_create(g_tok, DI_PARSER_STAGE_TOOL_CALLS, true, false, NULL, 0, on_parse,
+                                  &c, &ps),
+                 DI_OK);
+        for (int32_t i = 0; ps && i < r.n; i++)
+            CHECK_EQ(di_parser_feed_token(ps, r.tokens[i]), DI_OK);
+        CHECK(ps && di_parser_finished(ps));
+        CHECK_EQ(di_parser_end(ps, DI_PARSER_FINISH_STOP), DI_PARSER_FINISH_TOOL_CALLS);
+        di_parser_destroy(ps);
+        CHECK_EQ(c.n, 1);
+        CHECK(!strcmp(c.name[0], "get_weather"));
+        CHECK(valid_weather_args(c.args[0]));
+        printf("named tool call (%s): %s(%s), %d tokens\n",
+               k == 2 ? "seeded, V4.1 spelling"
+               : k    ? "seeded"
+                      : "greedy",
+               c.name[0], c.args[0], (int)r.n);
+        r.text[r.n_text < sizeof r.text ? r.n_text : sizeof r.text - 1] = 0;
+        CHECK((strstr(r.text, "</｜DSML｜ invoke>") != NULL) == (k == 2));
+        CHECK((strstr(r.text, "</｜DSML｜invoke>") != NULL) == (k != 2));
+    }
+    if (e) check_clean(e);
+    di_engine_destroy(e);
+    di_grammar_destroy(g);
+    di_grammar_destroy(g41);
+    free(tools);
+    json_decref(req);
+    di_tok_free(text);
+    di_tok_free(ids);
+}
+
+// tool_choice auto: unconstrained until the model writes ｜DSML｜ (grammar_after), then the rest
+// must be a valid block. The prompt ends with "<" and a logit bias makes ｜DSML｜ the first
+// token (a random model would practically never write it); what follows is the grammar's.
+static void test_auto_after_dsml(void) {
+    char *text = NULL;
+    int32_t *ids = NULL;
+    size_t n_text = 0, n_ids = 0;
+    static const char req_auto[] =
+        "{\"model\":\"m\",\"thinking\":{\"type\":\"disabled\"},\"messages\":[{\"role\":\"user\","
+        "\"content\":\"Weather?\"},{\"role\":\"assistant\",\"content\":\"\\n\\n<\",\"prefix\":"
+        "true}]}";
+    di_render_options ro = di_render_options_default();
+    CHECK_EQ(di_render_request(g_tok, req_auto, strlen(req_auto), DI_RENDER_API_CHAT, &ro, &text,
+                               &n_text, &ids, &n_ids),
+             DI_OK);
+    json_error_t je;
+    json_t *req = json_loads(k_tool_req, 0, &je);
+    char *tools = json_dumps(json_object_get(req, "tools"), JSON_COMPACT);
+    di_grammar_tools_options o = {.parallel = true, .start = DI_GRAMMAR_TOOLS_AFTER_DSML};
+    di_grammar *g = NULL;
+    char err[512];
+    CHECK_EQ(di_grammar_compile_tools(g_tok, tools, strlen(tools), &o, &g, err, sizeof err), DI_OK);
+    const int32_t dsml = di_tokenizer_token_id(g_tok, "｜DSML｜");
+    di_engine *e = engine_kv_ctx(64u << 20, 2048);
+    if (g && e && ids && n_text > 0 && text[n_text - 1] == '<') {
+        result r = {0};
+        di_logit_bias bias = {.token = dsml, .bias = 100.0f};
+        di_request_params p = di_request_params_default();
+        p.prompt = ids;
+        p.n_prompt = (int32_t)n_ids;
+        p.max_tokens = 600;
+        p.grammar = g;
+        p.grammar_after = dsml;
+        p.sample.temperature = 1.0f;
+        p.sample.seed = 77;
+        p.sample.logit_bias = &bias;
+        p.sample.n_logit_bias = 1;
+        p.on_event = on_event;
+        p.user = &r;
+        uint64_t id;
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+        di_engine_wait_idle(e);
+        CHECK_EQ(r.finish, DI_FINISH_STOP);
+        CHECK(r.n > 1 && r.tokens[0] == dsml);
+        calls_out c = {0};
+        di_parser *ps = NULL;
+        CHECK_EQ(di_parser_create(g_tok, DI_PARSER_STAGE_CONTENT, true, false, NULL, 0, on_parse,
+                                  &c, &ps),
+                 DI_OK);
+        if (ps) {
+            CHECK_EQ(di_parser_feed(ps, "\n\n<", 3), DI_OK); // the prefilled text
+            for (int32_t i = 0; i < r.n; i++)
+                CHECK_EQ(di_parser_feed_token(ps, r.tokens[i]), DI_OK);
+            CHECK(di_parser_finished(ps));
+            CHECK_EQ(di_parser_end(ps, DI_PARSER_FINISH_STOP), DI_PARSER_FINISH_TOOL_CALLS);
+            di_parser_destroy(ps);
+        }
+        CHECK(c.n >= 1);
+        for (int k = 0; k < c.n && k < 4; k++) {
+            if (!strcmp(c.name[k], "get_weather")) {
+                CHECK(valid_weather_args(c.args[k]));
+            } else {
+                CHECK(!strcmp(c.name[k], "other"));
+                json_t *a = json_loads(c.args[k], 0, &je);
+                CHECK(json_is_object(a) && json_object_size(a) <= 1);
+                CHECK(json_object_size(a) == 0 || json_is_string(json_object_get(a, "q")));
+                json_decref(a);
+            }
+            printf("auto tool call %d: %s(%.80s)\n", k, c.name[k], c.args[k]);
+        }
+    } else {
+        CHECK(false); // the prompt must end with the prefilled "<"
+    }
+    if (e) check_clean(e);
+    di_engine_destroy(e);
+    di_grammar_destroy(g);
+    free(tools);
+    json_decref(req);
+    di_tok_free(text);
+    di_tok_free(ids);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_grammar_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -324,6 +540,8 @@ int main(void) {
     RUN(test_preemption);
     RUN(test_grammar_after);
     RUN(test_done_and_limit_error);
+    RUN(test_named_tool_choice);
+    RUN(test_auto_after_dsml);
     di_grammar_vocab_destroy(g_gv);
     di_tokenizer_destroy(g_tok);
     char cmd[512];

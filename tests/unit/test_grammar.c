@@ -190,7 +190,9 @@ static void test_limits(void) {
 
 // ---- masks vs brute force on the real vocabulary ----
 
-static void check_mask(const di_grammar *g, const char *prefix) {
+// The mask after prefix (bytes) then toks[0..n_toks) (token ids) equals brute force.
+static void check_mask_toks(const di_grammar *g, const char *prefix, const int32_t *toks,
+                            int n_toks) {
     di_grammar_matcher *m = NULL, *c = NULL;
     CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &m) == DI_OK);
     CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &c) == DI_OK);
@@ -198,6 +200,13 @@ static void check_mask(const di_grammar *g, const char *prefix) {
     for (const char *p = prefix; *p; p++) {
         if (!di_grammar_matcher_advance(m, p, 1)) {
             fprintf(stderr, "prefix '%s' refused at %zu\n", prefix, (size_t)(p - prefix));
+            CHECK(false);
+            goto out;
+        }
+    }
+    for (int i = 0; i < n_toks; i++) {
+        if (!di_grammar_matcher_advance_token(m, toks[i])) {
+            fprintf(stderr, "prefix '%s': token %d refused\n", prefix, (int)toks[i]);
             CHECK(false);
             goto out;
         }
@@ -237,6 +246,10 @@ out:
     di_grammar_matcher_destroy(c);
 }
 
+static void check_mask(const di_grammar *g, const char *prefix) {
+    check_mask_toks(g, prefix, NULL, 0);
+}
+
 static void test_mask_brute_force(void) {
     if (!g_vocab) return;
     const char *schema =
@@ -273,6 +286,300 @@ static void test_mask_brute_force(void) {
         check_mask(g, "\xce");
         check_mask(g, "  ");
     }
+    di_grammar_destroy(g);
+}
+
+// Token terminals <[id]>: a special token as a unit. Bytes never match one, it never matches
+// bytes; masks set its bit exactly when it can come next (brute force advances every id).
+static void test_token_terminals(void) {
+    expect_error("root ::= <[12a]>", "1:10: expected a token terminal <[id]>");
+    expect_error("root ::= <12>", "expected a token terminal");
+    expect_error("root ::= <[99999999999]>", "out of range");
+    // A token terminal consumes input: this is not left-recursive; the next one is.
+    di_grammar *g = compile(DI_GRAMMAR_KIND_EBNF, "root ::= <[7]>? x\nx ::= <[7]> x | \"a\"", 0);
+    CHECK(g != NULL);
+    di_grammar_destroy(g);
+    expect_error("root ::= x\nx ::= y? x <[7]> | \"b\"\ny ::= \"c\"", "left-recursive");
+    if (!g_vocab) return;
+    const int32_t dsml = 128825, eos = 1;
+    size_t nb = 0;
+    const char *dsml_text = di_tokenizer_token_bytes(g_tok, dsml, &nb);
+    CHECK(dsml_text && nb == strlen("｜DSML｜") && !memcmp(dsml_text, "｜DSML｜", nb));
+    CHECK(di_grammar_vocab_token(g_vocab, dsml, &nb) == NULL); // special: not in the trie
+    // The DSML terminal beside the same text spelled in bytes; EOS as a terminal; token 100 (an
+    // ordinary token) as a terminal too: it advances by its bytes or as the terminal (the union).
+    char text[512];
+    size_t n100 = 0;
+    const char *t100 = di_tokenizer_token_bytes(g_tok, 100, &n100);
+    CHECK(t100 && n100 > 0);
+    snprintf(text, sizeof text,
+             "root ::= \"<\" <[%d]> \"tool_calls>\" body | \"<tool\" [a-z_]* | \"<\" \"｜DSML｜\" "
+             "\"x\" | <[%d]> \"x\" | <[%d]> \"y\" | [!-~]+\nbody ::= \"\\n\" <[%d]>? \"z\"",
+             dsml, eos, 100, dsml);
+    g = compile(DI_GRAMMAR_KIND_EBNF, text, 0);
+    CHECK(g != NULL);
+    if (!g) return;
+    const int32_t t_dsml[] = {dsml}, t_eos[] = {eos}, t_100[] = {100};
+    check_mask(g, "");
+    check_mask(g, "<");
+    check_mask_toks(g, "<", t_dsml, 1);
+    check_mask(g, "<tool_calls");
+    check_mask_toks(g, "", t_eos, 1);
+    check_mask_toks(g, "", t_100, 1);
+    {
+        di_grammar_matcher *m = NULL;
+        CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &m) == DI_OK);
+        if (m) {
+            CHECK(di_grammar_matcher_advance(m, "<", 1));
+            CHECK(di_grammar_matcher_advance_token(m, dsml));
+            CHECK(!di_grammar_matcher_advance_token(m, dsml)); // bytes expected next
+            CHECK(!di_grammar_matcher_advance(m, "x", 1));     // the text branch is gone
+            CHECK(di_grammar_matcher_advance(m, "tool_calls>\n", 12));
+            di_grammar_matcher *c = NULL;
+            CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &c) == DI_OK);
+            if (c) {
+                di_grammar_matcher_copy(c, m);
+                CHECK(di_grammar_matcher_advance(c, "z", 1)); // the terminal is optional
+                CHECK(di_grammar_matcher_is_done(c));
+                di_grammar_matcher_destroy(c);
+            }
+            CHECK(di_grammar_matcher_advance_token(m, dsml));
+            CHECK(!di_grammar_matcher_can_end(m));
+            CHECK(di_grammar_matcher_advance(m, "z", 1));
+            CHECK(di_grammar_matcher_is_done(m));
+            di_grammar_matcher_destroy(m);
+        }
+        // The same text in bytes is the other branch, never the terminal.
+        m = NULL;
+        CHECK(di_grammar_matcher_create(g, g_vocab, NULL, &m) == DI_OK);
+        if (m) {
+            CHECK(di_grammar_matcher_advance(m, "<｜DSML｜", strlen("<｜DSML｜")));
+            CHECK(!di_grammar_matcher_advance(m, "tool_calls>", 11));
+            CHECK(di_grammar_matcher_advance(m, "x", 1));
+            CHECK(di_grammar_matcher_is_done(m));
+            di_grammar_matcher_destroy(m);
+        }
+    }
+    di_grammar_destroy(g);
+}
+
+// ---- tool-call grammars (tools.c) ----
+
+// Whether g accepts exactly s, where each "｜DSML｜" in s is the special token (a token terminal)
+// and everything else is bytes.
+static bool accepts_dsml(const di_grammar *g, const char *s) {
+    const int32_t dsml = di_tokenizer_token_id(g_tok, "｜DSML｜");
+    di_grammar_matcher *m = NULL;
+    if (di_grammar_matcher_create(g, g_vocab, NULL, &m) != DI_OK) return false;
+    bool ok = true;
+    while (ok && *s) {
+        const char *d = strstr(s, "｜DSML｜");
+        size_t n = d ? (size_t)(d - s) : strlen(s);
+        for (size_t i = 0; i < n && ok; i++) ok = di_grammar_matcher_advance(m, s + i, 1);
+        s += n;
+        if (ok && d) {
+            ok = di_grammar_matcher_advance_token(m, dsml);
+            s += strlen("｜DSML｜");
+        }
+    }
+    ok = ok && di_grammar_matcher_can_end(m);
+    di_grammar_matcher_destroy(m);
+    return ok;
+}
+
+static di_grammar *tools_grammar(const char *tools, const char *name, bool parallel, int enc) {
+    di_grammar_tools_options o = {.name = name, .parallel = parallel, .encoding = enc};
+    di_grammar *g = NULL;
+    char err[512] = "";
+    di_status st = di_grammar_compile_tools(g_tok, tools, strlen(tools), &o, &g, err, sizeof err);
+    if (st != DI_OK) fprintf(stderr, "tools grammar: %s\n", err);
+    return g;
+}
+
+static const char k_tools[] =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"
+    "\"object\",\"properties\":{\"location\":{\"type\":\"string\"},\"unit\":{\"type\":\"string\","
+    "\"enum\":[\"c\",\"f\"]},\"days\":{\"type\":\"integer\",\"minimum\":1,\"maximum\":7}},"
+    "\"required\":[\"location\"]}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"search\",\"parameters\":{\"type\":\"object\","
+    "\"properties\":{\"query\":{\"type\":\"string\",\"maxLength\":20},\"filters\":{\"type\":"
+    "\"object\",\"properties\":{\"site\":{\"type\":\"string\"}},\"required\":[\"site\"],"
+    "\"additionalProperties\":false}},\"required\":[\"query\",\"filters\"]}}},"
+    "{\"name\":\"now\",\"input_schema\":{\"type\":\"object\"}}]";
+
+#define W_OPEN "<｜DSML｜invoke name=\"get_weather\">\n"
+#define W_LOC                                                                                      \
+    "<｜DSML｜parameter name=\"location\" string=\"true\">Beijing, 北京</｜DSML｜parameter>"
+#define W_UNIT "<｜DSML｜parameter name=\"unit\" string=\"true\">c</｜DSML｜parameter>"
+#define W_DAYS "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>"
+#define I_CLOSE "\n</｜DSML｜invoke>"
+#define B_CLOSE "\n</｜DSML｜tool_calls>"
+#define S_CALL                                                                                     \
+    "<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter name=\"query\" "                     \
+    "string=\"false\">\"deep \\\"infer\\\"\"</｜DSML｜parameter>\n<｜DSML｜parameter "         \
+    "name=\"filters\" string=\"false\">{\"site\": \"x.org\"}</｜DSML｜parameter>" I_CLOSE
+#define N_CALL "<｜DSML｜invoke name=\"now\">\n\n</｜DSML｜invoke>"
+
+static void test_tool_grammars(void) {
+    if (!g_tok) return;
+    di_grammar *g = tools_grammar(k_tools, NULL, true, 0);
+    CHECK(g != NULL);
+    if (g) {
+        CHECK(accepts_dsml(g, W_OPEN W_LOC I_CLOSE B_CLOSE));
+        CHECK(accepts_dsml(g, W_OPEN W_LOC "\n" W_UNIT "\n" W_DAYS I_CLOSE B_CLOSE));
+        CHECK(accepts_dsml(g, W_OPEN W_LOC "\n" W_DAYS I_CLOSE "\n" S_CALL "\n" N_CALL B_CLOSE));
+        CHECK(accepts_dsml(g, S_CALL B_CLOSE));
+        CHECK(accepts_dsml(g, N_CALL B_CLOSE));
+        // refused: an unknown tool, a missing required parameter, an undeclared one, declared
+        // order broken, a value outside its schema, the wrong string= form, '｜' in a raw value,
+        // a tag spelled in text, no closing tag, text after the block
+        CHECK(!accepts_dsml(g, "<｜DSML｜invoke name=\"get_wether\">\n" W_LOC I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_UNIT I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC "\n<｜DSML｜parameter name=\"city\" string=\"true\">x"
+                                            "</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC "\n" W_DAYS "\n" W_UNIT I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC "\n<｜DSML｜parameter name=\"days\" string=\"false\">"
+                                            "9</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC "\n<｜DSML｜parameter name=\"unit\" string=\"true\">"
+                                            "k</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN "<｜DSML｜parameter name=\"location\" string=\"false\">"
+                                      "\"x\"</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN "<｜DSML｜parameter name=\"location\" string=\"true\">"
+                                      "a｜b</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g,
+                            "<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter name=\"query\" "
+                            "string=\"false\">\"abc\"</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g,
+                            "<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter name=\"query\" "
+                            "string=\"false\">\"0123456789012345678901\"</｜DSML｜parameter>\n"
+                            "<｜DSML｜parameter name=\"filters\" string=\"false\">{\"site\": "
+                            "\"x\"}</｜DSML｜parameter>" I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE B_CLOSE "\n"));
+        CHECK(!accepts_dsml(g, "<|DSML|invoke name=\"now\">\n\n</｜DSML｜invoke>" B_CLOSE));
+        CHECK(!accepts_dsml(g, ""));
+        // The text spelling of the token is refused where a tag goes (accepts_n: bytes only).
+        const char *as_text = N_CALL B_CLOSE;
+        CHECK(!accepts_n(g, as_text, strlen(as_text)));
+        // masks equal brute force inside a tool grammar (tag positions, a raw value, JSON)
+        const int32_t dsml = di_tokenizer_token_id(g_tok, "｜DSML｜");
+        const int32_t t1[] = {dsml};
+        check_mask(g, "");
+        check_mask(g, "<");
+        check_mask_toks(g, "<", t1, 1);
+        check_mask(g, "");
+        di_grammar_destroy(g);
+    }
+    // parallel_tool_calls false: exactly one invoke
+    g = tools_grammar(k_tools, NULL, false, 0);
+    CHECK(g != NULL);
+    if (g) {
+        CHECK(accepts_dsml(g, N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, N_CALL "\n" N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE "\n" N_CALL B_CLOSE));
+        di_grammar_destroy(g);
+    }
+    // a named tool: only that one
+    g = tools_grammar(k_tools, "get_weather", true, 0);
+    CHECK(g != NULL);
+    if (g) {
+        CHECK(accepts_dsml(g, W_OPEN W_LOC I_CLOSE B_CLOSE));
+        CHECK(accepts_dsml(g, W_OPEN W_LOC I_CLOSE "\n" W_OPEN W_LOC "\n" W_UNIT I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE "\n" N_CALL B_CLOSE));
+        di_grammar_destroy(g);
+    }
+    // V4.1 spelling: " calls", " invoke", " parameter"
+    g = tools_grammar(k_tools, "get_weather", false, 1);
+    CHECK(g != NULL);
+    if (g) {
+        CHECK(accepts_dsml(g, "<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter "
+                              "name=\"location\" string=\"true\">Paris</｜DSML｜ parameter>\n"
+                              "</｜DSML｜ invoke>\n</｜DSML｜ calls>"));
+        CHECK(!accepts_dsml(g, W_OPEN W_LOC I_CLOSE B_CLOSE));
+        di_grammar_destroy(g);
+    }
+    // where the grammar starts: after the first ｜DSML｜ token (tool_choice auto), the whole block
+    // (in a union with a response format)
+    di_grammar_tools_options os = {.parallel = true, .start = DI_GRAMMAR_TOOLS_AFTER_DSML};
+    g = NULL;
+    CHECK(di_grammar_compile_tools(g_tok, k_tools, strlen(k_tools), &os, &g, NULL, 0) == DI_OK);
+    if (g) {
+        CHECK(accepts_dsml(g, "tool_calls>\n" N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, N_CALL B_CLOSE));
+        di_grammar_destroy(g);
+    }
+    os.start = DI_GRAMMAR_TOOLS_BLOCK;
+    di_grammar *blk = NULL;
+    CHECK(di_grammar_compile_tools(g_tok, k_tools, strlen(k_tools), &os, &blk, NULL, 0) == DI_OK);
+    di_grammar *fmt = compile(DI_GRAMMAR_KIND_JSON_SCHEMA,
+                              "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},"
+                              "\"required\":[\"a\"],\"additionalProperties\":false}",
+                              0);
+    g = NULL;
+    CHECK(blk && fmt && di_grammar_union(fmt, blk, &g) == DI_OK);
+    if (g) {
+        CHECK(accepts_dsml(g, "{\"a\": 12}"));
+        CHECK(accepts_dsml(g, "\n\n<｜DSML｜tool_calls>\n" N_CALL B_CLOSE));
+        CHECK(accepts_dsml(g, "<｜DSML｜tool_calls>\n" W_OPEN W_LOC I_CLOSE B_CLOSE));
+        CHECK(!accepts_dsml(g, "\n\n\n<｜DSML｜tool_calls>\n" N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, "{\"a\": 12}\n\n<｜DSML｜tool_calls>\n" N_CALL B_CLOSE));
+        CHECK(!accepts_dsml(g, "{\"b\": 12}"));
+        CHECK(!accepts_dsml(g, "\n\n<｜DSML｜tool_calls>\n" B_CLOSE));
+        const int32_t dsml = di_tokenizer_token_id(g_tok, "｜DSML｜");
+        const int32_t t1[] = {dsml};
+        check_mask(g, "");
+        check_mask(g, "\n\n<");
+        check_mask_toks(g, "\n\n<", t1, 1);
+        check_mask(g, "{\"a\":");
+        di_grammar_destroy(g);
+    }
+    di_grammar_destroy(blk);
+    di_grammar_destroy(fmt);
+    // errors: unknown named tool, a schema the converter refuses (named: tool and pointer), a
+    // name DSML cannot carry, no tokenizer token
+    di_grammar_tools_options o = {.name = "nope", .parallel = true};
+    char err[512] = "";
+    CHECK(di_grammar_compile_tools(g_tok, k_tools, strlen(k_tools), &o, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "no tool named 'nope'") != NULL);
+    const char *bad =
+        "[{\"name\":\"a\",\"parameters\":{\"properties\":{\"x\":{\"type\":\"integer\"}}}},"
+        "{\"name\":\"b\",\"parameters\":{\"properties\":{\"y\":{\"not\":{}}}}}]";
+    o = (di_grammar_tools_options){.parallel = true};
+    CHECK(di_grammar_compile_tools(g_tok, bad, strlen(bad), &o, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "tools[1] 'b' parameters: JSON Schema at '#/properties/y': keyword 'not'") !=
+          NULL);
+    if (!strstr(err, "tools[1] 'b'")) fprintf(stderr, "error: %s\n", err);
+    o.name = "a"; // only the named tool's schemas are compiled
+    CHECK(di_grammar_compile_tools(g_tok, bad, strlen(bad), &o, &g, err, sizeof err) == DI_OK);
+    di_grammar_destroy(g);
+    const char *quote = "[{\"name\":\"a\",\"parameters\":{\"properties\":{\"x\\\"y\":{}}}}]";
+    CHECK(di_grammar_compile_tools(g_tok, quote, strlen(quote), NULL, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "cannot be written in DSML") != NULL);
+    CHECK(di_grammar_compile_tools(NULL, k_tools, strlen(k_tools), NULL, &g, err, sizeof err) ==
+          DI_ERR_UNSUPPORTED);
+    // parameters defined other than by "properties" are refused (not narrowed to none)
+    const char *refd = "[{\"name\":\"a\",\"parameters\":{\"$ref\":\"#/$defs/A\",\"$defs\":{\"A\":"
+                       "{\"type\":\"object\"}}}}]";
+    CHECK(di_grammar_compile_tools(g_tok, refd, strlen(refd), NULL, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "'$ref' at the top level is not supported") != NULL);
+    const char *dict = "[{\"name\":\"a\",\"parameters\":{\"type\":\"object\","
+                       "\"additionalProperties\":{\"type\":\"string\"}}}]";
+    CHECK(di_grammar_compile_tools(g_tok, dict, strlen(dict), NULL, &g, err, sizeof err) ==
+          DI_ERR_INVALID);
+    CHECK(strstr(err, "'additionalProperties' at the top level") != NULL);
+    const char *closed = "[{\"name\":\"a\",\"parameters\":{\"type\":\"object\",\"properties\":{"
+                         "\"x\":{\"type\":\"integer\"}},\"additionalProperties\":false}}]";
+    g = NULL;
+    CHECK(di_grammar_compile_tools(g_tok, closed, strlen(closed), NULL, &g, err, sizeof err) ==
+          DI_OK);
+    CHECK(g && accepts_dsml(g, "<｜DSML｜invoke name=\"a\">\n<｜DSML｜parameter name=\"x\" "
+                               "string=\"false\">-4</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+                               "</｜DSML｜tool_calls>"));
     di_grammar_destroy(g);
 }
 
@@ -534,6 +841,8 @@ int main(void) {
     test_utf8_split_and_done();
     test_limits();
     test_mask_brute_force();
+    test_token_terminals();
+    test_tool_grammars();
     test_regex_pcre2();
     test_json_schema();
     di_grammar_vocab_destroy(g_vocab);

@@ -153,8 +153,7 @@ static bool check_options(const json_t *req, srv_gen *g, srv_err *e) {
         return false;
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_CHAT, e)) return false;
-    return srv_check_tool_choice(tools, json_object_get(req, "tool_choice"), SRV_API_CHAT,
-                                 &g->tools, e);
+    return srv_check_tool_choice(g, tools, json_object_get(req, "tool_choice"), SRV_API_CHAT, e);
 }
 
 static bool max_tokens(const json_t *req, srv_gen *g, const char *k1, const char *k2, srv_err *e) {

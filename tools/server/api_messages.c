@@ -93,8 +93,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     }
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_MESSAGES, e)) return false;
-    return srv_check_tool_choice(tools, json_object_get(req, "tool_choice"), SRV_API_MESSAGES,
-                                 &g->tools, e);
+    return srv_check_tool_choice(g, tools, json_object_get(req, "tool_choice"), SRV_API_MESSAGES,
+                                 e);
 }
 
 bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {

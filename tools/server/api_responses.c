@@ -103,8 +103,8 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     if (!srv_gen_response_format(g, fmt, "text.format", e)) return false;
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_RESPONSES, e)) return false;
-    return srv_check_tool_choice(tools, json_object_get(req, "tool_choice"), SRV_API_RESPONSES,
-                                 &g->tools, e);
+    return srv_check_tool_choice(g, tools, json_object_get(req, "tool_choice"), SRV_API_RESPONSES,
+                                 e);
 }
 
 bool srv_responses_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
@@ -188,7 +188,7 @@ static json_t *response_obj(srv_gen *g, const char *status, bool final) {
         "{s:s,s:s,s:I,s:s,s:s,s:o,s:o,s:o,s:n,s:b,s:o,s:o,s:f,s:f,s:o,s:{s:o},s:{s:{s:s}}}", "id",
         g->id, "object", "response", "created_at", (json_int_t)g->created, "status", status,
         "model", g->s->cfg.model_name, "output", output, "usage", usage, "incomplete_details",
-        incomplete, "error", "parallel_tool_calls", 1, "tool_choice",
+        incomplete, "error", "parallel_tool_calls", (int)g->tool_parallel, "tool_choice",
         tc ? json_incref(tc) : json_string("auto"), "tools",
         json_is_array(tools) ? json_incref(tools) : json_array(), "temperature",
         (double)g->sp.temperature, "top_p", (double)g->sp.top_p, "max_output_tokens",

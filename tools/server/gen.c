@@ -166,6 +166,8 @@ srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req) {
     g->sp = di_sample_params_default();
     g->sp.temperature = 1.0f;
     g->top_logprobs = -1;
+    g->tool_parallel = true;
+    g->grammar_after = -1;
     g->created = (long)time(NULL);
     g->t_start = srv_now();
     g->t_last_out = g->t_start;
@@ -284,15 +286,59 @@ const char *srv_gen_fail_message(const srv_gen *g) {
     return "Generation failed in the engine.";
 }
 
-bool srv_gen_start(srv_gen *g, srv_err *e) {
+bool srv_gen_tool_grammar(srv_gen *g, srv_err *e) {
     srv *s = g->s;
-    if (g->grammar && g->tools) {
-        srv_err_set(e, 400, g->grammar_param,
-                    "A constrained '%s' cannot be combined with tools (the constraint would rule "
-                    "out tool calls); set tool_choice to \"none\" or drop the format.",
-                    g->grammar_param);
+    // Structured output constrains the answer only: in thinking mode from </think> on.
+    g->grammar_after = g->stage == DI_PARSER_STAGE_REASONING ? s->think_end : -1;
+    if (!g->tools) return true;
+    const bool forced = g->stage == DI_PARSER_STAGE_TOOL_CALLS;
+    di_grammar_tools_options o = {.name = forced ? g->tool_name : NULL,
+                                  .parallel = g->tool_parallel,
+                                  .encoding = s->encoding,
+                                  .start = forced       ? DI_GRAMMAR_TOOLS_AFTER_HEADER
+                                           : g->grammar ? DI_GRAMMAR_TOOLS_BLOCK
+                                                        : DI_GRAMMAR_TOOLS_AFTER_DSML};
+    if (!forced && !g->grammar && s->dsml < 0) return true; // no ｜DSML｜ token: unconstrained
+    char *tools = json_dumps(json_object_get(g->req, "tools"), JSON_COMPACT);
+    if (!tools) {
+        srv_err_set(e, 503, NULL, "The server is out of memory; retry later.");
         return false;
     }
+    di_grammar *tg = NULL;
+    char err[512] = "";
+    di_status st = di_grammar_compile_tools(s->tok, tools, strlen(tools), &o, &tg, err, sizeof err);
+    free(tools);
+    if (st == DI_OK && !forced && g->grammar) { // auto with a format: the format or a block
+        di_grammar *u = NULL;
+        st = di_grammar_union(g->grammar, tg, &u);
+        di_grammar_destroy(tg);
+        tg = u;
+        if (st == DI_ERR_INVALID) snprintf(err, sizeof err, "the grammar is too large");
+    }
+    if (st == DI_ERR_NOMEM) {
+        srv_err_set(e, 503, NULL, "The server is out of memory; retry later.");
+        return false;
+    }
+    if (st != DI_OK && !forced && !g->grammar)
+        return true; // auto: a schema the compiler refuses leaves the calls unconstrained
+    if (st != DI_OK) {
+        srv_err_set(e, st == DI_ERR_INVALID ? 400 : 500, "tools",
+                    "The tools cannot be enforced as a tool-call grammar: %s", err);
+        return false;
+    }
+    di_grammar_destroy(g->grammar); // forced: the answer is the block, not a formatted text
+    g->grammar = tg;
+    if (forced)
+        g->grammar_after = -1; // the prompt ends in the block header: constrained from the start
+    else if (o.start == DI_GRAMMAR_TOOLS_AFTER_DSML)
+        g->grammar_after = s->dsml; // the parser starts a block there too (reasoning or answer)
+    // else (auto with a format): where the format starts (after </think> in thinking mode)
+    return true;
+}
+
+bool srv_gen_start(srv_gen *g, srv_err *e) {
+    srv *s = g->s;
+    if (!srv_gen_tool_grammar(g, e)) return false;
     if (atomic_load(&s->draining)) {
         srv_err_set(e, 503, NULL, "The server is shutting down; retry on another instance.");
         return false;
@@ -308,9 +354,8 @@ bool srv_gen_start(srv_gen *g, srv_err *e) {
         p.sample.logprobs = g->top_logprobs >= 0;
         p.sample.n_logprobs = g->top_logprobs > 0 ? g->top_logprobs : 0;
         p.max_tokens = g->max_tokens;
-        // Structured output constrains the answer only: in thinking mode from </think> on.
         p.grammar = g->grammar;
-        p.grammar_after = g->stage == DI_PARSER_STAGE_REASONING ? s->think_end : -1;
+        p.grammar_after = g->grammar_after;
         p.on_event = srv_queue_on_event;
         p.user = c;
         di_status st = di_engine_submit(s->engine, &p, &c->eid);

@@ -254,6 +254,7 @@ int di_cli_serve(int argc, char **argv) {
         goto out;
     }
     s->think_end = di_tokenizer_token_id(s->tok, "</think>");
+    s->dsml = di_tokenizer_token_id(s->tok, "｜DSML｜");
     di_engine_options eo = di_engine_options_default();
     eo.grammar_vocab = s->gvocab;
     eo.n_threads = ma.opt.n_threads;

@@ -104,6 +104,7 @@ typedef struct srv {
     di_tokenizer *tok;        // owned
     di_grammar_vocab *gvocab; // owned: the token trie of structured output
     int32_t think_end;        // id of </think> (structured output starts after it), or -1
+    int32_t dsml;             // id of ｜DSML｜ (tool_choice auto: tool grammars start after it)
     int32_t n_ctx;            // effective context per request
     int encoding; // prompt format (di_render_options.encoding): 1 (dsv41) for a V4.1 model
     long started_at;
@@ -191,10 +192,14 @@ typedef struct srv_gen {
     int32_t *prompt; // owned (di_tok_free)
     size_t n_prompt;
     di_parser_stage stage;
-    bool tools;          // tool calls parsed (tools given and tool_choice != none)
+    bool tools;            // tool calls parsed (tools given and tool_choice != none)
+    bool tool_forced;      // tool_choice required / any / a named tool: the header is prefilled
+    const char *tool_name; // borrowed from req: the named tool, or NULL
+    bool tool_parallel;    // several calls allowed (parallel tool calls not disabled)
     bool json_output;    // response_format json_object: JSON mode in the answer (serving.md §1.8)
     di_grammar *grammar; // owned: the response format's constraint, or NULL
     const char *grammar_param; // "response_format" or "text.format" (errors)
+    int32_t grammar_after;     // the engine's grammar_after (srv_gen_tool_grammar)
     bool thinking;
     int n;
     srv_choice ch[SRV_MAX_N];
@@ -232,6 +237,14 @@ srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req);
 bool srv_gen_response_format(srv_gen *g, const json_t *fmt, const char *param, srv_err *e);
 // The message of a failed generation (500): the engine's, or the structured-output constraint's.
 const char *srv_gen_fail_message(const srv_gen *g);
+// The tool-call constraint (docs/server.md "Tool calls"), after srv_render: a forced choice
+// (the prompt ends in the block header) constrains the answer to a block of the allowed tools
+// (the response format, if any, is dropped: the answer is the block); auto with a constrained
+// format: the format or a block; auto alone: the text after the first ｜DSML｜ token is a valid
+// block. Sets g->grammar and g->grammar_after. false with a 400 in e when a tool schema the
+// grammar compiler refuses must be enforced (forced, or with a format); auto alone then stays
+// unconstrained.
+bool srv_gen_tool_grammar(srv_gen *g, srv_err *e);
 // Submits the n engine requests. On failure fills e and returns false (nothing is running).
 bool srv_gen_start(srv_gen *g, srv_err *e);
 // The choices' output parsers (part of srv_gen_start; on its own only for srv_gen_replay).
@@ -265,10 +278,12 @@ void srv_queue_wait_finals(srv_gen *g, int n);
 bool srv_check_sampling(srv_gen *g, const json_t *req, srv_api api, srv_err *e);
 bool srv_check_model(srv *s, const json_t *req, bool required, srv_err *e);
 bool srv_check_tools(const json_t *tools, srv_api api, srv_err *e);
-// tool_choice in the API's spelling, checked against the (already checked) tools: a forced or
-// named choice needs tools, a named one must be among them. *use_tools: tools given and the
-// choice is not none (tool calls are rendered and parsed).
-bool srv_check_tool_choice(const json_t *tools, const json_t *tc, srv_api api, bool *use_tools,
+// tool_choice and parallel tool calls in the API's spelling (Chat and Responses:
+// parallel_tool_calls; Messages: tool_choice.disable_parallel_tool_use), checked against the
+// (already checked) tools: a forced or named choice needs tools, a named one must be among them.
+// Sets g->tools (tools given and the choice is not none: calls are rendered and parsed),
+// g->tool_forced, g->tool_name and g->tool_parallel.
+bool srv_check_tool_choice(srv_gen *g, const json_t *tools, const json_t *tc, srv_api api,
                            srv_err *e);
 bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e);
 bool srv_check_length(srv_gen *g, srv_err *e);

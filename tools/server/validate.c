@@ -285,10 +285,24 @@ static const char *tool_name(const json_t *t, srv_api api) {
         json_object_get(api == SRV_API_CHAT ? json_object_get(t, "function") : t, "name"));
 }
 
-bool srv_check_tool_choice(const json_t *tools, const json_t *tc, srv_api api, bool *use_tools,
+bool srv_check_tool_choice(srv_gen *g, const json_t *tools, const json_t *tc, srv_api api,
                            srv_err *e) {
     const bool has_tools = json_array_size(tools) > 0;
-    *use_tools = has_tools;
+    g->tools = has_tools;
+    g->tool_forced = false;
+    g->tool_name = NULL;
+    g->tool_parallel = true;
+    const char *pkey =
+        api == SRV_API_MESSAGES ? "tool_choice.disable_parallel_tool_use" : "parallel_tool_calls";
+    const json_t *par = api == SRV_API_MESSAGES ? json_object_get(tc, "disable_parallel_tool_use")
+                                                : json_object_get(g->req, "parallel_tool_calls");
+    if (par && !json_is_null(par)) {
+        if (!json_is_boolean(par)) {
+            srv_err_set(e, 400, pkey, "'%s' must be a boolean.", pkey);
+            return false;
+        }
+        g->tool_parallel = api == SRV_API_MESSAGES ? json_is_false(par) : json_is_true(par);
+    }
     if (!tc || json_is_null(tc)) return true;
     // Each API's spelling of the four choices (serving spec §2.2, §3, §4).
     const char *mode = NULL, *name = NULL;
@@ -329,7 +343,7 @@ bool srv_check_tool_choice(const json_t *tools, const json_t *tc, srv_api api, b
         return false;
     }
     if (!strcmp(mode, "none")) {
-        *use_tools = false;
+        g->tools = false;
         return true;
     }
     if (!strcmp(mode, "auto")) return true;
@@ -351,6 +365,8 @@ bool srv_check_tool_choice(const json_t *tools, const json_t *tc, srv_api api, b
             return false;
         }
     }
+    g->tool_forced = true; // required / any / a named tool
+    g->tool_name = name;
     return true;
 }
 
