@@ -23,21 +23,33 @@ def free_port():
 class Server:
     def __init__(self, extra=(), env=None, port=None):
         self.home = tempfile.mkdtemp(prefix="deepinfer-home-")
-        self.port = port or free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, DEEPINFER_HOME=self.home, **(env or {}))
         self.log = open(os.path.join(self.home, "serve.log"), "w+")
-        self.proc = subprocess.Popen(
-            [os.environ["DEEPINFER_BIN"], "serve", "--port", str(self.port), "--threads", "2",
-             "--keepalive", "1", *extra],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        # A free port can be taken by a test running beside this one before serve binds it:
+        # then serve exits saying so and a chosen (not given) port is chosen again.
+        for _ in range(1 if port else 5):
+            self.port = port or free_port()
+            self.base = f"http://127.0.0.1:{self.port}"
+            self.log.seek(0)
+            self.log.truncate()
+            self.proc = subprocess.Popen(
+                [os.environ["DEEPINFER_BIN"], "serve", "--port", str(self.port), "--threads", "2",
+                 "--keepalive", "1", *extra],
+                env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            if self._wait_ready():
+                return
+            assert "cannot listen" in self.logtext(), self.logtext()
+        raise RuntimeError("server found no free port:\n" + self.logtext())
+
+    def _wait_ready(self):
         deadline = time.time() + 120
         while time.time() < deadline:
-            assert self.proc.poll() is None, self.logtext()
+            if self.proc.poll() is not None:
+                return False
             try:
                 with urllib.request.urlopen(self.base + "/ready", timeout=2) as r:
                     if r.status == 200:
-                        return
+                        return True
             except OSError:
                 time.sleep(0.2)
         raise RuntimeError("server did not become ready:\n" + self.logtext())
