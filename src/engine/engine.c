@@ -888,7 +888,8 @@ static void sample_constrained(di_engine *e, di_sampler *smp, di_request *r, con
 // row alone, so a verify row samples exactly what a plain decode of the same position would.
 // A request with an active grammar (it never speculates: one row) samples through
 // sample_constrained, which also advances its matcher (one row per request: no other thread
-// touches it).
+// touches it). A plain row that samples the token after which a request's grammar applies
+// activates it; for a verify, v41_spec_accept does (only accepted rows count).
 static void sample_task(void *p, int ith, int nth) {
     di_engine *e = p;
     const int64_t V = e->model->hp.n_vocab;
@@ -904,7 +905,8 @@ static void sample_task(void *p, int ith, int nth) {
         }
         di_sampler_sample(e->samplers[ith], e->logits + row * V, &r->sample, r->tokens, r->n_prompt,
                           r->n_gen + i, di_request_n_tokens(r) + i, &e->x_res[row]);
-        if (r->gm && !r->g_active && e->x_res[row].token == r->grammar_after) r->g_active = true;
+        if (r->gm && !r->g_active && e->x_ndraft[k] == 0 && e->x_res[row].token == r->grammar_after)
+            r->g_active = true;
     }
 }
 
@@ -951,8 +953,10 @@ static di_status v41_spec_plan(di_engine *e, int32_t k, const di_dsv4_seq *sq, d
     ver[0] = anchor;
     *n_ver = 1;
     // Only the decode of a generated token: its session has fed every position before it. A
-    // request with a grammar does not speculate (its matcher advances one sampled token at a time).
-    if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1 || r->gm) return DI_OK;
+    // request whose grammar is active does not speculate (its matcher advances one sampled token
+    // at a time); before the grammar's trigger token (tool_choice auto: ｜DSML｜) it does, and
+    // v41_spec_accept ends the block at the trigger.
+    if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1 || (r->gm && r->g_active)) return DI_OK;
     DI_ASSERT(sq->pos == di_request_n_tokens(r) - 1);
     int32_t k_max = e->spec_k;
     if (r->max_tokens - r->n_gen - 1 < k_max) k_max = r->max_tokens - r->n_gen - 1;
@@ -980,16 +984,26 @@ static di_status v41_spec_plan(di_engine *e, int32_t k, const di_dsv4_seq *sq, d
 }
 
 // After the step's rows are sampled: each verify accepts its drafts up to the first one that
-// differs from its row's token and rolls the rejected rows back.
+// differs from its row's token and rolls the rejected rows back. A request with a grammar not yet
+// active keeps its block only up to the grammar's trigger token, which activates the grammar: the
+// rows after it were sampled unconstrained, so they are rolled back too, and the next step
+// samples the position after the trigger under the grammar, exactly as without speculation.
 static void v41_spec_accept(di_engine *e) {
     for (int32_t k = 0; k < e->x_n_logit; k++) {
         const int32_t nd = e->x_ndraft[k];
         if (nd == 0) continue;
-        const di_request *r = e->x_logit_req[k];
+        di_request *r = e->x_logit_req[k];
         const di_sample_result *res = e->x_res + (int64_t)k * e->lstride;
         const int32_t *draft = r->tokens + di_request_n_tokens(r);
         int32_t n = 0;
         while (n < nd && res[n].token == draft[n]) n++;
+        for (int32_t j = 0; r->gm && j <= n; j++)
+            if (res[j].token == r->grammar_after) {
+                DI_ASSERT(!r->g_active); // it drafts only before the trigger
+                r->g_active = true;
+                n = j;
+                break;
+            }
         e->x_emit[k] = n + 1;
         di_status st = di_session_rollback(e->v41[e->x_lslot[k]], nd - n);
         DI_ASSERT(st == DI_OK); // nd <= DI_MAX_SPEC_TOKENS = DI_DSV41_ROLLBACK_MAX positions

@@ -26,8 +26,13 @@
 //       out-of-range spec_tokens / spec_min_confidence are DI_ERR_INVALID;
 //   (h) verifies beyond a one-row token budget, and the synchronous order (DI_ENGINE_SYNC=1):
 //       exact, no step allocation;
-//   (i) a request with a grammar (a regex over the real tokenizer) is never drafted for on an
-//       engine with speculation, beside one that speculates: both exact, the constraint held.
+//   (i) a request with a grammar active from the start (a regex over the real tokenizer) is never
+//       drafted for on an engine with speculation, beside one that speculates: both exact, the
+//       constraint held;
+//   (j) a request whose grammar waits for a trigger token speculates until the trigger: oracle
+//       drafts of its unconstrained continuation run past the trigger (their rows, sampled without
+//       the grammar, match them), the block is cut at the trigger, no draft is asked for after
+//       it, and the output equals the engine's without speculation.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -642,6 +647,107 @@ static void test_grammar_no_spec(void) {
     di_tokenizer_destroy(tok);
 }
 
+// ---- (j) a grammar that waits for a trigger token: speculation up to the trigger ----
+
+static struct {
+    const result *truth; // the request's continuation without a grammar
+    uint64_t id;         // the request the hook drafts for
+    atomic_int n_calls, max_n_gen;
+} g_trig;
+
+static void trigger_hook(void *user, uint64_t id, int32_t n_gen, di_draft *d) {
+    (void)user;
+    if (id != g_trig.id) return;
+    atomic_fetch_add(&g_trig.n_calls, 1);
+    if (n_gen > atomic_load(&g_trig.max_n_gen)) atomic_store(&g_trig.max_n_gen, n_gen);
+    for (int32_t j = 0; j < d->n; j++) {
+        const int32_t g = n_gen + j;
+        d->tokens[j] = g < g_trig.truth->n ? g_trig.truth->tokens[g] : 0;
+        d->confidence[j] = 1.0f;
+    }
+}
+
+static void test_grammar_after_spec(void) {
+    di_tokenizer *tok = NULL;
+    di_grammar_vocab *gv = NULL;
+    di_grammar *g = NULL;
+    char err[256] = "";
+    static const char re[] = "[a-z]{1,60}";
+    CHECK_EQ(di_tokenizer_load_for_model(NULL, &tok), DI_OK);
+    if (tok) CHECK_EQ(di_grammar_vocab_create(tok, &gv), DI_OK);
+    CHECK_EQ(di_grammar_compile(DI_GRAMMAR_KIND_REGEX, re, strlen(re), 0, &g, err, sizeof err),
+             DI_OK);
+    static result plain, res[2]; // without a grammar; [speculation off, on] with it
+    int32_t t0 = -1;             // where the trigger comes out: the first new id from index 2
+    for (int run = -1; gv && g && run < 2; run++) {
+        di_engine_options o = di_engine_options_default();
+        o.n_threads = N_THREADS;
+        o.kv_memory_bytes = (size_t)64 << 20;
+        o.max_seqs = 1;
+        o.max_batch_tokens = ROWS;
+        o.max_ctx = 256;
+        o.spec_tokens = run == 1 ? K : 0;
+        o.spec_min_confidence = -1;
+        o.token_bytes = token_bytes;
+        o.grammar_vocab = gv;
+        di_engine *e = NULL;
+        CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+        if (!e) break;
+        di_engine_set_draft_hook(e, trigger_hook, NULL);
+        result *out = run < 0 ? &plain : &res[run];
+        memset(out, 0, sizeof *out);
+        di_request_params p = request(0, out); // greedy
+        if (run >= 0) {
+            p.grammar = g;
+            p.grammar_after = plain.tokens[t0];
+        }
+        g_trig.truth = &plain;
+        atomic_store(&g_trig.n_calls, 0);
+        atomic_store(&g_trig.max_n_gen, -1);
+        CHECK_EQ(di_engine_submit(e, &p, &g_trig.id), DI_OK);
+        di_engine_wait_idle(e);
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_step_allocs, 0);
+        if (run < 0) {
+            for (int32_t t = 2; t0 < 0 && t < plain.n; t++) {
+                bool seen = false;
+                for (int32_t u = 0; u < t; u++) seen |= plain.tokens[u] == plain.tokens[t];
+                if (!seen) t0 = t;
+            }
+            CHECK(t0 >= 2 && t0 + 2 < plain.n);
+            if (t0 < 0) break;
+        }
+        if (run == 1) {
+            CHECK(atomic_load(&g_trig.n_calls) > 0);     // it speculated before the trigger
+            CHECK(atomic_load(&g_trig.max_n_gen) <= t0); // and never after it
+            CHECK(st.n_spec_verifies > 0);
+            // The first block (drafts from n_gen 1) covers the trigger with rows after it.
+            CHECK(t0 < 1 + K);
+        }
+        di_engine_destroy(e);
+    }
+    if (gv && g && t0 >= 0) {
+        CHECK(same(&res[0], &res[1]));
+        // Up to the trigger the output is the unconstrained one; after it the grammar held
+        // (letters only), so it differs from the unconstrained continuation.
+        CHECK(res[0].n > t0 + 1 &&
+              !memcmp(res[0].tokens, plain.tokens, sizeof(int32_t) * (t0 + 1)));
+        bool differs = false;
+        for (int32_t t = t0 + 1; t < res[0].n; t++) {
+            differs |= t < plain.n && res[0].tokens[t] != plain.tokens[t];
+            size_t nb = 0;
+            const char *b = di_tokenizer_token_bytes(tok, res[0].tokens[t], &nb);
+            CHECK(b && nb > 0);
+            for (size_t k = 0; b && k < nb; k++) CHECK(b[k] >= 'a' && b[k] <= 'z');
+        }
+        CHECK(differs);
+    }
+    di_grammar_destroy(g);
+    di_grammar_vocab_destroy(gv);
+    di_tokenizer_destroy(tok);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_engine_spec_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -677,6 +783,7 @@ int main(void) {
     test_options();
     test_budget_and_sync();
     test_grammar_no_spec();
+    test_grammar_after_spec();
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
