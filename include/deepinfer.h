@@ -478,6 +478,9 @@ typedef struct di_engine_stats {
     // Asynchronous scheduling: steps whose plan was built while the previous step's forward
     // ran, and those of them whose plan was complete before that forward returned.
     int64_t n_plans_ahead, n_plans_overlapped;
+    // Structured output: token masks the engine thread computed while the forward that samples
+    // with them ran (the others are computed by the sampling threads, after the forward).
+    int64_t n_masks_ahead;
     // Work of the weight matmuls run on the CPU since create: bytes of weights read and
     // multiply-adds done (what a step's time is bounded by: bytes / read bandwidth or
     // multiply-adds / FMA peak). Matmuls run on a device are counted in `device` instead.

@@ -46,9 +46,11 @@
 // KV pool); the thread-local allocation counter around each step proves it (n_step_allocs).
 // Thread-safety: submit, cancel, wait_idle and get_stats from any thread; destroy from one.
 #include <pthread.h>
+#include <sched.h> // sched_yield
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h> // sysconf
 
 #include "base/log.h"
 #include "base/mem.h"
@@ -108,13 +110,16 @@ struct di_engine {
     di_grammar_matcher_limits glim; // of the matchers of requests with a grammar
     pthread_t thread;
     bool thread_started;
-    bool sync_debug; // DI_ENGINE_SYNC=1: plan after the forward (no overlap)
+    bool sync_debug;  // DI_ENGINE_SYNC=1: plan after the forward, no masks ahead (no overlap)
+    bool masks_ahead; // compute constrained rows' masks during the forward (a CPU is free for it)
     // The plan being run (a copy: the scheduler plans the next step meanwhile).
     di_dsv4_seq *x_seqs;      // owned [max_seqs]
     int32_t *x_tokens;        // owned [max_batch_tokens]
     int32_t *x_logit_rows;    // owned [max_seqs]
     di_request **x_logit_req; // owned [max_seqs]
     int32_t x_n_seq, x_n_logit;
+    di_request **x_mask_req; // owned [max_seqs]: the constrained rows' requests (masks ahead)
+    int32_t x_n_mask;
     // The forward thread: runs one forward at a time for the engine thread.
     pthread_t fwd_thread;
     bool fwd_started;
@@ -409,6 +414,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->x_tokens = di_malloc(sizeof(int32_t) * (size_t)o->max_batch_tokens);
     e->x_logit_rows = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
     e->x_logit_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_logit_req);
+    e->x_mask_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_mask_req);
     e->x_res = di_calloc(n_lrows, sizeof *e->x_res);
     e->x_nrows = di_calloc((size_t)o->max_seqs, sizeof(int32_t));
     e->x_emit = di_calloc((size_t)o->max_seqs, sizeof(int32_t));
@@ -420,7 +426,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->marks = di_calloc((size_t)di_block_pool_n_total(e->kv->pool), 1);
     if (!e->logits || !e->x_seqs || !e->x_tokens || !e->x_logit_rows || !e->x_logit_req ||
         !e->x_res || !e->x_seq_req || !e->marks || !e->x_nrows || !e->x_emit || !e->x_ndraft ||
-        !e->x_nprop || !e->x_lslot || !e->x_job) {
+        !e->x_nprop || !e->x_lslot || !e->x_job || !e->x_mask_req) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -445,6 +451,10 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->next_id = 1;
     const char *sync_env = getenv("DI_ENGINE_SYNC");
     e->sync_debug = sync_env && sync_env[0] == '1';
+    // Masks ahead need a CPU the forward leaves idle: the device-resident forward's, or one the
+    // model's pool does not use (on a pool over every CPU they would only delay its threads).
+    const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
+    e->masks_ahead = !e->sync_debug && (e->dstate || di_pool_n_threads(e->model->pool) < n_cpu);
     // Debug switch (conventions §7): DI_ENGINE_FAIL_STEPS=N fails the first N steps as a device
     // fault would (their requests end with DI_ERR_CUDA): a drill of the failure path and of the
     // server's health reporting (docs/server.md) without a device.
@@ -501,6 +511,10 @@ void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_statu
     atomic_store(&e->fail_in, n_fail > 0 ? n_ok + 1 : 0);
 }
 
+void di_engine_set_masks_ahead(di_engine *e, bool on) {
+    e->masks_ahead = on;
+}
+
 void di_engine_set_draft_hook(di_engine *e, di_engine_draft_fn fn, void *user) {
     e->draft_hook = fn;
     e->draft_user = user;
@@ -543,6 +557,7 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_tokens);
     di_free(e->x_logit_rows);
     di_free(e->x_logit_req);
+    di_free(e->x_mask_req);
     if (e->logits && e->model->dev) {
         di_backend *hb = di_dsv4_dev_backend(e->model->dev);
         hb->vt->host_free(hb, e->logits);
@@ -847,11 +862,24 @@ static inline void mask_put(uint64_t *mask, int32_t t, bool on) {
         mask[t >> 6] &= ~(1ull << (t & 63));
 }
 
-// A constrained row: the grammar's mask (EOS and stop ids only when it can end), the masked
-// sample, then the matcher advanced by the token. A failure (a matcher limit, or no token
-// allowed) is left in r->g_status for sample_and_emit, which ends the request.
-static void sample_constrained(di_engine *e, di_sampler *smp, di_request *r, const float *logits,
-                               di_sample_result *res) {
+// ---- masks ahead ----
+//
+// A constrained request's mask for the token a step samples depends only on its matcher, which
+// the previous step's sampling advanced: it is known when the step is launched. So while the
+// forward runs, the engine thread (idle after planning the next step; on the device-resident
+// forward the CPU is idle altogether) computes the masks of the step's constrained rows
+// (masks_ahead), and the sampling thread finds them ready. Only where the forward leaves a CPU
+// idle (e->masks_ahead: the device-resident forward, or a pool smaller than the machine): on a
+// pool over every CPU the engine thread would take a core from the forward's threads. Whichever
+// thread claims a mask first (DI_MASK_NONE -> DI_MASK_BUSY) computes it; the sampling thread waits
+// for one the engine thread is still computing, and marks it used (the engine thread claims no mask
+// of the step after that: the matcher then advances). launch() lists the step's constrained rows
+// and resets their state. A mask is a pure function of the matcher, so who computes it never
+// changes an output.
+
+// r's mask for its next token: the grammar's (EOS and stop ids only when it can end), in
+// r->g_mask, with the allowed count and status (a matcher limit, or no token allowed).
+static void grammar_mask(const di_engine *e, di_request *r) {
     int32_t n_ok = 0;
     di_status st = di_grammar_matcher_mask(r->gm, r->g_mask, &n_ok);
     if (st == DI_OK) {
@@ -869,8 +897,39 @@ static void sample_constrained(di_engine *e, di_sampler *smp, di_request *r, con
         }
         if (n_ok <= 0) st = DI_ERR_UNSUPPORTED; // the grammar needs text no token can start
     }
-    if (st != DI_OK) {
-        r->g_status = st;
+    r->g_mask_allowed = n_ok;
+    r->g_mask_status = st;
+}
+
+// Engine thread, while the forward runs: the masks of the step's constrained rows that the
+// sampling threads have not claimed yet. Returns how many it computed.
+static int32_t masks_ahead(di_engine *e) {
+    int32_t n = 0;
+    for (int32_t j = 0; j < e->x_n_mask; j++) {
+        di_request *r = e->x_mask_req[j];
+        int expect = DI_MASK_NONE;
+        if (!atomic_compare_exchange_strong(&r->g_mask_state, &expect, DI_MASK_BUSY)) continue;
+        grammar_mask(e, r);
+        atomic_store_explicit(&r->g_mask_state, DI_MASK_READY, memory_order_release);
+        n++;
+    }
+    return n;
+}
+
+// A constrained row: r's mask (computed ahead, or here), the masked sample, then the matcher
+// advanced by the token. A failure (a matcher limit, or no token allowed) is left in r->g_status
+// for sample_and_emit, which ends the request.
+static void sample_constrained(di_engine *e, di_sampler *smp, di_request *r, const float *logits,
+                               di_sample_result *res) {
+    int expect = DI_MASK_NONE;
+    if (atomic_compare_exchange_strong(&r->g_mask_state, &expect, DI_MASK_BUSY))
+        grammar_mask(e, r);
+    else // the engine thread has it: ready, or in a moment
+        while (atomic_load_explicit(&r->g_mask_state, memory_order_acquire) != DI_MASK_READY)
+            sched_yield();
+    atomic_store_explicit(&r->g_mask_state, DI_MASK_USED, memory_order_relaxed); // launch resets
+    if (r->g_mask_status != DI_OK) {
+        r->g_status = r->g_mask_status;
         res->token = -1;
         return;
     }
@@ -1106,6 +1165,13 @@ static void launch(di_engine *e) {
     memcpy(e->x_logit_rows, s->logit_rows, sizeof *s->logit_rows * (size_t)s->n_logit);
     memcpy(e->x_logit_req, s->logit_req, sizeof *s->logit_req * (size_t)s->n_logit);
     memcpy(e->x_seq_req, s->seq_req, sizeof *s->seq_req * (size_t)s->n_seq);
+    e->x_n_mask = 0;
+    for (int32_t k = 0; k < s->n_logit; k++) { // the rows sample_task samples constrained
+        di_request *r = s->logit_req[k];
+        if (!r->gm || !r->g_active || r->g_status != DI_OK) continue;
+        atomic_store_explicit(&r->g_mask_state, DI_MASK_NONE, memory_order_relaxed);
+        e->x_mask_req[e->x_n_mask++] = r;
+    }
     if (e->dstate) {
         // A running request's scheduler slot is its dev slot. An admission (a new request, or a
         // preempted one readmitted) starts at position 0, or after a prefix hit of H positions
@@ -1250,6 +1316,7 @@ static void *engine_main(void *p) {
             overlapped = ahead && !forward_done(e);
             have_plan = true;
         }
+        const int32_t n_masks = e->masks_ahead ? masks_ahead(e) : 0;
         int64_t fwd_allocs = 0;
         di_status fst = forward_wait(e, &fwd_allocs);
         // The failure counters change before any request of the step retires (a waiter woken by
@@ -1270,6 +1337,7 @@ static void *engine_main(void *p) {
         st->n_steps++;
         st->n_plans_ahead += ahead;
         st->n_plans_overlapped += overlapped;
+        st->n_masks_ahead += n_masks;
         st->n_step_allocs += step_allocs;
         st->n_prefill_tokens = s->n_prefill_rows;
         st->n_decode_tokens = s->n_decode_rows;

@@ -11,11 +11,14 @@
  *     (e.g. with a request's known continuation), so that the accept path runs on purpose on a
  *     random-weight model whose own drafts are almost never accepted.
  *   - di_engine_set_grammar_limits: the matcher limits of later requests with a grammar.
+ *   - di_engine_set_masks_ahead: turns the engine thread's masks ahead (engine.c) on or off
+ *     whatever the machine, so a test runs both paths on any number of CPUs.
  * Thread-safety: create before start; di_engine_fail_forward from any thread;
- * di_engine_set_draft_hook while the engine is idle.
+ * di_engine_set_draft_hook and di_engine_set_masks_ahead while the engine is idle.
  */
 #pragma once
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "deepinfer.h"       // di_engine, di_model, di_status
@@ -60,3 +63,8 @@ void di_engine_set_draft_hook(di_engine *e, di_engine_draft_fn fn, void *user);
 // The matcher limits of requests submitted afterwards (default di_grammar_matcher_limits_default):
 // tests drive a request into a limit. Before submitting (not concurrently with submit).
 void di_engine_set_grammar_limits(di_engine *e, const di_grammar_matcher_limits *lim);
+
+// Whether the engine thread computes the masks of a step's constrained rows while its forward
+// runs (default: where the forward leaves a CPU idle, unless DI_ENGINE_SYNC=1). Call while no
+// request is submitted or running.
+void di_engine_set_masks_ahead(di_engine *e, bool on);

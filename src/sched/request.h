@@ -15,6 +15,8 @@
 #include "grammar/grammar.h" // di_grammar_matcher
 #include "sample/stop.h"     // di_stop
 
+enum { DI_MASK_NONE, DI_MASK_BUSY, DI_MASK_READY, DI_MASK_USED }; // di_request.g_mask_state
+
 typedef struct di_request di_request;
 struct di_request {
     uint64_t id;
@@ -40,6 +42,13 @@ struct di_request {
     int32_t grammar_after;     // -1: active from the first token
     bool g_active;             // the constraint applies to the next token
     di_status g_status;        // DI_OK, or why the constraint failed (set by sample_task)
+    // This step's mask (engine.c, "masks ahead"): DI_MASK_NONE (set at launch) until one thread
+    // claims it (DI_MASK_BUSY: the engine thread during the forward, or the sampling thread),
+    // DI_MASK_READY with g_mask, g_mask_allowed and g_mask_status once computed, DI_MASK_USED
+    // once sampled.
+    atomic_int g_mask_state;
+    int32_t g_mask_allowed; // tokens the mask allows
+    di_status g_mask_status;
 
     // Progress (engine thread).
     int32_t slot;   // KV slot while running, -1 otherwise

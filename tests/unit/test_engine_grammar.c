@@ -157,6 +157,7 @@ static void test_json_schema_alone_and_batched(void) {
     di_grammar *g = compile(DI_GRAMMAR_KIND_JSON_SCHEMA, k_schema);
     di_engine *e = engine();
     if (!g || !e) goto out;
+    di_engine_set_masks_ahead(e, false);
     for (int i = 0; i < 4; i++) {
         uint64_t id;
         di_request_params p = request(i, g, &g_alone[i]);
@@ -165,7 +166,12 @@ static void test_json_schema_alone_and_batched(void) {
         CHECK_EQ(g_alone[i].finish, DI_FINISH_STOP);
         CHECK(valid_doc(g_alone[i].text, g_alone[i].n_text));
     }
-    // Batched: the same four with two unconstrained requests in between.
+    di_engine_stats st0;
+    di_engine_get_stats(e, &st0);
+    const int64_t masks_alone = st0.n_masks_ahead;
+    // Batched: the same four with two unconstrained requests in between, the masks computed
+    // ahead by the engine thread this time (alone: by the sampling threads).
+    di_engine_set_masks_ahead(e, true);
     static result together[6];
     memset(together, 0, sizeof together);
     for (int i = 0; i < 6; i++) {
@@ -184,6 +190,15 @@ static void test_json_schema_alone_and_batched(void) {
     }
     CHECK_EQ(together[4].finish, DI_FINISH_LENGTH);
     CHECK_EQ(together[4].n, 30);
+    // The engine thread computed masks while the forwards ran (engine.c, "masks ahead"), none
+    // when alone: a mask is a pure function of the matcher, so the tokens are the same whoever
+    // computed each one.
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    printf("masks computed ahead: %lld (%lld of them before the batched run)\n",
+           (long long)st.n_masks_ahead, (long long)masks_alone);
+    CHECK_EQ(masks_alone, 0);
+    CHECK(st.n_masks_ahead > 0);
     printf("constrained (greedy): %.*s\n", (int)g_alone[0].n_text, g_alone[0].text);
     printf("constrained (seeded): %.*s\n", (int)g_alone[1].n_text, g_alone[1].text);
     check_clean(e);
