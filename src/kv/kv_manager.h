@@ -91,6 +91,12 @@ di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, i
 di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t block_bytes,
                                           int32_t max_seqs, int32_t max_ctx, bool prefix_cache,
                                           di_kv_manager **out);
+// The V4.1 forward's manager with its prefix cache: n_blocks blocks of di_dsv41_block_bytes memory
+// each (model/dsv41.h: a block's entries, index keys and Engram ids, copied out of and into the
+// slots' sessions by the engine), no tail blocks, no layer views. DI_ERR_INVALID (n_blocks cannot
+// hold one sequence of max_ctx positions; logged), DI_ERR_NOMEM.
+di_status di_kv_manager_create_v41(di_model *m, int32_t n_blocks, int32_t max_seqs, int32_t max_ctx,
+                                   di_kv_manager **out);
 // Positions per entry block for model m (the lcm of the compress ratios, at least the window).
 int32_t di_kv_block_tokens(const di_model *m);
 void di_kv_manager_destroy(di_kv_manager *kv);
