@@ -25,12 +25,15 @@
 //     after another (no cross-sequence batching yet): a sequence planned from position 0 resets its
 //     slot's session, then di_session_forward feeds its rows and writes the logits of its last row
 //     when the plan samples it. A session's result depends on its own tokens only (any chunking
-//     gives the same logits), so a request's tokens do not depend on what shares its steps. The
-//     kv_manager is the accounting one: each slot's state is committed at create, so
-//     kv_memory_bytes buys whole slots (max_seqs is clamped to what fits) and the blocks of the
-//     max_seqs slots (each block standing for its share of one slot's bytes) always fit: admission
-//     is bounded by the slots, and nothing is ever preempted for blocks. Prefix cache off (a hit
-//     would copy a V4.1 state's entries between sessions: not done). With spec_tokens > 0 the
+//     gives the same logits), so a request's tokens do not depend on what shares its steps. Each
+//     slot's state is committed at create, so kv_memory_bytes buys whole slots (max_seqs is
+//     clamped to what fits) and the blocks of the max_seqs slots always fit: admission is bounded
+//     by the slots, and nothing is ever preempted for blocks. With the prefix cache (default) the
+//     kv_manager's blocks hold copies of the slots' entries, index keys and Engram ids
+//     (di_kv_manager_create_v41): copied out once their step ran (v41_export), cached when
+//     published, copied into a slot admitted on a hit, which then replays the bounded suffix
+//     (v41_import; "V4.1 prefix cache" below, docs/kv-cache.md); without it the manager is the
+//     accounting one (a block stands for a share of a slot's bytes). With spec_tokens > 0 the
 //     sessions run DSpark and a decode sequence verifies a draft block in its call, yielding up
 //     to spec_tokens + 1 tokens per step, bit for bit those of plain decoding ("speculative
 //     decoding" below); the plan built ahead is corrected for the extra tokens when they are

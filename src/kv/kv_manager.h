@@ -13,11 +13,14 @@
  * the pool directly. Sequences hold block ids (reference counted), never own memory.
  * See docs/kv-cache.md for the layout and the exact prefix-reuse rule (bounded replay).
  * Created for accounting (di_kv_manager_create_accounting: the device-resident forward and the
- * V4.1 forward), the manager keeps block ids, counts, the prefix cache and the block tables only:
- * no memory, no tail blocks (the forward's state holds every slot's tail), no layer views. On the
- * device-resident forward the blocks are the device state's entry blocks (model/dsv4_dev.h), whose
- * ids the engine passes with each call; on the V4.1 forward each block stands for a share of one
- * slot's V4.1 session state, which is committed at create (engine.c).
+ * V4.1 forward without the prefix cache), the manager keeps block ids, counts, the prefix cache and
+ * the block tables only: no memory, no tail blocks (the forward's state holds every slot's tail),
+ * no layer views. On the device-resident forward the blocks are the device state's entry blocks
+ * (model/dsv4_dev.h), whose ids the engine passes with each call; on the V4.1 forward each block
+ * stands for a share of one slot's V4.1 session state, which is committed at create (engine.c).
+ * The V4.1 forward with the prefix cache (di_kv_manager_create_v41) has block memory but no tail
+ * blocks or views either: a block holds a copy of its positions' V4.1 entries, index keys and
+ * Engram ids, which the engine copies out of and into the slots' sessions.
  *
  * With a disk tier (di_kv_manager_open_disk, CPU manager only) the prefix cache writes every block
  * it loses to eviction to disk, and admission continues a prefix match with blocks read back from
