@@ -386,7 +386,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     else
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                     !o->no_prefix_cache, &e->kv));
-    if (o->kv_disk_dir) { // refused on the accounting managers (their memory is not the pool's)
+    if (o->kv_disk_dir) { // refused on the accounting managers (their blocks have no memory)
         di_kv_disk_options dko = {
             .dir = o->kv_disk_dir, .max_bytes = o->kv_disk_bytes, .ttl_s = o->kv_disk_ttl_s};
         DI_TRY(di_kv_manager_open_disk(e->kv, &dko));

@@ -89,6 +89,7 @@ static di_status create_untailed(di_model *m, int32_t n_blocks, size_t block_byt
     kv->replay_tokens = m->hp.n_layer * (m->hp.window - 1);
     kv->block_tokens = di_kv_block_tokens(m);
     kv->block_floats = (int64_t)(block_bytes / sizeof(float));
+    kv->entry_floats = memory ? kv->block_floats : 0; // a V4.1 block is all payload
     kv->max_blocks = (max_ctx + kv->block_tokens - 1) / kv->block_tokens;
     if (n_blocks < di_kv_blocks_for(kv, max_ctx)) {
         DI_LOG_ERROR("kv: %d device blocks of %zu bytes; one sequence of %d positions needs %d",
@@ -258,9 +259,10 @@ static void spill(void *user, uint64_t h, uint64_t parent, uint64_t salt, const 
 }
 
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o) {
-    if (kv->accounting) {
-        DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) needs the CPU forward's KV memory: the "
-                     "device-resident and V4.1 forwards keep their blocks elsewhere");
+    if (kv->entry_floats == 0) { // an accounting manager
+        DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) needs block memory: the device-resident "
+                     "forward keeps its blocks elsewhere, and the V4.1 forward's blocks exist "
+                     "only with the prefix cache");
         return DI_ERR_UNSUPPORTED;
     }
     if (!kv->cache) {

@@ -22,7 +22,8 @@
  * blocks or views either: a block holds a copy of its positions' V4.1 entries, index keys and
  * Engram ids, which the engine copies out of and into the slots' sessions.
  *
- * With a disk tier (di_kv_manager_open_disk, CPU manager only) the prefix cache writes every block
+ * With a disk tier (di_kv_manager_open_disk: managers with block memory, the CPU one and the V4.1
+ * one) the prefix cache writes every block
  * it loses to eviction to disk, and admission continues a prefix match with blocks read back from
  * it (docs/kv-cache.md, "Disk tier").
  *
@@ -66,7 +67,8 @@ typedef struct di_kv_manager {
     di_prefix_cache *cache; // owned; NULL when prefix reuse is off
     int32_t block_tokens;   // positions per entry block
     int64_t block_floats;
-    int64_t entry_floats; // the entry part of an entry block (what the disk tier stores)
+    int64_t entry_floats; // the entry part of an entry block (what the disk tier stores; 0 without
+                          // block memory)
     int32_t n_tail;       // tail blocks per sequence
     int32_t max_blocks;   // entry blocks per sequence (max_ctx / block_tokens, rounded up)
     int32_t max_ctx;

@@ -21,7 +21,10 @@
 //   (e) DSpark speculation (spec_tokens 2) on top of hits gives the outputs of the engine with
 //       neither speculation nor the cache;
 //   (f) another checkpoint (same shapes, other weights: another weights_id) has another model
-//       identity in the prefix cache's chain hash, so its blocks never match.
+//       identity in the prefix cache's chain hash, so its blocks never match;
+//   (g) the disk tier (kv_disk_dir): blocks flushed at destroy are hits for a new engine on the
+//       same directory (read from disk, exact); an engine of another checkpoint on that directory
+//       finds none of them; without the prefix cache the option is refused.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -365,6 +368,60 @@ out:
     di_model_destroy(m2);
 }
 
+// ---- (g) ----
+
+static void test_disk(void) {
+    char dir[320];
+    snprintf(dir, sizeof dir, "%s/kv-disk", g_root);
+    static result req[2], ref[2];
+    prompt(&req[0], g_base, LONG, 0, 0);
+    prompt(&req[1], g_base, 200, TAIL, 1);
+    oracle(ref, req, 2, 0);
+    di_engine_options o = options((size_t)64 << 20, 2, true, 0);
+    o.kv_disk_dir = dir;
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    if (!e) return;
+    submit(e, &req[0], 0);
+    di_engine_wait_idle(e);
+    CHECK(same(&req[0], &ref[0]));
+    di_engine_destroy(e); // flushes its cached blocks
+    o.kv_disk_dir = dir;
+    e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    if (!e) return;
+    submit(e, &req[1], 1);
+    di_engine_wait_idle(e);
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    CHECK(same(&req[1], &ref[1]));
+    CHECK_EQ(req[1].n_cached, 192);
+    CHECK_EQ(st.n_disk_hit_tokens, 192);
+    fprintf(stderr,
+            "(g) disk tier after a restart: hit %d (%lld from disk), %lld blocks read: %s\n",
+            req[1].n_cached, (long long)st.n_disk_hit_tokens, (long long)st.n_disk_blocks_read,
+            same(&req[1], &ref[1]) ? "exact" : "DIFFERENT");
+    check_clean(e);
+    di_engine_destroy(e);
+    // Another checkpoint on the same directory: no record is its.
+    o.kv_disk_dir = dir;
+    e = NULL;
+    CHECK_EQ(di_engine_create(g_dir2, &o, &e), DI_OK);
+    if (!e) return;
+    prompt(&req[1], g_base, 200, TAIL, 1);
+    submit(e, &req[1], 1);
+    di_engine_wait_idle(e);
+    CHECK_EQ(req[1].n_cached, 0);
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_disk_hit_tokens, 0);
+    di_engine_destroy(e);
+    o = options((size_t)64 << 20, 2, false, 0);
+    o.kv_disk_dir = dir;
+    e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_UNSUPPORTED);
+    CHECK(e == NULL);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_engine_v41_prefix_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -384,6 +441,7 @@ int main(void) {
     test_cancel();
     test_spec();
     test_other_checkpoint();
+    test_disk();
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
