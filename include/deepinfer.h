@@ -511,15 +511,17 @@ typedef struct di_engine_stats {
 // A DeepSeek V4.1 checkpoint runs one V4.1 session per slot (with the DSpark module when
 // spec_tokens > 0, which makes a slot's state larger), each reserved here for max_ctx positions
 // and max_batch_tokens rows; a step runs its sequences one after another. kv_memory_bytes buys
-// whole slots: max_seqs is lowered (logged) to the slots that fit, and the prefix cache is off
-// (no_prefix_cache is forced on). A verify forward feeds spec_tokens + 1 rows of one sequence
-// beside the step's token budget (max_batch_tokens bounds the rows of one call).
-// Otherwise the CPU forward runs, its matmuls on the device when one is given; with kv_disk_dir,
-// it opens the disk tier there. DI_ERR_IO (also: the disk tier's directory cannot be created or
-// read), DI_ERR_FORMAT, DI_ERR_UNSUPPORTED (as di_model_load; spec_tokens > 0 on a checkpoint
-// without DSpark; kv_disk_dir on the device-resident or V4.1 forward), DI_ERR_INVALID (bad
-// options; e.g. a KV budget too small for one sequence, a spec_tokens or spec_min_confidence out
-// of range, a V4.1 checkpoint whose sessions cannot run: no Engram token map, kv_disk_dir with
+// whole slots: max_seqs is lowered (logged) to the slots that fit; with the prefix cache a slot
+// also pays for the prefix blocks of a max_ctx sequence, and the rest of kv_memory_bytes buys
+// blocks for idle cached prefixes (docs/kv-cache.md, "DeepSeek V4.1"). A verify forward feeds
+// spec_tokens + 1 rows of one sequence beside the step's token budget (max_batch_tokens bounds the
+// rows of one call). Otherwise the CPU forward runs, its matmuls on the device when one is given.
+// With kv_disk_dir (CPU or V4.1 forward), the engine opens the prefix cache's disk tier there.
+// DI_ERR_IO (also: the disk tier's directory cannot be created or read), DI_ERR_FORMAT,
+// DI_ERR_UNSUPPORTED (as di_model_load; spec_tokens > 0 on a checkpoint without DSpark; kv_disk_dir
+// on the device-resident forward, or the V4.1 one with no_prefix_cache), DI_ERR_INVALID (bad
+// options; e.g. a KV budget too small for one sequence, a spec_tokens or spec_min_confidence out of
+// range, a V4.1 checkpoint whose sessions cannot run: no Engram token map, kv_disk_dir with
 // no_prefix_cache), DI_ERR_BUSY (kv_disk_dir is locked by another engine), DI_ERR_CUDA (the
 // device state or its first call failed), DI_ERR_NOMEM.
 di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out);

@@ -25,12 +25,15 @@
 //     after another (no cross-sequence batching yet): a sequence planned from position 0 resets its
 //     slot's session, then di_session_forward feeds its rows and writes the logits of its last row
 //     when the plan samples it. A session's result depends on its own tokens only (any chunking
-//     gives the same logits), so a request's tokens do not depend on what shares its steps. The
-//     kv_manager is the accounting one: each slot's state is committed at create, so
-//     kv_memory_bytes buys whole slots (max_seqs is clamped to what fits) and the blocks of the
-//     max_seqs slots (each block standing for its share of one slot's bytes) always fit: admission
-//     is bounded by the slots, and nothing is ever preempted for blocks. Prefix cache off (a hit
-//     would copy a V4.1 state's entries between sessions: not done). With spec_tokens > 0 the
+//     gives the same logits), so a request's tokens do not depend on what shares its steps. Each
+//     slot's state is committed at create, so kv_memory_bytes buys whole slots (max_seqs is
+//     clamped to what fits) and the blocks of the max_seqs slots always fit: admission is bounded
+//     by the slots, and nothing is ever preempted for blocks. With the prefix cache (default) the
+//     kv_manager's blocks hold copies of the slots' entries, index keys and Engram ids
+//     (di_kv_manager_create_v41): copied out once their step ran (v41_export), cached when
+//     published, copied into a slot admitted on a hit, which then replays the bounded suffix
+//     (v41_import; "V4.1 prefix cache" below, docs/kv-cache.md); without it the manager is the
+//     accounting one (a block stands for a share of a slot's bytes). With spec_tokens > 0 the
 //     sessions run DSpark and a decode sequence verifies a draft block in its call, yielding up
 //     to spec_tokens + 1 tokens per step, bit for bit those of plain decoding ("speculative
 //     decoding" below); the plan built ahead is corrected for the extra tokens when they are
@@ -220,10 +223,12 @@ static di_status dev_kv_create(di_engine *e) {
 // The V4.1 forward's sessions and kv_manager. The sessions share the engine's workspace (they run
 // one at a time; like the CPU forward's, it is not part of kv_memory_bytes). Every slot's session
 // is reserved for max_ctx positions and max_batch_tokens rows now, so its bytes are committed:
-// kv_memory_bytes pays for whole slots (max_seqs is clamped to the slots that fit), and the
-// accounting manager gets the blocks of exactly those slots (max_blocks each, a block standing for
-// 1 / max_blocks of a slot's bytes): a sequence never lacks blocks, admission is bounded by the
-// free slots.
+// kv_memory_bytes pays for whole slots (max_seqs is clamped to the slots that fit). Without the
+// prefix cache the accounting manager gets the blocks of exactly those slots (max_blocks each, a
+// block standing for 1 / max_blocks of a slot's bytes). With it, a slot costs its state plus
+// max_blocks V4.1 prefix blocks (memory: the copies the cache keeps), and what is left buys more
+// blocks for idle cached prefixes. Either way a sequence never lacks blocks, admission is bounded
+// by the free slots.
 static di_status v41_create(di_engine *e) {
     di_engine_options *o = &e->opt;
     di_status st = DI_OK;
@@ -235,6 +240,14 @@ static di_status v41_create(di_engine *e) {
     const int32_t n_ctx_res = o->max_ctx + (e->spec_k > 0 ? B : 0);
     int32_t n_rows_res = o->max_batch_tokens;
     if (e->spec_k > 0 && n_rows_res < B + 1) n_rows_res = B + 1;
+    // With the prefix cache every slot also owns the blocks of a max_ctx sequence (a block is a
+    // copy of its positions' entries, index keys and Engram ids, exported once computed and kept
+    // in the cache when the sequence ends; docs/kv-cache.md, "DeepSeek V4.1").
+    const int32_t bt = di_kv_block_tokens(e->model);
+    const int32_t max_blocks = (o->max_ctx + bt - 1) / bt;
+    const int64_t blk =
+        o->no_prefix_cache ? 0 : ((int64_t)di_dsv41_block_bytes(e->model, bt) + 63) / 64 * 64;
+    int64_t slot_cost = 0;
     e->v41 = di_calloc((size_t)o->max_seqs, sizeof *e->v41);
     if (!e->v41) return DI_ERR_NOMEM;
     for (int32_t i = 0; i < o->max_seqs; i++) {
@@ -244,38 +257,52 @@ static di_status v41_create(di_engine *e) {
         DI_TRY(di_dsv41_reserve_ctx(e->v41[i], n_ctx_res, n_rows_res));
         if (i > 0) continue;
         e->v41_slot_bytes = di_dsv41_state_bytes(e->v41[0]);
-        const int64_t fit = (int64_t)o->kv_memory_bytes / e->v41_slot_bytes;
+        slot_cost = e->v41_slot_bytes + (int64_t)max_blocks * blk;
+        const int64_t fit = (int64_t)o->kv_memory_bytes / slot_cost;
         if (fit < 1) {
             DI_LOG_ERROR("engine: --kv-memory %zu bytes cannot hold one V4.1 sequence state of %d "
-                         "positions and %d rows per step (%lld bytes)",
+                         "positions and %d rows per step (%lld bytes, with its prefix blocks)",
                          o->kv_memory_bytes, (int)o->max_ctx, (int)o->max_batch_tokens,
-                         (long long)e->v41_slot_bytes);
+                         (long long)slot_cost);
             st = DI_ERR_INVALID;
             goto fail;
         }
         if (fit < o->max_seqs) {
             DI_LOG_INFO("engine: --kv-memory %zu bytes holds %lld V4.1 sequence states of %lld "
-                        "bytes: max_seqs %d -> %lld",
-                        o->kv_memory_bytes, (long long)fit, (long long)e->v41_slot_bytes,
-                        (int)o->max_seqs, (long long)fit);
+                        "bytes (with their prefix blocks): max_seqs %d -> %lld",
+                        o->kv_memory_bytes, (long long)fit, (long long)slot_cost, (int)o->max_seqs,
+                        (long long)fit);
             o->max_seqs = (int32_t)fit;
         }
     }
-    const int32_t bt = di_kv_block_tokens(e->model);
-    const int32_t max_blocks = (o->max_ctx + bt - 1) / bt;
-    const size_t block_bytes = (size_t)((e->v41_slot_bytes + max_blocks - 1) / max_blocks);
-    if (!o->no_prefix_cache)
-        DI_LOG_INFO("engine: prefix cache off for DeepSeek V4.1 (sharing a prefix would copy a "
-                    "V4.1 state's entries between sessions: not done)");
-    o->no_prefix_cache = true;
-    DI_TRY(di_kv_manager_create_accounting(e->model, o->max_seqs * max_blocks, block_bytes,
-                                           o->max_seqs, o->max_ctx, false, &e->kv));
+    if (o->no_prefix_cache) {
+        const size_t block_bytes = (size_t)((e->v41_slot_bytes + max_blocks - 1) / max_blocks);
+        DI_TRY(di_kv_manager_create_accounting(e->model, o->max_seqs * max_blocks, block_bytes,
+                                               o->max_seqs, o->max_ctx, false, &e->kv));
+    } else {
+        // What the slots leave buys blocks for idle cached prefixes (evicted LRU).
+        const int64_t extra = ((int64_t)o->kv_memory_bytes - o->max_seqs * slot_cost) / blk;
+        const int64_t n_blocks = (int64_t)o->max_seqs * max_blocks + extra;
+        if (n_blocks > INT32_MAX / 2) {
+            DI_LOG_ERROR("engine: %lld V4.1 prefix blocks are too many; lower --kv-memory",
+                         (long long)n_blocks);
+            return DI_ERR_INVALID;
+        }
+        DI_TRY(
+            di_kv_manager_create_v41(e->model, (int32_t)n_blocks, o->max_seqs, o->max_ctx, &e->kv));
+        DI_LOG_INFO("engine: V4.1 --kv-memory %zu bytes = %d slots x (%.2f MiB sequence state + "
+                    "%d prefix blocks of %.1f KiB) + %lld blocks (%.2f MiB) for idle cached "
+                    "prefixes",
+                    o->kv_memory_bytes, (int)o->max_seqs, (double)e->v41_slot_bytes / (1 << 20),
+                    (int)max_blocks, (double)blk / 1024, (long long)extra,
+                    (double)(extra * blk) / (1 << 20));
+    }
     DI_LOG_INFO("engine: the V4.1 forward: %d slots of up to %d positions, %d rows per step, "
                 "%.2f MiB per slot (sequence state) and %.1f MiB of workspace shared by the slots, "
-                "one sequence after another",
+                "one sequence after another, prefix cache %s",
                 (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens,
-                (double)e->v41_slot_bytes / (1 << 20),
-                (double)di_dsv4_ws_bytes(&e->ws) / (1 << 20));
+                (double)e->v41_slot_bytes / (1 << 20), (double)di_dsv4_ws_bytes(&e->ws) / (1 << 20),
+                o->no_prefix_cache ? "off" : "on");
     if (e->spec_k > 0)
         DI_LOG_INFO("engine: speculative decoding with DSpark: up to %d drafts per verify, "
                     "confidence cut %g",
@@ -364,7 +391,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     else
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                     !o->no_prefix_cache, &e->kv));
-    if (o->kv_disk_dir) { // refused on the accounting managers (their memory is not the pool's)
+    if (o->kv_disk_dir) { // refused on the accounting managers (their blocks have no memory)
         di_kv_disk_options dko = {
             .dir = o->kv_disk_dir, .max_bytes = o->kv_disk_bytes, .ttl_s = o->kv_disk_ttl_s};
         DI_TRY(di_kv_manager_open_disk(e->kv, &dko));
@@ -1069,6 +1096,40 @@ static void v41_spec_accept(di_engine *e) {
     }
 }
 
+// ---- V4.1 prefix cache (docs/kv-cache.md, "DeepSeek V4.1") ----
+
+// After a V4.1 step ran (no forward in flight): copies each block its sequences published at
+// launch (now computed) out of the slot's session into the block. Published blocks are referenced
+// by their running sequence, so no plan made meanwhile evicted them; a request admitted meanwhile
+// onto one of them imports it only when its own step is launched, after this.
+static void v41_export(di_engine *e) {
+    if (!e->kv->cache) return;
+    for (int32_t i = 0; i < e->x_n_seq; i++) {
+        const int32_t slot = e->x_seq_req[i]->slot;
+        const di_kv_seq *ks = &e->kv->seqs[slot];
+        for (int32_t b = ks->n_published_before; b < ks->n_published; b++)
+            di_dsv41_export_block(e->v41[slot], e->kv->block_tokens, b, ks->pages[b]);
+    }
+}
+
+// At launch (no forward in flight): the first call of a sequence admitted on a prefix hit of H
+// positions that starts its bounded replay at win_lo = Q > 0 restarts its slot's session on the
+// cached blocks at position Q (di_dsv41_import_prefix); the call then feeds Q .. H - 1 again and
+// goes on. A hit with Q = 0 just starts over at 0 (v41_forward resets the slot): recomputing an
+// entry gives the cached bytes. A failed import leaves the session at position 0, which the
+// forward refuses (the step fails).
+static void v41_import(di_engine *e) {
+    const di_sched *s = &e->sched;
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        const di_dsv4_seq *sq = &s->seqs[i];
+        if (sq->win_lo == 0 || sq->pos != sq->win_lo) continue;
+        const di_kv_seq *ks = &e->kv->seqs[s->seq_req[i]->slot];
+        const int32_t n = ks->n_cached / e->kv->block_tokens;
+        (void)di_dsv41_import_prefix(e->v41[s->seq_req[i]->slot], e->kv->block_tokens,
+                                     (const void *const *)ks->pages, n, sq->pos);
+    }
+}
+
 // The V4.1 forward of the plan being run: its sequences one after another, each on its slot's
 // session. The logits of a sequence's last row land in the rows of its logit slot (the plan
 // samples only a sequence's last row; a verify writes its k + 1 rows there). A session call that
@@ -1080,8 +1141,7 @@ static di_status v41_forward(di_engine *e) {
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         const di_dsv4_seq *sq = &e->x_seqs[i];
         di_session *s = e->v41[e->x_slot[i]];
-        DI_ASSERT(sq->win_lo == 0); // no prefix cache: no bounded replay
-        if (sq->pos == 0) di_session_reset(s);
+        if (sq->pos == 0) di_session_reset(s); // after a prefix hit v41_import restarted it
         if (di_session_n_past(s) != sq->pos) { // an invariant of the plan; fail rather than abort
             DI_LOG_ERROR("engine: V4.1 slot %d is at position %d, the plan feeds position %d",
                          (int)e->x_slot[i], (int)di_session_n_past(s), (int)sq->pos);
@@ -1194,8 +1254,10 @@ static void launch(di_engine *e) {
                                             .n_cached = ks->n_cached};
         }
     }
-    if (e->v41)
+    if (e->v41) {
         for (int32_t i = 0; i < s->n_seq; i++) e->x_slot[i] = s->seq_req[i]->slot;
+        v41_import(e);
+    }
     for (int32_t k = 0; k < s->n_logit; k++) { // one token each, unless the forward verifies
         e->x_nrows[k] = e->x_emit[k] = 1;
         e->x_ndraft[k] = e->x_nprop[k] = 0;
@@ -1325,6 +1387,7 @@ static void *engine_main(void *p) {
         e->stats.n_failed_steps += fst != DI_OK;
         e->stats.n_failed_in_a_row = fst != DI_OK ? e->stats.n_failed_in_a_row + 1 : 0;
         pthread_mutex_unlock(&e->mu);
+        if (fst == DI_OK && e->v41) v41_export(e); // before anything retires
         if (fst == DI_OK)
             sample_and_emit(e, &cb_allocs); // retiring drops finished requests from the plan
         else

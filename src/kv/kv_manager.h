@@ -13,13 +13,17 @@
  * the pool directly. Sequences hold block ids (reference counted), never own memory.
  * See docs/kv-cache.md for the layout and the exact prefix-reuse rule (bounded replay).
  * Created for accounting (di_kv_manager_create_accounting: the device-resident forward and the
- * V4.1 forward), the manager keeps block ids, counts, the prefix cache and the block tables only:
- * no memory, no tail blocks (the forward's state holds every slot's tail), no layer views. On the
- * device-resident forward the blocks are the device state's entry blocks (model/dsv4_dev.h), whose
- * ids the engine passes with each call; on the V4.1 forward each block stands for a share of one
- * slot's V4.1 session state, which is committed at create (engine.c).
+ * V4.1 forward without the prefix cache), the manager keeps block ids, counts, the prefix cache and
+ * the block tables only: no memory, no tail blocks (the forward's state holds every slot's tail),
+ * no layer views. On the device-resident forward the blocks are the device state's entry blocks
+ * (model/dsv4_dev.h), whose ids the engine passes with each call; on the V4.1 forward each block
+ * stands for a share of one slot's V4.1 session state, which is committed at create (engine.c).
+ * The V4.1 forward with the prefix cache (di_kv_manager_create_v41) has block memory but no tail
+ * blocks or views either: a block holds a copy of its positions' V4.1 entries, index keys and
+ * Engram ids, which the engine copies out of and into the slots' sessions.
  *
- * With a disk tier (di_kv_manager_open_disk, CPU manager only) the prefix cache writes every block
+ * With a disk tier (di_kv_manager_open_disk: managers with block memory, the CPU one and the V4.1
+ * one) the prefix cache writes every block
  * it loses to eviction to disk, and admission continues a prefix match with blocks read back from
  * it (docs/kv-cache.md, "Disk tier").
  *
@@ -63,7 +67,8 @@ typedef struct di_kv_manager {
     di_prefix_cache *cache; // owned; NULL when prefix reuse is off
     int32_t block_tokens;   // positions per entry block
     int64_t block_floats;
-    int64_t entry_floats; // the entry part of an entry block (what the disk tier stores)
+    int64_t entry_floats; // the entry part of an entry block (what the disk tier stores; 0 without
+                          // block memory)
     int32_t n_tail;       // tail blocks per sequence
     int32_t max_blocks;   // entry blocks per sequence (max_ctx / block_tokens, rounded up)
     int32_t max_ctx;
@@ -91,6 +96,12 @@ di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, i
 di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t block_bytes,
                                           int32_t max_seqs, int32_t max_ctx, bool prefix_cache,
                                           di_kv_manager **out);
+// The V4.1 forward's manager with its prefix cache: n_blocks blocks of di_dsv41_block_bytes memory
+// each (model/dsv41.h: a block's entries, index keys and Engram ids, copied out of and into the
+// slots' sessions by the engine), no tail blocks, no layer views. DI_ERR_INVALID (n_blocks cannot
+// hold one sequence of max_ctx positions; logged), DI_ERR_NOMEM.
+di_status di_kv_manager_create_v41(di_model *m, int32_t n_blocks, int32_t max_seqs, int32_t max_ctx,
+                                   di_kv_manager **out);
 // Positions per entry block for model m (the lcm of the compress ratios, at least the window).
 int32_t di_kv_block_tokens(const di_model *m);
 void di_kv_manager_destroy(di_kv_manager *kv);

@@ -129,6 +129,28 @@ static inline di_dsv4_ws *di_dsv41_ws(di_session *s) {
 di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes);
 di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes);
 
+// ---- prefix-cache blocks (docs/kv-cache.md, "DeepSeek V4.1") ----
+// A block of block_tokens positions (a multiple of every compression ratio) is the unit the
+// engine's prefix cache keeps: per kv source (layer order) its block_tokens / m entries [Dh] then
+// as many index keys [DI], then (with Engram layers) the block_tokens compressed history ids.
+// Everything else at a block boundary (window rings, DSpark rings) is rebuilt by a bounded replay;
+// there is no pending (C, Z) group there (block_tokens is even).
+
+// Bytes of one block's payload.
+size_t di_dsv41_block_bytes(const di_model *m, int32_t block_tokens);
+// Copies block b (positions [b * block_tokens, (b + 1) * block_tokens), all computed: s->pos and
+// every source's entries cover them) of the session's state to dst (di_dsv41_block_bytes).
+void di_dsv41_export_block(const di_session *s, int32_t block_tokens, int32_t b, void *dst);
+// Restarts the session on a cached prefix of n_blocks blocks (blocks[i]: block i's payload, as
+// exported): every source holds the entries of positions < hit = n_blocks * block_tokens (kept by
+// the compressor, dsv41_attn.c, while positions < hit are fed again), the Engram history holds
+// positions < hit, and the session stands at position pos (0 <= pos <= hit), DSpark rings empty
+// from there: the caller feeds positions pos .. hit - 1 again (the replay) to rebuild the window
+// and DSpark rings. Window and DSpark rings are zeroed. DI_ERR_INVALID (a bad block size, hit or
+// pos; the session is then reset), DI_ERR_NOMEM.
+di_status di_dsv41_import_prefix(di_session *s, int32_t block_tokens, const void *const *blocks,
+                                 int32_t n_blocks, int32_t pos);
+
 // Takes back the last n positions (rejected speculative tokens, §5.3): afterwards the session is
 // exactly the state of a run that never saw them. DI_ERR_INVALID if n < 0, n > s->pos or
 // n > DI_DSV41_ROLLBACK_MAX (then nothing changes).

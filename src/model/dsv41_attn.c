@@ -5,6 +5,8 @@
 // source, level-2 restriction after it), top-k reuse on the other layers, the sink softmax over
 // window + selected entries, the grouped output. Also the DSpark block attention (§3.3).
 // Order per call (R-OFF): projections -> compressor -> indexer -> attention -> ring update.
+// Positions fed again after a prefix-cache restart (di_dsv41_import_prefix: the bounded replay)
+// leave the entries they would close untouched (w < n_entries): those came from the cache.
 #include <math.h>
 #include <string.h>
 
@@ -173,6 +175,7 @@ static void compressor(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w
         di_dsv4_linear(c, &cw->wkv, a, n_tok, D, cc, Dh, false);
         for (int32_t t = 0; t < n_tok; t++) {
             int64_t w = (int64_t)p0 + t;
+            if (w < src->n_entries) continue; // a prefix-cache entry, fed again: kept
             memcpy(latent, cc + t * Dh, sizeof(float) * (size_t)Dh);
             di_ref_rmsnorm(latent, 1, Dh, Dh, cw->norm, hp->norm_eps);
             di_dsv4_round(m, latent, Dh);
@@ -194,6 +197,7 @@ static void compressor(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w
             memcpy(slot + Dh, cz + t * Dh, sizeof(float) * (size_t)Dh);
             continue;
         }
+        if (P / 2 < src->n_entries) continue; // a prefix-cache entry, fed again: kept
         const float *c0 = slot, *z0 = slot + Dh, *c1 = cc + t * Dh, *z1 = cz + t * Dh;
         for (int64_t d = 0; d < Dh; d++) {
             float mx = fmaxf(z0[d], z1[d]);

@@ -207,6 +207,85 @@ di_status di_dsv41_rollback(di_session *s, int32_t n) {
     return DI_OK;
 }
 
+// ---- prefix-cache blocks ----
+
+static bool block_tokens_ok(const di_hparams *hp, int32_t bt) {
+    if (bt <= 0 || bt % 2 != 0) return false; // no pending (C, Z) group at a block boundary
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il] && bt % hp->compress_ratio[il] != 0) return false;
+    return true;
+}
+
+size_t di_dsv41_block_bytes(const di_model *m, int32_t block_tokens) {
+    const di_hparams *hp = &m->hp;
+    size_t b = 0;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il])
+            b += sizeof(float) * (size_t)(block_tokens / hp->compress_ratio[il]) *
+                 (size_t)(hp->head_dim + hp->index_head_dim);
+    if (hp->n_engram > 0) b += sizeof(int32_t) * (size_t)block_tokens;
+    return b;
+}
+
+void di_dsv41_export_block(const di_session *s, int32_t block_tokens, int32_t b, void *dst) {
+    const di_hparams *hp = &s->model->hp;
+    const di_dsv41_state *st = s->v41;
+    const size_t Dh = (size_t)hp->head_dim, DI = (size_t)hp->index_head_dim;
+    DI_ASSERT(block_tokens_ok(hp, block_tokens) && (int64_t)(b + 1) * block_tokens <= s->pos);
+    char *p = dst;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        const di_dsv41_src *src = &st->src[il];
+        const int64_t per = block_tokens / hp->compress_ratio[il], w0 = (int64_t)b * per;
+        DI_ASSERT(w0 + per <= src->n_entries);
+        memcpy(p, src->cmain + w0 * (int64_t)Dh, sizeof(float) * (size_t)per * Dh);
+        p += sizeof(float) * (size_t)per * Dh;
+        memcpy(p, src->kidx + w0 * (int64_t)DI, sizeof(float) * (size_t)per * DI);
+        p += sizeof(float) * (size_t)per * DI;
+    }
+    if (hp->n_engram > 0)
+        memcpy(p, st->hist + (int64_t)b * block_tokens, sizeof(int32_t) * (size_t)block_tokens);
+}
+
+di_status di_dsv41_import_prefix(di_session *s, int32_t block_tokens, const void *const *blocks,
+                                 int32_t n_blocks, int32_t pos) {
+    const di_hparams *hp = &s->model->hp;
+    di_dsv41_state *st = s->v41;
+    const size_t Dh = (size_t)hp->head_dim, DI = (size_t)hp->index_head_dim;
+    di_session_reset(s);
+    const int64_t hit = (int64_t)n_blocks * block_tokens;
+    if (!block_tokens_ok(hp, block_tokens) || n_blocks < 0 || hit > s->n_ctx_max || pos < 0 ||
+        pos > hit) {
+        DI_LOG_ERROR("session: cannot restart on %d cached blocks of %d positions at position %d "
+                     "(at most %d positions)",
+                     n_blocks, block_tokens, pos, s->n_ctx_max);
+        return DI_ERR_INVALID;
+    }
+    di_status r = reserve(s, hit, 1); // capacities (the engine's sessions have them)
+    if (r != DI_OK) return r;
+    for (int il = 0; il < st->n_state_layers; il++)
+        memset(st->ring[il], 0, sizeof(float) * (size_t)st->ring_rows * Dh);
+    for (int32_t b = 0; b < n_blocks; b++) {
+        const char *p = blocks[b];
+        for (int il = 0; il < hp->n_layer; il++) {
+            if (!hp->kv_source[il]) continue;
+            di_dsv41_src *src = &st->src[il];
+            const int64_t per = block_tokens / hp->compress_ratio[il], w0 = (int64_t)b * per;
+            memcpy(src->cmain + w0 * (int64_t)Dh, p, sizeof(float) * (size_t)per * Dh);
+            p += sizeof(float) * (size_t)per * Dh;
+            memcpy(src->kidx + w0 * (int64_t)DI, p, sizeof(float) * (size_t)per * DI);
+            p += sizeof(float) * (size_t)per * DI;
+        }
+        if (hp->n_engram > 0)
+            memcpy(st->hist + (int64_t)b * block_tokens, p, sizeof(int32_t) * (size_t)block_tokens);
+    }
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il]) st->src[il].n_entries = hit / hp->compress_ratio[il];
+    s->pos = pos;
+    st->dspark_pos = pos;
+    return DI_OK;
+}
+
 // ---- serialisation ----
 // Layout: {magic "D41S", version, model fingerprint, pos, dspark_pos, mtp}, rings of every state
 // layer, per kv source {n_entries, entries, index keys, (C, Z) slots}, Engram history [pos], then

@@ -97,6 +97,22 @@ def test_concurrent_equals_alone(v41):
     assert together == alone
 
 
+def test_prefix_hit(v41):
+    # The same long prompt twice: the second reports the cached positions in its usage (whole
+    # 16-position blocks of the V4.1 tiny model below the last prompt token) and gives the same
+    # text and log-probabilities; /metrics counts the hit (docs/kv-cache.md, "DeepSeek V4.1").
+    prompt = "3 1 2 " * 50  # BOS + 300 BPE ids
+    before = v41.metrics()["deepinfer:prefix_cache_hit_tokens_total"]
+    bodies = [complete(v41, prompt, 10, logprobs=2) for _ in range(2)]
+    n = bodies[0]["usage"]["prompt_tokens"]
+    assert n == 301
+    assert bodies[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert bodies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    assert bodies[1]["choices"] == bodies[0]["choices"]
+    after = v41.metrics()["deepinfer:prefix_cache_hit_tokens_total"]
+    assert after - before == (n - 1) // 16 * 16
+
+
 def test_chat_needs_the_v41_tokenizer(v41):
     st, _, body = post(v41, "/v1/chat/completions",
                        {"model": NAME, "messages": [{"role": "user", "content": "1 2 3"}],

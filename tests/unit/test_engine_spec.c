@@ -143,6 +143,9 @@ static di_engine *engine(int32_t spec, float min_conf, int32_t max_seqs) {
     o.spec_tokens = spec;
     o.spec_min_confidence = min_conf;
     o.token_bytes = token_bytes;
+    // A pool block then stands for a share of a slot ((a) compares slot sizes through it); the
+    // prefix cache under speculation: test_engine_v41_prefix.c (e).
+    o.no_prefix_cache = true;
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     return e;

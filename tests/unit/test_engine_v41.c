@@ -5,8 +5,8 @@
 //   (a) six concurrent requests (prompts 5..150 tokens, greedy and seeded) with max_seqs 3 (slots
 //       reused) and 32 rows per step (chunked prefill), then with max_seqs 6, twice each, give the
 //       reference's tokens, logprobs and first-token logits bit for bit; nothing is allocated
-//       inside a step; every block comes back; the prefix cache is off (nothing cached or hit) and
-//       nothing is preempted;
+//       inside a step; every block comes back; with the prefix cache off (its tests are in
+//       test_engine_v41_prefix.c) nothing is cached or hit, and nothing is preempted;
 //   (b) requests cancelled mid-decode free their slots; the requests that reuse them give the
 //       reference's tokens;
 //   (c) a forward failure injected mid-run ends exactly the requests of that step with
@@ -86,7 +86,8 @@ static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
     o.max_seqs = max_seqs;
     o.max_batch_tokens = ROWS; // chunked prefill
     o.max_ctx = MAX_CTX;
-    return o; // the prefix cache asked for (the default): the V4.1 forward turns it off
+    o.no_prefix_cache = true; // its tests: test_engine_v41_prefix.c
+    return o;
 }
 
 static di_engine *engine(size_t kv_bytes, int32_t max_seqs) {
@@ -116,7 +117,7 @@ static void test_same_tokens(void) {
         if (!e) return;
         static result got[N_REQ];
         int n_same = 0;
-        for (int pass = 0; pass < 2; pass++) { // again: no prefix cache, the same tokens
+        for (int pass = 0; pass < 2; pass++) { // again: the same tokens
             run(e, got, 0, N_REQ);
             di_engine_wait_idle(e);
             for (int i = 0; i < N_REQ; i++) {
@@ -282,7 +283,7 @@ static void test_sizing(void) {
         CHECK_EQ(st.n_blocks_total, 2 * max_blocks);
         di_engine_destroy(e);
     }
-    // The prefix cache's disk tier needs the V4 CPU forward's block memory: refused on V4.1.
+    // The prefix cache's disk tier is the V4 CPU forward's only: refused on V4.1.
     char disk[300];
     snprintf(disk, sizeof disk, "%s/kv-disk", g_root);
     o = options((size_t)slot, 4);
