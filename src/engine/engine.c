@@ -21,11 +21,12 @@
 //   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h): one V4.1 session
 //     per scheduler slot, created at create with every buffer a call can grow reserved for max_ctx
 //     positions and max_batch_tokens rows (di_dsv41_reserve_ctx), all sharing the engine's
-//     workspace (di_dsv41_share_ws: they run one at a time). A step runs its sequences one
-//     after another (no cross-sequence batching yet): a sequence planned from position 0 resets its
-//     slot's session, then di_session_forward feeds its rows and writes the logits of its last row
-//     when the plan samples it. A session's result depends on its own tokens only (any chunking
-//     gives the same logits), so a request's tokens do not depend on what shares its steps. The
+//     workspace (di_dsv41_share_ws), which holds a step's rows. A step is one batched call
+//     (di_dsv41_forward_batch) over all its sequences, prefill chunks, decodes and verifies
+//     mixed: a sequence planned from position 0 resets its slot's session first; the call
+//     writes the logits of each sequence's last row when the plan samples it. A session's result
+//     depends on its own tokens only (any chunking, any batch and row offset give the same
+//     logits, bit for bit), so a request's tokens do not depend on what shares its steps. The
 //     kv_manager is the accounting one: each slot's state is committed at create, so
 //     kv_memory_bytes buys whole slots (max_seqs is clamped to what fits) and the blocks of the
 //     max_seqs slots (each block standing for its share of one slot's bytes) always fit: admission
@@ -82,6 +83,9 @@ struct di_engine {
     di_session **v41;       // owned [max_seqs]; NULL on the other forwards
     int32_t n_v41;          // sessions created
     int32_t *x_slot;        // owned [max_seqs]: the slot of each planned sequence (V4.1)
+    di_dsv41_seq *x_b;      // owned [max_seqs]: the batched call's sequences (v41_forward)
+    int32_t *x_bk;          // owned [max_seqs]: the logit slot of each (-1: none)
+    int32_t *x_ver;         // owned [max_seqs * lstride]: logit slot k's verify tokens
     int64_t v41_slot_bytes; // the memory of one slot's session state (the workspace is shared)
     // Speculative decoding (V4.1 with DSpark, opt.spec_tokens > 0; "speculative decoding" below).
     // Logit slot k (a sampled sequence of the plan) owns lstride rows of logits and of sample
@@ -212,30 +216,31 @@ static di_status dev_kv_create(di_engine *e) {
                                            o->max_ctx, !o->no_prefix_cache, &e->kv);
 }
 
-// The V4.1 forward's sessions and kv_manager. The sessions share the engine's workspace (they run
-// one at a time; like the CPU forward's, it is not part of kv_memory_bytes). Every slot's session
-// is reserved for max_ctx positions and max_batch_tokens rows now, so its bytes are committed:
-// kv_memory_bytes pays for whole slots (max_seqs is clamped to the slots that fit), and the
-// accounting manager gets the blocks of exactly those slots (max_blocks each, a block standing for
-// 1 / max_blocks of a slot's bytes): a sequence never lacks blocks, admission is bounded by the
+// The V4.1 forward's sessions and kv_manager. The sessions share the engine's workspace (a step's
+// one call runs them all on it; like the CPU forward's, it is not part of kv_memory_bytes). Every
+// slot's session is reserved for max_ctx positions and max_batch_tokens rows now, so its bytes are
+// committed: kv_memory_bytes pays for whole slots (max_seqs is clamped to the slots that fit), and
+// the accounting manager gets the blocks of exactly those slots (max_blocks each, a block standing
+// for 1 / max_blocks of a slot's bytes): a sequence never lacks blocks, admission is bounded by the
 // free slots.
 static di_status v41_create(di_engine *e) {
     di_engine_options *o = &e->opt;
     di_status st = DI_OK;
     // With speculation the sessions run DSpark (its rings and draft scratch are part of a slot's
     // bytes), a draft reserves the Engram history dspark_block_size positions past the last one
-    // fed, and a verify call feeds spec_k + 1 rows: all reserved here, so that no step allocates.
+    // fed and runs dspark_block_size rows, and a step's call feeds up to spec_k verify rows more
+    // per sampled sequence than its plan: all reserved here, so that no step allocates.
     di_session_options so = {.n_ctx_max = o->max_ctx, .mtp = e->spec_k > 0};
     const int32_t B = e->model->hp.dspark_block_size;
     const int32_t n_ctx_res = o->max_ctx + (e->spec_k > 0 ? B : 0);
-    int32_t n_rows_res = o->max_batch_tokens;
+    int32_t n_rows_res = o->max_batch_tokens + o->max_seqs * e->spec_k;
     if (e->spec_k > 0 && n_rows_res < B + 1) n_rows_res = B + 1;
     e->v41 = di_calloc((size_t)o->max_seqs, sizeof *e->v41);
     if (!e->v41) return DI_ERR_NOMEM;
     for (int32_t i = 0; i < o->max_seqs; i++) {
         DI_TRY(di_session_create(e->model, &so, &e->v41[i]));
         e->n_v41 = i + 1;
-        di_dsv41_share_ws(e->v41[i], &e->ws); // one slot runs at a time
+        di_dsv41_share_ws(e->v41[i], &e->ws); // the step's call runs every slot on it
         DI_TRY(di_dsv41_reserve_ctx(e->v41[i], n_ctx_res, n_rows_res));
         if (i > 0) continue;
         e->v41_slot_bytes = di_dsv41_state_bytes(e->v41[0]);
@@ -267,7 +272,7 @@ static di_status v41_create(di_engine *e) {
                                            o->max_seqs, o->max_ctx, false, &e->kv));
     DI_LOG_INFO("engine: the V4.1 forward: %d slots of up to %d positions, %d rows per step, "
                 "%.2f MiB per slot (sequence state) and %.1f MiB of workspace shared by the slots, "
-                "one sequence after another",
+                "one batched call per step",
                 (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens,
                 (double)e->v41_slot_bytes / (1 << 20),
                 (double)di_dsv4_ws_bytes(&e->ws) / (1 << 20));
@@ -387,7 +392,10 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         }
     } else if (e->v41) {
         e->x_slot = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
-        if (!e->x_slot) {
+        e->x_b = di_malloc(sizeof *e->x_b * (size_t)o->max_seqs);
+        e->x_bk = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
+        e->x_ver = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs * (size_t)e->lstride);
+        if (!e->x_slot || !e->x_b || !e->x_bk || !e->x_ver) {
             st = DI_ERR_NOMEM;
             goto fail;
         }
@@ -557,6 +565,9 @@ void di_engine_destroy(di_engine *e) {
     for (int32_t i = 0; i < e->n_v41; i++) di_session_destroy(e->v41[i]);
     di_free(e->v41);
     di_free(e->x_slot);
+    di_free(e->x_b);
+    di_free(e->x_bk);
+    di_free(e->x_ver);
     di_free(e->marks);
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
@@ -996,11 +1007,13 @@ static void v41_spec_accept(di_engine *e) {
     }
 }
 
-// The V4.1 forward of the plan being run: its sequences one after another, each on its slot's
-// session. The logits of a sequence's last row land in the rows of its logit slot (the plan
-// samples only a sequence's last row; a verify writes its k + 1 rows there). A session call that
-// fails fails the step (fail_step); sequences after it do not run, and every slot of the step
-// restarts at position 0 when reused.
+// The V4.1 forward of the plan being run: one batched call (di_dsv41_forward_batch) over all its
+// sequences, each on its slot's session: prefill chunks, decodes and verifies (a verify's row
+// span holds its anchor and drafts; its drafts come from a DSpark block run on its session before
+// the call). The call writes the logit rows contiguously in sequence order; they then move to
+// their logit slots (slot k owns rows k * lstride ..; the plan samples only a sequence's last
+// row, a verify its k + 1 rows). A failed draft or call fails the step (fail_step) before any
+// session moved; every slot of the step restarts at position 0 when reused.
 static di_status v41_forward(di_engine *e) {
     const int64_t V = e->model->hp.n_vocab;
     int32_t row = 0, n_out = 0;
@@ -1018,26 +1031,39 @@ static di_status v41_forward(di_engine *e) {
         int32_t kslot = -1;
         for (int32_t k = 0; k < e->x_n_logit; k++)
             if (e->x_logit_rows[k] == last) kslot = k;
-        di_forward_out out = {.logits = NULL, .last_only = true};
-        di_status st = DI_OK;
-        int32_t ver[DI_MAX_SPEC_TOKENS + 1], n_ver = 1;
+        di_dsv41_seq *b = &e->x_b[i];
+        *b = (di_dsv41_seq){.s = s, .tokens = e->x_tokens + row, .n_tok = sq->n_tok};
+        e->x_bk[i] = kslot;
         if (kslot >= 0) {
-            out.logits = e->logits + (int64_t)kslot * e->lstride * V;
+            int32_t *ver = e->x_ver + (int64_t)kslot * e->lstride, n_ver = 1;
             e->x_lslot[kslot] = e->x_slot[i];
-            st = v41_spec_plan(e, kslot, sq, s, e->x_tokens[last], ver, &n_ver);
+            di_status st = v41_spec_plan(e, kslot, sq, s, e->x_tokens[last], ver, &n_ver);
             if (st != DI_OK) return st;
+            b->n_out = 1;
+            if (n_ver > 1) { // a verify: [anchor, drafts], logits of every row
+                b->tokens = ver;
+                b->n_tok = b->n_out = n_ver;
+            }
+            n_out++;
         }
-        n_out += kslot >= 0;
-        if (n_ver > 1) { // a verify: [anchor, drafts], logits of every row
-            out.last_only = false;
-            st = di_session_forward(s, ver, n_ver, &out);
-        } else {
-            st = di_session_forward(s, e->x_tokens + row, sq->n_tok, &out);
-        }
-        if (st != DI_OK) return st;
         row += sq->n_tok;
     }
     DI_ASSERT(n_out == e->x_n_logit); // every logit row is the last row of its sequence
+    di_status st = di_dsv41_forward_batch(e->model, &e->ws, e->x_b, e->x_n_seq, e->logits);
+    if (st != DI_OK) return st;
+    // Logit rows to their slots, last first (a slot's rows never start below where the call
+    // wrote them, so every move goes up or stays and never clobbers a row still to move).
+    int32_t off = 0;
+    for (int32_t i = 0; i < e->x_n_seq; i++) off += e->x_b[i].n_out;
+    for (int32_t i = e->x_n_seq - 1; i >= 0; i--) {
+        off -= e->x_b[i].n_out;
+        if (e->x_bk[i] < 0) continue;
+        const int64_t dst = (int64_t)e->x_bk[i] * e->lstride;
+        DI_ASSERT(dst >= off);
+        if (dst != off)
+            memmove(e->logits + dst * V, e->logits + (int64_t)off * V,
+                    sizeof(float) * (size_t)(e->x_b[i].n_out * V));
+    }
     return DI_OK;
 }
 
@@ -1269,6 +1295,7 @@ static void *engine_main(void *p) {
         st->n_blocks_free = di_block_pool_n_available(e->kv->pool);
         st->n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
         st->weight_bytes = (int64_t)e->model->cpu.n_weight_bytes; // the forward thread is idle
+        st->n_forward_calls = e->model->n_forward_calls;
         st->weight_macs = (int64_t)e->model->cpu.n_weight_macs;
         di_accel_get_stats(&e->model->accel, &st->device);
         st->device.resident = e->dstate != NULL;
