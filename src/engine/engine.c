@@ -32,7 +32,8 @@
 //     max_seqs slots (each block standing for its share of one slot's bytes) always fit: admission
 //     is bounded by the slots, and nothing is ever preempted for blocks. Prefix cache off (a hit
 //     would copy a V4.1 state's entries between sessions: not done). With spec_tokens > 0 the
-//     sessions run DSpark and a decode sequence verifies a draft block in its call, yielding up
+//     sessions run DSpark (one draft call per step for every speculating sequence) and a decode
+//     sequence verifies its drafts in its rows of the step's call, yielding up
 //     to spec_tokens + 1 tokens per step, bit for bit those of plain decoding ("speculative
 //     decoding" below); the plan built ahead is corrected for the extra tokens when they are
 //     emitted (spec_settle).
@@ -80,13 +81,16 @@ struct di_engine {
     int64_t dev_block_bytes;   // device bytes of one entry block
     di_request **x_seq_req;    // owned [max_seqs]: the request of each planned sequence
     // The V4.1 forward (model->hp.v41): one session per scheduler slot.
-    di_session **v41;       // owned [max_seqs]; NULL on the other forwards
-    int32_t n_v41;          // sessions created
-    int32_t *x_slot;        // owned [max_seqs]: the slot of each planned sequence (V4.1)
-    di_dsv41_seq *x_b;      // owned [max_seqs]: the batched call's sequences (v41_forward)
-    int32_t *x_bk;          // owned [max_seqs]: the logit slot of each (-1: none)
-    int32_t *x_ver;         // owned [max_seqs * lstride]: logit slot k's verify tokens
-    int64_t v41_slot_bytes; // the memory of one slot's session state (the workspace is shared)
+    di_session **v41;        // owned [max_seqs]; NULL on the other forwards
+    int32_t n_v41;           // sessions created
+    int32_t *x_slot;         // owned [max_seqs]: the slot of each planned sequence (V4.1)
+    di_dsv41_seq *x_b;       // owned [max_seqs]: the batched call's sequences (v41_forward)
+    int32_t *x_bk;           // owned [max_seqs]: the logit slot of each (-1: none)
+    int32_t *x_ver;          // owned [max_seqs * lstride]: logit slot k's verify tokens
+    di_dsv41_draft_seq *x_d; // owned [max_seqs]: the step's draft call (speculating sequences)
+    int32_t *x_dseq;         // owned [max_seqs]: the plan sequence of each draft
+    int32_t *x_dkmax;        // owned [max_seqs]: the most drafts it may verify
+    int64_t v41_slot_bytes;  // the memory of one slot's session state (the workspace is shared)
     // Speculative decoding (V4.1 with DSpark, opt.spec_tokens > 0; "speculative decoding" below).
     // Logit slot k (a sampled sequence of the plan) owns lstride rows of logits and of sample
     // results: its verify rows. lstride is 1 when speculation is off.
@@ -217,12 +221,12 @@ static di_status dev_kv_create(di_engine *e) {
 }
 
 // The V4.1 forward's sessions and kv_manager. The sessions share the engine's workspace (a step's
-// one call runs them all on it; like the CPU forward's, it is not part of kv_memory_bytes). Every
-// slot's session is reserved for max_ctx positions and max_batch_tokens rows now, so its bytes are
-// committed: kv_memory_bytes pays for whole slots (max_seqs is clamped to the slots that fit), and
-// the accounting manager gets the blocks of exactly those slots (max_blocks each, a block standing
-// for 1 / max_blocks of a slot's bytes): a sequence never lacks blocks, admission is bounded by the
-// free slots.
+// one call runs them all on it, its per-row scratch sized here for a step's rows; like the CPU
+// forward's, it is not part of kv_memory_bytes). Every slot's session is reserved for max_ctx
+// positions now, so its bytes are committed: kv_memory_bytes pays for whole slots (max_seqs is
+// clamped to the slots that fit), and the accounting manager gets the blocks of exactly those slots
+// (max_blocks each, a block standing for 1 / max_blocks of a slot's bytes): a sequence never lacks
+// blocks, admission is bounded by the free slots.
 static di_status v41_create(di_engine *e) {
     di_engine_options *o = &e->opt;
     di_status st = DI_OK;
@@ -243,6 +247,11 @@ static di_status v41_create(di_engine *e) {
         di_dsv41_share_ws(e->v41[i], &e->ws); // the step's call runs every slot on it
         DI_TRY(di_dsv41_reserve_ctx(e->v41[i], n_ctx_res, n_rows_res));
         if (i > 0) continue;
+        // A step's draft call: a block of B rows for every slot, their head scratch.
+        if (e->spec_k > 0) {
+            DI_TRY(di_dsv41_ws_reserve(&e->ws, e->model, o->max_seqs * B, n_ctx_res));
+            DI_TRY(di_dsv41_ws_reserve_draft(&e->ws, e->model, o->max_seqs));
+        }
         e->v41_slot_bytes = di_dsv41_state_bytes(e->v41[0]);
         const int64_t fit = (int64_t)o->kv_memory_bytes / e->v41_slot_bytes;
         if (fit < 1) {
@@ -395,7 +404,11 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         e->x_b = di_malloc(sizeof *e->x_b * (size_t)o->max_seqs);
         e->x_bk = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
         e->x_ver = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs * (size_t)e->lstride);
-        if (!e->x_slot || !e->x_b || !e->x_bk || !e->x_ver) {
+        e->x_d = di_malloc(sizeof *e->x_d * (size_t)o->max_seqs);
+        e->x_dseq = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
+        e->x_dkmax = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
+        if (!e->x_slot || !e->x_b || !e->x_bk || !e->x_ver || !e->x_d || !e->x_dseq ||
+            !e->x_dkmax) {
             st = DI_ERR_NOMEM;
             goto fail;
         }
@@ -568,6 +581,9 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_b);
     di_free(e->x_bk);
     di_free(e->x_ver);
+    di_free(e->x_d);
+    di_free(e->x_dseq);
+    di_free(e->x_dkmax);
     di_free(e->marks);
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
@@ -953,41 +969,40 @@ _Static_assert(DI_MAX_SPEC_TOKENS <= DI_DSV41_ROLLBACK_MAX, "a verify's rejected
 _Static_assert(DI_MAX_SPEC_TOKENS <= (int)(sizeof(((di_draft *)0)->tokens) / sizeof(int32_t)),
                "a draft block holds the drafts of a verify");
 
-// Whether slot k's sequence verifies drafts this step, and which: feeds nothing; writes the
-// drafts after r's known tokens (the sampling history of the verify rows) and ver[0..*n_ver) =
-// [anchor, drafts]. *n_ver is 1 (a plain decode) when it does not speculate.
-static di_status v41_spec_plan(di_engine *e, int32_t k, const di_dsv4_seq *sq, di_session *s,
-                               int32_t anchor, int32_t *ver, int32_t *n_ver) {
-    di_request *r = e->x_logit_req[k];
-    ver[0] = anchor;
-    *n_ver = 1;
+// The most drafts logit slot k's sequence may verify this step (0: it does not speculate).
+static int32_t v41_spec_kmax(const di_engine *e, int32_t k, const di_dsv4_seq *sq) {
+    const di_request *r = e->x_logit_req[k];
     // Only the decode of a generated token: its session has fed every position before it. A
     // request with a grammar does not speculate (its matcher advances one sampled token at a time).
-    if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1 || r->gm) return DI_OK;
+    if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1 || r->gm) return 0;
     DI_ASSERT(sq->pos == di_request_n_tokens(r) - 1);
     int32_t k_max = e->spec_k;
     if (r->max_tokens - r->n_gen - 1 < k_max) k_max = r->max_tokens - r->n_gen - 1;
     if (e->opt.max_ctx - sq->pos - 2 < k_max) k_max = e->opt.max_ctx - sq->pos - 2;
-    if (k_max < 1) return DI_OK;
-    di_draft d;
-    di_status st = di_session_draft(s, anchor, &d, NULL);
-    if (st != DI_OK) return st;
-    if (e->draft_hook) e->draft_hook(e->draft_user, r->id, r->n_gen, &d);
-    if (d.n < k_max) k_max = d.n;
+    return k_max < 1 ? 0 : k_max;
+}
+
+// Which of DSpark's drafts d logit slot k's sequence verifies (at most k_max): writes them after
+// r's known tokens (the sampling history of the verify rows) and ver[0..*n_ver) = [anchor, drafts]
+// (ver[0] is set by the caller).
+static void v41_spec_take(di_engine *e, int32_t k, const di_dsv4_seq *sq, di_draft *d,
+                          int32_t k_max, int32_t *ver, int32_t *n_ver) {
+    di_request *r = e->x_logit_req[k];
+    if (e->draft_hook) e->draft_hook(e->draft_user, r->id, r->n_gen, d);
+    if (d->n < k_max) k_max = d->n;
     int32_t n = 1;
-    float surv = d.confidence[0];
-    while (n < k_max && (e->spec_tau < 0 || surv * d.confidence[n] >= e->spec_tau))
-        surv *= d.confidence[n++];
+    float surv = d->confidence[0];
+    while (n < k_max && (e->spec_tau < 0 || surv * d->confidence[n] >= e->spec_tau))
+        surv *= d->confidence[n++];
     for (int32_t j = 0; j < n; j++) {
-        DI_ASSERT(d.tokens[j] >= 0 && d.tokens[j] < e->model->hp.n_vocab);
-        ver[1 + j] = d.tokens[j];
-        r->tokens[sq->pos + 1 + j] = d.tokens[j]; // within n_prompt + max_tokens: n <= k_max
+        DI_ASSERT(d->tokens[j] >= 0 && d->tokens[j] < e->model->hp.n_vocab);
+        ver[1 + j] = d->tokens[j];
+        r->tokens[sq->pos + 1 + j] = d->tokens[j]; // within n_prompt + max_tokens: n <= k_max
     }
     *n_ver = n + 1;
     e->x_nrows[k] = n + 1;
     e->x_ndraft[k] = n;
-    e->x_nprop[k] = d.n;
-    return DI_OK;
+    e->x_nprop[k] = d->n;
 }
 
 // After the step's rows are sampled: each verify accepts its drafts up to the first one that
@@ -1007,16 +1022,17 @@ static void v41_spec_accept(di_engine *e) {
     }
 }
 
-// The V4.1 forward of the plan being run: one batched call (di_dsv41_forward_batch) over all its
-// sequences, each on its slot's session: prefill chunks, decodes and verifies (a verify's row
-// span holds its anchor and drafts; its drafts come from a DSpark block run on its session before
-// the call). The call writes the logit rows contiguously in sequence order; they then move to
-// their logit slots (slot k owns rows k * lstride ..; the plan samples only a sequence's last
-// row, a verify its k + 1 rows). A failed draft or call fails the step (fail_step) before any
-// session moved; every slot of the step restarts at position 0 when reused.
+// The V4.1 forward of the plan being run: the DSpark drafts of every sequence that speculates in
+// one draft call (di_dsv41_draft_batch), then one batched call (di_dsv41_forward_batch) over all
+// its sequences, each on its slot's session: prefill chunks, decodes and verifies (a verify's row
+// span holds its anchor and the drafts it keeps). The call writes the logit rows contiguously in
+// sequence order; they then move to their logit slots (slot k owns rows k * lstride ..; the plan
+// samples only a sequence's last row, a verify its k + 1 rows). A failed draft or forward call
+// fails the step (fail_step) before any session moved; every slot of the step restarts at
+// position 0 when reused.
 static di_status v41_forward(di_engine *e) {
     const int64_t V = e->model->hp.n_vocab;
-    int32_t row = 0, n_out = 0;
+    int32_t row = 0, n_out = 0, n_draft = 0;
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         const di_dsv4_seq *sq = &e->x_seqs[i];
         di_session *s = e->v41[e->x_slot[i]];
@@ -1031,24 +1047,37 @@ static di_status v41_forward(di_engine *e) {
         int32_t kslot = -1;
         for (int32_t k = 0; k < e->x_n_logit; k++)
             if (e->x_logit_rows[k] == last) kslot = k;
-        di_dsv41_seq *b = &e->x_b[i];
-        *b = (di_dsv41_seq){.s = s, .tokens = e->x_tokens + row, .n_tok = sq->n_tok};
+        e->x_b[i] = (di_dsv41_seq){.s = s, .tokens = e->x_tokens + row, .n_tok = sq->n_tok};
         e->x_bk[i] = kslot;
         if (kslot >= 0) {
-            int32_t *ver = e->x_ver + (int64_t)kslot * e->lstride, n_ver = 1;
             e->x_lslot[kslot] = e->x_slot[i];
-            di_status st = v41_spec_plan(e, kslot, sq, s, e->x_tokens[last], ver, &n_ver);
-            if (st != DI_OK) return st;
-            b->n_out = 1;
-            if (n_ver > 1) { // a verify: [anchor, drafts], logits of every row
-                b->tokens = ver;
-                b->n_tok = b->n_out = n_ver;
+            e->x_b[i].n_out = 1;
+            e->x_ver[(int64_t)kslot * e->lstride] = e->x_tokens[last];
+            const int32_t k_max = v41_spec_kmax(e, kslot, sq);
+            if (k_max > 0) { // drafts its block in the step's draft call
+                e->x_d[n_draft] = (di_dsv41_draft_seq){.s = s, .anchor = e->x_tokens[last]};
+                e->x_dseq[n_draft] = i;
+                e->x_dkmax[n_draft++] = k_max;
             }
             n_out++;
         }
         row += sq->n_tok;
     }
     DI_ASSERT(n_out == e->x_n_logit); // every logit row is the last row of its sequence
+    if (n_draft > 0) {
+        di_status st = di_dsv41_draft_batch(e->model, &e->ws, e->x_d, n_draft, NULL);
+        if (st != DI_OK) return st;
+        _Static_assert(sizeof(di_draft) == sizeof(di_dsv41_draft), "same layout");
+        for (int32_t j = 0; j < n_draft; j++) { // a verify: [anchor, drafts], logits of every row
+            const int32_t i = e->x_dseq[j], kslot = e->x_bk[i];
+            int32_t *ver = e->x_ver + (int64_t)kslot * e->lstride, n_ver = 1;
+            di_draft d;
+            memcpy(&d, &e->x_d[j].out, sizeof d);
+            v41_spec_take(e, kslot, &e->x_seqs[i], &d, e->x_dkmax[j], ver, &n_ver);
+            e->x_b[i].tokens = ver;
+            e->x_b[i].n_tok = e->x_b[i].n_out = n_ver;
+        }
+    }
     di_status st = di_dsv41_forward_batch(e->model, &e->ws, e->x_b, e->x_n_seq, e->logits);
     if (st != DI_OK) return st;
     // Logit rows to their slots, last first (a slot's rows never start below where the call

@@ -195,7 +195,7 @@ static void engram_rows(const di_model *m, const di_dsv41_state *st, int32_t p0,
 // ---- the single-pass mHC block (§2.2) ----
 
 // One block on streams x [T, NC, D] with the carried pre (in: P_in, out: F_pre) of the rows of c;
-// dspark: a DSpark block of a draft (c holds one sequence).
+// dspark: a DSpark block of the draft blocks of c's sequences.
 static void block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, float *x,
                   const int32_t *ids, bool dspark) {
     const di_model *m = c->model;
@@ -407,7 +407,11 @@ di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq
         n_logit += b->n_out;
         if ((int64_t)s->pos + b->n_tok > n_pos) n_pos = (int64_t)s->pos + b->n_tok;
     }
-    if (n_rows > INT32_MAX / 2 || (n_logit > 0 && !logits)) return DI_ERR_INVALID;
+    if (n_rows > INT32_MAX / 2 || (n_logit > 0 && !logits)) {
+        DI_LOG_ERROR("forward: a V4.1 call of %lld rows, %lld with logits (buffer %s)",
+                     (long long)n_rows, (long long)n_logit, logits ? "given" : "missing");
+        return DI_ERR_INVALID;
+    }
     // Capacities (nothing to do when reserved before: the engine's slots).
     for (int32_t i = 0; i < n_seq; i++) {
         di_session *s = seqs[i].s;
@@ -449,69 +453,119 @@ void di_dsv41_dspark_context(di_session *s, const float *taps, int32_t p0, int32
     dspark_context(&c, taps);
 }
 
-di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits) {
-    di_model *m = s->model;
+di_status di_dsv41_draft_batch(di_model *m, di_dsv4_ws *ws, di_dsv41_draft_seq *seqs, int32_t n,
+                               float *logits) {
     const di_hparams *hp = &m->hp;
-    di_dsv41_state *st = s->v41;
-    if (!s->mtp || !st || m->n_mtp_loaded == 0) {
-        DI_LOG_ERROR("dspark: the session runs no DSpark module (create it with mtp)");
-        return DI_ERR_INVALID;
-    }
-    if (anchor < 0 || anchor >= hp->n_vocab || s->pos < 1 || st->dspark_pos != s->pos) {
-        DI_LOG_ERROR("dspark: needs a committed forward and an anchor token id < %d", hp->n_vocab);
+    if (n < 1 || !seqs || m->n_mtp_loaded == 0) {
+        DI_LOG_ERROR("dspark: no sequences, or the model has no DSpark module");
         return DI_ERR_INVALID;
     }
     const int32_t B = hp->dspark_block_size, nc = hp->hc_mult, R = hp->dspark_markov_rank;
     const int64_t D = hp->n_embd, V = hp->n_vocab;
-    di_status rs = di_dsv41_reserve(s, B);
+    int64_t n_pos = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const di_session *s = seqs[i].s;
+        const int32_t anchor = seqs[i].anchor;
+        if (!s || s->model != m || !s->mtp || !s->v41) {
+            DI_LOG_ERROR("dspark: the session runs no DSpark module (create it with mtp)");
+            return DI_ERR_INVALID;
+        }
+        if (anchor < 0 || anchor >= hp->n_vocab || s->pos < 1 || s->v41->dspark_pos != s->pos) {
+            DI_LOG_ERROR("dspark: needs a committed forward and an anchor token id < %d",
+                         hp->n_vocab);
+            return DI_ERR_INVALID;
+        }
+        for (int32_t j = 0; j < i; j++)
+            if (seqs[j].s == s) {
+                DI_LOG_ERROR("dspark: a session appears twice in one draft call");
+                return DI_ERR_INVALID;
+            }
+        if ((int64_t)s->pos + B > n_pos) n_pos = (int64_t)s->pos + B;
+    }
+    // Capacities (nothing to do when reserved before: the engine's slots).
+    for (int32_t i = 0; i < n; i++) {
+        di_status st = di_dsv41_reserve_state(seqs[i].s, (int64_t)seqs[i].s->pos + B);
+        if (st != DI_OK) return st;
+    }
+    di_status rs = di_dsv41_ws_reserve(ws, m, n * B, n_pos);
+    if (rs == DI_OK) rs = di_dsv41_ws_reserve_draft(ws, m, n);
     if (rs != DI_OK) return rs;
-    const int32_t a_pos = s->pos; // the anchor stands at position a = pos
-    di_dsv4_seq seq;
-    di_dsv4_ctx c;
-    one_seq(s, &seq, &c, a_pos, B);
-    di_dsv41_rows *w = c.ws->v41;
-    int32_t ids[16];
-    ids[0] = anchor;
-    for (int j = 1; j < B; j++) ids[j] = hp->dspark_noise_token;
+    // The block rows of every session (the anchor at position a = pos, then noise tokens).
+    di_dsv41_rows *w = ws->v41;
+    di_dsv4_seq *sq = w->seqs;
+    int32_t *ids = w->tokens;
+    for (int32_t i = 0; i < n; i++) {
+        sq[i] = (di_dsv4_seq){.pos = seqs[i].s->pos, .n_tok = B, .v41 = seqs[i].s->v41};
+        ids[i * B] = seqs[i].anchor;
+        for (int j = 1; j < B; j++) ids[i * B + j] = hp->dspark_noise_token;
+    }
+    di_dsv4_ctx c = {.model = m,
+                     .ws = ws,
+                     .seqs = sq,
+                     .n_seq = n,
+                     .trace = seqs[0].s->trace,
+                     .trace_user = seqs[0].s->trace_user};
+    set_rows(&c);
+    const int32_t T = c.n_rows;
     float *x = di_dsv4_scratch(&c, DI_SCR_X);
-    for (int32_t t = 0; t < B; t++) {
+    for (int32_t t = 0; t < T; t++) {
         float *xt = x + (int64_t)t * nc * D;
         di_tensor_row_f32(&m->embed, ids[t], xt);
         for (int k = 1; k < nc; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
     }
-    one_hot_pre(m, w->pre, B);
+    one_hot_pre(m, w->pre, T);
     for (int i = 0; i < m->n_mtp_loaded; i++)
         block(&c, &m->mtp[i].block, hp->n_layer + i, x, ids, true);
     // h = collapse (pre-norm, kept for the confidence head); base logits from the final norm.
-    float *h = di_dsv4_scratch(&c, DI_SCR_A); // [B, D]
-    collapse(m, x, w->pre, B, h);
+    float *h = di_dsv4_scratch(&c, DI_SCR_A); // [T, D]
+    collapse(m, x, w->pre, T, h);
     float *hn = di_dsv4_scratch(&c, DI_SCR_H);
-    memcpy(hn, h, sizeof(float) * (size_t)(B * D));
-    di_ref_rmsnorm(hn, B, D, D, m->dspark.norm, hp->norm_eps);
-    di_dsv4_round(m, hn, (int64_t)B * D);
-    float *lg = st->draft, *mk = lg + V, *me = mk + V; // [V] logits, [V] Markov, [D + R] input
-    int32_t prev = anchor;
-    memset(out, 0, sizeof *out);
-    out->n = B;
+    memcpy(hn, h, sizeof(float) * (size_t)(T * D));
+    di_ref_rmsnorm(hn, T, D, D, m->dspark.norm, hp->norm_eps);
+    di_dsv4_round(m, hn, (int64_t)T * D);
+    // Block row j of every session at once: [n, V] base logits, [n, V] Markov, [n, D + R] input.
+    float *lg = w->draft, *mk = lg + n * V, *me = mk + n * V;
+    for (int32_t i = 0; i < n; i++) {
+        memset(&seqs[i].out, 0, sizeof seqs[i].out);
+        seqs[i].out.n = B;
+    }
     for (int32_t j = 0; j < B; j++) {
-        di_dsv4_matmul(m, &m->head, hn + j * D, 1, D, lg, V); // base logits [V]
-        // Markov head: + head_markov · embed_markov[prev] (FP32).
-        memcpy(me, h + j * D, sizeof(float) * (size_t)D);
-        di_tensor_row_f32(&m->dspark.markov_embed, prev, me + D);
-        di_dsv4_matmul(m, &m->dspark.markov_head, me + D, 1, R, mk, V);
-        int32_t best = 0;
-        for (int64_t v = 0; v < V; v++) {
-            lg[v] += mk[v];
-            if (lg[v] > lg[best]) best = (int32_t)v;
+        di_dsv4_matmul(m, &m->head, hn + j * D, n, B * D, lg, V); // base logits
+        // Markov head: + head_markov · embed_markov[prev] (FP32), prev the anchor or draft j - 1.
+        for (int32_t i = 0; i < n; i++) {
+            float *mi = me + i * (D + R);
+            int32_t prev = j == 0 ? seqs[i].anchor : seqs[i].out.tokens[j - 1];
+            memcpy(mi, h + ((int64_t)i * B + j) * D, sizeof(float) * (size_t)D);
+            di_tensor_row_f32(&m->dspark.markov_embed, prev, mi + D);
         }
-        if (logits) memcpy(logits + j * V, lg, sizeof(float) * (size_t)V);
-        float conf = di_ref_dot(m->dspark.confidence, me, D + R);
-        out->conf_logit[j] = conf;
-        out->confidence[j] = di_sigmoid(conf);
-        out->tokens[j] = best;
-        prev = best;
+        di_dsv4_matmul(m, &m->dspark.markov_head, me + D, n, D + R, mk, V);
+        for (int32_t i = 0; i < n; i++) {
+            float *li = lg + i * V;
+            const float *ki = mk + i * V, *mi = me + i * (D + R);
+            int32_t best = 0;
+            for (int64_t v = 0; v < V; v++) {
+                li[v] += ki[v];
+                if (li[v] > li[best]) best = (int32_t)v;
+            }
+            if (logits) memcpy(logits + ((int64_t)i * B + j) * V, li, sizeof(float) * (size_t)V);
+            float conf = di_ref_dot(m->dspark.confidence, mi, D + R);
+            seqs[i].out.conf_logit[j] = conf;
+            seqs[i].out.confidence[j] = di_sigmoid(conf);
+            seqs[i].out.tokens[j] = best;
+        }
     }
     return DI_OK;
+}
+
+di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits) {
+    if (!s->mtp || !s->v41 || s->model->n_mtp_loaded == 0) {
+        DI_LOG_ERROR("dspark: the session runs no DSpark module (create it with mtp)");
+        return DI_ERR_INVALID;
+    }
+    di_dsv41_draft_seq d = {.s = s, .anchor = anchor};
+    di_status st = di_dsv41_draft_batch(s->model, di_dsv41_ws(s), &d, 1, logits);
+    if (st == DI_OK) *out = d.out;
+    return st;
 }
 
 // ---- public API (deepinfer.h) ----

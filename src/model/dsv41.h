@@ -51,7 +51,6 @@ typedef struct di_dsv41_state {
     int32_t *hist;     // owned [cap_hist]: compressed id of every position (Engram look-back)
     int64_t cap_hist;
     int32_t dspark_pos; // DSpark rings hold positions < dspark_pos
-    float *draft;       // owned [2 V + D + markov_rank] DSpark head scratch (DSpark sessions)
     // Views of this sequence's rows in the last call's workspace (di_dsv41_rows; valid until that
     // workspace runs another call): its DSpark taps [n_tok, n_target, D] (DSpark sessions) and
     // the candidate pool of its queries [n_tok, candidate_topk_blocks] / [n_tok]. Tests read them.
@@ -82,7 +81,10 @@ typedef struct di_dsv41_rows {
     struct di_dsv4_seq *seqs; // [T] the call's sequences (one row at least each)
     int32_t *n_out;           // [T] their logit rows
     int32_t *tokens;          // [T] the call's tokens, sequence after sequence
+    float *draft;      // [cap_draft, 2 V + D + markov_rank] DSpark head scratch of a draft call
+    int32_t cap_draft; // draft calls of up to this many sessions fit
     int64_t row_bytes, ent_bytes; // bytes per row / per entry of cap_ent + 1 (di_dsv41_ws_bytes)
+    int64_t draft_bytes;          // of draft
 } di_dsv41_rows;
 
 // ---- model (dsv41.c) ----
@@ -126,6 +128,9 @@ di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq
 // Grows ws for V4.1 calls of up to n_rows rows over sequences of up to n_pos positions.
 // DI_ERR_NOMEM.
 di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, int64_t n_pos);
+// Grows ws for DSpark draft calls of up to n sessions (the head scratch; the rows and positions
+// through di_dsv41_ws_reserve). DI_ERR_NOMEM.
+di_status di_dsv41_ws_reserve_draft(di_dsv4_ws *ws, const di_model *m, int32_t n);
 void di_dsv41_ws_free(di_dsv4_ws *ws);           // the V4.1 part (di_dsv4_ws_free calls it)
 int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws); // the V4.1 part's bytes
 
@@ -135,8 +140,9 @@ int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws); // the V4.1 part's bytes
 // state is c->seqs[i].v41.
 void di_dsv41_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const float *a,
                         float *out);
-// DSpark attention of a draft block (c holds one sequence): queries = the block rows (positions
-// pos ..), keys = the block's ring (context positions < pos) plus every block row (non-causal).
+// DSpark attention of the draft blocks of c's sequences: a sequence's queries = its block rows
+// (positions pos ..), keys = its block's ring (context positions < pos) plus every row of its
+// block (non-causal).
 void di_dsv41_dspark_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state,
                                const float *a, float *out);
 // Writes the DSpark ring rows of block il_state for the rows of c from the projected context
@@ -198,5 +204,21 @@ void di_dsv41_dspark_context(di_session *s, const float *taps, int32_t p0, int32
 // Drafts a block after a forward whose last position is a-1 and whose argmax y_a (anchor) is the
 // token for position a (§3.3). The session must have been created with mtp (DSpark) and the
 // previous forward must have run with taps (DSpark sessions always do). logits: when not NULL,
-// [n, V] Markov-corrected draft logits. DI_ERR_INVALID without DSpark weights.
+// [n, V] Markov-corrected draft logits. DI_ERR_INVALID without DSpark weights. The batch of one
+// (di_dsv41_draft_batch) on the session's workspace.
 di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits);
+
+typedef struct di_dsv41_draft_seq {
+    di_session *s;      // borrowed: a DSpark session after a committed forward
+    int32_t anchor;     // the token for position s->pos
+    di_dsv41_draft out; // its drafts
+} di_dsv41_draft_seq;
+
+// Drafts a block for each of n sessions in one call on workspace ws, each bit for bit what
+// di_dsv41_draft_block gives it alone: the block rows of all sessions form one ragged batch (the
+// DSpark blocks' projections, mHC and MoE over all rows, attention per session), then block row j
+// of every session at once through the head and the Markov head (row j + 1 needs row j's token).
+// logits: when not NULL, [n, dspark_block_size, V]. DI_ERR_INVALID (a session without DSpark or
+// not after a forward, an anchor out of range, a session twice), DI_ERR_NOMEM; then nothing ran.
+di_status di_dsv41_draft_batch(di_model *m, di_dsv4_ws *ws, di_dsv41_draft_seq *seqs, int32_t n,
+                               float *logits);

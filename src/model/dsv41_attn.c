@@ -378,7 +378,6 @@ void di_dsv41_dspark_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il
                                const float *a, float *out) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
-    DI_ASSERT(c->n_seq == 1);
     project(c, lw, a, m->omega_main, hp->rope_main.attention_factor, c->n_rows, c->ws->row_pos);
     attn_ctx ac = {
         .c = c,

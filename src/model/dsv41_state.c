@@ -33,11 +33,6 @@ di_status di_dsv41_state_create(di_session *s) {
     s->v41 = st;
     st->ring_rows = hp->window + DI_DSV41_ROLLBACK_MAX;
     st->dspark = s->mtp;
-    if (s->mtp) {
-        st->draft = di_malloc(sizeof(float) * (size_t)(2 * (int64_t)hp->n_vocab + hp->n_embd +
-                                                       hp->dspark_markov_rank));
-        if (!st->draft) return DI_ERR_NOMEM;
-    }
     st->n_state_layers = n_state(s);
     st->ring = di_calloc((size_t)st->n_state_layers, sizeof *st->ring);
     st->src = di_calloc((size_t)hp->n_layer, sizeof *st->src);
@@ -68,7 +63,6 @@ void di_dsv41_state_destroy(di_session *s) {
     }
     di_free(st->src);
     di_free(st->hist);
-    di_free(st->draft);
     di_free(st);
     s->v41 = NULL;
 }
@@ -161,6 +155,18 @@ di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
     return di_dsv4_ws_reserve(ws, m, n_rows, max_ent + hp->dspark_block_size, false);
 }
 
+di_status di_dsv41_ws_reserve_draft(di_dsv4_ws *ws, const di_model *m, int32_t n) {
+    const di_hparams *hp = &m->hp;
+    if (!ws->v41 && !(ws->v41 = di_calloc(1, sizeof *ws->v41))) return DI_ERR_NOMEM;
+    di_dsv41_rows *w = ws->v41;
+    if (n <= w->cap_draft) return DI_OK;
+    const size_t per = (size_t)(2 * (int64_t)hp->n_vocab + hp->n_embd + hp->dspark_markov_rank);
+    if (!grow((void **)&w->draft, sizeof(float) * per * (size_t)n)) return DI_ERR_NOMEM;
+    w->cap_draft = n;
+    w->draft_bytes = (int64_t)(sizeof(float) * per) * n;
+    return DI_OK;
+}
+
 void di_dsv41_ws_free(di_dsv4_ws *ws) {
     di_dsv41_rows *w = ws->v41;
     if (!w) return;
@@ -180,6 +186,7 @@ void di_dsv41_ws_free(di_dsv4_ws *ws) {
     di_free(w->seqs);
     di_free(w->n_out);
     di_free(w->tokens);
+    di_free(w->draft);
     di_free(w);
     ws->v41 = NULL;
 }
@@ -187,7 +194,8 @@ void di_dsv41_ws_free(di_dsv4_ws *ws) {
 int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws) {
     const di_dsv41_rows *w = ws->v41;
     if (!w) return 0;
-    return (int64_t)sizeof *w + w->row_bytes * w->cap_rows + w->ent_bytes * (w->cap_ent + 1);
+    return (int64_t)sizeof *w + w->row_bytes * w->cap_rows + w->ent_bytes * (w->cap_ent + 1) +
+           w->draft_bytes;
 }
 
 // Capacity for positions < end and a workspace for calls of n_tok rows.
@@ -216,7 +224,6 @@ int64_t di_dsv41_state_bytes(const di_session *s) {
         if (src->cz) b += (int64_t)DI_DSV41_CZ_SLOTS * 2 * Dh * f;
     }
     b += st->cap_hist * (int64_t)sizeof(int32_t);
-    if (st->draft) b += (2 * (int64_t)hp->n_vocab + hp->n_embd + hp->dspark_markov_rank) * f;
     // Its own workspace (dsv4_state.c: scratch, selections, row maps, attention scores, the
     // V4.1 per-row scratch).
     if (!s->ws_shared) b += di_dsv4_ws_bytes(&s->ws);
