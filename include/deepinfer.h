@@ -485,6 +485,9 @@ typedef struct di_engine_stats {
     // multiply-adds done (what a step's time is bounded by: bytes / read bandwidth or
     // multiply-adds / FMA peak). Matmuls run on a device are counted in `device` instead.
     int64_t weight_bytes, weight_macs;
+    // Batched forward calls the CPU forwards ran since create (one per step on the CPU and V4.1
+    // forwards, whatever the step's sequences; 0 on the device-resident forward).
+    int64_t n_forward_calls;
     di_device_stats device; // the model's device work (zero on the CPU)
     // Steps whose forward failed (the device-resident forward: DI_ERR_CUDA, DI_ERR_NOMEM): their
     // requests ended with DI_FINISH_ERROR and the error in di_event.status; the engine goes on.

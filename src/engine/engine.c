@@ -21,11 +21,12 @@
 //   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h): one V4.1 session
 //     per scheduler slot, created at create with every buffer a call can grow reserved for max_ctx
 //     positions and max_batch_tokens rows (di_dsv41_reserve_ctx), all sharing the engine's
-//     workspace (di_dsv41_share_ws: they run one at a time). A step runs its sequences one
-//     after another (no cross-sequence batching yet): a sequence planned from position 0 resets its
-//     slot's session, then di_session_forward feeds its rows and writes the logits of its last row
-//     when the plan samples it. A session's result depends on its own tokens only (any chunking
-//     gives the same logits), so a request's tokens do not depend on what shares its steps. Each
+//     workspace (di_dsv41_share_ws), which holds a step's rows. A step is one batched call
+//     (di_dsv41_forward_batch) over all its sequences, prefill chunks, decodes and verifies
+//     mixed: a sequence planned from position 0 resets its slot's session first; the call
+//     writes the logits of each sequence's last row when the plan samples it. A session's result
+//     depends on its own tokens only (any chunking, any batch and row offset give the same
+//     logits, bit for bit), so a request's tokens do not depend on what shares its steps. Each
 //     slot's state is committed at create, so kv_memory_bytes buys whole slots (max_seqs is
 //     clamped to what fits) and the blocks of the max_seqs slots always fit: admission is bounded
 //     by the slots, and nothing is ever preempted for blocks. With the prefix cache (default) the
@@ -34,7 +35,8 @@
 //     published, copied into a slot admitted on a hit, which then replays the bounded suffix
 //     (v41_import; "V4.1 prefix cache" below, docs/kv-cache.md); without it the manager is the
 //     accounting one (a block stands for a share of a slot's bytes). With spec_tokens > 0 the
-//     sessions run DSpark and a decode sequence verifies a draft block in its call, yielding up
+//     sessions run DSpark (one draft call per step for every speculating sequence) and a decode
+//     sequence verifies its drafts in its rows of the step's call, yielding up
 //     to spec_tokens + 1 tokens per step, bit for bit those of plain decoding ("speculative
 //     decoding" below); the plan built ahead is corrected for the extra tokens when they are
 //     emitted (spec_settle).
@@ -84,10 +86,16 @@ struct di_engine {
     int64_t dev_block_bytes;   // device bytes of one entry block
     di_request **x_seq_req;    // owned [max_seqs]: the request of each planned sequence
     // The V4.1 forward (model->hp.v41): one session per scheduler slot.
-    di_session **v41;       // owned [max_seqs]; NULL on the other forwards
-    int32_t n_v41;          // sessions created
-    int32_t *x_slot;        // owned [max_seqs]: the slot of each planned sequence (V4.1)
-    int64_t v41_slot_bytes; // the memory of one slot's session state (the workspace is shared)
+    di_session **v41;        // owned [max_seqs]; NULL on the other forwards
+    int32_t n_v41;           // sessions created
+    int32_t *x_slot;         // owned [max_seqs]: the slot of each planned sequence (V4.1)
+    di_dsv41_seq *x_b;       // owned [max_seqs]: the batched call's sequences (v41_forward)
+    int32_t *x_bk;           // owned [max_seqs]: the logit slot of each (-1: none)
+    int32_t *x_ver;          // owned [max_seqs * lstride]: logit slot k's verify tokens
+    di_dsv41_draft_seq *x_d; // owned [max_seqs]: the step's draft call (speculating sequences)
+    int32_t *x_dseq;         // owned [max_seqs]: the plan sequence of each draft
+    int32_t *x_dkmax;        // owned [max_seqs]: the most drafts it may verify
+    int64_t v41_slot_bytes;  // the memory of one slot's session state (the workspace is shared)
     // Speculative decoding (V4.1 with DSpark, opt.spec_tokens > 0; "speculative decoding" below).
     // Logit slot k (a sampled sequence of the plan) owns lstride rows of logits and of sample
     // results: its verify rows. lstride is 1 when speculation is off.
@@ -220,25 +228,26 @@ static di_status dev_kv_create(di_engine *e) {
                                            o->max_ctx, !o->no_prefix_cache, &e->kv);
 }
 
-// The V4.1 forward's sessions and kv_manager. The sessions share the engine's workspace (they run
-// one at a time; like the CPU forward's, it is not part of kv_memory_bytes). Every slot's session
-// is reserved for max_ctx positions and max_batch_tokens rows now, so its bytes are committed:
-// kv_memory_bytes pays for whole slots (max_seqs is clamped to the slots that fit). Without the
-// prefix cache the accounting manager gets the blocks of exactly those slots (max_blocks each, a
-// block standing for 1 / max_blocks of a slot's bytes). With it, a slot costs its state plus
-// max_blocks V4.1 prefix blocks (memory: the copies the cache keeps), and what is left buys more
-// blocks for idle cached prefixes. Either way a sequence never lacks blocks, admission is bounded
-// by the free slots.
+// The V4.1 forward's sessions and kv_manager. The sessions share the engine's workspace (a step's
+// one call runs them all on it, its per-row scratch sized here for a step's rows; like the CPU
+// forward's, it is not part of kv_memory_bytes). Every slot's session is reserved for max_ctx
+// positions now, so its bytes are committed: kv_memory_bytes pays for whole slots (max_seqs is
+// clamped to the slots that fit). Without the prefix cache the accounting manager gets the
+// blocks of exactly those slots (max_blocks each, a block standing for 1 / max_blocks of a slot's
+// bytes). With it, a slot costs its state plus max_blocks V4.1 prefix blocks (memory: the copies
+// the cache keeps), and what is left buys more blocks for idle cached prefixes. Either way a
+// sequence never lacks blocks, admission is bounded by the free slots.
 static di_status v41_create(di_engine *e) {
     di_engine_options *o = &e->opt;
     di_status st = DI_OK;
     // With speculation the sessions run DSpark (its rings and draft scratch are part of a slot's
     // bytes), a draft reserves the Engram history dspark_block_size positions past the last one
-    // fed, and a verify call feeds spec_k + 1 rows: all reserved here, so that no step allocates.
+    // fed and runs dspark_block_size rows, and a step's call feeds up to spec_k verify rows more
+    // per sampled sequence than its plan: all reserved here, so that no step allocates.
     di_session_options so = {.n_ctx_max = o->max_ctx, .mtp = e->spec_k > 0};
     const int32_t B = e->model->hp.dspark_block_size;
     const int32_t n_ctx_res = o->max_ctx + (e->spec_k > 0 ? B : 0);
-    int32_t n_rows_res = o->max_batch_tokens;
+    int32_t n_rows_res = o->max_batch_tokens + o->max_seqs * e->spec_k;
     if (e->spec_k > 0 && n_rows_res < B + 1) n_rows_res = B + 1;
     // With the prefix cache every slot also owns the blocks of a max_ctx sequence (a block is a
     // copy of its positions' entries, index keys and Engram ids, exported once computed and kept
@@ -253,9 +262,14 @@ static di_status v41_create(di_engine *e) {
     for (int32_t i = 0; i < o->max_seqs; i++) {
         DI_TRY(di_session_create(e->model, &so, &e->v41[i]));
         e->n_v41 = i + 1;
-        di_dsv41_share_ws(e->v41[i], &e->ws); // one slot runs at a time
+        di_dsv41_share_ws(e->v41[i], &e->ws); // the step's call runs every slot on it
         DI_TRY(di_dsv41_reserve_ctx(e->v41[i], n_ctx_res, n_rows_res));
         if (i > 0) continue;
+        // A step's draft call: a block of B rows for every slot, their head scratch.
+        if (e->spec_k > 0) {
+            DI_TRY(di_dsv41_ws_reserve(&e->ws, e->model, o->max_seqs * B, n_ctx_res));
+            DI_TRY(di_dsv41_ws_reserve_draft(&e->ws, e->model, o->max_seqs));
+        }
         e->v41_slot_bytes = di_dsv41_state_bytes(e->v41[0]);
         slot_cost = e->v41_slot_bytes + (int64_t)max_blocks * blk;
         const int64_t fit = (int64_t)o->kv_memory_bytes / slot_cost;
@@ -299,7 +313,7 @@ static di_status v41_create(di_engine *e) {
     }
     DI_LOG_INFO("engine: the V4.1 forward: %d slots of up to %d positions, %d rows per step, "
                 "%.2f MiB per slot (sequence state) and %.1f MiB of workspace shared by the slots, "
-                "one sequence after another, prefix cache %s",
+                "one batched call per step, prefix cache %s",
                 (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens,
                 (double)e->v41_slot_bytes / (1 << 20), (double)di_dsv4_ws_bytes(&e->ws) / (1 << 20),
                 o->no_prefix_cache ? "off" : "on");
@@ -419,7 +433,14 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         }
     } else if (e->v41) {
         e->x_slot = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
-        if (!e->x_slot) {
+        e->x_b = di_malloc(sizeof *e->x_b * (size_t)o->max_seqs);
+        e->x_bk = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
+        e->x_ver = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs * (size_t)e->lstride);
+        e->x_d = di_malloc(sizeof *e->x_d * (size_t)o->max_seqs);
+        e->x_dseq = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
+        e->x_dkmax = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
+        if (!e->x_slot || !e->x_b || !e->x_bk || !e->x_ver || !e->x_d || !e->x_dseq ||
+            !e->x_dkmax) {
             st = DI_ERR_NOMEM;
             goto fail;
         }
@@ -599,6 +620,12 @@ void di_engine_destroy(di_engine *e) {
     for (int32_t i = 0; i < e->n_v41; i++) di_session_destroy(e->v41[i]);
     di_free(e->v41);
     di_free(e->x_slot);
+    di_free(e->x_b);
+    di_free(e->x_bk);
+    di_free(e->x_ver);
+    di_free(e->x_d);
+    di_free(e->x_dseq);
+    di_free(e->x_dkmax);
     di_free(e->marks);
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
@@ -1030,43 +1057,42 @@ _Static_assert(DI_MAX_SPEC_TOKENS <= DI_DSV41_ROLLBACK_MAX, "a verify's rejected
 _Static_assert(DI_MAX_SPEC_TOKENS <= (int)(sizeof(((di_draft *)0)->tokens) / sizeof(int32_t)),
                "a draft block holds the drafts of a verify");
 
-// Whether slot k's sequence verifies drafts this step, and which: feeds nothing; writes the
-// drafts after r's known tokens (the sampling history of the verify rows) and ver[0..*n_ver) =
-// [anchor, drafts]. *n_ver is 1 (a plain decode) when it does not speculate.
-static di_status v41_spec_plan(di_engine *e, int32_t k, const di_dsv4_seq *sq, di_session *s,
-                               int32_t anchor, int32_t *ver, int32_t *n_ver) {
-    di_request *r = e->x_logit_req[k];
-    ver[0] = anchor;
-    *n_ver = 1;
+// The most drafts logit slot k's sequence may verify this step (0: it does not speculate).
+static int32_t v41_spec_kmax(const di_engine *e, int32_t k, const di_dsv4_seq *sq) {
+    const di_request *r = e->x_logit_req[k];
     // Only the decode of a generated token: its session has fed every position before it. A
     // request whose grammar is active does not speculate (its matcher advances one sampled token
     // at a time); before the grammar's trigger token (tool_choice auto: ｜DSML｜) it does, and
     // v41_spec_accept ends the block at the trigger.
-    if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1 || (r->gm && r->g_active)) return DI_OK;
+    if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1 || (r->gm && r->g_active)) return 0;
     DI_ASSERT(sq->pos == di_request_n_tokens(r) - 1);
     int32_t k_max = e->spec_k;
     if (r->max_tokens - r->n_gen - 1 < k_max) k_max = r->max_tokens - r->n_gen - 1;
     if (e->opt.max_ctx - sq->pos - 2 < k_max) k_max = e->opt.max_ctx - sq->pos - 2;
-    if (k_max < 1) return DI_OK;
-    di_draft d;
-    di_status st = di_session_draft(s, anchor, &d, NULL);
-    if (st != DI_OK) return st;
-    if (e->draft_hook) e->draft_hook(e->draft_user, r->id, r->n_gen, &d);
-    if (d.n < k_max) k_max = d.n;
+    return k_max < 1 ? 0 : k_max;
+}
+
+// Which of DSpark's drafts d logit slot k's sequence verifies (at most k_max): writes them after
+// r's known tokens (the sampling history of the verify rows) and ver[0..*n_ver) = [anchor, drafts]
+// (ver[0] is set by the caller).
+static void v41_spec_take(di_engine *e, int32_t k, const di_dsv4_seq *sq, di_draft *d,
+                          int32_t k_max, int32_t *ver, int32_t *n_ver) {
+    di_request *r = e->x_logit_req[k];
+    if (e->draft_hook) e->draft_hook(e->draft_user, r->id, r->n_gen, d);
+    if (d->n < k_max) k_max = d->n;
     int32_t n = 1;
-    float surv = d.confidence[0];
-    while (n < k_max && (e->spec_tau < 0 || surv * d.confidence[n] >= e->spec_tau))
-        surv *= d.confidence[n++];
+    float surv = d->confidence[0];
+    while (n < k_max && (e->spec_tau < 0 || surv * d->confidence[n] >= e->spec_tau))
+        surv *= d->confidence[n++];
     for (int32_t j = 0; j < n; j++) {
-        DI_ASSERT(d.tokens[j] >= 0 && d.tokens[j] < e->model->hp.n_vocab);
-        ver[1 + j] = d.tokens[j];
-        r->tokens[sq->pos + 1 + j] = d.tokens[j]; // within n_prompt + max_tokens: n <= k_max
+        DI_ASSERT(d->tokens[j] >= 0 && d->tokens[j] < e->model->hp.n_vocab);
+        ver[1 + j] = d->tokens[j];
+        r->tokens[sq->pos + 1 + j] = d->tokens[j]; // within n_prompt + max_tokens: n <= k_max
     }
     *n_ver = n + 1;
     e->x_nrows[k] = n + 1;
     e->x_ndraft[k] = n;
-    e->x_nprop[k] = d.n;
-    return DI_OK;
+    e->x_nprop[k] = d->n;
 }
 
 // After the step's rows are sampled: each verify accepts its drafts up to the first one that
@@ -1130,14 +1156,17 @@ static void v41_import(di_engine *e) {
     }
 }
 
-// The V4.1 forward of the plan being run: its sequences one after another, each on its slot's
-// session. The logits of a sequence's last row land in the rows of its logit slot (the plan
-// samples only a sequence's last row; a verify writes its k + 1 rows there). A session call that
-// fails fails the step (fail_step); sequences after it do not run, and every slot of the step
-// restarts at position 0 when reused.
+// The V4.1 forward of the plan being run: the DSpark drafts of every sequence that speculates in
+// one draft call (di_dsv41_draft_batch), then one batched call (di_dsv41_forward_batch) over all
+// its sequences, each on its slot's session: prefill chunks, decodes and verifies (a verify's row
+// span holds its anchor and the drafts it keeps). The call writes the logit rows contiguously in
+// sequence order; they then move to their logit slots (slot k owns rows k * lstride ..; the plan
+// samples only a sequence's last row, a verify its k + 1 rows). A failed draft or forward call
+// fails the step (fail_step) before any session moved; every slot of the step restarts at
+// position 0 when reused.
 static di_status v41_forward(di_engine *e) {
     const int64_t V = e->model->hp.n_vocab;
-    int32_t row = 0, n_out = 0;
+    int32_t row = 0, n_out = 0, n_draft = 0;
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         const di_dsv4_seq *sq = &e->x_seqs[i];
         di_session *s = e->v41[e->x_slot[i]];
@@ -1151,26 +1180,52 @@ static di_status v41_forward(di_engine *e) {
         int32_t kslot = -1;
         for (int32_t k = 0; k < e->x_n_logit; k++)
             if (e->x_logit_rows[k] == last) kslot = k;
-        di_forward_out out = {.logits = NULL, .last_only = true};
-        di_status st = DI_OK;
-        int32_t ver[DI_MAX_SPEC_TOKENS + 1], n_ver = 1;
+        e->x_b[i] = (di_dsv41_seq){.s = s, .tokens = e->x_tokens + row, .n_tok = sq->n_tok};
+        e->x_bk[i] = kslot;
         if (kslot >= 0) {
-            out.logits = e->logits + (int64_t)kslot * e->lstride * V;
             e->x_lslot[kslot] = e->x_slot[i];
-            st = v41_spec_plan(e, kslot, sq, s, e->x_tokens[last], ver, &n_ver);
-            if (st != DI_OK) return st;
+            e->x_b[i].n_out = 1;
+            e->x_ver[(int64_t)kslot * e->lstride] = e->x_tokens[last];
+            const int32_t k_max = v41_spec_kmax(e, kslot, sq);
+            if (k_max > 0) { // drafts its block in the step's draft call
+                e->x_d[n_draft] = (di_dsv41_draft_seq){.s = s, .anchor = e->x_tokens[last]};
+                e->x_dseq[n_draft] = i;
+                e->x_dkmax[n_draft++] = k_max;
+            }
+            n_out++;
         }
-        n_out += kslot >= 0;
-        if (n_ver > 1) { // a verify: [anchor, drafts], logits of every row
-            out.last_only = false;
-            st = di_session_forward(s, ver, n_ver, &out);
-        } else {
-            st = di_session_forward(s, e->x_tokens + row, sq->n_tok, &out);
-        }
-        if (st != DI_OK) return st;
         row += sq->n_tok;
     }
     DI_ASSERT(n_out == e->x_n_logit); // every logit row is the last row of its sequence
+    if (n_draft > 0) {
+        di_status st = di_dsv41_draft_batch(e->model, &e->ws, e->x_d, n_draft, NULL);
+        if (st != DI_OK) return st;
+        _Static_assert(sizeof(di_draft) == sizeof(di_dsv41_draft), "same layout");
+        for (int32_t j = 0; j < n_draft; j++) { // a verify: [anchor, drafts], logits of every row
+            const int32_t i = e->x_dseq[j], kslot = e->x_bk[i];
+            int32_t *ver = e->x_ver + (int64_t)kslot * e->lstride, n_ver = 1;
+            di_draft d;
+            memcpy(&d, &e->x_d[j].out, sizeof d);
+            v41_spec_take(e, kslot, &e->x_seqs[i], &d, e->x_dkmax[j], ver, &n_ver);
+            e->x_b[i].tokens = ver;
+            e->x_b[i].n_tok = e->x_b[i].n_out = n_ver;
+        }
+    }
+    di_status st = di_dsv41_forward_batch(e->model, &e->ws, e->x_b, e->x_n_seq, e->logits);
+    if (st != DI_OK) return st;
+    // Logit rows to their slots, last first (a slot's rows never start below where the call
+    // wrote them, so every move goes up or stays and never clobbers a row still to move).
+    int32_t off = 0;
+    for (int32_t i = 0; i < e->x_n_seq; i++) off += e->x_b[i].n_out;
+    for (int32_t i = e->x_n_seq - 1; i >= 0; i--) {
+        off -= e->x_b[i].n_out;
+        if (e->x_bk[i] < 0) continue;
+        const int64_t dst = (int64_t)e->x_bk[i] * e->lstride;
+        DI_ASSERT(dst >= off);
+        if (dst != off)
+            memmove(e->logits + dst * V, e->logits + (int64_t)off * V,
+                    sizeof(float) * (size_t)(e->x_b[i].n_out * V));
+    }
     return DI_OK;
 }
 
@@ -1414,6 +1469,7 @@ static void *engine_main(void *p) {
         st->n_blocks_free = di_block_pool_n_available(e->kv->pool);
         st->n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
         st->weight_bytes = (int64_t)e->model->cpu.n_weight_bytes; // the forward thread is idle
+        st->n_forward_calls = e->model->n_forward_calls;
         st->weight_macs = (int64_t)e->model->cpu.n_weight_macs;
         di_accel_get_stats(&e->model->accel, &st->device);
         st->device.resident = e->dstate != NULL;

@@ -437,6 +437,7 @@ void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t 
     }
     DI_ASSERT(n_rows <= ws->scratch_tokens);
     c->n_rows = n_rows;
+    m->n_forward_calls++;
     float *x = di_dsv4_scratch(c, DI_SCR_X); // [T, NC, D]
 
     // Embedding, copied into every stream (§2.1).
@@ -524,14 +525,15 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
             return DI_ERR_INVALID;
         }
     }
-    if (s->v41) { // DeepSeek V4.1 (dsv41.c)
-        di_status st = di_dsv41_reserve(s, n_tok);
-        if (st != DI_OK) return st;
+    if (s->v41) { // DeepSeek V4.1 (dsv41.c): the batch of one sequence
         bool want = out && out->logits;
-        di_dsv41_forward(s, tokens, n_tok, want ? out->logits : NULL,
-                         want ? (out->last_only ? 1 : n_tok) : 0);
+        di_dsv41_seq b = {.s = s,
+                          .tokens = tokens,
+                          .n_tok = n_tok,
+                          .n_out = want ? (out->last_only ? 1 : n_tok) : 0};
+        di_status st = di_dsv41_forward_batch(m, di_dsv41_ws(s), &b, 1, want ? out->logits : NULL);
+        if (st != DI_OK) return st;
         if (out && out->n_mtp_out) *out->n_mtp_out = 0;
-        s->pos += n_tok;
         return DI_OK;
     }
     if (s->dev) return dev_forward(s, tokens, n_tok, out);

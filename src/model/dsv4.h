@@ -109,6 +109,9 @@ struct di_model {
     int32_t n_mtp_loaded;
     float *omega_main, *omega_compress; // owned [n_rot/2]
     int64_t n_params, n_params_mtp;
+    // Forward calls run on the CPU since load (di_dsv4_forward_batch, di_dsv41_forward_batch: one
+    // per call, whatever its sequences); written by the thread running them.
+    int64_t n_forward_calls;
     uint64_t weights_id; // fingerprint of the checkpoint's tensors (weights.c)
     // Small FP32 vectors copied out of the checkpoint (norm weights, biases, ...), freed at
     // destroy.
@@ -194,6 +197,7 @@ typedef struct di_dsv4_seq {
     // Positions below win_lo have no window row (a bounded replay starts there); keys are taken
     // from max(P - W + 1, win_lo). 0 for every ordinary call.
     int32_t win_lo;
+    struct di_dsv41_state *v41; // borrowed: the sequence's V4.1 state (dsv41.h); NULL for V4
 } di_dsv4_seq;
 
 // Scratch for calls of up to `scratch_tokens` rows: grown by di_dsv4_ws_reserve (sessions, on
@@ -209,6 +213,7 @@ typedef struct di_dsv4_ws {
     size_t sel_cap;
     int32_t *row_seq, *row_pos; // owned [T]: sequence index and absolute position of each row
     bool mtp;                   // MTP scratch included
+    struct di_dsv41_rows *v41;  // owned: V4.1 per-row scratch (dsv41.h); NULL until reserved
 } di_dsv4_ws;
 
 // Grows ws for calls of n_rows rows whose sequences hold at most max_entries compressed entries

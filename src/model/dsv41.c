@@ -138,8 +138,9 @@ static void one_hot_pre(const di_model *m, float *pre, int32_t n_tok) {
 // ---- Engram (§2.3.2) ----
 
 // X [T, NC, D] += gate · value for the Engram module of layer lw; rows [T, n_col] of its table.
-static void engram(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
-                   const int64_t *rows, int64_t rows_stride, float *x) {
+static void engram(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const int64_t *rows,
+                   int64_t rows_stride, float *x) {
+    di_dsv41_rows *st = c->ws->v41;
     const di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const int32_t n_tok = c->n_rows, nc = hp->hc_mult;
@@ -193,31 +194,33 @@ static void engram_rows(const di_model *m, const di_dsv41_state *st, int32_t p0,
 
 // ---- the single-pass mHC block (§2.2) ----
 
-// One block on streams x [T, NC, D] with the carried pre st->pre (in: P_in, out: F_pre).
-static void block(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il_state,
-                  float *x, const int32_t *ids, bool dspark, int32_t dspark_pos0) {
+// One block on streams x [T, NC, D] with the carried pre (in: P_in, out: F_pre) of the rows of c;
+// dspark: a DSpark block of the draft blocks of c's sequences.
+static void block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, float *x,
+                  const int32_t *ids, bool dspark) {
     const di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd;
     const int32_t n_tok = c->n_rows;
+    di_dsv41_rows *w = c->ws->v41;
     float *a = di_dsv4_scratch(c, DI_SCR_A);   // [T, D]
     float *o = di_dsv4_scratch(c, DI_SCR_OUT); // [T, D]
 
     // Attention site: coefficients from X, input collapsed with the previous site's pre.
-    di_dsv4_hc_mix(c, &lw->hc_attn, x, n_tok, st->pre_attn, NULL, false);
-    collapse(m, x, st->pre, n_tok, a);
+    di_dsv4_hc_mix(c, &lw->hc_attn, x, n_tok, w->pre_attn, NULL, false);
+    collapse(m, x, w->pre, n_tok, a);
     di_ref_rmsnorm(a, n_tok, D, D, lw->attn_norm, hp->norm_eps);
     di_dsv4_round(m, a, n_tok * D);
     if (dspark)
-        di_dsv41_dspark_attention(c, st, lw, il_state, a, n_tok, dspark_pos0, o);
+        di_dsv41_dspark_attention(c, lw, il_state, a, o);
     else
-        di_dsv41_attention(c, st, lw, il_state, a, o);
+        di_dsv41_attention(c, lw, il_state, a, o);
     if (c->trace) c->trace(c->trace_user, "attn_out", lw->il, o, false, n_tok, D);
     di_dsv4_hc_post(c, o, x, n_tok);
 
     // FFN site: coefficients from X1, input collapsed with the attention site's pre.
-    di_dsv4_hc_mix(c, &lw->hc_ffn, x, n_tok, st->pre, NULL, false); // st->pre = F_pre
-    collapse(m, x, st->pre_attn, n_tok, a);
+    di_dsv4_hc_mix(c, &lw->hc_ffn, x, n_tok, w->pre, NULL, false); // pre = F_pre
+    collapse(m, x, w->pre_attn, n_tok, a);
     di_ref_rmsnorm(a, n_tok, D, D, lw->ffn_norm, hp->norm_eps);
     di_dsv4_round(m, a, n_tok * D);
     di_dsv4_moe(c, lw, a, ids, o);
@@ -238,57 +241,98 @@ static void head(di_dsv4_ctx *c, const float *x, const float *pre, int32_t n, co
 
 // ---- the forward pass of one call (§2.1) ----
 
-static void setup_ctx(di_session *s, di_dsv4_seq *seq, di_dsv4_ctx *c, int32_t pos, int32_t n_tok) {
-    *seq = (di_dsv4_seq){.layers = NULL, .pos = pos, .n_tok = n_tok, .row0 = 0};
-    di_dsv4_ws *ws = di_dsv41_ws(s);
+// Lays the rows of c's sequences out one after another: row0, each row's sequence and position.
+static void set_rows(di_dsv4_ctx *c) {
+    di_dsv4_ws *ws = c->ws;
+    int32_t n_rows = 0;
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        di_dsv4_seq *sq = &c->seqs[i];
+        DI_ASSERT(sq->n_tok >= 1);
+        sq->row0 = n_rows;
+        for (int32_t t = 0; t < sq->n_tok; t++) {
+            ws->row_seq[n_rows + t] = i;
+            ws->row_pos[n_rows + t] = sq->pos + t;
+        }
+        n_rows += sq->n_tok;
+    }
+    DI_ASSERT(n_rows <= ws->scratch_tokens && n_rows <= ws->v41->cap_rows);
+    c->n_rows = n_rows;
+}
+
+// A call of one sequence of session s: n_tok rows at positions pos ...
+static void one_seq(di_session *s, di_dsv4_seq *seq, di_dsv4_ctx *c, int32_t pos, int32_t n_tok) {
+    *seq = (di_dsv4_seq){.pos = pos, .n_tok = n_tok, .v41 = s->v41};
     *c = (di_dsv4_ctx){.model = s->model,
-                       .ws = ws,
+                       .ws = di_dsv41_ws(s),
                        .seqs = seq,
                        .n_seq = 1,
-                       .n_rows = n_tok,
                        .trace = s->trace,
                        .trace_user = s->trace_user};
-    for (int32_t t = 0; t < n_tok; t++) {
-        ws->row_seq[t] = 0;
-        ws->row_pos[t] = pos + t;
+    set_rows(c);
+}
+
+// DSpark context rows of the rows of c from their taps [T, n_target · D] (§3.2): main_x =
+// RMSNorm(main_proj · taps), then every block's ring row of the sequences that run DSpark.
+static void dspark_context(di_dsv4_ctx *c, const float *taps) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd;
+    const int32_t n_tok = c->n_rows;
+    float *mx = di_dsv4_scratch(c, DI_SCR_H); // [T, D]
+    di_dsv4_linear(c, &m->dspark.main_proj, taps, n_tok, (int64_t)hp->n_dspark_target * D, mx, D,
+                   true);
+    di_ref_rmsnorm(mx, n_tok, D, D, m->dspark.main_norm, hp->norm_eps);
+    di_dsv4_round(m, mx, (int64_t)n_tok * D);
+    for (int i = 0; i < m->n_mtp_loaded; i++)
+        di_dsv41_dspark_ring(c, &m->mtp[i].block, hp->n_layer + i, mx);
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        di_dsv41_state *st = c->seqs[i].v41;
+        int32_t end = c->seqs[i].pos + c->seqs[i].n_tok;
+        if (st->dspark && end > st->dspark_pos) st->dspark_pos = end;
     }
 }
 
-void di_dsv41_forward(di_session *s, const int32_t *tokens, int32_t n_tok, float *logits,
-                      int32_t n_out) {
-    di_model *m = s->model;
+// The layers, the head and the DSpark context of the rows of c (set_rows done): tokens [T];
+// logits of the last n_out[i] rows of every sequence i, in sequence order.
+static void forward_rows(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *n_out,
+                         float *logits) {
+    di_model *m = c->model;
     const di_hparams *hp = &m->hp;
-    di_dsv41_state *st = s->v41;
+    di_dsv41_rows *w = c->ws->v41;
     const int nc = hp->hc_mult;
     const int64_t D = hp->n_embd;
-    const int32_t p0 = s->pos;
-    di_dsv4_seq seq;
-    di_dsv4_ctx c;
-    setup_ctx(s, &seq, &c, p0, n_tok);
-    float *x = di_dsv4_scratch(&c, DI_SCR_X); // [T, NC, D]
+    const int32_t n_rows = c->n_rows;
+    float *x = di_dsv4_scratch(c, DI_SCR_X); // [T, NC, D]
+    bool any_dspark = false;
+    for (int32_t i = 0; i < c->n_seq; i++) any_dspark |= c->seqs[i].v41->dspark;
 
-    // Engram history and row ids, once per call for every Engram layer.
+    // Engram history and row ids of every sequence, once per call for every Engram layer.
+    const int64_t n_col = m->v41->hash.n_col;
     if (hp->n_engram > 0) {
-        for (int32_t t = 0; t < n_tok; t++) st->hist[p0 + t] = m->v41->cmap[tokens[t]];
-        engram_rows(m, st, p0, n_tok, st->eg_rows);
+        for (int32_t i = 0; i < c->n_seq; i++) {
+            const di_dsv4_seq *sq = &c->seqs[i];
+            for (int32_t t = 0; t < sq->n_tok; t++)
+                sq->v41->hist[sq->pos + t] = m->v41->cmap[tokens[sq->row0 + t]];
+            engram_rows(m, sq->v41, sq->pos, sq->n_tok,
+                        w->eg_rows + (int64_t)sq->row0 * hp->n_engram * n_col);
+        }
     }
     // Embedding in every stream; P = one-hot(stream 0).
-    for (int32_t t = 0; t < n_tok; t++) {
+    for (int32_t t = 0; t < n_rows; t++) {
         float *xt = x + (int64_t)t * nc * D;
         di_tensor_row_f32(&m->embed, tokens[t], xt);
         for (int k = 1; k < nc; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
     }
-    one_hot_pre(m, st->pre, n_tok);
-    st->have_topk = st->have_cand = false;
-    const int64_t n_col = m->v41->hash.n_col;
+    one_hot_pre(m, w->pre, n_rows);
+    w->have_topk = w->have_cand = false;
     for (int il = 0; il < hp->n_layer; il++) {
         const di_dsv4_layer_w *lw = &m->layers[il];
         if (lw->engram >= 0)
-            engram(&c, st, lw, st->eg_rows + lw->engram * n_col, hp->n_engram * n_col, x);
-        for (int k = 0; k < hp->n_dspark_target && s->mtp; k++) {
+            engram(c, lw, w->eg_rows + lw->engram * n_col, hp->n_engram * n_col, x);
+        for (int k = 0; k < hp->n_dspark_target && any_dspark; k++) {
             if (hp->dspark_target[k] != il) continue;
-            for (int32_t t = 0; t < n_tok; t++) { // tap = mean over the streams of the input
-                float *tap = st->taps + ((int64_t)t * hp->n_dspark_target + k) * D;
+            for (int32_t t = 0; t < n_rows; t++) { // tap = mean over the streams of the input
+                float *tap = w->taps + ((int64_t)t * hp->n_dspark_target + k) * D;
                 const float *xt = x + (int64_t)t * nc * D;
                 for (int64_t d = 0; d < D; d++) {
                     float acc = 0;
@@ -298,102 +342,230 @@ void di_dsv41_forward(di_session *s, const int32_t *tokens, int32_t n_tok, float
                 di_dsv4_round(m, tap, D);
             }
         }
-        block(&c, st, lw, il, x, tokens, false, 0);
-        if (c.trace) {
-            c.trace(c.trace_user, "layer_out", il, x, false, n_tok, nc * D);
-            c.trace(c.trace_user, "hc_pre", il, st->pre, false, n_tok, nc);
+        block(c, lw, il, x, tokens, false);
+        if (c->trace) {
+            c->trace(c->trace_user, "layer_out", il, x, false, n_rows, nc * D);
+            c->trace(c->trace_user, "hc_pre", il, w->pre, false, n_rows, nc);
         }
     }
-    if (logits && n_out > 0) {
-        int32_t first = n_tok - n_out;
-        head(&c, x + (int64_t)first * nc * D, st->pre + first * nc, n_out, m->norm,
-             di_dsv4_scratch(&c, DI_SCR_H), logits);
+    // The head on the rows that want logits, gathered in place to the front of X and P (rows
+    // ascend, so each copy moves a row down or leaves it; neither is read after this).
+    int32_t n_logit = 0;
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        const di_dsv4_seq *sq = &c->seqs[i];
+        for (int32_t t = sq->n_tok - n_out[i]; t < sq->n_tok; t++, n_logit++) {
+            const int32_t r = sq->row0 + t;
+            if (r == n_logit) continue;
+            memmove(x + (int64_t)n_logit * nc * D, x + (int64_t)r * nc * D,
+                    sizeof(float) * (size_t)(nc * D));
+            memmove(w->pre + n_logit * nc, w->pre + r * nc, sizeof(float) * (size_t)nc);
+        }
     }
-    if (s->mtp) di_dsv41_dspark_context(s, st->taps, p0, n_tok);
+    if (n_logit > 0) head(c, x, w->pre, n_logit, m->norm, di_dsv4_scratch(c, DI_SCR_H), logits);
+    if (any_dspark) dspark_context(c, w->taps);
+    // Each sequence's views of its rows (tests read a call's taps and candidate pools).
+    const int64_t n_tap = (int64_t)hp->n_dspark_target * D;
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        di_dsv41_state *st = c->seqs[i].v41;
+        const int32_t r0 = c->seqs[i].row0;
+        st->taps = st->dspark ? w->taps + r0 * n_tap : NULL;
+        st->cand = w->cand + (int64_t)r0 * hp->candidate_topk_blocks;
+        st->n_cand = w->n_cand + r0;
+    }
+}
+
+di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seqs,
+                                 int32_t n_seq, float *logits) {
+    const di_hparams *hp = &m->hp;
+    if (n_seq < 1 || !seqs) {
+        DI_LOG_ERROR("forward: a V4.1 call needs at least one sequence");
+        return DI_ERR_INVALID;
+    }
+    int64_t n_rows = 0, n_pos = 0, n_logit = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv41_seq *b = &seqs[i];
+        const di_session *s = b->s;
+        if (!s || s->model != m || !s->v41 || b->n_tok < 1 || !b->tokens || b->n_out < 0 ||
+            b->n_out > b->n_tok || (int64_t)s->pos + b->n_tok > s->n_ctx_max) {
+            DI_LOG_ERROR("forward: V4.1 sequence %d: not a V4.1 session of this model, or %d "
+                         "tokens (%d with logits) do not fit its context",
+                         i, b->n_tok, b->n_out);
+            return DI_ERR_INVALID;
+        }
+        for (int32_t j = 0; j < i; j++)
+            if (seqs[j].s == s) {
+                DI_LOG_ERROR("forward: a session appears twice in one V4.1 call");
+                return DI_ERR_INVALID;
+            }
+        for (int32_t t = 0; t < b->n_tok; t++)
+            if (b->tokens[t] < 0 || b->tokens[t] >= hp->n_vocab) {
+                DI_LOG_ERROR("forward: token id %d is outside the vocabulary [0, %d)", b->tokens[t],
+                             hp->n_vocab);
+                return DI_ERR_INVALID;
+            }
+        n_rows += b->n_tok;
+        n_logit += b->n_out;
+        if ((int64_t)s->pos + b->n_tok > n_pos) n_pos = (int64_t)s->pos + b->n_tok;
+    }
+    if (n_rows > INT32_MAX / 2 || (n_logit > 0 && !logits)) {
+        DI_LOG_ERROR("forward: a V4.1 call of %lld rows, %lld with logits (buffer %s)",
+                     (long long)n_rows, (long long)n_logit, logits ? "given" : "missing");
+        return DI_ERR_INVALID;
+    }
+    // Capacities (nothing to do when reserved before: the engine's slots).
+    for (int32_t i = 0; i < n_seq; i++) {
+        di_session *s = seqs[i].s;
+        di_status st = di_dsv41_reserve_state(s, (int64_t)s->pos + seqs[i].n_tok);
+        if (st != DI_OK) return st;
+    }
+    di_status st = di_dsv41_ws_reserve(ws, m, (int32_t)n_rows, n_pos);
+    if (st != DI_OK) return st;
+    // The call: rows in sequence order (tokens gathered), in the workspace's per-call arrays
+    // (a sequence has a row at least, so they hold n_rows sequences).
+    di_dsv4_seq *sq = ws->v41->seqs;
+    int32_t *n_out = ws->v41->n_out, *tokens = ws->v41->tokens;
+    int32_t row = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        sq[i] = (di_dsv4_seq){.pos = seqs[i].s->pos, .n_tok = seqs[i].n_tok, .v41 = seqs[i].s->v41};
+        n_out[i] = seqs[i].n_out;
+        memcpy(tokens + row, seqs[i].tokens, sizeof(int32_t) * (size_t)seqs[i].n_tok);
+        row += seqs[i].n_tok;
+    }
+    di_dsv4_ctx c = {.model = m,
+                     .ws = ws,
+                     .seqs = sq,
+                     .n_seq = n_seq,
+                     .trace = seqs[0].s->trace,
+                     .trace_user = seqs[0].s->trace_user};
+    set_rows(&c);
+    forward_rows(&c, tokens, n_out, logits);
+    for (int32_t i = 0; i < n_seq; i++) seqs[i].s->pos += seqs[i].n_tok;
+    m->n_forward_calls++;
+    return DI_OK;
 }
 
 // ---- DSpark (§3) ----
 
 void di_dsv41_dspark_context(di_session *s, const float *taps, int32_t p0, int32_t n_tok) {
-    di_model *m = s->model;
-    const di_hparams *hp = &m->hp;
-    di_dsv41_state *st = s->v41;
-    const int64_t D = hp->n_embd;
     di_dsv4_seq seq;
     di_dsv4_ctx c;
-    setup_ctx(s, &seq, &c, p0, n_tok);
-    float *mx = di_dsv4_scratch(&c, DI_SCR_H); // [T, D]: main_x = RMSNorm(main_proj · taps)
-    di_dsv4_linear(&c, &m->dspark.main_proj, taps, n_tok, (int64_t)hp->n_dspark_target * D, mx, D,
-                   true);
-    di_ref_rmsnorm(mx, n_tok, D, D, m->dspark.main_norm, hp->norm_eps);
-    di_dsv4_round(m, mx, (int64_t)n_tok * D);
-    for (int i = 0; i < m->n_mtp_loaded; i++)
-        di_dsv41_dspark_ring(&c, st, &m->mtp[i].block, hp->n_layer + i, mx, n_tok, p0);
-    if (p0 + n_tok > st->dspark_pos) st->dspark_pos = p0 + n_tok;
+    one_seq(s, &seq, &c, p0, n_tok);
+    dspark_context(&c, taps);
 }
 
-di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits) {
-    di_model *m = s->model;
+di_status di_dsv41_draft_batch(di_model *m, di_dsv4_ws *ws, di_dsv41_draft_seq *seqs, int32_t n,
+                               float *logits) {
     const di_hparams *hp = &m->hp;
-    di_dsv41_state *st = s->v41;
-    if (!s->mtp || !st || m->n_mtp_loaded == 0) {
-        DI_LOG_ERROR("dspark: the session runs no DSpark module (create it with mtp)");
-        return DI_ERR_INVALID;
-    }
-    if (anchor < 0 || anchor >= hp->n_vocab || s->pos < 1 || st->dspark_pos != s->pos) {
-        DI_LOG_ERROR("dspark: needs a committed forward and an anchor token id < %d", hp->n_vocab);
+    if (n < 1 || !seqs || m->n_mtp_loaded == 0) {
+        DI_LOG_ERROR("dspark: no sequences, or the model has no DSpark module");
         return DI_ERR_INVALID;
     }
     const int32_t B = hp->dspark_block_size, nc = hp->hc_mult, R = hp->dspark_markov_rank;
     const int64_t D = hp->n_embd, V = hp->n_vocab;
-    di_status rs = di_dsv41_reserve(s, B);
+    int64_t n_pos = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const di_session *s = seqs[i].s;
+        const int32_t anchor = seqs[i].anchor;
+        if (!s || s->model != m || !s->mtp || !s->v41) {
+            DI_LOG_ERROR("dspark: the session runs no DSpark module (create it with mtp)");
+            return DI_ERR_INVALID;
+        }
+        if (anchor < 0 || anchor >= hp->n_vocab || s->pos < 1 || s->v41->dspark_pos != s->pos) {
+            DI_LOG_ERROR("dspark: needs a committed forward and an anchor token id < %d",
+                         hp->n_vocab);
+            return DI_ERR_INVALID;
+        }
+        for (int32_t j = 0; j < i; j++)
+            if (seqs[j].s == s) {
+                DI_LOG_ERROR("dspark: a session appears twice in one draft call");
+                return DI_ERR_INVALID;
+            }
+        if ((int64_t)s->pos + B > n_pos) n_pos = (int64_t)s->pos + B;
+    }
+    // Capacities (nothing to do when reserved before: the engine's slots).
+    for (int32_t i = 0; i < n; i++) {
+        di_status st = di_dsv41_reserve_state(seqs[i].s, (int64_t)seqs[i].s->pos + B);
+        if (st != DI_OK) return st;
+    }
+    di_status rs = di_dsv41_ws_reserve(ws, m, n * B, n_pos);
+    if (rs == DI_OK) rs = di_dsv41_ws_reserve_draft(ws, m, n);
     if (rs != DI_OK) return rs;
-    const int32_t a_pos = s->pos; // the anchor stands at position a = pos
-    di_dsv4_seq seq;
-    di_dsv4_ctx c;
-    setup_ctx(s, &seq, &c, a_pos, B);
-    int32_t ids[16];
-    ids[0] = anchor;
-    for (int j = 1; j < B; j++) ids[j] = hp->dspark_noise_token;
+    // The block rows of every session (the anchor at position a = pos, then noise tokens).
+    di_dsv41_rows *w = ws->v41;
+    di_dsv4_seq *sq = w->seqs;
+    int32_t *ids = w->tokens;
+    for (int32_t i = 0; i < n; i++) {
+        sq[i] = (di_dsv4_seq){.pos = seqs[i].s->pos, .n_tok = B, .v41 = seqs[i].s->v41};
+        ids[i * B] = seqs[i].anchor;
+        for (int j = 1; j < B; j++) ids[i * B + j] = hp->dspark_noise_token;
+    }
+    di_dsv4_ctx c = {.model = m,
+                     .ws = ws,
+                     .seqs = sq,
+                     .n_seq = n,
+                     .trace = seqs[0].s->trace,
+                     .trace_user = seqs[0].s->trace_user};
+    set_rows(&c);
+    const int32_t T = c.n_rows;
     float *x = di_dsv4_scratch(&c, DI_SCR_X);
-    for (int32_t t = 0; t < B; t++) {
+    for (int32_t t = 0; t < T; t++) {
         float *xt = x + (int64_t)t * nc * D;
         di_tensor_row_f32(&m->embed, ids[t], xt);
         for (int k = 1; k < nc; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
     }
-    one_hot_pre(m, st->pre, B);
+    one_hot_pre(m, w->pre, T);
     for (int i = 0; i < m->n_mtp_loaded; i++)
-        block(&c, st, &m->mtp[i].block, hp->n_layer + i, x, ids, true, a_pos);
+        block(&c, &m->mtp[i].block, hp->n_layer + i, x, ids, true);
     // h = collapse (pre-norm, kept for the confidence head); base logits from the final norm.
-    float *h = di_dsv4_scratch(&c, DI_SCR_A); // [B, D]
-    collapse(m, x, st->pre, B, h);
+    float *h = di_dsv4_scratch(&c, DI_SCR_A); // [T, D]
+    collapse(m, x, w->pre, T, h);
     float *hn = di_dsv4_scratch(&c, DI_SCR_H);
-    memcpy(hn, h, sizeof(float) * (size_t)(B * D));
-    di_ref_rmsnorm(hn, B, D, D, m->dspark.norm, hp->norm_eps);
-    di_dsv4_round(m, hn, (int64_t)B * D);
-    float *lg = st->draft, *mk = lg + V, *me = mk + V; // [V] logits, [V] Markov, [D + R] input
-    int32_t prev = anchor;
-    memset(out, 0, sizeof *out);
-    out->n = B;
+    memcpy(hn, h, sizeof(float) * (size_t)(T * D));
+    di_ref_rmsnorm(hn, T, D, D, m->dspark.norm, hp->norm_eps);
+    di_dsv4_round(m, hn, (int64_t)T * D);
+    // Block row j of every session at once: [n, V] base logits, [n, V] Markov, [n, D + R] input.
+    float *lg = w->draft, *mk = lg + n * V, *me = mk + n * V;
+    for (int32_t i = 0; i < n; i++) {
+        memset(&seqs[i].out, 0, sizeof seqs[i].out);
+        seqs[i].out.n = B;
+    }
     for (int32_t j = 0; j < B; j++) {
-        di_dsv4_matmul(m, &m->head, hn + j * D, 1, D, lg, V); // base logits [V]
-        // Markov head: + head_markov · embed_markov[prev] (FP32).
-        memcpy(me, h + j * D, sizeof(float) * (size_t)D);
-        di_tensor_row_f32(&m->dspark.markov_embed, prev, me + D);
-        di_dsv4_matmul(m, &m->dspark.markov_head, me + D, 1, R, mk, V);
-        int32_t best = 0;
-        for (int64_t v = 0; v < V; v++) {
-            lg[v] += mk[v];
-            if (lg[v] > lg[best]) best = (int32_t)v;
+        di_dsv4_matmul(m, &m->head, hn + j * D, n, B * D, lg, V); // base logits
+        // Markov head: + head_markov · embed_markov[prev] (FP32), prev the anchor or draft j - 1.
+        for (int32_t i = 0; i < n; i++) {
+            float *mi = me + i * (D + R);
+            int32_t prev = j == 0 ? seqs[i].anchor : seqs[i].out.tokens[j - 1];
+            memcpy(mi, h + ((int64_t)i * B + j) * D, sizeof(float) * (size_t)D);
+            di_tensor_row_f32(&m->dspark.markov_embed, prev, mi + D);
         }
-        if (logits) memcpy(logits + j * V, lg, sizeof(float) * (size_t)V);
-        float conf = di_ref_dot(m->dspark.confidence, me, D + R);
-        out->conf_logit[j] = conf;
-        out->confidence[j] = di_sigmoid(conf);
-        out->tokens[j] = best;
-        prev = best;
+        di_dsv4_matmul(m, &m->dspark.markov_head, me + D, n, D + R, mk, V);
+        for (int32_t i = 0; i < n; i++) {
+            float *li = lg + i * V;
+            const float *ki = mk + i * V, *mi = me + i * (D + R);
+            int32_t best = 0;
+            for (int64_t v = 0; v < V; v++) {
+                li[v] += ki[v];
+                if (li[v] > li[best]) best = (int32_t)v;
+            }
+            if (logits) memcpy(logits + ((int64_t)i * B + j) * V, li, sizeof(float) * (size_t)V);
+            float conf = di_ref_dot(m->dspark.confidence, mi, D + R);
+            seqs[i].out.conf_logit[j] = conf;
+            seqs[i].out.confidence[j] = di_sigmoid(conf);
+            seqs[i].out.tokens[j] = best;
+        }
     }
     return DI_OK;
+}
+
+di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits) {
+    if (!s->mtp || !s->v41 || s->model->n_mtp_loaded == 0) {
+        DI_LOG_ERROR("dspark: the session runs no DSpark module (create it with mtp)");
+        return DI_ERR_INVALID;
+    }
+    di_dsv41_draft_seq d = {.s = s, .anchor = anchor};
+    di_status st = di_dsv41_draft_batch(s->model, di_dsv41_ws(s), &d, 1, logits);
+    if (st == DI_OK) *out = d.out;
+    return st;
 }
 
 // ---- public API (deepinfer.h) ----

@@ -46,30 +46,46 @@ typedef struct di_dsv41_state {
     int32_t ring_rows; // W + DI_DSV41_ROLLBACK_MAX; slot of position p = p mod ring_rows
     float **ring;      // owned [n_state_layers] of owned [ring_rows, Dh]
     int32_t n_state_layers;
+    bool dspark;       // runs DSpark: rings of the DSpark blocks, taps and context rows
     di_dsv41_src *src; // owned [n_layer]; only kv sources hold memory
     int32_t *hist;     // owned [cap_hist]: compressed id of every position (Engram look-back)
     int64_t cap_hist;
     int32_t dspark_pos; // DSpark rings hold positions < dspark_pos
-    // Per-call scratch, grown on demand.
-    int32_t cap_tok;
-    int64_t cap_ent;
-    int32_t *topk;    // [T, topk] published selection (ascending entry ids)
-    int32_t *n_topk;  // [T] picks per query
-    bool have_topk;   // an index source published in this call
-    int32_t *cand;    // [T, candidate_topk_blocks] kept candidate blocks of each query
-    int32_t *n_cand;  // [T]
-    bool have_cand;   // the candidate source ran in this call
-    float *pre;       // [T, NC] P carried between sites
-    float *pre_attn;  // [T, NC] the attention site's pre
-    int64_t *eg_rows; // [T, n_engram, n_col]
-    float *eg_in;     // [T, n_col * hd]
-    float *eg_kv;     // [T, (NC + 1) D]
-    float *taps;      // [T, n_target, D] DSpark taps (block inputs of the target layers)
-    float *scores;    // [n_threads, cap_ent] indexer scores
-    float *blk;       // [n_threads, cap_ent + 1] block scores / candidate flags
-    int32_t *order;   // [n_threads, cap_ent + 1] selections
-    float *draft;     // [2 V + D + markov_rank] DSpark head scratch (DSpark sessions)
+    // Views of this sequence's rows in the last call's workspace (di_dsv41_rows; valid until that
+    // workspace runs another call): its DSpark taps [n_tok, n_target, D] (DSpark sessions) and
+    // the candidate pool of its queries [n_tok, candidate_topk_blocks] / [n_tok]. Tests read them.
+    const float *taps;
+    const int32_t *cand, *n_cand;
 } di_dsv41_state;
+
+// Per-row scratch of a V4.1 call over the rows of all its sequences (di_dsv4_ws.v41, owned by
+// the workspace): grown by di_dsv41_ws_reserve, never on a call's path.
+typedef struct di_dsv41_rows {
+    int32_t cap_rows;         // calls of up to this many rows fit
+    int64_t cap_ent;          // sequences of up to this many entries in one kv source fit
+    int32_t *topk;            // [T, topk] published selection (ascending entry ids)
+    int32_t *n_topk;          // [T] picks per query
+    bool have_topk;           // an index source published in this call
+    int32_t *cand;            // [T, candidate_topk_blocks] kept candidate blocks of each query
+    int32_t *n_cand;          // [T]
+    bool have_cand;           // the candidate source ran in this call
+    float *pre;               // [T, NC] P carried between sites
+    float *pre_attn;          // [T, NC] the attention site's pre
+    int64_t *eg_rows;         // [T, n_engram, n_col]
+    float *eg_in;             // [T, n_col * hd]
+    float *eg_kv;             // [T, (NC + 1) D]
+    float *taps;              // [T, n_target, D] DSpark taps (block inputs of the target layers)
+    float *scores;            // [n_threads, cap_ent] indexer scores
+    float *blk;               // [n_threads, cap_ent + 1] block scores / candidate flags
+    int32_t *order;           // [n_threads, cap_ent + 1] selections
+    struct di_dsv4_seq *seqs; // [T] the call's sequences (one row at least each)
+    int32_t *n_out;           // [T] their logit rows
+    int32_t *tokens;          // [T] the call's tokens, sequence after sequence
+    float *draft;      // [cap_draft, 2 V + D + markov_rank] DSpark head scratch of a draft call
+    int32_t cap_draft; // draft calls of up to this many sessions fit
+    int64_t row_bytes, ent_bytes; // bytes per row / per entry of cap_ent + 1 (di_dsv41_ws_bytes)
+    int64_t draft_bytes;          // of draft
+} di_dsv41_rows;
 
 // ---- model (dsv41.c) ----
 
@@ -81,46 +97,81 @@ typedef struct di_dsv41_state {
 di_status di_dsv41_model_init(di_model *m, const char *dir);
 void di_dsv41_model_free(di_model *m);
 
-// The forward of one call for a session: n_tok tokens at positions s->pos .. (the caller
-// validated them and reserved capacity with di_dsv41_reserve; the caller advances s->pos).
-// logits [n_out, V] of the last n_out rows (NULL: none). A DSpark session also writes the DSpark
-// context rows of every position of the call.
-void di_dsv41_forward(di_session *s, const int32_t *tokens, int32_t n_tok, float *logits,
-                      int32_t n_out);
+// ---- ragged batches ----
+//
+// One V4.1 call runs any number of sessions, each at its own position with its own state; their
+// rows are concatenated (sequence after sequence), as V4's di_dsv4_forward_batch does (dsv4.h,
+// "ragged batches"). Token-wise work runs once over all rows (embedding, Engram, mHC, every
+// projection, norms, the MoE, the head of the rows that want logits, DSpark's main_proj and
+// context-row projections); each sequence's own state takes the rest (Engram history, window
+// rings, CSA2 compressors, the indexer's candidate pool and top-k, attention). Every op computes a
+// row alone in a fixed order, so a sequence's logits, taps and state are bit-identical whatever
+// else shares its call and at whatever row offset. A session's forward is the batch of one.
+
+typedef struct di_dsv41_seq {
+    di_session *s;         // borrowed: a V4.1 session of the call's model, at position s->pos
+    const int32_t *tokens; // borrowed [n_tok]
+    int32_t n_tok;         // >= 1
+    int32_t n_out;         // logits of its last n_out rows (0 .. n_tok)
+} di_dsv41_seq;
+
+// Runs seqs[0 .. n_seq) in one call on workspace ws (the sessions' own or a shared one): checks
+// them (tokens in the vocabulary, within each session's context, n_out in range, no session
+// twice), reserves what the call needs (state capacities, ws for the total rows: nothing when
+// reserved before, as the engine's slots are), then feeds every sequence's rows and advances its
+// position. logits [sum n_out, V]: each sequence's rows in sequence order (NULL when no sequence
+// wants any). A DSpark session also writes the DSpark context rows of every position it fed.
+// The model's trace hook is the first session's (rows of the whole call). DI_ERR_INVALID,
+// DI_ERR_NOMEM (then nothing ran and no session moved).
+di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seqs,
+                                 int32_t n_seq, float *logits);
+// Grows ws for V4.1 calls of up to n_rows rows over sequences of up to n_pos positions.
+// DI_ERR_NOMEM.
+di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, int64_t n_pos);
+// Grows ws for DSpark draft calls of up to n sessions (the head scratch; the rows and positions
+// through di_dsv41_ws_reserve). DI_ERR_NOMEM.
+di_status di_dsv41_ws_reserve_draft(di_dsv4_ws *ws, const di_model *m, int32_t n);
+void di_dsv41_ws_free(di_dsv4_ws *ws);           // the V4.1 part (di_dsv4_ws_free calls it)
+int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws); // the V4.1 part's bytes
 
 // ---- attention (dsv41_attn.c) ----
 
-// One attention layer for the single sequence of c (a [T, D] normed input, out [T, D]).
-void di_dsv41_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il,
-                        const float *a, float *out);
-// DSpark attention of a draft block: queries = the block rows (positions pos0 ..), keys = the
-// block's ring (context positions < pos0) plus every block row (non-causal).
-void di_dsv41_dspark_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
-                               int il_state, const float *a, int32_t n_tok, int32_t pos0,
-                               float *out);
-// Writes the DSpark ring rows of block il_state for context positions p0 .. p0 + n - 1 from the
-// projected context main_x [n, D].
-void di_dsv41_dspark_ring(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
-                          int il_state, const float *main_x, int32_t n, int32_t p0);
+// One attention layer on the rows of c (a [T, D] normed input, out [T, D]); each sequence's
+// state is c->seqs[i].v41.
+void di_dsv41_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const float *a,
+                        float *out);
+// DSpark attention of the draft blocks of c's sequences: a sequence's queries = its block rows
+// (positions pos ..), keys = its block's ring (context positions < pos) plus every row of its
+// block (non-causal).
+void di_dsv41_dspark_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state,
+                               const float *a, float *out);
+// Writes the DSpark ring rows of block il_state for the rows of c from the projected context
+// main_x [T, D] (sequences without DSpark are skipped).
+void di_dsv41_dspark_ring(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state,
+                          const float *main_x);
 
 // ---- state (dsv41_state.c) ----
 
 di_status di_dsv41_state_create(di_session *s);
 void di_dsv41_state_destroy(di_session *s);
-// Grows entry arrays, history and scratch for a call of n_tok tokens. DI_ERR_NOMEM.
+// Grows entry arrays, history and the session's workspace for a call of n_tok tokens.
+// DI_ERR_NOMEM.
 di_status di_dsv41_reserve(di_session *s, int32_t n_tok);
+// Grows the state's entry arrays and history for positions < end (not the workspace).
+// DI_ERR_NOMEM.
+di_status di_dsv41_reserve_state(di_session *s, int64_t end);
 // Reserves everything a call can grow for positions < n_ctx and calls of up to n_tok rows (the
-// entry arrays, the history, the per-call scratch and the session's workspace), so that no later
-// call within those bounds allocates: the serving engine's per-slot sessions (engine.c).
+// entry arrays, the history and the session's workspace: its own or the shared one), so that no
+// later call within those bounds allocates: the serving engine's per-slot sessions (engine.c).
 // DI_ERR_NOMEM.
 di_status di_dsv41_reserve_ctx(di_session *s, int32_t n_ctx, int32_t n_tok);
 // Bytes the session holds now: the V4.1 state (rings, entries, index keys, (C, Z) slots, history,
-// per-call scratch) plus its own workspace (none when it shares one). After di_dsv41_reserve_ctx,
-// the memory of one engine slot.
+// DSpark scratch) plus its own workspace (none when it shares one; the per-row scratch of a call
+// lives in the workspace). After di_dsv41_reserve_ctx, the memory of one engine slot.
 int64_t di_dsv41_state_bytes(const di_session *s);
 // Makes the session's calls use ws (borrowed; it must outlive them) instead of its own workspace,
-// which is freed: sessions that never run at the same time (the engine's slots, run one after
-// another on the forward thread) share one. Reservations grow ws.
+// which is freed: sessions that run in the same calls or never at the same time (the engine's
+// slots, batched on the forward thread) share one. Reservations grow ws.
 void di_dsv41_share_ws(di_session *s, di_dsv4_ws *ws);
 // The workspace the session's calls use.
 static inline di_dsv4_ws *di_dsv41_ws(di_session *s) {
@@ -175,5 +226,21 @@ void di_dsv41_dspark_context(di_session *s, const float *taps, int32_t p0, int32
 // Drafts a block after a forward whose last position is a-1 and whose argmax y_a (anchor) is the
 // token for position a (§3.3). The session must have been created with mtp (DSpark) and the
 // previous forward must have run with taps (DSpark sessions always do). logits: when not NULL,
-// [n, V] Markov-corrected draft logits. DI_ERR_INVALID without DSpark weights.
+// [n, V] Markov-corrected draft logits. DI_ERR_INVALID without DSpark weights. The batch of one
+// (di_dsv41_draft_batch) on the session's workspace.
 di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits);
+
+typedef struct di_dsv41_draft_seq {
+    di_session *s;      // borrowed: a DSpark session after a committed forward
+    int32_t anchor;     // the token for position s->pos
+    di_dsv41_draft out; // its drafts
+} di_dsv41_draft_seq;
+
+// Drafts a block for each of n sessions in one call on workspace ws, each bit for bit what
+// di_dsv41_draft_block gives it alone: the block rows of all sessions form one ragged batch (the
+// DSpark blocks' projections, mHC and MoE over all rows, attention per session), then block row j
+// of every session at once through the head and the Markov head (row j + 1 needs row j's token).
+// logits: when not NULL, [n, dspark_block_size, V]. DI_ERR_INVALID (a session without DSpark or
+// not after a forward, an anchor out of range, a session twice), DI_ERR_NOMEM; then nothing ran.
+di_status di_dsv41_draft_batch(di_model *m, di_dsv4_ws *ws, di_dsv41_draft_seq *seqs, int32_t n,
+                               float *logits);

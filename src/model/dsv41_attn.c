@@ -70,19 +70,17 @@ static void out_proj(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *o, 
 // ---- attention core: sink softmax over a list of key rows ----
 
 typedef struct attn_ctx {
-    const di_model *m;
-    const di_dsv41_state *st;
-    const float *ring;    // this layer's ring [ring_rows, Dh]
+    const di_dsv4_ctx *c; // the call: each row's sequence, position and state
+    int il;               // state layer (the ring)
+    int src_il;           // kv source of the selected entries (-1: none)
     const float *q;       // [T, H, Dh]
     const float *kv;      // [T, Dh] this call's rows
     const float *sink;    // [H]
-    const float *cmain;   // selected entries come from here (or NULL)
     const int32_t *sel;   // [T, topk] or NULL
     const int32_t *n_sel; // [T]
     int32_t topk;
-    int32_t n_tok, p0;
     int32_t win_keys; // W (backbone: window including the query) or W context rows (DSpark)
-    bool dspark;      // keys: ring positions [p0 - W, p0) + every call row
+    bool dspark;      // keys: ring positions [p0 - W, p0) + every row of the sequence
     const float *omega;
     float rscale;
     float *o;      // [T, H, Dh]
@@ -92,48 +90,61 @@ typedef struct attn_ctx {
 
 static void attn_task(void *p, int ith, int nth) {
     attn_ctx *c = p;
-    const di_hparams *hp = &c->m->hp;
+    const di_model *m = c->c->model;
+    const di_hparams *hp = &m->hp;
     const int32_t H = hp->n_head, Dh = hp->head_dim;
-    const int32_t rr = c->st->ring_rows;
+    const int32_t *row_seq = c->c->ws->row_seq, *row_pos = c->c->ws->row_pos;
     float *sc = c->scores + (int64_t)ith * c->scores_stride;
     int64_t lo, hi;
     const int32_t n_grp = (H + DI_DSV4_HEAD_GROUP - 1) / DI_DSV4_HEAD_GROUP;
-    di_split_range((int64_t)c->n_tok * n_grp, ith, nth, &lo, &hi);
+    di_split_range((int64_t)c->c->n_rows * n_grp, ith, nth, &lo, &hi);
     for (int64_t tg = lo; tg < hi; tg++) {
-        int64_t t = tg / n_grp, P = c->p0 + t;
+        int64_t t = tg / n_grp, P = row_pos[t];
+        const di_dsv4_seq *sq = &c->c->seqs[row_seq[t]];
+        const di_dsv41_state *st = sq->v41;
+        const int64_t p0 = sq->pos;
         int32_t h0 = (int32_t)(tg % n_grp) * DI_DSV4_HEAD_GROUP;
         int32_t nh = H - h0 < DI_DSV4_HEAD_GROUP ? H - h0 : DI_DSV4_HEAD_GROUP;
         const float *q = c->q + (t * H + h0) * Dh;
         float *o = c->o + (t * H + h0) * Dh;
-        // Keys: positions w_lo .. w_hi (ring below p0, this call's rows from p0), then entries.
+        // Keys: positions w_lo .. w_hi (ring below p0, this call's rows of the sequence from
+        // p0), then entries.
         int64_t w_lo, w_hi;
         if (c->dspark) {
-            w_lo = c->p0 - c->win_keys > 0 ? c->p0 - c->win_keys : 0;
-            w_hi = c->p0 + c->n_tok - 1;
+            w_lo = p0 - c->win_keys > 0 ? p0 - c->win_keys : 0;
+            w_hi = p0 + sq->n_tok - 1;
         } else {
             w_lo = P - c->win_keys + 1 > 0 ? P - c->win_keys + 1 : 0;
             w_hi = P;
         }
         const int64_t n_win = w_hi - w_lo + 1;
         const int64_t n_cmp = c->sel ? c->n_sel[t] : 0;
-        const di_dsv4_keys keys = {.ring = c->ring,
-                                   .ring_rows = rr,
-                                   .rows = c->kv,
-                                   .p0 = c->p0,
+        const di_dsv4_keys keys = {.ring = st->ring[c->il],
+                                   .ring_rows = st->ring_rows,
+                                   .rows = c->kv + (int64_t)sq->row0 * Dh,
+                                   .p0 = p0,
                                    .w_lo = w_lo,
                                    .n_win = n_win,
-                                   .cmain = c->cmain,
+                                   .cmain = c->src_il >= 0 ? st->src[c->src_il].cmain : NULL,
                                    .sel = c->sel ? c->sel + t * c->topk : NULL,
                                    .n_cmp = n_cmp};
-        di_dsv4_attend_heads(c->m, q, c->sink + h0, nh, &keys, P, c->omega, c->rscale, sc, o);
+        di_dsv4_attend_heads(m, q, c->sink + h0, nh, &keys, P, c->omega, c->rscale, sc, o);
     }
 }
 
-static void ring_write(const di_dsv41_state *st, float *ring, const float *kv, int32_t n_tok,
-                       int32_t p0, int32_t Dh) {
-    for (int32_t t = n_tok > st->ring_rows ? n_tok - st->ring_rows : 0; t < n_tok; t++)
-        memcpy(ring + (int64_t)((p0 + t) % st->ring_rows) * Dh, kv + (int64_t)t * Dh,
-               sizeof(float) * (size_t)Dh);
+// The window rows of the call's rows into each sequence's ring of state layer il (sequences
+// without that layer, plain sessions in a DSpark block's call, are skipped).
+static void ring_write(const di_dsv4_ctx *c, int il, const float *kv, int32_t Dh) {
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        const di_dsv4_seq *sq = &c->seqs[i];
+        const di_dsv41_state *st = sq->v41;
+        if (il >= st->n_state_layers) continue;
+        const float *rows = kv + (int64_t)sq->row0 * Dh;
+        for (int32_t t = sq->n_tok > st->ring_rows ? sq->n_tok - st->ring_rows : 0; t < sq->n_tok;
+             t++)
+            memcpy(st->ring[il] + (int64_t)((sq->pos + t) % st->ring_rows) * Dh,
+                   rows + (int64_t)t * Dh, sizeof(float) * (size_t)Dh);
+    }
 }
 
 // ---- CSA2 compressor of a kv source (§2.5.1) ----
@@ -160,12 +171,12 @@ static void finalise(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, di_dsv41_src *sr
     if (Dh % 16 == 0) di_fake_quant_q4e(e, Dh, 16);
 }
 
-static void compressor(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il,
-                       const float *a, int32_t n_tok, int32_t p0) {
+static void compressor(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const float *a) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, Dh = hp->head_dim;
-    di_dsv41_src *src = &st->src[il];
+    const int32_t n_tok = c->n_rows;
+    const int32_t *row_seq = c->ws->row_seq, *row_pos = c->ws->row_pos;
     const di_dsv4_compressor_w *cw = &lw->cmp;
     float *cc = di_dsv4_scratch(c, DI_SCR_CC), *cz = di_dsv4_scratch(c, DI_SCR_CZ);
     float latent[4096];
@@ -174,7 +185,8 @@ static void compressor(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w
         // latent_j = RMSNorm(wkv · a_j): BF16 matmul (no activation quant) in R-OFF.
         di_dsv4_linear(c, &cw->wkv, a, n_tok, D, cc, Dh, false);
         for (int32_t t = 0; t < n_tok; t++) {
-            int64_t w = (int64_t)p0 + t;
+            di_dsv41_src *src = &c->seqs[row_seq[t]].v41->src[il];
+            int64_t w = row_pos[t];
             if (w < src->n_entries) continue; // a prefix-cache entry, fed again: kept
             memcpy(latent, cc + t * Dh, sizeof(float) * (size_t)Dh);
             di_ref_rmsnorm(latent, 1, Dh, Dh, cw->norm, hp->norm_eps);
@@ -190,7 +202,8 @@ static void compressor(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w
     di_dsv4_matmul(m, &cw->wkv, a, n_tok, D, cc, Dh);   // C: [T, Dh]
     di_dsv4_matmul(m, &cw->wgate, a, n_tok, D, cz, Dh); // Z: [T, Dh]
     for (int32_t t = 0; t < n_tok; t++) {
-        int64_t P = (int64_t)p0 + t;
+        di_dsv41_src *src = &c->seqs[row_seq[t]].v41->src[il];
+        int64_t P = row_pos[t];
         float *slot = src->cz + ((P / 2) % DI_DSV41_CZ_SLOTS) * 2 * Dh;
         if (P % 2 == 0) { // stash as the pending half of group P / 2
             memcpy(slot, cc + t * Dh, sizeof(float) * (size_t)Dh);
@@ -217,39 +230,40 @@ static void compressor(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w
 // ---- indexer (§2.5.3) ----
 
 typedef struct idx_ctx {
-    const di_model *m;
-    di_dsv41_state *st;
-    const di_dsv41_src *src;
+    const di_dsv4_ctx *c; // the call: each row's sequence, position and state
+    int src_il;           // the kv source whose index keys are scored
     int32_t src_ratio;
-    const float *qi; // [T, HI, DI]
-    const float *wi; // [T, HI]
-    int32_t n_tok, p0;
+    const float *qi;     // [T, HI, DI]
+    const float *wi;     // [T, HI]
     bool is_cand_source; // build the candidate pool (level 1)
     bool restrict_cand;  // apply the published pool (level 2)
 } idx_ctx;
 
 static void idx_task(void *p, int ith, int nth) {
     idx_ctx *c = p;
-    const di_hparams *hp = &c->m->hp;
-    di_dsv41_state *st = c->st;
+    const di_model *m = c->c->model;
+    const di_hparams *hp = &m->hp;
+    di_dsv41_rows *st = c->c->ws->v41; // the rows' selections and this thread's scratch
+    const int32_t *row_seq = c->c->ws->row_seq, *row_pos = c->c->ws->row_pos;
     const int32_t HI = hp->n_index_head, DI = hp->index_head_dim, topk = hp->index_topk;
     const int32_t bs = hp->candidate_block_size, ntb = hp->candidate_topk_blocks;
     float *sc = st->scores + (int64_t)ith * st->cap_ent;
     float *blk = st->blk + (int64_t)ith * (st->cap_ent + 1);
     int32_t *order = st->order + (int64_t)ith * (st->cap_ent + 1);
     int64_t lo, hi;
-    di_split_range(c->n_tok, ith, nth, &lo, &hi);
+    di_split_range(c->c->n_rows, ith, nth, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
-        int64_t P = (int64_t)c->p0 + t, vis = (P + 1) / c->src_ratio;
-        DI_ASSERT(vis <= c->src->n_entries);
+        const di_dsv41_src *src = &c->c->seqs[row_seq[t]].v41->src[c->src_il];
+        int64_t P = row_pos[t], vis = (P + 1) / c->src_ratio;
+        DI_ASSERT(vis <= src->n_entries && vis <= st->cap_ent);
         const float *kp[DI_DSV4_KEY_CHUNK];
         for (int64_t w0 = 0; w0 < vis; w0 += DI_DSV4_KEY_CHUNK) {
             int64_t nk = vis - w0 < DI_DSV4_KEY_CHUNK ? vis - w0 : DI_DSV4_KEY_CHUNK;
-            for (int64_t w = 0; w < nk; w++) kp[w] = c->src->kidx + (w0 + w) * DI;
-            di_cpu_index_scores(c->m->cpu.isa, c->qi + t * HI * DI, c->wi + t * HI, HI, kp, nk, DI,
+            for (int64_t w = 0; w < nk; w++) kp[w] = src->kidx + (w0 + w) * DI;
+            di_cpu_index_scores(m->cpu.isa, c->qi + t * HI * DI, c->wi + t * HI, HI, kp, nk, DI,
                                 sc + w0);
         }
-        di_dsv4_round(c->m, sc, vis); // R-OFF: BF16 scores
+        di_dsv4_round(m, sc, vis); // R-OFF: BF16 scores
         int32_t *cand = st->cand + t * ntb;
         if (c->is_cand_source) {
             // Level 1: blocks of bs entries scored by their best entry; the newest visible
@@ -284,9 +298,10 @@ static void idx_task(void *p, int ith, int nth) {
     }
 }
 
-static void indexer(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il,
-                    const float *a, int32_t n_tok, int32_t p0, int src_il) {
+static void indexer(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const float *a, int src_il) {
     di_model *m = c->model;
+    di_dsv41_rows *st = c->ws->v41;
+    const int32_t n_tok = c->n_rows, *row_pos = c->ws->row_pos;
     const di_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, Rq = hp->q_lora_rank, HI = hp->n_index_head;
     const int64_t DI = hp->index_head_dim;
@@ -295,7 +310,7 @@ static void indexer(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *l
     float *qi = di_dsv4_scratch(c, DI_SCR_IQ); // [T, HI, DI]
     di_dsv4_linear(c, &lw->idx_wq_b, qr, n_tok, Rq, qi, HI * DI, true);
     for (int64_t r = 0; r < n_tok * HI; r++) {
-        di_ref_rope(qi + r * DI, DI, n_rot, m->omega_compress, p0 + r / HI,
+        di_ref_rope(qi + r * DI, DI, n_rot, m->omega_compress, row_pos[r / HI],
                     hp->rope_compress.attention_factor, false);
         di_dsv4_round(m, qi + r * DI, DI);
         if (DI % 32 == 0) di_fake_quant_q4(qi + r * DI, DI, 32); // no Hadamard in V4.1
@@ -306,14 +321,11 @@ static void indexer(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *l
     for (int64_t i = 0; i < n_tok * HI; i++) wi[i] *= wscale;
     di_dsv4_round(m, wi, n_tok * HI);
     const bool is_cand = il == hp->candidate_layer;
-    idx_ctx ic = {.m = m,
-                  .st = st,
-                  .src = &st->src[src_il],
+    idx_ctx ic = {.c = c,
+                  .src_il = src_il,
                   .src_ratio = hp->compress_ratio[src_il],
                   .qi = qi,
                   .wi = wi,
-                  .n_tok = n_tok,
-                  .p0 = p0,
                   .is_cand_source = is_cand,
                   .restrict_cand = !is_cand && st->have_cand && hp->candidate_layer >= 0 &&
                                    hp->candidate_layer < il};
@@ -326,33 +338,31 @@ static void indexer(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *l
 
 // ---- the layer ----
 
-void di_dsv41_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw, int il,
-                        const float *a, float *out) {
+void di_dsv41_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const float *a,
+                        float *out) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
-    const int32_t n_tok = c->n_rows, p0 = c->seqs[0].pos;
+    di_dsv41_rows *w = c->ws->v41;
+    const int32_t n_tok = c->n_rows;
     const bool compress = lw->ratio > 0;
     const float *omega = compress ? m->omega_compress : m->omega_main;
     const float rscale =
         compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
     project(c, lw, a, omega, rscale, n_tok, c->ws->row_pos);
     int src_il = compress ? source_of(hp, il) : -1;
-    if (lw->kv_source) compressor(c, st, lw, il, a, n_tok, p0);
-    if (lw->index_source) indexer(c, st, lw, il, a, n_tok, p0, src_il);
+    if (lw->kv_source) compressor(c, lw, il, a);
+    if (lw->index_source) indexer(c, lw, il, a, src_il);
 
     attn_ctx ac = {
-        .m = m,
-        .st = st,
-        .ring = st->ring[il],
+        .c = c,
+        .il = il,
+        .src_il = src_il,
         .q = di_dsv4_scratch(c, DI_SCR_Q),
         .kv = di_dsv4_scratch(c, DI_SCR_KV),
         .sink = lw->attn_sink,
-        .cmain = compress ? st->src[src_il].cmain : NULL,
-        .sel = compress && st->have_topk ? st->topk : NULL,
-        .n_sel = st->n_topk,
+        .sel = compress && w->have_topk ? w->topk : NULL,
+        .n_sel = w->n_topk,
         .topk = hp->index_topk,
-        .n_tok = n_tok,
-        .p0 = p0,
         .win_keys = hp->window,
         .dspark = false,
         .omega = omega,
@@ -363,28 +373,25 @@ void di_dsv41_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_
     };
     di_pool_run(m->pool, attn_task, &ac);
     out_proj(c, lw, ac.o, n_tok, out);
-    ring_write(st, st->ring[il], ac.kv, n_tok, p0, hp->head_dim);
+    ring_write(c, il, ac.kv, hp->head_dim);
 }
 
 // ---- DSpark (§3.2, §3.3) ----
 
-void di_dsv41_dspark_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
-                               int il_state, const float *a, int32_t n_tok, int32_t pos0,
-                               float *out) {
+void di_dsv41_dspark_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state,
+                               const float *a, float *out) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
-    project(c, lw, a, m->omega_main, hp->rope_main.attention_factor, n_tok, c->ws->row_pos);
+    project(c, lw, a, m->omega_main, hp->rope_main.attention_factor, c->n_rows, c->ws->row_pos);
     attn_ctx ac = {
-        .m = m,
-        .st = st,
-        .ring = st->ring[il_state],
+        .c = c,
+        .il = il_state,
+        .src_il = -1,
         .q = di_dsv4_scratch(c, DI_SCR_Q),
         .kv = di_dsv4_scratch(c, DI_SCR_KV),
         .sink = lw->attn_sink,
-        .n_sel = st->n_topk,
+        .n_sel = c->ws->v41->n_topk,
         .topk = hp->index_topk,
-        .n_tok = n_tok,
-        .p0 = pos0,
         .win_keys = hp->window,
         .dspark = true,
         .omega = m->omega_main,
@@ -394,24 +401,24 @@ void di_dsv41_dspark_attention(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4
         .scores_stride = (int64_t)(c->ws->attn_scratch_floats / (size_t)m->cpu.n_threads),
     };
     di_pool_run(m->pool, attn_task, &ac);
-    out_proj(c, lw, ac.o, n_tok, out); // block rows are not stored
+    out_proj(c, lw, ac.o, c->n_rows, out); // block rows are not stored
 }
 
-void di_dsv41_dspark_ring(di_dsv4_ctx *c, di_dsv41_state *st, const di_dsv4_layer_w *lw,
-                          int il_state, const float *main_x, int32_t n, int32_t p0) {
+void di_dsv41_dspark_ring(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state,
+                          const float *main_x) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, Dh = hp->head_dim;
-    const int32_t n_rot = hp->rope_main.n_dims;
+    const int32_t n_rot = hp->rope_main.n_dims, n = c->n_rows;
     float *kv = di_dsv4_scratch(c, DI_SCR_KV); // [n, Dh]
     di_dsv4_linear(c, &lw->wkv, main_x, n, D, kv, Dh, true);
     di_ref_rmsnorm(kv, n, Dh, Dh, lw->kv_norm, hp->norm_eps);
     di_dsv4_round(m, kv, n * Dh);
     for (int32_t t = 0; t < n; t++) {
-        di_ref_rope(kv + t * Dh, Dh, n_rot, m->omega_main, p0 + t, hp->rope_main.attention_factor,
-                    false);
+        di_ref_rope(kv + t * Dh, Dh, n_rot, m->omega_main, c->ws->row_pos[t],
+                    hp->rope_main.attention_factor, false);
         di_dsv4_round(m, kv + t * Dh, Dh);
         if (Dh % 32 == 0) di_fake_quant_q8(kv + t * Dh, Dh, 32);
     }
-    ring_write(st, st->ring[il_state], kv, n, p0, (int32_t)Dh);
+    ring_write(c, il_state, kv, (int32_t)Dh);
 }

@@ -32,11 +32,7 @@ di_status di_dsv41_state_create(di_session *s) {
     if (!st) return DI_ERR_NOMEM;
     s->v41 = st;
     st->ring_rows = hp->window + DI_DSV41_ROLLBACK_MAX;
-    if (s->mtp) {
-        st->draft = di_malloc(sizeof(float) * (size_t)(2 * (int64_t)hp->n_vocab + hp->n_embd +
-                                                       hp->dspark_markov_rank));
-        if (!st->draft) return DI_ERR_NOMEM;
-    }
+    st->dspark = s->mtp;
     st->n_state_layers = n_state(s);
     st->ring = di_calloc((size_t)st->n_state_layers, sizeof *st->ring);
     st->src = di_calloc((size_t)hp->n_layer, sizeof *st->src);
@@ -67,20 +63,6 @@ void di_dsv41_state_destroy(di_session *s) {
     }
     di_free(st->src);
     di_free(st->hist);
-    di_free(st->topk);
-    di_free(st->n_topk);
-    di_free(st->cand);
-    di_free(st->n_cand);
-    di_free(st->pre);
-    di_free(st->pre_attn);
-    di_free(st->eg_rows);
-    di_free(st->eg_in);
-    di_free(st->eg_kv);
-    di_free(st->taps);
-    di_free(st->scores);
-    di_free(st->blk);
-    di_free(st->order);
-    di_free(st->draft);
     di_free(st);
     s->v41 = NULL;
 }
@@ -94,18 +76,24 @@ static bool grow(void **p, size_t bytes) {
     return true;
 }
 
-// Capacity for positions < end and scratch for calls of n_tok rows.
-static di_status reserve(di_session *s, int64_t end, int32_t n_tok) {
-    const di_model *m = s->model;
-    const di_hparams *hp = &m->hp;
+// Entries one kv source holds for positions < end, at most (the indexer's per-thread scratch).
+static int64_t max_entries(const di_hparams *hp, int64_t end) {
+    int64_t max_ent = 0;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il] && end / hp->compress_ratio[il] > max_ent)
+            max_ent = end / hp->compress_ratio[il];
+    return max_ent;
+}
+
+// Capacity of the state for positions < end.
+di_status di_dsv41_reserve_state(di_session *s, int64_t end) {
+    const di_hparams *hp = &s->model->hp;
     di_dsv41_state *st = s->v41;
     const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
-    int64_t max_ent = 0;
     for (int il = 0; il < hp->n_layer; il++) {
         if (!hp->kv_source[il]) continue;
         di_dsv41_src *src = &st->src[il];
         int64_t need = end / hp->compress_ratio[il];
-        if (need > max_ent) max_ent = need;
         if (need <= src->cap) continue;
         int64_t cap = src->cap ? src->cap : 64;
         while (cap < need) cap *= 2;
@@ -120,34 +108,101 @@ static di_status reserve(di_session *s, int64_t end, int32_t n_tok) {
         if (!grow((void **)&st->hist, sizeof(int32_t) * (size_t)cap)) return DI_ERR_NOMEM;
         st->cap_hist = cap;
     }
-    if (max_ent > st->cap_ent) {
-        int64_t cap = st->cap_ent ? st->cap_ent : 64;
+    return DI_OK;
+}
+
+di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, int64_t n_pos) {
+    const di_hparams *hp = &m->hp;
+    if (!ws->v41 && !(ws->v41 = di_calloc(1, sizeof *ws->v41))) return DI_ERR_NOMEM;
+    di_dsv41_rows *w = ws->v41;
+    const int64_t max_ent = max_entries(hp, n_pos);
+    if (max_ent > w->cap_ent) {
+        int64_t cap = w->cap_ent ? w->cap_ent : 64;
         while (cap < max_ent) cap *= 2;
         size_t nth = (size_t)m->cpu.n_threads;
-        if (!grow((void **)&st->scores, sizeof(float) * nth * (size_t)cap) ||
-            !grow((void **)&st->blk, sizeof(float) * nth * (size_t)(cap + 1)) ||
-            !grow((void **)&st->order, sizeof(int32_t) * nth * (size_t)(cap + 1)))
+        if (!grow((void **)&w->scores, sizeof(float) * nth * (size_t)cap) ||
+            !grow((void **)&w->blk, sizeof(float) * nth * (size_t)(cap + 1)) ||
+            !grow((void **)&w->order, sizeof(int32_t) * nth * (size_t)(cap + 1)))
             return DI_ERR_NOMEM;
-        st->cap_ent = cap;
+        w->cap_ent = cap;
+        w->ent_bytes = (int64_t)nth * (2 * (int64_t)sizeof(float) + (int64_t)sizeof(int32_t));
     }
-    if (n_tok > st->cap_tok) {
-        size_t T = (size_t)n_tok, nc = (size_t)hp->hc_mult, D = (size_t)hp->n_embd;
+    if (n_rows > w->cap_rows) {
+        size_t T = (size_t)n_rows, nc = (size_t)hp->hc_mult, D = (size_t)hp->n_embd;
         size_t n_col = (size_t)m->v41->hash.n_col;
-        if (!grow((void **)&st->topk, sizeof(int32_t) * T * (size_t)hp->index_topk) ||
-            !grow((void **)&st->n_topk, sizeof(int32_t) * T) ||
-            !grow((void **)&st->cand, sizeof(int32_t) * T * (size_t)hp->candidate_topk_blocks) ||
-            !grow((void **)&st->n_cand, sizeof(int32_t) * T) ||
-            !grow((void **)&st->pre, sizeof(float) * T * nc) ||
-            !grow((void **)&st->pre_attn, sizeof(float) * T * nc) ||
-            !grow((void **)&st->eg_rows, sizeof(int64_t) * T * (size_t)hp->n_engram * n_col) ||
-            !grow((void **)&st->eg_in, sizeof(float) * T * n_col * (size_t)hp->engram_head_dim) ||
-            !grow((void **)&st->eg_kv, sizeof(float) * T * (nc + 1) * D) ||
-            !grow((void **)&st->taps, sizeof(float) * T * (size_t)hp->n_dspark_target * D))
+        if (!grow((void **)&w->topk, sizeof(int32_t) * T * (size_t)hp->index_topk) ||
+            !grow((void **)&w->n_topk, sizeof(int32_t) * T) ||
+            !grow((void **)&w->cand, sizeof(int32_t) * T * (size_t)hp->candidate_topk_blocks) ||
+            !grow((void **)&w->n_cand, sizeof(int32_t) * T) ||
+            !grow((void **)&w->pre, sizeof(float) * T * nc) ||
+            !grow((void **)&w->pre_attn, sizeof(float) * T * nc) ||
+            !grow((void **)&w->eg_rows, sizeof(int64_t) * T * (size_t)hp->n_engram * n_col) ||
+            !grow((void **)&w->eg_in, sizeof(float) * T * n_col * (size_t)hp->engram_head_dim) ||
+            !grow((void **)&w->eg_kv, sizeof(float) * T * (nc + 1) * D) ||
+            !grow((void **)&w->taps, sizeof(float) * T * (size_t)hp->n_dspark_target * D) ||
+            !grow((void **)&w->seqs, sizeof(di_dsv4_seq) * T) ||
+            !grow((void **)&w->n_out, sizeof(int32_t) * T) ||
+            !grow((void **)&w->tokens, sizeof(int32_t) * T))
             return DI_ERR_NOMEM;
-        st->cap_tok = n_tok;
+        w->cap_rows = n_rows;
+        w->row_bytes = (int64_t)sizeof(di_dsv4_seq) +
+                       (int64_t)sizeof(int32_t) * (hp->index_topk + hp->candidate_topk_blocks + 4) +
+                       (int64_t)sizeof(float) * (int64_t)(2 * nc + n_col * hp->engram_head_dim +
+                                                          (nc + 1) * D + hp->n_dspark_target * D) +
+                       (int64_t)sizeof(int64_t) * hp->n_engram * (int64_t)n_col;
     }
     // Attention scores per thread: window + top-k (+ the DSpark block rows).
-    return di_dsv4_ws_reserve(di_dsv41_ws(s), m, n_tok, max_ent + hp->dspark_block_size, false);
+    return di_dsv4_ws_reserve(ws, m, n_rows, max_ent + hp->dspark_block_size, false);
+}
+
+di_status di_dsv41_ws_reserve_draft(di_dsv4_ws *ws, const di_model *m, int32_t n) {
+    const di_hparams *hp = &m->hp;
+    if (!ws->v41 && !(ws->v41 = di_calloc(1, sizeof *ws->v41))) return DI_ERR_NOMEM;
+    di_dsv41_rows *w = ws->v41;
+    if (n <= w->cap_draft) return DI_OK;
+    const size_t per = (size_t)(2 * (int64_t)hp->n_vocab + hp->n_embd + hp->dspark_markov_rank);
+    if (!grow((void **)&w->draft, sizeof(float) * per * (size_t)n)) return DI_ERR_NOMEM;
+    w->cap_draft = n;
+    w->draft_bytes = (int64_t)(sizeof(float) * per) * n;
+    return DI_OK;
+}
+
+void di_dsv41_ws_free(di_dsv4_ws *ws) {
+    di_dsv41_rows *w = ws->v41;
+    if (!w) return;
+    di_free(w->topk);
+    di_free(w->n_topk);
+    di_free(w->cand);
+    di_free(w->n_cand);
+    di_free(w->pre);
+    di_free(w->pre_attn);
+    di_free(w->eg_rows);
+    di_free(w->eg_in);
+    di_free(w->eg_kv);
+    di_free(w->taps);
+    di_free(w->scores);
+    di_free(w->blk);
+    di_free(w->order);
+    di_free(w->seqs);
+    di_free(w->n_out);
+    di_free(w->tokens);
+    di_free(w->draft);
+    di_free(w);
+    ws->v41 = NULL;
+}
+
+int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws) {
+    const di_dsv41_rows *w = ws->v41;
+    if (!w) return 0;
+    return (int64_t)sizeof *w + w->row_bytes * w->cap_rows + w->ent_bytes * (w->cap_ent + 1) +
+           w->draft_bytes;
+}
+
+// Capacity for positions < end and a workspace for calls of n_tok rows.
+static di_status reserve(di_session *s, int64_t end, int32_t n_tok) {
+    di_status st = di_dsv41_reserve_state(s, end);
+    if (st != DI_OK) return st;
+    return di_dsv41_ws_reserve(di_dsv41_ws(s), s->model, n_tok, end);
 }
 
 di_status di_dsv41_reserve(di_session *s, int32_t n_tok) {
@@ -169,14 +224,8 @@ int64_t di_dsv41_state_bytes(const di_session *s) {
         if (src->cz) b += (int64_t)DI_DSV41_CZ_SLOTS * 2 * Dh * f;
     }
     b += st->cap_hist * (int64_t)sizeof(int32_t);
-    const int64_t nth = s->model->cpu.n_threads, T = st->cap_tok, nc = hp->hc_mult;
-    const int64_t D = hp->n_embd, n_col = s->model->v41->hash.n_col;
-    b += nth * (st->cap_ent * f + (st->cap_ent + 1) * (f + (int64_t)sizeof(int32_t)));
-    b += T * (hp->index_topk + 1 + hp->candidate_topk_blocks + 1) * (int64_t)sizeof(int32_t);
-    b += T * (2 * nc + n_col * hp->engram_head_dim + (nc + 1) * D + hp->n_dspark_target * D) * f;
-    b += T * hp->n_engram * n_col * (int64_t)sizeof(int64_t);
-    if (st->draft) b += (2 * (int64_t)hp->n_vocab + D + hp->dspark_markov_rank) * f;
-    // Its own workspace (dsv4_state.c: scratch, selections, row maps, attention scores).
+    // Its own workspace (dsv4_state.c: scratch, selections, row maps, attention scores, the
+    // V4.1 per-row scratch).
     if (!s->ws_shared) b += di_dsv4_ws_bytes(&s->ws);
     return b;
 }

@@ -292,10 +292,11 @@ di_status di_dsv4_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, 
 int64_t di_dsv4_ws_bytes(const di_dsv4_ws *ws) {
     return (int64_t)(ws->scratch_floats + ws->attn_scratch_floats) * (int64_t)sizeof(float) +
            (int64_t)ws->sel_cap * (int64_t)sizeof(int32_t) +
-           2 * (int64_t)ws->scratch_tokens * (int64_t)sizeof(int32_t);
+           2 * (int64_t)ws->scratch_tokens * (int64_t)sizeof(int32_t) + di_dsv41_ws_bytes(ws);
 }
 
 void di_dsv4_ws_free(di_dsv4_ws *ws) {
+    di_dsv41_ws_free(ws);
     di_aligned_free(ws->scratch);
     di_aligned_free(ws->attn_scratch);
     di_free(ws->sel);

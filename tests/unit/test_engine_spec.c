@@ -176,6 +176,8 @@ static void check_clean(di_engine *e) {
     }
     CHECK_EQ(hist_verifies, st.n_spec_verifies);
     CHECK_EQ(hist_accepted, st.n_spec_accepted);
+    // One batched forward call per step that ran, its verifies included.
+    CHECK_EQ(st.n_forward_calls, st.n_steps - st.n_failed_steps);
     CHECK(st.n_spec_accepted <= st.n_spec_verified && st.n_spec_verified <= st.n_spec_drafted);
 }
 
@@ -227,6 +229,8 @@ static void test_own_drafts(void) {
                 (long long)st.n_spec_accepted, (long long)st.n_steps);
         CHECK_EQ(n_same, N_REQ);
         CHECK(st.n_spec_verifies > 0);
+        // Verifies of several sequences shared a step, and its one forward call (check_clean).
+        CHECK(st.n_spec_verifies > st.n_steps / 2);
         CHECK_EQ(st.n_spec_drafted, (int64_t)K * st.n_spec_verifies); // the block size: 5
         if (c == 1) CHECK(st.n_spec_verified > st.n_spec_verifies);   // no cut: k > 1 mostly
         // A slot holds the DSpark rings and scratch too (the pool's block stands for its share).

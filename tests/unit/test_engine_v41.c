@@ -6,7 +6,8 @@
 //       reused) and 32 rows per step (chunked prefill), then with max_seqs 6, twice each, give the
 //       reference's tokens, logprobs and first-token logits bit for bit; nothing is allocated
 //       inside a step; every block comes back; with the prefix cache off (its tests are in
-//       test_engine_v41_prefix.c) nothing is cached or hit, and nothing is preempted;
+//       test_engine_v41_prefix.c) nothing is cached or hit, and nothing is preempted; every step
+//       is one batched forward call (n_forward_calls) though steps hold several sequences;
 //   (b) requests cancelled mid-decode free their slots; the requests that reuse them give the
 //       reference's tokens;
 //   (c) a forward failure injected mid-run ends exactly the requests of that step with
@@ -106,6 +107,8 @@ static void check_clean(di_engine *e) {
     CHECK_EQ(st.n_preemptions, 0);
     CHECK_EQ(st.n_step_allocs, 0);
     CHECK(!st.device.resident);
+    // One batched V4.1 call per step that ran (a failed step runs none), whatever its sequences.
+    CHECK_EQ(st.n_forward_calls, st.n_steps - st.n_failed_steps);
 }
 
 // ---- (a) ----
@@ -143,6 +146,10 @@ static void test_same_tokens(void) {
             alone += (g_len[i] + ROWS - 1) / ROWS + (MAX_GEN - 2 * (i % 3)) - 1;
         CHECK(st.n_steps < 2 * alone);
         CHECK_EQ(st.n_failed_steps, 0);
+        // Steps ran several sequences (fewer steps than decode rows), each in one forward call:
+        // a forward per sequence would make more calls than steps.
+        CHECK(st.n_steps < st.n_decode_tokens);
+        CHECK_EQ(st.n_forward_calls, st.n_steps);
         check_clean(e);
         di_engine_destroy(e);
     }
