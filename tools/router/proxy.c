@@ -409,9 +409,12 @@ static void prefill(rt *r, struct MHD_Connection *c, const char *url, const char
         bool pre_ok = x && finish_call(x, c, deadline);
         t_pre = srv_now() - t0;
         if (x) call_account(x, !pre_ok);
-        if (!x)
+        if (!x) {
             fail_why = "out of memory";
-        else if (!pre_ok) {
+            pthread_mutex_lock(&r->mu);
+            r->pre[j].n_inflight--;
+            pthread_mutex_unlock(&r->mu);
+        } else if (!pre_ok) {
             fail_why = call_why(x, why, sizeof why);
             if (x->done && replica_unreachable(x->res)) {
                 pthread_mutex_lock(&r->mu);
