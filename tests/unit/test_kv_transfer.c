@@ -4,6 +4,8 @@
 // transfers and records, a flipped bit anywhere (header, record header, tokens, payload), another
 // model identity or precision (told apart from corruption), another block layout, a broken chain
 // link or salt, more records than the receiver takes, and an empty buffer.
+// DI_KV_TRANSFER_WRITE_SEEDS=<dir> also writes the fuzz target's seeds there (fuzz/corpus/
+// kv_transfer/: transfers of 0, 1 and 4 blocks in fuzz/fuzz_kv_transfer.c's layout, this one's).
 #include "harness.h"
 
 #include <stdlib.h>
@@ -175,7 +177,27 @@ static void test_transfer_damage(void) {
     free(b);
 }
 
+static void write_seeds(const char *dir) {
+    const di_kv_disk_layout l = layout(0xabc, 0);
+    const int counts[] = {0, 1, NB};
+    for (int k = 0; k < 3; k++) {
+        size_t n;
+        unsigned char *b = make(&l, counts[k], (uint64_t)k, &n);
+        char path[512];
+        snprintf(path, sizeof path, "%s/chain%d.bin", dir, counts[k]);
+        FILE *f = fopen(path, "wb");
+        CHECK(f != NULL);
+        if (f) {
+            CHECK_EQ(fwrite(b, 1, n, f), n);
+            fclose(f);
+        }
+        free(b);
+    }
+}
+
 int main(void) {
+    const char *seeds = getenv("DI_KV_TRANSFER_WRITE_SEEDS");
+    if (seeds) write_seeds(seeds);
     RUN(test_record_roundtrip);
     RUN(test_transfer_roundtrip);
     RUN(test_transfer_damage);
