@@ -240,3 +240,54 @@ def test_pd_fallback_when_prefill_down(pd):
     m = router.metrics()
     assert m['deepinfer:router_pd_requests_total{outcome="fallback"}'] == before + 2
     assert "computes the prompt itself" in router.logtext()
+
+
+def test_pd_with_api_keys():
+    # the internal endpoints take the API key like the public ones; the router passes its
+    # --replica-api-key to both kinds of replica
+    pre = Server(["--kv-transfer", "--api-key", "k1"])
+    dec = Server(["--kv-transfer", "--api-key", "k1"])
+    router = None
+    try:
+        st, _, err = post(dec, "/internal/kv", None, raw=b"x",
+                          headers={"Content-Type": "application/octet-stream"})
+        assert st == 401, err
+        st, _, err = post(pre, "/internal/prefill?route=/v1/chat/completions", chat(8))
+        assert st == 401, err
+        router = PDRouter([pre], [dec], ["--replica-api-key", "k1", "--pd-min-bytes", "0"])
+        st, _, got = post(router, "/v1/chat/completions", chat(8))
+        assert st == 200, got
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert router.metrics()['deepinfer:router_pd_requests_total{outcome="ok"}'] == 1
+    finally:
+        if router:
+            router.stop()
+        pre.stop()
+        dec.stop()
+
+
+def test_kv_transfer_refused_on_v41(tmp_path):
+    # the V4.1 forward keeps its KV outside the host pool: --kv-transfer is refused at start
+    d = str(tmp_path / "v41")
+    subprocess.run([os.environ["DEEPINFER_BIN"], "synth", "--preset", "v41-tiny", "--out", d],
+                   check=True, capture_output=True)
+    r = subprocess.run([os.environ["DEEPINFER_BIN"], "serve", "--port", str(free_port()),
+                        "--threads", "1", "--model", d, "--max-ctx", "512", "--kv-memory", "64",
+                        "--kv-transfer"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, DEEPINFER_HOME=str(tmp_path)))
+    assert r.returncode != 0
+    assert "--kv-transfer: KV transfer needs the CPU forward's KV memory" in r.stderr, r.stderr
+
+
+def test_route_pd_arguments():
+    bin_ = os.environ["DEEPINFER_BIN"]
+    for args, msg in ((["--prefill", "http://127.0.0.1:1"], "at least one --replica"),
+                      (["--prefill", "ftp://x", "--decode", "http://127.0.0.1:1"],
+                       "--prefill takes http://HOST:PORT"),
+                      (["--decode", "http://127.0.0.1:1", "--pd-min-bytes", "-1"],
+                       "--pd-min-bytes"),
+                      (["--decode", "http://127.0.0.1:1", "--prefill-timeout", "soon"],
+                       "--prefill-timeout takes a duration")):
+        r = subprocess.run([bin_, "route", *args], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
