@@ -469,17 +469,25 @@ static void fill_header(rec_header *hd, const di_kv_disk_layout *l, uint64_t h, 
     hd->crc_header = crc_header(hd);
 }
 
-// Why a record header is not one of layout l (NULL: it is). The data checksum is the caller's.
-static const char *check_header(rec_header *hd, const di_kv_disk_layout *l) {
+// Whether a record header is one of layout l; if not, why (static text). The data checksum is the
+// caller's.
+static di_kv_record_error check_header(rec_header *hd, const di_kv_disk_layout *l,
+                                       const char **why) {
     if (memcmp(hd->magic, k_magic, sizeof k_magic) || hd->version != DI_KV_DISK_VERSION ||
-        hd->header_bytes != HEADER_BYTES || crc_header(hd) != hd->crc_header)
-        return "bad header (magic, version or header checksum)";
-    if (hd->model_id != l->model_id || hd->precision != l->precision)
-        return "written for another model (checkpoint, hyper-parameters or precision)";
+        hd->header_bytes != HEADER_BYTES || crc_header(hd) != hd->crc_header) {
+        *why = "bad header (magic, version or header checksum)";
+        return DI_KV_RECORD_CORRUPT;
+    }
+    if (hd->model_id != l->model_id || hd->precision != l->precision) {
+        *why = "written for another model (checkpoint, hyper-parameters or precision)";
+        return DI_KV_RECORD_OTHER_MODEL;
+    }
     if (hd->block_tokens != l->block_tokens || hd->block_floats != l->block_floats ||
-        hd->payload_floats != l->payload_floats)
-        return "written for another block layout";
-    return NULL;
+        hd->payload_floats != l->payload_floats) {
+        *why = "written for another block layout";
+        return DI_KV_RECORD_CORRUPT;
+    }
+    return DI_KV_RECORD_OK;
 }
 
 // ---- records in memory ----
@@ -509,11 +517,8 @@ di_kv_record_error di_kv_record_check(const di_kv_disk_layout *l, const void *re
         return DI_KV_RECORD_CORRUPT;
     }
     memcpy(&hd, r, sizeof hd);
-    const char *w = check_header(&hd, l);
-    if (w) {
-        *why = w;
-        return strstr(w, "another model") ? DI_KV_RECORD_OTHER_MODEL : DI_KV_RECORD_CORRUPT;
-    }
+    const di_kv_record_error e = check_header(&hd, l, why);
+    if (e != DI_KV_RECORD_OK) return e;
     if (n != di_kv_record_bytes(l)) {
         *why = "wrong record size (truncated, or trailing bytes)";
         return DI_KV_RECORD_CORRUPT;
@@ -644,13 +649,13 @@ bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
         why = "wrong size (truncated or not a record of this layout)";
     else if (readv_all(fd, iov, 3) != (ssize_t)d->rec_bytes)
         why = "short read";
-    else if ((why = check_header(hd, &d->l)))
-        ;
-    else if (hd->hash != h || hd->parent != parent || hd->salt != salt ||
-             memcmp(d->tokens, tokens, sizeof(int32_t) * n_tok))
-        why = "its hash, parent, salt or tokens differ from the lookup's";
-    else if (crc_data(d->tokens, n_tok, payload, n_f) != hd->crc_data)
-        why = "payload checksum mismatch";
+    else if (check_header(hd, &d->l, &why) == DI_KV_RECORD_OK) {
+        if (hd->hash != h || hd->parent != parent || hd->salt != salt ||
+            memcmp(d->tokens, tokens, sizeof(int32_t) * n_tok))
+            why = "its hash, parent, salt or tokens differ from the lookup's";
+        else if (crc_data(d->tokens, n_tok, payload, n_f) != hd->crc_data)
+            why = "payload checksum mismatch";
+    }
     if (why) {
         close(fd);
         drop(d, s, why);
