@@ -22,8 +22,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     di_kv_transfer t;
     char why[512];
     why[0] = 0;
-    di_kv_record_error e = di_kv_transfer_check(&l, data, size, 4, &t, why, sizeof why);
-    if (e != DI_KV_RECORD_OK) {
+    di_kv_disk_check e = di_kv_transfer_check(&l, data, size, 4, &t, why, sizeof why);
+    if (e != DI_KV_DISK_CHECK_OK) {
         if (!why[0] || strlen(why) >= sizeof why) __builtin_trap(); // every refusal says why
         return 0;
     }
@@ -32,7 +32,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     volatile uint8_t sink = 0;
     uint64_t parent = 0;
     for (int32_t i = 0; i < t.n_blocks; i++) {
-        di_kv_record r;
+        di_kv_disk_record r;
         di_kv_transfer_record(&l, &t, i, &r);
         if (r.parent != parent || r.salt != t.salt) __builtin_trap();
         parent = r.hash;

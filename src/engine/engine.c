@@ -687,9 +687,10 @@ di_status di_engine_kv_import(di_engine *e, const void *bytes, size_t n_bytes, i
                               int32_t *n_present, char *err, size_t cap) {
     kv_job j = {.import = true, .in = bytes, .n_in = n_bytes, .err = err, .cap = cap};
     di_status st = post_job(e, &j);
+    if (st != DI_OK) return st;
     *n_inserted = j.n_a;
     *n_present = j.n_b;
-    return st;
+    return DI_OK;
 }
 
 void di_engine_get_stats(di_engine *e, di_engine_stats *out) {

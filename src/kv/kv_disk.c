@@ -315,7 +315,7 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     if (!d) return DI_ERR_NOMEM;
     d->lock_fd = -1;
     d->l = *l;
-    d->rec_bytes = di_kv_record_bytes(l);
+    d->rec_bytes = di_kv_disk_record_size(l);
     d->max_bytes = o->max_bytes ? o->max_bytes : DI_KV_DISK_BYTES_DEFAULT;
     d->ttl_s = o->ttl_s > 0 ? o->ttl_s : DI_KV_DISK_TTL_S_DEFAULT;
     d->now_s = o->now_s;
@@ -471,34 +471,33 @@ static void fill_header(rec_header *hd, const di_kv_disk_layout *l, uint64_t h, 
 
 // Whether a record header is one of layout l; if not, why (static text). The data checksum is the
 // caller's.
-static di_kv_record_error check_header(rec_header *hd, const di_kv_disk_layout *l,
-                                       const char **why) {
+static di_kv_disk_check check_header(rec_header *hd, const di_kv_disk_layout *l, const char **why) {
     if (memcmp(hd->magic, k_magic, sizeof k_magic) || hd->version != DI_KV_DISK_VERSION ||
         hd->header_bytes != HEADER_BYTES || crc_header(hd) != hd->crc_header) {
         *why = "bad header (magic, version or header checksum)";
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
     if (hd->model_id != l->model_id || hd->precision != l->precision) {
         *why = "written for another model (checkpoint, hyper-parameters or precision)";
-        return DI_KV_RECORD_OTHER_MODEL;
+        return DI_KV_DISK_CHECK_OTHER_MODEL;
     }
     if (hd->block_tokens != l->block_tokens || hd->block_floats != l->block_floats ||
         hd->payload_floats != l->payload_floats) {
         *why = "written for another block layout";
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
-    return DI_KV_RECORD_OK;
+    return DI_KV_DISK_CHECK_OK;
 }
 
 // ---- records in memory ----
 
-size_t di_kv_record_bytes(const di_kv_disk_layout *l) {
+size_t di_kv_disk_record_size(const di_kv_disk_layout *l) {
     return HEADER_BYTES + sizeof(int32_t) * (size_t)l->block_tokens +
            sizeof(float) * (size_t)l->payload_floats;
 }
 
-void di_kv_record_put(const di_kv_disk_layout *l, uint64_t h, uint64_t parent, uint64_t salt,
-                      const int32_t *tokens, const float *payload, void *out) {
+void di_kv_disk_record_put(const di_kv_disk_layout *l, uint64_t h, uint64_t parent, uint64_t salt,
+                           const int32_t *tokens, const float *payload, void *out) {
     rec_header hd;
     fill_header(&hd, l, h, parent, salt, (int64_t)time(NULL), tokens, payload);
     unsigned char *o = out;
@@ -508,20 +507,20 @@ void di_kv_record_put(const di_kv_disk_layout *l, uint64_t h, uint64_t parent, u
     memcpy(o + HEADER_BYTES + nt, payload, sizeof(float) * (size_t)l->payload_floats);
 }
 
-di_kv_record_error di_kv_record_check(const di_kv_disk_layout *l, const void *rec, size_t n,
-                                      di_kv_record *out, const char **why) {
+di_kv_disk_check di_kv_disk_record_check(const di_kv_disk_layout *l, const void *rec, size_t n,
+                                         di_kv_disk_record *out, const char **why) {
     const unsigned char *r = rec;
     rec_header hd;
     if (n < HEADER_BYTES) {
         *why = "truncated record (shorter than its header)";
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
     memcpy(&hd, r, sizeof hd);
-    const di_kv_record_error e = check_header(&hd, l, why);
-    if (e != DI_KV_RECORD_OK) return e;
-    if (n != di_kv_record_bytes(l)) {
+    const di_kv_disk_check e = check_header(&hd, l, why);
+    if (e != DI_KV_DISK_CHECK_OK) return e;
+    if (n != di_kv_disk_record_size(l)) {
         *why = "wrong record size (truncated, or trailing bytes)";
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
     const size_t nt = sizeof(int32_t) * (size_t)l->block_tokens;
     uLong c = crc32_z(0L, Z_NULL, 0);
@@ -530,7 +529,7 @@ di_kv_record_error di_kv_record_check(const di_kv_disk_layout *l, const void *re
                 sizeof(float) * (size_t)l->payload_floats);
     if ((uint32_t)c != hd.crc_data) {
         *why = "payload checksum mismatch";
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
     out->hash = hd.hash;
     out->parent = hd.parent;
@@ -538,7 +537,7 @@ di_kv_record_error di_kv_record_check(const di_kv_disk_layout *l, const void *re
     out->tokens = r + HEADER_BYTES;
     out->payload = r + HEADER_BYTES + nt;
     *why = NULL;
-    return DI_KV_RECORD_OK;
+    return DI_KV_DISK_CHECK_OK;
 }
 
 // Writes every byte of iov[0..n) (adjusting iov on short writes). false on an error.
@@ -649,7 +648,7 @@ bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
         why = "wrong size (truncated or not a record of this layout)";
     else if (readv_all(fd, iov, 3) != (ssize_t)d->rec_bytes)
         why = "short read";
-    else if (check_header(hd, &d->l, &why) == DI_KV_RECORD_OK) {
+    else if (check_header(hd, &d->l, &why) == DI_KV_DISK_CHECK_OK) {
         if (hd->hash != h || hd->parent != parent || hd->salt != salt ||
             memcmp(d->tokens, tokens, sizeof(int32_t) * n_tok))
             why = "its hash, parent, salt or tokens differ from the lookup's";

@@ -319,8 +319,8 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
     for (int32_t i = 0; i < n; i++) {
         const int32_t *t = tokens + (int64_t)i * B;
         const uint64_t hn = di_prefix_cache_hash(kv->cache, h, t, salt);
-        di_kv_record_put(&l, hn, h, salt, t, di_block_pool_ptr(kv->pool, ids[i]),
-                         buf + di_kv_transfer_record_offset(&l, i));
+        di_kv_disk_record_put(&l, hn, h, salt, t, di_block_pool_ptr(kv->pool, ids[i]),
+                              buf + di_kv_transfer_record_offset(&l, i));
         h = hn;
     }
     di_free(ids);
@@ -340,8 +340,9 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
     }
     const di_kv_disk_layout l = record_layout(kv);
     di_kv_transfer t;
-    di_kv_record_error e = di_kv_transfer_check(&l, buf, n, kv->max_blocks, &t, err, cap);
-    if (e != DI_KV_RECORD_OK) return e == DI_KV_RECORD_OTHER_MODEL ? DI_ERR_INVALID : DI_ERR_FORMAT;
+    di_kv_disk_check e = di_kv_transfer_check(&l, buf, n, kv->max_blocks, &t, err, cap);
+    if (e != DI_KV_DISK_CHECK_OK)
+        return e == DI_KV_DISK_CHECK_OTHER_MODEL ? DI_ERR_INVALID : DI_ERR_FORMAT;
     const int32_t B = kv->block_tokens;
     int32_t *tok =
         di_malloc(sizeof(int32_t) * (size_t)B * (size_t)(t.n_blocks > 0 ? t.n_blocks : 1));
@@ -356,7 +357,7 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
     di_status st = DI_OK;
     uint64_t h = 0;
     for (int32_t i = 0; i < t.n_blocks && st == DI_OK; i++) {
-        di_kv_record r;
+        di_kv_disk_record r;
         di_kv_transfer_record(&l, &t, i, &r);
         memcpy(tok + (int64_t)i * B, r.tokens, sizeof(int32_t) * (size_t)B);
         h = di_prefix_cache_hash(kv->cache, h, tok + (int64_t)i * B, t.salt);
@@ -375,7 +376,7 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
     h = 0;
     for (int32_t i = 0; i < t.n_blocks && st == DI_OK; i++) {
         const int32_t *ti = tok + (int64_t)i * B;
-        di_kv_record r;
+        di_kv_disk_record r;
         di_kv_transfer_record(&l, &t, i, &r);
         int32_t id = di_prefix_cache_find(kv->cache, r.hash, h, ti);
         if (id >= 0) {

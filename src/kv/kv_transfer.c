@@ -33,11 +33,11 @@ static uint32_t header_crc(xfr_header *h) {
 }
 
 size_t di_kv_transfer_bytes(const di_kv_disk_layout *l, int32_t n_blocks) {
-    return DI_KV_TRANSFER_HEADER_BYTES + (size_t)n_blocks * di_kv_record_bytes(l);
+    return DI_KV_TRANSFER_HEADER_BYTES + (size_t)n_blocks * di_kv_disk_record_size(l);
 }
 
 size_t di_kv_transfer_record_offset(const di_kv_disk_layout *l, int32_t i) {
-    return DI_KV_TRANSFER_HEADER_BYTES + (size_t)i * di_kv_record_bytes(l);
+    return DI_KV_TRANSFER_HEADER_BYTES + (size_t)i * di_kv_disk_record_size(l);
 }
 
 void di_kv_transfer_put_header(const di_kv_disk_layout *l, int32_t n_blocks, void *out) {
@@ -50,35 +50,35 @@ void di_kv_transfer_put_header(const di_kv_disk_layout *l, int32_t n_blocks, voi
     h.precision = l->precision;
     h.block_tokens = l->block_tokens;
     h.n_blocks = n_blocks;
-    h.record_bytes = di_kv_record_bytes(l);
+    h.record_bytes = di_kv_disk_record_size(l);
     h.crc_header = header_crc(&h);
     memcpy(out, &h, sizeof h);
 }
 
 void di_kv_transfer_record(const di_kv_disk_layout *l, const di_kv_transfer *t, int32_t i,
-                           di_kv_record *out) {
+                           di_kv_disk_record *out) {
     const char *why = NULL;
-    di_kv_record_error err =
-        di_kv_record_check(l, t->first + (size_t)i * t->record_bytes, t->record_bytes, out, &why);
-    DI_ASSERT(err == DI_KV_RECORD_OK); // verified by di_kv_transfer_check
+    di_kv_disk_check err = di_kv_disk_record_check(l, t->first + (size_t)i * t->record_bytes,
+                                                   t->record_bytes, out, &why);
+    DI_ASSERT(err == DI_KV_DISK_CHECK_OK); // verified by di_kv_transfer_check
 }
 
-di_kv_record_error di_kv_transfer_check(const di_kv_disk_layout *l, const void *buf, size_t n,
-                                        int32_t max_blocks, di_kv_transfer *out, char *why,
-                                        size_t cap) {
+di_kv_disk_check di_kv_transfer_check(const di_kv_disk_layout *l, const void *buf, size_t n,
+                                      int32_t max_blocks, di_kv_transfer *out, char *why,
+                                      size_t cap) {
     const unsigned char *b = buf;
     xfr_header h;
     if (n < sizeof h) {
         snprintf(why, cap, "truncated transfer: %zu bytes, shorter than its %d-byte header", n,
                  DI_KV_TRANSFER_HEADER_BYTES);
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
     memcpy(&h, b, sizeof h);
     if (memcmp(h.magic, k_magic, sizeof k_magic) || h.version != DI_KV_TRANSFER_VERSION ||
         h.header_bytes != DI_KV_TRANSFER_HEADER_BYTES || header_crc(&h) != h.crc_header) {
         snprintf(why, cap, "not a KV transfer of version %d (magic, version or header checksum)",
                  DI_KV_TRANSFER_VERSION);
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
     if (h.model_id != l->model_id || h.precision != l->precision) {
         snprintf(why, cap,
@@ -87,35 +87,35 @@ di_kv_record_error di_kv_transfer_check(const di_kv_disk_layout *l, const void *
                  "with the same precision",
                  (unsigned long long)h.model_id, (unsigned)h.precision,
                  (unsigned long long)l->model_id, (unsigned)l->precision);
-        return DI_KV_RECORD_OTHER_MODEL;
+        return DI_KV_DISK_CHECK_OTHER_MODEL;
     }
-    const size_t rb = di_kv_record_bytes(l);
+    const size_t rb = di_kv_disk_record_size(l);
     if (h.block_tokens != l->block_tokens || h.record_bytes != rb) {
         snprintf(why, cap,
                  "the transfer's block layout (%d tokens, %llu-byte records) is not "
                  "this engine's (%d, %zu)",
                  (int)h.block_tokens, (unsigned long long)h.record_bytes, (int)l->block_tokens, rb);
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
     if (h.n_blocks < 0 || h.n_blocks > max_blocks) {
         snprintf(why, cap, "the transfer holds %d blocks; this engine takes 0 to %d",
                  (int)h.n_blocks, (int)max_blocks);
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
     if (n != di_kv_transfer_bytes(l, h.n_blocks)) {
         snprintf(why, cap,
                  "the transfer is %zu bytes; %d records make %zu (truncated, or "
                  "trailing bytes)",
                  n, (int)h.n_blocks, di_kv_transfer_bytes(l, h.n_blocks));
-        return DI_KV_RECORD_CORRUPT;
+        return DI_KV_DISK_CHECK_CORRUPT;
     }
     uint64_t parent = 0, salt = 0;
     for (int32_t i = 0; i < h.n_blocks; i++) {
-        di_kv_record r;
+        di_kv_disk_record r;
         const char *w = NULL;
-        di_kv_record_error err =
-            di_kv_record_check(l, b + di_kv_transfer_record_offset(l, i), rb, &r, &w);
-        if (err != DI_KV_RECORD_OK) {
+        di_kv_disk_check err =
+            di_kv_disk_record_check(l, b + di_kv_transfer_record_offset(l, i), rb, &r, &w);
+        if (err != DI_KV_DISK_CHECK_OK) {
             snprintf(why, cap, "block record %d of %d: %s", (int)i, (int)h.n_blocks, w);
             return err;
         }
@@ -125,7 +125,7 @@ di_kv_record_error di_kv_transfer_check(const di_kv_disk_layout *l, const void *
                      "block record %d of %d does not continue the chain (its parent "
                      "or salt is not the previous record's)",
                      (int)i, (int)h.n_blocks);
-            return DI_KV_RECORD_CORRUPT;
+            return DI_KV_DISK_CHECK_CORRUPT;
         }
         parent = r.hash;
     }
@@ -133,5 +133,5 @@ di_kv_record_error di_kv_transfer_check(const di_kv_disk_layout *l, const void *
     out->salt = salt;
     out->first = b + DI_KV_TRANSFER_HEADER_BYTES;
     out->record_bytes = rb;
-    return DI_KV_RECORD_OK;
+    return DI_KV_DISK_CHECK_OK;
 }

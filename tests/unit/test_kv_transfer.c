@@ -1,5 +1,5 @@
-// kv_transfer + kv_disk's records in memory: a record round-trips through di_kv_record_put /
-// di_kv_record_check (any alignment); a transfer of a chain round-trips through
+// kv_transfer + kv_disk's records in memory: a record round-trips through di_kv_disk_record_put /
+// di_kv_disk_record_check (any alignment); a transfer of a chain round-trips through
 // di_kv_transfer_check; and every kind of damage is refused with its reason: truncated or extended
 // transfers and records, a flipped bit anywhere (header, record header, tokens, payload), another
 // model identity or precision (told apart from corruption), another block layout, a broken chain
@@ -38,24 +38,24 @@ static unsigned char *make(const di_kv_disk_layout *l, int n, uint64_t salt, siz
     float pay[NF];
     for (int k = 0; k < n; k++) {
         block(k, tok, pay);
-        di_kv_record_put(l, 1000 + (uint64_t)k, k ? 1000 + (uint64_t)k - 1 : 0, salt, tok, pay,
-                         b + di_kv_transfer_record_offset(l, k));
+        di_kv_disk_record_put(l, 1000 + (uint64_t)k, k ? 1000 + (uint64_t)k - 1 : 0, salt, tok, pay,
+                              b + di_kv_transfer_record_offset(l, k));
     }
     return b;
 }
 
 static void test_record_roundtrip(void) {
     const di_kv_disk_layout l = layout(0xabc, 0);
-    const size_t rb = di_kv_record_bytes(&l);
+    const size_t rb = di_kv_disk_record_size(&l);
     CHECK_EQ(rb, 128 + 4 * BT + 4 * NF);
     unsigned char *buf = malloc(rb + 1);
     int32_t tok[BT], tok2[BT];
     float pay[NF], pay2[NF];
     block(3, tok, pay);
-    di_kv_record_put(&l, 77, 66, 5, tok, pay, buf + 1); // unaligned
-    di_kv_record r;
+    di_kv_disk_record_put(&l, 77, 66, 5, tok, pay, buf + 1); // unaligned
+    di_kv_disk_record r;
     const char *why = "unset";
-    CHECK_EQ(di_kv_record_check(&l, buf + 1, rb, &r, &why), DI_KV_RECORD_OK);
+    CHECK_EQ(di_kv_disk_record_check(&l, buf + 1, rb, &r, &why), DI_KV_DISK_CHECK_OK);
     CHECK(why == NULL);
     CHECK_EQ(r.hash, 77u);
     CHECK_EQ(r.parent, 66u);
@@ -64,28 +64,29 @@ static void test_record_roundtrip(void) {
     memcpy(pay2, r.payload, sizeof pay2);
     CHECK(!memcmp(tok, tok2, sizeof tok) && !memcmp(pay, pay2, sizeof pay));
     // Sizes: short, long, shorter than a header.
-    CHECK_EQ(di_kv_record_check(&l, buf + 1, rb - 1, &r, &why), DI_KV_RECORD_CORRUPT);
+    CHECK_EQ(di_kv_disk_record_check(&l, buf + 1, rb - 1, &r, &why), DI_KV_DISK_CHECK_CORRUPT);
     CHECK(strstr(why, "size") != NULL);
-    CHECK_EQ(di_kv_record_check(&l, buf + 1, 10, &r, &why), DI_KV_RECORD_CORRUPT);
+    CHECK_EQ(di_kv_disk_record_check(&l, buf + 1, 10, &r, &why), DI_KV_DISK_CHECK_CORRUPT);
     CHECK(strstr(why, "truncated") != NULL);
-    // Every single bit flip is caught (header fields, tokens, payload, checksums).
+    // A flipped bit (bits 0, 3 and 6 of every byte, one at a time) is always caught: header
+    // fields, tokens, payload, checksums.
     int n_caught = 0;
     for (size_t i = 0; i < rb; i++) {
         for (int bit = 0; bit < 8; bit += 3) {
             buf[1 + i] ^= (unsigned char)(1u << bit);
-            n_caught += di_kv_record_check(&l, buf + 1, rb, &r, &why) != DI_KV_RECORD_OK;
+            n_caught += di_kv_disk_record_check(&l, buf + 1, rb, &r, &why) != DI_KV_DISK_CHECK_OK;
             buf[1 + i] ^= (unsigned char)(1u << bit);
         }
     }
     CHECK_EQ(n_caught, (int)rb * 3);
     // Another model / precision: a clear, distinct error. Another layout: corrupt.
     const di_kv_disk_layout other = layout(0xabd, 0), prec = layout(0xabc, 1);
-    CHECK_EQ(di_kv_record_check(&other, buf + 1, rb, &r, &why), DI_KV_RECORD_OTHER_MODEL);
+    CHECK_EQ(di_kv_disk_record_check(&other, buf + 1, rb, &r, &why), DI_KV_DISK_CHECK_OTHER_MODEL);
     CHECK(strstr(why, "another model") != NULL);
-    CHECK_EQ(di_kv_record_check(&prec, buf + 1, rb, &r, &why), DI_KV_RECORD_OTHER_MODEL);
+    CHECK_EQ(di_kv_disk_record_check(&prec, buf + 1, rb, &r, &why), DI_KV_DISK_CHECK_OTHER_MODEL);
     di_kv_disk_layout wide = l;
     wide.payload_floats = NF - 1;
-    CHECK_EQ(di_kv_record_check(&wide, buf + 1, rb, &r, &why), DI_KV_RECORD_CORRUPT);
+    CHECK_EQ(di_kv_disk_record_check(&wide, buf + 1, rb, &r, &why), DI_KV_DISK_CHECK_CORRUPT);
     CHECK(strstr(why, "layout") != NULL);
     free(buf);
 }
@@ -96,11 +97,11 @@ static void test_transfer_roundtrip(void) {
     unsigned char *b = make(&l, NB, 9, &n);
     di_kv_transfer t;
     char why[256] = "";
-    CHECK_EQ(di_kv_transfer_check(&l, b, n, NB, &t, why, sizeof why), DI_KV_RECORD_OK);
+    CHECK_EQ(di_kv_transfer_check(&l, b, n, NB, &t, why, sizeof why), DI_KV_DISK_CHECK_OK);
     CHECK_EQ(t.n_blocks, NB);
     CHECK_EQ(t.salt, 9u);
     for (int k = 0; k < NB; k++) {
-        di_kv_record r;
+        di_kv_disk_record r;
         di_kv_transfer_record(&l, &t, k, &r);
         int32_t tok[BT], tok2[BT];
         float pay[NF], pay2[NF];
@@ -114,16 +115,16 @@ static void test_transfer_roundtrip(void) {
     // An empty chain is a valid transfer (a prompt shorter than a block).
     b = make(&l, 0, 0, &n);
     CHECK_EQ(n, (size_t)DI_KV_TRANSFER_HEADER_BYTES);
-    CHECK_EQ(di_kv_transfer_check(&l, b, n, NB, &t, why, sizeof why), DI_KV_RECORD_OK);
+    CHECK_EQ(di_kv_transfer_check(&l, b, n, NB, &t, why, sizeof why), DI_KV_DISK_CHECK_OK);
     CHECK_EQ(t.n_blocks, 0);
     free(b);
 }
 
-static di_kv_record_error check(const di_kv_disk_layout *l, const unsigned char *b, size_t n,
-                                int32_t max, const char *want) {
+static di_kv_disk_check check(const di_kv_disk_layout *l, const unsigned char *b, size_t n,
+                              int32_t max, const char *want) {
     di_kv_transfer t;
     char why[512] = "";
-    di_kv_record_error e = di_kv_transfer_check(l, b, n, max, &t, why, sizeof why);
+    di_kv_disk_check e = di_kv_transfer_check(l, b, n, max, &t, why, sizeof why);
     if (want && !strstr(why, want)) {
         fprintf(stderr, "  reason \"%s\" lacks \"%s\"\n", why, want);
         CHECK(false);
@@ -135,45 +136,45 @@ static void test_transfer_damage(void) {
     const di_kv_disk_layout l = layout(0xabc, 0);
     size_t n;
     unsigned char *b = make(&l, NB, 9, &n);
-    CHECK_EQ(check(&l, b, 0, NB, "truncated"), DI_KV_RECORD_CORRUPT);
-    CHECK_EQ(check(&l, b, 63, NB, "truncated"), DI_KV_RECORD_CORRUPT);
-    CHECK_EQ(check(&l, b, n - 1, NB, "trailing"), DI_KV_RECORD_CORRUPT);
+    CHECK_EQ(check(&l, b, 0, NB, "truncated"), DI_KV_DISK_CHECK_CORRUPT);
+    CHECK_EQ(check(&l, b, 63, NB, "truncated"), DI_KV_DISK_CHECK_CORRUPT);
+    CHECK_EQ(check(&l, b, n - 1, NB, "trailing"), DI_KV_DISK_CHECK_CORRUPT);
     unsigned char *big = calloc(1, n + 1);
     memcpy(big, b, n);
-    CHECK_EQ(check(&l, big, n + 1, NB, "trailing"), DI_KV_RECORD_CORRUPT);
+    CHECK_EQ(check(&l, big, n + 1, NB, "trailing"), DI_KV_DISK_CHECK_CORRUPT);
     free(big);
-    CHECK_EQ(check(&l, b, n, NB - 1, "blocks"), DI_KV_RECORD_CORRUPT); // more than it takes
+    CHECK_EQ(check(&l, b, n, NB - 1, "blocks"), DI_KV_DISK_CHECK_CORRUPT); // more than it takes
     // Any flipped bit anywhere.
     int n_caught = 0;
     for (size_t i = 0; i < n; i++) {
         b[i] ^= 0x10;
-        n_caught += check(&l, b, n, NB, NULL) != DI_KV_RECORD_OK;
+        n_caught += check(&l, b, n, NB, NULL) != DI_KV_DISK_CHECK_OK;
         b[i] ^= 0x10;
     }
     CHECK_EQ(n_caught, (int)n);
-    CHECK_EQ(check(&l, b, n, NB, NULL), DI_KV_RECORD_OK);
+    CHECK_EQ(check(&l, b, n, NB, NULL), DI_KV_DISK_CHECK_OK);
     // Another model or precision: told apart.
     const di_kv_disk_layout other = layout(0xdef, 0), prec = layout(0xabc, 2);
-    CHECK_EQ(check(&other, b, n, NB, "another model"), DI_KV_RECORD_OTHER_MODEL);
-    CHECK_EQ(check(&prec, b, n, NB, "another model"), DI_KV_RECORD_OTHER_MODEL);
+    CHECK_EQ(check(&other, b, n, NB, "another model"), DI_KV_DISK_CHECK_OTHER_MODEL);
+    CHECK_EQ(check(&prec, b, n, NB, "another model"), DI_KV_DISK_CHECK_OTHER_MODEL);
     di_kv_disk_layout bt = l;
     bt.block_tokens = BT * 2;
-    CHECK_EQ(check(&bt, b, n, NB, "layout"), DI_KV_RECORD_CORRUPT);
+    CHECK_EQ(check(&bt, b, n, NB, "layout"), DI_KV_DISK_CHECK_CORRUPT);
     free(b);
     // Broken chain: record 2 whose parent is not record 1's hash; or another salt.
     b = make(&l, NB, 9, &n);
     int32_t tok[BT];
     float pay[NF];
     block(2, tok, pay);
-    di_kv_record_put(&l, 1002, 4242, 9, tok, pay, b + di_kv_transfer_record_offset(&l, 2));
-    CHECK_EQ(check(&l, b, n, NB, "chain"), DI_KV_RECORD_CORRUPT);
-    di_kv_record_put(&l, 1002, 1001, 8, tok, pay, b + di_kv_transfer_record_offset(&l, 2));
-    CHECK_EQ(check(&l, b, n, NB, "chain"), DI_KV_RECORD_CORRUPT);
-    di_kv_record_put(&l, 1002, 1001, 9, tok, pay, b + di_kv_transfer_record_offset(&l, 2));
-    CHECK_EQ(check(&l, b, n, NB, NULL), DI_KV_RECORD_OK);
+    di_kv_disk_record_put(&l, 1002, 4242, 9, tok, pay, b + di_kv_transfer_record_offset(&l, 2));
+    CHECK_EQ(check(&l, b, n, NB, "chain"), DI_KV_DISK_CHECK_CORRUPT);
+    di_kv_disk_record_put(&l, 1002, 1001, 8, tok, pay, b + di_kv_transfer_record_offset(&l, 2));
+    CHECK_EQ(check(&l, b, n, NB, "chain"), DI_KV_DISK_CHECK_CORRUPT);
+    di_kv_disk_record_put(&l, 1002, 1001, 9, tok, pay, b + di_kv_transfer_record_offset(&l, 2));
+    CHECK_EQ(check(&l, b, n, NB, NULL), DI_KV_DISK_CHECK_OK);
     // A record of another model inside a transfer whose header is this model's.
-    di_kv_record_put(&other, 1002, 1001, 9, tok, pay, b + di_kv_transfer_record_offset(&l, 2));
-    CHECK_EQ(check(&l, b, n, NB, "record 2"), DI_KV_RECORD_OTHER_MODEL);
+    di_kv_disk_record_put(&other, 1002, 1001, 9, tok, pay, b + di_kv_transfer_record_offset(&l, 2));
+    CHECK_EQ(check(&l, b, n, NB, "record 2"), DI_KV_DISK_CHECK_OTHER_MODEL);
     free(b);
 }
 
