@@ -178,22 +178,47 @@ static void test_transfer_damage(void) {
     free(b);
 }
 
+static void write_seed(const char *dir, const char *name, const unsigned char *b, size_t n) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    CHECK(f != NULL);
+    if (f) {
+        CHECK_EQ(fwrite(b, 1, n, f), n);
+        fclose(f);
+    }
+}
+
+// The fuzz target's seeds: a 0 byte (its "parse" mode) and a transfer of 0, 1 and 4 blocks; and
+// two recipes (a first byte of 1: its "build" mode) of 3 good records and of 2 records with a
+// broken link.
 static void write_seeds(const char *dir) {
     const di_kv_disk_layout l = layout(0xabc, 0);
     const int counts[] = {0, 1, NB};
     for (int k = 0; k < 3; k++) {
         size_t n;
         unsigned char *b = make(&l, counts[k], (uint64_t)k, &n);
-        char path[512];
-        snprintf(path, sizeof path, "%s/chain%d.bin", dir, counts[k]);
-        FILE *f = fopen(path, "wb");
-        CHECK(f != NULL);
-        if (f) {
-            CHECK_EQ(fwrite(b, 1, n, f), n);
-            fclose(f);
-        }
+        unsigned char *s = malloc(n + 1);
+        CHECK(s != NULL);
+        if (!s) return;
+        s[0] = 0;
+        memcpy(s + 1, b, n);
+        char name[32];
+        snprintf(name, sizeof name, "chain%d.bin", counts[k]);
+        write_seed(dir, name, s, n + 1);
+        free(s);
         free(b);
     }
+    unsigned char r[1 + 1 + 3 * (1 + 8 + BT + NF)];
+    memset(r, 0, sizeof r);
+    r[0] = 1;
+    r[1] = 3;
+    for (size_t i = 2; i < sizeof r; i++) r[i] = (unsigned char)(i * 7 % 251 & ~0x0f);
+    r[2] = 0; // record 0's flags: none
+    write_seed(dir, "recipe3.bin", r, sizeof r);
+    r[1] = 2;
+    r[2 + 1 + 8 + BT + NF] = 0x02; // record 1: a broken parent link
+    write_seed(dir, "recipe2_link.bin", r, 2 + 2 * (1 + 8 + BT + NF));
 }
 
 int main(void) {
