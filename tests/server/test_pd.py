@@ -225,6 +225,32 @@ def test_other_model_refused(pd, tmp_path):
         other.stop()
 
 
+def test_pd_client_leaves_during_prefill(pd):
+    # the router drops the prefill call (the prefill replica cancels) and does not ask the
+    # decode replica at all
+    ref, pre, dec, router = pd
+    before_dec = dec.metrics()
+    before_pre = pre.metrics()["deepinfer:request_failure_total"]
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(chat(9, n_words=1500)),
+                 {"Content-Type": "application/json"})
+    time.sleep(0.05)
+    conn.sock.close()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        m = router.metrics()
+        if m["deepinfer:router_requests_in_flight"] == 0 and \
+                pre.metrics()["deepinfer:request_failure_total"] > before_pre:
+            break
+        time.sleep(0.1)
+    assert m["deepinfer:router_requests_in_flight"] == 0
+    assert pre.metrics()["deepinfer:request_failure_total"] == before_pre + 1  # cancelled
+    after_dec = dec.metrics()
+    for k in ("deepinfer:kv_transfer_imports_total", "deepinfer:request_success_total",
+              "deepinfer:request_failure_total"):
+        assert after_dec[k] == before_dec[k], k
+
+
 def test_pd_fallback_when_prefill_down(pd):
     ref, pre, dec, router = pd
     rc, _ = pre.stop()

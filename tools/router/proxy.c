@@ -491,7 +491,15 @@ static enum MHD_Result forward(rt *r, struct MHD_Connection *c, srv_api api, con
     for (int attempt = 0; attempt < 2; attempt++) {
         int i = pick(r, has_key, key, exclude);
         if (i < 0) break;
-        if (attempt == 0 && pd) prefill(r, c, url, body, n_body, i);
+        if (attempt == 0 && pd) {
+            prefill(r, c, url, body, n_body, i);
+            if (srv_client_gone(c)) { // it left during the prefill step: nobody to answer
+                pthread_mutex_lock(&r->mu);
+                r->rep[i].n_inflight--;
+                pthread_mutex_unlock(&r->mu);
+                return MHD_NO;
+            }
+        }
         call *x = call_start(r, &r->rep[i], i, c, url, method, body, n_body, NULL);
         if (!x) {
             pthread_mutex_lock(&r->mu);
