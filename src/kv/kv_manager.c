@@ -310,9 +310,9 @@ int32_t di_kv_manager_flush_disk(di_kv_manager *kv) {
 
 // Why the manager cannot export or import blocks (NULL: it can).
 static const char *transfer_refusal(const di_kv_manager *kv) {
-    if (kv->accounting)
-        return "KV transfer needs the CPU forward's KV memory: the device-resident and V4.1 "
-               "forwards keep their blocks elsewhere";
+    if (kv->entry_floats == 0)
+        return "KV transfer needs block memory: the device-resident forward keeps its blocks "
+               "on the device";
     if (!kv->cache) return "KV transfer goes through the prefix cache, which is off";
     return NULL;
 }

@@ -3,7 +3,8 @@ front of one prefill and one decode replica (`deepinfer serve --kv-transfer`, th
 model) on loopback. A long chat request, non-streaming and streaming, gives the same output as a
 plain single replica; the decode replica imported the transfer and took the prompt from its prefix
 cache; the router counts the step. A short body skips it. With the prefill replica down the router
-falls back to the decode replica alone, still with the same output. The internal endpoints refuse
+falls back to the decode replica alone, still with the same output. The same through V4.1
+replicas. The internal endpoints refuse
 bad input with clear 4xx errors, another model's transfer with 409, and are absent without
 --kv-transfer."""
 import http.client
@@ -292,18 +293,37 @@ def test_pd_with_api_keys():
         dec.stop()
 
 
-def test_kv_transfer_refused_on_v41(tmp_path):
-    # the V4.1 forward keeps its KV outside the host pool: --kv-transfer is refused at start
+def test_pd_v41(tmp_path):
+    # V4.1 (the tiny model: legacy completions of ids below 512, as in test_v41.py): the transfer
+    # carries its prefix blocks (entries, index keys, Engram ids); the decode replica's hit replays
+    # the bounded suffix and gives a plain replica's output
     d = str(tmp_path / "v41")
     subprocess.run([os.environ["DEEPINFER_BIN"], "synth", "--preset", "v41-tiny", "--out", d],
                    check=True, capture_output=True)
-    r = subprocess.run([os.environ["DEEPINFER_BIN"], "serve", "--port", str(free_port()),
-                        "--threads", "1", "--model", d, "--max-ctx", "512", "--kv-memory", "64",
-                        "--kv-transfer"],
-                       capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, DEEPINFER_HOME=str(tmp_path)))
-    assert r.returncode != 0
-    assert "--kv-transfer: KV transfer needs the CPU forward's KV memory" in r.stderr, r.stderr
+    args = ["--model", d, "--served-model-name", "v41", "--max-ctx", "512", "--max-seqs", "2",
+            "--kv-memory", "64"]
+    ref = Server(args)
+    pre = Server(args + ["--kv-transfer"])
+    dec = Server(args + ["--kv-transfer"])
+    router = None
+    try:
+        router = PDRouter([pre], [dec], ["--pd-min-bytes", "0"])
+        body = {"model": "v41", "prompt": "3 1 2 " * 50, "max_tokens": 8, "temperature": 0,
+                "logprobs": 2}
+        st, _, want = post(ref, "/v1/completions", body)
+        assert st == 200, want
+        st, _, got = post(router, "/v1/completions", body)
+        assert st == 200, got
+        assert got["choices"] == want["choices"]
+        n = got["usage"]["prompt_tokens"]
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+        assert dec.metrics()["deepinfer:kv_transfer_import_blocks_total"] == (n - 1) // 16
+        assert router.metrics()['deepinfer:router_pd_requests_total{outcome="ok"}'] == 1
+    finally:
+        if router:
+            router.stop()
+        for s in (ref, pre, dec):
+            s.stop()
 
 
 def test_route_pd_arguments():

@@ -4,7 +4,9 @@
 // logprobs identical to an engine without any cache (greedy and seeded); a second import finds
 // the blocks present; (b) a corrupted transfer, one whose record hash is not its tokens' chain
 // hash (valid checksums), and one made by another checkpoint are refused and insert nothing; (c)
-// an engine without the prefix cache refuses both calls.
+// an engine without the prefix cache refuses both calls; (d) the same exchange on the V4.1 tiny
+// model (its prefix blocks hold copies of the slots' entries, index keys and Engram ids): the
+// decode side's hit replays the bounded suffix and gives the tokens of an engine without cache.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -15,7 +17,7 @@
 
 enum { V = 512, N_TOP = 3, MAX_GEN = 8, N_P = 200, N_CTX = 512 };
 
-static char g_dir[256], g_other[300];
+static char g_dir[256], g_other[300], g_v41[300];
 static int32_t g_p[N_P];
 
 typedef struct result {
@@ -197,6 +199,47 @@ static void test_export_import(void) {
     di_free_buffer(x);
 }
 
+static void test_v41(void) {
+    result ref, r;
+    di_engine *c = engine(g_v41, false);
+    if (!c) return;
+    run(c, true, MAX_GEN, &ref);
+    di_engine_destroy(c);
+    di_engine *a = engine(g_v41, true);
+    if (!a) return;
+    run(a, true, 1, &r);
+    void *x = NULL;
+    size_t n = 0;
+    int32_t nb = -1, ins = -1, pres = -1;
+    char err[512] = "";
+    CHECK_EQ(di_engine_kv_export(a, g_p, N_P, 0, &x, &n, &nb, err, sizeof err), DI_OK);
+    CHECK_EQ(nb, 12); // 200 computed positions: 12 full blocks of 16
+    di_engine_destroy(a);
+    di_engine *b = engine(g_v41, true);
+    if (!b) return;
+    CHECK_EQ(di_engine_kv_import(b, x, n, &ins, &pres, err, sizeof err), DI_OK);
+    CHECK_EQ(ins, 12);
+    CHECK_EQ(cached_blocks(b), 12);
+    run(b, true, MAX_GEN, &r);
+    CHECK(same(&r, &ref));
+    CHECK_EQ(r.n_cached, 192);
+    di_engine_stats st;
+    di_engine_get_stats(b, &st);
+    CHECK(st.n_replayed_tokens > 0); // the bounded suffix was fed again
+    CHECK_EQ(st.n_step_allocs, 0);
+    fprintf(stderr, "V4.1 transfer: %d blocks, %zu bytes, %lld positions replayed\n", (int)nb, n,
+            (long long)st.n_replayed_tokens);
+    di_engine_destroy(b);
+    // A V4 engine refuses the V4.1 transfer, naming the model.
+    b = engine(g_dir, true);
+    if (b) {
+        CHECK_EQ(di_engine_kv_import(b, x, n, &ins, &pres, err, sizeof err), DI_ERR_INVALID);
+        CHECK(strstr(err, "another model") != NULL);
+        di_engine_destroy(b);
+    }
+    di_free_buffer(x);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_transfer_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -208,9 +251,13 @@ int main(void) {
     CHECK_EQ(mkdir(g_other, 0700), 0);
     c.seed ^= 0x5eed;
     CHECK(di_synth_write(&c, g_other) == DI_OK);
+    snprintf(g_v41, sizeof g_v41, "%s/v41", g_dir);
+    CHECK_EQ(mkdir(g_v41, 0700), 0);
+    CHECK_EQ(di_synth_v41_write(g_v41, true, false, 41), DI_OK);
     for (int t = 0; t < N_P; t++) g_p[t] = (int32_t)((t * 37 + 11) % V);
     di_set_log_level(1);
     RUN(test_export_import);
+    RUN(test_v41);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
