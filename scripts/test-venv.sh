@@ -6,6 +6,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${1:-$root/build/test-venv}
 py="$venv/bin/python"
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock" # one creator at a time (ctest entries of two build directories)
+flock 9
 if [[ -x $py ]] && "$py" -c "import openai, anthropic, pytest" 2>/dev/null; then
     echo "$py"
     exit 0

@@ -7,7 +7,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 shift
-py=$("$root/scripts/test-venv.sh" "$(dirname "$bin")/test-venv")
+py=$("$root/scripts/test-venv.sh") # build/test-venv, shared by every build directory
 [[ ${1:-} == --venv-only ]] && exit 0
 export DEEPINFER_BIN=$bin
 (($#)) || set -- "$root/tests/server"
