@@ -97,7 +97,7 @@ struct di_engine {
     di_dsv41_draft_seq *x_d; // owned [max_seqs]: the step's draft call (speculating sequences)
     int32_t *x_dseq;         // owned [max_seqs]: the plan sequence of each draft
     int32_t *x_dkmax;        // owned [max_seqs]: the most drafts it may verify
-    int64_t v41_slot_bytes;  // the memory of one slot's session state (the workspace is shared)
+    int64_t v41_slot_bytes;  // one slot tail: its session state without entries (shared ws)
     // Speculative decoding (V4.1 with DSpark, opt.spec_tokens > 0; "speculative decoding" below).
     // Logit slot k (a sampled sequence of the plan) owns lstride rows of logits and of sample
     // results: its verify rows. lstride is 1 when speculation is off.

@@ -337,7 +337,7 @@ di_status di_kv_seq_open(di_kv_manager *kv, int32_t slot, uint64_t salt) {
     s->last_hash = 0;
     s->n_published = s->n_published_before = 0;
     s->n_cached = 0;
-    if (kv->accounting) return DI_OK; // no memory: nothing to bind
+    if (kv->accounting) return DI_OK; // no layer views to bind (accounting or V4.1 pages)
     const di_model *m = kv->model;
     for (int il = 0; il < kv->n_layer; il++) {
         const di_dsv4_layer_w *lw = &m->layers[il];

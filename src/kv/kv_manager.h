@@ -80,7 +80,7 @@ typedef struct di_kv_manager {
     di_kv_item *ibuf_c, *ibuf_z, *iovl_c, *iovl_z;    // owned [n_layer]
     di_kv_seq *seqs;                                  // owned [max_seqs]
     int32_t max_seqs;
-    bool accounting;           // blocks without memory (di_kv_manager_create_accounting)
+    bool accounting;           // no tail blocks or layer views (the accounting and V4.1 managers)
     di_kv_disk *disk;          // owned; NULL without a disk tier
     int64_t n_disk_hit_tokens; // prompt tokens attached from blocks read from the disk tier
 } di_kv_manager;
