@@ -144,7 +144,8 @@ typedef struct di_dsv41_seq {
 // position. logits [sum n_out, V]: each sequence's rows in sequence order (NULL when no sequence
 // wants any). A DSpark session also writes the DSpark context rows of every position it fed.
 // The model's trace hook is the first session's (rows of the whole call). DI_ERR_INVALID,
-// DI_ERR_NOMEM (then nothing ran and no session moved).
+// DI_ERR_NOMEM, DI_ERR_NO_KV (a bound session's pages do not cover its rows; then nothing ran and
+// no session moved).
 di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seqs,
                                  int32_t n_seq, float *logits);
 // Grows ws for V4.1 calls of up to n_rows rows over sequences of up to n_pos positions.
