@@ -545,6 +545,28 @@ void di_engine_wait_idle(di_engine *e);
 // Any thread. A consistent snapshot taken between steps.
 void di_engine_get_stats(di_engine *e, di_engine_stats *out);
 
+// KV transfer for prefill/decode disaggregation (docs/disaggregation.md): the prefix cache's full
+// blocks of a prompt, moved between engines of the same model as a verified transfer (a header and
+// the disk tier's block records). Both run on the engine thread between steps; the caller waits
+// (any thread but the engine's: never from an event callback). CPU forward with the prefix cache
+// only: DI_ERR_UNSUPPORTED otherwise. On an error err[cap] says why (DI_ERR_BUSY: the engine is
+// stopping). Export: the cached blocks of tokens[0 .. n_tokens) under cache_salt, whole blocks from
+// the first on, stopping at the first one not cached (run the prompt first: its blocks are cached
+// when it has been computed), into *bytes (free with di_free_buffer); *n_blocks of them.
+// DI_ERR_INVALID (n_tokens beyond the context), DI_ERR_UNSUPPORTED, DI_ERR_BUSY, DI_ERR_NOMEM.
+di_status di_engine_kv_export(di_engine *e, const int32_t *tokens, int32_t n_tokens,
+                              uint64_t cache_salt, void **bytes, size_t *n_bytes, int32_t *n_blocks,
+                              char *err, size_t cap);
+// Import: verifies the whole transfer (model identity and precision, layout, checksums, the chain
+// and its hashes), then adds its blocks to the prefix cache as idle cached blocks (a later request
+// with that prompt attaches them: a prefix hit, continued by the bounded replay). On success
+// *n_inserted blocks were copied in, *n_present were cached already; the chain stops early when
+// the pool has no block to spare. A transfer failing any check inserts nothing: DI_ERR_INVALID
+// (made by another model identity or precision), DI_ERR_FORMAT (malformed or corrupt),
+// DI_ERR_UNSUPPORTED, DI_ERR_BUSY, DI_ERR_NOMEM.
+di_status di_engine_kv_import(di_engine *e, const void *bytes, size_t n_bytes, int32_t *n_inserted,
+                              int32_t *n_present, char *err, size_t cap);
+
 // ---- tokenizer and chat rendering ----
 //
 // DeepSeek V4/V4.1 byte-level BPE tokenizer (HF tokenizer.json), prompt rendering and output

@@ -55,6 +55,7 @@
 #include <pthread.h>
 #include <sched.h> // sched_yield
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h> // sysconf
@@ -150,8 +151,29 @@ struct di_engine {
     int32_t n_waiting_seen;        // the scheduler's queue length after the last step
     uint64_t next_id;
     bool stop, any_cancel;
+    struct kv_job *jobs; // KV exports / imports for the engine thread (di_engine_kv_*)
+    pthread_cond_t cv_job;
     di_engine_stats stats;
 };
+
+// A KV export or import, run by the engine thread between steps (no forward in flight, so every
+// cached block is computed), for a caller waiting in di_engine_kv_export / _import.
+typedef struct kv_job {
+    bool import;
+    const int32_t *tokens; // export
+    int32_t n_tokens;
+    uint64_t salt;
+    const void *in; // import
+    size_t n_in;
+    void *out; // export's transfer
+    size_t n_out;
+    int32_t n_a, n_b; // export: blocks; import: inserted, present
+    char *err;
+    size_t cap;
+    di_status st;
+    bool done; // guarded by mu
+    struct kv_job *next;
+} kv_job;
 
 di_engine_options di_engine_options_default(void) {
     di_engine_options o = {
@@ -365,6 +387,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     pthread_cond_init(&e->fcv, NULL);
     pthread_cond_init(&e->cv_work, NULL);
     pthread_cond_init(&e->cv_idle, NULL);
+    pthread_cond_init(&e->cv_job, NULL);
     if (o->max_seqs < 1 || o->max_batch_tokens < o->max_seqs || o->max_ctx < 2 ||
         o->max_queue < 1) {
         DI_LOG_ERROR("engine: need max_seqs >= 1, max_batch_tokens >= max_seqs, max_ctx >= 2");
@@ -643,6 +666,7 @@ void di_engine_destroy(di_engine *e) {
     di_model_destroy(e->model);
     pthread_cond_destroy(&e->cv_work);
     pthread_cond_destroy(&e->cv_idle);
+    pthread_cond_destroy(&e->cv_job);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->fcv);
     pthread_mutex_destroy(&e->fmu);
@@ -699,6 +723,45 @@ void di_engine_wait_idle(di_engine *e) {
     pthread_mutex_lock(&e->mu);
     while (e->n_live > 0) pthread_cond_wait(&e->cv_idle, &e->mu);
     pthread_mutex_unlock(&e->mu);
+}
+
+// Queues j for the engine thread and waits for it. DI_ERR_BUSY once the engine is stopping.
+static di_status post_job(di_engine *e, kv_job *j) {
+    pthread_mutex_lock(&e->mu);
+    if (e->stop || !e->thread_started) {
+        pthread_mutex_unlock(&e->mu);
+        snprintf(j->err, j->cap, "the engine is shutting down");
+        return DI_ERR_BUSY;
+    }
+    kv_job **link = &e->jobs;
+    while (*link) link = &(*link)->next;
+    *link = j;
+    pthread_cond_signal(&e->cv_work);
+    while (!j->done) pthread_cond_wait(&e->cv_job, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+    return j->st;
+}
+
+di_status di_engine_kv_export(di_engine *e, const int32_t *tokens, int32_t n_tokens,
+                              uint64_t cache_salt, void **bytes, size_t *n_bytes, int32_t *n_blocks,
+                              char *err, size_t cap) {
+    kv_job j = {.tokens = tokens, .n_tokens = n_tokens, .salt = cache_salt, .err = err, .cap = cap};
+    di_status st = post_job(e, &j);
+    if (st != DI_OK) return st;
+    *bytes = j.out;
+    *n_bytes = j.n_out;
+    *n_blocks = j.n_a;
+    return DI_OK;
+}
+
+di_status di_engine_kv_import(di_engine *e, const void *bytes, size_t n_bytes, int32_t *n_inserted,
+                              int32_t *n_present, char *err, size_t cap) {
+    kv_job j = {.import = true, .in = bytes, .n_in = n_bytes, .err = err, .cap = cap};
+    di_status st = post_job(e, &j);
+    if (st != DI_OK) return st;
+    *n_inserted = j.n_a;
+    *n_present = j.n_b;
+    return DI_OK;
 }
 
 void di_engine_get_stats(di_engine *e, di_engine_stats *out) {
@@ -1389,7 +1452,7 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
 static bool take_incoming(di_engine *e, bool sleep, bool *stop) {
     di_sched *s = &e->sched;
     pthread_mutex_lock(&e->mu);
-    while (sleep && !e->stop && !e->in_head && !e->any_cancel && s->n_running == 0 &&
+    while (sleep && !e->stop && !e->in_head && !e->any_cancel && !e->jobs && s->n_running == 0 &&
            s->n_waiting == 0)
         pthread_cond_wait(&e->cv_work, &e->mu);
     di_request *in = e->in_head;
@@ -1406,6 +1469,30 @@ static bool take_incoming(di_engine *e, bool sleep, bool *stop) {
     return cancel;
 }
 
+// Runs the queued KV jobs (engine thread, no forward in flight) and wakes their callers.
+static void run_jobs(di_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    kv_job *j = e->jobs;
+    e->jobs = NULL;
+    pthread_mutex_unlock(&e->mu);
+    for (kv_job *nx; j; j = nx) {
+        nx = j->next;
+        if (j->import)
+            j->st = di_kv_manager_import(e->kv, j->in, j->n_in, &j->n_a, &j->n_b, j->err, j->cap);
+        else
+            j->st = di_kv_manager_export(e->kv, j->tokens, j->n_tokens, j->salt, &j->out, &j->n_out,
+                                         &j->n_a, j->err, j->cap);
+        pthread_mutex_lock(&e->mu);
+        j->done = true; // j belongs to its caller from here on
+        pthread_cond_broadcast(&e->cv_job);
+        if (j->import) {
+            e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);
+            e->stats.n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
+        }
+        pthread_mutex_unlock(&e->mu);
+    }
+}
+
 static void *engine_main(void *p) {
     di_engine *e = p;
     di_sched *s = &e->sched;
@@ -1416,6 +1503,7 @@ static void *engine_main(void *p) {
         bool stop;
         bool cancel = take_incoming(e, !have_plan, &stop) || cancel_later;
         cancel_later = false;
+        run_jobs(e);
         if (cancel) cancel_flagged(e); // drops the cancelled requests' rows from the plan
         if (stop && s->n_running == 0 && s->n_waiting == 0) break;
 
@@ -1476,6 +1564,7 @@ static void *engine_main(void *p) {
         st->device.resident = e->dstate != NULL;
         pthread_mutex_unlock(&e->mu);
     }
+    run_jobs(e); // those queued before the stop
     // Final stats after the last cancellations.
     pthread_mutex_lock(&e->mu);
     e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);

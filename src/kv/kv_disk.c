@@ -315,8 +315,7 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     if (!d) return DI_ERR_NOMEM;
     d->lock_fd = -1;
     d->l = *l;
-    d->rec_bytes = HEADER_BYTES + sizeof(int32_t) * (size_t)l->block_tokens +
-                   sizeof(float) * (size_t)l->payload_floats;
+    d->rec_bytes = di_kv_disk_record_size(l);
     d->max_bytes = o->max_bytes ? o->max_bytes : DI_KV_DISK_BYTES_DEFAULT;
     d->ttl_s = o->ttl_s > 0 ? o->ttl_s : DI_KV_DISK_TTL_S_DEFAULT;
     d->now_s = o->now_s;
@@ -449,6 +448,98 @@ static uint32_t crc_header(rec_header *h) {
     return c;
 }
 
+// The header of the record of block h (tokens and payload: the layout's sizes).
+static void fill_header(rec_header *hd, const di_kv_disk_layout *l, uint64_t h, uint64_t parent,
+                        uint64_t salt, int64_t written_s, const int32_t *tokens,
+                        const float *payload) {
+    memset(hd, 0, sizeof *hd);
+    memcpy(hd->magic, k_magic, sizeof k_magic);
+    hd->version = DI_KV_DISK_VERSION;
+    hd->header_bytes = HEADER_BYTES;
+    hd->model_id = l->model_id;
+    hd->precision = l->precision;
+    hd->block_tokens = l->block_tokens;
+    hd->block_floats = l->block_floats;
+    hd->payload_floats = l->payload_floats;
+    hd->hash = h;
+    hd->parent = parent;
+    hd->salt = salt;
+    hd->written_s = written_s;
+    hd->crc_data = crc_data(tokens, (size_t)l->block_tokens, payload, (size_t)l->payload_floats);
+    hd->crc_header = crc_header(hd);
+}
+
+// Whether a record header is one of layout l; if not, why (static text). The data checksum is the
+// caller's.
+static di_kv_disk_check check_header(rec_header *hd, const di_kv_disk_layout *l, const char **why) {
+    if (memcmp(hd->magic, k_magic, sizeof k_magic) || hd->version != DI_KV_DISK_VERSION ||
+        hd->header_bytes != HEADER_BYTES || crc_header(hd) != hd->crc_header) {
+        *why = "bad header (magic, version or header checksum)";
+        return DI_KV_DISK_CHECK_CORRUPT;
+    }
+    if (hd->model_id != l->model_id || hd->precision != l->precision) {
+        *why = "written for another model (checkpoint, hyper-parameters or precision)";
+        return DI_KV_DISK_CHECK_OTHER_MODEL;
+    }
+    if (hd->block_tokens != l->block_tokens || hd->block_floats != l->block_floats ||
+        hd->payload_floats != l->payload_floats) {
+        *why = "written for another block layout";
+        return DI_KV_DISK_CHECK_CORRUPT;
+    }
+    return DI_KV_DISK_CHECK_OK;
+}
+
+// ---- records in memory ----
+
+size_t di_kv_disk_record_size(const di_kv_disk_layout *l) {
+    return HEADER_BYTES + sizeof(int32_t) * (size_t)l->block_tokens +
+           sizeof(float) * (size_t)l->payload_floats;
+}
+
+void di_kv_disk_record_put(const di_kv_disk_layout *l, uint64_t h, uint64_t parent, uint64_t salt,
+                           const int32_t *tokens, const float *payload, void *out) {
+    rec_header hd;
+    fill_header(&hd, l, h, parent, salt, (int64_t)time(NULL), tokens, payload);
+    unsigned char *o = out;
+    const size_t nt = sizeof(int32_t) * (size_t)l->block_tokens;
+    memcpy(o, &hd, sizeof hd);
+    memcpy(o + HEADER_BYTES, tokens, nt);
+    memcpy(o + HEADER_BYTES + nt, payload, sizeof(float) * (size_t)l->payload_floats);
+}
+
+di_kv_disk_check di_kv_disk_record_check(const di_kv_disk_layout *l, const void *rec, size_t n,
+                                         di_kv_disk_record *out, const char **why) {
+    const unsigned char *r = rec;
+    rec_header hd;
+    if (n < HEADER_BYTES) {
+        *why = "truncated record (shorter than its header)";
+        return DI_KV_DISK_CHECK_CORRUPT;
+    }
+    memcpy(&hd, r, sizeof hd);
+    const di_kv_disk_check e = check_header(&hd, l, why);
+    if (e != DI_KV_DISK_CHECK_OK) return e;
+    if (n != di_kv_disk_record_size(l)) {
+        *why = "wrong record size (truncated, or trailing bytes)";
+        return DI_KV_DISK_CHECK_CORRUPT;
+    }
+    const size_t nt = sizeof(int32_t) * (size_t)l->block_tokens;
+    uLong c = crc32_z(0L, Z_NULL, 0);
+    c = crc32_z(c, (const Bytef *)(r + HEADER_BYTES), nt);
+    c = crc32_z(c, (const Bytef *)(r + HEADER_BYTES + nt),
+                sizeof(float) * (size_t)l->payload_floats);
+    if ((uint32_t)c != hd.crc_data) {
+        *why = "payload checksum mismatch";
+        return DI_KV_DISK_CHECK_CORRUPT;
+    }
+    out->hash = hd.hash;
+    out->parent = hd.parent;
+    out->salt = hd.salt;
+    out->tokens = r + HEADER_BYTES;
+    out->payload = r + HEADER_BYTES + nt;
+    *why = NULL;
+    return DI_KV_DISK_CHECK_OK;
+}
+
 // Writes every byte of iov[0..n) (adjusting iov on short writes). false on an error.
 static bool writev_all(int fd, struct iovec *iov, int n) {
     while (n > 0) {
@@ -507,21 +598,7 @@ di_status di_kv_disk_write(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t 
     }
     const size_t n_tok = (size_t)d->l.block_tokens, n_f = (size_t)d->l.payload_floats;
     rec_header *hd = d->hdr;
-    memset(hd, 0, sizeof *hd);
-    memcpy(hd->magic, k_magic, sizeof k_magic);
-    hd->version = DI_KV_DISK_VERSION;
-    hd->header_bytes = HEADER_BYTES;
-    hd->model_id = d->l.model_id;
-    hd->precision = d->l.precision;
-    hd->block_tokens = d->l.block_tokens;
-    hd->block_floats = d->l.block_floats;
-    hd->payload_floats = d->l.payload_floats;
-    hd->hash = h;
-    hd->parent = parent;
-    hd->salt = salt;
-    hd->written_s = now;
-    hd->crc_data = crc_data(tokens, n_tok, payload, n_f);
-    hd->crc_header = crc_header(hd);
+    fill_header(hd, &d->l, h, parent, salt, now, tokens, payload);
     tmp_path(d, h, d->tmp, PATH_CAP);
     di_kv_disk_path(d, h, d->path, PATH_CAP);
     int fd = open(d->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -571,18 +648,13 @@ bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
         why = "wrong size (truncated or not a record of this layout)";
     else if (readv_all(fd, iov, 3) != (ssize_t)d->rec_bytes)
         why = "short read";
-    else if (memcmp(hd->magic, k_magic, sizeof k_magic) || hd->version != DI_KV_DISK_VERSION ||
-             hd->header_bytes != HEADER_BYTES || crc_header(hd) != hd->crc_header)
-        why = "bad header (magic, version or header checksum)";
-    else if (hd->model_id != d->l.model_id || hd->precision != d->l.precision ||
-             hd->block_tokens != d->l.block_tokens || hd->block_floats != d->l.block_floats ||
-             hd->payload_floats != d->l.payload_floats)
-        why = "written for another model, precision or block layout";
-    else if (hd->hash != h || hd->parent != parent || hd->salt != salt ||
-             memcmp(d->tokens, tokens, sizeof(int32_t) * n_tok))
-        why = "its hash, parent, salt or tokens differ from the lookup's";
-    else if (crc_data(d->tokens, n_tok, payload, n_f) != hd->crc_data)
-        why = "payload checksum mismatch";
+    else if (check_header(hd, &d->l, &why) == DI_KV_DISK_CHECK_OK) {
+        if (hd->hash != h || hd->parent != parent || hd->salt != salt ||
+            memcmp(d->tokens, tokens, sizeof(int32_t) * n_tok))
+            why = "its hash, parent, salt or tokens differ from the lookup's";
+        else if (crc_data(d->tokens, n_tok, payload, n_f) != hd->crc_data)
+            why = "payload checksum mismatch";
+    }
     if (why) {
         close(fd);
         drop(d, s, why);

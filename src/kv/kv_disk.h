@@ -97,5 +97,35 @@ bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
 
 void di_kv_disk_get_stats(const di_kv_disk *d, di_kv_disk_stats *out);
 
+// ---- records in memory (the KV transfer of prefill/decode disaggregation: docs/disaggregation.md)
+// The same record as a file's bytes: header, tokens, payload (native byte order).
+
+// Bytes of one record of layout l.
+size_t di_kv_disk_record_size(const di_kv_disk_layout *l);
+// Writes the record of block h (tokens: block_tokens ids; payload: payload_floats) into out
+// (di_kv_disk_record_size(l) bytes, any alignment).
+void di_kv_disk_record_put(const di_kv_disk_layout *l, uint64_t h, uint64_t parent, uint64_t salt,
+                           const int32_t *tokens, const float *payload, void *out);
+
+typedef enum di_kv_disk_check {
+    DI_KV_DISK_CHECK_OK = 0,
+    DI_KV_DISK_CHECK_CORRUPT,     // truncated, bad magic / version / size, a checksum mismatch
+    DI_KV_DISK_CHECK_OTHER_MODEL, // a valid header of another model identity or precision
+} di_kv_disk_check;
+
+// A verified record's fields; tokens and payload point into the checked bytes (any alignment:
+// copy them out with memcpy).
+typedef struct di_kv_disk_record {
+    uint64_t hash, parent, salt;
+    const void *tokens;  // block_tokens int32
+    const void *payload; // payload_floats float
+} di_kv_disk_record;
+
+// Verifies the n bytes at rec as one record of layout l (magic, version, header checksum, model
+// identity, layout, size, data checksum): DI_KV_DISK_CHECK_OK and *out, or the error and a static
+// reason in *why. Whether hash, parent and tokens form the expected chain is the caller's check.
+di_kv_disk_check di_kv_disk_record_check(const di_kv_disk_layout *l, const void *rec, size_t n,
+                                         di_kv_disk_record *out, const char **why);
+
 // The path of h's record into buf (tests corrupt it). Returns buf.
 const char *di_kv_disk_path(const di_kv_disk *d, uint64_t h, char *buf, size_t cap);

@@ -1,12 +1,16 @@
 // kv_manager — V4 sequence state on pool blocks (see kv_manager.h and docs/kv-cache.md).
 #include "kv/kv_manager.h"
 
+#include "kv/kv_transfer.h"
+
+#include <stdio.h>
 #include <string.h>
 
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/status.h"
+#include "kv/kv_transfer.h"
 #include "model/dsv41.h" // di_dsv41_page_bytes
 
 // ---- layout ----
@@ -256,6 +260,15 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
 
 // ---- disk tier ----
 
+// The block records' layout (disk tier and KV transfer): the entry part of an entry block.
+static di_kv_disk_layout record_layout(const di_kv_manager *kv) {
+    return (di_kv_disk_layout){.model_id = model_id(kv->model),
+                               .precision = (uint32_t)kv->model->opt.precision,
+                               .block_tokens = kv->block_tokens,
+                               .block_floats = kv->block_floats,
+                               .payload_floats = kv->entry_floats};
+}
+
 // The prefix cache evicts (or flushes) a cached block: write it back.
 static void spill(void *user, uint64_t h, uint64_t parent, uint64_t salt, const int32_t *tokens,
                   int32_t id) {
@@ -274,11 +287,7 @@ di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o
         return DI_ERR_INVALID;
     }
     DI_ASSERT(!kv->disk && kv->entry_floats > 0);
-    di_kv_disk_layout l = {.model_id = model_id(kv->model),
-                           .precision = (uint32_t)kv->model->opt.precision,
-                           .block_tokens = kv->block_tokens,
-                           .block_floats = kv->block_floats,
-                           .payload_floats = kv->entry_floats};
+    const di_kv_disk_layout l = record_layout(kv);
     di_status st = di_kv_disk_create(o, &l, &kv->disk);
     if (st != DI_OK) return st;
     di_prefix_cache_set_spill(kv->cache, spill, kv);
@@ -299,6 +308,125 @@ int32_t di_kv_manager_flush_disk(di_kv_manager *kv) {
     // Most recent first, at most what the budget holds: a pool larger than the budget does not
     // write blocks that would only evict each other.
     return di_prefix_cache_offer_recent(kv->cache, flush_one, kv, di_kv_disk_capacity(kv->disk));
+}
+
+// ---- KV transfer (prefill/decode disaggregation) ----
+
+// Why the manager cannot export or import blocks (NULL: it can).
+static const char *transfer_refusal(const di_kv_manager *kv) {
+    if (kv->entry_floats == 0)
+        return "KV transfer needs block memory: the device-resident forward keeps its blocks "
+               "on the device";
+    if (!kv->cache) return "KV transfer goes through the prefix cache, which is off";
+    return NULL;
+}
+
+di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t n_tokens,
+                               uint64_t salt, void **out, size_t *n_out, int32_t *n_blocks,
+                               char *err, size_t cap) {
+    const char *no = transfer_refusal(kv);
+    if (no) {
+        snprintf(err, cap, "%s", no);
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (n_tokens < 0 || n_tokens > kv->max_ctx) {
+        snprintf(err, cap, "%d tokens: out of the context (0 to %d)", (int)n_tokens,
+                 (int)kv->max_ctx);
+        return DI_ERR_INVALID;
+    }
+    const int32_t B = kv->block_tokens, n_max = n_tokens / B;
+    const di_kv_disk_layout l = record_layout(kv);
+    int32_t *ids = di_malloc(sizeof(int32_t) * (size_t)(n_max > 0 ? n_max : 1));
+    if (!ids) return DI_ERR_NOMEM;
+    const int32_t n = di_prefix_cache_match(kv->cache, tokens, n_max, salt, ids);
+    unsigned char *buf = di_malloc(di_kv_transfer_bytes(&l, n));
+    if (!buf) {
+        di_free(ids);
+        return DI_ERR_NOMEM;
+    }
+    di_kv_transfer_put_header(&l, n, buf);
+    uint64_t h = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t *t = tokens + (int64_t)i * B;
+        const uint64_t hn = di_prefix_cache_hash(kv->cache, h, t, salt);
+        di_kv_disk_record_put(&l, hn, h, salt, t, di_block_pool_ptr(kv->pool, ids[i]),
+                              buf + di_kv_transfer_record_offset(&l, i));
+        h = hn;
+    }
+    di_free(ids);
+    *out = buf;
+    *n_out = di_kv_transfer_bytes(&l, n);
+    *n_blocks = n;
+    return DI_OK;
+}
+
+di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int32_t *n_inserted,
+                               int32_t *n_present, char *err, size_t cap) {
+    *n_inserted = *n_present = 0;
+    const char *no = transfer_refusal(kv);
+    if (no) {
+        snprintf(err, cap, "%s", no);
+        return DI_ERR_UNSUPPORTED;
+    }
+    const di_kv_disk_layout l = record_layout(kv);
+    di_kv_transfer t;
+    di_kv_disk_check e = di_kv_transfer_check(&l, buf, n, kv->max_blocks, &t, err, cap);
+    if (e != DI_KV_DISK_CHECK_OK)
+        return e == DI_KV_DISK_CHECK_OTHER_MODEL ? DI_ERR_INVALID : DI_ERR_FORMAT;
+    const int32_t B = kv->block_tokens;
+    int32_t *tok =
+        di_malloc(sizeof(int32_t) * (size_t)B * (size_t)(t.n_blocks > 0 ? t.n_blocks : 1));
+    int32_t *ids = di_malloc(sizeof(int32_t) * (size_t)(t.n_blocks > 0 ? t.n_blocks : 1));
+    if (!tok || !ids) {
+        di_free(tok);
+        di_free(ids);
+        return DI_ERR_NOMEM;
+    }
+    // Every hash must be its tokens' chain hash under this engine's hash (the links were checked):
+    // verified for the whole transfer before any block is taken, so a bad one inserts nothing.
+    di_status st = DI_OK;
+    uint64_t h = 0;
+    for (int32_t i = 0; i < t.n_blocks && st == DI_OK; i++) {
+        di_kv_disk_record r;
+        di_kv_transfer_record(&l, &t, i, &r);
+        memcpy(tok + (int64_t)i * B, r.tokens, sizeof(int32_t) * (size_t)B);
+        h = di_prefix_cache_hash(kv->cache, h, tok + (int64_t)i * B, t.salt);
+        if (h != r.hash) {
+            snprintf(err, cap,
+                     "block record %d of %d: its hash is not the chain hash of its "
+                     "tokens",
+                     (int)i, (int)t.n_blocks);
+            st = DI_ERR_FORMAT;
+        }
+    }
+    // Then the chain goes into the cache: blocks already cached are kept, the others copied into
+    // fresh blocks. Each is referenced until the end, so taking a block never evicts one of this
+    // chain; the chain stops early when the pool has no block left (the rest is recomputed).
+    int32_t n_held = 0;
+    h = 0;
+    for (int32_t i = 0; i < t.n_blocks && st == DI_OK; i++) {
+        const int32_t *ti = tok + (int64_t)i * B;
+        di_kv_disk_record r;
+        di_kv_transfer_record(&l, &t, i, &r);
+        int32_t id = di_prefix_cache_find(kv->cache, r.hash, h, ti);
+        if (id >= 0) {
+            di_block_pool_ref(kv->pool, id);
+            (*n_present)++;
+        } else {
+            if (di_block_pool_alloc(kv->pool, &id) != DI_OK) break;
+            memcpy(di_block_pool_ptr(kv->pool, id), r.payload,
+                   sizeof(float) * (size_t)kv->entry_floats);
+            bool fresh = di_prefix_cache_insert(kv->cache, r.hash, h, t.salt, ti, id);
+            DI_ASSERT(fresh); // find() missed it just now
+            (*n_inserted)++;
+        }
+        ids[n_held++] = id;
+        h = r.hash;
+    }
+    for (int32_t i = 0; i < n_held; i++) di_block_pool_unref(kv->pool, ids[i]); // idle, cached
+    di_free(tok);
+    di_free(ids);
+    return st;
 }
 
 int32_t di_kv_blocks_for(const di_kv_manager *kv, int32_t n_positions) {

@@ -29,10 +29,15 @@ static void usage(FILE *f) {
             "                       [--upstream-timeout 600s] [--prefix-bytes 1024]\n"
             "                       [--max-imbalance 4] [--vnodes 64] [--no-user-pin]\n"
             "                       [--max-body-mib 8] [--timeout 600] [--drain-timeout 30]\n"
+            "       deepinfer route --prefill URL [--prefill ...] --decode URL [--decode ...]\n"
+            "                       [--pd-min-bytes 1024] [--prefill-timeout 120s] [options]\n"
             "Spreads OpenAI Chat Completions / Completions / Responses and Anthropic Messages\n"
             "requests over `deepinfer serve` replicas: prefix affinity on a consistent-hash ring,\n"
             "least-loaded fallback, health polling, one retry before any byte reached the client\n"
-            "(docs/router.md). Durations: a number with ms, s (default) or m.\n");
+            "(docs/router.md). Durations: a number with ms, s (default) or m.\n"
+            "With --prefill replicas (`deepinfer serve --kv-transfer`), each request of at least\n"
+            "--pd-min-bytes is prefilled there first and its KV moved to the decode replica\n"
+            "(--decode, same as --replica), which then serves it (docs/disaggregation.md).\n");
 }
 
 // "<n>[ms|s|m]" (seconds without a suffix) into milliseconds in [1, 86400 s]; false if malformed.
@@ -63,6 +68,8 @@ static void sleep_ms(int ms) {
 
 typedef struct poller {
     rt *r;
+    rt_replica *p;
+    const char *role; // "replica" or "prefill replica" (logs)
     int i;
 } poller;
 
@@ -104,8 +111,7 @@ static bool metric(const char *text, const char *name, double *out) {
     return false;
 }
 
-static void poll_once(rt *r, int i, CURL *e, sb *body) {
-    rt_replica *p = &r->rep[i];
+static void poll_once(rt *r, rt_replica *p, const char *role, int i, CURL *e, sb *body) {
     char url[300];
     snprintf(url, sizeof url, "%s/ready", p->url);
     int timeout_ms = r->cfg.health_interval_ms > r->cfg.connect_timeout_ms
@@ -142,10 +148,10 @@ static void poll_once(rt *r, int i, CURL *e, sb *body) {
     bool now = p->healthy;
     int fails = p->n_fails_in_a_row;
     pthread_mutex_unlock(&r->mu);
-    if (now && !was) fprintf(stderr, "INFO  route: replica %d (%s) is ready\n", i, p->url);
+    if (now && !was) fprintf(stderr, "INFO  route: %s %d (%s) is ready\n", role, i, p->url);
     if (!now && was)
-        fprintf(stderr, "WARN  route: replica %d (%s) out of rotation: %s (%d failed poll(s))\n", i,
-                p->url, res != CURLE_OK ? curl_easy_strerror(res) : "/ready not 200", fails);
+        fprintf(stderr, "WARN  route: %s %d (%s) out of rotation: %s (%d failed poll(s))\n", role,
+                i, p->url, res != CURLE_OK ? curl_easy_strerror(res) : "/ready not 200", fails);
 }
 
 static void *poll_main(void *arg) {
@@ -154,7 +160,7 @@ static void *poll_main(void *arg) {
     CURL *e = curl_easy_init(); // one per poller: its connection is kept alive between polls
     sb body = {0};
     while (e && !atomic_load(&r->stop)) {
-        poll_once(r, pl->i, e, &body);
+        poll_once(r, pl->p, pl->role, pl->i, e, &body);
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
         long ns = until.tv_nsec + (long)(r->cfg.health_interval_ms % 1000) * 1000000L;
@@ -165,7 +171,7 @@ static void *poll_main(void *arg) {
             if (pthread_cond_timedwait(&r->cv, &r->mu, &until) == ETIMEDOUT) break;
         pthread_mutex_unlock(&r->mu);
     }
-    if (!e) fprintf(stderr, "ERROR route: cannot create a curl handle for %s\n", r->rep[pl->i].url);
+    if (!e) fprintf(stderr, "ERROR route: cannot create a curl handle for %s\n", pl->p->url);
     sb_free(&body);
     curl_easy_cleanup(e);
     free(pl);
@@ -200,7 +206,9 @@ int di_cli_route(int argc, char **argv) {
                      .pin_user = true,
                      .timeout_s = 600,
                      .max_connections = 1024,
-                     .drain_s = 30};
+                     .drain_s = 30,
+                     .pd_min_bytes = 1024,
+                     .prefill_timeout_ms = 120000};
     int rc = 2, ms;
     long v;
     bool locks = false, curl = false;
@@ -212,21 +220,34 @@ int di_cli_route(int argc, char **argv) {
             usage(stdout);
             rc = 0;
             goto out;
-        } else if (!strcmp(a, "--replica") && has) {
-            if (r->n_rep == RT_MAX_REPLICAS) {
-                fprintf(stderr, "route: at most %d replicas\n", RT_MAX_REPLICAS);
+        } else if ((!strcmp(a, "--replica") || !strcmp(a, "--decode") || !strcmp(a, "--prefill")) &&
+                   has) {
+            const bool pre = !strcmp(a, "--prefill");
+            rt_replica *set = pre ? r->pre : r->rep;
+            int *n = pre ? &r->n_pre : &r->n_rep;
+            if (*n == RT_MAX_REPLICAS) {
+                fprintf(stderr, "route: at most %d replicas of each kind\n", RT_MAX_REPLICAS);
                 goto out;
             }
-            if (!replica_url(argv[++i], r->rep[r->n_rep].url, sizeof r->rep[0].url)) {
-                fprintf(stderr, "route: --replica takes http://HOST:PORT, got '%s'\n", argv[i]);
+            if (!replica_url(argv[++i], set[*n].url, sizeof set[0].url)) {
+                fprintf(stderr, "route: %s takes http://HOST:PORT, got '%s'\n", a, argv[i]);
                 goto out;
             }
-            for (int k = 0; k < r->n_rep; k++)
-                if (!strcmp(r->rep[k].url, r->rep[r->n_rep].url)) {
+            for (int k = 0; k < *n; k++)
+                if (!strcmp(set[k].url, set[*n].url)) {
                     fprintf(stderr, "route: replica %s given twice\n", argv[i]);
                     goto out;
                 }
-            r->n_rep++;
+            (*n)++;
+        } else if (!strcmp(a, "--pd-min-bytes") && has) {
+            if (!di_args_int(argv[++i], "--pd-min-bytes", 0, 1 << 30, &v)) goto out;
+            c->pd_min_bytes = (size_t)v;
+        } else if (!strcmp(a, "--prefill-timeout") && has) {
+            if (!parse_ms(argv[++i], &c->prefill_timeout_ms)) {
+                fprintf(stderr, "route: --prefill-timeout takes a duration such as 500ms, 2s or "
+                                "1m\n");
+                goto out;
+            }
         } else if (!strcmp(a, "--host") && has) {
             c->host = argv[++i];
         } else if (!strcmp(a, "--port") && has) {
@@ -279,7 +300,7 @@ int di_cli_route(int argc, char **argv) {
         }
     }
     if (!r->n_rep) {
-        fprintf(stderr, "route: at least one --replica is needed\n");
+        fprintf(stderr, "route: at least one --replica (or --decode) is needed\n");
         usage(stderr);
         goto out;
     }
@@ -304,16 +325,19 @@ int di_cli_route(int argc, char **argv) {
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
-    for (int i = 0; i < r->n_rep; i++) {
+    for (int i = 0; i < r->n_rep + r->n_pre; i++) {
+        const bool pre = i >= r->n_rep;
+        const int k = pre ? i - r->n_rep : i;
+        rt_replica *p = pre ? &r->pre[k] : &r->rep[k];
         poller *pl = malloc(sizeof *pl);
         if (!pl) goto out;
-        *pl = (poller){r, i};
-        if (pthread_create(&r->rep[i].poller, NULL, poll_main, pl)) {
+        *pl = (poller){r, p, pre ? "prefill replica" : "replica", k};
+        if (pthread_create(&p->poller, NULL, poll_main, pl)) {
             free(pl);
             fprintf(stderr, "ERROR route: cannot start a health poller\n");
             goto out;
         }
-        r->rep[i].poller_started = true;
+        p->poller_started = true;
     }
     const srv_http_opts o = {.who = "route",
                              .host = c->host,
@@ -326,6 +350,11 @@ int di_cli_route(int argc, char **argv) {
     if (!srv_http_listen(&o, &h)) goto out;
     fprintf(stderr, "INFO  route: listening on http://%s:%d, %d replica(s), health every %d ms\n",
             c->host, c->port, r->n_rep, c->health_interval_ms);
+    if (r->n_pre)
+        fprintf(stderr,
+                "INFO  route: prefill/decode disaggregation: %d prefill replica(s), %d decode "
+                "replica(s); bodies of %zu bytes or more are prefilled first\n",
+                r->n_pre, r->n_rep, c->pd_min_bytes);
     while (!g_stop) sleep_ms(100);
     atomic_store(&r->stop, true);
     fprintf(stderr, "INFO  route: shutting down: draining %d in-flight request(s)\n",
@@ -343,6 +372,8 @@ out:
     }
     for (int i = 0; i < r->n_rep; i++)
         if (r->rep[i].poller_started) pthread_join(r->rep[i].poller, NULL);
+    for (int i = 0; i < r->n_pre; i++)
+        if (r->pre[i].poller_started) pthread_join(r->pre[i].poller, NULL);
     if (h) fprintf(stderr, "INFO  route: stopped\n");
     if (locks) {
         pthread_cond_destroy(&r->cv);

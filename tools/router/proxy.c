@@ -61,7 +61,8 @@ static bool authorized(const rt *r, struct MHD_Connection *c, srv_api api) {
 typedef struct call {
     rt *r;                       // borrowed
     struct MHD_Connection *conn; // borrowed, for the disconnect check
-    int replica;
+    rt_replica *p;               // borrowed: the upstream (a serving or a prefill replica)
+    int replica;                 // its index in its set
     CURLM *m;
     CURL *e;
     struct curl_slist *hdrs;
@@ -135,7 +136,7 @@ static void call_free(call *x) {
     if (x->m && x->e) curl_multi_remove_handle(x->m, x->e);
     bool keep = x->m && x->e && x->done && x->res == CURLE_OK;
     if (keep) {
-        rt_replica *p = &x->r->rep[x->replica];
+        rt_replica *p = x->p;
         pthread_mutex_lock(&x->r->mu);
         if (p->n_pool < RT_POOL) {
             p->pool_m[p->n_pool] = x->m;
@@ -155,8 +156,8 @@ static void call_free(call *x) {
 }
 
 void rt_pool_free(rt *r) {
-    for (int i = 0; i < r->n_rep; i++) {
-        rt_replica *p = &r->rep[i];
+    for (int i = 0; i < r->n_rep + r->n_pre; i++) {
+        rt_replica *p = i < r->n_rep ? &r->rep[i] : &r->pre[i - r->n_rep];
         for (int k = 0; k < p->n_pool; k++) {
             curl_easy_cleanup(p->pool_e[k]);
             curl_multi_cleanup(p->pool_m[k]);
@@ -173,17 +174,20 @@ static void header_from_client(call *x, struct MHD_Connection *c, const char *na
     x->hdrs = curl_slist_append(x->hdrs, line);
 }
 
-static call *call_start(rt *r, int replica, struct MHD_Connection *c, const char *path,
-                        const char *method, const char *body, size_t n_body) {
+// Starts a transfer to p (index replica of its set): method on path with the body; ctype: the
+// Content-Type to send (NULL: the client's, or JSON).
+static call *call_start(rt *r, rt_replica *p, int replica, struct MHD_Connection *c,
+                        const char *path, const char *method, const char *body, size_t n_body,
+                        const char *ctype) {
     call *x = calloc(1, sizeof *x);
     if (!x) return NULL;
     x->r = r;
     x->conn = c;
+    x->p = p;
     x->replica = replica;
-    size_t nu = strlen(r->rep[replica].url) + strlen(path) + 1;
+    size_t nu = strlen(p->url) + strlen(path) + 1;
     x->url = malloc(nu);
     pthread_mutex_lock(&r->mu);
-    rt_replica *p = &r->rep[replica];
     if (p->n_pool) { // the most recently used: the likeliest to have a live connection
         p->n_pool--;
         x->m = p->pool_m[p->n_pool];
@@ -197,7 +201,7 @@ static call *call_start(rt *r, int replica, struct MHD_Connection *c, const char
         x->e = curl_easy_init();
     }
     if (!x->url || !x->m || !x->e) goto fail;
-    snprintf(x->url, nu, "%s%s", r->rep[replica].url, path);
+    snprintf(x->url, nu, "%s%s", p->url, path);
     x->hdrs = curl_slist_append(x->hdrs, "Expect:"); // no 100-continue round trip
     if (r->cfg.replica_api_key) {
         char a[1024];
@@ -211,7 +215,11 @@ static call *call_start(rt *r, int replica, struct MHD_Connection *c, const char
     header_from_client(x, c, "anthropic-beta");
     if (!strcmp(method, "POST")) {
         const char *ct = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Type");
-        if (!ct)
+        if (ctype) {
+            char line[160];
+            snprintf(line, sizeof line, "Content-Type: %s", ctype);
+            x->hdrs = curl_slist_append(x->hdrs, line);
+        } else if (!ct)
             x->hdrs = curl_slist_append(x->hdrs, "Content-Type: application/json");
         else
             header_from_client(x, c, "Content-Type");
@@ -244,8 +252,8 @@ fail:
 static void call_account(call *x, bool failed) {
     rt *r = x->r;
     pthread_mutex_lock(&r->mu);
-    r->rep[x->replica].n_inflight--;
-    if (failed) r->rep[x->replica].n_errors++;
+    x->p->n_inflight--;
+    if (failed) x->p->n_errors++;
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -343,6 +351,130 @@ static int pick(rt *r, bool has_key, uint64_t key, int exclude) {
     return i;
 }
 
+// ---- prefill/decode disaggregation ----
+
+// The least-loaded healthy prefill replica (in flight + waiting; ties: the lowest index), its
+// in-flight count taken; -1 if none is healthy.
+static int pick_prefill(rt *r) {
+    int best = -1;
+    int64_t best_load = 0;
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < r->n_pre; i++) {
+        const rt_replica *p = &r->pre[i];
+        const int64_t load = p->n_inflight + p->n_waiting;
+        if (p->healthy && (best < 0 || load < best_load)) best = i, best_load = load;
+    }
+    if (best >= 0) {
+        r->pre[best].n_inflight++;
+        r->pre[best].n_requests++;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return best;
+}
+
+// Runs x to its end within deadline (seconds, srv_now) or until the client leaves; true if it
+// ended cleanly with status 200.
+static bool finish_call(call *x, struct MHD_Connection *c, double deadline) {
+    while (!x->done && !srv_client_gone(c) && srv_now() < deadline) pump(x, 50);
+    return x->done && x->res == CURLE_OK && x->status == 200;
+}
+
+// The reason of a failed step for the log: the transport error or the replica's error message.
+static const char *call_why(const call *x, char *buf, size_t cap) {
+    if (!x->done) return "timed out, or the client left";
+    if (x->res != CURLE_OK) return curl_easy_strerror(x->res);
+    snprintf(buf, cap, "status %ld: %.*s", x->status, (int)(x->in.n < 300 ? x->in.n : 300),
+             x->in.p ? x->in.p : "");
+    return buf;
+}
+
+// The prefill step (docs/disaggregation.md): the least-loaded prefill replica computes the
+// request's prompt (POST /internal/prefill?route=<path>, the client's body) and answers its KV
+// transfer, which goes to decode replica `decode` (POST /internal/kv). Any failure (no prefill
+// replica, transport error, timeout, a refusal) is a fallback: the decode replica then computes
+// the prompt itself, which gives the same output. Counted either way.
+static void prefill(rt *r, struct MHD_Connection *c, const char *url, const char *body,
+                    size_t n_body, int decode) {
+    const double t0 = srv_now(), deadline = t0 + r->cfg.prefill_timeout_ms / 1000.0;
+    char path[320], why[400];
+    const char *fail_why = "no prefill replica is ready";
+    bool ok = false;
+    int64_t blocks = 0;
+    size_t bytes = 0;
+    double t_pre = 0, t_imp = 0;
+    int j = pick_prefill(r);
+    if (j >= 0) {
+        snprintf(path, sizeof path, "/internal/prefill?route=%s", url);
+        call *x = call_start(r, &r->pre[j], j, c, path, "POST", body, n_body, NULL);
+        bool pre_ok = x && finish_call(x, c, deadline);
+        t_pre = srv_now() - t0;
+        if (x) call_account(x, !pre_ok);
+        if (!x) {
+            fail_why = "out of memory";
+            pthread_mutex_lock(&r->mu);
+            r->pre[j].n_inflight--;
+            pthread_mutex_unlock(&r->mu);
+        } else if (!pre_ok) {
+            fail_why = call_why(x, why, sizeof why);
+            if (x->done && replica_unreachable(x->res)) {
+                pthread_mutex_lock(&r->mu);
+                bool was = r->pre[j].healthy;
+                r->pre[j].healthy = false; // until a poll finds it ready
+                if (r->pre[j].n_fails_in_a_row < r->cfg.health_fails)
+                    r->pre[j].n_fails_in_a_row = r->cfg.health_fails;
+                pthread_mutex_unlock(&r->mu);
+                if (was)
+                    fprintf(stderr,
+                            "WARN  route: prefill replica %d (%s) out of rotation: "
+                            "unreachable\n",
+                            j, r->pre[j].url);
+            }
+        }
+        if (pre_ok) {
+            bytes = x->in.n;
+            pthread_mutex_lock(&r->mu);
+            r->rep[decode].n_inflight++; // the import is an upstream call on it
+            pthread_mutex_unlock(&r->mu);
+            call *y = call_start(r, &r->rep[decode], decode, c, "/internal/kv", "POST", x->in.p,
+                                 x->in.n, "application/octet-stream");
+            ok = y && finish_call(y, c, deadline);
+            t_imp = srv_now() - t0 - t_pre;
+            if (y) call_account(y, !ok);
+            if (!y) {
+                fail_why = "out of memory";
+                pthread_mutex_lock(&r->mu);
+                r->rep[decode].n_inflight--;
+                pthread_mutex_unlock(&r->mu);
+            } else if (!ok) {
+                fail_why = call_why(y, why, sizeof why);
+            } else {
+                json_t *a = json_loadb(y->in.p ? y->in.p : "", y->in.n, 0, NULL);
+                blocks = json_integer_value(json_object_get(a, "inserted_blocks")) +
+                         json_integer_value(json_object_get(a, "present_blocks"));
+                json_decref(a);
+            }
+            call_free(y);
+        }
+        call_free(x);
+    }
+    pthread_mutex_lock(&r->mu);
+    if (ok) {
+        r->n_pd_ok++;
+        r->n_pd_blocks += (uint64_t)blocks;
+        r->n_pd_bytes += bytes;
+        r->pd_prefill_s += t_pre;
+        r->pd_import_s += t_imp;
+    } else {
+        r->n_pd_fallback++;
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (!ok)
+        fprintf(stderr,
+                "WARN  route: prefill step for %s failed (%s): decode replica %d computes "
+                "the prompt itself\n",
+                url, fail_why, decode);
+}
+
 // One client request through at most two replicas. A second one is tried when the first failed
 // before anything reached the client and did not start the work: unreachable (connect error,
 // connection closed or reset with no response) or it answered 429/502/503/504. A timeout or a
@@ -350,7 +482,7 @@ static int pick(rt *r, bool has_key, uint64_t key, int exclude) {
 // a streaming answer is committed once its 2xx headers arrive.
 static enum MHD_Result forward(rt *r, struct MHD_Connection *c, srv_api api, const char *url,
                                const char *method, const char *body, size_t n_body, bool has_key,
-                               uint64_t key) {
+                               uint64_t key, bool pd) {
     srv_err e;
     srv_err_set(&e, 503, NULL, "No replica is ready; retry later.");
     e.code = "no_replica";
@@ -359,7 +491,16 @@ static enum MHD_Result forward(rt *r, struct MHD_Connection *c, srv_api api, con
     for (int attempt = 0; attempt < 2; attempt++) {
         int i = pick(r, has_key, key, exclude);
         if (i < 0) break;
-        call *x = call_start(r, i, c, url, method, body, n_body);
+        if (attempt == 0 && pd) {
+            prefill(r, c, url, body, n_body, i);
+            if (srv_client_gone(c)) { // it left during the prefill step: nobody to answer
+                pthread_mutex_lock(&r->mu);
+                r->rep[i].n_inflight--;
+                pthread_mutex_unlock(&r->mu);
+                return MHD_NO;
+            }
+        }
+        call *x = call_start(r, &r->rep[i], i, c, url, method, body, n_body, NULL);
         if (!x) {
             pthread_mutex_lock(&r->mu);
             r->rep[i].n_inflight--;
@@ -537,7 +678,15 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
         json_decref(req);
     }
     atomic_fetch_add(&r->inflight, 1);
-    enum MHD_Result ret = forward(r, c, api, url, method, body, n_body, has_key, key);
+    // PD mode: generation requests with a body of at least pd_min_bytes are prefilled first.
+    bool pd = false;
+    if (rt_->k == K_GEN && r->n_pre > 0) {
+        pd = n_body >= r->cfg.pd_min_bytes;
+        pthread_mutex_lock(&r->mu);
+        if (!pd) r->n_pd_short++;
+        pthread_mutex_unlock(&r->mu);
+    }
+    enum MHD_Result ret = forward(r, c, api, url, method, body, n_body, has_key, key, pd);
     atomic_fetch_sub(&r->inflight, 1);
     return ret;
 }
@@ -592,6 +741,45 @@ char *rt_metrics_text(rt *r) {
     FAMILY("deepinfer:router_no_replica_total", "counter",
            "Requests refused with 503 as no replica was ready.");
     sb_addf(&b, "deepinfer:router_no_replica_total %llu\n", (unsigned long long)r->n_no_replica);
+    if (r->n_pre) {
+        FAMILY("deepinfer:router_prefill_replica_healthy", "gauge",
+               "1 while the prefill replica is in rotation.");
+        for (int i = 0; i < r->n_pre; i++)
+            sb_addf(&b, "deepinfer:router_prefill_replica_healthy{replica=\"%d\",url=\"%s\"} %d\n",
+                    i, r->pre[i].url, r->pre[i].healthy ? 1 : 0);
+        FAMILY("deepinfer:router_prefill_replica_requests_total", "counter",
+               "Prefill steps sent to the prefill replica.");
+        for (int i = 0; i < r->n_pre; i++)
+            sb_addf(&b,
+                    "deepinfer:router_prefill_replica_requests_total{replica=\"%d\",url=\"%s\"} "
+                    "%llu\n",
+                    i, r->pre[i].url, (unsigned long long)r->pre[i].n_requests);
+        FAMILY("deepinfer:router_pd_requests_total", "counter",
+               "Requests by prefill step outcome (ok: the KV reached the decode replica; "
+               "fallback: the step failed, the decode replica computed the prompt; short: the "
+               "body was under --pd-min-bytes, no step).");
+        sb_addf(&b,
+                "deepinfer:router_pd_requests_total{outcome=\"ok\"} %llu\n"
+                "deepinfer:router_pd_requests_total{outcome=\"fallback\"} %llu\n"
+                "deepinfer:router_pd_requests_total{outcome=\"short\"} %llu\n",
+                (unsigned long long)r->n_pd_ok, (unsigned long long)r->n_pd_fallback,
+                (unsigned long long)r->n_pd_short);
+        FAMILY("deepinfer:router_pd_transfer_blocks_total", "counter",
+               "KV blocks of the transfers that reached a decode replica.");
+        sb_addf(&b, "deepinfer:router_pd_transfer_blocks_total %llu\n",
+                (unsigned long long)r->n_pd_blocks);
+        FAMILY("deepinfer:router_pd_transfer_bytes_total", "counter",
+               "Bytes of the KV transfers that reached a decode replica.");
+        sb_addf(&b, "deepinfer:router_pd_transfer_bytes_total %llu\n",
+                (unsigned long long)r->n_pd_bytes);
+        FAMILY("deepinfer:router_pd_seconds_total", "counter",
+               "Time in successful prefill steps: the prefill call (prompt computed and KV "
+               "exported) and the import call.");
+        sb_addf(&b,
+                "deepinfer:router_pd_seconds_total{phase=\"prefill\"} %.6f\n"
+                "deepinfer:router_pd_seconds_total{phase=\"import\"} %.6f\n",
+                r->pd_prefill_s, r->pd_import_s);
+    }
     FAMILY("deepinfer:router_requests_in_flight", "gauge", "Client requests being proxied.");
     sb_addf(&b, "deepinfer:router_requests_in_flight %d\n", atomic_load(&r->inflight));
     FAMILY("deepinfer:http_responses_total", "counter", "HTTP responses by status class.");

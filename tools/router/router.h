@@ -46,6 +46,8 @@ typedef struct rt_config {
     int timeout_s;               // idle client connection timeout
     int max_connections;         // client connections at once
     int drain_s;                 // SIGTERM: wait at most this long for in-flight requests
+    size_t pd_min_bytes;         // PD mode: bodies shorter than this skip the prefill step
+    int prefill_timeout_ms;      // PD mode: the prefill + KV import must finish within this
 } rt_config;
 
 typedef struct rt_replica {
@@ -67,8 +69,13 @@ typedef struct rt_replica {
 
 typedef struct rt {
     rt_config cfg;
-    rt_replica rep[RT_MAX_REPLICAS];
+    rt_replica rep[RT_MAX_REPLICAS]; // the serving replicas (--replica / --decode)
     int n_rep;
+    // Prefill/decode disaggregation (docs/disaggregation.md): prefill replicas (--prefill); with
+    // any, a generation request is first prefilled on one of them and its KV imported into the
+    // decode replica chosen for it.
+    rt_replica pre[RT_MAX_REPLICAS];
+    int n_pre;
     rt_ring *ring; // owned
     long started_at;
     atomic_bool stop;
@@ -77,6 +84,11 @@ typedef struct rt {
     pthread_cond_t cv;   // signalled on stop (wakes the pollers)
     uint64_t n_retries, n_no_replica;
     uint64_t n_status[6]; // responses by class 1xx..5xx (index 1..5)
+    // PD mode: requests that went through the prefill step (ok: the KV reached the decode
+    // replica; fallback: the step failed and the decode replica computed the prompt itself),
+    // that skipped it (short), blocks and bytes moved, seconds in prefill and import calls.
+    uint64_t n_pd_ok, n_pd_fallback, n_pd_short, n_pd_blocks, n_pd_bytes;
+    double pd_prefill_s, pd_import_s;
 } rt;
 
 // proxy.c: the libmicrohttpd handler (srv_http_handler, cls = rt).

@@ -20,6 +20,7 @@ struct srv_http {
 
 typedef struct conn_ctx {
     sb body;
+    size_t limit; // the body's size limit (the URL's)
     bool too_large;
 } conn_ctx;
 
@@ -166,12 +167,14 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         x = calloc(1, sizeof *x);
         if (!x) return MHD_NO;
         *con_cls = x;
+        x->limit = h->o.bulk_path && !strcmp(url, h->o.bulk_path) ? h->o.max_bulk_bytes
+                                                                  : h->o.max_body_bytes;
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
-        if (cl && strtoull(cl, NULL, 10) > h->o.max_body_bytes) x->too_large = true;
+        if (cl && strtoull(cl, NULL, 10) > x->limit) x->too_large = true;
         return MHD_YES;
     }
     if (*upload_size) {
-        if (!x->too_large && x->body.n + *upload_size > h->o.max_body_bytes) {
+        if (!x->too_large && x->body.n + *upload_size > x->limit) {
             x->too_large = true;
             sb_free(&x->body);
         }
@@ -235,6 +238,8 @@ bool srv_http_start(srv *s, srv_http **out) {
                              .host = s->cfg.host,
                              .port = s->cfg.port,
                              .max_body_bytes = s->cfg.max_body_bytes,
+                             .bulk_path = s->cfg.kv_transfer ? "/internal/kv" : NULL,
+                             .max_bulk_bytes = s->cfg.max_kv_transfer_bytes,
                              .timeout_s = s->cfg.timeout_s,
                              .max_connections = s->cfg.max_inflight + 64,
                              .handler = serve_route,

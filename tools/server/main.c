@@ -31,12 +31,17 @@ static void usage(FILE *f) {
         "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
         "                       [--drain-timeout 30] [--log-level 0..3]\n"
         "                       [--spec-tokens N] [--spec-min-confidence X]\n"
+        "                       [--kv-transfer] [--kv-transfer-max-bytes 1G]\n"
         "OpenAI Chat Completions / Completions / Responses and Anthropic Messages over HTTP.\n"
         "Without --model it serves the built-in tiny random-weight model (meaningless text).\n"
         "--spec-tokens N (DeepSeek V4.1 with DSpark weights; default 0 = off): speculative\n"
         "decoding, up to N drafts verified per step; outputs are identical without it.\n"
         "--spec-min-confidence X: verify drafts while their estimated survival is >= X\n"
-        "(default %g; negative: always N).\n",
+        "(default %g; negative: always N).\n"
+        "--kv-transfer: serve POST /internal/prefill and /internal/kv, the KV transfer of\n"
+        "prefill/decode disaggregation (deepinfer route --prefill/--decode; CPU forward, V4).\n"
+        "Cluster-internal: they let a caller fill the prefix cache; keep them off public\n"
+        "networks (with --api-key they take the key).\n",
         (double)DI_SPEC_MIN_CONFIDENCE_DEFAULT);
 }
 
@@ -139,6 +144,7 @@ int di_cli_serve(int argc, char **argv) {
                       .max_ctx = 8192,
                       .max_seqs = 16,
                       .max_body_bytes = 8u << 20,
+                      .max_kv_transfer_bytes = (size_t)1 << 30,
                       .max_inflight = 256,
                       .timeout_s = 600,
                       .keepalive_s = 15,
@@ -200,6 +206,13 @@ int di_cli_serve(int argc, char **argv) {
                 goto out;
             }
             c->spec_min_confidence = (float)x;
+        } else if (!strcmp(a, "--kv-transfer")) {
+            c->kv_transfer = true;
+        } else if (!strcmp(a, "--kv-transfer-max-bytes") && has) {
+            if (!parse_bytes(argv[++i], &c->max_kv_transfer_bytes) || !c->max_kv_transfer_bytes) {
+                fprintf(stderr, "serve: --kv-transfer-max-bytes takes a size such as 1G or 512M\n");
+                goto out;
+            }
         } else if (!strcmp(a, "--max-inflight") && has) {
             if (!di_args_int(argv[++i], "--max-inflight", 1, 100000, &v)) goto out;
             c->max_inflight = (int)v;
@@ -272,6 +285,18 @@ int di_cli_serve(int argc, char **argv) {
     if (st != DI_OK) {
         fprintf(stderr, "ERROR serve: cannot start the engine: %s\n", di_status_str(st));
         goto out;
+    }
+    if (c->kv_transfer) { // refused at start where the engine cannot export or import
+        void *x = NULL;
+        size_t nx = 0;
+        int32_t nb = 0;
+        char err[512] = "";
+        st = di_engine_kv_export(s->engine, NULL, 0, 0, &x, &nx, &nb, err, sizeof err);
+        di_free_buffer(x);
+        if (st != DI_OK) {
+            fprintf(stderr, "ERROR serve: --kv-transfer: %s\n", err);
+            goto out;
+        }
     }
     bool v41 = false;
     int32_t n_vocab = 0;

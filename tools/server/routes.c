@@ -127,6 +127,29 @@ char *srv_metrics_text(srv *s) {
     hist(&b, "deepinfer:time_to_first_token_seconds", "Time to first token.", &s->ttft, m);
     hist(&b, "deepinfer:inter_token_latency_seconds", "Inter-token latency.", &s->itl, m);
     hist(&b, "deepinfer:e2e_request_latency_seconds", "End-to-end request latency.", &s->e2e, m);
+    COUNTER("deepinfer:kv_transfer_exports_total",
+            "Prefills answered with a KV transfer (POST /internal/prefill).", s->n_kv_exports);
+    COUNTER("deepinfer:kv_transfer_export_blocks_total", "KV blocks exported.",
+            s->n_kv_export_blocks);
+    COUNTER("deepinfer:kv_transfer_export_bytes_total", "KV transfer bytes exported.",
+            s->n_kv_export_bytes);
+    COUNTER("deepinfer:kv_transfer_imports_total", "KV transfers imported (POST /internal/kv).",
+            s->n_kv_imports);
+    COUNTER("deepinfer:kv_transfer_import_blocks_total",
+            "KV blocks imported into the prefix cache (copied in).", s->n_kv_import_blocks);
+    COUNTER("deepinfer:kv_transfer_import_present_blocks_total",
+            "KV blocks of imported transfers that were cached already.", s->n_kv_import_present);
+    COUNTER("deepinfer:kv_transfer_import_bytes_total", "KV transfer bytes imported.",
+            s->n_kv_import_bytes);
+    COUNTER("deepinfer:kv_transfer_import_refused_total",
+            "KV transfers refused (malformed, corrupt, another model, unsupported).",
+            s->n_kv_import_refused);
+    sb_addf(&b,
+            "# HELP deepinfer:kv_transfer_engine_seconds_total Engine time exporting / "
+            "importing KV transfers.\n# TYPE deepinfer:kv_transfer_engine_seconds_total counter\n"
+            "deepinfer:kv_transfer_engine_seconds_total{model_name=\"%s\",op=\"export\"} %.6f\n"
+            "deepinfer:kv_transfer_engine_seconds_total{model_name=\"%s\",op=\"import\"} %.6f\n",
+            m, s->kv_export_s, m, s->kv_import_s);
     pthread_mutex_unlock(&s->metrics_mu);
 #undef GAUGE
 #undef COUNTER
@@ -135,7 +158,18 @@ char *srv_metrics_text(srv *s) {
 
 // ---- routing ----
 
-typedef enum kind { K_CHAT, K_CMPL, K_RESP, K_MSG, K_MODELS, K_HEALTH, K_READY, K_METRICS } kind;
+typedef enum kind {
+    K_CHAT,
+    K_CMPL,
+    K_RESP,
+    K_MSG,
+    K_MODELS,
+    K_HEALTH,
+    K_READY,
+    K_METRICS,
+    K_PREFILL,  // POST /internal/prefill?route=<a generation path> (--kv-transfer)
+    K_KV_IMPORT // POST /internal/kv (--kv-transfer)
+} kind;
 
 static const struct route {
     const char *path;
@@ -156,6 +190,8 @@ static const struct route {
     {"/health", "GET", K_HEALTH},
     {"/ready", "GET", K_READY},
     {"/metrics", "GET", K_METRICS},
+    {"/internal/prefill", "POST", K_PREFILL},
+    {"/internal/kv", "POST", K_KV_IMPORT},
 };
 
 static srv_api api_of(kind k) {
@@ -186,6 +222,8 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     bool path_known = false;
     for (size_t i = 0; i < sizeof k_routes / sizeof k_routes[0]; i++) {
         if (strcmp(url, k_routes[i].path)) continue;
+        if ((k_routes[i].k == K_PREFILL || k_routes[i].k == K_KV_IMPORT) && !s->cfg.kv_transfer)
+            continue; // internal endpoints exist only with --kv-transfer
         path_known = true;
         if (!strcmp(method, k_routes[i].method)) r = &k_routes[i];
     }
@@ -251,15 +289,32 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
                                        "max_model_len", s->n_ctx),
                              0);
     }
-    // generation endpoints
+    // generation endpoints (and the internal ones)
     if (too_large) {
         srv_err_set(&e, 413, NULL, "The request body is larger than %zu bytes.",
-                    s->cfg.max_body_bytes);
+                    r->k == K_KV_IMPORT ? s->cfg.max_kv_transfer_bytes : s->cfg.max_body_bytes);
         return fail(s, c, api, &e);
     }
     if (atomic_load(&s->draining)) {
         srv_err_set(&e, 503, NULL, "The server is shutting down.");
         return fail(s, c, api, &e);
+    }
+    if (r->k == K_KV_IMPORT) return srv_import_kv(s, c, body, n_body);
+    kind gk = r->k; // the generation route: the request's own, or the one a prefill names
+    if (r->k == K_PREFILL) {
+        const char *path = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "route");
+        const struct route *t = NULL;
+        for (size_t i = 0; path && i < sizeof k_routes / sizeof k_routes[0]; i++)
+            if (!strcmp(path, k_routes[i].path) && k_routes[i].k <= K_MSG) t = &k_routes[i];
+        if (!t) {
+            srv_err_set(&e, 400, "route",
+                        "POST /internal/prefill needs ?route= naming a generation path (such as "
+                        "/v1/chat/completions), got %s%s%s.",
+                        path ? "'" : "", path ? path : "none", path ? "'" : "");
+            return fail(s, c, api, &e);
+        }
+        gk = t->k;
+        api = api_of(gk);
     }
     json_error_t jerr;
     json_t *req = json_loadb(body, n_body, JSON_REJECT_DUPLICATES, &jerr);
@@ -281,14 +336,17 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         return fail(s, c, api, &e);
     }
     srv_gen *g = NULL;
-    bool ok = r->k == K_CHAT   ? srv_chat_prepare(s, req, &g, &e)
-              : r->k == K_CMPL ? srv_completions_prepare(s, req, &g, &e)
-              : r->k == K_RESP ? srv_responses_prepare(s, req, &g, &e)
-                               : srv_messages_prepare(s, req, &g, &e);
+    srv_prefill_only = r->k == K_PREFILL;
+    bool ok = gk == K_CHAT   ? srv_chat_prepare(s, req, &g, &e)
+              : gk == K_CMPL ? srv_completions_prepare(s, req, &g, &e)
+              : gk == K_RESP ? srv_responses_prepare(s, req, &g, &e)
+                             : srv_messages_prepare(s, req, &g, &e);
+    srv_prefill_only = false;
     json_decref(req);
     if (!ok) {
         atomic_fetch_sub(&s->inflight, 1);
         return fail(s, c, api, &e);
     }
-    return srv_run_generation(s, c, g); // releases the in-flight slot
+    if (r->k == K_PREFILL) return srv_run_prefill(s, c, g); // releases the in-flight slot
+    return srv_run_generation(s, c, g);                     // releases the in-flight slot
 }

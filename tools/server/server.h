@@ -88,6 +88,8 @@ typedef struct srv_config {
     int timeout_s;      // idle connection timeout
     double keepalive_s; // SSE keep-alive period while nothing is produced
     int drain_s;        // SIGTERM: wait at most this long for in-flight requests
+    bool kv_transfer;   // --kv-transfer: POST /internal/prefill and /internal/kv are served
+    size_t max_kv_transfer_bytes; // body limit of POST /internal/kv
 } srv_config;
 
 #define SRV_N_BUCKETS 14
@@ -116,6 +118,11 @@ typedef struct srv {
     uint64_t n_requests_ok, n_requests_err, n_prompt_tokens, n_gen_tokens, n_cached_tokens;
     uint64_t n_status[6]; // by HTTP status class 1xx..5xx (index 1..5)
     srv_hist ttft, itl, e2e;
+    // KV transfer (docs/disaggregation.md): prefills exported, transfers imported.
+    uint64_t n_kv_exports, n_kv_export_blocks, n_kv_export_bytes;
+    uint64_t n_kv_imports, n_kv_import_blocks, n_kv_import_present, n_kv_import_bytes;
+    uint64_t n_kv_import_refused;
+    double kv_export_s, kv_import_s; // time in the engine's export / import
 } srv;
 
 void srv_metrics_observe(srv_hist *h, double v);
@@ -183,6 +190,7 @@ typedef struct srv_api_ops {
 
 typedef struct srv_gen {
     srv *s;
+    bool prefill_only; // POST /internal/prefill: one choice, one token, no stream (srv_gen_start)
     srv_api api;
     const srv_api_ops *ops;
     json_t *req; // owned request document
@@ -227,6 +235,10 @@ typedef struct srv_gen {
 } srv_gen;
 
 // gen.c
+// Set by a connection thread around the API's prepare call for POST /internal/prefill: the
+// generation srv_gen_create makes there is prefill_only (the same validation and rendering as the
+// public route; srv_gen_start then submits one choice of one token).
+extern _Thread_local bool srv_prefill_only;
 // Creates a generation for api over the parsed request (req reference is taken). The caller
 // fills sampling fields, then calls srv_gen_start. NULL on out of memory.
 srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req);
@@ -308,6 +320,9 @@ typedef struct srv_http_opts {
     const char *host;
     int port;
     size_t max_body_bytes;
+    // POST to this path (NULL: none) may carry up to max_bulk_bytes (binary KV transfers).
+    const char *bulk_path;
+    size_t max_bulk_bytes;
     int timeout_s; // idle connection timeout
     int max_connections;
     srv_http_handler handler;
@@ -332,3 +347,8 @@ enum MHD_Result srv_send_text(struct MHD_Connection *c, int status, const char *
 enum MHD_Result srv_send_error(struct MHD_Connection *c, srv_api api, const srv_err *e);
 enum MHD_Result srv_run_generation(srv *s, struct MHD_Connection *c, srv_gen *g);
 bool srv_client_gone(struct MHD_Connection *c);
+// internal.c (docs/disaggregation.md): POST /internal/prefill runs g (prefill_only) and answers
+// the prompt's cached blocks as a KV transfer; POST /internal/kv imports one. Both release the
+// in-flight slot / take none.
+enum MHD_Result srv_run_prefill(srv *s, struct MHD_Connection *c, srv_gen *g);
+enum MHD_Result srv_import_kv(srv *s, struct MHD_Connection *c, const char *body, size_t n);

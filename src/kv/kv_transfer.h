@@ -1,0 +1,49 @@
+/*
+ * kv_transfer — the KV transfer of prefill/decode disaggregation (docs/disaggregation.md): a
+ * 64-byte header (magic, version, model identity, precision, block_tokens, record count and size,
+ * header CRC-32) followed by that many block records of the disk tier's format (kv/kv_disk.h),
+ * the blocks of one prompt's hash chain in order.
+ *
+ * di_kv_transfer_check verifies a whole transfer before anything is used: the header against the
+ * receiver's layout, every record (kv_disk's checks: identity, layout, checksums) and the chain
+ * links (record 0 has parent 0; record i's parent is record i-1's hash; one salt). That each
+ * hash is the chain hash of its tokens is checked by the importer, which owns the hash function
+ * (kv_manager.c).
+ *
+ * Owns: nothing. Thread-safety: pure functions.
+ */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kv/kv_disk.h" // di_kv_disk_layout, di_kv_disk_record
+
+#define DI_KV_TRANSFER_VERSION 1
+#define DI_KV_TRANSFER_HEADER_BYTES 64
+
+// Bytes of a transfer of n_blocks records of layout l.
+size_t di_kv_transfer_bytes(const di_kv_disk_layout *l, int32_t n_blocks);
+// Writes the header of a transfer of n_blocks records into out; record i goes at
+// out + di_kv_transfer_record_offset(l, i) (di_kv_disk_record_put).
+void di_kv_transfer_put_header(const di_kv_disk_layout *l, int32_t n_blocks, void *out);
+size_t di_kv_transfer_record_offset(const di_kv_disk_layout *l, int32_t i);
+
+typedef struct di_kv_transfer {
+    int32_t n_blocks;
+    uint64_t salt;              // every record's
+    const unsigned char *first; // record 0 (records are di_kv_disk_record_size apart)
+    size_t record_bytes;
+} di_kv_transfer;
+
+// Verifies the n bytes at buf as a transfer for layout l with at most max_blocks records.
+// DI_KV_DISK_CHECK_OK and *out; or DI_KV_DISK_CHECK_OTHER_MODEL (the header or a record names
+// another model identity or precision) or DI_KV_DISK_CHECK_CORRUPT (anything else: truncated,
+// trailing bytes, bad magic / version / counts / checksums, broken chain links, too many records),
+// with a message in why[cap].
+di_kv_disk_check di_kv_transfer_check(const di_kv_disk_layout *l, const void *buf, size_t n,
+                                      int32_t max_blocks, di_kv_transfer *out, char *why,
+                                      size_t cap);
+// Record i of a checked transfer (already verified: cannot fail).
+void di_kv_transfer_record(const di_kv_disk_layout *l, const di_kv_transfer *t, int32_t i,
+                           di_kv_disk_record *out);
