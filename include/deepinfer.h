@@ -418,7 +418,7 @@ typedef struct di_engine_options {
     size_t kv_memory_bytes;   // the KV pool (window rings, compressed entries, compressor
                               // buffers); 0 = 256 MiB. On the device-resident forward it is
                               // device memory: max_seqs slots' rings, the rest entry blocks.
-                              // On V4.1: whole slots' session states (see create)
+                              // On V4.1: max_seqs slot tails, the rest blocks (see create)
     int32_t max_seqs;         // sequences running at once; 0 = 16
     int32_t max_batch_tokens; // forward rows per step (token budget); 0 = 256
     int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)
@@ -512,17 +512,18 @@ typedef struct di_engine_stats {
 // prefix cache and bounded replay work as on the CPU path), created and exercised once here; a
 // step whose device call fails ends its requests with DI_FINISH_ERROR and goes on.
 // A DeepSeek V4.1 checkpoint runs one V4.1 session per slot (with the DSpark module when
-// spec_tokens > 0, which makes a slot's state larger), each reserved here for max_ctx positions
-// and max_batch_tokens rows; a step runs its sequences one after another. kv_memory_bytes buys
-// whole slots: max_seqs is lowered (logged) to the slots that fit; with the prefix cache a slot
-// also pays for the prefix blocks of a max_ctx sequence, and the rest of kv_memory_bytes buys
-// blocks for idle cached prefixes (docs/kv-cache.md, "DeepSeek V4.1"). A verify forward feeds
+// spec_tokens > 0, which makes a slot's tail larger), its tail (rings, history) reserved here for
+// max_ctx positions and max_batch_tokens rows; a step runs its sequences in one batched call.
+// kv_memory_bytes pays the max_seqs tails first (max_seqs is lowered, logged, so that the blocks
+// of one max_ctx sequence still fit) and buys blocks of entries and index keys with the rest, as
+// on the CPU forward: sequences take blocks as they grow, are preempted when they run out, and a
+// prefix hit shares cached blocks (docs/kv-cache.md, "DeepSeek V4.1"). A verify forward feeds
 // spec_tokens + 1 rows of one sequence beside the step's token budget (max_batch_tokens bounds the
 // rows of one call). Otherwise the CPU forward runs, its matmuls on the device when one is given.
 // With kv_disk_dir (CPU or V4.1 forward), the engine opens the prefix cache's disk tier there.
 // DI_ERR_IO (also: the disk tier's directory cannot be created or read), DI_ERR_FORMAT,
 // DI_ERR_UNSUPPORTED (as di_model_load; spec_tokens > 0 on a checkpoint without DSpark; kv_disk_dir
-// on the device-resident forward, or the V4.1 one with no_prefix_cache), DI_ERR_INVALID (bad
+// on the device-resident forward), DI_ERR_INVALID (bad
 // options; e.g. a KV budget too small for one sequence, a spec_tokens or spec_min_confidence out of
 // range, a V4.1 checkpoint whose sessions cannot run: no Engram token map, kv_disk_dir with
 // no_prefix_cache), DI_ERR_BUSY (kv_disk_dir is locked by another engine), DI_ERR_CUDA (the

@@ -19,22 +19,24 @@
 //     A failed dev call fails the requests of that step (DI_FINISH_ERROR with its status); the
 //     engine keeps serving.
 //   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h): one V4.1 session
-//     per scheduler slot, created at create with every buffer a call can grow reserved for max_ctx
-//     positions and max_batch_tokens rows (di_dsv41_reserve_ctx), all sharing the engine's
-//     workspace (di_dsv41_share_ws), which holds a step's rows. A step is one batched call
+//     per scheduler slot holding the slot's fixed tail (window and DSpark rings, (C, Z) slots,
+//     the Engram history), reserved at create for max_ctx positions and max_batch_tokens rows
+//     (di_dsv41_reserve_ctx), all sharing the engine's workspace (di_dsv41_share_ws), which
+//     holds a step's rows. The entries and index keys of every kv source live in the
+//     kv_manager's blocks (V4.1 pages, di_kv_manager_create_v41): each slot's session is bound
+//     to its sequence's block table at launch (v41_bind), so kv_memory_bytes pays the tails and
+//     buys blocks, sequences grow block by block, admission reserves blocks and the scheduler
+//     preempts (recompute) when they run out, as on the CPU forward. A step is one batched call
 //     (di_dsv41_forward_batch) over all its sequences, prefill chunks, decodes and verifies
-//     mixed: a sequence planned from position 0 resets its slot's session first; the call
-//     writes the logits of each sequence's last row when the plan samples it. A session's result
+//     mixed: a sequence planned from position 0 starts over (reset at launch); the call writes
+//     the logits of each sequence's last row when the plan samples it. A session's result
 //     depends on its own tokens only (any chunking, any batch and row offset give the same
-//     logits, bit for bit), so a request's tokens do not depend on what shares its steps. Each
-//     slot's state is committed at create, so kv_memory_bytes buys whole slots (max_seqs is
-//     clamped to what fits) and the blocks of the max_seqs slots always fit: admission is bounded
-//     by the slots, and nothing is ever preempted for blocks. With the prefix cache (default) the
-//     kv_manager's blocks hold copies of the slots' entries, index keys and Engram ids
-//     (di_kv_manager_create_v41): copied out once their step ran (v41_export), cached when
-//     published, copied into a slot admitted on a hit, which then replays the bounded suffix
-//     (v41_import; "V4.1 prefix cache" below, docs/kv-cache.md); without it the manager is the
-//     accounting one (a block stands for a share of a slot's bytes). With spec_tokens > 0 the
+//     logits, bit for bit), so a request's tokens do not depend on what shares its steps. With
+//     the prefix cache (default) a block is published when the step that completes it is
+//     launched, as on V4; a request admitted on a hit attaches the cached blocks (shared,
+//     reference counted) and its session restarts on them (di_dsv41_restart: their entries are
+//     kept, never rewritten) to replay the bounded suffix ("V4.1 pages and prefix hits" below,
+//     docs/kv-cache.md). With spec_tokens > 0 the
 //     sessions run DSpark (one draft call per step for every speculating sequence) and a decode
 //     sequence verifies its drafts in its rows of the step's call, yielding up
 //     to spec_tokens + 1 tokens per step, bit for bit those of plain decoding ("speculative
@@ -96,7 +98,7 @@ struct di_engine {
     di_dsv41_draft_seq *x_d; // owned [max_seqs]: the step's draft call (speculating sequences)
     int32_t *x_dseq;         // owned [max_seqs]: the plan sequence of each draft
     int32_t *x_dkmax;        // owned [max_seqs]: the most drafts it may verify
-    int64_t v41_slot_bytes;  // the memory of one slot's session state (the workspace is shared)
+    int64_t v41_slot_bytes;  // one slot tail: its session state without entries (shared ws)
     // Speculative decoding (V4.1 with DSpark, opt.spec_tokens > 0; "speculative decoding" below).
     // Logit slot k (a sampled sequence of the plan) owns lstride rows of logits and of sample
     // results: its verify rows. lstride is 1 when speculation is off.
@@ -252,13 +254,13 @@ static di_status dev_kv_create(di_engine *e) {
 
 // The V4.1 forward's sessions and kv_manager. The sessions share the engine's workspace (a step's
 // one call runs them all on it, its per-row scratch sized here for a step's rows; like the CPU
-// forward's, it is not part of kv_memory_bytes). Every slot's session is reserved for max_ctx
-// positions now, so its bytes are committed: kv_memory_bytes pays for whole slots (max_seqs is
-// clamped to the slots that fit). Without the prefix cache the accounting manager gets the
-// blocks of exactly those slots (max_blocks each, a block standing for 1 / max_blocks of a slot's
-// bytes). With it, a slot costs its state plus max_blocks V4.1 prefix blocks (memory: the copies
-// the cache keeps), and what is left buys more blocks for idle cached prefixes. Either way a
-// sequence never lacks blocks, admission is bounded by the free slots.
+// forward's, it is not part of kv_memory_bytes). A slot's session holds only the per-slot tail
+// (window and DSpark rings, (C, Z) slots, the Engram history of max_ctx positions), reserved now;
+// its entries and index keys live in the kv_manager's blocks (V4.1 pages), bound to the session
+// through its sequence's block table (di_dsv41_bind_pages at launch). kv_memory_bytes pays the
+// max_seqs tails first (max_seqs is clamped so that one max_ctx sequence's blocks still fit) and
+// buys blocks with the rest: sequences grow block by block, admission reserves blocks as on V4,
+// and the scheduler preempts (recompute) when they run out.
 static di_status v41_create(di_engine *e) {
     di_engine_options *o = &e->opt;
     di_status st = DI_OK;
@@ -271,20 +273,16 @@ static di_status v41_create(di_engine *e) {
     const int32_t n_ctx_res = o->max_ctx + (e->spec_k > 0 ? B : 0);
     int32_t n_rows_res = o->max_batch_tokens + o->max_seqs * e->spec_k;
     if (e->spec_k > 0 && n_rows_res < B + 1) n_rows_res = B + 1;
-    // With the prefix cache every slot also owns the blocks of a max_ctx sequence (a block is a
-    // copy of its positions' entries, index keys and Engram ids, exported once computed and kept
-    // in the cache when the sequence ends; docs/kv-cache.md, "DeepSeek V4.1").
     const int32_t bt = di_kv_block_tokens(e->model);
     const int32_t max_blocks = (o->max_ctx + bt - 1) / bt;
-    const int64_t blk =
-        o->no_prefix_cache ? 0 : ((int64_t)di_dsv41_block_bytes(e->model, bt) + 63) / 64 * 64;
-    int64_t slot_cost = 0;
+    const int64_t blk = (int64_t)di_kv_v41_block_bytes(e->model);
     e->v41 = di_calloc((size_t)o->max_seqs, sizeof *e->v41);
     if (!e->v41) return DI_ERR_NOMEM;
     for (int32_t i = 0; i < o->max_seqs; i++) {
         DI_TRY(di_session_create(e->model, &so, &e->v41[i]));
         e->n_v41 = i + 1;
-        di_dsv41_share_ws(e->v41[i], &e->ws); // the step's call runs every slot on it
+        di_dsv41_share_ws(e->v41[i], &e->ws);    // the step's call runs every slot on it
+        di_dsv41_bind_pages(e->v41[i], NULL, 0); // its blocks come from the pool (at launch)
         DI_TRY(di_dsv41_reserve_ctx(e->v41[i], n_ctx_res, n_rows_res));
         if (i > 0) continue;
         // A step's draft call: a block of B rows for every slot, their head scratch.
@@ -293,52 +291,42 @@ static di_status v41_create(di_engine *e) {
             DI_TRY(di_dsv41_ws_reserve_draft(&e->ws, e->model, o->max_seqs));
         }
         e->v41_slot_bytes = di_dsv41_state_bytes(e->v41[0]);
-        slot_cost = e->v41_slot_bytes + (int64_t)max_blocks * blk;
-        const int64_t fit = (int64_t)o->kv_memory_bytes / slot_cost;
-        if (fit < 1) {
-            DI_LOG_ERROR("engine: --kv-memory %zu bytes cannot hold one V4.1 sequence state of %d "
-                         "positions and %d rows per step (%lld bytes, with its prefix blocks)",
-                         o->kv_memory_bytes, (int)o->max_ctx, (int)o->max_batch_tokens,
-                         (long long)slot_cost);
-            st = DI_ERR_INVALID;
-            goto fail;
+        // The tails of the slots, and the blocks of one max_ctx sequence at least.
+        const int64_t one = (int64_t)max_blocks * blk;
+        const int64_t fit = ((int64_t)o->kv_memory_bytes - one) / e->v41_slot_bytes;
+        if ((int64_t)o->kv_memory_bytes < one || fit < 1) {
+            DI_LOG_ERROR("engine: --kv-memory %zu bytes cannot hold one V4.1 sequence of %d "
+                         "positions: its slot's tail (rings, history: %lld bytes) and %d blocks "
+                         "of %lld bytes",
+                         o->kv_memory_bytes, (int)o->max_ctx, (long long)e->v41_slot_bytes,
+                         (int)max_blocks, (long long)blk);
+            return DI_ERR_INVALID;
         }
         if (fit < o->max_seqs) {
-            DI_LOG_INFO("engine: --kv-memory %zu bytes holds %lld V4.1 sequence states of %lld "
-                        "bytes (with their prefix blocks): max_seqs %d -> %lld",
-                        o->kv_memory_bytes, (long long)fit, (long long)slot_cost, (int)o->max_seqs,
-                        (long long)fit);
+            DI_LOG_INFO("engine: --kv-memory %zu bytes holds %lld V4.1 slot tails of %lld bytes "
+                        "besides one sequence's blocks: max_seqs %d -> %lld",
+                        o->kv_memory_bytes, (long long)fit, (long long)e->v41_slot_bytes,
+                        (int)o->max_seqs, (long long)fit);
             o->max_seqs = (int32_t)fit;
         }
     }
-    if (o->no_prefix_cache) {
-        const size_t block_bytes = (size_t)((e->v41_slot_bytes + max_blocks - 1) / max_blocks);
-        DI_TRY(di_kv_manager_create_accounting(e->model, o->max_seqs * max_blocks, block_bytes,
-                                               o->max_seqs, o->max_ctx, false, &e->kv));
-    } else {
-        // What the slots leave buys blocks for idle cached prefixes (evicted LRU).
-        const int64_t extra = ((int64_t)o->kv_memory_bytes - o->max_seqs * slot_cost) / blk;
-        const int64_t n_blocks = (int64_t)o->max_seqs * max_blocks + extra;
-        if (n_blocks > INT32_MAX / 2) {
-            DI_LOG_ERROR("engine: %lld V4.1 prefix blocks are too many; lower --kv-memory",
-                         (long long)n_blocks);
-            return DI_ERR_INVALID;
-        }
-        DI_TRY(
-            di_kv_manager_create_v41(e->model, (int32_t)n_blocks, o->max_seqs, o->max_ctx, &e->kv));
-        DI_LOG_INFO("engine: V4.1 --kv-memory %zu bytes = %d slots x (%.2f MiB sequence state + "
-                    "%d prefix blocks of %.1f KiB) + %lld blocks (%.2f MiB) for idle cached "
-                    "prefixes",
-                    o->kv_memory_bytes, (int)o->max_seqs, (double)e->v41_slot_bytes / (1 << 20),
-                    (int)max_blocks, (double)blk / 1024, (long long)extra,
-                    (double)(extra * blk) / (1 << 20));
-    }
+    const int64_t tails = (int64_t)o->max_seqs * e->v41_slot_bytes;
+    int64_t n_blocks = ((int64_t)o->kv_memory_bytes - tails) / blk;
+    if (n_blocks > INT32_MAX / 2) n_blocks = INT32_MAX / 2;
+    DI_TRY(di_kv_manager_create_v41(e->model, (int32_t)n_blocks, o->max_seqs, o->max_ctx,
+                                    !o->no_prefix_cache, &e->kv));
+    DI_ASSERT(e->kv->block_tokens == bt);
+    for (int32_t i = 0; i < o->max_seqs; i++)
+        di_dsv41_bind_pages(e->v41[i], e->kv->seqs[i].pages, 0);
+    DI_LOG_INFO("engine: V4.1 --kv-memory %zu bytes = %d slot tails of %.2f MiB (rings, history) + "
+                "%lld blocks of %.1f KiB (%d positions each; a max_ctx sequence takes %d)",
+                o->kv_memory_bytes, (int)o->max_seqs, (double)e->v41_slot_bytes / (1 << 20),
+                (long long)n_blocks, (double)blk / 1024, (int)bt, (int)max_blocks);
     DI_LOG_INFO("engine: the V4.1 forward: %d slots of up to %d positions, %d rows per step, "
-                "%.2f MiB per slot (sequence state) and %.1f MiB of workspace shared by the slots, "
-                "one batched call per step, prefix cache %s",
+                "%.1f MiB of workspace shared by the slots, one batched call per step, prefix "
+                "cache %s",
                 (int)o->max_seqs, (int)o->max_ctx, (int)o->max_batch_tokens,
-                (double)e->v41_slot_bytes / (1 << 20), (double)di_dsv4_ws_bytes(&e->ws) / (1 << 20),
-                o->no_prefix_cache ? "off" : "on");
+                (double)di_dsv4_ws_bytes(&e->ws) / (1 << 20), o->no_prefix_cache ? "off" : "on");
     if (e->spec_k > 0)
         DI_LOG_INFO("engine: speculative decoding with DSpark: up to %d drafts per verify, "
                     "confidence cut %g",
@@ -584,6 +572,20 @@ void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_statu
 
 void di_engine_set_masks_ahead(di_engine *e, bool on) {
     e->masks_ahead = on;
+}
+
+int32_t di_engine_request_blocks(di_engine *e, uint64_t id, int32_t *blocks, int32_t cap,
+                                 int64_t *n_free) {
+    int32_t slot = -1;
+    pthread_mutex_lock(&e->mu);
+    for (di_request *r = e->all; r; r = r->all_next)
+        if (r->id == id) slot = r->slot;
+    pthread_mutex_unlock(&e->mu);
+    *n_free = di_block_pool_n_available(e->kv->pool);
+    if (slot < 0) return -1;
+    const di_kv_seq *ks = &e->kv->seqs[slot];
+    for (int32_t i = 0; i < ks->n_blocks && i < cap; i++) blocks[i] = ks->blocks[i];
+    return ks->n_blocks;
 }
 
 void di_engine_set_draft_hook(di_engine *e, di_engine_draft_fn fn, void *user) {
@@ -902,7 +904,7 @@ static void spec_settle(di_engine *e, di_request *r, int32_t k, int32_t n_emit) 
         DI_ASSERT(s->seqs[i].n_tok == 1); // a decode: its pending token, one row
         s->seqs[i].pos = r->n_done;       // di_sched_finalize copies tokens[pos] into the row
     }
-    // The V4.1 slots' blocks always fit (v41_create): this cannot fail.
+    // Within the blocks v41_bind took for the verify (v41_spec_kmax): this cannot fail.
     di_status st = di_kv_seq_reserve(e->kv, r->slot, r->n_done + 1);
     DI_ASSERT(st == DI_OK);
 }
@@ -1132,6 +1134,10 @@ static int32_t v41_spec_kmax(const di_engine *e, int32_t k, const di_dsv4_seq *s
     int32_t k_max = e->spec_k;
     if (r->max_tokens - r->n_gen - 1 < k_max) k_max = r->max_tokens - r->n_gen - 1;
     if (e->opt.max_ctx - sq->pos - 2 < k_max) k_max = e->opt.max_ctx - sq->pos - 2;
+    // Within the blocks v41_bind took: the verify rows, and the position after the last one it
+    // may accept (spec_settle's next decode) without a new block.
+    const int64_t cap = di_dsv41_capacity(e->v41[e->x_lslot[k]]);
+    if (cap - sq->pos - 2 < k_max) k_max = (int32_t)(cap - sq->pos - 2);
     return k_max < 1 ? 0 : k_max;
 }
 
@@ -1185,37 +1191,33 @@ static void v41_spec_accept(di_engine *e) {
     }
 }
 
-// ---- V4.1 prefix cache (docs/kv-cache.md, "DeepSeek V4.1") ----
+// ---- V4.1 pages and prefix hits (docs/kv-cache.md, "DeepSeek V4.1") ----
 
-// After a V4.1 step ran (no forward in flight): copies each block its sequences published at
-// launch (now computed) out of the slot's session into the block. Published blocks are referenced
-// by their running sequence, so no plan made meanwhile evicted them; a request admitted meanwhile
-// onto one of them imports it only when its own step is launched, after this.
-static void v41_export(di_engine *e) {
-    if (!e->kv->cache) return;
-    for (int32_t i = 0; i < e->x_n_seq; i++) {
-        const int32_t slot = e->x_seq_req[i]->slot;
-        const di_kv_seq *ks = &e->kv->seqs[slot];
-        for (int32_t b = ks->n_published_before; b < ks->n_published; b++)
-            di_dsv41_export_block(e->v41[slot], e->kv->block_tokens, b, ks->pages[b]);
-    }
-}
-
-// At launch (no forward in flight): the first call of a sequence admitted on a prefix hit of H
-// positions that starts its bounded replay at win_lo = Q > 0 restarts its slot's session on the
-// cached blocks at position Q (di_dsv41_import_prefix); the call then feeds Q .. H - 1 again and
-// goes on. A hit with Q = 0 just starts over at 0 (v41_forward resets the slot): recomputing an
-// entry gives the cached bytes. A failed import leaves the session at position 0, which the
-// forward refuses (the step fails).
-static void v41_import(di_engine *e) {
+// At launch (no forward in flight), for each sequence of the plan: with speculation, a sampled
+// decode takes the blocks its verify rows may need (its anchor, spec_k drafts and the position
+// after them; best effort: v41_spec_kmax drafts no further than the blocks reach); then its slot's
+// session is bound to its block table as it is now. A sequence's first call after admission on a
+// prefix hit of H positions (its blocks 0 .. H / block_tokens - 1 are the cached ones, shared)
+// restarts the session on them at position win_lo = Q (di_dsv41_restart: entries < H kept, so the
+// replay of Q .. H - 1 never writes into a shared block; Q = 0 too); a sequence planned from
+// position 0 otherwise starts over (reset).
+static void v41_bind(di_engine *e) {
     const di_sched *s = &e->sched;
     for (int32_t i = 0; i < s->n_seq; i++) {
         const di_dsv4_seq *sq = &s->seqs[i];
-        if (sq->win_lo == 0 || sq->pos != sq->win_lo) continue;
-        const di_kv_seq *ks = &e->kv->seqs[s->seq_req[i]->slot];
-        const int32_t n = ks->n_cached / e->kv->block_tokens;
-        (void)di_dsv41_import_prefix(e->v41[s->seq_req[i]->slot], e->kv->block_tokens,
-                                     (const void *const *)ks->pages, n, sq->pos);
+        const di_request *r = s->seq_req[i];
+        const di_kv_seq *ks = &e->kv->seqs[r->slot];
+        di_session *ss = e->v41[r->slot];
+        if (e->spec_k > 0 && sq->pos + sq->n_tok == di_request_n_planned(r)) {
+            int32_t end = sq->pos + sq->n_tok + 1 + e->spec_k;
+            if (end > e->opt.max_ctx) end = e->opt.max_ctx;
+            (void)di_kv_seq_reserve(e->kv, r->slot, end);
+        }
+        di_dsv41_bind_pages(ss, ks->pages, ks->n_blocks);
+        if (ks->n_cached > 0 && sq->pos == sq->win_lo)
+            (void)di_dsv41_restart(ss, ks->n_cached, sq->pos, r->tokens); // a failure: pos 0
+        else if (sq->pos == 0)
+            di_session_reset(ss);
     }
 }
 
@@ -1233,8 +1235,8 @@ static di_status v41_forward(di_engine *e) {
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         const di_dsv4_seq *sq = &e->x_seqs[i];
         di_session *s = e->v41[e->x_slot[i]];
-        if (sq->pos == 0) di_session_reset(s); // after a prefix hit v41_import restarted it
-        if (di_session_n_past(s) != sq->pos) { // an invariant of the plan; fail rather than abort
+        if (di_session_n_past(s) != sq->pos) { // (v41_bind reset or restarted it at launch) // an
+                                               // invariant of the plan; fail rather than abort
             DI_LOG_ERROR("engine: V4.1 slot %d is at position %d, the plan feeds position %d",
                          (int)e->x_slot[i], (int)di_session_n_past(s), (int)sq->pos);
             return DI_ERR_INVALID;
@@ -1374,7 +1376,7 @@ static void launch(di_engine *e) {
     }
     if (e->v41) {
         for (int32_t i = 0; i < s->n_seq; i++) e->x_slot[i] = s->seq_req[i]->slot;
-        v41_import(e);
+        v41_bind(e);
     }
     for (int32_t k = 0; k < s->n_logit; k++) { // one token each, unless the forward verifies
         e->x_nrows[k] = e->x_emit[k] = 1;
@@ -1530,7 +1532,6 @@ static void *engine_main(void *p) {
         e->stats.n_failed_steps += fst != DI_OK;
         e->stats.n_failed_in_a_row = fst != DI_OK ? e->stats.n_failed_in_a_row + 1 : 0;
         pthread_mutex_unlock(&e->mu);
-        if (fst == DI_OK && e->v41) v41_export(e); // before anything retires
         if (fst == DI_OK)
             sample_and_emit(e, &cb_allocs); // retiring drops finished requests from the plan
         else

@@ -57,6 +57,12 @@ int64_t di_engine_dev_state_bytes(const di_engine *e);
 // engine. Outputs stay exact whatever it writes: only acceptance and cost change.
 typedef void (*di_engine_draft_fn)(void *user, uint64_t request_id, int32_t n_gen, di_draft *d);
 
+// The kv blocks of running request id: up to cap of its block ids (position order) into blocks;
+// returns how many it holds (-1: not running); *n_free: the pool's available blocks (free and
+// idle cached). Engine thread only: from an event callback of a request.
+int32_t di_engine_request_blocks(di_engine *e, uint64_t id, int32_t *blocks, int32_t cap,
+                                 int64_t *n_free);
+
 // Installs (fn != NULL) or removes the draft hook. Call while no request is submitted or running.
 void di_engine_set_draft_hook(di_engine *e, di_engine_draft_fn fn, void *user);
 

@@ -11,7 +11,7 @@
 #include "base/mem.h"
 #include "base/status.h"
 #include "kv/kv_transfer.h"
-#include "model/dsv41.h" // di_dsv41_block_bytes
+#include "model/dsv41.h" // di_dsv41_page_bytes
 
 // ---- layout ----
 
@@ -77,11 +77,12 @@ static di_status alloc_seqs(di_kv_manager *kv) {
     return DI_OK;
 }
 
-// The managers without tail blocks or layer views: accounting only (memory false) or V4.1
-// payload blocks (memory true).
+// The managers without tail blocks or layer views: accounting only (payload_bytes 0) or the V4.1
+// pages (payload_bytes: a page's bytes, the block's first ones).
 static di_status create_untailed(di_model *m, int32_t n_blocks, size_t block_bytes,
-                                 int32_t max_seqs, int32_t max_ctx, bool prefix_cache, bool memory,
-                                 di_kv_manager **out) {
+                                 int32_t max_seqs, int32_t max_ctx, bool prefix_cache,
+                                 size_t payload_bytes, di_kv_manager **out) {
+    const bool memory = payload_bytes > 0;
     di_status st = DI_OK;
     di_kv_manager *kv = di_calloc(1, sizeof *kv);
     if (!kv) return DI_ERR_NOMEM;
@@ -93,7 +94,7 @@ static di_status create_untailed(di_model *m, int32_t n_blocks, size_t block_byt
     kv->replay_tokens = m->hp.n_layer * (m->hp.window - 1);
     kv->block_tokens = di_kv_block_tokens(m);
     kv->block_floats = (int64_t)(block_bytes / sizeof(float));
-    kv->entry_floats = memory ? kv->block_floats : 0; // a V4.1 block is all payload
+    kv->entry_floats = (int64_t)(payload_bytes / sizeof(float)); // a V4.1 page (0: accounting)
     kv->max_blocks = (max_ctx + kv->block_tokens - 1) / kv->block_tokens;
     if (n_blocks < di_kv_blocks_for(kv, max_ctx)) {
         DI_LOG_ERROR("kv: %d device blocks of %zu bytes; one sequence of %d positions needs %d",
@@ -109,8 +110,8 @@ static di_status create_untailed(di_model *m, int32_t n_blocks, size_t block_byt
         DI_TRY(di_prefix_cache_create(kv->pool, kv->block_tokens, model_id(m), &kv->cache));
     DI_TRY(alloc_seqs(kv));
     if (memory)
-        DI_LOG_INFO("kv: %d V4.1 prefix blocks of %zu KiB (%d positions each: entries, index keys "
-                    "and Engram ids), replay bound %d tokens, prefix cache %s",
+        DI_LOG_INFO("kv: %d V4.1 blocks of %zu KiB (%d positions each: the entries and index "
+                    "keys of every kv source), replay bound %d tokens, prefix cache %s",
                     n_blocks, block_bytes / 1024, kv->block_tokens, kv->replay_tokens,
                     prefix_cache ? "on" : "off");
     else
@@ -128,13 +129,17 @@ fail:
 di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t block_bytes,
                                           int32_t max_seqs, int32_t max_ctx, bool prefix_cache,
                                           di_kv_manager **out) {
-    return create_untailed(m, n_blocks, block_bytes, max_seqs, max_ctx, prefix_cache, false, out);
+    return create_untailed(m, n_blocks, block_bytes, max_seqs, max_ctx, prefix_cache, 0, out);
+}
+
+size_t di_kv_v41_block_bytes(const di_model *m) {
+    return (di_dsv41_page_bytes(m, di_kv_block_tokens(m)) + 63) / 64 * 64;
 }
 
 di_status di_kv_manager_create_v41(di_model *m, int32_t n_blocks, int32_t max_seqs, int32_t max_ctx,
-                                   di_kv_manager **out) {
-    const size_t bytes = di_dsv41_block_bytes(m, di_kv_block_tokens(m));
-    return create_untailed(m, n_blocks, bytes, max_seqs, max_ctx, true, true, out);
+                                   bool prefix_cache, di_kv_manager **out) {
+    return create_untailed(m, n_blocks, di_kv_v41_block_bytes(m), max_seqs, max_ctx, prefix_cache,
+                           di_dsv41_page_bytes(m, di_kv_block_tokens(m)), out);
 }
 
 di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, int32_t max_ctx,
@@ -274,8 +279,7 @@ static void spill(void *user, uint64_t h, uint64_t parent, uint64_t salt, const 
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o) {
     if (kv->entry_floats == 0) { // an accounting manager
         DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) needs block memory: the device-resident "
-                     "forward keeps its blocks elsewhere, and the V4.1 forward's blocks exist "
-                     "only with the prefix cache");
+                     "forward keeps its blocks elsewhere");
         return DI_ERR_UNSUPPORTED;
     }
     if (!kv->cache) {
@@ -461,7 +465,7 @@ di_status di_kv_seq_open(di_kv_manager *kv, int32_t slot, uint64_t salt) {
     s->last_hash = 0;
     s->n_published = s->n_published_before = 0;
     s->n_cached = 0;
-    if (kv->accounting) return DI_OK; // no memory: nothing to bind
+    if (kv->accounting) return DI_OK; // no layer views to bind (accounting or V4.1 pages)
     const di_model *m = kv->model;
     for (int il = 0; il < kv->n_layer; il++) {
         const di_dsv4_layer_w *lw = &m->layers[il];

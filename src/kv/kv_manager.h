@@ -12,15 +12,15 @@
  * blocks, entries through a page table of its entry blocks), so the forward pass reads and writes
  * the pool directly. Sequences hold block ids (reference counted), never own memory.
  * See docs/kv-cache.md for the layout and the exact prefix-reuse rule (bounded replay).
- * Created for accounting (di_kv_manager_create_accounting: the device-resident forward and the
- * V4.1 forward without the prefix cache), the manager keeps block ids, counts, the prefix cache and
- * the block tables only: no memory, no tail blocks (the forward's state holds every slot's tail),
- * no layer views. On the device-resident forward the blocks are the device state's entry blocks
- * (model/dsv4_dev.h), whose ids the engine passes with each call; on the V4.1 forward each block
- * stands for a share of one slot's V4.1 session state, which is committed at create (engine.c).
- * The V4.1 forward with the prefix cache (di_kv_manager_create_v41) has block memory but no tail
- * blocks or views either: a block holds a copy of its positions' V4.1 entries, index keys and
- * Engram ids, which the engine copies out of and into the slots' sessions.
+ * Created for accounting (di_kv_manager_create_accounting: the device-resident forward), the
+ * manager keeps block ids, counts, the prefix cache and the block tables only: no memory, no tail
+ * blocks (the forward's state holds every slot's tail), no layer views; the blocks are the device
+ * state's entry blocks (model/dsv4_dev.h), whose ids the engine passes with each call.
+ * The V4.1 forward's manager (di_kv_manager_create_v41) has block memory but no tail blocks or
+ * views: a block is a V4.1 page (model/dsv41.h: the entries and index keys of block_tokens
+ * positions of every kv source), and the engine binds each slot's session to its sequence's page
+ * table (di_dsv41_bind_pages), so the forward reads and writes the blocks in place and a prefix
+ * hit shares them; the per-slot tail (rings, (C, Z) slots, Engram history) is the session's.
  *
  * With a disk tier (di_kv_manager_open_disk: managers with block memory, the CPU one and the V4.1
  * one) the prefix cache writes every block
@@ -80,7 +80,7 @@ typedef struct di_kv_manager {
     di_kv_item *ibuf_c, *ibuf_z, *iovl_c, *iovl_z;    // owned [n_layer]
     di_kv_seq *seqs;                                  // owned [max_seqs]
     int32_t max_seqs;
-    bool accounting;           // blocks without memory (di_kv_manager_create_accounting)
+    bool accounting;           // no tail blocks or layer views (the accounting and V4.1 managers)
     di_kv_disk *disk;          // owned; NULL without a disk tier
     int64_t n_disk_hit_tokens; // prompt tokens attached from blocks read from the disk tier
 } di_kv_manager;
@@ -89,19 +89,21 @@ typedef struct di_kv_manager {
 // cannot hold one sequence of max_ctx positions), DI_ERR_NOMEM.
 di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, int32_t max_ctx,
                                bool prefix_cache, di_kv_manager **out);
-// The accounting manager of the device-resident and V4.1 forwards: n_blocks blocks standing for
-// block_bytes each (device entry blocks / shares of V4.1 slot states), no tail blocks, no memory;
-// block_tokens by the same rule. DI_ERR_INVALID (n_blocks cannot hold one sequence of max_ctx
-// positions; logged), DI_ERR_NOMEM.
+// The accounting manager of the device-resident forward: n_blocks blocks standing for
+// block_bytes each (device entry blocks), no tail blocks, no memory; block_tokens by the same
+// rule. DI_ERR_INVALID (n_blocks cannot hold one sequence of max_ctx positions; logged),
+// DI_ERR_NOMEM.
 di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t block_bytes,
                                           int32_t max_seqs, int32_t max_ctx, bool prefix_cache,
                                           di_kv_manager **out);
-// The V4.1 forward's manager with its prefix cache: n_blocks blocks of di_dsv41_block_bytes memory
-// each (model/dsv41.h: a block's entries, index keys and Engram ids, copied out of and into the
-// slots' sessions by the engine), no tail blocks, no layer views. DI_ERR_INVALID (n_blocks cannot
-// hold one sequence of max_ctx positions; logged), DI_ERR_NOMEM.
+// The V4.1 forward's manager: n_blocks blocks of di_kv_v41_block_bytes memory each, every one a
+// V4.1 page (model/dsv41.h; the disk tier stores its di_dsv41_page_bytes), no tail blocks, no
+// layer views. DI_ERR_INVALID (n_blocks cannot hold one sequence of max_ctx positions; logged),
+// DI_ERR_NOMEM.
 di_status di_kv_manager_create_v41(di_model *m, int32_t n_blocks, int32_t max_seqs, int32_t max_ctx,
-                                   di_kv_manager **out);
+                                   bool prefix_cache, di_kv_manager **out);
+// Bytes of one block of the V4.1 manager: a page rounded up to 64.
+size_t di_kv_v41_block_bytes(const di_model *m);
 // Positions per entry block for model m (the lcm of the compress ratios, at least the window).
 int32_t di_kv_block_tokens(const di_model *m);
 void di_kv_manager_destroy(di_kv_manager *kv);

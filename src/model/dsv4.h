@@ -314,14 +314,13 @@ void di_dsv4_round(const di_model *m, float *v, int64_t n);
 // The keys of one attention row (spec §2.4): window positions [w_lo, w_lo + n_win), those below
 // p0 from a ring of ring_rows rows (slot = position mod ring_rows) and the rest from this call's
 // rows (row = position - p0), then n_cmp compressed entries: entry sel[i] (or i when sel is NULL)
-// of cmp (V4, through di_dsv4_entry) or of the contiguous cmain (V4.1).
+// of cmp (through di_dsv4_entry; V4.1 passes a paged view of its kv source's entries).
 typedef struct di_dsv4_keys {
     const float *ring;
     int64_t ring_rows;
     const float *rows;
     int64_t p0, w_lo, n_win;
     const di_dsv4_cmp_state *cmp;
-    const float *cmain;
     const int32_t *sel;
     int64_t n_cmp;
 } di_dsv4_keys;

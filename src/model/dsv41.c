@@ -415,7 +415,8 @@ di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq
     // Capacities (nothing to do when reserved before: the engine's slots).
     for (int32_t i = 0; i < n_seq; i++) {
         di_session *s = seqs[i].s;
-        di_status st = di_dsv41_reserve_state(s, (int64_t)s->pos + seqs[i].n_tok);
+        const int64_t end = (int64_t)s->pos + seqs[i].n_tok;
+        di_status st = di_dsv41_reserve_state(s, end, end);
         if (st != DI_OK) return st;
     }
     di_status st = di_dsv41_ws_reserve(ws, m, (int32_t)n_rows, n_pos);
@@ -484,7 +485,8 @@ di_status di_dsv41_draft_batch(di_model *m, di_dsv4_ws *ws, di_dsv41_draft_seq *
     }
     // Capacities (nothing to do when reserved before: the engine's slots).
     for (int32_t i = 0; i < n; i++) {
-        di_status st = di_dsv41_reserve_state(seqs[i].s, (int64_t)seqs[i].s->pos + B);
+        di_status st =
+            di_dsv41_reserve_state(seqs[i].s, seqs[i].s->pos, (int64_t)seqs[i].s->pos + B);
         if (st != DI_OK) return st;
     }
     di_status rs = di_dsv41_ws_reserve(ws, m, n * B, n_pos);

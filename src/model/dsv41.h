@@ -31,12 +31,14 @@ typedef struct di_dsv41_model {
     int32_t pad_c; // cmap[engram_pad_id]
 } di_dsv41_model;
 
-// One kv source's global state (§5.1).
+// One kv source's global state (§5.1). Its entries and index keys live in the state's pages
+// (blocks of block_tokens positions, docs/kv-cache.md "DeepSeek V4.1"): entry w at
+// pages[w / per_page] + off_main + (w % per_page) * Dh, its index key at ... + off_idx +
+// (w % per_page) * DI (di_dsv41_entry / di_dsv41_key).
 typedef struct di_dsv41_src {
-    float *cmain;      // owned [cap, Dh]: compressed entries (post RoPE, Q4e)
-    float *kidx;       // owned [cap, DI]: index keys (post RoPE, Q4)
-    int64_t n_entries; // entries [0, n_entries) exist
-    int64_t cap;
+    int64_t off_main, off_idx; // floats from a page's start to this source's entries / index keys
+    int32_t per_page;          // entries of this source per page: block_tokens / ratio
+    int64_t n_entries;         // entries [0, n_entries) exist
     float *cz; // owned [DI_DSV41_CZ_SLOTS, 2 Dh]: FP32 (C, Z) of recent even positions (m = 2)
 } di_dsv41_src;
 
@@ -47,8 +49,18 @@ typedef struct di_dsv41_state {
     float **ring;      // owned [n_state_layers] of owned [ring_rows, Dh]
     int32_t n_state_layers;
     bool dspark;       // runs DSpark: rings of the DSpark blocks, taps and context rows
-    di_dsv41_src *src; // owned [n_layer]; only kv sources hold memory
-    int32_t *hist;     // owned [cap_hist]: compressed id of every position (Engram look-back)
+    di_dsv41_src *src; // owned [n_layer]; only kv sources hold entries
+    // Pages of block_tokens positions (di_dsv41_page_bytes each) holding every source's entries
+    // and index keys: borrowed from the engine's kv_manager (di_dsv41_bind_pages: the sequence's
+    // block table, shared prefix blocks included) or, for a standalone session, owned (own_pages,
+    // grown by di_dsv41_reserve_state and freed with the session).
+    float *const *pages;
+    int32_t n_pages;      // pages [0, n_pages) exist: entries of positions < n_pages * block_tokens
+    int32_t block_tokens; // positions per page (di_kv_block_tokens)
+    float **own_pages;    // owned [cap_own] of owned pages; NULL while bound
+    int32_t cap_own;
+    bool bound;    // pages are borrowed (di_dsv41_bind_pages)
+    int32_t *hist; // owned [cap_hist]: compressed id of every position (Engram look-back)
     int64_t cap_hist;
     int32_t dspark_pos; // DSpark rings hold positions < dspark_pos
     // Views of this sequence's rows in the last call's workspace (di_dsv41_rows; valid until that
@@ -57,6 +69,16 @@ typedef struct di_dsv41_state {
     const float *taps;
     const int32_t *cand, *n_cand;
 } di_dsv41_state;
+
+// Entry w (compressed, [Dh]) and index key w ([DI]) of kv source src of state st.
+static inline float *di_dsv41_entry(const di_dsv41_state *st, const di_dsv41_src *src, int64_t w,
+                                    int32_t Dh) {
+    return st->pages[w / src->per_page] + src->off_main + (w % src->per_page) * (int64_t)Dh;
+}
+static inline float *di_dsv41_key(const di_dsv41_state *st, const di_dsv41_src *src, int64_t w,
+                                  int32_t DI) {
+    return st->pages[w / src->per_page] + src->off_idx + (w % src->per_page) * (int64_t)DI;
+}
 
 // Per-row scratch of a V4.1 call over the rows of all its sequences (di_dsv4_ws.v41, owned by
 // the workspace): grown by di_dsv41_ws_reserve, never on a call's path.
@@ -122,7 +144,8 @@ typedef struct di_dsv41_seq {
 // position. logits [sum n_out, V]: each sequence's rows in sequence order (NULL when no sequence
 // wants any). A DSpark session also writes the DSpark context rows of every position it fed.
 // The model's trace hook is the first session's (rows of the whole call). DI_ERR_INVALID,
-// DI_ERR_NOMEM (then nothing ran and no session moved).
+// DI_ERR_NOMEM, DI_ERR_NO_KV (a bound session's pages do not cover its rows; then nothing ran and
+// no session moved).
 di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seqs,
                                  int32_t n_seq, float *logits);
 // Grows ws for V4.1 calls of up to n_rows rows over sequences of up to n_pos positions.
@@ -154,20 +177,24 @@ void di_dsv41_dspark_ring(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_stat
 
 di_status di_dsv41_state_create(di_session *s);
 void di_dsv41_state_destroy(di_session *s);
-// Grows entry arrays, history and the session's workspace for a call of n_tok tokens.
-// DI_ERR_NOMEM.
+// Grows the pages (standalone sessions), the history and the session's workspace for a call of
+// n_tok tokens. DI_ERR_NOMEM, DI_ERR_NO_KV (bound pages do not cover the call; logged).
 di_status di_dsv41_reserve(di_session *s, int32_t n_tok);
-// Grows the state's entry arrays and history for positions < end (not the workspace).
-// DI_ERR_NOMEM.
-di_status di_dsv41_reserve_state(di_session *s, int64_t end);
+// Makes sure the pages hold the entries of positions < end (a standalone session grows its own;
+// a bound one must have them: DI_ERR_NO_KV, logged) and grows the history for positions
+// < end_hist (>= end; a DSpark draft writes the history of its block past the last position fed).
+// Not the workspace. DI_ERR_NOMEM.
+di_status di_dsv41_reserve_state(di_session *s, int64_t end, int64_t end_hist);
 // Reserves everything a call can grow for positions < n_ctx and calls of up to n_tok rows (the
-// entry arrays, the history and the session's workspace: its own or the shared one), so that no
-// later call within those bounds allocates: the serving engine's per-slot sessions (engine.c).
+// pages of a standalone session, the history and the session's workspace: its own or the shared
+// one), so that no later call within those bounds allocates: the serving engine's per-slot
+// sessions (engine.c), whose pages are bound (their blocks come from the engine's pool).
 // DI_ERR_NOMEM.
 di_status di_dsv41_reserve_ctx(di_session *s, int32_t n_ctx, int32_t n_tok);
-// Bytes the session holds now: the V4.1 state (rings, entries, index keys, (C, Z) slots, history,
-// DSpark scratch) plus its own workspace (none when it shares one; the per-row scratch of a call
-// lives in the workspace). After di_dsv41_reserve_ctx, the memory of one engine slot.
+// Bytes the session holds now: the V4.1 state (rings, (C, Z) slots, history, DSpark scratch,
+// the pages it owns; bound pages are the engine's pool's) plus its own workspace (none when it
+// shares one; the per-row scratch of a call lives in the workspace). After di_dsv41_reserve_ctx
+// on a bound session, the fixed per-slot tail of one engine slot.
 int64_t di_dsv41_state_bytes(const di_session *s);
 // Makes the session's calls use ws (borrowed; it must outlive them) instead of its own workspace,
 // which is freed: sessions that run in the same calls or never at the same time (the engine's
@@ -180,27 +207,31 @@ static inline di_dsv4_ws *di_dsv41_ws(di_session *s) {
 di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes);
 di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes);
 
-// ---- prefix-cache blocks (docs/kv-cache.md, "DeepSeek V4.1") ----
-// A block of block_tokens positions (a multiple of every compression ratio) is the unit the
-// engine's prefix cache keeps: per kv source (layer order) its block_tokens / m entries [Dh] then
-// as many index keys [DI], then (with Engram layers) the block_tokens compressed history ids.
-// Everything else at a block boundary (window rings, DSpark rings) is rebuilt by a bounded replay;
-// there is no pending (C, Z) group there (block_tokens is even).
+// ---- pages (prefix-cache blocks; docs/kv-cache.md, "DeepSeek V4.1") ----
+// A page of block_tokens positions (di_kv_block_tokens: a multiple of every compression ratio and
+// even) holds, per kv source in layer order, its block_tokens / m entries [Dh] then as many index
+// keys [DI]. It is the unit the engine's pool hands out and its prefix cache shares: a full page
+// is final (every group closed, no pending (C, Z) group at its end). The Engram history stays per
+// session (4 bytes a position; a function of the tokens, rebuilt from them on a prefix hit).
 
-// Bytes of one block's payload.
-size_t di_dsv41_block_bytes(const di_model *m, int32_t block_tokens);
-// Copies block b (positions [b * block_tokens, (b + 1) * block_tokens), all computed: s->pos and
-// every source's entries cover them) of the session's state to dst (di_dsv41_block_bytes).
-void di_dsv41_export_block(const di_session *s, int32_t block_tokens, int32_t b, void *dst);
-// Restarts the session on a cached prefix of n_blocks blocks (blocks[i]: block i's payload, as
-// exported): every source holds the entries of positions < hit = n_blocks * block_tokens (kept by
-// the compressor, dsv41_attn.c, while positions < hit are fed again), the Engram history holds
-// positions < hit, and the session stands at position pos (0 <= pos <= hit), DSpark rings empty
-// from there: the caller feeds positions pos .. hit - 1 again (the replay) to rebuild the window
-// and DSpark rings. Window and DSpark rings are zeroed. DI_ERR_INVALID (a bad block size, hit or
-// pos; the session is then reset), DI_ERR_NOMEM.
-di_status di_dsv41_import_prefix(di_session *s, int32_t block_tokens, const void *const *blocks,
-                                 int32_t n_blocks, int32_t pos);
+// Bytes of one page.
+size_t di_dsv41_page_bytes(const di_model *m, int32_t block_tokens);
+// Makes the session read and write its entries through pages[0 .. n_pages) (borrowed: the
+// engine's block table of its sequence; the array must outlive the session's calls and may grow
+// in place beyond n_pages). Frees pages the session owned (the first binding). Called again
+// whenever n_pages changes, while no call runs.
+void di_dsv41_bind_pages(di_session *s, float *const *pages, int32_t n_pages);
+// Positions whose entries the session's pages hold (n_pages * block_tokens).
+int64_t di_dsv41_capacity(const di_session *s);
+// Restarts a bound session on a prefix of hit positions whose entries its pages already hold
+// (cached blocks attached to its block table, shared): every source has n_entries = hit / m (kept
+// by the compressor, dsv41_attn.c, while positions < hit are fed again: a replayed entry is never
+// written into a shared page), the Engram history of positions < hit is rebuilt from tokens
+// [hit], and the session stands at position pos (0 <= pos <= hit), DSpark rings empty from there;
+// window and DSpark rings are zeroed. The caller feeds pos .. hit - 1 again (the bounded replay).
+// DI_ERR_INVALID (hit not a whole number of pages, beyond the pages or the context, or pos out
+// of range; the session is then reset), DI_ERR_NOMEM.
+di_status di_dsv41_restart(di_session *s, int64_t hit, int32_t pos, const int32_t *tokens);
 
 // Takes back the last n positions (rejected speculative tokens, §5.3): afterwards the session is
 // exactly the state of a run that never saw them. DI_ERR_INVALID if n < 0, n > s->pos or

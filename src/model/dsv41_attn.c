@@ -5,8 +5,9 @@
 // source, level-2 restriction after it), top-k reuse on the other layers, the sink softmax over
 // window + selected entries, the grouped output. Also the DSpark block attention (§3.3).
 // Order per call (R-OFF): projections -> compressor -> indexer -> attention -> ring update.
-// Positions fed again after a prefix-cache restart (di_dsv41_import_prefix: the bounded replay)
-// leave the entries they would close untouched (w < n_entries): those came from the cache.
+// Entries and index keys are read and written through the state's pages (di_dsv41_entry / _key).
+// Positions fed again after a prefix-cache restart (di_dsv41_restart: the bounded replay) leave
+// the entries they would close untouched (w < n_entries): those are in the cache's shared pages.
 #include <math.h>
 #include <string.h>
 
@@ -119,13 +120,20 @@ static void attn_task(void *p, int ith, int nth) {
         }
         const int64_t n_win = w_hi - w_lo + 1;
         const int64_t n_cmp = c->sel ? c->n_sel[t] : 0;
+        di_dsv4_cmp_state pg = {0}; // the source's entries, through the pages
+        if (c->src_il >= 0) {
+            const di_dsv41_src *src = &st->src[c->src_il];
+            pg.pages = st->pages;
+            pg.page_off = src->off_main;
+            pg.page_entries = src->per_page;
+        }
         const di_dsv4_keys keys = {.ring = st->ring[c->il],
                                    .ring_rows = st->ring_rows,
                                    .rows = c->kv + (int64_t)sq->row0 * Dh,
                                    .p0 = p0,
                                    .w_lo = w_lo,
                                    .n_win = n_win,
-                                   .cmain = c->src_il >= 0 ? st->src[c->src_il].cmain : NULL,
+                                   .cmp = c->src_il >= 0 ? &pg : NULL,
                                    .sel = c->sel ? c->sel + t * c->topk : NULL,
                                    .n_cmp = n_cmp};
         di_dsv4_attend_heads(m, q, c->sink + h0, nh, &keys, P, c->omega, c->rscale, sc, o);
@@ -150,21 +158,21 @@ static void ring_write(const di_dsv4_ctx *c, int il, const float *kv, int32_t Dh
 // ---- CSA2 compressor of a kv source (§2.5.1) ----
 
 // Index key and Q4e main entry of entry w from its latent [Dh] (pre-RoPE; modified).
-static void finalise(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, di_dsv41_src *src, float *latent,
-                     int64_t w) {
+static void finalise(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const di_dsv41_state *st,
+                     const di_dsv41_src *src, float *latent, int64_t w) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const int32_t Dh = hp->head_dim, DI = hp->index_head_dim, n_rot = hp->rope_main.n_dims;
     const int64_t pos = w * lw->ratio;
     const float rs = hp->rope_compress.attention_factor;
-    float *k = src->kidx + w * DI;
+    float *k = di_dsv41_key(st, src, w, DI);
     di_dsv4_linear(c, &lw->idx_wk, latent, 1, Dh, k, DI, false); // BF16 matmul in R-OFF
     di_ref_rmsnorm(k, 1, DI, DI, lw->idx_k_norm, hp->norm_eps);
     di_dsv4_round(m, k, DI);
     di_ref_rope(k, DI, n_rot, m->omega_compress, pos, rs, false);
     di_dsv4_round(m, k, DI);
     if (DI % 32 == 0) di_fake_quant_q4(k, DI, 32);
-    float *e = src->cmain + w * Dh;
+    float *e = di_dsv41_entry(st, src, w, Dh);
     memcpy(e, latent, sizeof(float) * (size_t)Dh);
     di_ref_rope(e, Dh, n_rot, m->omega_compress, pos, rs, false);
     di_dsv4_round(m, e, Dh);
@@ -185,14 +193,15 @@ static void compressor(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
         // latent_j = RMSNorm(wkv · a_j): BF16 matmul (no activation quant) in R-OFF.
         di_dsv4_linear(c, &cw->wkv, a, n_tok, D, cc, Dh, false);
         for (int32_t t = 0; t < n_tok; t++) {
-            di_dsv41_src *src = &c->seqs[row_seq[t]].v41->src[il];
+            di_dsv41_state *st = c->seqs[row_seq[t]].v41;
+            di_dsv41_src *src = &st->src[il];
             int64_t w = row_pos[t];
             if (w < src->n_entries) continue; // a prefix-cache entry, fed again: kept
             memcpy(latent, cc + t * Dh, sizeof(float) * (size_t)Dh);
             di_ref_rmsnorm(latent, 1, Dh, Dh, cw->norm, hp->norm_eps);
             di_dsv4_round(m, latent, Dh);
-            DI_ASSERT(w == src->n_entries && w < src->cap);
-            finalise(c, lw, src, latent, w);
+            DI_ASSERT(w == src->n_entries && w < (int64_t)st->n_pages * src->per_page);
+            finalise(c, lw, st, src, latent, w);
             src->n_entries = w + 1;
         }
         return;
@@ -202,7 +211,8 @@ static void compressor(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
     di_dsv4_matmul(m, &cw->wkv, a, n_tok, D, cc, Dh);   // C: [T, Dh]
     di_dsv4_matmul(m, &cw->wgate, a, n_tok, D, cz, Dh); // Z: [T, Dh]
     for (int32_t t = 0; t < n_tok; t++) {
-        di_dsv41_src *src = &c->seqs[row_seq[t]].v41->src[il];
+        di_dsv41_state *st = c->seqs[row_seq[t]].v41;
+        di_dsv41_src *src = &st->src[il];
         int64_t P = row_pos[t];
         float *slot = src->cz + ((P / 2) % DI_DSV41_CZ_SLOTS) * 2 * Dh;
         if (P % 2 == 0) { // stash as the pending half of group P / 2
@@ -221,8 +231,8 @@ static void compressor(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
         di_ref_rmsnorm(latent, 1, Dh, Dh, cw->norm, hp->norm_eps);
         di_dsv4_round(m, latent, Dh);
         int64_t w = P / 2;
-        DI_ASSERT(w == src->n_entries && w < src->cap);
-        finalise(c, lw, src, latent, w);
+        DI_ASSERT(w == src->n_entries && w < (int64_t)st->n_pages * src->per_page);
+        finalise(c, lw, st, src, latent, w);
         src->n_entries = w + 1;
     }
 }
@@ -253,13 +263,14 @@ static void idx_task(void *p, int ith, int nth) {
     int64_t lo, hi;
     di_split_range(c->c->n_rows, ith, nth, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
-        const di_dsv41_src *src = &c->c->seqs[row_seq[t]].v41->src[c->src_il];
+        const di_dsv41_state *ss = c->c->seqs[row_seq[t]].v41;
+        const di_dsv41_src *src = &ss->src[c->src_il];
         int64_t P = row_pos[t], vis = (P + 1) / c->src_ratio;
         DI_ASSERT(vis <= src->n_entries && vis <= st->cap_ent);
         const float *kp[DI_DSV4_KEY_CHUNK];
         for (int64_t w0 = 0; w0 < vis; w0 += DI_DSV4_KEY_CHUNK) {
             int64_t nk = vis - w0 < DI_DSV4_KEY_CHUNK ? vis - w0 : DI_DSV4_KEY_CHUNK;
-            for (int64_t w = 0; w < nk; w++) kp[w] = src->kidx + (w0 + w) * DI;
+            for (int64_t w = 0; w < nk; w++) kp[w] = di_dsv41_key(ss, src, w0 + w, DI);
             di_cpu_index_scores(m->cpu.isa, c->qi + t * HI * DI, c->wi + t * HI, HI, kp, nk, DI,
                                 sc + w0);
         }

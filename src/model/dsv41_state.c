@@ -1,8 +1,9 @@
 // dsv41_state — the per-sequence state of DeepSeek V4.1 (deepseek-v41.md §5.1): window rings of
 // every backbone layer and DSpark block (W + DI_DSV41_ROLLBACK_MAX rows, so rejected speculative
 // rows never overwrite rows still needed), the compressed entries and index keys of the kv
-// sources, the FP32 (C, Z) of recent even positions (pending groups, kept for rollback), the
-// Engram history; rollback (§5.3) and the byte serialisation.
+// sources in pages of block_tokens positions (owned, or the engine's pool blocks bound to the
+// session), the FP32 (C, Z) of recent even positions (pending groups, kept for rollback), the
+// Engram history; rollback (§5.3), prefix restarts and the byte serialisation.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,22 @@
 #include "model/dsv41.h"
 
 // ---- create / destroy ----
+
+// Positions per page: the kv_manager's rule (di_kv_block_tokens): the lcm of the compression
+// ratios (every group closes at a page boundary), rounded up to at least the window.
+static int32_t block_tokens(const di_hparams *hp) {
+    int32_t lcm = 1;
+    for (int il = 0; il < hp->n_layer; il++) {
+        int32_t r = hp->compress_ratio[il], a = lcm, b = r;
+        if (r <= 0) continue;
+        while (b) {
+            int32_t t = a % b;
+            a = b, b = t;
+        }
+        lcm = lcm / a * r;
+    }
+    return lcm * ((hp->window + lcm - 1) / lcm);
+}
 
 static int32_t n_state(const di_session *s) {
     return s->model->hp.n_layer + (s->mtp ? s->model->n_mtp_loaded : 0);
@@ -42,6 +59,18 @@ di_status di_dsv41_state_create(di_session *s) {
             di_aligned_calloc(sizeof(float) * (size_t)st->ring_rows * (size_t)hp->head_dim);
         if (!st->ring[il]) return DI_ERR_NOMEM;
     }
+    // Page layout: per kv source its entries, then its index keys.
+    st->block_tokens = block_tokens(hp);
+    int64_t off = 0;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        di_dsv41_src *src = &st->src[il];
+        src->per_page = st->block_tokens / hp->compress_ratio[il];
+        src->off_main = off;
+        off += (int64_t)src->per_page * hp->head_dim;
+        src->off_idx = off;
+        off += (int64_t)src->per_page * hp->index_head_dim;
+    }
     for (int il = 0; il < hp->n_layer; il++) {
         if (!hp->kv_source[il] || hp->compress_ratio[il] != 2) continue;
         st->src[il].cz =
@@ -51,16 +80,20 @@ di_status di_dsv41_state_create(di_session *s) {
     return DI_OK;
 }
 
+static void free_own_pages(di_dsv41_state *st) {
+    for (int32_t i = 0; i < st->n_pages && st->own_pages; i++) di_aligned_free(st->own_pages[i]);
+    di_free(st->own_pages);
+    st->own_pages = NULL;
+    st->cap_own = 0;
+}
+
 void di_dsv41_state_destroy(di_session *s) {
     di_dsv41_state *st = s->v41;
     if (!st) return;
     for (int il = 0; st->ring && il < st->n_state_layers; il++) di_aligned_free(st->ring[il]);
     di_free(st->ring);
-    for (int il = 0; st->src && il < s->model->hp.n_layer; il++) {
-        di_free(st->src[il].cmain);
-        di_free(st->src[il].kidx);
-        di_free(st->src[il].cz);
-    }
+    for (int il = 0; st->src && il < s->model->hp.n_layer; il++) di_free(st->src[il].cz);
+    free_own_pages(st);
     di_free(st->src);
     di_free(st->hist);
     di_free(st);
@@ -85,30 +118,63 @@ static int64_t max_entries(const di_hparams *hp, int64_t end) {
     return max_ent;
 }
 
-// Capacity of the state for positions < end.
-di_status di_dsv41_reserve_state(di_session *s, int64_t end) {
-    const di_hparams *hp = &s->model->hp;
+size_t di_dsv41_page_bytes(const di_model *m, int32_t block_tokens) {
+    const di_hparams *hp = &m->hp;
+    size_t b = 0;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il])
+            b += sizeof(float) * (size_t)(block_tokens / hp->compress_ratio[il]) *
+                 (size_t)(hp->head_dim + hp->index_head_dim);
+    return b;
+}
+
+// Pages for the entries of positions < end, history for positions < end_hist.
+di_status di_dsv41_reserve_state(di_session *s, int64_t end, int64_t end_hist) {
     di_dsv41_state *st = s->v41;
-    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
-    for (int il = 0; il < hp->n_layer; il++) {
-        if (!hp->kv_source[il]) continue;
-        di_dsv41_src *src = &st->src[il];
-        int64_t need = end / hp->compress_ratio[il];
-        if (need <= src->cap) continue;
-        int64_t cap = src->cap ? src->cap : 64;
-        while (cap < need) cap *= 2;
-        if (!grow((void **)&src->cmain, sizeof(float) * (size_t)(cap * Dh)) ||
-            !grow((void **)&src->kidx, sizeof(float) * (size_t)(cap * DI)))
-            return DI_ERR_NOMEM;
-        src->cap = cap;
+    const int64_t need = (end + st->block_tokens - 1) / st->block_tokens;
+    if (need > st->n_pages) {
+        if (st->bound) {
+            DI_LOG_ERROR("forward: the V4.1 sequence's blocks hold %lld positions; the call needs "
+                         "%lld",
+                         (long long)st->n_pages * st->block_tokens, (long long)end);
+            return DI_ERR_NO_KV;
+        }
+        if (need > st->cap_own) {
+            int32_t cap = st->cap_own ? st->cap_own : 4;
+            while (cap < need) cap *= 2;
+            if (!grow((void **)&st->own_pages, sizeof(float *) * (size_t)cap)) return DI_ERR_NOMEM;
+            st->cap_own = cap;
+            st->pages = st->own_pages;
+        }
+        const size_t pb = di_dsv41_page_bytes(s->model, st->block_tokens);
+        while (st->n_pages < need) {
+            float *pg = di_aligned_calloc(pb ? pb : 1);
+            if (!pg) return DI_ERR_NOMEM;
+            st->own_pages[st->n_pages++] = pg;
+        }
     }
-    if (end > st->cap_hist) {
+    if (end_hist < end) end_hist = end;
+    if (end_hist > st->cap_hist) {
         int64_t cap = st->cap_hist ? st->cap_hist : 256;
-        while (cap < end) cap *= 2;
+        while (cap < end_hist) cap *= 2;
         if (!grow((void **)&st->hist, sizeof(int32_t) * (size_t)cap)) return DI_ERR_NOMEM;
         st->cap_hist = cap;
     }
     return DI_OK;
+}
+
+void di_dsv41_bind_pages(di_session *s, float *const *pages, int32_t n_pages) {
+    di_dsv41_state *st = s->v41;
+    if (!st->bound) {
+        free_own_pages(st);
+        st->bound = true;
+    }
+    st->pages = pages;
+    st->n_pages = n_pages;
+}
+
+int64_t di_dsv41_capacity(const di_session *s) {
+    return (int64_t)s->v41->n_pages * s->v41->block_tokens;
 }
 
 di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, int64_t n_pos) {
@@ -200,13 +266,16 @@ int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws) {
 
 // Capacity for positions < end and a workspace for calls of n_tok rows.
 static di_status reserve(di_session *s, int64_t end, int32_t n_tok) {
-    di_status st = di_dsv41_reserve_state(s, end);
+    di_status st = di_dsv41_reserve_state(s, s->v41->bound ? 0 : end, end);
     if (st != DI_OK) return st;
     return di_dsv41_ws_reserve(di_dsv41_ws(s), s->model, n_tok, end);
 }
 
 di_status di_dsv41_reserve(di_session *s, int32_t n_tok) {
-    return reserve(s, (int64_t)s->pos + n_tok, n_tok);
+    const int64_t end = (int64_t)s->pos + n_tok;
+    di_status st = di_dsv41_reserve_state(s, end, end);
+    if (st != DI_OK) return st;
+    return di_dsv41_ws_reserve(di_dsv41_ws(s), s->model, n_tok, end);
 }
 
 di_status di_dsv41_reserve_ctx(di_session *s, int32_t n_ctx, int32_t n_tok) {
@@ -216,13 +285,12 @@ di_status di_dsv41_reserve_ctx(di_session *s, int32_t n_ctx, int32_t n_tok) {
 int64_t di_dsv41_state_bytes(const di_session *s) {
     const di_hparams *hp = &s->model->hp;
     const di_dsv41_state *st = s->v41;
-    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim, f = sizeof(float);
+    const int64_t Dh = hp->head_dim, f = sizeof(float);
     int64_t b = (int64_t)st->n_state_layers * st->ring_rows * Dh * f;
-    for (int il = 0; il < hp->n_layer; il++) {
-        const di_dsv41_src *src = &st->src[il];
-        b += src->cap * (Dh + DI) * f;
-        if (src->cz) b += (int64_t)DI_DSV41_CZ_SLOTS * 2 * Dh * f;
-    }
+    for (int il = 0; il < hp->n_layer; il++)
+        if (st->src[il].cz) b += (int64_t)DI_DSV41_CZ_SLOTS * 2 * Dh * f;
+    if (!st->bound)
+        b += (int64_t)st->n_pages * (int64_t)di_dsv41_page_bytes(s->model, st->block_tokens);
     b += st->cap_hist * (int64_t)sizeof(int32_t);
     // Its own workspace (dsv4_state.c: scratch, selections, row maps, attention scores, the
     // V4.1 per-row scratch).
@@ -256,78 +324,27 @@ di_status di_dsv41_rollback(di_session *s, int32_t n) {
     return DI_OK;
 }
 
-// ---- prefix-cache blocks ----
+// ---- prefix restarts ----
 
-static bool block_tokens_ok(const di_hparams *hp, int32_t bt) {
-    if (bt <= 0 || bt % 2 != 0) return false; // no pending (C, Z) group at a block boundary
-    for (int il = 0; il < hp->n_layer; il++)
-        if (hp->kv_source[il] && bt % hp->compress_ratio[il] != 0) return false;
-    return true;
-}
-
-size_t di_dsv41_block_bytes(const di_model *m, int32_t block_tokens) {
+di_status di_dsv41_restart(di_session *s, int64_t hit, int32_t pos, const int32_t *tokens) {
+    const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
-    size_t b = 0;
-    for (int il = 0; il < hp->n_layer; il++)
-        if (hp->kv_source[il])
-            b += sizeof(float) * (size_t)(block_tokens / hp->compress_ratio[il]) *
-                 (size_t)(hp->head_dim + hp->index_head_dim);
-    if (hp->n_engram > 0) b += sizeof(int32_t) * (size_t)block_tokens;
-    return b;
-}
-
-void di_dsv41_export_block(const di_session *s, int32_t block_tokens, int32_t b, void *dst) {
-    const di_hparams *hp = &s->model->hp;
-    const di_dsv41_state *st = s->v41;
-    const size_t Dh = (size_t)hp->head_dim, DI = (size_t)hp->index_head_dim;
-    DI_ASSERT(block_tokens_ok(hp, block_tokens) && (int64_t)(b + 1) * block_tokens <= s->pos);
-    char *p = dst;
-    for (int il = 0; il < hp->n_layer; il++) {
-        if (!hp->kv_source[il]) continue;
-        const di_dsv41_src *src = &st->src[il];
-        const int64_t per = block_tokens / hp->compress_ratio[il], w0 = (int64_t)b * per;
-        DI_ASSERT(w0 + per <= src->n_entries);
-        memcpy(p, src->cmain + w0 * (int64_t)Dh, sizeof(float) * (size_t)per * Dh);
-        p += sizeof(float) * (size_t)per * Dh;
-        memcpy(p, src->kidx + w0 * (int64_t)DI, sizeof(float) * (size_t)per * DI);
-        p += sizeof(float) * (size_t)per * DI;
-    }
-    if (hp->n_engram > 0)
-        memcpy(p, st->hist + (int64_t)b * block_tokens, sizeof(int32_t) * (size_t)block_tokens);
-}
-
-di_status di_dsv41_import_prefix(di_session *s, int32_t block_tokens, const void *const *blocks,
-                                 int32_t n_blocks, int32_t pos) {
-    const di_hparams *hp = &s->model->hp;
     di_dsv41_state *st = s->v41;
-    const size_t Dh = (size_t)hp->head_dim, DI = (size_t)hp->index_head_dim;
     di_session_reset(s);
-    const int64_t hit = (int64_t)n_blocks * block_tokens;
-    if (!block_tokens_ok(hp, block_tokens) || n_blocks < 0 || hit > s->n_ctx_max || pos < 0 ||
-        pos > hit) {
-        DI_LOG_ERROR("session: cannot restart on %d cached blocks of %d positions at position %d "
-                     "(at most %d positions)",
-                     n_blocks, block_tokens, pos, s->n_ctx_max);
+    if (hit < 0 || hit % st->block_tokens != 0 || hit > di_dsv41_capacity(s) ||
+        hit > s->n_ctx_max || pos < 0 || pos > hit) {
+        DI_LOG_ERROR("session: cannot restart on a prefix of %lld positions at position %d (pages "
+                     "of %d positions hold %lld; at most %d positions)",
+                     (long long)hit, pos, st->block_tokens, (long long)di_dsv41_capacity(s),
+                     s->n_ctx_max);
         return DI_ERR_INVALID;
     }
-    di_status r = reserve(s, hit, 1); // capacities (the engine's sessions have them)
+    di_status r = di_dsv41_reserve_state(s, hit, hit); // the history (the engine's slots have it)
     if (r != DI_OK) return r;
     for (int il = 0; il < st->n_state_layers; il++)
-        memset(st->ring[il], 0, sizeof(float) * (size_t)st->ring_rows * Dh);
-    for (int32_t b = 0; b < n_blocks; b++) {
-        const char *p = blocks[b];
-        for (int il = 0; il < hp->n_layer; il++) {
-            if (!hp->kv_source[il]) continue;
-            di_dsv41_src *src = &st->src[il];
-            const int64_t per = block_tokens / hp->compress_ratio[il], w0 = (int64_t)b * per;
-            memcpy(src->cmain + w0 * (int64_t)Dh, p, sizeof(float) * (size_t)per * Dh);
-            p += sizeof(float) * (size_t)per * Dh;
-            memcpy(src->kidx + w0 * (int64_t)DI, p, sizeof(float) * (size_t)per * DI);
-            p += sizeof(float) * (size_t)per * DI;
-        }
-        if (hp->n_engram > 0)
-            memcpy(st->hist + (int64_t)b * block_tokens, p, sizeof(int32_t) * (size_t)block_tokens);
-    }
+        memset(st->ring[il], 0, sizeof(float) * (size_t)st->ring_rows * (size_t)hp->head_dim);
+    if (hp->n_engram > 0)
+        for (int64_t p = 0; p < hit; p++) st->hist[p] = m->v41->cmap[tokens[p]];
     for (int il = 0; il < hp->n_layer; il++)
         if (hp->kv_source[il]) st->src[il].n_entries = hit / hp->compress_ratio[il];
     s->pos = pos;
@@ -368,8 +385,12 @@ di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes) {
         const di_dsv41_src *src = &st->src[il];
         size_t ne = (size_t)src->n_entries;
         r = di_buf_append(&b, &src->n_entries, sizeof src->n_entries);
-        if (!r && ne) r = di_buf_append(&b, src->cmain, sizeof(float) * ne * Dh);
-        if (!r && ne) r = di_buf_append(&b, src->kidx, sizeof(float) * ne * DI);
+        for (size_t w = 0; !r && w < ne; w++)
+            r = di_buf_append(&b, di_dsv41_entry(st, src, (int64_t)w, (int32_t)Dh),
+                              sizeof(float) * Dh);
+        for (size_t w = 0; !r && w < ne; w++)
+            r = di_buf_append(&b, di_dsv41_key(st, src, (int64_t)w, (int32_t)DI),
+                              sizeof(float) * DI);
         if (!r && src->cz)
             r = di_buf_append(&b, src->cz, sizeof(float) * DI_DSV41_CZ_SLOTS * 2 * Dh);
     }
@@ -400,18 +421,20 @@ di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes) {
          di_reader_get(&r, &fp, sizeof fp) && fp == fingerprint(s->model) &&
          di_reader_get(&r, pos, sizeof pos) && pos[0] >= 0 && pos[0] <= s->n_ctx_max &&
          pos[1] >= 0 && pos[1] <= pos[0] && di_reader_get(&r, &mtp, 1) && mtp == s->mtp;
-    if (ok) {
-        ok = reserve(s, pos[0], 1) == DI_OK; // capacities for pos[0] positions
-    }
+    if (ok) // capacities for pos[0] positions (a bound session must have the pages)
+        ok = di_dsv41_reserve_state(s, pos[0], pos[0]) == DI_OK;
     for (int il = 0; ok && il < st->n_state_layers; il++)
         ok = di_reader_get(&r, st->ring[il], sizeof(float) * (size_t)st->ring_rows * Dh);
     for (int il = 0; ok && il < hp->n_layer; il++) {
         if (!hp->kv_source[il]) continue;
         di_dsv41_src *src = &st->src[il];
         int64_t ne;
-        ok = di_reader_get(&r, &ne, sizeof ne) && ne == pos[0] / hp->compress_ratio[il] &&
-             di_reader_get(&r, src->cmain, sizeof(float) * (size_t)ne * Dh) &&
-             di_reader_get(&r, src->kidx, sizeof(float) * (size_t)ne * DI) &&
+        ok = di_reader_get(&r, &ne, sizeof ne) && ne == pos[0] / hp->compress_ratio[il];
+        for (int64_t w = 0; ok && w < ne; w++)
+            ok = di_reader_get(&r, di_dsv41_entry(st, src, w, (int32_t)Dh), sizeof(float) * Dh);
+        for (int64_t w = 0; ok && w < ne; w++)
+            ok = di_reader_get(&r, di_dsv41_key(st, src, w, (int32_t)DI), sizeof(float) * DI);
+        ok = ok &&
              (!src->cz || di_reader_get(&r, src->cz, sizeof(float) * DI_DSV41_CZ_SLOTS * 2 * Dh));
         if (ok) src->n_entries = ne;
     }

@@ -205,7 +205,7 @@ static inline const float *key_row(const di_dsv4_keys *k, int64_t j, int32_t Dh)
         return pos < k->p0 ? k->ring + (pos % k->ring_rows) * Dh : k->rows + (pos - k->p0) * Dh;
     }
     int64_t e = k->sel ? k->sel[j - k->n_win] : j - k->n_win;
-    return k->cmp ? di_dsv4_entry(k->cmp, e, Dh) : k->cmain + e * Dh;
+    return di_dsv4_entry(k->cmp, e, Dh);
 }
 
 void di_dsv4_attend_heads(const di_model *m, const float *q, const float *sink, int32_t nh,

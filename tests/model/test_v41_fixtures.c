@@ -139,8 +139,20 @@ static void check_state_vs_ref(const di_model *m, const di_session *s, const di_
         CHECK_EQ(c->n_elements, src->n_entries * hp->head_dim);
         CHECK_EQ(k->n_elements, src->n_entries * hp->index_head_dim);
         if (c->n_elements != src->n_entries * hp->head_dim) continue;
-        double ec = test_rel_err(src->cmain, c->data, c->n_elements);
-        double ek = test_rel_err(src->kidx, k->data, k->n_elements);
+        // The entries and keys through the session's pages, gathered in entry order.
+        const int32_t Dh = hp->head_dim, DI = hp->index_head_dim;
+        float *cm = malloc(sizeof(float) * (size_t)(src->n_entries * Dh + 1));
+        float *ki = malloc(sizeof(float) * (size_t)(src->n_entries * DI + 1));
+        CHECK(cm && ki);
+        if (!cm || !ki) continue;
+        for (int64_t w = 0; w < src->n_entries; w++) {
+            memcpy(cm + w * Dh, di_dsv41_entry(s->v41, src, w, Dh), sizeof(float) * (size_t)Dh);
+            memcpy(ki + w * DI, di_dsv41_key(s->v41, src, w, DI), sizeof(float) * (size_t)DI);
+        }
+        double ec = test_rel_err(cm, c->data, c->n_elements);
+        double ek = test_rel_err(ki, k->data, k->n_elements);
+        free(cm);
+        free(ki);
         fprintf(stderr, "  source %d: %lld entries, Cmain %.3g, Kidx %.3g\n", il,
                 (long long)src->n_entries, ec, ek);
         // Q4e / Q4 grids turn a 1e-6 difference into a full grid step when a value sits at a

@@ -295,7 +295,7 @@ def test_pd_with_api_keys():
 
 def test_pd_v41(tmp_path):
     # V4.1 (the tiny model: legacy completions of ids below 512, as in test_v41.py): the transfer
-    # carries its prefix blocks (entries, index keys, Engram ids); the decode replica's hit replays
+    # carries its blocks (the pages: entries and index keys); the decode replica's hit replays
     # the bounded suffix and gives a plain replica's output
     d = str(tmp_path / "v41")
     subprocess.run([os.environ["DEEPINFER_BIN"], "synth", "--preset", "v41-tiny", "--out", d],

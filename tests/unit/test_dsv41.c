@@ -649,8 +649,12 @@ static void check_rounding_points(const char *dir) {
             if (!hp->kv_source[il]) continue;
             const di_dsv41_src *src = &s->v41->src[il];
             CHECK(src->n_entries > 0);
-            bad_e += off_grid(src->cmain, src->n_entries * hp->head_dim, 16, 2);
-            bad_k += off_grid(src->kidx, src->n_entries * hp->index_head_dim, 32, 1);
+            for (int64_t w = 0; w < src->n_entries; w++) { // through the session's pages
+                bad_e +=
+                    off_grid(di_dsv41_entry(s->v41, src, w, hp->head_dim), hp->head_dim, 16, 2);
+                bad_k += off_grid(di_dsv41_key(s->v41, src, w, hp->index_head_dim),
+                                  hp->index_head_dim, 32, 1);
+            }
         }
         CHECK_EQ(bad_ring, 0);
         CHECK_EQ(bad_e, 0);

@@ -6,7 +6,8 @@
 //       concurrent requests (greedy, seeded temperature/top-k, top-p + min-p, repetition /
 //       presence / frequency penalties, logit bias) on 3 slots with chunked prefill give the
 //       tokens, logprobs, top logprobs and first logits of the engine without speculation; the
-//       verify counters add up; nothing is allocated inside a step; a slot costs more with DSpark;
+//       verify counters add up; nothing is allocated inside a step; a slot's tail costs more with
+//       DSpark (fewer blocks in the same memory);
 //   (b) oracle drafts through the draft hook (engine_internal.h): the true continuation (all
 //       accepted: k + 1 tokens per verify), one wrong at draft 3 (2 accepted), all wrong (none
 //       accepted): exact outputs, and the verify counters equal those simulated from the
@@ -32,7 +33,9 @@
 //   (j) a request whose grammar waits for a trigger token speculates until the trigger: oracle
 //       drafts of its unconstrained continuation run past the trigger (their rows, sampled without
 //       the grammar, match them), the block is cut at the trigger, no draft is asked for after
-//       it, and the output equals the engine's without speculation.
+//       it, and the output equals the engine's without speculation;
+//   (k) under memory pressure (a pool smaller than the requests need at once) speculating
+//       sequences are preempted and recomputed: exact, every block back.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -133,22 +136,25 @@ static void draft_hook(void *user, uint64_t id, int32_t n_gen, di_draft *d) {
 
 // ---- engines ----
 
-static di_engine *engine(int32_t spec, float min_conf, int32_t max_seqs) {
+static di_engine *engine_kv(int32_t spec, float min_conf, int32_t max_seqs, size_t kv_bytes) {
     di_engine_options o = di_engine_options_default();
     o.n_threads = N_THREADS;
-    o.kv_memory_bytes = (size_t)64 << 20;
+    o.kv_memory_bytes = kv_bytes;
     o.max_seqs = max_seqs;
     o.max_batch_tokens = ROWS;
     o.max_ctx = 256;
     o.spec_tokens = spec;
     o.spec_min_confidence = min_conf;
     o.token_bytes = token_bytes;
-    // A pool block then stands for a share of a slot ((a) compares slot sizes through it); the
-    // prefix cache under speculation: test_engine_v41_prefix.c (e).
+    // The prefix cache under speculation: test_engine_v41_prefix.c (e).
     o.no_prefix_cache = true;
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     return e;
+}
+
+static di_engine *engine(int32_t spec, float min_conf, int32_t max_seqs) {
+    return engine_kv(spec, min_conf, max_seqs, (size_t)64 << 20);
 }
 
 // Submits requests [0, n) on a fresh engine (ids 1 .. n) and waits.
@@ -199,13 +205,13 @@ static void baseline(result *res, int n, stop_kind stop) {
 
 static void test_own_drafts(void) {
     const float cuts[2] = {0, -1}; // the default cut, none
-    int64_t slot_bytes_off = 0;
+    int64_t blocks_off = 0;
     {
         di_engine *e = engine(0, 0, 3);
         di_engine_stats st;
         if (e) {
             di_engine_get_stats(e, &st);
-            slot_bytes_off = st.block_bytes;
+            blocks_off = st.n_blocks_total;
             di_engine_destroy(e);
         }
     }
@@ -233,8 +239,8 @@ static void test_own_drafts(void) {
         CHECK(st.n_spec_verifies > st.n_steps / 2);
         CHECK_EQ(st.n_spec_drafted, (int64_t)K * st.n_spec_verifies); // the block size: 5
         if (c == 1) CHECK(st.n_spec_verified > st.n_spec_verifies);   // no cut: k > 1 mostly
-        // A slot holds the DSpark rings and scratch too (the pool's block stands for its share).
-        CHECK(st.block_bytes > slot_bytes_off);
+        // A slot's tail holds the DSpark rings and scratch too: fewer blocks in the same memory.
+        CHECK(st.n_blocks_total < blocks_off);
         check_clean(e);
         di_engine_destroy(e);
     }
@@ -755,6 +761,32 @@ static void test_grammar_after_spec(void) {
     di_tokenizer_destroy(tok);
 }
 
+// ---- (k) ----
+
+static void test_preempted(void) {
+    // 330 KiB: 3 slot tails and a pool too small for the 6 requests at once: sequences that
+    // verify drafts (and roll rejected rows back) are preempted and recomputed.
+    di_engine *e = engine_kv(K, -1, 3, (size_t)330 << 10);
+    if (!e) return;
+    static result got[N_REQ];
+    run_all(e, got, N_REQ, STOP_NONE);
+    int n_same = 0;
+    for (int i = 0; i < N_REQ; i++) n_same += same(&got[i], &g_off[i]);
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    fprintf(stderr,
+            "(k) under memory pressure (%lld blocks): %d/%d identical; %lld preemptions, %lld "
+            "verifies, %lld drafts verified\n",
+            (long long)st.n_blocks_total, n_same, N_REQ, (long long)st.n_preemptions,
+            (long long)st.n_spec_verifies, (long long)st.n_spec_verified);
+    CHECK_EQ(n_same, N_REQ);
+    CHECK(st.n_preemptions > 0);
+    CHECK(st.n_spec_verifies > 0 && st.n_spec_verified > st.n_spec_verifies);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    CHECK_EQ(st.n_step_allocs, 0);
+    di_engine_destroy(e);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_engine_spec_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -791,6 +823,7 @@ int main(void) {
     test_budget_and_sync();
     test_grammar_no_spec();
     test_grammar_after_spec();
+    test_preempted();
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);

@@ -5,7 +5,7 @@
 // the blocks present; (b) a corrupted transfer, one whose record hash is not its tokens' chain
 // hash (valid checksums), and one made by another checkpoint are refused and insert nothing; (c)
 // an engine without the prefix cache refuses both calls; (d) the same exchange on the V4.1 tiny
-// model (its prefix blocks hold copies of the slots' entries, index keys and Engram ids): the
+// model (its blocks are its pages: the entries and index keys of every kv source): the
 // decode side's hit replays the bounded suffix and gives the tokens of an engine without cache.
 #include "harness.h"
 

@@ -13,13 +13,20 @@
 //   (c) a forward failure injected mid-run ends exactly the requests of that step with
 //       DI_FINISH_ERROR and its status; the others, and requests submitted afterwards into the
 //       failed slots, give the reference's tokens;
-//   (d) sizing: kv_memory_bytes buys whole slots of di_dsv41_state_bytes (a session reserved for
-//       max_ctx positions and max_batch_tokens rows; the workspace is shared): one byte less than
-//       one slot is refused with DI_ERR_INVALID, exactly one slot clamps max_seqs to 1 (and still
-//       serves three requests correctly, one after another), two and a half slots clamp max_seqs 4
-//       to 2.
+//   (d) sizing: kv_memory_bytes pays max_seqs slot tails (di_dsv41_state_bytes of a session bound
+//       to pool blocks, reserved for max_ctx positions and max_batch_tokens rows; the workspace
+//       is shared) and buys blocks (V4.1 pages) with the rest: one byte less than one tail and
+//       one max_ctx sequence's blocks is refused with DI_ERR_INVALID, exactly that clamps
+//       max_seqs to 1 (and still serves three requests correctly, one after another); the disk
+//       tier without the prefix cache is refused;
+//   (e) memory proportional to use: in the memory where the dense layout (entries committed for
+//       max_ctx per slot) fits fewer than 4 slots, 4 requests much shorter than max_ctx all run
+//       at once (polled n_running), exactly, without preemption;
+//   (f) preemption: 6 slots and a pool of 20 blocks for requests needing 43: V4.1 sequences are
+//       preempted (recompute) and still give the reference's tokens; every block comes back.
 #include "harness.h"
 
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -226,8 +233,9 @@ static void test_failure(void) {
 // ---- (d) ----
 
 static void test_sizing(void) {
-    // One slot's bytes, measured as the engine does: a session reserved for MAX_CTX positions and
-    // ROWS rows on a model with the engine's thread count.
+    // One slot's tail, measured as the engine does: a session bound to pool blocks (no entries of
+    // its own), reserved for MAX_CTX positions and ROWS rows on a model with the engine's thread
+    // count; and the blocks of one MAX_CTX sequence.
     di_model_options mo = di_model_options_default();
     mo.n_threads = N_THREADS;
     di_model *m = NULL;
@@ -242,36 +250,43 @@ static void test_sizing(void) {
     }
     di_dsv4_ws ws = {0}; // the engine's slots share its workspace, outside kv_memory_bytes
     di_dsv41_share_ws(s, &ws);
+    di_dsv41_bind_pages(s, NULL, 0);
     const int64_t before = di_dsv41_state_bytes(s);
     CHECK_EQ(di_dsv41_reserve_ctx(s, MAX_CTX, ROWS), DI_OK);
-    const int64_t slot = di_dsv41_state_bytes(s), ws_bytes = di_dsv4_ws_bytes(&ws);
+    const int64_t tail = di_dsv41_state_bytes(s), ws_bytes = di_dsv4_ws_bytes(&ws);
     CHECK(ws_bytes > 0); // the reservation grew the shared workspace, not the session's own
+    CHECK_EQ(di_dsv41_capacity(s), 0); // no entries in the slot: they are in the pool's blocks
     const int32_t bt = di_kv_block_tokens(m);
     const int32_t max_blocks = (MAX_CTX + bt - 1) / bt;
+    const int64_t blk = (int64_t)di_kv_v41_block_bytes(m);
+    const int64_t page = (int64_t)di_dsv41_page_bytes(m, bt), one = max_blocks * blk;
+    // The dense layout before paging committed every slot's entries for MAX_CTX positions.
+    const int64_t dense = tail + max_blocks * page;
     di_session_destroy(s);
     di_dsv4_ws_free(&ws);
     di_model_destroy(m);
-    CHECK(slot > before); // the reservation grew the entry arrays, history and scratch
+    CHECK(tail > before); // the reservation grew the history
     fprintf(stderr,
-            "(d) one V4.1 slot (%d positions, %d rows per step): %lld bytes (%.2f MiB), "
-            "the shared workspace %lld bytes\n",
-            MAX_CTX, ROWS, (long long)slot, (double)slot / (1 << 20), (long long)ws_bytes);
+            "(d) one V4.1 slot tail (%d positions, %d rows per step): %lld bytes (%.2f MiB); a "
+            "block %lld bytes (%d positions); the shared workspace %lld bytes; a dense slot was "
+            "%lld bytes\n",
+            MAX_CTX, ROWS, (long long)tail, (double)tail / (1 << 20), (long long)blk, (int)bt,
+            (long long)ws_bytes, (long long)dense);
 
-    di_engine_options o = options((size_t)slot - 1, 4);
+    di_engine_options o = options((size_t)(tail + one) - 1, 4);
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_INVALID);
     CHECK(e == NULL);
 
-    // Exactly one slot: max_seqs 4 -> 1; three requests run one after another, correctly.
-    o = options((size_t)slot, 4);
+    // Exactly one slot's tail and one sequence's blocks: max_seqs 4 -> 1; three requests run one
+    // after another, correctly.
+    o = options((size_t)(tail + one), 4);
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     if (e) {
         di_engine_stats st;
         di_engine_get_stats(e, &st);
         CHECK_EQ(st.n_blocks_total, max_blocks);
-        // A block stands for 1 / max_blocks of the slot (the pool rounds its size up to 64).
-        CHECK(st.block_bytes * max_blocks >= slot &&
-              st.block_bytes * max_blocks < slot + 64 * max_blocks);
+        CHECK_EQ(st.block_bytes, blk);
         static result got[N_REQ];
         run(e, got, 0, 3);
         di_engine_wait_idle(e);
@@ -281,23 +296,80 @@ static void test_sizing(void) {
         check_clean(e);
         di_engine_destroy(e);
     }
-    o = options((size_t)(2 * slot + slot / 2), 4); // two and a half: max_seqs 2
+    // The prefix cache's disk tier extends the prefix cache, which is off here: refused.
+    char disk[300];
+    snprintf(disk, sizeof disk, "%s/kv-disk", g_root);
+    o = options((size_t)(tail + one), 4);
+    o.kv_disk_dir = disk;
+    e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_INVALID);
+    CHECK(e == NULL);
+
+    // (e) Memory proportional to use: 4 tails and the blocks of two MAX_CTX sequences hold 4
+    // slots (the dense layout: fewer), and requests 0 .. 3 (their prompts and generations need
+    // 11 + 2 + 9 + 4 = 26 of the 32 blocks) all run at once, without preemption, exactly.
+    const size_t kv4 = (size_t)(4 * tail + 2 * one);
+    const int64_t dense_fit = (int64_t)kv4 / dense;
+    CHECK(dense_fit < 4);
+    o = options(kv4, 4);
     e = NULL;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     if (e) {
         di_engine_stats st;
         di_engine_get_stats(e, &st);
         CHECK_EQ(st.n_blocks_total, 2 * max_blocks);
+        static result got[N_REQ];
+        run(e, got, 0, 4);
+        int32_t peak = 0;
+        for (;;) { // the most sequences running at once (polled)
+            di_engine_get_stats(e, &st);
+            if (st.n_running > peak) peak = st.n_running;
+            int n_fin = 0;
+            for (int i = 0; i < 4; i++) n_fin += atomic_load(&got[i].finished);
+            if (n_fin == 4) break;
+            sched_yield();
+        }
+        di_engine_wait_idle(e);
+        for (int i = 0; i < 4; i++) CHECK(same(&got[i], &g_ref[i]));
+        fprintf(stderr,
+                "(e) --kv-memory %zu bytes: 4 slots and %lld blocks (the dense layout: %lld "
+                "slots); 4 requests, %d running at once at most, exact\n",
+                kv4, (long long)st.n_blocks_total, (long long)dense_fit, (int)peak);
+        CHECK_EQ(peak, 4);
+        check_clean(e);
         di_engine_destroy(e);
     }
-    // The prefix cache's disk tier is the V4 CPU forward's only: refused on V4.1.
-    char disk[300];
-    snprintf(disk, sizeof disk, "%s/kv-disk", g_root);
-    o = options((size_t)slot, 4);
-    o.kv_disk_dir = disk;
+
+    // (f) Preemption: 6 slots and 20 blocks for requests needing 11 + 1 + 9 + 4 + 11 + 7 = 43:
+    // sequences are preempted when blocks run out and recomputed later, with the same tokens; the
+    // pool is whole again at the end.
+    o = options((size_t)(6 * tail + 20 * blk), 6);
     e = NULL;
-    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_UNSUPPORTED);
-    CHECK(e == NULL);
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    if (e) {
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_blocks_total, 20);
+        static result got[N_REQ];
+        run(e, got, 0, N_REQ);
+        di_engine_wait_idle(e);
+        int n_same = 0, n_pre = 0;
+        for (int i = 0; i < N_REQ; i++) {
+            n_same += same(&got[i], &g_ref[i]);
+            n_pre += got[i].n_preempted > 0;
+        }
+        di_engine_get_stats(e, &st);
+        fprintf(stderr,
+                "(f) 6 slots, 20 blocks: %d/%d identical; %lld preemptions (%d requests "
+                "preempted), %lld prefill rows\n",
+                n_same, N_REQ, (long long)st.n_preemptions, n_pre, (long long)st.n_prefill_tokens);
+        CHECK_EQ(n_same, N_REQ);
+        CHECK(st.n_preemptions > 0 && n_pre > 0);
+        CHECK_EQ(st.n_running, 0);
+        CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+        CHECK_EQ(st.n_step_allocs, 0);
+        di_engine_destroy(e);
+    }
 }
 
 int main(void) {

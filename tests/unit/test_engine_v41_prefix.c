@@ -6,12 +6,13 @@
 // that chose the first token).
 //   (a) hit lengths: after a 240-token prompt, prompts sharing its first n tokens (n = 17 .. 240,
 //       then 7 tokens of their own) hit n rounded down to a block (16 .. 224, limited to n_prompt -
-//       1), replay max(0, hit - 90) .. hit - 1 (hits <= 90 start over at 0, longer ones import
-//       the cached entries and replay 90 positions: across blocks, ratio-2 groups and windows),
+//       1), replay max(0, hit - 90) .. hit - 1 (the cached blocks attached, their entries kept;
+//       hits <= 90 replay from 0, longer ones 90 positions: across blocks, ratio-2 groups and
+//       windows),
 //       run 3 at a time with 32 rows per step (chunked replay), and are exact; the counters
 //       (di_event n_cached / n_replayed, engine stats) add up; nothing is allocated in a step;
 //   (b) two concurrent requests sharing a 200-token prefix on a fresh engine: the second attaches
-//       blocks the first published while running (exported after their step, imported at the
+//       blocks the first published while running (computed in place by its step, read at the
 //       second's launch) and both are exact;
 //   (c) eviction: kv_memory_bytes for one slot and its blocks only (no extra blocks): a
 //       different prompt evicts the first prompt's idle cached blocks (least recently used
@@ -24,13 +25,16 @@
 //       identity in the prefix cache's chain hash, so its blocks never match;
 //   (g) the disk tier (kv_disk_dir): blocks flushed at destroy are hits for a new engine on the
 //       same directory (read from disk, exact); an engine of another checkpoint on that directory
-//       finds none of them; without the prefix cache the option is refused.
+//       finds none of them; without the prefix cache the option is refused;
+//   (h) a hit shares blocks: the second request's first blocks are the ids of the first one's
+//       cached blocks, and while it runs the pool lacks exactly its blocks (shared ones once).
 #include "harness.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 
+#include "engine/engine_internal.h"
 #include "kv/kv_manager.h"
 #include "model/dsv41.h"
 #include "model/synth.h"
@@ -44,6 +48,9 @@ static int32_t g_other[LONG]; // a prompt sharing nothing with it
 static const int32_t g_n[N_HIT] = {17, 40, 95, 106, 130, 161, 200, 239, 240};
 
 typedef struct result {
+    di_engine *blocks_engine; // (h): records its block ids at its first and last tokens
+    int32_t blocks_first[32], blocks_last[32], n_blocks_first, n_blocks_last;
+    int64_t free_first; // the pool's available blocks at its first token
     di_engine *cancel_engine;
     int32_t cancel_after;
     int32_t prompt[MAXP], n_prompt;
@@ -63,6 +70,14 @@ static void on_event(void *user, const di_event *ev) {
         r->logprob[r->n] = ev->logprob;
         for (int k = 0; k < ev->n_top && k < N_TOP; k++) r->top[r->n][k] = ev->top_logprobs[k];
         r->n++;
+        if (r->blocks_engine && r->n == 1)
+            r->n_blocks_first = di_engine_request_blocks(r->blocks_engine, ev->request_id,
+                                                         r->blocks_first, 32, &r->free_first);
+        if (r->blocks_engine && r->n == MAX_GEN) {
+            int64_t n_free;
+            r->n_blocks_last = di_engine_request_blocks(r->blocks_engine, ev->request_id,
+                                                        r->blocks_last, 32, &n_free);
+        }
         if (r->cancel_engine && r->n == r->cancel_after)
             di_engine_cancel(r->cancel_engine, ev->request_id);
     }
@@ -220,7 +235,7 @@ static void test_concurrent(void) {
 // ---- (c) ----
 
 static void test_eviction(void) {
-    // One slot and its max_ctx blocks, nothing else: the slot's bytes as the engine measures them.
+    // One slot's tail and max_ctx blocks, nothing else: the bytes as the engine measures them.
     di_model_options mo = di_model_options_default();
     mo.n_threads = N_THREADS;
     di_model *m = NULL;
@@ -231,9 +246,10 @@ static void test_eviction(void) {
     CHECK_EQ(di_session_create(m, &so, &s), DI_OK);
     di_dsv4_ws ws = {0};
     di_dsv41_share_ws(s, &ws);
+    di_dsv41_bind_pages(s, NULL, 0); // an engine slot's: its blocks are the pool's
     CHECK_EQ(di_dsv41_reserve_ctx(s, MAX_CTX, ROWS), DI_OK);
     const int32_t bt = di_kv_block_tokens(m), max_blocks = (MAX_CTX + bt - 1) / bt;
-    const int64_t blk = (int64_t)(di_dsv41_block_bytes(m, bt) + 63) / 64 * 64;
+    const int64_t blk = (int64_t)di_kv_v41_block_bytes(m);
     const int64_t slot = di_dsv41_state_bytes(s) + max_blocks * blk;
     di_session_destroy(s);
     di_dsv4_ws_free(&ws);
@@ -343,8 +359,8 @@ static void test_other_checkpoint(void) {
     CHECK(m1->weights_id != m2->weights_id);
     CHECK(!memcmp(&m1->hp, &m2->hp, sizeof m1->hp)); // the same architecture
     di_kv_manager *k1 = NULL, *k2 = NULL;
-    CHECK_EQ(di_kv_manager_create_v41(m1, 20, 1, MAX_CTX, &k1), DI_OK);
-    CHECK_EQ(di_kv_manager_create_v41(m2, 20, 1, MAX_CTX, &k2), DI_OK);
+    CHECK_EQ(di_kv_manager_create_v41(m1, 20, 1, MAX_CTX, true, &k1), DI_OK);
+    CHECK_EQ(di_kv_manager_create_v41(m2, 20, 1, MAX_CTX, true, &k2), DI_OK);
     if (k1 && k2) {
         CHECK(di_prefix_cache_hash(k1->cache, 0, g_base, 0) !=
               di_prefix_cache_hash(k2->cache, 0, g_base, 0));
@@ -415,11 +431,48 @@ static void test_disk(void) {
     di_engine_get_stats(e, &st);
     CHECK_EQ(st.n_disk_hit_tokens, 0);
     di_engine_destroy(e);
-    o = options((size_t)64 << 20, 2, false, 0);
+    o = options((size_t)64 << 20, 2, false, 0); // the disk tier extends the prefix cache: off
     o.kv_disk_dir = dir;
     e = NULL;
-    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_UNSUPPORTED);
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_INVALID);
     CHECK(e == NULL);
+}
+
+// ---- (h) ----
+
+static void test_shared_blocks(void) {
+    static result req[2], ref[2];
+    prompt(&req[0], g_base, LONG, 0, 0);
+    prompt(&req[1], g_base, 200, TAIL, 1);
+    oracle(ref, req, 2, 0);
+    di_engine *e = engine((size_t)64 << 20, 2, true, 0);
+    if (!e) return;
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    for (int i = 0; i < 2; i++) {
+        req[i].blocks_engine = e;
+        submit(e, &req[i], i);
+        di_engine_wait_idle(e);
+        CHECK(same(&req[i], &ref[i]));
+    }
+    // The second request's first blocks are the blocks the first one computed (published while
+    // it ran, cached since): attached, not copies. The 12 shared blocks are counted once: the
+    // pool lacks exactly the second's blocks while it runs.
+    const int32_t n_hit = req[1].n_cached / 16;
+    CHECK_EQ(req[1].n_cached, 192);
+    CHECK(req[0].n_blocks_last >= n_hit && req[1].n_blocks_first > n_hit);
+    int n_equal = 0;
+    for (int32_t b = 0; b < n_hit; b++) n_equal += req[1].blocks_first[b] == req[0].blocks_last[b];
+    CHECK_EQ(n_equal, n_hit);
+    CHECK_EQ(req[1].free_first, st.n_blocks_total - req[1].n_blocks_first);
+    fprintf(stderr,
+            "(h) shared blocks: the second request's first %d of %d blocks are the first "
+            "request's (%d equal ids); %lld of %lld blocks available while it ran\n",
+            (int)n_hit, (int)req[1].n_blocks_first, n_equal, (long long)req[1].free_first,
+            (long long)st.n_blocks_total);
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    di_engine_destroy(e);
 }
 
 int main(void) {
@@ -442,6 +495,7 @@ int main(void) {
     test_spec();
     test_other_checkpoint();
     test_disk();
+    test_shared_blocks();
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
