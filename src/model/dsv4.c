@@ -415,15 +415,8 @@ void di_dsv4_hc_head(di_dsv4_ctx *c, const di_dsv4_hc_w *hc, const float *norm, 
 
 // ---- the forward pass of one call ----
 
-void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
-                           int32_t n_logit_rows, float *logits) {
-    di_model *m = c->model;
-    const di_hparams *hp = &m->hp;
-    const int nc = hp->hc_mult;
-    const int64_t D = hp->n_embd;
+void di_dsv4_set_rows(di_dsv4_ctx *c) {
     di_dsv4_ws *ws = c->ws;
-
-    // Rows: sequence after sequence; each row knows its sequence and absolute position.
     int32_t n_rows = 0;
     for (int32_t i = 0; i < c->n_seq; i++) {
         di_dsv4_seq *sq = &c->seqs[i];
@@ -437,6 +430,17 @@ void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t 
     }
     DI_ASSERT(n_rows <= ws->scratch_tokens);
     c->n_rows = n_rows;
+}
+
+void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
+                           int32_t n_logit_rows, float *logits) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int nc = hp->hc_mult;
+    const int64_t D = hp->n_embd;
+
+    di_dsv4_set_rows(c); // sequence after sequence; each row knows its sequence and position
+    const int32_t n_rows = c->n_rows;
     m->n_forward_calls++;
     float *x = di_dsv4_scratch(c, DI_SCR_X); // [T, NC, D]
 

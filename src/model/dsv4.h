@@ -234,6 +234,10 @@ typedef struct di_dsv4_ctx {
     void *trace_user;
 } di_dsv4_ctx;
 
+// Lays the rows of c's sequences out one after another (sequence after sequence): each
+// sequence's row0, each row's sequence and absolute position in the workspace, c->n_rows.
+void di_dsv4_set_rows(di_dsv4_ctx *c);
+
 // Runs the main layers on a ragged batch: seqs[i] feeds tokens[seqs[i].row0 ..] (rows are
 // concatenated in seqs order; row0 is set here) and advances its state (the caller then moves
 // its position). Logits of the rows listed in logit_rows (ascending) go to logits [n, V]; the

@@ -241,22 +241,10 @@ static void head(di_dsv4_ctx *c, const float *x, const float *pre, int32_t n, co
 
 // ---- the forward pass of one call (§2.1) ----
 
-// Lays the rows of c's sequences out one after another: row0, each row's sequence and position.
+// Lays the rows of c's sequences out (di_dsv4_set_rows); the V4.1 row scratch holds them.
 static void set_rows(di_dsv4_ctx *c) {
-    di_dsv4_ws *ws = c->ws;
-    int32_t n_rows = 0;
-    for (int32_t i = 0; i < c->n_seq; i++) {
-        di_dsv4_seq *sq = &c->seqs[i];
-        DI_ASSERT(sq->n_tok >= 1);
-        sq->row0 = n_rows;
-        for (int32_t t = 0; t < sq->n_tok; t++) {
-            ws->row_seq[n_rows + t] = i;
-            ws->row_pos[n_rows + t] = sq->pos + t;
-        }
-        n_rows += sq->n_tok;
-    }
-    DI_ASSERT(n_rows <= ws->scratch_tokens && n_rows <= ws->v41->cap_rows);
-    c->n_rows = n_rows;
+    di_dsv4_set_rows(c);
+    DI_ASSERT(c->n_rows <= c->ws->v41->cap_rows);
 }
 
 // A call of one sequence of session s: n_tok rows at positions pos ...
