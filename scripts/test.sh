@@ -31,7 +31,7 @@ else
     echo "== CUDA build skipped: no nvcc" >&2
 fi
 
-echo "== ASan+UBSan build: unit and model tests" >&2
+echo "== ASan+UBSan build: the CPU tests again (but the no-sanitizer ones)" >&2
 cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDI_WERROR=ON \
     -DDI_SANITIZE=address,undefined >/dev/null
 cmake --build "$root/build-asan" -j"$jobs"

@@ -102,15 +102,19 @@ def test_prefix_hit(v41):
     # 16-position blocks of the V4.1 tiny model below the last prompt token) and gives the same
     # text and log-probabilities; /metrics counts the hit (docs/kv-cache.md, "DeepSeek V4.1").
     prompt = "3 1 2 " * 50  # BOS + 300 BPE ids
-    before = v41.metrics()["deepinfer:prefix_cache_hit_tokens_total"]
+    m0 = v41.metrics()
+    before = m0["deepinfer:prefix_cache_hit_tokens_total"]
     bodies = [complete(v41, prompt, 10, logprobs=2) for _ in range(2)]
     n = bodies[0]["usage"]["prompt_tokens"]
     assert n == 301
     assert bodies[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert bodies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
     assert bodies[1]["choices"] == bodies[0]["choices"]
-    after = v41.metrics()["deepinfer:prefix_cache_hit_tokens_total"]
-    assert after - before == (n - 1) // 16 * 16
+    m1 = v41.metrics()
+    assert m1["deepinfer:prefix_cache_hit_tokens_total"] - before == (n - 1) // 16 * 16
+    # the bounded replay fed n_layers * (W - 1) = 90 of the cached positions again
+    assert m1["deepinfer:prefix_cache_replayed_tokens_total"] - \
+        m0["deepinfer:prefix_cache_replayed_tokens_total"] == 90
 
 
 def test_chat_needs_the_v41_tokenizer(v41):

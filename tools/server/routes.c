@@ -73,6 +73,10 @@ char *srv_metrics_text(srv *s) {
           looked > 0 ? (double)st.n_cache_hit_tokens / looked : 0.0);
     COUNTER("deepinfer:prefix_cache_hit_tokens_total", "Prompt tokens taken from the cache.",
             st.n_cache_hit_tokens);
+    COUNTER("deepinfer:prefix_cache_replayed_tokens_total",
+            "Cached positions computed again by the bounded replay after prefix hits (prefill "
+            "tokens: they rebuild the sliding window).",
+            st.n_replayed_tokens);
     COUNTER("deepinfer:prefix_cache_disk_hit_tokens_total",
             "Prompt tokens taken from the prefix cache's disk tier (part of the hit tokens).",
             st.n_disk_hit_tokens);
