@@ -5,7 +5,10 @@
 // machine's limits would get (read bandwidth and FMA peak measured in the same run). With
 // --spec-tokens N (a DeepSeek V4.1 checkpoint with DSpark), the speculative row: the same greedy
 // runs (one sequence, then the batch) on a second engine with speculative decoding, its decode
-// tokens/s beside the first engine's, and DSpark's acceptance.
+// tokens/s beside the first engine's, and DSpark's acceptance. With --shared-prefix N, the
+// prefix-reuse row: requests whose prompts share their first N tokens, on the engine without the
+// prefix cache and on one with it (after one request has left the prefix cached): TTFT, prompt
+// tokens taken from the cache and positions the bounded replay computed again.
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -22,13 +25,16 @@ static void usage(FILE *f) {
                "                       [--gen-len 64] [--kv-memory MiB] [--max-batch-tokens 256]\n"
                "                       [--threads N] [--precision fp32|official] [--no-ratio]\n"
                "                       [--device cpu|cuda[:N]] [--spec-tokens N]\n"
-               "                       [--spec-min-confidence X]\n"
+               "                       [--spec-min-confidence X] [--shared-prefix N]\n"
                "Greedy generation of --gen-len tokens for --requests random prompts submitted\n"
                "together; prints throughput, TTFT and ITL statistics and KV usage, then the\n"
                "decode tokens/s of 16 concurrent sequences over 1 (skip with --no-ratio).\n"
                "--spec-tokens N (DeepSeek V4.1 with DSpark): also runs one sequence and the batch\n"
                "with speculative decoding (up to N drafts per verify) and prints the speedup,\n"
-               "the acceptance rate and the tokens per verify step.\n");
+               "the acceptance rate and the tokens per verify step.\n"
+               "--shared-prefix N (< --prompt-len): also runs the batch with prompts sharing\n"
+               "their first N tokens without and with the prefix cache and prints the TTFT\n"
+               "ratio, the cached and the replayed tokens per request.\n");
 }
 
 static double now_s(void) {
@@ -114,9 +120,10 @@ static void window_costs(const poll_arg *a, double t0, double t1, run_result *ou
 }
 
 // Runs n requests at once; decode throughput counts tokens in the window where every request is
-// decoding (after the last first token, before the first request ends).
-static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int gen_len, uint64_t seed,
-               run_result *out) {
+// decoding (after the last first token, before the first request ends). The first `shared`
+// prompt tokens are the same in every request and every run; the rest depend on seed and request.
+static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int shared, int gen_len,
+               uint64_t seed, run_result *out) {
     req_times *rt = calloc((size_t)n, sizeof *rt);
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)prompt_len);
     if (!rt || !prompt) return 1;
@@ -129,8 +136,10 @@ static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int gen_len
     for (int i = 0; i < n; i++) {
         rt[i].t = malloc(sizeof(double) * (size_t)gen_len);
         for (int k = 0; k < prompt_len; k++)
-            prompt[k] =
-                (int32_t)((seed + (uint64_t)i * 7919u + (uint64_t)k * 104729u) % (uint64_t)n_vocab);
+            prompt[k] = k < shared
+                            ? (int32_t)((17u + (uint64_t)k * 104729u) % (uint64_t)n_vocab)
+                            : (int32_t)((seed + (uint64_t)i * 7919u + (uint64_t)k * 104729u) %
+                                        (uint64_t)n_vocab);
         di_request_params p = di_request_params_default();
         p.prompt = prompt;
         p.n_prompt = prompt_len;
@@ -248,8 +257,8 @@ static int spec_row(const char *model, di_engine_options o, int32_t n_vocab, int
         return 1;
     }
     run_result one, batch;
-    if (run(e, n_vocab, 1, prompt_len, gen_len, 4, &one) ||
-        run(e, n_vocab, n, prompt_len, gen_len, 1, &batch))
+    if (run(e, n_vocab, 1, prompt_len, 0, gen_len, 4, &one) ||
+        run(e, n_vocab, n, prompt_len, 0, gen_len, 1, &batch))
         return 1;
     di_engine_stats es;
     di_engine_get_stats(e, &es);
@@ -276,9 +285,43 @@ static int spec_row(const char *model, di_engine_options o, int32_t n_vocab, int
     return 0;
 }
 
+// The prefix-reuse row: the batch with prompts sharing their first `shared` tokens on the engine
+// without the prefix cache (e), then on an engine with it (options o), after one request of the
+// same prefix.
+static int prefix_row(di_engine *e, const char *model, di_engine_options o, int32_t n_vocab, int n,
+                      int prompt_len, int shared, int gen_len) {
+    run_result cold, hit, warm;
+    if (run(e, n_vocab, n, prompt_len, shared, gen_len, 5, &cold)) return 1;
+    o.no_prefix_cache = false;
+    di_engine *c = NULL;
+    di_status st = di_engine_create(model, &o, &c);
+    if (st != DI_OK) {
+        fprintf(stderr, "deepinfer bench: --shared-prefix: cannot start the engine: %s\n",
+                di_status_str(st));
+        return 1;
+    }
+    if (run(c, n_vocab, 1, prompt_len, shared, gen_len, 6, &warm)) return 1;
+    di_engine_stats s0, s1;
+    di_engine_get_stats(c, &s0);
+    if (run(c, n_vocab, n, prompt_len, shared, gen_len, 5, &hit)) return 1;
+    di_engine_get_stats(c, &s1);
+    di_engine_destroy(c);
+    printf("prefix reuse (--shared-prefix %d of %d prompt tokens), %d requests:\n", shared,
+           prompt_len, n);
+    printf("  TTFT ms mean %8.1f  p50 %8.1f with the prefix cache, %8.1f  %8.1f without: %.2fx\n",
+           hit.ttft[0], hit.ttft[1], cold.ttft[0], cold.ttft[1],
+           hit.ttft[0] > 0 ? cold.ttft[0] / hit.ttft[0] : 0);
+    printf("  per request: %.1f prompt tokens from the cache, %.1f of them computed again by the "
+           "bounded replay\n",
+           (double)(s1.n_cache_hit_tokens - s0.n_cache_hit_tokens) / n,
+           (double)(s1.n_replayed_tokens - s0.n_replayed_tokens) / n);
+    return 0;
+}
+
 int di_cli_bench(int argc, char **argv) {
     di_model_args ma = {.opt = di_model_options_default()};
-    long n_req = 16, prompt_len = 128, gen_len = 64, kv_mib = 512, batch = 256, spec = 0;
+    long n_req = 16, prompt_len = 128, gen_len = 64, kv_mib = 512, batch = 256, spec = 0,
+         shared = 0;
     double spec_conf = 0;
     bool ratio = true;
     for (int i = 1; i < argc; i++) {
@@ -310,6 +353,8 @@ int di_cli_bench(int argc, char **argv) {
             ok = di_args_int(v, a, 1, 1 << 20, &kv_mib);
         else if (strcmp(a, "--max-batch-tokens") == 0)
             ok = di_args_int(v, a, 16, 1 << 16, &batch);
+        else if (strcmp(a, "--shared-prefix") == 0)
+            ok = di_args_int(v, a, 1, 1 << 20, &shared);
         else if (strcmp(a, "--spec-tokens") == 0)
             ok = di_args_int(v, a, 1, DI_MAX_SPEC_TOKENS, &spec);
         else if (strcmp(a, "--spec-min-confidence") == 0) {
@@ -323,6 +368,11 @@ int di_cli_bench(int argc, char **argv) {
             return 2;
         }
         if (!ok) return 2;
+    }
+    if (shared >= prompt_len) {
+        fprintf(stderr, "deepinfer bench: --shared-prefix must be below --prompt-len (%ld)\n",
+                prompt_len);
+        return 2;
     }
     if (!ma.model && !(ma.model = di_args_default_model())) return 1;
     di_engine_options o = di_engine_options_default();
@@ -344,21 +394,24 @@ int di_cli_bench(int argc, char **argv) {
     // Prompt ids are drawn below 512, valid in any V4 vocabulary.
     const int32_t n_vocab = 512;
     run_result r;
-    if (run(e, n_vocab, (int)n_req, (int)prompt_len, (int)gen_len, 1, &r)) return 1;
+    if (run(e, n_vocab, (int)n_req, (int)prompt_len, 0, (int)gen_len, 1, &r)) return 1;
     print_run("batch", (int)n_req, &r);
     if (spec > 0) {
         run_result one;
-        if (run(e, n_vocab, 1, (int)prompt_len, (int)gen_len, 4, &one)) return 1;
+        if (run(e, n_vocab, 1, (int)prompt_len, 0, (int)gen_len, 4, &one)) return 1;
         di_engine_options so = o;
         so.spec_tokens = (int32_t)spec;
         so.spec_min_confidence = (float)spec_conf;
         if (spec_row(ma.model, so, n_vocab, (int)n_req, (int)prompt_len, (int)gen_len, &one, &r))
             return 1;
     }
+    if (shared > 0 &&
+        prefix_row(e, ma.model, o, n_vocab, (int)n_req, (int)prompt_len, (int)shared, (int)gen_len))
+        return 1;
     if (ratio) {
         run_result one, many;
-        if (run(e, n_vocab, 1, (int)prompt_len, (int)gen_len, 2, &one)) return 1;
-        if (run(e, n_vocab, 16, (int)prompt_len, (int)gen_len, 3, &many)) return 1;
+        if (run(e, n_vocab, 1, (int)prompt_len, 0, (int)gen_len, 2, &one)) return 1;
+        if (run(e, n_vocab, 16, (int)prompt_len, 0, (int)gen_len, 3, &many)) return 1;
         print_run("1 sequence", 1, &one);
         print_run("16 sequences", 16, &many);
         printf("decode throughput 16 vs 1: %.2fx (%.1f vs %.1f tokens/s)\n",
