@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CLI test for DeepSeek V4.1: deepinfer synth --preset v41-tiny, then info / logits (chunked,
 # --dspark) / generate on it, and deepinfer bench (the serving engine's V4.1 forward, with and
-# without speculative decoding).
+# without speculative decoding, and its prefix reuse).
 # Usage: test_v41_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
 set -u
 B=${1:?path to deepinfer}
@@ -50,4 +50,13 @@ check "bench --spec-tokens: acceptance" "$(echo "$b" | grep -Ec '^  [0-9]+ verif
 "$B" bench --model "$T/hf" --requests 1 --prompt-len 8 --gen-len 4 --no-ratio --threads 2 \
     --spec-tokens 2 --log-level error >/dev/null 2>&1
 check "bench --spec-tokens without DSpark weights exits 1" "$?" "1"
+# The prefix-reuse row: 3 requests sharing their first 100 of 120 prompt tokens hit 96 cached
+# positions each (6 whole blocks of 16), 90 of them replayed (n_layers * (W - 1)).
+b=$("$B" bench --model $M --requests 3 --prompt-len 120 --shared-prefix 100 --gen-len 4 \
+    --no-ratio --threads 2 --log-level error 2>&1)
+check "bench --shared-prefix exit" "$?" "0"
+check "bench --shared-prefix: the row" "$(echo "$b" | grep -c '^prefix reuse (--shared-prefix 100 of 120 prompt tokens), 3 requests:$')" "1"
+check "bench --shared-prefix: cached and replayed" "$(echo "$b" | grep -c '^  per request: 96.0 prompt tokens from the cache, 90.0 of them computed again by the bounded replay$')" "1"
+"$B" bench --model $M --prompt-len 40 --shared-prefix 40 --no-ratio >/dev/null 2>&1
+check "bench --shared-prefix not below --prompt-len exits 2" "$?" "2"
 exit $fail
