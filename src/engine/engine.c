@@ -1235,8 +1235,9 @@ static di_status v41_forward(di_engine *e) {
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         const di_dsv4_seq *sq = &e->x_seqs[i];
         di_session *s = e->v41[e->x_slot[i]];
-        if (di_session_n_past(s) != sq->pos) { // (v41_bind reset or restarted it at launch) // an
-                                               // invariant of the plan; fail rather than abort
+        // v41_bind reset or restarted the session at launch: it stands at the plan's position (an
+        // invariant of the plan; fail rather than abort)
+        if (di_session_n_past(s) != sq->pos) {
             DI_LOG_ERROR("engine: V4.1 slot %d is at position %d, the plan feeds position %d",
                          (int)e->x_slot[i], (int)di_session_n_past(s), (int)sq->pos);
             return DI_ERR_INVALID;
