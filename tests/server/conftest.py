@@ -20,6 +20,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+def read_metrics(base, key=lambda name: name):
+    """The Prometheus text of base's /metrics as {key(name with labels): value}."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        out = {}
+        for line in r.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[key(name)] = float(value)
+        return out
+
+
 class Server:
     def __init__(self, extra=(), env=None, port=None):
         self.home = tempfile.mkdtemp(prefix="deepinfer-home-")
@@ -60,14 +71,9 @@ class Server:
             return f.read()
 
     def metrics(self):
-        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
-            out = {}
-            for line in r.read().decode().splitlines():
-                if line and not line.startswith("#"):
-                    name, value = line.rsplit(" ", 1)
-                    out[name.split("{")[0] if "le=" not in name and "status=" not in name
-                        else name] = float(value)
-            return out
+        # labels dropped, but a histogram's buckets and the responses by status keep theirs
+        return read_metrics(self.base, lambda name: name.split("{")[0]
+                            if "le=" not in name and "status=" not in name else name)
 
     def stop(self):
         if self.proc.poll() is None:
@@ -103,3 +109,68 @@ def post(server, path, body, headers=None, raw=None):
         return status, hdrs, json.loads(text)
     except ValueError:
         return status, hdrs, text
+
+
+class Router:
+    """`deepinfer route` on a random loopback port over `replicas` (with `prefill` replicas:
+    prefill/decode disaggregation, the others then passed as --decode); ready once every replica
+    of both kinds is healthy."""
+
+    def __init__(self, replicas, extra=(), prefill=()):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="deepinfer-route-", suffix=".log")
+        args = [os.environ["DEEPINFER_BIN"], "route", "--port", str(self.port),
+                "--health-interval", "200ms", "--health-fails", "2", *extra]
+        for r in replicas:
+            args += ["--decode" if prefill else "--replica", r.base]
+        for p in prefill:
+            args += ["--prefill", p.base]
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.logtext()
+            if self.ready() == 200 and self.healthy() == [1] * len(replicas) and \
+                    self.healthy("deepinfer:router_prefill_replica_healthy") == [1] * len(prefill):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("router did not become ready:\n" + self.logtext())
+
+    def logtext(self):
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def ready(self):
+        try:
+            with urllib.request.urlopen(self.base + "/ready", timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None
+
+    def metrics(self):
+        return read_metrics(self.base)
+
+    def per_replica(self, family):
+        m = self.metrics()
+        vals = {}
+        for k, v in m.items():
+            if k.startswith(family + "{replica="):
+                vals[int(k.split('replica="')[1].split('"')[0])] = v
+        return [vals[i] for i in sorted(vals)]
+
+    def healthy(self, family="deepinfer:router_replica_healthy"):
+        try:
+            return self.per_replica(family)
+        except OSError:
+            return None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+        log = self.logtext()
+        self.log.close()
+        return self.proc.returncode, log

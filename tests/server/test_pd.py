@@ -11,13 +11,12 @@ import http.client
 import json
 import os
 import subprocess
-import tempfile
 import time
 import urllib.request
 
 import pytest
 
-from conftest import MODEL, Server, free_port, post
+from conftest import MODEL, Router, Server, post
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box "
          "jovial zebras near old stone bridges under pale autumn skies").split()
@@ -29,65 +28,12 @@ def chat(seed, n_words=300, **kw):
             "messages": [{"role": "user", "content": text}], **kw}
 
 
-class PDRouter:
-    def __init__(self, prefill, decode, extra=()):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="deepinfer-route-", suffix=".log")
-        args = [os.environ["DEEPINFER_BIN"], "route", "--port", str(self.port),
-                "--health-interval", "200ms", "--health-fails", "2", *extra]
-        for p in prefill:
-            args += ["--prefill", p.base]
-        for d in decode:
-            args += ["--decode", d.base]
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.logtext()
-            m = self.metrics_or_none()
-            if m and m.get('deepinfer:router_replica_healthy{replica="0",url="%s"}'
-                           % decode[0].base) == 1 and \
-                    m.get('deepinfer:router_prefill_replica_healthy{replica="0",url="%s"}'
-                          % prefill[0].base) == 1:
-                return
-            time.sleep(0.1)
-        raise RuntimeError("router did not become ready:\n" + self.logtext())
-
-    def logtext(self):
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
-
-    def metrics_or_none(self):
-        try:
-            return self.metrics()
-        except OSError:
-            return None
-
-    def metrics(self):
-        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
-            out = {}
-            for line in r.read().decode().splitlines():
-                if line and not line.startswith("#"):
-                    name, value = line.rsplit(" ", 1)
-                    out[name] = float(value)
-            return out
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
-        log = self.logtext()
-        self.log.close()
-        return self.proc.returncode, log
-
-
 @pytest.fixture(scope="module")
 def pd():
     ref = Server()  # a plain single replica: the reference outputs
     pre = Server(["--kv-transfer"])
     dec = Server(["--kv-transfer"])
-    router = PDRouter([pre], [dec], ["--pd-min-bytes", "1000"])
+    router = Router([dec], prefill=[pre], extra=["--pd-min-bytes", "1000"])
     yield ref, pre, dec, router
     rc, log = router.stop()
     assert rc == 0, log
@@ -281,7 +227,8 @@ def test_pd_with_api_keys():
         assert st == 401, err
         st, _, err = post(pre, "/internal/prefill?route=/v1/chat/completions", chat(8))
         assert st == 401, err
-        router = PDRouter([pre], [dec], ["--replica-api-key", "k1", "--pd-min-bytes", "0"])
+        router = Router([dec], prefill=[pre],
+                        extra=["--replica-api-key", "k1", "--pd-min-bytes", "0"])
         st, _, got = post(router, "/v1/chat/completions", chat(8))
         assert st == 200, got
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -307,7 +254,7 @@ def test_pd_v41(tmp_path):
     dec = Server(args + ["--kv-transfer"])
     router = None
     try:
-        router = PDRouter([pre], [dec], ["--pd-min-bytes", "0"])
+        router = Router([dec], prefill=[pre], extra=["--pd-min-bytes", "0"])
         body = {"model": "v41", "prompt": "3 1 2 " * 50, "max_tokens": 8, "temperature": 0,
                 "logprobs": 2}
         st, _, want = post(ref, "/v1/completions", body)

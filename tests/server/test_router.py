@@ -3,91 +3,20 @@ loopback: same output as direct, prefix affinity, spreading, SSE pass-through, f
 replica dies and its return, client-disconnect cancellation, bad input (docs/router.md)."""
 import http.client
 import json
-import os
 import signal
-import subprocess
-import tempfile
 import threading
 import time
 import urllib.request
 
 import pytest
 
-from conftest import MODEL, Server, free_port, post
-
-
-class Router:
-    def __init__(self, replicas, extra=()):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="deepinfer-route-", suffix=".log")
-        args = [os.environ["DEEPINFER_BIN"], "route", "--port", str(self.port),
-                "--health-interval", "200ms", "--health-fails", "2", *extra]
-        for r in replicas:
-            args += ["--replica", r.base]
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.logtext()
-            if self.ready() == 200 and self.healthy() == [1] * len(replicas):
-                return
-            time.sleep(0.1)
-        raise RuntimeError("router did not become ready:\n" + self.logtext())
-
-    def logtext(self):
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
-
-    def ready(self):
-        try:
-            with urllib.request.urlopen(self.base + "/ready", timeout=5) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except OSError:
-            return None
-
-    def metrics(self):
-        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
-            out = {}
-            for line in r.read().decode().splitlines():
-                if line and not line.startswith("#"):
-                    name, value = line.rsplit(" ", 1)
-                    out[name] = float(value)
-            return out
-
-    def per_replica(self, family):
-        m = self.metrics()
-        vals = {}
-        for k, v in m.items():
-            if k.startswith(family + "{replica="):
-                vals[int(k.split('replica="')[1].split('"')[0])] = v
-        return [vals[i] for i in sorted(vals)]
-
-    def healthy(self):
-        try:
-            return self.per_replica("deepinfer:router_replica_healthy")
-        except OSError:
-            return None
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
-        log = self.logtext()
-        self.log.close()
-        return self.proc.returncode, log
+from conftest import MODEL, Router, Server, post, read_metrics
 
 
 def flat_metrics(server):
-    with urllib.request.urlopen(server.base + "/metrics", timeout=10) as r:
-        out = {}
-        for line in r.read().decode().splitlines():
-            if line and not line.startswith("#") and "le=" not in line and "status=" not in line:
-                name, value = line.rsplit(" ", 1)
-                out[name.split("{")[0]] = float(value)
-        return out
+    return {k.split("{")[0]: v for k, v in read_metrics(server.base).items()
+            if "le=" not in k and "status=" not in k}
+
 
 
 @pytest.fixture(scope="module")
