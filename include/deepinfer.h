@@ -215,9 +215,9 @@ di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes);
 void di_free_buffer(void *p);
 
 // Takes back the last n_tokens positions (speculative tokens the target rejected): afterwards the
-// session is exactly the state of a run that never fed them. DeepSeek V4.1 sessions only, at most
-// 16 positions per call. Returns DI_ERR_INVALID (n_tokens < 0, more than fed, over the limit),
-// DI_ERR_UNSUPPORTED (a V4 session).
+// session is exactly the state of a run that never fed them (its logits and MTP logits too). At
+// most 16 positions per call on DeepSeek V4.1, 8 on V4. Returns DI_ERR_INVALID (n_tokens < 0, more
+// than fed, over the limit, a V4 session on the device-resident forward); nothing changes then.
 di_status di_session_rollback(di_session *s, int32_t n_tokens);
 
 // One DSpark draft block (DeepSeek V4.1, spec deepseek-v41.md §3.3).

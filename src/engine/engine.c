@@ -45,7 +45,11 @@
 //   - otherwise the CPU batched forward (di_dsv4_forward_batch) on the KV manager's blocks; with
 //     a device (di_engine_options.device: the model's matmul hook, backend/device.h) every
 //     matmul runs there, called from the forward thread only (the model calls its hook outside
-//     pool tasks), one forward at a time.
+//     pool tasks), one forward at a time. With spec_tokens > 0 (a V4 checkpoint with its MTP
+//     block) the MTP block runs after each step's sampling on the step's kept rows (each slot
+//     holds its MTP window ring) and drafts one token per sampled sequence, which that
+//     sequence's next decode verifies ("speculative decoding" below); the V4 state takes the
+//     rejected row back (di_dsv4_state_rollback).
 //
 // Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
 // or the dev state and its warm-up call, which grows the backend's op scratch; the logits of
@@ -108,15 +112,33 @@ struct di_engine {
     int32_t *x_nrows;  // owned [max_seqs]: rows of slot k to sample (1, or drafts + 1)
     int32_t *x_emit;   // owned [max_seqs]: tokens slot k yields (1, or accepted drafts + 1)
     int32_t *x_ndraft; // owned [max_seqs]: drafts verified for slot k (0: no verify)
-    int32_t *x_nprop;  // owned [max_seqs]: drafts DSpark proposed for slot k
-    int32_t *x_lslot;  // owned [max_seqs]: the V4.1 slot of logit slot k
+    int32_t *x_nprop;  // owned [max_seqs]: drafts proposed for slot k (DSpark, MTP)
+    int32_t *x_lslot;  // owned [max_seqs]: the slot (scheduler / V4.1) of logit slot k
     int32_t *x_job;    // owned [max_seqs * lstride]: the rows to sample, k * lstride + i
     int32_t x_n_job;   // (the forward thread's)
     int64_t spec_n[4]; // engine thread: verifies, drafted, verified, accepted so far
     int64_t spec_hist[DI_MAX_SPEC_TOKENS + 1];
-    di_engine_draft_fn draft_hook; // a test's (engine_internal.h); NULL: DSpark's own drafts
+    di_engine_draft_fn draft_hook; // a test's (engine_internal.h); NULL: the model's own drafts
     void *draft_user;
-    uint8_t *marks; // owned [pool blocks], zero: fail_step's scratch
+    // V4 speculation with the MTP block (the CPU forward, spec_k > 0): the step's call with its
+    // verify rows, the MTP call after sampling, and per slot the MTP block's state and draft.
+    di_dsv4_layer_state *mtp_ls; // owned [max_seqs * (n_layer + 1)]: slot s's MTP block state is
+                                 // entry s * (n_layer + 1) + n_layer (a sequence's layers[])
+    float *mtp_ring;             // owned [max_seqs, W + ROLLBACK_MAX, Dh]: their window rings
+    int64_t mtp_slot_bytes;      // one slot's MTP ring (paid from kv_memory_bytes)
+    int32_t *mtp_draft;          // owned [max_seqs]: the slot's draft token ...
+    int32_t *mtp_draft_pos;      // owned [max_seqs]: ... for this position ...
+    uint64_t *mtp_draft_req;     // owned [max_seqs]: ... of this request (0: none)
+    float *mtp_logits;           // owned [max_seqs, V]: the MTP call's logits
+    di_dsv4_seq *x_vseqs;        // owned [max_seqs]: the step's call, verify rows included
+    int32_t *x_vtokens;          // owned [max_batch_tokens + max_seqs * spec_k]: its tokens
+    int32_t *x_vlogit;           // owned [max_seqs * lstride]: its logit rows
+    int32_t *x_cap;              // owned [max_seqs]: positions plan sequence i's blocks hold
+    di_dsv4_seq *x_mseqs;        // owned [max_seqs]: the MTP call's sequences
+    int32_t *x_mids;             // owned [max_batch_tokens + max_seqs * spec_k]: its next tokens
+    int32_t *x_mlogit;           // owned [max_seqs]: its logit rows (sampled sequences' last)
+    int32_t *x_mseq;             // owned [max_seqs]: the plan sequence of each MTP logit row
+    uint8_t *marks;              // owned [pool blocks], zero: fail_step's scratch
     // Failure injection (di_engine_fail_forward, DI_ENGINE_FAIL_STEPS): the fail_in-th next
     // forward and the fail_n - 1 after it fail with fail_status without running (0: none).
     atomic_int fail_in, fail_n, fail_status;
@@ -183,6 +205,7 @@ di_engine_options di_engine_options_default(void) {
 
 static void *engine_main(void *p);
 static void *forward_main(void *p);
+static void spec_rollback(di_engine *e, int32_t k, int32_t pos_new);
 static void disk_stats(di_engine *e, di_engine_stats *st);
 
 // ---- create / destroy ----
@@ -337,19 +360,44 @@ fail: // what was created is the engine's (di_engine_destroy frees it)
 }
 
 // Speculative decoding's options against the loaded model: refused (DI_ERR_UNSUPPORTED) where
-// there is no DSpark to draft with, rather than silently off: a user who asks for it on the wrong
-// checkpoint should hear so at start. spec_tokens beyond the DSpark block is capped (logged).
+// there is nothing to draft with (no DSpark on V4.1, no MTP block on V4) or no rollback (the
+// device-resident forward), rather than silently off: a user who asks for it on the wrong
+// checkpoint should hear so at start. spec_tokens beyond what one draft step makes (the DSpark
+// block; V4's MTP block: one token) is capped (logged).
 static di_status spec_setup(di_engine *e) {
     di_engine_options *o = &e->opt;
     const di_hparams *hp = &e->model->hp;
     e->lstride = 1;
     if (o->spec_tokens == 0) return DI_OK;
     if (!hp->v41) {
-        DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) needs a DeepSeek V4.1 "
-                     "checkpoint with DSpark weights; this is a V4 checkpoint (its MTP state has "
-                     "no rollback: not supported)",
-                     (int)o->spec_tokens);
-        return DI_ERR_UNSUPPORTED;
+        if (e->model->dev) {
+            DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) is not supported on the "
+                         "device-resident forward (its window and compressor rings keep no rows "
+                         "for rolling rejected drafts back); use the CPU forward",
+                         (int)o->spec_tokens);
+            return DI_ERR_UNSUPPORTED;
+        }
+        if (e->model->n_mtp_loaded == 0) {
+            DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) on a V4 checkpoint drafts "
+                         "with its MTP block (mtp.*); this checkpoint has none",
+                         (int)o->spec_tokens);
+            return DI_ERR_UNSUPPORTED;
+        }
+        if (e->model->mtp[0].block.ratio != 0) { // spec §2.10: the MTP block is SWA
+            DI_LOG_ERROR("engine: speculative decoding needs a sliding-window MTP block; this "
+                         "checkpoint's compresses (ratio %d)",
+                         (int)e->model->mtp[0].block.ratio);
+            return DI_ERR_UNSUPPORTED;
+        }
+        if (o->spec_tokens > 1) {
+            DI_LOG_INFO("engine: spec_tokens %d -> 1 (the MTP block drafts one token per step)",
+                        (int)o->spec_tokens);
+            o->spec_tokens = 1;
+        }
+        e->spec_k = 1;
+        e->spec_tau = -1; // the MTP block has no confidence head: its draft is always verified
+        e->lstride = 2;
+        return DI_OK;
     }
     if (e->model->n_mtp_loaded == 0 || hp->dspark_block_size < 1) {
         DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) needs the checkpoint's DSpark "
@@ -366,6 +414,57 @@ static di_status spec_setup(di_engine *e) {
     e->spec_tau =
         o->spec_min_confidence == 0 ? DI_SPEC_MIN_CONFIDENCE_DEFAULT : o->spec_min_confidence;
     e->lstride = e->spec_k + 1;
+    return DI_OK;
+}
+
+// The CPU forward with MTP speculation (V4): every slot also holds the MTP block's window ring
+// (W + ROLLBACK_MAX rows of Dh: the attention's ring layout; the MTP state never rolls back, it
+// runs only on kept rows), paid from kv_memory_bytes before the KV manager buys its blocks, and a
+// draft; the step's call and the MTP call have their row arrays. The slots' MTP states are bound
+// once: a new sequence in a slot reads no ring row it has not written (positions below its win_lo
+// are never read).
+static di_status mtp_create(di_engine *e) {
+    di_engine_options *o = &e->opt;
+    const di_hparams *hp = &e->model->hp;
+    const int32_t ring_rows = DI_DSV4_RING_ROWS(hp->window);
+    const size_t nl = (size_t)hp->n_layer + 1, ms = (size_t)o->max_seqs;
+    const size_t n_rows = (size_t)o->max_batch_tokens + ms * (size_t)e->spec_k;
+    e->mtp_slot_bytes = (int64_t)sizeof(float) * ring_rows * hp->head_dim;
+    const int64_t tails = e->mtp_slot_bytes * o->max_seqs;
+    if ((int64_t)o->kv_memory_bytes <= tails) {
+        DI_LOG_ERROR("engine: --kv-memory %zu bytes cannot hold the MTP rings of %d slots (%lld "
+                     "bytes)",
+                     o->kv_memory_bytes, (int)o->max_seqs, (long long)tails);
+        return DI_ERR_INVALID;
+    }
+    di_status st = di_kv_manager_create(e->model, o->kv_memory_bytes - (size_t)tails, o->max_seqs,
+                                        o->max_ctx, !o->no_prefix_cache, &e->kv);
+    if (st != DI_OK) return st;
+    e->mtp_ls = di_calloc(ms * nl, sizeof *e->mtp_ls);
+    e->mtp_ring = di_aligned_calloc((size_t)tails);
+    e->mtp_draft = di_calloc(ms, sizeof(int32_t));
+    e->mtp_draft_pos = di_calloc(ms, sizeof(int32_t));
+    e->mtp_draft_req = di_calloc(ms, sizeof(uint64_t));
+    e->mtp_logits = di_malloc(sizeof(float) * ms * (size_t)hp->n_vocab);
+    e->x_vseqs = di_calloc(ms, sizeof *e->x_vseqs);
+    e->x_vtokens = di_malloc(sizeof(int32_t) * n_rows);
+    e->x_vlogit = di_malloc(sizeof(int32_t) * ms * (size_t)e->lstride);
+    e->x_cap = di_calloc(ms, sizeof(int32_t));
+    e->x_mseqs = di_calloc(ms, sizeof *e->x_mseqs);
+    e->x_mids = di_malloc(sizeof(int32_t) * n_rows);
+    e->x_mlogit = di_malloc(sizeof(int32_t) * ms);
+    e->x_mseq = di_malloc(sizeof(int32_t) * ms);
+    e->x_bk = di_malloc(sizeof(int32_t) * ms);
+    if (!e->mtp_ls || !e->mtp_ring || !e->mtp_draft || !e->mtp_draft_pos || !e->mtp_draft_req ||
+        !e->mtp_logits || !e->x_vseqs || !e->x_vtokens || !e->x_vlogit || !e->x_cap ||
+        !e->x_mseqs || !e->x_mids || !e->x_mlogit || !e->x_mseq || !e->x_bk)
+        return DI_ERR_NOMEM;
+    for (size_t i = 0; i < ms; i++)
+        e->mtp_ls[i * nl + nl - 1].ring =
+            e->mtp_ring + i * (size_t)ring_rows * (size_t)hp->head_dim;
+    DI_LOG_INFO("engine: speculative decoding with the MTP block: one draft per verify; "
+                "--kv-memory %zu bytes = %d MTP rings of %.1f KiB + the KV pool",
+                o->kv_memory_bytes, (int)o->max_seqs, (double)e->mtp_slot_bytes / 1024);
     return DI_OK;
 }
 
@@ -413,6 +512,8 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         DI_TRY(v41_create(e));
     else if (e->model->dev)
         DI_TRY(dev_kv_create(e));
+    else if (e->spec_k > 0)
+        DI_TRY(mtp_create(e));
     else
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                     !o->no_prefix_cache, &e->kv));
@@ -456,8 +557,9 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
             goto fail;
         }
     } else {
-        DI_TRY(
-            di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens, o->max_ctx / 4 + 1, false));
+        // With MTP speculation a step's call holds its verify rows too, and the MTP scratch.
+        DI_TRY(di_dsv4_ws_reserve(&e->ws, e->model, o->max_batch_tokens + o->max_seqs * e->spec_k,
+                                  o->max_ctx / 4 + 1, e->spec_k > 0));
     }
     const size_t n_lrows = (size_t)o->max_seqs * (size_t)e->lstride; // logit slots' rows
     const size_t logit_bytes = sizeof(float) * n_lrows * (size_t)hp->n_vocab;
@@ -651,6 +753,20 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_d);
     di_free(e->x_dseq);
     di_free(e->x_dkmax);
+    di_free(e->mtp_ls);
+    di_aligned_free(e->mtp_ring);
+    di_free(e->mtp_draft);
+    di_free(e->mtp_draft_pos);
+    di_free(e->mtp_draft_req);
+    di_free(e->mtp_logits);
+    di_free(e->x_vseqs);
+    di_free(e->x_vtokens);
+    di_free(e->x_vlogit);
+    di_free(e->x_cap);
+    di_free(e->x_mseqs);
+    di_free(e->x_mids);
+    di_free(e->x_mlogit);
+    di_free(e->x_mseq);
     di_free(e->marks);
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
@@ -889,22 +1005,19 @@ static bool emit_token(di_engine *e, di_request *r, const di_sample_result *res,
 // session takes back the accepted tokens that were not emitted too.
 static void spec_settle(di_engine *e, di_request *r, int32_t k, int32_t n_emit) {
     di_sched *s = &e->sched;
-    di_session *ss = e->v41[e->x_lslot[k]];
-    const int32_t extra = n_emit - 1; // accepted drafts emitted
-    if (n_emit < e->x_emit[k]) {
-        di_status st = di_session_rollback(ss, e->x_emit[k] - n_emit);
-        DI_ASSERT(st == DI_OK);
-    }
+    const int32_t extra = n_emit - 1;                                  // accepted drafts emitted
+    if (n_emit < e->x_emit[k]) spec_rollback(e, k, r->n_done + extra); // the last one is pending
     r->n_done += extra;
     r->n_computed += e->x_ndraft[k]; // every verify row cost a forward row
     s->n_decode_rows += extra;
-    DI_ASSERT(di_session_n_past(ss) == r->n_done && r->n_done == di_request_n_tokens(r) - 1);
+    DI_ASSERT(r->n_done == di_request_n_tokens(r) - 1);
+    DI_ASSERT(!e->v41 || di_session_n_past(e->v41[e->x_lslot[k]]) == r->n_done);
     for (int32_t i = 0; i < s->n_seq; i++) {
         if (s->seq_req[i] != r) continue;
         DI_ASSERT(s->seqs[i].n_tok == 1); // a decode: its pending token, one row
         s->seqs[i].pos = r->n_done;       // di_sched_finalize copies tokens[pos] into the row
     }
-    // Within the blocks v41_bind took for the verify (v41_spec_kmax): this cannot fail.
+    // Within the blocks launch took for the verify (spec_kmax): this cannot fail.
     di_status st = di_kv_seq_reserve(e->kv, r->slot, r->n_done + 1);
     DI_ASSERT(st == DI_OK);
 }
@@ -1067,7 +1180,7 @@ static void sample_constrained(di_engine *e, di_sampler *smp, di_request *r, con
 // A request with an active grammar (it never speculates: one row) samples through
 // sample_constrained, which also advances its matcher (one row per request: no other thread
 // touches it). A plain row that samples the token after which a request's grammar applies
-// activates it; for a verify, v41_spec_accept does (only accepted rows count).
+// activates it; for a verify, spec_accept does (only accepted rows count).
 static void sample_task(void *p, int ith, int nth) {
     di_engine *e = p;
     const int64_t V = e->model->hp.n_vocab;
@@ -1101,51 +1214,71 @@ static di_status inject_failure(di_engine *e) {
     return st;
 }
 
-// ---- speculative decoding (V4.1 with DSpark) ----
+// ---- speculative decoding (V4.1 with DSpark, V4 with the MTP block) ----
 //
 // A decode sequence of the plan (one row: its last sampled token y at position P, the anchor)
-// whose request may still take more than one token drafts a DSpark block after its last forward
-// (spec §3.3), keeps the longest draft prefix d1..dk whose estimated survival (the product of the
-// confidence head's acceptance probabilities, §3.4 step 1) stays at or above spec_tau (at least
-// one draft, at most spec_k, never past max_tokens or the context), and feeds [y, d1..dk] in one
-// call with logits for every row. Row i is then sampled exactly as a plain decode step would
-// sample position P + 1 + i after y, d1..di: the same sampler call on the same logits (a V4.1
-// forward gives a position the same logits however the tokens are split into calls), the same
-// history, parameters and position (the randomness is a pure function of (seed, position)). d(i+1)
-// is accepted iff it equals row i's token; at the first mismatch, or after row k, the row's token
-// is the correction (bonus). So the emitted tokens and logprobs are exactly those without
-// speculation ("verify by resampling": for greedy requests the rule of §3.4 step 3; for sampled
-// ones it replaces rejection sampling by the target's own draw, which needs no draft
-// distribution and keeps outputs bitwise). The rejected rows are rolled back (§5.3).
+// whose request may still take more than one token gets drafts from its draft producer: V4.1's
+// DSpark block (spec deepseek-v41.md §3.3: a block after its last forward, in the step's draft
+// call) or V4's MTP block (spec §2.10: the MTP block's logits at P - 1 with y as its next token,
+// computed after the previous step's sampling; argmax, one draft). It keeps the longest draft
+// prefix d1..dk whose estimated survival (the product of the confidence head's acceptance
+// probabilities, §3.4 step 1; MTP drafts have none and are always kept) stays at or above
+// spec_tau (at least one draft, at most spec_k, never past max_tokens or the context), and feeds
+// [y, d1..dk] in one call with logits for every row. Row i is then sampled exactly as a plain
+// decode step would sample position P + 1 + i after y, d1..di: the same sampler call on the same
+// logits (a forward gives a position the same logits however the tokens are split into calls and
+// batched), the same history, parameters and position (the randomness is a pure function of
+// (seed, position)). d(i+1) is accepted iff it equals row i's token; at the first mismatch, or
+// after row k, the row's token is the correction (bonus). So the emitted tokens and logprobs are
+// exactly those without speculation ("verify by resampling": for greedy requests the rule of
+// §3.4 step 3; for sampled ones it replaces rejection sampling by the target's own draw, which
+// needs no draft distribution and keeps outputs bitwise). The rejected rows are rolled back
+// (spec_rollback: the V4.1 session's, §5.3, or the V4 sequence's state, di_dsv4_state_rollback).
 
 _Static_assert(DI_MAX_SPEC_TOKENS <= DI_DSV41_ROLLBACK_MAX, "a verify's rejected rows roll back");
+_Static_assert(DI_DSV4_ROLLBACK_MAX >= 1, "a V4 verify (one MTP draft) rolls back one row");
 _Static_assert(DI_MAX_SPEC_TOKENS <= (int)(sizeof(((di_draft *)0)->tokens) / sizeof(int32_t)),
                "a draft block holds the drafts of a verify");
 
-// The most drafts logit slot k's sequence may verify this step (0: it does not speculate).
-static int32_t v41_spec_kmax(const di_engine *e, int32_t k, const di_dsv4_seq *sq) {
+// Takes logit slot k's sequence back to position pos_new (rejected verify rows, or accepted ones
+// a cancellation cut off): its V4.1 session, or its V4 state in the KV manager's blocks (the MTP
+// block's state never saw a row that is not kept: it runs after the accept).
+static void spec_rollback(di_engine *e, int32_t k, int32_t pos_new) {
+    if (e->v41) {
+        di_session *ss = e->v41[e->x_lslot[k]];
+        // At most DI_MAX_SPEC_TOKENS <= DI_DSV41_ROLLBACK_MAX positions
+        di_status st = di_session_rollback(ss, di_session_n_past(ss) - pos_new);
+        DI_ASSERT(st == DI_OK);
+        return;
+    }
+    di_dsv4_state_rollback(e->model, e->kv->seqs[e->x_lslot[k]].layers, 0, e->model->hp.n_layer,
+                           pos_new);
+}
+
+// The most drafts logit slot k's sequence may verify this step (0: it does not speculate); cap:
+// the positions its blocks hold.
+static int32_t spec_kmax(const di_engine *e, int32_t k, const di_dsv4_seq *sq, int64_t cap) {
     const di_request *r = e->x_logit_req[k];
     // Only the decode of a generated token: its session has fed every position before it. A
     // request whose grammar is active does not speculate (its matcher advances one sampled token
     // at a time); before the grammar's trigger token (tool_choice auto: ｜DSML｜) it does, and
-    // v41_spec_accept ends the block at the trigger.
+    // spec_accept ends the block at the trigger.
     if (e->spec_k == 0 || sq->n_tok != 1 || r->n_gen < 1 || (r->gm && r->g_active)) return 0;
     DI_ASSERT(sq->pos == di_request_n_tokens(r) - 1);
     int32_t k_max = e->spec_k;
     if (r->max_tokens - r->n_gen - 1 < k_max) k_max = r->max_tokens - r->n_gen - 1;
     if (e->opt.max_ctx - sq->pos - 2 < k_max) k_max = e->opt.max_ctx - sq->pos - 2;
-    // Within the blocks v41_bind took: the verify rows, and the position after the last one it
+    // Within the blocks taken at launch: the verify rows, and the position after the last one it
     // may accept (spec_settle's next decode) without a new block.
-    const int64_t cap = di_dsv41_capacity(e->v41[e->x_lslot[k]]);
     if (cap - sq->pos - 2 < k_max) k_max = (int32_t)(cap - sq->pos - 2);
     return k_max < 1 ? 0 : k_max;
 }
 
-// Which of DSpark's drafts d logit slot k's sequence verifies (at most k_max): writes them after
-// r's known tokens (the sampling history of the verify rows) and ver[0..*n_ver) = [anchor, drafts]
+// Which of the drafts d logit slot k's sequence verifies (at most k_max): writes them after r's
+// known tokens (the sampling history of the verify rows) and ver[0..*n_ver) = [anchor, drafts]
 // (ver[0] is set by the caller).
-static void v41_spec_take(di_engine *e, int32_t k, const di_dsv4_seq *sq, di_draft *d,
-                          int32_t k_max, int32_t *ver, int32_t *n_ver) {
+static void spec_take(di_engine *e, int32_t k, const di_dsv4_seq *sq, di_draft *d, int32_t k_max,
+                      int32_t *ver, int32_t *n_ver) {
     di_request *r = e->x_logit_req[k];
     if (e->draft_hook) e->draft_hook(e->draft_user, r->id, r->n_gen, d);
     if (d->n < k_max) k_max = d->n;
@@ -1169,7 +1302,7 @@ static void v41_spec_take(di_engine *e, int32_t k, const di_dsv4_seq *sq, di_dra
 // active keeps its block only up to the grammar's trigger token, which activates the grammar: the
 // rows after it were sampled unconstrained, so they are rolled back too, and the next step
 // samples the position after the trigger under the grammar, exactly as without speculation.
-static void v41_spec_accept(di_engine *e) {
+static void spec_accept(di_engine *e) {
     for (int32_t k = 0; k < e->x_n_logit; k++) {
         const int32_t nd = e->x_ndraft[k];
         if (nd == 0) continue;
@@ -1186,8 +1319,8 @@ static void v41_spec_accept(di_engine *e) {
                 break;
             }
         e->x_emit[k] = n + 1;
-        di_status st = di_session_rollback(e->v41[e->x_lslot[k]], nd - n);
-        DI_ASSERT(st == DI_OK); // nd <= DI_MAX_SPEC_TOKENS = DI_DSV41_ROLLBACK_MAX positions
+        // The anchor's position + 1 + accepted drafts: the verify's rows after them go.
+        if (n < nd) spec_rollback(e, k, di_request_n_tokens(r) + n);
     }
 }
 
@@ -1195,7 +1328,7 @@ static void v41_spec_accept(di_engine *e) {
 
 // At launch (no forward in flight), for each sequence of the plan: with speculation, a sampled
 // decode takes the blocks its verify rows may need (its anchor, spec_k drafts and the position
-// after them; best effort: v41_spec_kmax drafts no further than the blocks reach); then its slot's
+// after them; best effort: spec_kmax drafts no further than the blocks reach); then its slot's
 // session is bound to its block table as it is now. A sequence's first call after admission on a
 // prefix hit of H positions (its blocks 0 .. H / block_tokens - 1 are the cached ones, shared)
 // restarts the session on them at position win_lo = Q (di_dsv41_restart: entries < H kept, so the
@@ -1252,7 +1385,7 @@ static di_status v41_forward(di_engine *e) {
             e->x_lslot[kslot] = e->x_slot[i];
             e->x_b[i].n_out = 1;
             e->x_ver[(int64_t)kslot * e->lstride] = e->x_tokens[last];
-            const int32_t k_max = v41_spec_kmax(e, kslot, sq);
+            const int32_t k_max = spec_kmax(e, kslot, sq, di_dsv41_capacity(s));
             if (k_max > 0) { // drafts its block in the step's draft call
                 e->x_d[n_draft] = (di_dsv41_draft_seq){.s = s, .anchor = e->x_tokens[last]};
                 e->x_dseq[n_draft] = i;
@@ -1272,7 +1405,7 @@ static di_status v41_forward(di_engine *e) {
             int32_t *ver = e->x_ver + (int64_t)kslot * e->lstride, n_ver = 1;
             di_draft d;
             memcpy(&d, &e->x_d[j].out, sizeof d);
-            v41_spec_take(e, kslot, &e->x_seqs[i], &d, e->x_dkmax[j], ver, &n_ver);
+            spec_take(e, kslot, &e->x_seqs[i], &d, e->x_dkmax[j], ver, &n_ver);
             e->x_b[i].tokens = ver;
             e->x_b[i].n_tok = e->x_b[i].n_out = n_ver;
         }
@@ -1295,6 +1428,124 @@ static di_status v41_forward(di_engine *e) {
     return DI_OK;
 }
 
+// ---- V4 with the MTP block (speculative decoding on the CPU forward) ----
+
+// The CPU forward of the plan being run when the MTP block drafts: a sampled decode whose slot
+// holds an MTP draft for its anchor's next position (made for this request) verifies [y, d] in
+// its rows of the step's one call (spec_take; the hook may rewrite the draft), every other
+// sequence runs its planned rows. The call computes no logits itself: the main streams of all
+// rows go to the XMAIN scratch (the MTP block's input, mtp_step) before the head runs on the
+// logit rows, which then move to their logit slots (slot k owns rows k * lstride ..).
+static void v4_spec_forward(di_engine *e) {
+    const int64_t V = e->model->hp.n_vocab;
+    int32_t row = 0, vrow = 0, n_vl = 0;
+    for (int32_t i = 0; i < e->x_n_seq; i++) {
+        const di_dsv4_seq *sq = &e->x_seqs[i];
+        const di_request *r = e->x_seq_req[i];
+        di_dsv4_seq *vs = &e->x_vseqs[i];
+        *vs = *sq;
+        memcpy(e->x_vtokens + vrow, e->x_tokens + row, sizeof(int32_t) * (size_t)sq->n_tok);
+        const int32_t last = row + sq->n_tok - 1;
+        int32_t kslot = -1;
+        for (int32_t k = 0; k < e->x_n_logit; k++)
+            if (e->x_logit_rows[k] == last) kslot = k;
+        e->x_bk[i] = kslot;
+        if (kslot >= 0) {
+            e->x_lslot[kslot] = r->slot;
+            e->x_vlogit[n_vl++] = vrow + sq->n_tok - 1;
+            const int32_t k_max = spec_kmax(e, kslot, sq, e->x_cap[i]);
+            if (k_max > 0 && e->mtp_draft_req[r->slot] == r->id &&
+                e->mtp_draft_pos[r->slot] == sq->pos + 1) {
+                di_draft d = {.n = 1};
+                d.tokens[0] = e->mtp_draft[r->slot];
+                d.confidence[0] = 1.0f;
+                int32_t n_ver = 1;
+                spec_take(e, kslot, sq, &d, k_max, e->x_vtokens + vrow, &n_ver);
+                for (int32_t j = 1; j < n_ver; j++) e->x_vlogit[n_vl++] = vrow + j;
+                vs->n_tok = n_ver;
+            }
+        }
+        row += sq->n_tok;
+        vrow += vs->n_tok;
+    }
+    di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = e->x_vseqs, .n_seq = e->x_n_seq};
+    di_dsv4_forward_batch(&c, e->x_vtokens, NULL, 0, NULL);
+    const int64_t row_floats = (int64_t)e->model->hp.hc_mult * e->model->hp.n_embd;
+    memcpy(di_dsv4_scratch(&c, DI_SCR_XMAIN), di_dsv4_scratch(&c, DI_SCR_X),
+           sizeof(float) * (size_t)(c.n_rows * row_floats));
+    if (n_vl > 0) di_dsv4_head_rows(&c, e->x_vlogit, n_vl, e->logits);
+    // Logit rows to their slots, last first (a slot's rows never start below where the head
+    // wrote them, so every move goes up or stays and never clobbers a row still to move).
+    int32_t off = n_vl;
+    for (int32_t k = e->x_n_logit - 1; k >= 0; k--) {
+        off -= e->x_nrows[k];
+        const int64_t dst = (int64_t)k * e->lstride;
+        DI_ASSERT(dst >= off);
+        if (dst != off)
+            memmove(e->logits + dst * V, e->logits + (int64_t)off * V,
+                    sizeof(float) * (size_t)(e->x_nrows[k] * V));
+    }
+}
+
+// After the step's sampling and accept: the MTP block runs on every kept row of the step (a
+// verify's anchor and accepted drafts, every other sequence's rows), each with the token after
+// it (the next prompt token, an accepted draft, or the row's sample), so a slot's MTP state
+// holds exactly the rows of the positions its sequence has kept: it never rolls back. The MTP
+// logits of each sampled sequence's last kept row (position P') predict the token at P' + 2, the
+// next decode's draft (argmax, ties to the lower id). A sequence whose sampling failed (it ends)
+// is left out.
+static void mtp_step(di_engine *e) {
+    const di_hparams *hp = &e->model->hp;
+    const int64_t V = hp->n_vocab, row_floats = (int64_t)hp->hc_mult * hp->n_embd;
+    const size_t nl = (size_t)hp->n_layer + 1;
+    di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = e->x_mseqs};
+    float *xm = di_dsv4_scratch(&c, DI_SCR_XMAIN); // [rows, NC, D]: the call's main streams
+    int32_t n_m = 0, mrow = 0, n_ml = 0;
+    for (int32_t i = 0; i < e->x_n_seq; i++) {
+        const di_dsv4_seq *vs = &e->x_vseqs[i];
+        const di_request *r = e->x_seq_req[i];
+        const int32_t kslot = e->x_bk[i];
+        e->mtp_draft_req[r->slot] = 0;
+        // Rows kept, and the sample after the last one (a plain row's is its slot's row 0, a
+        // verify's row j samples the position after its row j).
+        int32_t keep = vs->n_tok;
+        const di_sample_result *next = NULL;
+        if (kslot >= 0) {
+            next = e->x_res + (int64_t)kslot * e->lstride;
+            if (e->x_ndraft[kslot] > 0) keep = e->x_emit[kslot], next += keep - 1;
+            if (next->token < 0) continue; // a failed constrained sample: it ends
+        }
+        if (mrow != vs->row0) // kept rows move down (rows ascend)
+            memmove(xm + (int64_t)mrow * row_floats, xm + (int64_t)vs->row0 * row_floats,
+                    sizeof(float) * (size_t)(keep * row_floats));
+        for (int32_t t = 0; t < keep; t++)
+            e->x_mids[mrow + t] = next && t == keep - 1 ? next->token : r->tokens[vs->pos + t + 1];
+        e->x_mseqs[n_m++] = (di_dsv4_seq){.layers = e->mtp_ls + (size_t)r->slot * nl,
+                                          .pos = vs->pos,
+                                          .n_tok = keep,
+                                          .win_lo = vs->win_lo};
+        if (next) { // its last kept position P' = pos + keep - 1 drafts for P' + 2
+            e->x_mlogit[n_ml] = mrow + keep - 1;
+            e->x_mseq[n_ml++] = i;
+            e->mtp_draft_pos[r->slot] = vs->pos + keep + 1;
+        }
+        mrow += keep;
+    }
+    if (n_m == 0) return;
+    c.n_seq = n_m;
+    di_dsv4_set_rows(&c);
+    di_dsv4_mtp_forward_batch(&c, xm, e->x_mids, e->x_mlogit, n_ml, e->mtp_logits);
+    for (int32_t j = 0; j < n_ml; j++) {
+        const float *l = e->mtp_logits + (int64_t)j * V;
+        int32_t best = 0;
+        for (int32_t t = 1; t < V; t++)
+            if (l[t] > l[best]) best = t;
+        const di_request *r = e->x_seq_req[e->x_mseq[j]];
+        e->mtp_draft[r->slot] = best;
+        e->mtp_draft_req[r->slot] = r->id;
+    }
+}
+
 static void *forward_main(void *p) {
     di_engine *e = p;
     pthread_mutex_lock(&e->fmu);
@@ -1312,6 +1563,8 @@ static void *forward_main(void *p) {
         } else if (e->dstate) {
             st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens, e->x_logit_rows,
                                      e->x_n_logit, e->logits);
+        } else if (e->mtp_ls) {
+            v4_spec_forward(e);
         } else {
             di_dsv4_ctx c = {
                 .model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
@@ -1323,7 +1576,8 @@ static void *forward_main(void *p) {
                 for (int32_t i = 0; i < e->x_nrows[k]; i++)
                     e->x_job[e->x_n_job++] = k * e->lstride + i;
             di_pool_run(e->model->pool, sample_task, e);
-            if (e->spec_k > 0) v41_spec_accept(e);
+            if (e->spec_k > 0) spec_accept(e);
+            if (e->mtp_ls) mtp_step(e);
         }
         int64_t allocs = di_mem_thread_allocs() - a0;
         pthread_mutex_lock(&e->fmu);
@@ -1378,6 +1632,21 @@ static void launch(di_engine *e) {
     if (e->v41) {
         for (int32_t i = 0; i < s->n_seq; i++) e->x_slot[i] = s->seq_req[i]->slot;
         v41_bind(e);
+    }
+    if (e->mtp_ls) {
+        // MTP speculation: a sampled decode takes the blocks its verify rows may need (its
+        // anchor, spec_k drafts and the position after them; best effort: spec_kmax verifies no
+        // further than x_cap, the positions its blocks hold).
+        for (int32_t i = 0; i < s->n_seq; i++) {
+            const di_dsv4_seq *sq = &s->seqs[i];
+            const di_request *r = s->seq_req[i];
+            if (sq->pos + sq->n_tok == di_request_n_planned(r)) {
+                int32_t end = sq->pos + sq->n_tok + 1 + e->spec_k;
+                if (end > e->opt.max_ctx) end = e->opt.max_ctx;
+                (void)di_kv_seq_grow(e->kv, r->slot, end);
+            }
+            e->x_cap[i] = e->kv->seqs[r->slot].n_blocks * e->kv->block_tokens;
+        }
     }
     for (int32_t k = 0; k < s->n_logit; k++) { // one token each, unless the forward verifies
         e->x_nrows[k] = e->x_emit[k] = 1;

@@ -7,9 +7,10 @@
  *   - di_engine_fail_forward: makes later forwards fail, as a CUDA error would.
  *   - di_engine_get_graph_stats: how many decode steps ran from captured graphs.
  *   - di_engine_dev_state_bytes: the device memory of the engine's dev state.
- *   - di_engine_set_draft_hook: lets a test replace the DSpark drafts of speculative decoding
- *     (e.g. with a request's known continuation), so that the accept path runs on purpose on a
- *     random-weight model whose own drafts are almost never accepted.
+ *   - di_engine_set_draft_hook: lets a test replace the drafts of speculative decoding (DSpark's
+ *     on V4.1, the MTP block's on V4; e.g. with a request's known continuation), so that the
+ *     accept path runs on purpose on a random-weight model whose own drafts are almost never
+ *     accepted.
  *   - di_engine_set_grammar_limits: the matcher limits of later requests with a grammar.
  *   - di_engine_set_masks_ahead: turns the engine thread's masks ahead (engine.c) on or off
  *     whatever the machine, so a test runs both paths on any number of CPUs.
@@ -51,8 +52,9 @@ void di_engine_get_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out)
 int64_t di_engine_dev_state_bytes(const di_engine *e);
 
 // Speculative decoding (di_engine_options.spec_tokens > 0): called on the forward thread with
-// each draft block the DSpark module made for request `request_id`, whose next token is output
-// token n_gen (draft j proposes output token n_gen + j). It may rewrite d->tokens[0, d->n) (ids
+// each draft block the DSpark module (V4.1) or the MTP block (V4: one draft, confidence 1) made
+// for request `request_id`, whose next token is output token n_gen (draft j proposes output token
+// n_gen + j). It may rewrite d->tokens[0, d->n) (ids
 // < n_vocab) and d->confidence[0, d->n) (the confidence cut then uses them); it must not call the
 // engine. Outputs stay exact whatever it writes: only acceptance and cost change.
 typedef void (*di_engine_draft_fn)(void *user, uint64_t request_id, int32_t n_gen, di_draft *d);

@@ -161,53 +161,48 @@ di_status di_kv_manager_create(di_model *m, size_t kv_bytes, int32_t max_seqs, i
     size_t nl = (size_t)L;
     kv->page_off_cmp = di_calloc(nl, sizeof(int64_t));
     kv->page_off_idx = di_calloc(nl, sizeof(int64_t));
-    di_kv_item **items[] = {&kv->ring,   &kv->buf_c,  &kv->buf_z,  &kv->ovl_c, &kv->ovl_z,
-                            &kv->ibuf_c, &kv->ibuf_z, &kv->iovl_c, &kv->iovl_z};
+    di_kv_item **items[] = {&kv->ring, &kv->buf_c, &kv->buf_z, &kv->ibuf_c, &kv->ibuf_z};
     for (size_t i = 0; i < sizeof items / sizeof items[0]; i++)
         *items[i] = di_calloc(nl, sizeof(di_kv_item));
-    if (!kv->page_off_cmp || !kv->page_off_idx || !kv->iovl_z || !kv->ring || !kv->buf_c ||
-        !kv->buf_z || !kv->ovl_c || !kv->ovl_z || !kv->ibuf_c || !kv->ibuf_z || !kv->iovl_c) {
+    if (!kv->page_off_cmp || !kv->page_off_idx || !kv->ring || !kv->buf_c || !kv->buf_z ||
+        !kv->ibuf_c || !kv->ibuf_z) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
     // Entry block: per compressed layer, B / ratio entries of the main compressor, and for CSA as
     // many indexer keys.
-    int64_t entry_floats = 0, largest = (int64_t)W * Dh;
+    const int64_t ring = (int64_t)DI_DSV4_RING_ROWS(W) * Dh;
+    int64_t entry_floats = 0, largest = ring;
     for (int il = 0; il < L; il++) {
         const di_dsv4_layer_w *lw = &m->layers[il];
         if (lw->ratio <= 0) continue;
         kv->page_off_cmp[il] = entry_floats;
         entry_floats += (int64_t)(B / lw->ratio) * lw->cmp.d;
-        int64_t buf = (int64_t)lw->cmp.m * lw->cmp.c * lw->cmp.d;
+        int64_t buf = (int64_t)di_dsv4_cmp_rows(&lw->cmp) * lw->cmp.c * lw->cmp.d;
         if (buf > largest) largest = buf;
         if (lw->ratio == 4) {
             kv->page_off_idx[il] = entry_floats;
             entry_floats += (int64_t)(B / 4) * lw->idx_cmp.d;
-            int64_t ib = (int64_t)lw->idx_cmp.m * lw->idx_cmp.c * lw->idx_cmp.d;
+            int64_t ib = (int64_t)di_dsv4_cmp_rows(&lw->idx_cmp) * lw->idx_cmp.c * lw->idx_cmp.d;
             if (ib > largest) largest = ib;
         }
     }
     kv->block_floats = ((entry_floats > largest ? entry_floats : largest) + 15) & ~(int64_t)15;
     kv->entry_floats = entry_floats;
-    // Tail: rings, buffers, overlaps.
+    // Tail: window rings and compressor token rings (the partial window, the CSA overlap and
+    // DI_DSV4_ROLLBACK_MAX rows for rollback: dsv4.h).
     packer pk = {.block_floats = kv->block_floats};
     for (int il = 0; il < L; il++) {
         const di_dsv4_layer_w *lw = &m->layers[il];
-        kv->ring[il] = place(&pk, (int64_t)W * Dh);
+        kv->ring[il] = place(&pk, ring);
         if (lw->ratio <= 0) continue;
-        int64_t buf = (int64_t)lw->cmp.m * lw->cmp.c * lw->cmp.d;
+        int64_t buf = (int64_t)di_dsv4_cmp_rows(&lw->cmp) * lw->cmp.c * lw->cmp.d;
         kv->buf_c[il] = place(&pk, buf);
         kv->buf_z[il] = place(&pk, buf);
-        if (lw->cmp.c == 2) {
-            kv->ovl_c[il] = place(&pk, (int64_t)lw->cmp.m * lw->cmp.d);
-            kv->ovl_z[il] = place(&pk, (int64_t)lw->cmp.m * lw->cmp.d);
-        }
         if (lw->ratio == 4) {
-            int64_t ib = (int64_t)lw->idx_cmp.m * lw->idx_cmp.c * DI;
+            int64_t ib = (int64_t)di_dsv4_cmp_rows(&lw->idx_cmp) * lw->idx_cmp.c * DI;
             kv->ibuf_c[il] = place(&pk, ib);
             kv->ibuf_z[il] = place(&pk, ib);
-            kv->iovl_c[il] = place(&pk, (int64_t)lw->idx_cmp.m * DI);
-            kv->iovl_z[il] = place(&pk, (int64_t)lw->idx_cmp.m * DI);
         }
     }
     kv->n_tail = pk.n_blk;
@@ -252,8 +247,7 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
     di_block_pool_destroy(kv->pool);
     di_free(kv->page_off_cmp);
     di_free(kv->page_off_idx);
-    di_kv_item *items[] = {kv->ring,   kv->buf_c,  kv->buf_z,  kv->ovl_c, kv->ovl_z,
-                           kv->ibuf_c, kv->ibuf_z, kv->iovl_c, kv->iovl_z};
+    di_kv_item *items[] = {kv->ring, kv->buf_c, kv->buf_z, kv->ibuf_c, kv->ibuf_z};
     for (size_t i = 0; i < sizeof items / sizeof items[0]; i++) di_free(items[i]);
     di_free(kv);
 }
@@ -440,9 +434,10 @@ static float *at(const di_kv_manager *kv, const di_kv_seq *s, di_kv_item it) {
 }
 
 static void bind_cmp(di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw, float *bc, float *bz,
-                     float *oc, float *oz, float *const *pages, int64_t page_off, int32_t B) {
+                     float *const *pages, int64_t page_off, int32_t B) {
     memset(cs, 0, sizeof *cs);
-    cs->buf_c = bc, cs->buf_z = bz, cs->ovl_c = oc, cs->ovl_z = oz;
+    cs->buf_c = bc, cs->buf_z = bz;
+    cs->buf_rows = di_dsv4_cmp_rows(cw);
     cs->pages = pages;
     cs->page_off = page_off;
     cs->page_entries = B / cw->m;
@@ -473,14 +468,11 @@ di_status di_kv_seq_open(di_kv_manager *kv, int32_t slot, uint64_t salt) {
         memset(ls, 0, sizeof *ls);
         ls->ring = at(kv, s, kv->ring[il]);
         if (lw->ratio <= 0) continue;
-        bool csa = lw->ratio == 4;
-        bind_cmp(&ls->cmp, &lw->cmp, at(kv, s, kv->buf_c[il]), at(kv, s, kv->buf_z[il]),
-                 csa ? at(kv, s, kv->ovl_c[il]) : NULL, csa ? at(kv, s, kv->ovl_z[il]) : NULL,
-                 s->pages, kv->page_off_cmp[il], kv->block_tokens);
-        if (csa)
+        bind_cmp(&ls->cmp, &lw->cmp, at(kv, s, kv->buf_c[il]), at(kv, s, kv->buf_z[il]), s->pages,
+                 kv->page_off_cmp[il], kv->block_tokens);
+        if (lw->ratio == 4)
             bind_cmp(&ls->idx, &lw->idx_cmp, at(kv, s, kv->ibuf_c[il]), at(kv, s, kv->ibuf_z[il]),
-                     at(kv, s, kv->iovl_c[il]), at(kv, s, kv->iovl_z[il]), s->pages,
-                     kv->page_off_idx[il], kv->block_tokens);
+                     s->pages, kv->page_off_idx[il], kv->block_tokens);
     }
     return DI_OK;
 }

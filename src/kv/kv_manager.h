@@ -3,7 +3,8 @@
  *
  * Every block has the same size. A sequence holds two kinds:
  *   - tail blocks (a fixed number per sequence): the window ring of every layer and every
- *     compressor's partial-window buffer and CSA overlap, packed so that no item crosses a block;
+ *     compressor's token ring (partial window, CSA overlap), both with DI_DSV4_ROLLBACK_MAX spare
+ *     rows for rollback (model/dsv4.h), packed so that no item crosses a block;
  *   - entry blocks, one per `block_tokens` positions: the compressed entries (CSA, HCA) and the
  *     indexer keys that windows inside those positions produce, for every layer. block_tokens is a
  *     multiple of every compression ratio, so every window is closed at a block boundary and a
@@ -75,10 +76,10 @@ typedef struct di_kv_manager {
     int32_t n_layer;
     int32_t replay_tokens; // bounded replay R = n_layer * (W - 1) (docs/kv-cache.md)
     // Layout, per layer.
-    int64_t *page_off_cmp, *page_off_idx;             // owned [n_layer]
-    di_kv_item *ring, *buf_c, *buf_z, *ovl_c, *ovl_z; // owned [n_layer]
-    di_kv_item *ibuf_c, *ibuf_z, *iovl_c, *iovl_z;    // owned [n_layer]
-    di_kv_seq *seqs;                                  // owned [max_seqs]
+    int64_t *page_off_cmp, *page_off_idx; // owned [n_layer]
+    di_kv_item *ring, *buf_c, *buf_z;     // owned [n_layer]
+    di_kv_item *ibuf_c, *ibuf_z;          // owned [n_layer]
+    di_kv_seq *seqs;                      // owned [max_seqs]
     int32_t max_seqs;
     bool accounting;           // no tail blocks or layer views (the accounting and V4.1 managers)
     di_kv_disk *disk;          // owned; NULL without a disk tier

@@ -455,26 +455,34 @@ void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t 
         if (c->trace) c->trace(c->trace_user, "layer_out", il, x, false, n_rows, nc * D);
     }
 
+    if (logits && n_logit_rows > 0) di_dsv4_head_rows(c, logit_rows, n_logit_rows, logits);
+}
+
+void di_dsv4_head_rows(di_dsv4_ctx *c, const int32_t *logit_rows, int32_t n_logit_rows,
+                       float *logits) {
+    di_model *m = c->model;
+    const di_hparams *hp = &m->hp;
+    const int nc = hp->hc_mult;
+    const int64_t D = hp->n_embd;
+    float *x = di_dsv4_scratch(c, DI_SCR_X); // [T, NC, D]
     // Final head (§2.9) on the requested rows, gathered in place to the front of X (rows are
     // ascending, so each copy moves a row down or leaves it; X is not read again after this).
-    if (logits && n_logit_rows > 0) {
-        const size_t row = sizeof(float) * (size_t)(nc * D);
-        bool contiguous = true;
-        for (int32_t k = 0; k < n_logit_rows; k++) {
-            DI_ASSERT(logit_rows[k] >= k && logit_rows[k] < n_rows);
-            contiguous &= logit_rows[k] == logit_rows[0] + k;
-        }
-        const float *xh = x + (int64_t)logit_rows[0] * nc * D;
-        if (!contiguous) {
-            for (int32_t k = 0; k < n_logit_rows; k++)
-                if (logit_rows[k] != k)
-                    memmove(x + (int64_t)k * nc * D, x + (int64_t)logit_rows[k] * nc * D, row);
-            xh = x;
-        }
-        float *h = di_dsv4_scratch(c, DI_SCR_H);
-        di_dsv4_hc_head(c, &m->hc_head, m->norm, xh, n_logit_rows, h);
-        di_dsv4_matmul(m, &m->head, h, n_logit_rows, D, logits, hp->n_vocab);
+    const size_t row = sizeof(float) * (size_t)(nc * D);
+    bool contiguous = true;
+    for (int32_t k = 0; k < n_logit_rows; k++) {
+        DI_ASSERT(logit_rows[k] >= k && logit_rows[k] < c->n_rows);
+        contiguous &= logit_rows[k] == logit_rows[0] + k;
     }
+    const float *xh = x + (int64_t)logit_rows[0] * nc * D;
+    if (!contiguous) {
+        for (int32_t k = 0; k < n_logit_rows; k++)
+            if (logit_rows[k] != k)
+                memmove(x + (int64_t)k * nc * D, x + (int64_t)logit_rows[k] * nc * D, row);
+        xh = x;
+    }
+    float *h = di_dsv4_scratch(c, DI_SCR_H);
+    di_dsv4_hc_head(c, &m->hc_head, m->norm, xh, n_logit_rows, h);
+    di_dsv4_matmul(m, &m->head, h, n_logit_rows, D, logits, hp->n_vocab);
 }
 
 // A session on the device-resident forward: slot 0 of its dev state, in chunks of at most
@@ -565,17 +573,28 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
     }
 
     // MTP (§2.10): position p needs the token at p + 1, so this call completes positions
-    // p0 - 1 (pending from the previous call) .. p0 + T - 2; the last position waits.
+    // p0 - 1 (pending from the previous call) .. p0 + T - 2; the last position waits. Main streams
+    // of the last positions stay in mtp_x (slot = position mod ROLLBACK_MAX + 1): the pending one
+    // is there after a rollback too.
     if (s->mtp) {
+        const int32_t xr = DI_DSV4_ROLLBACK_MAX + 1;
         float *xm = di_dsv4_scratch(&c, DI_SCR_XMAIN);
         int32_t n = 0, p_first = s->mtp_pending ? p0 - 1 : p0;
         size_t row = sizeof(float) * (size_t)(nc * D);
-        if (s->mtp_pending) memcpy(xm, s->mtp_pending_x, row), n = 1;
+        if (s->mtp_pending) memcpy(xm, s->mtp_x + (int64_t)((p0 - 1) % xr) * nc * D, row), n = 1;
         memcpy(xm + (int64_t)n * nc * D, x, row * (size_t)(n_tok - 1));
+        for (int32_t t = n_tok > xr ? n_tok - xr : 0; t < n_tok; t++)
+            memcpy(s->mtp_x + (int64_t)((p0 + t) % xr) * nc * D, x + (int64_t)t * nc * D, row);
         n += n_tok - 1;
         const int32_t *ids_next = s->mtp_pending ? tokens : tokens + 1;
-        if (n > 0) di_dsv4_mtp_forward(s, xm, ids_next, n, p_first, out ? out->mtp_logits : NULL);
-        memcpy(s->mtp_pending_x, x + (int64_t)(n_tok - 1) * nc * D, row);
+        if (n > 0) {
+            di_dsv4_seq ms = {.layers = s->layers, .pos = p_first, .n_tok = n};
+            di_dsv4_ctx mc = c;
+            mc.seqs = &ms;
+            di_dsv4_set_rows(&mc);
+            float *ml = out ? out->mtp_logits : NULL;
+            di_dsv4_mtp_forward_batch(&mc, xm, ids_next, NULL, ml ? n : 0, ml);
+        }
         s->mtp_pending = true;
         if (out && out->n_mtp_out) *out->n_mtp_out = n;
     } else if (out && out->n_mtp_out) {

@@ -147,13 +147,28 @@ void di_dsv4_weights_free(di_model *m);
 
 // ---- per-sequence state (spec §3) ----
 
+// Positions a V4 state can take back (di_dsv4_rollback, di_session_rollback): window rings keep
+// this many rows beyond W and the compressors' token rings as many beyond what a window needs, so
+// the rows of rejected positions land in slots no kept position reads, and a rollback only moves
+// counters. 8: the engine's MTP verify takes back at most one row (one draft per step), and 8
+// leaves room for chained drafts through the public API while the extra rows stay small
+// (V4-Flash: 8 * 512 floats a layer's window ring, 8 * c * d a compressor's ring).
+#define DI_DSV4_ROLLBACK_MAX 8
+
+// Rows of a layer's window ring: slot of position p = p mod DI_DSV4_RING_ROWS(W).
+#define DI_DSV4_RING_ROWS(W) ((W) + DI_DSV4_ROLLBACK_MAX)
+
 // One compressor's state. A session keeps its entries in one heap array (`entries`); an engine
 // sequence keeps them in KV pool blocks reached through a page table (`pages`), so the forward
 // pass reads and writes entries only through di_dsv4_entry().
+// The token ring holds the FP32 (C, Z) of the last buf_rows positions, slot = position mod
+// buf_rows: the partial window, for CSA the window before it (its (Ca, Za) overlap the next entry,
+// spec §2.5), and DI_DSV4_ROLLBACK_MAX more, so a rollback that re-opens a window finds its rows
+// and the previous window's still there (di_dsv4_cmp_rows).
 typedef struct di_dsv4_cmp_state {
-    float *buf_c, *buf_z; // owned (session) or view (pool block) [m, c*d]: C_j and Z_j (ape added)
-    float *ovl_c, *ovl_z; // owned or view [m, d]: CSA overlap (Ca, Za) of the last closed window
-    bool has_ovl;
+    float *buf_c, *buf_z; // owned (session) or view (pool block) [buf_rows, c*d]: C and Z (ape
+                          // added) of the last buf_rows positions
+    int32_t buf_rows;
     float *entries; // owned [cap, d] (sessions); NULL when paged
     // Entries [0, n_entries) exist. A window that closes with an index below n_entries already
     // has its entry (a prefix-cache hit being replayed): the entry is left as it is and only the
@@ -170,10 +185,27 @@ static inline float *di_dsv4_entry(const di_dsv4_cmp_state *cs, int64_t w, int32
     return cs->pages[w / cs->page_entries] + cs->page_off + (w % cs->page_entries) * (int64_t)d;
 }
 
+// Token ring rows of a compressor (c * m + DI_DSV4_ROLLBACK_MAX; see di_dsv4_cmp_state).
+static inline int32_t di_dsv4_cmp_rows(const di_dsv4_compressor_w *cw) {
+    return cw->c * cw->m + DI_DSV4_ROLLBACK_MAX;
+}
+
 typedef struct di_dsv4_layer_state {
-    float *ring; // owned (session) or view (pool block) [W, Dh]: kv rows, slot = pos mod W
+    float *ring; // owned (session) or view (pool block) [DI_DSV4_RING_ROWS(W), Dh]: kv rows
     di_dsv4_cmp_state cmp, idx;
 } di_dsv4_layer_state;
+
+// Takes the state of layers [il0, il1) back from position pos to pos_new (pos - pos_new <=
+// DI_DSV4_ROLLBACK_MAX, pos_new >= 0): entries of windows closed by the taken-back positions go
+// (their rows stay in the token rings, so the re-opened window and the overlap before it are
+// intact); window ring rows need nothing. The MTP block's state lags the main model's by one
+// position: callers pass its own positions.
+void di_dsv4_state_rollback(const di_model *m, di_dsv4_layer_state *layers, int il0, int il1,
+                            int32_t pos_new);
+// di_session_rollback of a V4 session: its main layers, its MTP block (one position behind) and
+// the MTP block's pending input. DI_ERR_INVALID (nothing changes) for n < 0, n > pos, n >
+// DI_DSV4_ROLLBACK_MAX, or a session on the device-resident forward.
+di_status di_dsv4_rollback(di_session *s, int32_t n);
 
 // Debug/test hook: called with named intermediate tensors (FP32 rows, or int32 when is_int).
 typedef void (*di_dsv4_trace_fn)(void *user, const char *name, int il, const void *data,
@@ -256,7 +288,10 @@ struct di_session {
     int32_t pos;                 // tokens consumed
     di_dsv4_layer_state *layers; // owned [n_layer + n_mtp]
     bool mtp;                    // MTP runs every step
-    float *mtp_pending_x;        // owned [NC, D]: main streams of position pos-1
+    // owned [DI_DSV4_ROLLBACK_MAX + 1, NC, D]: main streams of the last positions, slot = position
+    // mod (DI_DSV4_ROLLBACK_MAX + 1); the MTP block's pending input is position pos - 1's, which a
+    // rollback finds here too.
+    float *mtp_x;
     bool mtp_pending;
     di_dsv4_ws ws;          // owned scratch, grown (never shrunk) when a call needs more
     di_dsv4_trace_fn trace; // named intermediates (tests; DI_DUMP writes them as .npy)
@@ -296,10 +331,17 @@ void di_dsv4_hc_post(di_dsv4_ctx *c, const float *o, float *x, int32_t n_tok);
 // Collapses streams to one row with a head mHC (§2.9) and normalises: h [n, D].
 void di_dsv4_hc_head(di_dsv4_ctx *c, const di_dsv4_hc_w *hc, const float *norm, const float *x,
                      int32_t n_tok, float *h);
-// MTP block of session s for n rows: x_main [n, NC, D], ids_next [n], positions p_first..;
-// logits [n, V] or NULL.
-void di_dsv4_mtp_forward(di_session *s, const float *x_main, const int32_t *ids_next, int32_t n,
-                         int32_t p_first, float *logits);
+// The MTP block (spec §2.10) on the rows of c (di_dsv4_set_rows done; each sequence's layers[]
+// holds its MTP state at index n_layer): x_main [T, NC, D] the main streams of each row's
+// position, ids_next [T] the token after it. MTP logits of the rows in logit_rows (ascending;
+// NULL: rows 0 .. n_logit_rows - 1) go to logits [n_logit_rows, V] (none when logits is NULL).
+// Uses the XM, A, H scratch (x_main may be the XMAIN scratch).
+void di_dsv4_mtp_forward_batch(di_dsv4_ctx *c, const float *x_main, const int32_t *ids_next,
+                               const int32_t *logit_rows, int32_t n_logit_rows, float *logits);
+// Final head (§2.9) of the rows in logit_rows (ascending) after di_dsv4_forward_batch ran without
+// logits: logits [n_logit_rows, V]. Gathers the rows in place to the front of the X scratch.
+void di_dsv4_head_rows(di_dsv4_ctx *c, const int32_t *logit_rows, int32_t n_logit_rows,
+                       float *logits);
 
 // y = W x for n_tok rows (x, y with row strides). In official precision, FP8/FP4 weights with
 // act_quant see A8-quantised inputs and outputs are rounded to BF16 (dsv4_attn.c).

@@ -561,10 +561,7 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
 // ---- public API (deepinfer.h) ----
 
 di_status di_session_rollback(di_session *s, int32_t n_tokens) {
-    if (!s->v41) {
-        DI_LOG_ERROR("rollback: only DeepSeek V4.1 sessions can take tokens back");
-        return DI_ERR_UNSUPPORTED;
-    }
+    if (!s->v41) return di_dsv4_rollback(s, n_tokens); // V4 (dsv4_state.c)
     return di_dsv41_rollback(s, n_tokens);
 }
 

@@ -62,14 +62,16 @@ static void finalise_entry(const di_model *m, const di_dsv4_compressor_w *cw, bo
 }
 
 // Appends one token's (C, Z) at absolute position P; closes the window when P is its last token.
-// c_row / z_row: [c*d] projections of this token (Z without the position bias).
+// c_row / z_row: [c*d] projections of this token (Z without the position bias). The token ring
+// keeps position p in slot p mod buf_rows, so window w's tokens are slots of w*m .. w*m + m - 1
+// and, for CSA, the overlap (Ca, Za) of window w - 1 the slots before them.
 static void compressor_step(const di_model *m, const di_dsv4_compressor_w *cw,
                             di_dsv4_cmp_state *cs, bool indexer, const float *c_row,
                             const float *z_row, int64_t P) {
-    const int32_t mm = cw->m, c = cw->c, d = cw->d, width = c * d;
-    const int32_t slot = (int32_t)(P % mm);
-    float *bc = cs->buf_c + (int64_t)slot * width, *bz = cs->buf_z + (int64_t)slot * width;
-    const float *ape = cw->ape + (int64_t)slot * width;
+    const int32_t mm = cw->m, c = cw->c, d = cw->d, width = c * d, rows = cs->buf_rows;
+    const int64_t slot = P % rows;
+    float *bc = cs->buf_c + slot * width, *bz = cs->buf_z + slot * width;
+    const float *ape = cw->ape + (int64_t)(P % mm) * width;
     for (int32_t i = 0; i < width; i++) {
         bc[i] = c_row[i];
         bz[i] = z_row[i] + ape[i];
@@ -77,53 +79,41 @@ static void compressor_step(const di_model *m, const di_dsv4_compressor_w *cw,
     if ((P + 1) % mm != 0) return;
 
     int64_t w = P / mm;
-    // A replayed window whose entry already exists (prefix-cache hit): keep the entry, update
-    // only the overlap below.
-    const bool have_entry = w < cs->n_entries;
-    DI_ASSERT(have_entry || (w == cs->n_entries && w < cs->cap_entries));
+    // A replayed window whose entry already exists (prefix-cache hit): keep the entry.
+    if (w < cs->n_entries) return;
+    DI_ASSERT(w == cs->n_entries && w < cs->cap_entries);
     float *e = di_dsv4_entry(cs, w, d);
-    for (int32_t ch = 0; ch < d && !have_entry; ch++) {
+    // Window w's tokens (the second half, Cb / Zb, for CSA) and the overlap: window w - 1's tokens
+    // (first half, Ca / Za), empty before the first window closes. Consecutive positions are
+    // consecutive slots but for one wrap of the ring.
+    const bool ovl = c == 2 && w > 0;
+    const int64_t s_cur = (w * mm) % rows, s_prev = ovl ? ((w - 1) * mm) % rows : 0;
+#define CUR(j) ((s_cur + (j) < rows ? s_cur + (j) : s_cur + (j)-rows) * width + (c == 2 ? d : 0))
+#define PREV(j) ((s_prev + (j) < rows ? s_prev + (j) : s_prev + (j)-rows) * width)
+    for (int32_t ch = 0; ch < d; ch++) {
         // Softmax over the window's slots, per channel. CSA: 4 overlap slots (Ca, Za of window
-        // w-1; empty before the first window closes) then 4 slots (Cb, Zb) of window w.
+        // w-1) then 4 slots (Cb, Zb) of window w.
         float mx = -INFINITY;
-        if (c == 2) {
-            if (cs->has_ovl)
-                for (int32_t j = 0; j < mm; j++) mx = fmaxf(mx, cs->ovl_z[j * d + ch]);
-            for (int32_t j = 0; j < mm; j++) mx = fmaxf(mx, cs->buf_z[j * width + d + ch]);
-        } else {
-            for (int32_t j = 0; j < mm; j++) mx = fmaxf(mx, cs->buf_z[j * width + ch]);
-        }
+        if (ovl)
+            for (int32_t j = 0; j < mm; j++) mx = fmaxf(mx, cs->buf_z[PREV(j) + ch]);
+        for (int32_t j = 0; j < mm; j++) mx = fmaxf(mx, cs->buf_z[CUR(j) + ch]);
         float den = 0, num = 0;
-        if (c == 2) {
-            if (cs->has_ovl) {
-                for (int32_t j = 0; j < mm; j++) {
-                    float p = expf(cs->ovl_z[j * d + ch] - mx);
-                    den += p;
-                    num += p * cs->ovl_c[j * d + ch];
-                }
-            }
+        if (ovl) {
             for (int32_t j = 0; j < mm; j++) {
-                float p = expf(cs->buf_z[j * width + d + ch] - mx);
+                float p = expf(cs->buf_z[PREV(j) + ch] - mx);
                 den += p;
-                num += p * cs->buf_c[j * width + d + ch];
+                num += p * cs->buf_c[PREV(j) + ch];
             }
-        } else {
-            for (int32_t j = 0; j < mm; j++) {
-                float p = expf(cs->buf_z[j * width + ch] - mx);
-                den += p;
-                num += p * cs->buf_c[j * width + ch];
-            }
+        }
+        for (int32_t j = 0; j < mm; j++) {
+            float p = expf(cs->buf_z[CUR(j) + ch] - mx);
+            den += p;
+            num += p * cs->buf_c[CUR(j) + ch];
         }
         e[ch] = num / den;
     }
-    if (c == 2) { // this window's (Ca, Za) overlap into the next entry
-        for (int32_t j = 0; j < mm; j++) {
-            memcpy(cs->ovl_c + j * d, cs->buf_c + j * width, sizeof(float) * (size_t)d);
-            memcpy(cs->ovl_z + j * d, cs->buf_z + j * width, sizeof(float) * (size_t)d);
-        }
-        cs->has_ovl = true;
-    }
-    if (have_entry) return;
+#undef CUR
+#undef PREV
     finalise_entry(m, cw, indexer, e, w);
     cs->n_entries++;
 }
@@ -299,7 +289,7 @@ static void attn_task(void *p, int ith, int nth) {
             n_cmp = (P + 1) / ratio;
         }
         const di_dsv4_keys keys = {.ring = ls->ring,
-                                   .ring_rows = W,
+                                   .ring_rows = DI_DSV4_RING_ROWS(W),
                                    .rows = kv_call,
                                    .p0 = p0,
                                    .w_lo = w_lo,
@@ -397,12 +387,14 @@ void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const 
     }
     di_dsv4_linear(c, &lw->wo_b, u, n_tok, G * Ro, out, D, true);
 
-    // State: each sequence's last W kv rows go into its ring (slot = position mod W).
+    // State: each sequence's last kv rows go into its ring (slot = position mod ring rows), as
+    // many as the ring holds: after a rollback the window of the new last position is there.
+    const int32_t ring_rows = DI_DSV4_RING_ROWS((int32_t)W);
     for (int32_t i = 0; i < c->n_seq; i++) {
         const di_dsv4_seq *sq = &c->seqs[i];
         float *ring = sq->layers[il].ring;
-        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++)
-            memcpy(ring + ((sq->pos + t) % W) * Dh, kv + ((int64_t)sq->row0 + t) * Dh,
+        for (int32_t t = sq->n_tok > ring_rows ? sq->n_tok - ring_rows : 0; t < sq->n_tok; t++)
+            memcpy(ring + ((sq->pos + t) % ring_rows) * Dh, kv + ((int64_t)sq->row0 + t) * Dh,
                    sizeof(float) * (size_t)Dh);
     }
 }

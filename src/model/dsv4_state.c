@@ -1,6 +1,6 @@
 // dsv4_state — the per-sequence state of spec §3 (window rings, compressed pools, compressor
-// partial-window and overlap buffers, MTP pending row), the per-call scratch, and the byte
-// serialisation of the state.
+// token rings holding the partial window and the CSA overlap, the MTP block's input rows), its
+// rollback, the per-call scratch, and the byte serialisation of the state.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,24 +54,22 @@ static int32_t n_state_layers(const di_session *s) {
     return s->model->hp.n_layer + (s->mtp ? s->model->n_mtp_loaded : 0);
 }
 
+// Bytes of one compressor's token ring (C or Z).
+static size_t cmp_ring_bytes(const di_dsv4_compressor_w *cw) {
+    return sizeof(float) * (size_t)di_dsv4_cmp_rows(cw) * (size_t)cw->c * (size_t)cw->d;
+}
+
 static di_status cmp_state_init(di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw) {
-    size_t width = (size_t)cw->c * (size_t)cw->d;
-    cs->buf_c = di_aligned_calloc(sizeof(float) * (size_t)cw->m * width);
-    cs->buf_z = di_aligned_calloc(sizeof(float) * (size_t)cw->m * width);
+    cs->buf_rows = di_dsv4_cmp_rows(cw);
+    cs->buf_c = di_aligned_calloc(cmp_ring_bytes(cw));
+    cs->buf_z = di_aligned_calloc(cmp_ring_bytes(cw));
     if (!cs->buf_c || !cs->buf_z) return DI_ERR_NOMEM;
-    if (cw->c == 2) {
-        cs->ovl_c = di_aligned_calloc(sizeof(float) * (size_t)cw->m * (size_t)cw->d);
-        cs->ovl_z = di_aligned_calloc(sizeof(float) * (size_t)cw->m * (size_t)cw->d);
-        if (!cs->ovl_c || !cs->ovl_z) return DI_ERR_NOMEM;
-    }
     return DI_OK;
 }
 
 static void cmp_state_free(di_dsv4_cmp_state *cs) {
     di_aligned_free(cs->buf_c);
     di_aligned_free(cs->buf_z);
-    di_aligned_free(cs->ovl_c);
-    di_aligned_free(cs->ovl_z);
     di_free(cs->entries);
     memset(cs, 0, sizeof *cs);
 }
@@ -82,6 +80,17 @@ const di_dsv4_layer_w *di_dsv4_layer(const di_model *m, int il) {
 
 static const di_dsv4_layer_w *layer_w(const di_session *s, int il) {
     return di_dsv4_layer(s->model, il);
+}
+
+// Bytes of a window ring: DI_DSV4_RING_ROWS(W) rows of Dh.
+static size_t ring_bytes(const di_hparams *hp) {
+    return sizeof(float) * (size_t)DI_DSV4_RING_ROWS(hp->window) * (size_t)hp->head_dim;
+}
+
+// Bytes of the MTP block's input rows: DI_DSV4_ROLLBACK_MAX + 1 positions of [NC, D].
+static size_t mtp_x_bytes(const di_hparams *hp) {
+    return sizeof(float) * (size_t)(DI_DSV4_ROLLBACK_MAX + 1) * (size_t)hp->hc_mult *
+           (size_t)hp->n_embd;
 }
 
 di_status di_session_create(di_model *m, const di_session_options *opt, di_session **out) {
@@ -116,15 +125,15 @@ di_status di_session_create(di_model *m, const di_session_options *opt, di_sessi
     }
     int32_t nl = n_state_layers(s);
     s->layers = di_calloc((size_t)nl, sizeof *s->layers);
-    s->mtp_pending_x = di_aligned_calloc(sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
-    if (!s->layers || !s->mtp_pending_x) {
+    s->mtp_x = di_aligned_calloc(mtp_x_bytes(hp));
+    if (!s->layers || !s->mtp_x) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
     for (int il = 0; il < nl; il++) {
         const di_dsv4_layer_w *lw = layer_w(s, il);
         di_dsv4_layer_state *ls = &s->layers[il];
-        ls->ring = di_aligned_calloc(sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
+        ls->ring = di_aligned_calloc(ring_bytes(hp));
         if (!ls->ring) {
             st = DI_ERR_NOMEM;
             goto fail;
@@ -169,7 +178,7 @@ void di_session_destroy(di_session *s) {
         }
     }
     di_free(s->layers);
-    di_aligned_free(s->mtp_pending_x);
+    di_aligned_free(s->mtp_x);
     di_dsv4_ws_free(&s->ws);
     di_free(s);
 }
@@ -186,10 +195,51 @@ void di_session_reset(di_session *s) {
         for (int il = 0; il < s->model->hp.n_layer; il++) s->v41->src[il].n_entries = 0;
         return;
     }
-    for (int il = 0; il < n_state_layers(s); il++) {
+    for (int il = 0; il < n_state_layers(s); il++)
         s->layers[il].cmp.n_entries = s->layers[il].idx.n_entries = 0;
-        s->layers[il].cmp.has_ovl = s->layers[il].idx.has_ovl = false;
+}
+
+// ---- rollback ----
+
+void di_dsv4_state_rollback(const di_model *m, di_dsv4_layer_state *layers, int il0, int il1,
+                            int32_t pos_new) {
+    // Window w closed at position w*m + m - 1, so the windows closed before pos_new are
+    // [0, pos_new / m). A window re-opened keeps its rows in the token ring (m + ROLLBACK_MAX
+    // rows, CSA 2m + ROLLBACK_MAX: its previous window's overlap as well), and the window ring's
+    // rows of taken-back positions sit in slots that no position up to pos_new reads (W +
+    // ROLLBACK_MAX rows). min(): entries a replay kept (a prefix hit) are never taken back here,
+    // as the engine rolls back only past them.
+    for (int il = il0; il < il1; il++) {
+        const di_dsv4_layer_w *lw = di_dsv4_layer(m, il);
+        if (lw->ratio <= 0) continue;
+        const int64_t n = pos_new / lw->ratio;
+        di_dsv4_layer_state *ls = &layers[il];
+        if (ls->cmp.n_entries > n) ls->cmp.n_entries = n;
+        if (lw->ratio == 4 && ls->idx.n_entries > n) ls->idx.n_entries = n;
     }
+}
+
+di_status di_dsv4_rollback(di_session *s, int32_t n) {
+    if (s->dev || n < 0 || n > s->pos || n > DI_DSV4_ROLLBACK_MAX) {
+        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d%s)", n, s->pos,
+                     DI_DSV4_ROLLBACK_MAX,
+                     s->dev ? "; none on the device-resident forward, whose rings have no spare "
+                              "rows"
+                            : "");
+        return DI_ERR_INVALID;
+    }
+    const di_hparams *hp = &s->model->hp;
+    const int32_t pos = s->pos - n;
+    di_dsv4_state_rollback(s->model, s->layers, 0, hp->n_layer, pos);
+    if (s->mtp) {
+        // The MTP block has seen positions [0, pos - 1) (each needs the token after it) and waits
+        // with position pos - 1's main streams, which stay in mtp_x.
+        di_dsv4_state_rollback(s->model, s->layers, hp->n_layer, n_state_layers(s),
+                               pos > 0 ? pos - 1 : 0);
+        s->mtp_pending = pos > 0;
+    }
+    s->pos = pos;
+    return DI_OK;
 }
 
 // ---- scratch ----
@@ -332,27 +382,21 @@ di_status di_dsv4_session_reserve(di_session *s, int32_t n_tok) {
 
 // ---- serialisation ----
 // Layout: header {magic "DI4S", version, model fingerprint, pos, mtp, mtp_pending}, then per
-// state layer: ring [W, Dh]; for each compressor: buf_c, buf_z, (ovl_c, ovl_z, has_ovl),
-// n_entries, entries; then mtp_pending_x; then an FNV-1a 64 checksum of everything before it.
+// state layer: ring [W + ROLLBACK_MAX, Dh]; for each compressor: buf_c, buf_z (token rings),
+// n_entries, entries; then mtp_x; then an FNV-1a 64 checksum of everything before it. Version 2:
+// the rings with rollback rows (version 1 had W-row rings and separate CSA overlaps).
 
 #define STATE_MAGIC 0x53344944u // "DI4S"
-#define STATE_VERSION 1u
+#define STATE_VERSION 2u
 
 static uint64_t model_fingerprint(const di_model *m) {
     return di_fnv1a(&m->hp, sizeof m->hp, DI_FNV1A_INIT);
 }
 
 static di_status put_cmp(di_buf *b, const di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw) {
-    size_t width = (size_t)cw->c * (size_t)cw->d, nb = sizeof(float) * (size_t)cw->m * width;
+    const size_t nb = cmp_ring_bytes(cw);
     di_status st = di_buf_append(b, cs->buf_c, nb);
     if (!st) st = di_buf_append(b, cs->buf_z, nb);
-    if (!st && cw->c == 2) {
-        size_t no = sizeof(float) * (size_t)cw->m * (size_t)cw->d;
-        uint8_t has = cs->has_ovl;
-        st = di_buf_append(b, cs->ovl_c, no);
-        if (!st) st = di_buf_append(b, cs->ovl_z, no);
-        if (!st) st = di_buf_append(b, &has, 1);
-    }
     if (!st) st = di_buf_append(b, &cs->n_entries, sizeof cs->n_entries);
     if (!st)
         st = di_buf_append(b, cs->entries, sizeof(float) * (size_t)cs->n_entries * (size_t)cw->d);
@@ -380,13 +424,11 @@ di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
     for (int il = 0; !st && il < n_state_layers(s); il++) {
         const di_dsv4_layer_w *lw = layer_w(s, il);
         const di_dsv4_layer_state *ls = &s->layers[il];
-        st = di_buf_append(&b, ls->ring, sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
+        st = di_buf_append(&b, ls->ring, ring_bytes(hp));
         if (!st && lw->ratio > 0) st = put_cmp(&b, &ls->cmp, &lw->cmp);
         if (!st && lw->ratio == 4) st = put_cmp(&b, &ls->idx, &lw->idx_cmp);
     }
-    if (!st)
-        st = di_buf_append(&b, s->mtp_pending_x,
-                           sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd);
+    if (!st) st = di_buf_append(&b, s->mtp_x, mtp_x_bytes(hp));
     if (st) {
         di_buf_deinit(&b);
         return st;
@@ -396,16 +438,8 @@ di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
 
 static bool get_cmp(di_reader *r, di_dsv4_cmp_state *cs, const di_dsv4_compressor_w *cw,
                     int64_t max_entries) {
-    size_t width = (size_t)cw->c * (size_t)cw->d, nb = sizeof(float) * (size_t)cw->m * width;
+    const size_t nb = cmp_ring_bytes(cw);
     if (!di_reader_get(r, cs->buf_c, nb) || !di_reader_get(r, cs->buf_z, nb)) return false;
-    if (cw->c == 2) {
-        size_t no = sizeof(float) * (size_t)cw->m * (size_t)cw->d;
-        uint8_t has;
-        if (!di_reader_get(r, cs->ovl_c, no) || !di_reader_get(r, cs->ovl_z, no) ||
-            !di_reader_get(r, &has, 1) || has > 1)
-            return false;
-        cs->has_ovl = has;
-    }
     int64_t n;
     if (!di_reader_get(r, &n, sizeof n) || n != max_entries) return false;
     if (grow_entries(cs, n, cw->d) != DI_OK) return false;
@@ -440,17 +474,14 @@ di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
     for (int il = 0; ok && il < n_state_layers(s); il++) {
         const di_dsv4_layer_w *lw = layer_w(s, il);
         di_dsv4_layer_state *ls = &s->layers[il];
-        ok = di_reader_get(&r, ls->ring, sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim);
+        ok = di_reader_get(&r, ls->ring, ring_bytes(hp));
         int64_t n_ent = lw->ratio > 0 ? pos / lw->ratio : 0;
         // The MTP block's positions lag the main model's by one.
         if (il >= hp->n_layer && lw->ratio > 0) n_ent = (pos > 0 ? pos - 1 : 0) / lw->ratio;
         if (ok && lw->ratio > 0) ok = get_cmp(&r, &ls->cmp, &lw->cmp, n_ent);
         if (ok && lw->ratio == 4) ok = get_cmp(&r, &ls->idx, &lw->idx_cmp, n_ent);
     }
-    ok = ok &&
-         di_reader_get(&r, s->mtp_pending_x,
-                       sizeof(float) * (size_t)hp->hc_mult * (size_t)hp->n_embd) &&
-         r.left == 0;
+    ok = ok && di_reader_get(&r, s->mtp_x, mtp_x_bytes(hp)) && r.left == 0;
     if (!ok) {
         DI_LOG_ERROR("session restore: the bytes are not a state of this model (%zu bytes)",
                      n_bytes);

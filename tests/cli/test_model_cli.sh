@@ -50,4 +50,17 @@ out=$(DEEPINFER_HOME="$T/home" "$B" generate --prompt "Hello" -n 8 --no-stop --l
 check "default model prompt produces text" "$([ -n "$out" ] && echo yes)" "yes"
 "$B" generate --model $M --prompt "hi" -n 2 --log-level error 2>/dev/null; check "tokenizer larger than model exits 1" "$?" "1"
 
+# bench's speculative row on V4: the MTP block drafts one token per step (spec_tokens capped to 1);
+# a checkpoint without the MTP block (the hf layout) is refused.
+"$B" synth --out "$T/o" 2>/dev/null; check "synth official" "$?" "0"
+b=$("$B" bench --model "$T/o" --requests 2 --prompt-len 40 --gen-len 12 --max-batch-tokens 32 \
+    --no-ratio --threads 2 --spec-tokens 1 --log-level error 2>&1)
+check "bench --spec-tokens 1 (MTP) exit" "$?" "0"
+check "bench --spec-tokens 1 (MTP): the row" "$(echo "$b" | grep -c '^speculative decoding (--spec-tokens 1, confidence cut 0.1), greedy:$')" "1"
+check "bench --spec-tokens 1 (MTP): speedup" "$(echo "$b" | grep -c '^  1 sequence    decode .*(without: .*x), step allocations 0$')" "1"
+check "bench --spec-tokens 1 (MTP): one draft per verify" "$(echo "$b" | grep -Ec '^  [0-9]+ verifies: 1.00 drafts proposed, .* tokens per verify step$')" "1"
+"$B" bench --model "$T/s" --requests 1 --prompt-len 8 --gen-len 4 --no-ratio --threads 2 \
+    --spec-tokens 1 --log-level error >/dev/null 2>&1
+check "bench --spec-tokens without an MTP block exits 1" "$?" "1"
+
 exit $fail

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from conftest import Server, post
+from conftest import MODEL, Server, post
 
 NAME = "v41-tiny"
 
@@ -208,15 +208,34 @@ def test_spec_equals_plain(v41_pair):
     assert all(v == 0 for v in pm.values()) and all(v == 0 for v in phist.values())
 
 
-def test_spec_refused_without_dspark():
-    # The built-in model is DeepSeek V4: asking for speculative decoding fails at start, saying why.
-    home = tempfile.mkdtemp(prefix="deepinfer-home-")
-    r = subprocess.run([os.environ["DEEPINFER_BIN"], "serve", "--port", "0", "--threads", "2",
-                        "--spec-tokens", "2"],
-                       env=dict(os.environ, DEEPINFER_HOME=home), capture_output=True, text=True,
-                       timeout=300)
-    shutil.rmtree(home, ignore_errors=True)
-    assert r.returncode != 0
-    assert "needs a DeepSeek V4.1 checkpoint with DSpark weights" in r.stderr
-    assert "cannot start the engine: unsupported" in r.stderr.lower() or \
-        "cannot start the engine" in r.stderr
+def spec_complete_v4(server, prompt, n, kw):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 2,
+            **kw}
+    st, _, b = post(server, "/v1/completions", body)
+    assert st == 200, b
+    c = b["choices"][0]
+    return c["text"], c["finish_reason"], c["logprobs"], b["usage"]["completion_tokens"]
+
+
+def test_spec_v4_mtp():
+    # The built-in model is DeepSeek V4 with its MTP block: with --spec-tokens the MTP block drafts
+    # one token per step (capped, logged), and the responses equal those of a server without it.
+    common = ("--max-ctx", "512", "--max-seqs", "3", "--kv-memory", "64")
+    plain = Server(extra=common)
+    spec = Server(extra=(*common, "--spec-tokens", "2"))
+    try:
+        want = [spec_complete_v4(plain, p, n, kw) for p, n, kw in SPEC_REQUESTS]
+        got = [spec_complete_v4(spec, p, n, kw) for p, n, kw in SPEC_REQUESTS]
+        assert got == want
+        with concurrent.futures.ThreadPoolExecutor(len(SPEC_REQUESTS)) as ex:
+            together = list(ex.map(lambda r: spec_complete_v4(spec, *r), SPEC_REQUESTS))
+        assert together == want
+        m, hist = spec_metrics(spec)
+        assert m["spec_decode_num_verifies_total"] > 0
+        assert m["spec_decode_num_draft_tokens_total"] == m["spec_decode_num_verifies_total"]
+        assert sum(hist.values()) == m["spec_decode_num_verifies_total"]
+    finally:
+        logs = [s.stop()[1] for s in (plain, spec)]
+    assert "speculative decoding" not in logs[0]
+    assert "spec_tokens 2 -> 1 (the MTP block drafts one token per step)" in logs[1]
+    assert "speculative decoding with the MTP block" in logs[1]

@@ -234,10 +234,10 @@ static void test_preemption_tiny_budget(void) {
     run_long(e, big, &st);
     CHECK_EQ(st.n_preemptions, 0);
     di_engine_destroy(e);
-    // The smallest pool the engine accepts: one sequence of max_ctx positions (14 tail blocks +
+    // The smallest pool the engine accepts: one sequence of max_ctx positions (16 tail blocks +
     // 512 / 16 entry blocks on the tiny model). A few requests get admitted, then grow into each
     // other: preemption by recompute.
-    size_t tiny = (size_t)st.block_bytes * (size_t)(14 + 512 / st.block_tokens);
+    size_t tiny = (size_t)st.block_bytes * (size_t)(16 + 512 / st.block_tokens);
     for (int prefix = 0; prefix < 2; prefix++) {
         e = engine(tiny, N_REQ, prefix);
         if (!e) return;

@@ -500,6 +500,11 @@ static void test_sizing(void) {
     e = NULL;
     CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_UNSUPPORTED);
     CHECK(e == NULL);
+    // Speculative decoding needs rollback, which the device state's rings do not keep: refused.
+    o = options(least, max_seqs);
+    o.spec_tokens = 1;
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_UNSUPPORTED);
+    CHECK(e == NULL);
     di_backend_destroy(b);
 }
 

@@ -192,7 +192,7 @@ static void test_eviction_write_back(void) {
     if (!e) return;
     di_engine_get_stats(e, &st);
     di_engine_destroy(e);
-    const size_t tiny = (size_t)st.block_bytes * (size_t)(14 + N_CTX / st.block_tokens);
+    const size_t tiny = (size_t)st.block_bytes * (size_t)(16 + N_CTX / st.block_tokens);
     e = engine(tiny, disk, true);
     if (!e) return;
     result r;

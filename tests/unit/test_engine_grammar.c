@@ -226,7 +226,7 @@ static void test_preemption(void) {
     }
     di_engine_get_stats(e, &st);
     di_engine_destroy(e);
-    e = engine_kv((size_t)st.block_bytes * (size_t)(14 + 640 / st.block_tokens));
+    e = engine_kv((size_t)st.block_bytes * (size_t)(16 + 640 / st.block_tokens));
     if (!e) goto out;
     for (int i = 0; i < 4; i++) {
         uint64_t id;

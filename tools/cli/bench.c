@@ -3,12 +3,13 @@
 // latency (mean, p50, p99), KV usage; then the decode throughput of 16 concurrent sequences
 // against one sequence (the continuous-batching gain), beside the gain an engine at this
 // machine's limits would get (read bandwidth and FMA peak measured in the same run). With
-// --spec-tokens N (a DeepSeek V4.1 checkpoint with DSpark), the speculative row: the same greedy
-// runs (one sequence, then the batch) on a second engine with speculative decoding, its decode
-// tokens/s beside the first engine's, and DSpark's acceptance. With --shared-prefix N, the
-// prefix-reuse row: requests whose prompts share their first N tokens, on the engine without the
-// prefix cache and on one with it (after one request has left the prefix cached): TTFT, prompt
-// tokens taken from the cache and positions the bounded replay computed again.
+// --spec-tokens N (a DeepSeek V4.1 checkpoint with DSpark, or a V4 one with its MTP block), the
+// speculative row: the same greedy runs (one sequence, then the batch) on a second engine with
+// speculative decoding, its decode tokens/s beside the first engine's, and the drafts' acceptance.
+// With --shared-prefix N, the prefix-reuse row: requests whose prompts share their first N tokens,
+// on the engine without the prefix cache and on one with it (after one request has left the prefix
+// cached): TTFT, prompt tokens taken from the cache and positions the bounded replay computed
+// again.
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -21,20 +22,21 @@
 #include "cli/cli.h"
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: deepinfer bench [--model DIR] [--requests 16] [--prompt-len 128]\n"
-               "                       [--gen-len 64] [--kv-memory MiB] [--max-batch-tokens 256]\n"
-               "                       [--threads N] [--precision fp32|official] [--no-ratio]\n"
-               "                       [--device cpu|cuda[:N]] [--spec-tokens N]\n"
-               "                       [--spec-min-confidence X] [--shared-prefix N]\n"
-               "Greedy generation of --gen-len tokens for --requests random prompts submitted\n"
-               "together; prints throughput, TTFT and ITL statistics and KV usage, then the\n"
-               "decode tokens/s of 16 concurrent sequences over 1 (skip with --no-ratio).\n"
-               "--spec-tokens N (DeepSeek V4.1 with DSpark): also runs one sequence and the batch\n"
-               "with speculative decoding (up to N drafts per verify) and prints the speedup,\n"
-               "the acceptance rate and the tokens per verify step.\n"
-               "--shared-prefix N (< --prompt-len): also runs the batch with prompts sharing\n"
-               "their first N tokens without and with the prefix cache and prints the TTFT\n"
-               "ratio, the cached and the replayed tokens per request.\n");
+    fprintf(f,
+            "usage: deepinfer bench [--model DIR] [--requests 16] [--prompt-len 128]\n"
+            "                       [--gen-len 64] [--kv-memory MiB] [--max-batch-tokens 256]\n"
+            "                       [--threads N] [--precision fp32|official] [--no-ratio]\n"
+            "                       [--device cpu|cuda[:N]] [--spec-tokens N]\n"
+            "                       [--spec-min-confidence X] [--shared-prefix N]\n"
+            "Greedy generation of --gen-len tokens for --requests random prompts submitted\n"
+            "together; prints throughput, TTFT and ITL statistics and KV usage, then the\n"
+            "decode tokens/s of 16 concurrent sequences over 1 (skip with --no-ratio).\n"
+            "--spec-tokens N (DeepSeek V4.1 with DSpark, or V4 with its MTP block: one draft):\n"
+            "also runs one sequence and the batch with speculative decoding (up to N drafts\n"
+            "per verify) and prints the speedup, the acceptance rate and the tokens per verify.\n"
+            "--shared-prefix N (< --prompt-len): also runs the batch with prompts sharing\n"
+            "their first N tokens without and with the prefix cache and prints the TTFT\n"
+            "ratio, the cached and the replayed tokens per request.\n");
 }
 
 static double now_s(void) {
