@@ -764,9 +764,10 @@ static void test_grammar_after_spec(void) {
 // ---- (k) ----
 
 static void test_preempted(void) {
-    // 330 KiB: 3 slot tails and a pool too small for the 6 requests at once: sequences that
-    // verify drafts (and roll rejected rows back) are preempted and recomputed.
-    di_engine *e = engine_kv(K, -1, 3, (size_t)330 << 10);
+    // 100 KiB: 3 slot tails and a pool too small for the 6 requests at once (20 blocks of packed
+    // pages): sequences that verify drafts (and roll rejected rows back) are preempted and
+    // recomputed.
+    di_engine *e = engine_kv(K, -1, 3, (size_t)100 << 10);
     if (!e) return;
     static result got[N_REQ];
     run_all(e, got, N_REQ, STOP_NONE);
