@@ -29,6 +29,11 @@
 #define DI_DSV41_ENT_BLOCK 16
 #define DI_DSV41_KEY_BLOCK 32
 
+// Index keys a thread keeps decoded while it scores the rows of one sequence (the indexer's
+// per-thread cache: a prefill's rows share their keys; 1 MiB a thread for 128-dim keys). Keys
+// beyond are decoded a chunk at a time for every row.
+#define DI_DSV41_IKEY_CACHE 2048
+
 // Rolled-back positions a session can take back (di_dsv41_rollback): window rings keep this many
 // rows beyond the window so rejected rows never overwrite rows still needed (§5.3).
 #define DI_DSV41_ROLLBACK_MAX 16
@@ -116,11 +121,13 @@ typedef struct di_dsv41_rows {
     int32_t *n_out;           // [T] their logit rows
     int32_t *tokens;          // [T] the call's tokens, sequence after sequence
     // Per-thread FP32 keys decoded from the packed state: the attention's key rows of one query
-    // (window + DSpark block rows + top-k entries, [cap_keys, Dh]) and the indexer's chunk of
-    // index keys ([DI_DSV4_KEY_CHUNK, DI]).
+    // (window + DSpark block rows + top-k entries, [cap_keys, Dh]) and the indexer's index keys
+    // of the sequence a thread scores (keys [0, cap_ikeys), decoded once for all its rows of a
+    // call, then one chunk for keys beyond: [cap_ikeys + DI_DSV4_KEY_CHUNK, DI]).
     float *keys;       // [n_threads, cap_keys, Dh]
     int32_t cap_keys;  // key rows per thread
-    float *ikeys;      // [n_threads, DI_DSV4_KEY_CHUNK, DI]
+    float *ikeys;      // [n_threads, cap_ikeys + DI_DSV4_KEY_CHUNK, DI]
+    int32_t cap_ikeys; // min(cap_ent, DI_DSV41_IKEY_CACHE)
     int64_t key_bytes; // of keys and ikeys
     float *draft;      // [cap_draft, 2 V + D + markov_rank] DSpark head scratch of a draft call
     int32_t cap_draft; // draft calls of up to this many sessions fit

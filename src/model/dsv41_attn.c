@@ -286,7 +286,13 @@ static void idx_task(void *p, int ith, int nth) {
     float *sc = st->scores + (int64_t)ith * st->cap_ent;
     float *blk = st->blk + (int64_t)ith * (st->cap_ent + 1);
     int32_t *order = st->order + (int64_t)ith * (st->cap_ent + 1);
-    float *keys = st->ikeys + (int64_t)ith * DI_DSV4_KEY_CHUNK * DI; // a chunk, decoded
+    // Decoded index keys: [0, cap) of the sequence of the rows scored last (rows are split in
+    // contiguous ranges, so a prefill's rows of one sequence follow each other; the keys do not
+    // change during the indexer), then a chunk for keys from cap on.
+    const int64_t cap = st->cap_ikeys;
+    float *keys = st->ikeys + (int64_t)ith * (cap + DI_DSV4_KEY_CHUNK) * DI;
+    const di_dsv41_state *dec_seq = NULL; // whose keys [0, n_dec) are decoded in keys
+    int64_t n_dec = 0;
     int64_t lo, hi;
     di_split_range(c->c->n_rows, ith, nth, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
@@ -294,14 +300,18 @@ static void idx_task(void *p, int ith, int nth) {
         const di_dsv41_src *src = &ss->src[c->src_il];
         int64_t P = row_pos[t], vis = (P + 1) / c->src_ratio;
         DI_ASSERT(vis <= src->n_entries && vis <= st->cap_ent);
+        if (ss != dec_seq) dec_seq = ss, n_dec = 0;
         const float *kp[DI_DSV4_KEY_CHUNK];
         for (int64_t w0 = 0; w0 < vis; w0 += DI_DSV4_KEY_CHUNK) {
             int64_t nk = vis - w0 < DI_DSV4_KEY_CHUNK ? vis - w0 : DI_DSV4_KEY_CHUNK;
             for (int64_t w = 0; w < nk; w++) {
-                di_quant_q4_unpack(di_dsv41_key(ss, src, w0 + w), DI, DI_DSV41_KEY_BLOCK,
-                                   keys + w * DI);
-                kp[w] = keys + w * DI;
+                const int64_t e = w0 + w;
+                float *k = e < cap ? keys + e * DI : keys + (cap + w) * DI;
+                if (e >= n_dec || e >= cap)
+                    di_quant_q4_unpack(di_dsv41_key(ss, src, e), DI, DI_DSV41_KEY_BLOCK, k);
+                kp[w] = k;
             }
+            if (w0 + nk > n_dec) n_dec = w0 + nk < cap ? w0 + nk : cap;
             di_cpu_index_scores(m->cpu.isa, c->qi + t * HI * DI, c->wi + t * HI, HI, kp, nk, DI,
                                 sc + w0);
         }

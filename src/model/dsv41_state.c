@@ -205,19 +205,30 @@ di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
         w->cap_ent = cap;
         w->ent_bytes = (int64_t)nth * (2 * (int64_t)sizeof(float) + (int64_t)sizeof(int32_t));
     }
+    // Decoded keys per thread: the attention's keys of one query (its window: W rows, or W
+    // context rows + the block's rows in a DSpark block; and its top-k entries), and the
+    // indexer's index keys of one sequence (up to DI_DSV41_IKEY_CACHE of them, decoded once for
+    // all the rows a thread scores, then a chunk for keys beyond).
+    const size_t nth = (size_t)m->cpu.n_threads;
+    const size_t attn_keys = (size_t)(hp->window + hp->dspark_block_size + hp->index_topk);
     if (!w->keys) {
-        // Attention keys of one query: its window (W rows, or W context rows + the block's rows
-        // in a DSpark block) and its top-k entries; the indexer's chunk of index keys.
-        const size_t nth = (size_t)m->cpu.n_threads;
-        const size_t keys = (size_t)(hp->window + hp->dspark_block_size + hp->index_topk) *
-                            (size_t)hp->head_dim * nth;
-        const size_t ikeys = (size_t)DI_DSV4_KEY_CHUNK * (size_t)hp->index_head_dim * nth;
-        w->keys = di_aligned_alloc(sizeof(float) * keys);
-        w->ikeys = di_aligned_alloc(sizeof(float) * ikeys);
-        if (!w->keys || !w->ikeys) return DI_ERR_NOMEM;
-        w->cap_keys = hp->window + hp->dspark_block_size + hp->index_topk;
-        w->key_bytes = (int64_t)(sizeof(float) * (keys + ikeys));
+        w->keys = di_aligned_alloc(sizeof(float) * attn_keys * (size_t)hp->head_dim * nth);
+        if (!w->keys) return DI_ERR_NOMEM;
+        w->cap_keys = (int32_t)attn_keys;
     }
+    const int32_t cap_ik =
+        (int32_t)(w->cap_ent < DI_DSV41_IKEY_CACHE ? w->cap_ent : DI_DSV41_IKEY_CACHE);
+    if (cap_ik > w->cap_ikeys) { // contents are per call: nothing to keep
+        di_aligned_free(w->ikeys);
+        w->ikeys = di_aligned_alloc(sizeof(float) * (size_t)(cap_ik + DI_DSV4_KEY_CHUNK) *
+                                    (size_t)hp->index_head_dim * nth);
+        w->cap_ikeys = w->ikeys ? cap_ik : 0;
+        if (!w->ikeys) return DI_ERR_NOMEM;
+    }
+    w->key_bytes =
+        (int64_t)(sizeof(float) * nth *
+                  (attn_keys * (size_t)hp->head_dim +
+                   (size_t)(w->cap_ikeys + DI_DSV4_KEY_CHUNK) * (size_t)hp->index_head_dim));
     if (n_rows > w->cap_rows) {
         size_t T = (size_t)n_rows, nc = (size_t)hp->hc_mult, D = (size_t)hp->n_embd;
         const size_t ring_bytes = di_quant_q8_row_bytes(hp->head_dim, DI_DSV41_WIN_BLOCK);
