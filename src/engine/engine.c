@@ -284,6 +284,12 @@ static di_status dev_kv_create(di_engine *e) {
 // max_seqs tails first (max_seqs is clamped so that one max_ctx sequence's blocks still fit) and
 // buys blocks with the rest: sequences grow block by block, admission reserves blocks as on V4,
 // and the scheduler preempts (recompute) when they run out.
+// A sequence's block table as V4.1 pages: the kv_manager keeps its block addresses as V4's float
+// entry blocks; the V4.1 forward stores packed bytes in the same blocks.
+static uint8_t *const *v41_pages(const di_kv_seq *ks) {
+    return (uint8_t *const *)ks->pages;
+}
+
 static di_status v41_create(di_engine *e) {
     di_engine_options *o = &e->opt;
     di_status st = DI_OK;
@@ -340,7 +346,7 @@ static di_status v41_create(di_engine *e) {
                                     !o->no_prefix_cache, &e->kv));
     DI_ASSERT(e->kv->block_tokens == bt);
     for (int32_t i = 0; i < o->max_seqs; i++)
-        di_dsv41_bind_pages(e->v41[i], e->kv->seqs[i].pages, 0);
+        di_dsv41_bind_pages(e->v41[i], v41_pages(&e->kv->seqs[i]), 0);
     DI_LOG_INFO("engine: V4.1 --kv-memory %zu bytes = %d slot tails of %.2f MiB (rings, history) + "
                 "%lld blocks of %.1f KiB (%d positions each; a max_ctx sequence takes %d)",
                 o->kv_memory_bytes, (int)o->max_seqs, (double)e->v41_slot_bytes / (1 << 20),
@@ -1346,7 +1352,7 @@ static void v41_bind(di_engine *e) {
             if (end > e->opt.max_ctx) end = e->opt.max_ctx;
             (void)di_kv_seq_reserve(e->kv, r->slot, end);
         }
-        di_dsv41_bind_pages(ss, ks->pages, ks->n_blocks);
+        di_dsv41_bind_pages(ss, v41_pages(ks), ks->n_blocks);
         if (ks->n_cached > 0 && sq->pos == sq->win_lo)
             (void)di_dsv41_restart(ss, ks->n_cached, sq->pos, r->tokens); // a failure: pos 0
         else if (sq->pos == 0)

@@ -32,7 +32,9 @@
 
 typedef struct di_kv_disk di_kv_disk;
 
-#define DI_KV_DISK_VERSION 1
+// Version 2: V4.1 payloads are packed pages (Q4e entries, Q4 index keys; model/dsv41.h), no longer
+// FP32; records of version 1 are dropped on read.
+#define DI_KV_DISK_VERSION 2
 #define DI_KV_DISK_BYTES_DEFAULT ((size_t)16 << 30) // 16 GiB
 #define DI_KV_DISK_TTL_S_DEFAULT ((int64_t)72 * 3600)
 

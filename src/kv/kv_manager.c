@@ -110,9 +110,9 @@ static di_status create_untailed(di_model *m, int32_t n_blocks, size_t block_byt
         DI_TRY(di_prefix_cache_create(kv->pool, kv->block_tokens, model_id(m), &kv->cache));
     DI_TRY(alloc_seqs(kv));
     if (memory)
-        DI_LOG_INFO("kv: %d V4.1 blocks of %zu KiB (%d positions each: the entries and index "
-                    "keys of every kv source), replay bound %d tokens, prefix cache %s",
-                    n_blocks, block_bytes / 1024, kv->block_tokens, kv->replay_tokens,
+        DI_LOG_INFO("kv: %d V4.1 blocks of %.1f KiB (%d positions each: the packed entries and "
+                    "index keys of every kv source), replay bound %d tokens, prefix cache %s",
+                    n_blocks, (double)block_bytes / 1024, kv->block_tokens, kv->replay_tokens,
                     prefix_cache ? "on" : "off");
     else
         DI_LOG_INFO("kv: %d accounted blocks of %zu KiB (%d positions each; the forward's state "

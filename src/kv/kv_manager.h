@@ -98,7 +98,9 @@ di_status di_kv_manager_create_accounting(di_model *m, int32_t n_blocks, size_t 
                                           int32_t max_seqs, int32_t max_ctx, bool prefix_cache,
                                           di_kv_manager **out);
 // The V4.1 forward's manager: n_blocks blocks of di_kv_v41_block_bytes memory each, every one a
-// V4.1 page (model/dsv41.h; the disk tier stores its di_dsv41_page_bytes), no tail blocks, no
+// V4.1 page of packed codes (model/dsv41.h; the disk tier stores its di_dsv41_page_bytes, a
+// multiple of 64, as entry_floats = bytes / 4; pages[] holds the block addresses the engine binds
+// to its sessions as byte pages), no tail blocks, no
 // layer views. DI_ERR_INVALID (n_blocks cannot hold one sequence of max_ctx positions; logged),
 // DI_ERR_NOMEM.
 di_status di_kv_manager_create_v41(di_model *m, int32_t n_blocks, int32_t max_seqs, int32_t max_ctx,

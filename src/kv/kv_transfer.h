@@ -19,7 +19,8 @@
 
 #include "kv/kv_disk.h" // di_kv_disk_layout, di_kv_disk_record
 
-#define DI_KV_TRANSFER_VERSION 1
+// Version 2: records of kv_disk's version 2 (V4.1 pages packed); version 1 transfers are refused.
+#define DI_KV_TRANSFER_VERSION 2
 #define DI_KV_TRANSFER_HEADER_BYTES 64
 
 // Bytes of a transfer of n_blocks records of layout l.

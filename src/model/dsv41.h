@@ -20,6 +20,20 @@
 #include "model/dsv4.h"        // di_model, di_session, di_dsv4_ctx
 #include "model/engram_hash.h" // di_engram_hash
 
+// The state stores codes, not floats (docs/kv-cache.md, "DeepSeek V4.1"): every value it keeps is
+// already fake-quantised, so the packed rows of tensor/quant_ref.h hold it exactly. Window rows
+// are Q8 (e4m3, UE8M0 scale per DI_DSV41_WIN_BLOCK dims), entries Q4e (e2m1, E4M3 scale per
+// DI_DSV41_ENT_BLOCK), index keys Q4 (e2m1, UE8M0 scale per DI_DSV41_KEY_BLOCK); head_dim and
+// index_head_dim are multiples of 32 (validated at load, hparams.c).
+#define DI_DSV41_WIN_BLOCK 32
+#define DI_DSV41_ENT_BLOCK 16
+#define DI_DSV41_KEY_BLOCK 32
+
+// Index keys a thread keeps decoded while it scores the rows of one sequence (the indexer's
+// per-thread cache: a prefill's rows share their keys; 1 MiB a thread for 128-dim keys). Keys
+// beyond are decoded a chunk at a time for every row.
+#define DI_DSV41_IKEY_CACHE 2048
+
 // Rolled-back positions a session can take back (di_dsv41_rollback): window rings keep this many
 // rows beyond the window so rejected rows never overwrite rows still needed (§5.3).
 #define DI_DSV41_ROLLBACK_MAX 16
@@ -32,11 +46,11 @@ typedef struct di_dsv41_model {
 } di_dsv41_model;
 
 // One kv source's global state (§5.1). Its entries and index keys live in the state's pages
-// (blocks of block_tokens positions, docs/kv-cache.md "DeepSeek V4.1"): entry w at
-// pages[w / per_page] + off_main + (w % per_page) * Dh, its index key at ... + off_idx +
-// (w % per_page) * DI (di_dsv41_entry / di_dsv41_key).
+// (blocks of block_tokens positions, docs/kv-cache.md "DeepSeek V4.1") as packed rows: entry w at
+// pages[w / per_page] + off_main + (w % per_page) * ent_bytes, its index key at ... + off_idx +
+// (w % per_page) * key_bytes (di_dsv41_entry / di_dsv41_key).
 typedef struct di_dsv41_src {
-    int64_t off_main, off_idx; // floats from a page's start to this source's entries / index keys
+    int64_t off_main, off_idx; // bytes from a page's start to this source's entries / index keys
     int32_t per_page;          // entries of this source per page: block_tokens / ratio
     int64_t n_entries;         // entries [0, n_entries) exist
     float *cz; // owned [DI_DSV41_CZ_SLOTS, 2 Dh]: FP32 (C, Z) of recent even positions (m = 2)
@@ -45,8 +59,10 @@ typedef struct di_dsv41_src {
 #define DI_DSV41_CZ_SLOTS (DI_DSV41_ROLLBACK_MAX / 2 + 2)
 
 typedef struct di_dsv41_state {
-    int32_t ring_rows; // W + DI_DSV41_ROLLBACK_MAX; slot of position p = p mod ring_rows
-    float **ring;      // owned [n_state_layers] of owned [ring_rows, Dh]
+    int32_t ring_rows;      // W + DI_DSV41_ROLLBACK_MAX; slot of position p = p mod ring_rows
+    uint8_t **ring;         // owned [n_state_layers] of owned [ring_rows, ring_row_bytes]: Q8 rows
+    int32_t ring_row_bytes; // a window row: di_quant_q8_row_bytes(Dh, DI_DSV41_WIN_BLOCK)
+    int32_t ent_bytes, key_bytes; // an entry (Q4e of Dh) and an index key (Q4 of DI)
     int32_t n_state_layers;
     bool dspark;       // runs DSpark: rings of the DSpark blocks, taps and context rows
     di_dsv41_src *src; // owned [n_layer]; only kv sources hold entries
@@ -54,10 +70,10 @@ typedef struct di_dsv41_state {
     // and index keys: borrowed from the engine's kv_manager (di_dsv41_bind_pages: the sequence's
     // block table, shared prefix blocks included) or, for a standalone session, owned (own_pages,
     // grown by di_dsv41_reserve_state and freed with the session).
-    float *const *pages;
+    uint8_t *const *pages;
     int32_t n_pages;      // pages [0, n_pages) exist: entries of positions < n_pages * block_tokens
     int32_t block_tokens; // positions per page (di_kv_block_tokens)
-    float **own_pages;    // owned [cap_own] of owned pages; NULL while bound
+    uint8_t **own_pages;  // owned [cap_own] of owned pages; NULL while bound
     int32_t cap_own;
     bool bound;    // pages are borrowed (di_dsv41_bind_pages)
     int32_t *hist; // owned [cap_hist]: compressed id of every position (Engram look-back)
@@ -70,14 +86,14 @@ typedef struct di_dsv41_state {
     const int32_t *cand, *n_cand;
 } di_dsv41_state;
 
-// Entry w (compressed, [Dh]) and index key w ([DI]) of kv source src of state st.
-static inline float *di_dsv41_entry(const di_dsv41_state *st, const di_dsv41_src *src, int64_t w,
-                                    int32_t Dh) {
-    return st->pages[w / src->per_page] + src->off_main + (w % src->per_page) * (int64_t)Dh;
+// The packed rows of entry w (Q4e of [Dh]: di_quant_q4e_unpack) and index key w (Q4 of [DI]:
+// di_quant_q4_unpack) of kv source src of state st.
+static inline uint8_t *di_dsv41_entry(const di_dsv41_state *st, const di_dsv41_src *src,
+                                      int64_t w) {
+    return st->pages[w / src->per_page] + src->off_main + (w % src->per_page) * st->ent_bytes;
 }
-static inline float *di_dsv41_key(const di_dsv41_state *st, const di_dsv41_src *src, int64_t w,
-                                  int32_t DI) {
-    return st->pages[w / src->per_page] + src->off_idx + (w % src->per_page) * (int64_t)DI;
+static inline uint8_t *di_dsv41_key(const di_dsv41_state *st, const di_dsv41_src *src, int64_t w) {
+    return st->pages[w / src->per_page] + src->off_idx + (w % src->per_page) * st->key_bytes;
 }
 
 // Per-row scratch of a V4.1 call over the rows of all its sequences (di_dsv4_ws.v41, owned by
@@ -97,12 +113,22 @@ typedef struct di_dsv41_rows {
     float *eg_in;             // [T, n_col * hd]
     float *eg_kv;             // [T, (NC + 1) D]
     float *taps;              // [T, n_target, D] DSpark taps (block inputs of the target layers)
+    uint8_t *kv_packed;       // [T, ring_row_bytes] the call's window rows, packed for the rings
     float *scores;            // [n_threads, cap_ent] indexer scores
     float *blk;               // [n_threads, cap_ent + 1] block scores / candidate flags
     int32_t *order;           // [n_threads, cap_ent + 1] selections
     struct di_dsv4_seq *seqs; // [T] the call's sequences (one row at least each)
     int32_t *n_out;           // [T] their logit rows
     int32_t *tokens;          // [T] the call's tokens, sequence after sequence
+    // Per-thread FP32 keys decoded from the packed state: the attention's key rows of one query
+    // (window + DSpark block rows + top-k entries, [cap_keys, Dh]) and the indexer's index keys
+    // of the sequence a thread scores (keys [0, cap_ikeys), decoded once for all its rows of a
+    // call, then one chunk for keys beyond: [cap_ikeys + DI_DSV4_KEY_CHUNK, DI]).
+    float *keys;       // [n_threads, cap_keys, Dh]
+    int32_t cap_keys;  // key rows per thread
+    float *ikeys;      // [n_threads, cap_ikeys + DI_DSV4_KEY_CHUNK, DI]
+    int32_t cap_ikeys; // min(cap_ent, DI_DSV41_IKEY_CACHE)
+    int64_t key_bytes; // of keys and ikeys
     float *draft;      // [cap_draft, 2 V + D + markov_rank] DSpark head scratch of a draft call
     int32_t cap_draft; // draft calls of up to this many sessions fit
     int64_t row_bytes, ent_bytes; // bytes per row / per entry of cap_ent + 1 (di_dsv41_ws_bytes)
@@ -209,18 +235,19 @@ di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes);
 
 // ---- pages (prefix-cache blocks; docs/kv-cache.md, "DeepSeek V4.1") ----
 // A page of block_tokens positions (di_kv_block_tokens: a multiple of every compression ratio and
-// even) holds, per kv source in layer order, its block_tokens / m entries [Dh] then as many index
-// keys [DI]. It is the unit the engine's pool hands out and its prefix cache shares: a full page
-// is final (every group closed, no pending (C, Z) group at its end). The Engram history stays per
-// session (4 bytes a position; a function of the tokens, rebuilt from them on a prefix hit).
+// even) holds, per kv source in layer order, its block_tokens / m packed entries (Q4e rows of Dh)
+// then as many packed index keys (Q4 rows of DI), each run starting at a multiple of 64 bytes. It
+// is the unit the engine's pool hands out and its prefix cache shares: a full page is final (every
+// group closed, no pending (C, Z) group at its end). The Engram history stays per session (4 bytes
+// a position; a function of the tokens, rebuilt from them on a prefix hit).
 
-// Bytes of one page.
+// Bytes of one page (a multiple of 64; V4.1-Flash 113,920 for 128 positions: 890 a position).
 size_t di_dsv41_page_bytes(const di_model *m, int32_t block_tokens);
 // Makes the session read and write its entries through pages[0 .. n_pages) (borrowed: the
 // engine's block table of its sequence; the array must outlive the session's calls and may grow
 // in place beyond n_pages). Frees pages the session owned (the first binding). Called again
 // whenever n_pages changes, while no call runs.
-void di_dsv41_bind_pages(di_session *s, float *const *pages, int32_t n_pages);
+void di_dsv41_bind_pages(di_session *s, uint8_t *const *pages, int32_t n_pages);
 // Positions whose entries the session's pages hold (n_pages * block_tokens).
 int64_t di_dsv41_capacity(const di_session *s);
 // Restarts a bound session on a prefix of hit positions whose entries its pages already hold

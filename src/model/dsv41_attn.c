@@ -6,6 +6,9 @@
 // window + selected entries, the grouped output. Also the DSpark block attention (§3.3).
 // Order per call (R-OFF): projections -> compressor -> indexer -> attention -> ring update.
 // Entries and index keys are read and written through the state's pages (di_dsv41_entry / _key).
+// The state holds packed codes (dsv41.h): the rows are packed where they are fake-quantised (the
+// same quantiser, so bit-exact) and decoded into per-thread FP32 scratch where they are read, so
+// the attention and the indexer compute on exactly the floats an FP32 state would hold.
 // Positions fed again after a prefix-cache restart (di_dsv41_restart: the bounded replay) leave
 // the entries they would close untouched (w < n_entries): those are in the cache's shared pages.
 #include <math.h>
@@ -25,9 +28,10 @@ static int source_of(const di_hparams *hp, int il) {
     return -1;
 }
 
-// q [T, H, Dh] and the window row kv [T, Dh] of a normed input a (scratch DI_SCR_QR/Q/KV).
+// q [T, H, Dh] and the window row kv [T, Dh] of a normed input a (scratch DI_SCR_QR/Q/KV); with
+// packed, also the window rows as packed Q8 rows [T, ring_row_bytes] for the rings.
 static void project(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *a, const float *omega,
-                    float rscale, int32_t n_tok, const int32_t *pos) {
+                    float rscale, int32_t n_tok, const int32_t *pos, uint8_t *packed) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
@@ -45,12 +49,16 @@ static void project(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *a, c
     di_dsv4_linear(c, &lw->wkv, a, n_tok, D, kv, Dh, true);
     di_ref_rmsnorm(kv, n_tok, Dh, Dh, lw->kv_norm, hp->norm_eps);
     di_dsv4_round(m, kv, n_tok * Dh);
+    const size_t rb = di_quant_q8_row_bytes(Dh, DI_DSV41_WIN_BLOCK);
     for (int32_t t = 0; t < n_tok; t++) {
         di_ref_rope(kv + t * Dh, Dh, n_rot, omega, pos[t], rscale, false);
         di_dsv4_round(m, kv + t * Dh, Dh);
         // Q8w: e4m3 with power-of-two scales per 32 over all Dh dims, in every precision
         // (R-HF applies it in FP32 too, §7.3 item 2).
-        if (Dh % 32 == 0) di_fake_quant_q8(kv + t * Dh, Dh, 32);
+        if (packed)
+            di_quant_q8_pack(kv + t * Dh, Dh, DI_DSV41_WIN_BLOCK, packed + (size_t)t * rb);
+        else
+            di_fake_quant_q8(kv + t * Dh, Dh, DI_DSV41_WIN_BLOCK);
     }
 }
 
@@ -87,6 +95,8 @@ typedef struct attn_ctx {
     float *o;      // [T, H, Dh]
     float *scores; // per thread
     int64_t scores_stride;
+    float *keys; // per thread [cap_keys, Dh]: the keys of one query, decoded
+    int32_t cap_keys;
 } attn_ctx;
 
 static void attn_task(void *p, int ith, int nth) {
@@ -119,45 +129,62 @@ static void attn_task(void *p, int ith, int nth) {
             w_hi = P;
         }
         const int64_t n_win = w_hi - w_lo + 1;
-        const int64_t n_cmp = c->sel ? c->n_sel[t] : 0;
-        di_dsv4_cmp_state pg = {0}; // the source's entries, through the pages
-        if (c->src_il >= 0) {
-            const di_dsv41_src *src = &st->src[c->src_il];
-            pg.pages = st->pages;
-            pg.page_off = src->off_main;
-            pg.page_entries = src->per_page;
+        const int64_t n_cmp = c->sel && c->src_il >= 0 ? c->n_sel[t] : 0;
+        DI_ASSERT(n_win + n_cmp <= c->cap_keys);
+        // The keys in order, as FP32 rows: ring rows below p0 decoded, this call's rows copied,
+        // then the selected entries decoded. The attention reads them as one contiguous run of
+        // "call rows" (key_row in dsv4_attn.c), the same floats in the same order as before.
+        float *kb = c->keys + (int64_t)ith * c->cap_keys * Dh;
+        const float *call = c->kv + (int64_t)sq->row0 * Dh;
+        for (int64_t j = 0; j < n_win; j++) {
+            const int64_t pos = w_lo + j;
+            if (pos < p0)
+                di_quant_q8_unpack(st->ring[c->il] + (pos % st->ring_rows) * st->ring_row_bytes, Dh,
+                                   DI_DSV41_WIN_BLOCK, kb + j * Dh);
+            else
+                memcpy(kb + j * Dh, call + (pos - p0) * Dh, sizeof(float) * (size_t)Dh);
         }
-        const di_dsv4_keys keys = {.ring = st->ring[c->il],
-                                   .ring_rows = st->ring_rows,
-                                   .rows = c->kv + (int64_t)sq->row0 * Dh,
-                                   .p0 = p0,
+        if (n_cmp > 0) {
+            const di_dsv41_src *src = &st->src[c->src_il];
+            const int32_t *sel = c->sel + t * c->topk;
+            for (int64_t i = 0; i < n_cmp; i++)
+                di_quant_q4e_unpack(di_dsv41_entry(st, src, sel[i]), Dh, DI_DSV41_ENT_BLOCK,
+                                    kb + (n_win + i) * Dh);
+        }
+        const di_dsv4_keys keys = {.ring = NULL,
+                                   .ring_rows = 1,
+                                   .rows = kb,
+                                   .p0 = w_lo,
                                    .w_lo = w_lo,
-                                   .n_win = n_win,
-                                   .cmp = c->src_il >= 0 ? &pg : NULL,
-                                   .sel = c->sel ? c->sel + t * c->topk : NULL,
-                                   .n_cmp = n_cmp};
+                                   .n_win = n_win + n_cmp,
+                                   .cmp = NULL,
+                                   .sel = NULL,
+                                   .n_cmp = 0};
         di_dsv4_attend_heads(m, q, c->sink + h0, nh, &keys, P, c->omega, c->rscale, sc, o);
     }
 }
 
-// The window rows of the call's rows into each sequence's ring of state layer il (sequences
-// without that layer, plain sessions in a DSpark block's call, are skipped).
-static void ring_write(const di_dsv4_ctx *c, int il, const float *kv, int32_t Dh) {
+// The packed window rows of the call's rows (packed [T, ring_row_bytes]) into each sequence's
+// ring of state layer il (sequences without that layer, plain sessions in a DSpark block's call,
+// are skipped).
+static void ring_write(const di_dsv4_ctx *c, int il, const uint8_t *packed) {
     for (int32_t i = 0; i < c->n_seq; i++) {
         const di_dsv4_seq *sq = &c->seqs[i];
         const di_dsv41_state *st = sq->v41;
         if (il >= st->n_state_layers) continue;
-        const float *rows = kv + (int64_t)sq->row0 * Dh;
+        const size_t rb = (size_t)st->ring_row_bytes;
+        const uint8_t *rows = packed + (size_t)sq->row0 * rb;
         for (int32_t t = sq->n_tok > st->ring_rows ? sq->n_tok - st->ring_rows : 0; t < sq->n_tok;
              t++)
-            memcpy(st->ring[il] + (int64_t)((sq->pos + t) % st->ring_rows) * Dh,
-                   rows + (int64_t)t * Dh, sizeof(float) * (size_t)Dh);
+            memcpy(st->ring[il] + (size_t)((sq->pos + t) % st->ring_rows) * rb,
+                   rows + (size_t)t * rb, rb);
     }
 }
 
 // ---- CSA2 compressor of a kv source (§2.5.1) ----
 
-// Index key and Q4e main entry of entry w from its latent [Dh] (pre-RoPE; modified).
+// Index key (Q4) and main entry (Q4e) of entry w from its latent [Dh] (pre-RoPE; modified),
+// quantised straight into their packed rows in the page.
 static void finalise(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const di_dsv41_state *st,
                      const di_dsv41_src *src, float *latent, int64_t w) {
     di_model *m = c->model;
@@ -165,18 +192,17 @@ static void finalise(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const di_dsv41_s
     const int32_t Dh = hp->head_dim, DI = hp->index_head_dim, n_rot = hp->rope_main.n_dims;
     const int64_t pos = w * lw->ratio;
     const float rs = hp->rope_compress.attention_factor;
-    float *k = di_dsv41_key(st, src, w, DI);
+    float k[4096];
+    DI_ASSERT(DI <= 4096);
     di_dsv4_linear(c, &lw->idx_wk, latent, 1, Dh, k, DI, false); // BF16 matmul in R-OFF
     di_ref_rmsnorm(k, 1, DI, DI, lw->idx_k_norm, hp->norm_eps);
     di_dsv4_round(m, k, DI);
     di_ref_rope(k, DI, n_rot, m->omega_compress, pos, rs, false);
     di_dsv4_round(m, k, DI);
-    if (DI % 32 == 0) di_fake_quant_q4(k, DI, 32);
-    float *e = di_dsv41_entry(st, src, w, Dh);
-    memcpy(e, latent, sizeof(float) * (size_t)Dh);
-    di_ref_rope(e, Dh, n_rot, m->omega_compress, pos, rs, false);
-    di_dsv4_round(m, e, Dh);
-    if (Dh % 16 == 0) di_fake_quant_q4e(e, Dh, 16);
+    di_quant_q4_pack(k, DI, DI_DSV41_KEY_BLOCK, di_dsv41_key(st, src, w));
+    di_ref_rope(latent, Dh, n_rot, m->omega_compress, pos, rs, false);
+    di_dsv4_round(m, latent, Dh);
+    di_quant_q4e_pack(latent, Dh, DI_DSV41_ENT_BLOCK, di_dsv41_entry(st, src, w));
 }
 
 static void compressor(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const float *a) {
@@ -260,6 +286,13 @@ static void idx_task(void *p, int ith, int nth) {
     float *sc = st->scores + (int64_t)ith * st->cap_ent;
     float *blk = st->blk + (int64_t)ith * (st->cap_ent + 1);
     int32_t *order = st->order + (int64_t)ith * (st->cap_ent + 1);
+    // Decoded index keys: [0, cap) of the sequence of the rows scored last (rows are split in
+    // contiguous ranges, so a prefill's rows of one sequence follow each other; the keys do not
+    // change during the indexer), then a chunk for keys from cap on.
+    const int64_t cap = st->cap_ikeys;
+    float *keys = st->ikeys + (int64_t)ith * (cap + DI_DSV4_KEY_CHUNK) * DI;
+    const di_dsv41_state *dec_seq = NULL; // whose keys [0, n_dec) are decoded in keys
+    int64_t n_dec = 0;
     int64_t lo, hi;
     di_split_range(c->c->n_rows, ith, nth, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
@@ -267,10 +300,18 @@ static void idx_task(void *p, int ith, int nth) {
         const di_dsv41_src *src = &ss->src[c->src_il];
         int64_t P = row_pos[t], vis = (P + 1) / c->src_ratio;
         DI_ASSERT(vis <= src->n_entries && vis <= st->cap_ent);
+        if (ss != dec_seq) dec_seq = ss, n_dec = 0;
         const float *kp[DI_DSV4_KEY_CHUNK];
         for (int64_t w0 = 0; w0 < vis; w0 += DI_DSV4_KEY_CHUNK) {
             int64_t nk = vis - w0 < DI_DSV4_KEY_CHUNK ? vis - w0 : DI_DSV4_KEY_CHUNK;
-            for (int64_t w = 0; w < nk; w++) kp[w] = di_dsv41_key(ss, src, w0 + w, DI);
+            for (int64_t w = 0; w < nk; w++) {
+                const int64_t e = w0 + w;
+                float *k = e < cap ? keys + e * DI : keys + (cap + w) * DI;
+                if (e >= n_dec || e >= cap)
+                    di_quant_q4_unpack(di_dsv41_key(ss, src, e), DI, DI_DSV41_KEY_BLOCK, k);
+                kp[w] = k;
+            }
+            if (w0 + nk > n_dec) n_dec = w0 + nk < cap ? w0 + nk : cap;
             di_cpu_index_scores(m->cpu.isa, c->qi + t * HI * DI, c->wi + t * HI, HI, kp, nk, DI,
                                 sc + w0);
         }
@@ -324,7 +365,7 @@ static void indexer(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const flo
         di_ref_rope(qi + r * DI, DI, n_rot, m->omega_compress, row_pos[r / HI],
                     hp->rope_compress.attention_factor, false);
         di_dsv4_round(m, qi + r * DI, DI);
-        if (DI % 32 == 0) di_fake_quant_q4(qi + r * DI, DI, 32); // no Hadamard in V4.1
+        di_fake_quant_q4(qi + r * DI, DI, DI_DSV41_KEY_BLOCK); // no Hadamard in V4.1
     }
     float *wi = di_dsv4_scratch(c, DI_SCR_IW); // [T, HI]
     di_dsv4_linear(c, &lw->idx_weights_proj, a, n_tok, D, wi, HI, false);
@@ -359,7 +400,7 @@ void di_dsv41_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const
     const float *omega = compress ? m->omega_compress : m->omega_main;
     const float rscale =
         compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
-    project(c, lw, a, omega, rscale, n_tok, c->ws->row_pos);
+    project(c, lw, a, omega, rscale, n_tok, c->ws->row_pos, w->kv_packed);
     int src_il = compress ? source_of(hp, il) : -1;
     if (lw->kv_source) compressor(c, lw, il, a);
     if (lw->index_source) indexer(c, lw, il, a, src_il);
@@ -381,10 +422,12 @@ void di_dsv41_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il, const
         .o = di_dsv4_scratch(c, DI_SCR_O),
         .scores = c->ws->attn_scratch,
         .scores_stride = (int64_t)(c->ws->attn_scratch_floats / (size_t)m->cpu.n_threads),
+        .keys = w->keys,
+        .cap_keys = w->cap_keys,
     };
     di_pool_run(m->pool, attn_task, &ac);
     out_proj(c, lw, ac.o, n_tok, out);
-    ring_write(c, il, ac.kv, hp->head_dim);
+    ring_write(c, il, w->kv_packed);
 }
 
 // ---- DSpark (§3.2, §3.3) ----
@@ -393,7 +436,9 @@ void di_dsv41_dspark_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il
                                const float *a, float *out) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
-    project(c, lw, a, m->omega_main, hp->rope_main.attention_factor, c->n_rows, c->ws->row_pos);
+    // Block rows are not stored: fake-quantised, not packed.
+    project(c, lw, a, m->omega_main, hp->rope_main.attention_factor, c->n_rows, c->ws->row_pos,
+            NULL);
     attn_ctx ac = {
         .c = c,
         .il = il_state,
@@ -410,9 +455,11 @@ void di_dsv41_dspark_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il
         .o = di_dsv4_scratch(c, DI_SCR_O),
         .scores = c->ws->attn_scratch,
         .scores_stride = (int64_t)(c->ws->attn_scratch_floats / (size_t)m->cpu.n_threads),
+        .keys = c->ws->v41->keys,
+        .cap_keys = c->ws->v41->cap_keys,
     };
     di_pool_run(m->pool, attn_task, &ac);
-    out_proj(c, lw, ac.o, c->n_rows, out); // block rows are not stored
+    out_proj(c, lw, ac.o, c->n_rows, out);
 }
 
 void di_dsv41_dspark_ring(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state,
@@ -422,6 +469,8 @@ void di_dsv41_dspark_ring(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_stat
     const int64_t D = hp->n_embd, Dh = hp->head_dim;
     const int32_t n_rot = hp->rope_main.n_dims, n = c->n_rows;
     float *kv = di_dsv4_scratch(c, DI_SCR_KV); // [n, Dh]
+    uint8_t *packed = c->ws->v41->kv_packed;   // [n, ring_row_bytes]
+    const size_t rb = di_quant_q8_row_bytes(Dh, DI_DSV41_WIN_BLOCK);
     di_dsv4_linear(c, &lw->wkv, main_x, n, D, kv, Dh, true);
     di_ref_rmsnorm(kv, n, Dh, Dh, lw->kv_norm, hp->norm_eps);
     di_dsv4_round(m, kv, n * Dh);
@@ -429,7 +478,7 @@ void di_dsv41_dspark_ring(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_stat
         di_ref_rope(kv + t * Dh, Dh, n_rot, m->omega_main, c->ws->row_pos[t],
                     hp->rope_main.attention_factor, false);
         di_dsv4_round(m, kv + t * Dh, Dh);
-        if (Dh % 32 == 0) di_fake_quant_q8(kv + t * Dh, Dh, 32);
+        di_quant_q8_pack(kv + t * Dh, Dh, DI_DSV41_WIN_BLOCK, packed + (size_t)t * rb);
     }
-    ring_write(c, il_state, kv, (int32_t)Dh);
+    ring_write(c, il_state, packed);
 }

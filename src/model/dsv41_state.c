@@ -2,8 +2,9 @@
 // every backbone layer and DSpark block (W + DI_DSV41_ROLLBACK_MAX rows, so rejected speculative
 // rows never overwrite rows still needed), the compressed entries and index keys of the kv
 // sources in pages of block_tokens positions (owned, or the engine's pool blocks bound to the
-// session), the FP32 (C, Z) of recent even positions (pending groups, kept for rollback), the
-// Engram history; rollback (§5.3), prefix restarts and the byte serialisation.
+// session), all three stored as packed Q8 / Q4e / Q4 codes (dsv41.h), the FP32 (C, Z) of recent
+// even positions (pending groups, kept for rollback), the Engram history; rollback (§5.3), prefix
+// restarts and the byte serialisation.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,7 @@
 #include "base/log.h"
 #include "base/mem.h"
 #include "model/dsv41.h"
+#include "tensor/quant_ref.h" // di_quant_*_row_bytes
 
 // ---- create / destroy ----
 
@@ -30,6 +32,28 @@ static int32_t block_tokens(const di_hparams *hp) {
         lcm = lcm / a * r;
     }
     return lcm * ((hp->window + lcm - 1) / lcm);
+}
+
+// The page layout: per kv source its per_page packed entries, then as many packed index keys, each
+// run at a multiple of 64 bytes (cache lines; no padding at all on V4.1-Flash, whose runs are
+// multiples of 64 already). Fills src[il].per_page / off_main / off_idx when src is given; returns
+// the page's bytes.
+static size_t page_layout(const di_hparams *hp, int32_t bt, di_dsv41_src *src) {
+    const size_t ent = di_quant_q4e_row_bytes(hp->head_dim, DI_DSV41_ENT_BLOCK);
+    const size_t key = di_quant_q4_row_bytes(hp->index_head_dim, DI_DSV41_KEY_BLOCK);
+    size_t off = 0;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        const size_t per = (size_t)(bt / hp->compress_ratio[il]);
+        if (src) {
+            src[il].per_page = (int32_t)per;
+            src[il].off_main = (int64_t)off;
+        }
+        off += (per * ent + 63) / 64 * 64;
+        if (src) src[il].off_idx = (int64_t)off;
+        off += (per * key + 63) / 64 * 64;
+    }
+    return off;
 }
 
 static int32_t n_state(const di_session *s) {
@@ -51,26 +75,19 @@ di_status di_dsv41_state_create(di_session *s) {
     st->ring_rows = hp->window + DI_DSV41_ROLLBACK_MAX;
     st->dspark = s->mtp;
     st->n_state_layers = n_state(s);
+    st->ring_row_bytes = (int32_t)di_quant_q8_row_bytes(hp->head_dim, DI_DSV41_WIN_BLOCK);
+    st->ent_bytes = (int32_t)di_quant_q4e_row_bytes(hp->head_dim, DI_DSV41_ENT_BLOCK);
+    st->key_bytes = (int32_t)di_quant_q4_row_bytes(hp->index_head_dim, DI_DSV41_KEY_BLOCK);
     st->ring = di_calloc((size_t)st->n_state_layers, sizeof *st->ring);
     st->src = di_calloc((size_t)hp->n_layer, sizeof *st->src);
     if (!st->ring || !st->src) return DI_ERR_NOMEM;
+    // Zeroed Q8 rows decode to +0 (code 0 times 2^-127), as the FP32 rings were.
     for (int il = 0; il < st->n_state_layers; il++) {
-        st->ring[il] =
-            di_aligned_calloc(sizeof(float) * (size_t)st->ring_rows * (size_t)hp->head_dim);
+        st->ring[il] = di_aligned_calloc((size_t)st->ring_rows * (size_t)st->ring_row_bytes);
         if (!st->ring[il]) return DI_ERR_NOMEM;
     }
-    // Page layout: per kv source its entries, then its index keys.
     st->block_tokens = block_tokens(hp);
-    int64_t off = 0;
-    for (int il = 0; il < hp->n_layer; il++) {
-        if (!hp->kv_source[il]) continue;
-        di_dsv41_src *src = &st->src[il];
-        src->per_page = st->block_tokens / hp->compress_ratio[il];
-        src->off_main = off;
-        off += (int64_t)src->per_page * hp->head_dim;
-        src->off_idx = off;
-        off += (int64_t)src->per_page * hp->index_head_dim;
-    }
+    page_layout(hp, st->block_tokens, st->src);
     for (int il = 0; il < hp->n_layer; il++) {
         if (!hp->kv_source[il] || hp->compress_ratio[il] != 2) continue;
         st->src[il].cz =
@@ -119,13 +136,7 @@ static int64_t max_entries(const di_hparams *hp, int64_t end) {
 }
 
 size_t di_dsv41_page_bytes(const di_model *m, int32_t block_tokens) {
-    const di_hparams *hp = &m->hp;
-    size_t b = 0;
-    for (int il = 0; il < hp->n_layer; il++)
-        if (hp->kv_source[il])
-            b += sizeof(float) * (size_t)(block_tokens / hp->compress_ratio[il]) *
-                 (size_t)(hp->head_dim + hp->index_head_dim);
-    return b;
+    return page_layout(&m->hp, block_tokens, NULL);
 }
 
 // Pages for the entries of positions < end, history for positions < end_hist.
@@ -142,13 +153,14 @@ di_status di_dsv41_reserve_state(di_session *s, int64_t end, int64_t end_hist) {
         if (need > st->cap_own) {
             int32_t cap = st->cap_own ? st->cap_own : 4;
             while (cap < need) cap *= 2;
-            if (!grow((void **)&st->own_pages, sizeof(float *) * (size_t)cap)) return DI_ERR_NOMEM;
+            if (!grow((void **)&st->own_pages, sizeof(uint8_t *) * (size_t)cap))
+                return DI_ERR_NOMEM;
             st->cap_own = cap;
             st->pages = st->own_pages;
         }
         const size_t pb = di_dsv41_page_bytes(s->model, st->block_tokens);
         while (st->n_pages < need) {
-            float *pg = di_aligned_calloc(pb ? pb : 1);
+            uint8_t *pg = di_aligned_calloc(pb ? pb : 1);
             if (!pg) return DI_ERR_NOMEM;
             st->own_pages[st->n_pages++] = pg;
         }
@@ -163,7 +175,7 @@ di_status di_dsv41_reserve_state(di_session *s, int64_t end, int64_t end_hist) {
     return DI_OK;
 }
 
-void di_dsv41_bind_pages(di_session *s, float *const *pages, int32_t n_pages) {
+void di_dsv41_bind_pages(di_session *s, uint8_t *const *pages, int32_t n_pages) {
     di_dsv41_state *st = s->v41;
     if (!st->bound) {
         free_own_pages(st);
@@ -193,8 +205,33 @@ di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
         w->cap_ent = cap;
         w->ent_bytes = (int64_t)nth * (2 * (int64_t)sizeof(float) + (int64_t)sizeof(int32_t));
     }
+    // Decoded keys per thread: the attention's keys of one query (its window: W rows, or W
+    // context rows + the block's rows in a DSpark block; and its top-k entries), and the
+    // indexer's index keys of one sequence (up to DI_DSV41_IKEY_CACHE of them, decoded once for
+    // all the rows a thread scores, then a chunk for keys beyond).
+    const size_t nth = (size_t)m->cpu.n_threads;
+    const size_t attn_keys = (size_t)(hp->window + hp->dspark_block_size + hp->index_topk);
+    if (!w->keys) {
+        w->keys = di_aligned_alloc(sizeof(float) * attn_keys * (size_t)hp->head_dim * nth);
+        if (!w->keys) return DI_ERR_NOMEM;
+        w->cap_keys = (int32_t)attn_keys;
+    }
+    const int32_t cap_ik =
+        (int32_t)(w->cap_ent < DI_DSV41_IKEY_CACHE ? w->cap_ent : DI_DSV41_IKEY_CACHE);
+    if (cap_ik > w->cap_ikeys) { // contents are per call: nothing to keep
+        di_aligned_free(w->ikeys);
+        w->ikeys = di_aligned_alloc(sizeof(float) * (size_t)(cap_ik + DI_DSV4_KEY_CHUNK) *
+                                    (size_t)hp->index_head_dim * nth);
+        w->cap_ikeys = w->ikeys ? cap_ik : 0;
+        if (!w->ikeys) return DI_ERR_NOMEM;
+    }
+    w->key_bytes =
+        (int64_t)(sizeof(float) * nth *
+                  (attn_keys * (size_t)hp->head_dim +
+                   (size_t)(w->cap_ikeys + DI_DSV4_KEY_CHUNK) * (size_t)hp->index_head_dim));
     if (n_rows > w->cap_rows) {
         size_t T = (size_t)n_rows, nc = (size_t)hp->hc_mult, D = (size_t)hp->n_embd;
+        const size_t ring_bytes = di_quant_q8_row_bytes(hp->head_dim, DI_DSV41_WIN_BLOCK);
         size_t n_col = (size_t)m->v41->hash.n_col;
         if (!grow((void **)&w->topk, sizeof(int32_t) * T * (size_t)hp->index_topk) ||
             !grow((void **)&w->n_topk, sizeof(int32_t) * T) ||
@@ -208,10 +245,11 @@ di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
             !grow((void **)&w->taps, sizeof(float) * T * (size_t)hp->n_dspark_target * D) ||
             !grow((void **)&w->seqs, sizeof(di_dsv4_seq) * T) ||
             !grow((void **)&w->n_out, sizeof(int32_t) * T) ||
-            !grow((void **)&w->tokens, sizeof(int32_t) * T))
+            !grow((void **)&w->tokens, sizeof(int32_t) * T) ||
+            !grow((void **)&w->kv_packed, T * ring_bytes))
             return DI_ERR_NOMEM;
         w->cap_rows = n_rows;
-        w->row_bytes = (int64_t)sizeof(di_dsv4_seq) +
+        w->row_bytes = (int64_t)sizeof(di_dsv4_seq) + (int64_t)ring_bytes +
                        (int64_t)sizeof(int32_t) * (hp->index_topk + hp->candidate_topk_blocks + 4) +
                        (int64_t)sizeof(float) * (int64_t)(2 * nc + n_col * hp->engram_head_dim +
                                                           (nc + 1) * D + hp->n_dspark_target * D) +
@@ -252,6 +290,9 @@ void di_dsv41_ws_free(di_dsv4_ws *ws) {
     di_free(w->seqs);
     di_free(w->n_out);
     di_free(w->tokens);
+    di_free(w->kv_packed);
+    di_aligned_free(w->keys);
+    di_aligned_free(w->ikeys);
     di_free(w->draft);
     di_free(w);
     ws->v41 = NULL;
@@ -261,7 +302,7 @@ int64_t di_dsv41_ws_bytes(const di_dsv4_ws *ws) {
     const di_dsv41_rows *w = ws->v41;
     if (!w) return 0;
     return (int64_t)sizeof *w + w->row_bytes * w->cap_rows + w->ent_bytes * (w->cap_ent + 1) +
-           w->draft_bytes;
+           w->key_bytes + w->draft_bytes;
 }
 
 // Capacity for positions < end and a workspace for calls of n_tok rows.
@@ -286,7 +327,7 @@ int64_t di_dsv41_state_bytes(const di_session *s) {
     const di_hparams *hp = &s->model->hp;
     const di_dsv41_state *st = s->v41;
     const int64_t Dh = hp->head_dim, f = sizeof(float);
-    int64_t b = (int64_t)st->n_state_layers * st->ring_rows * Dh * f;
+    int64_t b = (int64_t)st->n_state_layers * st->ring_rows * st->ring_row_bytes;
     for (int il = 0; il < hp->n_layer; il++)
         if (st->src[il].cz) b += (int64_t)DI_DSV41_CZ_SLOTS * 2 * Dh * f;
     if (!st->bound)
@@ -342,7 +383,7 @@ di_status di_dsv41_restart(di_session *s, int64_t hit, int32_t pos, const int32_
     di_status r = di_dsv41_reserve_state(s, hit, hit); // the history (the engine's slots have it)
     if (r != DI_OK) return r;
     for (int il = 0; il < st->n_state_layers; il++)
-        memset(st->ring[il], 0, sizeof(float) * (size_t)st->ring_rows * (size_t)hp->head_dim);
+        memset(st->ring[il], 0, (size_t)st->ring_rows * (size_t)st->ring_row_bytes);
     if (hp->n_engram > 0)
         for (int64_t p = 0; p < hit; p++) st->hist[p] = m->v41->cmap[tokens[p]];
     for (int il = 0; il < hp->n_layer; il++)
@@ -354,11 +395,12 @@ di_status di_dsv41_restart(di_session *s, int64_t hit, int32_t pos, const int32_
 
 // ---- serialisation ----
 // Layout: {magic "D41S", version, model fingerprint, pos, dspark_pos, mtp}, rings of every state
-// layer, per kv source {n_entries, entries, index keys, (C, Z) slots}, Engram history [pos], then
-// an FNV-1a 64 checksum of everything before it.
+// layer (packed Q8 rows), per kv source {n_entries, packed entries, packed index keys, (C, Z)
+// slots}, Engram history [pos], then an FNV-1a 64 checksum of everything before it. Version 2:
+// the packed rows (version 1 held FP32 rows and is refused).
 
 #define STATE_MAGIC 0x53313444u // "D41S"
-#define STATE_VERSION 1u
+#define STATE_VERSION 2u
 
 static uint64_t fingerprint(const di_model *m) {
     return di_fnv1a(&m->hp, sizeof m->hp, DI_FNV1A_INIT);
@@ -367,7 +409,7 @@ static uint64_t fingerprint(const di_model *m) {
 di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes) {
     const di_hparams *hp = &s->model->hp;
     const di_dsv41_state *st = s->v41;
-    const size_t Dh = (size_t)hp->head_dim, DI = (size_t)hp->index_head_dim;
+    const size_t Dh = (size_t)hp->head_dim;
     di_buf b;
     di_buf_init(&b);
     uint32_t hdr[2] = {STATE_MAGIC, STATE_VERSION};
@@ -379,18 +421,16 @@ di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes) {
     if (!r) r = di_buf_append(&b, pos, sizeof pos);
     if (!r) r = di_buf_append(&b, &mtp, 1);
     for (int il = 0; !r && il < st->n_state_layers; il++)
-        r = di_buf_append(&b, st->ring[il], sizeof(float) * (size_t)st->ring_rows * Dh);
+        r = di_buf_append(&b, st->ring[il], (size_t)st->ring_rows * (size_t)st->ring_row_bytes);
     for (int il = 0; !r && il < hp->n_layer; il++) {
         if (!hp->kv_source[il]) continue;
         const di_dsv41_src *src = &st->src[il];
         size_t ne = (size_t)src->n_entries;
         r = di_buf_append(&b, &src->n_entries, sizeof src->n_entries);
         for (size_t w = 0; !r && w < ne; w++)
-            r = di_buf_append(&b, di_dsv41_entry(st, src, (int64_t)w, (int32_t)Dh),
-                              sizeof(float) * Dh);
+            r = di_buf_append(&b, di_dsv41_entry(st, src, (int64_t)w), (size_t)st->ent_bytes);
         for (size_t w = 0; !r && w < ne; w++)
-            r = di_buf_append(&b, di_dsv41_key(st, src, (int64_t)w, (int32_t)DI),
-                              sizeof(float) * DI);
+            r = di_buf_append(&b, di_dsv41_key(st, src, (int64_t)w), (size_t)st->key_bytes);
         if (!r && src->cz)
             r = di_buf_append(&b, src->cz, sizeof(float) * DI_DSV41_CZ_SLOTS * 2 * Dh);
     }
@@ -406,7 +446,7 @@ di_status di_dsv41_save(const di_session *s, void **bytes, size_t *n_bytes) {
 di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes) {
     const di_hparams *hp = &s->model->hp;
     di_dsv41_state *st = s->v41;
-    const size_t Dh = (size_t)hp->head_dim, DI = (size_t)hp->index_head_dim;
+    const size_t Dh = (size_t)hp->head_dim;
     di_reader r;
     uint32_t hdr[2];
     uint64_t fp;
@@ -424,16 +464,16 @@ di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes) {
     if (ok) // capacities for pos[0] positions (a bound session must have the pages)
         ok = di_dsv41_reserve_state(s, pos[0], pos[0]) == DI_OK;
     for (int il = 0; ok && il < st->n_state_layers; il++)
-        ok = di_reader_get(&r, st->ring[il], sizeof(float) * (size_t)st->ring_rows * Dh);
+        ok = di_reader_get(&r, st->ring[il], (size_t)st->ring_rows * (size_t)st->ring_row_bytes);
     for (int il = 0; ok && il < hp->n_layer; il++) {
         if (!hp->kv_source[il]) continue;
         di_dsv41_src *src = &st->src[il];
         int64_t ne;
         ok = di_reader_get(&r, &ne, sizeof ne) && ne == pos[0] / hp->compress_ratio[il];
         for (int64_t w = 0; ok && w < ne; w++)
-            ok = di_reader_get(&r, di_dsv41_entry(st, src, w, (int32_t)Dh), sizeof(float) * Dh);
+            ok = di_reader_get(&r, di_dsv41_entry(st, src, w), (size_t)st->ent_bytes);
         for (int64_t w = 0; ok && w < ne; w++)
-            ok = di_reader_get(&r, di_dsv41_key(st, src, w, (int32_t)DI), sizeof(float) * DI);
+            ok = di_reader_get(&r, di_dsv41_key(st, src, w), (size_t)st->key_bytes);
         ok = ok &&
              (!src->cz || di_reader_get(&r, src->cz, sizeof(float) * DI_DSV41_CZ_SLOTS * 2 * Dh));
         if (ok) src->n_entries = ne;

@@ -314,6 +314,15 @@ static const int32_t released_v41_ratios[40] = {0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2,
 
 static di_status parse_v41(const json_t *j, const char *path, di_hparams *hp) {
     di_status st = DI_OK;
+    // The state stores window rows as Q8 codes with a scale per 32 dims, entries as Q4e per 16
+    // and index keys as Q4 per 32 (docs/kv-cache.md, "DeepSeek V4.1"): whole blocks only.
+    if (hp->head_dim % 32 != 0 || hp->index_head_dim % 32 != 0) {
+        DI_LOG_ERROR("%s: DeepSeek V4.1 needs %s (%d) to be a multiple of 32 (its KV is quantised "
+                     "in blocks of 32)",
+                     path, hp->head_dim % 32 ? "head_dim" : "index_head_dim",
+                     hp->head_dim % 32 ? hp->head_dim : hp->index_head_dim);
+        return DI_ERR_FORMAT;
+    }
     const int n = hp->n_layer, n_total = hp->n_layer + hp->n_mtp;
     int64_t buf[DI_MAX_LAYERS];
     int cnt = 0;

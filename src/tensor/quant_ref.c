@@ -111,6 +111,36 @@ static const float k_ue8m0_f32[256] = {
 // e2m1 magnitudes for codes 0..7 (bit 3 is the sign).
 static const float k_e2m1_mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 
+// e2m1 codes 0..15 -> value (bit 3 is the sign; code 8 is -0).
+static const float k_e2m1_f32[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// A byte of two e2m1 codes -> its two values, low nibble first (the packed rows' unpacker reads a
+// pair per byte). Spelled out by the preprocessor from the same magnitudes.
+#define E2M1_MAG(m)                                                                                \
+    ((m) == 0   ? 0.0f                                                                             \
+     : (m) == 1 ? 0.5f                                                                             \
+     : (m) == 2 ? 1.0f                                                                             \
+     : (m) == 3 ? 1.5f                                                                             \
+     : (m) == 4 ? 2.0f                                                                             \
+     : (m) == 5 ? 3.0f                                                                             \
+     : (m) == 6 ? 4.0f                                                                             \
+                : 6.0f)
+#define E2M1_VAL(c) (((c)&8) ? -E2M1_MAG((c)&7) : E2M1_MAG((c)&7))
+#define E2M1_PAIR(b)                                                                               \
+    { E2M1_VAL((b)&15), E2M1_VAL((b) >> 4) }
+#define E2M1_ROW(h)                                                                                \
+    E2M1_PAIR(16 * (h) + 0), E2M1_PAIR(16 * (h) + 1), E2M1_PAIR(16 * (h) + 2),                     \
+        E2M1_PAIR(16 * (h) + 3), E2M1_PAIR(16 * (h) + 4), E2M1_PAIR(16 * (h) + 5),                 \
+        E2M1_PAIR(16 * (h) + 6), E2M1_PAIR(16 * (h) + 7), E2M1_PAIR(16 * (h) + 8),                 \
+        E2M1_PAIR(16 * (h) + 9), E2M1_PAIR(16 * (h) + 10), E2M1_PAIR(16 * (h) + 11),               \
+        E2M1_PAIR(16 * (h) + 12), E2M1_PAIR(16 * (h) + 13), E2M1_PAIR(16 * (h) + 14),              \
+        E2M1_PAIR(16 * (h) + 15)
+static const float k_e2m1_pair[256][2] = {E2M1_ROW(0),  E2M1_ROW(1),  E2M1_ROW(2),  E2M1_ROW(3),
+                                          E2M1_ROW(4),  E2M1_ROW(5),  E2M1_ROW(6),  E2M1_ROW(7),
+                                          E2M1_ROW(8),  E2M1_ROW(9),  E2M1_ROW(10), E2M1_ROW(11),
+                                          E2M1_ROW(12), E2M1_ROW(13), E2M1_ROW(14), E2M1_ROW(15)};
+
 // ---- element conversions ----
 
 uint16_t di_f32_to_bf16(float x) {
@@ -171,8 +201,7 @@ uint8_t di_f32_to_e4m3(float x) {
 }
 
 float di_e2m1_to_f32(uint8_t code) {
-    float mag = k_e2m1_mag[code & 7u];
-    return (code & 8u) ? -mag : mag;
+    return k_e2m1_f32[code & 0x0Fu];
 }
 
 uint8_t di_f32_to_e2m1(float x) {
@@ -208,28 +237,47 @@ int di_ceil_log2_bits(float x) {
 
 // ---- fake quantisation ----
 
+// One quantiser serves the fake quant (codes NULL) and the packers (codes and scale given), so a
+// packed row is by construction the fake-quantised one: every value is lut[code] · scale, and the
+// unpackers compute that same exact product.
 typedef struct fq_format {
-    float qmax;              // largest magnitude of the grid: 448 (e4m3) or 6 (e2m1)
-    float inv_qmax;          // fl32(1 / qmax): R-OFF multiplies by the reciprocal (spec §5.15)
-    float amax_floor;        // 1e-4 (FP8) or 6 · 2^-126 (FP4)
-    float (*to_grid)(float); // round a value in [-qmax, qmax] to the nearest grid point
+    float qmax;               // largest magnitude of the grid: 448 (e4m3) or 6 (e2m1)
+    float inv_qmax;           // fl32(1 / qmax): R-OFF multiplies by the reciprocal (spec §5.15)
+    float amax_floor;         // 1e-4 (FP8) or 6 · 2^-126 (FP4)
+    uint8_t (*encode)(float); // a value in [-qmax, qmax] -> the code of its nearest grid point
+    const float *decode;      // code -> grid value
+    bool nibbles;             // 4-bit codes, two per byte (low nibble = even element)
 } fq_format;
 
-static float e4m3_grid(float x) {
-    return di_e4m3_to_f32(di_f32_to_e4m3(x));
+static const fq_format k_fmt_q8 = {448.0f, 1.0f / 448.0f, 1e-4f, di_f32_to_e4m3, k_e4m3_f32, false};
+static const fq_format k_fmt_q4 = {6.0f,           1.0f / 6.0f, 6.0f * 0x1p-126f,
+                                   di_f32_to_e2m1, k_e2m1_f32,  true};
+
+// Code j of a block goes to codes[j] (bytes) or the nibble j of codes (pairs; blocks are even).
+static void put_code(uint8_t *codes, int64_t j, uint8_t code, bool nibbles) {
+    if (!nibbles)
+        codes[j] = code;
+    else if (j & 1)
+        codes[j >> 1] |= (uint8_t)(code << 4);
+    else
+        codes[j >> 1] = code;
 }
 
-static float e2m1_grid(float x) {
-    return di_e2m1_to_f32(di_f32_to_e2m1(x));
-}
-
-static void fake_quant_block(float *v, int64_t n, const fq_format *fmt) {
+// Fake-quantises one block of n values in place; with codes, also writes its codes (n bytes or
+// n / 2 pair bytes) and its UE8M0 scale byte (0xFF, NaN, for a non-finite block, whose codes are
+// 0).
+static void fake_quant_block(float *v, int64_t n, const fq_format *fmt, uint8_t *codes,
+                             uint8_t *scale) {
     float amax = 0.0f;
     for (int64_t j = 0; j < n; j++) {
         if (!isfinite(v[j])) {
             // The PyTorch reference's amax is inf or NaN here, its scale too, and every v/s · s
             // turns into NaN; do the same instead of quietly hiding the bad value.
             for (int64_t k = 0; k < n; k++) v[k] = NAN;
+            if (codes) {
+                memset(codes, 0, (size_t)(fmt->nibbles ? n / 2 : n));
+                *scale = 0xFF;
+            }
             return;
         }
         float a = fabsf(v[j]);
@@ -237,57 +285,154 @@ static void fake_quant_block(float *v, int64_t n, const fq_format *fmt) {
     }
     if (amax < fmt->amax_floor) amax = fmt->amax_floor;
     float ratio = amax * fmt->inv_qmax; // one f32 rounding, as fl32(amax · fl32(1/qmax))
-    float s = ldexpf(1.0f, di_ceil_log2_bits(ratio));
+    int e = di_ceil_log2_bits(ratio);   // -126 .. 126 (the floors keep ratio normal)
+    float s = ldexpf(1.0f, e);
     for (int64_t j = 0; j < n; j++) {
         float x = v[j] / s; // exact: s is a power of two and the quotient stays normal or zero
         if (x > fmt->qmax) x = fmt->qmax;
         if (x < -fmt->qmax) x = -fmt->qmax;
-        v[j] = fmt->to_grid(x) * s; // exact: a few mantissa bits times a power of two
+        uint8_t code = fmt->encode(x);
+        v[j] = fmt->decode[code] * s; // exact: a few mantissa bits times a power of two
+        if (codes) put_code(codes, j, code, fmt->nibbles);
     }
+    if (codes) *scale = (uint8_t)(e + 127);
 }
 
-static void fake_quant(float *v, int64_t n, int64_t block, const fq_format *fmt) {
-    DI_ASSERT(block > 0 && n >= 0 && n % block == 0);
-    for (int64_t i = 0; i < n; i += block) fake_quant_block(v + i, block, fmt);
+// Blocks of v; with out, the packed row: the codes of all blocks, then their scale bytes.
+static void fake_quant(float *v, int64_t n, int64_t block, const fq_format *fmt, uint8_t *out) {
+    DI_ASSERT(block > 0 && n >= 0 && n % block == 0 && (!fmt->nibbles || block % 2 == 0));
+    const int64_t code_bytes = fmt->nibbles ? n / 2 : n;
+    for (int64_t i = 0; i < n; i += block)
+        fake_quant_block(v + i, block, fmt, out ? out + (fmt->nibbles ? i / 2 : i) : NULL,
+                         out ? out + code_bytes + i / block : NULL);
 }
 
 void di_fake_quant_q8(float *v, int64_t n, int64_t block) {
-    static const fq_format k_q8 = {448.0f, 1.0f / 448.0f, 1e-4f, e4m3_grid};
-    fake_quant(v, n, block, &k_q8);
+    fake_quant(v, n, block, &k_fmt_q8, NULL);
 }
 
 void di_fake_quant_q4(float *v, int64_t n, int64_t block) {
-    static const fq_format k_q4 = {6.0f, 1.0f / 6.0f, 6.0f * 0x1p-126f, e2m1_grid};
-    fake_quant(v, n, block, &k_q4);
+    fake_quant(v, n, block, &k_fmt_q4, NULL);
 }
 
 void di_act_quant_a8(float *v, int64_t n) {
     di_fake_quant_q8(v, n, 128);
 }
 
-void di_fake_quant_q4e(float *v, int64_t n, int64_t block) {
-    DI_ASSERT(block > 0 && n >= 0 && n % block == 0);
-    for (int64_t i = 0; i < n; i += block) {
-        float *b = v + i, amax = 0.0f;
-        bool finite = true;
-        for (int64_t j = 0; j < block; j++) {
-            finite &= isfinite(b[j]) != 0;
-            if (fabsf(b[j]) > amax) amax = fabsf(b[j]);
+// One Q4e block in place; with codes, its e2m1 pair bytes and E4M3 scale byte (0x7F, NaN, for a
+// non-finite block, whose codes are 0).
+static void q4e_block(float *b, int64_t block, uint8_t *codes, uint8_t *scale) {
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t j = 0; j < block; j++) {
+        finite &= isfinite(b[j]) != 0;
+        if (fabsf(b[j]) > amax) amax = fabsf(b[j]);
+    }
+    if (!finite) {
+        for (int64_t j = 0; j < block; j++) b[j] = NAN;
+        if (codes) {
+            memset(codes, 0, (size_t)(block / 2));
+            *scale = 0x7F;
         }
-        if (!finite) {
-            for (int64_t j = 0; j < block; j++) b[j] = NAN;
+        return;
+    }
+    if (amax < 6.0f * 0x1p-9f) amax = 6.0f * 0x1p-9f;
+    // A true E4M3 scale by division (not a power of two), saturating at 448; never 0 (the floor
+    // gives the smallest subnormal 2^-9) and never NaN.
+    uint8_t sc = di_f32_to_e4m3(amax / 6.0f);
+    float s = k_e4m3_f32[sc];
+    for (int64_t j = 0; j < block; j++) {
+        float x = b[j] / s;
+        if (x > 6.0f) x = 6.0f;
+        if (x < -6.0f) x = -6.0f;
+        uint8_t code = di_f32_to_e2m1(x);
+        b[j] = k_e2m1_f32[code] * s; // exact: 2 significant bits times 4
+        if (codes) put_code(codes, j, code, true);
+    }
+    if (codes) *scale = sc;
+}
+
+static void fake_quant_q4e(float *v, int64_t n, int64_t block, uint8_t *out) {
+    DI_ASSERT(block > 0 && n >= 0 && n % block == 0 && (!out || block % 2 == 0));
+    for (int64_t i = 0; i < n; i += block)
+        q4e_block(v + i, block, out ? out + i / 2 : NULL, out ? out + n / 2 + i / block : NULL);
+}
+
+void di_fake_quant_q4e(float *v, int64_t n, int64_t block) {
+    fake_quant_q4e(v, n, block, NULL);
+}
+
+// ---- packed rows ----
+
+void di_quant_q8_pack(float *v, int64_t n, int64_t block, uint8_t *out) {
+    fake_quant(v, n, block, &k_fmt_q8, out);
+}
+
+void di_quant_q4_pack(float *v, int64_t n, int64_t block, uint8_t *out) {
+    fake_quant(v, n, block, &k_fmt_q4, out);
+}
+
+void di_quant_q4e_pack(float *v, int64_t n, int64_t block, uint8_t *out) {
+    fake_quant_q4e(v, n, block, out);
+}
+
+size_t di_quant_q8_row_bytes(int64_t n, int64_t block) {
+    return (size_t)(n + n / block);
+}
+
+size_t di_quant_q4_row_bytes(int64_t n, int64_t block) {
+    return (size_t)(n / 2 + n / block);
+}
+
+size_t di_quant_q4e_row_bytes(int64_t n, int64_t block) {
+    return (size_t)(n / 2 + n / block);
+}
+
+// Every value is lut[code] · scale: the product the quantiser formed, exact in f32. A NaN scale
+// (a non-finite block) makes the block NaN, written as the quantiser writes it (not left to the
+// multiplication, whose NaN payload is the hardware's choice).
+void di_quant_q8_unpack(const uint8_t *restrict in, int64_t n, int64_t block, float *restrict v) {
+    DI_ASSERT(block > 0 && n >= 0 && n % block == 0);
+    const uint8_t *sc = in + n;
+    for (int64_t i = 0; i < n; i += block) {
+        const uint8_t u = sc[i / block];
+        if (u == 0xFF) {
+            for (int64_t j = 0; j < block; j++) v[i + j] = NAN;
             continue;
         }
-        if (amax < 6.0f * 0x1p-9f) amax = 6.0f * 0x1p-9f;
-        // A true E4M3 scale by division (not a power of two), saturating at 448.
-        float s = di_e4m3_to_f32(di_f32_to_e4m3(amax / 6.0f));
-        for (int64_t j = 0; j < block; j++) {
-            float x = b[j] / s;
-            if (x > 6.0f) x = 6.0f;
-            if (x < -6.0f) x = -6.0f;
-            b[j] = e2m1_grid(x) * s; // exact: 2 significant bits times 4
-        }
+        const float s = k_ue8m0_f32[u];
+        for (int64_t j = 0; j < block; j++) v[i + j] = k_e4m3_f32[in[i + j]] * s;
     }
+}
+
+// The e2m1 pair rows of Q4 and Q4e: the scale table and NaN byte differ.
+static void unpack_e2m1(const uint8_t *restrict in, int64_t n, int64_t block,
+                        const float *restrict scale_lut, uint8_t nan_byte, float *restrict v) {
+    DI_ASSERT(block > 0 && n >= 0 && n % block == 0 && block % 2 == 0);
+    const uint8_t *sc = in + n / 2;
+    for (int64_t i = 0; i < n; i += block) {
+        const uint8_t u = sc[i / block];
+        if (u == nan_byte) {
+            for (int64_t j = 0; j < block; j++) v[i + j] = NAN;
+            continue;
+        }
+        // Copy the code values a byte (two floats) at a time, then scale the block: the same
+        // products as k_e2m1_f32[code] · s, in a loop the compiler vectorises.
+        const float s = scale_lut[u];
+        const uint8_t *p = in + i / 2;
+        float *b = v + i;
+        for (int64_t j = 0; j < block / 2; j++)
+            memcpy(b + 2 * j, k_e2m1_pair[p[j]], 2 * sizeof(float));
+        for (int64_t j = 0; j < block; j++) b[j] *= s;
+    }
+}
+
+void di_quant_q4_unpack(const uint8_t *restrict in, int64_t n, int64_t block, float *restrict v) {
+    unpack_e2m1(in, n, block, k_ue8m0_f32, 0xFF, v);
+}
+
+void di_quant_q4e_unpack(const uint8_t *restrict in, int64_t n, int64_t block, float *restrict v) {
+    unpack_e2m1(in, n, block, k_e4m3_f32, 0x7F, v);
 }
 
 // ---- Hadamard ----

@@ -7,13 +7,14 @@
  *     FP4 e2m1 <-> f32, UE8M0 scale byte -> f32;
  *   - the R-OFF fake-quantisers Q8 (e4m3, power-of-two scale per block), Q4 (e2m1, same scheme)
  *     and the activation quant A8 = Q8 with 128-element blocks;
+ *   - packed rows of Q8 / Q4 / Q4e codes and scales (the V4.1 state's storage), bit-exact;
  *   - the Walsh-Hadamard transform (Sylvester order, orthonormal scale);
  *   - row dequantisation of F32/F16/BF16, FP8 block-scaled and packed FP4 weights to f32, used by
  *     the matmul reference.
  * Every result is bit-exact and deterministic: rounding is done by hand (round to nearest, ties to
  * even) and never depends on the floating-point environment's rounding mode.
  *
- * Owns: nothing but two constant 256-entry decode tables (e4m3 and UE8M0). No allocation.
+ * Owns: nothing but constant decode tables (e4m3, UE8M0, e2m1). No allocation.
  * Does not: quantise whole tensors, choose block layouts, thread, or vectorise; callers loop.
  * Inputs are assumed to be validated (block sizes, even lengths); violations are invariants and
  * abort through DI_ASSERT.
@@ -22,6 +23,7 @@
  */
 #pragma once
 
+#include <stddef.h> // size_t
 #include <stdint.h>
 #include <string.h> // memcpy
 
@@ -92,6 +94,31 @@ void di_act_quant_a8(float *v, int64_t n);
 // two); v = e2m1_RNE(clamp(fl32(v / s), ±6)) · s. Non-finite blocks become all NaN. n a multiple
 // of block (DI_ASSERT).
 void di_fake_quant_q4e(float *v, int64_t n, int64_t block);
+
+// ---- packed rows (DeepSeek V4.1 state: docs/kv-cache.md, "DeepSeek V4.1") ----
+//
+// di_quant_*_pack fake-quantise v in place exactly as di_fake_quant_q8 / _q4 / _q4e do (the same
+// code: the quantiser optionally emits its codes) and write the row's codes and scales to out
+// (di_quant_*_row_bytes bytes). di_quant_*_unpack decode such a row to the same floats, bit for
+// bit: signed zeros, subnormals, the amax floors, saturation, and non-finite blocks (all NaN,
+// stored as a NaN scale) included; every value is a table entry times the block's scale, an exact
+// f32 product. Packing an already fake-quantised row gives that row back. n a multiple of block
+// (and block even for the 4-bit rows; DI_ASSERT). Row layouts, nb = n / block:
+//   Q8:  n e4m3 code bytes, then nb UE8M0 scale bytes (2^(u-127); 0xFF: the block is NaN).
+//   Q4:  n / 2 e2m1 pair bytes (low nibble = even element, as the FP4 weights:
+//        di_dequant_row_fp4), then nb UE8M0 scale bytes (0xFF: NaN).
+//   Q4e: n / 2 e2m1 pair bytes, then nb E4M3 scale bytes (0x7F: NaN).
+// V4.1-Flash: a 512-dim window row at Q8/32 is 528 bytes (2,048 as FP32), an entry at Q4e/16 288
+// and a 128-dim index key at Q4/32 68.
+void di_quant_q8_pack(float *v, int64_t n, int64_t block, uint8_t *out);
+void di_quant_q4_pack(float *v, int64_t n, int64_t block, uint8_t *out);
+void di_quant_q4e_pack(float *v, int64_t n, int64_t block, uint8_t *out);
+void di_quant_q8_unpack(const uint8_t *restrict in, int64_t n, int64_t block, float *restrict v);
+void di_quant_q4_unpack(const uint8_t *restrict in, int64_t n, int64_t block, float *restrict v);
+void di_quant_q4e_unpack(const uint8_t *restrict in, int64_t n, int64_t block, float *restrict v);
+size_t di_quant_q8_row_bytes(int64_t n, int64_t block);
+size_t di_quant_q4_row_bytes(int64_t n, int64_t block);
+size_t di_quant_q4e_row_bytes(int64_t n, int64_t block);
 
 // ---- Hadamard ----
 

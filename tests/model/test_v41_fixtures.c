@@ -25,6 +25,7 @@
 #include "base/json.h"
 #include "io/safetensors.h"
 #include "model/dsv41.h"
+#include "tensor/quant_ref.h" // di_quant_q4e_unpack, di_quant_q4_unpack
 
 // Against transformers: FP32 engines summing in different orders differ by ~1e-6 relative per op;
 // the acceptance bound is 1e-4 of the largest value.
@@ -145,9 +146,10 @@ static void check_state_vs_ref(const di_model *m, const di_session *s, const di_
         float *ki = malloc(sizeof(float) * (size_t)(src->n_entries * DI + 1));
         CHECK(cm && ki);
         if (!cm || !ki) continue;
-        for (int64_t w = 0; w < src->n_entries; w++) {
-            memcpy(cm + w * Dh, di_dsv41_entry(s->v41, src, w, Dh), sizeof(float) * (size_t)Dh);
-            memcpy(ki + w * DI, di_dsv41_key(s->v41, src, w, DI), sizeof(float) * (size_t)DI);
+        for (int64_t w = 0; w < src->n_entries; w++) { // packed Q4e / Q4 rows, decoded
+            di_quant_q4e_unpack(di_dsv41_entry(s->v41, src, w), Dh, DI_DSV41_ENT_BLOCK,
+                                cm + w * Dh);
+            di_quant_q4_unpack(di_dsv41_key(s->v41, src, w), DI, DI_DSV41_KEY_BLOCK, ki + w * DI);
         }
         double ec = test_rel_err(cm, c->data, c->n_elements);
         double ek = test_rel_err(ki, k->data, k->n_elements);

@@ -13,7 +13,9 @@
 
 #include "base/mem.h"
 #include "io/safetensors.h"
+#include "kv/kv_manager.h" // di_kv_block_tokens, di_kv_v41_block_bytes
 #include "model/dsv41.h"
+#include "model/hparams.h" // di_hparams_load
 #include "model/synth.h"
 #include "tok/engram_map.h"
 #include "tok/tokenizer.h"
@@ -617,6 +619,17 @@ static int64_t off_grid(const float *v, int64_t n, int64_t block, int kind) {
     return bad;
 }
 
+// A packed state row (kind as off_grid's) decoded and checked against its grid.
+static int64_t off_grid_packed(const uint8_t *row, int64_t n, int64_t block, int kind) {
+    float *v = malloc(sizeof(float) * (size_t)n);
+    if (kind == 0) di_quant_q8_unpack(row, n, block, v);
+    if (kind == 1) di_quant_q4_unpack(row, n, block, v);
+    if (kind == 2) di_quant_q4e_unpack(row, n, block, v);
+    int64_t bad = off_grid(v, n, block, kind);
+    free(v);
+    return bad;
+}
+
 static void check_rounding_points(const char *dir) {
     for (int prec = 0; prec < 2; prec++) {
         di_model *m = load(dir, prec ? DI_PRECISION_OFFICIAL : DI_PRECISION_FP32);
@@ -640,20 +653,19 @@ static void check_rounding_points(const char *dir) {
         else
             CHECK(bc.non_bf16 > bc.total / 2);
         // KV fake-quant in both precisions (R-HF applies it in FP32 too): window rows Q8 (32-blocks
-        // over all dims), entries Q4e (16), index keys Q4 (32).
+        // over all dims), entries Q4e (16), index keys Q4 (32), stored packed.
         const di_hparams *hp = &m->hp;
         int64_t bad_ring = 0, bad_e = 0, bad_k = 0;
         for (int il = 0; il < hp->n_layer; il++) {
-            bad_ring +=
-                off_grid(s->v41->ring[il], (int64_t)s->v41->ring_rows * hp->head_dim, 32, 0);
+            for (int32_t r = 0; r < s->v41->ring_rows; r++)
+                bad_ring += off_grid_packed(s->v41->ring[il] + (int64_t)r * s->v41->ring_row_bytes,
+                                            hp->head_dim, 32, 0);
             if (!hp->kv_source[il]) continue;
             const di_dsv41_src *src = &s->v41->src[il];
             CHECK(src->n_entries > 0);
             for (int64_t w = 0; w < src->n_entries; w++) { // through the session's pages
-                bad_e +=
-                    off_grid(di_dsv41_entry(s->v41, src, w, hp->head_dim), hp->head_dim, 16, 2);
-                bad_k += off_grid(di_dsv41_key(s->v41, src, w, hp->index_head_dim),
-                                  hp->index_head_dim, 32, 1);
+                bad_e += off_grid_packed(di_dsv41_entry(s->v41, src, w), hp->head_dim, 16, 2);
+                bad_k += off_grid_packed(di_dsv41_key(s->v41, src, w), hp->index_head_dim, 32, 1);
             }
         }
         CHECK_EQ(bad_ring, 0);
@@ -801,6 +813,48 @@ static void check_verify_bitwise(const char *dir, di_precision prec, const char 
     di_model_destroy(m);
 }
 
+// The packed state's sizes (docs/kv-cache.md, "DeepSeek V4.1"): V4.1-Flash (its released config)
+// pages of 128 positions hold 3 · 64 + 128 = 320 entries of 512 dims at Q4e/16 (288 bytes) and as
+// many index keys of 128 dims at Q4/32 (68 bytes): 113,920 bytes, the spec's 890 a position
+// (§0.3; 6,400 as FP32); a window row is 528 bytes (2,048 as FP32). The tiny model's page: runs of
+// 8 and 16 rows padded to 64 bytes.
+static void check_state_sizes(const char *dir) {
+    static di_model flash; // only the hyper-parameters are read
+    char p[512];
+    CHECK_EQ(
+        di_hparams_load(test_src_path("tests/data/configs/deepseek-v41-flash.json", p, sizeof p),
+                        &flash.hp),
+        DI_OK);
+    CHECK(flash.hp.v41 && flash.hp.head_dim == 512 && flash.hp.index_head_dim == 128);
+    const int32_t bt = di_kv_block_tokens(&flash);
+    CHECK_EQ(bt, 128);
+    CHECK_EQ((long long)di_dsv41_page_bytes(&flash, bt), 113920);
+    CHECK_EQ((long long)di_dsv41_page_bytes(&flash, bt) / bt, 890);
+    CHECK_EQ((long long)di_kv_v41_block_bytes(&flash), 113920);
+    CHECK_EQ((long long)di_quant_q8_row_bytes(flash.hp.head_dim, DI_DSV41_WIN_BLOCK), 528);
+    fprintf(stderr,
+            "V4.1-Flash: pages of %d positions %zu bytes (%zu a position), window rows %zu\n", bt,
+            di_dsv41_page_bytes(&flash, bt), di_dsv41_page_bytes(&flash, bt) / (size_t)bt,
+            di_quant_q8_row_bytes(flash.hp.head_dim, DI_DSV41_WIN_BLOCK));
+    di_model *m = load(dir, DI_PRECISION_FP32);
+    CHECK(m != NULL);
+    if (!m) return;
+    CHECK_EQ(di_kv_block_tokens(m), 16);
+    // Two sources (ratio 2: 8 entries a page, ratio 1: 16) of 64-dim entries (36 bytes) and keys
+    // (34 bytes): 288 -> 320, 272 -> 320, 576, 544 -> 576.
+    CHECK_EQ((long long)di_dsv41_page_bytes(m, 16), 320 + 320 + 576 + 576);
+    di_session_options so = di_session_options_default();
+    di_session *s = NULL;
+    CHECK(di_session_create(m, &so, &s) == DI_OK);
+    if (s) {
+        CHECK_EQ(s->v41->ring_row_bytes, 64 + 2);
+        CHECK_EQ(s->v41->ent_bytes, 32 + 4);
+        CHECK_EQ(s->v41->key_bytes, 32 + 2);
+        di_session_destroy(s);
+    }
+    di_model_destroy(m);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_dsv41_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -826,6 +880,7 @@ int main(void) {
     check_runtime_names(hf, true);
     check_rounding_points(off);
     check_small_candidate_pool(hf);
+    check_state_sizes(off);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);

@@ -843,10 +843,10 @@ static void test_grammar_after_spec(void) {
 
 static void test_preempted(void) {
     // 3 slot tails and a pool too small for the 6 requests at once: sequences that verify drafts
-    // (and roll rejected rows back) are preempted and recomputed. V4.1: 330 KiB. V4: 3 MTP rings
-    // of 24 rows of 128 floats (36 KiB) and 40 blocks of 16 KiB (a sequence: 16 tail blocks and
-    // one per 16 positions; one of max_ctx 256 needs 32).
-    di_engine *e = engine_kv(K, -1, 3, g_v4 ? (36u + 40u * 16u) << 10 : (size_t)330 << 10);
+    // (and roll rejected rows back) are preempted and recomputed. V4.1: 100 KiB (20 blocks of
+    // packed pages). V4: 3 MTP rings of 24 rows of 128 floats (36 KiB) and 40 blocks of 16 KiB (a
+    // sequence: 16 tail blocks and one per 16 positions; one of max_ctx 256 needs 32).
+    di_engine *e = engine_kv(K, -1, 3, g_v4 ? (36u + 40u * 16u) << 10 : (size_t)100 << 10);
     if (!e) return;
     static result got[N_REQ];
     run_all(e, got, N_REQ, STOP_NONE);

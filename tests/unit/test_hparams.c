@@ -260,6 +260,18 @@ static void test_v41_configs(void) {
                     "\"engram_vocab_size\": 100, \"engram_compressed_vocab_size\": 64, "
                     "\"engram_max_ngram_size\": 3, \"engram_n_heads\": 2, "
                     "\"engram_head_dim\": 30, \"engram_pad_id\": 2}") == DI_ERR_FORMAT);
+    // The state stores Q8/Q4 codes in blocks of 32 dims: head_dim and index_head_dim multiples of
+    // 32 (V4 has no such rule: the same shapes load).
+    CHECK(load_text("{" V41 ", \"index_head_dim\": 80}") == DI_ERR_FORMAT);
+    CHECK(load_text("{" BASE ", \"compress_ratios\": [0, 4], \"index_head_dim\": 80}") == DI_OK);
+#define HD80                                                                                       \
+    "\"vocab_size\": 512, \"hidden_size\": 128, \"num_hidden_layers\": 2, "                        \
+    "\"num_attention_heads\": 4, \"head_dim\": 80, \"q_lora_rank\": 128, \"o_groups\": 2, "        \
+    "\"o_lora_rank\": 128, \"sliding_window\": 16, \"n_routed_experts\": 8, "                      \
+    "\"num_experts_per_tok\": 2, \"moe_intermediate_size\": 128"
+    CHECK(load_text("{\"model_type\": \"deepseek_v41_text\", " HD80 "}") == DI_ERR_FORMAT);
+    CHECK(load_text("{" HD80 ", \"compress_ratios\": [0, 4]}") == DI_OK);
+#undef HD80
 }
 
 int main(void) {

@@ -515,6 +515,162 @@ static void test_q4e_known_answers(void) {
     for (int i = 0; i < 8; i++) CHECK(t[i] == wt[i]);
 }
 
+// ---- packed rows ----
+
+typedef struct pack_fmt {
+    const char *name;
+    int64_t block;
+    void (*fake)(float *, int64_t, int64_t);
+    void (*pack)(float *, int64_t, int64_t, uint8_t *);
+    void (*unpack)(const uint8_t *, int64_t, int64_t, float *);
+    size_t (*row_bytes)(int64_t, int64_t);
+    size_t bytes_256; // row bytes of n = 256
+} pack_fmt;
+
+static const pack_fmt k_pack_fmts[] = {
+    {"q8", 32, di_fake_quant_q8, di_quant_q8_pack, di_quant_q8_unpack, di_quant_q8_row_bytes,
+     256 + 8},
+    {"q4", 32, di_fake_quant_q4, di_quant_q4_pack, di_quant_q4_unpack, di_quant_q4_row_bytes,
+     128 + 8},
+    {"q4e", 16, di_fake_quant_q4e, di_quant_q4e_pack, di_quant_q4e_unpack, di_quant_q4e_row_bytes,
+     128 + 16},
+};
+
+#define PACK_N 256
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static uint32_t rnd(void) { // xorshift64*
+    g_rng ^= g_rng >> 12;
+    g_rng ^= g_rng << 25;
+    g_rng ^= g_rng >> 27;
+    return (uint32_t)((g_rng * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+// Bitwise float rows (NaN bit patterns included: the unpacker must write the quantiser's NaN).
+static int same_bits(const float *a, const float *b, int64_t n) {
+    return memcmp(a, b, sizeof(float) * (size_t)n) == 0;
+}
+
+// pack == fake quant in place and unpack(pack) == that, bitwise; the bytes stop at row_bytes.
+// *fq receives the fake-quantised row.
+static int pack_once(const pack_fmt *f, const float *row, float *fq) {
+    float got[PACK_N], back[PACK_N];
+    uint8_t bytes[2 * PACK_N];
+    memcpy(fq, row, sizeof got);
+    memcpy(got, row, sizeof got);
+    f->fake(fq, PACK_N, f->block);
+    memset(bytes, 0xA5, sizeof bytes);
+    f->pack(got, PACK_N, f->block, bytes);
+    int bad = !same_bits(got, fq, PACK_N) || bytes[f->row_bytes(PACK_N, f->block)] != 0xA5;
+    f->unpack(bytes, PACK_N, f->block, back);
+    return bad + !same_bits(back, fq, PACK_N);
+}
+
+// pack_once on the row and again on its fake-quantised row (whatever the magnitudes: including
+// the blocks fake quant moves, an overflow to inf or a Q4e scale at the subnormal floor).
+static int check_pack_row(const pack_fmt *f, const float *row) {
+    float fq[PACK_N], fq2[PACK_N];
+    int bad = pack_once(f, row, fq);
+    return bad + pack_once(f, fq, fq2);
+}
+
+static void test_pack_rows(void) {
+    static const float k_specials[] = {
+        0.0f,           -0.0f,   1e-4f,    -1e-4f,   0.99e-4f,  6.0f * 0x1p-126f,
+        6.0f * 0x1p-9f, 0x1p-9f, -0x1p-9f, 0x1p-10f, 0x1p-149f, -0x1p-149f,
+        0x1p-126f,      448.0f,  -448.0f,  449.0f,
+        2688.0f, // 448 · 6: the Q4e scale saturates
+        1e6f,           -1e30f,  FLT_MAX,  -FLT_MAX, 2.5f,      -5.0f,
+        0.25f};
+    const int n_spec = (int)(sizeof k_specials / sizeof k_specials[0]);
+    for (size_t fi = 0; fi < sizeof k_pack_fmts / sizeof k_pack_fmts[0]; fi++) {
+        const pack_fmt *f = &k_pack_fmts[fi];
+        CHECK_EQ((long long)f->row_bytes(PACK_N, f->block), (long long)f->bytes_256);
+        float row[PACK_N];
+        int bad = 0;
+        // Random rows, one magnitude per block from 2^-150 to 2^127 (subnormal and saturated
+        // scales), mixed signs, exact zeros and negative zeros sprinkled in.
+        for (int it = 0; it < 2000; it++) {
+            for (int64_t b = 0; b < PACK_N; b += f->block) {
+                float mag = ldexpf(1.0f, (int)(rnd() % 278) - 150);
+                for (int64_t j = b; j < b + f->block; j++) {
+                    uint32_t r = rnd();
+                    float u = (float)(r >> 8) * 0x1p-24f; // [0, 1)
+                    float x = u * mag * (float)(1 + (r & 3));
+                    if ((r & 0xF0) == 0) x = 0.0f;
+                    row[j] = (r & 0x100) ? -x : x;
+                }
+            }
+            bad += check_pack_row(f, row);
+        }
+        // Every special value alone in a block of zeros, and blocks made only of it.
+        for (int i = 0; i < n_spec; i++) {
+            for (int64_t j = 0; j < PACK_N; j++) row[j] = (j % 3) ? -0.0f : 0.0f;
+            row[5] = k_specials[i];
+            for (int64_t j = f->block; j < 2 * f->block; j++) row[j] = k_specials[i];
+            for (int64_t j = 2 * f->block; j < 3 * f->block; j++)
+                row[j] = k_specials[i] * ((j & 1) ? -0.5f : 1.0f);
+            bad += check_pack_row(f, row);
+        }
+        // Non-finite blocks: NaN, +inf, -inf each poison exactly their block.
+        const float nonfinite[3] = {NAN, INFINITY, -INFINITY};
+        for (int i = 0; i < 3; i++) {
+            for (int64_t j = 0; j < PACK_N; j++) row[j] = (float)j * 0.37f - 40.0f;
+            row[f->block + 3] = nonfinite[i];
+            float fq[PACK_N];
+            memcpy(fq, row, sizeof fq);
+            f->fake(fq, PACK_N, f->block);
+            CHECK(isnan(fq[f->block]) && !isnan(fq[0]) && !isnan(fq[2 * f->block]));
+            bad += check_pack_row(f, row);
+        }
+        if (bad) fprintf(stderr, "  %s: %d mismatching rows\n", f->name, bad);
+        CHECK_EQ(bad, 0);
+        // Idempotence where fake quant is idempotent (no overflow, Q4e scales normal and below
+        // saturation): a packed fake-quantised row decodes to itself. The bytes may differ (a
+        // block whose maximum rounded down to half the scale's range takes the next scale down).
+        int not_same = 0;
+        for (int it = 0; it < 2000; it++) {
+            float fq[PACK_N], fq2[PACK_N];
+            for (int64_t b = 0; b < PACK_N; b += f->block) {
+                float mag =
+                    ldexpf(1.0f, f->block == 16 ? (int)(rnd() % 9) : (int)(rnd() % 200) - 100);
+                for (int64_t j = b; j < b + f->block; j++) {
+                    uint32_t r = rnd();
+                    float x = (float)(r >> 8) * 0x1p-24f * mag * (float)(1 + (r & 3));
+                    row[j] = (r & 0x100) ? -x : x;
+                }
+            }
+            bad += pack_once(f, row, fq);
+            bad += pack_once(f, fq, fq2);
+            not_same += !same_bits(fq2, fq, PACK_N);
+        }
+        CHECK_EQ(bad, 0);
+        CHECK_EQ(not_same, 0);
+    }
+}
+
+// The byte layout itself: Q8's codes are e4m3 bytes then UE8M0 exponents; Q4's e2m1 nibbles are
+// in the FP4 weights' order (di_dequant_row_fp4 decodes a Q4 row); Q4e's scales are E4M3 bytes.
+static void test_pack_layout(void) {
+    float v[64];
+    uint8_t b[128];
+    for (int j = 0; j < 64; j++) v[j] = (j < 32) ? 1.5f : -3.0f;
+    di_quant_q8_pack(v, 64, 32, b); // 1.5 / 448 -> scale 2^-8: code of 384; -3 -> 2^-7
+    CHECK_EQ(b[0], di_f32_to_e4m3(384.0f));
+    CHECK_EQ(b[32], di_f32_to_e4m3(-384.0f));
+    CHECK_EQ(b[64], 127 - 8);
+    CHECK_EQ(b[65], 127 - 7);
+    float q4[64], fp4[64];
+    for (int j = 0; j < 64; j++) q4[j] = (float)(j % 13) * 0.25f - 1.0f;
+    di_quant_q4_pack(q4, 64, 32, b);
+    di_dequant_row_fp4(b, b + 32, 64, 32, fp4);
+    CHECK(same_bits(fp4, q4, 64));
+    for (int j = 0; j < 16; j++) v[j] = j == 3 ? 12.0f : 0.0f;
+    di_quant_q4e_pack(v, 16, 16, b);
+    CHECK_EQ(b[8], di_f32_to_e4m3(2.0f)); // amax 12 / 6
+    CHECK_EQ(b[1], 0x70);                 // element 3 (high nibble of byte 1): 12 / 2 = code 7
+}
+
 int main(void) {
     RUN(test_bf16);
     RUN(test_f16);
@@ -532,5 +688,7 @@ int main(void) {
     RUN(test_dequant_fp8_row);
     RUN(test_dequant_fp4_row);
     RUN(test_q4e_known_answers);
+    RUN(test_pack_rows);
+    RUN(test_pack_layout);
     return test_finish();
 }
