@@ -971,6 +971,7 @@ void di_grammar_destroy(di_grammar *g) {
     di_free(g->alts);
     di_free(g->elems);
     di_free(g->sets);
+    di_grammar_tsets_destroy(g->tsets);
     di_free(g);
 }
 
@@ -995,7 +996,8 @@ static di_status assemble(cc *c, int32_t root, di_grammar **out) {
     g->alts = di_malloc(sizeof(int32_t) * (size_t)(n_alts + 1));
     g->elems = di_malloc(sizeof(di_grammar_elem) * (size_t)(n_elems + 1));
     g->sets = di_malloc(sizeof *g->sets * (size_t)(c->n_sets + 1));
-    if (!g->rule_names || !g->alt_off || !g->alts || !g->elems || !g->sets) {
+    if (!g->rule_names || !g->alt_off || !g->alts || !g->elems || !g->sets ||
+        di_grammar_tsets_create(&g->tsets) != DI_OK) {
         di_grammar_destroy(g);
         return DI_ERR_NOMEM;
     }
@@ -1166,7 +1168,9 @@ di_status di_grammar_union(const di_grammar *a, const di_grammar *b, di_grammar 
     g->alts = di_malloc(sizeof(int32_t) * (size_t)g->n_alts);
     g->elems = di_malloc(sizeof(di_grammar_elem) * (size_t)n_elems);
     g->sets = di_malloc(sizeof *g->sets * (size_t)(g->n_sets + 1));
-    if (!g->rule_names || !g->alt_off || !g->alts || !g->elems || !g->sets) goto nomem;
+    if (!g->rule_names || !g->alt_off || !g->alts || !g->elems || !g->sets ||
+        di_grammar_tsets_create(&g->tsets) != DI_OK)
+        goto nomem;
     for (int32_t r = 0; r < g->n_rules; r++) {
         const char *nm = r < a->n_rules                ? a->rule_names[r]
                          : r < a->n_rules + b->n_rules ? b->rule_names[r - a->n_rules]

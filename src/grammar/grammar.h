@@ -17,9 +17,11 @@
  * recursion for `*`, a chain of optional rules for `{m,n}`); left recursion is refused at compile
  * time, so expanding a rule always terminates.
  *
- * Owns: a di_grammar owns all its arrays. It is immutable after compile and may be shared by any
- * number of threads and matchers. Thread-safety: any thread (grammar, vocab); one matcher per
- * request, used by one thread at a time.
+ * Owns: a di_grammar owns all its arrays and its token-set cache (matcher.c: the tokens accepted,
+ * rejected or context-dependent at each grammar position, filled lazily by the masks of its
+ * matchers). The grammar itself is immutable after compile; the token-set cache is behind a mutex.
+ * Thread-safety: any thread (grammar, vocab); one matcher per request, used by one thread at a
+ * time; matchers of one grammar may run on different threads at once.
  */
 #pragma once
 
@@ -45,6 +47,9 @@ enum {
 #define DI_GRAMMAR_MAX_REPEAT 100000    // m and n of {m,n}
 #define DI_GRAMMAR_MAX_TEXT (16u << 20) // bytes of grammar text
 
+// Token sets per grammar position, shared by every matcher of one grammar (matcher.c).
+typedef struct di_grammar_tsets di_grammar_tsets;
+
 typedef struct di_grammar_elem {
     uint32_t type; // DI_GRAMMAR_ELEM_*
     int32_t val;   // set index (BYTES), rule id (RULE), token id (TOKEN)
@@ -61,6 +66,7 @@ struct di_grammar {
     uint64_t (*sets)[4]; // owned [n_sets]: 256-bit byte sets
     int32_t n_sets;
     int32_t root;
+    di_grammar_tsets *tsets; // owned: created with the grammar, filled by masks (any thread)
 };
 
 static inline bool di_grammar_set_has(const uint64_t *set, uint8_t b) {
@@ -104,6 +110,21 @@ di_status di_grammar_put_literal(di_buf *out, const char *s, size_t n);
 
 // ---- matcher (matcher.c) ----
 
+// The token-set cache of a grammar: created empty by the compiler (DI_ERR_NOMEM), destroyed with
+// the grammar.
+di_status di_grammar_tsets_create(di_grammar_tsets **out);
+void di_grammar_tsets_destroy(di_grammar_tsets *t);
+
+typedef struct di_grammar_tsets_stats {
+    int32_t n_positions; // positions whose token sets are cached
+    int64_t n_ctx;       // context-dependent tokens over those positions
+    size_t bytes;        // memory held by its entries (the reserve beyond is address space)
+    double compute_us;   // time spent computing them (all threads)
+    int64_t n_fallbacks; // masks computed by the exact walk (sets unavailable or a limit)
+} di_grammar_tsets_stats;
+// A snapshot of g's token-set cache (benchmarks, tests). Any thread.
+void di_grammar_tsets_get_stats(const di_grammar *g, di_grammar_tsets_stats *out);
+
 typedef struct di_grammar_matcher di_grammar_matcher;
 
 typedef struct di_grammar_matcher_limits {
@@ -111,6 +132,9 @@ typedef struct di_grammar_matcher_limits {
     int32_t max_depth;  // rule nesting of one stack
     int32_t max_nodes;  // stack nodes (committed state plus a mask walk's scratch)
     int32_t n_cache;    // masks memoised by stack set (0: none)
+    // Masks from the grammar's token sets per position (true, the default) or by the exact walk of
+    // the whole vocabulary trie (false: a debug switch; both give the same masks, tests compare).
+    bool token_sets;
 } di_grammar_matcher_limits;
 
 di_grammar_matcher_limits di_grammar_matcher_limits_default(void);
