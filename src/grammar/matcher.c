@@ -241,7 +241,13 @@ const uint8_t *di_grammar_vocab_token(const di_grammar_vocab *v, int32_t id, siz
 
 // ---- token sets per position: the shared store ----
 
-#define DI_TSET_K 3 // stack nodes that make a position (header comment)
+// A position is first the top DI_TSET_K nodes of a stack (header comment); one deeper while it
+// leaves more than DI_TSET_CTX_DEEPEN tokens context-dependent (e.g. a bounded repetition inside
+// a regex returns after a character or two: one node more holds what follows), up to
+// DI_TSET_K_MAX nodes. Fewer nodes are shared by more stacks; more leave fewer tokens to check.
+#define DI_TSET_K 3
+#define DI_TSET_K_MAX 8
+#define DI_TSET_CTX_DEEPEN 512
 // Storage: a matcher's creation makes sure the newest chunk has at least half of `want` free,
 // want = DI_TSET_RESERVE or what the store already holds, up to DI_TSET_RESERVE_MAX (a grammar
 // whose requests met many positions will meet more). A chunk is address space: its pages are
@@ -253,10 +259,10 @@ const uint8_t *di_grammar_vocab_token(const di_grammar_vocab *v, int32_t id, siz
 #define DI_TSET_RESERVE_MAX ((size_t)32 << 20)
 #define DI_TSET_ENTRY_MIN ((size_t)64 << 10)
 #define DI_TSET_MAX ((size_t)64 << 20) // entries per grammar; beyond, new positions take the walk
-#define DI_TSET_SLOTS 256              // initial hash slots
+#define DI_TSET_SLOTS 256              // initial hash buckets
 
 typedef struct tset { // one position's classes; immutable once published
-    int32_t key[DI_TSET_K];
+    int32_t key[DI_TSET_K_MAX];
     int32_t n_key;
     uint64_t hash;
     int32_t n_acc, n_ctx;
@@ -264,6 +270,7 @@ typedef struct tset { // one position's classes; immutable once published
     const uint64_t *bits;   // view into the store [words], acc_bits
     const int32_t *acc_ids; // view [n_acc], ascending, !acc_bits
     const int32_t *ctx;     // view [n_ctx]: context-dependent ids in trie preorder
+    struct tset *next;      // the bucket's next entry
 } tset;
 
 typedef struct tchunk {
@@ -275,7 +282,7 @@ typedef struct tchunk {
 struct di_grammar_tsets {
     pthread_mutex_t mu; // guards everything below
     uint64_t vocab_id;  // the vocabulary the sets are over (0: none yet, the first matcher binds)
-    tset **slot;        // owned [cap]: open addressing by key hash (entries are views)
+    tset **slot;        // owned [cap]: hash buckets, chained (entries live in the chunks)
     int32_t cap, n;
     tchunk *chunks;     // owned: newest first, entries are bump-allocated in the newest
     size_t bytes, used; // allocated in chunks / handed out to entries
@@ -322,24 +329,17 @@ static uint64_t key_hash(const int32_t *key, int32_t n_key) {
 // The entry of key, or NULL. Caller holds the mutex.
 static const tset *tsets_find(const di_grammar_tsets *t, const int32_t *key, int32_t n_key,
                               uint64_t h) {
-    if (!t->cap) return NULL;
-    const uint32_t mask = (uint32_t)t->cap - 1;
-    for (uint32_t k = (uint32_t)h & mask; t->slot[k]; k = (k + 1) & mask) {
-        const tset *e = t->slot[k];
+    for (const tset *e = t->slot[h & (uint64_t)(t->cap - 1)]; e; e = e->next)
         if (e->hash == h && e->n_key == n_key && !memcmp(e->key, key, sizeof(int32_t) * n_key))
             return e;
-    }
     return NULL;
 }
 
-// Publishes e unless the table is 3/4 full (then e stays private to its matcher's mask: the
-// memory is the store's either way). Caller holds the mutex.
+// Publishes e. Caller holds the mutex.
 static void tsets_insert(di_grammar_tsets *t, tset *e) {
-    if (!t->cap || (t->n + 1) * 4 > t->cap * 3) return;
-    const uint32_t mask = (uint32_t)t->cap - 1;
-    uint32_t k = (uint32_t)e->hash & mask;
-    while (t->slot[k]) k = (k + 1) & mask;
-    t->slot[k] = e;
+    tset **b = &t->slot[e->hash & (uint64_t)(t->cap - 1)];
+    e->next = *b;
+    *b = e;
     t->n++;
 }
 
@@ -350,15 +350,15 @@ static bool tsets_reserve(di_grammar_tsets *t, uint64_t vocab_id) {
     pthread_mutex_lock(&t->mu);
     if (!t->vocab_id) t->vocab_id = vocab_id;
     const bool ok = t->vocab_id == vocab_id;
-    if (ok && (t->n + 64) * 2 > t->cap) {
+    if (ok && t->n >= t->cap) { // rehash at load 1 (chains stay correct if this fails)
         const int32_t cap = t->cap ? t->cap * 2 : DI_TSET_SLOTS;
         tset **slot = di_calloc((size_t)cap, sizeof *slot);
-        if (slot) { // (out of memory: the table stays; inserts past its load are skipped)
+        if (slot) {
             tset **old = t->slot;
             const int32_t old_cap = t->cap;
             t->slot = slot, t->cap = cap, t->n = 0;
             for (int32_t i = 0; i < old_cap; i++)
-                if (old[i]) tsets_insert(t, old[i]);
+                for (tset *e = old[i], *nx; e; e = nx) nx = e->next, tsets_insert(t, e);
             di_free(old);
         }
     }
@@ -375,7 +375,7 @@ static bool tsets_reserve(di_grammar_tsets *t, uint64_t vocab_id) {
         }
     }
     pthread_mutex_unlock(&t->mu);
-    return ok;
+    return ok && t->cap > 0;
 }
 
 // n bytes (8-aligned) of the newest chunk, or NULL when they do not fit. Caller holds the mutex.
@@ -1112,16 +1112,19 @@ static const tset *tset_compute(di_grammar_matcher *m, const int32_t *key, int32
 
 // The token sets of committed top node `top`'s position (computed if new), or NULL.
 static const tset *tset_get(di_grammar_matcher *m, int32_t top) {
-    int32_t key[DI_TSET_K], n_key = 0;
-    for (int32_t x = top; x >= 0 && n_key < DI_TSET_K; x = m->nodes[x].parent)
-        key[n_key++] = m->nodes[x].pos;
-    const uint64_t hk = key_hash(key, n_key);
-    pthread_mutex_lock(&m->ts->mu);
-    const tset *e = tsets_find(m->ts, key, n_key, hk);
-    const bool room =
-        m->ts->chunks && m->ts->chunks->size - m->ts->chunks->used >= DI_TSET_ENTRY_MIN;
-    pthread_mutex_unlock(&m->ts->mu);
-    return e ? e : room ? tset_compute(m, key, n_key, hk) : NULL;
+    int32_t key[DI_TSET_K_MAX], depth = 0;
+    for (int32_t x = top; x >= 0 && depth < DI_TSET_K_MAX; x = m->nodes[x].parent)
+        key[depth++] = m->nodes[x].pos;
+    for (int32_t n_key = depth < DI_TSET_K ? depth : DI_TSET_K;; n_key++) {
+        const uint64_t hk = key_hash(key, n_key);
+        pthread_mutex_lock(&m->ts->mu);
+        const tset *e = tsets_find(m->ts, key, n_key, hk);
+        const bool room =
+            m->ts->chunks && m->ts->chunks->size - m->ts->chunks->used >= DI_TSET_ENTRY_MIN;
+        pthread_mutex_unlock(&m->ts->mu);
+        if (!e) e = room ? tset_compute(m, key, n_key, hk) : NULL;
+        if (!e || e->n_ctx <= DI_TSET_CTX_DEEPEN || n_key == depth) return e;
+    }
 }
 
 // Sets in mask the context-dependent tokens of e that the one committed stack `top` accepts: the
