@@ -67,6 +67,8 @@ struct di_grammar {
     int32_t n_sets;
     int32_t root;
     di_grammar_tsets *tsets; // owned: created with the grammar, filled by masks (any thread)
+    char *key;               // owned: the key it is cached under (grammar_cache.c), or NULL
+    size_t n_key;
 };
 
 static inline bool di_grammar_set_has(const uint64_t *set, uint8_t b) {
@@ -80,6 +82,19 @@ const di_grammar *di_grammar_retain(const di_grammar *g);
 // Compiles EBNF text (grammar.c). Errors: DI_ERR_INVALID with "line:col: message" in err.
 di_status di_grammar_compile_ebnf(const char *text, size_t n, di_grammar **out, char *err,
                                   size_t err_size);
+
+// di_grammar_compile / di_grammar_compile_tools through cache c (grammar_cache.c; NULL: none):
+// the generated EBNF text goes through di_grammar_cache_ebnf, which returns the cached grammar
+// compiled from the same text or compiles and caches it.
+di_status di_grammar_compile_with(di_grammar_cache *c, di_grammar_kind kind, const char *text,
+                                  size_t n_text, uint32_t flags, di_grammar **out, char *err,
+                                  size_t err_size);
+di_status di_grammar_compile_tools_with(di_grammar_cache *c, const di_tokenizer *tok,
+                                        const char *tools_json, size_t n,
+                                        const di_grammar_tools_options *o, di_grammar **out,
+                                        char *err, size_t err_size);
+di_status di_grammar_cache_ebnf(di_grammar_cache *c, const char *text, size_t n, di_grammar **out,
+                                char *err, size_t err_size);
 
 // JSON Schema (json_schema.c) and regex (regex.c) → EBNF text appended to out. The regex form
 // defines rule `prefix` (and helpers named prefix_*); json_mode: each matched character is

@@ -6,7 +6,9 @@
 // token by token and, from points along them, random continuations sampled from the mask; after
 // every token both matchers' masks are compared. Also: the sets are really used (no fallback under
 // default limits) and shared by a second request; tight limits (a fallback, or an error where the
-// exact walk errs too); several threads computing masks of one grammar at once.
+// exact walk errs too); several threads computing masks of one grammar at once, the grammar
+// compiled by each through one compiled-grammar cache (di_grammar_cache_*), which is also tested
+// alone: hits, keys, eviction, errors, lifetimes.
 #include "harness.h"
 
 #include <pthread.h>
@@ -56,10 +58,22 @@ typedef struct pair {
     int n_masks;
 } pair;
 
+// g accepts exactly text (bytes, then can_end).
+static bool accepts_text(const di_grammar *g, const char *text) {
+    di_grammar_matcher *m = NULL;
+    if (di_grammar_matcher_create(g, g_vocab, NULL, &m) != DI_OK) return false;
+    const bool ok =
+        di_grammar_matcher_advance(m, text, strlen(text)) && di_grammar_matcher_can_end(m);
+    di_grammar_matcher_destroy(m);
+    return ok;
+}
+
 static bool pair_init(pair *p, const di_grammar *g, const di_grammar_matcher_limits *base) {
+    // The token-set path without the per-request mask cache (every mask from the sets); the exact
+    // walk with it (a hit is that walk's own earlier mask of the same stack set: time saved).
     di_grammar_matcher_limits lt = base ? *base : di_grammar_matcher_limits_default();
-    lt.n_cache = 0; // the two paths themselves, not the per-request mask cache
     di_grammar_matcher_limits le = lt;
+    lt.n_cache = 0;
     lt.token_sets = true;
     le.token_sets = false;
     *p = (pair){.mts = calloc((size_t)g_words, 8), .mex = calloc((size_t)g_words, 8)};
@@ -173,7 +187,7 @@ static void diff_grammar(di_grammar *g, const char *what, const char *const *doc
     CHECK(g != NULL);
     if (!g) return;
     int n_masks = 0;
-    for (int i = 0; i < n_docs; i++) n_masks += diff_doc(g, what, docs[i], 6, NULL);
+    for (int i = 0; i < n_docs; i++) n_masks += diff_doc(g, what, docs[i], 4, NULL);
     di_grammar_tsets_stats s1, s2;
     di_grammar_tsets_get_stats(g, &s1);
     CHECK(s1.n_positions > 0);
@@ -354,7 +368,8 @@ static void test_tight_limits(void) {
 // ---- threads ----
 
 typedef struct thread_job {
-    const di_grammar *g;
+    di_grammar_cache *cache;
+    const di_grammar *g; // out: the grammar the thread compiled through the cache
     const int32_t *ids;
     int32_t n;
     const uint64_t *want; // [n + 1][words]: the exact masks along the document
@@ -366,9 +381,15 @@ typedef struct thread_job {
 static void *thread_main(void *p) {
     thread_job *j = p;
     di_grammar_matcher *m = NULL;
+    di_grammar *g = NULL;
     uint64_t *mask = calloc((size_t)g_words, 8);
+    di_grammar_tools_options o = {.parallel = true};
     pthread_barrier_wait(j->start);
-    if (!mask || di_grammar_matcher_create(j->g, g_vocab, NULL, &m) != DI_OK) {
+    if (di_grammar_cache_compile_tools(j->cache, g_tok, k_tools, strlen(k_tools), &o, &g, NULL,
+                                       0) != DI_OK)
+        j->n_bad++;
+    j->g = g;
+    if (!g || !mask || di_grammar_matcher_create(g, g_vocab, NULL, &m) != DI_OK) {
         j->n_bad++;
     } else {
         for (int32_t i = 0; i <= j->n; i++) {
@@ -384,17 +405,21 @@ static void *thread_main(void *p) {
         }
     }
     di_grammar_matcher_destroy(m);
+    di_grammar_destroy(g);
     free(mask);
     return NULL;
 }
 
-// Four threads run the same documents on matchers of one fresh grammar at once (they race to
-// compute the same positions), twice (the second time every set is shared).
+// Four threads compile the same tools through one cache and run the same document on matchers of
+// the grammar they get, all at once: they race to insert it (all must get the one grammar) and to
+// compute the same positions; twice (the second time every set is shared).
 static void test_threads(void) {
+    di_grammar_cache *cache = NULL;
+    CHECK(di_grammar_cache_create(4, (size_t)1 << 30, &cache) == DI_OK);
     di_grammar *g = NULL;
     di_grammar_tools_options o = {.parallel = true};
     CHECK(di_grammar_compile_tools(g_tok, k_tools, strlen(k_tools), &o, &g, NULL, 0) == DI_OK);
-    if (!g) return;
+    if (!g || !cache) return;
     int32_t ids[1024];
     const int32_t n = tokenize(K_BLOCK, ids, 1024);
     uint64_t *want = calloc((size_t)(n + 1) * (size_t)g_words, 8);
@@ -415,23 +440,102 @@ static void test_threads(void) {
         pthread_t th[N_THREADS];
         thread_job jobs[N_THREADS];
         for (int t = 0; t < N_THREADS; t++) {
-            jobs[t] = (thread_job){
-                .g = g, .ids = ids, .n = n, .want = want, .want_n = want_n, .start = &start};
+            jobs[t] = (thread_job){.cache = cache,
+                                   .ids = ids,
+                                   .n = n,
+                                   .want = want,
+                                   .want_n = want_n,
+                                   .start = &start};
             CHECK(pthread_create(&th[t], NULL, thread_main, &jobs[t]) == 0);
         }
         for (int t = 0; t < N_THREADS; t++) {
             pthread_join(th[t], NULL);
             CHECK_EQ(jobs[t].n_bad, 0);
+            CHECK(jobs[t].g == jobs[0].g); // one compiled grammar for all
         }
         pthread_barrier_destroy(&start);
+        if (round == 0) { // the cache still holds it: the sets computed above are there
+            di_grammar *c = NULL;
+            CHECK(di_grammar_cache_compile_tools(cache, g_tok, k_tools, strlen(k_tools), &o, &c,
+                                                 NULL, 0) == DI_OK);
+            di_grammar_tsets_stats s = {0};
+            if (c) di_grammar_tsets_get_stats(c, &s);
+            CHECK(c == jobs[0].g && s.n_positions > 0 && s.n_fallbacks == 0);
+            di_grammar_destroy(c);
+        }
     }
-    di_grammar_tsets_stats s;
-    di_grammar_tsets_get_stats(g, &s);
-    CHECK(s.n_positions > 0);
-    CHECK_EQ(s.n_fallbacks, 0);
+    int64_t hits = 0, misses = 0;
+    int32_t n_grammars = 0;
+    di_grammar_cache_get_stats(cache, &hits, &misses, &n_grammars);
+    CHECK_EQ(hits + misses, 2 * N_THREADS + 1);
+    CHECK(misses >= 1 && misses <= N_THREADS); // racing first compiles may all miss
+    CHECK_EQ(n_grammars, 1);
+    di_grammar_cache_destroy(cache);
     free(want);
     free(want_n);
     di_grammar_destroy(g);
+}
+
+// ---- the compiled-grammar cache ----
+
+static void test_grammar_cache(void) {
+    di_grammar_cache *c = NULL;
+    CHECK(di_grammar_cache_create(3, (size_t)1 << 30, &c) == DI_OK);
+    if (!c) return;
+    static const char *schema =
+        "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"}}}";
+    const size_t n = strlen(schema);
+    di_grammar *a = NULL, *a2 = NULL, *strict = NULL, *re = NULL, *bad = NULL;
+    char err[256] = "";
+    CHECK(di_grammar_cache_compile(c, DI_GRAMMAR_KIND_JSON_SCHEMA, schema, n, 0, &a, err,
+                                   sizeof err) == DI_OK);
+    CHECK(di_grammar_cache_compile(c, DI_GRAMMAR_KIND_JSON_SCHEMA, schema, n, 0, &a2, err,
+                                   sizeof err) == DI_OK);
+    CHECK(a && a == a2); // the same text: the same grammar
+    CHECK(di_grammar_cache_compile(c, DI_GRAMMAR_KIND_JSON_SCHEMA, schema, n,
+                                   DI_GRAMMAR_FLAG_STRICT, &strict, err, sizeof err) == DI_OK);
+    CHECK(strict && strict != a); // strict mode generates another grammar
+    // Refused: the message as without a cache, nothing cached, *out untouched.
+    CHECK(di_grammar_cache_compile(c, DI_GRAMMAR_KIND_JSON_SCHEMA, "{\"not\":{}}", 10, 0, &bad, err,
+                                   sizeof err) == DI_ERR_INVALID);
+    CHECK(bad == NULL && strstr(err, "'not'") != NULL);
+    // A union of cached parts is cached too.
+    di_grammar *blk = NULL, *u1 = NULL, *u2 = NULL;
+    di_grammar_tools_options o = {.parallel = true, .start = DI_GRAMMAR_TOOLS_BLOCK};
+    CHECK(di_grammar_cache_compile_tools(c, g_tok, k_tools, strlen(k_tools), &o, &blk, NULL, 0) ==
+          DI_OK);
+    CHECK(blk && di_grammar_cache_union(c, a, blk, &u1) == DI_OK);
+    CHECK(blk && di_grammar_cache_union(c, a, blk, &u2) == DI_OK);
+    CHECK(u1 && u1 == u2);
+    int64_t hits = 0, misses = 0;
+    int32_t n_grammars = 0;
+    di_grammar_cache_get_stats(c, &hits, &misses, &n_grammars);
+    CHECK_EQ(hits, 2);
+    CHECK_EQ(n_grammars, 3); // a, strict, blk, u1: the least recently used (strict) evicted
+    // An evicted grammar its caller still holds works; compiling it again makes a new one.
+    CHECK(accepts_text(strict, "{\"a\": \"x\"}"));
+    CHECK(di_grammar_cache_compile(c, DI_GRAMMAR_KIND_REGEX, "[0-9]+", 6, 0, &re, err,
+                                   sizeof err) == DI_OK);
+    di_grammar *s2 = NULL;
+    CHECK(di_grammar_cache_compile(c, DI_GRAMMAR_KIND_JSON_SCHEMA, schema, n,
+                                   DI_GRAMMAR_FLAG_STRICT, &s2, err, sizeof err) == DI_OK);
+    CHECK(s2 && s2 != strict);
+    // Grammars outlive the cache.
+    di_grammar_cache_destroy(c);
+    CHECK(accepts_text(a, "{\"a\": \"y\"}") && accepts_text(u1, "{\"a\": \"z\"}"));
+    CHECK(accepts_text(re, "123"));
+    di_grammar *all[] = {a, a2, strict, re, blk, u1, u2, s2};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) di_grammar_destroy(all[i]);
+    // A byte-bounded cache keeps only what fits (here: the newest).
+    CHECK(di_grammar_cache_create(8, 1, &c) == DI_OK);
+    if (!c) return;
+    CHECK(di_grammar_cache_compile(c, DI_GRAMMAR_KIND_REGEX, "a+", 2, 0, &a, NULL, 0) == DI_OK);
+    CHECK(di_grammar_cache_compile(c, DI_GRAMMAR_KIND_REGEX, "b+", 2, 0, &a2, NULL, 0) == DI_OK);
+    di_grammar_cache_get_stats(c, &hits, &misses, &n_grammars);
+    CHECK_EQ(n_grammars, 1);
+    di_grammar_cache_destroy(c);
+    di_grammar_destroy(a);
+    di_grammar_destroy(a2);
 }
 
 int main(void) {
@@ -449,6 +553,7 @@ int main(void) {
     RUN(test_tool_grammars);
     RUN(test_tight_limits);
     RUN(test_threads);
+    RUN(test_grammar_cache);
     di_grammar_vocab_destroy(g_vocab);
     di_tokenizer_destroy(g_tok);
     return test_finish();
