@@ -179,7 +179,9 @@ di_status di_grammar_matcher_status(const di_grammar_matcher *m);
 // Writes the allowed-token bitset (bit i of mask[i / 64]) over the vocabulary: the tokens whose
 // bytes the grammar accepts next, and the tokens of the token terminals that can come next.
 // Other special tokens are never set (the caller allows EOS when can_end). *n_allowed gets the
-// count. DI_ERR_UNSUPPORTED (a limit exceeded; mask undefined).
+// count. Computed from the grammar's token sets per position (computing the missing ones, for
+// every matcher of the grammar), or by the exact walk of the trie: the same mask either way.
+// DI_ERR_UNSUPPORTED (a limit exceeded; mask undefined).
 di_status di_grammar_matcher_mask(di_grammar_matcher *m, uint64_t *mask, int32_t *n_allowed);
 // Stacks in the current state (tests, benchmarks).
 int32_t di_grammar_matcher_n_stacks(const di_grammar_matcher *m);
