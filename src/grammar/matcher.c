@@ -252,7 +252,7 @@ const uint8_t *di_grammar_vocab_token(const di_grammar_vocab *v, int32_t id, siz
 // want = DI_TSET_RESERVE or what the store already holds, up to DI_TSET_RESERVE_MAX (a grammar
 // whose requests met many positions will meet more). A chunk is address space: its pages are
 // committed as entries are written (malloc maps large blocks), so the reserve costs memory only as
-// positions are met (about 5 MB for a schema of ten formatted and length-bounded strings). A
+// positions are met (1.5 MB for a schema of ten formatted and length-bounded strings). A
 // position is computed only with DI_TSET_ENTRY_MIN bytes free (a string position's entry is 16 KB
 // plus its context-dependent list); without room the mask takes the exact walk.
 #define DI_TSET_RESERVE ((size_t)8 << 20)
@@ -284,8 +284,8 @@ struct di_grammar_tsets {
     uint64_t vocab_id;  // the vocabulary the sets are over (0: none yet, the first matcher binds)
     tset **slot;        // owned [cap]: hash buckets, chained (entries live in the chunks)
     int32_t cap, n;
-    tchunk *chunks;     // owned: newest first, entries are bump-allocated in the newest
-    size_t bytes, used; // allocated in chunks / handed out to entries
+    tchunk *chunks; // owned: newest first, entries are bump-allocated in the newest
+    size_t used;    // bytes handed out to entries
     int64_t n_ctx, n_fallbacks;
     double compute_us;
 };
@@ -371,7 +371,6 @@ static bool tsets_reserve(di_grammar_tsets *t, uint64_t vocab_id) {
         if (c) {
             *c = (tchunk){.next = t->chunks, .size = want};
             t->chunks = c;
-            t->bytes += want;
         }
     }
     pthread_mutex_unlock(&t->mu);
