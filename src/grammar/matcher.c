@@ -250,9 +250,10 @@ const uint8_t *di_grammar_vocab_token(const di_grammar_vocab *v, int32_t id, siz
 #define DI_TSET_CTX_DEEPEN 512
 // Storage: a matcher's creation makes sure the newest chunk has at least half of `want` free,
 // want = DI_TSET_RESERVE or what the store already holds, up to DI_TSET_RESERVE_MAX (a grammar
-// whose requests met many positions will meet more). A chunk is address space: its pages are
-// committed as entries are written (malloc maps large blocks), so the reserve costs memory only as
-// positions are met (1.5 MB for a schema of ten formatted and length-bounded strings). A
+// whose requests met many positions will meet more). A fresh chunk is mostly address space (a
+// block this large is mapped, or taken from the top of the heap: its pages are committed as
+// entries are written), so what a grammar's sets cost is what they use (1.5 MB for a schema of
+// ten formatted and length-bounded strings; a reused heap block may already be resident). A
 // position is computed only with DI_TSET_ENTRY_MIN bytes free (a string position's entry is 16 KB
 // plus its context-dependent list); without room the mask takes the exact walk.
 #define DI_TSET_RESERVE ((size_t)8 << 20)
