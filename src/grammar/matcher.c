@@ -1203,8 +1203,11 @@ static bool mask_tsets(di_grammar_matcher *m, uint64_t *mask, int32_t *n_allowed
     bool ok = true;
     m->quiet = true;
     for (int32_t i = 0; i < m->n_tops && ok; i++) {
-        if (m->ts_ent[i] && m->ts_ent[i]->n_ctx > 0) {
-            ok = check_ctx(m, m->tops[i], m->ts_ent[i], mask);
+        // A position that is the whole stack returns to the grammar's end: its context-dependent
+        // tokens have bytes left after it, so the stack rejects them all (nothing to check).
+        const tset *e = m->ts_ent[i];
+        if (e && e->n_ctx > 0 && e->n_key < m->nodes[m->tops[i]].depth) {
+            ok = check_ctx(m, m->tops[i], e, mask);
             scratch_reset(m);
         }
     }
