@@ -1,6 +1,7 @@
 // Grammar-constrained decoding costs on the real DeepSeek V4 vocabulary (129,280 tokens): compile
 // time of a typical JSON Schema and of a tool grammar, then a document under each (a JSON document,
-// its own tokenization; a DSML tool-call block, three tools, two calls) is fed token by token and
+// its own tokenization; one of formatted and length-bounded strings; a DSML tool-call block, three
+// tools, two calls) is fed token by token and
 // the allowed-token mask is computed before every token: by the exact walk of the vocabulary trie
 // (without the per-request mask cache and with it) and from the grammar's token sets per position
 // (the first request on a new grammar, which computes them: cold; a second request sharing them:
@@ -52,6 +53,19 @@ static const char *k_doc =
     "\"12345\"}, \"active\": true, \"notes\": \"Wrote the first published algorithm intended "
     "for a machine; translated Menabrea's article and added her own notes.\"}";
 
+// Strings whose grammars have no loop for the exact walk to skip along (bounded repetitions inside
+// formats and lengths): its most expensive case.
+static const char *k_formats =
+    "{\"type\":\"object\",\"properties\":{\"mail\":{\"type\":\"string\",\"format\":\"email\"},"
+    "\"host\":{\"type\":\"string\",\"format\":\"hostname\"},\"when\":{\"type\":\"string\","
+    "\"format\":\"date-time\"},\"mid\":{\"type\":\"string\",\"maxLength\":40},\"code\":{\"type\":"
+    "\"string\",\"pattern\":\"^[A-Z]{2}-[0-9]+$\"}}}";
+
+static const char *k_formats_doc =
+    "{\"mail\": \"someone.important@mail.example-domain.org\", \"host\": "
+    "\"api.service-name.example.com\", \"when\": \"2024-02-29T23:59:60.5+01:00\", \"mid\": \"a "
+    "string of some forty characters or so!\", \"code\": \"AB-12345\"}";
+
 // A tool-call grammar (di_grammar_compile_tools): three tools, the block after the prefilled header
 // with two calls; ｜DSML｜ is the special token (a token terminal), the rest the text's own tokens.
 static const char *k_tools =
@@ -91,7 +105,8 @@ typedef struct doc {
     int32_t ids[1024];
     uint8_t kind[1024];
     size_t n;
-    bool tools; // compiled by di_grammar_compile_tools (else a JSON Schema)
+    bool tools;         // compiled by di_grammar_compile_tools (else a JSON Schema)
+    const char *schema; // the JSON Schema
 } doc;
 
 static di_grammar *doc_grammar(const doc *d, di_tokenizer *tok) {
@@ -99,8 +114,8 @@ static di_grammar *doc_grammar(const doc *d, di_tokenizer *tok) {
     char err[512];
     const di_status st = d->tools ? di_grammar_compile_tools(tok, k_tools, strlen(k_tools), NULL,
                                                              &g, err, sizeof err)
-                                  : di_grammar_compile(DI_GRAMMAR_KIND_JSON_SCHEMA, k_schema,
-                                                       strlen(k_schema), 0, &g, err, sizeof err);
+                                  : di_grammar_compile(DI_GRAMMAR_KIND_JSON_SCHEMA, d->schema,
+                                                       strlen(d->schema), 0, &g, err, sizeof err);
     if (st != DI_OK) fprintf(stderr, "%s: %s\n", d->name, err);
     return g;
 }
@@ -229,14 +244,16 @@ static int bench_doc(const doc *d, di_tokenizer *tok, const di_grammar_vocab *vo
     return 0;
 }
 
-// The JSON document: its own tokenization; a token is in a string when an odd number of
-// unescaped quotes precede it.
-static int doc_json(doc *d, di_tokenizer *tok) {
+// A JSON document under a schema: its own tokenization; a token is in a string when an odd
+// number of unescaped quotes precede it.
+static int doc_json(doc *d, di_tokenizer *tok, const char *name, const char *schema,
+                    const char *text) {
     int32_t *ids = NULL;
     size_t n = 0;
-    if (di_tokenizer_encode(tok, k_doc, strlen(k_doc), false, &ids, &n) != DI_OK || n > 1024)
+    if (di_tokenizer_encode(tok, text, strlen(text), false, &ids, &n) != DI_OK || n > 1024)
         return 1;
-    d->name = "JSON document under the schema";
+    d->name = name;
+    d->schema = schema;
     d->n = n;
     bool in_string = false, was = false;
     for (size_t i = 0; i < n; i++) {
@@ -413,9 +430,13 @@ int main(int argc, char **argv) {
            di_tokenizer_n_vocab(tok), t_vocab * 1e3, t_compile * 1e3, di_grammar_n_rules(g),
            t_tools * 1e3, di_grammar_n_rules(tg));
     di_grammar_destroy(tg);
-    static doc dj, dt;
-    if (doc_json(&dj, tok) || doc_tools(&dt, tok)) return 1;
-    if (bench_doc(&dj, tok, vocab, reps, verbose) || bench_doc(&dt, tok, vocab, reps, verbose))
+    static doc dj, df, dt;
+    if (doc_json(&dj, tok, "JSON document under the schema", k_schema, k_doc) ||
+        doc_json(&df, tok, "JSON document of formatted strings", k_formats, k_formats_doc) ||
+        doc_tools(&dt, tok))
+        return 1;
+    if (bench_doc(&dj, tok, vocab, reps, verbose) || bench_doc(&df, tok, vocab, reps, verbose) ||
+        bench_doc(&dt, tok, vocab, reps, verbose))
         return 1;
     if (bench_engine(vocab, g, reps)) return 1;
     di_grammar_destroy(g);
