@@ -304,6 +304,32 @@ void di_grammar_destroy(di_grammar *g);
 // Number of rules in g (generated rules included): a size measure for logs and tests.
 int32_t di_grammar_n_rules(const di_grammar *g);
 
+// A cache of compiled grammars (docs/structured-output.md "Token sets"): requests that compile the
+// same response format or tool list get the same di_grammar, and so share the token sets its
+// masks compute (the first request's string contexts make the second's cheap). Keyed by the
+// exact generated EBNF text (compared byte for byte); at most n_max grammars and bytes_max bytes
+// (text, compiled arrays, token sets), least recently used evicted first. The cache holds one
+// reference per grammar; callers own the references they get. Any thread.
+typedef struct di_grammar_cache di_grammar_cache;
+// DI_ERR_NOMEM.
+di_status di_grammar_cache_create(int32_t n_max, size_t bytes_max, di_grammar_cache **out);
+// Drops the cache's references (grammars still held elsewhere live on). NULL does nothing.
+void di_grammar_cache_destroy(di_grammar_cache *c);
+// di_grammar_compile, di_grammar_compile_tools and di_grammar_union through cache c (NULL: no
+// cache); same arguments, results and errors. A union is cached when a and b came from a cache.
+di_status di_grammar_cache_compile(di_grammar_cache *c, di_grammar_kind kind, const char *text,
+                                   size_t n_text, uint32_t flags, di_grammar **out, char *err,
+                                   size_t err_size);
+di_status di_grammar_cache_compile_tools(di_grammar_cache *c, const di_tokenizer *tok,
+                                         const char *tools_json, size_t n,
+                                         const di_grammar_tools_options *o, di_grammar **out,
+                                         char *err, size_t err_size);
+di_status di_grammar_cache_union(di_grammar_cache *c, const di_grammar *a, const di_grammar *b,
+                                 di_grammar **out);
+// Lookups that found a grammar, lookups that compiled one, grammars held now.
+void di_grammar_cache_get_stats(di_grammar_cache *c, int64_t *n_hits, int64_t *n_misses,
+                                int32_t *n_grammars);
+
 // Builds the token trie of tok (borrowed only during the call): every token except added tokens
 // (special or not: they are never allowed by a grammar). DI_ERR_NOMEM.
 di_status di_grammar_vocab_create(const di_tokenizer *tok, di_grammar_vocab **out);

@@ -1,9 +1,13 @@
 // Grammar-constrained decoding costs on the real DeepSeek V4 vocabulary (129,280 tokens): compile
-// time of a typical JSON Schema, then a document is fed token by token (its own tokenization) and
-// the allowed-token mask is computed before every token, without the mask cache (a cold walk of
-// the vocabulary trie) and with it. Prints µs/token by where the document is (inside a string
-// value, or in structure: between keys, values, punctuation) and the overall mean; then the same
-// for a DSML tool-call block under a tool grammar (three tools, two calls); then constrained
+// time of a typical JSON Schema and of a tool grammar, then a document under each (a JSON document,
+// its own tokenization; one of formatted and length-bounded strings; a DSML tool-call block, three
+// tools, two calls) is fed token by token and
+// the allowed-token mask is computed before every token: by the exact walk of the vocabulary trie
+// (without the per-request mask cache and with it) and from the grammar's token sets per position
+// (the first request on a new grammar, which computes them: cold; a second request sharing them:
+// warm), side by side in one run. Prints µs/token by where the document is (inside a string or
+// parameter value, or in structure: keys, tags, punctuation), the slowest first token of a string
+// or value, and the token sets' precompute (positions, time, memory); then constrained
 // decoding through the engine on the tiny random-weight model (the real vocabulary): decode
 // tokens/s of requests under the schema and of unconstrained ones, with the engine's overlap
 // (the next plan and the constrained rows' masks computed while the forward runs) and without it
@@ -49,6 +53,19 @@ static const char *k_doc =
     "\"12345\"}, \"active\": true, \"notes\": \"Wrote the first published algorithm intended "
     "for a machine; translated Menabrea's article and added her own notes.\"}";
 
+// Strings whose grammars have no loop for the exact walk to skip along (bounded repetitions inside
+// formats and lengths): its most expensive case.
+static const char *k_formats =
+    "{\"type\":\"object\",\"properties\":{\"mail\":{\"type\":\"string\",\"format\":\"email\"},"
+    "\"host\":{\"type\":\"string\",\"format\":\"hostname\"},\"when\":{\"type\":\"string\","
+    "\"format\":\"date-time\"},\"mid\":{\"type\":\"string\",\"maxLength\":40},\"code\":{\"type\":"
+    "\"string\",\"pattern\":\"^[A-Z]{2}-[0-9]+$\"}}}";
+
+static const char *k_formats_doc =
+    "{\"mail\": \"someone.important@mail.example-domain.org\", \"host\": "
+    "\"api.service-name.example.com\", \"when\": \"2024-02-29T23:59:60.5+01:00\", \"mid\": \"a "
+    "string of some forty characters or so!\", \"code\": \"AB-12345\"}";
+
 // A tool-call grammar (di_grammar_compile_tools): three tools, the block after the prefilled header
 // with two calls; ｜DSML｜ is the special token (a token terminal), the rest the text's own tokens.
 static const char *k_tools =
@@ -73,68 +90,222 @@ static const char *k_block =
     "string=\"false\">{\"site\": \"alltrails.com\", \"lang\": \"en\"}</｜DSML｜parameter>\n"
     "</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
 
-static int bench_tools(di_tokenizer *tok, const di_grammar_vocab *vocab, int reps) {
-    const int32_t dsml = di_tokenizer_token_id(tok, "｜DSML｜");
+// ---- masks along a document ----
+
+enum { TOK_STRUCT = 0, TOK_VALUE = 1, TOK_FIRST = 2 }; // structure / in a string / its first token
+
+typedef struct doc_stats { // one request's mask times (s)
+    double all, value, structure, first_max, slowest;
+    int n_value, n_struct, n_first;
+    double allowed_mean;
+} doc_stats;
+
+typedef struct doc {
+    const char *name;
+    int32_t ids[1024];
+    uint8_t kind[1024];
+    size_t n;
+    bool tools;         // compiled by di_grammar_compile_tools (else a JSON Schema)
+    const char *schema; // the JSON Schema
+} doc;
+
+static di_grammar *doc_grammar(const doc *d, di_tokenizer *tok) {
     di_grammar *g = NULL;
     char err[512];
-    double t0 = now();
-    for (int r = 0; r < 20; r++) {
-        di_grammar_destroy(g);
-        g = NULL;
-        if (di_grammar_compile_tools(tok, k_tools, strlen(k_tools), NULL, &g, err, sizeof err) !=
-            DI_OK) {
-            fprintf(stderr, "tools: %s\n", err);
+    const di_status st = d->tools ? di_grammar_compile_tools(tok, k_tools, strlen(k_tools), NULL,
+                                                             &g, err, sizeof err)
+                                  : di_grammar_compile(DI_GRAMMAR_KIND_JSON_SCHEMA, d->schema,
+                                                       strlen(d->schema), 0, &g, err, sizeof err);
+    if (st != DI_OK) fprintf(stderr, "%s: %s\n", d->name, err);
+    return g;
+}
+
+// One request: a new matcher of g fed the document, the mask timed before every token.
+static int run_doc(const doc *d, const di_grammar *g, const di_grammar_vocab *vocab,
+                   const di_grammar_matcher_limits *lim, uint64_t *mask, doc_stats *out,
+                   di_tokenizer *tok, const char *verbose) {
+    di_grammar_matcher *m = NULL;
+    if (di_grammar_matcher_create(g, vocab, lim, &m) != DI_OK) return 1;
+    doc_stats s = {0};
+    long long allowed = 0;
+    for (size_t i = 0; i < d->n; i++) {
+        int32_t n_allowed = 0;
+        const double a = now();
+        if (di_grammar_matcher_mask(m, mask, &n_allowed) != DI_OK) return 1;
+        const double dt = now() - a;
+        allowed += n_allowed;
+        if (!((mask[d->ids[i] >> 6] >> (d->ids[i] & 63)) & 1)) {
+            fprintf(stderr, "%s: token %zu is not allowed\n", d->name, i);
+            return 1;
+        }
+        if (verbose) {
+            size_t nb = 0;
+            const char *tb = di_tokenizer_token_bytes(tok, d->ids[i], &nb);
+            printf("  %s token %3zu %-16.*s %9.1f us, %6d allowed, %d stacks\n", verbose, i,
+                   (int)nb, tb, dt * 1e6, n_allowed, di_grammar_matcher_n_stacks(m));
+        }
+        s.all += dt;
+        if (dt > s.slowest) s.slowest = dt;
+        if (d->kind[i] == TOK_STRUCT) {
+            s.structure += dt, s.n_struct++;
+        } else {
+            s.value += dt, s.n_value++;
+            if (d->kind[i] == TOK_FIRST && dt > s.first_max) s.first_max = dt;
+            s.n_first += d->kind[i] == TOK_FIRST;
+        }
+        if (!di_grammar_matcher_advance_token(m, d->ids[i])) {
+            fprintf(stderr, "%s: token %zu refused\n", d->name, i);
             return 1;
         }
     }
-    const double t_compile = (now() - t0) / 20;
-    int32_t ids[1024];
-    size_t n_ids = 0;
+    if (!di_grammar_matcher_is_done(m)) fprintf(stderr, "%s: not complete\n", d->name);
+    di_grammar_matcher_destroy(m);
+    s.allowed_mean = (double)allowed / (double)d->n;
+    *out = s;
+    return 0;
+}
+
+static void stats_min(doc_stats *best, const doc_stats *s) {
+    if (s->all < best->all) best->all = s->all;
+    if (s->value < best->value) best->value = s->value;
+    if (s->structure < best->structure) best->structure = s->structure;
+    if (s->first_max < best->first_max) best->first_max = s->first_max;
+    if (s->slowest < best->slowest) best->slowest = s->slowest;
+    best->n_value = s->n_value, best->n_struct = s->n_struct, best->n_first = s->n_first;
+    best->allowed_mean = s->allowed_mean;
+}
+
+static void stats_print(const char *what, const doc_stats *s, size_t n) {
+    printf("  %-40s %8.1f %8.1f %8.1f %10.0f %9.0f\n", what, s->all / (double)n * 1e6,
+           s->n_value ? s->value / s->n_value * 1e6 : 0,
+           s->n_struct ? s->structure / s->n_struct * 1e6 : 0, s->first_max * 1e6,
+           s->slowest * 1e6);
+}
+
+// The exact walk (mask cache off and on) and the token sets (the first request on a new grammar:
+// cold; the second: warm, with the mask cache and without), best of reps each; the token sets'
+// precompute from the cold requests.
+static int bench_doc(const doc *d, di_tokenizer *tok, const di_grammar_vocab *vocab, int reps,
+                     bool verbose) {
+    const int32_t V = di_tokenizer_n_vocab(tok);
+    uint64_t *mask = malloc(sizeof(uint64_t) * (size_t)((V + 63) / 64));
+    const doc_stats init = {1e30, 1e30, 1e30, 1e30, 1e30, 0, 0, 0, 0};
+    doc_stats ex_off = init, ex_on = init, cold = init, warm = init, warm_off = init, s;
+    di_grammar_tsets_stats pre = {0}, pre_best = {.compute_us = 1e30};
+    di_grammar_matcher_limits l_ex = di_grammar_matcher_limits_default(), l_ex_off, l_ts, l_ts_off;
+    l_ex.token_sets = false;
+    l_ex_off = l_ex, l_ex_off.n_cache = 0;
+    l_ts = di_grammar_matcher_limits_default();
+    l_ts_off = l_ts, l_ts_off.n_cache = 0;
+    di_grammar *g = doc_grammar(d, tok);
+    if (!g) return 1;
+    for (int r = 0; r < reps; r++) {
+        if (run_doc(d, g, vocab, &l_ex_off, mask, &s, tok, verbose && !r ? "exact" : NULL))
+            return 1;
+        stats_min(&ex_off, &s);
+        if (run_doc(d, g, vocab, &l_ex, mask, &s, tok, NULL)) return 1;
+        stats_min(&ex_on, &s);
+        di_grammar *fresh = doc_grammar(d, tok); // an empty token-set cache
+        if (!fresh) return 1;
+        if (run_doc(d, fresh, vocab, &l_ts, mask, &s, tok, verbose && !r ? "cold" : NULL)) return 1;
+        stats_min(&cold, &s);
+        di_grammar_tsets_get_stats(fresh, &pre);
+        if (pre.compute_us < pre_best.compute_us) pre_best = pre;
+        if (run_doc(d, fresh, vocab, &l_ts, mask, &s, tok, verbose && !r ? "warm" : NULL)) return 1;
+        stats_min(&warm, &s);
+        if (run_doc(d, fresh, vocab, &l_ts_off, mask, &s, tok, NULL)) return 1;
+        stats_min(&warm_off, &s);
+        di_grammar_tsets_get_stats(fresh, &pre);
+        if (pre.n_fallbacks)
+            fprintf(stderr, "%s: %lld exact walks\n", d->name, (long long)pre.n_fallbacks);
+        di_grammar_destroy(fresh);
+    }
+    printf("%s: %zu tokens (%d in strings, %d of them a string's first; %d in structure), "
+           "%.0f tokens allowed on average; us, best of %d:\n",
+           d->name, d->n, ex_on.n_value, ex_on.n_first, ex_on.n_struct, ex_on.allowed_mean, reps);
+    printf("  %-40s %8s %8s %8s %10s %9s\n", "mask", "mean", "strings", "struct", "1st (max)",
+           "slowest");
+    stats_print("exact walk, mask cache off", &ex_off, d->n);
+    stats_print("exact walk, mask cache on", &ex_on, d->n);
+    stats_print("token sets, 1st request (cold)", &cold, d->n);
+    stats_print("token sets, 2nd request (warm)", &warm, d->n);
+    stats_print("token sets, 2nd request, mask cache off", &warm_off, d->n);
+    printf("  exact / token sets (cache on): cold %.1fx, warm %.1fx mean; first token of a string "
+           "%.1fx cold, %.1fx warm\n",
+           ex_on.all / cold.all, ex_on.all / warm.all, ex_on.first_max / cold.first_max,
+           ex_on.first_max / warm.first_max);
+    printf("  precompute (1st request): %d positions in %.1f ms, %.0f us/position, %lld "
+           "context-dependent tokens, %.0f KB\n",
+           pre_best.n_positions, pre_best.compute_us / 1e3,
+           pre_best.n_positions ? pre_best.compute_us / pre_best.n_positions : 0,
+           (long long)pre_best.n_ctx, (double)pre_best.bytes / 1024);
+    di_grammar_destroy(g);
+    free(mask);
+    return 0;
+}
+
+// A JSON document under a schema: its own tokenization; a token is in a string when an odd
+// number of unescaped quotes precede it.
+static int doc_json(doc *d, di_tokenizer *tok, const char *name, const char *schema,
+                    const char *text) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (di_tokenizer_encode(tok, text, strlen(text), false, &ids, &n) != DI_OK || n > 1024)
+        return 1;
+    d->name = name;
+    d->schema = schema;
+    d->n = n;
+    bool in_string = false, was = false;
+    for (size_t i = 0; i < n; i++) {
+        d->ids[i] = ids[i];
+        d->kind[i] = !in_string ? TOK_STRUCT : was ? TOK_VALUE : TOK_FIRST;
+        was = in_string;
+        size_t nb = 0;
+        const char *b = di_tokenizer_token_bytes(tok, ids[i], &nb);
+        for (size_t k = 0; k < nb; k++)
+            if (b[k] == '"' && !(k > 0 && b[k - 1] == '\\')) in_string = !in_string;
+    }
+    di_tok_free(ids);
+    return 0;
+}
+
+// The tool-call block: ｜DSML｜ as the special token; a token is in a value when it starts
+// between a parameter's `">` and the `</` that closes it.
+static int doc_tools(doc *d, di_tokenizer *tok) {
+    const int32_t dsml = di_tokenizer_token_id(tok, "｜DSML｜");
+    d->name = "DSML tool-call block under the tool grammar";
+    d->tools = true;
+    d->n = 0;
     for (const char *s = k_block; *s;) {
-        const char *d = strstr(s, "｜DSML｜");
-        size_t n = d ? (size_t)(d - s) : strlen(s);
+        const char *x = strstr(s, "｜DSML｜");
+        size_t n = x ? (size_t)(x - s) : strlen(s);
         int32_t *piece = NULL;
         size_t np = 0;
         if (n && di_tokenizer_encode(tok, s, n, false, &piece, &np) != DI_OK) return 1;
-        for (size_t i = 0; i < np && n_ids < 1023; i++) ids[n_ids++] = piece[i];
+        for (size_t i = 0; i < np && d->n < 1023; i++) d->ids[d->n++] = piece[i];
         di_tok_free(piece);
         s += n;
-        if (d) ids[n_ids++] = dsml, s += strlen("｜DSML｜");
+        if (x) d->ids[d->n++] = dsml, s += strlen("｜DSML｜");
     }
-    const int32_t V = di_tokenizer_n_vocab(tok);
-    uint64_t *mask = malloc(sizeof(uint64_t) * (size_t)((V + 63) / 64));
-    printf("tool grammar: 3 tools compiled in %.3f ms (%d rules); block: %zu tokens\n",
-           t_compile * 1e3, di_grammar_n_rules(g), n_ids);
-    for (int cached = 0; cached < 2; cached++) {
-        di_grammar_matcher_limits lim = di_grammar_matcher_limits_default();
-        if (!cached) lim.n_cache = 0;
-        double best = 1e30, max_us = 0;
-        for (int r = 0; r < reps; r++) {
-            di_grammar_matcher *m = NULL;
-            if (di_grammar_matcher_create(g, vocab, &lim, &m) != DI_OK) return 1;
-            double s_all = 0;
-            for (size_t i = 0; i < n_ids; i++) {
-                int32_t n_allowed = 0;
-                double a = now();
-                if (di_grammar_matcher_mask(m, mask, &n_allowed) != DI_OK) return 1;
-                double dt = now() - a;
-                s_all += dt;
-                if (dt * 1e6 > max_us) max_us = dt * 1e6;
-                if (!((mask[ids[i] >> 6] >> (ids[i] & 63)) & 1) ||
-                    !di_grammar_matcher_advance_token(m, ids[i])) {
-                    fprintf(stderr, "tool block token %zu refused\n", i);
-                    return 1;
-                }
-            }
-            if (!di_grammar_matcher_is_done(m)) fprintf(stderr, "tool block not complete\n");
-            di_grammar_matcher_destroy(m);
-            if (s_all < best) best = s_all;
-        }
-        printf("tool mask %-9s: %7.1f us/token mean (%zu tokens), slowest %.0f us\n",
-               cached ? "cache on" : "cache off", best / (double)n_ids * 1e6, n_ids, max_us);
+    size_t off = 0;
+    bool was = false;
+    for (size_t i = 0; i < d->n; i++) {
+        const char *at = k_block + off;
+        // the last `string="..."">` before this token, and whether its value is still open
+        const char *open = NULL;
+        for (const char *p = strstr(k_block, "\">"); p && p < at; p = strstr(p + 2, "\">"))
+            if (p - k_block >= 6 && !memcmp(p - 5, "false", 5))
+                open = p + 2;
+            else if (p - k_block >= 5 && !memcmp(p - 4, "true", 4))
+                open = p + 2;
+        const char *close = open ? strstr(open, "</") : NULL;
+        const bool in = open && at >= open && at < close;
+        d->kind[i] = !in ? TOK_STRUCT : was ? TOK_VALUE : TOK_FIRST;
+        was = in;
+        size_t nb = 0;
+        di_tokenizer_token_bytes(tok, d->ids[i], &nb);
+        off += nb;
     }
-    free(mask);
-    di_grammar_destroy(g);
     return 0;
 }
 
@@ -241,79 +412,34 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
-    double t_compile = (now() - t0) / 20;
-    int32_t *ids = NULL;
-    size_t n_ids = 0;
-    if (di_tokenizer_encode(tok, k_doc, strlen(k_doc), false, &ids, &n_ids) != DI_OK) return 1;
-    const int32_t V = di_tokenizer_n_vocab(tok);
-    uint64_t *mask = malloc(sizeof(uint64_t) * (size_t)((V + 63) / 64));
-    printf("vocab trie: %d tokens, built in %.1f ms; schema compiled in %.3f ms (%d rules); "
-           "document: %zu tokens, %zu bytes\n",
-           V, t_vocab * 1e3, t_compile * 1e3, di_grammar_n_rules(g), n_ids, strlen(k_doc));
-    for (int cached = 0; cached < 2; cached++) {
-        di_grammar_matcher_limits lim = di_grammar_matcher_limits_default();
-        if (!cached) lim.n_cache = 0;
-        double best_str = 1e30, best_struct = 1e30, best_all = 1e30, max_us = 0;
-        int n_str = 0, n_struct = 0;
-        long long allowed_sum = 0;
-        for (int r = 0; r < reps; r++) {
-            di_grammar_matcher *m = NULL;
-            if (di_grammar_matcher_create(g, vocab, &lim, &m) != DI_OK) return 1;
-            double s_str = 0, s_struct = 0, s_all = 0;
-            n_str = n_struct = 0;
-            allowed_sum = 0;
-            bool in_string = false; // inside a JSON string before this token
-            for (size_t i = 0; i < n_ids; i++) {
-                int32_t n_allowed = 0;
-                double a = now();
-                if (di_grammar_matcher_mask(m, mask, &n_allowed) != DI_OK) return 1;
-                double dt = now() - a;
-                allowed_sum += n_allowed;
-                if (!((mask[ids[i] >> 6] >> (ids[i] & 63)) & 1)) {
-                    fprintf(stderr, "token %zu of the document is not allowed\n", i);
-                    return 1;
-                }
-                s_all += dt;
-                if (dt * 1e6 > max_us) max_us = dt * 1e6;
-                if (verbose && r == 0) {
-                    size_t nb = 0;
-                    const char *tb = di_tokenizer_token_bytes(tok, ids[i], &nb);
-                    printf("  cache %d token %3zu %-16.*s %9.1f us, %6d allowed, %d stacks\n",
-                           cached, i, (int)nb, tb, dt * 1e6, n_allowed,
-                           di_grammar_matcher_n_stacks(m));
-                }
-                if (in_string)
-                    s_str += dt, n_str++;
-                else
-                    s_struct += dt, n_struct++;
-                size_t nb = 0;
-                const char *b = di_tokenizer_token_bytes(tok, ids[i], &nb);
-                for (size_t k = 0; k < nb; k++) {
-                    if (b[k] == '"' && !(k > 0 && b[k - 1] == '\\')) in_string = !in_string;
-                }
-                if (!di_grammar_matcher_advance_token(m, ids[i])) {
-                    fprintf(stderr, "token %zu refused\n", i);
-                    return 1;
-                }
-            }
-            if (!di_grammar_matcher_is_done(m)) fprintf(stderr, "document not complete\n");
-            di_grammar_matcher_destroy(m);
-            if (s_all < best_all) best_all = s_all;
-            if (s_str < best_str) best_str = s_str;
-            if (s_struct < best_struct) best_struct = s_struct;
+    const double t_compile = (now() - t0) / 20;
+    di_grammar *tg = NULL;
+    t0 = now();
+    for (int r = 0; r < 20; r++) {
+        di_grammar_destroy(tg);
+        tg = NULL;
+        if (di_grammar_compile_tools(tok, k_tools, strlen(k_tools), NULL, &tg, err, sizeof err) !=
+            DI_OK) {
+            fprintf(stderr, "tools: %s\n", err);
+            return 1;
         }
-        printf("mask %-9s: %7.1f us/token mean (%zu tokens), inside strings %7.1f us (%d), "
-               "structure %7.1f us (%d), slowest %.0f us, %.0f tokens allowed on average\n",
-               cached ? "cache on" : "cache off", best_all / (double)n_ids * 1e6, n_ids,
-               n_str ? best_str / n_str * 1e6 : 0, n_str,
-               n_struct ? best_struct / n_struct * 1e6 : 0, n_struct, max_us,
-               (double)allowed_sum / (double)n_ids);
     }
-    free(mask);
-    di_tok_free(ids);
+    const double t_tools = (now() - t0) / 20;
+    printf("vocab trie: %d tokens, built in %.1f ms; schema compiled in %.3f ms (%d rules); "
+           "3 tools compiled in %.3f ms (%d rules)\n",
+           di_tokenizer_n_vocab(tok), t_vocab * 1e3, t_compile * 1e3, di_grammar_n_rules(g),
+           t_tools * 1e3, di_grammar_n_rules(tg));
+    di_grammar_destroy(tg);
+    static doc dj, df, dt;
+    if (doc_json(&dj, tok, "JSON document under the schema", k_schema, k_doc) ||
+        doc_json(&df, tok, "JSON document of formatted strings", k_formats, k_formats_doc) ||
+        doc_tools(&dt, tok))
+        return 1;
+    if (bench_doc(&dj, tok, vocab, reps, verbose) || bench_doc(&df, tok, vocab, reps, verbose) ||
+        bench_doc(&dt, tok, vocab, reps, verbose))
+        return 1;
     if (bench_engine(vocab, g, reps)) return 1;
     di_grammar_destroy(g);
-    if (bench_tools(tok, vocab, reps)) return 1;
     di_grammar_vocab_destroy(vocab);
     di_tokenizer_destroy(tok);
     return 0;

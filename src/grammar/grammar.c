@@ -971,6 +971,8 @@ void di_grammar_destroy(di_grammar *g) {
     di_free(g->alts);
     di_free(g->elems);
     di_free(g->sets);
+    di_grammar_tsets_destroy(g->tsets);
+    di_free(g->key);
     di_free(g);
 }
 
@@ -995,7 +997,8 @@ static di_status assemble(cc *c, int32_t root, di_grammar **out) {
     g->alts = di_malloc(sizeof(int32_t) * (size_t)(n_alts + 1));
     g->elems = di_malloc(sizeof(di_grammar_elem) * (size_t)(n_elems + 1));
     g->sets = di_malloc(sizeof *g->sets * (size_t)(c->n_sets + 1));
-    if (!g->rule_names || !g->alt_off || !g->alts || !g->elems || !g->sets) {
+    if (!g->rule_names || !g->alt_off || !g->alts || !g->elems || !g->sets ||
+        di_grammar_tsets_create(&g->tsets) != DI_OK) {
         di_grammar_destroy(g);
         return DI_ERR_NOMEM;
     }
@@ -1107,13 +1110,19 @@ di_status di_grammar_put_literal(di_buf *out, const char *s, size_t n) {
 
 di_status di_grammar_compile(di_grammar_kind kind, const char *text, size_t n_text, uint32_t flags,
                              di_grammar **out, char *err, size_t err_size) {
+    return di_grammar_compile_with(NULL, kind, text, n_text, flags, out, err, err_size);
+}
+
+di_status di_grammar_compile_with(di_grammar_cache *c, di_grammar_kind kind, const char *text,
+                                  size_t n_text, uint32_t flags, di_grammar **out, char *err,
+                                  size_t err_size) {
     if (err && err_size) err[0] = 0;
     if (!out || (!text && kind != DI_GRAMMAR_KIND_JSON_OBJECT)) {
         if (err && err_size) snprintf(err, err_size, "no grammar text");
         return DI_ERR_INVALID;
     }
     if (kind == DI_GRAMMAR_KIND_EBNF)
-        return di_grammar_compile_ebnf(text, n_text, out, err, err_size);
+        return di_grammar_cache_ebnf(c, text, n_text, out, err, err_size);
     di_buf b;
     di_buf_init(&b);
     di_status st = DI_OK;
@@ -1136,7 +1145,7 @@ di_status di_grammar_compile(di_grammar_kind kind, const char *text, size_t n_te
     }
     if (st == DI_OK) {
         char e2[256];
-        st = di_grammar_compile_ebnf(b.data, b.len, out, e2, sizeof e2);
+        st = di_grammar_cache_ebnf(c, b.data, b.len, out, e2, sizeof e2);
         if (st == DI_ERR_INVALID) {
             // A front end wrote a grammar the compiler refused: a bug or a size limit.
             if (err && err_size) snprintf(err, err_size, "the generated grammar: %s", e2);
@@ -1166,7 +1175,9 @@ di_status di_grammar_union(const di_grammar *a, const di_grammar *b, di_grammar 
     g->alts = di_malloc(sizeof(int32_t) * (size_t)g->n_alts);
     g->elems = di_malloc(sizeof(di_grammar_elem) * (size_t)n_elems);
     g->sets = di_malloc(sizeof *g->sets * (size_t)(g->n_sets + 1));
-    if (!g->rule_names || !g->alt_off || !g->alts || !g->elems || !g->sets) goto nomem;
+    if (!g->rule_names || !g->alt_off || !g->alts || !g->elems || !g->sets ||
+        di_grammar_tsets_create(&g->tsets) != DI_OK)
+        goto nomem;
     for (int32_t r = 0; r < g->n_rules; r++) {
         const char *nm = r < a->n_rules                ? a->rule_names[r]
                          : r < a->n_rules + b->n_rules ? b->rule_names[r - a->n_rules]

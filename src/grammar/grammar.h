@@ -17,9 +17,11 @@
  * recursion for `*`, a chain of optional rules for `{m,n}`); left recursion is refused at compile
  * time, so expanding a rule always terminates.
  *
- * Owns: a di_grammar owns all its arrays. It is immutable after compile and may be shared by any
- * number of threads and matchers. Thread-safety: any thread (grammar, vocab); one matcher per
- * request, used by one thread at a time.
+ * Owns: a di_grammar owns all its arrays and its token-set cache (matcher.c: the tokens accepted,
+ * rejected or context-dependent at each grammar position, filled lazily by the masks of its
+ * matchers). The grammar itself is immutable after compile; the token-set cache is behind a mutex.
+ * Thread-safety: any thread (grammar, vocab); one matcher per request, used by one thread at a
+ * time; matchers of one grammar may run on different threads at once.
  */
 #pragma once
 
@@ -45,6 +47,9 @@ enum {
 #define DI_GRAMMAR_MAX_REPEAT 100000    // m and n of {m,n}
 #define DI_GRAMMAR_MAX_TEXT (16u << 20) // bytes of grammar text
 
+// Token sets per grammar position, shared by every matcher of one grammar (matcher.c).
+typedef struct di_grammar_tsets di_grammar_tsets;
+
 typedef struct di_grammar_elem {
     uint32_t type; // DI_GRAMMAR_ELEM_*
     int32_t val;   // set index (BYTES), rule id (RULE), token id (TOKEN)
@@ -61,6 +66,9 @@ struct di_grammar {
     uint64_t (*sets)[4]; // owned [n_sets]: 256-bit byte sets
     int32_t n_sets;
     int32_t root;
+    di_grammar_tsets *tsets; // owned: created with the grammar, filled by masks (any thread)
+    char *key;               // owned: the key it is cached under (grammar_cache.c), or NULL
+    size_t n_key;
 };
 
 static inline bool di_grammar_set_has(const uint64_t *set, uint8_t b) {
@@ -74,6 +82,19 @@ const di_grammar *di_grammar_retain(const di_grammar *g);
 // Compiles EBNF text (grammar.c). Errors: DI_ERR_INVALID with "line:col: message" in err.
 di_status di_grammar_compile_ebnf(const char *text, size_t n, di_grammar **out, char *err,
                                   size_t err_size);
+
+// di_grammar_compile / di_grammar_compile_tools through cache c (grammar_cache.c; NULL: none):
+// the generated EBNF text goes through di_grammar_cache_ebnf, which returns the cached grammar
+// compiled from the same text or compiles and caches it.
+di_status di_grammar_compile_with(di_grammar_cache *c, di_grammar_kind kind, const char *text,
+                                  size_t n_text, uint32_t flags, di_grammar **out, char *err,
+                                  size_t err_size);
+di_status di_grammar_compile_tools_with(di_grammar_cache *c, const di_tokenizer *tok,
+                                        const char *tools_json, size_t n,
+                                        const di_grammar_tools_options *o, di_grammar **out,
+                                        char *err, size_t err_size);
+di_status di_grammar_cache_ebnf(di_grammar_cache *c, const char *text, size_t n, di_grammar **out,
+                                char *err, size_t err_size);
 
 // JSON Schema (json_schema.c) and regex (regex.c) → EBNF text appended to out. The regex form
 // defines rule `prefix` (and helpers named prefix_*); json_mode: each matched character is
@@ -104,6 +125,21 @@ di_status di_grammar_put_literal(di_buf *out, const char *s, size_t n);
 
 // ---- matcher (matcher.c) ----
 
+// The token-set cache of a grammar: created empty by the compiler (DI_ERR_NOMEM), destroyed with
+// the grammar.
+di_status di_grammar_tsets_create(di_grammar_tsets **out);
+void di_grammar_tsets_destroy(di_grammar_tsets *t);
+
+typedef struct di_grammar_tsets_stats {
+    int32_t n_positions; // positions whose token sets are cached
+    int64_t n_ctx;       // context-dependent tokens over those positions
+    size_t bytes;        // memory held by its entries (the reserve beyond is address space)
+    double compute_us;   // time spent computing them (all threads)
+    int64_t n_fallbacks; // masks computed by the exact walk (sets unavailable or a limit)
+} di_grammar_tsets_stats;
+// A snapshot of g's token-set cache (benchmarks, tests). Any thread.
+void di_grammar_tsets_get_stats(const di_grammar *g, di_grammar_tsets_stats *out);
+
 typedef struct di_grammar_matcher di_grammar_matcher;
 
 typedef struct di_grammar_matcher_limits {
@@ -111,6 +147,9 @@ typedef struct di_grammar_matcher_limits {
     int32_t max_depth;  // rule nesting of one stack
     int32_t max_nodes;  // stack nodes (committed state plus a mask walk's scratch)
     int32_t n_cache;    // masks memoised by stack set (0: none)
+    // Masks from the grammar's token sets per position (true, the default) or by the exact walk of
+    // the whole vocabulary trie (false: a debug switch; both give the same masks, tests compare).
+    bool token_sets;
 } di_grammar_matcher_limits;
 
 di_grammar_matcher_limits di_grammar_matcher_limits_default(void);
@@ -140,7 +179,9 @@ di_status di_grammar_matcher_status(const di_grammar_matcher *m);
 // Writes the allowed-token bitset (bit i of mask[i / 64]) over the vocabulary: the tokens whose
 // bytes the grammar accepts next, and the tokens of the token terminals that can come next.
 // Other special tokens are never set (the caller allows EOS when can_end). *n_allowed gets the
-// count. DI_ERR_UNSUPPORTED (a limit exceeded; mask undefined).
+// count. Computed from the grammar's token sets per position (computing the missing ones, for
+// every matcher of the grammar), or by the exact walk of the trie: the same mask either way.
+// DI_ERR_UNSUPPORTED (a limit exceeded; mask undefined).
 di_status di_grammar_matcher_mask(di_grammar_matcher *m, uint64_t *mask, int32_t *n_allowed);
 // Stacks in the current state (tests, benchmarks).
 int32_t di_grammar_matcher_n_stacks(const di_grammar_matcher *m);

@@ -23,8 +23,28 @@
 // nodes are compacted into the second arena, so the committed state never grows beyond what is
 // reachable. Any bound exceeded (stacks per level, depth, nodes, expansion work) sets the error
 // status DI_ERR_UNSUPPORTED: the caller ends the request; nothing crashes or allocates.
+//
+// Token sets per position (the idea of xgrammar's adaptive token mask cache). Inside a JSON string
+// ~126,000 tokens are allowed and a cold walk of the trie costs milliseconds; yet almost all of
+// that answer depends only on the top few nodes of a stack, not on what lies below. A *position*
+// is the chain of positions of a stack's top DI_TSET_K nodes (the whole stack if shorter). Walking
+// the trie from that chain alone, over a bottom that means "the frame returned" (the accept flag of
+// a level), splits the vocabulary into tokens *accepted* (their bytes end with the frame's stacks
+// still alive, or exactly where it returns: whatever lies below, the real stack accepts them too),
+// *rejected* (they die inside the frame without it having returned before: the stack below is never
+// consulted) and *context-dependent* (the frame returned before their last byte, and the bytes
+// after that belong to the stack below). The mask of a stack set is the OR over its stacks of
+// accepted(position) and of the context-dependent tokens that the exact walk accepts from that one
+// stack (checked in trie order, sharing prefixes: a few thousand short walks at most, most of them
+// hitting the level's loop set). The sets live in the grammar (di_grammar_tsets), computed once per
+// (grammar, position) by whichever matcher needs them first and shared by all matchers of that
+// grammar on any thread (a mutex; entries are immutable once published). Their storage is reserved
+// when a matcher is created, so masks still allocate nothing: a position that does not fit, a limit
+// hit while computing or checking, or a matcher over another vocabulary takes the exact walk.
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "base/log.h"
 #include "base/mem.h"
@@ -53,6 +73,7 @@ struct di_grammar_vocab {
     // holds at least DI_TRIE_SUB_MIN nodes: sub[sub_idx[x]], sub_idx -1 for the others.
     int32_t *sub_idx;   // owned [n_nodes]
     uint64_t (*sub)[4]; // owned [n_sub]
+    uint64_t id;        // hash of the token bytes: the identity token sets are computed over
 };
 
 void di_grammar_vocab_destroy(di_grammar_vocab *v) {
@@ -67,6 +88,29 @@ void di_grammar_vocab_destroy(di_grammar_vocab *v) {
     di_free(v->sub_idx);
     di_free(v->sub);
     di_free(v);
+}
+
+static inline uint64_t mix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Of every token's bytes (lengths and usability included): two vocabularies with equal hashes
+// give the same token sets.
+static uint64_t vocab_hash(const di_grammar_vocab *v) {
+    uint64_t h = mix((uint64_t)v->n_vocab + 1);
+    for (int32_t i = 0; i < v->n_vocab; i++)
+        h = mix(h ^ ((uint64_t)(v->tok_off[i + 1] - v->tok_off[i]) << 1 | v->tok_ok[i]));
+    const uint32_t n = v->tok_off[v->n_vocab];
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, v->tok_bytes + i, 8);
+        h = mix(h + w);
+    }
+    for (; i < n; i++) h = mix(h + v->tok_bytes[i]);
+    return h | 1; // never 0 (an unbound token-set cache)
 }
 
 static int cmp_tok(const void *a, const void *b, void *ctx) {
@@ -108,6 +152,7 @@ di_status di_grammar_vocab_create(const di_tokenizer *tok, di_grammar_vocab **ou
         if ((int32_t)n > v->max_len) v->max_len = (int32_t)n;
     }
     v->tok_off[V] = off;
+    v->id = vocab_hash(v);
     qsort_r(order, (size_t)n_ok, sizeof *order, cmp_tok, v);
     // Preorder trie from the sorted tokens: at most one node per byte plus the root.
     size_t cap = total + 1;
@@ -194,6 +239,156 @@ const uint8_t *di_grammar_vocab_token(const di_grammar_vocab *v, int32_t id, siz
     return v->tok_bytes + v->tok_off[id];
 }
 
+// ---- token sets per position: the shared store ----
+
+// A position is first the top DI_TSET_K nodes of a stack (header comment); one deeper while it
+// leaves more than DI_TSET_CTX_DEEPEN tokens context-dependent (e.g. a bounded repetition inside
+// a regex returns after a character or two: one node more holds what follows), up to
+// DI_TSET_K_MAX nodes. Fewer nodes are shared by more stacks; more leave fewer tokens to check.
+#define DI_TSET_K 3
+#define DI_TSET_K_MAX 8
+#define DI_TSET_CTX_DEEPEN 512
+// Storage: a matcher's creation makes sure the newest chunk has at least half of `want` free,
+// want = DI_TSET_RESERVE or what the store already holds, up to DI_TSET_RESERVE_MAX (a grammar
+// whose requests met many positions will meet more). A fresh chunk is mostly address space (a
+// block this large is mapped, or taken from the top of the heap: its pages are committed as
+// entries are written), so what a grammar's sets cost is what they use (1.5 MB for a schema of
+// ten formatted and length-bounded strings; a reused heap block may already be resident). A
+// position is computed only with DI_TSET_ENTRY_MIN bytes free (a string position's entry is 16 KB
+// plus its context-dependent list); without room the mask takes the exact walk.
+#define DI_TSET_RESERVE ((size_t)8 << 20)
+#define DI_TSET_RESERVE_MAX ((size_t)32 << 20)
+#define DI_TSET_ENTRY_MIN ((size_t)64 << 10)
+#define DI_TSET_MAX ((size_t)64 << 20) // entries per grammar; beyond, new positions take the walk
+#define DI_TSET_SLOTS 256              // initial hash buckets
+
+typedef struct tset { // one position's classes; immutable once published
+    int32_t key[DI_TSET_K_MAX];
+    int32_t n_key;
+    uint64_t hash;
+    int32_t n_acc, n_ctx;
+    bool acc_bits;          // the accepted tokens as a bitset over the vocabulary (else a list)
+    const uint64_t *bits;   // view into the store [words], acc_bits
+    const int32_t *acc_ids; // view [n_acc], ascending, !acc_bits
+    const int32_t *ctx;     // view [n_ctx]: context-dependent ids in trie preorder
+    struct tset *next;      // the bucket's next entry
+} tset;
+
+typedef struct tchunk {
+    struct tchunk *next;
+    size_t size, used; // bytes of data[] and the part handed out
+    _Alignas(8) uint8_t data[];
+} tchunk;
+
+struct di_grammar_tsets {
+    pthread_mutex_t mu; // guards everything below
+    uint64_t vocab_id;  // the vocabulary the sets are over (0: none yet, the first matcher binds)
+    tset **slot;        // owned [cap]: hash buckets, chained (entries live in the chunks)
+    int32_t cap, n;
+    tchunk *chunks; // owned: newest first, entries are bump-allocated in the newest
+    size_t used;    // bytes handed out to entries
+    int64_t n_ctx, n_fallbacks;
+    double compute_us;
+};
+
+di_status di_grammar_tsets_create(di_grammar_tsets **out) {
+    di_grammar_tsets *t = di_calloc(1, sizeof *t);
+    if (!t) return DI_ERR_NOMEM;
+    if (pthread_mutex_init(&t->mu, NULL) != 0) {
+        di_free(t);
+        return DI_ERR_NOMEM;
+    }
+    *out = t;
+    return DI_OK;
+}
+
+void di_grammar_tsets_destroy(di_grammar_tsets *t) {
+    if (!t) return;
+    for (tchunk *c = t->chunks, *nx; c; c = nx) nx = c->next, di_free(c);
+    di_free(t->slot);
+    pthread_mutex_destroy(&t->mu);
+    di_free(t);
+}
+
+void di_grammar_tsets_get_stats(const di_grammar *g, di_grammar_tsets_stats *out) {
+    di_grammar_tsets *t = g->tsets;
+    pthread_mutex_lock(&t->mu);
+    *out = (di_grammar_tsets_stats){.n_positions = t->n,
+                                    .n_ctx = t->n_ctx,
+                                    .bytes = t->used,
+                                    .compute_us = t->compute_us,
+                                    .n_fallbacks = t->n_fallbacks};
+    pthread_mutex_unlock(&t->mu);
+}
+
+static uint64_t key_hash(const int32_t *key, int32_t n_key) {
+    uint64_t h = 0x7f4a7c15u + (uint64_t)n_key;
+    for (int32_t i = 0; i < n_key; i++) h = mix(h * 31 + (uint64_t)(uint32_t)key[i]);
+    return h;
+}
+
+// The entry of key, or NULL. Caller holds the mutex.
+static const tset *tsets_find(const di_grammar_tsets *t, const int32_t *key, int32_t n_key,
+                              uint64_t h) {
+    for (const tset *e = t->slot[h & (uint64_t)(t->cap - 1)]; e; e = e->next)
+        if (e->hash == h && e->n_key == n_key && !memcmp(e->key, key, sizeof(int32_t) * n_key))
+            return e;
+    return NULL;
+}
+
+// Publishes e. Caller holds the mutex.
+static void tsets_insert(di_grammar_tsets *t, tset *e) {
+    tset **b = &t->slot[e->hash & (uint64_t)(t->cap - 1)];
+    e->next = *b;
+    *b = e;
+    t->n++;
+}
+
+// Off the step path (matcher creation): binds the store to the vocabulary and makes room (hash
+// slots, a chunk with DI_TSET_RESERVE free bytes) for the positions the coming masks will add.
+// false: the store is bound to another vocabulary (that matcher takes the exact walk).
+static bool tsets_reserve(di_grammar_tsets *t, uint64_t vocab_id) {
+    pthread_mutex_lock(&t->mu);
+    if (!t->vocab_id) t->vocab_id = vocab_id;
+    const bool ok = t->vocab_id == vocab_id;
+    if (ok && t->n >= t->cap) { // rehash at load 1 (chains stay correct if this fails)
+        const int32_t cap = t->cap ? t->cap * 2 : DI_TSET_SLOTS;
+        tset **slot = di_calloc((size_t)cap, sizeof *slot);
+        if (slot) {
+            tset **old = t->slot;
+            const int32_t old_cap = t->cap;
+            t->slot = slot, t->cap = cap, t->n = 0;
+            for (int32_t i = 0; i < old_cap; i++)
+                for (tset *e = old[i], *nx; e; e = nx) nx = e->next, tsets_insert(t, e);
+            di_free(old);
+        }
+    }
+    const size_t want = t->used < DI_TSET_RESERVE       ? DI_TSET_RESERVE
+                        : t->used > DI_TSET_RESERVE_MAX ? DI_TSET_RESERVE_MAX
+                                                        : t->used;
+    if (ok && (!t->chunks || t->chunks->size - t->chunks->used < want / 2) &&
+        t->used + want <= DI_TSET_MAX) {
+        tchunk *c = di_malloc(sizeof *c + want);
+        if (c) {
+            *c = (tchunk){.next = t->chunks, .size = want};
+            t->chunks = c;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return ok && t->cap > 0;
+}
+
+// n bytes (8-aligned) of the newest chunk, or NULL when they do not fit. Caller holds the mutex.
+static void *tsets_alloc(di_grammar_tsets *t, size_t n) {
+    n = (n + 7) & ~(size_t)7;
+    tchunk *c = t->chunks;
+    if (!c || c->size - c->used < n) return NULL;
+    void *p = c->data + c->used;
+    c->used += n;
+    t->used += n;
+    return p;
+}
+
 // ---- matcher state ----
 
 typedef struct gnode {
@@ -261,25 +456,34 @@ struct di_grammar_matcher {
     uint64_t *cache_masks; // owned [n_cache, words]
     int32_t cache_next, words;
     int64_t n_cache_hits, n_masks;
+    // Token sets (see the header comment).
+    di_grammar_tsets *ts; // borrowed (the grammar's); NULL: exact walks only
+    uint64_t *ts_acc;     // owned [words]: a position's accepted tokens while it is computed
+    uint64_t *ts_ctx;     // owned [words]: its context-dependent tokens
+    const tset **ts_ent;  // owned [max_stacks]: the sets of the committed tops during a mask
+    int32_t *dfs_start;   // owned [max_len + 2]: the context-dependent check's level per depth
+    int32_t *dfs_n;       // owned [max_len + 2]
+    int32_t *dfs_nodes;   // owned [max_len + 2]: arena marks after each level
+    int32_t *dfs_tops;    // owned [max_len + 2]
+    uint64_t *dfs_hash;   // owned [max_len + 2]
+    bool *dfs_acc;        // owned [max_len + 2]
+    bool quiet;           // a limit hit now falls back to the exact walk: no warning
 };
 
 di_grammar_matcher_limits di_grammar_matcher_limits_default(void) {
-    di_grammar_matcher_limits l = {
-        .max_stacks = 512, .max_depth = 512, .max_nodes = 1 << 14, .n_cache = 8};
+    di_grammar_matcher_limits l = {.max_stacks = 512,
+                                   .max_depth = 512,
+                                   .max_nodes = 1 << 14,
+                                   .n_cache = 8,
+                                   .token_sets = true};
     return l;
 }
 
 static void set_err(di_grammar_matcher *m, const char *what) {
-    if (m->err == DI_OK)
+    if (m->err == DI_OK && !m->quiet)
         DI_LOG_WARN("grammar: the matcher exceeded its %s limit; the request ends with an error",
                     what);
     m->err = DI_ERR_UNSUPPORTED;
-}
-
-static inline uint64_t mix(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 static inline uint64_t chain_hash(const di_grammar_matcher *m, int32_t pos, int32_t parent) {
@@ -449,6 +653,15 @@ void di_grammar_matcher_destroy(di_grammar_matcher *m) {
     di_free(m->trans);
     di_free(m->loop_key);
     di_free(m->loop_set);
+    di_free(m->ts_acc);
+    di_free(m->ts_ctx);
+    di_free(m->ts_ent);
+    di_free(m->dfs_start);
+    di_free(m->dfs_n);
+    di_free(m->dfs_nodes);
+    di_free(m->dfs_tops);
+    di_free(m->dfs_hash);
+    di_free(m->dfs_acc);
     di_free(m);
 }
 
@@ -513,8 +726,24 @@ di_status di_grammar_matcher_create(const di_grammar *g, const di_grammar_vocab 
     m->n_trans = 4096;
     m->trans = di_calloc((size_t)m->n_trans, sizeof *m->trans);
     if (!m->loop_key || !m->loop_set || !m->trans) goto nomem;
-    if (vocab && m->lim.n_cache > 0) {
+    if (vocab) {
         m->words = (vocab->n_vocab + 63) / 64;
+        const size_t nd = (size_t)vocab->max_len + 2;
+        m->ts_acc = di_malloc(sizeof(uint64_t) * (size_t)m->words);
+        m->ts_ctx = di_malloc(sizeof(uint64_t) * (size_t)m->words);
+        m->ts_ent = di_malloc(sizeof *m->ts_ent * (size_t)m->lim.max_stacks);
+        m->dfs_start = di_malloc(sizeof(int32_t) * nd);
+        m->dfs_n = di_malloc(sizeof(int32_t) * nd);
+        m->dfs_nodes = di_malloc(sizeof(int32_t) * nd);
+        m->dfs_tops = di_malloc(sizeof(int32_t) * nd);
+        m->dfs_hash = di_malloc(sizeof(uint64_t) * nd);
+        m->dfs_acc = di_malloc(sizeof(bool) * nd);
+        if (!m->ts_acc || !m->ts_ctx || !m->ts_ent || !m->dfs_start || !m->dfs_n || !m->dfs_nodes ||
+            !m->dfs_tops || !m->dfs_hash || !m->dfs_acc)
+            goto nomem;
+        if (m->lim.token_sets && g->tsets && tsets_reserve(g->tsets, vocab->id)) m->ts = g->tsets;
+    }
+    if (vocab && m->lim.n_cache > 0) {
         m->cache = di_calloc((size_t)m->lim.n_cache, sizeof *m->cache);
         m->cache_masks = di_malloc(sizeof(uint64_t) * (size_t)m->words * (size_t)m->lim.n_cache);
         if (!m->cache || !m->cache_masks) goto nomem;
@@ -629,7 +858,9 @@ int32_t di_grammar_matcher_n_stacks(const di_grammar_matcher *m) {
 typedef struct walk {
     di_grammar_matcher *m;
     const di_grammar_vocab *v;
-    uint64_t *mask;
+    uint64_t *mask; // the allowed tokens (classify: the accepted ones)
+    uint64_t *ctx;  // classify: the context-dependent ones
+    bool classify;  // a position's walk (the bottom means "the frame returned")
     int32_t n_allowed;
 } walk;
 
@@ -646,6 +877,14 @@ static void mark_range(walk *w, int32_t lo, int32_t hi) {
         w->mask[id >> 6] |= 1ull << (id & 63);
     }
     w->n_allowed += hi - lo;
+}
+
+// Classify: the tokens at[lo..hi) are context-dependent.
+static void mark_ctx(walk *w, int32_t lo, int32_t hi) {
+    for (int32_t k = lo; k < hi; k++) {
+        int32_t id = w->v->at[k];
+        w->ctx[id >> 6] |= 1ull << (id & 63);
+    }
 }
 
 // The cache slot of level hash h: its known and loop sets (a byte b with known and loop bits set
@@ -685,7 +924,11 @@ static void trans_put(di_grammar_matcher *m, uint64_t h, uint8_t b, int32_t s2, 
 // preorder).
 // lv: the level's union (u, [0..4)) and known / loop sets ([4..8), [8..12)), shared by the
 // descents that stay on the same level; NULL for a new level.
-static void descend(walk *w, int32_t x, int32_t start, int32_t n, uint64_t h, uint64_t *lv) {
+// Classify (a position's walk): tokens ending alive or at a return are accepted (mask); ret: the
+// frame returned at some level on the path to x (x's included), so a token that dies below x
+// died in bytes that belong to the stack under the frame: context-dependent (ctx).
+static void descend(walk *w, int32_t x, int32_t start, int32_t n, uint64_t h, uint64_t *lv,
+                    bool ret) {
     di_grammar_matcher *m = w->m;
     const di_grammar_vocab *v = w->v;
     const di_grammar *g = m->g;
@@ -707,7 +950,10 @@ static void descend(walk *w, int32_t x, int32_t start, int32_t n, uint64_t h, ui
     const uint64_t *loop = kl + 4;
     for (int32_t c = x + 1; c < v->end[x] && m->err == DI_OK; c = v->end[c]) {
         const uint8_t b = v->byte[c];
-        if (!di_grammar_set_has(u, b)) continue;
+        if (!di_grammar_set_has(u, b)) {
+            if (w->classify && ret) mark_ctx(w, v->at_off[c], v->at_off[v->end[c]]);
+            continue;
+        }
         const int32_t nodes0 = m->n_nodes_used, tops0 = m->n_tops_used;
         int32_t s2 = start, n2 = n;
         bool acc2 = false, fresh = false;
@@ -747,18 +993,231 @@ static void descend(walk *w, int32_t x, int32_t start, int32_t n, uint64_t h, ui
                 continue;
             }
             mark_range(w, v->at_off[c], v->at_off[c + 1]);
-            if (v->end[c] > c + 1) descend(w, c, start, n, h, lv);
+            if (v->end[c] > c + 1) descend(w, c, start, n, h, lv, ret || acc2);
             continue;
         }
         if (n2 > 0 || acc2) {
             mark_range(w, v->at_off[c], v->at_off[c + 1]);
-            if (n2 > 0 && v->end[c] > c + 1) descend(w, c, s2, n2, h2, NULL);
+            if (n2 > 0 && v->end[c] > c + 1) descend(w, c, s2, n2, h2, NULL, ret || acc2);
+            if (n2 == 0 && w->classify) mark_ctx(w, v->at_off[c + 1], v->at_off[v->end[c]]);
+        } else if (w->classify && ret) {
+            mark_ctx(w, v->at_off[c], v->at_off[v->end[c]]);
         }
         if (fresh) { // not memoised: free it (never below what is)
             m->n_nodes_used = nodes0 > m->floor_nodes ? nodes0 : m->floor_nodes;
             m->n_tops_used = tops0 > m->floor_tops ? tops0 : m->floor_tops;
         }
     }
+}
+
+static void walk_begin(di_grammar_matcher *m) {
+    if (++m->walk_stamp == 0) {
+        memset(m->trans, 0, sizeof *m->trans * (size_t)m->n_trans);
+        m->walk_stamp = 1;
+    }
+    m->caching = true;
+    m->floor_nodes = m->n_nodes_used, m->floor_tops = m->n_tops_used;
+}
+
+static void scratch_reset(di_grammar_matcher *m) {
+    m->n_nodes_used = m->n_nodes;
+    m->n_tops_used = m->n_tops;
+}
+
+static double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+static int32_t popcount_words(const uint64_t *w, int32_t n) {
+    int32_t c = 0;
+    for (int32_t i = 0; i < n; i++) c += __builtin_popcountll(w[i]);
+    return c;
+}
+
+// Computes the token sets of the position key[0..n_key) (top first) and publishes them: the
+// classify walk from the frame alone, over the committed state's scratch. NULL when a limit was
+// hit or the store has no room (the caller takes the exact walk).
+static const tset *tset_compute(di_grammar_matcher *m, const int32_t *key, int32_t n_key,
+                                uint64_t hk) {
+    di_grammar_tsets *t = m->ts;
+    const di_grammar_vocab *v = m->v;
+    const int32_t words = m->words;
+    const double t0 = now_us();
+    memset(m->ts_acc, 0, sizeof(uint64_t) * (size_t)words);
+    memset(m->ts_ctx, 0, sizeof(uint64_t) * (size_t)words);
+    m->quiet = true;
+    int32_t node = -1; // the frame, built bottom up over -1 (returning sets the accept flag)
+    for (int32_t i = n_key - 1; i >= 0 && m->err == DI_OK; i--)
+        node = new_node(m, key[i], node, chain_hash(m, key[i], node));
+    if (m->err == DI_OK && m->n_tops_used >= m->lim.max_nodes) set_err(m, "stack node");
+    if (m->err == DI_OK) {
+        const int32_t s0 = m->n_tops_used;
+        m->tops[m->n_tops_used++] = node;
+        walk w = {.m = m, .v = v, .mask = m->ts_acc, .ctx = m->ts_ctx, .classify = true};
+        walk_begin(m);
+        descend(&w, 0, s0, 1, level_hash(m, s0, 1, false), NULL, false);
+    }
+    scratch_reset(m);
+    m->quiet = false;
+    if (m->err != DI_OK) {
+        m->err = DI_OK; // the committed state is intact; the exact walk decides
+        return NULL;
+    }
+    const int32_t n_acc = popcount_words(m->ts_acc, words);
+    const int32_t n_ctx = popcount_words(m->ts_ctx, words);
+    // A list while it is smaller than the bitset.
+    const bool acc_bits = (size_t)n_acc * sizeof(int32_t) >= (size_t)words * sizeof(uint64_t);
+    const size_t n_head = (sizeof(tset) + 7) & ~(size_t)7;
+    const size_t n_acc_bytes =
+        acc_bits ? sizeof(uint64_t) * (size_t)words : sizeof(int32_t) * (size_t)n_acc;
+    const size_t n_bytes = n_head + ((n_acc_bytes + 7) & ~(size_t)7) + sizeof(int32_t) * n_ctx;
+    pthread_mutex_lock(&t->mu);
+    const tset *old = tsets_find(t, key, n_key, hk);
+    uint8_t *mem = old ? NULL : tsets_alloc(t, n_bytes);
+    pthread_mutex_unlock(&t->mu);
+    if (old || !mem) return old;
+    // The reserved bytes are this thread's until published.
+    tset *e = (tset *)mem;
+    *e = (tset){.n_key = n_key, .hash = hk, .n_acc = n_acc, .n_ctx = n_ctx, .acc_bits = acc_bits};
+    memcpy(e->key, key, sizeof(int32_t) * (size_t)n_key);
+    uint8_t *p = mem + n_head;
+    if (acc_bits) {
+        memcpy(p, m->ts_acc, n_acc_bytes);
+        e->bits = (const uint64_t *)p;
+    } else {
+        int32_t *ids = (int32_t *)p, k = 0;
+        for (int32_t i = 0; i < words; i++)
+            for (uint64_t b = m->ts_acc[i]; b; b &= b - 1) ids[k++] = i * 64 + __builtin_ctzll(b);
+        e->acc_ids = ids;
+    }
+    int32_t *ctx = (int32_t *)(p + ((n_acc_bytes + 7) & ~(size_t)7)), k = 0;
+    const int32_t n_at = v->at_off[v->n_nodes];
+    for (int32_t i = 0; i < n_at && k < n_ctx; i++) { // trie preorder: prefixes shared in order
+        const int32_t id = v->at[i];
+        if ((m->ts_ctx[id >> 6] >> (id & 63)) & 1) ctx[k++] = id;
+    }
+    e->ctx = ctx;
+    pthread_mutex_lock(&t->mu);
+    const tset *won = tsets_find(t, key, n_key, hk); // another thread's, computed meanwhile
+    if (!won) {
+        tsets_insert(t, e);
+        t->n_ctx += n_ctx;
+        t->compute_us += now_us() - t0;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return won ? won : e;
+}
+
+// The token sets of committed top node `top`'s position (computed if new), or NULL.
+static const tset *tset_get(di_grammar_matcher *m, int32_t top) {
+    int32_t key[DI_TSET_K_MAX], depth = 0;
+    for (int32_t x = top; x >= 0 && depth < DI_TSET_K_MAX; x = m->nodes[x].parent)
+        key[depth++] = m->nodes[x].pos;
+    for (int32_t n_key = depth < DI_TSET_K ? depth : DI_TSET_K;; n_key++) {
+        const uint64_t hk = key_hash(key, n_key);
+        pthread_mutex_lock(&m->ts->mu);
+        const tset *e = tsets_find(m->ts, key, n_key, hk);
+        const bool room =
+            m->ts->chunks && m->ts->chunks->size - m->ts->chunks->used >= DI_TSET_ENTRY_MIN;
+        pthread_mutex_unlock(&m->ts->mu);
+        if (!e) e = room ? tset_compute(m, key, n_key, hk) : NULL;
+        if (!e || e->n_ctx <= DI_TSET_CTX_DEEPEN || n_key == depth) return e;
+    }
+}
+
+// Sets in mask the context-dependent tokens of e that the one committed stack `top` accepts: the
+// exact walk, token by token in trie order, keeping the levels of the previous token's prefix
+// (dfs_*[d]: the level after d bytes) and skipping the bytes known to loop. false: a limit.
+static bool check_ctx(di_grammar_matcher *m, int32_t top, const tset *e, uint64_t *mask) {
+    const di_grammar_vocab *v = m->v;
+    int32_t *ls = m->dfs_start, *ln = m->dfs_n, *lnodes = m->dfs_nodes, *ltops = m->dfs_tops;
+    uint64_t *lh = m->dfs_hash;
+    bool *lacc = m->dfs_acc;
+    if (m->n_tops_used >= m->lim.max_nodes) return set_err(m, "stack node"), false;
+    ls[0] = m->n_tops_used;
+    m->tops[m->n_tops_used++] = top;
+    ln[0] = 1, lacc[0] = false, lh[0] = level_hash(m, ls[0], 1, false);
+    lnodes[0] = m->n_nodes_used, ltops[0] = m->n_tops_used;
+    int32_t valid = 0; // levels [0, valid] hold the previous token's prefix
+    const uint8_t *prev = NULL;
+    int32_t n_prev = 0;
+    for (int32_t k = 0; k < e->n_ctx; k++) {
+        const int32_t id = e->ctx[k];
+        const uint8_t *b = v->tok_bytes + v->tok_off[id];
+        const int32_t n = (int32_t)(v->tok_off[id + 1] - v->tok_off[id]);
+        int32_t d = 0;
+        while (d < valid && d < n && d < n_prev && b[d] == prev[d]) d++;
+        m->n_nodes_used = lnodes[d], m->n_tops_used = ltops[d];
+        for (; d < n && ln[d] > 0; d++) {
+            const uint8_t c = b[d];
+            const uint64_t *ks = loop_slot(m, lh[d]);
+            if (di_grammar_set_has(ks, c) && di_grammar_set_has(ks + 4, c)) { // the same level
+                ls[d + 1] = ls[d], ln[d + 1] = ln[d], lacc[d + 1] = lacc[d], lh[d + 1] = lh[d];
+                lnodes[d + 1] = m->n_nodes_used, ltops[d + 1] = m->n_tops_used;
+                continue;
+            }
+            step(m, m->tops + ls[d], ln[d], c);
+            if (m->err != DI_OK) return false;
+            int32_t s2 = m->lvl_start, n2 = m->n_tops_used - m->lvl_start;
+            const bool acc2 = m->lvl_accept;
+            const uint64_t h2 = level_hash(m, s2, n2, acc2);
+            const bool loop = n2 == ln[d] && h2 == lh[d];
+            if (loop || n2 == 0) {
+                m->n_nodes_used = lnodes[d], m->n_tops_used = ltops[d];
+                if (loop) s2 = ls[d];
+            }
+            uint64_t *kl = loop_slot(m, lh[d]);
+            kl[c >> 6] |= 1ull << (c & 63);
+            if (loop) kl[4 + (c >> 6)] |= 1ull << (c & 63);
+            ls[d + 1] = s2, ln[d + 1] = n2, lacc[d + 1] = acc2, lh[d + 1] = h2;
+            lnodes[d + 1] = m->n_nodes_used, ltops[d + 1] = m->n_tops_used;
+        }
+        valid = d, prev = b, n_prev = n;
+        if (d == n && (ln[n] > 0 || lacc[n])) mask[id >> 6] |= 1ull << (id & 63);
+    }
+    return true;
+}
+
+// The mask from the token sets of the committed tops (token terminals excluded). false: a set
+// unavailable or a limit hit (mask undefined, the state intact): the caller takes the exact walk.
+static bool mask_tsets(di_grammar_matcher *m, uint64_t *mask, int32_t *n_allowed) {
+    const di_grammar *g = m->g;
+    const int32_t words = m->words;
+    memset(mask, 0, sizeof(uint64_t) * (size_t)words);
+    for (int32_t i = 0; i < m->n_tops; i++) {
+        const int32_t t = m->tops[i];
+        m->ts_ent[i] = NULL;
+        if (g->elems[m->nodes[t].pos].type != DI_GRAMMAR_ELEM_BYTES) continue;
+        const tset *e = tset_get(m, t);
+        if (!e) return false;
+        m->ts_ent[i] = e;
+        if (e->acc_bits) {
+            for (int32_t k = 0; k < words; k++) mask[k] |= e->bits[k];
+        } else {
+            for (int32_t k = 0; k < e->n_acc; k++)
+                mask[e->acc_ids[k] >> 6] |= 1ull << (e->acc_ids[k] & 63);
+        }
+    }
+    bool ok = true;
+    m->quiet = true;
+    for (int32_t i = 0; i < m->n_tops && ok; i++) {
+        // A position that is the whole stack returns to the grammar's end: its context-dependent
+        // tokens have bytes left after it, so the stack rejects them all (nothing to check).
+        const tset *e = m->ts_ent[i];
+        if (e && e->n_ctx > 0 && e->n_key < m->nodes[m->tops[i]].depth) {
+            ok = check_ctx(m, m->tops[i], e, mask);
+            scratch_reset(m);
+        }
+    }
+    m->quiet = false;
+    if (!ok) {
+        m->err = DI_OK; // the committed state is intact; the exact walk decides
+        return false;
+    }
+    *n_allowed = popcount_words(mask, words);
+    return true;
 }
 
 di_status di_grammar_matcher_mask(di_grammar_matcher *m, uint64_t *mask, int32_t *n_allowed) {
@@ -777,18 +1236,21 @@ di_status di_grammar_matcher_mask(di_grammar_matcher *m, uint64_t *mask, int32_t
             return DI_OK;
         }
     }
-    memset(mask, 0, sizeof(uint64_t) * (size_t)words);
     walk w = {.m = m, .v = v, .mask = mask};
-    if (++m->walk_stamp == 0) {
-        memset(m->trans, 0, sizeof *m->trans * (size_t)m->n_trans);
-        m->walk_stamp = 1;
+    if (!m->ts || !mask_tsets(m, mask, &w.n_allowed)) {
+        if (m->ts) {
+            pthread_mutex_lock(&m->ts->mu);
+            m->ts->n_fallbacks++;
+            pthread_mutex_unlock(&m->ts->mu);
+        }
+        // The exact walk of the whole trie from the whole stack set.
+        memset(mask, 0, sizeof(uint64_t) * (size_t)words);
+        w.n_allowed = 0;
+        walk_begin(m);
+        if (m->n_tops > 0) descend(&w, 0, 0, m->n_tops, key, NULL, false);
+        scratch_reset(m);
+        if (m->err != DI_OK) return m->err;
     }
-    m->caching = true;
-    m->floor_nodes = m->n_nodes, m->floor_tops = m->n_tops;
-    if (m->n_tops > 0) descend(&w, 0, 0, m->n_tops, key, NULL);
-    m->n_nodes_used = m->n_nodes;
-    m->n_tops_used = m->n_tops;
-    if (m->err != DI_OK) return m->err;
     for (int32_t i = 0; i < m->n_tops; i++) { // token terminals that can come next
         const di_grammar_elem *e = &m->g->elems[m->nodes[m->tops[i]].pos];
         if (e->type != DI_GRAMMAR_ELEM_TOKEN || e->val >= v->n_vocab) continue;

@@ -292,6 +292,13 @@ static di_status tools_ebnf(const json_t *tools, const di_grammar_tools_options 
 di_status di_grammar_compile_tools(const di_tokenizer *tok, const char *tools_json, size_t n,
                                    const di_grammar_tools_options *o, di_grammar **out, char *err,
                                    size_t err_size) {
+    return di_grammar_compile_tools_with(NULL, tok, tools_json, n, o, out, err, err_size);
+}
+
+di_status di_grammar_compile_tools_with(di_grammar_cache *c, const di_tokenizer *tok,
+                                        const char *tools_json, size_t n,
+                                        const di_grammar_tools_options *o, di_grammar **out,
+                                        char *err, size_t err_size) {
     char ebuf[512];
     if (!err || !err_size) err = ebuf, err_size = sizeof ebuf;
     err[0] = 0;
@@ -311,7 +318,7 @@ di_status di_grammar_compile_tools(const di_tokenizer *tok, const char *tools_js
     di_buf_init(&text);
     di_status st = tools_ebnf(tools, o ? o : &def, dsml, &text, err, err_size);
     if (st == DI_OK)
-        st = di_grammar_compile_ebnf(text.data ? text.data : "", text.len, out, err, err_size);
+        st = di_grammar_cache_ebnf(c, text.data ? text.data : "", text.len, out, err, err_size);
     if (st == DI_ERR_NOMEM) snprintf(err, err_size, "out of memory");
     di_buf_deinit(&text);
     json_decref(tools);

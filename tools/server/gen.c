@@ -262,8 +262,8 @@ bool srv_gen_response_format(srv_gen *g, const json_t *fmt, const char *param, s
         return false;
     }
     char err[512];
-    di_status st = di_grammar_compile(kind, text, text ? strlen(text) : 0, flags, &g->grammar, err,
-                                      sizeof err);
+    di_status st = di_grammar_cache_compile(g->s->gcache, kind, text, text ? strlen(text) : 0,
+                                            flags, &g->grammar, err, sizeof err);
     free(owned);
     if (st == DI_ERR_NOMEM) {
         srv_err_set(e, 503, NULL, "The server is out of memory; retry later.");
@@ -309,11 +309,12 @@ bool srv_gen_tool_grammar(srv_gen *g, srv_err *e) {
     }
     di_grammar *tg = NULL;
     char err[512] = "";
-    di_status st = di_grammar_compile_tools(s->tok, tools, strlen(tools), &o, &tg, err, sizeof err);
+    di_status st = di_grammar_cache_compile_tools(s->gcache, s->tok, tools, strlen(tools), &o, &tg,
+                                                  err, sizeof err);
     free(tools);
     if (st == DI_OK && !forced && g->grammar) { // auto with a format: the format or a block
         di_grammar *u = NULL;
-        st = di_grammar_union(g->grammar, tg, &u);
+        st = di_grammar_cache_union(s->gcache, g->grammar, tg, &u);
         di_grammar_destroy(tg);
         tg = u;
         if (st == DI_ERR_INVALID) snprintf(err, sizeof err, "the grammar is too large");

@@ -263,7 +263,9 @@ int di_cli_serve(int argc, char **argv) {
         fprintf(stderr, "ERROR serve: cannot load the tokenizer for %s\n", ma.model);
         goto out;
     }
-    if (di_grammar_vocab_create(s->tok, &s->gvocab) != DI_OK) {
+    if (di_grammar_vocab_create(s->tok, &s->gvocab) != DI_OK ||
+        di_grammar_cache_create(SRV_GRAMMAR_CACHE_N, SRV_GRAMMAR_CACHE_BYTES, &s->gcache) !=
+            DI_OK) {
         fprintf(stderr, "ERROR serve: out of memory building the structured-output token trie\n");
         goto out;
     }
@@ -334,6 +336,7 @@ int di_cli_serve(int argc, char **argv) {
     rc = 0;
 out:
     di_engine_destroy(s->engine);
+    di_grammar_cache_destroy(s->gcache); // (requests hold their own references)
     di_grammar_vocab_destroy(s->gvocab); // after the engine, which borrows it
     di_tokenizer_destroy(s->tok);
     if (s->started_at) pthread_mutex_destroy(&s->metrics_mu);

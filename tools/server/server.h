@@ -23,6 +23,10 @@
 #define SRV_MAX_N 8 // choices per request (spec §3: n ≤ 8)
 // Failed engine steps in a row from which /ready and /health answer 503 "failing" (routes.c).
 #define SRV_FAILING_STEPS 3
+// Compiled grammars kept for reuse (their token sets shared by the requests that ask for the same
+// format or tools): the most recently used 64, or fewer if they hold more than 512 MB.
+#define SRV_GRAMMAR_CACHE_N 64
+#define SRV_GRAMMAR_CACHE_BYTES ((size_t)512 << 20)
 #define SRV_STR_(x) #x
 #define SRV_STR(x) SRV_STR_(x)
 
@@ -105,6 +109,7 @@ typedef struct srv {
     di_engine *engine;        // owned
     di_tokenizer *tok;        // owned
     di_grammar_vocab *gvocab; // owned: the token trie of structured output
+    di_grammar_cache *gcache; // owned: compiled response formats and tool grammars, shared
     int32_t think_end;        // id of </think> (structured output starts after it), or -1
     int32_t dsml;             // id of ｜DSML｜ (tool_choice auto: tool grammars start after it)
     int32_t n_ctx;            // effective context per request
