@@ -1110,12 +1110,12 @@ di_status di_grammar_put_literal(di_buf *out, const char *s, size_t n) {
 
 di_status di_grammar_compile(di_grammar_kind kind, const char *text, size_t n_text, uint32_t flags,
                              di_grammar **out, char *err, size_t err_size) {
-    return di_grammar_compile_with(NULL, kind, text, n_text, flags, out, err, err_size);
+    return di_grammar_cache_compile(NULL, kind, text, n_text, flags, out, err, err_size);
 }
 
-di_status di_grammar_compile_with(di_grammar_cache *c, di_grammar_kind kind, const char *text,
-                                  size_t n_text, uint32_t flags, di_grammar **out, char *err,
-                                  size_t err_size) {
+di_status di_grammar_cache_compile(di_grammar_cache *c, di_grammar_kind kind, const char *text,
+                                   size_t n_text, uint32_t flags, di_grammar **out, char *err,
+                                   size_t err_size) {
     if (err && err_size) err[0] = 0;
     if (!out || (!text && kind != DI_GRAMMAR_KIND_JSON_OBJECT)) {
         if (err && err_size) snprintf(err, err_size, "no grammar text");

@@ -83,16 +83,8 @@ const di_grammar *di_grammar_retain(const di_grammar *g);
 di_status di_grammar_compile_ebnf(const char *text, size_t n, di_grammar **out, char *err,
                                   size_t err_size);
 
-// di_grammar_compile / di_grammar_compile_tools through cache c (grammar_cache.c; NULL: none):
-// the generated EBNF text goes through di_grammar_cache_ebnf, which returns the cached grammar
-// compiled from the same text or compiles and caches it.
-di_status di_grammar_compile_with(di_grammar_cache *c, di_grammar_kind kind, const char *text,
-                                  size_t n_text, uint32_t flags, di_grammar **out, char *err,
-                                  size_t err_size);
-di_status di_grammar_compile_tools_with(di_grammar_cache *c, const di_tokenizer *tok,
-                                        const char *tools_json, size_t n,
-                                        const di_grammar_tools_options *o, di_grammar **out,
-                                        char *err, size_t err_size);
+// The cached grammar compiled from this EBNF text, or compiles and caches it (grammar_cache.c):
+// where di_grammar_cache_compile and _compile_tools send their generated text.
 di_status di_grammar_cache_ebnf(di_grammar_cache *c, const char *text, size_t n, di_grammar **out,
                                 char *err, size_t err_size);
 

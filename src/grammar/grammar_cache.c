@@ -162,19 +162,6 @@ di_status di_grammar_cache_ebnf(di_grammar_cache *c, const char *text, size_t n,
     return DI_OK;
 }
 
-di_status di_grammar_cache_compile(di_grammar_cache *c, di_grammar_kind kind, const char *text,
-                                   size_t n_text, uint32_t flags, di_grammar **out, char *err,
-                                   size_t err_size) {
-    return di_grammar_compile_with(c, kind, text, n_text, flags, out, err, err_size);
-}
-
-di_status di_grammar_cache_compile_tools(di_grammar_cache *c, const di_tokenizer *tok,
-                                         const char *tools_json, size_t n,
-                                         const di_grammar_tools_options *o, di_grammar **out,
-                                         char *err, size_t err_size) {
-    return di_grammar_compile_tools_with(c, tok, tools_json, n, o, out, err, err_size);
-}
-
 di_status di_grammar_cache_union(di_grammar_cache *c, const di_grammar *a, const di_grammar *b,
                                  di_grammar **out) {
     if (!c || !a->key || !b->key) return di_grammar_union(a, b, out);

@@ -292,13 +292,13 @@ static di_status tools_ebnf(const json_t *tools, const di_grammar_tools_options 
 di_status di_grammar_compile_tools(const di_tokenizer *tok, const char *tools_json, size_t n,
                                    const di_grammar_tools_options *o, di_grammar **out, char *err,
                                    size_t err_size) {
-    return di_grammar_compile_tools_with(NULL, tok, tools_json, n, o, out, err, err_size);
+    return di_grammar_cache_compile_tools(NULL, tok, tools_json, n, o, out, err, err_size);
 }
 
-di_status di_grammar_compile_tools_with(di_grammar_cache *c, const di_tokenizer *tok,
-                                        const char *tools_json, size_t n,
-                                        const di_grammar_tools_options *o, di_grammar **out,
-                                        char *err, size_t err_size) {
+di_status di_grammar_cache_compile_tools(di_grammar_cache *c, const di_tokenizer *tok,
+                                         const char *tools_json, size_t n,
+                                         const di_grammar_tools_options *o, di_grammar **out,
+                                         char *err, size_t err_size) {
     char ebuf[512];
     if (!err || !err_size) err = ebuf, err_size = sizeof ebuf;
     err[0] = 0;
