@@ -52,6 +52,24 @@ def rf_schema(strict=True):
                                                     "strict": strict}}
 
 
+def test_grammar_cache_shares_a_schema(server):
+    """A response format seen before is found compiled (its token sets shared): the second of two
+    identical requests is a cache hit and compiles nothing."""
+    def ask():
+        st, _, r = post(server, "/v1/chat/completions", {
+            "model": MODEL, "messages": U, "response_format": rf_schema(), "max_tokens": 400,
+            "seed": 7, **NO_THINK})
+        assert st == 200, r
+        check_person(json.loads(r["choices"][0]["message"]["content"]))
+    ask()
+    m1 = server.metrics()
+    ask()
+    m2 = server.metrics()
+    assert m2["deepinfer:grammar_cache_hits_total"] == m1["deepinfer:grammar_cache_hits_total"] + 1
+    assert m2["deepinfer:grammar_cache_misses_total"] == m1["deepinfer:grammar_cache_misses_total"]
+    assert m2["deepinfer:grammar_cache_grammars"] >= 1
+
+
 @pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)

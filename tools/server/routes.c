@@ -118,6 +118,17 @@ char *srv_metrics_text(srv *s) {
                 "deepinfer:spec_decode_verifies_by_accepted_total{model_name=\"%s\","
                 "accepted=\"%d\"} %llu\n",
                 m, j, (unsigned long long)st.n_spec_accept_hist[j]);
+    int64_t g_hits = 0, g_misses = 0;
+    int32_t g_held = 0;
+    if (s->gcache) di_grammar_cache_get_stats(s->gcache, &g_hits, &g_misses, &g_held);
+    COUNTER("deepinfer:grammar_cache_hits_total",
+            "Response formats and tool grammars found compiled in the grammar cache (their token "
+            "sets shared).",
+            g_hits);
+    COUNTER("deepinfer:grammar_cache_misses_total",
+            "Response formats and tool grammars compiled (not in the grammar cache).", g_misses);
+    GAUGE("deepinfer:grammar_cache_grammars", "Compiled grammars held by the grammar cache.", "%d",
+          (int)g_held);
     pthread_mutex_lock(&s->metrics_mu);
     COUNTER("deepinfer:prompt_tokens_total", "Prompt tokens processed.", s->n_prompt_tokens);
     COUNTER("deepinfer:generation_tokens_total", "Tokens generated.", s->n_gen_tokens);
