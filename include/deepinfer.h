@@ -529,6 +529,9 @@ typedef struct di_engine_stats {
     // Tokens per verify = (n_spec_verifies + n_spec_accepted) / n_spec_verifies.
     int64_t n_spec_verifies, n_spec_drafted, n_spec_verified, n_spec_accepted;
     int64_t n_spec_accept_hist[DI_MAX_SPEC_TOKENS + 1];
+    // What drafts: "DSpark" (V4.1: blocks cut by confidence), "MTP" (V4: the MTP block, one
+    // draft per verify, always verified); NULL without speculation. Static storage.
+    const char *spec_drafter;
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. When the model has the

@@ -402,6 +402,7 @@ static di_status spec_setup(di_engine *e) {
         }
         e->spec_k = 1;
         e->spec_tau = -1; // the MTP block has no confidence head: its draft is always verified
+        e->stats.spec_drafter = "MTP";
         e->lstride = 2;
         return DI_OK;
     }
@@ -420,6 +421,7 @@ static di_status spec_setup(di_engine *e) {
     e->spec_tau =
         o->spec_min_confidence == 0 ? DI_SPEC_MIN_CONFIDENCE_DEFAULT : o->spec_min_confidence;
     e->lstride = e->spec_k + 1;
+    e->stats.spec_drafter = "DSpark";
     return DI_OK;
 }
 

@@ -56,7 +56,7 @@ check "default model prompt produces text" "$([ -n "$out" ] && echo yes)" "yes"
 b=$("$B" bench --model "$T/o" --requests 2 --prompt-len 40 --gen-len 12 --max-batch-tokens 32 \
     --no-ratio --threads 2 --spec-tokens 1 --log-level error 2>&1)
 check "bench --spec-tokens 1 (MTP) exit" "$?" "0"
-check "bench --spec-tokens 1 (MTP): the row" "$(echo "$b" | grep -c '^speculative decoding (--spec-tokens 1, confidence cut 0.1), greedy:$')" "1"
+check "bench --spec-tokens 1 (MTP): the row" "$(echo "$b" | grep -c "^speculative decoding (the MTP block's one draft per verify), greedy:$")" "1"
 check "bench --spec-tokens 1 (MTP): speedup" "$(echo "$b" | grep -c '^  1 sequence    decode .*(without: .*x), step allocations 0$')" "1"
 check "bench --spec-tokens 1 (MTP): one draft per verify" "$(echo "$b" | grep -Ec '^  [0-9]+ verifies: 1.00 drafts proposed, .* tokens per verify step$')" "1"
 "$B" bench --model "$T/s" --requests 1 --prompt-len 8 --gen-len 4 --no-ratio --threads 2 \

@@ -44,7 +44,7 @@ check "bench: no allocation in a step" "$(echo "$b" | grep -c 'step allocations 
 b=$("$B" bench --model $M --requests 2 --prompt-len 40 --gen-len 12 --max-batch-tokens 32 \
     --no-ratio --threads 2 --spec-tokens 3 --log-level error 2>&1)
 check "bench --spec-tokens exit" "$?" "0"
-check "bench --spec-tokens: the row" "$(echo "$b" | grep -c '^speculative decoding (--spec-tokens 3, confidence cut 0.1), greedy:$')" "1"
+check "bench --spec-tokens: the row" "$(echo "$b" | grep -c '^speculative decoding (--spec-tokens 3, DSpark drafts, confidence cut 0.1), greedy:$')" "1"
 check "bench --spec-tokens: speedup" "$(echo "$b" | grep -c '^  1 sequence    decode .*(without: .*x), step allocations 0$')" "1"
 check "bench --spec-tokens: acceptance" "$(echo "$b" | grep -Ec '^  [0-9]+ verifies: 2.00 drafts proposed, .* tokens per verify step$')" "1"
 "$B" bench --model "$T/hf" --requests 1 --prompt-len 8 --gen-len 4 --no-ratio --threads 2 \

@@ -266,10 +266,14 @@ static int spec_row(const char *model, di_engine_options o, int32_t n_vocab, int
     di_engine_get_stats(e, &es);
     di_engine_destroy(e);
     const double nv = es.n_spec_verifies > 0 ? (double)es.n_spec_verifies : 1;
-    printf("speculative decoding (--spec-tokens %d, confidence cut %g), greedy:\n",
-           (int)o.spec_tokens,
-           (double)(o.spec_min_confidence != 0 ? o.spec_min_confidence
-                                               : DI_SPEC_MIN_CONFIDENCE_DEFAULT));
+    if (es.spec_drafter && strcmp(es.spec_drafter, "DSpark") == 0)
+        printf("speculative decoding (--spec-tokens %d, DSpark drafts, confidence cut %g), "
+               "greedy:\n",
+               (int)o.spec_tokens,
+               (double)(o.spec_min_confidence != 0 ? o.spec_min_confidence
+                                                   : DI_SPEC_MIN_CONFIDENCE_DEFAULT));
+    else
+        printf("speculative decoding (the MTP block's one draft per verify), greedy:\n");
     printf("  1 sequence    decode %10.1f tokens/s (without: %.1f, %.2fx), step allocations %lld\n",
            one.decode_tps, plain_one->decode_tps,
            plain_one->decode_tps > 0 ? one.decode_tps / plain_one->decode_tps : 0,
