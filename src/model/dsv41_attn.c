@@ -109,6 +109,10 @@ static void attn_task(void *p, int ith, int nth) {
     int64_t lo, hi;
     const int32_t n_grp = (H + DI_DSV4_HEAD_GROUP - 1) / DI_DSV4_HEAD_GROUP;
     di_split_range((int64_t)c->c->n_rows * n_grp, ith, nth, &lo, &hi);
+    // Whose keys kb holds: a row's head groups are consecutive in this thread's range, so a row's
+    // keys are decoded once per thread, not once per group (a DSpark block's rows all attend to
+    // the same keys: once per sequence).
+    int64_t decoded = -1;
     for (int64_t tg = lo; tg < hi; tg++) {
         int64_t t = tg / n_grp, P = row_pos[t];
         const di_dsv4_seq *sq = &c->c->seqs[row_seq[t]];
@@ -136,7 +140,8 @@ static void attn_task(void *p, int ith, int nth) {
         // "call rows" (key_row in dsv4_attn.c), the same floats in the same order as before.
         float *kb = c->keys + (int64_t)ith * c->cap_keys * Dh;
         const float *call = c->kv + (int64_t)sq->row0 * Dh;
-        for (int64_t j = 0; j < n_win; j++) {
+        const int64_t whose = c->dspark ? row_seq[t] : t;
+        for (int64_t j = 0; j < n_win && whose != decoded; j++) {
             const int64_t pos = w_lo + j;
             if (pos < p0)
                 di_quant_q8_unpack(st->ring[c->il] + (pos % st->ring_rows) * st->ring_row_bytes, Dh,
@@ -144,13 +149,14 @@ static void attn_task(void *p, int ith, int nth) {
             else
                 memcpy(kb + j * Dh, call + (pos - p0) * Dh, sizeof(float) * (size_t)Dh);
         }
-        if (n_cmp > 0) {
+        if (n_cmp > 0 && whose != decoded) {
             const di_dsv41_src *src = &st->src[c->src_il];
             const int32_t *sel = c->sel + t * c->topk;
             for (int64_t i = 0; i < n_cmp; i++)
                 di_quant_q4e_unpack(di_dsv41_entry(st, src, sel[i]), Dh, DI_DSV41_ENT_BLOCK,
                                     kb + (n_win + i) * Dh);
         }
+        decoded = whose;
         const di_dsv4_keys keys = {.ring = NULL,
                                    .ring_rows = 1,
                                    .rows = kb,
