@@ -193,20 +193,20 @@ int di_cli_route(int argc, char **argv) {
     rt *r = calloc(1, sizeof *r);
     if (!r) return 1;
     rt_config *c = &r->cfg;
-    *c = (rt_config){.host = "127.0.0.1",
-                     .port = 8000,
+    *c = (rt_config){.http = {.host = "127.0.0.1",
+                              .port = 8000,
+                              .max_body_bytes = 8u << 20,
+                              .timeout_s = 600,
+                              .drain_s = 30},
                      .health_interval_ms = 1000,
                      .health_fails = 3,
                      .connect_timeout_ms = 2000,
                      .upstream_timeout_s = 600,
-                     .max_body_bytes = 8u << 20,
                      .prefix_bytes = 1024,
                      .n_vnodes = 64,
                      .max_imbalance = 4,
                      .pin_user = true,
-                     .timeout_s = 600,
                      .max_connections = 1024,
-                     .drain_s = 30,
                      .pd_min_bytes = 1024,
                      .prefill_timeout_ms = 120000};
     int rc = 2, ms;
@@ -215,6 +215,9 @@ int di_cli_route(int argc, char **argv) {
     srv_http *h = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        int m = di_args_http_option(argc, argv, &i, &c->http);
+        if (m < 0) goto out;
+        if (m > 0) continue;
         bool has = i + 1 < argc;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
@@ -248,13 +251,6 @@ int di_cli_route(int argc, char **argv) {
                                 "1m\n");
                 goto out;
             }
-        } else if (!strcmp(a, "--host") && has) {
-            c->host = argv[++i];
-        } else if (!strcmp(a, "--port") && has) {
-            if (!di_args_int(argv[++i], "--port", 0, 65535, &v)) goto out;
-            c->port = (int)v;
-        } else if (!strcmp(a, "--api-key") && has) {
-            c->api_key = argv[++i];
         } else if (!strcmp(a, "--replica-api-key") && has) {
             c->replica_api_key = argv[++i];
         } else if ((!strcmp(a, "--health-interval") || !strcmp(a, "--connect-timeout") ||
@@ -284,15 +280,6 @@ int di_cli_route(int argc, char **argv) {
             c->n_vnodes = (int)v;
         } else if (!strcmp(a, "--no-user-pin")) {
             c->pin_user = false;
-        } else if (!strcmp(a, "--max-body-mib") && has) {
-            if (!di_args_int(argv[++i], "--max-body-mib", 1, 1024, &v)) goto out;
-            c->max_body_bytes = (size_t)v << 20;
-        } else if (!strcmp(a, "--timeout") && has) {
-            if (!di_args_int(argv[++i], "--timeout", 1, 86400, &v)) goto out;
-            c->timeout_s = (int)v;
-        } else if (!strcmp(a, "--drain-timeout") && has) {
-            if (!di_args_int(argv[++i], "--drain-timeout", 0, 3600, &v)) goto out;
-            c->drain_s = (int)v;
         } else {
             fprintf(stderr, "route: unknown or incomplete option '%s'\n", a);
             usage(stderr);
@@ -340,16 +327,16 @@ int di_cli_route(int argc, char **argv) {
         p->poller_started = true;
     }
     const srv_http_opts o = {.who = "route",
-                             .host = c->host,
-                             .port = c->port,
-                             .max_body_bytes = c->max_body_bytes,
-                             .timeout_s = c->timeout_s,
+                             .host = c->http.host,
+                             .port = c->http.port,
+                             .max_body_bytes = c->http.max_body_bytes,
+                             .timeout_s = c->http.timeout_s,
                              .max_connections = c->max_connections,
                              .handler = rt_handle,
                              .cls = r};
     if (!srv_http_listen(&o, &h)) goto out;
     fprintf(stderr, "INFO  route: listening on http://%s:%d, %d replica(s), health every %d ms\n",
-            c->host, c->port, r->n_rep, c->health_interval_ms);
+            c->http.host, c->http.port, r->n_rep, c->health_interval_ms);
     if (r->n_pre)
         fprintf(stderr,
                 "INFO  route: prefill/decode disaggregation: %d prefill replica(s), %d decode "
@@ -360,7 +347,7 @@ int di_cli_route(int argc, char **argv) {
     fprintf(stderr, "INFO  route: shutting down: draining %d in-flight request(s)\n",
             atomic_load(&r->inflight));
     srv_http_quiesce(h);
-    for (int t = 0; t < c->drain_s * 10 && atomic_load(&r->inflight) > 0; t++) sleep_ms(100);
+    for (int t = 0; t < c->http.drain_s * 10 && atomic_load(&r->inflight) > 0; t++) sleep_ms(100);
     rc = 0;
 out:
     srv_http_stop(h);

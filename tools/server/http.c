@@ -235,12 +235,12 @@ static enum MHD_Result serve_route(void *cls, struct MHD_Connection *c, const ch
 
 bool srv_http_start(srv *s, srv_http **out) {
     const srv_http_opts o = {.who = "serve",
-                             .host = s->cfg.host,
-                             .port = s->cfg.port,
-                             .max_body_bytes = s->cfg.max_body_bytes,
+                             .host = s->cfg.http.host,
+                             .port = s->cfg.http.port,
+                             .max_body_bytes = s->cfg.http.max_body_bytes,
                              .bulk_path = s->cfg.kv_transfer ? "/internal/kv" : NULL,
                              .max_bulk_bytes = s->cfg.max_kv_transfer_bytes,
-                             .timeout_s = s->cfg.timeout_s,
+                             .timeout_s = s->cfg.http.timeout_s,
                              .max_connections = s->cfg.max_inflight + 64,
                              .handler = serve_route,
                              .cls = s};

@@ -140,16 +140,16 @@ int di_cli_serve(int argc, char **argv) {
     srv *s = calloc(1, sizeof *s);
     if (!s) return 1;
     srv_config *c = &s->cfg;
-    *c = (srv_config){.host = "127.0.0.1",
-                      .port = 8000,
+    *c = (srv_config){.http = {.host = "127.0.0.1",
+                               .port = 8000,
+                               .max_body_bytes = 8u << 20,
+                               .timeout_s = 600,
+                               .drain_s = 30},
                       .max_ctx = 8192,
                       .max_seqs = 16,
-                      .max_body_bytes = 8u << 20,
                       .max_kv_transfer_bytes = (size_t)1 << 30,
                       .max_inflight = 256,
-                      .timeout_s = 600,
-                      .keepalive_s = 15,
-                      .drain_s = 30};
+                      .keepalive_s = 15};
     di_model_args ma = {0};
     ma.opt = di_model_options_default();
     long v;
@@ -159,18 +159,14 @@ int di_cli_serve(int argc, char **argv) {
         int m = di_args_model_option(argc, argv, &i, &ma);
         if (m < 0) goto out;
         if (m > 0) continue;
+        m = di_args_http_option(argc, argv, &i, &c->http);
+        if (m < 0) goto out;
+        if (m > 0) continue;
         bool has = i + 1 < argc;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             rc = 0;
             goto out;
-        } else if (!strcmp(a, "--host") && has) {
-            c->host = argv[++i];
-        } else if (!strcmp(a, "--port") && has) {
-            if (!di_args_int(argv[++i], "--port", 0, 65535, &v)) goto out;
-            c->port = (int)v;
-        } else if (!strcmp(a, "--api-key") && has) {
-            c->api_key = argv[++i];
         } else if (!strcmp(a, "--served-model-name") && has) {
             c->model_name = argv[++i];
         } else if (!strcmp(a, "--kv-memory") && has) {
@@ -217,12 +213,6 @@ int di_cli_serve(int argc, char **argv) {
         } else if (!strcmp(a, "--max-inflight") && has) {
             if (!di_args_int(argv[++i], "--max-inflight", 1, 100000, &v)) goto out;
             c->max_inflight = (int)v;
-        } else if (!strcmp(a, "--max-body-mib") && has) {
-            if (!di_args_int(argv[++i], "--max-body-mib", 1, 1024, &v)) goto out;
-            c->max_body_bytes = (size_t)v << 20;
-        } else if (!strcmp(a, "--timeout") && has) {
-            if (!di_args_int(argv[++i], "--timeout", 1, 86400, &v)) goto out;
-            c->timeout_s = (int)v;
         } else if (!strcmp(a, "--keepalive") && has) {
             // seconds, fractions allowed (the tests use 0.05 s to see keep-alives on any machine)
             char *end = NULL;
@@ -232,9 +222,6 @@ int di_cli_serve(int argc, char **argv) {
                 goto out;
             }
             c->keepalive_s = ka;
-        } else if (!strcmp(a, "--drain-timeout") && has) {
-            if (!di_args_int(argv[++i], "--drain-timeout", 0, 3600, &v)) goto out;
-            c->drain_s = (int)v;
         } else {
             fprintf(stderr, "serve: unknown or incomplete option '%s'\n", a);
             usage(stderr);
@@ -323,14 +310,14 @@ int di_cli_serve(int argc, char **argv) {
     srv_http *h = NULL;
     if (!srv_http_start(s, &h)) goto out;
     atomic_store(&s->ready, true);
-    fprintf(stderr, "INFO  serve: listening on http://%s:%d (model '%s', context %d)\n", c->host,
-            c->port, c->model_name, s->n_ctx);
+    fprintf(stderr, "INFO  serve: listening on http://%s:%d (model '%s', context %d)\n",
+            c->http.host, c->http.port, c->model_name, s->n_ctx);
     while (!g_stop) sleep_ms(100);
     atomic_store(&s->draining, true);
     fprintf(stderr, "INFO  serve: shutting down: draining %d in-flight request(s)\n",
             atomic_load(&s->inflight));
     srv_http_quiesce(h);
-    for (int t = 0; t < c->drain_s * 10 && atomic_load(&s->inflight) > 0; t++) sleep_ms(100);
+    for (int t = 0; t < c->http.drain_s * 10 && atomic_load(&s->inflight) > 0; t++) sleep_ms(100);
     srv_http_stop(h);
     fprintf(stderr, "INFO  serve: stopped\n");
     rc = 0;
