@@ -223,8 +223,6 @@ int main(void) {
     RUN(test_eviction_write_back);
     RUN(test_other_checkpoint);
     RUN(test_options);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

@@ -210,8 +210,6 @@ int main(void) {
     di_set_log_level(1);
     RUN(test_export_import);
     RUN(test_v41);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

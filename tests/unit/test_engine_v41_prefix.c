@@ -486,8 +486,6 @@ int main(void) {
     test_other_checkpoint();
     test_disk();
     test_shared_blocks();
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    di_test_remove_dir(g_root);
     return test_finish();
 }
