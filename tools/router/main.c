@@ -3,7 +3,6 @@
 // generation requests get 503, in-flight ones are drained (at most --drain-timeout seconds).
 #include <curl/curl.h>
 #include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,13 +11,6 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "router/router.h"
-
-static volatile sig_atomic_t g_stop;
-
-static void on_signal(int sig) {
-    (void)sig;
-    g_stop = 1;
-}
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -57,11 +49,6 @@ static bool parse_ms(const char *s, int *out) {
     if (ms < 1 || ms > 86400e3) return false;
     *out = (int)ms;
     return true;
-}
-
-static void sleep_ms(int ms) {
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
 }
 
 // ---- health polling ----
@@ -307,11 +294,7 @@ int di_cli_route(int argc, char **argv) {
     pthread_cond_init(&r->cv, NULL);
     locks = true;
     r->started_at = (long)time(NULL);
-    struct sigaction sa = {0};
-    sa.sa_handler = on_signal;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    srv_http_on_signals();
     for (int i = 0; i < r->n_rep + r->n_pre; i++) {
         const bool pre = i >= r->n_rep;
         const int k = pre ? i - r->n_rep : i;
@@ -342,12 +325,11 @@ int di_cli_route(int argc, char **argv) {
                 "INFO  route: prefill/decode disaggregation: %d prefill replica(s), %d decode "
                 "replica(s); bodies of %zu bytes or more are prefilled first\n",
                 r->n_pre, r->n_rep, c->pd_min_bytes);
-    while (!g_stop) sleep_ms(100);
+    srv_http_wait_signal();
     atomic_store(&r->stop, true);
     fprintf(stderr, "INFO  route: shutting down: draining %d in-flight request(s)\n",
             atomic_load(&r->inflight));
-    srv_http_quiesce(h);
-    for (int t = 0; t < c->http.drain_s * 10 && atomic_load(&r->inflight) > 0; t++) sleep_ms(100);
+    srv_http_drain(h, &r->inflight, c->http.drain_s);
     rc = 0;
 out:
     srv_http_stop(h);

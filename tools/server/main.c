@@ -2,7 +2,6 @@
 // SIGTERM/SIGINT: /ready turns 503 and new generation requests get 503; in-flight requests are
 // drained (at most --drain-timeout seconds), then the HTTP daemon, engine and tokenizer are freed.
 #include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,13 +11,6 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "server/server.h"
-
-static volatile sig_atomic_t g_stop;
-
-static void on_signal(int sig) {
-    (void)sig;
-    g_stop = 1;
-}
 
 static void usage(FILE *f) {
     fprintf(
@@ -100,11 +92,6 @@ static bool parse_seconds(const char *s, int64_t *out) {
     if (v > INT64_MAX / mul) return false;
     *out = (int64_t)(v * mul);
     return true;
-}
-
-static void sleep_ms(int ms) {
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
 }
 
 // max_position_embeddings of the checkpoint's config.json (0 if absent).
@@ -302,22 +289,17 @@ int di_cli_serve(int argc, char **argv) {
                 di_tokenizer_n_vocab(s->tok), n_vocab, n_vocab);
     int32_t mp = config_ctx(ma.model);
     s->n_ctx = mp > 0 && mp < c->max_ctx ? mp : c->max_ctx;
-    struct sigaction sa = {0};
-    sa.sa_handler = on_signal;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    srv_http_on_signals();
     srv_http *h = NULL;
     if (!srv_http_start(s, &h)) goto out;
     atomic_store(&s->ready, true);
     fprintf(stderr, "INFO  serve: listening on http://%s:%d (model '%s', context %d)\n",
             c->http.host, c->http.port, c->model_name, s->n_ctx);
-    while (!g_stop) sleep_ms(100);
+    srv_http_wait_signal();
     atomic_store(&s->draining, true);
     fprintf(stderr, "INFO  serve: shutting down: draining %d in-flight request(s)\n",
             atomic_load(&s->inflight));
-    srv_http_quiesce(h);
-    for (int t = 0; t < c->http.drain_s * 10 && atomic_load(&s->inflight) > 0; t++) sleep_ms(100);
+    srv_http_drain(h, &s->inflight, c->http.drain_s);
     srv_http_stop(h);
     fprintf(stderr, "INFO  serve: stopped\n");
     rc = 0;

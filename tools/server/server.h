@@ -336,8 +336,13 @@ typedef struct srv_http_opts {
 bool srv_http_listen(const srv_http_opts *o, srv_http **out);
 // srv_http_listen with the server's configuration and srv_route.
 bool srv_http_start(srv *s, srv_http **out);
-// Stops accepting; open connections continue.
-void srv_http_quiesce(srv_http *h);
+// Stops accepting (open connections continue), then waits at most drain_s seconds for *inflight to
+// reach 0.
+void srv_http_drain(srv_http *h, atomic_int *inflight, int drain_s);
+// The clean shutdown of serve and route: after srv_http_on_signals, SIGTERM and SIGINT ask for it
+// (SIGPIPE is ignored); srv_http_wait_signal returns once one was received.
+void srv_http_on_signals(void);
+void srv_http_wait_signal(void);
 void srv_http_stop(srv_http *h);
 // routes.c: handles one complete request; returns the MHD result of queueing a response.
 enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, const char *method,
