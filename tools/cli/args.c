@@ -146,6 +146,14 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
     return 0;
 }
 
+di_http_args di_args_http_defaults(void) {
+    return (di_http_args){.host = "127.0.0.1",
+                          .port = 8000,
+                          .max_body_bytes = 8u << 20,
+                          .timeout_s = 600,
+                          .drain_s = 30};
+}
+
 int di_args_http_option(int argc, char **argv, int *i, di_http_args *ha) {
     const char *a = argv[*i];
     if (*i + 1 >= argc) return 0;

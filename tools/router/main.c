@@ -180,11 +180,7 @@ int di_cli_route(int argc, char **argv) {
     rt *r = calloc(1, sizeof *r);
     if (!r) return 1;
     rt_config *c = &r->cfg;
-    *c = (rt_config){.http = {.host = "127.0.0.1",
-                              .port = 8000,
-                              .max_body_bytes = 8u << 20,
-                              .timeout_s = 600,
-                              .drain_s = 30},
+    *c = (rt_config){.http = di_args_http_defaults(),
                      .health_interval_ms = 1000,
                      .health_fails = 3,
                      .connect_timeout_ms = 2000,

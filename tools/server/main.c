@@ -127,11 +127,7 @@ int di_cli_serve(int argc, char **argv) {
     srv *s = calloc(1, sizeof *s);
     if (!s) return 1;
     srv_config *c = &s->cfg;
-    *c = (srv_config){.http = {.host = "127.0.0.1",
-                               .port = 8000,
-                               .max_body_bytes = 8u << 20,
-                               .timeout_s = 600,
-                               .drain_s = 30},
+    *c = (srv_config){.http = di_args_http_defaults(),
                       .max_ctx = 8192,
                       .max_seqs = 16,
                       .max_kv_transfer_bytes = (size_t)1 << 30,
