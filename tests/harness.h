@@ -73,6 +73,13 @@ static int g_checks_passed, g_checks_failed;
         fprintf(stderr, "%s %s\n", g_checks_failed == before_ ? "ok  " : "FAIL", #fn);             \
     } while (0)
 
+// Removes dir and everything below it (a test's temporary directory); says so if it cannot.
+static inline void di_test_remove_dir(const char *dir) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+}
+
 static inline int test_finish(void) {
     printf("%d passed, %d failed\n", g_checks_passed, g_checks_failed);
     return g_checks_failed ? 1 : 0;

@@ -7,14 +7,11 @@ streaming one (a new client connection each time, as most SDKs do).
     bench/router/overhead.py [build/deepinfer] [N=300]"""
 import http.client
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
+
+from loopback import free_port, serve_env, start, stop, wait_ready
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "build/deepinfer"
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 300
@@ -23,34 +20,14 @@ BODY = {"model": "deepinfer-tiny", "messages": [{"role": "user", "content": "Hi"
 STREAM = dict(BODY, stream=True, max_tokens=2)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(port):
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"port {port} not ready")
-
-
 def main():
-    home = tempfile.mkdtemp(prefix="deepinfer-bench-")
     sp, rp = free_port(), free_port()
-    procs = [subprocess.Popen([BIN, "serve", "--port", str(sp), "--threads", "2"],
-                              env=dict(os.environ, DEEPINFER_HOME=home),
-                              stderr=subprocess.DEVNULL)]
+    procs = [start([BIN, "serve", "--port", str(sp), "--threads", "2"], serve_env())]
     try:
-        wait_ready(sp)
-        procs.append(subprocess.Popen([BIN, "route", "--port", str(rp), "--replica",
-                                       f"http://127.0.0.1:{sp}"], stderr=subprocess.DEVNULL))
-        wait_ready(rp)
+        wait_ready(sp, 600)
+        procs.append(start([BIN, "route", "--port", str(rp), "--replica",
+                            f"http://127.0.0.1:{sp}"]))
+        wait_ready(rp, 600)
         conns = {p: http.client.HTTPConnection("127.0.0.1", p, timeout=60) for p in (sp, rp)}
 
         def plain(p):
@@ -85,9 +62,7 @@ def main():
         print(f"streaming, time to first SSE event: direct {m['ttfe_direct']:.2f} ms, router "
               f"{m['ttfe_router']:.2f} ms, added {m['ttfe_router'] - m['ttfe_direct']:.2f} ms")
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(timeout=60)
+        stop(procs)
 
 
 if __name__ == "__main__":

@@ -13,37 +13,18 @@ Prints the median and the range of each.
     bench/router/pd.py [build/deepinfer] [N=5] [words per prompt, comma-separated: 600,1500]"""
 import http.client
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
+
+from loopback import free_port, serve_env, start, stop, wait_ready
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "build/deepinfer"
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 LENGTHS = [int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "600,1500").split(",")]
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box jovial zebras "
          "near old stone bridges under pale autumn skies").split()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(port):
-    for _ in range(1200):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"port {port} not ready")
 
 
 def body(n_words, seed, stream=True):
@@ -86,19 +67,16 @@ def fmt(v, unit=1e3, suffix="ms"):
 
 
 def main():
-    home = tempfile.mkdtemp(prefix="deepinfer-bench-")
-    env = dict(os.environ, DEEPINFER_HOME=home)
+    env = serve_env()
     sp, pp, dp, rp = (free_port() for _ in range(4))
     procs = []
     try:
         for port, extra in ((sp, []), (pp, ["--kv-transfer"]), (dp, ["--kv-transfer"])):
-            procs.append(subprocess.Popen([BIN, "serve", "--port", str(port), "--threads", "2",
-                                           *extra], env=env, stderr=subprocess.DEVNULL))
-            wait_ready(port)
-        procs.append(subprocess.Popen([BIN, "route", "--port", str(rp), "--pd-min-bytes", "0",
-                                       "--prefill", f"http://127.0.0.1:{pp}", "--decode",
-                                       f"http://127.0.0.1:{dp}"], stderr=subprocess.DEVNULL))
-        wait_ready(rp)
+            procs.append(start([BIN, "serve", "--port", str(port), "--threads", "2", *extra], env))
+            wait_ready(port, 1200)
+        procs.append(start([BIN, "route", "--port", str(rp), "--pd-min-bytes", "0", "--prefill",
+                            f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}"]))
+        wait_ready(rp, 1200)
         time.sleep(1)  # the router's first health polls
         seed = 0
         for n_words in LENGTHS:
@@ -131,9 +109,7 @@ def main():
             print(f"  decode replica TTFT after import {fmt(res['dec'])} vs full prefill "
                   f"{fmt(res['full'])}: saved {fmt(saved)}")
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(timeout=60)
+        stop(procs)
 
 
 if __name__ == "__main__":

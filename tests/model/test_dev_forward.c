@@ -568,9 +568,7 @@ static void test_decode_costs_flash(void) {
     di_dsv4_dev_destroy(d);
     di_backend_destroy(b);
     di_model_destroy(m);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+    di_test_remove_dir(dir);
 }
 
 // Feeds positions [from, to) of toks to sequence `sq` (its slot, blocks, win_lo, n_cached) in
@@ -796,8 +794,6 @@ int main(void) {
     RUN(test_prefix);
     RUN(test_official);
     RUN(test_unsupported);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

@@ -601,9 +601,7 @@ int main(void) {
         check_bad_config(dir);
     }
     check_dspark_roff(root);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_tmp);
+    di_test_remove_dir(g_tmp);
     if (n == 0) DI_TEST_SKIP("no v41_* fixtures");
     return test_finish();
 }

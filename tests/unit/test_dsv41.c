@@ -881,8 +881,6 @@ int main(void) {
     check_rounding_points(off);
     check_small_candidate_pool(hf);
     check_state_sizes(off);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    di_test_remove_dir(g_root);
     return test_finish();
 }

@@ -238,8 +238,6 @@ int main(void) {
     CHECK(di_synth_v41_write(g_root, true, true, 41) == DI_OK);
     check_batches(g_root, DI_PRECISION_FP32, "fp32");
     check_batches(g_root, DI_PRECISION_OFFICIAL, "official precision");
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    di_test_remove_dir(g_root);
     return test_finish();
 }

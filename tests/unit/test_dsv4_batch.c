@@ -131,8 +131,6 @@ int main(void) {
     CHECK(di_synth_write(&c, g_dir) == DI_OK);
     RUN(test_batch_fp32);
     RUN(test_batch_official);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

@@ -395,8 +395,6 @@ int main(void) {
     RUN(test_cancel_100);
     RUN(test_queue_limit_and_bad_requests);
     RUN(test_stop_string);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

@@ -526,8 +526,6 @@ int main(void) {
     RUN(test_failure_streak);
     RUN(test_shared_prefix);
     RUN(test_sizing);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

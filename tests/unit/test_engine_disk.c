@@ -22,38 +22,10 @@ enum { V = 512, N_TOP = 3, MAX_GEN = 8, N_P = 200, N_P2 = 300, N_OTHER = 480, N_
 static char g_dir[256], g_disk[300];
 static int32_t g_p2[N_P2]; // the prompt plus a continuation; its first N_P tokens are the prompt
 static int32_t g_other[N_OTHER]; // an unrelated long prompt (fills the pool in (c))
-
-typedef struct result {
-    int32_t tokens[MAX_GEN];
-    float logprob[MAX_GEN], top[MAX_GEN][N_TOP];
-    int32_t n, n_cached;
-} result;
-
-static void on_event(void *user, const di_event *ev) {
-    result *r = user;
-    if (ev->token >= 0 && r->n < MAX_GEN) {
-        r->tokens[r->n] = ev->token;
-        r->logprob[r->n] = ev->logprob;
-        for (int k = 0; k < ev->n_top && k < N_TOP; k++) r->top[r->n][k] = ev->top_logprobs[k];
-        r->n++;
-    }
-    if (ev->finish != DI_FINISH_NONE) r->n_cached = ev->n_cached;
-}
-
-static bool same(const result *a, const result *b) {
-    return a->n == b->n && !memcmp(a->tokens, b->tokens, sizeof a->tokens) &&
-           !memcmp(a->logprob, b->logprob, sizeof a->logprob) &&
-           !memcmp(a->top, b->top, sizeof a->top);
-}
+#include "engine_prompt.h"       // result, on_event, same, engine_options, run
 
 static di_engine_options options(size_t kv_bytes, const char *disk) {
-    di_engine_options o = di_engine_options_default();
-    o.n_threads = 2;
-    o.kv_memory_bytes = kv_bytes;
-    o.max_seqs = 4;
-    o.max_batch_tokens = 64; // chunked prefill
-    o.max_ctx = N_CTX;
-    o.no_prefix_cache = false;
+    di_engine_options o = engine_options(kv_bytes);
     o.kv_disk_dir = disk;
     return o;
 }
@@ -64,29 +36,6 @@ static di_engine *engine(size_t kv_bytes, const char *disk, bool prefix) {
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     return e;
-}
-
-// Runs prompt[0..n) to completion: greedy (seeded = false) or seeded sampling, with logprobs.
-static void run(di_engine *e, const int32_t *prompt, int32_t n, bool seeded, int max_gen,
-                result *r) {
-    memset(r, 0, sizeof *r);
-    di_request_params p = di_request_params_default();
-    p.prompt = prompt;
-    p.n_prompt = n;
-    p.max_tokens = max_gen;
-    p.ignore_eos = true;
-    p.sample.n_logprobs = N_TOP;
-    if (seeded) {
-        p.sample.temperature = 0.9f;
-        p.sample.top_k = 40;
-        p.sample.seed = 4242;
-    }
-    p.on_event = on_event;
-    p.user = r;
-    uint64_t id;
-    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-    di_engine_wait_idle(e);
-    CHECK_EQ(r->n, max_gen);
 }
 
 static void check_clean(di_engine *e, di_engine_stats *st) {
@@ -274,8 +223,6 @@ int main(void) {
     RUN(test_eviction_write_back);
     RUN(test_other_checkpoint);
     RUN(test_options);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

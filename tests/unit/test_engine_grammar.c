@@ -559,8 +559,6 @@ int main(void) {
     RUN(test_auto_after_dsml);
     di_grammar_vocab_destroy(g_gv);
     di_tokenizer_destroy(g_tok);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

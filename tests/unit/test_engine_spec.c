@@ -951,8 +951,6 @@ int main(void) {
     CHECK_EQ(di_synth_write(&c, g_dir), DI_OK);
     g_v4 = true, g_k = 1;
     run_suite();
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    di_test_remove_dir(g_root);
     return test_finish();
 }

@@ -19,62 +19,14 @@ enum { V = 512, N_TOP = 3, MAX_GEN = 8, N_P = 200, N_CTX = 512 };
 
 static char g_dir[256], g_other[300], g_v41[300];
 static int32_t g_p[N_P];
-
-typedef struct result {
-    int32_t tokens[MAX_GEN];
-    float logprob[MAX_GEN], top[MAX_GEN][N_TOP];
-    int32_t n, n_cached;
-} result;
-
-static void on_event(void *user, const di_event *ev) {
-    result *r = user;
-    if (ev->token >= 0 && r->n < MAX_GEN) {
-        r->tokens[r->n] = ev->token;
-        r->logprob[r->n] = ev->logprob;
-        for (int k = 0; k < ev->n_top && k < N_TOP; k++) r->top[r->n][k] = ev->top_logprobs[k];
-        r->n++;
-    }
-    if (ev->finish != DI_FINISH_NONE) r->n_cached = ev->n_cached;
-}
-
-static bool same(const result *a, const result *b) {
-    return a->n == b->n && !memcmp(a->tokens, b->tokens, sizeof a->tokens) &&
-           !memcmp(a->logprob, b->logprob, sizeof a->logprob) &&
-           !memcmp(a->top, b->top, sizeof a->top);
-}
+#include "engine_prompt.h" // result, on_event, same, engine_options, run
 
 static di_engine *engine(const char *dir, bool prefix) {
-    di_engine_options o = di_engine_options_default();
-    o.n_threads = 2;
-    o.kv_memory_bytes = 64u << 20;
-    o.max_seqs = 4;
-    o.max_batch_tokens = 64; // chunked prefill
-    o.max_ctx = N_CTX;
+    di_engine_options o = engine_options(64u << 20);
     o.no_prefix_cache = !prefix;
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(dir, &o, &e), DI_OK);
     return e;
-}
-
-static void run(di_engine *e, bool seeded, int max_gen, result *r) {
-    memset(r, 0, sizeof *r);
-    di_request_params p = di_request_params_default();
-    p.prompt = g_p;
-    p.n_prompt = N_P;
-    p.max_tokens = max_gen;
-    p.ignore_eos = true;
-    p.sample.n_logprobs = N_TOP;
-    if (seeded) {
-        p.sample.temperature = 0.9f;
-        p.sample.top_k = 40;
-        p.sample.seed = 4242;
-    }
-    p.on_event = on_event;
-    p.user = r;
-    uint64_t id;
-    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-    di_engine_wait_idle(e);
-    CHECK_EQ(r->n, max_gen);
 }
 
 static int64_t cached_blocks(di_engine *e) {
@@ -87,13 +39,13 @@ static void test_export_import(void) {
     result ref[2], r;
     di_engine *c = engine(g_dir, false); // the reference: no cache at all
     if (!c) return;
-    run(c, false, MAX_GEN, &ref[0]);
-    run(c, true, MAX_GEN, &ref[1]);
+    run(c, g_p, N_P, false, MAX_GEN, &ref[0]);
+    run(c, g_p, N_P, true, MAX_GEN, &ref[1]);
     di_engine_destroy(c);
 
     di_engine *a = engine(g_dir, true); // the prefill side
     if (!a) return;
-    run(a, false, 1, &r);
+    run(a, g_p, N_P, false, 1, &r);
     void *x = NULL;
     size_t n = 0;
     int32_t nb = -1;
@@ -126,7 +78,7 @@ static void test_export_import(void) {
     CHECK_EQ(ins, 0);
     CHECK_EQ(pres, 12);
     for (int k = 0; k < 2; k++) {
-        run(b, k == 1, MAX_GEN, &r);
+        run(b, g_p, N_P, k == 1, MAX_GEN, &r);
         CHECK(same(&r, &ref[k]));
         CHECK_EQ(r.n_cached, 192);
     }
@@ -175,7 +127,7 @@ static void test_export_import(void) {
     CHECK(strstr(err, "chain hash") != NULL);
     CHECK_EQ(cached_blocks(b), 0);
     free(z);
-    run(b, false, MAX_GEN, &r);
+    run(b, g_p, N_P, false, MAX_GEN, &r);
     CHECK_EQ(r.n_cached, 0);
     CHECK(same(&r, &ref[0]));
     di_engine_destroy(b);
@@ -203,11 +155,11 @@ static void test_v41(void) {
     result ref, r;
     di_engine *c = engine(g_v41, false);
     if (!c) return;
-    run(c, true, MAX_GEN, &ref);
+    run(c, g_p, N_P, true, MAX_GEN, &ref);
     di_engine_destroy(c);
     di_engine *a = engine(g_v41, true);
     if (!a) return;
-    run(a, true, 1, &r);
+    run(a, g_p, N_P, true, 1, &r);
     void *x = NULL;
     size_t n = 0;
     int32_t nb = -1, ins = -1, pres = -1;
@@ -220,7 +172,7 @@ static void test_v41(void) {
     CHECK_EQ(di_engine_kv_import(b, x, n, &ins, &pres, err, sizeof err), DI_OK);
     CHECK_EQ(ins, 12);
     CHECK_EQ(cached_blocks(b), 12);
-    run(b, true, MAX_GEN, &r);
+    run(b, g_p, N_P, true, MAX_GEN, &r);
     CHECK(same(&r, &ref));
     CHECK_EQ(r.n_cached, 192);
     di_engine_stats st;
@@ -258,8 +210,6 @@ int main(void) {
     di_set_log_level(1);
     RUN(test_export_import);
     RUN(test_v41);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

@@ -41,6 +41,7 @@ enum { V = 512, N_REQ = 6, MAX_GEN = 24, MAX_CTX = 256, N_TOP = 3, ROWS = 32, N_
 
 static char g_root[256], g_dir[300];
 #include "engine_requests.h" // g_prompt, g_len, result, on_event, request, same
+#include "engine_v41_slot.h" // v41_slot: one engine slot's session
 
 // ---- the reference: one plain V4.1 session per request ----
 
@@ -236,35 +237,20 @@ static void test_sizing(void) {
     // One slot's tail, measured as the engine does: a session bound to pool blocks (no entries of
     // its own), reserved for MAX_CTX positions and ROWS rows on a model with the engine's thread
     // count; and the blocks of one MAX_CTX sequence.
-    di_model_options mo = di_model_options_default();
-    mo.n_threads = N_THREADS;
-    di_model *m = NULL;
-    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
-    if (!m) return;
-    di_session_options so = {.n_ctx_max = MAX_CTX};
-    di_session *s = NULL;
-    CHECK_EQ(di_session_create(m, &so, &s), DI_OK);
-    if (!s) {
-        di_model_destroy(m);
-        return;
-    }
-    di_dsv4_ws ws = {0}; // the engine's slots share its workspace, outside kv_memory_bytes
-    di_dsv41_share_ws(s, &ws);
-    di_dsv41_bind_pages(s, NULL, 0);
-    const int64_t before = di_dsv41_state_bytes(s);
-    CHECK_EQ(di_dsv41_reserve_ctx(s, MAX_CTX, ROWS), DI_OK);
-    const int64_t tail = di_dsv41_state_bytes(s), ws_bytes = di_dsv4_ws_bytes(&ws);
+    v41_slot t;
+    if (!v41_slot_open(&t, g_dir)) return;
+    const int64_t before = di_dsv41_state_bytes(t.s);
+    CHECK_EQ(di_dsv41_reserve_ctx(t.s, MAX_CTX, ROWS), DI_OK);
+    const int64_t tail = di_dsv41_state_bytes(t.s), ws_bytes = di_dsv4_ws_bytes(&t.ws);
     CHECK(ws_bytes > 0); // the reservation grew the shared workspace, not the session's own
-    CHECK_EQ(di_dsv41_capacity(s), 0); // no entries in the slot: they are in the pool's blocks
-    const int32_t bt = di_kv_block_tokens(m);
+    CHECK_EQ(di_dsv41_capacity(t.s), 0); // no entries in the slot: they are in the pool's blocks
+    const int32_t bt = di_kv_block_tokens(t.m);
     const int32_t max_blocks = (MAX_CTX + bt - 1) / bt;
-    const int64_t blk = (int64_t)di_kv_v41_block_bytes(m);
-    const int64_t page = (int64_t)di_dsv41_page_bytes(m, bt), one = max_blocks * blk;
+    const int64_t blk = (int64_t)di_kv_v41_block_bytes(t.m);
+    const int64_t page = (int64_t)di_dsv41_page_bytes(t.m, bt), one = max_blocks * blk;
     // The dense layout before paging committed every slot's entries for MAX_CTX positions.
     const int64_t dense = tail + max_blocks * page;
-    di_session_destroy(s);
-    di_dsv4_ws_free(&ws);
-    di_model_destroy(m);
+    v41_slot_close(&t);
     CHECK(tail > before); // the reservation grew the history
     fprintf(stderr,
             "(d) one V4.1 slot tail (%d positions, %d rows per step): %lld bytes (%.2f MiB); a "
@@ -385,8 +371,6 @@ int main(void) {
     test_cancel();
     test_failure();
     test_sizing();
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    di_test_remove_dir(g_root);
     return test_finish();
 }

@@ -41,6 +41,7 @@
 
 enum { V = 512, MAX_GEN = 8, MAX_CTX = 320, N_TOP = 3, ROWS = 32, N_THREADS = 2, LONG = 240 };
 enum { N_HIT = 9, TAIL = 7, MAXP = LONG + TAIL };
+#include "engine_v41_slot.h" // v41_slot: one engine slot's session
 
 static char g_root[256], g_dir[300], g_dir2[300];
 static int32_t g_base[LONG];  // the shared text
@@ -236,24 +237,13 @@ static void test_concurrent(void) {
 
 static void test_eviction(void) {
     // One slot's tail and max_ctx blocks, nothing else: the bytes as the engine measures them.
-    di_model_options mo = di_model_options_default();
-    mo.n_threads = N_THREADS;
-    di_model *m = NULL;
-    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
-    if (!m) return;
-    di_session_options so = {.n_ctx_max = MAX_CTX};
-    di_session *s = NULL;
-    CHECK_EQ(di_session_create(m, &so, &s), DI_OK);
-    di_dsv4_ws ws = {0};
-    di_dsv41_share_ws(s, &ws);
-    di_dsv41_bind_pages(s, NULL, 0); // an engine slot's: its blocks are the pool's
-    CHECK_EQ(di_dsv41_reserve_ctx(s, MAX_CTX, ROWS), DI_OK);
-    const int32_t bt = di_kv_block_tokens(m), max_blocks = (MAX_CTX + bt - 1) / bt;
-    const int64_t blk = (int64_t)di_kv_v41_block_bytes(m);
-    const int64_t slot = di_dsv41_state_bytes(s) + max_blocks * blk;
-    di_session_destroy(s);
-    di_dsv4_ws_free(&ws);
-    di_model_destroy(m);
+    v41_slot t;
+    if (!v41_slot_open(&t, g_dir)) return;
+    CHECK_EQ(di_dsv41_reserve_ctx(t.s, MAX_CTX, ROWS), DI_OK);
+    const int32_t bt = di_kv_block_tokens(t.m), max_blocks = (MAX_CTX + bt - 1) / bt;
+    const int64_t blk = (int64_t)di_kv_v41_block_bytes(t.m);
+    const int64_t slot = di_dsv41_state_bytes(t.s) + max_blocks * blk;
+    v41_slot_close(&t);
 
     static result req[3], ref[3];
     prompt(&req[0], g_base, LONG, 0, 0);
@@ -496,8 +486,6 @@ int main(void) {
     test_other_checkpoint();
     test_disk();
     test_shared_blocks();
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    di_test_remove_dir(g_root);
     return test_finish();
 }

@@ -379,8 +379,6 @@ int main(void) {
     RUN(test_ttl);
     RUN(test_lock_and_leftovers);
     RUN(test_flash_block_time);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    di_test_remove_dir(g_root);
     return test_finish();
 }

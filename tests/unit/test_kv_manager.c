@@ -330,8 +330,6 @@ int main(void) {
     if (g_m) RUN(test_disk_tier);
     if (g_m) RUN(test_accounting);
     di_model_destroy(g_m);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    di_test_remove_dir(g_dir);
     return test_finish();
 }

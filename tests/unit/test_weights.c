@@ -252,8 +252,6 @@ int main(void) {
     RUN(test_layouts);
     RUN(test_config_mismatch_and_truncation);
     RUN(test_fast_codes);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_root);
+    di_test_remove_dir(g_root);
     return test_finish();
 }

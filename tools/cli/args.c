@@ -146,6 +146,42 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
     return 0;
 }
 
+di_http_args di_args_http_defaults(void) {
+    return (di_http_args){.host = "127.0.0.1",
+                          .port = 8000,
+                          .max_body_bytes = 8u << 20,
+                          .timeout_s = 600,
+                          .drain_s = 30};
+}
+
+int di_args_http_option(int argc, char **argv, int *i, di_http_args *ha) {
+    const char *a = argv[*i];
+    if (*i + 1 >= argc) return 0;
+    const char *s = argv[*i + 1];
+    long v;
+    if (!strcmp(a, "--host")) {
+        ha->host = s;
+    } else if (!strcmp(a, "--api-key")) {
+        ha->api_key = s;
+    } else if (!strcmp(a, "--port")) {
+        if (!di_args_int(s, "--port", 0, 65535, &v)) return -1;
+        ha->port = (int)v;
+    } else if (!strcmp(a, "--max-body-mib")) {
+        if (!di_args_int(s, "--max-body-mib", 1, 1024, &v)) return -1;
+        ha->max_body_bytes = (size_t)v << 20;
+    } else if (!strcmp(a, "--timeout")) {
+        if (!di_args_int(s, "--timeout", 1, 86400, &v)) return -1;
+        ha->timeout_s = (int)v;
+    } else if (!strcmp(a, "--drain-timeout")) {
+        if (!di_args_int(s, "--drain-timeout", 0, 3600, &v)) return -1;
+        ha->drain_s = (int)v;
+    } else {
+        return 0;
+    }
+    ++*i;
+    return 1;
+}
+
 static bool mkdir_p(const char *path) {
     char tmp[4096];
     snprintf(tmp, sizeof tmp, "%s", path);

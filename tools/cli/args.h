@@ -31,3 +31,15 @@ typedef struct di_model_args {
 // Consumes argv[*i] (and its value) if it is a shared model option; returns 1 if consumed,
 // 0 if not a model option, -1 on a malformed value.
 int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma);
+// Options shared by the HTTP fronts (serve, route): --host, --port, --api-key, --max-body-mib,
+// --timeout (idle connection, seconds) and --drain-timeout (seconds).
+typedef struct di_http_args {
+    const char *host, *api_key; // borrowed (argv)
+    int port, timeout_s, drain_s;
+    size_t max_body_bytes;
+} di_http_args;
+// The defaults: 127.0.0.1:8000, no API key, 8 MiB bodies, 600 s idle timeout, 30 s drain.
+di_http_args di_args_http_defaults(void);
+// Consumes argv[*i] and its value if it is a shared HTTP option with a value; returns 1 if
+// consumed, 0 if not (an HTTP option without a value included), -1 on a malformed value.
+int di_args_http_option(int argc, char **argv, int *i, di_http_args *ha);

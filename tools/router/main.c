@@ -3,7 +3,6 @@
 // generation requests get 503, in-flight ones are drained (at most --drain-timeout seconds).
 #include <curl/curl.h>
 #include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,13 +11,6 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "router/router.h"
-
-static volatile sig_atomic_t g_stop;
-
-static void on_signal(int sig) {
-    (void)sig;
-    g_stop = 1;
-}
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -57,11 +49,6 @@ static bool parse_ms(const char *s, int *out) {
     if (ms < 1 || ms > 86400e3) return false;
     *out = (int)ms;
     return true;
-}
-
-static void sleep_ms(int ms) {
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
 }
 
 // ---- health polling ----
@@ -193,20 +180,16 @@ int di_cli_route(int argc, char **argv) {
     rt *r = calloc(1, sizeof *r);
     if (!r) return 1;
     rt_config *c = &r->cfg;
-    *c = (rt_config){.host = "127.0.0.1",
-                     .port = 8000,
+    *c = (rt_config){.http = di_args_http_defaults(),
                      .health_interval_ms = 1000,
                      .health_fails = 3,
                      .connect_timeout_ms = 2000,
                      .upstream_timeout_s = 600,
-                     .max_body_bytes = 8u << 20,
                      .prefix_bytes = 1024,
                      .n_vnodes = 64,
                      .max_imbalance = 4,
                      .pin_user = true,
-                     .timeout_s = 600,
                      .max_connections = 1024,
-                     .drain_s = 30,
                      .pd_min_bytes = 1024,
                      .prefill_timeout_ms = 120000};
     int rc = 2, ms;
@@ -215,6 +198,9 @@ int di_cli_route(int argc, char **argv) {
     srv_http *h = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        int m = di_args_http_option(argc, argv, &i, &c->http);
+        if (m < 0) goto out;
+        if (m > 0) continue;
         bool has = i + 1 < argc;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
@@ -248,13 +234,6 @@ int di_cli_route(int argc, char **argv) {
                                 "1m\n");
                 goto out;
             }
-        } else if (!strcmp(a, "--host") && has) {
-            c->host = argv[++i];
-        } else if (!strcmp(a, "--port") && has) {
-            if (!di_args_int(argv[++i], "--port", 0, 65535, &v)) goto out;
-            c->port = (int)v;
-        } else if (!strcmp(a, "--api-key") && has) {
-            c->api_key = argv[++i];
         } else if (!strcmp(a, "--replica-api-key") && has) {
             c->replica_api_key = argv[++i];
         } else if ((!strcmp(a, "--health-interval") || !strcmp(a, "--connect-timeout") ||
@@ -284,15 +263,6 @@ int di_cli_route(int argc, char **argv) {
             c->n_vnodes = (int)v;
         } else if (!strcmp(a, "--no-user-pin")) {
             c->pin_user = false;
-        } else if (!strcmp(a, "--max-body-mib") && has) {
-            if (!di_args_int(argv[++i], "--max-body-mib", 1, 1024, &v)) goto out;
-            c->max_body_bytes = (size_t)v << 20;
-        } else if (!strcmp(a, "--timeout") && has) {
-            if (!di_args_int(argv[++i], "--timeout", 1, 86400, &v)) goto out;
-            c->timeout_s = (int)v;
-        } else if (!strcmp(a, "--drain-timeout") && has) {
-            if (!di_args_int(argv[++i], "--drain-timeout", 0, 3600, &v)) goto out;
-            c->drain_s = (int)v;
         } else {
             fprintf(stderr, "route: unknown or incomplete option '%s'\n", a);
             usage(stderr);
@@ -320,11 +290,7 @@ int di_cli_route(int argc, char **argv) {
     pthread_cond_init(&r->cv, NULL);
     locks = true;
     r->started_at = (long)time(NULL);
-    struct sigaction sa = {0};
-    sa.sa_handler = on_signal;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    srv_http_on_signals();
     for (int i = 0; i < r->n_rep + r->n_pre; i++) {
         const bool pre = i >= r->n_rep;
         const int k = pre ? i - r->n_rep : i;
@@ -340,27 +306,26 @@ int di_cli_route(int argc, char **argv) {
         p->poller_started = true;
     }
     const srv_http_opts o = {.who = "route",
-                             .host = c->host,
-                             .port = c->port,
-                             .max_body_bytes = c->max_body_bytes,
-                             .timeout_s = c->timeout_s,
+                             .host = c->http.host,
+                             .port = c->http.port,
+                             .max_body_bytes = c->http.max_body_bytes,
+                             .timeout_s = c->http.timeout_s,
                              .max_connections = c->max_connections,
                              .handler = rt_handle,
                              .cls = r};
     if (!srv_http_listen(&o, &h)) goto out;
     fprintf(stderr, "INFO  route: listening on http://%s:%d, %d replica(s), health every %d ms\n",
-            c->host, c->port, r->n_rep, c->health_interval_ms);
+            c->http.host, c->http.port, r->n_rep, c->health_interval_ms);
     if (r->n_pre)
         fprintf(stderr,
                 "INFO  route: prefill/decode disaggregation: %d prefill replica(s), %d decode "
                 "replica(s); bodies of %zu bytes or more are prefilled first\n",
                 r->n_pre, r->n_rep, c->pd_min_bytes);
-    while (!g_stop) sleep_ms(100);
+    srv_http_wait_signal();
     atomic_store(&r->stop, true);
     fprintf(stderr, "INFO  route: shutting down: draining %d in-flight request(s)\n",
             atomic_load(&r->inflight));
-    srv_http_quiesce(h);
-    for (int t = 0; t < c->drain_s * 10 && atomic_load(&r->inflight) > 0; t++) sleep_ms(100);
+    srv_http_drain(h, &r->inflight, c->http.drain_s);
     rc = 0;
 out:
     srv_http_stop(h);

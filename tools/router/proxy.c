@@ -49,11 +49,11 @@ static enum MHD_Result fail(rt *r, struct MHD_Connection *c, srv_api api, const 
 
 // The server's rule (tools/server/routes.c): a Bearer token, or x-api-key on Anthropic paths.
 static bool authorized(const rt *r, struct MHD_Connection *c, srv_api api) {
-    if (!r->cfg.api_key) return true;
+    if (!r->cfg.http.api_key) return true;
     const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
-    if (a && !strncmp(a, "Bearer ", 7)) return !strcmp(a + 7, r->cfg.api_key);
+    if (a && !strncmp(a, "Bearer ", 7)) return !strcmp(a + 7, r->cfg.http.api_key);
     const char *x = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "x-api-key");
-    return api == SRV_API_MESSAGES && x && !strcmp(x, r->cfg.api_key);
+    return api == SRV_API_MESSAGES && x && !strcmp(x, r->cfg.http.api_key);
 }
 
 // ---- upstream transfer ----
@@ -648,7 +648,7 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
     if (rt_->k == K_GEN) {
         if (too_large) {
             srv_err_set(&e, 413, NULL, "The request body is larger than %zu bytes.",
-                        r->cfg.max_body_bytes);
+                        r->cfg.http.max_body_bytes);
             return fail(r, c, api, &e);
         }
         if (atomic_load(&r->stop)) {

@@ -30,22 +30,19 @@
 #define RT_POOL 32
 
 typedef struct rt_config {
-    const char *host;            // borrowed (argv)
-    int port;                    //
-    const char *api_key;         // borrowed; NULL: clients need no key
+    // The client side: host, port, api_key (NULL: clients need no key), max_body_bytes (bodies
+    // over it: 413), timeout_s (idle connection), drain_s (SIGTERM: in-flight requests' wait).
+    di_http_args http;
     const char *replica_api_key; // borrowed; NULL: the client's Authorization / x-api-key go up
     int health_interval_ms;      // poll period of /ready and /metrics
     int health_fails;            // failed polls in a row that take a replica out of rotation
     int connect_timeout_ms;      // upstream connect (and health poll) timeout
     int upstream_timeout_s;      // an upstream transfer receiving nothing this long is aborted
-    size_t max_body_bytes;       // client request bodies over it: 413
     size_t prefix_bytes;         // routing-key length (rt_prefix_key)
     int n_vnodes;                // ring points per replica
     int64_t max_imbalance;       // rt_policy_pick: overload margin, in requests
     bool pin_user;               // a request naming a user routes by it
-    int timeout_s;               // idle client connection timeout
     int max_connections;         // client connections at once
-    int drain_s;                 // SIGTERM: wait at most this long for in-flight requests
     size_t pd_min_bytes;         // PD mode: bodies shorter than this skip the prefill step
     int prefill_timeout_ms;      // PD mode: the prefill + KV import must finish within this
 } rt_config;

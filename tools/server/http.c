@@ -6,10 +6,12 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "server/server.h"
 
@@ -235,20 +237,45 @@ static enum MHD_Result serve_route(void *cls, struct MHD_Connection *c, const ch
 
 bool srv_http_start(srv *s, srv_http **out) {
     const srv_http_opts o = {.who = "serve",
-                             .host = s->cfg.host,
-                             .port = s->cfg.port,
-                             .max_body_bytes = s->cfg.max_body_bytes,
+                             .host = s->cfg.http.host,
+                             .port = s->cfg.http.port,
+                             .max_body_bytes = s->cfg.http.max_body_bytes,
                              .bulk_path = s->cfg.kv_transfer ? "/internal/kv" : NULL,
                              .max_bulk_bytes = s->cfg.max_kv_transfer_bytes,
-                             .timeout_s = s->cfg.timeout_s,
+                             .timeout_s = s->cfg.http.timeout_s,
                              .max_connections = s->cfg.max_inflight + 64,
                              .handler = serve_route,
                              .cls = s};
     return srv_http_listen(&o, out);
 }
 
-void srv_http_quiesce(srv_http *h) {
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+void srv_http_drain(srv_http *h, atomic_int *inflight, int drain_s) {
     MHD_quiesce_daemon(h->d); // stop accepting; open connections continue
+    for (int t = 0; t < drain_s * 10 && atomic_load(inflight) > 0; t++) sleep_ms(100);
+}
+
+static volatile sig_atomic_t g_stop;
+
+static void on_signal(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+void srv_http_on_signals(void) {
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+void srv_http_wait_signal(void) {
+    while (!g_stop) sleep_ms(100);
 }
 
 void srv_http_stop(srv_http *h) {

@@ -2,7 +2,6 @@
 // SIGTERM/SIGINT: /ready turns 503 and new generation requests get 503; in-flight requests are
 // drained (at most --drain-timeout seconds), then the HTTP daemon, engine and tokenizer are freed.
 #include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,13 +11,6 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "server/server.h"
-
-static volatile sig_atomic_t g_stop;
-
-static void on_signal(int sig) {
-    (void)sig;
-    g_stop = 1;
-}
 
 static void usage(FILE *f) {
     fprintf(
@@ -102,11 +94,6 @@ static bool parse_seconds(const char *s, int64_t *out) {
     return true;
 }
 
-static void sleep_ms(int ms) {
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
 // max_position_embeddings of the checkpoint's config.json (0 if absent).
 static int32_t config_ctx(const char *dir) {
     char path[4096];
@@ -140,16 +127,12 @@ int di_cli_serve(int argc, char **argv) {
     srv *s = calloc(1, sizeof *s);
     if (!s) return 1;
     srv_config *c = &s->cfg;
-    *c = (srv_config){.host = "127.0.0.1",
-                      .port = 8000,
+    *c = (srv_config){.http = di_args_http_defaults(),
                       .max_ctx = 8192,
                       .max_seqs = 16,
-                      .max_body_bytes = 8u << 20,
                       .max_kv_transfer_bytes = (size_t)1 << 30,
                       .max_inflight = 256,
-                      .timeout_s = 600,
-                      .keepalive_s = 15,
-                      .drain_s = 30};
+                      .keepalive_s = 15};
     di_model_args ma = {0};
     ma.opt = di_model_options_default();
     long v;
@@ -159,18 +142,14 @@ int di_cli_serve(int argc, char **argv) {
         int m = di_args_model_option(argc, argv, &i, &ma);
         if (m < 0) goto out;
         if (m > 0) continue;
+        m = di_args_http_option(argc, argv, &i, &c->http);
+        if (m < 0) goto out;
+        if (m > 0) continue;
         bool has = i + 1 < argc;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             rc = 0;
             goto out;
-        } else if (!strcmp(a, "--host") && has) {
-            c->host = argv[++i];
-        } else if (!strcmp(a, "--port") && has) {
-            if (!di_args_int(argv[++i], "--port", 0, 65535, &v)) goto out;
-            c->port = (int)v;
-        } else if (!strcmp(a, "--api-key") && has) {
-            c->api_key = argv[++i];
         } else if (!strcmp(a, "--served-model-name") && has) {
             c->model_name = argv[++i];
         } else if (!strcmp(a, "--kv-memory") && has) {
@@ -217,12 +196,6 @@ int di_cli_serve(int argc, char **argv) {
         } else if (!strcmp(a, "--max-inflight") && has) {
             if (!di_args_int(argv[++i], "--max-inflight", 1, 100000, &v)) goto out;
             c->max_inflight = (int)v;
-        } else if (!strcmp(a, "--max-body-mib") && has) {
-            if (!di_args_int(argv[++i], "--max-body-mib", 1, 1024, &v)) goto out;
-            c->max_body_bytes = (size_t)v << 20;
-        } else if (!strcmp(a, "--timeout") && has) {
-            if (!di_args_int(argv[++i], "--timeout", 1, 86400, &v)) goto out;
-            c->timeout_s = (int)v;
         } else if (!strcmp(a, "--keepalive") && has) {
             // seconds, fractions allowed (the tests use 0.05 s to see keep-alives on any machine)
             char *end = NULL;
@@ -232,9 +205,6 @@ int di_cli_serve(int argc, char **argv) {
                 goto out;
             }
             c->keepalive_s = ka;
-        } else if (!strcmp(a, "--drain-timeout") && has) {
-            if (!di_args_int(argv[++i], "--drain-timeout", 0, 3600, &v)) goto out;
-            c->drain_s = (int)v;
         } else {
             fprintf(stderr, "serve: unknown or incomplete option '%s'\n", a);
             usage(stderr);
@@ -315,22 +285,17 @@ int di_cli_serve(int argc, char **argv) {
                 di_tokenizer_n_vocab(s->tok), n_vocab, n_vocab);
     int32_t mp = config_ctx(ma.model);
     s->n_ctx = mp > 0 && mp < c->max_ctx ? mp : c->max_ctx;
-    struct sigaction sa = {0};
-    sa.sa_handler = on_signal;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    srv_http_on_signals();
     srv_http *h = NULL;
     if (!srv_http_start(s, &h)) goto out;
     atomic_store(&s->ready, true);
-    fprintf(stderr, "INFO  serve: listening on http://%s:%d (model '%s', context %d)\n", c->host,
-            c->port, c->model_name, s->n_ctx);
-    while (!g_stop) sleep_ms(100);
+    fprintf(stderr, "INFO  serve: listening on http://%s:%d (model '%s', context %d)\n",
+            c->http.host, c->http.port, c->model_name, s->n_ctx);
+    srv_http_wait_signal();
     atomic_store(&s->draining, true);
     fprintf(stderr, "INFO  serve: shutting down: draining %d in-flight request(s)\n",
             atomic_load(&s->inflight));
-    srv_http_quiesce(h);
-    for (int t = 0; t < c->drain_s * 10 && atomic_load(&s->inflight) > 0; t++) sleep_ms(100);
+    srv_http_drain(h, &s->inflight, c->http.drain_s);
     srv_http_stop(h);
     fprintf(stderr, "INFO  serve: stopped\n");
     rc = 0;

@@ -223,11 +223,11 @@ static enum MHD_Result fail(srv *s, struct MHD_Connection *c, srv_api api, const
 }
 
 static bool authorized(srv *s, struct MHD_Connection *c, kind k) {
-    if (!s->cfg.api_key) return true;
+    if (!s->cfg.http.api_key) return true;
     const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
-    if (a && !strncmp(a, "Bearer ", 7)) return !strcmp(a + 7, s->cfg.api_key); // Bearer wins
+    if (a && !strncmp(a, "Bearer ", 7)) return !strcmp(a + 7, s->cfg.http.api_key); // Bearer wins
     const char *x = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "x-api-key");
-    return k == K_MSG && x && !strcmp(x, s->cfg.api_key);
+    return k == K_MSG && x && !strcmp(x, s->cfg.http.api_key);
 }
 
 enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, const char *method,
@@ -307,7 +307,8 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     // generation endpoints (and the internal ones)
     if (too_large) {
         srv_err_set(&e, 413, NULL, "The request body is larger than %zu bytes.",
-                    r->k == K_KV_IMPORT ? s->cfg.max_kv_transfer_bytes : s->cfg.max_body_bytes);
+                    r->k == K_KV_IMPORT ? s->cfg.max_kv_transfer_bytes
+                                        : s->cfg.http.max_body_bytes);
         return fail(s, c, api, &e);
     }
     if (atomic_load(&s->draining)) {

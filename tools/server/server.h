@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cli/args.h" // di_http_args
 #include "deepinfer.h"
 
 #define SRV_MAX_N 8 // choices per request (spec §3: n ≤ 8)
@@ -73,9 +74,9 @@ json_t *srv_err_body(srv_api api, const srv_err *e);
 // ---- server context ----
 
 typedef struct srv_config {
-    const char *host;
-    int port;
-    const char *api_key;    // NULL: no auth
+    // host, port, api_key (NULL: no auth), max_body_bytes, timeout_s (idle connection), drain_s
+    // (SIGTERM: wait at most this long for in-flight requests)
+    di_http_args http;
     const char *model_dir;  // borrowed
     const char *model_name; // served model id
     int n_threads;
@@ -87,12 +88,9 @@ typedef struct srv_config {
     int32_t max_seqs;
     int32_t spec_tokens;       // DSpark drafts per verify (V4.1 with DSpark); 0 = off
     float spec_min_confidence; // the confidence cut; 0 = the engine's default, < 0 none
-    size_t max_body_bytes;
-    int max_inflight;   // concurrent generation requests; more get 429
-    int timeout_s;      // idle connection timeout
-    double keepalive_s; // SSE keep-alive period while nothing is produced
-    int drain_s;        // SIGTERM: wait at most this long for in-flight requests
-    bool kv_transfer;   // --kv-transfer: POST /internal/prefill and /internal/kv are served
+    int max_inflight;          // concurrent generation requests; more get 429
+    double keepalive_s;        // SSE keep-alive period while nothing is produced
+    bool kv_transfer;          // --kv-transfer: POST /internal/prefill and /internal/kv are served
     size_t max_kv_transfer_bytes; // body limit of POST /internal/kv
 } srv_config;
 
@@ -338,8 +336,13 @@ typedef struct srv_http_opts {
 bool srv_http_listen(const srv_http_opts *o, srv_http **out);
 // srv_http_listen with the server's configuration and srv_route.
 bool srv_http_start(srv *s, srv_http **out);
-// Stops accepting; open connections continue.
-void srv_http_quiesce(srv_http *h);
+// Stops accepting (open connections continue), then waits at most drain_s seconds for *inflight to
+// reach 0.
+void srv_http_drain(srv_http *h, atomic_int *inflight, int drain_s);
+// The clean shutdown of serve and route: after srv_http_on_signals, SIGTERM and SIGINT ask for it
+// (SIGPIPE is ignored); srv_http_wait_signal returns once one was received.
+void srv_http_on_signals(void);
+void srv_http_wait_signal(void);
 void srv_http_stop(srv_http *h);
 // routes.c: handles one complete request; returns the MHD result of queueing a response.
 enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, const char *method,
