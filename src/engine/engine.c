@@ -1544,12 +1544,8 @@ static void mtp_step(di_engine *e) {
     di_dsv4_set_rows(&c);
     di_dsv4_mtp_forward_batch(&c, xm, e->x_mids, e->x_mlogit, n_ml, e->mtp_logits);
     for (int32_t j = 0; j < n_ml; j++) {
-        const float *l = e->mtp_logits + (int64_t)j * V;
-        int32_t best = 0;
-        for (int32_t t = 1; t < V; t++)
-            if (l[t] > l[best]) best = t;
         const di_request *r = e->x_seq_req[e->x_mseq[j]];
-        e->mtp_draft[r->slot] = best;
+        e->mtp_draft[r->slot] = di_argmax(e->mtp_logits + (int64_t)j * V, (int32_t)V);
         e->mtp_draft_req[r->slot] = r->id;
     }
 }

@@ -121,8 +121,6 @@ static int32_t argmax_scalar(const float *v, int32_t n) {
     return best;
 }
 
-static int32_t argmax(const float *v, int32_t n);
-
 static void sift_down(const float *v, int32_t *h, int32_t n, int32_t i) {
     for (;;) { // min-heap on "before": the root is the worst kept candidate
         int32_t l = 2 * i + 1, r = l + 1, m = i;
@@ -278,7 +276,7 @@ static bool use_avx2(void) {
 #endif
 }
 
-static int32_t argmax(const float *v, int32_t n) {
+int32_t di_argmax(const float *v, int32_t n) {
 #ifdef DI_SUM_EXP_AVX2
     if (use_avx2()) return argmax_avx2(v, n);
 #endif
@@ -310,7 +308,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
     float *w = s->work;
 
     // Log-probabilities of the raw logits (reported, whatever the processing), when asked for.
-    const int32_t i_max = argmax(logits, V);
+    const int32_t i_max = di_argmax(logits, V);
     const bool want_lp = p->logprobs || p->n_logprobs > 0;
     const double lse = want_lp ? logits[i_max] + log(sum_exp(logits, V, logits[i_max], 1.0)) : 0;
     res->n_top = p->n_logprobs;
@@ -366,7 +364,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
 
     int32_t tok;
     if (p->temperature == 0) {
-        tok = argmax(w, V);
+        tok = di_argmax(w, V);
     } else {
         // Candidates, best first: top-k (or everything), then top-p / min-p on the tempered
         // softmax. Truncation works on a sorted prefix; without any, the draw runs over ids in
@@ -383,7 +381,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
             if (p->top_k == 0 && p->top_p < 1) {
                 // Nucleus without top-k: sort only as much as needed — grow a sorted prefix
                 // until it holds top_p of the mass (the set is the same as with a full sort).
-                double m0 = w[argmax(w, V)], z = sum_exp(w, V, m0, inv_t);
+                double m0 = w[di_argmax(w, V)], z = sum_exp(w, V, m0, inv_t);
                 for (k = 64 < V ? 64 : V;; k = k * 4 < V ? k * 4 : V) {
                     top_k_ids(w, V, k, c);
                     double acc = 0;
@@ -396,7 +394,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
             n = k;
         }
         double m0 = w[c[0]];
-        if (!truncate) m0 = w[argmax(w, V)];
+        if (!truncate) m0 = w[di_argmax(w, V)];
         double z = 0;
         for (int32_t i = 0; i < n; i++) z += (pr[i] = exp_le0(((double)w[c[i]] - m0) * inv_t));
         if (truncate) {

@@ -28,6 +28,10 @@ typedef struct di_sample_result {
 } di_sample_result;
 
 // DI_ERR_INVALID (n_vocab < 1), DI_ERR_NOMEM.
+// The first index of the largest of v[0..n) (NaNs never win; a NaN at 0 keeps 0); AVX2 where the
+// CPU has it. What greedy sampling takes.
+int32_t di_argmax(const float *v, int32_t n);
+
 di_status di_sampler_create(int32_t n_vocab, di_sampler **out);
 void di_sampler_destroy(di_sampler *s);
 
