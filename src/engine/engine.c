@@ -395,33 +395,28 @@ static di_status spec_setup(di_engine *e) {
                          (int)e->model->mtp[0].block.ratio);
             return DI_ERR_UNSUPPORTED;
         }
-        if (o->spec_tokens > 1) {
-            DI_LOG_INFO("engine: spec_tokens %d -> 1 (the MTP block drafts one token per step)",
-                        (int)o->spec_tokens);
-            o->spec_tokens = 1;
-        }
-        e->spec_k = 1;
         e->spec_tau = -1; // the MTP block has no confidence head: its draft is always verified
         e->stats.spec_drafter = "MTP";
-        e->lstride = 2;
-        return DI_OK;
+    } else {
+        if (e->model->n_mtp_loaded == 0 || hp->dspark_block_size < 1) {
+            DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) needs the checkpoint's "
+                         "DSpark weights (mtp.*); this V4.1 checkpoint has none",
+                         (int)o->spec_tokens);
+            return DI_ERR_UNSUPPORTED;
+        }
+        e->spec_tau =
+            o->spec_min_confidence == 0 ? DI_SPEC_MIN_CONFIDENCE_DEFAULT : o->spec_min_confidence;
+        e->stats.spec_drafter = "DSpark";
     }
-    if (e->model->n_mtp_loaded == 0 || hp->dspark_block_size < 1) {
-        DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) needs the checkpoint's DSpark "
-                     "weights (mtp.*); this V4.1 checkpoint has none",
-                     (int)o->spec_tokens);
-        return DI_ERR_UNSUPPORTED;
-    }
-    if (o->spec_tokens > hp->dspark_block_size) {
-        DI_LOG_INFO("engine: spec_tokens %d -> %d (the DSpark block size)", (int)o->spec_tokens,
-                    (int)hp->dspark_block_size);
-        o->spec_tokens = hp->dspark_block_size;
+    // One draft step makes at most: V4's MTP block one token, V4.1's DSpark block its size.
+    const int32_t k_max = hp->v41 ? hp->dspark_block_size : 1;
+    if (o->spec_tokens > k_max) {
+        DI_LOG_INFO("engine: spec_tokens %d -> %d (%s)", (int)o->spec_tokens, (int)k_max,
+                    hp->v41 ? "the DSpark block size" : "the MTP block drafts one token per step");
+        o->spec_tokens = k_max;
     }
     e->spec_k = o->spec_tokens;
-    e->spec_tau =
-        o->spec_min_confidence == 0 ? DI_SPEC_MIN_CONFIDENCE_DEFAULT : o->spec_min_confidence;
     e->lstride = e->spec_k + 1;
-    e->stats.spec_drafter = "DSpark";
     return DI_OK;
 }
 
