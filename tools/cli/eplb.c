@@ -23,17 +23,17 @@ static double now_s(void) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: deepinfer eplb --load LOAD.json --ranks N --slots-per-rank S "
-            "[--current PLACEMENT.json] [-o PLACEMENT.json] [--tolerance F]\n"
-            "       deepinfer eplb --bench [--layers L] [--experts E]\n"
-            "Plans where each MoE layer's experts and their redundant replicas live over N ranks of "
-            "S slots\n(N x S >= experts) from a routing load (serve's GET /internal/expert-load), "
-            "prints each\nlayer's balance (max / mean rank load; 1.0 = perfect) for the contiguous "
-            "placement and the\nplan, and the replicas moved against --current. --tolerance "
-            "(default 0.05): a plan that\nkeeps --current's replicas in place is taken when its "
-            "max rank load is within this fraction\nof the best. --bench: the planner on Zipf "
-            "loads at V4-Flash shape.\n");
+    fprintf(
+        f, "usage: deepinfer eplb --load LOAD.json --ranks N --slots-per-rank S "
+           "[--current PLACEMENT.json] [-o PLACEMENT.json] [--tolerance F]\n"
+           "       deepinfer eplb --bench [--layers L] [--experts E]\n"
+           "Plans where each MoE layer's experts and their redundant replicas live over N ranks of "
+           "S slots\n(N x S >= experts) from a routing load (serve's GET /internal/expert-load), "
+           "prints each\nlayer's balance (max / mean rank load; 1.0 = perfect) for the contiguous "
+           "placement and the\nplan, and the replicas moved against --current. --tolerance "
+           "(default 0.05): a plan that\nkeeps --current's replicas in place is taken when its "
+           "max rank load is within this fraction\nof the best. --bench: the planner on Zipf "
+           "loads at V4-Flash shape.\n");
 }
 
 // Balance of one layer of p under the counts of layer l of t.
@@ -93,7 +93,8 @@ static int plan(const char *load_path, const char *cur_path, const char *out_pat
         printf("  %s%.4f\n", cur_path ? "" : " ", layer_balance(&next, &t, l, w));
     }
     di_free(w);
-    printf("overall (max / mean rank load, 1.0 = perfect): contiguous %.4f", rep.balance_contiguous);
+    printf("overall (max / mean rank load, 1.0 = perfect): contiguous %.4f",
+           rep.balance_contiguous);
     if (cur_path) printf(", current %.4f", rep.balance_before);
     printf(", eplb %.4f\n", rep.balance_after);
     if (cur_path)
@@ -171,8 +172,8 @@ static int bench(int32_t L, int32_t E) {
                     uint64_t seed = 77 + (uint64_t)k;
                     for (int64_t i = 0; i < (int64_t)L * E; i++) {
                         seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-                        const int64_t d = (int64_t)((seed >> 33) % (uint64_t)(2 * noise[k] + 1)) -
-                                          noise[k];
+                        const int64_t d =
+                            (int64_t)((seed >> 33) % (uint64_t)(2 * noise[k] + 1)) - noise[k];
                         u.count[i] = t.count[i] + t.count[i] * d / 1000;
                     }
                     if (di_eplb_plan(&u, &o, &p, &q, &rq) != DI_OK) return 1;
@@ -180,14 +181,33 @@ static int bench(int32_t L, int32_t E) {
                     di_ep_placement_free(&q);
                 }
                 const double n_rep = (double)L * R * S;
-                printf("| %.1f | %d | %d | %d | %.3f | %.3f | %.3f | %.1f%% | %.1f%% |\n",
-                       skew[a], R, S, R * S - E, rep.balance_contiguous, rep.balance_after, ms,
+                printf("| %.1f | %d | %d | %d | %.3f | %.3f | %.3f | %.1f%% | %.1f%% |\n", skew[a],
+                       R, S, R * S - E, rep.balance_contiguous, rep.balance_after, ms,
                        100.0 * (double)moves[0] / n_rep, 100.0 * (double)moves[1] / n_rep);
                 di_ep_placement_free(&p);
             }
     }
     di_ep_load_table_free(&t);
     di_ep_load_table_free(&u);
+    // The cost of counting on the forward thread: one di_ep_load_record per MoE call.
+    di_ep_load *live;
+    if (di_ep_load_create(L, E, &live) != DI_OK) return 1;
+    enum { K = 6, MAX_ROWS = 256 };
+    int32_t *sel = di_malloc(sizeof(int32_t) * MAX_ROWS * K);
+    if (!sel) rc = 1;
+    for (int32_t i = 0; sel && i < MAX_ROWS * K; i++)
+        sel[i] = (int32_t)((i * 2654435761u) % (uint32_t)E);
+    static const int32_t rows[] = {1, 16, 256};
+    printf("\nload counting (di_ep_load_record, K = %d):", K);
+    for (size_t r = 0; sel && r < 3; r++) {
+        const int n_calls = 200000 / rows[r];
+        const double t0 = now_s();
+        for (int c = 0; c < n_calls; c++) di_ep_load_record(live, c % L, sel, rows[r], K);
+        printf(" %d rows: %.0f ns per MoE call;", rows[r], (now_s() - t0) * 1e9 / n_calls);
+    }
+    printf("\n");
+    di_free(sel);
+    di_ep_load_destroy(live);
     return rc;
 }
 
