@@ -303,7 +303,7 @@ typedef struct planner {
     int32_t *rn;         // [R] replicas per rank
     uint8_t *holds;      // [R * E]
     int32_t *f_exp;      // [N] fresh plan: expert of each replica, rank-major (S per rank)
-    int32_t *s_exp;      // [N] sticky plan (cur's slot layout)
+    int32_t *s_exp;      // [N] repaired plan (cur's slot layout): expert of each slot
     int32_t *ov;         // [R * R] overlap of fresh rank f with cur rank c
     int32_t *map;        // [R] fresh rank -> cur rank
     int32_t *cur_hold;   // [R * E]
@@ -486,6 +486,121 @@ static void emit_sticky(planner *p, const int32_t *cex, const int32_t *crk, int3
     }
 }
 
+// Replicas of layout nex (on cur's slots: crk) that land on a rank without a replica of their
+// expert in cur (cur_hold); uses work_hold.
+static int64_t slot_moves(planner *p, const int32_t *crk, const int32_t *nex) {
+    memcpy(p->work_hold, p->cur_hold, sizeof(int32_t) * (size_t)p->R * (size_t)p->E);
+    int64_t moves = 0;
+    for (int32_t s = 0; s < p->N; s++) {
+        int32_t *h = &p->work_hold[(int64_t)crk[s] * p->E + nex[s]];
+        if (*h > 0)
+            (*h)--;
+        else
+            moves++;
+    }
+    return moves;
+}
+
+// Swaps the experts of slots a and b of the repaired plan (s_exp), updating loads and holdings.
+static void swap_slots(planner *p, const int32_t *crk, int32_t a, int32_t b) {
+    const int32_t E = p->E, ea = p->s_exp[a], eb = p->s_exp[b], A = crk[a], B = crk[b];
+    const double la = p->w[ea] / p->cnt[ea], lb = p->w[eb] / p->cnt[eb];
+    p->rl[A] += lb - la;
+    p->rl[B] += la - lb;
+    p->work_hold[(int64_t)A * E + ea]--;
+    p->work_hold[(int64_t)A * E + eb]++;
+    p->work_hold[(int64_t)B * E + eb]--;
+    p->work_hold[(int64_t)B * E + ea]++;
+    p->s_exp[a] = eb;
+    p->s_exp[b] = ea;
+}
+
+// The repaired plan into s_exp (on cur's slots): every replica of cur kept in its slot while the
+// new replica counts allow, the others in descending load onto the least-loaded ranks' free
+// slots, then swaps of two replicas between the fullest rank and another one, the swap that
+// lowers the larger of the two ranks' loads the most first, until the fullest rank is within
+// cap or no swap helps. Returns its max rank load.
+static double pack_repair(planner *p, const int32_t *cex, const int32_t *crk, double cap) {
+    const int32_t E = p->E, N = p->N;
+    reset_ranks(p);
+    memset(p->kept, 0, sizeof(int32_t) * (size_t)E);
+    memset(p->work_hold, 0, sizeof(int32_t) * (size_t)p->R * (size_t)E);
+    for (int32_t s = 0; s < N; s++) {
+        const int32_t e = cex[s];
+        p->s_exp[s] = -1;
+        if (p->kept[e] >= p->cnt[e]) continue;
+        p->kept[e]++;
+        p->s_exp[s] = e;
+        place(p, crk[s], e);
+        p->work_hold[(int64_t)crk[s] * E + e]++;
+    }
+    const int32_t n = pending_items(p);
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t e = p->items[i].e, r = pick_rank(p, e);
+        for (int32_t s = 0; s < N; s++)
+            if (crk[s] == r && p->s_exp[s] < 0) {
+                p->s_exp[s] = e;
+                break;
+            }
+        place(p, r, e);
+        p->work_hold[(int64_t)r * E + e]++;
+    }
+    // Two replicas of an expert on one rank (the free slots left were on ranks holding it):
+    // swapped with a replica of another rank, the swap that keeps the larger load lowest.
+    for (int32_t sa = 0; sa < N; sa++) {
+        const int32_t A = crk[sa], ea = p->s_exp[sa];
+        if (p->work_hold[(int64_t)A * E + ea] < 2 || p->cnt[ea] > p->R) continue;
+        const double la = p->w[ea] / p->cnt[ea];
+        int32_t bb = -1;
+        double best = INFINITY;
+        for (int32_t sb = 0; sb < N; sb++) {
+            const int32_t B = crk[sb], eb = p->s_exp[sb];
+            if (B == A || eb == ea || p->work_hold[(int64_t)B * E + ea] ||
+                p->work_hold[(int64_t)A * E + eb])
+                continue;
+            const double lb = p->w[eb] / p->cnt[eb];
+            const double na = p->rl[A] - la + lb, nb = p->rl[B] - lb + la;
+            if ((na > nb ? na : nb) < best) {
+                best = na > nb ? na : nb;
+                bb = sb;
+            }
+        }
+        if (bb < 0) return INFINITY; // cannot be undone by one swap: not this plan
+        swap_slots(p, crk, sa, bb);
+    }
+    for (int32_t it = 0; it < 4 * N; it++) {
+        int32_t A = 0;
+        for (int32_t r = 1; r < p->R; r++)
+            if (p->rl[r] > p->rl[A]) A = r;
+        if (p->rl[A] <= cap) break;
+        int32_t ba = -1, bb = -1;
+        double best = p->rl[A] * (1 - 1e-12);
+        for (int32_t sa = 0; sa < N; sa++) {
+            if (crk[sa] != A) continue;
+            const int32_t ea = p->s_exp[sa];
+            const double la = p->w[ea] / p->cnt[ea];
+            for (int32_t sb = 0; sb < N; sb++) {
+                const int32_t B = crk[sb], eb = p->s_exp[sb];
+                if (B == A || eb == ea) continue;
+                const double lb = p->w[eb] / p->cnt[eb];
+                if (lb >= la || p->work_hold[(int64_t)A * E + eb] ||
+                    p->work_hold[(int64_t)B * E + ea])
+                    continue;
+                const double na = p->rl[A] - la + lb, nb = p->rl[B] - lb + la;
+                const double m = na > nb ? na : nb;
+                if (m < best) {
+                    best = m;
+                    ba = sa;
+                    bb = sb;
+                }
+            }
+        }
+        if (ba < 0) break;
+        swap_slots(p, crk, ba, bb);
+    }
+    return max_of(p->rl, p->R);
+}
+
 // Renumbers the fresh plan's ranks to overlap cur's (same n_ranks) the most: greedy matching on
 // the overlap matrix, largest first, ties to the lower fresh rank then the lower cur rank.
 static void match_ranks(planner *p, const int32_t *cex, const int32_t *crk, int32_t n_cur) {
@@ -620,14 +735,18 @@ di_status di_eplb_plan(const di_ep_load_table *t, const di_eplb_options *opt,
                 memcpy(ork, crk, sizeof(int32_t) * (size_t)N);
                 continue;
             }
-            static const double k_keep[] = {1.0, 0.98, 0.95, 0.9, 0.8};
             memset(p.cur_hold, 0, sizeof(int32_t) * (size_t)R * (size_t)E);
             for (int32_t s = 0; s < N; s++) p.cur_hold[(int64_t)crk[s] * E + cex[s]]++;
+            const bool repaired = pack_repair(&p, cex, crk, cap) <= cap;
+            static const double k_keep[] = {1.0, 0.98, 0.95, 0.9, 0.8};
             bool kept = false;
             for (size_t i = 0; i < sizeof k_keep / sizeof k_keep[0] && !kept; i++)
                 kept = pack_sticky(&p, cap * k_keep[i]) <= cap;
-            if (kept) {
-                emit_sticky(&p, cex, crk, oex);
+            if (kept) emit_sticky(&p, cex, crk, oex);
+            // Of the plans within the tolerance, the one that moves fewer replicas.
+            if (repaired && (!kept || slot_moves(&p, crk, p.s_exp) <= slot_moves(&p, crk, oex)))
+                memcpy(oex, p.s_exp, sizeof(int32_t) * (size_t)N);
+            if (repaired || kept) {
                 memcpy(ork, crk, sizeof(int32_t) * (size_t)N);
                 continue;
             }
