@@ -295,21 +295,21 @@ typedef struct planner {
     double tol;
     double *w;           // [E] loads of the layer
     int32_t *cnt;        // [E] replicas per expert
-    int32_t *kept;       // [E]
-    item *items;         // [N]
+    int32_t *kept;       // [E] replicas already placed (kept in place) per expert
+    item *items;         // [N] replicas to place, descending load per replica
     int32_t *a_rank;     // [N] sticky plan: rank of items[i]
-    int32_t *work_hold;  // [R * E]
+    int32_t *work_hold;  // [R * E] replicas of each expert on each rank (plan being built)
     double *rl;          // [R] rank loads
     int32_t *rn;         // [R] replicas per rank
-    uint8_t *holds;      // [R * E]
+    uint8_t *holds;      // [R * E] rank r holds expert e (packing)
     int32_t *f_exp;      // [N] fresh plan: expert of each replica, rank-major (S per rank)
     int32_t *s_exp;      // [N] repaired plan (cur's slot layout): expert of each slot
     int32_t *ov;         // [R * R] overlap of fresh rank f with cur rank c
     int32_t *map;        // [R] fresh rank -> cur rank
-    int32_t *cur_hold;   // [R * E]
-    uint8_t *used_f;     // [R]
-    uint8_t *used_c;     // [R]
-    uint8_t *slot_taken; // [N]
+    int32_t *cur_hold;   // [R * E] replicas of each expert on each rank in cur
+    uint8_t *used_f;     // [R] matched fresh ranks
+    uint8_t *used_c;     // [R] matched cur ranks
+    uint8_t *slot_taken; // [N] emit_fresh: slot filled; emit_sticky: item i has its old slot
 } planner;
 
 static void planner_free(planner *p) {

@@ -105,10 +105,12 @@ int64_t di_eplb_moves(const di_ep_placement *cur, const di_ep_placement *next);
 // the largest load per replica), then packing (replicas in descending load per replica, each
 // onto the least-loaded rank with a free slot that does not hold that expert yet, when one
 // exists). Deterministic: ties go to the lower expert id, then the lower rank. With `cur` (may
-// be NULL) of the same n_layers, n_expert, n_ranks and n_slots, each layer keeps cur's replicas
-// on their ranks (and slots) as far as the replica counts allow when that plan's max rank load is
-// within keep_tolerance of the fresh plan's; otherwise the fresh plan's ranks are renumbered to
-// overlap cur the most. `report` (may be NULL) gets the balances and moves (apply = false).
+// be NULL) of the same n_layers, n_expert, n_ranks and n_slots and slots_per_rank replicas on
+// every rank, a layer stays as it is when its max rank load is within keep_tolerance of the fresh
+// plan's; else it takes, of the plans within that tolerance that keep cur's replicas in their
+// slots where they can (docs/expert-parallel.md, "Stability"), the one that moves the fewest;
+// else the fresh plan, its ranks renumbered to overlap cur the most. `report` (may be NULL) gets
+// the balances and moves (apply = false).
 // DI_ERR_INVALID (bad options or shapes, a placement that fails di_ep_placement_check),
 // DI_ERR_NOMEM. `out` is allocated; di_ep_placement_free it.
 di_status di_eplb_plan(const di_ep_load_table *t, const di_eplb_options *opt,
