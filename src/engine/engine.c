@@ -78,8 +78,7 @@
 #include "sched/scheduler.h"
 
 struct di_engine {
-    di_model *model;         // owned
-    di_ep_load *expert_load; // owned: the routing load the model's MoE records (model->expert_load)
+    di_model *model; // owned
     di_engine_options opt;
     di_kv_manager *kv;     // owned
     di_sched sched;        // owned
@@ -178,6 +177,8 @@ struct di_engine {
     struct kv_job *jobs; // KV exports / imports for the engine thread (di_engine_kv_*)
     pthread_cond_t cv_job;
     di_engine_stats stats;
+    // EPLB: the routing load the model's MoE records (model->expert_load); read by any thread.
+    di_ep_load *expert_load; // owned
 };
 
 // A KV export or import, run by the engine thread between steps (no forward in flight, so every
