@@ -296,6 +296,7 @@ static void test_rebalance(void) {
     CHECK(rep.balance_after < rep.balance_before - o.min_gain);
     CHECK(rep.balance_before == rep.balance_contiguous);
     CHECK(rep.n_moves > 0);
+    const int64_t moved = rep.n_moves;
     check_invariants(&next, 10);
     // Re-run on the placement just applied: nothing to gain.
     CHECK_EQ(di_eplb_rebalance(&t, &next, &o, &again, &rep), DI_OK);
@@ -320,6 +321,17 @@ static void test_rebalance(void) {
     CHECK(rep.balance_before == 1.0);
     di_ep_placement_free(&again);
     CHECK_EQ(di_eplb_rebalance(&t, NULL, &o, &again, &rep), DI_ERR_INVALID);
+    // Shapes that differ: no moves count, no balance.
+    di_ep_placement three;
+    CHECK_EQ(di_ep_placement_contiguous(3, E, R, &three), DI_OK);
+    CHECK_EQ(di_eplb_moves(&cur, &three), -1);
+    double b = 5;
+    CHECK_EQ(di_eplb_balance(&three, &t, &b), DI_ERR_INVALID);
+    CHECK(b == 0);
+    CHECK_EQ(di_eplb_moves(&cur, &cur), 0);
+    CHECK_EQ(di_eplb_moves(&cur, &next), moved);
+    CHECK(moved < (int64_t)L * R * 10); // renumbered ranks keep some experts where they were
+    di_ep_placement_free(&three);
     di_ep_placement_free(&cur);
     di_ep_placement_free(&next);
     di_ep_load_table_free(&t);
