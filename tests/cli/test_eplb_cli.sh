@@ -29,6 +29,13 @@ out=$("$B" eplb --load "$T/load.json" --ranks 4 --slots-per-rank 3 --current "$T
 check "replan exits 0" "$?" "0"
 check "replan moves nothing" "$(echo "$out" | grep -c "moves against $T/p.json: 0 of 24 replicas, 0 of 2 layers changed")" "1"
 check "replan writes the same placement" "$(cmp "$T/p.json" "$T/q.json" && echo same)" "same"
+check "replan not worth applying" "$(echo "$out" | grep -c 'worth applying: no (balance')" "1"
+# From the placement without redundant slots to the one with them: worth applying.
+"$B" eplb --load "$T/load.json" --ranks 4 --slots-per-rank 2 -o "$T/two.json" >/dev/null
+out=$("$B" eplb --load "$T/load.json" --ranks 4 --slots-per-rank 3 --current "$T/two.json")
+check "redundancy worth applying" "$(echo "$out" | grep -c 'worth applying: yes (balance 2.1800 -> ')" "1"
+out=$("$B" eplb --load "$T/load.json" --ranks 4 --slots-per-rank 3 --current "$T/two.json" --min-gain 5)
+check "min gain above the gain" "$(echo "$out" | grep -c 'worth applying: no')" "1"
 
 # bad input: clear message and non-zero status, never a crash
 "$B" eplb --ranks 4 --slots-per-rank 3 2>"$T/err"; check "missing --load exits 2" "$?" "2"
@@ -37,6 +44,7 @@ check "missing --load says so" "$(grep -c 'are required' "$T/err")" "1"
 check "too few slots say so" "$(grep -c 'cannot hold 8 experts' "$T/err")" "1"
 "$B" eplb --load "$T/load.json" --ranks 0 --slots-per-rank 3 2>/dev/null; check "bad --ranks exits 2" "$?" "2"
 "$B" eplb --load "$T/load.json" --ranks 4 --slots-per-rank 3 --tolerance x 2>/dev/null; check "bad --tolerance exits 2" "$?" "2"
+"$B" eplb --load "$T/load.json" --ranks 4 --slots-per-rank 3 --min-gain -1 2>/dev/null; check "bad --min-gain exits 2" "$?" "2"
 "$B" eplb --load "$T/load.json" --ranks 4 --slots-per-rank 3 --frobnicate 1 2>/dev/null; check "unknown option exits 2" "$?" "2"
 "$B" eplb --load "$T/none.json" --ranks 4 --slots-per-rank 3 2>"$T/err"; check "missing file exits 1" "$?" "1"
 check "missing file says so" "$(grep -c 'cannot open' "$T/err")" "1"

@@ -1,5 +1,5 @@
 // deepinfer eplb --load LOAD.json --ranks N --slots-per-rank S [--current PLACEMENT.json]
-//                [-o PLACEMENT.json] [--tolerance F]
+//                [-o PLACEMENT.json] [--tolerance F] [--min-gain G]
 // deepinfer eplb --bench [--layers L] [--experts E]
 // Plans an expert-parallel placement from a routing load (GET /internal/expert-load) and prints
 // each layer's balance (max / mean rank load) of the contiguous placement and of the plan, and the
@@ -25,15 +25,16 @@ static double now_s(void) {
 static void usage(FILE *f) {
     fprintf(
         f, "usage: deepinfer eplb --load LOAD.json --ranks N --slots-per-rank S "
-           "[--current PLACEMENT.json] [-o PLACEMENT.json] [--tolerance F]\n"
+           "[--current PLACEMENT.json] [-o PLACEMENT.json] [--tolerance F] [--min-gain G]\n"
            "       deepinfer eplb --bench [--layers L] [--experts E]\n"
            "Plans where each MoE layer's experts and their redundant replicas live over N ranks of "
            "S slots\n(N x S >= experts) from a routing load (serve's GET /internal/expert-load), "
            "prints each\nlayer's balance (max / mean rank load; 1.0 = perfect) for the contiguous "
            "placement and the\nplan, and the replicas moved against --current. --tolerance "
            "(default 0.05): a plan that\nkeeps --current's replicas in place is taken when its "
-           "max rank load is within this fraction\nof the best. --bench: the planner on Zipf "
-           "loads at V4-Flash shape.\n");
+           "max rank load is within this fraction\nof the best. With --current, also whether "
+           "the plan is worth applying: it lowers the\nbalance by more than --min-gain (default "
+           "0.05). --bench: the planner on Zipf loads at\nV4-Flash shape.\n");
 }
 
 // Balance of one layer of p under the counts of layer l of t.
@@ -74,7 +75,8 @@ static int plan(const char *load_path, const char *cur_path, const char *out_pat
         goto done;
     }
     di_eplb_report rep;
-    st = di_eplb_plan(&t, o, cur_path ? &cur : NULL, &next, &rep);
+    st = cur_path ? di_eplb_rebalance(&t, &cur, o, &next, &rep)
+                  : di_eplb_plan(&t, o, NULL, &next, &rep);
     if (st == DI_OK) st = di_ep_placement_contiguous(t.n_layers, t.n_expert, o->n_ranks, &contig);
     if (st != DI_OK) {
         fprintf(stderr, "deepinfer eplb: planning failed: %s\n", di_status_str(st));
@@ -101,6 +103,9 @@ static int plan(const char *load_path, const char *cur_path, const char *out_pat
         printf("moves against %s: %lld of %lld replicas, %d of %d layers changed\n", cur_path,
                (long long)rep.n_moves, (long long)next.n_layers * next.n_slots,
                rep.n_layers_changed, next.n_layers);
+    if (cur_path)
+        printf("worth applying: %s (balance %.4f -> %.4f, minimum gain %.4f)\n",
+               rep.apply ? "yes" : "no", rep.balance_before, rep.balance_after, o->min_gain);
     if (out_path) {
         st = di_eplb_placement_write(&next, out_path);
         if (st != DI_OK) {
@@ -219,7 +224,7 @@ static int bench(int32_t L, int32_t E) {
 int di_cli_eplb(int argc, char **argv) {
     const char *load = NULL, *cur = NULL, *out = NULL;
     long ranks = 0, slots = 0, layers = 44, experts = 256;
-    double tol = 0.05;
+    double tol = 0.05, gain = 0.05;
     bool do_bench = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -250,14 +255,14 @@ int di_cli_eplb(int argc, char **argv) {
             if (!di_args_int(v, "--layers", 1, 1024, &layers)) return 2;
         } else if (!strcmp(a, "--experts")) {
             if (!di_args_int(v, "--experts", 1, 65536, &experts)) return 2;
-        } else if (!strcmp(a, "--tolerance")) {
+        } else if (!strcmp(a, "--tolerance") || !strcmp(a, "--min-gain")) {
             char *end;
-            tol = strtod(v, &end);
-            if (end == v || *end || !(tol >= 0 && tol <= 10)) {
-                fprintf(stderr, "deepinfer eplb: --tolerance needs a number in [0, 10], got '%s'\n",
-                        v);
+            const double x = strtod(v, &end);
+            if (end == v || *end || !(x >= 0 && x <= 10)) {
+                fprintf(stderr, "deepinfer eplb: %s needs a number in [0, 10], got '%s'\n", a, v);
                 return 2;
             }
+            *(!strcmp(a, "--tolerance") ? &tol : &gain) = x;
         } else {
             fprintf(stderr, "deepinfer eplb: unknown option '%s'\n", a);
             return 2;
@@ -273,5 +278,6 @@ int di_cli_eplb(int argc, char **argv) {
     o.n_ranks = (int32_t)ranks;
     o.slots_per_rank = (int32_t)slots;
     o.keep_tolerance = tol;
+    o.min_gain = gain;
     return plan(load, cur, out, &o);
 }
