@@ -3,7 +3,8 @@
 // one rank when avoidable, determinism), its quality on Zipf-skewed and uniform loads, its
 // stability (same load: 0 moves; small perturbation: few moves), the rebalancing decision; the
 // placement and load files (round trip, every malformed field refused); load counting through a
-// real forward of the tiny V4 fixture (hash layers and the MTP block included) and through the
+// real forward of the tiny V4 fixture (hash layers and the MTP block included) and of the V4.1
+// tiny model, and through the
 // serving engine (readable while it runs, nothing allocated per step).
 #include "harness.h"
 
@@ -14,6 +15,7 @@
 #include "base/mem.h"
 #include "ep/eplb.h"
 #include "model/dsv4.h"
+#include "model/synth.h"
 
 #define FIXTURE "tests/data/fixtures/tiny/hf"
 
@@ -576,6 +578,49 @@ static void test_forward_counts(void) {
     di_ep_load_destroy(l);
 }
 
+// The V4.1 forward counts through the same hook (the V4.1 tiny model, di_synth_v41_write):
+// every main layer's counts sum to rows x K.
+static void test_forward_counts_v41(void) {
+    char root[] = "/tmp/di_test_eplb_v41_XXXXXX";
+    if (!mkdtemp(root) || di_synth_v41_write(root, true, false, 41) != DI_OK) {
+        CHECK(!"the V4.1 tiny model is written");
+        return;
+    }
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    di_model *m = NULL;
+    const di_status lst = di_model_load(root, &mo, &m);
+    CHECK_EQ(lst, DI_OK);
+    if (lst != DI_OK) {
+        di_test_remove_dir(root);
+        return;
+    }
+    const int32_t NL = m->hp.n_layer, E = m->hp.n_expert, K = m->hp.n_expert_used;
+    di_ep_load *l;
+    CHECK_EQ(di_ep_load_create(NL + m->n_mtp_loaded, E, &l), DI_OK);
+    m->expert_load = l;
+    di_session_options so = di_session_options_default();
+    di_session *s = NULL;
+    CHECK_EQ(di_session_create(m, &so, &s), DI_OK);
+    enum { T = 24 };
+    int32_t tok[T];
+    for (int32_t i = 0; i < T; i++) tok[i] = (i * 29 + 3) % 400;
+    CHECK_EQ(di_session_forward(s, tok, T, NULL), DI_OK);
+    di_ep_load_table t = table(NL + m->n_mtp_loaded, E);
+    CHECK_EQ(di_ep_load_totals(l, &t), DI_OK);
+    for (int32_t layer = 0; layer < NL; layer++) {
+        int64_t sum = 0;
+        for (int32_t e = 0; e < E; e++) sum += t.count[(int64_t)layer * E + e];
+        CHECK_EQ(t.rows[layer], T);
+        CHECK_EQ(sum, (int64_t)T * K);
+    }
+    di_ep_load_table_free(&t);
+    di_session_destroy(s);
+    di_model_destroy(m);
+    di_ep_load_destroy(l);
+    di_test_remove_dir(root);
+}
+
 typedef struct watch {
     di_engine *e;
     atomic_bool stop;
@@ -672,6 +717,7 @@ int main(void) {
     RUN(test_files);
     RUN(test_load_counters);
     RUN(test_forward_counts);
+    RUN(test_forward_counts_v41);
     RUN(test_engine_counts);
     return test_finish();
 }
