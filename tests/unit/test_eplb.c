@@ -4,8 +4,7 @@
 // stability (same load: 0 moves; small perturbation: few moves), the rebalancing decision; the
 // placement and load files (round trip, every malformed field refused); load counting through a
 // real forward of the tiny V4 fixture (hash layers and the MTP block included) and of the V4.1
-// tiny model, and through the
-// serving engine (readable while it runs, nothing allocated per step).
+// tiny model, and through the serving engine (readable while it runs, nothing allocated per step).
 #include "harness.h"
 
 #include <pthread.h>
