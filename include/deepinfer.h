@@ -532,6 +532,13 @@ typedef struct di_engine_stats {
     // What drafts: "DSpark" (V4.1: blocks cut by confidence), "MTP" (V4: the MTP block, one
     // draft per verify, always verified); NULL without speculation. Static storage.
     const char *spec_drafter;
+    // Expert routing load (docs/expert-parallel.md, "EPLB"), counted by the CPU and V4.1
+    // forwards (0 on the device-resident forward): routed (token, expert) pairs since create over
+    // every MoE layer (main layers and MTP blocks), and the mean over layers of max / mean expert
+    // load (1 = every expert equally loaded; 0 before any load). Per-expert counts:
+    // di_engine_expert_load.
+    int64_t n_expert_pairs;
+    double expert_load_imbalance;
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. When the model has the
@@ -573,6 +580,11 @@ void di_engine_cancel(di_engine *e, uint64_t id);
 void di_engine_wait_idle(di_engine *e);
 // Any thread. A consistent snapshot taken between steps.
 void di_engine_get_stats(di_engine *e, di_engine_stats *out);
+// Any thread, never blocking the engine. The routing load since create of every (MoE layer,
+// expert) as the expert-load JSON document (docs/expert-parallel.md: "deepinfer-expert-load",
+// version 1; the input of `deepinfer eplb --load`) in a new buffer (*json, *n bytes,
+// NUL-terminated; free with di_free_buffer). DI_ERR_NOMEM.
+di_status di_engine_expert_load(di_engine *e, char **json, size_t *n);
 
 // KV transfer for prefill/decode disaggregation (docs/disaggregation.md): the prefix cache's full
 // blocks of a prompt, moved between engines of the same model as a verified transfer (a header and

@@ -20,6 +20,7 @@ static const struct {
     {"serve", di_cli_serve,
      "HTTP server: OpenAI Chat/Completions/Responses and Anthropic Messages"},
     {"route", di_cli_route, "load balancer over serve replicas: prefix affinity, health, failover"},
+    {"eplb", di_cli_eplb, "plan an expert-parallel placement (EPLB) from a routing load"},
     {"synth", di_cli_synth, "write a random-weight V4 checkpoint (tests, benchmarks, default)"},
     {"convert", di_cli_convert, "convert an official-layout checkpoint to GGUF (llama.cpp)"},
 };

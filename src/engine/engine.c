@@ -68,6 +68,7 @@
 #include "base/mem.h"
 #include "base/status.h"
 #include "engine/engine_internal.h" // test hooks
+#include "ep/eplb.h"                // di_ep_load: the model's expert routing load
 #include "kv/kv_manager.h"
 #include "model/dsv4.h"
 #include "model/dsv41.h"    // the V4.1 forward: di_dsv41_reserve_ctx, di_dsv41_state_bytes
@@ -176,6 +177,8 @@ struct di_engine {
     struct kv_job *jobs; // KV exports / imports for the engine thread (di_engine_kv_*)
     pthread_cond_t cv_job;
     di_engine_stats stats;
+    // EPLB: the routing load the model's MoE records (model->expert_load); read by any thread.
+    di_ep_load *expert_load; // owned
 };
 
 // A KV export or import, run by the engine thread between steps (no forward in flight, so every
@@ -508,6 +511,8 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
     if (prepare) DI_TRY(prepare(e->model, prepare_user));
     const di_hparams *hp = &e->model->hp;
+    DI_TRY(di_ep_load_create(hp->n_layer + e->model->n_mtp_loaded, hp->n_expert, &e->expert_load));
+    e->model->expert_load = e->expert_load;
     if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
     e->eos = hp->eos_token;
     DI_TRY(spec_setup(e));
@@ -783,6 +788,7 @@ void di_engine_destroy(di_engine *e) {
     di_sched_deinit(&e->sched);
     di_kv_manager_destroy(e->kv);
     di_model_destroy(e->model);
+    di_ep_load_destroy(e->expert_load);
     pthread_cond_destroy(&e->cv_work);
     pthread_cond_destroy(&e->cv_idle);
     pthread_cond_destroy(&e->cv_job);
@@ -887,6 +893,20 @@ void di_engine_get_stats(di_engine *e, di_engine_stats *out) {
     pthread_mutex_lock(&e->mu);
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);
+    di_ep_load_summary(e->expert_load, &out->n_expert_pairs, &out->expert_load_imbalance);
+}
+
+di_status di_engine_expert_load(di_engine *e, char **json, size_t *n) {
+    *json = NULL;
+    *n = 0;
+    di_ep_load_table t;
+    di_status st = di_ep_load_table_alloc(di_ep_load_n_layers(e->expert_load),
+                                          di_ep_load_n_expert(e->expert_load), &t);
+    if (st == DI_OK) st = di_ep_load_totals(e->expert_load, &t);
+    if (st == DI_OK) st = di_eplb_load_dump(&t, json);
+    di_ep_load_table_free(&t);
+    if (st == DI_OK) *n = strlen(*json);
+    return st;
 }
 
 // ---- engine thread ----

@@ -125,6 +125,10 @@ struct di_model {
     di_dsv4_matmul_fn accel_matmul;
     void *accel_user; // borrowed
     di_accel accel;   // owned: opened from opt.device by di_model_load (backend/device.h)
+    // Expert routing load (ep/eplb.h): di_dsv4_moe records every routed (token, slot) pair of
+    // its layer (main layers, then MTP blocks) right after routing. Borrowed; NULL: off. Set
+    // before the first forward (the serving engine sets its own).
+    struct di_ep_load *expert_load;
     // The device-resident forward (model/dsv4_dev.h): every weight of the main layers and the head
     // uploaded to a backend once; sessions without MTP created afterwards run on it. NULL: none.
     struct di_dsv4_dev *dev;        // owned (di_dsv4_dev_attach)

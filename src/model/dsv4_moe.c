@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "base/log.h"
+#include "ep/eplb.h"
 #include "model/dsv4.h"
 #include "tensor/quant_ref.h"
 
@@ -31,6 +32,14 @@ static void expert(di_dsv4_ctx *c, const di_tensor *w1, const di_tensor *w3, con
         for (int32_t r = 0; r < n; r++)
             for (int64_t i = 0; i < D; i++) y[r * D + i] *= weight[r];
     }
+}
+
+// The MoE layer index of lw (ep/placement.h): a main layer's index, or n_layer + i for MTP block i.
+static int32_t moe_layer(const di_model *m, const di_dsv4_layer_w *lw) {
+    if (lw >= m->layers && lw < m->layers + m->hp.n_layer) return (int32_t)(lw - m->layers);
+    for (int32_t i = 0; i < m->n_mtp_loaded; i++)
+        if (lw == &m->mtp[i].block) return m->hp.n_layer + i;
+    return -1;
 }
 
 void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, const int32_t *ids,
@@ -62,6 +71,9 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
         di_ref_route(st, (int32_t)E, K, lw->hash_routed ? NULL : lw->gate_bias, eps,
                      hp->route_scale, se, wgt + t * K);
     }
+
+    if (m->expert_load && E == di_ep_load_n_expert(m->expert_load))
+        di_ep_load_record(m->expert_load, moe_layer(m, lw), sel, n_tok, K);
 
     // Routed experts, in ascending expert id; each gathers the (token, slot) pairs routed to it.
     // Duplicates in a hash row contribute twice (as R-HF does).

@@ -127,6 +127,13 @@ char *srv_metrics_text(srv *s) {
             g_hits);
     COUNTER("deepinfer:grammar_cache_misses_total",
             "Response formats and tool grammars compiled (not in the grammar cache).", g_misses);
+    // Expert routing load (EPLB; per-expert counts: GET /internal/expert-load).
+    COUNTER("deepinfer:expert_routed_pairs_total",
+            "Routed (token, expert) pairs over every MoE layer (main layers and MTP blocks).",
+            st.n_expert_pairs);
+    GAUGE("deepinfer:expert_load_imbalance",
+          "Mean over MoE layers of max / mean expert load since start (1 = balanced).", "%.6f",
+          st.expert_load_imbalance);
     GAUGE("deepinfer:grammar_cache_grammars", "Compiled grammars held by the grammar cache.", "%d",
           (int)g_held);
     pthread_mutex_lock(&s->metrics_mu);
@@ -182,8 +189,9 @@ typedef enum kind {
     K_HEALTH,
     K_READY,
     K_METRICS,
-    K_PREFILL,  // POST /internal/prefill?route=<a generation path> (--kv-transfer)
-    K_KV_IMPORT // POST /internal/kv (--kv-transfer)
+    K_PREFILL,    // POST /internal/prefill?route=<a generation path> (--kv-transfer)
+    K_KV_IMPORT,  // POST /internal/kv (--kv-transfer)
+    K_EXPERT_LOAD // GET /internal/expert-load (EPLB: the routing load per layer and expert)
 } kind;
 
 static const struct route {
@@ -207,6 +215,7 @@ static const struct route {
     {"/metrics", "GET", K_METRICS},
     {"/internal/prefill", "POST", K_PREFILL},
     {"/internal/kv", "POST", K_KV_IMPORT},
+    {"/internal/expert-load", "GET", K_EXPERT_LOAD},
 };
 
 static srv_api api_of(kind k) {
@@ -303,6 +312,18 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
                                        (json_int_t)s->started_at, "owned_by", "deepinfer",
                                        "max_model_len", s->n_ctx),
                              0);
+    }
+    if (r->k == K_EXPERT_LOAD) {
+        char *json = NULL;
+        size_t n = 0;
+        if (di_engine_expert_load(s->engine, &json, &n) != DI_OK) {
+            srv_err_set(&e, 503, NULL, "Out of memory reading the expert load.");
+            return fail(s, c, api, &e);
+        }
+        srv_metrics_status(s, 200);
+        enum MHD_Result ret = srv_send_text(c, 200, "application/json", json);
+        di_free_buffer(json);
+        return ret;
     }
     // generation endpoints (and the internal ones)
     if (too_large) {
