@@ -385,6 +385,7 @@ int di_cli_bench(int argc, char **argv) {
     o.n_threads = ma.opt.n_threads;
     o.precision = ma.opt.precision;
     o.device = ma.opt.device;
+    o.ep_workers = ma.opt.ep_workers;
     o.kv_memory_bytes = (size_t)kv_mib << 20;
     o.max_seqs = (int32_t)(n_req > 16 ? n_req : 16);
     o.max_batch_tokens = (int32_t)batch;

@@ -246,6 +246,7 @@ int di_cli_serve(int argc, char **argv) {
     eo.n_threads = ma.opt.n_threads;
     eo.precision = ma.opt.precision;
     eo.device = ma.opt.device;
+    eo.ep_workers = ma.opt.ep_workers;
     eo.kv_memory_bytes = c->kv_memory_bytes;
     eo.kv_disk_dir = c->kv_disk_dir;
     eo.kv_disk_bytes = c->kv_disk_bytes;
