@@ -18,6 +18,7 @@ static void usage(FILE *f) {
         "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
         "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
         "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
+        "                       [--ep-workers HOST:PORT,...]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
         "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
