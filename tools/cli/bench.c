@@ -335,9 +335,9 @@ static void print_ep(di_engine *e) {
     int64_t bytes = 0;
     for (int32_t i = 0; i < n && i < 64; i++) {
         printf("expert worker %s: %lld requests, %lld rows, %.1f MiB sent, %.1f MiB received, "
-               "%.1f s waiting for results, %lld errors\n",
+               "%.1f ms waiting for results, %lld errors\n",
                w[i].addr, (long long)w[i].calls, (long long)w[i].rows, w[i].bytes_sent / 1048576.0,
-               w[i].bytes_recv / 1048576.0, w[i].wait_us / 1e6, (long long)w[i].errors);
+               w[i].bytes_recv / 1048576.0, w[i].wait_us / 1e3, (long long)w[i].errors);
         bytes += w[i].bytes_sent + w[i].bytes_recv;
     }
     printf("expert parallelism: %d workers, %lld tokens computed, %.0f bytes exchanged per "
