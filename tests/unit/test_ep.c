@@ -154,7 +154,7 @@ static void test_exact(void) {
 static void test_engine(void) {
     workers ws;
     CHECK(start(&ws, g_v4, DI_PRECISION_FP32, 2));
-    static result a[N_REQ], b[N_REQ];
+    static result a[N_REQ], b[N_REQ], c[N_REQ];
     for (int pass = 0; pass < 2; pass++) {
         di_engine_options o = di_engine_options_default();
         o.n_threads = 1;
@@ -167,6 +167,26 @@ static void test_engine(void) {
         di_engine_wait_idle(e);
         di_ep_worker_stats st[MAX_W];
         CHECK_EQ(di_engine_ep_stats(e, st, MAX_W), pass ? 2 : 0);
+        if (pass) {
+            // A worker goes away: the steps fail, their requests end with the error, the engine
+            // goes on; back on its port, the same requests give the same results again.
+            const int port = di_ep_worker_port(ws.w[1]);
+            di_ep_worker_stop(ws.w[1]);
+            run(e, c, 0, 2);
+            di_engine_wait_idle(e);
+            for (int i = 0; i < 2; i++) {
+                CHECK_EQ(atomic_load(&c[i].finished), 1);
+                CHECK_EQ(c[i].finish, DI_FINISH_ERROR);
+                CHECK_EQ(c[i].status, DI_ERR_IO);
+            }
+            di_engine_stats es;
+            di_engine_get_stats(e, &es);
+            CHECK(es.n_failed_steps >= 1);
+            CHECK_EQ(di_ep_worker_start(ws.m[1], "127.0.0.1", port, &ws.w[1]), DI_OK);
+            run(e, c, 0, N_REQ);
+            di_engine_wait_idle(e);
+            for (int i = 0; i < N_REQ; i++) CHECK(same(&a[i], &c[i]));
+        }
         di_engine_destroy(e);
     }
     for (int i = 0; i < N_REQ; i++) {

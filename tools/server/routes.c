@@ -126,7 +126,8 @@ char *srv_metrics_text(srv *s) {
         const char *name, *help;
         size_t off;
     } k_ep[] = {
-        {"deepinfer:ep_requests_total", "Requests sent to an expert worker (one per MoE layer call).",
+        {"deepinfer:ep_requests_total",
+         "Requests sent to an expert worker (one per MoE layer call).",
          offsetof(di_ep_worker_stats, calls)},
         {"deepinfer:ep_rows_total", "Rows sent to an expert worker.",
          offsetof(di_ep_worker_stats, rows)},
@@ -134,7 +135,8 @@ char *srv_metrics_text(srv *s) {
          offsetof(di_ep_worker_stats, bytes_sent)},
         {"deepinfer:ep_received_bytes_total", "Bytes received from an expert worker.",
          offsetof(di_ep_worker_stats, bytes_recv)},
-        {"deepinfer:ep_wait_microseconds_total", "Time spent waiting for an expert worker's results.",
+        {"deepinfer:ep_wait_microseconds_total",
+         "Time spent waiting for an expert worker's results.",
          offsetof(di_ep_worker_stats, wait_us)},
         {"deepinfer:ep_errors_total", "Failed connects, requests and replies of an expert worker.",
          offsetof(di_ep_worker_stats, errors)},
@@ -146,8 +148,8 @@ char *srv_metrics_text(srv *s) {
         for (int32_t i = 0; i < n_ew && i < 64; i++) {
             int64_t v;
             memcpy(&v, (const char *)&ew[i] + k_ep[k].off, sizeof v);
-            sb_addf(&b, "%s{model_name=\"%s\",worker=\"%s\"} %lld\n", k_ep[k].name, m,
-                    ew[i].addr, (long long)v);
+            sb_addf(&b, "%s{model_name=\"%s\",worker=\"%s\"} %lld\n", k_ep[k].name, m, ew[i].addr,
+                    (long long)v);
         }
     }
     int64_t g_hits = 0, g_misses = 0;
