@@ -38,9 +38,11 @@ struct di_ep {
     di_ep_placement p;           // current placement
     int32_t *rep_off, *rep_rank; // CSR over (layer, expert): ranks in slot order
     bool *layer_remote;          // [n_layers]: a replica of the layer on a worker
-    int32_t layer, D;            // the call in progress
-    pthread_mutex_t mu;          // held by a MoE call and placement changes
-    pthread_mutex_t smu;         // counters
+    float *scratch;              // di_ep_scratch
+    int64_t scratch_n;
+    int32_t layer, D;    // the call in progress
+    pthread_mutex_t mu;  // held by a MoE call and placement changes
+    pthread_mutex_t smu; // counters
     uint64_t id;
     char desc[512];
 };
@@ -281,6 +283,7 @@ void di_ep_detach(di_ep *ep) {
     di_free(ep->w);
     di_ep_placement_free(&ep->p);
     di_free(ep->rep_off), di_free(ep->rep_rank), di_free(ep->layer_remote);
+    di_free(ep->scratch);
     pthread_mutex_destroy(&ep->mu);
     pthread_mutex_destroy(&ep->smu);
     di_free(ep);
@@ -419,6 +422,16 @@ di_status di_ep_recv(di_ep *ep, int32_t rank, int32_t e, int32_t n, float *y) {
     }
     c->n_pending--;
     return DI_OK;
+}
+
+float *di_ep_scratch(di_ep *ep, int64_t n) {
+    if (n > ep->scratch_n) {
+        float *p = di_realloc(ep->scratch, sizeof(float) * (size_t)n);
+        if (!p) return NULL;
+        ep->scratch = p;
+        ep->scratch_n = n;
+    }
+    return ep->scratch;
 }
 
 void di_ep_end(di_ep *ep, di_status st) {

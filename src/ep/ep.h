@@ -66,6 +66,9 @@ di_status di_ep_add(di_ep *ep, int32_t rank, int32_t e, const float *x, const fl
 di_status di_ep_send(di_ep *ep);
 // Takes the next result from rank: it must be expert e's n rows, written to y [n, D].
 di_status di_ep_recv(di_ep *ep, int32_t rank, int32_t e, int32_t n, float *y);
+// A buffer of n floats owned by the handle (grown when needed, kept), valid until di_ep_end;
+// NULL when out of memory.
+float *di_ep_scratch(di_ep *ep, int64_t n);
 // Ends the call: after a failure (st != DI_OK), closes every connection with replies still
 // unread. Releases the lock.
 void di_ep_end(di_ep *ep, di_status st);

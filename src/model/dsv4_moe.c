@@ -88,6 +88,17 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
                                ch[i].n);
     }
     if (remote && st == DI_OK) st = di_ep_send(ep);
+    // The shared expert too computes while the workers do (into the handle's buffer; added last,
+    // as in one process).
+    const float limit = hp->shared_expert_clamp ? hp->swiglu_limit : 0;
+    float *shared = NULL;
+    if (remote && st == DI_OK) {
+        shared = di_ep_scratch(ep, (int64_t)n_tok * D);
+        if (shared)
+            di_dsv4_expert(c, &lw->sh_w1, &lw->sh_w3, &lw->sh_w2, f, n_tok, limit, NULL, shared);
+        else
+            st = DI_ERR_NOMEM;
+    }
     for (int32_t e = 0; e < E && st == DI_OK; e++) {
         const int32_t n = di_ref_moe_gather(sel, wgt, n_tok, K, e, f, D, xin, rows, rw);
         if (n == 0) continue;
@@ -103,16 +114,17 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
         }
         if (st == DI_OK) di_ref_moe_add_rows(yout, rows, n, D, out);
     }
+    if (st == DI_OK && !shared) { // shared expert on every token, then one sum
+        shared = yout;
+        di_dsv4_expert(c, &lw->sh_w1, &lw->sh_w3, &lw->sh_w2, f, n_tok, limit, NULL, shared);
+    }
+    if (st == DI_OK)
+        for (int64_t i = 0; i < (int64_t)n_tok * D; i++) out[i] += shared[i];
     if (ep) di_ep_end(ep, st);
     if (st != DI_OK) { // the call fails; later layers skip their work (see di_dsv4_ctx.status)
         c->status = st;
         memset(out, 0, sizeof(float) * (size_t)(n_tok * D));
         return;
     }
-
-    // Shared expert on every token, then one sum.
-    float limit = hp->shared_expert_clamp ? hp->swiglu_limit : 0;
-    di_dsv4_expert(c, &lw->sh_w1, &lw->sh_w3, &lw->sh_w2, f, n_tok, limit, NULL, yout);
-    for (int64_t i = 0; i < (int64_t)n_tok * D; i++) out[i] += yout[i];
     di_dsv4_round(m, out, (int64_t)n_tok * D);
 }
