@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "base/hash.h"
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/status.h"
@@ -42,7 +41,7 @@ static int32_t gcd32(int32_t a, int32_t b) {
 }
 
 static uint64_t model_id(const di_model *m) {
-    // FNV-1a over the hyper-parameters, the precision recipe and the weights' fingerprint: blocks
+    // di_dsv4_model_id: hyper-parameters, precision recipe and weights fingerprint, so blocks
     // are never shared between different models, checkpoints or numerics (the disk tier's records
     // outlive the process, so "the same architecture" is not enough).
     return di_dsv4_model_id(m);
