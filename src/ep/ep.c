@@ -365,7 +365,7 @@ di_status di_ep_send(di_ep *ep) {
     for (int32_t i = 0; i < ep->n_workers; i++) {
         ep_conn *c = &ep->w[i];
         if (c->n_groups == 0) continue;
-        RET_IF(ensure(ep, i));
+        if (ensure(ep, i) != DI_OK) return DI_ERR_IO; // unreachable or refused (logged)
         memcpy((uint8_t *)c->req.data + 8, &c->n_groups, sizeof(int32_t));
         if (di_ep_send_frame(c->fd, DI_EP_COMPUTE, c->req.data, c->req.len) != DI_OK) {
             DI_LOG_ERROR("ep: worker %s: sending layer %d's request failed (down or timed out)",

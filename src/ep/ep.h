@@ -63,6 +63,8 @@ int32_t di_ep_chunks(const di_ep *ep, int32_t e, int32_t n, di_ep_chunk *out);
 // Appends rows x [n, D] with routing weights w [n] of expert e to rank's request.
 di_status di_ep_add(di_ep *ep, int32_t rank, int32_t e, const float *x, const float *w, int32_t n);
 // Sends every worker its request (connecting first where needed); one per worker with rows.
+// DI_ERR_IO when a worker is unreachable, refuses the handshake or assignment, or the send fails
+// (logged, naming the worker); DI_ERR_NOMEM.
 di_status di_ep_send(di_ep *ep);
 // Takes the next result from rank: it must be expert e's n rows, written to y [n, D].
 di_status di_ep_recv(di_ep *ep, int32_t rank, int32_t e, int32_t n, float *y);
