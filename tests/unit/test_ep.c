@@ -3,11 +3,13 @@
 // process for V4 and V4.1, FP32 and official recipes, 1 and 2 workers and a placement with every
 // expert replicated on two ranks (rows split between replicas); the engine's tokens with EP equal
 // to without; a worker stopped (the forward fails with DI_ERR_IO) and restarted on its port (the
-// next forward reconnects and is exact again); a model mismatch refused at load; malformed
-// frames answered with errors while the worker keeps serving.
+// next forward reconnects and is exact again), also under the engine (the step's requests end with
+// the error, the engine goes on); two fronts sharing a worker at the same time; a model mismatch
+// refused at load; malformed frames answered with errors while the worker keeps serving.
 #include "harness.h"
 
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -232,6 +234,45 @@ static void test_failures(void) {
     free(ref), free(got);
 }
 
+// Two fronts (attention data parallelism) share one worker, running at the same time.
+typedef struct front_run {
+    di_model *m;
+    float *lg;
+    di_status st;
+} front_run;
+
+static void *front_main(void *p) {
+    front_run *r = p;
+    r->st = session_run(r->m, false, r->lg, NULL);
+    return NULL;
+}
+
+static void test_two_fronts(void) {
+    float *ref = malloc(N_LG * 4);
+    di_model *m = load(g_v4, DI_PRECISION_OFFICIAL, NULL);
+    CHECK_EQ(session_run(m, false, ref, NULL), DI_OK);
+    di_model_destroy(m);
+    workers ws;
+    CHECK(start(&ws, g_v4, DI_PRECISION_OFFICIAL, 1));
+    front_run r[2];
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) {
+        r[i] =
+            (front_run){.m = load(g_v4, DI_PRECISION_OFFICIAL, ws.addrs), .lg = malloc(N_LG * 4)};
+        CHECK(r[i].m != NULL);
+    }
+    for (int i = 0; i < 2; i++) CHECK(pthread_create(&th[i], NULL, front_main, &r[i]) == 0);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(th[i], NULL);
+        CHECK_EQ(r[i].st, DI_OK);
+        CHECK(memcmp(ref, r[i].lg, N_LG * 4) == 0);
+        di_model_destroy(r[i].m);
+        free(r[i].lg);
+    }
+    stop(&ws);
+    free(ref);
+}
+
 // ---- raw frames against a worker ----
 
 static int dial(int port) {
@@ -392,6 +433,7 @@ int main(void) {
         for (int t = 0; t < g_len[i]; t++) g_prompt[i][t] = (int32_t)((i * 97 + t * 31 + 5) % V);
     RUN(test_exact);
     RUN(test_engine);
+    RUN(test_two_fronts);
     RUN(test_failures);
     RUN(test_frames);
     di_test_remove_dir(g_root);
