@@ -95,6 +95,9 @@ typedef struct di_model_options {
     int n_threads;          // CPU threads of the model's pool; 0 = one per online CPU
     di_precision precision; // numerics recipe; default DI_PRECISION_FP32
     di_device device;       // where the matmuls run; default (zero) the CPU
+    // Expert workers ("HOST:PORT,HOST:PORT...", `deepinfer expert-worker`) computing the routed
+    // experts placed on them (docs/expert-parallel.md); read at load only. NULL or "": none.
+    const char *ep_workers;
 } di_model_options;
 
 // Default options: all CPUs, FP32, CPU only.
@@ -138,6 +141,21 @@ typedef struct di_model_info {
 } di_model_info;
 
 void di_model_get_info(const di_model *model, di_model_info *out);
+
+// Counters of one expert worker of a model (docs/expert-parallel.md), since load.
+typedef struct di_ep_worker_stats {
+    char addr[128];     // HOST:PORT
+    int64_t calls;      // requests sent (one per MoE layer call with rows for this worker)
+    int64_t rows;       // rows sent
+    int64_t bytes_sent; // frames, headers included
+    int64_t bytes_recv;
+    int64_t wait_us;  // time spent waiting for its results
+    int64_t errors;   // failed connects, requests and replies
+    int64_t connects; // connections opened (1 + reconnections)
+} di_ep_worker_stats;
+// Writes the counters of up to cap of the model's expert workers (rank order); returns how many
+// it has (0: no expert parallelism). Safe from any thread.
+int32_t di_model_ep_stats(const di_model *model, di_ep_worker_stats *out, int32_t cap);
 // Writes a multi-line description (config, layer schedule, dtypes) into buf (NUL-terminated,
 // truncated to cap). Returns the length it needed.
 size_t di_model_describe(const di_model *model, char *buf, size_t cap);
@@ -449,6 +467,7 @@ typedef struct di_engine_options {
     int32_t max_batch_tokens; // forward rows per step (token budget); 0 = 256
     int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)
     int32_t max_queue;        // waiting requests; more are refused with DI_ERR_BUSY; 0 = 1024
+    const char *ep_workers;   // expert workers (di_model_options.ep_workers); NULL: none
     bool no_prefix_cache;     // disable prefix reuse
     // The prefix cache's disk tier (docs/kv-cache.md, "Disk tier"): a directory (created if
     // missing; borrowed until di_engine_create returns) where evicted cached blocks are written
@@ -569,6 +588,8 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
 // not yet on disk to the disk tier (if any, so that a restarted engine finds them), frees
 // everything. NULL does nothing.
 void di_engine_destroy(di_engine *e);
+// The engine's model's expert-worker counters (di_model_ep_stats). Safe from any thread.
+int32_t di_engine_ep_stats(di_engine *e, di_ep_worker_stats *out, int32_t cap);
 // Any thread. Copies the request and queues it; *id receives its id. DI_ERR_INVALID (bad
 // parameters, prompt + max_tokens beyond max_ctx, stop strings without token_bytes),
 // DI_ERR_BUSY (queue full), DI_ERR_NOMEM.

@@ -21,6 +21,8 @@ static const struct {
      "HTTP server: OpenAI Chat/Completions/Responses and Anthropic Messages"},
     {"route", di_cli_route, "load balancer over serve replicas: prefix affinity, health, failover"},
     {"eplb", di_cli_eplb, "plan an expert-parallel placement (EPLB) from a routing load"},
+    {"expert-worker", di_cli_expert_worker,
+     "serve a model's routed experts to fronts started with --ep-workers (expert parallelism)"},
     {"synth", di_cli_synth, "write a random-weight V4 checkpoint (tests, benchmarks, default)"},
     {"convert", di_cli_convert, "convert an official-layout checkpoint to GGUF (llama.cpp)"},
 };
@@ -28,7 +30,7 @@ static const struct {
 static void usage(FILE *f) {
     fprintf(f, "usage: deepinfer <command> [options]\n\ncommands:\n");
     for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
-        fprintf(f, "  %-10s %s\n", k_commands[i].name, k_commands[i].help);
+        fprintf(f, "  %-13s %s\n", k_commands[i].name, k_commands[i].help);
     fprintf(f, "\n'deepinfer <command> --help' describes a command's options.\n");
 }
 

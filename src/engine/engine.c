@@ -506,8 +506,10 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         st = DI_ERR_INVALID;
         goto fail;
     }
-    di_model_options mo = {
-        .n_threads = o->n_threads, .precision = o->precision, .device = o->device};
+    di_model_options mo = {.n_threads = o->n_threads,
+                           .precision = o->precision,
+                           .device = o->device,
+                           .ep_workers = o->ep_workers};
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
     if (prepare) DI_TRY(prepare(e->model, prepare_user));
     const di_hparams *hp = &e->model->hp;
@@ -1459,7 +1461,7 @@ static di_status v41_forward(di_engine *e) {
 // sequence runs its planned rows. The call computes no logits itself: the main streams of all
 // rows go to the XMAIN scratch (the MTP block's input, mtp_step) before the head runs on the
 // logit rows, which then move to their logit slots (slot k owns rows k * lstride ..).
-static void v4_spec_forward(di_engine *e) {
+static di_status v4_spec_forward(di_engine *e) {
     const int64_t V = e->model->hp.n_vocab;
     int32_t row = 0, vrow = 0, n_vl = 0;
     for (int32_t i = 0; i < e->x_n_seq; i++) {
@@ -1492,7 +1494,8 @@ static void v4_spec_forward(di_engine *e) {
         vrow += vs->n_tok;
     }
     di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = e->x_vseqs, .n_seq = e->x_n_seq};
-    di_dsv4_forward_batch(&c, e->x_vtokens, NULL, 0, NULL);
+    di_status st = di_dsv4_forward_batch(&c, e->x_vtokens, NULL, 0, NULL);
+    if (st != DI_OK) return st;
     const int64_t row_floats = (int64_t)e->model->hp.hc_mult * e->model->hp.n_embd;
     memcpy(di_dsv4_scratch(&c, DI_SCR_XMAIN), di_dsv4_scratch(&c, DI_SCR_X),
            sizeof(float) * (size_t)(c.n_rows * row_floats));
@@ -1508,6 +1511,7 @@ static void v4_spec_forward(di_engine *e) {
             memmove(e->logits + dst * V, e->logits + (int64_t)off * V,
                     sizeof(float) * (size_t)(e->x_nrows[k] * V));
     }
+    return DI_OK;
 }
 
 // After the step's sampling and accept: the MTP block runs on every kept row of the step (a
@@ -1517,7 +1521,7 @@ static void v4_spec_forward(di_engine *e) {
 // logits of each sampled sequence's last kept row (position P') predict the token at P' + 2, the
 // next decode's draft (argmax, ties to the lower id). A sequence whose sampling failed (it ends)
 // is left out.
-static void mtp_step(di_engine *e) {
+static di_status mtp_step(di_engine *e) {
     const di_hparams *hp = &e->model->hp;
     const int64_t V = hp->n_vocab, row_floats = (int64_t)hp->hc_mult * hp->n_embd;
     const size_t nl = (size_t)hp->n_layer + 1;
@@ -1554,15 +1558,17 @@ static void mtp_step(di_engine *e) {
         }
         mrow += keep;
     }
-    if (n_m == 0) return;
+    if (n_m == 0) return DI_OK;
     c.n_seq = n_m;
     di_dsv4_set_rows(&c);
-    di_dsv4_mtp_forward_batch(&c, xm, e->x_mids, e->x_mlogit, n_ml, e->mtp_logits);
+    di_status st = di_dsv4_mtp_forward_batch(&c, xm, e->x_mids, e->x_mlogit, n_ml, e->mtp_logits);
+    if (st != DI_OK) return st;
     for (int32_t j = 0; j < n_ml; j++) {
         const di_request *r = e->x_seq_req[e->x_mseq[j]];
         e->mtp_draft[r->slot] = di_argmax(e->mtp_logits + (int64_t)j * V, (int32_t)V);
         e->mtp_draft_req[r->slot] = r->id;
     }
+    return DI_OK;
 }
 
 static void *forward_main(void *p) {
@@ -1583,11 +1589,11 @@ static void *forward_main(void *p) {
             st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens, e->x_logit_rows,
                                      e->x_n_logit, e->logits);
         } else if (e->mtp_ls) {
-            v4_spec_forward(e);
+            st = v4_spec_forward(e);
         } else {
             di_dsv4_ctx c = {
                 .model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
-            di_dsv4_forward_batch(&c, e->x_tokens, e->x_logit_rows, e->x_n_logit, e->logits);
+            st = di_dsv4_forward_batch(&c, e->x_tokens, e->x_logit_rows, e->x_n_logit, e->logits);
         }
         if (st == DI_OK) {
             e->x_n_job = 0;
@@ -1596,7 +1602,7 @@ static void *forward_main(void *p) {
                     e->x_job[e->x_n_job++] = k * e->lstride + i;
             di_pool_run(e->model->pool, sample_task, e);
             if (e->spec_k > 0) spec_accept(e);
-            if (e->mtp_ls) mtp_step(e);
+            if (e->mtp_ls) st = mtp_step(e); // an expert worker failing here fails the step
         }
         int64_t allocs = di_mem_thread_allocs() - a0;
         pthread_mutex_lock(&e->fmu);
@@ -1861,4 +1867,8 @@ static void *engine_main(void *p) {
     disk_stats(e, &e->stats);
     pthread_mutex_unlock(&e->mu);
     return NULL;
+}
+
+int32_t di_engine_ep_stats(di_engine *e, di_ep_worker_stats *out, int32_t cap) {
+    return di_model_ep_stats(e->model, out, cap);
 }

@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "base/hash.h"
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/status.h"
@@ -42,14 +41,10 @@ static int32_t gcd32(int32_t a, int32_t b) {
 }
 
 static uint64_t model_id(const di_model *m) {
-    // FNV-1a over the hyper-parameters, the precision recipe and the weights' fingerprint: blocks
+    // di_dsv4_model_id: hyper-parameters, precision recipe and weights fingerprint, so blocks
     // are never shared between different models, checkpoints or numerics (the disk tier's records
     // outlive the process, so "the same architecture" is not enough).
-    uint64_t h = di_fnv1a(&m->hp, sizeof m->hp, DI_FNV1A_INIT);
-    h = (h ^ (uint64_t)m->opt.precision) * 0x100000001b3ull; // then one step per word
-    h = (h ^ (uint64_t)m->n_params) * 0x100000001b3ull;
-    h = (h ^ m->weights_id) * 0x100000001b3ull;
-    return h;
+    return di_dsv4_model_id(m);
 }
 
 int32_t di_kv_block_tokens(const di_model *m) {

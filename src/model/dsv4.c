@@ -14,6 +14,8 @@
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/status.h"
+#include "base/hash.h"
+#include "ep/ep.h"
 #include "backend/backend.h" // di_backend (the device-resident forward)
 #include "model/dsv4_dev.h"  // the device-resident forward
 #include "model/dsv4_gguf.h"
@@ -102,6 +104,34 @@ static di_status open_dev(di_model *m) {
     return st;
 }
 
+uint64_t di_dsv4_model_id(const di_model *m) {
+    uint64_t h = di_fnv1a(&m->hp, sizeof m->hp, DI_FNV1A_INIT);
+    h = (h ^ (uint64_t)m->opt.precision) * 0x100000001b3ull; // then one step per word
+    h = (h ^ (uint64_t)m->n_params) * 0x100000001b3ull;
+    h = (h ^ m->weights_id) * 0x100000001b3ull;
+    return h;
+}
+
+// Attaches the expert workers named by opt.ep_workers ("HOST:PORT,HOST:PORT...").
+static di_status attach_ep(di_model *m) {
+    char *list = di_strdup(m->opt.ep_workers);
+    const char *addr[256];
+    int32_t n = 0;
+    if (!list) return DI_ERR_NOMEM;
+    for (char *save = NULL, *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (n == 256) {
+            DI_LOG_ERROR("ep: more than 256 expert workers");
+            di_free(list);
+            return DI_ERR_INVALID;
+        }
+        addr[n++] = t;
+    }
+    di_ep *ep = NULL;
+    di_status st = di_ep_attach(m, addr, n, NULL, &ep);
+    di_free(list);
+    return st;
+}
+
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out) {
     di_status st = DI_OK;
     di_model *m = di_calloc(1, sizeof *m);
@@ -110,6 +140,12 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
     if (m->opt.precision != DI_PRECISION_FP32 && m->opt.precision != DI_PRECISION_OFFICIAL) {
         DI_LOG_ERROR("unknown precision %d", (int)m->opt.precision);
         st = DI_ERR_INVALID;
+        goto fail;
+    }
+    if (m->opt.ep_workers && *m->opt.ep_workers && m->opt.device.kind != DI_DEVICE_CPU) {
+        DI_LOG_ERROR("expert workers (--ep-workers) need the CPU forward: the device-resident "
+                     "forward has its own MoE");
+        st = DI_ERR_UNSUPPORTED;
         goto fail;
     }
     // The device first: a missing GPU fails before the checkpoint is mapped.
@@ -153,6 +189,9 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
                     "threads)",
                     m->accel.desc, di_pool_n_threads(m->pool));
     if (m->opt.device.kind == DI_DEVICE_CUDA) DI_TRY(open_dev(m));
+    if (m->opt.ep_workers && *m->opt.ep_workers) {
+        if ((st = attach_ep(m)) != DI_OK) goto fail;
+    }
     *out = m;
     return DI_OK;
 fail:
@@ -170,6 +209,7 @@ void di_model_destroy(di_model *m) {
                     (long long)ds.n_matmuls, m->accel.name, (long long)ds.n_declined,
                     (long long)ds.n_weights, ds.weight_bytes / 1048576.0);
     }
+    di_ep_detach(m->ep);
     di_dsv4_dev_destroy(m->dev); // before its backend
     di_backend_destroy(m->dev_backend);
     di_accel_close(&m->accel);
@@ -432,8 +472,8 @@ void di_dsv4_set_rows(di_dsv4_ctx *c) {
     c->n_rows = n_rows;
 }
 
-void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
-                           int32_t n_logit_rows, float *logits) {
+di_status di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
+                                int32_t n_logit_rows, float *logits) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const int nc = hp->hc_mult;
@@ -450,12 +490,14 @@ void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t 
         di_tensor_row_f32(&m->embed, tokens[t], xt);
         for (int k = 1; k < nc; k++) memcpy(xt + k * D, xt, sizeof(float) * (size_t)D);
     }
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int il = 0; il < hp->n_layer && c->status == DI_OK; il++) {
         di_dsv4_block(c, &m->layers[il], il, x, tokens);
         if (c->trace) c->trace(c->trace_user, "layer_out", il, x, false, n_rows, nc * D);
     }
 
-    if (logits && n_logit_rows > 0) di_dsv4_head_rows(c, logit_rows, n_logit_rows, logits);
+    if (c->status == DI_OK && logits && n_logit_rows > 0)
+        di_dsv4_head_rows(c, logit_rows, n_logit_rows, logits);
+    return c->status;
 }
 
 void di_dsv4_head_rows(di_dsv4_ctx *c, const int32_t *logit_rows, int32_t n_logit_rows,
@@ -564,7 +606,8 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
                      .trace_user = s->trace_user};
     float *x = di_dsv4_scratch(&c, DI_SCR_X); // [T, NC, D]
     // The head reads X in place (its rows are contiguous), so X survives for the MTP block.
-    di_dsv4_forward_batch(&c, tokens, NULL, 0, NULL);
+    st = di_dsv4_forward_batch(&c, tokens, NULL, 0, NULL);
+    if (st != DI_OK) return st;
     if (out && out->logits) {
         int32_t first = out->last_only ? n_tok - 1 : 0;
         float *h = di_dsv4_scratch(&c, DI_SCR_H);
@@ -593,7 +636,8 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
             mc.seqs = &ms;
             di_dsv4_set_rows(&mc);
             float *ml = out ? out->mtp_logits : NULL;
-            di_dsv4_mtp_forward_batch(&mc, xm, ids_next, NULL, ml ? n : 0, ml);
+            st = di_dsv4_mtp_forward_batch(&mc, xm, ids_next, NULL, ml ? n : 0, ml);
+            if (st != DI_OK) return st;
         }
         s->mtp_pending = true;
         if (out && out->n_mtp_out) *out->n_mtp_out = n;

@@ -134,7 +134,15 @@ struct di_model {
     struct di_dsv4_dev *dev;        // owned (di_dsv4_dev_attach)
     struct di_backend *dev_backend; // owned when di_model_load opened it (CUDA); NULL when a
                                     // caller attached its own backend (borrowed by dev)
+    // Expert parallelism (ep/ep.h): routed experts placed on worker processes are computed there.
+    // Owned when di_model_load attached it (opt.ep_workers); NULL: every expert here.
+    struct di_ep *ep;
 };
+
+// The model's identity: FNV-1a over the hyper-parameters, the precision recipe, the parameter
+// count and the weights' fingerprint. The prefix cache, the disk tier and expert parallelism's
+// handshake share it (blocks and experts are never mixed between models, checkpoints or numerics).
+uint64_t di_dsv4_model_id(const di_model *m);
 
 // The matmul of every layer: the accelerator's when one is attached and takes it, else
 // di_cpu_matmul. y[t*y_stride + o] = sum_i W[o, i] x[t*x_stride + i].
@@ -268,6 +276,10 @@ typedef struct di_dsv4_ctx {
     int32_t n_seq, n_rows;
     di_dsv4_trace_fn trace;
     void *trace_user;
+    // DI_OK, or the first failure of the call (an expert worker down: DI_ERR_IO). Once set, the
+    // remaining MoE layers output zeros and the forward returns it; the call's results and the
+    // state it advanced are garbage (callers end the sequences, sessions must be discarded).
+    di_status status;
 } di_dsv4_ctx;
 
 // Lays the rows of c's sequences out one after another (sequence after sequence): each
@@ -278,9 +290,10 @@ void di_dsv4_set_rows(di_dsv4_ctx *c);
 // concatenated in seqs order; row0 is set here) and advances its state (the caller then moves
 // its position). Logits of the rows listed in logit_rows (ascending) go to logits [n, V]; the
 // residual streams of all rows stay in the X scratch unless logits were gathered. Interior:
-// tokens, positions and capacities were validated by the caller (asserted here).
-void di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
-                           int32_t n_logit_rows, float *logits);
+// tokens, positions and capacities were validated by the caller (asserted here). Returns c->status
+// (DI_ERR_IO: an expert worker failed).
+di_status di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
+                                int32_t n_logit_rows, float *logits);
 
 // Rows of one device-resident call of a session (its scratch is sized for this many rows).
 #define DI_DSV4_DEV_SESSION_ROWS 256
@@ -314,9 +327,16 @@ struct di_session {
 // layers[]). a: [T, D] normed hidden; out: [T, D].
 void di_dsv4_attention(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, const float *a,
                        float *out);
-// f: [T, D] normed hidden; ids: [T] token ids (hash routing); out: [T, D].
+// f: [T, D] normed hidden; ids: [T] token ids (hash routing); out: [T, D]. Experts placed on
+// expert workers (m->ep) are computed there; a failure sets c->status (out is then zeros).
 void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, const int32_t *ids,
                  float *out);
+// One expert (w1, w3, w2) on n rows of x [n, D] -> y [n, D] (n <= the MoE scratch's rows): SwiGLU
+// with the gate clamp `limit` (0: none); `weight` (per row, may be NULL) scales h before w2 in the
+// official recipe and the output otherwise. Each row's result depends on that row only (matmuls
+// and the A8 quantisation are per row), so rows may be split between calls and processes.
+void di_dsv4_expert(di_dsv4_ctx *c, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
+                    const float *x, int32_t n, float limit, const float *weight, float *y);
 // One decoder block on streams X [T, NC, D] in place (§2.2).
 void di_dsv4_block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, float *x,
                    const int32_t *ids);
@@ -339,9 +359,9 @@ void di_dsv4_hc_head(di_dsv4_ctx *c, const di_dsv4_hc_w *hc, const float *norm, 
 // holds its MTP state at index n_layer): x_main [T, NC, D] the main streams of each row's
 // position, ids_next [T] the token after it. MTP logits of the rows in logit_rows (ascending;
 // NULL: rows 0 .. n_logit_rows - 1) go to logits [n_logit_rows, V] (none when logits is NULL).
-// Uses the XM, A, H scratch (x_main may be the XMAIN scratch).
-void di_dsv4_mtp_forward_batch(di_dsv4_ctx *c, const float *x_main, const int32_t *ids_next,
-                               const int32_t *logit_rows, int32_t n_logit_rows, float *logits);
+// Uses the XM, A, H scratch (x_main may be the XMAIN scratch). Returns c->status.
+di_status di_dsv4_mtp_forward_batch(di_dsv4_ctx *c, const float *x_main, const int32_t *ids_next,
+                                    const int32_t *logit_rows, int32_t n_logit_rows, float *logits);
 // Final head (§2.9) of the rows in logit_rows (ascending) after di_dsv4_forward_batch ran without
 // logits: logits [n_logit_rows, V]. Gathers the rows in place to the front of the X scratch.
 void di_dsv4_head_rows(di_dsv4_ctx *c, const int32_t *logit_rows, int32_t n_logit_rows,

@@ -428,6 +428,7 @@ di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq
                      .trace_user = seqs[0].s->trace_user};
     set_rows(&c);
     forward_rows(&c, tokens, n_out, logits);
+    if (c.status != DI_OK) return c.status; // an expert worker failed (positions unchanged)
     for (int32_t i = 0; i < n_seq; i++) seqs[i].s->pos += seqs[i].n_tok;
     m->n_forward_calls++;
     return DI_OK;
@@ -506,6 +507,7 @@ di_status di_dsv41_draft_batch(di_model *m, di_dsv4_ws *ws, di_dsv41_draft_seq *
     one_hot_pre(m, w->pre, T);
     for (int i = 0; i < m->n_mtp_loaded; i++)
         block(&c, &m->mtp[i].block, hp->n_layer + i, x, ids, true);
+    if (c.status != DI_OK) return c.status; // an expert worker failed
     // h = collapse (pre-norm, kept for the confidence head); base logits from the final norm.
     float *h = di_dsv4_scratch(&c, DI_SCR_A); // [T, D]
     collapse(m, x, w->pre, T, h);

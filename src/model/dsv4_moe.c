@@ -1,20 +1,22 @@
 // dsv4_moe — the mixture of experts of one layer (spec §2.8): the router (hash-routed layers take
 // tid2eid[token], score-routed layers take the top-K of sqrt(softplus(logit)) + bias), the routed
 // experts grouped by expert so each expert's weights are read once per call, and the shared
-// expert. SwiGLU with the one-sided gate clamp and the symmetric up clamp.
+// expert. SwiGLU with the one-sided gate clamp and the symmetric up clamp. With expert workers
+// (m->ep, ep/ep.h) the routed experts placed on them are computed there, overlapping the local
+// ones; the combine adds every expert's rows in ascending id either way (bit-identical).
 #include <math.h>
 #include <string.h>
 
 #include "base/log.h"
+#include "ep/ep.h"
 #include "ep/eplb.h"
 #include "model/dsv4.h"
 #include "tensor/quant_ref.h"
 
-// One expert on n rows of x [n, D] -> y [n, D]; `weight` (per row, may be NULL) scales h before
-// w2 in official precision (R-OFF) and the output otherwise (R-HF), which is the same in exact
-// arithmetic.
-static void expert(di_dsv4_ctx *c, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
-                   const float *x, int32_t n, float limit, const float *weight, float *y) {
+// `weight` scales h before w2 in official precision (R-OFF) and the output otherwise (R-HF),
+// which is the same in exact arithmetic.
+void di_dsv4_expert(di_dsv4_ctx *c, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
+                    const float *x, int32_t n, float limit, const float *weight, float *y) {
     const di_model *m = c->model;
     const int64_t D = m->hp.n_embd, F = w1->ne[1];
     const bool official = m->opt.precision == DI_PRECISION_OFFICIAL;
@@ -32,14 +34,6 @@ static void expert(di_dsv4_ctx *c, const di_tensor *w1, const di_tensor *w3, con
         for (int32_t r = 0; r < n; r++)
             for (int64_t i = 0; i < D; i++) y[r * D + i] *= weight[r];
     }
-}
-
-// The MoE layer index of lw (ep/placement.h): a main layer's index, or n_layer + i for MTP block i.
-static int32_t moe_layer(const di_model *m, const di_dsv4_layer_w *lw) {
-    if (lw >= m->layers && lw < m->layers + m->hp.n_layer) return (int32_t)(lw - m->layers);
-    for (int32_t i = 0; i < m->n_mtp_loaded; i++)
-        if (lw == &m->mtp[i].block) return m->hp.n_layer + i;
-    return -1;
 }
 
 void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, const int32_t *ids,
@@ -73,7 +67,7 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
     }
 
     if (m->expert_load && E == di_ep_load_n_expert(m->expert_load))
-        di_ep_load_record(m->expert_load, moe_layer(m, lw), sel, n_tok, K);
+        di_ep_load_record(m->expert_load, lw->il, sel, n_tok, K); // il: the MoE layer index
 
     // Routed experts, in ascending expert id; each gathers the (token, slot) pairs routed to it.
     // Duplicates in a hash row contribute twice (as R-HF does).
@@ -81,16 +75,60 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
     float *xin = di_dsv4_scratch(c, DI_SCR_MOE_IN), *yout = di_dsv4_scratch(c, DI_SCR_MOE_OUT);
     float *rw = di_dsv4_scratch(c, DI_SCR_MOE_RW);
     int32_t *rows = c->ws->sel + (int64_t)n_tok * K; // token of each gathered row
-    for (int32_t e = 0; e < E; e++) {
+    di_ep *ep = m->ep;
+    bool remote = false;
+    if (ep) di_ep_begin(ep, lw->il, (int32_t)E, &remote);
+    di_status st = c->status;
+    // Expert parallelism: an expert's rows are split between its replicas (contiguous chunks);
+    // first every remote chunk goes out (one request per worker), then the ascending loop below
+    // computes the local chunks and takes each remote one's output as its turn comes.
+    di_ep_chunk ch[DI_EP_MAX_REPLICAS];
+    for (int32_t e = 0; remote && st == DI_OK && e < E; e++) {
+        const int32_t n = di_ref_moe_gather(sel, wgt, n_tok, K, e, f, D, xin, rows, rw);
+        const int32_t nc = n ? di_ep_chunks(ep, e, n, ch) : 0;
+        for (int32_t i = 0; i < nc && st == DI_OK; i++)
+            if (ch[i].rank != 0)
+                st = di_ep_add(ep, ch[i].rank, e, xin + (int64_t)ch[i].off * D, rw + ch[i].off,
+                               ch[i].n);
+    }
+    if (remote && st == DI_OK) st = di_ep_send(ep);
+    // The shared expert too computes while the workers do (into the handle's buffer; added last,
+    // as in one process).
+    const float limit = hp->shared_expert_clamp ? hp->swiglu_limit : 0;
+    float *shared = NULL;
+    if (remote && st == DI_OK) {
+        shared = di_ep_scratch(ep, (int64_t)n_tok * D);
+        if (shared)
+            di_dsv4_expert(c, &lw->sh_w1, &lw->sh_w3, &lw->sh_w2, f, n_tok, limit, NULL, shared);
+        else
+            st = DI_ERR_NOMEM;
+    }
+    for (int32_t e = 0; e < E && st == DI_OK; e++) {
         const int32_t n = di_ref_moe_gather(sel, wgt, n_tok, K, e, f, D, xin, rows, rw);
         if (n == 0) continue;
-        expert(c, &lw->w1[e], &lw->w3[e], &lw->w2[e], xin, n, hp->swiglu_limit, rw, yout);
-        di_ref_moe_add_rows(yout, rows, n, D, out);
+        const int32_t nc =
+            remote ? di_ep_chunks(ep, e, n, ch) : (ch[0] = (di_ep_chunk){0, 0, n}, 1);
+        for (int32_t i = 0; i < nc && st == DI_OK; i++) {
+            const int64_t o = (int64_t)ch[i].off * D;
+            if (ch[i].rank == 0)
+                di_dsv4_expert(c, &lw->w1[e], &lw->w3[e], &lw->w2[e], xin + o, ch[i].n,
+                               hp->swiglu_limit, rw + ch[i].off, yout + o);
+            else
+                st = di_ep_recv(ep, ch[i].rank, e, ch[i].n, yout + o);
+        }
+        if (st == DI_OK) di_ref_moe_add_rows(yout, rows, n, D, out);
     }
-
-    // Shared expert on every token, then one sum.
-    float limit = hp->shared_expert_clamp ? hp->swiglu_limit : 0;
-    expert(c, &lw->sh_w1, &lw->sh_w3, &lw->sh_w2, f, n_tok, limit, NULL, yout);
-    for (int64_t i = 0; i < (int64_t)n_tok * D; i++) out[i] += yout[i];
+    if (st == DI_OK && !shared) { // shared expert on every token, then one sum
+        shared = yout;
+        di_dsv4_expert(c, &lw->sh_w1, &lw->sh_w3, &lw->sh_w2, f, n_tok, limit, NULL, shared);
+    }
+    if (st == DI_OK)
+        for (int64_t i = 0; i < (int64_t)n_tok * D; i++) out[i] += shared[i];
+    if (ep) di_ep_end(ep, st);
+    if (st != DI_OK) { // the call fails; later layers skip their work (see di_dsv4_ctx.status)
+        c->status = st;
+        memset(out, 0, sizeof(float) * (size_t)(n_tok * D));
+        return;
+    }
     di_dsv4_round(m, out, (int64_t)n_tok * D);
 }

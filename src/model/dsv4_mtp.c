@@ -9,8 +9,9 @@
 #include "base/log.h" // DI_ASSERT
 #include "model/dsv4.h"
 
-void di_dsv4_mtp_forward_batch(di_dsv4_ctx *c, const float *x_main, const int32_t *ids_next,
-                               const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+di_status di_dsv4_mtp_forward_batch(di_dsv4_ctx *c, const float *x_main, const int32_t *ids_next,
+                                    const int32_t *logit_rows, int32_t n_logit_rows,
+                                    float *logits) {
     di_model *m = c->model;
     const di_hparams *hp = &m->hp;
     const di_dsv4_mtp_w *mw = &m->mtp[0];
@@ -43,7 +44,7 @@ void di_dsv4_mtp_forward_batch(di_dsv4_ctx *c, const float *x_main, const int32_
 
     di_dsv4_block(c, &mw->block, hp->n_layer, xm, ids_next);
     if (c->trace) c->trace(c->trace_user, "mtp_out", hp->n_layer, xm, false, n, nc * D);
-    if (!logits || n_logit_rows == 0) return;
+    if (c->status != DI_OK || !logits || n_logit_rows == 0) return c->status;
     // The rows asked for, gathered to the front of XM (ascending: each copy moves a row down).
     const size_t row = sizeof(float) * (size_t)(nc * D);
     for (int32_t k = 0; logit_rows && k < n_logit_rows; k++) {
@@ -54,4 +55,5 @@ void di_dsv4_mtp_forward_batch(di_dsv4_ctx *c, const float *x_main, const int32_
     float *h = di_dsv4_scratch(c, DI_SCR_H);
     di_dsv4_hc_head(c, &mw->hc_head, mw->norm, xm, n_logit_rows, h);
     di_dsv4_matmul(m, &m->head, h, n_logit_rows, D, logits, hp->n_vocab);
+    return DI_OK;
 }

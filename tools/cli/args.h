@@ -23,7 +23,8 @@ const char *di_args_default_model(void);
 // Parses --device: "cpu", "cuda" (= cuda:0) or "cuda:N". false (with a message) when malformed or
 // when this build cannot run it (a CUDA device without the CUDA backend).
 bool di_args_device(const char *s, di_device *out);
-// Options shared by every model command: --model, --threads, --precision, --device, --log-level.
+// Options shared by every model command: --model, --threads, --precision, --device, --log-level,
+// --ep-workers HOST:PORT[,HOST:PORT...] (expert workers, docs/expert-parallel.md).
 typedef struct di_model_args {
     const char *model;
     di_model_options opt;

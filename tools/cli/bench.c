@@ -27,6 +27,7 @@ static void usage(FILE *f) {
             "                       [--gen-len 64] [--kv-memory MiB] [--max-batch-tokens 256]\n"
             "                       [--threads N] [--precision fp32|official] [--no-ratio]\n"
             "                       [--device cpu|cuda[:N]] [--spec-tokens N]\n"
+            "                       [--ep-workers HOST:PORT,...]\n"
             "                       [--spec-min-confidence X] [--shared-prefix N]\n"
             "Greedy generation of --gen-len tokens for --requests random prompts submitted\n"
             "together; prints throughput, TTFT and ITL statistics and KV usage, then the\n"
@@ -324,6 +325,26 @@ static int prefix_row(di_engine *e, const char *model, di_engine_options o, int3
     return 0;
 }
 
+// Expert parallelism: what crossed the wire, per worker and per token of the whole run.
+static void print_ep(di_engine *e) {
+    di_ep_worker_stats w[64];
+    const int32_t n = di_engine_ep_stats(e, w, 64);
+    di_engine_stats es;
+    di_engine_get_stats(e, &es);
+    const int64_t tokens = es.n_prefill_tokens + es.n_decode_tokens;
+    int64_t bytes = 0;
+    for (int32_t i = 0; i < n && i < 64; i++) {
+        printf("expert worker %s: %lld requests, %lld rows, %.1f MiB sent, %.1f MiB received, "
+               "%.1f ms waiting for results, %lld errors\n",
+               w[i].addr, (long long)w[i].calls, (long long)w[i].rows, w[i].bytes_sent / 1048576.0,
+               w[i].bytes_recv / 1048576.0, w[i].wait_us / 1e3, (long long)w[i].errors);
+        bytes += w[i].bytes_sent + w[i].bytes_recv;
+    }
+    printf("expert parallelism: %d workers, %lld tokens computed, %.0f bytes exchanged per "
+           "token\n",
+           (int)n, (long long)tokens, tokens > 0 ? (double)bytes / (double)tokens : 0.0);
+}
+
 int di_cli_bench(int argc, char **argv) {
     di_model_args ma = {.opt = di_model_options_default()};
     long n_req = 16, prompt_len = 128, gen_len = 64, kv_mib = 512, batch = 256, spec = 0,
@@ -385,6 +406,7 @@ int di_cli_bench(int argc, char **argv) {
     o.n_threads = ma.opt.n_threads;
     o.precision = ma.opt.precision;
     o.device = ma.opt.device;
+    o.ep_workers = ma.opt.ep_workers;
     o.kv_memory_bytes = (size_t)kv_mib << 20;
     o.max_seqs = (int32_t)(n_req > 16 ? n_req : 16);
     o.max_batch_tokens = (int32_t)batch;
@@ -439,6 +461,7 @@ int di_cli_bench(int argc, char **argv) {
                    (long long)es.device.n_declined, (long long)es.device.n_weights,
                    es.device.weight_bytes / 1048576.0);
     }
+    if (o.ep_workers) print_ep(e);
     di_engine_destroy(e);
     return 0;
 }

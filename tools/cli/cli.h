@@ -12,7 +12,8 @@ int di_cli_detokenize(int argc, char **argv); // tools/cli/tokenize.c
 int di_cli_render(int argc, char **argv);     // tools/cli/render.c
 int di_cli_synth(int argc, char **argv);
 int di_cli_convert(int argc, char **argv);
-int di_cli_bench(int argc, char **argv); // tools/cli/bench.c
-int di_cli_eplb(int argc, char **argv);  // tools/cli/eplb.c
-int di_cli_serve(int argc, char **argv); // tools/server/main.c
-int di_cli_route(int argc, char **argv); // tools/router/main.c
+int di_cli_bench(int argc, char **argv);         // tools/cli/bench.c
+int di_cli_eplb(int argc, char **argv);          // tools/cli/eplb.c
+int di_cli_serve(int argc, char **argv);         // tools/server/main.c
+int di_cli_route(int argc, char **argv);         // tools/router/main.c
+int di_cli_expert_worker(int argc, char **argv); // tools/cli/expert_worker.c

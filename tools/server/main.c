@@ -18,6 +18,7 @@ static void usage(FILE *f) {
         "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
         "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
         "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
+        "                       [--ep-workers HOST:PORT,...]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
         "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
@@ -246,6 +247,7 @@ int di_cli_serve(int argc, char **argv) {
     eo.n_threads = ma.opt.n_threads;
     eo.precision = ma.opt.precision;
     eo.device = ma.opt.device;
+    eo.ep_workers = ma.opt.ep_workers;
     eo.kv_memory_bytes = c->kv_memory_bytes;
     eo.kv_disk_dir = c->kv_disk_dir;
     eo.kv_disk_bytes = c->kv_disk_bytes;

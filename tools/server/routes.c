@@ -1,6 +1,7 @@
 // routes — the endpoint table (spec §2.1): generation endpoints of the three APIs, models,
 // health, readiness and Prometheus metrics; authentication, admission (429/503) and the
 // JSON-parse step of validation.
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,6 +119,39 @@ char *srv_metrics_text(srv *s) {
                 "deepinfer:spec_decode_verifies_by_accepted_total{model_name=\"%s\","
                 "accepted=\"%d\"} %llu\n",
                 m, j, (unsigned long long)st.n_spec_accept_hist[j]);
+    // Expert parallelism (--ep-workers): one series per worker.
+    di_ep_worker_stats ew[64];
+    const int32_t n_ew = di_engine_ep_stats(s->engine, ew, 64);
+    static const struct {
+        const char *name, *help;
+        size_t off;
+    } k_ep[] = {
+        {"deepinfer:ep_requests_total",
+         "Requests sent to an expert worker (one per MoE layer call).",
+         offsetof(di_ep_worker_stats, calls)},
+        {"deepinfer:ep_rows_total", "Rows sent to an expert worker.",
+         offsetof(di_ep_worker_stats, rows)},
+        {"deepinfer:ep_sent_bytes_total", "Bytes sent to an expert worker.",
+         offsetof(di_ep_worker_stats, bytes_sent)},
+        {"deepinfer:ep_received_bytes_total", "Bytes received from an expert worker.",
+         offsetof(di_ep_worker_stats, bytes_recv)},
+        {"deepinfer:ep_wait_microseconds_total",
+         "Time spent waiting for an expert worker's results.",
+         offsetof(di_ep_worker_stats, wait_us)},
+        {"deepinfer:ep_errors_total", "Failed connects, requests and replies of an expert worker.",
+         offsetof(di_ep_worker_stats, errors)},
+        {"deepinfer:ep_connects_total", "Connections opened to an expert worker.",
+         offsetof(di_ep_worker_stats, connects)},
+    };
+    for (size_t k = 0; n_ew > 0 && k < sizeof k_ep / sizeof k_ep[0]; k++) {
+        sb_addf(&b, "# HELP %s %s\n# TYPE %s counter\n", k_ep[k].name, k_ep[k].help, k_ep[k].name);
+        for (int32_t i = 0; i < n_ew && i < 64; i++) {
+            int64_t v;
+            memcpy(&v, (const char *)&ew[i] + k_ep[k].off, sizeof v);
+            sb_addf(&b, "%s{model_name=\"%s\",worker=\"%s\"} %lld\n", k_ep[k].name, m, ew[i].addr,
+                    (long long)v);
+        }
+    }
     int64_t g_hits = 0, g_misses = 0;
     int32_t g_held = 0;
     if (s->gcache) di_grammar_cache_get_stats(s->gcache, &g_hits, &g_misses, &g_held);

@@ -1,0 +1,344 @@
+// worker — an expert worker serving fronts over TCP (ep/worker.h).
+#include "ep/worker.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "base/log.h"
+#include "base/mem.h"
+#include "ep/ep.h"
+#include "ep/wire.h"
+#include "model/dsv4.h"
+
+// Returns a failing status to the caller.
+#define RET_IF(expr)                                                                               \
+    do {                                                                                           \
+        di_status s_ = (expr);                                                                     \
+        if (s_ != DI_OK) return s_;                                                                \
+    } while (0)
+
+// Rows one expert call computes at a time: bounds the scratch of a connection whatever the
+// request (results are per row, so the chunking does not change them).
+#define WORKER_CHUNK 256
+// Groups of one request: a front sends at most one per replica of each expert.
+#define WORKER_MAX_GROUPS 65536
+
+typedef struct conn {
+    struct di_ep_worker *w;
+    int fd;
+    pthread_t th;
+    bool done; // the thread has finished (joined by the accept loop or at stop)
+    char peer[64];
+    struct conn *next;
+} conn;
+
+struct di_ep_worker {
+    di_model *m;
+    int lfd, port;
+    int stop_pipe[2];
+    pthread_t th;
+    pthread_mutex_t mu;  // conns
+    pthread_mutex_t cmu; // computation (the model's pool)
+    conn *conns;
+    uint64_t id;
+    char desc[512];
+};
+
+static di_status reply_error(int fd, const char *peer, const char *why) {
+    DI_LOG_WARN("ep worker: %s: %s", peer, why);
+    return di_ep_send_frame(fd, DI_EP_ERROR, why, strlen(why));
+}
+
+// Computes one validated request, one RESULT frame per group in order.
+static di_status compute(conn *cn, di_dsv4_ctx *c, const di_ep_compute *rq) {
+    di_model *m = cn->w->m;
+    const di_dsv4_layer_w *lw = di_dsv4_layer(m, rq->layer);
+    const int64_t D = rq->D;
+    float *y = di_dsv4_scratch(c, DI_SCR_MOE_OUT);
+    for (int32_t g = 0; g < rq->n_groups; g++) {
+        const di_ep_group *gr = &rq->groups[g];
+        di_ep_hdr h = {.magic = DI_EP_MAGIC,
+                       .version = DI_EP_VERSION,
+                       .type = DI_EP_RESULT,
+                       .len = 8 + (uint64_t)gr->n * (uint64_t)D * sizeof(float)};
+        int32_t eg[2] = {gr->expert, gr->n};
+        RET_IF(di_ep_send_all(cn->fd, &h, sizeof h));
+        RET_IF(di_ep_send_all(cn->fd, eg, sizeof eg));
+        for (int32_t r0 = 0; r0 < gr->n; r0 += WORKER_CHUNK) {
+            const int32_t n = gr->n - r0 < WORKER_CHUNK ? gr->n - r0 : WORKER_CHUNK;
+            pthread_mutex_lock(&cn->w->cmu);
+            di_dsv4_expert(c, &lw->w1[gr->expert], &lw->w3[gr->expert], &lw->w2[gr->expert],
+                           gr->x + r0 * D, n, m->hp.swiglu_limit, gr->w + r0, y);
+            pthread_mutex_unlock(&cn->w->cmu);
+            RET_IF(di_ep_send_all(cn->fd, y, sizeof(float) * (size_t)(n * D)));
+        }
+    }
+    return DI_OK;
+}
+
+static void *conn_main(void *p) {
+    conn *cn = p;
+    di_ep_worker *w = cn->w;
+    di_model *m = w->m;
+    const int32_t NL = di_ep_moe_layers(m), E = m->hp.n_expert, D = m->hp.n_embd;
+    bool hello = false;
+    uint8_t *assigned = di_calloc((size_t)NL * (size_t)E, 1);
+    di_ep_group *groups = di_malloc(sizeof(di_ep_group) * WORKER_MAX_GROUPS);
+    di_dsv4_ws ws = {0};
+    di_dsv4_ctx c = {.model = m, .ws = &ws};
+    void *payload = NULL;
+    char why[DI_EP_MAX_TEXT];
+    int64_t n_req = 0, n_rows = 0;
+    if (!assigned || !groups || di_dsv4_ws_reserve(&ws, m, WORKER_CHUNK, 0, false) != DI_OK) {
+        reply_error(cn->fd, cn->peer, "worker out of memory");
+        goto out;
+    }
+    for (;;) {
+        di_ep_hdr h;
+        di_status st = di_ep_recv_hdr(cn->fd, &h, why, sizeof why);
+        if (st == DI_ERR_IO) break; // the front closed, or stop
+        if (st != DI_OK) {          // unframed bytes: answer, then drop (no way to resync)
+            reply_error(cn->fd, cn->peer, why);
+            break;
+        }
+        if (h.type == DI_EP_OK || h.type == DI_EP_ERROR || h.type == DI_EP_RESULT) {
+            snprintf(why, sizeof why, "frame type %u is not a request", (unsigned)h.type);
+            reply_error(cn->fd, cn->peer, why);
+            break;
+        }
+        di_free(payload);
+        payload = NULL;
+        if (h.len && !(payload = di_malloc((size_t)h.len))) {
+            reply_error(cn->fd, cn->peer, "worker out of memory for the request");
+            break;
+        }
+        if (h.len && di_ep_recv_all(cn->fd, payload, (size_t)h.len) != DI_OK) {
+            DI_LOG_WARN("ep worker: %s: truncated frame (%llu bytes announced)", cn->peer,
+                        (unsigned long long)h.len);
+            break;
+        }
+        if (h.type == DI_EP_HELLO) {
+            uint64_t id = 0;
+            if (h.len >= 8) memcpy(&id, payload, 8);
+            if (h.len < 8 || id != w->id) {
+                int dl = h.len > 8 ? (int)(h.len - 8) : 0;
+                snprintf(why, sizeof why,
+                         "model mismatch: the front runs %.*s; this worker runs %s", dl,
+                         h.len > 8 ? (const char *)payload + 8 : "(no description)", w->desc);
+                if (reply_error(cn->fd, cn->peer, why) != DI_OK) break;
+                continue;
+            }
+            hello = true;
+            if (di_ep_send_frame(cn->fd, DI_EP_OK, NULL, 0) != DI_OK) break;
+            continue;
+        }
+        if (!hello) {
+            if (reply_error(cn->fd, cn->peer, "a request before the model handshake") != DI_OK)
+                break;
+            continue;
+        }
+        if (h.type == DI_EP_ASSIGN) {
+            const int32_t *pairs;
+            int32_t n;
+            if (di_ep_decode_assign(payload, h.len, NL, E, &pairs, &n, why, sizeof why) != DI_OK) {
+                if (reply_error(cn->fd, cn->peer, why) != DI_OK) break;
+                continue;
+            }
+            memset(assigned, 0, (size_t)NL * (size_t)E);
+            for (int32_t i = 0; i < n; i++) {
+                int32_t pr[2];
+                memcpy(pr, pairs + 2 * i, sizeof pr);
+                assigned[(int64_t)pr[0] * E + pr[1]] = 1;
+            }
+            DI_LOG_INFO("ep worker: %s: assigned %d (layer, expert) replicas", cn->peer, n);
+            if (di_ep_send_frame(cn->fd, DI_EP_OK, NULL, 0) != DI_OK) break;
+            continue;
+        }
+        // DI_EP_COMPUTE
+        di_ep_compute rq = {.groups = groups};
+        if (di_ep_decode_compute(payload, h.len, NL, E, D, &rq, WORKER_MAX_GROUPS, why,
+                                 sizeof why) != DI_OK) {
+            if (reply_error(cn->fd, cn->peer, why) != DI_OK) break;
+            continue;
+        }
+        const di_dsv4_layer_w *lw = di_dsv4_layer(m, rq.layer);
+        int32_t bad = -1;
+        for (int32_t g = 0; g < rq.n_groups && bad < 0; g++)
+            if (!assigned[(int64_t)rq.layer * E + groups[g].expert] ||
+                groups[g].expert >= lw->n_expert)
+                bad = g;
+        if (bad >= 0) {
+            snprintf(why, sizeof why, "layer %d expert %d is not assigned to this worker", rq.layer,
+                     groups[bad].expert);
+            if (reply_error(cn->fd, cn->peer, why) != DI_OK) break;
+            continue;
+        }
+        if (compute(cn, &c, &rq) != DI_OK) {
+            DI_LOG_WARN("ep worker: %s: sending results failed", cn->peer);
+            break;
+        }
+        n_req++;
+        n_rows += rq.n_rows;
+    }
+out:
+    DI_LOG_INFO("ep worker: %s disconnected after %lld requests (%lld rows)", cn->peer,
+                (long long)n_req, (long long)n_rows);
+    di_free(payload);
+    di_free(assigned);
+    di_free(groups);
+    di_dsv4_ws_free(&ws);
+    pthread_mutex_lock(&w->mu);
+    cn->done = true;
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+// Joins and frees finished connections (all of them, closing the live ones first, when all).
+static void reap(di_ep_worker *w, bool all) {
+    pthread_mutex_lock(&w->mu);
+    conn **pp = &w->conns;
+    while (*pp) {
+        conn *cn = *pp;
+        if (all && !cn->done) shutdown(cn->fd, SHUT_RDWR);
+        if (!all && !cn->done) {
+            pp = &cn->next;
+            continue;
+        }
+        *pp = cn->next;
+        pthread_mutex_unlock(&w->mu);
+        pthread_join(cn->th, NULL);
+        close(cn->fd);
+        di_free(cn);
+        pthread_mutex_lock(&w->mu);
+    }
+    pthread_mutex_unlock(&w->mu);
+}
+
+static void *accept_main(void *p) {
+    di_ep_worker *w = p;
+    for (;;) {
+        struct pollfd pf[2] = {{.fd = w->lfd, .events = POLLIN},
+                               {.fd = w->stop_pipe[0], .events = POLLIN}};
+        int r = poll(pf, 2, 1000);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 || pf[1].revents) break;
+        reap(w, false);
+        if (!(pf[0].revents & POLLIN)) continue;
+        struct sockaddr_storage sa;
+        socklen_t sl = sizeof sa;
+        int fd = accept4(w->lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        conn *cn = di_calloc(1, sizeof *cn);
+        if (!cn) {
+            close(fd);
+            continue;
+        }
+        cn->w = w;
+        cn->fd = fd;
+        char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?";
+        getnameinfo((struct sockaddr *)&sa, sl, host, sizeof host, serv, sizeof serv,
+                    NI_NUMERICHOST | NI_NUMERICSERV);
+        snprintf(cn->peer, sizeof cn->peer, "%s:%s", host, serv);
+        di_ep_sock_tune(fd, DI_EP_IO_TIMEOUT_MS);
+        // No receive timeout: a front may stay idle between requests as long as it likes.
+        struct timeval tv = {0};
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        DI_LOG_INFO("ep worker: front %s connected", cn->peer);
+        pthread_mutex_lock(&w->mu);
+        if (pthread_create(&cn->th, NULL, conn_main, cn) != 0) {
+            pthread_mutex_unlock(&w->mu);
+            DI_LOG_ERROR("ep worker: cannot start a thread for %s", cn->peer);
+            close(fd);
+            di_free(cn);
+            continue;
+        }
+        cn->next = w->conns;
+        w->conns = cn;
+        pthread_mutex_unlock(&w->mu);
+    }
+    return NULL;
+}
+
+di_status di_ep_worker_start(di_model *m, const char *host, int port, di_ep_worker **out) {
+    *out = NULL;
+    di_ep_worker *w = di_calloc(1, sizeof *w);
+    if (!w) return DI_ERR_NOMEM;
+    w->m = m;
+    w->id = di_dsv4_model_id(m);
+    di_ep_model_describe(m, w->desc, sizeof w->desc);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE},
+                    *res = NULL;
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    const char *h = host && *host ? host : NULL;
+    int gr = getaddrinfo(h, ps, &hints, &res);
+    if (gr != 0) {
+        DI_LOG_ERROR("ep worker: cannot resolve '%s': %s", host, gai_strerror(gr));
+        di_free(w);
+        return DI_ERR_IO;
+    }
+    w->lfd = -1;
+    int err = 0;
+    for (struct addrinfo *a = res; a && w->lfd < 0; a = a->ai_next) {
+        int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 64) == 0) {
+            w->lfd = fd;
+        } else {
+            err = errno;
+            close(fd);
+        }
+    }
+    freeaddrinfo(res);
+    if (w->lfd < 0) {
+        DI_LOG_ERROR("ep worker: cannot listen on %s:%d: %s", host ? host : "", port,
+                     strerror(err));
+        di_free(w);
+        return DI_ERR_IO;
+    }
+    struct sockaddr_storage sa;
+    socklen_t sl = sizeof sa;
+    getsockname(w->lfd, (struct sockaddr *)&sa, &sl);
+    w->port = ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port
+                                             : ((struct sockaddr_in *)&sa)->sin_port);
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_mutex_init(&w->cmu, NULL);
+    if (pipe(w->stop_pipe) != 0 || pthread_create(&w->th, NULL, accept_main, w) != 0) {
+        DI_LOG_ERROR("ep worker: cannot start: %s", strerror(errno));
+        close(w->lfd);
+        di_free(w);
+        return DI_ERR_IO;
+    }
+    DI_LOG_INFO("ep worker: serving %s on port %d", w->desc, w->port);
+    *out = w;
+    return DI_OK;
+}
+
+int di_ep_worker_port(const di_ep_worker *w) {
+    return w->port;
+}
+
+void di_ep_worker_stop(di_ep_worker *w) {
+    if (!w) return;
+    (void)!write(w->stop_pipe[1], "x", 1);
+    pthread_join(w->th, NULL);
+    close(w->lfd);
+    reap(w, true);
+    close(w->stop_pipe[0]);
+    close(w->stop_pipe[1]);
+    pthread_mutex_destroy(&w->mu);
+    pthread_mutex_destroy(&w->cmu);
+    di_free(w);
+}

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# CLI test: deepinfer expert-worker on a free port, and generate / logits with --ep-workers giving
+# byte-identical output to the single process; a worker that goes away fails the run with a
+# message naming it; bad options are usage errors.
+# Usage: test_ep_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
+set -u
+B=${1:?path to deepinfer}
+fail=0
+check() { # name, got, want
+    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
+}
+T=$(mktemp -d)
+W=()
+cleanup() {
+    for p in "${W[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+    rm -rf "$T"
+}
+trap cleanup EXIT
+M=tests/data/fixtures/tiny/official
+ids=$(seq -s, 3 7 350) # 50 ids < 512
+
+# start_worker NAME [options]: a worker on port 0; its port (from its first stdout line) in $PORT.
+start_worker() {
+    local name=$1
+    shift
+    "$B" expert-worker --listen 127.0.0.1:0 --model $M --threads 1 --log-level error "$@" \
+        >"$T/$name.out" 2>"$T/$name.err" &
+    W+=($!)
+    for _ in $(seq 100); do
+        grep -q '^listening on' "$T/$name.out" 2>/dev/null && break
+        sleep 0.05
+    done
+    PORT=$(sed -n 's/^listening on .*:\([0-9]*\)$/\1/p' "$T/$name.out")
+}
+start_worker w1
+P1=$PORT
+start_worker w2
+P2=$PORT
+EP="127.0.0.1:$P1,127.0.0.1:$P2"
+check "workers listening" "$([ -n "$P1" ] && [ -n "$P2" ] && echo yes)" "yes"
+
+g1=$("$B" generate --model $M --tokens 5,17,300 -n 12 --no-stop --threads 1 --log-level error)
+g2=$("$B" generate --model $M --tokens 5,17,300 -n 12 --no-stop --threads 1 --log-level error \
+    --ep-workers "$EP")
+check "generate with 2 workers identical" "$g2" "$g1"
+check "generate count" "$(echo "$g2" | tr ',' '\n' | wc -l)" "12"
+"$B" logits --model $M --tokens "$ids" --out "$T/a.npy" --mtp-out "$T/am.npy" --threads 1 \
+    --precision official --log-level error
+"$B" expert-worker --listen 127.0.0.1:0 --model $M --threads 1 --precision official \
+    --log-level error >"$T/w3.out" 2>/dev/null &
+W+=($!)
+for _ in $(seq 100); do grep -q '^listening' "$T/w3.out" 2>/dev/null && break; sleep 0.05; done
+P3=$(sed -n 's/^listening on .*:\([0-9]*\)$/\1/p' "$T/w3.out")
+"$B" logits --model $M --tokens "$ids" --out "$T/b.npy" --mtp-out "$T/bm.npy" --threads 1 \
+    --precision official --ep-workers "127.0.0.1:$P3" --log-level error
+check "official logits with a worker identical" "$(cmp "$T/a.npy" "$T/b.npy" && echo same)" "same"
+check "official MTP logits identical" "$(cmp "$T/am.npy" "$T/bm.npy" && echo same)" "same"
+
+# A model mismatch (fp32 front, official worker) is refused, naming both sides.
+"$B" generate --model $M --tokens 5,17 -n 2 --ep-workers "127.0.0.1:$P3" --log-level error \
+    >/dev/null 2>"$T/mm.err"
+check "mismatch exits 1" "$?" "1"
+check "mismatch names both sides" "$(grep -c 'model mismatch: the front runs .*fp32.*this worker runs .*official' "$T/mm.err")" "1"
+
+# The worker stops on SIGTERM; a front then cannot start (the worker is named).
+kill -TERM "${W[0]}"
+wait "${W[0]}"
+check "worker exits 0 on SIGTERM" "$?" "0"
+"$B" generate --model $M --tokens 5,17 -n 2 --ep-workers "$EP" --log-level error >/dev/null \
+    2>"$T/down.err"
+check "worker down exits 1" "$?" "1"
+check "worker down named" "$(grep -q "worker 127.0.0.1:$P1 (rank 1) is unreachable" "$T/down.err" && echo yes)" "yes"
+
+# Usage errors.
+"$B" expert-worker --model $M 2>/dev/null
+check "expert-worker without --listen exits 2" "$?" "2"
+"$B" expert-worker --listen nonsense --model $M 2>/dev/null
+check "malformed --listen exits 2" "$?" "2"
+"$B" generate --model $M --tokens 5 -n 1 --ep-workers "no-port" --log-level error 2>/dev/null >/dev/null
+check "malformed --ep-workers exits 1" "$?" "1"
+exit $fail

@@ -1,0 +1,58 @@
+"""`deepinfer serve --ep-workers` (docs/expert-parallel.md): the server runs with an expert worker,
+counts the exchange in /metrics, answers a request during the worker's outage with an error and
+stays up, and once the worker is back on its port serves the same greedy answer as before."""
+import os
+import shutil
+import subprocess
+import tempfile
+
+from conftest import Server, post
+
+CHAT = {"model": "deepinfer-tiny", "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6, "temperature": 0}
+
+
+def worker(home, listen):
+    """An expert worker on the built-in tiny model in `home`; (process, its port)."""
+    p = subprocess.Popen([os.environ["DEEPINFER_BIN"], "expert-worker", "--listen", listen,
+                          "--threads", "1", "--log-level", "error"],
+                         env=dict(os.environ, DEEPINFER_HOME=home), stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    line = p.stdout.readline()
+    assert line.startswith("listening on"), line
+    return p, int(line.strip().rsplit(":", 1)[1])
+
+
+def test_serve_survives_a_worker_outage():
+    home = tempfile.mkdtemp(prefix="deepinfer-ep-")
+    w, port = worker(home, "127.0.0.1:0")
+    s = None
+    try:
+        s = Server(extra=["--model", os.path.join(home, "tiny-v4"), "--served-model-name",
+                          "deepinfer-tiny", "--ep-workers", f"127.0.0.1:{port}"])
+        status, _, first = post(s, "/v1/chat/completions", CHAT)
+        assert status == 200, first
+        m = s.metrics()
+        assert m["deepinfer:ep_requests_total"] > 0
+        assert m["deepinfer:ep_rows_total"] > 0
+        assert m["deepinfer:ep_errors_total"] == 0
+        # The worker goes away: the request fails with an error, the server stays up.
+        w.terminate()
+        w.wait(timeout=30)
+        status, _, body = post(s, "/v1/chat/completions", CHAT)
+        assert status >= 500 and "error" in body, (status, body)
+        assert s.proc.poll() is None
+        assert s.metrics()["deepinfer:ep_errors_total"] >= 1
+        # Back on the same port: the next request reconnects and gives the same answer.
+        w, _ = worker(home, f"127.0.0.1:{port}")
+        status, _, again = post(s, "/v1/chat/completions", CHAT)
+        assert status == 200, again
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]
+        assert s.metrics()["deepinfer:ep_connects_total"] == 2
+    finally:
+        if s:
+            rc, log = s.stop()
+            assert rc == 0, log
+        w.terminate()
+        w.wait(timeout=30)
+        shutil.rmtree(home, ignore_errors=True)
