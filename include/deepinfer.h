@@ -98,6 +98,9 @@ typedef struct di_model_options {
     // Expert workers ("HOST:PORT,HOST:PORT...", `deepinfer expert-worker`) computing the routed
     // experts placed on them (docs/expert-parallel.md); read at load only. NULL or "": none.
     const char *ep_workers;
+    // A placement file (`deepinfer eplb -o`, docs/expert-parallel.md "Files") for those workers:
+    // which rank holds each (layer, expert) replica. NULL: contiguous shares, the front first.
+    const char *ep_placement;
 } di_model_options;
 
 // Default options: all CPUs, FP32, CPU only.
@@ -468,7 +471,16 @@ typedef struct di_engine_options {
     int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)
     int32_t max_queue;        // waiting requests; more are refused with DI_ERR_BUSY; 0 = 1024
     const char *ep_workers;   // expert workers (di_model_options.ep_workers); NULL: none
-    bool no_prefix_cache;     // disable prefix reuse
+    const char *ep_placement; // their initial placement (di_model_options.ep_placement)
+    // Online EPLB (docs/expert-parallel.md, "Online rebalancing"; with ep_workers only): every
+    // eplb_interval steps (0: never) the engine plans a placement from the routing load since the
+    // previous plan, with eplb_slots_per_rank replicas per rank (0: the current placement's
+    // n_slots / ranks, rounded up to hold every expert), and applies it between two steps when
+    // it lowers the max / mean rank load by more than eplb_min_gain (0: 0.05).
+    int32_t eplb_interval;
+    int32_t eplb_slots_per_rank;
+    double eplb_min_gain;
+    bool no_prefix_cache; // disable prefix reuse
     // The prefix cache's disk tier (docs/kv-cache.md, "Disk tier"): a directory (created if
     // missing; borrowed until di_engine_create returns) where evicted cached blocks are written
     // and from which a later request, or a later engine on the same directory, reads them back.
@@ -558,6 +570,11 @@ typedef struct di_engine_stats {
     // di_engine_expert_load.
     int64_t n_expert_pairs;
     double expert_load_imbalance;
+    // Online EPLB: plans made, plans applied, replicas moved by them, and the balance (max / mean
+    // rank load, 1 = perfect) of the placement in force under the last planned window (0 before
+    // the first plan).
+    int64_t n_eplb_plans, n_eplb_rebalances, n_eplb_moves;
+    double eplb_balance;
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. When the model has the

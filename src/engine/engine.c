@@ -68,6 +68,7 @@
 #include "base/mem.h"
 #include "base/status.h"
 #include "engine/engine_internal.h" // test hooks
+#include "ep/ep.h"                  // the expert workers (online EPLB applies placements)
 #include "ep/eplb.h"                // di_ep_load: the model's expert routing load
 #include "kv/kv_manager.h"
 #include "model/dsv4.h"
@@ -179,6 +180,10 @@ struct di_engine {
     di_engine_stats stats;
     // EPLB: the routing load the model's MoE records (model->expert_load); read by any thread.
     di_ep_load *expert_load; // owned
+    // Online EPLB (opt.eplb_interval > 0): the window each plan reads (allocated at create) and
+    // the step count at which the next plan is made.
+    di_ep_load_table eplb_window;
+    int64_t eplb_next_step;
 };
 
 // A KV export or import, run by the engine thread between steps (no forward in flight, so every
@@ -509,12 +514,37 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     di_model_options mo = {.n_threads = o->n_threads,
                            .precision = o->precision,
                            .device = o->device,
-                           .ep_workers = o->ep_workers};
+                           .ep_workers = o->ep_workers,
+                           .ep_placement = o->ep_placement};
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
     if (prepare) DI_TRY(prepare(e->model, prepare_user));
     const di_hparams *hp = &e->model->hp;
     DI_TRY(di_ep_load_create(hp->n_layer + e->model->n_mtp_loaded, hp->n_expert, &e->expert_load));
     e->model->expert_load = e->expert_load;
+    if (o->eplb_interval < 0 || o->eplb_slots_per_rank < 0 || !(o->eplb_min_gain >= 0)) {
+        DI_LOG_ERROR("engine: need eplb_interval >= 0, eplb_slots_per_rank >= 0 and "
+                     "eplb_min_gain >= 0");
+        st = DI_ERR_INVALID;
+        goto fail;
+    }
+    if (o->eplb_interval > 0) {
+        if (!e->model->ep) {
+            DI_LOG_ERROR("engine: online EPLB (eplb_interval) rebalances expert workers: it needs "
+                         "ep_workers");
+            st = DI_ERR_INVALID;
+            goto fail;
+        }
+        const int32_t ranks = di_ep_n_workers(e->model->ep) + 1;
+        if (o->eplb_slots_per_rank && (int64_t)o->eplb_slots_per_rank * ranks < hp->n_expert) {
+            DI_LOG_ERROR("engine: %d ranks x %d slots cannot hold the %d experts of a layer", ranks,
+                         o->eplb_slots_per_rank, hp->n_expert);
+            st = DI_ERR_INVALID;
+            goto fail;
+        }
+        DI_TRY(di_ep_load_table_alloc(di_ep_load_n_layers(e->expert_load), hp->n_expert,
+                                      &e->eplb_window));
+        e->eplb_next_step = o->eplb_interval;
+    }
     if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
     e->eos = hp->eos_token;
     DI_TRY(spec_setup(e));
@@ -791,6 +821,7 @@ void di_engine_destroy(di_engine *e) {
     di_kv_manager_destroy(e->kv);
     di_model_destroy(e->model);
     di_ep_load_destroy(e->expert_load);
+    di_ep_load_table_free(&e->eplb_window);
     pthread_cond_destroy(&e->cv_work);
     pthread_cond_destroy(&e->cv_idle);
     pthread_cond_destroy(&e->cv_job);
@@ -1788,6 +1819,53 @@ static void run_jobs(di_engine *e) {
     }
 }
 
+// Online EPLB (engine thread, between steps: no forward in flight, so the new placement takes
+// effect from the next forward on): plans from the routing load since the previous plan against
+// the placement in force and applies the plan when di_eplb_rebalance finds it worth its moves.
+// Runs outside the steps' allocation count, as the KV jobs.
+static void eplb_step(di_engine *e) {
+    di_ep *ep = e->model->ep;
+    di_ep_placement cur = {0}, next = {0};
+    di_eplb_report rep = {0};
+    di_status st = di_ep_load_window(e->expert_load, &e->eplb_window);
+    if (st == DI_OK) st = di_ep_get_placement(ep, &cur);
+    if (st == DI_OK) {
+        di_eplb_options opt = di_eplb_options_default();
+        opt.n_ranks = cur.n_ranks;
+        opt.slots_per_rank = e->opt.eplb_slots_per_rank
+                                 ? e->opt.eplb_slots_per_rank
+                                 : (cur.n_slots + cur.n_ranks - 1) / cur.n_ranks;
+        if (e->opt.eplb_min_gain > 0) opt.min_gain = e->opt.eplb_min_gain;
+        st = di_eplb_rebalance(&e->eplb_window, &cur, &opt, &next, &rep);
+    }
+    const int64_t pairs = di_ep_load_table_pairs(&e->eplb_window);
+    bool applied = false;
+    if (st == DI_OK && rep.apply) {
+        st = di_ep_set_placement(ep, &next);
+        applied = st == DI_OK;
+    }
+    if (st != DI_OK)
+        DI_LOG_WARN("eplb: no new placement (%s); the current one stays", di_status_str(st));
+    else if (applied)
+        DI_LOG_INFO("eplb: new placement: max/mean rank load %.3f -> %.3f over %lld routed pairs "
+                    "(contiguous %.3f), %lld replicas moved in %d layers",
+                    rep.balance_before, rep.balance_after, (long long)pairs, rep.balance_contiguous,
+                    (long long)rep.n_moves, rep.n_layers_changed);
+    else
+        DI_LOG_DEBUG("eplb: placement kept: max/mean rank load %.3f, a plan would give %.3f "
+                     "(%lld routed pairs)",
+                     rep.balance_before, rep.balance_after, (long long)pairs);
+    di_ep_placement_free(&cur);
+    di_ep_placement_free(&next);
+    pthread_mutex_lock(&e->mu);
+    e->stats.n_eplb_plans += st == DI_OK;
+    e->stats.n_eplb_rebalances += applied;
+    e->stats.n_eplb_moves += applied ? rep.n_moves : 0;
+    if (st == DI_OK) e->stats.eplb_balance = applied ? rep.balance_after : rep.balance_before;
+    e->eplb_next_step = e->stats.n_steps + e->opt.eplb_interval;
+    pthread_mutex_unlock(&e->mu);
+}
+
 static void *engine_main(void *p) {
     di_engine *e = p;
     di_sched *s = &e->sched;
@@ -1799,6 +1877,7 @@ static void *engine_main(void *p) {
         bool cancel = take_incoming(e, !have_plan, &stop) || cancel_later;
         cancel_later = false;
         run_jobs(e);
+        if (e->eplb_window.count && e->stats.n_steps >= e->eplb_next_step) eplb_step(e);
         if (cancel) cancel_flagged(e); // drops the cancelled requests' rows from the plan
         if (stop && s->n_running == 0 && s->n_waiting == 0) break;
 

@@ -308,6 +308,13 @@ di_status di_ep_set_placement(di_ep *ep, const di_ep_placement *p) {
     return st;
 }
 
+di_status di_ep_get_placement(di_ep *ep, di_ep_placement *out) {
+    pthread_mutex_lock(&ep->mu);
+    const di_status st = di_ep_placement_copy(&ep->p, out);
+    pthread_mutex_unlock(&ep->mu);
+    return st;
+}
+
 int32_t di_ep_n_workers(const di_ep *ep) {
     return ep->n_workers;
 }

@@ -39,6 +39,8 @@ void di_ep_detach(di_ep *ep);
 // one's); the workers receive their new assignments before their next request. Between forwards
 // (EPLB); safe from any thread. DI_ERR_INVALID (unchanged), DI_ERR_NOMEM.
 di_status di_ep_set_placement(di_ep *ep, const di_ep_placement *p);
+// A copy of the placement in force (di_ep_placement_free it). Any thread. DI_ERR_NOMEM.
+di_status di_ep_get_placement(di_ep *ep, di_ep_placement *out);
 int32_t di_ep_n_workers(const di_ep *ep);
 // A snapshot of worker i's counters (0 <= i < n_workers).
 void di_ep_get_stats(di_ep *ep, int32_t i, di_ep_worker_stats *out);

@@ -16,6 +16,7 @@
 #include "base/status.h"
 #include "base/hash.h"
 #include "ep/ep.h"
+#include "ep/eplb.h"         // di_eplb_placement_read
 #include "backend/backend.h" // di_backend (the device-resident forward)
 #include "model/dsv4_dev.h"  // the device-resident forward
 #include "model/dsv4_gguf.h"
@@ -126,8 +127,16 @@ static di_status attach_ep(di_model *m) {
         }
         addr[n++] = t;
     }
+    di_ep_placement p = {0};
+    di_status st = DI_OK;
+    if (m->opt.ep_placement) {
+        char why[512];
+        st = di_eplb_placement_read(m->opt.ep_placement, &p, why, sizeof why);
+        if (st != DI_OK) DI_LOG_ERROR("ep: placement %s: %s", m->opt.ep_placement, why);
+    }
     di_ep *ep = NULL;
-    di_status st = di_ep_attach(m, addr, n, NULL, &ep);
+    if (st == DI_OK) st = di_ep_attach(m, addr, n, m->opt.ep_placement ? &p : NULL, &ep);
+    di_ep_placement_free(&p);
     di_free(list);
     return st;
 }
@@ -146,6 +155,11 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
         DI_LOG_ERROR("expert workers (--ep-workers) need the CPU forward: the device-resident "
                      "forward has its own MoE");
         st = DI_ERR_UNSUPPORTED;
+        goto fail;
+    }
+    if (m->opt.ep_placement && !(m->opt.ep_workers && *m->opt.ep_workers)) {
+        DI_LOG_ERROR("an expert placement (--ep-placement) needs expert workers (--ep-workers)");
+        st = DI_ERR_INVALID;
         goto fail;
     }
     // The device first: a missing GPU fails before the checkpoint is mapped.

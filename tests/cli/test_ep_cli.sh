@@ -44,6 +44,25 @@ g2=$("$B" generate --model $M --tokens 5,17,300 -n 12 --no-stop --threads 1 --lo
     --ep-workers "$EP")
 check "generate with 2 workers identical" "$g2" "$g1"
 check "generate count" "$(echo "$g2" | tr ',' '\n' | wc -l)" "12"
+
+# --ep-placement: a placement file (the format deepinfer eplb -o writes) for the fixture's 7 MoE
+# layers (6 + MTP) x 8 experts over 3 ranks: expert e on rank (e + 1) % 3, expert 0 also on 0.
+layer='{"expert":[0,1,2,3,4,5,6,7,0],"rank":[1,2,0,1,2,0,1,2,0]}'
+layers=$layer
+for _ in 2 3 4 5 6 7; do layers="$layers,$layer"; done
+printf '{"format":"deepinfer-ep-placement","version":1,"n_layers":7,"n_expert":8,"n_ranks":3,"n_slots":9,"layers":[%s]}\n' \
+    "$layers" >"$T/p.json"
+g3=$("$B" generate --model $M --tokens 5,17,300 -n 12 --no-stop --threads 1 --log-level error \
+    --ep-workers "$EP" --ep-placement "$T/p.json")
+check "generate with a placement file identical" "$g3" "$g1"
+sed 's/"n_ranks":3/"n_ranks":2/' "$T/p.json" >"$T/p2.json"
+"$B" generate --model $M --tokens 5 -n 1 --ep-workers "$EP" --ep-placement "$T/p2.json" \
+    --log-level error >/dev/null 2>"$T/p2.err"
+check "placement of another shape exits 1" "$?" "1"
+check "placement error says why" "$(grep -c 'placement' "$T/p2.err")" "1"
+"$B" generate --model $M --tokens 5 -n 1 --ep-placement "$T/p.json" --log-level error \
+    >/dev/null 2>&1
+check "placement without workers exits 1" "$?" "1"
 "$B" logits --model $M --tokens "$ids" --out "$T/a.npy" --mtp-out "$T/am.npy" --threads 1 \
     --precision official --log-level error
 "$B" expert-worker --listen 127.0.0.1:0 --model $M --threads 1 --precision official \

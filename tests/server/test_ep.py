@@ -56,3 +56,33 @@ def test_serve_survives_a_worker_outage():
         w.terminate()
         w.wait(timeout=30)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_serve_online_eplb():
+    """--eplb-interval: placements planned and applied between steps; answers unchanged."""
+    home = tempfile.mkdtemp(prefix="deepinfer-eplb-")
+    w, port = worker(home, "127.0.0.1:0")
+    s = None
+    try:
+        s = Server(extra=["--model", os.path.join(home, "tiny-v4"), "--served-model-name",
+                          "deepinfer-tiny", "--ep-workers", f"127.0.0.1:{port}",
+                          "--eplb-interval", "2", "--eplb-slots-per-rank", "5",
+                          "--eplb-min-gain", "1e-9"])
+        answers = []
+        for _ in range(2):
+            status, _, body = post(s, "/v1/chat/completions", CHAT)
+            assert status == 200, body
+            answers.append(body["choices"][0]["message"])
+        assert answers[0] == answers[1]
+        m = s.metrics()
+        assert m["deepinfer:eplb_plans_total"] >= 2
+        assert m["deepinfer:eplb_rebalances_total"] >= 1
+        assert m["deepinfer:eplb_moved_replicas_total"] > 0
+        assert m["deepinfer:eplb_balance"] >= 1.0
+    finally:
+        if s:
+            rc, log = s.stop()
+            assert rc == 0, log
+        w.terminate()
+        w.wait(timeout=30)
+        shutil.rmtree(home, ignore_errors=True)

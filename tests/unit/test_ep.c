@@ -5,7 +5,10 @@
 // to without; a worker stopped (the forward fails with DI_ERR_IO) and restarted on its port (the
 // next forward reconnects and is exact again), also under the engine (the step's requests end with
 // the error, the engine goes on); two fronts sharing a worker at the same time; a model mismatch
-// refused at load; malformed frames answered with errors while the worker keeps serving.
+// refused at load; malformed frames answered with errors while the worker keeps serving; online
+// EPLB (the engine re-planning the placement every two steps, with redundant replicas) and a
+// placement file keeping the engine's tokens exact; a bad placement file or one without workers
+// refused.
 #include "harness.h"
 
 #include <netinet/in.h>
@@ -17,6 +20,7 @@
 #include <unistd.h>
 
 #include "ep/ep.h"
+#include "ep/eplb.h"
 #include "ep/wire.h"
 #include "ep/worker.h"
 #include "model/dsv4.h"
@@ -196,6 +200,90 @@ static void test_engine(void) {
         CHECK_EQ(b[i].status, DI_OK);
         CHECK(same(&a[i], &b[i]));
     }
+    stop(&ws);
+}
+
+// Runs the N_REQ requests through an engine with options o (n_threads 1, max_ctx 256) into res and
+// returns its stats.
+static di_engine_stats engine_run(di_engine_options o, result *res) {
+    o.n_threads = 1;
+    o.max_ctx = 256;
+    o.kv_memory_bytes = 32u << 20;
+    di_engine *e = NULL;
+    di_engine_stats st = {0};
+    CHECK_EQ(di_engine_create(g_v4, &o, &e), DI_OK);
+    if (!e) return st;
+    run(e, res, 0, N_REQ);
+    di_engine_wait_idle(e);
+    di_engine_get_stats(e, &st);
+    di_engine_destroy(e);
+    for (int i = 0; i < N_REQ; i++) {
+        CHECK_EQ(atomic_load(&res[i].finished), 1);
+        CHECK_EQ(res[i].status, DI_OK);
+    }
+    return st;
+}
+
+static void test_online_eplb(void) {
+    static result ref[N_REQ], got[N_REQ];
+    engine_run(di_engine_options_default(), ref);
+    workers ws;
+    CHECK(start(&ws, g_v4, DI_PRECISION_FP32, 2));
+    const int32_t E = ws.m[0]->hp.n_expert;
+    // Every two steps a plan from the load of those steps, one spare slot per rank (redundant
+    // replicas of the hottest experts), applied on any gain: placements change between steps
+    // while requests run, and the tokens stay those of one process.
+    di_engine_options o = di_engine_options_default();
+    o.ep_workers = ws.addrs;
+    o.eplb_interval = 2;
+    o.eplb_slots_per_rank = (E + 2) / 3 + 1;
+    o.eplb_min_gain = 1e-9;
+    di_engine_stats st = engine_run(o, got);
+    for (int i = 0; i < N_REQ; i++) CHECK(same(&ref[i], &got[i]));
+    CHECK(st.n_eplb_plans >= 2);
+    CHECK(st.n_eplb_rebalances >= 1);
+    CHECK(st.n_eplb_moves > 0);
+    CHECK(st.eplb_balance >= 1.0);
+    // Without workers, or with a bad slot count: refused at create.
+    di_engine *e = NULL;
+    di_engine_options bad = di_engine_options_default();
+    bad.eplb_interval = 2;
+    CHECK_EQ(di_engine_create(g_v4, &bad, &e), DI_ERR_INVALID);
+    bad.ep_workers = ws.addrs;
+    bad.eplb_slots_per_rank = 1; // 3 ranks x 1 slot < E experts
+    CHECK_EQ(di_engine_create(g_v4, &bad, &e), DI_ERR_INVALID);
+
+    // A placement file (as `deepinfer eplb -o` writes it): every expert on the rank after the
+    // contiguous one, plus a replica of expert 0 on each rank.
+    di_ep_placement p;
+    const int32_t L = di_ep_moe_layers(ws.m[0]), S = E + 3;
+    CHECK_EQ(di_ep_placement_alloc(L, E, 3, S, &p), DI_OK);
+    for (int32_t l = 0; l < L; l++) {
+        for (int32_t x = 0; x < E; x++)
+            p.expert[l * S + x] = x, p.rank[l * S + x] = (int32_t)((x * 3 / E + 1) % 3);
+        for (int32_t r = 0; r < 3; r++) p.expert[l * S + E + r] = 0, p.rank[l * S + E + r] = r;
+    }
+    char path[320];
+    snprintf(path, sizeof path, "%s/placement.json", g_root);
+    CHECK_EQ(di_eplb_placement_write(&p, path), DI_OK);
+    o = di_engine_options_default();
+    o.ep_workers = ws.addrs;
+    o.ep_placement = path;
+    memset(got, 0, sizeof got);
+    engine_run(o, got);
+    for (int i = 0; i < N_REQ; i++) CHECK(same(&ref[i], &got[i]));
+    // A placement of another shape, a damaged file, a placement without workers: refused.
+    di_ep_placement_free(&p);
+    CHECK_EQ(di_ep_placement_contiguous(L, E, 2, &p), DI_OK); // 2 ranks, the engine has 3
+    CHECK_EQ(di_eplb_placement_write(&p, path), DI_OK);
+    CHECK_EQ(di_engine_create(g_v4, &o, &e), DI_ERR_INVALID);
+    FILE *f = fopen(path, "w");
+    fputs("{\"format\":\"deepinfer-ep-placement\",\"version\":1,", f);
+    fclose(f);
+    CHECK(di_engine_create(g_v4, &o, &e) != DI_OK);
+    o.ep_workers = NULL;
+    CHECK_EQ(di_engine_create(g_v4, &o, &e), DI_ERR_INVALID);
+    di_ep_placement_free(&p);
     stop(&ws);
 }
 
@@ -434,6 +522,7 @@ int main(void) {
     RUN(test_exact);
     RUN(test_engine);
     RUN(test_two_fronts);
+    RUN(test_online_eplb);
     RUN(test_failures);
     RUN(test_frames);
     di_test_remove_dir(g_root);

@@ -47,9 +47,9 @@ int di_cli_expert_worker(int argc, char **argv) {
         fprintf(stderr, "deepinfer expert-worker: --listen HOST:PORT is required (PORT 0-65535)\n");
         return 2;
     }
-    if (ma.opt.ep_workers || ma.opt.device.kind != DI_DEVICE_CPU) {
+    if (ma.opt.ep_workers || ma.opt.ep_placement || ma.opt.device.kind != DI_DEVICE_CPU) {
         fprintf(stderr, "deepinfer expert-worker: runs on the CPU and has no workers of its own "
-                        "(no --device, no --ep-workers)\n");
+                        "(no --device, no --ep-workers, no --ep-placement)\n");
         return 2;
     }
     if (!ma.model && !(ma.model = di_args_default_model())) return 1;

@@ -15,6 +15,7 @@ static void usage(FILE *f) {
                "                          [-n 64] [--temperature 0] [--seed 0] [--threads N]\n"
                "                          [--precision fp32|official] [--device cpu|cuda[:N]]\n"
                "                          [--no-stop] [--dspark] [--ep-workers HOST:PORT,...]\n"
+               "                          [--ep-placement FILE]\n"
                "--dspark (DeepSeek V4.1, greedy only): speculative decoding with the DSpark draft\n"
                "module; every draft block is verified in one forward and rejected tokens are\n"
                "rolled back, so the output equals plain greedy decoding (acceptance on stderr).\n"

@@ -13,6 +13,7 @@ static void usage(FILE *f) {
             "                        [--dspark FILE.json [--dspark-logits FILE.npy]]\n"
             "                        [--precision fp32|official] [--threads N]\n"
             "                        [--device cpu|cuda[:N]] [--ep-workers HOST:PORT,...]\n"
+            "                        [--ep-placement FILE]\n"
             "Writes the logits of every position as float32 [T, vocab]. --chunks feeds the\n"
             "tokens through the incremental state in those chunk sizes (default: one call).\n"
             "--mtp-out writes the MTP block's logits [T-1, vocab] (row t predicts t+2).\n"

@@ -18,7 +18,9 @@ static void usage(FILE *f) {
         "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
         "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
         "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
-        "                       [--ep-workers HOST:PORT,...]\n"
+        "                       [--ep-workers HOST:PORT,...] [--ep-placement FILE]\n"
+        "                       [--eplb-interval STEPS] [--eplb-slots-per-rank S]\n"
+        "                       [--eplb-min-gain G]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
         "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
@@ -35,7 +37,13 @@ static void usage(FILE *f) {
         "--kv-transfer: serve POST /internal/prefill and /internal/kv, the KV transfer of\n"
         "prefill/decode disaggregation (deepinfer route --prefill/--decode; CPU forward, V4).\n"
         "Cluster-internal: they let a caller fill the prefix cache; keep them off public\n"
-        "networks (with --api-key they take the key).\n",
+        "networks (with --api-key they take the key).\n"
+        "--ep-workers: expert workers (deepinfer expert-worker) computing the routed experts\n"
+        "placed on them (--ep-placement: a file of deepinfer eplb -o; default contiguous).\n"
+        "--eplb-interval STEPS (default 0 = off): every STEPS steps plan a placement from\n"
+        "the routing load since the last plan (EPLB, --eplb-slots-per-rank replicas per\n"
+        "rank) and apply it when max/mean rank load drops by more than --eplb-min-gain\n"
+        "(default 0.05).\n",
         (double)DI_SPEC_MIN_CONFIDENCE_DEFAULT);
 }
 
@@ -187,6 +195,20 @@ int di_cli_serve(int argc, char **argv) {
                 goto out;
             }
             c->spec_min_confidence = (float)x;
+        } else if (!strcmp(a, "--eplb-interval") && has) {
+            if (!di_args_int(argv[++i], "--eplb-interval", 0, 1 << 30, &v)) goto out;
+            c->eplb_interval = (int32_t)v;
+        } else if (!strcmp(a, "--eplb-slots-per-rank") && has) {
+            if (!di_args_int(argv[++i], "--eplb-slots-per-rank", 1, 1 << 16, &v)) goto out;
+            c->eplb_slots_per_rank = (int32_t)v;
+        } else if (!strcmp(a, "--eplb-min-gain") && has) {
+            char *end = NULL;
+            double x = strtod(argv[++i], &end);
+            if (!end || *end || !(x > 0 && x < 100)) {
+                fprintf(stderr, "serve: --eplb-min-gain must be a positive number\n");
+                goto out;
+            }
+            c->eplb_min_gain = x;
         } else if (!strcmp(a, "--kv-transfer")) {
             c->kv_transfer = true;
         } else if (!strcmp(a, "--kv-transfer-max-bytes") && has) {
@@ -248,6 +270,10 @@ int di_cli_serve(int argc, char **argv) {
     eo.precision = ma.opt.precision;
     eo.device = ma.opt.device;
     eo.ep_workers = ma.opt.ep_workers;
+    eo.ep_placement = ma.opt.ep_placement;
+    eo.eplb_interval = c->eplb_interval;
+    eo.eplb_slots_per_rank = c->eplb_slots_per_rank;
+    eo.eplb_min_gain = c->eplb_min_gain;
     eo.kv_memory_bytes = c->kv_memory_bytes;
     eo.kv_disk_dir = c->kv_disk_dir;
     eo.kv_disk_bytes = c->kv_disk_bytes;

@@ -168,6 +168,16 @@ char *srv_metrics_text(srv *s) {
     GAUGE("deepinfer:expert_load_imbalance",
           "Mean over MoE layers of max / mean expert load since start (1 = balanced).", "%.6f",
           st.expert_load_imbalance);
+    // Online EPLB (--eplb-interval; 0 without it).
+    COUNTER("deepinfer:eplb_plans_total", "Expert placements planned by online EPLB.",
+            st.n_eplb_plans);
+    COUNTER("deepinfer:eplb_rebalances_total", "Planned placements applied to the expert workers.",
+            st.n_eplb_rebalances);
+    COUNTER("deepinfer:eplb_moved_replicas_total",
+            "Expert replicas the applied placements put on another rank.", st.n_eplb_moves);
+    GAUGE("deepinfer:eplb_balance",
+          "Max / mean rank load of the placement in force under the last planned window.", "%.6f",
+          st.eplb_balance);
     GAUGE("deepinfer:grammar_cache_grammars", "Compiled grammars held by the grammar cache.", "%d",
           (int)g_held);
     pthread_mutex_lock(&s->metrics_mu);

@@ -86,11 +86,14 @@ typedef struct srv_config {
     int64_t kv_disk_ttl_s;   // 0: the engine's default (72 h)
     int32_t max_ctx;
     int32_t max_seqs;
-    int32_t spec_tokens;       // DSpark drafts per verify (V4.1 with DSpark); 0 = off
-    float spec_min_confidence; // the confidence cut; 0 = the engine's default, < 0 none
-    int max_inflight;          // concurrent generation requests; more get 429
-    double keepalive_s;        // SSE keep-alive period while nothing is produced
-    bool kv_transfer;          // --kv-transfer: POST /internal/prefill and /internal/kv are served
+    int32_t spec_tokens;         // DSpark drafts per verify (V4.1 with DSpark); 0 = off
+    float spec_min_confidence;   // the confidence cut; 0 = the engine's default, < 0 none
+    int32_t eplb_interval;       // online EPLB every N steps (--ep-workers); 0 = off
+    int32_t eplb_slots_per_rank; // replicas per rank; 0 = the placement's
+    double eplb_min_gain;        // 0 = the engine's default (0.05)
+    int max_inflight;            // concurrent generation requests; more get 429
+    double keepalive_s;          // SSE keep-alive period while nothing is produced
+    bool kv_transfer; // --kv-transfer: POST /internal/prefill and /internal/kv are served
     size_t max_kv_transfer_bytes; // body limit of POST /internal/kv
 } srv_config;
 
