@@ -244,6 +244,7 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
     di_free(kv->seqs);
     di_kv_disk_destroy(kv->disk);
     di_prefix_cache_destroy(kv->cache);
+    di_tail_cache_destroy(kv->tails);
     di_block_pool_destroy(kv->pool);
     di_free(kv->page_off_cmp);
     di_free(kv->page_off_idx);
@@ -302,6 +303,56 @@ int32_t di_kv_manager_flush_disk(di_kv_manager *kv) {
     // Most recent first, at most what the budget holds: a pool larger than the budget does not
     // write blocks that would only evict each other.
     return di_prefix_cache_offer_recent(kv->cache, flush_one, kv, di_kv_disk_capacity(kv->disk));
+}
+
+// ---- tail snapshots ----
+
+// A block leaves the prefix cache: its snapshot goes with it.
+static void forget_tail(void *user, int32_t id) {
+    di_tail_cache_drop(user, id);
+}
+
+di_status di_kv_manager_open_tails(di_kv_manager *kv, size_t snap_bytes, size_t budget_bytes) {
+    DI_ASSERT(!kv->tails);
+    if (!kv->cache) {
+        DI_LOG_ERROR("kv: tail snapshots attach to prefix-cache blocks; the prefix cache is off");
+        return DI_ERR_INVALID;
+    }
+    if (budget_bytes < snap_bytes) {
+        DI_LOG_ERROR("kv: a tail-snapshot budget of %zu bytes holds no snapshot of %zu bytes",
+                     budget_bytes, snap_bytes);
+        return DI_ERR_INVALID;
+    }
+    di_status st =
+        di_tail_cache_create(di_block_pool_n_total(kv->pool), snap_bytes, budget_bytes, &kv->tails);
+    if (st != DI_OK) return st;
+    di_prefix_cache_set_forget(kv->cache, forget_tail, kv->tails);
+    DI_LOG_INFO("kv: tail snapshots of %.1f KiB, %d at most (%.1f MiB budget)",
+                (double)snap_bytes / 1024, (int)di_tail_cache_n_slots(kv->tails),
+                (double)budget_bytes / (1 << 20));
+    return DI_OK;
+}
+
+uint8_t *di_kv_tail_put(di_kv_manager *kv, int32_t slot, int32_t h) {
+    const di_kv_seq *s = &kv->seqs[slot];
+    if (!kv->tails || h <= 0 || h % kv->block_tokens != 0) return NULL;
+    const int32_t b = h / kv->block_tokens - 1;
+    const int32_t id = b < s->n_published ? s->blocks[b] : -1;
+    // The same chain's tail is already kept (an identical prompt ran before or beside this one).
+    if (!di_prefix_cache_holds(kv->cache, id) || di_tail_cache_has(kv->tails, id)) return NULL;
+    return di_tail_cache_put(kv->tails, id);
+}
+
+const uint8_t *di_kv_tail_best(di_kv_manager *kv, int32_t slot, int32_t hit, int32_t *s) {
+    const di_kv_seq *q = &kv->seqs[slot];
+    if (!kv->tails) return NULL;
+    const int32_t B = kv->block_tokens;
+    for (int32_t b = hit / B - 1; b >= 0 && hit - (b + 1) * B < kv->replay_tokens; b--) {
+        if (!di_tail_cache_has(kv->tails, q->blocks[b])) continue;
+        *s = (b + 1) * B;
+        return di_tail_cache_get(kv->tails, q->blocks[b]);
+    }
+    return NULL;
 }
 
 // ---- KV transfer (prefill/decode disaggregation) ----
