@@ -384,12 +384,17 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
     int32_t *ids = di_malloc(sizeof(int32_t) * (size_t)(n_max > 0 ? n_max : 1));
     if (!ids) return DI_ERR_NOMEM;
     const int32_t n = di_prefix_cache_match(kv->cache, tokens, n_max, salt, ids);
-    unsigned char *buf = di_malloc(di_kv_transfer_bytes(&l, n));
+    // The tail snapshot of the deepest block of the chain that has one goes along.
+    int32_t sb = n - 1;
+    while (kv->tails && sb >= 0 && !di_tail_cache_has(kv->tails, ids[sb])) sb--;
+    const uint8_t *snap = kv->tails && sb >= 0 ? di_tail_cache_get(kv->tails, ids[sb]) : NULL;
+    const size_t snap_bytes = snap ? di_tail_cache_snap_bytes(kv->tails) : 0;
+    unsigned char *buf = di_malloc(di_kv_transfer_bytes(&l, n, snap_bytes));
     if (!buf) {
         di_free(ids);
         return DI_ERR_NOMEM;
     }
-    di_kv_transfer_put_header(&l, n, buf);
+    di_kv_transfer_put_header(&l, n, snap, snap_bytes, snap ? sb : -1, buf);
     uint64_t h = 0;
     for (int32_t i = 0; i < n; i++) {
         const int32_t *t = tokens + (int64_t)i * B;
@@ -400,7 +405,7 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
     }
     di_free(ids);
     *out = buf;
-    *n_out = di_kv_transfer_bytes(&l, n);
+    *n_out = di_kv_transfer_bytes(&l, n, snap_bytes);
     *n_blocks = n;
     return DI_OK;
 }
@@ -415,7 +420,8 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
     }
     const di_kv_disk_layout l = record_layout(kv);
     di_kv_transfer t;
-    di_kv_disk_check e = di_kv_transfer_check(&l, buf, n, kv->max_blocks, &t, err, cap);
+    const size_t snap_bytes = kv->tails ? di_tail_cache_snap_bytes(kv->tails) : 0;
+    di_kv_disk_check e = di_kv_transfer_check(&l, snap_bytes, buf, n, kv->max_blocks, &t, err, cap);
     if (e != DI_KV_DISK_CHECK_OK)
         return e == DI_KV_DISK_CHECK_OTHER_MODEL ? DI_ERR_INVALID : DI_ERR_FORMAT;
     const int32_t B = kv->block_tokens;
@@ -468,6 +474,11 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
         ids[n_held++] = id;
         h = r.hash;
     }
+    // The snapshot goes with its block (unless that block already has one, or the chain stopped
+    // before it).
+    if (st == DI_OK && t.snap && t.snap_block < n_held &&
+        !di_tail_cache_has(kv->tails, ids[t.snap_block]))
+        memcpy(di_tail_cache_put(kv->tails, ids[t.snap_block]), t.snap, t.snap_bytes);
     for (int32_t i = 0; i < n_held; i++) di_block_pool_unref(kv->pool, ids[i]); // idle, cached
     di_free(tok);
     di_free(ids);

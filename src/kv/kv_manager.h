@@ -127,13 +127,16 @@ int32_t di_kv_manager_flush_disk(di_kv_manager *kv);
 // cache only, else DI_ERR_UNSUPPORTED with the reason in err[cap]).
 // Export: the cached chain of tokens[0 .. n_tokens) under salt (whole blocks, stopping at the
 // first block not cached) as a transfer (kv/kv_transfer.h) in *out (di_malloc'd; di_free), its
-// size and block count. DI_ERR_INVALID (n_tokens out of the context), DI_ERR_NOMEM.
+// size and block count; with the tail snapshot of the deepest block of the chain that has one.
+// DI_ERR_INVALID (n_tokens out of the context), DI_ERR_NOMEM.
 di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t n_tokens,
                                uint64_t salt, void **out, size_t *n_out, int32_t *n_blocks,
                                char *err, size_t cap);
-// Import: verifies the whole transfer (header, every record, chain links and chain hashes), then
-// puts its blocks into the prefix cache as idle cached blocks (those already cached are counted in
-// *n_present, copies in *n_inserted), stopping early if the pool has no block left. A transfer
+// Import: verifies the whole transfer (header, every record, chain links and chain hashes, the
+// tail snapshot: its size is this manager's, its checksum), then puts its blocks into the prefix
+// cache as idle cached blocks (those already cached are counted in *n_present, copies in
+// *n_inserted), stopping early if the pool has no block left, and attaches the snapshot to its
+// block (ignored without tail snapshots here, or when that block has one already). A transfer
 // that fails any check inserts nothing: DI_ERR_INVALID (another model identity or precision),
 // DI_ERR_FORMAT (anything else), with the reason in err[cap]; DI_ERR_NOMEM.
 di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int32_t *n_inserted,
