@@ -51,6 +51,12 @@
 //     sequence's next decode verifies ("speculative decoding" below); the V4 state takes the
 //     rejected row back (di_dsv4_state_rollback).
 //
+// Tail snapshots (CPU and V4.1 forwards; "tail snapshots" below, docs/kv-cache.md): the slot's
+// tail at a prompt's last block boundary is copied after the call that ended there and kept with
+// the cached block ending there (kv/tail_cache.h); an admission whose hit reaches that block
+// restores it (the scheduler's restore hook) and computes nothing before the hit. Without one
+// (or on the device-resident forward) the hit is continued by the bounded replay.
+//
 // Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
 // or the dev state and its warm-up call, which grows the backend's op scratch; the logits of
 // max_seqs rows, the sampler for the vocabulary, the scheduler's plan arrays, the
@@ -955,7 +961,12 @@ static bool tail_restore(void *user, di_request *r, int32_t pos, const uint8_t *
 
 static di_status tails_open(di_engine *e) {
     const di_engine_options *o = &e->opt;
-    if (o->no_prefix_cache || o->no_tail_cache || e->dstate || e->model->dev) return DI_OK;
+    if (o->no_prefix_cache || o->no_tail_cache) return DI_OK;
+    if (e->model->dev) {
+        DI_LOG_INFO("engine: no tail snapshots on the device-resident forward (its rings are "
+                    "device memory): prefix hits use the bounded replay");
+        return DI_OK;
+    }
     const size_t budget = o->tail_cache_bytes ? o->tail_cache_bytes : (size_t)256 << 20;
     di_status st = di_kv_manager_open_tails(e->kv, tail_bytes(e), budget);
     if (st != DI_OK) return st;
@@ -973,6 +984,10 @@ static void tails_take(di_engine *e) {
         const di_request *r = e->x_seq_req[i];
         const int32_t h = di_sched_snap_pos(&e->sched, r);
         if (h <= 0 || e->x_seqs[i].pos + e->x_seqs[i].n_tok != h) continue;
+        // After a bounded replay from Q > 0 the window rows a continuation reads are exact (the
+        // replay's proof), but the MTP rows of the replayed positions are not (they only cost
+        // drafts): such an MTP tail is not kept.
+        if (e->mtp_ls && r->win_lo > 0) continue;
         uint8_t *out = di_kv_tail_put(e->kv, r->slot, h);
         if (!out) continue;
         if (e->v41) {

@@ -15,10 +15,11 @@
 //       no snapshot at 80: the bounded replay (n_replayed 80);
 //   (f) a prompt shorter than one block: no hit, no snapshot;
 //   (g) a hit request cancelled after 2 tokens: every block is available again.
-// And on V4 FP32 only: (h) a tail budget of one snapshot: a second prompt's snapshot evicts A's,
-// so A again falls back to the bounded replay (n_replayed 90), exact; a budget below one snapshot
-// is refused; (i) preemption: 3 requests continuing A from its snapshot in a pool too small for
-// them all: preempted, readmitted, exact.
+// And on V4 FP32 (and (h) on V4.1 official): (h) a tail budget of one snapshot: a second prompt's
+// snapshot evicts A's, so A again falls back to the bounded replay (n_replayed 90), exact, and
+// takes a snapshot after that replay, which A's next run restores, exact; a budget below one
+// snapshot is refused; (i) preemption: 3 requests continuing A from its snapshot in a pool too
+// small for them all: preempted, readmitted, exact.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -252,23 +253,27 @@ static void test_evicted(const config *c) {
     o.tail_cache_bytes = snap + snap / 2;
     CHECK_EQ(di_engine_create(c->dir, &o, &e), DI_OK);
     if (!e) return;
-    static result req[3], ref[3];
+    static result req[4], ref[4];
     int32_t other[PA];
     for (int t = 0; t < PA; t++) other[t] = (t * 17 + 300) % V;
     set_prompt(&req[0], g_a, PA, 0, 0);
     set_prompt(&req[1], other, PA, 0, 1);
     set_prompt(&req[2], g_a, PA, 0, 2);
-    oracle(c, ref, req, 3, NULL);
-    for (int i = 0; i < 3; i++) {
+    set_prompt(&req[3], g_a, PA, 0, 3);
+    oracle(c, ref, req, 4, NULL);
+    for (int i = 0; i < 4; i++) {
         run(e, &req[i], i);
         CHECK(same(&req[i], &ref[i]));
     }
     CHECK_EQ(req[2].n_cached, 96);
     CHECK_EQ(req[2].n_replayed, 90); // A's snapshot was evicted: the bounded replay
+    // The snapshot (2) took after its bounded replay from 6: restored, exact.
+    CHECK_EQ(req[3].n_cached, 96);
+    CHECK_EQ(req[3].n_replayed, 0);
     di_engine_stats st = stats(e);
     CHECK_EQ(st.n_tail_evicted, 2); // A's by the other's, the other's by A's again
     CHECK_EQ(st.n_tail_stored, 1);
-    CHECK_EQ(st.n_tail_restored, 0);
+    CHECK_EQ(st.n_tail_restored, 1);
     fprintf(stderr, "(h) %s: budget of one snapshot: evicted, replayed %d, exact %d\n", c->name,
             req[2].n_replayed, same(&req[2], &ref[2]));
     di_engine_destroy(e);
@@ -327,6 +332,7 @@ int main(void) {
     };
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) test_config(&cfg[i]);
     test_evicted(&cfg[0]);
+    test_evicted(&cfg[4]);
     test_preempt(&cfg[0]);
     di_test_remove_dir(g_root);
     return test_finish();
