@@ -74,8 +74,9 @@ char *srv_metrics_text(srv *s) {
     COUNTER("deepinfer:prefix_cache_hit_tokens_total", "Prompt tokens taken from the cache.",
             st.n_cache_hit_tokens);
     COUNTER("deepinfer:prefix_cache_replayed_tokens_total",
-            "Cached positions computed again by the bounded replay after prefix hits (prefill "
-            "tokens: they rebuild the sliding window).",
+            "Cached positions computed again after prefix hits (prefill tokens: the bounded replay "
+            "rebuilding the sliding window, or the positions between a tail snapshot and a deeper "
+            "hit).",
             st.n_replayed_tokens);
     COUNTER("deepinfer:tail_snapshots_taken_total",
             "Tail snapshots taken at a prompt's last block boundary (docs/kv-cache.md).",
