@@ -480,7 +480,16 @@ typedef struct di_engine_options {
     int32_t eplb_interval;
     int32_t eplb_slots_per_rank;
     double eplb_min_gain;
-    bool no_prefix_cache; // disable prefix reuse
+    bool no_prefix_cache;     // disable prefix reuse
+    // Tail snapshots (docs/kv-cache.md, "Tail snapshots"): the tail state of a prompt's last
+    // block boundary, kept with its cached block, so that a prefix hit there computes nothing
+    // before the hit (no bounded replay). Their byte budget (least recently used out); 0 = 256
+    // MiB (memory is touched only as snapshots are taken). CPU and V4.1 forwards with the prefix
+    // cache; the device-resident forward keeps the bounded replay. no_tail_cache: off (every hit
+    // is continued by the bounded replay); a budget below one snapshot is refused
+    // (DI_ERR_INVALID).
+    size_t tail_cache_bytes;
+    bool no_tail_cache;
     // The prefix cache's disk tier (docs/kv-cache.md, "Disk tier"): a directory (created if
     // missing; borrowed until di_engine_create returns) where evicted cached blocks are written
     // and from which a later request, or a later engine on the same directory, reads them back.
@@ -524,6 +533,11 @@ typedef struct di_engine_stats {
     int32_t n_running, n_waiting;
     int64_t n_steps, n_prefill_tokens, n_decode_tokens, n_preemptions;
     int64_t n_cache_hit_tokens, n_replayed_tokens;
+    // Tail snapshots (0 when off): bytes of one; snapshots taken (at a prompt's last block
+    // boundary) and admissions continued from one since create; held now and their bytes;
+    // dropped for room (least recently used) and with their evicted blocks since create.
+    int64_t tail_snap_bytes, n_tail_taken, n_tail_restored, n_tail_stored, tail_bytes;
+    int64_t n_tail_evicted, n_tail_dropped;
     // The disk tier (all 0 without one): prompt tokens of n_cache_hit_tokens whose blocks were
     // read from disk; blocks written (evicted or flushed at destroy) and read back since create;
     // records and bytes on disk now; records dropped because they failed verification (corrupt,

@@ -51,6 +51,12 @@
 //     sequence's next decode verifies ("speculative decoding" below); the V4 state takes the
 //     rejected row back (di_dsv4_state_rollback).
 //
+// Tail snapshots (CPU and V4.1 forwards; "tail snapshots" below, docs/kv-cache.md): the slot's
+// tail at a prompt's last block boundary is copied after the call that ended there and kept with
+// the cached block ending there (kv/tail_cache.h); an admission whose hit reaches that block
+// restores it (the scheduler's restore hook) and computes nothing before the hit. Without one
+// (or on the device-resident forward) the hit is continued by the bounded replay.
+//
 // Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
 // or the dev state and its warm-up call, which grows the backend's op scratch; the logits of
 // max_seqs rows, the sampler for the vocabulary, the scheduler's plan arrays, the
@@ -213,6 +219,9 @@ di_engine_options di_engine_options_default(void) {
 
 static void *engine_main(void *p);
 static void *forward_main(void *p);
+static di_status tails_open(di_engine *e);
+static void tails_take(di_engine *e);
+static void tail_stats(di_engine *e, di_engine_stats *st);
 static void spec_rollback(di_engine *e, int32_t k, int32_t pos_new);
 static void disk_stats(di_engine *e, di_engine_stats *st);
 
@@ -564,6 +573,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     }
     o->kv_disk_dir = NULL; // borrowed until here
     DI_TRY(di_sched_init(&e->sched, e->kv, o->max_seqs, o->max_batch_tokens));
+    DI_TRY(tails_open(e));
     e->n_samplers = di_pool_n_threads(e->model->pool);
     e->samplers = di_calloc((size_t)e->n_samplers, sizeof *e->samplers);
     if (!e->samplers) {
@@ -955,6 +965,110 @@ static void disk_stats(di_engine *e, di_engine_stats *st) {
     st->n_disk_records = ds.n_records;
     st->disk_bytes = ds.n_bytes;
     st->n_disk_dropped = ds.n_dropped;
+}
+
+// ---- tail snapshots (docs/kv-cache.md, "Tail snapshots") ----
+//
+// A slot's tail at a prompt's last block boundary H (the scheduler ends a chunk there) is copied,
+// right after the call that ended at H, into a snapshot attached to the cached block ending at H;
+// a later admission whose hit reaches that block restores it into its slot and computes from H
+// (di_sched's restore hook). What a tail is: on the CPU forward the slot's tail blocks (every
+// layer's window ring, every compressor's token rings) and, with MTP speculation, the slot's MTP
+// window ring; on V4.1 the session's rings (DSpark blocks' included) and (C, Z) slots
+// (di_dsv41_tail_save). Compressed entries are in the shared blocks, the V4.1 Engram history
+// is rebuilt from the tokens. The device-resident forward keeps the bounded replay.
+
+// With MTP the slot's MTP ring lags one position: its row H - 1 was computed with token H (the
+// next block's first), so the snapshot ends with that token and restores only for a request with
+// the same token at H (another falls back to the bounded replay, whose MTP rows are exact).
+static size_t tail_bytes(const di_engine *e) {
+    if (e->v41) return di_dsv41_tail_bytes(e->v41[0]);
+    return (size_t)e->kv->n_tail * (size_t)e->kv->block_floats * sizeof(float) +
+           (e->mtp_ls ? (size_t)e->mtp_slot_bytes + sizeof(int32_t) : 0);
+}
+
+// Restores snap (the tail at position pos of r's attached prefix) into r's slot.
+static bool tail_restore(void *user, di_request *r, int32_t pos, const uint8_t *snap) {
+    di_engine *e = user;
+    const di_kv_seq *ks = &e->kv->seqs[r->slot];
+    if (e->v41) {
+        // The slot is free until this admission, so no running call uses its session.
+        di_session *ss = e->v41[r->slot];
+        di_dsv41_bind_pages(ss, v41_pages(ks), ks->n_blocks);
+        return di_dsv41_tail_load(ss, snap, ks->n_cached, pos, r->tokens) == DI_OK;
+    }
+    // The slot's tail blocks were taken (zeroed) when it opened: no running call reads them.
+    const size_t bb = (size_t)e->kv->block_floats * sizeof(float);
+    if (e->mtp_ls) {
+        int32_t next;
+        memcpy(&next, snap + (size_t)e->kv->n_tail * bb + (size_t)e->mtp_slot_bytes, sizeof next);
+        if (r->tokens[pos] != next) return false;
+    }
+    for (int32_t t = 0; t < e->kv->n_tail; t++, snap += bb)
+        memcpy(di_block_pool_ptr(e->kv->pool, ks->tail[t]), snap, bb);
+    if (e->mtp_ls)
+        memcpy(e->mtp_ring + (size_t)r->slot * ((size_t)e->mtp_slot_bytes / sizeof(float)), snap,
+               (size_t)e->mtp_slot_bytes);
+    return true;
+}
+
+static di_status tails_open(di_engine *e) {
+    const di_engine_options *o = &e->opt;
+    if (o->no_prefix_cache || o->no_tail_cache) return DI_OK;
+    if (e->model->dev) {
+        DI_LOG_INFO("engine: no tail snapshots on the device-resident forward (its rings are "
+                    "device memory): prefix hits use the bounded replay");
+        return DI_OK;
+    }
+    const size_t budget = o->tail_cache_bytes ? o->tail_cache_bytes : (size_t)256 << 20;
+    di_status st = di_kv_manager_open_tails(e->kv, tail_bytes(e), budget);
+    if (st != DI_OK) return st;
+    e->sched.restore = tail_restore;
+    e->sched.restore_user = e;
+    e->stats.tail_snap_bytes = (int64_t)tail_bytes(e);
+    return DI_OK;
+}
+
+// After a successful call: snapshots the tail of every sequence whose chunk ended at its
+// snapshot position (its state is at that position until its next call).
+static void tails_take(di_engine *e) {
+    if (!e->kv->tails) return;
+    for (int32_t i = 0; i < e->x_n_seq; i++) {
+        const di_request *r = e->x_seq_req[i];
+        const int32_t h = di_sched_snap_pos(&e->sched, r);
+        if (h <= 0 || e->x_seqs[i].pos + e->x_seqs[i].n_tok != h) continue;
+        // After a bounded replay from Q > 0 the window rows a continuation reads are exact (the
+        // replay's proof), but the MTP rows of the replayed positions are not (they only cost
+        // drafts): such an MTP tail is not kept.
+        if (e->mtp_ls && r->win_lo > 0) continue;
+        uint8_t *out = di_kv_tail_put(e->kv, r->slot, h);
+        if (!out) continue;
+        if (e->v41) {
+            di_dsv41_tail_save(e->v41[r->slot], out);
+            continue;
+        }
+        const di_kv_seq *ks = &e->kv->seqs[r->slot];
+        const size_t bb = (size_t)e->kv->block_floats * sizeof(float);
+        for (int32_t t = 0; t < e->kv->n_tail; t++, out += bb)
+            memcpy(out, di_block_pool_ptr(e->kv->pool, ks->tail[t]), bb);
+        if (e->mtp_ls) {
+            memcpy(out, e->mtp_ring + (size_t)r->slot * ((size_t)e->mtp_slot_bytes / sizeof(float)),
+                   (size_t)e->mtp_slot_bytes);
+            memcpy(out + e->mtp_slot_bytes, &r->tokens[h], sizeof(int32_t));
+        }
+    }
+}
+
+static void tail_stats(di_engine *e, di_engine_stats *st) {
+    if (!e->kv->tails) return;
+    di_tail_cache_stats ts;
+    di_tail_cache_get_stats(e->kv->tails, &ts);
+    st->n_tail_taken = ts.n_taken;
+    st->n_tail_restored = e->sched.n_tail_restores;
+    st->n_tail_stored = ts.n_stored;
+    st->tail_bytes = ts.bytes;
+    st->n_tail_evicted = ts.n_evicted;
+    st->n_tail_dropped = ts.n_dropped;
 }
 
 // Copies the speculative-decoding counters into the stats (caller holds e->mu).
@@ -1814,6 +1928,7 @@ static void run_jobs(di_engine *e) {
         if (j->import) {
             e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);
             e->stats.n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
+            tail_stats(e, &e->stats);
         }
         pthread_mutex_unlock(&e->mu);
     }
@@ -1906,6 +2021,7 @@ static void *engine_main(void *p) {
         e->stats.n_failed_steps += fst != DI_OK;
         e->stats.n_failed_in_a_row = fst != DI_OK ? e->stats.n_failed_in_a_row + 1 : 0;
         pthread_mutex_unlock(&e->mu);
+        if (fst == DI_OK) tails_take(e); // before any request of the step retires
         if (fst == DI_OK)
             sample_and_emit(e, &cb_allocs); // retiring drops finished requests from the plan
         else
@@ -1926,6 +2042,7 @@ static void *engine_main(void *p) {
         st->n_cache_hit_tokens = s->n_cache_hit_tokens;
         st->n_replayed_tokens = s->n_replayed_tokens;
         disk_stats(e, st);
+        tail_stats(e, st);
         publish_spec_stats(e);
         st->n_running = s->n_running;
         st->n_waiting = s->n_waiting;
@@ -1944,6 +2061,7 @@ static void *engine_main(void *p) {
     e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);
     e->stats.n_running = e->stats.n_waiting = 0;
     disk_stats(e, &e->stats);
+    tail_stats(e, &e->stats);
     pthread_mutex_unlock(&e->mu);
     return NULL;
 }

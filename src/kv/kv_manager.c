@@ -239,6 +239,7 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
     di_free(kv->seqs);
     di_kv_disk_destroy(kv->disk);
     di_prefix_cache_destroy(kv->cache);
+    di_tail_cache_destroy(kv->tails);
     di_block_pool_destroy(kv->pool);
     di_free(kv->page_off_cmp);
     di_free(kv->page_off_idx);
@@ -299,6 +300,56 @@ int32_t di_kv_manager_flush_disk(di_kv_manager *kv) {
     return di_prefix_cache_offer_recent(kv->cache, flush_one, kv, di_kv_disk_capacity(kv->disk));
 }
 
+// ---- tail snapshots ----
+
+// A block leaves the prefix cache: its snapshot goes with it.
+static void forget_tail(void *user, int32_t id) {
+    di_tail_cache_drop(user, id);
+}
+
+di_status di_kv_manager_open_tails(di_kv_manager *kv, size_t snap_bytes, size_t budget_bytes) {
+    DI_ASSERT(!kv->tails);
+    if (!kv->cache) {
+        DI_LOG_ERROR("kv: tail snapshots attach to prefix-cache blocks; the prefix cache is off");
+        return DI_ERR_INVALID;
+    }
+    if (budget_bytes < snap_bytes) {
+        DI_LOG_ERROR("kv: a tail-snapshot budget of %zu bytes holds no snapshot of %zu bytes",
+                     budget_bytes, snap_bytes);
+        return DI_ERR_INVALID;
+    }
+    di_status st =
+        di_tail_cache_create(di_block_pool_n_total(kv->pool), snap_bytes, budget_bytes, &kv->tails);
+    if (st != DI_OK) return st;
+    di_prefix_cache_set_forget(kv->cache, forget_tail, kv->tails);
+    DI_LOG_INFO("kv: tail snapshots of %.1f KiB, %d at most (%.1f MiB budget)",
+                (double)snap_bytes / 1024, (int)di_tail_cache_n_slots(kv->tails),
+                (double)budget_bytes / (1 << 20));
+    return DI_OK;
+}
+
+uint8_t *di_kv_tail_put(di_kv_manager *kv, int32_t slot, int32_t h) {
+    const di_kv_seq *s = &kv->seqs[slot];
+    if (!kv->tails || h <= 0 || h % kv->block_tokens != 0) return NULL;
+    const int32_t b = h / kv->block_tokens - 1;
+    const int32_t id = b < s->n_published ? s->blocks[b] : -1;
+    // The same chain's tail is already kept (an identical prompt ran before or beside this one).
+    if (!di_prefix_cache_holds(kv->cache, id) || di_tail_cache_has(kv->tails, id)) return NULL;
+    return di_tail_cache_put(kv->tails, id);
+}
+
+const uint8_t *di_kv_tail_best(di_kv_manager *kv, int32_t slot, int32_t hit, int32_t *s) {
+    const di_kv_seq *q = &kv->seqs[slot];
+    if (!kv->tails) return NULL;
+    const int32_t B = kv->block_tokens;
+    for (int32_t b = hit / B - 1; b >= 0 && hit - (b + 1) * B < kv->replay_tokens; b--) {
+        if (!di_tail_cache_has(kv->tails, q->blocks[b])) continue;
+        *s = (b + 1) * B;
+        return di_tail_cache_get(kv->tails, q->blocks[b]);
+    }
+    return NULL;
+}
+
 // ---- KV transfer (prefill/decode disaggregation) ----
 
 // Why the manager cannot export or import blocks (NULL: it can).
@@ -328,12 +379,17 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
     int32_t *ids = di_malloc(sizeof(int32_t) * (size_t)(n_max > 0 ? n_max : 1));
     if (!ids) return DI_ERR_NOMEM;
     const int32_t n = di_prefix_cache_match(kv->cache, tokens, n_max, salt, ids);
-    unsigned char *buf = di_malloc(di_kv_transfer_bytes(&l, n));
+    // The tail snapshot of the deepest block of the chain that has one goes along.
+    int32_t sb = n - 1;
+    while (kv->tails && sb >= 0 && !di_tail_cache_has(kv->tails, ids[sb])) sb--;
+    const uint8_t *snap = kv->tails && sb >= 0 ? di_tail_cache_get(kv->tails, ids[sb]) : NULL;
+    const size_t snap_bytes = snap ? di_tail_cache_snap_bytes(kv->tails) : 0;
+    unsigned char *buf = di_malloc(di_kv_transfer_bytes(&l, n, snap_bytes));
     if (!buf) {
         di_free(ids);
         return DI_ERR_NOMEM;
     }
-    di_kv_transfer_put_header(&l, n, buf);
+    di_kv_transfer_put_header(&l, n, snap, snap_bytes, snap ? sb : -1, buf);
     uint64_t h = 0;
     for (int32_t i = 0; i < n; i++) {
         const int32_t *t = tokens + (int64_t)i * B;
@@ -344,7 +400,7 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
     }
     di_free(ids);
     *out = buf;
-    *n_out = di_kv_transfer_bytes(&l, n);
+    *n_out = di_kv_transfer_bytes(&l, n, snap_bytes);
     *n_blocks = n;
     return DI_OK;
 }
@@ -359,7 +415,8 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
     }
     const di_kv_disk_layout l = record_layout(kv);
     di_kv_transfer t;
-    di_kv_disk_check e = di_kv_transfer_check(&l, buf, n, kv->max_blocks, &t, err, cap);
+    const size_t snap_bytes = kv->tails ? di_tail_cache_snap_bytes(kv->tails) : 0;
+    di_kv_disk_check e = di_kv_transfer_check(&l, snap_bytes, buf, n, kv->max_blocks, &t, err, cap);
     if (e != DI_KV_DISK_CHECK_OK)
         return e == DI_KV_DISK_CHECK_OTHER_MODEL ? DI_ERR_INVALID : DI_ERR_FORMAT;
     const int32_t B = kv->block_tokens;
@@ -412,6 +469,11 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
         ids[n_held++] = id;
         h = r.hash;
     }
+    // The snapshot goes with its block (unless that block already has one, or the chain stopped
+    // before it).
+    if (st == DI_OK && t.snap && t.snap_block < n_held &&
+        !di_tail_cache_has(kv->tails, ids[t.snap_block]))
+        memcpy(di_tail_cache_put(kv->tails, ids[t.snap_block]), t.snap, t.snap_bytes);
     for (int32_t i = 0; i < n_held; i++) di_block_pool_unref(kv->pool, ids[i]); // idle, cached
     di_free(tok);
     di_free(ids);

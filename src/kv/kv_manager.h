@@ -40,6 +40,7 @@
 #include "kv/block_pool.h"   // di_block_pool
 #include "kv/kv_disk.h"      // di_kv_disk: the prefix cache's disk tier
 #include "kv/prefix_cache.h" // di_prefix_cache
+#include "kv/tail_cache.h"   // di_tail_cache: tail snapshots of cached blocks
 #include "model/dsv4.h"      // di_model, di_dsv4_layer_state
 
 typedef struct di_kv_seq {
@@ -83,6 +84,7 @@ typedef struct di_kv_manager {
     int32_t max_seqs;
     bool accounting;           // no tail blocks or layer views (the accounting and V4.1 managers)
     di_kv_disk *disk;          // owned; NULL without a disk tier
+    di_tail_cache *tails;      // owned; NULL without tail snapshots (di_kv_manager_open_tails)
     int64_t n_disk_hit_tokens; // prompt tokens attached from blocks read from the disk tier
 } di_kv_manager;
 
@@ -125,17 +127,35 @@ int32_t di_kv_manager_flush_disk(di_kv_manager *kv);
 // cache only, else DI_ERR_UNSUPPORTED with the reason in err[cap]).
 // Export: the cached chain of tokens[0 .. n_tokens) under salt (whole blocks, stopping at the
 // first block not cached) as a transfer (kv/kv_transfer.h) in *out (di_malloc'd; di_free), its
-// size and block count. DI_ERR_INVALID (n_tokens out of the context), DI_ERR_NOMEM.
+// size and block count; with the tail snapshot of the deepest block of the chain that has one.
+// DI_ERR_INVALID (n_tokens out of the context), DI_ERR_NOMEM.
 di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t n_tokens,
                                uint64_t salt, void **out, size_t *n_out, int32_t *n_blocks,
                                char *err, size_t cap);
-// Import: verifies the whole transfer (header, every record, chain links and chain hashes), then
-// puts its blocks into the prefix cache as idle cached blocks (those already cached are counted in
-// *n_present, copies in *n_inserted), stopping early if the pool has no block left. A transfer
+// Import: verifies the whole transfer (header, every record, chain links and chain hashes, the
+// tail snapshot: its size is this manager's, its checksum), then puts its blocks into the prefix
+// cache as idle cached blocks (those already cached are counted in *n_present, copies in
+// *n_inserted), stopping early if the pool has no block left, and attaches the snapshot to its
+// block (ignored without tail snapshots here, or when that block has one already). A transfer
 // that fails any check inserts nothing: DI_ERR_INVALID (another model identity or precision),
 // DI_ERR_FORMAT (anything else), with the reason in err[cap]; DI_ERR_NOMEM.
 di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int32_t *n_inserted,
                                int32_t *n_present, char *err, size_t cap);
+
+// Tail snapshots (docs/kv-cache.md, "Tail snapshots"): snapshots of snap_bytes (the engine's
+// per-slot tail state) attached to cached blocks, as many as budget_bytes holds, each dropped
+// with its block. Before any sequence opens; needs the prefix cache. DI_ERR_INVALID (no prefix
+// cache, a budget below one snapshot), DI_ERR_NOMEM; logged.
+di_status di_kv_manager_open_tails(di_kv_manager *kv, size_t snap_bytes, size_t budget_bytes);
+// The snapshot buffer to fill for the slot's state at position h (a block boundary > 0 whose
+// block, the slot's block h / block_tokens - 1, is in the prefix cache), or NULL (no snapshots;
+// the block is not cached: another sequence published the same block first and this one stays
+// private; the block has a snapshot already: the first one is kept).
+uint8_t *di_kv_tail_put(di_kv_manager *kv, int32_t slot, int32_t h);
+// After di_kv_seq_attach_prefix of `hit` positions: the deepest snapshot at a boundary s of the
+// attached blocks with hit - s < the replay bound (restoring it and computing s .. hit - 1 costs
+// less than the bounded replay), its position in *s; NULL if none.
+const uint8_t *di_kv_tail_best(di_kv_manager *kv, int32_t slot, int32_t hit, int32_t *s);
 
 // Blocks a sequence of n positions holds (tail + entry blocks).
 int32_t di_kv_blocks_for(const di_kv_manager *kv, int32_t n_positions);

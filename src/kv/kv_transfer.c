@@ -20,7 +20,9 @@ typedef struct xfr_header {
     int32_t n_blocks;
     uint32_t crc_header; // CRC-32 of this header with crc_header = 0
     uint64_t record_bytes;
-    unsigned char pad[DI_KV_TRANSFER_HEADER_BYTES - 48]; // zero
+    uint64_t snap_bytes; // the tail snapshot after the records (0: none; version 3)
+    int32_t snap_block;  // the record it belongs to (-1: none)
+    uint32_t snap_crc;   // CRC-32 of its bytes
 } xfr_header;
 _Static_assert(sizeof(xfr_header) == DI_KV_TRANSFER_HEADER_BYTES, "transfer header is 64 bytes");
 
@@ -32,15 +34,21 @@ static uint32_t header_crc(xfr_header *h) {
     return c;
 }
 
-size_t di_kv_transfer_bytes(const di_kv_disk_layout *l, int32_t n_blocks) {
-    return DI_KV_TRANSFER_HEADER_BYTES + (size_t)n_blocks * di_kv_disk_record_size(l);
+size_t di_kv_transfer_bytes(const di_kv_disk_layout *l, int32_t n_blocks, size_t snap_bytes) {
+    return DI_KV_TRANSFER_HEADER_BYTES + (size_t)n_blocks * di_kv_disk_record_size(l) + snap_bytes;
+}
+
+static uint32_t crc(const void *p, size_t n) {
+    return (uint32_t)crc32_z(crc32_z(0L, Z_NULL, 0), (const Bytef *)p, n);
 }
 
 size_t di_kv_transfer_record_offset(const di_kv_disk_layout *l, int32_t i) {
     return DI_KV_TRANSFER_HEADER_BYTES + (size_t)i * di_kv_disk_record_size(l);
 }
 
-void di_kv_transfer_put_header(const di_kv_disk_layout *l, int32_t n_blocks, void *out) {
+void di_kv_transfer_put_header(const di_kv_disk_layout *l, int32_t n_blocks, const void *snap,
+                               size_t snap_bytes, int32_t snap_block, void *out) {
+    DI_ASSERT(snap_bytes == 0 || (snap && snap_block >= 0 && snap_block < n_blocks));
     xfr_header h;
     memset(&h, 0, sizeof h);
     memcpy(h.magic, k_magic, sizeof k_magic);
@@ -51,6 +59,12 @@ void di_kv_transfer_put_header(const di_kv_disk_layout *l, int32_t n_blocks, voi
     h.block_tokens = l->block_tokens;
     h.n_blocks = n_blocks;
     h.record_bytes = di_kv_disk_record_size(l);
+    h.snap_bytes = snap_bytes;
+    h.snap_block = snap_bytes ? snap_block : -1;
+    if (snap_bytes) {
+        memcpy((unsigned char *)out + di_kv_transfer_record_offset(l, n_blocks), snap, snap_bytes);
+        h.snap_crc = crc(snap, snap_bytes);
+    }
     h.crc_header = header_crc(&h);
     memcpy(out, &h, sizeof h);
 }
@@ -63,9 +77,9 @@ void di_kv_transfer_record(const di_kv_disk_layout *l, const di_kv_transfer *t, 
     DI_ASSERT(err == DI_KV_DISK_CHECK_OK); // verified by di_kv_transfer_check
 }
 
-di_kv_disk_check di_kv_transfer_check(const di_kv_disk_layout *l, const void *buf, size_t n,
-                                      int32_t max_blocks, di_kv_transfer *out, char *why,
-                                      size_t cap) {
+di_kv_disk_check di_kv_transfer_check(const di_kv_disk_layout *l, size_t snap_bytes,
+                                      const void *buf, size_t n, int32_t max_blocks,
+                                      di_kv_transfer *out, char *why, size_t cap) {
     const unsigned char *b = buf;
     xfr_header h;
     if (n < sizeof h) {
@@ -74,8 +88,15 @@ di_kv_disk_check di_kv_transfer_check(const di_kv_disk_layout *l, const void *bu
         return DI_KV_DISK_CHECK_CORRUPT;
     }
     memcpy(&h, b, sizeof h);
-    if (memcmp(h.magic, k_magic, sizeof k_magic) || h.version != DI_KV_TRANSFER_VERSION ||
-        h.header_bytes != DI_KV_TRANSFER_HEADER_BYTES || header_crc(&h) != h.crc_header) {
+    if (!memcmp(h.magic, k_magic, sizeof k_magic) && h.version != DI_KV_TRANSFER_VERSION) {
+        snprintf(why, cap,
+                 "a KV transfer of version %u; this engine reads version %d only (the prefill "
+                 "and decode replicas must run the same deepinfer build)",
+                 (unsigned)h.version, DI_KV_TRANSFER_VERSION);
+        return DI_KV_DISK_CHECK_CORRUPT;
+    }
+    if (memcmp(h.magic, k_magic, sizeof k_magic) || h.header_bytes != DI_KV_TRANSFER_HEADER_BYTES ||
+        header_crc(&h) != h.crc_header) {
         snprintf(why, cap, "not a KV transfer of version %d (magic, version or header checksum)",
                  DI_KV_TRANSFER_VERSION);
         return DI_KV_DISK_CHECK_CORRUPT;
@@ -102,11 +123,27 @@ di_kv_disk_check di_kv_transfer_check(const di_kv_disk_layout *l, const void *bu
                  (int)h.n_blocks, (int)max_blocks);
         return DI_KV_DISK_CHECK_CORRUPT;
     }
-    if (n != di_kv_transfer_bytes(l, h.n_blocks)) {
+    if (h.snap_bytes == 0
+            ? h.snap_block != -1
+            : h.snap_block < 0 || h.snap_block >= h.n_blocks ||
+                  (snap_bytes && h.snap_bytes != snap_bytes) || h.snap_bytes > (uint64_t)n) {
         snprintf(why, cap,
-                 "the transfer is %zu bytes; %d records make %zu (truncated, or "
-                 "trailing bytes)",
-                 n, (int)h.n_blocks, di_kv_transfer_bytes(l, h.n_blocks));
+                 "the transfer's tail snapshot (%llu bytes, block %d of %d) does not fit this "
+                 "engine (snapshots of %zu bytes: another forward or speculation setting?)",
+                 (unsigned long long)h.snap_bytes, (int)h.snap_block, (int)h.n_blocks, snap_bytes);
+        return DI_KV_DISK_CHECK_CORRUPT;
+    }
+    if (n != di_kv_transfer_bytes(l, h.n_blocks, (size_t)h.snap_bytes)) {
+        snprintf(why, cap,
+                 "the transfer is %zu bytes; %d records and a %llu-byte snapshot make %zu "
+                 "(truncated, or trailing bytes)",
+                 n, (int)h.n_blocks, (unsigned long long)h.snap_bytes,
+                 di_kv_transfer_bytes(l, h.n_blocks, (size_t)h.snap_bytes));
+        return DI_KV_DISK_CHECK_CORRUPT;
+    }
+    const unsigned char *snap = b + di_kv_transfer_record_offset(l, h.n_blocks);
+    if (h.snap_bytes && crc(snap, (size_t)h.snap_bytes) != h.snap_crc) {
+        snprintf(why, cap, "the transfer's tail snapshot fails its checksum");
         return DI_KV_DISK_CHECK_CORRUPT;
     }
     uint64_t parent = 0, salt = 0;
@@ -133,5 +170,9 @@ di_kv_disk_check di_kv_transfer_check(const di_kv_disk_layout *l, const void *bu
     out->salt = salt;
     out->first = b + DI_KV_TRANSFER_HEADER_BYTES;
     out->record_bytes = rb;
+    const bool take = h.snap_bytes && snap_bytes;
+    out->snap = take ? snap : NULL;
+    out->snap_bytes = take ? (size_t)h.snap_bytes : 0;
+    out->snap_block = take ? h.snap_block : -1;
     return DI_KV_DISK_CHECK_OK;
 }

@@ -1,12 +1,16 @@
 /*
  * kv_transfer — the KV transfer of prefill/decode disaggregation (docs/disaggregation.md): a
  * 64-byte header (magic, version, model identity, precision, block_tokens, record count and size,
- * header CRC-32) followed by that many block records of the disk tier's format (kv/kv_disk.h),
- * the blocks of one prompt's hash chain in order.
+ * header CRC-32, and the tail snapshot's size, block and CRC-32) followed by that many block
+ * records of the disk tier's format (kv/kv_disk.h), the blocks of one prompt's hash chain in
+ * order, then optionally the tail snapshot (kv/tail_cache.h) kept with one of those blocks (the
+ * deepest that has one): the receiver attaches it to that block, so that a hit there computes
+ * nothing before it (docs/kv-cache.md, "Tail snapshots").
  *
  * di_kv_transfer_check verifies a whole transfer before anything is used: the header against the
  * receiver's layout, every record (kv_disk's checks: identity, layout, checksums) and the chain
- * links (record 0 has parent 0; record i's parent is record i-1's hash; one salt). That each
+ * links (record 0 has parent 0; record i's parent is record i-1's hash; one salt), and the
+ * snapshot (its block one of the records, its size the receiver's, its CRC-32). That each
  * hash is the chain hash of its tokens is checked by the importer, which owns the hash function
  * (kv_manager.c).
  *
@@ -19,15 +23,18 @@
 
 #include "kv/kv_disk.h" // di_kv_disk_layout, di_kv_disk_record
 
-// Version 2: records of kv_disk's version 2 (V4.1 pages packed); version 1 transfers are refused.
-#define DI_KV_TRANSFER_VERSION 2
+// Version 3: the optional tail snapshot (version 2: records of kv_disk's version 2, V4.1 pages
+// packed). Other versions are refused.
+#define DI_KV_TRANSFER_VERSION 3
 #define DI_KV_TRANSFER_HEADER_BYTES 64
 
-// Bytes of a transfer of n_blocks records of layout l.
-size_t di_kv_transfer_bytes(const di_kv_disk_layout *l, int32_t n_blocks);
-// Writes the header of a transfer of n_blocks records into out; record i goes at
-// out + di_kv_transfer_record_offset(l, i) (di_kv_disk_record_put).
-void di_kv_transfer_put_header(const di_kv_disk_layout *l, int32_t n_blocks, void *out);
+// Bytes of a transfer of n_blocks records of layout l and a snapshot of snap_bytes (0: none).
+size_t di_kv_transfer_bytes(const di_kv_disk_layout *l, int32_t n_blocks, size_t snap_bytes);
+// Writes the header of a transfer of n_blocks records into out and, when snap_bytes > 0, the tail
+// snapshot snap of record snap_block (0 <= snap_block < n_blocks) after the records; record i
+// goes at out + di_kv_transfer_record_offset(l, i) (di_kv_disk_record_put).
+void di_kv_transfer_put_header(const di_kv_disk_layout *l, int32_t n_blocks, const void *snap,
+                               size_t snap_bytes, int32_t snap_block, void *out);
 size_t di_kv_transfer_record_offset(const di_kv_disk_layout *l, int32_t i);
 
 typedef struct di_kv_transfer {
@@ -35,16 +42,20 @@ typedef struct di_kv_transfer {
     uint64_t salt;              // every record's
     const unsigned char *first; // record 0 (records are di_kv_disk_record_size apart)
     size_t record_bytes;
+    const unsigned char *snap; // the tail snapshot of record snap_block (verified), or NULL
+    size_t snap_bytes;
+    int32_t snap_block; // -1: none
 } di_kv_transfer;
 
-// Verifies the n bytes at buf as a transfer for layout l with at most max_blocks records.
-// DI_KV_DISK_CHECK_OK and *out; or DI_KV_DISK_CHECK_OTHER_MODEL (the header or a record names
-// another model identity or precision) or DI_KV_DISK_CHECK_CORRUPT (anything else: truncated,
-// trailing bytes, bad magic / version / counts / checksums, broken chain links, too many records),
-// with a message in why[cap].
-di_kv_disk_check di_kv_transfer_check(const di_kv_disk_layout *l, const void *buf, size_t n,
-                                      int32_t max_blocks, di_kv_transfer *out, char *why,
-                                      size_t cap);
+// Verifies the n bytes at buf as a transfer for layout l with at most max_blocks records and
+// tail snapshots of snap_bytes (the receiver's; 0: it keeps none, and a snapshot is verified but
+// not handed out). DI_KV_DISK_CHECK_OK and *out; or DI_KV_DISK_CHECK_OTHER_MODEL (the header or a
+// record names another model identity or precision) or DI_KV_DISK_CHECK_CORRUPT (anything else:
+// truncated, trailing bytes, bad magic / version / counts / checksums, broken chain links, too
+// many records, a snapshot of another size or on no record), with a message in why[cap].
+di_kv_disk_check di_kv_transfer_check(const di_kv_disk_layout *l, size_t snap_bytes,
+                                      const void *buf, size_t n, int32_t max_blocks,
+                                      di_kv_transfer *out, char *why, size_t cap);
 // Record i of a checked transfer (already verified: cannot fail).
 void di_kv_transfer_record(const di_kv_disk_layout *l, const di_kv_transfer *t, int32_t i,
                            di_kv_disk_record *out);

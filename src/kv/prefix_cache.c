@@ -20,6 +20,8 @@ struct di_prefix_cache {
     int32_t n_present;
     di_prefix_cache_spill_fn spill; // NULL: none
     void *spill_user;
+    di_prefix_cache_forget_fn forget; // NULL: none
+    void *forget_user;
 };
 
 static uint64_t mix64(uint64_t z) {
@@ -135,6 +137,7 @@ static void unlink_id(di_prefix_cache *pc, int32_t id) {
     *link = pc->next[id];
     pc->present[id] = false;
     pc->n_present--;
+    if (pc->forget) pc->forget(pc->forget_user, id);
 }
 
 static void spill(const di_prefix_cache *pc, int32_t id) {
@@ -153,6 +156,15 @@ static void on_evict(void *user, int32_t id) {
 void di_prefix_cache_set_spill(di_prefix_cache *pc, di_prefix_cache_spill_fn fn, void *user) {
     pc->spill = fn;
     pc->spill_user = user;
+}
+
+void di_prefix_cache_set_forget(di_prefix_cache *pc, di_prefix_cache_forget_fn fn, void *user) {
+    pc->forget = fn;
+    pc->forget_user = user;
+}
+
+bool di_prefix_cache_holds(const di_prefix_cache *pc, int32_t id) {
+    return id >= 0 && id < pc->n_ids && pc->present[id];
 }
 
 int32_t di_prefix_cache_offer_recent(di_prefix_cache *pc, di_prefix_cache_offer_fn fn, void *user,

@@ -58,6 +58,13 @@ typedef bool (*di_prefix_cache_offer_fn)(void *user, uint64_t h, uint64_t parent
 int32_t di_prefix_cache_offer_recent(di_prefix_cache *pc, di_prefix_cache_offer_fn fn, void *user,
                                      int32_t max_n);
 
+// Called whenever a block leaves the cache (evicted or removed), after the spill function: the
+// tail snapshots attached to cached blocks (kv/tail_cache.h) go with their block.
+typedef void (*di_prefix_cache_forget_fn)(void *user, int32_t id);
+void di_prefix_cache_set_forget(di_prefix_cache *pc, di_prefix_cache_forget_fn fn, void *user);
+// Whether block id is in the cache (published and not evicted or removed).
+bool di_prefix_cache_holds(const di_prefix_cache *pc, int32_t id);
+
 // Forgets block `id` (its contents were never computed: the step that was to write them failed);
 // an idle one becomes free. Returns whether it was cached.
 bool di_prefix_cache_remove(di_prefix_cache *pc, int32_t id);

@@ -260,6 +260,19 @@ int64_t di_dsv41_capacity(const di_session *s);
 // of range; the session is then reset), DI_ERR_NOMEM.
 di_status di_dsv41_restart(di_session *s, int64_t hit, int32_t pos, const int32_t *tokens);
 
+// Tail snapshots (docs/kv-cache.md, "Tail snapshots"): the session's state beyond its pages and
+// its Engram history, i.e. the window rings of every state layer (DSpark blocks included) and the
+// (C, Z) slots of every kv source, as raw bytes. At a page boundary (every group closed) this and
+// the pages are the whole state; the history is a function of the tokens.
+size_t di_dsv41_tail_bytes(const di_session *s);
+// Copies the tail into out[di_dsv41_tail_bytes].
+void di_dsv41_tail_save(const di_session *s, uint8_t *out);
+// di_dsv41_restart(s, hit, pos, tokens), then the tail saved by a session of the same model at
+// position pos (a page boundary) of the same tokens: the session continues at pos exactly as the
+// one that saved it, its DSpark rings holding positions < pos. Errors as di_dsv41_restart.
+di_status di_dsv41_tail_load(di_session *s, const uint8_t *tail, int64_t hit, int32_t pos,
+                             const int32_t *tokens);
+
 // Takes back the last n positions (rejected speculative tokens, §5.3): afterwards the session is
 // exactly the state of a run that never saw them. DI_ERR_INVALID if n < 0, n > s->pos or
 // n > DI_DSV41_ROLLBACK_MAX (then nothing changes).

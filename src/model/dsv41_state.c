@@ -393,6 +393,42 @@ di_status di_dsv41_restart(di_session *s, int64_t hit, int32_t pos, const int32_
     return DI_OK;
 }
 
+// ---- tail snapshots ----
+
+size_t di_dsv41_tail_bytes(const di_session *s) {
+    const di_hparams *hp = &s->model->hp;
+    const di_dsv41_state *st = s->v41;
+    size_t b = (size_t)st->n_state_layers * (size_t)st->ring_rows * (size_t)st->ring_row_bytes;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (st->src[il].cz)
+            b += (size_t)DI_DSV41_CZ_SLOTS * 2 * (size_t)hp->head_dim * sizeof(float);
+    return b;
+}
+
+void di_dsv41_tail_save(const di_session *s, uint8_t *out) {
+    const di_hparams *hp = &s->model->hp;
+    const di_dsv41_state *st = s->v41;
+    const size_t ring = (size_t)st->ring_rows * (size_t)st->ring_row_bytes;
+    const size_t cz = (size_t)DI_DSV41_CZ_SLOTS * 2 * (size_t)hp->head_dim * sizeof(float);
+    for (int il = 0; il < st->n_state_layers; il++, out += ring) memcpy(out, st->ring[il], ring);
+    for (int il = 0; il < hp->n_layer; il++)
+        if (st->src[il].cz) memcpy(out, st->src[il].cz, cz), out += cz;
+}
+
+di_status di_dsv41_tail_load(di_session *s, const uint8_t *tail, int64_t hit, int32_t pos,
+                             const int32_t *tokens) {
+    di_status r = di_dsv41_restart(s, hit, pos, tokens);
+    if (r != DI_OK) return r;
+    const di_hparams *hp = &s->model->hp;
+    di_dsv41_state *st = s->v41;
+    const size_t ring = (size_t)st->ring_rows * (size_t)st->ring_row_bytes;
+    const size_t cz = (size_t)DI_DSV41_CZ_SLOTS * 2 * (size_t)hp->head_dim * sizeof(float);
+    for (int il = 0; il < st->n_state_layers; il++, tail += ring) memcpy(st->ring[il], tail, ring);
+    for (int il = 0; il < hp->n_layer; il++)
+        if (st->src[il].cz) memcpy(st->src[il].cz, tail, cz), tail += cz;
+    return DI_OK;
+}
+
 // ---- serialisation ----
 // Layout: {magic "D41S", version, model fingerprint, pos, dspark_pos, mtp}, rings of every state
 // layer (packed Q8 rows), per kv source {n_entries, packed entries, packed index keys, (C, Z)

@@ -171,6 +171,17 @@ static bool reserve(di_sched *s, di_request *r, int32_t n) {
 
 static void step_once(di_sched *s);
 
+int32_t di_sched_snap_pos(const di_sched *s, const di_request *r) {
+    if (!s->kv->tails || !s->restore) return 0;
+    return (r->n_prompt - 1) / s->kv->block_tokens * s->kv->block_tokens;
+}
+
+// A chunk of n rows from r->n_done ends at r's snapshot position if it would cross it.
+static int32_t cut_at_snap(const di_sched *s, const di_request *r, int32_t n) {
+    const int32_t h = di_sched_snap_pos(s, r);
+    return r->n_done < h && r->n_done + n > h ? h - r->n_done : n;
+}
+
 void di_sched_step(di_sched *s) {
     s->ahead = s->aborted = false;
     step_once(s);
@@ -235,7 +246,7 @@ static void step_once(di_sched *s) {
         di_request *r = s->running[i];
         int32_t left = di_request_n_planned(r) - r->n_done;
         if (left <= 1) continue;
-        int32_t n = left < budget ? left : budget;
+        int32_t n = cut_at_snap(s, r, left < budget ? left : budget);
         (void)di_kv_seq_reserve(s->kv, r->slot, r->n_done + n);
         int32_t cover = s->kv->seqs[r->slot].n_blocks * s->kv->block_tokens - r->n_done;
         if (cover < n) n = cover;
@@ -259,8 +270,17 @@ static void step_once(di_sched *s) {
         r->slot = slot;
         int32_t hit = di_kv_seq_attach_prefix(s->kv, slot, r->tokens, n_tok - 1);
         int32_t q = hit > s->kv->replay_tokens ? hit - s->kv->replay_tokens : 0;
-        r->n_done = q;
         r->win_lo = q;
+        // A tail snapshot at a boundary sp of the hit holds the whole state there: compute
+        // sp .. hit - 1 only (none at sp == hit), every window row available (win_lo 0).
+        int32_t sp = 0;
+        const uint8_t *snap = s->restore ? di_kv_tail_best(s->kv, slot, hit, &sp) : NULL;
+        if (snap && s->restore(s->restore_user, r, sp, snap)) {
+            q = sp;
+            r->win_lo = 0;
+            s->n_tail_restores++;
+        }
+        r->n_done = q;
         r->n_cached += hit;
         r->n_replayed += hit - q;
         s->n_cache_hit_tokens += hit;
@@ -273,7 +293,7 @@ static void step_once(di_sched *s) {
         s->running[at] = r;
         s->n_running++;
         int32_t left = n_tok - r->n_done;
-        int32_t n = left < budget ? left : budget;
+        int32_t n = cut_at_snap(s, r, left < budget ? left : budget);
         if (di_kv_seq_reserve(s->kv, slot, r->n_done + n) != DI_OK) {
             preempt(s, r);      // blocks ran out after all; try again later
             s->n_preemptions--; // not a real preemption: nothing was computed

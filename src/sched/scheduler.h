@@ -4,8 +4,12 @@
  *   2. running requests still in prefill (or in a bounded replay) get chunks of what is left of
  *      the token budget, oldest first;
  *   3. waiting requests are admitted first-come first-served while a KV slot, budget and blocks
- *      for their first chunk are free; admission attaches the longest cached prefix and starts a
- *      bounded replay before it (docs/kv-cache.md).
+ *      for their first chunk are free; admission attaches the longest cached prefix and continues
+ *      it from a tail snapshot (restored through the `restore` hook) or with a bounded replay
+ *      before it (docs/kv-cache.md).
+ * With tail snapshots (the KV manager's `tails`), a prompt's prefill chunk ends at the prompt's
+ * last block boundary H <= n_prompt - 1 (H > 0), so that the engine can snapshot the tail there
+ * after that call (one extra chunk split per request at most; a split never changes results).
  * When a running request needs a block and none is left, the newest running request is
  * preempted (its blocks are returned; it goes back to the head of the waiting queue and later
  * recomputes its prompt and generated tokens, usually from the prefix cache), so the oldest
@@ -32,6 +36,10 @@
 #include "model/dsv4.h"    // di_dsv4_seq
 #include "sched/request.h" // di_request
 
+// Restores the tail snapshot snap (taken at position pos of the same prefix) into r's slot, whose
+// prefix is attached; false: it could not (the bounded replay is used instead).
+typedef bool (*di_sched_restore_fn)(void *user, di_request *r, int32_t pos, const uint8_t *snap);
+
 typedef struct di_sched {
     di_kv_manager *kv; // borrowed
     int32_t max_seqs, max_batch_tokens;
@@ -52,6 +60,9 @@ typedef struct di_sched {
     bool ahead;   // planning while a forward runs: no preemption
     bool aborted; // the plan ahead needed a preemption (or planned nothing)
     int64_t n_preemptions, n_prefill_rows, n_decode_rows, n_cache_hit_tokens, n_replayed_tokens;
+    int64_t n_tail_restores;     // admissions continued from a tail snapshot
+    di_sched_restore_fn restore; // set by the engine when the KV manager has tail snapshots
+    void *restore_user;
 } di_sched;
 
 // DI_ERR_INVALID (max_batch_tokens < max_seqs), DI_ERR_NOMEM.
@@ -65,6 +76,9 @@ void di_sched_remove(di_sched *s, di_request *r);
 // Preempts running request r now (its rows leave the plan, which is marked `aborted`: the engine
 // plans again): after a failed step, a request that attached blocks that step was to compute.
 void di_sched_preempt(di_sched *s, di_request *r);
+// The position where r's tail is snapshot (its prompt's last block boundary <= n_prompt - 1), or
+// 0 when none (no tail snapshots, a prompt shorter than a block and one token).
+int32_t di_sched_snap_pos(const di_sched *s, const di_request *r);
 // Builds the plan (seqs, tokens, logit rows). n_seq == 0 when nothing can run.
 void di_sched_step(di_sched *s);
 // Builds the plan of the next step while the current step's forward runs (see above). Sets

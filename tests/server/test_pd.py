@@ -2,7 +2,8 @@
 front of one prefill and one decode replica (`deepinfer serve --kv-transfer`, the built-in tiny
 model) on loopback. A long chat request, non-streaming and streaming, gives the same output as a
 plain single replica; the decode replica imported the transfer and took the prompt from its prefix
-cache; the router counts the step. A short body skips it. With the prefill replica down the router
+cache, continuing it from the transferred tail snapshot (nothing replayed); the router counts the
+step. A short body skips it. With the prefill replica down the router
 falls back to the decode replica alone, still with the same output. The same through V4.1
 replicas. The internal endpoints refuse
 bad input with clear 4xx errors, another model's transfer with 409, and are absent without
@@ -87,6 +88,11 @@ def test_pd_chat_same_output(pd):
     assert md["deepinfer:kv_transfer_imports_total"] == 1
     assert md["deepinfer:kv_transfer_import_blocks_total"] == cached // 16
     assert md["deepinfer:prefix_cache_hit_tokens_total"] == cached
+    # the transfer carried the prefill replica's tail snapshot at the prompt's last block
+    # boundary: the decode replica restored it and replayed nothing (docs/kv-cache.md)
+    assert mp["deepinfer:tail_snapshots_taken_total"] == 1
+    assert md["deepinfer:tail_snapshots_restored_total"] == 1
+    assert md["deepinfer:prefix_cache_replayed_tokens_total"] == 0
     assert mp["deepinfer:kv_transfer_exports_total"] == 1
     assert mp["deepinfer:kv_transfer_export_blocks_total"] == cached // 16
     assert mr['deepinfer:router_pd_requests_total{outcome="ok"}'] == 1
@@ -242,8 +248,8 @@ def test_pd_with_api_keys():
 
 def test_pd_v41(tmp_path):
     # V4.1 (the tiny model: legacy completions of ids below 512, as in test_v41.py): the transfer
-    # carries its blocks (the pages: entries and index keys); the decode replica's hit replays
-    # the bounded suffix and gives a plain replica's output
+    # carries its blocks (the pages: entries and index keys) and the tail snapshot; the decode
+    # replica's hit replays nothing and gives a plain replica's output
     d = str(tmp_path / "v41")
     subprocess.run([os.environ["DEEPINFER_BIN"], "synth", "--preset", "v41-tiny", "--out", d],
                    check=True, capture_output=True)
@@ -264,7 +270,12 @@ def test_pd_v41(tmp_path):
         assert got["choices"] == want["choices"]
         n = got["usage"]["prompt_tokens"]
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
-        assert dec.metrics()["deepinfer:kv_transfer_import_blocks_total"] == (n - 1) // 16
+        md = dec.metrics()
+        assert md["deepinfer:kv_transfer_import_blocks_total"] == (n - 1) // 16
+        assert md["deepinfer:tail_snapshots_restored_total"] == 1
+        assert md["deepinfer:prefix_cache_replayed_tokens_total"] == 0
+        assert md["deepinfer:tail_snapshots"] == 1
+        assert md["deepinfer:tail_snapshot_bytes"] > 0
         assert router.metrics()['deepinfer:router_pd_requests_total{outcome="ok"}'] == 1
     finally:
         if router:

@@ -112,9 +112,13 @@ def test_prefix_hit(v41):
     assert bodies[1]["choices"] == bodies[0]["choices"]
     m1 = v41.metrics()
     assert m1["deepinfer:prefix_cache_hit_tokens_total"] - before == (n - 1) // 16 * 16
-    # the bounded replay fed n_layers * (W - 1) = 90 of the cached positions again
+    # the first request's tail snapshot at its last block boundary (the hit's end) was restored:
+    # nothing replayed (docs/kv-cache.md, "Tail snapshots"; without it the bounded replay feeds
+    # n_layers * (W - 1) = 90 of the cached positions again)
     assert m1["deepinfer:prefix_cache_replayed_tokens_total"] - \
-        m0["deepinfer:prefix_cache_replayed_tokens_total"] == 90
+        m0["deepinfer:prefix_cache_replayed_tokens_total"] == 0
+    assert m1["deepinfer:tail_snapshots_restored_total"] - \
+        m0["deepinfer:tail_snapshots_restored_total"] == 1
 
 
 def test_chat_needs_the_v41_tokenizer(v41):
@@ -239,3 +243,28 @@ def test_spec_v4_mtp():
     assert "speculative decoding" not in logs[0]
     assert "spec_tokens 2 -> 1 (the MTP block drafts one token per step)" in logs[1]
     assert "speculative decoding with the MTP block" in logs[1]
+
+def test_prefix_hit_without_tail_snapshots(tmp_path):
+    # --tail-cache-mib 0: the same prompt twice hits as well, continued by the bounded replay (90
+    # positions fed again), with the same text; a bad value is refused at start.
+    d = str(tmp_path / "v41")
+    subprocess.run([os.environ["DEEPINFER_BIN"], "synth", "--preset", "v41-tiny", "--out", d],
+                   check=True, capture_output=True)
+    s = Server(extra=("--model", d, "--served-model-name", NAME, "--max-ctx", "512",
+                      "--max-seqs", "1", "--kv-memory", "64", "--tail-cache-mib", "0"))
+    try:
+        prompt = "3 1 2 " * 50
+        bodies = [complete(s, prompt, 6, logprobs=2) for _ in range(2)]
+        assert bodies[1]["choices"] == bodies[0]["choices"]
+        assert bodies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
+        m = s.metrics()
+        assert m["deepinfer:prefix_cache_replayed_tokens_total"] == 90
+        assert m["deepinfer:tail_snapshots_taken_total"] == 0
+        assert m["deepinfer:tail_snapshots_restored_total"] == 0
+    finally:
+        rc, log = s.stop()
+    assert rc == 0, log
+    r = subprocess.run([os.environ["DEEPINFER_BIN"], "serve", "--model", d, "--tail-cache-mib",
+                        "-1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--tail-cache-mib" in r.stderr, r.stderr

@@ -15,7 +15,7 @@
 typedef struct result {
     int32_t tokens[MAX_GEN];
     float logprob[MAX_GEN], top[MAX_GEN][N_TOP];
-    int32_t n, n_cached;
+    int32_t n, n_cached, n_replayed;
 } result;
 
 static void on_event(void *user, const di_event *ev) {
@@ -26,7 +26,7 @@ static void on_event(void *user, const di_event *ev) {
         for (int k = 0; k < ev->n_top && k < N_TOP; k++) r->top[r->n][k] = ev->top_logprobs[k];
         r->n++;
     }
-    if (ev->finish != DI_FINISH_NONE) r->n_cached = ev->n_cached;
+    if (ev->finish != DI_FINISH_NONE) r->n_cached = ev->n_cached, r->n_replayed = ev->n_replayed;
 }
 
 static bool same(const result *a, const result *b) {

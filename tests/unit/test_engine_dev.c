@@ -57,6 +57,7 @@ static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
     o.max_batch_tokens = 32; // chunked prefill
     o.max_ctx = MAX_CTX;
     o.no_prefix_cache = false; // on, on both paths
+    o.no_tail_cache = true;    // the CPU engine replays as the device-resident one does
     return o;
 }
 

@@ -2,11 +2,15 @@
 // synthesised model: (a) engine A runs a prompt (one token), exports its cached chain; engine B
 // imports it and runs the prompt: a prefix hit of every full block, and tokens, logprobs and top
 // logprobs identical to an engine without any cache (greedy and seeded); a second import finds
-// the blocks present; (b) a corrupted transfer, one whose record hash is not its tokens' chain
-// hash (valid checksums), and one made by another checkpoint are refused and insert nothing; (c)
-// an engine without the prefix cache refuses both calls; (d) the same exchange on the V4.1 tiny
-// model (its blocks are its pages: the entries and index keys of every kv source): the
-// decode side's hit replays the bounded suffix and gives the tokens of an engine without cache.
+// the blocks present; the transfer carries the tail snapshot A took at the prompt's last block
+// boundary (192), so B's hit computes nothing before it (n_replayed 0); (b) a corrupted transfer
+// (a record's payload, the snapshot's bytes), one whose record hash is not its tokens' chain hash
+// (valid checksums), and one made by another checkpoint are refused and insert nothing (no block,
+// no snapshot); (c) an engine without the prefix cache refuses both calls; (d) the same exchange
+// on the V4.1 tiny model (its blocks are its pages: the entries and index keys of every kv
+// source): the decode side's hit replays nothing and gives the tokens of an engine without cache;
+// a decode side without tail snapshots takes the blocks, ignores the snapshot and replays the
+// bounded suffix, exactly as well.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -33,6 +37,12 @@ static int64_t cached_blocks(di_engine *e) {
     di_engine_stats st;
     di_engine_get_stats(e, &st);
     return st.n_blocks_cached;
+}
+
+static di_engine_stats stats(di_engine *e) {
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    return st;
 }
 
 static void test_export_import(void) {
@@ -70,24 +80,34 @@ static void test_export_import(void) {
     di_engine *b = engine(g_dir, true); // the decode side
     if (!b) return;
     int32_t ins = -1, pres = -1;
+    const size_t snap = (size_t)stats(b).tail_snap_bytes;
+    CHECK(snap > 0);
+    CHECK(n > DI_KV_TRANSFER_HEADER_BYTES + snap); // the records, then the snapshot
     CHECK_EQ(di_engine_kv_import(b, x, n, &ins, &pres, err, sizeof err), DI_OK);
     CHECK_EQ(ins, 12);
     CHECK_EQ(pres, 0);
     CHECK_EQ(cached_blocks(b), 12);
+    CHECK_EQ(stats(b).n_tail_stored, 1);
     CHECK_EQ(di_engine_kv_import(b, x, n, &ins, &pres, err, sizeof err), DI_OK);
     CHECK_EQ(ins, 0);
     CHECK_EQ(pres, 12);
+    CHECK_EQ(stats(b).n_tail_stored, 1);
     for (int k = 0; k < 2; k++) {
         run(b, g_p, N_P, k == 1, MAX_GEN, &r);
         CHECK(same(&r, &ref[k]));
         CHECK_EQ(r.n_cached, 192);
+        CHECK_EQ(r.n_replayed, 0); // the transferred snapshot at 192
     }
     di_engine_stats st;
     di_engine_get_stats(b, &st);
     CHECK_EQ(st.n_cache_hit_tokens, 384);
+    CHECK_EQ(st.n_replayed_tokens, 0);
+    CHECK_EQ(st.n_tail_restored, 2);
     CHECK_EQ(st.n_step_allocs, 0);
-    fprintf(stderr, "transfer: %d blocks, %zu bytes (%.0f bytes per prompt token)\n", (int)nb, n,
-            (double)n / (12 * 16));
+    fprintf(stderr,
+            "transfer: %d blocks + a %zu-byte tail snapshot, %zu bytes (%.0f bytes per prompt "
+            "token)\n",
+            (int)nb, snap, n, (double)n / (12 * 16));
     di_engine_destroy(b);
 
     // (b) Refusals insert nothing.
@@ -95,11 +115,16 @@ static void test_export_import(void) {
     if (!b) return;
     unsigned char *z = malloc(n);
     memcpy(z, x, n);
-    z[n - 7] ^= 0x40; // the last record's payload
+    z[n - 7] ^= 0x40; // the tail snapshot
+    CHECK_EQ(di_engine_kv_import(b, z, n, &ins, &pres, err, sizeof err), DI_ERR_FORMAT);
+    CHECK(strstr(err, "tail snapshot") && strstr(err, "checksum"));
+    z[n - 7] ^= 0x40;
+    z[n - snap - 7] ^= 0x40; // the last record's payload
     CHECK_EQ(di_engine_kv_import(b, z, n, &ins, &pres, err, sizeof err), DI_ERR_FORMAT);
     CHECK(strstr(err, "record 11") && strstr(err, "checksum"));
     CHECK_EQ(di_engine_kv_import(b, z, n - 1, &ins, &pres, err, sizeof err), DI_ERR_FORMAT);
     CHECK_EQ(cached_blocks(b), 0);
+    CHECK_EQ(stats(b).n_tail_stored, 0);
     // Record 5's tokens changed and its record rebuilt with valid checksums under the same hash:
     // only the chain-hash check can tell.
     memcpy(z, x, n);
@@ -175,13 +200,28 @@ static void test_v41(void) {
     run(b, g_p, N_P, true, MAX_GEN, &r);
     CHECK(same(&r, &ref));
     CHECK_EQ(r.n_cached, 192);
+    CHECK_EQ(r.n_replayed, 0); // the transferred snapshot at 192
     di_engine_stats st;
     di_engine_get_stats(b, &st);
-    CHECK(st.n_replayed_tokens > 0); // the bounded suffix was fed again
+    CHECK_EQ(st.n_tail_restored, 1);
     CHECK_EQ(st.n_step_allocs, 0);
-    fprintf(stderr, "V4.1 transfer: %d blocks, %zu bytes, %lld positions replayed\n", (int)nb, n,
-            (long long)st.n_replayed_tokens);
+    fprintf(stderr, "V4.1 transfer: %d blocks + a %lld-byte tail snapshot, %zu bytes\n", (int)nb,
+            (long long)st.tail_snap_bytes, n);
     di_engine_destroy(b);
+    // A decode side without tail snapshots: the blocks, the bounded replay, the same tokens.
+    di_engine_options o = engine_options(64u << 20);
+    o.no_tail_cache = true;
+    b = NULL;
+    CHECK_EQ(di_engine_create(g_v41, &o, &b), DI_OK);
+    if (b) {
+        CHECK_EQ(di_engine_kv_import(b, x, n, &ins, &pres, err, sizeof err), DI_OK);
+        CHECK_EQ(ins, 12);
+        run(b, g_p, N_P, true, MAX_GEN, &r);
+        CHECK(same(&r, &ref));
+        CHECK_EQ(r.n_cached, 192);
+        CHECK_EQ(r.n_replayed, 90);
+        di_engine_destroy(b);
+    }
     // A V4 engine refuses the V4.1 transfer, naming the model.
     b = engine(g_dir, true);
     if (b) {

@@ -133,6 +133,8 @@ static di_engine_options options(size_t kv_bytes, int32_t max_seqs, bool cache, 
     o.max_batch_tokens = ROWS;
     o.max_ctx = MAX_CTX;
     o.no_prefix_cache = !cache;
+    o.no_tail_cache =
+        true; // these tests check the bounded replay (tail snapshots: test_engine_tail)
     o.spec_tokens = spec;
     return o;
 }

@@ -3,7 +3,9 @@
 // di_kv_transfer_check; and every kind of damage is refused with its reason: truncated or extended
 // transfers and records, a flipped bit anywhere (header, record header, tokens, payload), another
 // model identity or precision (told apart from corruption), another block layout, a broken chain
-// link or salt, more records than the receiver takes, and an empty buffer.
+// link or salt, more records than the receiver takes, and an empty buffer. Version 3's tail
+// snapshot (of the last record here): round trip, a flipped bit in it, another size than the
+// receiver's, and a receiver keeping no snapshots (verified, not handed out); version 2 refused.
 // DI_KV_TRANSFER_WRITE_SEEDS=<dir> also writes the fuzz target's seeds there (fuzz/corpus/
 // kv_transfer/: transfers of 0, 1 and 4 blocks in fuzz/fuzz_kv_transfer.c's layout, this one's).
 #include "harness.h"
@@ -13,7 +15,7 @@
 
 #include "kv/kv_transfer.h"
 
-enum { BT = 8, NF = 100, NB = 4 };
+enum { BT = 8, NF = 100, NB = 4, SNAP = 48 };
 
 static di_kv_disk_layout layout(uint64_t model_id, uint32_t precision) {
     return (di_kv_disk_layout){.model_id = model_id,
@@ -28,12 +30,16 @@ static void block(int k, int32_t *tok, float *pay) {
     for (int i = 0; i < NF; i++) pay[i] = (float)k - (float)i * 0.25f;
 }
 
-// A transfer of n chained blocks (hash k = 1000 + k, parent = the previous hash or 0) of layout l.
-static unsigned char *make(const di_kv_disk_layout *l, int n, uint64_t salt, size_t *size) {
-    *size = di_kv_transfer_bytes(l, n);
+// A transfer of n chained blocks (hash k = 1000 + k, parent = the previous hash or 0) of layout l,
+// with a tail snapshot of snap bytes (i * 5 + 1) on its last block (snap 0: none).
+static unsigned char *make_snap(const di_kv_disk_layout *l, int n, uint64_t salt, size_t snap,
+                                size_t *size) {
+    *size = di_kv_transfer_bytes(l, n, snap);
     unsigned char *b = malloc(*size);
     CHECK(b != NULL);
-    di_kv_transfer_put_header(l, n, b);
+    unsigned char tail[SNAP];
+    for (size_t i = 0; i < sizeof tail; i++) tail[i] = (unsigned char)(i * 5 + 1);
+    di_kv_transfer_put_header(l, n, tail, snap, n - 1, b);
     int32_t tok[BT];
     float pay[NF];
     for (int k = 0; k < n; k++) {
@@ -42,6 +48,10 @@ static unsigned char *make(const di_kv_disk_layout *l, int n, uint64_t salt, siz
                               b + di_kv_transfer_record_offset(l, k));
     }
     return b;
+}
+
+static unsigned char *make(const di_kv_disk_layout *l, int n, uint64_t salt, size_t *size) {
+    return make_snap(l, n, salt, 0, size);
 }
 
 static void test_record_roundtrip(void) {
@@ -97,9 +107,10 @@ static void test_transfer_roundtrip(void) {
     unsigned char *b = make(&l, NB, 9, &n);
     di_kv_transfer t;
     char why[256] = "";
-    CHECK_EQ(di_kv_transfer_check(&l, b, n, NB, &t, why, sizeof why), DI_KV_DISK_CHECK_OK);
+    CHECK_EQ(di_kv_transfer_check(&l, SNAP, b, n, NB, &t, why, sizeof why), DI_KV_DISK_CHECK_OK);
     CHECK_EQ(t.n_blocks, NB);
     CHECK_EQ(t.salt, 9u);
+    CHECK(t.snap == NULL && t.snap_block == -1);
     for (int k = 0; k < NB; k++) {
         di_kv_disk_record r;
         di_kv_transfer_record(&l, &t, k, &r);
@@ -115,8 +126,22 @@ static void test_transfer_roundtrip(void) {
     // An empty chain is a valid transfer (a prompt shorter than a block).
     b = make(&l, 0, 0, &n);
     CHECK_EQ(n, (size_t)DI_KV_TRANSFER_HEADER_BYTES);
-    CHECK_EQ(di_kv_transfer_check(&l, b, n, NB, &t, why, sizeof why), DI_KV_DISK_CHECK_OK);
+    CHECK_EQ(di_kv_transfer_check(&l, SNAP, b, n, NB, &t, why, sizeof why), DI_KV_DISK_CHECK_OK);
     CHECK_EQ(t.n_blocks, 0);
+    free(b);
+    // With a tail snapshot of the last block: handed out as written; a receiver that keeps no
+    // snapshots (0) accepts the transfer without it.
+    b = make_snap(&l, NB, 9, SNAP, &n);
+    CHECK_EQ(n, di_kv_transfer_bytes(&l, NB, 0) + SNAP);
+    CHECK_EQ(di_kv_transfer_check(&l, SNAP, b, n, NB, &t, why, sizeof why), DI_KV_DISK_CHECK_OK);
+    CHECK_EQ(t.snap_block, NB - 1);
+    CHECK_EQ(t.snap_bytes, (size_t)SNAP);
+    CHECK(t.snap == b + di_kv_transfer_record_offset(&l, NB));
+    int n_ok = 0;
+    for (int i = 0; t.snap && i < SNAP; i++) n_ok += t.snap[i] == (unsigned char)(i * 5 + 1);
+    CHECK_EQ(n_ok, SNAP);
+    CHECK_EQ(di_kv_transfer_check(&l, 0, b, n, NB, &t, why, sizeof why), DI_KV_DISK_CHECK_OK);
+    CHECK(t.snap == NULL && t.snap_block == -1 && t.snap_bytes == 0);
     free(b);
 }
 
@@ -124,7 +149,7 @@ static di_kv_disk_check check(const di_kv_disk_layout *l, const unsigned char *b
                               int32_t max, const char *want) {
     di_kv_transfer t;
     char why[512] = "";
-    di_kv_disk_check e = di_kv_transfer_check(l, b, n, max, &t, why, sizeof why);
+    di_kv_disk_check e = di_kv_transfer_check(l, SNAP, b, n, max, &t, why, sizeof why);
     if (want && !strstr(why, want)) {
         fprintf(stderr, "  reason \"%s\" lacks \"%s\"\n", why, want);
         CHECK(false);
@@ -135,7 +160,7 @@ static di_kv_disk_check check(const di_kv_disk_layout *l, const unsigned char *b
 static void test_transfer_damage(void) {
     const di_kv_disk_layout l = layout(0xabc, 0);
     size_t n;
-    unsigned char *b = make(&l, NB, 9, &n);
+    unsigned char *b = make_snap(&l, NB, 9, SNAP, &n);
     CHECK_EQ(check(&l, b, 0, NB, "truncated"), DI_KV_DISK_CHECK_CORRUPT);
     CHECK_EQ(check(&l, b, 63, NB, "truncated"), DI_KV_DISK_CHECK_CORRUPT);
     CHECK_EQ(check(&l, b, n - 1, NB, "trailing"), DI_KV_DISK_CHECK_CORRUPT);
@@ -151,8 +176,28 @@ static void test_transfer_damage(void) {
         n_caught += check(&l, b, n, NB, NULL) != DI_KV_DISK_CHECK_OK;
         b[i] ^= 0x10;
     }
-    CHECK_EQ(n_caught, (int)n);
+    CHECK_EQ(n_caught, (int)n); // the snapshot's bytes included
     CHECK_EQ(check(&l, b, n, NB, NULL), DI_KV_DISK_CHECK_OK);
+    b[n - 1] ^= 1;
+    CHECK_EQ(check(&l, b, n, NB, "snapshot fails its checksum"), DI_KV_DISK_CHECK_CORRUPT);
+    b[n - 1] ^= 1;
+    // A receiver whose snapshots have another size (another forward or speculation setting).
+    {
+        di_kv_transfer t;
+        char why[512] = "";
+        CHECK_EQ(di_kv_transfer_check(&l, SNAP + 4, b, n, NB, &t, why, sizeof why),
+                 DI_KV_DISK_CHECK_CORRUPT);
+        CHECK(strstr(why, "tail snapshot") != NULL);
+    }
+    // Version 2 (no snapshot fields): refused as such.
+    uint32_t v;
+    memcpy(&v, b + 8, sizeof v);
+    CHECK_EQ(v, (uint32_t)DI_KV_TRANSFER_VERSION);
+    v = 2;
+    memcpy(b + 8, &v, sizeof v);
+    CHECK_EQ(check(&l, b, n, NB, "version 2"), DI_KV_DISK_CHECK_CORRUPT);
+    v = DI_KV_TRANSFER_VERSION;
+    memcpy(b + 8, &v, sizeof v);
     // Another model or precision: told apart.
     const di_kv_disk_layout other = layout(0xdef, 0), prec = layout(0xabc, 2);
     CHECK_EQ(check(&other, b, n, NB, "another model"), DI_KV_DISK_CHECK_OTHER_MODEL);
@@ -189,15 +234,15 @@ static void write_seed(const char *dir, const char *name, const unsigned char *b
     }
 }
 
-// The fuzz target's seeds: a 0 byte (its "parse" mode) and a transfer of 0, 1 and 4 blocks; and
-// two recipes (a first byte of 1: its "build" mode) of 3 good records and of 2 records with a
-// broken link.
+// The fuzz target's seeds: a 0 byte (its "parse" mode) and a transfer of 0, 1 and 4 blocks (the
+// one of 4 with a tail snapshot of SNAP bytes, the target's receiver's size); and two recipes (a
+// first byte of 1: its "build" mode) of 3 good records and of 2 records with a broken link.
 static void write_seeds(const char *dir) {
     const di_kv_disk_layout l = layout(0xabc, 0);
     const int counts[] = {0, 1, NB};
     for (int k = 0; k < 3; k++) {
         size_t n;
-        unsigned char *b = make(&l, counts[k], (uint64_t)k, &n);
+        unsigned char *b = make_snap(&l, counts[k], (uint64_t)k, counts[k] == NB ? SNAP : 0, &n);
         unsigned char *s = malloc(n + 1);
         CHECK(s != NULL);
         if (!s) return;
@@ -209,16 +254,21 @@ static void write_seeds(const char *dir) {
         free(s);
         free(b);
     }
-    unsigned char r[1 + 1 + 3 * (1 + 8 + BT + NF)];
+    // A recipe: its mode byte, the head (3 records), the snapshot flags (1: one of SNAP bytes)
+    // and SNAP + 8 snapshot bytes, then per record its flags, hash, tokens and payload.
+    enum { REC = 1 + 8 + BT + NF, PRE = 3 + SNAP + 8 };
+    unsigned char r[PRE + 3 * REC];
     memset(r, 0, sizeof r);
     r[0] = 1;
     r[1] = 3;
-    for (size_t i = 2; i < sizeof r; i++) r[i] = (unsigned char)(i * 7 % 251 & ~0x0f);
-    r[2] = 0; // record 0's flags: none
+    r[2] = 1;
+    for (size_t i = 3; i < sizeof r; i++) r[i] = (unsigned char)(i * 7 % 251 & ~0x0f);
+    r[PRE] = 0; // record 0's flags: none
     write_seed(dir, "recipe3.bin", r, sizeof r);
     r[1] = 2;
-    r[2 + 1 + 8 + BT + NF] = 0x02; // record 1: a broken parent link
-    write_seed(dir, "recipe2_link.bin", r, 2 + 2 * (1 + 8 + BT + NF));
+    r[2] = 0;
+    r[PRE + REC] = 0x02; // record 1: a broken parent link
+    write_seed(dir, "recipe2_link.bin", r, PRE + 2 * REC);
 }
 
 int main(void) {

@@ -23,6 +23,7 @@ static void usage(FILE *f) {
         "                       [--eplb-min-gain G]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
+        "                       [--tail-cache-mib 256]\n"
         "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
         "                       [--drain-timeout 30] [--log-level 0..3]\n"
         "                       [--spec-tokens N] [--spec-min-confidence X]\n"
@@ -34,6 +35,9 @@ static void usage(FILE *f) {
         "step, CPU forward); outputs are identical without it.\n"
         "--spec-min-confidence X: verify DSpark drafts while their estimated survival is >= X\n"
         "(default %g; negative: always N).\n"
+        "--tail-cache-mib N: memory for tail snapshots (the window state at a prompt's last\n"
+        "block boundary, kept with its cached block: a prefix hit there replays nothing;\n"
+        "0: off, every hit replays n_layers * (window - 1) positions). CPU and V4.1 forwards.\n"
         "--kv-transfer: serve POST /internal/prefill and /internal/kv, the KV transfer of\n"
         "prefill/decode disaggregation (deepinfer route --prefill/--decode; CPU forward, V4).\n"
         "Cluster-internal: they let a caller fill the prefix cache; keep them off public\n"
@@ -171,6 +175,10 @@ int di_cli_serve(int argc, char **argv) {
                 fprintf(stderr, "serve: --kv-disk-bytes takes a size such as 16G, 512M or bytes\n");
                 goto out;
             }
+        } else if (!strcmp(a, "--tail-cache-mib") && has) {
+            if (!di_args_int(argv[++i], "--tail-cache-mib", 0, 1 << 20, &v)) goto out;
+            c->tail_cache_bytes = (size_t)v << 20;
+            c->no_tail_cache = v == 0;
         } else if (!strcmp(a, "--kv-disk-ttl") && has) {
             if (!parse_seconds(argv[++i], &c->kv_disk_ttl_s)) {
                 fprintf(stderr, "serve: --kv-disk-ttl takes a duration such as 72h, 3d, 90m or "
@@ -278,6 +286,8 @@ int di_cli_serve(int argc, char **argv) {
     eo.kv_disk_dir = c->kv_disk_dir;
     eo.kv_disk_bytes = c->kv_disk_bytes;
     eo.kv_disk_ttl_s = c->kv_disk_ttl_s;
+    eo.tail_cache_bytes = c->tail_cache_bytes;
+    eo.no_tail_cache = c->no_tail_cache;
     eo.max_ctx = c->max_ctx;
     eo.max_seqs = c->max_seqs;
     eo.spec_tokens = c->spec_tokens;

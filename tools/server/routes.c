@@ -75,9 +75,21 @@ char *srv_metrics_text(srv *s) {
     COUNTER("deepinfer:prefix_cache_hit_tokens_total", "Prompt tokens taken from the cache.",
             st.n_cache_hit_tokens);
     COUNTER("deepinfer:prefix_cache_replayed_tokens_total",
-            "Cached positions computed again by the bounded replay after prefix hits (prefill "
-            "tokens: they rebuild the sliding window).",
+            "Cached positions computed again after prefix hits (prefill tokens: the bounded replay "
+            "rebuilding the sliding window, or the positions between a tail snapshot and a deeper "
+            "hit).",
             st.n_replayed_tokens);
+    COUNTER("deepinfer:tail_snapshots_taken_total",
+            "Tail snapshots taken at a prompt's last block boundary (docs/kv-cache.md).",
+            st.n_tail_taken);
+    COUNTER("deepinfer:tail_snapshots_restored_total",
+            "Prefix hits continued from a tail snapshot instead of the bounded replay.",
+            st.n_tail_restored);
+    COUNTER("deepinfer:tail_snapshots_evicted_total",
+            "Tail snapshots dropped for room (least recently used).", st.n_tail_evicted);
+    GAUGE("deepinfer:tail_snapshots", "Tail snapshots held.", "%lld", (long long)st.n_tail_stored);
+    GAUGE("deepinfer:tail_snapshot_bytes", "Bytes of the tail snapshots held.", "%lld",
+          (long long)st.tail_bytes);
     COUNTER("deepinfer:prefix_cache_disk_hit_tokens_total",
             "Prompt tokens taken from the prefix cache's disk tier (part of the hit tokens).",
             st.n_disk_hit_tokens);

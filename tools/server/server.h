@@ -83,6 +83,8 @@ typedef struct srv_config {
     size_t kv_memory_bytes;
     const char *kv_disk_dir; // borrowed (argv); NULL: no disk tier
     size_t kv_disk_bytes;    // 0: the engine's default (16 GiB)
+    size_t tail_cache_bytes; // tail snapshots' budget; 0: the engine's default (256 MiB)
+    bool no_tail_cache;      // --tail-cache-mib 0
     int64_t kv_disk_ttl_s;   // 0: the engine's default (72 h)
     int32_t max_ctx;
     int32_t max_seqs;
