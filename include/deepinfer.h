@@ -480,7 +480,7 @@ typedef struct di_engine_options {
     int32_t eplb_interval;
     int32_t eplb_slots_per_rank;
     double eplb_min_gain;
-    bool no_prefix_cache;     // disable prefix reuse
+    bool no_prefix_cache; // disable prefix reuse
     // Tail snapshots (docs/kv-cache.md, "Tail snapshots"): the tail state of a prompt's last
     // block boundary, kept with its cached block, so that a prefix hit there computes nothing
     // before the hit (no bounded replay). Their byte budget (least recently used out); 0 = 256
