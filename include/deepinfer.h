@@ -621,6 +621,13 @@ di_status di_engine_create(const char *model_dir, const di_engine_options *opt, 
 void di_engine_destroy(di_engine *e);
 // The engine's model's expert-worker counters (di_model_ep_stats). Safe from any thread.
 int32_t di_engine_ep_stats(di_engine *e, di_ep_worker_stats *out, int32_t cap);
+// Any thread (the server's /ready and /health). With expert workers and steps failing in a row,
+// reconnects the workers that are down (2 s timeouts; at most once a second, later calls return
+// the last answer) and, when every worker answers, ends the failure streak (n_failed_in_a_row =
+// 0: with expert workers a step fails because of them, and the next one reaches them). DI_OK:
+// no workers, nothing failing, or every worker answers; DI_ERR_IO: a worker is still down;
+// DI_ERR_BUSY: a forward is using the workers (its outcome ends or extends the streak).
+di_status di_engine_probe_workers(di_engine *e);
 // Any thread. Copies the request and queues it; *id receives its id. DI_ERR_INVALID (bad
 // parameters, prompt + max_tokens beyond max_ctx, stop strings without token_bytes),
 // DI_ERR_BUSY (queue full), DI_ERR_NOMEM.

@@ -190,6 +190,9 @@ struct di_engine {
     // the step count at which the next plan is made.
     di_ep_load_table eplb_window;
     int64_t eplb_next_step;
+    // di_engine_probe_workers (under mu): when the workers were last probed, and the answer.
+    int64_t probe_ms;
+    di_status probe_st;
 };
 
 // A KV export or import, run by the engine thread between steps (no forward in flight, so every
@@ -2064,6 +2067,32 @@ static void *engine_main(void *p) {
     tail_stats(e, &e->stats);
     pthread_mutex_unlock(&e->mu);
     return NULL;
+}
+
+di_status di_engine_probe_workers(di_engine *e) {
+    di_ep *ep = e->model->ep;
+    if (!ep) return DI_OK;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    const int64_t now = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    pthread_mutex_lock(&e->mu);
+    const bool failing = e->stats.n_failed_in_a_row > 0;
+    const bool recent = e->probe_ms && now - e->probe_ms < 1000;
+    di_status st = e->probe_st;
+    if (failing && !recent) e->probe_ms = now; // this caller probes
+    pthread_mutex_unlock(&e->mu);
+    if (!failing) return DI_OK;
+    if (recent) return st;
+    st = di_ep_probe(ep, 2000);
+    pthread_mutex_lock(&e->mu);
+    e->probe_st = st;
+    if (st == DI_OK && e->stats.n_failed_in_a_row > 0) {
+        DI_LOG_INFO("engine: every expert worker answers again: %lld failed steps in a row end",
+                    (long long)e->stats.n_failed_in_a_row);
+        e->stats.n_failed_in_a_row = 0;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
 }
 
 int32_t di_engine_ep_stats(di_engine *e, di_ep_worker_stats *out, int32_t cap) {

@@ -140,12 +140,14 @@ static di_status send_assign(di_ep *ep, ep_conn *c, int32_t rank) {
     return st;
 }
 
-// Connects worker i (rank i + 1) if needed: handshake, then the assignment if it changed.
-static di_status ensure(di_ep *ep, int32_t i) {
+// Connects worker i (rank i + 1) if needed: handshake, then the assignment if it changed. The
+// connect and the replies wait at most timeout_ms; the connection then keeps the I/O timeout of
+// calls (DI_EP_IO_TIMEOUT_MS).
+static di_status ensure(di_ep *ep, int32_t i, int timeout_ms) {
     ep_conn *c = &ep->w[i];
     di_status st = DI_OK;
     if (c->fd < 0) {
-        c->fd = di_ep_connect(c->host, c->port, DI_EP_IO_TIMEOUT_MS);
+        c->fd = di_ep_connect(c->host, c->port, timeout_ms);
         if (c->fd < 0) {
             DI_LOG_ERROR("ep: worker %s (rank %d) is unreachable", c->addr, i + 1);
             count_error(ep, c);
@@ -165,6 +167,8 @@ static di_status ensure(di_ep *ep, int32_t i) {
         if (st == DI_OK) DI_LOG_INFO("ep: connected to worker %s (rank %d)", c->addr, i + 1);
     }
     if (st == DI_OK && c->need_assign) st = send_assign(ep, c, i + 1);
+    if (st == DI_OK && timeout_ms != DI_EP_IO_TIMEOUT_MS)
+        di_ep_sock_tune(c->fd, DI_EP_IO_TIMEOUT_MS);
     if (st != DI_OK) {
         conn_close(c);
         count_error(ep, c);
@@ -261,7 +265,7 @@ di_status di_ep_attach(di_model *m, const char *const *workers, int32_t n_worker
     }
     if (st == DI_OK) st = check_shape(ep, m, &ep->p);
     if (st == DI_OK) st = index_placement(ep, &ep->p);
-    for (int32_t i = 0; st == DI_OK && i < n_workers; i++) st = ensure(ep, i);
+    for (int32_t i = 0; st == DI_OK && i < n_workers; i++) st = ensure(ep, i, DI_EP_IO_TIMEOUT_MS);
     if (st != DI_OK) {
         di_ep_detach(ep);
         return st;
@@ -313,6 +317,15 @@ di_status di_ep_get_placement(di_ep *ep, di_ep_placement *out) {
     const di_status st = di_ep_placement_copy(&ep->p, out);
     pthread_mutex_unlock(&ep->mu);
     return st;
+}
+
+di_status di_ep_probe(di_ep *ep, int timeout_ms) {
+    if (pthread_mutex_trylock(&ep->mu) != 0) return DI_ERR_BUSY;
+    di_status st = DI_OK;
+    for (int32_t i = 0; st == DI_OK && i < ep->n_workers; i++)
+        if (ep->w[i].fd < 0 || ep->w[i].need_assign) st = ensure(ep, i, timeout_ms);
+    pthread_mutex_unlock(&ep->mu);
+    return st == DI_OK ? DI_OK : DI_ERR_IO;
 }
 
 int32_t di_ep_n_workers(const di_ep *ep) {
@@ -372,7 +385,8 @@ di_status di_ep_send(di_ep *ep) {
     for (int32_t i = 0; i < ep->n_workers; i++) {
         ep_conn *c = &ep->w[i];
         if (c->n_groups == 0) continue;
-        if (ensure(ep, i) != DI_OK) return DI_ERR_IO; // unreachable or refused (logged)
+        if (ensure(ep, i, DI_EP_IO_TIMEOUT_MS) != DI_OK)
+            return DI_ERR_IO; // unreachable or refused (logged)
         memcpy((uint8_t *)c->req.data + 8, &c->n_groups, sizeof(int32_t));
         if (di_ep_send_frame(c->fd, DI_EP_COMPUTE, c->req.data, c->req.len) != DI_OK) {
             DI_LOG_ERROR("ep: worker %s: sending layer %d's request failed (down or timed out)",

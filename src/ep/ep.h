@@ -41,6 +41,12 @@ void di_ep_detach(di_ep *ep);
 di_status di_ep_set_placement(di_ep *ep, const di_ep_placement *p);
 // A copy of the placement in force (di_ep_placement_free it). Any thread. DI_ERR_NOMEM.
 di_status di_ep_get_placement(di_ep *ep, di_ep_placement *out);
+// Reconnects every worker whose connection is closed (handshake and assignment; the connect and
+// the replies wait at most timeout_ms) and leaves the connections open for the next call: how a
+// front learns that its workers are back without running a forward. Any thread. DI_OK when every
+// worker answers; DI_ERR_BUSY when a MoE call holds the workers (it tells by itself); DI_ERR_IO
+// otherwise (logged, naming the worker).
+di_status di_ep_probe(di_ep *ep, int timeout_ms);
 int32_t di_ep_n_workers(const di_ep *ep);
 // A snapshot of worker i's counters (0 <= i < n_workers).
 void di_ep_get_stats(di_ep *ep, int32_t i, di_ep_worker_stats *out);

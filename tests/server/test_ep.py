@@ -1,10 +1,15 @@
 """`deepinfer serve --ep-workers` (docs/expert-parallel.md): the server runs with an expert worker,
 counts the exchange in /metrics, answers a request during the worker's outage with an error and
-stays up, and once the worker is back on its port serves the same greedy answer as before."""
+stays up (three failed steps: /ready 503 "failing"), and once the worker is back on its port turns
+ready again by itself (/ready probes the worker) and serves the same greedy answer as before."""
+import json
 import os
 import shutil
 import subprocess
 import tempfile
+import time
+import urllib.error
+import urllib.request
 
 from conftest import Server, post
 
@@ -21,6 +26,15 @@ def worker(home, listen):
     line = p.stdout.readline()
     assert line.startswith("listening on"), line
     return p, int(line.strip().rsplit(":", 1)[1])
+
+
+def ready(s):
+    """GET /ready: (status code, its "status" field)."""
+    try:
+        with urllib.request.urlopen(s.base + "/ready", timeout=30) as r:
+            return r.status, json.loads(r.read())["status"]
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["status"]
 
 
 def test_serve_survives_a_worker_outage():
@@ -43,8 +57,19 @@ def test_serve_survives_a_worker_outage():
         assert status >= 500 and "error" in body, (status, body)
         assert s.proc.poll() is None
         assert s.metrics()["deepinfer:ep_errors_total"] >= 1
-        # Back on the same port: the next request reconnects and gives the same answer.
+        # Three failed steps in a row: /ready says failing (a router stops sending).
+        for _ in range(2):
+            status, _, body = post(s, "/v1/chat/completions", CHAT)
+            assert status >= 500, (status, body)
+        assert ready(s) == (503, "failing")
+        # Back on the same port: /ready probes the worker and turns ready without a request,
+        # and the next request gives the same answer.
         w, _ = worker(home, f"127.0.0.1:{port}")
+        deadline = time.time() + 10
+        while ready(s) != (200, "ready") and time.time() < deadline:
+            time.sleep(0.2)
+        assert ready(s) == (200, "ready")
+        assert "every expert worker answers again" in s.logtext()
         status, _, again = post(s, "/v1/chat/completions", CHAT)
         assert status == 200, again
         assert again["choices"][0]["message"] == first["choices"][0]["message"]

@@ -4,11 +4,11 @@
 // expert replicated on two ranks (rows split between replicas); the engine's tokens with EP equal
 // to without; a worker stopped (the forward fails with DI_ERR_IO) and restarted on its port (the
 // next forward reconnects and is exact again), also under the engine (the step's requests end with
-// the error, the engine goes on); two fronts sharing a worker at the same time; a model mismatch
-// refused at load; malformed frames answered with errors while the worker keeps serving; online
-// EPLB (the engine re-planning the placement every two steps, with redundant replicas) and a
-// placement file keeping the engine's tokens exact; a bad placement file or one without workers
-// refused.
+// the error, the engine goes on; a probe reconnects it and ends the failure streak); two fronts
+// sharing a worker at the same time; a model mismatch refused at load; malformed frames answered
+// with errors while the worker keeps serving; online EPLB (the engine re-planning the placement
+// every two steps, with redundant replicas) and a placement file keeping the engine's tokens exact;
+// a bad placement file or one without workers refused.
 #include "harness.h"
 
 #include <netinet/in.h>
@@ -188,7 +188,16 @@ static void test_engine(void) {
             di_engine_stats es;
             di_engine_get_stats(e, &es);
             CHECK(es.n_failed_steps >= 1);
+            CHECK(es.n_failed_in_a_row >= 1);
+            CHECK_EQ(di_engine_probe_workers(e), DI_ERR_IO); // still down
             CHECK_EQ(di_ep_worker_start(ws.m[1], "127.0.0.1", port, &ws.w[1]), DI_OK);
+            // Back: a probe (a second after the last one) reconnects it and ends the failure
+            // streak without a request.
+            CHECK_EQ(di_engine_probe_workers(e), DI_ERR_IO); // within the second: the last answer
+            usleep(1100 * 1000);
+            CHECK_EQ(di_engine_probe_workers(e), DI_OK);
+            di_engine_get_stats(e, &es);
+            CHECK_EQ(es.n_failed_in_a_row, 0);
             run(e, c, 0, N_REQ);
             di_engine_wait_idle(e);
             for (int i = 0; i < N_REQ; i++) CHECK(same(&a[i], &c[i]));

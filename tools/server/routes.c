@@ -326,6 +326,11 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     if ((r->k == K_HEALTH || r->k == K_READY) && atomic_load(&s->ready)) {
         di_engine_stats st;
         di_engine_get_stats(s->engine, &st);
+        // With expert workers the failures were theirs: once they answer again the streak ends
+        // here, without waiting for a request to reach this front (a router polls /ready).
+        if (st.n_failed_in_a_row >= SRV_FAILING_STEPS &&
+            di_engine_probe_workers(s->engine) == DI_OK)
+            di_engine_get_stats(s->engine, &st);
         if (st.n_failed_in_a_row >= SRV_FAILING_STEPS) n_failing = st.n_failed_in_a_row;
     }
     if (r->k == K_HEALTH) {
