@@ -37,13 +37,42 @@ def ready(s):
         return e.code, json.loads(e.read())["status"]
 
 
+class EpServer:
+    """An expert worker on the built-in tiny model and a server using it (`serve` options in
+    extra); `w` is the worker's process (a test may restart it on `port`)."""
+
+    def __init__(self, prefix, extra=()):
+        self.home = tempfile.mkdtemp(prefix=prefix)
+        self.s = None
+        self.w, self.port = worker(self.home, "127.0.0.1:0")
+        try:
+            self.s = Server(extra=["--model", os.path.join(self.home, "tiny-v4"),
+                                   "--served-model-name", "deepinfer-tiny", "--ep-workers",
+                                   f"127.0.0.1:{self.port}", *extra])
+        except BaseException:
+            self.close()
+            raise
+
+    def restart_worker(self):
+        self.w, _ = worker(self.home, f"127.0.0.1:{self.port}")
+
+    def close(self):
+        rc, log = self.s.stop() if self.s else (0, "")
+        self.w.terminate()
+        self.w.wait(timeout=30)
+        shutil.rmtree(self.home, ignore_errors=True)
+        assert rc == 0, log
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def test_serve_survives_a_worker_outage():
-    home = tempfile.mkdtemp(prefix="deepinfer-ep-")
-    w, port = worker(home, "127.0.0.1:0")
-    s = None
-    try:
-        s = Server(extra=["--model", os.path.join(home, "tiny-v4"), "--served-model-name",
-                          "deepinfer-tiny", "--ep-workers", f"127.0.0.1:{port}"])
+    with EpServer("deepinfer-ep-") as ep:
+        s = ep.s
         status, _, first = post(s, "/v1/chat/completions", CHAT)
         assert status == 200, first
         m = s.metrics()
@@ -51,8 +80,8 @@ def test_serve_survives_a_worker_outage():
         assert m["deepinfer:ep_rows_total"] > 0
         assert m["deepinfer:ep_errors_total"] == 0
         # The worker goes away: the request fails with an error, the server stays up.
-        w.terminate()
-        w.wait(timeout=30)
+        ep.w.terminate()
+        ep.w.wait(timeout=30)
         status, _, body = post(s, "/v1/chat/completions", CHAT)
         assert status >= 500 and "error" in body, (status, body)
         assert s.proc.poll() is None
@@ -64,7 +93,7 @@ def test_serve_survives_a_worker_outage():
         assert ready(s) == (503, "failing")
         # Back on the same port: /ready probes the worker and turns ready without a request,
         # and the next request gives the same answer.
-        w, _ = worker(home, f"127.0.0.1:{port}")
+        ep.restart_worker()
         deadline = time.time() + 10
         while ready(s) != (200, "ready") and time.time() < deadline:
             time.sleep(0.2)
@@ -74,40 +103,20 @@ def test_serve_survives_a_worker_outage():
         assert status == 200, again
         assert again["choices"][0]["message"] == first["choices"][0]["message"]
         assert s.metrics()["deepinfer:ep_connects_total"] == 2
-    finally:
-        if s:
-            rc, log = s.stop()
-            assert rc == 0, log
-        w.terminate()
-        w.wait(timeout=30)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_serve_online_eplb():
     """--eplb-interval: placements planned and applied between steps; answers unchanged."""
-    home = tempfile.mkdtemp(prefix="deepinfer-eplb-")
-    w, port = worker(home, "127.0.0.1:0")
-    s = None
-    try:
-        s = Server(extra=["--model", os.path.join(home, "tiny-v4"), "--served-model-name",
-                          "deepinfer-tiny", "--ep-workers", f"127.0.0.1:{port}",
-                          "--eplb-interval", "2", "--eplb-slots-per-rank", "5",
-                          "--eplb-min-gain", "1e-9"])
+    with EpServer("deepinfer-eplb-", ["--eplb-interval", "2", "--eplb-slots-per-rank", "5",
+                                      "--eplb-min-gain", "1e-9"]) as ep:
         answers = []
         for _ in range(2):
-            status, _, body = post(s, "/v1/chat/completions", CHAT)
+            status, _, body = post(ep.s, "/v1/chat/completions", CHAT)
             assert status == 200, body
             answers.append(body["choices"][0]["message"])
         assert answers[0] == answers[1]
-        m = s.metrics()
+        m = ep.s.metrics()
         assert m["deepinfer:eplb_plans_total"] >= 2
         assert m["deepinfer:eplb_rebalances_total"] >= 1
         assert m["deepinfer:eplb_moved_replicas_total"] > 0
         assert m["deepinfer:eplb_balance"] >= 1.0
-    finally:
-        if s:
-            rc, log = s.stop()
-            assert rc == 0, log
-        w.terminate()
-        w.wait(timeout=30)
-        shutil.rmtree(home, ignore_errors=True)
