@@ -24,7 +24,8 @@
 //   (f) another checkpoint (same shapes, other weights: another weights_id) has another model
 //       identity in the prefix cache's chain hash, so its blocks never match;
 //   (g) the disk tier (kv_disk_dir): blocks flushed at destroy are hits for a new engine on the
-//       same directory (read from disk, exact); an engine of another checkpoint on that directory
+//       same directory (read from disk, exact; with tail snapshots, the prompt's snapshot comes
+//       back from its disk record: no replay); an engine of another checkpoint on that directory
 //       finds none of them; without the prefix cache the option is refused;
 //   (h) a hit shares blocks: the second request's first blocks are the ids of the first one's
 //       cached blocks, and while it runs the pool lacks exactly its blocks (shared ones once).
@@ -411,6 +412,34 @@ static void test_disk(void) {
             same(&req[1], &ref[1]) ? "exact" : "DIFFERENT");
     check_clean(e);
     di_engine_destroy(e);
+    // With tail snapshots (on another directory): the long prompt's snapshot (at 224) goes to
+    // disk in its block's record at destroy; after a restart the same prompt restores it from
+    // there and replays nothing, exactly.
+    char dir_snap[340];
+    snprintf(dir_snap, sizeof dir_snap, "%s-snap", dir);
+    o.kv_disk_dir = dir_snap;
+    o.no_tail_cache = false;
+    for (int life = 0; life < 2; life++) {
+        e = NULL;
+        CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+        if (!e) return;
+        prompt(&req[0], g_base, LONG, 0, 0);
+        submit(e, &req[0], 0);
+        di_engine_wait_idle(e);
+        CHECK(same(&req[0], &ref[0]));
+        di_engine_get_stats(e, &st);
+        if (life == 1) {
+            CHECK_EQ(req[0].n_cached, 224);
+            CHECK_EQ(req[0].n_replayed, 0);
+            CHECK_EQ(st.n_disk_snaps_read, 1);
+            CHECK_EQ(st.n_tail_restored, 1);
+            fprintf(stderr, "(g) restart with the snapshot in the disk record: hit %d, %d replayed\n",
+                    req[0].n_cached, req[0].n_replayed);
+        }
+        check_clean(e);
+        di_engine_destroy(e);
+    }
+    o.no_tail_cache = true;
     // Another checkpoint on the same directory: no record is its.
     o.kv_disk_dir = dir;
     e = NULL;
