@@ -354,8 +354,8 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     d->chain = di_calloc(nc, sizeof *d->chain);
     d->free_slots = di_calloc(nc, sizeof *d->free_slots);
     d->bucket = di_calloc(nb, sizeof *d->bucket);
-    if (!d->dir || !d->path || !d->tmp || !d->hdr || !d->tokens || !d->hash || !d->last_s || !d->bytes ||
-        !d->prev || !d->next || !d->chain || !d->free_slots || !d->bucket) {
+    if (!d->dir || !d->path || !d->tmp || !d->hdr || !d->tokens || !d->hash || !d->last_s ||
+        !d->bytes || !d->prev || !d->next || !d->chain || !d->free_slots || !d->bucket) {
         st = DI_ERR_NOMEM;
         goto fail;
     }

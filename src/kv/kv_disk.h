@@ -7,9 +7,10 @@
  * version, model id, precision, block_tokens, block_floats, payload_floats, chain hash, parent
  * hash, salt, a CRC-32 of the tokens + payload and one of the header, the tail snapshot's size and
  * CRC-32), the block's tokens, its payload (the block's entry floats) and optionally the tail
- * snapshot kept with the block (kv/tail_cache.h: opaque bytes here). Every field is checked on read against what the caller
- * expects; any mismatch, a short or long file or a bad checksum drops the record (the file is
- * deleted, counted, logged) and the read is a miss: a wrong block is never returned.
+ * snapshot kept with the block (kv/tail_cache.h: opaque bytes here). Every field is checked on
+ * read against what the caller expects; any mismatch, a short or long file or a bad checksum (the
+ * snapshot's included, when it is read) drops the record (the file is deleted, counted, logged)
+ * and the read is a miss: a wrong block or snapshot is never returned.
  * Files are written to `<name>.tmp` and renamed (atomic on POSIX file systems), without fsync: a
  * crash can lose recent records, or leave a renamed file whose data never reached the disk, but
  * such a file fails its checksum and is dropped. Leftover `.tmp` files are deleted at open.
@@ -59,21 +60,22 @@ typedef struct di_kv_disk_options {
 } di_kv_disk_options;
 
 typedef struct di_kv_disk_stats {
-    int64_t n_records, n_bytes;           // on disk now (what the index holds)
-    int64_t n_written, n_read;            // records written / read and verified since create
+    int64_t n_records, n_bytes;            // on disk now (what the index holds)
+    int64_t n_written, n_read;             // records written / read and verified since create
     int64_t n_snaps_written, n_snaps_read; // of which with a tail snapshot (read: and taken)
-    int64_t n_dropped;          // records dropped as corrupt, truncated or not matching
-    int64_t n_expired;          // records dropped by the time-to-live
-    int64_t n_evicted;          // records deleted to stay within the byte budget
-    int64_t n_write_errors;     // writes that failed (disk full, ...): the block is just not kept
-    int64_t write_us, read_us;  // time spent in writes / reads (verification included)
+    int64_t n_dropped;                     // records dropped as corrupt, truncated or not matching
+    int64_t n_expired;                     // records dropped by the time-to-live
+    int64_t n_evicted;                     // records deleted to stay within the byte budget
+    int64_t n_write_errors;    // writes that failed (disk full, ...): the block is just not kept
+    int64_t write_us, read_us; // time spent in writes / reads (verification included)
     int64_t n_found_at_open, bytes_found_at_open;
 } di_kv_disk_stats;
 
-// Opens (creating if needed) the store at o->dir, takes its lock and scans it: records of the
-// wrong size and expired ones are deleted, the rest indexed (oldest first out). DI_ERR_INVALID (no
-// dir, a budget below one record, a bad layout), DI_ERR_IO (the directory cannot be created or
-// read), DI_ERR_BUSY (another store holds the lock), DI_ERR_NOMEM. All logged.
+// Opens (creating if needed) the store at o->dir, takes its lock and scans it: files shorter than a
+// record without a snapshot and expired records are deleted, the rest indexed with their sizes
+// (oldest first out). DI_ERR_INVALID (no dir, a budget below one record, a bad layout), DI_ERR_IO
+// (the directory cannot be created or read), DI_ERR_BUSY (another store holds the lock),
+// DI_ERR_NOMEM. All logged.
 di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout *l,
                             di_kv_disk **out);
 // Releases the lock and frees the index (records stay on disk). NULL does nothing.

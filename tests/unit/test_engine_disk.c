@@ -7,8 +7,8 @@
 // engine with the smallest pool: the evicted blocks come back from disk, identical output, no
 // allocation in any step, the prompt's tail snapshot written back and restored with its block;
 // (e) a restart whose record carries the prompt's tail snapshot: no replay (with no_tail_cache:
-// the replay), a damaged snapshot section dropping its record; (d) options: a disk tier without the prefix cache, and two engines on
-// one directory, are refused.
+// the replay), a damaged snapshot section dropping its record; (d) options: a disk tier without the
+// prefix cache, and two engines on one directory, are refused.
 #include "harness.h"
 
 #include <fcntl.h>

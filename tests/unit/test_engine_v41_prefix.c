@@ -433,7 +433,8 @@ static void test_disk(void) {
             CHECK_EQ(req[0].n_replayed, 0);
             CHECK_EQ(st.n_disk_snaps_read, 1);
             CHECK_EQ(st.n_tail_restored, 1);
-            fprintf(stderr, "(g) restart with the snapshot in the disk record: hit %d, %d replayed\n",
+            fprintf(stderr,
+                    "(g) restart with the snapshot in the disk record: hit %d, %d replayed\n",
                     req[0].n_cached, req[0].n_replayed);
         }
         check_clean(e);

@@ -3,8 +3,9 @@
 // tokens, parent or salt, a vanished file) makes the read a miss and deletes the record; the byte
 // budget evicts the least recently used; the time-to-live drops records at open and on lookup;
 // records with a tail snapshot (round trip, damage to the snapshot section, the budget counting
-// it) and one of the previous version; a second store on a locked directory is refused; leftovers are cleaned at open; writes and
-// reads allocate nothing; and the time of one write / read of a V4-Flash-shaped block.
+// it) and one of the previous version; a second store on a locked directory is refused; leftovers
+// are cleaned at open; writes and reads allocate nothing; and the time of one write / read of a
+// V4-Flash-shaped block.
 #include "harness.h"
 
 #include <fcntl.h>
@@ -78,7 +79,8 @@ static void test_roundtrip(void) {
     CHECK(!di_kv_disk_read(d, hash_of(1), 11, 5, tok, back, NULL, 0, NULL));
     int64_t a0 = di_mem_thread_allocs();
     CHECK_EQ(di_kv_disk_write(d, hash_of(1), 11, 5, tok, pay, NULL, 0), DI_OK);
-    CHECK_EQ(di_kv_disk_write(d, hash_of(1), 11, 5, tok, pay, NULL, 0), DI_OK); // already there: no write
+    CHECK_EQ(di_kv_disk_write(d, hash_of(1), 11, 5, tok, pay, NULL, 0),
+             DI_OK); // already there: no write
     CHECK(di_kv_disk_read(d, hash_of(1), 11, 5, tok, back, NULL, 0, NULL));
     CHECK_EQ(di_mem_thread_allocs() - a0, 0); // nothing allocated on the step path
     CHECK(!memcmp(pay, back, sizeof pay));
@@ -170,7 +172,8 @@ static void test_corruption(void) {
         block(20, tok, pay);
         CHECK_EQ(di_kv_disk_write(d, hash_of(20), 3, 4, tok, pay, NULL, 0), DI_OK);
         if (which == 0) tok[BT - 1]++;
-        CHECK(!di_kv_disk_read(d, hash_of(20), which == 1 ? 9 : 3, which == 2 ? 9 : 4, tok, back, NULL, 0, NULL));
+        CHECK(!di_kv_disk_read(d, hash_of(20), which == 1 ? 9 : 3, which == 2 ? 9 : 4, tok, back,
+                               NULL, 0, NULL));
         CHECK(!di_kv_disk_has(d, hash_of(20)));
         di_kv_disk_get_stats(d, &st);
         CHECK_EQ(st.n_dropped, ++dropped);
@@ -227,7 +230,8 @@ static void test_budget_lru(void) {
     }
     g_now++;
     block(0, tok, pay);
-    CHECK(di_kv_disk_read(d, hash_of(0), 0, 0, tok, back, NULL, 0, NULL)); // 0 is now the most recent
+    CHECK(
+        di_kv_disk_read(d, hash_of(0), 0, 0, tok, back, NULL, 0, NULL)); // 0 is now the most recent
     g_now++;
     block(3, tok, pay);
     CHECK_EQ(di_kv_disk_write(d, hash_of(3), 0, 0, tok, pay, NULL, 0), DI_OK); // evicts 1
@@ -272,7 +276,8 @@ static void test_ttl(void) {
     block(2, tok, pay);
     CHECK_EQ(di_kv_disk_write(d, hash_of(2), 0, 0, tok, pay, NULL, 0), DI_OK);
     g_now = t0 + 60;
-    CHECK(di_kv_disk_read(d, hash_of(2), 0, 0, tok, back, NULL, 0, NULL)); // used: lives until t0 + 160
+    CHECK(di_kv_disk_read(d, hash_of(2), 0, 0, tok, back, NULL, 0,
+                          NULL)); // used: lives until t0 + 160
     g_now = t0 + 150;
     CHECK(!di_kv_disk_has(d, hash_of(1))); // unused for 150 s > 100: dropped on lookup
     CHECK(!exists(di_kv_disk_path(d, hash_of(1), p, sizeof p)));

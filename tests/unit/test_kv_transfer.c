@@ -5,8 +5,8 @@
 // model identity or precision (told apart from corruption), another block layout, a broken chain
 // link or salt, more records than the receiver takes, and an empty buffer. Version 3's tail
 // snapshot (of the last record here): round trip, a flipped bit in it, another size than the
-// receiver's, and a receiver keeping no snapshots (verified, not handed out); versions 2 and 3 refused.
-// DI_KV_TRANSFER_WRITE_SEEDS=<dir> also writes the fuzz target's seeds there (fuzz/corpus/
+// receiver's, and a receiver keeping no snapshots (verified, not handed out); versions 2 and 3
+// refused. DI_KV_TRANSFER_WRITE_SEEDS=<dir> also writes the fuzz target's seeds there (fuzz/corpus/
 // kv_transfer/: transfers of 0, 1 and 4 blocks in fuzz/fuzz_kv_transfer.c's layout, this one's).
 #include "harness.h"
 
