@@ -541,9 +541,11 @@ typedef struct di_engine_stats {
     // The disk tier (all 0 without one): prompt tokens of n_cache_hit_tokens whose blocks were
     // read from disk; blocks written (evicted or flushed at destroy) and read back since create;
     // records and bytes on disk now; records dropped because they failed verification (corrupt,
-    // truncated, another model or layout, different tokens).
+    // truncated, another model or layout, different tokens). Of the blocks written / read, those
+    // whose record carries the block's tail snapshot (read: restored into the tail cache).
     int64_t n_disk_hit_tokens, n_disk_blocks_written, n_disk_blocks_read;
     int64_t n_disk_records, disk_bytes, n_disk_dropped;
+    int64_t n_disk_snaps_written, n_disk_snaps_read;
     int64_t n_step_allocs; // heap allocations made by the engine thread inside steps (debug
                            // builds count them; always 0 in a correct build)
     // Asynchronous scheduling: steps whose plan was built while the previous step's forward

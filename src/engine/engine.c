@@ -968,6 +968,8 @@ static void disk_stats(di_engine *e, di_engine_stats *st) {
     st->n_disk_records = ds.n_records;
     st->disk_bytes = ds.n_bytes;
     st->n_disk_dropped = ds.n_dropped;
+    st->n_disk_snaps_written = ds.n_snaps_written;
+    st->n_disk_snaps_read = ds.n_snaps_read;
 }
 
 // ---- tail snapshots (docs/kv-cache.md, "Tail snapshots") ----

@@ -43,7 +43,9 @@ typedef struct rec_header {
     int64_t written_s;   // when written (informational; retention uses the file's mtime)
     uint32_t crc_data;   // CRC-32 of the tokens, then the payload
     uint32_t crc_header; // CRC-32 of this header with crc_header = 0
-    unsigned char pad[HEADER_BYTES - 88]; // zero
+    uint64_t snap_bytes; // the tail snapshot after the payload (0: none; version 3)
+    uint32_t crc_snap;   // CRC-32 of its bytes
+    unsigned char pad[HEADER_BYTES - 100]; // zero
 } rec_header;
 _Static_assert(sizeof(rec_header) == HEADER_BYTES, "record header is 128 bytes");
 
@@ -52,7 +54,7 @@ struct di_kv_disk {
     char *path, *tmp; // owned [PATH_CAP]: scratch for record paths
     int lock_fd;      // DIR/LOCK, flock'ed
     di_kv_disk_layout l;
-    size_t rec_bytes, max_bytes;
+    size_t rec_bytes, max_bytes; // rec_bytes: a record without a snapshot
     int64_t ttl_s;
     int64_t (*now_s)(void *user);
     void *now_user;
@@ -63,6 +65,7 @@ struct di_kv_disk {
     int32_t n_hw;                 // slots ever used (slots >= n_hw are untouched)
     uint64_t *hash;               // owned [cap]
     int64_t *last_s;              // owned [cap]
+    int64_t *bytes;               // owned [cap]: the record's file size (its snapshot included)
     int32_t *prev, *next, *chain; // owned [cap]
     int32_t *free_slots;          // owned [cap]
     int32_t n_free;
@@ -129,17 +132,18 @@ static void lru_push(di_kv_disk *d, int32_t s) {
 }
 
 // Indexes h as the most recently used record (the caller made room: n_records < cap).
-static void index_add(di_kv_disk *d, uint64_t h, int64_t last_s) {
+static void index_add(di_kv_disk *d, uint64_t h, int64_t last_s, int64_t bytes) {
     DI_ASSERT(d->st.n_records < d->cap);
     int32_t s = d->n_free > 0 ? d->free_slots[--d->n_free] : d->n_hw++;
     d->hash[s] = h;
     d->last_s[s] = last_s;
+    d->bytes[s] = bytes;
     int32_t *b = &d->bucket[mix64(h) & d->mask];
     d->chain[s] = *b;
     *b = s + 1;
     lru_push(d, s);
     d->st.n_records++;
-    d->st.n_bytes += (int64_t)d->rec_bytes;
+    d->st.n_bytes += bytes;
 }
 
 static void index_remove(di_kv_disk *d, int32_t s) {
@@ -149,7 +153,7 @@ static void index_remove(di_kv_disk *d, int32_t s) {
     lru_unlink(d, s);
     d->free_slots[d->n_free++] = s;
     d->st.n_records--;
-    d->st.n_bytes -= (int64_t)d->rec_bytes;
+    d->st.n_bytes -= d->bytes[s];
 }
 
 // Deletes slot s's file and forgets it.
@@ -200,7 +204,7 @@ static bool make_dirs(const char *path) {
 
 typedef struct found {
     uint64_t hash;
-    int64_t mtime_s;
+    int64_t mtime_s, bytes;
 } found;
 
 static int cmp_found(const void *a, const void *b) {
@@ -258,7 +262,9 @@ static di_status scan(di_kv_disk *d) {
                 continue;
             }
             if (stat(p, &sb) != 0 || !S_ISREG(sb.st_mode)) continue;
-            if ((size_t)sb.st_size != d->rec_bytes) { // another layout, or truncated
+            // Shorter than a record without a snapshot: another layout, or truncated. A longer
+            // one is a record with a tail snapshot (or another layout's: verified on read).
+            if ((size_t)sb.st_size < d->rec_bytes) {
                 n_bad += unlink(p) == 0;
                 continue;
             }
@@ -276,20 +282,21 @@ static di_status scan(di_kv_disk *d) {
                 }
                 f = g, cap = nc;
             }
-            f[n++] = (found){h, (int64_t)sb.st_mtime};
+            f[n++] = (found){h, (int64_t)sb.st_mtime, (int64_t)sb.st_size};
         }
         closedir(dh);
     }
     if (n) qsort(f, n, sizeof *f, cmp_found);
     // The newest records that fit the budget (and the index) are kept.
-    size_t keep = n, fit = d->max_bytes / d->rec_bytes;
-    if (fit > (size_t)d->cap) fit = (size_t)d->cap;
-    if (keep > fit) keep = fit;
+    size_t keep = 0, kept_bytes = 0;
+    while (keep < n && keep < (size_t)d->cap &&
+           kept_bytes + (size_t)f[n - 1 - keep].bytes <= d->max_bytes)
+        kept_bytes += (size_t)f[n - 1 - keep++].bytes;
     for (size_t i = 0; i < n - keep; i++) {
         di_kv_disk_path(d, f[i].hash, p, sizeof p);
         d->st.n_evicted += unlink(p) == 0;
     }
-    for (size_t i = n - keep; i < n; i++) index_add(d, f[i].hash, f[i].mtime_s);
+    for (size_t i = n - keep; i < n; i++) index_add(d, f[i].hash, f[i].mtime_s, f[i].bytes);
     d->st.n_expired += n_old;
     d->st.n_found_at_open = d->st.n_records;
     d->st.bytes_found_at_open = d->st.n_bytes;
@@ -341,13 +348,14 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     d->tokens = di_malloc(sizeof(int32_t) * (size_t)l->block_tokens);
     d->hash = di_calloc(nc, sizeof *d->hash);
     d->last_s = di_calloc(nc, sizeof *d->last_s);
+    d->bytes = di_calloc(nc, sizeof *d->bytes);
     d->prev = di_calloc(nc, sizeof *d->prev);
     d->next = di_calloc(nc, sizeof *d->next);
     d->chain = di_calloc(nc, sizeof *d->chain);
     d->free_slots = di_calloc(nc, sizeof *d->free_slots);
     d->bucket = di_calloc(nb, sizeof *d->bucket);
     if (!d->dir || !d->path || !d->tmp || !d->hdr || !d->tokens || !d->hash || !d->last_s ||
-        !d->prev || !d->next || !d->chain || !d->free_slots || !d->bucket) {
+        !d->bytes || !d->prev || !d->next || !d->chain || !d->free_slots || !d->bucket) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -398,6 +406,7 @@ void di_kv_disk_destroy(di_kv_disk *d) {
     di_free(d->tokens);
     di_free(d->hash);
     di_free(d->last_s);
+    di_free(d->bytes);
     di_free(d->prev);
     di_free(d->next);
     di_free(d->chain);
@@ -440,6 +449,10 @@ static uint32_t crc_data(const int32_t *tokens, size_t n_tok, const float *paylo
     return (uint32_t)c;
 }
 
+static uint32_t crc_bytes(const void *p, size_t n) {
+    return (uint32_t)crc32_z(crc32_z(0L, Z_NULL, 0), (const Bytef *)p, n);
+}
+
 static uint32_t crc_header(rec_header *h) {
     uint32_t saved = h->crc_header;
     h->crc_header = 0;
@@ -451,7 +464,7 @@ static uint32_t crc_header(rec_header *h) {
 // The header of the record of block h (tokens and payload: the layout's sizes).
 static void fill_header(rec_header *hd, const di_kv_disk_layout *l, uint64_t h, uint64_t parent,
                         uint64_t salt, int64_t written_s, const int32_t *tokens,
-                        const float *payload) {
+                        const float *payload, const void *snap, size_t snap_bytes) {
     memset(hd, 0, sizeof *hd);
     memcpy(hd->magic, k_magic, sizeof k_magic);
     hd->version = DI_KV_DISK_VERSION;
@@ -466,6 +479,8 @@ static void fill_header(rec_header *hd, const di_kv_disk_layout *l, uint64_t h, 
     hd->salt = salt;
     hd->written_s = written_s;
     hd->crc_data = crc_data(tokens, (size_t)l->block_tokens, payload, (size_t)l->payload_floats);
+    hd->snap_bytes = snap_bytes;
+    if (snap_bytes) hd->crc_snap = crc_bytes(snap, snap_bytes);
     hd->crc_header = crc_header(hd);
 }
 
@@ -499,7 +514,7 @@ size_t di_kv_disk_record_size(const di_kv_disk_layout *l) {
 void di_kv_disk_record_put(const di_kv_disk_layout *l, uint64_t h, uint64_t parent, uint64_t salt,
                            const int32_t *tokens, const float *payload, void *out) {
     rec_header hd;
-    fill_header(&hd, l, h, parent, salt, (int64_t)time(NULL), tokens, payload);
+    fill_header(&hd, l, h, parent, salt, (int64_t)time(NULL), tokens, payload, NULL, 0);
     unsigned char *o = out;
     const size_t nt = sizeof(int32_t) * (size_t)l->block_tokens;
     memcpy(o, &hd, sizeof hd);
@@ -518,8 +533,8 @@ di_kv_disk_check di_kv_disk_record_check(const di_kv_disk_layout *l, const void 
     memcpy(&hd, r, sizeof hd);
     const di_kv_disk_check e = check_header(&hd, l, why);
     if (e != DI_KV_DISK_CHECK_OK) return e;
-    if (n != di_kv_disk_record_size(l)) {
-        *why = "wrong record size (truncated, or trailing bytes)";
+    if (n != di_kv_disk_record_size(l) || hd.snap_bytes != 0) {
+        *why = "wrong record size (truncated, trailing bytes, or a tail snapshot section)";
         return DI_KV_DISK_CHECK_CORRUPT;
     }
     const size_t nt = sizeof(int32_t) * (size_t)l->block_tokens;
@@ -589,16 +604,26 @@ static void write_error(di_kv_disk *d, const char *what) {
 }
 
 di_status di_kv_disk_write(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
-                           const int32_t *tokens, const float *payload) {
-    if (di_kv_disk_has(d, h)) return DI_OK; // the same chain hash, parent and tokens: same data
+                           const int32_t *tokens, const float *payload, const void *snap,
+                           size_t snap_bytes) {
+    if (!snap) snap_bytes = 0;
+    if (d->rec_bytes + snap_bytes > d->max_bytes) snap_bytes = 0; // the block alone fits
+    if (di_kv_disk_has(d, h)) {
+        // The same chain hash, parent and tokens: the same block. Rewritten only to add a
+        // snapshot the record lacks.
+        const int32_t s = find(d, h);
+        if (!snap_bytes || d->bytes[s] > (int64_t)d->rec_bytes) return DI_OK;
+        delete_record(d, s);
+    }
     const int64_t t0 = mono_us(), now = now_s(d);
-    while (d->st.n_records >= d->cap || (size_t)d->st.n_bytes + d->rec_bytes > d->max_bytes) {
+    const size_t need = d->rec_bytes + snap_bytes;
+    while (d->st.n_records >= d->cap || (size_t)d->st.n_bytes + need > d->max_bytes) {
         d->st.n_evicted++;
         delete_record(d, d->lru_head);
     }
     const size_t n_tok = (size_t)d->l.block_tokens, n_f = (size_t)d->l.payload_floats;
     rec_header *hd = d->hdr;
-    fill_header(hd, &d->l, h, parent, salt, now, tokens, payload);
+    fill_header(hd, &d->l, h, parent, salt, now, tokens, payload, snap, snap_bytes);
     tmp_path(d, h, d->tmp, PATH_CAP);
     di_kv_disk_path(d, h, d->path, PATH_CAP);
     int fd = open(d->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -606,11 +631,12 @@ di_status di_kv_disk_write(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t 
         write_error(d, "create");
         return DI_ERR_IO;
     }
-    struct iovec iov[3] = {{hd, sizeof *hd},
+    struct iovec iov[4] = {{hd, sizeof *hd},
                            {(void *)tokens, sizeof(int32_t) * n_tok},
-                           {(void *)payload, sizeof(float) * n_f}};
+                           {(void *)payload, sizeof(float) * n_f},
+                           {(void *)snap, snap_bytes}};
     const struct timespec ts[2] = {{(time_t)now, 0}, {(time_t)now, 0}};
-    bool ok = writev_all(fd, iov, 3);
+    bool ok = writev_all(fd, iov, snap_bytes ? 4 : 3);
     if (ok) (void)futimens(fd, ts); // last use = now (retention reads the mtime at open)
     if (close(fd) != 0) ok = false;
     if (!ok || rename(d->tmp, d->path) != 0) {
@@ -618,16 +644,24 @@ di_status di_kv_disk_write(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t 
         unlink(d->tmp);
         return DI_ERR_IO;
     }
-    index_add(d, h, now);
+    index_add(d, h, now, (int64_t)need);
     d->st.n_written++;
+    d->st.n_snaps_written += snap_bytes > 0;
     d->st.write_us += mono_us() - t0;
     return DI_OK;
 }
 
 // ---- read ----
 
+size_t di_kv_disk_snap_bytes(di_kv_disk *d, uint64_t h) {
+    const int32_t s = find(d, h);
+    return s < 0 ? 0 : (size_t)d->bytes[s] - d->rec_bytes;
+}
+
 bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
-                     const int32_t *tokens, float *payload) {
+                     const int32_t *tokens, float *payload, void *snap, size_t snap_bytes,
+                     bool *snap_read) {
+    if (snap_read) *snap_read = false;
     if (!di_kv_disk_has(d, h)) return false;
     const int64_t t0 = mono_us(), now = now_s(d);
     const int32_t s = find(d, h);
@@ -644,16 +678,30 @@ bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
                            {d->tokens, sizeof(int32_t) * n_tok},
                            {payload, sizeof(float) * n_f}};
     rec_header *hd = d->hdr;
-    if (fstat(fd, &sb) != 0 || (size_t)sb.st_size != d->rec_bytes)
+    bool with_snap = false;
+    if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < d->rec_bytes)
         why = "wrong size (truncated or not a record of this layout)";
     else if (readv_all(fd, iov, 3) != (ssize_t)d->rec_bytes)
         why = "short read";
     else if (check_header(hd, &d->l, &why) == DI_KV_DISK_CHECK_OK) {
-        if (hd->hash != h || hd->parent != parent || hd->salt != salt ||
-            memcmp(d->tokens, tokens, sizeof(int32_t) * n_tok))
+        if ((uint64_t)sb.st_size != d->rec_bytes + hd->snap_bytes)
+            why = "wrong size (a truncated tail snapshot section, or trailing bytes)";
+        else if (hd->hash != h || hd->parent != parent || hd->salt != salt ||
+                 memcmp(d->tokens, tokens, sizeof(int32_t) * n_tok))
             why = "its hash, parent, salt or tokens differ from the lookup's";
         else if (crc_data(d->tokens, n_tok, payload, n_f) != hd->crc_data)
             why = "payload checksum mismatch";
+    }
+    // The snapshot is read (and verified) when the caller keeps snapshots of its size; otherwise
+    // the block is used alone (the snapshot of another forward or speculation setting is ignored).
+    if (!why && snap && snap_bytes && hd->snap_bytes == snap_bytes) {
+        struct iovec sv = {snap, snap_bytes};
+        if (readv_all(fd, &sv, 1) != (ssize_t)snap_bytes)
+            why = "short read (tail snapshot)";
+        else if (crc_bytes(snap, snap_bytes) != hd->crc_snap)
+            why = "tail snapshot checksum mismatch";
+        else
+            with_snap = true;
     }
     if (why) {
         close(fd);
@@ -667,6 +715,8 @@ bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
     lru_unlink(d, s);
     lru_push(d, s);
     d->st.n_read++;
+    d->st.n_snaps_read += with_snap;
+    if (snap_read) *snap_read = with_snap;
     d->st.read_us += mono_us() - t0;
     return true;
 }

@@ -5,10 +5,12 @@
  * One file per block, `DIR/<hh>/<hash:016x>.kvb` (hh = the hash's top byte: 256 fan-out
  * directories), named by the block's chain hash. A record is a 128-byte header (magic, format
  * version, model id, precision, block_tokens, block_floats, payload_floats, chain hash, parent
- * hash, salt, a CRC-32 of the tokens + payload and one of the header), the block's tokens and its
- * payload (the block's entry floats). Every field is checked on read against what the caller
- * expects; any mismatch, a short or long file or a bad checksum drops the record (the file is
- * deleted, counted, logged) and the read is a miss: a wrong block is never returned.
+ * hash, salt, a CRC-32 of the tokens + payload and one of the header, the tail snapshot's size and
+ * CRC-32), the block's tokens, its payload (the block's entry floats) and optionally the tail
+ * snapshot kept with the block (kv/tail_cache.h: opaque bytes here). Every field is checked on
+ * read against what the caller expects; any mismatch, a short or long file or a bad checksum (the
+ * snapshot's included, when it is read) drops the record (the file is deleted, counted, logged)
+ * and the read is a miss: a wrong block or snapshot is never returned.
  * Files are written to `<name>.tmp` and renamed (atomic on POSIX file systems), without fsync: a
  * crash can lose recent records, or leave a renamed file whose data never reached the disk, but
  * such a file fails its checksum and is dropped. Leftover `.tmp` files are deleted at open.
@@ -32,9 +34,10 @@
 
 typedef struct di_kv_disk di_kv_disk;
 
+// Version 3: an optional tail snapshot after the payload (its size and CRC-32 in the header).
 // Version 2: V4.1 payloads are packed pages (Q4e entries, Q4 index keys; model/dsv41.h), no longer
-// FP32; records of version 1 are dropped on read.
-#define DI_KV_DISK_VERSION 2
+// FP32. Records of older versions are dropped on read.
+#define DI_KV_DISK_VERSION 3
 #define DI_KV_DISK_BYTES_DEFAULT ((size_t)16 << 30) // 16 GiB
 #define DI_KV_DISK_TTL_S_DEFAULT ((int64_t)72 * 3600)
 
@@ -57,26 +60,28 @@ typedef struct di_kv_disk_options {
 } di_kv_disk_options;
 
 typedef struct di_kv_disk_stats {
-    int64_t n_records, n_bytes; // on disk now (what the index holds)
-    int64_t n_written, n_read;  // records written / read and verified since create
-    int64_t n_dropped;          // records dropped as corrupt, truncated or not matching
-    int64_t n_expired;          // records dropped by the time-to-live
-    int64_t n_evicted;          // records deleted to stay within the byte budget
-    int64_t n_write_errors;     // writes that failed (disk full, ...): the block is just not kept
-    int64_t write_us, read_us;  // time spent in writes / reads (verification included)
+    int64_t n_records, n_bytes;            // on disk now (what the index holds)
+    int64_t n_written, n_read;             // records written / read and verified since create
+    int64_t n_snaps_written, n_snaps_read; // of which with a tail snapshot (read: and taken)
+    int64_t n_dropped;                     // records dropped as corrupt, truncated or not matching
+    int64_t n_expired;                     // records dropped by the time-to-live
+    int64_t n_evicted;                     // records deleted to stay within the byte budget
+    int64_t n_write_errors;    // writes that failed (disk full, ...): the block is just not kept
+    int64_t write_us, read_us; // time spent in writes / reads (verification included)
     int64_t n_found_at_open, bytes_found_at_open;
 } di_kv_disk_stats;
 
-// Opens (creating if needed) the store at o->dir, takes its lock and scans it: records of the
-// wrong size and expired ones are deleted, the rest indexed (oldest first out). DI_ERR_INVALID (no
-// dir, a budget below one record, a bad layout), DI_ERR_IO (the directory cannot be created or
-// read), DI_ERR_BUSY (another store holds the lock), DI_ERR_NOMEM. All logged.
+// Opens (creating if needed) the store at o->dir, takes its lock and scans it: files shorter than a
+// record without a snapshot and expired records are deleted, the rest indexed with their sizes
+// (oldest first out). DI_ERR_INVALID (no dir, a budget below one record, a bad layout), DI_ERR_IO
+// (the directory cannot be created or read), DI_ERR_BUSY (another store holds the lock),
+// DI_ERR_NOMEM. All logged.
 di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout *l,
                             di_kv_disk **out);
 // Releases the lock and frees the index (records stay on disk). NULL does nothing.
 void di_kv_disk_destroy(di_kv_disk *d);
 
-// Bytes of one record (header, tokens, payload).
+// Bytes of one record (header, tokens, payload) without a snapshot.
 size_t di_kv_disk_record_bytes(const di_kv_disk *d);
 // Records the budget (and the index) hold at most.
 int32_t di_kv_disk_capacity(const di_kv_disk *d);
@@ -84,23 +89,34 @@ int32_t di_kv_disk_capacity(const di_kv_disk *d);
 // Whether a record for hash h is indexed and not expired (an expired one is dropped).
 bool di_kv_disk_has(di_kv_disk *d, uint64_t h);
 
-// Stores a block (tokens: block_tokens ids; payload: payload_floats) unless h is already there,
-// deleting least recently used records first to stay within the budget. DI_ERR_IO (logged; the
-// block is simply not kept).
+// Stores a block (tokens: block_tokens ids; payload: payload_floats) and, when snap is not NULL,
+// its tail snapshot (snap_bytes; left out when the record with it would exceed the whole
+// budget), unless h is already there (rewritten only to add a snapshot its record lacks),
+// deleting least recently used records first to stay within the budget (which counts every
+// record's bytes, snapshot included). DI_ERR_IO (logged; the block is simply not kept).
 di_status di_kv_disk_write(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
-                           const int32_t *tokens, const float *payload);
+                           const int32_t *tokens, const float *payload, const void *snap,
+                           size_t snap_bytes);
+
+// The tail snapshot bytes of h's indexed record (0: none, or no record).
+size_t di_kv_disk_snap_bytes(di_kv_disk *d, uint64_t h);
 
 // Reads the record of h into payload (payload_floats) if it exists, is not expired and matches
-// the layout, h, parent, salt and tokens with valid checksums; refreshes its last use. Returns
-// true on such a hit. Otherwise false; a record that exists but fails any check is deleted.
-// payload may be overwritten even on a miss.
+// the layout, h, parent, salt and tokens with valid checksums; refreshes its last use. When snap
+// is not NULL and the record holds a snapshot of snap_bytes, that is read into snap and verified
+// too (*snap_read = true); a snapshot of another size, or any when snap is NULL, is ignored (the
+// block is used alone). Returns true on such a hit. Otherwise false; a record that exists but
+// fails any check (its snapshot's included) is deleted. payload and snap may be overwritten even
+// on a miss. snap_read may be NULL.
 bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
-                     const int32_t *tokens, float *payload);
+                     const int32_t *tokens, float *payload, void *snap, size_t snap_bytes,
+                     bool *snap_read);
 
 void di_kv_disk_get_stats(const di_kv_disk *d, di_kv_disk_stats *out);
 
 // ---- records in memory (the KV transfer of prefill/decode disaggregation: docs/disaggregation.md)
-// The same record as a file's bytes: header, tokens, payload (native byte order).
+// The same record as a file's bytes: header, tokens, payload (native byte order), without a tail
+// snapshot section (the KV transfer carries its snapshot itself: kv/kv_transfer.h).
 
 // Bytes of one record of layout l.
 size_t di_kv_disk_record_size(const di_kv_disk_layout *l);

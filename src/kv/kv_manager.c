@@ -259,11 +259,20 @@ static di_kv_disk_layout record_layout(const di_kv_manager *kv) {
                                .payload_floats = kv->entry_floats};
 }
 
-// The prefix cache evicts (or flushes) a cached block: write it back.
+// Writes cached block id back to the disk tier, with its tail snapshot if it has one.
+static di_status write_back(di_kv_manager *kv, uint64_t h, uint64_t parent, uint64_t salt,
+                            const int32_t *tokens, int32_t id) {
+    const uint8_t *snap =
+        kv->tails && di_tail_cache_has(kv->tails, id) ? di_tail_cache_get(kv->tails, id) : NULL;
+    return di_kv_disk_write(kv->disk, h, parent, salt, tokens, di_block_pool_ptr(kv->pool, id),
+                            snap, snap ? di_tail_cache_snap_bytes(kv->tails) : 0);
+}
+
+// The prefix cache evicts (or flushes) a cached block: write it back (before its snapshot is
+// dropped with it).
 static void spill(void *user, uint64_t h, uint64_t parent, uint64_t salt, const int32_t *tokens,
                   int32_t id) {
-    di_kv_manager *kv = user;
-    (void)di_kv_disk_write(kv->disk, h, parent, salt, tokens, di_block_pool_ptr(kv->pool, id));
+    (void)write_back(user, h, parent, salt, tokens, id);
 }
 
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o) {
@@ -284,13 +293,15 @@ di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o
     return DI_OK;
 }
 
-// Flush: writes a block not yet on disk; true if it was written.
+// Flush: writes a block not yet on disk, or whose record lacks the snapshot it has now; true if
+// it was written.
 static bool flush_one(void *user, uint64_t h, uint64_t parent, uint64_t salt, const int32_t *tokens,
                       int32_t id) {
     di_kv_manager *kv = user;
-    if (di_kv_disk_has(kv->disk, h)) return false;
-    return di_kv_disk_write(kv->disk, h, parent, salt, tokens, di_block_pool_ptr(kv->pool, id)) ==
-           DI_OK;
+    const bool snap = kv->tails && di_tail_cache_has(kv->tails, id);
+    if (di_kv_disk_has(kv->disk, h) && (!snap || di_kv_disk_snap_bytes(kv->disk, h) > 0))
+        return false;
+    return write_back(kv, h, parent, salt, tokens, id) == DI_OK;
 }
 
 int32_t di_kv_manager_flush_disk(di_kv_manager *kv) {
@@ -601,12 +612,22 @@ int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *
             di_block_pool_ref(kv->pool, id);
         } else {
             if (!di_kv_disk_has(kv->disk, hn) || di_block_pool_alloc(kv->pool, &id) != DI_OK) break;
-            if (!di_kv_disk_read(kv->disk, hn, h, s->salt, t, di_block_pool_ptr(kv->pool, id))) {
+            // The record's tail snapshot, if it has one of this engine's size, goes back into the
+            // tail cache with the block (a fresh id: it has none), read straight into its slot.
+            const size_t sb = kv->tails ? di_tail_cache_snap_bytes(kv->tails) : 0;
+            uint8_t *snap = sb && di_kv_disk_snap_bytes(kv->disk, hn) == sb
+                                ? di_tail_cache_put(kv->tails, id)
+                                : NULL;
+            bool got_snap = false;
+            if (!di_kv_disk_read(kv->disk, hn, h, s->salt, t, di_block_pool_ptr(kv->pool, id), snap,
+                                 sb, &got_snap)) {
+                if (snap) di_tail_cache_drop(kv->tails, id);
                 di_block_pool_unref(kv->pool, id); // never cached: back to the free list
                 break;
             }
             bool fresh = di_prefix_cache_insert(kv->cache, hn, h, s->salt, t, id);
             DI_ASSERT(fresh); // find() missed it just now
+            if (snap && !got_snap) di_tail_cache_drop(kv->tails, id);
             n_disk++;
         }
         s->blocks[n] = id;

@@ -25,8 +25,8 @@
  *
  * With a disk tier (di_kv_manager_open_disk: managers with block memory, the CPU one and the V4.1
  * one) the prefix cache writes every block
- * it loses to eviction to disk, and admission continues a prefix match with blocks read back from
- * it (docs/kv-cache.md, "Disk tier").
+ * it loses to eviction to disk (with its tail snapshot, if any), and admission continues a prefix
+ * match with blocks read back from it, their snapshots with them (docs/kv-cache.md, "Disk tier").
  *
  * Owns: the pool, the prefix cache, the disk tier, per-slot metadata (sized at create; no
  * allocation after).
@@ -113,14 +113,16 @@ size_t di_kv_v41_block_bytes(const di_model *m);
 int32_t di_kv_block_tokens(const di_model *m);
 void di_kv_manager_destroy(di_kv_manager *kv);
 // Adds the disk tier at o->dir to the prefix cache (kv/kv_disk.h): evicted cached blocks are
-// written there, and di_kv_seq_attach_prefix continues a match with the blocks found there.
+// written there (with their tail snapshots, when di_kv_manager_open_tails keeps them), and
+// di_kv_seq_attach_prefix continues a match with the blocks found there (their snapshots of this
+// manager's size back into the tail cache with them).
 // Before any sequence opens. DI_ERR_UNSUPPORTED (an accounting manager: its blocks' memory is not
 // here), DI_ERR_INVALID (no prefix cache; a bad budget), DI_ERR_IO, DI_ERR_BUSY (the directory is
 // another engine's), DI_ERR_NOMEM; all logged.
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o);
-// Writes the cached blocks not yet on disk there (orderly shutdown, so that a restart finds
-// them): most recently used first, at most as many as the disk budget holds. Returns the blocks
-// written. Nothing without a disk tier.
+// Writes the cached blocks not yet on disk there, or whose record lacks the tail snapshot they
+// have now (orderly shutdown, so that a restart finds them): most recently used first, at most as
+// many as the disk budget holds. Returns the blocks written. Nothing without a disk tier.
 int32_t di_kv_manager_flush_disk(di_kv_manager *kv);
 
 // KV transfer (prefill/decode disaggregation, docs/disaggregation.md; CPU manager with the prefix

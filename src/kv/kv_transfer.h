@@ -23,9 +23,10 @@
 
 #include "kv/kv_disk.h" // di_kv_disk_layout, di_kv_disk_record
 
-// Version 3: the optional tail snapshot (version 2: records of kv_disk's version 2, V4.1 pages
-// packed). Other versions are refused.
-#define DI_KV_TRANSFER_VERSION 3
+// Version 4: records of kv_disk's version 3 (a snapshot section, always empty here: the transfer
+// carries its snapshot after the records). Version 3: the optional tail snapshot (version 2:
+// records of kv_disk's version 2, V4.1 pages packed). Other versions are refused.
+#define DI_KV_TRANSFER_VERSION 4
 #define DI_KV_TRANSFER_HEADER_BYTES 64
 
 // Bytes of a transfer of n_blocks records of layout l and a snapshot of snap_bytes (0: none).

@@ -1,7 +1,8 @@
 """The prefix cache's disk tier across a restart (docs/kv-cache.md, "Disk tier"): a server with
 --kv-disk-dir answers a long prompt and is stopped (SIGTERM: its cached blocks are flushed to the
 directory); a new server on the same directory answers the same prompt taking its prefix from disk
-(usage cached_tokens > 0, the disk metrics count it) with the identical output at temperature 0.
+(usage cached_tokens > 0, the disk metrics count it; the tail snapshot comes back with its record,
+so nothing is replayed) with the identical output at temperature 0.
 A second server on a directory in use is refused at start."""
 import os
 import subprocess
@@ -55,6 +56,10 @@ def test_disk_tier_survives_restart(tmp_path):
         assert m["deepinfer:prefix_cache_disk_hit_tokens_total"] == cached
         assert m["deepinfer:kv_disk_blocks_read_total"] > 0
         assert m["deepinfer:kv_disk_dropped_total"] == 0
+        # The prompt's tail snapshot came back with its block's record: nothing replayed.
+        assert m["deepinfer:kv_disk_snapshots_read_total"] == 1
+        assert m["deepinfer:tail_snapshots_restored_total"] == 1
+        assert m["deepinfer:prefix_cache_replayed_tokens_total"] == 0
     finally:
         rc, log = s.stop()
     assert rc == 0, log

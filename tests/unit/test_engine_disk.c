@@ -5,8 +5,10 @@
 // (b) the same after one record is corrupted: the chain stops there, the rest is recomputed, the
 // output is still identical and the record is dropped; (c) write-back on eviction inside one
 // engine with the smallest pool: the evicted blocks come back from disk, identical output, no
-// allocation in any step; (d) options: a disk tier without the prefix cache, and two engines on
-// one directory, are refused.
+// allocation in any step, the prompt's tail snapshot written back and restored with its block;
+// (e) a restart whose record carries the prompt's tail snapshot: no replay (with no_tail_cache:
+// the replay), a damaged snapshot section dropping its record; (d) options: a disk tier without the
+// prefix cache, and two engines on one directory, are refused.
 #include "harness.h"
 
 #include <fcntl.h>
@@ -48,14 +50,14 @@ static result g_ref[2]; // g_p2 on an engine without any cache: greedy, seeded
 
 // The path of the record of block `blk` of g_p2 (salt 0), through a kv_manager of the same model
 // that holds the directory's lock meanwhile (no engine may run on it then).
-static void record_path(int blk, char *buf, size_t cap) {
+static void record_path(const char *disk, int blk, char *buf, size_t cap) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
     di_model *m = NULL;
     di_kv_manager *kv = NULL;
     CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
     if (m) CHECK_EQ(di_kv_manager_create(m, 8u << 20, 1, N_CTX, true, &kv), DI_OK);
-    di_kv_disk_options o = {.dir = g_disk};
+    di_kv_disk_options o = {.dir = disk};
     if (kv) CHECK_EQ(di_kv_manager_open_disk(kv, &o), DI_OK);
     if (kv && kv->disk) {
         uint64_t h = 0;
@@ -110,7 +112,7 @@ static void test_restart_and_corruption(void) {
     // Corrupt block 6's record (one payload byte): blocks 0..5 come from disk, the rest is
     // recomputed, the record is dropped, the output is still exact.
     char p[4200];
-    record_path(6, p, sizeof p);
+    record_path(g_disk, 6, p, sizeof p);
     struct stat sb;
     CHECK_EQ(stat(p, &sb), 0);
     int fd = open(p, O_RDWR);
@@ -128,6 +130,82 @@ static void test_restart_and_corruption(void) {
     check_clean(e, &st);
     CHECK_EQ(st.n_disk_hit_tokens, 96);
     CHECK_EQ(st.n_disk_dropped, 1);
+    CHECK(access(p, F_OK) != 0); // deleted
+    di_engine_destroy(e);
+}
+
+// Tail snapshots through the disk tier: the first life's prompt leaves a snapshot at 288 (its last
+// block boundary), flushed at destroy inside block 17's record. A restart without snapshots
+// (no_tail_cache) reads the blocks alone and replays; one with them restores the record's
+// snapshot and replays nothing; a damaged snapshot section drops block 17's record (the chain
+// stops at 272, the rest replayed and computed). Every output equals the cache-off engine's.
+static void test_snapshot_restart(void) {
+    char disk[320], p[4200];
+    snprintf(disk, sizeof disk, "%s-snap", g_disk);
+    di_engine_stats st;
+    result r;
+    di_engine *e = engine(64u << 20, disk, true);
+    if (!e) return;
+    run(e, g_p2, N_P2, false, MAX_GEN, &r);
+    CHECK(same(&r, &g_ref[0]));
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_tail_taken, 1);
+    di_engine_destroy(e); // flushes 18 blocks, block 17 with its snapshot
+
+    di_engine_options o = options(64u << 20, disk);
+    o.no_tail_cache = true;
+    e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    if (!e) return;
+    run(e, g_p2, N_P2, false, MAX_GEN, &r);
+    CHECK(same(&r, &g_ref[0]));
+    CHECK_EQ(r.n_cached, 288);
+    CHECK(r.n_replayed > 0); // the bounded replay
+    const int32_t replay = r.n_replayed;
+    check_clean(e, &st);
+    CHECK_EQ(st.n_disk_hit_tokens, 288);
+    CHECK_EQ(st.n_disk_snaps_read, 0);
+    di_engine_destroy(e); // nothing rewritten: the records are there
+
+    for (int k = 0; k < 2; k++) {
+        e = engine(64u << 20, disk, true);
+        if (!e) return;
+        run(e, g_p2, N_P2, k == 1, MAX_GEN, &r);
+        CHECK(same(&r, &g_ref[k]));
+        CHECK_EQ(r.n_cached, 288);
+        CHECK_EQ(r.n_replayed, 0); // restored from the record's snapshot
+        check_clean(e, &st);
+        CHECK_EQ(st.n_disk_hit_tokens, 288);
+        CHECK_EQ(st.n_disk_blocks_read, 18);
+        CHECK_EQ(st.n_disk_snaps_read, 1);
+        CHECK_EQ(st.n_tail_restored, 1);
+        CHECK_EQ(st.n_disk_dropped, 0);
+        fprintf(stderr, "restart with the snapshot from disk: %d replayed (%d without it)\n",
+                (int)r.n_replayed, (int)replay);
+        di_engine_destroy(e);
+    }
+
+    // One flipped byte in block 17's snapshot section (the record's last byte): the record is
+    // dropped, the chain ends at block 16.
+    record_path(disk, 17, p, sizeof p);
+    struct stat sb;
+    CHECK_EQ(stat(p, &sb), 0);
+    int fd = open(p, O_RDWR);
+    CHECK(fd >= 0);
+    unsigned char c = 0;
+    CHECK_EQ(pread(fd, &c, 1, sb.st_size - 1), 1);
+    c ^= 0x01;
+    CHECK_EQ(pwrite(fd, &c, 1, sb.st_size - 1), 1);
+    close(fd);
+    e = engine(64u << 20, disk, true);
+    if (!e) return;
+    run(e, g_p2, N_P2, false, MAX_GEN, &r);
+    CHECK(same(&r, &g_ref[0]));
+    CHECK_EQ(r.n_cached, 272);
+    CHECK(r.n_replayed > 0);
+    check_clean(e, &st);
+    CHECK_EQ(st.n_disk_dropped, 1);
+    CHECK_EQ(st.n_disk_snaps_read, 0);
     CHECK(access(p, F_OK) != 0); // deleted
     di_engine_destroy(e);
 }
@@ -158,6 +236,11 @@ static void test_eviction_write_back(void) {
     CHECK(st.n_disk_hit_tokens > 0);
     CHECK(st.n_disk_blocks_read > 0);
     CHECK_EQ(st.n_disk_dropped, 0);
+    // The prompt's snapshot (at 192) was written back with its block and read with it: the first
+    // rerun restored it (the second hits memory).
+    CHECK(st.n_disk_snaps_written >= 1);
+    CHECK_EQ(st.n_disk_snaps_read, 1);
+    CHECK_EQ(st.n_tail_restored, 2);
     fprintf(stderr,
             "eviction: %lld blocks written while running, %lld tokens read back from disk\n",
             (long long)written, (long long)st.n_disk_hit_tokens);
@@ -220,6 +303,7 @@ int main(void) {
     for (int t = 0; t < N_OTHER; t++) g_other[t] = (int32_t)((t * 53 + 5) % V);
     di_set_log_level(1);
     RUN(test_restart_and_corruption);
+    RUN(test_snapshot_restart);
     RUN(test_eviction_write_back);
     RUN(test_other_checkpoint);
     RUN(test_options);

@@ -24,7 +24,8 @@
 //   (f) another checkpoint (same shapes, other weights: another weights_id) has another model
 //       identity in the prefix cache's chain hash, so its blocks never match;
 //   (g) the disk tier (kv_disk_dir): blocks flushed at destroy are hits for a new engine on the
-//       same directory (read from disk, exact); an engine of another checkpoint on that directory
+//       same directory (read from disk, exact; with tail snapshots, the prompt's snapshot comes
+//       back from its disk record: no replay); an engine of another checkpoint on that directory
 //       finds none of them; without the prefix cache the option is refused;
 //   (h) a hit shares blocks: the second request's first blocks are the ids of the first one's
 //       cached blocks, and while it runs the pool lacks exactly its blocks (shared ones once).
@@ -387,6 +388,9 @@ static void test_disk(void) {
     oracle(ref, req, 2, 0);
     di_engine_options o = options((size_t)64 << 20, 2, true, 0);
     o.kv_disk_dir = dir;
+    // With tail snapshots: req[0]'s (at 224) goes to disk in block 13's record. req[1] does not
+    // reach it (its hit, 192, is continued by the bounded replay).
+    o.no_tail_cache = false;
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     if (!e) return;
@@ -409,8 +413,26 @@ static void test_disk(void) {
             "(g) disk tier after a restart: hit %d (%lld from disk), %lld blocks read: %s\n",
             req[1].n_cached, (long long)st.n_disk_hit_tokens, (long long)st.n_disk_blocks_read,
             same(&req[1], &ref[1]) ? "exact" : "DIFFERENT");
+    CHECK(req[1].n_replayed > 0);
+    CHECK_EQ(st.n_disk_snaps_read, 0);
+    // req[0] again: 12 blocks from memory, 2 from disk, the last with its snapshot: nothing
+    // replayed, exactly.
+    prompt(&req[0], g_base, LONG, 0, 0);
+    submit(e, &req[0], 0);
+    di_engine_wait_idle(e);
+    di_engine_get_stats(e, &st);
+    CHECK(same(&req[0], &ref[0]));
+    CHECK_EQ(req[0].n_cached, 224);
+    CHECK_EQ(req[0].n_replayed, 0);
+    CHECK_EQ(st.n_disk_hit_tokens, 224);
+    CHECK_EQ(st.n_disk_snaps_read, 1);
+    CHECK_EQ(st.n_tail_restored, 1);
+    fprintf(stderr, "(g) the snapshot in the disk record: hit %d, %d replayed\n", req[0].n_cached,
+            req[0].n_replayed);
     check_clean(e);
     di_engine_destroy(e);
+    o.no_tail_cache = true;
+    o.no_tail_cache = true;
     // Another checkpoint on the same directory: no record is its.
     o.kv_disk_dir = dir;
     e = NULL;

@@ -98,6 +98,11 @@ char *srv_metrics_text(srv *s) {
             st.n_disk_blocks_written);
     COUNTER("deepinfer:kv_disk_blocks_read_total", "KV blocks read back from the disk tier.",
             st.n_disk_blocks_read);
+    COUNTER("deepinfer:kv_disk_snapshots_written_total",
+            "Disk-tier records written with their block's tail snapshot.", st.n_disk_snaps_written);
+    COUNTER("deepinfer:kv_disk_snapshots_read_total",
+            "Tail snapshots read back from the disk tier with their blocks (hits replay nothing).",
+            st.n_disk_snaps_read);
     COUNTER("deepinfer:kv_disk_dropped_total",
             "Disk-tier records dropped as corrupt, truncated or not matching.", st.n_disk_dropped);
     GAUGE("deepinfer:kv_disk_records", "Records in the disk tier.", "%lld",
