@@ -367,6 +367,7 @@ void di_grammar_vocab_destroy(di_grammar_vocab *v);
 
 #define DI_MAX_LOGPROBS 20
 #define DI_MAX_STOP 16 // stop ids and stop strings per request, each
+#define DI_MAX_SNAP_AT 4 // requested tail-snapshot points per request (di_request_params.snap_at)
 
 typedef struct di_engine di_engine;
 
@@ -439,6 +440,15 @@ typedef struct di_request_params {
     const char *const *stop_strings; // NUL-terminated (copied), up to DI_MAX_STOP; need
     int32_t n_stop_strings;          // di_engine_options.token_bytes
     uint64_t cache_salt; // prefix-cache namespace: only requests with the same salt share
+    // Snapshot points (docs/kv-cache.md, "Snapshot points"): token offsets into the prompt where,
+    // besides the prompt's last block boundary, the engine keeps a tail snapshot, so that a later
+    // prompt sharing only tokens[0 .. p) (a system prompt, tool definitions) continues from it
+    // without the bounded replay. Each p is rounded down to a block boundary (skipped when that
+    // is 0, at or beyond the last boundary, or already a point). Copied; non-decreasing, each in
+    // 1 .. n_prompt, at most DI_MAX_SNAP_AT (DI_ERR_INVALID otherwise). Ignored without tail
+    // snapshots; a point changes only where prefill chunks end, never a result.
+    const int32_t *snap_at;
+    int32_t n_snap_at;
     float *first_logits; // optional [n_vocab]: receives the logits that chose token 0
     // Structured output (docs/structured-output.md): while the grammar is active, only tokens it
     // accepts next may be sampled (masked to -inf before bias, penalties and truncation; logprobs
