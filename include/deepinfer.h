@@ -767,6 +767,30 @@ di_status di_render_request(const di_tokenizer *tok, const char *request_json, s
                             di_render_api api, const di_render_options *opt, char **text,
                             size_t *n_text, int32_t **ids, size_t *n_ids);
 
+// Snapshot points of a rendered request (docs/kv-cache.md, "Snapshot points"; docs/server.md):
+// token offsets into its ids for di_request_params.snap_at. The end of the system prefix (system
+// messages, instructions, tool definitions: everything before the first user turn) is always one
+// when there is such a prefix; a Messages request adds the end of every block marked with
+// cache_control (system blocks, message content blocks; a marked tool definition marks the end of
+// the system prefix, where the tool definitions end). The offsets are token boundaries: exact
+// (ids[0 .. p) are the ids of the text before it alone) where a special token follows, which is
+// so for the system prefix before a user turn, a message's last block and an assistant turn;
+// inside plain text (a block followed by another), the last token boundary before the block's
+// end. Ascending, distinct, each in 1 .. n_ids; at most DI_MAX_SNAP_AT: the cache_control marks
+// first (beyond DI_MAX_SNAP_AT the first ones), then the system prefix's end if there is room.
+typedef struct di_render_points {
+    int32_t at[DI_MAX_SNAP_AT];
+    int32_t n;
+    int32_t system_end; // token offset of the system prefix's end; 0: none
+    int32_t n_marked;   // cache_control marks found (before the cap and merging)
+} di_render_points;
+
+// di_render_request that also fills *points (NULL: the same as di_render_request); needs ids.
+di_status di_render_request_points(const di_tokenizer *tok, const char *request_json,
+                                   size_t n_bytes, di_render_api api, const di_render_options *opt,
+                                   char **text, size_t *n_text, int32_t **ids, size_t *n_ids,
+                                   di_render_points *points);
+
 // ---- output parser (public wrapper of src/tok/parse.c; implemented in src/tok/parse_api.c) ----
 //
 // Incremental parser of generated text (spec serving.md §1.11, §2.6): splits decoded output into
