@@ -265,7 +265,12 @@ static json_t *from_messages(const json_t *req) {
                 json_t *tm = msg("tool");
                 json_object_set(tm, "tool_call_id", json_object_get(b, "tool_use_id"));
                 json_t *c = content_to_official(json_object_get(b, "content"));
-                if (cached(b)) json_object_set_new(tm, "snapshot", json_true());
+                // marked, or one of its blocks is: the point after the result
+                bool mark = cached(b);
+                size_t j;
+                json_t *x;
+                json_array_foreach(json_object_get(b, "content"), j, x) mark |= cached(x);
+                if (mark) json_object_set_new(tm, "snapshot", json_true());
                 if (json_is_true(json_object_get(b, "is_error")) && json_is_string(c)) {
                     json_t *e = json_sprintf("Error: %s", json_string_value(c)); // §2.4 [design]
                     json_decref(c);
