@@ -366,7 +366,7 @@ void di_grammar_vocab_destroy(di_grammar_vocab *v);
 // See docs/architecture.md (engine) and docs/kv-cache.md.
 
 #define DI_MAX_LOGPROBS 20
-#define DI_MAX_STOP 16 // stop ids and stop strings per request, each
+#define DI_MAX_STOP 16   // stop ids and stop strings per request, each
 #define DI_MAX_SNAP_AT 4 // requested tail-snapshot points per request (di_request_params.snap_at)
 
 typedef struct di_engine di_engine;

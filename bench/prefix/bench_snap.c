@@ -3,9 +3,9 @@
 // snapshot point at the system prompt's end (di_request_params.snap_at) and without (each hit is
 // then continued by the bounded replay, as before snapshot points), on the tiny V4 and V4.1
 // models written by di_synth. The first request of each run primes the cache (cold); the next N
-// are measured (the cold one's time printed too): positions computed (the prompt minus the cached tokens plus the replayed ones,
-// from the final event) and the time to the first token (submit to its event; the engine is
-// otherwise idle). Prints medians and ranges.
+// are measured (the cold one's time printed too): positions computed (the prompt minus the cached
+// tokens plus the replayed ones, from the final event) and the time to the first token (submit to
+// its event; the engine is otherwise idle). Prints medians and ranges.
 //     build/bench_snap [N=5] [S=1000] [U=24]
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,7 +51,8 @@ static double median(double *v, int n) {
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-static int run(const char *name, const char *dir, bool points, int n, int32_t s_len, int32_t u_len) {
+static int run(const char *name, const char *dir, bool points, int n, int32_t s_len,
+               int32_t u_len) {
     di_engine_options o = di_engine_options_default();
     o.n_threads = 2;
     o.max_seqs = 2;

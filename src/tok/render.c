@@ -862,9 +862,11 @@ static di_status system_text(const di_render_msg *m, wmsg *w) {
             if (st == DI_OK) st = di_buf_append_str(&b, m->blocks[k].text);
             first = false;
         }
-        if (m->blocks[k].snapshot && w->n_cmark < DI_RENDER_MAX_MARKS) w->cmark[w->n_cmark++] = b.len;
+        if (m->blocks[k].snapshot && w->n_cmark < DI_RENDER_MAX_MARKS)
+            w->cmark[w->n_cmark++] = b.len;
     }
-    if (st == DI_OK && m->snapshot && w->n_cmark < DI_RENDER_MAX_MARKS) w->cmark[w->n_cmark++] = b.len;
+    if (st == DI_OK && m->snapshot && w->n_cmark < DI_RENDER_MAX_MARKS)
+        w->cmark[w->n_cmark++] = b.len;
     if (st == DI_OK) st = di_buf_append(&b, "", 0);
     if (st != DI_OK) {
         di_buf_deinit(&b);

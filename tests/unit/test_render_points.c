@@ -94,7 +94,8 @@ static void test_system_prefix(void) {
     check_point(&d, d.pts.system_end, "A.\n\nB.", "");
     drop(&d);
     // Responses: instructions.
-    rendered r = render("{\"instructions\":\"Be terse.\",\"input\":\"hi\"}", DI_RENDER_API_RESPONSES);
+    rendered r =
+        render("{\"instructions\":\"Be terse.\",\"input\":\"hi\"}", DI_RENDER_API_RESPONSES);
     CHECK_EQ(r.st, DI_OK);
     CHECK_EQ(r.pts.n, 1);
     check_point(&r, r.pts.system_end, NULL, "<｜User｜>hi");
@@ -108,7 +109,8 @@ static void test_system_prefix(void) {
     check_point(&m, m.pts.system_end, NULL, "<｜User｜>hi");
     drop(&m);
     // No system prefix: no point (BOS alone is no prefix).
-    rendered u = render("{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", DI_RENDER_API_CHAT);
+    rendered u =
+        render("{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", DI_RENDER_API_CHAT);
     CHECK_EQ(u.st, DI_OK);
     CHECK_EQ(u.pts.n, 0);
     CHECK_EQ(u.pts.system_end, 0);
@@ -151,7 +153,8 @@ static void test_cache_control(void) {
         "{\"role\":\"assistant\",\"content\":[{\"type\":\"tool_use\",\"id\":\"c1\",\"name\":\"w\","
         "\"input\":{}}]},{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"tool_use_id\":"
         "\"c1\",\"content\":\"sunny\"" CC "}]}],"
-        "\"tools\":[{\"name\":\"w\",\"description\":\"d\",\"input_schema\":{\"type\":\"object\"}}]}";
+        "\"tools\":[{\"name\":\"w\",\"description\":\"d\",\"input_schema\":{\"type\":\"object\"}}]"
+        "}";
     rendered t = render(tr, DI_RENDER_API_MESSAGES);
     CHECK_EQ(t.st, DI_OK);
     CHECK_EQ(t.pts.n, 2); // the tool result and the system prefix (the tools)

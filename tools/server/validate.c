@@ -381,8 +381,8 @@ bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e) {
     di_render_options o = di_render_options_default();
     o.encoding = g->s->encoding;
     di_render_points pts;
-    di_status st = di_render_request_points(g->s->tok, body, strlen(body), rapi, &o, &text,
-                                            &n_text, &g->prompt, &g->n_prompt, &pts);
+    di_status st = di_render_request_points(g->s->tok, body, strlen(body), rapi, &o, &text, &n_text,
+                                            &g->prompt, &g->n_prompt, &pts);
     free(body);
     if (st == DI_ERR_UNSUPPORTED) { // the server's tokenizer, not the request (docs/server.md)
         srv_err_set(e, 500, NULL,
