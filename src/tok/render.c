@@ -960,9 +960,10 @@ di_status di_render_conv_text(const di_render_conv *c, di_render_out *out) {
     } else if (b.n == 0) {
         DI_TRY(render_effort(&r));
     }
+    size_t lead = 0; // the leading system messages: the system prefix
+    while (lead < b.n && b.m[lead].role == DI_RENDER_ROLE_SYSTEM) lead++;
     for (size_t i = 0; i < b.n; i++) {
-        if (i > 0 && !out->system_end && b.m[i].role != DI_RENDER_ROLE_SYSTEM &&
-            b.m[i - 1].role == DI_RENDER_ROLE_SYSTEM) {
+        if (i == lead && lead > 0) {
             out->system_end = out->text.len;
             if (c->snapshot_system) mark(out);
         }
