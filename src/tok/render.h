@@ -168,8 +168,8 @@ di_status di_render_pyjson(const json_t *v, di_buf *out);
 // an object {"messages": [...], "tools": [...], "response_format"?, "thinking_mode"?: "chat"|
 // "thinking", "reasoning_effort"?: "low"|"high"|"max"|n, "encoding"?: "dsv4"|"dsv41",
 // "effort_table"?, "tool_choice"?, "drop_thinking"?, "normalize_system"?, "snapshot_system"?};
-// deepinfer's "snapshot": true on a message or a content block sets its snapshot flag. Strings in conv borrow
-// from doc; arrays are allocated into *mem (free with di_render_conv_free_mem).
+// deepinfer's "snapshot": true on a message or a content block sets its snapshot flag. Strings in
+// conv borrow from doc; arrays are allocated into *mem (free with di_render_conv_free_mem).
 // DI_ERR_INVALID with a log line naming the bad field.
 di_status di_render_conv_from_json(const json_t *doc, di_render_conv *conv, void **mem);
 void di_render_conv_free_mem(void *mem);
