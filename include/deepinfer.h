@@ -366,7 +366,8 @@ void di_grammar_vocab_destroy(di_grammar_vocab *v);
 // See docs/architecture.md (engine) and docs/kv-cache.md.
 
 #define DI_MAX_LOGPROBS 20
-#define DI_MAX_STOP 16 // stop ids and stop strings per request, each
+#define DI_MAX_STOP 16   // stop ids and stop strings per request, each
+#define DI_MAX_SNAP_AT 4 // requested tail-snapshot points per request (di_request_params.snap_at)
 
 typedef struct di_engine di_engine;
 
@@ -439,6 +440,15 @@ typedef struct di_request_params {
     const char *const *stop_strings; // NUL-terminated (copied), up to DI_MAX_STOP; need
     int32_t n_stop_strings;          // di_engine_options.token_bytes
     uint64_t cache_salt; // prefix-cache namespace: only requests with the same salt share
+    // Snapshot points (docs/kv-cache.md, "Snapshot points"): token offsets into the prompt where,
+    // besides the prompt's last block boundary, the engine keeps a tail snapshot, so that a later
+    // prompt sharing only tokens[0 .. p) (a system prompt, tool definitions) continues from it
+    // without the bounded replay. Each p is rounded down to a block boundary (skipped when that
+    // is 0, at or beyond the last boundary, or already a point). Copied; non-decreasing, each in
+    // 1 .. n_prompt, at most DI_MAX_SNAP_AT (DI_ERR_INVALID otherwise). Ignored without tail
+    // snapshots; a point changes only where prefill chunks end, never a result.
+    const int32_t *snap_at;
+    int32_t n_snap_at;
     float *first_logits; // optional [n_vocab]: receives the logits that chose token 0
     // Structured output (docs/structured-output.md): while the grammar is active, only tokens it
     // accepts next may be sampled (masked to -inf before bias, penalties and truncation; logprobs
@@ -758,6 +768,30 @@ di_render_options di_render_options_default(void);
 di_status di_render_request(const di_tokenizer *tok, const char *request_json, size_t n_bytes,
                             di_render_api api, const di_render_options *opt, char **text,
                             size_t *n_text, int32_t **ids, size_t *n_ids);
+
+// Snapshot points of a rendered request (docs/kv-cache.md, "Snapshot points"; docs/server.md):
+// token offsets into its ids for di_request_params.snap_at. The end of the system prefix (system
+// messages, instructions, tool definitions: everything before the first user turn) is always one
+// when there is such a prefix; a Messages request adds the end of every block marked with
+// cache_control (system blocks, message content blocks; a marked tool definition marks the end of
+// the system prefix, where the tool definitions end). The offsets are token boundaries: exact
+// (ids[0 .. p) are the ids of the text before it alone) where a special token follows, which is
+// so for the system prefix before a user turn, a message's last block and an assistant turn;
+// inside plain text (a block followed by another), the last token boundary before the block's
+// end. Ascending, distinct, each in 1 .. n_ids; at most DI_MAX_SNAP_AT: the cache_control marks
+// first (beyond DI_MAX_SNAP_AT the first ones), then the system prefix's end if there is room.
+typedef struct di_render_points {
+    int32_t at[DI_MAX_SNAP_AT];
+    int32_t n;
+    int32_t system_end; // token offset of the system prefix's end; 0: none
+    int32_t n_marked;   // cache_control marks found (before the cap and merging)
+} di_render_points;
+
+// di_render_request that also fills *points (NULL: the same as di_render_request); needs ids.
+di_status di_render_request_points(const di_tokenizer *tok, const char *request_json,
+                                   size_t n_bytes, di_render_api api, const di_render_options *opt,
+                                   char **text, size_t *n_text, int32_t **ids, size_t *n_ids,
+                                   di_render_points *points);
 
 // ---- output parser (public wrapper of src/tok/parse.c; implemented in src/tok/parse_api.c) ----
 //

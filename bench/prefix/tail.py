@@ -8,6 +8,13 @@ without snapshots, and for N fresh prompts of about L tokens runs three legacy c
   follow-up the prompt + the cold answer + a few words, 1 token (a follow-up turn: the hit
             reaches into the answer's blocks, the snapshot is the prompt's; on the V4.1 tiny
             model, whose random output is not valid input, the prompt + a few words).
+and, on the V4 tiny model (the V4.1 tiny model's 512-id vocabulary cannot take a rendered chat
+prompt; build/bench_snap measures both models on the engine API), N chat completions sharing one system prompt of about L
+tokens, each with a different user message:
+  system    1 token each; the first (cold) primes the cache, the others hit the system prompt's
+            blocks: continued from the snapshot point at its end (docs/kv-cache.md, "Snapshot
+            points"), or, with --tail-cache-mib 0, by the bounded replay (what every server did
+            before snapshot points: the snapshots sat at each prompt's own last boundary).
 For each: the request's wall time (max_tokens 1: prefill + one token, a TTFT), the prompt tokens
 from the cache, and the positions the hit computed again (the replay counter's delta on /metrics).
 Prints the medians and ranges.
@@ -57,6 +64,21 @@ def complete(port, model, prompt, max_tokens):
     return out["choices"][0]["text"], dt, u["prompt_tokens"], cached, int(replayed)
 
 
+def chat(port, model, system, user):
+    b = {"model": model, "max_tokens": 1, "temperature": 0,
+         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 data=json.dumps(b).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    dt = (time.perf_counter() - t) * 1e3
+    u = out["usage"]
+    d = u["prompt_tokens_details"]
+    return None, dt, u["prompt_tokens"], d["cached_tokens"], d["replayed_tokens"]
+
+
 def serve(args, env):
     port = free_port()
     p = subprocess.Popen([BIN, "serve", "--port", str(port), "--threads", "2", "--max-ctx",
@@ -84,6 +106,8 @@ def main():
         for label, extra in (("snapshots", []), ("replay", ["--tail-cache-mib", "0"])):
             p, port = serve(margs + extra, env)
             rows = {"cold": [], "same": [], "follow-up": []}
+            if model != "v41":
+                rows["system"] = []
             try:
                 for s in range(N):
                     prompt = text(s + (100 if label == "replay" else 0))
@@ -96,6 +120,13 @@ def main():
                     turn = prompt + (ans if model != "v41" else "") + " 1 2 3 3 2 1 1 2"
                     _, dt, n, c, rp = complete(port, model, turn, 1)
                     rows["follow-up"].append((dt, n, c, rp))
+                if "system" in rows:
+                    system = ("You are the assistant of session " + label + ". " +
+                              text(7 + (100 if label == "replay" else 0)))
+                    chat(port, model, system, "Hello.")  # cold: primes the cache
+                    for s in range(N):
+                        q = f"Question {s}: what does w{s * 11 % 97} mean in this text?"
+                        rows["system"].append(chat(port, model, system, q)[1:])
                 taken = metric(port, "deepinfer:tail_snapshots_taken_total")
                 restored = metric(port, "deepinfer:tail_snapshots_restored_total")
                 nbytes = metric(port, "deepinfer:tail_snapshot_bytes")

@@ -1034,14 +1034,14 @@ static di_status tails_open(di_engine *e) {
     return DI_OK;
 }
 
-// After a successful call: snapshots the tail of every sequence whose chunk ended at its
-// snapshot position (its state is at that position until its next call).
+// After a successful call: snapshots the tail of every sequence whose chunk ended at one of its
+// snapshot points (its state is at that position until its next call).
 static void tails_take(di_engine *e) {
     if (!e->kv->tails) return;
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         const di_request *r = e->x_seq_req[i];
-        const int32_t h = di_sched_snap_pos(&e->sched, r);
-        if (h <= 0 || e->x_seqs[i].pos + e->x_seqs[i].n_tok != h) continue;
+        const int32_t h = e->x_seqs[i].pos + e->x_seqs[i].n_tok;
+        if (!di_sched_is_snap_point(&e->sched, r, h)) continue;
         // After a bounded replay from Q > 0 the window rows a continuation reads are exact (the
         // replay's proof), but the MTP rows of the replayed positions are not (they only cost
         // drafts): such an MTP tail is not kept.

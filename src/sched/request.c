@@ -35,6 +35,12 @@ di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t
         why = "a grammar needs the engine's grammar_vocab";
     else if (p->grammar && (p->grammar_after < -1 || p->grammar_after >= n_vocab))
         why = "grammar_after must be -1 or a token id";
+    else if (p->n_snap_at < 0 || p->n_snap_at > DI_MAX_SNAP_AT || (p->n_snap_at && !p->snap_at))
+        why = "snap_at takes at most DI_MAX_SNAP_AT (4) points";
+    for (int32_t i = 0; !why && i < p->n_snap_at; i++)
+        if (p->snap_at[i] < 1 || p->snap_at[i] > p->n_prompt ||
+            (i > 0 && p->snap_at[i] < p->snap_at[i - 1]))
+            why = "snap_at must be non-decreasing token offsets in 1 .. n_prompt";
     for (int32_t i = 0; !why && i < p->n_prompt; i++)
         if (p->prompt[i] < 0 || p->prompt[i] >= n_vocab)
             why = "a prompt token is outside the vocabulary";
@@ -70,6 +76,8 @@ di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t
     r->sample.logit_bias = r->bias;
     if (p->n_stop_ids) memcpy(r->stop_ids, p->stop_ids, sizeof(int32_t) * (size_t)p->n_stop_ids);
     r->n_stop_ids = p->n_stop_ids;
+    if (p->n_snap_at) memcpy(r->snap_at, p->snap_at, sizeof(int32_t) * (size_t)p->n_snap_at);
+    r->n_snap_at = p->n_snap_at;
     r->ignore_eos = p->ignore_eos;
     r->salt = p->cache_salt;
     r->first_logits = p->first_logits;

@@ -30,6 +30,8 @@ struct di_request {
     bool ignore_eos;
     di_stop stop; // owned stop strings and held bytes
     uint64_t salt;
+    int32_t snap_at[DI_MAX_SNAP_AT]; // requested snapshot points (token offsets, non-decreasing)
+    int32_t n_snap_at;
     float *first_logits; // borrowed (caller's buffer) or NULL
     di_event_fn on_event;
     void *user;
@@ -54,6 +56,9 @@ struct di_request {
     int32_t slot;   // KV slot while running, -1 otherwise
     int32_t n_done; // positions whose state is computed: tokens[0, n_done)
     int32_t win_lo; // first position with a window row (bounded replay), 0 otherwise
+    // The hit a bounded replay (win_lo > 0) rebuilds the state of: below it the state is not
+    // exact, so no snapshot is taken there. 0 otherwise. Set at admission.
+    int32_t replay_end;
     int32_t n_cached, n_replayed, n_computed, n_preempted;
     int32_t n_pending;    // 1 while the step in flight samples its next token, else 0
     di_request *next;     // waiting-queue link

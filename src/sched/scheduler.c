@@ -171,15 +171,36 @@ static bool reserve(di_sched *s, di_request *r, int32_t n) {
 
 static void step_once(di_sched *s);
 
-int32_t di_sched_snap_pos(const di_sched *s, const di_request *r) {
+int32_t di_sched_snap_points(const di_sched *s, const di_request *r, int32_t *out) {
     if (!s->kv->tails || !s->restore) return 0;
-    return (r->n_prompt - 1) / s->kv->block_tokens * s->kv->block_tokens;
+    const int32_t B = s->kv->block_tokens;
+    const int32_t last = (r->n_prompt - 1) / B * B;
+    // Below a replayed hit the window rows are not exact yet (the replay's proof holds at the hit).
+    const int32_t lo = r->win_lo > 0 ? r->replay_end : 0;
+    int32_t n = 0;
+    for (int32_t i = 0; i < r->n_snap_at; i++) {
+        const int32_t p = r->snap_at[i] / B * B;
+        if (p > 0 && p < last && p >= lo && (n == 0 || out[n - 1] != p)) out[n++] = p;
+    }
+    if (last > 0 && last >= lo) out[n++] = last;
+    return n;
 }
 
-// A chunk of n rows from r->n_done ends at r's snapshot position if it would cross it.
+bool di_sched_is_snap_point(const di_sched *s, const di_request *r, int32_t pos) {
+    int32_t pts[DI_SCHED_MAX_SNAP];
+    const int32_t n = di_sched_snap_points(s, r, pts);
+    for (int32_t i = 0; i < n; i++)
+        if (pts[i] == pos) return true;
+    return false;
+}
+
+// A chunk of n rows from r->n_done ends at r's first snapshot point it would cross.
 static int32_t cut_at_snap(const di_sched *s, const di_request *r, int32_t n) {
-    const int32_t h = di_sched_snap_pos(s, r);
-    return r->n_done < h && r->n_done + n > h ? h - r->n_done : n;
+    int32_t pts[DI_SCHED_MAX_SNAP];
+    const int32_t k = di_sched_snap_points(s, r, pts);
+    for (int32_t i = 0; i < k; i++)
+        if (r->n_done < pts[i] && r->n_done + n > pts[i]) return pts[i] - r->n_done;
+    return n;
 }
 
 void di_sched_step(di_sched *s) {
@@ -271,6 +292,7 @@ static void step_once(di_sched *s) {
         int32_t hit = di_kv_seq_attach_prefix(s->kv, slot, r->tokens, n_tok - 1);
         int32_t q = hit > s->kv->replay_tokens ? hit - s->kv->replay_tokens : 0;
         r->win_lo = q;
+        r->replay_end = hit;
         // A tail snapshot at a boundary sp of the hit holds the whole state there: compute
         // sp .. hit - 1 only (none at sp == hit), every window row available (win_lo 0).
         int32_t sp = 0;

@@ -7,9 +7,11 @@
  *      for their first chunk are free; admission attaches the longest cached prefix and continues
  *      it from a tail snapshot (restored through the `restore` hook) or with a bounded replay
  *      before it (docs/kv-cache.md).
- * With tail snapshots (the KV manager's `tails`), a prompt's prefill chunk ends at the prompt's
- * last block boundary H <= n_prompt - 1 (H > 0), so that the engine can snapshot the tail there
- * after that call (one extra chunk split per request at most; a split never changes results).
+ * With tail snapshots (the KV manager's `tails`), a prompt's prefill chunks end at its snapshot
+ * points — the requested ones (di_request.snap_at, rounded down to block boundaries) and the
+ * prompt's last block boundary H <= n_prompt - 1 (H > 0) — so that the engine can snapshot the
+ * tail there after that call (at most DI_SCHED_MAX_SNAP extra chunk splits per request; a split
+ * never changes results).
  * When a running request needs a block and none is left, the newest running request is
  * preempted (its blocks are returned; it goes back to the head of the waiting queue and later
  * recomputes its prompt and generated tokens, usually from the prefix cache), so the oldest
@@ -76,9 +78,16 @@ void di_sched_remove(di_sched *s, di_request *r);
 // Preempts running request r now (its rows leave the plan, which is marked `aborted`: the engine
 // plans again): after a failed step, a request that attached blocks that step was to compute.
 void di_sched_preempt(di_sched *s, di_request *r);
-// The position where r's tail is snapshot (its prompt's last block boundary <= n_prompt - 1), or
-// 0 when none (no tail snapshots, a prompt shorter than a block and one token).
-int32_t di_sched_snap_pos(const di_sched *s, const di_request *r);
+// Maximum number of snapshot points of a request: its requested points and its last boundary.
+#define DI_SCHED_MAX_SNAP (DI_MAX_SNAP_AT + 1)
+// The positions where r's tail is snapshot, ascending and distinct, into out[DI_SCHED_MAX_SNAP]:
+// its requested points (di_request.snap_at) rounded down to block boundaries, then its prompt's
+// last block boundary H <= n_prompt - 1; each > 0, the requested ones < H. A point below the hit
+// that a bounded replay rebuilds (di_request.replay_end) is left out (the state there is not
+// exact). Returns the count: 0 without tail snapshots.
+int32_t di_sched_snap_points(const di_sched *s, const di_request *r, int32_t *out);
+// Whether a forward call of r ending at position pos ends at one of its snapshot points.
+bool di_sched_is_snap_point(const di_sched *s, const di_request *r, int32_t pos);
 // Builds the plan (seqs, tokens, logit rows). n_seq == 0 when nothing can run.
 void di_sched_step(di_sched *s);
 // Builds the plan of the next step while the current step's forward runs (see above). Sets

@@ -139,6 +139,23 @@ static di_status put_n(di_render_out *o, const char *s, size_t n) {
     return di_buf_append(&o->text, s, n);
 }
 
+// A snapshot point here.
+static void mark(di_render_out *o) {
+    if (o->n_marks < DI_RENDER_MAX_MARKS) o->marks[o->n_marks++] = o->text.len;
+}
+
+// s with snapshot points at the offsets marks[n] (ascending) of it.
+static di_status put_marked(di_render_out *o, const char *s, const size_t *marks, size_t n) {
+    size_t at = 0;
+    for (size_t i = 0; s && i < n; i++) {
+        di_status st = put_n(o, s + at, marks[i] - at);
+        if (st != DI_OK) return st;
+        at = marks[i];
+        mark(o);
+    }
+    return put(o, s ? s + at : NULL);
+}
+
 // Template text: the special strings in it are special tokens. '@' in template text is replaced by
 // the DSML tag-name separator of the encoding ("" for V4 "tool_calls", " " for V4.1 " calls").
 typedef struct rctx {
@@ -326,6 +343,7 @@ typedef struct wblock {
     const di_render_block *sub; // tool result given as blocks
     size_t n_sub;
     const char *tool_use_id;
+    bool snapshot; // a snapshot point after the block
 } wblock;
 
 typedef struct wmsg {
@@ -344,6 +362,9 @@ typedef struct wmsg {
     size_t n_blocks;
     const di_render_block *user_blocks; // borrowed content blocks of a plain message
     size_t n_user_blocks;
+    bool snap_end; // a snapshot point after the message (user / tool: moved onto its block)
+    size_t cmark[DI_RENDER_MAX_MARKS]; // system: snapshot points at these offsets of content
+    size_t n_cmark;
 } wmsg;
 
 typedef struct wlist {
@@ -395,8 +416,11 @@ static di_status normalize_system(const di_render_conv *c, wlist *w) {
         di_buf b;
         di_buf_init(&b);
         di_status st = DI_OK;
+        size_t cmark[DI_RENDER_MAX_MARKS], n_cmark = 0;
         for (size_t i = 0; i < lead && st == DI_OK; i++) {
             if (i) st = di_buf_append_str(&b, "\n\n");
+            for (size_t k = 0; k < w->m[i].n_cmark && n_cmark < DI_RENDER_MAX_MARKS; k++)
+                cmark[n_cmark++] = b.len + w->m[i].cmark[k];
             if (st == DI_OK && w->m[i].content) st = di_buf_append_str(&b, w->m[i].content);
         }
         if (st == DI_OK) st = di_buf_append(&b, "", 0);
@@ -409,15 +433,23 @@ static di_status normalize_system(const di_render_conv *c, wlist *w) {
             if (!first.tools) first.tools = w->m[i].tools;
             if (!first.response_format) first.response_format = w->m[i].response_format;
         }
+        di_free(first.owned_content);
+        for (size_t i = 1; i < lead; i++) di_free(w->m[i].owned_content);
         first.owned_content = di_buf_take(&b);
         first.content = first.owned_content;
+        memcpy(first.cmark, cmark, sizeof cmark);
+        first.n_cmark = n_cmark;
         w->m[0] = first;
         memmove(w->m + 1, w->m + lead, (w->n - lead) * sizeof *w->m);
         w->n -= lead - 1;
     }
     if (c->encoding == DI_RENDER_ENCODING_DSV4)
         for (size_t i = 1; i < w->n; i++)
-            if (w->m[i].role == DI_RENDER_ROLE_SYSTEM) w->m[i].role = DI_RENDER_ROLE_USER;
+            if (w->m[i].role == DI_RENDER_ROLE_SYSTEM) {
+                w->m[i].role = DI_RENDER_ROLE_USER; // a user turn: its points at its end
+                w->m[i].snap_end = w->m[i].n_cmark > 0;
+                w->m[i].n_cmark = 0;
+            }
     return DI_OK;
 }
 
@@ -454,7 +486,8 @@ static di_status merge_tools(wlist *in, wlist *out) {
                         .text = m->content ? m->content : "",
                         .sub = m->user_blocks,
                         .n_sub = m->n_user_blocks,
-                        .tool_use_id = m->tool_call_id};
+                        .tool_use_id = m->tool_call_id,
+                        .snapshot = m->snap_end};
             if (last && last->role == DI_RENDER_ROLE_USER && last->blocks) {
                 if ((st = block_push(last, &b)) != DI_OK) return st;
             } else {
@@ -468,7 +501,8 @@ static di_status merge_tools(wlist *in, wlist *out) {
         } else if (m->role == DI_RENDER_ROLE_USER) {
             wblock b = {.text = m->content ? m->content : "",
                         .sub = m->user_blocks,
-                        .n_sub = m->n_user_blocks};
+                        .n_sub = m->n_user_blocks,
+                        .snapshot = m->snap_end};
             if (last && last->role == DI_RENDER_ROLE_USER && last->blocks &&
                 last->task == DI_RENDER_TASK_NONE) {
                 if ((st = block_push(last, &b)) != DI_OK) return st;
@@ -477,6 +511,7 @@ static di_status merge_tools(wlist *in, wlist *out) {
                 u.owned_content = NULL;
                 u.blocks = NULL;
                 u.n_blocks = 0;
+                u.snap_end = false; // on its block
                 if ((st = block_push(&u, &b)) != DI_OK) return st;
                 if ((st = wlist_push(out, &u)) != DI_OK) {
                     di_free(u.blocks);
@@ -656,6 +691,7 @@ static di_status render_sub_blocks(rctx *r, const di_render_block *b, size_t n) 
             st = r->v41 ? tpl(r, S_IMAGE) : put(r->o, "[Unsupported image]");
         else
             st = put(r->o, b[i].text);
+        if (b[i].snapshot) mark(r->o);
     }
     return st;
 }
@@ -675,6 +711,7 @@ static di_status render_user_content(rctx *r, const wmsg *m) {
         } else {
             st = b->n_sub ? render_sub_blocks(r, b->sub, b->n_sub) : put(r->o, b->text);
         }
+        if (b->snapshot) mark(r->o);
     }
     return st;
 }
@@ -726,7 +763,7 @@ static di_status render_message(rctx *r, const wlist *w, size_t idx, bool drop) 
     switch (m->role) {
     case DI_RENDER_ROLE_SYSTEM:
         if (r->v41 && !(idx == 0 && c->thinking)) DI_TRY(tpl(r, S_SYSTEM));
-        DI_TRY(render_user_content(r, m));
+        DI_TRY(put_marked(r->o, m->content, m->cmark, m->n_cmark));
         if (m->tools && json_array_size(m->tools)) {
             DI_TRY(put(r->o, "\n\n"));
             DI_TRY(render_tools_block(r, m->tools));
@@ -776,6 +813,7 @@ static di_status render_message(rctx *r, const wlist *w, size_t idx, bool drop) 
     }
     }
 
+    if (m->snap_end) mark(r->o);
     // transition (§1.3): only before an assistant / latest_reminder, or at the end
     if (!last && w->m[idx + 1].role != DI_RENDER_ROLE_ASSISTANT &&
         w->m[idx + 1].role != DI_RENDER_ROLE_LATEST_REMINDER)
@@ -806,12 +844,49 @@ fail:
     return st;
 }
 
+// A system message's text: its content, or its text blocks joined with "\n\n" (images have no
+// text in a system prompt); its snapshot points become offsets of that text (w->cmark).
+static di_status system_text(const di_render_msg *m, wmsg *w) {
+    if (!m->n_blocks) {
+        if (m->snapshot) w->cmark[w->n_cmark++] = m->content ? strlen(m->content) : 0;
+        w->snap_end = false;
+        return DI_OK;
+    }
+    di_buf b;
+    di_buf_init(&b);
+    di_status st = DI_OK;
+    bool first = true;
+    for (size_t k = 0; k < m->n_blocks && st == DI_OK; k++) {
+        if (!m->blocks[k].is_image) {
+            if (!first) st = di_buf_append_str(&b, "\n\n");
+            if (st == DI_OK) st = di_buf_append_str(&b, m->blocks[k].text);
+            first = false;
+        }
+        if (m->blocks[k].snapshot && w->n_cmark < DI_RENDER_MAX_MARKS)
+            w->cmark[w->n_cmark++] = b.len;
+    }
+    if (st == DI_OK && m->snapshot && w->n_cmark < DI_RENDER_MAX_MARKS)
+        w->cmark[w->n_cmark++] = b.len;
+    if (st == DI_OK) st = di_buf_append(&b, "", 0);
+    if (st != DI_OK) {
+        di_buf_deinit(&b);
+        return st;
+    }
+    w->owned_content = di_buf_take(&b);
+    w->content = w->owned_content;
+    w->user_blocks = NULL;
+    w->n_user_blocks = 0;
+    w->snap_end = false;
+    return DI_OK;
+}
+
 di_status di_render_conv_text(const di_render_conv *c, di_render_out *out) {
     di_status st = DI_OK;
     wlist a = {0}, b = {0};
     di_buf_clear(&out->text);
     out->n_special = 0;
     out->ends_in_tool_calls = out->ends_in_reasoning = false;
+    out->system_end = out->n_marks = 0;
     rctx r = {c, out, c->encoding == DI_RENDER_ENCODING_DSV41};
     if (c->encoding == DI_RENDER_ENCODING_DSV41) {
         if (c->effort != DI_RENDER_EFFORT_DEFAULT && c->effort != DI_RENDER_EFFORT_LOW &&
@@ -862,7 +937,13 @@ di_status di_render_conv_text(const di_render_conv *c, di_render_out *out) {
                   .user_blocks = m->blocks,
                   .n_user_blocks = m->n_blocks};
         w.tool_call_id = m->tool_call_id;
-        DI_TRY(wlist_push(&a, &w));
+        w.snap_end = m->snapshot;
+        if (m->role == DI_RENDER_ROLE_SYSTEM) DI_TRY(system_text(m, &w));
+        st = wlist_push(&a, &w);
+        if (st != DI_OK) {
+            di_free(w.owned_content);
+            goto fail;
+        }
     }
     if (c->normalize_system) DI_TRY(normalize_system(c, &a));
     DI_TRY(attach_request_tools(c, &a));
@@ -879,7 +960,15 @@ di_status di_render_conv_text(const di_render_conv *c, di_render_out *out) {
     } else if (b.n == 0) {
         DI_TRY(render_effort(&r));
     }
-    for (size_t i = 0; i < b.n; i++) DI_TRY(render_message(&r, &b, i, drop));
+    size_t lead = 0; // the leading system messages: the system prefix
+    while (lead < b.n && b.m[lead].role == DI_RENDER_ROLE_SYSTEM) lead++;
+    for (size_t i = 0; i < b.n; i++) {
+        if (i == lead && lead > 0) {
+            out->system_end = out->text.len;
+            if (c->snapshot_system) mark(out);
+        }
+        DI_TRY(render_message(&r, &b, i, drop));
+    }
     st = di_buf_append(&out->text, "", 0);
 fail:
     wlist_free(&a);
@@ -918,6 +1007,18 @@ di_status di_render_ids(const di_tokenizer *tok, const di_render_out *r, int32_t
     *ids = out.ids;
     *n_ids = out.n;
     return DI_OK;
+}
+
+int32_t di_render_token_offset(const di_tokenizer *tok, const int32_t *ids, size_t n_ids,
+                               size_t off) {
+    size_t at = 0, t = 0;
+    for (; t < n_ids; t++) {
+        size_t n = 0;
+        if (!di_tokenizer_token_bytes(tok, ids[t], &n)) return -1;
+        if (at + n > off) break;
+        at += n;
+    }
+    return t <= INT32_MAX ? (int32_t)t : -1;
 }
 
 di_status di_render_fim(const char *prefix, const char *suffix, di_render_out *out) {
@@ -999,6 +1100,8 @@ static di_status parse_blocks(conv_mem *cm, const json_t *arr, const di_render_b
             return DI_ERR_INVALID;
         }
     }
+    for (size_t k = 0; k < n; k++)
+        b[k].snapshot = json_is_true(json_object_get(json_array_get(arr, k), "snapshot"));
     *out = b;
     *n_out = n;
     return DI_OK;
@@ -1090,6 +1193,7 @@ static di_status parse_msg(conv_mem *cm, const json_t *jm, di_render_msg *m, siz
     if (rf && !json_is_null(rf)) m->response_format = rf;
     m->prefix =
         json_is_true(json_object_get(jm, "prefix")) || json_is_true(json_object_get(jm, "wo_eos"));
+    m->snapshot = json_is_true(json_object_get(jm, "snapshot"));
     const json_t *calls = json_object_get(jm, "tool_calls");
     if (calls && !json_is_null(calls)) {
         if (!json_is_array(calls)) {
@@ -1186,6 +1290,7 @@ di_status di_render_conv_from_json(const json_t *doc, di_render_conv *conv, void
         }
         conv->keep_reasoning = json_is_false(json_object_get(doc, "drop_thinking"));
         conv->normalize_system = json_is_true(json_object_get(doc, "normalize_system"));
+        conv->snapshot_system = json_is_true(json_object_get(doc, "snapshot_system"));
         conv->no_bos = json_is_false(json_object_get(doc, "add_bos"));
     }
     if (st != DI_OK) {

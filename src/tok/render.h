@@ -52,6 +52,7 @@ typedef struct di_render_call {
 typedef struct di_render_block {
     bool is_image; // an image placeholder (V4.1: <｜deepseek_image｜>; V4: "[Unsupported image]")
     const char *text; // borrowed text of a text block
+    bool snapshot;    // a snapshot point right after this block (di_render_out.marks)
 } di_render_block;
 
 typedef struct di_render_msg {
@@ -67,6 +68,10 @@ typedef struct di_render_msg {
     const json_t *response_format; // borrowed, carried by a system/developer message
     di_render_task task;
     bool prefix; // chat prefix completion: last assistant message, rendered without EOS
+    // A snapshot point (di_render_out.marks) after this message: after its content (system,
+    // user, tool: before what follows it in the same turn), after its EOS (assistant), after its
+    // tools (developer, latest_reminder: after the content).
+    bool snapshot;
 } di_render_msg;
 
 typedef enum di_render_encoding {
@@ -107,7 +112,10 @@ typedef struct di_render_conv {
     bool normalize_system; // recipe normalisation of system messages (§1.2 step 2); the API
                            // layer sets it, parity tests with the official encoder do not
     bool no_bos;           // do not start with BOS
+    bool snapshot_system;  // a snapshot point at the end of the system prefix (its marks)
 } di_render_conv;
+
+enum { DI_RENDER_MAX_MARKS = 16 };
 
 typedef struct di_render_out {
     di_buf text;         // owned: the prompt text
@@ -117,6 +125,15 @@ typedef struct di_render_out {
     size_t cap_special;
     bool ends_in_tool_calls; // the prompt forces a tool call: the parser starts in ToolCalls
     bool ends_in_reasoning;  // the output continues reasoning (thinking header or open prefix)
+    // Where the system prefix ends: the byte offset in text of the first message that is not a
+    // leading system message (system messages, tools, response format and, V4.1 thinking, the
+    // effort line all come before it); 0 when there is no such prefix or nothing follows it.
+    size_t system_end;
+    // Snapshot points requested by the conversation (the snapshot flags of messages and blocks,
+    // snapshot_system), as byte offsets in text, in text order (repeats possible); at most
+    // DI_RENDER_MAX_MARKS (more are dropped).
+    size_t marks[DI_RENDER_MAX_MARKS];
+    size_t n_marks;
 } di_render_out;
 
 void di_render_out_init(di_render_out *o);
@@ -133,6 +150,14 @@ di_status di_render_conv_text(const di_render_conv *conv, di_render_out *out);
 di_status di_render_ids(const di_tokenizer *tok, const di_render_out *r, int32_t **ids,
                         size_t *n_ids);
 
+// The token offset of text offset `off` of a rendered prompt whose ids are ids[n_ids] (from
+// di_render_ids of the same di_render_out): the number of leading ids whose bytes all lie before
+// off. Exact (tokens[0 .. t) are the ids of the text before off alone) when off is next to a
+// special token (the system prefix's end before a user turn); inside plain text, the last token
+// boundary at or before off. -1 if the ids' bytes do not add up to the text (other ids).
+int32_t di_render_token_offset(const di_tokenizer *tok, const int32_t *ids, size_t n_ids,
+                               size_t off);
+
 // FIM prompt (§1.10): BOS<｜fim▁begin｜>{prefix}<｜fim▁hole｜>{suffix}<｜fim▁end｜>.
 di_status di_render_fim(const char *prefix, const char *suffix, di_render_out *out);
 
@@ -142,8 +167,9 @@ di_status di_render_pyjson(const json_t *v, di_buf *out);
 // Builds a conversation from the official encoder's JSON input: either a bare message array or
 // an object {"messages": [...], "tools": [...], "response_format"?, "thinking_mode"?: "chat"|
 // "thinking", "reasoning_effort"?: "low"|"high"|"max"|n, "encoding"?: "dsv4"|"dsv41",
-// "effort_table"?, "tool_choice"?, "drop_thinking"?, "normalize_system"?}. Strings in conv borrow
-// from doc; arrays are allocated into *mem (free with di_render_conv_free_mem).
+// "effort_table"?, "tool_choice"?, "drop_thinking"?, "normalize_system"?, "snapshot_system"?};
+// deepinfer's "snapshot": true on a message or a content block sets its snapshot flag. Strings in
+// conv borrow from doc; arrays are allocated into *mem (free with di_render_conv_free_mem).
 // DI_ERR_INVALID with a log line naming the bad field.
 di_status di_render_conv_from_json(const json_t *doc, di_render_conv *conv, void **mem);
 void di_render_conv_free_mem(void *mem);

@@ -4,6 +4,7 @@
 // Only the fields that change the prompt are read; sampling fields are ignored here.
 // Thread-safety: any thread.
 #include <jansson.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/log.h"
@@ -25,8 +26,15 @@ static const char *effort_from_thinking(const json_t *req, bool *thinking) {
     return NULL;
 }
 
+// Whether an Anthropic block carries a cache_control breakpoint (validated by the server).
+static bool cached(const json_t *b) {
+    const json_t *cc = json_object_get(b, "cache_control");
+    return cc && !json_is_null(cc);
+}
+
 // Text of an Anthropic / Responses content array (text parts joined with "\n\n") or a string.
-static json_t *content_to_official(const json_t *c) {
+// marks: blocks with cache_control become snapshot points (Messages).
+static json_t *content_to_official_m(const json_t *c, bool marks) {
     if (!c || json_is_string(c) || json_is_null(c)) return json_incref((json_t *)c);
     if (!json_is_array(c)) return NULL;
     json_t *blocks = json_array();
@@ -43,9 +51,18 @@ static json_t *content_to_official(const json_t *c) {
         } else if (t &&
                    (!strcmp(t, "image") || !strcmp(t, "image_url") || !strcmp(t, "input_image"))) {
             json_array_append_new(blocks, json_pack("{s:s}", "type", "image"));
+        } else {
+            continue;
         }
+        if (marks && cached(b))
+            json_object_set_new(json_array_get(blocks, json_array_size(blocks) - 1), "snapshot",
+                                json_true());
     }
     return blocks;
+}
+
+static json_t *content_to_official(const json_t *c) {
+    return content_to_official_m(c, false);
 }
 
 // ---- OpenAI Chat Completions ----
@@ -220,8 +237,8 @@ static json_t *from_messages(const json_t *req) {
     const json_t *sys = json_object_get(req, "system");
     if (sys && !json_is_null(sys)) {
         json_t *s = msg("system");
-        if (json_is_array(sys)) { // text blocks joined with "\n\n"
-            json_t *b = content_to_official(sys);
+        if (json_is_array(sys)) { // text blocks joined with "\n\n" (render.c system_text)
+            json_t *b = content_to_official_m(sys, true);
             json_object_set_new(s, "content", b);
         } else {
             json_object_set(s, "content", (json_t *)sys);
@@ -248,6 +265,12 @@ static json_t *from_messages(const json_t *req) {
                 json_t *tm = msg("tool");
                 json_object_set(tm, "tool_call_id", json_object_get(b, "tool_use_id"));
                 json_t *c = content_to_official(json_object_get(b, "content"));
+                // marked, or one of its blocks is: the point after the result
+                bool mark = cached(b);
+                size_t j;
+                json_t *x;
+                json_array_foreach(json_object_get(b, "content"), j, x) mark |= cached(x);
+                if (mark) json_object_set_new(tm, "snapshot", json_true());
                 if (json_is_true(json_object_get(b, "is_error")) && json_is_string(c)) {
                     json_t *e = json_sprintf("Error: %s", json_string_value(c)); // §2.4 [design]
                     json_decref(c);
@@ -266,12 +289,21 @@ static json_t *from_messages(const json_t *req) {
                 json_array_append_new(msgs, cur);
                 calls = NULL;
             }
-            if (!strcmp(t, "text")) {
-                json_array_append_new(texts, json_pack("{s:s,s:O?}", "type", "text", "text",
-                                                       json_object_get(b, "text")));
-            } else if (!strcmp(t, "image")) {
-                json_array_append_new(texts, json_pack("{s:s}", "type", "image"));
-            } else if (!strcmp(t, "thinking")) {
+            if (!strcmp(t, "text") || !strcmp(t, "image")) {
+                json_t *tb = !strcmp(t, "text") ? json_pack("{s:s,s:O?}", "type", "text", "text",
+                                                            json_object_get(b, "text"))
+                                                : json_pack("{s:s}", "type", "image");
+                // an assistant's text blocks are joined into one string below: its point is
+                // then after the whole turn
+                if (cached(b) && !strcmp(role, "assistant"))
+                    json_object_set_new(cur, "snapshot", json_true());
+                else if (cached(b))
+                    json_object_set_new(tb, "snapshot", json_true());
+                json_array_append_new(texts, tb);
+                continue;
+            }
+            if (cached(b)) json_object_set_new(cur, "snapshot", json_true());
+            if (!strcmp(t, "thinking")) {
                 json_object_set(cur, "reasoning_content", json_object_get(b, "thinking"));
             } else if (!strcmp(t, "tool_use")) {
                 if (!calls) json_object_set_new(cur, "tool_calls", calls = json_array());
@@ -313,6 +345,8 @@ static json_t *from_messages(const json_t *req) {
     if (json_is_array(tools)) {
         json_t *ot = json_array();
         json_array_foreach(tools, i, b) {
+            // the tool definitions end the system prefix: a marked one marks that end
+            if (cached(b)) json_object_set_new(out, "snapshot_system", json_true());
             if (json_object_get(b, "type") && !json_object_get(b, "input_schema")) continue;
             json_array_append_new(ot, json_pack("{s:s,s:{s:O?,s:O?,s:O?}}", "type", "function",
                                                 "function", "name", json_object_get(b, "name"),
@@ -337,10 +371,52 @@ di_render_options di_render_options_default(void) {
     return (di_render_options){.encoding = 0, .effort_table_0731 = false, .official = false};
 }
 
+static int cmp_i32(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+// The snapshot points of a rendered prompt (di_render_points in deepinfer.h).
+static di_status points_of(const di_tokenizer *tok, const di_render_out *out, const int32_t *ids,
+                           size_t n_ids, di_render_points *p) {
+    memset(p, 0, sizeof *p);
+    int32_t m[DI_RENDER_MAX_MARKS];
+    size_t n = 0;
+    for (size_t i = 0; i < out->n_marks; i++) {
+        const int32_t t = di_render_token_offset(tok, ids, n_ids, out->marks[i]);
+        if (t < 0) return DI_ERR_INVALID;
+        if (t > 0) m[n++] = t;
+    }
+    p->n_marked = (int32_t)out->n_marks;
+    qsort(m, n, sizeof *m, cmp_i32);
+    for (size_t i = 0; i < n && p->n < DI_MAX_SNAP_AT; i++)
+        if (p->n == 0 || p->at[p->n - 1] != m[i]) p->at[p->n++] = m[i];
+    if (out->system_end) {
+        const int32_t t = di_render_token_offset(tok, ids, n_ids, out->system_end);
+        if (t < 0) return DI_ERR_INVALID;
+        p->system_end = t;
+        bool have = t == 0;
+        for (int32_t i = 0; i < p->n; i++) have |= p->at[i] == t;
+        if (!have && p->n < DI_MAX_SNAP_AT) {
+            p->at[p->n++] = t;
+            qsort(p->at, (size_t)p->n, sizeof *p->at, cmp_i32);
+        }
+    }
+    return DI_OK;
+}
+
 di_status di_render_request(const di_tokenizer *tok, const char *request_json, size_t n_bytes,
                             di_render_api api, const di_render_options *opt, char **text,
                             size_t *n_text, int32_t **ids, size_t *n_ids) {
-    if (!request_json || !text || !n_text) return DI_ERR_INVALID;
+    return di_render_request_points(tok, request_json, n_bytes, api, opt, text, n_text, ids, n_ids,
+                                    NULL);
+}
+
+di_status di_render_request_points(const di_tokenizer *tok, const char *request_json,
+                                   size_t n_bytes, di_render_api api, const di_render_options *opt,
+                                   char **text, size_t *n_text, int32_t **ids, size_t *n_ids,
+                                   di_render_points *points) {
+    if (!request_json || !text || !n_text || (points && (!ids || !n_ids))) return DI_ERR_INVALID;
     di_render_options o = opt ? *opt : di_render_options_default();
     json_error_t err;
     json_t *req = json_loadb(request_json, n_bytes, JSON_ALLOW_NUL, &err);
@@ -378,6 +454,14 @@ di_status di_render_request(const di_tokenizer *tok, const char *request_json, s
     st = di_render_conv_from_json(doc, &conv, &mem);
     if (st == DI_OK) st = di_render_conv_text(&conv, &out);
     if (st == DI_OK && ids && n_ids) st = di_render_ids(tok, &out, ids, n_ids);
+    if (st == DI_OK && points) {
+        st = points_of(tok, &out, *ids, *n_ids, points);
+        if (st != DI_OK) {
+            DI_LOG_ERROR("render: the ids do not spell the prompt text (snapshot points)");
+            di_tok_free(*ids);
+            *ids = NULL;
+        }
+    }
     if (st == DI_OK) {
         *n_text = out.text.len;
         *text = di_buf_take(&out.text);

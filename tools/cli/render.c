@@ -44,7 +44,7 @@ int di_cli_render(int argc, char **argv) {
     const char *model = NULL, *request = NULL, *api_s = "chat";
     di_render_options opt = di_render_options_default();
     int enc = -1;
-    bool ids_only = false;
+    bool ids_only = false, points = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--model") && i + 1 < argc)
             model = argv[++i];
@@ -65,12 +65,17 @@ int di_cli_render(int argc, char **argv) {
             opt.official = true;
         else if (!strcmp(argv[i], "--ids-only"))
             ids_only = true;
+        else if (!strcmp(argv[i], "--points"))
+            points = true;
         else if (!strcmp(argv[i], "--help")) {
             printf("usage: deepinfer render [--model DIR] --request FILE.json "
                    "[--api chat|responses|messages|raw]\n"
                    "       [--encoding dsv4|dsv41] [--effort-table 0424|0731] [--official] "
-                   "[--ids-only]\n"
-                   "Prints the prompt text and its token ids (a line starting \"ids:\").\n");
+                   "[--ids-only] [--points]\n"
+                   "Prints the prompt text and its token ids (a line starting \"ids:\"); "
+                   "--points: then its\n"
+                   "snapshot points (\"points: system_end S at: P ...\", token offsets; "
+                   "docs/kv-cache.md).\n");
             return 0;
         } else {
             fprintf(stderr, "deepinfer render: unknown option '%s'\n", argv[i]);
@@ -106,7 +111,10 @@ int di_cli_render(int argc, char **argv) {
     char *text = NULL;
     size_t n_text = 0, n_ids = 0;
     int32_t *ids = NULL;
-    if (st == DI_OK) st = di_render_request(tok, json, n, api, &opt, &text, &n_text, &ids, &n_ids);
+    di_render_points pts;
+    if (st == DI_OK)
+        st = di_render_request_points(tok, json, n, api, &opt, &text, &n_text, &ids, &n_ids,
+                                      points ? &pts : NULL);
     free(json);
     if (st != DI_OK) {
         fprintf(stderr, "deepinfer render: %s\n", di_status_str(st));
@@ -120,6 +128,11 @@ int di_cli_render(int argc, char **argv) {
     printf("ids:");
     for (size_t i = 0; i < n_ids; i++) printf(" %d", ids[i]);
     printf("\n");
+    if (points) {
+        printf("points: system_end %d at:", (int)pts.system_end);
+        for (int32_t i = 0; i < pts.n; i++) printf(" %d", (int)pts.at[i]);
+        printf("\n");
+    }
     di_tok_free(text);
     di_tok_free(ids);
     di_tokenizer_destroy(tok);

@@ -207,9 +207,10 @@ static json_t *usage_json(const srv_gen *g) {
     }
     cached = g->ch[0].n_cached; // the prompt is shared by the n choices; count it once
     int64_t P = (int64_t)g->n_prompt;
-    return json_pack("{s:I,s:I,s:I,s:{s:I},s:{s:I},s:I,s:I}", "prompt_tokens", (json_int_t)P,
+    return json_pack("{s:I,s:I,s:I,s:{s:I,s:I},s:{s:I},s:I,s:I}", "prompt_tokens", (json_int_t)P,
                      "completion_tokens", (json_int_t)gen, "total_tokens", (json_int_t)(P + gen),
                      "prompt_tokens_details", "cached_tokens", (json_int_t)cached,
+                     "replayed_tokens", (json_int_t)g->ch[0].n_replayed,
                      "completion_tokens_details", "reasoning_tokens", (json_int_t)reas,
                      "prompt_cache_hit_tokens", (json_int_t)cached, "prompt_cache_miss_tokens",
                      (json_int_t)(P - cached));
@@ -446,10 +447,11 @@ static json_t *cmpl_lp(const srv_choice *c) {
 static json_t *cmpl_usage(const srv_gen *g) {
     int64_t gen = 0;
     for (int i = 0; i < g->n; i++) gen += g->ch[i].n_gen;
-    return json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)g->n_prompt,
+    return json_pack("{s:I,s:I,s:I,s:{s:I,s:I}}", "prompt_tokens", (json_int_t)g->n_prompt,
                      "completion_tokens", (json_int_t)gen, "total_tokens",
                      (json_int_t)(g->n_prompt + (size_t)gen), "prompt_tokens_details",
-                     "cached_tokens", (json_int_t)g->ch[0].n_cached);
+                     "cached_tokens", (json_int_t)g->ch[0].n_cached, "replayed_tokens",
+                     (json_int_t)g->ch[0].n_replayed);
 }
 
 static json_t *cmpl_body(srv_gen *g) {

@@ -12,6 +12,68 @@ bool srv_lookup_model(srv *s, const json_t *req, srv_api api, srv_err *e);
 
 enum { BLK_NONE = 0, BLK_THINKING, BLK_TEXT, BLK_TOOL };
 
+// Prompt caching breakpoints (docs/server.md, "Prompt caching"): cache_control on system blocks,
+// tool definitions and message content blocks (and the blocks of a tool result) is
+// {"type": "ephemeral"} with an optional "ttl" of "5m" or "1h"; at most SRV_MAX_CACHE_CONTROL in a
+// request, as Anthropic's API. Each marked block's end becomes a snapshot point (tok/request.c).
+enum { SRV_MAX_CACHE_CONTROL = 4 };
+
+static bool check_cc(const json_t *b, const char *where, size_t i, size_t k, int *n, srv_err *e) {
+    const json_t *cc = json_object_get(b, "cache_control");
+    if (!cc || json_is_null(cc)) return true;
+    char at[64];
+    if (k == (size_t)-1)
+        snprintf(at, sizeof at, "%s.%zu", where, i);
+    else
+        snprintf(at, sizeof at, "%s.%zu.content.%zu", where, i, k);
+    const char *type = json_string_value(json_object_get(cc, "type"));
+    if (!json_is_object(cc) || !type || strcmp(type, "ephemeral")) {
+        srv_err_set(e, 400, "cache_control", "%s.cache_control.type: Input should be 'ephemeral'",
+                    at);
+        return false;
+    }
+    const json_t *ttl = json_object_get(cc, "ttl");
+    const char *t = json_string_value(ttl);
+    if (ttl && !json_is_null(ttl) && (!t || (strcmp(t, "5m") && strcmp(t, "1h")))) {
+        srv_err_set(e, 400, "cache_control", "%s.cache_control.ttl: Input should be '5m' or '1h'",
+                    at);
+        return false;
+    }
+    (*n)++;
+    return true;
+}
+
+static bool check_cache_control(const json_t *req, srv_err *e) {
+    int n = 0;
+    size_t i, k, j;
+    json_t *m, *b, *x;
+    const json_t *sys = json_object_get(req, "system");
+    json_array_foreach(json_is_array(sys) ? sys : NULL, i, b) {
+        if (!check_cc(b, "system", i, (size_t)-1, &n, e)) return false;
+    }
+    const json_t *tools = json_object_get(req, "tools");
+    json_array_foreach(json_is_array(tools) ? tools : NULL, i, b) {
+        if (!check_cc(b, "tools", i, (size_t)-1, &n, e)) return false;
+    }
+    json_array_foreach(json_object_get(req, "messages"), i, m) {
+        const json_t *c = json_object_get(m, "content");
+        json_array_foreach(json_is_array(c) ? c : NULL, k, b) {
+            if (!check_cc(b, "messages", i, k, &n, e)) return false;
+            const json_t *tc = json_object_get(b, "content"); // a tool result's blocks
+            json_array_foreach(json_is_array(tc) ? tc : NULL, j, x) {
+                if (!check_cc(x, "messages", i, k, &n, e)) return false;
+            }
+        }
+    }
+    if (n > SRV_MAX_CACHE_CONTROL) {
+        srv_err_set(e, 400, "cache_control",
+                    "A maximum of %d blocks with cache_control may be provided. Found %d.",
+                    SRV_MAX_CACHE_CONTROL, n);
+        return false;
+    }
+    return true;
+}
+
 static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     const json_t *mt = json_object_get(req, "max_tokens");
     if (!mt) {
@@ -91,6 +153,7 @@ static bool check(const json_t *req, srv_gen *g, srv_err *e) {
             return false;
         }
     }
+    if (!check_cache_control(req, e)) return false;
     const json_t *tools = json_object_get(req, "tools");
     if (!srv_check_tools(tools, SRV_API_MESSAGES, e)) return false;
     return srv_check_tool_choice(g, tools, json_object_get(req, "tool_choice"), SRV_API_MESSAGES,

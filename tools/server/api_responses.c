@@ -172,10 +172,11 @@ static json_t *response_obj(srv_gen *g, const char *status, bool final) {
         // terminal object lists it as streamed (status "incomplete"); the body drops it (§1.11)
         if (c->aborted_item) json_array_append(output, c->aborted_item);
         int64_t P = (int64_t)g->n_prompt;
-        usage = json_pack("{s:I,s:{s:I},s:I,s:{s:I},s:I}", "input_tokens", (json_int_t)P,
+        usage = json_pack("{s:I,s:{s:I,s:I},s:I,s:{s:I},s:I}", "input_tokens", (json_int_t)P,
                           "input_tokens_details", "cached_tokens", (json_int_t)c->n_cached,
-                          "output_tokens", (json_int_t)c->n_gen, "output_tokens_details",
-                          "reasoning_tokens", (json_int_t)c->n_reasoning_tokens, "total_tokens",
+                          "replayed_tokens", (json_int_t)c->n_replayed, "output_tokens",
+                          (json_int_t)c->n_gen, "output_tokens_details", "reasoning_tokens",
+                          (json_int_t)c->n_reasoning_tokens, "total_tokens",
                           (json_int_t)(P + c->n_gen));
         if (!strcmp(status, "incomplete"))
             incomplete = json_pack("{s:s}", "reason", "max_output_tokens");

@@ -365,6 +365,8 @@ bool srv_gen_start(srv_gen *g, srv_err *e) {
         p.max_tokens = g->max_tokens;
         p.grammar = g->grammar;
         p.grammar_after = g->grammar_after;
+        p.snap_at = g->snap_at;
+        p.n_snap_at = g->n_snap_at;
         p.on_event = srv_queue_on_event;
         p.user = c;
         di_status st = di_engine_submit(s->engine, &p, &c->eid);
@@ -485,6 +487,7 @@ static void handle(srv_gen *g, const srv_tok_ev *ev) {
         c->efinish = ev->finish;
         c->estatus = ev->status;
         c->n_cached = ev->n_cached;
+        c->n_replayed = ev->n_replayed;
         di_parser_finish r =
             ev->finish == DI_FINISH_LENGTH ? DI_PARSER_FINISH_LENGTH : DI_PARSER_FINISH_STOP;
         c->pfinish = di_parser_end(c->parser, r);

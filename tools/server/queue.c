@@ -32,7 +32,8 @@ void srv_queue_on_event(void *user, const di_event *ev) {
                     .n_top = ev->n_top < DI_MAX_LOGPROBS ? ev->n_top : DI_MAX_LOGPROBS,
                     .finish = ev->finish,
                     .status = ev->status,
-                    .n_cached = ev->n_cached};
+                    .n_cached = ev->n_cached,
+                    .n_replayed = ev->n_replayed};
     for (int i = 0; i < e.n_top; i++) {
         e.top_ids[i] = ev->top_ids[i];
         e.top_lp[i] = ev->top_logprobs[i];

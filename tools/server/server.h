@@ -155,7 +155,7 @@ typedef struct srv_tok_ev {
     float top_lp[DI_MAX_LOGPROBS];
     di_finish finish;
     di_status status;
-    int32_t n_cached;
+    int32_t n_cached, n_replayed;
 } srv_tok_ev;
 
 struct srv_gen;
@@ -169,7 +169,7 @@ typedef struct srv_choice {
     sb reasoning, content;
     srv_call *calls; // owned
     int n_calls, cap_calls;
-    int32_t n_gen, n_cached, n_reasoning_tokens;
+    int32_t n_gen, n_cached, n_replayed, n_reasoning_tokens;
     di_finish efinish;
     di_status estatus;
     di_parser_finish pfinish;
@@ -207,6 +207,10 @@ typedef struct srv_gen {
     long created;
     int32_t *prompt; // owned (di_tok_free)
     size_t n_prompt;
+    // Snapshot points of the prompt (di_render_points: the system prefix's end, Messages
+    // cache_control breakpoints), passed to the engine as di_request_params.snap_at.
+    int32_t snap_at[DI_MAX_SNAP_AT];
+    int32_t n_snap_at;
     di_parser_stage stage;
     bool tools;            // tool calls parsed (tools given and tool_choice != none)
     bool tool_forced;      // tool_choice required / any / a named tool: the header is prefilled

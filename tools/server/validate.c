@@ -380,8 +380,9 @@ bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e) {
     size_t n_text = 0;
     di_render_options o = di_render_options_default();
     o.encoding = g->s->encoding;
-    di_status st = di_render_request(g->s->tok, body, strlen(body), rapi, &o, &text, &n_text,
-                                     &g->prompt, &g->n_prompt);
+    di_render_points pts;
+    di_status st = di_render_request_points(g->s->tok, body, strlen(body), rapi, &o, &text, &n_text,
+                                            &g->prompt, &g->n_prompt, &pts);
     free(body);
     if (st == DI_ERR_UNSUPPORTED) { // the server's tokenizer, not the request (docs/server.md)
         srv_err_set(e, 500, NULL,
@@ -398,6 +399,9 @@ bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e) {
                     g->s->encoding ? "V4.1" : "V4", di_status_str(st));
         return false;
     }
+    // the prompt's tail state at these points is kept (docs/kv-cache.md, "Snapshot points")
+    memcpy(g->snap_at, pts.at, sizeof g->snap_at);
+    g->n_snap_at = pts.n;
     bool thinking;
     g->stage = stage_of(text, n_text, &thinking);
     g->thinking = thinking || g->stage == DI_PARSER_STAGE_TOOL_CALLS;
