@@ -352,6 +352,13 @@ void di_ep_begin(di_ep *ep, int32_t layer, int32_t n_expert, bool *remote) {
     }
 }
 
+bool di_ep_remote(const di_ep *ep, int32_t e) {
+    const int64_t k = (int64_t)ep->layer * ep->p.n_expert + e;
+    for (int32_t i = ep->rep_off[k]; i < ep->rep_off[k + 1]; i++)
+        if (ep->rep_rank[i] != 0) return true;
+    return false;
+}
+
 int32_t di_ep_chunks(const di_ep *ep, int32_t e, int32_t n, di_ep_chunk *out) {
     const int64_t k = (int64_t)ep->layer * ep->p.n_expert + e;
     const int32_t r0 = ep->rep_off[k], R = ep->rep_off[k + 1] - r0;

@@ -64,6 +64,8 @@ typedef struct di_ep_chunk {
 // whether any of its experts has a replica on a worker (false: the whole layer is local; call
 // di_ep_end all the same). Takes the handle's lock.
 void di_ep_begin(di_ep *ep, int32_t layer, int32_t n_expert, bool *remote);
+// Whether expert e of the call's layer has a replica on a worker (its rows go out).
+bool di_ep_remote(const di_ep *ep, int32_t e);
 // Splits the n gathered rows of expert e between its replicas in slot order: contiguous chunks,
 // chunk i = [n i / R, n (i + 1) / R) (empty chunks left out). Returns the chunks written (at most
 // the expert's replica count, <= the placement's n_slots).

@@ -84,6 +84,7 @@ void di_dsv4_moe(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const float *f, cons
     // computes the local chunks and takes each remote one's output as its turn comes.
     di_ep_chunk ch[DI_EP_MAX_REPLICAS];
     for (int32_t e = 0; remote && st == DI_OK && e < E; e++) {
+        if (!di_ep_remote(ep, e)) continue; // gathered once, in the loop below
         const int32_t n = di_ref_moe_gather(sel, wgt, n_tok, K, e, f, D, xin, rows, rw);
         const int32_t nc = n ? di_ep_chunks(ep, e, n, ch) : 0;
         for (int32_t i = 0; i < nc && st == DI_OK; i++)
