@@ -46,10 +46,13 @@ static bool only_keys(json_t *obj, const char *const *keys, const char **extra) 
     return true;
 }
 
-// The header shared by both formats: format string, version 1, the integer fields in `ints`
-// (each in [1, max]).
-static di_status header(json_t *root, const char *format, const char *const *ints,
-                        const int64_t *max, int64_t *vals, char *why, size_t why_n) {
+// The header shared by both formats: no field outside `keys`, format string, version 1, the integer
+// fields in `ints` (each in [1, max]).
+static di_status header(json_t *root, const char *format, const char *const *keys,
+                        const char *const *ints, const int64_t *max, int64_t *vals, char *why,
+                        size_t why_n) {
+    const char *extra = NULL;
+    if (!only_keys(root, keys, &extra)) return bad(why, why_n, "unknown field \"%.64s\"", extra);
     const char *f = di_json_get_str(root, "format");
     if (!f) return bad(why, why_n, "\"format\" is missing or not a string");
     if (strcmp(f, format))
@@ -120,12 +123,7 @@ di_status di_eplb_placement_parse(const char *text, size_t n, di_ep_placement *o
     static const char *const ints[] = {"n_layers", "n_expert", "n_ranks", "n_slots", NULL};
     static const int64_t max[] = {MAX_LAYERS, MAX_EXPERT, MAX_RANKS, MAX_ENTRIES};
     int64_t v[4];
-    const char *extra = NULL;
-    if (!only_keys(root, keys, &extra)) {
-        st = bad(why, why_n, "unknown field \"%.64s\"", extra);
-        goto done;
-    }
-    st = header(root, PLACEMENT_FORMAT, ints, max, v, why, why_n);
+    st = header(root, PLACEMENT_FORMAT, keys, ints, max, v, why, why_n);
     if (st != DI_OK) goto done;
     if (v[3] < v[1]) {
         st = bad(why, why_n, "\"n_slots\" %lld is below \"n_expert\" %lld", (long long)v[3],
@@ -149,6 +147,7 @@ di_status di_eplb_placement_parse(const char *text, size_t n, di_ep_placement *o
     for (int64_t l = 0; l < v[0] && st == DI_OK; l++) {
         json_t *ly = json_array_get(layers, (size_t)l);
         char what[64];
+        const char *extra = NULL;
         if (!json_is_object(ly)) {
             st = bad(why, why_n, "layers[%lld] is not an object", (long long)l);
             break;
@@ -284,12 +283,7 @@ di_status di_eplb_load_parse(const char *text, size_t n, di_ep_load_table *out, 
     static const char *const ints[] = {"n_layers", "n_expert", NULL};
     static const int64_t max[] = {MAX_LAYERS, MAX_EXPERT};
     int64_t v[2];
-    const char *extra = NULL;
-    if (!only_keys(root, keys, &extra)) {
-        st = bad(why, why_n, "unknown field \"%.64s\"", extra);
-        goto done;
-    }
-    st = header(root, LOAD_FORMAT, ints, max, v, why, why_n);
+    st = header(root, LOAD_FORMAT, keys, ints, max, v, why, why_n);
     if (st != DI_OK) goto done;
     if (v[0] * v[1] > MAX_ENTRIES) {
         st = bad(why, why_n, "%lld layers x %lld experts is more than %d counts", (long long)v[0],
