@@ -366,6 +366,7 @@ bool srv_gen_start(srv_gen *g, srv_err *e) {
         p.grammar = g->grammar;
         p.grammar_after = g->grammar_after;
         p.snap_at = g->snap_at;
+        p.cache_salt = g->cache_salt;
         p.n_snap_at = g->n_snap_at;
         p.on_event = srv_queue_on_event;
         p.user = c;
@@ -590,5 +591,6 @@ void srv_gen_destroy(srv_gen *g) {
     json_decref(g->req);
     srv_queue_deinit(g);
     di_grammar_destroy(g->grammar);
+    free(g->bias);
     free(g);
 }

@@ -55,8 +55,8 @@ enum MHD_Result srv_run_prefill(srv *s, struct MHD_Connection *c, srv_gen *g) {
         int32_t nb = 0;
         char err[512] = "";
         const double t0 = srv_now();
-        di_status st = di_engine_kv_export(s->engine, g->prompt, (int32_t)g->n_prompt, 0, &x, &n,
-                                           &nb, err, sizeof err);
+        di_status st = di_engine_kv_export(s->engine, g->prompt, (int32_t)g->n_prompt,
+                                           g->cache_salt, &x, &n, &nb, err, sizeof err);
         const double dt = srv_now() - t0;
         if (st != DI_OK) {
             const char *code;

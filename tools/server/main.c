@@ -23,7 +23,7 @@ static void usage(FILE *f) {
         "                       [--eplb-min-gain G]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
-        "                       [--tail-cache-mib 256]\n"
+        "                       [--tail-cache-mib 256] [--cache-isolation none|user]\n"
         "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
         "                       [--drain-timeout 30] [--log-level 0..3]\n"
         "                       [--spec-tokens N] [--spec-min-confidence X]\n"
@@ -38,6 +38,8 @@ static void usage(FILE *f) {
         "--tail-cache-mib N: memory for tail snapshots (the window state at a prompt's last\n"
         "block boundary, kept with its cached block: a prefix hit there replays nothing;\n"
         "0: off, every hit replays n_layers * (window - 1) positions). CPU and V4.1 forwards.\n"
+        "--cache-isolation user: requests share cached prompts only with the same user id\n"
+        "(user_id / user; Messages metadata.user_id); default none: every request shares.\n"
         "--kv-transfer: serve POST /internal/prefill and /internal/kv, the KV transfer of\n"
         "prefill/decode disaggregation (deepinfer route --prefill/--decode; CPU forward, V4).\n"
         "Cluster-internal: they let a caller fill the prefix cache; keep them off public\n"
@@ -217,6 +219,13 @@ int di_cli_serve(int argc, char **argv) {
                 goto out;
             }
             c->eplb_min_gain = x;
+        } else if (!strcmp(a, "--cache-isolation") && has) {
+            const char *mode = argv[++i];
+            if (strcmp(mode, "none") && strcmp(mode, "user")) {
+                fprintf(stderr, "serve: --cache-isolation takes none or user\n");
+                goto out;
+            }
+            c->cache_isolation_user = !strcmp(mode, "user");
         } else if (!strcmp(a, "--kv-transfer")) {
             c->kv_transfer = true;
         } else if (!strcmp(a, "--kv-transfer-max-bytes") && has) {
@@ -313,6 +322,7 @@ int di_cli_serve(int argc, char **argv) {
     int32_t n_vocab = 0;
     config_model(ma.model, &v41, &n_vocab);
     s->encoding = v41 ? 1 : 0;
+    s->n_vocab = n_vocab > 0 ? n_vocab : di_tokenizer_n_vocab(s->tok);
     if (v41)
         fprintf(stderr, "INFO  serve: a DeepSeek V4.1 checkpoint: prompts render in the V4.1 "
                         "format\n");

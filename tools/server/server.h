@@ -21,7 +21,9 @@
 #include "cli/args.h" // di_http_args
 #include "deepinfer.h"
 
-#define SRV_MAX_N 8 // choices per request (spec §3: n ≤ 8)
+#define SRV_MAX_N 8             // choices per request (spec §3: n ≤ 8)
+#define SRV_MAX_LOGIT_BIAS 1024 // logit_bias entries per request
+#define SRV_MAX_USER_ID 512     // bytes of a user id (the hosted API's limit)
 // Failed engine steps in a row from which /ready and /health answer 503 "failing" (routes.c).
 #define SRV_FAILING_STEPS 3
 // Compiled grammars kept for reuse (their token sets shared by the requests that ask for the same
@@ -96,6 +98,10 @@ typedef struct srv_config {
     int max_inflight;            // concurrent generation requests; more get 429
     double keepalive_s;          // SSE keep-alive period while nothing is produced
     bool kv_transfer; // --kv-transfer: POST /internal/prefill and /internal/kv are served
+    // --cache-isolation user: each request's prefix-cache namespace is its user id (Chat /
+    // Completions / Responses `user_id` or `user`, Messages `metadata.user_id`), so users share
+    // no cached prompt; requests without one share the anonymous namespace.
+    bool cache_isolation_user;
     size_t max_kv_transfer_bytes; // body limit of POST /internal/kv
 } srv_config;
 
@@ -116,6 +122,7 @@ typedef struct srv {
     int32_t think_end;        // id of </think> (structured output starts after it), or -1
     int32_t dsml;             // id of ｜DSML｜ (tool_choice auto: tool grammars start after it)
     int32_t n_ctx;            // effective context per request
+    int32_t n_vocab;          // the model's vocabulary (logit_bias ids are below it)
     int encoding; // prompt format (di_render_options.encoding): 1 (dsv41) for a V4.1 model
     long started_at;
     atomic_int inflight;  // generation requests being served
@@ -224,7 +231,9 @@ typedef struct srv_gen {
     int n;
     srv_choice ch[SRV_MAX_N];
     // engine request parameters (stop strings go to the parser, content only)
-    di_sample_params sp;
+    di_sample_params sp; // sp.logit_bias points at `bias`
+    di_logit_bias *bias; // owned [sp.n_logit_bias]: Chat / Completions logit_bias
+    uint64_t cache_salt; // the prefix-cache namespace (--cache-isolation user: the user id's)
     int32_t max_tokens;
     const char *stop[DI_MAX_STOP]; // borrowed from req
     int n_stop;

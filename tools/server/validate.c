@@ -1,5 +1,6 @@
 // validate — request checks shared by the APIs (spec §4.3 order: types → ranges → model →
 // render → length) and the rendering of a validated request into prompt ids.
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -98,6 +99,102 @@ bool srv_lookup_model(srv *s, const json_t *req, srv_api api, srv_err *e) {
     return false;
 }
 
+// OpenAI logit_bias: {"<token id>": bias in [-100, 100], ...}, ids of the model's vocabulary,
+// at most SRV_MAX_LOGIT_BIAS entries; added to the logits before sampling (greedy included).
+static bool check_logit_bias(srv_gen *g, const json_t *lb, srv_err *e) {
+    if (!lb || json_is_null(lb)) return true;
+    if (!json_is_object(lb)) {
+        srv_err_set(e, 400, "logit_bias",
+                    "'logit_bias' must be an object mapping token ids to "
+                    "numbers.");
+        return false;
+    }
+    const size_t n = json_object_size(lb);
+    if (n == 0) return true;
+    if (n > SRV_MAX_LOGIT_BIAS) {
+        srv_err_set(e, 422, "logit_bias", "'logit_bias' takes at most %d tokens, got %zu.",
+                    SRV_MAX_LOGIT_BIAS, n);
+        return false;
+    }
+    g->bias = malloc(sizeof *g->bias * n);
+    if (!g->bias) {
+        srv_err_set(e, 503, NULL, "The server is out of memory; retry later.");
+        return false;
+    }
+    const char *key;
+    const json_t *v;
+    int32_t k = 0;
+    json_object_foreach((json_t *)lb, key, v) {
+        char *end = NULL;
+        errno = 0;
+        long long id = strtoll(key, &end, 10);
+        if (!key[0] || *end || !(key[0] >= '0' && key[0] <= '9')) {
+            srv_err_set(e, 400, "logit_bias", "'logit_bias' key '%.64s' is not a token id.", key);
+            return false;
+        }
+        if (errno || id >= g->s->n_vocab) {
+            srv_err_set(e, 422, "logit_bias",
+                        "'logit_bias' key '%.64s' is not a token id of this model (0 .. %d).", key,
+                        g->s->n_vocab - 1);
+            return false;
+        }
+        if (!json_is_number(v)) {
+            srv_err_set(e, 400, "logit_bias", "'logit_bias' value of token %lld must be a number.",
+                        id);
+            return false;
+        }
+        if (!(json_number_value(v) >= -100 && json_number_value(v) <= 100)) {
+            srv_err_set(e, 422, "logit_bias",
+                        "'logit_bias' value of token %lld must be in [-100, 100].", id);
+            return false;
+        }
+        g->bias[k].token = (int32_t)id;
+        g->bias[k].bias = (float)json_number_value(v);
+        k++;
+    }
+    g->sp.logit_bias = g->bias;
+    g->sp.n_logit_bias = k;
+    return true;
+}
+
+// The user id (Chat / Completions / Responses `user_id`, else `user`; Messages
+// `metadata.user_id`): a string of at most SRV_MAX_USER_ID bytes. Under --cache-isolation user it
+// is the request's prefix-cache namespace (di_request_params.cache_salt; no id: the anonymous one).
+static bool check_user(srv_gen *g, const json_t *req, srv_api api, srv_err *e) {
+    const char *param = "user_id";
+    const json_t *u = NULL;
+    if (api == SRV_API_MESSAGES) {
+        const json_t *md = json_object_get(req, "metadata");
+        if (md && !json_is_null(md) && !json_is_object(md)) {
+            srv_err_set(e, 400, "metadata", "'metadata' must be an object.");
+            return false;
+        }
+        u = json_object_get(md, "user_id");
+        param = "metadata.user_id";
+    } else {
+        u = json_object_get(req, "user_id");
+        if (!u || json_is_null(u)) {
+            u = json_object_get(req, "user");
+            param = "user";
+        }
+    }
+    if (!u || json_is_null(u)) return true;
+    if (!json_is_string(u) || json_string_length(u) > SRV_MAX_USER_ID) {
+        srv_err_set(e, 400, param, "'%s' must be a string of at most %d bytes.", param,
+                    SRV_MAX_USER_ID);
+        return false;
+    }
+    if (g->s->cfg.cache_isolation_user) {
+        uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64 of "user:" and the id
+        const char *id = json_string_value(u);
+        const size_t n = json_string_length(u);
+        for (size_t i = 0; i < 5 + n; i++)
+            h = (h ^ (unsigned char)(i < 5 ? "user:"[i] : id[i - 5])) * 0x100000001b3ull;
+        g->cache_salt = h ? h : 1; // 0 is the anonymous namespace
+    }
+    return true;
+}
+
 bool srv_check_sampling(srv_gen *g, const json_t *req, srv_api api, srv_err *e) {
     double x;
     bool have;
@@ -123,12 +220,9 @@ bool srv_check_sampling(srv_gen *g, const json_t *req, srv_api api, srv_err *e) 
         if (have) g->sp.seed = (uint64_t)k;
         if (!opt_int(req, "n", 1, SRV_MAX_N, &k, &have, e)) return false;
         if (have) g->n = (int)k;
-        const json_t *lb = json_object_get(req, "logit_bias");
-        if (lb && !json_is_null(lb)) {
-            srv_err_set(e, 400, "logit_bias", "'logit_bias' is not supported by this server.");
-            return false;
-        }
+        if (!check_logit_bias(g, json_object_get(req, "logit_bias"), e)) return false;
     }
+    if (!check_user(g, req, api, e)) return false;
     // stop strings: Chat/Completions "stop", Messages "stop_sequences"
     const char *skey = api == SRV_API_MESSAGES ? "stop_sequences" : "stop";
     const json_t *stop = api == SRV_API_RESPONSES ? NULL : json_object_get(req, skey);
