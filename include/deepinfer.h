@@ -785,6 +785,9 @@ typedef struct di_render_points {
     int32_t n;
     int32_t system_end; // token offset of the system prefix's end; 0: none
     int32_t n_marked;   // cache_control marks found (before the cap and merging)
+    // The output continues reasoning: a thinking-mode generation header, or a prefix-completion
+    // assistant message that gives reasoning and no content (the open prefix form).
+    bool ends_in_reasoning;
 } di_render_points;
 
 // di_render_request that also fills *points (NULL: the same as di_render_request); needs ids.

@@ -456,6 +456,7 @@ di_status di_render_request_points(const di_tokenizer *tok, const char *request_
     if (st == DI_OK && ids && n_ids) st = di_render_ids(tok, &out, ids, n_ids);
     if (st == DI_OK && points) {
         st = points_of(tok, &out, *ids, *n_ids, points);
+        points->ends_in_reasoning = out.ends_in_reasoning;
         if (st != DI_OK) {
             DI_LOG_ERROR("render: the ids do not spell the prompt text (snapshot points)");
             di_tok_free(*ids);

@@ -23,6 +23,8 @@ static const struct route {
     {"/chat/completions", "POST", K_GEN},
     {"/v1/completions", "POST", K_GEN},
     {"/completions", "POST", K_GEN},
+    {"/beta/chat/completions", "POST", K_GEN},
+    {"/beta/completions", "POST", K_GEN},
     {"/v1/responses", "POST", K_GEN},
     {"/responses", "POST", K_GEN},
     {"/v1/messages", "POST", K_GEN},

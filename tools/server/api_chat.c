@@ -17,7 +17,9 @@ static bool in_list(const char *s, const char *const *l, size_t n) {
     return false;
 }
 
-static bool check_messages(const json_t *req, srv_err *e) {
+// beta: the request came on /beta/chat/completions, where the last assistant message may be a
+// prefix to continue (Chat prefix completion, serving.md §1.10).
+static bool check_messages(const json_t *req, bool beta, srv_err *e) {
     const json_t *msgs = json_object_get(req, "messages");
     if (!msgs) {
         srv_err_set(e, 400, "messages", "'messages' is required.");
@@ -110,12 +112,21 @@ static bool check_messages(const json_t *req, srv_err *e) {
                 return false;
             }
         }
-        if (json_is_true(json_object_get(m, "prefix"))) {
+        const json_t *pre = json_object_get(m, "prefix");
+        if (pre && !json_is_null(pre) && !json_is_boolean(pre)) {
+            srv_err_set(e, 400, "messages", "messages[%zu].prefix must be a boolean.", i);
+            return false;
+        }
+        // wo_eos: the official encoder's name of the same flag (the renderer honours both)
+        if (json_is_true(pre) || json_is_true(json_object_get(m, "wo_eos"))) {
             srv_err_set(e, 400, "messages", "prefix is only allowed on the last assistant message");
             if (i + 1 != json_array_size(msgs) || strcmp(role, "assistant")) return false;
-            srv_err_set(e, 400, "messages",
-                        "Chat prefix completion is served on the /beta path only.");
-            return false;
+            if (!beta) {
+                srv_err_set(e, 400, "messages",
+                            "Chat prefix completion is served on the /beta path only "
+                            "(POST /beta/chat/completions).");
+                return false;
+            }
         }
     }
     return true;
@@ -177,7 +188,7 @@ static bool max_tokens(const json_t *req, srv_gen *g, const char *k1, const char
     return true;
 }
 
-bool srv_chat_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
+bool srv_chat_prepare(srv *s, json_t *req, bool beta, srv_gen **out, srv_err *e) {
     srv_gen *g = srv_gen_create(s, SRV_API_CHAT, req);
     if (!g) {
         srv_err_set(e, 503, NULL, "Out of memory.");
@@ -185,7 +196,7 @@ bool srv_chat_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
     }
     g->ops = &srv_chat_ops;
     srv_make_id(s, "chatcmpl-", g->id, sizeof g->id);
-    if (!srv_check_model(s, req, true, e) || !check_messages(req, e) ||
+    if (!srv_check_model(s, req, true, e) || !check_messages(req, beta, e) ||
         !srv_check_sampling(g, req, SRV_API_CHAT, e) || !check_options(req, g, e) ||
         !max_tokens(req, g, "max_completion_tokens", "max_tokens", e) ||
         !srv_lookup_model(s, req, SRV_API_CHAT, e) || !srv_render(g, DI_RENDER_API_CHAT, e) ||
@@ -371,7 +382,61 @@ const srv_api_ops srv_chat_ops = {chat_begin, chat_event, chat_choice_end,    ch
 
 // ---- Completions (legacy): raw text continuation of a prompt ----
 
-bool srv_completions_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
+// The ids of text, plain BPE (special-token text in it stays text), appended to g->prompt.
+static bool append_text(srv_gen *g, const char *text, const char *param, srv_err *e) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (di_tokenizer_encode(g->s->tok, text, strlen(text), false, &ids, &n) != DI_OK) {
+        srv_err_set(e, 400, param, "'%s' is not valid UTF-8 text.", param);
+        return false;
+    }
+    int32_t *p = realloc(g->prompt, (g->n_prompt + n) * sizeof *p);
+    if (!p) {
+        di_tok_free(ids);
+        srv_err_set(e, 503, NULL, "Out of memory.");
+        return false;
+    }
+    if (n) memcpy(p + g->n_prompt, ids, n * sizeof *ids);
+    g->prompt = p;
+    g->n_prompt += n;
+    di_tok_free(ids);
+    return true;
+}
+
+// One special token id appended to g->prompt; 500 when the served tokenizer lacks it.
+static bool append_special(srv_gen *g, const char *name, srv_err *e) {
+    const int32_t id = di_tokenizer_token_id(g->s->tok, name);
+    int32_t *p = id < 0 ? NULL : realloc(g->prompt, (g->n_prompt + 1) * sizeof *p);
+    if (!p) {
+        if (id < 0)
+            srv_err_set(e, 500, NULL, "The served model's tokenizer has no %s token.", name);
+        else
+            srv_err_set(e, 503, NULL, "Out of memory.");
+        return false;
+    }
+    p[g->n_prompt++] = id;
+    g->prompt = p;
+    return true;
+}
+
+// A completion's prompt: BOS and the text; with a suffix the FIM layout of serving.md §1.10,
+// BOS<｜fim▁begin｜>{prompt}<｜fim▁hole｜>{suffix}<｜fim▁end｜>, the special tokens by id (so
+// special-token text inside the prompt or suffix stays text).
+static bool completion_prompt(srv_gen *g, const char *text, const char *suffix, srv_err *e) {
+    g->prompt = malloc(sizeof *g->prompt);
+    if (!g->prompt) {
+        srv_err_set(e, 503, NULL, "Out of memory.");
+        return false;
+    }
+    g->prompt[0] = 0; // BOS
+    g->n_prompt = 1;
+    if (!suffix) return append_text(g, text, "prompt", e);
+    return append_special(g, "<｜fim▁begin｜>", e) && append_text(g, text, "prompt", e) &&
+           append_special(g, "<｜fim▁hole｜>", e) && append_text(g, suffix, "suffix", e) &&
+           append_special(g, "<｜fim▁end｜>", e);
+}
+
+bool srv_completions_prepare(srv *s, json_t *req, bool beta, srv_gen **out, srv_err *e) {
     srv_gen *g = srv_gen_create(s, SRV_API_COMPLETIONS, req);
     if (!g) {
         srv_err_set(e, 503, NULL, "Out of memory.");
@@ -392,31 +457,36 @@ bool srv_completions_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
         srv_err_set(e, 400, "prompt", "'prompt' must be a non-empty string.");
         goto fail;
     }
-    if (json_object_get(req, "suffix") && !json_is_null(json_object_get(req, "suffix"))) {
-        srv_err_set(e, 400, "suffix", "'suffix' (FIM) is not enabled on this server.");
-        goto fail;
+    const json_t *suffix = json_object_get(req, "suffix");
+    if (suffix && json_is_null(suffix)) suffix = NULL;
+    if (suffix) {
+        if (!beta) {
+            srv_err_set(
+                e, 400, "suffix",
+                "'suffix' (FIM) is served on the /beta path only (POST /beta/completions).");
+            goto fail;
+        }
+        if (!s->cfg.fim) {
+            srv_err_set(e, 400, "suffix",
+                        "FIM completion is disabled on this server (start it with --fim).");
+            goto fail;
+        }
+        if (!json_is_string(suffix)) {
+            srv_err_set(e, 400, "suffix", "'suffix' must be a string.");
+            goto fail;
+        }
     }
     if (!srv_check_sampling(g, req, SRV_API_COMPLETIONS, e)) goto fail;
     if (!max_tokens(req, g, "max_tokens", NULL, e)) goto fail;
     if (g->max_tokens <= 0) g->max_tokens = 16; // OpenAI's default for completions
+    if (suffix && g->max_tokens > SRV_FIM_MAX_TOKENS) {
+        srv_err_set(e, 422, "max_tokens", "'max_tokens' of a FIM completion is at most %d; got %d.",
+                    SRV_FIM_MAX_TOKENS, (int)g->max_tokens);
+        goto fail;
+    }
     if (!srv_lookup_model(s, req, SRV_API_COMPLETIONS, e)) goto fail;
-    int32_t *ids = NULL;
-    size_t n = 0;
-    const char *text = json_string_value(p);
-    if (di_tokenizer_encode(s->tok, text, strlen(text), false, &ids, &n) != DI_OK) {
-        srv_err_set(e, 400, "prompt", "'prompt' is not valid UTF-8 text.");
+    if (!completion_prompt(g, json_string_value(p), suffix ? json_string_value(suffix) : NULL, e))
         goto fail;
-    }
-    g->prompt = malloc((n + 1) * sizeof *g->prompt);
-    if (!g->prompt) {
-        di_tok_free(ids);
-        srv_err_set(e, 503, NULL, "Out of memory.");
-        goto fail;
-    }
-    g->prompt[0] = 0; // BOS
-    if (n) memcpy(g->prompt + 1, ids, n * sizeof *ids);
-    g->n_prompt = n + 1;
-    di_tok_free(ids);
     for (int i = 0; i < SRV_MAX_N; i++) g->ch[i].section = 1;
     if (!srv_check_length(g, e) || !srv_gen_start(g, e)) goto fail;
     *out = g;

@@ -23,7 +23,7 @@ static void usage(FILE *f) {
         "                       [--eplb-min-gain G]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
-        "                       [--tail-cache-mib 256] [--cache-isolation none|user]\n"
+        "                       [--tail-cache-mib 256] [--cache-isolation none|user] [--fim]\n"
         "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
         "                       [--drain-timeout 30] [--log-level 0..3]\n"
         "                       [--spec-tokens N] [--spec-min-confidence X]\n"
@@ -40,6 +40,9 @@ static void usage(FILE *f) {
         "0: off, every hit replays n_layers * (window - 1) positions). CPU and V4.1 forwards.\n"
         "--cache-isolation user: requests share cached prompts only with the same user id\n"
         "(user_id / user; Messages metadata.user_id); default none: every request shares.\n"
+        "--fim: POST /beta/completions takes 'suffix' (fill-in-the-middle; its prompt layout\n"
+        "is DeepSeek's V3-era one, unverified on V4). POST /beta/chat/completions serves Chat\n"
+        "prefix completion (the last assistant message with \"prefix\": true) always.\n"
         "--kv-transfer: serve POST /internal/prefill and /internal/kv, the KV transfer of\n"
         "prefill/decode disaggregation (deepinfer route --prefill/--decode; CPU forward, V4).\n"
         "Cluster-internal: they let a caller fill the prefix cache; keep them off public\n"
@@ -226,6 +229,8 @@ int di_cli_serve(int argc, char **argv) {
                 goto out;
             }
             c->cache_isolation_user = !strcmp(mode, "user");
+        } else if (!strcmp(a, "--fim")) {
+            c->fim = true;
         } else if (!strcmp(a, "--kv-transfer")) {
             c->kv_transfer = true;
         } else if (!strcmp(a, "--kv-transfer-max-bytes") && has) {

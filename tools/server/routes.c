@@ -259,24 +259,27 @@ static const struct route {
     const char *path;
     const char *method;
     kind k;
+    bool beta; // DeepSeek's beta features: Chat prefix completion, Completions FIM (`suffix`)
 } k_routes[] = {
-    {"/v1/chat/completions", "POST", K_CHAT},
-    {"/chat/completions", "POST", K_CHAT},
-    {"/v1/completions", "POST", K_CMPL},
-    {"/completions", "POST", K_CMPL},
-    {"/v1/responses", "POST", K_RESP},
-    {"/responses", "POST", K_RESP},
-    {"/v1/messages", "POST", K_MSG},
-    {"/anthropic/v1/messages", "POST", K_MSG},
-    {"/anthropic/messages", "POST", K_MSG},
-    {"/v1/models", "GET", K_MODELS},
-    {"/models", "GET", K_MODELS},
-    {"/health", "GET", K_HEALTH},
-    {"/ready", "GET", K_READY},
-    {"/metrics", "GET", K_METRICS},
-    {"/internal/prefill", "POST", K_PREFILL},
-    {"/internal/kv", "POST", K_KV_IMPORT},
-    {"/internal/expert-load", "GET", K_EXPERT_LOAD},
+    {"/v1/chat/completions", "POST", K_CHAT, false},
+    {"/chat/completions", "POST", K_CHAT, false},
+    {"/beta/chat/completions", "POST", K_CHAT, true},
+    {"/v1/completions", "POST", K_CMPL, false},
+    {"/completions", "POST", K_CMPL, false},
+    {"/beta/completions", "POST", K_CMPL, true},
+    {"/v1/responses", "POST", K_RESP, false},
+    {"/responses", "POST", K_RESP, false},
+    {"/v1/messages", "POST", K_MSG, false},
+    {"/anthropic/v1/messages", "POST", K_MSG, false},
+    {"/anthropic/messages", "POST", K_MSG, false},
+    {"/v1/models", "GET", K_MODELS, false},
+    {"/models", "GET", K_MODELS, false},
+    {"/health", "GET", K_HEALTH, false},
+    {"/ready", "GET", K_READY, false},
+    {"/metrics", "GET", K_METRICS, false},
+    {"/internal/prefill", "POST", K_PREFILL, false},
+    {"/internal/kv", "POST", K_KV_IMPORT, false},
+    {"/internal/expert-load", "GET", K_EXPERT_LOAD, false},
 };
 
 static srv_api api_of(kind k) {
@@ -404,6 +407,7 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     }
     if (r->k == K_KV_IMPORT) return srv_import_kv(s, c, body, n_body);
     kind gk = r->k; // the generation route: the request's own, or the one a prefill names
+    bool beta = r->beta;
     if (r->k == K_PREFILL) {
         const char *path = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "route");
         const struct route *t = NULL;
@@ -417,6 +421,7 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
             return fail(s, c, api, &e);
         }
         gk = t->k;
+        beta = t->beta;
         api = api_of(gk);
     }
     json_error_t jerr;
@@ -440,8 +445,8 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     }
     srv_gen *g = NULL;
     srv_prefill_only = r->k == K_PREFILL;
-    bool ok = gk == K_CHAT   ? srv_chat_prepare(s, req, &g, &e)
-              : gk == K_CMPL ? srv_completions_prepare(s, req, &g, &e)
+    bool ok = gk == K_CHAT   ? srv_chat_prepare(s, req, beta, &g, &e)
+              : gk == K_CMPL ? srv_completions_prepare(s, req, beta, &g, &e)
               : gk == K_RESP ? srv_responses_prepare(s, req, &g, &e)
                              : srv_messages_prepare(s, req, &g, &e);
     srv_prefill_only = false;

@@ -23,6 +23,7 @@
 
 #define SRV_MAX_N 8             // choices per request (spec §3: n ≤ 8)
 #define SRV_MAX_LOGIT_BIAS 1024 // logit_bias entries per request
+#define SRV_FIM_MAX_TOKENS 4096 // max_tokens of a FIM completion (the hosted API's limit)
 #define SRV_MAX_USER_ID 512     // bytes of a user id (the hosted API's limit)
 // Failed engine steps in a row from which /ready and /health answer 503 "failing" (routes.c).
 #define SRV_FAILING_STEPS 3
@@ -102,6 +103,9 @@ typedef struct srv_config {
     // Completions / Responses `user_id` or `user`, Messages `metadata.user_id`), so users share
     // no cached prompt; requests without one share the anonymous namespace.
     bool cache_isolation_user;
+    // --fim: POST /beta/completions takes `suffix` (FIM; its V4 prompt layout is unverified
+    // against the hosted API, serving.md §1.10, hence off by default).
+    bool fim;
     size_t max_kv_transfer_bytes; // body limit of POST /internal/kv
 } srv_config;
 
@@ -324,8 +328,9 @@ bool srv_check_length(srv_gen *g, srv_err *e);
 // api_*.c
 extern const srv_api_ops srv_chat_ops, srv_completions_ops, srv_responses_ops, srv_messages_ops;
 // Validate and map a request; on success *out is a started generation.
-bool srv_chat_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
-bool srv_completions_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
+// beta: the request came on a /beta path (Chat prefix completion, Completions FIM).
+bool srv_chat_prepare(srv *s, json_t *req, bool beta, srv_gen **out, srv_err *e);
+bool srv_completions_prepare(srv *s, json_t *req, bool beta, srv_gen **out, srv_err *e);
 bool srv_responses_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
 bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
 

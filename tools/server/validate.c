@@ -498,6 +498,10 @@ bool srv_render(srv_gen *g, di_render_api rapi, srv_err *e) {
     g->n_snap_at = pts.n;
     bool thinking;
     g->stage = stage_of(text, n_text, &thinking);
+    if (pts.ends_in_reasoning && g->stage != DI_PARSER_STAGE_TOOL_CALLS) {
+        g->stage = DI_PARSER_STAGE_REASONING; // also a prefix completion's open reasoning
+        thinking = true;
+    }
     g->thinking = thinking || g->stage == DI_PARSER_STAGE_TOOL_CALLS;
     di_tok_free(text);
     for (int i = 0; i < SRV_MAX_N; i++)
