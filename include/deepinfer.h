@@ -368,6 +368,8 @@ void di_grammar_vocab_destroy(di_grammar_vocab *v);
 #define DI_MAX_LOGPROBS 20
 #define DI_MAX_STOP 16   // stop ids and stop strings per request, each
 #define DI_MAX_SNAP_AT 4 // requested tail-snapshot points per request (di_request_params.snap_at)
+#define DI_PRIORITY_MIN (-1000000) // di_request_params.priority range
+#define DI_PRIORITY_MAX 1000000
 
 typedef struct di_engine di_engine;
 
@@ -440,6 +442,14 @@ typedef struct di_request_params {
     const char *const *stop_strings; // NUL-terminated (copied), up to DI_MAX_STOP; need
     int32_t n_stop_strings;          // di_engine_options.token_bytes
     uint64_t cache_salt; // prefix-cache namespace: only requests with the same salt share
+    // Scheduling (docs/architecture.md, "Scheduling"). Lower priorities run first (vLLM's
+    // convention; default 0, in [DI_PRIORITY_MIN, DI_PRIORITY_MAX]): admission takes the best
+    // priority first, and a waiting request that finds no room preempts running requests of a
+    // worse priority (newest first; they recompute later, exactly). Among equal priorities
+    // admission prefers the tenant with the fewest running requests (fair share between users;
+    // tenant 0 is one tenant too), then arrival order.
+    int32_t priority;
+    uint64_t tenant;
     // Snapshot points (docs/kv-cache.md, "Snapshot points"): token offsets into the prompt where,
     // besides the prompt's last block boundary, the engine keeps a tail snapshot, so that a later
     // prompt sharing only tokens[0 .. p) (a system prompt, tool definitions) continues from it
@@ -542,6 +552,7 @@ typedef struct di_engine_stats {
     int32_t block_tokens;
     int32_t n_running, n_waiting;
     int64_t n_steps, n_prefill_tokens, n_decode_tokens, n_preemptions;
+    int64_t n_priority_preemptions; // of n_preemptions: for a waiting request of better priority
     int64_t n_cache_hit_tokens, n_replayed_tokens;
     // Tail snapshots (0 when off): bytes of one; snapshots taken (at a prompt's last block
     // boundary) and admissions continued from one since create; held now and their bytes;

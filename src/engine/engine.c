@@ -2044,6 +2044,7 @@ static void *engine_main(void *p) {
         st->n_prefill_tokens = s->n_prefill_rows;
         st->n_decode_tokens = s->n_decode_rows;
         st->n_preemptions = s->n_preemptions;
+        st->n_priority_preemptions = s->n_priority_preemptions;
         st->n_cache_hit_tokens = s->n_cache_hit_tokens;
         st->n_replayed_tokens = s->n_replayed_tokens;
         disk_stats(e, st);

@@ -35,6 +35,8 @@ di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t
         why = "a grammar needs the engine's grammar_vocab";
     else if (p->grammar && (p->grammar_after < -1 || p->grammar_after >= n_vocab))
         why = "grammar_after must be -1 or a token id";
+    else if (p->priority < DI_PRIORITY_MIN || p->priority > DI_PRIORITY_MAX)
+        why = "priority is outside [DI_PRIORITY_MIN, DI_PRIORITY_MAX]";
     else if (p->n_snap_at < 0 || p->n_snap_at > DI_MAX_SNAP_AT || (p->n_snap_at && !p->snap_at))
         why = "snap_at takes at most DI_MAX_SNAP_AT (4) points";
     for (int32_t i = 0; !why && i < p->n_snap_at; i++)
@@ -80,6 +82,8 @@ di_status di_request_create(const di_request_params *p, int32_t n_vocab, int32_t
     r->n_snap_at = p->n_snap_at;
     r->ignore_eos = p->ignore_eos;
     r->salt = p->cache_salt;
+    r->priority = p->priority;
+    r->tenant = p->tenant;
     r->first_logits = p->first_logits;
     r->on_event = p->on_event;
     r->user = p->user;

@@ -21,6 +21,8 @@ typedef struct di_request di_request;
 struct di_request {
     uint64_t id;
     uint64_t arrival; // submission order: FCFS admission, newest preempted first
+    int32_t priority; // lower first (di_request_params.priority)
+    uint64_t tenant;  // fair-share key (di_request_params.tenant)
     int32_t *tokens;  // owned [n_prompt + max_tokens]: prompt, then generated tokens
     int32_t n_prompt, n_gen, max_tokens;
     di_sample_params sample; // logit_bias points at `bias`

@@ -22,8 +22,12 @@ di_status di_sched_init(di_sched *s, di_kv_manager *kv, int32_t max_seqs,
     s->tokens = di_malloc(sizeof(int32_t) * (size_t)max_batch_tokens);
     s->logit_rows = di_malloc(sizeof(int32_t) * n);
     s->logit_req = di_calloc(n, sizeof *s->logit_req);
+    s->tenant_cap = 2;
+    while (s->tenant_cap < 2 * max_seqs) s->tenant_cap *= 2;
+    s->tenant_key = di_malloc(sizeof(uint64_t) * (size_t)s->tenant_cap);
+    s->tenant_n = di_malloc(sizeof(int32_t) * (size_t)s->tenant_cap);
     if (!s->running || !s->free_slots || !s->seqs || !s->seq_req || !s->tokens || !s->logit_rows ||
-        !s->logit_req) {
+        !s->logit_req || !s->tenant_key || !s->tenant_n) {
         di_sched_deinit(s);
         return DI_ERR_NOMEM;
     }
@@ -40,6 +44,8 @@ void di_sched_deinit(di_sched *s) {
     di_free(s->tokens);
     di_free(s->logit_rows);
     di_free(s->logit_req);
+    di_free(s->tenant_key);
+    di_free(s->tenant_n);
     memset(s, 0, sizeof *s);
 }
 
@@ -60,6 +66,55 @@ static void push_front(di_sched *s, di_request *r) {
     s->wait_head = r;
     if (!s->wait_tail) s->wait_tail = r;
     s->n_waiting++;
+}
+
+// Running order: the better priority first, then the older.
+static bool runs_before(const di_request *a, const di_request *b) {
+    return a->priority != b->priority ? a->priority < b->priority : a->arrival < b->arrival;
+}
+
+// ---- fair share: running requests per tenant ----
+
+static int32_t *tenant_slot(di_sched *s, uint64_t t) {
+    uint32_t i = (uint32_t)((t * 0x9e3779b97f4a7c15ull) >> 32) & (uint32_t)(s->tenant_cap - 1);
+    while (s->tenant_n[i] >= 0 && s->tenant_key[i] != t)
+        i = (i + 1) & (uint32_t)(s->tenant_cap - 1);
+    if (s->tenant_n[i] < 0) { // a free entry: at most max_seqs tenants run, so one is left
+        s->tenant_key[i] = t;
+        s->tenant_n[i] = 0;
+    }
+    return &s->tenant_n[i];
+}
+
+static void count_tenants(di_sched *s) {
+    for (int32_t i = 0; i < s->tenant_cap; i++) s->tenant_n[i] = -1;
+    for (int32_t i = 0; i < s->n_running; i++) (*tenant_slot(s, s->running[i]->tenant))++;
+}
+
+// The waiting request to admit next: the lowest priority value, then the tenant with the fewest
+// running requests, then the oldest (counts from count_tenants). NULL when none waits.
+static di_request *best_waiting(di_sched *s) {
+    di_request *best = NULL;
+    int32_t best_n = 0;
+    for (di_request *r = s->wait_head; r; r = r->next) {
+        if (best && r->priority > best->priority) continue;
+        const int32_t n = *tenant_slot(s, r->tenant);
+        if (!best || r->priority < best->priority || n < best_n ||
+            (n == best_n && r->arrival < best->arrival)) {
+            best = r;
+            best_n = n;
+        }
+    }
+    return best;
+}
+
+static void unlink_waiting(di_sched *s, di_request *r) {
+    di_request **link = &s->wait_head, *prev = NULL;
+    while (*link && *link != r) prev = *link, link = &(*link)->next;
+    DI_ASSERT(*link);
+    *link = r->next;
+    if (s->wait_tail == r) s->wait_tail = prev;
+    s->n_waiting--;
 }
 
 static void release(di_sched *s, di_request *r) {
@@ -109,12 +164,11 @@ void di_sched_remove(di_sched *s, di_request *r) {
         release(s, r);
         return;
     }
-    di_request **link = &s->wait_head, *prev = NULL;
-    while (*link && *link != r) prev = *link, link = &(*link)->next;
-    if (!*link) return;
-    *link = r->next;
-    if (s->wait_tail == r) s->wait_tail = prev;
-    s->n_waiting--;
+    for (di_request *w = s->wait_head; w; w = w->next)
+        if (w == r) {
+            unlink_waiting(s, r);
+            return;
+        }
 }
 
 // Preemption by recompute: the request keeps its tokens and starts over from position 0 when
@@ -241,10 +295,36 @@ static bool ends_by_length(const di_sched *s, const di_request *r) {
            (r->n_gen + 1 >= r->max_tokens || di_request_n_planned(r) >= s->kv->max_ctx);
 }
 
+// Blocks r's first chunk of at most budget rows needs.
+static bool room_for(const di_sched *s, const di_request *r, int32_t budget) {
+    const int32_t n_tok = di_request_n_tokens(r);
+    return di_block_pool_n_available(s->kv->pool) >=
+           di_kv_blocks_for(s->kv, budget < n_tok ? budget : n_tok);
+}
+
+// The best waiting request finds no slot or no blocks while running requests of a worse priority
+// hold them: those are preempted, last (newest of the worst priority) first, until it fits.
+// Planning ahead cannot preempt: the plan is abandoned (false) and made again synchronously.
+static bool preempt_for_priority(di_sched *s) {
+    count_tenants(s);
+    di_request *w = best_waiting(s);
+    while (w && s->n_running > 0 && s->running[s->n_running - 1]->priority > w->priority &&
+           (s->n_free_slots == 0 || !room_for(s, w, s->max_batch_tokens))) {
+        if (s->ahead) {
+            s->aborted = true;
+            return false;
+        }
+        preempt(s, s->running[s->n_running - 1]);
+        s->n_priority_preemptions++;
+    }
+    return true;
+}
+
 static void step_once(di_sched *s) {
     s->n_seq = s->n_rows = s->n_logit = 0;
     int32_t budget = s->max_batch_tokens;
-    // 1. decodes, oldest first (the array is in arrival order).
+    if (s->wait_head && !preempt_for_priority(s)) return;
+    // 1. decodes, in running order (best priority, then oldest, first).
     for (int32_t i = 0; i < s->n_running; i++) {
         di_request *r = s->running[i];
         if (di_request_n_planned(r) - r->n_done != 1 || ends_by_length(s, r)) continue;
@@ -275,19 +355,17 @@ static void step_once(di_sched *s) {
         plan_rows(s, r, n);
         budget -= n;
     }
-    // 3. admission, first come first served.
+    // 3. admission, best first (priority, fair share, arrival).
+    count_tenants(s);
     while (s->wait_head && s->n_free_slots > 0 && budget > 0) {
-        di_request *r = s->wait_head;
+        di_request *r = best_waiting(s);
         int32_t n_tok = di_request_n_tokens(r);
-        if (di_block_pool_n_available(s->kv->pool) <
-            di_kv_blocks_for(s->kv, budget < n_tok ? budget : n_tok))
-            break;
+        if (!room_for(s, r, budget)) break;
         int32_t slot = s->free_slots[s->n_free_slots - 1];
         if (di_kv_seq_open(s->kv, slot, r->salt) != DI_OK) break;
         s->n_free_slots--;
-        s->wait_head = r->next;
-        if (!s->wait_head) s->wait_tail = NULL;
-        s->n_waiting--;
+        unlink_waiting(s, r);
+        (*tenant_slot(s, r->tenant))++;
         r->slot = slot;
         int32_t hit = di_kv_seq_attach_prefix(s->kv, slot, r->tokens, n_tok - 1);
         int32_t q = hit > s->kv->replay_tokens ? hit - s->kv->replay_tokens : 0;
@@ -307,9 +385,9 @@ static void step_once(di_sched *s) {
         r->n_replayed += hit - q;
         s->n_cache_hit_tokens += hit;
         s->n_replayed_tokens += hit - q;
-        // Insert in arrival order (a preempted request is older than the running newer ones).
+        // Insert in running order (a preempted request is older than the running newer ones).
         int32_t at = s->n_running;
-        while (at > 0 && s->running[at - 1]->arrival > r->arrival) at--;
+        while (at > 0 && runs_before(r, s->running[at - 1])) at--;
         memmove(s->running + at + 1, s->running + at,
                 sizeof(*s->running) * (size_t)(s->n_running - at));
         s->running[at] = r;

@@ -3,19 +3,26 @@
  *   1. running requests in decode (one known token left to feed) get one row each, first;
  *   2. running requests still in prefill (or in a bounded replay) get chunks of what is left of
  *      the token budget, oldest first;
- *   3. waiting requests are admitted first-come first-served while a KV slot, budget and blocks
- *      for their first chunk are free; admission attaches the longest cached prefix and continues
- *      it from a tail snapshot (restored through the `restore` hook) or with a bounded replay
- *      before it (docs/kv-cache.md).
+ *   3. waiting requests are admitted while a KV slot, budget and blocks for their first chunk are
+ *      free, best first: the lowest priority value, then the tenant with the fewest running
+ *      requests (fair share), then arrival (first come first served when nobody sets either);
+ *      admission attaches the longest cached prefix and continues it from a tail snapshot
+ *      (restored through the `restore` hook) or with a bounded replay before it
+ *      (docs/kv-cache.md).
+ * Running requests are kept in (priority, arrival) order: steps 1 and 2 serve them in that order
+ * and preemption takes the last. Before planning, a waiting request that cannot be admitted for
+ * want of a slot or blocks preempts running requests of a worse priority, last first, until it
+ * can (not while planning ahead: that plan is abandoned and made again synchronously).
  * With tail snapshots (the KV manager's `tails`), a prompt's prefill chunks end at its snapshot
  * points — the requested ones (di_request.snap_at, rounded down to block boundaries) and the
  * prompt's last block boundary H <= n_prompt - 1 (H > 0) — so that the engine can snapshot the
  * tail there after that call (at most DI_SCHED_MAX_SNAP extra chunk splits per request; a split
  * never changes results).
- * When a running request needs a block and none is left, the newest running request is
- * preempted (its blocks are returned; it goes back to the head of the waiting queue and later
- * recomputes its prompt and generated tokens, usually from the prefix cache), so the oldest
- * requests always progress: no starvation. Plans are built in arrays sized at init.
+ * When a running request needs a block and none is left, the last running request (the newest
+ * of the worst priority) is preempted (its blocks are returned; it goes back to the waiting queue
+ * and later recomputes its prompt and generated tokens, usually from the prefix cache), so the
+ * oldest requests of the best priority always progress: no starvation among equals. Plans are built
+ * in arrays sized at init.
  *
  * Owns: the running array, the waiting queue links and the plan arrays; requests are borrowed
  * (the engine creates and destroys them). Thread-safety: engine thread only.
@@ -45,7 +52,7 @@ typedef bool (*di_sched_restore_fn)(void *user, di_request *r, int32_t pos, cons
 typedef struct di_sched {
     di_kv_manager *kv; // borrowed
     int32_t max_seqs, max_batch_tokens;
-    di_request **running; // owned [max_seqs], arrival order
+    di_request **running; // owned [max_seqs], (priority, arrival) order
     int32_t n_running;
     di_request *wait_head, *wait_tail;
     int32_t n_waiting;
@@ -62,7 +69,13 @@ typedef struct di_sched {
     bool ahead;   // planning while a forward runs: no preemption
     bool aborted; // the plan ahead needed a preemption (or planned nothing)
     int64_t n_preemptions, n_prefill_rows, n_decode_rows, n_cache_hit_tokens, n_replayed_tokens;
-    int64_t n_tail_restores;     // admissions continued from a tail snapshot
+    int64_t n_tail_restores;        // admissions continued from a tail snapshot
+    int64_t n_priority_preemptions; // running requests preempted for a better-priority one
+    // Running requests per tenant (fair share): open addressing, tenant_cap = a power of two
+    // >= 2 * max_seqs, rebuilt at every plan. Owned.
+    uint64_t *tenant_key;
+    int32_t *tenant_n;
+    int32_t tenant_cap;
     di_sched_restore_fn restore; // set by the engine when the KV manager has tail snapshots
     void *restore_user;
 } di_sched;

@@ -94,6 +94,19 @@ def messages_cached(server, text, user):
     return body["usage"]["cache_read_input_tokens"]
 
 
+def test_priority_accepted(server):
+    """The engine's scheduling order is tested in tests/unit/test_engine.c (priority preemption,
+    fair share); here the field reaches it on every API and the counter is exported."""
+    for path, body in ((CHAT, {"messages": [{"role": "user", "content": "a"}]}),
+                       (CMPL, {"prompt": "a"}),
+                       ("/v1/responses", {"input": "a", "max_output_tokens": 2}),
+                       (MSG, {"messages": [{"role": "user", "content": "a"}]})):
+        status, _, got = post(server, path, {"model": MODEL, "max_tokens": 2, "priority": -3,
+                                             "user": "u1", **body})
+        assert status == 200, (path, got)
+    assert "deepinfer:priority_preemptions_total" in server.metrics()
+
+
 def test_shared_cache_by_default(server):
     text = prompt()
     assert chat_cached(server, text, user="alice") == 0

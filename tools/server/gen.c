@@ -367,6 +367,8 @@ bool srv_gen_start(srv_gen *g, srv_err *e) {
         p.grammar_after = g->grammar_after;
         p.snap_at = g->snap_at;
         p.cache_salt = g->cache_salt;
+        p.priority = g->priority;
+        p.tenant = g->tenant;
         p.n_snap_at = g->n_snap_at;
         p.on_event = srv_queue_on_event;
         p.user = c;

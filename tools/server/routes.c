@@ -110,6 +110,8 @@ char *srv_metrics_text(srv *s) {
     GAUGE("deepinfer:kv_disk_bytes", "Bytes of records in the disk tier.", "%lld",
           (long long)st.disk_bytes);
     COUNTER("deepinfer:num_preemptions_total", "Preemptions.", st.n_preemptions);
+    COUNTER("deepinfer:priority_preemptions_total",
+            "Preemptions for a waiting request of a better priority.", st.n_priority_preemptions);
     COUNTER("deepinfer:engine_steps_total", "Engine steps.", st.n_steps);
     COUNTER("deepinfer:engine_failed_steps_total",
             "Engine steps whose forward failed (their requests ended with an error).",

@@ -238,6 +238,8 @@ typedef struct srv_gen {
     di_sample_params sp; // sp.logit_bias points at `bias`
     di_logit_bias *bias; // owned [sp.n_logit_bias]: Chat / Completions logit_bias
     uint64_t cache_salt; // the prefix-cache namespace (--cache-isolation user: the user id's)
+    uint64_t tenant;     // the user id's hash: fair share in the scheduler (0: anonymous)
+    int32_t priority;    // request `priority` (lower first)
     int32_t max_tokens;
     const char *stop[DI_MAX_STOP]; // borrowed from req
     int n_stop;

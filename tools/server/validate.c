@@ -158,8 +158,10 @@ static bool check_logit_bias(srv_gen *g, const json_t *lb, srv_err *e) {
 }
 
 // The user id (Chat / Completions / Responses `user_id`, else `user`; Messages
-// `metadata.user_id`): a string of at most SRV_MAX_USER_ID bytes. Under --cache-isolation user it
-// is the request's prefix-cache namespace (di_request_params.cache_salt; no id: the anonymous one).
+// `metadata.user_id`): a string of at most SRV_MAX_USER_ID bytes. Its hash is the request's tenant
+// (di_request_params.tenant: the scheduler shares slots fairly between users) and, under
+// --cache-isolation user, its prefix-cache namespace (di_request_params.cache_salt). No id: the
+// anonymous user (0).
 static bool check_user(srv_gen *g, const json_t *req, srv_api api, srv_err *e) {
     const char *param = "user_id";
     const json_t *u = NULL;
@@ -184,14 +186,14 @@ static bool check_user(srv_gen *g, const json_t *req, srv_api api, srv_err *e) {
                     SRV_MAX_USER_ID);
         return false;
     }
-    if (g->s->cfg.cache_isolation_user) {
-        uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64 of "user:" and the id
-        const char *id = json_string_value(u);
-        const size_t n = json_string_length(u);
-        for (size_t i = 0; i < 5 + n; i++)
-            h = (h ^ (unsigned char)(i < 5 ? "user:"[i] : id[i - 5])) * 0x100000001b3ull;
-        g->cache_salt = h ? h : 1; // 0 is the anonymous namespace
-    }
+    uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64 of "user:" and the id
+    const char *id = json_string_value(u);
+    const size_t n = json_string_length(u);
+    for (size_t i = 0; i < 5 + n; i++)
+        h = (h ^ (unsigned char)(i < 5 ? "user:"[i] : id[i - 5])) * 0x100000001b3ull;
+    if (!h) h = 1; // 0 is the anonymous user
+    g->tenant = h; // fair share between users (the engine's scheduler)
+    if (g->s->cfg.cache_isolation_user) g->cache_salt = h;
     return true;
 }
 
@@ -223,6 +225,9 @@ bool srv_check_sampling(srv_gen *g, const json_t *req, srv_api api, srv_err *e) 
         if (!check_logit_bias(g, json_object_get(req, "logit_bias"), e)) return false;
     }
     if (!check_user(g, req, api, e)) return false;
+    // deepinfer extension (vLLM's name and convention): lower runs first, default 0
+    if (!opt_int(req, "priority", DI_PRIORITY_MIN, DI_PRIORITY_MAX, &k, &have, e)) return false;
+    if (have) g->priority = (int32_t)k;
     // stop strings: Chat/Completions "stop", Messages "stop_sequences"
     const char *skey = api == SRV_API_MESSAGES ? "stop_sequences" : "stop";
     const json_t *stop = api == SRV_API_RESPONSES ? NULL : json_object_get(req, skey);
