@@ -1642,6 +1642,15 @@ static bool tail_ring_at(const di_dsv4_dev *d, const di_dsv4_dev_state *s, int32
     return r->keep > 0;
 }
 
+di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *src) {
+    tail_head th;
+    memcpy(&th, src, sizeof th);
+    return th.magic == TAIL_MAGIC && th.pos == pos && th.n_layer == d->m->hp.n_layer &&
+                   th.kv_row_bytes == (int32_t)row_bytes_of(d)
+               ? DI_OK
+               : DI_ERR_INVALID;
+}
+
 size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d) {
     size_t n = sizeof(tail_head);
     tail_ring r;
@@ -1735,10 +1744,9 @@ di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t p
     di_backend *b = d->b;
     di_status st = check_tail_pos(s, slot, pos);
     if (st != DI_OK) return st;
-    tail_head th;
-    memcpy(&th, src, sizeof th);
-    if (th.magic != TAIL_MAGIC || th.pos != pos || th.n_layer != d->m->hp.n_layer ||
-        th.kv_row_bytes != (int32_t)s->kv_row_bytes) {
+    if (di_dsv4_dev_tail_check(d, pos, src) != DI_OK) {
+        tail_head th;
+        memcpy(&th, src, sizeof th);
         DI_LOG_ERROR("dev tail: not a snapshot of this state at position %d (magic %08x, position "
                      "%d, %d layers, KV rows of %d bytes)",
                      pos, th.magic, th.pos, th.n_layer, th.kv_row_bytes);

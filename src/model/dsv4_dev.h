@@ -217,6 +217,9 @@ di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst);
 // snapshot of this dev at pos; nothing changes), DI_ERR_CUDA (the slot must restart at 0).
 di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t pos,
                                    const void *src);
+// Whether src (di_dsv4_dev_tail_bytes) is a snapshot of d's states at position pos (its header;
+// restore checks the same): DI_OK or DI_ERR_INVALID (not logged). Host only, any thread.
+di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *src);
 
 // ---- model wiring ----
 
