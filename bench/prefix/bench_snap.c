@@ -5,7 +5,9 @@
 // models written by di_synth. The first request of each run primes the cache (cold); the next N
 // are measured (the cold one's time printed too): positions computed (the prompt minus the cached
 // tokens plus the replayed ones, from the final event) and the time to the first token (submit to
-// its event; the engine is otherwise idle). Prints medians and ranges.
+// its event; the engine is otherwise idle). Prints medians and ranges. "V4 dev" runs the V4 model
+// on the device-resident forward (model/dsv4_dev.h) on its CPU twin: its snapshots are the dev
+// state's rows (di_dsv4_dev_tail_save / _restore), its replay the same bounded replay.
 //     build/bench_snap [N=5] [S=1000] [U=24]
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,7 +16,10 @@
 #include <time.h>
 
 #include "deepinfer.h"
+#include "backend/backend.h" // the CPU twin of the device-resident forward
 #include "base/log.h"
+#include "engine/engine_internal.h" // di_engine_create_prepared
+#include "model/dsv4_dev.h"         // di_dsv4_dev_attach
 #include "model/synth.h"
 
 enum { V = 512, MAXN = 64 };
@@ -51,15 +56,23 @@ static double median(double *v, int n) {
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-static int run(const char *name, const char *dir, bool points, int n, int32_t s_len,
-               int32_t u_len) {
+static di_status attach_cpu_twin(di_model *m, void *user) {
+    return di_dsv4_dev_attach(m, user);
+}
+
+static int run(const char *name, const char *dir, bool points, int n, int32_t s_len, int32_t u_len,
+               bool dev) {
     di_engine_options o = di_engine_options_default();
     o.n_threads = 2;
     o.max_seqs = 2;
     o.max_ctx = s_len + u_len + 8;
     o.kv_memory_bytes = (size_t)128 << 20;
     di_engine *e = NULL;
-    if (di_engine_create(dir, &o, &e) != DI_OK) return 1;
+    di_backend *b = NULL; // dev: outlives the engine's model, which borrows it
+    if (dev && di_cpu_backend_create(2, &b) != DI_OK) return 1;
+    if ((dev ? di_engine_create_prepared(dir, &o, attach_cpu_twin, b, &e)
+             : di_engine_create(dir, &o, &e)) != DI_OK)
+        return 1;
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)(s_len + u_len));
     if (!prompt) return 1;
     for (int32_t t = 0; t < s_len; t++) prompt[t] = (t * 31 + 11) % V;
@@ -101,6 +114,7 @@ static int run(const char *name, const char *dir, bool points, int n, int32_t s_
            (long long)es.n_tail_restored);
     free(prompt);
     di_engine_destroy(e);
+    di_backend_destroy(b);
     return 0;
 }
 
@@ -124,10 +138,12 @@ int main(int argc, char **argv) {
         di_synth_v41_write(v41, true, false, 41) != DI_OK)
         return 1;
     int rc = 0;
-    rc |= run("V4", v4, true, n, s_len, u_len);
-    rc |= run("V4", v4, false, n, s_len, u_len);
-    rc |= run("V4.1", v41, true, n, s_len, u_len);
-    rc |= run("V4.1", v41, false, n, s_len, u_len);
+    rc |= run("V4", v4, true, n, s_len, u_len, false);
+    rc |= run("V4", v4, false, n, s_len, u_len, false);
+    rc |= run("V4 dev", v4, true, n, s_len, u_len, true);
+    rc |= run("V4 dev", v4, false, n, s_len, u_len, true);
+    rc |= run("V4.1", v41, true, n, s_len, u_len, false);
+    rc |= run("V4.1", v41, false, n, s_len, u_len, false);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0) rc = 1;
