@@ -23,7 +23,7 @@
 //       cached positions on the device path and replays the bound (n_layer (W - 1) = 90), and the
 //       tokens equal the CPU engine's (which hits and replays the same); with tail snapshots on
 //       the first request's tail at 256 is restored by every later one: nothing replayed, the
-//       same tokens;
+//       same tokens; KV export and import are still refused (DI_ERR_UNSUPPORTED);
 //   (g) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
 //       (di_dsv4_dev_sizes); one byte less than a max_ctx sequence needs is refused
 //       (DI_ERR_INVALID); the device state's bytes grow by exactly the entry blocks that more
@@ -477,6 +477,18 @@ static void test_shared_prefix(void) {
         CHECK_EQ(st.n_tail_taken, 1);
         CHECK_EQ(st.n_tail_restored, D_REQ - 1);
         CHECK_EQ(st.n_replayed_tokens, 0);
+        // KV transfer (PD) stays CPU-forward only with snapshots on: refused both ways.
+        void *kb = NULL;
+        size_t n_kb = 0;
+        int32_t n_kblk = 0, n_ins = 0, n_pres = 0;
+        char err[256];
+        const uint8_t junk[64] = {0};
+        CHECK_EQ(
+            di_engine_kv_export(e, g_dprompt[0], D_PREFIX, 0, &kb, &n_kb, &n_kblk, err, sizeof err),
+            DI_ERR_UNSUPPORTED);
+        CHECK(kb == NULL);
+        CHECK_EQ(di_engine_kv_import(e, junk, sizeof junk, &n_ins, &n_pres, err, sizeof err),
+                 DI_ERR_UNSUPPORTED);
         check_clean(e, true);
         di_engine_destroy(e);
     }
@@ -527,6 +539,7 @@ static void test_sizing(void) {
     snprintf(disk, sizeof disk, "%s/kv-disk", g_dir);
     o = options(least, max_seqs);
     o.kv_disk_dir = disk;
+    o.no_tail_cache = false; // snapshots on do not make it possible
     e = NULL;
     CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_UNSUPPORTED);
     CHECK(e == NULL);
