@@ -1762,12 +1762,11 @@ di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t p
         DI_TRY(tail_copy(b, &r, pos, s->tail_dev + off, false));
         off += (size_t)(r.keep * r.row_bytes);
     }
-    // The slot continues at pos with every window row (no win_lo). Its page table on the device
-    // is unknown to the host: the next call writes every entry it needs (shared blocks).
+    // The slot continues at pos with every window row (no win_lo). Its page table is left as it
+    // is, on the device and in the host mirror (which stays exact: the next call writes only the
+    // entries that differ from the blocks it lists, e.g. the hit's).
     s->n_past[slot] = pos;
     s->win_lo[slot] = 0;
-    for (int32_t j = 0; j < s->max_blocks && s->shared; j++)
-        s->pages_host[(int64_t)slot * s->max_blocks + j] = PT_UNKNOWN;
     return DI_OK;
 fail:
     DI_LOG_ERROR("dev tail: restoring slot %d on %s: %s; restart it at position 0", slot, b->desc,

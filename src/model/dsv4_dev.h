@@ -77,8 +77,9 @@
  * (copy) into a staging block and downloads them once; di_dsv4_dev_tail_restore uploads them
  * and copies them into another (or the same) slot's rings at the same ring rows (row = position
  * mod ring size), then sets the slot's host bookkeeping to a slot that consumed pos tokens: n_past
- * pos, win_lo 0, its page table mirror unknown (the next call lists the blocks and rewrites every
- * entry it needs; a decode-shaped first call is then run directly, counted in n_direct_pages).
+ * pos, win_lo 0; its page table stays (the next call lists the blocks and writes the entries
+ * that differ, like any call; a decode-shaped first call that changes more than one runs
+ * directly, counted in n_direct_pages).
  * Nothing else is per slot: decode graphs read positions, key lists and page tables from the
  * per-call upload, so a restored slot decodes through the same cached graphs.
  *
@@ -211,10 +212,10 @@ di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst);
 // Puts a snapshot taken at position pos (by any slot of any state of the same dev) into slot
 // `slot`, which then continues at pos as if it had consumed pos tokens with full windows: n_past
 // pos, win_lo 0; its next call passes pos, win_lo 0 and the blocks whose entries hold the
-// positions before pos (shared blocks: its page table is rewritten by that call; private blocks:
-// the slot's own, which must hold them). The copies are enqueued (stream order: the next call
-// reads them; faults surface at its sync). DI_ERR_INVALID (slot or position out of range, not a
-// snapshot of this dev at pos; nothing changes), DI_ERR_CUDA (the slot must restart at 0).
+// positions before pos (shared blocks: that call writes the page table entries that differ;
+// private blocks: the slot's own, which must hold them). The copies are enqueued (stream order: the
+// next call reads them; faults surface at its sync). DI_ERR_INVALID (slot or position out of range,
+// not a snapshot of this dev at pos; nothing changes), DI_ERR_CUDA (the slot must restart at 0).
 di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t pos,
                                    const void *src);
 // Whether src (di_dsv4_dev_tail_bytes) is a snapshot of d's states at position pos (its header;
