@@ -504,8 +504,8 @@ typedef struct di_engine_options {
     // Tail snapshots (docs/kv-cache.md, "Tail snapshots"): the tail state of a prompt's last
     // block boundary, kept with its cached block, so that a prefix hit there computes nothing
     // before the hit (no bounded replay). Their byte budget (least recently used out); 0 = 256
-    // MiB (memory is touched only as snapshots are taken). CPU and V4.1 forwards with the prefix
-    // cache; the device-resident forward keeps the bounded replay. no_tail_cache: off (every hit
+    // MiB (memory is touched only as snapshots are taken). Every forward (CPU, V4.1,
+    // device-resident) with the prefix cache. no_tail_cache: off (every hit
     // is continued by the bounded replay); a budget below one snapshot is refused
     // (DI_ERR_INVALID).
     size_t tail_cache_bytes;

@@ -51,11 +51,11 @@
 //     sequence's next decode verifies ("speculative decoding" below); the V4 state takes the
 //     rejected row back (di_dsv4_state_rollback).
 //
-// Tail snapshots (CPU and V4.1 forwards; "tail snapshots" below, docs/kv-cache.md): the slot's
-// tail at a prompt's last block boundary is copied after the call that ended there and kept with
-// the cached block ending there (kv/tail_cache.h); an admission whose hit reaches that block
-// restores it (the scheduler's restore hook) and computes nothing before the hit. Without one
-// (or on the device-resident forward) the hit is continued by the bounded replay.
+// Tail snapshots (every forward; "tail snapshots" below, docs/kv-cache.md): the slot's tail at a
+// prompt's last block boundary is copied after the call that ended there and kept with the cached
+// block ending there (kv/tail_cache.h); an admission whose hit reaches that block restores it (the
+// scheduler's restore hook) and computes nothing before the hit. Without one the hit is continued
+// by the bounded replay.
 //
 // Memory: everything a step touches is sized at create (the workspace for max_batch_tokens rows,
 // or the dev state and its warm-up call, which grows the backend's op scratch; the logits of
@@ -99,7 +99,14 @@ struct di_engine {
     di_dsv4_dev_seq *x_dev;    // owned [max_seqs]: the plan being run (slot, pos, blocks, ...)
     int32_t *x_blocks;         // owned [max_seqs, max_blocks]: the block ids x_dev points to
     int64_t dev_block_bytes;   // device bytes of one entry block
-    di_request **x_seq_req;    // owned [max_seqs]: the request of each planned sequence
+    // Tail snapshots on the dev forward ("tail snapshots" below): a restore chosen while planning
+    // (the previous step's call may still run) is staged per slot and applied by the launch that
+    // runs the admitting plan, the forward idle, before that plan's call.
+    uint8_t *dev_snap;               // owned [max_seqs, tail_bytes]: staged snapshots
+    const di_request **dev_snap_req; // owned [max_seqs]: whose staged snapshot (NULL: none)
+    int32_t *dev_snap_pos;           // owned [max_seqs]: its position
+    di_status x_restore_st;          // the launch's restores (a failure fails its step)
+    di_request **x_seq_req;          // owned [max_seqs]: the request of each planned sequence
     // The V4.1 forward (model->hp.v41): one session per scheduler slot.
     di_session **v41;        // owned [max_seqs]; NULL on the other forwards
     int32_t n_v41;           // sessions created
@@ -795,6 +802,9 @@ void di_engine_destroy(di_engine *e) {
     di_dsv4_ws_free(&e->ws);
     di_dsv4_dev_state_destroy(e->dstate); // before the model, which owns its dev
     di_free(e->x_dev);
+    di_free(e->dev_snap);
+    di_free(e->dev_snap_req);
+    di_free(e->dev_snap_pos);
     di_free(e->x_seq_req);
     di_free(e->x_blocks);
     for (int32_t i = 0; i < e->n_v41; i++) di_session_destroy(e->v41[i]);
@@ -980,14 +990,19 @@ static void disk_stats(di_engine *e, di_engine_stats *st) {
 // (di_sched's restore hook). What a tail is: on the CPU forward the slot's tail blocks (every
 // layer's window ring, every compressor's token rings) and, with MTP speculation, the slot's MTP
 // window ring; on V4.1 the session's rings (DSpark blocks' included) and (C, Z) slots
-// (di_dsv41_tail_save). Compressed entries are in the shared blocks, the V4.1 Engram history
-// is rebuilt from the tokens. The device-resident forward keeps the bounded replay.
+// (di_dsv41_tail_save); on the device-resident forward the slot's last W - 1 window rows and its
+// compressors' overlap rows, downloaded from the dev state (di_dsv4_dev_tail_save: it syncs, the
+// forward idle between the step's end and the next launch) and uploaded back into the admitted
+// slot by the launch of the admitting plan (staged meanwhile: the hook runs while the previous
+// step may still use the backend, and a snapshot may be evicted before the launch). Compressed
+// entries are in the shared blocks, the V4.1 Engram history is rebuilt from the tokens.
 
 // With MTP the slot's MTP ring lags one position: its row H - 1 was computed with token H (the
 // next block's first), so the snapshot ends with that token and restores only for a request with
 // the same token at H (another falls back to the bounded replay, whose MTP rows are exact).
 static size_t tail_bytes(const di_engine *e) {
     if (e->v41) return di_dsv41_tail_bytes(e->v41[0]);
+    if (e->model->dev) return di_dsv4_dev_tail_bytes(e->model->dev);
     return (size_t)e->kv->n_tail * (size_t)e->kv->block_floats * sizeof(float) +
            (e->mtp_ls ? (size_t)e->mtp_slot_bytes + sizeof(int32_t) : 0);
 }
@@ -1001,6 +1016,14 @@ static bool tail_restore(void *user, di_request *r, int32_t pos, const uint8_t *
         di_session *ss = e->v41[r->slot];
         di_dsv41_bind_pages(ss, v41_pages(ks), ks->n_blocks);
         return di_dsv41_tail_load(ss, snap, ks->n_cached, pos, r->tokens) == DI_OK;
+    }
+    if (e->model->dev) { // staged for the launch (dev_restores); a bad one falls back to the replay
+        const size_t tb = tail_bytes(e);
+        if (di_dsv4_dev_tail_check(e->model->dev, pos, snap) != DI_OK) return false;
+        memcpy(e->dev_snap + (size_t)r->slot * tb, snap, tb);
+        e->dev_snap_req[r->slot] = r;
+        e->dev_snap_pos[r->slot] = pos;
+        return true;
     }
     // The slot's tail blocks were taken (zeroed) when it opened: no running call reads them.
     const size_t bb = (size_t)e->kv->block_floats * sizeof(float);
@@ -1020,10 +1043,11 @@ static bool tail_restore(void *user, di_request *r, int32_t pos, const uint8_t *
 static di_status tails_open(di_engine *e) {
     const di_engine_options *o = &e->opt;
     if (o->no_prefix_cache || o->no_tail_cache) return DI_OK;
-    if (e->model->dev) {
-        DI_LOG_INFO("engine: no tail snapshots on the device-resident forward (its rings are "
-                    "device memory): prefix hits use the bounded replay");
-        return DI_OK;
+    if (e->model->dev) { // staging (zeroed pages: a slot never restored into costs nothing)
+        e->dev_snap = di_calloc((size_t)o->max_seqs, tail_bytes(e));
+        e->dev_snap_req = di_calloc((size_t)o->max_seqs, sizeof *e->dev_snap_req);
+        e->dev_snap_pos = di_calloc((size_t)o->max_seqs, sizeof *e->dev_snap_pos);
+        if (!e->dev_snap || !e->dev_snap_req || !e->dev_snap_pos) return DI_ERR_NOMEM;
     }
     const size_t budget = o->tail_cache_bytes ? o->tail_cache_bytes : (size_t)256 << 20;
     di_status st = di_kv_manager_open_tails(e->kv, tail_bytes(e), budget);
@@ -1052,6 +1076,11 @@ static void tails_take(di_engine *e) {
             di_dsv41_tail_save(e->v41[r->slot], out);
             continue;
         }
+        if (e->dstate) { // a failed save (logged) leaves a snapshot no restore accepts
+            if (di_dsv4_dev_tail_save(e->dstate, r->slot, out) != DI_OK)
+                memset(out, 0, tail_bytes(e));
+            continue;
+        }
         const di_kv_seq *ks = &e->kv->seqs[r->slot];
         const size_t bb = (size_t)e->kv->block_floats * sizeof(float);
         for (int32_t t = 0; t < e->kv->n_tail; t++, out += bb)
@@ -1061,6 +1090,25 @@ static void tails_take(di_engine *e) {
                    (size_t)e->mtp_slot_bytes);
             memcpy(out + e->mtp_slot_bytes, &r->tokens[h], sizeof(int32_t));
         }
+    }
+}
+
+// At a launch (the forward idle): the staged snapshot of each planned sequence's slot goes into
+// the dev state when it is the one its admission chose (same request, the plan's first position);
+// a stale one (its request preempted before running) is dropped.
+static void dev_restores(di_engine *e, const di_sched *s) {
+    e->x_restore_st = DI_OK;
+    if (!e->dev_snap) return;
+    const size_t tb = tail_bytes(e);
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        const di_request *r = s->seq_req[i];
+        const int32_t slot = r->slot;
+        if (!e->dev_snap_req[slot]) continue;
+        if (e->dev_snap_req[slot] == r && e->dev_snap_pos[slot] == s->seqs[i].pos &&
+            e->x_restore_st == DI_OK)
+            e->x_restore_st = di_dsv4_dev_tail_restore(e->dstate, slot, e->dev_snap_pos[slot],
+                                                       e->dev_snap + (size_t)slot * tb);
+        e->dev_snap_req[slot] = NULL;
     }
 }
 
@@ -1736,8 +1784,10 @@ static void *forward_main(void *p) {
         } else if (e->v41) {
             st = v41_forward(e);
         } else if (e->dstate) {
-            st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens, e->x_logit_rows,
-                                     e->x_n_logit, e->logits);
+            st = e->x_restore_st; // the launch's tail restores
+            if (st == DI_OK)
+                st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens,
+                                         e->x_logit_rows, e->x_n_logit, e->logits);
         } else if (e->mtp_ls) {
             st = v4_spec_forward(e);
         } else {
@@ -1803,6 +1853,7 @@ static void launch(di_engine *e) {
                                             .win_lo = s->seqs[i].win_lo,
                                             .n_cached = ks->n_cached};
         }
+        dev_restores(e, s);
     }
     if (e->v41) {
         for (int32_t i = 0; i < s->n_seq; i++) e->x_slot[i] = s->seq_req[i]->slot;

@@ -364,6 +364,9 @@ struct di_dsv4_dev_state {
     } * graphs; // owned [n_graphs]
     int32_t n_graphs;
     di_dsv4_dev_graph_stats stats;
+    // Tail snapshots ("tail snapshots" below): the snapshot's bytes gathered from (or scattered
+    // into) a slot's rings on the backend, so a save or restore moves one host copy.
+    uint8_t *tail_dev; // backend block (in blocks) of di_dsv4_dev_tail_bytes
 };
 
 static di_status st_track(di_dsv4_dev_state *s, void *p) {
@@ -758,6 +761,11 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     DI_TRY(iarr_init(s, &s->pg_off, sizeof(int32_t), (size_t)T));
     DI_TRY(iarr_init(s, &s->pt_dst, sizeof(int32_t), s->shared ? n_pt : 0));
     DI_TRY(iarr_init(s, &s->pt_val, sizeof(int32_t), s->shared ? n_pt : 0));
+    {
+        void *tp = NULL;
+        DI_TRY(st_alloc(s, di_dsv4_dev_tail_bytes(d), &tp));
+        s->tail_dev = tp;
+    }
     // The packed metadata: every array reserved above, at its capacity.
     DI_TRY(st_alloc(s, s->meta_cap, &s->meta_dev));
     { // the backend's host memory: uploaded every call (page-locked on CUDA)
@@ -1575,6 +1583,196 @@ fail:
 #undef ROUND
 #undef OP
 #undef B
+
+// ---- tail snapshots ----
+
+// A snapshot (dsv4_dev.h di_dsv4_dev_tail_bytes): this header, then per layer its window ring
+// (kind 0), the main compressor's C and Z token rings (1, 2) and the indexer's (3, 4), each as
+// the `keep` rows of positions pos - keep .. pos - 1 in position order (rows of positions < 0 are
+// zeros, never restored).
+typedef struct tail_head {
+    uint32_t magic;
+    int32_t pos, n_layer, kv_row_bytes;
+} tail_head;
+enum { TAIL_MAGIC = 0x4c545644u, TAIL_KINDS = 5 }; // "DVTL"
+
+// One ring of a slot's tail: n_rows rows of row_bytes (row = position mod n_rows) from base (the
+// slot's row 0; NULL without a state), of which a snapshot keeps the last `keep`. At a position
+// that is a multiple of every ratio a continuation reads nothing older: attention the window's
+// W - 1 earlier positions, the next window of ratio m its overlap ((c - 1) m positions; none for
+// c == 1: HCA's ring is not kept at all).
+typedef struct tail_ring {
+    int64_t row_bytes, n_rows, keep;
+    uint8_t *base;
+} tail_ring;
+
+// Ring i (layer i / TAIL_KINDS, kind i % TAIL_KINDS) of slot `slot` of s (s NULL: sizes only);
+// false when the layer has no such ring or the snapshot keeps none of its rows.
+static bool tail_ring_at(const di_dsv4_dev *d, const di_dsv4_dev_state *s, int32_t slot, int i,
+                         tail_ring *r) {
+    const di_hparams *hp = &d->m->hp;
+    const int il = i / TAIL_KINDS, kind = i % TAIL_KINDS;
+    const di_dsv4_layer_w *lw = &d->m->layers[il];
+    const dev_lstate *ls = s ? &s->ls[il] : NULL;
+    const int64_t W = hp->window, f = sizeof(float);
+    if (kind == 0) {
+        r->row_bytes = row_bytes_of(d);
+        r->n_rows = W;
+        r->keep = W - 1;
+        r->base = NULL;
+        if (s) {
+            uint8_t *pool = d->official ? ls->kvb : (uint8_t *)ls->kv;
+            r->base = pool + ((int64_t)s->max_rows + (int64_t)slot * W) * r->row_bytes;
+        }
+        return r->keep > 0;
+    }
+    if (lw->ratio <= 0 || (kind >= 3 && lw->ratio != 4)) return false;
+    const di_dsv4_compressor_w *cw = kind < 3 ? &lw->cmp : &lw->idx_cmp;
+    r->row_bytes = (int64_t)cw->c * cw->d * f;
+    r->n_rows = (int64_t)cw->c * cw->m;
+    r->keep = (int64_t)(cw->c - 1) * cw->m;
+    r->base = NULL;
+    if (s) {
+        float *ring = kind == 1   ? ls->ring_c
+                      : kind == 2 ? ls->ring_z
+                      : kind == 3 ? ls->iring_c
+                                  : ls->iring_z;
+        r->base = (uint8_t *)ring + (int64_t)slot * r->n_rows * r->row_bytes;
+    }
+    return r->keep > 0;
+}
+
+di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *src) {
+    tail_head th;
+    memcpy(&th, src, sizeof th);
+    return th.magic == TAIL_MAGIC && th.pos == pos && th.n_layer == d->m->hp.n_layer &&
+                   th.kv_row_bytes == (int32_t)row_bytes_of(d)
+               ? DI_OK
+               : DI_ERR_INVALID;
+}
+
+size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d) {
+    size_t n = sizeof(tail_head);
+    tail_ring r;
+    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS; i++)
+        if (tail_ring_at(d, NULL, 0, i, &r)) n += (size_t)(r.keep * r.row_bytes);
+    return n;
+}
+
+// DI_ERR_INVALID (logged) unless pos is a multiple of every compress ratio.
+static di_status check_tail_pos(const di_dsv4_dev_state *s, int32_t slot, int32_t pos) {
+    if (slot < 0 || slot >= s->n_slots || pos < 0 || pos > s->n_ctx) {
+        DI_LOG_ERROR("dev tail: slot %d at %d: out of range (%d slots, %d positions)", slot, pos,
+                     s->n_slots, s->n_ctx);
+        return DI_ERR_INVALID;
+    }
+    for (int k = 0; k < s->n_cls; k++) {
+        if (s->cls[k].ratio > 0 && pos % s->cls[k].ratio != 0) {
+            DI_LOG_ERROR("dev tail: position %d is not a multiple of the ratio %d", pos,
+                         s->cls[k].ratio);
+            return DI_ERR_INVALID;
+        }
+    }
+    return DI_OK;
+}
+
+// Copies ring r's kept rows between the slot's ring and the staging rows at `stage` (positions
+// pos - keep .. pos - 1; those < 0 skipped): to the staging (save) or from it (restore), in runs
+// of contiguous ring rows.
+static di_status tail_copy(di_backend *b, const tail_ring *r, int64_t pos, uint8_t *stage,
+                           bool save) {
+    int64_t q = pos - r->keep > 0 ? pos - r->keep : 0;
+    while (q < pos) {
+        const int64_t row = q % r->n_rows;
+        int64_t n = pos - q;
+        if (row + n > r->n_rows) n = r->n_rows - row; // up to the ring's end, then from row 0
+        uint8_t *st = stage + (q - (pos - r->keep)) * r->row_bytes,
+                *rg = r->base + row * r->row_bytes;
+        const size_t bytes = (size_t)(n * r->row_bytes);
+        di_status s = save ? b->vt->copy(b, st, rg, bytes) : b->vt->copy(b, rg, st, bytes);
+        if (s != DI_OK) return s;
+        q += n;
+    }
+    return DI_OK;
+}
+
+di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst) {
+    const di_dsv4_dev *d = s->d;
+    di_backend *b = d->b;
+    const int32_t pos = slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1;
+    di_status st = check_tail_pos(s, slot, pos);
+    if (st != DI_OK) return st;
+    const int64_t lo = s->win_lo[slot];
+    const size_t total = di_dsv4_dev_tail_bytes(d), h = sizeof(tail_head);
+    uint8_t *out = dst;
+    size_t off = h;
+    tail_ring r;
+    // After a bounded replay from lo > 0 the ring rows before lo were never computed.
+    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS && lo > 0; i++) {
+        if (tail_ring_at(d, NULL, 0, i, &r) && pos - r.keep < lo) {
+            DI_LOG_ERROR("dev tail: slot %d at %d replayed from %lld: its rings hold no rows "
+                         "before that",
+                         slot, pos, (long long)lo);
+            return DI_ERR_INVALID;
+        }
+    }
+    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS; i++) {
+        if (!tail_ring_at(d, s, slot, i, &r)) continue;
+        DI_TRY(tail_copy(b, &r, pos, s->tail_dev + off, true));
+        off += (size_t)(r.keep * r.row_bytes);
+    }
+    DI_ASSERT(off == total);
+    DI_TRY(b->vt->download(b, out + h, s->tail_dev + h, total - h)); // syncs: out is read now
+    // Rows of positions < 0 (a tail before the window filled): zeros, never restored.
+    off = h;
+    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS; i++) {
+        if (!tail_ring_at(d, NULL, 0, i, &r)) continue;
+        if (r.keep > pos) memset(out + off, 0, (size_t)((r.keep - pos) * r.row_bytes));
+        off += (size_t)(r.keep * r.row_bytes);
+    }
+    const tail_head th = {TAIL_MAGIC, pos, d->m->hp.n_layer, (int32_t)s->kv_row_bytes};
+    memcpy(out, &th, h);
+    return DI_OK;
+fail:
+    DI_LOG_ERROR("dev tail: saving slot %d on %s: %s", slot, b->desc, di_status_str(st));
+    return st;
+}
+
+di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t pos,
+                                   const void *src) {
+    const di_dsv4_dev *d = s->d;
+    di_backend *b = d->b;
+    di_status st = check_tail_pos(s, slot, pos);
+    if (st != DI_OK) return st;
+    if (di_dsv4_dev_tail_check(d, pos, src) != DI_OK) {
+        tail_head th;
+        memcpy(&th, src, sizeof th);
+        DI_LOG_ERROR("dev tail: not a snapshot of this state at position %d (magic %08x, position "
+                     "%d, %d layers, KV rows of %d bytes)",
+                     pos, th.magic, th.pos, th.n_layer, th.kv_row_bytes);
+        return DI_ERR_INVALID;
+    }
+    const size_t total = di_dsv4_dev_tail_bytes(d), h = sizeof(tail_head);
+    s->n_past[slot] = -1; // until every copy is enqueued
+    DI_TRY(b->vt->upload(b, s->tail_dev + h, (const uint8_t *)src + h, total - h));
+    size_t off = h;
+    tail_ring r;
+    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS; i++) {
+        if (!tail_ring_at(d, s, slot, i, &r)) continue;
+        DI_TRY(tail_copy(b, &r, pos, s->tail_dev + off, false));
+        off += (size_t)(r.keep * r.row_bytes);
+    }
+    // The slot continues at pos with every window row (no win_lo). Its page table is left as it
+    // is, on the device and in the host mirror (which stays exact: the next call writes only the
+    // entries that differ from the blocks it lists, e.g. the hit's).
+    s->n_past[slot] = pos;
+    s->win_lo[slot] = 0;
+    return DI_OK;
+fail:
+    DI_LOG_ERROR("dev tail: restoring slot %d on %s: %s; restart it at position 0", slot, b->desc,
+                 di_status_str(st));
+    return st;
+}
 
 // ---- model wiring ----
 

@@ -70,6 +70,19 @@
  * fails (nothing ran) logs a WARN, runs the step directly and turns graphs off for the state.
  * DI_DEV_GRAPHS=0 (read at state create) runs every call directly: the debug switch to compare.
  *
+ * Tail snapshots (docs/kv-cache.md): at a position pos that is a multiple of every compress ratio
+ * (a block boundary) a slot's future reads only the entries (in blocks), the last W - 1 rows of
+ * its window ring and, for a compressor with overlapping windows, the last m rows of its token
+ * rings (the next window's overlap). di_dsv4_dev_tail_save gathers those rows on the backend
+ * (copy) into a staging block and downloads them once; di_dsv4_dev_tail_restore uploads them
+ * and copies them into another (or the same) slot's rings at the same ring rows (row = position
+ * mod ring size), then sets the slot's host bookkeeping to a slot that consumed pos tokens: n_past
+ * pos, win_lo 0; its page table stays (the next call lists the blocks and writes the entries
+ * that differ, like any call; a decode-shaped first call that changes more than one runs
+ * directly, counted in n_direct_pages).
+ * Nothing else is per slot: decode graphs read positions, key lists and page tables from the
+ * per-call upload, so a restored slot decodes through the same cached graphs.
+ *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
  * its pools, scratch and host metadata, all sized at create (nothing is allocated per step; the
@@ -181,6 +194,33 @@ void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_s
 // them at 0). With shared blocks every slot lists block 0 (one token writes no entry, so block 0
 // is left as it was). No-op with graphs off. Errors as di_dsv4_dev_forward.
 di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs);
+
+// ---- tail snapshots (docs/kv-cache.md "Tail snapshots") ----
+
+// Host bytes of one slot's tail snapshot ("Tail snapshots" above): a 16-byte header (position,
+// layers, KV row bytes), then per layer the last W - 1 rows of its window ring (the state's row
+// format: FP32 rows, or the official recipe's FP8 KV rows) and, per compressor with overlapping
+// windows (CSA: main and indexer), the last m rows of its C and Z token rings; HCA keeps none.
+// The same for every state of d.
+size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d);
+// Copies slot `slot`'s tail at its current position (di_dsv4_dev_n_past, a multiple of every
+// compress ratio: the engine's block boundaries) into dst (di_dsv4_dev_tail_bytes). Syncs (dst is
+// written on return). Not inside a call. DI_ERR_INVALID (slot out of range or failed, a position
+// that is no multiple of every ratio, or a slot replayed from win_lo > 0 whose rings do not reach
+// back to the rows a snapshot keeps; logged), DI_ERR_CUDA.
+di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst);
+// Puts a snapshot taken at position pos (by any slot of any state of the same dev) into slot
+// `slot`, which then continues at pos as if it had consumed pos tokens with full windows: n_past
+// pos, win_lo 0; its next call passes pos, win_lo 0 and the blocks whose entries hold the
+// positions before pos (shared blocks: that call writes the page table entries that differ;
+// private blocks: the slot's own, which must hold them). The copies are enqueued (stream order: the
+// next call reads them; faults surface at its sync). DI_ERR_INVALID (slot or position out of range,
+// not a snapshot of this dev at pos; nothing changes), DI_ERR_CUDA (the slot must restart at 0).
+di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t pos,
+                                   const void *src);
+// Whether src (di_dsv4_dev_tail_bytes) is a snapshot of d's states at position pos (its header;
+// restore checks the same): DI_OK or DI_ERR_INVALID (not logged). Host only, any thread.
+di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *src);
 
 // ---- model wiring ----
 

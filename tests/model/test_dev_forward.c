@@ -30,7 +30,9 @@
 //       bit-identically to the cold prefill (then both decode on the shared blocks with identical
 //       logits); a third attached to one block recomputes from 0 (win_lo 0) and matches too; the
 //       cached blocks' device bytes are unchanged; bad block lists and replay parameters are
-//       refused without changing anything.
+//       refused without changing anything;
+//   (k) tail snapshots: a slot's tail saved at block boundaries and restored into other slots (and
+//       into itself after another sequence) continues bit-identically, decode graphs included.
 // Every state of (a)-(d), (f), (h) and (j) has shared entry blocks listed per call in a shuffled,
 // non-contiguous order (a restarted slot moves to other blocks); (e)'s sessions use private ones.
 #include "harness.h"
@@ -743,6 +745,193 @@ done:
     close_ctx(&h);
 }
 
+// (k) Tail snapshots (docs/kv-cache.md): on a state of 512 positions, slot 0 prefills L = 420
+// positions cold (chunks of up to 96 that end at each 128-position block boundary) and saves its
+// tail at 128, 256 and 384 (1, 2, 3 HCA windows closed before them, CSA's overlap and the 16-row
+// window wrapped many times), then decodes D tokens. Each snapshot restored into slot 1
+// (taking slot 0's blocks before it, its own after) continues to L and decodes the same tokens:
+// every row's logits memcmp-equal to the cold run, the decode steps through the cached graph
+// (stats). The snapshot at 256 restored into slot 0 itself after it ran another sequence on other
+// blocks; the one at 384 into slots 1 and 2 at once (a 2-sequence prefill and decode batch).
+// Refused without any change: positions that are no multiple of the ratios, a snapshot claimed
+// at another position or corrupted, slots out of range, a save of a slot replayed from a win_lo
+// its window does not reach back to.
+enum { T_CTX = 512, T_MAXB = T_CTX / BT, T_L = 420, T_D = 6, T_NP = 3 };
+
+// Feeds positions [from, to) of toks to sequences seqs (n of them, one chunk each step, every row
+// of each) in chunks of up to 96 rows in all, and folds whether every row equals cold into *same.
+static void tail_feed(di_dsv4_dev_state *st, di_dsv4_dev_seq *seqs, int n, int32_t from, int32_t to,
+                      const int32_t *toks, int32_t V, float *got, const float *cold, bool *same) {
+    int32_t rows[MAX_ROWS], tk[MAX_ROWS];
+    for (int32_t p = from; p < to;) {
+        const int32_t per = MAX_ROWS / n, c = to - p < per ? to - p : per;
+        for (int i = 0; i < n; i++) {
+            seqs[i].pos = p, seqs[i].n_tok = c;
+            memcpy(tk + i * c, toks + p, sizeof(int32_t) * (size_t)c);
+        }
+        for (int32_t r = 0; r < n * c; r++) rows[r] = r;
+        CHECK_EQ(di_dsv4_dev_forward(st, seqs, n, tk, rows, n * c, got), DI_OK);
+        for (int i = 0; i < n; i++)
+            *same = *same && memcmp(got + (int64_t)i * c * V, cold + (int64_t)p * V,
+                                    sizeof(float) * (size_t)c * (size_t)V) == 0;
+        p += c;
+    }
+}
+
+// Decodes T_D tokens (dtok) on seqs from position T_L, each step's logits against cold_dec.
+static void tail_decode(di_dsv4_dev_state *st, di_dsv4_dev_seq *seqs, int n, const int32_t *dtok,
+                        int32_t V, float *got, const float *cold_dec, bool *same) {
+    for (int32_t j = 0; j < T_D; j++) {
+        int32_t tk[N_SLOTS], rows[N_SLOTS];
+        for (int i = 0; i < n; i++) {
+            seqs[i].pos = T_L + j, seqs[i].n_tok = 1;
+            tk[i] = dtok[j], rows[i] = i;
+        }
+        CHECK_EQ(di_dsv4_dev_forward(st, seqs, n, tk, rows, n, got), DI_OK);
+        for (int i = 0; i < n; i++)
+            *same = *same && memcmp(got + (int64_t)i * V, cold_dec + (int64_t)j * V,
+                                    sizeof(float) * (size_t)V) == 0;
+    }
+}
+
+static void test_tail(void) {
+    harness_ctx h;
+    if (!open_ctx(&h, g_dir)) {
+        CHECK(false);
+        close_ctx(&h);
+        return;
+    }
+    const di_hparams *hp = &h.m->hp;
+    const int32_t V = h.V, pts[T_NP] = {128, 256, 384};
+    // Blocks: slot 0's cold run A, slot 1's and 2's own, and S for slot 0's other sequence.
+    int32_t A[T_MAXB], B1[T_MAXB], B2[T_MAXB], S[T_MAXB];
+    for (int32_t j = 0; j < T_MAXB; j++)
+        A[j] = 3 * j + 2, B1[j] = 3 * j, B2[j] = 3 * j + 1, S[j] = 3 * T_MAXB + j;
+    di_dsv4_dev_state *st = NULL;
+    CHECK_EQ(di_dsv4_dev_state_create(h.d, N_SLOTS, T_CTX, MAX_ROWS, 4 * T_MAXB, BT, &st), DI_OK);
+    // The snapshot's size: header, every layer's W - 1 window rows, CSA's last m = 4 rows of its
+    // main and indexer C and Z rings (2-fold windows); nothing of HCA's.
+    size_t want = 16;
+    for (int il = 0; il < hp->n_layer; il++) {
+        const di_dsv4_layer_w *lw = &h.m->layers[il];
+        want += (size_t)(hp->window - 1) * (size_t)di_dsv4_dev_state_kv_row_bytes(h.st);
+        if (lw->ratio == 4)
+            want += 2 * 4 * sizeof(float) * (size_t)(2 * lw->cmp.d + 2 * lw->idx_cmp.d);
+    }
+    const size_t tb = di_dsv4_dev_tail_bytes(h.d);
+    CHECK_EQ((int64_t)tb, (int64_t)want);
+    int32_t toks[T_CTX], other[T_CTX], dtok[T_D];
+    for (int32_t t = 0; t < T_CTX; t++)
+        toks[t] = token_of(0, 9, t, V), other[t] = token_of(1, 3, t, V);
+    for (int32_t j = 0; j < T_D; j++) dtok[j] = token_of(2, 5, j, V);
+    float *cold = malloc(sizeof(float) * (size_t)T_L * (size_t)V);
+    float *cold_dec = malloc(sizeof(float) * (size_t)T_D * (size_t)V);
+    float *got = malloc(sizeof(float) * (size_t)MAX_ROWS * (size_t)V);
+    uint8_t *snap = malloc(tb * T_NP), *bad = malloc(tb);
+    if (!st || !cold || !cold_dec || !got || !snap || !bad) {
+        CHECK(false);
+        goto done;
+    }
+    { // cold: slot 0, chunks ending at each snapshot point, saved there
+        int32_t rows[MAX_ROWS];
+        for (int32_t r = 0; r < MAX_ROWS; r++) rows[r] = r;
+        int k = 0;
+        for (int32_t p = 0; p < T_L;) {
+            int32_t n = T_L - p < 96 ? T_L - p : 96;
+            if (k < T_NP && p + n > pts[k]) n = pts[k] - p;
+            di_dsv4_dev_seq sq = {.slot = 0, .pos = p, .n_tok = n, .blocks = A, .n_blocks = T_MAXB};
+            CHECK_EQ(di_dsv4_dev_forward(st, &sq, 1, toks + p, rows, n, cold + (int64_t)p * V),
+                     DI_OK);
+            p += n;
+            if (k < T_NP && p == pts[k])
+                CHECK_EQ(di_dsv4_dev_tail_save(st, 0, snap + tb * k++), DI_OK);
+        }
+        CHECK_EQ(k, T_NP);
+        di_dsv4_dev_seq sq = {.slot = 0, .blocks = A, .n_blocks = T_MAXB};
+        for (int32_t j = 0; j < T_D; j++) { // the cold decode: its logits are the reference
+            sq.pos = T_L + j, sq.n_tok = 1;
+            CHECK_EQ(di_dsv4_dev_forward(st, &sq, 1, dtok + j, rows, 1, cold_dec + (int64_t)j * V),
+                     DI_OK);
+        }
+    }
+    // Refused, nothing changed: slot 0 stays at T_L + T_D, slot 1 at 0.
+    CHECK_EQ(di_dsv4_dev_tail_save(st, 0, bad), DI_ERR_INVALID); // 426: no multiple of 4 or 128
+    CHECK_EQ(di_dsv4_dev_tail_save(st, N_SLOTS, bad), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv4_dev_tail_restore(st, 1, 100, snap), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv4_dev_tail_restore(st, 1, 256, snap), DI_ERR_INVALID); // taken at 128
+    CHECK_EQ(di_dsv4_dev_tail_restore(st, -1, 128, snap), DI_ERR_INVALID);
+    memcpy(bad, snap, tb);
+    bad[0] ^= 1;
+    CHECK_EQ(di_dsv4_dev_tail_restore(st, 1, 128, bad), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv4_dev_n_past(st, 0), T_L + T_D);
+    CHECK_EQ(di_dsv4_dev_n_past(st, 1), 0);
+    { // a slot replayed from win_lo 120 on A's first block: at 128 its window starts at 120
+        di_dsv4_dev_seq rq = {.slot = 2,
+                              .pos = 120,
+                              .n_tok = 8,
+                              .blocks = A,
+                              .n_blocks = T_MAXB,
+                              .win_lo = 120,
+                              .n_cached = BT};
+        int32_t r0 = 0;
+        CHECK_EQ(di_dsv4_dev_forward(st, &rq, 1, toks + 120, &r0, 1, got), DI_OK);
+        CHECK_EQ(di_dsv4_dev_n_past(st, 2), 128);
+        CHECK_EQ(di_dsv4_dev_tail_save(st, 2, bad), DI_ERR_INVALID);
+    }
+    bool same = true;
+    int64_t n_restored = 0;
+    di_dsv4_dev_graph_stats g0, g1;
+    // Each snapshot into slot 1: A's blocks before it, B1's after.
+    for (int k = 0; k < T_NP; k++) {
+        int32_t blk[T_MAXB];
+        for (int32_t j = 0; j < T_MAXB; j++) blk[j] = j < pts[k] / BT ? A[j] : B1[j];
+        CHECK_EQ(di_dsv4_dev_tail_restore(st, 1, pts[k], snap + tb * k), DI_OK);
+        CHECK_EQ(di_dsv4_dev_n_past(st, 1), pts[k]);
+        di_dsv4_dev_seq sq = {.slot = 1, .blocks = blk, .n_blocks = T_MAXB, .n_cached = pts[k]};
+        tail_feed(st, &sq, 1, pts[k], T_L, toks, V, got, cold, &same);
+        di_dsv4_dev_get_graph_stats(st, &g0);
+        tail_decode(st, &sq, 1, dtok, V, got, cold_dec, &same);
+        di_dsv4_dev_get_graph_stats(st, &g1);
+        CHECK_EQ(g1.n_replayed - g0.n_replayed, T_D); // every decode step from the cached graph
+        n_restored++;
+    }
+    { // slot 0 runs another sequence on S, then takes the snapshot at 256 back (A's first two)
+        di_dsv4_dev_seq sq = {.slot = 0, .blocks = S, .n_blocks = T_MAXB};
+        bool ignore = true;
+        tail_feed(st, &sq, 1, 0, 100, other, V, got, cold, &ignore);
+        const int32_t blk[T_MAXB] = {A[0], A[1], S[2], S[3]};
+        CHECK_EQ(di_dsv4_dev_tail_restore(st, 0, 256, snap + tb), DI_OK);
+        di_dsv4_dev_seq s0 = {.slot = 0, .blocks = blk, .n_blocks = T_MAXB, .n_cached = 256};
+        tail_feed(st, &s0, 1, 256, T_L, toks, V, got, cold, &same);
+        tail_decode(st, &s0, 1, dtok, V, got, cold_dec, &same);
+        n_restored++;
+    }
+    { // the snapshot at 384 into slots 1 and 2 at once, both continued in the same calls
+        int32_t b1[T_MAXB], b2[T_MAXB];
+        for (int32_t j = 0; j < T_MAXB; j++)
+            b1[j] = j < 3 ? A[j] : B1[j], b2[j] = j < 3 ? A[j] : B2[j];
+        CHECK_EQ(di_dsv4_dev_tail_restore(st, 1, 384, snap + 2 * tb), DI_OK);
+        CHECK_EQ(di_dsv4_dev_tail_restore(st, 2, 384, snap + 2 * tb), DI_OK);
+        di_dsv4_dev_seq two[2] = {{.slot = 1, .blocks = b1, .n_blocks = T_MAXB, .n_cached = 384},
+                                  {.slot = 2, .blocks = b2, .n_blocks = T_MAXB, .n_cached = 384}};
+        tail_feed(st, two, 2, 384, T_L, toks, V, got, cold, &same);
+        di_dsv4_dev_get_graph_stats(st, &g0);
+        tail_decode(st, two, 2, dtok, V, got, cold_dec, &same);
+        di_dsv4_dev_get_graph_stats(st, &g1);
+        CHECK(g1.n_replayed > g0.n_replayed); // the 2-sequence graph: direct, captured, launched
+        n_restored += 2;
+    }
+    fprintf(stderr,
+            "(k) tail snapshots of %zu bytes at 128, 256, 384: %lld restores continued to %d "
+            "and decoded %d tokens: %s the cold run\n",
+            tb, (long long)n_restored, T_L, T_D, same ? "bit-identical to" : "DIFFERENT FROM");
+    CHECK(same);
+done:
+    free(cold), free(cold_dec), free(got), free(snap), free(bad);
+    di_dsv4_dev_state_destroy(st);
+    close_ctx(&h);
+}
+
 // (h) the official recipe: the same checks, models loaded with DI_PRECISION_OFFICIAL.
 static void test_official(void) {
     g_prec = DI_PRECISION_OFFICIAL;
@@ -753,6 +942,7 @@ static void test_official(void) {
     test_attach();
     test_graphs();
     test_prefix();
+    test_tail();
     g_prec = DI_PRECISION_FP32;
 }
 
@@ -792,6 +982,7 @@ int main(void) {
     RUN(test_decode_costs);
     RUN(test_decode_costs_flash);
     RUN(test_prefix);
+    RUN(test_tail);
     RUN(test_official);
     RUN(test_unsupported);
     di_test_remove_dir(g_dir);

@@ -21,7 +21,9 @@
 //       until a step succeeds;
 //   (f) requests sharing a 300-token prefix (two entry blocks) after a first one: each hits 256
 //       cached positions on the device path and replays the bound (n_layer (W - 1) = 90), and the
-//       tokens equal the CPU engine's (which hits and replays the same);
+//       tokens equal the CPU engine's (which hits and replays the same); with tail snapshots on
+//       the first request's tail at 256 is restored by every later one: nothing replayed, the
+//       same tokens; KV export and import are still refused (DI_ERR_UNSUPPORTED);
 //   (g) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
 //       (di_dsv4_dev_sizes); one byte less than a max_ctx sequence needs is refused
 //       (DI_ERR_INVALID); the device state's bytes grow by exactly the entry blocks that more
@@ -451,6 +453,45 @@ static void test_shared_prefix(void) {
         check_clean(e, true);
         di_engine_destroy(e);
     }
+    // Again with tail snapshots: the first request's tail at 256 is kept with its block, every
+    // later hit restores it and replays nothing; the same tokens.
+    o.no_tail_cache = false;
+    e = NULL;
+    if (b) CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+    if (e) {
+        run_shared(e, got);
+        int n_same = 0;
+        for (int i = 0; i < D_REQ; i++) {
+            n_same += same(&got[i], &ref[i]);
+            CHECK_EQ(got[i].n_cached, i == 0 ? 0 : 256);
+            CHECK_EQ(got[i].n_replayed, 0);
+        }
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        fprintf(stderr,
+                "(f) with tail snapshots (%lld bytes): %d identical; %lld taken, %lld restored, "
+                "%lld positions replayed in all\n",
+                (long long)st.tail_snap_bytes, n_same, (long long)st.n_tail_taken,
+                (long long)st.n_tail_restored, (long long)st.n_replayed_tokens);
+        CHECK_EQ(n_same, D_REQ);
+        CHECK_EQ(st.n_tail_taken, 1);
+        CHECK_EQ(st.n_tail_restored, D_REQ - 1);
+        CHECK_EQ(st.n_replayed_tokens, 0);
+        // KV transfer (PD) stays CPU-forward only with snapshots on: refused both ways.
+        void *kb = NULL;
+        size_t n_kb = 0;
+        int32_t n_kblk = 0, n_ins = 0, n_pres = 0;
+        char err[256];
+        const uint8_t junk[64] = {0};
+        CHECK_EQ(
+            di_engine_kv_export(e, g_dprompt[0], D_PREFIX, 0, &kb, &n_kb, &n_kblk, err, sizeof err),
+            DI_ERR_UNSUPPORTED);
+        CHECK(kb == NULL);
+        CHECK_EQ(di_engine_kv_import(e, junk, sizeof junk, &n_ins, &n_pres, err, sizeof err),
+                 DI_ERR_UNSUPPORTED);
+        check_clean(e, true);
+        di_engine_destroy(e);
+    }
     di_backend_destroy(b);
 }
 
@@ -498,6 +539,7 @@ static void test_sizing(void) {
     snprintf(disk, sizeof disk, "%s/kv-disk", g_dir);
     o = options(least, max_seqs);
     o.kv_disk_dir = disk;
+    o.no_tail_cache = false; // snapshots on do not make it possible
     e = NULL;
     CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_UNSUPPORTED);
     CHECK(e == NULL);

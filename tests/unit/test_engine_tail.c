@@ -22,13 +22,19 @@
 // takes a snapshot after that replay, which A's next run restores, exact; a budget below one
 // snapshot is refused; (i) preemption: 3 requests continuing A from its snapshot in a pool too
 // small for them all: preempted, readmitted, exact.
+// The device-resident forward (model/dsv4_dev.h, on its CPU twin) runs test_config in both recipes
+// (every request: its snapshots are device rows, downloaded and uploaded), (h) and (i): the
+// same tokens as the engine without the prefix cache on that forward, n_replayed 0 on a restored
+// hit where its bounded replay computed 90.
 #include "harness.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 
-#include "engine/engine_internal.h" // di_engine_set_draft_hook
+#include "backend/backend.h"        // the CPU twin of the device-resident forward
+#include "engine/engine_internal.h" // di_engine_set_draft_hook, di_engine_create_prepared
+#include "model/dsv4_dev.h"         // di_dsv4_dev_attach
 #include "model/synth.h"
 
 // Decode steps dominate the cost (each reads every weight): A generates 16 tokens (its blocks then
@@ -77,7 +83,19 @@ typedef struct config {
     di_precision precision;
     int32_t spec;
     bool full; // every request of test_config; else (a), (b), (d) only
+    bool dev;  // the device-resident forward on the CPU backend (its oracle twin)
 } config;
+
+static di_backend *g_cpu; // the dev configurations' backend (outlives their engines)
+
+static di_status attach_cpu_twin(di_model *m, void *user) {
+    return di_dsv4_dev_attach(m, user);
+}
+
+static di_status create(const config *c, di_engine_options *o, di_engine **e) {
+    if (c->dev) return di_engine_create_prepared(c->dir, o, attach_cpu_twin, g_cpu, e);
+    return di_engine_create(c->dir, o, e);
+}
 
 static di_engine_options options(const config *c, bool cache, size_t kv_bytes) {
     di_engine_options o = di_engine_options_default();
@@ -92,10 +110,13 @@ static di_engine_options options(const config *c, bool cache, size_t kv_bytes) {
     return o;
 }
 
+static di_engine_stats stats(di_engine *e);
+
 static di_engine *engine(const config *c, bool cache) {
     di_engine_options o = options(c, cache, (size_t)32 << 20);
     di_engine *e = NULL;
-    CHECK_EQ(di_engine_create(c->dir, &o, &e), DI_OK);
+    CHECK_EQ(create(c, &o, &e), DI_OK);
+    if (e) CHECK_EQ(stats(e).device.resident, c->dev);
     return e;
 }
 
@@ -266,9 +287,9 @@ static void test_evicted(const config *c) {
     di_engine_options o = options(c, true, (size_t)32 << 20);
     o.tail_cache_bytes = snap - 1;
     di_engine *e = NULL;
-    CHECK_EQ(di_engine_create(c->dir, &o, &e), DI_ERR_INVALID);
+    CHECK_EQ(create(c, &o, &e), DI_ERR_INVALID);
     o.tail_cache_bytes = snap + snap / 2;
-    CHECK_EQ(di_engine_create(c->dir, &o, &e), DI_OK);
+    CHECK_EQ(create(c, &o, &e), DI_OK);
     if (!e) return;
     static result req[4], ref[4];
     int32_t other[PA];
@@ -303,10 +324,18 @@ static void test_preempt(const config *c) {
     if (!probe) return;
     const di_engine_stats ps = stats(probe);
     di_engine_destroy(probe);
-    // 16 tail blocks a sequence; room for one max_ctx sequence and a little more.
-    di_engine_options o = options(c, true, (size_t)(16 + 16 + 11) * (size_t)ps.block_bytes);
+    // CPU: 16 tail blocks a sequence; room for one max_ctx sequence and a little more. Dev: the
+    // slots' tails are paid first (what 32 MiB left besides its blocks), then 12 blocks for a
+    // max_ctx of 160 (10 blocks): A's 6 cached ones and 4 of their own for each of the 3
+    // requests of 146 positions do not fit.
+    enum { N_DEV_BLK = 12, DEV_CTX = 160 };
+    size_t kv = (size_t)(16 + 16 + 11) * (size_t)ps.block_bytes;
+    if (c->dev)
+        kv = ((size_t)32 << 20) - (size_t)(ps.n_blocks_total - N_DEV_BLK) * (size_t)ps.block_bytes;
+    di_engine_options o = options(c, true, kv);
+    if (c->dev) o.max_ctx = DEV_CTX;
     di_engine *e = NULL;
-    CHECK_EQ(di_engine_create(c->dir, &o, &e), DI_OK);
+    CHECK_EQ(create(c, &o, &e), DI_OK);
     if (!e) return;
     static result a, req[3], ref[3];
     set_prompt(&a, g_a, PA, 0, 0);
@@ -339,19 +368,25 @@ int main(void) {
     CHECK_EQ(di_synth_preset("tiny", &sc), DI_OK);
     CHECK_EQ(di_synth_write(&sc, g_v4), DI_OK);
     CHECK_EQ(di_synth_v41_write(g_v41, true, true, 41), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(2, &g_cpu), DI_OK);
     for (int t = 0; t < PA; t++) g_a[t] = (int32_t)((t * 31 + 11) % V);
     const config cfg[] = {
-        {"V4 FP32", g_v4, DI_PRECISION_FP32, 0, true},
-        {"V4 official", g_v4, DI_PRECISION_OFFICIAL, 0, false},
-        {"V4 MTP", g_v4, DI_PRECISION_FP32, 1, true},
-        {"V4.1 FP32", g_v41, DI_PRECISION_FP32, 0, false},
-        {"V4.1 official", g_v41, DI_PRECISION_OFFICIAL, 0, true},
-        {"V4.1 DSpark", g_v41, DI_PRECISION_OFFICIAL, 2, false},
+        {"V4 FP32", g_v4, DI_PRECISION_FP32, 0, true, false},
+        {"V4 official", g_v4, DI_PRECISION_OFFICIAL, 0, false, false},
+        {"V4 MTP", g_v4, DI_PRECISION_FP32, 1, true, false},
+        {"V4.1 FP32", g_v41, DI_PRECISION_FP32, 0, false, false},
+        {"V4.1 official", g_v41, DI_PRECISION_OFFICIAL, 0, true, false},
+        {"V4.1 DSpark", g_v41, DI_PRECISION_OFFICIAL, 2, false, false},
+        {"V4 dev FP32", g_v4, DI_PRECISION_FP32, 0, true, true},
+        {"V4 dev official", g_v4, DI_PRECISION_OFFICIAL, 0, true, true},
     };
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) test_config(&cfg[i]);
     test_evicted(&cfg[0]);
     test_evicted(&cfg[4]);
     test_preempt(&cfg[0]);
+    test_evicted(&cfg[6]);
+    test_preempt(&cfg[6]);
+    di_backend_destroy(g_cpu); // after every engine's model, which borrowed it
     di_test_remove_dir(g_root);
     return test_finish();
 }
