@@ -102,11 +102,11 @@ struct di_engine {
     // Tail snapshots on the dev forward ("tail snapshots" below): a restore chosen while planning
     // (the previous step's call may still run) is staged per slot and applied by the launch that
     // runs the admitting plan, the forward idle, before that plan's call.
-    uint8_t *dev_snap;               // owned [max_seqs, tail_bytes]: staged snapshots
-    const di_request **dev_snap_req; // owned [max_seqs]: whose staged snapshot (NULL: none)
-    int32_t *dev_snap_pos;           // owned [max_seqs]: its position
-    di_status x_restore_st;          // the launch's restores (a failure fails its step)
-    di_request **x_seq_req;          // owned [max_seqs]: the request of each planned sequence
+    uint8_t *dev_snap;      // owned [max_seqs, tail_bytes]: staged snapshots
+    uint64_t *dev_snap_id;  // owned [max_seqs]: the request id it is for (0: none)
+    int32_t *dev_snap_pos;  // owned [max_seqs]: its position
+    di_status x_restore_st; // the launch's restores (a failure fails its step)
+    di_request **x_seq_req; // owned [max_seqs]: the request of each planned sequence
     // The V4.1 forward (model->hp.v41): one session per scheduler slot.
     di_session **v41;        // owned [max_seqs]; NULL on the other forwards
     int32_t n_v41;           // sessions created
@@ -803,7 +803,7 @@ void di_engine_destroy(di_engine *e) {
     di_dsv4_dev_state_destroy(e->dstate); // before the model, which owns its dev
     di_free(e->x_dev);
     di_free(e->dev_snap);
-    di_free(e->dev_snap_req);
+    di_free(e->dev_snap_id);
     di_free(e->dev_snap_pos);
     di_free(e->x_seq_req);
     di_free(e->x_blocks);
@@ -1021,7 +1021,7 @@ static bool tail_restore(void *user, di_request *r, int32_t pos, const uint8_t *
         const size_t tb = tail_bytes(e);
         if (di_dsv4_dev_tail_check(e->model->dev, pos, snap) != DI_OK) return false;
         memcpy(e->dev_snap + (size_t)r->slot * tb, snap, tb);
-        e->dev_snap_req[r->slot] = r;
+        e->dev_snap_id[r->slot] = r->id; // ids are never reused: a stale one never matches
         e->dev_snap_pos[r->slot] = pos;
         return true;
     }
@@ -1045,9 +1045,9 @@ static di_status tails_open(di_engine *e) {
     if (o->no_prefix_cache || o->no_tail_cache) return DI_OK;
     if (e->model->dev) { // staging (zeroed pages: a slot never restored into costs nothing)
         e->dev_snap = di_calloc((size_t)o->max_seqs, tail_bytes(e));
-        e->dev_snap_req = di_calloc((size_t)o->max_seqs, sizeof *e->dev_snap_req);
+        e->dev_snap_id = di_calloc((size_t)o->max_seqs, sizeof *e->dev_snap_id);
         e->dev_snap_pos = di_calloc((size_t)o->max_seqs, sizeof *e->dev_snap_pos);
-        if (!e->dev_snap || !e->dev_snap_req || !e->dev_snap_pos) return DI_ERR_NOMEM;
+        if (!e->dev_snap || !e->dev_snap_id || !e->dev_snap_pos) return DI_ERR_NOMEM;
     }
     const size_t budget = o->tail_cache_bytes ? o->tail_cache_bytes : (size_t)256 << 20;
     di_status st = di_kv_manager_open_tails(e->kv, tail_bytes(e), budget);
@@ -1103,12 +1103,12 @@ static void dev_restores(di_engine *e, const di_sched *s) {
     for (int32_t i = 0; i < s->n_seq; i++) {
         const di_request *r = s->seq_req[i];
         const int32_t slot = r->slot;
-        if (!e->dev_snap_req[slot]) continue;
-        if (e->dev_snap_req[slot] == r && e->dev_snap_pos[slot] == s->seqs[i].pos &&
+        if (!e->dev_snap_id[slot]) continue;
+        if (e->dev_snap_id[slot] == r->id && e->dev_snap_pos[slot] == s->seqs[i].pos &&
             e->x_restore_st == DI_OK)
             e->x_restore_st = di_dsv4_dev_tail_restore(e->dstate, slot, e->dev_snap_pos[slot],
                                                        e->dev_snap + (size_t)slot * tb);
-        e->dev_snap_req[slot] = NULL;
+        e->dev_snap_id[slot] = 0;
     }
 }
 
