@@ -598,9 +598,11 @@ typedef struct di_engine_stats {
     double expert_load_imbalance;
     // Online EPLB: plans made, plans applied, replicas moved by them, and the balance (max / mean
     // rank load, 1 = perfect) of the placement in force under the last planned window (0 before
-    // the first plan).
+    // the first plan). eplb_plan_us: time the planner thread spent on those plans (off the engine
+    // thread: steps go on while a plan is computed; it is applied between two steps).
     int64_t n_eplb_plans, n_eplb_rebalances, n_eplb_moves;
     double eplb_balance;
+    int64_t eplb_plan_us;
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. When the model has the

@@ -14,8 +14,10 @@
  *   - di_engine_set_grammar_limits: the matcher limits of later requests with a grammar.
  *   - di_engine_set_masks_ahead: turns the engine thread's masks ahead (engine.c) on or off
  *     whatever the machine, so a test runs both paths on any number of CPUs.
- * Thread-safety: create before start; di_engine_fail_forward from any thread;
- * di_engine_set_draft_hook and di_engine_set_masks_ahead while the engine is idle.
+ *   - di_engine_eplb_hold: holds the online EPLB planner thread before it plans, so a test sees
+ *     steps go on while a plan is in flight.
+ * Thread-safety: create before start; di_engine_eplb_hold from any thread; di_engine_fail_forward
+ * from any thread; di_engine_set_draft_hook and di_engine_set_masks_ahead while the engine is idle.
  */
 #pragma once
 
@@ -76,3 +78,8 @@ void di_engine_set_grammar_limits(di_engine *e, const di_grammar_matcher_limits 
 // runs (default: where the forward leaves a CPU idle, unless DI_ENGINE_SYNC=1). Call while no
 // request is submitted or running.
 void di_engine_set_masks_ahead(di_engine *e, bool on);
+
+// Online EPLB (eplb_interval > 0; nothing otherwise): while held, a plan handed to the planner
+// thread waits before planning (the engine keeps stepping; at most one plan stays in flight).
+// Release before di_engine_wait_idle, which waits for a plan in flight to be applied.
+void di_engine_eplb_hold(di_engine *e, bool hold);

@@ -195,6 +195,9 @@ char *srv_metrics_text(srv *s) {
     GAUGE("deepinfer:eplb_balance",
           "Max / mean rank load of the placement in force under the last planned window.", "%.6f",
           st.eplb_balance);
+    GAUGE("deepinfer:eplb_plan_seconds_total",
+          "Time the EPLB planner thread spent planning (off the engine thread).", "%.6f",
+          (double)st.eplb_plan_us / 1e6);
     GAUGE("deepinfer:grammar_cache_grammars", "Compiled grammars held by the grammar cache.", "%d",
           (int)g_held);
     pthread_mutex_lock(&s->metrics_mu);
