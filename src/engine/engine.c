@@ -231,6 +231,7 @@ static void tails_take(di_engine *e);
 static void tail_stats(di_engine *e, di_engine_stats *st);
 static void spec_rollback(di_engine *e, int32_t k, int32_t pos_new);
 static void disk_stats(di_engine *e, di_engine_stats *st);
+static void disk_store_stats(di_kv_manager *kv, di_engine_stats *st);
 static void eplb_done(void *user);
 
 // ---- create / destroy ----
@@ -575,8 +576,10 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                     !o->no_prefix_cache, &e->kv));
     if (o->kv_disk_dir) { // refused on the accounting managers (their blocks have no memory)
-        di_kv_disk_options dko = {
-            .dir = o->kv_disk_dir, .max_bytes = o->kv_disk_bytes, .ttl_s = o->kv_disk_ttl_s};
+        di_kv_disk_options dko = {.dir = o->kv_disk_dir,
+                                  .max_bytes = o->kv_disk_bytes,
+                                  .ttl_s = o->kv_disk_ttl_s,
+                                  .queue_bytes = o->kv_disk_queue_bytes};
         DI_TRY(di_kv_manager_open_disk(e->kv, &dko));
     }
     o->kv_disk_dir = NULL; // borrowed until here
@@ -775,17 +778,24 @@ void di_engine_destroy(di_engine *e) {
     e->eplb = NULL;
     if (e->kv && e->kv->disk) {
         // Orderly shutdown: no step runs, so every cached block is computed; write back the ones
-        // eviction has not written yet, so that a restarted engine finds them.
+        // eviction has not written yet (the queued evictions first), so that a restarted engine
+        // finds them.
+        di_kv_disk_io_hold(e->kv->disk_io, false);
         int32_t n = di_kv_manager_flush_disk(e->kv);
         di_kv_disk_stats ds;
         di_kv_disk_get_stats(e->kv->disk, &ds);
+        di_kv_disk_io_stats qs;
+        di_kv_disk_io_get_stats(e->kv->disk_io, &qs);
         DI_LOG_INFO(
             "engine: kv disk: %d cached blocks written at shutdown; since start %lld "
-            "blocks written (%.3f ms each), %lld read (%.3f ms each), %lld dropped; %lld "
-            "records (%.1f MiB) on disk",
+            "blocks written (%.3f ms each on the IO thread; %.3f ms each staging on the engine "
+            "thread), %lld not queued (the queue was full), %lld write errors, %lld read (%.3f ms "
+            "each), %lld dropped; %lld records (%.1f MiB) on disk",
             (int)n, (long long)ds.n_written,
             ds.n_written ? (double)ds.write_us / 1000.0 / (double)ds.n_written : 0.0,
-            (long long)ds.n_read, ds.n_read ? (double)ds.read_us / 1000.0 / (double)ds.n_read : 0.0,
+            qs.n_queued ? (double)qs.stage_us / 1000.0 / (double)qs.n_queued : 0.0,
+            (long long)qs.n_dropped, (long long)ds.n_write_errors, (long long)ds.n_read,
+            ds.n_read ? (double)ds.read_us / 1000.0 / (double)ds.n_read : 0.0,
             (long long)ds.n_dropped, (long long)ds.n_records, (double)ds.n_bytes / (1 << 20));
     }
     di_free(e->x_seqs);
@@ -900,6 +910,9 @@ void di_engine_wait_idle(di_engine *e) {
     pthread_mutex_lock(&e->mu);
     while (e->n_live > 0 || e->eplb_busy) pthread_cond_wait(&e->cv_idle, &e->mu);
     pthread_mutex_unlock(&e->mu);
+    // The disk tier's queued writes too (the queue is any thread's): a caller that waited finds
+    // every evicted block on disk.
+    if (e->kv && e->kv->disk_io) di_kv_disk_io_drain(e->kv->disk_io);
 }
 
 // Queues j for the engine thread and waits for it. DI_ERR_BUSY once the engine is stopping.
@@ -946,6 +959,7 @@ void di_engine_get_stats(di_engine *e, di_engine_stats *out) {
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);
     di_ep_load_summary(e->expert_load, &out->n_expert_pairs, &out->expert_load_imbalance);
+    if (e->kv && e->kv->disk) disk_store_stats(e->kv, out); // live: the IO thread writes anytime
 }
 
 di_status di_engine_expert_load(di_engine *e, char **json, size_t *n) {
@@ -963,19 +977,35 @@ di_status di_engine_expert_load(di_engine *e, char **json, size_t *n) {
 
 // ---- engine thread ----
 
-// The disk tier's counters into st (engine thread, or after it stopped; under mu).
-static void disk_stats(di_engine *e, di_engine_stats *st) {
-    if (!e->kv->disk) return;
+// The counters of the disk tier's store and write queue into st (any thread: both lock).
+static void disk_store_stats(di_kv_manager *kv, di_engine_stats *st) {
     di_kv_disk_stats ds;
-    di_kv_disk_get_stats(e->kv->disk, &ds);
-    st->n_disk_hit_tokens = e->kv->n_disk_hit_tokens;
+    di_kv_disk_get_stats(kv->disk, &ds);
+    di_kv_disk_io_stats qs;
+    di_kv_disk_io_get_stats(kv->disk_io, &qs);
+    st->n_disk_writes_queued = qs.n_queued;
+    st->n_disk_writes_dropped = qs.n_dropped;
+    st->n_disk_queue_hits = qs.n_hits;
+    st->n_disk_writes_pending = qs.n_pending;
+    st->disk_pending_bytes = qs.pending_bytes;
+    st->disk_stage_us = qs.stage_us;
+    st->disk_stage_us_max = qs.stage_us_max;
+    st->n_disk_write_errors = ds.n_write_errors;
+    st->disk_write_us = ds.write_us;
     st->n_disk_blocks_written = ds.n_written;
-    st->n_disk_blocks_read = ds.n_read;
+    st->n_disk_blocks_read = ds.n_read + qs.n_hits;
     st->n_disk_records = ds.n_records;
     st->disk_bytes = ds.n_bytes;
     st->n_disk_dropped = ds.n_dropped;
     st->n_disk_snaps_written = ds.n_snaps_written;
-    st->n_disk_snaps_read = ds.n_snaps_read;
+    st->n_disk_snaps_read = ds.n_snaps_read + qs.n_snap_hits;
+}
+
+// The disk tier's counters into st (engine thread, or after it stopped; under mu).
+static void disk_stats(di_engine *e, di_engine_stats *st) {
+    if (!e->kv->disk) return;
+    st->n_disk_hit_tokens = e->kv->n_disk_hit_tokens;
+    disk_store_stats(e->kv, st);
 }
 
 // ---- tail snapshots (docs/kv-cache.md, "Tail snapshots") ----
@@ -2142,6 +2172,10 @@ di_status di_engine_probe_workers(di_engine *e) {
     }
     pthread_mutex_unlock(&e->mu);
     return st;
+}
+
+void di_engine_kv_disk_hold(di_engine *e, bool hold) {
+    if (e->kv && e->kv->disk_io) di_kv_disk_io_hold(e->kv->disk_io, hold);
 }
 
 void di_engine_eplb_hold(di_engine *e, bool hold) {
