@@ -663,7 +663,9 @@ di_status di_engine_submit(di_engine *e, const di_request_params *p, uint64_t *i
 // Any thread. Marks the request cancelled; the engine thread frees its KV blocks before its next
 // step and sends DI_FINISH_CANCELLED. Unknown or finished ids are ignored.
 void di_engine_cancel(di_engine *e, uint64_t id);
-// Any thread. Blocks until no request is waiting or running.
+// Any thread. Blocks until no request is waiting or running, no online EPLB plan is in flight
+// (a plan being computed is applied first), and the disk tier's write queue is empty (every block
+// evicted so far is on disk, or failed and counted).
 void di_engine_wait_idle(di_engine *e);
 // Any thread. A consistent snapshot taken between steps.
 void di_engine_get_stats(di_engine *e, di_engine_stats *out);
