@@ -518,6 +518,10 @@ typedef struct di_engine_options {
     const char *kv_disk_dir;
     size_t kv_disk_bytes;  // the disk tier's byte budget (least recently used out); 0 = 16 GiB
     int64_t kv_disk_ttl_s; // records unused this long are dropped; 0 = 72 hours
+    // Evicted blocks are copied into a staging queue and written by an IO thread (the engine
+    // thread never waits for the disk): its bytes (0 = 256 MiB); a record that does not fit is
+    // dropped and counted (n_disk_writes_dropped).
+    size_t kv_disk_queue_bytes;
     // Speculative decoding with DSpark (DeepSeek V4.1 checkpoints with DSpark weights only;
     // docs/architecture.md, "Speculative decoding"): each decode step of a sequence drafts a block
     // and verifies up to spec_tokens drafts in one forward of spec_tokens + 1 rows, emitting the
@@ -567,6 +571,16 @@ typedef struct di_engine_stats {
     int64_t n_disk_hit_tokens, n_disk_blocks_written, n_disk_blocks_read;
     int64_t n_disk_records, disk_bytes, n_disk_dropped;
     int64_t n_disk_snaps_written, n_disk_snaps_read;
+    // The disk tier's write queue (kv_disk_queue_bytes; docs/kv-cache.md, "Disk tier"): records
+    // queued for the IO thread, dropped because its staging was full (only a cache entry lost),
+    // and lookups served from it (blocks not yet on disk; counted in n_disk_blocks_read and
+    // n_disk_hit_tokens too, their snapshots in n_disk_snaps_read) since create; records and
+    // staging bytes queued now; writes that failed on the IO thread (logged; the block is not
+    // kept). Time: the engine thread's staging (copies; the shutdown flush's waits too) in all and
+    // its longest single record, and the IO thread's writes (off the engine thread).
+    int64_t n_disk_writes_queued, n_disk_writes_dropped, n_disk_queue_hits;
+    int64_t n_disk_writes_pending, disk_pending_bytes, n_disk_write_errors;
+    int64_t disk_stage_us, disk_stage_us_max, disk_write_us;
     int64_t n_step_allocs; // heap allocations made by the engine thread inside steps (debug
                            // builds count them; always 0 in a correct build)
     // Asynchronous scheduling: steps whose plan was built while the previous step's forward
@@ -609,9 +623,11 @@ typedef struct di_engine_stats {
     double expert_load_imbalance;
     // Online EPLB: plans made, plans applied, replicas moved by them, and the balance (max / mean
     // rank load, 1 = perfect) of the placement in force under the last planned window (0 before
-    // the first plan).
+    // the first plan). eplb_plan_us: time the planner thread spent on those plans (off the engine
+    // thread: steps go on while a plan is computed; it is applied between two steps).
     int64_t n_eplb_plans, n_eplb_rebalances, n_eplb_moves;
     double eplb_balance;
+    int64_t eplb_plan_us;
 } di_engine_stats;
 
 // Loads the model at model_dir and starts the engine thread. When the model has the
@@ -658,7 +674,9 @@ di_status di_engine_submit(di_engine *e, const di_request_params *p, uint64_t *i
 // Any thread. Marks the request cancelled; the engine thread frees its KV blocks before its next
 // step and sends DI_FINISH_CANCELLED. Unknown or finished ids are ignored.
 void di_engine_cancel(di_engine *e, uint64_t id);
-// Any thread. Blocks until no request is waiting or running.
+// Any thread. Blocks until no request is waiting or running, no online EPLB plan is in flight
+// (a plan being computed is applied first), and the disk tier's write queue is empty (every block
+// evicted so far is on disk, or failed and counted).
 void di_engine_wait_idle(di_engine *e);
 // Any thread. A consistent snapshot taken between steps.
 void di_engine_get_stats(di_engine *e, di_engine_stats *out);

@@ -76,6 +76,7 @@
 #include "engine/engine_internal.h" // test hooks
 #include "ep/ep.h"                  // the expert workers (online EPLB applies placements)
 #include "ep/eplb.h"                // di_ep_load: the model's expert routing load
+#include "ep/eplb_async.h"          // di_eplb_async: the online EPLB planner thread
 #include "kv/kv_manager.h"
 #include "model/dsv4.h"
 #include "model/dsv41.h"    // the V4.1 forward: di_dsv41_reserve_ctx, di_dsv41_state_bytes
@@ -193,10 +194,13 @@ struct di_engine {
     di_engine_stats stats;
     // EPLB: the routing load the model's MoE records (model->expert_load); read by any thread.
     di_ep_load *expert_load; // owned
-    // Online EPLB (opt.eplb_interval > 0): the window each plan reads (allocated at create) and
-    // the step count at which the next plan is made.
-    di_ep_load_table eplb_window;
+    // Online EPLB (opt.eplb_interval > 0): the planner thread (it owns the window each plan reads)
+    // and the step count at which the next plan is handed to it. eplb_ready (under mu): a plan is
+    // done (wakes a sleeping engine thread to apply it); eplb_busy (under mu): one is in flight
+    // (submitted, not yet applied; di_engine_wait_idle waits for it).
+    di_eplb_async *eplb; // owned; NULL without online EPLB
     int64_t eplb_next_step;
+    bool eplb_ready, eplb_busy;
     // di_engine_probe_workers (under mu): when the workers were last probed, and the answer.
     int64_t probe_ms;
     di_status probe_st;
@@ -234,6 +238,8 @@ static void tails_take(di_engine *e);
 static void tail_stats(di_engine *e, di_engine_stats *st);
 static void spec_rollback(di_engine *e, int32_t k, int32_t pos_new);
 static void disk_stats(di_engine *e, di_engine_stats *st);
+static void disk_store_stats(di_kv_manager *kv, di_engine_stats *st);
+static void eplb_done(void *user);
 
 // ---- create / destroy ----
 
@@ -560,8 +566,8 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
             st = DI_ERR_INVALID;
             goto fail;
         }
-        DI_TRY(di_ep_load_table_alloc(di_ep_load_n_layers(e->expert_load), hp->n_expert,
-                                      &e->eplb_window));
+        DI_TRY(di_eplb_async_create(di_ep_load_n_layers(e->expert_load), hp->n_expert, eplb_done, e,
+                                    &e->eplb));
         e->eplb_next_step = o->eplb_interval;
     }
     if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
@@ -577,8 +583,10 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                     !o->no_prefix_cache, &e->kv));
     if (o->kv_disk_dir) { // refused on the accounting managers (their blocks have no memory)
-        di_kv_disk_options dko = {
-            .dir = o->kv_disk_dir, .max_bytes = o->kv_disk_bytes, .ttl_s = o->kv_disk_ttl_s};
+        di_kv_disk_options dko = {.dir = o->kv_disk_dir,
+                                  .max_bytes = o->kv_disk_bytes,
+                                  .ttl_s = o->kv_disk_ttl_s,
+                                  .queue_bytes = o->kv_disk_queue_bytes};
         DI_TRY(di_kv_manager_open_disk(e->kv, &dko));
     }
     o->kv_disk_dir = NULL; // borrowed until here
@@ -773,19 +781,28 @@ void di_engine_destroy(di_engine *e) {
         pthread_mutex_unlock(&e->fmu);
         pthread_join(e->fwd_thread, NULL);
     }
+    di_eplb_async_destroy(e->eplb); // joins the planner (a plan in flight is discarded)
+    e->eplb = NULL;
     if (e->kv && e->kv->disk) {
         // Orderly shutdown: no step runs, so every cached block is computed; write back the ones
-        // eviction has not written yet, so that a restarted engine finds them.
+        // eviction has not written yet (the queued evictions first), so that a restarted engine
+        // finds them.
+        di_kv_disk_io_hold(e->kv->disk_io, false);
         int32_t n = di_kv_manager_flush_disk(e->kv);
         di_kv_disk_stats ds;
         di_kv_disk_get_stats(e->kv->disk, &ds);
+        di_kv_disk_io_stats qs;
+        di_kv_disk_io_get_stats(e->kv->disk_io, &qs);
         DI_LOG_INFO(
             "engine: kv disk: %d cached blocks written at shutdown; since start %lld "
-            "blocks written (%.3f ms each), %lld read (%.3f ms each), %lld dropped; %lld "
-            "records (%.1f MiB) on disk",
+            "blocks written (%.3f ms each on the IO thread; %.3f ms each staging on the engine "
+            "thread), %lld not queued (the queue was full), %lld write errors, %lld read (%.3f ms "
+            "each), %lld dropped; %lld records (%.1f MiB) on disk",
             (int)n, (long long)ds.n_written,
             ds.n_written ? (double)ds.write_us / 1000.0 / (double)ds.n_written : 0.0,
-            (long long)ds.n_read, ds.n_read ? (double)ds.read_us / 1000.0 / (double)ds.n_read : 0.0,
+            qs.n_queued ? (double)qs.stage_us / 1000.0 / (double)qs.n_queued : 0.0,
+            (long long)qs.n_dropped, (long long)ds.n_write_errors, (long long)ds.n_read,
+            ds.n_read ? (double)ds.read_us / 1000.0 / (double)ds.n_read : 0.0,
             (long long)ds.n_dropped, (long long)ds.n_records, (double)ds.n_bytes / (1 << 20));
     }
     di_free(e->x_seqs);
@@ -844,7 +861,6 @@ void di_engine_destroy(di_engine *e) {
     di_kv_manager_destroy(e->kv);
     di_model_destroy(e->model);
     di_ep_load_destroy(e->expert_load);
-    di_ep_load_table_free(&e->eplb_window);
     pthread_cond_destroy(&e->cv_work);
     pthread_cond_destroy(&e->cv_idle);
     pthread_cond_destroy(&e->cv_job);
@@ -902,8 +918,11 @@ void di_engine_cancel(di_engine *e, uint64_t id) {
 
 void di_engine_wait_idle(di_engine *e) {
     pthread_mutex_lock(&e->mu);
-    while (e->n_live > 0) pthread_cond_wait(&e->cv_idle, &e->mu);
+    while (e->n_live > 0 || e->eplb_busy) pthread_cond_wait(&e->cv_idle, &e->mu);
     pthread_mutex_unlock(&e->mu);
+    // The disk tier's queued writes too (the queue is any thread's): a caller that waited finds
+    // every evicted block on disk.
+    if (e->kv && e->kv->disk_io) di_kv_disk_io_drain(e->kv->disk_io);
 }
 
 // Queues j for the engine thread and waits for it. DI_ERR_BUSY once the engine is stopping.
@@ -950,6 +969,7 @@ void di_engine_get_stats(di_engine *e, di_engine_stats *out) {
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);
     di_ep_load_summary(e->expert_load, &out->n_expert_pairs, &out->expert_load_imbalance);
+    if (e->kv && e->kv->disk) disk_store_stats(e->kv, out); // live: the IO thread writes anytime
 }
 
 di_status di_engine_expert_load(di_engine *e, char **json, size_t *n) {
@@ -967,19 +987,35 @@ di_status di_engine_expert_load(di_engine *e, char **json, size_t *n) {
 
 // ---- engine thread ----
 
-// The disk tier's counters into st (engine thread, or after it stopped; under mu).
-static void disk_stats(di_engine *e, di_engine_stats *st) {
-    if (!e->kv->disk) return;
+// The counters of the disk tier's store and write queue into st (any thread: both lock).
+static void disk_store_stats(di_kv_manager *kv, di_engine_stats *st) {
     di_kv_disk_stats ds;
-    di_kv_disk_get_stats(e->kv->disk, &ds);
-    st->n_disk_hit_tokens = e->kv->n_disk_hit_tokens;
+    di_kv_disk_get_stats(kv->disk, &ds);
+    di_kv_disk_io_stats qs;
+    di_kv_disk_io_get_stats(kv->disk_io, &qs);
+    st->n_disk_writes_queued = qs.n_queued;
+    st->n_disk_writes_dropped = qs.n_dropped;
+    st->n_disk_queue_hits = qs.n_hits;
+    st->n_disk_writes_pending = qs.n_pending;
+    st->disk_pending_bytes = qs.pending_bytes;
+    st->disk_stage_us = qs.stage_us;
+    st->disk_stage_us_max = qs.stage_us_max;
+    st->n_disk_write_errors = ds.n_write_errors;
+    st->disk_write_us = ds.write_us;
     st->n_disk_blocks_written = ds.n_written;
-    st->n_disk_blocks_read = ds.n_read;
+    st->n_disk_blocks_read = ds.n_read + qs.n_hits;
     st->n_disk_records = ds.n_records;
     st->disk_bytes = ds.n_bytes;
     st->n_disk_dropped = ds.n_dropped;
     st->n_disk_snaps_written = ds.n_snaps_written;
-    st->n_disk_snaps_read = ds.n_snaps_read;
+    st->n_disk_snaps_read = ds.n_snaps_read + qs.n_snap_hits;
+}
+
+// The disk tier's counters into st (engine thread, or after it stopped; under mu).
+static void disk_stats(di_engine *e, di_engine_stats *st) {
+    if (!e->kv->disk) return;
+    st->n_disk_hit_tokens = e->kv->n_disk_hit_tokens;
+    disk_store_stats(e->kv, st);
 }
 
 // ---- tail snapshots (docs/kv-cache.md, "Tail snapshots") ----
@@ -1948,8 +1984,8 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
 static bool take_incoming(di_engine *e, bool sleep, bool *stop) {
     di_sched *s = &e->sched;
     pthread_mutex_lock(&e->mu);
-    while (sleep && !e->stop && !e->in_head && !e->any_cancel && !e->jobs && s->n_running == 0 &&
-           s->n_waiting == 0)
+    while (sleep && !e->stop && !e->in_head && !e->any_cancel && !e->jobs && !e->eplb_ready &&
+           s->n_running == 0 && s->n_waiting == 0)
         pthread_cond_wait(&e->cv_work, &e->mu);
     di_request *in = e->in_head;
     e->in_head = e->in_tail = NULL;
@@ -1990,16 +2026,22 @@ static void run_jobs(di_engine *e) {
     }
 }
 
-// Online EPLB (engine thread, between steps: no forward in flight, so the new placement takes
-// effect from the next forward on): plans from the routing load since the previous plan against
-// the placement in force and applies the plan when di_eplb_rebalance finds it worth its moves.
-// Runs outside the steps' allocation count, as the KV jobs.
-static void eplb_step(di_engine *e) {
-    di_ep *ep = e->model->ep;
-    di_ep_placement cur = {0}, next = {0};
-    di_eplb_report rep = {0};
-    di_status st = di_ep_load_window(e->expert_load, &e->eplb_window);
-    if (st == DI_OK) st = di_ep_get_placement(ep, &cur);
+// Online EPLB, on the planner thread: a plan is done; wake the engine thread (it may sleep with
+// nothing to run) to apply it between steps.
+static void eplb_done(void *user) {
+    di_engine *e = user;
+    pthread_mutex_lock(&e->mu);
+    e->eplb_ready = true;
+    pthread_cond_broadcast(&e->cv_work);
+    pthread_mutex_unlock(&e->mu);
+}
+
+// Hands the planner the routing load since the previous plan (into w, its window) and the
+// placement in force.
+static void eplb_submit(di_engine *e, di_ep_load_table *w) {
+    di_ep_placement cur = {0};
+    di_status st = di_ep_load_window(e->expert_load, w);
+    if (st == DI_OK) st = di_ep_get_placement(e->model->ep, &cur);
     if (st == DI_OK) {
         di_eplb_options opt = di_eplb_options_default();
         opt.n_ranks = cur.n_ranks;
@@ -2007,33 +2049,68 @@ static void eplb_step(di_engine *e) {
                                  ? e->opt.eplb_slots_per_rank
                                  : (cur.n_slots + cur.n_ranks - 1) / cur.n_ranks;
         if (e->opt.eplb_min_gain > 0) opt.min_gain = e->opt.eplb_min_gain;
-        st = di_eplb_rebalance(&e->eplb_window, &cur, &opt, &next, &rep);
+        st = di_eplb_async_submit(e->eplb, &cur, &opt);
+        DI_ASSERT(st == DI_OK); // it was idle, and only this thread submits
+    } else {
+        DI_LOG_WARN("eplb: no plan (%s); the current placement stays", di_status_str(st));
     }
-    const int64_t pairs = di_ep_load_table_pairs(&e->eplb_window);
-    bool applied = false;
-    if (st == DI_OK && rep.apply) {
-        st = di_ep_set_placement(ep, &next);
-        applied = st == DI_OK;
-    }
-    if (st != DI_OK)
-        DI_LOG_WARN("eplb: no new placement (%s); the current one stays", di_status_str(st));
-    else if (applied)
-        DI_LOG_INFO("eplb: new placement: max/mean rank load %.3f -> %.3f over %lld routed pairs "
-                    "(contiguous %.3f), %lld replicas moved in %d layers",
-                    rep.balance_before, rep.balance_after, (long long)pairs, rep.balance_contiguous,
-                    (long long)rep.n_moves, rep.n_layers_changed);
-    else
-        DI_LOG_DEBUG("eplb: placement kept: max/mean rank load %.3f, a plan would give %.3f "
-                     "(%lld routed pairs)",
-                     rep.balance_before, rep.balance_after, (long long)pairs);
     di_ep_placement_free(&cur);
-    di_ep_placement_free(&next);
     pthread_mutex_lock(&e->mu);
-    e->stats.n_eplb_plans += st == DI_OK;
-    e->stats.n_eplb_rebalances += applied;
-    e->stats.n_eplb_moves += applied ? rep.n_moves : 0;
-    if (st == DI_OK) e->stats.eplb_balance = applied ? rep.balance_after : rep.balance_before;
     e->eplb_next_step = e->stats.n_steps + e->opt.eplb_interval;
+    pthread_mutex_unlock(&e->mu);
+}
+
+// Online EPLB (engine thread, between steps: no forward in flight, so a new placement takes
+// effect from the next forward on). First applies a plan the planner thread finished, when
+// di_eplb_rebalance found it worth its moves; then, when a plan is due and none is in flight, hands
+// the planner a copy of the routing load since the previous plan and the placement in force, and
+// goes back to stepping (planning: 2-80 ms at V4-Flash shape, never on this thread). The
+// placement is changed only here, so the one a plan was made against is still in force when it is
+// applied. Runs outside the steps' allocation count, as the KV jobs.
+static void eplb_step(di_engine *e) {
+    di_eplb_async_result r;
+    if (di_eplb_async_take(e->eplb, &r)) {
+        di_status st = r.st;
+        bool applied = false;
+        if (st == DI_OK && r.rep.apply) {
+            st = di_ep_set_placement(e->model->ep, &r.next);
+            applied = st == DI_OK;
+        }
+        if (st != DI_OK)
+            DI_LOG_WARN("eplb: no new placement (%s); the current one stays", di_status_str(st));
+        else if (applied)
+            DI_LOG_INFO("eplb: new placement: max/mean rank load %.3f -> %.3f over %lld routed "
+                        "pairs (contiguous %.3f), %lld replicas moved in %d layers; planned in "
+                        "%.1f ms off the engine thread",
+                        r.rep.balance_before, r.rep.balance_after, (long long)r.pairs,
+                        r.rep.balance_contiguous, (long long)r.rep.n_moves, r.rep.n_layers_changed,
+                        (double)r.plan_us / 1000.0);
+        else
+            DI_LOG_DEBUG("eplb: placement kept: max/mean rank load %.3f, a plan would give %.3f "
+                         "(%lld routed pairs)",
+                         r.rep.balance_before, r.rep.balance_after, (long long)r.pairs);
+        di_ep_placement_free(&r.cur);
+        di_ep_placement_free(&r.next);
+        pthread_mutex_lock(&e->mu);
+        e->eplb_ready = false;
+        e->stats.n_eplb_plans += st == DI_OK;
+        e->stats.n_eplb_rebalances += applied;
+        e->stats.n_eplb_moves += applied ? r.rep.n_moves : 0;
+        e->stats.eplb_plan_us += r.plan_us;
+        if (st == DI_OK)
+            e->stats.eplb_balance = applied ? r.rep.balance_after : r.rep.balance_before;
+        pthread_mutex_unlock(&e->mu);
+    }
+    // At most one plan in flight: a due plan waits for the previous one (its window keeps
+    // growing meanwhile).
+    di_ep_load_table *w = NULL;
+    if (e->stats.n_steps >= e->eplb_next_step) w = di_eplb_async_window(e->eplb);
+    if (w) eplb_submit(e, w);
+    // Whether a plan is in flight, decided once both halves ran (a plan applied and the next one
+    // handed over read as one busy stretch to di_engine_wait_idle).
+    pthread_mutex_lock(&e->mu);
+    e->eplb_busy = !di_eplb_async_idle(e->eplb);
+    pthread_cond_broadcast(&e->cv_idle);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -2048,7 +2125,7 @@ static void *engine_main(void *p) {
         bool cancel = take_incoming(e, !have_plan, &stop) || cancel_later;
         cancel_later = false;
         run_jobs(e);
-        if (e->eplb_window.count && e->stats.n_steps >= e->eplb_next_step) eplb_step(e);
+        if (e->eplb) eplb_step(e);
         if (cancel) cancel_flagged(e); // drops the cancelled requests' rows from the plan
         if (stop && s->n_running == 0 && s->n_waiting == 0) break;
 
@@ -2147,6 +2224,14 @@ di_status di_engine_probe_workers(di_engine *e) {
     }
     pthread_mutex_unlock(&e->mu);
     return st;
+}
+
+void di_engine_kv_disk_hold(di_engine *e, bool hold) {
+    if (e->kv && e->kv->disk_io) di_kv_disk_io_hold(e->kv->disk_io, hold);
+}
+
+void di_engine_eplb_hold(di_engine *e, bool hold) {
+    if (e->eplb) di_eplb_async_hold(e->eplb, hold);
 }
 
 int32_t di_engine_ep_stats(di_engine *e, di_ep_worker_stats *out, int32_t cap) {

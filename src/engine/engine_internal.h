@@ -14,8 +14,13 @@
  *   - di_engine_set_grammar_limits: the matcher limits of later requests with a grammar.
  *   - di_engine_set_masks_ahead: turns the engine thread's masks ahead (engine.c) on or off
  *     whatever the machine, so a test runs both paths on any number of CPUs.
- * Thread-safety: create before start; di_engine_fail_forward from any thread;
- * di_engine_set_draft_hook and di_engine_set_masks_ahead while the engine is idle.
+ *   - di_engine_eplb_hold: holds the online EPLB planner thread before it plans, so a test sees
+ *     steps go on while a plan is in flight.
+ *   - di_engine_kv_disk_hold: holds the disk tier's IO thread, so a test sees steps go on with
+ *     writes queued, lookups served from the queue, and a full queue drop records.
+ * Thread-safety: create before start; di_engine_eplb_hold, di_engine_kv_disk_hold from any thread;
+ * di_engine_fail_forward from any thread; di_engine_set_draft_hook and di_engine_set_masks_ahead
+ * while the engine is idle.
  */
 #pragma once
 
@@ -76,3 +81,13 @@ void di_engine_set_grammar_limits(di_engine *e, const di_grammar_matcher_limits 
 // runs (default: where the forward leaves a CPU idle, unless DI_ENGINE_SYNC=1). Call while no
 // request is submitted or running.
 void di_engine_set_masks_ahead(di_engine *e, bool on);
+
+// Online EPLB (eplb_interval > 0; nothing otherwise): while held, a plan handed to the planner
+// thread waits before planning (the engine keeps stepping; at most one plan stays in flight).
+// Release before di_engine_wait_idle, which waits for a plan in flight to be applied.
+void di_engine_eplb_hold(di_engine *e, bool hold);
+
+// The disk tier (kv_disk_dir; nothing otherwise): while held, its IO thread writes nothing (evicted
+// blocks stay queued, or are dropped once the queue is full). Release before di_engine_wait_idle
+// or di_engine_destroy's flush, which wait for the queue.
+void di_engine_kv_disk_hold(di_engine *e, bool hold);

@@ -5,6 +5,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,16 +50,25 @@ typedef struct rec_header {
 } rec_header;
 _Static_assert(sizeof(rec_header) == HEADER_BYTES, "record header is 128 bytes");
 
+// Two threads use a store: the engine thread (lookups, reads at admission) and the disk IO thread
+// of kv/kv_disk_io.h (writes). mu guards the index, the statistics and the read scratch (path,
+// hdr, tokens); a read holds it throughout (the writer only waits at its index steps, never the
+// engine thread for a write's file IO). A write holds it for its index steps only (room, then the
+// new entry); its file IO uses the writer's own scratch (wpath, wtmp, whdr), so one writer at a
+// time. A record being written is not indexed until it is complete: a lookup meanwhile misses.
 struct di_kv_disk {
-    char *dir;        // owned
-    char *path, *tmp; // owned [PATH_CAP]: scratch for record paths
-    int lock_fd;      // DIR/LOCK, flock'ed
+    pthread_mutex_t mu;
+    char *dir;          // owned
+    char *path;         // owned [PATH_CAP]: scratch for record paths (under mu)
+    char *wpath, *wtmp; // owned [PATH_CAP]: the writer's
+    rec_header *whdr;   // owned: the writer's header
+    int lock_fd;        // DIR/LOCK, flock'ed
     di_kv_disk_layout l;
     size_t rec_bytes, max_bytes; // rec_bytes: a record without a snapshot
     int64_t ttl_s;
     int64_t (*now_s)(void *user);
     void *now_user;
-    rec_header *hdr; // owned: read / write scratch
+    rec_header *hdr; // owned: read scratch (under mu)
     int32_t *tokens; // owned [block_tokens]: read scratch
     // Index: slots with hash, last use and an LRU list (head = least recently used).
     int32_t cap;
@@ -321,6 +331,7 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     di_kv_disk *d = di_calloc(1, sizeof *d);
     if (!d) return DI_ERR_NOMEM;
     d->lock_fd = -1;
+    pthread_mutex_init(&d->mu, NULL);
     d->l = *l;
     d->rec_bytes = di_kv_disk_record_size(l);
     d->max_bytes = o->max_bytes ? o->max_bytes : DI_KV_DISK_BYTES_DEFAULT;
@@ -343,8 +354,10 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     const size_t nc = (size_t)d->cap;
     d->dir = di_malloc(strlen(o->dir) + 1);
     d->path = di_malloc(PATH_CAP);
-    d->tmp = di_malloc(PATH_CAP);
+    d->wpath = di_malloc(PATH_CAP);
+    d->wtmp = di_malloc(PATH_CAP);
     d->hdr = di_calloc(1, sizeof *d->hdr);
+    d->whdr = di_calloc(1, sizeof *d->whdr);
     d->tokens = di_malloc(sizeof(int32_t) * (size_t)l->block_tokens);
     d->hash = di_calloc(nc, sizeof *d->hash);
     d->last_s = di_calloc(nc, sizeof *d->last_s);
@@ -354,8 +367,9 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     d->chain = di_calloc(nc, sizeof *d->chain);
     d->free_slots = di_calloc(nc, sizeof *d->free_slots);
     d->bucket = di_calloc(nb, sizeof *d->bucket);
-    if (!d->dir || !d->path || !d->tmp || !d->hdr || !d->tokens || !d->hash || !d->last_s ||
-        !d->bytes || !d->prev || !d->next || !d->chain || !d->free_slots || !d->bucket) {
+    if (!d->dir || !d->path || !d->wpath || !d->wtmp || !d->whdr || !d->hdr || !d->tokens ||
+        !d->hash || !d->last_s || !d->bytes || !d->prev || !d->next || !d->chain ||
+        !d->free_slots || !d->bucket) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -401,7 +415,9 @@ void di_kv_disk_destroy(di_kv_disk *d) {
     if (d->lock_fd >= 0) close(d->lock_fd); // releases the flock
     di_free(d->dir);
     di_free(d->path);
-    di_free(d->tmp);
+    di_free(d->wpath);
+    di_free(d->wtmp);
+    di_free(d->whdr);
     di_free(d->hdr);
     di_free(d->tokens);
     di_free(d->hash);
@@ -412,6 +428,7 @@ void di_kv_disk_destroy(di_kv_disk *d) {
     di_free(d->chain);
     di_free(d->free_slots);
     di_free(d->bucket);
+    pthread_mutex_destroy(&d->mu);
     di_free(d);
 }
 
@@ -419,17 +436,25 @@ size_t di_kv_disk_record_bytes(const di_kv_disk *d) {
     return d->rec_bytes;
 }
 
+const di_kv_disk_layout *di_kv_disk_get_layout(const di_kv_disk *d) {
+    return &d->l;
+}
+
 int32_t di_kv_disk_capacity(const di_kv_disk *d) {
     return d->cap;
 }
 
 void di_kv_disk_get_stats(const di_kv_disk *d, di_kv_disk_stats *out) {
+    pthread_mutex_t *mu = (pthread_mutex_t *)&d->mu; // the lock is not the store's state
+    pthread_mutex_lock(mu);
     *out = d->st;
+    pthread_mutex_unlock(mu);
 }
 
 // ---- lookup ----
 
-bool di_kv_disk_has(di_kv_disk *d, uint64_t h) {
+// di_kv_disk_has under mu.
+static bool has_locked(di_kv_disk *d, uint64_t h) {
     int32_t s = find(d, h);
     if (s < 0) return false;
     if (expired(d, d->last_s[s], now_s(d))) {
@@ -438,6 +463,13 @@ bool di_kv_disk_has(di_kv_disk *d, uint64_t h) {
         return false;
     }
     return true;
+}
+
+bool di_kv_disk_has(di_kv_disk *d, uint64_t h) {
+    pthread_mutex_lock(&d->mu);
+    const bool has = has_locked(d, h);
+    pthread_mutex_unlock(&d->mu);
+    return has;
 }
 
 // ---- write ----
@@ -592,14 +624,15 @@ static ssize_t readv_all(int fd, struct iovec *iov, int n) {
     return total;
 }
 
-static void write_error(di_kv_disk *d, const char *what) {
+// A failed write (under mu; err: its errno): counted and logged, the block is just not kept.
+static void write_error(di_kv_disk *d, const char *what, int err) {
     d->st.n_write_errors++;
     if (d->n_warn < MAX_WARN) {
         d->n_warn++;
-        DI_LOG_WARN("kv disk: cannot %s %s: %s (the block is not kept on disk)", what, d->tmp,
-                    strerror(errno));
+        DI_LOG_WARN("kv disk: cannot %s %s: %s (the block is not kept on disk)", what, d->wtmp,
+                    strerror(err));
     } else {
-        DI_LOG_DEBUG("kv disk: cannot %s %s: %s", what, d->tmp, strerror(errno));
+        DI_LOG_DEBUG("kv disk: cannot %s %s: %s", what, d->wtmp, strerror(err));
     }
 }
 
@@ -608,61 +641,82 @@ di_status di_kv_disk_write(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t 
                            size_t snap_bytes) {
     if (!snap) snap_bytes = 0;
     if (d->rec_bytes + snap_bytes > d->max_bytes) snap_bytes = 0; // the block alone fits
-    if (di_kv_disk_has(d, h)) {
+    const int64_t t0 = mono_us();
+    // Index step 1 (under mu): skip, or make room. Only this writer adds records, and readers only
+    // remove them, so the room made here is still there at step 2.
+    pthread_mutex_lock(&d->mu);
+    if (has_locked(d, h)) {
         // The same chain hash, parent and tokens: the same block. Rewritten only to add a
         // snapshot the record lacks.
         const int32_t s = find(d, h);
-        if (!snap_bytes || d->bytes[s] > (int64_t)d->rec_bytes) return DI_OK;
+        if (!snap_bytes || d->bytes[s] > (int64_t)d->rec_bytes) {
+            pthread_mutex_unlock(&d->mu);
+            return DI_OK;
+        }
         delete_record(d, s);
     }
-    const int64_t t0 = mono_us(), now = now_s(d);
+    const int64_t now = now_s(d);
     const size_t need = d->rec_bytes + snap_bytes;
     while (d->st.n_records >= d->cap || (size_t)d->st.n_bytes + need > d->max_bytes) {
         d->st.n_evicted++;
         delete_record(d, d->lru_head);
     }
+    pthread_mutex_unlock(&d->mu);
+    // The file (no lock: a lookup of h meanwhile misses; the writer's scratch).
     const size_t n_tok = (size_t)d->l.block_tokens, n_f = (size_t)d->l.payload_floats;
-    rec_header *hd = d->hdr;
+    rec_header *hd = d->whdr;
     fill_header(hd, &d->l, h, parent, salt, now, tokens, payload, snap, snap_bytes);
-    tmp_path(d, h, d->tmp, PATH_CAP);
-    di_kv_disk_path(d, h, d->path, PATH_CAP);
-    int fd = open(d->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    tmp_path(d, h, d->wtmp, PATH_CAP);
+    di_kv_disk_path(d, h, d->wpath, PATH_CAP);
+    const char *failed = NULL;
+    int err = 0;
+    int fd = open(d->wtmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
-        write_error(d, "create");
-        return DI_ERR_IO;
+        failed = "create", err = errno;
+    } else {
+        struct iovec iov[4] = {{hd, sizeof *hd},
+                               {(void *)tokens, sizeof(int32_t) * n_tok},
+                               {(void *)payload, sizeof(float) * n_f},
+                               {(void *)snap, snap_bytes}};
+        const struct timespec ts[2] = {{(time_t)now, 0}, {(time_t)now, 0}};
+        bool ok = writev_all(fd, iov, snap_bytes ? 4 : 3);
+        if (!ok) failed = "write", err = errno;
+        if (ok) (void)futimens(fd, ts); // last use = now (retention reads the mtime at open)
+        if (close(fd) != 0 && !failed) failed = "write", err = errno;
+        if (!failed && rename(d->wtmp, d->wpath) != 0) failed = "rename", err = errno;
+        if (failed) unlink(d->wtmp);
     }
-    struct iovec iov[4] = {{hd, sizeof *hd},
-                           {(void *)tokens, sizeof(int32_t) * n_tok},
-                           {(void *)payload, sizeof(float) * n_f},
-                           {(void *)snap, snap_bytes}};
-    const struct timespec ts[2] = {{(time_t)now, 0}, {(time_t)now, 0}};
-    bool ok = writev_all(fd, iov, snap_bytes ? 4 : 3);
-    if (ok) (void)futimens(fd, ts); // last use = now (retention reads the mtime at open)
-    if (close(fd) != 0) ok = false;
-    if (!ok || rename(d->tmp, d->path) != 0) {
-        write_error(d, ok ? "rename" : "write");
-        unlink(d->tmp);
+    // Index step 2 (under mu): the complete record, or the error.
+    pthread_mutex_lock(&d->mu);
+    if (failed) {
+        write_error(d, failed, err);
+        pthread_mutex_unlock(&d->mu);
         return DI_ERR_IO;
     }
     index_add(d, h, now, (int64_t)need);
     d->st.n_written++;
     d->st.n_snaps_written += snap_bytes > 0;
     d->st.write_us += mono_us() - t0;
+    pthread_mutex_unlock(&d->mu);
     return DI_OK;
 }
 
 // ---- read ----
 
 size_t di_kv_disk_snap_bytes(di_kv_disk *d, uint64_t h) {
+    pthread_mutex_lock(&d->mu);
     const int32_t s = find(d, h);
-    return s < 0 ? 0 : (size_t)d->bytes[s] - d->rec_bytes;
+    const size_t n = s < 0 ? 0 : (size_t)d->bytes[s] - d->rec_bytes;
+    pthread_mutex_unlock(&d->mu);
+    return n;
 }
 
-bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
-                     const int32_t *tokens, float *payload, void *snap, size_t snap_bytes,
-                     bool *snap_read) {
+// di_kv_disk_read under mu (the whole read: it uses the read scratch).
+static bool read_locked(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
+                        const int32_t *tokens, float *payload, void *snap, size_t snap_bytes,
+                        bool *snap_read) {
     if (snap_read) *snap_read = false;
-    if (!di_kv_disk_has(d, h)) return false;
+    if (!has_locked(d, h)) return false;
     const int64_t t0 = mono_us(), now = now_s(d);
     const int32_t s = find(d, h);
     const size_t n_tok = (size_t)d->l.block_tokens, n_f = (size_t)d->l.payload_floats;
@@ -719,4 +773,13 @@ bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
     if (snap_read) *snap_read = with_snap;
     d->st.read_us += mono_us() - t0;
     return true;
+}
+
+bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
+                     const int32_t *tokens, float *payload, void *snap, size_t snap_bytes,
+                     bool *snap_read) {
+    pthread_mutex_lock(&d->mu);
+    const bool hit = read_locked(d, h, parent, salt, tokens, payload, snap, snap_bytes, snap_read);
+    pthread_mutex_unlock(&d->mu);
+    return hit;
 }

@@ -21,8 +21,13 @@
  *
  * Owns: the index (sized at create for the budget; no allocation afterwards), the lock, one
  * header buffer. Does not: know what a payload means, or hash chains (the caller gives the hash).
- * Writes and reads are synchronous on the caller's thread (cost: docs/kv-cache.md).
- * Thread-safety: engine thread only (one thread at a time).
+ * Writes and reads are synchronous on the caller's thread (cost: docs/kv-cache.md); the engine
+ * writes through kv/kv_disk_io.h, whose IO thread calls di_kv_disk_write, and reads at admission on
+ * its own thread.
+ * Thread-safety: any thread; one writer (di_kv_disk_write) at a time. An internal mutex guards
+ * the index and the statistics (the one lock of kv/: two threads share a store); a read holds it
+ * throughout, a write only for its index steps, not for its file IO (a lookup of a record being
+ * written misses). create / destroy: one thread, nothing else running.
  */
 #pragma once
 
@@ -57,6 +62,9 @@ typedef struct di_kv_disk_options {
     // Seconds since the epoch (tests move time); NULL = the real clock.
     int64_t (*now_s)(void *user);
     void *now_user;
+    // The write queue's staging bytes (kv/kv_disk_io.h; di_kv_manager_open_disk creates it; the
+    // store itself ignores this); 0 = DI_KV_DISK_IO_BYTES_DEFAULT.
+    size_t queue_bytes;
 } di_kv_disk_options;
 
 typedef struct di_kv_disk_stats {
@@ -83,6 +91,8 @@ void di_kv_disk_destroy(di_kv_disk *d);
 
 // Bytes of one record (header, tokens, payload) without a snapshot.
 size_t di_kv_disk_record_bytes(const di_kv_disk *d);
+// The layout the store was created with.
+const di_kv_disk_layout *di_kv_disk_get_layout(const di_kv_disk *d);
 // Records the budget (and the index) hold at most.
 int32_t di_kv_disk_capacity(const di_kv_disk *d);
 

@@ -237,6 +237,7 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
         }
     }
     di_free(kv->seqs);
+    di_kv_disk_io_destroy(kv->disk_io); // writes what is queued (the store outlives it)
     di_kv_disk_destroy(kv->disk);
     di_prefix_cache_destroy(kv->cache);
     di_tail_cache_destroy(kv->tails);
@@ -259,20 +260,21 @@ static di_kv_disk_layout record_layout(const di_kv_manager *kv) {
                                .payload_floats = kv->entry_floats};
 }
 
-// Writes cached block id back to the disk tier, with its tail snapshot if it has one.
+// Queues cached block id for the disk tier's IO thread (a copy), with its tail snapshot if it
+// has one; without wait, dropped (counted) when the staging is full.
 static di_status write_back(di_kv_manager *kv, uint64_t h, uint64_t parent, uint64_t salt,
-                            const int32_t *tokens, int32_t id) {
+                            const int32_t *tokens, int32_t id, bool wait) {
     const uint8_t *snap =
         kv->tails && di_tail_cache_has(kv->tails, id) ? di_tail_cache_get(kv->tails, id) : NULL;
-    return di_kv_disk_write(kv->disk, h, parent, salt, tokens, di_block_pool_ptr(kv->pool, id),
-                            snap, snap ? di_tail_cache_snap_bytes(kv->tails) : 0);
+    return di_kv_disk_io_put(kv->disk_io, h, parent, salt, tokens, di_block_pool_ptr(kv->pool, id),
+                             snap, snap ? di_tail_cache_snap_bytes(kv->tails) : 0, wait);
 }
 
-// The prefix cache evicts (or flushes) a cached block: write it back (before its snapshot is
-// dropped with it).
+// The prefix cache evicts a cached block (its memory is reused right after): queue a copy (before
+// its snapshot is dropped with it). Eviction never waits for the disk: a full queue drops it.
 static void spill(void *user, uint64_t h, uint64_t parent, uint64_t salt, const int32_t *tokens,
                   int32_t id) {
-    (void)write_back(user, h, parent, salt, tokens, id);
+    (void)write_back(user, h, parent, salt, tokens, id, false);
 }
 
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o) {
@@ -289,26 +291,38 @@ di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o
     const di_kv_disk_layout l = record_layout(kv);
     di_status st = di_kv_disk_create(o, &l, &kv->disk);
     if (st != DI_OK) return st;
+    st = di_kv_disk_io_create(kv->disk, o->queue_bytes, &kv->disk_io);
+    if (st != DI_OK) {
+        di_kv_disk_destroy(kv->disk);
+        kv->disk = NULL;
+        return st;
+    }
     di_prefix_cache_set_spill(kv->cache, spill, kv);
     return DI_OK;
 }
 
-// Flush: writes a block not yet on disk, or whose record lacks the snapshot it has now; true if
-// it was written.
+// Flush: queues a block not yet on disk nor queued, or whose record lacks the snapshot it has
+// now (waiting for room: nothing is dropped); true if it was queued.
 static bool flush_one(void *user, uint64_t h, uint64_t parent, uint64_t salt, const int32_t *tokens,
                       int32_t id) {
     di_kv_manager *kv = user;
     const bool snap = kv->tails && di_tail_cache_has(kv->tails, id);
+    size_t queued_snap = 0;
+    if (di_kv_disk_io_find(kv->disk_io, h, &queued_snap) && (!snap || queued_snap > 0))
+        return false;
     if (di_kv_disk_has(kv->disk, h) && (!snap || di_kv_disk_snap_bytes(kv->disk, h) > 0))
         return false;
-    return write_back(kv, h, parent, salt, tokens, id) == DI_OK;
+    return write_back(kv, h, parent, salt, tokens, id, true) == DI_OK;
 }
 
 int32_t di_kv_manager_flush_disk(di_kv_manager *kv) {
     if (!kv->disk) return 0;
     // Most recent first, at most what the budget holds: a pool larger than the budget does not
     // write blocks that would only evict each other.
-    return di_prefix_cache_offer_recent(kv->cache, flush_one, kv, di_kv_disk_capacity(kv->disk));
+    const int32_t n =
+        di_prefix_cache_offer_recent(kv->cache, flush_one, kv, di_kv_disk_capacity(kv->disk));
+    di_kv_disk_io_drain(kv->disk_io); // evicted blocks queued earlier too: a restart finds all
+    return n;
 }
 
 // ---- tail snapshots ----
@@ -611,16 +625,26 @@ int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *
         if (id >= 0) {
             di_block_pool_ref(kv->pool, id);
         } else {
-            if (!di_kv_disk_has(kv->disk, hn) || di_block_pool_alloc(kv->pool, &id) != DI_OK) break;
+            // The write queue first, then the store: a queued record leaves the queue only once
+            // it is indexed on disk, so this order misses none in between. (A record that fails
+            // its write is in neither: a miss.)
+            size_t qsb = 0;
+            const bool queued = di_kv_disk_io_find(kv->disk_io, hn, &qsb);
+            if ((!queued && !di_kv_disk_has(kv->disk, hn)) ||
+                di_block_pool_alloc(kv->pool, &id) != DI_OK)
+                break;
             // The record's tail snapshot, if it has one of this engine's size, goes back into the
             // tail cache with the block (a fresh id: it has none), read straight into its slot.
             const size_t sb = kv->tails ? di_tail_cache_snap_bytes(kv->tails) : 0;
-            uint8_t *snap = sb && di_kv_disk_snap_bytes(kv->disk, hn) == sb
-                                ? di_tail_cache_put(kv->tails, id)
-                                : NULL;
+            const size_t rsb = queued ? qsb : di_kv_disk_snap_bytes(kv->disk, hn);
+            uint8_t *snap = sb && rsb == sb ? di_tail_cache_put(kv->tails, id) : NULL;
             bool got_snap = false;
-            if (!di_kv_disk_read(kv->disk, hn, h, s->salt, t, di_block_pool_ptr(kv->pool, id), snap,
-                                 sb, &got_snap)) {
+            float *dst = di_block_pool_ptr(kv->pool, id);
+            bool got = queued &&
+                       di_kv_disk_io_read(kv->disk_io, hn, h, s->salt, t, dst, snap, sb, &got_snap);
+            // Written meanwhile (or a collision in the queue): the store has the final word.
+            if (!got) got = di_kv_disk_read(kv->disk, hn, h, s->salt, t, dst, snap, sb, &got_snap);
+            if (!got) {
                 if (snap) di_tail_cache_drop(kv->tails, id);
                 di_block_pool_unref(kv->pool, id); // never cached: back to the free list
                 break;

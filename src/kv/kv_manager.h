@@ -24,13 +24,14 @@
  * hit shares them; the per-slot tail (rings, (C, Z) slots, Engram history) is the session's.
  *
  * With a disk tier (di_kv_manager_open_disk: managers with block memory, the CPU one and the V4.1
- * one) the prefix cache writes every block
- * it loses to eviction to disk (with its tail snapshot, if any), and admission continues a prefix
- * match with blocks read back from it, their snapshots with them (docs/kv-cache.md, "Disk tier").
+ * one) the prefix cache queues every block it loses to eviction for the disk IO thread
+ * (kv/kv_disk_io.h: a copy, with its tail snapshot, if any; written off this thread), and
+ * admission continues a prefix match with blocks still queued or read back from disk (on this
+ * thread), their snapshots with them (docs/kv-cache.md, "Disk tier").
  *
  * Owns: the pool, the prefix cache, the disk tier, per-slot metadata (sized at create; no
  * allocation after).
- * Thread-safety: engine thread only.
+ * Thread-safety: engine thread only (the disk tier's IO thread works on copies; kv_disk_io.h).
  */
 #pragma once
 
@@ -39,6 +40,7 @@
 
 #include "kv/block_pool.h"   // di_block_pool
 #include "kv/kv_disk.h"      // di_kv_disk: the prefix cache's disk tier
+#include "kv/kv_disk_io.h"   // di_kv_disk_io: its write queue and IO thread
 #include "kv/prefix_cache.h" // di_prefix_cache
 #include "kv/tail_cache.h"   // di_tail_cache: tail snapshots of cached blocks
 #include "model/dsv4.h"      // di_model, di_dsv4_layer_state
@@ -84,6 +86,7 @@ typedef struct di_kv_manager {
     int32_t max_seqs;
     bool accounting;           // no tail blocks or layer views (the accounting and V4.1 managers)
     di_kv_disk *disk;          // owned; NULL without a disk tier
+    di_kv_disk_io *disk_io;    // owned: the disk tier's write queue (with disk)
     di_tail_cache *tails;      // owned; NULL without tail snapshots (di_kv_manager_open_tails)
     int64_t n_disk_hit_tokens; // prompt tokens attached from blocks read from the disk tier
 } di_kv_manager;
@@ -113,16 +116,20 @@ size_t di_kv_v41_block_bytes(const di_model *m);
 int32_t di_kv_block_tokens(const di_model *m);
 void di_kv_manager_destroy(di_kv_manager *kv);
 // Adds the disk tier at o->dir to the prefix cache (kv/kv_disk.h): evicted cached blocks are
-// written there (with their tail snapshots, when di_kv_manager_open_tails keeps them), and
+// queued for its IO thread (kv/kv_disk_io.h, o->queue_bytes of staging; dropped and counted when
+// full) and written there (with their tail snapshots, when di_kv_manager_open_tails keeps them),
+// and
 // di_kv_seq_attach_prefix continues a match with the blocks found there (their snapshots of this
 // manager's size back into the tail cache with them).
 // Before any sequence opens. DI_ERR_UNSUPPORTED (an accounting manager: its blocks' memory is not
 // here), DI_ERR_INVALID (no prefix cache; a bad budget), DI_ERR_IO, DI_ERR_BUSY (the directory is
 // another engine's), DI_ERR_NOMEM; all logged.
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o);
-// Writes the cached blocks not yet on disk there, or whose record lacks the tail snapshot they
-// have now (orderly shutdown, so that a restart finds them): most recently used first, at most as
-// many as the disk budget holds. Returns the blocks written. Nothing without a disk tier.
+// Writes the cached blocks not yet on disk (nor queued) there, or whose record lacks the tail
+// snapshot they have now (orderly shutdown, so that a restart finds them): most recently used
+// first, at most as many as the disk budget holds; through the write queue (waiting for room, never
+// dropping), then waits until everything queued is written. Returns the blocks queued here.
+// Nothing without a disk tier.
 int32_t di_kv_manager_flush_disk(di_kv_manager *kv);
 
 // KV transfer (prefill/decode disaggregation, docs/disaggregation.md; CPU manager with the prefix

@@ -120,3 +120,4 @@ def test_serve_online_eplb():
         assert m["deepinfer:eplb_rebalances_total"] >= 1
         assert m["deepinfer:eplb_moved_replicas_total"] > 0
         assert m["deepinfer:eplb_balance"] >= 1.0
+        assert m["deepinfer:eplb_plan_seconds_total"] > 0  # on the planner thread

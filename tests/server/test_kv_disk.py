@@ -24,13 +24,19 @@ def ask(s):
 
 def test_disk_tier_survives_restart(tmp_path):
     d = str(tmp_path / "kv")
-    s = Server(["--kv-disk-dir", d, "--kv-disk-bytes", "256M", "--kv-disk-ttl", "72h"])
+    s = Server(["--kv-disk-dir", d, "--kv-disk-bytes", "256M", "--kv-disk-ttl", "72h",
+                "--kv-disk-queue", "64M"])
     try:
         first, usage = ask(s)
         assert usage["prompt_tokens"] > 200, usage
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0, usage
         m = s.metrics()
         assert m["deepinfer:kv_disk_blocks_written_total"] == 0  # nothing evicted yet
+        # The write queue (the IO thread's): nothing queued, dropped or pending yet.
+        assert m["deepinfer:kv_disk_writes_queued_total"] == 0
+        assert m["deepinfer:kv_disk_writes_dropped_total"] == 0
+        assert m["deepinfer:kv_disk_writes_pending"] == 0
+        assert m["deepinfer:kv_disk_write_errors_total"] == 0
         # A second server on the same directory is refused while this one holds it.
         r = subprocess.run([os.environ["DEEPINFER_BIN"], "serve", "--port", str(free_port()),
                             "--threads", "1", "--kv-disk-dir", d],
@@ -47,6 +53,7 @@ def test_disk_tier_survives_restart(tmp_path):
     try:
         m = s.metrics()
         assert m["deepinfer:kv_disk_records"] > 0
+        assert m["deepinfer:kv_disk_queue_hits_total"] == 0
         assert m["deepinfer:kv_disk_bytes"] > 0
         again, usage = ask(s)
         assert again == first

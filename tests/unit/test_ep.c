@@ -22,6 +22,7 @@
 #include "ep/ep.h"
 #include "ep/eplb.h"
 #include "ep/wire.h"
+#include "engine/engine_internal.h" // di_engine_eplb_hold
 #include "ep/worker.h"
 #include "model/dsv4.h"
 #include "model/synth.h"
@@ -253,6 +254,48 @@ static void test_online_eplb(void) {
     CHECK(st.n_eplb_rebalances >= 1);
     CHECK(st.n_eplb_moves > 0);
     CHECK(st.eplb_balance >= 1.0);
+    CHECK(st.eplb_plan_us >= 0);
+    // The planner runs on its own thread: held before it plans, the engine goes on stepping (every
+    // request finishes) with the plan in flight and none applied; released, the plan is applied
+    // between steps (di_engine_wait_idle waits for it) and the tokens are still those of one
+    // process.
+    {
+        o.n_threads = 1;
+        o.max_ctx = 256;
+        o.kv_memory_bytes = 32u << 20;
+        di_engine *eh = NULL;
+        CHECK_EQ(di_engine_create(g_v4, &o, &eh), DI_OK);
+        if (eh) {
+            di_engine_eplb_hold(eh, true);
+            memset(got, 0, sizeof got);
+            run(eh, got, 0, N_REQ);
+            for (int spin = 0; spin < 60000; spin++) { // at most 60 s
+                int n_fin = 0;
+                for (int i = 0; i < N_REQ; i++) n_fin += atomic_load(&got[i].finished);
+                if (n_fin == N_REQ) break;
+                usleep(1000);
+            }
+            di_engine_stats hs;
+            di_engine_get_stats(eh, &hs);
+            CHECK(hs.n_steps > 2 * o.eplb_interval); // steps went on past the plan's hand-over
+            CHECK_EQ(hs.n_eplb_plans, 0);            // ... while it waited on the planner
+            CHECK_EQ(hs.n_eplb_rebalances, 0);
+            di_engine_eplb_hold(eh, false);
+            di_engine_wait_idle(eh);
+            di_engine_get_stats(eh, &hs);
+            // The held plan, then one more from the steps after its hand-over (due long ago):
+            // plans never queue up behind a slow planner.
+            CHECK_EQ(hs.n_eplb_plans, 2);
+            for (int i = 0; i < N_REQ; i++) CHECK(same(&ref[i], &got[i]));
+            // More requests after it: planning resumes every interval.
+            run(eh, got, 0, N_REQ);
+            di_engine_wait_idle(eh);
+            di_engine_get_stats(eh, &hs);
+            CHECK(hs.n_eplb_plans >= 3);
+            for (int i = 0; i < N_REQ; i++) CHECK(same(&ref[i], &got[i]));
+            di_engine_destroy(eh);
+        }
+    }
     // Without workers, or with a bad slot count: refused at create.
     di_engine *e = NULL;
     di_engine_options bad = di_engine_options_default();

@@ -13,6 +13,7 @@
 
 #include "base/mem.h"
 #include "ep/eplb.h"
+#include "ep/eplb_async.h"
 #include "model/dsv4.h"
 #include "model/synth.h"
 
@@ -370,6 +371,76 @@ static void refuse_load(const char *text, const char *from, const char *to, cons
     CHECK(strstr(why, msg) != NULL);
 }
 
+// The planner thread: the plan it hands back is di_eplb_rebalance's on the same window and
+// placement; one plan at most in flight; while held, nothing is planned and the caller goes on.
+static atomic_int g_plans_done;
+static void count_done(void *user) {
+    (void)user;
+    atomic_fetch_add(&g_plans_done, 1);
+}
+
+static void test_async_planner(void) {
+    const int32_t E = 64, L = 2, R = 8;
+    di_ep_load_table t = table(L, E);
+    for (int32_t l = 0; l < L; l++) zipf(t.count + (int64_t)l * E, E, 1.2, 5 + l);
+    di_ep_placement cur, want;
+    CHECK_EQ(di_ep_placement_contiguous(L, E, R, &cur), DI_OK);
+    const di_eplb_options o = opts(R, 10);
+    di_eplb_report rep_want;
+    CHECK_EQ(di_eplb_rebalance(&t, &cur, &o, &want, &rep_want), DI_OK);
+    CHECK(rep_want.apply);
+
+    di_eplb_async *a = NULL;
+    CHECK_EQ(di_eplb_async_create(L, E, count_done, NULL, &a), DI_OK);
+    if (!a) return;
+    di_eplb_async_result r;
+    CHECK(di_eplb_async_idle(a));
+    CHECK(!di_eplb_async_take(a, &r)); // nothing submitted
+    di_eplb_async_hold(a, true);
+    di_ep_load_table *w = di_eplb_async_window(a);
+    CHECK(w != NULL);
+    memcpy(w->count, t.count, sizeof(int64_t) * (size_t)(L * E));
+    memcpy(w->rows, t.rows, sizeof(int64_t) * (size_t)L);
+    di_ep_placement c2;
+    CHECK_EQ(di_ep_placement_contiguous(L, E, R, &c2), DI_OK);
+    CHECK_EQ(di_eplb_async_submit(a, &c2, &o), DI_OK);
+    CHECK(c2.expert == NULL); // moved in
+    // Held: in flight, not done, a second plan is refused, the window is not the caller's.
+    usleep(20000);
+    CHECK(!di_eplb_async_idle(a));
+    CHECK(!di_eplb_async_take(a, &r));
+    CHECK(di_eplb_async_window(a) == NULL);
+    di_ep_placement c3;
+    CHECK_EQ(di_ep_placement_contiguous(L, E, R, &c3), DI_OK);
+    CHECK_EQ(di_eplb_async_submit(a, &c3, &o), DI_ERR_BUSY);
+    CHECK_EQ(atomic_load(&g_plans_done), 0);
+    di_eplb_async_hold(a, false);
+    di_eplb_async_wait(a);
+    CHECK_EQ(atomic_load(&g_plans_done), 1);
+    CHECK(di_eplb_async_take(a, &r));
+    CHECK(di_eplb_async_idle(a));
+    CHECK_EQ(r.st, DI_OK);
+    CHECK(r.rep.apply);
+    CHECK(r.rep.balance_after == rep_want.balance_after);
+    CHECK_EQ(r.rep.n_moves, rep_want.n_moves);
+    CHECK_EQ(r.pairs, di_ep_load_table_pairs(&t));
+    CHECK(r.plan_us >= 0);
+    CHECK_EQ(r.next.n_slots, want.n_slots);
+    CHECK(!memcmp(r.next.expert, want.expert, sizeof(int32_t) * (size_t)(L * want.n_slots)));
+    CHECK(!memcmp(r.next.rank, want.rank, sizeof(int32_t) * (size_t)(L * want.n_slots)));
+    CHECK(!memcmp(r.cur.expert, cur.expert, sizeof(int32_t) * (size_t)(L * cur.n_slots)));
+    di_ep_placement_free(&r.cur);
+    di_ep_placement_free(&r.next);
+    // Idle again: a second plan is taken; destroy with a plan queued and held joins cleanly.
+    di_eplb_async_hold(a, true);
+    CHECK_EQ(di_eplb_async_submit(a, &c3, &o), DI_OK);
+    di_eplb_async_destroy(a);
+    di_ep_placement_free(&c3);
+    di_ep_placement_free(&cur);
+    di_ep_placement_free(&want);
+    di_ep_load_table_free(&t);
+}
+
 static void test_files(void) {
     // Placement: round trip through text and through a file.
     di_ep_load_table t = table(2, 4);
@@ -713,6 +784,7 @@ int main(void) {
     RUN(test_planner_quality);
     RUN(test_planner_stability);
     RUN(test_rebalance);
+    RUN(test_async_planner);
     RUN(test_files);
     RUN(test_load_counters);
     RUN(test_forward_counts);

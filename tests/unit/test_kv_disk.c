@@ -4,11 +4,15 @@
 // budget evicts the least recently used; the time-to-live drops records at open and on lookup;
 // records with a tail snapshot (round trip, damage to the snapshot section, the budget counting
 // it) and one of the previous version; a second store on a locked directory is refused; leftovers
-// are cleaned at open; writes and reads allocate nothing; and the time of one write / read of a
-// V4-Flash-shaped block.
+// are cleaned at open; writes and reads allocate nothing; the write queue (kv_disk_io): records
+// written by its IO thread are byte for byte those of synchronous writes, queued records are found
+// (and checked) before they are on disk, a full queue drops (counted) or waits, the ring wraps with
+// records of mixed sizes, IO errors are counted, destroy writes what is queued; and the time of
+// one write / read of a V4-Flash-shaped block, and of staging it on the queue.
 #include "harness.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -18,6 +22,7 @@
 
 #include "base/mem.h"
 #include "kv/kv_disk.h"
+#include "kv/kv_disk_io.h"
 
 enum { BT = 16, NF = 1000 };
 
@@ -494,6 +499,182 @@ static void test_snapshots(void) {
 // One write and one read of a V4-Flash-shaped block: 128 positions, 21 CSA layers (32 entries of
 // 512 floats + 32 indexer keys of 128) and 20 HCA layers (1 entry of 512): 440,320 floats
 // (1.76 MB). Page cache, no fsync: what the engine thread pays per evicted / restored block.
+// ---- the write queue (kv_disk_io) ----
+
+static bool same_file(const char *a, const char *b) {
+    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+    bool same = fa && fb;
+    while (same) {
+        int x = fgetc(fa), y = fgetc(fb);
+        if (x != y) same = false;
+        if (x == EOF || y == EOF) break;
+    }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    return same;
+}
+
+typedef struct release_later {
+    di_kv_disk_io *q;
+    int ms;
+} release_later;
+
+static void *release_main(void *p) {
+    release_later *r = p;
+    usleep((useconds_t)r->ms * 1000);
+    di_kv_disk_io_hold(r->q, false);
+    return NULL;
+}
+
+static void test_queue(void) {
+    enum { SNAP = 3000 };
+    char dir[300], dir2[300], pa[4200], pb[4200];
+    new_dir(dir, sizeof dir);
+    new_dir(dir2, sizeof dir2);
+    g_now = 1700000000;
+    di_kv_disk *d = open_store(dir, 7, 0, 0), *d2 = open_store(dir2, 7, 0, 0);
+    di_kv_disk_io *q = NULL;
+    if (!d || !d2) goto out;
+    // Staging for three records without a snapshot (tokens and payload, each 64-aligned).
+    const size_t rec = 64 + 4032;
+    CHECK_EQ(di_kv_disk_io_create(d, 3 * rec, &q), DI_OK);
+    if (!q) goto out;
+    int32_t tok[BT], other[BT];
+    static float pay[NF], back[NF];
+    static unsigned char snap[SNAP], sback[SNAP];
+    for (int i = 0; i < SNAP; i++) snap[i] = (unsigned char)(i * 7);
+    // Held: records stay queued; lookups find them there (and only with their parent, salt and
+    // tokens), the store does not have them yet.
+    di_kv_disk_io_hold(q, true);
+    for (int k = 0; k < 2; k++) {
+        block(k, tok, pay);
+        CHECK_EQ(di_kv_disk_io_put(q, hash_of(k), 11, 5, tok, pay, NULL, 0, false), DI_OK);
+    }
+    block(1, tok, pay);
+    pay[0] = -1; // the caller's memory is reused at once: the queue holds a copy
+    size_t sb = 9;
+    CHECK(di_kv_disk_io_find(q, hash_of(1), &sb));
+    CHECK_EQ(sb, 0);
+    CHECK(!di_kv_disk_io_find(q, hash_of(2), NULL));
+    CHECK(!di_kv_disk_has(d, hash_of(0)));
+    block(1, tok, pay);
+    bool got = true;
+    CHECK(di_kv_disk_io_read(q, hash_of(1), 11, 5, tok, back, NULL, 0, &got));
+    CHECK(!got);
+    CHECK(!memcmp(back, pay, sizeof pay));
+    memcpy(other, tok, sizeof tok);
+    other[3]++;
+    CHECK(!di_kv_disk_io_read(q, hash_of(1), 11, 5, other, back, NULL, 0, NULL));
+    CHECK(!di_kv_disk_io_read(q, hash_of(1), 12, 5, tok, back, NULL, 0, NULL));
+    CHECK(!di_kv_disk_io_read(q, hash_of(1), 11, 6, tok, back, NULL, 0, NULL));
+    // A third fits; a fourth does not: dropped and counted (eviction never waits).
+    block(2, tok, pay);
+    CHECK_EQ(di_kv_disk_io_put(q, hash_of(2), 11, 5, tok, pay, NULL, 0, false), DI_OK);
+    block(3, tok, pay);
+    CHECK_EQ(di_kv_disk_io_put(q, hash_of(3), 11, 5, tok, pay, NULL, 0, false), DI_ERR_BUSY);
+    di_kv_disk_io_stats qs;
+    di_kv_disk_io_get_stats(q, &qs);
+    CHECK_EQ(qs.n_queued, 3);
+    CHECK_EQ(qs.n_dropped, 1);
+    CHECK_EQ(qs.n_pending, 3);
+    CHECK_EQ(qs.pending_bytes, (int64_t)(3 * rec));
+    CHECK_EQ(qs.n_hits, 1);
+    // With wait (the shutdown flush): blocks until the IO thread made room, nothing dropped.
+    pthread_t th;
+    release_later rl = {q, 50};
+    CHECK_EQ(pthread_create(&th, NULL, release_main, &rl), 0);
+    CHECK_EQ(di_kv_disk_io_put(q, hash_of(3), 11, 5, tok, pay, NULL, 0, true), DI_OK);
+    pthread_join(th, NULL);
+    di_kv_disk_io_drain(q);
+    di_kv_disk_io_get_stats(q, &qs);
+    CHECK_EQ(qs.n_dropped, 1);
+    CHECK_EQ(qs.n_pending, 0);
+    CHECK_EQ(qs.pending_bytes, 0);
+    // Written: the same files as synchronous writes of the same records.
+    for (int k = 0; k < 4; k++) {
+        block(k, tok, pay);
+        CHECK_EQ(di_kv_disk_write(d2, hash_of(k), 11, 5, tok, pay, NULL, 0), DI_OK);
+        CHECK(di_kv_disk_has(d, hash_of(k)));
+        CHECK(same_file(di_kv_disk_path(d, hash_of(k), pa, sizeof pa),
+                        di_kv_disk_path(d2, hash_of(k), pb, sizeof pb)));
+        CHECK(!di_kv_disk_io_find(q, hash_of(k), NULL));
+    }
+    // A snapshot larger than the whole staging is left out (the block alone is queued); one that
+    // fits is queued and found with its record.
+    static unsigned char big[3 * (64 + 4032)];
+    block(4, tok, pay);
+    di_kv_disk_io_hold(q, true);
+    CHECK_EQ(di_kv_disk_io_put(q, hash_of(4), 11, 5, tok, pay, big, sizeof big, false), DI_OK);
+    CHECK(di_kv_disk_io_find(q, hash_of(4), &sb));
+    CHECK_EQ(sb, 0);
+    block(5, tok, pay);
+    CHECK_EQ(di_kv_disk_io_put(q, hash_of(5), 11, 5, tok, pay, snap, SNAP, false), DI_OK);
+    CHECK(di_kv_disk_io_find(q, hash_of(5), &sb));
+    CHECK_EQ(sb, SNAP);
+    CHECK(di_kv_disk_io_read(q, hash_of(5), 11, 5, tok, back, sback, SNAP, &got));
+    CHECK(got);
+    CHECK(!memcmp(sback, snap, SNAP));
+    di_kv_disk_io_hold(q, false);
+    di_kv_disk_io_drain(q);
+    CHECK_EQ(di_kv_disk_snap_bytes(d, hash_of(5)), SNAP);
+    CHECK_EQ(di_kv_disk_snap_bytes(d, hash_of(4)), 0);
+    // The ring wraps: many records of mixed sizes through three records of staging, while the IO
+    // thread writes; each one intact on disk.
+    for (int k = 10; k < 60; k++) {
+        block(k, tok, pay);
+        const bool with = k % 3 == 0;
+        CHECK_EQ(di_kv_disk_io_put(q, hash_of(k), 11, 5, tok, pay, with ? snap : NULL,
+                                   with ? (size_t)SNAP : 0, true),
+                 DI_OK);
+    }
+    di_kv_disk_io_drain(q);
+    int bad = 0;
+    for (int k = 10; k < 60; k++) {
+        block(k, tok, pay);
+        const bool with = k % 3 == 0;
+        got = false;
+        bad += !di_kv_disk_read(d, hash_of(k), 11, 5, tok, back, sback, SNAP, &got);
+        bad += memcmp(back, pay, sizeof pay) != 0 || got != with;
+        if (with) bad += memcmp(sback, snap, SNAP) != 0;
+    }
+    CHECK_EQ(bad, 0);
+    // An IO error on the IO thread (the record's fan-out directory is a file now): counted and
+    // logged, the queue goes on with the next record.
+    char sub[320];
+    snprintf(sub, sizeof sub, "%s/%02x", dir, (unsigned)(hash_of(70) >> 56));
+    di_test_remove_dir(sub);
+    FILE *f = fopen(sub, "w");
+    CHECK(f != NULL);
+    if (f) fclose(f);
+    block(70, tok, pay);
+    CHECK_EQ(di_kv_disk_io_put(q, hash_of(70), 11, 5, tok, pay, NULL, 0, true), DI_OK);
+    block(71, tok, pay);
+    CHECK_EQ(di_kv_disk_io_put(q, hash_of(71), 11, 5, tok, pay, NULL, 0, true), DI_OK);
+    di_kv_disk_io_drain(q);
+    di_kv_disk_stats ds;
+    di_kv_disk_get_stats(d, &ds);
+    CHECK_EQ(ds.n_write_errors, 1);
+    CHECK(!di_kv_disk_has(d, hash_of(70)));
+    CHECK(di_kv_disk_has(d, hash_of(71)) || (hash_of(71) >> 56) == (hash_of(70) >> 56));
+    unlink(sub);
+    CHECK_EQ(mkdir(sub, 0755), 0);
+    // Destroy writes what is queued, held or not: a reopened store finds it.
+    di_kv_disk_io_hold(q, true);
+    block(80, tok, pay);
+    CHECK_EQ(di_kv_disk_io_put(q, hash_of(80), 11, 5, tok, pay, NULL, 0, false), DI_OK);
+    di_kv_disk_io_destroy(q);
+    q = NULL;
+    di_kv_disk_destroy(d);
+    d = open_store(dir, 7, 0, 0);
+    if (!d) goto out;
+    CHECK(di_kv_disk_read(d, hash_of(80), 11, 5, tok, back, NULL, 0, NULL));
+    CHECK(!memcmp(back, pay, sizeof pay));
+out:
+    di_kv_disk_io_destroy(q);
+    di_kv_disk_destroy(d);
+    di_kv_disk_destroy(d2);
+}
+
 static void test_flash_block_time(void) {
     enum { FB = 128, FF = 21 * (32 * 512 + 32 * 128) + 20 * 512, N = 16 };
     char dir[300];
@@ -544,6 +725,36 @@ static void test_flash_block_time(void) {
     CHECK(!memcmp(snap, sback, FS));
     fprintf(stderr, "  with its tail snapshot (%zu bytes a record): write %.3f ms, read %.3f ms\n",
             di_kv_disk_record_bytes(d) + FS, ws, rs);
+    // The engine thread's share through the write queue: staging a copy (the IO thread writes).
+    {
+        di_kv_disk_io *q = NULL;
+        CHECK_EQ(di_kv_disk_io_create(d, 0, &q), DI_OK);
+        if (q) {
+            // 4 records spaced as evictions are (the IO thread keeps up), twice: the first round
+            // touches fresh staging pages, the second reuses them (steady state).
+            for (int round = 0; round < 2; round++) {
+                double stage = 0, stage_max = 0;
+                for (int k = 0; k < 4; k++) {
+                    di_kv_disk_io_drain(q);
+                    t = now_ms();
+                    CHECK_EQ(di_kv_disk_io_put(q, hash_of(N + 1 + k + 4 * round), 0, 0, tok, pay,
+                                               snap, FS, false),
+                             DI_OK);
+                    const double dt = now_ms() - t;
+                    stage += dt / 4;
+                    if (dt > stage_max) stage_max = dt;
+                }
+                di_kv_disk_io_drain(q);
+                for (int k = 0; k < 4; k++)
+                    CHECK_EQ(di_kv_disk_snap_bytes(d, hash_of(N + 1 + k + 4 * round)), FS);
+                fprintf(stderr,
+                        "  through the write queue (%s staging): the caller blocks %.3f ms a "
+                        "record (max %.3f), the IO thread writes it\n",
+                        round ? "warm" : "fresh", stage, stage_max);
+            }
+            di_kv_disk_io_destroy(q);
+        }
+    }
 out:
     di_free(snap);
     di_free(sback);
@@ -562,6 +773,7 @@ int main(void) {
     RUN(test_budget_lru);
     RUN(test_ttl);
     RUN(test_lock_and_leftovers);
+    RUN(test_queue);
     RUN(test_flash_block_time);
     di_test_remove_dir(g_root);
     return test_finish();

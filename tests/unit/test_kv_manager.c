@@ -255,6 +255,12 @@ static void test_disk_tier(void) {
     CHECK_EQ(di_kv_seq_grow(kv, 1, (free_now + 3) * B), DI_OK);
     for (int32_t i = 0; i < kv->seqs[1].n_blocks; i++)
         memset(kv->seqs[1].pages[i], 0x7f, sizeof(float) * (size_t)kv->entry_floats);
+    // Queued for the IO thread (copies: their blocks were overwritten just now), then written.
+    di_kv_disk_io_stats qs;
+    di_kv_disk_io_get_stats(kv->disk_io, &qs);
+    CHECK_EQ(qs.n_queued, 3);
+    CHECK_EQ(qs.n_dropped, 0);
+    di_kv_disk_io_drain(kv->disk_io);
     di_kv_disk_stats ds;
     di_kv_disk_get_stats(kv->disk, &ds);
     CHECK_EQ(ds.n_written, 3);

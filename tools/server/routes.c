@@ -109,6 +109,30 @@ char *srv_metrics_text(srv *s) {
           (long long)st.n_disk_records);
     GAUGE("deepinfer:kv_disk_bytes", "Bytes of records in the disk tier.", "%lld",
           (long long)st.disk_bytes);
+    // Its write queue: evicted blocks are copied into staging on the engine thread and written
+    // by the IO thread.
+    COUNTER("deepinfer:kv_disk_writes_queued_total",
+            "Disk-tier records queued for the IO thread (evictions, shutdown flush).",
+            st.n_disk_writes_queued);
+    COUNTER("deepinfer:kv_disk_writes_dropped_total",
+            "Disk-tier records not written because the write queue was full (cache entries lost).",
+            st.n_disk_writes_dropped);
+    COUNTER("deepinfer:kv_disk_write_errors_total",
+            "Disk-tier writes that failed on the IO thread (the block is not kept).",
+            st.n_disk_write_errors);
+    COUNTER("deepinfer:kv_disk_queue_hits_total",
+            "Disk-tier lookups served from the write queue (blocks not yet on disk).",
+            st.n_disk_queue_hits);
+    GAUGE("deepinfer:kv_disk_writes_pending", "Disk-tier records queued now.", "%lld",
+          (long long)st.n_disk_writes_pending);
+    GAUGE("deepinfer:kv_disk_queue_bytes", "Staging bytes of the queued disk-tier records.", "%lld",
+          (long long)st.disk_pending_bytes);
+    GAUGE("deepinfer:kv_disk_stage_seconds_total",
+          "Engine-thread time staging disk-tier records (copies into the write queue).", "%.6f",
+          (double)st.disk_stage_us / 1e6);
+    GAUGE("deepinfer:kv_disk_write_seconds_total",
+          "IO-thread time writing disk-tier records (off the engine thread).", "%.6f",
+          (double)st.disk_write_us / 1e6);
     COUNTER("deepinfer:num_preemptions_total", "Preemptions.", st.n_preemptions);
     COUNTER("deepinfer:priority_preemptions_total",
             "Preemptions for a waiting request of a better priority.", st.n_priority_preemptions);
@@ -197,6 +221,9 @@ char *srv_metrics_text(srv *s) {
     GAUGE("deepinfer:eplb_balance",
           "Max / mean rank load of the placement in force under the last planned window.", "%.6f",
           st.eplb_balance);
+    GAUGE("deepinfer:eplb_plan_seconds_total",
+          "Time the EPLB planner thread spent planning (off the engine thread).", "%.6f",
+          (double)st.eplb_plan_us / 1e6);
     GAUGE("deepinfer:grammar_cache_grammars", "Compiled grammars held by the grammar cache.", "%d",
           (int)g_held);
     pthread_mutex_lock(&s->metrics_mu);

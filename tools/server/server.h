@@ -89,6 +89,8 @@ typedef struct srv_config {
     size_t tail_cache_bytes; // tail snapshots' budget; 0: the engine's default (256 MiB)
     bool no_tail_cache;      // --tail-cache-mib 0
     int64_t kv_disk_ttl_s;   // 0: the engine's default (72 h)
+    // --kv-disk-queue: the disk IO thread's staging; 0: the engine's default (256 MiB)
+    size_t kv_disk_queue_bytes;
     int32_t max_ctx;
     int32_t max_seqs;
     int32_t spec_tokens;         // DSpark drafts per verify (V4.1 with DSpark); 0 = off

@@ -1,0 +1,75 @@
+/*
+ * kv_disk_io — the disk tier's write queue and IO thread (docs/kv-cache.md, "Disk tier"): the
+ * engine thread stages a record (its block's tokens and entry payload, and its tail snapshot when
+ * it has one) by copying it into a bounded staging ring, and goes on; the IO thread writes the
+ * records, oldest first, with di_kv_disk_write (kv/kv_disk.h). A Flash record with a snapshot
+ * (28.6 MiB) costs the engine thread a copy (a few ms) instead of a 55-177 ms file write.
+ *
+ * Why a copy: an evicted block returns to the pool at once (the allocation that evicted it wants
+ * it), and its snapshot slot goes with it; pinning them until written would make eviction wait for
+ * the disk. The staging ring is the queue's budget: a record that does not fit is dropped and
+ * counted (di_kv_disk_io_put without wait: eviction never waits for the disk; a dropped record only
+ * loses a cache entry), or waited for (with wait: the shutdown flush, which must not lose any).
+ * A queued record is found by di_kv_disk_io_read until it is written and indexed on disk, so a
+ * lookup that tries the queue first and the store second never misses a record in between.
+ * Errors of the IO thread are counted and logged by kv_disk (n_write_errors); it never stops.
+ *
+ * Owns: the IO thread, the staging ring and the descriptor array (sized at create: no allocation
+ * afterwards). Borrows the store (it must outlive the queue).
+ * Thread-safety: put, read, find, drain, hold and stats from any thread, under the queue's mutex;
+ * one producer thread (the engine thread) at a time.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "deepinfer.h"  // di_status
+#include "kv/kv_disk.h" // di_kv_disk
+
+typedef struct di_kv_disk_io di_kv_disk_io;
+
+#define DI_KV_DISK_IO_BYTES_DEFAULT ((size_t)256 << 20) // 256 MiB of staging
+
+typedef struct di_kv_disk_io_stats {
+    int64_t n_queued;       // records staged since create
+    int64_t n_dropped;      // records dropped because the staging ring was full (not written)
+    int64_t n_hits;         // lookups served from the queue (a record not yet on disk)
+    int64_t n_snap_hits;    // of which with the record's tail snapshot (copied out)
+    int64_t n_pending;      // records queued now (the one being written included)
+    int64_t pending_bytes;  // their staging bytes
+    int64_t stage_us;       // the producer's time in put (copies, and waits of put with wait)
+    int64_t stage_us_max;   // the longest put
+    int64_t capacity_bytes; // the staging ring's size
+} di_kv_disk_io_stats;
+
+// The queue of store d (borrowed) with staging_bytes of staging (0: DI_KV_DISK_IO_BYTES_DEFAULT;
+// at least one record without a snapshot), and its IO thread. DI_ERR_NOMEM (also: the thread
+// cannot start; logged).
+di_status di_kv_disk_io_create(di_kv_disk *d, size_t staging_bytes, di_kv_disk_io **out);
+// Writes every queued record (a hold is released), joins the thread, frees. NULL does nothing.
+void di_kv_disk_io_destroy(di_kv_disk_io *q);
+
+// Stages the record of block h (tokens: block_tokens ids; payload: payload_floats; snap: NULL or
+// snap_bytes) for the IO thread. The snapshot is left out when the record with it would not fit
+// the whole ring. When the ring is full: with wait, blocks until the IO thread made room; without,
+// drops the record (counted) and returns DI_ERR_BUSY. DI_OK: queued (copied: the caller's memory
+// may be reused at once).
+di_status di_kv_disk_io_put(di_kv_disk_io *q, uint64_t h, uint64_t parent, uint64_t salt,
+                            const int32_t *tokens, const float *payload, const void *snap,
+                            size_t snap_bytes, bool wait);
+// Whether a record of h is queued (newest one), and the bytes of its snapshot (0: none).
+bool di_kv_disk_io_find(di_kv_disk_io *q, uint64_t h, size_t *snap_bytes);
+// As di_kv_disk_read, from the newest queued record of h: true (copied into payload, and into
+// snap when it holds a snapshot of snap_bytes: *snap_read) when h is queued with that parent, salt
+// and tokens; false otherwise (nothing written).
+bool di_kv_disk_io_read(di_kv_disk_io *q, uint64_t h, uint64_t parent, uint64_t salt,
+                        const int32_t *tokens, float *payload, void *snap, size_t snap_bytes,
+                        bool *snap_read);
+// Blocks until every record queued before the call is written (or failed): the queue is empty.
+// Must not be called while held.
+void di_kv_disk_io_drain(di_kv_disk_io *q);
+// Test hook: while held, the IO thread writes nothing (records stay queued; put drops or waits).
+void di_kv_disk_io_hold(di_kv_disk_io *q, bool hold);
+void di_kv_disk_io_get_stats(di_kv_disk_io *q, di_kv_disk_io_stats *out);
