@@ -101,6 +101,13 @@ typedef struct di_model_options {
     // A placement file (`deepinfer eplb -o`, docs/expert-parallel.md "Files") for those workers:
     // which rank holds each (layer, expert) replica. NULL: contiguous shares, the front first.
     const char *ep_placement;
+    // Context-parallel workers ("HOST:PORT,HOST:PORT...", `deepinfer cp-worker`,
+    // docs/context-parallel.md): a V4 session's prefill call of at least cp_min_tokens tokens is
+    // split over them and this process, which computes the last piece and keeps the whole state
+    // (logits bit-identical to one process). Read at load only; refused for V4.1 and --device.
+    // NULL or "": none.
+    const char *cp_workers;
+    int32_t cp_min_tokens; // shortest prefill call split over the workers; 0: 1024
 } di_model_options;
 
 // Default options: all CPUs, FP32, CPU only.
@@ -144,6 +151,18 @@ typedef struct di_model_info {
 } di_model_info;
 
 void di_model_get_info(const di_model *model, di_model_info *out);
+
+// Counters of a model's context parallelism (docs/context-parallel.md), since load.
+typedef struct di_cp_stats {
+    int32_t n_workers;
+    int64_t calls;      // prefill calls split over the workers (the failed ones included)
+    int64_t tokens;     // tokens of the calls that succeeded
+    int64_t bytes_sent; // every frame this process sent or received, relayed ones included
+    int64_t bytes_recv;
+    int64_t errors; // calls that failed (DI_ERR_IO)
+} di_cp_stats;
+// false (out zeroed) when the model has no context-parallel workers. Any thread.
+bool di_model_cp_stats(const di_model *model, di_cp_stats *out);
 
 // Counters of one expert worker of a model (docs/expert-parallel.md), since load.
 typedef struct di_ep_worker_stats {
