@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cli/args.h"
 #include "cli/cli.h"
@@ -141,7 +142,7 @@ int di_cli_generate(int argc, char **argv) {
     const char *tokens_s = NULL, *prompt_s = NULL;
     long n_gen = 64, seed = 0;
     double temperature = 0;
-    bool stop_at_eos = true, dspark = false;
+    bool stop_at_eos = true, dspark = false, timing = false;
     for (int i = 1; i < argc; i++) {
         int r = di_args_model_option(argc, argv, &i, &ma);
         if (r < 0) return 2;
@@ -153,6 +154,10 @@ int di_cli_generate(int argc, char **argv) {
         }
         if (strcmp(a, "--dspark") == 0) {
             dspark = true;
+            continue;
+        }
+        if (strcmp(a, "--timing") == 0) {
+            timing = true;
             continue;
         }
         if (strcmp(a, "--no-stop") == 0) {
@@ -243,9 +248,23 @@ int di_cli_generate(int argc, char **argv) {
     sp.temperature = (float)temperature;
     sp.seed = (uint64_t)seed;
     di_forward_out fo = {.logits = logits, .last_only = true};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     if ((st = di_session_forward(s, prompt, n_prompt, &fo)) != DI_OK) {
         fprintf(stderr, "deepinfer generate: %s\n", di_status_str(st));
         goto done;
+    }
+    if (timing) {
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double dt = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+        di_cp_stats cs;
+        fprintf(stderr, "prefill: %d tokens in %.3f s (%.1f tokens/s)", n_prompt, dt,
+                n_prompt / dt);
+        if (di_model_cp_stats(m, &cs))
+            fprintf(stderr, ", context parallel: %lld calls, %lld bytes exchanged (%.0f per token)",
+                    (long long)cs.calls, (long long)(cs.bytes_sent + cs.bytes_recv),
+                    (double)(cs.bytes_sent + cs.bytes_recv) / n_prompt);
+        fprintf(stderr, "\n");
     }
     const int32_t eos = info.eos_token_id;
     if (dspark) {
