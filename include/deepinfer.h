@@ -501,6 +501,12 @@ typedef struct di_engine_options {
     int32_t max_queue;        // waiting requests; more are refused with DI_ERR_BUSY; 0 = 1024
     const char *ep_workers;   // expert workers (di_model_options.ep_workers); NULL: none
     const char *ep_placement; // their initial placement (di_model_options.ep_placement)
+    // Prefill workers (di_model_options.cp_workers, docs/context-parallel.md): a step's prefill
+    // chunk of at least cp_min_tokens rows (0: 1024; chunks are at most max_batch_tokens) runs
+    // alone over them; the step's other sequences go in the batched call. CPU forward without MTP
+    // speculation; refused for V4.1 and on a device. NULL: none.
+    const char *cp_workers;
+    int32_t cp_min_tokens;
     // Online EPLB (docs/expert-parallel.md, "Online rebalancing"; with ep_workers only): every
     // eplb_interval steps (0: never) the engine plans a placement from the routing load since the
     // previous plan, with eplb_slots_per_rank replicas per rank (0: the current placement's

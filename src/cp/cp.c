@@ -99,7 +99,7 @@ di_status di_cp_send_layer(int fd, const di_model *m, const di_dsv4_layer_state 
     memcpy(head + 8, &pos, 8);
     uint64_t len = di_cp_layer_head_bytes(n_cmp) + ring;
     for (int32_t k = 0; k < n_cmp; k++) {
-        DI_ASSERT(!cs[k]->pages && from[k] <= cs[k]->n_entries);
+        DI_ASSERT(from[k] <= cs[k]->n_entries);
         memcpy(head + 16 + 16 * k, &from[k], 8);
         memcpy(head + 24 + 16 * k, &cs[k]->n_entries, 8);
         len += 2 * (uint64_t)di_dsv4_cmp_rows(cw[k]) * cw[k]->c * cw[k]->d * 4 +
@@ -110,11 +110,20 @@ di_status di_cp_send_layer(int fd, const di_model *m, const di_dsv4_layer_state 
     if (!st) st = di_sock_send_all(fd, ls->ring, (size_t)ring);
     for (int32_t k = 0; !st && k < n_cmp; k++) {
         const size_t rb = (size_t)di_dsv4_cmp_rows(cw[k]) * cw[k]->c * cw[k]->d * 4;
+        const int32_t d = cw[k]->d;
         st = di_sock_send_all(fd, cs[k]->buf_c, rb);
         if (!st) st = di_sock_send_all(fd, cs[k]->buf_z, rb);
-        if (!st && cs[k]->n_entries > from[k])
-            st = di_sock_send_all(fd, cs[k]->entries + from[k] * cw[k]->d,
-                                  (size_t)(cs[k]->n_entries - from[k]) * cw[k]->d * 4);
+        // Entries [from, n): one run (a session's array) or one run per page (an engine
+        // sequence's KV blocks).
+        for (int64_t w = from[k]; !st && w < cs[k]->n_entries;) {
+            int64_t end = cs[k]->n_entries;
+            if (cs[k]->pages) {
+                const int64_t page_end = (w / cs[k]->page_entries + 1) * cs[k]->page_entries;
+                if (page_end < end) end = page_end;
+            }
+            st = di_sock_send_all(fd, di_dsv4_entry(cs[k], w, d), (size_t)(end - w) * d * 4);
+            w = end;
+        }
     }
     if (bytes) *bytes += (int64_t)(sizeof(di_cp_hdr) + len);
     return st;
@@ -171,6 +180,11 @@ struct di_cp {
     pthread_mutex_t mu; // one call at a time (the connections, rx) and the counters
     di_cp_stats stats;
     di_cp_buf rx; // the calling thread's receive buffer
+    // di_cp_batch_forward's rest of a batch (owned, grown to the largest batch seen).
+    di_dsv4_seq *b_seqs;
+    int32_t *b_tokens, *b_rows;
+    float *b_logits;
+    size_t b_seqs_cap, b_tokens_cap, b_rows_cap, b_logits_cap;
 };
 
 // Connects and handshakes worker w unless it is connected. DI_ERR_INVALID when it refuses the
@@ -276,6 +290,10 @@ void di_cp_detach(di_cp *cp) {
     for (int32_t i = 0; i < cp->n; i++) worker_close(&cp->w[i]);
     if (cp->m && cp->m->cp == cp) cp->m->cp = NULL;
     di_cp_buf_free(&cp->rx);
+    di_free(cp->b_seqs);
+    di_free(cp->b_tokens);
+    di_free(cp->b_rows);
+    di_free(cp->b_logits);
     pthread_mutex_destroy(&cp->mu);
     di_free(cp->w);
     di_free(cp);
@@ -371,9 +389,10 @@ static void backup_copy(backup *b, di_session *s, int32_t n_state, bool save) {
 
 typedef struct front_run {
     di_cp *cp;
-    di_session *s;
-    int32_t R;        // ranks of this call
-    int32_t pos_last; // first position of the front's piece
+    di_session *s;               // the session (NULL: an engine sequence, without MTP)
+    di_dsv4_layer_state *layers; // the state the call advances
+    int32_t R;                   // ranks of this call
+    int32_t pos_last;            // first position of the front's piece
     int64_t sent, recv;
     // The relay (R >= 3): frames 0 .. n_relay - 1 of workers 0 .. R - 3 go on to their successors.
     pthread_t th;
@@ -455,7 +474,7 @@ static di_status front_attn(void *user, di_dsv4_ctx *c, int il, bool after) {
         const int64_t rows = DI_DSV4_RING_ROWS(m->hp.window);
         ((float *)l.ring)[((pos - 1) % rows) * m->hp.head_dim] += 1.0f;
     }
-    if (st == DI_OK) st = di_cp_install_layer(m, &r->s->layers[il], &l, why, sizeof why);
+    if (st == DI_OK) st = di_cp_install_layer(m, &r->layers[il], &l, why, sizeof why);
     if (st != DI_OK) {
         DI_LOG_ERROR("cp: worker %s: %s", w->addr, why);
         return DI_ERR_IO;
@@ -495,7 +514,8 @@ static di_status front_mtp_input(void *user, di_session *s, const float *x_last)
 static di_status send_job(front_run *fr, int32_t r, const int32_t *pb, const int32_t *tokens,
                           int32_t flags, int32_t n_state) {
     di_cp *cp = fr->cp;
-    di_session *s = fr->s;
+    const di_session *s = fr->s;
+    const di_dsv4_layer_state *layers = fr->layers;
     cp_worker *w = &cp->w[r];
     const int32_t p0 = pb[0], n = pb[r + 1] - pb[r];
     const uint64_t head = di_cp_job_head_bytes(n_state), len = head + 4 * (uint64_t)n;
@@ -505,8 +525,8 @@ static di_status send_job(front_run *fr, int32_t r, const int32_t *pb, const int
     memcpy(p, h, sizeof h);
     for (int32_t il = 0; il < n_state; il++) {
         // The last worker's successor is this process, which holds its prefix's entries.
-        int64_t from[2] = {r == fr->R - 2 ? s->layers[il].cmp.n_entries : 0,
-                           r == fr->R - 2 ? s->layers[il].idx.n_entries : 0};
+        int64_t from[2] = {r == fr->R - 2 ? layers[il].cmp.n_entries : 0,
+                           r == fr->R - 2 ? layers[il].idx.n_entries : 0};
         memcpy(p + 32 + 16 * (uint64_t)il, from, sizeof from);
     }
     memcpy(p + head, tokens + (pb[r] - p0), 4 * (size_t)n);
@@ -516,7 +536,7 @@ static di_status send_job(front_run *fr, int32_t r, const int32_t *pb, const int
         const int64_t zero[2] = {0, 0};
         for (int32_t il = 0; il < n_state && st == DI_OK; il++) {
             int64_t pos = il < cp->dims.n_layers ? p0 : s->mtp_pending ? p0 - 1 : p0;
-            st = di_cp_send_layer(w->fd, cp->m, &s->layers[il], il, pos, zero, &fr->sent);
+            st = di_cp_send_layer(w->fd, cp->m, &layers[il], il, pos, zero, &fr->sent);
         }
         if (st == DI_OK && (flags & DI_CP_JOB_PENDING)) {
             int32_t xh[2] = {p0 - 1, 0};
@@ -581,7 +601,8 @@ di_status di_cp_session_forward(di_cp *cp, di_session *s, const int32_t *tokens,
     const bool want_lg = out && out->logits && !out->last_only;
     const bool want_ml = s->mtp && out && out->mtp_logits;
     const bool pending0 = s->mtp && s->mtp_pending;
-    front_run fr = {.cp = cp, .s = s, .R = R, .pos_last = pb[R - 1], .relay_st = DI_OK};
+    front_run fr = {
+        .cp = cp, .s = s, .layers = s->layers, .R = R, .pos_last = pb[R - 1], .relay_st = DI_OK};
     backup bk = {0};
     bool saved = false;
     size_t bk_floats = 0;
@@ -668,5 +689,163 @@ out:
                     "tokens/s), %lld bytes exchanged (%.0f per token)",
                     n_tok, p0, R, ms, n_tok / (ms / 1e3), (long long)b, (double)b / n_tok);
     }
+    return st;
+}
+
+// ---- the front: one sequence of a ragged batch (the serving engine) ----
+
+// Whether seq's state is in its ordinary form at its position: every compressor holds exactly
+// the entries of the windows closed before it (not a bounded replay after a prefix hit, whose
+// kept entries run ahead of its position) and every window row it reads is there.
+static bool ordinary_state(const di_model *m, const di_dsv4_seq *sq) {
+    if (sq->win_lo != 0) return false;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const di_dsv4_layer_w *lw = &m->layers[il];
+        if (lw->ratio <= 0) continue;
+        const int64_t n = sq->pos / lw->ratio;
+        if (sq->layers[il].cmp.n_entries != n ||
+            (lw->ratio == 4 && sq->layers[il].idx.n_entries != n))
+            return false;
+    }
+    return true;
+}
+
+di_status di_cp_seq_forward(di_cp *cp, di_dsv4_ctx *c, const int32_t *tokens,
+                            const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+    di_model *m = c->model;
+    DI_ASSERT(c->n_seq == 1 && !c->cp);
+    di_dsv4_seq sq = c->seqs[0];
+    const int32_t n_tok = sq.n_tok, p0 = sq.pos;
+    int32_t R = cp->n + 1;
+    if (R > n_tok / DI_CP_MIN_PIECE) R = n_tok / DI_CP_MIN_PIECE;
+    int32_t pb[DI_CP_MAX_RANKS + 1];
+    for (int32_t r = 0; r <= R; r++) pb[r] = p0 + (int32_t)((int64_t)n_tok * r / R);
+    // Only the front's piece gives logits (an engine asks for its chunk's last row).
+    const bool local =
+        R < 2 || (n_logit_rows > 0 && logit_rows[0] < pb[R - 1] - p0) || !ordinary_state(m, &sq);
+    if (local) return di_dsv4_forward_batch(c, tokens, logit_rows, n_logit_rows, logits);
+    const double t0 = now_ms();
+    pthread_mutex_lock(&cp->mu);
+    cp->stats.calls++;
+    front_run fr = {
+        .cp = cp, .layers = sq.layers, .R = R, .pos_last = pb[R - 1], .relay_st = DI_OK};
+    di_status st = DI_OK;
+    for (int32_t r = 0; r < R - 1 && st == DI_OK; r++) {
+        st = worker_open(cp, &cp->w[r]);
+        if (st == DI_ERR_INVALID) st = DI_ERR_IO;
+    }
+    for (int32_t r = 0; r < R - 1 && st == DI_OK; r++)
+        st = send_job(&fr, r, pb, tokens, r == 0 && p0 > 0 ? DI_CP_JOB_PREFIX : 0, m->hp.n_layer);
+    if (st == DI_OK && R >= 3) {
+        fr.n_relay = m->hp.n_layer;
+        if (pthread_create(&fr.th, NULL, relay_main, &fr) != 0) {
+            DI_LOG_ERROR("cp: cannot start the relay thread");
+            st = DI_ERR_IO;
+        } else {
+            fr.relay = true;
+        }
+    }
+    const int32_t off = pb[R - 1] - p0;
+    int32_t rows[DI_CP_MAX_LOGIT_ROWS];
+    DI_ASSERT(n_logit_rows <= DI_CP_MAX_LOGIT_ROWS);
+    for (int32_t k = 0; k < n_logit_rows; k++) rows[k] = logit_rows[k] - off;
+    if (st == DI_OK) {
+        di_dsv4_cp_hook hook = {.attn = front_attn, .user = &fr};
+        di_dsv4_seq mine = sq;
+        mine.pos = pb[R - 1];
+        mine.n_tok = n_tok - off;
+        di_dsv4_ctx fc = *c;
+        fc.seqs = &mine;
+        fc.cp = &hook;
+        st = di_dsv4_forward_batch(&fc, tokens + off, rows, n_logit_rows, logits);
+        c->status = fc.status;
+    }
+    if (st != DI_OK) shutdown_all(&fr);
+    if (fr.relay) pthread_join(fr.th, NULL);
+    if (st == DI_OK) st = fr.relay_st;
+    for (int32_t r = 0; r < R - 1 && st == DI_OK; r++) st = recv_done(&fr, r, 0, 0, NULL, NULL);
+    if (st != DI_OK) {
+        shutdown_all(&fr);
+        for (int32_t r = 0; r < R - 1; r++) worker_close(&cp->w[r]);
+        if (st != DI_ERR_NOMEM) st = DI_ERR_IO;
+        c->status = st;
+        cp->stats.errors++;
+    } else {
+        cp->stats.tokens += n_tok;
+    }
+    cp->stats.bytes_sent += fr.sent + fr.relay_sent;
+    cp->stats.bytes_recv += fr.recv + fr.relay_recv;
+    pthread_mutex_unlock(&cp->mu);
+    di_cp_buf_free(&fr.relay_buf);
+    if (st == DI_OK) {
+        const double ms = now_ms() - t0;
+        const int64_t b = fr.sent + fr.relay_sent + fr.recv + fr.relay_recv;
+        DI_LOG_INFO("cp: sequence chunk of %d tokens at position %d over %d ranks in %.1f ms, "
+                    "%lld bytes exchanged (%.0f per token)",
+                    n_tok, p0, R, ms, (long long)b, (double)b / n_tok);
+    }
+    return st;
+}
+
+// ---- the front: a ragged batch (the serving engine's step) ----
+
+static di_status grow(void **p, size_t *cap, size_t need) {
+    if (need <= *cap) return DI_OK;
+    void *q = di_realloc(*p, need);
+    if (!q) return DI_ERR_NOMEM;
+    *p = q;
+    *cap = need;
+    return DI_OK;
+}
+
+di_status di_cp_batch_forward(di_cp *cp, di_dsv4_ctx *c, const int32_t *tokens,
+                              const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+    const int64_t V = cp->dims.n_vocab;
+    bool any = false;
+    for (int32_t i = 0; i < c->n_seq; i++) any |= c->seqs[i].n_tok >= cp->min_tokens;
+    if (!any) return di_dsv4_forward_batch(c, tokens, logit_rows, n_logit_rows, logits);
+    int32_t n_rows = 0;
+    for (int32_t i = 0; i < c->n_seq; i++) n_rows += c->seqs[i].n_tok;
+    // The rest's buffers: kept between steps, grown to the largest batch seen.
+    if (grow((void **)&cp->b_seqs, &cp->b_seqs_cap, sizeof(di_dsv4_seq) * (size_t)c->n_seq) ||
+        grow((void **)&cp->b_tokens, &cp->b_tokens_cap, sizeof(int32_t) * (size_t)n_rows) ||
+        grow((void **)&cp->b_rows, &cp->b_rows_cap, 2 * sizeof(int32_t) * (size_t)n_logit_rows) ||
+        grow((void **)&cp->b_logits, &cp->b_logits_cap,
+             sizeof(float) * (size_t)n_logit_rows * (size_t)V))
+        return DI_ERR_NOMEM;
+    int32_t *b_k = cp->b_rows + n_logit_rows; // the rest's logit rows' places in logits
+    int32_t n_rest = 0, n_rest_rows = 0, n_rest_logits = 0, k = 0;
+    di_status st = DI_OK;
+    for (int32_t i = 0, r0 = 0; i < c->n_seq && st == DI_OK; r0 += c->seqs[i].n_tok, i++) {
+        const di_dsv4_seq *sq = &c->seqs[i];
+        const int32_t k0 = k;
+        while (k < n_logit_rows && logit_rows[k] < r0 + sq->n_tok) k++;
+        if (sq->n_tok >= cp->min_tokens && k - k0 <= DI_CP_MAX_LOGIT_ROWS) {
+            // Alone over the workers; its logit rows are contiguous in logits.
+            int32_t rows[DI_CP_MAX_LOGIT_ROWS];
+            for (int32_t j = k0; j < k; j++) rows[j - k0] = logit_rows[j] - r0;
+            di_dsv4_ctx one = *c;
+            one.seqs = &c->seqs[i];
+            one.n_seq = 1;
+            st = di_cp_seq_forward(cp, &one, tokens + r0, rows, k - k0, logits + k0 * V);
+            continue;
+        }
+        cp->b_seqs[n_rest++] = *sq;
+        memcpy(cp->b_tokens + n_rest_rows, tokens + r0, sizeof(int32_t) * (size_t)sq->n_tok);
+        for (int32_t j = k0; j < k; j++) {
+            cp->b_rows[n_rest_logits] = logit_rows[j] - r0 + n_rest_rows;
+            b_k[n_rest_logits++] = j;
+        }
+        n_rest_rows += sq->n_tok;
+    }
+    if (st == DI_OK && n_rest > 0) {
+        di_dsv4_ctx rest = *c;
+        rest.seqs = cp->b_seqs;
+        rest.n_seq = n_rest;
+        st = di_dsv4_forward_batch(&rest, cp->b_tokens, cp->b_rows, n_rest_logits, cp->b_logits);
+        for (int32_t j = 0; st == DI_OK && j < n_rest_logits; j++)
+            memcpy(logits + b_k[j] * V, cp->b_logits + j * V, sizeof(float) * (size_t)V);
+    }
+    if (st != DI_OK) c->status = st;
     return st;
 }

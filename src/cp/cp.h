@@ -53,6 +53,27 @@ void di_cp_get_stats(di_cp *cp, di_cp_stats *out);
 di_status di_cp_session_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
                                 const di_forward_out *out);
 
+// One sequence of a ragged batch over the workers (the serving engine's long prefill chunks):
+// c holds that one sequence (its state possibly paged, in KV blocks), tokens its rows; logits of
+// logit_rows (ascending, at most DI_CP_MAX_LOGIT_ROWS) go to logits as di_dsv4_forward_batch
+// writes them. Runs locally (di_dsv4_forward_batch) when the chunk is too short for two pieces,
+// asks for a logit row outside the last piece, or its state is not in the ordinary form (a bounded
+// replay after a prefix hit: win_lo > 0 or entries kept ahead of its position). DI_ERR_IO (a
+// worker failed; the sequence's state is garbage, as after any failed engine step), or what the
+// forward returns.
+#define DI_CP_MAX_LOGIT_ROWS 64
+di_status di_cp_seq_forward(di_cp *cp, di_dsv4_ctx *c, const int32_t *tokens,
+                            const int32_t *logit_rows, int32_t n_logit_rows, float *logits);
+
+// A ragged batch (the serving engine's step; di_dsv4_forward_batch's contract): every sequence
+// whose rows number at least the threshold runs alone over the workers (di_cp_seq_forward), the
+// others in one batched call as ever; the logits land where one call would put them. Results are
+// bit-identical to di_dsv4_forward_batch (a sequence's results do not depend on its batch).
+// DI_ERR_IO (a worker failed: the step's sequences are garbage), DI_ERR_NOMEM (the rest's buffers,
+// grown to the largest batch seen).
+di_status di_cp_batch_forward(di_cp *cp, di_dsv4_ctx *c, const int32_t *tokens,
+                              const int32_t *logit_rows, int32_t n_logit_rows, float *logits);
+
 // Test hook: the front flips one float of the window ring in the layer message of state layer il
 // that it installs (-1: off), so a test can prove that its comparison sees a broken message.
 void di_cp_test_corrupt(di_cp *cp, int32_t il);

@@ -9,6 +9,7 @@
 // model mismatch and a V4.1 model are refused at load; malformed frames are answered with errors.
 #include "harness.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -19,6 +20,7 @@
 #include "cp/cp.h"
 #include "cp/wire.h"
 #include "cp/worker.h"
+#include "engine/engine_internal.h" // di_engine_create_prepared: the engine's model
 #include "model/dsv4.h"
 #include "model/synth.h"
 
@@ -372,6 +374,107 @@ static void test_decode(void) {
     di_model_destroy(m);
 }
 
+// ---- the serving engine ----
+
+enum { E_REQ = 4, E_GEN = 6 };
+
+typedef struct eres {
+    int32_t tokens[E_GEN];
+    float logprob[E_GEN], top[E_GEN][2];
+    int32_t n, n_cached;
+    atomic_int finished;
+    di_status status;
+} eres;
+
+static void on_event(void *user, const di_event *ev) {
+    eres *r = user;
+    if (ev->token >= 0 && r->n < E_GEN) {
+        r->tokens[r->n] = ev->token;
+        r->logprob[r->n] = ev->logprob;
+        for (int k = 0; k < ev->n_top && k < 2; k++) r->top[r->n][k] = ev->top_logprobs[k];
+        r->n++;
+    }
+    if (ev->finish != DI_FINISH_NONE) {
+        r->status = ev->status;
+        r->n_cached = ev->n_cached;
+        atomic_fetch_add(&r->finished, 1);
+    }
+}
+
+static di_status grab_model(di_model *m, void *user) {
+    *(di_model **)user = m;
+    return DI_OK;
+}
+
+static void submit(di_engine *e, const int32_t *ids, int n, bool sample, eres *r) {
+    memset(r, 0, sizeof *r);
+    di_request_params p = di_request_params_default();
+    p.prompt = ids;
+    p.n_prompt = n;
+    p.max_tokens = E_GEN;
+    p.ignore_eos = true;
+    p.sample.n_logprobs = 2;
+    if (sample) {
+        p.sample.temperature = 0.8f;
+        p.sample.seed = 5;
+    }
+    p.on_event = on_event;
+    p.user = r;
+    uint64_t id;
+    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+}
+
+// Request 0 (200 tokens) alone; then request 1 (the same 200 tokens and 180 more: a prefix hit,
+// then a long chunk after it), 2 (100 tokens, sampled) and 3 (20 tokens, below the threshold) in
+// the same steps. With workers, chunks of at least 64 rows run over them.
+static void engine_run(const char *addrs, int32_t min_tokens, eres *out, int64_t *cp_calls) {
+    static int32_t ids[400];
+    for (int t = 0; t < 400; t++) ids[t] = tok(t);
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = 1;
+    o.max_ctx = 512;
+    o.max_batch_tokens = 256;
+    o.kv_memory_bytes = 32u << 20;
+    o.cp_workers = addrs;
+    o.cp_min_tokens = min_tokens;
+    di_engine *e = NULL;
+    di_model *m = NULL;
+    CHECK_EQ(di_engine_create_prepared(g_v4, &o, grab_model, &m, &e), DI_OK);
+    submit(e, ids, 200, false, &out[0]);
+    di_engine_wait_idle(e);
+    submit(e, ids, 380, false, &out[1]);
+    submit(e, ids + 5, 100, true, &out[2]);
+    submit(e, ids + 50, 20, false, &out[3]);
+    di_engine_wait_idle(e);
+    di_cp_stats cs;
+    *cp_calls = di_model_cp_stats(m, &cs) ? cs.calls - cs.errors : 0;
+    di_engine_destroy(e);
+}
+
+static void test_engine(void) {
+    workers ws;
+    CHECK(start(&ws, g_v4, DI_PRECISION_FP32, 2));
+    eres a[E_REQ], b[E_REQ], c[E_REQ];
+    int64_t calls_a, calls_b, calls_c;
+    engine_run(NULL, 0, a, &calls_a);
+    char one[64];
+    snprintf(one, sizeof one, "%.*s", (int)(strchr(ws.addrs, ',') - ws.addrs), ws.addrs);
+    engine_run(one, 64, b, &calls_b);      // 2 ranks
+    engine_run(ws.addrs, 64, c, &calls_c); // 3 ranks
+    CHECK(calls_a == 0 && calls_b >= 3 && calls_c >= 3);
+    CHECK(a[1].n_cached > 0 && b[1].n_cached == a[1].n_cached); // the prefix hit
+    for (int i = 0; i < E_REQ; i++) {
+        CHECK(atomic_load(&a[i].finished) == 1 && a[i].status == DI_OK && a[i].n == E_GEN);
+        for (const eres *x = b; x; x = x == b ? c : NULL) {
+            CHECK(atomic_load(&x[i].finished) == 1 && x[i].status == DI_OK);
+            CHECK(x[i].n == a[i].n && !memcmp(x[i].tokens, a[i].tokens, sizeof a[i].tokens) &&
+                  !memcmp(x[i].logprob, a[i].logprob, sizeof a[i].logprob) &&
+                  !memcmp(x[i].top, a[i].top, sizeof a[i].top));
+        }
+    }
+    stop(&ws);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_cp_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -385,7 +488,7 @@ int main(void) {
     c.official = true; // FP8/FP4 experts and the MTP block
     CHECK(di_synth_write(&c, g_v4) == DI_OK);
     CHECK(di_synth_v41_write(g_v41, true, false, 41) == DI_OK);
-    di_set_log_level(0);
+    di_set_log_level(getenv("DI_TEST_LOG") ? 2 : 0);
     RUN(test_decode);
     RUN(test_exact_fp32);
     RUN(test_exact_official);
@@ -393,6 +496,7 @@ int main(void) {
     RUN(test_failures);
     RUN(test_refusals);
     RUN(test_frames);
+    RUN(test_engine);
     di_test_remove_dir(g_root);
     return test_finish();
 }

@@ -19,6 +19,7 @@ static void usage(FILE *f) {
         "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
         "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
         "                       [--ep-workers HOST:PORT,...] [--ep-placement FILE]\n"
+        "                       [--cp-workers HOST:PORT,...] [--cp-min-tokens N]\n"
         "                       [--eplb-interval STEPS] [--eplb-slots-per-rank S]\n"
         "                       [--eplb-min-gain G]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
@@ -44,6 +45,9 @@ static void usage(FILE *f) {
         "networks (with --api-key they take the key).\n"
         "--ep-workers: expert workers (deepinfer expert-worker) computing the routed experts\n"
         "placed on them (--ep-placement: a file of deepinfer eplb -o; default contiguous).\n"
+        "--cp-workers: prefill workers (deepinfer cp-worker): a prefill chunk of at least\n"
+        "--cp-min-tokens rows (default 1024; chunks are at most the step's token budget) runs\n"
+        "split over them and this process (context parallelism, V4 CPU forward, no MTP).\n"
         "--eplb-interval STEPS (default 0 = off): every STEPS steps plan a placement from\n"
         "the routing load since the last plan (EPLB, --eplb-slots-per-rank replicas per\n"
         "rank) and apply it when max/mean rank load drops by more than --eplb-min-gain\n"
@@ -279,6 +283,8 @@ int di_cli_serve(int argc, char **argv) {
     eo.device = ma.opt.device;
     eo.ep_workers = ma.opt.ep_workers;
     eo.ep_placement = ma.opt.ep_placement;
+    eo.cp_workers = ma.opt.cp_workers;
+    eo.cp_min_tokens = ma.opt.cp_min_tokens;
     eo.eplb_interval = c->eplb_interval;
     eo.eplb_slots_per_rank = c->eplb_slots_per_rank;
     eo.eplb_min_gain = c->eplb_min_gain;
