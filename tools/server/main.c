@@ -23,6 +23,7 @@ static void usage(FILE *f) {
         "                       [--eplb-interval STEPS] [--eplb-slots-per-rank S]\n"
         "                       [--eplb-min-gain G]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
+        "                       [--max-batch-tokens 256]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
         "                       [--tail-cache-mib 256]\n"
         "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
@@ -48,6 +49,8 @@ static void usage(FILE *f) {
         "--cp-workers: prefill workers (deepinfer cp-worker): a prefill chunk of at least\n"
         "--cp-min-tokens rows (default 1024; chunks are at most the step's token budget) runs\n"
         "split over them and this process (context parallelism, V4 CPU forward, no MTP).\n"
+        "--max-batch-tokens (default 256): forward rows per step; a prefill chunk is at most\n"
+        "this long.\n"
         "--eplb-interval STEPS (default 0 = off): every STEPS steps plan a placement from\n"
         "the routing load since the last plan (EPLB, --eplb-slots-per-rank replicas per\n"
         "rank) and apply it when max/mean rank load drops by more than --eplb-min-gain\n"
@@ -192,6 +195,9 @@ int di_cli_serve(int argc, char **argv) {
         } else if (!strcmp(a, "--max-ctx") && has) {
             if (!di_args_int(argv[++i], "--max-ctx", 16, 1 << 24, &v)) goto out;
             c->max_ctx = (int32_t)v;
+        } else if (!strcmp(a, "--max-batch-tokens") && has) {
+            if (!di_args_int(argv[++i], "--max-batch-tokens", 1, 1 << 20, &v)) goto out;
+            c->max_batch_tokens = (int32_t)v;
         } else if (!strcmp(a, "--max-seqs") && has) {
             if (!di_args_int(argv[++i], "--max-seqs", 1, 4096, &v)) goto out;
             c->max_seqs = (int32_t)v;
@@ -296,6 +302,7 @@ int di_cli_serve(int argc, char **argv) {
     eo.no_tail_cache = c->no_tail_cache;
     eo.max_ctx = c->max_ctx;
     eo.max_seqs = c->max_seqs;
+    eo.max_batch_tokens = c->max_batch_tokens;
     eo.spec_tokens = c->spec_tokens;
     eo.spec_min_confidence = c->spec_min_confidence;
     di_status st = di_engine_create(ma.model, &eo, &s->engine);
