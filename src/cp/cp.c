@@ -609,8 +609,12 @@ di_status di_cp_session_forward(di_cp *cp, di_session *s, const int32_t *tokens,
     for (int il = 0; il < n_state; il++) bk_floats += layer_floats(m, il);
     if (s->mtp) bk_floats += (size_t)(DI_DSV4_ROLLBACK_MAX + 1) * cp->dims.row_floats;
     di_status st = DI_OK;
-    // Room for every entry the call closes, before anything is received into the state.
-    if ((st = di_dsv4_session_reserve(s, n_tok)) != DI_OK) goto out;
+    // Room for every entry the call closes, before anything is received into the state, and
+    // scratch for the front's piece only.
+    s->pos = pb[R - 1];
+    st = di_dsv4_session_reserve(s, pb[R] - pb[R - 1]);
+    s->pos = p0;
+    if (st != DI_OK) goto out;
     if (!(bk.p = di_malloc(sizeof(float) * bk_floats))) {
         st = DI_ERR_NOMEM;
         goto out;

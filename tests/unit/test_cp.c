@@ -142,11 +142,21 @@ static bool same(const run_out *a, const run_out *b, int n, bool last_only) {
 static const int g_cases[][2] = {{0, 256}, {0, 301}, {37, 263}, {133, 198}, {256, 128}};
 
 static void check_exact(di_precision prec) {
-    const int n_cases = (int)(sizeof g_cases / sizeof g_cases[0]);
+    enum { N_CASES = (int)(sizeof g_cases / sizeof g_cases[0]) };
     workers ws;
     CHECK(start(&ws, g_v4, prec, MAX_W));
-    di_model *ref = load(g_v4, prec, NULL, 0);
-    CHECK(ref != NULL);
+    // One process, once per case: the reference of every rank count.
+    run_out ref[N_CASES][2];
+    di_model *m = load(g_v4, prec, NULL, 0);
+    CHECK(m != NULL);
+    for (int ci = 0; ci < N_CASES; ci++)
+        for (int mtp = 0; mtp <= 1; mtp++) {
+            run_alloc(&ref[ci][mtp]);
+            CHECK_EQ(
+                session_run(m, mtp, g_cases[ci][0], g_cases[ci][1], ci == 1 && mtp, &ref[ci][mtp]),
+                DI_OK);
+        }
+    di_model_destroy(m);
     for (int nw = 1; nw <= MAX_W; nw++) {
         // The first nw workers: R = nw + 1 ranks.
         char list[256];
@@ -154,7 +164,7 @@ static void check_exact(di_precision prec) {
         char *cut = list;
         for (int i = 0; i < nw && cut; i++) cut = strchr(cut + (i ? 1 : 0), ',');
         if (cut) *cut = 0;
-        for (int ci = 0; ci < n_cases; ci++) {
+        for (int ci = 0; ci < N_CASES; ci++) {
             const int n_pre = g_cases[ci][0], n = g_cases[ci][1];
             // Only the prompt call is split (the prefix is shorter than the threshold or runs
             // alone); a prefix as long as the prompt goes over the workers too.
@@ -162,16 +172,15 @@ static void check_exact(di_precision prec) {
             CHECK(f != NULL && f->cp != NULL);
             for (int mtp = 0; mtp <= 1; mtp++) {
                 const bool last_only = ci == 1 && mtp;
-                run_out a, b;
-                run_alloc(&a), run_alloc(&b);
-                CHECK_EQ(session_run(ref, mtp, n_pre, n, last_only, &a), DI_OK);
+                run_out b;
+                run_alloc(&b);
                 CHECK_EQ(session_run(f, mtp, n_pre, n, last_only, &b), DI_OK);
-                bool ok = same(&a, &b, n, last_only);
+                bool ok = same(&ref[ci][mtp], &b, n, last_only);
                 if (!ok)
                     fprintf(stderr, "  R=%d prefix %d prompt %d mtp %d %s: differs\n", nw + 1,
                             n_pre, n, mtp, prec == DI_PRECISION_OFFICIAL ? "official" : "fp32");
                 CHECK(ok);
-                run_free(&a), run_free(&b);
+                run_free(&b);
             }
             di_cp_stats cs;
             CHECK(di_model_cp_stats(f, &cs));
@@ -179,7 +188,7 @@ static void check_exact(di_precision prec) {
             di_model_destroy(f);
         }
     }
-    di_model_destroy(ref);
+    for (int ci = 0; ci < N_CASES; ci++) run_free(&ref[ci][0]), run_free(&ref[ci][1]);
     stop(&ws);
 }
 
