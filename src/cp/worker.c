@@ -24,6 +24,9 @@ typedef struct conn {
     int fd;
     pthread_t th;
     bool done; // the thread has finished (joined by the accept loop or at stop)
+    // The session of the last job (owned): reset and reused by the next job that fits (same MTP
+    // setting, context), so its buffers and scratch are not allocated again for every prefill.
+    di_session *s;
     char peer[64];
     struct conn *next;
 } conn;
@@ -147,12 +150,23 @@ static di_status run_job(conn *cn, const di_cp_job *j) {
     float *out = NULL; // [2 + rows V]: the DONE payload (two int32 counts, then the rows)
     di_status st = DI_OK;
     pthread_mutex_lock(&w->cmu);
-    di_session_options so = di_session_options_default();
-    so.n_ctx_max = j->pos + j->n_tok;
-    so.mtp = mtp;
     const int64_t rows = (want_lg ? j->n_tok : 0) + (want_ml ? j->n_tok : 0);
-    if ((st = di_session_create(m, &so, &r.s)) != DI_OK ||
-        !(out = di_malloc(sizeof(float) * (size_t)(2 + rows * V)))) {
+    if (cn->s && (cn->s->mtp != mtp || cn->s->n_ctx_max < j->pos + j->n_tok)) {
+        di_session_destroy(cn->s);
+        cn->s = NULL;
+    }
+    if (cn->s) {
+        // Positions below pos are never read unless installed (rank 0 at 0 reads no ring row and
+        // no overlap before its first window), so the last job's rows may stay.
+        di_session_reset(cn->s);
+    } else {
+        di_session_options so = di_session_options_default();
+        so.n_ctx_max = j->pos + j->n_tok;
+        so.mtp = mtp;
+        st = di_session_create(m, &so, &cn->s);
+    }
+    r.s = cn->s;
+    if (st != DI_OK || !(out = di_malloc(sizeof(float) * (size_t)(2 + rows * V)))) {
         reply_error(cn->fd, cn->peer, "worker out of memory for the job");
         st = DI_ERR_NOMEM;
         goto out;
@@ -187,7 +201,10 @@ out:
     DI_LOG_INFO("cp worker: %s: rank %d of %d, positions [%d, %d): %s, %lld bytes exchanged",
                 cn->peer, j->rank, j->n_ranks, j->pos, j->pos + j->n_tok,
                 st == DI_OK ? "done" : di_status_str(st), (long long)r.bytes);
-    di_session_destroy(r.s);
+    if (st != DI_OK) { // a failed job's session goes (the connection closes after it)
+        di_session_destroy(cn->s);
+        cn->s = NULL;
+    }
     di_cp_buf_free(&r.rx);
     di_free(out);
     return st;
@@ -255,6 +272,8 @@ static void *conn_main(void *p) {
     }
     DI_LOG_INFO("cp worker: %s disconnected after %lld jobs", cn->peer, (long long)n_jobs);
     di_cp_buf_free(&payload);
+    di_session_destroy(cn->s);
+    cn->s = NULL;
     pthread_mutex_lock(&w->mu);
     cn->done = true;
     pthread_mutex_unlock(&w->mu);
