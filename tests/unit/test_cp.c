@@ -481,6 +481,42 @@ static void test_engine(void) {
                   !memcmp(x[i].top, a[i].top, sizeof a[i].top));
         }
     }
+    // A worker down under the engine: the step's requests end with DI_ERR_IO, the engine goes
+    // on (a short request, below the threshold, is exact), and with the worker back on its port
+    // the next long chunk reconnects and is exact again.
+    const int port = di_cp_worker_port(ws.w[0]);
+    di_cp_worker_stop(ws.w[0]);
+    static int32_t ids[400];
+    for (int t = 0; t < 400; t++) ids[t] = tok(t);
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = 1;
+    o.max_ctx = 512;
+    o.max_batch_tokens = 256;
+    o.kv_memory_bytes = 32u << 20;
+    o.cp_workers = one;
+    o.cp_min_tokens = 64;
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_v4, &o, &e), DI_ERR_IO); // its worker unreachable at load
+    e = NULL;
+    CHECK_EQ(di_cp_worker_start(ws.m[0], "127.0.0.1", port, &ws.w[0]), DI_OK);
+    CHECK_EQ(di_engine_create(g_v4, &o, &e), DI_OK);
+    di_cp_worker_stop(ws.w[0]);
+    eres d[2];
+    submit(e, ids, 200, false, &d[0]);
+    di_engine_wait_idle(e);
+    CHECK(atomic_load(&d[0].finished) == 1 && d[0].status == DI_ERR_IO);
+    submit(e, ids + 50, 20, false, &d[1]);
+    di_engine_wait_idle(e);
+    CHECK(atomic_load(&d[1].finished) == 1 && d[1].status == DI_OK);
+    CHECK(d[1].n == a[3].n && !memcmp(d[1].tokens, a[3].tokens, sizeof d[1].tokens) &&
+          !memcmp(d[1].logprob, a[3].logprob, sizeof d[1].logprob));
+    CHECK_EQ(di_cp_worker_start(ws.m[0], "127.0.0.1", port, &ws.w[0]), DI_OK);
+    submit(e, ids, 200, false, &d[0]);
+    di_engine_wait_idle(e);
+    CHECK(atomic_load(&d[0].finished) == 1 && d[0].status == DI_OK);
+    CHECK(d[0].n == a[0].n && !memcmp(d[0].tokens, a[0].tokens, sizeof d[0].tokens) &&
+          !memcmp(d[0].logprob, a[0].logprob, sizeof d[0].logprob));
+    di_engine_destroy(e);
     stop(&ws);
 }
 
