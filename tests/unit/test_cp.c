@@ -7,6 +7,9 @@
 // message). A worker stopped: the call fails with DI_ERR_IO and leaves the session as it was (the
 // same call without the workers is exact); restarted on its port, the next call reconnects. A
 // model mismatch and a V4.1 model are refused at load; malformed frames are answered with errors.
+// The serving engine with 1 and 2 workers gives the tokens and logprobs of an engine without, with
+// a prefix-cache hit before a long chunk; a worker down ends the step's requests with DI_ERR_IO and
+// the engine goes on.
 #include "harness.h"
 
 #include <stdatomic.h>
