@@ -122,8 +122,9 @@ di_model_options di_model_options_default(void);
 // With a CUDA device, also creates the device context (freed by di_model_destroy).
 // Returns DI_ERR_IO (missing/unreadable file), DI_ERR_FORMAT (bad config or checkpoint),
 // DI_ERR_UNSUPPORTED (an architecture this build does not run; a CUDA device in a build without
-// CUDA, or one that does not exist), DI_ERR_CUDA (the device context failed), DI_ERR_INVALID (bad
-// options), DI_ERR_NOMEM.
+// CUDA, or one that does not exist; cp_workers with a V4.1 model or a device), DI_ERR_CUDA (the
+// device context failed), DI_ERR_INVALID (bad options; an expert or prefill worker running another
+// model), DI_ERR_NOMEM; with ep_workers or cp_workers also DI_ERR_IO (a worker unreachable).
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out);
 // Frees the model and unmaps its files. NULL does nothing. Sessions must be destroyed first.
 void di_model_destroy(di_model *model);
@@ -240,7 +241,9 @@ typedef struct di_forward_out {
 // the same tokens in any chunking yields the same logits as one call.
 // Returns DI_ERR_INVALID (bad token id, n_tokens < 1, context exceeds n_ctx_max), DI_ERR_NOMEM;
 // on the device-resident forward (--device cuda, V4 in the FP32 recipe, no MTP) also DI_ERR_CUDA,
-// after which the session is reset to position 0.
+// after which the session is reset to position 0; with expert workers DI_ERR_IO (the session must
+// be discarded); with prefill workers (a call of at least cp_min_tokens tokens) DI_ERR_IO, after
+// which the session is exactly as before the call (retry it, with or without the workers).
 di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tokens,
                              const di_forward_out *out);
 
