@@ -101,6 +101,13 @@ typedef struct di_model_options {
     // A placement file (`deepinfer eplb -o`, docs/expert-parallel.md "Files") for those workers:
     // which rank holds each (layer, expert) replica. NULL: contiguous shares, the front first.
     const char *ep_placement;
+    // Context-parallel workers ("HOST:PORT,HOST:PORT...", `deepinfer cp-worker`,
+    // docs/context-parallel.md): a V4 session's prefill call of at least cp_min_tokens tokens is
+    // split over them and this process, which computes the last piece and keeps the whole state
+    // (logits bit-identical to one process). Read at load only; refused for V4.1 and --device.
+    // NULL or "": none.
+    const char *cp_workers;
+    int32_t cp_min_tokens; // shortest prefill call split over the workers; 0: 1024
 } di_model_options;
 
 // Default options: all CPUs, FP32, CPU only.
@@ -115,8 +122,9 @@ di_model_options di_model_options_default(void);
 // With a CUDA device, also creates the device context (freed by di_model_destroy).
 // Returns DI_ERR_IO (missing/unreadable file), DI_ERR_FORMAT (bad config or checkpoint),
 // DI_ERR_UNSUPPORTED (an architecture this build does not run; a CUDA device in a build without
-// CUDA, or one that does not exist), DI_ERR_CUDA (the device context failed), DI_ERR_INVALID (bad
-// options), DI_ERR_NOMEM.
+// CUDA, or one that does not exist; cp_workers with a V4.1 model or a device), DI_ERR_CUDA (the
+// device context failed), DI_ERR_INVALID (bad options; an expert or prefill worker running another
+// model), DI_ERR_NOMEM; with ep_workers or cp_workers also DI_ERR_IO (a worker unreachable).
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out);
 // Frees the model and unmaps its files. NULL does nothing. Sessions must be destroyed first.
 void di_model_destroy(di_model *model);
@@ -144,6 +152,18 @@ typedef struct di_model_info {
 } di_model_info;
 
 void di_model_get_info(const di_model *model, di_model_info *out);
+
+// Counters of a model's context parallelism (docs/context-parallel.md), since load.
+typedef struct di_cp_stats {
+    int32_t n_workers;
+    int64_t calls;      // prefill calls split over the workers (the failed ones included)
+    int64_t tokens;     // tokens of the calls that succeeded
+    int64_t bytes_sent; // every frame this process sent or received, relayed ones included
+    int64_t bytes_recv;
+    int64_t errors; // calls that failed (DI_ERR_IO)
+} di_cp_stats;
+// false (out zeroed) when the model has no context-parallel workers. Any thread.
+bool di_model_cp_stats(const di_model *model, di_cp_stats *out);
 
 // Counters of one expert worker of a model (docs/expert-parallel.md), since load.
 typedef struct di_ep_worker_stats {
@@ -221,7 +241,9 @@ typedef struct di_forward_out {
 // the same tokens in any chunking yields the same logits as one call.
 // Returns DI_ERR_INVALID (bad token id, n_tokens < 1, context exceeds n_ctx_max), DI_ERR_NOMEM;
 // on the device-resident forward (--device cuda, V4 in the FP32 recipe, no MTP) also DI_ERR_CUDA,
-// after which the session is reset to position 0.
+// after which the session is reset to position 0; with expert workers DI_ERR_IO (the session must
+// be discarded); with prefill workers (a call of at least cp_min_tokens tokens) DI_ERR_IO, after
+// which the session is exactly as before the call (retry it, with or without the workers).
 di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tokens,
                              const di_forward_out *out);
 
@@ -492,6 +514,12 @@ typedef struct di_engine_options {
     int32_t max_queue;        // waiting requests; more are refused with DI_ERR_BUSY; 0 = 1024
     const char *ep_workers;   // expert workers (di_model_options.ep_workers); NULL: none
     const char *ep_placement; // their initial placement (di_model_options.ep_placement)
+    // Prefill workers (di_model_options.cp_workers, docs/context-parallel.md): a step's prefill
+    // chunk of at least cp_min_tokens rows (0: 1024; chunks are at most max_batch_tokens) runs
+    // alone over them; the step's other sequences go in the batched call. CPU forward without MTP
+    // speculation; refused for V4.1 and on a device. NULL: none.
+    const char *cp_workers;
+    int32_t cp_min_tokens;
     // Online EPLB (docs/expert-parallel.md, "Online rebalancing"; with ep_workers only): every
     // eplb_interval steps (0: never) the engine plans a placement from the routing load since the
     // previous plan, with eplb_slots_per_rank replicas per rank (0: the current placement's

@@ -23,6 +23,8 @@ static const struct {
     {"eplb", di_cli_eplb, "plan an expert-parallel placement (EPLB) from a routing load"},
     {"expert-worker", di_cli_expert_worker,
      "serve a model's routed experts to fronts started with --ep-workers (expert parallelism)"},
+    {"cp-worker", di_cli_cp_worker,
+     "compute pieces of long prefills for fronts started with --cp-workers (context parallelism)"},
     {"synth", di_cli_synth, "write a random-weight V4 checkpoint (tests, benchmarks, default)"},
     {"convert", di_cli_convert, "convert an official-layout checkpoint to GGUF (llama.cpp)"},
 };

@@ -74,6 +74,7 @@
 #include "base/mem.h"
 #include "base/status.h"
 #include "engine/engine_internal.h" // test hooks
+#include "cp/cp.h"                  // di_cp_batch_forward: long prefill chunks over workers
 #include "ep/ep.h"                  // the expert workers (online EPLB applies placements)
 #include "ep/eplb.h"                // di_ep_load: the model's expert routing load
 #include "ep/eplb_async.h"          // di_eplb_async: the online EPLB planner thread
@@ -540,7 +541,9 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
                            .precision = o->precision,
                            .device = o->device,
                            .ep_workers = o->ep_workers,
-                           .ep_placement = o->ep_placement};
+                           .ep_placement = o->ep_placement,
+                           .cp_workers = o->cp_workers,
+                           .cp_min_tokens = o->cp_min_tokens};
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
     if (prepare) DI_TRY(prepare(e->model, prepare_user));
     const di_hparams *hp = &e->model->hp;
@@ -659,6 +662,9 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         st = DI_ERR_NOMEM;
         goto fail;
     }
+    if (e->model->cp && e->mtp_ls)
+        DI_LOG_WARN("engine: MTP speculation runs its own forward, which does not split prefill "
+                    "chunks over the prefill workers (--cp-workers): they run here");
     e->stats.n_blocks_total = di_block_pool_n_total(e->kv->pool);
     e->stats.n_blocks_free = e->stats.n_blocks_total;
     e->stats.block_bytes =
@@ -1826,6 +1832,11 @@ static void *forward_main(void *p) {
                                          e->x_logit_rows, e->x_n_logit, e->logits);
         } else if (e->mtp_ls) {
             st = v4_spec_forward(e);
+        } else if (e->model->cp) { // long prefill chunks over the prefill workers (cp/cp.h)
+            di_dsv4_ctx c = {
+                .model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};
+            st = di_cp_batch_forward(e->model->cp, &c, e->x_tokens, e->x_logit_rows, e->x_n_logit,
+                                     e->logits);
         } else {
             di_dsv4_ctx c = {
                 .model = e->model, .ws = &e->ws, .seqs = e->x_seqs, .n_seq = e->x_n_seq};

@@ -103,7 +103,7 @@ static di_status expect_ok(di_ep *ep, ep_conn *c, const char *what) {
     char why[DI_EP_MAX_TEXT + 1];
     di_status st = di_ep_recv_hdr(c->fd, &h, why, sizeof why);
     if (st == DI_OK && h.type == DI_EP_ERROR) {
-        st = di_ep_recv_all(c->fd, why, (size_t)h.len);
+        st = di_sock_recv_all(c->fd, why, (size_t)h.len);
         why[st == DI_OK ? h.len : 0] = 0;
         DI_LOG_ERROR("ep: worker %s refused the %s: %s", c->addr, what, why);
         return DI_ERR_INVALID;
@@ -147,7 +147,7 @@ static di_status ensure(di_ep *ep, int32_t i, int timeout_ms) {
     ep_conn *c = &ep->w[i];
     di_status st = DI_OK;
     if (c->fd < 0) {
-        c->fd = di_ep_connect(c->host, c->port, timeout_ms);
+        c->fd = di_sock_connect("ep", c->host, c->port, timeout_ms);
         if (c->fd < 0) {
             DI_LOG_ERROR("ep: worker %s (rank %d) is unreachable", c->addr, i + 1);
             count_error(ep, c);
@@ -167,8 +167,7 @@ static di_status ensure(di_ep *ep, int32_t i, int timeout_ms) {
         if (st == DI_OK) DI_LOG_INFO("ep: connected to worker %s (rank %d)", c->addr, i + 1);
     }
     if (st == DI_OK && c->need_assign) st = send_assign(ep, c, i + 1);
-    if (st == DI_OK && timeout_ms != DI_EP_IO_TIMEOUT_MS)
-        di_ep_sock_tune(c->fd, DI_EP_IO_TIMEOUT_MS);
+    if (st == DI_OK && timeout_ms != DI_EP_IO_TIMEOUT_MS) di_sock_tune(c->fd, DI_EP_IO_TIMEOUT_MS);
     if (st != DI_OK) {
         conn_close(c);
         count_error(ep, c);
@@ -250,7 +249,7 @@ di_status di_ep_attach(di_model *m, const char *const *workers, int32_t n_worker
         di_buf_init(&c->req);
         snprintf(c->addr, sizeof c->addr, "%s", workers[i]);
         snprintf(c->st.addr, sizeof c->st.addr, "%s", workers[i]);
-        if (!di_ep_split_addr(workers[i], c->host, sizeof c->host, &c->port) || !c->host[0] ||
+        if (!di_sock_split_addr(workers[i], c->host, sizeof c->host, &c->port) || !c->host[0] ||
             c->port == 0) {
             DI_LOG_ERROR("ep: worker address '%s' is not HOST:PORT", workers[i]);
             st = DI_ERR_INVALID;
@@ -420,7 +419,7 @@ di_status di_ep_recv(di_ep *ep, int32_t rank, int32_t e, int32_t n, float *y) {
     const uint64_t want = 8 + (uint64_t)n * (uint64_t)ep->D * sizeof(float);
     di_status st = c->n_pending > 0 ? di_ep_recv_hdr(c->fd, &h, why, sizeof why) : DI_ERR_IO;
     if (st == DI_OK && h.type == DI_EP_ERROR) {
-        if (di_ep_recv_all(c->fd, why, (size_t)h.len) == DI_OK)
+        if (di_sock_recv_all(c->fd, why, (size_t)h.len) == DI_OK)
             why[h.len] = 0;
         else
             snprintf(why, sizeof why, "(its message was cut)");
@@ -428,8 +427,8 @@ di_status di_ep_recv(di_ep *ep, int32_t rank, int32_t e, int32_t n, float *y) {
         st = DI_ERR_IO;
     } else if (st == DI_OK) {
         if (h.type != DI_EP_RESULT || h.len != want ||
-            di_ep_recv_all(c->fd, got, sizeof got) != DI_OK || got[0] != e || got[1] != n ||
-            di_ep_recv_all(c->fd, y, (size_t)(want - 8)) != DI_OK) {
+            di_sock_recv_all(c->fd, got, sizeof got) != DI_OK || got[0] != e || got[1] != n ||
+            di_sock_recv_all(c->fd, y, (size_t)(want - 8)) != DI_OK) {
             DI_LOG_ERROR("ep: worker %s: bad or missing result for layer %d expert %d (%d rows)",
                          c->addr, ep->layer, e, n);
             st = DI_ERR_IO;

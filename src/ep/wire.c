@@ -1,17 +1,7 @@
 #include "ep/wire.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-#include <unistd.h>
 
 #include "base/log.h"
 
@@ -170,108 +160,16 @@ di_status di_ep_decode_assign(const void *payload, uint64_t len, int32_t n_layer
     return DI_OK;
 }
 
-di_status di_ep_send_all(int fd, const void *p, size_t n) {
-    const uint8_t *b = p;
-    while (n > 0) {
-        ssize_t k = send(fd, b, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return DI_ERR_IO;
-        b += k;
-        n -= (size_t)k;
-    }
-    return DI_OK;
-}
-
-di_status di_ep_recv_all(int fd, void *p, size_t n) {
-    uint8_t *b = p;
-    while (n > 0) {
-        ssize_t k = recv(fd, b, n, 0);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return DI_ERR_IO;
-        b += k;
-        n -= (size_t)k;
-    }
-    return DI_OK;
-}
-
 di_status di_ep_send_frame(int fd, uint16_t type, const void *payload, uint64_t len) {
     di_ep_hdr h = {.magic = DI_EP_MAGIC, .version = DI_EP_VERSION, .type = type, .len = len};
-    RET_IF(di_ep_send_all(fd, &h, sizeof h));
-    return len ? di_ep_send_all(fd, payload, (size_t)len) : DI_OK;
+    RET_IF(di_sock_send_all(fd, &h, sizeof h));
+    return len ? di_sock_send_all(fd, payload, (size_t)len) : DI_OK;
 }
 
 di_status di_ep_recv_hdr(int fd, di_ep_hdr *h, char *why, size_t why_n) {
-    if (di_ep_recv_all(fd, h, sizeof *h) != DI_OK) {
+    if (di_sock_recv_all(fd, h, sizeof *h) != DI_OK) {
         snprintf(why, why_n, "connection closed or timed out");
         return DI_ERR_IO;
     }
     return di_ep_hdr_check(h, why, why_n);
-}
-
-bool di_ep_split_addr(const char *s, char *host, size_t host_n, int *port) {
-    const char *c = strrchr(s, ':');
-    if (!c || (size_t)(c - s) >= host_n) return false;
-    char *end;
-    errno = 0;
-    long v = strtol(c + 1, &end, 10);
-    if (end == c + 1 || *end || errno || v < 0 || v > 65535) return false;
-    memcpy(host, s, (size_t)(c - s));
-    host[c - s] = 0;
-    *port = (int)v;
-    return true;
-}
-
-void di_ep_sock_tune(int fd, int timeout_ms) {
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-}
-
-int di_ep_connect(const char *host, int port, int timeout_ms) {
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
-    char ps[16];
-    snprintf(ps, sizeof ps, "%d", port);
-    int gr = getaddrinfo(host, ps, &hints, &res);
-    if (gr != 0) {
-        DI_LOG_ERROR("ep: cannot resolve %s: %s", host, gai_strerror(gr));
-        return -1;
-    }
-    int fd = -1, err = 0;
-    for (struct addrinfo *a = res; a && fd < 0; a = a->ai_next) {
-        fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-        if (fd < 0) {
-            err = errno;
-            continue;
-        }
-        // Non-blocking connect bounded by the timeout, then back to blocking.
-        int fl = fcntl(fd, F_GETFL);
-        fcntl(fd, F_SETFL, fl | O_NONBLOCK);
-        int r = connect(fd, a->ai_addr, a->ai_addrlen);
-        if (r != 0 && errno == EINPROGRESS) {
-            struct pollfd pf = {.fd = fd, .events = POLLOUT};
-            r = poll(&pf, 1, timeout_ms);
-            if (r == 1) {
-                socklen_t l = sizeof err;
-                getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &l);
-                r = err ? -1 : 0;
-            } else {
-                err = r == 0 ? ETIMEDOUT : errno;
-                r = -1;
-            }
-        } else if (r != 0) {
-            err = errno;
-        }
-        if (r != 0) {
-            close(fd);
-            fd = -1;
-            continue;
-        }
-        fcntl(fd, F_SETFL, fl);
-        di_ep_sock_tune(fd, timeout_ms);
-    }
-    freeaddrinfo(res);
-    if (fd < 0) DI_LOG_ERROR("ep: cannot connect to %s:%d: %s", host, port, strerror(err));
-    return fd;
 }

@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/sock.h" // di_sock_*
 #include "deepinfer.h"
 
 #define DI_EP_MAGIC 0x50454944u // "DIEP" in little-endian memory order
@@ -76,19 +77,9 @@ di_status di_ep_decode_compute(const void *payload, uint64_t len, int32_t n_laye
 di_status di_ep_decode_assign(const void *payload, uint64_t len, int32_t n_layers, int32_t n_expert,
                               const int32_t **pairs, int32_t *count, char *why, size_t why_n);
 
-// ---- blocking socket helpers (POSIX) ----
+// ---- framing over the blocking socket helpers (base/sock.h) ----
 
-// Writes / reads exactly n bytes (EINTR retried). DI_ERR_IO on error, timeout or a closed peer.
-di_status di_ep_send_all(int fd, const void *p, size_t n);
-di_status di_ep_recv_all(int fd, void *p, size_t n);
 // Sends one frame: header, then the payload (may be NULL when len is 0).
 di_status di_ep_send_frame(int fd, uint16_t type, const void *payload, uint64_t len);
 // Receives and checks a header (di_ep_hdr_check; DI_ERR_FORMAT with the reason).
 di_status di_ep_recv_hdr(int fd, di_ep_hdr *h, char *why, size_t why_n);
-// Splits "HOST:PORT" (the last colon; HOST may be empty for all interfaces when listening).
-// false when malformed.
-bool di_ep_split_addr(const char *s, char *host, size_t host_n, int *port);
-// Sets TCP_NODELAY and the send/receive timeouts (0: none).
-void di_ep_sock_tune(int fd, int timeout_ms);
-// Connects to host:port within timeout_ms. The socket, or -1 with errno-based reason logged.
-int di_ep_connect(const char *host, int port, int timeout_ms);

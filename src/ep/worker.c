@@ -70,15 +70,15 @@ static di_status compute(conn *cn, di_dsv4_ctx *c, const di_ep_compute *rq) {
                        .type = DI_EP_RESULT,
                        .len = 8 + (uint64_t)gr->n * (uint64_t)D * sizeof(float)};
         int32_t eg[2] = {gr->expert, gr->n};
-        RET_IF(di_ep_send_all(cn->fd, &h, sizeof h));
-        RET_IF(di_ep_send_all(cn->fd, eg, sizeof eg));
+        RET_IF(di_sock_send_all(cn->fd, &h, sizeof h));
+        RET_IF(di_sock_send_all(cn->fd, eg, sizeof eg));
         for (int32_t r0 = 0; r0 < gr->n; r0 += WORKER_CHUNK) {
             const int32_t n = gr->n - r0 < WORKER_CHUNK ? gr->n - r0 : WORKER_CHUNK;
             pthread_mutex_lock(&cn->w->cmu);
             di_dsv4_expert(c, &lw->w1[gr->expert], &lw->w3[gr->expert], &lw->w2[gr->expert],
                            gr->x + r0 * D, n, m->hp.swiglu_limit, gr->w + r0, y);
             pthread_mutex_unlock(&cn->w->cmu);
-            RET_IF(di_ep_send_all(cn->fd, y, sizeof(float) * (size_t)(n * D)));
+            RET_IF(di_sock_send_all(cn->fd, y, sizeof(float) * (size_t)(n * D)));
         }
     }
     return DI_OK;
@@ -120,7 +120,7 @@ static void *conn_main(void *p) {
             reply_error(cn->fd, cn->peer, "worker out of memory for the request");
             break;
         }
-        if (h.len && di_ep_recv_all(cn->fd, payload, (size_t)h.len) != DI_OK) {
+        if (h.len && di_sock_recv_all(cn->fd, payload, (size_t)h.len) != DI_OK) {
             DI_LOG_WARN("ep worker: %s: truncated frame (%llu bytes announced)", cn->peer,
                         (unsigned long long)h.len);
             break;
@@ -247,7 +247,7 @@ static void *accept_main(void *p) {
         getnameinfo((struct sockaddr *)&sa, sl, host, sizeof host, serv, sizeof serv,
                     NI_NUMERICHOST | NI_NUMERICSERV);
         snprintf(cn->peer, sizeof cn->peer, "%s:%s", host, serv);
-        di_ep_sock_tune(fd, DI_EP_IO_TIMEOUT_MS);
+        di_sock_tune(fd, DI_EP_IO_TIMEOUT_MS);
         // No receive timeout: a front may stay idle between requests as long as it likes.
         struct timeval tv = {0};
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -274,45 +274,11 @@ di_status di_ep_worker_start(di_model *m, const char *host, int port, di_ep_work
     w->m = m;
     w->id = di_dsv4_model_id(m);
     di_ep_model_describe(m, w->desc, sizeof w->desc);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC,
-                             .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_PASSIVE},
-                    *res = NULL;
-    char ps[16];
-    snprintf(ps, sizeof ps, "%d", port);
-    const char *h = host && *host ? host : NULL;
-    int gr = getaddrinfo(h, ps, &hints, &res);
-    if (gr != 0) {
-        DI_LOG_ERROR("ep worker: cannot resolve '%s': %s", host, gai_strerror(gr));
-        di_free(w);
-        return DI_ERR_IO;
-    }
-    w->lfd = -1;
-    int err = 0;
-    for (struct addrinfo *a = res; a && w->lfd < 0; a = a->ai_next) {
-        int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-        if (fd < 0) continue;
-        int one = 1;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 64) == 0) {
-            w->lfd = fd;
-        } else {
-            err = errno;
-            close(fd);
-        }
-    }
-    freeaddrinfo(res);
+    w->lfd = di_sock_listen("ep worker", host, port, &w->port);
     if (w->lfd < 0) {
-        DI_LOG_ERROR("ep worker: cannot listen on %s:%d: %s", host ? host : "", port,
-                     strerror(err));
         di_free(w);
         return DI_ERR_IO;
     }
-    struct sockaddr_storage sa;
-    socklen_t sl = sizeof sa;
-    getsockname(w->lfd, (struct sockaddr *)&sa, &sl);
-    w->port = ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port
-                                             : ((struct sockaddr_in *)&sa)->sin_port);
     pthread_mutex_init(&w->mu, NULL);
     pthread_mutex_init(&w->cmu, NULL);
     if (pipe(w->stop_pipe) != 0 || pthread_create(&w->th, NULL, accept_main, w) != 0) {

@@ -15,6 +15,7 @@
 #include "base/mem.h"
 #include "base/status.h"
 #include "base/hash.h"
+#include "cp/cp.h" // di_cp_session_forward (context parallelism)
 #include "ep/ep.h"
 #include "ep/eplb.h"         // di_eplb_placement_read
 #include "backend/backend.h" // di_backend (the device-resident forward)
@@ -141,6 +142,27 @@ static di_status attach_ep(di_model *m) {
     return st;
 }
 
+// Attaches the prefill workers named by opt.cp_workers ("HOST:PORT,HOST:PORT...").
+static di_status attach_cp(di_model *m) {
+    char *list = di_strdup(m->opt.cp_workers);
+    const char *addr[DI_CP_MAX_RANKS];
+    int32_t n = 0;
+    if (!list) return DI_ERR_NOMEM;
+    di_status st = DI_OK;
+    for (char *save = NULL, *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (n == DI_CP_MAX_RANKS - 1) {
+            DI_LOG_ERROR("cp: more than %d prefill workers", DI_CP_MAX_RANKS - 1);
+            st = DI_ERR_INVALID;
+            break;
+        }
+        addr[n++] = t;
+    }
+    di_cp *cp = NULL;
+    if (st == DI_OK) st = di_cp_attach(m, addr, n, m->opt.cp_min_tokens, &cp);
+    di_free(list);
+    return st;
+}
+
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out) {
     di_status st = DI_OK;
     di_model *m = di_calloc(1, sizeof *m);
@@ -206,6 +228,9 @@ di_status di_model_load(const char *dir, const di_model_options *opt, di_model *
     if (m->opt.ep_workers && *m->opt.ep_workers) {
         if ((st = attach_ep(m)) != DI_OK) goto fail;
     }
+    if (m->opt.cp_workers && *m->opt.cp_workers) {
+        if ((st = attach_cp(m)) != DI_OK) goto fail;
+    }
     *out = m;
     return DI_OK;
 fail:
@@ -224,6 +249,7 @@ void di_model_destroy(di_model *m) {
                     (long long)ds.n_weights, ds.weight_bytes / 1048576.0);
     }
     di_ep_detach(m->ep);
+    di_cp_detach(m->cp);
     di_dsv4_dev_destroy(m->dev); // before its backend
     di_backend_destroy(m->dev_backend);
     di_accel_close(&m->accel);
@@ -447,7 +473,12 @@ void di_dsv4_block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, floa
     hc_pre(c, &lw->hc_attn, x, n_tok, a, false);
     di_ref_rmsnorm(a, n_tok, D, D, lw->attn_norm, hp->norm_eps);
     di_dsv4_round(m, a, n_tok * D);
+    // Context parallelism: the state of the earlier pieces comes in before the attention reads it
+    // and this piece's goes out right after (the rest of the block is per row). A failure stops
+    // the block before the attention touches a state that was not installed.
+    if (c->cp && (c->status = c->cp->attn(c->cp->user, c, il_state, false)) != DI_OK) return;
     di_dsv4_attention(c, lw, il_state, a, o);
+    if (c->cp && (c->status = c->cp->attn(c->cp->user, c, il_state, true)) != DI_OK) return;
     if (c->trace) c->trace(c->trace_user, "attn_out", lw->il, o, false, n_tok, D);
     di_dsv4_hc_post(c, o, x, n_tok);
 
@@ -605,6 +636,15 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
         return DI_OK;
     }
     if (s->dev) return dev_forward(s, tokens, n_tok, out);
+    if (m->cp && n_tok >= di_cp_min_tokens(m->cp)) // context parallelism (cp/cp.h)
+        return di_cp_session_forward(m->cp, s, tokens, n_tok, out);
+    return di_dsv4_session_forward(s, tokens, n_tok, out, NULL);
+}
+
+di_status di_dsv4_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
+                                  const di_forward_out *out, const di_dsv4_cp_hook *cp) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
     di_status st = di_dsv4_session_reserve(s, n_tok);
     if (st != DI_OK) return st;
 
@@ -617,7 +657,8 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
                      .seqs = &seq,
                      .n_seq = 1,
                      .trace = s->trace,
-                     .trace_user = s->trace_user};
+                     .trace_user = s->trace_user,
+                     .cp = cp};
     float *x = di_dsv4_scratch(&c, DI_SCR_X); // [T, NC, D]
     // The head reads X in place (its rows are contiguous), so X survives for the MTP block.
     st = di_dsv4_forward_batch(&c, tokens, NULL, 0, NULL);
@@ -635,6 +676,11 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
     // is there after a rollback too.
     if (s->mtp) {
         const int32_t xr = DI_DSV4_ROLLBACK_MAX + 1;
+        // Context parallelism: this piece's last main row goes on, the previous piece's comes in
+        // as the pending position p0 - 1.
+        if (cp && cp->mtp_input &&
+            (st = cp->mtp_input(cp->user, s, x + (int64_t)(n_tok - 1) * nc * D)) != DI_OK)
+            return st;
         float *xm = di_dsv4_scratch(&c, DI_SCR_XMAIN);
         int32_t n = 0, p_first = s->mtp_pending ? p0 - 1 : p0;
         size_t row = sizeof(float) * (size_t)(nc * D);

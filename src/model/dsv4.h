@@ -137,6 +137,9 @@ struct di_model {
     // Expert parallelism (ep/ep.h): routed experts placed on worker processes are computed there.
     // Owned when di_model_load attached it (opt.ep_workers); NULL: every expert here.
     struct di_ep *ep;
+    // Context parallelism (cp/cp.h): long prefills of sessions are split over worker processes.
+    // Owned when di_model_load attached it (opt.cp_workers); NULL: every prefill here.
+    struct di_cp *cp;
 };
 
 // The model's identity: FNV-1a over the hyper-parameters, the precision recipe, the parameter
@@ -268,6 +271,19 @@ void di_dsv4_ws_free(di_dsv4_ws *ws);
 // Bytes of a workspace's buffers (scratch, attention scratch, selections, row maps).
 int64_t di_dsv4_ws_bytes(const di_dsv4_ws *ws);
 
+// Context parallelism (cp/cp.h): a call may compute one piece of a longer prefill whose earlier
+// pieces run on other ranks. The hook runs around every layer's attention (the only cross-token
+// dependency of the forward) to install the state of the pieces before this one (after = false)
+// and to pass this piece's state on (after = true), and, in a session with MTP, before the MTP
+// block to pass on this call's last main-stream row and take the pending row of position pos - 1
+// (x_last [NC, D]: the main streams of the call's last row). A failure ends the forward with it.
+struct di_dsv4_ctx;
+typedef struct di_dsv4_cp_hook {
+    di_status (*attn)(void *user, struct di_dsv4_ctx *c, int il_state, bool after);
+    di_status (*mtp_input)(void *user, di_session *s, const float *x_last);
+    void *user; // borrowed
+} di_dsv4_cp_hook;
+
 // The context of one call: who runs, on which rows.
 typedef struct di_dsv4_ctx {
     di_model *model;   // borrowed
@@ -280,6 +296,7 @@ typedef struct di_dsv4_ctx {
     // remaining MoE layers output zeros and the forward returns it; the call's results and the
     // state it advanced are garbage (callers end the sequences, sessions must be discarded).
     di_status status;
+    const di_dsv4_cp_hook *cp; // borrowed; NULL: the whole sequence is here (every ordinary call)
 } di_dsv4_ctx;
 
 // Lays the rows of c's sequences out one after another (sequence after sequence): each
@@ -294,6 +311,13 @@ void di_dsv4_set_rows(di_dsv4_ctx *c);
 // (DI_ERR_IO: an expert worker failed).
 di_status di_dsv4_forward_batch(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *logit_rows,
                                 int32_t n_logit_rows, float *logits);
+
+// The CPU forward of a V4 session (di_session_forward after validation, also on a context-parallel
+// rank): tokens [n_tok] at s->pos, every layer's attention wrapped by cp (NULL: none). The state
+// advances and s->pos moves to s->pos + n_tok on success; on failure the state is garbage unless
+// the caller kept what it needs (cp/cp.c restores its session).
+di_status di_dsv4_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
+                                  const di_forward_out *out, const di_dsv4_cp_hook *cp);
 
 // Rows of one device-resident call of a session (its scratch is sized for this many rows).
 #define DI_DSV4_DEV_SESSION_ROWS 256

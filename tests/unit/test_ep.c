@@ -420,7 +420,7 @@ static int dial(int port) {
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     CHECK(connect(fd, (struct sockaddr *)&a, sizeof a) == 0);
-    di_ep_sock_tune(fd, 10000);
+    di_sock_tune(fd, 10000);
     return fd;
 }
 
@@ -430,7 +430,7 @@ static int reply(int fd, char *text, size_t n) {
     char why[256];
     if (di_ep_recv_hdr(fd, &h, why, sizeof why) != DI_OK) return -1;
     char *p = malloc(h.len + 1);
-    CHECK(di_ep_recv_all(fd, p, h.len) == DI_OK);
+    CHECK(di_sock_recv_all(fd, p, h.len) == DI_OK);
     p[h.len] = 0;
     if (text) snprintf(text, n, "%s", p);
     free(p);
@@ -438,7 +438,7 @@ static int reply(int fd, char *text, size_t n) {
 }
 
 static void send_raw(int fd, const void *p, size_t n) {
-    CHECK(di_ep_send_all(fd, p, n) == DI_OK);
+    CHECK(di_sock_send_all(fd, p, n) == DI_OK);
 }
 
 static void hello(int fd, const di_model *m) {
@@ -522,8 +522,8 @@ static void test_frames(void) {
     CHECK_EQ(h.len, 8 + (uint64_t)n * D * 4);
     int32_t en[2];
     float *y = malloc((size_t)n * D * 4);
-    CHECK(di_ep_recv_all(fd, en, 8) == DI_OK && en[0] == E - 1 && en[1] == n);
-    CHECK(di_ep_recv_all(fd, y, (size_t)n * D * 4) == DI_OK);
+    CHECK(di_sock_recv_all(fd, en, 8) == DI_OK && en[0] == E - 1 && en[1] == n);
+    CHECK(di_sock_recv_all(fd, y, (size_t)n * D * 4) == DI_OK);
     di_model *loc = load(g_v4, DI_PRECISION_FP32, NULL);
     di_dsv4_ws lws = {0};
     CHECK_EQ(di_dsv4_ws_reserve(&lws, loc, 16, 0, false), DI_OK);

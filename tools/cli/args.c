@@ -109,7 +109,8 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
     bool has_val = *i + 1 < argc;
     if (strcmp(a, "--model") == 0 || strcmp(a, "--threads") == 0 || strcmp(a, "--precision") == 0 ||
         strcmp(a, "--device") == 0 || strcmp(a, "--log-level") == 0 ||
-        strcmp(a, "--ep-workers") == 0 || strcmp(a, "--ep-placement") == 0) {
+        strcmp(a, "--ep-workers") == 0 || strcmp(a, "--ep-placement") == 0 ||
+        strcmp(a, "--cp-workers") == 0 || strcmp(a, "--cp-min-tokens") == 0) {
         if (!has_val) {
             fprintf(stderr, "deepinfer: %s needs a value\n", a);
             return -1;
@@ -119,6 +120,12 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
             ma->model = v;
         } else if (strcmp(a, "--ep-workers") == 0) {
             ma->opt.ep_workers = v; // checked (HOST:PORT each) when the model attaches them
+        } else if (strcmp(a, "--cp-workers") == 0) {
+            ma->opt.cp_workers = v; // checked (HOST:PORT each) when the model attaches them
+        } else if (strcmp(a, "--cp-min-tokens") == 0) {
+            long n;
+            if (!di_args_int(v, "--cp-min-tokens", 1, 1 << 30, &n)) return -1;
+            ma->opt.cp_min_tokens = (int32_t)n;
         } else if (strcmp(a, "--ep-placement") == 0) {
             ma->opt.ep_placement = v; // read and checked against the model at load
         } else if (strcmp(a, "--threads") == 0) {

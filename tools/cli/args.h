@@ -24,7 +24,9 @@ const char *di_args_default_model(void);
 // when this build cannot run it (a CUDA device without the CUDA backend).
 bool di_args_device(const char *s, di_device *out);
 // Options shared by every model command: --model, --threads, --precision, --device, --log-level,
-// --ep-workers HOST:PORT[,HOST:PORT...] (expert workers, docs/expert-parallel.md).
+// --ep-workers HOST:PORT[,HOST:PORT...] (expert workers, docs/expert-parallel.md),
+// --cp-workers HOST:PORT[,HOST:PORT...] and --cp-min-tokens N (prefill workers,
+// docs/context-parallel.md).
 typedef struct di_model_args {
     const char *model;
     di_model_options opt;

@@ -28,6 +28,7 @@ static void usage(FILE *f) {
             "                       [--threads N] [--precision fp32|official] [--no-ratio]\n"
             "                       [--device cpu|cuda[:N]] [--spec-tokens N]\n"
             "                       [--ep-workers HOST:PORT,...] [--ep-placement FILE]\n"
+            "                       [--cp-workers HOST:PORT,...] [--cp-min-tokens N]\n"
             "                       [--spec-min-confidence X] [--shared-prefix N]\n"
             "Greedy generation of --gen-len tokens for --requests random prompts submitted\n"
             "together; prints throughput, TTFT and ITL statistics and KV usage, then the\n"
@@ -408,6 +409,8 @@ int di_cli_bench(int argc, char **argv) {
     o.device = ma.opt.device;
     o.ep_workers = ma.opt.ep_workers;
     o.ep_placement = ma.opt.ep_placement;
+    o.cp_workers = ma.opt.cp_workers;
+    o.cp_min_tokens = ma.opt.cp_min_tokens;
     o.kv_memory_bytes = (size_t)kv_mib << 20;
     o.max_seqs = (int32_t)(n_req > 16 ? n_req : 16);
     o.max_batch_tokens = (int32_t)batch;

@@ -17,3 +17,4 @@ int di_cli_eplb(int argc, char **argv);          // tools/cli/eplb.c
 int di_cli_serve(int argc, char **argv);         // tools/server/main.c
 int di_cli_route(int argc, char **argv);         // tools/router/main.c
 int di_cli_expert_worker(int argc, char **argv); // tools/cli/expert_worker.c
+int di_cli_cp_worker(int argc, char **argv);     // tools/cli/cp_worker.c

@@ -7,7 +7,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
-#include "ep/wire.h"   // di_ep_split_addr
+#include "base/sock.h" // di_sock_split_addr
 #include "ep/worker.h" // di_ep_worker
 
 static void usage(FILE *f) {
@@ -43,7 +43,7 @@ int di_cli_expert_worker(int argc, char **argv) {
     }
     char host[256];
     int port = 0;
-    if (!listen_s || !di_ep_split_addr(listen_s, host, sizeof host, &port)) {
+    if (!listen_s || !di_sock_split_addr(listen_s, host, sizeof host, &port)) {
         fprintf(stderr, "deepinfer expert-worker: --listen HOST:PORT is required (PORT 0-65535)\n");
         return 2;
     }

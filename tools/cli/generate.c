@@ -5,26 +5,32 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "sample/sampler.h"
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: deepinfer generate [--model DIR] (--prompt TEXT | --tokens 5,17,...)\n"
-               "                          [-n 64] [--temperature 0] [--seed 0] [--threads N]\n"
-               "                          [--precision fp32|official] [--device cpu|cuda[:N]]\n"
-               "                          [--no-stop] [--dspark] [--ep-workers HOST:PORT,...]\n"
-               "                          [--ep-placement FILE]\n"
-               "--dspark (DeepSeek V4.1, greedy only): speculative decoding with the DSpark draft\n"
-               "module; every draft block is verified in one forward and rejected tokens are\n"
-               "rolled back, so the output equals plain greedy decoding (acceptance on stderr).\n"
-               "--prompt renders TEXT as one user turn of a chat (DeepSeek V4 format, the\n"
-               "model's tokenizer) and prints the generated text as it is produced; --tokens\n"
-               "takes prompt token ids and prints the generated ids, comma-separated. Temperature\n"
-               "0 is greedy (ties to the lowest id); generation stops at the model's EOS token\n"
-               "unless --no-stop is given. Without --model, the built-in random-weight tiny model\n"
-               "is used (its text is meaningless).\n");
+    fprintf(f,
+            "usage: deepinfer generate [--model DIR] (--prompt TEXT | --tokens 5,17,...)\n"
+            "                          [-n 64] [--temperature 0] [--seed 0] [--threads N]\n"
+            "                          [--precision fp32|official] [--device cpu|cuda[:N]]\n"
+            "                          [--no-stop] [--dspark] [--ep-workers HOST:PORT,...]\n"
+            "                          [--ep-placement FILE] [--cp-workers HOST:PORT,...]\n"
+            "                          [--cp-min-tokens N]\n"
+            "--cp-workers (DeepSeek V4, CPU): prefill calls of at least --cp-min-tokens tokens\n"
+            "(default 1024) are split over these prefill workers (deepinfer cp-worker) and this\n"
+            "process; the output is identical to one process.\n"
+            "--dspark (DeepSeek V4.1, greedy only): speculative decoding with the DSpark draft\n"
+            "module; every draft block is verified in one forward and rejected tokens are\n"
+            "rolled back, so the output equals plain greedy decoding (acceptance on stderr).\n"
+            "--prompt renders TEXT as one user turn of a chat (DeepSeek V4 format, the\n"
+            "model's tokenizer) and prints the generated text as it is produced; --tokens\n"
+            "takes prompt token ids and prints the generated ids, comma-separated. Temperature\n"
+            "0 is greedy (ties to the lowest id); generation stops at the model's EOS token\n"
+            "unless --no-stop is given. Without --model, the built-in random-weight tiny model\n"
+            "is used (its text is meaningless).\n");
 }
 
 // Prints one generated token (text through detok, else the id). Returns false at the end
@@ -136,7 +142,7 @@ int di_cli_generate(int argc, char **argv) {
     const char *tokens_s = NULL, *prompt_s = NULL;
     long n_gen = 64, seed = 0;
     double temperature = 0;
-    bool stop_at_eos = true, dspark = false;
+    bool stop_at_eos = true, dspark = false, timing = false;
     for (int i = 1; i < argc; i++) {
         int r = di_args_model_option(argc, argv, &i, &ma);
         if (r < 0) return 2;
@@ -148,6 +154,10 @@ int di_cli_generate(int argc, char **argv) {
         }
         if (strcmp(a, "--dspark") == 0) {
             dspark = true;
+            continue;
+        }
+        if (strcmp(a, "--timing") == 0) {
+            timing = true;
             continue;
         }
         if (strcmp(a, "--no-stop") == 0) {
@@ -238,9 +248,23 @@ int di_cli_generate(int argc, char **argv) {
     sp.temperature = (float)temperature;
     sp.seed = (uint64_t)seed;
     di_forward_out fo = {.logits = logits, .last_only = true};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     if ((st = di_session_forward(s, prompt, n_prompt, &fo)) != DI_OK) {
         fprintf(stderr, "deepinfer generate: %s\n", di_status_str(st));
         goto done;
+    }
+    if (timing) {
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double dt = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+        di_cp_stats cs;
+        fprintf(stderr, "prefill: %d tokens in %.3f s (%.1f tokens/s)", n_prompt, dt,
+                n_prompt / dt);
+        if (di_model_cp_stats(m, &cs))
+            fprintf(stderr, ", context parallel: %lld calls, %lld bytes exchanged (%.0f per token)",
+                    (long long)cs.calls, (long long)(cs.bytes_sent + cs.bytes_recv),
+                    (double)(cs.bytes_sent + cs.bytes_recv) / n_prompt);
+        fprintf(stderr, "\n");
     }
     const int32_t eos = info.eos_token_id;
     if (dspark) {

@@ -19,9 +19,11 @@ static void usage(FILE *f) {
         "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
         "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
         "                       [--ep-workers HOST:PORT,...] [--ep-placement FILE]\n"
+        "                       [--cp-workers HOST:PORT,...] [--cp-min-tokens N]\n"
         "                       [--eplb-interval STEPS] [--eplb-slots-per-rank S]\n"
         "                       [--eplb-min-gain G]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
+        "                       [--max-batch-tokens 256]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
         "                       [--kv-disk-queue 256M] [--tail-cache-mib 256]\n"
         "                       [--cache-isolation none|user] [--fim]\n"
@@ -51,6 +53,11 @@ static void usage(FILE *f) {
         "networks (with --api-key they take the key).\n"
         "--ep-workers: expert workers (deepinfer expert-worker) computing the routed experts\n"
         "placed on them (--ep-placement: a file of deepinfer eplb -o; default contiguous).\n"
+        "--cp-workers: prefill workers (deepinfer cp-worker): a prefill chunk of at least\n"
+        "--cp-min-tokens rows (default 1024; chunks are at most the step's token budget) runs\n"
+        "split over them and this process (context parallelism, V4 CPU forward, no MTP).\n"
+        "--max-batch-tokens (default 256): forward rows per step; a prefill chunk is at most\n"
+        "this long.\n"
         "--eplb-interval STEPS (default 0 = off): every STEPS steps plan a placement from\n"
         "the routing load since the last plan (EPLB, --eplb-slots-per-rank replicas per\n"
         "rank) and apply it when max/mean rank load drops by more than --eplb-min-gain\n"
@@ -200,6 +207,9 @@ int di_cli_serve(int argc, char **argv) {
         } else if (!strcmp(a, "--max-ctx") && has) {
             if (!di_args_int(argv[++i], "--max-ctx", 16, 1 << 24, &v)) goto out;
             c->max_ctx = (int32_t)v;
+        } else if (!strcmp(a, "--max-batch-tokens") && has) {
+            if (!di_args_int(argv[++i], "--max-batch-tokens", 1, 1 << 20, &v)) goto out;
+            c->max_batch_tokens = (int32_t)v;
         } else if (!strcmp(a, "--max-seqs") && has) {
             if (!di_args_int(argv[++i], "--max-seqs", 1, 4096, &v)) goto out;
             c->max_seqs = (int32_t)v;
@@ -300,6 +310,8 @@ int di_cli_serve(int argc, char **argv) {
     eo.device = ma.opt.device;
     eo.ep_workers = ma.opt.ep_workers;
     eo.ep_placement = ma.opt.ep_placement;
+    eo.cp_workers = ma.opt.cp_workers;
+    eo.cp_min_tokens = ma.opt.cp_min_tokens;
     eo.eplb_interval = c->eplb_interval;
     eo.eplb_slots_per_rank = c->eplb_slots_per_rank;
     eo.eplb_min_gain = c->eplb_min_gain;
@@ -312,6 +324,7 @@ int di_cli_serve(int argc, char **argv) {
     eo.no_tail_cache = c->no_tail_cache;
     eo.max_ctx = c->max_ctx;
     eo.max_seqs = c->max_seqs;
+    eo.max_batch_tokens = c->max_batch_tokens;
     eo.spec_tokens = c->spec_tokens;
     eo.spec_min_confidence = c->spec_min_confidence;
     di_status st = di_engine_create(ma.model, &eo, &s->engine);
