@@ -2080,6 +2080,12 @@ static void eplb_submit(di_engine *e, di_ep_load_table *w) {
 // applied. Runs outside the steps' allocation count, as the KV jobs.
 static void eplb_step(di_engine *e) {
     di_eplb_async_result r;
+    // Cleared before the take: a `done` call that lands after it (the planner marks a plan done,
+    // then calls eplb_done) sets it again and only costs one more look; cleared after, it could
+    // stay set with nothing to take and keep an idle engine thread from sleeping.
+    pthread_mutex_lock(&e->mu);
+    e->eplb_ready = false;
+    pthread_mutex_unlock(&e->mu);
     if (di_eplb_async_take(e->eplb, &r)) {
         di_status st = r.st;
         bool applied = false;
@@ -2103,7 +2109,6 @@ static void eplb_step(di_engine *e) {
         di_ep_placement_free(&r.cur);
         di_ep_placement_free(&r.next);
         pthread_mutex_lock(&e->mu);
-        e->eplb_ready = false;
         e->stats.n_eplb_plans += st == DI_OK;
         e->stats.n_eplb_rebalances += applied;
         e->stats.n_eplb_moves += applied ? r.rep.n_moves : 0;

@@ -22,6 +22,7 @@ struct di_eplb_async {
     pthread_cond_t cv;          // the planner waits for work; di_eplb_async_wait for a result
     plan_state state;           // guarded by mu
     bool quit, hold;            // guarded by mu
+    bool notifying;             // guarded by mu: DONE, its `done` call not returned yet
     di_ep_load_table window;    // owned; the owner follows state
     di_ep_placement cur, next;  // owned (moved in / out); the owner follows state
     di_eplb_options opt;        // the owner follows state
@@ -54,10 +55,12 @@ static void *planner_main(void *p) {
         a->plan_us = mono_us() - t0;
         pthread_mutex_lock(&a->mu);
         a->state = PLAN_STATE_DONE;
-        pthread_cond_broadcast(&a->cv);
+        a->notifying = true;
         pthread_mutex_unlock(&a->mu);
-        if (a->done) a->done(a->user);
+        if (a->done) a->done(a->user); // outside mu: it takes its owner's lock
         pthread_mutex_lock(&a->mu);
+        a->notifying = false;
+        pthread_cond_broadcast(&a->cv);
     }
     pthread_mutex_unlock(&a->mu);
     return NULL;
@@ -156,7 +159,7 @@ bool di_eplb_async_take(di_eplb_async *a, di_eplb_async_result *out) {
 
 void di_eplb_async_wait(di_eplb_async *a) {
     pthread_mutex_lock(&a->mu);
-    while (a->state == PLAN_STATE_QUEUED || a->state == PLAN_STATE_PLANNING)
+    while (a->state == PLAN_STATE_QUEUED || a->state == PLAN_STATE_PLANNING || a->notifying)
         pthread_cond_wait(&a->cv, &a->mu);
     pthread_mutex_unlock(&a->mu);
 }

@@ -56,7 +56,8 @@ typedef struct di_eplb_async_result {
 // Takes the finished plan, if one is done: true and *out (the planner is idle again); false if
 // none is done (nothing written).
 bool di_eplb_async_take(di_eplb_async *a, di_eplb_async_result *out);
-// Blocks until the plan in flight (if any) is done; returns at once when idle or done.
+// Blocks until the plan in flight (if any) is done and its `done` call has returned; returns at
+// once when idle or done.
 void di_eplb_async_wait(di_eplb_async *a);
 
 // Test hook: while held, a submitted plan waits before planning (steps go on meanwhile).
