@@ -23,7 +23,8 @@
 
 #include "cp/wire.h"
 #include "deepinfer.h"
-#include "model/dsv4.h" // di_dsv4_layer_state
+#include "model/dsv4.h"  // di_dsv4_layer_state
+#include "model/dsv41.h" // di_dsv41_state
 
 typedef struct di_cp di_cp;
 
@@ -35,8 +36,8 @@ typedef struct di_cp di_cp;
 #define DI_CP_MIN_PIECE 16
 
 // Connects model m to its prefill workers ("HOST:PORT" each; rank i = workers[i]) and handshakes
-// (model identity); sets m->cp. DI_ERR_UNSUPPORTED: a V4.1 model or one whose forward runs on a
-// device (refused, logged); DI_ERR_INVALID: a malformed address or a worker running another model
+// (model identity); sets m->cp. DI_ERR_UNSUPPORTED: a model whose forward runs on a device
+// (refused, logged); DI_ERR_INVALID: a malformed address or a worker running another model
 // (logged with both sides); DI_ERR_IO: a worker unreachable; DI_ERR_NOMEM.
 di_status di_cp_attach(di_model *m, const char *const *workers, int32_t n_workers,
                        int32_t min_tokens, di_cp **out);
@@ -47,9 +48,11 @@ int32_t di_cp_min_tokens(const di_cp *cp);
 void di_cp_set_min_tokens(di_cp *cp, int32_t n);
 void di_cp_get_stats(di_cp *cp, di_cp_stats *out);
 
-// di_session_forward of a V4 session (validated input, CPU forward) over the workers: out as
-// di_session_forward's. Runs locally when the call is too short for two pieces. DI_ERR_IO (a
-// worker failed; the session is as before the call), DI_ERR_NOMEM.
+// di_session_forward of a V4 or V4.1 session (validated input, CPU forward) over the workers: out
+// as di_session_forward's (a V4.1 session: no MTP logits; a DSpark session's rings follow its
+// context rows, so drafts after the call are as one process's). Runs locally when the call is too
+// short for two pieces. DI_ERR_IO (a worker failed; the session is as before the call),
+// DI_ERR_NOMEM.
 di_status di_cp_session_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
                                 const di_forward_out *out);
 
@@ -104,3 +107,14 @@ di_status di_cp_send_layer(int fd, const di_model *m, const di_dsv4_layer_state 
 // holds or n exceeds its capacity.
 di_status di_cp_install_layer(const di_model *m, di_dsv4_layer_state *ls, const di_cp_layer *l,
                               char *why, size_t why_n);
+// V4.1: sends state layer il of st (a main layer, or a DSpark block il >= n_layer) as it is at
+// position pos: window ring and, on a kv source, its (C, Z) slots and entries / index keys
+// [from, n_entries) (from ignored otherwise). *bytes grows by the frame's size.
+di_status di_cp_send_layer41(int fd, const di_model *m, const di_cp_dims *dims,
+                             const di_dsv41_state *st, int32_t il, int64_t pos, int64_t from,
+                             int64_t *bytes);
+// V4.1: installs a decoded layer message into st: the ring (and (C, Z) slots) replaced, entries
+// and keys [from, n) written. DI_ERR_FORMAT (why) when the layer is not one of st's, from is not
+// the entries st holds or n exceeds its pages.
+di_status di_cp_install_layer41(const di_cp_dims *dims, di_dsv41_state *st, const di_cp_layer41 *l,
+                                char *why, size_t why_n);
