@@ -150,9 +150,9 @@ static void check_exact(di_precision prec) {
     for (int ci = 0; ci < N_CASES; ci++)
         for (int ds = 0; ds <= 1; ds++) {
             run_alloc(&ref[ci][ds]);
-            CHECK_EQ(session_run(m, ds, g_cases[ci][0], g_cases[ci][1], ci == 1 && ds,
-                                 &ref[ci][ds]),
-                     DI_OK);
+            CHECK_EQ(
+                session_run(m, ds, g_cases[ci][0], g_cases[ci][1], ci == 1 && ds, &ref[ci][ds]),
+                DI_OK);
         }
     di_model_destroy(m);
     for (int nw = 1; nw <= MAX_W; nw++) {
