@@ -748,15 +748,29 @@ static di_status forward41(di_session *s, const int32_t *tokens, int32_t n_tok, 
     return di_dsv41_forward_cp(s->model, di_dsv41_ws(s), &b, logits, cp);
 }
 
+// Whether a V4.1 session's state is in its ordinary form at its position: every kv source holds
+// exactly the entries of the groups closed before it (not a bounded replay after a prefix hit,
+// di_dsv41_restart, whose kept entries run ahead of its position).
+static bool ordinary41(const di_session *s) {
+    const di_hparams *hp = &s->model->hp;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il] && s->v41->src[il].n_entries != s->pos / hp->compress_ratio[il])
+            return false;
+    return true;
+}
+
+// A V4.1 session's call over the workers (out: as di_session_forward's). restore: put the session
+// back where it was when the call fails (a session's contract; the engine's sequences end instead,
+// so it saves no copy).
 static di_status session_forward41(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
-                                   const di_forward_out *out) {
+                                   const di_forward_out *out, bool restore) {
     di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     const int64_t V = hp->n_vocab;
     if (out && out->n_mtp_out) *out->n_mtp_out = 0;
     int32_t R = cp->n + 1;
     if (R > n_tok / DI_CP_MIN_PIECE) R = n_tok / DI_CP_MIN_PIECE;
-    if (R < 2)
+    if (R < 2 || !ordinary41(s))
         return forward41(s, tokens, n_tok, out ? out->logits : NULL, out && out->last_only, NULL);
     di_dsv41_state *s41 = s->v41;
     const double t0 = now_ms();
@@ -772,7 +786,7 @@ static di_status session_forward41(di_cp *cp, di_session *s, const int32_t *toke
     // Room for every entry and history id the call writes, before anything is received.
     di_status st = di_dsv41_reserve_state(s, pb[R], pb[R]);
     if (st != DI_OK) goto out;
-    if (!(bk.tail = di_malloc(di_dsv41_tail_bytes(s)))) {
+    if (restore && !(bk.tail = di_malloc(di_dsv41_tail_bytes(s)))) {
         st = DI_ERR_NOMEM;
         goto out;
     }
@@ -781,9 +795,11 @@ static di_status session_forward41(di_cp *cp, di_session *s, const int32_t *toke
         if (st == DI_ERR_INVALID) st = DI_ERR_IO; // a worker restarted with another model
     }
     if (st != DI_OK) goto out;
-    di_dsv41_tail_save(s, bk.tail);
-    for (int il = 0; il < hp->n_layer; il++) bk.n_ent[il] = s41->src[il].n_entries;
-    saved = true;
+    if (restore) {
+        di_dsv41_tail_save(s, bk.tail);
+        for (int il = 0; il < hp->n_layer; il++) bk.n_ent[il] = s41->src[il].n_entries;
+        saved = true;
+    }
     // The Engram history of the earlier pieces' positions: the front's own rows look back into
     // them, and the jobs carry the ids before each piece.
     if (hp->n_engram > 0)
@@ -847,7 +863,7 @@ out:
 
 di_status di_cp_session_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
                                 const di_forward_out *out) {
-    if (s->v41) return session_forward41(cp, s, tokens, n_tok, out);
+    if (s->v41) return session_forward41(cp, s, tokens, n_tok, out, true);
     di_model *m = s->model;
     const int64_t V = m->hp.n_vocab;
     int32_t R = cp->n + 1;
@@ -955,6 +971,12 @@ out:
                     n_tok, p0, R, ms, n_tok / (ms / 1e3), (long long)b, (double)b / n_tok);
     }
     return st;
+}
+
+di_status di_cp_v41_seq_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
+                                float *logits) {
+    di_forward_out fo = {.logits = logits, .last_only = true};
+    return session_forward41(cp, s, tokens, n_tok, logits ? &fo : NULL, false);
 }
 
 // ---- the front: one sequence of a ragged batch (the serving engine) ----

@@ -56,6 +56,15 @@ void di_cp_get_stats(di_cp *cp, di_cp_stats *out);
 di_status di_cp_session_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
                                 const di_forward_out *out);
 
+// One V4.1 sequence of the serving engine's step (a slot's session, its pages bound to the
+// sequence's KV blocks) over the workers: tokens [n_tok] at its position, the logits of its last
+// row to logits [V] (NULL: none). Runs locally (the V4.1 forward of that one sequence) when the
+// chunk is too short for two pieces or the session is in a bounded replay after a prefix hit
+// (entries kept ahead of its position). DI_ERR_IO (a worker failed; the session is garbage, as
+// after any failed engine step), DI_ERR_NOMEM, or what the forward returns.
+di_status di_cp_v41_seq_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
+                                float *logits);
+
 // One sequence of a ragged batch over the workers (the serving engine's long prefill chunks):
 // c holds that one sequence (its state possibly paged, in KV blocks), tokens its rows; logits of
 // logit_rows (ascending, at most DI_CP_MAX_LOGIT_ROWS) go to logits as di_dsv4_forward_batch
