@@ -12,26 +12,25 @@
 #include "sample/sampler.h"
 
 static void usage(FILE *f) {
-    fprintf(
-        f,
-        "usage: deepinfer generate [--model DIR] (--prompt TEXT | --tokens 5,17,...)\n"
-        "                          [-n 64] [--temperature 0] [--seed 0] [--threads N]\n"
-        "                          [--precision fp32|official] [--device cpu|cuda[:N]]\n"
-        "                          [--no-stop] [--dspark] [--ep-workers HOST:PORT,...]\n"
-        "                          [--ep-placement FILE] [--cp-workers HOST:PORT,...]\n"
-        "                          [--cp-min-tokens N]\n"
-        "--cp-workers (DeepSeek V4 / V4.1, CPU): prefill calls of at least --cp-min-tokens tokens\n"
-        "(default 1024) are split over these prefill workers (deepinfer cp-worker) and this\n"
-        "process; the output is identical to one process.\n"
-        "--dspark (DeepSeek V4.1, greedy only): speculative decoding with the DSpark draft\n"
-        "module; every draft block is verified in one forward and rejected tokens are\n"
-        "rolled back, so the output equals plain greedy decoding (acceptance on stderr).\n"
-        "--prompt renders TEXT as one user turn of a chat (DeepSeek V4 format, the\n"
-        "model's tokenizer) and prints the generated text as it is produced; --tokens\n"
-        "takes prompt token ids and prints the generated ids, comma-separated. Temperature\n"
-        "0 is greedy (ties to the lowest id); generation stops at the model's EOS token\n"
-        "unless --no-stop is given. Without --model, the built-in random-weight tiny model\n"
-        "is used (its text is meaningless).\n");
+    fprintf(f,
+            "usage: deepinfer generate [--model DIR] (--prompt TEXT | --tokens 5,17,...)\n"
+            "                          [-n 64] [--temperature 0] [--seed 0] [--threads N]\n"
+            "                          [--precision fp32|official] [--device cpu|cuda[:N]]\n"
+            "                          [--no-stop] [--dspark] [--ep-workers HOST:PORT,...]\n"
+            "                          [--ep-placement FILE] [--cp-workers HOST:PORT,...]\n"
+            "                          [--cp-min-tokens N]\n"
+            "--cp-workers (V4 and V4.1, CPU): prefill calls of at least --cp-min-tokens tokens\n"
+            "(default 1024) are split over these prefill workers (deepinfer cp-worker) and this\n"
+            "process; the output is identical to one process.\n"
+            "--dspark (DeepSeek V4.1, greedy only): speculative decoding with the DSpark draft\n"
+            "module; every draft block is verified in one forward and rejected tokens are\n"
+            "rolled back, so the output equals plain greedy decoding (acceptance on stderr).\n"
+            "--prompt renders TEXT as one user turn of a chat (DeepSeek V4 format, the\n"
+            "model's tokenizer) and prints the generated text as it is produced; --tokens\n"
+            "takes prompt token ids and prints the generated ids, comma-separated. Temperature\n"
+            "0 is greedy (ties to the lowest id); generation stops at the model's EOS token\n"
+            "unless --no-stop is given. Without --model, the built-in random-weight tiny model\n"
+            "is used (its text is meaningless).\n");
 }
 
 // Prints one generated token (text through detok, else the id). Returns false at the end
