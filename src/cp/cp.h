@@ -1,17 +1,19 @@
 /*
  * cp — context parallelism across processes (docs/context-parallel.md): a long prefill call of a
- * V4 session is split into R pieces over R ranks, the prefill workers (ranks 0 .. R - 2, `deepinfer
- * cp-worker`) and this process, the front, which computes the last piece and keeps the request.
- * The pieces run as a wavefront: rank r needs layer l's state after pieces 0 .. r - 1, which rank
- * r - 1 has right after its own layer-l attention (the only cross-token dependency of the
- * forward), so every rank sends each layer's state on as soon as its attention is done and
- * installs its predecessor's just before its own (model/dsv4.h, di_dsv4_cp_hook). The state a rank
+ * V4 or V4.1 session is split into R pieces over R ranks, the prefill workers (ranks 0 .. R - 2,
+ * `deepinfer cp-worker`) and this process, the front, which computes the last piece and keeps the
+ * request. The pieces run as a wavefront: rank r needs layer l's state after pieces 0 .. r - 1,
+ * which rank r - 1 has right after its own layer-l attention (the only cross-token dependency of
+ * the forward), so every rank sends each layer's state on as soon as its attention is done and
+ * installs its predecessor's just before its own (model/dsv4.h, di_dsv4_cp_hook; V4.1: a kv
+ * source's entries, index keys and (C, Z) slots travel with the source layer's message, the DSpark
+ * rings around the DSpark context rows, the Engram history ids in the job). The state a rank
  * installs is exactly what a chunked prefill would hold there, so logits and the final state are
  * bit-identical to one process. The front relays the messages between workers (one persistent
  * TCP connection per worker; a relay thread when R >= 3) and receives the last worker's itself.
  * A failure (worker down, timeout, error reply) fails the call with DI_ERR_IO and puts the session
- * back where it was (rings, compressor rings, entry counts, MTP input, position), so the call can
- * be retried, with or without the workers.
+ * back where it was (rings, compressor rings or (C, Z) slots, entry counts, MTP input, position,
+ * DSpark position), so the call can be retried, with or without the workers.
  * Owns: the connections. Thread-safety: one forward at a time per model (a lock); stats from any
  * thread.
  */
