@@ -102,9 +102,9 @@ typedef struct di_model_options {
     // which rank holds each (layer, expert) replica. NULL: contiguous shares, the front first.
     const char *ep_placement;
     // Context-parallel workers ("HOST:PORT,HOST:PORT...", `deepinfer cp-worker`,
-    // docs/context-parallel.md): a V4 session's prefill call of at least cp_min_tokens tokens is
-    // split over them and this process, which computes the last piece and keeps the whole state
-    // (logits bit-identical to one process). Read at load only; refused for V4.1 and --device.
+    // docs/context-parallel.md): a V4 or V4.1 session's prefill call of at least cp_min_tokens
+    // tokens is split over them and this process, which computes the last piece and keeps the
+    // whole state (logits bit-identical to one process). Read at load only; refused for --device.
     // NULL or "": none.
     const char *cp_workers;
     int32_t cp_min_tokens; // shortest prefill call split over the workers; 0: 1024
@@ -122,7 +122,7 @@ di_model_options di_model_options_default(void);
 // With a CUDA device, also creates the device context (freed by di_model_destroy).
 // Returns DI_ERR_IO (missing/unreadable file), DI_ERR_FORMAT (bad config or checkpoint),
 // DI_ERR_UNSUPPORTED (an architecture this build does not run; a CUDA device in a build without
-// CUDA, or one that does not exist; cp_workers with a V4.1 model or a device), DI_ERR_CUDA (the
+// CUDA, or one that does not exist; cp_workers with a device), DI_ERR_CUDA (the
 // device context failed), DI_ERR_INVALID (bad options; an expert or prefill worker running another
 // model), DI_ERR_NOMEM; with ep_workers or cp_workers also DI_ERR_IO (a worker unreachable).
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out);
@@ -516,8 +516,9 @@ typedef struct di_engine_options {
     const char *ep_placement; // their initial placement (di_model_options.ep_placement)
     // Prefill workers (di_model_options.cp_workers, docs/context-parallel.md): a step's prefill
     // chunk of at least cp_min_tokens rows (0: 1024; chunks are at most max_batch_tokens) runs
-    // alone over them; the step's other sequences go in the batched call. CPU forward without MTP
-    // speculation; refused for V4.1 and on a device. NULL: none.
+    // alone over them; the step's other sequences go in the batched call. CPU forward (V4 without
+    // MTP speculation; V4.1 with or without DSpark, a verify runs here); refused on a device.
+    // NULL: none.
     const char *cp_workers;
     int32_t cp_min_tokens;
     // Online EPLB (docs/expert-parallel.md, "Online rebalancing"; with ep_workers only): every

@@ -8,7 +8,8 @@ warm-up run. Prints prefill tokens/s, the ratios and the bytes exchanged per tok
 this run. The logits of the three runs are the same (the generated token is compared).
     bench/cp/run.py [build/deepinfer] [N=4096] [W=1] [T=1]
 DI_CP_MODEL=DIR runs a checkpoint instead of the built-in tiny model (e.g. `deepinfer synth
---preset flash-4l`: V4-Flash widths, 4 layers)."""
+--preset flash-4l`: V4-Flash widths, 4 layers; or a DeepSeek V4.1 one, `deepinfer synth --preset
+v41-tiny`)."""
 import os
 import re
 import subprocess

@@ -11,9 +11,30 @@
 #include "base/log.h"
 #include "base/mem.h"
 #include "base/sock.h"
-#include "ep/ep.h" // di_ep_model_describe: the same one-line description on a mismatch
+#include "ep/ep.h"            // di_ep_model_describe: the same one-line description on a mismatch
+#include "tensor/quant_ref.h" // di_quant_*_row_bytes: V4.1 state rows
 
 // ---- state messages (front and workers) ----
+
+// The shapes of a V4.1 model's state layers (model/dsv41.h).
+static void dims_init41(const di_model *m, di_cp_dims *out) {
+    const di_hparams *hp = &m->hp;
+    DI_ASSERT(hp->n_layer + m->n_mtp_loaded <= DI_CP_MAX_LAYERS);
+    out->v41 = true;
+    out->n_mtp = m->n_mtp_loaded;
+    const int64_t ring_rows = hp->window + DI_DSV41_ROLLBACK_MAX;
+    out->ring_bytes = ring_rows * (int64_t)di_quant_q8_row_bytes(hp->head_dim, DI_DSV41_WIN_BLOCK);
+    out->cz_floats = (int64_t)DI_DSV41_CZ_SLOTS * 2 * hp->head_dim;
+    out->ent_bytes = (int32_t)di_quant_q4e_row_bytes(hp->head_dim, DI_DSV41_ENT_BLOCK);
+    out->key_bytes = (int32_t)di_quant_q4_row_bytes(hp->index_head_dim, DI_DSV41_KEY_BLOCK);
+    out->n_hist = hp->n_engram > 0 ? hp->engram_max_ngram - 1 : 0;
+    out->n_hist_ids = (int32_t)hp->engram_cvocab;
+    DI_ASSERT(out->n_hist <= DI_CP_MAX_HIST);
+    for (int il = 0; il < hp->n_layer; il++) {
+        out->src[il] = hp->kv_source[il];
+        out->ratio[il] = hp->compress_ratio[il];
+    }
+}
 
 void di_cp_dims_init(const di_model *m, di_cp_dims *out) {
     const di_hparams *hp = &m->hp;
@@ -24,6 +45,11 @@ void di_cp_dims_init(const di_model *m, di_cp_dims *out) {
     out->n_vocab = hp->n_vocab;
     out->row_floats = (int64_t)hp->hc_mult * hp->n_embd;
     out->max_pos = hp->max_pos;
+    out->n_mtp = 1;
+    if (hp->v41) {
+        dims_init41(m, out);
+        return;
+    }
     out->ring_floats = (int64_t)DI_DSV4_RING_ROWS(hp->window) * hp->head_dim;
     for (int il = 0; il < hp->n_layer + (out->has_mtp ? 1 : 0); il++) {
         const di_dsv4_layer_w *lw = di_dsv4_layer(m, il);
@@ -160,6 +186,71 @@ di_status di_cp_install_layer(const di_model *m, di_dsv4_layer_state *ls, const 
     return DI_OK;
 }
 
+// ---- V4.1 state messages (front and workers) ----
+
+di_status di_cp_send_layer41(int fd, const di_model *m, const di_cp_dims *dims,
+                             const di_dsv41_state *st, int32_t il, int64_t pos, int64_t from,
+                             int64_t *bytes) {
+    const bool src = il < dims->n_layers && dims->src[il];
+    const di_dsv41_src *sc = src ? &st->src[il] : NULL;
+    const int64_t n = src ? sc->n_entries : 0;
+    if (!src) from = 0;
+    DI_ASSERT(from <= n && (!src || n == pos / dims->ratio[il]));
+    (void)m;
+    int32_t h32[2] = {il, src ? 1 : 0};
+    int64_t h64[3] = {pos, from, n};
+    uint8_t head[DI_CP_LAYER41_HEAD];
+    memcpy(head, h32, 8);
+    memcpy(head + 8, h64, 24);
+    const uint64_t len = di_cp_layer41_bytes(dims, il, n - from);
+    di_status st_ = di_cp_send_hdr(fd, DI_CP_LAYER41, len);
+    if (!st_) st_ = di_sock_send_all(fd, head, sizeof head);
+    if (!st_ && src && dims->ratio[il] == 2)
+        st_ = di_sock_send_all(fd, sc->cz, sizeof(float) * (size_t)dims->cz_floats);
+    if (!st_) st_ = di_sock_send_all(fd, st->ring[il], (size_t)dims->ring_bytes);
+    // Entries then index keys [from, n): one run per page each.
+    for (int k = 0; k < 2 && src; k++)
+        for (int64_t w = from; !st_ && w < n;) {
+            int64_t end = (w / sc->per_page + 1) * sc->per_page;
+            if (end > n) end = n;
+            const uint8_t *p = k == 0 ? di_dsv41_entry(st, sc, w) : di_dsv41_key(st, sc, w);
+            st_ = di_sock_send_all(
+                fd, p, (size_t)(end - w) * (size_t)(k == 0 ? st->ent_bytes : st->key_bytes));
+            w = end;
+        }
+    if (bytes) *bytes += (int64_t)(sizeof(di_cp_hdr) + len);
+    return st_;
+}
+
+di_status di_cp_install_layer41(const di_cp_dims *dims, di_dsv41_state *st, const di_cp_layer41 *l,
+                                char *why, size_t why_n) {
+    const bool src = l->il < dims->n_layers && dims->src[l->il];
+    if (l->il >= st->n_state_layers) {
+        snprintf(why, why_n, "state layer %d for a session of %d (DSpark on one side only)", l->il,
+                 st->n_state_layers);
+        return DI_ERR_FORMAT;
+    }
+    di_dsv41_src *sc = src ? &st->src[l->il] : NULL;
+    if (src && (l->from != sc->n_entries || l->n > (int64_t)st->n_pages * sc->per_page)) {
+        snprintf(why, why_n,
+                 "layer %d: entries [%lld, %lld) for a state holding %lld (room for %lld)", l->il,
+                 (long long)l->from, (long long)l->n, (long long)sc->n_entries,
+                 (long long)st->n_pages * sc->per_page);
+        return DI_ERR_FORMAT;
+    }
+    memcpy(st->ring[l->il], l->ring, (size_t)dims->ring_bytes);
+    if (!src) return DI_OK;
+    if (l->cz) memcpy(sc->cz, l->cz, sizeof(float) * (size_t)dims->cz_floats);
+    for (int64_t w = l->from; w < l->n; w++) {
+        memcpy(di_dsv41_entry(st, sc, w), l->ent + (w - l->from) * st->ent_bytes,
+               (size_t)st->ent_bytes);
+        memcpy(di_dsv41_key(st, sc, w), l->keys + (w - l->from) * st->key_bytes,
+               (size_t)st->key_bytes);
+    }
+    sc->n_entries = l->n;
+    return DI_OK;
+}
+
 // ---- the front: connections ----
 
 typedef struct cp_worker {
@@ -231,12 +322,6 @@ static void worker_close(cp_worker *w) {
 
 di_status di_cp_attach(di_model *m, const char *const *workers, int32_t n_workers,
                        int32_t min_tokens, di_cp **out) {
-    if (m->hp.v41) {
-        DI_LOG_ERROR("cp: context parallelism (--cp-workers) supports DeepSeek V4 only; this "
-                     "model is DeepSeek V4.1 (%s), whose state is laid out differently",
-                     m->hp.model_type);
-        return DI_ERR_UNSUPPORTED;
-    }
     if (m->opt.device.kind != DI_DEVICE_CPU || m->dev) {
         DI_LOG_ERROR("cp: context parallelism (--cp-workers) needs the CPU forward: the "
                      "device-resident forward (--device) keeps its state on the device");
@@ -390,7 +475,8 @@ static void backup_copy(backup *b, di_session *s, int32_t n_state, bool save) {
 typedef struct front_run {
     di_cp *cp;
     di_session *s;               // the session (NULL: an engine sequence, without MTP)
-    di_dsv4_layer_state *layers; // the state the call advances
+    di_dsv4_layer_state *layers; // the state the call advances (V4)
+    di_dsv41_state *st41;        // the state the call advances (V4.1)
     int32_t R;                   // ranks of this call
     int32_t pos_last;            // first position of the front's piece
     int64_t sent, recv;
@@ -427,7 +513,7 @@ static di_status relay_one(front_run *r, cp_worker *src, cp_worker *dst) {
         DI_LOG_ERROR("cp: worker %s: %.*s", src->addr, (int)h.len, (const char *)r->relay_buf.p);
         return DI_ERR_IO;
     }
-    if (h.type != DI_CP_LAYER && h.type != DI_CP_XROW) {
+    if (h.type != DI_CP_LAYER && h.type != DI_CP_LAYER41 && h.type != DI_CP_XROW) {
         DI_LOG_ERROR("cp: worker %s: frame type %u where a state message was due", src->addr,
                      (unsigned)h.type);
         return DI_ERR_IO;
@@ -449,11 +535,40 @@ static void *relay_main(void *p) {
     return NULL;
 }
 
+// V4.1: before each layer's attention (and the DSpark context rows), the last worker's state of
+// that state layer, installed.
+static di_status front_attn41(front_run *r, int il) {
+    di_cp *cp = r->cp;
+    cp_worker *w = &cp->w[r->R - 2];
+    uint64_t len;
+    di_status st = di_cp_recv_frame(w->fd, "cp", w->addr, DI_CP_LAYER41, &cp->rx, &len, &r->recv);
+    if (st != DI_OK) return st;
+    di_cp_layer41 l;
+    char why[256];
+    st = di_cp_decode_layer41(cp->rx.p, len, &cp->dims, &l, why, sizeof why);
+    if (st == DI_OK && (l.il != il || l.pos != r->pos_last)) {
+        snprintf(why, sizeof why, "state of layer %d at position %lld where layer %d at %d was due",
+                 l.il, (long long)l.pos, il, r->pos_last);
+        st = DI_ERR_FORMAT;
+    }
+    if (st == DI_OK && cp->corrupt_il == il) { // one code of the newest window row
+        const int64_t rows = r->st41->ring_rows;
+        ((uint8_t *)l.ring)[((r->pos_last - 1) % rows) * r->st41->ring_row_bytes] ^= 0x11;
+    }
+    if (st == DI_OK) st = di_cp_install_layer41(&cp->dims, r->st41, &l, why, sizeof why);
+    if (st != DI_OK) {
+        DI_LOG_ERROR("cp: worker %s: %s", w->addr, why);
+        return DI_ERR_IO;
+    }
+    return DI_OK;
+}
+
 // Before each layer's attention: the last worker's state of that layer, installed.
 static di_status front_attn(void *user, di_dsv4_ctx *c, int il, bool after) {
     (void)c;
     if (after) return DI_OK;
     front_run *r = user;
+    if (r->st41) return front_attn41(r, il);
     di_cp *cp = r->cp;
     const di_model *m = cp->m;
     cp_worker *w = &cp->w[r->R - 2];
@@ -518,21 +633,35 @@ static di_status send_job(front_run *fr, int32_t r, const int32_t *pb, const int
     const di_dsv4_layer_state *layers = fr->layers;
     cp_worker *w = &cp->w[r];
     const int32_t p0 = pb[0], n = pb[r + 1] - pb[r];
-    const uint64_t head = di_cp_job_head_bytes(n_state), len = head + 4 * (uint64_t)n;
+    // V4.1: the Engram history ids of the positions before the piece (the front's history holds
+    // them: its prefix's and this call's, written before the jobs go).
+    const int32_t n_hist = cp->dims.n_hist < pb[r] ? cp->dims.n_hist : pb[r];
+    const uint64_t head = di_cp_job_head_bytes(n_state),
+                   len = head + 4 * (uint64_t)n + 4 * (uint64_t)n_hist;
     if (buf_reserve(&cp->rx, len) != DI_OK) return DI_ERR_NOMEM;
     uint8_t *p = cp->rx.p;
-    int32_t h[8] = {r, fr->R, pb[r], n, flags, n_state, 0, 0};
+    int32_t h[8] = {r, fr->R, pb[r], n, flags, n_state, n_hist, 0};
     memcpy(p, h, sizeof h);
     for (int32_t il = 0; il < n_state; il++) {
         // The last worker's successor is this process, which holds its prefix's entries.
-        int64_t from[2] = {r == fr->R - 2 ? layers[il].cmp.n_entries : 0,
-                           r == fr->R - 2 ? layers[il].idx.n_entries : 0};
+        int64_t from[2] = {0, 0};
+        if (r == fr->R - 2 && fr->st41) {
+            if (il < cp->dims.n_layers && cp->dims.src[il]) from[0] = fr->st41->src[il].n_entries;
+        } else if (r == fr->R - 2) {
+            from[0] = layers[il].cmp.n_entries;
+            from[1] = layers[il].idx.n_entries;
+        }
         memcpy(p + 32 + 16 * (uint64_t)il, from, sizeof from);
     }
     memcpy(p + head, tokens + (pb[r] - p0), 4 * (size_t)n);
+    if (n_hist)
+        memcpy(p + head + 4 * (size_t)n, fr->st41->hist + pb[r] - n_hist, 4 * (size_t)n_hist);
     di_status st = di_cp_send_frame(w->fd, DI_CP_JOB, p, len);
     fr->sent += (int64_t)(sizeof(di_cp_hdr) + len);
-    if (st == DI_OK && (flags & DI_CP_JOB_PREFIX)) {
+    if (st == DI_OK && (flags & DI_CP_JOB_PREFIX) && fr->st41) {
+        for (int32_t il = 0; il < n_state && st == DI_OK; il++)
+            st = di_cp_send_layer41(w->fd, cp->m, &cp->dims, fr->st41, il, p0, 0, &fr->sent);
+    } else if (st == DI_OK && (flags & DI_CP_JOB_PREFIX)) {
         const int64_t zero[2] = {0, 0};
         for (int32_t il = 0; il < n_state && st == DI_OK; il++) {
             int64_t pos = il < cp->dims.n_layers ? p0 : s->mtp_pending ? p0 - 1 : p0;
@@ -585,8 +714,156 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
+// ---- the front: a V4.1 session ----
+
+// V4.1's state before a call (restored when it fails): every state layer's window ring, every
+// ratio-2 source's (C, Z) slots (di_dsv41_tail_save's layout), the entry counts, the position and
+// the DSpark position. Entries and history are only written beyond the counts and the position.
+typedef struct backup41 {
+    uint8_t *tail; // owned [di_dsv41_tail_bytes]
+    int64_t n_ent[DI_CP_MAX_LAYERS];
+    int32_t pos, dspark_pos;
+} backup41;
+
+static void backup41_restore(const backup41 *b, di_session *s) {
+    const di_hparams *hp = &s->model->hp;
+    di_dsv41_state *st = s->v41;
+    const size_t ring = (size_t)st->ring_rows * (size_t)st->ring_row_bytes;
+    const size_t cz = (size_t)DI_DSV41_CZ_SLOTS * 2 * (size_t)hp->head_dim * sizeof(float);
+    const uint8_t *p = b->tail;
+    for (int il = 0; il < st->n_state_layers; il++, p += ring) memcpy(st->ring[il], p, ring);
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (st->src[il].cz) memcpy(st->src[il].cz, p, cz), p += cz;
+        st->src[il].n_entries = b->n_ent[il];
+    }
+    s->pos = b->pos;
+    st->dspark_pos = b->dspark_pos;
+}
+
+// One V4.1 sequence of session s (its whole call or one piece) with hook cp.
+static di_status forward41(di_session *s, const int32_t *tokens, int32_t n_tok, float *logits,
+                           bool last_only, const di_dsv4_cp_hook *cp) {
+    di_dsv41_seq b = {
+        .s = s, .tokens = tokens, .n_tok = n_tok, .n_out = logits ? (last_only ? 1 : n_tok) : 0};
+    return di_dsv41_forward_cp(s->model, di_dsv41_ws(s), &b, logits, cp);
+}
+
+// Whether a V4.1 session's state is in its ordinary form at its position: every kv source holds
+// exactly the entries of the groups closed before it (not a bounded replay after a prefix hit,
+// di_dsv41_restart, whose kept entries run ahead of its position).
+static bool ordinary41(const di_session *s) {
+    const di_hparams *hp = &s->model->hp;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il] && s->v41->src[il].n_entries != s->pos / hp->compress_ratio[il])
+            return false;
+    return true;
+}
+
+// A V4.1 session's call over the workers (out: as di_session_forward's). restore: put the session
+// back where it was when the call fails (a session's contract; the engine's sequences end instead,
+// so it saves no copy).
+static di_status session_forward41(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
+                                   const di_forward_out *out, bool restore) {
+    di_model *m = s->model;
+    const di_hparams *hp = &m->hp;
+    const int64_t V = hp->n_vocab;
+    if (out && out->n_mtp_out) *out->n_mtp_out = 0;
+    int32_t R = cp->n + 1;
+    if (R > n_tok / DI_CP_MIN_PIECE) R = n_tok / DI_CP_MIN_PIECE;
+    if (R < 2 || !ordinary41(s))
+        return forward41(s, tokens, n_tok, out ? out->logits : NULL, out && out->last_only, NULL);
+    di_dsv41_state *s41 = s->v41;
+    const double t0 = now_ms();
+    pthread_mutex_lock(&cp->mu);
+    cp->stats.calls++;
+    const int32_t p0 = s->pos, n_state = s41->n_state_layers;
+    int32_t pb[DI_CP_MAX_RANKS + 1];
+    for (int32_t r = 0; r <= R; r++) pb[r] = p0 + (int32_t)((int64_t)n_tok * r / R);
+    const bool want_lg = out && out->logits && !out->last_only;
+    front_run fr = {.cp = cp, .st41 = s41, .R = R, .pos_last = pb[R - 1], .relay_st = DI_OK};
+    backup41 bk = {.pos = p0, .dspark_pos = s41->dspark_pos};
+    bool saved = false;
+    // Room for every entry and history id the call writes, before anything is received.
+    di_status st = di_dsv41_reserve_state(s, pb[R], pb[R]);
+    if (st != DI_OK) goto out;
+    if (restore && !(bk.tail = di_malloc(di_dsv41_tail_bytes(s)))) {
+        st = DI_ERR_NOMEM;
+        goto out;
+    }
+    for (int32_t r = 0; r < R - 1 && st == DI_OK; r++) {
+        st = worker_open(cp, &cp->w[r]);
+        if (st == DI_ERR_INVALID) st = DI_ERR_IO; // a worker restarted with another model
+    }
+    if (st != DI_OK) goto out;
+    if (restore) {
+        di_dsv41_tail_save(s, bk.tail);
+        for (int il = 0; il < hp->n_layer; il++) bk.n_ent[il] = s41->src[il].n_entries;
+        saved = true;
+    }
+    // The Engram history of the earlier pieces' positions: the front's own rows look back into
+    // them, and the jobs carry the ids before each piece.
+    if (hp->n_engram > 0)
+        for (int32_t t = 0; t < pb[R - 1] - p0; t++) s41->hist[p0 + t] = m->v41->cmap[tokens[t]];
+    for (int32_t r = 0; r < R - 1 && st == DI_OK; r++) {
+        int32_t flags = (s->mtp ? DI_CP_JOB_MTP : 0) | (want_lg ? DI_CP_JOB_LOGITS : 0);
+        if (r == 0 && p0 > 0) flags |= DI_CP_JOB_PREFIX;
+        st = send_job(&fr, r, pb, tokens, flags, n_state);
+    }
+    if (st == DI_OK && R >= 3) {
+        fr.n_relay = n_state;
+        if (pthread_create(&fr.th, NULL, relay_main, &fr) != 0) {
+            DI_LOG_ERROR("cp: cannot start the relay thread");
+            st = DI_ERR_IO;
+        } else {
+            fr.relay = true;
+        }
+    }
+    // The front's own piece: the last one; its logits go after the workers' rows.
+    const int32_t off = pb[R - 1] - p0;
+    if (st == DI_OK) {
+        di_dsv4_cp_hook hook = {.attn = front_attn, .user = &fr};
+        float *lg = out && out->logits ? out->logits + (out->last_only ? 0 : off * V) : NULL;
+        s->pos = pb[R - 1];
+        st = forward41(s, tokens + off, n_tok - off, lg, out && out->last_only, &hook);
+    }
+    if (st != DI_OK) shutdown_all(&fr);
+    if (fr.relay) pthread_join(fr.th, NULL);
+    if (st == DI_OK) st = fr.relay_st;
+    for (int32_t r = 0; r < R - 1 && st == DI_OK; r++) {
+        const int32_t n = pb[r + 1] - pb[r];
+        st = recv_done(&fr, r, want_lg ? n : 0, 0, want_lg ? out->logits + (pb[r] - p0) * V : NULL,
+                       NULL);
+    }
+out:
+    if (st != DI_OK) {
+        // As V4's: the connections are closed (the next call reconnects), the session put back.
+        shutdown_all(&fr);
+        for (int32_t r = 0; r < R - 1; r++) worker_close(&cp->w[r]);
+        if (saved) backup41_restore(&bk, s);
+        s->pos = p0;
+        if (st != DI_ERR_NOMEM) st = DI_ERR_IO;
+        cp->stats.errors++;
+    } else {
+        cp->stats.tokens += n_tok;
+    }
+    cp->stats.bytes_sent += fr.sent + fr.relay_sent;
+    cp->stats.bytes_recv += fr.recv + fr.relay_recv;
+    pthread_mutex_unlock(&cp->mu);
+    di_cp_buf_free(&fr.relay_buf);
+    di_free(bk.tail);
+    if (st == DI_OK) {
+        const double ms = now_ms() - t0;
+        const int64_t b = fr.sent + fr.relay_sent + fr.recv + fr.relay_recv;
+        DI_LOG_INFO("cp: V4.1 prefill of %d tokens at position %d over %d ranks in %.1f ms (%.0f "
+                    "tokens/s), %lld bytes exchanged (%.0f per token)",
+                    n_tok, p0, R, ms, n_tok / (ms / 1e3), (long long)b, (double)b / n_tok);
+    }
+    return st;
+}
+
 di_status di_cp_session_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
                                 const di_forward_out *out) {
+    if (s->v41) return session_forward41(cp, s, tokens, n_tok, out, true);
     di_model *m = s->model;
     const int64_t V = m->hp.n_vocab;
     int32_t R = cp->n + 1;
@@ -694,6 +971,12 @@ out:
                     n_tok, p0, R, ms, n_tok / (ms / 1e3), (long long)b, (double)b / n_tok);
     }
     return st;
+}
+
+di_status di_cp_v41_seq_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
+                                float *logits) {
+    di_forward_out fo = {.logits = logits, .last_only = true};
+    return session_forward41(cp, s, tokens, n_tok, logits ? &fo : NULL, false);
 }
 
 // ---- the front: one sequence of a ragged batch (the serving engine) ----

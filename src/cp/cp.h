@@ -1,17 +1,19 @@
 /*
  * cp — context parallelism across processes (docs/context-parallel.md): a long prefill call of a
- * V4 session is split into R pieces over R ranks, the prefill workers (ranks 0 .. R - 2, `deepinfer
- * cp-worker`) and this process, the front, which computes the last piece and keeps the request.
- * The pieces run as a wavefront: rank r needs layer l's state after pieces 0 .. r - 1, which rank
- * r - 1 has right after its own layer-l attention (the only cross-token dependency of the
- * forward), so every rank sends each layer's state on as soon as its attention is done and
- * installs its predecessor's just before its own (model/dsv4.h, di_dsv4_cp_hook). The state a rank
+ * V4 or V4.1 session is split into R pieces over R ranks, the prefill workers (ranks 0 .. R - 2,
+ * `deepinfer cp-worker`) and this process, the front, which computes the last piece and keeps the
+ * request. The pieces run as a wavefront: rank r needs layer l's state after pieces 0 .. r - 1,
+ * which rank r - 1 has right after its own layer-l attention (the only cross-token dependency of
+ * the forward), so every rank sends each layer's state on as soon as its attention is done and
+ * installs its predecessor's just before its own (model/dsv4.h, di_dsv4_cp_hook; V4.1: a kv
+ * source's entries, index keys and (C, Z) slots travel with the source layer's message, the DSpark
+ * rings around the DSpark context rows, the Engram history ids in the job). The state a rank
  * installs is exactly what a chunked prefill would hold there, so logits and the final state are
  * bit-identical to one process. The front relays the messages between workers (one persistent
  * TCP connection per worker; a relay thread when R >= 3) and receives the last worker's itself.
  * A failure (worker down, timeout, error reply) fails the call with DI_ERR_IO and puts the session
- * back where it was (rings, compressor rings, entry counts, MTP input, position), so the call can
- * be retried, with or without the workers.
+ * back where it was (rings, compressor rings or (C, Z) slots, entry counts, MTP input, position,
+ * DSpark position), so the call can be retried, with or without the workers.
  * Owns: the connections. Thread-safety: one forward at a time per model (a lock); stats from any
  * thread.
  */
@@ -23,7 +25,8 @@
 
 #include "cp/wire.h"
 #include "deepinfer.h"
-#include "model/dsv4.h" // di_dsv4_layer_state
+#include "model/dsv4.h"  // di_dsv4_layer_state
+#include "model/dsv41.h" // di_dsv41_state
 
 typedef struct di_cp di_cp;
 
@@ -35,8 +38,8 @@ typedef struct di_cp di_cp;
 #define DI_CP_MIN_PIECE 16
 
 // Connects model m to its prefill workers ("HOST:PORT" each; rank i = workers[i]) and handshakes
-// (model identity); sets m->cp. DI_ERR_UNSUPPORTED: a V4.1 model or one whose forward runs on a
-// device (refused, logged); DI_ERR_INVALID: a malformed address or a worker running another model
+// (model identity); sets m->cp. DI_ERR_UNSUPPORTED: a model whose forward runs on a device
+// (refused, logged); DI_ERR_INVALID: a malformed address or a worker running another model
 // (logged with both sides); DI_ERR_IO: a worker unreachable; DI_ERR_NOMEM.
 di_status di_cp_attach(di_model *m, const char *const *workers, int32_t n_workers,
                        int32_t min_tokens, di_cp **out);
@@ -47,11 +50,22 @@ int32_t di_cp_min_tokens(const di_cp *cp);
 void di_cp_set_min_tokens(di_cp *cp, int32_t n);
 void di_cp_get_stats(di_cp *cp, di_cp_stats *out);
 
-// di_session_forward of a V4 session (validated input, CPU forward) over the workers: out as
-// di_session_forward's. Runs locally when the call is too short for two pieces. DI_ERR_IO (a
-// worker failed; the session is as before the call), DI_ERR_NOMEM.
+// di_session_forward of a V4 or V4.1 session (validated input, CPU forward) over the workers: out
+// as di_session_forward's (a V4.1 session: no MTP logits; a DSpark session's rings follow its
+// context rows, so drafts after the call are as one process's). Runs locally when the call is too
+// short for two pieces. DI_ERR_IO (a worker failed; the session is as before the call),
+// DI_ERR_NOMEM.
 di_status di_cp_session_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
                                 const di_forward_out *out);
+
+// One V4.1 sequence of the serving engine's step (a slot's session, its pages bound to the
+// sequence's KV blocks) over the workers: tokens [n_tok] at its position, the logits of its last
+// row to logits [V] (NULL: none). Runs locally (the V4.1 forward of that one sequence) when the
+// chunk is too short for two pieces or the session is in a bounded replay after a prefix hit
+// (entries kept ahead of its position). DI_ERR_IO (a worker failed; the session is garbage, as
+// after any failed engine step), DI_ERR_NOMEM, or what the forward returns.
+di_status di_cp_v41_seq_forward(di_cp *cp, di_session *s, const int32_t *tokens, int32_t n_tok,
+                                float *logits);
 
 // One sequence of a ragged batch over the workers (the serving engine's long prefill chunks):
 // c holds that one sequence (its state possibly paged, in KV blocks), tokens its rows; logits of
@@ -104,3 +118,14 @@ di_status di_cp_send_layer(int fd, const di_model *m, const di_dsv4_layer_state 
 // holds or n exceeds its capacity.
 di_status di_cp_install_layer(const di_model *m, di_dsv4_layer_state *ls, const di_cp_layer *l,
                               char *why, size_t why_n);
+// V4.1: sends state layer il of st (a main layer, or a DSpark block il >= n_layer) as it is at
+// position pos: window ring and, on a kv source, its (C, Z) slots and entries / index keys
+// [from, n_entries) (from ignored otherwise). *bytes grows by the frame's size.
+di_status di_cp_send_layer41(int fd, const di_model *m, const di_cp_dims *dims,
+                             const di_dsv41_state *st, int32_t il, int64_t pos, int64_t from,
+                             int64_t *bytes);
+// V4.1: installs a decoded layer message into st: the ring (and (C, Z) slots) replaced, entries
+// and keys [from, n) written. DI_ERR_FORMAT (why) when the layer is not one of st's, from is not
+// the entries st holds or n exceeds its pages.
+di_status di_cp_install_layer41(const di_cp_dims *dims, di_dsv41_state *st, const di_cp_layer41 *l,
+                                char *why, size_t why_n);

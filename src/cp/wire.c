@@ -14,6 +14,7 @@ uint64_t di_cp_frame_limit(uint16_t type) {
     case DI_CP_JOB:
         return DI_CP_MAX_JOB;
     case DI_CP_LAYER:
+    case DI_CP_LAYER41:
     case DI_CP_XROW:
     case DI_CP_DONE:
         return DI_CP_MAX_FRAME;
@@ -79,8 +80,9 @@ di_status di_cp_decode_job(const void *payload, uint64_t len, const di_cp_dims *
                    .pos = rd_i32(p + 8),
                    .n_tok = rd_i32(p + 12),
                    .flags = rd_i32(p + 16),
-                   .n_state = rd_i32(p + 20)};
-    if (rd_i32(p + 24) != 0 || rd_i32(p + 28) != 0) {
+                   .n_state = rd_i32(p + 20),
+                   .n_hist = rd_i32(p + 24)};
+    if (rd_i32(p + 28) != 0) {
         snprintf(why, why_n, "nonzero reserved words in the job header");
         return DI_ERR_FORMAT;
     }
@@ -99,8 +101,8 @@ di_status di_cp_decode_job(const void *payload, uint64_t len, const di_cp_dims *
         snprintf(why, why_n, "a job with MTP for a model without an MTP block");
         return DI_ERR_FORMAT;
     }
-    if ((j.flags & (DI_CP_JOB_MTP_LOGITS | DI_CP_JOB_PENDING)) && !mtp) {
-        snprintf(why, why_n, "MTP flags on a job without MTP");
+    if ((j.flags & (DI_CP_JOB_MTP_LOGITS | DI_CP_JOB_PENDING)) && (!mtp || dims->v41)) {
+        snprintf(why, why_n, "MTP flags on a job without MTP, or for a V4.1 model (DSpark)");
         return DI_ERR_FORMAT;
     }
     if (j.n_tok < 1 || j.n_tok > DI_CP_MAX_TOKENS || j.pos < 0 ||
@@ -117,15 +119,22 @@ di_status di_cp_decode_job(const void *payload, uint64_t len, const di_cp_dims *
                  prefix ? "" : "out");
         return DI_ERR_FORMAT;
     }
-    if (j.n_state != dims->n_layers + (mtp ? 1 : 0)) {
+    if (j.n_state != dims->n_layers + (mtp ? dims->n_mtp : 0)) {
         snprintf(why, why_n, "%d state layers, the model runs %d", j.n_state,
-                 dims->n_layers + (mtp ? 1 : 0));
+                 dims->n_layers + (mtp ? dims->n_mtp : 0));
+        return DI_ERR_FORMAT;
+    }
+    const int32_t n_hist = dims->n_hist < j.pos ? dims->n_hist : j.pos;
+    if (j.n_hist != n_hist) {
+        snprintf(why, why_n, "%d Engram history ids at position %d, the model needs %d", j.n_hist,
+                 j.pos, n_hist);
         return DI_ERR_FORMAT;
     }
     const uint64_t head = di_cp_job_head_bytes(j.n_state);
-    if (len < head || (len - head) / 4 != (uint64_t)j.n_tok || (len - head) % 4 != 0) {
-        snprintf(why, why_n, "job of %llu bytes for %d state layers and %d tokens",
-                 (unsigned long long)len, j.n_state, j.n_tok);
+    if (len < head || (len - head) % 4 != 0 ||
+        (len - head) / 4 != (uint64_t)j.n_tok + (uint64_t)j.n_hist) {
+        snprintf(why, why_n, "job of %llu bytes for %d state layers, %d tokens and %d history ids",
+                 (unsigned long long)len, j.n_state, j.n_tok, j.n_hist);
         return DI_ERR_FORMAT;
     }
     const int64_t *from = (const int64_t *)(p + 32);
@@ -133,6 +142,7 @@ di_status di_cp_decode_job(const void *payload, uint64_t len, const di_cp_dims *
         for (int k = 0; k < 2; k++) {
             int64_t f = rd_i64(p + 32 + 16 * (uint64_t)il + 8 * (uint64_t)k);
             int64_t lim = k < dims->n_cmp[il] ? dims->max_pos / dims->ratio[il] : 0;
+            if (dims->v41) lim = k == 0 && dims->src[il] ? dims->max_pos / dims->ratio[il] : 0;
             if (f < 0 || f > lim) {
                 snprintf(why, why_n,
                          "layer %d compressor %d: the successor holds %lld entries "
@@ -150,8 +160,18 @@ di_status di_cp_decode_job(const void *payload, uint64_t len, const di_cp_dims *
             return DI_ERR_FORMAT;
         }
     }
+    const int32_t *hist = (const int32_t *)(p + head + 4 * (uint64_t)j.n_tok);
+    for (int32_t i = 0; i < j.n_hist; i++) {
+        int32_t id = rd_i32(p + head + 4 * ((uint64_t)j.n_tok + (uint64_t)i));
+        if (id < 0 || id >= dims->n_hist_ids) {
+            snprintf(why, why_n, "Engram history id %d at index %d is outside [0, %d)", id, i,
+                     dims->n_hist_ids);
+            return DI_ERR_FORMAT;
+        }
+    }
     j.from = from;
     j.tokens = tokens;
+    j.hist = j.n_hist ? hist : NULL;
     *out = j;
     return DI_OK;
 }
@@ -225,6 +245,75 @@ di_status di_cp_decode_layer(const void *payload, uint64_t len, const di_cp_dims
         c->entries = f;
         f += (c->n - c->from) * dims->cmp_d[l.il][k];
     }
+    *out = l;
+    return DI_OK;
+}
+
+// ---- V4.1 layer ----
+
+uint64_t di_cp_layer41_bytes(const di_cp_dims *dims, int32_t il, int64_t e) {
+    uint64_t n = DI_CP_LAYER41_HEAD + (uint64_t)dims->ring_bytes;
+    if (il < dims->n_layers && dims->src[il]) {
+        if (dims->ratio[il] == 2) n += 4 * (uint64_t)dims->cz_floats;
+        n += (uint64_t)e * (uint64_t)(dims->ent_bytes + dims->key_bytes);
+    }
+    return n;
+}
+
+di_status di_cp_decode_layer41(const void *payload, uint64_t len, const di_cp_dims *dims,
+                               di_cp_layer41 *out, char *why, size_t why_n) {
+    const uint8_t *p = payload;
+    if (!dims->v41) {
+        snprintf(why, why_n, "a V4.1 state layer for a DeepSeek V4 model");
+        return DI_ERR_FORMAT;
+    }
+    if (len < DI_CP_LAYER41_HEAD) {
+        snprintf(why, why_n, "layer message of %llu bytes is shorter than its %d-byte header",
+                 (unsigned long long)len, DI_CP_LAYER41_HEAD);
+        return DI_ERR_FORMAT;
+    }
+    di_cp_layer41 l = {
+        .il = rd_i32(p), .pos = rd_i64(p + 8), .from = rd_i64(p + 16), .n = rd_i64(p + 24)};
+    const int32_t is_src = rd_i32(p + 4);
+    const int32_t n_state = dims->n_layers + dims->n_mtp;
+    if (l.il < 0 || l.il >= n_state) {
+        snprintf(why, why_n, "state layer %d is outside [0, %d)", l.il, n_state);
+        return DI_ERR_FORMAT;
+    }
+    const bool src = l.il < dims->n_layers && dims->src[l.il];
+    if (is_src != (src ? 1 : 0)) {
+        snprintf(why, why_n, "layer %d: kv source flag %d, the model's is %d", l.il, is_src,
+                 src ? 1 : 0);
+        return DI_ERR_FORMAT;
+    }
+    if (l.pos < 0 || l.pos > dims->max_pos) {
+        snprintf(why, why_n, "layer %d: position %lld outside [0, %lld]", l.il, (long long)l.pos,
+                 (long long)dims->max_pos);
+        return DI_ERR_FORMAT;
+    }
+    const int64_t n = src ? l.pos / dims->ratio[l.il] : 0;
+    if (l.n != n || l.from < 0 || l.from > l.n) {
+        snprintf(why, why_n, "layer %d: entries [%lld, %lld) at position %lld (%lld due)", l.il,
+                 (long long)l.from, (long long)l.n, (long long)l.pos, (long long)n);
+        return DI_ERR_FORMAT;
+    }
+    // Every term is bounded by the model's shapes and max_pos: no overflow in 64 bits.
+    const uint64_t need = di_cp_layer41_bytes(dims, l.il, l.n - l.from);
+    if (len != need) {
+        snprintf(why, why_n, "layer %d: %llu bytes, the message needs %llu", l.il,
+                 (unsigned long long)len, (unsigned long long)need);
+        return DI_ERR_FORMAT;
+    }
+    const uint8_t *q = p + DI_CP_LAYER41_HEAD;
+    if (src && dims->ratio[l.il] == 2) {
+        l.cz = (const float *)q;
+        q += 4 * dims->cz_floats;
+    }
+    l.ring = q;
+    q += dims->ring_bytes;
+    l.ent = q;
+    q += (l.n - l.from) * dims->ent_bytes;
+    l.keys = q;
     *out = l;
     return DI_OK;
 }

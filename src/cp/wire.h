@@ -26,6 +26,8 @@
 // Largest job payload (header, entry counts and up to DI_CP_MAX_TOKENS token ids).
 #define DI_CP_MAX_TOKENS (1 << 24)
 #define DI_CP_MAX_JOB ((uint64_t)DI_CP_MAX_TOKENS * 4 + 65536)
+// Engram history ids a V4.1 job carries (the compressed ids of the positions before its piece).
+#define DI_CP_MAX_HIST 16
 // State layers a job may name (main layers and one MTP block).
 #define DI_CP_MAX_LAYERS 256
 // Ranks of one prefill (the front included).
@@ -34,13 +36,14 @@
 #define DI_CP_IO_TIMEOUT_MS 60000
 
 enum {
-    DI_CP_HELLO = 1,  // front -> worker: u64 model id, then the model's description (text)
-    DI_CP_JOB = 2,    // front -> worker: one piece of a prefill (di_cp_job)
-    DI_CP_LAYER = 3,  // rank -> next rank (relayed by the front): a layer's state (di_cp_layer)
-    DI_CP_XROW = 4,   // rank -> next rank: i32 pos, 0; the main streams [NC D] of position pos
-    DI_CP_OK = 16,    // worker -> front: empty (hello accepted)
-    DI_CP_ERROR = 17, // worker -> front: text (why); the job is over, the connection closes
-    DI_CP_DONE = 18,  // worker -> front: i32 n_logits, n_mtp; logits [(n_logits + n_mtp) V]
+    DI_CP_HELLO = 1,   // front -> worker: u64 model id, then the model's description (text)
+    DI_CP_JOB = 2,     // front -> worker: one piece of a prefill (di_cp_job)
+    DI_CP_LAYER = 3,   // rank -> next rank (relayed by the front): a layer's state (di_cp_layer)
+    DI_CP_XROW = 4,    // rank -> next rank: i32 pos, 0; the main streams [NC D] of position pos
+    DI_CP_LAYER41 = 5, // rank -> next rank: a V4.1 state layer (di_cp_layer41)
+    DI_CP_OK = 16,     // worker -> front: empty (hello accepted)
+    DI_CP_ERROR = 17,  // worker -> front: text (why); the job is over, the connection closes
+    DI_CP_DONE = 18,   // worker -> front: i32 n_logits, n_mtp; logits [(n_logits + n_mtp) V]
 };
 
 typedef struct di_cp_hdr {
@@ -71,6 +74,17 @@ typedef struct di_cp_dims {
     int64_t cmp_ring_floats[DI_CP_MAX_LAYERS][2];
     int32_t cmp_d[DI_CP_MAX_LAYERS][2];
     int32_t ratio[DI_CP_MAX_LAYERS];
+    // DeepSeek V4.1 (model/dsv41.h): its state layers are the main layers then, in a DSpark
+    // session, the n_mtp DSpark blocks; each has a window ring of ring_bytes (packed Q8 rows); a kv
+    // source layer (src[il]) also its entries (ent_bytes each, packed Q4e), index keys (key_bytes
+    // each, packed Q4) and, with ratio 2, cz_floats of FP32 (C, Z) slots. A job carries the
+    // Engram history ids of the n_hist positions before its piece (min(pos, n_hist)).
+    bool v41;
+    int32_t
+        n_mtp; // state layers after the main ones in a job with MTP (V4: 1; V4.1: DSpark blocks)
+    int64_t ring_bytes, cz_floats;
+    int32_t ent_bytes, key_bytes, n_hist, n_hist_ids;
+    bool src[DI_CP_MAX_LAYERS];
 } di_cp_dims;
 
 // A job: rank `rank` of n_ranks (the front is the last) computes tokens [n_tok] at positions
@@ -87,13 +101,16 @@ enum {
 };
 typedef struct di_cp_job {
     int32_t rank, n_ranks, pos, n_tok, flags, n_state; // n_state: layers with messages
+    int32_t n_hist;                                    // V4.1: Engram history ids
     const int64_t *from;                               // view [n_state, 2]
     const int32_t *tokens;                             // view [n_tok]
+    const int32_t *hist; // view [n_hist]: compressed ids of positions [pos - n_hist, pos)
 } di_cp_job;
-// Job payload: i32 rank, n_ranks, pos, n_tok, flags, n_state, 0, 0; i64 from[n_state][2];
-// i32 tokens[n_tok]. Checks every field against dims (ranks, positions within max_pos, token ids,
-// n_state = n_layers (+1 with MTP), entry counts). DI_ERR_FORMAT with the reason otherwise.
-// The payload must be 8-byte aligned.
+// Job payload: i32 rank, n_ranks, pos, n_tok, flags, n_state, n_hist, 0; i64 from[n_state][2];
+// i32 tokens[n_tok]; i32 hist[n_hist]. Checks every field against dims (ranks, positions within
+// max_pos, token ids, n_state = n_layers (+ n_mtp with MTP), entry counts; V4: n_hist 0; V4.1:
+// n_hist = min(pos, dims->n_hist), ids below n_hist_ids, no MTP logits or pending row).
+// DI_ERR_FORMAT with the reason otherwise. The payload must be 8-byte aligned.
 di_status di_cp_decode_job(const void *payload, uint64_t len, const di_cp_dims *dims,
                            di_cp_job *out, char *why, size_t why_n);
 // Bytes of a job's payload before its tokens.
@@ -119,6 +136,28 @@ di_status di_cp_decode_layer(const void *payload, uint64_t len, const di_cp_dims
                              di_cp_layer *out, char *why, size_t why_n);
 // Bytes of a layer payload's fixed part (before the ring) for a layer with n_cmp compressors.
 uint64_t di_cp_layer_head_bytes(int32_t n_cmp);
+
+// A V4.1 state layer (DI_CP_LAYER41): the window ring and, on a kv source, its (C, Z) slots and
+// entries / index keys [from, n).
+typedef struct di_cp_layer41 {
+    int32_t il;
+    int64_t pos;         // the state's position (the layer has seen positions [0, pos))
+    int64_t from, n;     // entries (0, 0 unless a kv source)
+    const float *cz;     // view [cz_floats] (ratio 2 sources) or NULL
+    const uint8_t *ring; // view [ring_bytes]
+    const uint8_t *ent;  // view [(n - from) ent_bytes]
+    const uint8_t *keys; // view [(n - from) key_bytes]
+} di_cp_layer41;
+// Layer41 payload: i32 il, is_src; i64 pos, from, n; cz [cz_floats] (ratio-2 sources); ring
+// [ring_bytes]; entries [(n - from) ent_bytes]; keys [(n - from) key_bytes]. Checks il (main
+// layers then the DSpark blocks), is_src, pos within max_pos, a source's n = pos / ratio and
+// 0 <= from <= n (others 0, 0), the exact size. DI_ERR_FORMAT with the reason otherwise. The
+// payload must be 8-byte aligned.
+#define DI_CP_LAYER41_HEAD 32
+di_status di_cp_decode_layer41(const void *payload, uint64_t len, const di_cp_dims *dims,
+                               di_cp_layer41 *out, char *why, size_t why_n);
+// Bytes of a V4.1 layer payload with e entries (e = 0 for a layer that is not a kv source).
+uint64_t di_cp_layer41_bytes(const di_cp_dims *dims, int32_t il, int64_t e);
 
 // XROW payload: i32 pos, 0; row [row_floats]. DI_ERR_FORMAT unless exactly that and pos in range.
 di_status di_cp_decode_xrow(const void *payload, uint64_t len, const di_cp_dims *dims, int32_t *pos,

@@ -18,6 +18,7 @@
 #include "cp/wire.h"
 #include "ep/ep.h" // di_ep_model_describe
 #include "model/dsv4.h"
+#include "model/dsv41.h" // di_dsv41_forward_cp: V4.1 jobs
 
 typedef struct conn {
     struct di_cp_worker *w;
@@ -83,6 +84,30 @@ static di_status recv_layer(job_run *r, int32_t il, int64_t pos) {
     return DI_OK;
 }
 
+// V4.1: receives state layer il (at position pos) and installs it into the session.
+static di_status recv_layer41(job_run *r, int32_t il, int64_t pos) {
+    const di_cp_dims *dims = &r->cn->w->dims;
+    uint64_t len;
+    di_status st = di_cp_recv_frame(r->cn->fd, "cp worker", r->cn->peer, DI_CP_LAYER41, &r->rx,
+                                    &len, &r->bytes);
+    if (st != DI_OK) return st;
+    di_cp_layer41 l;
+    char why[256];
+    st = di_cp_decode_layer41(r->rx.p, len, dims, &l, why, sizeof why);
+    if (st == DI_OK && (l.il != il || l.pos != pos)) {
+        snprintf(why, sizeof why,
+                 "state of layer %d at position %lld where layer %d at %lld was due", l.il,
+                 (long long)l.pos, il, (long long)pos);
+        st = DI_ERR_FORMAT;
+    }
+    if (st == DI_OK) st = di_cp_install_layer41(dims, r->s->v41, &l, why, sizeof why);
+    if (st != DI_OK) {
+        reply_error(r->cn->fd, r->cn->peer, why);
+        return DI_ERR_IO;
+    }
+    return DI_OK;
+}
+
 // Receives the main-stream row of position pos: the MTP block's pending input.
 static di_status recv_xrow(job_run *r, int32_t pos) {
     const di_cp_dims *dims = &r->cn->w->dims;
@@ -113,6 +138,13 @@ static di_status worker_attn(void *user, di_dsv4_ctx *c, int il, bool after) {
     job_run *r = user;
     const di_cp_job *j = r->j;
     const bool main_layer = il < r->cn->w->dims.n_layers;
+    if (r->s->v41) { // V4.1: every state layer (DSpark blocks included) at the piece's ends
+        if (!after) return j->rank == 0 ? DI_OK : recv_layer41(r, il, j->pos);
+        di_status st = di_cp_send_layer41(r->cn->fd, r->cn->w->m, &r->cn->w->dims, r->s->v41, il,
+                                          (int64_t)j->pos + j->n_tok, j->from[2 * il], &r->bytes);
+        if (st != DI_OK) DI_LOG_WARN("cp worker: %s: sending layer %d failed", r->cn->peer, il);
+        return st;
+    }
     if (!after) { // rank 0 started from the job's state; the others take their predecessor's
         if (j->rank == 0) return DI_OK;
         return recv_layer(r, il, main_layer ? j->pos : j->pos - 1);
@@ -136,6 +168,36 @@ static di_status worker_mtp_input(void *user, di_session *s, const float *x_last
     r->bytes += (int64_t)(sizeof(di_cp_hdr) + 8 + 4 * rf);
     if (st != DI_OK) return st;
     return j->rank == 0 ? DI_OK : recv_xrow(r, j->pos - 1);
+}
+
+// A V4.1 job on session r->s (reset, at the job's position): the Engram history before the piece,
+// the prefix state (rank 0 after a prefix), the piece with its layer messages, DONE (logits into
+// out, the DONE payload's buffer).
+static di_status run_job41(job_run *r, float *out) {
+    conn *cn = r->cn;
+    const di_cp_job *j = r->j;
+    const int64_t V = cn->w->m->hp.n_vocab;
+    const bool want_lg = j->flags & DI_CP_JOB_LOGITS;
+    di_status st = di_dsv41_reserve(r->s, j->n_tok);
+    if (st != DI_OK) {
+        reply_error(cn->fd, cn->peer, "worker out of memory for the job's state");
+        return st;
+    }
+    for (int32_t i = 0; i < j->n_hist; i++) r->s->v41->hist[j->pos - j->n_hist + i] = j->hist[i];
+    if (j->flags & DI_CP_JOB_PREFIX) // the front's state at pos, layer by layer
+        for (int32_t il = 0; il < j->n_state; il++)
+            if ((st = recv_layer41(r, il, j->pos)) != DI_OK) return st;
+    di_dsv4_cp_hook hook = {.attn = worker_attn, .user = r};
+    di_dsv41_seq b = {
+        .s = r->s, .tokens = j->tokens, .n_tok = j->n_tok, .n_out = want_lg ? j->n_tok : 0};
+    st = di_dsv41_forward_cp(cn->w->m, di_dsv41_ws(r->s), &b, want_lg ? out + 2 : NULL, &hook);
+    if (st != DI_OK) return st;
+    int32_t counts[2] = {want_lg ? j->n_tok : 0, 0};
+    memcpy(out, counts, sizeof counts);
+    const uint64_t len = 8 + 4 * (uint64_t)counts[0] * (uint64_t)V;
+    st = di_cp_send_frame(cn->fd, DI_CP_DONE, out, len);
+    r->bytes += (int64_t)(sizeof(di_cp_hdr) + len);
+    return st;
 }
 
 // Runs a decoded job to its DONE frame. DI_OK, or a failure after which the connection closes
@@ -172,6 +234,10 @@ static di_status run_job(conn *cn, const di_cp_job *j) {
         goto out;
     }
     r.s->pos = j->pos;
+    if (r.s->v41) { // V4.1: its own job (run_job41)
+        st = run_job41(&r, out);
+        goto out;
+    }
     if ((st = di_dsv4_session_reserve(r.s, j->n_tok)) != DI_OK) {
         reply_error(cn->fd, cn->peer, "worker out of memory for the job's state");
         goto out;
@@ -349,12 +415,6 @@ static void *accept_main(void *p) {
 
 di_status di_cp_worker_start(di_model *m, const char *host, int port, di_cp_worker **out) {
     *out = NULL;
-    if (m->hp.v41) {
-        DI_LOG_ERROR("cp worker: context parallelism supports DeepSeek V4 only; this model is "
-                     "DeepSeek V4.1 (%s)",
-                     m->hp.model_type);
-        return DI_ERR_UNSUPPORTED;
-    }
     if (m->opt.device.kind != DI_DEVICE_CPU || m->dev) {
         DI_LOG_ERROR("cp worker: context parallelism needs the CPU forward (no --device)");
         return DI_ERR_UNSUPPORTED;

@@ -4,13 +4,13 @@
  * brings its tokens (and, for the first piece after a prefix, the state at its start); the state
  * of the earlier pieces arrives layer by layer from the front, and this piece's state leaves layer
  * by layer as soon as each attention is done, computed by the same session forward as the front's
- * (model/dsv4.h, di_dsv4_session_forward with a di_dsv4_cp_hook), so results are bit-identical to
- * a single process.
- * One thread accepts; one thread serves each connection (handshake: the front's model identity
- * must be this model's; then jobs). Computation is serialised on the model's thread pool; every
- * frame is validated and a bad one answered with an error (the job ends, the connection closes),
- * never taking the worker down.
- * Thread-safety: start and stop from one thread; the model must not run anything else meanwhile.
+ * (model/dsv4.h, di_dsv4_session_forward with a di_dsv4_cp_hook; on a V4.1 model
+ * di_dsv41_forward_cp, with the job's Engram history ids written first), so results are
+ * bit-identical to a single process. One thread accepts; one thread serves each connection
+ * (handshake: the front's model identity must be this model's; then jobs). Computation is
+ * serialised on the model's thread pool; every frame is validated and a bad one answered with an
+ * error (the job ends, the connection closes), never taking the worker down. Thread-safety: start
+ * and stop from one thread; the model must not run anything else meanwhile.
  */
 #pragma once
 

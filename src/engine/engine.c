@@ -1675,13 +1675,31 @@ static di_status v41_forward(di_engine *e) {
             e->x_b[i].n_tok = e->x_b[i].n_out = n_ver;
         }
     }
-    di_status st = di_dsv41_forward_batch(e->model, &e->ws, e->x_b, e->x_n_seq, e->logits);
+    // Context parallelism (cp/cp.h): a long prefill chunk (at least the threshold's rows, not a
+    // verify) runs alone over the prefill workers after the batched call of the others, which
+    // move to the front of x_b (a sequence's results do not depend on its batch or its order).
+    int32_t n_batch = e->x_n_seq;
+    if (e->model->cp) {
+        const int32_t min_tok = di_cp_min_tokens(e->model->cp);
+        n_batch = 0;
+        for (int32_t i = 0, row0 = 0; i < e->x_n_seq; row0 += e->x_seqs[i].n_tok, i++) {
+            const bool cp = e->x_b[i].tokens == e->x_tokens + row0 && e->x_b[i].n_tok >= min_tok;
+            if (cp) continue;
+            const di_dsv41_seq b = e->x_b[i];
+            const int32_t bk = e->x_bk[i];
+            for (int32_t j = i; j > n_batch; j--)
+                e->x_b[j] = e->x_b[j - 1], e->x_bk[j] = e->x_bk[j - 1];
+            e->x_b[n_batch] = b, e->x_bk[n_batch++] = bk;
+        }
+    }
+    di_status st =
+        n_batch > 0 ? di_dsv41_forward_batch(e->model, &e->ws, e->x_b, n_batch, e->logits) : DI_OK;
     if (st != DI_OK) return st;
     // Logit rows to their slots, last first (a slot's rows never start below where the call
     // wrote them, so every move goes up or stays and never clobbers a row still to move).
     int32_t off = 0;
-    for (int32_t i = 0; i < e->x_n_seq; i++) off += e->x_b[i].n_out;
-    for (int32_t i = e->x_n_seq - 1; i >= 0; i--) {
+    for (int32_t i = 0; i < n_batch; i++) off += e->x_b[i].n_out;
+    for (int32_t i = n_batch - 1; i >= 0; i--) {
         off -= e->x_b[i].n_out;
         if (e->x_bk[i] < 0) continue;
         const int64_t dst = (int64_t)e->x_bk[i] * e->lstride;
@@ -1690,7 +1708,14 @@ static di_status v41_forward(di_engine *e) {
             memmove(e->logits + dst * V, e->logits + (int64_t)off * V,
                     sizeof(float) * (size_t)(e->x_b[i].n_out * V));
     }
-    return DI_OK;
+    // The long chunks, each alone over the workers; a logit row goes straight to its slot (a
+    // slot no batched sequence owns).
+    for (int32_t i = n_batch; i < e->x_n_seq && st == DI_OK; i++) {
+        const di_dsv41_seq *b = &e->x_b[i];
+        float *lg = e->x_bk[i] >= 0 ? e->logits + (int64_t)e->x_bk[i] * e->lstride * V : NULL;
+        st = di_cp_v41_seq_forward(e->model->cp, b->s, b->tokens, b->n_tok, lg);
+    }
+    return st;
 }
 
 // ---- V4 with the MTP block (speculative decoding on the CPU forward) ----

@@ -624,6 +624,8 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
             return DI_ERR_INVALID;
         }
     }
+    if (s->v41 && m->cp && n_tok >= di_cp_min_tokens(m->cp)) // context parallelism (cp/cp.h)
+        return di_cp_session_forward(m->cp, s, tokens, n_tok, out);
     if (s->v41) { // DeepSeek V4.1 (dsv41.c): the batch of one sequence
         bool want = out && out->logits;
         di_dsv41_seq b = {.s = s,

@@ -211,10 +211,17 @@ static void block(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, int il_state, float
     collapse(m, x, w->pre, n_tok, a);
     di_ref_rmsnorm(a, n_tok, D, D, lw->attn_norm, hp->norm_eps);
     di_dsv4_round(m, a, n_tok * D);
+    // Context parallelism (cp/cp.h): the state of the pieces before this one comes in before the
+    // attention (the window ring, and the kv source's entries and (C, Z) slots when this layer
+    // compresses: later layers of the source read what this one installed), this piece's goes on
+    // after it. A DSpark block's rings are passed with the DSpark context (forward_rows).
+    const di_dsv4_cp_hook *cp = dspark ? NULL : c->cp;
+    if (cp && (c->status = cp->attn(cp->user, c, il_state, false)) != DI_OK) return;
     if (dspark)
         di_dsv41_dspark_attention(c, lw, il_state, a, o);
     else
         di_dsv41_attention(c, lw, il_state, a, o);
+    if (cp && (c->status = cp->attn(cp->user, c, il_state, true)) != DI_OK) return;
     if (c->trace) c->trace(c->trace_user, "attn_out", lw->il, o, false, n_tok, D);
     di_dsv4_hc_post(c, o, x, n_tok);
 
@@ -331,6 +338,7 @@ static void forward_rows(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *n
             }
         }
         block(c, lw, il, x, tokens, false);
+        if (c->cp && c->status != DI_OK) return; // a context-parallel peer failed
         if (c->trace) {
             c->trace(c->trace_user, "layer_out", il, x, false, n_rows, nc * D);
             c->trace(c->trace_user, "hc_pre", il, w->pre, false, n_rows, nc);
@@ -350,7 +358,15 @@ static void forward_rows(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *n
         }
     }
     if (n_logit > 0) head(c, x, w->pre, n_logit, m->norm, di_dsv4_scratch(c, DI_SCR_H), logits);
-    if (any_dspark) dspark_context(c, w->taps);
+    if (any_dspark) {
+        // Context parallelism: the DSpark rings of the earlier pieces' positions come in before
+        // this piece's rows are written, and go on after (state layers n_layer ..).
+        for (int i = 0; c->cp && i < m->n_mtp_loaded; i++)
+            if ((c->status = c->cp->attn(c->cp->user, c, hp->n_layer + i, false)) != DI_OK) return;
+        dspark_context(c, w->taps);
+        for (int i = 0; c->cp && i < m->n_mtp_loaded; i++)
+            if ((c->status = c->cp->attn(c->cp->user, c, hp->n_layer + i, true)) != DI_OK) return;
+    }
     // Each sequence's views of its rows (tests read a call's taps and candidate pools).
     const int64_t n_tap = (int64_t)hp->n_dspark_target * D;
     for (int32_t i = 0; i < c->n_seq; i++) {
@@ -362,8 +378,8 @@ static void forward_rows(di_dsv4_ctx *c, const int32_t *tokens, const int32_t *n
     }
 }
 
-di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seqs,
-                                 int32_t n_seq, float *logits) {
+static di_status forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seqs, int32_t n_seq,
+                               float *logits, const di_dsv4_cp_hook *cp) {
     const di_hparams *hp = &m->hp;
     if (n_seq < 1 || !seqs) {
         DI_LOG_ERROR("forward: a V4.1 call needs at least one sequence");
@@ -425,13 +441,25 @@ di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq
                      .seqs = sq,
                      .n_seq = n_seq,
                      .trace = seqs[0].s->trace,
-                     .trace_user = seqs[0].s->trace_user};
+                     .trace_user = seqs[0].s->trace_user,
+                     .cp = cp};
     set_rows(&c);
     forward_rows(&c, tokens, n_out, logits);
-    if (c.status != DI_OK) return c.status; // an expert worker failed (positions unchanged)
+    // An expert worker or a context-parallel peer failed (positions unchanged).
+    if (c.status != DI_OK) return c.status;
     for (int32_t i = 0; i < n_seq; i++) seqs[i].s->pos += seqs[i].n_tok;
     m->n_forward_calls++;
     return DI_OK;
+}
+
+di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seqs,
+                                 int32_t n_seq, float *logits) {
+    return forward_batch(m, ws, seqs, n_seq, logits, NULL);
+}
+
+di_status di_dsv41_forward_cp(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seq, float *logits,
+                              const di_dsv4_cp_hook *cp) {
+    return forward_batch(m, ws, seq, 1, logits, cp);
 }
 
 // ---- DSpark (§3) ----

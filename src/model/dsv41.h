@@ -174,6 +174,14 @@ typedef struct di_dsv41_seq {
 // no session moved).
 di_status di_dsv41_forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seqs,
                                  int32_t n_seq, float *logits);
+// The batch of one sequence with its layers wrapped by a context-parallel hook (cp/cp.h; model/
+// dsv4.h, di_dsv4_cp_hook): cp->attn(il, false / true) runs around every main layer's attention
+// (state layer il: its window ring and, on a kv source, the source's entries, index keys and
+// (C, Z) slots) and, in a DSpark session, around the DSpark context rows (state layers n_layer ..:
+// the DSpark blocks' rings). A hook failure stops the call with it (positions unchanged, the state
+// garbage unless the caller kept it). Otherwise as di_dsv41_forward_batch.
+di_status di_dsv41_forward_cp(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *seq, float *logits,
+                              const di_dsv4_cp_hook *cp);
 // Grows ws for V4.1 calls of up to n_rows rows over sequences of up to n_pos positions.
 // DI_ERR_NOMEM.
 di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows, int64_t n_pos);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CLI test: deepinfer cp-worker on free ports, and generate / logits with --cp-workers (the
 # prompt's prefill split over 2 and 3 ranks) giving byte-identical output to the single process,
-# MTP logits included, in both precision recipes; a model mismatch is refused naming both sides;
+# MTP logits included, in both precision recipes; the same on DeepSeek V4.1 (synth v41-tiny, with
+# DSpark speculative decoding after the split prefill) over 2 and 3 ranks; a model mismatch is refused naming both sides;
 # a worker that goes away fails the run with a message naming it; bad options are usage errors.
 # Usage: test_cp_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
 set -u
@@ -81,6 +82,45 @@ check "worker exits 0 on SIGTERM" "$?" "0"
     2>"$T/down.err"
 check "worker down exits 1" "$?" "1"
 check "worker down named" "$(grep -c "cp: cannot connect to 127.0.0.1:$P1" "$T/down.err")" "1"
+
+# DeepSeek V4.1 (synth --preset v41-tiny: official layout with the DSpark block).
+M41=$T/v41
+mkdir -p "$M41"
+"$B" synth --out "$M41" --preset v41-tiny >/dev/null 2>&1
+M0=$M
+M=$M41
+start_worker v1
+Q1=$PORT
+start_worker v2
+Q2=$PORT
+CP41="127.0.0.1:$Q1,127.0.0.1:$Q2"
+check "V4.1 workers listening" "$([ -n "$Q1" ] && [ -n "$Q2" ] && echo yes)" "yes"
+h1=$("$B" generate --model $M --tokens "$ids" -n 8 --no-stop --threads 1 --log-level error)
+h2=$("$B" generate --model $M --tokens "$ids" -n 8 --no-stop --threads 1 --log-level info \
+    --cp-workers "$CP41" --cp-min-tokens 64 2>"$T/h2.err")
+check "V4.1 generate count" "$(echo "$h1" | tr ',' '\n' | wc -l)" "8"
+check "V4.1 generate over 3 ranks identical" "$h2" "$h1"
+check "V4.1 prefill over 3 ranks" "$(grep -c 'cp: V4.1 prefill of 100 tokens at position 0 over 3 ranks' "$T/h2.err")" "1"
+h3=$("$B" generate --model $M --tokens "$ids" -n 8 --no-stop --threads 1 --dspark \
+    --log-level error 2>/dev/null)
+h4=$("$B" generate --model $M --tokens "$ids" -n 8 --no-stop --threads 1 --dspark \
+    --cp-workers "$CP41" --cp-min-tokens 64 --log-level info 2>"$T/h4.err")
+check "V4.1 DSpark generate over 3 ranks identical" "$h4" "$h3"
+check "V4.1 DSpark prefill over 3 ranks" "$(grep -c 'cp: V4.1 prefill of 100 tokens at position 0 over 3 ranks' "$T/h4.err")" "1"
+check "V4.1 DSpark generate matches plain" "$h3" "$h1"
+"$B" logits --model $M --tokens "$ids" --out "$T/v_a.npy" --threads 1 --log-level error
+"$B" logits --model $M --tokens "$ids" --out "$T/v_b.npy" --threads 1 \
+    --cp-workers "127.0.0.1:$Q1" --cp-min-tokens 64 --log-level error
+check "V4.1 logits over 2 ranks identical" "$(cmp "$T/v_a.npy" "$T/v_b.npy" && echo same)" "same"
+"$B" logits --model $M --tokens "$ids" --chunks 37,63 --out "$T/v_c.npy" --threads 1 \
+    --cp-workers "$CP41" --cp-min-tokens 48 --log-level error
+check "V4.1 logits after a prefix identical" "$(cmp "$T/v_a.npy" "$T/v_c.npy" && echo same)" "same"
+# A V4 front on V4.1 workers: refused, naming both sides.
+"$B" generate --model $M0 --tokens 5,17 -n 2 --cp-workers "127.0.0.1:$Q1" --log-level error \
+    >/dev/null 2>"$T/mm41.err"
+check "V4 front on a V4.1 worker exits 1" "$?" "1"
+check "V4 / V4.1 mismatch named" "$(grep -c 'model mismatch' "$T/mm41.err")" "1"
+M=$M0
 
 # Usage errors.
 "$B" cp-worker --model $M 2>/dev/null

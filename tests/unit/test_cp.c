@@ -6,10 +6,10 @@
 // row only. A flipped float in one layer message changes the logits (the comparison sees a broken
 // message). A worker stopped: the call fails with DI_ERR_IO and leaves the session as it was (the
 // same call without the workers is exact); restarted on its port, the next call reconnects. A
-// model mismatch and a V4.1 model are refused at load; malformed frames are answered with errors.
-// The serving engine with 1 and 2 workers gives the tokens and logprobs of an engine without, with
-// a prefix-cache hit before a long chunk; a worker down ends the step's requests with DI_ERR_IO and
-// the engine goes on.
+// model mismatch (a V4.1 front on a V4 worker too) is refused at load; malformed frames are
+// answered with errors. The serving engine with 1 and 2 workers gives the tokens and logprobs of an
+// engine without, with a prefix-cache hit before a long chunk; a worker down ends the step's
+// requests with DI_ERR_IO and the engine goes on.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -278,7 +278,8 @@ static void test_failures(void) {
     stop(&ws);
 }
 
-// Refused at load: a worker running another precision recipe (model identity), a V4.1 model.
+// Refused at load: a worker running another precision recipe (model identity), a V4 front on a
+// V4.1 worker (model identity).
 static void test_refusals(void) {
     workers ws;
     CHECK(start(&ws, g_v4, DI_PRECISION_OFFICIAL, 1));
@@ -287,7 +288,7 @@ static void test_refusals(void) {
     o.n_threads = 1;
     o.cp_workers = ws.addrs;
     di_model *m = NULL;
-    CHECK_EQ(di_model_load(g_v41, &o, &m), DI_ERR_UNSUPPORTED);
+    CHECK_EQ(di_model_load(g_v41, &o, &m), DI_ERR_INVALID);
     o.cp_workers = "no-port";
     CHECK_EQ(di_model_load(g_v4, &o, &m), DI_ERR_INVALID);
     stop(&ws);

@@ -19,7 +19,7 @@ static void usage(FILE *f) {
             "                          [--no-stop] [--dspark] [--ep-workers HOST:PORT,...]\n"
             "                          [--ep-placement FILE] [--cp-workers HOST:PORT,...]\n"
             "                          [--cp-min-tokens N]\n"
-            "--cp-workers (DeepSeek V4, CPU): prefill calls of at least --cp-min-tokens tokens\n"
+            "--cp-workers (V4 and V4.1, CPU): prefill calls of at least --cp-min-tokens tokens\n"
             "(default 1024) are split over these prefill workers (deepinfer cp-worker) and this\n"
             "process; the output is identical to one process.\n"
             "--dspark (DeepSeek V4.1, greedy only): speculative decoding with the DSpark draft\n"
