@@ -24,10 +24,12 @@
  * Writes and reads are synchronous on the caller's thread (cost: docs/kv-cache.md); the engine
  * writes through kv/kv_disk_io.h, whose IO thread calls di_kv_disk_write, and reads through its
  * read thread (the admission prefetch), never on the engine thread.
- * Thread-safety: any thread; one writer (di_kv_disk_write) at a time. An internal mutex guards
- * the index and the statistics (the one lock of kv/: two threads share a store); a read holds it
- * throughout, a write only for its index steps, not for its file IO (a lookup of a record being
- * written misses). create / destroy: one thread, nothing else running.
+ * Thread-safety: any thread; one writer (di_kv_disk_write) at a time; readers are serialised
+ * among themselves. An internal mutex guards the index and the statistics (with the readers' one,
+ * the locks of kv/: the engine thread, the IO thread and the read thread share a store); a read or
+ * a write holds it only for its index steps, not for its file IO (a lookup of a record being
+ * written misses; lookups and stats never wait for a read's or a write's IO). create / destroy:
+ * one thread, nothing else running.
  */
 #pragma once
 
