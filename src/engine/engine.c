@@ -1208,6 +1208,7 @@ static void retire(di_engine *e, di_request *r) {
     e->stats.n_running = e->sched.n_running;
     e->stats.n_waiting = e->sched.n_waiting;
     publish_spec_stats(e);
+    disk_stats(e, &e->stats); // a removed request's prefetch was stopped and collected just now
     e->n_live--;
     if (e->n_live == 0) pthread_cond_broadcast(&e->cv_idle);
     pthread_mutex_unlock(&e->mu);
