@@ -551,6 +551,10 @@ typedef struct di_engine_options {
     // thread never waits for the disk): its bytes (0 = 256 MiB); a record that does not fit is
     // dropped and counted (n_disk_writes_dropped).
     size_t kv_disk_queue_bytes;
+    // A waiting request whose prompt continues on disk is admitted once a read thread has read its
+    // blocks (the others are admitted meanwhile): the pool bytes one such prefetch reserves at most
+    // (blocks beyond are computed), its tail snapshot's staging included; 0 = 1 GiB.
+    size_t kv_disk_read_bytes;
     // Speculative decoding with DSpark (DeepSeek V4.1 checkpoints with DSpark weights only;
     // docs/architecture.md, "Speculative decoding"): each decode step of a sequence drafts a block
     // and verifies up to spec_tokens drafts in one forward of spec_tokens + 1 rows, emitting the
@@ -610,6 +614,13 @@ typedef struct di_engine_stats {
     int64_t n_disk_writes_queued, n_disk_writes_dropped, n_disk_queue_hits;
     int64_t n_disk_writes_pending, disk_pending_bytes, n_disk_write_errors;
     int64_t disk_stage_us, disk_stage_us_max, disk_write_us;
+    // Admission reads (docs/kv-cache.md, "Disk tier"): prefetches started and done; records and
+    // bytes the read thread read for them and its time; the engine thread's time on them (probing
+    // the index, reserving blocks, taking the read blocks: no file IO); requests admitted after
+    // waiting for their prefetch, and the total of those waits.
+    int64_t n_disk_prefetches, n_disk_prefetches_done, n_disk_prefetch_blocks, disk_prefetch_bytes;
+    int64_t disk_prefetch_read_us, disk_prefetch_engine_us, n_disk_prefetch_waits;
+    int64_t disk_prefetch_wait_us;
     int64_t n_step_allocs; // heap allocations made by the engine thread inside steps (debug
                            // builds count them; always 0 in a correct build)
     // Asynchronous scheduling: steps whose plan was built while the previous step's forward

@@ -202,6 +202,8 @@ struct di_engine {
     di_eplb_async *eplb; // owned; NULL without online EPLB
     int64_t eplb_next_step;
     bool eplb_ready, eplb_busy;
+    // The disk tier's read thread finished a prefetch (under mu): wakes a sleeping engine thread.
+    bool disk_ready;
     // di_engine_probe_workers (under mu): when the workers were last probed, and the answer.
     int64_t probe_ms;
     di_status probe_st;
@@ -239,6 +241,7 @@ static void tails_take(di_engine *e);
 static void tail_stats(di_engine *e, di_engine_stats *st);
 static void spec_rollback(di_engine *e, int32_t k, int32_t pos_new);
 static void disk_stats(di_engine *e, di_engine_stats *st);
+static void disk_read_done(void *user);
 static void disk_store_stats(di_kv_manager *kv, di_engine_stats *st);
 static void eplb_done(void *user);
 
@@ -589,8 +592,11 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         di_kv_disk_options dko = {.dir = o->kv_disk_dir,
                                   .max_bytes = o->kv_disk_bytes,
                                   .ttl_s = o->kv_disk_ttl_s,
-                                  .queue_bytes = o->kv_disk_queue_bytes};
+                                  .queue_bytes = o->kv_disk_queue_bytes,
+                                  .read_bytes = o->kv_disk_read_bytes};
         DI_TRY(di_kv_manager_open_disk(e->kv, &dko));
+        // A done prefetch wakes the engine thread (it may sleep with only that request waiting).
+        di_kv_disk_io_set_notify(e->kv->disk_io, disk_read_done, e);
     }
     o->kv_disk_dir = NULL; // borrowed until here
     DI_TRY(di_sched_init(&e->sched, e->kv, o->max_seqs, o->max_batch_tokens));
@@ -1017,10 +1023,29 @@ static void disk_store_stats(di_kv_manager *kv, di_engine_stats *st) {
     st->n_disk_snaps_read = ds.n_snaps_read + qs.n_snap_hits;
 }
 
+// The disk tier's read thread finished a prefetch: wake the engine thread (it sleeps when every
+// waiting request waits for one; any thread, no lock of the queue held).
+static void disk_read_done(void *user) {
+    di_engine *e = user;
+    pthread_mutex_lock(&e->mu);
+    e->disk_ready = true;
+    pthread_cond_broadcast(&e->cv_work);
+    pthread_mutex_unlock(&e->mu);
+}
+
 // The disk tier's counters into st (engine thread, or after it stopped; under mu).
 static void disk_stats(di_engine *e, di_engine_stats *st) {
     if (!e->kv->disk) return;
-    st->n_disk_hit_tokens = e->kv->n_disk_hit_tokens;
+    const di_kv_manager *kv = e->kv;
+    st->n_disk_hit_tokens = kv->n_disk_hit_tokens;
+    st->n_disk_prefetches = kv->n_prefetch_started;
+    st->n_disk_prefetches_done = kv->n_prefetch_done;
+    st->n_disk_prefetch_blocks = kv->n_prefetch_blocks;
+    st->disk_prefetch_bytes = kv->prefetch_bytes;
+    st->disk_prefetch_read_us = kv->prefetch_read_us;
+    st->disk_prefetch_engine_us = kv->prefetch_engine_us;
+    st->n_disk_prefetch_waits = e->sched.n_disk_waits;
+    st->disk_prefetch_wait_us = e->sched.disk_wait_us;
     disk_store_stats(e->kv, st);
 }
 
@@ -1189,6 +1214,7 @@ static void retire(di_engine *e, di_request *r) {
     e->stats.n_running = e->sched.n_running;
     e->stats.n_waiting = e->sched.n_waiting;
     publish_spec_stats(e);
+    disk_stats(e, &e->stats); // a removed request's prefetch was stopped and collected just now
     e->n_live--;
     if (e->n_live == 0) pthread_cond_broadcast(&e->cv_idle);
     pthread_mutex_unlock(&e->mu);
@@ -2020,9 +2046,11 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
 static bool take_incoming(di_engine *e, bool sleep, bool *stop) {
     di_sched *s = &e->sched;
     pthread_mutex_lock(&e->mu);
+    // Waiting requests that all wait for a disk prefetch leave nothing to do until it is done.
     while (sleep && !e->stop && !e->in_head && !e->any_cancel && !e->jobs && !e->eplb_ready &&
-           s->n_running == 0 && s->n_waiting == 0)
+           !e->disk_ready && s->n_running == 0 && s->n_waiting == s->n_disk_skipped)
         pthread_cond_wait(&e->cv_work, &e->mu);
+    e->disk_ready = false;
     di_request *in = e->in_head;
     e->in_head = e->in_tail = NULL;
     e->n_incoming = 0;
@@ -2173,7 +2201,14 @@ static void *engine_main(void *p) {
         int64_t a0 = di_mem_thread_allocs(), cb_allocs = 0;
         if (!have_plan || s->aborted || s->n_seq == 0) di_sched_step(s);
         have_plan = false;
-        if (s->n_seq == 0) continue;
+        if (s->n_seq == 0) { // nothing runs (requests may wait for a disk prefetch): show that
+            pthread_mutex_lock(&e->mu);
+            e->stats.n_running = s->n_running;
+            e->stats.n_waiting = s->n_waiting;
+            disk_stats(e, &e->stats);
+            pthread_mutex_unlock(&e->mu);
+            continue;
+        }
         di_sched_finalize(s);
         launch(e); // step N runs from here on
 
@@ -2269,6 +2304,10 @@ di_status di_engine_probe_workers(di_engine *e) {
 
 void di_engine_kv_disk_hold(di_engine *e, bool hold) {
     if (e->kv && e->kv->disk_io) di_kv_disk_io_hold(e->kv->disk_io, hold);
+}
+
+void di_engine_kv_disk_hold_reads(di_engine *e, bool hold) {
+    if (e->kv && e->kv->disk_io) di_kv_disk_io_hold_reads(e->kv->disk_io, hold);
 }
 
 void di_engine_eplb_hold(di_engine *e, bool hold) {

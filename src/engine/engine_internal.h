@@ -18,9 +18,9 @@
  *     steps go on while a plan is in flight.
  *   - di_engine_kv_disk_hold: holds the disk tier's IO thread, so a test sees steps go on with
  *     writes queued, lookups served from the queue, and a full queue drop records.
- * Thread-safety: create before start; di_engine_eplb_hold, di_engine_kv_disk_hold from any thread;
- * di_engine_fail_forward from any thread; di_engine_set_draft_hook and di_engine_set_masks_ahead
- * while the engine is idle.
+ * Thread-safety: create before start; di_engine_eplb_hold, di_engine_kv_disk_hold(_reads) from any
+ * thread; di_engine_fail_forward from any thread; di_engine_set_draft_hook and
+ * di_engine_set_masks_ahead while the engine is idle.
  */
 #pragma once
 
@@ -91,3 +91,8 @@ void di_engine_eplb_hold(di_engine *e, bool hold);
 // blocks stay queued, or are dropped once the queue is full). Release before di_engine_wait_idle
 // or di_engine_destroy's flush, which wait for the queue.
 void di_engine_kv_disk_hold(di_engine *e, bool hold);
+// The disk tier's read thread (kv_disk_dir; nothing otherwise): while held, an admission prefetch
+// reads nothing, so its request stays waiting while the others step. Independent of the write
+// hold. Release before di_engine_wait_idle (a waiting request counts as live); a cancelled
+// request's prefetch stops even while held.
+void di_engine_kv_disk_hold_reads(di_engine *e, bool hold);

@@ -50,25 +50,30 @@ typedef struct rec_header {
 } rec_header;
 _Static_assert(sizeof(rec_header) == HEADER_BYTES, "record header is 128 bytes");
 
-// Two threads use a store: the engine thread (lookups, reads at admission) and the disk IO thread
-// of kv/kv_disk_io.h (writes). mu guards the index, the statistics and the read scratch (path,
-// hdr, tokens); a read holds it throughout (the writer only waits at its index steps, never the
-// engine thread for a write's file IO). A write holds it for its index steps only (room, then the
-// new entry); its file IO uses the writer's own scratch (wpath, wtmp, whdr), so one writer at a
-// time. A record being written is not indexed until it is complete: a lookup meanwhile misses.
+// Three threads use a store: the engine thread (lookups: has, snap_bytes, stats), the disk IO
+// thread of kv/kv_disk_io.h (writes) and its read thread (reads). mu guards the index, the
+// statistics and the path scratch; rmu serialises readers and guards the read scratch (rpath, hdr,
+// tokens). A read holds mu only for its index steps (the lookup, then the verdict: last use, or
+// the drop of a bad record), not for its file IO, so a lookup or the stats on the engine thread
+// never wait for a read's IO (a V4-Flash record with its snapshot: 35-50 ms). A write holds mu for
+// its index steps only (room, then the new entry); its file IO uses the writer's own scratch
+// (wpath, wtmp, whdr), so one writer at a time. A record being written is not indexed until it is
+// complete: a lookup meanwhile misses.
 struct di_kv_disk {
     pthread_mutex_t mu;
-    char *dir;          // owned
-    char *path;         // owned [PATH_CAP]: scratch for record paths (under mu)
-    char *wpath, *wtmp; // owned [PATH_CAP]: the writer's
-    rec_header *whdr;   // owned: the writer's header
-    int lock_fd;        // DIR/LOCK, flock'ed
+    pthread_mutex_t rmu; // readers (see above)
+    char *rpath;         // owned [PATH_CAP]: the reader's path (under rmu)
+    char *dir;           // owned
+    char *path;          // owned [PATH_CAP]: scratch for record paths (under mu)
+    char *wpath, *wtmp;  // owned [PATH_CAP]: the writer's
+    rec_header *whdr;    // owned: the writer's header
+    int lock_fd;         // DIR/LOCK, flock'ed
     di_kv_disk_layout l;
     size_t rec_bytes, max_bytes; // rec_bytes: a record without a snapshot
     int64_t ttl_s;
     int64_t (*now_s)(void *user);
     void *now_user;
-    rec_header *hdr; // owned: read scratch (under mu)
+    rec_header *hdr; // owned: read scratch (under rmu)
     int32_t *tokens; // owned [block_tokens]: read scratch
     // Index: slots with hash, last use and an LRU list (head = least recently used).
     int32_t cap;
@@ -332,6 +337,7 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     if (!d) return DI_ERR_NOMEM;
     d->lock_fd = -1;
     pthread_mutex_init(&d->mu, NULL);
+    pthread_mutex_init(&d->rmu, NULL);
     d->l = *l;
     d->rec_bytes = di_kv_disk_record_size(l);
     d->max_bytes = o->max_bytes ? o->max_bytes : DI_KV_DISK_BYTES_DEFAULT;
@@ -354,6 +360,7 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     const size_t nc = (size_t)d->cap;
     d->dir = di_malloc(strlen(o->dir) + 1);
     d->path = di_malloc(PATH_CAP);
+    d->rpath = di_malloc(PATH_CAP);
     d->wpath = di_malloc(PATH_CAP);
     d->wtmp = di_malloc(PATH_CAP);
     d->hdr = di_calloc(1, sizeof *d->hdr);
@@ -367,8 +374,8 @@ di_status di_kv_disk_create(const di_kv_disk_options *o, const di_kv_disk_layout
     d->chain = di_calloc(nc, sizeof *d->chain);
     d->free_slots = di_calloc(nc, sizeof *d->free_slots);
     d->bucket = di_calloc(nb, sizeof *d->bucket);
-    if (!d->dir || !d->path || !d->wpath || !d->wtmp || !d->whdr || !d->hdr || !d->tokens ||
-        !d->hash || !d->last_s || !d->bytes || !d->prev || !d->next || !d->chain ||
+    if (!d->dir || !d->path || !d->rpath || !d->wpath || !d->wtmp || !d->whdr || !d->hdr ||
+        !d->tokens || !d->hash || !d->last_s || !d->bytes || !d->prev || !d->next || !d->chain ||
         !d->free_slots || !d->bucket) {
         st = DI_ERR_NOMEM;
         goto fail;
@@ -415,6 +422,7 @@ void di_kv_disk_destroy(di_kv_disk *d) {
     if (d->lock_fd >= 0) close(d->lock_fd); // releases the flock
     di_free(d->dir);
     di_free(d->path);
+    di_free(d->rpath);
     di_free(d->wpath);
     di_free(d->wtmp);
     di_free(d->whdr);
@@ -429,6 +437,7 @@ void di_kv_disk_destroy(di_kv_disk *d) {
     di_free(d->free_slots);
     di_free(d->bucket);
     pthread_mutex_destroy(&d->mu);
+    pthread_mutex_destroy(&d->rmu);
     di_free(d);
 }
 
@@ -711,75 +720,91 @@ size_t di_kv_disk_snap_bytes(di_kv_disk *d, uint64_t h) {
     return n;
 }
 
-// di_kv_disk_read under mu (the whole read: it uses the read scratch).
-static bool read_locked(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
-                        const int32_t *tokens, float *payload, void *snap, size_t snap_bytes,
-                        bool *snap_read) {
+// di_kv_disk_read under rmu: mu is taken for the lookup and for the verdict only.
+static bool read_unlocked(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
+                          const int32_t *tokens, float *payload, void *snap, size_t snap_bytes,
+                          bool *snap_read) {
     if (snap_read) *snap_read = false;
-    if (!has_locked(d, h)) return false;
-    const int64_t t0 = mono_us(), now = now_s(d);
-    const int32_t s = find(d, h);
-    const size_t n_tok = (size_t)d->l.block_tokens, n_f = (size_t)d->l.payload_floats;
-    di_kv_disk_path(d, h, d->path, PATH_CAP);
-    int fd = open(d->path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        drop(d, s, "cannot open it");
+    pthread_mutex_lock(&d->mu);
+    if (!has_locked(d, h)) {
+        pthread_mutex_unlock(&d->mu);
         return false;
     }
+    const int64_t t0 = mono_us(), now = now_s(d);
+    di_kv_disk_path(d, h, d->rpath, PATH_CAP);
+    pthread_mutex_unlock(&d->mu);
+    const size_t n_tok = (size_t)d->l.block_tokens, n_f = (size_t)d->l.payload_floats;
+    // The file IO, without mu: a writer may meanwhile evict the record (the open file stays
+    // readable) or replace it by rename (this read sees one whole file, old or new).
     const char *why = NULL;
-    struct stat sb;
-    struct iovec iov[3] = {{d->hdr, sizeof *d->hdr},
-                           {d->tokens, sizeof(int32_t) * n_tok},
-                           {payload, sizeof(float) * n_f}};
+    int fd = open(d->rpath, O_RDONLY | O_CLOEXEC);
     rec_header *hd = d->hdr;
     bool with_snap = false;
-    if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < d->rec_bytes)
-        why = "wrong size (truncated or not a record of this layout)";
-    else if (readv_all(fd, iov, 3) != (ssize_t)d->rec_bytes)
-        why = "short read";
-    else if (check_header(hd, &d->l, &why) == DI_KV_DISK_CHECK_OK) {
-        if ((uint64_t)sb.st_size != d->rec_bytes + hd->snap_bytes)
-            why = "wrong size (a truncated tail snapshot section, or trailing bytes)";
-        else if (hd->hash != h || hd->parent != parent || hd->salt != salt ||
-                 memcmp(d->tokens, tokens, sizeof(int32_t) * n_tok))
-            why = "its hash, parent, salt or tokens differ from the lookup's";
-        else if (crc_data(d->tokens, n_tok, payload, n_f) != hd->crc_data)
-            why = "payload checksum mismatch";
-    }
-    // The snapshot is read (and verified) when the caller keeps snapshots of its size; otherwise
-    // the block is used alone (the snapshot of another forward or speculation setting is ignored).
-    if (!why && snap && snap_bytes && hd->snap_bytes == snap_bytes) {
-        struct iovec sv = {snap, snap_bytes};
-        if (readv_all(fd, &sv, 1) != (ssize_t)snap_bytes)
-            why = "short read (tail snapshot)";
-        else if (crc_bytes(snap, snap_bytes) != hd->crc_snap)
-            why = "tail snapshot checksum mismatch";
-        else
-            with_snap = true;
-    }
-    if (why) {
+    if (fd < 0) {
+        why = "cannot open it";
+    } else {
+        struct stat sb;
+        struct iovec iov[3] = {{d->hdr, sizeof *d->hdr},
+                               {d->tokens, sizeof(int32_t) * n_tok},
+                               {payload, sizeof(float) * n_f}};
+        if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < d->rec_bytes)
+            why = "wrong size (truncated or not a record of this layout)";
+        else if (readv_all(fd, iov, 3) != (ssize_t)d->rec_bytes)
+            why = "short read";
+        else if (check_header(hd, &d->l, &why) == DI_KV_DISK_CHECK_OK) {
+            if ((uint64_t)sb.st_size != d->rec_bytes + hd->snap_bytes)
+                why = "wrong size (a truncated tail snapshot section, or trailing bytes)";
+            else if (hd->hash != h || hd->parent != parent || hd->salt != salt ||
+                     memcmp(d->tokens, tokens, sizeof(int32_t) * n_tok))
+                why = "its hash, parent, salt or tokens differ from the lookup's";
+            else if (crc_data(d->tokens, n_tok, payload, n_f) != hd->crc_data)
+                why = "payload checksum mismatch";
+        }
+        // The snapshot is read (and verified) when the caller keeps snapshots of its size;
+        // otherwise the block is used alone (the snapshot of another forward or speculation
+        // setting is ignored).
+        if (!why && snap && snap_bytes && hd->snap_bytes == snap_bytes) {
+            struct iovec sv = {snap, snap_bytes};
+            if (readv_all(fd, &sv, 1) != (ssize_t)snap_bytes)
+                why = "short read (tail snapshot)";
+            else if (crc_bytes(snap, snap_bytes) != hd->crc_snap)
+                why = "tail snapshot checksum mismatch";
+            else
+                with_snap = true;
+        }
+        if (!why) {
+            const struct timespec ts[2] = {{(time_t)now, 0}, {(time_t)now, 0}};
+            (void)futimens(fd, ts); // last use (survives a restart); best effort
+        }
         close(fd);
-        drop(d, s, why);
+    }
+    pthread_mutex_lock(&d->mu);
+    // The record may have left the index meanwhile (evicted, or dropped): nothing to update.
+    const int32_t s = find(d, h);
+    if (why) {
+        if (s >= 0) drop(d, s, why);
+        pthread_mutex_unlock(&d->mu);
         return false;
     }
-    const struct timespec ts[2] = {{(time_t)now, 0}, {(time_t)now, 0}};
-    (void)futimens(fd, ts); // last use (survives a restart); best effort
-    close(fd);
-    d->last_s[s] = now;
-    lru_unlink(d, s);
-    lru_push(d, s);
+    if (s >= 0) {
+        d->last_s[s] = now;
+        lru_unlink(d, s);
+        lru_push(d, s);
+    }
     d->st.n_read++;
     d->st.n_snaps_read += with_snap;
-    if (snap_read) *snap_read = with_snap;
     d->st.read_us += mono_us() - t0;
+    pthread_mutex_unlock(&d->mu);
+    if (snap_read) *snap_read = with_snap;
     return true;
 }
 
 bool di_kv_disk_read(di_kv_disk *d, uint64_t h, uint64_t parent, uint64_t salt,
                      const int32_t *tokens, float *payload, void *snap, size_t snap_bytes,
                      bool *snap_read) {
-    pthread_mutex_lock(&d->mu);
-    const bool hit = read_locked(d, h, parent, salt, tokens, payload, snap, snap_bytes, snap_read);
-    pthread_mutex_unlock(&d->mu);
+    pthread_mutex_lock(&d->rmu);
+    const bool hit =
+        read_unlocked(d, h, parent, salt, tokens, payload, snap, snap_bytes, snap_read);
+    pthread_mutex_unlock(&d->rmu);
     return hit;
 }

@@ -22,12 +22,14 @@
  * Owns: the index (sized at create for the budget; no allocation afterwards), the lock, one
  * header buffer. Does not: know what a payload means, or hash chains (the caller gives the hash).
  * Writes and reads are synchronous on the caller's thread (cost: docs/kv-cache.md); the engine
- * writes through kv/kv_disk_io.h, whose IO thread calls di_kv_disk_write, and reads at admission on
- * its own thread.
- * Thread-safety: any thread; one writer (di_kv_disk_write) at a time. An internal mutex guards
- * the index and the statistics (the one lock of kv/: two threads share a store); a read holds it
- * throughout, a write only for its index steps, not for its file IO (a lookup of a record being
- * written misses). create / destroy: one thread, nothing else running.
+ * writes through kv/kv_disk_io.h, whose IO thread calls di_kv_disk_write, and reads through its
+ * read thread (the admission prefetch), never on the engine thread.
+ * Thread-safety: any thread; one writer (di_kv_disk_write) at a time; readers are serialised
+ * among themselves. An internal mutex guards the index and the statistics (with the readers' one,
+ * the locks of kv/: the engine thread, the IO thread and the read thread share a store); a read or
+ * a write holds it only for its index steps, not for its file IO (a lookup of a record being
+ * written misses; lookups and stats never wait for a read's or a write's IO). create / destroy:
+ * one thread, nothing else running.
  */
 #pragma once
 
@@ -65,7 +67,13 @@ typedef struct di_kv_disk_options {
     // The write queue's staging bytes (kv/kv_disk_io.h; di_kv_manager_open_disk creates it; the
     // store itself ignores this); 0 = DI_KV_DISK_IO_BYTES_DEFAULT.
     size_t queue_bytes;
+    // Pool bytes one admission prefetch reserves at most for the records it reads, its tail
+    // snapshot's staging included (kv_manager.h, di_kv_prefetch; the store ignores this);
+    // 0 = DI_KV_DISK_READ_BYTES_DEFAULT.
+    size_t read_bytes;
 } di_kv_disk_options;
+
+#define DI_KV_DISK_READ_BYTES_DEFAULT ((size_t)1 << 30) // 1 GiB
 
 typedef struct di_kv_disk_stats {
     int64_t n_records, n_bytes;            // on disk now (what the index holds)

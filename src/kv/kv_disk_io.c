@@ -48,6 +48,14 @@ struct di_kv_disk_io {
     pthread_cond_t cv_work; // the IO thread waits for records
     pthread_cond_t cv_room; // put (with wait) and drain wait for the IO thread
     di_kv_disk_io_stats st; // guarded by mu
+    // The read thread and its one job (guarded by mu; the job's fields by its state: the read
+    // thread writes the results between submit and done, the submitter reads them after).
+    pthread_t rthread;
+    bool rstarted, rhold, rabort;
+    di_kv_disk_read_job *rjob; // borrowed; NULL: none in flight
+    pthread_cond_t cv_read;    // the read thread waits for a job (or a release of rhold)
+    di_kv_disk_io_notify_fn notify;
+    void *notify_user;
 };
 
 // The offset of `need` free bytes for the next record, or NO_ROOM (under mu).
@@ -87,6 +95,66 @@ static void *io_main(void *p) {
     return NULL;
 }
 
+// Reads job j's records, in chain order, stopping at the first that is in neither the queue nor
+// the store (or fails its checks), at an abort, or at quit (a shutdown: the job is done short).
+static void read_job(di_kv_disk_io *q, di_kv_disk_read_job *j) {
+    const int32_t B = di_kv_disk_get_layout(q->d)->block_tokens;
+    int32_t i = 0;
+    for (; i < j->n; i++) {
+        pthread_mutex_lock(&q->mu);
+        while (q->rhold && !q->quit && !q->rabort) pthread_cond_wait(&q->cv_read, &q->mu);
+        const bool stop = q->quit || q->rabort;
+        pthread_mutex_unlock(&q->mu);
+        if (stop) break;
+        if (!j->dst[i]) continue; // the submitter holds it
+        const uint64_t parent = i > 0 ? j->hash[i - 1] : j->parent0;
+        const int32_t *t = j->tokens + (int64_t)i * B;
+        void *snap = i == j->snap_block ? j->snap : NULL;
+        bool got_snap = false;
+        // The write queue first, then the store: a queued record leaves the queue only once it is
+        // indexed on disk, so this order misses none in between; a record written meanwhile (or a
+        // collision in the queue) is read from the store, which has the final word.
+        bool got = di_kv_disk_io_read(q, j->hash[i], parent, j->salt, t, j->dst[i], snap,
+                                      j->snap_bytes, &got_snap);
+        if (!got)
+            got = di_kv_disk_read(q->d, j->hash[i], parent, j->salt, t, j->dst[i], snap,
+                                  j->snap_bytes, &got_snap);
+        if (!got) break; // fewer cached blocks: the request computes the rest
+        j->n_read++;
+        j->bytes_read += (int64_t)q->f_bytes + (got_snap ? (int64_t)j->snap_bytes : 0);
+        if (snap) j->snap_ok = got_snap;
+    }
+    j->n_ok = i;
+    if (j->snap_block >= i) j->snap_ok = false;
+}
+
+static void *read_main(void *p) {
+    di_kv_disk_io *q = p;
+    pthread_mutex_lock(&q->mu);
+    for (;;) {
+        while ((!q->rjob || (q->rhold && !q->rabort)) && !q->quit)
+            pthread_cond_wait(&q->cv_read, &q->mu);
+        if (q->quit && !q->rjob) break;
+        di_kv_disk_read_job *j = q->rjob;
+        pthread_mutex_unlock(&q->mu);
+        const int64_t t0 = mono_us();
+        read_job(q, j);
+        j->done_us = mono_us();
+        j->read_us = j->done_us - t0;
+        pthread_mutex_lock(&q->mu);
+        q->rjob = NULL; // done: the job is the submitter's again
+        q->rabort = false;
+        pthread_cond_broadcast(&q->cv_room); // di_kv_disk_io_read_wait
+        const di_kv_disk_io_notify_fn fn = q->notify;
+        void *user = q->notify_user;
+        pthread_mutex_unlock(&q->mu);
+        if (fn) fn(user); // without mu: the submitter's lock may be taken before mu elsewhere
+        pthread_mutex_lock(&q->mu);
+    }
+    pthread_mutex_unlock(&q->mu);
+    return NULL;
+}
+
 di_status di_kv_disk_io_create(di_kv_disk *d, size_t staging_bytes, di_kv_disk_io **out) {
     const di_kv_disk_layout *l = di_kv_disk_get_layout(d);
     di_kv_disk_io *q = di_calloc(1, sizeof *q);
@@ -95,6 +163,7 @@ di_status di_kv_disk_io_create(di_kv_disk *d, size_t staging_bytes, di_kv_disk_i
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv_work, NULL);
     pthread_cond_init(&q->cv_room, NULL);
+    pthread_cond_init(&q->cv_read, NULL);
     q->d = d;
     q->tok_bytes = sizeof(int32_t) * (size_t)l->block_tokens;
     q->f_bytes = sizeof(float) * (size_t)l->payload_floats;
@@ -118,6 +187,12 @@ di_status di_kv_disk_io_create(di_kv_disk *d, size_t staging_bytes, di_kv_disk_i
         goto fail;
     }
     q->started = true;
+    if (pthread_create(&q->rthread, NULL, read_main, q) != 0) {
+        DI_LOG_ERROR("kv disk: cannot start the disk read thread");
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    q->rstarted = true;
     DI_LOG_INFO("kv disk: writes go through an IO thread with %.1f MiB of staging (%d records at "
                 "most); a record that does not fit is dropped and counted",
                 (double)q->cap / (1 << 20), (int)q->max_ents);
@@ -130,18 +205,21 @@ fail:
 
 void di_kv_disk_io_destroy(di_kv_disk_io *q) {
     if (!q) return;
-    if (q->started) {
+    if (q->started || q->rstarted) {
         pthread_mutex_lock(&q->mu);
-        q->quit = true; // the IO thread writes what is queued, then ends
-        q->hold = false;
+        q->quit = true; // the IO thread writes what is queued, then ends; a read job stops short
+        q->hold = q->rhold = false;
         pthread_cond_broadcast(&q->cv_work);
+        pthread_cond_broadcast(&q->cv_read);
         pthread_mutex_unlock(&q->mu);
-        pthread_join(q->thread, NULL);
+        if (q->started) pthread_join(q->thread, NULL);
+        if (q->rstarted) pthread_join(q->rthread, NULL);
     }
     di_free(q->ring);
     di_free(q->ents);
     pthread_cond_destroy(&q->cv_work);
     pthread_cond_destroy(&q->cv_room);
+    pthread_cond_destroy(&q->cv_read);
     pthread_mutex_destroy(&q->mu);
     di_free(q);
 }
@@ -250,5 +328,58 @@ void di_kv_disk_io_get_stats(di_kv_disk_io *q, di_kv_disk_io_stats *out) {
     *out = q->st;
     out->n_pending = q->n;
     out->pending_bytes = (int64_t)q->used;
+    pthread_mutex_unlock(&q->mu);
+}
+
+// ---- reads ----
+
+void di_kv_disk_io_set_notify(di_kv_disk_io *q, di_kv_disk_io_notify_fn fn, void *user) {
+    pthread_mutex_lock(&q->mu);
+    q->notify = fn;
+    q->notify_user = user;
+    pthread_mutex_unlock(&q->mu);
+}
+
+di_status di_kv_disk_io_read_submit(di_kv_disk_io *q, di_kv_disk_read_job *job) {
+    pthread_mutex_lock(&q->mu);
+    if (q->rjob) {
+        pthread_mutex_unlock(&q->mu);
+        return DI_ERR_BUSY;
+    }
+    job->n_ok = job->n_read = 0;
+    job->snap_ok = false;
+    job->bytes_read = job->read_us = job->done_us = 0;
+    job->submit_us = mono_us();
+    q->rjob = job;
+    q->rabort = false;
+    pthread_cond_broadcast(&q->cv_read);
+    pthread_mutex_unlock(&q->mu);
+    return DI_OK;
+}
+
+bool di_kv_disk_io_read_done(di_kv_disk_io *q) {
+    pthread_mutex_lock(&q->mu);
+    const bool done = q->rjob == NULL;
+    pthread_mutex_unlock(&q->mu);
+    return done;
+}
+
+void di_kv_disk_io_read_abort(di_kv_disk_io *q) {
+    pthread_mutex_lock(&q->mu);
+    if (q->rjob) q->rabort = true;
+    pthread_cond_broadcast(&q->cv_read);
+    pthread_mutex_unlock(&q->mu);
+}
+
+void di_kv_disk_io_read_wait(di_kv_disk_io *q) {
+    pthread_mutex_lock(&q->mu);
+    while (q->rjob) pthread_cond_wait(&q->cv_room, &q->mu);
+    pthread_mutex_unlock(&q->mu);
+}
+
+void di_kv_disk_io_hold_reads(di_kv_disk_io *q, bool hold) {
+    pthread_mutex_lock(&q->mu);
+    q->rhold = hold;
+    pthread_cond_broadcast(&q->cv_read);
     pthread_mutex_unlock(&q->mu);
 }

@@ -14,10 +14,17 @@
  * lookup that tries the queue first and the store second never misses a record in between.
  * Errors of the IO thread are counted and logged by kv_disk (n_write_errors); it never stops.
  *
- * Owns: the IO thread, the staging ring and the descriptor array (sized at create: no allocation
- * afterwards). Borrows the store (it must outlive the queue).
- * Thread-safety: put, read, find, drain, hold and stats from any thread, under the queue's mutex;
- * one producer thread (the engine thread) at a time.
+ * Reads (the admission prefetch, docs/kv-cache.md, "Disk tier"): a read thread of its own runs one
+ * read job at a time: a chain of block records (each from the queue, else from the store) into
+ * memory the submitter reserved (pool blocks: kv_manager.c), verified, and one record's tail
+ * snapshot. Its own thread, so a backlog of 28.6 MiB snapshot writes never delays an admission's
+ * reads. The job is the submitter's memory, which it does not touch until the job is done (or
+ * the queue destroyed); the read thread never sees a request.
+ *
+ * Owns: the IO and read threads, the staging ring and the descriptor array (sized at create: no
+ * allocation afterwards). Borrows the store (it must outlive the queue) and the read job.
+ * Thread-safety: put, read, find, drain, hold, the read job calls and stats from any thread, under
+ * the queue's mutex; one producer thread (the engine thread) at a time.
  */
 #pragma once
 
@@ -73,3 +80,44 @@ void di_kv_disk_io_drain(di_kv_disk_io *q);
 // Test hook: while held, the IO thread writes nothing (records stay queued; put drops or waits).
 void di_kv_disk_io_hold(di_kv_disk_io *q, bool hold);
 void di_kv_disk_io_get_stats(di_kv_disk_io *q, di_kv_disk_io_stats *out);
+
+// ---- reads (the read thread) ----
+
+// A chain of n blocks to read: block i's record has chain hash hash[i], parent hash[i - 1]
+// (parent0 for block 0), the job's salt and tokens[i * block_tokens ...]. Blocks with dst[i] NULL
+// are not read (the submitter has them). Filled by the submitter, then read-only until done.
+typedef struct di_kv_disk_read_job {
+    uint64_t salt, parent0;
+    int32_t n;
+    const uint64_t *hash;  // borrowed [n]
+    const int32_t *tokens; // borrowed [n * block_tokens]
+    float *const *dst;     // borrowed [n]: where block i's payload (payload_floats) goes, or NULL
+    int32_t snap_block;    // the block whose record's snapshot is read into snap (-1: none)
+    void *snap;            // borrowed [snap_bytes]
+    size_t snap_bytes;
+    // Results, written by the read thread (valid once di_kv_disk_io_read_done says so).
+    int32_t n_ok;               // blocks [0, n_ok) are there (read and verified, or not to read)
+    bool snap_ok;               // snap holds snap_block's verified snapshot (snap_block < n_ok)
+    int32_t n_read;             // records read (and verified): the queue's and the store's
+    int64_t bytes_read;         // their payload and snapshot bytes
+    int64_t read_us;            // the read thread's time on the job
+    int64_t submit_us, done_us; // CLOCK_MONOTONIC microseconds
+} di_kv_disk_read_job;
+
+// Called on the read thread when a job is done (no lock of the queue held): wakes the submitter.
+typedef void (*di_kv_disk_io_notify_fn)(void *user);
+// Before any job: the function called when one is done (NULL: none).
+void di_kv_disk_io_set_notify(di_kv_disk_io *q, di_kv_disk_io_notify_fn fn, void *user);
+// Hands job (borrowed until done) to the read thread. DI_ERR_BUSY: a job is in flight (one at a
+// time).
+di_status di_kv_disk_io_read_submit(di_kv_disk_io *q, di_kv_disk_read_job *job);
+// Whether the job submitted last is done (then its memory is the submitter's again; also true
+// when none was submitted).
+bool di_kv_disk_io_read_done(di_kv_disk_io *q);
+// The job in flight stops before its next record (n_ok: the blocks done so far), held or not; it is
+// done soon (at most one record's read later).
+void di_kv_disk_io_read_abort(di_kv_disk_io *q);
+// Blocks until the job submitted last is done (at once when none is in flight).
+void di_kv_disk_io_read_wait(di_kv_disk_io *q);
+// Test hook: while held, the read thread starts no job and reads no further record.
+void di_kv_disk_io_hold_reads(di_kv_disk_io *q, bool hold);

@@ -5,6 +5,7 @@
 
 #include <stdio.h>
 #include <string.h>
+#include <time.h> // clock_gettime: the prefetch's engine-thread time
 
 #include "base/log.h"
 #include "base/mem.h"
@@ -226,6 +227,35 @@ fail:
     return st;
 }
 
+// ---- disk prefetch: state ----
+
+// The one prefetch (kv_manager.h, di_kv_prefetch). Arrays sized at open_disk for max_blocks.
+struct di_kv_prefetch {
+    di_kv_disk_read_job job; // the read thread's while in flight
+    bool active;             // ids[0, n) are held (in flight, or done and not yet taken)
+    bool collected;          // done, and its read blocks are in the prefix cache
+    uint64_t req_id, salt;
+    int32_t n;         // chain blocks held, from block 0 of the prompt
+    int32_t *ids;      // owned [max_blocks]: held block ids (referenced)
+    uint64_t *hash;    // owned [max_blocks]: their chain hashes
+    int32_t *tokens;   // owned [max_blocks * block_tokens]: a copy (the request may go first)
+    float **dst;       // owned [max_blocks]: pool memory of the blocks to read, NULL: in memory
+    uint8_t *snap;     // owned [snap_bytes] (with tail snapshots): the staged snapshot
+    size_t snap_bytes; // 0 without tail snapshots
+    size_t budget_bytes;
+};
+typedef struct di_kv_prefetch prefetch;
+
+static void prefetch_free(prefetch *pf) {
+    if (!pf) return;
+    di_free(pf->ids);
+    di_free(pf->hash);
+    di_free(pf->tokens);
+    di_free(pf->dst);
+    di_free(pf->snap);
+    di_free(pf);
+}
+
 void di_kv_manager_destroy(di_kv_manager *kv) {
     if (!kv) return;
     if (kv->seqs) {
@@ -237,7 +267,10 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
         }
     }
     di_free(kv->seqs);
-    di_kv_disk_io_destroy(kv->disk_io); // writes what is queued (the store outlives it)
+    // Writes what is queued (the store outlives it) and stops a read job in flight before the pool
+    // its blocks belong to goes.
+    di_kv_disk_io_destroy(kv->disk_io);
+    prefetch_free(kv->pf);
     di_kv_disk_destroy(kv->disk);
     di_prefix_cache_destroy(kv->cache);
     di_tail_cache_destroy(kv->tails);
@@ -277,6 +310,15 @@ static void spill(void *user, uint64_t h, uint64_t parent, uint64_t salt, const 
     (void)write_back(user, h, parent, salt, tokens, id, false);
 }
 
+// The prefetch's snapshot staging (disk tier and tail snapshots both open; once).
+static di_status prefetch_stage(di_kv_manager *kv) {
+    prefetch *pf = kv->pf;
+    pf->snap_bytes = di_tail_cache_snap_bytes(kv->tails);
+    // calloc: its pages cost memory once a snapshot is first read back.
+    pf->snap = di_calloc(pf->snap_bytes, 1);
+    return pf->snap ? DI_OK : DI_ERR_NOMEM;
+}
+
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o) {
     if (kv->entry_floats == 0) { // an accounting manager
         DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) needs block memory: the device-resident "
@@ -298,6 +340,28 @@ di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o
         return st;
     }
     di_prefix_cache_set_spill(kv->cache, spill, kv);
+    prefetch *pf = kv->pf = di_calloc(1, sizeof *pf);
+    const size_t nb = (size_t)kv->max_blocks;
+    if (pf) {
+        pf->budget_bytes = o->read_bytes ? o->read_bytes : DI_KV_DISK_READ_BYTES_DEFAULT;
+        pf->ids = di_malloc(sizeof(int32_t) * nb);
+        pf->hash = di_malloc(sizeof(uint64_t) * nb);
+        pf->tokens = di_malloc(sizeof(int32_t) * nb * (size_t)kv->block_tokens);
+        pf->dst = di_calloc(nb, sizeof(float *));
+    }
+    if (!pf || !pf->ids || !pf->hash || !pf->tokens || !pf->dst ||
+        (kv->tails && prefetch_stage(kv) != DI_OK)) {
+        di_kv_disk_io_destroy(kv->disk_io);
+        kv->disk_io = NULL;
+        prefetch_free(kv->pf);
+        kv->pf = NULL;
+        di_kv_disk_destroy(kv->disk);
+        kv->disk = NULL;
+        return DI_ERR_NOMEM;
+    }
+    DI_LOG_INFO("kv disk: admission reads go through the read thread, %.1f MiB of pool blocks at "
+                "most per prefetch",
+                (double)pf->budget_bytes / (1 << 20));
     return DI_OK;
 }
 
@@ -347,6 +411,7 @@ di_status di_kv_manager_open_tails(di_kv_manager *kv, size_t snap_bytes, size_t 
         di_tail_cache_create(di_block_pool_n_total(kv->pool), snap_bytes, budget_bytes, &kv->tails);
     if (st != DI_OK) return st;
     di_prefix_cache_set_forget(kv->cache, forget_tail, kv->tails);
+    if (kv->pf && prefetch_stage(kv) != DI_OK) return DI_ERR_NOMEM; // the tail cache stays
     DI_LOG_INFO("kv: tail snapshots of %.1f KiB, %d at most (%.1f MiB budget)",
                 (double)snap_bytes / 1024, (int)di_tail_cache_n_slots(kv->tails),
                 (double)budget_bytes / (1 << 20));
@@ -509,6 +574,174 @@ int32_t di_kv_blocks_for(const di_kv_manager *kv, int32_t n_positions) {
     return kv->n_tail + (n_positions + kv->block_tokens - 1) / kv->block_tokens;
 }
 
+// ---- disk prefetch ----
+
+static int64_t mono_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+// The done job's read blocks go into the prefix cache (a block another sequence cached meanwhile
+// is used instead of the copy), its snapshot into the tail cache; the chain is cut to the blocks
+// read or held (a failed read leaves the rest to compute). Once per job.
+static void prefetch_collect(di_kv_manager *kv) {
+    prefetch *pf = kv->pf;
+    if (pf->collected) return;
+    const di_kv_disk_read_job *j = &pf->job;
+    const int32_t B = kv->block_tokens;
+    for (int32_t i = j->n_ok; i < pf->n; i++) di_block_pool_unref(kv->pool, pf->ids[i]);
+    pf->n = j->n_ok;
+    for (int32_t i = 0; i < pf->n; i++) {
+        if (!pf->dst[i]) continue;
+        const uint64_t parent = i > 0 ? pf->hash[i - 1] : 0;
+        const int32_t *t = pf->tokens + (int64_t)i * B;
+        if (!di_prefix_cache_insert(kv->cache, pf->hash[i], parent, pf->salt, t, pf->ids[i])) {
+            const int32_t other = di_prefix_cache_find(kv->cache, pf->hash[i], parent, t);
+            DI_ASSERT(other >= 0);
+            di_block_pool_ref(kv->pool, other);
+            di_block_pool_unref(kv->pool, pf->ids[i]); // never cached: free again
+            pf->ids[i] = other;
+            pf->dst[i] = NULL;
+        }
+    }
+    if (j->snap_ok && pf->dst[j->snap_block] &&
+        !di_tail_cache_has(kv->tails, pf->ids[j->snap_block]))
+        memcpy(di_tail_cache_put(kv->tails, pf->ids[j->snap_block]), pf->snap, pf->snap_bytes);
+    kv->n_prefetch_done++;
+    kv->n_prefetch_blocks += j->n_read;
+    kv->prefetch_bytes += j->bytes_read;
+    kv->prefetch_read_us += j->read_us;
+    pf->collected = true;
+}
+
+// Returns every block the prefetch holds (cached ones stay cached, idle) and ends it.
+static void prefetch_release(di_kv_manager *kv) {
+    prefetch *pf = kv->pf;
+    for (int32_t i = 0; i < pf->n; i++) di_block_pool_unref(kv->pool, pf->ids[i]);
+    pf->n = 0;
+    pf->active = false;
+}
+
+// Starts the prefetch of the chain of prompt (n_max blocks at most): its blocks in memory are
+// referenced, fresh ones reserved for those queued or on disk (up to the budget). Whether a job was
+// submitted (false: nothing to read, or no room to).
+static bool prefetch_start(di_kv_manager *kv, uint64_t id, uint64_t salt, const int32_t *prompt,
+                           int32_t n_max) {
+    prefetch *pf = kv->pf;
+    const int32_t B = kv->block_tokens;
+    const size_t bb = di_block_pool_block_bytes(kv->pool);
+    size_t budget = pf->budget_bytes;
+    const bool snap_fits = pf->snap_bytes && budget >= pf->snap_bytes + bb;
+    if (snap_fits) budget -= pf->snap_bytes;
+    int32_t cap = (int32_t)(budget / bb);
+    const int32_t half = di_block_pool_n_available(kv->pool) / 2; // room for running requests
+    if (cap > half) cap = half;
+    int32_t n = 0, n_read = 0, snap_block = -1;
+    uint64_t h = 0;
+    while (n < n_max) {
+        const int32_t *t = prompt + (int64_t)n * B;
+        const uint64_t hn = di_prefix_cache_hash(kv->cache, h, t, salt);
+        int32_t bid = di_prefix_cache_find(kv->cache, hn, h, t);
+        float *dst = NULL;
+        if (bid >= 0) {
+            di_block_pool_ref(kv->pool, bid);
+        } else {
+            size_t qsb = 0;
+            const bool queued = di_kv_disk_io_find(kv->disk_io, hn, &qsb);
+            if (n_read >= cap || (!queued && !di_kv_disk_has(kv->disk, hn)) ||
+                di_block_pool_alloc(kv->pool, &bid) != DI_OK)
+                break;
+            dst = di_block_pool_ptr(kv->pool, bid);
+            const size_t rsb = queued ? qsb : di_kv_disk_snap_bytes(kv->disk, hn);
+            if (snap_fits && rsb == pf->snap_bytes) snap_block = n; // the deepest one wins
+            n_read++;
+        }
+        pf->ids[n] = bid;
+        pf->hash[n] = hn;
+        pf->dst[n] = dst;
+        memcpy(pf->tokens + (int64_t)n * B, t, sizeof(int32_t) * (size_t)B);
+        n++;
+        h = hn;
+    }
+    pf->n = n;
+    if (n_read == 0) { // all in memory (attach finds them), or no room to read
+        for (int32_t i = 0; i < n; i++) di_block_pool_unref(kv->pool, pf->ids[i]);
+        pf->n = 0;
+        return false;
+    }
+    pf->active = true;
+    pf->collected = false;
+    pf->req_id = id;
+    pf->salt = salt;
+    pf->job = (di_kv_disk_read_job){.salt = salt,
+                                    .parent0 = 0,
+                                    .n = n,
+                                    .hash = pf->hash,
+                                    .tokens = pf->tokens,
+                                    .dst = pf->dst,
+                                    .snap_block = snap_block,
+                                    .snap = pf->snap,
+                                    .snap_bytes = pf->snap_bytes};
+    di_status st = di_kv_disk_io_read_submit(kv->disk_io, &pf->job);
+    DI_ASSERT(st == DI_OK); // one job at a time, and only this thread submits
+    kv->n_prefetch_started++;
+    return true;
+}
+
+// Whether prompt's chain continues beyond memory with a record queued or on disk (no file read).
+static bool on_disk(di_kv_manager *kv, uint64_t salt, const int32_t *prompt, int32_t n_max) {
+    const int32_t B = kv->block_tokens;
+    uint64_t h = 0;
+    for (int32_t n = 0; n < n_max; n++) {
+        const int32_t *t = prompt + (int64_t)n * B;
+        const uint64_t hn = di_prefix_cache_hash(kv->cache, h, t, salt);
+        if (di_prefix_cache_find(kv->cache, hn, h, t) < 0)
+            return di_kv_disk_io_find(kv->disk_io, hn, NULL) || di_kv_disk_has(kv->disk, hn);
+        h = hn;
+    }
+    return false;
+}
+
+di_kv_prefetch_state di_kv_prefetch(di_kv_manager *kv, uint64_t id, uint64_t salt,
+                                    const int32_t *prompt, int32_t n_max_tokens) {
+    prefetch *pf = kv->pf;
+    if (!pf || n_max_tokens < kv->block_tokens) return DI_KV_PREFETCH_READY;
+    const int64_t t0 = mono_us();
+    di_kv_prefetch_state ps = DI_KV_PREFETCH_READY;
+    const int32_t n_max = n_max_tokens / kv->block_tokens;
+    if (pf->active && pf->req_id == id) {
+        if (di_kv_disk_io_read_done(kv->disk_io))
+            prefetch_collect(kv); // done: attach takes it
+        else
+            ps = DI_KV_PREFETCH_WAIT;
+    } else if (pf->active) { // one at a time: another request's holds it
+        if (on_disk(kv, salt, prompt, n_max)) ps = DI_KV_PREFETCH_WAIT;
+    } else if (on_disk(kv, salt, prompt, n_max) && prefetch_start(kv, id, salt, prompt, n_max)) {
+        ps = DI_KV_PREFETCH_WAIT;
+    }
+    kv->prefetch_engine_us += mono_us() - t0;
+    return ps;
+}
+
+int32_t di_kv_prefetch_held(const di_kv_manager *kv, uint64_t id) {
+    const prefetch *pf = kv->pf;
+    return pf && pf->active && pf->collected && pf->req_id == id ? pf->n : 0;
+}
+
+void di_kv_prefetch_drop(di_kv_manager *kv, uint64_t id) {
+    prefetch *pf = kv->pf;
+    if (!pf || !pf->active || pf->req_id != id) return;
+    const int64_t t0 = mono_us();
+    // The read thread writes into the held blocks until the job is done: stop it and wait (one
+    // record at most), then keep what it read (cached, idle) and return the rest.
+    di_kv_disk_io_read_abort(kv->disk_io);
+    di_kv_disk_io_read_wait(kv->disk_io);
+    prefetch_collect(kv);
+    prefetch_release(kv);
+    kv->prefetch_engine_us += mono_us() - t0;
+}
+
 // ---- sequences ----
 
 static float *at(const di_kv_manager *kv, const di_kv_seq *s, di_kv_item it) {
@@ -600,7 +833,7 @@ di_status di_kv_seq_grow(di_kv_manager *kv, int32_t slot, int32_t end_pos) {
     return st;
 }
 
-int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *prompt,
+int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, uint64_t id, const int32_t *prompt,
                                 int32_t n_max_tokens) {
     di_kv_seq *s = &kv->seqs[slot];
     DI_ASSERT(s->open && s->n_blocks == 0);
@@ -613,49 +846,43 @@ int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *
         s->pages[i] = di_block_pool_ptr(kv->pool, s->blocks[i]);
         h = di_prefix_cache_hash(kv->cache, h, prompt + (int64_t)i * B, s->salt);
     }
-    // The disk tier continues the chain: each next block is either cached in memory (a later
-    // block may have outlived an evicted one) or read from disk into a fresh block, verified
-    // against this chain's hash, parent, salt and tokens, and cached. The blocks matched so far
-    // are referenced, so taking a block cannot evict them.
+    // The disk tier continues the chain: first with the blocks request id's done prefetch holds
+    // (read off this thread; a memory block it held is taken only while still the cached block of
+    // its hash: a failed step may have taken it out), then with blocks cached in memory (a later
+    // block may have outlived an evicted one). The blocks matched so far are referenced, so
+    // nothing here evicts them; nothing here reads a file.
     int32_t n_disk = 0;
+    prefetch *pf = kv->pf;
+    if (pf && pf->active && pf->req_id == id && pf->salt == s->salt &&
+        di_kv_disk_io_read_done(kv->disk_io)) {
+        const int64_t t0 = mono_us();
+        prefetch_collect(kv);
+        const int32_t n_pf = pf->n < n_max ? pf->n : n_max;
+        for (; n < n_pf; n++) {
+            const int32_t *t = prompt + (int64_t)n * B;
+            if (pf->hash[n] != di_prefix_cache_hash(kv->cache, h, t, s->salt) ||
+                di_prefix_cache_find(kv->cache, pf->hash[n], h, t) != pf->ids[n])
+                break;
+            di_block_pool_ref(kv->pool, pf->ids[n]);
+            s->blocks[n] = pf->ids[n];
+            s->pages[n] = di_block_pool_ptr(kv->pool, pf->ids[n]);
+            h = pf->hash[n];
+        }
+        // The read blocks the sequence took (the memory match may have found them already: they
+        // are cached since the prefetch was collected).
+        for (int32_t i = 0; i < n && i < pf->n; i++)
+            n_disk += pf->dst[i] != NULL && s->blocks[i] == pf->ids[i];
+        prefetch_release(kv); // the sequence holds its own references now
+        kv->prefetch_engine_us += mono_us() - t0;
+    }
     while (kv->disk && n < n_max) {
         const int32_t *t = prompt + (int64_t)n * B;
         const uint64_t hn = di_prefix_cache_hash(kv->cache, h, t, s->salt);
-        int32_t id = di_prefix_cache_find(kv->cache, hn, h, t);
-        if (id >= 0) {
-            di_block_pool_ref(kv->pool, id);
-        } else {
-            // The write queue first, then the store: a queued record leaves the queue only once
-            // it is indexed on disk, so this order misses none in between. (A record that fails
-            // its write is in neither: a miss.)
-            size_t qsb = 0;
-            const bool queued = di_kv_disk_io_find(kv->disk_io, hn, &qsb);
-            if ((!queued && !di_kv_disk_has(kv->disk, hn)) ||
-                di_block_pool_alloc(kv->pool, &id) != DI_OK)
-                break;
-            // The record's tail snapshot, if it has one of this engine's size, goes back into the
-            // tail cache with the block (a fresh id: it has none), read straight into its slot.
-            const size_t sb = kv->tails ? di_tail_cache_snap_bytes(kv->tails) : 0;
-            const size_t rsb = queued ? qsb : di_kv_disk_snap_bytes(kv->disk, hn);
-            uint8_t *snap = sb && rsb == sb ? di_tail_cache_put(kv->tails, id) : NULL;
-            bool got_snap = false;
-            float *dst = di_block_pool_ptr(kv->pool, id);
-            bool got = queued &&
-                       di_kv_disk_io_read(kv->disk_io, hn, h, s->salt, t, dst, snap, sb, &got_snap);
-            // Written meanwhile (or a collision in the queue): the store has the final word.
-            if (!got) got = di_kv_disk_read(kv->disk, hn, h, s->salt, t, dst, snap, sb, &got_snap);
-            if (!got) {
-                if (snap) di_tail_cache_drop(kv->tails, id);
-                di_block_pool_unref(kv->pool, id); // never cached: back to the free list
-                break;
-            }
-            bool fresh = di_prefix_cache_insert(kv->cache, hn, h, s->salt, t, id);
-            DI_ASSERT(fresh); // find() missed it just now
-            if (snap && !got_snap) di_tail_cache_drop(kv->tails, id);
-            n_disk++;
-        }
-        s->blocks[n] = id;
-        s->pages[n] = di_block_pool_ptr(kv->pool, id);
+        const int32_t bid = di_prefix_cache_find(kv->cache, hn, h, t);
+        if (bid < 0) break;
+        di_block_pool_ref(kv->pool, bid);
+        s->blocks[n] = bid;
+        s->pages[n] = di_block_pool_ptr(kv->pool, bid);
         n++;
         h = hn;
     }

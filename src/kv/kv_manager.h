@@ -26,8 +26,10 @@
  * With a disk tier (di_kv_manager_open_disk: managers with block memory, the CPU one and the V4.1
  * one) the prefix cache queues every block it loses to eviction for the disk IO thread
  * (kv/kv_disk_io.h: a copy, with its tail snapshot, if any; written off this thread), and
- * admission continues a prefix match with blocks still queued or read back from disk (on this
- * thread), their snapshots with them (docs/kv-cache.md, "Disk tier").
+ * admission continues a prefix match with blocks still queued or on disk, read back beforehand by
+ * a prefetch on the disk tier's read thread (di_kv_prefetch: straight into reserved pool blocks,
+ * and the deepest record's tail snapshot into a staging buffer), never on this thread
+ * (docs/kv-cache.md, "Disk tier").
  *
  * Owns: the pool, the prefix cache, the disk tier, per-slot metadata (sized at create; no
  * allocation after).
@@ -89,6 +91,11 @@ typedef struct di_kv_manager {
     di_kv_disk_io *disk_io;    // owned: the disk tier's write queue (with disk)
     di_tail_cache *tails;      // owned; NULL without tail snapshots (di_kv_manager_open_tails)
     int64_t n_disk_hit_tokens; // prompt tokens attached from blocks read from the disk tier
+    struct di_kv_prefetch *pf; // owned (with disk): the one disk prefetch (di_kv_prefetch)
+    // Disk prefetches: started, done (collected); records and bytes the read thread read for
+    // them and its time; this thread's time probing, starting and collecting them (no file IO).
+    int64_t n_prefetch_started, n_prefetch_done, n_prefetch_blocks, prefetch_bytes;
+    int64_t prefetch_read_us, prefetch_engine_us;
 } di_kv_manager;
 
 // kv_bytes of blocks; max_seqs slots of up to max_ctx positions each. DI_ERR_INVALID (the pool
@@ -125,6 +132,30 @@ void di_kv_manager_destroy(di_kv_manager *kv);
 // here), DI_ERR_INVALID (no prefix cache; a bad budget), DI_ERR_IO, DI_ERR_BUSY (the directory is
 // another engine's), DI_ERR_NOMEM; all logged.
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o);
+// ---- disk prefetch (docs/kv-cache.md, "Disk tier") ----
+// One prefetch at a time: the chain of a waiting request's prompt that continues beyond memory
+// with records queued for writing or on disk. Its in-memory blocks are referenced, fresh pool
+// blocks are reserved for the others (at most kv_disk_read_bytes of them, and half the available
+// pool), and the read thread reads the records into them (verified: the first miss or bad record
+// ends the chain), with the tail snapshot of the deepest one that has one into a staging buffer.
+// Once done, the read blocks go into the prefix cache (the snapshot into the tail cache), held for
+// the request until di_kv_seq_attach_prefix takes them.
+typedef enum di_kv_prefetch_state {
+    DI_KV_PREFETCH_READY = 0, // attach now: nothing to read (or too little room to), or read
+    DI_KV_PREFETCH_WAIT,      // its prefetch runs (maybe started just now), or another one does
+} di_kv_prefetch_state;
+// Whether request id's prompt (salt; its first n_max_tokens tokens) can be attached now; starts its
+// prefetch when its chain continues on disk and none runs. Probing reads no file (the index and
+// the queue only). READY without a disk tier.
+di_kv_prefetch_state di_kv_prefetch(di_kv_manager *kv, uint64_t id, uint64_t salt,
+                                    const int32_t *prompt, int32_t n_max_tokens);
+// Pool blocks held for request id by its done prefetch (0: none): its admission takes them.
+int32_t di_kv_prefetch_held(const di_kv_manager *kv, uint64_t id);
+// Request id leaves (cancelled, finished, failed): its prefetch, if any, stops (a read in flight
+// is waited for: at most one record), its blocks read so far stay in the prefix cache, idle, and
+// every block it held is returned.
+void di_kv_prefetch_drop(di_kv_manager *kv, uint64_t id);
+
 // Writes the cached blocks not yet on disk (nor queued) there, or whose record lacks the tail
 // snapshot they have now (orderly shutdown, so that a restart finds them): most recently used
 // first, at most as many as the disk budget holds; through the write queue (waiting for room, never
@@ -182,10 +213,11 @@ di_status di_kv_seq_grow(di_kv_manager *kv, int32_t slot, int32_t end_pos);
 di_status di_kv_seq_reserve(di_kv_manager *kv, int32_t slot, int32_t end_pos);
 void di_kv_seq_commit(di_kv_manager *kv, int32_t slot);
 // On a freshly opened slot: takes the longest cached prefix of prompt (at most n_max_tokens,
-// whole blocks) and marks its entries present. With a disk tier, the chain continues with blocks
-// cached in memory or read from disk into fresh blocks (then cached), while the pool has blocks.
-// Returns the hit length in tokens (0 if none).
-int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, const int32_t *prompt,
+// whole blocks) and marks its entries present. With a disk tier, the chain continues with the
+// blocks request id's done prefetch holds (di_kv_prefetch: they are taken, the prefetch ends), then
+// with blocks cached in memory; nothing is read from disk here. Returns the hit length in tokens
+// (0 if none).
+int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, uint64_t id, const int32_t *prompt,
                                 int32_t n_max_tokens);
 // Publishes the slot's entry blocks that became full once positions [0, n_done) are computed
 // (called when the step that computes them is launched).

@@ -62,7 +62,11 @@ struct di_request {
     // exact, so no snapshot is taken there. 0 otherwise. Set at admission.
     int32_t replay_end;
     int32_t n_cached, n_replayed, n_computed, n_preempted;
-    int32_t n_pending;    // 1 while the step in flight samples its next token, else 0
+    int32_t n_pending; // 1 while the step in flight samples its next token, else 0
+    // Waiting for its disk-tier prefetch (docs/kv-cache.md, "Disk tier"): skipped by this plan's
+    // admission; since when it waits (CLOCK_MONOTONIC microseconds; 0: it does not).
+    bool disk_skip;
+    int64_t disk_wait_since_us;
     di_request *next;     // waiting-queue link
     di_request *all_next; // engine's list of live requests (guarded by the engine mutex)
 };

@@ -2,6 +2,7 @@
 #include "sched/scheduler.h"
 
 #include <string.h>
+#include <time.h> // clock_gettime: how long requests wait for their disk prefetch
 
 #include "base/log.h"
 #include "base/mem.h"
@@ -97,7 +98,7 @@ static di_request *best_waiting(di_sched *s) {
     di_request *best = NULL;
     int32_t best_n = 0;
     for (di_request *r = s->wait_head; r; r = r->next) {
-        if (best && r->priority > best->priority) continue;
+        if (r->disk_skip || (best && r->priority > best->priority)) continue;
         const int32_t n = *tenant_slot(s, r->tenant);
         if (!best || r->priority < best->priority || n < best_n ||
             (n == best_n && r->arrival < best->arrival)) {
@@ -106,6 +107,28 @@ static di_request *best_waiting(di_sched *s) {
         }
     }
     return best;
+}
+
+static int64_t mono_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+// The best waiting request that can be attached now. One whose prompt continues on disk waits
+// (skipped by this plan) while its prefetch runs (started here when none does; kv_manager.h,
+// di_kv_prefetch): the others are admitted meanwhile, in the same order.
+static di_request *next_ready(di_sched *s) {
+    for (;;) {
+        di_request *r = best_waiting(s);
+        if (!r) return NULL;
+        if (di_kv_prefetch(s->kv, r->id, r->salt, r->tokens, di_request_n_tokens(r) - 1) ==
+            DI_KV_PREFETCH_READY)
+            return r;
+        r->disk_skip = true;
+        s->n_disk_skipped++;
+        if (!r->disk_wait_since_us) r->disk_wait_since_us = mono_us();
+    }
 }
 
 static void unlink_waiting(di_sched *s, di_request *r) {
@@ -160,6 +183,7 @@ static void drop_rows(di_sched *s, di_request *r) {
 
 void di_sched_remove(di_sched *s, di_request *r) {
     drop_rows(s, r);
+    di_kv_prefetch_drop(s->kv, r->id); // its prefetch, if one runs or waits for it
     if (r->slot >= 0) {
         release(s, r);
         return;
@@ -295,10 +319,11 @@ static bool ends_by_length(const di_sched *s, const di_request *r) {
            (r->n_gen + 1 >= r->max_tokens || di_request_n_planned(r) >= s->kv->max_ctx);
 }
 
-// Blocks r's first chunk of at most budget rows needs.
+// Blocks r's first chunk of at most budget rows needs (those its done prefetch holds for it
+// count as free: they are its own).
 static bool room_for(const di_sched *s, const di_request *r, int32_t budget) {
     const int32_t n_tok = di_request_n_tokens(r);
-    return di_block_pool_n_available(s->kv->pool) >=
+    return di_block_pool_n_available(s->kv->pool) + di_kv_prefetch_held(s->kv, r->id) >=
            di_kv_blocks_for(s->kv, budget < n_tok ? budget : n_tok);
 }
 
@@ -307,7 +332,7 @@ static bool room_for(const di_sched *s, const di_request *r, int32_t budget) {
 // Planning ahead cannot preempt: the plan is abandoned (false) and made again synchronously.
 static bool preempt_for_priority(di_sched *s) {
     count_tenants(s);
-    di_request *w = best_waiting(s);
+    di_request *w = next_ready(s);
     while (w && s->n_running > 0 && s->running[s->n_running - 1]->priority > w->priority &&
            (s->n_free_slots == 0 || !room_for(s, w, s->max_batch_tokens))) {
         if (s->ahead) {
@@ -323,6 +348,8 @@ static bool preempt_for_priority(di_sched *s) {
 static void step_once(di_sched *s) {
     s->n_seq = s->n_rows = s->n_logit = 0;
     int32_t budget = s->max_batch_tokens;
+    s->n_disk_skipped = 0;
+    for (di_request *w = s->wait_head; w; w = w->next) w->disk_skip = false;
     if (s->wait_head && !preempt_for_priority(s)) return;
     // 1. decodes, in running order (best priority, then oldest, first).
     for (int32_t i = 0; i < s->n_running; i++) {
@@ -358,7 +385,8 @@ static void step_once(di_sched *s) {
     // 3. admission, best first (priority, fair share, arrival).
     count_tenants(s);
     while (s->wait_head && s->n_free_slots > 0 && budget > 0) {
-        di_request *r = best_waiting(s);
+        di_request *r = next_ready(s);
+        if (!r) break; // every waiting request waits for a disk prefetch
         int32_t n_tok = di_request_n_tokens(r);
         if (!room_for(s, r, budget)) break;
         int32_t slot = s->free_slots[s->n_free_slots - 1];
@@ -367,7 +395,12 @@ static void step_once(di_sched *s) {
         unlink_waiting(s, r);
         (*tenant_slot(s, r->tenant))++;
         r->slot = slot;
-        int32_t hit = di_kv_seq_attach_prefix(s->kv, slot, r->tokens, n_tok - 1);
+        int32_t hit = di_kv_seq_attach_prefix(s->kv, slot, r->id, r->tokens, n_tok - 1);
+        if (r->disk_wait_since_us) { // it waited for its prefetch
+            s->n_disk_waits++;
+            s->disk_wait_us += mono_us() - r->disk_wait_since_us;
+            r->disk_wait_since_us = 0;
+        }
         int32_t q = hit > s->kv->replay_tokens ? hit - s->kv->replay_tokens : 0;
         r->win_lo = q;
         r->replay_end = hit;

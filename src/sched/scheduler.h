@@ -8,7 +8,9 @@
  *      requests (fair share), then arrival (first come first served when nobody sets either);
  *      admission attaches the longest cached prefix and continues it from a tail snapshot
  *      (restored through the `restore` hook) or with a bounded replay before it
- *      (docs/kv-cache.md).
+ *      (docs/kv-cache.md). A request whose prompt continues on the disk tier waits, skipped,
+ *      while its prefetch reads the blocks on the disk tier's read thread (kv_manager.h,
+ *      di_kv_prefetch); the others are admitted meanwhile in the same order.
  * Running requests are kept in (priority, arrival) order: steps 1 and 2 serve them in that order
  * and preemption takes the last. Before planning, a waiting request that cannot be admitted for
  * want of a slot or blocks preempts running requests of a worse priority, last first, until it
@@ -71,6 +73,11 @@ typedef struct di_sched {
     int64_t n_preemptions, n_prefill_rows, n_decode_rows, n_cache_hit_tokens, n_replayed_tokens;
     int64_t n_tail_restores;        // admissions continued from a tail snapshot
     int64_t n_priority_preemptions; // running requests preempted for a better-priority one
+    // Disk prefetch (kv_manager.h, di_kv_prefetch): waiting requests the last plan skipped while
+    // their prompt's blocks were read (or waited to be); requests admitted after such a wait, and
+    // their waits' total.
+    int32_t n_disk_skipped;
+    int64_t n_disk_waits, disk_wait_us;
     // Running requests per tenant (fair share): open addressing, tenant_cap = a power of two
     // >= 2 * max_seqs, rebuilt at every plan. Owned.
     uint64_t *tenant_key;

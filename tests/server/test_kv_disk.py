@@ -1,8 +1,9 @@
 """The prefix cache's disk tier across a restart (docs/kv-cache.md, "Disk tier"): a server with
 --kv-disk-dir answers a long prompt and is stopped (SIGTERM: its cached blocks are flushed to the
 directory); a new server on the same directory answers the same prompt taking its prefix from disk
-(usage cached_tokens > 0, the disk metrics count it; the tail snapshot comes back with its record,
-so nothing is replayed) with the identical output at temperature 0.
+(usage cached_tokens > 0, the disk metrics count it; the blocks are read by the read thread's
+admission prefetch; the tail snapshot comes back with its record, so nothing is replayed) with the
+identical output at temperature 0.
 A second server on a directory in use is refused at start."""
 import os
 import subprocess
@@ -49,9 +50,10 @@ def test_disk_tier_survives_restart(tmp_path):
     assert rc == 0, log
     assert "cached blocks written at shutdown" in log, log
 
-    s = Server(["--kv-disk-dir", d])
+    s = Server(["--kv-disk-dir", d, "--kv-disk-read", "64M"])
     try:
         m = s.metrics()
+        assert m["deepinfer:kv_disk_prefetches_total"] == 0
         assert m["deepinfer:kv_disk_records"] > 0
         assert m["deepinfer:kv_disk_queue_hits_total"] == 0
         assert m["deepinfer:kv_disk_bytes"] > 0
@@ -67,6 +69,14 @@ def test_disk_tier_survives_restart(tmp_path):
         assert m["deepinfer:kv_disk_snapshots_read_total"] == 1
         assert m["deepinfer:tail_snapshots_restored_total"] == 1
         assert m["deepinfer:prefix_cache_replayed_tokens_total"] == 0
+        # Read off the engine thread by one admission prefetch, which the request waited for.
+        assert m["deepinfer:kv_disk_prefetches_total"] == 1
+        assert m["deepinfer:kv_disk_prefetches_done_total"] == 1
+        assert m["deepinfer:kv_disk_prefetch_blocks_total"] == m["deepinfer:kv_disk_blocks_read_total"]
+        assert m["deepinfer:kv_disk_prefetch_bytes_total"] > 0
+        assert m["deepinfer:kv_disk_prefetch_waits_total"] == 1
+        assert m["deepinfer:kv_disk_prefetch_wait_seconds_total"] > 0
+        assert m["deepinfer:kv_disk_prefetch_read_seconds_total"] > 0
     finally:
         rc, log = s.stop()
     assert rc == 0, log

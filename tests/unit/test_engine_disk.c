@@ -11,7 +11,12 @@
 // prefix cache, and two engines on one directory, are refused; (f) the IO thread: held (its
 // writes blocked), steps still complete with the evicted blocks queued, a rerun is served from
 // the queue with identical output, a full queue drops records (counted) and the output is still
-// identical, and destroy, still held, drains the queue so that a restart finds every record.
+// identical, and destroy, still held, drains the queue so that a restart finds every record;
+// (g) the read thread (admission prefetch): held, a request whose prompt is on disk waits while
+// another one is admitted, steps and finishes; released, it is admitted with its cached tokens
+// counted, no replay (its snapshot came back) and the output of an engine without any cache; a
+// request cancelled while its prefetch is held returns every block; a read budget of three blocks
+// reads three blocks at most (the rest is computed, the output still identical).
 #include "harness.h"
 
 #include <fcntl.h>
@@ -20,7 +25,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "engine/engine_internal.h" // di_engine_kv_disk_hold
+#include "engine/engine_internal.h" // di_engine_kv_disk_hold(_reads)
 #include "kv/kv_manager.h"
 #include "model/synth.h"
 
@@ -241,10 +246,12 @@ static void test_eviction_write_back(void) {
     CHECK(st.n_disk_hit_tokens > 0);
     CHECK(st.n_disk_blocks_read > 0);
     CHECK_EQ(st.n_disk_dropped, 0);
-    // The prompt's snapshot (at 192) was written back with its block and read with it: the first
-    // rerun restored it (the second hits memory).
-    CHECK(st.n_disk_snaps_written >= 1);
-    CHECK_EQ(st.n_disk_snaps_read, 1);
+    // The prompt's last block and its snapshot (at 192) outlived the evictions; the prefetch of
+    // the first rerun held it while the blocks before it were read back (nothing evicted it), so
+    // the first rerun restored it from memory (the second hits memory throughout).
+    CHECK_EQ(st.n_disk_prefetches, 1);
+    CHECK_EQ(st.n_disk_prefetches_done, 1);
+    CHECK_EQ(st.n_disk_prefetch_blocks * 16, st.n_disk_hit_tokens);
     CHECK_EQ(st.n_tail_restored, 2);
     fprintf(stderr,
             "eviction: %lld blocks written while running, %lld tokens read back from disk\n",
@@ -360,14 +367,14 @@ static void test_io_thread(void) {
     CHECK_EQ(st.n_disk_blocks_written, 0); // nothing written: no step waited for the disk
     CHECK_EQ(st.n_disk_writes_dropped, 0);
     const int64_t queued = st.n_disk_writes_queued;
-    // Still held: the prompt again is served from the queue, with the prompt's tail snapshot
-    // (queued with its block), and its output is that of an engine without any cache.
+    // Still held: the prompt again is served from the queue (by the read thread), and its output
+    // is that of an engine without any cache.
     run_held(e, g_p2, N_P2, false, MAX_GEN, &r);
     CHECK(same(&r, &g_ref[0]));
     di_engine_get_stats(e, &st);
     CHECK(st.n_disk_queue_hits > 0);
     CHECK(st.n_disk_hit_tokens > 0);
-    CHECK_EQ(st.n_disk_snaps_read, 1);
+    CHECK_EQ(st.n_disk_prefetch_blocks, st.n_disk_queue_hits);
     CHECK_EQ(st.n_disk_blocks_written, 0);
     fprintf(stderr,
             "io thread held: %lld records queued while steps ran, %lld lookups served from the "
@@ -422,6 +429,131 @@ static void test_io_thread(void) {
     di_engine_destroy(e);
 }
 
+static void submit_held(di_engine *e, const int32_t *prompt, int32_t n, held_result *h,
+                        uint64_t *id) {
+    memset(h, 0, sizeof *h);
+    di_request_params p = di_request_params_default();
+    p.prompt = prompt;
+    p.n_prompt = n;
+    p.max_tokens = MAX_GEN;
+    p.ignore_eos = true;
+    p.sample.n_logprobs = N_TOP;
+    p.on_event = on_event_held;
+    p.user = h;
+    CHECK_EQ(di_engine_submit(e, &p, id), DI_OK);
+}
+
+// Polls h's final event (60 s at most).
+static bool wait_done(held_result *h) {
+    for (int i = 0; i < 60000 && !atomic_load(&h->done); i++) usleep(1000);
+    return atomic_load(&h->done);
+}
+
+// Polls until the engine started n prefetches (10 s at most).
+static void wait_prefetches(di_engine *e, int64_t n) {
+    di_engine_stats st;
+    for (int i = 0; i < 10000; i++) {
+        di_engine_get_stats(e, &st);
+        if (st.n_disk_prefetches >= n) break;
+        usleep(1000);
+    }
+    CHECK_EQ(st.n_disk_prefetches, n);
+}
+
+static void test_read_thread(void) {
+    enum { N_SHORT = 40 };
+    static int32_t g_short[N_SHORT]; // on no disk: admitted at once
+    for (int t = 0; t < N_SHORT; t++) g_short[t] = (int32_t)((t * 71 + 3) % V);
+    char disk[320];
+    snprintf(disk, sizeof disk, "%s-read", g_disk);
+    di_engine_stats st;
+    di_engine *e = engine(64u << 20, NULL, false);
+    if (!e) return;
+    di_engine_get_stats(e, &st);
+    di_engine_destroy(e);
+    const size_t tiny = (size_t)st.block_bytes * (size_t)(16 + N_CTX / st.block_tokens);
+    const int32_t bt = (int32_t)st.block_tokens, bb = (int32_t)st.block_bytes;
+    e = engine(tiny, disk, true);
+    if (!e) return;
+    result r;
+    run(e, g_p2, N_P, false, 4, &r);        // 12 cached blocks, the snapshot at 192
+    run(e, g_other, N_OTHER, false, 4, &r); // evicts the first ones to disk
+    // The read thread held: g_p2's prefetch starts and waits; g_short is admitted meanwhile and
+    // finishes, g_p2 has not started.
+    static held_result a, b;
+    uint64_t ida, idb;
+    di_engine_kv_disk_hold_reads(e, true);
+    submit_held(e, g_p2, N_P2, &a, &ida);
+    wait_prefetches(e, 1);
+    submit_held(e, g_short, N_SHORT, &b, &idb);
+    CHECK(wait_done(&b));
+    CHECK_EQ(b.r.n, MAX_GEN);
+    CHECK(!atomic_load(&a.done));
+    CHECK_EQ(a.r.n, 0);
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_disk_prefetches_done, 0);
+    CHECK_EQ(st.n_disk_prefetch_blocks, 0);
+    CHECK_EQ(st.n_waiting, 1);
+    // Released: admitted with the 12 blocks (read ones and the one still in memory) counted, its
+    // snapshot restored (no replay), and the output of an engine without any cache.
+    di_engine_kv_disk_hold_reads(e, false);
+    CHECK(wait_done(&a));
+    CHECK(same(&a.r, &g_ref[0]));
+    CHECK_EQ(a.r.n_cached, 12 * bt);
+    CHECK_EQ(a.r.n_replayed, 0);
+    di_engine_wait_idle(e);
+    check_clean(e, &st);
+    CHECK_EQ(st.n_disk_prefetches_done, 1);
+    CHECK(st.n_disk_prefetch_blocks > 0);
+    CHECK_EQ(st.n_disk_hit_tokens, st.n_disk_prefetch_blocks * bt);
+    CHECK(st.disk_prefetch_bytes >= st.n_disk_prefetch_blocks * (int64_t)bt);
+    CHECK_EQ(st.n_disk_prefetch_waits, 1);
+    CHECK(st.disk_prefetch_wait_us > 0);
+    fprintf(stderr,
+            "read thread: %lld blocks (%.1f KiB) read off the engine thread in %.3f ms; the "
+            "engine thread's time on the prefetch %.3f ms; the request waited %.3f ms\n",
+            (long long)st.n_disk_prefetch_blocks, (double)st.disk_prefetch_bytes / 1024,
+            (double)st.disk_prefetch_read_us / 1000, (double)st.disk_prefetch_engine_us / 1000,
+            (double)st.disk_prefetch_wait_us / 1000);
+    di_engine_destroy(e); // flushes every cached block: the restart below finds them on disk
+
+    // Cancelled while its prefetch is held: every block comes back, nothing leaks (ASan); then
+    // the same prompt runs exactly.
+    e = engine(tiny, disk, true);
+    if (!e) return;
+    di_engine_kv_disk_hold_reads(e, true);
+    submit_held(e, g_p2, N_P2, &a, &ida);
+    wait_prefetches(e, 1);
+    di_engine_cancel(e, ida);
+    CHECK(wait_done(&a));
+    CHECK_EQ(a.r.n, 0);
+    di_engine_wait_idle(e);
+    check_clean(e, &st);
+    CHECK_EQ(st.n_disk_prefetches_done, 1); // stopped before its first record
+    CHECK_EQ(st.n_disk_prefetch_blocks, 0);
+    di_engine_kv_disk_hold_reads(e, false);
+    run(e, g_p2, N_P2, false, MAX_GEN, &r);
+    CHECK(same(&r, &g_ref[0]));
+    CHECK_EQ(r.n_cached, (N_P2 - 1) / bt * bt); // every block of the first engine's g_p2 run
+    check_clean(e, &st);
+    CHECK_EQ(st.n_disk_prefetches, 2);
+    di_engine_destroy(e);
+
+    // A read budget of three blocks: three are read, the rest is computed; output still exact.
+    di_engine_options o = options(tiny, disk);
+    o.kv_disk_read_bytes = (size_t)3 * (size_t)bb;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    if (!e) return;
+    run(e, g_p2, N_P2, true, MAX_GEN, &r);
+    CHECK(same(&r, &g_ref[1]));
+    check_clean(e, &st);
+    CHECK(st.n_disk_prefetch_blocks >= 1 && st.n_disk_prefetch_blocks <= 3);
+    CHECK(st.disk_prefetch_bytes <= (int64_t)o.kv_disk_read_bytes);
+    CHECK_EQ(r.n_cached, st.n_disk_prefetch_blocks * bt);
+    CHECK_EQ(st.n_disk_hit_tokens, r.n_cached);
+    di_engine_destroy(e);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_disk_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -439,6 +571,7 @@ int main(void) {
     RUN(test_other_checkpoint);
     RUN(test_options);
     RUN(test_io_thread);
+    RUN(test_read_thread);
     di_test_remove_dir(g_dir);
     return test_finish();
 }

@@ -7,8 +7,10 @@
 // are cleaned at open; writes and reads allocate nothing; the write queue (kv_disk_io): records
 // written by its IO thread are byte for byte those of synchronous writes, queued records are found
 // (and checked) before they are on disk, a full queue drops (counted) or waits, the ring wraps with
-// records of mixed sizes, IO errors are counted, destroy writes what is queued; and the time of
-// one write / read of a V4-Flash-shaped block, and of staging it on the queue.
+// records of mixed sizes, IO errors are counted, destroy writes what is queued; the read thread
+// (a read job: a chain from the store and the queue, verified, stopping at the first miss or bad
+// record, its snapshot; held, aborted, destroyed in flight); and the time of one write / read of a
+// V4-Flash-shaped block, and of staging it on the queue.
 #include "harness.h"
 
 #include <fcntl.h>
@@ -763,6 +765,88 @@ out:
     di_kv_disk_destroy(d);
 }
 
+// ---- the read thread (kv_disk_io reads: the admission prefetch) ----
+
+static void test_read_job(void) {
+    char dir[300];
+    di_kv_disk *d = open_store(new_dir(dir, sizeof dir), 7, 1 << 20, 0);
+    di_kv_disk_io *q = NULL;
+    if (d) CHECK_EQ(di_kv_disk_io_create(d, 0, &q), DI_OK);
+    if (!q) {
+        di_kv_disk_destroy(d);
+        return;
+    }
+    enum { N = 5 };
+    static int32_t tok[N * BT];
+    static float pay[N][NF], back[N][NF];
+    static unsigned char snap[64], sback[64];
+    uint64_t hash[N];
+    float *dst[N];
+    for (int k = 0; k < N; k++) {
+        block(k, tok + k * BT, pay[k]);
+        hash[k] = hash_of(k);
+        dst[k] = back[k];
+    }
+    memset(snap, 0x5a, sizeof snap);
+    // A chain: blocks 0 and 1 on disk (1 with a snapshot), 2 queued (writes held), 3 nowhere, 4
+    // on disk: the job reads 0..2 (2 from the queue) and stops at 3.
+    CHECK_EQ(di_kv_disk_write(d, hash[0], 0, 5, tok, pay[0], NULL, 0), DI_OK);
+    CHECK_EQ(di_kv_disk_write(d, hash[1], hash[0], 5, tok + BT, pay[1], snap, sizeof snap), DI_OK);
+    CHECK_EQ(di_kv_disk_write(d, hash[4], hash[3], 5, tok + 4 * BT, pay[4], NULL, 0), DI_OK);
+    di_kv_disk_io_hold(q, true);
+    CHECK_EQ(di_kv_disk_io_put(q, hash[2], hash[1], 5, tok + 2 * BT, pay[2], NULL, 0, false),
+             DI_OK);
+    di_kv_disk_read_job j = {.salt = 5,
+                             .parent0 = 0,
+                             .n = N,
+                             .hash = hash,
+                             .tokens = tok,
+                             .dst = dst,
+                             .snap_block = 1,
+                             .snap = sback,
+                             .snap_bytes = sizeof sback};
+    // Reads held: the job waits (a second one is refused meanwhile); released, it runs.
+    di_kv_disk_io_hold_reads(q, true);
+    CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_OK);
+    CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_ERR_BUSY);
+    usleep(20000);
+    CHECK(!di_kv_disk_io_read_done(q));
+    di_kv_disk_io_hold_reads(q, false);
+    di_kv_disk_io_read_wait(q);
+    CHECK(di_kv_disk_io_read_done(q));
+    CHECK_EQ(j.n_ok, 3);
+    CHECK_EQ(j.n_read, 3);
+    CHECK(j.snap_ok);
+    CHECK(!memcmp(sback, snap, sizeof snap));
+    CHECK_EQ(j.bytes_read, (int64_t)(3 * sizeof(float) * NF + sizeof snap));
+    for (int k = 0; k < 3; k++) CHECK(!memcmp(back[k], pay[k], sizeof pay[k]));
+    // Blocks the submitter has (dst NULL) are not read; a record whose tokens are not the chain's
+    // ends it there (block 1 with block 0's tokens).
+    dst[0] = NULL;
+    memcpy(tok + BT, tok, sizeof(int32_t) * BT);
+    j.snap_block = -1;
+    CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_OK);
+    di_kv_disk_io_read_wait(q);
+    CHECK_EQ(j.n_ok, 1);
+    CHECK_EQ(j.n_read, 0);
+    CHECK(!j.snap_ok);
+    // Aborted while held: done at once, nothing read.
+    block(1, tok + BT, pay[1]);
+    dst[0] = back[0];
+    di_kv_disk_io_hold_reads(q, true);
+    CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_OK);
+    di_kv_disk_io_read_abort(q);
+    di_kv_disk_io_read_wait(q);
+    CHECK_EQ(j.n_ok, 0);
+    CHECK_EQ(j.n_read, 0);
+    // Destroyed with a job in flight (held): the read thread stops it and is joined.
+    CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_OK);
+    di_kv_disk_io_hold(q, false);
+    di_kv_disk_io_destroy(q);
+    CHECK_EQ(j.n_read, 0);
+    di_kv_disk_destroy(d);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/di_test_kv_disk_XXXXXX");
     if (!mkdtemp(g_root)) return 1;
@@ -774,6 +858,7 @@ int main(void) {
     RUN(test_ttl);
     RUN(test_lock_and_leftovers);
     RUN(test_queue);
+    RUN(test_read_job);
     RUN(test_flash_block_time);
     di_test_remove_dir(g_root);
     return test_finish();

@@ -122,7 +122,7 @@ static void test_pages_and_prefix_replay(void) {
 
     // Request 1 on pool pages: its logits equal the session's (cold for p1's first SHARED rows).
     CHECK_EQ(di_kv_seq_open(kv, 0, 0), DI_OK);
-    CHECK_EQ(di_kv_seq_attach_prefix(kv, 0, p1, N1 - 1), 0);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 0, 0, p1, N1 - 1), 0);
     feed_kv(kv, &ws, 0, p1, 0, N1, 0, 0, warm, true);
     CHECK(memcmp(warm, cold, sizeof(float) * SHARED * V) == 0);
     di_kv_seq_close(kv, 0);
@@ -134,7 +134,7 @@ static void test_pages_and_prefix_replay(void) {
     // (Nothing is published from this sequence.)
     const int32_t W = g_m->hp.window;
     CHECK_EQ(di_kv_seq_open(kv, 2, 0), DI_OK);
-    int32_t hit = di_kv_seq_attach_prefix(kv, 2, p2, N2 - 1);
+    int32_t hit = di_kv_seq_attach_prefix(kv, 2, 0, p2, N2 - 1);
     CHECK_EQ(hit, SHARED / B * B);
     feed_kv(kv, &ws, 2, p2, hit - W, N2, hit - W, hit, warm + (int64_t)hit * V, false);
     double e_short =
@@ -145,7 +145,7 @@ static void test_pages_and_prefix_replay(void) {
 
     // Request 2 shares SHARED tokens: hit of whole blocks, bounded replay, then its own tokens.
     CHECK_EQ(di_kv_seq_open(kv, 1, 0), DI_OK);
-    CHECK_EQ(di_kv_seq_attach_prefix(kv, 1, p2, N2 - 1), hit);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 1, 0, p2, N2 - 1), hit);
     int32_t q = hit > R ? hit - R : 0;
     fprintf(stderr, "hit %d tokens, replay %d tokens (positions %d..%d)\n", hit, hit - q, q,
             hit - 1);
@@ -162,7 +162,7 @@ static void test_pages_and_prefix_replay(void) {
 
     // A different salt shares nothing.
     CHECK_EQ(di_kv_seq_open(kv, 3, 77), DI_OK);
-    CHECK_EQ(di_kv_seq_attach_prefix(kv, 3, p2, N2 - 1), 0);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 3, 0, p2, N2 - 1), 0);
     di_kv_seq_close(kv, 3);
     CHECK_EQ(di_block_pool_n_available(kv->pool), total);
 
@@ -203,7 +203,7 @@ static void test_accounting(void) {
     CHECK_EQ(kv->seqs[0].n_blocks, 3);
     di_kv_seq_publish(kv, 0, prompt, 2 * B + 1); // the first two are full
     CHECK_EQ(di_kv_seq_open(kv, 1, 0), DI_OK);
-    CHECK_EQ(di_kv_seq_attach_prefix(kv, 1, prompt, 3 * B), 2 * B);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 1, 0, prompt, 3 * B), 2 * B);
     CHECK_EQ(kv->seqs[1].n_cached, 2 * B);
     CHECK_EQ(kv->seqs[1].blocks[0], kv->seqs[0].blocks[0]);
     CHECK_EQ(kv->seqs[0].n_cached, 0);
@@ -268,12 +268,36 @@ static void test_disk_tier(void) {
     di_kv_seq_close(kv, 1); // never published: its blocks are free
     // Another salt finds nothing, on disk either.
     CHECK_EQ(di_kv_seq_open(kv, 0, 99), DI_OK);
-    CHECK_EQ(di_kv_seq_attach_prefix(kv, 0, p, N_BLK * B), 0);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 0, 0, p, N_BLK * B), 0);
     di_kv_seq_close(kv, 0);
-    // The prompt again: blocks 0..2 come from disk, 3..7 from memory, all intact.
+    // The prompt again: without its prefetch, attaching reads nothing from disk (no hit: block
+    // 0 is on disk only).
     CHECK_EQ(di_kv_seq_open(kv, 0, 0), DI_OK);
-    CHECK_EQ(di_kv_seq_attach_prefix(kv, 0, p, N_BLK * B), N_BLK * B);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 0, 7, p, N_BLK * B), 0);
+    di_kv_seq_close(kv, 0);
+    CHECK_EQ(kv->n_disk_hit_tokens, 0);
+    // Its prefetch reads blocks 0..2 on the read thread (the read thread held: it waits; another
+    // request waits behind it) and holds 3..7 in memory.
+    di_kv_disk_io_hold_reads(kv->disk_io, true);
+    CHECK_EQ(di_kv_prefetch(kv, 7, 0, p, N_BLK * B), DI_KV_PREFETCH_WAIT);
+    CHECK_EQ(kv->n_prefetch_started, 1);
+    CHECK_EQ(di_kv_prefetch(kv, 7, 0, p, N_BLK * B), DI_KV_PREFETCH_WAIT);
+    CHECK_EQ(di_kv_prefetch(kv, 8, 0, p, N_BLK * B), DI_KV_PREFETCH_WAIT);
+    CHECK(!di_kv_disk_io_read_done(kv->disk_io));
+    CHECK_EQ(di_kv_prefetch_held(kv, 7), 0); // not done yet
+    di_kv_disk_io_hold_reads(kv->disk_io, false);
+    di_kv_disk_io_read_wait(kv->disk_io);
+    CHECK_EQ(di_kv_prefetch(kv, 8, 0, p, N_BLK * B), DI_KV_PREFETCH_WAIT); // 7's is not taken
+    CHECK_EQ(di_kv_prefetch(kv, 7, 0, p, N_BLK * B), DI_KV_PREFETCH_READY);
+    CHECK_EQ(di_kv_prefetch_held(kv, 7), N_BLK);
+    CHECK_EQ(kv->n_prefetch_done, 1);
+    CHECK_EQ(kv->n_prefetch_blocks, 3);
+    CHECK(kv->prefetch_bytes >= (int64_t)(3 * sizeof(float)) * kv->entry_floats);
+    // Attached: blocks 0..2 as read, 3..7 from memory, all intact; the prefetch holds nothing.
+    CHECK_EQ(di_kv_seq_open(kv, 0, 0), DI_OK);
+    CHECK_EQ(di_kv_seq_attach_prefix(kv, 0, 7, p, N_BLK * B), N_BLK * B);
     CHECK_EQ(kv->n_disk_hit_tokens, 3 * B);
+    CHECK_EQ(di_kv_prefetch_held(kv, 7), 0);
     int bad = 0;
     for (int32_t i = 0; i < N_BLK; i++)
         for (int64_t j = 0; j < kv->entry_floats; j++)

@@ -133,6 +133,32 @@ char *srv_metrics_text(srv *s) {
     GAUGE("deepinfer:kv_disk_write_seconds_total",
           "IO-thread time writing disk-tier records (off the engine thread).", "%.6f",
           (double)st.disk_write_us / 1e6);
+    // Its read thread: a waiting request whose prompt continues on disk is admitted once its
+    // blocks are read (the others are admitted meanwhile).
+    COUNTER("deepinfer:kv_disk_prefetches_total",
+            "Admission prefetches started (a waiting request's blocks read from the disk tier).",
+            st.n_disk_prefetches);
+    COUNTER("deepinfer:kv_disk_prefetches_done_total", "Admission prefetches done.",
+            st.n_disk_prefetches_done);
+    COUNTER("deepinfer:kv_disk_prefetch_blocks_total",
+            "Disk-tier records read by the read thread for admission prefetches.",
+            st.n_disk_prefetch_blocks);
+    COUNTER("deepinfer:kv_disk_prefetch_bytes_total",
+            "Bytes (payloads and tail snapshots) read by the read thread for admission prefetches.",
+            st.disk_prefetch_bytes);
+    GAUGE("deepinfer:kv_disk_prefetch_read_seconds_total",
+          "Read-thread time reading admission prefetches (off the engine thread).", "%.6f",
+          (double)st.disk_prefetch_read_us / 1e6);
+    GAUGE("deepinfer:kv_disk_prefetch_engine_seconds_total",
+          "Engine-thread time on admission prefetches (index probes, taking read blocks; no file "
+          "IO).",
+          "%.6f", (double)st.disk_prefetch_engine_us / 1e6);
+    COUNTER("deepinfer:kv_disk_prefetch_waits_total",
+            "Requests admitted after waiting for their admission prefetch.",
+            st.n_disk_prefetch_waits);
+    GAUGE("deepinfer:kv_disk_prefetch_wait_seconds_total",
+          "Time requests waited for their admission prefetch, in all.", "%.6f",
+          (double)st.disk_prefetch_wait_us / 1e6);
     COUNTER("deepinfer:num_preemptions_total", "Preemptions.", st.n_preemptions);
     COUNTER("deepinfer:priority_preemptions_total",
             "Preemptions for a waiting request of a better priority.", st.n_priority_preemptions);

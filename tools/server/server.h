@@ -91,6 +91,7 @@ typedef struct srv_config {
     int64_t kv_disk_ttl_s;   // 0: the engine's default (72 h)
     // --kv-disk-queue: the disk IO thread's staging; 0: the engine's default (256 MiB)
     size_t kv_disk_queue_bytes;
+    size_t kv_disk_read_bytes; // --kv-disk-read: pool bytes one admission prefetch reserves (0: 1G)
     int32_t max_ctx;
     int32_t max_seqs;
     int32_t max_batch_tokens;    // forward rows per step (--max-batch-tokens); 0 = 256
