@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "base/mem.h"
 
 di_status di_sock_send_all(int fd, const void *p, size_t n) {
     const uint8_t *b = p;
@@ -146,4 +148,176 @@ int di_sock_listen(const char *who, const char *host, int port, int *bound_port)
     *bound_port = ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port
                                                  : ((struct sockaddr_in *)&sa)->sin_port);
     return lfd;
+}
+
+di_status di_sock_frame_check(uint32_t magic, uint16_t version, uint16_t type, uint64_t len,
+                              uint32_t want_magic, uint16_t want_version, const char *peer_kind,
+                              uint64_t limit, char *why, size_t why_n) {
+    if (magic != want_magic) {
+        snprintf(why, why_n, "bad frame magic 0x%08x (not a deepinfer %s peer)", (unsigned)magic,
+                 peer_kind);
+        return DI_ERR_FORMAT;
+    }
+    if (version != want_version) {
+        snprintf(why, why_n, "wire version %u, this build speaks %u", (unsigned)version,
+                 (unsigned)want_version);
+        return DI_ERR_FORMAT;
+    }
+    if (limit == UINT64_MAX) {
+        snprintf(why, why_n, "unknown frame type %u", (unsigned)type);
+        return DI_ERR_FORMAT;
+    }
+    if (len > limit) {
+        snprintf(why, why_n, "frame type %u of %llu bytes exceeds its limit of %llu",
+                 (unsigned)type, (unsigned long long)len, (unsigned long long)limit);
+        return DI_ERR_FORMAT;
+    }
+    return DI_OK;
+}
+
+// ---- connection server ----
+
+typedef struct sock_conn {
+    struct di_sock_server *srv;
+    int fd;
+    pthread_t th;
+    bool done; // serve returned (joined by the accept thread or at stop); under srv->mu
+    char peer[64];
+    struct sock_conn *next;
+} sock_conn;
+
+struct di_sock_server {
+    const char *who;
+    int lfd, port, timeout_ms;
+    int stop_pipe[2];
+    pthread_t th;
+    pthread_mutex_t mu; // conns, done flags
+    sock_conn *conns;
+    di_sock_serve_fn serve;
+    void *user;
+};
+
+static void *conn_main(void *p) {
+    sock_conn *cn = p;
+    cn->srv->serve(cn->srv->user, cn->fd, cn->peer);
+    pthread_mutex_lock(&cn->srv->mu);
+    cn->done = true;
+    pthread_mutex_unlock(&cn->srv->mu);
+    return NULL;
+}
+
+// Joins and frees finished connections (all of them, shutting the live ones down first, when all).
+static void reap(di_sock_server *s, bool all) {
+    pthread_mutex_lock(&s->mu);
+    sock_conn **pp = &s->conns;
+    while (*pp) {
+        sock_conn *cn = *pp;
+        if (all && !cn->done) shutdown(cn->fd, SHUT_RDWR);
+        if (!all && !cn->done) {
+            pp = &cn->next;
+            continue;
+        }
+        *pp = cn->next;
+        pthread_mutex_unlock(&s->mu);
+        pthread_join(cn->th, NULL);
+        close(cn->fd);
+        di_free(cn);
+        pthread_mutex_lock(&s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void *accept_main(void *p) {
+    di_sock_server *s = p;
+    for (;;) {
+        struct pollfd pf[2] = {{.fd = s->lfd, .events = POLLIN},
+                               {.fd = s->stop_pipe[0], .events = POLLIN}};
+        int r = poll(pf, 2, 1000);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 || pf[1].revents) break;
+        reap(s, false);
+        if (!(pf[0].revents & POLLIN)) continue;
+        struct sockaddr_storage sa;
+        socklen_t sl = sizeof sa;
+        int fd = accept4(s->lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        sock_conn *cn = di_calloc(1, sizeof *cn);
+        if (!cn) {
+            close(fd);
+            continue;
+        }
+        cn->srv = s;
+        cn->fd = fd;
+        char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?";
+        getnameinfo((struct sockaddr *)&sa, sl, host, sizeof host, serv, sizeof serv,
+                    NI_NUMERICHOST | NI_NUMERICSERV);
+        snprintf(cn->peer, sizeof cn->peer, "%s:%s", host, serv);
+        di_sock_tune(fd, s->timeout_ms);
+        struct timeval tv = {0}; // no receive timeout: a client may stay idle between requests
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        DI_LOG_INFO("%s: front %s connected", s->who, cn->peer);
+        pthread_mutex_lock(&s->mu);
+        if (pthread_create(&cn->th, NULL, conn_main, cn) != 0) {
+            pthread_mutex_unlock(&s->mu);
+            DI_LOG_ERROR("%s: cannot start a thread for %s", s->who, cn->peer);
+            close(fd);
+            di_free(cn);
+            continue;
+        }
+        cn->next = s->conns;
+        s->conns = cn;
+        pthread_mutex_unlock(&s->mu);
+    }
+    return NULL;
+}
+
+di_status di_sock_server_start(const char *who, const char *host, int port, int timeout_ms,
+                               di_sock_serve_fn serve, void *user, di_sock_server **out) {
+    *out = NULL;
+    di_sock_server *s = di_calloc(1, sizeof *s);
+    if (!s) return DI_ERR_NOMEM;
+    s->who = who;
+    s->timeout_ms = timeout_ms;
+    s->serve = serve;
+    s->user = user;
+    s->lfd = di_sock_listen(who, host, port, &s->port);
+    if (s->lfd < 0) {
+        di_free(s);
+        return DI_ERR_IO;
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    if (pipe(s->stop_pipe) != 0) {
+        DI_LOG_ERROR("%s: cannot start: %s", who, strerror(errno));
+        close(s->lfd);
+        pthread_mutex_destroy(&s->mu);
+        di_free(s);
+        return DI_ERR_IO;
+    }
+    if (pthread_create(&s->th, NULL, accept_main, s) != 0) {
+        DI_LOG_ERROR("%s: cannot start its accept thread", who);
+        close(s->lfd);
+        close(s->stop_pipe[0]);
+        close(s->stop_pipe[1]);
+        pthread_mutex_destroy(&s->mu);
+        di_free(s);
+        return DI_ERR_IO;
+    }
+    *out = s;
+    return DI_OK;
+}
+
+int di_sock_server_port(const di_sock_server *s) {
+    return s->port;
+}
+
+void di_sock_server_stop(di_sock_server *s) {
+    if (!s) return;
+    (void)!write(s->stop_pipe[1], "x", 1);
+    pthread_join(s->th, NULL);
+    close(s->lfd);
+    reap(s, true);
+    close(s->stop_pipe[0]);
+    close(s->stop_pipe[1]);
+    pthread_mutex_destroy(&s->mu);
+    di_free(s);
 }

@@ -26,27 +26,8 @@ uint64_t di_cp_frame_limit(uint16_t type) {
 }
 
 di_status di_cp_hdr_check(const di_cp_hdr *h, char *why, size_t why_n) {
-    if (h->magic != DI_CP_MAGIC) {
-        snprintf(why, why_n, "bad frame magic 0x%08x (not a deepinfer context-parallel peer)",
-                 (unsigned)h->magic);
-        return DI_ERR_FORMAT;
-    }
-    if (h->version != DI_CP_VERSION) {
-        snprintf(why, why_n, "wire version %u, this build speaks %u", (unsigned)h->version,
-                 (unsigned)DI_CP_VERSION);
-        return DI_ERR_FORMAT;
-    }
-    uint64_t lim = di_cp_frame_limit(h->type);
-    if (lim == UINT64_MAX) {
-        snprintf(why, why_n, "unknown frame type %u", (unsigned)h->type);
-        return DI_ERR_FORMAT;
-    }
-    if (h->len > lim) {
-        snprintf(why, why_n, "frame type %u of %llu bytes exceeds its limit of %llu",
-                 (unsigned)h->type, (unsigned long long)h->len, (unsigned long long)lim);
-        return DI_ERR_FORMAT;
-    }
-    return DI_OK;
+    return di_sock_frame_check(h->magic, h->version, h->type, h->len, DI_CP_MAGIC, DI_CP_VERSION,
+                               "context-parallel", di_cp_frame_limit(h->type), why, why_n);
 }
 
 static int32_t rd_i32(const uint8_t *p) {

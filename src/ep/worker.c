@@ -1,19 +1,13 @@
 // worker — an expert worker serving fronts over TCP (ep/worker.h).
 #include "ep/worker.h"
 
-#include <arpa/inet.h>
-#include <errno.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include "base/log.h"
 #include "base/mem.h"
+#include "base/sock.h" // di_sock_server: the accept thread and a thread per front
 #include "ep/ep.h"
 #include "ep/wire.h"
 #include "model/dsv4.h"
@@ -31,23 +25,16 @@
 // Groups of one request: a front sends at most one per replica of each expert.
 #define WORKER_MAX_GROUPS 65536
 
-typedef struct conn {
+typedef struct conn { // one front's connection (the server's thread runs serve)
     struct di_ep_worker *w;
     int fd;
-    pthread_t th;
-    bool done; // the thread has finished (joined by the accept loop or at stop)
-    char peer[64];
-    struct conn *next;
+    const char *peer;
 } conn;
 
 struct di_ep_worker {
     di_model *m;
-    int lfd, port;
-    int stop_pipe[2];
-    pthread_t th;
-    pthread_mutex_t mu;  // conns
+    di_sock_server *srv; // owned: the accept thread and a thread per front
     pthread_mutex_t cmu; // computation (the model's pool)
-    conn *conns;
     uint64_t id;
     char desc[512];
 };
@@ -84,8 +71,8 @@ static di_status compute(conn *cn, di_dsv4_ctx *c, const di_ep_compute *rq) {
     return DI_OK;
 }
 
-static void *conn_main(void *p) {
-    conn *cn = p;
+static void serve(void *user, int fd, const char *peer) {
+    conn conn_ = {.w = user, .fd = fd, .peer = peer}, *cn = &conn_;
     di_ep_worker *w = cn->w;
     di_model *m = w->m;
     const int32_t NL = di_ep_moe_layers(m), E = m->hp.n_expert, D = m->hp.n_embd;
@@ -195,76 +182,6 @@ out:
     di_free(assigned);
     di_free(groups);
     di_dsv4_ws_free(&ws);
-    pthread_mutex_lock(&w->mu);
-    cn->done = true;
-    pthread_mutex_unlock(&w->mu);
-    return NULL;
-}
-
-// Joins and frees finished connections (all of them, closing the live ones first, when all).
-static void reap(di_ep_worker *w, bool all) {
-    pthread_mutex_lock(&w->mu);
-    conn **pp = &w->conns;
-    while (*pp) {
-        conn *cn = *pp;
-        if (all && !cn->done) shutdown(cn->fd, SHUT_RDWR);
-        if (!all && !cn->done) {
-            pp = &cn->next;
-            continue;
-        }
-        *pp = cn->next;
-        pthread_mutex_unlock(&w->mu);
-        pthread_join(cn->th, NULL);
-        close(cn->fd);
-        di_free(cn);
-        pthread_mutex_lock(&w->mu);
-    }
-    pthread_mutex_unlock(&w->mu);
-}
-
-static void *accept_main(void *p) {
-    di_ep_worker *w = p;
-    for (;;) {
-        struct pollfd pf[2] = {{.fd = w->lfd, .events = POLLIN},
-                               {.fd = w->stop_pipe[0], .events = POLLIN}};
-        int r = poll(pf, 2, 1000);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0 || pf[1].revents) break;
-        reap(w, false);
-        if (!(pf[0].revents & POLLIN)) continue;
-        struct sockaddr_storage sa;
-        socklen_t sl = sizeof sa;
-        int fd = accept4(w->lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC);
-        if (fd < 0) continue;
-        conn *cn = di_calloc(1, sizeof *cn);
-        if (!cn) {
-            close(fd);
-            continue;
-        }
-        cn->w = w;
-        cn->fd = fd;
-        char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?";
-        getnameinfo((struct sockaddr *)&sa, sl, host, sizeof host, serv, sizeof serv,
-                    NI_NUMERICHOST | NI_NUMERICSERV);
-        snprintf(cn->peer, sizeof cn->peer, "%s:%s", host, serv);
-        di_sock_tune(fd, DI_EP_IO_TIMEOUT_MS);
-        // No receive timeout: a front may stay idle between requests as long as it likes.
-        struct timeval tv = {0};
-        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-        DI_LOG_INFO("ep worker: front %s connected", cn->peer);
-        pthread_mutex_lock(&w->mu);
-        if (pthread_create(&cn->th, NULL, conn_main, cn) != 0) {
-            pthread_mutex_unlock(&w->mu);
-            DI_LOG_ERROR("ep worker: cannot start a thread for %s", cn->peer);
-            close(fd);
-            di_free(cn);
-            continue;
-        }
-        cn->next = w->conns;
-        w->conns = cn;
-        pthread_mutex_unlock(&w->mu);
-    }
-    return NULL;
 }
 
 di_status di_ep_worker_start(di_model *m, const char *host, int port, di_ep_worker **out) {
@@ -274,37 +191,26 @@ di_status di_ep_worker_start(di_model *m, const char *host, int port, di_ep_work
     w->m = m;
     w->id = di_dsv4_model_id(m);
     di_ep_model_describe(m, w->desc, sizeof w->desc);
-    w->lfd = di_sock_listen("ep worker", host, port, &w->port);
-    if (w->lfd < 0) {
-        di_free(w);
-        return DI_ERR_IO;
-    }
-    pthread_mutex_init(&w->mu, NULL);
     pthread_mutex_init(&w->cmu, NULL);
-    if (pipe(w->stop_pipe) != 0 || pthread_create(&w->th, NULL, accept_main, w) != 0) {
-        DI_LOG_ERROR("ep worker: cannot start: %s", strerror(errno));
-        close(w->lfd);
+    di_status st =
+        di_sock_server_start("ep worker", host, port, DI_EP_IO_TIMEOUT_MS, serve, w, &w->srv);
+    if (st != DI_OK) {
+        pthread_mutex_destroy(&w->cmu);
         di_free(w);
-        return DI_ERR_IO;
+        return st;
     }
-    DI_LOG_INFO("ep worker: serving %s on port %d", w->desc, w->port);
+    DI_LOG_INFO("ep worker: serving %s on port %d", w->desc, di_sock_server_port(w->srv));
     *out = w;
     return DI_OK;
 }
 
 int di_ep_worker_port(const di_ep_worker *w) {
-    return w->port;
+    return di_sock_server_port(w->srv);
 }
 
 void di_ep_worker_stop(di_ep_worker *w) {
     if (!w) return;
-    (void)!write(w->stop_pipe[1], "x", 1);
-    pthread_join(w->th, NULL);
-    close(w->lfd);
-    reap(w, true);
-    close(w->stop_pipe[0]);
-    close(w->stop_pipe[1]);
-    pthread_mutex_destroy(&w->mu);
+    di_sock_server_stop(w->srv); // shuts the fronts' connections down and joins their threads
     pthread_mutex_destroy(&w->cmu);
     di_free(w);
 }
