@@ -759,6 +759,34 @@ static bool ordinary41(const di_session *s) {
     return true;
 }
 
+// The end of a call over the workers (cp->mu held; released here): on failure the connections of
+// the call are in an unknown place, so they are closed (the next call reconnects) and the status
+// becomes DI_ERR_IO (DI_ERR_NOMEM stays); the stats and, on success, one log line ("cp: <what> of
+// ..."). The caller puts its state back on failure.
+static di_status call_end(di_cp *cp, front_run *fr, int32_t R, di_status st, const char *what,
+                          int32_t n_tok, int32_t p0, double t0) {
+    if (st != DI_OK) {
+        shutdown_all(fr);
+        for (int32_t r = 0; r < R - 1; r++) worker_close(&cp->w[r]);
+        if (st != DI_ERR_NOMEM) st = DI_ERR_IO;
+        cp->stats.errors++;
+    } else {
+        cp->stats.tokens += n_tok;
+    }
+    const int64_t b = fr->sent + fr->relay_sent + fr->recv + fr->relay_recv;
+    cp->stats.bytes_sent += fr->sent + fr->relay_sent;
+    cp->stats.bytes_recv += fr->recv + fr->relay_recv;
+    pthread_mutex_unlock(&cp->mu);
+    di_cp_buf_free(&fr->relay_buf);
+    if (st == DI_OK) {
+        const double ms = now_ms() - t0;
+        DI_LOG_INFO("cp: %s of %d tokens at position %d over %d ranks in %.1f ms (%.0f tokens/s), "
+                    "%lld bytes exchanged (%.0f per token)",
+                    what, n_tok, p0, R, ms, n_tok / (ms / 1e3), (long long)b, (double)b / n_tok);
+    }
+    return st;
+}
+
 // A V4.1 session's call over the workers (out: as di_session_forward's). restore: put the session
 // back where it was when the call fails (a session's contract; the engine's sequences end instead,
 // so it saves no copy).
@@ -835,29 +863,12 @@ static di_status session_forward41(di_cp *cp, di_session *s, const int32_t *toke
                        NULL);
     }
 out:
-    if (st != DI_OK) {
-        // As V4's: the connections are closed (the next call reconnects), the session put back.
-        shutdown_all(&fr);
-        for (int32_t r = 0; r < R - 1; r++) worker_close(&cp->w[r]);
+    st = call_end(cp, &fr, R, st, "V4.1 prefill", n_tok, p0, t0);
+    if (st != DI_OK) { // the session put back where it was
         if (saved) backup41_restore(&bk, s);
         s->pos = p0;
-        if (st != DI_ERR_NOMEM) st = DI_ERR_IO;
-        cp->stats.errors++;
-    } else {
-        cp->stats.tokens += n_tok;
     }
-    cp->stats.bytes_sent += fr.sent + fr.relay_sent;
-    cp->stats.bytes_recv += fr.recv + fr.relay_recv;
-    pthread_mutex_unlock(&cp->mu);
-    di_cp_buf_free(&fr.relay_buf);
     di_free(bk.tail);
-    if (st == DI_OK) {
-        const double ms = now_ms() - t0;
-        const int64_t b = fr.sent + fr.relay_sent + fr.recv + fr.relay_recv;
-        DI_LOG_INFO("cp: V4.1 prefill of %d tokens at position %d over %d ranks in %.1f ms (%.0f "
-                    "tokens/s), %lld bytes exchanged (%.0f per token)",
-                    n_tok, p0, R, ms, n_tok / (ms / 1e3), (long long)b, (double)b / n_tok);
-    }
     return st;
 }
 
@@ -946,30 +957,12 @@ di_status di_cp_session_forward(di_cp *cp, di_session *s, const int32_t *tokens,
     }
     if (st == DI_OK && out && out->n_mtp_out) *out->n_mtp_out = s->mtp ? mtp_off + n_mtp_front : 0;
 out:
-    if (st != DI_OK) {
-        // Whatever failed, the connections of this call are in an unknown place: close them (the
-        // next call reconnects) and put the session back where it was.
-        shutdown_all(&fr);
-        for (int32_t r = 0; r < R - 1; r++) worker_close(&cp->w[r]);
+    st = call_end(cp, &fr, R, st, "prefill", n_tok, p0, t0);
+    if (st != DI_OK) { // the session put back where it was
         if (saved) backup_copy(&bk, s, n_state, false);
         s->pos = p0;
-        if (st != DI_ERR_NOMEM) st = DI_ERR_IO;
-        cp->stats.errors++;
-    } else {
-        cp->stats.tokens += n_tok;
     }
-    cp->stats.bytes_sent += fr.sent + fr.relay_sent;
-    cp->stats.bytes_recv += fr.recv + fr.relay_recv;
-    pthread_mutex_unlock(&cp->mu);
-    di_cp_buf_free(&fr.relay_buf);
     di_free(bk.p);
-    if (st == DI_OK) {
-        const double ms = now_ms() - t0;
-        const int64_t b = fr.sent + fr.relay_sent + fr.recv + fr.relay_recv;
-        DI_LOG_INFO("cp: prefill of %d tokens at position %d over %d ranks in %.1f ms (%.0f "
-                    "tokens/s), %lld bytes exchanged (%.0f per token)",
-                    n_tok, p0, R, ms, n_tok / (ms / 1e3), (long long)b, (double)b / n_tok);
-    }
     return st;
 }
 
@@ -1051,26 +1044,8 @@ di_status di_cp_seq_forward(di_cp *cp, di_dsv4_ctx *c, const int32_t *tokens,
     if (fr.relay) pthread_join(fr.th, NULL);
     if (st == DI_OK) st = fr.relay_st;
     for (int32_t r = 0; r < R - 1 && st == DI_OK; r++) st = recv_done(&fr, r, 0, 0, NULL, NULL);
-    if (st != DI_OK) {
-        shutdown_all(&fr);
-        for (int32_t r = 0; r < R - 1; r++) worker_close(&cp->w[r]);
-        if (st != DI_ERR_NOMEM) st = DI_ERR_IO;
-        c->status = st;
-        cp->stats.errors++;
-    } else {
-        cp->stats.tokens += n_tok;
-    }
-    cp->stats.bytes_sent += fr.sent + fr.relay_sent;
-    cp->stats.bytes_recv += fr.recv + fr.relay_recv;
-    pthread_mutex_unlock(&cp->mu);
-    di_cp_buf_free(&fr.relay_buf);
-    if (st == DI_OK) {
-        const double ms = now_ms() - t0;
-        const int64_t b = fr.sent + fr.relay_sent + fr.recv + fr.relay_recv;
-        DI_LOG_INFO("cp: sequence chunk of %d tokens at position %d over %d ranks in %.1f ms, "
-                    "%lld bytes exchanged (%.0f per token)",
-                    n_tok, p0, R, ms, (long long)b, (double)b / n_tok);
-    }
+    st = call_end(cp, &fr, R, st, "sequence chunk", n_tok, p0, t0);
+    if (st != DI_OK) c->status = st;
     return st;
 }
 
