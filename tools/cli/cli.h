@@ -16,5 +16,5 @@ int di_cli_bench(int argc, char **argv);         // tools/cli/bench.c
 int di_cli_eplb(int argc, char **argv);          // tools/cli/eplb.c
 int di_cli_serve(int argc, char **argv);         // tools/server/main.c
 int di_cli_route(int argc, char **argv);         // tools/router/main.c
-int di_cli_expert_worker(int argc, char **argv); // tools/cli/expert_worker.c
-int di_cli_cp_worker(int argc, char **argv);     // tools/cli/cp_worker.c
+int di_cli_expert_worker(int argc, char **argv); // tools/cli/worker.c
+int di_cli_cp_worker(int argc, char **argv);     // tools/cli/worker.c

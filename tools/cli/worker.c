@@ -39,28 +39,30 @@ static void cp_stop(void *w) {
     di_cp_worker_stop(w);
 }
 
-static const worker_kind k_expert = {"expert-worker",
-                                     "usage: deepinfer expert-worker --listen HOST:PORT [--model DIR] [--threads N]\n"
-               "                               [--precision fp32|official] [--log-level L]\n"
-               "Serves the routed experts of the model to fronts started with --ep-workers\n"
-               "(generate, logits, bench, serve): each front connects, checks that both sides\n"
-               "run the same model (checkpoint and precision), assigns the experts this worker\n"
-               "holds and sends their rows every MoE layer. Stateless: any number of fronts may\n"
-               "share it. It trusts its fronts: listen on a private network only. HOST may be\n"
-               "empty (':9000', every interface). Without --model, the built-in tiny model.\n"
-               "Stops on SIGINT / SIGTERM.\n",
-                                     ep_start, ep_port, ep_stop};
-static const worker_kind k_cp = {"cp-worker",
-                                 "usage: deepinfer cp-worker --listen HOST:PORT [--model DIR] [--threads N]\n"
-               "                           [--precision fp32|official] [--log-level L]\n"
-               "Computes pieces of long prefills (DeepSeek V4, CPU) for fronts started with\n"
-               "--cp-workers (generate, logits): each front connects, checks that both sides run\n"
-               "the same model (checkpoint and precision), then sends jobs: a piece of a prompt,\n"
-               "and layer by layer the state of the pieces before it. Stateless between jobs.\n"
-               "List each worker once per front. It trusts its fronts: listen on a private\n"
-               "network only. HOST may be empty (':9000', every interface). Without --model, the\n"
-               "built-in tiny model. Stops on SIGINT / SIGTERM.\n",
-                                 cp_start, cp_port, cp_stop};
+static const worker_kind k_expert = {
+    "expert-worker",
+    "usage: deepinfer expert-worker --listen HOST:PORT [--model DIR] [--threads N]\n"
+    "                               [--precision fp32|official] [--log-level L]\n"
+    "Serves the routed experts of the model to fronts started with --ep-workers\n"
+    "(generate, logits, bench, serve): each front connects, checks that both sides\n"
+    "run the same model (checkpoint and precision), assigns the experts this worker\n"
+    "holds and sends their rows every MoE layer. Stateless: any number of fronts may\n"
+    "share it. It trusts its fronts: listen on a private network only. HOST may be\n"
+    "empty (':9000', every interface). Without --model, the built-in tiny model.\n"
+    "Stops on SIGINT / SIGTERM.\n",
+    ep_start, ep_port, ep_stop};
+static const worker_kind k_cp = {
+    "cp-worker",
+    "usage: deepinfer cp-worker --listen HOST:PORT [--model DIR] [--threads N]\n"
+    "                           [--precision fp32|official] [--log-level L]\n"
+    "Computes pieces of long prefills (DeepSeek V4, CPU) for fronts started with\n"
+    "--cp-workers (generate, logits): each front connects, checks that both sides run\n"
+    "the same model (checkpoint and precision), then sends jobs: a piece of a prompt,\n"
+    "and layer by layer the state of the pieces before it. Stateless between jobs.\n"
+    "List each worker once per front. It trusts its fronts: listen on a private\n"
+    "network only. HOST may be empty (':9000', every interface). Without --model, the\n"
+    "built-in tiny model. Stops on SIGINT / SIGTERM.\n",
+    cp_start, cp_port, cp_stop};
 
 static int run(const worker_kind *k, int argc, char **argv) {
     di_model_args ma = {.opt = di_model_options_default()};
@@ -89,8 +91,9 @@ static int run(const worker_kind *k, int argc, char **argv) {
     }
     if (ma.opt.ep_workers || ma.opt.ep_placement || ma.opt.cp_workers ||
         ma.opt.device.kind != DI_DEVICE_CPU) {
-        fprintf(stderr, "deepinfer %s: runs on the CPU and has no workers of its own "
-                        "(no --device, no --ep-workers, no --ep-placement, no --cp-workers)\n",
+        fprintf(stderr,
+                "deepinfer %s: runs on the CPU and has no workers of its own "
+                "(no --device, no --ep-workers, no --ep-placement, no --cp-workers)\n",
                 k->name);
         return 2;
     }
@@ -104,8 +107,7 @@ static int run(const worker_kind *k, int argc, char **argv) {
     di_model *m = NULL;
     di_status st = di_model_load(ma.model, &ma.opt, &m);
     if (st != DI_OK) {
-        fprintf(stderr, "deepinfer %s: cannot load %s: %s\n", k->name, ma.model,
-                di_status_str(st));
+        fprintf(stderr, "deepinfer %s: cannot load %s: %s\n", k->name, ma.model, di_status_str(st));
         return 1;
     }
     void *w = NULL;
