@@ -555,6 +555,10 @@ typedef struct di_engine_options {
     // blocks (the others are admitted meanwhile): the pool bytes one such prefetch reserves at most
     // (blocks beyond are computed), its tail snapshot's staging included; 0 = 1 GiB.
     size_t kv_disk_read_bytes;
+    // Such prefetches at once, one per waiting request, read one after another (a record is never
+    // read twice: a request whose prompt shares it waits for the other read); all of them reserve
+    // at most half of the pool's available blocks. 1 .. 64; 0 = 4.
+    int32_t kv_disk_prefetches;
     // Speculative decoding with DSpark (DeepSeek V4.1 checkpoints with DSpark weights only;
     // docs/architecture.md, "Speculative decoding"): each decode step of a sequence drafts a block
     // and verifies up to spec_tokens drafts in one forward of spec_tokens + 1 rows, emitting the

@@ -593,7 +593,8 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
                                   .max_bytes = o->kv_disk_bytes,
                                   .ttl_s = o->kv_disk_ttl_s,
                                   .queue_bytes = o->kv_disk_queue_bytes,
-                                  .read_bytes = o->kv_disk_read_bytes};
+                                  .read_bytes = o->kv_disk_read_bytes,
+                                  .prefetches = o->kv_disk_prefetches};
         DI_TRY(di_kv_manager_open_disk(e->kv, &dko));
         // A done prefetch wakes the engine thread (it may sleep with only that request waiting).
         di_kv_disk_io_set_notify(e->kv->disk_io, disk_read_done, e);

@@ -71,9 +71,13 @@ typedef struct di_kv_disk_options {
     // snapshot's staging included (kv_manager.h, di_kv_prefetch; the store ignores this);
     // 0 = DI_KV_DISK_READ_BYTES_DEFAULT.
     size_t read_bytes;
+    // Admission prefetches at once (kv_manager.h; 1 .. DI_KV_DISK_IO_MAX_READS; the store ignores
+    // this); 0 = DI_KV_DISK_PREFETCHES_DEFAULT.
+    int32_t prefetches;
 } di_kv_disk_options;
 
 #define DI_KV_DISK_READ_BYTES_DEFAULT ((size_t)1 << 30) // 1 GiB
+#define DI_KV_DISK_PREFETCHES_DEFAULT 4
 
 typedef struct di_kv_disk_stats {
     int64_t n_records, n_bytes;            // on disk now (what the index holds)

@@ -48,12 +48,14 @@ struct di_kv_disk_io {
     pthread_cond_t cv_work; // the IO thread waits for records
     pthread_cond_t cv_room; // put (with wait) and drain wait for the IO thread
     di_kv_disk_io_stats st; // guarded by mu
-    // The read thread and its one job (guarded by mu; the job's fields by its state: the read
-    // thread writes the results between submit and done, the submitter reads them after).
+    // The read thread and its queue of jobs, oldest first: rq[(rq_first + i) % MAX_READS] for
+    // i < rq_n, the first one running (guarded by mu; a job's fields by its state: the read thread
+    // writes the results between submit and done, the submitter reads them after).
     pthread_t rthread;
-    bool rstarted, rhold, rabort;
-    di_kv_disk_read_job *rjob; // borrowed; NULL: none in flight
-    pthread_cond_t cv_read;    // the read thread waits for a job (or a release of rhold)
+    bool rstarted, rhold;
+    di_kv_disk_read_job *rq[DI_KV_DISK_IO_MAX_READS]; // borrowed
+    int32_t rq_first, rq_n;
+    pthread_cond_t cv_read; // the read thread waits for a job (or a release of rhold)
     di_kv_disk_io_notify_fn notify;
     void *notify_user;
 };
@@ -102,8 +104,8 @@ static void read_job(di_kv_disk_io *q, di_kv_disk_read_job *j) {
     int32_t i = 0;
     for (; i < j->n; i++) {
         pthread_mutex_lock(&q->mu);
-        while (q->rhold && !q->quit && !q->rabort) pthread_cond_wait(&q->cv_read, &q->mu);
-        const bool stop = q->quit || q->rabort;
+        while (q->rhold && !q->quit && !j->stop) pthread_cond_wait(&q->cv_read, &q->mu);
+        const bool stop = q->quit || j->stop;
         pthread_mutex_unlock(&q->mu);
         if (stop) break;
         if (!j->dst[i]) continue; // the submitter holds it
@@ -128,22 +130,29 @@ static void read_job(di_kv_disk_io *q, di_kv_disk_read_job *j) {
     if (j->snap_block >= i) j->snap_ok = false;
 }
 
+// The queue's oldest job is done (under mu): it leaves the queue, its memory is the submitter's.
+static void read_pop(di_kv_disk_io *q) {
+    q->rq[q->rq_first]->busy = false;
+    q->rq_first = (q->rq_first + 1) % DI_KV_DISK_IO_MAX_READS;
+    q->rq_n--;
+}
+
 static void *read_main(void *p) {
     di_kv_disk_io *q = p;
     pthread_mutex_lock(&q->mu);
     for (;;) {
-        while ((!q->rjob || (q->rhold && !q->rabort)) && !q->quit)
+        // A held thread starts no job but the one told to stop (it ends at once).
+        while ((q->rq_n == 0 || (q->rhold && !q->rq[q->rq_first]->stop)) && !q->quit)
             pthread_cond_wait(&q->cv_read, &q->mu);
-        if (q->quit && !q->rjob) break;
-        di_kv_disk_read_job *j = q->rjob;
+        if (q->quit && q->rq_n == 0) break;
+        di_kv_disk_read_job *j = q->rq[q->rq_first];
         pthread_mutex_unlock(&q->mu);
         const int64_t t0 = mono_us();
         read_job(q, j);
         j->done_us = mono_us();
         j->read_us = j->done_us - t0;
         pthread_mutex_lock(&q->mu);
-        q->rjob = NULL; // done: the job is the submitter's again
-        q->rabort = false;
+        read_pop(q);
         pthread_cond_broadcast(&q->cv_room); // di_kv_disk_io_read_wait
         const di_kv_disk_io_notify_fn fn = q->notify;
         void *user = q->notify_user;
@@ -342,38 +351,50 @@ void di_kv_disk_io_set_notify(di_kv_disk_io *q, di_kv_disk_io_notify_fn fn, void
 
 di_status di_kv_disk_io_read_submit(di_kv_disk_io *q, di_kv_disk_read_job *job) {
     pthread_mutex_lock(&q->mu);
-    if (q->rjob) {
+    if (job->busy || q->rq_n == DI_KV_DISK_IO_MAX_READS) {
         pthread_mutex_unlock(&q->mu);
         return DI_ERR_BUSY;
     }
     job->n_ok = job->n_read = 0;
-    job->snap_ok = false;
+    job->snap_ok = job->stop = false;
     job->bytes_read = job->read_us = job->done_us = 0;
     job->submit_us = mono_us();
-    q->rjob = job;
-    q->rabort = false;
+    job->busy = true;
+    q->rq[(q->rq_first + q->rq_n++) % DI_KV_DISK_IO_MAX_READS] = job;
     pthread_cond_broadcast(&q->cv_read);
     pthread_mutex_unlock(&q->mu);
     return DI_OK;
 }
 
-bool di_kv_disk_io_read_done(di_kv_disk_io *q) {
+bool di_kv_disk_io_read_done(di_kv_disk_io *q, const di_kv_disk_read_job *job) {
     pthread_mutex_lock(&q->mu);
-    const bool done = q->rjob == NULL;
+    const bool done = !job->busy;
     pthread_mutex_unlock(&q->mu);
     return done;
 }
 
-void di_kv_disk_io_read_abort(di_kv_disk_io *q) {
+void di_kv_disk_io_read_abort(di_kv_disk_io *q, di_kv_disk_read_job *job) {
     pthread_mutex_lock(&q->mu);
-    if (q->rjob) q->rabort = true;
-    pthread_cond_broadcast(&q->cv_read);
+    if (job->busy && q->rq[q->rq_first] != job) { // queued: it leaves the queue, never started
+        int32_t i = 0;
+        while (q->rq[(q->rq_first + i) % DI_KV_DISK_IO_MAX_READS] != job) i++;
+        for (; i + 1 < q->rq_n; i++)
+            q->rq[(q->rq_first + i) % DI_KV_DISK_IO_MAX_READS] =
+                q->rq[(q->rq_first + i + 1) % DI_KV_DISK_IO_MAX_READS];
+        q->rq_n--;
+        job->busy = false;
+        job->submit_us = job->done_us = mono_us();
+        pthread_cond_broadcast(&q->cv_room);
+    } else if (job->busy) { // running, or first and about to (even while held): stops short
+        job->stop = true;
+        pthread_cond_broadcast(&q->cv_read);
+    }
     pthread_mutex_unlock(&q->mu);
 }
 
-void di_kv_disk_io_read_wait(di_kv_disk_io *q) {
+void di_kv_disk_io_read_wait(di_kv_disk_io *q, const di_kv_disk_read_job *job) {
     pthread_mutex_lock(&q->mu);
-    while (q->rjob) pthread_cond_wait(&q->cv_room, &q->mu);
+    while (job->busy) pthread_cond_wait(&q->cv_room, &q->mu);
     pthread_mutex_unlock(&q->mu);
 }
 

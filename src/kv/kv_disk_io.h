@@ -14,15 +14,19 @@
  * lookup that tries the queue first and the store second never misses a record in between.
  * Errors of the IO thread are counted and logged by kv_disk (n_write_errors); it never stops.
  *
- * Reads (the admission prefetch, docs/kv-cache.md, "Disk tier"): a read thread of its own runs one
- * read job at a time: a chain of block records (each from the queue, else from the store) into
- * memory the submitter reserved (pool blocks: kv_manager.c), verified, and one record's tail
- * snapshot. Its own thread, so a backlog of 28.6 MiB snapshot writes never delays an admission's
- * reads. The job is the submitter's memory, which it does not touch until the job is done (or
- * the queue destroyed); the read thread never sees a request.
+ * Reads (the admission prefetches, docs/kv-cache.md, "Disk tier"): a read thread of its own runs
+ * read jobs one after another, oldest first, from a queue of up to DI_KV_DISK_IO_MAX_READS: each
+ * a chain of block records (each from the queue, else from the store) into memory the submitter
+ * reserved (pool blocks: kv_manager.c), verified, and one record's tail snapshot. Its own thread,
+ * so a backlog of 28.6 MiB snapshot writes never delays an admission's reads; one thread, because
+ * the store serialises its readers anyway (kv_disk.h), and a queue, so that the reads of several
+ * waiting requests follow each other without a gap while the engine admits the first. A job is
+ * the submitter's memory, which it does not touch until the job is done (or the queue destroyed);
+ * the read thread never sees a request.
  *
- * Owns: the IO and read threads, the staging ring and the descriptor array (sized at create: no
- * allocation afterwards). Borrows the store (it must outlive the queue) and the read job.
+ * Owns: the IO and read threads, the staging ring, the descriptor array and the read queue (sized
+ * at create: no allocation afterwards). Borrows the store (it must outlive the queue) and the read
+ * jobs.
  * Thread-safety: put, read, find, drain, hold, the read job calls and stats from any thread, under
  * the queue's mutex; one producer thread (the engine thread) at a time.
  */
@@ -102,22 +106,28 @@ typedef struct di_kv_disk_read_job {
     int64_t bytes_read;         // their payload and snapshot bytes
     int64_t read_us;            // the read thread's time on the job
     int64_t submit_us, done_us; // CLOCK_MONOTONIC microseconds
+    // The queue's state of the job (under its mutex): submitted and not done; asked to stop.
+    bool busy, stop;
 } di_kv_disk_read_job;
+
+// Read jobs queued or running at most.
+#define DI_KV_DISK_IO_MAX_READS 64
 
 // Called on the read thread when a job is done (no lock of the queue held): wakes the submitter.
 typedef void (*di_kv_disk_io_notify_fn)(void *user);
 // Before any job: the function called when one is done (NULL: none).
 void di_kv_disk_io_set_notify(di_kv_disk_io *q, di_kv_disk_io_notify_fn fn, void *user);
-// Hands job (borrowed until done) to the read thread. DI_ERR_BUSY: a job is in flight (one at a
-// time).
+// Queues job (borrowed until done) for the read thread, after the jobs queued before it.
+// DI_ERR_BUSY: the job is not done yet, or DI_KV_DISK_IO_MAX_READS jobs are queued or running.
 di_status di_kv_disk_io_read_submit(di_kv_disk_io *q, di_kv_disk_read_job *job);
-// Whether the job submitted last is done (then its memory is the submitter's again; also true
-// when none was submitted).
-bool di_kv_disk_io_read_done(di_kv_disk_io *q);
-// The job in flight stops before its next record (n_ok: the blocks done so far), held or not; it is
-// done soon (at most one record's read later).
-void di_kv_disk_io_read_abort(di_kv_disk_io *q);
-// Blocks until the job submitted last is done (at once when none is in flight).
-void di_kv_disk_io_read_wait(di_kv_disk_io *q);
+// Whether job is done (then its memory is the submitter's again; also true when it was never
+// submitted).
+bool di_kv_disk_io_read_done(di_kv_disk_io *q, const di_kv_disk_read_job *job);
+// Job stops: a queued one leaves the queue done at once (n_ok 0), a running one before its next
+// record (n_ok: the blocks done so far), held or not, so it is done soon (at most one record's
+// read later). Nothing when it is done.
+void di_kv_disk_io_read_abort(di_kv_disk_io *q, di_kv_disk_read_job *job);
+// Blocks until job is done (at once when it is).
+void di_kv_disk_io_read_wait(di_kv_disk_io *q, const di_kv_disk_read_job *job);
 // Test hook: while held, the read thread starts no job and reads no further record.
 void di_kv_disk_io_hold_reads(di_kv_disk_io *q, bool hold);

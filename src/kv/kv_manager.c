@@ -229,7 +229,8 @@ fail:
 
 // ---- disk prefetch: state ----
 
-// The one prefetch (kv_manager.h, di_kv_prefetch). Arrays sized at open_disk for max_blocks.
+// One prefetch (kv_manager.h, di_kv_prefetch): kv->pf[0, n_pf). Arrays sized at open_disk for
+// max_blocks.
 struct di_kv_prefetch {
     di_kv_disk_read_job job; // the read thread's while in flight
     bool active;             // ids[0, n) are held (in flight, or done and not yet taken)
@@ -246,14 +247,18 @@ struct di_kv_prefetch {
 };
 typedef struct di_kv_prefetch prefetch;
 
-static void prefetch_free(prefetch *pf) {
-    if (!pf) return;
-    di_free(pf->ids);
-    di_free(pf->hash);
-    di_free(pf->tokens);
-    di_free(pf->dst);
-    di_free(pf->snap);
-    di_free(pf);
+static void prefetches_free(di_kv_manager *kv) {
+    for (int32_t i = 0; kv->pf && i < kv->n_pf; i++) {
+        prefetch *pf = &kv->pf[i];
+        di_free(pf->ids);
+        di_free(pf->hash);
+        di_free(pf->tokens);
+        di_free(pf->dst);
+        di_free(pf->snap);
+    }
+    di_free(kv->pf);
+    kv->pf = NULL;
+    kv->n_pf = 0;
 }
 
 void di_kv_manager_destroy(di_kv_manager *kv) {
@@ -267,10 +272,10 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
         }
     }
     di_free(kv->seqs);
-    // Writes what is queued (the store outlives it) and stops a read job in flight before the pool
-    // its blocks belong to goes.
+    // Writes what is queued (the store outlives it) and stops the read jobs before the pool their
+    // blocks belong to goes.
     di_kv_disk_io_destroy(kv->disk_io);
-    prefetch_free(kv->pf);
+    prefetches_free(kv);
     di_kv_disk_destroy(kv->disk);
     di_prefix_cache_destroy(kv->cache);
     di_tail_cache_destroy(kv->tails);
@@ -310,13 +315,16 @@ static void spill(void *user, uint64_t h, uint64_t parent, uint64_t salt, const 
     (void)write_back(user, h, parent, salt, tokens, id, false);
 }
 
-// The prefetch's snapshot staging (disk tier and tail snapshots both open; once).
+// The prefetches' snapshot staging (disk tier and tail snapshots both open; once).
 static di_status prefetch_stage(di_kv_manager *kv) {
-    prefetch *pf = kv->pf;
-    pf->snap_bytes = di_tail_cache_snap_bytes(kv->tails);
-    // calloc: its pages cost memory once a snapshot is first read back.
-    pf->snap = di_calloc(pf->snap_bytes, 1);
-    return pf->snap ? DI_OK : DI_ERR_NOMEM;
+    for (int32_t i = 0; i < kv->n_pf; i++) {
+        prefetch *pf = &kv->pf[i];
+        pf->snap_bytes = di_tail_cache_snap_bytes(kv->tails);
+        // calloc: its pages cost memory once a snapshot is first read back into it.
+        pf->snap = di_calloc(pf->snap_bytes, 1);
+        if (!pf->snap) return DI_ERR_NOMEM;
+    }
+    return DI_OK;
 }
 
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o) {
@@ -330,6 +338,12 @@ di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o
         return DI_ERR_INVALID;
     }
     DI_ASSERT(!kv->disk && kv->entry_floats > 0);
+    const int32_t n_pf = o->prefetches ? o->prefetches : DI_KV_DISK_PREFETCHES_DEFAULT;
+    if (n_pf < 1 || n_pf > DI_KV_DISK_IO_MAX_READS) {
+        DI_LOG_ERROR("kv disk: %d concurrent prefetches (--kv-disk-prefetches): 1 to %d", (int)n_pf,
+                     (int)DI_KV_DISK_IO_MAX_READS);
+        return DI_ERR_INVALID;
+    }
     const di_kv_disk_layout l = record_layout(kv);
     di_status st = di_kv_disk_create(o, &l, &kv->disk);
     if (st != DI_OK) return st;
@@ -340,28 +354,31 @@ di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o
         return st;
     }
     di_prefix_cache_set_spill(kv->cache, spill, kv);
-    prefetch *pf = kv->pf = di_calloc(1, sizeof *pf);
+    kv->pf = di_calloc((size_t)n_pf, sizeof *kv->pf);
+    bool ok = kv->pf != NULL;
     const size_t nb = (size_t)kv->max_blocks;
-    if (pf) {
-        pf->budget_bytes = o->read_bytes ? o->read_bytes : DI_KV_DISK_READ_BYTES_DEFAULT;
+    const size_t budget = o->read_bytes ? o->read_bytes : DI_KV_DISK_READ_BYTES_DEFAULT;
+    for (int32_t i = 0; ok && i < n_pf; i++) {
+        prefetch *pf = &kv->pf[i];
+        kv->n_pf = i + 1;
+        pf->budget_bytes = budget;
         pf->ids = di_malloc(sizeof(int32_t) * nb);
         pf->hash = di_malloc(sizeof(uint64_t) * nb);
         pf->tokens = di_malloc(sizeof(int32_t) * nb * (size_t)kv->block_tokens);
         pf->dst = di_calloc(nb, sizeof(float *));
+        ok = pf->ids && pf->hash && pf->tokens && pf->dst;
     }
-    if (!pf || !pf->ids || !pf->hash || !pf->tokens || !pf->dst ||
-        (kv->tails && prefetch_stage(kv) != DI_OK)) {
+    if (!ok || (kv->tails && prefetch_stage(kv) != DI_OK)) {
         di_kv_disk_io_destroy(kv->disk_io);
         kv->disk_io = NULL;
-        prefetch_free(kv->pf);
-        kv->pf = NULL;
+        prefetches_free(kv);
         di_kv_disk_destroy(kv->disk);
         kv->disk = NULL;
         return DI_ERR_NOMEM;
     }
-    DI_LOG_INFO("kv disk: admission reads go through the read thread, %.1f MiB of pool blocks at "
-                "most per prefetch",
-                (double)pf->budget_bytes / (1 << 20));
+    DI_LOG_INFO("kv disk: admission reads go through the read thread, %d prefetches at once, "
+                "%.1f MiB of pool blocks at most per prefetch",
+                (int)n_pf, (double)budget / (1 << 20));
     return DI_OK;
 }
 
@@ -585,8 +602,7 @@ static int64_t mono_us(void) {
 // The done job's read blocks go into the prefix cache (a block another sequence cached meanwhile
 // is used instead of the copy), its snapshot into the tail cache; the chain is cut to the blocks
 // read or held (a failed read leaves the rest to compute). Once per job.
-static void prefetch_collect(di_kv_manager *kv) {
-    prefetch *pf = kv->pf;
+static void prefetch_collect(di_kv_manager *kv, prefetch *pf) {
     if (pf->collected) return;
     const di_kv_disk_read_job *j = &pf->job;
     const int32_t B = kv->block_tokens;
@@ -615,29 +631,66 @@ static void prefetch_collect(di_kv_manager *kv) {
     pf->collected = true;
 }
 
+// Collects every prefetch whose job is done: its blocks are in the prefix cache from now on, so
+// another request's prompt over the same blocks finds them in memory (they stay held for their
+// own request until it is admitted or leaves).
+static void prefetch_collect_done(di_kv_manager *kv) {
+    for (int32_t i = 0; i < kv->n_pf; i++) {
+        prefetch *pf = &kv->pf[i];
+        if (pf->active && !pf->collected && di_kv_disk_io_read_done(kv->disk_io, &pf->job))
+            prefetch_collect(kv, pf);
+    }
+}
+
 // Returns every block the prefetch holds (cached ones stay cached, idle) and ends it.
-static void prefetch_release(di_kv_manager *kv) {
-    prefetch *pf = kv->pf;
+static void prefetch_release(di_kv_manager *kv, prefetch *pf) {
     for (int32_t i = 0; i < pf->n; i++) di_block_pool_unref(kv->pool, pf->ids[i]);
     pf->n = 0;
     pf->active = false;
 }
 
-// Starts the prefetch of the chain of prompt (n_max blocks at most): its blocks in memory are
-// referenced, fresh ones reserved for those queued or on disk (up to the budget). Whether a job was
-// submitted (false: nothing to read, or no room to).
-static bool prefetch_start(di_kv_manager *kv, uint64_t id, uint64_t salt, const int32_t *prompt,
-                           int32_t n_max) {
-    prefetch *pf = kv->pf;
+// Request id's prefetch (NULL: none).
+static prefetch *prefetch_of(const di_kv_manager *kv, uint64_t id) {
+    for (int32_t i = 0; i < kv->n_pf; i++)
+        if (kv->pf[i].active && kv->pf[i].req_id == id) return &kv->pf[i];
+    return NULL;
+}
+
+// Whether a prefetch not yet collected reads the record of chain hash h.
+static bool being_read(const di_kv_manager *kv, uint64_t h) {
+    for (int32_t i = 0; i < kv->n_pf; i++) {
+        const prefetch *pf = &kv->pf[i];
+        if (!pf->active || pf->collected) continue;
+        for (int32_t k = 0; k < pf->n; k++)
+            if (pf->dst[k] && pf->hash[k] == h) return true;
+    }
+    return false;
+}
+
+typedef enum { PF_NOTHING, PF_STARTED, PF_OTHER } pf_start;
+
+// Starts prefetch pf (idle) of the chain of prompt (n_max blocks at most): its blocks in memory
+// are referenced, fresh ones reserved for those queued or on disk, up to the budget, and so that
+// all prefetches together hold at most half of the pool blocks available to them (the rest is
+// room for the running requests; the blocks they reference count, whatever else holds them).
+// PF_NOTHING: nothing to read, or no room to while no other prefetch holds blocks; PF_OTHER: the
+// chain's next record is being read by another request's prefetch (it is in memory once that
+// one is done, and the chain's probe goes on from there), or there is no room while other
+// prefetches hold blocks (a request that cannot read its blocks now should not compute them all
+// either: the room comes back once their requests are admitted).
+static pf_start prefetch_start(di_kv_manager *kv, prefetch *pf, uint64_t id, uint64_t salt,
+                               const int32_t *prompt, int32_t n_max) {
     const int32_t B = kv->block_tokens;
     const size_t bb = di_block_pool_block_bytes(kv->pool);
     size_t budget = pf->budget_bytes;
     const bool snap_fits = pf->snap_bytes && budget >= pf->snap_bytes + bb;
     if (snap_fits) budget -= pf->snap_bytes;
-    int32_t cap = (int32_t)(budget / bb);
-    const int32_t half = di_block_pool_n_available(kv->pool) / 2; // room for running requests
+    int32_t cap = (int32_t)(budget / bb), held = 0;
+    for (int32_t i = 0; i < kv->n_pf; i++) held += kv->pf[i].active ? kv->pf[i].n : 0;
+    const int32_t half = (di_block_pool_n_available(kv->pool) + held) / 2 - held;
     if (cap > half) cap = half;
     int32_t n = 0, n_read = 0, snap_block = -1;
+    bool other = false;
     uint64_t h = 0;
     while (n < n_max) {
         const int32_t *t = prompt + (int64_t)n * B;
@@ -649,9 +702,15 @@ static bool prefetch_start(di_kv_manager *kv, uint64_t id, uint64_t salt, const 
         } else {
             size_t qsb = 0;
             const bool queued = di_kv_disk_io_find(kv->disk_io, hn, &qsb);
-            if (n_read >= cap || (!queued && !di_kv_disk_has(kv->disk, hn)) ||
-                di_block_pool_alloc(kv->pool, &bid) != DI_OK)
+            if (!queued && !di_kv_disk_has(kv->disk, hn)) break;
+            // Never read twice: wait for the other read. No room: wait while another prefetch
+            // holds blocks (they are its request's once it is admitted, and the room is
+            // measured again), else compute.
+            const bool reading = being_read(kv, hn);
+            if (reading || n_read >= cap || di_block_pool_alloc(kv->pool, &bid) != DI_OK) {
+                other = n_read == 0 && (reading || held > 0);
                 break;
+            }
             dst = di_block_pool_ptr(kv->pool, bid);
             const size_t rsb = queued ? qsb : di_kv_disk_snap_bytes(kv->disk, hn);
             if (snap_fits && rsb == pf->snap_bytes) snap_block = n; // the deepest one wins
@@ -664,12 +723,11 @@ static bool prefetch_start(di_kv_manager *kv, uint64_t id, uint64_t salt, const 
         n++;
         h = hn;
     }
-    pf->n = n;
-    if (n_read == 0) { // all in memory (attach finds them), or no room to read
+    if (n_read == 0) { // all in memory (attach finds them), no room to read, or read by another
         for (int32_t i = 0; i < n; i++) di_block_pool_unref(kv->pool, pf->ids[i]);
-        pf->n = 0;
-        return false;
+        return other ? PF_OTHER : PF_NOTHING;
     }
+    pf->n = n;
     pf->active = true;
     pf->collected = false;
     pf->req_id = id;
@@ -684,9 +742,9 @@ static bool prefetch_start(di_kv_manager *kv, uint64_t id, uint64_t salt, const 
                                     .snap = pf->snap,
                                     .snap_bytes = pf->snap_bytes};
     di_status st = di_kv_disk_io_read_submit(kv->disk_io, &pf->job);
-    DI_ASSERT(st == DI_OK); // one job at a time, and only this thread submits
+    DI_ASSERT(st == DI_OK); // n_pf <= DI_KV_DISK_IO_MAX_READS jobs, each idle when started
     kv->n_prefetch_started++;
-    return true;
+    return PF_STARTED;
 }
 
 // Whether prompt's chain continues beyond memory with a record queued or on disk (no file read).
@@ -705,41 +763,55 @@ static bool on_disk(di_kv_manager *kv, uint64_t salt, const int32_t *prompt, int
 
 di_kv_prefetch_state di_kv_prefetch(di_kv_manager *kv, uint64_t id, uint64_t salt,
                                     const int32_t *prompt, int32_t n_max_tokens) {
-    prefetch *pf = kv->pf;
-    if (!pf || n_max_tokens < kv->block_tokens) return DI_KV_PREFETCH_READY;
+    if (!kv->pf || n_max_tokens < kv->block_tokens) return DI_KV_PREFETCH_READY;
     const int64_t t0 = mono_us();
+    prefetch_collect_done(kv);
     di_kv_prefetch_state ps = DI_KV_PREFETCH_READY;
     const int32_t n_max = n_max_tokens / kv->block_tokens;
-    if (pf->active && pf->req_id == id) {
-        if (di_kv_disk_io_read_done(kv->disk_io))
-            prefetch_collect(kv); // done: attach takes it
-        else
+    prefetch *pf = prefetch_of(kv, id);
+    if (pf) {
+        if (!pf->collected) ps = DI_KV_PREFETCH_WAIT; // done: attach takes it
+    } else if (on_disk(kv, salt, prompt, n_max)) {
+        for (int32_t i = 0; i < kv->n_pf && !pf; i++)
+            if (!kv->pf[i].active) pf = &kv->pf[i];
+        // Every prefetch busy: wait for one; else start this one (or wait for the read of its
+        // next block by another request's).
+        if (!pf || prefetch_start(kv, pf, id, salt, prompt, n_max) != PF_NOTHING)
             ps = DI_KV_PREFETCH_WAIT;
-    } else if (pf->active) { // one at a time: another request's holds it
-        if (on_disk(kv, salt, prompt, n_max)) ps = DI_KV_PREFETCH_WAIT;
-    } else if (on_disk(kv, salt, prompt, n_max) && prefetch_start(kv, id, salt, prompt, n_max)) {
-        ps = DI_KV_PREFETCH_WAIT;
     }
     kv->prefetch_engine_us += mono_us() - t0;
     return ps;
 }
 
 int32_t di_kv_prefetch_held(const di_kv_manager *kv, uint64_t id) {
-    const prefetch *pf = kv->pf;
-    return pf && pf->active && pf->collected && pf->req_id == id ? pf->n : 0;
+    const prefetch *pf = prefetch_of(kv, id);
+    return pf && pf->collected ? pf->n : 0;
 }
 
 void di_kv_prefetch_drop(di_kv_manager *kv, uint64_t id) {
-    prefetch *pf = kv->pf;
-    if (!pf || !pf->active || pf->req_id != id) return;
+    prefetch *pf = prefetch_of(kv, id);
+    if (!pf) return;
     const int64_t t0 = mono_us();
     // The read thread writes into the held blocks until the job is done: stop it and wait (one
-    // record at most), then keep what it read (cached, idle) and return the rest.
-    di_kv_disk_io_read_abort(kv->disk_io);
-    di_kv_disk_io_read_wait(kv->disk_io);
-    prefetch_collect(kv);
-    prefetch_release(kv);
+    // record at most; a queued job leaves the queue at once), then keep what it read (cached,
+    // idle) and return the rest.
+    di_kv_disk_io_read_abort(kv->disk_io, &pf->job);
+    di_kv_disk_io_read_wait(kv->disk_io, &pf->job);
+    prefetch_collect(kv, pf);
+    prefetch_release(kv, pf);
     kv->prefetch_engine_us += mono_us() - t0;
+}
+
+int32_t di_kv_prefetch_yield(di_kv_manager *kv, uint64_t id) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < kv->n_pf; i++) {
+        const prefetch *pf = &kv->pf[i];
+        if (!pf->active || pf->req_id == id) continue;
+        const int32_t before = di_block_pool_n_available(kv->pool);
+        di_kv_prefetch_drop(kv, pf->req_id);
+        n += di_block_pool_n_available(kv->pool) - before;
+    }
+    return n;
 }
 
 // ---- sequences ----
@@ -852,11 +924,10 @@ int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, uint64_t id, co
     // block may have outlived an evicted one). The blocks matched so far are referenced, so
     // nothing here evicts them; nothing here reads a file.
     int32_t n_disk = 0;
-    prefetch *pf = kv->pf;
-    if (pf && pf->active && pf->req_id == id && pf->salt == s->salt &&
-        di_kv_disk_io_read_done(kv->disk_io)) {
+    prefetch *pf = kv->pf ? prefetch_of(kv, id) : NULL;
+    if (pf && pf->salt == s->salt && di_kv_disk_io_read_done(kv->disk_io, &pf->job)) {
         const int64_t t0 = mono_us();
-        prefetch_collect(kv);
+        prefetch_collect(kv, pf);
         const int32_t n_pf = pf->n < n_max ? pf->n : n_max;
         for (; n < n_pf; n++) {
             const int32_t *t = prompt + (int64_t)n * B;
@@ -872,7 +943,7 @@ int32_t di_kv_seq_attach_prefix(di_kv_manager *kv, int32_t slot, uint64_t id, co
         // are cached since the prefetch was collected).
         for (int32_t i = 0; i < n && i < pf->n; i++)
             n_disk += pf->dst[i] != NULL && s->blocks[i] == pf->ids[i];
-        prefetch_release(kv); // the sequence holds its own references now
+        prefetch_release(kv, pf); // the sequence holds its own references now
         kv->prefetch_engine_us += mono_us() - t0;
     }
     while (kv->disk && n < n_max) {

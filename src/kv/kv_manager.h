@@ -91,7 +91,8 @@ typedef struct di_kv_manager {
     di_kv_disk_io *disk_io;    // owned: the disk tier's write queue (with disk)
     di_tail_cache *tails;      // owned; NULL without tail snapshots (di_kv_manager_open_tails)
     int64_t n_disk_hit_tokens; // prompt tokens attached from blocks read from the disk tier
-    struct di_kv_prefetch *pf; // owned (with disk): the one disk prefetch (di_kv_prefetch)
+    struct di_kv_prefetch *pf; // owned [n_pf] (with disk): the disk prefetches (di_kv_prefetch)
+    int32_t n_pf;
     // Disk prefetches: started, done (collected); records and bytes the read thread read for
     // them and its time; this thread's time probing, starting and collecting them (no file IO).
     int64_t n_prefetch_started, n_prefetch_done, n_prefetch_blocks, prefetch_bytes;
@@ -133,20 +134,23 @@ void di_kv_manager_destroy(di_kv_manager *kv);
 // another engine's), DI_ERR_NOMEM; all logged.
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o);
 // ---- disk prefetch (docs/kv-cache.md, "Disk tier") ----
-// One prefetch at a time: the chain of a waiting request's prompt that continues beyond memory
-// with records queued for writing or on disk. Its in-memory blocks are referenced, fresh pool
-// blocks are reserved for the others (at most kv_disk_read_bytes of them, and half the available
-// pool), and the read thread reads the records into them (verified: the first miss or bad record
-// ends the chain), with the tail snapshot of the deepest one that has one into a staging buffer.
-// Once done, the read blocks go into the prefix cache (the snapshot into the tail cache), held for
-// the request until di_kv_seq_attach_prefix takes them.
+// Up to di_kv_disk_options.prefetches at once, one per waiting request: the chain of its prompt
+// that continues beyond memory with records queued for writing or on disk. Its in-memory blocks
+// are referenced, fresh pool blocks are reserved for the others (at most kv_disk_read_bytes of
+// them, and all prefetches together at most half of the pool blocks available to them), and the
+// read thread reads the records into them (verified: the first miss or bad record ends the chain),
+// with the tail snapshot of the deepest one that has one into a staging buffer; the jobs queue
+// there, oldest first. A record another request's prefetch is reading is never read twice: that
+// request waits for it. Once done (seen at the next probe of any request), the read blocks go into
+// the prefix cache (the snapshot into the tail cache), held for the request until
+// di_kv_seq_attach_prefix takes them.
 typedef enum di_kv_prefetch_state {
     DI_KV_PREFETCH_READY = 0, // attach now: nothing to read (or too little room to), or read
-    DI_KV_PREFETCH_WAIT,      // its prefetch runs (maybe started just now), or another one does
+    DI_KV_PREFETCH_WAIT,      // its prefetch runs (maybe started just now), or it waits for one
 } di_kv_prefetch_state;
 // Whether request id's prompt (salt; its first n_max_tokens tokens) can be attached now; starts its
-// prefetch when its chain continues on disk and none runs. Probing reads no file (the index and
-// the queue only). READY without a disk tier.
+// prefetch when its chain continues on disk and a prefetch is free. Probing reads no file (the
+// index and the queue only). READY without a disk tier.
 di_kv_prefetch_state di_kv_prefetch(di_kv_manager *kv, uint64_t id, uint64_t salt,
                                     const int32_t *prompt, int32_t n_max_tokens);
 // Pool blocks held for request id by its done prefetch (0: none): its admission takes them.
@@ -155,6 +159,11 @@ int32_t di_kv_prefetch_held(const di_kv_manager *kv, uint64_t id);
 // is waited for: at most one record), its blocks read so far stay in the prefix cache, idle, and
 // every block it held is returned.
 void di_kv_prefetch_drop(di_kv_manager *kv, uint64_t id);
+// Request id, next to be admitted, finds no room while nothing runs: every other request's
+// prefetch is dropped (as by di_kv_prefetch_drop; their blocks read stay cached, idle, so
+// available; their requests probe again later). Returns the pool blocks that became available.
+// Prefetches of requests behind id must not keep id from ever being admitted.
+int32_t di_kv_prefetch_yield(di_kv_manager *kv, uint64_t id);
 
 // Writes the cached blocks not yet on disk (nor queued) there, or whose record lacks the tail
 // snapshot they have now (orderly shutdown, so that a restart finds them): most recently used

@@ -116,8 +116,8 @@ static int64_t mono_us(void) {
 }
 
 // The best waiting request that can be attached now. One whose prompt continues on disk waits
-// (skipped by this plan) while its prefetch runs (started here when none does; kv_manager.h,
-// di_kv_prefetch): the others are admitted meanwhile, in the same order.
+// (skipped by this plan) while its prefetch runs (started here when a prefetch is free;
+// kv_manager.h, di_kv_prefetch): the others are admitted meanwhile, in the same order.
 static di_request *next_ready(di_sched *s) {
     for (;;) {
         di_request *r = best_waiting(s);
@@ -323,8 +323,11 @@ static bool ends_by_length(const di_sched *s, const di_request *r) {
 // count as free: they are its own).
 static bool room_for(const di_sched *s, const di_request *r, int32_t budget) {
     const int32_t n_tok = di_request_n_tokens(r);
-    return di_block_pool_n_available(s->kv->pool) + di_kv_prefetch_held(s->kv, r->id) >=
-           di_kv_blocks_for(s->kv, budget < n_tok ? budget : n_tok);
+    const int32_t need = di_kv_blocks_for(s->kv, budget < n_tok ? budget : n_tok);
+    // Held blocks stand in for entry blocks only: the tail blocks are always fresh.
+    int32_t held = di_kv_prefetch_held(s->kv, r->id);
+    if (held > need - s->kv->n_tail) held = need - s->kv->n_tail;
+    return di_block_pool_n_available(s->kv->pool) + held >= need;
 }
 
 // The best waiting request finds no slot or no blocks while running requests of a worse priority
@@ -388,9 +391,14 @@ static void step_once(di_sched *s) {
         di_request *r = next_ready(s);
         if (!r) break; // every waiting request waits for a disk prefetch
         int32_t n_tok = di_request_n_tokens(r);
-        if (!room_for(s, r, budget)) break;
         int32_t slot = s->free_slots[s->n_free_slots - 1];
-        if (di_kv_seq_open(s->kv, slot, r->salt) != DI_OK) break;
+        if (!room_for(s, r, budget) || di_kv_seq_open(s->kv, slot, r->salt) != DI_OK) {
+            // Nothing runs (so nothing frees blocks) and the prefetches of requests behind r
+            // hold some: they yield them to r, which is tried again.
+            if (s->n_running == 0 && s->n_seq == 0 && di_kv_prefetch_yield(s->kv, r->id) > 0)
+                continue;
+            break;
+        }
         s->n_free_slots--;
         unlink_waiting(s, r);
         (*tenant_slot(s, r->tenant))++;

@@ -16,7 +16,10 @@
 // another one is admitted, steps and finishes; released, it is admitted with its cached tokens
 // counted, no replay (its snapshot came back) and the output of an engine without any cache; a
 // request cancelled while its prefetch is held returns every block; a read budget of three blocks
-// reads three blocks at most (the rest is computed, the output still identical).
+// reads three blocks at most (the rest is computed, the output still identical); several
+// prefetches at once (two chains read, a request over a chain being read waits for that read),
+// one at a time with kv_disk_prefetches 1, and a pool so small that what prefetches hold would
+// keep the next request out for good (they yield): every output identical.
 #include "harness.h"
 
 #include <fcntl.h>
@@ -227,6 +230,8 @@ static void test_eviction_write_back(void) {
     // The smallest pool the engine accepts: one sequence of max_ctx positions (test_engine.c).
     di_engine *e = engine(64u << 20, NULL, false);
     if (!e) return;
+    static result ref_other; // g_other on an engine without any cache
+    run(e, g_other, N_OTHER, false, MAX_GEN, &ref_other);
     di_engine_get_stats(e, &st);
     di_engine_destroy(e);
     const size_t tiny = (size_t)st.block_bytes * (size_t)(16 + N_CTX / st.block_tokens);
@@ -350,6 +355,8 @@ static void test_io_thread(void) {
     di_engine_stats st;
     di_engine *e = engine(64u << 20, NULL, false);
     if (!e) return;
+    static result ref_other; // g_other on an engine without any cache
+    run(e, g_other, N_OTHER, false, MAX_GEN, &ref_other);
     di_engine_get_stats(e, &st);
     di_engine_destroy(e);
     const size_t tiny = (size_t)st.block_bytes * (size_t)(16 + N_CTX / st.block_tokens);
@@ -469,6 +476,8 @@ static void test_read_thread(void) {
     di_engine_stats st;
     di_engine *e = engine(64u << 20, NULL, false);
     if (!e) return;
+    static result ref_other; // g_other on an engine without any cache
+    run(e, g_other, N_OTHER, false, MAX_GEN, &ref_other);
     di_engine_get_stats(e, &st);
     di_engine_destroy(e);
     const size_t tiny = (size_t)st.block_bytes * (size_t)(16 + N_CTX / st.block_tokens);
@@ -552,6 +561,55 @@ static void test_read_thread(void) {
     CHECK_EQ(r.n_cached, st.n_disk_prefetch_blocks * bt);
     CHECK_EQ(st.n_disk_hit_tokens, r.n_cached);
     di_engine_destroy(e);
+
+    // Prefetches at once, reads held. k = 0: default 4, a pool of three tiny ones: g_p2's and
+    // g_other's chains (both on disk only after the restart) get one each; g_p2 again waits for
+    // the first one's read (a record is read once: no third prefetch). k = 1: one prefetch at a
+    // time: g_other waits for a free one. g_short, submitted last, is admitted past all three (so
+    // they were all probed) and finishes. Released: every output is exact, the second g_p2
+    // attached the blocks the first one's prefetch read. k = 2: as k = 0 on the tiny pool, where
+    // what the prefetches hold leaves the request next in line too few blocks once g_p2 has run
+    // (without di_kv_prefetch_yield nothing would ever be admitted again): every output exact.
+    static held_result c, s;
+    uint64_t idc, ids;
+    for (int k = 0; k < 3; k++) {
+        o = options(k == 2 ? tiny : 3 * tiny, disk);
+        o.kv_disk_prefetches = k == 1 ? 1 : 0;
+        CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+        if (!e) return;
+        di_engine_kv_disk_hold_reads(e, true);
+        submit_held(e, g_p2, N_P2, &a, &ida);
+        submit_held(e, g_other, N_OTHER, &b, &idb);
+        submit_held(e, g_p2, N_P2, &c, &idc);
+        wait_prefetches(e, k == 1 ? 1 : 2);
+        // A short prompt on no disk (the engines before flushed g_short there).
+        for (int t = 0; t < N_SHORT; t++) g_short[t] = (int32_t)((t * 71 + 3 + 101 * (k + 1)) % V);
+        submit_held(e, g_short, N_SHORT, &s, &ids);
+        CHECK(wait_done(&s));
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_disk_prefetches, k == 1 ? 1 : 2);
+        CHECK_EQ(st.n_disk_prefetches_done, 0);
+        CHECK_EQ(st.n_waiting, 3);
+        di_engine_kv_disk_hold_reads(e, false);
+        CHECK(wait_done(&a) && wait_done(&b) && wait_done(&c));
+        CHECK(same(&a.r, &g_ref[0]));
+        CHECK(same(&c.r, &g_ref[0]));
+        CHECK(same(&b.r, &ref_other));
+        CHECK(a.r.n_cached > 0 && b.r.n_cached > 0);
+        di_engine_wait_idle(e);
+        check_clean(e, &st);
+        if (k < 2) {
+            CHECK_EQ(c.r.n_cached, a.r.n_cached);
+            CHECK_EQ(st.n_disk_prefetches, 2);
+            CHECK_EQ(st.n_disk_prefetches_done, 2);
+        }
+        fprintf(stderr,
+                "prefetches at once %d, pool %d blocks: %lld blocks read for 3 requests over 2 "
+                "chains; cached tokens %d, %d, %d\n",
+                k == 1 ? 1 : 4, (int)st.n_blocks_total, (long long)st.n_disk_prefetch_blocks,
+                (int)a.r.n_cached, (int)b.r.n_cached, (int)c.r.n_cached);
+        di_engine_destroy(e);
+    }
 }
 
 int main(void) {

@@ -805,15 +805,35 @@ static void test_read_job(void) {
                              .snap_block = 1,
                              .snap = sback,
                              .snap_bytes = sizeof sback};
-    // Reads held: the job waits (a second one is refused meanwhile); released, it runs.
+    // Reads held: the job waits (submitting it again is refused meanwhile), and so do two jobs
+    // queued behind it: one aborted while queued is done at once without a read (the running
+    // one is not disturbed); released, the others run in order.
+    float o_back[N][NF];
+    float *o_dst[N] = {o_back[0], o_back[1], NULL, NULL, NULL};
+    di_kv_disk_read_job j2 = {
+        .salt = 5, .n = 2, .hash = hash, .tokens = tok, .dst = o_dst, .snap_block = -1};
+    di_kv_disk_read_job j3 = j2;
     di_kv_disk_io_hold_reads(q, true);
     CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_OK);
     CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_ERR_BUSY);
+    CHECK_EQ(di_kv_disk_io_read_submit(q, &j2), DI_OK);
+    CHECK_EQ(di_kv_disk_io_read_submit(q, &j3), DI_OK);
     usleep(20000);
-    CHECK(!di_kv_disk_io_read_done(q));
+    CHECK(!di_kv_disk_io_read_done(q, &j));
+    CHECK(!di_kv_disk_io_read_done(q, &j2));
+    di_kv_disk_io_read_abort(q, &j2);
+    CHECK(di_kv_disk_io_read_done(q, &j2));
+    CHECK_EQ(j2.n_ok, 0);
+    CHECK_EQ(j2.n_read, 0);
+    CHECK(!di_kv_disk_io_read_done(q, &j));
     di_kv_disk_io_hold_reads(q, false);
-    di_kv_disk_io_read_wait(q);
-    CHECK(di_kv_disk_io_read_done(q));
+    di_kv_disk_io_read_wait(q, &j3);
+    CHECK(di_kv_disk_io_read_done(q, &j));
+    CHECK(j3.done_us >= j.done_us); // oldest first
+    CHECK_EQ(j3.n_ok, 2);
+    CHECK_EQ(j3.n_read, 2);
+    CHECK(!memcmp(o_back[0], pay[0], sizeof pay[0]));
+    CHECK(!memcmp(o_back[1], pay[1], sizeof pay[1]));
     CHECK_EQ(j.n_ok, 3);
     CHECK_EQ(j.n_read, 3);
     CHECK(j.snap_ok);
@@ -826,7 +846,7 @@ static void test_read_job(void) {
     memcpy(tok + BT, tok, sizeof(int32_t) * BT);
     j.snap_block = -1;
     CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_OK);
-    di_kv_disk_io_read_wait(q);
+    di_kv_disk_io_read_wait(q, &j);
     CHECK_EQ(j.n_ok, 1);
     CHECK_EQ(j.n_read, 0);
     CHECK(!j.snap_ok);
@@ -835,15 +855,19 @@ static void test_read_job(void) {
     dst[0] = back[0];
     di_kv_disk_io_hold_reads(q, true);
     CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_OK);
-    di_kv_disk_io_read_abort(q);
-    di_kv_disk_io_read_wait(q);
+    di_kv_disk_io_read_abort(q, &j);
+    di_kv_disk_io_read_wait(q, &j);
     CHECK_EQ(j.n_ok, 0);
     CHECK_EQ(j.n_read, 0);
-    // Destroyed with a job in flight (held): the read thread stops it and is joined.
+    // Destroyed with a job in flight and one queued (held): the read thread stops both and is
+    // joined.
     CHECK_EQ(di_kv_disk_io_read_submit(q, &j), DI_OK);
+    CHECK_EQ(di_kv_disk_io_read_submit(q, &j2), DI_OK);
     di_kv_disk_io_hold(q, false);
     di_kv_disk_io_destroy(q);
     CHECK_EQ(j.n_read, 0);
+    CHECK_EQ(j2.n_read, 0);
+    CHECK(!j.busy && !j2.busy);
     di_kv_disk_destroy(d);
 }
 

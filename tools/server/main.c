@@ -25,7 +25,8 @@ static void usage(FILE *f) {
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
         "                       [--max-batch-tokens 256]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
-        "                       [--kv-disk-queue 256M] [--kv-disk-read 1G]\n"
+        "                       [--kv-disk-queue 256M] [--kv-disk-read 1G] [--kv-disk-prefetches "
+        "4]\n"
         "                       [--tail-cache-mib 256]\n"
         "                       [--cache-isolation none|user] [--fim]\n"
         "                       [--max-body-mib 8] [--timeout 600] [--keepalive 15]\n"
@@ -201,6 +202,9 @@ int di_cli_serve(int argc, char **argv) {
                 fprintf(stderr, "serve: --kv-disk-read takes a size such as 1G, 256M or bytes\n");
                 goto out;
             }
+        } else if (!strcmp(a, "--kv-disk-prefetches") && has) {
+            if (!di_args_int(argv[++i], "--kv-disk-prefetches", 1, 64, &v)) goto out;
+            c->kv_disk_prefetches = (int32_t)v;
         } else if (!strcmp(a, "--tail-cache-mib") && has) {
             if (!di_args_int(argv[++i], "--tail-cache-mib", 0, 1 << 20, &v)) goto out;
             c->tail_cache_bytes = (size_t)v << 20;
@@ -328,6 +332,7 @@ int di_cli_serve(int argc, char **argv) {
     eo.kv_disk_ttl_s = c->kv_disk_ttl_s;
     eo.kv_disk_queue_bytes = c->kv_disk_queue_bytes;
     eo.kv_disk_read_bytes = c->kv_disk_read_bytes;
+    eo.kv_disk_prefetches = c->kv_disk_prefetches;
     eo.tail_cache_bytes = c->tail_cache_bytes;
     eo.no_tail_cache = c->no_tail_cache;
     eo.max_ctx = c->max_ctx;

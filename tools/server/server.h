@@ -92,6 +92,7 @@ typedef struct srv_config {
     // --kv-disk-queue: the disk IO thread's staging; 0: the engine's default (256 MiB)
     size_t kv_disk_queue_bytes;
     size_t kv_disk_read_bytes; // --kv-disk-read: pool bytes one admission prefetch reserves (0: 1G)
+    int32_t kv_disk_prefetches; // --kv-disk-prefetches: admission prefetches at once (0: 4)
     int32_t max_ctx;
     int32_t max_seqs;
     int32_t max_batch_tokens;    // forward rows per step (--max-batch-tokens); 0 = 256
