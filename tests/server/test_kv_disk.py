@@ -45,12 +45,19 @@ def test_disk_tier_survives_restart(tmp_path):
                            env=dict(os.environ, DEEPINFER_HOME=str(tmp_path)))
         assert r.returncode != 0
         assert "in use by another engine" in r.stderr, r.stderr
+        # Prefetches at once: 1 to 64.
+        r = subprocess.run([os.environ["DEEPINFER_BIN"], "serve", "--port", str(free_port()),
+                            "--threads", "1", "--kv-disk-dir", d, "--kv-disk-prefetches", "0"],
+                           capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, DEEPINFER_HOME=str(tmp_path)))
+        assert r.returncode != 0
+        assert "--kv-disk-prefetches" in r.stderr, r.stderr
     finally:
         rc, log = s.stop()
     assert rc == 0, log
     assert "cached blocks written at shutdown" in log, log
 
-    s = Server(["--kv-disk-dir", d, "--kv-disk-read", "64M"])
+    s = Server(["--kv-disk-dir", d, "--kv-disk-read", "64M", "--kv-disk-prefetches", "2"])
     try:
         m = s.metrics()
         assert m["deepinfer:kv_disk_prefetches_total"] == 0
