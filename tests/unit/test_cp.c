@@ -27,52 +27,13 @@
 #include "model/dsv4.h"
 #include "model/synth.h"
 
-enum { V = 512, MAX_W = 3, N_DECODE = 3, CTX = 640 };
+enum { V = 512 }; // before cp_common.h
 
 static char g_root[256], g_v4[300], g_v41[300];
 
-static di_model *load(const char *dir, di_precision prec, const char *workers, int32_t min_tok) {
-    di_model_options o = di_model_options_default();
-    o.n_threads = 1;
-    o.precision = prec;
-    o.cp_workers = workers;
-    o.cp_min_tokens = min_tok;
-    di_model *m = NULL;
-    return di_model_load(dir, &o, &m) == DI_OK ? m : NULL;
-}
+#include "cp_common.h" // the workers, the engine scenario
 
-// n workers, each with its own copy of the model, on free ports; their list in addrs.
-typedef struct workers {
-    di_model *m[MAX_W];
-    di_cp_worker *w[MAX_W];
-    int n;
-    char addrs[256];
-} workers;
-
-static bool start(workers *ws, const char *dir, di_precision prec, int n) {
-    memset(ws, 0, sizeof *ws);
-    ws->n = n;
-    size_t off = 0;
-    for (int i = 0; i < n; i++) {
-        if (!(ws->m[i] = load(dir, prec, NULL, 0))) return false;
-        if (di_cp_worker_start(ws->m[i], "127.0.0.1", 0, &ws->w[i]) != DI_OK) return false;
-        off += (size_t)snprintf(ws->addrs + off, sizeof ws->addrs - off, "%s127.0.0.1:%d",
-                                i ? "," : "", di_cp_worker_port(ws->w[i]));
-    }
-    return true;
-}
-
-static void stop(workers *ws) {
-    for (int i = 0; i < ws->n; i++) {
-        di_cp_worker_stop(ws->w[i]);
-        di_model_destroy(ws->m[i]);
-    }
-}
-
-static int32_t tok(int t) {
-    return (int32_t)((t * 131 + 7) % V);
-}
-
+enum { MAX_W = CP_MAX_W, N_DECODE = 3, CTX = 640 };
 // One run: a prefix of n_pre tokens (one call), the prompt of n tokens (one call: the one split
 // over the ranks), then N_DECODE greedy steps. Main logits of every row of the prompt and the
 // steps go to lg [(n + N_DECODE) V] (last_only: only the prompt's last row, then the steps), MTP
@@ -165,7 +126,7 @@ static void check_exact(di_precision prec) {
     // One process, once per case: the reference of every rank count.
     run_out ref[N_CASES][2];
     memset(ref, 0, sizeof ref);
-    di_model *m = load(g_v4, prec, NULL, 0);
+    di_model *m = cp_load(g_v4, prec, NULL, 0);
     CHECK(m != NULL);
     for (int ci = 0; ci < N_CASES; ci++)
         if (case_runs(ci))
@@ -188,7 +149,7 @@ static void check_exact(di_precision prec) {
             const int n_pre = g_cases[ci][0], n = g_cases[ci][1];
             // Only the prompt call is split (the prefix is shorter than the threshold or runs
             // alone); a prefix as long as the prompt goes over the workers too.
-            di_model *f = load(g_v4, prec, list, n);
+            di_model *f = cp_load(g_v4, prec, list, n);
             CHECK(f != NULL && f->cp != NULL);
             for (int mtp = 0; mtp <= 1; mtp++) {
                 const bool last_only = ci == 1 && mtp;
@@ -225,8 +186,8 @@ static void test_exact_official(void) {
 static void test_corrupt(void) {
     workers ws;
     CHECK(start(&ws, g_v4, DI_PRECISION_FP32, 1));
-    di_model *ref = load(g_v4, DI_PRECISION_FP32, NULL, 0);
-    di_model *f = load(g_v4, DI_PRECISION_FP32, ws.addrs, 64);
+    di_model *ref = cp_load(g_v4, DI_PRECISION_FP32, NULL, 0);
+    di_model *f = cp_load(g_v4, DI_PRECISION_FP32, ws.addrs, 64);
     CHECK(ref && f);
     run_out a, b;
     run_alloc(&a), run_alloc(&b);
@@ -252,8 +213,8 @@ static void test_failures(void) {
     workers ws;
     CHECK(start(&ws, g_v4, DI_PRECISION_FP32, 2));
     const int port = di_cp_worker_port(ws.w[1]);
-    di_model *ref = load(g_v4, DI_PRECISION_FP32, NULL, 0);
-    di_model *f = load(g_v4, DI_PRECISION_FP32, ws.addrs, 64);
+    di_model *ref = cp_load(g_v4, DI_PRECISION_FP32, NULL, 0);
+    di_model *f = cp_load(g_v4, DI_PRECISION_FP32, ws.addrs, 64);
     CHECK(ref && f);
     int32_t ids[400];
     for (int t = 0; t < 400; t++) ids[t] = tok(t);
@@ -281,7 +242,7 @@ static void test_failures(void) {
     CHECK(memcmp(la, lb, sizeof(float) * 200 * V) == 0);
     // The worker back on its port: the next call over the workers reconnects.
     di_cp_set_min_tokens(f->cp, 64);
-    CHECK((ws.m[1] = load(g_v4, DI_PRECISION_FP32, NULL, 0)) != NULL);
+    CHECK((ws.m[1] = cp_load(g_v4, DI_PRECISION_FP32, NULL, 0)) != NULL);
     CHECK_EQ(di_cp_worker_start(ws.m[1], "127.0.0.1", port, &ws.w[1]), DI_OK);
     ws.n = 2;
     CHECK_EQ(di_session_forward(sa, ids + 300, 100, &fa), DI_OK);
@@ -300,7 +261,7 @@ static void test_failures(void) {
 static void test_refusals(void) {
     workers ws;
     CHECK(start(&ws, g_v4, DI_PRECISION_OFFICIAL, 1));
-    CHECK(load(g_v4, DI_PRECISION_FP32, ws.addrs, 0) == NULL);
+    CHECK(cp_load(g_v4, DI_PRECISION_FP32, ws.addrs, 0) == NULL);
     di_model_options o = di_model_options_default();
     o.n_threads = 1;
     o.cp_workers = ws.addrs;
@@ -333,7 +294,7 @@ static void test_frames(void) {
     CHECK_EQ(h.type, DI_CP_ERROR);
     close(fd);
     // A wrong model identity, then a malformed job after a good handshake.
-    di_model *f = load(g_v4, DI_PRECISION_FP32, NULL, 0);
+    di_model *f = cp_load(g_v4, DI_PRECISION_FP32, NULL, 0);
     fd = di_sock_connect("test", "127.0.0.1", port, 5000);
     uint64_t bad = 1;
     CHECK_EQ(di_cp_send_frame(fd, DI_CP_HELLO, &bad, 8), DI_OK);
@@ -352,8 +313,8 @@ static void test_frames(void) {
     CHECK_EQ(h.type, DI_CP_ERROR);
     close(fd);
     // Still serving: a split call is exact.
-    di_model *ref = load(g_v4, DI_PRECISION_FP32, NULL, 0);
-    di_model *g = load(g_v4, DI_PRECISION_FP32, ws.addrs, 64);
+    di_model *ref = cp_load(g_v4, DI_PRECISION_FP32, NULL, 0);
+    di_model *g = cp_load(g_v4, DI_PRECISION_FP32, ws.addrs, 64);
     run_out a, b;
     run_alloc(&a), run_alloc(&b);
     CHECK_EQ(session_run(ref, false, 0, 128, false, &a), DI_OK);
@@ -369,7 +330,7 @@ static void test_frames(void) {
 // The decoders against the model's shapes: a layer message with one float too many or a wrong
 // entry count, a job with a token outside the vocabulary.
 static void test_decode(void) {
-    di_model *m = load(g_v4, DI_PRECISION_FP32, NULL, 0);
+    di_model *m = cp_load(g_v4, DI_PRECISION_FP32, NULL, 0);
     CHECK(m != NULL);
     di_cp_dims d;
     di_cp_dims_init(m, &d);
@@ -406,137 +367,31 @@ static void test_decode(void) {
 
 // ---- the serving engine ----
 
-enum { E_REQ = 4, E_GEN = 6 };
-
-typedef struct eres {
-    int32_t tokens[E_GEN];
-    float logprob[E_GEN], top[E_GEN][2];
-    int32_t n, n_cached;
-    atomic_int finished;
-    di_status status;
-} eres;
-
-static void on_event(void *user, const di_event *ev) {
-    eres *r = user;
-    if (ev->token >= 0 && r->n < E_GEN) {
-        r->tokens[r->n] = ev->token;
-        r->logprob[r->n] = ev->logprob;
-        for (int k = 0; k < ev->n_top && k < 2; k++) r->top[r->n][k] = ev->top_logprobs[k];
-        r->n++;
-    }
-    if (ev->finish != DI_FINISH_NONE) {
-        r->status = ev->status;
-        r->n_cached = ev->n_cached;
-        atomic_fetch_add(&r->finished, 1);
-    }
-}
-
-static di_status grab_model(di_model *m, void *user) {
-    *(di_model **)user = m;
-    return DI_OK;
-}
-
-static void submit(di_engine *e, const int32_t *ids, int n, bool sample, eres *r) {
-    memset(r, 0, sizeof *r);
-    di_request_params p = di_request_params_default();
-    p.prompt = ids;
-    p.n_prompt = n;
-    p.max_tokens = E_GEN;
-    p.ignore_eos = true;
-    p.sample.n_logprobs = 2;
-    if (sample) {
-        p.sample.temperature = 0.8f;
-        p.sample.seed = 5;
-    }
-    p.on_event = on_event;
-    p.user = r;
-    uint64_t id;
-    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-}
-
-// Request 0 (200 tokens) alone; then request 1 (the same 200 tokens and 180 more: a prefix hit,
-// then a long chunk after it), 2 (100 tokens, sampled) and 3 (20 tokens, below the threshold) in
-// the same steps. With workers, chunks of at least 64 rows run over them.
-static void engine_run(const char *addrs, int32_t min_tokens, eres *out, int64_t *cp_calls) {
-    static int32_t ids[400];
-    for (int t = 0; t < 400; t++) ids[t] = tok(t);
-    di_engine_options o = di_engine_options_default();
-    o.n_threads = 1;
-    o.max_ctx = 512;
-    o.max_batch_tokens = 256;
-    o.kv_memory_bytes = 32u << 20;
-    o.cp_workers = addrs;
-    o.cp_min_tokens = min_tokens;
-    di_engine *e = NULL;
-    di_model *m = NULL;
-    CHECK_EQ(di_engine_create_prepared(g_v4, &o, grab_model, &m, &e), DI_OK);
-    submit(e, ids, 200, false, &out[0]);
-    di_engine_wait_idle(e);
-    submit(e, ids, 380, false, &out[1]);
-    submit(e, ids + 5, 100, true, &out[2]);
-    submit(e, ids + 50, 20, false, &out[3]);
-    di_engine_wait_idle(e);
-    di_cp_stats cs;
-    *cp_calls = di_model_cp_stats(m, &cs) ? cs.calls - cs.errors : 0;
-    di_engine_destroy(e);
-}
-
 static void test_engine(void) {
     workers ws;
     CHECK(start(&ws, g_v4, DI_PRECISION_FP32, 2));
     eres a[E_REQ], b[E_REQ], c[E_REQ];
     int64_t calls_a, calls_b, calls_c;
-    engine_run(NULL, 0, a, &calls_a);
-    char one[64];
-    snprintf(one, sizeof one, "%.*s", (int)(strchr(ws.addrs, ',') - ws.addrs), ws.addrs);
-    engine_run(one, 64, b, &calls_b);      // 2 ranks
-    engine_run(ws.addrs, 64, c, &calls_c); // 3 ranks
+    engine_run(g_v4, NULL, 0, 0, false, a, &calls_a);
+    engine_run(g_v4, ws.first, 64, 0, false, b, &calls_b); // 2 ranks
+    engine_run(g_v4, ws.addrs, 64, 0, false, c, &calls_c); // 3 ranks
     CHECK(calls_a == 0 && calls_b >= 3 && calls_c >= 3);
     CHECK(a[1].n_cached > 0 && b[1].n_cached == a[1].n_cached); // the prefix hit
     for (int i = 0; i < E_REQ; i++) {
         CHECK(atomic_load(&a[i].finished) == 1 && a[i].status == DI_OK && a[i].n == E_GEN);
-        for (const eres *x = b; x; x = x == b ? c : NULL) {
-            CHECK(atomic_load(&x[i].finished) == 1 && x[i].status == DI_OK);
-            CHECK(x[i].n == a[i].n && !memcmp(x[i].tokens, a[i].tokens, sizeof a[i].tokens) &&
-                  !memcmp(x[i].logprob, a[i].logprob, sizeof a[i].logprob) &&
-                  !memcmp(x[i].top, a[i].top, sizeof a[i].top));
-        }
+        CHECK(eres_same(&a[i], &b[i]) && eres_same(&a[i], &c[i]));
     }
-    // A worker down under the engine: the step's requests end with DI_ERR_IO, the engine goes
-    // on (a short request, below the threshold, is exact), and with the worker back on its port
-    // the next long chunk reconnects and is exact again.
+    // Its worker unreachable at load: the engine is refused; back on its port, it is created, and
+    // then the worker goes down under it.
     const int port = di_cp_worker_port(ws.w[0]);
     di_cp_worker_stop(ws.w[0]);
-    static int32_t ids[400];
-    for (int t = 0; t < 400; t++) ids[t] = tok(t);
-    di_engine_options o = di_engine_options_default();
-    o.n_threads = 1;
-    o.max_ctx = 512;
-    o.max_batch_tokens = 256;
-    o.kv_memory_bytes = 32u << 20;
-    o.cp_workers = one;
-    o.cp_min_tokens = 64;
+    di_engine_options o = engine_options(ws.first, 64, 0, false);
     di_engine *e = NULL;
-    CHECK_EQ(di_engine_create(g_v4, &o, &e), DI_ERR_IO); // its worker unreachable at load
+    CHECK_EQ(di_engine_create(g_v4, &o, &e), DI_ERR_IO);
     e = NULL;
     CHECK_EQ(di_cp_worker_start(ws.m[0], "127.0.0.1", port, &ws.w[0]), DI_OK);
     CHECK_EQ(di_engine_create(g_v4, &o, &e), DI_OK);
-    di_cp_worker_stop(ws.w[0]);
-    eres d[2];
-    submit(e, ids, 200, false, &d[0]);
-    di_engine_wait_idle(e);
-    CHECK(atomic_load(&d[0].finished) == 1 && d[0].status == DI_ERR_IO);
-    submit(e, ids + 50, 20, false, &d[1]);
-    di_engine_wait_idle(e);
-    CHECK(atomic_load(&d[1].finished) == 1 && d[1].status == DI_OK);
-    CHECK(d[1].n == a[3].n && !memcmp(d[1].tokens, a[3].tokens, sizeof d[1].tokens) &&
-          !memcmp(d[1].logprob, a[3].logprob, sizeof d[1].logprob));
-    CHECK_EQ(di_cp_worker_start(ws.m[0], "127.0.0.1", port, &ws.w[0]), DI_OK);
-    submit(e, ids, 200, false, &d[0]);
-    di_engine_wait_idle(e);
-    CHECK(atomic_load(&d[0].finished) == 1 && d[0].status == DI_OK);
-    CHECK(d[0].n == a[0].n && !memcmp(d[0].tokens, a[0].tokens, sizeof d[0].tokens) &&
-          !memcmp(d[0].logprob, a[0].logprob, sizeof d[0].logprob));
+    if (e) engine_worker_down(e, &ws, a);
     di_engine_destroy(e);
     stop(&ws);
 }

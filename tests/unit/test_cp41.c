@@ -29,49 +29,16 @@
 #include "model/dsv41.h"
 #include "model/synth.h"
 
-enum { V = 512, MAX_W = 3, N_DECODE = 3, CTX = 640, B = 2 };
+enum { V = 512 }; // before cp_common.h
 
 static char g_root[256], g_v41[300];
 
-static di_model *load(di_precision prec, const char *workers, int32_t min_tok) {
-    di_model_options o = di_model_options_default();
-    o.n_threads = 1;
-    o.precision = prec;
-    o.cp_workers = workers;
-    o.cp_min_tokens = min_tok;
-    di_model *m = NULL;
-    return di_model_load(g_v41, &o, &m) == DI_OK ? m : NULL;
-}
+#include "cp_common.h" // the workers, the engine scenario
 
-typedef struct workers {
-    di_model *m[MAX_W];
-    di_cp_worker *w[MAX_W];
-    int n;
-    char addrs[256];
-} workers;
+enum { MAX_W = CP_MAX_W, N_DECODE = 3, CTX = 640, B = 2 };
 
-static bool start(workers *ws, di_precision prec, int n) {
-    memset(ws, 0, sizeof *ws);
-    ws->n = n;
-    size_t off = 0;
-    for (int i = 0; i < n; i++) {
-        if (!(ws->m[i] = load(prec, NULL, 0))) return false;
-        if (di_cp_worker_start(ws->m[i], "127.0.0.1", 0, &ws->w[i]) != DI_OK) return false;
-        off += (size_t)snprintf(ws->addrs + off, sizeof ws->addrs - off, "%s127.0.0.1:%d",
-                                i ? "," : "", di_cp_worker_port(ws->w[i]));
-    }
-    return true;
-}
-
-static void stop(workers *ws) {
-    for (int i = 0; i < ws->n; i++) {
-        di_cp_worker_stop(ws->w[i]);
-        di_model_destroy(ws->m[i]);
-    }
-}
-
-static int32_t tok(int t) {
-    return (int32_t)((t * 131 + 7) % V);
+static di_model *load(di_precision prec, const char *addrs, int32_t min_tok) {
+    return cp_load(g_v41, prec, addrs, min_tok);
 }
 
 // One run: a prefix of n_pre tokens (one call), the prompt of n tokens (the call split over the
@@ -163,7 +130,7 @@ static bool case_runs(int ci) {
 static void check_exact(di_precision prec) {
     enum { N_CASES = (int)(sizeof g_cases / sizeof g_cases[0]) };
     workers ws;
-    CHECK(start(&ws, prec, MAX_W));
+    CHECK(start(&ws, g_v41, prec, MAX_W));
     run_out ref[N_CASES][2];
     memset(ref, 0, sizeof ref);
     di_model *m = load(prec, NULL, 0);
@@ -224,7 +191,7 @@ static void test_exact_official(void) {
 // rollback rows, which a rollback and then a draft read; the state's bytes hold them).
 static void test_corrupt(void) {
     workers ws;
-    CHECK(start(&ws, DI_PRECISION_FP32, 1));
+    CHECK(start(&ws, g_v41, DI_PRECISION_FP32, 1));
     di_model *ref = load(DI_PRECISION_FP32, NULL, 0);
     di_model *f = load(DI_PRECISION_FP32, ws.addrs, 64);
     CHECK(ref && f);
@@ -257,7 +224,7 @@ static void test_corrupt(void) {
 // workers is exact; the worker back on its port: the next call reconnects and is exact.
 static void test_failures(void) {
     workers ws;
-    CHECK(start(&ws, DI_PRECISION_FP32, 2));
+    CHECK(start(&ws, g_v41, DI_PRECISION_FP32, 2));
     const int port = di_cp_worker_port(ws.w[1]);
     di_model *ref = load(DI_PRECISION_FP32, NULL, 0);
     di_model *f = load(DI_PRECISION_FP32, ws.addrs, 64);
@@ -366,102 +333,9 @@ static void test_decode(void) {
 
 // ---- the serving engine ----
 
-enum { E_REQ = 4, E_GEN = 6 };
-
-typedef struct eres {
-    int32_t tokens[E_GEN];
-    float logprob[E_GEN], top[E_GEN][2];
-    int32_t n, n_cached;
-    atomic_int finished;
-    di_status status;
-} eres;
-
-static void on_event(void *user, const di_event *ev) {
-    eres *r = user;
-    if (ev->token >= 0 && r->n < E_GEN) {
-        r->tokens[r->n] = ev->token;
-        r->logprob[r->n] = ev->logprob;
-        for (int k = 0; k < ev->n_top && k < 2; k++) r->top[r->n][k] = ev->top_logprobs[k];
-        r->n++;
-    }
-    if (ev->finish != DI_FINISH_NONE) {
-        r->status = ev->status;
-        r->n_cached = ev->n_cached;
-        atomic_fetch_add(&r->finished, 1);
-    }
-}
-
-static di_status grab_model(di_model *m, void *user) {
-    *(di_model **)user = m;
-    return DI_OK;
-}
-
-static void submit(di_engine *e, const int32_t *ids, int n, bool sample, eres *r) {
-    memset(r, 0, sizeof *r);
-    di_request_params p = di_request_params_default();
-    p.prompt = ids;
-    p.n_prompt = n;
-    p.max_tokens = E_GEN;
-    p.ignore_eos = true;
-    p.sample.n_logprobs = 2;
-    if (sample) {
-        p.sample.temperature = 0.8f;
-        p.sample.seed = 5;
-    }
-    p.on_event = on_event;
-    p.user = r;
-    uint64_t id;
-    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-}
-
-static di_engine_options engine_options(const char *addrs, int32_t min_tokens, int spec,
-                                        bool no_tail) {
-    di_engine_options o = di_engine_options_default();
-    o.n_threads = 1;
-    o.max_ctx = 512;
-    o.max_batch_tokens = 256;
-    o.kv_memory_bytes = 32u << 20;
-    o.cp_workers = addrs;
-    o.cp_min_tokens = min_tokens;
-    o.spec_tokens = spec;
-    o.no_tail_cache = no_tail;
-    return o;
-}
-
-// Request 0 (200 tokens) alone; then request 1 (the same 200 tokens and 180 more: a prefix hit,
-// then a long chunk after it), 2 (100 tokens, sampled) and 3 (20 tokens, below the threshold) in
-// the same steps. With workers, chunks of at least 64 rows run over them.
-static void engine_run(const char *addrs, int32_t min_tokens, int spec, bool no_tail, eres *out,
-                       int64_t *cp_calls) {
-    static int32_t ids[400];
-    for (int t = 0; t < 400; t++) ids[t] = tok(t);
-    di_engine_options o = engine_options(addrs, min_tokens, spec, no_tail);
-    di_engine *e = NULL;
-    di_model *m = NULL;
-    CHECK_EQ(di_engine_create_prepared(g_v41, &o, grab_model, &m, &e), DI_OK);
-    submit(e, ids, 200, false, &out[0]);
-    di_engine_wait_idle(e);
-    submit(e, ids, 380, false, &out[1]);
-    submit(e, ids + 5, 100, spec == 0, &out[2]);
-    submit(e, ids + 50, 20, false, &out[3]);
-    di_engine_wait_idle(e);
-    di_cp_stats cs;
-    *cp_calls = di_model_cp_stats(m, &cs) ? cs.calls - cs.errors : 0;
-    di_engine_destroy(e);
-}
-
-static bool eres_same(const eres *a, const eres *b) {
-    return atomic_load(&b->finished) == 1 && b->status == DI_OK && b->n == a->n &&
-           !memcmp(b->tokens, a->tokens, sizeof a->tokens) &&
-           !memcmp(b->logprob, a->logprob, sizeof a->logprob) &&
-           !memcmp(b->top, a->top, sizeof a->top);
-}
-
 static void test_engine(void) {
     workers ws;
-    CHECK(start(&ws, DI_PRECISION_FP32, 2));
-    char one[64];
-    snprintf(one, sizeof one, "%.*s", (int)(strchr(ws.addrs, ',') - ws.addrs), ws.addrs);
+    CHECK(start(&ws, g_v41, DI_PRECISION_FP32, 2));
     // (speculation, no tail snapshots): the prefix hit restored from a snapshot or replayed.
     const int modes[3][2] = {{0, 0}, {0, 1}, {2, 0}};
     for (int mi = 0; mi < 3; mi++) {
@@ -469,9 +343,9 @@ static void test_engine(void) {
         const bool no_tail = modes[mi][1];
         eres a[E_REQ], b[E_REQ], c[E_REQ];
         int64_t calls_a, calls_b, calls_c;
-        engine_run(NULL, 0, spec, no_tail, a, &calls_a);
-        engine_run(one, 64, spec, no_tail, b, &calls_b);      // 2 ranks
-        engine_run(ws.addrs, 64, spec, no_tail, c, &calls_c); // 3 ranks
+        engine_run(g_v41, NULL, 0, spec, no_tail, a, &calls_a);
+        engine_run(g_v41, ws.first, 64, spec, no_tail, b, &calls_b); // 2 ranks
+        engine_run(g_v41, ws.addrs, 64, spec, no_tail, c, &calls_c); // 3 ranks
         // Requests 0, 2 and the chunk after request 1's hit over the workers; after a replayed hit
         // that chunk replays (in the ordinary form only from the next chunk on): it runs here.
         const int64_t want = no_tail ? 2 : 3;
@@ -488,30 +362,14 @@ static void test_engine(void) {
             CHECK(ok);
         }
     }
-    // A worker down under the engine: the step's requests end with DI_ERR_IO, the engine goes
-    // on (a short request, below the threshold, is served), and with the worker back on its port
-    // the next long chunk reconnects and is exact again.
+    // A worker down under the engine (cp_common.h).
     eres a[E_REQ];
     int64_t calls;
-    engine_run(NULL, 0, 0, false, a, &calls);
-    const int port = di_cp_worker_port(ws.w[0]);
-    static int32_t ids[400];
-    for (int t = 0; t < 400; t++) ids[t] = tok(t);
-    di_engine_options o = engine_options(one, 64, 0, false);
+    engine_run(g_v41, NULL, 0, 0, false, a, &calls);
+    di_engine_options o = engine_options(ws.first, 64, 0, false);
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(g_v41, &o, &e), DI_OK);
-    di_cp_worker_stop(ws.w[0]);
-    eres d[2];
-    submit(e, ids, 200, false, &d[0]);
-    di_engine_wait_idle(e);
-    CHECK(atomic_load(&d[0].finished) == 1 && d[0].status == DI_ERR_IO);
-    submit(e, ids + 50, 20, false, &d[1]);
-    di_engine_wait_idle(e);
-    CHECK(eres_same(&a[3], &d[1]));
-    CHECK_EQ(di_cp_worker_start(ws.m[0], "127.0.0.1", port, &ws.w[0]), DI_OK);
-    submit(e, ids, 200, false, &d[0]);
-    di_engine_wait_idle(e);
-    CHECK(eres_same(&a[0], &d[0]));
+    if (e) engine_worker_down(e, &ws, a);
     di_engine_destroy(e);
     stop(&ws);
 }
