@@ -195,6 +195,36 @@ void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_s
 // is left as it was). No-op with graphs off. Errors as di_dsv4_dev_forward.
 di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs);
 
+// ---- MTP (spec §2.10; "MTP" above) ----
+
+// Uploads the model's MTP block (e_proj, h_proj, its norms, head mHC and sliding-window decoder
+// block; the lm head is shared): states created afterwards have an MTP window ring per slot, and
+// their tails and di_dsv4_dev_sizes include it. Once, before the first state of d (no-op when
+// enabled already). DI_ERR_UNSUPPORTED (no MTP block, or one that compresses), DI_ERR_INVALID (a
+// state exists), DI_ERR_NOMEM, DI_ERR_CUDA; logged.
+di_status di_dsv4_dev_mtp_enable(di_dsv4_dev *d);
+bool di_dsv4_dev_has_mtp(const di_dsv4_dev *d);
+// The MTP block on rows of the last di_dsv4_dev_forward call (its main streams stay in the
+// state's backend memory until the next call of either kind): seqs[i] runs n_tok rows at
+// positions pos.. of its slot's MTP ring (pos equals the positions the ring consumed, or starts
+// it afresh: 0, or win_lo > 0; pos + n_tok at most the slot's main n_past); row t (concatenated
+// in seqs order) reads the main streams of row x_rows[t] of that call and the token ids_next[t]
+// (the one at its position + 1) and predicts the token two positions on. MTP logits of the rows
+// in logit_rows (ascending) go to host logits [n, V]. Bit for bit the CPU forward's
+// (di_dsv4_mtp_forward_batch). Runs directly (no graph). DI_ERR_INVALID (no MTP, no main call
+// before it, bad slots, positions, rows, tokens; logged), DI_ERR_CUDA (the slots' MTP rings must
+// restart).
+di_status di_dsv4_dev_mtp_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                                  const int32_t *x_rows, const int32_t *ids_next,
+                                  const int32_t *logit_rows, int32_t n_logit_rows, float *logits);
+// Positions slot `slot`'s MTP ring consumed (-1: restart it; no MTP: -1).
+int32_t di_dsv4_dev_mtp_n_past(const di_dsv4_dev_state *s, int32_t slot);
+// Takes slot `slot` back to position pos: at most the last row of its last call (a rejected
+// verify row), once, never to or before its win_lo. The row taken back leaves no trace (the
+// argument is at the function in dsv4_dev.c); a slot whose MTP ring had consumed that row restarts
+// its MTP ring. DI_ERR_INVALID (logged; nothing changes).
+di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos);
+
 // ---- tail snapshots (docs/kv-cache.md "Tail snapshots") ----
 
 // Host bytes of one slot's tail snapshot ("Tail snapshots" above): a 16-byte header (position,
