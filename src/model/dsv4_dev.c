@@ -5,7 +5,7 @@
 // where those keep sequential state
 // (compressor buffers, rings) this file keeps rows in backend pools and lists on the host which
 // rows each op reads. Sections: weights, state, per-call metadata, the layer, checks, decode
-// graphs, the call.
+// graphs, the call, the MTP block, tail snapshots.
 #include "model/dsv4_dev.h"
 
 #include <math.h>

@@ -5,8 +5,9 @@
  * model's own CPU forward (di_session_forward), which tests its orchestration without a GPU
  * (tests/model/test_dev_forward.c).
  *
- * Scope: DeepSeek V4 (not V4.1), the main layers and the head (no MTP), in both precision recipes:
- * FP32 and the official one (R-OFF, spec §2.0), where every rounding point of the CPU forward
+ * Scope: DeepSeek V4 (not V4.1), the main layers, the head and the MTP block ("MTP" below), in
+ * both precision recipes: FP32 and the official one (R-OFF, spec §2.0), where every rounding point
+ * of the CPU forward
  * (BF16 roundings, A8 before FP8/FP4 linears, the KV rows' Q8, the indexer's Hadamard + Q4, BF16
  * scores and attention probabilities, the MoE's order) is an op of its own, in the same order. KV
  * rows are FP32 in the FP32 recipe; in R-OFF they hold Q8-exact values and are stored as the FP8
@@ -70,18 +71,31 @@
  * fails (nothing ran) logs a WARN, runs the step directly and turns graphs off for the state.
  * DI_DEV_GRAPHS=0 (read at state create) runs every call directly: the debug switch to compare.
  *
+ * MTP (spec §2.10; di_dsv4_dev_mtp_enable, before the first state): the MTP block is one more
+ * layer (index n_layer) with its own KV pool of this call's rows and a W-row window ring per slot
+ * (ratio 0: no entries), its own lists (a ratio-0 class) and position per slot. A main call's
+ * residual streams stay in the state's x scratch after it (the head only reads them);
+ * di_dsv4_dev_mtp_forward then runs the block on any of those rows (the engine: the kept ones,
+ * after sampling, each with the token after it): the rows gathered (scatter_rows), the input
+ * e_proj . RMSNorm(embed) + h_proj . RMSNorm(stream) through existing ops (the stream add is
+ * mhc_post over NC * T one-stream rows with post = comb = 1: x + e exactly), the block, the head
+ * with the MTP's mHC and norm. Rollback (di_dsv4_dev_rollback): a slot may take back the last row
+ * of its last call, once (a rejected verify row); the argument that it leaves no trace in the
+ * rings and entries is at the function. MTP calls run directly (no graph); so does a verify step
+ * (two rows for some sequence is no decode shape); plain decode steps keep their graphs.
+ *
  * Tail snapshots (docs/kv-cache.md): at a position pos that is a multiple of every compress ratio
  * (a block boundary) a slot's future reads only the entries (in blocks), the last W - 1 rows of
- * its window ring and, for a compressor with overlapping windows, the last m rows of its token
- * rings (the next window's overlap). di_dsv4_dev_tail_save gathers those rows on the backend
- * (copy) into a staging block and downloads them once; di_dsv4_dev_tail_restore uploads them
- * and copies them into another (or the same) slot's rings at the same ring rows (row = position
- * mod ring size), then sets the slot's host bookkeeping to a slot that consumed pos tokens: n_past
- * pos, win_lo 0; its page table stays (the next call lists the blocks and writes the entries
- * that differ, like any call; a decode-shaped first call that changes more than one runs
- * directly, counted in n_direct_pages).
- * Nothing else is per slot: decode graphs read positions, key lists and page tables from the
- * per-call upload, so a restored slot decodes through the same cached graphs.
+ * its window rings (the MTP block's included, when enabled) and, for a compressor with overlapping
+ * windows, the last m rows of its token rings (the next window's overlap). di_dsv4_dev_tail_save
+ * gathers those rows on the backend (copy) into a staging block and downloads them once;
+ * di_dsv4_dev_tail_restore uploads them and copies them into another (or the same) slot's rings at
+ * the same ring rows (row = position mod ring size), then sets the slot's host bookkeeping to a
+ * slot that consumed pos tokens: n_past pos, win_lo 0; its page table stays (the next call lists
+ * the blocks and writes the entries that differ, like any call; a decode-shaped first call that
+ * changes more than one runs directly, counted in n_direct_pages). Nothing else is per slot: decode
+ * graphs read positions, key lists and page tables from the per-call upload, so a restored slot
+ * decodes through the same cached graphs.
  *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
@@ -127,9 +141,10 @@ int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s);
 int32_t di_dsv4_dev_block_tokens(const di_dsv4_dev *d);
 
 // Backend bytes of one entry block (every compressing layer's E entries of kv_row_bytes, CSA's E
-// indexer keys) and of one slot's tail (window rings, compressor token rings, its page table) for
-// blocks of block_tokens positions and a context of n_ctx: the engine sizes its blocks from
-// kv_memory_bytes with them. The call rows and scratch (max_rows) are not included.
+// indexer keys) and of one slot's tail (window rings, the MTP block's when enabled, compressor
+// token rings, its page table) for blocks of block_tokens positions and a context of n_ctx: the
+// engine sizes its blocks from kv_memory_bytes with them. The call rows and scratch (max_rows)
+// are not included.
 // DI_ERR_INVALID (bad n_ctx or block_tokens).
 di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_tokens,
                             int64_t *block_bytes, int64_t *slot_bytes);
@@ -230,8 +245,9 @@ di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos);
 // Host bytes of one slot's tail snapshot ("Tail snapshots" above): a 16-byte header (position,
 // layers, KV row bytes), then per layer the last W - 1 rows of its window ring (the state's row
 // format: FP32 rows, or the official recipe's FP8 KV rows) and, per compressor with overlapping
-// windows (CSA: main and indexer), the last m rows of its C and Z token rings; HCA keeps none.
-// The same for every state of d.
+// windows (CSA: main and indexer), the last m rows of its C and Z token rings; HCA keeps none;
+// with the MTP block enabled, then the last W - 1 rows of its window ring (the header counts it as
+// a layer). The same for every state of d (the MTP block is enabled before any).
 size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d);
 // Copies slot `slot`'s tail at its current position (di_dsv4_dev_n_past, a multiple of every
 // compress ratio: the engine's block boundaries) into dst (di_dsv4_dev_tail_bytes). Syncs (dst is
