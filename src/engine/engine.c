@@ -260,9 +260,10 @@ static void eplb_done(void *user);
 // The warm-up call of the device-resident forward at create: max_rows rows (at most the context)
 // of token 0 on slot 0, so that a backend growing its op scratch on the first call of a size (the
 // CPU twin: matmul and MoE rows) does it here and not inside a step; it also surfaces a broken
-// device at create rather than on the first request. Then the decode graph of every batch size
-// up to max_seqs is captured (di_dsv4_dev_prepare_decode), so that no step captures (a capture
-// allocates). The slots used restart at pos 0 when first used.
+// device at create rather than on the first request; with MTP speculation the MTP call follows
+// on its rows. Then the decode graph of every batch size up to max_seqs is captured
+// (di_dsv4_dev_prepare_decode; with speculation the verify steps' too, _prepare_verify), so that
+// no step captures (a capture allocates). The slots used restart at pos 0 when first used.
 static di_status dev_warm_up(di_engine *e) {
     const di_engine_options *o = &e->opt;
     // With MTP speculation: a step's rows with its verify rows, then the MTP call on them.
@@ -284,6 +285,7 @@ static di_status dev_warm_up(di_engine *e) {
                                      e->mtp_logits);
     }
     if (st == DI_OK) st = di_dsv4_dev_prepare_decode(e->dstate, o->max_seqs);
+    if (st == DI_OK && e->spec_k > 0) st = di_dsv4_dev_prepare_verify(e->dstate, o->max_seqs);
     if (st != DI_OK)
         DI_LOG_ERROR("engine: the device-resident forward failed its warm-up call of %d rows: %s",
                      (int)n, di_status_str(st));
@@ -1931,8 +1933,9 @@ static di_status mtp_step(di_engine *e) {
 // position, with logits for both rows; the rejected row is taken back in the dev state
 // (di_dsv4_dev_rollback: one row, which leaves no trace in the window and compressor rings or the
 // entries); the MTP call (di_dsv4_dev_mtp_forward) then runs on the kept rows, reading their main
-// streams, which the state keeps from the step's call. A step with a verify has two rows for some
-// sequence, so it runs directly; plain decode steps keep their graphs.
+// streams, which the state keeps from the step's call. A step in which every sequence verifies
+// (all rows sampled) replays its verify graph (prepared at create, dev_warm_up); one mixing
+// verifies with plain decodes or prefill chunks runs directly, and so does the MTP call.
 
 // The step's call with its verify rows (v4_spec_forward's plan on x_vdev); the logit rows then
 // move to their logit slots.

@@ -18,9 +18,10 @@
 #include "base/status.h" // DI_TRY
 #include "model/dsv4.h"
 
-// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the largest decode
-// step run as a graph (one graph per batch size up to min(n_slots, HEAD_CHUNK), never evicted).
-enum { HEAD_CHUNK = 64, MAX_CLASSES = 4 };
+// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the most rows of a
+// decode step run as a graph (one graph per batch size up to min(n_slots, HEAD_CHUNK) and rows per
+// sequence up to GRAPH_ROWS, never evicted; 2 rows: a verify of one MTP draft).
+enum { HEAD_CHUNK = 64, MAX_CLASSES = 4, GRAPH_ROWS = 2 };
 // A page table entry the device may not hold (shared blocks before their first call, or after a
 // failed call): never equal to a block id, so the next call that needs it writes it.
 enum { PT_UNKNOWN = -2 };
@@ -408,14 +409,15 @@ struct di_dsv4_dev_state {
     uint8_t *used; // owned host [n_slots]: slot seen in this call
     void **blocks; // owned list of backend blocks
     int32_t n_blocks, cap_blocks;
-    // Decode graphs (dsv4_dev.h "Graphs"): entry n - 1 for steps of n sequences, n <= n_graphs
-    // = min(n_slots, HEAD_CHUNK); graph NULL and seen: run once directly (captured the next time).
+    // Decode graphs (dsv4_dev.h "Graphs"): entry (r - 1) n_graphs + n - 1 for steps of n
+    // sequences of r rows each, n <= n_graphs = min(n_slots, HEAD_CHUNK), r <= GRAPH_ROWS, n r <=
+    // HEAD_CHUNK; graph NULL and seen: run once directly (captured the next time).
     bool graphs_on; // DI_DEV_GRAPHS != "0" at create
     struct dev_graph {
         void *graph;   // owned backend graph
         int64_t n_ops; // ops it captured
         bool seen;
-    } * graphs; // owned [n_graphs]
+    } * graphs; // owned [GRAPH_ROWS * n_graphs]
     int32_t n_graphs;
     di_dsv4_dev_graph_stats stats;
     // Tail snapshots ("tail snapshots" below): the snapshot's bytes gathered from (or scattered
@@ -634,7 +636,7 @@ di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block
 
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     if (!s) return;
-    for (int32_t i = 0; i < s->n_graphs; i++)
+    for (int32_t i = 0; i < GRAPH_ROWS * s->n_graphs; i++)
         s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
     di_free(s->graphs);
     s->d->b->vt->host_free(s->d->b, s->meta_host); // meta_dev is in the blocks
@@ -721,7 +723,7 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     s->row0 = di_calloc((size_t)n_slots, sizeof(int32_t));
     s->used = di_calloc((size_t)n_slots, 1);
     s->n_graphs = n_slots < HEAD_CHUNK ? n_slots : HEAD_CHUNK;
-    s->graphs = di_calloc((size_t)s->n_graphs, sizeof *s->graphs);
+    s->graphs = di_calloc((size_t)(GRAPH_ROWS * s->n_graphs), sizeof *s->graphs);
     if (!s->n_past || !s->win_lo || !s->pages_host || (s->shared && !s->blk_mark) || !s->ls ||
         !s->mtp_n_past || !s->back_lo || !s->layer_cls || !s->row0 || !s->used || !s->graphs) {
         st = DI_ERR_NOMEM;
@@ -884,38 +886,53 @@ int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot) {
 void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out) {
     *out = s->stats;
     out->n_cached = 0;
-    for (int32_t i = 0; i < s->n_graphs; i++) out->n_cached += s->graphs[i].graph != NULL;
+    for (int32_t i = 0; i < GRAPH_ROWS * s->n_graphs; i++)
+        out->n_cached += s->graphs[i].graph != NULL;
 }
 
-di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs) {
+// The graphs of steps of r rows per sequence (dsv4_dev.h di_dsv4_dev_prepare_decode, _verify).
+static di_status prepare_graphs(di_dsv4_dev_state *s, int32_t max_seqs, int32_t r) {
     if (!s->graphs_on) return DI_OK;
-    const int32_t n_max = max_seqs < s->n_graphs ? max_seqs : s->n_graphs;
+    int32_t n_max = max_seqs < s->n_graphs ? max_seqs : s->n_graphs;
+    if (n_max * r > HEAD_CHUNK) n_max = HEAD_CHUNK / r;
+    if (n_max * r > s->max_rows) n_max = s->max_rows / r;
+    // Shared blocks: every slot gets block 0, which r tokens at position 0 leave as it was when
+    // they close no window (every ratio > r); else no graph is prepared (captured when used).
+    for (int k = 0; k < s->n_cls; k++)
+        if (s->cls[k].ratio > 0 && s->cls[k].ratio <= r) return DI_OK;
     const int64_t V = s->d->m->hp.n_vocab;
-    di_dsv4_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)n_max);
-    int32_t *ids = di_calloc((size_t)n_max, sizeof *ids); // token 0 everywhere
-    int32_t *rows = di_malloc(sizeof *rows * (size_t)n_max);
-    float *logits = di_malloc(sizeof *logits * (size_t)n_max * (size_t)V);
+    di_dsv4_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)(n_max > 0 ? n_max : 1));
+    int32_t *ids = di_calloc((size_t)(n_max * r + 1), sizeof *ids); // token 0 everywhere
+    int32_t *rows = di_malloc(sizeof *rows * (size_t)(n_max * r + 1));
+    float *logits = di_malloc(sizeof *logits * (size_t)(n_max * r + 1) * (size_t)V);
     di_status st = seqs && ids && rows && logits ? DI_OK : DI_ERR_NOMEM;
     // Two steps of each size at position 0: the first runs directly, the second is captured.
-    // Shared blocks: every slot gets block 0 (one token closes no window: nothing is written to
-    // it, so the slots may share it).
     static const int32_t block0 = 0;
     for (int32_t n = 1; n <= n_max && st == DI_OK && s->graphs_on; n++) {
         for (int32_t i = 0; i < n; i++)
             seqs[i] = (di_dsv4_dev_seq){.slot = i,
                                         .pos = 0,
-                                        .n_tok = 1,
+                                        .n_tok = r,
                                         .blocks = s->shared ? &block0 : NULL,
                                         .n_blocks = s->shared ? 1 : 0};
-        for (int32_t i = 0; i < n; i++) rows[i] = i;
-        for (int pass = 0; pass < 2 && st == DI_OK && !s->graphs[n - 1].graph; pass++)
-            st = di_dsv4_dev_forward(s, seqs, n, ids, rows, n, logits);
+        for (int32_t i = 0; i < n * r; i++) rows[i] = i;
+        const struct dev_graph *g = &s->graphs[(r - 1) * s->n_graphs + n - 1];
+        for (int pass = 0; pass < 2 && st == DI_OK && !g->graph; pass++)
+            st = di_dsv4_dev_forward(s, seqs, n, ids, rows, n * r, logits);
     }
     di_free(seqs);
     di_free(ids);
     di_free(rows);
     di_free(logits);
     return st;
+}
+
+di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs) {
+    return prepare_graphs(s, max_seqs, 1);
+}
+
+di_status di_dsv4_dev_prepare_verify(di_dsv4_dev_state *s, int32_t max_seqs) {
+    return prepare_graphs(s, max_seqs, 2);
 }
 
 // ---- per-call metadata (host lists of rows, uploaded once per call) ----
@@ -1525,13 +1542,16 @@ fail:
     return st;
 }
 
-// A decode step: every sequence feeds one token and takes the logits of its row (ascending and
-// distinct in [0, n_seq): rows 0..n_seq-1), all in one head chunk. Its ops depend on n_seq only.
-static bool is_decode(const di_dsv4_dev_seq *seqs, int32_t n_seq, int32_t n_logit_rows) {
-    if (n_logit_rows != n_seq || n_seq > HEAD_CHUNK) return false;
+// The rows per sequence r of a decode step, 0 for any other call: every sequence feeds r <=
+// GRAPH_ROWS tokens (2: a verify of one draft) and takes the logits of every row (ascending and
+// distinct in [0, n_seq r): rows 0..n_seq r - 1), all in one head chunk. Its ops depend on
+// (n_seq, r) only.
+static int32_t decode_rows(const di_dsv4_dev_seq *seqs, int32_t n_seq, int32_t n_logit_rows) {
+    const int32_t r = seqs[0].n_tok;
+    if (r > GRAPH_ROWS || n_logit_rows != n_seq * r || n_logit_rows > HEAD_CHUNK) return 0;
     for (int32_t i = 0; i < n_seq; i++)
-        if (seqs[i].n_tok != 1) return false;
-    return true;
+        if (seqs[i].n_tok != r) return 0;
+    return r;
 }
 
 // Captures the layers and the head of n rows (not launched). The capture is closed on every path.
@@ -1567,7 +1587,8 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     const call *c = &cl;
     // A decode step runs from its graph unless its page table changes more than one entry per
     // sequence (the graph's scatter count): then directly, counted.
-    const bool decode = s->graphs_on && is_decode(seqs, n_seq, n_logit_rows);
+    const int32_t rows = s->graphs_on ? decode_rows(seqs, n_seq, n_logit_rows) : 0;
+    const bool decode = rows > 0;
     const bool graph = decode && n_upd <= n_seq;
     if (decode && !graph) s->stats.n_direct_pages++;
 
@@ -1618,7 +1639,8 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     // it ran once directly), every other call directly, chunk by chunk of the head.
     const size_t row_bytes = sizeof(float) * (size_t)hp->n_vocab;
     if (graph) {
-        struct dev_graph *g = &s->graphs[n_seq - 1]; // n_seq <= n_slots, HEAD_CHUNK
+        // n_seq <= n_slots, HEAD_CHUNK
+        struct dev_graph *g = &s->graphs[(rows - 1) * s->n_graphs + n_seq - 1];
         bool direct = !g->seen;     // first seen: directly (no capture for one step)
         if (!direct && !g->graph) { // seen before: captured, then launched
             const int64_t ops0 = s->stats.last_ops;
@@ -1628,9 +1650,9 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
             if (st == DI_OK) {
                 s->stats.n_captured++;
             } else { // nothing ran: the step runs directly, and so will every later one
-                DI_LOG_WARN("dev forward: capturing a decode step of %d sequences failed on %s "
-                            "(%s): decode graphs are off for this state",
-                            n_seq, s->d->b->desc, di_status_str(st));
+                DI_LOG_WARN("dev forward: capturing a decode step of %d sequences of %d rows "
+                            "failed on %s (%s): decode graphs are off for this state",
+                            n_seq, rows, s->d->b->desc, di_status_str(st));
                 s->graphs_on = false;
                 direct = true;
             }

@@ -49,14 +49,16 @@
  * ring update (window, compressor C and Z) is one scatter_rows for all sequences, so a step's ops
  * do not depend on the number of sequences.
  *
- * Graphs: a decode step (every sequence feeds one token and takes the logits of its row; at most
- * 64 sequences; with shared blocks, at most one page table entry changed per sequence) runs as a
- * backend graph (backend.h graph_*; CUDA graphs on the GPU) keyed by its
- * number of sequences alone: the first step of n sequences runs directly (a batch size seen once
- * never pays for a capture), the second is captured and launched, every later one launches the
- * cached graph, whatever its slots and positions. A state keeps one graph per decode size up to
- * min(n_slots, 64), never evicted; di_dsv4_dev_prepare_decode captures them all up front (the
- * serving engine does, so that no step captures or allocates). This works because every host scalar
+ * Graphs: a decode step (every sequence feeds r tokens, r = 1, or r = 2: a verify of one MTP
+ * draft, and takes the logits of every row; at most 64 rows; with shared blocks, at most as many
+ * page table entries changed as sequences) runs as a backend graph (backend.h graph_*; CUDA graphs
+ * on the GPU) keyed by its number of sequences and r: the first step of a shape runs directly (a
+ * shape seen once never pays for a capture), the second is captured and launched, every later one
+ * launches the cached graph, whatever its slots and positions. A state keeps one graph per shape up
+ * to min(n_slots, 64) sequences, never evicted; di_dsv4_dev_prepare_decode (r = 1) and
+ * di_dsv4_dev_prepare_verify (r = 2) capture them up front (the serving engine does, so that no
+ * step captures or allocates). A step mixing shapes (a verify beside a plain decode or a prefill
+ * chunk) runs directly. This works because every host scalar
  * an op gets is a function of the call's shape (rows per sequence, logit rows), never of its
  * positions: everything that moves with the positions is backend data the host rewrites before the
  * launch (tokens, positions, key lists and counts, compressor sources, entry positions, scatter
@@ -81,8 +83,8 @@
  * mhc_post over NC * T one-stream rows with post = comb = 1: x + e exactly), the block, the head
  * with the MTP's mHC and norm. Rollback (di_dsv4_dev_rollback): a slot may take back the last row
  * of its last call, once (a rejected verify row); the argument that it leaves no trace in the
- * rings and entries is at the function. MTP calls run directly (no graph); so does a verify step
- * (two rows for some sequence is no decode shape); plain decode steps keep their graphs.
+ * rings and entries is at the function. MTP calls run directly (no graph); a step in which every
+ * sequence verifies is decode-shaped (r = 2, "Graphs").
  *
  * Tail snapshots (docs/kv-cache.md): at a position pos that is a multiple of every compress ratio
  * (a block boundary) a slot's future reads only the entries (in blocks), the last W - 1 rows of
@@ -209,6 +211,11 @@ void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_s
 // them at 0). With shared blocks every slot lists block 0 (one token writes no entry, so block 0
 // is left as it was). No-op with graphs off. Errors as di_dsv4_dev_forward.
 di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs);
+// The same for verify steps (2 rows per sequence, logits of both; up to 32 sequences and max_rows
+// / 2): the slots are left at position 2. Prepares nothing for a model with a compress ratio <= 2
+// (two tokens at position 0 would close a window in the shared block 0; such steps then capture
+// when first seen twice).
+di_status di_dsv4_dev_prepare_verify(di_dsv4_dev_state *s, int32_t max_seqs);
 
 // ---- MTP (spec §2.10; "MTP" above) ----
 

@@ -975,7 +975,8 @@ static void test_unsupported(void) {
 // (di_dsv4_dev_rollback), including rows that close a CSA window and the first HCA window (128)
 // and rows that wrap the window ring; after each main call the MTP call runs on the kept rows
 // (positions p, with the token at p + 1). The dev MTP logits of every position and the main
-// logits of the kept rows are bit-identical (memcmp) to the sessions'. A second rollback, a
+// logits of the kept rows are bit-identical (memcmp) to the sessions', the verify steps replaying
+// their decode graph (3 sequences of 2 rows). A second rollback, a
 // rollback to win_lo, an MTP call not continuing its ring and enabling after a state exists are
 // refused; the tail grows by the MTP ring's W - 1 rows.
 enum { MTP_CTX = 160 };
@@ -1033,12 +1034,12 @@ static void mtp_run(di_precision prec) {
                 .slot = s, .pos = pos, .n_tok = n, .blocks = hb.blk[s], .n_blocks = MAXB};
             for (int32_t t = 0; t < n; t++) tok[T + t] = token_of(s, 0, pos + t, V);
             if (wrong[s]) tok[T + 1] = (tok[T + 1] + 1) % V;
-            // Logits of the kept rows (a verify's both, the draft's only when it is right).
-            for (int32_t t = 0; t < n - (wrong[s] ? 1 : 0); t++) rows[n_rows++] = T + t;
+            // Logits of every row (a verify step: the decode graphs of 2 rows per sequence).
+            for (int32_t t = 0; t < n; t++) rows[n_rows++] = T + t;
             T += n;
         }
         CHECK_EQ(di_dsv4_dev_forward(st, seqs, N_SLOTS, tok, rows, n_rows, got), DI_OK);
-        int32_t r0 = 0, k_got = 0;
+        int32_t r0 = 0;
         for (int s = 0; s < N_SLOTS; s++) {
             const int32_t pos = seqs[s].pos, keep = seqs[s].n_tok - (wrong[s] ? 1 : 0);
             if (wrong[s]) {
@@ -1051,7 +1052,7 @@ static void mtp_run(di_precision prec) {
             for (int32_t t = 0; t < keep; t++) ct[t] = token_of(s, 0, pos + t, V);
             di_forward_out fo = {.logits = ref, .mtp_logits = ml, .n_mtp_out = &n_mtp};
             CHECK_EQ(di_session_forward(ses[s], ct, keep, &fo), DI_OK);
-            CHECK(memcmp(ref, got + (int64_t)k_got * V, VB * (size_t)keep) == 0);
+            CHECK(memcmp(ref, got + (int64_t)r0 * V, VB * (size_t)keep) == 0);
             const int32_t p_first = pos == 0 ? 0 : pos - 1;
             CHECK_EQ(p_first + n_mtp, pos + keep - 1);
             memcpy(cpu_ml + ((int64_t)s * MTP_CTX + p_first) * V, ml, VB * (size_t)n_mtp);
@@ -1065,7 +1066,6 @@ static void mtp_run(di_precision prec) {
                 mrows[n_mrows] = n_mrows;
                 n_mrows++;
             }
-            k_got += keep;
             r0 += seqs[s].n_tok;
         }
         CHECK_EQ(di_dsv4_dev_mtp_forward(st, ms, n_m, xr, nxt, mrows, n_mrows, got), DI_OK);
@@ -1080,6 +1080,10 @@ static void mtp_run(di_precision prec) {
         CHECK_EQ(di_dsv4_dev_mtp_forward(st, ms, 1, xr, nxt, NULL, 0, NULL), DI_ERR_INVALID);
     }
     CHECK(n_rolled >= 30);
+    di_dsv4_dev_graph_stats gs;
+    di_dsv4_dev_get_graph_stats(st, &gs);
+    CHECK_EQ(gs.n_captured, 1); // the verify steps of 3 sequences: one direct, one captured
+    CHECK_EQ(gs.n_replayed, 24 - 2);
     CHECK(di_session_n_past(ses[0]) > 128); // slot 0's rejected rows crossed the first HCA window
     for (int s = 0; s < N_SLOTS; s++) {
         CHECK_EQ(dev_hi[s], cpu_hi[s] + 1); // the session's last position waits for its token

@@ -32,7 +32,8 @@
 //   (h) MTP speculation (spec_tokens 1) on the device-resident forward: the requests of (a) on the
 //       tiny pool (preemption) and a roomy one, two passes each (prefix hits), and (f)'s shared
 //       prefix with tail snapshots restored (the MTP ring inside): exactly the plain engine's
-//       outputs, verifies that accept and reject drafts, nothing allocated in a step.
+//       outputs, verifies that accept and reject drafts, graphs replayed, nothing allocated in a
+//       step.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -587,16 +588,23 @@ static void test_spec(void) {
         }
         di_engine_stats st;
         check_spec(e, &st, round > 0);
+        di_dsv4_dev_graph_stats gs;
+        di_engine_get_graph_stats(e, &gs);
         fprintf(stderr,
                 "(h) dev engine with MTP speculation (%s drafts), %s pool, max_seqs %d, two "
                 "passes: %d/%d identical to the plain engine; %lld verifies, %lld drafts "
-                "accepted, %lld preemptions, %lld positions from the prefix cache\n",
+                "accepted, %lld preemptions, %lld positions from the prefix cache; %lld graph "
+                "launches, %lld direct calls\n",
                 round > 0 ? "oracle" : "its own", small ? "tiny" : "roomy", small ? 3 : N_REQ,
                 n_same, 2 * N_REQ, (long long)st.n_spec_verifies, (long long)st.n_spec_accepted,
-                (long long)st.n_preemptions, (long long)st.n_cache_hit_tokens);
+                (long long)st.n_preemptions, (long long)st.n_cache_hit_tokens,
+                (long long)gs.n_replayed, (long long)gs.n_direct);
         CHECK_EQ(n_same, 2 * N_REQ);
         if (small) CHECK(st.n_preemptions > 0);
         if (!small) CHECK(st.n_cache_hit_tokens > 0);
+        // Steps in which every sequence verifies replayed the verify graphs captured at create.
+        CHECK_EQ(gs.n_captured, gs.n_cached);
+        CHECK(gs.n_replayed > 0);
         if (round > 0) CHECK(st.n_spec_accepted * 4 > st.n_spec_verifies); // about half of them
         di_engine_destroy(e);
     }
