@@ -425,9 +425,9 @@ fail: // what was created is the engine's (di_engine_destroy frees it)
 
 // Speculative decoding's options against the loaded model: refused (DI_ERR_UNSUPPORTED) where
 // there is nothing to draft with (no DSpark on V4.1, no MTP block on V4), rather than silently
-// off: a user who asks for it on the wrong
-// checkpoint should hear so at start. spec_tokens beyond what one draft step makes (the DSpark
-// block; V4's MTP block: one token) is capped (logged).
+// off: a user who asks for it on the wrong checkpoint should hear so at start. spec_tokens beyond
+// what one draft step makes (the DSpark block; V4's MTP block: one token) is capped (logged). On
+// the device-resident forward the MTP block is uploaded here, before the dev state.
 static di_status spec_setup(di_engine *e) {
     di_engine_options *o = &e->opt;
     const di_hparams *hp = &e->model->hp;
