@@ -976,10 +976,55 @@ static void test_unsupported(void) {
 // and rows that wrap the window ring; after each main call the MTP call runs on the kept rows
 // (positions p, with the token at p + 1). The dev MTP logits of every position and the main
 // logits of the kept rows are bit-identical (memcmp) to the sessions', the verify steps replaying
-// their decode graph (3 sequences of 2 rows). A second rollback, a
-// rollback to win_lo, an MTP call not continuing its ring and enabling after a state exists are
-// refused; the tail grows by the MTP ring's W - 1 rows.
+// their decode graph (3 sequences of 2 rows). A second rollback, a rollback to win_lo, an MTP call
+// not continuing its ring and enabling after a state exists are refused; the tail grows by the MTP
+// ring's W - 1 rows, and a slot restored from a snapshot continues with main and MTP logits
+// bit-identical to the slot it was taken from (mtp_tail).
 enum { MTP_CTX = 160 };
+
+// The tail with the MTP ring: slot 0 restarted, fed 128 positions (a block boundary) with its MTP
+// calls, its tail saved and restored into slot 1 (on slot 0's first block); then both feed the
+// same 12 tokens: main and MTP logits bit-identical (memcmp), so the MTP ring came back exactly.
+static void mtp_tail(const di_dsv4_dev *d, di_dsv4_dev_state *st, int32_t blk[N_SLOTS][MAXB],
+                     int32_t V, float *got, float *ml) {
+    const size_t VB = sizeof(float) * (size_t)V;
+    int32_t tok[MAX_ROWS], nxt[MAX_ROWS], rows[MAX_ROWS];
+    for (int32_t t = 0; t < MAX_ROWS; t++) rows[t] = t;
+    const int32_t chunks[2][2] = {{0, 96}, {96, 32}};
+    for (int c = 0; c < 2; c++) {
+        const int32_t p0 = chunks[c][0], n = chunks[c][1];
+        di_dsv4_dev_seq sq = {.slot = 0, .pos = p0, .n_tok = n, .blocks = blk[0], .n_blocks = MAXB};
+        for (int32_t t = 0; t < n; t++) {
+            tok[t] = token_of(0, 1, p0 + t, V);
+            nxt[t] = token_of(0, 1, p0 + t + 1, V);
+        }
+        CHECK_EQ(di_dsv4_dev_forward(st, &sq, 1, tok, NULL, 0, NULL), DI_OK);
+        CHECK_EQ(di_dsv4_dev_mtp_forward(st, &sq, 1, rows, nxt, NULL, 0, NULL), DI_OK);
+    }
+    uint8_t *snap = malloc(di_dsv4_dev_tail_bytes(d));
+    if (!snap) return;
+    CHECK_EQ(di_dsv4_dev_tail_save(st, 0, snap), DI_OK);
+    CHECK_EQ(di_dsv4_dev_tail_restore(st, 1, 128, snap), DI_OK);
+    CHECK_EQ(di_dsv4_dev_mtp_n_past(st, 1), 128);
+    const int32_t blk1[MAXB] = {blk[0][0], blk[1][1], blk[1][2]};
+    float *out[2] = {got, ml}; // slot 0's, slot 1's: main logits then MTP logits, 12 rows each
+    for (int s = 0; s < 2; s++) {
+        di_dsv4_dev_seq sq = {.slot = s,
+                              .pos = 128,
+                              .n_tok = 12,
+                              .blocks = s ? blk1 : blk[0],
+                              .n_blocks = MAXB,
+                              .n_cached = s ? 128 : 0};
+        for (int32_t t = 0; t < 12; t++) {
+            tok[t] = token_of(0, 1, 128 + t, V);
+            nxt[t] = token_of(0, 1, 129 + t, V);
+        }
+        CHECK_EQ(di_dsv4_dev_forward(st, &sq, 1, tok, rows, 12, out[s]), DI_OK);
+        CHECK_EQ(di_dsv4_dev_mtp_forward(st, &sq, 1, rows, nxt, rows, 12, out[s] + 12 * V), DI_OK);
+    }
+    CHECK(memcmp(got, ml, VB * 24) == 0);
+    free(snap);
+}
 
 static void mtp_run(di_precision prec) {
     di_model_options mo = di_model_options_default();
@@ -1109,6 +1154,7 @@ static void mtp_run(di_precision prec) {
         CHECK_EQ(di_dsv4_dev_mtp_forward(st, &sq, 1, r, t0, NULL, 0, NULL), DI_OK);
     }
     CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
+    mtp_tail(d, st, hb.blk, V, got, ml);
 free_all:
     free(dev_ml);
     free(cpu_ml);
