@@ -17,7 +17,12 @@
 //     slot; each call passes its block ids, its win_lo (bounded replay after a prefix hit) and
 //     the positions it attached from the prefix cache, so prefix reuse works as on the CPU path.
 //     A failed dev call fails the requests of that step (DI_FINISH_ERROR with its status); the
-//     engine keeps serving.
+//     engine keeps serving. With spec_tokens > 0 (a V4 checkpoint with its MTP block) the dev
+//     state holds the MTP block too (di_dsv4_dev_mtp_enable: a window ring per slot, paid from
+//     kv_memory_bytes): MTP speculation as on the CPU forward below, the step's call verifying
+//     [y, d] in two rows, the rejected row taken back in the dev state (di_dsv4_dev_rollback) and
+//     the MTP call run on the kept rows' main streams, which the state keeps from the step's call
+//     ("speculative decoding on the device-resident forward" below).
 //   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h): one V4.1 session
 //     per scheduler slot holding the slot's fixed tail (window and DSpark rings, (C, Z) slots,
 //     the Engram history), reserved at create for max_ctx positions and max_batch_tokens rows
@@ -155,7 +160,12 @@ struct di_engine {
     int32_t *x_mids;             // owned [max_batch_tokens + max_seqs * spec_k]: its next tokens
     int32_t *x_mlogit;           // owned [max_seqs]: its logit rows (sampled sequences' last)
     int32_t *x_mseq;             // owned [max_seqs]: the plan sequence of each MTP logit row
-    uint8_t *marks;              // owned [pool blocks], zero: fail_step's scratch
+    // ... and on the device-resident forward (dstate, spec_k > 0; "speculative decoding on the
+    // device-resident forward" below), with the arrays above but x_vseqs, x_mseqs:
+    di_dsv4_dev_seq *x_vdev; // owned [max_seqs]: the step's call, verify rows included
+    di_dsv4_dev_seq *x_mdev; // owned [max_seqs]: the MTP call's sequences
+    int32_t *x_mrows;        // owned [max_batch_tokens + max_seqs * spec_k]: its rows' main rows
+    uint8_t *marks;          // owned [pool blocks], zero: fail_step's scratch
     // Failure injection (di_engine_fail_forward, DI_ENGINE_FAIL_STEPS): the fail_in-th next
     // forward and the fail_n - 1 after it fail with fail_status without running (0: none).
     atomic_int fail_in, fail_n, fail_status;
@@ -250,21 +260,32 @@ static void eplb_done(void *user);
 // The warm-up call of the device-resident forward at create: max_rows rows (at most the context)
 // of token 0 on slot 0, so that a backend growing its op scratch on the first call of a size (the
 // CPU twin: matmul and MoE rows) does it here and not inside a step; it also surfaces a broken
-// device at create rather than on the first request. Then the decode graph of every batch size
-// up to max_seqs is captured (di_dsv4_dev_prepare_decode), so that no step captures (a capture
-// allocates). The slots used restart at pos 0 when first used.
+// device at create rather than on the first request; with MTP speculation the MTP call follows
+// on its rows. Then the decode graph of every batch size up to max_seqs is captured
+// (di_dsv4_dev_prepare_decode; with speculation the verify steps' too, _prepare_verify), so that
+// no step captures (a capture allocates). The slots used restart at pos 0 when first used.
 static di_status dev_warm_up(di_engine *e) {
     const di_engine_options *o = &e->opt;
-    int32_t n = o->max_batch_tokens < o->max_ctx ? o->max_batch_tokens : o->max_ctx;
-    memset(e->x_tokens, 0, sizeof(int32_t) * (size_t)n);
+    // With MTP speculation: a step's rows with its verify rows, then the MTP call on them.
+    const int32_t rows = o->max_batch_tokens + o->max_seqs * e->spec_k;
+    int32_t n = rows < o->max_ctx ? rows : o->max_ctx;
+    int32_t *tok = e->spec_k > 0 ? e->x_vtokens : e->x_tokens;
+    memset(tok, 0, sizeof(int32_t) * (size_t)n);
     // Blocks 0.. of the pool: all free now (nothing is cached yet), so whatever the call writes
     // is overwritten before anything reads it.
     const int32_t nb = (n + e->kv->block_tokens - 1) / e->kv->block_tokens;
     for (int32_t i = 0; i < nb; i++) e->x_blocks[i] = i;
     di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = n, .blocks = e->x_blocks, .n_blocks = nb};
     int32_t last = n - 1;
-    di_status st = di_dsv4_dev_forward(e->dstate, &sq, 1, e->x_tokens, &last, 1, e->logits);
+    di_status st = di_dsv4_dev_forward(e->dstate, &sq, 1, tok, &last, 1, e->logits);
+    if (st == DI_OK && e->spec_k > 0) {
+        for (int32_t t = 0; t < n; t++) e->x_mrows[t] = t;
+        memset(e->x_mids, 0, sizeof(int32_t) * (size_t)n);
+        st = di_dsv4_dev_mtp_forward(e->dstate, &sq, 1, e->x_mrows, e->x_mids, &last, 1,
+                                     e->mtp_logits);
+    }
     if (st == DI_OK) st = di_dsv4_dev_prepare_decode(e->dstate, o->max_seqs);
+    if (st == DI_OK && e->spec_k > 0) st = di_dsv4_dev_prepare_verify(e->dstate, o->max_seqs);
     if (st != DI_OK)
         DI_LOG_ERROR("engine: the device-resident forward failed its warm-up call of %d rows: %s",
                      (int)n, di_status_str(st));
@@ -403,23 +424,16 @@ fail: // what was created is the engine's (di_engine_destroy frees it)
 }
 
 // Speculative decoding's options against the loaded model: refused (DI_ERR_UNSUPPORTED) where
-// there is nothing to draft with (no DSpark on V4.1, no MTP block on V4) or no rollback (the
-// device-resident forward), rather than silently off: a user who asks for it on the wrong
-// checkpoint should hear so at start. spec_tokens beyond what one draft step makes (the DSpark
-// block; V4's MTP block: one token) is capped (logged).
+// there is nothing to draft with (no DSpark on V4.1, no MTP block on V4), rather than silently
+// off: a user who asks for it on the wrong checkpoint should hear so at start. spec_tokens beyond
+// what one draft step makes (the DSpark block; V4's MTP block: one token) is capped (logged). On
+// the device-resident forward the MTP block is uploaded here, before the dev state.
 static di_status spec_setup(di_engine *e) {
     di_engine_options *o = &e->opt;
     const di_hparams *hp = &e->model->hp;
     e->lstride = 1;
     if (o->spec_tokens == 0) return DI_OK;
     if (!hp->v41) {
-        if (e->model->dev) {
-            DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) is not supported on the "
-                         "device-resident forward (its window and compressor rings keep no rows "
-                         "for rolling rejected drafts back); use the CPU forward",
-                         (int)o->spec_tokens);
-            return DI_ERR_UNSUPPORTED;
-        }
         if (e->model->n_mtp_loaded == 0) {
             DI_LOG_ERROR("engine: speculative decoding (spec_tokens %d) on a V4 checkpoint drafts "
                          "with its MTP block (mtp.*); this checkpoint has none",
@@ -454,6 +468,9 @@ static di_status spec_setup(di_engine *e) {
     }
     e->spec_k = o->spec_tokens;
     e->lstride = e->spec_k + 1;
+    // The device-resident forward runs the MTP block too: uploaded before its state (whose slots
+    // then hold MTP window rings, paid from kv_memory_bytes through di_dsv4_dev_sizes).
+    if (e->model->dev) return di_dsv4_dev_mtp_enable(e->model->dev);
     return DI_OK;
 }
 
@@ -505,6 +522,35 @@ static di_status mtp_create(di_engine *e) {
     DI_LOG_INFO("engine: speculative decoding with the MTP block: one draft per verify; "
                 "--kv-memory %zu bytes = %d MTP rings of %.1f KiB + the KV pool",
                 o->kv_memory_bytes, (int)o->max_seqs, (double)e->mtp_slot_bytes / 1024);
+    return DI_OK;
+}
+
+// MTP speculation on the device-resident forward: the drafts per slot and the arrays of the
+// step's call (verify rows included) and of the MTP call; the MTP rings are the dev state's.
+static di_status dev_spec_create(di_engine *e) {
+    const di_engine_options *o = &e->opt;
+    const size_t ms = (size_t)o->max_seqs;
+    const size_t n_rows = (size_t)o->max_batch_tokens + ms * (size_t)e->spec_k;
+    e->mtp_draft = di_calloc(ms, sizeof(int32_t));
+    e->mtp_draft_pos = di_calloc(ms, sizeof(int32_t));
+    e->mtp_draft_req = di_calloc(ms, sizeof(uint64_t));
+    e->mtp_logits = di_malloc(sizeof(float) * ms * (size_t)e->model->hp.n_vocab);
+    e->x_vdev = di_calloc(ms, sizeof *e->x_vdev);
+    e->x_vtokens = di_malloc(sizeof(int32_t) * n_rows);
+    e->x_vlogit = di_malloc(sizeof(int32_t) * ms * (size_t)e->lstride);
+    e->x_cap = di_calloc(ms, sizeof(int32_t));
+    e->x_mdev = di_calloc(ms, sizeof *e->x_mdev);
+    e->x_mids = di_malloc(sizeof(int32_t) * n_rows);
+    e->x_mrows = di_malloc(sizeof(int32_t) * n_rows);
+    e->x_mlogit = di_malloc(sizeof(int32_t) * ms);
+    e->x_mseq = di_malloc(sizeof(int32_t) * ms);
+    e->x_bk = di_malloc(sizeof(int32_t) * ms);
+    if (!e->mtp_draft || !e->mtp_draft_pos || !e->mtp_draft_req || !e->mtp_logits || !e->x_vdev ||
+        !e->x_vtokens || !e->x_vlogit || !e->x_cap || !e->x_mdev || !e->x_mids || !e->x_mrows ||
+        !e->x_mlogit || !e->x_mseq || !e->x_bk)
+        return DI_ERR_NOMEM;
+    DI_LOG_INFO("engine: speculative decoding with the MTP block on the device-resident forward: "
+                "one draft per verify");
     return DI_OK;
 }
 
@@ -612,15 +658,17 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         DI_TRY(di_sampler_create(hp->n_vocab, &e->samplers[i]));
     if (e->model->dev) {
         // The state's entry blocks are the kv_manager's blocks (same ids, same block size).
-        DI_TRY(di_dsv4_dev_state_create(e->model->dev, o->max_seqs, o->max_ctx, o->max_batch_tokens,
-                                        di_block_pool_n_total(e->kv->pool), e->kv->block_tokens,
-                                        &e->dstate));
+        // With MTP speculation a step's call holds its verify rows too.
+        DI_TRY(di_dsv4_dev_state_create(
+            e->model->dev, o->max_seqs, o->max_ctx, o->max_batch_tokens + o->max_seqs * e->spec_k,
+            di_block_pool_n_total(e->kv->pool), e->kv->block_tokens, &e->dstate));
         e->x_dev = di_calloc((size_t)o->max_seqs, sizeof *e->x_dev);
         e->x_blocks = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs * (size_t)e->kv->max_blocks);
         if (!e->x_dev || !e->x_blocks) {
             st = DI_ERR_NOMEM;
             goto fail;
         }
+        if (e->spec_k > 0) DI_TRY(dev_spec_create(e));
     } else if (e->v41) {
         e->x_slot = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs);
         e->x_b = di_malloc(sizeof *e->x_b * (size_t)o->max_seqs);
@@ -858,6 +906,9 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_cap);
     di_free(e->x_mseqs);
     di_free(e->x_mids);
+    di_free(e->x_vdev);
+    di_free(e->x_mdev);
+    di_free(e->x_mrows);
     di_free(e->x_mlogit);
     di_free(e->x_mseq);
     di_free(e->marks);
@@ -1070,7 +1121,8 @@ static void disk_stats(di_engine *e, di_engine_stats *st) {
 // the same token at H (another falls back to the bounded replay, whose MTP rows are exact).
 static size_t tail_bytes(const di_engine *e) {
     if (e->v41) return di_dsv41_tail_bytes(e->v41[0]);
-    if (e->model->dev) return di_dsv4_dev_tail_bytes(e->model->dev);
+    if (e->model->dev) // with MTP speculation: its ring inside, the next token after it
+        return di_dsv4_dev_tail_bytes(e->model->dev) + (e->spec_k > 0 ? sizeof(int32_t) : 0);
     return (size_t)e->kv->n_tail * (size_t)e->kv->block_floats * sizeof(float) +
            (e->mtp_ls ? (size_t)e->mtp_slot_bytes + sizeof(int32_t) : 0);
 }
@@ -1088,6 +1140,11 @@ static bool tail_restore(void *user, di_request *r, int32_t pos, const uint8_t *
     if (e->model->dev) { // staged for the launch (dev_restores); a bad one falls back to the replay
         const size_t tb = tail_bytes(e);
         if (di_dsv4_dev_tail_check(e->model->dev, pos, snap) != DI_OK) return false;
+        if (e->spec_k > 0) { // the MTP ring's last row saw the token at pos: the same one here
+            int32_t next;
+            memcpy(&next, snap + di_dsv4_dev_tail_bytes(e->model->dev), sizeof next);
+            if (r->tokens[pos] != next) return false;
+        }
         memcpy(e->dev_snap + (size_t)r->slot * tb, snap, tb);
         e->dev_snap_id[r->slot] = r->id; // ids are never reused: a stale one never matches
         e->dev_snap_pos[r->slot] = pos;
@@ -1137,7 +1194,7 @@ static void tails_take(di_engine *e) {
         // After a bounded replay from Q > 0 the window rows a continuation reads are exact (the
         // replay's proof), but the MTP rows of the replayed positions are not (they only cost
         // drafts): such an MTP tail is not kept.
-        if (e->mtp_ls && r->win_lo > 0) continue;
+        if ((e->mtp_ls || (e->dstate && e->spec_k > 0)) && r->win_lo > 0) continue;
         uint8_t *out = di_kv_tail_put(e->kv, r->slot, h);
         if (!out) continue;
         if (e->v41) {
@@ -1147,6 +1204,8 @@ static void tails_take(di_engine *e) {
         if (e->dstate) { // a failed save (logged) leaves a snapshot no restore accepts
             if (di_dsv4_dev_tail_save(e->dstate, r->slot, out) != DI_OK)
                 memset(out, 0, tail_bytes(e));
+            else if (e->spec_k > 0)
+                memcpy(out + di_dsv4_dev_tail_bytes(e->model->dev), &r->tokens[h], sizeof(int32_t));
             continue;
         }
         const di_kv_seq *ks = &e->kv->seqs[r->slot];
@@ -1543,6 +1602,11 @@ static void spec_rollback(di_engine *e, int32_t k, int32_t pos_new) {
         DI_ASSERT(st == DI_OK);
         return;
     }
+    if (e->dstate) { // the verify's last row (one draft): di_dsv4_dev_rollback's argument
+        di_status st = di_dsv4_dev_rollback(e->dstate, e->x_lslot[k], pos_new);
+        DI_ASSERT(st == DI_OK);
+        return;
+    }
     di_dsv4_state_rollback(e->model, e->kv->seqs[e->x_lslot[k]].layers, 0, e->model->hp.n_layer,
                            pos_new);
 }
@@ -1863,6 +1927,109 @@ static di_status mtp_step(di_engine *e) {
     return DI_OK;
 }
 
+// ---- speculative decoding on the device-resident forward (V4 with the MTP block) ----
+//
+// As on the CPU forward (above), through the dev state (model/dsv4_dev.h "MTP"): the step's one
+// call feeds a sampled decode's [y, d] when its slot holds an MTP draft for its anchor's next
+// position, with logits for both rows; the rejected row is taken back in the dev state
+// (di_dsv4_dev_rollback: one row, which leaves no trace in the window and compressor rings or the
+// entries); the MTP call (di_dsv4_dev_mtp_forward) then runs on the kept rows, reading their main
+// streams, which the state keeps from the step's call. A step in which every sequence verifies
+// (all rows sampled) replays its verify graph (prepared at create, dev_warm_up); one mixing
+// verifies with plain decodes or prefill chunks runs directly, and so does the MTP call.
+
+// The step's call with its verify rows (v4_spec_forward's plan on x_vdev); the logit rows then
+// move to their logit slots.
+static di_status dev_spec_forward(di_engine *e) {
+    const int64_t V = e->model->hp.n_vocab;
+    int32_t row = 0, vrow = 0, n_vl = 0;
+    for (int32_t i = 0; i < e->x_n_seq; i++) {
+        const di_dsv4_seq *sq = &e->x_seqs[i];
+        const di_request *r = e->x_seq_req[i];
+        di_dsv4_dev_seq *vs = &e->x_vdev[i];
+        *vs = e->x_dev[i];
+        memcpy(e->x_vtokens + vrow, e->x_tokens + row, sizeof(int32_t) * (size_t)sq->n_tok);
+        const int32_t last = row + sq->n_tok - 1;
+        int32_t kslot = -1;
+        for (int32_t k = 0; k < e->x_n_logit; k++)
+            if (e->x_logit_rows[k] == last) kslot = k;
+        e->x_bk[i] = kslot;
+        if (kslot >= 0) {
+            e->x_lslot[kslot] = r->slot;
+            e->x_vlogit[n_vl++] = vrow + sq->n_tok - 1;
+            const int32_t k_max = spec_kmax(e, kslot, sq, e->x_cap[i]);
+            if (k_max > 0 && e->mtp_draft_req[r->slot] == r->id &&
+                e->mtp_draft_pos[r->slot] == sq->pos + 1) {
+                di_draft d = {.n = 1};
+                d.tokens[0] = e->mtp_draft[r->slot];
+                d.confidence[0] = 1.0f;
+                int32_t n_ver = 1;
+                spec_take(e, kslot, sq, &d, k_max, e->x_vtokens + vrow, &n_ver);
+                for (int32_t j = 1; j < n_ver; j++) e->x_vlogit[n_vl++] = vrow + j;
+                vs->n_tok = n_ver;
+            }
+        }
+        row += sq->n_tok;
+        vrow += vs->n_tok;
+    }
+    di_status st = di_dsv4_dev_forward(e->dstate, e->x_vdev, e->x_n_seq, e->x_vtokens, e->x_vlogit,
+                                       n_vl, e->logits);
+    if (st != DI_OK) return st;
+    int32_t off = n_vl; // last first: every move goes up or stays (v4_spec_forward)
+    for (int32_t k = e->x_n_logit - 1; k >= 0; k--) {
+        off -= e->x_nrows[k];
+        const int64_t dst = (int64_t)k * e->lstride;
+        DI_ASSERT(dst >= off);
+        if (dst != off)
+            memmove(e->logits + dst * V, e->logits + (int64_t)off * V,
+                    sizeof(float) * (size_t)(e->x_nrows[k] * V));
+    }
+    return DI_OK;
+}
+
+// After the step's sampling and accept: the MTP call on every kept row of the step, each with the
+// token after it, and the next drafts (mtp_step's rules, on the dev state: row t of the MTP call
+// reads the main streams of its row of the step's call).
+static di_status dev_mtp_step(di_engine *e) {
+    const int64_t V = e->model->hp.n_vocab;
+    int32_t n_m = 0, mrow = 0, n_ml = 0, vrow = 0;
+    for (int32_t i = 0; i < e->x_n_seq; vrow += e->x_vdev[i].n_tok, i++) {
+        const di_dsv4_dev_seq *vs = &e->x_vdev[i];
+        const di_request *r = e->x_seq_req[i];
+        const int32_t kslot = e->x_bk[i];
+        e->mtp_draft_req[r->slot] = 0;
+        int32_t keep = vs->n_tok;
+        const di_sample_result *next = NULL;
+        if (kslot >= 0) {
+            next = e->x_res + (int64_t)kslot * e->lstride;
+            if (e->x_ndraft[kslot] > 0) keep = e->x_emit[kslot], next += keep - 1;
+            if (next->token < 0) continue; // a failed constrained sample: it ends
+        }
+        for (int32_t t = 0; t < keep; t++) {
+            e->x_mrows[mrow + t] = vrow + t;
+            e->x_mids[mrow + t] = next && t == keep - 1 ? next->token : r->tokens[vs->pos + t + 1];
+        }
+        e->x_mdev[n_m++] =
+            (di_dsv4_dev_seq){.slot = r->slot, .pos = vs->pos, .n_tok = keep, .win_lo = vs->win_lo};
+        if (next) { // its last kept position P' = pos + keep - 1 drafts for P' + 2
+            e->x_mlogit[n_ml] = mrow + keep - 1;
+            e->x_mseq[n_ml++] = i;
+            e->mtp_draft_pos[r->slot] = vs->pos + keep + 1;
+        }
+        mrow += keep;
+    }
+    if (n_m == 0) return DI_OK;
+    di_status st = di_dsv4_dev_mtp_forward(e->dstate, e->x_mdev, n_m, e->x_mrows, e->x_mids,
+                                           e->x_mlogit, n_ml, e->mtp_logits);
+    if (st != DI_OK) return st;
+    for (int32_t j = 0; j < n_ml; j++) {
+        const di_request *r = e->x_seq_req[e->x_mseq[j]];
+        e->mtp_draft[r->slot] = di_argmax(e->mtp_logits + (int64_t)j * V, (int32_t)V);
+        e->mtp_draft_req[r->slot] = r->id;
+    }
+    return DI_OK;
+}
+
 static void *forward_main(void *p) {
     di_engine *e = p;
     pthread_mutex_lock(&e->fmu);
@@ -1879,7 +2046,9 @@ static void *forward_main(void *p) {
             st = v41_forward(e);
         } else if (e->dstate) {
             st = e->x_restore_st; // the launch's tail restores
-            if (st == DI_OK)
+            if (st == DI_OK && e->spec_k > 0)
+                st = dev_spec_forward(e);
+            else if (st == DI_OK)
                 st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens,
                                          e->x_logit_rows, e->x_n_logit, e->logits);
         } else if (e->mtp_ls) {
@@ -1902,6 +2071,7 @@ static void *forward_main(void *p) {
             di_pool_run(e->model->pool, sample_task, e);
             if (e->spec_k > 0) spec_accept(e);
             if (e->mtp_ls) st = mtp_step(e); // an expert worker failing here fails the step
+            if (e->dstate && e->spec_k > 0) st = dev_mtp_step(e); // a device fault fails it too
         }
         int64_t allocs = di_mem_thread_allocs() - a0;
         pthread_mutex_lock(&e->fmu);
@@ -1938,10 +2108,21 @@ static void launch(di_engine *e) {
         // slot's n_past (the forward refuses anything else with DI_ERR_INVALID, which fails the
         // step's requests). Its block ids are copied: the scheduler plans the next step
         // (appending blocks) while this one runs.
+        // With speculation a sampled decode first takes the blocks its verify rows may need, as
+        // on the CPU forward (below).
         const int32_t mb = e->kv->max_blocks;
         for (int32_t i = 0; i < s->n_seq; i++) {
             const di_request *r = s->seq_req[i];
             const di_kv_seq *ks = &e->kv->seqs[r->slot];
+            if (e->spec_k > 0) {
+                const di_dsv4_seq *sq = &s->seqs[i];
+                if (sq->pos + sq->n_tok == di_request_n_planned(r)) {
+                    int32_t end = sq->pos + sq->n_tok + 1 + e->spec_k;
+                    if (end > e->opt.max_ctx) end = e->opt.max_ctx;
+                    (void)di_kv_seq_grow(e->kv, r->slot, end);
+                }
+                e->x_cap[i] = ks->n_blocks * e->kv->block_tokens;
+            }
             int32_t *blk = e->x_blocks + (int64_t)i * mb;
             memcpy(blk, ks->blocks, sizeof(int32_t) * (size_t)ks->n_blocks);
             e->x_dev[i] = (di_dsv4_dev_seq){.slot = r->slot,

@@ -5,7 +5,7 @@
 // where those keep sequential state
 // (compressor buffers, rings) this file keeps rows in backend pools and lists on the host which
 // rows each op reads. Sections: weights, state, per-call metadata, the layer, checks, decode
-// graphs, the call.
+// graphs, the call, the MTP block, tail snapshots.
 #include "model/dsv4_dev.h"
 
 #include <math.h>
@@ -18,9 +18,10 @@
 #include "base/status.h" // DI_TRY
 #include "model/dsv4.h"
 
-// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the largest decode
-// step run as a graph (one graph per batch size up to min(n_slots, HEAD_CHUNK), never evicted).
-enum { HEAD_CHUNK = 64, MAX_CLASSES = 4 };
+// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the most rows of a
+// decode step run as a graph (one graph per batch size up to min(n_slots, HEAD_CHUNK) and rows per
+// sequence up to GRAPH_ROWS, never evicted; 2 rows: a verify of one MTP draft).
+enum { HEAD_CHUNK = 64, MAX_CLASSES = 4, GRAPH_ROWS = 2 };
 // A page table entry the device may not hold (shared blocks before their first call, or after a
 // failed call): never equal to a block id, so the next call that needs it writes it.
 enum { PT_UNKNOWN = -2 };
@@ -56,10 +57,16 @@ struct di_dsv4_dev {
     float *norm; // backend [D]
     dev_hc hc_head;
     float *omega_main, *omega_compress; // backend [n_rot / 2]
-    dev_layer *layers;                  // owned [n_layer]
+    dev_layer *layers;                  // owned [n_layer + 1]: the MTP block at n_layer
     void **blocks;                      // owned list of backend blocks freed at destroy
     int32_t n_blocks, cap_blocks;
     bool official; // the official precision recipe (R-OFF, spec §2.0)
+    // The MTP block (spec §2.10; di_dsv4_dev_mtp_enable): its block is layers[n_layer].
+    bool mtp;
+    di_tensor mtp_e_proj, mtp_h_proj;
+    float *mtp_enorm, *mtp_hnorm, *mtp_norm; // backend [D]
+    dev_hc mtp_hc_head;
+    int32_t n_states; // states alive (the MTP block is enabled before the first)
 };
 
 static di_status track(di_dsv4_dev *d, void *p) {
@@ -226,7 +233,7 @@ di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
     d->m = m;
     d->b = b;
     d->official = m->opt.precision == DI_PRECISION_OFFICIAL;
-    d->layers = di_calloc((size_t)hp->n_layer, sizeof *d->layers);
+    d->layers = di_calloc((size_t)hp->n_layer + 1, sizeof *d->layers);
     int32_t max_e = 1;
     for (int il = 0; il < hp->n_layer; il++)
         if (m->layers[il].n_expert > max_e) max_e = m->layers[il].n_expert;
@@ -252,6 +259,43 @@ fail:
     di_free(tmp);
     di_dsv4_dev_destroy(d);
     return st;
+}
+
+di_status di_dsv4_dev_mtp_enable(di_dsv4_dev *d) {
+    di_model *m = d->m;
+    const di_hparams *hp = &m->hp;
+    if (d->mtp) return DI_OK;
+    if (m->n_mtp_loaded == 0 || m->mtp[0].block.ratio != 0) {
+        DI_LOG_ERROR("dev forward: the checkpoint has no sliding-window MTP block (mtp.*)");
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (d->n_states > 0) {
+        DI_LOG_ERROR("dev forward: the MTP block must be enabled before the first state (%d "
+                     "exist)",
+                     d->n_states);
+        return DI_ERR_INVALID;
+    }
+    const di_dsv4_mtp_w *mw = &m->mtp[0];
+    di_tensor *tmp =
+        di_calloc((size_t)(mw->block.n_expert > 1 ? mw->block.n_expert : 1), sizeof *tmp);
+    if (!tmp) return DI_ERR_NOMEM;
+    di_status st = DI_OK;
+    DI_TRY(up_weight(d, &mw->e_proj, &d->mtp_e_proj));
+    DI_TRY(up_weight(d, &mw->h_proj, &d->mtp_h_proj));
+    DI_TRY(up_floats(d, mw->enorm, hp->n_embd, &d->mtp_enorm));
+    DI_TRY(up_floats(d, mw->hnorm, hp->n_embd, &d->mtp_hnorm));
+    DI_TRY(up_floats(d, mw->norm, hp->n_embd, &d->mtp_norm));
+    DI_TRY(up_hc(d, &mw->hc_head, hp->hc_mult, 1, &d->mtp_hc_head));
+    DI_TRY(up_layer(d, &mw->block, &d->layers[hp->n_layer], tmp));
+    DI_TRY(d->b->vt->sync(d->b));
+    d->mtp = true;
+fail: // what was uploaded stays tracked (freed with d)
+    di_free(tmp);
+    return st;
+}
+
+bool di_dsv4_dev_has_mtp(const di_dsv4_dev *d) {
+    return d->mtp;
 }
 
 void di_dsv4_dev_destroy(di_dsv4_dev *d) {
@@ -331,10 +375,21 @@ struct di_dsv4_dev_state {
     iarr pt_dst, pt_val; // page table updates of this call: entry index, block id (-1 dst: pad)
     int32_t n_pt;        // updates scattered this call (decode graphs: one per sequence)
     int64_t n_bytes;     // backend bytes allocated
-    dev_lstate *ls;      // owned [n_layer]
+    dev_lstate *ls;      // owned [n_layer + mtp]: the MTP block's window pool at n_layer
     ratio_class cls[MAX_CLASSES];
     int32_t n_cls;
     int8_t *layer_cls; // owned [n_layer]
+    // The MTP block (the dev had it enabled at create; dsv4_dev.h "MTP"): its window class (the
+    // lists of an MTP call), each slot's MTP position, the main streams kept for it.
+    bool mtp;
+    ratio_class mtp_cls;
+    int32_t *mtp_n_past; // owned [n_slots]: positions the slot's MTP ring consumed (-1: restart)
+    int32_t *back_lo;    // owned [n_slots]: the lowest position a rollback may go back to
+    iarr mtp_src;        // [rows]: the MTP call's rows' rows of the last main call
+    int32_t x_rows;      // rows of the last main call whose streams x still holds (0: none)
+    float *xmain;        // [max_rows, NC, D]: the MTP call's main streams, gathered from x
+    float *ones;         // [max_rows * NC] of 1.0f: post and comb of the MTP's stream add
+    int32_t *iota;       // [max_rows]: 0, 1, 2, ...
     // scratch (backend), sized for max_rows rows
     float *x, *a, *out, *post, *comb, *mix, *qr, *q, *o, *u, *cc, *cz, *ent, *iq, *iw, *scores;
     float *aq;  // official recipe: A8-quantised linear inputs [max_rows, max(D, Rq, G*Ro)]
@@ -354,14 +409,15 @@ struct di_dsv4_dev_state {
     uint8_t *used; // owned host [n_slots]: slot seen in this call
     void **blocks; // owned list of backend blocks
     int32_t n_blocks, cap_blocks;
-    // Decode graphs (dsv4_dev.h "Graphs"): entry n - 1 for steps of n sequences, n <= n_graphs
-    // = min(n_slots, HEAD_CHUNK); graph NULL and seen: run once directly (captured the next time).
+    // Decode graphs (dsv4_dev.h "Graphs"): entry (r - 1) n_graphs + n - 1 for steps of n
+    // sequences of r rows each, n <= n_graphs = min(n_slots, HEAD_CHUNK), r <= GRAPH_ROWS, n r <=
+    // HEAD_CHUNK; graph NULL and seen: run once directly (captured the next time).
     bool graphs_on; // DI_DEV_GRAPHS != "0" at create
     struct dev_graph {
         void *graph;   // owned backend graph
         int64_t n_ops; // ops it captured
         bool seen;
-    } * graphs; // owned [n_graphs]
+    } * graphs; // owned [GRAPH_ROWS * n_graphs]
     int32_t n_graphs;
     di_dsv4_dev_graph_stats stats;
     // Tail snapshots ("tail snapshots" below): the snapshot's bytes gathered from (or scattered
@@ -536,6 +592,7 @@ di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_t
             slot += 2 * R * lw->idx_cmp.c * lw->idx_cmp.d * f;
         }
     }
+    if (d->mtp) slot += W * rb; // the MTP block's window ring
     *block_bytes = blk;
     *slot_bytes = slot;
     return DI_OK;
@@ -579,7 +636,7 @@ di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block
 
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     if (!s) return;
-    for (int32_t i = 0; i < s->n_graphs; i++)
+    for (int32_t i = 0; i < GRAPH_ROWS * s->n_graphs; i++)
         s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
     di_free(s->graphs);
     s->d->b->vt->host_free(s->d->b, s->meta_host); // meta_dev is in the blocks
@@ -591,6 +648,9 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     di_free(s->blk_mark);
     di_free(s->ls);
     di_free(s->layer_cls);
+    di_free(s->mtp_n_past);
+    di_free(s->back_lo);
+    s->d->n_states--;
     di_free(s->row0);
     di_free(s->used);
     di_free(s);
@@ -654,14 +714,18 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     s->win_lo = di_calloc((size_t)n_slots, sizeof(int32_t));
     s->pages_host = di_malloc(sizeof(int32_t) * n_pt);
     s->blk_mark = s->shared ? di_calloc((size_t)n_eb, sizeof(uint32_t)) : NULL;
-    s->ls = di_calloc((size_t)hp->n_layer, sizeof *s->ls);
+    s->ls = di_calloc((size_t)hp->n_layer + 1, sizeof *s->ls);
+    d->n_states++; // until destroy (a failed create included)
+    s->mtp = d->mtp;
+    s->mtp_n_past = di_calloc((size_t)n_slots, sizeof(int32_t));
+    s->back_lo = di_calloc((size_t)n_slots, sizeof(int32_t));
     s->layer_cls = di_calloc((size_t)hp->n_layer, 1);
     s->row0 = di_calloc((size_t)n_slots, sizeof(int32_t));
     s->used = di_calloc((size_t)n_slots, 1);
     s->n_graphs = n_slots < HEAD_CHUNK ? n_slots : HEAD_CHUNK;
-    s->graphs = di_calloc((size_t)s->n_graphs, sizeof *s->graphs);
+    s->graphs = di_calloc((size_t)(GRAPH_ROWS * s->n_graphs), sizeof *s->graphs);
     if (!s->n_past || !s->win_lo || !s->pages_host || (s->shared && !s->blk_mark) || !s->ls ||
-        !s->layer_cls || !s->row0 || !s->used || !s->graphs) {
+        !s->mtp_n_past || !s->back_lo || !s->layer_cls || !s->row0 || !s->used || !s->graphs) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -717,6 +781,37 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
             DI_TRY(st_floats(s, n_eb * rc->per_page * DI, &ls->idx));
             if (rc->cap > cap4) cap4 = rc->cap;
         }
+    }
+    if (s->mtp) { // the MTP block's window class and pool: this call's rows, the slots' rings
+        DI_TRY(class_init(s, &s->mtp_cls, &m->mtp[0].block));
+        dev_lstate *ls = &s->ls[hp->n_layer];
+        const int64_t pool_rows = s->mtp_cls.entry_base;
+        if (d->official) {
+            void *kp = NULL;
+            DI_TRY(st_alloc(s, (size_t)(pool_rows * s->kv_row_bytes), &kp));
+            ls->kvb = kp;
+        } else {
+            DI_TRY(st_floats(s, pool_rows * Dh, &ls->kv));
+        }
+        DI_TRY(iarr_init(s, &s->mtp_src, sizeof(int32_t), (size_t)T));
+        DI_TRY(st_floats(s, T * nc * D, &s->xmain));
+        DI_TRY(st_floats(s, T * nc, &s->ones));
+        void *ip = NULL;
+        DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)T, &ip));
+        s->iota = ip;
+        // Filled once from host arrays (create may allocate; nothing per step).
+        float *one = di_malloc(sizeof(float) * (size_t)(T * nc));
+        int32_t *io = di_malloc(sizeof(int32_t) * (size_t)T);
+        if (!one || !io) st = DI_ERR_NOMEM;
+        for (int64_t i = 0; one && i < T * nc; i++) one[i] = 1.0f;
+        for (int64_t i = 0; io && i < T; i++) io[i] = (int32_t)i;
+        if (st == DI_OK)
+            st = d->b->vt->upload(d->b, s->ones, one, sizeof(float) * (size_t)(T * nc));
+        if (st == DI_OK) st = d->b->vt->upload(d->b, s->iota, io, sizeof(int32_t) * (size_t)T);
+        if (st == DI_OK) st = d->b->vt->sync(d->b); // the host arrays go now
+        di_free(one);
+        di_free(io);
+        if (st != DI_OK) goto fail;
     }
     const int64_t H = hp->n_head, Rq = hp->q_lora_rank, G = hp->o_groups, Ro = hp->o_lora_rank;
     const int64_t HI = hp->n_index_head, cw = 2 * (Dh > DI ? Dh : DI);
@@ -791,38 +886,53 @@ int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot) {
 void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out) {
     *out = s->stats;
     out->n_cached = 0;
-    for (int32_t i = 0; i < s->n_graphs; i++) out->n_cached += s->graphs[i].graph != NULL;
+    for (int32_t i = 0; i < GRAPH_ROWS * s->n_graphs; i++)
+        out->n_cached += s->graphs[i].graph != NULL;
 }
 
-di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs) {
+// The graphs of steps of r rows per sequence (dsv4_dev.h di_dsv4_dev_prepare_decode, _verify).
+static di_status prepare_graphs(di_dsv4_dev_state *s, int32_t max_seqs, int32_t r) {
     if (!s->graphs_on) return DI_OK;
-    const int32_t n_max = max_seqs < s->n_graphs ? max_seqs : s->n_graphs;
+    int32_t n_max = max_seqs < s->n_graphs ? max_seqs : s->n_graphs;
+    if (n_max * r > HEAD_CHUNK) n_max = HEAD_CHUNK / r;
+    if (n_max * r > s->max_rows) n_max = s->max_rows / r;
+    // Shared blocks: every slot gets block 0, which r tokens at position 0 leave as it was when
+    // they close no window (every ratio > r); else no graph is prepared (captured when used).
+    for (int k = 0; k < s->n_cls; k++)
+        if (s->cls[k].ratio > 0 && s->cls[k].ratio <= r) return DI_OK;
     const int64_t V = s->d->m->hp.n_vocab;
-    di_dsv4_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)n_max);
-    int32_t *ids = di_calloc((size_t)n_max, sizeof *ids); // token 0 everywhere
-    int32_t *rows = di_malloc(sizeof *rows * (size_t)n_max);
-    float *logits = di_malloc(sizeof *logits * (size_t)n_max * (size_t)V);
+    di_dsv4_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)(n_max > 0 ? n_max : 1));
+    int32_t *ids = di_calloc((size_t)(n_max * r + 1), sizeof *ids); // token 0 everywhere
+    int32_t *rows = di_malloc(sizeof *rows * (size_t)(n_max * r + 1));
+    float *logits = di_malloc(sizeof *logits * (size_t)(n_max * r + 1) * (size_t)V);
     di_status st = seqs && ids && rows && logits ? DI_OK : DI_ERR_NOMEM;
     // Two steps of each size at position 0: the first runs directly, the second is captured.
-    // Shared blocks: every slot gets block 0 (one token closes no window: nothing is written to
-    // it, so the slots may share it).
     static const int32_t block0 = 0;
     for (int32_t n = 1; n <= n_max && st == DI_OK && s->graphs_on; n++) {
         for (int32_t i = 0; i < n; i++)
             seqs[i] = (di_dsv4_dev_seq){.slot = i,
                                         .pos = 0,
-                                        .n_tok = 1,
+                                        .n_tok = r,
                                         .blocks = s->shared ? &block0 : NULL,
                                         .n_blocks = s->shared ? 1 : 0};
-        for (int32_t i = 0; i < n; i++) rows[i] = i;
-        for (int pass = 0; pass < 2 && st == DI_OK && !s->graphs[n - 1].graph; pass++)
-            st = di_dsv4_dev_forward(s, seqs, n, ids, rows, n, logits);
+        for (int32_t i = 0; i < n * r; i++) rows[i] = i;
+        const struct dev_graph *g = &s->graphs[(r - 1) * s->n_graphs + n - 1];
+        for (int pass = 0; pass < 2 && st == DI_OK && !g->graph; pass++)
+            st = di_dsv4_dev_forward(s, seqs, n, ids, rows, n * r, logits);
     }
     di_free(seqs);
     di_free(ids);
     di_free(rows);
     di_free(logits);
     return st;
+}
+
+di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs) {
+    return prepare_graphs(s, max_seqs, 1);
+}
+
+di_status di_dsv4_dev_prepare_verify(di_dsv4_dev_state *s, int32_t max_seqs) {
+    return prepare_graphs(s, max_seqs, 2);
 }
 
 // ---- per-call metadata (host lists of rows, uploaded once per call) ----
@@ -1044,7 +1154,7 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     const di_hparams *hp = &d->m->hp;
     const dev_layer *lw = &d->layers[il];
     const dev_lstate *ls = &s->ls[il];
-    const ratio_class *k = &s->cls[s->layer_cls[il]];
+    const ratio_class *k = il < hp->n_layer ? &s->cls[s->layer_cls[il]] : &s->mtp_cls;
     const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
     const int64_t G = hp->o_groups, Ro = hp->o_lora_rank;
     const int32_t n_rot = hp->rope_main.n_dims, T = c->T;
@@ -1181,9 +1291,11 @@ fail:
     return st;
 }
 
-// Final head (§2.9) on n rows of X listed in rows: gathered, collapsed, normed, projected into
-// s->logits [n, V] (the caller downloads them: not inside a graph).
-static di_status head(const call *c, const int32_t *rows, int32_t n) {
+// Final head (§2.9; the MTP block's: its own mHC and norm, §2.10) on n rows of X listed in rows:
+// gathered, collapsed, normed, projected by the shared lm head into s->logits [n, V] (the caller
+// downloads them: not inside a graph).
+static di_status head(const call *c, const dev_hc *hc, const float *norm, const int32_t *rows,
+                      int32_t n) {
     di_dsv4_dev_state *s = c->s;
     const di_dsv4_dev *d = s->d;
     const di_hparams *hp = &d->m->hp;
@@ -1197,11 +1309,11 @@ static di_status head(const call *c, const int32_t *rows, int32_t n) {
         OP(copy, s->hx + (int64_t)k * nc * D, s->x + (int64_t)rows[k] * nc * D, row * (size_t)j);
         k += j;
     }
-    OP(matmul, &d->hc_head.fn, s->hx, n, nc * D, s->mix, nc); // mix_raw: [n, NC]
-    OP(mhc_pre, s->hx, s->mix, d->hc_head.base, d->hc_head.scale, (int32_t)nc, D, n, hp->hc_iters,
-       hp->hc_eps, hp->norm_eps, true, s->h, NULL, NULL);
+    OP(matmul, &hc->fn, s->hx, n, nc * D, s->mix, nc); // mix_raw: [n, NC]
+    OP(mhc_pre, s->hx, s->mix, hc->base, hc->scale, (int32_t)nc, D, n, hp->hc_iters, hp->hc_eps,
+       hp->norm_eps, true, s->h, NULL, NULL);
     ROUND(s->h, n * D);
-    OP(rmsnorm, s->h, n, D, D, d->norm, hp->norm_eps);
+    OP(rmsnorm, s->h, n, D, D, norm, hp->norm_eps);
     ROUND(s->h, n * D);
     OP(matmul, &d->head, s->h, n, D, s->logits, V); // logits: [n, V]
     return DI_OK;
@@ -1430,13 +1542,16 @@ fail:
     return st;
 }
 
-// A decode step: every sequence feeds one token and takes the logits of its row (ascending and
-// distinct in [0, n_seq): rows 0..n_seq-1), all in one head chunk. Its ops depend on n_seq only.
-static bool is_decode(const di_dsv4_dev_seq *seqs, int32_t n_seq, int32_t n_logit_rows) {
-    if (n_logit_rows != n_seq || n_seq > HEAD_CHUNK) return false;
+// The rows per sequence r of a decode step, 0 for any other call: every sequence feeds r <=
+// GRAPH_ROWS tokens (2: a verify of one draft) and takes the logits of every row (ascending and
+// distinct in [0, n_seq r): rows 0..n_seq r - 1), all in one head chunk. Its ops depend on
+// (n_seq, r) only.
+static int32_t decode_rows(const di_dsv4_dev_seq *seqs, int32_t n_seq, int32_t n_logit_rows) {
+    const int32_t r = seqs[0].n_tok;
+    if (r > GRAPH_ROWS || n_logit_rows != n_seq * r || n_logit_rows > HEAD_CHUNK) return 0;
     for (int32_t i = 0; i < n_seq; i++)
-        if (seqs[i].n_tok != 1) return false;
-    return true;
+        if (seqs[i].n_tok != r) return 0;
+    return r;
 }
 
 // Captures the layers and the head of n rows (not launched). The capture is closed on every path.
@@ -1445,7 +1560,7 @@ static di_status capture(const call *c, const int32_t *rows, int32_t n, void **o
     di_status st = b->vt->graph_begin(b);
     if (st != DI_OK) return st;
     st = layers(c);
-    if (st == DI_OK) st = head(c, rows, n);
+    if (st == DI_OK) st = head(c, &c->s->d->hc_head, c->s->d->norm, rows, n);
     void *g = NULL;
     di_status st_end = b->vt->graph_end(b, &g);
     if (st == DI_OK)
@@ -1468,10 +1583,12 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     if (st != DI_OK) return st;
     call cl = {s, seqs, n_seq, T};
     s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
+    s->x_rows = 0; // until the call's streams are complete
     const call *c = &cl;
     // A decode step runs from its graph unless its page table changes more than one entry per
     // sequence (the graph's scatter count): then directly, counted.
-    const bool decode = s->graphs_on && is_decode(seqs, n_seq, n_logit_rows);
+    const int32_t rows = s->graphs_on ? decode_rows(seqs, n_seq, n_logit_rows) : 0;
+    const bool decode = rows > 0;
     const bool graph = decode && n_upd <= n_seq;
     if (decode && !graph) s->stats.n_direct_pages++;
 
@@ -1522,7 +1639,8 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     // it ran once directly), every other call directly, chunk by chunk of the head.
     const size_t row_bytes = sizeof(float) * (size_t)hp->n_vocab;
     if (graph) {
-        struct dev_graph *g = &s->graphs[n_seq - 1]; // n_seq <= n_slots, HEAD_CHUNK
+        // n_seq <= n_slots, HEAD_CHUNK
+        struct dev_graph *g = &s->graphs[(rows - 1) * s->n_graphs + n_seq - 1];
         bool direct = !g->seen;     // first seen: directly (no capture for one step)
         if (!direct && !g->graph) { // seen before: captured, then launched
             const int64_t ops0 = s->stats.last_ops;
@@ -1532,9 +1650,9 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
             if (st == DI_OK) {
                 s->stats.n_captured++;
             } else { // nothing ran: the step runs directly, and so will every later one
-                DI_LOG_WARN("dev forward: capturing a decode step of %d sequences failed on %s "
-                            "(%s): decode graphs are off for this state",
-                            n_seq, s->d->b->desc, di_status_str(st));
+                DI_LOG_WARN("dev forward: capturing a decode step of %d sequences of %d rows "
+                            "failed on %s (%s): decode graphs are off for this state",
+                            n_seq, rows, s->d->b->desc, di_status_str(st));
                 s->graphs_on = false;
                 direct = true;
             }
@@ -1543,7 +1661,7 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
         }
         if (direct) {
             DI_TRY(layers(c));
-            DI_TRY(head(c, logit_rows, n_logit_rows));
+            DI_TRY(head(c, &s->d->hc_head, s->d->norm, logit_rows, n_logit_rows));
             s->stats.n_direct++;
         } else {
             s->stats.last_ops += g->n_ops;
@@ -1556,7 +1674,7 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
         const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
         for (int32_t k = 0; k < n_logit_rows; k += HC) {
             int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
-            DI_TRY(head(c, logit_rows + k, n));
+            DI_TRY(head(c, &s->d->hc_head, s->d->norm, logit_rows + k, n));
             DI_TRY(s->d->b->vt->download(s->d->b, logits + (int64_t)k * hp->n_vocab, s->logits,
                                          row_bytes * (size_t)n));
         }
@@ -1567,7 +1685,9 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     for (int32_t i = 0; i < n_seq; i++) {
         s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
         s->win_lo[seqs[i].slot] = seqs[i].win_lo;
+        s->back_lo[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok - 1; // its last row may go
     }
+    s->x_rows = T; // the main streams of every row, for an MTP call (head() only reads x)
     return DI_OK;
 fail:
     // Whether the page table updates reached the device is unknown: the next call of these
@@ -1580,6 +1700,192 @@ fail:
     return st;
 }
 
+// ---- the MTP block (spec §2.10; model/dsv4_mtp.c) ----
+
+// The MTP call's checks (dsv4_dev.h di_dsv4_dev_mtp_forward); *n_rows_out: its rows.
+static di_status check_mtp_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                                const int32_t *x_rows, const int32_t *ids_next,
+                                const int32_t *logit_rows, int32_t n_logit_rows,
+                                const float *logits, int32_t *n_rows_out) {
+    const di_hparams *hp = &s->d->m->hp;
+    if (!s->mtp) {
+        DI_LOG_ERROR("dev mtp: the state has no MTP block (di_dsv4_dev_mtp_enable before it)");
+        return DI_ERR_INVALID;
+    }
+    if (n_seq < 1 || !seqs || !x_rows || !ids_next || s->x_rows == 0) {
+        DI_LOG_ERROR("dev mtp: need sequences, rows and tokens after a main call (%d rows kept)",
+                     s->x_rows);
+        return DI_ERR_INVALID;
+    }
+    memset(s->used, 0, (size_t)s->n_slots);
+    int64_t n_rows = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv4_dev_seq *sq = &seqs[i];
+        if (sq->slot < 0 || sq->slot >= s->n_slots || s->used[sq->slot] || sq->n_tok < 1 ||
+            sq->pos < 0) {
+            DI_LOG_ERROR("dev mtp: sequence %d: slot %d (of %d, repeated?) feeds %d rows at %d", i,
+                         sq->slot, s->n_slots, sq->n_tok, sq->pos);
+            return DI_ERR_INVALID;
+        }
+        s->used[sq->slot] = 1;
+        const bool fresh = sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo);
+        if ((!fresh && (sq->pos != s->mtp_n_past[sq->slot] || sq->win_lo != s->win_lo[sq->slot])) ||
+            sq->win_lo < 0 || sq->win_lo > sq->pos ||
+            (int64_t)sq->pos + sq->n_tok > s->n_past[sq->slot]) {
+            DI_LOG_ERROR("dev mtp: slot %d: its MTP ring is at %d, the main one at %d; rows %d.. "
+                         "(%d, window from %d) do not continue it",
+                         sq->slot, s->mtp_n_past[sq->slot], s->n_past[sq->slot], sq->pos, sq->n_tok,
+                         sq->win_lo);
+            return DI_ERR_INVALID;
+        }
+        n_rows += sq->n_tok;
+    }
+    if (n_rows > s->x_rows) {
+        DI_LOG_ERROR("dev mtp: %lld rows, the last main call had %d", (long long)n_rows, s->x_rows);
+        return DI_ERR_INVALID;
+    }
+    for (int64_t t = 0; t < n_rows; t++) {
+        if (x_rows[t] < 0 || x_rows[t] >= s->x_rows || ids_next[t] < 0 ||
+            ids_next[t] >= hp->n_vocab) {
+            DI_LOG_ERROR("dev mtp: row %lld: main row %d (of %d), token %d", (long long)t,
+                         x_rows[t], s->x_rows, ids_next[t]);
+            return DI_ERR_INVALID;
+        }
+    }
+    if (n_logit_rows < 0 || n_logit_rows > n_rows ||
+        (n_logit_rows > 0 && (!logits || !logit_rows))) {
+        DI_LOG_ERROR("dev mtp: %d logit rows for %lld rows", n_logit_rows, (long long)n_rows);
+        return DI_ERR_INVALID;
+    }
+    for (int32_t k = 0; k < n_logit_rows; k++) {
+        if (logit_rows[k] < 0 || logit_rows[k] >= n_rows ||
+            (k > 0 && logit_rows[k] <= logit_rows[k - 1])) {
+            DI_LOG_ERROR("dev mtp: logit row %d (index %d) is out of range or not ascending",
+                         logit_rows[k], k);
+            return DI_ERR_INVALID;
+        }
+    }
+    *n_rows_out = (int32_t)n_rows;
+    return DI_OK;
+}
+
+// The MTP block's input (model/dsv4_mtp.c, op for op): e = e_proj . RMSNorm(embed[id_next],
+// enorm); X0[t, k] = h_proj . RMSNorm(Xmain[t, k], hnorm) + e[t], with the official recipe's
+// roundings. Xmain: the main call's rows gathered from x into xmain; X0 goes into x.
+static di_status mtp_input(const call *c) {
+    di_dsv4_dev_state *s = c->s;
+    const di_dsv4_dev *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd, T = c->T;
+    di_status st = DI_OK;
+    OP(scatter_rows, s->x, T, nc * D, nc * D, s->xmain, nc * D, s->iota, D32(s->mtp_src));
+    OP(embed, &d->embed, D32(s->tokens), (int32_t)T, 1, s->a); // [T, D]
+    OP(rmsnorm, s->a, T, D, D, d->mtp_enorm, hp->norm_eps);
+    ROUND(s->a, T * D);
+    DI_TRY(linear(c, &d->mtp_e_proj, s->a, D, s->out, D, true)); // e: [T, D]
+    const di_tensor *hw = &d->mtp_h_proj;
+    const bool a8 =
+        d->official && (hw->kind == DI_TENSOR_KIND_FP8 || hw->kind == DI_TENSOR_KIND_FP4);
+    for (int64_t k = 0; k < nc; k++) { // stream k: contiguous in a, normed, projected into x
+        OP(scatter_rows, s->xmain + k * D, T, nc * D, D, s->a, D, s->iota, NULL);
+        OP(rmsnorm, s->a, T, D, D, d->mtp_hnorm, hp->norm_eps);
+        ROUND(s->a, T * D);
+        if (a8)
+            OP(matmul_a8, hw, s->a, T, D, s->aq, s->x + k * D, nc * D);
+        else
+            OP(matmul, hw, s->a, T, D, s->x + k * D, nc * D);
+    }
+    ROUND(s->x, T * nc * D); // each h_proj output rounded once, as linear() does per row
+    // x[t, k] += e[t]: e copied into every stream of xmain, then mhc_post over the T * NC rows as
+    // one stream with post = comb = 1 (1 * e + 1 * x: the CPU forward's x + e, bit for bit).
+    for (int64_t k = 0; k < nc; k++)
+        OP(scatter_rows, s->out, T, D, D, s->xmain + k * D, nc * D, s->iota, NULL);
+    OP(mhc_post, s->xmain, s->x, s->ones, s->ones, 1, D, (int32_t)(T * nc));
+    ROUND(s->x, T * nc * D);
+    return DI_OK;
+fail:
+    return st;
+}
+
+di_status di_dsv4_dev_mtp_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                                  const int32_t *x_rows, const int32_t *ids_next,
+                                  const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+    const di_hparams *hp = &s->d->m->hp;
+    int32_t T = 0;
+    di_status st =
+        check_mtp_call(s, seqs, n_seq, x_rows, ids_next, logit_rows, n_logit_rows, logits, &T);
+    if (st != DI_OK) return st;
+    call cl = {s, seqs, n_seq, T};
+    const call *c = &cl;
+    s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
+    s->meta_used = 0;
+    iarr_place(s, &s->tokens, (size_t)T);
+    iarr_place(s, &s->pos, (size_t)T);
+    iarr_place(s, &s->mtp_src, (size_t)T);
+    for (int32_t i = 0, r = 0; i < n_seq; r += seqs[i].n_tok, i++) {
+        s->row0[i] = r;
+        for (int32_t t = 0; t < seqs[i].n_tok; t++) I32(s->pos)[r + t] = seqs[i].pos + t;
+    }
+    memcpy(s->tokens.host, ids_next, sizeof(int32_t) * (size_t)T);
+    memcpy(s->mtp_src.host, x_rows, sizeof(int32_t) * (size_t)T);
+    build_class(s, &s->mtp_cls, seqs, n_seq); // window keys and ring writes in the MTP's pool
+    s->x_rows = 0;                            // x becomes the MTP block's streams
+    for (int32_t i = 0; i < n_seq; i++) s->mtp_n_past[seqs[i].slot] = -1; // until it succeeds
+    s->stats.last_uploads = 1;
+    s->stats.last_upload_bytes = (int64_t)s->meta_used;
+    DI_TRY(s->d->b->vt->upload(s->d->b, s->meta_dev, s->meta_host, s->meta_used));
+    DI_TRY(mtp_input(c));
+    DI_TRY(block(c, hp->n_layer));
+    const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
+    const size_t row_bytes = sizeof(float) * (size_t)hp->n_vocab;
+    for (int32_t k = 0; k < n_logit_rows; k += HC) {
+        int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
+        DI_TRY(head(c, &s->d->mtp_hc_head, s->d->mtp_norm, logit_rows + k, n));
+        DI_TRY(s->d->b->vt->download(s->d->b, logits + (int64_t)k * hp->n_vocab, s->logits,
+                                     row_bytes * (size_t)n));
+    }
+    DI_TRY(s->d->b->vt->sync(s->d->b));
+    s->stats.n_direct++;
+    for (int32_t i = 0; i < n_seq; i++) s->mtp_n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
+    return DI_OK;
+fail:
+    DI_LOG_ERROR("dev mtp: %s on %s; the call's slots must restart at position 0",
+                 di_status_str(st), s->d->b->desc);
+    return st;
+}
+
+// Taking back the last row (dsv4_dev.h di_dsv4_dev_rollback). Why it leaves no trace: the rolled
+// back row q = pos wrote (1) window ring row q mod W, whose previous position q - W no later call
+// reads (a call at p >= q reads window positions > p - W >= q - W); (2) compressor token ring
+// row q mod R (R = c m), whose previous position q - R no later window reads (the next window to
+// close, the one holding q, starts at floor(q / m) m - (c - 1) m > q - c m); (3) when q closed a
+// window w ((q + 1) mod m == 0), entry w in the block of q: only rows at positions >= q see it
+// (n_vis, the HCA count: (P + 1) / m > w), and the call that feeds q again closes w again and
+// rewrites the same entry in its compressor before its indexer or attention reads it; a block
+// holding q is not a cached one (q >= n_cached: its windows were not stored at all otherwise),
+// and tail snapshots at pos read only positions < pos. Taking back two rows would break (1): row
+// q + 1 overwrote position q + 1 - W, which the call at q reads. The MTP ring runs on kept rows
+// only (its calls come after the accept), so it has nothing to take back; a slot taken back
+// below its MTP position (a kept row given up: the engine's cancelled block, whose request ends)
+// must restart its MTP ring (fresh, or a tail restore).
+di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos) {
+    const bool in = slot >= 0 && slot < s->n_slots;
+    const int32_t np = in ? s->n_past[slot] : -1;
+    if (np < 0 || pos < s->back_lo[slot] || pos > np || pos <= s->win_lo[slot]) {
+        DI_LOG_ERROR("dev rollback: slot %d at %d (window from %d) cannot go back to %d (the last "
+                     "call's last row at most, once)",
+                     slot, np, in ? s->win_lo[slot] : -1, pos);
+        return DI_ERR_INVALID;
+    }
+    s->n_past[slot] = s->back_lo[slot] = pos;
+    if (s->mtp && s->mtp_n_past[slot] > pos) s->mtp_n_past[slot] = -1;
+    return DI_OK;
+}
+
+int32_t di_dsv4_dev_mtp_n_past(const di_dsv4_dev_state *s, int32_t slot) {
+    return s->mtp && slot >= 0 && slot < s->n_slots ? s->mtp_n_past[slot] : -1;
+}
+
 #undef ROUND
 #undef OP
 #undef B
@@ -1589,7 +1895,7 @@ fail:
 // A snapshot (dsv4_dev.h di_dsv4_dev_tail_bytes): this header, then per layer its window ring
 // (kind 0), the main compressor's C and Z token rings (1, 2) and the indexer's (3, 4), each as
 // the `keep` rows of positions pos - keep .. pos - 1 in position order (rows of positions < 0 are
-// zeros, never restored).
+// zeros, never restored); with the MTP block, layer n_layer is its window ring (kind 0 only).
 typedef struct tail_head {
     uint32_t magic;
     int32_t pos, n_layer, kv_row_bytes;
@@ -1612,7 +1918,7 @@ static bool tail_ring_at(const di_dsv4_dev *d, const di_dsv4_dev_state *s, int32
                          tail_ring *r) {
     const di_hparams *hp = &d->m->hp;
     const int il = i / TAIL_KINDS, kind = i % TAIL_KINDS;
-    const di_dsv4_layer_w *lw = &d->m->layers[il];
+    const di_dsv4_layer_w *lw = il < hp->n_layer ? &d->m->layers[il] : &d->m->mtp[0].block;
     const dev_lstate *ls = s ? &s->ls[il] : NULL;
     const int64_t W = hp->window, f = sizeof(float);
     if (kind == 0) {
@@ -1642,10 +1948,15 @@ static bool tail_ring_at(const di_dsv4_dev *d, const di_dsv4_dev_state *s, int32
     return r->keep > 0;
 }
 
+// Layers a snapshot holds: the main ones and the MTP block's.
+static int32_t tail_layers(const di_dsv4_dev *d) {
+    return d->m->hp.n_layer + (d->mtp ? 1 : 0);
+}
+
 di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *src) {
     tail_head th;
     memcpy(&th, src, sizeof th);
-    return th.magic == TAIL_MAGIC && th.pos == pos && th.n_layer == d->m->hp.n_layer &&
+    return th.magic == TAIL_MAGIC && th.pos == pos && th.n_layer == tail_layers(d) &&
                    th.kv_row_bytes == (int32_t)row_bytes_of(d)
                ? DI_OK
                : DI_ERR_INVALID;
@@ -1654,7 +1965,7 @@ di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *
 size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d) {
     size_t n = sizeof(tail_head);
     tail_ring r;
-    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS; i++)
+    for (int i = 0; i < tail_layers(d) * TAIL_KINDS; i++)
         if (tail_ring_at(d, NULL, 0, i, &r)) n += (size_t)(r.keep * r.row_bytes);
     return n;
 }
@@ -1708,7 +2019,7 @@ di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst) {
     size_t off = h;
     tail_ring r;
     // After a bounded replay from lo > 0 the ring rows before lo were never computed.
-    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS && lo > 0; i++) {
+    for (int i = 0; i < tail_layers(d) * TAIL_KINDS && lo > 0; i++) {
         if (tail_ring_at(d, NULL, 0, i, &r) && pos - r.keep < lo) {
             DI_LOG_ERROR("dev tail: slot %d at %d replayed from %lld: its rings hold no rows "
                          "before that",
@@ -1716,7 +2027,7 @@ di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst) {
             return DI_ERR_INVALID;
         }
     }
-    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS; i++) {
+    for (int i = 0; i < tail_layers(d) * TAIL_KINDS; i++) {
         if (!tail_ring_at(d, s, slot, i, &r)) continue;
         DI_TRY(tail_copy(b, &r, pos, s->tail_dev + off, true));
         off += (size_t)(r.keep * r.row_bytes);
@@ -1725,12 +2036,12 @@ di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst) {
     DI_TRY(b->vt->download(b, out + h, s->tail_dev + h, total - h)); // syncs: out is read now
     // Rows of positions < 0 (a tail before the window filled): zeros, never restored.
     off = h;
-    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS; i++) {
+    for (int i = 0; i < tail_layers(d) * TAIL_KINDS; i++) {
         if (!tail_ring_at(d, NULL, 0, i, &r)) continue;
         if (r.keep > pos) memset(out + off, 0, (size_t)((r.keep - pos) * r.row_bytes));
         off += (size_t)(r.keep * r.row_bytes);
     }
-    const tail_head th = {TAIL_MAGIC, pos, d->m->hp.n_layer, (int32_t)s->kv_row_bytes};
+    const tail_head th = {TAIL_MAGIC, pos, tail_layers(d), (int32_t)s->kv_row_bytes};
     memcpy(out, &th, h);
     return DI_OK;
 fail:
@@ -1757,7 +2068,7 @@ di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t p
     DI_TRY(b->vt->upload(b, s->tail_dev + h, (const uint8_t *)src + h, total - h));
     size_t off = h;
     tail_ring r;
-    for (int i = 0; i < d->m->hp.n_layer * TAIL_KINDS; i++) {
+    for (int i = 0; i < tail_layers(d) * TAIL_KINDS; i++) {
         if (!tail_ring_at(d, s, slot, i, &r)) continue;
         DI_TRY(tail_copy(b, &r, pos, s->tail_dev + off, false));
         off += (size_t)(r.keep * r.row_bytes);
@@ -1765,8 +2076,9 @@ di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t p
     // The slot continues at pos with every window row (no win_lo). Its page table is left as it
     // is, on the device and in the host mirror (which stays exact: the next call writes only the
     // entries that differ from the blocks it lists, e.g. the hit's).
-    s->n_past[slot] = pos;
+    s->n_past[slot] = s->back_lo[slot] = pos;
     s->win_lo[slot] = 0;
+    if (s->mtp) s->mtp_n_past[slot] = pos;
     return DI_OK;
 fail:
     DI_LOG_ERROR("dev tail: restoring slot %d on %s: %s; restart it at position 0", slot, b->desc,

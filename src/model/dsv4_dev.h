@@ -5,8 +5,9 @@
  * model's own CPU forward (di_session_forward), which tests its orchestration without a GPU
  * (tests/model/test_dev_forward.c).
  *
- * Scope: DeepSeek V4 (not V4.1), the main layers and the head (no MTP), in both precision recipes:
- * FP32 and the official one (R-OFF, spec §2.0), where every rounding point of the CPU forward
+ * Scope: DeepSeek V4 (not V4.1), the main layers, the head and the MTP block ("MTP" below), in
+ * both precision recipes: FP32 and the official one (R-OFF, spec §2.0), where every rounding point
+ * of the CPU forward
  * (BF16 roundings, A8 before FP8/FP4 linears, the KV rows' Q8, the indexer's Hadamard + Q4, BF16
  * scores and attention probabilities, the MoE's order) is an op of its own, in the same order. KV
  * rows are FP32 in the FP32 recipe; in R-OFF they hold Q8-exact values and are stored as the FP8
@@ -48,14 +49,16 @@
  * ring update (window, compressor C and Z) is one scatter_rows for all sequences, so a step's ops
  * do not depend on the number of sequences.
  *
- * Graphs: a decode step (every sequence feeds one token and takes the logits of its row; at most
- * 64 sequences; with shared blocks, at most one page table entry changed per sequence) runs as a
- * backend graph (backend.h graph_*; CUDA graphs on the GPU) keyed by its
- * number of sequences alone: the first step of n sequences runs directly (a batch size seen once
- * never pays for a capture), the second is captured and launched, every later one launches the
- * cached graph, whatever its slots and positions. A state keeps one graph per decode size up to
- * min(n_slots, 64), never evicted; di_dsv4_dev_prepare_decode captures them all up front (the
- * serving engine does, so that no step captures or allocates). This works because every host scalar
+ * Graphs: a decode step (every sequence feeds r tokens, r = 1, or r = 2: a verify of one MTP
+ * draft, and takes the logits of every row; at most 64 rows; with shared blocks, at most as many
+ * page table entries changed as sequences) runs as a backend graph (backend.h graph_*; CUDA graphs
+ * on the GPU) keyed by its number of sequences and r: the first step of a shape runs directly (a
+ * shape seen once never pays for a capture), the second is captured and launched, every later one
+ * launches the cached graph, whatever its slots and positions. A state keeps one graph per shape up
+ * to min(n_slots, 64) sequences, never evicted; di_dsv4_dev_prepare_decode (r = 1) and
+ * di_dsv4_dev_prepare_verify (r = 2) capture them up front (the serving engine does, so that no
+ * step captures or allocates). A step mixing shapes (a verify beside a plain decode or a prefill
+ * chunk) runs directly. This works because every host scalar
  * an op gets is a function of the call's shape (rows per sequence, logit rows), never of its
  * positions: everything that moves with the positions is backend data the host rewrites before the
  * launch (tokens, positions, key lists and counts, compressor sources, entry positions, scatter
@@ -70,18 +73,31 @@
  * fails (nothing ran) logs a WARN, runs the step directly and turns graphs off for the state.
  * DI_DEV_GRAPHS=0 (read at state create) runs every call directly: the debug switch to compare.
  *
+ * MTP (spec §2.10; di_dsv4_dev_mtp_enable, before the first state): the MTP block is one more
+ * layer (index n_layer) with its own KV pool of this call's rows and a W-row window ring per slot
+ * (ratio 0: no entries), its own lists (a ratio-0 class) and position per slot. A main call's
+ * residual streams stay in the state's x scratch after it (the head only reads them);
+ * di_dsv4_dev_mtp_forward then runs the block on any of those rows (the engine: the kept ones,
+ * after sampling, each with the token after it): the rows gathered (scatter_rows), the input
+ * e_proj . RMSNorm(embed) + h_proj . RMSNorm(stream) through existing ops (the stream add is
+ * mhc_post over NC * T one-stream rows with post = comb = 1: x + e exactly), the block, the head
+ * with the MTP's mHC and norm. Rollback (di_dsv4_dev_rollback): a slot may take back the last row
+ * of its last call, once (a rejected verify row); the argument that it leaves no trace in the
+ * rings and entries is at the function. MTP calls run directly (no graph); a step in which every
+ * sequence verifies is decode-shaped (r = 2, "Graphs").
+ *
  * Tail snapshots (docs/kv-cache.md): at a position pos that is a multiple of every compress ratio
  * (a block boundary) a slot's future reads only the entries (in blocks), the last W - 1 rows of
- * its window ring and, for a compressor with overlapping windows, the last m rows of its token
- * rings (the next window's overlap). di_dsv4_dev_tail_save gathers those rows on the backend
- * (copy) into a staging block and downloads them once; di_dsv4_dev_tail_restore uploads them
- * and copies them into another (or the same) slot's rings at the same ring rows (row = position
- * mod ring size), then sets the slot's host bookkeeping to a slot that consumed pos tokens: n_past
- * pos, win_lo 0; its page table stays (the next call lists the blocks and writes the entries
- * that differ, like any call; a decode-shaped first call that changes more than one runs
- * directly, counted in n_direct_pages).
- * Nothing else is per slot: decode graphs read positions, key lists and page tables from the
- * per-call upload, so a restored slot decodes through the same cached graphs.
+ * its window rings (the MTP block's included, when enabled) and, for a compressor with overlapping
+ * windows, the last m rows of its token rings (the next window's overlap). di_dsv4_dev_tail_save
+ * gathers those rows on the backend (copy) into a staging block and downloads them once;
+ * di_dsv4_dev_tail_restore uploads them and copies them into another (or the same) slot's rings at
+ * the same ring rows (row = position mod ring size), then sets the slot's host bookkeeping to a
+ * slot that consumed pos tokens: n_past pos, win_lo 0; its page table stays (the next call lists
+ * the blocks and writes the entries that differ, like any call; a decode-shaped first call that
+ * changes more than one runs directly, counted in n_direct_pages). Nothing else is per slot: decode
+ * graphs read positions, key lists and page tables from the per-call upload, so a restored slot
+ * decodes through the same cached graphs.
  *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
@@ -127,9 +143,10 @@ int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s);
 int32_t di_dsv4_dev_block_tokens(const di_dsv4_dev *d);
 
 // Backend bytes of one entry block (every compressing layer's E entries of kv_row_bytes, CSA's E
-// indexer keys) and of one slot's tail (window rings, compressor token rings, its page table) for
-// blocks of block_tokens positions and a context of n_ctx: the engine sizes its blocks from
-// kv_memory_bytes with them. The call rows and scratch (max_rows) are not included.
+// indexer keys) and of one slot's tail (window rings, the MTP block's when enabled, compressor
+// token rings, its page table) for blocks of block_tokens positions and a context of n_ctx: the
+// engine sizes its blocks from kv_memory_bytes with them. The call rows and scratch (max_rows)
+// are not included.
 // DI_ERR_INVALID (bad n_ctx or block_tokens).
 di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_tokens,
                             int64_t *block_bytes, int64_t *slot_bytes);
@@ -194,14 +211,50 @@ void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_s
 // them at 0). With shared blocks every slot lists block 0 (one token writes no entry, so block 0
 // is left as it was). No-op with graphs off. Errors as di_dsv4_dev_forward.
 di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs);
+// The same for verify steps (2 rows per sequence, logits of both; up to 32 sequences and max_rows
+// / 2): the slots are left at position 2. Prepares nothing for a model with a compress ratio <= 2
+// (two tokens at position 0 would close a window in the shared block 0; such steps then capture
+// when first seen twice).
+di_status di_dsv4_dev_prepare_verify(di_dsv4_dev_state *s, int32_t max_seqs);
+
+// ---- MTP (spec §2.10; "MTP" above) ----
+
+// Uploads the model's MTP block (e_proj, h_proj, its norms, head mHC and sliding-window decoder
+// block; the lm head is shared): states created afterwards have an MTP window ring per slot, and
+// their tails and di_dsv4_dev_sizes include it. Once, before the first state of d (no-op when
+// enabled already). DI_ERR_UNSUPPORTED (no MTP block, or one that compresses), DI_ERR_INVALID (a
+// state exists), DI_ERR_NOMEM, DI_ERR_CUDA; logged.
+di_status di_dsv4_dev_mtp_enable(di_dsv4_dev *d);
+bool di_dsv4_dev_has_mtp(const di_dsv4_dev *d);
+// The MTP block on rows of the last di_dsv4_dev_forward call (its main streams stay in the
+// state's backend memory until the next call of either kind): seqs[i] runs n_tok rows at
+// positions pos.. of its slot's MTP ring (pos equals the positions the ring consumed, or starts
+// it afresh: 0, or win_lo > 0; pos + n_tok at most the slot's main n_past); row t (concatenated
+// in seqs order) reads the main streams of row x_rows[t] of that call and the token ids_next[t]
+// (the one at its position + 1) and predicts the token two positions on. MTP logits of the rows
+// in logit_rows (ascending) go to host logits [n, V]. Bit for bit the CPU forward's
+// (di_dsv4_mtp_forward_batch). Runs directly (no graph). DI_ERR_INVALID (no MTP, no main call
+// before it, bad slots, positions, rows, tokens; logged), DI_ERR_CUDA (the slots' MTP rings must
+// restart).
+di_status di_dsv4_dev_mtp_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                                  const int32_t *x_rows, const int32_t *ids_next,
+                                  const int32_t *logit_rows, int32_t n_logit_rows, float *logits);
+// Positions slot `slot`'s MTP ring consumed (-1: restart it; no MTP: -1).
+int32_t di_dsv4_dev_mtp_n_past(const di_dsv4_dev_state *s, int32_t slot);
+// Takes slot `slot` back to position pos: at most the last row of its last call (a rejected
+// verify row), once, never to or before its win_lo. The row taken back leaves no trace (the
+// argument is at the function in dsv4_dev.c); a slot whose MTP ring had consumed that row restarts
+// its MTP ring. DI_ERR_INVALID (logged; nothing changes).
+di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos);
 
 // ---- tail snapshots (docs/kv-cache.md "Tail snapshots") ----
 
 // Host bytes of one slot's tail snapshot ("Tail snapshots" above): a 16-byte header (position,
 // layers, KV row bytes), then per layer the last W - 1 rows of its window ring (the state's row
 // format: FP32 rows, or the official recipe's FP8 KV rows) and, per compressor with overlapping
-// windows (CSA: main and indexer), the last m rows of its C and Z token rings; HCA keeps none.
-// The same for every state of d.
+// windows (CSA: main and indexer), the last m rows of its C and Z token rings; HCA keeps none;
+// with the MTP block enabled, then the last W - 1 rows of its window ring (the header counts it as
+// a layer). The same for every state of d (the MTP block is enabled before any).
 size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d);
 // Copies slot `slot`'s tail at its current position (di_dsv4_dev_n_past, a multiple of every
 // compress ratio: the engine's block boundaries) into dst (di_dsv4_dev_tail_bytes). Syncs (dst is

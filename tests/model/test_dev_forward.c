@@ -32,7 +32,8 @@
 //       cached blocks' device bytes are unchanged; bad block lists and replay parameters are
 //       refused without changing anything;
 //   (k) tail snapshots: a slot's tail saved at block boundaries and restored into other slots (and
-//       into itself after another sequence) continues bit-identically, decode graphs included.
+//       into itself after another sequence) continues bit-identically, decode graphs included;
+//   (l) the MTP block and rollback, both recipes (at test_mtp).
 // Every state of (a)-(d), (f), (h) and (j) has shared entry blocks listed per call in a shuffled,
 // non-contiguous order (a restarted slot moves to other blocks); (e)'s sessions use private ones.
 #include "harness.h"
@@ -967,6 +968,229 @@ static void test_unsupported(void) {
     di_backend_destroy(b);
 }
 
+// (l) The MTP block (dsv4_dev.h "MTP"): a state of 3 slots with the MTP block enabled against 3
+// CPU sessions created with MTP (di_session_options.mtp), fed the same tokens. A ragged prefill
+// (chunks straddling the 16-row window and the CSA / HCA windows), then decode steps that verify
+// two rows per slot ([the token, a draft]): every other draft is wrong and taken back
+// (di_dsv4_dev_rollback), including rows that close a CSA window and the first HCA window (128)
+// and rows that wrap the window ring; after each main call the MTP call runs on the kept rows
+// (positions p, with the token at p + 1). The dev MTP logits of every position and the main
+// logits of the kept rows are bit-identical (memcmp) to the sessions', the verify steps replaying
+// their decode graph (3 sequences of 2 rows). A second rollback, a rollback to win_lo, an MTP call
+// not continuing its ring and enabling after a state exists are refused; the tail grows by the MTP
+// ring's W - 1 rows, and a slot restored from a snapshot continues with main and MTP logits
+// bit-identical to the slot it was taken from (mtp_tail).
+enum { MTP_CTX = 160 };
+
+// The tail with the MTP ring: slot 0 restarted, fed 128 positions (a block boundary) with its MTP
+// calls, its tail saved and restored into slot 1 (on slot 0's first block); then both feed the
+// same 12 tokens: main and MTP logits bit-identical (memcmp), so the MTP ring came back exactly.
+static void mtp_tail(const di_dsv4_dev *d, di_dsv4_dev_state *st, int32_t blk[N_SLOTS][MAXB],
+                     int32_t V, float *got, float *ml) {
+    const size_t VB = sizeof(float) * (size_t)V;
+    int32_t tok[MAX_ROWS], nxt[MAX_ROWS], rows[MAX_ROWS];
+    for (int32_t t = 0; t < MAX_ROWS; t++) rows[t] = t;
+    const int32_t chunks[2][2] = {{0, 96}, {96, 32}};
+    for (int c = 0; c < 2; c++) {
+        const int32_t p0 = chunks[c][0], n = chunks[c][1];
+        di_dsv4_dev_seq sq = {.slot = 0, .pos = p0, .n_tok = n, .blocks = blk[0], .n_blocks = MAXB};
+        for (int32_t t = 0; t < n; t++) {
+            tok[t] = token_of(0, 1, p0 + t, V);
+            nxt[t] = token_of(0, 1, p0 + t + 1, V);
+        }
+        CHECK_EQ(di_dsv4_dev_forward(st, &sq, 1, tok, NULL, 0, NULL), DI_OK);
+        CHECK_EQ(di_dsv4_dev_mtp_forward(st, &sq, 1, rows, nxt, NULL, 0, NULL), DI_OK);
+    }
+    uint8_t *snap = malloc(di_dsv4_dev_tail_bytes(d));
+    if (!snap) return;
+    CHECK_EQ(di_dsv4_dev_tail_save(st, 0, snap), DI_OK);
+    CHECK_EQ(di_dsv4_dev_tail_restore(st, 1, 128, snap), DI_OK);
+    CHECK_EQ(di_dsv4_dev_mtp_n_past(st, 1), 128);
+    const int32_t blk1[MAXB] = {blk[0][0], blk[1][1], blk[1][2]};
+    float *out[2] = {got, ml}; // slot 0's, slot 1's: main logits then MTP logits, 12 rows each
+    for (int s = 0; s < 2; s++) {
+        di_dsv4_dev_seq sq = {.slot = s,
+                              .pos = 128,
+                              .n_tok = 12,
+                              .blocks = s ? blk1 : blk[0],
+                              .n_blocks = MAXB,
+                              .n_cached = s ? 128 : 0};
+        for (int32_t t = 0; t < 12; t++) {
+            tok[t] = token_of(0, 1, 128 + t, V);
+            nxt[t] = token_of(0, 1, 129 + t, V);
+        }
+        CHECK_EQ(di_dsv4_dev_forward(st, &sq, 1, tok, rows, 12, out[s]), DI_OK);
+        CHECK_EQ(di_dsv4_dev_mtp_forward(st, &sq, 1, rows, nxt, rows, 12, out[s] + 12 * V), DI_OK);
+    }
+    CHECK(memcmp(got, ml, VB * 24) == 0);
+    free(snap);
+}
+
+static void mtp_run(di_precision prec) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    mo.precision = prec;
+    di_model *m = NULL;
+    di_backend *b = NULL;
+    di_dsv4_dev *d = NULL;
+    di_dsv4_dev_state *st = NULL;
+    di_session *ses[N_SLOTS] = {0};
+    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
+    CHECK(di_cpu_backend_create(2, &b) == DI_OK);
+    if (!m || !b) goto done;
+    CHECK(m->n_mtp_loaded == 1);
+    CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
+    if (!d) goto done;
+    const size_t tb0 = di_dsv4_dev_tail_bytes(d);
+    CHECK(!di_dsv4_dev_has_mtp(d));
+    CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
+    CHECK(di_dsv4_dev_has_mtp(d));
+    const int32_t V = m->hp.n_vocab, W = m->hp.window;
+    CHECK(di_dsv4_dev_state_create(d, N_SLOTS, MTP_CTX, MAX_ROWS, N_BLK, BT, &st) == DI_OK);
+    if (!st) goto done;
+    CHECK_EQ((int64_t)di_dsv4_dev_tail_bytes(d),
+             (int64_t)tb0 + (int64_t)(W - 1) * di_dsv4_dev_state_kv_row_bytes(st));
+    CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK); // no-op once enabled
+    di_session_options so = {.n_ctx_max = MTP_CTX, .mtp = true};
+    for (int i = 0; i < N_SLOTS; i++) CHECK(di_session_create(m, &so, &ses[i]) == DI_OK);
+    harness_ctx hb; // the shuffled block sets of the harness
+    shuffle_blocks(&hb);
+    const size_t VB = sizeof(float) * (size_t)V;
+    // Per slot and position: the dev's and the session's MTP logits.
+    float *dev_ml = calloc((size_t)N_SLOTS * MTP_CTX, VB),
+          *cpu_ml = calloc((size_t)N_SLOTS * MTP_CTX, VB);
+    float *got = malloc(VB * MAX_ROWS), *ref = malloc(VB * MAX_ROWS), *ml = malloc(VB * MAX_ROWS);
+    int32_t cpu_hi[N_SLOTS] = {0}, dev_hi[N_SLOTS] = {0}; // positions compared so far (exclusive)
+    if (!dev_ml || !cpu_ml || !got || !ref || !ml) goto free_all;
+    // Ragged prefill (3 calls), then 24 verify steps of every slot.
+    const int32_t pre[3][N_SLOTS] = {{37, 5, 1}, {40, 17, 16}, {33, 30, 15}};
+    int64_t n_rolled = 0;
+    for (int stp = 0; stp < 3 + 24; stp++) {
+        const bool verify = stp >= 3;
+        di_dsv4_dev_seq seqs[N_SLOTS], ms[N_SLOTS];
+        int32_t tok[MAX_ROWS], rows[MAX_ROWS], xr[MAX_ROWS], nxt[MAX_ROWS], mrows[MAX_ROWS];
+        bool wrong[N_SLOTS];
+        int32_t T = 0, n_rows = 0, n_m = 0, n_mrows = 0;
+        for (int s = 0; s < N_SLOTS; s++) {
+            const int32_t pos = di_session_n_past(ses[s]), n = verify ? 2 : pre[stp][s];
+            // Drafts: wrong at odd steps of slot 0 and 2, even ones of slot 1.
+            wrong[s] = verify && ((stp + s) % 2 == 1);
+            seqs[s] = (di_dsv4_dev_seq){
+                .slot = s, .pos = pos, .n_tok = n, .blocks = hb.blk[s], .n_blocks = MAXB};
+            for (int32_t t = 0; t < n; t++) tok[T + t] = token_of(s, 0, pos + t, V);
+            if (wrong[s]) tok[T + 1] = (tok[T + 1] + 1) % V;
+            // Logits of every row (a verify step: the decode graphs of 2 rows per sequence).
+            for (int32_t t = 0; t < n; t++) rows[n_rows++] = T + t;
+            T += n;
+        }
+        CHECK_EQ(di_dsv4_dev_forward(st, seqs, N_SLOTS, tok, rows, n_rows, got), DI_OK);
+        int32_t r0 = 0;
+        for (int s = 0; s < N_SLOTS; s++) {
+            const int32_t pos = seqs[s].pos, keep = seqs[s].n_tok - (wrong[s] ? 1 : 0);
+            if (wrong[s]) {
+                CHECK_EQ(di_dsv4_dev_rollback(st, s, pos + keep), DI_OK);
+                CHECK_EQ(di_dsv4_dev_rollback(st, s, pos + keep - 1), DI_ERR_INVALID); // 2 rows
+                n_rolled++;
+            }
+            // The session: the kept tokens (correct ones), every row's logits and MTP logits.
+            int32_t ct[MAX_ROWS], n_mtp = 0;
+            for (int32_t t = 0; t < keep; t++) ct[t] = token_of(s, 0, pos + t, V);
+            di_forward_out fo = {.logits = ref, .mtp_logits = ml, .n_mtp_out = &n_mtp};
+            CHECK_EQ(di_session_forward(ses[s], ct, keep, &fo), DI_OK);
+            CHECK(memcmp(ref, got + (int64_t)r0 * V, VB * (size_t)keep) == 0);
+            const int32_t p_first = pos == 0 ? 0 : pos - 1;
+            CHECK_EQ(p_first + n_mtp, pos + keep - 1);
+            memcpy(cpu_ml + ((int64_t)s * MTP_CTX + p_first) * V, ml, VB * (size_t)n_mtp);
+            cpu_hi[s] = p_first + n_mtp;
+            CHECK_EQ(di_dsv4_dev_n_past(st, s), pos + keep);
+            // The dev MTP call: the kept rows, each with the token after it.
+            ms[n_m++] = (di_dsv4_dev_seq){.slot = s, .pos = pos, .n_tok = keep};
+            for (int32_t t = 0; t < keep; t++) {
+                xr[n_mrows] = r0 + t;
+                nxt[n_mrows] = token_of(s, 0, pos + t + 1, V);
+                mrows[n_mrows] = n_mrows;
+                n_mrows++;
+            }
+            r0 += seqs[s].n_tok;
+        }
+        CHECK_EQ(di_dsv4_dev_mtp_forward(st, ms, n_m, xr, nxt, mrows, n_mrows, got), DI_OK);
+        for (int i = 0, r = 0; i < n_m; r += ms[i].n_tok, i++) {
+            const int s = ms[i].slot;
+            memcpy(dev_ml + ((int64_t)s * MTP_CTX + ms[i].pos) * V, got + (int64_t)r * V,
+                   VB * (size_t)ms[i].n_tok);
+            dev_hi[s] = ms[i].pos + ms[i].n_tok;
+            CHECK_EQ(di_dsv4_dev_mtp_n_past(st, s), dev_hi[s]);
+        }
+        // The MTP streams replaced the main ones: another MTP call needs a main call first.
+        CHECK_EQ(di_dsv4_dev_mtp_forward(st, ms, 1, xr, nxt, NULL, 0, NULL), DI_ERR_INVALID);
+    }
+    CHECK(n_rolled >= 30);
+    di_dsv4_dev_graph_stats gs;
+    di_dsv4_dev_get_graph_stats(st, &gs);
+    CHECK_EQ(gs.n_captured, 1); // the verify steps of 3 sequences: one direct, one captured
+    CHECK_EQ(gs.n_replayed, 24 - 2);
+    CHECK(di_session_n_past(ses[0]) > 128); // slot 0's rejected rows crossed the first HCA window
+    for (int s = 0; s < N_SLOTS; s++) {
+        CHECK_EQ(dev_hi[s], cpu_hi[s] + 1); // the session's last position waits for its token
+        CHECK(memcmp(dev_ml + (int64_t)s * MTP_CTX * V, cpu_ml + (int64_t)s * MTP_CTX * V,
+                     VB * (size_t)cpu_hi[s]) == 0);
+    }
+    // Refusals: two rows back, to win_lo (0), an MTP call that does not continue its ring.
+    CHECK_EQ(di_dsv4_dev_rollback(st, 0, di_dsv4_dev_n_past(st, 0) - 2), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv4_dev_rollback(st, 5, 0), DI_ERR_INVALID);
+    {
+        di_dsv4_dev_seq sq = {.slot = 1,
+                              .pos = di_dsv4_dev_n_past(st, 1),
+                              .n_tok = 1,
+                              .blocks = hb.blk[1],
+                              .n_blocks = MAXB};
+        int32_t t0[2] = {3, 4}, r[2] = {0, 0};
+        CHECK_EQ(di_dsv4_dev_forward(st, &sq, 1, t0, r, 1, got), DI_OK);
+        sq.pos -= 1; // the MTP ring is one behind the main one: an earlier start is refused
+        CHECK_EQ(di_dsv4_dev_mtp_forward(st, &sq, 1, r, t0, NULL, 0, NULL), DI_ERR_INVALID);
+        sq.pos += 1, sq.n_tok = 2; // ... and so are rows past what the main ring consumed
+        CHECK_EQ(di_dsv4_dev_mtp_forward(st, &sq, 1, r, t0, NULL, 0, NULL), DI_ERR_INVALID);
+        sq.n_tok = 1; // the continuation runs
+        CHECK_EQ(di_dsv4_dev_mtp_forward(st, &sq, 1, r, t0, NULL, 0, NULL), DI_OK);
+    }
+    CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
+    mtp_tail(d, st, hb.blk, V, got, ml);
+free_all:
+    free(dev_ml);
+    free(cpu_ml);
+    free(got);
+    free(ref);
+    free(ml);
+done:
+    for (int i = 0; i < N_SLOTS; i++) di_session_destroy(ses[i]);
+    di_dsv4_dev_state_destroy(st);
+    di_dsv4_dev_destroy(d);
+    di_backend_destroy(b);
+    di_model_destroy(m);
+}
+
+static void test_mtp(void) {
+    mtp_run(DI_PRECISION_FP32);
+    mtp_run(DI_PRECISION_OFFICIAL);
+    // Enabling needs the MTP block before any state: refused once one exists.
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_backend *b = NULL;
+    di_dsv4_dev *d = NULL;
+    di_dsv4_dev_state *st = NULL;
+    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
+    CHECK(di_cpu_backend_create(1, &b) == DI_OK);
+    if (m && b) CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
+    if (d) CHECK(di_dsv4_dev_state_create(d, 1, 64, 8, 0, 0, &st) == DI_OK);
+    if (st) CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_ERR_INVALID);
+    di_dsv4_dev_state_destroy(st);
+    if (d) CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
+    di_dsv4_dev_destroy(d);
+    di_backend_destroy(b);
+    di_model_destroy(m);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_dev_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -985,6 +1209,7 @@ int main(void) {
     RUN(test_tail);
     RUN(test_official);
     RUN(test_unsupported);
+    RUN(test_mtp);
     di_test_remove_dir(g_dir);
     return test_finish();
 }

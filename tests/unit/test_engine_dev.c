@@ -27,7 +27,13 @@
 //   (g) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
 //       (di_dsv4_dev_sizes); one byte less than a max_ctx sequence needs is refused
 //       (DI_ERR_INVALID); the device state's bytes grow by exactly the entry blocks that more
-//       memory buys, and a small budget holds fewer blocks than max_seqs x max_ctx.
+//       memory buys, and a small budget holds fewer blocks than max_seqs x max_ctx; with MTP
+//       speculation a slot's tail grows by the MTP window ring, paid first;
+//   (h) MTP speculation (spec_tokens 1) on the device-resident forward: the requests of (a) on the
+//       tiny pool (preemption) and a roomy one, two passes each (prefix hits), and (f)'s shared
+//       prefix with tail snapshots restored (the MTP ring inside): exactly the plain engine's
+//       outputs, verifies that accept and reject drafts, graphs replayed, nothing allocated in a
+//       step.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -75,8 +81,10 @@ static di_engine *engine(size_t kv_bytes, int32_t max_seqs, di_backend *b) {
 }
 
 // The device bytes of one entry block and of one slot's tail for a context of max_ctx (the
-// engine's blocks of di_kv_block_tokens positions), from a dev forward on a CPU backend.
-static void dev_sizes(const char *dir, int32_t max_ctx, int64_t *blk, int64_t *slot, int32_t *bt) {
+// engine's blocks of di_kv_block_tokens positions), from a dev forward on a CPU backend; mtp: with
+// the MTP block enabled (its window ring in the tail).
+static void dev_sizes(const char *dir, int32_t max_ctx, int64_t *blk, int64_t *slot, int32_t *bt,
+                      bool mtp) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
     di_model *m = NULL;
@@ -86,6 +94,7 @@ static void dev_sizes(const char *dir, int32_t max_ctx, int64_t *blk, int64_t *s
     CHECK(di_model_load(dir, &mo, &m) == DI_OK);
     CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
     if (m && b) CHECK_EQ(di_dsv4_dev_create(m, b, &d), DI_OK);
+    if (d && mtp) CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
     if (d) {
         *bt = di_kv_block_tokens(m);
         CHECK_EQ(di_dsv4_dev_sizes(d, max_ctx, *bt, blk, slot), DI_OK);
@@ -98,10 +107,10 @@ static void dev_sizes(const char *dir, int32_t max_ctx, int64_t *blk, int64_t *s
 // The smallest device KV memory that admits three sequences' first chunks (three slot tails and
 // an entry block each; at least one max_ctx sequence): any of them crossing an entry block needs
 // a block another holds.
-static size_t pool_for_three(void) {
+static size_t pool_for_three(bool mtp) {
     int64_t blk, slot;
     int32_t bt = 1;
-    dev_sizes(g_dir, MAX_CTX, &blk, &slot, &bt);
+    dev_sizes(g_dir, MAX_CTX, &blk, &slot, &bt, mtp);
     int32_t n = (MAX_CTX + bt - 1) / bt > 3 ? (MAX_CTX + bt - 1) / bt : 3;
     return (size_t)(3 * slot + n * blk);
 }
@@ -147,7 +156,7 @@ static void test_same_tokens(void) {
     check_clean(e, false);
     di_engine_destroy(e);
 
-    size_t tiny = pool_for_three();
+    size_t tiny = pool_for_three(false);
     CHECK(tiny > 0);
     di_backend *b = NULL;
     CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
@@ -400,6 +409,23 @@ static void test_cancel(void) {
     di_backend_destroy(b);
 }
 
+// The engine's checks after a run with MTP speculation: every block back, nothing allocated in a
+// step, verifies (that accepted drafts when `accepts`: the MTP block of a random-weight model
+// almost never drafts right on its own); *st gets the stats.
+static void check_spec(di_engine *e, di_engine_stats *st, bool accepts) {
+    di_engine_get_stats(e, st);
+    CHECK_EQ(st->n_blocks_free, st->n_blocks_total);
+    CHECK_EQ(st->n_step_allocs, 0);
+    CHECK(st->device.resident);
+    CHECK(st->n_spec_verifies > 0);
+    if (accepts) CHECK(st->n_spec_accepted > 0);
+    CHECK(st->n_spec_accepted < st->n_spec_verifies);   // some drafts rejected: rows rolled back
+    CHECK_EQ(st->n_spec_verified, st->n_spec_verifies); // one draft per verify
+    CHECK_EQ(st->n_spec_accept_hist[0] + st->n_spec_accept_hist[1], st->n_spec_verifies);
+    CHECK_EQ(st->n_spec_accept_hist[1], st->n_spec_accepted);
+    CHECK_EQ(st->n_failed_steps, 0);
+}
+
 // ---- (f) ----
 
 enum { D_CTX = 512, D_PREFIX = 300, D_REQ = 4 };
@@ -492,6 +518,103 @@ static void test_shared_prefix(void) {
         check_clean(e, true);
         di_engine_destroy(e);
     }
+    // (h) And with MTP speculation: the snapshot holds the MTP ring (and the token after it,
+    // the same for every hit here), restored with the rest; the same tokens.
+    o.spec_tokens = 1;
+    e = NULL;
+    if (b) CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+    if (e) {
+        run_shared(e, got);
+        int n_same = 0;
+        for (int i = 0; i < D_REQ; i++) {
+            n_same += same(&got[i], &ref[i]);
+            CHECK_EQ(got[i].n_replayed, 0);
+        }
+        di_engine_stats st;
+        check_spec(e, &st, false);
+        fprintf(stderr,
+                "(h) shared prefix, tail snapshots (%lld bytes) and MTP speculation: %d "
+                "identical; %lld restored, %lld verifies\n",
+                (long long)st.tail_snap_bytes, n_same, (long long)st.n_tail_restored,
+                (long long)st.n_spec_verifies);
+        CHECK_EQ(n_same, D_REQ);
+        CHECK_EQ(st.n_tail_restored, D_REQ - 1);
+        di_engine_destroy(e);
+    }
+    di_backend_destroy(b);
+}
+
+// ---- (h) ----
+
+// Oracle drafts (engine_internal.h's draft hook) for test_spec: the request's true next token
+// (g_ref: ids 1..12 are the six requests twice), but a wrong one where n_gen + id is a multiple
+// of 3 (an accept moves n_gen by 2, a reject by 1: they alternate): verifies that accept and
+// verifies whose draft row is taken back, throughout.
+static void half_oracle(void *user, uint64_t id, int32_t n_gen, di_draft *d) {
+    (void)user;
+    const result *t = &g_ref[(id - 1) % N_REQ];
+    const int32_t tok = n_gen < t->n ? t->tokens[n_gen] : 0;
+    d->tokens[0] = (n_gen + (int32_t)id) % 3 == 0 ? (tok + 1) % V : tok;
+}
+
+// MTP speculation on the device-resident forward (spec_tokens 1): the six requests (greedy and
+// seeded sampling) on the tiny pool with 3 slots (preemption) and on a roomy one with 6, twice
+// each (the second pass on prefix hits, bounded replay, then verifies), with the MTP block's own
+// drafts (round 0) and half-right oracle drafts (round 1, then the tiny pool again), give exactly
+// the plain engine's outputs (g_ref, g_ref2: the CPU engine's, which (a) shows equal to the dev
+// engine's without speculation).
+static void test_spec(void) {
+    const size_t tiny = pool_for_three(true);
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b || !tiny) return;
+        // Under AddressSanitizer the first two rounds (preemption, prefix hits, accepts and
+        // rejects); the release stage runs all three.
+#if defined(__SANITIZE_ADDRESS__)
+    const int n_rounds = 2;
+#else
+    const int n_rounds = 3;
+#endif
+    for (int round = 0; round < n_rounds; round++) {
+        const bool small = round != 1;
+        di_engine_options o = options(small ? tiny : (size_t)64 << 20, small ? 3 : N_REQ);
+        o.spec_tokens = 1;
+        di_engine *e = NULL;
+        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+        if (!e) break;
+        if (round > 0) di_engine_set_draft_hook(e, half_oracle, NULL);
+        static result got[N_REQ];
+        int n_same = 0;
+        for (int pass = 0; pass < 2; pass++) {
+            run(e, got, 0, N_REQ);
+            di_engine_wait_idle(e);
+            for (int i = 0; i < N_REQ; i++) {
+                n_same += same(&got[i], pass == 0 ? &g_ref[i] : &g_ref2[i]);
+                CHECK_EQ(got[i].finish, DI_FINISH_LENGTH);
+            }
+        }
+        di_engine_stats st;
+        check_spec(e, &st, round > 0);
+        di_dsv4_dev_graph_stats gs;
+        di_engine_get_graph_stats(e, &gs);
+        fprintf(stderr,
+                "(h) dev engine with MTP speculation (%s drafts), %s pool, max_seqs %d, two "
+                "passes: %d/%d identical to the plain engine; %lld verifies, %lld drafts "
+                "accepted, %lld preemptions, %lld positions from the prefix cache; %lld graph "
+                "launches, %lld direct calls\n",
+                round > 0 ? "oracle" : "its own", small ? "tiny" : "roomy", small ? 3 : N_REQ,
+                n_same, 2 * N_REQ, (long long)st.n_spec_verifies, (long long)st.n_spec_accepted,
+                (long long)st.n_preemptions, (long long)st.n_cache_hit_tokens,
+                (long long)gs.n_replayed, (long long)gs.n_direct);
+        CHECK_EQ(n_same, 2 * N_REQ);
+        if (small) CHECK(st.n_preemptions > 0);
+        if (!small) CHECK(st.n_cache_hit_tokens > 0);
+        // Steps in which every sequence verifies replayed the verify graphs captured at create.
+        CHECK_EQ(gs.n_captured, gs.n_cached);
+        CHECK(gs.n_replayed > 0);
+        if (round > 0) CHECK(st.n_spec_accepted * 4 > st.n_spec_verifies); // about half of them
+        di_engine_destroy(e);
+    }
     di_backend_destroy(b);
 }
 
@@ -500,7 +623,7 @@ static void test_shared_prefix(void) {
 static void test_sizing(void) {
     int64_t blk = 0, slot = 0;
     int32_t bt = 1;
-    dev_sizes(g_dir, MAX_CTX, &blk, &slot, &bt);
+    dev_sizes(g_dir, MAX_CTX, &blk, &slot, &bt, false);
     if (blk <= 0) return;
     const int32_t max_seqs = 3, one = (MAX_CTX + bt - 1) / bt;
     const size_t least = (size_t)(max_seqs * slot + one * blk);
@@ -543,11 +666,25 @@ static void test_sizing(void) {
     e = NULL;
     CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_UNSUPPORTED);
     CHECK(e == NULL);
-    // Speculative decoding needs rollback, which the device state's rings do not keep: refused.
+    // MTP speculation: each slot's tail holds the MTP block's window ring too (16 FP32 rows of
+    // 128), paid first: the least memory of the plain engine is refused, with the rings it is not.
+    int64_t blk_m = 0, slot_m = 0;
+    dev_sizes(g_dir, MAX_CTX, &blk_m, &slot_m, &bt, true);
+    CHECK_EQ(blk_m, blk);
+    CHECK_EQ(slot_m - slot, 16 * 128 * (int64_t)sizeof(float));
     o = options(least, max_seqs);
     o.spec_tokens = 1;
-    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_UNSUPPORTED);
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_INVALID);
     CHECK(e == NULL);
+    o = options((size_t)(max_seqs * slot_m + one * blk), max_seqs);
+    o.spec_tokens = 1;
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+    if (e) {
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_blocks_total, one);
+        di_engine_destroy(e);
+    }
     di_backend_destroy(b);
 }
 
@@ -569,6 +706,7 @@ int main(void) {
     RUN(test_failure_streak);
     RUN(test_shared_prefix);
     RUN(test_sizing);
+    RUN(test_spec);
     di_test_remove_dir(g_dir);
     return test_finish();
 }

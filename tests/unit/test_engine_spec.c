@@ -28,9 +28,9 @@
 //       exactly those requests with the error; the others, and later ones in the failed slots,
 //       are exact;
 //   (g) options: spec_tokens on a V4.1 checkpoint without DSpark or a V4 one without its MTP block
-//       is DI_ERR_UNSUPPORTED (on the device-resident forward: test_engine_dev.c); out-of-range
-//       spec_tokens / spec_min_confidence are DI_ERR_INVALID; spec_tokens is capped (DSpark's
-//       block, MTP's one draft);
+//       is DI_ERR_UNSUPPORTED (MTP speculation on the device-resident forward: test_engine_dev.c
+//       (h)); out-of-range spec_tokens / spec_min_confidence are DI_ERR_INVALID; spec_tokens is
+//       capped (DSpark's block, MTP's one draft);
 //   (h) verifies beyond a one-row token budget, and the synchronous order (DI_ENGINE_SYNC=1):
 //       exact, no step allocation;
 //   (i) a request with a grammar active from the start (a regex over the real tokenizer) is never
