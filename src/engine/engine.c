@@ -1811,53 +1811,41 @@ static di_status v41_forward(di_engine *e) {
 
 // ---- V4 with the MTP block (speculative decoding on the CPU forward) ----
 
-// The CPU forward of the plan being run when the MTP block drafts: a sampled decode whose slot
-// holds an MTP draft for its anchor's next position (made for this request) verifies [y, d] in
-// its rows of the step's one call (spec_take; the hook may rewrite the draft), every other
-// sequence runs its planned rows. The call computes no logits itself: the main streams of all
-// rows go to the XMAIN scratch (the MTP block's input, mtp_step) before the head runs on the
-// logit rows, which then move to their logit slots (slot k owns rows k * lstride ..).
-static di_status v4_spec_forward(di_engine *e) {
+// Plan sequence i of the step (its planned rows start at row of x_tokens) on the CPU or the
+// device-resident forward with MTP drafts: its rows are copied to vrow of x_vtokens and, when it
+// samples, a verify of its slot's MTP draft is appended (a draft made for this request at its
+// anchor's next position; spec_take, whose hook may rewrite the draft) and its logit rows listed
+// in x_vlogit (from *n_vl). Returns its rows in the call.
+static int32_t mtp_plan_seq(di_engine *e, int32_t i, int32_t row, int32_t vrow, int32_t *n_vl) {
+    const di_dsv4_seq *sq = &e->x_seqs[i];
+    const di_request *r = e->x_seq_req[i];
+    memcpy(e->x_vtokens + vrow, e->x_tokens + row, sizeof(int32_t) * (size_t)sq->n_tok);
+    const int32_t last = row + sq->n_tok - 1;
+    int32_t kslot = -1;
+    for (int32_t k = 0; k < e->x_n_logit; k++)
+        if (e->x_logit_rows[k] == last) kslot = k;
+    e->x_bk[i] = kslot;
+    if (kslot < 0) return sq->n_tok;
+    e->x_lslot[kslot] = r->slot;
+    e->x_vlogit[(*n_vl)++] = vrow + sq->n_tok - 1;
+    const int32_t k_max = spec_kmax(e, kslot, sq, e->x_cap[i]);
+    if (k_max <= 0 || e->mtp_draft_req[r->slot] != r->id ||
+        e->mtp_draft_pos[r->slot] != sq->pos + 1)
+        return sq->n_tok;
+    di_draft d = {.n = 1};
+    d.tokens[0] = e->mtp_draft[r->slot];
+    d.confidence[0] = 1.0f;
+    int32_t n_ver = 1;
+    spec_take(e, kslot, sq, &d, k_max, e->x_vtokens + vrow, &n_ver);
+    for (int32_t j = 1; j < n_ver; j++) e->x_vlogit[(*n_vl)++] = vrow + j;
+    return n_ver;
+}
+
+// The n_vl logit rows the call wrote to the front of e->logits move to their logit slots (slot k
+// owns rows k * lstride ..), last first (a slot's rows never start below where the call wrote
+// them, so every move goes up or stays and never clobbers a row still to move).
+static void logits_to_slots(di_engine *e, int32_t n_vl) {
     const int64_t V = e->model->hp.n_vocab;
-    int32_t row = 0, vrow = 0, n_vl = 0;
-    for (int32_t i = 0; i < e->x_n_seq; i++) {
-        const di_dsv4_seq *sq = &e->x_seqs[i];
-        const di_request *r = e->x_seq_req[i];
-        di_dsv4_seq *vs = &e->x_vseqs[i];
-        *vs = *sq;
-        memcpy(e->x_vtokens + vrow, e->x_tokens + row, sizeof(int32_t) * (size_t)sq->n_tok);
-        const int32_t last = row + sq->n_tok - 1;
-        int32_t kslot = -1;
-        for (int32_t k = 0; k < e->x_n_logit; k++)
-            if (e->x_logit_rows[k] == last) kslot = k;
-        e->x_bk[i] = kslot;
-        if (kslot >= 0) {
-            e->x_lslot[kslot] = r->slot;
-            e->x_vlogit[n_vl++] = vrow + sq->n_tok - 1;
-            const int32_t k_max = spec_kmax(e, kslot, sq, e->x_cap[i]);
-            if (k_max > 0 && e->mtp_draft_req[r->slot] == r->id &&
-                e->mtp_draft_pos[r->slot] == sq->pos + 1) {
-                di_draft d = {.n = 1};
-                d.tokens[0] = e->mtp_draft[r->slot];
-                d.confidence[0] = 1.0f;
-                int32_t n_ver = 1;
-                spec_take(e, kslot, sq, &d, k_max, e->x_vtokens + vrow, &n_ver);
-                for (int32_t j = 1; j < n_ver; j++) e->x_vlogit[n_vl++] = vrow + j;
-                vs->n_tok = n_ver;
-            }
-        }
-        row += sq->n_tok;
-        vrow += vs->n_tok;
-    }
-    di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = e->x_vseqs, .n_seq = e->x_n_seq};
-    di_status st = di_dsv4_forward_batch(&c, e->x_vtokens, NULL, 0, NULL);
-    if (st != DI_OK) return st;
-    const int64_t row_floats = (int64_t)e->model->hp.hc_mult * e->model->hp.n_embd;
-    memcpy(di_dsv4_scratch(&c, DI_SCR_XMAIN), di_dsv4_scratch(&c, DI_SCR_X),
-           sizeof(float) * (size_t)(c.n_rows * row_floats));
-    if (n_vl > 0) di_dsv4_head_rows(&c, e->x_vlogit, n_vl, e->logits);
-    // Logit rows to their slots, last first (a slot's rows never start below where the head
-    // wrote them, so every move goes up or stays and never clobbers a row still to move).
     int32_t off = n_vl;
     for (int32_t k = e->x_n_logit - 1; k >= 0; k--) {
         off -= e->x_nrows[k];
@@ -1867,7 +1855,66 @@ static di_status v4_spec_forward(di_engine *e) {
             memmove(e->logits + dst * V, e->logits + (int64_t)off * V,
                     sizeof(float) * (size_t)(e->x_nrows[k] * V));
     }
+}
+
+// The CPU forward of the plan being run when the MTP block drafts: a sampled decode whose slot
+// holds an MTP draft for its anchor's next position (made for this request) verifies [y, d] in
+// its rows of the step's one call (spec_take; the hook may rewrite the draft), every other
+// sequence runs its planned rows. The call computes no logits itself: the main streams of all
+// rows go to the XMAIN scratch (the MTP block's input, mtp_step) before the head runs on the
+// logit rows, which then move to their logit slots (slot k owns rows k * lstride ..).
+static di_status v4_spec_forward(di_engine *e) {
+    int32_t row = 0, vrow = 0, n_vl = 0;
+    for (int32_t i = 0; i < e->x_n_seq; i++) {
+        e->x_vseqs[i] = e->x_seqs[i];
+        e->x_vseqs[i].n_tok = mtp_plan_seq(e, i, row, vrow, &n_vl);
+        row += e->x_seqs[i].n_tok;
+        vrow += e->x_vseqs[i].n_tok;
+    }
+    di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = e->x_vseqs, .n_seq = e->x_n_seq};
+    di_status st = di_dsv4_forward_batch(&c, e->x_vtokens, NULL, 0, NULL);
+    if (st != DI_OK) return st;
+    const int64_t row_floats = (int64_t)e->model->hp.hc_mult * e->model->hp.n_embd;
+    memcpy(di_dsv4_scratch(&c, DI_SCR_XMAIN), di_dsv4_scratch(&c, DI_SCR_X),
+           sizeof(float) * (size_t)(c.n_rows * row_floats));
+    if (n_vl > 0) di_dsv4_head_rows(&c, e->x_vlogit, n_vl, e->logits);
+    logits_to_slots(e, n_vl);
     return DI_OK;
+}
+
+// The MTP call's rows of plan sequence i (n_tok rows in the step's call from position pos): the
+// rows kept (a verify's anchor and accepted drafts, every other sequence's rows; 0: it ends, its
+// constrained sample failed), each's next token into ids (the next prompt token, an accepted
+// draft, or the row's sample), and *next: the sample after the last kept row (NULL when the
+// sequence did not sample). Its slot's draft is void until the MTP call makes a new one.
+static int32_t mtp_kept(di_engine *e, int32_t i, int32_t pos, int32_t n_tok, int32_t *ids,
+                        const di_sample_result **next) {
+    const di_request *r = e->x_seq_req[i];
+    const int32_t kslot = e->x_bk[i];
+    e->mtp_draft_req[r->slot] = 0;
+    // A plain row's sample is its slot's row 0, a verify's row j samples the position after its
+    // row j.
+    int32_t keep = n_tok;
+    *next = NULL;
+    if (kslot >= 0) {
+        *next = e->x_res + (int64_t)kslot * e->lstride;
+        if (e->x_ndraft[kslot] > 0) keep = e->x_emit[kslot], *next += keep - 1;
+        if ((*next)->token < 0) return 0;
+    }
+    for (int32_t t = 0; t < keep; t++)
+        ids[t] = *next && t == keep - 1 ? (*next)->token : r->tokens[pos + t + 1];
+    return keep;
+}
+
+// The drafts of the MTP call's n_ml logit rows (argmax, ties to the lower id), for the plan
+// sequences x_mseq.
+static void mtp_drafts(di_engine *e, int32_t n_ml) {
+    const int64_t V = e->model->hp.n_vocab;
+    for (int32_t j = 0; j < n_ml; j++) {
+        const di_request *r = e->x_seq_req[e->x_mseq[j]];
+        e->mtp_draft[r->slot] = di_argmax(e->mtp_logits + (int64_t)j * V, (int32_t)V);
+        e->mtp_draft_req[r->slot] = r->id;
+    }
 }
 
 // After the step's sampling and accept: the MTP block runs on every kept row of the step (a
@@ -1879,7 +1926,7 @@ static di_status v4_spec_forward(di_engine *e) {
 // is left out.
 static di_status mtp_step(di_engine *e) {
     const di_hparams *hp = &e->model->hp;
-    const int64_t V = hp->n_vocab, row_floats = (int64_t)hp->hc_mult * hp->n_embd;
+    const int64_t row_floats = (int64_t)hp->hc_mult * hp->n_embd;
     const size_t nl = (size_t)hp->n_layer + 1;
     di_dsv4_ctx c = {.model = e->model, .ws = &e->ws, .seqs = e->x_mseqs};
     float *xm = di_dsv4_scratch(&c, DI_SCR_XMAIN); // [rows, NC, D]: the call's main streams
@@ -1887,22 +1934,12 @@ static di_status mtp_step(di_engine *e) {
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         const di_dsv4_seq *vs = &e->x_vseqs[i];
         const di_request *r = e->x_seq_req[i];
-        const int32_t kslot = e->x_bk[i];
-        e->mtp_draft_req[r->slot] = 0;
-        // Rows kept, and the sample after the last one (a plain row's is its slot's row 0, a
-        // verify's row j samples the position after its row j).
-        int32_t keep = vs->n_tok;
-        const di_sample_result *next = NULL;
-        if (kslot >= 0) {
-            next = e->x_res + (int64_t)kslot * e->lstride;
-            if (e->x_ndraft[kslot] > 0) keep = e->x_emit[kslot], next += keep - 1;
-            if (next->token < 0) continue; // a failed constrained sample: it ends
-        }
+        const di_sample_result *next;
+        const int32_t keep = mtp_kept(e, i, vs->pos, vs->n_tok, e->x_mids + mrow, &next);
+        if (keep == 0) continue;
         if (mrow != vs->row0) // kept rows move down (rows ascend)
             memmove(xm + (int64_t)mrow * row_floats, xm + (int64_t)vs->row0 * row_floats,
                     sizeof(float) * (size_t)(keep * row_floats));
-        for (int32_t t = 0; t < keep; t++)
-            e->x_mids[mrow + t] = next && t == keep - 1 ? next->token : r->tokens[vs->pos + t + 1];
         e->x_mseqs[n_m++] = (di_dsv4_seq){.layers = e->mtp_ls + (size_t)r->slot * nl,
                                           .pos = vs->pos,
                                           .n_tok = keep,
@@ -1918,13 +1955,8 @@ static di_status mtp_step(di_engine *e) {
     c.n_seq = n_m;
     di_dsv4_set_rows(&c);
     di_status st = di_dsv4_mtp_forward_batch(&c, xm, e->x_mids, e->x_mlogit, n_ml, e->mtp_logits);
-    if (st != DI_OK) return st;
-    for (int32_t j = 0; j < n_ml; j++) {
-        const di_request *r = e->x_seq_req[e->x_mseq[j]];
-        e->mtp_draft[r->slot] = di_argmax(e->mtp_logits + (int64_t)j * V, (int32_t)V);
-        e->mtp_draft_req[r->slot] = r->id;
-    }
-    return DI_OK;
+    if (st == DI_OK) mtp_drafts(e, n_ml);
+    return st;
 }
 
 // ---- speculative decoding on the device-resident forward (V4 with the MTP block) ----
@@ -1941,49 +1973,17 @@ static di_status mtp_step(di_engine *e) {
 // The step's call with its verify rows (v4_spec_forward's plan on x_vdev); the logit rows then
 // move to their logit slots.
 static di_status dev_spec_forward(di_engine *e) {
-    const int64_t V = e->model->hp.n_vocab;
     int32_t row = 0, vrow = 0, n_vl = 0;
     for (int32_t i = 0; i < e->x_n_seq; i++) {
-        const di_dsv4_seq *sq = &e->x_seqs[i];
-        const di_request *r = e->x_seq_req[i];
-        di_dsv4_dev_seq *vs = &e->x_vdev[i];
-        *vs = e->x_dev[i];
-        memcpy(e->x_vtokens + vrow, e->x_tokens + row, sizeof(int32_t) * (size_t)sq->n_tok);
-        const int32_t last = row + sq->n_tok - 1;
-        int32_t kslot = -1;
-        for (int32_t k = 0; k < e->x_n_logit; k++)
-            if (e->x_logit_rows[k] == last) kslot = k;
-        e->x_bk[i] = kslot;
-        if (kslot >= 0) {
-            e->x_lslot[kslot] = r->slot;
-            e->x_vlogit[n_vl++] = vrow + sq->n_tok - 1;
-            const int32_t k_max = spec_kmax(e, kslot, sq, e->x_cap[i]);
-            if (k_max > 0 && e->mtp_draft_req[r->slot] == r->id &&
-                e->mtp_draft_pos[r->slot] == sq->pos + 1) {
-                di_draft d = {.n = 1};
-                d.tokens[0] = e->mtp_draft[r->slot];
-                d.confidence[0] = 1.0f;
-                int32_t n_ver = 1;
-                spec_take(e, kslot, sq, &d, k_max, e->x_vtokens + vrow, &n_ver);
-                for (int32_t j = 1; j < n_ver; j++) e->x_vlogit[n_vl++] = vrow + j;
-                vs->n_tok = n_ver;
-            }
-        }
-        row += sq->n_tok;
-        vrow += vs->n_tok;
+        e->x_vdev[i] = e->x_dev[i];
+        e->x_vdev[i].n_tok = mtp_plan_seq(e, i, row, vrow, &n_vl);
+        row += e->x_seqs[i].n_tok;
+        vrow += e->x_vdev[i].n_tok;
     }
     di_status st = di_dsv4_dev_forward(e->dstate, e->x_vdev, e->x_n_seq, e->x_vtokens, e->x_vlogit,
                                        n_vl, e->logits);
     if (st != DI_OK) return st;
-    int32_t off = n_vl; // last first: every move goes up or stays (v4_spec_forward)
-    for (int32_t k = e->x_n_logit - 1; k >= 0; k--) {
-        off -= e->x_nrows[k];
-        const int64_t dst = (int64_t)k * e->lstride;
-        DI_ASSERT(dst >= off);
-        if (dst != off)
-            memmove(e->logits + dst * V, e->logits + (int64_t)off * V,
-                    sizeof(float) * (size_t)(e->x_nrows[k] * V));
-    }
+    logits_to_slots(e, n_vl);
     return DI_OK;
 }
 
@@ -1991,24 +1991,14 @@ static di_status dev_spec_forward(di_engine *e) {
 // token after it, and the next drafts (mtp_step's rules, on the dev state: row t of the MTP call
 // reads the main streams of its row of the step's call).
 static di_status dev_mtp_step(di_engine *e) {
-    const int64_t V = e->model->hp.n_vocab;
     int32_t n_m = 0, mrow = 0, n_ml = 0, vrow = 0;
     for (int32_t i = 0; i < e->x_n_seq; vrow += e->x_vdev[i].n_tok, i++) {
         const di_dsv4_dev_seq *vs = &e->x_vdev[i];
         const di_request *r = e->x_seq_req[i];
-        const int32_t kslot = e->x_bk[i];
-        e->mtp_draft_req[r->slot] = 0;
-        int32_t keep = vs->n_tok;
-        const di_sample_result *next = NULL;
-        if (kslot >= 0) {
-            next = e->x_res + (int64_t)kslot * e->lstride;
-            if (e->x_ndraft[kslot] > 0) keep = e->x_emit[kslot], next += keep - 1;
-            if (next->token < 0) continue; // a failed constrained sample: it ends
-        }
-        for (int32_t t = 0; t < keep; t++) {
-            e->x_mrows[mrow + t] = vrow + t;
-            e->x_mids[mrow + t] = next && t == keep - 1 ? next->token : r->tokens[vs->pos + t + 1];
-        }
+        const di_sample_result *next;
+        const int32_t keep = mtp_kept(e, i, vs->pos, vs->n_tok, e->x_mids + mrow, &next);
+        if (keep == 0) continue;
+        for (int32_t t = 0; t < keep; t++) e->x_mrows[mrow + t] = vrow + t;
         e->x_mdev[n_m++] =
             (di_dsv4_dev_seq){.slot = r->slot, .pos = vs->pos, .n_tok = keep, .win_lo = vs->win_lo};
         if (next) { // its last kept position P' = pos + keep - 1 drafts for P' + 2
@@ -2021,13 +2011,8 @@ static di_status dev_mtp_step(di_engine *e) {
     if (n_m == 0) return DI_OK;
     di_status st = di_dsv4_dev_mtp_forward(e->dstate, e->x_mdev, n_m, e->x_mrows, e->x_mids,
                                            e->x_mlogit, n_ml, e->mtp_logits);
-    if (st != DI_OK) return st;
-    for (int32_t j = 0; j < n_ml; j++) {
-        const di_request *r = e->x_seq_req[e->x_mseq[j]];
-        e->mtp_draft[r->slot] = di_argmax(e->mtp_logits + (int64_t)j * V, (int32_t)V);
-        e->mtp_draft_req[r->slot] = r->id;
-    }
-    return DI_OK;
+    if (st == DI_OK) mtp_drafts(e, n_ml);
+    return st;
 }
 
 static void *forward_main(void *p) {

@@ -18,8 +18,7 @@
 
 enum { CP_MAX_W = 3 };
 
-static di_model *cp_load(const char *dir, di_precision prec, const char *addrs,
-                         int32_t min_tok) {
+static di_model *cp_load(const char *dir, di_precision prec, const char *addrs, int32_t min_tok) {
     di_model_options o = di_model_options_default();
     o.n_threads = 1;
     o.precision = prec;
