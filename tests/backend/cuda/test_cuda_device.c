@@ -7,7 +7,9 @@
 //     recipe; the official recipe has its own, looser bound: TOL_LOGITS_OFFICIAL);
 //   - greedy generation through a session: the same tokens;
 //   - the serving engine (ragged batched forward on its forward thread, 4 requests of different
-//     lengths at once): the same greedy tokens as the engine on the CPU;
+//     lengths at once): the same greedy tokens as the engine on the CPU, and again with MTP
+//     speculation (spec_tokens 1: the device-resident forward's MTP block, verify rows and
+//     rollback on the GPU);
 //   - the device's stats (matmuls run, none declined, weights uploaded) and a device index that
 //     does not exist refused with DI_ERR_UNSUPPORTED by di_model_load and di_engine_create.
 // Greedy tokens are compared up to the first step whose CPU top-two margin is within twice the
@@ -186,10 +188,12 @@ static void on_event(void *user, const di_event *ev) {
     if (ev->finish != DI_FINISH_NONE) r->finished = true;
 }
 
-// N_REQ greedy requests (prompts of 5, 17, 33 and 64 tokens) submitted together.
-static bool engine_run(bool cuda, result *res, di_engine_stats *st) {
+// N_REQ greedy requests (prompts of 5, 17, 33 and 64 tokens) submitted together; spec: MTP drafts
+// per verify (0: off).
+static bool engine_run(bool cuda, int32_t spec, result *res, di_engine_stats *st) {
     di_engine_options o = di_engine_options_default();
     o.n_threads = 2;
+    o.spec_tokens = spec;
     if (cuda) o.device = (di_device){.kind = DI_DEVICE_CUDA, .index = 0};
     di_engine *e = NULL;
     di_status s = di_engine_create(g_dir, &o, &e);
@@ -219,11 +223,8 @@ static bool engine_run(bool cuda, result *res, di_engine_stats *st) {
     return ok;
 }
 
-static void test_engine(void) {
-    result cpu[N_REQ], gpu[N_REQ];
-    di_engine_stats st_cpu, st_gpu;
-    CHECK(engine_run(false, cpu, &st_cpu));
-    CHECK(engine_run(true, gpu, &st_gpu));
+// The GPU's tokens equal the CPU's up to each request's first undecided step; how many compared.
+static int32_t compare_tokens(const result *cpu, const result *gpu) {
     int32_t compared = 0;
     for (int r = 0; r < N_REQ; r++) {
         CHECK(cpu[r].finished && gpu[r].finished);
@@ -233,6 +234,15 @@ static void test_engine(void) {
         for (int32_t i = 0; i < k; i++) CHECK_EQ(gpu[r].tokens[i], cpu[r].tokens[i]);
         compared += k;
     }
+    return compared;
+}
+
+static void test_engine(void) {
+    result cpu[N_REQ], gpu[N_REQ], spec[N_REQ];
+    di_engine_stats st_cpu, st_gpu, st_spec;
+    CHECK(engine_run(false, 0, cpu, &st_cpu));
+    CHECK(engine_run(true, 0, gpu, &st_gpu));
+    const int32_t compared = compare_tokens(cpu, gpu);
     fprintf(stderr,
             "  engine: %d of %d tokens decided and equal; %lld steps (%lld failed) on the %s, "
             "%lld GPU matmuls (%lld declined), %lld weights (%.1f MB)\n",
@@ -251,6 +261,21 @@ static void test_engine(void) {
     CHECK(!st_cpu.device.resident);
     // On the GPU the CPU ran no weight matmul.
     CHECK_EQ(st_gpu.weight_macs, 0);
+    // MTP speculation on the GPU: the tokens of plain decoding (bit for bit on one backend: the
+    // CPU twin's tests; here within the CPU's decided steps), drafts verified.
+    CHECK(engine_run(true, 1, spec, &st_spec));
+    const int32_t compared_spec = compare_tokens(cpu, spec);
+    fprintf(stderr,
+            "  engine with MTP speculation (%s): %d of %d tokens decided and equal; %lld verifies, "
+            "%lld drafts accepted; %lld steps (%lld failed)\n",
+            st_spec.spec_drafter ? st_spec.spec_drafter : "none", compared_spec,
+            N_REQ * ENGINE_GEN, (long long)st_spec.n_spec_verifies,
+            (long long)st_spec.n_spec_accepted, (long long)st_spec.n_steps,
+            (long long)st_spec.n_failed_steps);
+    CHECK(compared_spec > 0);
+    CHECK(st_spec.n_spec_verifies > 0);
+    CHECK_EQ(st_spec.n_failed_steps, 0);
+    CHECK_EQ(st_spec.weight_macs, 0);
 }
 
 // A device that does not exist: a clear error from load and engine create, no crash.
