@@ -126,8 +126,8 @@ typedef struct di_sched {
 } di_sched;
 
 // max_tenants: entries of the tenant table (the engine: max_seqs + max_queue, its bound on
-// backlogged requests). DI_ERR_INVALID (max_batch_tokens < max_seqs, max_tenants < 1),
-// DI_ERR_NOMEM.
+// backlogged requests, at most 65536). DI_ERR_INVALID (max_batch_tokens < max_seqs, max_tenants
+// outside 1 .. 2^28), DI_ERR_NOMEM.
 di_status di_sched_init(di_sched *s, di_kv_manager *kv, int32_t max_seqs, int32_t max_batch_tokens,
                         int32_t max_tenants);
 void di_sched_deinit(di_sched *s);
