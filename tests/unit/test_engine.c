@@ -315,6 +315,11 @@ static void test_queue_limit_and_bad_requests(void) {
     o.max_ctx = 512;
     o.kv_memory_bytes = 16u << 20;
     di_engine *e = NULL;
+    CHECK_EQ(o.priority_aging_ms, DI_ENGINE_PRIORITY_AGING_MS);
+    o.priority_aging_ms = -1;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_INVALID);
+    CHECK(e == NULL);
+    o.priority_aging_ms = DI_ENGINE_PRIORITY_AGING_MS;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     if (!e) return;
     static result res[64];
