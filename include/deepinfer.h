@@ -392,6 +392,7 @@ void di_grammar_vocab_destroy(di_grammar_vocab *v);
 #define DI_MAX_SNAP_AT 4 // requested tail-snapshot points per request (di_request_params.snap_at)
 #define DI_PRIORITY_MIN (-1000000) // di_request_params.priority range
 #define DI_PRIORITY_MAX 1000000
+#define DI_ENGINE_PRIORITY_AGING_MS 10000 // di_engine_options.priority_aging_ms's default
 
 typedef struct di_engine di_engine;
 
@@ -466,10 +467,12 @@ typedef struct di_request_params {
     uint64_t cache_salt; // prefix-cache namespace: only requests with the same salt share
     // Scheduling (docs/architecture.md, "Scheduling"). Lower priorities run first (vLLM's
     // convention; default 0, in [DI_PRIORITY_MIN, DI_PRIORITY_MAX]): admission takes the best
-    // priority first, and a waiting request that finds no room preempts running requests of a
-    // worse priority (newest first; they recompute later, exactly). Among equal priorities
-    // admission prefers the tenant with the fewest running requests (fair share between users;
-    // tenant 0 is one tenant too), then arrival order.
+    // effective priority first (the priority less one level per
+    // di_engine_options.priority_aging_ms waited), and a waiting request that finds no room
+    // preempts running requests of a worse priority (newest first; they recompute later,
+    // exactly). Among equal priorities admission prefers the tenant that received the fewest
+    // weighted tokens (a virtual token counter: fair share between users; tenant 0 is one tenant
+    // too), then arrival order.
     int32_t priority;
     uint64_t tenant;
     // Snapshot points (docs/kv-cache.md, "Snapshot points"): token offsets into the prompt where,
@@ -512,6 +515,11 @@ typedef struct di_engine_options {
     int32_t max_batch_tokens; // forward rows per step (token budget); 0 = 256
     int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)
     int32_t max_queue;        // waiting requests; more are refused with DI_ERR_BUSY; 0 = 1024
+    // Priority aging (docs/architecture.md, "Scheduling"): a waiting request's effective priority
+    // improves by one level per priority_aging_ms it has waited, so that a steady stream of
+    // better-priority work cannot starve it; 0: no aging (< 0 is refused). Default
+    // (di_engine_options_default, a NULL options pointer): 10000.
+    int32_t priority_aging_ms;
     const char *ep_workers;   // expert workers (di_model_options.ep_workers); NULL: none
     const char *ep_placement; // their initial placement (di_model_options.ep_placement)
     // Prefill workers (di_model_options.cp_workers, docs/context-parallel.md): a step's prefill
@@ -594,6 +602,9 @@ typedef struct di_engine_stats {
     int32_t n_running, n_waiting;
     int64_t n_steps, n_prefill_tokens, n_decode_tokens, n_preemptions;
     int64_t n_priority_preemptions; // of n_preemptions: for a waiting request of better priority
+    // Fair share (docs/architecture.md, "Scheduling"): tenants with a running or waiting request,
+    // and the tenant entries held (those and idle ones remembered; at most max_seqs + max_queue).
+    int32_t n_tenants_backlogged, n_tenants_tracked;
     int64_t n_cache_hit_tokens, n_replayed_tokens;
     // Tail snapshots (0 when off): bytes of one; snapshots taken (at a prompt's last block
     // boundary) and admissions continued from one since create; held now and their bytes;

@@ -239,8 +239,10 @@ typedef struct kv_job {
 } kv_job;
 
 di_engine_options di_engine_options_default(void) {
-    di_engine_options o = {
-        .n_threads = 0, .precision = DI_PRECISION_FP32, .device = {.kind = DI_DEVICE_CPU}};
+    di_engine_options o = {.n_threads = 0,
+                           .precision = DI_PRECISION_FP32,
+                           .device = {.kind = DI_DEVICE_CPU},
+                           .priority_aging_ms = DI_ENGINE_PRIORITY_AGING_MS};
     return o;
 }
 
@@ -574,8 +576,9 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     pthread_cond_init(&e->cv_idle, NULL);
     pthread_cond_init(&e->cv_job, NULL);
     if (o->max_seqs < 1 || o->max_batch_tokens < o->max_seqs || o->max_ctx < 2 ||
-        o->max_queue < 1) {
-        DI_LOG_ERROR("engine: need max_seqs >= 1, max_batch_tokens >= max_seqs, max_ctx >= 2");
+        o->max_queue < 1 || o->priority_aging_ms < 0) {
+        DI_LOG_ERROR("engine: need max_seqs >= 1, max_batch_tokens >= max_seqs, max_ctx >= 2, "
+                     "priority_aging_ms >= 0");
         st = DI_ERR_INVALID;
         goto fail;
     }
@@ -646,7 +649,12 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         di_kv_disk_io_set_notify(e->kv->disk_io, disk_read_done, e);
     }
     o->kv_disk_dir = NULL; // borrowed until here
-    DI_TRY(di_sched_init(&e->sched, e->kv, o->max_seqs, o->max_batch_tokens));
+    // A tenant entry for every request the queue bound lets in (more share one entry), at most
+    // 65536 (2.5 MiB).
+    const int64_t max_tenants = (int64_t)o->max_seqs + o->max_queue;
+    DI_TRY(di_sched_init(&e->sched, e->kv, o->max_seqs, o->max_batch_tokens,
+                         max_tenants < 65536 ? (int32_t)max_tenants : 65536));
+    e->sched.aging_ms = o->priority_aging_ms;
     DI_TRY(tails_open(e));
     e->n_samplers = di_pool_n_threads(e->model->pool);
     e->samplers = di_calloc((size_t)e->n_samplers, sizeof *e->samplers);
@@ -1273,6 +1281,7 @@ static void retire(di_engine *e, di_request *r) {
     e->stats.n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
     e->stats.n_running = e->sched.n_running;
     e->stats.n_waiting = e->sched.n_waiting;
+    e->stats.n_tenants_backlogged = e->sched.n_tenants_live;
     publish_spec_stats(e);
     disk_stats(e, &e->stats); // a removed request's prefetch was stopped and collected just now
     e->n_live--;
@@ -2208,6 +2217,13 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
                  (int)n_unpublished, (int)n_preempted);
 }
 
+// The scheduler's clock (priority aging): milliseconds of CLOCK_MONOTONIC.
+static int64_t mono_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 // Takes the submitted requests into the waiting queue; returns whether cancellations arrived.
 // Sleeps first while there is nothing to do and sleep is set.
 static bool take_incoming(di_engine *e, bool sleep, bool *stop) {
@@ -2225,6 +2241,7 @@ static bool take_incoming(di_engine *e, bool sleep, bool *stop) {
     bool cancel = e->any_cancel;
     e->any_cancel = false;
     pthread_mutex_unlock(&e->mu);
+    s->now_ms = mono_ms();
     for (di_request *r = in, *nx; r; r = nx) {
         nx = r->next;
         di_sched_enqueue(s, r);
@@ -2366,7 +2383,10 @@ static void *engine_main(void *p) {
         if (stop && s->n_running == 0 && s->n_waiting == 0) break;
 
         int64_t a0 = di_mem_thread_allocs(), cb_allocs = 0;
-        if (!have_plan || s->aborted || s->n_seq == 0) di_sched_step(s);
+        if (!have_plan || s->aborted || s->n_seq == 0) {
+            s->now_ms = mono_ms();
+            di_sched_step(s);
+        }
         have_plan = false;
         if (s->n_seq == 0) { // nothing runs (requests may wait for a disk prefetch): show that
             pthread_mutex_lock(&e->mu);
@@ -2382,7 +2402,7 @@ static void *engine_main(void *p) {
         bool ahead = false, overlapped = false;
         if (!e->sync_debug) { // plan step N+1 meanwhile
             bool stop_now;
-            cancel_later = take_incoming(e, false, &stop_now);
+            cancel_later = take_incoming(e, false, &stop_now); // sets the scheduler's clock
             di_sched_step_ahead(s);
             ahead = !s->aborted;
             overlapped = ahead && !forward_done(e);
@@ -2416,6 +2436,8 @@ static void *engine_main(void *p) {
         st->n_decode_tokens = s->n_decode_rows;
         st->n_preemptions = s->n_preemptions;
         st->n_priority_preemptions = s->n_priority_preemptions;
+        st->n_tenants_backlogged = s->n_tenants_live;
+        st->n_tenants_tracked = s->n_tenants;
         st->n_cache_hit_tokens = s->n_cache_hit_tokens;
         st->n_replayed_tokens = s->n_replayed_tokens;
         disk_stats(e, st);

@@ -23,7 +23,16 @@ struct di_request {
     uint64_t arrival; // submission order: FCFS admission, newest preempted first
     int32_t priority; // lower first (di_request_params.priority)
     uint64_t tenant;  // fair-share key (di_request_params.tenant)
-    int32_t *tokens;  // owned [n_prompt + max_tokens]: prompt, then generated tokens
+    // Scheduling (scheduler.h): when it first entered the waiting queue (the scheduler's now_ms;
+    // kept across preemptions, so it ages from its submission), the effective priority it was
+    // admitted with (its place in the running order), its tenant's entry in the scheduler's
+    // table, and the positions charged to that tenant's virtual token counter so far (the
+    // prompt once, each generated token once, however often it is recomputed).
+    int64_t enqueue_ms;
+    int32_t run_priority;
+    int32_t tenant_idx;
+    int32_t n_charged;
+    int32_t *tokens; // owned [n_prompt + max_tokens]: prompt, then generated tokens
     int32_t n_prompt, n_gen, max_tokens;
     di_sample_params sample; // logit_bias points at `bias`
     di_logit_bias *bias;     // owned [sample.n_logit_bias]

@@ -7,10 +7,11 @@
 #include "base/log.h"
 #include "base/mem.h"
 
-di_status di_sched_init(di_sched *s, di_kv_manager *kv, int32_t max_seqs,
-                        int32_t max_batch_tokens) {
+di_status di_sched_init(di_sched *s, di_kv_manager *kv, int32_t max_seqs, int32_t max_batch_tokens,
+                        int32_t max_tenants) {
     memset(s, 0, sizeof *s);
-    if (max_seqs < 1 || max_batch_tokens < max_seqs || max_seqs > kv->max_seqs)
+    if (max_seqs < 1 || max_batch_tokens < max_seqs || max_seqs > kv->max_seqs || max_tenants < 1 ||
+        max_tenants > (1 << 28))
         return DI_ERR_INVALID;
     s->kv = kv;
     s->max_seqs = max_seqs;
@@ -23,17 +24,20 @@ di_status di_sched_init(di_sched *s, di_kv_manager *kv, int32_t max_seqs,
     s->tokens = di_malloc(sizeof(int32_t) * (size_t)max_batch_tokens);
     s->logit_rows = di_malloc(sizeof(int32_t) * n);
     s->logit_req = di_calloc(n, sizeof *s->logit_req);
-    s->tenant_cap = 2;
-    while (s->tenant_cap < 2 * max_seqs) s->tenant_cap *= 2;
-    s->tenant_key = di_malloc(sizeof(uint64_t) * (size_t)s->tenant_cap);
-    s->tenant_n = di_malloc(sizeof(int32_t) * (size_t)s->tenant_cap);
+    s->max_tenants = max_tenants;
+    s->tenant_hash_cap = 2;
+    while (s->tenant_hash_cap < 2 * max_tenants) s->tenant_hash_cap *= 2;
+    s->tenants = di_calloc((size_t)max_tenants + 1, sizeof *s->tenants);
+    s->tenant_hash = di_malloc(sizeof(int32_t) * (size_t)s->tenant_hash_cap);
     if (!s->running || !s->free_slots || !s->seqs || !s->seq_req || !s->tokens || !s->logit_rows ||
-        !s->logit_req || !s->tenant_key || !s->tenant_n) {
+        !s->logit_req || !s->tenants || !s->tenant_hash) {
         di_sched_deinit(s);
         return DI_ERR_NOMEM;
     }
     for (int32_t i = 0; i < max_seqs; i++) s->free_slots[i] = max_seqs - 1 - i;
     s->n_free_slots = max_seqs;
+    for (int32_t i = 0; i < s->tenant_hash_cap; i++) s->tenant_hash[i] = -1;
+    s->idle_head = s->idle_tail = -1;
     return DI_OK;
 }
 
@@ -45,14 +49,142 @@ void di_sched_deinit(di_sched *s) {
     di_free(s->tokens);
     di_free(s->logit_rows);
     di_free(s->logit_req);
-    di_free(s->tenant_key);
-    di_free(s->tenant_n);
+    di_free(s->tenants);
+    di_free(s->tenant_hash);
     memset(s, 0, sizeof *s);
+}
+
+// ---- fair share: the tenant table and virtual token counters ----
+
+static uint32_t tenant_home(const di_sched *s, uint64_t key) {
+    return (uint32_t)((key * 0x9e3779b97f4a7c15ull) >> 32) & (uint32_t)(s->tenant_hash_cap - 1);
+}
+
+// The hash cell holding key, or the empty cell where the probe ended.
+static uint32_t tenant_cell(const di_sched *s, uint64_t key) {
+    const uint32_t mask = (uint32_t)(s->tenant_hash_cap - 1);
+    uint32_t i = tenant_home(s, key);
+    while (s->tenant_hash[i] >= 0 && s->tenants[s->tenant_hash[i]].key != key) i = (i + 1) & mask;
+    return i;
+}
+
+// Empties hash cell i, moving later entries of its probe run back (linear probing has no
+// tombstones, so lookups stay short however many tenants came and went).
+static void tenant_unhash(di_sched *s, uint32_t i) {
+    const uint32_t mask = (uint32_t)(s->tenant_hash_cap - 1);
+    for (uint32_t j = i;;) {
+        j = (j + 1) & mask;
+        if (s->tenant_hash[j] < 0) break;
+        const uint32_t k = tenant_home(s, s->tenants[s->tenant_hash[j]].key);
+        // The entry at j stays when its home lies cyclically in (i, j].
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        s->tenant_hash[i] = s->tenant_hash[j];
+        i = j;
+    }
+    s->tenant_hash[i] = -1;
+}
+
+static void idle_unlink(di_sched *s, int32_t t) {
+    di_sched_tenant *e = &s->tenants[t];
+    if (e->idle_prev >= 0)
+        s->tenants[e->idle_prev].idle_next = e->idle_next;
+    else
+        s->idle_head = e->idle_next;
+    if (e->idle_next >= 0)
+        s->tenants[e->idle_next].idle_prev = e->idle_prev;
+    else
+        s->idle_tail = e->idle_prev;
+}
+
+// The entry of tenant key, made (a never used entry, else the least recently idle one is
+// recycled, else the shared overflow entry) when the table does not hold it.
+static int32_t tenant_entry(di_sched *s, uint64_t key) {
+    uint32_t cell = tenant_cell(s, key);
+    if (s->tenant_hash[cell] >= 0) return s->tenant_hash[cell];
+    int32_t t;
+    if (s->n_tenants < s->max_tenants) {
+        t = s->n_tenants++;
+    } else if (s->idle_head >= 0) { // forget the least recently idle tenant
+        t = s->idle_head;
+        idle_unlink(s, t);
+        tenant_unhash(s, tenant_cell(s, s->tenants[t].key));
+        cell = tenant_cell(s, key); // the deletion may have moved the probe's end
+    } else {                        // every entry is backlogged: share the overflow entry
+        s->n_tenant_overflows++;
+        return s->max_tenants;
+    }
+    s->tenants[t] = (di_sched_tenant){.key = key, .idle_prev = -1, .idle_next = -1};
+    s->tenant_hash[cell] = t;
+    return t;
+}
+
+// r's tenant gets one more backlogged request. A tenant that was idle (or new) is lifted to the
+// smallest counter of the backlogged tenants (the VTC rule: idle time banks no credit), or to
+// that of the last tenant to go idle when none is backlogged.
+static void tenant_join(di_sched *s, di_request *r) {
+    const int32_t t = tenant_entry(s, r->tenant);
+    di_sched_tenant *e = &s->tenants[t];
+    r->tenant_idx = t;
+    if (e->n_live++ > 0) return;
+    if (t < s->max_tenants && (e->idle_prev >= 0 || s->idle_head == t)) idle_unlink(s, t);
+    int64_t lift = s->vtc_last_idle;
+    bool any = false;
+    for (int32_t i = 0; i <= s->n_tenants; i++) { // the used entries, then the overflow one
+        const di_sched_tenant *o = &s->tenants[i < s->n_tenants ? i : s->max_tenants];
+        if (o == e || o->n_live == 0 || (any && o->vtc >= lift)) continue;
+        lift = o->vtc;
+        any = true;
+    }
+    if (e->vtc < lift) e->vtc = lift;
+    s->n_tenants_live++;
+}
+
+// r left the scheduler: its tenant may become idle (remembered, most recently idle last).
+static void tenant_leave(di_sched *s, const di_request *r) {
+    const int32_t t = r->tenant_idx;
+    di_sched_tenant *e = &s->tenants[t];
+    if (--e->n_live > 0) return;
+    s->n_tenants_live--;
+    s->vtc_last_idle = e->vtc;
+    if (t == s->max_tenants) return; // the overflow entry is never recycled
+    e->idle_prev = s->idle_tail;
+    e->idle_next = -1;
+    if (s->idle_tail >= 0)
+        s->tenants[s->idle_tail].idle_next = t;
+    else
+        s->idle_head = t;
+    s->idle_tail = t;
+}
+
+// Charges r's tenant for positions [r->n_charged, end) not charged before: prompt positions
+// weight 1, generated tokens DI_SCHED_VTC_W_OUT.
+static void charge(di_sched *s, di_request *r, int32_t end) {
+    if (end <= r->n_charged) return;
+    const int32_t p = r->n_prompt;
+    const int32_t lo = r->n_charged, mid = lo < p ? (end < p ? end : p) : lo;
+    s->tenants[r->tenant_idx].vtc +=
+        (int64_t)(mid - lo) + (int64_t)(end - mid) * DI_SCHED_VTC_W_OUT;
+    r->n_charged = end;
+}
+
+int64_t di_sched_tenant_vtc(const di_sched *s, uint64_t key) {
+    const int32_t t = s->tenant_hash[tenant_cell(s, key)];
+    return t >= 0 ? s->tenants[t].vtc : -1;
+}
+
+// ---- aging ----
+
+int32_t di_sched_effective_priority(const di_sched *s, const di_request *r) {
+    if (s->aging_ms <= 0 || s->now_ms <= r->enqueue_ms) return r->priority;
+    const int64_t p = (int64_t)r->priority - (s->now_ms - r->enqueue_ms) / s->aging_ms;
+    return p < INT32_MIN ? INT32_MIN : (int32_t)p;
 }
 
 // ---- queues ----
 
 void di_sched_enqueue(di_sched *s, di_request *r) {
+    r->enqueue_ms = s->now_ms;
+    tenant_join(s, r);
     r->next = NULL;
     if (s->wait_tail)
         s->wait_tail->next = r;
@@ -69,41 +201,27 @@ static void push_front(di_sched *s, di_request *r) {
     s->n_waiting++;
 }
 
-// Running order: the better priority first, then the older.
+// Running order: the better run priority first, then the older.
 static bool runs_before(const di_request *a, const di_request *b) {
-    return a->priority != b->priority ? a->priority < b->priority : a->arrival < b->arrival;
+    return a->run_priority != b->run_priority ? a->run_priority < b->run_priority
+                                              : a->arrival < b->arrival;
 }
 
-// ---- fair share: running requests per tenant ----
-
-static int32_t *tenant_slot(di_sched *s, uint64_t t) {
-    uint32_t i = (uint32_t)((t * 0x9e3779b97f4a7c15ull) >> 32) & (uint32_t)(s->tenant_cap - 1);
-    while (s->tenant_n[i] >= 0 && s->tenant_key[i] != t)
-        i = (i + 1) & (uint32_t)(s->tenant_cap - 1);
-    if (s->tenant_n[i] < 0) { // a free entry: at most max_seqs tenants run, so one is left
-        s->tenant_key[i] = t;
-        s->tenant_n[i] = 0;
-    }
-    return &s->tenant_n[i];
-}
-
-static void count_tenants(di_sched *s) {
-    for (int32_t i = 0; i < s->tenant_cap; i++) s->tenant_n[i] = -1;
-    for (int32_t i = 0; i < s->n_running; i++) (*tenant_slot(s, s->running[i]->tenant))++;
-}
-
-// The waiting request to admit next: the lowest priority value, then the tenant with the fewest
-// running requests, then the oldest (counts from count_tenants). NULL when none waits.
-static di_request *best_waiting(di_sched *s) {
+// The waiting request to admit next: the lowest effective priority, then the tenant with the
+// smallest virtual token counter, then the oldest. NULL when none waits.
+static di_request *best_waiting(const di_sched *s) {
     di_request *best = NULL;
-    int32_t best_n = 0;
+    int32_t best_p = 0;
+    int64_t best_c = 0;
     for (di_request *r = s->wait_head; r; r = r->next) {
-        if (r->disk_skip || (best && r->priority > best->priority)) continue;
-        const int32_t n = *tenant_slot(s, r->tenant);
-        if (!best || r->priority < best->priority || n < best_n ||
-            (n == best_n && r->arrival < best->arrival)) {
+        if (r->disk_skip) continue;
+        const int32_t p = di_sched_effective_priority(s, r);
+        const int64_t c = s->tenants[r->tenant_idx].vtc;
+        if (!best || p < best_p ||
+            (p == best_p && (c < best_c || (c == best_c && r->arrival < best->arrival)))) {
             best = r;
-            best_n = n;
+            best_p = p;
+            best_c = c;
         }
     }
     return best;
@@ -183,6 +301,7 @@ static void drop_rows(di_sched *s, di_request *r) {
 
 void di_sched_remove(di_sched *s, di_request *r) {
     drop_rows(s, r);
+    tenant_leave(s, r);
     di_kv_prefetch_drop(s->kv, r->id); // its prefetch, if one runs or waits for it
     if (r->slot >= 0) {
         release(s, r);
@@ -331,12 +450,14 @@ static bool room_for(const di_sched *s, const di_request *r, int32_t budget) {
 }
 
 // The best waiting request finds no slot or no blocks while running requests of a worse priority
-// hold them: those are preempted, last (newest of the worst priority) first, until it fits.
-// Planning ahead cannot preempt: the plan is abandoned (false) and made again synchronously.
+// (aged to now: scheduler.h) hold them: those are preempted, last (newest of the worst run
+// priority) first, until it fits. Planning ahead cannot preempt: the plan is abandoned (false)
+// and made again synchronously.
 static bool preempt_for_priority(di_sched *s) {
-    count_tenants(s);
     di_request *w = next_ready(s);
-    while (w && s->n_running > 0 && s->running[s->n_running - 1]->priority > w->priority &&
+    const int32_t wp = w ? di_sched_effective_priority(s, w) : 0;
+    while (w && s->n_running > 0 &&
+           di_sched_effective_priority(s, s->running[s->n_running - 1]) > wp &&
            (s->n_free_slots == 0 || !room_for(s, w, s->max_batch_tokens))) {
         if (s->ahead) {
             s->aborted = true;
@@ -385,8 +506,7 @@ static void step_once(di_sched *s) {
         plan_rows(s, r, n);
         budget -= n;
     }
-    // 3. admission, best first (priority, fair share, arrival).
-    count_tenants(s);
+    // 3. admission, best first (effective priority, fair share, arrival).
     while (s->wait_head && s->n_free_slots > 0 && budget > 0) {
         di_request *r = next_ready(s);
         if (!r) break; // every waiting request waits for a disk prefetch
@@ -401,7 +521,7 @@ static void step_once(di_sched *s) {
         }
         s->n_free_slots--;
         unlink_waiting(s, r);
-        (*tenant_slot(s, r->tenant))++;
+        r->run_priority = di_sched_effective_priority(s, r);
         r->slot = slot;
         int32_t hit = di_kv_seq_attach_prefix(s->kv, slot, r->id, r->tokens, n_tok - 1);
         if (r->disk_wait_since_us) { // it waited for its prefetch
@@ -422,6 +542,10 @@ static void step_once(di_sched *s) {
             s->n_tail_restores++;
         }
         r->n_done = q;
+        // The prompt is charged now, so that the next admission of this plan sees it; cached
+        // positions are free (replayed ones too: the replay is the cache's cost).
+        if (r->n_charged < hit) r->n_charged = hit;
+        charge(s, r, r->n_charged > r->n_prompt ? r->n_charged : r->n_prompt);
         r->n_cached += hit;
         r->n_replayed += hit - q;
         s->n_cache_hit_tokens += hit;
@@ -459,6 +583,7 @@ void di_sched_advance(di_sched *s) {
             s->n_prefill_rows += n;
         r->n_done += n;
         r->n_computed += n;
+        charge(s, r, r->n_done); // generated tokens as their positions are computed
         di_kv_seq_publish(s->kv, r->slot, r->tokens, r->n_done);
     }
 }

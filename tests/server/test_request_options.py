@@ -95,8 +95,9 @@ def messages_cached(server, text, user):
 
 
 def test_priority_accepted(server):
-    """The engine's scheduling order is tested in tests/unit/test_engine.c (priority preemption,
-    fair share); here the field reaches it on every API and the counter is exported."""
+    """The engine's scheduling order is tested in tests/unit/test_sched.c and test_engine.c
+    (priority preemption and aging, token-based fair share); here the field reaches it on every
+    API and the counters are exported (u1's fair-share counter is held after its requests)."""
     for path, body in ((CHAT, {"messages": [{"role": "user", "content": "a"}]}),
                        (CMPL, {"prompt": "a"}),
                        ("/v1/responses", {"input": "a", "max_output_tokens": 2}),
@@ -104,7 +105,10 @@ def test_priority_accepted(server):
         status, _, got = post(server, path, {"model": MODEL, "max_tokens": 2, "priority": -3,
                                              "user": "u1", **body})
         assert status == 200, (path, got)
-    assert "deepinfer:priority_preemptions_total" in server.metrics()
+    m = server.metrics()
+    assert "deepinfer:priority_preemptions_total" in m
+    assert m["deepinfer:tenants_tracked"] >= 1
+    assert "deepinfer:tenants_backlogged" in m  # 0 or 1: the last request may still retire
 
 
 def test_shared_cache_by_default(server):
@@ -115,7 +119,8 @@ def test_shared_cache_by_default(server):
 
 @pytest.fixture(scope="module")
 def isolated():
-    s = Server(extra=["--cache-isolation", "user", "--fim"])
+    # --priority-aging-ms 0 (aging off) rides along: the option is taken.
+    s = Server(extra=["--cache-isolation", "user", "--fim", "--priority-aging-ms", "0"])
     yield s
     rc, log = s.stop()
     assert rc == 0, log

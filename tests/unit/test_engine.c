@@ -3,8 +3,9 @@
 // forces preemption and still gives the same tokens; 100 requests cancelled at random moments
 // return every KV block; the step path allocates nothing; a full queue is refused with
 // DI_ERR_BUSY; stop strings end a request through the engine; a better priority preempts and runs
-// first, equal priorities share slots fairly between tenants, and both leave every output equal
-// to the request alone.
+// first, equal priorities share slots between tenants by the tokens they received (virtual token
+// counter), and all of it, priority aging included, leaves every output equal to the request
+// alone.
 #include "harness.h"
 
 #include <pthread.h>
@@ -81,8 +82,10 @@ static di_request_params request(int i, result *res) {
     return p;
 }
 
-static di_engine *engine(size_t kv_bytes, int max_seqs, bool prefix) {
+// aging_ms: di_engine_options.priority_aging_ms.
+static di_engine *engine_aging(size_t kv_bytes, int max_seqs, bool prefix, int32_t aging_ms) {
     di_engine_options o = di_engine_options_default();
+    o.priority_aging_ms = aging_ms;
     o.n_threads = 2;
     o.kv_memory_bytes = kv_bytes;
     o.max_seqs = max_seqs;
@@ -92,6 +95,10 @@ static di_engine *engine(size_t kv_bytes, int max_seqs, bool prefix) {
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     return e;
+}
+
+static di_engine *engine(size_t kv_bytes, int max_seqs, bool prefix) {
+    return engine_aging(kv_bytes, max_seqs, prefix, DI_ENGINE_PRIORITY_AGING_MS);
 }
 
 static bool same(const result *a, const result *b) {
@@ -308,6 +315,11 @@ static void test_queue_limit_and_bad_requests(void) {
     o.max_ctx = 512;
     o.kv_memory_bytes = 16u << 20;
     di_engine *e = NULL;
+    CHECK_EQ(o.priority_aging_ms, DI_ENGINE_PRIORITY_AGING_MS);
+    o.priority_aging_ms = -1;
+    CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_ERR_INVALID);
+    CHECK(e == NULL);
+    o.priority_aging_ms = DI_ENGINE_PRIORITY_AGING_MS;
     CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
     if (!e) return;
     static result res[64];
@@ -383,11 +395,12 @@ static void test_stop_string(void) {
 }
 
 // Requests first .. first + n - 1 (request(i) with max_tokens gen[i], priority prio[i], tenant
-// ten[i]) submitted in order to an engine of max_seqs slots; the first `lead` ones are running
-// before the others arrive (a step takes milliseconds, a submit microseconds).
+// ten[i]) submitted in order to an engine of max_seqs slots and priority aging aging_ms; the
+// first `lead` ones are running before the others arrive (a step takes milliseconds, a submit
+// microseconds).
 static void run_sched(int max_seqs, int lead, int first, int n, const int *gen, const int *prio,
-                      const uint64_t *ten, result *res, di_engine_stats *st) {
-    di_engine *e = engine(64u << 20, max_seqs, false);
+                      const uint64_t *ten, int32_t aging_ms, result *res, di_engine_stats *st) {
+    di_engine *e = engine_aging(64u << 20, max_seqs, false, aging_ms);
     if (!e) return;
     atomic_store(&g_first_seq, 0);
     for (int i = first; i < first + n; i++) {
@@ -403,33 +416,41 @@ static void run_sched(int max_seqs, int lead, int first, int n, const int *gen, 
     }
     di_engine_wait_idle(e);
     di_engine_get_stats(e, st);
+    CHECK_EQ(st->n_tenants_backlogged, 0);
     check_clean(e);
     di_engine_destroy(e);
 }
 
+// The orders asserted here run without aging (a slow run must not age anyone); the scheduler's
+// own test (test_sched.c) covers aging on its clock, and the last run here checks that aging at
+// 1 ms (which reorders and preempts at every step's whim) still leaves every output exact.
 static void test_priority_and_fair_share(void) {
     enum { N = 5 };
     static result alone[N], got[N];
     const int gen[N] = {40, 10, 30, 30, 12}, prio0[N] = {0};
     const uint64_t ten0[N] = {0};
     di_engine_stats st;
-    for (int i = 0; i < N; i++) run_sched(1, 1, i, 1, gen, prio0, ten0, alone, &st);
-    // Fair share: tenant 7 runs 0 (long) and 1 (short) in the two slots, then sends 2 and 3;
-    // tenant 9 sends 4 last. When 1 ends tenant 7 still runs 0, so 4 (tenant 9, none running) goes
-    // before 2 and 3 (first come first served would take 2).
-    const uint64_t ten[N] = {7, 7, 7, 7, 9};
-    run_sched(2, 2, 0, N, gen, prio0, ten, got, &st);
-    fprintf(stderr, "fair share: first tokens at %d %d %d %d %d\n", got[0].first_at,
-            got[1].first_at, got[2].first_at, got[3].first_at, got[4].first_at);
-    CHECK(got[4].first_at < got[2].first_at);
-    CHECK(got[2].first_at < got[3].first_at);
+    for (int i = 0; i < N; i++) run_sched(1, 1, i, 1, gen, prio0, ten0, 0, alone, &st);
+    // Fair share by tokens (virtual token counter): tenant 9 runs 0 (prompt 5, 40 tokens) and
+    // tenant 7 runs 1 (prompt 42, 10 tokens) in the two slots; then 2 (tenant 7), 3 (tenant 9)
+    // and 4 (tenant 7) arrive. When 1 ends, tenant 7 has no request running and tenant 9 one,
+    // but tenant 7 received more tokens (42 + 2 x 9 against 5 + 2 x 9): 3 goes before the older
+    // 2 (fewest running requests, or first come first served, would take 2); then 2, then 4.
+    const uint64_t ten[N] = {9, 7, 7, 9, 7};
+    run_sched(2, 2, 0, N, gen, prio0, ten, 0, got, &st);
+    fprintf(stderr, "fair share: first tokens at %d %d %d %d %d, %d tenants tracked\n",
+            got[0].first_at, got[1].first_at, got[2].first_at, got[3].first_at, got[4].first_at,
+            st.n_tenants_tracked);
+    CHECK(got[3].first_at < got[2].first_at);
+    CHECK(got[2].first_at < got[4].first_at);
+    CHECK_EQ(st.n_tenants_tracked, 2);
     CHECK_EQ(st.n_preemptions, 0);
     for (int i = 0; i < N; i++) CHECK(same(&got[i], &alone[i]));
     // Priority: one slot; 0 runs, 1 and 2 wait (all priority 0), then 3 arrives with priority -5
     // and 4 with -1: 3 preempts 0 at once, then 4 runs (better than the others' 0), then 0 again
     // (recomputed: the same output), then 1 and 2 in arrival order.
     const int prio[N] = {0, 0, 0, -5, -1};
-    run_sched(1, 1, 0, N, gen, prio, ten0, got, &st);
+    run_sched(1, 1, 0, N, gen, prio, ten0, 0, got, &st);
     fprintf(stderr, "priority: done at %d %d %d %d %d, %lld priority preemptions\n", got[0].done_at,
             got[1].done_at, got[2].done_at, got[3].done_at, got[4].done_at,
             (long long)st.n_priority_preemptions);
@@ -440,6 +461,15 @@ static void test_priority_and_fair_share(void) {
     CHECK_EQ(got[0].n_preempted, 1);
     CHECK_EQ(st.n_priority_preemptions, 1);
     for (int i = 0; i < N; i++) CHECK(same(&got[i], &alone[i]));
+    // Aging at 1 ms, mixed priorities and tenants: every output still equals the request alone.
+    const int prio_mix[N] = {3, 0, -2, 5, -1};
+    run_sched(2, 1, 0, N, gen, prio_mix, ten, 1, got, &st);
+    fprintf(stderr, "aging 1 ms: %lld priority preemptions\n",
+            (long long)st.n_priority_preemptions);
+    for (int i = 0; i < N; i++) {
+        CHECK_EQ(atomic_load(&got[i].finished), 1);
+        CHECK(same(&got[i], &alone[i]));
+    }
 }
 
 int main(void) {

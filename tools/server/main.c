@@ -23,7 +23,7 @@ static void usage(FILE *f) {
         "                       [--eplb-interval STEPS] [--eplb-slots-per-rank S]\n"
         "                       [--eplb-min-gain G]\n"
         "                       [--max-ctx 8192] [--max-seqs 16] [--max-inflight 256]\n"
-        "                       [--max-batch-tokens 256]\n"
+        "                       [--max-batch-tokens 256] [--priority-aging-ms 10000]\n"
         "                       [--kv-disk-dir DIR] [--kv-disk-bytes 16G] [--kv-disk-ttl 72h]\n"
         "                       [--kv-disk-queue 256M] [--kv-disk-read 1G] [--kv-disk-prefetches "
         "4]\n"
@@ -61,11 +61,14 @@ static void usage(FILE *f) {
         "MTP speculation).\n"
         "--max-batch-tokens (default 256): forward rows per step; a prefill chunk is at most\n"
         "this long.\n"
+        "--priority-aging-ms N (default %d; 0: off): a waiting request's priority improves by\n"
+        "one level per N ms waited, so a steady stream of better-priority requests cannot\n"
+        "starve it (equal priorities are shared between users by tokens received).\n"
         "--eplb-interval STEPS (default 0 = off): every STEPS steps plan a placement from\n"
         "the routing load since the last plan (EPLB, --eplb-slots-per-rank replicas per\n"
         "rank) and apply it when max/mean rank load drops by more than --eplb-min-gain\n"
         "(default 0.05).\n",
-        (double)DI_SPEC_MIN_CONFIDENCE_DEFAULT);
+        (double)DI_SPEC_MIN_CONFIDENCE_DEFAULT, DI_ENGINE_PRIORITY_AGING_MS);
 }
 
 // "<n>[k|m|g|t]" (binary multiples; bytes without a suffix) into *out; false if malformed.
@@ -160,6 +163,7 @@ int di_cli_serve(int argc, char **argv) {
     *c = (srv_config){.http = di_args_http_defaults(),
                       .max_ctx = 8192,
                       .max_seqs = 16,
+                      .priority_aging_ms = DI_ENGINE_PRIORITY_AGING_MS,
                       .max_kv_transfer_bytes = (size_t)1 << 30,
                       .max_inflight = 256,
                       .keepalive_s = 15};
@@ -221,6 +225,9 @@ int di_cli_serve(int argc, char **argv) {
         } else if (!strcmp(a, "--max-batch-tokens") && has) {
             if (!di_args_int(argv[++i], "--max-batch-tokens", 1, 1 << 20, &v)) goto out;
             c->max_batch_tokens = (int32_t)v;
+        } else if (!strcmp(a, "--priority-aging-ms") && has) {
+            if (!di_args_int(argv[++i], "--priority-aging-ms", 0, INT32_MAX, &v)) goto out;
+            c->priority_aging_ms = (int32_t)v;
         } else if (!strcmp(a, "--max-seqs") && has) {
             if (!di_args_int(argv[++i], "--max-seqs", 1, 4096, &v)) goto out;
             c->max_seqs = (int32_t)v;
@@ -338,6 +345,7 @@ int di_cli_serve(int argc, char **argv) {
     eo.max_ctx = c->max_ctx;
     eo.max_seqs = c->max_seqs;
     eo.max_batch_tokens = c->max_batch_tokens;
+    eo.priority_aging_ms = c->priority_aging_ms;
     eo.spec_tokens = c->spec_tokens;
     eo.spec_min_confidence = c->spec_min_confidence;
     di_status st = di_engine_create(ma.model, &eo, &s->engine);

@@ -162,6 +162,12 @@ char *srv_metrics_text(srv *s) {
     COUNTER("deepinfer:num_preemptions_total", "Preemptions.", st.n_preemptions);
     COUNTER("deepinfer:priority_preemptions_total",
             "Preemptions for a waiting request of a better priority.", st.n_priority_preemptions);
+    GAUGE("deepinfer:tenants_backlogged", "Users (tenants) with a running or waiting request.",
+          "%d", st.n_tenants_backlogged);
+    GAUGE(
+        "deepinfer:tenants_tracked",
+        "Users (tenants) whose fair-share counter is held (backlogged or recently idle; bounded).",
+        "%d", st.n_tenants_tracked);
     COUNTER("deepinfer:engine_steps_total", "Engine steps.", st.n_steps);
     COUNTER("deepinfer:engine_failed_steps_total",
             "Engine steps whose forward failed (their requests ended with an error).",

@@ -96,6 +96,7 @@ typedef struct srv_config {
     int32_t max_ctx;
     int32_t max_seqs;
     int32_t max_batch_tokens;    // forward rows per step (--max-batch-tokens); 0 = 256
+    int32_t priority_aging_ms;   // --priority-aging-ms: one priority level per N ms waited; 0 off
     int32_t spec_tokens;         // DSpark drafts per verify (V4.1 with DSpark); 0 = off
     float spec_min_confidence;   // the confidence cut; 0 = the engine's default, < 0 none
     int32_t eplb_interval;       // online EPLB every N steps (--ep-workers); 0 = off
