@@ -268,10 +268,9 @@ static void test_engine(void) {
     fprintf(stderr,
             "  engine with MTP speculation (%s): %d of %d tokens decided and equal; %lld verifies, "
             "%lld drafts accepted; %lld steps (%lld failed)\n",
-            st_spec.spec_drafter ? st_spec.spec_drafter : "none", compared_spec,
-            N_REQ * ENGINE_GEN, (long long)st_spec.n_spec_verifies,
-            (long long)st_spec.n_spec_accepted, (long long)st_spec.n_steps,
-            (long long)st_spec.n_failed_steps);
+            st_spec.spec_drafter ? st_spec.spec_drafter : "none", compared_spec, N_REQ * ENGINE_GEN,
+            (long long)st_spec.n_spec_verifies, (long long)st_spec.n_spec_accepted,
+            (long long)st_spec.n_steps, (long long)st_spec.n_failed_steps);
     CHECK(compared_spec > 0);
     CHECK(st_spec.n_spec_verifies > 0);
     CHECK_EQ(st_spec.n_failed_steps, 0);
