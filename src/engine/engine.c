@@ -56,6 +56,13 @@
 //     sequence's next decode verifies ("speculative decoding" below); the V4 state takes the
 //     rejected row back (di_dsv4_state_rollback).
 //
+// The prefix cache's disk tier (kv_disk_dir; every forward; docs/kv-cache.md, "Disk tier"): on the
+// device-resident forward the kv_manager records evicted blocks' downloads and prefetched blocks'
+// uploads while the engine thread plans; launch hands that batch to the forward thread, which runs
+// it before its call (a device block changes only when a forward call writes it, and is read only
+// by one); with nothing to launch the engine thread runs it, the forward idle ("the disk tier on
+// the device-resident forward" below).
+//
 // Tail snapshots (every forward; "tail snapshots" below, docs/kv-cache.md): the slot's tail at a
 // prompt's last block boundary is copied after the call that ended there and kept with the cached
 // block ending there (kv/tail_cache.h); an admission whose hit reaches that block restores it (the
@@ -113,6 +120,7 @@ struct di_engine {
     uint64_t *dev_snap_id;  // owned [max_seqs]: the request id it is for (0: none)
     int32_t *dev_snap_pos;  // owned [max_seqs]: its position
     di_status x_restore_st; // the launch's restores (a failure fails its step)
+    int32_t x_dev_bad;      // blocks whose disk-tier upload before the call failed (marked)
     di_request **x_seq_req; // owned [max_seqs]: the request of each planned sequence
     // The V4.1 forward (model->hp.v41): one session per scheduler slot.
     di_session **v41;        // owned [max_seqs]; NULL on the other forwards
@@ -2216,6 +2224,8 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
     // A block the step published may have been evicted while it ran: its write-back, recorded for
     // the next call's download, would store contents never computed.
     if (e->dstate) di_kv_dev_drop_spills(e->kv);
+    // Blocks whose upload failed before the call left the cache too (di_kv_dev_end marked them).
+    n_unpublished += e->x_dev_bad;
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         di_request *r = e->x_seq_req[i];
         r->n_pending = 0; // its token was never sampled
@@ -2459,7 +2469,9 @@ static void *engine_main(void *p) {
         const int32_t n_masks = e->masks_ahead ? masks_ahead(e) : 0;
         int64_t fwd_allocs = 0;
         di_status fst = forward_wait(e, &fwd_allocs);
-        if (e->dstate) di_kv_dev_end(e->kv); // the batch it ran: its prefetch staging is free
+        // The batch it ran: its prefetch staging is free; blocks whose upload failed (the step
+        // failed too) leave the prefix cache, marked for fail_step.
+        e->x_dev_bad = e->dstate ? di_kv_dev_end(e->kv, e->marks) : 0;
         // The failure counters change before any request of the step retires (a waiter woken by
         // the last one sees them).
         pthread_mutex_lock(&e->mu);

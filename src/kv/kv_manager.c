@@ -273,6 +273,7 @@ static void prefetches_free(di_kv_manager *kv) {
 typedef struct dev_op {
     int32_t id;   // the device block
     bool up;      // an upload from src, else a download (write-back) of the record below
+    bool failed;  // an upload that failed (set by the thread that runs the batch)
     int32_t snap; // a download's tail snapshot: its staging slot (-1: none)
     const void *src;
     uint64_t h, parent, salt;
@@ -985,9 +986,10 @@ di_status di_kv_dev_run(di_kv_manager *kv) {
     const int32_t B = kv->block_tokens;
     di_status st = DI_OK;
     for (int32_t i = 0; i < b->n; i++) {
-        const dev_op *op = &b->ops[i];
+        dev_op *op = &b->ops[i];
         if (op->up) {
             di_status us = kv->bio.write(kv->bio.user, op->id, op->src);
+            op->failed = us != DI_OK;
             if (us == DI_OK)
                 b->n_up++;
             else if (st == DI_OK)
@@ -1008,10 +1010,16 @@ di_status di_kv_dev_run(di_kv_manager *kv) {
     return st;
 }
 
-void di_kv_dev_end(di_kv_manager *kv) {
-    if (!kv->dev_handed) return;
+int32_t di_kv_dev_end(di_kv_manager *kv, uint8_t *marks) {
+    if (!kv->dev_handed) return 0;
     const int32_t hb = 1 - kv->dev_cur;
     dev_batch *b = &kv->dev[hb];
+    int32_t n_bad = 0;
+    for (int32_t i = 0; i < b->n; i++) // a block whose upload failed holds no verified record
+        if (b->ops[i].up && b->ops[i].failed && di_prefix_cache_remove(kv->cache, b->ops[i].id)) {
+            if (marks) marks[b->ops[i].id] = 1;
+            n_bad++;
+        }
     kv->n_dev_down += b->n_down;
     kv->n_dev_up += b->n_up;
     kv->n_dev_lost += b->n_lost;
@@ -1020,14 +1028,17 @@ void di_kv_dev_end(di_kv_manager *kv) {
     for (int32_t i = 0; i < kv->n_pf; i++) // their blocks are on the device now
         if (kv->pf[i].uploading && kv->pf[i].up_batch == hb) kv->pf[i].uploading = false;
     kv->dev_handed = false;
+    return n_bad;
 }
 
 di_status di_kv_dev_sync(di_kv_manager *kv) {
     if (!di_kv_dev_begin(kv)) return DI_OK;
     di_status st = di_kv_dev_run(kv);
-    di_kv_dev_end(kv);
+    const int32_t n_bad = di_kv_dev_end(kv, NULL);
     if (st != DI_OK)
-        DI_LOG_ERROR("kv: uploading blocks read from the disk tier failed (%s)", di_status_str(st));
+        DI_LOG_ERROR("kv: uploading blocks read from the disk tier failed (%s): %d left the "
+                     "prefix cache",
+                     di_status_str(st), (int)n_bad);
     return st;
 }
 

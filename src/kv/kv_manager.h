@@ -216,8 +216,9 @@ bool di_kv_dev_begin(di_kv_manager *kv);
 // must fail, as for any device fault; the rest still runs). A failed download loses its record.
 di_status di_kv_dev_run(di_kv_manager *kv);
 // Engine thread, after the call the handed batch ran before returned: its prefetch staging may
-// be reused.
-void di_kv_dev_end(di_kv_manager *kv);
+// be reused, and the blocks whose upload failed leave the prefix cache (marked in marks[id] = 1,
+// pool-sized, may be NULL: the requests that attached them must start over); returns how many.
+int32_t di_kv_dev_end(di_kv_manager *kv, uint8_t *marks);
 // Engine thread, no forward call in flight: begin, run, end (idle, destroy).
 di_status di_kv_dev_sync(di_kv_manager *kv);
 // Whether the recorded batch holds anything (engine thread).
