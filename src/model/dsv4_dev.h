@@ -99,6 +99,11 @@
  * graphs read positions, key lists and page tables from the per-call upload, so a restored slot
  * decodes through the same cached graphs.
  *
+ * Entry block I/O (di_dsv4_dev_state_read_block / _write_block): one entry block's contents to and
+ * from host memory, exactly (the layout at the functions); the serving engine's disk tier writes
+ * evicted blocks back and reads cached ones in through them, between forward calls
+ * (docs/kv-cache.md, "Disk tier", "On the device-resident forward").
+ *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
  * its pools, scratch and host metadata, all sized at create (nothing is allocated per step; the
