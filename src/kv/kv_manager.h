@@ -37,9 +37,12 @@
  * host staging of its own and the blocks are uploaded before the next forward call, the first
  * that could read them ("device transfers" below).
  *
- * Owns: the pool, the prefix cache, the disk tier, per-slot metadata (sized at create; no
+ * Owns: the pool, the prefix cache, the disk tier (with device blocks: its transfer batches and
+ * the prefetches' host staging, sized when it opens), per-slot metadata (sized at create; no
  * allocation after).
- * Thread-safety: engine thread only (the disk tier's IO thread works on copies; kv_disk_io.h).
+ * Thread-safety: engine thread only (the disk tier's IO thread works on copies; kv_disk_io.h),
+ * except di_kv_dev_run: the forward thread runs the device transfer batch handed to it, which the
+ * engine thread leaves alone until di_kv_dev_end (it records into the other batch meanwhile).
  */
 #pragma once
 
