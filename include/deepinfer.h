@@ -550,8 +550,9 @@ typedef struct di_engine_options {
     // The prefix cache's disk tier (docs/kv-cache.md, "Disk tier"): a directory (created if
     // missing; borrowed until di_engine_create returns) where evicted cached blocks are written
     // and from which a later request, or a later engine on the same directory, reads them back.
-    // NULL = off. CPU forward only (refused with DI_ERR_UNSUPPORTED on the device-resident and
-    // V4.1 forwards); needs the prefix cache. One engine per directory (DI_ERR_BUSY otherwise).
+    // NULL = off. Every forward (on the device-resident one the entry blocks are downloaded and
+    // uploaded around the forward calls); needs the prefix cache. One engine per directory
+    // (DI_ERR_BUSY otherwise).
     const char *kv_disk_dir;
     size_t kv_disk_bytes;  // the disk tier's byte budget (least recently used out); 0 = 16 GiB
     int64_t kv_disk_ttl_s; // records unused this long are dropped; 0 = 72 hours
@@ -700,14 +701,13 @@ typedef struct di_engine_stats {
 // prefix hit shares cached blocks (docs/kv-cache.md, "DeepSeek V4.1"). A verify forward feeds
 // spec_tokens + 1 rows of one sequence beside the step's token budget (max_batch_tokens bounds the
 // rows of one call). Otherwise the CPU forward runs, its matmuls on the device when one is given.
-// With kv_disk_dir (CPU or V4.1 forward), the engine opens the prefix cache's disk tier there.
+// With kv_disk_dir (any forward), the engine opens the prefix cache's disk tier there.
 // DI_ERR_IO (also: the disk tier's directory cannot be created or read), DI_ERR_FORMAT,
-// DI_ERR_UNSUPPORTED (as di_model_load; spec_tokens > 0 on a checkpoint without DSpark; kv_disk_dir
-// on the device-resident forward), DI_ERR_INVALID (bad
-// options; e.g. a KV budget too small for one sequence, a spec_tokens or spec_min_confidence out of
-// range, a V4.1 checkpoint whose sessions cannot run: no Engram token map, kv_disk_dir with
-// no_prefix_cache), DI_ERR_BUSY (kv_disk_dir is locked by another engine), DI_ERR_CUDA (the
-// device state or its first call failed), DI_ERR_NOMEM.
+// DI_ERR_UNSUPPORTED (as di_model_load; spec_tokens > 0 on a checkpoint without DSpark),
+// DI_ERR_INVALID (bad options; e.g. a KV budget too small for one sequence, a spec_tokens or
+// spec_min_confidence out of range, a V4.1 checkpoint whose sessions cannot run: no Engram token
+// map, kv_disk_dir with no_prefix_cache), DI_ERR_BUSY (kv_disk_dir is locked by another engine),
+// DI_ERR_CUDA (the device state or its first call failed), DI_ERR_NOMEM.
 di_status di_engine_create(const char *model_dir, const di_engine_options *opt, di_engine **out);
 // Cancels every request (each gets its final event), stops the thread, writes the cached blocks
 // not yet on disk to the disk tier (if any, so that a restarted engine finds them), frees

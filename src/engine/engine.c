@@ -56,6 +56,13 @@
 //     sequence's next decode verifies ("speculative decoding" below); the V4 state takes the
 //     rejected row back (di_dsv4_state_rollback).
 //
+// The prefix cache's disk tier (kv_disk_dir; every forward; docs/kv-cache.md, "Disk tier"): on the
+// device-resident forward the kv_manager records evicted blocks' downloads and prefetched blocks'
+// uploads while the engine thread plans; launch hands that batch to the forward thread, which runs
+// it before its call (a device block changes only when a forward call writes it, and is read only
+// by one); with nothing to launch the engine thread runs it, the forward idle ("the disk tier on
+// the device-resident forward" below).
+//
 // Tail snapshots (every forward; "tail snapshots" below, docs/kv-cache.md): the slot's tail at a
 // prompt's last block boundary is copied after the call that ended there and kept with the cached
 // block ending there (kv/tail_cache.h); an admission whose hit reaches that block restores it (the
@@ -113,6 +120,7 @@ struct di_engine {
     uint64_t *dev_snap_id;  // owned [max_seqs]: the request id it is for (0: none)
     int32_t *dev_snap_pos;  // owned [max_seqs]: its position
     di_status x_restore_st; // the launch's restores (a failure fails its step)
+    int32_t x_dev_bad;      // blocks whose disk-tier upload before the call failed (marked)
     di_request **x_seq_req; // owned [max_seqs]: the request of each planned sequence
     // The V4.1 forward (model->hp.v41): one session per scheduler slot.
     di_session **v41;        // owned [max_seqs]; NULL on the other forwards
@@ -214,6 +222,9 @@ struct di_engine {
     bool eplb_ready, eplb_busy;
     // The disk tier's read thread finished a prefetch (under mu): wakes a sleeping engine thread.
     bool disk_ready;
+    // The device-resident forward's disk transfers (under mu): recorded and not run yet, so
+    // di_engine_wait_idle waits for the engine thread to run them ("disk tier" below).
+    bool dev_xfer_busy;
     // di_engine_probe_workers (under mu): when the workers were last probed, and the answer.
     int64_t probe_ms;
     di_status probe_st;
@@ -254,6 +265,8 @@ static void tail_stats(di_engine *e, di_engine_stats *st);
 static void spec_rollback(di_engine *e, int32_t k, int32_t pos_new);
 static void disk_stats(di_engine *e, di_engine_stats *st);
 static void disk_read_done(void *user);
+static di_status dev_block_read(void *user, int32_t block, void *dst);
+static di_status dev_block_write(void *user, int32_t block, const void *src);
 static void disk_store_stats(di_kv_manager *kv, di_engine_stats *st);
 static void eplb_done(void *user);
 
@@ -637,7 +650,14 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     else
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                     !o->no_prefix_cache, &e->kv));
-    if (o->kv_disk_dir) { // refused on the accounting managers (their blocks have no memory)
+    if (o->kv_disk_dir) {
+        if (e->model->dev) { // the accounting manager's blocks are the dev state's entry blocks
+            const di_kv_block_io bio = {.user = e,
+                                        .block_bytes = (size_t)e->dev_block_bytes,
+                                        .read = dev_block_read,
+                                        .write = dev_block_write};
+            DI_TRY(di_kv_manager_set_block_io(e->kv, &bio));
+        }
         di_kv_disk_options dko = {.dir = o->kv_disk_dir,
                                   .max_bytes = o->kv_disk_bytes,
                                   .ttl_s = o->kv_disk_ttl_s,
@@ -873,6 +893,12 @@ void di_engine_destroy(di_engine *e) {
             (long long)qs.n_dropped, (long long)ds.n_write_errors, (long long)ds.n_read,
             ds.n_read ? (double)ds.read_us / 1000.0 / (double)ds.n_read : 0.0,
             (long long)ds.n_dropped, (long long)ds.n_records, (double)ds.n_bytes / (1 << 20));
+        if (e->dstate)
+            DI_LOG_INFO("engine: kv disk: device blocks: %lld downloaded for write-back before "
+                        "forward calls, %lld uploaded after reads, %lld write-backs lost (no "
+                        "room, a failed download or step)",
+                        (long long)e->kv->n_dev_down, (long long)e->kv->n_dev_up,
+                        (long long)e->kv->n_dev_lost);
     }
     di_free(e->x_seqs);
     di_free(e->x_tokens);
@@ -990,7 +1016,8 @@ void di_engine_cancel(di_engine *e, uint64_t id) {
 
 void di_engine_wait_idle(di_engine *e) {
     pthread_mutex_lock(&e->mu);
-    while (e->n_live > 0 || e->eplb_busy) pthread_cond_wait(&e->cv_idle, &e->mu);
+    while (e->n_live > 0 || e->eplb_busy || e->dev_xfer_busy)
+        pthread_cond_wait(&e->cv_idle, &e->mu);
     pthread_mutex_unlock(&e->mu);
     // The disk tier's queued writes too (the queue is any thread's): a caller that waited finds
     // every evicted block on disk.
@@ -1284,6 +1311,7 @@ static void retire(di_engine *e, di_request *r) {
     e->stats.n_tenants_backlogged = e->sched.n_tenants_live;
     publish_spec_stats(e);
     disk_stats(e, &e->stats); // a removed request's prefetch was stopped and collected just now
+    e->dev_xfer_busy = di_kv_dev_pending(e->kv); // set before a waiter can see n_live 0
     e->n_live--;
     if (e->n_live == 0) pthread_cond_broadcast(&e->cv_idle);
     pthread_mutex_unlock(&e->mu);
@@ -2034,6 +2062,12 @@ static void *forward_main(void *p) {
         pthread_mutex_unlock(&e->fmu);
         int64_t a0 = di_mem_thread_allocs();
         di_status st = inject_failure(e);
+        // The disk tier's device transfers handed over at launch, before any op of the call
+        // (a failed upload fails the step, as a device fault).
+        if (e->dstate) {
+            const di_status xs = di_kv_dev_run(e->kv);
+            if (st == DI_OK) st = xs;
+        }
         if (st != DI_OK) {
             // nothing ran
         } else if (e->v41) {
@@ -2154,6 +2188,9 @@ static void launch(di_engine *e) {
     }
     di_sched_advance(s);
     s->n_seq = s->n_rows = s->n_logit = 0; // the plan now runs; the next one starts empty
+    // The disk tier's device transfers recorded so far run on the forward thread before the call
+    // (after every eviction and prefetch of this plan; the next plan's go to the next batch).
+    if (e->dstate) (void)di_kv_dev_begin(e->kv);
     pthread_mutex_lock(&e->fmu);
     e->f_done = false;
     e->f_go = true;
@@ -2193,6 +2230,11 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
     const unsigned long long first_id = e->x_n_seq ? e->x_seq_req[0]->id : 0; // before finish()
     for (int32_t i = 0; i < e->x_n_seq; i++)
         n_unpublished += di_kv_seq_unpublish_last(e->kv, e->x_seq_req[i]->slot, e->marks);
+    // A block the step published may have been evicted while it ran: its write-back, recorded for
+    // the next call's download, would store contents never computed.
+    if (e->dstate) di_kv_dev_drop_spills(e->kv);
+    // Blocks whose upload failed before the call left the cache too (di_kv_dev_end marked them).
+    n_unpublished += e->x_dev_bad;
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         di_request *r = e->x_seq_req[i];
         r->n_pending = 0; // its token was never sampled
@@ -2367,6 +2409,41 @@ static void eplb_step(di_engine *e) {
     pthread_mutex_unlock(&e->mu);
 }
 
+// ---- the disk tier on the device-resident forward (docs/kv-cache.md, "Disk tier") ----
+//
+// The kv_manager records what the disk tier does to device blocks (kv_manager.h, "device
+// transfers"): an evicted block's download (its record's identity, tokens and tail snapshot are
+// copied at eviction, on this thread) and a prefetched block's upload (from the prefetch's host
+// staging). Launch hands the batch recorded while planning to the forward thread, which runs it
+// before any op of its call: an evicted block is rewritten only by a forward call (its new
+// owner's), so the download still finds what was evicted, and a read block is read only by a
+// forward call. With no plan to launch (idle, waiting for a prefetch, shutting down) the engine
+// thread runs the batch itself, the forward idle, so records reach the write queue (and
+// di_engine_wait_idle's waiter finds them on disk) without waiting for the next step.
+
+// The state exists from create's end on (a create that fails before has run nothing: no block
+// is cached, none read).
+static di_status dev_block_read(void *user, int32_t block, void *dst) {
+    di_engine *e = user;
+    return e->dstate ? di_dsv4_dev_state_read_block(e->dstate, block, dst) : DI_ERR_INVALID;
+}
+
+static di_status dev_block_write(void *user, int32_t block, const void *src) {
+    di_engine *e = user;
+    return e->dstate ? di_dsv4_dev_state_write_block(e->dstate, block, src) : DI_ERR_INVALID;
+}
+
+// Engine thread, no forward in flight and no plan: runs the recorded transfers.
+static void dev_xfer_idle(di_engine *e) {
+    (void)di_kv_dev_sync(e->kv); // a failed upload is logged; the next call's faults surface
+    pthread_mutex_lock(&e->mu);
+    if (e->dev_xfer_busy) {
+        e->dev_xfer_busy = false;
+        pthread_cond_broadcast(&e->cv_idle);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
 static void *engine_main(void *p) {
     di_engine *e = p;
     di_sched *s = &e->sched;
@@ -2375,6 +2452,7 @@ static void *engine_main(void *p) {
         // No forward is in flight here. Take new requests and cancellations (the ones that
         // arrived while the last step ran too); sleep while there is nothing to do.
         bool stop;
+        if (!have_plan && e->dstate) dev_xfer_idle(e);
         bool cancel = take_incoming(e, !have_plan, &stop) || cancel_later;
         cancel_later = false;
         run_jobs(e);
@@ -2411,6 +2489,9 @@ static void *engine_main(void *p) {
         const int32_t n_masks = e->masks_ahead ? masks_ahead(e) : 0;
         int64_t fwd_allocs = 0;
         di_status fst = forward_wait(e, &fwd_allocs);
+        // The batch it ran: its prefetch staging is free; blocks whose upload failed (the step
+        // failed too) leave the prefix cache, marked for fail_step.
+        e->x_dev_bad = e->dstate ? di_kv_dev_end(e->kv, e->marks) : 0;
         // The failure counters change before any request of the step retires (a waiter woken by
         // the last one sees them).
         pthread_mutex_lock(&e->mu);
@@ -2454,7 +2535,8 @@ static void *engine_main(void *p) {
         st->device.resident = e->dstate != NULL;
         pthread_mutex_unlock(&e->mu);
     }
-    run_jobs(e); // those queued before the stop
+    run_jobs(e);                     // those queued before the stop
+    if (e->dstate) dev_xfer_idle(e); // the last plan's evictions (the flush writes them next)
     // Final stats after the last cancellations.
     pthread_mutex_lock(&e->mu);
     e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);

@@ -240,10 +240,16 @@ struct di_kv_prefetch {
     int32_t *ids;      // owned [max_blocks]: held block ids (referenced)
     uint64_t *hash;    // owned [max_blocks]: their chain hashes
     int32_t *tokens;   // owned [max_blocks * block_tokens]: a copy (the request may go first)
-    float **dst;       // owned [max_blocks]: pool memory of the blocks to read, NULL: in memory
+    float **dst;       // owned [max_blocks]: where the blocks to read go, NULL: in memory
     uint8_t *snap;     // owned [snap_bytes] (with tail snapshots): the staged snapshot
     size_t snap_bytes; // 0 without tail snapshots
     size_t budget_bytes;
+    // Device blocks: the records are read into this host staging (the blocks are uploaded from
+    // it by a device transfer batch), and it is not reused until that batch ended.
+    uint8_t *stage; // owned [stage_blocks * bio.block_bytes]
+    int32_t stage_blocks;
+    bool uploading; // its uploads are recorded in batch up_batch, which has not ended
+    int32_t up_batch;
 };
 typedef struct di_kv_prefetch prefetch;
 
@@ -255,10 +261,45 @@ static void prefetches_free(di_kv_manager *kv) {
         di_free(pf->tokens);
         di_free(pf->dst);
         di_free(pf->snap);
+        di_free(pf->stage);
     }
     di_free(kv->pf);
     kv->pf = NULL;
     kv->n_pf = 0;
+}
+
+// ---- device transfers: state (kv_manager.h, "device transfers") ----
+
+typedef struct dev_op {
+    int32_t id;   // the device block
+    bool up;      // an upload from src, else a download (write-back) of the record below
+    bool failed;  // an upload that failed (set by the thread that runs the batch)
+    int32_t snap; // a download's tail snapshot: its staging slot (-1: none)
+    const void *src;
+    uint64_t h, parent, salt;
+} dev_op;
+
+struct di_kv_dev_batch {
+    dev_op *ops;     // owned [cap], in recorded order
+    int32_t *tokens; // owned [cap * block_tokens]: op i's record tokens
+    uint8_t *snaps;  // owned [cap_snap * snap_bytes] (with tail snapshots)
+    int32_t n, cap, n_snap, cap_snap;
+    size_t snap_bytes;
+    // Written by the thread that runs the batch, summed up by di_kv_dev_end.
+    int64_t n_down, n_up, n_lost;
+};
+typedef struct di_kv_dev_batch dev_batch;
+
+static void dev_free(di_kv_manager *kv) {
+    for (int32_t i = 0; kv->dev && i < 2; i++) {
+        di_free(kv->dev[i].ops);
+        di_free(kv->dev[i].tokens);
+        di_free(kv->dev[i].snaps);
+    }
+    di_free(kv->dev);
+    kv->dev = NULL;
+    di_free(kv->dev_buf);
+    kv->dev_buf = NULL;
 }
 
 void di_kv_manager_destroy(di_kv_manager *kv) {
@@ -276,6 +317,7 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
     // blocks belong to goes.
     di_kv_disk_io_destroy(kv->disk_io);
     prefetches_free(kv);
+    dev_free(kv);
     di_kv_disk_destroy(kv->disk);
     di_prefix_cache_destroy(kv->cache);
     di_tail_cache_destroy(kv->tails);
@@ -300,22 +342,57 @@ static di_kv_disk_layout record_layout(const di_kv_manager *kv) {
 
 // Queues cached block id for the disk tier's IO thread (a copy), with its tail snapshot if it
 // has one; without wait, dropped (counted) when the staging is full.
+// Device blocks: downloaded into dev_buf first (no forward call in flight: the flush).
 static di_status write_back(di_kv_manager *kv, uint64_t h, uint64_t parent, uint64_t salt,
                             const int32_t *tokens, int32_t id, bool wait) {
     const uint8_t *snap =
         kv->tails && di_tail_cache_has(kv->tails, id) ? di_tail_cache_get(kv->tails, id) : NULL;
-    return di_kv_disk_io_put(kv->disk_io, h, parent, salt, tokens, di_block_pool_ptr(kv->pool, id),
-                             snap, snap ? di_tail_cache_snap_bytes(kv->tails) : 0, wait);
+    const float *payload = di_block_pool_ptr(kv->pool, id);
+    if (kv->bio.read) {
+        di_status st = kv->bio.read(kv->bio.user, id, kv->dev_buf);
+        if (st != DI_OK) return st;
+        payload = (const float *)kv->dev_buf;
+    }
+    return di_kv_disk_io_put(kv->disk_io, h, parent, salt, tokens, payload, snap,
+                             snap ? di_tail_cache_snap_bytes(kv->tails) : 0, wait);
+}
+
+// Device blocks: the eviction's download is recorded for the next batch (kv_manager.h, "device
+// transfers"), with a copy of the record's identity, tokens and tail snapshot (dropped with the
+// block right after); no room: the record is lost (counted).
+static void dev_spill(di_kv_manager *kv, uint64_t h, uint64_t parent, uint64_t salt,
+                      const int32_t *tokens, int32_t id) {
+    dev_batch *b = &kv->dev[kv->dev_cur];
+    if (b->n == b->cap) {
+        kv->n_dev_lost++;
+        return;
+    }
+    dev_op *op = &b->ops[b->n];
+    *op = (dev_op){.id = id, .snap = -1, .h = h, .parent = parent, .salt = salt};
+    memcpy(b->tokens + (int64_t)b->n * kv->block_tokens, tokens,
+           sizeof(int32_t) * (size_t)kv->block_tokens);
+    if (kv->tails && di_tail_cache_has(kv->tails, id) && b->n_snap < b->cap_snap) {
+        op->snap = b->n_snap++;
+        memcpy(b->snaps + (size_t)op->snap * b->snap_bytes, di_tail_cache_get(kv->tails, id),
+               b->snap_bytes);
+    }
+    b->n++;
 }
 
 // The prefix cache evicts a cached block (its memory is reused right after): queue a copy (before
 // its snapshot is dropped with it). Eviction never waits for the disk: a full queue drops it.
 static void spill(void *user, uint64_t h, uint64_t parent, uint64_t salt, const int32_t *tokens,
                   int32_t id) {
-    (void)write_back(user, h, parent, salt, tokens, id, false);
+    di_kv_manager *kv = user;
+    if (kv->bio.read)
+        dev_spill(kv, h, parent, salt, tokens, id);
+    else
+        (void)write_back(kv, h, parent, salt, tokens, id, false);
 }
 
-// The prefetches' snapshot staging (disk tier and tail snapshots both open; once).
+// The prefetches' snapshot staging, and the device transfer batches' (disk tier and tail
+// snapshots both open; once). A batch stages the snapshots of the evictions recorded in it: at most
+// every snapshot held when it starts and those taken while it is recorded (a step's sequences).
 static di_status prefetch_stage(di_kv_manager *kv) {
     for (int32_t i = 0; i < kv->n_pf; i++) {
         prefetch *pf = &kv->pf[i];
@@ -324,19 +401,74 @@ static di_status prefetch_stage(di_kv_manager *kv) {
         pf->snap = di_calloc(pf->snap_bytes, 1);
         if (!pf->snap) return DI_ERR_NOMEM;
     }
+    for (int32_t i = 0; kv->dev && i < 2; i++) {
+        dev_batch *b = &kv->dev[i];
+        b->snap_bytes = di_tail_cache_snap_bytes(kv->tails);
+        b->cap_snap = di_tail_cache_n_slots(kv->tails) + kv->max_seqs;
+        if (b->cap_snap > b->cap) b->cap_snap = b->cap;
+        b->snaps = di_calloc((size_t)b->cap_snap, b->snap_bytes); // touched as used
+        if (!b->snaps) return DI_ERR_NOMEM;
+    }
+    return DI_OK;
+}
+
+di_status di_kv_manager_set_block_io(di_kv_manager *kv, const di_kv_block_io *bio) {
+    if (!kv->accounting || kv->entry_floats != 0 || kv->disk || !bio->read || !bio->write ||
+        bio->block_bytes == 0 || bio->block_bytes % sizeof(float) != 0) {
+        DI_LOG_ERROR("kv: block I/O of %zu bytes per block: only for the accounting manager of "
+                     "the device-resident forward, before its disk tier, a multiple of 4 bytes",
+                     bio->block_bytes);
+        return DI_ERR_INVALID;
+    }
+    kv->bio = *bio;
+    return DI_OK;
+}
+
+// Device blocks: the transfer batches (open_disk). A batch records at most every block of the
+// pool once as an eviction (a block is evicted again only after it was cached again, and within
+// a batch only a prefetch caches blocks) plus, per prefetch, its blocks' uploads and their
+// evictions (a prefetch uploads once per batch: its staging is busy until the batch ended).
+static di_status dev_open(di_kv_manager *kv) {
+    kv->dev = di_calloc(2, sizeof *kv->dev);
+    kv->dev_buf = di_malloc(kv->bio.block_bytes);
+    if (!kv->dev || !kv->dev_buf) return DI_ERR_NOMEM;
+    const int64_t cap =
+        di_block_pool_n_total(kv->pool) + 2 * (int64_t)kv->n_pf * (int64_t)kv->max_blocks;
+    if (cap > INT32_MAX / 2) return DI_ERR_NOMEM;
+    for (int32_t i = 0; i < 2; i++) {
+        dev_batch *b = &kv->dev[i];
+        b->cap = (int32_t)cap;
+        b->ops = di_malloc(sizeof *b->ops * (size_t)cap);
+        b->tokens = di_malloc(sizeof(int32_t) * (size_t)cap * (size_t)kv->block_tokens);
+        if (!b->ops || !b->tokens) return DI_ERR_NOMEM;
+    }
+    // Each prefetch's staging: as many records as its budget holds, a sequence's at most
+    // (calloc: touched as records are read).
+    const size_t bb = kv->bio.block_bytes;
+    for (int32_t i = 0; i < kv->n_pf; i++) {
+        prefetch *pf = &kv->pf[i];
+        size_t n = pf->budget_bytes / bb;
+        if (n > (size_t)kv->max_blocks) n = (size_t)kv->max_blocks;
+        if (n < 1) n = 1;
+        pf->stage_blocks = (int32_t)n;
+        pf->stage = di_calloc(n, bb);
+        if (!pf->stage) return DI_ERR_NOMEM;
+    }
     return DI_OK;
 }
 
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o) {
-    if (kv->entry_floats == 0) { // an accounting manager
-        DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) needs block memory: the device-resident "
-                     "forward keeps its blocks elsewhere");
+    if (kv->entry_floats == 0 && !kv->bio.read) { // an accounting manager, nothing to reach
+        DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) needs the blocks' contents: this "
+                     "accounting manager has no block I/O");
         return DI_ERR_UNSUPPORTED;
     }
     if (!kv->cache) {
         DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) extends the prefix cache, which is off");
         return DI_ERR_INVALID;
     }
+    // Device blocks: a record holds a block's contents as the block I/O gives them.
+    if (kv->bio.read) kv->entry_floats = (int64_t)(kv->bio.block_bytes / sizeof(float));
     DI_ASSERT(!kv->disk && kv->entry_floats > 0);
     const int32_t n_pf = o->prefetches ? o->prefetches : DI_KV_DISK_PREFETCHES_DEFAULT;
     if (n_pf < 1 || n_pf > DI_KV_DISK_IO_MAX_READS) {
@@ -368,17 +500,21 @@ di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o
         pf->dst = di_calloc(nb, sizeof(float *));
         ok = pf->ids && pf->hash && pf->tokens && pf->dst;
     }
+    if (ok && kv->bio.read) ok = dev_open(kv) == DI_OK;
     if (!ok || (kv->tails && prefetch_stage(kv) != DI_OK)) {
         di_kv_disk_io_destroy(kv->disk_io);
         kv->disk_io = NULL;
         prefetches_free(kv);
+        dev_free(kv);
         di_kv_disk_destroy(kv->disk);
         kv->disk = NULL;
         return DI_ERR_NOMEM;
     }
     DI_LOG_INFO("kv disk: admission reads go through the read thread, %d prefetches at once, "
-                "%.1f MiB of pool blocks at most per prefetch",
-                (int)n_pf, (double)budget / (1 << 20));
+                "%.1f MiB of pool blocks at most per prefetch%s",
+                (int)n_pf, (double)budget / (1 << 20),
+                kv->bio.read ? "; device blocks: written back and read in around the forward calls"
+                             : "");
     return DI_OK;
 }
 
@@ -398,6 +534,9 @@ static bool flush_one(void *user, uint64_t h, uint64_t parent, uint64_t salt, co
 
 int32_t di_kv_manager_flush_disk(di_kv_manager *kv) {
     if (!kv->disk) return 0;
+    // Device blocks: the evictions recorded since the last forward call first (their blocks
+    // still hold what was evicted), and the uploads (a cached block read in below must be there).
+    if (kv->dev) (void)di_kv_dev_sync(kv);
     // Most recent first, at most what the budget holds: a pool larger than the budget does not
     // write blocks that would only evict each other.
     const int32_t n =
@@ -461,7 +600,7 @@ const uint8_t *di_kv_tail_best(di_kv_manager *kv, int32_t slot, int32_t hit, int
 
 // Why the manager cannot export or import blocks (NULL: it can).
 static const char *transfer_refusal(const di_kv_manager *kv) {
-    if (kv->entry_floats == 0)
+    if (kv->entry_floats == 0 || kv->bio.read)
         return "KV transfer needs block memory: the device-resident forward keeps its blocks "
                "on the device";
     if (!kv->cache) return "KV transfer goes through the prefix cache, which is off";
@@ -606,8 +745,17 @@ static void prefetch_collect(di_kv_manager *kv, prefetch *pf) {
     if (pf->collected) return;
     const di_kv_disk_read_job *j = &pf->job;
     const int32_t B = kv->block_tokens;
-    for (int32_t i = j->n_ok; i < pf->n; i++) di_block_pool_unref(kv->pool, pf->ids[i]);
-    pf->n = j->n_ok;
+    int32_t n_ok = j->n_ok;
+    // Device blocks: each read block is uploaded by the next transfer batch; the chain stops
+    // where the batch has no room (not reached: dev_open's bound).
+    if (pf->stage) {
+        dev_batch *b = &kv->dev[kv->dev_cur];
+        int32_t room = b->cap - b->n;
+        for (int32_t i = 0; i < n_ok; i++)
+            if (pf->dst[i] && room-- <= 0) n_ok = i;
+    }
+    for (int32_t i = n_ok; i < pf->n; i++) di_block_pool_unref(kv->pool, pf->ids[i]);
+    pf->n = n_ok;
     for (int32_t i = 0; i < pf->n; i++) {
         if (!pf->dst[i]) continue;
         const uint64_t parent = i > 0 ? pf->hash[i - 1] : 0;
@@ -619,9 +767,14 @@ static void prefetch_collect(di_kv_manager *kv, prefetch *pf) {
             di_block_pool_unref(kv->pool, pf->ids[i]); // never cached: free again
             pf->ids[i] = other;
             pf->dst[i] = NULL;
+        } else if (pf->stage) {
+            dev_batch *b = &kv->dev[kv->dev_cur];
+            b->ops[b->n++] = (dev_op){.id = pf->ids[i], .up = true, .snap = -1, .src = pf->dst[i]};
+            pf->uploading = true;
+            pf->up_batch = kv->dev_cur;
         }
     }
-    if (j->snap_ok && pf->dst[j->snap_block] &&
+    if (j->snap_ok && j->snap_block < pf->n && pf->dst[j->snap_block] &&
         !di_tail_cache_has(kv->tails, pf->ids[j->snap_block]))
         memcpy(di_tail_cache_put(kv->tails, pf->ids[j->snap_block]), pf->snap, pf->snap_bytes);
     kv->n_prefetch_done++;
@@ -686,6 +839,7 @@ static pf_start prefetch_start(di_kv_manager *kv, prefetch *pf, uint64_t id, uin
     const bool snap_fits = pf->snap_bytes && budget >= pf->snap_bytes + bb;
     if (snap_fits) budget -= pf->snap_bytes;
     int32_t cap = (int32_t)(budget / bb), held = 0;
+    if (pf->stage && cap > pf->stage_blocks) cap = pf->stage_blocks;
     for (int32_t i = 0; i < kv->n_pf; i++) held += kv->pf[i].active ? kv->pf[i].n : 0;
     const int32_t half = (di_block_pool_n_available(kv->pool) + held) / 2 - held;
     if (cap > half) cap = half;
@@ -711,7 +865,9 @@ static pf_start prefetch_start(di_kv_manager *kv, prefetch *pf, uint64_t id, uin
                 other = n_read == 0 && (reading || held > 0);
                 break;
             }
-            dst = di_block_pool_ptr(kv->pool, bid);
+            // Device blocks: into the prefetch's staging (uploaded once collected).
+            dst = pf->stage ? (float *)(pf->stage + (size_t)n_read * bb)
+                            : di_block_pool_ptr(kv->pool, bid);
             const size_t rsb = queued ? qsb : di_kv_disk_snap_bytes(kv->disk, hn);
             if (snap_fits && rsb == pf->snap_bytes) snap_block = n; // the deepest one wins
             n_read++;
@@ -772,8 +928,8 @@ di_kv_prefetch_state di_kv_prefetch(di_kv_manager *kv, uint64_t id, uint64_t sal
     if (pf) {
         if (!pf->collected) ps = DI_KV_PREFETCH_WAIT; // done: attach takes it
     } else if (on_disk(kv, salt, prompt, n_max)) {
-        for (int32_t i = 0; i < kv->n_pf && !pf; i++)
-            if (!kv->pf[i].active) pf = &kv->pf[i];
+        for (int32_t i = 0; i < kv->n_pf && !pf; i++) // its staging free of uploads too
+            if (!kv->pf[i].active && !kv->pf[i].uploading) pf = &kv->pf[i];
         // Every prefetch busy: wait for one; else start this one (or wait for the read of its
         // next block by another request's).
         if (!pf || prefetch_start(kv, pf, id, salt, prompt, n_max) != PF_NOTHING)
@@ -812,6 +968,93 @@ int32_t di_kv_prefetch_yield(di_kv_manager *kv, uint64_t id) {
         n += di_block_pool_n_available(kv->pool) - before;
     }
     return n;
+}
+
+// ---- device transfers ----
+
+bool di_kv_dev_begin(di_kv_manager *kv) {
+    if (!kv->dev || kv->dev[kv->dev_cur].n == 0) return false;
+    DI_ASSERT(!kv->dev_handed);
+    kv->dev_cur = 1 - kv->dev_cur;
+    kv->dev_handed = true;
+    return true;
+}
+
+di_status di_kv_dev_run(di_kv_manager *kv) {
+    if (!kv->dev_handed) return DI_OK;
+    dev_batch *b = &kv->dev[1 - kv->dev_cur];
+    const int32_t B = kv->block_tokens;
+    di_status st = DI_OK;
+    for (int32_t i = 0; i < b->n; i++) {
+        dev_op *op = &b->ops[i];
+        if (op->up) {
+            di_status us = kv->bio.write(kv->bio.user, op->id, op->src);
+            op->failed = us != DI_OK;
+            if (us == DI_OK)
+                b->n_up++;
+            else if (st == DI_OK)
+                st = us;
+            continue;
+        }
+        if (kv->bio.read(kv->bio.user, op->id, kv->dev_buf) != DI_OK) {
+            b->n_lost++;
+            continue;
+        }
+        const void *snap = op->snap >= 0 ? b->snaps + (size_t)op->snap * b->snap_bytes : NULL;
+        // The queue copies (a full one drops it, counted there: eviction never waits).
+        (void)di_kv_disk_io_put(kv->disk_io, op->h, op->parent, op->salt,
+                                b->tokens + (int64_t)i * B, (const float *)kv->dev_buf, snap,
+                                snap ? b->snap_bytes : 0, false);
+        b->n_down++;
+    }
+    return st;
+}
+
+int32_t di_kv_dev_end(di_kv_manager *kv, uint8_t *marks) {
+    if (!kv->dev_handed) return 0;
+    const int32_t hb = 1 - kv->dev_cur;
+    dev_batch *b = &kv->dev[hb];
+    int32_t n_bad = 0;
+    for (int32_t i = 0; i < b->n; i++) // a block whose upload failed holds no verified record
+        if (b->ops[i].up && b->ops[i].failed && di_prefix_cache_remove(kv->cache, b->ops[i].id)) {
+            if (marks) marks[b->ops[i].id] = 1;
+            n_bad++;
+        }
+    kv->n_dev_down += b->n_down;
+    kv->n_dev_up += b->n_up;
+    kv->n_dev_lost += b->n_lost;
+    b->n = b->n_snap = 0;
+    b->n_down = b->n_up = b->n_lost = 0;
+    for (int32_t i = 0; i < kv->n_pf; i++) // their blocks are on the device now
+        if (kv->pf[i].uploading && kv->pf[i].up_batch == hb) kv->pf[i].uploading = false;
+    kv->dev_handed = false;
+    return n_bad;
+}
+
+di_status di_kv_dev_sync(di_kv_manager *kv) {
+    if (!di_kv_dev_begin(kv)) return DI_OK;
+    di_status st = di_kv_dev_run(kv);
+    const int32_t n_bad = di_kv_dev_end(kv, NULL);
+    if (st != DI_OK)
+        DI_LOG_ERROR("kv: uploading blocks read from the disk tier failed (%s): %d left the "
+                     "prefix cache",
+                     di_status_str(st), (int)n_bad);
+    return st;
+}
+
+bool di_kv_dev_pending(const di_kv_manager *kv) {
+    return kv->dev && kv->dev[kv->dev_cur].n > 0;
+}
+
+void di_kv_dev_drop_spills(di_kv_manager *kv) {
+    if (!kv->dev) return;
+    dev_batch *b = &kv->dev[kv->dev_cur];
+    int32_t n = 0;
+    for (int32_t i = 0; i < b->n; i++) // the uploads keep their order (tokens: downloads only)
+        if (b->ops[i].up) b->ops[n++] = b->ops[i];
+    kv->n_dev_lost += b->n - n;
+    b->n = n;
+    b->n_snap = 0;
 }
 
 // ---- sequences ----

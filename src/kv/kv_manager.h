@@ -23,17 +23,26 @@
  * table (di_dsv41_bind_pages), so the forward reads and writes the blocks in place and a prefix
  * hit shares them; the per-slot tail (rings, (C, Z) slots, Engram history) is the session's.
  *
- * With a disk tier (di_kv_manager_open_disk: managers with block memory, the CPU one and the V4.1
- * one) the prefix cache queues every block it loses to eviction for the disk IO thread
- * (kv/kv_disk_io.h: a copy, with its tail snapshot, if any; written off this thread), and
- * admission continues a prefix match with blocks still queued or on disk, read back beforehand by
- * a prefetch on the disk tier's read thread (di_kv_prefetch: straight into reserved pool blocks,
- * and the deepest record's tail snapshot into a staging buffer), never on this thread
- * (docs/kv-cache.md, "Disk tier").
+ * With a disk tier (di_kv_manager_open_disk) the prefix cache queues every block it loses to
+ * eviction for the disk IO thread (kv/kv_disk_io.h: a copy, with its tail snapshot, if any;
+ * written off this thread), and admission continues a prefix match with blocks still queued or on
+ * disk, read back beforehand by a prefetch on the disk tier's read thread (di_kv_prefetch:
+ * straight into reserved pool blocks, and the deepest record's tail snapshot into a staging
+ * buffer), never on this thread (docs/kv-cache.md, "Disk tier").
+ * The accounting manager reaches its blocks' contents through the block I/O the forward's owner
+ * gives (di_kv_manager_set_block_io: the device state's entry blocks), on the thread that may use
+ * the device, never inside a forward call: an evicted block's record (identity, tokens, tail
+ * snapshot) is recorded at eviction and its contents downloaded before the next forward call,
+ * which is the first thing that could write the block again; a prefetch reads its records into
+ * host staging of its own and the blocks are uploaded before the next forward call, the first
+ * that could read them ("device transfers" below).
  *
- * Owns: the pool, the prefix cache, the disk tier, per-slot metadata (sized at create; no
+ * Owns: the pool, the prefix cache, the disk tier (with device blocks: its transfer batches and
+ * the prefetches' host staging, sized when it opens), per-slot metadata (sized at create; no
  * allocation after).
- * Thread-safety: engine thread only (the disk tier's IO thread works on copies; kv_disk_io.h).
+ * Thread-safety: engine thread only (the disk tier's IO thread works on copies; kv_disk_io.h),
+ * except di_kv_dev_run: the forward thread runs the device transfer batch handed to it, which the
+ * engine thread leaves alone until di_kv_dev_end (it records into the other batch meanwhile).
  */
 #pragma once
 
@@ -97,7 +106,27 @@ typedef struct di_kv_manager {
     // them and its time; this thread's time probing, starting and collecting them (no file IO).
     int64_t n_prefetch_started, n_prefetch_done, n_prefetch_blocks, prefetch_bytes;
     int64_t prefetch_read_us, prefetch_engine_us;
+    // Device blocks (di_kv_manager_set_block_io; bio.read NULL: the blocks are pool memory).
+    struct di_kv_block_io_s {
+        void *user;
+        size_t block_bytes;
+        di_status (*read)(void *user, int32_t block, void *dst);
+        di_status (*write)(void *user, int32_t block, const void *src);
+    } bio;
+    struct di_kv_dev_batch *dev; // owned [2] (device blocks with a disk tier): recorded / handed
+    int32_t dev_cur;             // the batch being recorded
+    bool dev_handed;             // the other one was handed over (di_kv_dev_begin) and not ended
+    uint8_t *dev_buf;            // owned [bio.block_bytes]: the download staging of a write-back
+    // Device transfers: blocks downloaded and uploaded, write-backs lost (no room in the batch,
+    // a failed download, a failed step) since create.
+    int64_t n_dev_down, n_dev_up, n_dev_lost;
 } di_kv_manager;
+
+// The block I/O of an accounting manager's blocks (the device-resident forward's entry blocks):
+// read copies block `block`'s contents (block_bytes, a multiple of 4) into dst, write copies src
+// into it. Called on the thread that may use the device (di_kv_dev_run, di_kv_dev_sync,
+// di_kv_manager_flush_disk), never concurrently with a forward call.
+typedef struct di_kv_block_io_s di_kv_block_io;
 
 // kv_bytes of blocks; max_seqs slots of up to max_ctx positions each. DI_ERR_INVALID (the pool
 // cannot hold one sequence of max_ctx positions), DI_ERR_NOMEM.
@@ -123,15 +152,19 @@ size_t di_kv_v41_block_bytes(const di_model *m);
 // Positions per entry block for model m (the lcm of the compress ratios, at least the window).
 int32_t di_kv_block_tokens(const di_model *m);
 void di_kv_manager_destroy(di_kv_manager *kv);
+// Before di_kv_manager_open_disk on an accounting manager: its blocks' contents, block_bytes each
+// (the disk tier's records hold them: payload_floats = block_bytes / 4). DI_ERR_INVALID (not an
+// accounting manager without memory, a size that is no multiple of 4, missing functions; logged).
+di_status di_kv_manager_set_block_io(di_kv_manager *kv, const di_kv_block_io *bio);
 // Adds the disk tier at o->dir to the prefix cache (kv/kv_disk.h): evicted cached blocks are
 // queued for its IO thread (kv/kv_disk_io.h, o->queue_bytes of staging; dropped and counted when
 // full) and written there (with their tail snapshots, when di_kv_manager_open_tails keeps them),
 // and
 // di_kv_seq_attach_prefix continues a match with the blocks found there (their snapshots of this
 // manager's size back into the tail cache with them).
-// Before any sequence opens. DI_ERR_UNSUPPORTED (an accounting manager: its blocks' memory is not
-// here), DI_ERR_INVALID (no prefix cache; a bad budget), DI_ERR_IO, DI_ERR_BUSY (the directory is
-// another engine's), DI_ERR_NOMEM; all logged.
+// Before any sequence opens. DI_ERR_UNSUPPORTED (an accounting manager without block I/O: its
+// blocks' contents are not reachable), DI_ERR_INVALID (no prefix cache; a bad budget), DI_ERR_IO,
+// DI_ERR_BUSY (the directory is another engine's), DI_ERR_NOMEM; all logged.
 di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o);
 // ---- disk prefetch (docs/kv-cache.md, "Disk tier") ----
 // Up to di_kv_disk_options.prefetches at once, one per waiting request: the chain of its prompt
@@ -165,11 +198,45 @@ void di_kv_prefetch_drop(di_kv_manager *kv, uint64_t id);
 // Prefetches of requests behind id must not keep id from ever being admitted.
 int32_t di_kv_prefetch_yield(di_kv_manager *kv, uint64_t id);
 
+// ---- device transfers (accounting manager with block I/O and a disk tier) ----
+// What the disk tier does to device blocks is recorded on this thread into a batch (sized at
+// open_disk: nothing allocated per step), in order: the download of a block the prefix cache
+// evicts (its record's identity, tokens and tail snapshot are copied then; its contents are still
+// those of the last forward call that wrote it, because only a forward call writes a device
+// block), and the upload of a block a prefetch read (its record in the prefetch's host staging,
+// which is not reused until the batch ended). The batch runs before the next forward call, the
+// first that could write an evicted block (its new owner's) or read a read one, and in the
+// recorded order, so a block evicted, read into and evicted again within one batch is written
+// back with the right contents each time. Each download goes to the write queue
+// (di_kv_disk_io_put: copied, dropped when full); a spill that finds the batch full is lost
+// (counted).
+// Engine thread, no batch handed over: the recorded batch is handed over (to run on the forward
+// thread before its call); returns whether it holds anything. Spills are recorded into the
+// other batch from here on.
+bool di_kv_dev_begin(di_kv_manager *kv);
+// The thread that may use the device, before the forward call (or with none in flight): runs the
+// handed batch. DI_OK, or a failed upload's status (that block's contents are wrong: the step
+// must fail, as for any device fault; the rest still runs). A failed download loses its record.
+di_status di_kv_dev_run(di_kv_manager *kv);
+// Engine thread, after the call the handed batch ran before returned: its prefetch staging may
+// be reused, and the blocks whose upload failed leave the prefix cache (marked in marks[id] = 1,
+// pool-sized, may be NULL: the requests that attached them must start over); returns how many.
+int32_t di_kv_dev_end(di_kv_manager *kv, uint8_t *marks);
+// Engine thread, no forward call in flight: begin, run, end (idle, destroy).
+di_status di_kv_dev_sync(di_kv_manager *kv);
+// Whether the recorded batch holds anything (engine thread).
+bool di_kv_dev_pending(const di_kv_manager *kv);
+// The step launched last failed: the blocks it published were never computed, and an eviction
+// recorded since may have taken one of them: the recorded downloads are dropped (counted as
+// lost; a lost record only costs a recompute). Uploads stay. Engine thread.
+void di_kv_dev_drop_spills(di_kv_manager *kv);
+
 // Writes the cached blocks not yet on disk (nor queued) there, or whose record lacks the tail
 // snapshot they have now (orderly shutdown, so that a restart finds them): most recently used
 // first, at most as many as the disk budget holds; through the write queue (waiting for room, never
 // dropping), then waits until everything queued is written. Returns the blocks queued here.
-// Nothing without a disk tier.
+// Nothing without a disk tier. Device blocks: no forward call in flight; the recorded batch runs
+// first, then each block is downloaded here.
 int32_t di_kv_manager_flush_disk(di_kv_manager *kv);
 
 // KV transfer (prefill/decode disaggregation, docs/disaggregation.md; CPU manager with the prefix

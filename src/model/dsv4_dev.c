@@ -606,32 +606,53 @@ int32_t di_dsv4_dev_state_n_blocks(const di_dsv4_dev_state *s) {
     return s->n_eblocks;
 }
 
-di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block, void *dst) {
+// Entry block `block`'s pieces in their layout order (dsv4_dev.h di_dsv4_dev_state_read_block):
+// per compressing layer its E KV pool rows, then for CSA its E indexer keys, each one backend
+// range; fn copies each between the range and the host bytes at host + its offset.
+typedef di_status (*block_copy_fn)(di_backend *b, uint8_t *dev, uint8_t *host, size_t n);
+static di_status block_walk(const di_dsv4_dev_state *s, int32_t block, uint8_t *host,
+                            block_copy_fn fn) {
     const di_hparams *hp = &s->d->m->hp;
     di_backend *b = s->d->b;
-    if (block < 0 || block >= s->n_eblocks || !dst) {
+    if (block < 0 || block >= s->n_eblocks || !host) {
         DI_LOG_ERROR("dev state: no entry block %d (the state has %d)", block, s->n_eblocks);
         return DI_ERR_INVALID;
     }
-    uint8_t *o = dst;
     for (int il = 0; il < hp->n_layer; il++) {
         const ratio_class *k = &s->cls[s->layer_cls[il]];
         const dev_lstate *ls = &s->ls[il];
         if (k->ratio <= 0) continue;
         const int64_t E = k->per_page, row0 = k->entry_base + (int64_t)block * E;
-        const uint8_t *pool = s->d->official ? ls->kvb : (const uint8_t *)ls->kv;
+        uint8_t *pool = s->d->official ? ls->kvb : (uint8_t *)ls->kv;
         const size_t n = (size_t)(E * s->kv_row_bytes);
-        di_status st = b->vt->download(b, o, pool + row0 * s->kv_row_bytes, n);
+        di_status st = fn(b, pool + row0 * s->kv_row_bytes, host, n);
         if (st != DI_OK) return st;
-        o += n;
+        host += n;
         if (k->ratio == 4) {
             const size_t ni = sizeof(float) * (size_t)(E * hp->index_head_dim);
-            st = b->vt->download(b, o, ls->idx + (int64_t)block * E * hp->index_head_dim, ni);
+            st = fn(b, (uint8_t *)(ls->idx + (int64_t)block * E * hp->index_head_dim), host, ni);
             if (st != DI_OK) return st;
-            o += ni;
+            host += ni;
         }
     }
     return DI_OK;
+}
+
+static di_status block_down(di_backend *b, uint8_t *dev, uint8_t *host, size_t n) {
+    return b->vt->download(b, host, dev, n);
+}
+
+static di_status block_up(di_backend *b, uint8_t *dev, uint8_t *host, size_t n) {
+    return b->vt->upload(b, dev, host, n);
+}
+
+di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block, void *dst) {
+    return block_walk(s, block, dst, block_down);
+}
+
+di_status di_dsv4_dev_state_write_block(di_dsv4_dev_state *s, int32_t block, const void *src) {
+    // The walk's host side is only read by an upload.
+    return block_walk(s, block, (uint8_t *)(uintptr_t)src, block_up);
 }
 
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {

@@ -99,6 +99,11 @@
  * graphs read positions, key lists and page tables from the per-call upload, so a restored slot
  * decodes through the same cached graphs.
  *
+ * Entry block I/O (di_dsv4_dev_state_read_block / _write_block): one entry block's contents to and
+ * from host memory, exactly (the layout at the functions); the serving engine's disk tier writes
+ * evicted blocks back and reads cached ones in through them, between forward calls
+ * (docs/kv-cache.md, "Disk tier", "On the device-resident forward").
+ *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
  * its pools, scratch and host metadata, all sized at create (nothing is allocated per step; the
@@ -155,10 +160,18 @@ di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_t
 // blocks (n_blocks, or the private ones).
 int64_t di_dsv4_dev_state_bytes(const di_dsv4_dev_state *s);
 int32_t di_dsv4_dev_state_n_blocks(const di_dsv4_dev_state *s);
-// Copies entry block `block`'s contents (per compressing layer in order: its KV pool rows, then
-// for CSA its indexer keys) into dst (di_dsv4_dev_sizes' block_bytes): tests check that cached
-// blocks are never rewritten. Syncs. DI_ERR_INVALID (no such block), DI_ERR_CUDA.
+// Entry block I/O: the prefix cache's disk tier (kv/kv_manager.h, di_kv_block_io) writes cached
+// blocks back and reads them in through these; tests check that cached blocks are never
+// rewritten. The host bytes (di_dsv4_dev_sizes' block_bytes) are, per compressing layer in layer
+// order, its E = block_tokens / ratio entry rows (E * kv_row_bytes: FP32 rows, or the official
+// recipe's FP8 KV rows) and then, for CSA (ratio 4), its E indexer keys (E * index_head_dim
+// floats): the device bytes as they are, so a read then a write round-trips exactly (a block
+// written by one state reads back identically on any state of a dev of the same model and recipe).
+// read copies block `block` into dst and syncs (dst is written on return); write copies src into
+// it (returns when src may be reused; stream-ordered before the next call). Not inside a call.
+// DI_ERR_INVALID (no such block; logged), DI_ERR_CUDA.
 di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block, void *dst);
+di_status di_dsv4_dev_state_write_block(di_dsv4_dev_state *s, int32_t block, const void *src);
 
 typedef struct di_dsv4_dev_seq {
     int32_t slot, pos, n_tok;

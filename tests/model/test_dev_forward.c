@@ -635,6 +635,30 @@ static void test_prefix(void) {
     }
     for (int b = 0; b < 2; b++)
         CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.blk[0][b], before + b * bb), DI_OK);
+    // Block I/O (the disk tier's write-back and read-in): block 0's bytes written into spare block
+    // 0 read back identically (the hit replayed from 0 below reads its entries from that copy), a
+    // byte pattern written into spare blocks 1 and 2 too, and slot 0's blocks are untouched.
+    CHECK_EQ(di_dsv4_dev_state_write_block(h.st, h.spare[0], before), DI_OK);
+    CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.spare[0], after), DI_OK);
+    CHECK(memcmp(before, after, (size_t)bb) == 0);
+    for (int64_t i = 0; i < 2 * bb; i++) after[i] = (uint8_t)(i * 131 + 17);
+    CHECK_EQ(di_dsv4_dev_state_write_block(h.st, h.spare[1], after), DI_OK);
+    CHECK_EQ(di_dsv4_dev_state_write_block(h.st, h.spare[2], after + bb), DI_OK);
+    {
+        uint8_t *back = malloc((size_t)(3 * bb));
+        CHECK(back != NULL);
+        if (back) {
+            CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.spare[1], back), DI_OK);
+            CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.spare[2], back + bb), DI_OK);
+            CHECK(memcmp(back, after, (size_t)(2 * bb)) == 0);
+            for (int b = 0; b < 2; b++)
+                CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.blk[0][b], back + b * bb), DI_OK);
+            CHECK(memcmp(back, before, (size_t)(2 * bb)) == 0);
+            free(back);
+        }
+        CHECK_EQ(di_dsv4_dev_state_write_block(h.st, N_BLK, before), DI_ERR_INVALID);
+        CHECK_EQ(di_dsv4_dev_state_read_block(h.st, -1, after), DI_ERR_INVALID);
+    }
 
     // Refused: each leaves both slots where they are.
     const int32_t shared_blk[MAXB] = {h.blk[0][0], h.blk[0][1], h.blk[1][2]};
@@ -720,10 +744,11 @@ static void test_prefix(void) {
         }
     }
     // A hit replayed from position 0 (what the engine does for a hit within the replay bound,
-    // H <= n_layer (W - 1)): slot 2 takes slot 0's first block (128 cached positions), recomputes
-    // from 0 with win_lo 0, stores no cached entry, and matches the cold rows from 128 on.
+    // H <= n_layer (W - 1)): slot 2 takes slot 0's first block (128 cached positions; its copy
+    // written into spare block 0 above), recomputes from 0 with win_lo 0, stores no cached entry,
+    // and matches the cold rows from 128 on.
     {
-        const int32_t b2[MAXB] = {h.blk[0][0], h.blk[2][1], h.blk[2][2]};
+        const int32_t b2[MAXB] = {h.spare[0], h.blk[2][1], h.blk[2][2]};
         const di_dsv4_dev_seq sq = {.slot = 2, .blocks = b2, .n_blocks = MAXB, .n_cached = BT};
         feed_compare(&h, sq, 0, L, BT, toks, rows, cold, &max_diff, &n_cmp);
     }

@@ -28,16 +28,30 @@
 //       (di_dsv4_dev_sizes); one byte less than a max_ctx sequence needs is refused
 //       (DI_ERR_INVALID); the device state's bytes grow by exactly the entry blocks that more
 //       memory buys, and a small budget holds fewer blocks than max_seqs x max_ctx; with MTP
-//       speculation a slot's tail grows by the MTP window ring, paid first;
+//       speculation a slot's tail grows by the MTP window ring, paid first; the disk tier opens
+//       (not without the prefix cache);
 //   (h) MTP speculation (spec_tokens 1) on the device-resident forward: the requests of (a) on the
 //       tiny pool (preemption) and a roomy one, two passes each (prefix hits), and (f)'s shared
 //       prefix with tail snapshots restored (the MTP ring inside): exactly the plain engine's
 //       outputs, verifies that accept and reject drafts, graphs replayed, nothing allocated in a
-//       step.
+//       step;
+//   (i) the prefix cache's disk tier (docs/kv-cache.md, "Disk tier"), as test_engine_disk.c on the
+//       CPU forward: a restart (an engine runs a 290-token prompt and is destroyed, which
+//       downloads its two cached entry blocks and writes them with the prompt's tail snapshot;
+//       a new engine on the same directory runs a 400-token prompt extending it and takes 256
+//       positions from disk, the snapshot restored: nothing replayed); eviction inside one engine
+//       whose pool holds one max_ctx sequence (an unrelated prompt evicts both blocks, downloaded
+//       before the next call and written back, snapshot included; the rerun reads them back and
+//       uploads them before its call); a corrupted record (the chain stops before it). Every
+//       output is bit for bit that of a device-resident engine without any cache; nothing is
+//       allocated in a step; every block comes back.
 #include "harness.h"
 
+#include <fcntl.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "backend/backend.h"
 #include "engine/engine_internal.h"
@@ -657,14 +671,20 @@ static void test_sizing(void) {
     CHECK(n_blocks[0] < (int64_t)max_seqs * one); // less than max_seqs x max_ctx
     CHECK_EQ(n_blocks[1], one + 10);
     CHECK_EQ(bytes[1] - bytes[0], 10 * blk); // the state follows kv_memory, block by block
-    // The prefix cache's disk tier needs the CPU forward's block memory: refused here.
+    // The prefix cache's disk tier opens on the device-resident forward too ((i)), but not
+    // without the prefix cache it extends.
     char disk[300];
     snprintf(disk, sizeof disk, "%s/kv-disk", g_dir);
     o = options(least, max_seqs);
     o.kv_disk_dir = disk;
-    o.no_tail_cache = false; // snapshots on do not make it possible
+    o.no_tail_cache = false;
     e = NULL;
-    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_UNSUPPORTED);
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+    di_engine_destroy(e);
+    o.no_prefix_cache = true;
+    o.no_tail_cache = true;
+    e = NULL;
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_INVALID);
     CHECK(e == NULL);
     // MTP speculation: each slot's tail holds the MTP block's window ring too (16 FP32 rows of
     // 128), paid first: the least memory of the plain engine is refused, with the rings it is not.
@@ -688,6 +708,182 @@ static void test_sizing(void) {
     di_backend_destroy(b);
 }
 
+// ---- (i) ----
+
+enum { K_CTX = 512, K_P1 = 290, K_P2 = 400, K_Y = 480 };
+static int32_t g_kp[K_P2], g_ky[K_Y]; // the prompt and its extension; an unrelated prompt
+
+static di_engine *disk_engine(size_t kv_bytes, const char *disk, bool prefix, di_backend *b) {
+    di_engine_options o = options(kv_bytes, 3);
+    o.max_ctx = K_CTX;
+    o.kv_disk_dir = disk;
+    o.no_prefix_cache = !prefix;
+    o.no_tail_cache = !prefix; // snapshots travel with their blocks' records
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+    return e;
+}
+
+// Runs prompt[0, n) alone to completion (request 0's parameters: greedy, first logits).
+static void disk_run(di_engine *e, const int32_t *prompt, int32_t n, result *r) {
+    memset(r, 0, sizeof *r);
+    di_request_params p = request(0, r);
+    p.prompt = prompt;
+    p.n_prompt = n;
+    uint64_t id;
+    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    di_engine_wait_idle(e);
+    CHECK_EQ(r->n, MAX_GEN);
+}
+
+static di_status no_block_io(void *user, int32_t block, void *dst) {
+    (void)user, (void)block, (void)dst;
+    return DI_ERR_INVALID; // never called: the store is only looked up
+}
+
+static di_status no_block_write(void *user, int32_t block, const void *src) {
+    (void)user, (void)block, (void)src;
+    return DI_ERR_INVALID;
+}
+
+// The path of the record of block `blk` of g_kp (salt 0), through an accounting kv_manager of
+// the device layout holding the directory's lock meanwhile (no engine may run on it then).
+static void dev_record_path(const char *disk, int blk, char *buf, size_t cap) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_kv_manager *kv = NULL;
+    int64_t bb = 0, sb = 0;
+    int32_t bt = 1;
+    dev_sizes(g_dir, K_CTX, &bb, &sb, &bt, false);
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (m) CHECK_EQ(di_kv_manager_create_accounting(m, 8, (size_t)bb, 1, K_CTX, true, &kv), DI_OK);
+    const di_kv_block_io bio = {
+        .block_bytes = (size_t)bb, .read = no_block_io, .write = no_block_write};
+    if (kv) CHECK_EQ(di_kv_manager_set_block_io(kv, &bio), DI_OK);
+    di_kv_disk_options o = {.dir = disk};
+    if (kv) CHECK_EQ(di_kv_manager_open_disk(kv, &o), DI_OK);
+    if (kv && kv->disk) {
+        uint64_t h = 0;
+        for (int i = 0; i <= blk; i++)
+            h = di_prefix_cache_hash(kv->cache, h, g_kp + i * kv->block_tokens, 0);
+        CHECK(di_kv_disk_has(kv->disk, h));
+        di_kv_disk_path(kv->disk, h, buf, cap);
+    }
+    di_kv_manager_destroy(kv);
+    di_model_destroy(m);
+}
+
+static void check_disk_clean(di_engine *e, di_engine_stats *st) {
+    check_clean(e, true);
+    di_engine_get_stats(e, st);
+    CHECK_EQ(st->n_failed_steps, 0);
+}
+
+static void test_disk(void) {
+    for (int t = 0; t < K_P2; t++) g_kp[t] = (int32_t)((t * 29 + 11) % V);
+    for (int t = 0; t < K_Y; t++) g_ky[t] = (int32_t)((t * 43 + 5) % V);
+    char disk[300], evict[320], p[4200];
+    snprintf(disk, sizeof disk, "%s/kvdisk", g_dir);
+    snprintf(evict, sizeof evict, "%s/kvdisk-evict", g_dir);
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine_stats st;
+    static result ref, r;
+    // The reference: the device-resident forward without any cache.
+    di_engine *e = disk_engine((size_t)64 << 20, NULL, false, b);
+    if (!e) goto done;
+    disk_run(e, g_kp, K_P2, &ref);
+    di_engine_destroy(e);
+
+    // Restart: the first life runs the prompt alone; destroy downloads and writes its 2 blocks.
+    e = disk_engine((size_t)64 << 20, disk, true, b);
+    if (!e) goto done;
+    disk_run(e, g_kp, K_P1, &r);
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_disk_blocks_written, 0); // nothing evicted: the pool is large
+    CHECK_EQ(st.n_tail_taken, 1);          // at 256, the prompt's last block boundary
+    di_engine_destroy(e);
+    e = disk_engine((size_t)64 << 20, disk, true, b);
+    if (!e) goto done;
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_disk_records, 2);
+    disk_run(e, g_kp, K_P2, &r);
+    CHECK(same(&r, &ref));
+    CHECK_EQ(r.n_cached, 256);
+    CHECK_EQ(r.n_replayed, 0); // the snapshot came back with block 1's record
+    check_disk_clean(e, &st);
+    CHECK_EQ(st.n_disk_hit_tokens, 256);
+    CHECK_EQ(st.n_disk_blocks_read, 2);
+    CHECK_EQ(st.n_disk_snaps_read, 1);
+    CHECK_EQ(st.n_tail_restored, 1);
+    CHECK_EQ(st.n_disk_dropped, 0);
+    fprintf(stderr,
+            "(i) restart: %lld prompt tokens from disk (%lld blocks, %lld snapshot), %d replayed, "
+            "output identical: %d\n",
+            (long long)st.n_disk_hit_tokens, (long long)st.n_disk_blocks_read,
+            (long long)st.n_disk_snaps_read, (int)r.n_replayed, (int)same(&r, &ref));
+    di_engine_destroy(e); // writes block 2 (the extension's) too
+
+    // A corrupted record: one byte of block 1's payload flipped (after the 128-byte header and its
+    // 128 tokens); the chain stops after block 0, the record is dropped, the rest is computed.
+    dev_record_path(disk, 1, p, sizeof p);
+    struct stat sb;
+    CHECK_EQ(stat(p, &sb), 0);
+    int fd = open(p, O_RDWR);
+    CHECK(fd >= 0);
+    unsigned char c = 0;
+    const off_t at = 128 + 128 * (off_t)sizeof(int32_t) + 100;
+    CHECK(sb.st_size > at);
+    CHECK_EQ(pread(fd, &c, 1, at), 1);
+    c ^= 0x01;
+    CHECK_EQ(pwrite(fd, &c, 1, at), 1);
+    close(fd);
+    e = disk_engine((size_t)64 << 20, disk, true, b);
+    if (!e) goto done;
+    disk_run(e, g_kp, K_P2, &r);
+    CHECK(same(&r, &ref));
+    CHECK_EQ(r.n_cached, 128);
+    check_disk_clean(e, &st);
+    CHECK_EQ(st.n_disk_hit_tokens, 128);
+    CHECK_EQ(st.n_disk_dropped, 1);
+    CHECK(access(p, F_OK) != 0); // deleted
+    di_engine_destroy(e);
+
+    // Eviction inside one engine: a pool of one max_ctx sequence (4 blocks); the unrelated prompt
+    // takes all 4, so the prompt's 2 idle cached blocks are evicted (downloaded before the next
+    // call) and written back with the snapshot; the rerun reads them back (uploaded before its
+    // call), restores the snapshot and replays nothing.
+    int64_t blk = 0, slot = 0;
+    int32_t bt = 1;
+    dev_sizes(g_dir, K_CTX, &blk, &slot, &bt, false);
+    e = disk_engine((size_t)(3 * slot + (K_CTX / bt) * blk), evict, true, b);
+    if (!e) goto done;
+    disk_run(e, g_kp, K_P1, &r);
+    disk_run(e, g_ky, K_Y, &r);
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_blocks_total, K_CTX / bt);
+    CHECK_EQ(st.n_disk_blocks_written, 2); // both evicted and on disk once wait_idle returned
+    CHECK_EQ(st.n_disk_snaps_written, 1);
+    disk_run(e, g_kp, K_P2, &r);
+    CHECK(same(&r, &ref));
+    CHECK_EQ(r.n_cached, 256);
+    CHECK_EQ(r.n_replayed, 0);
+    check_disk_clean(e, &st);
+    CHECK_EQ(st.n_disk_hit_tokens, 256);
+    CHECK_EQ(st.n_disk_prefetches_done, 1);
+    CHECK_EQ(st.n_disk_dropped, 0);
+    fprintf(stderr,
+            "(i) eviction: %lld blocks written back while running, %lld tokens read back, %d "
+            "replayed, output identical: %d\n",
+            (long long)st.n_disk_blocks_written, (long long)st.n_disk_hit_tokens, (int)r.n_replayed,
+            (int)same(&r, &ref));
+    di_engine_destroy(e);
+done:
+    di_backend_destroy(b);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_dev_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -707,6 +903,7 @@ int main(void) {
     RUN(test_shared_prefix);
     RUN(test_sizing);
     RUN(test_spec);
+    RUN(test_disk);
     di_test_remove_dir(g_dir);
     return test_finish();
 }
