@@ -489,6 +489,27 @@ static di_status spec_setup(di_engine *e) {
     return DI_OK;
 }
 
+// The arrays both MTP speculation paths use (the CPU forward's mtp_create, the device-resident
+// forward's dev_spec_create): each slot's draft, the MTP logits, and the step's call of n_rows rows
+// with its verify rows and its MTP call's next tokens. False: out of memory (the engine frees
+// what was made).
+static bool spec_arrays_create(di_engine *e, size_t n_rows) {
+    const size_t ms = (size_t)e->opt.max_seqs;
+    e->mtp_draft = di_calloc(ms, sizeof(int32_t));
+    e->mtp_draft_pos = di_calloc(ms, sizeof(int32_t));
+    e->mtp_draft_req = di_calloc(ms, sizeof(uint64_t));
+    e->mtp_logits = di_malloc(sizeof(float) * ms * (size_t)e->model->hp.n_vocab);
+    e->x_vtokens = di_malloc(sizeof(int32_t) * n_rows);
+    e->x_vlogit = di_malloc(sizeof(int32_t) * ms * (size_t)e->lstride);
+    e->x_cap = di_calloc(ms, sizeof(int32_t));
+    e->x_mids = di_malloc(sizeof(int32_t) * n_rows);
+    e->x_mlogit = di_malloc(sizeof(int32_t) * ms);
+    e->x_mseq = di_malloc(sizeof(int32_t) * ms);
+    e->x_bk = di_malloc(sizeof(int32_t) * ms);
+    return e->mtp_draft && e->mtp_draft_pos && e->mtp_draft_req && e->mtp_logits && e->x_vtokens &&
+           e->x_vlogit && e->x_cap && e->x_mids && e->x_mlogit && e->x_mseq && e->x_bk;
+}
+
 // The CPU forward with MTP speculation (V4): every slot also holds the MTP block's window ring
 // (W + ROLLBACK_MAX rows of Dh: the attention's ring layout; the MTP state never rolls back, it
 // runs only on kept rows), paid from kv_memory_bytes before the KV manager buys its blocks, and a
@@ -514,22 +535,9 @@ static di_status mtp_create(di_engine *e) {
     if (st != DI_OK) return st;
     e->mtp_ls = di_calloc(ms * nl, sizeof *e->mtp_ls);
     e->mtp_ring = di_aligned_calloc((size_t)tails);
-    e->mtp_draft = di_calloc(ms, sizeof(int32_t));
-    e->mtp_draft_pos = di_calloc(ms, sizeof(int32_t));
-    e->mtp_draft_req = di_calloc(ms, sizeof(uint64_t));
-    e->mtp_logits = di_malloc(sizeof(float) * ms * (size_t)hp->n_vocab);
     e->x_vseqs = di_calloc(ms, sizeof *e->x_vseqs);
-    e->x_vtokens = di_malloc(sizeof(int32_t) * n_rows);
-    e->x_vlogit = di_malloc(sizeof(int32_t) * ms * (size_t)e->lstride);
-    e->x_cap = di_calloc(ms, sizeof(int32_t));
     e->x_mseqs = di_calloc(ms, sizeof *e->x_mseqs);
-    e->x_mids = di_malloc(sizeof(int32_t) * n_rows);
-    e->x_mlogit = di_malloc(sizeof(int32_t) * ms);
-    e->x_mseq = di_malloc(sizeof(int32_t) * ms);
-    e->x_bk = di_malloc(sizeof(int32_t) * ms);
-    if (!e->mtp_ls || !e->mtp_ring || !e->mtp_draft || !e->mtp_draft_pos || !e->mtp_draft_req ||
-        !e->mtp_logits || !e->x_vseqs || !e->x_vtokens || !e->x_vlogit || !e->x_cap ||
-        !e->x_mseqs || !e->x_mids || !e->x_mlogit || !e->x_mseq || !e->x_bk)
+    if (!spec_arrays_create(e, n_rows) || !e->mtp_ls || !e->mtp_ring || !e->x_vseqs || !e->x_mseqs)
         return DI_ERR_NOMEM;
     for (size_t i = 0; i < ms; i++)
         e->mtp_ls[i * nl + nl - 1].ring =
@@ -546,23 +554,10 @@ static di_status dev_spec_create(di_engine *e) {
     const di_engine_options *o = &e->opt;
     const size_t ms = (size_t)o->max_seqs;
     const size_t n_rows = (size_t)o->max_batch_tokens + ms * (size_t)e->spec_k;
-    e->mtp_draft = di_calloc(ms, sizeof(int32_t));
-    e->mtp_draft_pos = di_calloc(ms, sizeof(int32_t));
-    e->mtp_draft_req = di_calloc(ms, sizeof(uint64_t));
-    e->mtp_logits = di_malloc(sizeof(float) * ms * (size_t)e->model->hp.n_vocab);
     e->x_vdev = di_calloc(ms, sizeof *e->x_vdev);
-    e->x_vtokens = di_malloc(sizeof(int32_t) * n_rows);
-    e->x_vlogit = di_malloc(sizeof(int32_t) * ms * (size_t)e->lstride);
-    e->x_cap = di_calloc(ms, sizeof(int32_t));
     e->x_mdev = di_calloc(ms, sizeof *e->x_mdev);
-    e->x_mids = di_malloc(sizeof(int32_t) * n_rows);
     e->x_mrows = di_malloc(sizeof(int32_t) * n_rows);
-    e->x_mlogit = di_malloc(sizeof(int32_t) * ms);
-    e->x_mseq = di_malloc(sizeof(int32_t) * ms);
-    e->x_bk = di_malloc(sizeof(int32_t) * ms);
-    if (!e->mtp_draft || !e->mtp_draft_pos || !e->mtp_draft_req || !e->mtp_logits || !e->x_vdev ||
-        !e->x_vtokens || !e->x_vlogit || !e->x_cap || !e->x_mdev || !e->x_mids || !e->x_mrows ||
-        !e->x_mlogit || !e->x_mseq || !e->x_bk)
+    if (!spec_arrays_create(e, n_rows) || !e->x_vdev || !e->x_mdev || !e->x_mrows)
         return DI_ERR_NOMEM;
     DI_LOG_INFO("engine: speculative decoding with the MTP block on the device-resident forward: "
                 "one draft per verify");

@@ -1454,6 +1454,26 @@ static di_status check_blocks(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     return DI_OK;
 }
 
+// A call's logit rows: ascending rows of its n_rows, with somewhere to write their logits (who:
+// the call, for the log).
+static bool logit_rows_ok(const char *who, const int32_t *logit_rows, int32_t n_logit_rows,
+                          int64_t n_rows, const float *logits) {
+    if (n_logit_rows < 0 || n_logit_rows > n_rows ||
+        (n_logit_rows > 0 && (!logits || !logit_rows))) {
+        DI_LOG_ERROR("%s: %d logit rows for %lld rows", who, n_logit_rows, (long long)n_rows);
+        return false;
+    }
+    for (int32_t k = 0; k < n_logit_rows; k++) {
+        if (logit_rows[k] < 0 || logit_rows[k] >= n_rows ||
+            (k > 0 && logit_rows[k] <= logit_rows[k - 1])) {
+            DI_LOG_ERROR("%s: logit row %d (index %d) is out of range or not ascending", who,
+                         logit_rows[k], k);
+            return false;
+        }
+    }
+    return true;
+}
+
 static di_status check_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                             const int32_t *tokens, const int32_t *logit_rows, int32_t n_logit_rows,
                             const float *logits, int32_t *n_rows_out, int32_t *n_upd) {
@@ -1506,19 +1526,8 @@ static di_status check_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, i
             return DI_ERR_INVALID;
         }
     }
-    if (n_logit_rows < 0 || n_logit_rows > n_rows ||
-        (n_logit_rows > 0 && (!logits || !logit_rows))) {
-        DI_LOG_ERROR("dev forward: %d logit rows for %lld rows", n_logit_rows, (long long)n_rows);
+    if (!logit_rows_ok("dev forward", logit_rows, n_logit_rows, n_rows, logits))
         return DI_ERR_INVALID;
-    }
-    for (int32_t k = 0; k < n_logit_rows; k++) {
-        if (logit_rows[k] < 0 || logit_rows[k] >= n_rows ||
-            (k > 0 && logit_rows[k] <= logit_rows[k - 1])) {
-            DI_LOG_ERROR("dev forward: logit row %d (index %d) is out of range or not ascending",
-                         logit_rows[k], k);
-            return DI_ERR_INVALID;
-        }
-    }
     di_status st = check_blocks(s, seqs, n_seq, n_upd);
     if (st != DI_OK) return st;
     *n_rows_out = (int32_t)n_rows;
@@ -1773,19 +1782,7 @@ static di_status check_mtp_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seq
             return DI_ERR_INVALID;
         }
     }
-    if (n_logit_rows < 0 || n_logit_rows > n_rows ||
-        (n_logit_rows > 0 && (!logits || !logit_rows))) {
-        DI_LOG_ERROR("dev mtp: %d logit rows for %lld rows", n_logit_rows, (long long)n_rows);
-        return DI_ERR_INVALID;
-    }
-    for (int32_t k = 0; k < n_logit_rows; k++) {
-        if (logit_rows[k] < 0 || logit_rows[k] >= n_rows ||
-            (k > 0 && logit_rows[k] <= logit_rows[k - 1])) {
-            DI_LOG_ERROR("dev mtp: logit row %d (index %d) is out of range or not ascending",
-                         logit_rows[k], k);
-            return DI_ERR_INVALID;
-        }
-    }
+    if (!logit_rows_ok("dev mtp", logit_rows, n_logit_rows, n_rows, logits)) return DI_ERR_INVALID;
     *n_rows_out = (int32_t)n_rows;
     return DI_OK;
 }
