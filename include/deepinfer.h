@@ -637,6 +637,11 @@ typedef struct di_engine_stats {
     int64_t n_disk_prefetches, n_disk_prefetches_done, n_disk_prefetch_blocks, disk_prefetch_bytes;
     int64_t disk_prefetch_read_us, disk_prefetch_engine_us, n_disk_prefetch_waits;
     int64_t disk_prefetch_wait_us;
+    // The disk tier on the device-resident forward (docs/kv-cache.md): evicted device blocks
+    // downloaded for their write-back, read blocks uploaded into device blocks (both before a
+    // forward call, or while none runs), and write-backs lost (no room in the transfer batch, a
+    // failed download, or recorded after a failed step). 0 on the other forwards.
+    int64_t n_disk_dev_downloads, n_disk_dev_uploads, n_disk_dev_lost;
     int64_t n_step_allocs; // heap allocations made by the engine thread inside steps (debug
                            // builds count them; always 0 in a correct build)
     // Asynchronous scheduling: steps whose plan was built while the previous step's forward

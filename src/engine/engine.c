@@ -1128,6 +1128,9 @@ static void disk_stats(di_engine *e, di_engine_stats *st) {
     st->disk_prefetch_engine_us = kv->prefetch_engine_us;
     st->n_disk_prefetch_waits = e->sched.n_disk_waits;
     st->disk_prefetch_wait_us = e->sched.disk_wait_us;
+    st->n_disk_dev_downloads = kv->n_dev_down;
+    st->n_disk_dev_uploads = kv->n_dev_up;
+    st->n_disk_dev_lost = kv->n_dev_lost;
     disk_store_stats(e->kv, st);
 }
 

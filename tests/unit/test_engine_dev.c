@@ -819,6 +819,8 @@ static void test_disk(void) {
     CHECK_EQ(st.n_disk_snaps_read, 1);
     CHECK_EQ(st.n_tail_restored, 1);
     CHECK_EQ(st.n_disk_dropped, 0);
+    CHECK_EQ(st.n_disk_dev_uploads, 2); // the read blocks went into device blocks
+    CHECK_EQ(st.n_disk_dev_lost, 0);
     fprintf(stderr,
             "(i) restart: %lld prompt tokens from disk (%lld blocks, %lld snapshot), %d replayed, "
             "output identical: %d\n",
@@ -866,6 +868,8 @@ static void test_disk(void) {
     CHECK_EQ(st.n_blocks_total, K_CTX / bt);
     CHECK_EQ(st.n_disk_blocks_written, 2); // both evicted and on disk once wait_idle returned
     CHECK_EQ(st.n_disk_snaps_written, 1);
+    CHECK_EQ(st.n_disk_dev_downloads, 2); // downloaded before the call that reused them
+    CHECK_EQ(st.n_disk_dev_lost, 0);
     disk_run(e, g_kp, K_P2, &r);
     CHECK(same(&r, &ref));
     CHECK_EQ(r.n_cached, 256);

@@ -159,6 +159,15 @@ char *srv_metrics_text(srv *s) {
     GAUGE("deepinfer:kv_disk_prefetch_wait_seconds_total",
           "Time requests waited for their admission prefetch, in all.", "%.6f",
           (double)st.disk_prefetch_wait_us / 1e6);
+    // On the device-resident forward: device blocks moved for the disk tier.
+    COUNTER("deepinfer:kv_disk_device_downloads_total",
+            "Evicted device blocks downloaded for their disk-tier write-back.",
+            st.n_disk_dev_downloads);
+    COUNTER("deepinfer:kv_disk_device_uploads_total",
+            "Blocks read from the disk tier uploaded into device blocks.", st.n_disk_dev_uploads);
+    COUNTER("deepinfer:kv_disk_device_lost_total",
+            "Device write-backs lost (no room in the transfer batch, a failed download or step).",
+            st.n_disk_dev_lost);
     COUNTER("deepinfer:num_preemptions_total", "Preemptions.", st.n_preemptions);
     COUNTER("deepinfer:priority_preemptions_total",
             "Preemptions for a waiting request of a better priority.", st.n_priority_preemptions);
