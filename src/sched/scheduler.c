@@ -301,6 +301,8 @@ static void drop_rows(di_sched *s, di_request *r) {
 
 void di_sched_remove(di_sched *s, di_request *r) {
     drop_rows(s, r);
+    // Its generated tokens not fed back (the last one at least) were served too.
+    if (r->slot >= 0) charge(s, r, di_request_n_tokens(r));
     tenant_leave(s, r);
     di_kv_prefetch_drop(s->kv, r->id); // its prefetch, if one runs or waits for it
     if (r->slot >= 0) {

@@ -18,7 +18,8 @@
  * Fair share (Virtual Token Counter, Sheng et al., OSDI 2024): every tenant has a counter of the
  * service it received, prompt positions computed (not cache hits) weight 1, generated tokens
  * weight DI_SCHED_VTC_W_OUT; a prompt is charged at admission (so one plan admitting several
- * requests sees each admission), generated tokens as their positions are computed. A tenant
+ * requests sees each admission), generated tokens as their positions are computed (the ones never
+ * fed back, the last one at least, when the request leaves). A tenant
  * that becomes backlogged (a running or waiting request) after being idle is lifted to the
  * smallest counter among the backlogged tenants (the last idle one's when none is), so idle time
  * banks no credit. The tenant table has max_tenants entries (sized at init): idle tenants are

@@ -153,7 +153,7 @@ static void test_vtc_lift(void) {
     const int b0 = submit(&m, 10, 2, 0, 2);
     UNTIL(m.done[b0], 0);
     const int64_t vb_idle = di_sched_tenant_vtc(&m.s, 2);
-    CHECK_EQ(vb_idle, 10 + 1 * DI_SCHED_VTC_W_OUT); // its prompt, one generated token fed
+    CHECK_EQ(vb_idle, 10 + 2 * DI_SCHED_VTC_W_OUT); // its prompt and its 2 generated tokens
     CHECK_EQ(m.s.n_tenants_live, 0);
     CHECK_EQ(m.s.n_tenants, 1); // remembered while idle
     int a[3];
