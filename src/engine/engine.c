@@ -1917,27 +1917,34 @@ static di_status v4_spec_forward(di_engine *e) {
     return DI_OK;
 }
 
-// The MTP call's rows of plan sequence i (n_tok rows in the step's call from position pos): the
-// rows kept (a verify's anchor and accepted drafts, every other sequence's rows; 0: it ends, its
-// constrained sample failed), each's next token into ids (the next prompt token, an accepted
-// draft, or the row's sample), and *next: the sample after the last kept row (NULL when the
-// sequence did not sample). Its slot's draft is void until the MTP call makes a new one.
-static int32_t mtp_kept(di_engine *e, int32_t i, int32_t pos, int32_t n_tok, int32_t *ids,
-                        const di_sample_result **next) {
+// The MTP call's rows of plan sequence i (n_tok rows in the step's call from position pos),
+// placed from row mrow of the MTP call: the rows kept (a verify's anchor and accepted drafts,
+// every other sequence's rows; 0: it ends, its constrained sample failed), each's next token into
+// x_mids (the next prompt token, an accepted draft, or the row's sample); when the sequence
+// sampled, its last kept row (position P') is the MTP call's logit row *n_ml, drafting for
+// P' + 2. Its slot's draft is void until the MTP call makes a new one.
+static int32_t mtp_kept(di_engine *e, int32_t i, int32_t pos, int32_t n_tok, int32_t mrow,
+                        int32_t *n_ml) {
     const di_request *r = e->x_seq_req[i];
     const int32_t kslot = e->x_bk[i];
     e->mtp_draft_req[r->slot] = 0;
     // A plain row's sample is its slot's row 0, a verify's row j samples the position after its
     // row j.
     int32_t keep = n_tok;
-    *next = NULL;
+    const di_sample_result *next = NULL;
     if (kslot >= 0) {
-        *next = e->x_res + (int64_t)kslot * e->lstride;
-        if (e->x_ndraft[kslot] > 0) keep = e->x_emit[kslot], *next += keep - 1;
-        if ((*next)->token < 0) return 0;
+        next = e->x_res + (int64_t)kslot * e->lstride;
+        if (e->x_ndraft[kslot] > 0) keep = e->x_emit[kslot], next += keep - 1;
+        if (next->token < 0) return 0;
     }
+    int32_t *ids = e->x_mids + mrow;
     for (int32_t t = 0; t < keep; t++)
-        ids[t] = *next && t == keep - 1 ? (*next)->token : r->tokens[pos + t + 1];
+        ids[t] = next && t == keep - 1 ? next->token : r->tokens[pos + t + 1];
+    if (next) {
+        e->x_mlogit[*n_ml] = mrow + keep - 1;
+        e->x_mseq[(*n_ml)++] = i;
+        e->mtp_draft_pos[r->slot] = pos + keep + 1;
+    }
     return keep;
 }
 
@@ -1969,8 +1976,7 @@ static di_status mtp_step(di_engine *e) {
     for (int32_t i = 0; i < e->x_n_seq; i++) {
         const di_dsv4_seq *vs = &e->x_vseqs[i];
         const di_request *r = e->x_seq_req[i];
-        const di_sample_result *next;
-        const int32_t keep = mtp_kept(e, i, vs->pos, vs->n_tok, e->x_mids + mrow, &next);
+        const int32_t keep = mtp_kept(e, i, vs->pos, vs->n_tok, mrow, &n_ml);
         if (keep == 0) continue;
         if (mrow != vs->row0) // kept rows move down (rows ascend)
             memmove(xm + (int64_t)mrow * row_floats, xm + (int64_t)vs->row0 * row_floats,
@@ -1979,11 +1985,6 @@ static di_status mtp_step(di_engine *e) {
                                           .pos = vs->pos,
                                           .n_tok = keep,
                                           .win_lo = vs->win_lo};
-        if (next) { // its last kept position P' = pos + keep - 1 drafts for P' + 2
-            e->x_mlogit[n_ml] = mrow + keep - 1;
-            e->x_mseq[n_ml++] = i;
-            e->mtp_draft_pos[r->slot] = vs->pos + keep + 1;
-        }
         mrow += keep;
     }
     if (n_m == 0) return DI_OK;
@@ -2030,17 +2031,11 @@ static di_status dev_mtp_step(di_engine *e) {
     for (int32_t i = 0; i < e->x_n_seq; vrow += e->x_vdev[i].n_tok, i++) {
         const di_dsv4_dev_seq *vs = &e->x_vdev[i];
         const di_request *r = e->x_seq_req[i];
-        const di_sample_result *next;
-        const int32_t keep = mtp_kept(e, i, vs->pos, vs->n_tok, e->x_mids + mrow, &next);
+        const int32_t keep = mtp_kept(e, i, vs->pos, vs->n_tok, mrow, &n_ml);
         if (keep == 0) continue;
         for (int32_t t = 0; t < keep; t++) e->x_mrows[mrow + t] = vrow + t;
         e->x_mdev[n_m++] =
             (di_dsv4_dev_seq){.slot = r->slot, .pos = vs->pos, .n_tok = keep, .win_lo = vs->win_lo};
-        if (next) { // its last kept position P' = pos + keep - 1 drafts for P' + 2
-            e->x_mlogit[n_ml] = mrow + keep - 1;
-            e->x_mseq[n_ml++] = i;
-            e->mtp_draft_pos[r->slot] = vs->pos + keep + 1;
-        }
         mrow += keep;
     }
     if (n_m == 0) return DI_OK;
