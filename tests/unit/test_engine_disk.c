@@ -223,19 +223,25 @@ static void test_snapshot_restart(void) {
     di_engine_destroy(e);
 }
 
+// The smallest pool the engine accepts, one sequence of max_ctx positions (test_engine.c), in
+// bytes, with the block size in *st; 0 when no engine could be made. other: g_other's output on an
+// engine without any cache (NULL: not needed).
+static size_t tiny_pool(di_engine_stats *st, result *other) {
+    di_engine *e = engine(64u << 20, NULL, false);
+    if (!e) return 0;
+    if (other) run(e, g_other, N_OTHER, false, MAX_GEN, other);
+    di_engine_get_stats(e, st);
+    di_engine_destroy(e);
+    return (size_t)st->block_bytes * (size_t)(16 + N_CTX / st->block_tokens);
+}
+
 static void test_eviction_write_back(void) {
     char disk[320];
     snprintf(disk, sizeof disk, "%s-evict", g_disk);
     di_engine_stats st;
-    // The smallest pool the engine accepts: one sequence of max_ctx positions (test_engine.c).
-    di_engine *e = engine(64u << 20, NULL, false);
-    if (!e) return;
-    static result ref_other; // g_other on an engine without any cache
-    run(e, g_other, N_OTHER, false, MAX_GEN, &ref_other);
-    di_engine_get_stats(e, &st);
-    di_engine_destroy(e);
-    const size_t tiny = (size_t)st.block_bytes * (size_t)(16 + N_CTX / st.block_tokens);
-    e = engine(tiny, disk, true);
+    const size_t tiny = tiny_pool(&st, NULL);
+    if (!tiny) return;
+    di_engine *e = engine(tiny, disk, true);
     if (!e) return;
     result r;
     run(e, g_p2, N_P, false, 4, &r); // 12 cached blocks
@@ -353,14 +359,9 @@ static void test_io_thread(void) {
     snprintf(disk, sizeof disk, "%s-io", g_disk);
     snprintf(disk2, sizeof disk2, "%s-io-full", g_disk);
     di_engine_stats st;
-    di_engine *e = engine(64u << 20, NULL, false);
-    if (!e) return;
-    static result ref_other; // g_other on an engine without any cache
-    run(e, g_other, N_OTHER, false, MAX_GEN, &ref_other);
-    di_engine_get_stats(e, &st);
-    di_engine_destroy(e);
-    const size_t tiny = (size_t)st.block_bytes * (size_t)(16 + N_CTX / st.block_tokens);
-    e = engine(tiny, disk, true);
+    const size_t tiny = tiny_pool(&st, NULL);
+    if (!tiny) return;
+    di_engine *e = engine(tiny, disk, true);
     if (!e) return;
     result r;
     run(e, g_p2, N_P, false, 4, &r); // 12 cached blocks
@@ -474,15 +475,11 @@ static void test_read_thread(void) {
     char disk[320];
     snprintf(disk, sizeof disk, "%s-read", g_disk);
     di_engine_stats st;
-    di_engine *e = engine(64u << 20, NULL, false);
-    if (!e) return;
     static result ref_other; // g_other on an engine without any cache
-    run(e, g_other, N_OTHER, false, MAX_GEN, &ref_other);
-    di_engine_get_stats(e, &st);
-    di_engine_destroy(e);
-    const size_t tiny = (size_t)st.block_bytes * (size_t)(16 + N_CTX / st.block_tokens);
+    const size_t tiny = tiny_pool(&st, &ref_other);
+    if (!tiny) return;
     const int32_t bt = (int32_t)st.block_tokens, bb = (int32_t)st.block_bytes;
-    e = engine(tiny, disk, true);
+    di_engine *e = engine(tiny, disk, true);
     if (!e) return;
     result r;
     run(e, g_p2, N_P, false, 4, &r);        // 12 cached blocks, the snapshot at 192
