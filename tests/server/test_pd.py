@@ -3,7 +3,8 @@ front of one prefill and one decode replica (`deepinfer serve --kv-transfer`, th
 model) on loopback. A long chat request, non-streaming and streaming, gives the same output as a
 plain single replica; the decode replica imported the transfer and took the prompt from its prefix
 cache, continuing it from the transferred tail snapshot (nothing replayed); the router counts the
-step. A short body skips it. With the prefill replica down the router
+step. A short body skips it. With two prefill replicas a prompt is prefilled again where it is
+cached (prefix affinity). With the prefill replica down the router
 falls back to the decode replica alone, still with the same output. The same through V4.1
 replicas. The internal endpoints refuse
 bad input with clear 4xx errors, another model's transfer with 409, and are absent without
@@ -244,6 +245,45 @@ def test_pd_with_api_keys():
             router.stop()
         pre.stop()
         dec.stop()
+
+
+def test_pd_prefill_affinity():
+    # two prefill replicas: a request is prefilled on its prefix's ring replica, so the same
+    # prompt again is prefilled where it is cached (a prefix-cache hit there), the decision is
+    # counted as affine, and the output is still a plain replica's
+    pres = [Server(["--kv-transfer"]), Server(["--kv-transfer"])]
+    dec = Server(["--kv-transfer"])
+    router = None
+    try:
+        router = Router([dec], prefill=pres, extra=["--pd-min-bytes", "1000"])
+        first = {}
+        for rnd in range(2):
+            for seed in (11, 12, 13):
+                before = [p.metrics() for p in pres]
+                st, _, got = post(router, "/v1/chat/completions", chat(seed))
+                assert st == 200, got
+                after = [p.metrics() for p in pres]
+                served = [i for i in range(2) if after[i]["deepinfer:kv_transfer_exports_total"] >
+                          before[i]["deepinfer:kv_transfer_exports_total"]]
+                assert len(served) == 1, served
+                i = served[0]
+                hit = (after[i]["deepinfer:prefix_cache_hit_tokens_total"] -
+                       before[i]["deepinfer:prefix_cache_hit_tokens_total"])
+                if rnd == 0:
+                    first[seed] = i
+                else:  # the same replica, which had the whole prompt but its last block cached
+                    assert i == first[seed], (seed, first)
+                    assert hit >= got["usage"]["prompt_tokens"] - 32, (seed, hit)
+        m = router.metrics()
+        aff = sum(m[f'deepinfer:router_prefill_decisions_total{{replica="{i}",decision="affine"}}']
+                  for i in range(2))
+        assert aff == 6
+        assert m['deepinfer:router_pd_requests_total{outcome="ok"}'] == 6
+    finally:
+        if router:
+            router.stop()
+        for s in (*pres, dec):
+            s.stop()
 
 
 def test_pd_v41(tmp_path):

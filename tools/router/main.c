@@ -281,6 +281,11 @@ int di_cli_route(int argc, char **argv) {
         fprintf(stderr, "ERROR route: out of memory building the ring\n");
         goto out;
     }
+    for (int i = 0; i < r->n_pre; i++) names[i] = r->pre[i].url;
+    if (r->n_pre && !rt_ring_create(r->n_pre, names, c->n_vnodes, &r->pre_ring)) {
+        fprintf(stderr, "ERROR route: out of memory building the prefill ring\n");
+        goto out;
+    }
     if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
         fprintf(stderr, "ERROR route: cannot initialise libcurl\n");
         goto out;
@@ -347,6 +352,7 @@ out:
     rt_pool_free(r);
     if (curl) curl_global_cleanup();
     rt_ring_destroy(r->ring);
+    rt_ring_destroy(r->pre_ring);
     free(r);
     return rc;
 }

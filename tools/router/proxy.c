@@ -355,23 +355,30 @@ static int pick(rt *r, bool has_key, uint64_t key, int exclude) {
 
 // ---- prefill/decode disaggregation ----
 
-// The least-loaded healthy prefill replica (in flight + waiting; ties: the lowest index), its
-// in-flight count taken; -1 if none is healthy.
-static int pick_prefill(rt *r) {
-    int best = -1;
-    int64_t best_load = 0;
+// The prefill replica for a request: the same policy as the serving replicas' (rt_policy_pick on
+// the prefill ring with the request's key), so requests sharing a prefix are prefilled where that
+// prefix is cached; its in-flight count taken and the decision counted. -1 if none is healthy.
+static int pick_prefill(rt *r, bool has_key, uint64_t key) {
+    rt_replica_load loads[RT_MAX_REPLICAS];
+    rt_pick how;
     pthread_mutex_lock(&r->mu);
-    for (int i = 0; i < r->n_pre; i++) {
-        const rt_replica *p = &r->pre[i];
-        const int64_t load = p->n_inflight + p->n_waiting;
-        if (p->healthy && (best < 0 || load < best_load)) best = i, best_load = load;
-    }
-    if (best >= 0) {
-        r->pre[best].n_inflight++;
-        r->pre[best].n_requests++;
+    for (int i = 0; i < r->n_pre; i++)
+        loads[i] = (rt_replica_load){r->pre[i].healthy, r->pre[i].n_inflight, r->pre[i].n_waiting};
+    const int i =
+        rt_policy_pick(r->pre_ring, has_key, key, loads, r->n_pre, -1, r->cfg.max_imbalance, &how);
+    if (i >= 0) {
+        rt_replica *p = &r->pre[i];
+        p->n_inflight++;
+        p->n_requests++;
+        if (how == RT_PICK_AFFINE)
+            p->n_affine++;
+        else if (how == RT_PICK_FALLBACK)
+            p->n_fallback++;
+        else
+            p->n_least++;
     }
     pthread_mutex_unlock(&r->mu);
-    return best;
+    return i;
 }
 
 // Runs x to its end within deadline (seconds, srv_now) or until the client leaves; true if it
@@ -390,13 +397,13 @@ static const char *call_why(const call *x, char *buf, size_t cap) {
     return buf;
 }
 
-// The prefill step (docs/disaggregation.md): the least-loaded prefill replica computes the
-// request's prompt (POST /internal/prefill?route=<path>, the client's body) and answers its KV
-// transfer, which goes to decode replica `decode` (POST /internal/kv). Any failure (no prefill
-// replica, transport error, timeout, a refusal) is a fallback: the decode replica then computes
-// the prompt itself, which gives the same output. Counted either way.
+// The prefill step (docs/disaggregation.md): a prefill replica (pick_prefill: the key's, unless
+// overloaded) computes the request's prompt (POST /internal/prefill?route=<path>, the client's
+// body) and answers its KV transfer, which goes to decode replica `decode` (POST /internal/kv). Any
+// failure (no prefill replica, transport error, timeout, a refusal) is a fallback: the decode
+// replica then computes the prompt itself, which gives the same output. Counted either way.
 static void prefill(rt *r, struct MHD_Connection *c, const char *url, const char *body,
-                    size_t n_body, int decode) {
+                    size_t n_body, bool has_key, uint64_t key, int decode) {
     const double t0 = srv_now(), deadline = t0 + r->cfg.prefill_timeout_ms / 1000.0;
     char path[320], why[400];
     const char *fail_why = "no prefill replica is ready";
@@ -404,7 +411,7 @@ static void prefill(rt *r, struct MHD_Connection *c, const char *url, const char
     int64_t blocks = 0;
     size_t bytes = 0;
     double t_pre = 0, t_imp = 0;
-    int j = pick_prefill(r);
+    int j = pick_prefill(r, has_key, key);
     if (j >= 0) {
         snprintf(path, sizeof path, "/internal/prefill?route=%s", url);
         call *x = call_start(r, &r->pre[j], j, c, path, "POST", body, n_body, NULL);
@@ -494,7 +501,7 @@ static enum MHD_Result forward(rt *r, struct MHD_Connection *c, srv_api api, con
         int i = pick(r, has_key, key, exclude);
         if (i < 0) break;
         if (attempt == 0 && pd) {
-            prefill(r, c, url, body, n_body, i);
+            prefill(r, c, url, body, n_body, has_key, key, i);
             if (srv_client_gone(c)) { // it left during the prefill step: nobody to answer
                 pthread_mutex_lock(&r->mu);
                 r->rep[i].n_inflight--;
@@ -756,6 +763,17 @@ char *rt_metrics_text(rt *r) {
                     "deepinfer:router_prefill_replica_requests_total{replica=\"%d\",url=\"%s\"} "
                     "%llu\n",
                     i, r->pre[i].url, (unsigned long long)r->pre[i].n_requests);
+        FAMILY("deepinfer:router_prefill_decisions_total", "counter",
+               "Prefill replica choices by kind (as router_decisions_total).");
+        for (int i = 0; i < r->n_pre; i++) {
+            const char *k_kind[3] = {"affine", "fallback", "least"};
+            const uint64_t v[3] = {r->pre[i].n_affine, r->pre[i].n_fallback, r->pre[i].n_least};
+            for (int k = 0; k < 3; k++)
+                sb_addf(&b,
+                        "deepinfer:router_prefill_decisions_total{replica=\"%d\",decision=\"%s\"} "
+                        "%llu\n",
+                        i, k_kind[k], (unsigned long long)v[k]);
+        }
         FAMILY("deepinfer:router_pd_requests_total", "counter",
                "Requests by prefill step outcome (ok: the KV reached the decode replica; "
                "fallback: the step failed, the decode replica computed the prompt; short: the "

@@ -73,7 +73,8 @@ typedef struct rt {
     // decode replica chosen for it.
     rt_replica pre[RT_MAX_REPLICAS];
     int n_pre;
-    rt_ring *ring; // owned
+    rt_ring *ring;     // owned: the serving (decode) replicas'
+    rt_ring *pre_ring; // owned: the prefill replicas' (NULL without any)
     long started_at;
     atomic_bool stop;
     atomic_int inflight; // client requests being proxied
