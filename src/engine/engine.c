@@ -2332,6 +2332,8 @@ static void eplb_submit(di_engine *e, di_ep_load_table *w) {
                                  ? e->opt.eplb_slots_per_rank
                                  : (cur.n_slots + cur.n_ranks - 1) / cur.n_ranks;
         if (e->opt.eplb_min_gain > 0) opt.min_gain = e->opt.eplb_min_gain;
+        // The front computes the shared experts while the workers compute (eplb.h).
+        opt.front_load_per_row = e->model->hp.n_expert_shared;
         st = di_eplb_async_submit(e->eplb, &cur, &opt);
         DI_ASSERT(st == DI_OK); // it was idle, and only this thread submits
     } else {

@@ -173,19 +173,24 @@ di_status di_ep_load_window(di_ep_load *l, di_ep_load_table *out) {
 // ---- balance and moves ----
 
 di_eplb_options di_eplb_options_default(void) {
-    return (di_eplb_options){
-        .n_ranks = 1, .slots_per_rank = 0, .keep_tolerance = 0.05, .min_gain = 0.05};
+    return (di_eplb_options){.n_ranks = 1,
+                             .slots_per_rank = 0,
+                             .keep_tolerance = 0.05,
+                             .min_gain = 0.05,
+                             .front_load_per_row = 0};
 }
 
-// Rank loads of one layer of p into rl[n_ranks] (cnt: scratch [n_expert]); returns the total.
-static double rank_loads(const di_ep_placement *p, int32_t layer, const double *load, int32_t *cnt,
-                         double *rl) {
+// Rank loads of one layer of p into rl[n_ranks], rank 0 starting at `front` (cnt: scratch
+// [n_expert]); returns the total, front included.
+static double rank_loads(const di_ep_placement *p, int32_t layer, const double *load, double front,
+                         int32_t *cnt, double *rl) {
     const int32_t *ex = p->expert + (int64_t)layer * p->n_slots;
     const int32_t *rk = p->rank + (int64_t)layer * p->n_slots;
     memset(cnt, 0, sizeof(int32_t) * (size_t)p->n_expert);
     memset(rl, 0, sizeof(double) * (size_t)p->n_ranks);
     for (int32_t s = 0; s < p->n_slots; s++) cnt[ex[s]]++;
-    double tot = 0;
+    rl[0] = front;
+    double tot = front;
     for (int32_t e = 0; e < p->n_expert; e++) tot += cnt[e] ? load[e] : 0;
     for (int32_t s = 0; s < p->n_slots; s++) rl[rk[s]] += load[ex[s]] / cnt[ex[s]];
     return tot;
@@ -198,12 +203,13 @@ static double max_of(const double *v, int32_t n) {
     return m;
 }
 
-double di_eplb_layer_balance(const di_ep_placement *p, int32_t layer, const double *load) {
+double di_eplb_layer_balance(const di_ep_placement *p, int32_t layer, const double *load,
+                             double front) {
     int32_t *cnt = di_malloc(sizeof(int32_t) * (size_t)p->n_expert);
     double *rl = di_malloc(sizeof(double) * (size_t)p->n_ranks);
     double b = 1.0;
     if (cnt && rl) {
-        const double tot = rank_loads(p, layer, load, cnt, rl);
+        const double tot = rank_loads(p, layer, load, front, cnt, rl);
         if (tot > 0) b = max_of(rl, p->n_ranks) * p->n_ranks / tot;
     }
     di_free(cnt);
@@ -212,8 +218,8 @@ double di_eplb_layer_balance(const di_ep_placement *p, int32_t layer, const doub
 }
 
 // Sum over layers of max rank load and of the mean rank load (scratch allocated here).
-static di_status balance_sums(const di_ep_placement *p, const di_ep_load_table *t, double *smax,
-                              double *smean) {
+static di_status balance_sums(const di_ep_placement *p, const di_ep_load_table *t, double front,
+                              double *smax, double *smean) {
     *smax = *smean = 0;
     if (p->n_layers != t->n_layers || p->n_expert != t->n_expert) return DI_ERR_INVALID;
     int32_t *cnt = di_malloc(sizeof(int32_t) * (size_t)p->n_expert);
@@ -223,7 +229,7 @@ static di_status balance_sums(const di_ep_placement *p, const di_ep_load_table *
     for (int32_t l = 0; l < p->n_layers && st == DI_OK; l++) {
         for (int32_t e = 0; e < p->n_expert; e++)
             w[e] = (double)t->count[(int64_t)l * t->n_expert + e];
-        const double tot = rank_loads(p, l, w, cnt, rl);
+        const double tot = rank_loads(p, l, w, front * (double)t->rows[l], cnt, rl);
         *smax += max_of(rl, p->n_ranks);
         *smean += tot / p->n_ranks;
     }
@@ -233,10 +239,11 @@ static di_status balance_sums(const di_ep_placement *p, const di_ep_load_table *
     return st;
 }
 
-di_status di_eplb_balance(const di_ep_placement *p, const di_ep_load_table *t, double *out) {
+di_status di_eplb_balance(const di_ep_placement *p, const di_ep_load_table *t,
+                          double front_load_per_row, double *out) {
     *out = 0;
     double smax, smean;
-    const di_status st = balance_sums(p, t, &smax, &smean);
+    const di_status st = balance_sums(p, t, front_load_per_row, &smax, &smean);
     if (st != DI_OK) return st;
     *out = smean > 0 ? smax / smean : 1.0;
     return DI_OK;
@@ -293,6 +300,7 @@ static int item_cmp(const void *a, const void *b) {
 typedef struct planner {
     int32_t E, R, S, N;
     double tol;
+    double front;        // the layer's front load: rank 0 starts with it
     double *w;           // [E] loads of the layer
     int32_t *cnt;        // [E] replicas per expert
     int32_t *kept;       // [E] replicas already placed (kept in place) per expert
@@ -384,7 +392,9 @@ static void replicate(planner *p) {
 }
 
 // The least-loaded rank with a free slot, preferring ranks that do not hold e yet; ties: lower
-// rank.
+// rank. But the front (rank 0 with a front load) is not preferred for that when a rank holding e
+// would stay below the front's load with the replica: a second replica of an expert on one rank
+// only costs a slot, while the front's load is the step's bottleneck once it exceeds the mean.
 static int32_t pick_rank(const planner *p, int32_t e) {
     int32_t best = -1, any = -1;
     for (int32_t r = 0; r < p->R; r++) {
@@ -393,6 +403,8 @@ static int32_t pick_rank(const planner *p, int32_t e) {
         if (p->holds[(int64_t)r * p->E + e]) continue;
         if (best < 0 || p->rl[r] < p->rl[best]) best = r;
     }
+    if (best == 0 && p->front > 0 && any > 0 && p->rl[any] + p->w[e] / p->cnt[e] < p->rl[0])
+        return any;
     return best >= 0 ? best : any;
 }
 
@@ -414,6 +426,7 @@ static void place(planner *p, int32_t r, int32_t e) {
 
 static void reset_ranks(planner *p) {
     memset(p->rl, 0, sizeof(double) * (size_t)p->R);
+    p->rl[0] = p->front;
     memset(p->rn, 0, sizeof(int32_t) * (size_t)p->R);
     memset(p->holds, 0, (size_t)p->R * (size_t)p->E);
 }
@@ -616,7 +629,13 @@ static void match_ranks(planner *p, const int32_t *cex, const int32_t *crk, int3
         }
     memset(p->used_f, 0, (size_t)(uint32_t)R);
     memset(p->used_c, 0, (size_t)(uint32_t)R);
-    for (int32_t k = 0; k < R; k++) {
+    int32_t k0 = 0;
+    if (p->front > 0) { // the front's rank was packed with its load: it stays rank 0
+        p->used_f[0] = p->used_c[0] = 1;
+        p->map[0] = 0;
+        k0 = 1;
+    }
+    for (int32_t k = k0; k < R; k++) {
         int32_t bf = -1, bc = -1, bv = -1;
         for (int32_t f = 0; f < R; f++) {
             if (p->used_f[f]) continue;
@@ -690,18 +709,20 @@ static bool options_ok(const di_eplb_options *o, int32_t n_expert, int32_t n_lay
     const int64_t N = (int64_t)o->n_ranks * o->slots_per_rank;
     if (N < n_expert || N * n_layers > INT32_MAX) return false;
     return isfinite(o->keep_tolerance) && o->keep_tolerance >= 0 && isfinite(o->min_gain) &&
-           o->min_gain >= 0;
+           o->min_gain >= 0 && isfinite(o->front_load_per_row) && o->front_load_per_row >= 0;
 }
 
 di_status di_eplb_plan(const di_ep_load_table *t, const di_eplb_options *opt,
                        const di_ep_placement *cur, di_ep_placement *out, di_eplb_report *report) {
     memset(out, 0, sizeof(*out));
     if (report) memset(report, 0, sizeof(*report));
-    if (!t || t->n_layers < 1 || t->n_expert < 1 || !t->count || !opt ||
+    if (!t || t->n_layers < 1 || t->n_expert < 1 || !t->count || !t->rows || !opt ||
         !options_ok(opt, t->n_expert, t->n_layers))
         return DI_ERR_INVALID;
     for (int64_t i = 0; i < (int64_t)t->n_layers * t->n_expert; i++)
         if (t->count[i] < 0) return DI_ERR_INVALID;
+    for (int32_t l = 0; l < t->n_layers; l++)
+        if (t->rows[l] < 0) return DI_ERR_INVALID;
     if (cur) {
         char why[160];
         if (cur->n_layers != t->n_layers || cur->n_expert != t->n_expert ||
@@ -717,6 +738,7 @@ di_status di_eplb_plan(const di_ep_load_table *t, const di_eplb_options *opt,
     st = di_ep_placement_alloc(t->n_layers, E, R, N, out);
     for (int32_t l = 0; l < t->n_layers && st == DI_OK; l++) {
         for (int32_t e = 0; e < E; e++) p.w[e] = (double)t->count[(int64_t)l * E + e];
+        p.front = opt->front_load_per_row * (double)t->rows[l];
         replicate(&p);
         const double best = pack_fresh(&p);
         const int32_t *cex = cur ? cur->expert + (int64_t)l * cur->n_slots : NULL;
@@ -729,7 +751,7 @@ di_status di_eplb_plan(const di_ep_load_table *t, const di_eplb_options *opt,
             // kept replicas, more room for the others) until it is within the tolerance; else
             // the fresh plan.
             const double cap = best * (1.0 + p.tol) + 1e-9 * best;
-            rank_loads(cur, l, p.w, p.kept, p.rl);
+            rank_loads(cur, l, p.w, p.front, p.kept, p.rl);
             if (max_of(p.rl, R) <= cap) {
                 memcpy(oex, cex, sizeof(int32_t) * (size_t)N);
                 memcpy(ork, crk, sizeof(int32_t) * (size_t)N);
@@ -765,10 +787,11 @@ di_status di_eplb_plan(const di_ep_load_table *t, const di_eplb_options *opt,
     }
     if (report) {
         di_ep_placement contig = {0};
-        st = di_eplb_balance(out, t, &report->balance_after);
-        if (st == DI_OK && cur) st = di_eplb_balance(cur, t, &report->balance_before);
+        const double f = opt->front_load_per_row;
+        st = di_eplb_balance(out, t, f, &report->balance_after);
+        if (st == DI_OK && cur) st = di_eplb_balance(cur, t, f, &report->balance_before);
         if (st == DI_OK) st = di_ep_placement_contiguous(t->n_layers, E, R, &contig);
-        if (st == DI_OK) st = di_eplb_balance(&contig, t, &report->balance_contiguous);
+        if (st == DI_OK) st = di_eplb_balance(&contig, t, f, &report->balance_contiguous);
         di_ep_placement_free(&contig);
         if (st == DI_OK && cur) {
             const int32_t RM = cur->n_ranks > R ? cur->n_ranks : R;

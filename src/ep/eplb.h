@@ -76,9 +76,15 @@ typedef struct di_eplb_options {
     // di_eplb_rebalance: a new placement is worth its weight copies only when it lowers the
     // plan's balance (max/mean rank load) by more than this (0.05: from 1.30 to below 1.25).
     double min_gain;
+    // Rank 0 (the front) computes the shared experts of every row while the workers compute
+    // their routed replicas (model/dsv4_moe.c), so its load in layer l starts at
+    // front_load_per_row x rows[l] pairs (the model's shared expert count: 1 on V4 and V4.1).
+    // 0: rank 0 is packed like the others.
+    double front_load_per_row;
 } di_eplb_options;
 
-// n_ranks 1, slots_per_rank 0 (to be set), keep_tolerance 0.05, min_gain 0.05.
+// n_ranks 1, slots_per_rank 0 (to be set), keep_tolerance 0.05, min_gain 0.05,
+// front_load_per_row 0.
 di_eplb_options di_eplb_options_default(void);
 
 typedef struct di_eplb_report {
@@ -91,12 +97,16 @@ typedef struct di_eplb_report {
     bool apply;                // di_eplb_rebalance: the new placement is worth applying
 } di_eplb_report;
 
-// Max / mean rank load of `layer` of placement p under the loads of that layer (load[n_expert]);
-// 1.0 when the layer has no load. Plan balance: di_eplb_balance.
-double di_eplb_layer_balance(const di_ep_placement *p, int32_t layer, const double *load);
-// Sum over layers of the max rank load / sum of the mean rank load; 1.0 when there is no load.
-// DI_ERR_INVALID (shapes differ) leaves *out 0.
-di_status di_eplb_balance(const di_ep_placement *p, const di_ep_load_table *t, double *out);
+// Max / mean rank load of `layer` of placement p under the loads of that layer (load[n_expert]),
+// rank 0 carrying `front` more (pairs: front_load_per_row x the layer's rows); 1.0 when the layer
+// has no load. Plan balance: di_eplb_balance.
+double di_eplb_layer_balance(const di_ep_placement *p, int32_t layer, const double *load,
+                             double front);
+// Sum over layers of the max rank load / sum of the mean rank load, rank 0 carrying
+// front_load_per_row x rows[l] more in layer l; 1.0 when there is no load. DI_ERR_INVALID (shapes
+// differ) leaves *out 0.
+di_status di_eplb_balance(const di_ep_placement *p, const di_ep_load_table *t,
+                          double front_load_per_row, double *out);
 // Replicas of `next` on a rank that did not hold a replica of that expert in `cur` (same
 // n_layers and n_expert, any n_ranks and n_slots; -1 when those differ).
 int64_t di_eplb_moves(const di_ep_placement *cur, const di_ep_placement *next);
@@ -104,12 +114,14 @@ int64_t di_eplb_moves(const di_ep_placement *cur, const di_ep_placement *next);
 // Plans every layer: replica counts (one per expert, then one more at a time to the expert with
 // the largest load per replica), then packing (replicas in descending load per replica, each
 // onto the least-loaded rank with a free slot that does not hold that expert yet, when one
-// exists). Deterministic: ties go to the lower expert id, then the lower rank. With `cur` (may
+// exists; rank 0 starting at its front load). Deterministic: ties go to the lower expert id, then
+// the lower rank. With `cur` (may
 // be NULL) of the same n_layers, n_expert, n_ranks and n_slots and slots_per_rank replicas on
 // every rank, a layer stays as it is when its max rank load is within keep_tolerance of the fresh
 // plan's; else it takes, of the plans within that tolerance that keep cur's replicas in their
 // slots where they can (docs/expert-parallel.md, "Stability"), the one that moves the fewest;
-// else the fresh plan, its ranks renumbered to overlap cur the most. `report` (may be NULL) gets
+// else the fresh plan, its ranks renumbered to overlap cur the most (rank 0 staying rank 0 when it
+// has a front load). `report` (may be NULL) gets
 // the balances and moves (apply = false).
 // DI_ERR_INVALID (bad options or shapes, a placement that fails di_ep_placement_check),
 // DI_ERR_NOMEM. `out` is allocated; di_ep_placement_free it.

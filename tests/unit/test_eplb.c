@@ -1,7 +1,8 @@
 // eplb and placement (src/ep): the placement table's basics and checks; the planner's invariants
 // (every expert >= 1 replica, every rank exactly slots_per_rank, no two replicas of an expert on
 // one rank when avoidable, determinism), its quality on Zipf-skewed and uniform loads, its
-// stability (same load: 0 moves; small perturbation: few moves), the rebalancing decision; the
+// stability (same load: 0 moves; small perturbation: few moves), the front's shared-expert load on
+// rank 0, the rebalancing decision; the
 // placement and load files (round trip, every malformed field refused); load counting through a
 // real forward of the tiny V4 fixture (hash layers and the MTP block included) and of the V4.1
 // tiny model, and through the serving engine (readable while it runs, nothing allocated per step).
@@ -226,6 +227,72 @@ static void test_planner_quality(void) {
     di_ep_load_table_free(&t);
 }
 
+// Routed load of each rank of layer l of p (rl[n_ranks]).
+static void routed_loads(const di_ep_placement *p, int32_t l, const int64_t *w, double *rl) {
+    int32_t cnt[512] = {0};
+    for (int32_t r = 0; r < p->n_ranks; r++) rl[r] = 0;
+    for (int32_t s = 0; s < p->n_slots; s++) cnt[p->expert[(int64_t)l * p->n_slots + s]]++;
+    for (int32_t s = 0; s < p->n_slots; s++) {
+        const int32_t e = p->expert[(int64_t)l * p->n_slots + s];
+        rl[p->rank[(int64_t)l * p->n_slots + s]] += (double)w[e] / cnt[e];
+    }
+}
+
+// Rank 0, the front, computes the shared expert of every row besides its replicas: with
+// front_load_per_row the planner starts it at that load, so it gets the lightest replicas and the
+// balance counting the front is better than a plan that ignores it; it stays rank 0 when a plan is
+// matched to a current placement; bad values are refused.
+static void test_planner_front(void) {
+    const int32_t E = 256, R = 8, S = 33, K = 6;
+    di_ep_load_table t = table(1, E);
+    zipf(t.count, E, 1.0, 7);
+    int64_t pairs = 0;
+    for (int32_t e = 0; e < E; e++) pairs += t.count[e];
+    t.rows[0] = pairs / K;
+    di_eplb_options o = opts(R, S);
+    di_ep_placement plain, front, again;
+    di_eplb_report rp, rf, ra;
+    CHECK_EQ(di_eplb_plan(&t, &o, NULL, &plain, &rp), DI_OK);
+    o.front_load_per_row = 1;
+    CHECK_EQ(di_eplb_plan(&t, &o, NULL, &front, &rf), DI_OK);
+    check_invariants(&front, S);
+    double rl[8];
+    routed_loads(&front, 0, t.count, rl);
+    for (int32_t r = 1; r < R; r++) CHECK(rl[0] < rl[r]);
+    // balance with the front: its plan against the plain plan's, both counted with the front
+    double b_plain, b_front;
+    CHECK_EQ(di_eplb_balance(&plain, &t, 1, &b_plain), DI_OK);
+    CHECK_EQ(di_eplb_balance(&front, &t, 1, &b_front), DI_OK);
+    CHECK_NEAR(b_front, rf.balance_after, 1e-12);
+    CHECK(b_front < b_plain - 0.5); // 1.30 against 2.0: the front computes a sixth of the pairs
+    // the rank loads the report counts: max(rank 0 = routed + rows, the others) over the mean
+    double mx = rl[0] + (double)t.rows[0], tot = mx;
+    for (int32_t r = 1; r < R; r++) {
+        tot += rl[r];
+        if (rl[r] > mx) mx = rl[r];
+    }
+    CHECK_NEAR(b_front, mx * R / tot, 1e-9);
+    printf("front load: balance %.4f (a plan ignoring it: %.4f)\n", b_front, b_plain);
+    // matched to the plain plan (rank 0 heavy there): the front stays rank 0, lightest routed
+    CHECK_EQ(di_eplb_plan(&t, &o, &plain, &again, &ra), DI_OK);
+    routed_loads(&again, 0, t.count, rl);
+    for (int32_t r = 1; r < R; r++) CHECK(rl[0] < rl[r]);
+    CHECK(ra.balance_after <= rf.balance_after * (1 + o.keep_tolerance) + 1e-9);
+    di_ep_placement_free(&again);
+    // refused: a negative or non-finite front load, a negative row count
+    di_ep_placement bad;
+    o.front_load_per_row = -1;
+    CHECK_EQ(di_eplb_plan(&t, &o, NULL, &bad, NULL), DI_ERR_INVALID);
+    o.front_load_per_row = NAN;
+    CHECK_EQ(di_eplb_plan(&t, &o, NULL, &bad, NULL), DI_ERR_INVALID);
+    o.front_load_per_row = 1;
+    t.rows[0] = -1;
+    CHECK_EQ(di_eplb_plan(&t, &o, NULL, &bad, NULL), DI_ERR_INVALID);
+    di_ep_placement_free(&plain);
+    di_ep_placement_free(&front);
+    di_ep_load_table_free(&t);
+}
+
 static void test_planner_stability(void) {
     const int32_t E = 256, L = 4, R = 32, S = 9; // 32 redundant replicas
     di_ep_load_table t = table(L, E), u = table(L, E);
@@ -328,7 +395,7 @@ static void test_rebalance(void) {
     CHECK_EQ(di_ep_placement_contiguous(3, E, R, &three), DI_OK);
     CHECK_EQ(di_eplb_moves(&cur, &three), -1);
     double b = 5;
-    CHECK_EQ(di_eplb_balance(&three, &t, &b), DI_ERR_INVALID);
+    CHECK_EQ(di_eplb_balance(&three, &t, 0, &b), DI_ERR_INVALID);
     CHECK(b == 0);
     CHECK_EQ(di_eplb_moves(&cur, &cur), 0);
     CHECK_EQ(di_eplb_moves(&cur, &next), moved);
@@ -785,6 +852,7 @@ int main(void) {
     RUN(test_placement_basics);
     RUN(test_planner_invariants);
     RUN(test_planner_quality);
+    RUN(test_planner_front);
     RUN(test_planner_stability);
     RUN(test_rebalance);
     RUN(test_async_planner);

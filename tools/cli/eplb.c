@@ -1,5 +1,5 @@
 // deepinfer eplb --load LOAD.json --ranks N --slots-per-rank S [--current PLACEMENT.json]
-//                [-o PLACEMENT.json] [--tolerance F] [--min-gain G]
+//                [-o PLACEMENT.json] [--tolerance F] [--min-gain G] [--front-shared N]
 // deepinfer eplb --bench [--layers L] [--experts E]
 // Plans an expert-parallel placement from a routing load (GET /internal/expert-load) and prints
 // each layer's balance (max / mean rank load) of the contiguous placement and of the plan, and the
@@ -26,6 +26,7 @@ static void usage(FILE *f) {
     fprintf(
         f, "usage: deepinfer eplb --load LOAD.json --ranks N --slots-per-rank S "
            "[--current PLACEMENT.json] [-o PLACEMENT.json] [--tolerance F] [--min-gain G]\n"
+           "       [--front-shared N]\n"
            "       deepinfer eplb --bench [--layers L] [--experts E]\n"
            "Plans where each MoE layer's experts and their redundant replicas live over N ranks of "
            "S slots\n(N x S >= experts) from a routing load (serve's GET /internal/expert-load), "
@@ -34,14 +35,17 @@ static void usage(FILE *f) {
            "(default 0.05): a plan that\nkeeps --current's replicas in place is taken when its "
            "max rank load is within this fraction\nof the best. With --current, also whether "
            "the plan is worth applying: it lowers the\nbalance by more than --min-gain (default "
-           "0.05). --bench: the planner on Zipf loads at\nV4-Flash shape.\n");
+           "0.05). --front-shared (default 1, the shared expert\ncount of V4 and V4.1): rank 0, "
+           "the front, also computes that many shared experts per routed\nrow while the workers "
+           "compute, so it counts as that much more load (0: packed like the\nothers). --bench: "
+           "the planner on Zipf loads at V4-Flash shape.\n");
 }
 
-// Balance of one layer of p under the counts of layer l of t.
+// Balance of one layer of p under the counts of layer l of t, rank 0 with its front load.
 static double layer_balance(const di_ep_placement *p, const di_ep_load_table *t, int32_t l,
-                            double *w) {
+                            double front_load_per_row, double *w) {
     for (int32_t e = 0; e < t->n_expert; e++) w[e] = (double)t->count[(int64_t)l * t->n_expert + e];
-    return di_eplb_layer_balance(p, l, w);
+    return di_eplb_layer_balance(p, l, w, front_load_per_row * (double)t->rows[l]);
 }
 
 static int plan(const char *load_path, const char *cur_path, const char *out_path,
@@ -90,9 +94,10 @@ static int plan(const char *load_path, const char *cur_path, const char *out_pat
            o->n_ranks * o->slots_per_rank - t.n_expert, (long long)di_ep_load_table_pairs(&t));
     printf("layer  contiguous  %s  eplb\n", cur_path ? "current" : "");
     for (int32_t l = 0; l < t.n_layers; l++) {
-        printf("%5d  %10.4f", l, layer_balance(&contig, &t, l, w));
-        if (cur_path) printf("  %7.4f", layer_balance(&cur, &t, l, w));
-        printf("  %s%.4f\n", cur_path ? "" : " ", layer_balance(&next, &t, l, w));
+        const double f = o->front_load_per_row;
+        printf("%5d  %10.4f", l, layer_balance(&contig, &t, l, f, w));
+        if (cur_path) printf("  %7.4f", layer_balance(&cur, &t, l, f, w));
+        printf("  %s%.4f\n", cur_path ? "" : " ", layer_balance(&next, &t, l, f, w));
     }
     di_free(w);
     printf("overall (max / mean rank load, 1.0 = perfect): contiguous %.4f",
@@ -223,7 +228,7 @@ static int bench(int32_t L, int32_t E) {
 
 int di_cli_eplb(int argc, char **argv) {
     const char *load = NULL, *cur = NULL, *out = NULL;
-    long ranks = 0, slots = 0, layers = 44, experts = 256;
+    long ranks = 0, slots = 0, layers = 44, experts = 256, front = 1;
     double tol = 0.05, gain = 0.05;
     bool do_bench = false;
     for (int i = 1; i < argc; i++) {
@@ -251,6 +256,8 @@ int di_cli_eplb(int argc, char **argv) {
             if (!di_args_int(v, "--ranks", 1, 65536, &ranks)) return 2;
         } else if (!strcmp(a, "--slots-per-rank")) {
             if (!di_args_int(v, "--slots-per-rank", 1, 65536, &slots)) return 2;
+        } else if (!strcmp(a, "--front-shared")) {
+            if (!di_args_int(v, "--front-shared", 0, 64, &front)) return 2;
         } else if (!strcmp(a, "--layers")) {
             if (!di_args_int(v, "--layers", 1, 1024, &layers)) return 2;
         } else if (!strcmp(a, "--experts")) {
@@ -279,5 +286,6 @@ int di_cli_eplb(int argc, char **argv) {
     o.slots_per_rank = (int32_t)slots;
     o.keep_tolerance = tol;
     o.min_gain = gain;
+    o.front_load_per_row = (double)front;
     return plan(load, cur, out, &o);
 }
