@@ -767,6 +767,13 @@ di_status di_engine_kv_export(di_engine *e, const int32_t *tokens, int32_t n_tok
 // DI_ERR_UNSUPPORTED, DI_ERR_BUSY, DI_ERR_NOMEM.
 di_status di_engine_kv_import(di_engine *e, const void *bytes, size_t n_bytes, int32_t *n_inserted,
                               int32_t *n_present, char *err, size_t cap);
+// Probe: how much of a prompt this engine holds (the PD router asks the decode replica before
+// moving KV): *n_cached tokens of tokens[0 .. n_tokens) under cache_salt are in whole cached
+// blocks, the chain from the first block, in memory or in the disk tier (*n_disk of them on disk,
+// read when the request comes). Reads and changes nothing; runs between steps like the others.
+// 0 and 0 without a prefix cache. DI_ERR_INVALID (n_tokens beyond the context), DI_ERR_BUSY.
+di_status di_engine_kv_probe(di_engine *e, const int32_t *tokens, int32_t n_tokens,
+                             uint64_t cache_salt, int32_t *n_cached, int32_t *n_disk);
 
 // ---- tokenizer and chat rendering ----
 //

@@ -234,14 +234,15 @@ struct di_engine {
 // cached block is computed), for a caller waiting in di_engine_kv_export / _import.
 typedef struct kv_job {
     bool import;
-    const int32_t *tokens; // export
+    bool probe;            // di_engine_kv_probe (tokens, n_tokens, salt in; n_a, n_b out)
+    const int32_t *tokens; // export, probe
     int32_t n_tokens;
     uint64_t salt;
     const void *in; // import
     size_t n_in;
     void *out; // export's transfer
     size_t n_out;
-    int32_t n_a, n_b; // export: blocks; import: inserted, present
+    int32_t n_a, n_b; // export: blocks; import: inserted, present; probe: memory, disk blocks
     char *err;
     size_t cap;
     di_status st;
@@ -1055,6 +1056,25 @@ di_status di_engine_kv_import(di_engine *e, const void *bytes, size_t n_bytes, i
     if (st != DI_OK) return st;
     *n_inserted = j.n_a;
     *n_present = j.n_b;
+    return DI_OK;
+}
+
+di_status di_engine_kv_probe(di_engine *e, const int32_t *tokens, int32_t n_tokens,
+                             uint64_t cache_salt, int32_t *n_cached, int32_t *n_disk) {
+    *n_cached = *n_disk = 0;
+    if (n_tokens < 0 || n_tokens > e->opt.max_ctx) return DI_ERR_INVALID;
+    char err[64];
+    kv_job j = {.probe = true,
+                .tokens = tokens,
+                .n_tokens = n_tokens,
+                .salt = cache_salt,
+                .err = err,
+                .cap = sizeof err};
+    const di_status st = post_job(e, &j);
+    if (st != DI_OK) return st;
+    const int32_t B = e->kv->block_tokens;
+    *n_cached = (j.n_a + j.n_b) * B;
+    *n_disk = j.n_b * B;
     return DI_OK;
 }
 
@@ -2292,7 +2312,10 @@ static void run_jobs(di_engine *e) {
     pthread_mutex_unlock(&e->mu);
     for (kv_job *nx; j; j = nx) {
         nx = j->next;
-        if (j->import)
+        if (j->probe) {
+            di_kv_manager_probe(e->kv, j->tokens, j->n_tokens, j->salt, &j->n_a, &j->n_b);
+            j->st = DI_OK;
+        } else if (j->import)
             j->st = di_kv_manager_import(e->kv, j->in, j->n_in, &j->n_a, &j->n_b, j->err, j->cap);
         else
             j->st = di_kv_manager_export(e->kv, j->tokens, j->n_tokens, j->salt, &j->out, &j->n_out,

@@ -596,6 +596,26 @@ const uint8_t *di_kv_tail_best(di_kv_manager *kv, int32_t slot, int32_t hit, int
     return NULL;
 }
 
+void di_kv_manager_probe(di_kv_manager *kv, const int32_t *tokens, int32_t n_tokens, uint64_t salt,
+                         int32_t *n_memory, int32_t *n_disk) {
+    *n_memory = *n_disk = 0;
+    if (!kv->cache || n_tokens < kv->block_tokens) return;
+    const int32_t B = kv->block_tokens, n_max = n_tokens / B;
+    uint64_t h = 0;
+    for (int32_t n = 0; n < n_max; n++) {
+        const int32_t *t = tokens + (int64_t)n * B;
+        const uint64_t hn = di_prefix_cache_hash(kv->cache, h, t, salt);
+        if (di_prefix_cache_find(kv->cache, hn, h, t) >= 0)
+            ++*n_memory;
+        else if (kv->disk &&
+                 (di_kv_disk_io_find(kv->disk_io, hn, NULL) || di_kv_disk_has(kv->disk, hn)))
+            ++*n_disk;
+        else
+            return;
+        h = hn;
+    }
+}
+
 // ---- KV transfer (prefill/decode disaggregation) ----
 
 // Why the manager cannot export or import blocks (NULL: it can).

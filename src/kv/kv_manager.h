@@ -258,6 +258,14 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
 di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int32_t *n_inserted,
                                int32_t *n_present, char *err, size_t cap);
 
+// What a request with tokens[0 .. n_tokens) under salt would find cached, in whole blocks: the
+// chain from the first block, each block in memory (*n_memory) or, past memory, in the disk tier
+// (queued or on disk, *n_disk: read when such a request comes), stopping at the first block that
+// is neither. Reads and changes nothing (no reference, no LRU touch). 0 and 0 without the prefix
+// cache. The engine thread (the cache's one writer).
+void di_kv_manager_probe(di_kv_manager *kv, const int32_t *tokens, int32_t n_tokens, uint64_t salt,
+                         int32_t *n_memory, int32_t *n_disk);
+
 // Tail snapshots (docs/kv-cache.md, "Tail snapshots"): snapshots of snap_bytes (the engine's
 // per-slot tail state) attached to cached blocks, as many as budget_bytes holds, each dropped
 // with its block. Before any sequence opens; needs the prefix cache. DI_ERR_INVALID (no prefix

@@ -156,6 +156,59 @@ def test_internal_endpoints_refuse_bad_input(pd):
     assert st == 404, err
     st, _, err = post(ref, "/internal/prefill?route=/v1/chat/completions", body)
     assert st == 404, err
+    st, _, err = post(ref, "/internal/kv/probe?route=/v1/chat/completions", body)
+    assert st == 404, err
+
+
+def test_pd_skipped_when_decode_holds_prompt(pd):
+    # the decode replica answers a probe (the request's prompt, rendered as its route would, looked
+    # up in its prefix cache); the router skips the prefill step when all but fewer than
+    # --pd-min-new-tokens (default 256) of the prompt are cached there: the same request again,
+    # and a conversation extended by a short turn, go without a step; a new long prompt takes one
+    ref, pre, dec, router = pd
+    body = chat(9)
+    probe = "/internal/kv/probe?route=/v1/chat/completions"
+    st, _, p0 = post(dec, probe, body)
+    assert st == 200 and p0["cached_tokens"] == 0 and p0["disk_tokens"] == 0, p0
+    assert p0["prompt_tokens"] > 300
+    st, _, want = post(ref, "/v1/chat/completions", body)
+    m0 = router.metrics()
+    st, _, got = post(router, "/v1/chat/completions", body)
+    assert st == 200 and message(got) == message(want)
+    m1 = router.metrics()
+    assert m1['deepinfer:router_pd_requests_total{outcome="ok"}'] == \
+        m0['deepinfer:router_pd_requests_total{outcome="ok"}'] + 1
+    # now the decode replica holds every whole block of the prompt
+    st, _, p1 = post(dec, probe, body)
+    assert st == 200 and p1["prompt_tokens"] == p0["prompt_tokens"], p1
+    assert p1["cached_tokens"] == p1["prompt_tokens"] // 16 * 16, p1
+    exports = pre.metrics()["deepinfer:kv_transfer_exports_total"]
+    st, _, again = post(router, "/v1/chat/completions", body)
+    assert st == 200 and message(again) == message(want)
+    turn = dict(body, messages=body["messages"] + [
+        {"role": "assistant", "content": message(want).split("|")[-1]},
+        {"role": "user", "content": "and then?"}])
+    st, _, want2 = post(ref, "/v1/chat/completions", turn)
+    st, _, got2 = post(router, "/v1/chat/completions", turn)
+    assert st == 200 and message(got2) == message(want2)
+    assert got2["usage"]["prompt_tokens_details"]["cached_tokens"] >= p1["cached_tokens"]
+    m2 = router.metrics()
+    assert m2['deepinfer:router_pd_requests_total{outcome="cached"}'] == \
+        m1['deepinfer:router_pd_requests_total{outcome="cached"}'] + 2
+    assert m2['deepinfer:router_pd_requests_total{outcome="ok"}'] == \
+        m1['deepinfer:router_pd_requests_total{outcome="ok"}']
+    assert pre.metrics()["deepinfer:kv_transfer_exports_total"] == exports  # no step
+    assert dec.metrics()["deepinfer:kv_transfer_probes_total"] >= 5
+    # a new long prompt is prefilled as before
+    st, _, got3 = post(router, "/v1/chat/completions", chat(10))
+    assert st == 200
+    assert router.metrics()['deepinfer:router_pd_requests_total{outcome="ok"}'] == \
+        m2['deepinfer:router_pd_requests_total{outcome="ok"}'] + 1
+    # the probe validates like the route, and needs a generation route
+    st, _, err = post(dec, probe, {"model": MODEL})
+    assert st == 400, err
+    st, _, err = post(dec, "/internal/kv/probe?route=/v1/models", body)
+    assert st == 400 and err["error"]["param"] == "route", err
 
 
 def test_other_model_refused(pd, tmp_path):
@@ -255,7 +308,10 @@ def test_pd_prefill_affinity():
     dec = Server(["--kv-transfer"])
     router = None
     try:
-        router = Router([dec], prefill=pres, extra=["--pd-min-bytes", "1000"])
+        # --pd-min-new-tokens 0: the decode replica holds each prompt the second time, and the
+        # prefill step must run anyway for this test
+        router = Router([dec], prefill=pres,
+                        extra=["--pd-min-bytes", "1000", "--pd-min-new-tokens", "0"])
         first = {}
         for rnd in range(2):
             for seed in (11, 12, 13):
@@ -331,6 +387,8 @@ def test_route_pd_arguments():
                        "--prefill takes http://HOST:PORT"),
                       (["--decode", "http://127.0.0.1:1", "--pd-min-bytes", "-1"],
                        "--pd-min-bytes"),
+                      (["--decode", "http://127.0.0.1:1", "--pd-min-new-tokens", "x"],
+                       "--pd-min-new-tokens"),
                       (["--decode", "http://127.0.0.1:1", "--prefill-timeout", "soon"],
                        "--prefill-timeout takes a duration")):
         r = subprocess.run([bin_, "route", *args], capture_output=True, text=True, timeout=30)

@@ -2,6 +2,7 @@
 // model: (a) a restart: an engine runs a long prompt and is destroyed (its cached blocks are
 // flushed to disk), a new engine on the same directory runs the prompt plus a continuation and
 // takes the prefix from disk: its tokens and logprobs equal those of an engine without any cache;
+// the probe (di_engine_kv_probe) counts the blocks on disk, then in memory, reads nothing;
 // (b) the same after one record is corrupted: the chain stops there, the rest is recomputed, the
 // output is still identical and the record is dropped; (c) write-back on eviction inside one
 // engine with the smallest pool: the evicted blocks come back from disk, identical output, no
@@ -91,6 +92,10 @@ static void test_restart_and_corruption(void) {
     run(e, g_p2, N_P2, true, MAX_GEN, &g_ref[1]);
     check_clean(e, &st);
     CHECK_EQ(st.n_cache_hit_tokens, 0);
+    int32_t n_cached = -1, n_disk = -1;
+    CHECK_EQ(di_engine_kv_probe(e, g_p2, N_P2, 0, &n_cached, &n_disk), DI_OK); // no cache: 0
+    CHECK_EQ(n_cached, 0);
+    CHECK_EQ(n_disk, 0);
     di_engine_destroy(e);
 
     // The first server life: the prompt alone; destroy flushes its cached blocks.
@@ -109,11 +114,24 @@ static void test_restart_and_corruption(void) {
     if (!e) return;
     di_engine_get_stats(e, &st);
     CHECK_EQ(st.n_disk_records, 12);
+    // The probe (di_engine_kv_probe: the PD router's question) sees the 12 blocks on disk, reads
+    // nothing, and is refused past the context.
+    CHECK_EQ(di_engine_kv_probe(e, g_p2, N_P2, 0, &n_cached, &n_disk), DI_OK);
+    CHECK_EQ(n_cached, 192);
+    CHECK_EQ(n_disk, 192);
+    CHECK_EQ(di_engine_kv_probe(e, g_p2, N_P2, 7, &n_cached, &n_disk), DI_OK); // another salt
+    CHECK_EQ(n_cached, 0);
+    CHECK_EQ(di_engine_kv_probe(e, g_p2, N_CTX + 1, 0, &n_cached, &n_disk), DI_ERR_INVALID);
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_disk_blocks_read, 0);
     for (int k = 0; k < 2; k++) {
         run(e, g_p2, N_P2, k == 1, MAX_GEN, &r);
         CHECK(same(&r, &g_ref[k]));
         CHECK_EQ(r.n_cached, k == 0 ? 192 : 288); // the second one hits memory, 18 blocks
     }
+    CHECK_EQ(di_engine_kv_probe(e, g_p2, N_P2, 0, &n_cached, &n_disk), DI_OK);
+    CHECK_EQ(n_cached, 288); // all in memory now
+    CHECK_EQ(n_disk, 0);
     check_clean(e, &st);
     CHECK_EQ(st.n_disk_hit_tokens, 192);
     CHECK_EQ(st.n_disk_blocks_read, 12);

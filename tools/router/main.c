@@ -22,14 +22,17 @@ static void usage(FILE *f) {
             "                       [--max-imbalance 4] [--vnodes 64] [--no-user-pin]\n"
             "                       [--max-body-mib 8] [--timeout 600] [--drain-timeout 30]\n"
             "       deepinfer route --prefill URL [--prefill ...] --decode URL [--decode ...]\n"
-            "                       [--pd-min-bytes 1024] [--prefill-timeout 120s] [options]\n"
+            "                       [--pd-min-bytes 1024] [--pd-min-new-tokens 256]\n"
+            "                       [--prefill-timeout 120s] [options]\n"
             "Spreads OpenAI Chat Completions / Completions / Responses and Anthropic Messages\n"
             "requests over `deepinfer serve` replicas: prefix affinity on a consistent-hash ring,\n"
             "least-loaded fallback, health polling, one retry before any byte reached the client\n"
             "(docs/router.md). Durations: a number with ms, s (default) or m.\n"
             "With --prefill replicas (`deepinfer serve --kv-transfer`), each request of at least\n"
             "--pd-min-bytes is prefilled there first and its KV moved to the decode replica\n"
-            "(--decode, same as --replica), which then serves it (docs/disaggregation.md).\n");
+            "(--decode, same as --replica), which then serves it (docs/disaggregation.md),\n"
+            "unless the decode replica already holds all but fewer than --pd-min-new-tokens of\n"
+            "its prompt (0: never ask).\n");
 }
 
 // "<n>[ms|s|m]" (seconds without a suffix) into milliseconds in [1, 86400 s]; false if malformed.
@@ -191,6 +194,7 @@ int di_cli_route(int argc, char **argv) {
                      .pin_user = true,
                      .max_connections = 1024,
                      .pd_min_bytes = 1024,
+                     .pd_min_new_tokens = 256,
                      .prefill_timeout_ms = 120000};
     int rc = 2, ms;
     long v;
@@ -228,6 +232,9 @@ int di_cli_route(int argc, char **argv) {
         } else if (!strcmp(a, "--pd-min-bytes") && has) {
             if (!di_args_int(argv[++i], "--pd-min-bytes", 0, 1 << 30, &v)) goto out;
             c->pd_min_bytes = (size_t)v;
+        } else if (!strcmp(a, "--pd-min-new-tokens") && has) {
+            if (!di_args_int(argv[++i], "--pd-min-new-tokens", 0, 1 << 30, &v)) goto out;
+            c->pd_min_new_tokens = (int)v;
         } else if (!strcmp(a, "--prefill-timeout") && has) {
             if (!parse_ms(argv[++i], &c->prefill_timeout_ms)) {
                 fprintf(stderr, "route: --prefill-timeout takes a duration such as 500ms, 2s or "

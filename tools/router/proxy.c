@@ -484,6 +484,41 @@ static void prefill(rt *r, struct MHD_Connection *c, const char *url, const char
                 url, fail_why, decode);
 }
 
+// Whether decode replica `decode` holds so much of the request's prompt that the prefill step is
+// not worth it (docs/disaggregation.md, "Router"): it answers POST /internal/kv/probe (the same
+// rendering as the request's, a prefix-cache lookup) with fewer than pd_min_new_tokens tokens left
+// to compute. Any failure of the probe (an older replica, a timeout, a bad answer): false, the
+// step runs as without it.
+static bool decode_holds_prompt(rt *r, struct MHD_Connection *c, const char *url, const char *body,
+                                size_t n_body, int decode) {
+    char path[320];
+    snprintf(path, sizeof path, "/internal/kv/probe?route=%s", url);
+    pthread_mutex_lock(&r->mu);
+    r->rep[decode].n_inflight++; // the probe is an upstream call on it
+    pthread_mutex_unlock(&r->mu);
+    call *x = call_start(r, &r->rep[decode], decode, c, path, "POST", body, n_body, NULL);
+    if (!x) {
+        pthread_mutex_lock(&r->mu);
+        r->rep[decode].n_inflight--;
+        pthread_mutex_unlock(&r->mu);
+        return false;
+    }
+    const bool ok = finish_call(x, c, srv_now() + r->cfg.prefill_timeout_ms / 1000.0);
+    call_account(x, false); // a replica without the endpoint is not failing
+    bool holds = false;
+    if (ok) {
+        json_t *a = json_loadb(x->in.p ? x->in.p : "", x->in.n, 0, NULL);
+        const json_t *np = json_object_get(a, "prompt_tokens"),
+                     *nc = json_object_get(a, "cached_tokens");
+        if (json_is_integer(np) && json_is_integer(nc))
+            holds = json_integer_value(np) - json_integer_value(nc) <
+                    (json_int_t)r->cfg.pd_min_new_tokens;
+        json_decref(a);
+    }
+    call_free(x);
+    return holds;
+}
+
 // One client request through at most two replicas. A second one is tried when the first failed
 // before anything reached the client and did not start the work: unreachable (connect error,
 // connection closed or reset with no response) or it answered 429/502/503/504. A timeout or a
@@ -500,6 +535,13 @@ static enum MHD_Result forward(rt *r, struct MHD_Connection *c, srv_api api, con
     for (int attempt = 0; attempt < 2; attempt++) {
         int i = pick(r, has_key, key, exclude);
         if (i < 0) break;
+        if (attempt == 0 && pd && r->cfg.pd_min_new_tokens > 0 &&
+            decode_holds_prompt(r, c, url, body, n_body, i)) {
+            pthread_mutex_lock(&r->mu);
+            r->n_pd_cached++;
+            pthread_mutex_unlock(&r->mu);
+            pd = false;
+        }
         if (attempt == 0 && pd) {
             prefill(r, c, url, body, n_body, has_key, key, i);
             if (srv_client_gone(c)) { // it left during the prefill step: nobody to answer
@@ -777,13 +819,15 @@ char *rt_metrics_text(rt *r) {
         FAMILY("deepinfer:router_pd_requests_total", "counter",
                "Requests by prefill step outcome (ok: the KV reached the decode replica; "
                "fallback: the step failed, the decode replica computed the prompt; short: the "
-               "body was under --pd-min-bytes, no step).");
+               "body was under --pd-min-bytes, no step; cached: the decode replica held all but "
+               "fewer than --pd-min-new-tokens of the prompt, no step).");
         sb_addf(&b,
                 "deepinfer:router_pd_requests_total{outcome=\"ok\"} %llu\n"
                 "deepinfer:router_pd_requests_total{outcome=\"fallback\"} %llu\n"
-                "deepinfer:router_pd_requests_total{outcome=\"short\"} %llu\n",
+                "deepinfer:router_pd_requests_total{outcome=\"short\"} %llu\n"
+                "deepinfer:router_pd_requests_total{outcome=\"cached\"} %llu\n",
                 (unsigned long long)r->n_pd_ok, (unsigned long long)r->n_pd_fallback,
-                (unsigned long long)r->n_pd_short);
+                (unsigned long long)r->n_pd_short, (unsigned long long)r->n_pd_cached);
         FAMILY("deepinfer:router_pd_transfer_blocks_total", "counter",
                "KV blocks of the transfers that reached a decode replica.");
         sb_addf(&b, "deepinfer:router_pd_transfer_blocks_total %llu\n",

@@ -44,7 +44,9 @@ typedef struct rt_config {
     bool pin_user;               // a request naming a user routes by it
     int max_connections;         // client connections at once
     size_t pd_min_bytes;         // PD mode: bodies shorter than this skip the prefill step
-    int prefill_timeout_ms;      // PD mode: the prefill + KV import must finish within this
+    int pd_min_new_tokens;  // PD mode: the decode replica holding all but fewer: no step (0: ask
+                            // not)
+    int prefill_timeout_ms; // PD mode: the prefill + KV import must finish within this
 } rt_config;
 
 typedef struct rt_replica {
@@ -84,8 +86,9 @@ typedef struct rt {
     uint64_t n_status[6]; // responses by class 1xx..5xx (index 1..5)
     // PD mode: requests that went through the prefill step (ok: the KV reached the decode
     // replica; fallback: the step failed and the decode replica computed the prompt itself),
-    // that skipped it (short), blocks and bytes moved, seconds in prefill and import calls.
-    uint64_t n_pd_ok, n_pd_fallback, n_pd_short, n_pd_blocks, n_pd_bytes;
+    // that skipped it (short; cached: the decode replica held the prompt), blocks and bytes
+    // moved, seconds in prefill and import calls.
+    uint64_t n_pd_ok, n_pd_fallback, n_pd_short, n_pd_cached, n_pd_blocks, n_pd_bytes;
     double pd_prefill_s, pd_import_s;
 } rt;
 

@@ -157,12 +157,14 @@ const char *srv_finish_openai(const srv_choice *c) {
 // ---- lifecycle ----
 
 _Thread_local bool srv_prefill_only;
+_Thread_local bool srv_probe_only;
 
 srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req) {
     srv_gen *g = calloc(1, sizeof *g);
     if (!g) return NULL;
     g->s = s;
     g->prefill_only = srv_prefill_only;
+    g->probe_only = srv_probe_only;
     g->api = api;
     g->req = json_incref(req);
     g->n = 1;
@@ -347,7 +349,8 @@ bool srv_gen_start(srv_gen *g, srv_err *e) {
         srv_err_set(e, 503, NULL, "The server is shutting down; retry on another instance.");
         return false;
     }
-    if (g->prefill_only) { // the prompt's KV is the product: one choice, one token
+    if (g->probe_only) return true; // rendered and validated; the probe looks its prompt up
+    if (g->prefill_only) {          // the prompt's KV is the product: one choice, one token
         g->n = 1;
         g->stream = false;
         g->max_tokens = 1;

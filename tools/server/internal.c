@@ -1,9 +1,10 @@
 // internal — the KV-transfer endpoints of prefill/decode disaggregation (docs/disaggregation.md),
 // served only with --kv-transfer: POST /internal/prefill computes a request's prompt and answers
 // its cached blocks as a KV transfer (application/octet-stream); POST /internal/kv imports such a
-// transfer into the prefix cache. Cluster-internal: whoever can reach them can fill the prefix
-// cache (a transfer's checksums detect damage, not forgery), so they are off by default and take
-// the API key when one is set.
+// transfer into the prefix cache; POST /internal/kv/probe tells how much of a request's prompt the
+// prefix cache holds (the router skips the prefill step when little is new). Cluster-internal:
+// whoever can reach them can fill the prefix cache (a transfer's checksums detect damage, not
+// forgery), so they are off by default and take the API key when one is set.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,5 +120,27 @@ enum MHD_Result srv_import_kv(srv *s, struct MHD_Connection *c, const char *body
     return srv_send_json(c, 200,
                          json_pack("{s:i,s:i,s:I}", "inserted_blocks", (int)ins, "present_blocks",
                                    (int)pres, "bytes", (json_int_t)n),
+                         0);
+}
+
+enum MHD_Result srv_probe_kv(srv *s, struct MHD_Connection *c, srv_gen *g) {
+    int32_t cached = 0, disk = 0;
+    const di_status st = di_engine_kv_probe(s->engine, g->prompt, (int32_t)g->n_prompt,
+                                            g->cache_salt, &cached, &disk);
+    const json_int_t n_prompt = (json_int_t)g->n_prompt;
+    srv_gen_destroy(g);
+    atomic_fetch_sub(&s->inflight, 1);
+    if (st != DI_OK) {
+        const char *code;
+        const int status = status_of(st, &code);
+        return refuse(s, c, status, code, "KV probe failed: %s.", di_status_str(st));
+    }
+    pthread_mutex_lock(&s->metrics_mu);
+    s->n_kv_probes++;
+    pthread_mutex_unlock(&s->metrics_mu);
+    srv_metrics_status(s, 200);
+    return srv_send_json(c, 200,
+                         json_pack("{s:I,s:i,s:i}", "prompt_tokens", n_prompt, "cached_tokens",
+                                   (int)cached, "disk_tokens", (int)disk),
                          0);
 }

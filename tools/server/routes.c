@@ -297,6 +297,8 @@ char *srv_metrics_text(srv *s) {
     COUNTER("deepinfer:kv_transfer_import_refused_total",
             "KV transfers refused (malformed, corrupt, another model, unsupported).",
             s->n_kv_import_refused);
+    COUNTER("deepinfer:kv_transfer_probes_total",
+            "Prefix-cache probes answered (POST /internal/kv/probe).", s->n_kv_probes);
     sb_addf(&b,
             "# HELP deepinfer:kv_transfer_engine_seconds_total Engine time exporting / "
             "importing KV transfers.\n# TYPE deepinfer:kv_transfer_engine_seconds_total counter\n"
@@ -322,6 +324,7 @@ typedef enum kind {
     K_METRICS,
     K_PREFILL,    // POST /internal/prefill?route=<a generation path> (--kv-transfer)
     K_KV_IMPORT,  // POST /internal/kv (--kv-transfer)
+    K_KV_PROBE,   // POST /internal/kv/probe?route=<a generation path> (--kv-transfer)
     K_EXPERT_LOAD // GET /internal/expert-load (EPLB: the routing load per layer and expert)
 } kind;
 
@@ -349,6 +352,7 @@ static const struct route {
     {"/metrics", "GET", K_METRICS, false},
     {"/internal/prefill", "POST", K_PREFILL, false},
     {"/internal/kv", "POST", K_KV_IMPORT, false},
+    {"/internal/kv/probe", "POST", K_KV_PROBE, false},
     {"/internal/expert-load", "GET", K_EXPERT_LOAD, false},
 };
 
@@ -380,7 +384,8 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     bool path_known = false;
     for (size_t i = 0; i < sizeof k_routes / sizeof k_routes[0]; i++) {
         if (strcmp(url, k_routes[i].path)) continue;
-        if ((k_routes[i].k == K_PREFILL || k_routes[i].k == K_KV_IMPORT) && !s->cfg.kv_transfer)
+        const kind k = k_routes[i].k;
+        if ((k == K_PREFILL || k == K_KV_IMPORT || k == K_KV_PROBE) && !s->cfg.kv_transfer)
             continue; // internal endpoints exist only with --kv-transfer
         path_known = true;
         if (!strcmp(method, k_routes[i].method)) r = &k_routes[i];
@@ -476,18 +481,18 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         return fail(s, c, api, &e);
     }
     if (r->k == K_KV_IMPORT) return srv_import_kv(s, c, body, n_body);
-    kind gk = r->k; // the generation route: the request's own, or the one a prefill names
+    kind gk = r->k; // the generation route: the request's own, or the one a prefill / probe names
     bool beta = r->beta;
-    if (r->k == K_PREFILL) {
+    if (r->k == K_PREFILL || r->k == K_KV_PROBE) {
         const char *path = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "route");
         const struct route *t = NULL;
         for (size_t i = 0; path && i < sizeof k_routes / sizeof k_routes[0]; i++)
             if (!strcmp(path, k_routes[i].path) && k_routes[i].k <= K_MSG) t = &k_routes[i];
         if (!t) {
             srv_err_set(&e, 400, "route",
-                        "POST /internal/prefill needs ?route= naming a generation path (such as "
+                        "POST %s needs ?route= naming a generation path (such as "
                         "/v1/chat/completions), got %s%s%s.",
-                        path ? "'" : "", path ? path : "none", path ? "'" : "");
+                        url, path ? "'" : "", path ? path : "none", path ? "'" : "");
             return fail(s, c, api, &e);
         }
         gk = t->k;
@@ -514,17 +519,19 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         return fail(s, c, api, &e);
     }
     srv_gen *g = NULL;
-    srv_prefill_only = r->k == K_PREFILL;
+    srv_prefill_only = r->k == K_PREFILL || r->k == K_KV_PROBE;
+    srv_probe_only = r->k == K_KV_PROBE;
     bool ok = gk == K_CHAT   ? srv_chat_prepare(s, req, beta, &g, &e)
               : gk == K_CMPL ? srv_completions_prepare(s, req, beta, &g, &e)
               : gk == K_RESP ? srv_responses_prepare(s, req, &g, &e)
                              : srv_messages_prepare(s, req, &g, &e);
-    srv_prefill_only = false;
+    srv_prefill_only = srv_probe_only = false;
     json_decref(req);
     if (!ok) {
         atomic_fetch_sub(&s->inflight, 1);
         return fail(s, c, api, &e);
     }
     if (r->k == K_PREFILL) return srv_run_prefill(s, c, g); // releases the in-flight slot
+    if (r->k == K_KV_PROBE) return srv_probe_kv(s, c, g);   // releases the in-flight slot
     return srv_run_generation(s, c, g);                     // releases the in-flight slot
 }

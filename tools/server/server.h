@@ -147,6 +147,7 @@ typedef struct srv {
     uint64_t n_kv_exports, n_kv_export_blocks, n_kv_export_bytes;
     uint64_t n_kv_imports, n_kv_import_blocks, n_kv_import_present, n_kv_import_bytes;
     uint64_t n_kv_import_refused;
+    uint64_t n_kv_probes;            // POST /internal/kv/probe answered
     double kv_export_s, kv_import_s; // time in the engine's export / import
 } srv;
 
@@ -216,6 +217,7 @@ typedef struct srv_api_ops {
 typedef struct srv_gen {
     srv *s;
     bool prefill_only; // POST /internal/prefill: one choice, one token, no stream (srv_gen_start)
+    bool probe_only;   // POST /internal/kv/probe: rendered, never submitted (srv_gen_start)
     srv_api api;
     const srv_api_ops *ops;
     json_t *req; // owned request document
@@ -272,6 +274,9 @@ typedef struct srv_gen {
 // generation srv_gen_create makes there is prefill_only (the same validation and rendering as the
 // public route; srv_gen_start then submits one choice of one token).
 extern _Thread_local bool srv_prefill_only;
+// The same around POST /internal/kv/probe's prepare call: the generation is probe_only (and
+// prefill_only, for the same rendering), and srv_gen_start submits nothing.
+extern _Thread_local bool srv_probe_only;
 // Creates a generation for api over the parsed request (req reference is taken). The caller
 // fills sampling fields, then calls srv_gen_start. NULL on out of memory.
 srv_gen *srv_gen_create(srv *s, srv_api api, json_t *req);
@@ -387,7 +392,11 @@ enum MHD_Result srv_send_error(struct MHD_Connection *c, srv_api api, const srv_
 enum MHD_Result srv_run_generation(srv *s, struct MHD_Connection *c, srv_gen *g);
 bool srv_client_gone(struct MHD_Connection *c);
 // internal.c (docs/disaggregation.md): POST /internal/prefill runs g (prefill_only) and answers
-// the prompt's cached blocks as a KV transfer; POST /internal/kv imports one. Both release the
-// in-flight slot / take none.
+// the prompt's cached blocks as a KV transfer; POST /internal/kv imports one; POST
+// /internal/kv/probe answers how much of a prompt is cached. They release the in-flight slot /
+// take none.
 enum MHD_Result srv_run_prefill(srv *s, struct MHD_Connection *c, srv_gen *g);
 enum MHD_Result srv_import_kv(srv *s, struct MHD_Connection *c, const char *body, size_t n);
+// POST /internal/kv/probe: how much of g's prompt the prefix cache holds (di_engine_kv_probe);
+// 200 {"prompt_tokens","cached_tokens","disk_tokens"}. Destroys g, releases the in-flight slot.
+enum MHD_Result srv_probe_kv(srv *s, struct MHD_Connection *c, srv_gen *g);
