@@ -8,7 +8,12 @@ cache hits across trials) it measures:
   - the pieces on a further fresh prompt: the prefill call (prompt computed and exported), the
     transfer's bytes per prompt token, the import call, and the decode replica's TTFT after the
     import (its remaining work: replay of the window suffix) vs the plain replica's TTFT for the
-    same prompt (its whole prefill): the decode replica's time saved.
+    same prompt (its whole prefill): the decode replica's time saved;
+  - a conversation's second turn (the first turn's messages, its answer and a short question)
+    through the PD router: with the probe (the default --pd-min-new-tokens 256: the decode replica
+    holds the first turn, the prefill step is skipped) vs a router with --pd-min-new-tokens 0 (the
+    step runs: prefill on the prefill replica, where the prefix is cached too, and the whole chain
+    moved again); and the probe call alone.
 Prints the median and the range of each.
     bench/router/pd.py [build/deepinfer] [N=5] [words per prompt, comma-separated: 600,1500]"""
 import http.client
@@ -31,6 +36,11 @@ def body(n_words, seed, stream=True):
     text = " ".join(WORDS[(i * 7 + seed * 13 + i // 5) % len(WORDS)] for i in range(n_words))
     return {"model": "deepinfer-tiny", "temperature": 0, "max_tokens": 2, "stream": stream,
             "messages": [{"role": "user", "content": f"{seed} {text}"}]}
+
+
+def second_turn(b):
+    return dict(b, messages=b["messages"] + [{"role": "assistant", "content": "ok"},
+                                             {"role": "user", "content": "and then what?"}])
 
 
 def ttft(port, b):
@@ -68,7 +78,7 @@ def fmt(v, unit=1e3, suffix="ms"):
 
 def main():
     env = serve_env()
-    sp, pp, dp, rp = (free_port() for _ in range(4))
+    sp, pp, dp, rp, rp0 = (free_port() for _ in range(5))
     procs = []
     try:
         for port, extra in ((sp, []), (pp, ["--kv-transfer"]), (dp, ["--kv-transfer"])):
@@ -76,11 +86,16 @@ def main():
             wait_ready(port, 1200)
         procs.append(start([BIN, "route", "--port", str(rp), "--pd-min-bytes", "0", "--prefill",
                             f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}"]))
+        procs.append(start([BIN, "route", "--port", str(rp0), "--pd-min-bytes", "0",
+                            "--pd-min-new-tokens", "0", "--prefill", f"http://127.0.0.1:{pp}",
+                            "--decode", f"http://127.0.0.1:{dp}"]))
         wait_ready(rp, 1200)
-        time.sleep(1)  # the router's first health polls
+        wait_ready(rp0, 1200)
+        time.sleep(1)  # the routers' first health polls
         seed = 0
         for n_words in LENGTHS:
-            res = {k: [] for k in ("direct", "pd", "prefill", "import", "dec", "full", "bpt")}
+            res = {k: [] for k in ("direct", "pd", "prefill", "import", "dec", "full", "bpt",
+                                   "turn", "turn0", "probe")}
             n_tok = 0
             for _ in range(N):
                 seed += 1
@@ -98,6 +113,14 @@ def main():
                 res["bpt"].append(len(x) / n_tok)
                 res["dec"].append(ttft(dp, b))
                 res["full"].append(ttft(sp, b))
+                for port, key in ((rp, "turn"), (rp0, "turn0")):
+                    seed += 1
+                    first = body(n_words, seed)
+                    ttft(port, first)
+                    res[key].append(ttft(port, second_turn(first)))
+                res["probe"].append(post(dp, "/internal/kv/probe?route=/v1/chat/completions",
+                                         json.dumps(second_turn(first)).encode(),
+                                         "application/json")[0])
             saved = [f - d for f, d in zip(res["full"], res["dec"])]
             print(f"prompt {n_tok} tokens, N={N} (median, range):")
             print(f"  TTFT direct on one replica   {fmt(res['direct'])}")
@@ -108,6 +131,8 @@ def main():
                   f"({statistics.median(res['bpt']) * n_tok / 2**20:.2f} MiB)")
             print(f"  decode replica TTFT after import {fmt(res['dec'])} vs full prefill "
                   f"{fmt(res['full'])}: saved {fmt(saved)}")
+            print(f"  second turn through PD: probe, step skipped {fmt(res['turn'])} vs step "
+                  f"run again {fmt(res['turn0'])}; the probe call {fmt(res['probe'])}")
     finally:
         stop(procs)
 
