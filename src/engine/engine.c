@@ -227,6 +227,8 @@ struct di_engine {
     bool dev_xfer_busy;
     // di_engine_probe_workers (under mu): when the workers were last probed, and the answer.
     int64_t probe_ms;
+    // di_engine_skew_clock (tests): added to the scheduler's clock.
+    _Atomic int64_t clock_skew_ms;
     di_status probe_st;
 };
 
@@ -2272,11 +2274,11 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
                  (int)n_unpublished, (int)n_preempted);
 }
 
-// The scheduler's clock (priority aging): milliseconds of CLOCK_MONOTONIC.
-static int64_t mono_ms(void) {
+// The scheduler's clock (priority aging): milliseconds of CLOCK_MONOTONIC, plus a test's skew.
+static int64_t sched_now_ms(di_engine *e) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + atomic_load(&e->clock_skew_ms);
 }
 
 // Takes the submitted requests into the waiting queue; returns whether cancellations arrived.
@@ -2296,7 +2298,7 @@ static bool take_incoming(di_engine *e, bool sleep, bool *stop) {
     bool cancel = e->any_cancel;
     e->any_cancel = false;
     pthread_mutex_unlock(&e->mu);
-    s->now_ms = mono_ms();
+    s->now_ms = sched_now_ms(e);
     for (di_request *r = in, *nx; r; r = nx) {
         nx = r->next;
         di_sched_enqueue(s, r);
@@ -2480,7 +2482,7 @@ static void *engine_main(void *p) {
 
         int64_t a0 = di_mem_thread_allocs(), cb_allocs = 0;
         if (!have_plan || s->aborted || s->n_seq == 0) {
-            s->now_ms = mono_ms();
+            s->now_ms = sched_now_ms(e);
             di_sched_step(s);
         }
         have_plan = false;
@@ -2597,6 +2599,10 @@ void di_engine_kv_disk_hold(di_engine *e, bool hold) {
 
 void di_engine_kv_disk_hold_reads(di_engine *e, bool hold) {
     if (e->kv && e->kv->disk_io) di_kv_disk_io_hold_reads(e->kv->disk_io, hold);
+}
+
+void di_engine_skew_clock(di_engine *e, int64_t ms) {
+    atomic_fetch_add(&e->clock_skew_ms, ms);
 }
 
 void di_engine_eplb_hold(di_engine *e, bool hold) {

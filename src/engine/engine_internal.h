@@ -18,9 +18,11 @@
  *     steps go on while a plan is in flight.
  *   - di_engine_kv_disk_hold: holds the disk tier's IO thread, so a test sees steps go on with
  *     writes queued, lookups served from the queue, and a full queue drop records.
- * Thread-safety: create before start; di_engine_eplb_hold, di_engine_kv_disk_hold(_reads) from any
- * thread; di_engine_fail_forward from any thread; di_engine_set_draft_hook and
- * di_engine_set_masks_ahead while the engine is idle.
+ *   - di_engine_skew_clock: moves the scheduler's clock (priority aging) forward, so a test ages
+ *     requests by minutes without waiting.
+ * Thread-safety: create before start; di_engine_eplb_hold, di_engine_kv_disk_hold(_reads),
+ * di_engine_skew_clock from any thread; di_engine_fail_forward from any thread;
+ * di_engine_set_draft_hook and di_engine_set_masks_ahead while the engine is idle.
  */
 #pragma once
 
@@ -96,3 +98,7 @@ void di_engine_kv_disk_hold(di_engine *e, bool hold);
 // hold. Release before di_engine_wait_idle (a waiting request counts as live); a cancelled
 // request's prefetch stops even while held.
 void di_engine_kv_disk_hold_reads(di_engine *e, bool hold);
+
+// Adds ms to the scheduler's clock from now on (priority aging: requests enqueued before have
+// waited ms longer; enqueued after, not).
+void di_engine_skew_clock(di_engine *e, int64_t ms);

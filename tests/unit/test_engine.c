@@ -4,7 +4,8 @@
 // return every KV block; the step path allocates nothing; a full queue is refused with
 // DI_ERR_BUSY; stop strings end a request through the engine; a better priority preempts and runs
 // first, equal priorities share slots between tenants by the tokens they received (virtual token
-// counter), and all of it, priority aging included, leaves every output equal to the request
+// counter), a request that aged on the engine's (skewed) clock runs before a newer one of better
+// priority, and all of it, priority aging included, leaves every output equal to the request
 // alone.
 #include "harness.h"
 
@@ -14,6 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/engine_internal.h" // di_engine_skew_clock
 #include "model/synth.h"
 
 static char g_dir[256];
@@ -421,9 +423,10 @@ static void run_sched(int max_seqs, int lead, int first, int n, const int *gen, 
     di_engine_destroy(e);
 }
 
-// The orders asserted here run without aging (a slow run must not age anyone); the scheduler's
-// own test (test_sched.c) covers aging on its clock, and the last run here checks that aging at
-// 1 ms (which reorders and preempts at every step's whim) still leaves every output exact.
+// The orders asserted here run without aging (a slow run must not age anyone); test_aging_order
+// ages requests on the engine's skewed clock, the scheduler's own test (test_sched.c) covers aging
+// on its clock, and the last run here checks that aging at 1 ms (which reorders and preempts at
+// every step's whim) still leaves every output exact.
 static void test_priority_and_fair_share(void) {
     enum { N = 5 };
     static result alone[N], got[N];
@@ -472,6 +475,57 @@ static void test_priority_and_fair_share(void) {
     }
 }
 
+// Aging on the engine's own clock (di_engine_skew_clock moves it, so requests age by minutes
+// without a slow test): one slot, aging 60 s; 0 (priority 0) runs, 1 (priority 3) waits, the clock
+// moves 4 minutes, then 2 (priority 0) arrives: 1 aged to -1 runs before 2 when 0 ends, where
+// without the skew 2's better priority goes first. Nothing is preempted (the running 0 aged too),
+// and every output equals the request alone.
+static void run_aging(bool skew, result *got, di_engine_stats *st) {
+    enum { N = 3 };
+    const int gen[N] = {40, 10, 10}, prio[N] = {0, 3, 0};
+    di_engine *e = engine_aging(64u << 20, 1, false, 60000);
+    if (!e) return;
+    atomic_store(&g_first_seq, 0);
+    for (int i = 0; i < N; i++) {
+        memset(&got[i], 0, sizeof got[i]);
+        di_request_params p = request(i, &got[i]);
+        p.max_tokens = gen[i];
+        p.priority = prio[i];
+        uint64_t id;
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+        if (i == 0)
+            while (got[0].n == 0) usleep(200); // 0 runs
+        if (i == 1) { // 1 is in the scheduler's queue (enqueued on the clock before the skew)
+            for (di_engine_get_stats(e, st); st->n_waiting < 1; di_engine_get_stats(e, st))
+                usleep(200);
+            if (skew) di_engine_skew_clock(e, 4 * 60000);
+        }
+    }
+    di_engine_wait_idle(e);
+    di_engine_get_stats(e, st);
+    check_clean(e);
+    di_engine_destroy(e);
+}
+
+static void test_aging_order(void) {
+    enum { N = 3 };
+    static result alone[N], got[N];
+    const int gen[N] = {40, 10, 10}, prio0[N] = {0};
+    const uint64_t ten0[N] = {0};
+    di_engine_stats st;
+    for (int i = 0; i < N; i++) run_sched(1, 1, i, 1, gen, prio0, ten0, 0, alone, &st);
+    run_aging(false, got, &st);
+    CHECK(got[2].first_at < got[1].first_at);
+    CHECK(got[0].done_at < got[2].first_at);
+    run_aging(true, got, &st);
+    fprintf(stderr, "aging: first tokens at %d %d %d, %lld priority preemptions\n", got[0].first_at,
+            got[1].first_at, got[2].first_at, (long long)st.n_priority_preemptions);
+    CHECK(got[1].first_at < got[2].first_at);
+    CHECK(got[0].done_at < got[1].first_at);
+    CHECK_EQ(st.n_priority_preemptions, 0);
+    for (int i = 0; i < N; i++) CHECK(same(&got[i], &alone[i]));
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -493,6 +547,7 @@ int main(void) {
     RUN(test_queue_limit_and_bad_requests);
     RUN(test_stop_string);
     RUN(test_priority_and_fair_share);
+    RUN(test_aging_order);
     di_test_remove_dir(g_dir);
     return test_finish();
 }
