@@ -151,6 +151,29 @@ def test_messages(claude):
     assert m.usage.output_tokens == 6 or m.stop_reason == "end_turn"
 
 
+def test_messages_count_tokens(claude, server):
+    # POST /v1/messages/count_tokens (the SDK's messages.count_tokens): the prompt as the Messages
+    # route renders it, counted without generating; equal to a request's input + cache reads
+    kw = dict(model=MODEL, system="be brief",
+              messages=[{"role": "user", "content": "count these tokens, please"}],
+              tools=[{"name": "get_weather", "description": "Weather of a city",
+                      "input_schema": {"type": "object",
+                                       "properties": {"city": {"type": "string"}}}}])
+    n = claude.messages.count_tokens(**kw).input_tokens
+    m = claude.messages.create(max_tokens=2, **kw)
+    assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens > 10
+    shorter = dict(kw, tools=[])
+    assert 0 < claude.messages.count_tokens(**shorter).input_tokens < n
+    # the same validation as the route (but max_tokens), and the Anthropic error shape
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        claude.messages.count_tokens(model=MODEL, messages=[])
+    assert ei.value.body["type"] == "error"
+    st, _, err = post(server, "/anthropic/v1/messages/count_tokens",
+                      {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                       "max_tokens": 0})
+    assert st == 400 and err["error"]["type"] == "invalid_request_error", err
+
+
 def test_messages_stream_tools(claude):
     tools = [{"name": "get_weather", "description": "w",
               "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]

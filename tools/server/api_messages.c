@@ -76,19 +76,20 @@ static bool check_cache_control(const json_t *req, srv_err *e) {
 
 static bool check(const json_t *req, srv_gen *g, srv_err *e) {
     const json_t *mt = json_object_get(req, "max_tokens");
-    if (!mt) {
+    if (!mt && g->probe_only) { // count_tokens (and a KV probe): nothing is generated
+        g->max_tokens = 1;
+    } else if (!mt) {
         srv_err_set(e, 400, "max_tokens", "max_tokens: Field required");
         return false;
-    }
-    if (!json_is_integer(mt)) {
+    } else if (!json_is_integer(mt)) {
         srv_err_set(e, 400, "max_tokens", "max_tokens: Input should be a valid integer");
         return false;
-    }
-    if (json_integer_value(mt) < 1 || json_integer_value(mt) > 393216) {
+    } else if (json_integer_value(mt) < 1 || json_integer_value(mt) > 393216) {
         srv_err_set(e, 400, "max_tokens", "max_tokens: must be between 1 and 393216");
         return false;
+    } else {
+        g->max_tokens = (int32_t)json_integer_value(mt);
     }
-    g->max_tokens = (int32_t)json_integer_value(mt);
     const json_t *msgs = json_object_get(req, "messages");
     if (!json_is_array(msgs) || !json_array_size(msgs)) {
         srv_err_set(e, 400, "messages", "messages: Field required (a non-empty array)");
@@ -179,6 +180,14 @@ bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
     }
     *out = g;
     return true;
+}
+
+enum MHD_Result srv_messages_count(srv *s, struct MHD_Connection *c, srv_gen *g) {
+    const json_int_t n = (json_int_t)g->n_prompt;
+    srv_gen_destroy(g);
+    atomic_fetch_sub(&s->inflight, 1);
+    srv_metrics_status(s, 200);
+    return srv_send_json(c, 200, json_pack("{s:I}", "input_tokens", n), 0);
 }
 
 static const char *stop_reason(const srv_choice *c) {

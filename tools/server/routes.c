@@ -318,6 +318,7 @@ typedef enum kind {
     K_CMPL,
     K_RESP,
     K_MSG,
+    K_MSG_COUNT, // POST /v1/messages/count_tokens: the Messages prompt's token count
     K_MODELS,
     K_HEALTH,
     K_READY,
@@ -345,6 +346,9 @@ static const struct route {
     {"/v1/messages", "POST", K_MSG, false},
     {"/anthropic/v1/messages", "POST", K_MSG, false},
     {"/anthropic/messages", "POST", K_MSG, false},
+    {"/v1/messages/count_tokens", "POST", K_MSG_COUNT, false},
+    {"/anthropic/v1/messages/count_tokens", "POST", K_MSG_COUNT, false},
+    {"/anthropic/messages/count_tokens", "POST", K_MSG_COUNT, false},
     {"/v1/models", "GET", K_MODELS, false},
     {"/models", "GET", K_MODELS, false},
     {"/health", "GET", K_HEALTH, false},
@@ -357,11 +361,11 @@ static const struct route {
 };
 
 static srv_api api_of(kind k) {
-    return k == K_CHAT   ? SRV_API_CHAT
-           : k == K_CMPL ? SRV_API_COMPLETIONS
-           : k == K_RESP ? SRV_API_RESPONSES
-           : k == K_MSG  ? SRV_API_MESSAGES
-                         : SRV_API_OTHER;
+    return k == K_CHAT                      ? SRV_API_CHAT
+           : k == K_CMPL                    ? SRV_API_COMPLETIONS
+           : k == K_RESP                    ? SRV_API_RESPONSES
+           : k == K_MSG || k == K_MSG_COUNT ? SRV_API_MESSAGES
+                                            : SRV_API_OTHER;
 }
 
 static enum MHD_Result fail(srv *s, struct MHD_Connection *c, srv_api api, const srv_err *e) {
@@ -374,7 +378,7 @@ static bool authorized(srv *s, struct MHD_Connection *c, kind k) {
     const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
     if (a && !strncmp(a, "Bearer ", 7)) return !strcmp(a + 7, s->cfg.http.api_key); // Bearer wins
     const char *x = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "x-api-key");
-    return k == K_MSG && x && !strcmp(x, s->cfg.http.api_key);
+    return (k == K_MSG || k == K_MSG_COUNT) && x && !strcmp(x, s->cfg.http.api_key);
 }
 
 enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, const char *method,
@@ -499,6 +503,7 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         beta = t->beta;
         api = api_of(gk);
     }
+    if (r->k == K_MSG_COUNT) gk = K_MSG;
     json_error_t jerr;
     json_t *req = json_loadb(body, n_body, JSON_REJECT_DUPLICATES, &jerr);
     if (!req) {
@@ -520,7 +525,7 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     }
     srv_gen *g = NULL;
     srv_prefill_only = r->k == K_PREFILL || r->k == K_KV_PROBE;
-    srv_probe_only = r->k == K_KV_PROBE;
+    srv_probe_only = r->k == K_KV_PROBE || r->k == K_MSG_COUNT;
     bool ok = gk == K_CHAT   ? srv_chat_prepare(s, req, beta, &g, &e)
               : gk == K_CMPL ? srv_completions_prepare(s, req, beta, &g, &e)
               : gk == K_RESP ? srv_responses_prepare(s, req, &g, &e)
@@ -531,7 +536,8 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         atomic_fetch_sub(&s->inflight, 1);
         return fail(s, c, api, &e);
     }
-    if (r->k == K_PREFILL) return srv_run_prefill(s, c, g); // releases the in-flight slot
-    if (r->k == K_KV_PROBE) return srv_probe_kv(s, c, g);   // releases the in-flight slot
-    return srv_run_generation(s, c, g);                     // releases the in-flight slot
+    if (r->k == K_PREFILL) return srv_run_prefill(s, c, g);      // releases the in-flight slot
+    if (r->k == K_KV_PROBE) return srv_probe_kv(s, c, g);        // releases the in-flight slot
+    if (r->k == K_MSG_COUNT) return srv_messages_count(s, c, g); // releases the in-flight slot
+    return srv_run_generation(s, c, g);                          // releases the in-flight slot
 }

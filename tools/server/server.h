@@ -346,6 +346,9 @@ bool srv_chat_prepare(srv *s, json_t *req, bool beta, srv_gen **out, srv_err *e)
 bool srv_completions_prepare(srv *s, json_t *req, bool beta, srv_gen **out, srv_err *e);
 bool srv_responses_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
 bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
+// POST /v1/messages/count_tokens: g prepared as a probe (rendered, not submitted; max_tokens
+// optional) answers {"input_tokens": its prompt's tokens}. Destroys g, releases the in-flight slot.
+enum MHD_Result srv_messages_count(srv *s, struct MHD_Connection *c, srv_gen *g);
 
 // http.c
 typedef struct srv_http srv_http;
