@@ -85,6 +85,11 @@ def test_router_same_output_as_direct(fleet):
     st, _, models = urllib.request.urlopen(router.base + "/v1/models", timeout=10).status, None, \
         json.loads(urllib.request.urlopen(router.base + "/v1/models", timeout=10).read())
     assert st == 200 and models["data"][0]["id"] == MODEL
+    # Anthropic token counting goes through too, to the same answer as a replica's
+    count = {"model": MODEL, "messages": [{"role": "user", "content": "how many tokens?"}]}
+    st, _, via = post(router, "/v1/messages/count_tokens", count)
+    assert st == 200 and via["input_tokens"] > 0, via
+    assert via == post(reps[0], "/v1/messages/count_tokens", count)[2]
 
 
 def long_prefix(seed):

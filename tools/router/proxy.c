@@ -12,7 +12,9 @@
 
 // ---- endpoints ----
 
-typedef enum kind { K_GEN, K_MODELS, K_HEALTH, K_READY, K_METRICS } kind;
+// K_COUNT: Anthropic token counting, routed like a generation (its key's replica) but never
+// prefilled.
+typedef enum kind { K_GEN, K_COUNT, K_MODELS, K_HEALTH, K_READY, K_METRICS } kind;
 
 static const struct route {
     const char *path;
@@ -30,6 +32,9 @@ static const struct route {
     {"/v1/messages", "POST", K_GEN},
     {"/anthropic/v1/messages", "POST", K_GEN},
     {"/anthropic/messages", "POST", K_GEN},
+    {"/v1/messages/count_tokens", "POST", K_COUNT},
+    {"/anthropic/v1/messages/count_tokens", "POST", K_COUNT},
+    {"/anthropic/messages/count_tokens", "POST", K_COUNT},
     {"/v1/models", "GET", K_MODELS},
     {"/models", "GET", K_MODELS},
     {"/health", "GET", K_HEALTH},
@@ -696,7 +701,7 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
     }
     bool has_key = false;
     uint64_t key = 0;
-    if (rt_->k == K_GEN) {
+    if (rt_->k == K_GEN || rt_->k == K_COUNT) {
         if (too_large) {
             srv_err_set(&e, 413, NULL, "The request body is larger than %zu bytes.",
                         r->cfg.http.max_body_bytes);
