@@ -151,6 +151,20 @@ def test_messages(claude):
     assert m.usage.output_tokens == 6 or m.stop_reason == "end_turn"
 
 
+def test_responses_input_tokens(oai, server):
+    # POST /v1/responses/input_tokens (the SDK's responses.input_tokens.count): the prompt as the
+    # Responses route renders it, counted without generating (model optional there)
+    kw = dict(model=MODEL, instructions="be brief", input="count these tokens, please")
+    r = oai.responses.input_tokens.count(**kw)
+    assert r.object == "response.input_tokens"
+    full = oai.responses.create(max_output_tokens=16, **kw)
+    assert r.input_tokens == full.usage.input_tokens > 5
+    assert oai.responses.input_tokens.count(input="count these tokens, please").input_tokens < \
+        r.input_tokens  # without the instructions
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.input_tokens.count(model=MODEL, input=[{"role": "nobody", "content": "x"}])
+
+
 def test_messages_count_tokens(claude, server):
     # POST /v1/messages/count_tokens (the SDK's messages.count_tokens): the prompt as the Messages
     # route renders it, counted without generating; equal to a request's input + cache reads

@@ -12,8 +12,8 @@
 
 // ---- endpoints ----
 
-// K_COUNT: Anthropic token counting, routed like a generation (its key's replica) but never
-// prefilled.
+// K_COUNT: token counting (Anthropic count_tokens, Responses input_tokens), routed like a
+// generation (its key's replica) but never prefilled.
 typedef enum kind { K_GEN, K_COUNT, K_MODELS, K_HEALTH, K_READY, K_METRICS } kind;
 
 static const struct route {
@@ -35,6 +35,8 @@ static const struct route {
     {"/v1/messages/count_tokens", "POST", K_COUNT},
     {"/anthropic/v1/messages/count_tokens", "POST", K_COUNT},
     {"/anthropic/messages/count_tokens", "POST", K_COUNT},
+    {"/v1/responses/input_tokens", "POST", K_COUNT},
+    {"/responses/input_tokens", "POST", K_COUNT},
     {"/v1/models", "GET", K_MODELS},
     {"/models", "GET", K_MODELS},
     {"/health", "GET", K_HEALTH},

@@ -182,14 +182,6 @@ bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
     return true;
 }
 
-enum MHD_Result srv_messages_count(srv *s, struct MHD_Connection *c, srv_gen *g) {
-    const json_int_t n = (json_int_t)g->n_prompt;
-    srv_gen_destroy(g);
-    atomic_fetch_sub(&s->inflight, 1);
-    srv_metrics_status(s, 200);
-    return srv_send_json(c, 200, json_pack("{s:I}", "input_tokens", n), 0);
-}
-
 static const char *stop_reason(const srv_choice *c) {
     switch (c->pfinish) {
     case DI_PARSER_FINISH_LENGTH:

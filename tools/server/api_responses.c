@@ -115,7 +115,8 @@ bool srv_responses_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e) {
     }
     g->ops = &srv_responses_ops;
     srv_make_id(s, "resp_", g->id, sizeof g->id);
-    if (!srv_check_model(s, req, true, e) || !check(req, g, e) ||
+    // input_tokens (a probe) counts without a model, as the hosted endpoint does
+    if (!srv_check_model(s, req, !g->probe_only, e) || !check(req, g, e) ||
         !srv_check_sampling(g, req, SRV_API_RESPONSES, e) ||
         !srv_lookup_model(s, req, SRV_API_RESPONSES, e) ||
         !srv_render(g, DI_RENDER_API_RESPONSES, e) || !srv_check_length(g, e) ||

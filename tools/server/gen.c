@@ -599,3 +599,15 @@ void srv_gen_destroy(srv_gen *g) {
     free(g->bias);
     free(g);
 }
+
+enum MHD_Result srv_run_count(srv *s, struct MHD_Connection *c, srv_gen *g) {
+    const json_int_t n = (json_int_t)g->n_prompt;
+    const bool responses = g->api == SRV_API_RESPONSES;
+    srv_gen_destroy(g);
+    atomic_fetch_sub(&s->inflight, 1);
+    srv_metrics_status(s, 200);
+    json_t *o = responses
+                    ? json_pack("{s:s,s:I}", "object", "response.input_tokens", "input_tokens", n)
+                    : json_pack("{s:I}", "input_tokens", n);
+    return srv_send_json(c, 200, o, 0);
+}

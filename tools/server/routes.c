@@ -318,7 +318,8 @@ typedef enum kind {
     K_CMPL,
     K_RESP,
     K_MSG,
-    K_MSG_COUNT, // POST /v1/messages/count_tokens: the Messages prompt's token count
+    K_MSG_COUNT,  // POST /v1/messages/count_tokens: the Messages prompt's token count
+    K_RESP_COUNT, // POST /v1/responses/input_tokens: the Responses prompt's token count
     K_MODELS,
     K_HEALTH,
     K_READY,
@@ -343,6 +344,8 @@ static const struct route {
     {"/beta/completions", "POST", K_CMPL, true},
     {"/v1/responses", "POST", K_RESP, false},
     {"/responses", "POST", K_RESP, false},
+    {"/v1/responses/input_tokens", "POST", K_RESP_COUNT, false},
+    {"/responses/input_tokens", "POST", K_RESP_COUNT, false},
     {"/v1/messages", "POST", K_MSG, false},
     {"/anthropic/v1/messages", "POST", K_MSG, false},
     {"/anthropic/messages", "POST", K_MSG, false},
@@ -361,11 +364,11 @@ static const struct route {
 };
 
 static srv_api api_of(kind k) {
-    return k == K_CHAT                      ? SRV_API_CHAT
-           : k == K_CMPL                    ? SRV_API_COMPLETIONS
-           : k == K_RESP                    ? SRV_API_RESPONSES
-           : k == K_MSG || k == K_MSG_COUNT ? SRV_API_MESSAGES
-                                            : SRV_API_OTHER;
+    return k == K_CHAT                        ? SRV_API_CHAT
+           : k == K_CMPL                      ? SRV_API_COMPLETIONS
+           : k == K_RESP || k == K_RESP_COUNT ? SRV_API_RESPONSES
+           : k == K_MSG || k == K_MSG_COUNT   ? SRV_API_MESSAGES
+                                              : SRV_API_OTHER;
 }
 
 static enum MHD_Result fail(srv *s, struct MHD_Connection *c, srv_api api, const srv_err *e) {
@@ -504,6 +507,8 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         api = api_of(gk);
     }
     if (r->k == K_MSG_COUNT) gk = K_MSG;
+    if (r->k == K_RESP_COUNT) gk = K_RESP;
+    const bool count = r->k == K_MSG_COUNT || r->k == K_RESP_COUNT;
     json_error_t jerr;
     json_t *req = json_loadb(body, n_body, JSON_REJECT_DUPLICATES, &jerr);
     if (!req) {
@@ -525,7 +530,7 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     }
     srv_gen *g = NULL;
     srv_prefill_only = r->k == K_PREFILL || r->k == K_KV_PROBE;
-    srv_probe_only = r->k == K_KV_PROBE || r->k == K_MSG_COUNT;
+    srv_probe_only = r->k == K_KV_PROBE || count;
     bool ok = gk == K_CHAT   ? srv_chat_prepare(s, req, beta, &g, &e)
               : gk == K_CMPL ? srv_completions_prepare(s, req, beta, &g, &e)
               : gk == K_RESP ? srv_responses_prepare(s, req, &g, &e)
@@ -536,8 +541,8 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         atomic_fetch_sub(&s->inflight, 1);
         return fail(s, c, api, &e);
     }
-    if (r->k == K_PREFILL) return srv_run_prefill(s, c, g);      // releases the in-flight slot
-    if (r->k == K_KV_PROBE) return srv_probe_kv(s, c, g);        // releases the in-flight slot
-    if (r->k == K_MSG_COUNT) return srv_messages_count(s, c, g); // releases the in-flight slot
-    return srv_run_generation(s, c, g);                          // releases the in-flight slot
+    if (r->k == K_PREFILL) return srv_run_prefill(s, c, g); // releases the in-flight slot
+    if (r->k == K_KV_PROBE) return srv_probe_kv(s, c, g);   // releases the in-flight slot
+    if (count) return srv_run_count(s, c, g);               // releases the in-flight slot
+    return srv_run_generation(s, c, g);                     // releases the in-flight slot
 }

@@ -270,6 +270,12 @@ typedef struct srv_gen {
 } srv_gen;
 
 // gen.c
+// Token counting (POST /v1/messages/count_tokens, POST /v1/responses/input_tokens): g prepared
+// as a probe (validated and rendered as its route does, not submitted; Messages' max_tokens and
+// Responses' model optional) answers its prompt's tokens in the API's shape: Messages
+// {"input_tokens"}, Responses {"object":"response.input_tokens","input_tokens"}. Destroys g,
+// releases the in-flight slot.
+enum MHD_Result srv_run_count(srv *s, struct MHD_Connection *c, srv_gen *g);
 // Set by a connection thread around the API's prepare call for POST /internal/prefill: the
 // generation srv_gen_create makes there is prefill_only (the same validation and rendering as the
 // public route; srv_gen_start then submits one choice of one token).
@@ -346,9 +352,6 @@ bool srv_chat_prepare(srv *s, json_t *req, bool beta, srv_gen **out, srv_err *e)
 bool srv_completions_prepare(srv *s, json_t *req, bool beta, srv_gen **out, srv_err *e);
 bool srv_responses_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
 bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
-// POST /v1/messages/count_tokens: g prepared as a probe (rendered, not submitted; max_tokens
-// optional) answers {"input_tokens": its prompt's tokens}. Destroys g, releases the in-flight slot.
-enum MHD_Result srv_messages_count(srv *s, struct MHD_Connection *c, srv_gen *g);
 
 // http.c
 typedef struct srv_http srv_http;
