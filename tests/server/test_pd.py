@@ -123,6 +123,26 @@ def test_pd_short_body_skips_prefill(pd):
     assert router.metrics()['deepinfer:router_pd_requests_total{outcome="short"}'] == 1
 
 
+def test_pd_short_prompt_by_tokens(pd):
+    # the probe's token count decides too: a prompt of fewer tokens than --pd-min-new-tokens takes
+    # no step (counted as short) whatever its body's size
+    ref, pre, dec, _ = pd
+    router = Router([dec], prefill=[pre],
+                    extra=["--pd-min-bytes", "0", "--pd-min-new-tokens", "100000"])
+    try:
+        exports = pre.metrics()["deepinfer:kv_transfer_exports_total"]
+        body = chat(14)
+        st, _, want = post(ref, "/v1/chat/completions", body)
+        st, _, got = post(router, "/v1/chat/completions", body)
+        assert st == 200 and message(got) == message(want)
+        m = router.metrics()
+        assert m['deepinfer:router_pd_requests_total{outcome="short"}'] == 1
+        assert m['deepinfer:router_pd_requests_total{outcome="ok"}'] == 0
+        assert pre.metrics()["deepinfer:kv_transfer_exports_total"] == exports
+    finally:
+        router.stop()
+
+
 def test_internal_endpoints_refuse_bad_input(pd):
     ref, pre, dec, router = pd
     body = chat(4)

@@ -491,13 +491,15 @@ static void prefill(rt *r, struct MHD_Connection *c, const char *url, const char
                 url, fail_why, decode);
 }
 
-// Whether decode replica `decode` holds so much of the request's prompt that the prefill step is
-// not worth it (docs/disaggregation.md, "Router"): it answers POST /internal/kv/probe (the same
-// rendering as the request's, a prefix-cache lookup) with fewer than pd_min_new_tokens tokens left
-// to compute. Any failure of the probe (an older replica, a timeout, a bad answer): false, the
-// step runs as without it.
-static bool decode_holds_prompt(rt *r, struct MHD_Connection *c, const char *url, const char *body,
-                                size_t n_body, int decode) {
+// What decode replica `decode` says of the request's prompt (POST /internal/kv/probe: the same
+// rendering as the request's, a prefix-cache lookup), against pd_min_new_tokens: fewer tokens
+// than that in the whole prompt (PD_SHORT) or left to compute past its cache (PD_CACHED) make the
+// prefill step not worth it. Any failure of the probe (an older replica, a timeout, a bad
+// answer): PD_GO, the step runs as without it.
+typedef enum pd_verdict { PD_GO, PD_SHORT, PD_CACHED } pd_verdict;
+
+static pd_verdict probe_decode(rt *r, struct MHD_Connection *c, const char *url, const char *body,
+                               size_t n_body, int decode) {
     char path[320];
     snprintf(path, sizeof path, "/internal/kv/probe?route=%s", url);
     pthread_mutex_lock(&r->mu);
@@ -508,22 +510,24 @@ static bool decode_holds_prompt(rt *r, struct MHD_Connection *c, const char *url
         pthread_mutex_lock(&r->mu);
         r->rep[decode].n_inflight--;
         pthread_mutex_unlock(&r->mu);
-        return false;
+        return PD_GO;
     }
     const bool ok = finish_call(x, c, srv_now() + r->cfg.prefill_timeout_ms / 1000.0);
     call_account(x, false); // a replica without the endpoint is not failing
-    bool holds = false;
+    pd_verdict v = PD_GO;
     if (ok) {
         json_t *a = json_loadb(x->in.p ? x->in.p : "", x->in.n, 0, NULL);
         const json_t *np = json_object_get(a, "prompt_tokens"),
                      *nc = json_object_get(a, "cached_tokens");
+        const json_int_t min = (json_int_t)r->cfg.pd_min_new_tokens;
         if (json_is_integer(np) && json_is_integer(nc))
-            holds = json_integer_value(np) - json_integer_value(nc) <
-                    (json_int_t)r->cfg.pd_min_new_tokens;
+            v = json_integer_value(np) < min                            ? PD_SHORT
+                : json_integer_value(np) - json_integer_value(nc) < min ? PD_CACHED
+                                                                        : PD_GO;
         json_decref(a);
     }
     call_free(x);
-    return holds;
+    return v;
 }
 
 // One client request through at most two replicas. A second one is tried when the first failed
@@ -542,10 +546,15 @@ static enum MHD_Result forward(rt *r, struct MHD_Connection *c, srv_api api, con
     for (int attempt = 0; attempt < 2; attempt++) {
         int i = pick(r, has_key, key, exclude);
         if (i < 0) break;
-        if (attempt == 0 && pd && r->cfg.pd_min_new_tokens > 0 &&
-            decode_holds_prompt(r, c, url, body, n_body, i)) {
+        const pd_verdict pv = attempt == 0 && pd && r->cfg.pd_min_new_tokens > 0
+                                  ? probe_decode(r, c, url, body, n_body, i)
+                                  : PD_GO;
+        if (pv != PD_GO) {
             pthread_mutex_lock(&r->mu);
-            r->n_pd_cached++;
+            if (pv == PD_SHORT)
+                r->n_pd_short++;
+            else
+                r->n_pd_cached++;
             pthread_mutex_unlock(&r->mu);
             pd = false;
         }
@@ -826,8 +835,9 @@ char *rt_metrics_text(rt *r) {
         FAMILY("deepinfer:router_pd_requests_total", "counter",
                "Requests by prefill step outcome (ok: the KV reached the decode replica; "
                "fallback: the step failed, the decode replica computed the prompt; short: the "
-               "body was under --pd-min-bytes, no step; cached: the decode replica held all but "
-               "fewer than --pd-min-new-tokens of the prompt, no step).");
+               "body was under --pd-min-bytes or the prompt under --pd-min-new-tokens, no step; "
+               "cached: the decode replica held all but fewer than --pd-min-new-tokens of the "
+               "prompt, no step).");
         sb_addf(&b,
                 "deepinfer:router_pd_requests_total{outcome=\"ok\"} %llu\n"
                 "deepinfer:router_pd_requests_total{outcome=\"fallback\"} %llu\n"
