@@ -192,9 +192,10 @@ int32_t di_model_layer_ratio(const di_model *model, int32_t il);
 // experts; for benchmarks), "flash-full" / "flash-full-<N>l" (every V4-Flash width with 256
 // experts, N layers (default 2), no MTP block, fast random codes: ~3.3 GB per layer + 2.1 GB) or
 // "v41-tiny" (the DeepSeek V4.1 tiny test model of deepseek-v41.md §7.2, with DSpark in the
-// official layout). official: DeepSeek's FP8/FP4 layout
-// with an MTP block, else the Hugging Face naming in BF16. The weights are random, so generated
-// text is meaningless. Returns DI_ERR_INVALID (unknown preset), DI_ERR_IO, DI_ERR_NOMEM.
+// official layout) or "v41-flash-4l" (V4.1-Flash widths, 4 layers, 32 experts, one Engram
+// layer, no DSpark, fast random codes: 5.9 GiB; for benchmarks). official: DeepSeek's FP8/FP4
+// layout with an MTP block, else the Hugging Face naming in BF16. The weights are random, so
+// generated text is meaningless. Returns DI_ERR_INVALID (unknown preset), DI_ERR_IO, DI_ERR_NOMEM.
 di_status di_synth_checkpoint(const char *preset, const char *dir, bool official, uint64_t seed);
 
 // Converts the official-layout checkpoint in src_dir to a GGUF file of llama.cpp's deepseek4

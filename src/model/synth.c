@@ -724,33 +724,153 @@ static di_status gen_v41_block(gen *g, const v41_shape *z, const char *p, int ra
     return DI_OK;
 }
 
-di_status di_synth_v41_write(const char *dir, bool official, bool dspark, uint64_t seed) {
+// A V4.1 checkpoint's shape and layer schedule: the presets v41-tiny (spec §7.2) and
+// v41-flash-4l (V4.1-Flash's widths, 4 layers, 32 experts: the CPU benchmark's model).
+typedef struct v41_spec {
+    v41_shape z;
+    int32_t n_layer;
+    int32_t ratio[8];
+    bool kv[8], idx[8];             // KV sources (they compress), index sources
+    int32_t engram[2], n_engram;    // Engram layers
+    int64_t engram_vocab;           // engram_vocab_size: a layer's rows are the sum of its primes
+    int32_t engram_heads, n_cvocab; // engram_n_heads; compressed vocabulary (cmap[id] = id / 2)
+    int32_t cand_layer, cand_blocks, cand_block_size, index_topk;
+    int32_t rope, window, E, K, max_pos, yarn_orig;
+    float yarn_factor;
+    int32_t image_token, dspark_target[2];
+    bool fast; // di_synth_config.fast: the large preset's random codes on every core
+} v41_spec;
+
+static const v41_spec k_v41_tiny = {.z = {.D = 256,
+                                          .H = 4,
+                                          .Dh = 64,
+                                          .Rq = 64,
+                                          .G = 2,
+                                          .Ro = 64,
+                                          .HI = 4,
+                                          .DI = 64,
+                                          .F = 128,
+                                          .NC = 4,
+                                          .ncol = 6,
+                                          .hd = 32,
+                                          .V = 512},
+                                    .n_layer = 6,
+                                    .ratio = {0, 2, 2, 1, 1, 1},
+                                    .kv = {0, 1, 0, 1, 0, 0},
+                                    .idx = {0, 1, 0, 1, 0, 1},
+                                    .engram = {0, 1},
+                                    .n_engram = 2,
+                                    .engram_vocab = 100,
+                                    .engram_heads = 2,
+                                    .n_cvocab = 256,
+                                    .cand_layer = 3,
+                                    .cand_blocks = 3,
+                                    .cand_block_size = 4,
+                                    .index_topk = 8,
+                                    .rope = 16,
+                                    .window = 16,
+                                    .E = 4,
+                                    .K = 2,
+                                    .max_pos = 4096,
+                                    .yarn_orig = 32,
+                                    .yarn_factor = 4.0f,
+                                    .image_token = 500,
+                                    .dspark_target = {4, 5}};
+
+static const v41_spec k_v41_flash_4l = {
+    .z = {.D = 5120,
+          .H = 64,
+          .Dh = 512,
+          .Rq = 1280,
+          .G = 8,
+          .Ro = 1024,
+          .HI = 32,
+          .DI = 128,
+          .F = 2304,
+          .NC = 4,
+          .ncol = 24,
+          .hd = 256,
+          .V = 129280},
+    .n_layer = 4,
+    .ratio = {0, 2, 2, 1},
+    .kv = {0, 1, 0, 1},
+    .idx = {0, 1, 0, 1},
+    .engram = {1},
+    .n_engram = 1,
+    .engram_vocab = 40000, // 24 primes above it: ~960k rows of 256 (246 MB; the release: 16M)
+    .engram_heads = 8,
+    .n_cvocab = 64640,
+    .cand_layer = 3,
+    .cand_blocks = 2048,
+    .cand_block_size = 8,
+    .index_topk = 512,
+    .rope = 64,
+    .window = 128,
+    .E = 32,
+    .K = 6,
+    .max_pos = 1048576,
+    .yarn_orig = 65536,
+    .yarn_factor = 16.0f,
+    .image_token = 128815,
+    .dspark_target = {2, 3},
+    .fast = true};
+
+static bool is_prime(int64_t n) {
+    if (n < 2) return false;
+    for (int64_t d = 2; d * d <= n; d++)
+        if (n % d == 0) return false;
+    return true;
+}
+
+// The rows of every Engram layer (spec §2.3.1: for each layer, n-gram size and head, the
+// smallest prime above the last one handed out for that size, never used in any layer; the
+// search of each size starts at engram_vocab_size - 1).
+static void v41_engram_rows(const v41_spec *sp, int64_t *rows) {
+    enum { MAX_NGRAM = 4 };
+    int64_t last[MAX_NGRAM + 1], used[64];
+    int n_used = 0;
+    for (int n = 2; n <= MAX_NGRAM; n++) last[n] = sp->engram_vocab - 1;
+    for (int l = 0; l < sp->n_engram; l++) {
+        rows[l] = 0;
+        for (int n = 2; n <= MAX_NGRAM; n++)
+            for (int h = 0; h < sp->engram_heads; h++) {
+                int64_t p = last[n] + 1;
+                for (;; p++) {
+                    bool taken = false;
+                    for (int i = 0; i < n_used; i++) taken = taken || used[i] == p;
+                    if (!taken && is_prime(p)) break;
+                }
+                used[n_used++] = p;
+                last[n] = p;
+                rows[l] += p;
+            }
+    }
+}
+
+// "[a, b, c]" of the first n values (prefixed by `extra` entries when given).
+static void json_ints(di_buf *b, const int32_t *v, int n, const char *extra) {
+    di_buf_printf(b, "[");
+    for (int i = 0; i < n; i++) di_buf_printf(b, "%s%d", i ? ", " : "", (int)v[i]);
+    di_buf_printf(b, "%s]", extra ? extra : "");
+}
+
+static di_status v41_write(const char *dir, const v41_spec *sp, bool official, bool dspark,
+                           uint64_t seed) {
     di_synth_config c;
     memset(&c, 0, sizeof c);
     c.official = official;
     c.seed = seed;
     c.fp8_block = 32;
+    c.fast = sp->fast;
     gen g = {.c = &c, .r = {seed}};
-    const v41_shape z = {.D = 256,
-                         .H = 4,
-                         .Dh = 64,
-                         .Rq = 64,
-                         .G = 2,
-                         .Ro = 64,
-                         .HI = 4,
-                         .DI = 64,
-                         .F = 128,
-                         .NC = 4,
-                         .ncol = 6,
-                         .hd = 32,
-                         .V = 512};
-    const int ratios[6] = {0, 2, 2, 1, 1, 1};
-    const bool kv[6] = {0, 1, 0, 1, 0, 0}, idx[6] = {0, 1, 0, 1, 0, 1};
-    const int64_t rows[6] = {660, 864, 0, 0, 0, 0};
+    const v41_shape z = sp->z;
+    int64_t engram_rows[2] = {0, 0};
+    v41_engram_rows(sp, engram_rows);
     di_status st = DI_OK;
     char b[256];
     di_buf cfg;
     di_buf_init(&cfg);
+    if (c.fast && (st = di_pool_create(0, &g.pool)) != DI_OK) return st;
 #define GTRY(x)                                                                                    \
     do {                                                                                           \
         if ((st = (x)) != DI_OK) goto done;                                                        \
@@ -763,12 +883,15 @@ di_status di_synth_v41_write(const char *dir, bool official, bool dspark, uint64
         GTRY(add_f32(&g, "head.weight", 2, z.V, z.D, 0, 1.0f / sqrtf((float)z.D)));
     }
     GTRY(v41_vec(&g, "", "norm.weight", z.D, 1, 0.1f));
-    for (int il = 0; il < 6; il++) {
+    for (int il = 0; il < sp->n_layer; il++) {
+        int64_t rows = 0;
+        for (int l = 0; l < sp->n_engram; l++)
+            if (sp->engram[l] == il) rows = engram_rows[l];
         snprintf(b, sizeof b, "layers.%d.", il);
-        GTRY(gen_v41_block(&g, &z, b, ratios[il], kv[il], idx[il], rows[il], 4));
+        GTRY(gen_v41_block(&g, &z, b, sp->ratio[il], sp->kv[il], sp->idx[il], rows, sp->E));
     }
     if (dspark) {
-        GTRY(gen_v41_block(&g, &z, "mtp.0.", 0, false, false, 0, 4));
+        GTRY(gen_v41_block(&g, &z, "mtp.0.", 0, false, false, 0, sp->E));
         GTRY(v41_lin(&g, "mtp.0.", "main_proj.weight", z.D, 2 * z.D, true));
         GTRY(v41_vec(&g, "mtp.0.", "main_norm.weight", z.D, 1, 0.1f));
         GTRY(v41_vec(&g, "mtp.0.", "norm.weight", z.D, 1, 0.1f));
@@ -793,21 +916,39 @@ di_status di_synth_v41_write(const char *dir, bool official, bool dspark, uint64
         di_free(map);
         if (st != DI_OK) goto done;
     }
+    int32_t kv_ids[8], idx_ids[8], n_kv = 0, n_idx = 0;
+    for (int il = 0; il < sp->n_layer; il++) {
+        if (sp->kv[il]) kv_ids[n_kv++] = il;
+        if (sp->idx[il]) idx_ids[n_idx++] = il;
+    }
+    const int32_t erows[2] = {(int32_t)engram_rows[0], (int32_t)engram_rows[1]};
     di_buf_printf(
         &cfg,
         "{\n  \"model_type\": \"deepseek_v41\", \"architectures\": [\"DeepseekV41ForCausalLM\"],\n"
         "  \"_comment\": \"random weights written by deepinfer synth (seed %llu)\",\n"
-        "  \"bos_token_id\": 0, \"eos_token_id\": 1, \"image_token_id\": 500,\n%s"
+        "  \"bos_token_id\": 0, \"eos_token_id\": 1, \"image_token_id\": %d,\n%s"
         "  \"text_config\": {\n"
-        "    \"vocab_size\": 512, \"hidden_size\": 256, \"num_hidden_layers\": 6,\n"
-        "    \"num_nextn_predict_layers\": %d, \"compress_ratios\": [0, 2, 2, 1, 1, 1%s],\n"
-        "    \"kv_source_layer_ids\": [1, 3], \"index_source_layer_ids\": [1, 3, 5],\n"
-        "    \"candidate_source_layer_id\": 3, \"candidate_topk_blocks\": 3,\n"
-        "    \"candidate_block_size\": 4, \"index_n_heads\": 4, \"index_head_dim\": 64,\n"
-        "    \"index_topk\": 8, \"num_attention_heads\": 4, \"num_key_value_heads\": 1,\n"
-        "    \"head_dim\": 64, \"qk_rope_head_dim\": 16, \"q_lora_rank\": 64, \"o_groups\": 2,\n"
-        "    \"o_lora_rank\": 64, \"sliding_window\": 16, \"n_routed_experts\": 4,\n"
-        "    \"num_experts_per_tok\": 2, \"n_shared_experts\": 1, \"moe_intermediate_size\": 128,\n"
+        "    \"vocab_size\": %d, \"hidden_size\": %d, \"num_hidden_layers\": %d,\n"
+        "    \"num_nextn_predict_layers\": %d, \"compress_ratios\": ",
+        (unsigned long long)seed, (int)sp->image_token,
+        official ? "  \"quantization_config\": {\"quant_method\": \"fp8\", \"activation_scheme\": "
+                   "\"dynamic\", \"weight_block_size\": [32, 32], \"scale_fmt\": \"ue8m0\", "
+                   "\"expert_dtype\": \"fp4\"},\n"
+                 : "",
+        (int)z.V, (int)z.D, (int)sp->n_layer, dspark ? 1 : 0);
+    json_ints(&cfg, sp->ratio, sp->n_layer, dspark ? ", 0" : NULL);
+    di_buf_printf(&cfg, ",\n    \"kv_source_layer_ids\": ");
+    json_ints(&cfg, kv_ids, n_kv, NULL);
+    di_buf_printf(&cfg, ", \"index_source_layer_ids\": ");
+    json_ints(&cfg, idx_ids, n_idx, NULL);
+    di_buf_printf(
+        &cfg,
+        ",\n    \"candidate_source_layer_id\": %d, \"candidate_topk_blocks\": %d,\n"
+        "    \"candidate_block_size\": %d, \"index_n_heads\": %d, \"index_head_dim\": %d,\n"
+        "    \"index_topk\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": 1,\n"
+        "    \"head_dim\": %d, \"qk_rope_head_dim\": %d, \"q_lora_rank\": %d, \"o_groups\": %d,\n"
+        "    \"o_lora_rank\": %d, \"sliding_window\": %d, \"n_routed_experts\": %d,\n"
+        "    \"num_experts_per_tok\": %d, \"n_shared_experts\": 1, \"moe_intermediate_size\": %d,\n"
         "    \"scoring_func\": \"sqrtsoftplus\", \"norm_topk_prob\": true,\n"
         "    \"routed_scaling_factor\": 1.5, \"gate_temp\": 1.0, \"swiglu_limit\": 10.0,\n"
         "    \"rms_norm_eps\": 1e-20, \"hc_mult\": 4, \"hc_sinkhorn_iters\": 20, \"hc_eps\": "
@@ -815,24 +956,31 @@ di_status di_synth_v41_write(const char *dir, bool official, bool dspark, uint64
         "    \"rope_theta\": 10000.0, \"compress_rope_theta\": 160000.0,\n"
         "    \"rope_parameters\": {\"main\": {\"rope_type\": \"default\", \"rope_theta\": "
         "10000.0,\n"
-        "      \"partial_rotary_factor\": 0.25}, \"compress\": {\"rope_type\": \"yarn\",\n"
-        "      \"rope_theta\": 160000.0, \"partial_rotary_factor\": 0.25, \"factor\": 4.0,\n"
-        "      \"original_max_position_embeddings\": 32, \"beta_fast\": 32.0, \"beta_slow\": 1.0,\n"
+        "      \"partial_rotary_factor\": %g}, \"compress\": {\"rope_type\": \"yarn\",\n"
+        "      \"rope_theta\": 160000.0, \"partial_rotary_factor\": %g, \"factor\": %.1f,\n"
+        "      \"original_max_position_embeddings\": %d, \"beta_fast\": 32.0, \"beta_slow\": 1.0,\n"
         "      \"attention_factor\": 1.0}},\n"
-        "    \"max_position_embeddings\": 4096,\n"
-        "    \"engram_layer_ids\": [0, 1], \"engram_num_embeddings\": [660, 864],\n"
-        "    \"engram_vocab_size\": 100, \"engram_max_ngram_size\": 4, \"engram_n_heads\": 2,\n"
-        "    \"engram_head_dim\": 32, \"engram_pad_id\": 2, \"engram_compressed_vocab_size\": "
-        "256,\n"
-        "    \"dspark_block_size\": 2, \"dspark_noise_token_id\": 511,\n"
-        "    \"dspark_target_layer_ids\": [4, 5], \"dspark_markov_rank\": 32,\n"
+        "    \"max_position_embeddings\": %d,\n"
+        "    \"engram_layer_ids\": ",
+        (int)sp->cand_layer, (int)sp->cand_blocks, (int)sp->cand_block_size, (int)z.HI, (int)z.DI,
+        (int)sp->index_topk, (int)z.H, (int)z.Dh, (int)sp->rope, (int)z.Rq, (int)z.G, (int)z.Ro,
+        (int)sp->window, (int)sp->E, (int)sp->K, (int)z.F, (double)sp->rope / (double)z.Dh,
+        (double)sp->rope / (double)z.Dh, (double)sp->yarn_factor, (int)sp->yarn_orig,
+        (int)sp->max_pos);
+    json_ints(&cfg, sp->engram, sp->n_engram, NULL);
+    di_buf_printf(&cfg, ", \"engram_num_embeddings\": ");
+    json_ints(&cfg, erows, sp->n_engram, NULL);
+    di_buf_printf(
+        &cfg,
+        ",\n    \"engram_vocab_size\": %lld, \"engram_max_ngram_size\": 4, \"engram_n_heads\": "
+        "%d,\n"
+        "    \"engram_head_dim\": %d, \"engram_pad_id\": 2, \"engram_compressed_vocab_size\": "
+        "%d,\n"
+        "    \"dspark_block_size\": 2, \"dspark_noise_token_id\": %d,\n"
+        "    \"dspark_target_layer_ids\": [%d, %d], \"dspark_markov_rank\": 32,\n"
         "    \"tie_word_embeddings\": false\n  }\n}\n",
-        (unsigned long long)seed,
-        official ? "  \"quantization_config\": {\"quant_method\": \"fp8\", \"activation_scheme\": "
-                   "\"dynamic\", \"weight_block_size\": [32, 32], \"scale_fmt\": \"ue8m0\", "
-                   "\"expert_dtype\": \"fp4\"},\n"
-                 : "",
-        dspark ? 1 : 0, dspark ? ", 0" : "");
+        (long long)sp->engram_vocab, (int)sp->engram_heads, (int)z.hd, (int)sp->n_cvocab,
+        (int)z.V - 1, (int)sp->dspark_target[0], (int)sp->dspark_target[1]);
     snprintf(path, sizeof path, "%s/config.json", dir);
     FILE *f = fopen(path, "w");
     bool ok = f && cfg.data && fwrite(cfg.data, 1, cfg.len, f) == cfg.len;
@@ -844,12 +992,19 @@ di_status di_synth_v41_write(const char *dir, bool official, bool dspark, uint64
 done:
     di_buf_deinit(&cfg);
     tlist_free(&g.l);
+    di_pool_destroy(g.pool);
     return st;
 #undef GTRY
 }
 
+di_status di_synth_v41_write(const char *dir, bool official, bool dspark, uint64_t seed) {
+    return v41_write(dir, &k_v41_tiny, official, dspark, seed);
+}
+
 di_status di_synth_checkpoint(const char *preset, const char *dir, bool official, uint64_t seed) {
     if (strcmp(preset, "v41-tiny") == 0) return di_synth_v41_write(dir, official, official, seed);
+    if (strcmp(preset, "v41-flash-4l") == 0) // no DSpark: the benchmark runs the backbone
+        return v41_write(dir, &k_v41_flash_4l, official, false, seed);
     di_synth_config c;
     di_status st = di_synth_preset(preset, &c);
     if (st != DI_OK) return st;

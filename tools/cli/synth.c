@@ -1,4 +1,5 @@
-// deepinfer synth --out DIR [--preset tiny|tiny-128|flash-4l|flash-full[-<N>l]|v41-tiny]
+// deepinfer synth --out DIR [--preset tiny|tiny-128|flash-4l|flash-full[-<N>l]|v41-tiny|
+//                                     v41-flash-4l]
 //                 [--layout official|hf] [--seed N]
 #include <errno.h>
 #include <stdio.h>
@@ -15,10 +16,10 @@ int di_cli_synth(int argc, char **argv) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0) {
             printf("usage: deepinfer synth --out DIR [--preset tiny|tiny-128|flash-4l|"
-                   "flash-full[-<N>l]|v41-tiny] "
+                   "flash-full[-<N>l]|v41-tiny|v41-flash-4l] "
                    "[--layout official|hf] [--seed N]\n"
-                   "Writes a random-weight DeepSeek V4 (or V4.1: v41-tiny) checkpoint; its text "
-                   "is meaningless.\n");
+                   "Writes a random-weight DeepSeek V4 (or V4.1: v41-tiny, v41-flash-4l) "
+                   "checkpoint; its text is meaningless.\n");
             return 0;
         }
         if (i + 1 >= argc) {
