@@ -313,6 +313,7 @@ def test_pd_with_api_keys():
         assert st == 200, got
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert router.metrics()['deepinfer:router_pd_requests_total{outcome="ok"}'] == 1
+        assert dec.metrics()["deepinfer:kv_transfer_probes_total"] == 1  # the key went along
     finally:
         if router:
             router.stop()
