@@ -28,6 +28,11 @@
 // records of kv_disk's version 2, V4.1 pages packed). Other versions are refused.
 #define DI_KV_TRANSFER_VERSION 4
 #define DI_KV_TRANSFER_HEADER_BYTES 64
+// Set in the precision of a transfer (header and records) made by the device-resident forward:
+// its records hold the device's entry rows (model/dsv4_dev.h, di_dsv4_dev_state_read_block) and
+// its snapshot the device tail, so a CPU-forward replica of the same checkpoint and precision
+// refuses it as another model's, and the other way round (docs/disaggregation.md).
+#define DI_KV_TRANSFER_PRECISION_DEVICE 0x100u
 
 // Bytes of a transfer of n_blocks records of layout l and a snapshot of snap_bytes (0: none).
 size_t di_kv_transfer_bytes(const di_kv_disk_layout *l, int32_t n_blocks, size_t snap_bytes);
