@@ -607,12 +607,15 @@ static const char *transfer_refusal(const di_kv_manager *kv) {
     return NULL;
 }
 
-// The transfer's identity and layout: the records' (record_layout), and on device blocks the
-// precision carries DI_KV_TRANSFER_PRECISION_DEVICE: their payload is the device rows and their
-// snapshot the device tail, neither of which the CPU forward reads (docs/disaggregation.md).
-static di_kv_disk_layout transfer_layout(const di_kv_manager *kv) {
+// The transfer's identity and layout: the records' (record_layout) with block_floats the payload's
+// (the pool's block size is no part of a record's contents: a CPU pool block also holds tail
+// items), and on device blocks the precision carries DI_KV_TRANSFER_PRECISION_DEVICE: their tail
+// snapshot is the device tail, which the CPU forward does not read, and the other way round.
+// device: the layout of that forward (the other one's, to read its transfer).
+static di_kv_disk_layout transfer_layout(const di_kv_manager *kv, bool device) {
     di_kv_disk_layout l = record_layout(kv);
-    if (kv->bio.read) l.precision |= DI_KV_TRANSFER_PRECISION_DEVICE;
+    l.block_floats = l.payload_floats;
+    if (device) l.precision |= DI_KV_TRANSFER_PRECISION_DEVICE;
     return l;
 }
 
@@ -633,7 +636,7 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
     // before the block is read here (no forward call in flight: the caller's rule).
     if (kv->dev) (void)di_kv_dev_sync(kv);
     const int32_t B = kv->block_tokens, n_max = n_tokens / B;
-    const di_kv_disk_layout l = transfer_layout(kv);
+    const di_kv_disk_layout l = transfer_layout(kv, kv->bio.read != NULL);
     int32_t *ids = di_malloc(sizeof(int32_t) * (size_t)(n_max > 0 ? n_max : 1));
     // Device blocks: each block is downloaded into this staging, then serialised.
     void *stage = kv->bio.read ? di_malloc(kv->bio.block_bytes) : NULL;
@@ -693,24 +696,31 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
         snprintf(err, cap, "%s", no);
         return DI_ERR_UNSUPPORTED;
     }
-    const di_kv_disk_layout l = transfer_layout(kv);
+    di_kv_disk_layout l = transfer_layout(kv, kv->bio.read != NULL);
     di_kv_transfer t;
     const size_t snap_bytes = kv->tails ? di_tail_cache_snap_bytes(kv->tails) : 0;
     di_kv_disk_check e = di_kv_transfer_check(&l, snap_bytes, buf, n, kv->max_blocks, &t, err, cap);
     if (e == DI_KV_DISK_CHECK_OTHER_MODEL) {
-        // The same checkpoint and precision on the other forward: say so (still 409).
-        di_kv_disk_layout other = l;
-        other.precision ^= DI_KV_TRANSFER_PRECISION_DEVICE;
-        di_kv_transfer ot;
-        char ow[8];
-        if (di_kv_transfer_check(&other, 0, buf, n, kv->max_blocks, &ot, ow, sizeof ow) !=
-            DI_KV_DISK_CHECK_OTHER_MODEL)
+        // The same checkpoint and precision on the other forward (CPU / device-resident): its
+        // records hold the same entry bytes when the layouts agree (the FP32 recipe: the device
+        // stores FP32 rows as the CPU pool does), so they are taken; its tail snapshot is the
+        // other forward's format and is left out (a hit then runs the bounded replay). Other
+        // layouts (the official recipe's FP8 device rows) are refused as another model's.
+        const di_kv_disk_layout other = transfer_layout(kv, kv->bio.read == NULL);
+        char why[256];
+        const di_kv_disk_check eo =
+            di_kv_transfer_check(&other, 0, buf, n, kv->max_blocks, &t, why, sizeof why);
+        if (eo == DI_KV_DISK_CHECK_OK) {
+            l = other;
+            e = eo;
+        } else if (eo != DI_KV_DISK_CHECK_OTHER_MODEL) {
             snprintf(err, cap,
                      "the transfer was made by a replica on the %s forward and this one runs the "
-                     "%s forward: their blocks and tail snapshots have other layouts, so CPU and "
-                     "device-resident replicas do not exchange KV transfers",
+                     "%s forward, whose blocks have another layout (%s): such replicas do not "
+                     "exchange KV transfers",
                      kv->bio.read ? "CPU" : "device-resident",
-                     kv->bio.read ? "device-resident" : "CPU");
+                     kv->bio.read ? "device-resident" : "CPU", why);
+        }
     }
     if (e != DI_KV_DISK_CHECK_OK)
         return e == DI_KV_DISK_CHECK_OTHER_MODEL ? DI_ERR_INVALID : DI_ERR_FORMAT;

@@ -246,8 +246,10 @@ int32_t di_kv_manager_flush_disk(di_kv_manager *kv);
 // Device blocks (block I/O): the block I/O's thread rule holds (no forward call in flight); the
 // recorded device transfer batch runs first (and, on import, again after the blocks are taken,
 // so that an evicted block's write-back downloads what was evicted), the records hold the block
-// I/O's bytes and the transfer's precision DI_KV_TRANSFER_PRECISION_DEVICE (kv/kv_transfer.h): a
-// CPU manager refuses it as another model's, and the other way round.
+// I/O's bytes and the transfer's precision DI_KV_TRANSFER_PRECISION_DEVICE (kv/kv_transfer.h).
+// Across forwards (a CPU manager importing a device transfer, or the other way round) the blocks
+// are taken when the records' layout is the same (the FP32 recipe: the same entry bytes), the tail
+// snapshot (another format) is left out; another layout is refused as another model's.
 // Export: the cached chain of tokens[0 .. n_tokens) under salt (whole blocks, stopping at the
 // first block not cached) as a transfer (kv/kv_transfer.h) in *out (di_malloc'd; di_free), its
 // size and block count; with the tail snapshot of the deepest block of the chain that has one.
@@ -261,10 +263,10 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
 // *n_inserted), stopping early if the pool has no block left, and attaches the snapshot to its
 // block (ignored without tail snapshots here, or when that block has one already). A transfer
 // that fails any check inserts nothing: DI_ERR_INVALID (another model identity or precision, or
-// the other forward's transfer), DI_ERR_FORMAT (anything else), with the reason in err[cap];
-// DI_ERR_NOMEM. Device blocks: each fresh block is written (block I/O) before it enters the
-// cache; a failed write returns its status (reason in err) and leaves that block out of the cache
-// and back in the pool, the chain's blocks before it imported, none after it.
+// the other forward's transfer of another layout), DI_ERR_FORMAT (anything else), with the reason
+// in err[cap]; DI_ERR_NOMEM. Device blocks: each fresh block is written (block I/O) before it
+// enters the cache; a failed write returns its status (reason in err) and leaves that block out of
+// the cache and back in the pool, the chain's blocks before it imported, none after it.
 di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int32_t *n_inserted,
                                int32_t *n_present, char *err, size_t cap);
 

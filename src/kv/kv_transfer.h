@@ -30,8 +30,10 @@
 #define DI_KV_TRANSFER_HEADER_BYTES 64
 // Set in the precision of a transfer (header and records) made by the device-resident forward:
 // its records hold the device's entry rows (model/dsv4_dev.h, di_dsv4_dev_state_read_block) and
-// its snapshot the device tail, so a CPU-forward replica of the same checkpoint and precision
-// refuses it as another model's, and the other way round (docs/disaggregation.md).
+// its snapshot the device tail. A CPU-forward replica of the same checkpoint and precision sees
+// another model's transfer first; the importer (kv_manager.c) then reads it under the other
+// forward's layout: the records are taken when their layout is its own (FP32 recipe), the
+// snapshot (another format) never; else it is refused as another model's (docs/disaggregation.md).
 #define DI_KV_TRANSFER_PRECISION_DEVICE 0x100u
 
 // Bytes of a transfer of n_blocks records of layout l and a snapshot of snap_bytes (0: none).

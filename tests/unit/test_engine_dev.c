@@ -49,11 +49,14 @@
 //       prompt and exports its two blocks (read from the device) and its tail snapshot; engine B
 //       imports them (written to the device; a second import finds them present) and runs a
 //       prompt sharing them: 256 cached positions, nothing replayed, the tokens of a cold engine;
-//       a damaged transfer is refused and inserts nothing; a CPU-forward engine and a
-//       device-resident one refuse each other's transfers as another model's (DI_ERR_INVALID,
-//       "forward"); on an accounting manager with memory-backed block I/O, an import into a
-//       pool with one free block stops after one block, and one whose second device write fails
-//       keeps the first block only, the failed one out of the cache and back in the pool.
+//       a damaged transfer is refused and inserts nothing; in the FP32 recipe a CPU-forward
+//       engine's transfer has the same record payload bytes, and each forward takes the other's
+//       blocks (not its snapshot: another format) and gives the cold engine's tokens after the
+//       bounded replay; in the official recipe (FP8 device rows) each refuses the other's as
+//       another model's (DI_ERR_INVALID, the reason names the forward); on an accounting manager
+//       with memory-backed block I/O, an import into a pool with one free block stops after one
+//       block, and one whose second device write fails keeps the first block only, the failed one
+//       out of the cache and back in the pool.
 #include "harness.h"
 
 #include <fcntl.h>
@@ -1045,7 +1048,11 @@ static void test_transfer(void) {
     di_engine_get_stats(e, &st);
     CHECK_EQ(st.n_blocks_cached, 0);
     CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
-    // The CPU forward's transfer of the same prompt is another model's here, and the other way.
+    // Across forwards (FP32 recipe): the CPU engine's transfer of the same prompt (its records
+    // byte for byte the device's: the same entry values and layout) is taken here without its
+    // snapshot (the CPU tail's format), and the device transfer by a CPU engine without the device
+    // snapshot: each hit replays the bound and gives the cold engine's tokens (the CPU twin's are
+    // the CPU forward's, (a)).
     di_engine *c = xfer_engine(NULL, true);
     if (c) {
         xfer_run(c, 0, &r);
@@ -1053,20 +1060,76 @@ static void test_transfer(void) {
             di_engine_kv_export(c, g_dprompt[1], D_PREFIX + 4, 0, &xc, &n_xc, &nb, err, sizeof err),
             DI_OK);
         CHECK_EQ(nb, 2);
-        CHECK_EQ(di_engine_kv_import(c, x, n_x, &n_ins, &n_pres, err, sizeof err), DI_ERR_INVALID);
-        CHECK(strstr(err, "forward") != NULL);
-        fprintf(stderr, "(j) a CPU engine refuses the device transfer: %s\n", err);
         di_engine_destroy(c);
     }
     if (xc) {
-        CHECK_EQ(di_engine_kv_import(e, xc, n_xc, &n_ins, &n_pres, err, sizeof err),
-                 DI_ERR_INVALID);
-        CHECK(strstr(err, "forward") != NULL);
+        // The records' payloads are the same bytes (record_bytes apart, after 128 + 512 bytes).
+        const size_t rb = (n_x - 64 - 78864) / 2;
+        for (int i = 0; i < 2; i++)
+            CHECK(!memcmp((char *)x + 64 + i * rb + 640, (char *)xc + 64 + i * rb + 640, rb - 640));
+        CHECK_EQ(di_engine_kv_import(e, xc, n_xc, &n_ins, &n_pres, err, sizeof err), DI_OK);
+        CHECK_EQ(n_ins, 2);
+        xfer_run(e, 1, &r);
+        fprintf(stderr,
+                "(j) the CPU engine's transfer (%zu bytes) on the device-resident engine: reused "
+                "%d, replayed %d, identical to a cold engine: %d\n",
+                n_xc, (int)r.n_cached, (int)r.n_replayed, (int)same(&r, &ref));
+        CHECK_EQ(r.n_cached, 256);
+        CHECK_EQ(r.n_replayed, 90); // 6 layers x (16 - 1): no snapshot of this format came
+        CHECK(same(&r, &ref));
     }
-    di_engine_get_stats(e, &st);
-    CHECK_EQ(st.n_blocks_cached, 0);
-    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
     di_engine_destroy(e);
+    c = xfer_engine(NULL, true);
+    if (c) {
+        CHECK_EQ(di_engine_kv_import(c, x, n_x, &n_ins, &n_pres, err, sizeof err), DI_OK);
+        CHECK_EQ(n_ins, 2);
+        xfer_run(c, 1, &r);
+        fprintf(stderr,
+                "(j) the device transfer on a CPU engine: reused %d, replayed %d, identical to a "
+                "cold engine: %d\n",
+                (int)r.n_cached, (int)r.n_replayed, (int)same(&r, &ref));
+        CHECK_EQ(r.n_cached, 256);
+        CHECK_EQ(r.n_replayed, 90);
+        CHECK(same(&r, &ref));
+        check_clean(c, false);
+        di_engine_destroy(c);
+    }
+    // The official recipe: the device stores FP8 KV rows, the CPU forward FP32 entries; another
+    // layout, refused as another model's both ways.
+    {
+        di_engine_options o = options((size_t)64 << 20, 3);
+        o.max_ctx = D_CTX;
+        o.precision = DI_PRECISION_OFFICIAL;
+        di_engine *od = NULL, *oc = NULL;
+        void *xo = NULL;
+        size_t n_xo = 0;
+        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &od), DI_OK);
+        CHECK_EQ(di_engine_create(g_dir, &o, &oc), DI_OK);
+        if (od && oc) {
+            xfer_run(od, 0, &r);
+            CHECK_EQ(di_engine_kv_export(od, g_dprompt[1], D_PREFIX + 4, 0, &xo, &n_xo, &nb, err,
+                                         sizeof err),
+                     DI_OK);
+            CHECK_EQ(nb, 2);
+            CHECK_EQ(di_engine_kv_import(oc, xo, n_xo, &n_ins, &n_pres, err, sizeof err),
+                     DI_ERR_INVALID);
+            CHECK(strstr(err, "device-resident forward") != NULL);
+            fprintf(stderr, "(j) official recipe, a CPU engine refuses the device transfer: %s\n",
+                    err);
+            di_free_buffer(xo);
+            xo = NULL;
+            xfer_run(oc, 0, &r);
+            CHECK_EQ(di_engine_kv_export(oc, g_dprompt[1], D_PREFIX + 4, 0, &xo, &n_xo, &nb, err,
+                                         sizeof err),
+                     DI_OK);
+            CHECK_EQ(di_engine_kv_import(od, xo, n_xo, &n_ins, &n_pres, err, sizeof err),
+                     DI_ERR_INVALID);
+            CHECK(strstr(err, "CPU forward") != NULL);
+        }
+        di_free_buffer(xo);
+        di_engine_destroy(od);
+        di_engine_destroy(oc);
+    }
     // A nearly full pool: one free block takes the first block only; a failed device write.
     xfer_manager(x, n_x, 0, 99, DI_OK, 2);
     xfer_manager(x, n_x, 3, 99, DI_OK, 1);
