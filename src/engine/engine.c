@@ -2311,10 +2311,11 @@ static void run_jobs(di_engine *e) {
     if (j && e->dstate && di_kv_dev_begin(e->kv)) {
         const di_status xs = di_kv_dev_run(e->kv);
         const int32_t n_bad = di_kv_dev_end(e->kv, e->marks);
+        const int32_t n_pre = n_bad > 0 ? preempt_marked(e) : 0;
         if (xs != DI_OK)
             DI_LOG_ERROR("engine: uploading blocks read from the disk tier failed (%s): %d left "
                          "the prefix cache, %d requests that had attached them were preempted",
-                         di_status_str(xs), (int)n_bad, n_bad > 0 ? (int)preempt_marked(e) : 0);
+                         di_status_str(xs), (int)n_bad, (int)n_pre);
     }
     for (kv_job *nx; j; j = nx) {
         nx = j->next;

@@ -56,7 +56,9 @@
 //       another model's (DI_ERR_INVALID, the reason names the forward); on an accounting manager
 //       with memory-backed block I/O, an import into a pool with one free block stops after one
 //       block, and one whose second device write fails keeps the first block only, the failed one
-//       out of the cache and back in the pool.
+//       out of the cache and back in the pool; with the disk tier (at the end of (i)), an import
+//       evicting a cached block writes that block back with its own entries (downloaded before
+//       the import's write), and a rerun reading it back gives the cold engine's tokens.
 #include "harness.h"
 
 #include <fcntl.h>
@@ -884,6 +886,47 @@ static void test_disk(void) {
             "replayed, output identical: %d\n",
             (long long)st.n_disk_blocks_written, (long long)st.n_disk_hit_tokens, (int)r.n_replayed,
             (int)same(&r, &ref));
+    di_engine_destroy(e);
+
+    // (j) An import evicting a cached block with the disk tier on: the prompt's 2 blocks cached
+    // in a pool of 4, a transfer of the unrelated prompt's 3 blocks takes the 2 free ones and
+    // evicts one of them, whose write-back must download the prompt's entries before the import
+    // writes the block; the rerun reads that block back from disk: the same tokens.
+    void *x = NULL;
+    size_t n_x = 0;
+    int32_t nb = 0, n_ins = 0, n_pres = 0;
+    char err[256];
+    e = disk_engine((size_t)64 << 20, NULL, true, b);
+    if (!e) goto done;
+    disk_run(e, g_ky, K_Y, &r);
+    CHECK_EQ(di_engine_kv_export(e, g_ky, K_Y, 0, &x, &n_x, &nb, err, sizeof err), DI_OK);
+    CHECK_EQ(nb, 3);
+    di_engine_destroy(e);
+    snprintf(evict, sizeof evict, "%s/kvdisk-xfer", g_dir);
+    e = disk_engine((size_t)(3 * slot + (K_CTX / bt) * blk), evict, true, b);
+    if (e && x) {
+        disk_run(e, g_kp, K_P1, &r);
+        CHECK_EQ(di_engine_kv_import(e, x, n_x, &n_ins, &n_pres, err, sizeof err), DI_OK);
+        CHECK_EQ(n_ins, 3);
+        di_engine_wait_idle(e);
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_disk_dev_downloads, 1);
+        CHECK_EQ(st.n_disk_blocks_written, 1);
+        disk_run(e, g_kp, K_P2, &r);
+        di_engine_get_stats(e, &st);
+        fprintf(stderr,
+                "(j) import with the disk tier: one block evicted and written back, the rerun "
+                "reused %d positions (%lld from disk), output identical: %d\n",
+                (int)r.n_cached, (long long)st.n_disk_hit_tokens, (int)same(&r, &ref));
+        CHECK(same(&r, &ref));
+        // Block 0 (the least recently used) was the one evicted by the import and comes back
+        // from disk; block 1 is evicted in turn by the block the read reserves (the pool is full
+        // of idle cached blocks, block 1 the oldest), so the hit stops there.
+        CHECK_EQ(r.n_cached, 128);
+        CHECK_EQ(st.n_disk_hit_tokens, 128);
+        check_disk_clean(e, &st);
+    }
+    di_free_buffer(x);
     di_engine_destroy(e);
 done:
     di_backend_destroy(b);
