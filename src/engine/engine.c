@@ -2331,6 +2331,7 @@ static void run_jobs(di_engine *e) {
             e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);
             e->stats.n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
             tail_stats(e, &e->stats);
+            disk_stats(e, &e->stats); // the device downloads of the blocks it evicted
         }
         pthread_mutex_unlock(&e->mu);
     }
