@@ -23,10 +23,13 @@
 
 #include "kv/kv_disk.h" // di_kv_disk_layout, di_kv_disk_record
 
-// Version 4: records of kv_disk's version 3 (a snapshot section, always empty here: the transfer
-// carries its snapshot after the records). Version 3: the optional tail snapshot (version 2:
-// records of kv_disk's version 2, V4.1 pages packed). Other versions are refused.
-#define DI_KV_TRANSFER_VERSION 4
+// Version 5: the records' block_floats is their payload's (version 4: the sender's pool block, so
+// a CPU and a device-resident replica's records differed there) and the precision may carry
+// DI_KV_TRANSFER_PRECISION_DEVICE. Version 4: records of kv_disk's version 3 (a snapshot section,
+// always empty here: the transfer carries its snapshot after the records). Version 3: the optional
+// tail snapshot (version 2: records of kv_disk's version 2, V4.1 pages packed). Other versions are
+// refused.
+#define DI_KV_TRANSFER_VERSION 5
 #define DI_KV_TRANSFER_HEADER_BYTES 64
 // Set in the precision of a transfer (header and records) made by the device-resident forward:
 // its records hold the device's entry rows (model/dsv4_dev.h, di_dsv4_dev_state_read_block) and
