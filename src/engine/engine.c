@@ -648,14 +648,18 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     else
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                     !o->no_prefix_cache, &e->kv));
+    if (e->model->dev && !hp->v41) {
+        // The accounting manager's blocks are the dev state's entry blocks: the disk tier and
+        // the KV transfer reach their contents through this (engine thread, no forward call in
+        // flight, or the forward thread before its call: "the disk tier on the device-resident
+        // forward", "KV transfer" below).
+        const di_kv_block_io bio = {.user = e,
+                                    .block_bytes = (size_t)e->dev_block_bytes,
+                                    .read = dev_block_read,
+                                    .write = dev_block_write};
+        DI_TRY(di_kv_manager_set_block_io(e->kv, &bio));
+    }
     if (o->kv_disk_dir) {
-        if (e->model->dev) { // the accounting manager's blocks are the dev state's entry blocks
-            const di_kv_block_io bio = {.user = e,
-                                        .block_bytes = (size_t)e->dev_block_bytes,
-                                        .read = dev_block_read,
-                                        .write = dev_block_write};
-            DI_TRY(di_kv_manager_set_block_io(e->kv, &bio));
-        }
         di_kv_disk_options dko = {.dir = o->kv_disk_dir,
                                   .max_bytes = o->kv_disk_bytes,
                                   .ttl_s = o->kv_disk_ttl_s,
@@ -2231,6 +2235,23 @@ static di_status forward_wait(di_engine *e, int64_t *allocs) {
     return st;
 }
 
+// Blocks marked in e->marks left the prefix cache holding nothing computed: the running requests
+// (those the plan ahead admitted) that attached any of them are preempted (they attach what is
+// really cached when readmitted); the marks are cleared. Returns how many.
+static int32_t preempt_marked(di_engine *e) {
+    di_sched *s = &e->sched;
+    int32_t n = 0;
+    for (int32_t i = s->n_running - 1; i >= 0; i--) {
+        di_request *r = s->running[i];
+        const di_kv_seq *q = &e->kv->seqs[r->slot];
+        bool stale = false;
+        for (int32_t b = 0; b < q->n_blocks && !stale; b++) stale = e->marks[q->blocks[b]];
+        if (stale) di_sched_preempt(s, r), n++;
+    }
+    memset(e->marks, 0, (size_t)di_block_pool_n_total(e->kv->pool));
+    return n;
+}
+
 // The forward of the step just run failed (the device-resident forward: DI_ERR_CUDA, DI_ERR_NOMEM,
 // or DI_ERR_INVALID for a call it refused; either forward under failure injection): every request
 // of the step ends with DI_FINISH_ERROR
@@ -2240,7 +2261,6 @@ static di_status forward_wait(di_engine *e, int64_t *allocs) {
 // launched were never computed: they leave the cache first, and a request the plan ahead admitted
 // onto any of them is preempted (it attaches what is really cached when readmitted).
 static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
-    di_sched *s = &e->sched;
     int32_t n_unpublished = 0, n_preempted = 0;
     const unsigned long long first_id = e->x_n_seq ? e->x_seq_req[0]->id : 0; // before finish()
     for (int32_t i = 0; i < e->x_n_seq; i++)
@@ -2257,16 +2277,7 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
         finish(e, r, DI_FINISH_ERROR, st);
         *cb_allocs += di_mem_thread_allocs() - a0; // the user callback's, as elsewhere
     }
-    if (n_unpublished > 0) {
-        for (int32_t i = s->n_running - 1; i >= 0; i--) {
-            di_request *r = s->running[i];
-            const di_kv_seq *q = &e->kv->seqs[r->slot];
-            bool stale = false;
-            for (int32_t b = 0; b < q->n_blocks && !stale; b++) stale = e->marks[q->blocks[b]];
-            if (stale) di_sched_preempt(s, r), n_preempted++;
-        }
-        memset(e->marks, 0, (size_t)di_block_pool_n_total(e->kv->pool));
-    }
+    if (n_unpublished > 0) n_preempted = preempt_marked(e);
     DI_LOG_ERROR("engine: step %lld failed (%s): ended its %d requests (first id %llu) with an "
                  "error; %d blocks it published left the prefix cache, %d requests that had "
                  "attached them were preempted",
@@ -2307,11 +2318,27 @@ static bool take_incoming(di_engine *e, bool sleep, bool *stop) {
 }
 
 // Runs the queued KV jobs (engine thread, no forward in flight) and wakes their callers.
+// The device-resident forward: a job reads and writes device blocks here, on the engine thread:
+// the forward thread is idle (its last call returned in forward_wait, the next launch comes
+// after), so the backend has one user at a time, ordered by the hand-over's mutex. The disk
+// tier's recorded transfers (the plan ahead's evictions and prefetch uploads) run first, in
+// their order: an upload an export would read, a download of a block an import takes; a failed
+// upload's block leaves the prefix cache and the requests the plan ahead attached to it are
+// preempted, as when a step's upload fails.
 static void run_jobs(di_engine *e) {
     pthread_mutex_lock(&e->mu);
     kv_job *j = e->jobs;
     e->jobs = NULL;
     pthread_mutex_unlock(&e->mu);
+    if (j && e->dstate && di_kv_dev_begin(e->kv)) {
+        const di_status xs = di_kv_dev_run(e->kv);
+        const int32_t n_bad = di_kv_dev_end(e->kv, e->marks);
+        const int32_t n_pre = n_bad > 0 ? preempt_marked(e) : 0;
+        if (xs != DI_OK)
+            DI_LOG_ERROR("engine: uploading blocks read from the disk tier failed (%s): %d left "
+                         "the prefix cache, %d requests that had attached them were preempted",
+                         di_status_str(xs), (int)n_bad, (int)n_pre);
+    }
     for (kv_job *nx; j; j = nx) {
         nx = j->next;
         if (j->probe) {
@@ -2329,6 +2356,7 @@ static void run_jobs(di_engine *e) {
             e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);
             e->stats.n_blocks_cached = di_block_pool_n_cached_idle(e->kv->pool);
             tail_stats(e, &e->stats);
+            disk_stats(e, &e->stats); // the device downloads of the blocks it evicted
         }
         pthread_mutex_unlock(&e->mu);
     }

@@ -416,11 +416,14 @@ di_status di_kv_manager_set_block_io(di_kv_manager *kv, const di_kv_block_io *bi
     if (!kv->accounting || kv->entry_floats != 0 || kv->disk || !bio->read || !bio->write ||
         bio->block_bytes == 0 || bio->block_bytes % sizeof(float) != 0) {
         DI_LOG_ERROR("kv: block I/O of %zu bytes per block: only for the accounting manager of "
-                     "the device-resident forward, before its disk tier, a multiple of 4 bytes",
+                     "the device-resident forward, once, before its disk tier, a multiple of 4 "
+                     "bytes",
                      bio->block_bytes);
         return DI_ERR_INVALID;
     }
     kv->bio = *bio;
+    // A record (disk tier, KV transfer) holds a block's contents as the block I/O gives them.
+    kv->entry_floats = (int64_t)(bio->block_bytes / sizeof(float));
     return DI_OK;
 }
 
@@ -467,8 +470,6 @@ di_status di_kv_manager_open_disk(di_kv_manager *kv, const di_kv_disk_options *o
         DI_LOG_ERROR("kv: the disk tier (--kv-disk-dir) extends the prefix cache, which is off");
         return DI_ERR_INVALID;
     }
-    // Device blocks: a record holds a block's contents as the block I/O gives them.
-    if (kv->bio.read) kv->entry_floats = (int64_t)(kv->bio.block_bytes / sizeof(float));
     DI_ASSERT(!kv->disk && kv->entry_floats > 0);
     const int32_t n_pf = o->prefetches ? o->prefetches : DI_KV_DISK_PREFETCHES_DEFAULT;
     if (n_pf < 1 || n_pf > DI_KV_DISK_IO_MAX_READS) {
@@ -620,11 +621,22 @@ void di_kv_manager_probe(di_kv_manager *kv, const int32_t *tokens, int32_t n_tok
 
 // Why the manager cannot export or import blocks (NULL: it can).
 static const char *transfer_refusal(const di_kv_manager *kv) {
-    if (kv->entry_floats == 0 || kv->bio.read)
-        return "KV transfer needs block memory: the device-resident forward keeps its blocks "
-               "on the device";
+    if (kv->entry_floats == 0)
+        return "KV transfer needs the blocks' contents: this accounting manager has no block I/O";
     if (!kv->cache) return "KV transfer goes through the prefix cache, which is off";
     return NULL;
+}
+
+// The transfer's identity and layout: the records' (record_layout) with block_floats the payload's
+// (the pool's block size is no part of a record's contents: a CPU pool block also holds tail
+// items), and on device blocks the precision carries DI_KV_TRANSFER_PRECISION_DEVICE: their tail
+// snapshot is the device tail, which the CPU forward does not read, and the other way round.
+// device: the layout of that forward (the other one's, to read its transfer).
+static di_kv_disk_layout transfer_layout(const di_kv_manager *kv, bool device) {
+    di_kv_disk_layout l = record_layout(kv);
+    l.block_floats = l.payload_floats;
+    if (device) l.precision |= DI_KV_TRANSFER_PRECISION_DEVICE;
+    return l;
 }
 
 di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t n_tokens,
@@ -640,10 +652,19 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
                  (int)kv->max_ctx);
         return DI_ERR_INVALID;
     }
+    // Device blocks: a block a prefetch read is uploaded by the recorded batch, which must run
+    // before the block is read here (no forward call in flight: the caller's rule).
+    if (kv->dev) (void)di_kv_dev_sync(kv);
     const int32_t B = kv->block_tokens, n_max = n_tokens / B;
-    const di_kv_disk_layout l = record_layout(kv);
+    const di_kv_disk_layout l = transfer_layout(kv, kv->bio.read != NULL);
     int32_t *ids = di_malloc(sizeof(int32_t) * (size_t)(n_max > 0 ? n_max : 1));
-    if (!ids) return DI_ERR_NOMEM;
+    // Device blocks: each block is downloaded into this staging, then serialised.
+    void *stage = kv->bio.read ? di_malloc(kv->bio.block_bytes) : NULL;
+    if (!ids || (kv->bio.read && !stage)) {
+        di_free(ids);
+        di_free(stage);
+        return DI_ERR_NOMEM;
+    }
     const int32_t n = di_prefix_cache_match(kv->cache, tokens, n_max, salt, ids);
     // The tail snapshot of the deepest block of the chain that has one goes along.
     int32_t sb = n - 1;
@@ -653,18 +674,34 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
     unsigned char *buf = di_malloc(di_kv_transfer_bytes(&l, n, snap_bytes));
     if (!buf) {
         di_free(ids);
+        di_free(stage);
         return DI_ERR_NOMEM;
     }
     di_kv_transfer_put_header(&l, n, snap, snap_bytes, snap ? sb : -1, buf);
+    di_status st = DI_OK;
     uint64_t h = 0;
-    for (int32_t i = 0; i < n; i++) {
+    for (int32_t i = 0; i < n && st == DI_OK; i++) {
         const int32_t *t = tokens + (int64_t)i * B;
         const uint64_t hn = di_prefix_cache_hash(kv->cache, h, t, salt);
-        di_kv_disk_record_put(&l, hn, h, salt, t, di_block_pool_ptr(kv->pool, ids[i]),
-                              buf + di_kv_transfer_record_offset(&l, i));
+        const float *payload = di_block_pool_ptr(kv->pool, ids[i]);
+        if (kv->bio.read) {
+            st = kv->bio.read(kv->bio.user, ids[i], stage);
+            if (st != DI_OK)
+                snprintf(err, cap, "downloading block %d of %d from the device failed (%s)", (int)i,
+                         (int)n, di_status_str(st));
+            payload = stage;
+        }
+        if (st == DI_OK)
+            di_kv_disk_record_put(&l, hn, h, salt, t, payload,
+                                  buf + di_kv_transfer_record_offset(&l, i));
         h = hn;
     }
     di_free(ids);
+    di_free(stage);
+    if (st != DI_OK) {
+        di_free(buf);
+        return st;
+    }
     *out = buf;
     *n_out = di_kv_transfer_bytes(&l, n, snap_bytes);
     *n_blocks = n;
@@ -679,19 +716,43 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
         snprintf(err, cap, "%s", no);
         return DI_ERR_UNSUPPORTED;
     }
-    const di_kv_disk_layout l = record_layout(kv);
+    di_kv_disk_layout l = transfer_layout(kv, kv->bio.read != NULL);
     di_kv_transfer t;
     const size_t snap_bytes = kv->tails ? di_tail_cache_snap_bytes(kv->tails) : 0;
     di_kv_disk_check e = di_kv_transfer_check(&l, snap_bytes, buf, n, kv->max_blocks, &t, err, cap);
+    if (e == DI_KV_DISK_CHECK_OTHER_MODEL) {
+        // The same checkpoint and precision on the other forward (CPU / device-resident): its
+        // records hold the same entry bytes when the layouts agree (the FP32 recipe: the device
+        // stores FP32 rows as the CPU pool does), so they are taken; its tail snapshot is the
+        // other forward's format and is left out (a hit then runs the bounded replay). Other
+        // layouts (the official recipe's FP8 device rows) are refused as another model's.
+        const di_kv_disk_layout other = transfer_layout(kv, kv->bio.read == NULL);
+        char why[256];
+        const di_kv_disk_check eo =
+            di_kv_transfer_check(&other, 0, buf, n, kv->max_blocks, &t, why, sizeof why);
+        if (eo == DI_KV_DISK_CHECK_OK) {
+            l = other;
+            e = eo;
+        } else if (eo != DI_KV_DISK_CHECK_OTHER_MODEL) {
+            snprintf(err, cap,
+                     "the transfer was made by a replica on the %s forward and this one runs the "
+                     "%s forward, whose blocks have another layout (%s): such replicas do not "
+                     "exchange KV transfers",
+                     kv->bio.read ? "CPU" : "device-resident",
+                     kv->bio.read ? "device-resident" : "CPU", why);
+        }
+    }
     if (e != DI_KV_DISK_CHECK_OK)
         return e == DI_KV_DISK_CHECK_OTHER_MODEL ? DI_ERR_INVALID : DI_ERR_FORMAT;
     const int32_t B = kv->block_tokens;
-    int32_t *tok =
-        di_malloc(sizeof(int32_t) * (size_t)B * (size_t)(t.n_blocks > 0 ? t.n_blocks : 1));
-    int32_t *ids = di_malloc(sizeof(int32_t) * (size_t)(t.n_blocks > 0 ? t.n_blocks : 1));
-    if (!tok || !ids) {
+    const size_t nb = (size_t)(t.n_blocks > 0 ? t.n_blocks : 1);
+    int32_t *tok = di_malloc(sizeof(int32_t) * (size_t)B * nb);
+    int32_t *ids = di_malloc(sizeof(int32_t) * nb);
+    bool *fresh = di_malloc(sizeof(bool) * nb);
+    if (!tok || !ids || !fresh) {
         di_free(tok);
         di_free(ids);
+        di_free(fresh);
         return DI_ERR_NOMEM;
     }
     // Every hash must be its tokens' chain hash under this engine's hash (the links were checked):
@@ -711,38 +772,67 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
             st = DI_ERR_FORMAT;
         }
     }
-    // Then the chain goes into the cache: blocks already cached are kept, the others copied into
-    // fresh blocks. Each is referenced until the end, so taking a block never evicts one of this
+    // Then the chain's blocks are taken: those already cached are kept, fresh ones allocated for
+    // the others. Each is referenced until the end, so taking a block never evicts one of this
     // chain; the chain stops early when the pool has no block left (the rest is recomputed).
     int32_t n_held = 0;
     h = 0;
     for (int32_t i = 0; i < t.n_blocks && st == DI_OK; i++) {
-        const int32_t *ti = tok + (int64_t)i * B;
         di_kv_disk_record r;
         di_kv_transfer_record(&l, &t, i, &r);
-        int32_t id = di_prefix_cache_find(kv->cache, r.hash, h, ti);
-        if (id >= 0) {
+        int32_t id = di_prefix_cache_find(kv->cache, r.hash, h, tok + (int64_t)i * B);
+        fresh[i] = id < 0;
+        if (id >= 0)
             di_block_pool_ref(kv->pool, id);
-            (*n_present)++;
-        } else {
-            if (di_block_pool_alloc(kv->pool, &id) != DI_OK) break;
-            memcpy(di_block_pool_ptr(kv->pool, id), r.payload,
-                   sizeof(float) * (size_t)kv->entry_floats);
-            bool fresh = di_prefix_cache_insert(kv->cache, r.hash, h, t.salt, ti, id);
-            DI_ASSERT(fresh); // find() missed it just now
-            (*n_inserted)++;
-        }
+        else if (di_block_pool_alloc(kv->pool, &id) != DI_OK)
+            break;
         ids[n_held++] = id;
+        h = r.hash;
+    }
+    // Device blocks: a fresh block may have been evicted just now, its download (the disk tier's
+    // write-back) recorded for the next batch: the batch runs first, so that it downloads what
+    // was evicted, not what is written below (no forward call in flight: the caller's rule).
+    if (st == DI_OK && kv->dev) (void)di_kv_dev_sync(kv);
+    // Then the fresh blocks are filled and go into the cache, in chain order; a block whose
+    // device write fails is not inserted and the chain stops there (the blocks before it stay).
+    h = 0;
+    int32_t n_ok = 0;
+    for (int32_t i = 0; i < n_held && st == DI_OK; i++, n_ok++) {
+        di_kv_disk_record r;
+        di_kv_transfer_record(&l, &t, i, &r);
+        if (fresh[i]) {
+            if (kv->bio.write) {
+                st = kv->bio.write(kv->bio.user, ids[i], r.payload);
+                if (st != DI_OK) {
+                    snprintf(err, cap,
+                             "writing block %d of %d to the device failed (%s); the %d before it "
+                             "were imported",
+                             (int)i, (int)t.n_blocks, di_status_str(st), (int)i);
+                    break;
+                }
+            } else {
+                memcpy(di_block_pool_ptr(kv->pool, ids[i]), r.payload,
+                       sizeof(float) * (size_t)kv->entry_floats);
+            }
+            const bool ins =
+                di_prefix_cache_insert(kv->cache, r.hash, h, t.salt, tok + (int64_t)i * B, ids[i]);
+            DI_ASSERT(ins); // find() missed it, and only this loop inserts
+            (*n_inserted)++;
+        } else {
+            (*n_present)++;
+        }
         h = r.hash;
     }
     // The snapshot goes with its block (unless that block already has one, or the chain stopped
     // before it).
-    if (st == DI_OK && t.snap && t.snap_block < n_held &&
+    if (st == DI_OK && t.snap && t.snap_block < n_ok &&
         !di_tail_cache_has(kv->tails, ids[t.snap_block]))
         memcpy(di_tail_cache_put(kv->tails, ids[t.snap_block]), t.snap, t.snap_bytes);
-    for (int32_t i = 0; i < n_held; i++) di_block_pool_unref(kv->pool, ids[i]); // idle, cached
+    // Idle and cached; a fresh block never inserted (after a failed write) returns to the pool.
+    for (int32_t i = 0; i < n_held; i++) di_block_pool_unref(kv->pool, ids[i]);
     di_free(tok);
     di_free(ids);
+    di_free(fresh);
     return st;
 }
 

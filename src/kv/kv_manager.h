@@ -125,7 +125,8 @@ typedef struct di_kv_manager {
 // The block I/O of an accounting manager's blocks (the device-resident forward's entry blocks):
 // read copies block `block`'s contents (block_bytes, a multiple of 4) into dst, write copies src
 // into it. Called on the thread that may use the device (di_kv_dev_run, di_kv_dev_sync,
-// di_kv_manager_flush_disk), never concurrently with a forward call.
+// di_kv_manager_flush_disk, di_kv_manager_export / _import), never concurrently with a forward
+// call.
 typedef struct di_kv_block_io_s di_kv_block_io;
 
 // kv_bytes of blocks; max_seqs slots of up to max_ctx positions each. DI_ERR_INVALID (the pool
@@ -152,8 +153,9 @@ size_t di_kv_v41_block_bytes(const di_model *m);
 // Positions per entry block for model m (the lcm of the compress ratios, at least the window).
 int32_t di_kv_block_tokens(const di_model *m);
 void di_kv_manager_destroy(di_kv_manager *kv);
-// Before di_kv_manager_open_disk on an accounting manager: its blocks' contents, block_bytes each
-// (the disk tier's records hold them: payload_floats = block_bytes / 4). DI_ERR_INVALID (not an
+// Once, before di_kv_manager_open_disk, on an accounting manager: its blocks' contents,
+// block_bytes each (the disk tier's and the KV transfer's records hold them: payload_floats =
+// block_bytes / 4). DI_ERR_INVALID (not an
 // accounting manager without memory, a size that is no multiple of 4, missing functions; logged).
 di_status di_kv_manager_set_block_io(di_kv_manager *kv, const di_kv_block_io *bio);
 // Adds the disk tier at o->dir to the prefix cache (kv/kv_disk.h): evicted cached blocks are
@@ -239,12 +241,19 @@ void di_kv_dev_drop_spills(di_kv_manager *kv);
 // first, then each block is downloaded here.
 int32_t di_kv_manager_flush_disk(di_kv_manager *kv);
 
-// KV transfer (prefill/decode disaggregation, docs/disaggregation.md; CPU manager with the prefix
-// cache only, else DI_ERR_UNSUPPORTED with the reason in err[cap]).
+// KV transfer (prefill/decode disaggregation, docs/disaggregation.md; a manager with block memory
+// or block I/O and the prefix cache, else DI_ERR_UNSUPPORTED with the reason in err[cap]).
+// Device blocks (block I/O): the block I/O's thread rule holds (no forward call in flight); the
+// recorded device transfer batch runs first (and, on import, again after the blocks are taken,
+// so that an evicted block's write-back downloads what was evicted), the records hold the block
+// I/O's bytes and the transfer's precision DI_KV_TRANSFER_PRECISION_DEVICE (kv/kv_transfer.h).
+// Across forwards (a CPU manager importing a device transfer, or the other way round) the blocks
+// are taken when the records' layout is the same (the FP32 recipe: the same entry bytes), the tail
+// snapshot (another format) is left out; another layout is refused as another model's.
 // Export: the cached chain of tokens[0 .. n_tokens) under salt (whole blocks, stopping at the
 // first block not cached) as a transfer (kv/kv_transfer.h) in *out (di_malloc'd; di_free), its
 // size and block count; with the tail snapshot of the deepest block of the chain that has one.
-// DI_ERR_INVALID (n_tokens out of the context), DI_ERR_NOMEM.
+// DI_ERR_INVALID (n_tokens out of the context), DI_ERR_NOMEM, a failed device read's status.
 di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t n_tokens,
                                uint64_t salt, void **out, size_t *n_out, int32_t *n_blocks,
                                char *err, size_t cap);
@@ -253,8 +262,11 @@ di_status di_kv_manager_export(di_kv_manager *kv, const int32_t *tokens, int32_t
 // cache as idle cached blocks (those already cached are counted in *n_present, copies in
 // *n_inserted), stopping early if the pool has no block left, and attaches the snapshot to its
 // block (ignored without tail snapshots here, or when that block has one already). A transfer
-// that fails any check inserts nothing: DI_ERR_INVALID (another model identity or precision),
-// DI_ERR_FORMAT (anything else), with the reason in err[cap]; DI_ERR_NOMEM.
+// that fails any check inserts nothing: DI_ERR_INVALID (another model identity or precision, or
+// the other forward's transfer of another layout), DI_ERR_FORMAT (anything else), with the reason
+// in err[cap]; DI_ERR_NOMEM. Device blocks: each fresh block is written (block I/O) before it
+// enters the cache; a failed write returns its status (reason in err) and leaves that block out of
+// the cache and back in the pool, the chain's blocks before it imported, none after it.
 di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int32_t *n_inserted,
                                int32_t *n_present, char *err, size_t cap);
 

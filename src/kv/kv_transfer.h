@@ -23,11 +23,21 @@
 
 #include "kv/kv_disk.h" // di_kv_disk_layout, di_kv_disk_record
 
-// Version 4: records of kv_disk's version 3 (a snapshot section, always empty here: the transfer
-// carries its snapshot after the records). Version 3: the optional tail snapshot (version 2:
-// records of kv_disk's version 2, V4.1 pages packed). Other versions are refused.
-#define DI_KV_TRANSFER_VERSION 4
+// Version 5: the records' block_floats is their payload's (version 4: the sender's pool block, so
+// a CPU and a device-resident replica's records differed there) and the precision may carry
+// DI_KV_TRANSFER_PRECISION_DEVICE. Version 4: records of kv_disk's version 3 (a snapshot section,
+// always empty here: the transfer carries its snapshot after the records). Version 3: the optional
+// tail snapshot (version 2: records of kv_disk's version 2, V4.1 pages packed). Other versions are
+// refused.
+#define DI_KV_TRANSFER_VERSION 5
 #define DI_KV_TRANSFER_HEADER_BYTES 64
+// Set in the precision of a transfer (header and records) made by the device-resident forward:
+// its records hold the device's entry rows (model/dsv4_dev.h, di_dsv4_dev_state_read_block) and
+// its snapshot the device tail. A CPU-forward replica of the same checkpoint and precision sees
+// another model's transfer first; the importer (kv_manager.c) then reads it under the other
+// forward's layout: the records are taken when their layout is its own (FP32 recipe), the
+// snapshot (another format) never; else it is refused as another model's (docs/disaggregation.md).
+#define DI_KV_TRANSFER_PRECISION_DEVICE 0x100u
 
 // Bytes of a transfer of n_blocks records of layout l and a snapshot of snap_bytes (0: none).
 size_t di_kv_transfer_bytes(const di_kv_disk_layout *l, int32_t n_blocks, size_t snap_bytes);

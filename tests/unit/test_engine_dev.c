@@ -23,7 +23,7 @@
 //       cached positions on the device path and replays the bound (n_layer (W - 1) = 90), and the
 //       tokens equal the CPU engine's (which hits and replays the same); with tail snapshots on
 //       the first request's tail at 256 is restored by every later one: nothing replayed, the
-//       same tokens; KV export and import are still refused (DI_ERR_UNSUPPORTED);
+//       same tokens;
 //   (g) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
 //       (di_dsv4_dev_sizes); one byte less than a max_ctx sequence needs is refused
 //       (DI_ERR_INVALID); the device state's bytes grow by exactly the entry blocks that more
@@ -44,7 +44,21 @@
 //       before the next call and written back, snapshot included; the rerun reads them back and
 //       uploads them before its call); a corrupted record (the chain stops before it). Every
 //       output is bit for bit that of a device-resident engine without any cache; nothing is
-//       allocated in a step; every block comes back.
+//       allocated in a step; every block comes back;
+//   (j) KV transfer (docs/disaggregation.md) between device-resident engines: engine A runs (f)'s
+//       prompt and exports its two blocks (read from the device) and its tail snapshot; engine B
+//       imports them (written to the device; a second import finds them present) and runs a
+//       prompt sharing them: 256 cached positions, nothing replayed, the tokens of a cold engine;
+//       a damaged transfer is refused and inserts nothing; in the FP32 recipe a CPU-forward
+//       engine's transfer has the same record payload bytes, and each forward takes the other's
+//       blocks (not its snapshot: another format) and gives the cold engine's tokens after the
+//       bounded replay; in the official recipe (FP8 device rows) each refuses the other's as
+//       another model's (DI_ERR_INVALID, the reason names the forward); on an accounting manager
+//       with memory-backed block I/O, an import into a pool with one free block stops after one
+//       block, and one whose second device write fails keeps the first block only, the failed one
+//       out of the cache and back in the pool; with the disk tier (at the end of (i)), an import
+//       evicting a cached block writes that block back with its own entries (downloaded before
+//       the import's write), and a rerun reading it back gives the cold engine's tokens.
 #include "harness.h"
 
 #include <fcntl.h>
@@ -56,6 +70,7 @@
 #include "backend/backend.h"
 #include "engine/engine_internal.h"
 #include "kv/kv_manager.h"
+#include "kv/kv_transfer.h"
 #include "model/dsv4.h"
 #include "model/dsv4_dev.h"
 #include "model/synth.h"
@@ -517,18 +532,6 @@ static void test_shared_prefix(void) {
         CHECK_EQ(st.n_tail_taken, 1);
         CHECK_EQ(st.n_tail_restored, D_REQ - 1);
         CHECK_EQ(st.n_replayed_tokens, 0);
-        // KV transfer (PD) stays CPU-forward only with snapshots on: refused both ways.
-        void *kb = NULL;
-        size_t n_kb = 0;
-        int32_t n_kblk = 0, n_ins = 0, n_pres = 0;
-        char err[256];
-        const uint8_t junk[64] = {0};
-        CHECK_EQ(
-            di_engine_kv_export(e, g_dprompt[0], D_PREFIX, 0, &kb, &n_kb, &n_kblk, err, sizeof err),
-            DI_ERR_UNSUPPORTED);
-        CHECK(kb == NULL);
-        CHECK_EQ(di_engine_kv_import(e, junk, sizeof junk, &n_ins, &n_pres, err, sizeof err),
-                 DI_ERR_UNSUPPORTED);
         check_clean(e, true);
         di_engine_destroy(e);
     }
@@ -884,7 +887,299 @@ static void test_disk(void) {
             (long long)st.n_disk_blocks_written, (long long)st.n_disk_hit_tokens, (int)r.n_replayed,
             (int)same(&r, &ref));
     di_engine_destroy(e);
+
+    // (j) An import evicting a cached block with the disk tier on: the prompt's 2 blocks cached
+    // in a pool of 4, a transfer of the unrelated prompt's 3 blocks takes the 2 free ones and
+    // evicts one of them, whose write-back must download the prompt's entries before the import
+    // writes the block; the rerun reads that block back from disk: the same tokens.
+    void *x = NULL;
+    size_t n_x = 0;
+    int32_t nb = 0, n_ins = 0, n_pres = 0;
+    char err[256];
+    e = disk_engine((size_t)64 << 20, NULL, true, b);
+    if (!e) goto done;
+    disk_run(e, g_ky, K_Y, &r);
+    CHECK_EQ(di_engine_kv_export(e, g_ky, K_Y, 0, &x, &n_x, &nb, err, sizeof err), DI_OK);
+    CHECK_EQ(nb, 3);
+    di_engine_destroy(e);
+    snprintf(evict, sizeof evict, "%s/kvdisk-xfer", g_dir);
+    e = disk_engine((size_t)(3 * slot + (K_CTX / bt) * blk), evict, true, b);
+    if (e && x) {
+        disk_run(e, g_kp, K_P1, &r);
+        CHECK_EQ(di_engine_kv_import(e, x, n_x, &n_ins, &n_pres, err, sizeof err), DI_OK);
+        CHECK_EQ(n_ins, 3);
+        di_engine_wait_idle(e);
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.n_disk_dev_downloads, 1);
+        CHECK_EQ(st.n_disk_blocks_written, 1);
+        disk_run(e, g_kp, K_P2, &r);
+        di_engine_get_stats(e, &st);
+        fprintf(stderr,
+                "(j) import with the disk tier: one block evicted and written back, the rerun "
+                "reused %d positions (%lld from disk), output identical: %d\n",
+                (int)r.n_cached, (long long)st.n_disk_hit_tokens, (int)same(&r, &ref));
+        CHECK(same(&r, &ref));
+        // Block 0 (the least recently used) was the one evicted by the import and comes back
+        // from disk; block 1 is evicted in turn by the block the read reserves (the pool is full
+        // of idle cached blocks, block 1 the oldest), so the hit stops there.
+        CHECK_EQ(r.n_cached, 128);
+        CHECK_EQ(st.n_disk_hit_tokens, 128);
+        check_disk_clean(e, &st);
+    }
+    di_free_buffer(x);
+    di_engine_destroy(e);
 done:
+    di_backend_destroy(b);
+}
+
+// ---- (j) ----
+
+// Runs g_dprompt[i] (D_PREFIX + 3 + i tokens) alone to completion.
+static void xfer_run(di_engine *e, int i, result *r) {
+    memset(r, 0, sizeof *r);
+    di_request_params p = request(i, r);
+    p.prompt = g_dprompt[i];
+    p.n_prompt = D_PREFIX + 3 + i;
+    uint64_t id;
+    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    di_engine_wait_idle(e);
+}
+
+static di_engine *xfer_engine(di_backend *b, bool prefix) {
+    di_engine_options o = options((size_t)64 << 20, 3);
+    o.max_ctx = D_CTX;
+    o.no_prefix_cache = !prefix;
+    o.no_tail_cache = !prefix;
+    di_engine *e = NULL;
+    if (b)
+        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+    else
+        CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
+    return e;
+}
+
+// Memory-backed block I/O of an accounting manager; writes fail from the fail_at-th one on.
+typedef struct mem_bio {
+    uint8_t *mem;
+    size_t bb;
+    int n_writes, fail_at;
+} mem_bio;
+
+static di_status mem_read(void *user, int32_t block, void *dst) {
+    const mem_bio *m = user;
+    memcpy(dst, m->mem + (size_t)block * m->bb, m->bb);
+    return DI_OK;
+}
+
+static di_status mem_write(void *user, int32_t block, const void *src) {
+    mem_bio *m = user;
+    if (m->n_writes++ >= m->fail_at) return DI_ERR_CUDA;
+    memcpy(m->mem + (size_t)block * m->bb, src, m->bb);
+    return DI_OK;
+}
+
+// Imports transfer x (2 blocks of g_dprompt) into an accounting manager of 4 blocks whose slot 0
+// holds `held` of them; writes fail from the fail_at-th on. Checks what the cache holds after.
+static void xfer_manager(const void *x, size_t n_x, int32_t held, int fail_at, di_status want_st,
+                         int32_t want_ins) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_kv_manager *kv = NULL;
+    int64_t bb = 0, sb = 0;
+    int32_t bt = 1;
+    dev_sizes(g_dir, D_CTX, &bb, &sb, &bt, false);
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (m) CHECK_EQ(di_kv_manager_create_accounting(m, 4, (size_t)bb, 1, D_CTX, true, &kv), DI_OK);
+    mem_bio mb = {.mem = calloc(4, (size_t)bb), .bb = (size_t)bb, .fail_at = fail_at};
+    const di_kv_block_io bio = {
+        .user = &mb, .block_bytes = (size_t)bb, .read = mem_read, .write = mem_write};
+    if (kv) CHECK_EQ(di_kv_manager_set_block_io(kv, &bio), DI_OK);
+    if (kv && mb.mem) {
+        if (held > 0) {
+            CHECK_EQ(di_kv_seq_open(kv, 0, 7), DI_OK);
+            CHECK_EQ(di_kv_seq_grow(kv, 0, held * bt), DI_OK);
+        }
+        int32_t n_ins = -1, n_pres = -1, ids[4];
+        char err[256] = "";
+        CHECK_EQ(di_kv_manager_import(kv, x, n_x, &n_ins, &n_pres, err, sizeof err), want_st);
+        if (want_st == DI_OK) CHECK_EQ(n_ins, want_ins);
+        if (want_st != DI_OK) CHECK(strstr(err, "device") != NULL);
+        // Exactly the blocks inserted are cached, with the transfer's bytes.
+        const int32_t n_hit = di_prefix_cache_match(kv->cache, g_dprompt[0], 2, 0, ids);
+        CHECK_EQ(n_hit, want_ins);
+        di_kv_transfer t;
+        char why[128];
+        const di_kv_disk_layout l = {.model_id = di_dsv4_model_id(m),
+                                     .precision = (uint32_t)m->opt.precision |
+                                                  DI_KV_TRANSFER_PRECISION_DEVICE,
+                                     .block_tokens = bt,
+                                     .block_floats = bb / 4,
+                                     .payload_floats = bb / 4};
+        CHECK_EQ(di_kv_transfer_check(&l, 0, x, n_x, 4, &t, why, sizeof why), DI_KV_DISK_CHECK_OK);
+        for (int32_t i = 0; i < n_hit; i++) {
+            di_kv_disk_record r;
+            di_kv_transfer_record(&l, &t, i, &r);
+            CHECK(!memcmp(mb.mem + (size_t)ids[i] * mb.bb, r.payload, mb.bb));
+        }
+        if (held > 0) di_kv_seq_close(kv, 0);
+        CHECK_EQ(di_block_pool_n_available(kv->pool), 4); // nothing lost
+        fprintf(stderr,
+                "(j) import into an accounting manager (%d of 4 blocks held, writes failing from "
+                "the %d-th): %d inserted, %d cached after%s%s\n",
+                (int)held, fail_at, (int)n_ins, (int)n_hit, err[0] ? ": " : "", err);
+    }
+    free(mb.mem);
+    di_kv_manager_destroy(kv);
+    di_model_destroy(m);
+}
+
+static void test_transfer(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    static result ref, r;
+    void *x = NULL, *xc = NULL;
+    size_t n_x = 0, n_xc = 0;
+    int32_t nb = 0, n_ins = 0, n_pres = 0;
+    char err[512];
+    di_engine_stats st;
+    // The reference: request 1 on a device-resident engine without any cache.
+    di_engine *e = xfer_engine(b, false);
+    if (!e) goto done;
+    xfer_run(e, 1, &ref);
+    CHECK_EQ(ref.n_cached, 0);
+    di_engine_destroy(e);
+    // A (prefill): request 0 computes the shared prefix; its two blocks and the snapshot at 256.
+    e = xfer_engine(b, true);
+    if (!e) goto done;
+    xfer_run(e, 0, &r);
+    CHECK_EQ(di_engine_kv_export(e, g_dprompt[1], D_PREFIX + 4, 0, &x, &n_x, &nb, err, sizeof err),
+             DI_OK);
+    CHECK_EQ(nb, 2);
+    check_clean(e, true);
+    di_engine_destroy(e);
+    if (!x) goto done;
+    // B (decode): imports, then runs request 1 on the imported blocks and snapshot.
+    e = xfer_engine(b, true);
+    if (!e) goto done;
+    CHECK_EQ(di_engine_kv_import(e, x, n_x, &n_ins, &n_pres, err, sizeof err), DI_OK);
+    CHECK_EQ(n_ins, 2);
+    CHECK_EQ(n_pres, 0);
+    CHECK_EQ(di_engine_kv_import(e, x, n_x, &n_ins, &n_pres, err, sizeof err), DI_OK);
+    CHECK_EQ(n_ins, 0);
+    CHECK_EQ(n_pres, 2);
+    xfer_run(e, 1, &r);
+    di_engine_get_stats(e, &st);
+    fprintf(stderr,
+            "(j) transfer of %zu bytes (2 blocks, the snapshot): B reused %d positions, replayed "
+            "%d, %lld snapshots restored; identical to a cold engine: %d\n",
+            n_x, (int)r.n_cached, (int)r.n_replayed, (long long)st.n_tail_restored,
+            (int)same(&r, &ref));
+    CHECK_EQ(r.n_cached, 256);
+    CHECK_EQ(r.n_replayed, 0);
+    CHECK_EQ(st.n_tail_restored, 1);
+    CHECK(same(&r, &ref));
+    check_clean(e, true);
+    di_engine_destroy(e);
+    // A damaged transfer (a bit flipped in its middle) inserts nothing.
+    e = xfer_engine(b, true);
+    if (!e) goto done;
+    ((uint8_t *)x)[n_x / 2] ^= 0x10;
+    CHECK_EQ(di_engine_kv_import(e, x, n_x, &n_ins, &n_pres, err, sizeof err), DI_ERR_FORMAT);
+    ((uint8_t *)x)[n_x / 2] ^= 0x10;
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_blocks_cached, 0);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    // Across forwards (FP32 recipe): the CPU engine's transfer of the same prompt (its records
+    // byte for byte the device's: the same entry values and layout) is taken here without its
+    // snapshot (the CPU tail's format), and the device transfer by a CPU engine without the device
+    // snapshot: each hit replays the bound and gives the cold engine's tokens (the CPU twin's are
+    // the CPU forward's, (a)).
+    di_engine *c = xfer_engine(NULL, true);
+    if (c) {
+        xfer_run(c, 0, &r);
+        CHECK_EQ(
+            di_engine_kv_export(c, g_dprompt[1], D_PREFIX + 4, 0, &xc, &n_xc, &nb, err, sizeof err),
+            DI_OK);
+        CHECK_EQ(nb, 2);
+        di_engine_destroy(c);
+    }
+    if (xc) {
+        // The records' payloads are the same bytes (record_bytes apart, after 128 + 512 bytes).
+        const size_t rb = (n_x - 64 - 78864) / 2;
+        for (int i = 0; i < 2; i++)
+            CHECK(!memcmp((char *)x + 64 + i * rb + 640, (char *)xc + 64 + i * rb + 640, rb - 640));
+        CHECK_EQ(di_engine_kv_import(e, xc, n_xc, &n_ins, &n_pres, err, sizeof err), DI_OK);
+        CHECK_EQ(n_ins, 2);
+        xfer_run(e, 1, &r);
+        fprintf(stderr,
+                "(j) the CPU engine's transfer (%zu bytes) on the device-resident engine: reused "
+                "%d, replayed %d, identical to a cold engine: %d\n",
+                n_xc, (int)r.n_cached, (int)r.n_replayed, (int)same(&r, &ref));
+        CHECK_EQ(r.n_cached, 256);
+        CHECK_EQ(r.n_replayed, 90); // 6 layers x (16 - 1): no snapshot of this format came
+        CHECK(same(&r, &ref));
+    }
+    di_engine_destroy(e);
+    c = xfer_engine(NULL, true);
+    if (c) {
+        CHECK_EQ(di_engine_kv_import(c, x, n_x, &n_ins, &n_pres, err, sizeof err), DI_OK);
+        CHECK_EQ(n_ins, 2);
+        xfer_run(c, 1, &r);
+        fprintf(stderr,
+                "(j) the device transfer on a CPU engine: reused %d, replayed %d, identical to a "
+                "cold engine: %d\n",
+                (int)r.n_cached, (int)r.n_replayed, (int)same(&r, &ref));
+        CHECK_EQ(r.n_cached, 256);
+        CHECK_EQ(r.n_replayed, 90);
+        CHECK(same(&r, &ref));
+        check_clean(c, false);
+        di_engine_destroy(c);
+    }
+    // The official recipe: the device stores FP8 KV rows, the CPU forward FP32 entries; another
+    // layout, refused as another model's both ways.
+    {
+        di_engine_options o = options((size_t)64 << 20, 3);
+        o.max_ctx = D_CTX;
+        o.precision = DI_PRECISION_OFFICIAL;
+        di_engine *od = NULL, *oc = NULL;
+        void *xo = NULL;
+        size_t n_xo = 0;
+        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &od), DI_OK);
+        CHECK_EQ(di_engine_create(g_dir, &o, &oc), DI_OK);
+        if (od && oc) {
+            xfer_run(od, 0, &r);
+            CHECK_EQ(di_engine_kv_export(od, g_dprompt[1], D_PREFIX + 4, 0, &xo, &n_xo, &nb, err,
+                                         sizeof err),
+                     DI_OK);
+            CHECK_EQ(nb, 2);
+            CHECK_EQ(di_engine_kv_import(oc, xo, n_xo, &n_ins, &n_pres, err, sizeof err),
+                     DI_ERR_INVALID);
+            CHECK(strstr(err, "device-resident forward") != NULL);
+            fprintf(stderr, "(j) official recipe, a CPU engine refuses the device transfer: %s\n",
+                    err);
+            di_free_buffer(xo);
+            xo = NULL;
+            xfer_run(oc, 0, &r);
+            CHECK_EQ(di_engine_kv_export(oc, g_dprompt[1], D_PREFIX + 4, 0, &xo, &n_xo, &nb, err,
+                                         sizeof err),
+                     DI_OK);
+            CHECK_EQ(di_engine_kv_import(od, xo, n_xo, &n_ins, &n_pres, err, sizeof err),
+                     DI_ERR_INVALID);
+            CHECK(strstr(err, "CPU forward") != NULL);
+        }
+        di_free_buffer(xo);
+        di_engine_destroy(od);
+        di_engine_destroy(oc);
+    }
+    // A nearly full pool: one free block takes the first block only; a failed device write.
+    xfer_manager(x, n_x, 0, 99, DI_OK, 2);
+    xfer_manager(x, n_x, 3, 99, DI_OK, 1);
+    xfer_manager(x, n_x, 0, 1, DI_ERR_CUDA, 1);
+done:
+    di_free_buffer(x);
+    di_free_buffer(xc);
     di_backend_destroy(b);
 }
 
@@ -908,6 +1203,7 @@ int main(void) {
     RUN(test_sizing);
     RUN(test_spec);
     RUN(test_disk);
+    RUN(test_transfer);
     di_test_remove_dir(g_dir);
     return test_finish();
 }

@@ -5,7 +5,7 @@
 // model identity or precision (told apart from corruption), another block layout, a broken chain
 // link or salt, more records than the receiver takes, and an empty buffer. Version 3's tail
 // snapshot (of the last record here): round trip, a flipped bit in it, another size than the
-// receiver's, and a receiver keeping no snapshots (verified, not handed out); versions 2 and 3
+// receiver's, and a receiver keeping no snapshots (verified, not handed out); versions 2, 3 and 4
 // refused. DI_KV_TRANSFER_WRITE_SEEDS=<dir> also writes the fuzz target's seeds there (fuzz/corpus/
 // kv_transfer/: transfers of 0, 1 and 4 blocks in fuzz/fuzz_kv_transfer.c's layout, this one's).
 #include "harness.h"
@@ -189,7 +189,8 @@ static void test_transfer_damage(void) {
                  DI_KV_DISK_CHECK_CORRUPT);
         CHECK(strstr(why, "tail snapshot") != NULL);
     }
-    // Versions 2 (no snapshot fields) and 3 (records of kv_disk's version 2): refused as such.
+    // Versions 2 (no snapshot fields), 3 (records of kv_disk's version 2) and 4 (block_floats the
+    // sender's pool block): refused as such.
     uint32_t v;
     memcpy(&v, b + 8, sizeof v);
     CHECK_EQ(v, (uint32_t)DI_KV_TRANSFER_VERSION);
@@ -199,6 +200,9 @@ static void test_transfer_damage(void) {
     v = 3;
     memcpy(b + 8, &v, sizeof v);
     CHECK_EQ(check(&l, b, n, NB, "version 3"), DI_KV_DISK_CHECK_CORRUPT);
+    v = 4;
+    memcpy(b + 8, &v, sizeof v);
+    CHECK_EQ(check(&l, b, n, NB, "version 4"), DI_KV_DISK_CHECK_CORRUPT);
     v = DI_KV_TRANSFER_VERSION;
     memcpy(b + 8, &v, sizeof v);
     // Another model or precision: told apart.
