@@ -1,0 +1,118 @@
+/*
+ * dsv41_dev — the DeepSeek V4.1 forward with activations, window KV, compressed entries, index
+ * keys and compressor state resident in one backend's memory (backend/backend.h), written once
+ * against the backend vtable as model/dsv4_dev.h is for V4: on the CUDA backend it is the GPU
+ * forward; on the CPU backend (the oracle twin) it reproduces the model's own V4.1 CPU forward
+ * (model/dsv41.c, dsv41_attn.c: di_dsv41_forward_batch) bit for bit, which tests it without a GPU
+ * (tests/model/test_dev41_forward.c).
+ *
+ * Scope: the main layers and the head of DeepSeek V4.1 (deepseek-v41.md §2), in both precision
+ * recipes (FP32 and the official one, R-OFF: every BF16 rounding, A8 in blocks of 32 before FP8 /
+ * FP4 linears, the MoE's official order, BF16 index scores and attention probabilities, as ops in
+ * the CPU forward's order). In both recipes, as the CPU forward: window rows are Q8 (e4m3, scale
+ * per 32 over all head_dim dims), entries Q4e (e2m1, E4M3 scale per 16), index keys and index
+ * queries Q4 (e2m1, scale per 32, no Hadamard). Every stored row is an FP32 row holding those
+ * quantised-exact values (the compact codes of docs/kv-cache.md "DeepSeek V4.1" are not used on
+ * the device yet). Not run here: DSpark (its heads and blocks), context parallelism, rollback,
+ * prefix reuse and tail snapshots, the product wiring (sessions of a V4.1 model run the CPU
+ * forward).
+ *
+ * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
+ * work on the token ids) and computes every Engram layer's row ids for the call's rows; the
+ * device gathers the table rows (embed), projects them (eg_wkv) and gates them into the streams
+ * (engram_gate). The layers run the single-pass mHC (mhc_pre_carried: the collapse with the pre
+ * of the previous site; the head collapses with the last F_pre, no hc_head). Attention (§2.4,
+ * §2.5): q without per-head RMS, the window row (Q8) into this call's rows of the layer's pool;
+ * kv sources run CSA2 (m = 2: C and Z of this call's rows and the slot's pending even row pooled
+ * by compress_pool without position bias; m = 1: the projection), then the index key (idx_wk of
+ * the latent, norm, RoPE, Q4) and the entry (RoPE, Q4e) of every closing group are scattered into
+ * their entry blocks; index sources score their kv source's keys (index_scores), the candidate
+ * source builds the pool (index_cand BUILD) that later index layers apply (MASK), the top-k picks
+ * scored -inf are dropped (DROP) and the top-k is published; every compressing layer attends its
+ * window plus the published picks of its kv source's entries (offset_list), a layer before any
+ * index source only its window. Then the window rows go into the slot's ring.
+ *
+ * State layout (backend memory). One pool of head_dim-float rows: per layer [max_rows rows of this
+ * call | slot 0's W window ring rows | slot 1's | ...], then per kv source of ratio m its entry
+ * blocks (block b holds E = block_tokens / m entries, entry w of a sequence is entry w % E of
+ * block blocks[w / E]); per kv source its index keys [n_blocks * E, index_head_dim], and for m = 2
+ * a ring of 2 rows per slot of C and of Z (row = pos mod 2). Attention of layer il reads the pool
+ * from layer il's region, so its key lists hold the same window rows in every layer and the
+ * entries at an offset per layer (a per-call array). Entry blocks are the caller's block ids
+ * (shared blocks: the serving engine's kv_manager blocks; n_blocks 0: private, slot s's i-th
+ * being s * max_blocks + i). Each call uploads one staging block (tokens, positions, key lists,
+ * page lists, compressor sources and destinations, Engram row ids), laid out as a function of the
+ * call's shape only (rows and sequences), and every op reads its lists from there.
+ *
+ * Graphs: a decode step (every sequence feeds one token and takes its logits, at most 64
+ * sequences) runs as a backend graph keyed by its number of sequences: the first step of a size
+ * runs directly, the second is captured and launched, later ones launch the cached graph. This
+ * works because every scalar an op gets is a function of the shape (bounds are capacities: the key
+ * list stride, the entries a slot can hold, the windows a shape can close, padded with destination
+ * -1). DI_DEV_GRAPHS=0 (read at state create) runs every call directly.
+ *
+ * Owns: a di_dsv41_dev owns its backend blocks (small vectors, expert arrays; weights are the
+ * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
+ * its pools, scratch, staging, graphs and host metadata, all sized at create. Thread-safety: one
+ * thread at a time per backend.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "backend/backend.h" // di_backend
+#include "deepinfer.h"       // di_model, di_status
+
+typedef struct di_dsv41_dev di_dsv41_dev;             // a V4.1 model's weights on one backend
+typedef struct di_dsv41_dev_state di_dsv41_dev_state; // the device state of n_slots sequences
+
+// Uploads every weight the main layers, the Engram modules and the head use (once); the model's
+// precision recipe is the forward's. DI_ERR_UNSUPPORTED (logged) for a V4 model, hash-routed
+// layers, an Engram table of more than 2^31 rows or a weight the backend cannot matmul;
+// DI_ERR_INVALID (no Engram token map), DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed.
+di_status di_dsv41_dev_create(di_model *m, di_backend *b, di_dsv41_dev **out);
+void di_dsv41_dev_destroy(di_dsv41_dev *d); // NULL: no-op
+
+// The least common multiple of the compress ratios rounded up to at least the window: the
+// default block size of a state.
+int32_t di_dsv41_dev_block_tokens(const di_dsv41_dev *d);
+
+// The state of n_slots sequences of up to n_ctx positions each, for calls of up to max_rows rows,
+// with n_blocks entry blocks of block_tokens positions (0: the default). n_blocks > 0: shared
+// blocks, listed by each call (di_dsv41_dev_seq.blocks: ids in [0, n_blocks)); n_blocks 0:
+// private blocks. Every slot starts empty. DI_ERR_INVALID (counts < 1, n_blocks < 0, block_tokens
+// not a multiple of every ratio, index overflow; logged), DI_ERR_NOMEM.
+di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_ctx,
+                                    int32_t max_rows, int32_t n_blocks, int32_t block_tokens,
+                                    di_dsv41_dev_state **out);
+void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s); // NULL: no-op
+
+typedef struct di_dsv41_dev_seq {
+    int32_t slot, pos, n_tok;
+    // Shared blocks: the sequence's entry block ids in position order, n_blocks >= ceil((pos +
+    // n_tok) / block_tokens) of them (borrowed for the call). Private blocks: NULL, 0.
+    const int32_t *blocks;
+    int32_t n_blocks;
+} di_dsv41_dev_seq;
+
+// A ragged batch: seqs[i] feeds its n_tok tokens (host ids; rows concatenated in seqs order) at
+// positions pos.. of slot `slot`; pos must be 0 (starts the slot afresh) or the tokens the slot
+// has consumed. Logits of the rows listed in logit_rows (ascending) go to host logits [n, V].
+// DI_ERR_INVALID for bad slots (out of range or repeated), positions, token ids, row counts,
+// blocks (missing, out of range, one listed by two sequences) or logit rows, checked before any
+// work (logged; nothing changes). A backend error (DI_ERR_CUDA, DI_ERR_NOMEM) leaves the call's
+// slots to be restarted at pos 0.
+di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
+                               const int32_t *tokens, const int32_t *logit_rows,
+                               int32_t n_logit_rows, float *logits);
+
+// Tokens slot `slot` has consumed (-1 after a failed call: restart it at pos 0).
+int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
+
+// Calls so far: run directly, captured into a graph (then launched), launched from a cached graph;
+// graphs cached now.
+typedef struct di_dsv41_dev_graph_stats {
+    int64_t n_direct, n_captured, n_replayed;
+    int32_t n_cached;
+} di_dsv41_dev_graph_stats;
+void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out);
