@@ -290,7 +290,8 @@ int32_t di_dsv41_dev_block_tokens(const di_dsv41_dev *d) {
     const di_hparams *hp = &d->m->hp;
     int64_t l = 1;
     for (int il = 0; il < hp->n_layer; il++)
-        if (hp->compress_ratio[il] > 0) l = l / gcd64(l, hp->compress_ratio[il]) * hp->compress_ratio[il];
+        if (hp->compress_ratio[il] > 0)
+            l = l / gcd64(l, hp->compress_ratio[il]) * hp->compress_ratio[il];
     int64_t bt = l;
     while (bt < hp->window) bt += l;
     return (int32_t)bt;
@@ -315,27 +316,27 @@ typedef struct dev_graph {
 struct di_dsv41_dev_state {
     di_dsv41_dev *d; // borrowed
     int32_t n_slots, n_ctx, max_rows, block_tokens, max_blocks, n_eblocks;
-    bool shared; // blocks listed per call
-    int64_t layer_rows;  // rows of one layer's pool region: max_rows + n_slots * W
-    int32_t key_stride;  // W + index_topk
+    bool shared;        // blocks listed per call
+    int64_t layer_rows; // rows of one layer's pool region: max_rows + n_slots * W
+    int32_t key_stride; // W + index_topk
     int32_t score_stride;
-    dev_src *src;          // owned [n_layer]: by layer (only kv sources used)
-    int32_t *n_past;       // owned [n_slots] host
-    int32_t *hist;         // owned [n_slots, n_ctx] host: compressed ids (Engram look-back)
-    uint8_t *used;         // owned [n_slots] scratch of the checks
-    int32_t *blk_owner;    // owned [n_eblocks] scratch of the checks
+    dev_src *src;       // owned [n_layer]: by layer (only kv sources used)
+    int32_t *n_past;    // owned [n_slots] host
+    int32_t *hist;      // owned [n_slots, n_ctx] host: compressed ids (Engram look-back)
+    uint8_t *used;      // owned [n_slots] scratch of the checks
+    int32_t *blk_owner; // owned [n_eblocks] scratch of the checks
     // Backend memory (tracked).
     void **blocks;
     int32_t n_mem, cap_mem;
-    float *pool;                        // [n_layer * layer_rows + entries, Dh]
+    float *pool; // [n_layer * layer_rows + entries, Dh]
     float *x, *a, *out, *mix, *pre, *pre_attn, *post, *comb, *one_hot;
     float *qr, *q, *o, *u, *cc, *cz, *lat, *ik, *iq, *iw, *scores, *aq;
     float *eg_in, *eg_kv, *hx, *hpre, *h, *logits;
     int32_t *sel, *cand, *n_cand;
-    int32_t *stage_dev;   // backend staging (the call's lists)
-    int32_t *stage;       // host staging (backend host_alloc)
-    size_t stage_cap;     // int32 words of both
-    int64_t aq_floats;    // of aq
+    int32_t *stage_dev; // backend staging (the call's lists)
+    int32_t *stage;     // host staging (backend host_alloc)
+    size_t stage_cap;   // int32 words of both
+    int64_t aq_floats;  // of aq
     // Graphs: one per decode size 1..min(n_slots, HEAD_CHUNK).
     dev_graph *graphs; // owned [HEAD_CHUNK + 1]
     bool graphs_on;
@@ -475,7 +476,8 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
     int64_t widest = D > Dh ? D : Dh;
     if (hp->q_lora_rank > widest) widest = hp->q_lora_rank;
     if (H * Dh > widest) widest = H * Dh;
-    if ((int64_t)hp->o_groups * hp->o_lora_rank > widest) widest = (int64_t)hp->o_groups * hp->o_lora_rank;
+    if ((int64_t)hp->o_groups * hp->o_lora_rank > widest)
+        widest = (int64_t)hp->o_groups * hp->o_lora_rank;
     if (hp->n_engram > 0 && n_egin > widest) widest = n_egin;
     s->aq_floats = R * widest;
     DI_TRY(st_floats(s, R * nc * D, &s->x));
@@ -500,8 +502,8 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
     DI_TRY(st_floats(s, R * s->score_stride, &s->scores));
     DI_TRY(st_floats(s, s->aq_floats, &s->aq));
     DI_TRY(st_ints(s, R * hp->index_topk, &s->sel));
-    DI_TRY(st_ints(s, R * (hp->candidate_topk_blocks > 0 ? hp->candidate_topk_blocks : 1),
-                   &s->cand));
+    DI_TRY(
+        st_ints(s, R * (hp->candidate_topk_blocks > 0 ? hp->candidate_topk_blocks : 1), &s->cand));
     DI_TRY(st_ints(s, R, &s->n_cand));
     if (hp->n_engram > 0) {
         DI_TRY(st_floats(s, R * n_egin, &s->eg_in));
@@ -549,9 +551,9 @@ void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_grap
 // The call: its sequences and rows, and where its lists are in the staging (offsets in int32
 // words, the same on the host and the backend; functions of the call's shape only).
 typedef struct src_meta {
-    int32_t n_pool;       // groups the shape can close (padded; m = 1: every row)
+    int32_t n_pool; // groups the shape can close (padded; m = 1: every row)
     int64_t n_vis, epos, edst, esrc, rdst, rsrc; // offsets
-    int32_t n_rd;         // ring rows written (m = 2)
+    int32_t n_rd;                                // ring rows written (m = 2)
 } src_meta;
 
 typedef struct call {
@@ -585,7 +587,8 @@ static void stage_layout(call *c) {
     TAKE(page_off, T);
     TAKE(keys, T * s->key_stride);
     c->n_wd = 0;
-    for (int32_t i = 0; i < c->n_seq; i++) c->n_wd += c->seqs[i].n_tok < W ? c->seqs[i].n_tok : (int32_t)W;
+    for (int32_t i = 0; i < c->n_seq; i++)
+        c->n_wd += c->seqs[i].n_tok < W ? c->seqs[i].n_tok : (int32_t)W;
     TAKE(win_dst, c->n_wd);
     TAKE(win_src, c->n_wd);
     TAKE(pages, (int64_t)c->n_seq * s->max_blocks);
@@ -698,8 +701,8 @@ static void stage_fill(call *c, const int32_t *tokens) {
                 if ((P + 1) % mm != 0) continue;
                 const int64_t w = P / mm;
                 g[km->epos + n] = (int32_t)(w * mm);
-                g[km->edst + n] = block_of(c, i, w / k->per_page) * k->per_page +
-                                  (int32_t)(w % k->per_page);
+                g[km->edst + n] =
+                    block_of(c, i, w / k->per_page) * k->per_page + (int32_t)(w % k->per_page);
                 if (mm == 2) {
                     const int64_t q = P - 1; // the group's even position
                     g[km->esrc + 2 * n] =
@@ -849,12 +852,12 @@ static di_status indexer(const call *c, int il, const float *a, bool *have_cand)
            (int32_t)T, bs, ntb, s->cand, s->n_cand, NULL, hp->index_topk);
         *have_cand = true;
     } else if (*have_cand && hp->candidate_layer >= 0 && hp->candidate_layer < il) {
-        OP(index_cand, DI_BACKEND_CAND_MASK, s->scores, s->score_stride, D32(km->n_vis),
-           (int32_t)T, bs, ntb, s->cand, s->n_cand, NULL, hp->index_topk);
+        OP(index_cand, DI_BACKEND_CAND_MASK, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T,
+           bs, ntb, s->cand, s->n_cand, NULL, hp->index_topk);
     }
     OP(topk, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T, hp->index_topk, s->sel);
-    OP(index_cand, DI_BACKEND_CAND_DROP, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T,
-       bs, ntb, NULL, NULL, s->sel, hp->index_topk);
+    OP(index_cand, DI_BACKEND_CAND_DROP, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T, bs,
+       ntb, NULL, NULL, s->sel, hp->index_topk);
     return DI_OK;
 fail:
     return st;
@@ -1197,7 +1200,6 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
     for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
     return DI_OK;
 fail:
-    DI_LOG_ERROR("dev forward (V4.1): call failed (%s); its slots restart at 0",
-                 di_status_str(st));
+    DI_LOG_ERROR("dev forward (V4.1): call failed (%s); its slots restart at 0", di_status_str(st));
     return st;
 }

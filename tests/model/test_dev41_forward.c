@@ -159,7 +159,8 @@ static void one_sequence(di_precision prec) {
     h_init(&h, prec, false);
     const int chunks[] = {7, 9, 1, 15, 3, 17, 30, 5};
     const int slot = 1;
-    for (size_t k = 0; k < sizeof chunks / sizeof *chunks; k++) h_call(&h, 1, &slot, &chunks[k], NULL);
+    for (size_t k = 0; k < sizeof chunks / sizeof *chunks; k++)
+        h_call(&h, 1, &slot, &chunks[k], NULL);
     const int one = 1;
     for (int k = 0; k < 60; k++) h_call(&h, 1, &slot, &one, NULL);
     CHECK_EQ(di_dsv41_dev_n_past(h.st, slot), 147);
@@ -189,8 +190,8 @@ static void batches(di_precision prec) {
         int32_t past[N_SLOTS];
         for (int i = 0; i < N_SLOTS; i++) past[i] = di_dsv41_dev_n_past(h.st, i);
         int32_t tok[4] = {1, 2, 3, 4}, rows[4] = {0, 1, 2, 3};
-        di_dsv41_dev_seq ok = {.slot = 0, .pos = past[0], .n_tok = 1, .blocks = h.blk[0],
-                               .n_blocks = MAXB};
+        di_dsv41_dev_seq ok = {
+            .slot = 0, .pos = past[0], .n_tok = 1, .blocks = h.blk[0], .n_blocks = MAXB};
         di_dsv41_dev_seq bad[2];
         bad[0] = ok, bad[1] = ok; // a slot twice
         CHECK_EQ(di_dsv41_dev_forward(h.st, bad, 2, tok, rows, 2, h.got), DI_ERR_INVALID);
