@@ -277,6 +277,22 @@ void di_dsv41_dev_destroy(di_dsv41_dev *d) {
     di_free(d);
 }
 
+di_status di_dsv41_dev_attach(di_model *m, di_backend *b) {
+    if (m->dev41) {
+        DI_LOG_ERROR("dev forward (V4.1): the model already has one attached");
+        return DI_ERR_INVALID;
+    }
+    di_dsv41_dev *d = NULL;
+    di_status st = di_dsv41_dev_create(m, b, &d);
+    if (st != DI_OK) return st;
+    m->dev41 = d;
+    DI_LOG_INFO("device-resident V4.1 forward on %s: sessions without DSpark run every layer, "
+                "their KV and compressor state there; DSpark sessions and the serving engine keep "
+                "the CPU forward%s",
+                b->desc, m->accel_matmul ? " with its matmuls offloaded" : "");
+    return DI_OK;
+}
+
 static int64_t gcd64(int64_t a, int64_t b) {
     while (b) {
         int64_t t = a % b;

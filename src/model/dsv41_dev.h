@@ -13,9 +13,9 @@
  * per 32 over all head_dim dims), entries Q4e (e2m1, E4M3 scale per 16), index keys and index
  * queries Q4 (e2m1, scale per 32, no Hadamard). Every stored row is an FP32 row holding those
  * quantised-exact values (the compact codes of docs/kv-cache.md "DeepSeek V4.1" are not used on
- * the device yet). Not run here: DSpark (its heads and blocks), context parallelism, rollback,
- * prefix reuse and tail snapshots, the product wiring (sessions of a V4.1 model run the CPU
- * forward).
+ * the device yet). Plain sessions run on it once attached (di_dsv41_dev_attach: --device cuda).
+ * Not run here: DSpark (its heads and blocks), context parallelism, rollback, prefix reuse, tail
+ * snapshots, entry block I/O, the serving engine (it keeps the CPU V4.1 forward).
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows; the
@@ -108,6 +108,16 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
 
 // Tokens slot `slot` has consumed (-1 after a failed call: restart it at pos 0).
 int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
+
+// ---- model wiring ----
+
+// Creates the model's V4.1 dev forward on backend b (borrowed; must outlive m) and attaches it
+// (m->dev41): sessions without DSpark then run di_session_forward through a 1-slot state of their
+// n_ctx_max made at their first call (model/dsv4.c); their save, restore, rollback and batched
+// calls are refused. di_model_load calls it with the CUDA backend for --device cuda; tests with
+// the CPU backend. Errors as di_dsv41_dev_create (nothing attached); DI_ERR_INVALID when one is
+// attached already.
+di_status di_dsv41_dev_attach(di_model *m, di_backend *b);
 
 // Calls so far: run directly, captured into a graph (then launched), launched from a cached graph;
 // graphs cached now.

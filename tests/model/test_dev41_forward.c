@@ -14,8 +14,10 @@
 //   (e) decode graphs: long ragged decodes of 3 slots on a state with graphs and on one with
 //       DI_DEV_GRAPHS=0 fed the same calls: bit-identical logits, both equal to the sessions, the
 //       graphs replayed (stats);
+//   (f) the product wiring (di_dsv41_dev_attach): plain sessions against a model without it,
+//       prompts longer than one dev call; what such a session refuses;
 // each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
-// listed per call in a shuffled, non-contiguous order.
+// listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -239,6 +241,63 @@ static void batches(di_precision prec) {
     h_free(&h);
 }
 
+// (f) the product wiring: di_dsv41_dev_attach, then plain sessions (a 300-token prompt fed in the
+// dev forward's chunks of 256 rows, then decodes with last_only) against a model without it; save,
+// rollback and batched calls of such a session refused.
+static void wiring(di_precision prec) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    mo.precision = prec;
+    di_model *md = NULL, *mc = NULL;
+    di_backend *b = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &md), DI_OK);
+    CHECK_EQ(di_model_load(g_dir, &mo, &mc), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!md || !mc || !b) return;
+    CHECK_EQ(di_dsv41_dev_attach(md, b), DI_OK);
+    CHECK_EQ(di_dsv41_dev_attach(md, b), DI_ERR_INVALID);
+    di_session_options so = di_session_options_default();
+    so.n_ctx_max = 400;
+    di_session *sd = NULL, *sc = NULL;
+    CHECK_EQ(di_session_create(md, &so, &sd), DI_OK);
+    CHECK_EQ(di_session_create(mc, &so, &sc), DI_OK);
+    enum { P = 300, DEC = 20 };
+    const int64_t V = md->hp.n_vocab;
+    int32_t tok[P];
+    for (int i = 0; i < P; i++) tok[i] = token_of(0, 3, i);
+    float *ld = malloc(sizeof(float) * (size_t)(P * V)),
+          *lc = malloc(sizeof(float) * (size_t)(P * V));
+    di_forward_out od = {.logits = ld}, oc = {.logits = lc};
+    CHECK_EQ(di_session_forward(sd, tok, P, &od), DI_OK);
+    CHECK_EQ(di_session_forward(sc, tok, P, &oc), DI_OK);
+    CHECK(memcmp(ld, lc, sizeof(float) * (size_t)(P * V)) == 0);
+    od.last_only = oc.last_only = true;
+    int n_same = 0;
+    for (int k = 0; k < DEC; k++) {
+        int32_t t = token_of(1, 3, P + k);
+        CHECK_EQ(di_session_forward(sd, &t, 1, &od), DI_OK);
+        CHECK_EQ(di_session_forward(sc, &t, 1, &oc), DI_OK);
+        n_same += memcmp(ld, lc, sizeof(float) * (size_t)V) == 0;
+    }
+    CHECK_EQ(n_same, DEC);
+    CHECK_EQ(sd->pos, P + DEC);
+    void *bytes = NULL;
+    size_t nb = 0;
+    CHECK_EQ(di_session_save(sd, &bytes, &nb), DI_ERR_UNSUPPORTED);
+    CHECK_EQ(di_session_rollback(sd, 1), DI_ERR_INVALID);
+    int32_t one = 5;
+    di_dsv41_seq bs = {.s = sd, .tokens = &one, .n_tok = 1, .n_out = 1};
+    CHECK_EQ(di_dsv41_forward_batch(md, di_dsv41_ws(sd), &bs, 1, ld), DI_ERR_INVALID);
+    CHECK_EQ(sd->pos, P + DEC);
+    di_session_destroy(sd);
+    di_session_destroy(sc);
+    free(ld);
+    free(lc);
+    di_model_destroy(md); // the dev forward first, then the caller's backend
+    di_model_destroy(mc);
+    di_backend_destroy(b);
+}
+
 static void refuses_v4(void) {
     char dir[256];
     snprintf(dir, sizeof dir, "/tmp/di_test_dev41_v4_XXXXXX");
@@ -272,6 +331,12 @@ static void official_one(void) {
 static void official_batches(void) {
     batches(DI_PRECISION_OFFICIAL);
 }
+static void fp32_wiring(void) {
+    wiring(DI_PRECISION_FP32);
+}
+static void official_wiring(void) {
+    wiring(DI_PRECISION_OFFICIAL);
+}
 
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_dev41_XXXXXX");
@@ -281,6 +346,8 @@ int main(void) {
     RUN(fp32_batches);
     RUN(official_one);
     RUN(official_batches);
+    RUN(fp32_wiring);
+    RUN(official_wiring);
     RUN(refuses_v4);
     di_test_remove_dir(g_dir);
     return test_finish();

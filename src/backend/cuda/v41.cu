@@ -152,13 +152,13 @@ extern "C" di_status di_cuda_index_cand(di_cuda *cu, int32_t mode, float *scores
         // Every row's entries up to the stride (rows with fewer visible return at once).
         const dim3 grid(di_div_up(score_stride, V41_THREADS), (unsigned)n_tok);
         cand_mask_kernel<<<grid, V41_THREADS, 0, di_stream(cu)>>>(scores, score_stride, n_vis, bs,
-                                                                   ntb, cand, n_cand);
+                                                                  ntb, cand, n_cand);
         DI_CUDA_LAUNCHED("cand_mask_kernel");
         return DI_OK;
     }
     case DI_BACKEND_CAND_DROP:
         cand_drop_kernel<<<di_div_up(n_tok, 128), 128, 0, di_stream(cu)>>>(scores, score_stride,
-                                                                            n_tok, sel, k);
+                                                                           n_tok, sel, k);
         DI_CUDA_LAUNCHED("cand_drop_kernel");
         return DI_OK;
     default:
