@@ -83,8 +83,8 @@ di_status di_dev_up_moe(di_dev_up *u, const di_model *m, const di_dsv4_layer_w *
     DI_TRY(di_dev_up_weight(u, &lw->gate, &mw->gate));
     if (lw->hash_routed) {
         void *p = NULL;
-        DI_TRY(di_dev_up_bytes(u, lw->tid2eid, sizeof(int32_t) * (size_t)hp->n_vocab * (size_t)K,
-                               &p));
+        DI_TRY(
+            di_dev_up_bytes(u, lw->tid2eid, sizeof(int32_t) * (size_t)hp->n_vocab * (size_t)K, &p));
         mw->tid2eid = p;
     } else {
         float *p = NULL;

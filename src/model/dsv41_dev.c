@@ -591,8 +591,11 @@ static void stage_fill(call *c, const int32_t *tokens) {
             g[c->win_dst + wd] = (int32_t)(ring0 + (p0 + t) % W);
             g[c->win_src + wd] = r0 + t;
         }
-        // Engram: the slot's compressed ids, then the row ids of every module.
+        // Engram: the slot's compressed ids (a replay's start: of its prefix too), then the row
+        // ids of every module.
         int32_t *hist = s->hist + (int64_t)sq->slot * s->n_ctx;
+        if (hp->n_engram > 0 && sq->win_lo > 0 && p0 == sq->win_lo)
+            for (int64_t p = 0; p < p0; p++) hist[p] = m->v41->cmap[sq->prefix[p]];
         for (int32_t t = 0; t < sq->n_tok && hp->n_engram > 0; t++)
             hist[p0 + t] = m->v41->cmap[tokens[r0 + t]];
         const di_engram_hash *h = &m->v41->hash;
@@ -635,8 +638,11 @@ static void stage_fill(call *c, const int32_t *tokens) {
                 if ((P + 1) % mm != 0) continue;
                 const int64_t w = P / mm;
                 g[km->epos + n] = (int32_t)(w * mm);
-                g[km->edst + n] =
-                    block_of(c, i, w / k->per_page) * k->per_page + (int32_t)(w % k->per_page);
+                // A cached entry (a replay on another sequence's blocks) is left as it is.
+                g[km->edst + n] = w < sq->n_cached / mm
+                                      ? -1
+                                      : block_of(c, i, w / k->per_page) * k->per_page +
+                                            (int32_t)(w % k->per_page);
                 if (mm == 2) {
                     const int64_t q = P - 1; // the group's even position
                     g[km->esrc + 2 * n] =
@@ -981,7 +987,8 @@ static di_status check_call(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs,
             return DI_ERR_INVALID;
         }
         s->used[sq->slot] = 1;
-        if (sq->n_tok < 1 || (sq->pos != 0 && sq->pos != s->n_past[sq->slot]) ||
+        const bool start = sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo);
+        if (sq->n_tok < 1 || (!start && sq->pos != s->n_past[sq->slot]) ||
             (int64_t)sq->pos + sq->n_tok > s->n_ctx) {
             DI_LOG_ERROR("dev forward (V4.1): sequence %d: %d tokens at %d (slot %d has consumed "
                          "%d, context %d)",
@@ -1002,6 +1009,17 @@ static di_status check_call(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs,
                     return DI_ERR_INVALID;
                 }
         }
+        if (sq->win_lo < 0 || sq->win_lo > sq->pos || sq->n_cached < 0 ||
+            sq->n_cached % s->block_tokens != 0 || (sq->n_cached > 0 && !s->shared) ||
+            (sq->win_lo > 0 && (sq->win_lo > sq->n_cached ||
+                                (hp->n_engram > 0 && sq->pos == sq->win_lo && !sq->prefix))) ||
+            (sq->n_cached > 0 && sq->n_cached / s->block_tokens > sq->n_blocks)) {
+            DI_LOG_ERROR("dev forward (V4.1): sequence %d: bad replay (win_lo %d, n_cached %d, pos "
+                         "%d, %d blocks of %d%s)",
+                         i, sq->win_lo, sq->n_cached, sq->pos, sq->n_blocks, s->block_tokens,
+                         sq->prefix ? "" : ", no prefix tokens");
+            return DI_ERR_INVALID;
+        }
         n_rows += sq->n_tok;
     }
     if (n_rows > s->max_rows) {
@@ -1015,21 +1033,37 @@ static di_status check_call(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs,
                          tokens[t], (long long)t);
             return DI_ERR_INVALID;
         }
-    // No block listed by two sequences of the call.
+    // A block a sequence writes (from its first position not cached on) is listed by no other.
     if (s->shared) {
         for (int32_t b = 0; b < s->n_eblocks; b++) s->blk_owner[b] = -1;
         for (int32_t i = 0; i < n_seq; i++) {
             const di_dsv41_dev_seq *sq = &seqs[i];
             const int64_t need =
                 ((int64_t)sq->pos + sq->n_tok + s->block_tokens - 1) / s->block_tokens;
-            for (int64_t j = 0; j < need; j++) {
+            const int64_t p_w = sq->pos > sq->n_cached ? sq->pos : sq->n_cached;
+            for (int64_t j = p_w / s->block_tokens; j < need; j++) {
                 int32_t *o = &s->blk_owner[sq->blocks[j]];
                 if (*o >= 0) {
-                    DI_LOG_ERROR("dev forward (V4.1): entry block %d is listed twice (sequence %d)",
+                    DI_LOG_ERROR("dev forward (V4.1): entry block %d is written twice (sequence "
+                                 "%d)",
                                  sq->blocks[j], i);
                     return DI_ERR_INVALID;
                 }
                 *o = i;
+            }
+        }
+        for (int32_t i = 0; i < n_seq; i++) {
+            const di_dsv41_dev_seq *sq = &seqs[i];
+            const int64_t need =
+                ((int64_t)sq->pos + sq->n_tok + s->block_tokens - 1) / s->block_tokens;
+            for (int64_t j = 0; j < need; j++) {
+                const int32_t o = s->blk_owner[sq->blocks[j]];
+                if (o >= 0 && o != i) {
+                    DI_LOG_ERROR("dev forward (V4.1): sequence %d reads entry block %d, which "
+                                 "sequence %d writes",
+                                 i, sq->blocks[j], o);
+                    return DI_ERR_INVALID;
+                }
             }
         }
     }
@@ -1040,6 +1074,27 @@ static di_status check_call(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs,
 }
 
 // ---- the call ----
+
+// A replay's start (pos == win_lo > 0): the slot's window rings in every layer become zero rows,
+// as di_dsv41_restart zeroes the CPU state's (before the call's ops, outside any graph).
+static di_status zero_rings(const call *c) {
+    di_dsv41_dev_state *s = c->s;
+    di_backend *b = s->d->b;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t W = hp->window, Dh = hp->head_dim;
+    di_status st = DI_OK;
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        const di_dsv41_dev_seq *sq = &c->seqs[i];
+        if (sq->win_lo <= 0 || sq->pos != sq->win_lo) continue;
+        for (int il = 0; il < hp->n_layer; il++) {
+            float *ring = s->pool + ((int64_t)il * s->layer_rows + s->max_rows + sq->slot * W) * Dh;
+            DI_TRY(b->vt->memset(b, ring, 0, sizeof(float) * (size_t)(W * Dh)));
+        }
+    }
+    return DI_OK;
+fail:
+    return st;
+}
 
 // Whether the call is a decode step of graph shape: every sequence one row with its logits.
 static bool decode_shape(const call *c, const int32_t *logit_rows, int32_t n_logit_rows) {
@@ -1104,6 +1159,7 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
     for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = -1; // until the call succeeds
     stage_fill(c, tokens);
     DI_TRY(b->vt->upload(b, s->stage_dev, s->stage, sizeof(int32_t) * c->n_words));
+    DI_TRY(zero_rings(c));
     if (decode_shape(c, logit_rows, n_logit_rows)) {
         DI_TRY(run_decode(c, logit_rows));
         if (n_logit_rows > 0)

@@ -14,8 +14,10 @@
  * queries Q4 (e2m1, scale per 32, no Hadamard). Every stored row is an FP32 row holding those
  * quantised-exact values (the compact codes of docs/kv-cache.md "DeepSeek V4.1" are not used on
  * the device yet). Plain sessions run on it once attached (di_dsv41_dev_attach: --device cuda).
- * Not run here: DSpark (its heads and blocks), context parallelism, rollback, prefix reuse, tail
- * snapshots, entry block I/O, the serving engine (it keeps the CPU V4.1 forward).
+ * Prefix reuse (the bounded replay on another sequence's cached blocks:
+ * di_dsv41_dev_seq.win_lo / n_cached) runs. Not run here: DSpark (its heads and blocks), context
+ * parallelism, rollback, tail snapshots, entry block I/O, the serving engine (it keeps the CPU
+ * V4.1 forward).
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows; the
@@ -93,15 +95,25 @@ typedef struct di_dsv41_dev_seq {
     // n_tok) / block_tokens) of them (borrowed for the call). Private blocks: NULL, 0.
     const int32_t *blocks;
     int32_t n_blocks;
+    // Prefix reuse (the bounded replay of docs/kv-cache.md, as di_dsv41_restart): a call at pos ==
+    // win_lo > 0 starts the slot afresh there, on blocks whose first n_cached positions' entries
+    // and index keys another sequence computed (n_cached a multiple of block_tokens, win_lo <=
+    // n_cached); prefix then holds the tokens of positions [0, win_lo) (borrowed for the call:
+    // the Engram look-back). As the CPU forward after di_dsv41_restart, the window rows of
+    // positions before win_lo are zero rows (attended as such), and a group closing with entry
+    // index < n_cached / m leaves its entry and index key untouched, so cached blocks are never
+    // written. Later calls pass the same win_lo and n_cached. 0, 0, NULL: none.
+    int32_t win_lo, n_cached;
+    const int32_t *prefix;
 } di_dsv41_dev_seq;
 
 // A ragged batch: seqs[i] feeds its n_tok tokens (host ids; rows concatenated in seqs order) at
-// positions pos.. of slot `slot`; pos must be 0 (starts the slot afresh) or the tokens the slot
-// has consumed. Logits of the rows listed in logit_rows (ascending) go to host logits [n, V].
-// DI_ERR_INVALID for bad slots (out of range or repeated), positions, token ids, row counts,
-// blocks (missing, out of range, one listed by two sequences) or logit rows, checked before any
-// work (logged; nothing changes). A backend error (DI_ERR_CUDA, DI_ERR_NOMEM) leaves the call's
-// slots to be restarted at pos 0.
+// positions pos.. of slot `slot`; pos must be 0 or win_lo > 0 (starts the slot afresh) or the
+// tokens the slot has consumed. Logits of the rows listed in logit_rows (ascending) go to host
+// logits [n, V]. DI_ERR_INVALID for bad slots (out of range or repeated), positions, token ids, row
+// counts, blocks (missing, out of range, a block one sequence writes listed by another), replay
+// parameters or logit rows, checked before any work (logged; nothing changes). A backend error
+// (DI_ERR_CUDA, DI_ERR_NOMEM) leaves the call's slots to be restarted at pos 0.
 di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
                                const int32_t *tokens, const int32_t *logit_rows,
                                int32_t n_logit_rows, float *logits);

@@ -16,6 +16,8 @@
 //       graphs replayed (stats);
 //   (f) the product wiring (di_dsv41_dev_attach): plain sessions against a model without it,
 //       prompts longer than one dev call; what such a session refuses;
+//   (g) prefix reuse: a slot attached to another's full blocks replays from the bounded-replay
+//       start and continues bit-identically to the cold prefill;
 // each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 #include "harness.h"
@@ -241,6 +243,81 @@ static void batches(di_precision prec) {
     h_free(&h);
 }
 
+// (g) prefix reuse on shared entry blocks: slot 1 attached to slot 0's first H positions' blocks
+// replays from Q = H - n_layer (W - 1) (win_lo = Q, n_cached = H, the prefix tokens for Engram) and
+// its logits from H on equal slot 0's cold ones bit for bit; then both decode in one call on the
+// shared blocks (identical logits; slot 0 still equal to its CPU session, so the cached blocks
+// were not written); bad replay parameters refused without changing anything.
+static void prefix_reuse(di_precision prec) {
+    harness h;
+    h_init(&h, prec, false);
+    const di_hparams *hp = &h.m->hp;
+    enum { H = 112, AFTER = 20 };
+    const int s0 = 0, s1 = 1;
+    const int chunks[] = {40, 40, 32};
+    for (int k = 0; k < 3; k++) h_call(&h, 1, &s0, &chunks[k], NULL);
+    float *cold = malloc(sizeof(float) * (size_t)(AFTER * h.V));
+    const int one = 1;
+    for (int k = 0; k < AFTER; k++) {
+        h_call(&h, 1, &s0, &one, NULL);
+        memcpy(cold + (int64_t)k * h.V, h.got, sizeof(float) * (size_t)h.V);
+    }
+    int32_t blk1[MAXB], tok[H + AFTER + 8], rows[MAX_ROWS];
+    for (int j = 0; j < MAXB; j++) blk1[j] = j < H / BT ? h.blk[s0][j] : h.blk[s1][j];
+    for (int p = 0; p < H + AFTER + 8; p++) tok[p] = token_of(s0, h.gen[s0], p);
+    for (int r = 0; r < MAX_ROWS; r++) rows[r] = r;
+    const int32_t Q = H - hp->n_layer * (hp->window - 1);
+    CHECK(Q > 0);
+    di_dsv41_dev_seq sq = {
+        .slot = s1, .blocks = blk1, .n_blocks = MAXB, .win_lo = Q, .n_cached = H, .prefix = tok};
+    // Refused: win_lo beyond the cache, no prefix tokens, n_cached off a block boundary.
+    const int32_t past1 = di_dsv41_dev_n_past(h.st, s1);
+    di_dsv41_dev_seq bad = sq;
+    bad.pos = H + 8, bad.win_lo = H + 8, bad.n_tok = 1;
+    CHECK_EQ(di_dsv41_dev_forward(h.st, &bad, 1, tok, rows, 0, NULL), DI_ERR_INVALID);
+    bad = sq, bad.pos = Q, bad.n_tok = 1, bad.prefix = NULL;
+    CHECK_EQ(di_dsv41_dev_forward(h.st, &bad, 1, tok + Q, rows, 0, NULL), DI_ERR_INVALID);
+    bad = sq, bad.pos = Q, bad.n_tok = 1, bad.n_cached = H - 1;
+    CHECK_EQ(di_dsv41_dev_forward(h.st, &bad, 1, tok + Q, rows, 0, NULL), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, s1), past1);
+    // The replay, in chunks of MAX_ROWS, then the positions after H with their logits.
+    int n_same = 0;
+    for (int32_t p = Q; p < H + AFTER;) {
+        const int32_t n = H + AFTER - p < MAX_ROWS ? H + AFTER - p : MAX_ROWS;
+        sq.pos = p, sq.n_tok = n;
+        CHECK_EQ(di_dsv41_dev_forward(h.st, &sq, 1, tok + p, rows, n, h.got), DI_OK);
+        for (int32_t t = 0; t < n; t++)
+            if (p + t >= H)
+                n_same += memcmp(h.got + (int64_t)t * h.V, cold + (int64_t)(p + t - H) * h.V,
+                                 sizeof(float) * (size_t)h.V) == 0;
+        p += n;
+    }
+    CHECK_EQ(n_same, AFTER);
+    // Both decode on the shared blocks in one call: the same logits; slot 0 = its session.
+    for (int k = 0; k < 6; k++) {
+        const int32_t p = H + AFTER + k;
+        di_dsv41_dev_seq two[2] = {
+            {.slot = s0, .pos = p, .n_tok = 1, .blocks = h.blk[s0], .n_blocks = MAXB},
+            {.slot = s1,
+             .pos = p,
+             .n_tok = 1,
+             .blocks = blk1,
+             .n_blocks = MAXB,
+             .win_lo = Q,
+             .n_cached = H,
+             .prefix = tok}};
+        int32_t t2[2] = {tok[p], tok[p]};
+        CHECK_EQ(di_dsv41_dev_forward(h.st, two, 2, t2, rows, 2, h.got), DI_OK);
+        CHECK(memcmp(h.got, h.got + h.V, sizeof(float) * (size_t)h.V) == 0);
+        di_dsv41_seq ref = {.s = h.ses[s0], .tokens = &tok[p], .n_tok = 1, .n_out = 1};
+        CHECK_EQ(di_dsv41_forward_batch(h.m, di_dsv41_ws(h.ses[s0]), &ref, 1, h.ref), DI_OK);
+        CHECK(memcmp(h.got, h.ref, sizeof(float) * (size_t)h.V) == 0);
+    }
+    CHECK_EQ(h.n_bad, 0);
+    free(cold);
+    h_free(&h);
+}
+
 // (f) the product wiring: di_dsv41_dev_attach, then plain sessions (a 300-token prompt fed in the
 // dev forward's chunks of 256 rows, then decodes with last_only) against a model without it; save,
 // rollback and batched calls of such a session refused.
@@ -331,6 +408,12 @@ static void official_one(void) {
 static void official_batches(void) {
     batches(DI_PRECISION_OFFICIAL);
 }
+static void fp32_prefix(void) {
+    prefix_reuse(DI_PRECISION_FP32);
+}
+static void official_prefix(void) {
+    prefix_reuse(DI_PRECISION_OFFICIAL);
+}
 static void fp32_wiring(void) {
     wiring(DI_PRECISION_FP32);
 }
@@ -346,6 +429,8 @@ int main(void) {
     RUN(fp32_batches);
     RUN(official_one);
     RUN(official_batches);
+    RUN(fp32_prefix);
+    RUN(official_prefix);
     RUN(fp32_wiring);
     RUN(official_wiring);
     RUN(refuses_v4);
