@@ -661,12 +661,21 @@ static void test_mhc(void) {
 
 // ---- MoE ----
 
+// V4.1's MoE rules for the cases run with them (test_moe): the router's temperature (0: none, V4)
+// and the official recipe's A8 block (128 for V4, 32 for V4.1).
+static float g_gate_temp = 0.0f;
+static int32_t g_a8_block = 128;
+
 static void ref_router(const float *logits, const float *bias, const int32_t *tid2eid,
                        const int32_t *ids, int32_t T, int32_t E, int32_t K, float route_scale,
                        bool hf_eps, int32_t *sel, float *wgt) {
     float *st = malloc(sizeof(float) * (size_t)E);
     for (int32_t t = 0; t < T; t++) {
-        for (int32_t e = 0; e < E; e++) st[e] = sqrtf(di_softplus(logits[(int64_t)t * E + e]));
+        for (int32_t e = 0; e < E; e++) {
+            float x = logits[(int64_t)t * E + e];
+            if (g_gate_temp > 0) x /= g_gate_temp;
+            st[e] = sqrtf(di_softplus(x));
+        }
         int32_t *se = sel + t * K;
         if (tid2eid) {
             memcpy(se, tid2eid + (int64_t)ids[t] * K, sizeof(int32_t) * (size_t)K);
@@ -708,7 +717,7 @@ static void linear_host(const mat *w, const float *x, int64_t n_in, int64_t n_ou
                         bool official) {
     float *xq = malloc(sizeof(float) * (size_t)n_in);
     memcpy(xq, x, sizeof(float) * (size_t)n_in);
-    if (official) di_fake_quant_q8(xq, n_in, 128);
+    if (official) di_fake_quant_q8(xq, n_in, g_a8_block);
     di_ref_matmul(&g_cpu, &w->t, xq, 1, n_in, y, n_out);
     if (official) round_host(y, n_out);
     free(xq);
@@ -794,6 +803,7 @@ static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool
     mw.route_scale = route_scale, mw.swiglu_limit = limit;
     mw.shared_clamp = shared_clamp, mw.hf_eps = hf_eps;
     mw.official = official, mw.routed_kind = DI_TENSOR_KIND_FP4;
+    mw.gate_temp = g_gate_temp, mw.a8_block = g_a8_block;
     float *fd = bk_from(f, sizeof(float) * (size_t)nf), *od = bk_alloc(sizeof(float) * (size_t)nf);
     int32_t *idd = bk_from(ids, sizeof(int32_t) * (size_t)T);
     bk_poison(od, sizeof(float) * (size_t)nf);
@@ -831,6 +841,11 @@ static void test_moe(void) {
     // The official recipe (A8 needs F, D multiples of 128): decode, a hash-routed prefill.
     moe_case(1, 8, 2, 128, 128, false, false, false, true);
     moe_case(9, 8, 2, 256, 128, true, true, false, true);
+    // V4.1: the router's temperature, the + 1e-20 in both recipes, A8 in blocks of 32.
+    g_gate_temp = 1.7f, g_a8_block = 32;
+    moe_case(2, 8, 2, 128, 96, false, false, true, false);
+    moe_case(3, 8, 2, 128, 64, false, true, true, true);
+    g_gate_temp = 0.0f, g_a8_block = 128;
 }
 
 // ---- scatter_rows, add_ape, offset_list ----
