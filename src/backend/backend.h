@@ -295,13 +295,14 @@ typedef struct di_backend_vt {
                              int32_t n_tok, float eps, float *x);
     // V4.1's two-level indexer (§2.5.3; ref_ops.h di_ref_cand_*), per row t < n_tok over its
     // n_vis[t] scores (score_stride apart): BUILD writes the row's candidate pool (blocks of bs
-    // entries, at most ntb) into cand [T, ntb] and n_cand [T]; MASK sets the scores outside that
-    // pool to -inf; DROP rewrites sel [T, k] (a topk result) keeping the picks whose score is not
-    // -inf, in order, then -1. Unused arrays may be NULL. DI_ERR_INVALID (bs, ntb or k < 1, a
-    // negative n_vis, an unknown mode).
+    // entries, at most ntb) into cand [T, ntb] and n_cand [T], with work as scratch (n_tok rows of
+    // score_stride / bs + 1 floats: the block scores); MASK sets the scores outside that pool to
+    // -inf; DROP rewrites sel [T, k] (a topk result) keeping the picks whose score is not -inf, in
+    // order, then -1. Unused arrays may be NULL. DI_ERR_INVALID (bs, ntb or k < 1, a negative
+    // n_vis, an unknown mode).
     di_status (*index_cand)(di_backend *b, int32_t mode, float *scores, int64_t score_stride,
                             const int32_t *n_vis, int32_t n_tok, int32_t bs, int32_t ntb,
-                            int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k);
+                            int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k, float *work);
 } di_backend_vt;
 
 struct di_backend {

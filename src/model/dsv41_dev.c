@@ -265,6 +265,7 @@ struct di_dsv41_dev_state {
     float *pool; // [n_layer * layer_rows + entries, Dh]
     float *x, *a, *out, *mix, *pre, *pre_attn, *post, *comb, *one_hot;
     float *qr, *q, *o, *u, *cc, *cz, *lat, *ik, *iq, *iw, *scores, *aq;
+    float *blk; // [max_rows, score_stride / candidate_block_size + 1]: index_cand's block scores
     float *eg_in, *eg_kv, *hx, *hpre, *h, *logits;
     int32_t *sel, *cand, *n_cand;
     int32_t *stage_dev; // backend staging (the call's lists)
@@ -434,6 +435,10 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
     DI_TRY(st_floats(s, R * HI * DI, &s->iq));
     DI_TRY(st_floats(s, R * HI, &s->iw));
     DI_TRY(st_floats(s, R * s->score_stride, &s->scores));
+    DI_TRY(st_floats(
+        s,
+        R * (s->score_stride / (hp->candidate_block_size > 0 ? hp->candidate_block_size : 1) + 1),
+        &s->blk));
     DI_TRY(st_floats(s, s->aq_floats, &s->aq));
     DI_TRY(st_ints(s, R * hp->index_topk, &s->sel));
     DI_TRY(
@@ -789,15 +794,15 @@ static di_status indexer(const call *c, int il, const float *a, bool *have_cand)
     const int32_t ntb = hp->candidate_topk_blocks > 0 ? hp->candidate_topk_blocks : 1;
     if (il == hp->candidate_layer) {
         OP(index_cand, DI_BACKEND_CAND_BUILD, s->scores, s->score_stride, D32(km->n_vis),
-           (int32_t)T, bs, ntb, s->cand, s->n_cand, NULL, hp->index_topk);
+           (int32_t)T, bs, ntb, s->cand, s->n_cand, NULL, hp->index_topk, s->blk);
         *have_cand = true;
     } else if (*have_cand && hp->candidate_layer >= 0 && hp->candidate_layer < il) {
         OP(index_cand, DI_BACKEND_CAND_MASK, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T,
-           bs, ntb, s->cand, s->n_cand, NULL, hp->index_topk);
+           bs, ntb, s->cand, s->n_cand, NULL, hp->index_topk, NULL);
     }
     OP(topk, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T, hp->index_topk, s->sel);
     OP(index_cand, DI_BACKEND_CAND_DROP, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T, bs,
-       ntb, NULL, NULL, s->sel, hp->index_topk);
+       ntb, NULL, NULL, s->sel, hp->index_topk, NULL);
     return DI_OK;
 fail:
     return st;

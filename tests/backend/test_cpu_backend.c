@@ -629,8 +629,9 @@ static void test_v41_ops(void) {
                         0.7f, 0.1f, 0.1f, 0.2f, 0.3f, 0.1f,  0.1f,  0.7f, 0.2f, 0,    0, 0};
     const int32_t vis[3] = {10, 2, 9};
     int32_t cand[3 * NTB], n_cand[3];
+    float work[3 * (ST / 3 + 1)];
     CHECK_EQ(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_BUILD, sc, ST, vis, 3, 3, NTB, cand, n_cand,
-                                 NULL, K),
+                                 NULL, K, work),
              DI_OK);
     // Row 0: block 3 forced, then block 2 (0.95) ahead of block 0 (0.9); ascending {2, 3}.
     CHECK(n_cand[0] == 2 && cand[0] == 2 && cand[1] == 3);
@@ -640,7 +641,7 @@ static void test_v41_ops(void) {
     float m[3 * ST];
     memcpy(m, sc, sizeof sc);
     CHECK_EQ(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_MASK, m, ST, vis, 3, 3, NTB, cand, n_cand,
-                                 NULL, K),
+                                 NULL, K, NULL),
              DI_OK);
     for (int t = 0; t < 3; t++)
         for (int w = 0; w < ST; w++) {
@@ -649,13 +650,16 @@ static void test_v41_ops(void) {
             CHECK_EQ(m[t * ST + w], in ? sc[t * ST + w] : -INFINITY);
         }
     int32_t sel[3 * K] = {0, 6, 7, 9, 0, 1, -1, -1, 1, 2, 6, 7};
-    CHECK_EQ(
-        g_b->vt->index_cand(g_b, DI_BACKEND_CAND_DROP, m, ST, vis, 3, 3, NTB, NULL, NULL, sel, K),
-        DI_OK);
+    CHECK_EQ(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_DROP, m, ST, vis, 3, 3, NTB, NULL, NULL, sel,
+                                 K, NULL),
+             DI_OK);
     const int32_t want_sel[3 * K] = {6, 7, 9, -1, 0, 1, -1, -1, 1, 2, 6, 7};
     CHECK(memcmp(sel, want_sel, sizeof sel) == 0);
-    CHECK_EQ(g_b->vt->index_cand(g_b, 7, m, ST, vis, 3, 3, NTB, cand, n_cand, sel, K),
+    CHECK_EQ(g_b->vt->index_cand(g_b, 7, m, ST, vis, 3, 3, NTB, cand, n_cand, sel, K, work),
              DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_BUILD, sc, ST, vis, 3, 3, NTB, cand, n_cand,
+                                 NULL, K, NULL),
+             DI_ERR_INVALID); // BUILD without its scratch
 
     // Q4e (blocks of 16), in place.
     float q[64], qw[64];

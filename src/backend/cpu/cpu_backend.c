@@ -58,9 +58,6 @@ typedef struct cpu_impl {
     struct cmd *rec;
     int64_t n_rec, cap_rec;
     bool capturing, refused;
-    // index_cand's block scores (level 1), grown as needed.
-    float *cand_f; // owned
-    size_t cand_f_cap;
 } cpu_impl;
 
 static cpu_impl *impl_of(const di_backend *b) {
@@ -289,6 +286,7 @@ typedef struct cmd {
             int32_t n_tok, bs, ntb;
             int32_t *cand, *n_cand, *sel;
             int32_t k;
+            float *work;
         } index_cand;
     } u;
 } cmd;
@@ -1141,22 +1139,20 @@ static di_status cpu_engram_gate(di_backend *b, const float *kv, const float *qk
 
 static di_status cpu_index_cand(di_backend *b, int32_t mode, float *scores, int64_t score_stride,
                                 const int32_t *n_vis, int32_t n_tok, int32_t bs, int32_t ntb,
-                                int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k) {
-    cpu_impl *c = impl_of(b);
-    RECORD(c, CMD_INDEX_CAND, index_cand, mode, scores, score_stride, n_vis, n_tok, bs, ntb, cand,
-           n_cand, sel, k);
-    if (bs < 1 || ntb < 1 || k < 1 || mode < DI_BACKEND_CAND_BUILD || mode > DI_BACKEND_CAND_DROP)
+                                int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k,
+                                float *work) {
+    RECORD(impl_of(b), CMD_INDEX_CAND, index_cand, mode, scores, score_stride, n_vis, n_tok, bs,
+           ntb, cand, n_cand, sel, k, work);
+    if (bs < 1 || ntb < 1 || k < 1 || mode < DI_BACKEND_CAND_BUILD || mode > DI_BACKEND_CAND_DROP ||
+        (mode == DI_BACKEND_CAND_BUILD && !work))
         return DI_ERR_INVALID;
     for (int32_t t = 0; t < n_tok; t++)
         if (n_vis[t] < 0) return DI_ERR_INVALID;
-    if (mode == DI_BACKEND_CAND_BUILD &&
-        grow_f(&c->cand_f, &c->cand_f_cap, (size_t)(score_stride / bs + 2)) != DI_OK)
-        return DI_ERR_NOMEM;
     for (int32_t t = 0; t < n_tok; t++) {
         float *sc = scores + t * score_stride;
         if (mode == DI_BACKEND_CAND_BUILD)
-            n_cand[t] =
-                di_ref_cand_build(sc, n_vis[t], bs, ntb, c->cand_f, cand + (int64_t)t * ntb);
+            n_cand[t] = di_ref_cand_build(sc, n_vis[t], bs, ntb, work + t * (score_stride / bs + 1),
+                                          cand + (int64_t)t * ntb);
         else if (mode == DI_BACKEND_CAND_MASK)
             di_ref_cand_mask(sc, n_vis[t], bs, cand + (int64_t)t * ntb, n_cand[t]);
         else
@@ -1297,7 +1293,8 @@ static di_status replay(di_backend *b, const cmd *k) {
         return cpu_index_cand(b, A(index_cand).mode, A(index_cand).scores,
                               A(index_cand).score_stride, A(index_cand).n_vis, A(index_cand).n_tok,
                               A(index_cand).bs, A(index_cand).ntb, A(index_cand).cand,
-                              A(index_cand).n_cand, A(index_cand).sel, A(index_cand).k);
+                              A(index_cand).n_cand, A(index_cand).sel, A(index_cand).k,
+                              A(index_cand).work);
 #undef A
     }
     return DI_ERR_INVALID;
@@ -1348,7 +1345,6 @@ static void cpu_destroy(di_backend *b) {
         di_free(c->kv_idx);
         di_free((void *)c->kp);
         di_aligned_free(c->sc);
-        di_aligned_free(c->cand_f);
         di_free(c);
     }
     di_free(b);

@@ -317,10 +317,11 @@ static di_status op_engram_gate(di_backend *b, const float *kv, const float *qk,
 
 static di_status op_index_cand(di_backend *b, int32_t mode, float *scores, int64_t score_stride,
                                const int32_t *n_vis, int32_t n_tok, int32_t bs, int32_t ntb,
-                               int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k) {
+                               int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k,
+                               float *work) {
     ENTER(b);
     return di_cuda_index_cand(cu, mode, scores, score_stride, n_vis, n_tok, bs, ntb, cand, n_cand,
-                              sel, k);
+                              sel, k, work);
 }
 
 static di_status op_hadamard(di_backend *b, float *x, int64_t n_rows, int64_t n) {

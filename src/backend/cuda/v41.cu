@@ -3,9 +3,10 @@
 
 #include "backend/backend.h" // di_backend_cand_mode
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/indexer.cuh" // di_cuda_topk
 #include "backend/cuda/v41.cuh"
 
-enum { V41_THREADS = 256, MAX_NTB = 1024 };
+enum { V41_THREADS = 256 };
 
 // ---- Engram gate ----
 
@@ -51,63 +52,26 @@ extern "C" di_status di_cuda_engram_gate(di_cuda *cu, const float *kv, const flo
 
 // ---- candidate pool ----
 
-// (v, i) beats (v2, i2): higher value, or equal value and lower index (di_ref_topk's order).
-__device__ __forceinline__ bool cand_beats(float v, int64_t i, float v2, int64_t i2) {
-    return i2 < 0 || (i >= 0 && (v > v2 || (v == v2 && i < i2)));
+// Level 1, one thread per (row, block): the block's best score (the newest block +inf) into
+// work; block 0 of each row also writes its block count into n_cand (di_cuda_topk's n_vis).
+__global__ void cand_blocks_kernel(const float *__restrict__ scores, int64_t stride,
+                                   const int32_t *__restrict__ n_vis, int32_t bs,
+                                   float *__restrict__ work, int64_t wstride,
+                                   int32_t *__restrict__ n_cand) {
+    const int64_t t = blockIdx.y, b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t vis = n_vis[t], n_blk = (vis + bs - 1) / bs;
+    if (b == 0) n_cand[t] = (int32_t)n_blk;
+    if (b >= n_blk) return;
+    const float *sc = scores + t * stride;
+    float mx = -INFINITY;
+    for (int64_t w = b * bs; w < (b + 1) * bs && w < vis; w++) mx = fmaxf(mx, sc[w]);
+    work[t * wstride + b] = b == n_blk - 1 ? INFINITY : mx;
 }
 
-// Level 1, one block per row: min(ntb, n_blk) rounds, each the best block not yet taken (block
-// score = max of its entries; the newest block +inf), then the picks sorted ascending.
-__global__ void __launch_bounds__(V41_THREADS)
-    cand_build_kernel(const float *__restrict__ scores, int64_t stride,
-                      const int32_t *__restrict__ n_vis, int32_t bs, int32_t ntb,
-                      int32_t *__restrict__ cand, int32_t *__restrict__ n_cand) {
-    __shared__ float bv_w[32];
-    __shared__ int64_t bi_w[32];
-    __shared__ int32_t picks[MAX_NTB];
-    const int64_t t = blockIdx.x;
-    const int64_t vis = n_vis[t], n_blk = (vis + bs - 1) / bs;
-    const int32_t k = (int32_t)(n_blk < ntb ? n_blk : ntb);
-    const float *sc = scores + t * stride;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int32_t r = 0; r < k; r++) {
-        float bv = 0.0f;
-        int64_t bi = -1;
-        for (int64_t b = threadIdx.x; b < n_blk; b += blockDim.x) {
-            bool taken = false;
-            for (int32_t j = 0; j < r; j++) taken |= picks[j] == b;
-            if (taken) continue;
-            float mx = -INFINITY;
-            for (int64_t w = b * bs; w < (b + 1) * bs && w < vis; w++) mx = fmaxf(mx, sc[w]);
-            if (b == n_blk - 1) mx = INFINITY;
-            if (cand_beats(mx, b, bv, bi)) bv = mx, bi = b;
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int64_t i2 = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (cand_beats(v2, i2, bv, bi)) bv = v2, bi = i2;
-        }
-        if (lane == 0) bv_w[warp] = bv, bi_w[warp] = bi;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float v = bv_w[0];
-            int64_t i = bi_w[0];
-            for (int w = 1; w < nw; w++)
-                if (cand_beats(bv_w[w], bi_w[w], v, i)) v = bv_w[w], i = bi_w[w];
-            picks[r] = (int32_t)i;
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        for (int32_t i = 1; i < k; i++) { // ascending, as di_ref_topk returns them
-            const int32_t p = picks[i];
-            int32_t j = i - 1;
-            for (; j >= 0 && picks[j] > p; j--) picks[j + 1] = picks[j];
-            picks[j + 1] = p;
-        }
-        for (int32_t i = 0; i < k; i++) cand[t * ntb + i] = picks[i];
-        n_cand[t] = k;
-    }
+// n_cand[t] = min(ntb, blocks): the picks di_cuda_topk kept.
+__global__ void cand_count_kernel(int32_t *__restrict__ n_cand, int32_t n_tok, int32_t ntb) {
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n_tok && n_cand[t] > ntb) n_cand[t] = ntb;
 }
 
 // Level 2, one thread per (row, entry): -inf outside the row's pool.
@@ -139,15 +103,23 @@ __global__ void cand_drop_kernel(const float *__restrict__ scores, int64_t strid
 extern "C" di_status di_cuda_index_cand(di_cuda *cu, int32_t mode, float *scores,
                                         int64_t score_stride, const int32_t *n_vis, int32_t n_tok,
                                         int32_t bs, int32_t ntb, int32_t *cand, int32_t *n_cand,
-                                        int32_t *sel, int32_t k) {
-    if (bs < 1 || ntb < 1 || ntb > MAX_NTB || k < 1) return DI_ERR_INVALID;
+                                        int32_t *sel, int32_t k, float *work) {
+    if (bs < 1 || ntb < 1 || k < 1 || (mode == DI_BACKEND_CAND_BUILD && !work))
+        return DI_ERR_INVALID;
     if (n_tok <= 0) return DI_OK;
     switch (mode) {
-    case DI_BACKEND_CAND_BUILD:
-        cand_build_kernel<<<(unsigned)n_tok, V41_THREADS, 0, di_stream(cu)>>>(
-            scores, score_stride, n_vis, bs, ntb, cand, n_cand);
-        DI_CUDA_LAUNCHED("cand_build_kernel");
+    case DI_BACKEND_CAND_BUILD: {
+        const int64_t wstride = score_stride / bs + 1;
+        const dim3 grid(di_div_up(wstride, V41_THREADS), (unsigned)n_tok);
+        cand_blocks_kernel<<<grid, V41_THREADS, 0, di_stream(cu)>>>(scores, score_stride, n_vis, bs,
+                                                                    work, wstride, n_cand);
+        DI_CUDA_LAUNCHED("cand_blocks_kernel");
+        const di_status st = di_cuda_topk(cu, work, wstride, n_cand, n_tok, ntb, cand);
+        if (st != DI_OK) return st;
+        cand_count_kernel<<<di_div_up(n_tok, 128), 128, 0, di_stream(cu)>>>(n_cand, n_tok, ntb);
+        DI_CUDA_LAUNCHED("cand_count_kernel");
         return DI_OK;
+    }
     case DI_BACKEND_CAND_MASK: {
         // Every row's entries up to the stride (rows with fewer visible return at once).
         const dim3 grid(di_div_up(score_stride, V41_THREADS), (unsigned)n_tok);

@@ -1456,13 +1456,16 @@ static void test_v41(void) {
     float *scd = bk_from(sc, sizeof(float) * R * ST);
     int32_t *visd = bk_from(vis, sizeof vis), *cdd = bk_alloc(sizeof cand),
             *nd = bk_alloc(sizeof n_cand), *seld = bk_alloc(sizeof sel);
+    float *workd = bk_alloc(sizeof(float) * R * (ST / BS + 1));
+    bk_poison(workd, sizeof(float) * R * (ST / BS + 1));
     bk_poison(cdd, sizeof cand);
-    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_BUILD, scd, ST, visd, R, BS, NTB, cdd, nd, NULL,
-                           K));
-    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_MASK, scd, ST, visd, R, BS, NTB, cdd, nd, NULL, K));
+    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_BUILD, scd, ST, visd, R, BS, NTB, cdd, nd, NULL, K,
+                           workd));
+    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_MASK, scd, ST, visd, R, BS, NTB, cdd, nd, NULL, K,
+                           NULL));
     CK(g_b->vt->topk(g_b, scd, ST, visd, R, K, seld));
     CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_DROP, scd, ST, visd, R, BS, NTB, NULL, NULL, seld,
-                           K));
+                           K, NULL));
     bk_to(gcand, cdd, sizeof cand);
     bk_to(gn, nd, sizeof n_cand);
     bk_to(gsel, seld, sizeof sel);
@@ -1488,11 +1491,11 @@ static void test_v41(void) {
     }
     fprintf(stderr, "  index_cand: %d differ\n", bad);
     CHECK_EQ(bad, 0);
-    CHECK_EQ(g_b->vt->index_cand(g_b, 9, scd, ST, visd, R, BS, NTB, cdd, nd, seld, K),
+    CHECK_EQ(g_b->vt->index_cand(g_b, 9, scd, ST, visd, R, BS, NTB, cdd, nd, seld, K, workd),
              DI_ERR_INVALID);
     bk_free(xd), bk_free(md), bk_free(bd), bk_free(sd), bk_free(pid), bk_free(pod), bk_free(ad);
     bk_free(pd), bk_free(cd), bk_free(kvd), bk_free(qkd), bk_free(scd), bk_free(visd);
-    bk_free(cdd), bk_free(nd), bk_free(seld);
+    bk_free(cdd), bk_free(nd), bk_free(seld), bk_free(workd);
     free(x), free(mix), free(a), free(ga), free(tol_a), free(want), free(tol), free(kv), free(qk);
     free(xg), free(gx), free(tg), free(sc), free(gsc);
 }
