@@ -20,12 +20,17 @@
 //       start and continues bit-identically to the cold prefill;
 // each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
+//   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
+//       pool; see fixture_long).
 #include "harness.h"
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "backend/backend.h"
+#include "io/safetensors.h"
 #include "model/dsv41.h"
 #include "model/dsv41_dev.h"
 #include "model/synth.h"
@@ -33,7 +38,8 @@
 enum { N_SLOTS = 3, N_CTX = 192, MAX_ROWS = 48, BT = 16 };
 enum { MAXB = N_CTX / BT, N_BLK = (N_SLOTS + 1) * MAXB };
 
-static char g_dir[256];
+static char g_dir[256], g_fix[256];
+static const char *g_model = g_dir; // the model h_init loads
 
 typedef struct harness {
     di_model *m;
@@ -49,7 +55,7 @@ typedef struct harness {
 } harness;
 
 static int32_t token_of(int slot, int gen, int32_t pos) {
-    return (int32_t)((slot * 131 + gen * 71 + pos * 97 + (pos * pos) % 13 + 7) % 500);
+    return (int32_t)((slot * 131 + gen * 71 + pos * 97 + (pos * pos) % 13 + 7) % 250);
 }
 
 static di_session *new_session(di_model *m) {
@@ -65,7 +71,7 @@ static void h_init(harness *h, di_precision prec, bool two_states) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 2;
     mo.precision = prec;
-    CHECK_EQ(di_model_load(g_dir, &mo, &h->m), DI_OK);
+    CHECK_EQ(di_model_load(g_model, &mo, &h->m), DI_OK);
     CHECK_EQ(di_cpu_backend_create(2, &h->b), DI_OK);
     CHECK_EQ(di_dsv41_dev_create(h->m, h->b, &h->d), DI_OK);
     CHECK_EQ(di_dsv41_dev_block_tokens(h->d), BT);
@@ -375,6 +381,50 @@ static void wiring(di_precision prec) {
     di_backend_destroy(b);
 }
 
+// (h) the committed v41_long fixture (official layout; 7 layers: kv sources m = 2 and m = 1, a
+// reindex layer of ratio 2 without keys of its own, 4 candidate blocks of 8 restricting layer 6,
+// Engram on the kv sources): (a) - (e) again. Its directory carries no Engram token map
+// (ref.safetensors has it as engram_cmap): the model directory is assembled in a temp dir, as
+// tests/model/test_v41_fixtures.c does.
+static bool assemble_fixture(void) {
+    const char *src = "tests/data/fixtures/v41_long";
+    char path[1024], cwd[512], a[2048], b[2048];
+    if (!getcwd(cwd, sizeof cwd)) return false;
+    snprintf(path, sizeof path, "%s/ref.safetensors", src);
+    di_st_file *ref = NULL;
+    if (di_st_file_open(path, &ref) != DI_OK) return false;
+    const di_st_tensor *cmap = di_st_file_find(ref, "engram_cmap");
+    bool ok = cmap && cmap->dtype == DI_DTYPE_I32;
+    const char *files[2] = {"config.json", "model.safetensors"};
+    for (int i = 0; i < 2 && ok; i++) {
+        snprintf(a, sizeof a, "%s/%s/official/%s", cwd, src, files[i]);
+        snprintf(b, sizeof b, "%s/%s", g_fix, files[i]);
+        ok = symlink(a, b) == 0;
+    }
+    snprintf(b, sizeof b, "%s/engram", g_fix);
+    ok = ok && mkdir(b, 0755) == 0;
+    if (ok) {
+        snprintf(b, sizeof b, "%s/engram/token_map.safetensors", g_fix);
+        di_st_write_tensor t = {.name = "token_map",
+                                .dtype = DI_DTYPE_I32,
+                                .n_dims = 1,
+                                .shape = {cmap->n_elements},
+                                .data = cmap->data};
+        ok = di_st_write_file(b, &t, 1) == DI_OK;
+    }
+    di_st_file_close(ref);
+    return ok;
+}
+
+static void fixture_long(void) {
+    g_model = g_fix;
+    one_sequence(DI_PRECISION_FP32);
+    batches(DI_PRECISION_FP32);
+    one_sequence(DI_PRECISION_OFFICIAL);
+    batches(DI_PRECISION_OFFICIAL);
+    g_model = g_dir;
+}
+
 static void refuses_v4(void) {
     char dir[256];
     snprintf(dir, sizeof dir, "/tmp/di_test_dev41_v4_XXXXXX");
@@ -434,6 +484,11 @@ int main(void) {
     RUN(fp32_wiring);
     RUN(official_wiring);
     RUN(refuses_v4);
+    snprintf(g_fix, sizeof g_fix, "/tmp/di_test_dev41_fix_XXXXXX");
+    CHECK(mkdtemp(g_fix) != NULL);
+    CHECK(assemble_fixture());
+    RUN(fixture_long);
+    di_test_remove_dir(g_fix);
     di_test_remove_dir(g_dir);
     return test_finish();
 }
