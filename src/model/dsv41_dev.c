@@ -477,6 +477,72 @@ fail:
     return st;
 }
 
+di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
+                             int64_t *slot_bytes) {
+    const di_hparams *hp = &d->m->hp;
+    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
+    bool ok = block_tokens >= 1;
+    int64_t blk = 0, slot = (int64_t)hp->n_layer * hp->window * Dh;
+    for (int il = 0; ok && il < hp->n_layer; il++) {
+        const int32_t m = hp->compress_ratio[il];
+        if (m > 0 && block_tokens % m != 0) ok = false;
+        if (!ok || !hp->kv_source[il]) continue;
+        blk += (int64_t)(block_tokens / m) * (Dh + DI);
+        if (m == 2) slot += 2 * 2 * Dh; // C and Z rings of 2 rows
+    }
+    if (!ok) {
+        DI_LOG_ERROR("dev forward (V4.1): blocks of %d positions (a multiple of every ratio)",
+                     block_tokens);
+        return DI_ERR_INVALID;
+    }
+    *block_bytes = blk * (int64_t)sizeof(float);
+    *slot_bytes = slot * (int64_t)sizeof(float);
+    return DI_OK;
+}
+
+int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s) {
+    return s->n_eblocks;
+}
+
+// Copies block `block` between the state and host bytes in di_dsv41_dev_sizes' layout: into dst
+// (read), or from src (write) when dst is NULL.
+static di_status block_io(const di_dsv41_dev_state *s, int32_t block, uint8_t *dst,
+                          const uint8_t *src) {
+    const di_hparams *hp = &s->d->m->hp;
+    di_backend *b = s->d->b;
+    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
+    if (block < 0 || block >= s->n_eblocks) {
+        DI_LOG_ERROR("dev forward (V4.1): no entry block %d (the state has %d)", block,
+                     s->n_eblocks);
+        return DI_ERR_INVALID;
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        const dev_src *k = &s->src[il];
+        const int64_t E = k->per_page;
+        float *ent = s->pool + (k->ent_row0 + (int64_t)block * E) * Dh;
+        float *key = k->ikeys + (int64_t)block * E * DI;
+        const size_t ne = sizeof(float) * (size_t)(E * Dh), nk = sizeof(float) * (size_t)(E * DI);
+        di_status st = dst ? b->vt->download(b, dst, ent, ne) : b->vt->upload(b, ent, src, ne);
+        if (st == DI_OK)
+            st = dst ? b->vt->download(b, dst + ne, key, nk) : b->vt->upload(b, key, src + ne, nk);
+        if (st != DI_OK) return st;
+        if (dst)
+            dst += ne + nk;
+        else
+            src += ne + nk;
+    }
+    return DI_OK;
+}
+
+di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst) {
+    return block_io(s, block, dst, NULL);
+}
+
+di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, const void *src) {
+    return block_io(s, block, NULL, src);
+}
+
 int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot) {
     return slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1;
 }

@@ -16,7 +16,7 @@
  * the device yet). Plain sessions run on it once attached (di_dsv41_dev_attach: --device cuda).
  * Prefix reuse (the bounded replay on another sequence's cached blocks:
  * di_dsv41_dev_seq.win_lo / n_cached) runs. Not run here: DSpark (its heads and blocks), context
- * parallelism, rollback, tail snapshots, entry block I/O, the serving engine (it keeps the CPU
+ * parallelism, rollback, tail snapshots, the serving engine (it keeps the CPU
  * V4.1 forward).
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
@@ -88,6 +88,23 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
                                     int32_t max_rows, int32_t n_blocks, int32_t block_tokens,
                                     di_dsv41_dev_state **out);
 void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s); // NULL: no-op
+
+// Backend bytes of one entry block (per kv source in layer order: its E = block_tokens / m entry
+// rows of head_dim floats, then its E index keys of index_head_dim floats) and of one slot's tail
+// (the window rings of every layer, the ratio-2 sources' C and Z rings) for blocks of
+// block_tokens positions: what a serving engine would size its blocks from. The call rows and
+// scratch (max_rows) are not included. DI_ERR_INVALID (block_tokens not a positive multiple of
+// every ratio).
+di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
+                             int64_t *slot_bytes);
+int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s);
+// Entry block I/O (the prefix cache's disk tier): one entry block's contents, exactly as stored
+// (di_dsv41_dev_sizes' block_bytes, in its layout), to and from host memory, so a block read from
+// one state writes identically into any state of a dev of the same model and recipe. read copies
+// block `block` into dst and syncs; write copies src into it (returns when src may be reused).
+// Not inside a call. DI_ERR_INVALID (no such block; logged), DI_ERR_CUDA.
+di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst);
+di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, const void *src);
 
 typedef struct di_dsv41_dev_seq {
     int32_t slot, pos, n_tok;

@@ -17,7 +17,8 @@
 //   (f) the product wiring (di_dsv41_dev_attach): plain sessions against a model without it,
 //       prompts longer than one dev call; what such a session refuses;
 //   (g) prefix reuse: a slot attached to another's full blocks replays from the bounded-replay
-//       start and continues bit-identically to the cold prefill;
+//       start and continues bit-identically to the cold prefill; so does one on copies of those
+//       blocks made through the entry block I/O (read / write round-trips exactly);
 // each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 //   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
@@ -299,6 +300,39 @@ static void prefix_reuse(di_precision prec) {
         p += n;
     }
     CHECK_EQ(n_same, AFTER);
+    // Entry block I/O: slot 0's cached blocks read out and written into the spare blocks (read
+    // back equal); slot 2 replays on those copies and matches the cold logits too.
+    int64_t bb = 0, sb = 0;
+    CHECK_EQ(di_dsv41_dev_sizes(h.d, BT, &bb, &sb), DI_OK);
+    CHECK(bb > 0 && sb > 0);
+    CHECK_EQ(di_dsv41_dev_sizes(h.d, BT + 1, &bb, &sb), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_state_n_blocks(h.st), N_BLK);
+    uint8_t *io = malloc((size_t)bb), *back = malloc((size_t)bb);
+    int32_t blk2[MAXB];
+    for (int j = 0; j < MAXB; j++) blk2[j] = j < H / BT ? h.spare[j] : h.blk[2][j];
+    for (int j = 0; j < H / BT; j++) {
+        CHECK_EQ(di_dsv41_dev_state_read_block(h.st, h.blk[s0][j], io), DI_OK);
+        CHECK_EQ(di_dsv41_dev_state_write_block(h.st, h.spare[j], io), DI_OK);
+        CHECK_EQ(di_dsv41_dev_state_read_block(h.st, h.spare[j], back), DI_OK);
+        CHECK(memcmp(io, back, (size_t)bb) == 0);
+    }
+    CHECK_EQ(di_dsv41_dev_state_read_block(h.st, N_BLK, io), DI_ERR_INVALID);
+    di_dsv41_dev_seq s2 = sq;
+    s2.slot = 2, s2.blocks = blk2;
+    n_same = 0;
+    for (int32_t p = Q; p < H + AFTER;) {
+        const int32_t n = H + AFTER - p < MAX_ROWS ? H + AFTER - p : MAX_ROWS;
+        s2.pos = p, s2.n_tok = n;
+        CHECK_EQ(di_dsv41_dev_forward(h.st, &s2, 1, tok + p, rows, n, h.got), DI_OK);
+        for (int32_t t = 0; t < n; t++)
+            if (p + t >= H)
+                n_same += memcmp(h.got + (int64_t)t * h.V, cold + (int64_t)(p + t - H) * h.V,
+                                 sizeof(float) * (size_t)h.V) == 0;
+        p += n;
+    }
+    CHECK_EQ(n_same, AFTER);
+    free(io);
+    free(back);
     // Both decode on the shared blocks in one call: the same logits; slot 0 = its session.
     for (int k = 0; k < 6; k++) {
         const int32_t p = H + AFTER + k;
