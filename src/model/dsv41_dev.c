@@ -543,6 +543,82 @@ di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, c
     return block_io(s, block, NULL, src);
 }
 
+size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d) {
+    const di_hparams *hp = &d->m->hp;
+    return 16 + sizeof(float) * (size_t)hp->n_layer * (size_t)hp->window * (size_t)hp->head_dim;
+}
+
+// Whether pos is a multiple of every compress ratio (no ratio-2 group open).
+static bool tail_pos_ok(const di_hparams *hp, int32_t pos) {
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->compress_ratio[il] > 0 && pos % hp->compress_ratio[il] != 0) return false;
+    return true;
+}
+
+// The slot's window ring of layer il in the pool.
+static float *ring_of(const di_dsv41_dev_state *s, int il, int32_t slot) {
+    const di_hparams *hp = &s->d->m->hp;
+    return s->pool +
+           ((int64_t)il * s->layer_rows + s->max_rows + (int64_t)slot * hp->window) * hp->head_dim;
+}
+
+di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst) {
+    const di_hparams *hp = &s->d->m->hp;
+    di_backend *b = s->d->b;
+    if (slot < 0 || slot >= s->n_slots || s->n_past[slot] < 0 ||
+        !tail_pos_ok(hp, s->n_past[slot])) {
+        DI_LOG_ERROR("dev forward (V4.1): no tail snapshot of slot %d (at %d: a multiple of every "
+                     "ratio)",
+                     slot, slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1);
+        return DI_ERR_INVALID;
+    }
+    const int32_t head[4] = {s->n_past[slot], hp->n_layer, hp->window, hp->head_dim};
+    memcpy(dst, head, sizeof head);
+    const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
+    uint8_t *out = (uint8_t *)dst + sizeof head;
+    for (int il = 0; il < hp->n_layer; il++, out += ring) {
+        di_status st = b->vt->download(b, out, ring_of(s, il, slot), ring);
+        if (st != DI_OK) return st;
+    }
+    return DI_OK;
+}
+
+di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t pos,
+                                    const void *src, const int32_t *tokens) {
+    const di_dsv41_dev *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    di_backend *b = d->b;
+    int32_t head[4];
+    memcpy(head, src, sizeof head);
+    const bool ok = slot >= 0 && slot < s->n_slots && pos >= 0 && pos <= s->n_ctx &&
+                    tail_pos_ok(hp, pos) && head[0] == pos && head[1] == hp->n_layer &&
+                    head[2] == hp->window && head[3] == hp->head_dim &&
+                    (pos == 0 || hp->n_engram == 0 || tokens);
+    if (ok)
+        for (int32_t p = 0; p < pos && hp->n_engram > 0; p++)
+            if (tokens[p] < 0 || tokens[p] >= hp->n_vocab) {
+                DI_LOG_ERROR("dev forward (V4.1): tail restore: token %d at %d", tokens[p], p);
+                return DI_ERR_INVALID;
+            }
+    if (!ok) {
+        DI_LOG_ERROR("dev forward (V4.1): tail restore into slot %d at %d: not a snapshot of this "
+                     "model there",
+                     slot, pos);
+        return DI_ERR_INVALID;
+    }
+    s->n_past[slot] = -1; // until the copies are enqueued
+    const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
+    const uint8_t *in = (const uint8_t *)src + sizeof head;
+    for (int il = 0; il < hp->n_layer; il++, in += ring) {
+        di_status st = b->vt->upload(b, ring_of(s, il, slot), in, ring);
+        if (st != DI_OK) return st;
+    }
+    int32_t *hist = s->hist + (int64_t)slot * s->n_ctx;
+    for (int32_t p = 0; p < pos && hp->n_engram > 0; p++) hist[p] = d->m->v41->cmap[tokens[p]];
+    s->n_past[slot] = pos;
+    return DI_OK;
+}
+
 int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot) {
     return slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1;
 }

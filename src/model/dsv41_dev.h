@@ -16,7 +16,7 @@
  * the device yet). Plain sessions run on it once attached (di_dsv41_dev_attach: --device cuda).
  * Prefix reuse (the bounded replay on another sequence's cached blocks:
  * di_dsv41_dev_seq.win_lo / n_cached) runs. Not run here: DSpark (its heads and blocks), context
- * parallelism, rollback, tail snapshots, the serving engine (it keeps the CPU
+ * parallelism, rollback, the serving engine (it keeps the CPU
  * V4.1 forward).
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
@@ -105,6 +105,23 @@ int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s);
 // Not inside a call. DI_ERR_INVALID (no such block; logged), DI_ERR_CUDA.
 di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst);
 di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, const void *src);
+
+// Tail snapshots (docs/kv-cache.md "Tail snapshots"): at a position that is a multiple of every
+// compress ratio (no ratio-2 group open) a slot's future reads only its entry blocks, its window
+// rings and its Engram history (a function of the tokens). di_dsv41_dev_tail_bytes: a 16-byte
+// header (position, layers, window, head_dim) then every layer's W window ring rows of head_dim
+// floats, in ring order (row = position mod W).
+size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d);
+// Copies slot `slot`'s tail at its current position into dst and syncs. DI_ERR_INVALID (slot out
+// of range or failed, a position that is no multiple of every ratio; logged), DI_ERR_CUDA.
+di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst);
+// Puts a snapshot taken at position pos (any slot of any state of the same dev) into slot `slot`
+// with the tokens of positions [0, pos) (the Engram history): the slot then continues at pos
+// exactly as the one that saved it, its next call passing pos and blocks holding the entries of
+// the positions before pos. DI_ERR_INVALID (slot or position out of range, not a snapshot of this
+// dev at pos; nothing changes), DI_ERR_CUDA (the slot must restart at 0).
+di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t pos,
+                                    const void *src, const int32_t *tokens);
 
 typedef struct di_dsv41_dev_seq {
     int32_t slot, pos, n_tok;

@@ -19,6 +19,7 @@
 //   (g) prefix reuse: a slot attached to another's full blocks replays from the bounded-replay
 //       start and continues bit-identically to the cold prefill; so does one on copies of those
 //       blocks made through the entry block I/O (read / write round-trips exactly);
+//   (i) tail snapshots: a slot's tail restored into another slot continues bit-identically;
 // each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 //   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
@@ -358,6 +359,55 @@ static void prefix_reuse(di_precision prec) {
     h_free(&h);
 }
 
+// (i) tail snapshots: slot 0's tail saved at a block boundary H, restored into slot 1 (on slot 0's
+// blocks below H, its own above): slot 1 then decodes bit-identically to slot 0; a bad restore is
+// refused without changing anything.
+static void tail_case(di_precision prec) {
+    harness h;
+    h_init(&h, prec, false);
+    enum { H = 96, AFTER = 12 };
+    const int s0 = 0, s1 = 1;
+    const int chunks[] = {48, 41, 7};
+    for (int k = 0; k < 3; k++) h_call(&h, 1, &s0, &chunks[k], NULL);
+    const size_t tb = di_dsv41_dev_tail_bytes(h.d);
+    uint8_t *tail = malloc(tb);
+    CHECK_EQ(di_dsv41_dev_tail_save(h.st, s0, tail), DI_OK);
+    int32_t tok[H + AFTER], rows[MAX_ROWS], blk1[MAXB];
+    for (int p = 0; p < H + AFTER; p++) tok[p] = token_of(s0, h.gen[s0], p);
+    for (int r = 0; r < MAX_ROWS; r++) rows[r] = r;
+    for (int j = 0; j < MAXB; j++) blk1[j] = j < H / BT ? h.blk[s0][j] : h.blk[s1][j];
+    float *cold = malloc(sizeof(float) * (size_t)(AFTER * h.V));
+    const int one = 1;
+    for (int k = 0; k < AFTER; k++) {
+        h_call(&h, 1, &s0, &one, NULL);
+        memcpy(cold + (int64_t)k * h.V, h.got, sizeof(float) * (size_t)h.V);
+    }
+    CHECK_EQ(di_dsv41_dev_tail_restore(h.st, s1, H + 2, tail, tok), DI_ERR_INVALID); // not at H
+    CHECK_EQ(di_dsv41_dev_tail_restore(h.st, N_SLOTS, H, tail, tok), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, s1), 0);
+    CHECK_EQ(di_dsv41_dev_tail_restore(h.st, s1, H, tail, tok), DI_OK);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, s1), H);
+    int n_same = 0;
+    for (int k = 0; k < AFTER; k++) {
+        di_dsv41_dev_seq sq = {
+            .slot = s1, .pos = H + k, .n_tok = 1, .blocks = blk1, .n_blocks = MAXB};
+        CHECK_EQ(di_dsv41_dev_forward(h.st, &sq, 1, &tok[H + k], rows, 1, h.got), DI_OK);
+        n_same += memcmp(h.got, cold + (int64_t)k * h.V, sizeof(float) * (size_t)h.V) == 0;
+    }
+    CHECK_EQ(n_same, AFTER);
+    CHECK_EQ(h.n_bad, 0);
+    free(tail);
+    free(cold);
+    h_free(&h);
+}
+
+static void fp32_tail(void) {
+    tail_case(DI_PRECISION_FP32);
+}
+static void official_tail(void) {
+    tail_case(DI_PRECISION_OFFICIAL);
+}
+
 // (f) the product wiring: di_dsv41_dev_attach, then plain sessions (a 300-token prompt fed in the
 // dev forward's chunks of 256 rows, then decodes with last_only) against a model without it; save,
 // rollback and batched calls of such a session refused.
@@ -515,6 +565,8 @@ int main(void) {
     RUN(official_batches);
     RUN(fp32_prefix);
     RUN(official_prefix);
+    RUN(fp32_tail);
+    RUN(official_tail);
     RUN(fp32_wiring);
     RUN(official_wiring);
     RUN(refuses_v4);
