@@ -13,11 +13,11 @@
  * per 32 over all head_dim dims), entries Q4e (e2m1, E4M3 scale per 16), index keys and index
  * queries Q4 (e2m1, scale per 32, no Hadamard). Every stored row is an FP32 row holding those
  * quantised-exact values (the compact codes of docs/kv-cache.md "DeepSeek V4.1" are not used on
- * the device yet). Plain sessions run on it once attached (di_dsv41_dev_attach: --device cuda).
- * Prefix reuse (the bounded replay on another sequence's cached blocks:
- * di_dsv41_dev_seq.win_lo / n_cached) runs. Not run here: DSpark (its heads and blocks), context
- * parallelism, rollback, the serving engine (it keeps the CPU
- * V4.1 forward).
+ * the device yet; a block's device bytes are this layout's, not di_dsv41_page_bytes' pages). Plain
+ * sessions run on it once attached (di_dsv41_dev_attach: --device cuda). Prefix reuse (the
+ * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
+ * block I/O and tail snapshots run. Not run here: DSpark (its heads and blocks), context
+ * parallelism, rollback, the serving engine (it keeps the CPU V4.1 forward).
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows; the
