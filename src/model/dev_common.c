@@ -117,6 +117,21 @@ void di_dev_up_free(di_dev_up *u) {
     u->n_blocks = u->cap_blocks = 0;
 }
 
+di_status di_dev_capture(di_backend *b, di_status (*run)(const void *ctx), const void *ctx,
+                         void **out) {
+    di_status st = b->vt->graph_begin(b);
+    if (st != DI_OK) return st;
+    st = run(ctx);
+    void *g = NULL;
+    const di_status st_end = b->vt->graph_end(b, &g);
+    if (st == DI_OK)
+        st = st_end;
+    else if (st_end == DI_OK)
+        b->vt->graph_destroy(b, g);
+    if (st == DI_OK) *out = g;
+    return st;
+}
+
 bool di_dev_logit_rows_ok(const char *who, const int32_t *logit_rows, int32_t n_logit_rows,
                           int64_t n_rows, const float *logits) {
     if (n_logit_rows < 0 || n_logit_rows > n_rows ||

@@ -1,8 +1,8 @@
 /*
  * dev_common — what the device-resident forwards (model/dsv4_dev.h for V4, model/dsv41_dev.h for
  * V4.1) share: the upload of a model's weights and small vectors into a backend (every block
- * tracked and freed together), a layer's MoE weights as di_backend_moe_w, and the check of a
- * call's logit rows. Internal to src/model.
+ * tracked and freed together), a layer's MoE weights as di_backend_moe_w, the capture of a decode
+ * step into a backend graph, and the check of a call's logit rows. Internal to src/model.
  *
  * Owns: a di_dev_up owns the backend blocks it allocated (di_dev_up_free); the backend is
  * borrowed. Thread-safety: as the backend (one thread at a time).
@@ -38,6 +38,12 @@ di_status di_dev_up_moe(di_dev_up *u, const di_model *m, const di_dsv4_layer_w *
                         di_backend_moe_w *mw);
 // Frees every block of u. NULL blocks: no-op.
 void di_dev_up_free(di_dev_up *u);
+
+// Captures what run(ctx) enqueues on b into a backend graph (not launched): *out on success. The
+// capture is closed on every path and a graph of a failed run destroyed. run's status, else
+// graph_end's.
+di_status di_dev_capture(di_backend *b, di_status (*run)(const void *ctx), const void *ctx,
+                         void **out);
 
 // A call's logit rows: ascending rows of its n_rows, with somewhere to write their logits (who:
 // the call, for the log).

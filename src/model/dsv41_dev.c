@@ -1251,44 +1251,47 @@ static bool decode_shape(const call *c, const int32_t *logit_rows, int32_t n_log
     return true;
 }
 
+// A decode step's layers and head (every row's logits), as one capture records them.
+typedef struct step_ctx {
+    const call *c;
+    const int32_t *rows;
+} step_ctx;
+
+static di_status run_step(const void *ctx) {
+    const step_ctx *x = ctx;
+    di_status st = layers(x->c);
+    if (st == DI_OK) st = head(x->c, x->rows, x->c->T);
+    return st;
+}
+
 // The layers and the head of a decode step as one backend graph (dsv4_dev.c's scheme): the
 // first step of a size runs directly, the second captures, later ones replay.
 static di_status run_decode(const call *c, const int32_t *logit_rows) {
     di_dsv41_dev_state *s = c->s;
     di_backend *b = s->d->b;
     dev_graph *g = &s->graphs[c->n_seq];
-    di_status st = DI_OK;
+    const step_ctx x = {c, logit_rows};
     if (g->g) {
-        DI_TRY(b->vt->graph_launch(b, g->g));
         s->stats.n_replayed++;
-        return DI_OK;
+        return b->vt->graph_launch(b, g->g);
     }
     if (g->n_run++ == 0 || !s->graphs_on) {
         s->stats.n_direct++;
-        DI_TRY(layers(c));
-        return head(c, logit_rows, c->T);
+        return run_step(&x);
     }
-    DI_TRY(b->vt->graph_begin(b));
-    di_status sr = layers(c);
-    if (sr == DI_OK) sr = head(c, logit_rows, c->T);
     void *graph = NULL;
-    st = b->vt->graph_end(b, &graph);
-    if (sr != DI_OK || st != DI_OK) {
-        b->vt->graph_destroy(b, graph);
+    di_status st = di_dev_capture(b, run_step, &x, &graph);
+    if (st != DI_OK) { // nothing ran: the step runs directly, and so will every later one
         DI_LOG_WARN("dev forward (V4.1): decode graph capture failed (%s); graphs off",
-                    di_status_str(sr != DI_OK ? sr : st));
+                    di_status_str(st));
         s->graphs_on = false;
         s->stats.n_direct++;
-        DI_TRY(layers(c));
-        return head(c, logit_rows, c->T);
+        return run_step(&x);
     }
     g->g = graph;
     s->stats.n_captured++;
     s->stats.n_cached++;
-    DI_TRY(b->vt->graph_launch(b, g->g));
-    return DI_OK;
-fail:
-    return st;
+    return b->vt->graph_launch(b, g->g);
 }
 
 di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,

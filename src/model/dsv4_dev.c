@@ -1480,21 +1480,24 @@ static int32_t decode_rows(const di_dsv4_dev_seq *seqs, int32_t n_seq, int32_t n
     return r;
 }
 
+// The layers and the head of n rows, as one capture records them.
+typedef struct step_ctx {
+    const call *c;
+    const int32_t *rows;
+    int32_t n;
+} step_ctx;
+
+static di_status run_step(const void *ctx) {
+    const step_ctx *x = ctx;
+    di_status st = layers(x->c);
+    if (st == DI_OK) st = head(x->c, &x->c->s->d->hc_head, x->c->s->d->norm, x->rows, x->n);
+    return st;
+}
+
 // Captures the layers and the head of n rows (not launched). The capture is closed on every path.
 static di_status capture(const call *c, const int32_t *rows, int32_t n, void **out) {
-    di_backend *b = c->s->d->b;
-    di_status st = b->vt->graph_begin(b);
-    if (st != DI_OK) return st;
-    st = layers(c);
-    if (st == DI_OK) st = head(c, &c->s->d->hc_head, c->s->d->norm, rows, n);
-    void *g = NULL;
-    di_status st_end = b->vt->graph_end(b, &g);
-    if (st == DI_OK)
-        st = st_end;
-    else if (st_end == DI_OK)
-        b->vt->graph_destroy(b, g);
-    if (st == DI_OK) *out = g;
-    return st;
+    const step_ctx x = {c, rows, n};
+    return di_dev_capture(c->s->d->b, run_step, &x, out);
 }
 
 // ---- the call ----
