@@ -245,6 +245,7 @@ typedef struct dev_src {
 typedef struct dev_graph {
     void *g;       // backend graph (NULL: not captured)
     int32_t n_run; // steps of this size run so far
+    int64_t n_ops; // ops it captured (stats.last_ops of a launch)
 } dev_graph;
 
 struct di_dsv41_dev_state {
@@ -819,6 +820,7 @@ static void stage_fill(call *c, const int32_t *tokens) {
 // An op enqueued on the backend.
 #define OP(name, ...)                                                                              \
     do {                                                                                           \
+        c->s->stats.last_ops++;                                                                    \
         DI_TRY(B->vt->name(B, __VA_ARGS__));                                                       \
     } while (0)
 // A rounding point of the official recipe (model/dsv4.c di_dsv4_round); nothing in FP32.
@@ -1273,6 +1275,7 @@ static di_status run_decode(const call *c, const int32_t *logit_rows) {
     const step_ctx x = {c, logit_rows};
     if (g->g) {
         s->stats.n_replayed++;
+        s->stats.last_ops = g->n_ops;
         return b->vt->graph_launch(b, g->g);
     }
     if (g->n_run++ == 0 || !s->graphs_on) {
@@ -1281,6 +1284,7 @@ static di_status run_decode(const call *c, const int32_t *logit_rows) {
     }
     void *graph = NULL;
     di_status st = di_dev_capture(b, run_step, &x, &graph);
+    g->n_ops = s->stats.last_ops; // recorded, not run: counted at the launch
     if (st != DI_OK) { // nothing ran: the step runs directly, and so will every later one
         DI_LOG_WARN("dev forward (V4.1): decode graph capture failed (%s); graphs off",
                     di_status_str(st));
@@ -1308,6 +1312,9 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
     DI_ASSERT(c->n_words <= s->stage_cap);
     for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = -1; // until the call succeeds
     stage_fill(c, tokens);
+    s->stats.last_ops = 0;
+    s->stats.last_uploads = 1;
+    s->stats.last_upload_bytes = (int64_t)(sizeof(int32_t) * c->n_words);
     DI_TRY(b->vt->upload(b, s->stage_dev, s->stage, sizeof(int32_t) * c->n_words));
     DI_TRY(zero_rings(c));
     if (decode_shape(c, logit_rows, n_logit_rows)) {

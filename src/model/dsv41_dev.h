@@ -166,9 +166,13 @@ int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
 di_status di_dsv41_dev_attach(di_model *m, di_backend *b);
 
 // Calls so far: run directly, captured into a graph (then launched), launched from a cached graph;
-// graphs cached now.
+// graphs cached now. The last call's costs: the ops it enqueued (embed to the head's matmul; a
+// launched graph counts the ops it captured; a replay's ring zeroing, the downloads and the sync
+// not counted) and its host-to-backend uploads and their bytes (a decode step: one upload, and
+// the same ops whatever its number of sequences).
 typedef struct di_dsv41_dev_graph_stats {
     int64_t n_direct, n_captured, n_replayed;
     int32_t n_cached;
+    int64_t last_ops, last_uploads, last_upload_bytes;
 } di_dsv41_dev_graph_stats;
 void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out);

@@ -13,7 +13,8 @@
 //   (d) bad calls refused with DI_ERR_INVALID and no change of state;
 //   (e) decode graphs: long ragged decodes of 3 slots on a state with graphs and on one with
 //       DI_DEV_GRAPHS=0 fed the same calls: bit-identical logits, both equal to the sessions, the
-//       graphs replayed (stats);
+//       graphs replayed (stats); a decode step enqueues the same ops at 2 and 3 sequences and
+//       uploads once;
 //   (f) the product wiring (di_dsv41_dev_attach): plain sessions against a model without it,
 //       prompts longer than one dev call; what such a session refuses;
 //   (g) prefix reuse: a slot attached to another's full blocks replays from the bounded-replay
@@ -238,16 +239,33 @@ static void batches(di_precision prec) {
             h_call(&h, N_SLOTS, all, ones, NULL);
         }
     }
+    // What a decode step costs: the same ops at 2 and 3 sequences (no per-sequence op), replayed
+    // or run directly, and one upload.
     di_dsv41_dev_graph_stats g, g2;
+    const int two[2] = {2, 0};
+    h_call(&h, 2, two, ones, NULL);
     di_dsv41_dev_get_graph_stats(h.st, &g);
     di_dsv41_dev_get_graph_stats(h.st2, &g2);
+    const int64_t ops2 = g.last_ops;
+    CHECK(ops2 > 100);
+    CHECK_EQ(g2.last_ops, ops2);
+    h_call(&h, N_SLOTS, all, ones, NULL);
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    di_dsv41_dev_get_graph_stats(h.st2, &g2);
+    CHECK_EQ(g.last_ops, ops2);
+    CHECK_EQ(g2.last_ops, ops2);
+    CHECK_EQ(g.last_uploads, 1);
+    CHECK(g.last_upload_bytes > 0 && g.last_upload_bytes == g2.last_upload_bytes);
     CHECK(g.n_replayed > 20);
     CHECK_EQ(g.n_cached, 2);
     CHECK_EQ(g2.n_replayed, 0);
     CHECK_EQ(g2.n_cached, 0);
     CHECK_EQ(h.n_bad, 0);
-    fprintf(stderr, "  %d rows compared; graphs: %lld direct, %lld captured, %lld replayed\n",
-            h.n_rows, (long long)g.n_direct, (long long)g.n_captured, (long long)g.n_replayed);
+    fprintf(stderr,
+            "  %d rows compared; graphs: %lld direct, %lld captured, %lld replayed; a decode step "
+            "%lld ops, %lld bytes uploaded\n",
+            h.n_rows, (long long)g.n_direct, (long long)g.n_captured, (long long)g.n_replayed,
+            (long long)ops2, (long long)g.last_upload_bytes);
     h_free(&h);
 }
 
