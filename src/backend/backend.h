@@ -57,6 +57,18 @@ static inline int64_t di_backend_kv_row_bytes(int32_t dh, int32_t n_rot) {
 // compress_pool's "no such slot" source (the overlap of the first window).
 #define DI_BACKEND_NO_ROW INT32_MIN
 
+// fake_quant's `bits` for V4.1's Q4e (tensor/quant_ref.h di_fake_quant_q4e: e2m1 codes with an
+// E4M3 scale per block, by division): the compressed entries of model/dsv41_attn.c.
+#define DI_BACKEND_Q4E (-4)
+
+// index_cand's modes (V4.1's two-level indexer, model/dsv41_attn.c idx_task).
+typedef enum di_backend_cand_mode {
+    DI_BACKEND_CAND_BUILD = 0, // level 1: the candidate pool of each row
+    DI_BACKEND_CAND_MASK = 1,  // level 2: scores outside the row's pool become -inf
+    DI_BACKEND_CAND_DROP =
+        2, // after topk: picks scored -inf dropped (the rest moved up, -1 padded)
+} di_backend_cand_mode;
+
 // A layer's MoE weights in backend memory (the CPU forward's di_dsv4_layer_w fields, uploaded).
 typedef struct di_backend_moe_w {
     di_tensor gate;                // [E, D]
@@ -70,6 +82,8 @@ typedef struct di_backend_moe_w {
     float route_scale, swiglu_limit;
     bool shared_clamp; // the shared expert's SwiGLU is clamped too
     bool hf_eps;       // the routing-weight denominator gets + 1e-20 (model's rule)
+    float gate_temp;   // V4.1: the router logits are divided by it first; 0: not divided (V4)
+    int32_t a8_block;  // the official recipe's A8 block along K: 32 (V4.1); 0: 128 (V4)
     // The official precision recipe (spec §2.0, model/dsv4_moe.c): FP8/FP4 expert weights see
     // A8-quantised inputs (Q8, blocks of 128), every expert linear's output is rounded to BF16,
     // the routing weight scales h before w2 (then h is rounded to BF16) instead of the output,
@@ -254,15 +268,41 @@ typedef struct di_backend_vt {
     di_status (*round_bf16)(di_backend *b, float *x, int64_t n);
     // Over n_rows rows `stride` floats apart: y[r, :n] = the fake-quantised x[r, :n] per block of
     // `block` values, bits 8: Q8 (e4m3, di_fake_quant_q8), bits 4: Q4 (e2m1, di_fake_quant_q4),
+    // DI_BACKEND_Q4E: Q4e (e2m1 with an E4M3 scale by division, di_fake_quant_q4e),
     // exactly tensor/quant_ref.c (power-of-two scales; a block with a non-finite value becomes
     // NaN). y may be x (in place); the columns past n are not touched. DI_ERR_INVALID unless
-    // block >= 1 divides n and block <= 1024, bits is 8 or 4.
+    // block >= 1 divides n and block <= 1024, bits is 8, 4 or DI_BACKEND_Q4E.
     di_status (*fake_quant)(di_backend *b, const float *x, int64_t n_rows, int64_t n,
                             int64_t stride, int32_t block, int32_t bits, float *y);
     // In place over n_rows contiguous rows of n floats: the scaled Walsh-Hadamard transform of
     // di_hadamard (the same butterfly order, then * fl32(n^-1/2)). DI_ERR_INVALID unless n is a
     // power of two <= 1024.
     di_status (*hadamard)(di_backend *b, float *x, int64_t n_rows, int64_t n);
+
+    // ---- DeepSeek V4.1 (model/dsv41_dev.h; deepseek-v41.md) ----
+    // The single-pass mHC site (§2.2, model/dsv41.c block): unless mix_raw is NULL, the
+    // coefficients of mhc_pre (non-head) with pre into pre_out [T, nc] and post, comb; then
+    // a[t] = sum_s pre_in[t, s] x[t, s] (FP32, in stream order: ref_ops.h di_ref_hc_collapse), the
+    // collapse with the pre carried from the previous site. pre_in and pre_out do not overlap.
+    di_status (*mhc_pre_carried)(di_backend *b, const float *x, const float *mix_raw,
+                                 const float *base, const float *scale, int32_t nc, int64_t D,
+                                 int32_t n_tok, int32_t iters, float hc_eps, float norm_eps,
+                                 const float *pre_in, float *a, float *pre_out, float *post,
+                                 float *comb);
+    // The Engram gate (§2.3.2; ref_ops.h di_ref_engram_gate): kv [T, (nc + 1) D] holds the nc
+    // keys then the value of each row, qk [nc, D]; x [T, nc, D] += gate(x, key, qk) * value.
+    di_status (*engram_gate)(di_backend *b, const float *kv, const float *qk, int32_t nc, int64_t D,
+                             int32_t n_tok, float eps, float *x);
+    // V4.1's two-level indexer (§2.5.3; ref_ops.h di_ref_cand_*), per row t < n_tok over its
+    // n_vis[t] scores (score_stride apart): BUILD writes the row's candidate pool (blocks of bs
+    // entries, at most ntb) into cand [T, ntb] and n_cand [T], with work as scratch (n_tok rows of
+    // score_stride / bs + 1 floats: the block scores); MASK sets the scores outside that pool to
+    // -inf; DROP rewrites sel [T, k] (a topk result) keeping the picks whose score is not -inf, in
+    // order, then -1. Unused arrays may be NULL. DI_ERR_INVALID (bs, ntb or k < 1, a negative
+    // n_vis, an unknown mode).
+    di_status (*index_cand)(di_backend *b, int32_t mode, float *scores, int64_t score_stride,
+                            const int32_t *n_vis, int32_t n_tok, int32_t bs, int32_t ntb,
+                            int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k, float *work);
 } di_backend_vt;
 
 struct di_backend {

@@ -20,6 +20,7 @@
 #include "ep/eplb.h"         // di_eplb_placement_read
 #include "backend/backend.h" // di_backend (the device-resident forward)
 #include "model/dsv4_dev.h"  // the device-resident forward
+#include "model/dsv41_dev.h" // V4.1's
 #include "model/dsv4_gguf.h"
 #include "tensor/quant_ref.h"
 
@@ -89,13 +90,10 @@ static const char *find_gguf(const char *dir, char *buf, size_t cap) {
 // (V4, either precision recipe); otherwise (and for MTP sessions and the engine) the offloaded CPU
 // forward.
 static di_status open_dev(di_model *m) {
-    if (m->hp.v41) {
-        DI_LOG_INFO("device: no device-resident forward for DeepSeek V4.1 (V4 only); sessions use "
-                    "the offloaded matmuls");
-        return DI_OK;
-    }
     di_status st = di_backend_open(&m->opt.device, m->opt.n_threads, &m->dev_backend);
-    if (st == DI_OK) st = di_dsv4_dev_attach(m, m->dev_backend);
+    if (st == DI_OK)
+        st = m->hp.v41 ? di_dsv41_dev_attach(m, m->dev_backend)
+                       : di_dsv4_dev_attach(m, m->dev_backend);
     if (st == DI_ERR_UNSUPPORTED) { // a weight kind the backend lacks: logged; keep the offload
         DI_LOG_WARN("device: the device-resident forward is unavailable; sessions use the "
                     "offloaded matmuls");
@@ -251,6 +249,7 @@ void di_model_destroy(di_model *m) {
     di_ep_detach(m->ep);
     di_cp_detach(m->cp);
     di_dsv4_dev_destroy(m->dev); // before its backend
+    di_dsv41_dev_destroy(m->dev41);
     di_backend_destroy(m->dev_backend);
     di_accel_close(&m->accel);
     di_cpu_deinit(&m->cpu);
@@ -288,7 +287,7 @@ void di_model_get_info(const di_model *m, di_model_info *out) {
         .device = m->opt.device,
     };
     di_accel_get_stats(&m->accel, &i.device_stats);
-    i.device_stats.resident = m->dev != NULL; // sessions without MTP run on it
+    i.device_stats.resident = m->dev || m->dev41; // sessions without MTP run on it
     *out = i;
 }
 
@@ -604,6 +603,56 @@ static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok
     return DI_OK;
 }
 
+// A V4.1 session on the model's dev41 (dsv41_dev.h): slot 0 of its own 1-slot state (made at its
+// first call, at position 0), in chunks of at most dev_max_rows rows.
+static di_status dev41_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
+                               const di_forward_out *out) {
+    di_status st = DI_OK;
+    if (!s->dev41) {
+        if (s->pos != 0) {
+            DI_LOG_ERROR("forward: this V4.1 session ran on the CPU forward (batched calls); it "
+                         "cannot move to the device-resident forward");
+            return DI_ERR_INVALID;
+        }
+        s->dev_max_rows =
+            s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max : DI_DSV4_DEV_SESSION_ROWS;
+        s->dev_rows = di_malloc(sizeof(int32_t) * (size_t)s->dev_max_rows);
+        if (!s->dev_rows) return DI_ERR_NOMEM;
+        st = di_dsv41_dev_state_create(s->model->dev41, 1, s->n_ctx_max, s->dev_max_rows, 0, 0,
+                                       &s->dev41);
+        if (st != DI_OK) {
+            di_free(s->dev_rows);
+            s->dev_rows = NULL;
+            return st;
+        }
+    }
+    const int64_t V = s->model->hp.n_vocab;
+    const bool want = out && out->logits;
+    for (int32_t done = 0; done < n_tok;) {
+        const int32_t n = n_tok - done < s->dev_max_rows ? n_tok - done : s->dev_max_rows;
+        const bool last = done + n == n_tok;
+        int32_t n_rows = 0;
+        float *logits = NULL;
+        if (want && !out->last_only) {
+            for (int32_t t = 0; t < n; t++) s->dev_rows[n_rows++] = t;
+            logits = out->logits + done * V;
+        } else if (want && last) {
+            s->dev_rows[n_rows++] = n - 1;
+            logits = out->logits;
+        }
+        di_dsv41_dev_seq seq = {.slot = 0, .pos = s->pos, .n_tok = n};
+        st = di_dsv41_dev_forward(s->dev41, &seq, 1, tokens + done, s->dev_rows, n_rows, logits);
+        if (st != DI_OK) {
+            s->pos = 0; // the device state of this call is incomplete: start again
+            return st;
+        }
+        s->pos += n;
+        done += n;
+    }
+    if (out && out->n_mtp_out) *out->n_mtp_out = 0;
+    return DI_OK;
+}
+
 di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
                              const di_forward_out *out) {
     di_model *m = s->model;
@@ -624,6 +673,7 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
             return DI_ERR_INVALID;
         }
     }
+    if (s->v41 && m->dev41 && !s->mtp) return dev41_forward(s, tokens, n_tok, out);
     if (s->v41 && m->cp && n_tok >= di_cp_min_tokens(m->cp)) // context parallelism (cp/cp.h)
         return di_cp_session_forward(m->cp, s, tokens, n_tok, out);
     if (s->v41) { // DeepSeek V4.1 (dsv41.c): the batch of one sequence

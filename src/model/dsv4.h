@@ -131,7 +131,10 @@ struct di_model {
     struct di_ep_load *expert_load;
     // The device-resident forward (model/dsv4_dev.h): every weight of the main layers and the head
     // uploaded to a backend once; sessions without MTP created afterwards run on it. NULL: none.
-    struct di_dsv4_dev *dev;        // owned (di_dsv4_dev_attach)
+    struct di_dsv4_dev *dev; // owned (di_dsv4_dev_attach)
+    // DeepSeek V4.1's (model/dsv41_dev.h): plain sessions without DSpark run on it (their device
+    // state made at their first di_session_forward). NULL: none.
+    struct di_dsv41_dev *dev41;     // owned (di_dsv41_dev_attach); on dev_backend when that is set
     struct di_backend *dev_backend; // owned when di_model_load opened it (CUDA); NULL when a
                                     // caller attached its own backend (borrowed by dev)
     // Expert parallelism (ep/ep.h): routed experts placed on worker processes are computed there.
@@ -345,6 +348,11 @@ struct di_session {
     struct di_dsv4_dev_state *dev; // owned
     int32_t *dev_rows;             // owned [dev_max_rows]: logit rows of one dev call
     int32_t dev_max_rows;          // rows per dev call (longer feeds run in chunks)
+    // V4.1 on the model's dev41 (a 1-slot state, made at the first di_session_forward, so the
+    // engine's slot sessions, fed by di_dsv41_forward_batch, never hold one): the CPU V4.1 state
+    // is unused then; save, restore, rollback and batched calls are refused. dev_rows and
+    // dev_max_rows as for dev.
+    struct di_dsv41_dev_state *dev41; // owned
 };
 
 // Layer forward pieces; every one runs on all rows of c (il_state: index into each sequence's

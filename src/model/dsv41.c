@@ -115,18 +115,8 @@ void di_dsv41_model_free(di_model *m) {
 
 // collapse(X, p) = Σ_s p[s] X[s] (FP32 sum in stream order; BF16 in official precision).
 static void collapse(const di_model *m, const float *x, const float *pre, int32_t n_tok, float *a) {
-    const int nc = m->hp.hc_mult;
-    const int64_t D = m->hp.n_embd;
-    for (int32_t t = 0; t < n_tok; t++) {
-        const float *xt = x + (int64_t)t * nc * D, *p = pre + t * nc;
-        float *at = a + (int64_t)t * D;
-        for (int64_t d = 0; d < D; d++) {
-            float acc = 0;
-            for (int s = 0; s < nc; s++) acc += p[s] * xt[s * D + d];
-            at[d] = acc;
-        }
-    }
-    di_dsv4_round(m, a, (int64_t)n_tok * D);
+    di_ref_hc_collapse(x, pre, m->hp.hc_mult, m->hp.n_embd, n_tok, a);
+    di_dsv4_round(m, a, (int64_t)n_tok * m->hp.n_embd);
 }
 
 static void one_hot_pre(const di_model *m, float *pre, int32_t n_tok) {
@@ -153,26 +143,7 @@ static void engram(di_dsv4_ctx *c, const di_dsv4_layer_w *lw, const int64_t *row
             di_tensor_row_f32(&lw->eg_table, rows[t * rows_stride + j],
                               st->eg_in + t * n_in + j * hd);
     di_dsv4_linear(c, &lw->eg_wkv, st->eg_in, n_tok, n_in, st->eg_kv, n_out, true);
-    const float eps = hp->norm_eps, inv_sqrt_d = 1.0f / sqrtf((float)D);
-    for (int32_t t = 0; t < n_tok; t++) {
-        const float *kv = st->eg_kv + t * n_out, *val = kv + nc * D;
-        float *xt = x + (int64_t)t * nc * D;
-        for (int s = 0; s < nc; s++) {
-            const float *key = kv + s * D, *w = lw->eg_qk + s * D;
-            float *hs = xt + s * D;
-            float ss_h = 0, ss_k = 0, dot = 0;
-            for (int64_t d = 0; d < D; d++) {
-                ss_h += hs[d] * hs[d];
-                ss_k += key[d] * key[d];
-                dot += hs[d] * w[d] * key[d];
-            }
-            dot *= 1.0f / sqrtf(ss_h / (float)D + eps) * (1.0f / sqrtf(ss_k / (float)D + eps)) *
-                   inv_sqrt_d;
-            float sgn = dot > 0 ? 1.0f : dot < 0 ? -1.0f : 0.0f;
-            float g = di_sigmoid(sgn * sqrtf(fmaxf(fabsf(dot), 1e-6f)));
-            for (int64_t d = 0; d < D; d++) hs[d] = hs[d] + g * val[d];
-        }
-    }
+    di_ref_engram_gate(st->eg_kv, lw->eg_qk, nc, D, n_tok, hp->norm_eps, x);
     di_dsv4_round(m, x, (int64_t)n_tok * nc * D);
 }
 
@@ -389,10 +360,11 @@ static di_status forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *
     for (int32_t i = 0; i < n_seq; i++) {
         const di_dsv41_seq *b = &seqs[i];
         const di_session *s = b->s;
-        if (!s || s->model != m || !s->v41 || b->n_tok < 1 || !b->tokens || b->n_out < 0 ||
-            b->n_out > b->n_tok || (int64_t)s->pos + b->n_tok > s->n_ctx_max) {
-            DI_LOG_ERROR("forward: V4.1 sequence %d: not a V4.1 session of this model, or %d "
-                         "tokens (%d with logits) do not fit its context",
+        if (!s || s->model != m || !s->v41 || s->dev41 || b->n_tok < 1 || !b->tokens ||
+            b->n_out < 0 || b->n_out > b->n_tok || (int64_t)s->pos + b->n_tok > s->n_ctx_max) {
+            DI_LOG_ERROR("forward: V4.1 sequence %d: not a V4.1 session of this model (or one on "
+                         "the device-resident forward), or %d tokens (%d with logits) do not fit "
+                         "its context",
                          i, b->n_tok, b->n_out);
             return DI_ERR_INVALID;
         }
@@ -592,6 +564,10 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
 
 di_status di_session_rollback(di_session *s, int32_t n_tokens) {
     if (!s->v41) return di_dsv4_rollback(s, n_tokens); // V4 (dsv4_state.c)
+    if (s->dev41) {
+        DI_LOG_ERROR("rollback: none on the device-resident V4.1 forward");
+        return DI_ERR_INVALID;
+    }
     return di_dsv41_rollback(s, n_tokens);
 }
 

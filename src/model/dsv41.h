@@ -116,7 +116,6 @@ typedef struct di_dsv41_rows {
     uint8_t *kv_packed;       // [T, ring_row_bytes] the call's window rows, packed for the rings
     float *scores;            // [n_threads, cap_ent] indexer scores
     float *blk;               // [n_threads, cap_ent + 1] block scores / candidate flags
-    int32_t *order;           // [n_threads, cap_ent + 1] selections
     struct di_dsv4_seq *seqs; // [T] the call's sequences (one row at least each)
     int32_t *n_out;           // [T] their logit rows
     int32_t *tokens;          // [T] the call's tokens, sequence after sequence

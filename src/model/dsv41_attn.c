@@ -291,7 +291,6 @@ static void idx_task(void *p, int ith, int nth) {
     const int32_t bs = hp->candidate_block_size, ntb = hp->candidate_topk_blocks;
     float *sc = st->scores + (int64_t)ith * st->cap_ent;
     float *blk = st->blk + (int64_t)ith * (st->cap_ent + 1);
-    int32_t *order = st->order + (int64_t)ith * (st->cap_ent + 1);
     // Decoded index keys: [0, cap) of the sequence of the rows scored last (rows are split in
     // contiguous ranges, so a prefill's rows of one sequence follow each other; the keys do not
     // change during the indexer), then a chunk for keys from cap on.
@@ -323,35 +322,18 @@ static void idx_task(void *p, int ith, int nth) {
         }
         di_dsv4_round(m, sc, vis); // R-OFF: BF16 scores
         int32_t *cand = st->cand + t * ntb;
-        if (c->is_cand_source) {
-            // Level 1: blocks of bs entries scored by their best entry; the newest visible
-            // entry's block always kept; the top min(ntb, n_blocks) blocks.
-            int64_t n_blk = (vis + bs - 1) / bs;
-            for (int64_t b = 0; b < n_blk; b++) {
-                float mx = -INFINITY;
-                for (int64_t w = b * bs; w < (b + 1) * bs && w < vis; w++) mx = fmaxf(mx, sc[w]);
-                blk[b] = mx;
-            }
-            if (n_blk > 0) blk[n_blk - 1] = INFINITY;
-            int32_t k = (int32_t)(n_blk < ntb ? n_blk : ntb);
-            di_dsv4_topk(blk, n_blk, k, cand);
-            st->n_cand[t] = k;
-        } else if (c->restrict_cand) {
-            // Level 2: scores outside the pool are -inf.
-            int64_t n_blk = (vis + bs - 1) / bs;
-            for (int64_t b = 0; b < n_blk; b++) blk[b] = 0;
-            for (int32_t i = 0; i < st->n_cand[t]; i++) blk[cand[i]] = 1;
-            for (int64_t w = 0; w < vis; w++)
-                if (blk[w / bs] == 0) sc[w] = -INFINITY;
-        }
+        if (c->is_cand_source)
+            st->n_cand[t] = di_ref_cand_build(sc, vis, bs, ntb, blk, cand);
+        else if (c->restrict_cand)
+            di_ref_cand_mask(sc, vis, bs, cand, st->n_cand[t]);
         // Top-k over the visible entries. A pick whose score is -inf (outside the level-2
         // candidate pool, when the pool holds fewer than k visible entries) is dropped, as R-HF
-        // does (its -1 = never attended); R-OFF would keep it. R-HF is the reference.
-        int32_t k = (int32_t)(vis < topk ? vis : topk), n = 0;
-        di_dsv4_topk(sc, vis, k, order);
-        for (int32_t i = 0; i < k; i++)
-            if (sc[order[i]] > -INFINITY) st->topk[t * topk + n++] = order[i];
-        for (int32_t i = n; i < topk; i++) st->topk[t * topk + i] = -1; // as R-HF's dump pads
+        // does (its -1 = never attended; -1 padded as R-HF's dump); R-OFF would keep it. R-HF is
+        // the reference.
+        int32_t k = (int32_t)(vis < topk ? vis : topk), *sel = st->topk + t * topk;
+        di_dsv4_topk(sc, vis, k, sel);
+        for (int32_t i = k; i < topk; i++) sel[i] = -1;
+        int32_t n = di_ref_cand_drop(sc, sel, topk);
         st->n_topk[t] = n;
     }
 }

@@ -199,11 +199,10 @@ di_status di_dsv41_ws_reserve(di_dsv4_ws *ws, const di_model *m, int32_t n_rows,
         while (cap < max_ent) cap *= 2;
         size_t nth = (size_t)m->cpu.n_threads;
         if (!grow((void **)&w->scores, sizeof(float) * nth * (size_t)cap) ||
-            !grow((void **)&w->blk, sizeof(float) * nth * (size_t)(cap + 1)) ||
-            !grow((void **)&w->order, sizeof(int32_t) * nth * (size_t)(cap + 1)))
+            !grow((void **)&w->blk, sizeof(float) * nth * (size_t)(cap + 1)))
             return DI_ERR_NOMEM;
         w->cap_ent = cap;
-        w->ent_bytes = (int64_t)nth * (2 * (int64_t)sizeof(float) + (int64_t)sizeof(int32_t));
+        w->ent_bytes = (int64_t)nth * 2 * (int64_t)sizeof(float);
     }
     // Decoded keys per thread: the attention's keys of one query (its window: W rows, or W
     // context rows + the block's rows in a DSpark block; and its top-k entries), and the
@@ -286,7 +285,6 @@ void di_dsv41_ws_free(di_dsv4_ws *ws) {
     di_free(w->taps);
     di_free(w->scores);
     di_free(w->blk);
-    di_free(w->order);
     di_free(w->seqs);
     di_free(w->n_out);
     di_free(w->tokens);

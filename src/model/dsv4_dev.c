@@ -15,7 +15,8 @@
 
 #include "base/log.h"
 #include "base/mem.h"
-#include "base/status.h" // DI_TRY
+#include "base/status.h"      // DI_TRY
+#include "model/dev_common.h" // weight uploads, MoE weights, logit rows
 #include "model/dsv4.h"
 
 // Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the most rows of a
@@ -58,9 +59,8 @@ struct di_dsv4_dev {
     dev_hc hc_head;
     float *omega_main, *omega_compress; // backend [n_rot / 2]
     dev_layer *layers;                  // owned [n_layer + 1]: the MTP block at n_layer
-    void **blocks;                      // owned list of backend blocks freed at destroy
-    int32_t n_blocks, cap_blocks;
-    bool official; // the official precision recipe (R-OFF, spec §2.0)
+    di_dev_up up;                       // the backend blocks it uploaded (freed at destroy)
+    bool official;                      // the official precision recipe (R-OFF, spec §2.0)
     // The MTP block (spec §2.10; di_dsv4_dev_mtp_enable): its block is layers[n_layer].
     bool mtp;
     di_tensor mtp_e_proj, mtp_h_proj;
@@ -69,50 +69,12 @@ struct di_dsv4_dev {
     int32_t n_states; // states alive (the MTP block is enabled before the first)
 };
 
-static di_status track(di_dsv4_dev *d, void *p) {
-    if (d->n_blocks == d->cap_blocks) {
-        int32_t cap = d->cap_blocks ? 2 * d->cap_blocks : 64;
-        void **q = di_realloc(d->blocks, sizeof(void *) * (size_t)cap);
-        if (!q) return DI_ERR_NOMEM;
-        d->blocks = q;
-        d->cap_blocks = cap;
-    }
-    d->blocks[d->n_blocks++] = p;
-    return DI_OK;
-}
-
-// A host array copied into a new backend block (tracked).
-static di_status up_bytes(di_dsv4_dev *d, const void *host, size_t bytes, void **out) {
-    di_backend *b = d->b;
-    void *p = NULL;
-    di_status st = b->vt->alloc(b, bytes, &p);
-    if (st != DI_OK) return st;
-    if ((st = track(d, p)) != DI_OK) {
-        b->vt->free(b, p);
-        return st;
-    }
-    if ((st = b->vt->upload(b, p, host, bytes)) != DI_OK) return st;
-    *out = p;
-    return DI_OK;
-}
-
 static di_status up_floats(di_dsv4_dev *d, const float *host, int64_t n, float **out) {
-    void *p = NULL;
-    di_status st = up_bytes(d, host, sizeof(float) * (size_t)n, &p);
-    if (st == DI_OK) *out = p;
-    return st;
+    return di_dev_up_floats(&d->up, host, n, out);
 }
 
 static di_status up_weight(di_dsv4_dev *d, const di_tensor *w, di_tensor *out) {
-    if (!d->b->vt->supports_matmul(d->b, w)) {
-        DI_LOG_ERROR("dev forward: backend %s cannot multiply %s (%s)", d->b->vt->name,
-                     w->name ? w->name : "?", di_tensor_kind_name(w->kind));
-        return DI_ERR_UNSUPPORTED;
-    }
-    di_status st = d->b->vt->weight_upload(d->b, w, out);
-    if (st != DI_OK)
-        DI_LOG_ERROR("dev forward: cannot upload %s to %s", w->name ? w->name : "?", d->b->desc);
-    return st;
+    return di_dev_up_weight(&d->up, w, out);
 }
 
 static di_status up_hc(di_dsv4_dev *d, const di_dsv4_hc_w *hc, int32_t n_base, int32_t n_scale,
@@ -129,17 +91,6 @@ static di_status up_cmp(di_dsv4_dev *d, const di_dsv4_compressor_w *cw, dev_cmp 
     if (st == DI_OK) st = up_weight(d, &cw->wgate, &out->wgate);
     if (st == DI_OK) st = up_floats(d, cw->ape, (int64_t)cw->m * cw->c * cw->d, &out->ape);
     if (st == DI_OK) st = up_floats(d, cw->norm, cw->d, &out->norm);
-    return st;
-}
-
-// The experts' tensors: each uploaded, then the array of them copied into backend memory.
-static di_status up_experts(di_dsv4_dev *d, const di_tensor *w, int32_t E, di_tensor *tmp,
-                            const di_tensor **out) {
-    di_status st = DI_OK;
-    for (int32_t e = 0; e < E && st == DI_OK; e++) st = up_weight(d, &w[e], &tmp[e]);
-    void *p = NULL;
-    if (st == DI_OK) st = up_bytes(d, tmp, sizeof(di_tensor) * (size_t)E, &p);
-    if (st == DI_OK) *out = p;
     return st;
 }
 
@@ -169,43 +120,7 @@ static di_status up_layer(di_dsv4_dev *d, const di_dsv4_layer_w *lw, dev_layer *
         DI_TRY(up_weight(d, &lw->idx_weights_proj, &out->idx_weights_proj));
     }
     // MoE: the CPU forward's fields, uploaded (and its recipe: dsv4_moe.c).
-    di_backend_moe_w *mw = &out->moe;
-    const int32_t E = lw->n_expert, K = lw->n_expert_used;
-    mw->n_expert = E;
-    mw->n_used = K;
-    mw->D = D;
-    mw->F = lw->w1[0].ne[1];
-    mw->route_scale = hp->route_scale;
-    mw->swiglu_limit = hp->swiglu_limit;
-    mw->shared_clamp = hp->shared_expert_clamp;
-    // dsv4_moe.c: R-HF's denominator epsilon; V4's official recipe has none.
-    mw->official = m->opt.precision == DI_PRECISION_OFFICIAL;
-    mw->hf_eps = !mw->official;
-    DI_TRY(up_weight(d, &lw->gate, &mw->gate));
-    if (lw->hash_routed) {
-        void *p = NULL;
-        DI_TRY(up_bytes(d, lw->tid2eid, sizeof(int32_t) * (size_t)hp->n_vocab * (size_t)K, &p));
-        mw->tid2eid = p;
-    } else {
-        float *p = NULL;
-        DI_TRY(up_floats(d, lw->gate_bias, E, &p));
-        mw->gate_bias = p;
-    }
-    mw->routed_kind = lw->w1[0].kind;
-    for (int32_t e = 0; e < E; e++) {
-        if (lw->w1[e].kind != mw->routed_kind || lw->w2[e].kind != mw->routed_kind ||
-            lw->w3[e].kind != mw->routed_kind) {
-            DI_LOG_ERROR("dev forward: layer %d: routed experts of mixed weight kinds", lw->il);
-            st = DI_ERR_UNSUPPORTED;
-            goto fail;
-        }
-    }
-    DI_TRY(up_experts(d, lw->w1, E, tmp, &mw->w1));
-    DI_TRY(up_experts(d, lw->w2, E, tmp, &mw->w2));
-    DI_TRY(up_experts(d, lw->w3, E, tmp, &mw->w3));
-    DI_TRY(up_weight(d, &lw->sh_w1, &mw->sh_w1));
-    DI_TRY(up_weight(d, &lw->sh_w2, &mw->sh_w2));
-    DI_TRY(up_weight(d, &lw->sh_w3, &mw->sh_w3));
+    DI_TRY(di_dev_up_moe(&d->up, m, lw, tmp, &out->moe));
     return DI_OK;
 fail:
     DI_LOG_ERROR("dev forward: layer %d not uploaded (%s)", lw->il, di_status_str(st));
@@ -215,7 +130,8 @@ fail:
 di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
     const di_hparams *hp = &m->hp;
     if (hp->v41) {
-        DI_LOG_ERROR("dev forward: DeepSeek V4.1 models are not supported (V4 only)");
+        DI_LOG_ERROR(
+            "dev forward: DeepSeek V4.1 models run on model/dsv41_dev.h (this is V4 only)");
         return DI_ERR_UNSUPPORTED;
     }
     if (m->opt.precision != DI_PRECISION_FP32 && m->opt.precision != DI_PRECISION_OFFICIAL) {
@@ -232,6 +148,7 @@ di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
     if (!d) return DI_ERR_NOMEM;
     d->m = m;
     d->b = b;
+    d->up = (di_dev_up){.b = b, .who = "dev forward"};
     d->official = m->opt.precision == DI_PRECISION_OFFICIAL;
     d->layers = di_calloc((size_t)hp->n_layer + 1, sizeof *d->layers);
     int32_t max_e = 1;
@@ -300,8 +217,7 @@ bool di_dsv4_dev_has_mtp(const di_dsv4_dev *d) {
 
 void di_dsv4_dev_destroy(di_dsv4_dev *d) {
     if (!d) return;
-    for (int32_t i = 0; i < d->n_blocks; i++) d->b->vt->free(d->b, d->blocks[i]);
-    di_free(d->blocks);
+    di_dev_up_free(&d->up);
     di_free(d->layers);
     di_free(d);
 }
@@ -1454,26 +1370,6 @@ static di_status check_blocks(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     return DI_OK;
 }
 
-// A call's logit rows: ascending rows of its n_rows, with somewhere to write their logits (who:
-// the call, for the log).
-static bool logit_rows_ok(const char *who, const int32_t *logit_rows, int32_t n_logit_rows,
-                          int64_t n_rows, const float *logits) {
-    if (n_logit_rows < 0 || n_logit_rows > n_rows ||
-        (n_logit_rows > 0 && (!logits || !logit_rows))) {
-        DI_LOG_ERROR("%s: %d logit rows for %lld rows", who, n_logit_rows, (long long)n_rows);
-        return false;
-    }
-    for (int32_t k = 0; k < n_logit_rows; k++) {
-        if (logit_rows[k] < 0 || logit_rows[k] >= n_rows ||
-            (k > 0 && logit_rows[k] <= logit_rows[k - 1])) {
-            DI_LOG_ERROR("%s: logit row %d (index %d) is out of range or not ascending", who,
-                         logit_rows[k], k);
-            return false;
-        }
-    }
-    return true;
-}
-
 static di_status check_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                             const int32_t *tokens, const int32_t *logit_rows, int32_t n_logit_rows,
                             const float *logits, int32_t *n_rows_out, int32_t *n_upd) {
@@ -1526,7 +1422,7 @@ static di_status check_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, i
             return DI_ERR_INVALID;
         }
     }
-    if (!logit_rows_ok("dev forward", logit_rows, n_logit_rows, n_rows, logits))
+    if (!di_dev_logit_rows_ok("dev forward", logit_rows, n_logit_rows, n_rows, logits))
         return DI_ERR_INVALID;
     di_status st = check_blocks(s, seqs, n_seq, n_upd);
     if (st != DI_OK) return st;
@@ -1584,21 +1480,24 @@ static int32_t decode_rows(const di_dsv4_dev_seq *seqs, int32_t n_seq, int32_t n
     return r;
 }
 
+// The layers and the head of n rows, as one capture records them.
+typedef struct step_ctx {
+    const call *c;
+    const int32_t *rows;
+    int32_t n;
+} step_ctx;
+
+static di_status run_step(const void *ctx) {
+    const step_ctx *x = ctx;
+    di_status st = layers(x->c);
+    if (st == DI_OK) st = head(x->c, &x->c->s->d->hc_head, x->c->s->d->norm, x->rows, x->n);
+    return st;
+}
+
 // Captures the layers and the head of n rows (not launched). The capture is closed on every path.
 static di_status capture(const call *c, const int32_t *rows, int32_t n, void **out) {
-    di_backend *b = c->s->d->b;
-    di_status st = b->vt->graph_begin(b);
-    if (st != DI_OK) return st;
-    st = layers(c);
-    if (st == DI_OK) st = head(c, &c->s->d->hc_head, c->s->d->norm, rows, n);
-    void *g = NULL;
-    di_status st_end = b->vt->graph_end(b, &g);
-    if (st == DI_OK)
-        st = st_end;
-    else if (st_end == DI_OK)
-        b->vt->graph_destroy(b, g);
-    if (st == DI_OK) *out = g;
-    return st;
+    const step_ctx x = {c, rows, n};
+    return di_dev_capture(c->s->d->b, run_step, &x, out);
 }
 
 // ---- the call ----
@@ -1782,7 +1681,8 @@ static di_status check_mtp_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seq
             return DI_ERR_INVALID;
         }
     }
-    if (!logit_rows_ok("dev mtp", logit_rows, n_logit_rows, n_rows, logits)) return DI_ERR_INVALID;
+    if (!di_dev_logit_rows_ok("dev mtp", logit_rows, n_logit_rows, n_rows, logits))
+        return DI_ERR_INVALID;
     *n_rows_out = (int32_t)n_rows;
     return DI_OK;
 }

@@ -5,14 +5,13 @@
  * model's own CPU forward (di_session_forward), which tests its orchestration without a GPU
  * (tests/model/test_dev_forward.c).
  *
- * Scope: DeepSeek V4 (not V4.1), the main layers, the head and the MTP block ("MTP" below), in
- * both precision recipes: FP32 and the official one (R-OFF, spec §2.0), where every rounding point
- * of the CPU forward
- * (BF16 roundings, A8 before FP8/FP4 linears, the KV rows' Q8, the indexer's Hadamard + Q4, BF16
- * scores and attention probabilities, the MoE's order) is an op of its own, in the same order. KV
- * rows are FP32 in the FP32 recipe; in R-OFF they hold Q8-exact values and are stored as the FP8
- * KV rows of backend.h kv_quant (584 bytes at V4's head_dim 512, lossless), attention reading them
- * with attn_kv.
+ * Scope: DeepSeek V4 (V4.1: model/dsv41_dev.h), the main layers, the head and the MTP block ("MTP"
+ * below), in both precision recipes: FP32 and the official one (R-OFF, spec §2.0), where every
+ * rounding point of the CPU forward (BF16 roundings, A8 before FP8/FP4 linears, the KV rows' Q8,
+ * the indexer's Hadamard + Q4, BF16 scores and attention probabilities, the MoE's order) is an op
+ * of its own, in the same order. KV rows are FP32 in the FP32 recipe; in R-OFF they hold Q8-exact
+ * values and are stored as the FP8 KV rows of backend.h kv_quant (584 bytes at V4's head_dim 512,
+ * lossless), attention reading them with attn_kv.
  *
  * State layout (backend memory). Compressed entries live in entry blocks of block_tokens
  * positions (a multiple of every compress ratio; the serving engine's KV blocks: their ids are the
@@ -121,7 +120,8 @@ typedef struct di_dsv4_dev di_dsv4_dev;             // a model's weights on one 
 typedef struct di_dsv4_dev_state di_dsv4_dev_state; // KV + compressor state of n_slots sequences
 
 // Uploads every weight the main layers and the head use (once); the model's precision recipe
-// (m->opt.precision) is the forward's. DI_ERR_UNSUPPORTED (logged) for V4.1 models or a weight the
+// (m->opt.precision) is the forward's. DI_ERR_UNSUPPORTED (logged) for V4.1 models (their
+// device-resident forward is model/dsv41_dev.h) or a weight the
 // backend cannot matmul;
 // DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed.
 di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out);

@@ -10,8 +10,9 @@
 #include "base/log.h"
 #include "base/mem.h"
 #include "model/dsv4.h"
-#include "model/dsv41.h"    // V4.1 state (sessions dispatch on the model)
-#include "model/dsv4_dev.h" // the device-resident forward
+#include "model/dsv41.h"     // V4.1 state (sessions dispatch on the model)
+#include "model/dsv4_dev.h"  // the device-resident forward
+#include "model/dsv41_dev.h" // V4.1's
 
 // ---- debug dumps (DI_DUMP=<dir>) ----
 // Each traced tensor of a call at position p is written to <dir>/<name>.<il>.p<p>.npy (float32 or
@@ -169,6 +170,7 @@ void di_session_destroy(di_session *s) {
     if (!s) return;
     di_dsv41_state_destroy(s);
     di_dsv4_dev_state_destroy(s->dev);
+    di_dsv41_dev_state_destroy(s->dev41);
     di_free(s->dev_rows);
     if (s->layers) {
         for (int il = 0; il < n_state_layers(s); il++) {
@@ -404,8 +406,8 @@ static di_status put_cmp(di_buf *b, const di_dsv4_cmp_state *cs, const di_dsv4_c
 }
 
 di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
-    if (s->v41) return di_dsv41_save(s, bytes, n_bytes);
-    if (s->dev) {
+    if (s->v41 && !s->dev41) return di_dsv41_save(s, bytes, n_bytes);
+    if (s->dev || s->dev41) {
         DI_LOG_ERROR("session save: the state lives on the model's device (device-resident "
                      "forward); saving it is not supported");
         return DI_ERR_UNSUPPORTED;
@@ -448,8 +450,8 @@ static bool get_cmp(di_reader *r, di_dsv4_cmp_state *cs, const di_dsv4_compresso
 }
 
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
-    if (s->v41) return di_dsv41_restore(s, bytes, n_bytes);
-    if (s->dev) {
+    if (s->v41 && !s->dev41) return di_dsv41_restore(s, bytes, n_bytes);
+    if (s->dev || s->dev41) {
         DI_LOG_ERROR("session restore: the state lives on the model's device (device-resident "
                      "forward); restoring it is not supported");
         return DI_ERR_UNSUPPORTED;

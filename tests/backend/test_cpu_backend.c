@@ -5,7 +5,8 @@
 // matmul_a8, scatter_rows, add_ape, embed, memory alignment; the padding of graph-stable lists
 // (scatter destinations < 0, windows without rows); graphs: a replay equals the same calls run
 // directly, reads the memory as it is at launch, keeps the scalars and tensors of the capture, and
-// a capture refuses what a CUDA capture cannot hold. The whole forward on this backend is tested
+// a capture refuses what a CUDA capture cannot hold; V4.1's ops (mhc_pre_carried, engram_gate,
+// index_cand, Q4e). The whole forward on this backend is tested
 // against the model in tests/model/test_dev_forward.c.
 #include "harness.h"
 
@@ -556,6 +557,118 @@ static void test_graph(void) {
     free(r);
 }
 
+// DeepSeek V4.1's ops (backend.h mhc_pre_carried, engram_gate, index_cand, fake_quant's Q4e)
+// against their contracts written out as loops: the carried collapse, the coefficients (as
+// mhc_pre's), the Engram gate, the candidate pool (block maxima, the newest block forced, ties to
+// the lower block, ascending), the mask and the drop of -inf picks; Q4e as di_fake_quant_q4e.
+static void test_v41_ops(void) {
+    enum { T = 3, NC = 4, D = 40, NMIX = (2 + NC) * NC };
+    static float x[T * NC * D], mix[T * NMIX], base[NMIX], pre_in[T * NC], a[T * D], a2[T * D];
+    static float pre_out[T * NC], post[T * NC], comb[T * NC * NC], post2[T * NC],
+        comb2[T * NC * NC];
+    const float scale[3] = {0.7f, 1.1f, 0.9f};
+    for (int i = 0; i < T * NC * D; i++) x[i] = (float)sin(i * 0.37) * 2.0f;
+    for (int i = 0; i < T * NMIX; i++) mix[i] = (float)cos(i * 0.53);
+    for (int i = 0; i < NMIX; i++) base[i] = (float)sin(i * 1.7) * 0.3f;
+    for (int i = 0; i < T * NC; i++) pre_in[i] = 0.25f + 0.1f * (float)(i % 5);
+    // Collapse only (mix_raw NULL): a = sum_s pre_in[s] x[s] in stream order.
+    CHECK_EQ(g_b->vt->mhc_pre_carried(g_b, x, NULL, NULL, NULL, NC, D, T, 20, 1e-6f, 1e-6f, pre_in,
+                                      a, NULL, NULL, NULL),
+             DI_OK);
+    for (int t = 0; t < T; t++)
+        for (int d = 0; d < D; d++) {
+            float acc = 0;
+            for (int s = 0; s < NC; s++) acc += pre_in[t * NC + s] * x[(t * NC + s) * D + d];
+            CHECK_EQ(a[t * D + d], acc);
+        }
+    // With the coefficients: post and comb as mhc_pre's, pre_out its pre (mhc_pre's collapse
+    // with pre_out equals the carried collapse with pre_in = pre_out).
+    CHECK_EQ(g_b->vt->mhc_pre_carried(g_b, x, mix, base, scale, NC, D, T, 20, 1e-6f, 1e-6f, pre_in,
+                                      a, pre_out, post, comb),
+             DI_OK);
+    CHECK_EQ(g_b->vt->mhc_pre(g_b, x, mix, base, scale, NC, D, T, 20, 1e-6f, 1e-6f, false, a2,
+                              post2, comb2),
+             DI_OK);
+    CHECK(memcmp(post, post2, sizeof post) == 0 && memcmp(comb, comb2, sizeof comb) == 0);
+    CHECK_EQ(g_b->vt->mhc_pre_carried(g_b, x, NULL, NULL, NULL, NC, D, T, 20, 1e-6f, 1e-6f, pre_out,
+                                      a, NULL, NULL, NULL),
+             DI_OK);
+    CHECK(memcmp(a, a2, sizeof a) == 0);
+    for (int i = 0; i < T * NC; i++) CHECK(pre_out[i] > 0.0f && pre_out[i] < 1.1f);
+
+    // Engram gate.
+    static float kv[T * (NC + 1) * D], qk[NC * D], xg[T * NC * D], want[T * NC * D];
+    for (int i = 0; i < T * (NC + 1) * D; i++) kv[i] = (float)sin(i * 0.91 + 0.3);
+    for (int i = 0; i < NC * D; i++) qk[i] = 0.5f + 0.25f * (float)cos(i * 0.17);
+    memcpy(xg, x, sizeof x);
+    memcpy(want, x, sizeof x);
+    for (int t = 0; t < T; t++)
+        for (int s = 0; s < NC; s++) {
+            float *h = want + (t * NC + s) * D;
+            const float *key = kv + (t * (NC + 1) + s) * D, *val = kv + (t * (NC + 1) + NC) * D;
+            float sh = 0, sk = 0, dot = 0;
+            for (int d = 0; d < D; d++) {
+                sh += h[d] * h[d];
+                sk += key[d] * key[d];
+                dot += h[d] * qk[s * D + d] * key[d];
+            }
+            dot *= 1.0f / sqrtf(sh / D + 1e-6f) * (1.0f / sqrtf(sk / D + 1e-6f)) *
+                   (1.0f / sqrtf((float)D));
+            const float sg = dot > 0 ? 1.0f : dot < 0 ? -1.0f : 0.0f;
+            const float g = 1.0f / (1.0f + expf(-(sg * sqrtf(fmaxf(fabsf(dot), 1e-6f)))));
+            for (int d = 0; d < D; d++) h[d] = h[d] + g * val[d];
+        }
+    CHECK_EQ(g_b->vt->engram_gate(g_b, kv, qk, NC, D, T, 1e-6f, xg), DI_OK);
+    for (int i = 0; i < T * NC * D; i++) CHECK_NEAR(xg[i], want[i], TOL_OP);
+
+    // Candidate pool: row 0 sees 10 entries in blocks of 3 (blocks 0..3, block 3 the newest),
+    // row 1 sees 2 (one block), row 2 sees 9 with a tie between blocks 0 and 2.
+    enum { ST = 12, NTB = 2, K = 4 };
+    float sc[3 * ST] = {0.1f, 0.9f, 0.2f, 0.3f, 0.4f, 0.35f, 0.95f, 0.0f, 0.1f, 0.2f, 0, 0,
+                        0.5f, 0.6f, 0,    0,    0,    0,     0,     0,    0,    0,    0, 0,
+                        0.7f, 0.1f, 0.1f, 0.2f, 0.3f, 0.1f,  0.1f,  0.7f, 0.2f, 0,    0, 0};
+    const int32_t vis[3] = {10, 2, 9};
+    int32_t cand[3 * NTB], n_cand[3];
+    float work[3 * (ST / 3 + 1)];
+    CHECK_EQ(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_BUILD, sc, ST, vis, 3, 3, NTB, cand, n_cand,
+                                 NULL, K, work),
+             DI_OK);
+    // Row 0: block 3 forced, then block 2 (0.95) ahead of block 0 (0.9); ascending {2, 3}.
+    CHECK(n_cand[0] == 2 && cand[0] == 2 && cand[1] == 3);
+    CHECK(n_cand[1] == 1 && cand[2] == 0);
+    // Row 2: block 2 forced (newest), blocks 0 and 2 tie at 0.7 -> block 0.
+    CHECK(n_cand[2] == 2 && cand[4] == 0 && cand[5] == 2);
+    float m[3 * ST];
+    memcpy(m, sc, sizeof sc);
+    CHECK_EQ(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_MASK, m, ST, vis, 3, 3, NTB, cand, n_cand,
+                                 NULL, K, NULL),
+             DI_OK);
+    for (int t = 0; t < 3; t++)
+        for (int w = 0; w < ST; w++) {
+            bool in = w >= vis[t];
+            for (int i = 0; i < n_cand[t]; i++) in |= cand[t * NTB + i] == w / 3;
+            CHECK_EQ(m[t * ST + w], in ? sc[t * ST + w] : -INFINITY);
+        }
+    int32_t sel[3 * K] = {0, 6, 7, 9, 0, 1, -1, -1, 1, 2, 6, 7};
+    CHECK_EQ(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_DROP, m, ST, vis, 3, 3, NTB, NULL, NULL, sel,
+                                 K, NULL),
+             DI_OK);
+    const int32_t want_sel[3 * K] = {6, 7, 9, -1, 0, 1, -1, -1, 1, 2, 6, 7};
+    CHECK(memcmp(sel, want_sel, sizeof sel) == 0);
+    CHECK_EQ(g_b->vt->index_cand(g_b, 7, m, ST, vis, 3, 3, NTB, cand, n_cand, sel, K, work),
+             DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_BUILD, sc, ST, vis, 3, 3, NTB, cand, n_cand,
+                                 NULL, K, NULL),
+             DI_ERR_INVALID); // BUILD without its scratch
+
+    // Q4e (blocks of 16), in place.
+    float q[64], qw[64];
+    for (int i = 0; i < 64; i++) q[i] = qw[i] = (float)(sin(i * 0.77) * exp(0.07 * (i % 19)));
+    di_fake_quant_q4e(qw, 64, 16);
+    CHECK_EQ(g_b->vt->fake_quant(g_b, q, 1, 64, 64, 16, DI_BACKEND_Q4E, q), DI_OK);
+    CHECK(memcmp(q, qw, sizeof q) == 0);
+}
+
 int main(void) {
     di_device cpu = {.kind = DI_DEVICE_CPU};
     CHECK_EQ(di_backend_open(&cpu, 2, &g_b), DI_OK);
@@ -571,6 +684,7 @@ int main(void) {
     RUN(test_rows);
     RUN(test_padding);
     RUN(test_graph);
+    RUN(test_v41_ops);
     di_backend_destroy(g_b);
     di_backend_destroy(NULL);
     return test_finish();

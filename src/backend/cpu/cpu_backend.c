@@ -89,6 +89,9 @@ typedef enum cmd_op {
     CMD_HADAMARD,
     CMD_KV_QUANT,
     CMD_ATTN_KV,
+    CMD_MHC_PRE_CARRIED,
+    CMD_ENGRAM_GATE,
+    CMD_INDEX_CAND,
 } cmd_op;
 
 // One recorded entry: its arguments by value (tensors and the MoE weight struct copied: the
@@ -258,6 +261,33 @@ typedef struct cmd {
             float *x;
             int64_t n_rows, n;
         } hadamard;
+        struct {
+            const float *x, *mix_raw, *base, *scale;
+            int32_t nc;
+            int64_t D;
+            int32_t n_tok, iters;
+            float hc_eps, norm_eps;
+            const float *pre_in;
+            float *a, *pre_out, *post, *comb;
+        } mhc_pre_carried;
+        struct {
+            const float *kv, *qk;
+            int32_t nc;
+            int64_t D;
+            int32_t n_tok;
+            float eps;
+            float *x;
+        } engram_gate;
+        struct {
+            int32_t mode;
+            float *scores;
+            int64_t score_stride;
+            const int32_t *n_vis;
+            int32_t n_tok, bs, ntb;
+            int32_t *cand, *n_cand, *sel;
+            int32_t k;
+            float *work;
+        } index_cand;
     } u;
 } cmd;
 
@@ -468,6 +498,7 @@ typedef struct mhc_ctx {
     float hc_eps, norm_eps;
     bool head;
     float *a, *post, *comb;
+    float *pre; // mhc_pre_carried: the coefficients' pre [T, nc] (a is not written)
 } mhc_ctx;
 
 static void mhc_pre_task(void *p, int ith, int nth) {
@@ -485,6 +516,10 @@ static void mhc_pre_task(void *p, int ith, int nth) {
         float pre[16];
         di_ref_hc_coeffs(mix, c->base, c->scale, nc, c->iters, c->hc_eps, pre,
                          c->head ? NULL : c->post + t * nc, c->head ? NULL : c->comb + t * nc * nc);
+        if (c->pre) {
+            for (int s = 0; s < nc; s++) c->pre[t * nc + s] = pre[s];
+            continue;
+        }
         float *a = c->a + t * D;
         for (int64_t d = 0; d < D; d++) {
             float acc = 0;
@@ -502,8 +537,8 @@ static di_status cpu_mhc_pre(di_backend *b, const float *x, const float *mix_raw
            norm_eps, head, a, post, comb);
     if (nc < 1 || nc > 16) return DI_ERR_INVALID;
     if (n_tok <= 0) return DI_OK;
-    mhc_ctx c = {x, mix_raw, base,     scale, nc, n_tok, iters,
-                 D, hc_eps,  norm_eps, head,  a,  post,  comb};
+    mhc_ctx c = {x,      mix_raw,  base, scale, nc,   n_tok, iters, D,
+                 hc_eps, norm_eps, head, a,     post, comb,  NULL};
     di_pool_run(impl_of(b)->pool, mhc_pre_task, &c);
     return DI_OK;
 }
@@ -543,13 +578,13 @@ static void round_all(float *x, int64_t n) {
 }
 
 // y = W x (model/dsv4_attn.c di_dsv4_linear): official, FP8/FP4 weights see A8 of x (Q8, blocks
-// of 128, into xq [n, K]) and the output is rounded to BF16.
+// of a8_block, into xq [n, K]) and the output is rounded to BF16.
 static void linear(cpu_impl *c, const di_tensor *w, const float *x, int32_t n, float *xq, float *y,
-                   bool official) {
+                   bool official, int32_t a8_block) {
     const int64_t K = w->ne[0], N = w->ne[1];
     if (official && (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)) {
         memcpy(xq, x, sizeof(float) * (size_t)n * (size_t)K);
-        for (int32_t r = 0; r < n; r++) di_fake_quant_q8(xq + (int64_t)r * K, K, 128);
+        for (int32_t r = 0; r < n; r++) di_fake_quant_q8(xq + (int64_t)r * K, K, a8_block);
         x = xq;
     }
     di_cpu_matmul(&c->cpu, w, x, n, K, y, N);
@@ -560,16 +595,16 @@ static void linear(cpu_impl *c, const di_tensor *w, const float *x, int32_t n, f
 // (FP32 recipe) or h before w2 (official: dsv4_moe.c expert). xq: A8 scratch [n, max(D, F)].
 static void expert(cpu_impl *c, const di_tensor *w1, const di_tensor *w3, const di_tensor *w2,
                    const float *x, int32_t n, int64_t D, float limit, const float *weight, float *g,
-                   float *u, float *y, float *xq, bool official) {
+                   float *u, float *y, float *xq, bool official, int32_t a8_block) {
     const int64_t F = w1->ne[1];
-    linear(c, w1, x, n, xq, g, official); // gate: [n, F]
-    linear(c, w3, x, n, xq, u, official); // up:   [n, F]
+    linear(c, w1, x, n, xq, g, official, a8_block); // gate: [n, F]
+    linear(c, w3, x, n, xq, u, official, a8_block); // up:   [n, F]
     di_ref_swiglu(g, u, (int64_t)n * F, limit);
     if (official && weight)
         for (int32_t r = 0; r < n; r++)
             for (int64_t i = 0; i < F; i++) g[r * F + i] *= weight[r];
     if (official) round_all(g, (int64_t)n * F);
-    linear(c, w2, g, n, xq, y, official); // [n, D]
+    linear(c, w2, g, n, xq, y, official, a8_block); // [n, D]
     if (!official && weight)
         for (int32_t r = 0; r < n; r++)
             for (int64_t i = 0; i < D; i++) y[r * D + i] *= weight[r];
@@ -604,8 +639,10 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
     float *yout = c->moe_f + o_y, *xq = w->official ? c->moe_f + o_xq : NULL;
     int32_t *sel = c->moe_i, *rows = c->moe_i + TK;
 
-    // Router in FP32: s = sqrt(softplus(gate . f)).
+    // Router in FP32: s = sqrt(softplus(gate . f)) (V4.1: of gate . f / gate_temp).
     di_cpu_matmul(&c->cpu, &w->gate, f, n_tok, D, score, E);
+    if (w->gate_temp > 0)
+        for (int64_t i = 0; i < (int64_t)n_tok * E; i++) score[i] /= w->gate_temp;
     for (int64_t i = 0; i < (int64_t)n_tok * E; i++) score[i] = sqrtf(di_softplus(score[i]));
     for (int32_t t = 0; t < n_tok; t++) {
         const float *s = score + t * E;
@@ -616,17 +653,18 @@ static di_status cpu_moe(di_backend *b, const di_backend_moe_w *w, const float *
     }
 
     // Routed experts in ascending id, each on the rows routed to it (duplicates count twice).
+    const int32_t a8_block = w->a8_block > 0 ? w->a8_block : 128;
     memset(out, 0, sizeof(float) * T * (size_t)D);
     for (int32_t e = 0; e < E; e++) {
         const int32_t n = di_ref_moe_gather(sel, wgt, n_tok, K, e, f, D, xin, rows, rw);
         if (n == 0) continue;
         expert(c, &w->w1[e], &w->w3[e], &w->w2[e], xin, n, D, w->swiglu_limit, rw, g, u, yout, xq,
-               w->official);
+               w->official, a8_block);
         di_ref_moe_add_rows(yout, rows, n, D, out);
     }
     // Shared expert on every row, then one sum.
     expert(c, &w->sh_w1, &w->sh_w3, &w->sh_w2, f, n_tok, D, w->shared_clamp ? w->swiglu_limit : 0,
-           NULL, g, u, yout, xq, w->official);
+           NULL, g, u, yout, xq, w->official, a8_block);
     for (int64_t i = 0; i < (int64_t)n_tok * D; i++) out[i] += yout[i];
     if (w->official) round_all(out, (int64_t)n_tok * D);
     return DI_OK;
@@ -1037,15 +1075,18 @@ static di_status cpu_round_bf16(di_backend *b, float *x, int64_t n) {
 static di_status cpu_fake_quant(di_backend *b, const float *x, int64_t n_rows, int64_t n,
                                 int64_t stride, int32_t block, int32_t bits, float *y) {
     RECORD(impl_of(b), CMD_FAKE_QUANT, fake_quant, x, n_rows, n, stride, block, bits, y);
-    if (block < 1 || block > 1024 || n % block != 0 || (bits != 8 && bits != 4) || n > stride)
+    if (block < 1 || block > 1024 || n % block != 0 ||
+        (bits != 8 && bits != 4 && bits != DI_BACKEND_Q4E) || n > stride)
         return DI_ERR_INVALID;
     for (int64_t r = 0; r < n_rows; r++) {
         float *yr = y + r * stride;
         if (yr != x + r * stride) memcpy(yr, x + r * stride, sizeof(float) * (size_t)n);
         if (bits == 8)
             di_fake_quant_q8(yr, n, block);
-        else
+        else if (bits == 4)
             di_fake_quant_q4(yr, n, block);
+        else
+            di_fake_quant_q4e(yr, n, block);
     }
     return DI_OK;
 }
@@ -1054,6 +1095,69 @@ static di_status cpu_hadamard(di_backend *b, float *x, int64_t n_rows, int64_t n
     RECORD(impl_of(b), CMD_HADAMARD, hadamard, x, n_rows, n);
     if (n < 1 || n > 1024 || (n & (n - 1)) != 0) return DI_ERR_INVALID;
     for (int64_t r = 0; r < n_rows; r++) di_hadamard(x + r * n, n);
+    return DI_OK;
+}
+
+// ---- DeepSeek V4.1 (model/dsv41.c, dsv41_attn.c) ----
+
+static di_status cpu_mhc_pre_carried(di_backend *b, const float *x, const float *mix_raw,
+                                     const float *base, const float *scale, int32_t nc, int64_t D,
+                                     int32_t n_tok, int32_t iters, float hc_eps, float norm_eps,
+                                     const float *pre_in, float *a, float *pre_out, float *post,
+                                     float *comb) {
+    RECORD(impl_of(b), CMD_MHC_PRE_CARRIED, mhc_pre_carried, x, mix_raw, base, scale, nc, D, n_tok,
+           iters, hc_eps, norm_eps, pre_in, a, pre_out, post, comb);
+    if (nc < 1 || nc > 16) return DI_ERR_INVALID;
+    if (n_tok <= 0) return DI_OK;
+    if (mix_raw) {
+        mhc_ctx c = {.x = x,
+                     .mix_raw = mix_raw,
+                     .base = base,
+                     .scale = scale,
+                     .nc = nc,
+                     .n_tok = n_tok,
+                     .iters = iters,
+                     .D = D,
+                     .hc_eps = hc_eps,
+                     .norm_eps = norm_eps,
+                     .pre = pre_out,
+                     .post = post,
+                     .comb = comb};
+        di_pool_run(impl_of(b)->pool, mhc_pre_task, &c);
+    }
+    di_ref_hc_collapse(x, pre_in, nc, D, n_tok, a);
+    return DI_OK;
+}
+
+static di_status cpu_engram_gate(di_backend *b, const float *kv, const float *qk, int32_t nc,
+                                 int64_t D, int32_t n_tok, float eps, float *x) {
+    RECORD(impl_of(b), CMD_ENGRAM_GATE, engram_gate, kv, qk, nc, D, n_tok, eps, x);
+    if (nc < 1 || D < 1) return DI_ERR_INVALID;
+    if (n_tok > 0) di_ref_engram_gate(kv, qk, nc, D, n_tok, eps, x);
+    return DI_OK;
+}
+
+static di_status cpu_index_cand(di_backend *b, int32_t mode, float *scores, int64_t score_stride,
+                                const int32_t *n_vis, int32_t n_tok, int32_t bs, int32_t ntb,
+                                int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k,
+                                float *work) {
+    RECORD(impl_of(b), CMD_INDEX_CAND, index_cand, mode, scores, score_stride, n_vis, n_tok, bs,
+           ntb, cand, n_cand, sel, k, work);
+    if (bs < 1 || ntb < 1 || k < 1 || mode < DI_BACKEND_CAND_BUILD || mode > DI_BACKEND_CAND_DROP ||
+        (mode == DI_BACKEND_CAND_BUILD && !work))
+        return DI_ERR_INVALID;
+    for (int32_t t = 0; t < n_tok; t++)
+        if (n_vis[t] < 0) return DI_ERR_INVALID;
+    for (int32_t t = 0; t < n_tok; t++) {
+        float *sc = scores + t * score_stride;
+        if (mode == DI_BACKEND_CAND_BUILD)
+            n_cand[t] = di_ref_cand_build(sc, n_vis[t], bs, ntb, work + t * (score_stride / bs + 1),
+                                          cand + (int64_t)t * ntb);
+        else if (mode == DI_BACKEND_CAND_MASK)
+            di_ref_cand_mask(sc, n_vis[t], bs, cand + (int64_t)t * ntb, n_cand[t]);
+        else
+            di_ref_cand_drop(sc, sel + (int64_t)t * k, k);
+    }
     return DI_OK;
 }
 
@@ -1174,6 +1278,23 @@ static di_status replay(di_backend *b, const cmd *k) {
                               A(fake_quant).y);
     case CMD_HADAMARD:
         return cpu_hadamard(b, A(hadamard).x, A(hadamard).n_rows, A(hadamard).n);
+    case CMD_MHC_PRE_CARRIED:
+        return cpu_mhc_pre_carried(
+            b, A(mhc_pre_carried).x, A(mhc_pre_carried).mix_raw, A(mhc_pre_carried).base,
+            A(mhc_pre_carried).scale, A(mhc_pre_carried).nc, A(mhc_pre_carried).D,
+            A(mhc_pre_carried).n_tok, A(mhc_pre_carried).iters, A(mhc_pre_carried).hc_eps,
+            A(mhc_pre_carried).norm_eps, A(mhc_pre_carried).pre_in, A(mhc_pre_carried).a,
+            A(mhc_pre_carried).pre_out, A(mhc_pre_carried).post, A(mhc_pre_carried).comb);
+    case CMD_ENGRAM_GATE:
+        return cpu_engram_gate(b, A(engram_gate).kv, A(engram_gate).qk, A(engram_gate).nc,
+                               A(engram_gate).D, A(engram_gate).n_tok, A(engram_gate).eps,
+                               A(engram_gate).x);
+    case CMD_INDEX_CAND:
+        return cpu_index_cand(b, A(index_cand).mode, A(index_cand).scores,
+                              A(index_cand).score_stride, A(index_cand).n_vis, A(index_cand).n_tok,
+                              A(index_cand).bs, A(index_cand).ntb, A(index_cand).cand,
+                              A(index_cand).n_cand, A(index_cand).sel, A(index_cand).k,
+                              A(index_cand).work);
 #undef A
     }
     return DI_ERR_INVALID;
@@ -1268,6 +1389,9 @@ static const di_backend_vt cpu_vt = {
     .round_bf16 = cpu_round_bf16,
     .fake_quant = cpu_fake_quant,
     .hadamard = cpu_hadamard,
+    .mhc_pre_carried = cpu_mhc_pre_carried,
+    .engram_gate = cpu_engram_gate,
+    .index_cand = cpu_index_cand,
 };
 
 di_status di_cpu_backend_create(int n_threads, di_backend **out) {

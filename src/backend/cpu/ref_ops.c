@@ -365,3 +365,72 @@ void di_ref_swiglu(float *g, const float *u, int64_t n, float limit) {
         g[i] = di_silu(gt) * up;
     }
 }
+
+// ---- DeepSeek V4.1 ----
+
+void di_ref_hc_collapse(const float *x, const float *pre, int nc, int64_t D, int32_t n_tok,
+                        float *a) {
+    for (int32_t t = 0; t < n_tok; t++) {
+        const float *xt = x + (int64_t)t * nc * D, *p = pre + (int64_t)t * nc;
+        float *at = a + (int64_t)t * D;
+        for (int64_t d = 0; d < D; d++) {
+            float acc = 0;
+            for (int s = 0; s < nc; s++) acc += p[s] * xt[s * D + d];
+            at[d] = acc;
+        }
+    }
+}
+
+void di_ref_engram_gate(const float *kv, const float *qk, int nc, int64_t D, int32_t n_tok,
+                        float eps, float *x) {
+    const float inv_sqrt_d = 1.0f / sqrtf((float)D);
+    for (int32_t t = 0; t < n_tok; t++) {
+        const float *kvt = kv + (int64_t)t * (nc + 1) * D, *val = kvt + nc * D;
+        float *xt = x + (int64_t)t * nc * D;
+        for (int s = 0; s < nc; s++) {
+            const float *key = kvt + s * D, *w = qk + s * D;
+            float *hs = xt + s * D;
+            float ss_h = 0, ss_k = 0, dot = 0;
+            for (int64_t d = 0; d < D; d++) {
+                ss_h += hs[d] * hs[d];
+                ss_k += key[d] * key[d];
+                dot += hs[d] * w[d] * key[d];
+            }
+            dot *= 1.0f / sqrtf(ss_h / (float)D + eps) * (1.0f / sqrtf(ss_k / (float)D + eps)) *
+                   inv_sqrt_d;
+            float sgn = dot > 0 ? 1.0f : dot < 0 ? -1.0f : 0.0f;
+            float g = di_sigmoid(sgn * sqrtf(fmaxf(fabsf(dot), 1e-6f)));
+            for (int64_t d = 0; d < D; d++) hs[d] = hs[d] + g * val[d];
+        }
+    }
+}
+
+int32_t di_ref_cand_build(const float *sc, int64_t vis, int32_t bs, int32_t ntb, float *blk,
+                          int32_t *cand) {
+    int64_t n_blk = (vis + bs - 1) / bs;
+    for (int64_t b = 0; b < n_blk; b++) {
+        float mx = -INFINITY;
+        for (int64_t w = b * bs; w < (b + 1) * bs && w < vis; w++) mx = fmaxf(mx, sc[w]);
+        blk[b] = mx;
+    }
+    if (n_blk > 0) blk[n_blk - 1] = INFINITY;
+    int32_t k = (int32_t)(n_blk < ntb ? n_blk : ntb);
+    di_ref_topk(blk, n_blk, k, cand);
+    return k;
+}
+
+void di_ref_cand_mask(float *sc, int64_t vis, int32_t bs, const int32_t *cand, int32_t n_cand) {
+    for (int64_t w = 0; w < vis; w++) {
+        bool in = false;
+        for (int32_t i = 0; i < n_cand && !in; i++) in = cand[i] == w / bs;
+        if (!in) sc[w] = -INFINITY;
+    }
+}
+
+int32_t di_ref_cand_drop(const float *sc, int32_t *sel, int32_t k) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < k; i++)
+        if (sel[i] >= 0 && sc[sel[i]] > -INFINITY) sel[n++] = sel[i];
+    for (int32_t i = n; i < k; i++) sel[i] = -1;
+    return n;
+}

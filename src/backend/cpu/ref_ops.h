@@ -120,6 +120,30 @@ void di_ref_topk(const float *sc, int64_t n, int32_t k, int32_t *sel);
 void di_ref_hc_post(const float *o, float *x, const float *post, const float *comb, int nc,
                     int64_t D, int32_t n_tok);
 
+// ---- DeepSeek V4.1 (deepseek-v41.md): the one copy of each, called by model/dsv41*.c and by the
+// CPU backend's ops (backend.h mhc_pre_carried, engram_gate, index_cand) ----
+
+// a[t] = sum_s pre[t, s] x[t, s] over n_tok tokens (x [T, nc, D], pre [T, nc], a [T, D]): FP32,
+// the sum in stream order from 0 (§2.2's collapse with a carried pre).
+void di_ref_hc_collapse(const float *x, const float *pre, int nc, int64_t D, int32_t n_tok,
+                        float *a);
+// The Engram gate (§2.3.2) over n_tok rows: for stream s of row t, with h = x[t, s], key =
+// kv[t, s] and value = kv[t, nc] (kv [T, (nc + 1) D]), dot = sum h qk[s] key (FP32 in dim order,
+// with the sums of squares of h and key) * rsqrt(mean h^2 + eps) * rsqrt(mean key^2 + eps) / sqrt
+// D; g = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))); x[t, s] = h + g value.
+void di_ref_engram_gate(const float *kv, const float *qk, int nc, int64_t D, int32_t n_tok,
+                        float eps, float *x);
+// Level 1 of the indexer (§2.5.3) on one row's scores sc[0 .. vis): blocks of bs entries scored by
+// their best entry, the newest visible entry's block +inf, the min(ntb, n_blocks) best into cand
+// (ascending: di_ref_topk); blk: scratch of ceil(vis / bs) floats. Returns how many.
+int32_t di_ref_cand_build(const float *sc, int64_t vis, int32_t bs, int32_t ntb, float *blk,
+                          int32_t *cand);
+// Level 2: sc[w] = -inf for every w < vis whose block w / bs is not among cand[0 .. n_cand).
+void di_ref_cand_mask(float *sc, int64_t vis, int32_t bs, const int32_t *cand, int32_t n_cand);
+// A row's top-k picks (sel [k], -1 padded) with the picks scored -inf dropped, the others moved
+// up in order, -1 after them. Returns the picks kept.
+int32_t di_ref_cand_drop(const float *sc, int32_t *sel, int32_t k);
+
 // A score-routed token's experts (spec §2.8): the K best of s[e] + bias[e] over E experts, ties to
 // the lower id, in selection order, into sel[K]; then wgt[k] = s[sel[k]] / (sum_k s[sel[k]] + eps)
 // * route_scale (the sum in slot order). Hash routing passes its table row as sel and bias NULL

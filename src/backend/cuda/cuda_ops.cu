@@ -20,6 +20,7 @@
 #include "backend/cuda/quant.cuh"
 #include "backend/cuda/rope.cuh"
 #include "backend/cuda/rows.cuh"
+#include "backend/cuda/v41.cuh"
 
 static_assert(DI_CUDA_POOL_NO_ROW == DI_BACKEND_NO_ROW, "compress_pool's no-row marker");
 
@@ -206,6 +207,8 @@ static di_status op_moe(di_backend *b, const di_backend_moe_w *w, const float *f
     cw.shared_clamp = w->shared_clamp;
     cw.hf_eps = w->hf_eps;
     cw.official = w->official;
+    cw.gate_temp = w->gate_temp;
+    cw.a8_block = w->a8_block;
     cw.routed_kind = w->routed_kind;
     return di_cuda_moe(cu, &cw, f, ids, n_tok, out, NULL, NULL);
 }
@@ -292,6 +295,33 @@ static di_status op_fake_quant(di_backend *b, const float *x, int64_t n_rows, in
                                int64_t stride, int32_t block, int32_t bits, float *y) {
     ENTER(b);
     return di_cuda_fake_quant(cu, x, n_rows, n, stride, block, bits, y);
+}
+
+// ---- DeepSeek V4.1 (mhc.cuh, v41.cuh) ----
+
+static di_status op_mhc_pre_carried(di_backend *b, const float *x, const float *mix_raw,
+                                    const float *base, const float *scale, int32_t nc, int64_t D,
+                                    int32_t n_tok, int32_t iters, float hc_eps, float norm_eps,
+                                    const float *pre_in, float *a, float *pre_out, float *post,
+                                    float *comb) {
+    ENTER(b);
+    return di_cuda_mhc_pre_carried(cu, x, mix_raw, base, scale, nc, D, n_tok, iters, hc_eps,
+                                   norm_eps, pre_in, a, pre_out, post, comb);
+}
+
+static di_status op_engram_gate(di_backend *b, const float *kv, const float *qk, int32_t nc,
+                                int64_t D, int32_t n_tok, float eps, float *x) {
+    ENTER(b);
+    return di_cuda_engram_gate(cu, kv, qk, nc, D, n_tok, eps, x);
+}
+
+static di_status op_index_cand(di_backend *b, int32_t mode, float *scores, int64_t score_stride,
+                               const int32_t *n_vis, int32_t n_tok, int32_t bs, int32_t ntb,
+                               int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k,
+                               float *work) {
+    ENTER(b);
+    return di_cuda_index_cand(cu, mode, scores, score_stride, n_vis, n_tok, bs, ntb, cand, n_cand,
+                              sel, k, work);
 }
 
 static di_status op_hadamard(di_backend *b, float *x, int64_t n_rows, int64_t n) {
@@ -382,6 +412,9 @@ static di_backend_vt make_vt(void) {
     vt.fake_quant = op_fake_quant;
     vt.matmul_a8 = op_matmul_a8;
     vt.hadamard = op_hadamard;
+    vt.mhc_pre_carried = op_mhc_pre_carried;
+    vt.engram_gate = op_engram_gate;
+    vt.index_cand = op_index_cand;
     return vt;
 }
 

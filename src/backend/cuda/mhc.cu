@@ -1,6 +1,6 @@
-// mhc — hc_pre (RMS-scaled gates + Sinkhorn) and hc_post (mhc.cuh). One block per token; the
-// NC x NC Sinkhorn runs in one thread (NC = 4: 20 iterations of 16 elements), in the order of
-// model/dsv4.c's hc_pre_task so results match to FP32 rounding.
+// mhc — hc_pre (RMS-scaled gates + Sinkhorn), V4.1's carried variant, and hc_post (mhc.cuh). One
+// block per token; the NC x NC Sinkhorn runs in one thread (NC = 4: 20 iterations of 16 elements),
+// in the order of model/dsv4.c's hc_pre_task so results match to FP32 rounding.
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/mhc.cuh"
 
@@ -14,12 +14,24 @@ __global__ void __launch_bounds__(MHC_THREADS)
     mhc_pre_kernel(const float *__restrict__ x, const float *__restrict__ mix_raw,
                    const float *__restrict__ base, const float *__restrict__ scale, int32_t nc,
                    int64_t D, int32_t iters, float hc_eps, float norm_eps, bool head,
+                   const float *__restrict__ pre_in, float *__restrict__ pre_out,
                    float *__restrict__ a, float *__restrict__ post, float *__restrict__ comb) {
     __shared__ float red[32];
     __shared__ float pre[DI_CUDA_MHC_MAX_NC];
     const int64_t t = blockIdx.x;
     const int n_mix = head ? nc : (2 + nc) * nc;
     const float *xf = x + t * nc * D;
+    // The carried collapse (pre_in) without coefficients: V4.1's head.
+    if (!mix_raw) {
+        float *at = a + t * D;
+        const float *p = pre_in + t * nc;
+        for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+            float acc = 0;
+            for (int s = 0; s < nc; s++) acc += p[s] * xf[s * D + d];
+            at[d] = acc;
+        }
+        return;
+    }
     float ss = 0.0f;
     for (int64_t i = threadIdx.x; i < nc * D; i += blockDim.x) ss = fmaf(xf[i], xf[i], ss);
     ss = di_block_sum(ss, red);
@@ -27,6 +39,8 @@ __global__ void __launch_bounds__(MHC_THREADS)
         const float r = 1.0f / sqrtf(ss / (float)(nc * D) + norm_eps);
         const float *mr = mix_raw + t * n_mix;
         for (int s = 0; s < nc; s++) pre[s] = sigmoidf_(mr[s] * r * scale[0] + base[s]) + hc_eps;
+        if (pre_out)
+            for (int s = 0; s < nc; s++) pre_out[t * nc + s] = pre[s];
         if (!head) {
             float *pt = post + t * nc, *C = comb + t * nc * nc;
             for (int s = 0; s < nc; s++)
@@ -61,9 +75,10 @@ __global__ void __launch_bounds__(MHC_THREADS)
     }
     __syncthreads();
     float *at = a + t * D;
+    const float *p = pre_in ? pre_in + t * nc : pre; // V4.1: the pre carried from the last site
     for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
         float acc = 0;
-        for (int s = 0; s < nc; s++) acc += pre[s] * xf[s * D + d];
+        for (int s = 0; s < nc; s++) acc += p[s] * xf[s * D + d];
         at[d] = acc;
     }
 }
@@ -75,7 +90,21 @@ extern "C" di_status di_cuda_mhc_pre(di_cuda *cu, const float *x, const float *m
     if (nc < 1 || nc > DI_CUDA_MHC_MAX_NC) return DI_ERR_INVALID;
     if (n_tok <= 0) return DI_OK;
     mhc_pre_kernel<<<(unsigned)n_tok, MHC_THREADS, 0, di_stream(cu)>>>(
-        x, mix_raw, base, scale, nc, D, iters, hc_eps, norm_eps, head, a, post, comb);
+        x, mix_raw, base, scale, nc, D, iters, hc_eps, norm_eps, head, NULL, NULL, a, post, comb);
+    DI_CUDA_LAUNCHED("mhc_pre_kernel");
+    return DI_OK;
+}
+
+extern "C" di_status di_cuda_mhc_pre_carried(di_cuda *cu, const float *x, const float *mix_raw,
+                                             const float *base, const float *scale, int32_t nc,
+                                             int64_t D, int32_t n_tok, int32_t iters, float hc_eps,
+                                             float norm_eps, const float *pre_in, float *a,
+                                             float *pre_out, float *post, float *comb) {
+    if (nc < 1 || nc > DI_CUDA_MHC_MAX_NC || !pre_in) return DI_ERR_INVALID;
+    if (n_tok <= 0) return DI_OK;
+    mhc_pre_kernel<<<(unsigned)n_tok, MHC_THREADS, 0, di_stream(cu)>>>(
+        x, mix_raw, base, scale, nc, D, iters, hc_eps, norm_eps, false, pre_in, pre_out, a, post,
+        comb);
     DI_CUDA_LAUNCHED("mhc_pre_kernel");
     return DI_OK;
 }

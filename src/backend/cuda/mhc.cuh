@@ -26,6 +26,16 @@ di_status di_cuda_mhc_pre(di_cuda *cu, const float *x, const float *mix_raw, con
                           float hc_eps, float norm_eps, bool head, float *a, float *post,
                           float *comb);
 
+// V4.1's single-pass site (backend.h mhc_pre_carried): unless mix_raw is NULL, the coefficients
+// of di_cuda_mhc_pre (non-head) with pre written to pre_out [T, nc] (may be NULL), post and comb;
+// then a_t = sum_s pre_in[t, s] * x_t[s] (the pre carried from the previous site, in stream
+// order). DI_ERR_INVALID (nc out of range, pre_in NULL), DI_ERR_CUDA.
+di_status di_cuda_mhc_pre_carried(di_cuda *cu, const float *x, const float *mix_raw,
+                                  const float *base, const float *scale, int32_t nc, int64_t D,
+                                  int32_t n_tok, int32_t iters, float hc_eps, float norm_eps,
+                                  const float *pre_in, float *a, float *pre_out, float *post,
+                                  float *comb);
+
 // In place: x[t, k] = post[t, k] * o[t] + sum_j comb[t, j, k] * x[t, j]. DI_ERR_CUDA.
 di_status di_cuda_mhc_post(di_cuda *cu, const float *o, float *x, const float *post,
                            const float *comb, int32_t nc, int64_t D, int32_t n_tok);

@@ -217,6 +217,12 @@ static bool quantised(di_tensor_kind k) {
 
 // ---- the whole layer ----
 
+// x[i] /= t over n values (V4.1's router temperature: a true division, as dsv4_moe.c).
+__global__ void div_kernel(float *__restrict__ x, int64_t n, float t) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __fdiv_rn(x[i], t);
+}
+
 extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const float *f,
                                  const int32_t *ids, int32_t n_tok, float *out, int32_t *sel_out,
                                  float *wgt_out) {
@@ -225,9 +231,10 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
     const int32_t E = w->n_expert, K = w->n_used, P = n_tok * K;
     const int64_t D = w->D, F = w->F, Fs = w->sh_w1.ne[1];
     // The official recipe (model/dsv4_moe.c): A8 of the FP8/FP4 linears' inputs (Q8, blocks of
-    // 128; per weight kind, as di_dsv4_linear decides), every linear's output in BF16, the weight
-    // on h before w2, h and the output in BF16.
+    // 128, V4.1 32; per weight kind, as di_dsv4_linear decides), every linear's output in BF16, the
+    // weight on h before w2, h and the output in BF16.
     const bool off = w->official;
+    const int32_t a8 = w->a8_block > 0 ? w->a8_block : 128;
     const bool aq_r = off && quantised(w->routed_kind), aq_s1 = off && quantised(w->sh_w1.kind);
     const bool aq_s2 = off && quantised(w->sh_w2.kind), aq_s3 = off && quantised(w->sh_w3.kind);
     const int64_t gw = (int64_t)P * F > n_tok * Fs ? (int64_t)P * F : n_tok * Fs;
@@ -254,10 +261,15 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
         float *g = (float *)b[6], *u = (float *)b[7], *y = (float *)b[8], *sh = (float *)b[9];
         float *fq = (float *)b[10];
         DI_TRY(di_cuda_matmul(cu, &w->gate, f, n_tok, D, logits, E)); // [T, E]
+        if (w->gate_temp > 0) {
+            const int64_t n = (int64_t)n_tok * E;
+            div_kernel<<<di_div_up(n, 256), 256, 0, di_stream(cu)>>>(logits, n, w->gate_temp);
+            DI_CUDA_LAUNCHED("div_kernel");
+        }
         DI_TRY(di_cuda_router(cu, logits, w->gate_bias, w->tid2eid, ids, n_tok, E, K,
                               w->route_scale, w->hf_eps, sel, wgt));
         DI_TRY(di_cuda_moe_group(cu, sel, P, K, E, offsets, rows, rop));
-        if (aq_r || aq_s1 || aq_s3) DI_TRY(di_cuda_fake_quant(cu, f, n_tok, D, D, 128, 8, fq));
+        if (aq_r || aq_s1 || aq_s3) DI_TRY(di_cuda_fake_quant(cu, f, n_tok, D, D, a8, 8, fq));
         const float *fr = aq_r ? fq : f;
         // Routed experts: gate and up read the token rows directly (rows = token of each row).
         // One token: every expert has one row (a hash duplicate makes two; still correct).
@@ -274,7 +286,7 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
         if (off) {
             DI_TRY(scale_pairs(cu, g, rop, wgt, P, F));
             DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)P * F));
-            if (aq_r) DI_TRY(di_cuda_fake_quant(cu, g, P, F, F, 128, 8, g));
+            if (aq_r) DI_TRY(di_cuda_fake_quant(cu, g, P, F, F, a8, 8, g));
         }
         DI_TRY(
             di_cuda_matmul_grouped(cu, w->w2, E, D, F, offsets, NULL, g, F, y, D, hint)); // [P,D]
@@ -289,7 +301,7 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
         DI_TRY(di_cuda_swiglu(cu, g, u, n_tok, Fs, w->shared_clamp ? w->swiglu_limit : 0.0f));
         if (off) {
             DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)n_tok * Fs));
-            if (aq_s2) DI_TRY(di_cuda_fake_quant(cu, g, n_tok, Fs, Fs, 128, 8, g));
+            if (aq_s2) DI_TRY(di_cuda_fake_quant(cu, g, n_tok, Fs, Fs, a8, 8, g));
         }
         DI_TRY(di_cuda_matmul(cu, &w->sh_w2, g, n_tok, Fs, sh, D));
         if (off) DI_TRY(di_cuda_round_bf16(cu, sh, (int64_t)n_tok * D));

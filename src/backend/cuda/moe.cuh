@@ -58,6 +58,8 @@ typedef struct di_cuda_moe_w {
     bool shared_clamp; // shared expert clamped too
     bool hf_eps;       // the routing-weight denominator gets + 1e-20 (di_cuda_router's hf_eps)
     bool official;     // the official precision recipe (backend.h di_backend_moe_w.official)
+    float gate_temp;   // V4.1: the router logits are divided by it first; 0: not divided (V4)
+    int32_t a8_block;  // the official recipe's A8 block: 32 (V4.1); 0: 128 (V4)
     di_tensor_kind routed_kind; // the routed experts' weight kind (w1/w2/w3 live on the device)
 } di_cuda_moe_w;
 

@@ -1,6 +1,8 @@
-// quant — BF16 rounding, Q8 / Q4 fake quantisation and the Hadamard transform (quant.cuh).
+// quant — BF16 rounding, Q8 / Q4 / Q4e fake quantisation and the Hadamard transform (quant.cuh).
 #include <cmath>
 #include <cuda_fp8.h>
+
+#include "backend/backend.h" // DI_BACKEND_Q4E
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/quant.cuh"
@@ -77,6 +79,15 @@ __global__ void __launch_bounds__(QUANT_THREADS)
         for (int32_t j = threadIdx.x; j < block; j += blockDim.x) o[j] = NAN;
         return;
     }
+    if (bits == DI_BACKEND_Q4E) { // an E4M3 scale of amax / 6 (floored at 2^-9), by division
+        const float sc = di_e4m3_f32((uint32_t)__nv_cvt_float_to_fp8(
+            __fdiv_rn(fmaxf(amax, 6.0f * 0x1p-9f), 6.0f), __NV_SATFINITE, __NV_E4M3));
+        for (int32_t j = threadIdx.x; j < block; j += blockDim.x) {
+            const float q = fminf(fmaxf(__fdiv_rn(v[j], sc), -6.0f), 6.0f);
+            o[j] = e2m1_grid(q) * sc;
+        }
+        return;
+    }
     const bool q8 = bits == 8;
     const float qmax = q8 ? 448.0f : 6.0f, inv_qmax = q8 ? 1.0f / 448.0f : 1.0f / 6.0f;
     amax = fmaxf(amax, q8 ? 1e-4f : 6.0f * 0x1p-126f);
@@ -91,7 +102,8 @@ __global__ void __launch_bounds__(QUANT_THREADS)
 
 extern "C" di_status di_cuda_fake_quant(di_cuda *cu, const float *x, int64_t n_rows, int64_t n,
                                         int64_t stride, int32_t block, int32_t bits, float *y) {
-    if (block < 1 || block > 1024 || n % block != 0 || n > stride || (bits != 8 && bits != 4))
+    if (block < 1 || block > 1024 || n % block != 0 || n > stride ||
+        (bits != 8 && bits != 4 && bits != DI_BACKEND_Q4E))
         return DI_ERR_INVALID;
     if (n_rows <= 0 || n <= 0) return DI_OK;
     const int64_t n_blocks = n_rows * (n / block);

@@ -20,10 +20,11 @@ extern "C" {
 // x[i] = bf16(x[i]) for i < n (round to nearest even; NaN stays NaN). DI_ERR_CUDA.
 di_status di_cuda_round_bf16(di_cuda *cu, float *x, int64_t n);
 
-// Over n_rows rows `stride` floats apart: y[r, :n] = Q8 (bits 8) or Q4 (bits 4) of x[r, :n] per
-// block of `block` values; y may be x; columns past n untouched. A block holding a non-finite
-// value becomes NaN. DI_ERR_INVALID unless 1 <= block <= 1024 divides n <= stride and bits is 8
-// or 4; DI_ERR_CUDA.
+// Over n_rows rows `stride` floats apart: y[r, :n] = Q8 (bits 8), Q4 (bits 4) or V4.1's Q4e
+// (bits DI_BACKEND_Q4E: e2m1 with an E4M3 scale of amax / 6 by division, di_fake_quant_q4e) of
+// x[r, :n] per block of `block` values; y may be x; columns past n untouched. A block holding a
+// non-finite value becomes NaN. DI_ERR_INVALID unless 1 <= block <= 1024 divides n <= stride and
+// bits is 8, 4 or DI_BACKEND_Q4E; DI_ERR_CUDA.
 di_status di_cuda_fake_quant(di_cuda *cu, const float *x, int64_t n_rows, int64_t n, int64_t stride,
                              int32_t block, int32_t bits, float *y);
 

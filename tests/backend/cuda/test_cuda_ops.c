@@ -9,8 +9,8 @@
 // sources, rows past n not written, another thread calling the backend; graphs (graph_begin /
 // end / launch): a replay equals the same entries run directly for new data in the same buffers,
 // the padding of graph-stable lists (scatter destination -1, windows without rows), the calls a
-// capture refuses, and pool blocks taken inside a capture kept out of later allocations. The
-// kernels behind the
+// capture refuses, and pool blocks taken inside a capture kept out of later allocations; V4.1's
+// entries (mhc_pre_carried, engram_gate, index_cand, Q4e). The kernels behind the
 // older entries have their own tests (test_cuda_gemm, _norm, _mhc, _moe, _indexer); here the
 // point is that each entry passes its arguments through as backend.h says.
 #include "backend/cuda/cuda_test.h" // harness, rnd, check_bounds (its g_cu is the backend's context)
@@ -213,7 +213,8 @@ static void test_vtable(void) {
         NULL_ENTRY(index_scores) + NULL_ENTRY(topk) + NULL_ENTRY(offset_list) +
         NULL_ENTRY(destroy) + NULL_ENTRY(graph_begin) + NULL_ENTRY(graph_end) +
         NULL_ENTRY(graph_launch) + NULL_ENTRY(graph_destroy) + NULL_ENTRY(round_bf16) +
-        NULL_ENTRY(fake_quant) + NULL_ENTRY(hadamard);
+        NULL_ENTRY(fake_quant) + NULL_ENTRY(hadamard) + NULL_ENTRY(mhc_pre_carried) +
+        NULL_ENTRY(engram_gate) + NULL_ENTRY(index_cand);
 #undef NULL_ENTRY
     CHECK_EQ(n_null, 0);
     // A device that does not exist is refused, not crashed on.
@@ -660,12 +661,21 @@ static void test_mhc(void) {
 
 // ---- MoE ----
 
+// V4.1's MoE rules for the cases run with them (test_moe): the router's temperature (0: none, V4)
+// and the official recipe's A8 block (128 for V4, 32 for V4.1).
+static float g_gate_temp = 0.0f;
+static int32_t g_a8_block = 128;
+
 static void ref_router(const float *logits, const float *bias, const int32_t *tid2eid,
                        const int32_t *ids, int32_t T, int32_t E, int32_t K, float route_scale,
                        bool hf_eps, int32_t *sel, float *wgt) {
     float *st = malloc(sizeof(float) * (size_t)E);
     for (int32_t t = 0; t < T; t++) {
-        for (int32_t e = 0; e < E; e++) st[e] = sqrtf(di_softplus(logits[(int64_t)t * E + e]));
+        for (int32_t e = 0; e < E; e++) {
+            float x = logits[(int64_t)t * E + e];
+            if (g_gate_temp > 0) x /= g_gate_temp;
+            st[e] = sqrtf(di_softplus(x));
+        }
         int32_t *se = sel + t * K;
         if (tid2eid) {
             memcpy(se, tid2eid + (int64_t)ids[t] * K, sizeof(int32_t) * (size_t)K);
@@ -707,7 +717,7 @@ static void linear_host(const mat *w, const float *x, int64_t n_in, int64_t n_ou
                         bool official) {
     float *xq = malloc(sizeof(float) * (size_t)n_in);
     memcpy(xq, x, sizeof(float) * (size_t)n_in);
-    if (official) di_fake_quant_q8(xq, n_in, 128);
+    if (official) di_fake_quant_q8(xq, n_in, g_a8_block);
     di_ref_matmul(&g_cpu, &w->t, xq, 1, n_in, y, n_out);
     if (official) round_host(y, n_out);
     free(xq);
@@ -793,6 +803,7 @@ static void moe_case(int32_t T, int32_t E, int32_t K, int64_t D, int64_t F, bool
     mw.route_scale = route_scale, mw.swiglu_limit = limit;
     mw.shared_clamp = shared_clamp, mw.hf_eps = hf_eps;
     mw.official = official, mw.routed_kind = DI_TENSOR_KIND_FP4;
+    mw.gate_temp = g_gate_temp, mw.a8_block = g_a8_block;
     float *fd = bk_from(f, sizeof(float) * (size_t)nf), *od = bk_alloc(sizeof(float) * (size_t)nf);
     int32_t *idd = bk_from(ids, sizeof(int32_t) * (size_t)T);
     bk_poison(od, sizeof(float) * (size_t)nf);
@@ -830,6 +841,11 @@ static void test_moe(void) {
     // The official recipe (A8 needs F, D multiples of 128): decode, a hash-routed prefill.
     moe_case(1, 8, 2, 128, 128, false, false, false, true);
     moe_case(9, 8, 2, 256, 128, true, true, false, true);
+    // V4.1: the router's temperature, the + 1e-20 in both recipes, A8 in blocks of 32.
+    g_gate_temp = 1.7f, g_a8_block = 32;
+    moe_case(2, 8, 2, 128, 96, false, false, true, false);
+    moe_case(3, 8, 2, 128, 64, false, true, true, true);
+    g_gate_temp = 0.0f, g_a8_block = 128;
 }
 
 // ---- scatter_rows, add_ape, offset_list ----
@@ -1296,17 +1312,19 @@ static void test_official_ops(void) {
     int64_t bad = 0;
     for (int i = 0; i < R * S; i++) bad += memcmp(&got[i], &(float){di_round_bf16(x[i])}, 4) != 0;
     CHECK_EQ(bad, 0);
-    // fake_quant: Q8 / Q4, blocks 128, 64, 32, out of place (y keeps its columns past n) and in
-    // place; NaN blocks compared as NaN.
-    static const int32_t cfg[][2] = {{8, 128}, {8, 64}, {4, 32}, {8, 32}};
+    // fake_quant: Q8 / Q4, blocks 128, 64, 32, V4.1's Q4e (blocks of 16), out of place (y keeps its
+    // columns past n) and in place; NaN blocks compared as NaN.
+    static const int32_t cfg[][2] = {{8, 128}, {8, 64}, {4, 32}, {8, 32}, {DI_BACKEND_Q4E, 16}};
     for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
         const int32_t bits = cfg[c][0], block = cfg[c][1];
         memcpy(want, x, sizeof(float) * R * S);
         for (int r = 0; r < R; r++) {
             if (bits == 8)
                 di_fake_quant_q8(want + r * S, N, block);
-            else
+            else if (bits == 4)
                 di_fake_quant_q4(want + r * S, N, block);
+            else
+                di_fake_quant_q4e(want + r * S, N, block);
         }
         for (int inplace = 0; inplace < 2; inplace++) {
             CK(g_b->vt->copy(g_b, yd, xd, sizeof(float) * R * S));
@@ -1340,6 +1358,146 @@ static void test_official_ops(void) {
     CHECK_EQ(g_b->vt->hadamard(g_b, yd, 1, 48), DI_ERR_INVALID);
     bk_free(xd), bk_free(yd);
     free(x), free(want), free(got);
+}
+
+// ---- DeepSeek V4.1 ----
+
+// mhc_pre_carried against ref_mhc_pre (post, comb; its collapse through pre_out) and a host
+// collapse with a given pre; engram_gate against di_ref_engram_gate (the GPU's block sums in
+// another order: 1e-4 of |h| + |value|, a wrong stream or gate moves O(1)); index_cand BUILD, MASK
+// and DROP (after the backend's topk) against di_ref_cand_* and di_ref_topk, exactly, on scores
+// with ties and rows of 0 .. stride visible entries.
+#define TOL_ENGRAM_REL 1e-4
+static void test_v41(void) {
+    enum { T = 5, NC = 4, D = 300, NMIX = (2 + NC) * NC };
+    const int iters = 20;
+    const float hc_eps = 1e-6f, norm_eps = 1e-6f;
+    float *x = malloc(sizeof(float) * T * NC * D), *mix = malloc(sizeof(float) * T * NMIX);
+    float base[NMIX], scale[3] = {0.7f, 1.3f, 0.9f}, pre_in[T * NC];
+    fill_rand(x, (int64_t)T * NC * D, 2.0f);
+    fill_rand(mix, (int64_t)T * NMIX, 3.0f);
+    fill_rand(base, NMIX, 1.0f);
+    for (int i = 0; i < T * NC; i++) pre_in[i] = 0.2f + 0.15f * (float)(i % 7);
+    float *a = malloc(sizeof(float) * T * D), *ga = malloc(sizeof(float) * T * D);
+    float post[T * NC], comb[T * NC * NC], gpost[T * NC], gcomb[T * NC * NC];
+    double *tol_a = malloc(sizeof(double) * T * D);
+    ref_mhc_pre(x, mix, base, scale, NC, D, T, iters, hc_eps, norm_eps, false, a, post, comb,
+                tol_a);
+    for (int64_t i = 0; i < (int64_t)T * D; i++) tol_a[i] = tol_a[i] * TOL_MHC_REL + TOL_MHC_ABS;
+    float *xd = bk_from(x, sizeof(float) * T * NC * D),
+          *md = bk_from(mix, sizeof(float) * T * NMIX);
+    float *bd = bk_from(base, sizeof base), *sd = bk_from(scale, sizeof scale);
+    float *pid = bk_from(pre_in, sizeof pre_in), *pod = bk_alloc(sizeof pre_in);
+    float *ad = bk_alloc(sizeof(float) * T * D), *pd = bk_alloc(sizeof post),
+          *cd = bk_alloc(sizeof comb);
+    bk_poison(pod, sizeof pre_in);
+    bk_poison(pd, sizeof post);
+    bk_poison(cd, sizeof comb);
+    CK(g_b->vt->mhc_pre_carried(g_b, xd, md, bd, sd, NC, D, T, iters, hc_eps, norm_eps, pid, ad,
+                                pod, pd, cd));
+    bk_to(gpost, pd, sizeof post);
+    bk_to(gcomb, cd, sizeof comb);
+    double tp[T * NC * NC];
+    for (int i = 0; i < T * NC; i++) tp[i] = fabs(post[i]) * TOL_MHC_REL + TOL_MHC_ABS;
+    CHECK(check_bounds("mhc_pre_carried post", gpost, post, tp, T * NC) == 0);
+    for (int i = 0; i < T * NC * NC; i++) tp[i] = fabs(comb[i]) * TOL_MHC_REL + TOL_MHC_ABS;
+    CHECK(check_bounds("mhc_pre_carried comb", gcomb, comb, tp, T * NC * NC) == 0);
+    // The collapse with pre_in (host loop), then with pre_out (= mhc_pre's collapse).
+    bk_to(ga, ad, sizeof(float) * T * D);
+    float *want = malloc(sizeof(float) * T * D);
+    double *tol = malloc(sizeof(double) * T * D);
+    for (int t = 0; t < T; t++)
+        for (int d = 0; d < D; d++) {
+            float acc = 0;
+            double mg = 0;
+            for (int c = 0; c < NC; c++) {
+                acc += pre_in[t * NC + c] * x[(t * NC + c) * D + d];
+                mg += fabs((double)pre_in[t * NC + c] * x[(t * NC + c) * D + d]);
+            }
+            want[t * D + d] = acc;
+            tol[t * D + d] = mg * 4 * U32 + 1e-30;
+        }
+    CHECK(check_bounds("mhc_pre_carried collapse", ga, want, tol, T * D) == 0);
+    bk_poison(ad, sizeof(float) * T * D);
+    CK(g_b->vt->mhc_pre_carried(g_b, xd, NULL, NULL, NULL, NC, D, T, iters, hc_eps, norm_eps, pod,
+                                ad, NULL, NULL, NULL));
+    bk_to(ga, ad, sizeof(float) * T * D);
+    CHECK(check_bounds("mhc_pre_carried pre_out", ga, a, tol_a, T * D) == 0);
+
+    // Engram gate: kv [T, NC + 1, D] (keys then the value), qk [NC, D].
+    float *kv = malloc(sizeof(float) * T * (NC + 1) * D), *qk = malloc(sizeof(float) * NC * D);
+    fill_rand(kv, (int64_t)T * (NC + 1) * D, 1.5f);
+    fill_rand(qk, (int64_t)NC * D, 1.0f);
+    float *xg = malloc(sizeof(float) * T * NC * D), *gx = malloc(sizeof(float) * T * NC * D);
+    double *tg = malloc(sizeof(double) * T * NC * D);
+    memcpy(xg, x, sizeof(float) * T * NC * D);
+    di_ref_engram_gate(kv, qk, NC, D, T, norm_eps, xg);
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < NC; c++)
+            for (int d = 0; d < D; d++) {
+                const int64_t i = ((int64_t)t * NC + c) * D + d;
+                tg[i] =
+                    TOL_ENGRAM_REL * (fabs(x[i]) + fabs(kv[((int64_t)t * (NC + 1) + NC) * D + d])) +
+                    1e-7;
+            }
+    float *kvd = bk_from(kv, sizeof(float) * T * (NC + 1) * D),
+          *qkd = bk_from(qk, sizeof(float) * NC * D);
+    CK(g_b->vt->engram_gate(g_b, kvd, qkd, NC, D, T, norm_eps, xd));
+    bk_to(gx, xd, sizeof(float) * T * NC * D);
+    CHECK(check_bounds("engram_gate", gx, xg, tg, (int64_t)T * NC * D) == 0);
+
+    // Candidate pool, mask, top-k, drop.
+    enum { R = 7, ST = 203, BS = 4, NTB = 5, K = 16 };
+    float *sc = malloc(sizeof(float) * R * ST), *gsc = malloc(sizeof(float) * R * ST);
+    for (int i = 0; i < R * ST; i++) sc[i] = (float)(rand() % 9) * 0.25f; // many ties
+    const int32_t vis[R] = {0, 1, 4, 5, 19, 120, ST};
+    int32_t cand[R * NTB], n_cand[R], gcand[R * NTB], gn[R], sel[R * K], gsel[R * K];
+    float blk[ST / BS + 2];
+    float *scd = bk_from(sc, sizeof(float) * R * ST);
+    int32_t *visd = bk_from(vis, sizeof vis), *cdd = bk_alloc(sizeof cand),
+            *nd = bk_alloc(sizeof n_cand), *seld = bk_alloc(sizeof sel);
+    float *workd = bk_alloc(sizeof(float) * R * (ST / BS + 1));
+    bk_poison(workd, sizeof(float) * R * (ST / BS + 1));
+    bk_poison(cdd, sizeof cand);
+    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_BUILD, scd, ST, visd, R, BS, NTB, cdd, nd, NULL, K,
+                           workd));
+    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_MASK, scd, ST, visd, R, BS, NTB, cdd, nd, NULL, K,
+                           NULL));
+    CK(g_b->vt->topk(g_b, scd, ST, visd, R, K, seld));
+    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_DROP, scd, ST, visd, R, BS, NTB, NULL, NULL, seld,
+                           K, NULL));
+    bk_to(gcand, cdd, sizeof cand);
+    bk_to(gn, nd, sizeof n_cand);
+    bk_to(gsel, seld, sizeof sel);
+    bk_to(gsc, scd, sizeof(float) * R * ST);
+    int bad = 0;
+    for (int t = 0; t < R; t++) {
+        float *st = sc + t * ST;
+        n_cand[t] = di_ref_cand_build(st, vis[t], BS, NTB, blk, cand + t * NTB);
+        di_ref_cand_mask(st, vis[t], BS, cand + t * NTB, n_cand[t]);
+        const int32_t k = vis[t] < K ? vis[t] : K;
+        int32_t *s = sel + t * K;
+        for (int i = 0; i < K; i++) s[i] = -1;
+        if (k == vis[t])
+            for (int i = 0; i < k; i++) s[i] = i;
+        else
+            di_dsv4_topk(st, vis[t], k, s);
+        di_ref_cand_drop(st, s, K);
+        bad += gn[t] != n_cand[t];
+        for (int i = 0; i < n_cand[t] && i < gn[t]; i++)
+            bad += gcand[t * NTB + i] != cand[t * NTB + i];
+        for (int i = 0; i < K; i++) bad += gsel[t * K + i] != s[i];
+        bad += (int)n_diff_f32(gsc + t * ST, st, vis[t]);
+    }
+    fprintf(stderr, "  index_cand: %d differ\n", bad);
+    CHECK_EQ(bad, 0);
+    CHECK_EQ(g_b->vt->index_cand(g_b, 9, scd, ST, visd, R, BS, NTB, cdd, nd, seld, K, workd),
+             DI_ERR_INVALID);
+    bk_free(xd), bk_free(md), bk_free(bd), bk_free(sd), bk_free(pid), bk_free(pod), bk_free(ad);
+    bk_free(pd), bk_free(cd), bk_free(kvd), bk_free(qkd), bk_free(scd), bk_free(visd);
+    bk_free(cdd), bk_free(nd), bk_free(seld), bk_free(workd);
+    free(x), free(mix), free(a), free(ga), free(tol_a), free(want), free(tol), free(kv), free(qk);
+    free(xg), free(gx), free(tg), free(sc), free(gsc);
 }
 
 // ---- indexer scores and top-k ----
@@ -1728,6 +1886,7 @@ int main(void) {
     RUN(test_kv_rows);
     RUN(test_official_ops);
     RUN(test_indexer);
+    RUN(test_v41);
     RUN(test_other_thread);
     RUN(test_graph);
     CK(g_b->vt->sync(g_b));

@@ -1,0 +1,51 @@
+/*
+ * dev_common — what the device-resident forwards (model/dsv4_dev.h for V4, model/dsv41_dev.h for
+ * V4.1) share: the upload of a model's weights and small vectors into a backend (every block
+ * tracked and freed together), a layer's MoE weights as di_backend_moe_w, the capture of a decode
+ * step into a backend graph, and the check of a call's logit rows. Internal to src/model.
+ *
+ * Owns: a di_dev_up owns the backend blocks it allocated (di_dev_up_free); the backend is
+ * borrowed. Thread-safety: as the backend (one thread at a time).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h" // di_backend, di_backend_moe_w
+#include "model/dsv4.h"      // di_model, di_dsv4_layer_w
+
+typedef struct di_dev_up {
+    di_backend *b;   // borrowed
+    const char *who; // for the log: "dev forward", "dev forward (V4.1)"
+    void **blocks;   // owned list of backend blocks (freed by di_dev_up_free)
+    int32_t n_blocks, cap_blocks;
+} di_dev_up;
+
+// A host array copied into a new backend block (tracked). DI_ERR_NOMEM, the backend's errors.
+di_status di_dev_up_bytes(di_dev_up *u, const void *host, size_t bytes, void **out);
+di_status di_dev_up_floats(di_dev_up *u, const float *host, int64_t n, float **out);
+// A weight uploaded by the backend (weight_upload; owned by the backend): DI_ERR_UNSUPPORTED
+// (logged) for a kind it cannot multiply.
+di_status di_dev_up_weight(di_dev_up *u, const di_tensor *w, di_tensor *out);
+// A layer's MoE weights (dsv4_moe.c's fields, its experts' tensors uploaded and their array copied
+// into backend memory) in the model's recipe, with the model's rules: V4 (hash routing allowed;
+// the official recipe without the + 1e-20) or V4.1 (gate_temp, the + 1e-20 in both recipes, A8 in
+// blocks of 32). tmp: host scratch of n_expert tensors. DI_ERR_UNSUPPORTED (mixed expert kinds, a
+// weight the backend cannot multiply; logged).
+di_status di_dev_up_moe(di_dev_up *u, const di_model *m, const di_dsv4_layer_w *lw, di_tensor *tmp,
+                        di_backend_moe_w *mw);
+// Frees every block of u. NULL blocks: no-op.
+void di_dev_up_free(di_dev_up *u);
+
+// Captures what run(ctx) enqueues on b into a backend graph (not launched): *out on success. The
+// capture is closed on every path and a graph of a failed run destroyed. run's status, else
+// graph_end's.
+di_status di_dev_capture(di_backend *b, di_status (*run)(const void *ctx), const void *ctx,
+                         void **out);
+
+// A call's logit rows: ascending rows of its n_rows, with somewhere to write their logits (who:
+// the call, for the log).
+bool di_dev_logit_rows_ok(const char *who, const int32_t *logit_rows, int32_t n_logit_rows,
+                          int64_t n_rows, const float *logits);

@@ -1,0 +1,1340 @@
+// dsv41_dev — the device-resident V4.1 forward on a backend (dsv41_dev.h). It mirrors
+// model/dsv41.c and dsv41_attn.c op for op (and dsv4_moe.c through the backend's moe), in the FP32
+// recipe and the official one (every di_dsv4_round of the CPU forward is a ROUND here, in the same
+// order); where those keep per-sequence state (Engram history, rings, the pending ratio-2 row) this
+// file keeps rows in backend pools and lists on the host which rows each op reads. Sections:
+// weights, state, per-call metadata, the layer, checks, the call.
+#include "model/dsv41_dev.h"
+
+#include <math.h>
+#include <stdlib.h> // getenv
+#include <string.h>
+
+#include "base/log.h"
+#include "base/mem.h"
+#include "base/status.h"      // DI_TRY
+#include "model/dev_common.h" // weight uploads, MoE weights, logit rows
+#include "model/dsv41.h"
+
+// Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the most sequences
+// of a decode step run as a graph.
+enum { HEAD_CHUNK = 64 };
+
+// ---- weights ----
+
+typedef struct dev_hc {
+    di_tensor fn;
+    float *base, *scale; // backend
+} dev_hc;
+
+typedef struct dev_layer {
+    int32_t ratio, src; // compress ratio; the kv source whose entries it reads (-1: none)
+    bool kv_source, index_source;
+    float *attn_norm, *ffn_norm; // backend [D]
+    dev_hc hc_attn, hc_ffn;
+    di_tensor wq_a, wq_b, wkv, wo_a, wo_b;
+    float *q_norm, *kv_norm, *attn_sink; // backend
+    di_tensor cmp_wkv, cmp_wgate, idx_wk;
+    float *cmp_norm, *idx_k_norm; // backend [Dh], [DI]
+    di_tensor idx_wq_b, idx_weights_proj;
+    int32_t engram; // Engram module index, -1: none
+    di_tensor eg_table, eg_wkv;
+    float *eg_qk; // backend [NC, D]
+    di_backend_moe_w moe;
+} dev_layer;
+
+struct di_dsv41_dev {
+    di_model *m;   // borrowed
+    di_backend *b; // borrowed
+    di_tensor embed, head;
+    float *norm;                        // backend [D]
+    float *omega_main, *omega_compress; // backend [n_rot / 2]
+    dev_layer *layers;                  // owned [n_layer]
+    di_dev_up up;                       // the backend blocks it uploaded (freed at destroy)
+    bool official;                      // the official precision recipe (R-OFF)
+};
+
+static di_status up_floats(di_dsv41_dev *d, const float *host, int64_t n, float **out) {
+    return di_dev_up_floats(&d->up, host, n, out);
+}
+
+static di_status up_weight(di_dsv41_dev *d, const di_tensor *w, di_tensor *out) {
+    return di_dev_up_weight(&d->up, w, out);
+}
+
+static di_status up_hc(di_dsv41_dev *d, const di_dsv4_hc_w *hc, int32_t n_base, dev_hc *out) {
+    di_status st = up_weight(d, &hc->fn, &out->fn);
+    if (st == DI_OK) st = up_floats(d, hc->base, n_base, &out->base);
+    if (st == DI_OK) st = up_floats(d, hc->scale, 3, &out->scale);
+    return st;
+}
+
+// The latest kv source at or before layer il (dsv41_attn.c source_of; validated at load).
+static int source_of(const di_hparams *hp, int il) {
+    for (int l = il; l >= 0; l--)
+        if (hp->kv_source[l]) return l;
+    return -1;
+}
+
+static di_status up_layer(di_dsv41_dev *d, const di_dsv4_layer_w *lw, dev_layer *out,
+                          di_tensor *tmp) {
+    const di_model *m = d->m;
+    const di_hparams *hp = &m->hp;
+    const int32_t nc = hp->hc_mult, D = hp->n_embd;
+    di_status st = DI_OK;
+    out->ratio = lw->ratio;
+    out->kv_source = lw->kv_source;
+    out->index_source = lw->index_source;
+    out->src = lw->ratio > 0 ? source_of(hp, lw->il) : -1;
+    out->engram = lw->engram;
+    if (lw->hash_routed) {
+        DI_LOG_ERROR("dev forward (V4.1): layer %d is hash-routed (V4.1 has no hash layers)",
+                     lw->il);
+        return DI_ERR_UNSUPPORTED;
+    }
+    DI_TRY(up_floats(d, lw->attn_norm, D, &out->attn_norm));
+    DI_TRY(up_floats(d, lw->ffn_norm, D, &out->ffn_norm));
+    DI_TRY(up_hc(d, &lw->hc_attn, (2 + nc) * nc, &out->hc_attn));
+    DI_TRY(up_hc(d, &lw->hc_ffn, (2 + nc) * nc, &out->hc_ffn));
+    DI_TRY(up_weight(d, &lw->wq_a, &out->wq_a));
+    DI_TRY(up_weight(d, &lw->wq_b, &out->wq_b));
+    DI_TRY(up_weight(d, &lw->wkv, &out->wkv));
+    DI_TRY(up_weight(d, &lw->wo_a, &out->wo_a));
+    DI_TRY(up_weight(d, &lw->wo_b, &out->wo_b));
+    DI_TRY(up_floats(d, lw->q_norm, hp->q_lora_rank, &out->q_norm));
+    DI_TRY(up_floats(d, lw->kv_norm, hp->head_dim, &out->kv_norm));
+    DI_TRY(up_floats(d, lw->attn_sink, hp->n_head, &out->attn_sink));
+    if (lw->kv_source) {
+        DI_TRY(up_weight(d, &lw->cmp.wkv, &out->cmp_wkv));
+        if (lw->ratio == 2) DI_TRY(up_weight(d, &lw->cmp.wgate, &out->cmp_wgate));
+        DI_TRY(up_floats(d, lw->cmp.norm, hp->head_dim, &out->cmp_norm));
+        DI_TRY(up_weight(d, &lw->idx_wk, &out->idx_wk));
+        DI_TRY(up_floats(d, lw->idx_k_norm, hp->index_head_dim, &out->idx_k_norm));
+    }
+    if (lw->index_source) {
+        DI_TRY(up_weight(d, &lw->idx_wq_b, &out->idx_wq_b));
+        DI_TRY(up_weight(d, &lw->idx_weights_proj, &out->idx_weights_proj));
+    }
+    if (lw->engram >= 0) {
+        if (lw->eg_table.ne[1] > INT32_MAX) {
+            DI_LOG_ERROR("dev forward (V4.1): layer %d: an Engram table of %lld rows (ids are "
+                         "32-bit on the device)",
+                         lw->il, (long long)lw->eg_table.ne[1]);
+            return DI_ERR_UNSUPPORTED;
+        }
+        DI_TRY(up_weight(d, &lw->eg_table, &out->eg_table));
+        DI_TRY(up_weight(d, &lw->eg_wkv, &out->eg_wkv));
+        DI_TRY(up_floats(d, lw->eg_qk, (int64_t)nc * D, &out->eg_qk));
+    }
+    // MoE: dsv4_moe.c's fields and V4.1's rules (gate_temp, the + 1e-20 in both recipes, A8 in
+    // blocks of 32).
+    DI_TRY(di_dev_up_moe(&d->up, m, lw, tmp, &out->moe));
+    return DI_OK;
+fail:
+    DI_LOG_ERROR("dev forward (V4.1): layer %d not uploaded (%s)", lw->il, di_status_str(st));
+    return st;
+}
+
+di_status di_dsv41_dev_create(di_model *m, di_backend *b, di_dsv41_dev **out) {
+    const di_hparams *hp = &m->hp;
+    if (!hp->v41 || !m->v41) {
+        DI_LOG_ERROR("dev forward (V4.1): not a DeepSeek V4.1 model (dsv4_dev.h runs V4)");
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (hp->n_engram > 0 && !m->v41->cmap) {
+        DI_LOG_ERROR("dev forward (V4.1): the model has no Engram compressed token map");
+        return DI_ERR_INVALID;
+    }
+    if (m->opt.precision != DI_PRECISION_FP32 && m->opt.precision != DI_PRECISION_OFFICIAL) {
+        DI_LOG_ERROR("dev forward (V4.1): unknown precision recipe %d", (int)m->opt.precision);
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (hp->hc_mult > 16 || hp->hc_mult < 1) {
+        DI_LOG_ERROR("dev forward (V4.1): %d mHC streams (at most 16)", hp->hc_mult);
+        return DI_ERR_UNSUPPORTED;
+    }
+    di_status st = DI_OK;
+    di_tensor *tmp = NULL;
+    di_dsv41_dev *d = di_calloc(1, sizeof *d);
+    if (!d) return DI_ERR_NOMEM;
+    d->m = m;
+    d->b = b;
+    d->up = (di_dev_up){.b = b, .who = "dev forward (V4.1)"};
+    d->official = m->opt.precision == DI_PRECISION_OFFICIAL;
+    d->layers = di_calloc((size_t)hp->n_layer, sizeof *d->layers);
+    int32_t max_e = 1;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (m->layers[il].n_expert > max_e) max_e = m->layers[il].n_expert;
+    tmp = di_calloc((size_t)max_e, sizeof *tmp);
+    if (!d->layers || !tmp) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    const int half = hp->rope_main.n_dims / 2;
+    DI_TRY(up_weight(d, &m->embed, &d->embed));
+    DI_TRY(up_weight(d, &m->head, &d->head));
+    DI_TRY(up_floats(d, m->norm, hp->n_embd, &d->norm));
+    DI_TRY(up_floats(d, m->omega_main, half, &d->omega_main));
+    DI_TRY(up_floats(d, m->omega_compress, half, &d->omega_compress));
+    for (int il = 0; il < hp->n_layer; il++)
+        DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
+    DI_TRY(b->vt->sync(b)); // the host arrays of the uploads may be reused after this
+    di_free(tmp);
+    *out = d;
+    return DI_OK;
+fail:
+    di_free(tmp);
+    di_dsv41_dev_destroy(d);
+    return st;
+}
+
+void di_dsv41_dev_destroy(di_dsv41_dev *d) {
+    if (!d) return;
+    di_dev_up_free(&d->up);
+    di_free(d->layers);
+    di_free(d);
+}
+
+di_status di_dsv41_dev_attach(di_model *m, di_backend *b) {
+    if (m->dev41) {
+        DI_LOG_ERROR("dev forward (V4.1): the model already has one attached");
+        return DI_ERR_INVALID;
+    }
+    di_dsv41_dev *d = NULL;
+    di_status st = di_dsv41_dev_create(m, b, &d);
+    if (st != DI_OK) return st;
+    m->dev41 = d;
+    DI_LOG_INFO("device-resident V4.1 forward on %s: sessions without DSpark run every layer, "
+                "their KV and compressor state there; DSpark sessions and the serving engine keep "
+                "the CPU forward%s",
+                b->desc, m->accel_matmul ? " with its matmuls offloaded" : "");
+    return DI_OK;
+}
+
+static int64_t gcd64(int64_t a, int64_t b) {
+    while (b) {
+        int64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+int32_t di_dsv41_dev_block_tokens(const di_dsv41_dev *d) {
+    const di_hparams *hp = &d->m->hp;
+    int64_t l = 1;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->compress_ratio[il] > 0)
+            l = l / gcd64(l, hp->compress_ratio[il]) * hp->compress_ratio[il];
+    int64_t bt = l;
+    while (bt < hp->window) bt += l;
+    return (int32_t)bt;
+}
+
+// ---- state ----
+
+// A kv source's device state.
+typedef struct dev_src {
+    int32_t il, m, per_page; // layer, ratio, entries per block
+    int64_t ent_row0;        // its first entry row in the pool
+    float *ikeys;            // backend [n_blocks * per_page, DI]
+    float *ring_c, *ring_z;  // backend [n_slots * 2, Dh] (m = 2), else NULL
+    int32_t cap_vis;         // the most entries a slot can have: n_ctx / m
+} dev_src;
+
+typedef struct dev_graph {
+    void *g;       // backend graph (NULL: not captured)
+    int32_t n_run; // steps of this size run so far
+    int64_t n_ops; // ops it captured (stats.last_ops of a launch)
+} dev_graph;
+
+struct di_dsv41_dev_state {
+    di_dsv41_dev *d; // borrowed
+    int32_t n_slots, n_ctx, max_rows, block_tokens, max_blocks, n_eblocks;
+    bool shared;        // blocks listed per call
+    int64_t layer_rows; // rows of one layer's pool region: max_rows + n_slots * W
+    int32_t key_stride; // W + index_topk
+    int32_t score_stride;
+    dev_src *src;       // owned [n_layer]: by layer (only kv sources used)
+    int32_t *n_past;    // owned [n_slots] host
+    int32_t *hist;      // owned [n_slots, n_ctx] host: compressed ids (Engram look-back)
+    uint8_t *used;      // owned [n_slots] scratch of the checks
+    int32_t *blk_owner; // owned [n_eblocks] scratch of the checks
+    // Backend memory (tracked).
+    void **blocks;
+    int32_t n_mem, cap_mem;
+    float *pool; // [n_layer * layer_rows + entries, Dh]
+    float *x, *a, *out, *mix, *pre, *pre_attn, *post, *comb, *one_hot;
+    float *qr, *q, *o, *u, *cc, *cz, *lat, *ik, *iq, *iw, *scores, *aq;
+    float *blk; // [max_rows, score_stride / candidate_block_size + 1]: index_cand's block scores
+    float *eg_in, *eg_kv, *hx, *hpre, *h, *logits;
+    int32_t *sel, *cand, *n_cand;
+    int32_t *stage_dev; // backend staging (the call's lists)
+    int32_t *stage;     // host staging (backend host_alloc)
+    size_t stage_cap;   // int32 words of both
+    int64_t aq_floats;  // of aq
+    // Graphs: one per decode size 1..min(n_slots, HEAD_CHUNK).
+    dev_graph *graphs; // owned [HEAD_CHUNK + 1]
+    bool graphs_on;
+    di_dsv41_dev_graph_stats stats;
+};
+
+static di_status st_alloc(di_dsv41_dev_state *s, size_t bytes, void **out) {
+    di_backend *b = s->d->b;
+    if (s->n_mem == s->cap_mem) {
+        int32_t cap = s->cap_mem ? 2 * s->cap_mem : 64;
+        void **q = di_realloc(s->blocks, sizeof(void *) * (size_t)cap);
+        if (!q) return DI_ERR_NOMEM;
+        s->blocks = q;
+        s->cap_mem = cap;
+    }
+    void *p = NULL;
+    di_status st = b->vt->alloc(b, bytes ? bytes : 1, &p);
+    if (st != DI_OK) return st;
+    s->blocks[s->n_mem++] = p;
+    *out = p;
+    return DI_OK;
+}
+
+static di_status st_floats(di_dsv41_dev_state *s, int64_t n, float **out) {
+    void *p = NULL;
+    di_status st = st_alloc(s, sizeof(float) * (size_t)(n > 0 ? n : 1), &p);
+    if (st == DI_OK) *out = p;
+    return st;
+}
+
+static di_status st_ints(di_dsv41_dev_state *s, int64_t n, int32_t **out) {
+    void *p = NULL;
+    di_status st = st_alloc(s, sizeof(int32_t) * (size_t)(n > 0 ? n : 1), &p);
+    if (st == DI_OK) *out = p;
+    return st;
+}
+
+void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s) {
+    if (!s) return;
+    di_backend *b = s->d->b;
+    if (s->graphs)
+        for (int i = 0; i <= HEAD_CHUNK; i++) b->vt->graph_destroy(b, s->graphs[i].g);
+    for (int32_t i = 0; i < s->n_mem; i++) b->vt->free(b, s->blocks[i]);
+    if (s->stage) b->vt->host_free(b, s->stage);
+    di_free(s->blocks);
+    di_free(s->graphs);
+    di_free(s->src);
+    di_free(s->n_past);
+    di_free(s->hist);
+    di_free(s->used);
+    di_free(s->blk_owner);
+    di_free(s);
+}
+
+// Int32 words of the staging of a call of up to R rows over up to S sequences (the layout of
+// stage_layout, at its largest).
+static size_t stage_words(const di_dsv41_dev_state *s, int64_t R, int64_t S) {
+    const di_hparams *hp = &s->d->m->hp;
+    int64_t n = 8 * R + R * s->key_stride + S * s->max_blocks + (int64_t)hp->n_layer * R;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il]) n += 7 * R;
+    n += (int64_t)hp->n_engram * R * (int64_t)s->d->m->v41->hash.n_col;
+    return (size_t)n + 64;
+}
+
+di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_ctx,
+                                    int32_t max_rows, int32_t n_blocks, int32_t block_tokens,
+                                    di_dsv41_dev_state **out) {
+    const di_model *m = d->m;
+    const di_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd, nc = hp->hc_mult, Dh = hp->head_dim, H = hp->n_head;
+    const int64_t DI = hp->index_head_dim, HI = hp->n_index_head, W = hp->window;
+    if (block_tokens == 0) block_tokens = di_dsv41_dev_block_tokens(d);
+    bool ok = n_slots >= 1 && n_ctx >= 1 && max_rows >= 1 && n_blocks >= 0 && block_tokens >= 1;
+    for (int il = 0; ok && il < hp->n_layer; il++)
+        if (hp->compress_ratio[il] > 0 && block_tokens % hp->compress_ratio[il] != 0) ok = false;
+    const int32_t max_blocks = ok ? (n_ctx + block_tokens - 1) / block_tokens : 0;
+    const int64_t n_eb = n_blocks > 0 ? n_blocks : (int64_t)n_slots * max_blocks;
+    const int64_t layer_rows = (int64_t)max_rows + (int64_t)n_slots * W;
+    int64_t pool_rows = (int64_t)hp->n_layer * layer_rows;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il]) pool_rows += n_eb * (block_tokens / hp->compress_ratio[il]);
+    if (!ok || pool_rows > INT32_MAX || n_eb > INT32_MAX) {
+        DI_LOG_ERROR("dev forward (V4.1): bad state (%d slots, n_ctx %d, %d rows, %d blocks of "
+                     "%d positions)",
+                     n_slots, n_ctx, max_rows, n_blocks, block_tokens);
+        return DI_ERR_INVALID;
+    }
+    di_dsv41_dev_state *s = di_calloc(1, sizeof *s);
+    if (!s) return DI_ERR_NOMEM;
+    s->d = d;
+    s->n_slots = n_slots;
+    s->n_ctx = n_ctx;
+    s->max_rows = max_rows;
+    s->block_tokens = block_tokens;
+    s->max_blocks = max_blocks;
+    s->n_eblocks = (int32_t)n_eb;
+    s->shared = n_blocks > 0;
+    s->layer_rows = layer_rows;
+    s->key_stride = (int32_t)W + hp->index_topk;
+    di_status st = DI_OK;
+    s->src = di_calloc((size_t)hp->n_layer, sizeof *s->src);
+    s->n_past = di_calloc((size_t)n_slots, sizeof *s->n_past);
+    s->hist = di_calloc((size_t)n_slots * (size_t)n_ctx, sizeof *s->hist);
+    s->used = di_calloc((size_t)n_slots, 1);
+    s->blk_owner = di_calloc((size_t)n_eb, sizeof *s->blk_owner);
+    s->graphs = di_calloc(HEAD_CHUNK + 1, sizeof *s->graphs);
+    if (!s->src || !s->n_past || !s->hist || !s->used || !s->blk_owner || !s->graphs) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    const char *env = getenv("DI_DEV_GRAPHS");
+    s->graphs_on = !(env && strcmp(env, "0") == 0);
+    const int64_t R = max_rows;
+    DI_TRY(st_floats(s, pool_rows * Dh, &s->pool));
+    int64_t row0 = (int64_t)hp->n_layer * layer_rows;
+    int32_t max_vis = 1;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        dev_src *k = &s->src[il];
+        k->il = il;
+        k->m = hp->compress_ratio[il];
+        k->per_page = block_tokens / k->m;
+        k->ent_row0 = row0;
+        k->cap_vis = n_ctx / k->m;
+        if (k->cap_vis > max_vis) max_vis = k->cap_vis;
+        row0 += n_eb * k->per_page;
+        DI_TRY(st_floats(s, n_eb * k->per_page * DI, &k->ikeys));
+        if (k->m == 2) {
+            DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_c));
+            DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_z));
+        }
+    }
+    s->score_stride = max_vis;
+    const int64_t n_mix = (2 + nc) * nc, n_col = m->v41->hash.n_col;
+    const int64_t n_egin = n_col * hp->engram_head_dim, n_egkv = (nc + 1) * D;
+    int64_t widest = D > Dh ? D : Dh;
+    if (hp->q_lora_rank > widest) widest = hp->q_lora_rank;
+    if (H * Dh > widest) widest = H * Dh;
+    if ((int64_t)hp->o_groups * hp->o_lora_rank > widest)
+        widest = (int64_t)hp->o_groups * hp->o_lora_rank;
+    if (hp->n_engram > 0 && n_egin > widest) widest = n_egin;
+    s->aq_floats = R * widest;
+    DI_TRY(st_floats(s, R * nc * D, &s->x));
+    DI_TRY(st_floats(s, R * D, &s->a));
+    DI_TRY(st_floats(s, R * D, &s->out));
+    DI_TRY(st_floats(s, R * n_mix, &s->mix));
+    DI_TRY(st_floats(s, R * nc, &s->pre));
+    DI_TRY(st_floats(s, R * nc, &s->pre_attn));
+    DI_TRY(st_floats(s, R * nc, &s->post));
+    DI_TRY(st_floats(s, R * nc * nc, &s->comb));
+    DI_TRY(st_floats(s, R * nc, &s->one_hot));
+    DI_TRY(st_floats(s, R * hp->q_lora_rank, &s->qr));
+    DI_TRY(st_floats(s, R * H * Dh, &s->q));
+    DI_TRY(st_floats(s, R * H * Dh, &s->o));
+    DI_TRY(st_floats(s, R * hp->o_groups * hp->o_lora_rank, &s->u));
+    DI_TRY(st_floats(s, R * Dh, &s->cc));
+    DI_TRY(st_floats(s, R * Dh, &s->cz));
+    DI_TRY(st_floats(s, R * Dh, &s->lat));
+    DI_TRY(st_floats(s, R * DI, &s->ik));
+    DI_TRY(st_floats(s, R * HI * DI, &s->iq));
+    DI_TRY(st_floats(s, R * HI, &s->iw));
+    DI_TRY(st_floats(s, R * s->score_stride, &s->scores));
+    DI_TRY(st_floats(
+        s,
+        R * (s->score_stride / (hp->candidate_block_size > 0 ? hp->candidate_block_size : 1) + 1),
+        &s->blk));
+    DI_TRY(st_floats(s, s->aq_floats, &s->aq));
+    DI_TRY(st_ints(s, R * hp->index_topk, &s->sel));
+    DI_TRY(
+        st_ints(s, R * (hp->candidate_topk_blocks > 0 ? hp->candidate_topk_blocks : 1), &s->cand));
+    DI_TRY(st_ints(s, R, &s->n_cand));
+    if (hp->n_engram > 0) {
+        DI_TRY(st_floats(s, R * n_egin, &s->eg_in));
+        DI_TRY(st_floats(s, R * n_egkv, &s->eg_kv));
+    }
+    const int64_t HR = R < HEAD_CHUNK ? R : HEAD_CHUNK;
+    DI_TRY(st_floats(s, HR * nc * D, &s->hx));
+    DI_TRY(st_floats(s, HR * nc, &s->hpre));
+    DI_TRY(st_floats(s, HR * D, &s->h));
+    DI_TRY(st_floats(s, HR * hp->n_vocab, &s->logits));
+    s->stage_cap = stage_words(s, R, n_slots < R ? n_slots : R);
+    DI_TRY(st_ints(s, (int64_t)s->stage_cap, &s->stage_dev));
+    DI_TRY(d->b->vt->host_alloc(d->b, sizeof(int32_t) * s->stage_cap, (void **)&s->stage));
+    {
+        // pre = one-hot(stream 0) at the start of every call: a constant copied in.
+        float *oh = di_calloc((size_t)(R * nc), sizeof(float));
+        if (!oh) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
+        for (int64_t t = 0; t < R; t++) oh[t * nc] = 1.0f;
+        st = d->b->vt->upload(d->b, s->one_hot, oh, sizeof(float) * (size_t)(R * nc));
+        di_free(oh);
+        if (st != DI_OK) goto fail;
+    }
+    // Rings and entries start as zeros (never read before written; zeros keep them finite).
+    DI_TRY(d->b->vt->memset(d->b, s->pool, 0, sizeof(float) * (size_t)(pool_rows * Dh)));
+    *out = s;
+    return DI_OK;
+fail:
+    di_dsv41_dev_state_destroy(s);
+    return st;
+}
+
+di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
+                             int64_t *slot_bytes) {
+    const di_hparams *hp = &d->m->hp;
+    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
+    bool ok = block_tokens >= 1;
+    int64_t blk = 0, slot = (int64_t)hp->n_layer * hp->window * Dh;
+    for (int il = 0; ok && il < hp->n_layer; il++) {
+        const int32_t m = hp->compress_ratio[il];
+        if (m > 0 && block_tokens % m != 0) ok = false;
+        if (!ok || !hp->kv_source[il]) continue;
+        blk += (int64_t)(block_tokens / m) * (Dh + DI);
+        if (m == 2) slot += 2 * 2 * Dh; // C and Z rings of 2 rows
+    }
+    if (!ok) {
+        DI_LOG_ERROR("dev forward (V4.1): blocks of %d positions (a multiple of every ratio)",
+                     block_tokens);
+        return DI_ERR_INVALID;
+    }
+    *block_bytes = blk * (int64_t)sizeof(float);
+    *slot_bytes = slot * (int64_t)sizeof(float);
+    return DI_OK;
+}
+
+int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s) {
+    return s->n_eblocks;
+}
+
+// Copies block `block` between the state and host bytes in di_dsv41_dev_sizes' layout: into dst
+// (read), or from src (write) when dst is NULL.
+static di_status block_io(const di_dsv41_dev_state *s, int32_t block, uint8_t *dst,
+                          const uint8_t *src) {
+    const di_hparams *hp = &s->d->m->hp;
+    di_backend *b = s->d->b;
+    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
+    if (block < 0 || block >= s->n_eblocks) {
+        DI_LOG_ERROR("dev forward (V4.1): no entry block %d (the state has %d)", block,
+                     s->n_eblocks);
+        return DI_ERR_INVALID;
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        const dev_src *k = &s->src[il];
+        const int64_t E = k->per_page;
+        float *ent = s->pool + (k->ent_row0 + (int64_t)block * E) * Dh;
+        float *key = k->ikeys + (int64_t)block * E * DI;
+        const size_t ne = sizeof(float) * (size_t)(E * Dh), nk = sizeof(float) * (size_t)(E * DI);
+        di_status st = dst ? b->vt->download(b, dst, ent, ne) : b->vt->upload(b, ent, src, ne);
+        if (st == DI_OK)
+            st = dst ? b->vt->download(b, dst + ne, key, nk) : b->vt->upload(b, key, src + ne, nk);
+        if (st != DI_OK) return st;
+        if (dst)
+            dst += ne + nk;
+        else
+            src += ne + nk;
+    }
+    return DI_OK;
+}
+
+di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst) {
+    return block_io(s, block, dst, NULL);
+}
+
+di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, const void *src) {
+    return block_io(s, block, NULL, src);
+}
+
+size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d) {
+    const di_hparams *hp = &d->m->hp;
+    return 16 + sizeof(float) * (size_t)hp->n_layer * (size_t)hp->window * (size_t)hp->head_dim;
+}
+
+// Whether pos is a multiple of every compress ratio (no ratio-2 group open).
+static bool tail_pos_ok(const di_hparams *hp, int32_t pos) {
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->compress_ratio[il] > 0 && pos % hp->compress_ratio[il] != 0) return false;
+    return true;
+}
+
+// The slot's window ring of layer il in the pool.
+static float *ring_of(const di_dsv41_dev_state *s, int il, int32_t slot) {
+    const di_hparams *hp = &s->d->m->hp;
+    return s->pool +
+           ((int64_t)il * s->layer_rows + s->max_rows + (int64_t)slot * hp->window) * hp->head_dim;
+}
+
+di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst) {
+    const di_hparams *hp = &s->d->m->hp;
+    di_backend *b = s->d->b;
+    if (slot < 0 || slot >= s->n_slots || s->n_past[slot] < 0 ||
+        !tail_pos_ok(hp, s->n_past[slot])) {
+        DI_LOG_ERROR("dev forward (V4.1): no tail snapshot of slot %d (at %d: a multiple of every "
+                     "ratio)",
+                     slot, slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1);
+        return DI_ERR_INVALID;
+    }
+    const int32_t head[4] = {s->n_past[slot], hp->n_layer, hp->window, hp->head_dim};
+    memcpy(dst, head, sizeof head);
+    const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
+    uint8_t *out = (uint8_t *)dst + sizeof head;
+    for (int il = 0; il < hp->n_layer; il++, out += ring) {
+        di_status st = b->vt->download(b, out, ring_of(s, il, slot), ring);
+        if (st != DI_OK) return st;
+    }
+    return DI_OK;
+}
+
+di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t pos,
+                                    const void *src, const int32_t *tokens) {
+    const di_dsv41_dev *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    di_backend *b = d->b;
+    int32_t head[4];
+    memcpy(head, src, sizeof head);
+    const bool ok = slot >= 0 && slot < s->n_slots && pos >= 0 && pos <= s->n_ctx &&
+                    tail_pos_ok(hp, pos) && head[0] == pos && head[1] == hp->n_layer &&
+                    head[2] == hp->window && head[3] == hp->head_dim &&
+                    (pos == 0 || hp->n_engram == 0 || tokens);
+    if (ok)
+        for (int32_t p = 0; p < pos && hp->n_engram > 0; p++)
+            if (tokens[p] < 0 || tokens[p] >= hp->n_vocab) {
+                DI_LOG_ERROR("dev forward (V4.1): tail restore: token %d at %d", tokens[p], p);
+                return DI_ERR_INVALID;
+            }
+    if (!ok) {
+        DI_LOG_ERROR("dev forward (V4.1): tail restore into slot %d at %d: not a snapshot of this "
+                     "model there",
+                     slot, pos);
+        return DI_ERR_INVALID;
+    }
+    s->n_past[slot] = -1; // until the copies are enqueued
+    const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
+    const uint8_t *in = (const uint8_t *)src + sizeof head;
+    for (int il = 0; il < hp->n_layer; il++, in += ring) {
+        di_status st = b->vt->upload(b, ring_of(s, il, slot), in, ring);
+        if (st != DI_OK) return st;
+    }
+    int32_t *hist = s->hist + (int64_t)slot * s->n_ctx;
+    for (int32_t p = 0; p < pos && hp->n_engram > 0; p++) hist[p] = d->m->v41->cmap[tokens[p]];
+    s->n_past[slot] = pos;
+    return DI_OK;
+}
+
+int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot) {
+    return slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1;
+}
+
+void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out) {
+    *out = s->stats;
+}
+
+// ---- per-call metadata ----
+
+// The call: its sequences and rows, and where its lists are in the staging (offsets in int32
+// words, the same on the host and the backend; functions of the call's shape only).
+typedef struct src_meta {
+    int32_t n_pool; // groups the shape can close (padded; m = 1: every row)
+    int64_t n_vis, epos, edst, esrc, rdst, rsrc; // offsets
+    int32_t n_rd;                                // ring rows written (m = 2)
+} src_meta;
+
+typedef struct call {
+    di_dsv41_dev_state *s;
+    const di_dsv41_dev_seq *seqs;
+    int32_t n_seq, T;
+    int64_t tokens, pos, nk_win, nk_all, nwin, page_off, keys, win_dst, win_src, pages;
+    int32_t n_wd;                  // window ring rows written
+    int64_t ebase[DI_MAX_LAYERS];  // per compressing layer: each row's entry base (pool rows)
+    int64_t eg_ids[DI_MAX_ENGRAM]; // per Engram module: [T * n_col] row ids
+    src_meta sm[DI_MAX_LAYERS];
+    size_t n_words;
+} call;
+
+// The staging offsets of a call (every size a function of T, n_seq and the sequences' n_tok).
+static void stage_layout(call *c) {
+    const di_dsv41_dev_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t T = c->T, W = hp->window;
+    size_t o = 0;
+#define TAKE(field, n)                                                                             \
+    do {                                                                                           \
+        c->field = (int64_t)o;                                                                     \
+        o += (size_t)(n);                                                                          \
+    } while (0)
+    TAKE(tokens, T);
+    TAKE(pos, T);
+    TAKE(nk_win, T);
+    TAKE(nk_all, T);
+    TAKE(nwin, T);
+    TAKE(page_off, T);
+    TAKE(keys, T * s->key_stride);
+    c->n_wd = 0;
+    for (int32_t i = 0; i < c->n_seq; i++)
+        c->n_wd += c->seqs[i].n_tok < W ? c->seqs[i].n_tok : (int32_t)W;
+    TAKE(win_dst, c->n_wd);
+    TAKE(win_src, c->n_wd);
+    TAKE(pages, (int64_t)c->n_seq * s->max_blocks);
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (hp->compress_ratio[il] > 0) TAKE(ebase[il], T);
+        if (!hp->kv_source[il]) continue;
+        src_meta *k = &c->sm[il];
+        const int32_t mm = hp->compress_ratio[il];
+        k->n_pool = 0;
+        k->n_rd = 0;
+        for (int32_t i = 0; i < c->n_seq; i++) {
+            k->n_pool += (c->seqs[i].n_tok + mm - 1) / mm;
+            k->n_rd += c->seqs[i].n_tok < 2 ? c->seqs[i].n_tok : 2;
+        }
+        TAKE(sm[il].n_vis, T);
+        TAKE(sm[il].epos, k->n_pool);
+        TAKE(sm[il].edst, k->n_pool);
+        if (mm == 2) {
+            TAKE(sm[il].esrc, 2 * (int64_t)k->n_pool);
+            TAKE(sm[il].rdst, k->n_rd);
+            TAKE(sm[il].rsrc, k->n_rd);
+        }
+    }
+    const int64_t n_col = s->d->m->v41->hash.n_col;
+    for (int L = 0; L < hp->n_engram; L++) TAKE(eg_ids[L], T * n_col);
+#undef TAKE
+    c->n_words = o;
+}
+
+// Entry block of position-block j of sequence i.
+static int32_t block_of(const call *c, int32_t i, int64_t j) {
+    const di_dsv41_dev_seq *sq = &c->seqs[i];
+    return c->s->shared ? sq->blocks[j] : sq->slot * c->s->max_blocks + (int32_t)j;
+}
+
+// Fills the host staging of the call (layout done) and advances the slots' Engram histories.
+static void stage_fill(call *c, const int32_t *tokens) {
+    di_dsv41_dev_state *s = c->s;
+    const di_model *m = s->d->m;
+    const di_hparams *hp = &m->hp;
+    const int64_t W = hp->window, bt = s->block_tokens;
+    int32_t *g = s->stage;
+    int32_t r = 0, wd = 0;
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        const di_dsv41_dev_seq *sq = &c->seqs[i];
+        const int64_t p0 = sq->pos, ring0 = (int64_t)s->max_rows + (int64_t)sq->slot * W;
+        const int32_t r0 = r;
+        for (int64_t j = 0; j < s->max_blocks; j++)
+            g[c->pages + (int64_t)i * s->max_blocks + j] =
+                j < (p0 + sq->n_tok + bt - 1) / bt ? block_of(c, i, j) : -1;
+        for (int32_t t = 0; t < sq->n_tok; t++, r++) {
+            const int64_t P = p0 + t;
+            g[c->tokens + r] = tokens[r];
+            g[c->pos + r] = (int32_t)P;
+            const int64_t w_lo = P - W + 1 > 0 ? P - W + 1 : 0;
+            const int32_t n_win = (int32_t)(P - w_lo + 1);
+            g[c->nk_win + r] = n_win;
+            g[c->nk_all + r] = n_win + hp->index_topk;
+            g[c->nwin + r] = n_win;
+            g[c->page_off + r] = i * s->max_blocks;
+            int32_t *kl = g + c->keys + (int64_t)r * s->key_stride;
+            for (int64_t q = w_lo; q <= P; q++)
+                kl[q - w_lo] = q < p0 ? (int32_t)(ring0 + q % W) : (int32_t)(r0 + q - p0);
+        }
+        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++, wd++) {
+            g[c->win_dst + wd] = (int32_t)(ring0 + (p0 + t) % W);
+            g[c->win_src + wd] = r0 + t;
+        }
+        // Engram: the slot's compressed ids (a replay's start: of its prefix too), then the row
+        // ids of every module.
+        int32_t *hist = s->hist + (int64_t)sq->slot * s->n_ctx;
+        if (hp->n_engram > 0 && sq->win_lo > 0 && p0 == sq->win_lo)
+            for (int64_t p = 0; p < p0; p++) hist[p] = m->v41->cmap[sq->prefix[p]];
+        for (int32_t t = 0; t < sq->n_tok && hp->n_engram > 0; t++)
+            hist[p0 + t] = m->v41->cmap[tokens[r0 + t]];
+        const di_engram_hash *h = &m->v41->hash;
+        for (int32_t t = 0; t < sq->n_tok && hp->n_engram > 0; t++) {
+            int32_t look[8];
+            const int64_t P = p0 + t;
+            for (int k = 0; k < h->max_ngram; k++)
+                look[k] = P - k >= 0 ? hist[P - k] : DI_ENGRAM_DEAD;
+            for (int L = 0; L < hp->n_engram; L++) {
+                int64_t rows[DI_ENGRAM_MAX_COLS];
+                di_engram_hash_rows(h, L, look, m->v41->pad_c, rows);
+                for (int j = 0; j < h->n_col; j++)
+                    g[c->eg_ids[L] + (int64_t)(r0 + t) * h->n_col + j] = (int32_t)rows[j];
+            }
+        }
+    }
+    // Compressing layers: each row's entry base relative to the layer's pool region.
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (hp->compress_ratio[il] <= 0) continue;
+        const int src = s->d->layers[il].src;
+        const int64_t base = s->src[src].ent_row0 - (int64_t)il * s->layer_rows;
+        for (int32_t t = 0; t < c->T; t++) g[c->ebase[il] + t] = (int32_t)base;
+    }
+    // kv sources: visible entries per row; the groups closing (padded to the shape's bound).
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!hp->kv_source[il]) continue;
+        const dev_src *k = &s->src[il];
+        const src_meta *km = &c->sm[il];
+        const int32_t mm = k->m;
+        int32_t n = 0, rd = 0;
+        r = 0;
+        for (int32_t i = 0; i < c->n_seq; i++) {
+            const di_dsv41_dev_seq *sq = &c->seqs[i];
+            const int64_t p0 = sq->pos;
+            const int32_t r0 = r;
+            int32_t n_i = 0;
+            for (int32_t t = 0; t < sq->n_tok; t++, r++) {
+                const int64_t P = p0 + t;
+                g[km->n_vis + r] = (int32_t)((P + 1) / mm);
+                if ((P + 1) % mm != 0) continue;
+                const int64_t w = P / mm;
+                g[km->epos + n] = (int32_t)(w * mm);
+                // A cached entry (a replay on another sequence's blocks) is left as it is.
+                g[km->edst + n] = w < sq->n_cached / mm
+                                      ? -1
+                                      : block_of(c, i, w / k->per_page) * k->per_page +
+                                            (int32_t)(w % k->per_page);
+                if (mm == 2) {
+                    const int64_t q = P - 1; // the group's even position
+                    g[km->esrc + 2 * n] =
+                        q >= p0 ? (int32_t)(r0 + q - p0) : -(sq->slot * 2 + (int32_t)(q % 2)) - 1;
+                    g[km->esrc + 2 * n + 1] = r;
+                }
+                n++, n_i++;
+            }
+            for (; n_i < (sq->n_tok + mm - 1) / mm; n_i++, n++) { // padding
+                g[km->epos + n] = 0;
+                g[km->edst + n] = -1;
+                if (mm == 2) g[km->esrc + 2 * n] = g[km->esrc + 2 * n + 1] = DI_BACKEND_NO_ROW;
+            }
+            for (int32_t t = sq->n_tok > 2 ? sq->n_tok - 2 : 0; t < sq->n_tok && mm == 2;
+                 t++, rd++) {
+                g[km->rdst + rd] = sq->slot * 2 + (int32_t)((p0 + t) % 2);
+                g[km->rsrc + rd] = r0 + t;
+            }
+        }
+    }
+}
+
+// ---- the layer ----
+
+#define B (c->s->d->b)
+#define D32(off) (c->s->stage_dev + (off))
+// An op enqueued on the backend.
+#define OP(name, ...)                                                                              \
+    do {                                                                                           \
+        c->s->stats.last_ops++;                                                                    \
+        DI_TRY(B->vt->name(B, __VA_ARGS__));                                                       \
+    } while (0)
+// A rounding point of the official recipe (model/dsv4.c di_dsv4_round); nothing in FP32.
+#define ROUND(x_, n_)                                                                              \
+    do {                                                                                           \
+        if (c->s->d->official) OP(round_bf16, (x_), (int64_t)(n_));                                \
+    } while (0)
+
+// y = W x for n rows (model/dsv4_attn.c di_dsv4_linear): official, FP8/FP4 weights with act_quant
+// see A8(x) (Q8 in blocks of 32, V4.1) and the output rows (contiguous: ys == W's rows) are
+// rounded to BF16.
+static di_status linear(const call *c, const di_tensor *w, const float *x, int64_t n, int64_t xs,
+                        float *y, int64_t ys, bool act_quant) {
+    di_dsv41_dev_state *s = c->s;
+    const int64_t K = w->ne[0], N = w->ne[1];
+    di_status st = DI_OK;
+    if (s->d->official && act_quant &&
+        (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)) {
+        DI_ASSERT(n * xs <= s->aq_floats);
+        OP(fake_quant, x, n, K, xs, 32, 8, s->aq);
+        x = s->aq;
+    }
+    OP(matmul, w, x, n, xs, y, ys);
+    DI_ASSERT(!s->d->official || ys == N);
+    ROUND(y, n * N);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// Index key (Q4) and entry (Q4e) of n finalised latents lat [n, Dh] (dsv41_attn.c finalise):
+// written to the source's index keys and entry rows at edst (-1: nowhere).
+static di_status finalise(const call *c, const dev_layer *lw, const dev_src *k, const src_meta *km,
+                          float *lat, int32_t n) {
+    di_dsv41_dev_state *s = c->s;
+    const di_dsv41_dev *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    const float rs = hp->rope_compress.attention_factor;
+    di_status st = DI_OK;
+    DI_TRY(linear(c, &lw->idx_wk, lat, n, Dh, s->ik, DI, false));
+    OP(rmsnorm, s->ik, n, DI, DI, lw->idx_k_norm, hp->norm_eps);
+    ROUND(s->ik, n * DI);
+    OP(rope, s->ik, n, DI, DI, n_rot, d->omega_compress, D32(km->epos), 1, rs, false);
+    ROUND(s->ik, n * DI);
+    OP(fake_quant, s->ik, n, DI, DI, DI_DSV41_KEY_BLOCK, 4, s->ik);
+    OP(scatter_rows, s->ik, n, DI, DI, k->ikeys, DI, D32(km->edst), NULL);
+    OP(rope, lat, n, Dh, Dh, n_rot, d->omega_compress, D32(km->epos), 1, rs, false);
+    ROUND(lat, n * Dh);
+    OP(fake_quant, lat, n, Dh, Dh, DI_DSV41_ENT_BLOCK, DI_BACKEND_Q4E, lat);
+    OP(scatter_rows, lat, n, Dh, Dh, s->pool + k->ent_row0 * Dh, Dh, D32(km->edst), NULL);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// The CSA2 compressor of kv source il on normed input a (dsv41_attn.c compressor).
+static di_status compressor(const call *c, int il, const float *a) {
+    di_dsv41_dev_state *s = c->s;
+    const dev_layer *lw = &s->d->layers[il];
+    const dev_src *k = &s->src[il];
+    const src_meta *km = &c->sm[il];
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t D = hp->n_embd, Dh = hp->head_dim;
+    di_status st = DI_OK;
+    if (k->m == 1) { // latent = RMSNorm(wkv a): no activation quant
+        DI_TRY(linear(c, &lw->cmp_wkv, a, c->T, D, s->cc, Dh, false));
+        OP(rmsnorm, s->cc, c->T, Dh, Dh, lw->cmp_norm, hp->norm_eps);
+        ROUND(s->cc, c->T * Dh);
+        return finalise(c, lw, k, km, s->cc, c->T);
+    }
+    // m = 2: C, Z in FP32; every closing group pooled from this call's rows and the ring.
+    OP(matmul, &lw->cmp_wkv, a, c->T, D, s->cc, Dh);
+    OP(matmul, &lw->cmp_wgate, a, c->T, D, s->cz, Dh);
+    OP(compress_pool, s->cc, s->cz, Dh, k->ring_c, k->ring_z, D32(km->esrc), km->n_pool, 2, 1,
+       (int32_t)Dh, s->lat);
+    ROUND(s->lat, km->n_pool * Dh);
+    OP(rmsnorm, s->lat, km->n_pool, Dh, Dh, lw->cmp_norm, hp->norm_eps);
+    ROUND(s->lat, km->n_pool * Dh);
+    DI_TRY(finalise(c, lw, k, km, s->lat, km->n_pool));
+    // Every sequence's last min(n_tok, 2) rows of C and Z into its ring.
+    OP(scatter_rows, s->cc, km->n_rd, Dh, Dh, k->ring_c, Dh, D32(km->rdst), D32(km->rsrc));
+    OP(scatter_rows, s->cz, km->n_rd, Dh, Dh, k->ring_z, Dh, D32(km->rdst), D32(km->rsrc));
+    return DI_OK;
+fail:
+    return st;
+}
+
+// The indexer of index source il (dsv41_attn.c indexer): scores of its kv source's keys, the
+// candidate pool (level 1 on the candidate source, level 2 after it), the top-k into s->sel.
+static di_status indexer(const call *c, int il, const float *a, bool *have_cand) {
+    di_dsv41_dev_state *s = c->s;
+    const dev_layer *lw = &s->d->layers[il];
+    const dev_src *k = &s->src[lw->src];
+    const src_meta *km = &c->sm[lw->src];
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t D = hp->n_embd, Rq = hp->q_lora_rank, HI = hp->n_index_head;
+    const int64_t DI = hp->index_head_dim, T = c->T;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    const bool official = s->d->official;
+    di_status st = DI_OK;
+    DI_TRY(linear(c, &lw->idx_wq_b, s->qr, T, Rq, s->iq, HI * DI, true));
+    OP(rope, s->iq, T * HI, DI, DI, n_rot, s->d->omega_compress, D32(c->pos), (int32_t)HI,
+       hp->rope_compress.attention_factor, false);
+    ROUND(s->iq, T * HI * DI);
+    OP(fake_quant, s->iq, T * HI, DI, DI, DI_DSV41_KEY_BLOCK, 4, s->iq); // no Hadamard
+    DI_TRY(linear(c, &lw->idx_weights_proj, a, T, D, s->iw, HI, false));
+    OP(scale, s->iw, T * HI, 1.0f / sqrtf((float)DI) / sqrtf((float)HI));
+    ROUND(s->iw, T * HI);
+    OP(index_scores, s->iq, s->iw, k->ikeys, NULL, D32(c->pages), D32(c->page_off), k->per_page,
+       D32(km->n_vis), k->cap_vis, (int32_t)T, (int32_t)HI, (int32_t)DI, official, s->scores,
+       s->score_stride);
+    const int32_t bs = hp->candidate_block_size > 0 ? hp->candidate_block_size : 1;
+    const int32_t ntb = hp->candidate_topk_blocks > 0 ? hp->candidate_topk_blocks : 1;
+    if (il == hp->candidate_layer) {
+        OP(index_cand, DI_BACKEND_CAND_BUILD, s->scores, s->score_stride, D32(km->n_vis),
+           (int32_t)T, bs, ntb, s->cand, s->n_cand, NULL, hp->index_topk, s->blk);
+        *have_cand = true;
+    } else if (*have_cand && hp->candidate_layer >= 0 && hp->candidate_layer < il) {
+        OP(index_cand, DI_BACKEND_CAND_MASK, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T,
+           bs, ntb, s->cand, s->n_cand, NULL, hp->index_topk, NULL);
+    }
+    OP(topk, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T, hp->index_topk, s->sel);
+    OP(index_cand, DI_BACKEND_CAND_DROP, s->scores, s->score_stride, D32(km->n_vis), (int32_t)T, bs,
+       ntb, NULL, NULL, s->sel, hp->index_topk, NULL);
+    return DI_OK;
+fail:
+    return st;
+}
+
+static di_status attention(const call *c, int il, const float *a, float *out, bool *have_topk,
+                           bool *have_cand) {
+    di_dsv41_dev_state *s = c->s;
+    const di_dsv41_dev *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const dev_layer *lw = &d->layers[il];
+    const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
+    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, T = c->T;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    const bool compress = lw->ratio > 0;
+    const float *omega = compress ? d->omega_compress : d->omega_main;
+    const float rscale =
+        compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
+    const int32_t *pos = D32(c->pos);
+    float *pool = s->pool + (int64_t)il * s->layer_rows * Dh; // this layer's region
+    di_status st = DI_OK;
+    // q: RMSNorm(wq_a a), wq_b, RoPE (no per-head RMS in V4.1).
+    DI_TRY(linear(c, &lw->wq_a, a, T, D, s->qr, Rq, true));
+    OP(rmsnorm, s->qr, T, Rq, Rq, lw->q_norm, hp->norm_eps);
+    ROUND(s->qr, T * Rq);
+    DI_TRY(linear(c, &lw->wq_b, s->qr, T, Rq, s->q, H * Dh, true));
+    OP(rope, s->q, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, false);
+    ROUND(s->q, T * H * Dh);
+    // The window rows straight into this call's rows of the pool: norm, RoPE, Q8 over all dims.
+    DI_TRY(linear(c, &lw->wkv, a, T, D, pool, Dh, true));
+    OP(rmsnorm, pool, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
+    ROUND(pool, T * Dh);
+    OP(rope, pool, T, Dh, Dh, n_rot, omega, pos, 1, rscale, false);
+    ROUND(pool, T * Dh);
+    OP(fake_quant, pool, T, Dh, Dh, DI_DSV41_WIN_BLOCK, 8, pool);
+    if (lw->kv_source) DI_TRY(compressor(c, il, a));
+    if (lw->index_source) {
+        DI_TRY(indexer(c, il, a, have_cand));
+        *have_topk = true;
+    }
+    const bool with_entries = compress && *have_topk;
+    if (with_entries) {
+        const dev_src *k = &s->src[lw->src];
+        OP(offset_list, s->sel, (int32_t)T, hp->index_topk, D32(c->ebase[il]), D32(c->nwin),
+           D32(c->pages), D32(c->page_off), k->per_page, D32(c->keys), s->key_stride);
+    }
+    OP(attn, s->q, pool, D32(c->keys), s->key_stride, D32(with_entries ? c->nk_all : c->nk_win),
+       s->key_stride, lw->attn_sink, (int32_t)T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh),
+       d->official, s->o);
+    ROUND(s->o, T * H * Dh);
+    OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, true);
+    ROUND(s->o, T * H * Dh);
+    // Grouped output (V4 §2.4): u_g = wo_a[g] . o_g (no activation quant), out = wo_b . u.
+    const int64_t group_in = H * Dh / G;
+    for (int64_t g = 0; g < G; g++) {
+        di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
+        OP(matmul, &wg, s->o + g * group_in, T, H * Dh, s->u + g * Ro, G * Ro);
+    }
+    ROUND(s->u, T * G * Ro);
+    DI_TRY(linear(c, &lw->wo_b, s->u, T, G * Ro, out, D, true));
+    // Each sequence's last min(n_tok, W) window rows into its ring, after every read of it.
+    OP(scatter_rows, pool, c->n_wd, Dh, Dh, pool, Dh, D32(c->win_dst), D32(c->win_src));
+    return DI_OK;
+fail:
+    return st;
+}
+
+// One mHC site (dsv41.c block): coefficients from X (pre into pre_out), the input collapsed
+// with pre_in, then the norm.
+static di_status site(const call *c, const dev_hc *hc, const float *norm, const float *pre_in,
+                      float *pre_out) {
+    di_dsv41_dev_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd, n_mix = (2 + nc) * nc;
+    di_status st = DI_OK;
+    OP(matmul, &hc->fn, s->x, c->T, nc * D, s->mix, n_mix);
+    OP(mhc_pre_carried, s->x, s->mix, hc->base, hc->scale, (int32_t)nc, D, c->T, hp->hc_iters,
+       hp->hc_eps, hp->norm_eps, pre_in, s->a, pre_out, s->post, s->comb);
+    ROUND(s->a, c->T * D);
+    OP(rmsnorm, s->a, c->T, D, D, norm, hp->norm_eps);
+    ROUND(s->a, c->T * D);
+    return DI_OK;
+fail:
+    return st;
+}
+
+static di_status engram(const call *c, int il) {
+    di_dsv41_dev_state *s = c->s;
+    const dev_layer *lw = &s->d->layers[il];
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd, n_col = s->d->m->v41->hash.n_col;
+    const int64_t n_in = n_col * hp->engram_head_dim, n_out = (nc + 1) * D;
+    di_status st = DI_OK;
+    OP(embed, &lw->eg_table, D32(c->eg_ids[lw->engram]), (int32_t)(c->T * n_col), 1, s->eg_in);
+    DI_TRY(linear(c, &lw->eg_wkv, s->eg_in, c->T, n_in, s->eg_kv, n_out, true));
+    OP(engram_gate, s->eg_kv, lw->eg_qk, (int32_t)nc, D, c->T, hp->norm_eps, s->x);
+    ROUND(s->x, c->T * nc * D);
+    return DI_OK;
+fail:
+    return st;
+}
+
+static di_status block(const call *c, int il, bool *have_topk, bool *have_cand) {
+    di_dsv41_dev_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const dev_layer *lw = &s->d->layers[il];
+    const int32_t nc = hp->hc_mult;
+    const int64_t n_x = (int64_t)c->T * nc * hp->n_embd;
+    di_status st = DI_OK;
+    if (lw->engram >= 0) DI_TRY(engram(c, il));
+    DI_TRY(site(c, &lw->hc_attn, lw->attn_norm, s->pre, s->pre_attn));
+    DI_TRY(attention(c, il, s->a, s->out, have_topk, have_cand));
+    OP(mhc_post, s->out, s->x, s->post, s->comb, nc, hp->n_embd, c->T);
+    ROUND(s->x, n_x);
+    DI_TRY(site(c, &lw->hc_ffn, lw->ffn_norm, s->pre_attn, s->pre)); // pre = F_pre
+    OP(moe, &lw->moe, s->a, D32(c->tokens), c->T, s->out);
+    OP(mhc_post, s->out, s->x, s->post, s->comb, nc, hp->n_embd, c->T);
+    ROUND(s->x, n_x);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// The layers of a call (staging uploaded).
+static di_status layers(const call *c) {
+    di_dsv41_dev_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t nc = hp->hc_mult;
+    di_status st = DI_OK;
+    OP(embed, &s->d->embed, D32(c->tokens), c->T, (int32_t)nc, s->x);
+    OP(copy, s->pre, s->one_hot, sizeof(float) * (size_t)(c->T * nc));
+    bool have_topk = false, have_cand = false;
+    for (int il = 0; il < hp->n_layer; il++) DI_TRY(block(c, il, &have_topk, &have_cand));
+    return DI_OK;
+fail:
+    return st;
+}
+
+// The head (dsv41.c head) on n <= HEAD_CHUNK rows of X listed in rows: gathered with their F_pre,
+// collapsed, normed, projected into s->logits [n, V].
+static di_status head(const call *c, const int32_t *rows, int32_t n) {
+    di_dsv41_dev_state *s = c->s;
+    const di_dsv41_dev *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd;
+    di_status st = DI_OK;
+    for (int32_t k = 0; k < n;) {
+        int32_t j = 1; // runs of consecutive rows are copied at once
+        while (k + j < n && rows[k + j] == rows[k] + j) j++;
+        OP(copy, s->hx + (int64_t)k * nc * D, s->x + (int64_t)rows[k] * nc * D,
+           sizeof(float) * (size_t)(nc * D * j));
+        OP(copy, s->hpre + (int64_t)k * nc, s->pre + (int64_t)rows[k] * nc,
+           sizeof(float) * (size_t)(nc * j));
+        k += j;
+    }
+    OP(mhc_pre_carried, s->hx, NULL, NULL, NULL, (int32_t)nc, D, n, hp->hc_iters, hp->hc_eps,
+       hp->norm_eps, s->hpre, s->h, NULL, NULL, NULL);
+    ROUND(s->h, n * D);
+    OP(rmsnorm, s->h, n, D, D, d->norm, hp->norm_eps);
+    ROUND(s->h, n * D);
+    OP(matmul, &d->head, s->h, n, D, s->logits, hp->n_vocab);
+    return DI_OK;
+fail:
+    return st;
+}
+
+#undef OP
+
+// ---- checks ----
+
+static di_status check_call(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
+                            const int32_t *tokens, const int32_t *logit_rows, int32_t n_logit_rows,
+                            const float *logits, int32_t *n_rows_out) {
+    const di_hparams *hp = &s->d->m->hp;
+    if (n_seq < 1 || !seqs || !tokens) {
+        DI_LOG_ERROR("dev forward (V4.1): need at least one sequence with tokens");
+        return DI_ERR_INVALID;
+    }
+    memset(s->used, 0, (size_t)s->n_slots);
+    int64_t n_rows = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv41_dev_seq *sq = &seqs[i];
+        if (sq->slot < 0 || sq->slot >= s->n_slots || s->used[sq->slot]) {
+            DI_LOG_ERROR("dev forward (V4.1): sequence %d: slot %d is out of range [0, %d) or "
+                         "repeated",
+                         i, sq->slot, s->n_slots);
+            return DI_ERR_INVALID;
+        }
+        s->used[sq->slot] = 1;
+        const bool start = sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo);
+        if (sq->n_tok < 1 || (!start && sq->pos != s->n_past[sq->slot]) ||
+            (int64_t)sq->pos + sq->n_tok > s->n_ctx) {
+            DI_LOG_ERROR("dev forward (V4.1): sequence %d: %d tokens at %d (slot %d has consumed "
+                         "%d, context %d)",
+                         i, sq->n_tok, sq->pos, sq->slot, s->n_past[sq->slot], s->n_ctx);
+            return DI_ERR_INVALID;
+        }
+        const int64_t need = ((int64_t)sq->pos + sq->n_tok + s->block_tokens - 1) / s->block_tokens;
+        if (s->shared) {
+            if (!sq->blocks || sq->n_blocks < need) {
+                DI_LOG_ERROR("dev forward (V4.1): sequence %d lists %d entry blocks, needs %lld", i,
+                             sq->n_blocks, (long long)need);
+                return DI_ERR_INVALID;
+            }
+            for (int64_t j = 0; j < need; j++)
+                if (sq->blocks[j] < 0 || sq->blocks[j] >= s->n_eblocks) {
+                    DI_LOG_ERROR("dev forward (V4.1): sequence %d: entry block %d out of range", i,
+                                 sq->blocks[j]);
+                    return DI_ERR_INVALID;
+                }
+        }
+        if (sq->win_lo < 0 || sq->win_lo > sq->pos || sq->n_cached < 0 ||
+            sq->n_cached % s->block_tokens != 0 || (sq->n_cached > 0 && !s->shared) ||
+            (sq->win_lo > 0 && (sq->win_lo > sq->n_cached ||
+                                (hp->n_engram > 0 && sq->pos == sq->win_lo && !sq->prefix))) ||
+            (sq->n_cached > 0 && sq->n_cached / s->block_tokens > sq->n_blocks)) {
+            DI_LOG_ERROR("dev forward (V4.1): sequence %d: bad replay (win_lo %d, n_cached %d, pos "
+                         "%d, %d blocks of %d%s)",
+                         i, sq->win_lo, sq->n_cached, sq->pos, sq->n_blocks, s->block_tokens,
+                         sq->prefix ? "" : ", no prefix tokens");
+            return DI_ERR_INVALID;
+        }
+        n_rows += sq->n_tok;
+    }
+    if (n_rows > s->max_rows) {
+        DI_LOG_ERROR("dev forward (V4.1): %lld rows (the state takes %d)", (long long)n_rows,
+                     s->max_rows);
+        return DI_ERR_INVALID;
+    }
+    for (int64_t t = 0; t < n_rows; t++)
+        if (tokens[t] < 0 || tokens[t] >= hp->n_vocab) {
+            DI_LOG_ERROR("dev forward (V4.1): token %d at row %lld outside the vocabulary",
+                         tokens[t], (long long)t);
+            return DI_ERR_INVALID;
+        }
+    // A block a sequence writes (from its first position not cached on) is listed by no other.
+    if (s->shared) {
+        for (int32_t b = 0; b < s->n_eblocks; b++) s->blk_owner[b] = -1;
+        for (int32_t i = 0; i < n_seq; i++) {
+            const di_dsv41_dev_seq *sq = &seqs[i];
+            const int64_t need =
+                ((int64_t)sq->pos + sq->n_tok + s->block_tokens - 1) / s->block_tokens;
+            const int64_t p_w = sq->pos > sq->n_cached ? sq->pos : sq->n_cached;
+            for (int64_t j = p_w / s->block_tokens; j < need; j++) {
+                int32_t *o = &s->blk_owner[sq->blocks[j]];
+                if (*o >= 0) {
+                    DI_LOG_ERROR("dev forward (V4.1): entry block %d is written twice (sequence "
+                                 "%d)",
+                                 sq->blocks[j], i);
+                    return DI_ERR_INVALID;
+                }
+                *o = i;
+            }
+        }
+        for (int32_t i = 0; i < n_seq; i++) {
+            const di_dsv41_dev_seq *sq = &seqs[i];
+            const int64_t need =
+                ((int64_t)sq->pos + sq->n_tok + s->block_tokens - 1) / s->block_tokens;
+            for (int64_t j = 0; j < need; j++) {
+                const int32_t o = s->blk_owner[sq->blocks[j]];
+                if (o >= 0 && o != i) {
+                    DI_LOG_ERROR("dev forward (V4.1): sequence %d reads entry block %d, which "
+                                 "sequence %d writes",
+                                 i, sq->blocks[j], o);
+                    return DI_ERR_INVALID;
+                }
+            }
+        }
+    }
+    if (!di_dev_logit_rows_ok("dev forward (V4.1)", logit_rows, n_logit_rows, n_rows, logits))
+        return DI_ERR_INVALID;
+    *n_rows_out = (int32_t)n_rows;
+    return DI_OK;
+}
+
+// ---- the call ----
+
+// A replay's start (pos == win_lo > 0): the slot's window rings in every layer become zero rows,
+// as di_dsv41_restart zeroes the CPU state's (before the call's ops, outside any graph).
+static di_status zero_rings(const call *c) {
+    di_dsv41_dev_state *s = c->s;
+    di_backend *b = s->d->b;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t W = hp->window, Dh = hp->head_dim;
+    di_status st = DI_OK;
+    for (int32_t i = 0; i < c->n_seq; i++) {
+        const di_dsv41_dev_seq *sq = &c->seqs[i];
+        if (sq->win_lo <= 0 || sq->pos != sq->win_lo) continue;
+        for (int il = 0; il < hp->n_layer; il++) {
+            float *ring = s->pool + ((int64_t)il * s->layer_rows + s->max_rows + sq->slot * W) * Dh;
+            DI_TRY(b->vt->memset(b, ring, 0, sizeof(float) * (size_t)(W * Dh)));
+        }
+    }
+    return DI_OK;
+fail:
+    return st;
+}
+
+// Whether the call is a decode step of graph shape: every sequence one row with its logits.
+static bool decode_shape(const call *c, const int32_t *logit_rows, int32_t n_logit_rows) {
+    if (c->T != c->n_seq || c->n_seq > HEAD_CHUNK || n_logit_rows != c->T) return false;
+    for (int32_t k = 0; k < n_logit_rows; k++)
+        if (logit_rows[k] != k) return false;
+    return true;
+}
+
+// A decode step's layers and head (every row's logits), as one capture records them.
+typedef struct step_ctx {
+    const call *c;
+    const int32_t *rows;
+} step_ctx;
+
+static di_status run_step(const void *ctx) {
+    const step_ctx *x = ctx;
+    di_status st = layers(x->c);
+    if (st == DI_OK) st = head(x->c, x->rows, x->c->T);
+    return st;
+}
+
+// The layers and the head of a decode step as one backend graph (dsv4_dev.c's scheme): the
+// first step of a size runs directly, the second captures, later ones replay.
+static di_status run_decode(const call *c, const int32_t *logit_rows) {
+    di_dsv41_dev_state *s = c->s;
+    di_backend *b = s->d->b;
+    dev_graph *g = &s->graphs[c->n_seq];
+    const step_ctx x = {c, logit_rows};
+    if (g->g) {
+        s->stats.n_replayed++;
+        s->stats.last_ops = g->n_ops;
+        return b->vt->graph_launch(b, g->g);
+    }
+    if (g->n_run++ == 0 || !s->graphs_on) {
+        s->stats.n_direct++;
+        return run_step(&x);
+    }
+    void *graph = NULL;
+    di_status st = di_dev_capture(b, run_step, &x, &graph);
+    g->n_ops = s->stats.last_ops; // recorded, not run: counted at the launch
+    if (st != DI_OK) { // nothing ran: the step runs directly, and so will every later one
+        DI_LOG_WARN("dev forward (V4.1): decode graph capture failed (%s); graphs off",
+                    di_status_str(st));
+        s->graphs_on = false;
+        s->stats.n_direct++;
+        return run_step(&x);
+    }
+    g->g = graph;
+    s->stats.n_captured++;
+    s->stats.n_cached++;
+    return b->vt->graph_launch(b, g->g);
+}
+
+di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
+                               const int32_t *tokens, const int32_t *logit_rows,
+                               int32_t n_logit_rows, float *logits) {
+    int32_t T = 0;
+    di_status st = check_call(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T);
+    if (st != DI_OK) return st;
+    di_backend *b = s->d->b;
+    const int64_t V = s->d->m->hp.n_vocab;
+    call cl = {.s = s, .seqs = seqs, .n_seq = n_seq, .T = T};
+    call *c = &cl;
+    stage_layout(c);
+    DI_ASSERT(c->n_words <= s->stage_cap);
+    for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = -1; // until the call succeeds
+    stage_fill(c, tokens);
+    s->stats.last_ops = 0;
+    s->stats.last_uploads = 1;
+    s->stats.last_upload_bytes = (int64_t)(sizeof(int32_t) * c->n_words);
+    DI_TRY(b->vt->upload(b, s->stage_dev, s->stage, sizeof(int32_t) * c->n_words));
+    DI_TRY(zero_rings(c));
+    if (decode_shape(c, logit_rows, n_logit_rows)) {
+        DI_TRY(run_decode(c, logit_rows));
+        if (n_logit_rows > 0)
+            DI_TRY(b->vt->download(b, logits, s->logits, sizeof(float) * (size_t)(T * V)));
+    } else {
+        s->stats.n_direct++;
+        DI_TRY(layers(c));
+        for (int32_t k = 0; k < n_logit_rows; k += HEAD_CHUNK) {
+            const int32_t n = n_logit_rows - k < HEAD_CHUNK ? n_logit_rows - k : HEAD_CHUNK;
+            DI_TRY(head(c, logit_rows + k, n));
+            DI_TRY(b->vt->download(b, logits + (int64_t)k * V, s->logits,
+                                   sizeof(float) * (size_t)((int64_t)n * V)));
+        }
+    }
+    DI_TRY(b->vt->sync(b));
+    for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
+    return DI_OK;
+fail:
+    DI_LOG_ERROR("dev forward (V4.1): call failed (%s); its slots restart at 0", di_status_str(st));
+    return st;
+}

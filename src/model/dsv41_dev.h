@@ -1,0 +1,178 @@
+/*
+ * dsv41_dev — the DeepSeek V4.1 forward with activations, window KV, compressed entries, index
+ * keys and compressor state resident in one backend's memory (backend/backend.h), written once
+ * against the backend vtable as model/dsv4_dev.h is for V4: on the CUDA backend it is the GPU
+ * forward; on the CPU backend (the oracle twin) it reproduces the model's own V4.1 CPU forward
+ * (model/dsv41.c, dsv41_attn.c: di_dsv41_forward_batch) bit for bit, which tests it without a GPU
+ * (tests/model/test_dev41_forward.c).
+ *
+ * Scope: the main layers and the head of DeepSeek V4.1 (deepseek-v41.md §2), in both precision
+ * recipes (FP32 and the official one, R-OFF: every BF16 rounding, A8 in blocks of 32 before FP8 /
+ * FP4 linears, the MoE's official order, BF16 index scores and attention probabilities, as ops in
+ * the CPU forward's order). In both recipes, as the CPU forward: window rows are Q8 (e4m3, scale
+ * per 32 over all head_dim dims), entries Q4e (e2m1, E4M3 scale per 16), index keys and index
+ * queries Q4 (e2m1, scale per 32, no Hadamard). Every stored row is an FP32 row holding those
+ * quantised-exact values (the compact codes of docs/kv-cache.md "DeepSeek V4.1" are not used on
+ * the device yet; a block's device bytes are this layout's, not di_dsv41_page_bytes' pages). Plain
+ * sessions run on it once attached (di_dsv41_dev_attach: --device cuda). Prefix reuse (the
+ * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
+ * block I/O and tail snapshots run. Not run here: DSpark (its heads and blocks), context
+ * parallelism, rollback, the serving engine (it keeps the CPU V4.1 forward).
+ *
+ * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
+ * work on the token ids) and computes every Engram layer's row ids for the call's rows; the
+ * device gathers the table rows (embed), projects them (eg_wkv) and gates them into the streams
+ * (engram_gate). The layers run the single-pass mHC (mhc_pre_carried: the collapse with the pre
+ * of the previous site; the head collapses with the last F_pre, no hc_head). Attention (§2.4,
+ * §2.5): q without per-head RMS, the window row (Q8) into this call's rows of the layer's pool;
+ * kv sources run CSA2 (m = 2: C and Z of this call's rows and the slot's pending even row pooled
+ * by compress_pool without position bias; m = 1: the projection), then the index key (idx_wk of
+ * the latent, norm, RoPE, Q4) and the entry (RoPE, Q4e) of every closing group are scattered into
+ * their entry blocks; index sources score their kv source's keys (index_scores), the candidate
+ * source builds the pool (index_cand BUILD) that later index layers apply (MASK), the top-k picks
+ * scored -inf are dropped (DROP) and the top-k is published; every compressing layer attends its
+ * window plus the published picks of its kv source's entries (offset_list), a layer before any
+ * index source only its window. Then the window rows go into the slot's ring.
+ *
+ * State layout (backend memory). One pool of head_dim-float rows: per layer [max_rows rows of this
+ * call | slot 0's W window ring rows | slot 1's | ...], then per kv source of ratio m its entry
+ * blocks (block b holds E = block_tokens / m entries, entry w of a sequence is entry w % E of
+ * block blocks[w / E]); per kv source its index keys [n_blocks * E, index_head_dim], and for m = 2
+ * a ring of 2 rows per slot of C and of Z (row = pos mod 2). Attention of layer il reads the pool
+ * from layer il's region, so its key lists hold the same window rows in every layer and the
+ * entries at an offset per layer (a per-call array). Entry blocks are the caller's block ids
+ * (shared blocks: the serving engine's kv_manager blocks; n_blocks 0: private, slot s's i-th
+ * being s * max_blocks + i). Each call uploads one staging block (tokens, positions, key lists,
+ * page lists, compressor sources and destinations, Engram row ids), laid out as a function of the
+ * call's shape only (rows and sequences), and every op reads its lists from there.
+ *
+ * Graphs: a decode step (every sequence feeds one token and takes its logits, at most 64
+ * sequences) runs as a backend graph keyed by its number of sequences: the first step of a size
+ * runs directly, the second is captured and launched, later ones launch the cached graph. This
+ * works because every scalar an op gets is a function of the shape (bounds are capacities: the key
+ * list stride, the entries a slot can hold, the windows a shape can close, padded with destination
+ * -1). DI_DEV_GRAPHS=0 (read at state create) runs every call directly.
+ *
+ * Owns: a di_dsv41_dev owns its backend blocks (small vectors, expert arrays; weights are the
+ * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
+ * its pools, scratch, staging, graphs and host metadata, all sized at create. Thread-safety: one
+ * thread at a time per backend.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "backend/backend.h" // di_backend
+#include "deepinfer.h"       // di_model, di_status
+
+typedef struct di_dsv41_dev di_dsv41_dev;             // a V4.1 model's weights on one backend
+typedef struct di_dsv41_dev_state di_dsv41_dev_state; // the device state of n_slots sequences
+
+// Uploads every weight the main layers, the Engram modules and the head use (once); the model's
+// precision recipe is the forward's. DI_ERR_UNSUPPORTED (logged) for a V4 model, hash-routed
+// layers, an Engram table of more than 2^31 rows or a weight the backend cannot matmul;
+// DI_ERR_INVALID (no Engram token map), DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed.
+di_status di_dsv41_dev_create(di_model *m, di_backend *b, di_dsv41_dev **out);
+void di_dsv41_dev_destroy(di_dsv41_dev *d); // NULL: no-op
+
+// The least common multiple of the compress ratios rounded up to at least the window: the
+// default block size of a state.
+int32_t di_dsv41_dev_block_tokens(const di_dsv41_dev *d);
+
+// The state of n_slots sequences of up to n_ctx positions each, for calls of up to max_rows rows,
+// with n_blocks entry blocks of block_tokens positions (0: the default). n_blocks > 0: shared
+// blocks, listed by each call (di_dsv41_dev_seq.blocks: ids in [0, n_blocks)); n_blocks 0:
+// private blocks. Every slot starts empty. DI_ERR_INVALID (counts < 1, n_blocks < 0, block_tokens
+// not a multiple of every ratio, index overflow; logged), DI_ERR_NOMEM.
+di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_ctx,
+                                    int32_t max_rows, int32_t n_blocks, int32_t block_tokens,
+                                    di_dsv41_dev_state **out);
+void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s); // NULL: no-op
+
+// Backend bytes of one entry block (per kv source in layer order: its E = block_tokens / m entry
+// rows of head_dim floats, then its E index keys of index_head_dim floats) and of one slot's tail
+// (the window rings of every layer, the ratio-2 sources' C and Z rings) for blocks of
+// block_tokens positions: what a serving engine would size its blocks from. The call rows and
+// scratch (max_rows) are not included. DI_ERR_INVALID (block_tokens not a positive multiple of
+// every ratio).
+di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
+                             int64_t *slot_bytes);
+int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s);
+// Entry block I/O (the prefix cache's disk tier): one entry block's contents, exactly as stored
+// (di_dsv41_dev_sizes' block_bytes, in its layout), to and from host memory, so a block read from
+// one state writes identically into any state of a dev of the same model and recipe. read copies
+// block `block` into dst and syncs; write copies src into it (returns when src may be reused).
+// Not inside a call. DI_ERR_INVALID (no such block; logged), DI_ERR_CUDA.
+di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst);
+di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, const void *src);
+
+// Tail snapshots (docs/kv-cache.md "Tail snapshots"): at a position that is a multiple of every
+// compress ratio (no ratio-2 group open) a slot's future reads only its entry blocks, its window
+// rings and its Engram history (a function of the tokens). di_dsv41_dev_tail_bytes: a 16-byte
+// header (position, layers, window, head_dim) then every layer's W window ring rows of head_dim
+// floats, in ring order (row = position mod W).
+size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d);
+// Copies slot `slot`'s tail at its current position into dst and syncs. DI_ERR_INVALID (slot out
+// of range or failed, a position that is no multiple of every ratio; logged), DI_ERR_CUDA.
+di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst);
+// Puts a snapshot taken at position pos (any slot of any state of the same dev) into slot `slot`
+// with the tokens of positions [0, pos) (the Engram history): the slot then continues at pos
+// exactly as the one that saved it, its next call passing pos and blocks holding the entries of
+// the positions before pos. DI_ERR_INVALID (slot or position out of range, not a snapshot of this
+// dev at pos; nothing changes), DI_ERR_CUDA (the slot must restart at 0).
+di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t pos,
+                                    const void *src, const int32_t *tokens);
+
+typedef struct di_dsv41_dev_seq {
+    int32_t slot, pos, n_tok;
+    // Shared blocks: the sequence's entry block ids in position order, n_blocks >= ceil((pos +
+    // n_tok) / block_tokens) of them (borrowed for the call). Private blocks: NULL, 0.
+    const int32_t *blocks;
+    int32_t n_blocks;
+    // Prefix reuse (the bounded replay of docs/kv-cache.md, as di_dsv41_restart): a call at pos ==
+    // win_lo > 0 starts the slot afresh there, on blocks whose first n_cached positions' entries
+    // and index keys another sequence computed (n_cached a multiple of block_tokens, win_lo <=
+    // n_cached); prefix then holds the tokens of positions [0, win_lo) (borrowed for the call:
+    // the Engram look-back). As the CPU forward after di_dsv41_restart, the window rows of
+    // positions before win_lo are zero rows (attended as such), and a group closing with entry
+    // index < n_cached / m leaves its entry and index key untouched, so cached blocks are never
+    // written. Later calls pass the same win_lo and n_cached. 0, 0, NULL: none.
+    int32_t win_lo, n_cached;
+    const int32_t *prefix;
+} di_dsv41_dev_seq;
+
+// A ragged batch: seqs[i] feeds its n_tok tokens (host ids; rows concatenated in seqs order) at
+// positions pos.. of slot `slot`; pos must be 0 or win_lo > 0 (starts the slot afresh) or the
+// tokens the slot has consumed. Logits of the rows listed in logit_rows (ascending) go to host
+// logits [n, V]. DI_ERR_INVALID for bad slots (out of range or repeated), positions, token ids, row
+// counts, blocks (missing, out of range, a block one sequence writes listed by another), replay
+// parameters or logit rows, checked before any work (logged; nothing changes). A backend error
+// (DI_ERR_CUDA, DI_ERR_NOMEM) leaves the call's slots to be restarted at pos 0.
+di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
+                               const int32_t *tokens, const int32_t *logit_rows,
+                               int32_t n_logit_rows, float *logits);
+
+// Tokens slot `slot` has consumed (-1 after a failed call: restart it at pos 0).
+int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
+
+// ---- model wiring ----
+
+// Creates the model's V4.1 dev forward on backend b (borrowed; must outlive m) and attaches it
+// (m->dev41): sessions without DSpark then run di_session_forward through a 1-slot state of their
+// n_ctx_max made at their first call (model/dsv4.c); their save, restore, rollback and batched
+// calls are refused. di_model_load calls it with the CUDA backend for --device cuda; tests with
+// the CPU backend. Errors as di_dsv41_dev_create (nothing attached); DI_ERR_INVALID when one is
+// attached already.
+di_status di_dsv41_dev_attach(di_model *m, di_backend *b);
+
+// Calls so far: run directly, captured into a graph (then launched), launched from a cached graph;
+// graphs cached now. The last call's costs: the ops it enqueued (embed to the head's matmul; a
+// launched graph counts the ops it captured; a replay's ring zeroing, the downloads and the sync
+// not counted) and its host-to-backend uploads and their bytes (a decode step: one upload, and
+// the same ops whatever its number of sequences).
+typedef struct di_dsv41_dev_graph_stats {
+    int64_t n_direct, n_captured, n_replayed;
+    int32_t n_cached;
+    int64_t last_ops, last_uploads, last_upload_bytes;
+} di_dsv41_dev_graph_stats;
+void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out);

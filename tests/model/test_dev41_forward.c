@@ -1,0 +1,598 @@
+// The device-resident V4.1 forward (model/dsv41_dev.h) on the CPU backend against the model's own
+// V4.1 CPU forward (di_dsv41_forward_batch, one session per slot) fed the same chunks, on the tiny
+// V4.1 model (di_synth_v41_write, official layout: FP8 32x32 / FP4 / Engram FP8; W = 16, layers
+// SWA / kv+index source m=2 / reuse m=2 / candidate source m=1 / reuse m=1 / reindex m=1, Engram
+// on layers 0 and 1, candidate blocks of 4 entries, 3 kept, top-8). Both sides run the same
+// kernels, so every logit must be bit-identical (memcmp):
+//   (a) one sequence: prefill chunks straddling the window, the ratio-2 groups and the candidate
+//       blocks, then decodes until the candidate pool restricts the reindex layer and the window
+//       has wrapped many times;
+//   (b) a ragged batch of 3 slots at different positions in one call (prefill chunks and decodes
+//       mixed), every row's logits;
+//   (c) a slot restarted at position 0 inside a batch (on other blocks);
+//   (d) bad calls refused with DI_ERR_INVALID and no change of state;
+//   (e) decode graphs: long ragged decodes of 3 slots on a state with graphs and on one with
+//       DI_DEV_GRAPHS=0 fed the same calls: bit-identical logits, both equal to the sessions, the
+//       graphs replayed (stats); a decode step enqueues the same ops at 2 and 3 sequences and
+//       uploads once;
+//   (f) the product wiring (di_dsv41_dev_attach): plain sessions against a model without it,
+//       prompts longer than one dev call; what such a session refuses;
+//   (g) prefix reuse: a slot attached to another's full blocks replays from the bounded-replay
+//       start and continues bit-identically to the cold prefill; so does one on copies of those
+//       blocks made through the entry block I/O (read / write round-trips exactly);
+//   (i) tail snapshots: a slot's tail restored into another slot continues bit-identically;
+// each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
+// listed per call in a shuffled, non-contiguous order. A V4 model is refused.
+//   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
+//       pool; see fixture_long).
+#include "harness.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "backend/backend.h"
+#include "io/safetensors.h"
+#include "model/dsv41.h"
+#include "model/dsv41_dev.h"
+#include "model/synth.h"
+
+enum { N_SLOTS = 3, N_CTX = 192, MAX_ROWS = 48, BT = 16 };
+enum { MAXB = N_CTX / BT, N_BLK = (N_SLOTS + 1) * MAXB };
+
+static char g_dir[256], g_fix[256];
+static const char *g_model = g_dir; // the model h_init loads
+
+typedef struct harness {
+    di_model *m;
+    di_backend *b;
+    di_dsv41_dev *d;
+    di_dsv41_dev_state *st, *st2; // st2: NULL or a second state fed the same calls
+    di_session *ses[N_SLOTS];
+    int gen[N_SLOTS];
+    int32_t blk[N_SLOTS][MAXB], spare[MAXB];
+    int64_t V;
+    float *got, *got2, *ref;
+    int n_rows, n_bad;
+} harness;
+
+static int32_t token_of(int slot, int gen, int32_t pos) {
+    return (int32_t)((slot * 131 + gen * 71 + pos * 97 + (pos * pos) % 13 + 7) % 250);
+}
+
+static di_session *new_session(di_model *m) {
+    di_session_options so = di_session_options_default();
+    so.n_ctx_max = N_CTX;
+    di_session *s = NULL;
+    CHECK_EQ(di_session_create(m, &so, &s), DI_OK);
+    return s;
+}
+
+static void h_init(harness *h, di_precision prec, bool two_states) {
+    memset(h, 0, sizeof *h);
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    mo.precision = prec;
+    CHECK_EQ(di_model_load(g_model, &mo, &h->m), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(2, &h->b), DI_OK);
+    CHECK_EQ(di_dsv41_dev_create(h->m, h->b, &h->d), DI_OK);
+    CHECK_EQ(di_dsv41_dev_block_tokens(h->d), BT);
+    CHECK_EQ(di_dsv41_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h->st), DI_OK);
+    if (two_states) {
+        setenv("DI_DEV_GRAPHS", "0", 1);
+        CHECK_EQ(di_dsv41_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h->st2),
+                 DI_OK);
+        unsetenv("DI_DEV_GRAPHS");
+    }
+    // Shuffled, non-contiguous block ids: a permutation of [0, N_BLK) dealt out to the slots and
+    // the spare set (29 is prime to N_BLK = 48).
+    int32_t perm[N_BLK];
+    for (int i = 0; i < N_BLK; i++) perm[i] = (i * 29 + 5) % N_BLK; // 29 is prime to 48
+    for (int i = 0; i < N_SLOTS; i++)
+        for (int j = 0; j < MAXB; j++) h->blk[i][j] = perm[j * (N_SLOTS + 1) + i];
+    for (int j = 0; j < MAXB; j++) h->spare[j] = perm[j * (N_SLOTS + 1) + N_SLOTS];
+    for (int i = 0; i < N_SLOTS; i++) h->ses[i] = new_session(h->m);
+    h->V = h->m->hp.n_vocab;
+    h->got = malloc(sizeof(float) * (size_t)(MAX_ROWS * h->V));
+    h->got2 = malloc(sizeof(float) * (size_t)(MAX_ROWS * h->V));
+    h->ref = malloc(sizeof(float) * (size_t)(MAX_ROWS * h->V));
+}
+
+static void h_free(harness *h) {
+    for (int i = 0; i < N_SLOTS; i++) di_session_destroy(h->ses[i]);
+    di_dsv41_dev_state_destroy(h->st);
+    di_dsv41_dev_state_destroy(h->st2);
+    di_dsv41_dev_destroy(h->d);
+    di_backend_destroy(h->b);
+    di_model_destroy(h->m);
+    free(h->got);
+    free(h->got2);
+    free(h->ref);
+}
+
+// One call: slots[i] feeds n_tok[i] tokens at its position (restart[i]: at 0, on the spare
+// blocks, with a new token stream); every row's logits compared with the sessions'.
+static void h_call(harness *h, int n, const int *slots, const int *n_tok, const bool *restart) {
+    di_dsv41_dev_seq seqs[N_SLOTS];
+    int32_t tokens[MAX_ROWS], rows[MAX_ROWS];
+    int T = 0;
+    for (int i = 0; i < n; i++) {
+        const int s = slots[i];
+        if (restart && restart[i]) {
+            h->gen[s]++;
+            for (int j = 0; j < MAXB; j++) { // swap the slot's blocks with the spare set
+                int32_t t = h->blk[s][j];
+                h->blk[s][j] = h->spare[j];
+                h->spare[j] = t;
+            }
+            di_session_destroy(h->ses[s]);
+            h->ses[s] = new_session(h->m);
+        }
+        const int32_t pos = restart && restart[i] ? 0 : di_dsv41_dev_n_past(h->st, s);
+        CHECK_EQ(pos, h->ses[s]->pos);
+        seqs[i] = (di_dsv41_dev_seq){
+            .slot = s, .pos = pos, .n_tok = n_tok[i], .blocks = h->blk[s], .n_blocks = MAXB};
+        for (int t = 0; t < n_tok[i]; t++, T++) {
+            tokens[T] = token_of(s, h->gen[s], pos + t);
+            rows[T] = T;
+        }
+    }
+    CHECK_EQ(di_dsv41_dev_forward(h->st, seqs, n, tokens, rows, T, h->got), DI_OK);
+    if (h->st2) {
+        CHECK_EQ(di_dsv41_dev_forward(h->st2, seqs, n, tokens, rows, T, h->got2), DI_OK);
+        CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)(T * h->V)) == 0);
+    }
+    int r = 0;
+    for (int i = 0; i < n; i++) {
+        di_session *ses = h->ses[slots[i]];
+        di_dsv41_seq one = {.s = ses, .tokens = tokens + r, .n_tok = n_tok[i], .n_out = n_tok[i]};
+        CHECK_EQ(di_dsv41_forward_batch(h->m, di_dsv41_ws(ses), &one, 1, h->ref), DI_OK);
+        for (int t = 0; t < n_tok[i]; t++) {
+            const float *a = h->got + (int64_t)(r + t) * h->V, *b = h->ref + (int64_t)t * h->V;
+            h->n_rows++;
+            if (memcmp(a, b, sizeof(float) * (size_t)h->V) != 0) {
+                double mx = 0;
+                for (int64_t v = 0; v < h->V; v++) {
+                    double e = a[v] > b[v] ? a[v] - b[v] : b[v] - a[v];
+                    if (e > mx) mx = e;
+                }
+                if (h->n_bad++ < 5)
+                    fprintf(stderr, "slot %d pos %d: logits differ (max %.3g)\n", slots[i],
+                            seqs[i].pos + t, mx);
+            }
+        }
+        r += n_tok[i];
+    }
+}
+
+// (a) one sequence: chunks straddling W = 16, ratio-2 groups and candidate blocks, then decodes.
+static void one_sequence(di_precision prec) {
+    harness h;
+    h_init(&h, prec, false);
+    const int chunks[] = {7, 9, 1, 15, 3, 17, 30, 5};
+    const int slot = 1;
+    for (size_t k = 0; k < sizeof chunks / sizeof *chunks; k++)
+        h_call(&h, 1, &slot, &chunks[k], NULL);
+    const int one = 1;
+    for (int k = 0; k < 60; k++) h_call(&h, 1, &slot, &one, NULL);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, slot), 147);
+    CHECK(h.n_rows == 147);
+    CHECK_EQ(h.n_bad, 0);
+    h_free(&h);
+}
+
+// (b), (c), (d), (e) on one harness with two states.
+static void batches(di_precision prec) {
+    harness h;
+    h_init(&h, prec, true);
+    const int all[N_SLOTS] = {0, 1, 2};
+    // Different starting positions.
+    const int pre0[N_SLOTS] = {5, 18, 23};
+    h_call(&h, N_SLOTS, all, pre0, NULL);
+    // (b) ragged rounds mixing prefill chunks and decodes, in varying slot orders.
+    const int order[4][N_SLOTS] = {{2, 0, 1}, {1, 2, 0}, {0, 1, 2}, {2, 1, 0}};
+    const int sizes[4][N_SLOTS] = {{1, 12, 3}, {9, 1, 1}, {2, 17, 1}, {1, 1, 11}};
+    for (int k = 0; k < 4; k++) h_call(&h, N_SLOTS, order[k], sizes[k], NULL);
+    // (c) slot 1 restarted at 0 inside a batch.
+    const int sz_c[N_SLOTS] = {3, 6, 1};
+    const bool rs_c[N_SLOTS] = {false, true, false};
+    h_call(&h, N_SLOTS, all, sz_c, rs_c);
+    // (d) bad calls: nothing changes.
+    {
+        int32_t past[N_SLOTS];
+        for (int i = 0; i < N_SLOTS; i++) past[i] = di_dsv41_dev_n_past(h.st, i);
+        int32_t tok[4] = {1, 2, 3, 4}, rows[4] = {0, 1, 2, 3};
+        di_dsv41_dev_seq ok = {
+            .slot = 0, .pos = past[0], .n_tok = 1, .blocks = h.blk[0], .n_blocks = MAXB};
+        di_dsv41_dev_seq bad[2];
+        bad[0] = ok, bad[1] = ok; // a slot twice
+        CHECK_EQ(di_dsv41_dev_forward(h.st, bad, 2, tok, rows, 2, h.got), DI_ERR_INVALID);
+        bad[1] = ok, bad[1].slot = 3; // out of range
+        CHECK_EQ(di_dsv41_dev_forward(h.st, bad, 2, tok, rows, 2, h.got), DI_ERR_INVALID);
+        bad[0] = ok, bad[0].pos = past[0] + 1; // a gap
+        CHECK_EQ(di_dsv41_dev_forward(h.st, bad, 1, tok, rows, 1, h.got), DI_ERR_INVALID);
+        bad[0] = ok, bad[0].n_blocks = 0; // no blocks
+        CHECK_EQ(di_dsv41_dev_forward(h.st, bad, 1, tok, rows, 1, h.got), DI_ERR_INVALID);
+        bad[0] = ok, bad[1] = ok, bad[1].slot = 1, bad[1].pos = past[1],
+        bad[1].blocks = h.blk[0]; // blocks listed twice
+        CHECK_EQ(di_dsv41_dev_forward(h.st, bad, 2, tok, rows, 2, h.got), DI_ERR_INVALID);
+        int32_t big[1] = {100000}; // a token outside the vocabulary
+        CHECK_EQ(di_dsv41_dev_forward(h.st, &ok, 1, big, rows, 1, h.got), DI_ERR_INVALID);
+        int32_t down[2] = {1, 0}; // logit rows not ascending
+        bad[0] = ok, bad[0].n_tok = 2;
+        CHECK_EQ(di_dsv41_dev_forward(h.st, bad, 1, tok, down, 2, h.got), DI_ERR_INVALID);
+        bad[0] = ok, bad[0].n_tok = MAX_ROWS + 1; // too many rows
+        CHECK_EQ(di_dsv41_dev_forward(h.st, bad, 1, tok, rows, 0, NULL), DI_ERR_INVALID);
+        for (int i = 0; i < N_SLOTS; i++) CHECK_EQ(di_dsv41_dev_n_past(h.st, i), past[i]);
+    }
+    // (e) decode steps of 3 and of 2 slots (graphs captured, then replayed), a restart inside.
+    const int ones[N_SLOTS] = {1, 1, 1};
+    for (int k = 0; k < 40; k++) {
+        if (k == 20) {
+            const bool rs[N_SLOTS] = {false, false, true};
+            h_call(&h, N_SLOTS, all, ones, rs);
+        } else if (k % 5 == 4) {
+            const int two[2] = {2, 0};
+            h_call(&h, 2, two, ones, NULL);
+        } else {
+            h_call(&h, N_SLOTS, all, ones, NULL);
+        }
+    }
+    // What a decode step costs: the same ops at 2 and 3 sequences (no per-sequence op), replayed
+    // or run directly, and one upload.
+    di_dsv41_dev_graph_stats g, g2;
+    const int two[2] = {2, 0};
+    h_call(&h, 2, two, ones, NULL);
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    di_dsv41_dev_get_graph_stats(h.st2, &g2);
+    const int64_t ops2 = g.last_ops;
+    CHECK(ops2 > 100);
+    CHECK_EQ(g2.last_ops, ops2);
+    h_call(&h, N_SLOTS, all, ones, NULL);
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    di_dsv41_dev_get_graph_stats(h.st2, &g2);
+    CHECK_EQ(g.last_ops, ops2);
+    CHECK_EQ(g2.last_ops, ops2);
+    CHECK_EQ(g.last_uploads, 1);
+    CHECK(g.last_upload_bytes > 0 && g.last_upload_bytes == g2.last_upload_bytes);
+    CHECK(g.n_replayed > 20);
+    CHECK_EQ(g.n_cached, 2);
+    CHECK_EQ(g2.n_replayed, 0);
+    CHECK_EQ(g2.n_cached, 0);
+    CHECK_EQ(h.n_bad, 0);
+    fprintf(stderr,
+            "  %d rows compared; graphs: %lld direct, %lld captured, %lld replayed; a decode step "
+            "%lld ops, %lld bytes uploaded\n",
+            h.n_rows, (long long)g.n_direct, (long long)g.n_captured, (long long)g.n_replayed,
+            (long long)ops2, (long long)g.last_upload_bytes);
+    h_free(&h);
+}
+
+// (g) prefix reuse on shared entry blocks: slot 1 attached to slot 0's first H positions' blocks
+// replays from Q = H - n_layer (W - 1) (win_lo = Q, n_cached = H, the prefix tokens for Engram) and
+// its logits from H on equal slot 0's cold ones bit for bit; then both decode in one call on the
+// shared blocks (identical logits; slot 0 still equal to its CPU session, so the cached blocks
+// were not written); bad replay parameters refused without changing anything.
+static void prefix_reuse(di_precision prec) {
+    harness h;
+    h_init(&h, prec, false);
+    const di_hparams *hp = &h.m->hp;
+    enum { H = 112, AFTER = 20 };
+    const int s0 = 0, s1 = 1;
+    const int chunks[] = {40, 40, 32};
+    for (int k = 0; k < 3; k++) h_call(&h, 1, &s0, &chunks[k], NULL);
+    float *cold = malloc(sizeof(float) * (size_t)(AFTER * h.V));
+    const int one = 1;
+    for (int k = 0; k < AFTER; k++) {
+        h_call(&h, 1, &s0, &one, NULL);
+        memcpy(cold + (int64_t)k * h.V, h.got, sizeof(float) * (size_t)h.V);
+    }
+    int32_t blk1[MAXB], tok[H + AFTER + 8], rows[MAX_ROWS];
+    for (int j = 0; j < MAXB; j++) blk1[j] = j < H / BT ? h.blk[s0][j] : h.blk[s1][j];
+    for (int p = 0; p < H + AFTER + 8; p++) tok[p] = token_of(s0, h.gen[s0], p);
+    for (int r = 0; r < MAX_ROWS; r++) rows[r] = r;
+    const int32_t Q = H - hp->n_layer * (hp->window - 1);
+    CHECK(Q > 0);
+    di_dsv41_dev_seq sq = {
+        .slot = s1, .blocks = blk1, .n_blocks = MAXB, .win_lo = Q, .n_cached = H, .prefix = tok};
+    // Refused: win_lo beyond the cache, no prefix tokens, n_cached off a block boundary.
+    const int32_t past1 = di_dsv41_dev_n_past(h.st, s1);
+    di_dsv41_dev_seq bad = sq;
+    bad.pos = H + 8, bad.win_lo = H + 8, bad.n_tok = 1;
+    CHECK_EQ(di_dsv41_dev_forward(h.st, &bad, 1, tok, rows, 0, NULL), DI_ERR_INVALID);
+    bad = sq, bad.pos = Q, bad.n_tok = 1, bad.prefix = NULL;
+    CHECK_EQ(di_dsv41_dev_forward(h.st, &bad, 1, tok + Q, rows, 0, NULL), DI_ERR_INVALID);
+    bad = sq, bad.pos = Q, bad.n_tok = 1, bad.n_cached = H - 1;
+    CHECK_EQ(di_dsv41_dev_forward(h.st, &bad, 1, tok + Q, rows, 0, NULL), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, s1), past1);
+    // The replay, in chunks of MAX_ROWS, then the positions after H with their logits.
+    int n_same = 0;
+    for (int32_t p = Q; p < H + AFTER;) {
+        const int32_t n = H + AFTER - p < MAX_ROWS ? H + AFTER - p : MAX_ROWS;
+        sq.pos = p, sq.n_tok = n;
+        CHECK_EQ(di_dsv41_dev_forward(h.st, &sq, 1, tok + p, rows, n, h.got), DI_OK);
+        for (int32_t t = 0; t < n; t++)
+            if (p + t >= H)
+                n_same += memcmp(h.got + (int64_t)t * h.V, cold + (int64_t)(p + t - H) * h.V,
+                                 sizeof(float) * (size_t)h.V) == 0;
+        p += n;
+    }
+    CHECK_EQ(n_same, AFTER);
+    // Entry block I/O: slot 0's cached blocks read out and written into the spare blocks (read
+    // back equal); slot 2 replays on those copies and matches the cold logits too.
+    int64_t bb = 0, sb = 0;
+    CHECK_EQ(di_dsv41_dev_sizes(h.d, BT, &bb, &sb), DI_OK);
+    CHECK(bb > 0 && sb > 0);
+    CHECK_EQ(di_dsv41_dev_sizes(h.d, BT + 1, &bb, &sb), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_state_n_blocks(h.st), N_BLK);
+    uint8_t *io = malloc((size_t)bb), *back = malloc((size_t)bb);
+    int32_t blk2[MAXB];
+    for (int j = 0; j < MAXB; j++) blk2[j] = j < H / BT ? h.spare[j] : h.blk[2][j];
+    for (int j = 0; j < H / BT; j++) {
+        CHECK_EQ(di_dsv41_dev_state_read_block(h.st, h.blk[s0][j], io), DI_OK);
+        CHECK_EQ(di_dsv41_dev_state_write_block(h.st, h.spare[j], io), DI_OK);
+        CHECK_EQ(di_dsv41_dev_state_read_block(h.st, h.spare[j], back), DI_OK);
+        CHECK(memcmp(io, back, (size_t)bb) == 0);
+    }
+    CHECK_EQ(di_dsv41_dev_state_read_block(h.st, N_BLK, io), DI_ERR_INVALID);
+    di_dsv41_dev_seq s2 = sq;
+    s2.slot = 2, s2.blocks = blk2;
+    n_same = 0;
+    for (int32_t p = Q; p < H + AFTER;) {
+        const int32_t n = H + AFTER - p < MAX_ROWS ? H + AFTER - p : MAX_ROWS;
+        s2.pos = p, s2.n_tok = n;
+        CHECK_EQ(di_dsv41_dev_forward(h.st, &s2, 1, tok + p, rows, n, h.got), DI_OK);
+        for (int32_t t = 0; t < n; t++)
+            if (p + t >= H)
+                n_same += memcmp(h.got + (int64_t)t * h.V, cold + (int64_t)(p + t - H) * h.V,
+                                 sizeof(float) * (size_t)h.V) == 0;
+        p += n;
+    }
+    CHECK_EQ(n_same, AFTER);
+    free(io);
+    free(back);
+    // Both decode on the shared blocks in one call: the same logits; slot 0 = its session.
+    for (int k = 0; k < 6; k++) {
+        const int32_t p = H + AFTER + k;
+        di_dsv41_dev_seq two[2] = {
+            {.slot = s0, .pos = p, .n_tok = 1, .blocks = h.blk[s0], .n_blocks = MAXB},
+            {.slot = s1,
+             .pos = p,
+             .n_tok = 1,
+             .blocks = blk1,
+             .n_blocks = MAXB,
+             .win_lo = Q,
+             .n_cached = H,
+             .prefix = tok}};
+        int32_t t2[2] = {tok[p], tok[p]};
+        CHECK_EQ(di_dsv41_dev_forward(h.st, two, 2, t2, rows, 2, h.got), DI_OK);
+        CHECK(memcmp(h.got, h.got + h.V, sizeof(float) * (size_t)h.V) == 0);
+        di_dsv41_seq ref = {.s = h.ses[s0], .tokens = &tok[p], .n_tok = 1, .n_out = 1};
+        CHECK_EQ(di_dsv41_forward_batch(h.m, di_dsv41_ws(h.ses[s0]), &ref, 1, h.ref), DI_OK);
+        CHECK(memcmp(h.got, h.ref, sizeof(float) * (size_t)h.V) == 0);
+    }
+    CHECK_EQ(h.n_bad, 0);
+    free(cold);
+    h_free(&h);
+}
+
+// (i) tail snapshots: slot 0's tail saved at a block boundary H, restored into slot 1 (on slot 0's
+// blocks below H, its own above): slot 1 then decodes bit-identically to slot 0; a bad restore is
+// refused without changing anything.
+static void tail_case(di_precision prec) {
+    harness h;
+    h_init(&h, prec, false);
+    enum { H = 96, AFTER = 12 };
+    const int s0 = 0, s1 = 1;
+    const int chunks[] = {48, 41, 7};
+    for (int k = 0; k < 3; k++) h_call(&h, 1, &s0, &chunks[k], NULL);
+    const size_t tb = di_dsv41_dev_tail_bytes(h.d);
+    uint8_t *tail = malloc(tb);
+    CHECK_EQ(di_dsv41_dev_tail_save(h.st, s0, tail), DI_OK);
+    int32_t tok[H + AFTER], rows[MAX_ROWS], blk1[MAXB];
+    for (int p = 0; p < H + AFTER; p++) tok[p] = token_of(s0, h.gen[s0], p);
+    for (int r = 0; r < MAX_ROWS; r++) rows[r] = r;
+    for (int j = 0; j < MAXB; j++) blk1[j] = j < H / BT ? h.blk[s0][j] : h.blk[s1][j];
+    float *cold = malloc(sizeof(float) * (size_t)(AFTER * h.V));
+    const int one = 1;
+    for (int k = 0; k < AFTER; k++) {
+        h_call(&h, 1, &s0, &one, NULL);
+        memcpy(cold + (int64_t)k * h.V, h.got, sizeof(float) * (size_t)h.V);
+    }
+    CHECK_EQ(di_dsv41_dev_tail_restore(h.st, s1, H + 2, tail, tok), DI_ERR_INVALID); // not at H
+    CHECK_EQ(di_dsv41_dev_tail_restore(h.st, N_SLOTS, H, tail, tok), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, s1), 0);
+    CHECK_EQ(di_dsv41_dev_tail_restore(h.st, s1, H, tail, tok), DI_OK);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, s1), H);
+    int n_same = 0;
+    for (int k = 0; k < AFTER; k++) {
+        di_dsv41_dev_seq sq = {
+            .slot = s1, .pos = H + k, .n_tok = 1, .blocks = blk1, .n_blocks = MAXB};
+        CHECK_EQ(di_dsv41_dev_forward(h.st, &sq, 1, &tok[H + k], rows, 1, h.got), DI_OK);
+        n_same += memcmp(h.got, cold + (int64_t)k * h.V, sizeof(float) * (size_t)h.V) == 0;
+    }
+    CHECK_EQ(n_same, AFTER);
+    CHECK_EQ(h.n_bad, 0);
+    free(tail);
+    free(cold);
+    h_free(&h);
+}
+
+static void fp32_tail(void) {
+    tail_case(DI_PRECISION_FP32);
+}
+static void official_tail(void) {
+    tail_case(DI_PRECISION_OFFICIAL);
+}
+
+// (f) the product wiring: di_dsv41_dev_attach, then plain sessions (a 300-token prompt fed in the
+// dev forward's chunks of 256 rows, then decodes with last_only) against a model without it; save,
+// rollback and batched calls of such a session refused.
+static void wiring(di_precision prec) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    mo.precision = prec;
+    di_model *md = NULL, *mc = NULL;
+    di_backend *b = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &md), DI_OK);
+    CHECK_EQ(di_model_load(g_dir, &mo, &mc), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!md || !mc || !b) return;
+    CHECK_EQ(di_dsv41_dev_attach(md, b), DI_OK);
+    CHECK_EQ(di_dsv41_dev_attach(md, b), DI_ERR_INVALID);
+    di_session_options so = di_session_options_default();
+    so.n_ctx_max = 400;
+    di_session *sd = NULL, *sc = NULL;
+    CHECK_EQ(di_session_create(md, &so, &sd), DI_OK);
+    CHECK_EQ(di_session_create(mc, &so, &sc), DI_OK);
+    enum { P = 300, DEC = 20 };
+    const int64_t V = md->hp.n_vocab;
+    int32_t tok[P];
+    for (int i = 0; i < P; i++) tok[i] = token_of(0, 3, i);
+    float *ld = malloc(sizeof(float) * (size_t)(P * V)),
+          *lc = malloc(sizeof(float) * (size_t)(P * V));
+    di_forward_out od = {.logits = ld}, oc = {.logits = lc};
+    CHECK_EQ(di_session_forward(sd, tok, P, &od), DI_OK);
+    CHECK_EQ(di_session_forward(sc, tok, P, &oc), DI_OK);
+    CHECK(memcmp(ld, lc, sizeof(float) * (size_t)(P * V)) == 0);
+    od.last_only = oc.last_only = true;
+    int n_same = 0;
+    for (int k = 0; k < DEC; k++) {
+        int32_t t = token_of(1, 3, P + k);
+        CHECK_EQ(di_session_forward(sd, &t, 1, &od), DI_OK);
+        CHECK_EQ(di_session_forward(sc, &t, 1, &oc), DI_OK);
+        n_same += memcmp(ld, lc, sizeof(float) * (size_t)V) == 0;
+    }
+    CHECK_EQ(n_same, DEC);
+    CHECK_EQ(sd->pos, P + DEC);
+    void *bytes = NULL;
+    size_t nb = 0;
+    CHECK_EQ(di_session_save(sd, &bytes, &nb), DI_ERR_UNSUPPORTED);
+    CHECK_EQ(di_session_rollback(sd, 1), DI_ERR_INVALID);
+    int32_t one = 5;
+    di_dsv41_seq bs = {.s = sd, .tokens = &one, .n_tok = 1, .n_out = 1};
+    CHECK_EQ(di_dsv41_forward_batch(md, di_dsv41_ws(sd), &bs, 1, ld), DI_ERR_INVALID);
+    CHECK_EQ(sd->pos, P + DEC);
+    di_session_destroy(sd);
+    di_session_destroy(sc);
+    free(ld);
+    free(lc);
+    di_model_destroy(md); // the dev forward first, then the caller's backend
+    di_model_destroy(mc);
+    di_backend_destroy(b);
+}
+
+// (h) the committed v41_long fixture (official layout; 7 layers: kv sources m = 2 and m = 1, a
+// reindex layer of ratio 2 without keys of its own, 4 candidate blocks of 8 restricting layer 6,
+// Engram on the kv sources): (a) - (e) again. Its directory carries no Engram token map
+// (ref.safetensors has it as engram_cmap): the model directory is assembled in a temp dir, as
+// tests/model/test_v41_fixtures.c does.
+static bool assemble_fixture(void) {
+    const char *src = "tests/data/fixtures/v41_long";
+    char path[1024], cwd[512], a[2048], b[2048];
+    if (!getcwd(cwd, sizeof cwd)) return false;
+    snprintf(path, sizeof path, "%s/ref.safetensors", src);
+    di_st_file *ref = NULL;
+    if (di_st_file_open(path, &ref) != DI_OK) return false;
+    const di_st_tensor *cmap = di_st_file_find(ref, "engram_cmap");
+    bool ok = cmap && cmap->dtype == DI_DTYPE_I32;
+    const char *files[2] = {"config.json", "model.safetensors"};
+    for (int i = 0; i < 2 && ok; i++) {
+        snprintf(a, sizeof a, "%s/%s/official/%s", cwd, src, files[i]);
+        snprintf(b, sizeof b, "%s/%s", g_fix, files[i]);
+        ok = symlink(a, b) == 0;
+    }
+    snprintf(b, sizeof b, "%s/engram", g_fix);
+    ok = ok && mkdir(b, 0755) == 0;
+    if (ok) {
+        snprintf(b, sizeof b, "%s/engram/token_map.safetensors", g_fix);
+        di_st_write_tensor t = {.name = "token_map",
+                                .dtype = DI_DTYPE_I32,
+                                .n_dims = 1,
+                                .shape = {cmap->n_elements},
+                                .data = cmap->data};
+        ok = di_st_write_file(b, &t, 1) == DI_OK;
+    }
+    di_st_file_close(ref);
+    return ok;
+}
+
+static void fixture_long(void) {
+    g_model = g_fix;
+    one_sequence(DI_PRECISION_FP32);
+    batches(DI_PRECISION_FP32);
+    one_sequence(DI_PRECISION_OFFICIAL);
+    batches(DI_PRECISION_OFFICIAL);
+    g_model = g_dir;
+}
+
+static void refuses_v4(void) {
+    char dir[256];
+    snprintf(dir, sizeof dir, "/tmp/di_test_dev41_v4_XXXXXX");
+    CHECK(mkdtemp(dir) != NULL);
+    di_synth_config cfg;
+    CHECK_EQ(di_synth_preset("tiny-128", &cfg), DI_OK);
+    cfg.n_vocab = 512;
+    CHECK_EQ(di_synth_write(&cfg, dir), DI_OK);
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_backend *b = NULL;
+    di_dsv41_dev *d = NULL;
+    CHECK_EQ(di_model_load(dir, &mo, &m), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
+    CHECK_EQ(di_dsv41_dev_create(m, b, &d), DI_ERR_UNSUPPORTED);
+    di_backend_destroy(b);
+    di_model_destroy(m);
+    di_test_remove_dir(dir);
+}
+
+static void fp32_one(void) {
+    one_sequence(DI_PRECISION_FP32);
+}
+static void fp32_batches(void) {
+    batches(DI_PRECISION_FP32);
+}
+static void official_one(void) {
+    one_sequence(DI_PRECISION_OFFICIAL);
+}
+static void official_batches(void) {
+    batches(DI_PRECISION_OFFICIAL);
+}
+static void fp32_prefix(void) {
+    prefix_reuse(DI_PRECISION_FP32);
+}
+static void official_prefix(void) {
+    prefix_reuse(DI_PRECISION_OFFICIAL);
+}
+static void fp32_wiring(void) {
+    wiring(DI_PRECISION_FP32);
+}
+static void official_wiring(void) {
+    wiring(DI_PRECISION_OFFICIAL);
+}
+
+int main(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/di_test_dev41_XXXXXX");
+    if (!mkdtemp(g_dir)) return 1;
+    CHECK(di_synth_v41_write(g_dir, true, false, 41) == DI_OK);
+    RUN(fp32_one);
+    RUN(fp32_batches);
+    RUN(official_one);
+    RUN(official_batches);
+    RUN(fp32_prefix);
+    RUN(official_prefix);
+    RUN(fp32_tail);
+    RUN(official_tail);
+    RUN(fp32_wiring);
+    RUN(official_wiring);
+    RUN(refuses_v4);
+    snprintf(g_fix, sizeof g_fix, "/tmp/di_test_dev41_fix_XXXXXX");
+    CHECK(mkdtemp(g_fix) != NULL);
+    CHECK(assemble_fixture());
+    RUN(fixture_long);
+    di_test_remove_dir(g_fix);
+    di_test_remove_dir(g_dir);
+    return test_finish();
+}
