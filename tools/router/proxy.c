@@ -333,17 +333,19 @@ static enum MHD_Result relay(rt *r, struct MHD_Connection *c, const call *x) {
     return ret;
 }
 
-// Picks a replica (exclude: the one that failed a first try, or -1) and counts the decision.
-static int pick(rt *r, bool has_key, uint64_t key, int exclude) {
+// Picks one of the n replicas of `set` on `ring` (rt_policy_pick; exclude: the one that failed a
+// first try, or -1), takes its in-flight count and counts the decision; -1 if none is healthy.
+// Locks rt.mu.
+static int pick_in(rt *r, rt_replica *set, int n, const rt_ring *ring, bool has_key, uint64_t key,
+                   int exclude) {
     rt_replica_load loads[RT_MAX_REPLICAS];
     rt_pick how;
     pthread_mutex_lock(&r->mu);
-    for (int i = 0; i < r->n_rep; i++)
-        loads[i] = (rt_replica_load){r->rep[i].healthy, r->rep[i].n_inflight, r->rep[i].n_waiting};
-    int i =
-        rt_policy_pick(r->ring, has_key, key, loads, r->n_rep, exclude, r->cfg.max_imbalance, &how);
+    for (int i = 0; i < n; i++)
+        loads[i] = (rt_replica_load){set[i].healthy, set[i].n_inflight, set[i].n_waiting};
+    const int i = rt_policy_pick(ring, has_key, key, loads, n, exclude, r->cfg.max_imbalance, &how);
     if (i >= 0) {
-        rt_replica *p = &r->rep[i];
+        rt_replica *p = &set[i];
         p->n_inflight++;
         p->n_requests++;
         if (how == RT_PICK_AFFINE)
@@ -352,40 +354,28 @@ static int pick(rt *r, bool has_key, uint64_t key, int exclude) {
             p->n_fallback++;
         else
             p->n_least++;
-        if (exclude >= 0) r->n_retries++;
-    } else if (exclude < 0) {
-        r->n_no_replica++;
     }
+    pthread_mutex_unlock(&r->mu);
+    return i;
+}
+
+// Picks a serving replica (exclude: the one that failed a first try, or -1), counting retries
+// and refusals.
+static int pick(rt *r, bool has_key, uint64_t key, int exclude) {
+    const int i = pick_in(r, r->rep, r->n_rep, r->ring, has_key, key, exclude);
+    pthread_mutex_lock(&r->mu);
+    if (i >= 0 && exclude >= 0) r->n_retries++;
+    if (i < 0 && exclude < 0) r->n_no_replica++;
     pthread_mutex_unlock(&r->mu);
     return i;
 }
 
 // ---- prefill/decode disaggregation ----
 
-// The prefill replica for a request: the same policy as the serving replicas' (rt_policy_pick on
-// the prefill ring with the request's key), so requests sharing a prefix are prefilled where that
-// prefix is cached; its in-flight count taken and the decision counted. -1 if none is healthy.
+// The prefill replica for a request: the serving replicas' policy on the prefill ring with the
+// request's key, so requests sharing a prefix are prefilled where that prefix is cached.
 static int pick_prefill(rt *r, bool has_key, uint64_t key) {
-    rt_replica_load loads[RT_MAX_REPLICAS];
-    rt_pick how;
-    pthread_mutex_lock(&r->mu);
-    for (int i = 0; i < r->n_pre; i++)
-        loads[i] = (rt_replica_load){r->pre[i].healthy, r->pre[i].n_inflight, r->pre[i].n_waiting};
-    const int i =
-        rt_policy_pick(r->pre_ring, has_key, key, loads, r->n_pre, -1, r->cfg.max_imbalance, &how);
-    if (i >= 0) {
-        rt_replica *p = &r->pre[i];
-        p->n_inflight++;
-        p->n_requests++;
-        if (how == RT_PICK_AFFINE)
-            p->n_affine++;
-        else if (how == RT_PICK_FALLBACK)
-            p->n_fallback++;
-        else
-            p->n_least++;
-    }
-    pthread_mutex_unlock(&r->mu);
-    return i;
+    return pick_in(r, r->pre, r->n_pre, r->pre_ring, has_key, key, -1);
 }
 
 // Runs x to its end within deadline (seconds, srv_now) or until the client leaves; true if it
