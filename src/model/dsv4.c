@@ -571,60 +571,34 @@ void di_dsv4_head_rows(di_dsv4_ctx *c, const int32_t *logit_rows, int32_t n_logi
     di_dsv4_matmul(m, &m->head, h, n_logit_rows, D, logits, hp->n_vocab);
 }
 
-// A session on the device-resident forward: slot 0 of its dev state, in chunks of at most
-// dev_max_rows rows (validated by the caller).
-static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
-                             const di_forward_out *out) {
-    const int64_t V = s->model->hp.n_vocab;
-    const bool want = out && out->logits;
-    for (int32_t done = 0; done < n_tok;) {
-        const int32_t n = n_tok - done < s->dev_max_rows ? n_tok - done : s->dev_max_rows;
-        const bool last = done + n == n_tok;
-        int32_t n_rows = 0;
-        float *logits = NULL;
-        if (want && !out->last_only) {
-            for (int32_t t = 0; t < n; t++) s->dev_rows[n_rows++] = t;
-            logits = out->logits + done * V;
-        } else if (want && last) {
-            s->dev_rows[n_rows++] = n - 1;
-            logits = out->logits;
-        }
-        di_dsv4_dev_seq seq = {.slot = 0, .pos = s->pos, .n_tok = n};
-        di_status st =
-            di_dsv4_dev_forward(s->dev, &seq, 1, tokens + done, s->dev_rows, n_rows, logits);
-        if (st != DI_OK) {
-            s->pos = 0; // the device state of this call is incomplete: start again
-            return st;
-        }
-        s->pos += n;
-        done += n;
+// A V4.1 session's dev state (dsv41_dev.h): its own 1-slot state of the model's dev41, made at
+// its first call (at position 0).
+static di_status dev41_session_state(di_session *s) {
+    if (s->pos != 0) {
+        DI_LOG_ERROR("forward: this V4.1 session ran on the CPU forward (batched calls); it "
+                     "cannot move to the device-resident forward");
+        return DI_ERR_INVALID;
     }
-    if (out && out->n_mtp_out) *out->n_mtp_out = 0;
-    return DI_OK;
+    s->dev_max_rows =
+        s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max : DI_DSV4_DEV_SESSION_ROWS;
+    s->dev_rows = di_malloc(sizeof(int32_t) * (size_t)s->dev_max_rows);
+    if (!s->dev_rows) return DI_ERR_NOMEM;
+    di_status st = di_dsv41_dev_state_create(s->model->dev41, 1, s->n_ctx_max, s->dev_max_rows, 0,
+                                             0, &s->dev41);
+    if (st != DI_OK) {
+        di_free(s->dev_rows);
+        s->dev_rows = NULL;
+    }
+    return st;
 }
 
-// A V4.1 session on the model's dev41 (dsv41_dev.h): slot 0 of its own 1-slot state (made at its
-// first call, at position 0), in chunks of at most dev_max_rows rows.
-static di_status dev41_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
-                               const di_forward_out *out) {
-    di_status st = DI_OK;
-    if (!s->dev41) {
-        if (s->pos != 0) {
-            DI_LOG_ERROR("forward: this V4.1 session ran on the CPU forward (batched calls); it "
-                         "cannot move to the device-resident forward");
-            return DI_ERR_INVALID;
-        }
-        s->dev_max_rows =
-            s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max : DI_DSV4_DEV_SESSION_ROWS;
-        s->dev_rows = di_malloc(sizeof(int32_t) * (size_t)s->dev_max_rows);
-        if (!s->dev_rows) return DI_ERR_NOMEM;
-        st = di_dsv41_dev_state_create(s->model->dev41, 1, s->n_ctx_max, s->dev_max_rows, 0, 0,
-                                       &s->dev41);
-        if (st != DI_OK) {
-            di_free(s->dev_rows);
-            s->dev_rows = NULL;
-            return st;
-        }
+// A session on a device-resident forward (V4: s->dev, dsv4_dev.h; V4.1: s->dev41, dsv41_dev.h):
+// slot 0 of its dev state, in chunks of at most dev_max_rows rows (validated by the caller).
+static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
+                             const di_forward_out *out) {
+    if (s->v41 && !s->dev41) {
+        di_status st = dev41_session_state(s);
+        if (st != DI_OK) return st;
     }
     const int64_t V = s->model->hp.n_vocab;
     const bool want = out && out->logits;
@@ -640,8 +614,15 @@ static di_status dev41_forward(di_session *s, const int32_t *tokens, int32_t n_t
             s->dev_rows[n_rows++] = n - 1;
             logits = out->logits;
         }
-        di_dsv41_dev_seq seq = {.slot = 0, .pos = s->pos, .n_tok = n};
-        st = di_dsv41_dev_forward(s->dev41, &seq, 1, tokens + done, s->dev_rows, n_rows, logits);
+        di_status st;
+        if (s->v41) {
+            di_dsv41_dev_seq seq = {.slot = 0, .pos = s->pos, .n_tok = n};
+            st =
+                di_dsv41_dev_forward(s->dev41, &seq, 1, tokens + done, s->dev_rows, n_rows, logits);
+        } else {
+            di_dsv4_dev_seq seq = {.slot = 0, .pos = s->pos, .n_tok = n};
+            st = di_dsv4_dev_forward(s->dev, &seq, 1, tokens + done, s->dev_rows, n_rows, logits);
+        }
         if (st != DI_OK) {
             s->pos = 0; // the device state of this call is incomplete: start again
             return st;
@@ -673,7 +654,7 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
             return DI_ERR_INVALID;
         }
     }
-    if (s->v41 && m->dev41 && !s->mtp) return dev41_forward(s, tokens, n_tok, out);
+    if (s->v41 && m->dev41 && !s->mtp) return dev_forward(s, tokens, n_tok, out);
     if (s->v41 && m->cp && n_tok >= di_cp_min_tokens(m->cp)) // context parallelism (cp/cp.h)
         return di_cp_session_forward(m->cp, s, tokens, n_tok, out);
     if (s->v41) { // DeepSeek V4.1 (dsv41.c): the batch of one sequence
