@@ -38,7 +38,7 @@ typedef struct dev_layer {
     float *cmp_norm, *idx_k_norm; // backend [Dh], [DI]
     di_tensor idx_wq_b, idx_weights_proj;
     int32_t engram; // Engram module index, -1: none
-    di_tensor eg_table, eg_wkv;
+    di_tensor eg_wkv;
     float *eg_qk; // backend [NC, D]
     di_backend_moe_w moe;
 } dev_layer;
@@ -50,8 +50,11 @@ struct di_dsv41_dev {
     float *norm;                        // backend [D]
     float *omega_main, *omega_compress; // backend [n_rot / 2]
     dev_layer *layers;                  // owned [n_layer]
-    di_dev_up up;                       // the backend blocks it uploaded (freed at destroy)
-    bool official;                      // the official precision recipe (R-OFF)
+    // Engram tables by module: the model's host tensors (borrowed), never uploaded ("Engram
+    // tables" in dsv41_dev.h): each call's rows are gathered into its staging.
+    const di_tensor *eg_tables[DI_MAX_ENGRAM];
+    di_dev_up up;  // the backend blocks it uploaded (freed at destroy)
+    bool official; // the official precision recipe (R-OFF)
 };
 
 static di_status up_floats(di_dsv41_dev *d, const float *host, int64_t n, float **out) {
@@ -116,13 +119,7 @@ static di_status up_layer(di_dsv41_dev *d, const di_dsv4_layer_w *lw, dev_layer 
         DI_TRY(up_weight(d, &lw->idx_weights_proj, &out->idx_weights_proj));
     }
     if (lw->engram >= 0) {
-        if (lw->eg_table.ne[1] > INT32_MAX) {
-            DI_LOG_ERROR("dev forward (V4.1): layer %d: an Engram table of %lld rows (ids are "
-                         "32-bit on the device)",
-                         lw->il, (long long)lw->eg_table.ne[1]);
-            return DI_ERR_UNSUPPORTED;
-        }
-        DI_TRY(up_weight(d, &lw->eg_table, &out->eg_table));
+        d->eg_tables[lw->engram] = &lw->eg_table; // stays on the host
         DI_TRY(up_weight(d, &lw->eg_wkv, &out->eg_wkv));
         DI_TRY(up_floats(d, lw->eg_qk, (int64_t)nc * D, &out->eg_qk));
     }
@@ -180,6 +177,13 @@ di_status di_dsv41_dev_create(di_model *m, di_backend *b, di_dsv41_dev **out) {
         DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
     DI_TRY(b->vt->sync(b)); // the host arrays of the uploads may be reused after this
     di_free(tmp);
+    if (hp->n_engram > 0) {
+        double mib = 0;
+        for (int L = 0; L < hp->n_engram; L++) mib += di_tensor_bytes(d->eg_tables[L]) / 1048576.0;
+        DI_LOG_INFO("dev forward (V4.1): the %d Engram tables (%.1f MiB) stay in host memory; "
+                    "each call gathers its rows there and uploads them with its lists",
+                    hp->n_engram, mib);
+    }
     *out = d;
     return DI_OK;
 fail:
@@ -327,6 +331,12 @@ void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s) {
     di_free(s);
 }
 
+// Int32 words of n gathered rows of Engram table t: its data rows, then (a scaled kind) its
+// scale rows, each region rounded up to whole words.
+static int64_t eg_words(const di_tensor *t, int64_t n) {
+    return (n * (int64_t)t->nb1 + 3) / 4 + (t->scale ? (n * (int64_t)t->scale_nb1 + 3) / 4 : 0);
+}
+
 // Int32 words of the staging of a call of up to R rows over up to S sequences (the layout of
 // stage_layout, at its largest).
 static size_t stage_words(const di_dsv41_dev_state *s, int64_t R, int64_t S) {
@@ -334,7 +344,9 @@ static size_t stage_words(const di_dsv41_dev_state *s, int64_t R, int64_t S) {
     int64_t n = 8 * R + R * s->key_stride + S * s->max_blocks + (int64_t)hp->n_layer * R;
     for (int il = 0; il < hp->n_layer; il++)
         if (hp->kv_source[il]) n += 7 * R;
-    n += (int64_t)hp->n_engram * R * (int64_t)s->d->m->v41->hash.n_col;
+    const int64_t n_col = s->d->m->v41->hash.n_col;
+    for (int L = 0; L < hp->n_engram; L++)
+        n += R * n_col + 2 + eg_words(s->d->eg_tables[L], R * n_col);
     return (size_t)n + 64;
 }
 
@@ -643,9 +655,11 @@ typedef struct call {
     const di_dsv41_dev_seq *seqs;
     int32_t n_seq, T;
     int64_t tokens, pos, nk_win, nk_all, nwin, page_off, keys, win_dst, win_src, pages;
-    int32_t n_wd;                  // window ring rows written
-    int64_t ebase[DI_MAX_LAYERS];  // per compressing layer: each row's entry base (pool rows)
-    int64_t eg_ids[DI_MAX_ENGRAM]; // per Engram module: [T * n_col] row ids
+    int32_t n_wd;                 // window ring rows written
+    int64_t ebase[DI_MAX_LAYERS]; // per compressing layer: each row's entry base (pool rows)
+    // Per Engram module: the T * n_col rows gathered from its host table (data rows, then scale
+    // rows: the table's layout with one scale row per row) and their ids in that gather (0..).
+    int64_t eg_ids[DI_MAX_ENGRAM], eg_data[DI_MAX_ENGRAM], eg_scale[DI_MAX_ENGRAM];
     src_meta sm[DI_MAX_LAYERS];
     size_t n_words;
 } call;
@@ -695,7 +709,12 @@ static void stage_layout(call *c) {
         }
     }
     const int64_t n_col = s->d->m->v41->hash.n_col;
-    for (int L = 0; L < hp->n_engram; L++) TAKE(eg_ids[L], T * n_col);
+    for (int L = 0; L < hp->n_engram; L++) {
+        const di_tensor *et = s->d->eg_tables[L];
+        TAKE(eg_ids[L], T * n_col);
+        TAKE(eg_data[L], (T * n_col * (int64_t)et->nb1 + 3) / 4);
+        if (et->scale) TAKE(eg_scale[L], (T * n_col * (int64_t)et->scale_nb1 + 3) / 4);
+    }
 #undef TAKE
     c->n_words = o;
 }
@@ -755,8 +774,21 @@ static void stage_fill(call *c, const int32_t *tokens) {
             for (int L = 0; L < hp->n_engram; L++) {
                 int64_t rows[DI_ENGRAM_MAX_COLS];
                 di_engram_hash_rows(h, L, look, m->v41->pad_c, rows);
-                for (int j = 0; j < h->n_col; j++)
-                    g[c->eg_ids[L] + (int64_t)(r0 + t) * h->n_col + j] = (int32_t)rows[j];
+                const di_tensor *et = s->d->eg_tables[L];
+                uint8_t *data = (uint8_t *)(g + c->eg_data[L]);
+                uint8_t *scale = et->scale ? (uint8_t *)(g + c->eg_scale[L]) : NULL;
+                for (int j = 0; j < h->n_col; j++) {
+                    const int64_t k = (int64_t)(r0 + t) * h->n_col + j;
+                    DI_ASSERT(rows[j] >= 0 && rows[j] < et->ne[1]);
+                    g[c->eg_ids[L] + k] = (int32_t)k;
+                    memcpy(data + (size_t)k * et->nb1,
+                           (const uint8_t *)et->data + (size_t)rows[j] * et->nb1, et->nb1);
+                    if (scale)
+                        memcpy(scale + (size_t)k * et->scale_nb1,
+                               et->scale +
+                                   (size_t)((et->row0 + rows[j]) / et->block_out) * et->scale_nb1,
+                               et->scale_nb1);
+                }
             }
         }
     }
@@ -1040,7 +1072,16 @@ static di_status engram(const call *c, int il) {
     const int64_t nc = hp->hc_mult, D = hp->n_embd, n_col = s->d->m->v41->hash.n_col;
     const int64_t n_in = n_col * hp->engram_head_dim, n_out = (nc + 1) * D;
     di_status st = DI_OK;
-    OP(embed, &lw->eg_table, D32(c->eg_ids[lw->engram]), (int32_t)(c->T * n_col), 1, s->eg_in);
+    // The call's rows of the table, gathered on the host into the staging (stage_fill): a table
+    // of T * n_col rows with one scale row per row, decoded exactly as the table's own rows.
+    const di_tensor *et = s->d->eg_tables[lw->engram];
+    di_tensor gt = *et;
+    gt.ne[1] = c->T * n_col;
+    gt.data = D32(c->eg_data[lw->engram]);
+    gt.scale = et->scale ? (const uint8_t *)D32(c->eg_scale[lw->engram]) : NULL;
+    gt.block_out = 1;
+    gt.row0 = 0;
+    OP(embed, &gt, D32(c->eg_ids[lw->engram]), (int32_t)(c->T * n_col), 1, s->eg_in);
     DI_TRY(linear(c, &lw->eg_wkv, s->eg_in, c->T, n_in, s->eg_kv, n_out, true));
     OP(engram_gate, s->eg_kv, lw->eg_qk, (int32_t)nc, D, c->T, hp->norm_eps, s->x);
     ROUND(s->x, c->T * nc * D);

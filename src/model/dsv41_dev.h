@@ -20,8 +20,12 @@
  * parallelism, rollback, the serving engine (it keeps the CPU V4.1 forward).
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
- * work on the token ids) and computes every Engram layer's row ids for the call's rows; the
- * device gathers the table rows (embed), projects them (eg_wkv) and gates them into the streams
+ * work on the token ids) and computes every Engram layer's row ids for the call's rows. Engram
+ * tables stay in host memory (the checkpoint's mapped tensors; V4.1-Flash's two are ≈203 GB, more
+ * than any one GPU holds): the host copies each call's rows, codes and scales as stored, into the
+ * call's staging (n_col rows per row and Engram layer: 24 x 264 bytes on V4.1-Flash, ≈12.7 KB per
+ * row for both layers), uploaded with its lists; the device decodes them (embed of that gathered
+ * table, exactly the table's own rows), projects them (eg_wkv) and gates them into the streams
  * (engram_gate). The layers run the single-pass mHC (mhc_pre_carried: the collapse with the pre
  * of the previous site; the head collapses with the last F_pre, no hc_head). Attention (§2.4,
  * §2.5): q without per-head RMS, the window row (Q8) into this call's rows of the layer's pool;
@@ -68,9 +72,10 @@
 typedef struct di_dsv41_dev di_dsv41_dev;             // a V4.1 model's weights on one backend
 typedef struct di_dsv41_dev_state di_dsv41_dev_state; // the device state of n_slots sequences
 
-// Uploads every weight the main layers, the Engram modules and the head use (once); the model's
-// precision recipe is the forward's. DI_ERR_UNSUPPORTED (logged) for a V4 model, hash-routed
-// layers, an Engram table of more than 2^31 rows or a weight the backend cannot matmul;
+// Uploads every weight the main layers, the Engram modules (but their tables, which stay on the
+// host) and the head use (once); the model's precision recipe is the forward's.
+// DI_ERR_UNSUPPORTED (logged) for a V4 model, hash-routed layers or a weight the backend cannot
+// matmul;
 // DI_ERR_INVALID (no Engram token map), DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed.
 di_status di_dsv41_dev_create(di_model *m, di_backend *b, di_dsv41_dev **out);
 void di_dsv41_dev_destroy(di_dsv41_dev *d); // NULL: no-op

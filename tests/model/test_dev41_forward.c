@@ -21,6 +21,9 @@
 //       start and continues bit-identically to the cold prefill; so does one on copies of those
 //       blocks made through the entry block I/O (read / write round-trips exactly);
 //   (i) tail snapshots: a slot's tail restored into another slot continues bit-identically;
+//   (j) the Engram tables stay in host memory: the dev uploads no weight inside a table (the
+//       backend's weight_upload watched), and its calls' results above come from the rows
+//       gathered into each call's staging;
 // each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 //   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
@@ -548,6 +551,63 @@ static void refuses_v4(void) {
     di_test_remove_dir(dir);
 }
 
+// (j): the CPU backend with weight_upload watched: every host tensor it is given is recorded.
+static const di_backend_vt *g_cpu_vt;
+static const void *g_up_data[4096];
+static size_t g_up_bytes[4096];
+static int g_n_up;
+
+static di_status watched_upload(di_backend *b, const di_tensor *host, di_tensor *dev) {
+    CHECK(g_n_up < 4096);
+    if (g_n_up < 4096) {
+        g_up_data[g_n_up] = host->data;
+        g_up_bytes[g_n_up++] = (size_t)host->ne[1] * host->nb1;
+    }
+    return g_cpu_vt->weight_upload(b, host, dev);
+}
+
+static void engram_on_host(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_backend *b = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
+    di_backend_vt vt = *b->vt;
+    vt.weight_upload = watched_upload;
+    g_cpu_vt = b->vt;
+    g_n_up = 0;
+    di_backend watched = *b; // the same implementation, its weight uploads recorded
+    watched.vt = &vt;
+    di_dsv41_dev *d = NULL;
+    CHECK_EQ(di_dsv41_dev_create(m, &watched, &d), DI_OK);
+    CHECK(g_n_up > 0);
+    int n_tables = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const di_tensor *t = &m->layers[il].eg_table;
+        if (m->layers[il].engram < 0) continue;
+        n_tables++;
+        const uint8_t *lo = t->data, *hi = lo + (size_t)t->ne[1] * t->nb1;
+        for (int i = 0; i < g_n_up; i++) {
+            const uint8_t *p = g_up_data[i];
+            CHECK(p + g_up_bytes[i] <= lo || p >= hi); // no upload overlaps the table
+        }
+    }
+    CHECK_EQ(n_tables, 2);
+    // A call still runs on it (its Engram rows from the staging).
+    di_dsv41_dev_state *st = NULL;
+    CHECK_EQ(di_dsv41_dev_state_create(d, 1, N_CTX, MAX_ROWS, 0, 0, &st), DI_OK);
+    int32_t tok[8] = {5, 17, 99, 3, 200, 41, 7, 12}, last = 7;
+    float *logits = malloc(sizeof(float) * (size_t)m->hp.n_vocab);
+    di_dsv41_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = 8};
+    CHECK_EQ(di_dsv41_dev_forward(st, &sq, 1, tok, &last, 1, logits), DI_OK);
+    free(logits);
+    di_dsv41_dev_state_destroy(st);
+    di_dsv41_dev_destroy(d);
+    di_backend_destroy(b);
+    di_model_destroy(m);
+}
+
 static void fp32_one(void) {
     one_sequence(DI_PRECISION_FP32);
 }
@@ -588,6 +648,7 @@ int main(void) {
     RUN(fp32_wiring);
     RUN(official_wiring);
     RUN(refuses_v4);
+    RUN(engram_on_host);
     snprintf(g_fix, sizeof g_fix, "/tmp/di_test_dev41_fix_XXXXXX");
     CHECK(mkdtemp(g_fix) != NULL);
     CHECK(assemble_fixture());
