@@ -323,8 +323,8 @@ def test_pd_with_api_keys():
 
 def test_pd_prefill_affinity():
     # two prefill replicas: a request is prefilled on its prefix's ring replica, so the same
-    # prompt again is prefilled where it is cached (a prefix-cache hit there), the decision is
-    # counted as affine, and the output is still a plain replica's
+    # prompt again is prefilled where it is cached (a prefix-cache hit there; that decision is
+    # the prefix match), and the output is still a plain replica's
     pres = [Server(["--kv-transfer"]), Server(["--kv-transfer"])]
     dec = Server(["--kv-transfer"])
     router = None
@@ -352,9 +352,10 @@ def test_pd_prefill_affinity():
                     assert i == first[seed], (seed, first)
                     assert hit >= got["usage"]["prompt_tokens"] - 32, (seed, hit)
         m = router.metrics()
-        aff = sum(m[f'deepinfer:router_prefill_decisions_total{{replica="{i}",decision="affine"}}']
-                  for i in range(2))
-        assert aff == 6
+        # round 0 by the ring, round 1 by the prefix each was sent before (the longest match)
+        kinds = {k: sum(m[f'deepinfer:router_prefill_decisions_total{{replica="{i}",'
+                            f'decision="{k}"}}'] for i in range(2)) for k in ("affine", "match")}
+        assert kinds == {"affine": 3, "match": 3}, kinds
         assert m['deepinfer:router_pd_requests_total{outcome="ok"}'] == 6
     finally:
         if router:

@@ -119,8 +119,32 @@ def test_router_prefix_affinity(fleet):
         assert after[1 - i] == hits[1 - i]
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
     m = router.metrics()
-    affine = sum(v for k, v in m.items() if 'decision="affine"' in k)
-    assert affine >= 8
+    # the first request of each pair by the ring, the second by the ring or by its match
+    routed = sum(v for k, v in m.items() if 'decision="affine"' in k or 'decision="match"' in k)
+    assert routed >= 8
+
+
+# (b2) a shared system prompt shorter than the ring key (so the ring alone would spread the
+# requests by their user turns) keeps them on the replica that was sent it: the longest match
+def test_router_prefix_match(fleet):
+    reps, router = fleet
+    system = " ".join(f"rule {k}: answer briefly and politely." for k in range(24))  # ~900 B
+    assert 800 < len(system) < 1000
+    before = router.metrics()
+    served, cached = set(), []
+    for k in range(8):
+        body = {"model": MODEL, "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": f"question {k}: {'why ' * k}now?"}]}
+        st, hdrs, out = post(router, "/v1/chat/completions", body)
+        assert st == 200, out
+        served.add(served_by(hdrs))
+        cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(served) == 1, served
+    assert all(c > 0 for c in cached[1:]), cached  # the system prompt was reused every time
+    after = router.metrics()
+    match = sum(v - before.get(k, 0) for k, v in after.items() if 'decision="match"' in k)
+    assert match >= 7, match
 
 
 # (c) different prefixes spread over both replicas

@@ -19,15 +19,18 @@ static void usage(FILE *f) {
             "                       [--replica-api-key KEY] [--health-interval 1s]\n"
             "                       [--health-fails 3] [--connect-timeout 2s]\n"
             "                       [--upstream-timeout 600s] [--prefix-bytes 1024]\n"
-            "                       [--max-imbalance 4] [--vnodes 64] [--no-user-pin]\n"
+            "                       [--match-bytes 65536] [--max-imbalance 4] [--vnodes 64]\n"
+            "                       [--no-user-pin]\n"
             "                       [--max-body-mib 8] [--timeout 600] [--drain-timeout 30]\n"
             "       deepinfer route --prefill URL [--prefill ...] --decode URL [--decode ...]\n"
             "                       [--pd-min-bytes 1024] [--pd-min-new-tokens 256]\n"
             "                       [--prefill-timeout 120s] [options]\n"
             "Spreads OpenAI Chat Completions / Completions / Responses and Anthropic Messages\n"
-            "requests over `deepinfer serve` replicas: prefix affinity on a consistent-hash ring,\n"
-            "least-loaded fallback, health polling, one retry before any byte reached the client\n"
-            "(docs/router.md). Durations: a number with ms, s (default) or m.\n"
+            "requests over `deepinfer serve` replicas: to the replica sent the longest prefix of\n"
+            "the prompt (its first --match-bytes, in 256-byte chunks; 0: off), else by prefix\n"
+            "affinity on a consistent-hash ring; least-loaded fallback, health polling, one retry\n"
+            "before any byte reached the client (docs/router.md). Durations: a number with ms,\n"
+            "s (default) or m.\n"
             "With --prefill replicas (`deepinfer serve --kv-transfer`), each request of at least\n"
             "--pd-min-bytes is prefilled there first and its KV moved to the decode replica\n"
             "(--decode, same as --replica), which then serves it (docs/disaggregation.md),\n"
@@ -129,6 +132,7 @@ static void poll_once(rt *r, rt_replica *p, const char *role, int i, CURL *e, sb
     } else {
         p->n_fails_in_a_row++;
         if (unreachable || p->n_fails_in_a_row >= r->cfg.health_fails) p->healthy = false;
+        if (was && !p->healthy) rt_seen_clear(&p->seen); // it may come back empty
     }
     if (have_load) {
         p->n_waiting = (int64_t)waiting;
@@ -189,6 +193,7 @@ int di_cli_route(int argc, char **argv) {
                      .connect_timeout_ms = 2000,
                      .upstream_timeout_s = 600,
                      .prefix_bytes = 1024,
+                     .match_bytes = (size_t)RT_MAX_CHAIN * RT_CHUNK,
                      .n_vnodes = 64,
                      .max_imbalance = 4,
                      .pin_user = true,
@@ -262,6 +267,10 @@ int di_cli_route(int argc, char **argv) {
         } else if (!strcmp(a, "--prefix-bytes") && has) {
             if (!di_args_int(argv[++i], "--prefix-bytes", 16, 1 << 20, &v)) goto out;
             c->prefix_bytes = (size_t)v;
+        } else if (!strcmp(a, "--match-bytes") && has) {
+            if (!di_args_int(argv[++i], "--match-bytes", 0, (long)RT_MAX_CHAIN * RT_CHUNK, &v))
+                goto out;
+            c->match_bytes = (size_t)v;
         } else if (!strcmp(a, "--max-imbalance") && has) {
             if (!di_args_int(argv[++i], "--max-imbalance", 1, 1 << 20, &v)) goto out;
             c->max_imbalance = v;
@@ -292,6 +301,13 @@ int di_cli_route(int argc, char **argv) {
     if (r->n_pre && !rt_ring_create(r->n_pre, names, c->n_vnodes, &r->pre_ring)) {
         fprintf(stderr, "ERROR route: out of memory building the prefill ring\n");
         goto out;
+    }
+    for (int i = 0; i < r->n_rep + r->n_pre; i++) {
+        rt_replica *p = i < r->n_rep ? &r->rep[i] : &r->pre[i - r->n_rep];
+        if (c->match_bytes > 0 && !rt_seen_init(&p->seen, RT_SEEN_LOG2)) {
+            fprintf(stderr, "ERROR route: out of memory for the prefix tables\n");
+            goto out;
+        }
     }
     if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
         fprintf(stderr, "ERROR route: cannot initialise libcurl\n");
@@ -360,6 +376,8 @@ out:
     if (curl) curl_global_cleanup();
     rt_ring_destroy(r->ring);
     rt_ring_destroy(r->pre_ring);
+    for (int i = 0; i < r->n_rep; i++) rt_seen_free(&r->rep[i].seen);
+    for (int i = 0; i < r->n_pre; i++) rt_seen_free(&r->pre[i].seen);
     free(r);
     return rc;
 }

@@ -73,6 +73,70 @@ size_t rt_prefix_key(const json_t *req, bool pin_user, char *out, size_t cap, bo
     return k.n;
 }
 
+// ---- prefixes sent to a replica ----
+
+int rt_chain(const char *text, size_t n, uint64_t *out, int cap) {
+    int k = 0;
+    uint64_t prev = 0;
+    for (size_t off = 0; off + RT_CHUNK <= n && k < cap; off += RT_CHUNK) {
+        unsigned char buf[8 + RT_CHUNK];
+        memcpy(buf, &prev, 8);
+        memcpy(buf + 8, text + off, RT_CHUNK);
+        prev = rt_hash(buf, sizeof buf);
+        out[k++] = prev ? prev : 1; // 0 marks an empty slot
+    }
+    return k;
+}
+
+bool rt_seen_init(rt_seen *s, int log2_slots) {
+    s->h = NULL;
+    s->mask = 0;
+    if (log2_slots < 1 || log2_slots > 30) return false;
+    s->h = calloc((size_t)1 << log2_slots, sizeof *s->h);
+    if (!s->h) return false;
+    s->mask = (uint32_t)(((size_t)1 << log2_slots) - 1);
+    return true;
+}
+
+void rt_seen_free(rt_seen *s) {
+    free(s->h);
+    s->h = NULL;
+    s->mask = 0;
+}
+
+void rt_seen_clear(rt_seen *s) {
+    if (s->h) memset(s->h, 0, sizeof *s->h * ((size_t)s->mask + 1));
+}
+
+// The two slots of h's set.
+static uint32_t seen_set(const rt_seen *s, uint64_t h) {
+    return (uint32_t)h & s->mask & ~1u;
+}
+
+static bool seen_has(const rt_seen *s, uint64_t h) {
+    const uint32_t i = seen_set(s, h);
+    return s->h[i] == h || s->h[i + 1] == h;
+}
+
+void rt_seen_add(rt_seen *s, const uint64_t *chain, int n) {
+    if (!s->h) return;
+    for (int k = 0; k < n; k++) {
+        const uint64_t h = chain[k];
+        const uint32_t i = seen_set(s, h);
+        if (s->h[i] == h || s->h[i + 1] == h) continue;
+        // The newer hash goes to the way the older entry leaves: way 0 holds the newest.
+        s->h[i + 1] = s->h[i];
+        s->h[i] = h;
+    }
+}
+
+int rt_seen_match(const rt_seen *s, const uint64_t *chain, int n) {
+    if (!s->h) return 0;
+    for (int k = n; k > 0; k--)
+        if (seen_has(s, chain[k - 1])) return k;
+    return 0;
+}
+
 // ---- consistent-hash ring ----
 
 typedef struct point {
@@ -136,9 +200,10 @@ int rt_ring_lookup(const rt_ring *r, uint64_t h, const bool *usable) {
 
 // ---- the choice ----
 
-int rt_policy_pick(const rt_ring *r, bool has_key, uint64_t key, const rt_replica_load *loads,
-                   int n, int exclude, int64_t max_imbalance, rt_pick *how) {
-    bool usable[256];
+int rt_policy_pick(const rt_ring *r, bool has_key, uint64_t key, const int *match,
+                   const rt_replica_load *loads, int n, int exclude, int64_t max_imbalance,
+                   rt_pick *how) {
+    bool usable[256], cand[256];
     if (n > 256) n = 256; // the CLI caps replicas at 64
     int least = -1;
     int64_t min_load = 0;
@@ -159,12 +224,16 @@ int rt_policy_pick(const rt_ring *r, bool has_key, uint64_t key, const rt_replic
         *how = RT_PICK_LEAST;
         return least;
     }
-    int a = rt_ring_lookup(r, key, usable);
+    int best = 0; // the longest match among the usable replicas
+    for (int i = 0; match && i < n; i++)
+        if (usable[i] && match[i] > best) best = match[i];
+    for (int i = 0; i < n; i++) cand[i] = usable[i] && (best == 0 || match[i] == best);
+    int a = rt_ring_lookup(r, key, cand);
     int64_t la = loads[a].n_inflight + loads[a].n_waiting;
     if (la >= min_load + max_imbalance && a != least) {
         *how = RT_PICK_FALLBACK;
         return least;
     }
-    *how = RT_PICK_AFFINE;
+    *how = best > 0 ? RT_PICK_MATCH : RT_PICK_AFFINE;
     return a;
 }

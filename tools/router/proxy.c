@@ -333,22 +333,30 @@ static enum MHD_Result relay(rt *r, struct MHD_Connection *c, const call *x) {
     return ret;
 }
 
-// Picks one of the n replicas of `set` on `ring` (rt_policy_pick; exclude: the one that failed a
-// first try, or -1), takes its in-flight count and counts the decision; -1 if none is healthy.
-// Locks rt.mu.
-static int pick_in(rt *r, rt_replica *set, int n, const rt_ring *ring, bool has_key, uint64_t key,
+// Picks one of the n replicas of `set` on `ring` for q (rt_policy_pick with each replica's match
+// of q's prefix chain, unless q is pinned to its user; exclude: the one that failed a first try,
+// or -1), takes its in-flight count, records q's chain as sent to it and counts the decision; -1
+// if none is healthy. Locks rt.mu.
+static int pick_in(rt *r, rt_replica *set, int n, const rt_ring *ring, const rt_route *q,
                    int exclude) {
     rt_replica_load loads[RT_MAX_REPLICAS];
+    int match[RT_MAX_REPLICAS];
     rt_pick how;
     pthread_mutex_lock(&r->mu);
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         loads[i] = (rt_replica_load){set[i].healthy, set[i].n_inflight, set[i].n_waiting};
-    const int i = rt_policy_pick(ring, has_key, key, loads, n, exclude, r->cfg.max_imbalance, &how);
+        match[i] = q->pinned ? 0 : rt_seen_match(&set[i].seen, q->chain, q->n_chain);
+    }
+    const int i = rt_policy_pick(ring, q->has_key, q->key, match, loads, n, exclude,
+                                 r->cfg.max_imbalance, &how);
     if (i >= 0) {
         rt_replica *p = &set[i];
         p->n_inflight++;
         p->n_requests++;
-        if (how == RT_PICK_AFFINE)
+        rt_seen_add(&p->seen, q->chain, q->n_chain);
+        if (how == RT_PICK_MATCH)
+            p->n_match++;
+        else if (how == RT_PICK_AFFINE)
             p->n_affine++;
         else if (how == RT_PICK_FALLBACK)
             p->n_fallback++;
@@ -361,8 +369,8 @@ static int pick_in(rt *r, rt_replica *set, int n, const rt_ring *ring, bool has_
 
 // Picks a serving replica (exclude: the one that failed a first try, or -1), counting retries
 // and refusals.
-static int pick(rt *r, bool has_key, uint64_t key, int exclude) {
-    const int i = pick_in(r, r->rep, r->n_rep, r->ring, has_key, key, exclude);
+static int pick(rt *r, const rt_route *q, int exclude) {
+    const int i = pick_in(r, r->rep, r->n_rep, r->ring, q, exclude);
     pthread_mutex_lock(&r->mu);
     if (i >= 0 && exclude >= 0) r->n_retries++;
     if (i < 0 && exclude < 0) r->n_no_replica++;
@@ -374,8 +382,8 @@ static int pick(rt *r, bool has_key, uint64_t key, int exclude) {
 
 // The prefill replica for a request: the serving replicas' policy on the prefill ring with the
 // request's key, so requests sharing a prefix are prefilled where that prefix is cached.
-static int pick_prefill(rt *r, bool has_key, uint64_t key) {
-    return pick_in(r, r->pre, r->n_pre, r->pre_ring, has_key, key, -1);
+static int pick_prefill(rt *r, const rt_route *q) {
+    return pick_in(r, r->pre, r->n_pre, r->pre_ring, q, -1);
 }
 
 // Runs x to its end within deadline (seconds, srv_now) or until the client leaves; true if it
@@ -400,7 +408,7 @@ static const char *call_why(const call *x, char *buf, size_t cap) {
 // failure (no prefill replica, transport error, timeout, a refusal) is a fallback: the decode
 // replica then computes the prompt itself, which gives the same output. Counted either way.
 static void prefill(rt *r, struct MHD_Connection *c, const char *url, const char *body,
-                    size_t n_body, bool has_key, uint64_t key, int decode) {
+                    size_t n_body, const rt_route *q, int decode) {
     const double t0 = srv_now(), deadline = t0 + r->cfg.prefill_timeout_ms / 1000.0;
     char path[320], why[400];
     const char *fail_why = "no prefill replica is ready";
@@ -408,7 +416,7 @@ static void prefill(rt *r, struct MHD_Connection *c, const char *url, const char
     int64_t blocks = 0;
     size_t bytes = 0;
     double t_pre = 0, t_imp = 0;
-    int j = pick_prefill(r, has_key, key);
+    int j = pick_prefill(r, q);
     if (j >= 0) {
         snprintf(path, sizeof path, "/internal/prefill?route=%s", url);
         call *x = call_start(r, &r->pre[j], j, c, path, "POST", body, n_body, NULL);
@@ -426,6 +434,7 @@ static void prefill(rt *r, struct MHD_Connection *c, const char *url, const char
                 pthread_mutex_lock(&r->mu);
                 bool was = r->pre[j].healthy;
                 r->pre[j].healthy = false; // until a poll finds it ready
+                if (was) rt_seen_clear(&r->pre[j].seen);
                 if (r->pre[j].n_fails_in_a_row < r->cfg.health_fails)
                     r->pre[j].n_fails_in_a_row = r->cfg.health_fails;
                 pthread_mutex_unlock(&r->mu);
@@ -526,15 +535,15 @@ static pd_verdict probe_decode(rt *r, struct MHD_Connection *c, const char *url,
 // transfer cut after a non-streaming answer began is not retried (the replica may have generated);
 // a streaming answer is committed once its 2xx headers arrive.
 static enum MHD_Result forward(rt *r, struct MHD_Connection *c, srv_api api, const char *url,
-                               const char *method, const char *body, size_t n_body, bool has_key,
-                               uint64_t key, bool pd) {
+                               const char *method, const char *body, size_t n_body,
+                               const rt_route *q, bool pd) {
     srv_err e;
     srv_err_set(&e, 503, NULL, "No replica is ready; retry later.");
     e.code = "no_replica";
     int exclude = -1;
     call *refused = NULL; // a first answer with a retryable status, kept for want of another
     for (int attempt = 0; attempt < 2; attempt++) {
-        int i = pick(r, has_key, key, exclude);
+        int i = pick(r, q, exclude);
         if (i < 0) break;
         const pd_verdict pv = attempt == 0 && pd && r->cfg.pd_min_new_tokens > 0
                                   ? probe_decode(r, c, url, body, n_body, i)
@@ -549,7 +558,7 @@ static enum MHD_Result forward(rt *r, struct MHD_Connection *c, srv_api api, con
             pd = false;
         }
         if (attempt == 0 && pd) {
-            prefill(r, c, url, body, n_body, has_key, key, i);
+            prefill(r, c, url, body, n_body, q, i);
             if (srv_client_gone(c)) { // it left during the prefill step: nobody to answer
                 pthread_mutex_lock(&r->mu);
                 r->rep[i].n_inflight--;
@@ -640,6 +649,7 @@ void rt_replica_down(rt *r, int i, const char *why) {
     pthread_mutex_lock(&r->mu);
     bool was = r->rep[i].healthy;
     r->rep[i].healthy = false;
+    if (was) rt_seen_clear(&r->rep[i].seen); // it may come back empty
     if (r->rep[i].n_fails_in_a_row < r->cfg.health_fails)
         r->rep[i].n_fails_in_a_row = r->cfg.health_fails;
     pthread_mutex_unlock(&r->mu);
@@ -700,8 +710,9 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
         srv_err_set(&e, 401, NULL, "Invalid or missing API key.");
         return fail(r, c, api, &e);
     }
-    bool has_key = false;
-    uint64_t key = 0;
+    rt_route q = {0};
+    uint64_t chain[RT_MAX_CHAIN];
+    q.chain = chain;
     if (rt_->k == K_GEN || rt_->k == K_COUNT) {
         if (too_large) {
             srv_err_set(&e, 413, NULL, "The request body is larger than %zu bytes.",
@@ -726,11 +737,18 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
         }
         char *kb = malloc(r->cfg.prefix_bytes);
         if (kb) {
-            bool pinned;
-            size_t n = rt_prefix_key(req, r->cfg.pin_user, kb, r->cfg.prefix_bytes, &pinned);
-            has_key = n > 0;
-            key = rt_hash(kb, n);
+            size_t n = rt_prefix_key(req, r->cfg.pin_user, kb, r->cfg.prefix_bytes, &q.pinned);
+            q.has_key = n > 0;
+            q.key = rt_hash(kb, n);
             free(kb);
+        }
+        // The prefix chain: the canonical prompt text (never the user) in whole chunks.
+        char *mb = r->cfg.match_bytes > 0 ? malloc(r->cfg.match_bytes) : NULL;
+        if (mb) {
+            bool user;
+            size_t n = rt_prefix_key(req, false, mb, r->cfg.match_bytes, &user);
+            q.n_chain = rt_chain(mb, n, chain, RT_MAX_CHAIN);
+            free(mb);
         }
         json_decref(req);
     }
@@ -743,7 +761,7 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
         if (!pd) r->n_pd_short++;
         pthread_mutex_unlock(&r->mu);
     }
-    enum MHD_Result ret = forward(r, c, api, url, method, body, n_body, has_key, key, pd);
+    enum MHD_Result ret = forward(r, c, api, url, method, body, n_body, &q, pd);
     atomic_fetch_sub(&r->inflight, 1);
     return ret;
 }
@@ -783,12 +801,14 @@ char *rt_metrics_text(rt *r) {
     PER_REPLICA("deepinfer:router_replica_errors_total", "%llu",
                 (unsigned long long)r->rep[i].n_errors);
     FAMILY("deepinfer:router_decisions_total", "counter",
-           "Routing decisions by kind (affine: the prefix's ring replica; fallback: the "
-           "least-loaded one as the affine one was overloaded; least: no key, or a retry).");
+           "Routing decisions by kind (match: the replica sent the longest prefix of the prompt; "
+           "affine: the prefix's ring replica; fallback: the least-loaded one as the chosen one "
+           "was overloaded; least: no key, or a retry).");
     for (int i = 0; i < r->n_rep; i++) {
-        const char *k_kind[3] = {"affine", "fallback", "least"};
-        const uint64_t v[3] = {r->rep[i].n_affine, r->rep[i].n_fallback, r->rep[i].n_least};
-        for (int k = 0; k < 3; k++)
+        const char *k_kind[4] = {"match", "affine", "fallback", "least"};
+        const uint64_t v[4] = {r->rep[i].n_match, r->rep[i].n_affine, r->rep[i].n_fallback,
+                               r->rep[i].n_least};
+        for (int k = 0; k < 4; k++)
             sb_addf(&b, "deepinfer:router_decisions_total{replica=\"%d\",decision=\"%s\"} %llu\n",
                     i, k_kind[k], (unsigned long long)v[k]);
     }
@@ -814,9 +834,10 @@ char *rt_metrics_text(rt *r) {
         FAMILY("deepinfer:router_prefill_decisions_total", "counter",
                "Prefill replica choices by kind (as router_decisions_total).");
         for (int i = 0; i < r->n_pre; i++) {
-            const char *k_kind[3] = {"affine", "fallback", "least"};
-            const uint64_t v[3] = {r->pre[i].n_affine, r->pre[i].n_fallback, r->pre[i].n_least};
-            for (int k = 0; k < 3; k++)
+            const char *k_kind[4] = {"match", "affine", "fallback", "least"};
+            const uint64_t v[4] = {r->pre[i].n_match, r->pre[i].n_affine, r->pre[i].n_fallback,
+                                   r->pre[i].n_least};
+            for (int k = 0; k < 4; k++)
                 sb_addf(&b,
                         "deepinfer:router_prefill_decisions_total{replica=\"%d\",decision=\"%s\"} "
                         "%llu\n",

@@ -28,6 +28,19 @@
 // Idle upstream handles kept per replica: each holds a kept-alive connection, so a request does
 // not pay a TCP connect and a new replica connection thread (about 2 ms on loopback).
 #define RT_POOL 32
+// Slots of each replica's table of prefixes sent (rt_seen: 2^17 hashes, 1 MiB) and the most
+// chunks of a request's prompt matched (rt_chain; 64 KiB of canonical text at RT_CHUNK 256).
+#define RT_SEEN_LOG2 17
+#define RT_MAX_CHAIN 256
+
+// What routes one request: its ring key (rt_prefix_key, hashed; pinned: its user's) and the chain
+// hashes of its canonical prompt text (rt_chain, borrowed), matched against each replica's rt_seen.
+typedef struct rt_route {
+    bool has_key, pinned;
+    uint64_t key;
+    const uint64_t *chain;
+    int n_chain;
+} rt_route;
 
 typedef struct rt_config {
     // The client side: host, port, api_key (NULL: clients need no key), max_body_bytes (bodies
@@ -39,6 +52,7 @@ typedef struct rt_config {
     int connect_timeout_ms;      // upstream connect (and health poll) timeout
     int upstream_timeout_s;      // an upstream transfer receiving nothing this long is aborted
     size_t prefix_bytes;         // routing-key length (rt_prefix_key)
+    size_t match_bytes;          // canonical text matched against the prefixes sent (0: off)
     int n_vnodes;                // ring points per replica
     int64_t max_imbalance;       // rt_policy_pick: overload margin, in requests
     bool pin_user;               // a request naming a user routes by it
@@ -59,10 +73,11 @@ typedef struct rt_replica {
     int64_t n_inflight;   // requests the router has open on it
     int64_t n_waiting, n_running;
     double kv_usage;
-    uint64_t n_requests, n_errors;          // attempts sent; attempts failed (transport or 5xx)
-    uint64_t n_affine, n_fallback, n_least; // decisions that chose it
-    CURLM *pool_m[RT_POOL];                 // owned: idle multi handles, each with its easy one
-    CURL *pool_e[RT_POOL];                  // owned
+    uint64_t n_requests, n_errors; // attempts sent; attempts failed (transport or 5xx)
+    uint64_t n_match, n_affine, n_fallback, n_least; // decisions that chose it
+    rt_seen seen;           // owned: the prefixes sent to it (cleared when it leaves rotation)
+    CURLM *pool_m[RT_POOL]; // owned: idle multi handles, each with its easy one
+    CURL *pool_e[RT_POOL];  // owned
     int n_pool;
 } rt_replica;
 
