@@ -295,7 +295,10 @@ static di_status lt_run(di_cuda *cu, const di_tensor *w, const float *ws_lt, con
     const int64_t K = w->ne[0], n_out = w->ne[1];
     // Leading dimensions padded to 4 floats (16 bytes), which cuBLASLt's kernels want.
     const int64_t ld_n = (n_out + 3) / 4 * 4, ld_t = (n_tok + 3) / 4 * 4;
-    const bool direct = y_stride == ld_n; // natural formulation straight into y
+    // Natural formulation straight into y: only where y is as aligned as the heuristic assumes of
+    // every pointer (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, default 256; the cached plans were
+    // chosen under it). A y inside a larger buffer goes through the (pool-aligned) padded buffer.
+    const bool direct = y_stride == ld_n && ((uintptr_t)y & 255) == 0;
     const uint64_t h =
         mix64((uint64_t)K * 0x9e3779b97f4a7c15ull ^ mix64((uint64_t)n_out * 31 + (uint64_t)n_tok));
     lt_plan *pl = &cu->lt_cache->plans[h % LT_PLANS];
