@@ -468,6 +468,10 @@ static void bench_attn(void) {
                 CK(cudaMemcpy(idxd, idx.data(), sizeof(int32_t) * (size_t)n_rows,
                               cudaMemcpyHostToDevice));
                 CK(cudaMemcpy(nkd, nk.data(), sizeof(int32_t) * (size_t)B, cudaMemcpyHostToDevice));
+                // Pageable cudaMemcpy returns once the data is staged, its DMA on the legacy
+                // stream, which g_s (non-blocking) does not wait for: the lists must have landed
+                // before the first attention launch reads them.
+                CK(cudaDeviceSynchronize());
                 float *q = (float *)dmalloc(sizeof(float) * (size_t)(B * H * dh));
                 float *o = (float *)dmalloc(sizeof(float) * (size_t)(B * H * dh));
                 float *sink = (float *)dmalloc(sizeof(float) * (size_t)H);

@@ -295,7 +295,10 @@ static di_status lt_run(di_cuda *cu, const di_tensor *w, const float *ws_lt, con
     const int64_t K = w->ne[0], n_out = w->ne[1];
     // Leading dimensions padded to 4 floats (16 bytes), which cuBLASLt's kernels want.
     const int64_t ld_n = (n_out + 3) / 4 * 4, ld_t = (n_tok + 3) / 4 * 4;
-    const bool direct = y_stride == ld_n; // natural formulation straight into y
+    // Natural formulation straight into y: only where y is as aligned as the heuristic assumes of
+    // every pointer (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, default 256; the cached plans were
+    // chosen under it). A y inside a larger buffer goes through the (pool-aligned) padded buffer.
+    const bool direct = y_stride == ld_n && ((uintptr_t)y & 255) == 0;
     const uint64_t h =
         mix64((uint64_t)K * 0x9e3779b97f4a7c15ull ^ mix64((uint64_t)n_out * 31 + (uint64_t)n_tok));
     lt_plan *pl = &cu->lt_cache->plans[h % LT_PLANS];
@@ -361,6 +364,13 @@ fail:
 
 // ---- matmul_a8: A8 then the FP8 product, on tensor cores for prefill ----
 
+// Takes (and so clears) a pending non-sticky CUDA error, e.g. a launch error of cuBLASLt's
+// kernels, which the next launcher's di_cuda_check_launch would otherwise report as its own.
+static const char *last_error_str(void) {
+    const cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? "a cuBLASLt status" : cudaGetErrorString(e);
+}
+
 // Whether w at n_tok rows may take the tensor-core path (gemm.cuh di_cuda_matmul_a8).
 static bool tc_eligible(const di_cuda *cu, const di_tensor *w, int64_t n_tok) {
     return cu->fp8_tc >= 0 && !cu->capturing && n_tok >= DI_BACKEND_TC_MIN_ROWS &&
@@ -422,8 +432,16 @@ static di_status tc_check(di_cuda *cu, const di_tensor *w, const float *x, int64
                      "cuda: no cuBLASLt FP8 block-scaled algorithm on this GPU: A8 matmuls stay on "
                      "the SIMT kernels");
         cu->fp8_tc = -1;
-    } else if (st != DI_OK) {
+    } else if (st == DI_ERR_NOMEM) {
         goto fail;
+    } else if (st != DI_OK) {
+        // cuBLASLt refused the call at run time (a status, or a launch error of its kernels): the
+        // SIMT result in ref stands and the tensor-core path is off for the context. A fault
+        // inside a kernel is sticky and fails the copy below (and the next sync) anyway.
+        DI_CUDA_LOG_WARN("cuda: FP8 tensor-core A8 matmul failed on its first call (%s): A8 "
+                         "matmuls stay on the SIMT kernels",
+                         last_error_str());
+        cu->fp8_tc = -1;
     } else {
         h_tc = (float *)malloc(sizeof(float) * (size_t)n);
         h_ref = (float *)malloc(sizeof(float) * (size_t)n);
@@ -471,6 +489,15 @@ extern "C" di_status di_cuda_matmul_a8(di_cuda *cu, const di_tensor *w, const fl
     if (cu->fp8_tc == 0) return tc_check(cu, w, x, n_tok, x_stride, aq, y, y_stride);
     di_status st = tc_a8(cu, w, x, n_tok, x_stride, y, y_stride);
     if (st == DI_ERR_UNSUPPORTED) { // no algorithm for this shape: this call on the SIMT path
+        return simt_a8(cu, w, x, n_tok, x_stride, aq, y, y_stride);
+    }
+    if (st != DI_OK && st != DI_ERR_NOMEM) {
+        // A run-time refusal of cuBLASLt for this shape (see tc_check): this call and every later
+        // one on the SIMT path, which rewrites all of y.
+        DI_CUDA_LOG_WARN("cuda: FP8 tensor-core A8 matmul (%s, %lld rows) failed (%s): A8 matmuls "
+                         "stay on the SIMT kernels",
+                         w->name ? w->name : "?", (long long)n_tok, last_error_str());
+        cu->fp8_tc = -1;
         return simt_a8(cu, w, x, n_tok, x_stride, aq, y, y_stride);
     }
     if (st == DI_OK) cu->n_fp8_tc_calls++;

@@ -264,7 +264,7 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
         if (w->gate_temp > 0) {
             const int64_t n = (int64_t)n_tok * E;
             div_kernel<<<di_div_up(n, 256), 256, 0, di_stream(cu)>>>(logits, n, w->gate_temp);
-            DI_CUDA_LAUNCHED("div_kernel");
+            DI_TRY(di_cuda_check_launch("div_kernel")); // via fail: the scratch goes back
         }
         DI_TRY(di_cuda_router(cu, logits, w->gate_bias, w->tid2eid, ids, n_tok, E, K,
                               w->route_scale, w->hf_eps, sel, wgt));

@@ -58,10 +58,11 @@ __device__ __forceinline__ float e2m1_grid(float x) {
 // One block per (row, quantisation block), row-major over the grid: amax (exact), the power-of-two
 // scale as fake_quant_block computes it (fl32(amax * fl32(1/qmax)), ceil_log2 from the bits), then
 // each value divided by it (a multiply by the exact 2^-k: the same correctly rounded quotient),
-// clamped, put on the grid and scaled back (exact).
+// clamped, put on the grid and scaled back (exact). y may be x (in place: di_cuda_moe's h, the
+// backend's fake_quant entry), so neither pointer is __restrict__.
 __global__ void __launch_bounds__(QUANT_THREADS)
-    fake_quant_kernel(const float *__restrict__ x, int64_t n, int64_t stride, int32_t block,
-                      int32_t bits, float *__restrict__ y) {
+    fake_quant_kernel(const float *x, int64_t n, int64_t stride, int32_t block, int32_t bits,
+                      float *y) {
     __shared__ float red[32];
     const int64_t nb = n / block, r = blockIdx.x / nb;
     const int64_t off = r * stride + (blockIdx.x % nb) * block;
