@@ -98,6 +98,11 @@ void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s); // NULL: no-op
 di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
                              int64_t *slot_bytes);
 int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s);
+// Backend bytes the state allocated (pools, rings, index keys, scratch, staging) with its host
+// staging; its entry blocks are di_dsv41_dev_state_n_blocks.
+int64_t di_dsv41_dev_state_bytes(const di_dsv41_dev_state *s);
+// The backend it runs on (borrowed): e.g. for host_alloc of the buffers logits go to.
+di_backend *di_dsv41_dev_backend(const di_dsv41_dev *d);
 // Entry block I/O (the prefix cache's disk tier): one entry block's contents, exactly as stored
 // (di_dsv41_dev_sizes' block_bytes, in its layout), to and from host memory, so a block read from
 // one state writes identically into any state of a dev of the same model and recipe. read copies
@@ -115,6 +120,10 @@ size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d);
 // Copies slot `slot`'s tail at its current position into dst and syncs. DI_ERR_INVALID (slot out
 // of range or failed, a position that is no multiple of every ratio; logged), DI_ERR_CUDA.
 di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst);
+// Whether src (di_dsv41_dev_tail_bytes) is a snapshot of d's states at position pos (its header,
+// and pos a multiple of every ratio; restore checks the same): DI_OK or DI_ERR_INVALID (not
+// logged). Host only, any thread.
+di_status di_dsv41_dev_tail_check(const di_dsv41_dev *d, int32_t pos, const void *src);
 // Puts a snapshot taken at position pos (any slot of any state of the same dev) into slot `slot`
 // with the tokens of positions [0, pos) (the Engram history): the slot then continues at pos
 // exactly as the one that saved it, its next call passing pos and blocks holding the entries of
@@ -176,3 +185,9 @@ typedef struct di_dsv41_dev_graph_stats {
     int64_t last_ops, last_uploads, last_upload_bytes;
 } di_dsv41_dev_graph_stats;
 void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out);
+// Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps
+// of token 0 at position 0 on slots 0..n-1 per size (the slots are left at position 1: restart
+// them at 0). With shared blocks every slot lists block 0 as cached (n_cached = block_tokens: the
+// steps write no entry, block 0 is left as it was). No-op with graphs off (DI_DEV_GRAPHS=0).
+// Not inside a call. Errors as di_dsv41_dev_forward (and DI_ERR_NOMEM for its host scratch).
+di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *s, int32_t max_seqs);
