@@ -8,22 +8,29 @@
 // (debug) fails the first N steps as a device fault would.
 //
 // Three forwards, chosen at create:
-//   - the device-resident forward (model/dsv4_dev.h), when the model has one attached (m->dev:
-//     --device cuda on a V4 FP32 checkpoint, or a test's CPU twin): one dev state of max_seqs
+//   - the device-resident forward, when the model has one attached: V4's (model/dsv4_dev.h, m->dev:
+//     --device cuda on a V4 checkpoint, or a test's CPU twin) or V4.1's (model/dsv41_dev.h,
+//     m->dev41: --device cuda on a V4.1 checkpoint, or a test's CPU twin) without speculation
+//     (V4.1's has no DSpark: with spec_tokens > 0 that engine runs the V4.1 forward below, its
+//     matmuls offloaded, and says so at INFO). Both are reached through one adapter (dev_*: "the
+//     device-resident forwards" below), so what follows holds for either: one dev state of max_seqs
 //     slots for max_batch_tokens rows whose compressed entries live in entry blocks; the
 //     kv_manager keeps the accounting of those blocks (ids, references, the prefix cache; no host
 //     memory, no tail blocks: the state holds every slot's rings), sized from kv_memory_bytes
-//     (minus the slots' tails, di_dsv4_dev_sizes). A running request's scheduler slot is its dev
-//     slot; each call passes its block ids, its win_lo (bounded replay after a prefix hit) and
-//     the positions it attached from the prefix cache, so prefix reuse works as on the CPU path.
+//     (minus the slots' tails, di_dsv4_dev_sizes / di_dsv41_dev_sizes). A running request's
+//     scheduler slot is its dev slot; each call passes its block ids, its win_lo (bounded replay
+//     after a prefix hit), the positions it attached from the prefix cache and (V4.1) its
+//     request's tokens (the Engram look-back before win_lo; a tail restore rebuilds the history
+//     from them too), so prefix reuse works as on the CPU path.
 //     A failed dev call fails the requests of that step (DI_FINISH_ERROR with its status); the
 //     engine keeps serving. With spec_tokens > 0 (a V4 checkpoint with its MTP block) the dev
 //     state holds the MTP block too (di_dsv4_dev_mtp_enable: a window ring per slot, paid from
 //     kv_memory_bytes): MTP speculation as on the CPU forward below, the step's call verifying
 //     [y, d] in two rows, the rejected row taken back in the dev state (di_dsv4_dev_rollback) and
 //     the MTP call run on the kept rows' main streams, which the state keeps from the step's call
-//     ("speculative decoding on the device-resident forward" below).
-//   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h): one V4.1 session
+//     ("speculative decoding on the device-resident forward" below; V4 only).
+//   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h) without the
+//     device-resident one (or with it and spec_tokens > 0): one V4.1 session
 //     per scheduler slot holding the slot's fixed tail (window and DSpark rings, (C, Z) slots,
 //     the Engram history), reserved at create for max_ctx positions and max_batch_tokens rows
 //     (di_dsv41_reserve_ctx), all sharing the engine's workspace (di_dsv41_share_ws), which

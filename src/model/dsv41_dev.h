@@ -14,10 +14,13 @@
  * queries Q4 (e2m1, scale per 32, no Hadamard). Every stored row is an FP32 row holding those
  * quantised-exact values (the compact codes of docs/kv-cache.md "DeepSeek V4.1" are not used on
  * the device yet; a block's device bytes are this layout's, not di_dsv41_page_bytes' pages). Plain
- * sessions run on it once attached (di_dsv41_dev_attach: --device cuda). Prefix reuse (the
+ * sessions run on it once attached (di_dsv41_dev_attach: --device cuda), and so does the serving
+ * engine without speculation (engine.c: one state of max_seqs slots whose entry blocks are its
+ * kv_manager's blocks; prefix hits, tail snapshots, the disk tier and KV transfers through the
+ * calls below; decode graphs prepared at create, di_dsv41_dev_prepare_decode). Prefix reuse (the
  * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
- * block I/O and tail snapshots run. Not run here: DSpark (its heads and blocks), context
- * parallelism, rollback, the serving engine (it keeps the CPU V4.1 forward).
+ * block I/O and tail snapshots run. Not run here: DSpark (its heads and blocks: an engine with
+ * spec_tokens > 0 keeps the CPU V4.1 forward), context parallelism, rollback.
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows; the
