@@ -31,7 +31,8 @@
 //   (g) KV transfer between V4.1 device-resident engines (through the block I/O, the tail
 //       snapshot along: nothing replayed after the import); a transfer of the CPU V4.1 forward is
 //       refused by the device-resident one and the other way round (DI_ERR_INVALID, the reason
-//       naming the layouts), inserting nothing.
+//       naming the layouts), inserting nothing, also by a device manager whose blocks have the
+//       CPU page's size (the layouts' sizes agree, their bytes never do).
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -41,6 +42,7 @@
 #include "backend/backend.h"
 #include "engine/engine_internal.h"
 #include "kv/kv_manager.h"
+#include "model/dsv41.h" // di_dsv41_page_bytes
 #include "model/dsv41_dev.h"
 #include "model/synth.h"
 
@@ -545,6 +547,46 @@ static di_engine *xfer_engine(di_backend *b) {
     return engine_o(&o, b);
 }
 
+// Memory-backed block I/O for an accounting manager (same_size_refusal).
+static di_status mem_read(void *user, int32_t block, void *dst) {
+    (void)user, (void)block, (void)dst;
+    return DI_ERR_INVALID; // never called: nothing is exported
+}
+
+static di_status mem_write(void *user, int32_t block, const void *src) {
+    (void)user, (void)block, (void)src;
+    return DI_ERR_INVALID; // an import that got this far took a block: the test fails on it
+}
+
+// A V4.1 device-resident manager whose blocks happen to have the CPU forward's page size (an
+// accounting manager with block I/O of di_dsv41_page_bytes): the CPU transfer x passes every check
+// of the other forward's layout, and is still refused (packed pages are never FP32 rows).
+static void same_size_refusal(const void *x, size_t n_x) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_kv_manager *kv = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (!m) return;
+    const int32_t bt = di_kv_block_tokens(m);
+    const size_t page = di_dsv41_page_bytes(m, bt);
+    CHECK_EQ(di_kv_manager_create_accounting(m, 32, page, 1, D_CTX, true, &kv), DI_OK);
+    const di_kv_block_io bio = {.block_bytes = page, .read = mem_read, .write = mem_write};
+    if (kv) CHECK_EQ(di_kv_manager_set_block_io(kv, &bio), DI_OK);
+    if (kv) {
+        int32_t n_ins = -1, n_pres = -1;
+        char err[512] = "";
+        CHECK_EQ(di_kv_manager_import(kv, x, n_x, &n_ins, &n_pres, err, sizeof err),
+                 DI_ERR_INVALID);
+        CHECK(strstr(err, "packed pages") != NULL);
+        CHECK_EQ(di_block_pool_n_available(kv->pool), 32); // nothing taken
+        fprintf(stderr, "(g) a device manager of the CPU page size (%zu bytes) refuses it: %s\n",
+                page, err);
+    }
+    di_kv_manager_destroy(kv);
+    di_model_destroy(m);
+}
+
 static void test_transfer(void) {
     di_backend *b = NULL;
     CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
@@ -606,6 +648,7 @@ static void test_transfer(void) {
         fprintf(stderr, "(g) the CPU V4.1 engine refuses the dev transfer: %s\n", err);
     }
     di_engine_destroy(e);
+    if (x_cpu) same_size_refusal(x_cpu, n_cpu);
     e = xfer_engine(b);
     if (e && x_cpu) {
         err[0] = 0;
