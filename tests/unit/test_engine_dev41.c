@@ -9,7 +9,7 @@
 //       three sequences (preemption, readmission with prefix hits), then with a roomy one, twice
 //       each (the second pass hits the prefix cache: n_cached and n_replayed as on the CPU
 //       engine); nothing is allocated inside a step; every block comes back; decode steps run
-//       from the graphs prepared at create;
+//       from the graphs prepared at create; the same in the official precision recipe;
 //   (b) a forward failure injected mid-run ends exactly the requests of that step with
 //       DI_FINISH_ERROR / DI_ERR_CUDA; the others, and requests submitted afterwards into the
 //       failed slots, give the CPU engine's tokens;
@@ -202,6 +202,43 @@ static void test_same_tokens(void) {
         di_engine_destroy(e);
     }
     di_backend_destroy(b); // after the engine's model, which borrows it
+}
+
+// (a) again in the official precision recipe (R-OFF), roomy pool, two passes.
+static void test_official(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine_options o = options((size_t)64 << 20, 3);
+    o.precision = DI_PRECISION_OFFICIAL;
+    static result ref[2][N_REQ], got[N_REQ];
+    di_engine *e = engine_o(&o, NULL);
+    for (int pass = 0; e && pass < 2; pass++) {
+        run(e, ref[pass], 0, N_REQ);
+        di_engine_wait_idle(e);
+    }
+    di_engine_destroy(e);
+    e = engine_o(&o, b);
+    int n_same = 0, n_hits = 0;
+    for (int pass = 0; e && pass < 2; pass++) {
+        run(e, got, 0, N_REQ);
+        di_engine_wait_idle(e);
+        for (int i = 0; i < N_REQ; i++) {
+            n_same += same(&got[i], &ref[pass][i]);
+            CHECK_EQ(got[i].n_cached, ref[pass][i].n_cached);
+            CHECK_EQ(got[i].n_replayed, ref[pass][i].n_replayed);
+            n_hits += got[i].n_cached > 0;
+        }
+    }
+    fprintf(stderr,
+            "(a) official recipe: %d/%d requests identical to the CPU V4.1 engine, %d prefix "
+            "hits\n",
+            n_same, 2 * N_REQ, n_hits);
+    CHECK_EQ(n_same, 2 * N_REQ);
+    CHECK(n_hits >= 5);
+    if (e) check_clean(e, true);
+    di_engine_destroy(e);
+    di_backend_destroy(b);
 }
 
 // ---- (b) ----
@@ -675,6 +712,7 @@ int main(void) {
         for (int t = 0; t < g_len[i]; t++)
             g_prompt[i][t] = (int32_t)((t * 31 + i * 17 + (i % 2 ? t * t : 0) + 3) % V);
     RUN(test_same_tokens);
+    RUN(test_official);
     RUN(test_failure);
     RUN(test_shared_prefix);
     RUN(test_disk);
