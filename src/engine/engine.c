@@ -8,22 +8,29 @@
 // (debug) fails the first N steps as a device fault would.
 //
 // Three forwards, chosen at create:
-//   - the device-resident forward (model/dsv4_dev.h), when the model has one attached (m->dev:
-//     --device cuda on a V4 FP32 checkpoint, or a test's CPU twin): one dev state of max_seqs
+//   - the device-resident forward, when the model has one attached: V4's (model/dsv4_dev.h, m->dev:
+//     --device cuda on a V4 checkpoint, or a test's CPU twin) or V4.1's (model/dsv41_dev.h,
+//     m->dev41: --device cuda on a V4.1 checkpoint, or a test's CPU twin) without speculation
+//     (V4.1's has no DSpark: with spec_tokens > 0 that engine runs the V4.1 forward below, its
+//     matmuls offloaded, and says so at INFO). Both are reached through one adapter (dev_*: "the
+//     device-resident forwards" below), so what follows holds for either: one dev state of max_seqs
 //     slots for max_batch_tokens rows whose compressed entries live in entry blocks; the
 //     kv_manager keeps the accounting of those blocks (ids, references, the prefix cache; no host
 //     memory, no tail blocks: the state holds every slot's rings), sized from kv_memory_bytes
-//     (minus the slots' tails, di_dsv4_dev_sizes). A running request's scheduler slot is its dev
-//     slot; each call passes its block ids, its win_lo (bounded replay after a prefix hit) and
-//     the positions it attached from the prefix cache, so prefix reuse works as on the CPU path.
+//     (minus the slots' tails, di_dsv4_dev_sizes / di_dsv41_dev_sizes). A running request's
+//     scheduler slot is its dev slot; each call passes its block ids, its win_lo (bounded replay
+//     after a prefix hit), the positions it attached from the prefix cache and (V4.1) its
+//     request's tokens (the Engram look-back before win_lo; a tail restore rebuilds the history
+//     from them too), so prefix reuse works as on the CPU path.
 //     A failed dev call fails the requests of that step (DI_FINISH_ERROR with its status); the
 //     engine keeps serving. With spec_tokens > 0 (a V4 checkpoint with its MTP block) the dev
 //     state holds the MTP block too (di_dsv4_dev_mtp_enable: a window ring per slot, paid from
 //     kv_memory_bytes): MTP speculation as on the CPU forward below, the step's call verifying
 //     [y, d] in two rows, the rejected row taken back in the dev state (di_dsv4_dev_rollback) and
 //     the MTP call run on the kept rows' main streams, which the state keeps from the step's call
-//     ("speculative decoding on the device-resident forward" below).
-//   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h): one V4.1 session
+//     ("speculative decoding on the device-resident forward" below; V4 only).
+//   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h) without the
+//     device-resident one (or with it and spec_tokens > 0): one V4.1 session
 //     per scheduler slot holding the slot's fixed tail (window and DSpark rings, (C, Z) slots,
 //     the Engram history), reserved at create for max_ctx positions and max_batch_tokens rows
 //     (di_dsv41_reserve_ctx), all sharing the engine's workspace (di_dsv41_share_ws), which
@@ -92,8 +99,9 @@
 #include "ep/eplb_async.h"          // di_eplb_async: the online EPLB planner thread
 #include "kv/kv_manager.h"
 #include "model/dsv4.h"
-#include "model/dsv41.h"    // the V4.1 forward: di_dsv41_reserve_ctx, di_dsv41_state_bytes
-#include "model/dsv4_dev.h" // the device-resident forward
+#include "model/dsv41.h"     // the V4.1 forward: di_dsv41_reserve_ctx, di_dsv41_state_bytes
+#include "model/dsv41_dev.h" // the V4.1 device-resident forward
+#include "model/dsv4_dev.h"  // the V4 device-resident forward
 #include "sample/sampler.h"
 #include "sched/request.h"
 #include "sched/scheduler.h"
@@ -108,11 +116,18 @@ struct di_engine {
     di_sample_result *x_res; // owned [max_seqs]: the samples of the plan being run
     di_dsv4_ws ws;           // owned (CPU forward; on V4.1 the slots' sessions share it)
     float *logits;           // owned [max_seqs, V]
-    // The device-resident forward (model->dev != NULL): one state for every slot.
-    di_dsv4_dev_state *dstate; // owned; NULL on the CPU forward
-    di_dsv4_dev_seq *x_dev;    // owned [max_seqs]: the plan being run (slot, pos, blocks, ...)
-    int32_t *x_blocks;         // owned [max_seqs, max_blocks]: the block ids x_dev points to
-    int64_t dev_block_bytes;   // device bytes of one entry block
+    // The device-resident forward (dev_on: model->dev, or model->dev41 without speculation): one
+    // state for every slot, reached through the dev_* adapter ("the device-resident forwards"
+    // below), so that the engine has one path for both.
+    bool dev_on;
+    di_dsv4_dev_state *dstate;    // owned; V4's (NULL otherwise)
+    di_dsv41_dev_state *dstate41; // owned; V4.1's (NULL otherwise)
+    di_dsv4_dev_seq *x_dev;       // owned [max_seqs]: the plan being run (slot, pos, blocks, ...)
+    di_dsv41_dev_seq *x_dev41;    // owned [max_seqs] (V4.1): x_dev as the V4.1 call's sequences
+    const int32_t **x_prefix;     // owned [max_seqs] (V4.1): each one's request tokens (borrowed:
+                                  // the Engram look-back of a replay's start)
+    int32_t *x_blocks;            // owned [max_seqs, max_blocks]: the block ids x_dev points to
+    int64_t dev_block_bytes;      // device bytes of one entry block
     // Tail snapshots on the dev forward ("tail snapshots" below): a restore chosen while planning
     // (the previous step's call may still run) is staged per slot and applied by the launch that
     // runs the admitting plan, the forward idle, before that plan's call.
@@ -273,6 +288,151 @@ static di_status dev_block_write(void *user, int32_t block, const void *src);
 static void disk_store_stats(di_kv_manager *kv, di_engine_stats *st);
 static void eplb_done(void *user);
 
+// ---- the device-resident forwards (one adapter) ----
+//
+// The V4 (model/dsv4_dev.h) and V4.1 (model/dsv41_dev.h) device-resident forwards have the same
+// shape: a state of max_seqs slots whose entry blocks are the accounting kv_manager's blocks, calls
+// listing each sequence's blocks, win_lo and n_cached, tail snapshots, entry block I/O, decode
+// graphs. The engine reaches either through these few calls, so that its sizing, warm-up, launch,
+// tail and block I/O code is written once. What only V4 has (MTP speculation: mtp_enable, the
+// verify graphs, rollback, the MTP call) stays V4's (e->dstate, spec_k > 0): a V4.1 engine with
+// speculation runs the CPU V4.1 forward (DSpark is not on the device).
+
+static di_backend *dev_backend(const di_engine *e) {
+    return e->model->dev ? di_dsv4_dev_backend(e->model->dev)
+                         : di_dsv41_dev_backend(e->model->dev41);
+}
+
+static int32_t dev_block_tokens(const di_engine *e) {
+    return e->model->dev ? di_dsv4_dev_block_tokens(e->model->dev)
+                         : di_dsv41_dev_block_tokens(e->model->dev41);
+}
+
+static di_status dev_sizes(const di_engine *e, int32_t n_ctx, int32_t bt, int64_t *blk,
+                           int64_t *slot) {
+    return e->model->dev ? di_dsv4_dev_sizes(e->model->dev, n_ctx, bt, blk, slot)
+                         : di_dsv41_dev_sizes(e->model->dev41, bt, blk, slot);
+}
+
+// The most entry blocks of bt positions the state can index (int32 rows, halved for margin): V4
+// has a pool per layer (its rows and one slot ring per slot, then E = bt / ratio rows per block),
+// V4.1 one pool (every layer's call rows and rings, then every kv source's E rows per block).
+static int64_t dev_block_cap(const di_engine *e, int32_t bt) {
+    const di_hparams *hp = &e->model->hp;
+    const int64_t fixed = (int64_t)e->opt.max_batch_tokens + (int64_t)e->opt.max_seqs * hp->window;
+    int64_t cap = INT32_MAX / 2;
+    if (e->model->dev) {
+        for (int il = 0; il < hp->n_layer; il++) {
+            const int32_t r = e->model->layers[il].ratio;
+            if (r > 0 && (INT32_MAX / 2 - fixed) / (bt / r) < cap)
+                cap = (INT32_MAX / 2 - fixed) / (bt / r);
+        }
+        return cap;
+    }
+    int64_t per_block = 0;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->kv_source[il]) per_block += bt / hp->compress_ratio[il];
+    const int64_t left = INT32_MAX / 2 - (int64_t)hp->n_layer * fixed;
+    return per_block > 0 && left / per_block < cap ? left / per_block : cap;
+}
+
+static di_status dev_state_create(di_engine *e, int32_t n_rows, int32_t n_blocks, int32_t bt) {
+    const di_engine_options *o = &e->opt;
+    if (e->model->dev)
+        return di_dsv4_dev_state_create(e->model->dev, o->max_seqs, o->max_ctx, n_rows, n_blocks,
+                                        bt, &e->dstate);
+    return di_dsv41_dev_state_create(e->model->dev41, o->max_seqs, o->max_ctx, n_rows, n_blocks, bt,
+                                     &e->dstate41);
+}
+
+static void dev_state_destroy(di_engine *e) {
+    di_dsv4_dev_state_destroy(e->dstate);
+    di_dsv41_dev_state_destroy(e->dstate41);
+    e->dstate = NULL;
+    e->dstate41 = NULL;
+}
+
+static int64_t dev_state_bytes(const di_engine *e) {
+    if (e->dstate) return di_dsv4_dev_state_bytes(e->dstate);
+    return e->dstate41 ? di_dsv41_dev_state_bytes(e->dstate41) : 0;
+}
+
+// One call: seqs in V4's form; prefix[i] (V4.1; NULL: none) the tokens of sequence i's request,
+// of which a replay's start reads those before its win_lo (Engram).
+static di_status dev_forward(di_engine *e, const di_dsv4_dev_seq *seqs,
+                             const int32_t *const *prefix, int32_t n_seq, const int32_t *tokens,
+                             const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+    if (e->dstate)
+        return di_dsv4_dev_forward(e->dstate, seqs, n_seq, tokens, logit_rows, n_logit_rows,
+                                   logits);
+    for (int32_t i = 0; i < n_seq; i++)
+        e->x_dev41[i] = (di_dsv41_dev_seq){.slot = seqs[i].slot,
+                                           .pos = seqs[i].pos,
+                                           .n_tok = seqs[i].n_tok,
+                                           .blocks = seqs[i].blocks,
+                                           .n_blocks = seqs[i].n_blocks,
+                                           .win_lo = seqs[i].win_lo,
+                                           .n_cached = seqs[i].n_cached,
+                                           .prefix = prefix ? prefix[i] : NULL};
+    return di_dsv41_dev_forward(e->dstate41, e->x_dev41, n_seq, tokens, logit_rows, n_logit_rows,
+                                logits);
+}
+
+static di_status dev_prepare_decode(di_engine *e) {
+    return e->dstate ? di_dsv4_dev_prepare_decode(e->dstate, e->opt.max_seqs)
+                     : di_dsv41_dev_prepare_decode(e->dstate41, e->opt.max_seqs);
+}
+
+static size_t dev_tail_bytes(const di_engine *e) {
+    return e->model->dev ? di_dsv4_dev_tail_bytes(e->model->dev)
+                         : di_dsv41_dev_tail_bytes(e->model->dev41);
+}
+
+static di_status dev_tail_check(const di_engine *e, int32_t pos, const void *snap) {
+    return e->model->dev ? di_dsv4_dev_tail_check(e->model->dev, pos, snap)
+                         : di_dsv41_dev_tail_check(e->model->dev41, pos, snap);
+}
+
+static di_status dev_tail_save(di_engine *e, int32_t slot, void *dst) {
+    return e->dstate ? di_dsv4_dev_tail_save(e->dstate, slot, dst)
+                     : di_dsv41_dev_tail_save(e->dstate41, slot, dst);
+}
+
+// tokens: the request's, of which V4.1 reads [0, pos) (the Engram history).
+static di_status dev_tail_restore(di_engine *e, int32_t slot, int32_t pos, const void *src,
+                                  const int32_t *tokens) {
+    return e->dstate ? di_dsv4_dev_tail_restore(e->dstate, slot, pos, src)
+                     : di_dsv41_dev_tail_restore(e->dstate41, slot, pos, src, tokens);
+}
+
+static di_status dev_read_block(const di_engine *e, int32_t block, void *dst) {
+    if (e->dstate) return di_dsv4_dev_state_read_block(e->dstate, block, dst);
+    return e->dstate41 ? di_dsv41_dev_state_read_block(e->dstate41, block, dst) : DI_ERR_INVALID;
+}
+
+static di_status dev_write_block(di_engine *e, int32_t block, const void *src) {
+    if (e->dstate) return di_dsv4_dev_state_write_block(e->dstate, block, src);
+    return e->dstate41 ? di_dsv41_dev_state_write_block(e->dstate41, block, src) : DI_ERR_INVALID;
+}
+
+// V4.1's counts in V4's struct (no page-table changes to count there: n_direct_pages 0).
+static void dev_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out) {
+    memset(out, 0, sizeof *out);
+    if (e->dstate) {
+        di_dsv4_dev_get_graph_stats(e->dstate, out);
+    } else if (e->dstate41) {
+        di_dsv41_dev_graph_stats g;
+        di_dsv41_dev_get_graph_stats(e->dstate41, &g);
+        *out = (di_dsv4_dev_graph_stats){.n_direct = g.n_direct,
+                                         .n_captured = g.n_captured,
+                                         .n_replayed = g.n_replayed,
+                                         .n_cached = g.n_cached,
+                                         .last_ops = g.last_ops,
+                                         .last_uploads = g.last_uploads,
+                                         .last_upload_bytes = g.last_upload_bytes};
+    }
+}
+
 // ---- create / destroy ----
 
 // The warm-up call of the device-resident forward at create: max_rows rows (at most the context)
@@ -280,7 +440,8 @@ static void eplb_done(void *user);
 // CPU twin: matmul and MoE rows) does it here and not inside a step; it also surfaces a broken
 // device at create rather than on the first request; with MTP speculation the MTP call follows
 // on its rows. Then the decode graph of every batch size up to max_seqs is captured
-// (di_dsv4_dev_prepare_decode; with speculation the verify steps' too, _prepare_verify), so that
+// (di_dsv4_dev_prepare_decode, di_dsv41_dev_prepare_decode; with V4's speculation the verify
+// steps' too, _prepare_verify), so that
 // no step captures (a capture allocates). The slots used restart at pos 0 when first used.
 static di_status dev_warm_up(di_engine *e) {
     const di_engine_options *o = &e->opt;
@@ -295,14 +456,14 @@ static di_status dev_warm_up(di_engine *e) {
     for (int32_t i = 0; i < nb; i++) e->x_blocks[i] = i;
     di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = n, .blocks = e->x_blocks, .n_blocks = nb};
     int32_t last = n - 1;
-    di_status st = di_dsv4_dev_forward(e->dstate, &sq, 1, tok, &last, 1, e->logits);
-    if (st == DI_OK && e->spec_k > 0) {
+    di_status st = dev_forward(e, &sq, NULL, 1, tok, &last, 1, e->logits);
+    if (st == DI_OK && e->spec_k > 0) { // V4's MTP speculation (e->dstate)
         for (int32_t t = 0; t < n; t++) e->x_mrows[t] = t;
         memset(e->x_mids, 0, sizeof(int32_t) * (size_t)n);
         st = di_dsv4_dev_mtp_forward(e->dstate, &sq, 1, e->x_mrows, e->x_mids, &last, 1,
                                      e->mtp_logits);
     }
-    if (st == DI_OK) st = di_dsv4_dev_prepare_decode(e->dstate, o->max_seqs);
+    if (st == DI_OK) st = dev_prepare_decode(e);
     if (st == DI_OK && e->spec_k > 0) st = di_dsv4_dev_prepare_verify(e->dstate, o->max_seqs);
     if (st != DI_OK)
         DI_LOG_ERROR("engine: the device-resident forward failed its warm-up call of %d rows: %s",
@@ -311,16 +472,16 @@ static di_status dev_warm_up(di_engine *e) {
 }
 
 // The device-resident forward's kv_manager (accounting only): kv_memory_bytes pays for the
-// max_seqs slots' tails first (window and compressor rings, page tables), the rest for entry
-// blocks; the dev state is created with exactly these blocks.
+// max_seqs slots' tails first (window and compressor rings, page tables; V4.1: window rings and
+// the ratio-2 sources' C and Z rings), the rest for entry blocks; the dev state is created with
+// exactly these blocks.
 static di_status dev_kv_create(di_engine *e) {
     const di_engine_options *o = &e->opt;
-    const di_dsv4_dev *d = e->model->dev;
     const int32_t bt = di_kv_block_tokens(e->model);
     int64_t blk = 0, slot = 0;
-    di_status st = di_dsv4_dev_sizes(d, o->max_ctx, bt, &blk, &slot);
+    di_status st = dev_sizes(e, o->max_ctx, bt, &blk, &slot);
     if (st != DI_OK) return st;
-    DI_ASSERT(bt == di_dsv4_dev_block_tokens(d) && blk > 0);
+    DI_ASSERT(bt == dev_block_tokens(e) && blk > 0);
     const int64_t tails = slot * o->max_seqs;
     const int64_t need = (int64_t)((o->max_ctx + bt - 1) / bt) * blk;
     if ((int64_t)o->kv_memory_bytes < tails + need) {
@@ -332,15 +493,9 @@ static di_status dev_kv_create(di_engine *e) {
         return DI_ERR_INVALID;
     }
     int64_t n = ((int64_t)o->kv_memory_bytes - tails) / blk;
-    // The dev state indexes rows of a layer's pool with int32: cap the blocks so they fit
-    // (V4-Flash, 32 CSA entries per block: about 33M blocks, far beyond any device's memory).
-    const int64_t fixed = (int64_t)o->max_batch_tokens + (int64_t)o->max_seqs * e->model->hp.window;
-    int64_t cap = INT32_MAX / 2;
-    for (int il = 0; il < e->model->hp.n_layer; il++) {
-        const int32_t r = e->model->layers[il].ratio;
-        if (r > 0 && (INT32_MAX / 2 - fixed) / (bt / r) < cap)
-            cap = (INT32_MAX / 2 - fixed) / (bt / r);
-    }
+    // The dev state indexes rows of its pools with int32: cap the blocks so they fit (V4-Flash,
+    // 32 CSA entries per block: about 33M blocks, far beyond any device's memory).
+    const int64_t cap = dev_block_cap(e, bt);
     if (n > cap) {
         DI_LOG_WARN("engine: %lld entry blocks exceed the device state's row index; using %lld",
                     (long long)n, (long long)cap);
@@ -639,16 +794,23 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     if (o->max_ctx > hp->max_pos) o->max_ctx = (int32_t)hp->max_pos;
     e->eos = hp->eos_token;
     DI_TRY(spec_setup(e));
-    if (hp->v41)
-        DI_TRY(v41_create(e));
-    else if (e->model->dev)
+    // The device-resident forward when the model has one attached: V4's (with or without MTP
+    // speculation), V4.1's without speculation (it has no DSpark: with spec_tokens > 0 the CPU
+    // V4.1 forward runs, its matmuls on the device).
+    e->dev_on = e->model->dev || (e->model->dev41 && e->spec_k == 0);
+    if (e->model->dev41 && !e->dev_on)
+        DI_LOG_INFO("engine: speculative decoding (DSpark) is not on the V4.1 device-resident "
+                    "forward: the engine runs the CPU V4.1 forward (its matmuls on the device)");
+    if (e->dev_on)
         DI_TRY(dev_kv_create(e));
+    else if (hp->v41)
+        DI_TRY(v41_create(e));
     else if (e->spec_k > 0)
         DI_TRY(mtp_create(e));
     else
         DI_TRY(di_kv_manager_create(e->model, o->kv_memory_bytes, o->max_seqs, o->max_ctx,
                                     !o->no_prefix_cache, &e->kv));
-    if (e->model->dev && !hp->v41) {
+    if (e->dev_on) {
         // The accounting manager's blocks are the dev state's entry blocks: the disk tier and
         // the KV transfer reach their contents through this (engine thread, no forward call in
         // flight, or the forward thread before its call: "the disk tier on the device-resident
@@ -686,15 +848,18 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     }
     for (int32_t i = 0; i < e->n_samplers; i++)
         DI_TRY(di_sampler_create(hp->n_vocab, &e->samplers[i]));
-    if (e->model->dev) {
+    if (e->dev_on) {
         // The state's entry blocks are the kv_manager's blocks (same ids, same block size).
         // With MTP speculation a step's call holds its verify rows too.
-        DI_TRY(di_dsv4_dev_state_create(
-            e->model->dev, o->max_seqs, o->max_ctx, o->max_batch_tokens + o->max_seqs * e->spec_k,
-            di_block_pool_n_total(e->kv->pool), e->kv->block_tokens, &e->dstate));
+        DI_TRY(dev_state_create(e, o->max_batch_tokens + o->max_seqs * e->spec_k,
+                                di_block_pool_n_total(e->kv->pool), e->kv->block_tokens));
         e->x_dev = di_calloc((size_t)o->max_seqs, sizeof *e->x_dev);
         e->x_blocks = di_malloc(sizeof(int32_t) * (size_t)o->max_seqs * (size_t)e->kv->max_blocks);
-        if (!e->x_dev || !e->x_blocks) {
+        if (e->dstate41) {
+            e->x_dev41 = di_calloc((size_t)o->max_seqs, sizeof *e->x_dev41);
+            e->x_prefix = di_calloc((size_t)o->max_seqs, sizeof *e->x_prefix);
+        }
+        if (!e->x_dev || !e->x_blocks || (e->dstate41 && (!e->x_dev41 || !e->x_prefix))) {
             st = DI_ERR_NOMEM;
             goto fail;
         }
@@ -719,8 +884,8 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     }
     const size_t n_lrows = (size_t)o->max_seqs * (size_t)e->lstride; // logit slots' rows
     const size_t logit_bytes = sizeof(float) * n_lrows * (size_t)hp->n_vocab;
-    if (e->model->dev) { // downloaded every step: the backend's host memory (page-locked on CUDA)
-        di_backend *hb = di_dsv4_dev_backend(e->model->dev);
+    if (e->dev_on) { // downloaded every step: the backend's host memory (page-locked on CUDA)
+        di_backend *hb = dev_backend(e);
         void *p = NULL;
         DI_TRY(hb->vt->host_alloc(hb, logit_bytes, &p));
         e->logits = p;
@@ -753,20 +918,20 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->stats.n_blocks_total = di_block_pool_n_total(e->kv->pool);
     e->stats.n_blocks_free = e->stats.n_blocks_total;
     e->stats.block_bytes =
-        e->dstate ? e->dev_block_bytes : (int64_t)di_block_pool_block_bytes(e->kv->pool);
+        e->dev_on ? e->dev_block_bytes : (int64_t)di_block_pool_block_bytes(e->kv->pool);
     e->stats.block_tokens = e->kv->block_tokens;
     disk_stats(e, &e->stats); // the records found at open
-    if (e->dstate) {
+    if (e->dev_on) {
         DI_TRY(dev_warm_up(e));
         e->stats.device.resident = true;
-        DI_LOG_INFO("engine: the device-resident forward on %s: %d slots of up to %d positions, "
+        DI_LOG_INFO("engine: the %s device-resident forward on %s: %d slots of up to %d positions, "
                     "%d entry blocks of %d positions, %d rows per step, %.1f MiB of device "
                     "state, prefix cache %s",
+                    e->dstate41 ? "V4.1" : "V4",
                     e->model->dev_backend ? e->model->dev_backend->desc : "an attached backend",
                     (int)o->max_seqs, (int)o->max_ctx, di_block_pool_n_total(e->kv->pool),
                     e->kv->block_tokens, (int)o->max_batch_tokens,
-                    (double)di_dsv4_dev_state_bytes(e->dstate) / (1 << 20),
-                    o->no_prefix_cache ? "off" : "on");
+                    (double)dev_state_bytes(e) / (1 << 20), o->no_prefix_cache ? "off" : "on");
     }
     e->next_id = 1;
     const char *sync_env = getenv("DI_ENGINE_SYNC");
@@ -774,7 +939,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     // Masks ahead need a CPU the forward leaves idle: the device-resident forward's, or one the
     // model's pool does not use (on a pool over every CPU they would only delay its threads).
     const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
-    e->masks_ahead = !e->sync_debug && (e->dstate || di_pool_n_threads(e->model->pool) < n_cpu);
+    e->masks_ahead = !e->sync_debug && (e->dev_on || di_pool_n_threads(e->model->pool) < n_cpu);
     // Debug switch (conventions §7): DI_ENGINE_FAIL_STEPS=N fails the first N steps as a device
     // fault would (their requests end with DI_ERR_CUDA): a drill of the failure path and of the
     // server's health reporting (docs/server.md) without a device.
@@ -812,12 +977,11 @@ di_status di_engine_create_prepared(const char *model_dir, const di_engine_optio
 }
 
 void di_engine_get_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out) {
-    memset(out, 0, sizeof *out);
-    if (e->dstate) di_dsv4_dev_get_graph_stats(e->dstate, out);
+    dev_graph_stats(e, out);
 }
 
 int64_t di_engine_dev_state_bytes(const di_engine *e) {
-    return e->dstate ? di_dsv4_dev_state_bytes(e->dstate) : 0;
+    return dev_state_bytes(e);
 }
 
 void di_engine_set_grammar_limits(di_engine *e, const di_grammar_matcher_limits *lim) {
@@ -895,7 +1059,7 @@ void di_engine_destroy(di_engine *e) {
             (long long)qs.n_dropped, (long long)ds.n_write_errors, (long long)ds.n_read,
             ds.n_read ? (double)ds.read_us / 1000.0 / (double)ds.n_read : 0.0,
             (long long)ds.n_dropped, (long long)ds.n_records, (double)ds.n_bytes / (1 << 20));
-        if (e->dstate)
+        if (e->dev_on)
             DI_LOG_INFO("engine: kv disk: device blocks: %lld downloaded for write-back before "
                         "forward calls, %lld uploaded after reads, %lld write-backs lost (no "
                         "room, a failed download or step)",
@@ -907,15 +1071,17 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_logit_rows);
     di_free(e->x_logit_req);
     di_free(e->x_mask_req);
-    if (e->logits && e->model->dev) {
-        di_backend *hb = di_dsv4_dev_backend(e->model->dev);
+    if (e->logits && e->dev_on) {
+        di_backend *hb = dev_backend(e);
         hb->vt->host_free(hb, e->logits);
     } else {
         di_free(e->logits);
     }
     di_dsv4_ws_free(&e->ws);
-    di_dsv4_dev_state_destroy(e->dstate); // before the model, which owns its dev
+    dev_state_destroy(e); // before the model, which owns its dev
     di_free(e->x_dev);
+    di_free(e->x_dev41);
+    di_free(e->x_prefix);
     di_free(e->dev_snap);
     di_free(e->dev_snap_id);
     di_free(e->dev_snap_pos);
@@ -1180,8 +1346,8 @@ static void disk_stats(di_engine *e, di_engine_stats *st) {
 // the same token at H (another falls back to the bounded replay, whose MTP rows are exact).
 static size_t tail_bytes(const di_engine *e) {
     if (e->v41) return di_dsv41_tail_bytes(e->v41[0]);
-    if (e->model->dev) // with MTP speculation: its ring inside, the next token after it
-        return di_dsv4_dev_tail_bytes(e->model->dev) + (e->spec_k > 0 ? sizeof(int32_t) : 0);
+    if (e->dev_on) // with MTP speculation (V4): its ring inside, the next token after it
+        return dev_tail_bytes(e) + (e->spec_k > 0 ? sizeof(int32_t) : 0);
     return (size_t)e->kv->n_tail * (size_t)e->kv->block_floats * sizeof(float) +
            (e->mtp_ls ? (size_t)e->mtp_slot_bytes + sizeof(int32_t) : 0);
 }
@@ -1196,12 +1362,12 @@ static bool tail_restore(void *user, di_request *r, int32_t pos, const uint8_t *
         di_dsv41_bind_pages(ss, v41_pages(ks), ks->n_blocks);
         return di_dsv41_tail_load(ss, snap, ks->n_cached, pos, r->tokens) == DI_OK;
     }
-    if (e->model->dev) { // staged for the launch (dev_restores); a bad one falls back to the replay
+    if (e->dev_on) { // staged for the launch (dev_restores); a bad one falls back to the replay
         const size_t tb = tail_bytes(e);
-        if (di_dsv4_dev_tail_check(e->model->dev, pos, snap) != DI_OK) return false;
+        if (dev_tail_check(e, pos, snap) != DI_OK) return false;
         if (e->spec_k > 0) { // the MTP ring's last row saw the token at pos: the same one here
             int32_t next;
-            memcpy(&next, snap + di_dsv4_dev_tail_bytes(e->model->dev), sizeof next);
+            memcpy(&next, snap + dev_tail_bytes(e), sizeof next);
             if (r->tokens[pos] != next) return false;
         }
         memcpy(e->dev_snap + (size_t)r->slot * tb, snap, tb);
@@ -1227,7 +1393,7 @@ static bool tail_restore(void *user, di_request *r, int32_t pos, const uint8_t *
 static di_status tails_open(di_engine *e) {
     const di_engine_options *o = &e->opt;
     if (o->no_prefix_cache || o->no_tail_cache) return DI_OK;
-    if (e->model->dev) { // staging (zeroed pages: a slot never restored into costs nothing)
+    if (e->dev_on) { // staging (zeroed pages: a slot never restored into costs nothing)
         e->dev_snap = di_calloc((size_t)o->max_seqs, tail_bytes(e));
         e->dev_snap_id = di_calloc((size_t)o->max_seqs, sizeof *e->dev_snap_id);
         e->dev_snap_pos = di_calloc((size_t)o->max_seqs, sizeof *e->dev_snap_pos);
@@ -1260,11 +1426,11 @@ static void tails_take(di_engine *e) {
             di_dsv41_tail_save(e->v41[r->slot], out);
             continue;
         }
-        if (e->dstate) { // a failed save (logged) leaves a snapshot no restore accepts
-            if (di_dsv4_dev_tail_save(e->dstate, r->slot, out) != DI_OK)
+        if (e->dev_on) { // a failed save (logged) leaves a snapshot no restore accepts
+            if (dev_tail_save(e, r->slot, out) != DI_OK)
                 memset(out, 0, tail_bytes(e));
             else if (e->spec_k > 0)
-                memcpy(out + di_dsv4_dev_tail_bytes(e->model->dev), &r->tokens[h], sizeof(int32_t));
+                memcpy(out + dev_tail_bytes(e), &r->tokens[h], sizeof(int32_t));
             continue;
         }
         const di_kv_seq *ks = &e->kv->seqs[r->slot];
@@ -1292,8 +1458,8 @@ static void dev_restores(di_engine *e, const di_sched *s) {
         if (!e->dev_snap_id[slot]) continue;
         if (e->dev_snap_id[slot] == r->id && e->dev_snap_pos[slot] == s->seqs[i].pos &&
             e->x_restore_st == DI_OK)
-            e->x_restore_st = di_dsv4_dev_tail_restore(e->dstate, slot, e->dev_snap_pos[slot],
-                                                       e->dev_snap + (size_t)slot * tb);
+            e->x_restore_st = dev_tail_restore(e, slot, e->dev_snap_pos[slot],
+                                               e->dev_snap + (size_t)slot * tb, r->tokens);
         e->dev_snap_id[slot] = 0;
     }
 }
@@ -2083,7 +2249,7 @@ static void *forward_main(void *p) {
         di_status st = inject_failure(e);
         // The disk tier's device transfers handed over at launch, before any op of the call
         // (a failed upload fails the step, as a device fault).
-        if (e->dstate) {
+        if (e->dev_on) {
             const di_status xs = di_kv_dev_run(e->kv);
             if (st == DI_OK) st = xs;
         }
@@ -2091,13 +2257,13 @@ static void *forward_main(void *p) {
             // nothing ran
         } else if (e->v41) {
             st = v41_forward(e);
-        } else if (e->dstate) {
+        } else if (e->dev_on) {
             st = e->x_restore_st; // the launch's tail restores
             if (st == DI_OK && e->spec_k > 0)
-                st = dev_spec_forward(e);
+                st = dev_spec_forward(e); // V4 with MTP
             else if (st == DI_OK)
-                st = di_dsv4_dev_forward(e->dstate, e->x_dev, e->x_n_seq, e->x_tokens,
-                                         e->x_logit_rows, e->x_n_logit, e->logits);
+                st = dev_forward(e, e->x_dev, e->x_prefix, e->x_n_seq, e->x_tokens, e->x_logit_rows,
+                                 e->x_n_logit, e->logits);
         } else if (e->mtp_ls) {
             st = v4_spec_forward(e);
         } else if (e->model->cp) { // long prefill chunks over the prefill workers (cp/cp.h)
@@ -2148,7 +2314,7 @@ static void launch(di_engine *e) {
         atomic_store_explicit(&r->g_mask_state, DI_MASK_NONE, memory_order_relaxed);
         e->x_mask_req[e->x_n_mask++] = r;
     }
-    if (e->dstate) {
+    if (e->dev_on) {
         // A running request's scheduler slot is its dev slot. An admission (a new request, or a
         // preempted one readmitted) starts at position 0, or after a prefix hit of H positions
         // at win_lo = Q (bounded replay), which restarts the slot; later chunks continue at the
@@ -2179,6 +2345,7 @@ static void launch(di_engine *e) {
                                             .n_blocks = ks->n_blocks,
                                             .win_lo = s->seqs[i].win_lo,
                                             .n_cached = ks->n_cached};
+            if (e->x_prefix) e->x_prefix[i] = r->tokens; // V4.1: a replay's Engram look-back
         }
         dev_restores(e, s);
     }
@@ -2209,7 +2376,7 @@ static void launch(di_engine *e) {
     s->n_seq = s->n_rows = s->n_logit = 0; // the plan now runs; the next one starts empty
     // The disk tier's device transfers recorded so far run on the forward thread before the call
     // (after every eviction and prefetch of this plan; the next plan's go to the next batch).
-    if (e->dstate) (void)di_kv_dev_begin(e->kv);
+    if (e->dev_on) (void)di_kv_dev_begin(e->kv);
     pthread_mutex_lock(&e->fmu);
     e->f_done = false;
     e->f_go = true;
@@ -2267,7 +2434,7 @@ static void fail_step(di_engine *e, di_status st, int64_t *cb_allocs) {
         n_unpublished += di_kv_seq_unpublish_last(e->kv, e->x_seq_req[i]->slot, e->marks);
     // A block the step published may have been evicted while it ran: its write-back, recorded for
     // the next call's download, would store contents never computed.
-    if (e->dstate) di_kv_dev_drop_spills(e->kv);
+    if (e->dev_on) di_kv_dev_drop_spills(e->kv);
     // Blocks whose upload failed before the call left the cache too (di_kv_dev_end marked them).
     n_unpublished += e->x_dev_bad;
     for (int32_t i = 0; i < e->x_n_seq; i++) {
@@ -2330,7 +2497,7 @@ static void run_jobs(di_engine *e) {
     kv_job *j = e->jobs;
     e->jobs = NULL;
     pthread_mutex_unlock(&e->mu);
-    if (j && e->dstate && di_kv_dev_begin(e->kv)) {
+    if (j && e->dev_on && di_kv_dev_begin(e->kv)) {
         const di_status xs = di_kv_dev_run(e->kv);
         const int32_t n_bad = di_kv_dev_end(e->kv, e->marks);
         const int32_t n_pre = n_bad > 0 ? preempt_marked(e) : 0;
@@ -2473,12 +2640,12 @@ static void eplb_step(di_engine *e) {
 // is cached, none read).
 static di_status dev_block_read(void *user, int32_t block, void *dst) {
     di_engine *e = user;
-    return e->dstate ? di_dsv4_dev_state_read_block(e->dstate, block, dst) : DI_ERR_INVALID;
+    return dev_read_block(e, block, dst);
 }
 
 static di_status dev_block_write(void *user, int32_t block, const void *src) {
     di_engine *e = user;
-    return e->dstate ? di_dsv4_dev_state_write_block(e->dstate, block, src) : DI_ERR_INVALID;
+    return dev_write_block(e, block, src);
 }
 
 // Engine thread, no forward in flight and no plan: runs the recorded transfers.
@@ -2500,7 +2667,7 @@ static void *engine_main(void *p) {
         // No forward is in flight here. Take new requests and cancellations (the ones that
         // arrived while the last step ran too); sleep while there is nothing to do.
         bool stop;
-        if (!have_plan && e->dstate) dev_xfer_idle(e);
+        if (!have_plan && e->dev_on) dev_xfer_idle(e);
         bool cancel = take_incoming(e, !have_plan, &stop) || cancel_later;
         cancel_later = false;
         run_jobs(e);
@@ -2539,7 +2706,7 @@ static void *engine_main(void *p) {
         di_status fst = forward_wait(e, &fwd_allocs);
         // The batch it ran: its prefetch staging is free; blocks whose upload failed (the step
         // failed too) leave the prefix cache, marked for fail_step.
-        e->x_dev_bad = e->dstate ? di_kv_dev_end(e->kv, e->marks) : 0;
+        e->x_dev_bad = e->dev_on ? di_kv_dev_end(e->kv, e->marks) : 0;
         // The failure counters change before any request of the step retires (a waiter woken by
         // the last one sees them).
         pthread_mutex_lock(&e->mu);
@@ -2580,11 +2747,11 @@ static void *engine_main(void *p) {
         st->n_forward_calls = e->model->n_forward_calls;
         st->weight_macs = (int64_t)e->model->cpu.n_weight_macs;
         di_accel_get_stats(&e->model->accel, &st->device);
-        st->device.resident = e->dstate != NULL;
+        st->device.resident = e->dev_on;
         pthread_mutex_unlock(&e->mu);
     }
     run_jobs(e);                     // those queued before the stop
-    if (e->dstate) dev_xfer_idle(e); // the last plan's evictions (the flush writes them next)
+    if (e->dev_on) dev_xfer_idle(e); // the last plan's evictions (the flush writes them next)
     // Final stats after the last cancellations.
     pthread_mutex_lock(&e->mu);
     e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);

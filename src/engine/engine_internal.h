@@ -2,8 +2,9 @@
  * engine_internal — test hooks of the engine (engine.c), not part of the public API: tests
  * include this header (tests may include internal headers); tools never do.
  *   - di_engine_create_prepared: di_engine_create with a callback on the loaded model before the
- *     engine sizes its state, e.g. di_dsv4_dev_attach(m, cpu_backend) so the engine runs the
- *     device-resident forward on the CPU backend (the oracle twin of the CUDA one) without a GPU.
+ *     engine sizes its state, e.g. di_dsv4_dev_attach(m, cpu_backend) (V4.1:
+ *     di_dsv41_dev_attach) so the engine runs the device-resident forward on the CPU backend (the
+ *     oracle twin of the CUDA one) without a GPU.
  *   - di_engine_fail_forward: makes later forwards fail, as a CUDA error would.
  *   - di_engine_get_graph_stats: how many decode steps ran from captured graphs.
  *   - di_engine_dev_state_bytes: the device memory of the engine's dev state.
@@ -50,12 +51,12 @@ di_status di_engine_create_prepared(const char *model_dir, const di_engine_optio
 void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_status st);
 
 // Device-resident forward only: the decode-graph counts of the engine's dev state (zeroes on the
-// CPU forward). Call while the engine is idle (after di_engine_wait_idle): the forward thread
-// updates them during steps.
+// CPU forward; on V4.1's those of di_dsv41_dev_graph_stats, n_direct_pages 0). Call while the
+// engine is idle (after di_engine_wait_idle): the forward thread updates them during steps.
 void di_engine_get_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out);
 
 // Device-resident forward only: the backend bytes its dev state allocated
-// (di_dsv4_dev_state_bytes; 0 on the CPU forward). Any time after create.
+// (di_dsv4_dev_state_bytes, di_dsv41_dev_state_bytes; 0 on the CPU forward). Any time after create.
 int64_t di_engine_dev_state_bytes(const di_engine *e);
 
 // Speculative decoding (di_engine_options.spec_tokens > 0): called on the forward thread with

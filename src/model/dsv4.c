@@ -86,9 +86,9 @@ static const char *find_gguf(const char *dir, char *buf, size_t cap) {
     return n == 1 ? buf : NULL;
 }
 
-// --device cuda: the device-resident forward (dsv4_dev.h) for sessions, when the model allows it
-// (V4, either precision recipe); otherwise (and for MTP sessions and the engine) the offloaded CPU
-// forward.
+// --device cuda: the device-resident forward (dsv4_dev.h; V4.1: dsv41_dev.h) for sessions and the
+// serving engine (engine.c), when the model allows it (either precision recipe); otherwise (and
+// for MTP / DSpark sessions and a V4.1 engine with speculation) the offloaded CPU forward.
 static di_status open_dev(di_model *m) {
     di_status st = di_backend_open(&m->opt.device, m->opt.n_threads, &m->dev_backend);
     if (st == DI_OK)

@@ -267,7 +267,8 @@ struct di_dsv41_dev_state {
     // Backend memory (tracked).
     void **blocks;
     int32_t n_mem, cap_mem;
-    float *pool; // [n_layer * layer_rows + entries, Dh]
+    int64_t n_bytes; // backend bytes allocated (st_alloc) and the host staging
+    float *pool;     // [n_layer * layer_rows + entries, Dh]
     float *x, *a, *out, *mix, *pre, *pre_attn, *post, *comb, *one_hot;
     float *qr, *q, *o, *u, *cc, *cz, *lat, *ik, *iq, *iw, *scores, *aq;
     float *blk; // [max_rows, score_stride / candidate_block_size + 1]: index_cand's block scores
@@ -296,6 +297,7 @@ static di_status st_alloc(di_dsv41_dev_state *s, size_t bytes, void **out) {
     di_status st = b->vt->alloc(b, bytes ? bytes : 1, &p);
     if (st != DI_OK) return st;
     s->blocks[s->n_mem++] = p;
+    s->n_bytes += (int64_t)(bytes ? bytes : 1);
     *out = p;
     return DI_OK;
 }
@@ -469,6 +471,7 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
     s->stage_cap = stage_words(s, R, n_slots < R ? n_slots : R);
     DI_TRY(st_ints(s, (int64_t)s->stage_cap, &s->stage_dev));
     DI_TRY(d->b->vt->host_alloc(d->b, sizeof(int32_t) * s->stage_cap, (void **)&s->stage));
+    s->n_bytes += (int64_t)(sizeof(int32_t) * s->stage_cap);
     {
         // pre = one-hot(stream 0) at the start of every call: a constant copied in.
         float *oh = di_calloc((size_t)(R * nc), sizeof(float));
@@ -515,6 +518,14 @@ di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_
 
 int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s) {
     return s->n_eblocks;
+}
+
+int64_t di_dsv41_dev_state_bytes(const di_dsv41_dev_state *s) {
+    return s->n_bytes;
+}
+
+di_backend *di_dsv41_dev_backend(const di_dsv41_dev *d) {
+    return d->b;
 }
 
 // Copies block `block` between the state and host bytes in di_dsv41_dev_sizes' layout: into dst
@@ -594,6 +605,16 @@ di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst)
         if (st != DI_OK) return st;
     }
     return DI_OK;
+}
+
+di_status di_dsv41_dev_tail_check(const di_dsv41_dev *d, int32_t pos, const void *src) {
+    const di_hparams *hp = &d->m->hp;
+    int32_t head[4];
+    memcpy(head, src, sizeof head);
+    return tail_pos_ok(hp, pos) && head[0] == pos && head[1] == hp->n_layer &&
+                   head[2] == hp->window && head[3] == hp->head_dim
+               ? DI_OK
+               : DI_ERR_INVALID;
 }
 
 di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t pos,
@@ -1377,5 +1398,43 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
     return DI_OK;
 fail:
     DI_LOG_ERROR("dev forward (V4.1): call failed (%s); its slots restart at 0", di_status_str(st));
+    return st;
+}
+
+// Two decode steps of token 0 at position 0 per size (the first runs directly, the second is
+// captured). Shared blocks: every slot lists block 0 as cached (n_cached = block_tokens), so the
+// steps write no entry (an m = 1 source's group at position 0 would close in it) and block 0 is
+// left as it was; the graphs do not depend on it (the destinations are per-call lists).
+di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *s, int32_t max_seqs) {
+    if (!s->graphs_on) return DI_OK;
+    int32_t n_max = max_seqs < s->n_slots ? max_seqs : s->n_slots;
+    if (n_max > HEAD_CHUNK) n_max = HEAD_CHUNK;
+    if (n_max > s->max_rows) n_max = s->max_rows;
+    if (n_max < 1) return DI_OK;
+    const int64_t V = s->d->m->hp.n_vocab;
+    di_dsv41_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)n_max);
+    int32_t *ids = di_calloc((size_t)n_max, sizeof *ids); // token 0 everywhere
+    int32_t *rows = di_malloc(sizeof *rows * (size_t)n_max);
+    float *logits = di_malloc(sizeof *logits * (size_t)n_max * (size_t)V);
+    di_status st = seqs && ids && rows && logits ? DI_OK : DI_ERR_NOMEM;
+    static const int32_t block0 = 0;
+    for (int32_t n = 1; n <= n_max && st == DI_OK && s->graphs_on; n++) {
+        for (int32_t i = 0; i < n; i++) {
+            seqs[i] = (di_dsv41_dev_seq){.slot = i, .pos = 0, .n_tok = 1};
+            if (s->shared) {
+                seqs[i].blocks = &block0;
+                seqs[i].n_blocks = 1;
+                seqs[i].n_cached = s->block_tokens;
+            }
+            rows[i] = i;
+        }
+        const dev_graph *g = &s->graphs[n];
+        for (int pass = 0; pass < 2 && st == DI_OK && !g->g; pass++)
+            st = di_dsv41_dev_forward(s, seqs, n, ids, rows, n, logits);
+    }
+    di_free(seqs);
+    di_free(ids);
+    di_free(rows);
+    di_free(logits);
     return st;
 }

@@ -14,10 +14,13 @@
  * queries Q4 (e2m1, scale per 32, no Hadamard). Every stored row is an FP32 row holding those
  * quantised-exact values (the compact codes of docs/kv-cache.md "DeepSeek V4.1" are not used on
  * the device yet; a block's device bytes are this layout's, not di_dsv41_page_bytes' pages). Plain
- * sessions run on it once attached (di_dsv41_dev_attach: --device cuda). Prefix reuse (the
+ * sessions run on it once attached (di_dsv41_dev_attach: --device cuda), and so does the serving
+ * engine without speculation (engine.c: one state of max_seqs slots whose entry blocks are its
+ * kv_manager's blocks; prefix hits, tail snapshots, the disk tier and KV transfers through the
+ * calls below; decode graphs prepared at create, di_dsv41_dev_prepare_decode). Prefix reuse (the
  * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
- * block I/O and tail snapshots run. Not run here: DSpark (its heads and blocks), context
- * parallelism, rollback, the serving engine (it keeps the CPU V4.1 forward).
+ * block I/O and tail snapshots run. Not run here: DSpark (its heads and blocks: an engine with
+ * spec_tokens > 0 keeps the CPU V4.1 forward), context parallelism, rollback.
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows. Engram
@@ -103,6 +106,11 @@ void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s); // NULL: no-op
 di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
                              int64_t *slot_bytes);
 int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s);
+// Backend bytes the state allocated (pools, rings, index keys, scratch, staging) with its host
+// staging; its entry blocks are di_dsv41_dev_state_n_blocks.
+int64_t di_dsv41_dev_state_bytes(const di_dsv41_dev_state *s);
+// The backend it runs on (borrowed): e.g. for host_alloc of the buffers logits go to.
+di_backend *di_dsv41_dev_backend(const di_dsv41_dev *d);
 // Entry block I/O (the prefix cache's disk tier): one entry block's contents, exactly as stored
 // (di_dsv41_dev_sizes' block_bytes, in its layout), to and from host memory, so a block read from
 // one state writes identically into any state of a dev of the same model and recipe. read copies
@@ -120,6 +128,10 @@ size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d);
 // Copies slot `slot`'s tail at its current position into dst and syncs. DI_ERR_INVALID (slot out
 // of range or failed, a position that is no multiple of every ratio; logged), DI_ERR_CUDA.
 di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst);
+// Whether src (di_dsv41_dev_tail_bytes) is a snapshot of d's states at position pos (its header,
+// and pos a multiple of every ratio; restore checks the same): DI_OK or DI_ERR_INVALID (not
+// logged). Host only, any thread.
+di_status di_dsv41_dev_tail_check(const di_dsv41_dev *d, int32_t pos, const void *src);
 // Puts a snapshot taken at position pos (any slot of any state of the same dev) into slot `slot`
 // with the tokens of positions [0, pos) (the Engram history): the slot then continues at pos
 // exactly as the one that saved it, its next call passing pos and blocks holding the entries of
@@ -181,3 +193,9 @@ typedef struct di_dsv41_dev_graph_stats {
     int64_t last_ops, last_uploads, last_upload_bytes;
 } di_dsv41_dev_graph_stats;
 void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out);
+// Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps
+// of token 0 at position 0 on slots 0..n-1 per size (the slots are left at position 1: restart
+// them at 0). With shared blocks every slot lists block 0 as cached (n_cached = block_tokens: the
+// steps write no entry, block 0 is left as it was). No-op with graphs off (DI_DEV_GRAPHS=0).
+// Not inside a call. Errors as di_dsv41_dev_forward (and DI_ERR_NOMEM for its host scratch).
+di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *s, int32_t max_seqs);

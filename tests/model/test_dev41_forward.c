@@ -24,6 +24,9 @@
 //   (j) the Engram tables stay in host memory: the dev uploads no weight inside a table (the
 //       backend's weight_upload watched), and its calls' results above come from the rows
 //       gathered into each call's staging;
+//   (k) di_dsv41_dev_prepare_decode captures the decode graph of every size up to the slots at
+//       once (block 0, listed as cached, keeps its contents exactly), and decode steps of slots
+//       restarted afterwards launch those graphs (no capture) with the sessions' logits;
 // each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 //   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
@@ -422,6 +425,45 @@ static void tail_case(di_precision prec) {
     h_free(&h);
 }
 
+// (k) prepared decode graphs.
+static void prepare_case(di_precision prec) {
+    harness h;
+    h_init(&h, prec, false);
+    int64_t blk_bytes = 0, slot_bytes = 0;
+    CHECK_EQ(di_dsv41_dev_sizes(h.d, BT, &blk_bytes, &slot_bytes), DI_OK);
+    CHECK(di_dsv41_dev_state_bytes(h.st) > N_BLK * blk_bytes + N_SLOTS * slot_bytes);
+    float *pat = malloc((size_t)blk_bytes), *back = malloc((size_t)blk_bytes);
+    for (int64_t i = 0; i < blk_bytes / 4; i++) pat[i] = (float)(i % 97) * 0.25f - 3.0f;
+    CHECK_EQ(di_dsv41_dev_state_write_block(h.st, 0, pat), DI_OK);
+    CHECK_EQ(di_dsv41_dev_prepare_decode(h.st, 8), DI_OK); // capped at the 3 slots
+    di_dsv41_dev_graph_stats g;
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    CHECK_EQ(g.n_captured, N_SLOTS);
+    CHECK_EQ(g.n_cached, N_SLOTS);
+    CHECK_EQ(g.n_direct, N_SLOTS);
+    CHECK_EQ(g.n_replayed, 0); // a capture launches its graph, counted as captured
+    CHECK_EQ(di_dsv41_dev_state_read_block(h.st, 0, back), DI_OK);
+    CHECK(memcmp(pat, back, (size_t)blk_bytes) == 0);
+    const int all[N_SLOTS] = {0, 1, 2}, pre[N_SLOTS] = {5, 19, 2}, ones[N_SLOTS] = {1, 1, 1};
+    const bool rs[N_SLOTS] = {true, true, true};
+    h_call(&h, N_SLOTS, all, pre, rs);
+    for (int k = 0; k < 12; k++) h_call(&h, k % 3 == 2 ? 2 : N_SLOTS, all, ones, NULL);
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    CHECK_EQ(g.n_captured, N_SLOTS);
+    CHECK_EQ(g.n_replayed, 12);
+    CHECK_EQ(h.n_bad, 0);
+    free(pat);
+    free(back);
+    h_free(&h);
+}
+
+static void fp32_prepare(void) {
+    prepare_case(DI_PRECISION_FP32);
+}
+static void official_prepare(void) {
+    prepare_case(DI_PRECISION_OFFICIAL);
+}
+
 static void fp32_tail(void) {
     tail_case(DI_PRECISION_FP32);
 }
@@ -645,6 +687,8 @@ int main(void) {
     RUN(official_prefix);
     RUN(fp32_tail);
     RUN(official_tail);
+    RUN(fp32_prepare);
+    RUN(official_prepare);
     RUN(fp32_wiring);
     RUN(official_wiring);
     RUN(refuses_v4);

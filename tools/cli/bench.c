@@ -250,9 +250,11 @@ static void print_limits(int n_threads, const run_result *one, const run_result 
 }
 
 // The speculative row: one sequence and the batch of n requests again on an engine with
-// speculative decoding (options o plus spec), against the runs of the plain engine.
+// speculative decoding (options o plus spec), against the runs of the plain engine (whose forward
+// was device-resident when plain_resident).
 static int spec_row(const char *model, di_engine_options o, int32_t n_vocab, int n, int prompt_len,
-                    int gen_len, const run_result *plain_one, const run_result *plain_batch) {
+                    int gen_len, const run_result *plain_one, const run_result *plain_batch,
+                    bool plain_resident) {
     di_engine *e = NULL;
     di_status st = di_engine_create(model, &o, &e);
     if (st != DI_OK) {
@@ -276,6 +278,9 @@ static int spec_row(const char *model, di_engine_options o, int32_t n_vocab, int
                                                    : DI_SPEC_MIN_CONFIDENCE_DEFAULT));
     else
         printf("speculative decoding (the MTP block's one draft per verify), greedy:\n");
+    if (plain_resident && !es.device.resident) // V4.1: DSpark is not on the device-resident forward
+        printf("  (the engine with speculation runs the CPU forward with offloaded matmuls, the "
+               "one without it the device-resident forward: the ratios compare two forwards)\n");
     printf("  1 sequence    decode %10.1f tokens/s (without: %.1f, %.2fx), step allocations %lld\n",
            one.decode_tps, plain_one->decode_tps,
            plain_one->decode_tps > 0 ? one.decode_tps / plain_one->decode_tps : 0,
@@ -434,7 +439,10 @@ int di_cli_bench(int argc, char **argv) {
         di_engine_options so = o;
         so.spec_tokens = (int32_t)spec;
         so.spec_min_confidence = (float)spec_conf;
-        if (spec_row(ma.model, so, n_vocab, (int)n_req, (int)prompt_len, (int)gen_len, &one, &r))
+        di_engine_stats ps;
+        di_engine_get_stats(e, &ps);
+        if (spec_row(ma.model, so, n_vocab, (int)n_req, (int)prompt_len, (int)gen_len, &one, &r,
+                     ps.device.resident))
             return 1;
     }
     if (shared > 0 &&

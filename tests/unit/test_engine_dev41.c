@@ -1,0 +1,724 @@
+// The engine on the V4.1 device-resident forward (model/dsv41_dev.h), run on the CPU backend (its
+// oracle twin: bit-identical logits to the V4.1 CPU forward, tests/model/test_dev41_forward.c)
+// through the test hook of engine/engine_internal.h, against the engine's CPU V4.1 forward on the
+// V4.1 tiny model (di_synth_v41_write, official layout with DSpark: W = 16, 6 layers, blocks of 16
+// positions, replay bound 6 x 15 = 90). Every output (tokens, logprobs, top logprobs, the logits
+// that chose the first token) must be the CPU engine's bit for bit:
+//   (a) six concurrent requests (prompts 5..150 tokens, greedy and seeded) with max_seqs 3 (slots
+//       reused), 32 rows per step (chunked prefill) and the smallest device KV memory that admits
+//       three sequences (preemption, readmission with prefix hits), then with a roomy one, twice
+//       each (the second pass hits the prefix cache: n_cached and n_replayed as on the CPU
+//       engine); nothing is allocated inside a step; every block comes back; decode steps run
+//       from the graphs prepared at create; the same in the official precision recipe;
+//   (b) a forward failure injected mid-run ends exactly the requests of that step with
+//       DI_FINISH_ERROR / DI_ERR_CUDA; the others, and requests submitted afterwards into the
+//       failed slots, give the CPU engine's tokens;
+//   (c) requests sharing a 300-token prefix after a first one: without tail snapshots each hits
+//       288 positions and replays the bound (90), as the CPU engine; with them the first
+//       request's tail at 288 is restored by every later one (the Engram history rebuilt from the
+//       tokens): nothing replayed, the same tokens;
+//   (d) the prefix cache's disk tier: a restart (the blocks and the tail snapshot a destroyed
+//       engine wrote come back from disk into device blocks: nothing replayed), and eviction
+//       inside one engine whose pool holds one max_ctx sequence (evicted blocks downloaded and
+//       written back, then read back and uploaded), each against the CPU V4.1 engine doing the
+//       same (same hits, same replays, same tokens); a record of one forward's layout is never
+//       taken by the other's disk tier;
+//   (e) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
+//       (di_dsv41_dev_sizes); one byte less than a max_ctx sequence needs is refused; the device
+//       state grows by exactly the blocks more memory buys;
+//   (f) with spec_tokens > 0 (DSpark, not on the device-resident forward) the engine runs the CPU
+//       V4.1 forward (not resident, no dev graphs) and gives the same tokens;
+//   (g) KV transfer between V4.1 device-resident engines (through the block I/O, the tail
+//       snapshot along: nothing replayed after the import); a transfer of the CPU V4.1 forward is
+//       refused by the device-resident one and the other way round (DI_ERR_INVALID, the reason
+//       naming the layouts), inserting nothing, also by a device manager whose blocks have the
+//       CPU page's size (the layouts' sizes agree, their bytes never do).
+#include "harness.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include "backend/backend.h"
+#include "engine/engine_internal.h"
+#include "kv/kv_manager.h"
+#include "model/dsv41.h" // di_dsv41_page_bytes
+#include "model/dsv41_dev.h"
+#include "model/synth.h"
+
+enum { V = 512, N_REQ = 6, MAX_GEN = 24, MAX_CTX = 256, N_TOP = 3 };
+
+static char g_dir[256];
+#include "engine_requests.h" // g_prompt, g_len, result, on_event, request, same
+
+// ---- engines ----
+
+static di_status attach_cpu_twin(di_model *m, void *user) {
+    return di_dsv41_dev_attach(m, user); // the test's CPU backend, borrowed
+}
+
+static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = 2;
+    o.kv_memory_bytes = kv_bytes;
+    o.max_seqs = max_seqs;
+    o.max_batch_tokens = 32; // chunked prefill
+    o.max_ctx = MAX_CTX;
+    o.no_prefix_cache = false; // on, on both paths
+    o.no_tail_cache = true;    // the bounded replay, on both paths
+    return o;
+}
+
+// b: the engine runs the V4.1 device-resident forward on backend b; NULL: the CPU V4.1 forward.
+static di_engine *engine_o(const di_engine_options *o, di_backend *b) {
+    di_engine *e = NULL;
+    if (b)
+        CHECK_EQ(di_engine_create_prepared(g_dir, o, attach_cpu_twin, b, &e), DI_OK);
+    else
+        CHECK_EQ(di_engine_create(g_dir, o, &e), DI_OK);
+    return e;
+}
+
+static di_engine *engine(size_t kv_bytes, int32_t max_seqs, di_backend *b) {
+    di_engine_options o = options(kv_bytes, max_seqs);
+    return engine_o(&o, b);
+}
+
+// The device bytes of one entry block and of one slot's tail (the engine's blocks of
+// di_kv_block_tokens positions), from a V4.1 dev forward on a CPU backend.
+static size_t g_tail_bytes; // di_dsv41_dev_tail_bytes
+
+static void dev_sizes(int64_t *blk, int64_t *slot, int32_t *bt) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_backend *b = NULL;
+    di_dsv41_dev *d = NULL;
+    *blk = *slot = 0;
+    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
+    CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
+    if (m && b) CHECK_EQ(di_dsv41_dev_create(m, b, &d), DI_OK);
+    if (d) {
+        *bt = di_kv_block_tokens(m);
+        CHECK_EQ(di_dsv41_dev_block_tokens(d), *bt);
+        CHECK_EQ(di_dsv41_dev_sizes(d, *bt, blk, slot), DI_OK);
+        g_tail_bytes = di_dsv41_dev_tail_bytes(d);
+    }
+    di_dsv41_dev_destroy(d);
+    di_backend_destroy(b);
+    di_model_destroy(m);
+}
+
+static result g_ref[N_REQ], g_ref2[N_REQ]; // the CPU engine's first and second pass
+
+static void check_clean(di_engine *e, bool dev) {
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    CHECK_EQ(st.n_step_allocs, 0);
+    CHECK_EQ(st.device.resident, dev);
+    // Decode steps ran from the graphs prepared at create (one per batch size up to max_seqs),
+    // and no step captured one.
+    di_dsv4_dev_graph_stats gs;
+    di_engine_get_graph_stats(e, &gs);
+    if (dev) {
+        CHECK_EQ(gs.n_captured, gs.n_cached);
+        CHECK(gs.n_cached >= 2);
+        CHECK(gs.n_replayed > 0);
+        CHECK(di_engine_dev_state_bytes(e) > 0);
+    } else {
+        CHECK_EQ(gs.n_cached + gs.n_replayed, 0);
+        CHECK_EQ(di_engine_dev_state_bytes(e), 0);
+    }
+}
+
+// ---- (a) ----
+
+static void test_same_tokens(void) {
+    // Reference: the CPU V4.1 engine with room for everything, the prefix cache on.
+    di_engine *e = engine((size_t)64 << 20, N_REQ, NULL);
+    if (!e) return;
+    run(e, g_ref, 0, N_REQ);
+    di_engine_wait_idle(e);
+    run(e, g_ref2, 0, N_REQ); // again: hits its own cached prompt blocks
+    di_engine_wait_idle(e);
+    int n_hits = 0;
+    for (int i = 0; i < N_REQ; i++) {
+        CHECK(same(&g_ref2[i], &g_ref[i]));
+        n_hits += g_ref2[i].n_cached > 0;
+    }
+    CHECK(n_hits >= 5); // every prompt longer than a block
+    check_clean(e, false);
+    di_engine_destroy(e);
+
+    int64_t blk = 0, slot = 0;
+    int32_t bt = 1;
+    dev_sizes(&blk, &slot, &bt);
+    const size_t tiny = (size_t)(3 * slot + ((MAX_CTX + bt - 1) / bt) * blk);
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b || blk <= 0) return;
+    for (int round = 0; round < 2; round++) { // a tiny KV pool, then a roomy one
+        e = engine(round == 0 ? tiny : (size_t)64 << 20, round == 0 ? 3 : N_REQ, b);
+        if (!e) break;
+        static result got[N_REQ];
+        int n_same = 0, preempted = 0;
+        for (int pass = 0; pass < 2; pass++) { // again: the prefix cache hits
+            run(e, got, 0, N_REQ);
+            di_engine_wait_idle(e);
+            for (int i = 0; i < N_REQ; i++) {
+                n_same += same(&got[i], &g_ref[i]);
+                CHECK_EQ(atomic_load(&got[i].finished), 1);
+                CHECK_EQ(got[i].finish, DI_FINISH_LENGTH);
+                if (round == 1) { // room for every block: the CPU engine's hits exactly
+                    const result *want = pass == 0 ? &g_ref[i] : &g_ref2[i];
+                    CHECK_EQ(got[i].n_cached, want->n_cached);
+                    CHECK_EQ(got[i].n_replayed, want->n_replayed);
+                }
+                preempted += got[i].n_preempted;
+            }
+        }
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        di_dsv4_dev_graph_stats gs;
+        di_engine_get_graph_stats(e, &gs);
+        fprintf(stderr,
+                "(a) V4.1 dev engine, %s pool (%lld blocks of %lld bytes, %lld bytes of device "
+                "state), max_seqs %d, two passes: %d/%d requests identical to the CPU engine, "
+                "%lld steps, %lld preemptions (%d counted by the requests), %lld positions from "
+                "the prefix cache, %lld replayed; graphs %lld captured, %lld replayed\n",
+                round == 0 ? "tiny" : "roomy", (long long)st.n_blocks_total,
+                (long long)st.block_bytes, (long long)di_engine_dev_state_bytes(e),
+                round == 0 ? 3 : N_REQ, n_same, 2 * N_REQ, (long long)st.n_steps,
+                (long long)st.n_preemptions, preempted, (long long)st.n_cache_hit_tokens,
+                (long long)st.n_replayed_tokens, (long long)gs.n_captured,
+                (long long)gs.n_replayed);
+        CHECK_EQ(st.block_bytes, blk);
+        if (round == 1) CHECK(st.n_cache_hit_tokens > 0);
+        CHECK_EQ(n_same, 2 * N_REQ);
+        if (round == 0) CHECK(st.n_preemptions > 0);
+        CHECK_EQ(st.n_failed_steps, 0);
+        check_clean(e, true);
+        di_engine_destroy(e);
+    }
+    di_backend_destroy(b); // after the engine's model, which borrows it
+}
+
+// (a) again in the official precision recipe (R-OFF), roomy pool, two passes.
+static void test_official(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine_options o = options((size_t)64 << 20, 3);
+    o.precision = DI_PRECISION_OFFICIAL;
+    static result ref[2][N_REQ], got[N_REQ];
+    di_engine *e = engine_o(&o, NULL);
+    for (int pass = 0; e && pass < 2; pass++) {
+        run(e, ref[pass], 0, N_REQ);
+        di_engine_wait_idle(e);
+    }
+    di_engine_destroy(e);
+    e = engine_o(&o, b);
+    int n_same = 0, n_hits = 0;
+    for (int pass = 0; e && pass < 2; pass++) {
+        run(e, got, 0, N_REQ);
+        di_engine_wait_idle(e);
+        for (int i = 0; i < N_REQ; i++) {
+            n_same += same(&got[i], &ref[pass][i]);
+            CHECK_EQ(got[i].n_cached, ref[pass][i].n_cached);
+            CHECK_EQ(got[i].n_replayed, ref[pass][i].n_replayed);
+            n_hits += got[i].n_cached > 0;
+        }
+    }
+    fprintf(stderr,
+            "(a) official recipe: %d/%d requests identical to the CPU V4.1 engine, %d prefix "
+            "hits\n",
+            n_same, 2 * N_REQ, n_hits);
+    CHECK_EQ(n_same, 2 * N_REQ);
+    CHECK(n_hits >= 5);
+    if (e) check_clean(e, true);
+    di_engine_destroy(e);
+    di_backend_destroy(b);
+}
+
+// ---- (b) ----
+
+static void test_failure(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine *e = engine((size_t)64 << 20, 2, b);
+    if (!e) {
+        di_backend_destroy(b);
+        return;
+    }
+    static result got[N_REQ];
+    // Two run at a time: request 0's 150-token prompt takes steps 1-5 (32 rows each), request 1
+    // (5 tokens) joins in step 5; the 9th forward, where both decode, fails. 2 and 3 wait.
+    di_engine_fail_forward(e, 8, 1, DI_ERR_CUDA);
+    run(e, got, 0, 4);
+    di_engine_wait_idle(e);
+    int n_failed = 0, n_ok = 0;
+    for (int i = 0; i < 4; i++) {
+        CHECK_EQ(atomic_load(&got[i].finished), 1);
+        if (got[i].finish == DI_FINISH_ERROR) {
+            CHECK_EQ(got[i].status, DI_ERR_CUDA);
+            n_failed++;
+        } else {
+            CHECK(same(&got[i], &g_ref[i]));
+            n_ok++;
+        }
+    }
+    CHECK(got[0].finish == DI_FINISH_ERROR && got[1].finish == DI_FINISH_ERROR);
+    CHECK(got[0].n > 0 && got[1].n > 0); // both had begun to decode
+    for (int i = 0; i < 2; i++)          // the tokens before the failure are the CPU engine's
+        CHECK(!memcmp(got[i].tokens, g_ref[i].tokens, sizeof(int32_t) * (size_t)got[i].n));
+    CHECK(got[2].finish != DI_FINISH_ERROR && got[3].finish != DI_FINISH_ERROR);
+    // Afterwards the failed slots serve new requests from position 0.
+    run(e, got, 4, N_REQ);
+    di_engine_wait_idle(e);
+    for (int i = 4; i < N_REQ; i++) CHECK(same(&got[i], &g_ref[i]));
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    fprintf(stderr,
+            "(b) injected DI_ERR_CUDA: %d requests ended with the error, %d + %d identical to "
+            "the CPU engine; %lld failed steps\n",
+            n_failed, n_ok, N_REQ - 4, (long long)st.n_failed_steps);
+    CHECK_EQ(n_failed, 2);
+    CHECK_EQ(st.n_failed_steps, 1);
+    check_clean(e, true);
+    di_engine_destroy(e);
+    di_backend_destroy(b);
+}
+
+// ---- (c) ----
+
+enum { D_CTX = 352, D_PREFIX = 300, D_REQ = 4, D_HIT = 288 };
+static int32_t g_dprompt[D_REQ][D_PREFIX + 10];
+
+// The first alone, then the rest together.
+static void run_shared(di_engine *e, result *res) {
+    for (int i = 0; i < D_REQ; i++) {
+        memset(&res[i], 0, sizeof res[i]);
+        di_request_params p = request(i, &res[i]);
+        p.prompt = g_dprompt[i];
+        p.n_prompt = D_PREFIX + 3 + i;
+        uint64_t id;
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+        if (i == 0) di_engine_wait_idle(e);
+    }
+    di_engine_wait_idle(e);
+}
+
+static void test_shared_prefix(void) {
+    for (int i = 0; i < D_REQ; i++)
+        for (int t = 0; t < D_PREFIX + 10; t++)
+            g_dprompt[i][t] = (int32_t)((t < D_PREFIX ? t * 13 + 5 : t * 7 + i * 59) % V);
+    static result ref[D_REQ], ref_t[D_REQ], got[D_REQ];
+    int64_t blk = 0, slot = 0;
+    int32_t bt = 1;
+    dev_sizes(&blk, &slot, &bt); // g_tail_bytes
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    for (int tails = 0; tails < 2; tails++) {
+        di_engine_options o = options((size_t)64 << 20, 3);
+        o.max_ctx = D_CTX;
+        o.no_tail_cache = !tails;
+        result *want = tails ? ref_t : ref;
+        di_engine *e = engine_o(&o, NULL);
+        if (!e) break;
+        run_shared(e, want);
+        di_engine_stats cst;
+        di_engine_get_stats(e, &cst);
+        check_clean(e, false);
+        di_engine_destroy(e);
+        e = engine_o(&o, b);
+        if (!e) break;
+        run_shared(e, got);
+        int n_same = 0;
+        for (int i = 0; i < D_REQ; i++) {
+            n_same += same(&got[i], &ref[i]); // with or without snapshots: the same tokens
+            CHECK(same(&want[i], &ref[i]));
+            CHECK_EQ(got[i].n_cached, want[i].n_cached);
+            CHECK_EQ(got[i].n_replayed, want[i].n_replayed);
+            CHECK_EQ(got[i].n_cached, i == 0 ? 0 : D_HIT);             // 18 blocks of 16
+            CHECK_EQ(got[i].n_replayed, i == 0 || tails ? 0 : 6 * 15); // the bound, or none
+        }
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        fprintf(stderr,
+                "(c) %d requests sharing a %d-token prefix, tail snapshots %s (%lld bytes): %d "
+                "identical to the CPU engine; request 1 reused %d positions and replayed %d; "
+                "%lld snapshots taken, %lld restored\n",
+                D_REQ, D_PREFIX, tails ? "on" : "off", (long long)st.tail_snap_bytes, n_same,
+                got[1].n_cached, got[1].n_replayed, (long long)st.n_tail_taken,
+                (long long)st.n_tail_restored);
+        CHECK_EQ(n_same, D_REQ);
+        CHECK_EQ(st.n_replayed_tokens, cst.n_replayed_tokens);
+        CHECK_EQ(st.n_cache_hit_tokens, cst.n_cache_hit_tokens);
+        if (tails) { // at 288 (request 0's), and at 304 (requests 2 and 3, each its own block)
+            CHECK_EQ(st.n_tail_taken, cst.n_tail_taken);
+            CHECK_EQ(st.n_tail_taken, 3);
+            CHECK_EQ(st.n_tail_restored, D_REQ - 1);
+            CHECK_EQ(cst.n_tail_restored, D_REQ - 1);
+            CHECK_EQ(st.n_replayed_tokens, 0);
+            CHECK_EQ((size_t)st.tail_snap_bytes, g_tail_bytes);
+        }
+        check_clean(e, true);
+        di_engine_destroy(e);
+    }
+    di_backend_destroy(b);
+}
+
+// ---- (d) ----
+
+enum { K_CTX = 320, K_P1 = 200, K_P2 = 280, K_Y = 290 };
+static int32_t g_kp[K_P2], g_ky[K_Y]; // the prompt and its extension; an unrelated prompt
+
+static di_engine *disk_engine(size_t kv_bytes, const char *disk, bool prefix, di_backend *b) {
+    di_engine_options o = options(kv_bytes, 3);
+    o.max_ctx = K_CTX;
+    o.kv_disk_dir = disk;
+    o.no_prefix_cache = !prefix;
+    o.no_tail_cache = !prefix; // snapshots travel with their blocks' records
+    return engine_o(&o, b);
+}
+
+// Runs prompt[0, n) alone to completion (request 0's parameters: greedy, first logits).
+static void disk_run(di_engine *e, const int32_t *prompt, int32_t n, result *r) {
+    memset(r, 0, sizeof *r);
+    di_request_params p = request(0, r);
+    p.prompt = prompt;
+    p.n_prompt = n;
+    uint64_t id;
+    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    di_engine_wait_idle(e);
+    CHECK_EQ(r->n, MAX_GEN);
+}
+
+// The disk-tier scenario on either forward (b NULL: the CPU V4.1 engine) in directories under
+// tag: out[0] the restart's rerun, out[1] the eviction's rerun; st_out their engines' stats.
+static void disk_scenario(di_backend *b, const char *tag, size_t small, result *out,
+                          di_engine_stats *st_out) {
+    char disk[320], evict[340];
+    snprintf(disk, sizeof disk, "%s/kvdisk-%s", g_dir, tag);
+    snprintf(evict, sizeof evict, "%s/kvdisk-evict-%s", g_dir, tag);
+    static result r;
+    // Restart: the first life runs the prompt alone; destroy writes its cached blocks.
+    di_engine *e = disk_engine((size_t)64 << 20, disk, true, b);
+    if (!e) return;
+    disk_run(e, g_kp, K_P1, &r);
+    di_engine_destroy(e);
+    e = disk_engine((size_t)64 << 20, disk, true, b);
+    if (!e) return;
+    disk_run(e, g_kp, K_P2, &out[0]);
+    di_engine_get_stats(e, &st_out[0]);
+    check_clean(e, b != NULL);
+    di_engine_destroy(e);
+    // Eviction inside one engine: the unrelated prompt takes every block of the pool.
+    e = disk_engine(small, evict, true, b);
+    if (!e) return;
+    disk_run(e, g_kp, K_P1, &r);
+    disk_run(e, g_ky, K_Y, &r);
+    disk_run(e, g_kp, K_P2, &out[1]);
+    di_engine_get_stats(e, &st_out[1]);
+    check_clean(e, b != NULL);
+    di_engine_destroy(e);
+}
+
+static void test_disk(void) {
+    for (int t = 0; t < K_P2; t++) g_kp[t] = (int32_t)((t * 29 + 11) % V);
+    for (int t = 0; t < K_Y; t++) g_ky[t] = (int32_t)((t * 43 + 5) % V);
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    int64_t blk = 0, slot = 0;
+    int32_t bt = 1;
+    dev_sizes(&blk, &slot, &bt);
+    static result ref, cpu[2], dev[2];
+    di_engine_stats cst[2], dst[2];
+    memset(cst, 0, sizeof cst);
+    memset(dst, 0, sizeof dst);
+    // The reference: the CPU V4.1 engine without any cache.
+    di_engine *e = disk_engine((size_t)64 << 20, NULL, false, NULL);
+    if (!e) goto done;
+    disk_run(e, g_kp, K_P2, &ref);
+    di_engine_destroy(e);
+    // The CPU V4.1 engine on a roomy pool (its eviction run reruns from memory).
+    disk_scenario(NULL, "cpu", (size_t)64 << 20, cpu, cst);
+    disk_scenario(b, "dev", (size_t)(3 * slot + (K_CTX / bt) * blk), dev, dst);
+    for (int k = 0; k < 2; k++) {
+        fprintf(stderr,
+                "(d) %s: V4.1 dev engine reused %d positions (%lld from disk, %lld blocks "
+                "uploaded, %lld downloaded, %lld written), replayed %d; CPU engine %d, %d; "
+                "identical: %d\n",
+                k ? "eviction" : "restart", dev[k].n_cached, (long long)dst[k].n_disk_hit_tokens,
+                (long long)dst[k].n_disk_dev_uploads, (long long)dst[k].n_disk_dev_downloads,
+                (long long)dst[k].n_disk_blocks_written, dev[k].n_replayed, cpu[k].n_cached,
+                cpu[k].n_replayed, (int)same(&dev[k], &ref));
+        CHECK(same(&dev[k], &ref));
+        CHECK(same(&cpu[k], &ref));
+        CHECK(dev[k].n_cached > 0);
+        CHECK(dst[k].n_disk_hit_tokens > 0);
+        CHECK(dst[k].n_disk_dev_uploads > 0); // the read blocks went into device blocks
+        CHECK_EQ(dst[k].n_disk_dev_lost, 0);
+        CHECK_EQ(dst[k].n_disk_dropped, 0);
+        CHECK_EQ(dst[k].n_failed_steps, 0);
+    }
+    CHECK_EQ(dev[0].n_cached, cpu[0].n_cached);
+    CHECK_EQ(dev[0].n_replayed, 0); // the snapshot came back with its block's record
+    CHECK_EQ(cpu[0].n_replayed, 0);
+    CHECK_EQ(dst[0].n_disk_snaps_read, 1);
+    CHECK(dst[1].n_disk_dev_downloads > 0); // evicted device blocks written back
+    CHECK(dst[1].n_disk_blocks_written > 0);
+    // A read reserves at most half of the pool's available blocks: 10 of the 12 come back, the
+    // snapshot at 192 is out of reach, and the hit replays the bound (hits <= 90: from 0).
+    CHECK_EQ(dev[1].n_replayed, dev[1].n_cached < 90 ? dev[1].n_cached : 90);
+    // The other forward's records on a directory: never taken (another layout).
+    {
+        char disk[320];
+        snprintf(disk, sizeof disk, "%s/kvdisk-cpu", g_dir);
+        static result r;
+        e = disk_engine((size_t)64 << 20, disk, true, b);
+        if (e) {
+            disk_run(e, g_kp, K_P2, &r);
+            CHECK(same(&r, &ref));
+            CHECK_EQ(r.n_cached, 0);
+            di_engine_destroy(e);
+        }
+    }
+done:
+    di_backend_destroy(b);
+}
+
+// ---- (e) ----
+
+static void test_sizing(void) {
+    int64_t blk = 0, slot = 0;
+    int32_t bt = 1;
+    dev_sizes(&blk, &slot, &bt);
+    if (blk <= 0) return;
+    const int32_t max_seqs = 3, one = (MAX_CTX + bt - 1) / bt;
+    const size_t least = (size_t)(max_seqs * slot + one * blk);
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine_options o = options(least - 1, max_seqs);
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_ERR_INVALID);
+    CHECK(e == NULL);
+    int64_t bytes[2] = {0, 0}, n_blocks[2] = {0, 0};
+    for (int k = 0; k < 2; k++) { // the least memory, then 10 blocks more
+        o = options(least + (size_t)(k * 10 * blk), max_seqs);
+        e = NULL;
+        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+        if (!e) break;
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        bytes[k] = di_engine_dev_state_bytes(e);
+        n_blocks[k] = st.n_blocks_total;
+        CHECK_EQ(st.block_bytes, blk);
+        CHECK_EQ(st.block_tokens, bt);
+        CHECK(st.device.resident);
+        di_engine_destroy(e);
+    }
+    fprintf(stderr,
+            "(e) entry block %lld bytes, slot tail %lld bytes: %lld bytes of kv memory -> %lld "
+            "blocks, %lld bytes of device state; 10 blocks more -> %lld blocks, %lld bytes\n",
+            (long long)blk, (long long)slot, (long long)least, (long long)n_blocks[0],
+            (long long)bytes[0], (long long)n_blocks[1], (long long)bytes[1]);
+    CHECK_EQ(n_blocks[0], one);
+    CHECK(n_blocks[0] < (int64_t)max_seqs * one);
+    CHECK_EQ(n_blocks[1], one + 10);
+    CHECK_EQ(bytes[1] - bytes[0], 10 * blk); // the state follows kv_memory, block by block
+    di_backend_destroy(b);
+}
+
+// ---- (f) ----
+
+static void test_spec_fallback(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine_options o = options((size_t)64 << 20, N_REQ);
+    o.spec_tokens = 2;
+    di_engine *e = engine_o(&o, b);
+    if (e) {
+        static result got[N_REQ];
+        run(e, got, 0, N_REQ);
+        di_engine_wait_idle(e);
+        int n_same = 0;
+        for (int i = 0; i < N_REQ; i++) n_same += same(&got[i], &g_ref[i]);
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        fprintf(stderr,
+                "(f) spec_tokens 2 on a model with the V4.1 dev forward attached: resident %d, "
+                "%lld verifies, %d/%d identical\n",
+                (int)st.device.resident, (long long)st.n_spec_verifies, n_same, N_REQ);
+        CHECK_EQ(n_same, N_REQ);
+        CHECK(st.n_spec_verifies > 0);
+        check_clean(e, false); // the CPU V4.1 forward: no dev state, no dev graphs
+        di_engine_destroy(e);
+    }
+    di_backend_destroy(b);
+}
+
+// ---- (g) ----
+
+// Runs g_dprompt[i] (D_PREFIX + 3 + i tokens) alone to completion.
+static void xfer_run(di_engine *e, int i, result *r) {
+    memset(r, 0, sizeof *r);
+    di_request_params p = request(i, r);
+    p.prompt = g_dprompt[i];
+    p.n_prompt = D_PREFIX + 3 + i;
+    uint64_t id;
+    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    di_engine_wait_idle(e);
+}
+
+static di_engine *xfer_engine(di_backend *b) {
+    di_engine_options o = options((size_t)64 << 20, 3);
+    o.max_ctx = D_CTX;
+    o.no_tail_cache = false;
+    return engine_o(&o, b);
+}
+
+// Memory-backed block I/O for an accounting manager (same_size_refusal).
+static di_status mem_read(void *user, int32_t block, void *dst) {
+    (void)user, (void)block, (void)dst;
+    return DI_ERR_INVALID; // never called: nothing is exported
+}
+
+static di_status mem_write(void *user, int32_t block, const void *src) {
+    (void)user, (void)block, (void)src;
+    return DI_ERR_INVALID; // an import that got this far took a block: the test fails on it
+}
+
+// A V4.1 device-resident manager whose blocks happen to have the CPU forward's page size (an
+// accounting manager with block I/O of di_dsv41_page_bytes): the CPU transfer x passes every check
+// of the other forward's layout, and is still refused (packed pages are never FP32 rows).
+static void same_size_refusal(const void *x, size_t n_x) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_kv_manager *kv = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (!m) return;
+    const int32_t bt = di_kv_block_tokens(m);
+    const size_t page = di_dsv41_page_bytes(m, bt);
+    CHECK_EQ(di_kv_manager_create_accounting(m, 32, page, 1, D_CTX, true, &kv), DI_OK);
+    const di_kv_block_io bio = {.block_bytes = page, .read = mem_read, .write = mem_write};
+    if (kv) CHECK_EQ(di_kv_manager_set_block_io(kv, &bio), DI_OK);
+    if (kv) {
+        int32_t n_ins = -1, n_pres = -1;
+        char err[512] = "";
+        CHECK_EQ(di_kv_manager_import(kv, x, n_x, &n_ins, &n_pres, err, sizeof err),
+                 DI_ERR_INVALID);
+        CHECK(strstr(err, "packed pages") != NULL);
+        CHECK_EQ(di_block_pool_n_available(kv->pool), 32); // nothing taken
+        fprintf(stderr, "(g) a device manager of the CPU page size (%zu bytes) refuses it: %s\n",
+                page, err);
+    }
+    di_kv_manager_destroy(kv);
+    di_model_destroy(m);
+}
+
+static void test_transfer(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    static result cold, r;
+    void *x_dev = NULL, *x_cpu = NULL;
+    size_t n_dev = 0, n_cpu = 0;
+    int32_t nb = 0, n_ins = 0, n_pres = 0;
+    char err[512];
+    // Cold: request 1 alone on a fresh device-resident engine.
+    di_engine *e = xfer_engine(b);
+    if (!e) goto done;
+    xfer_run(e, 1, &cold);
+    di_engine_destroy(e);
+    // A exports request 0's prompt blocks (read from its device state) and its snapshot.
+    e = xfer_engine(b);
+    if (!e) goto done;
+    xfer_run(e, 0, &r);
+    CHECK_EQ(
+        di_engine_kv_export(e, g_dprompt[0], D_PREFIX, 0, &x_dev, &n_dev, &nb, err, sizeof err),
+        DI_OK);
+    CHECK_EQ(nb, D_HIT / 16);
+    di_engine_destroy(e);
+    // B imports them (written into its device state) and runs request 1 on them.
+    e = xfer_engine(b);
+    if (e && x_dev) {
+        CHECK_EQ(di_engine_kv_import(e, x_dev, n_dev, &n_ins, &n_pres, err, sizeof err), DI_OK);
+        CHECK_EQ(n_ins, nb);
+        CHECK_EQ(di_engine_kv_import(e, x_dev, n_dev, &n_ins, &n_pres, err, sizeof err), DI_OK);
+        CHECK_EQ(n_ins, 0);
+        CHECK_EQ(n_pres, nb);
+        xfer_run(e, 1, &r);
+        fprintf(stderr,
+                "(g) KV transfer between V4.1 dev engines: %d blocks (%zu bytes), request 1 "
+                "reused %d positions, replayed %d, identical to a cold engine: %d\n",
+                (int)nb, n_dev, r.n_cached, r.n_replayed, (int)same(&r, &cold));
+        CHECK(same(&r, &cold));
+        CHECK_EQ(r.n_cached, D_HIT);
+        CHECK_EQ(r.n_replayed, 0); // the snapshot came along
+        check_clean(e, true);
+    }
+    di_engine_destroy(e);
+    // The CPU V4.1 forward's transfer and the device-resident one's: each refused by the other.
+    e = xfer_engine(NULL);
+    if (!e) goto done;
+    xfer_run(e, 0, &r);
+    CHECK_EQ(
+        di_engine_kv_export(e, g_dprompt[0], D_PREFIX, 0, &x_cpu, &n_cpu, &nb, err, sizeof err),
+        DI_OK);
+    if (x_dev) {
+        err[0] = 0;
+        di_engine_stats s0, s1;
+        di_engine_get_stats(e, &s0);
+        CHECK_EQ(di_engine_kv_import(e, x_dev, n_dev, &n_ins, &n_pres, err, sizeof err),
+                 DI_ERR_INVALID);
+        di_engine_get_stats(e, &s1);
+        CHECK_EQ(s1.n_blocks_cached, s0.n_blocks_cached); // nothing inserted
+        CHECK(strstr(err, "layout") != NULL);
+        fprintf(stderr, "(g) the CPU V4.1 engine refuses the dev transfer: %s\n", err);
+    }
+    di_engine_destroy(e);
+    if (x_cpu) same_size_refusal(x_cpu, n_cpu);
+    e = xfer_engine(b);
+    if (e && x_cpu) {
+        err[0] = 0;
+        CHECK_EQ(di_engine_kv_import(e, x_cpu, n_cpu, &n_ins, &n_pres, err, sizeof err),
+                 DI_ERR_INVALID);
+        CHECK(strstr(err, "layout") != NULL);
+        fprintf(stderr, "(g) the V4.1 dev engine refuses the CPU transfer: %s\n", err);
+        xfer_run(e, 1, &r); // nothing was inserted: a cold run
+        CHECK(same(&r, &cold));
+        CHECK_EQ(r.n_cached, 0);
+    }
+    di_engine_destroy(e);
+done:
+    di_free_buffer(x_dev);
+    di_free_buffer(x_cpu);
+    di_backend_destroy(b);
+}
+
+int main(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_dev41_XXXXXX");
+    if (!mkdtemp(g_dir)) return 1;
+    CHECK_EQ(di_synth_v41_write(g_dir, true, true, 41), DI_OK);
+    for (int i = 0; i < N_REQ; i++)
+        for (int t = 0; t < g_len[i]; t++)
+            g_prompt[i][t] = (int32_t)((t * 31 + i * 17 + (i % 2 ? t * t : 0) + 3) % V);
+    RUN(test_same_tokens);
+    RUN(test_official);
+    RUN(test_failure);
+    RUN(test_shared_prefix);
+    RUN(test_disk);
+    RUN(test_sizing);
+    RUN(test_spec_fallback);
+    RUN(test_transfer);
+    di_test_remove_dir(g_dir);
+    return test_finish();
+}
