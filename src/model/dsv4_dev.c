@@ -51,11 +51,17 @@ typedef struct dev_layer {
     di_backend_moe_w moe;
 } dev_layer;
 
-struct di_dsv4_dev {
+// One pipeline stage (dsv4_dev.h "Pipeline stages"): the weights of layers [l0, l1) on its
+// backend; the embedding on the first stage (and on the last when the MTP block is enabled: its
+// input embeds the next tokens), the head, final norm and head mHC (and the MTP block) on the
+// last. Layers are indexed by their model index (layers[il] uploaded for il in [l0, l1) only).
+typedef struct dev_stage {
     di_model *m;   // borrowed
     di_backend *b; // borrowed
-    di_tensor embed, head;
-    float *norm; // backend [D]
+    int32_t l0, l1;
+    bool first, last;
+    di_tensor embed, head; // embed: first stage (and the last with MTP); head: last stage
+    float *norm;           // backend [D]
     dev_hc hc_head;
     float *omega_main, *omega_compress; // backend [n_rot / 2]
     dev_layer *layers;                  // owned [n_layer + 1]: the MTP block at n_layer
@@ -67,17 +73,17 @@ struct di_dsv4_dev {
     float *mtp_enorm, *mtp_hnorm, *mtp_norm; // backend [D]
     dev_hc mtp_hc_head;
     int32_t n_states; // states alive (the MTP block is enabled before the first)
-};
+} dev_stage;
 
-static di_status up_floats(di_dsv4_dev *d, const float *host, int64_t n, float **out) {
+static di_status up_floats(dev_stage *d, const float *host, int64_t n, float **out) {
     return di_dev_up_floats(&d->up, host, n, out);
 }
 
-static di_status up_weight(di_dsv4_dev *d, const di_tensor *w, di_tensor *out) {
+static di_status up_weight(dev_stage *d, const di_tensor *w, di_tensor *out) {
     return di_dev_up_weight(&d->up, w, out);
 }
 
-static di_status up_hc(di_dsv4_dev *d, const di_dsv4_hc_w *hc, int32_t n_base, int32_t n_scale,
+static di_status up_hc(dev_stage *d, const di_dsv4_hc_w *hc, int32_t n_base, int32_t n_scale,
                        dev_hc *out) {
     di_status st = up_weight(d, &hc->fn, &out->fn);
     if (st == DI_OK) st = up_floats(d, hc->base, n_base, &out->base);
@@ -85,7 +91,7 @@ static di_status up_hc(di_dsv4_dev *d, const di_dsv4_hc_w *hc, int32_t n_base, i
     return st;
 }
 
-static di_status up_cmp(di_dsv4_dev *d, const di_dsv4_compressor_w *cw, dev_cmp *out) {
+static di_status up_cmp(dev_stage *d, const di_dsv4_compressor_w *cw, dev_cmp *out) {
     out->m = cw->m, out->c = cw->c, out->d = cw->d;
     di_status st = up_weight(d, &cw->wkv, &out->wkv);
     if (st == DI_OK) st = up_weight(d, &cw->wgate, &out->wgate);
@@ -94,8 +100,7 @@ static di_status up_cmp(di_dsv4_dev *d, const di_dsv4_compressor_w *cw, dev_cmp 
     return st;
 }
 
-static di_status up_layer(di_dsv4_dev *d, const di_dsv4_layer_w *lw, dev_layer *out,
-                          di_tensor *tmp) {
+static di_status up_layer(dev_stage *d, const di_dsv4_layer_w *lw, dev_layer *out, di_tensor *tmp) {
     const di_model *m = d->m;
     const di_hparams *hp = &m->hp;
     const int32_t nc = hp->hc_mult, D = hp->n_embd;
@@ -127,32 +132,24 @@ fail:
     return st;
 }
 
-di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
+static void stage_destroy(dev_stage *d);
+
+// Stage of layers [l0, l1) on b (the model's checks done by the caller).
+static di_status stage_create(di_model *m, di_backend *b, int32_t l0, int32_t l1, bool first,
+                              bool last, dev_stage **out) {
     const di_hparams *hp = &m->hp;
-    if (hp->v41) {
-        DI_LOG_ERROR(
-            "dev forward: DeepSeek V4.1 models run on model/dsv41_dev.h (this is V4 only)");
-        return DI_ERR_UNSUPPORTED;
-    }
-    if (m->opt.precision != DI_PRECISION_FP32 && m->opt.precision != DI_PRECISION_OFFICIAL) {
-        DI_LOG_ERROR("dev forward: unknown precision recipe %d", (int)m->opt.precision);
-        return DI_ERR_UNSUPPORTED;
-    }
-    if (hp->hc_mult > 16 || hp->hc_mult < 1) {
-        DI_LOG_ERROR("dev forward: %d mHC streams (at most 16)", hp->hc_mult);
-        return DI_ERR_UNSUPPORTED;
-    }
     di_status st = DI_OK;
     di_tensor *tmp = NULL;
-    di_dsv4_dev *d = di_calloc(1, sizeof *d);
+    dev_stage *d = di_calloc(1, sizeof *d);
     if (!d) return DI_ERR_NOMEM;
     d->m = m;
     d->b = b;
+    d->l0 = l0, d->l1 = l1, d->first = first, d->last = last;
     d->up = (di_dev_up){.b = b, .who = "dev forward"};
     d->official = m->opt.precision == DI_PRECISION_OFFICIAL;
     d->layers = di_calloc((size_t)hp->n_layer + 1, sizeof *d->layers);
     int32_t max_e = 1;
-    for (int il = 0; il < hp->n_layer; il++)
+    for (int il = l0; il < l1; il++)
         if (m->layers[il].n_expert > max_e) max_e = m->layers[il].n_expert;
     tmp = di_calloc((size_t)max_e, sizeof *tmp);
     if (!d->layers || !tmp) {
@@ -160,43 +157,35 @@ di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
         goto fail;
     }
     const int half = hp->rope_main.n_dims / 2;
-    DI_TRY(up_weight(d, &m->embed, &d->embed));
-    DI_TRY(up_weight(d, &m->head, &d->head));
-    DI_TRY(up_floats(d, m->norm, hp->n_embd, &d->norm));
-    DI_TRY(up_hc(d, &m->hc_head, hp->hc_mult, 1, &d->hc_head));
+    if (first) DI_TRY(up_weight(d, &m->embed, &d->embed));
+    if (last) {
+        DI_TRY(up_weight(d, &m->head, &d->head));
+        DI_TRY(up_floats(d, m->norm, hp->n_embd, &d->norm));
+        DI_TRY(up_hc(d, &m->hc_head, hp->hc_mult, 1, &d->hc_head));
+    }
     DI_TRY(up_floats(d, m->omega_main, half, &d->omega_main));
     DI_TRY(up_floats(d, m->omega_compress, half, &d->omega_compress));
-    for (int il = 0; il < hp->n_layer; il++)
-        DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
+    for (int il = l0; il < l1; il++) DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
     DI_TRY(b->vt->sync(b)); // the host arrays of the uploads may be reused after this
     di_free(tmp);
     *out = d;
     return DI_OK;
 fail:
     di_free(tmp);
-    di_dsv4_dev_destroy(d);
+    stage_destroy(d);
     return st;
 }
 
-di_status di_dsv4_dev_mtp_enable(di_dsv4_dev *d) {
+// The MTP block on the last stage d (the caller checked the model and that no state exists).
+static di_status stage_mtp_enable(dev_stage *d) {
     di_model *m = d->m;
     const di_hparams *hp = &m->hp;
-    if (d->mtp) return DI_OK;
-    if (m->n_mtp_loaded == 0 || m->mtp[0].block.ratio != 0) {
-        DI_LOG_ERROR("dev forward: the checkpoint has no sliding-window MTP block (mtp.*)");
-        return DI_ERR_UNSUPPORTED;
-    }
-    if (d->n_states > 0) {
-        DI_LOG_ERROR("dev forward: the MTP block must be enabled before the first state (%d "
-                     "exist)",
-                     d->n_states);
-        return DI_ERR_INVALID;
-    }
     const di_dsv4_mtp_w *mw = &m->mtp[0];
     di_tensor *tmp =
         di_calloc((size_t)(mw->block.n_expert > 1 ? mw->block.n_expert : 1), sizeof *tmp);
     if (!tmp) return DI_ERR_NOMEM;
     di_status st = DI_OK;
+    if (!d->first) DI_TRY(up_weight(d, &m->embed, &d->embed)); // the MTP input's embedding
     DI_TRY(up_weight(d, &mw->e_proj, &d->mtp_e_proj));
     DI_TRY(up_weight(d, &mw->h_proj, &d->mtp_h_proj));
     DI_TRY(up_floats(d, mw->enorm, hp->n_embd, &d->mtp_enorm));
@@ -211,11 +200,7 @@ fail: // what was uploaded stays tracked (freed with d)
     return st;
 }
 
-bool di_dsv4_dev_has_mtp(const di_dsv4_dev *d) {
-    return d->mtp;
-}
-
-void di_dsv4_dev_destroy(di_dsv4_dev *d) {
+static void stage_destroy(dev_stage *d) {
     if (!d) return;
     di_dev_up_free(&d->up);
     di_free(d->layers);
@@ -273,8 +258,12 @@ typedef struct dev_lstate {
     float *iring_c, *iring_z; // CSA indexer compressor
 } dev_lstate;
 
-struct di_dsv4_dev_state {
-    di_dsv4_dev *d; // borrowed
+// One stage's part of a state (di_dsv4_dev_state: one per stage): pools, rings, page tables,
+// scratch, staging and graphs of the stage's layers; the slots' bookkeeping (n_past, win_lo, ...)
+// is kept alike on every stage.
+typedef struct stage_state stage_state;
+struct stage_state {
+    dev_stage *d; // borrowed
     int32_t n_slots, n_ctx, max_rows;
     int32_t *n_past; // owned [n_slots]; -1: must restart at 0
     int32_t *win_lo; // owned [n_slots]: the first position the slot's sequence has (bounded replay)
@@ -341,7 +330,7 @@ struct di_dsv4_dev_state {
     uint8_t *tail_dev; // backend block (in blocks) of di_dsv4_dev_tail_bytes
 };
 
-static di_status st_track(di_dsv4_dev_state *s, void *p) {
+static di_status st_track(stage_state *s, void *p) {
     if (s->n_blocks == s->cap_blocks) {
         int32_t cap = s->cap_blocks ? 2 * s->cap_blocks : 64;
         void **q = di_realloc(s->blocks, sizeof(void *) * (size_t)cap);
@@ -353,7 +342,7 @@ static di_status st_track(di_dsv4_dev_state *s, void *p) {
     return DI_OK;
 }
 
-static di_status st_alloc(di_dsv4_dev_state *s, size_t bytes, void **out) {
+static di_status st_alloc(stage_state *s, size_t bytes, void **out) {
     di_backend *b = s->d->b;
     void *p = NULL;
     di_status st = b->vt->alloc(b, bytes ? bytes : 1, &p);
@@ -367,7 +356,7 @@ static di_status st_alloc(di_dsv4_dev_state *s, size_t bytes, void **out) {
     return DI_OK;
 }
 
-static di_status st_floats(di_dsv4_dev_state *s, int64_t n, float **out) {
+static di_status st_floats(stage_state *s, int64_t n, float **out) {
     void *p = NULL;
     di_status st = st_alloc(s, sizeof(float) * (size_t)n, &p);
     if (st == DI_OK) *out = p;
@@ -382,7 +371,7 @@ static size_t meta_round(size_t bytes) {
 }
 
 // Reserves an array of up to cap elements in the packed buffers (allocated after every reserve).
-static di_status iarr_init(di_dsv4_dev_state *s, iarr *a, size_t elem, size_t cap) {
+static di_status iarr_init(stage_state *s, iarr *a, size_t elem, size_t cap) {
     a->elem = elem;
     a->cap = cap ? cap : 1;
     s->meta_cap += meta_round(elem * a->cap);
@@ -390,7 +379,7 @@ static di_status iarr_init(di_dsv4_dev_state *s, iarr *a, size_t elem, size_t ca
 }
 
 // Places a for n elements (<= its capacity) after the arrays placed so far in this call.
-static void iarr_place(di_dsv4_dev_state *s, iarr *a, size_t n) {
+static void iarr_place(stage_state *s, iarr *a, size_t n) {
     DI_ASSERT(n <= a->cap);
     a->host = s->meta_host + s->meta_used;
     a->dev = (uint8_t *)s->meta_dev + s->meta_used;
@@ -401,13 +390,13 @@ static void iarr_place(di_dsv4_dev_state *s, iarr *a, size_t n) {
 #define I32(a) ((int32_t *)(a).host)
 #define D32(a) ((int32_t *)(a).dev)
 
-static int find_class(const di_dsv4_dev_state *s, int32_t ratio) {
+static int find_class(const stage_state *s, int32_t ratio) {
     for (int i = 0; i < s->n_cls; i++)
         if (s->cls[i].ratio == ratio) return i;
     return -1;
 }
 
-static di_status class_init(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_layer_w *lw) {
+static di_status class_init(stage_state *s, ratio_class *k, const di_dsv4_layer_w *lw) {
     const di_hparams *hp = &s->d->m->hp;
     const int64_t W = hp->window, T = s->max_rows;
     k->ratio = lw->ratio;
@@ -446,26 +435,19 @@ fail:
     return st;
 }
 
-di_backend *di_dsv4_dev_backend(const di_dsv4_dev *d) {
-    return d->b;
-}
-
-int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s) {
-    return s->kv_row_bytes;
-}
-
 // Bytes per KV pool row of d's recipe (dsv4_dev.h di_dsv4_dev_state_kv_row_bytes).
-static int64_t row_bytes_of(const di_dsv4_dev *d) {
+static int64_t row_bytes_of(const dev_stage *d) {
     const di_hparams *hp = &d->m->hp;
     return d->official ? di_backend_kv_row_bytes(hp->head_dim, hp->rope_main.n_dims)
                        : (int64_t)sizeof(float) * hp->head_dim;
 }
 
-int32_t di_dsv4_dev_block_tokens(const di_dsv4_dev *d) {
-    const di_hparams *hp = &d->m->hp;
+// dsv4_dev.h di_dsv4_dev_block_tokens: over every layer of the model (all stages).
+static int32_t model_block_tokens(const di_model *m) {
+    const di_hparams *hp = &m->hp;
     int64_t lcm = 1;
     for (int il = 0; il < hp->n_layer; il++) {
-        int64_t r = d->m->layers[il].ratio, a = lcm, b = r;
+        int64_t r = m->layers[il].ratio, a = lcm, b = r;
         if (r <= 0) continue;
         while (b) {
             int64_t t = a % b;
@@ -477,10 +459,10 @@ int32_t di_dsv4_dev_block_tokens(const di_dsv4_dev *d) {
 }
 
 // DI_ERR_INVALID (logged) unless block_tokens >= 1 is a multiple of every compress ratio.
-static di_status check_block_tokens(const di_dsv4_dev *d, int32_t block_tokens) {
-    const di_hparams *hp = &d->m->hp;
+static di_status check_block_tokens(const di_model *m, int32_t block_tokens) {
+    const di_hparams *hp = &m->hp;
     for (int il = 0; il < hp->n_layer; il++) {
-        int32_t r = d->m->layers[il].ratio;
+        int32_t r = m->layers[il].ratio;
         if (block_tokens < 1 || (r > 0 && block_tokens % r != 0)) {
             DI_LOG_ERROR("dev state: blocks of %d positions: not a multiple of layer %d's ratio %d",
                          block_tokens, il, r);
@@ -490,13 +472,14 @@ static di_status check_block_tokens(const di_dsv4_dev *d, int32_t block_tokens) 
     return DI_OK;
 }
 
-di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_tokens,
-                            int64_t *block_bytes, int64_t *slot_bytes) {
+// One stage's share of di_dsv4_dev_sizes (its layers, its page table; the caller checked the
+// arguments).
+static void stage_sizes(const dev_stage *d, int32_t n_ctx, int32_t block_tokens,
+                        int64_t *block_bytes, int64_t *slot_bytes) {
     const di_hparams *hp = &d->m->hp;
-    if (n_ctx < 1 || check_block_tokens(d, block_tokens) != DI_OK) return DI_ERR_INVALID;
     const int64_t rb = row_bytes_of(d), W = hp->window, f = sizeof(float);
     int64_t blk = 0, slot = (int64_t)sizeof(int32_t) * ((n_ctx + block_tokens - 1) / block_tokens);
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int il = d->l0; il < d->l1; il++) {
         const di_dsv4_layer_w *lw = &d->m->layers[il];
         slot += W * rb; // window ring
         if (lw->ratio <= 0) continue;
@@ -511,30 +494,19 @@ di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_t
     if (d->mtp) slot += W * rb; // the MTP block's window ring
     *block_bytes = blk;
     *slot_bytes = slot;
-    return DI_OK;
-}
-
-int64_t di_dsv4_dev_state_bytes(const di_dsv4_dev_state *s) {
-    return s->n_bytes;
-}
-
-int32_t di_dsv4_dev_state_n_blocks(const di_dsv4_dev_state *s) {
-    return s->n_eblocks;
 }
 
 // Entry block `block`'s pieces in their layout order (dsv4_dev.h di_dsv4_dev_state_read_block):
 // per compressing layer its E KV pool rows, then for CSA its E indexer keys, each one backend
-// range; fn copies each between the range and the host bytes at host + its offset.
+// range; fn copies each between the range and the host bytes at *hostp + its offset. The stage's
+// layers only: *hostp is advanced past its part (the stages' parts follow in layer order).
 typedef di_status (*block_copy_fn)(di_backend *b, uint8_t *dev, uint8_t *host, size_t n);
-static di_status block_walk(const di_dsv4_dev_state *s, int32_t block, uint8_t *host,
+static di_status block_walk(const stage_state *s, int32_t block, uint8_t **hostp,
                             block_copy_fn fn) {
     const di_hparams *hp = &s->d->m->hp;
     di_backend *b = s->d->b;
-    if (block < 0 || block >= s->n_eblocks || !host) {
-        DI_LOG_ERROR("dev state: no entry block %d (the state has %d)", block, s->n_eblocks);
-        return DI_ERR_INVALID;
-    }
-    for (int il = 0; il < hp->n_layer; il++) {
+    uint8_t *host = *hostp;
+    for (int il = s->d->l0; il < s->d->l1; il++) {
         const ratio_class *k = &s->cls[s->layer_cls[il]];
         const dev_lstate *ls = &s->ls[il];
         if (k->ratio <= 0) continue;
@@ -551,6 +523,7 @@ static di_status block_walk(const di_dsv4_dev_state *s, int32_t block, uint8_t *
             host += ni;
         }
     }
+    *hostp = host;
     return DI_OK;
 }
 
@@ -562,16 +535,7 @@ static di_status block_up(di_backend *b, uint8_t *dev, uint8_t *host, size_t n) 
     return b->vt->upload(b, dev, host, n);
 }
 
-di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block, void *dst) {
-    return block_walk(s, block, dst, block_down);
-}
-
-di_status di_dsv4_dev_state_write_block(di_dsv4_dev_state *s, int32_t block, const void *src) {
-    // The walk's host side is only read by an upload.
-    return block_walk(s, block, (uint8_t *)(uintptr_t)src, block_up);
-}
-
-void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
+static void stage_state_destroy(stage_state *s) {
     if (!s) return;
     for (int32_t i = 0; i < GRAPH_ROWS * s->n_graphs; i++)
         s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
@@ -593,19 +557,13 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
     di_free(s);
 }
 
-di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
-                                   int32_t n_blocks, int32_t block_tokens,
-                                   di_dsv4_dev_state **out) {
+static size_t stage_tail_bytes(const dev_stage *d);
+
+// Stage d's part of a state (the caller checked the counts and block_tokens).
+static di_status stage_state_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
+                                    int32_t n_blocks, int32_t block_tokens, stage_state **out) {
     const di_model *m = d->m;
     const di_hparams *hp = &m->hp;
-    if (n_slots < 1 || n_ctx < 1 || max_rows < 1 || n_blocks < 0) {
-        DI_LOG_ERROR("dev state: %d slots, context %d, %d rows, %d blocks: each must be >= 1 "
-                     "(blocks: >= 0)",
-                     n_slots, n_ctx, max_rows, n_blocks);
-        return DI_ERR_INVALID;
-    }
-    if (block_tokens == 0) block_tokens = di_dsv4_dev_block_tokens(d);
-    if (check_block_tokens(d, block_tokens) != DI_OK) return DI_ERR_INVALID;
     const int64_t W = hp->window, Dh = hp->head_dim, DI = hp->index_head_dim;
     const int64_t T = max_rows, nc = hp->hc_mult, D = hp->n_embd;
     const int64_t max_blocks = ((int64_t)n_ctx + block_tokens - 1) / block_tokens;
@@ -634,7 +592,7 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
         return DI_ERR_UNSUPPORTED;
     }
     di_status st = DI_OK;
-    di_dsv4_dev_state *s = di_calloc(1, sizeof *s);
+    stage_state *s = di_calloc(1, sizeof *s);
     if (!s) return DI_ERR_NOMEM;
     s->d = d;
     s->kv_row_bytes = row_bytes_of(d);
@@ -675,7 +633,7 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     s->pages = pp;
     DI_TRY(d->b->vt->upload(d->b, s->pages, s->pages_host, sizeof(int32_t) * n_pt));
     int32_t cap4 = 1;
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int il = d->l0; il < d->l1; il++) {
         const di_dsv4_layer_w *lw = &m->layers[il];
         int k = find_class(s, lw->ratio);
         if (k < 0) {
@@ -773,9 +731,11 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     DI_TRY(st_floats(s, T * HI * DI, &s->iq));
     DI_TRY(st_floats(s, T * HI, &s->iw));
     DI_TRY(st_floats(s, T * cap4, &s->scores));
-    DI_TRY(st_floats(s, HC * nc * D, &s->hx));
-    DI_TRY(st_floats(s, HC * D, &s->h));
-    DI_TRY(st_floats(s, HC * hp->n_vocab, &s->logits));
+    if (d->last) { // the head's
+        DI_TRY(st_floats(s, HC * nc * D, &s->hx));
+        DI_TRY(st_floats(s, HC * D, &s->h));
+        DI_TRY(st_floats(s, HC * hp->n_vocab, &s->logits));
+    }
     if (d->official) {
         int64_t w = D > Rq ? D : Rq;
         if (G * Ro > w) w = G * Ro;
@@ -795,7 +755,7 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     DI_TRY(iarr_init(s, &s->pt_val, sizeof(int32_t), s->shared ? n_pt : 0));
     {
         void *tp = NULL;
-        DI_TRY(st_alloc(s, di_dsv4_dev_tail_bytes(d), &tp));
+        DI_TRY(st_alloc(s, stage_tail_bytes(d), &tp));
         s->tail_dev = tp;
     }
     // The packed metadata: every array reserved above, at its capacity.
@@ -812,64 +772,15 @@ fail:
         DI_LOG_ERROR("dev state: cannot allocate %d slots x %d positions, %d rows, %lld entry "
                      "blocks on %s",
                      n_slots, n_ctx, max_rows, (long long)n_eb, d->b->desc);
-    di_dsv4_dev_state_destroy(s);
+    stage_state_destroy(s);
     return st;
 }
 
-int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot) {
-    return slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1;
-}
-
-void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out) {
+static void stage_graph_stats(const stage_state *s, di_dsv4_dev_graph_stats *out) {
     *out = s->stats;
     out->n_cached = 0;
     for (int32_t i = 0; i < GRAPH_ROWS * s->n_graphs; i++)
         out->n_cached += s->graphs[i].graph != NULL;
-}
-
-// The graphs of steps of r rows per sequence (dsv4_dev.h di_dsv4_dev_prepare_decode, _verify).
-static di_status prepare_graphs(di_dsv4_dev_state *s, int32_t max_seqs, int32_t r) {
-    if (!s->graphs_on) return DI_OK;
-    int32_t n_max = max_seqs < s->n_graphs ? max_seqs : s->n_graphs;
-    if (n_max * r > HEAD_CHUNK) n_max = HEAD_CHUNK / r;
-    if (n_max * r > s->max_rows) n_max = s->max_rows / r;
-    // Shared blocks: every slot gets block 0, which r tokens at position 0 leave as it was when
-    // they close no window (every ratio > r); else no graph is prepared (captured when used).
-    for (int k = 0; k < s->n_cls; k++)
-        if (s->cls[k].ratio > 0 && s->cls[k].ratio <= r) return DI_OK;
-    const int64_t V = s->d->m->hp.n_vocab;
-    di_dsv4_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)(n_max > 0 ? n_max : 1));
-    int32_t *ids = di_calloc((size_t)(n_max * r + 1), sizeof *ids); // token 0 everywhere
-    int32_t *rows = di_malloc(sizeof *rows * (size_t)(n_max * r + 1));
-    float *logits = di_malloc(sizeof *logits * (size_t)(n_max * r + 1) * (size_t)V);
-    di_status st = seqs && ids && rows && logits ? DI_OK : DI_ERR_NOMEM;
-    // Two steps of each size at position 0: the first runs directly, the second is captured.
-    static const int32_t block0 = 0;
-    for (int32_t n = 1; n <= n_max && st == DI_OK && s->graphs_on; n++) {
-        for (int32_t i = 0; i < n; i++)
-            seqs[i] = (di_dsv4_dev_seq){.slot = i,
-                                        .pos = 0,
-                                        .n_tok = r,
-                                        .blocks = s->shared ? &block0 : NULL,
-                                        .n_blocks = s->shared ? 1 : 0};
-        for (int32_t i = 0; i < n * r; i++) rows[i] = i;
-        const struct dev_graph *g = &s->graphs[(r - 1) * s->n_graphs + n - 1];
-        for (int pass = 0; pass < 2 && st == DI_OK && !g->graph; pass++)
-            st = di_dsv4_dev_forward(s, seqs, n, ids, rows, n * r, logits);
-    }
-    di_free(seqs);
-    di_free(ids);
-    di_free(rows);
-    di_free(logits);
-    return st;
-}
-
-di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs) {
-    return prepare_graphs(s, max_seqs, 1);
-}
-
-di_status di_dsv4_dev_prepare_verify(di_dsv4_dev_state *s, int32_t max_seqs) {
-    return prepare_graphs(s, max_seqs, 2);
 }
 
 // ---- per-call metadata (host lists of rows, uploaded once per call) ----
@@ -886,7 +797,7 @@ static inline int32_t cmp_src(int64_t q, int64_t p0, int32_t r0, int64_t ring0, 
     return (int32_t)(q >= p0 ? r0 + (q - p0) : -(ring0 + q % R) - 1);
 }
 
-static void build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_seq *seqs,
+static void build_class(stage_state *s, ratio_class *k, const di_dsv4_dev_seq *seqs,
                         int32_t n_seq) {
     const di_hparams *hp = &s->d->m->hp;
     const int64_t W = hp->window, T = s->max_rows;
@@ -995,7 +906,7 @@ static void build_class(di_dsv4_dev_state *s, ratio_class *k, const di_dsv4_dev_
 // ---- the layer ----
 
 typedef struct call {
-    di_dsv4_dev_state *s;
+    stage_state *s;
     const di_dsv4_dev_seq *seqs;
     int32_t n_seq, T;
 } call;
@@ -1020,7 +931,7 @@ typedef struct call {
 // W's rows) are rounded to BF16.
 static di_status linear(const call *c, const di_tensor *w, const float *x, int64_t xs, float *y,
                         int64_t ys, bool act_quant) {
-    di_dsv4_dev_state *s = c->s;
+    stage_state *s = c->s;
     const int64_t N = w->ne[1];
     di_status st = DI_OK;
     if (s->d->official && act_quant &&
@@ -1045,7 +956,7 @@ fail:
 static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class *k, const float *a,
                             bool indexer, float *ring_c, float *ring_z, void *pool,
                             int64_t pool_stride, const int32_t *ent_dst) {
-    di_dsv4_dev_state *s = c->s;
+    stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     const int64_t width = (int64_t)cw->c * cw->d, D = hp->n_embd;
     di_status st = DI_OK;
@@ -1086,8 +997,8 @@ fail:
 }
 
 static di_status attention(const call *c, int il, const float *a, float *out) {
-    di_dsv4_dev_state *s = c->s;
-    const di_dsv4_dev *d = s->d;
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
     const di_hparams *hp = &d->m->hp;
     const dev_layer *lw = &d->layers[il];
     const dev_lstate *ls = &s->ls[il];
@@ -1193,7 +1104,7 @@ fail:
 
 // mHC pre of one site (fn matmul, then coefficients and the collapse into a), then the norm.
 static di_status hc_pre(const call *c, const dev_hc *hc, const float *norm) {
-    di_dsv4_dev_state *s = c->s;
+    stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     const int64_t nc = hp->hc_mult, D = hp->n_embd, n_mix = (2 + nc) * nc;
     di_status st = DI_OK;
@@ -1209,7 +1120,7 @@ fail:
 }
 
 static di_status block(const call *c, int il) {
-    di_dsv4_dev_state *s = c->s;
+    stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     const dev_layer *lw = &s->d->layers[il];
     const int32_t nc = hp->hc_mult;
@@ -1233,8 +1144,8 @@ fail:
 // downloads them: not inside a graph).
 static di_status head(const call *c, const dev_hc *hc, const float *norm, const int32_t *rows,
                       int32_t n) {
-    di_dsv4_dev_state *s = c->s;
-    const di_dsv4_dev *d = s->d;
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
     const di_hparams *hp = &d->m->hp;
     const int64_t nc = hp->hc_mult, D = hp->n_embd, V = hp->n_vocab;
     const size_t row = sizeof(float) * (size_t)(nc * D);
@@ -1262,8 +1173,7 @@ fail:
 
 // The entry blocks (indices into seqs->blocks) a call may write: those of the windows closing in
 // it at or after the cached entries, over every compressing ratio; *lo > *hi: none.
-static void write_range(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *sq, int64_t *lo,
-                        int64_t *hi) {
+static void write_range(const stage_state *s, const di_dsv4_dev_seq *sq, int64_t *lo, int64_t *hi) {
     *lo = INT64_MAX, *hi = -1;
     for (int i = 0; i < s->n_cls; i++) {
         const int64_t m = s->cls[i].ratio;
@@ -1279,8 +1189,7 @@ static void write_range(const di_dsv4_dev_state *s, const di_dsv4_dev_seq *sq, i
 }
 
 // Blocks, bounded replay and cached entries of sequence i (dsv4_dev.h di_dsv4_dev_seq).
-static di_status check_seq_blocks(const di_dsv4_dev_state *s, int32_t i,
-                                  const di_dsv4_dev_seq *sq) {
+static di_status check_seq_blocks(const stage_state *s, int32_t i, const di_dsv4_dev_seq *sq) {
     const int64_t need = ((int64_t)sq->pos + sq->n_tok + s->block_tokens - 1) / s->block_tokens;
     if (sq->win_lo < 0 || sq->win_lo > sq->pos || sq->n_cached < 0 || sq->n_cached > s->n_ctx ||
         sq->n_cached % s->block_tokens != 0) {
@@ -1327,7 +1236,7 @@ static di_status check_seq_blocks(const di_dsv4_dev_state *s, int32_t i,
 
 // Shared blocks: no block this call writes is written twice or read by another sequence (or by
 // the writer at another index); returns the page table entries the call changes in *n_upd.
-static di_status check_blocks(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+static di_status check_blocks(stage_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                               int32_t *n_upd) {
     *n_upd = 0;
     if (!s->shared) return DI_OK;
@@ -1370,7 +1279,7 @@ static di_status check_blocks(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     return DI_OK;
 }
 
-static di_status check_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+static di_status check_call(stage_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                             const int32_t *tokens, const int32_t *logit_rows, int32_t n_logit_rows,
                             const float *logits, int32_t *n_rows_out, int32_t *n_upd) {
     const di_hparams *hp = &s->d->m->hp;
@@ -1437,7 +1346,7 @@ static di_status check_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, i
 // keys, then (HCA) entries 0..cap-1 from its window count on; past a row's n_keys nothing is read,
 // so the entries not visible yet do no harm. CSA's top-k are appended per layer.
 static di_status key_lists(const call *c, const ratio_class *k) {
-    di_dsv4_dev_state *s = c->s;
+    stage_state *s = c->s;
     const int32_t W = s->d->m->hp.window;
     di_status st = DI_OK;
     if (k->ratio <= 0) return DI_OK;
@@ -1452,7 +1361,7 @@ fail:
 }
 
 static di_status layers(const call *c) {
-    di_dsv4_dev_state *s = c->s;
+    stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     di_status st = DI_OK;
     // Shared blocks: this call's page table updates (1-word rows, their bits as they are; -1
@@ -1461,8 +1370,10 @@ static di_status layers(const call *c) {
         OP(scatter_rows, (const float *)s->pt_val.dev, s->n_pt, 1, 1, (float *)s->pages, 1,
            D32(s->pt_dst), NULL);
     for (int i = 0; i < s->n_cls; i++) DI_TRY(key_lists(c, &s->cls[i]));
-    OP(embed, &s->d->embed, D32(s->tokens), c->T, hp->hc_mult, s->x);
-    for (int il = 0; il < hp->n_layer; il++) DI_TRY(block(c, il));
+    // The first stage embeds the tokens; a later one's streams came from the stage before it
+    // (stage_forward's hand-over, before the layers).
+    if (s->d->first) OP(embed, &s->d->embed, D32(s->tokens), c->T, hp->hc_mult, s->x);
+    for (int il = s->d->l0; il < s->d->l1; il++) DI_TRY(block(c, il));
     return DI_OK;
 fail:
     return st;
@@ -1490,7 +1401,8 @@ typedef struct step_ctx {
 static di_status run_step(const void *ctx) {
     const step_ctx *x = ctx;
     di_status st = layers(x->c);
-    if (st == DI_OK) st = head(x->c, &x->c->s->d->hc_head, x->c->s->d->norm, x->rows, x->n);
+    if (st == DI_OK && x->c->s->d->last)
+        st = head(x->c, &x->c->s->d->hc_head, x->c->s->d->norm, x->rows, x->n);
     return st;
 }
 
@@ -1502,14 +1414,20 @@ static di_status capture(const call *c, const int32_t *rows, int32_t n, void **o
 
 // ---- the call ----
 
-di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
-                              const int32_t *tokens, const int32_t *logit_rows,
-                              int32_t n_logit_rows, float *logits) {
+// One stage's part of a call checked by check_call on every stage (T rows, n_upd page table
+// entries of this stage's mirror). x_in: the streams [T, NC, D] after the previous stage's last
+// layer (host, NULL on the first stage), uploaded into x before the layers; x_out: where this
+// stage's are downloaded to for the next one (NULL on the last stage, which runs the head and
+// downloads the logits).
+static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                               const int32_t *tokens, const int32_t *logit_rows,
+                               int32_t n_logit_rows, float *logits, int32_t T, int32_t n_upd,
+                               const float *x_in, float *x_out) {
     const di_model *m = s->d->m;
     const di_hparams *hp = &m->hp;
-    int32_t T = 0, n_upd = 0;
-    di_status st = check_call(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T, &n_upd);
-    if (st != DI_OK) return st;
+    di_status st = DI_OK;
+    const bool last = s->d->last;
+    const size_t x_bytes = sizeof(float) * (size_t)T * (size_t)hp->hc_mult * (size_t)hp->n_embd;
     call cl = {s, seqs, n_seq, T};
     s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
     s->x_rows = 0; // until the call's streams are complete
@@ -1563,6 +1481,11 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     s->stats.last_uploads = 1;
     s->stats.last_upload_bytes = (int64_t)s->meta_used;
     DI_TRY(s->d->b->vt->upload(s->d->b, s->meta_dev, s->meta_host, s->meta_used));
+    if (x_in) { // the hand-over from the previous stage (stream-ordered before the layers)
+        s->stats.last_uploads++;
+        s->stats.last_upload_bytes += (int64_t)x_bytes;
+        DI_TRY(s->d->b->vt->upload(s->d->b, s->x, x_in, x_bytes));
+    }
 
     // Embedding, the layers, the head on the logit rows: a decode step through its graph (after
     // it ran once directly), every other call directly, chunk by chunk of the head.
@@ -1590,18 +1513,20 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
         }
         if (direct) {
             DI_TRY(layers(c));
-            DI_TRY(head(c, &s->d->hc_head, s->d->norm, logit_rows, n_logit_rows));
+            if (last) DI_TRY(head(c, &s->d->hc_head, s->d->norm, logit_rows, n_logit_rows));
             s->stats.n_direct++;
         } else {
             s->stats.last_ops += g->n_ops;
             DI_TRY(s->d->b->vt->graph_launch(s->d->b, g->graph));
         }
         g->seen = true;
-        DI_TRY(s->d->b->vt->download(s->d->b, logits, s->logits, row_bytes * (size_t)n_logit_rows));
+        if (last)
+            DI_TRY(s->d->b->vt->download(s->d->b, logits, s->logits,
+                                         row_bytes * (size_t)n_logit_rows));
     } else {
         DI_TRY(layers(c));
         const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
-        for (int32_t k = 0; k < n_logit_rows; k += HC) {
+        for (int32_t k = 0; k < n_logit_rows && last; k += HC) {
             int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
             DI_TRY(head(c, &s->d->hc_head, s->d->norm, logit_rows + k, n));
             DI_TRY(s->d->b->vt->download(s->d->b, logits + (int64_t)k * hp->n_vocab, s->logits,
@@ -1609,6 +1534,10 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
         }
         s->stats.n_direct++;
     }
+    // The streams to the next stage: downloaded into page-locked host memory (the download
+    // waits for this stage's work), uploaded by the next stage. A peer copy (cudaMemcpyPeerAsync
+    // from this GPU's x into the next one's, ordered by an event) would go here instead.
+    if (x_out) DI_TRY(s->d->b->vt->download(s->d->b, x_out, s->x, x_bytes));
     // The end of the step: every op done (and its faults surfaced) before the slots advance.
     DI_TRY(s->d->b->vt->sync(s->d->b));
     for (int32_t i = 0; i < n_seq; i++) {
@@ -1632,7 +1561,7 @@ fail:
 // ---- the MTP block (spec §2.10; model/dsv4_mtp.c) ----
 
 // The MTP call's checks (dsv4_dev.h di_dsv4_dev_mtp_forward); *n_rows_out: its rows.
-static di_status check_mtp_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+static di_status check_mtp_call(stage_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                                 const int32_t *x_rows, const int32_t *ids_next,
                                 const int32_t *logit_rows, int32_t n_logit_rows,
                                 const float *logits, int32_t *n_rows_out) {
@@ -1691,8 +1620,8 @@ static di_status check_mtp_call(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seq
 // enorm); X0[t, k] = h_proj . RMSNorm(Xmain[t, k], hnorm) + e[t], with the official recipe's
 // roundings. Xmain: the main call's rows gathered from x into xmain; X0 goes into x.
 static di_status mtp_input(const call *c) {
-    di_dsv4_dev_state *s = c->s;
-    const di_dsv4_dev *d = s->d;
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
     const di_hparams *hp = &d->m->hp;
     const int64_t nc = hp->hc_mult, D = hp->n_embd, T = c->T;
     di_status st = DI_OK;
@@ -1725,9 +1654,10 @@ fail:
     return st;
 }
 
-di_status di_dsv4_dev_mtp_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
-                                  const int32_t *x_rows, const int32_t *ids_next,
-                                  const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+// The MTP call on the last stage s (its main streams are the last stage's x).
+static di_status stage_mtp_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                                   const int32_t *x_rows, const int32_t *ids_next,
+                                   const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
     const di_hparams *hp = &s->d->m->hp;
     int32_t T = 0;
     di_status st =
@@ -1786,7 +1716,7 @@ fail:
 // only (its calls come after the accept), so it has nothing to take back; a slot taken back
 // below its MTP position (a kept row given up: the engine's cancelled block, whose request ends)
 // must restart its MTP ring (fresh, or a tail restore).
-di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos) {
+static di_status stage_rollback(stage_state *s, int32_t slot, int32_t pos) {
     const bool in = slot >= 0 && slot < s->n_slots;
     const int32_t np = in ? s->n_past[slot] : -1;
     if (np < 0 || pos < s->back_lo[slot] || pos > np || pos <= s->win_lo[slot]) {
@@ -1798,10 +1728,6 @@ di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos) 
     s->n_past[slot] = s->back_lo[slot] = pos;
     if (s->mtp && s->mtp_n_past[slot] > pos) s->mtp_n_past[slot] = -1;
     return DI_OK;
-}
-
-int32_t di_dsv4_dev_mtp_n_past(const di_dsv4_dev_state *s, int32_t slot) {
-    return s->mtp && slot >= 0 && slot < s->n_slots ? s->mtp_n_past[slot] : -1;
 }
 
 #undef ROUND
@@ -1832,7 +1758,7 @@ typedef struct tail_ring {
 
 // Ring i (layer i / TAIL_KINDS, kind i % TAIL_KINDS) of slot `slot` of s (s NULL: sizes only);
 // false when the layer has no such ring or the snapshot keeps none of its rows.
-static bool tail_ring_at(const di_dsv4_dev *d, const di_dsv4_dev_state *s, int32_t slot, int i,
+static bool tail_ring_at(const dev_stage *d, const stage_state *s, int32_t slot, int i,
                          tail_ring *r) {
     const di_hparams *hp = &d->m->hp;
     const int il = i / TAIL_KINDS, kind = i % TAIL_KINDS;
@@ -1866,30 +1792,26 @@ static bool tail_ring_at(const di_dsv4_dev *d, const di_dsv4_dev_state *s, int32
     return r->keep > 0;
 }
 
-// Layers a snapshot holds: the main ones and the MTP block's.
-static int32_t tail_layers(const di_dsv4_dev *d) {
-    return d->m->hp.n_layer + (d->mtp ? 1 : 0);
+// The rings of stage d's snapshot part: indices [*i0, *i1) of tail_ring_at (its layers, then the
+// MTP block's on the last stage).
+static void stage_rings(const dev_stage *d, int *i0, int *i1) {
+    *i0 = d->l0 * TAIL_KINDS;
+    *i1 = (d->l1 + (d->mtp ? 1 : 0)) * TAIL_KINDS;
 }
 
-di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *src) {
-    tail_head th;
-    memcpy(&th, src, sizeof th);
-    return th.magic == TAIL_MAGIC && th.pos == pos && th.n_layer == tail_layers(d) &&
-                   th.kv_row_bytes == (int32_t)row_bytes_of(d)
-               ? DI_OK
-               : DI_ERR_INVALID;
-}
-
-size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d) {
-    size_t n = sizeof(tail_head);
+// Bytes of stage d's part of a snapshot (after the header; the parts follow in stage order).
+static size_t stage_tail_bytes(const dev_stage *d) {
+    size_t n = 0;
     tail_ring r;
-    for (int i = 0; i < tail_layers(d) * TAIL_KINDS; i++)
+    int i0, i1;
+    stage_rings(d, &i0, &i1);
+    for (int i = i0; i < i1; i++)
         if (tail_ring_at(d, NULL, 0, i, &r)) n += (size_t)(r.keep * r.row_bytes);
     return n;
 }
 
-// DI_ERR_INVALID (logged) unless pos is a multiple of every compress ratio.
-static di_status check_tail_pos(const di_dsv4_dev_state *s, int32_t slot, int32_t pos) {
+// DI_ERR_INVALID (logged) unless pos is a multiple of every compress ratio of the stage.
+static di_status check_tail_pos(const stage_state *s, int32_t slot, int32_t pos) {
     if (slot < 0 || slot >= s->n_slots || pos < 0 || pos > s->n_ctx) {
         DI_LOG_ERROR("dev tail: slot %d at %d: out of range (%d slots, %d positions)", slot, pos,
                      s->n_slots, s->n_ctx);
@@ -1925,68 +1847,68 @@ static di_status tail_copy(di_backend *b, const tail_ring *r, int64_t pos, uint8
     return DI_OK;
 }
 
-di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst) {
-    const di_dsv4_dev *d = s->d;
-    di_backend *b = d->b;
-    const int32_t pos = slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1;
-    di_status st = check_tail_pos(s, slot, pos);
-    if (st != DI_OK) return st;
+// Whether slot `slot`'s rings at pos hold every row the stage's part keeps (after a bounded
+// replay from lo > 0 the ring rows before lo were never computed). DI_ERR_INVALID (logged).
+static di_status stage_tail_reach(const stage_state *s, int32_t slot, int32_t pos) {
     const int64_t lo = s->win_lo[slot];
-    const size_t total = di_dsv4_dev_tail_bytes(d), h = sizeof(tail_head);
-    uint8_t *out = dst;
-    size_t off = h;
     tail_ring r;
-    // After a bounded replay from lo > 0 the ring rows before lo were never computed.
-    for (int i = 0; i < tail_layers(d) * TAIL_KINDS && lo > 0; i++) {
-        if (tail_ring_at(d, NULL, 0, i, &r) && pos - r.keep < lo) {
+    int i0, i1;
+    stage_rings(s->d, &i0, &i1);
+    for (int i = i0; i < i1 && lo > 0; i++) {
+        if (tail_ring_at(s->d, NULL, 0, i, &r) && pos - r.keep < lo) {
             DI_LOG_ERROR("dev tail: slot %d at %d replayed from %lld: its rings hold no rows "
                          "before that",
                          slot, pos, (long long)lo);
             return DI_ERR_INVALID;
         }
     }
-    for (int i = 0; i < tail_layers(d) * TAIL_KINDS; i++) {
+    return DI_OK;
+}
+
+// Stage s's part of slot `slot`'s snapshot at pos (checked) into out (stage_tail_bytes). Syncs.
+static di_status stage_tail_save(stage_state *s, int32_t slot, int32_t pos, uint8_t *out) {
+    const dev_stage *d = s->d;
+    di_backend *b = d->b;
+    const size_t total = stage_tail_bytes(d);
+    di_status st = DI_OK;
+    size_t off = 0;
+    tail_ring r;
+    int i0, i1;
+    stage_rings(d, &i0, &i1);
+    for (int i = i0; i < i1; i++) {
         if (!tail_ring_at(d, s, slot, i, &r)) continue;
         DI_TRY(tail_copy(b, &r, pos, s->tail_dev + off, true));
         off += (size_t)(r.keep * r.row_bytes);
     }
     DI_ASSERT(off == total);
-    DI_TRY(b->vt->download(b, out + h, s->tail_dev + h, total - h)); // syncs: out is read now
+    DI_TRY(b->vt->download(b, out, s->tail_dev, total)); // syncs: out is read now
     // Rows of positions < 0 (a tail before the window filled): zeros, never restored.
-    off = h;
-    for (int i = 0; i < tail_layers(d) * TAIL_KINDS; i++) {
+    off = 0;
+    for (int i = i0; i < i1; i++) {
         if (!tail_ring_at(d, NULL, 0, i, &r)) continue;
         if (r.keep > pos) memset(out + off, 0, (size_t)((r.keep - pos) * r.row_bytes));
         off += (size_t)(r.keep * r.row_bytes);
     }
-    const tail_head th = {TAIL_MAGIC, pos, tail_layers(d), (int32_t)s->kv_row_bytes};
-    memcpy(out, &th, h);
     return DI_OK;
 fail:
     DI_LOG_ERROR("dev tail: saving slot %d on %s: %s", slot, b->desc, di_status_str(st));
     return st;
 }
 
-di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t pos,
-                                   const void *src) {
-    const di_dsv4_dev *d = s->d;
+// Stage s's part (src: stage_tail_bytes) into slot `slot`'s rings at pos (checked), then the
+// slot's bookkeeping: a slot that consumed pos tokens with full windows.
+static di_status stage_tail_restore(stage_state *s, int32_t slot, int32_t pos, const uint8_t *src) {
+    const dev_stage *d = s->d;
     di_backend *b = d->b;
-    di_status st = check_tail_pos(s, slot, pos);
-    if (st != DI_OK) return st;
-    if (di_dsv4_dev_tail_check(d, pos, src) != DI_OK) {
-        tail_head th;
-        memcpy(&th, src, sizeof th);
-        DI_LOG_ERROR("dev tail: not a snapshot of this state at position %d (magic %08x, position "
-                     "%d, %d layers, KV rows of %d bytes)",
-                     pos, th.magic, th.pos, th.n_layer, th.kv_row_bytes);
-        return DI_ERR_INVALID;
-    }
-    const size_t total = di_dsv4_dev_tail_bytes(d), h = sizeof(tail_head);
+    const size_t total = stage_tail_bytes(d);
+    di_status st = DI_OK;
     s->n_past[slot] = -1; // until every copy is enqueued
-    DI_TRY(b->vt->upload(b, s->tail_dev + h, (const uint8_t *)src + h, total - h));
-    size_t off = h;
+    DI_TRY(b->vt->upload(b, s->tail_dev, src, total));
+    size_t off = 0;
     tail_ring r;
-    for (int i = 0; i < tail_layers(d) * TAIL_KINDS; i++) {
+    int i0, i1;
+    stage_rings(d, &i0, &i1);
+    for (int i = i0; i < i1; i++) {
         if (!tail_ring_at(d, s, slot, i, &r)) continue;
         DI_TRY(tail_copy(b, &r, pos, s->tail_dev + off, false));
         off += (size_t)(r.keep * r.row_bytes);
@@ -2004,20 +1926,496 @@ fail:
     return st;
 }
 
+// ---- pipeline stages: the public API (dsv4_dev.h "Pipeline stages") ----
+
+struct di_dsv4_dev {
+    di_model *m; // borrowed
+    int32_t n_stages;
+    dev_stage *st[DI_DSV4_DEV_MAX_STAGES]; // owned: stage k holds layers [st[k]->l0, st[k]->l1)
+    bool mtp;                              // the MTP block is enabled (on the last stage)
+    int32_t n_states;                      // states alive
+};
+
+struct di_dsv4_dev_state {
+    di_dsv4_dev *d; // borrowed
+    int32_t n_stages;
+    stage_state *ss[DI_DSV4_DEV_MAX_STAGES]; // owned: stage k's part
+    // The hand-over between stages: [max_rows, NC, D] streams, the first stage's backend's host
+    // memory (page-locked on CUDA, allocated portable: every GPU of the process DMAs from it).
+    // NULL with one stage.
+    float *xfer; // owned (host_alloc of ss[0]'s backend)
+};
+
+static dev_stage *last_stage(const di_dsv4_dev *d) {
+    return d->st[d->n_stages - 1];
+}
+
+static stage_state *last_part(const di_dsv4_dev_state *s) {
+    return s->ss[s->n_stages - 1];
+}
+
+static int64_t tensor_bytes(const di_tensor *t) {
+    return t->data ? (int64_t)di_tensor_bytes(t) : 0;
+}
+
+// Host bytes of layer il's weights the dev forward uploads (matrices with their scales, the
+// vectors).
+static int64_t layer_bytes(const di_model *m, int32_t il) {
+    const di_hparams *hp = &m->hp;
+    const di_dsv4_layer_w *lw = &m->layers[il];
+    const int64_t f = sizeof(float), nc = hp->hc_mult, D = hp->n_embd;
+    int64_t n = tensor_bytes(&lw->hc_attn.fn) + tensor_bytes(&lw->hc_ffn.fn);
+    n += 2 * f * ((2 + nc) * nc + 3) + 2 * f * D;
+    n += tensor_bytes(&lw->wq_a) + tensor_bytes(&lw->wq_b) + tensor_bytes(&lw->wkv) +
+         tensor_bytes(&lw->wo_a) + tensor_bytes(&lw->wo_b);
+    const di_dsv4_compressor_w *cw[2] = {&lw->cmp, &lw->idx_cmp};
+    for (int i = 0; i < (lw->ratio == 4 ? 2 : lw->ratio > 0 ? 1 : 0); i++)
+        n += tensor_bytes(&cw[i]->wkv) + tensor_bytes(&cw[i]->wgate) +
+             f * ((int64_t)cw[i]->m * cw[i]->c * cw[i]->d + cw[i]->d);
+    n += tensor_bytes(&lw->idx_wq_b) + tensor_bytes(&lw->idx_weights_proj);
+    n += tensor_bytes(&lw->gate) + tensor_bytes(&lw->sh_w1) + tensor_bytes(&lw->sh_w2) +
+         tensor_bytes(&lw->sh_w3);
+    for (int32_t e = 0; e < lw->n_expert && lw->w1; e++)
+        n += tensor_bytes(&lw->w1[e]) + tensor_bytes(&lw->w2[e]) + tensor_bytes(&lw->w3[e]);
+    return n;
+}
+
+di_status di_dsv4_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
+                            int64_t *stage_bytes) {
+    const int32_t L = m->hp.n_layer;
+    if (n_stages < 1 || n_stages > DI_DSV4_DEV_MAX_STAGES || n_stages > L) {
+        DI_LOG_ERROR("dev forward: %d pipeline stages for %d layers (1 to min(%d, layers))",
+                     n_stages, L, DI_DSV4_DEV_MAX_STAGES);
+        return DI_ERR_INVALID;
+    }
+    int64_t *pre = di_malloc(sizeof(int64_t) * (size_t)(L + 1)); // pre[l]: stage 0's bytes to l
+    if (!pre) return DI_ERR_NOMEM;
+    const int64_t head = tensor_bytes(&m->head) + tensor_bytes(&m->hc_head.fn) +
+                         (int64_t)sizeof(float) * (m->hp.n_embd + m->hp.hc_mult + 1);
+    pre[0] = tensor_bytes(&m->embed);
+    for (int32_t il = 0; il < L; il++) pre[il + 1] = pre[il] + layer_bytes(m, il);
+    const double total = (double)(pre[L] + head);
+    // Boundary k: the cut l whose bytes before it come nearest k / n of the total, leaving at least
+    // one layer to every stage.
+    layer0[0] = 0;
+    for (int32_t k = 1; k < n_stages; k++) {
+        const double want = total * k / n_stages;
+        int32_t best = layer0[k - 1] + 1;
+        for (int32_t l = best + 1; l <= L - (n_stages - k); l++)
+            if (fabs((double)pre[l] - want) < fabs((double)pre[best] - want)) best = l;
+        layer0[k] = best;
+    }
+    layer0[n_stages] = L;
+    for (int32_t k = 0; stage_bytes && k < n_stages; k++)
+        stage_bytes[k] =
+            pre[layer0[k + 1]] - (k ? pre[layer0[k]] : 0) + (k == n_stages - 1 ? head : 0);
+    di_free(pre);
+    return DI_OK;
+}
+
+di_status di_dsv4_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
+                                    di_dsv4_dev **out) {
+    const di_hparams *hp = &m->hp;
+    if (hp->v41) {
+        DI_LOG_ERROR(
+            "dev forward: DeepSeek V4.1 models run on model/dsv41_dev.h (this is V4 only)");
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (m->opt.precision != DI_PRECISION_FP32 && m->opt.precision != DI_PRECISION_OFFICIAL) {
+        DI_LOG_ERROR("dev forward: unknown precision recipe %d", (int)m->opt.precision);
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (hp->hc_mult > 16 || hp->hc_mult < 1) {
+        DI_LOG_ERROR("dev forward: %d mHC streams (at most 16)", hp->hc_mult);
+        return DI_ERR_UNSUPPORTED;
+    }
+    int32_t l0[DI_DSV4_DEV_MAX_STAGES + 1];
+    int64_t bytes[DI_DSV4_DEV_MAX_STAGES];
+    di_status st = di_dsv4_dev_split(m, n_stages, l0, bytes);
+    if (st != DI_OK) return st;
+    di_dsv4_dev *d = di_calloc(1, sizeof *d);
+    if (!d) return DI_ERR_NOMEM;
+    d->m = m;
+    for (int32_t k = 0; k < n_stages; k++) {
+        st = stage_create(m, b[k], l0[k], l0[k + 1], k == 0, k == n_stages - 1, &d->st[k]);
+        if (st != DI_OK) goto fail;
+        d->n_stages = k + 1;
+        if (n_stages > 1)
+            DI_LOG_INFO("dev forward: stage %d of %d: layers [%d, %d)%s%s, %.1f MiB of weights, "
+                        "on %s",
+                        k, n_stages, l0[k], l0[k + 1], k == 0 ? " + embedding" : "",
+                        k == n_stages - 1 ? " + head" : "", bytes[k] / 1048576.0, b[k]->desc);
+    }
+    *out = d;
+    return DI_OK;
+fail:
+    di_dsv4_dev_destroy(d);
+    return st;
+}
+
+di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out) {
+    return di_dsv4_dev_create_stages(m, &b, 1, out);
+}
+
+void di_dsv4_dev_destroy(di_dsv4_dev *d) {
+    if (!d) return;
+    for (int32_t k = 0; k < d->n_stages; k++) stage_destroy(d->st[k]);
+    di_free(d);
+}
+
+di_backend *di_dsv4_dev_backend(const di_dsv4_dev *d) {
+    return last_stage(d)->b;
+}
+
+int32_t di_dsv4_dev_n_stages(const di_dsv4_dev *d) {
+    return d->n_stages;
+}
+
+di_backend *di_dsv4_dev_stage(const di_dsv4_dev *d, int32_t k, int32_t *l0, int32_t *l1) {
+    if (k < 0 || k >= d->n_stages) return NULL;
+    *l0 = d->st[k]->l0;
+    *l1 = d->st[k]->l1;
+    return d->st[k]->b;
+}
+
+di_status di_dsv4_dev_mtp_enable(di_dsv4_dev *d) {
+    di_model *m = d->m;
+    if (d->mtp) return DI_OK;
+    if (m->n_mtp_loaded == 0 || m->mtp[0].block.ratio != 0) {
+        DI_LOG_ERROR("dev forward: the checkpoint has no sliding-window MTP block (mtp.*)");
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (d->n_states > 0) {
+        DI_LOG_ERROR("dev forward: the MTP block must be enabled before the first state (%d "
+                     "exist)",
+                     d->n_states);
+        return DI_ERR_INVALID;
+    }
+    di_status st = stage_mtp_enable(last_stage(d));
+    if (st == DI_OK) d->mtp = true;
+    return st;
+}
+
+bool di_dsv4_dev_has_mtp(const di_dsv4_dev *d) {
+    return d->mtp;
+}
+
+int32_t di_dsv4_dev_block_tokens(const di_dsv4_dev *d) {
+    return model_block_tokens(d->m);
+}
+
+di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_tokens,
+                            int64_t *block_bytes, int64_t *slot_bytes) {
+    if (n_ctx < 1 || check_block_tokens(d->m, block_tokens) != DI_OK) return DI_ERR_INVALID;
+    int64_t blk = 0, slot = 0;
+    for (int32_t k = 0; k < d->n_stages; k++) {
+        int64_t b1, s1;
+        stage_sizes(d->st[k], n_ctx, block_tokens, &b1, &s1);
+        blk += b1, slot += s1;
+    }
+    *block_bytes = blk;
+    *slot_bytes = slot;
+    return DI_OK;
+}
+
+// ---- states over the stages ----
+
+void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
+    if (!s) return;
+    for (int32_t k = 0; k < s->n_stages; k++) stage_state_destroy(s->ss[k]);
+    if (s->xfer) s->d->st[0]->b->vt->host_free(s->d->st[0]->b, s->xfer);
+    s->d->n_states--;
+    di_free(s);
+}
+
+di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
+                                   int32_t n_blocks, int32_t block_tokens,
+                                   di_dsv4_dev_state **out) {
+    const di_hparams *hp = &d->m->hp;
+    if (n_slots < 1 || n_ctx < 1 || max_rows < 1 || n_blocks < 0) {
+        DI_LOG_ERROR("dev state: %d slots, context %d, %d rows, %d blocks: each must be >= 1 "
+                     "(blocks: >= 0)",
+                     n_slots, n_ctx, max_rows, n_blocks);
+        return DI_ERR_INVALID;
+    }
+    if (block_tokens == 0) block_tokens = model_block_tokens(d->m);
+    if (check_block_tokens(d->m, block_tokens) != DI_OK) return DI_ERR_INVALID;
+    di_status st = DI_OK;
+    di_dsv4_dev_state *s = di_calloc(1, sizeof *s);
+    if (!s) return DI_ERR_NOMEM;
+    s->d = d;
+    d->n_states++; // until destroy (a failed create included)
+    for (int32_t k = 0; k < d->n_stages; k++) {
+        st = stage_state_create(d->st[k], n_slots, n_ctx, max_rows, n_blocks, block_tokens,
+                                &s->ss[k]);
+        if (st != DI_OK) goto fail;
+        s->n_stages = k + 1;
+    }
+    if (d->n_stages > 1) {
+        di_backend *b = d->st[0]->b;
+        void *p = NULL;
+        st = b->vt->host_alloc(
+            b, sizeof(float) * (size_t)max_rows * (size_t)hp->hc_mult * (size_t)hp->n_embd, &p);
+        if (st != DI_OK) goto fail;
+        s->xfer = p;
+    }
+    *out = s;
+    return DI_OK;
+fail:
+    di_dsv4_dev_state_destroy(s);
+    return st;
+}
+
+int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s) {
+    return s->ss[0]->kv_row_bytes;
+}
+
+int64_t di_dsv4_dev_state_bytes(const di_dsv4_dev_state *s) {
+    int64_t n = 0;
+    for (int32_t k = 0; k < s->n_stages; k++) n += s->ss[k]->n_bytes;
+    return n;
+}
+
+int32_t di_dsv4_dev_state_n_blocks(const di_dsv4_dev_state *s) {
+    return s->ss[0]->n_eblocks;
+}
+
+// A block's bytes: the stages' parts in stage order, i.e. every layer's in layer order (the
+// layout of one stage).
+static di_status block_io(const di_dsv4_dev_state *s, int32_t block, uint8_t *host,
+                          block_copy_fn fn) {
+    if (block < 0 || block >= s->ss[0]->n_eblocks || !host) {
+        DI_LOG_ERROR("dev state: no entry block %d (the state has %d)", block, s->ss[0]->n_eblocks);
+        return DI_ERR_INVALID;
+    }
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st = block_walk(s->ss[k], block, &host, fn);
+        if (st != DI_OK) return st;
+    }
+    return DI_OK;
+}
+
+di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block, void *dst) {
+    return block_io(s, block, dst, block_down);
+}
+
+di_status di_dsv4_dev_state_write_block(di_dsv4_dev_state *s, int32_t block, const void *src) {
+    // The walk's host side is only read by an upload.
+    return block_io(s, block, (uint8_t *)(uintptr_t)src, block_up);
+}
+
+int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot) {
+    return slot >= 0 && slot < s->ss[0]->n_slots ? s->ss[0]->n_past[slot] : -1;
+}
+
+int32_t di_dsv4_dev_mtp_n_past(const di_dsv4_dev_state *s, int32_t slot) {
+    const stage_state *p = last_part(s);
+    return p->mtp && slot >= 0 && slot < p->n_slots ? p->mtp_n_past[slot] : -1;
+}
+
+// Calls are counted once (every stage decides alike: the same shapes, the same page table
+// mirrors; the largest count if a stage's capture failed), a call's costs over every stage.
+void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out) {
+    di_dsv4_dev_graph_stats g = {0};
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_dsv4_dev_graph_stats p;
+        stage_graph_stats(s->ss[k], &p);
+#define MAX_OF(f) g.f = p.f > g.f ? p.f : g.f
+        MAX_OF(n_direct);
+        MAX_OF(n_captured);
+        MAX_OF(n_replayed);
+        MAX_OF(n_direct_pages);
+        MAX_OF(n_cached);
+#undef MAX_OF
+        g.last_ops += p.last_ops;
+        g.last_uploads += p.last_uploads;
+        g.last_upload_bytes += p.last_upload_bytes;
+    }
+    *out = g;
+}
+
+di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                              const int32_t *tokens, const int32_t *logit_rows,
+                              int32_t n_logit_rows, float *logits) {
+    int32_t T = 0, n_upd[DI_DSV4_DEV_MAX_STAGES];
+    // Every stage's checks before any stage runs (a stage refuses only what another would).
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st = check_call(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits,
+                                  &T, &n_upd[k]);
+        if (st != DI_OK) return st;
+    }
+    // Stage after stage, the streams handed over through s->xfer (the stages' backends are used
+    // one after another: stage k + 1 starts when stage k's streams are downloaded).
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st =
+            stage_forward(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, T,
+                          n_upd[k], k > 0 ? s->xfer : NULL, k < s->n_stages - 1 ? s->xfer : NULL);
+        if (st != DI_OK) { // every stage's slots restart (the earlier stages advanced theirs)
+            for (int32_t j = 0; j < s->n_stages; j++) {
+                s->ss[j]->x_rows = 0;
+                for (int32_t i = 0; i < n_seq; i++) s->ss[j]->n_past[seqs[i].slot] = -1;
+            }
+            return st;
+        }
+    }
+    return DI_OK;
+}
+
+// The graphs of steps of r rows per sequence (dsv4_dev.h di_dsv4_dev_prepare_decode, _verify):
+// every stage's, captured by the same calls.
+static di_status prepare_graphs(di_dsv4_dev_state *S, int32_t max_seqs, int32_t r) {
+    const stage_state *s = last_part(S);
+    if (!s->graphs_on) return DI_OK;
+    int32_t n_max = max_seqs < s->n_graphs ? max_seqs : s->n_graphs;
+    if (n_max * r > HEAD_CHUNK) n_max = HEAD_CHUNK / r;
+    if (n_max * r > s->max_rows) n_max = s->max_rows / r;
+    // Shared blocks: every slot gets block 0, which r tokens at position 0 leave as it was when
+    // they close no window (every ratio > r); else no graph is prepared (captured when used).
+    for (int32_t j = 0; j < S->n_stages; j++)
+        for (int k = 0; k < S->ss[j]->n_cls; k++)
+            if (S->ss[j]->cls[k].ratio > 0 && S->ss[j]->cls[k].ratio <= r) return DI_OK;
+    const int64_t V = s->d->m->hp.n_vocab;
+    di_dsv4_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)(n_max > 0 ? n_max : 1));
+    int32_t *ids = di_calloc((size_t)(n_max * r + 1), sizeof *ids); // token 0 everywhere
+    int32_t *rows = di_malloc(sizeof *rows * (size_t)(n_max * r + 1));
+    float *logits = di_malloc(sizeof *logits * (size_t)(n_max * r + 1) * (size_t)V);
+    di_status st = seqs && ids && rows && logits ? DI_OK : DI_ERR_NOMEM;
+    // Two steps of each size at position 0: the first runs directly, the second is captured.
+    static const int32_t block0 = 0;
+    for (int32_t n = 1; n <= n_max && st == DI_OK && s->graphs_on; n++) {
+        for (int32_t i = 0; i < n; i++)
+            seqs[i] = (di_dsv4_dev_seq){.slot = i,
+                                        .pos = 0,
+                                        .n_tok = r,
+                                        .blocks = s->shared ? &block0 : NULL,
+                                        .n_blocks = s->shared ? 1 : 0};
+        for (int32_t i = 0; i < n * r; i++) rows[i] = i;
+        const struct dev_graph *g = &s->graphs[(r - 1) * s->n_graphs + n - 1];
+        for (int pass = 0; pass < 2 && st == DI_OK && !g->graph; pass++)
+            st = di_dsv4_dev_forward(S, seqs, n, ids, rows, n * r, logits);
+    }
+    di_free(seqs);
+    di_free(ids);
+    di_free(rows);
+    di_free(logits);
+    return st;
+}
+
+di_status di_dsv4_dev_prepare_decode(di_dsv4_dev_state *s, int32_t max_seqs) {
+    return prepare_graphs(s, max_seqs, 1);
+}
+
+di_status di_dsv4_dev_prepare_verify(di_dsv4_dev_state *s, int32_t max_seqs) {
+    return prepare_graphs(s, max_seqs, 2);
+}
+
+di_status di_dsv4_dev_mtp_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
+                                  const int32_t *x_rows, const int32_t *ids_next,
+                                  const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+    // The MTP block runs on the last stage only (its main streams are that stage's): the other
+    // stages' last-call costs are none.
+    for (int32_t k = 0; k < s->n_stages - 1; k++)
+        s->ss[k]->stats.last_ops = s->ss[k]->stats.last_uploads =
+            s->ss[k]->stats.last_upload_bytes = 0;
+    return stage_mtp_forward(last_part(s), seqs, n_seq, x_rows, ids_next, logit_rows, n_logit_rows,
+                             logits);
+}
+
+di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos) {
+    // The stages' bookkeeping is alike: the first one's check decides for all.
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st = stage_rollback(s->ss[k], slot, pos);
+        if (st != DI_OK) return st;
+    }
+    return DI_OK;
+}
+
+// ---- tail snapshots over the stages: the header once, then the stages' parts in order ----
+
+static int32_t tail_layers(const di_dsv4_dev *d) {
+    return d->m->hp.n_layer + (d->mtp ? 1 : 0);
+}
+
+di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *src) {
+    tail_head th;
+    memcpy(&th, src, sizeof th);
+    return th.magic == TAIL_MAGIC && th.pos == pos && th.n_layer == tail_layers(d) &&
+                   th.kv_row_bytes == (int32_t)row_bytes_of(d->st[0])
+               ? DI_OK
+               : DI_ERR_INVALID;
+}
+
+size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d) {
+    size_t n = sizeof(tail_head);
+    for (int32_t k = 0; k < d->n_stages; k++) n += stage_tail_bytes(d->st[k]);
+    return n;
+}
+
+di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst) {
+    const int32_t pos = di_dsv4_dev_n_past(s, slot);
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st = check_tail_pos(s->ss[k], slot, pos);
+        if (st == DI_OK) st = stage_tail_reach(s->ss[k], slot, pos);
+        if (st != DI_OK) return st;
+    }
+    uint8_t *out = dst;
+    size_t off = sizeof(tail_head);
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st = stage_tail_save(s->ss[k], slot, pos, out + off);
+        if (st != DI_OK) return st;
+        off += stage_tail_bytes(s->d->st[k]);
+    }
+    const tail_head th = {TAIL_MAGIC, pos, tail_layers(s->d), (int32_t)s->ss[0]->kv_row_bytes};
+    memcpy(out, &th, sizeof th);
+    return DI_OK;
+}
+
+di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t pos,
+                                   const void *src) {
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st = check_tail_pos(s->ss[k], slot, pos);
+        if (st != DI_OK) return st;
+    }
+    if (di_dsv4_dev_tail_check(s->d, pos, src) != DI_OK) {
+        tail_head th;
+        memcpy(&th, src, sizeof th);
+        DI_LOG_ERROR("dev tail: not a snapshot of this state at position %d (magic %08x, position "
+                     "%d, %d layers, KV rows of %d bytes)",
+                     pos, th.magic, th.pos, th.n_layer, th.kv_row_bytes);
+        return DI_ERR_INVALID;
+    }
+    const uint8_t *in = src;
+    size_t off = sizeof(tail_head);
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st = stage_tail_restore(s->ss[k], slot, pos, in + off);
+        if (st != DI_OK) { // every stage's slot restarts
+            for (int32_t j = 0; j < s->n_stages; j++) s->ss[j]->n_past[slot] = -1;
+            return st;
+        }
+        off += stage_tail_bytes(s->d->st[k]);
+    }
+    return DI_OK;
+}
+
 // ---- model wiring ----
 
-di_status di_dsv4_dev_attach(di_model *m, di_backend *b) {
+di_status di_dsv4_dev_attach_stages(di_model *m, di_backend *const *b, int32_t n_stages) {
     if (m->dev) {
         DI_LOG_ERROR("dev forward: the model already has one attached");
         return DI_ERR_INVALID;
     }
     di_dsv4_dev *d = NULL;
-    di_status st = di_dsv4_dev_create(m, b, &d);
+    di_status st = di_dsv4_dev_create_stages(m, b, n_stages, &d);
     if (st != DI_OK) return st;
     m->dev = d;
-    DI_LOG_INFO("device-resident forward on %s: sessions without MTP and the serving engine run "
+    DI_LOG_INFO("device-resident forward on %s%s: sessions without MTP and the serving engine run "
                 "every layer, their KV and compressor state there; MTP sessions keep the CPU "
                 "forward%s",
-                b->desc, m->accel_matmul ? " with its matmuls offloaded" : "");
+                b[0]->desc, n_stages > 1 ? " and the next stages' backends" : "",
+                m->accel_matmul ? " with its matmuls offloaded" : "");
     return DI_OK;
+}
+
+di_status di_dsv4_dev_attach(di_model *m, di_backend *b) {
+    return di_dsv4_dev_attach_stages(m, &b, 1);
 }

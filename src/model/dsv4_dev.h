@@ -1,6 +1,7 @@
 /*
- * dsv4_dev — the DeepSeek V4 forward with activations, KV and compressor state resident in one
- * backend's memory (backend/backend.h), written once against the backend vtable: on the CUDA
+ * dsv4_dev — the DeepSeek V4 forward with activations, KV and compressor state resident in the
+ * memory of one backend, or of a few as pipeline stages ("Pipeline stages" below)
+ * (backend/backend.h), written once against the backend vtable: on the CUDA
  * backend it is the GPU forward; on the CPU backend (the oracle twin) it must reproduce the
  * model's own CPU forward (di_session_forward), which tests its orchestration without a GPU
  * (tests/model/test_dev_forward.c).
@@ -103,11 +104,31 @@
  * evicted blocks back and reads cached ones in through them, between forward calls
  * (docs/kv-cache.md, "Disk tier", "On the device-resident forward").
  *
+ * Pipeline stages (di_dsv4_dev_create_stages; --device cuda:0,1,...): for a model larger than one
+ * device the layers are split into n contiguous ranges of about equal weight bytes
+ * (di_dsv4_dev_split), stage k on backend k. Each stage is what the forward is on one backend for
+ * its layers: their weights (the embedding on the first stage, and on the last when the MTP block
+ * is enabled; the head, final norm and head mHC, and the MTP block, on the last) and, in every
+ * state, their pools, rings, page tables, scratch, staging and decode graphs (keyed as above, one
+ * set per stage). A call checks every stage first (nothing runs if one refuses), then runs stage
+ * 0 from the tokens, hands the streams after its last layer ([T, NC, D] floats) to the next stage
+ * (downloaded into the state's page-locked host buffer, uploaded by the next stage before its
+ * layers; a peer copy between GPUs would replace the two) and so on; the last stage runs the head
+ * and downloads the logits. Stages run one after another (no overlap, no micro-batches), so a
+ * token's latency is that of one device reading all the weights, plus one hand-over per stage
+ * boundary. Every other function dispatches over the stages: sizes and bytes are sums (each stage
+ * has its own page tables), an entry block's host bytes are the stages' parts in stage order,
+ * i.e. the layers' in layer order, the same bytes as one stage (the disk tier and the KV transfer
+ * do not see the split), a tail snapshot is the header once and then the stages' parts (the same
+ * bytes as one stage too), rollback and the slots' bookkeeping apply on every stage, the MTP block
+ * runs on the last stage only, and graph stats count a call once (its ops and uploads summed over
+ * the stages). A failed call restarts its slots on every stage.
+ *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
- * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
+ * backend's, freed with it); the backends and model are borrowed and must outlive it. A state owns
  * its pools, scratch and host metadata, all sized at create (nothing is allocated per step; the
  * CPU backend grows its own op scratch on first use of a size). Thread-safety: one thread at a
- * time per backend (all states of one dev share the backend's stream).
+ * time per backend (all states of one dev share the backends' streams).
  */
 #pragma once
 
@@ -116,18 +137,40 @@
 #include "backend/backend.h" // di_backend
 #include "deepinfer.h"       // di_model, di_status
 
-typedef struct di_dsv4_dev di_dsv4_dev;             // a model's weights on one backend
+typedef struct di_dsv4_dev di_dsv4_dev;             // a model's weights on its stages' backends
 typedef struct di_dsv4_dev_state di_dsv4_dev_state; // KV + compressor state of n_slots sequences
+
+// The most pipeline stages ("Pipeline stages"): the devices one di_device lists.
+enum { DI_DSV4_DEV_MAX_STAGES = 8 };
 
 // Uploads every weight the main layers and the head use (once); the model's precision recipe
 // (m->opt.precision) is the forward's. DI_ERR_UNSUPPORTED (logged) for V4.1 models (their
 // device-resident forward is model/dsv41_dev.h) or a weight the
 // backend cannot matmul;
-// DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed.
+// DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed. One stage: di_dsv4_dev_create_stages(m, &b, 1).
 di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out);
+// The forward as n_stages pipeline stages ("Pipeline stages"): stage k on backend b[k] (borrowed,
+// must outlive d; the same backend may be listed more than once), its layers those of
+// di_dsv4_dev_split. Errors as di_dsv4_dev_create, and DI_ERR_INVALID (logged) for n_stages < 1,
+// > DI_DSV4_DEV_MAX_STAGES or > n_layer.
+di_status di_dsv4_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
+                                    di_dsv4_dev **out);
 void di_dsv4_dev_destroy(di_dsv4_dev *d); // NULL: no-op
-// The backend it runs on (borrowed): e.g. for host_alloc of the buffers logits go to.
+// The backend of the last stage (borrowed), where the logits come from: e.g. for host_alloc of
+// the buffers logits go to.
 di_backend *di_dsv4_dev_backend(const di_dsv4_dev *d);
+int32_t di_dsv4_dev_n_stages(const di_dsv4_dev *d);
+// Stage k's backend (borrowed) and its layers [*l0, *l1); NULL (nothing written) for no stage k.
+di_backend *di_dsv4_dev_stage(const di_dsv4_dev *d, int32_t k, int32_t *l0, int32_t *l1);
+// The split of m's layers into n_stages contiguous ranges of about equal weight bytes (host bytes
+// of the matrices with their scales and the vectors a stage uploads; the embedding counted on the
+// first stage, the head, final norm and head mHC on the last; the MTP block not counted), each
+// stage at least one layer: stage k holds [layer0[k], layer0[k + 1]) (layer0: n_stages + 1
+// entries), stage_bytes[k] its bytes (NULL: not wanted). Host only, no backend: `deepinfer info`
+// and the sizing of a deployment use it. DI_ERR_INVALID (logged) as di_dsv4_dev_create_stages,
+// DI_ERR_NOMEM.
+di_status di_dsv4_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
+                            int64_t *stage_bytes);
 
 // The state of n_slots sequences of up to n_ctx positions each, for calls of up to max_rows rows
 // in total, with n_blocks entry blocks of block_tokens positions ("State layout"). n_blocks > 0:
@@ -296,3 +339,6 @@ di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *
 // call it with the CPU backend. Errors as di_dsv4_dev_create (nothing attached);
 // DI_ERR_INVALID when one is attached already.
 di_status di_dsv4_dev_attach(di_model *m, di_backend *b);
+// The same with n_stages pipeline stages on b[0..n_stages-1] (di_dsv4_dev_create_stages; --device
+// cuda:0,1,...); errors as that and di_dsv4_dev_attach.
+di_status di_dsv4_dev_attach_stages(di_model *m, di_backend *const *b, int32_t n_stages);

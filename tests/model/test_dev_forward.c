@@ -33,7 +33,14 @@
 //       refused without changing anything;
 //   (k) tail snapshots: a slot's tail saved at block boundaries and restored into other slots (and
 //       into itself after another sequence) continues bit-identically, decode graphs included;
-//   (l) the MTP block and rollback, both recipes (at test_mtp).
+//   (l) the MTP block and rollback, both recipes (at test_mtp);
+//   (m) pipeline stages (dsv4_dev.h "Pipeline stages"; `test_dev_forward --stages`, its own ctest
+//       entry): (a)-(l) but (g) again with the forward split into 2 and then 3 stages on as many
+//       CPU backends: every logit bit-identical (memcmp) to the sessions' CPU forward and to a
+//       1-stage forward fed the same calls beside it (run_step), entry blocks' bytes equal to the
+//       1-stage state's (test_prefix), tail snapshots of the same size restored across states;
+//       the split itself (test_split): balanced weight bytes, at least one layer per stage, more
+//       stages than layers refused.
 // Every state of (a)-(d), (f), (h) and (j) has shared entry blocks listed per call in a shuffled,
 // non-contiguous order (a restarted slot moves to other blocks); (e)'s sessions use private ones.
 #include "harness.h"
@@ -59,6 +66,25 @@ enum { BT = 128, MAXB = (N_CTX + BT - 1) / BT, N_BLK = (N_SLOTS + 1) * MAXB };
 static char g_dir[256];
 // The precision recipe every model of the harness is loaded with ((h) runs under OFFICIAL).
 static di_precision g_prec = DI_PRECISION_FP32;
+// Pipeline stages of every dev forward the tests create ((m): 2 and 3 with --stages), each on a
+// CPU backend of its own.
+enum { MAX_STAGES = 3 };
+static int32_t g_stages = 1;
+
+// g_stages CPU backends of n_threads threads into bs (NULLs past them) and m's dev forward on
+// them; false (bs cleaned up by free_backends) on failure.
+static bool make_dev(di_model *m, int n_threads, di_backend *bs[MAX_STAGES], di_dsv4_dev **d) {
+    memset(bs, 0, sizeof(di_backend *) * MAX_STAGES);
+    for (int32_t k = 0; k < g_stages; k++)
+        if (di_cpu_backend_create(n_threads, &bs[k]) != DI_OK) return false;
+    if (d && di_dsv4_dev_create_stages(m, bs, g_stages, d) != DI_OK) return false;
+    if (d) CHECK_EQ(di_dsv4_dev_n_stages(*d), g_stages);
+    return true;
+}
+
+static void free_backends(di_backend *bs[MAX_STAGES]) {
+    for (int32_t k = 0; k < MAX_STAGES; k++) di_backend_destroy(bs[k]);
+}
 
 static int32_t token_of(int slot, int gen, int32_t pos, int32_t V) {
     return (int32_t)((slot * 131 + gen * 71 + pos * 97 + 7) % V);
@@ -66,10 +92,15 @@ static int32_t token_of(int slot, int gen, int32_t pos, int32_t V) {
 
 typedef struct harness_ctx {
     di_model *m;
-    di_backend *b;
+    di_backend *b[MAX_STAGES];
     di_dsv4_dev *d;
     di_dsv4_dev_state *st;
     di_dsv4_dev_state *st2; // NULL, or a second state fed the same calls (logits bit-identical)
+    // With stages (g_stages > 1): a 1-stage forward and state fed the same calls as st (run_step:
+    // logits bit-identical).
+    di_backend *b1;
+    di_dsv4_dev *d1;
+    di_dsv4_dev_state *st1;
     di_session *ses[N_SLOTS];
     int gen[N_SLOTS]; // token stream of each slot (changes at a restart)
     // Shared entry blocks: each slot's block ids (a shuffled, non-contiguous set), and a spare
@@ -102,10 +133,18 @@ static bool open_ctx(harness_ctx *h, const char *dir) {
     mo.precision = g_prec;
     if (di_model_load(dir, &mo, &h->m) != DI_OK) return false;
     h->V = h->m->hp.n_vocab;
-    CHECK(di_cpu_backend_create(2, &h->b) == DI_OK);
-    CHECK(di_dsv4_dev_create(h->m, h->b, &h->d) == DI_OK);
+    CHECK(make_dev(h->m, 2, h->b, &h->d));
+    if (!h->d) return false;
     CHECK_EQ(di_dsv4_dev_block_tokens(h->d), BT);
     CHECK(di_dsv4_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h->st) == DI_OK);
+    if (g_stages > 1) {
+        CHECK(di_cpu_backend_create(2, &h->b1) == DI_OK);
+        CHECK(di_dsv4_dev_create(h->m, h->b1, &h->d1) == DI_OK);
+        if (!h->d1) return false;
+        CHECK(di_dsv4_dev_state_create(h->d1, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h->st1) ==
+              DI_OK);
+        if (!h->st1) return false;
+    }
     shuffle_blocks(h);
     // The KV pools' format: FP32 rows, or (official recipe) the FP8 KV rows, which the
     // comparisons below show lossless (bit-identical logits).
@@ -129,8 +168,11 @@ static void close_ctx(harness_ctx *h) {
     for (int i = 0; i < N_SLOTS; i++) di_session_destroy(h->ses[i]);
     di_dsv4_dev_state_destroy(h->st);
     di_dsv4_dev_state_destroy(h->st2);
+    di_dsv4_dev_state_destroy(h->st1);
     di_dsv4_dev_destroy(h->d);
-    di_backend_destroy(h->b);
+    di_dsv4_dev_destroy(h->d1);
+    free_backends(h->b);
+    di_backend_destroy(h->b1);
     di_model_destroy(h->m);
     free(h->got);
     free(h->got2);
@@ -174,6 +216,10 @@ static void run_step(harness_ctx *h, const step *sp) {
     CHECK_EQ(di_dsv4_dev_forward(h->st, seqs, sp->n, tokens, rows, n_rows, h->got), DI_OK);
     if (h->st2) {
         CHECK_EQ(di_dsv4_dev_forward(h->st2, seqs, sp->n, tokens, rows, n_rows, h->got2), DI_OK);
+        CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)n_rows * (size_t)h->V) == 0);
+    }
+    if (h->st1) { // (m) the 1-stage forward
+        CHECK_EQ(di_dsv4_dev_forward(h->st1, seqs, sp->n, tokens, rows, n_rows, h->got2), DI_OK);
         CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)n_rows * (size_t)h->V) == 0);
     }
     int32_t r0 = 0, k_got = 0;
@@ -304,13 +350,13 @@ static void test_attach(void) {
     mo.n_threads = 2;
     mo.precision = g_prec;
     di_model *cpu = NULL, *dev = NULL;
-    di_backend *b = NULL;
+    di_backend *b[MAX_STAGES] = {0};
     CHECK(di_model_load(g_dir, &mo, &cpu) == DI_OK);
     CHECK(di_model_load(g_dir, &mo, &dev) == DI_OK);
-    CHECK(di_cpu_backend_create(2, &b) == DI_OK);
-    if (!cpu || !dev || !b) goto done;
-    CHECK_EQ(di_dsv4_dev_attach(dev, b), DI_OK);
-    CHECK_EQ(di_dsv4_dev_attach(dev, b), DI_ERR_INVALID); // one per model
+    CHECK(make_dev(NULL, 2, b, NULL));
+    if (!cpu || !dev || !b[g_stages - 1]) goto done;
+    CHECK_EQ(di_dsv4_dev_attach_stages(dev, b, g_stages), DI_OK);
+    CHECK_EQ(di_dsv4_dev_attach(dev, b[0]), DI_ERR_INVALID); // one per model
     {
         const int32_t n_ctx = 300, V = cpu->hp.n_vocab;
         di_session_options so = {.n_ctx_max = n_ctx};
@@ -366,9 +412,9 @@ static void test_attach(void) {
         di_session_destroy(s);
     }
 done:
-    di_model_destroy(dev); // before the backend it borrows
+    di_model_destroy(dev); // before the backends it borrows
     di_model_destroy(cpu);
-    di_backend_destroy(b);
+    free_backends(b);
 }
 
 // (f) decode graphs vs direct calls (DI_DEV_GRAPHS=0) vs the sessions over a long ragged decode.
@@ -631,10 +677,25 @@ static void test_prefix(void) {
             .slot = 0, .pos = p, .n_tok = n, .blocks = h.blk[0], .n_blocks = MAXB};
         CHECK_EQ(di_dsv4_dev_forward(h.st, &sq, 1, toks + p, rows, n, cold + (int64_t)p * V),
                  DI_OK);
+        if (h.st1) { // (m) the 1-stage state: the same logits
+            CHECK_EQ(di_dsv4_dev_forward(h.st1, &sq, 1, toks + p, rows, n, h.got2), DI_OK);
+            CHECK(memcmp(h.got2, cold + (int64_t)p * V, sizeof(float) * (size_t)n * (size_t)V) ==
+                  0);
+        }
         p += n;
     }
     for (int b = 0; b < 2; b++)
         CHECK_EQ(di_dsv4_dev_state_read_block(h.st, h.blk[0][b], before + b * bb), DI_OK);
+    if (h.st1) { // (m) a block's bytes: the stages' parts in layer order, the 1-stage bytes
+        int64_t bb1 = 0, sb1 = 0;
+        CHECK_EQ(di_dsv4_dev_sizes(h.d1, N_CTX, BT, &bb1, &sb1), DI_OK);
+        CHECK_EQ(bb1, bb);
+        CHECK_EQ(sb1 + (g_stages - 1) * (int64_t)sizeof(int32_t) * MAXB, sb); // a page table each
+        for (int b = 0; b < 2; b++) {
+            CHECK_EQ(di_dsv4_dev_state_read_block(h.st1, h.blk[0][b], after + b * bb), DI_OK);
+            CHECK(memcmp(before + b * bb, after + b * bb, (size_t)bb) == 0);
+        }
+    }
     // Block I/O (the disk tier's write-back and read-in): block 0's bytes written into spare block
     // 0 read back identically (the hit replayed from 0 below reads its entries from that copy), a
     // byte pattern written into spare blocks 1 and 2 too, and slot 0's blocks are untouched.
@@ -873,6 +934,28 @@ static void test_tail(void) {
                 CHECK_EQ(di_dsv4_dev_tail_save(st, 0, snap + tb * k++), DI_OK);
         }
         CHECK_EQ(k, T_NP);
+        if (h.d1) { // (m) the 1-stage forward's snapshots of the same run: the same bytes
+            di_dsv4_dev_state *s1 = NULL;
+            CHECK_EQ(di_dsv4_dev_state_create(h.d1, 1, T_CTX, MAX_ROWS, 4 * T_MAXB, BT, &s1),
+                     DI_OK);
+            CHECK_EQ((int64_t)di_dsv4_dev_tail_bytes(h.d1), (int64_t)tb);
+            uint8_t *snap1 = malloc(tb);
+            for (int32_t p = 0, j = 0; s1 && snap1 && p < T_L;) {
+                int32_t n = T_L - p < 96 ? T_L - p : 96;
+                if (j < T_NP && p + n > pts[j]) n = pts[j] - p;
+                di_dsv4_dev_seq sq = {
+                    .slot = 0, .pos = p, .n_tok = n, .blocks = A, .n_blocks = T_MAXB};
+                CHECK_EQ(di_dsv4_dev_forward(s1, &sq, 1, toks + p, rows, n, got), DI_OK);
+                p += n;
+                if (j < T_NP && p == pts[j]) {
+                    CHECK_EQ(di_dsv4_dev_tail_save(s1, 0, snap1), DI_OK);
+                    CHECK(memcmp(snap1, snap + tb * j++, tb) == 0);
+                }
+            }
+            CHECK(snap1 != NULL);
+            free(snap1);
+            di_dsv4_dev_state_destroy(s1);
+        }
         di_dsv4_dev_seq sq = {.slot = 0, .blocks = A, .n_blocks = T_MAXB};
         for (int32_t j = 0; j < T_D; j++) { // the cold decode: its logits are the reference
             sq.pos = T_L + j, sq.n_tok = 1;
@@ -1056,15 +1139,14 @@ static void mtp_run(di_precision prec) {
     mo.n_threads = 2;
     mo.precision = prec;
     di_model *m = NULL;
-    di_backend *b = NULL;
+    di_backend *b[MAX_STAGES] = {0};
     di_dsv4_dev *d = NULL;
     di_dsv4_dev_state *st = NULL;
     di_session *ses[N_SLOTS] = {0};
     CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
-    CHECK(di_cpu_backend_create(2, &b) == DI_OK);
-    if (!m || !b) goto done;
+    if (!m) goto done;
     CHECK(m->n_mtp_loaded == 1);
-    CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
+    CHECK(make_dev(m, 2, b, &d));
     if (!d) goto done;
     const size_t tb0 = di_dsv4_dev_tail_bytes(d);
     CHECK(!di_dsv4_dev_has_mtp(d));
@@ -1190,7 +1272,7 @@ done:
     for (int i = 0; i < N_SLOTS; i++) di_session_destroy(ses[i]);
     di_dsv4_dev_state_destroy(st);
     di_dsv4_dev_destroy(d);
-    di_backend_destroy(b);
+    free_backends(b);
     di_model_destroy(m);
 }
 
@@ -1201,28 +1283,111 @@ static void test_mtp(void) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
     di_model *m = NULL;
-    di_backend *b = NULL;
+    di_backend *b[MAX_STAGES] = {0};
     di_dsv4_dev *d = NULL;
     di_dsv4_dev_state *st = NULL;
     CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
-    CHECK(di_cpu_backend_create(1, &b) == DI_OK);
-    if (m && b) CHECK(di_dsv4_dev_create(m, b, &d) == DI_OK);
+    if (m) CHECK(make_dev(m, 1, b, &d));
     if (d) CHECK(di_dsv4_dev_state_create(d, 1, 64, 8, 0, 0, &st) == DI_OK);
     if (st) CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_ERR_INVALID);
     di_dsv4_dev_state_destroy(st);
     if (d) CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
     di_dsv4_dev_destroy(d);
-    di_backend_destroy(b);
+    free_backends(b);
     di_model_destroy(m);
 }
 
-int main(void) {
+// (m) The split (di_dsv4_dev_split): contiguous ranges covering every layer, at least one each,
+// the stages' weight bytes adding up to the model's and balanced as well as whole layers allow
+// (no stage exceeds the even share by more than one layer's bytes); what the stages report;
+// refused: no stage, more stages than layers (tiny-128 has 6) or than the most.
+static void test_split(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
+    if (!m) return;
+    const int32_t L = m->hp.n_layer;
+    int32_t l0[DI_DSV4_DEV_MAX_STAGES + 1];
+    int64_t bytes[DI_DSV4_DEV_MAX_STAGES], one = 0;
+    CHECK_EQ(di_dsv4_dev_split(m, 1, l0, bytes), DI_OK);
+    CHECK(l0[0] == 0 && l0[1] == L);
+    one = bytes[0];
+    // One layer per stage: the biggest one-layer stage bounds how far a cut is from its share.
+    int64_t per[DI_DSV4_DEV_MAX_STAGES], big1 = 0;
+    CHECK_EQ(di_dsv4_dev_split(m, L, l0, per), DI_OK);
+    for (int32_t k = 0; k < L; k++) {
+        CHECK_EQ(l0[k], k);
+        if (per[k] > big1) big1 = per[k];
+    }
+    for (int32_t n = 2; n <= L; n++) {
+        CHECK_EQ(di_dsv4_dev_split(m, n, l0, bytes), DI_OK);
+        int64_t sum = 0, big = 0;
+        for (int32_t k = 0; k < n; k++) {
+            CHECK(l0[k + 1] > l0[k]);
+            sum += bytes[k];
+        }
+        for (int32_t k = 0; k < n; k++)
+            if (bytes[k] > big) big = bytes[k];
+        CHECK(big <= one / n + big1);
+        CHECK(l0[0] == 0 && l0[n] == L);
+        CHECK_EQ(sum, one);
+        fprintf(stderr, "(m) %d stages:", n);
+        for (int32_t k = 0; k < n; k++)
+            fprintf(stderr, " [%d, %d) %.2f MiB", l0[k], l0[k + 1], bytes[k] / 1048576.0);
+        fprintf(stderr, "\n");
+        if (n == 2) CHECK(big < one); // both stages hold something
+    }
+    CHECK_EQ(di_dsv4_dev_split(m, 0, l0, bytes), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv4_dev_split(m, L + 1, l0, bytes), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv4_dev_split(m, DI_DSV4_DEV_MAX_STAGES + 1, l0, bytes), DI_ERR_INVALID);
+    di_backend *b[8] = {0};
+    for (int k = 0; k < 8; k++) CHECK(di_cpu_backend_create(1, &b[k]) == DI_OK);
+    di_dsv4_dev *d = NULL;
+    CHECK_EQ(di_dsv4_dev_create_stages(m, b, L + 1, &d), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv4_dev_create_stages(m, b, 0, &d), DI_ERR_INVALID);
+    CHECK(d == NULL);
+    // Two stages on the same backend (cuda:0,0's shape): what the stages report.
+    di_backend *same[2] = {b[0], b[0]};
+    CHECK_EQ(di_dsv4_dev_create_stages(m, same, 2, &d), DI_OK);
+    if (d) {
+        int32_t a0 = -1, a1 = -1, c0 = -1, c1 = -1;
+        CHECK_EQ(di_dsv4_dev_split(m, 2, l0, NULL), DI_OK);
+        CHECK(di_dsv4_dev_stage(d, 0, &a0, &a1) == b[0]);
+        CHECK(di_dsv4_dev_stage(d, 1, &c0, &c1) == b[0]);
+        CHECK(a0 == 0 && a1 == l0[1] && c0 == l0[1] && c1 == L);
+        CHECK(di_dsv4_dev_stage(d, 2, &a0, &a1) == NULL);
+        CHECK(di_dsv4_dev_backend(d) == b[0]);
+    }
+    di_dsv4_dev_destroy(d);
+    for (int k = 0; k < 8; k++) di_backend_destroy(b[k]);
+    di_model_destroy(m);
+}
+
+int main(int argc, char **argv) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_dev_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
     di_synth_config c;
     CHECK(di_synth_preset("tiny-128", &c) == DI_OK);
     c.n_vocab = V_SYNTH;
     CHECK(di_synth_write(&c, g_dir) == DI_OK);
+    if (argc > 1 && strcmp(argv[1], "--stages") == 0) { // (m): the scenarios on 2, then 3 stages
+        RUN(test_split);
+        for (g_stages = 2; g_stages <= MAX_STAGES; g_stages++) {
+            fprintf(stderr, "---- %d pipeline stages ----\n", g_stages);
+            RUN(test_one_sequence_synth);
+            RUN(test_one_sequence_fixture);
+            RUN(test_ragged);
+            RUN(test_attach);
+            RUN(test_graphs);
+            RUN(test_prefix);
+            RUN(test_tail);
+            RUN(test_official);
+            RUN(test_mtp);
+        }
+        di_test_remove_dir(g_dir);
+        return test_finish();
+    }
     RUN(test_one_sequence_synth);
     RUN(test_one_sequence_fixture);
     RUN(test_ragged);
