@@ -58,7 +58,9 @@
 //       block, and one whose second device write fails keeps the first block only, the failed one
 //       out of the cache and back in the pool; with the disk tier (at the end of (i)), an import
 //       evicting a cached block writes that block back with its own entries (downloaded before
-//       the import's write), and a rerun reading it back gives the cold engine's tokens.
+//       the import's write), and a rerun reading it back gives the cold engine's tokens;
+//   (k) pipeline stages: (a) and (h) again with the twin attached as 2 stages on two CPU
+//       backends (di_dsv4_dev_attach_stages): the CPU engine's tokens bit for bit.
 #include "harness.h"
 
 #include <fcntl.h>
@@ -82,8 +84,16 @@ static char g_dir[256];
 
 // ---- engines ----
 
+// (k) pipeline stages: g_stages > 1 attaches the twin as that many stages, stage 0 on the test's
+// backend, the others on g_stage_b (CPU backends of their own).
+static int32_t g_stages = 1;
+static di_backend *g_stage_b[DI_DSV4_DEV_MAX_STAGES];
+
 static di_status attach_cpu_twin(di_model *m, void *user) {
-    return di_dsv4_dev_attach(m, user); // the test's CPU backend, borrowed
+    if (g_stages == 1) return di_dsv4_dev_attach(m, user); // the test's CPU backend, borrowed
+    di_backend *bs[DI_DSV4_DEV_MAX_STAGES] = {user};
+    for (int32_t k = 1; k < g_stages; k++) bs[k] = g_stage_b[k];
+    return di_dsv4_dev_attach_stages(m, bs, g_stages);
 }
 
 static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
@@ -122,7 +132,8 @@ static void dev_sizes(const char *dir, int32_t max_ctx, int64_t *blk, int64_t *s
     *blk = *slot = 0;
     CHECK(di_model_load(dir, &mo, &m) == DI_OK);
     CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
-    if (m && b) CHECK_EQ(di_dsv4_dev_create(m, b, &d), DI_OK);
+    di_backend *bs[DI_DSV4_DEV_MAX_STAGES] = {b, b, b, b, b, b, b, b}; // (k): g_stages of them
+    if (m && b) CHECK_EQ(di_dsv4_dev_create_stages(m, bs, g_stages, &d), DI_OK);
     if (d && mtp) CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
     if (d) {
         *bt = di_kv_block_tokens(m);
@@ -633,6 +644,22 @@ static void test_spec(void) {
         di_engine_destroy(e);
     }
     di_backend_destroy(b);
+}
+
+// ---- (k) ----
+
+// (a) and (h) on a 2-stage twin (model/dsv4_dev.h "Pipeline stages"): the same tokens as the CPU
+// engine (and its pool sized from the 2-stage sizes: a page table per stage in each slot's tail).
+static void test_stages(void) {
+    g_stages = 2;
+    CHECK_EQ(di_cpu_backend_create(2, &g_stage_b[1]), DI_OK);
+    if (g_stage_b[1]) {
+        test_same_tokens();
+        test_spec();
+    }
+    di_backend_destroy(g_stage_b[1]);
+    g_stage_b[1] = NULL;
+    g_stages = 1;
 }
 
 // ---- (g) ----
@@ -1204,6 +1231,7 @@ int main(void) {
     RUN(test_spec);
     RUN(test_disk);
     RUN(test_transfer);
+    RUN(test_stages);
     di_test_remove_dir(g_dir);
     return test_finish();
 }
