@@ -12,6 +12,10 @@
 #endif
 
 di_status di_device_check(const di_device *d) {
+    if (d->kind == DI_DEVICE_CPU && d->n_more != 0) {
+        DI_LOG_ERROR("a device list is for CUDA devices (cuda:0,1,...)");
+        return DI_ERR_INVALID;
+    }
     if (d->kind == DI_DEVICE_CPU) return DI_OK;
     if (d->kind != DI_DEVICE_CUDA) {
         DI_LOG_ERROR("unknown device kind %d", (int)d->kind);
@@ -20,6 +24,18 @@ di_status di_device_check(const di_device *d) {
     if (d->index < 0) {
         DI_LOG_ERROR("CUDA device index %d: must be >= 0", (int)d->index);
         return DI_ERR_INVALID;
+    }
+    if (d->n_more < 0 || d->n_more > DI_DEVICE_MAX_MORE) {
+        DI_LOG_ERROR("a list of %d CUDA devices: 1 to %d", (int)d->n_more + 1,
+                     DI_DEVICE_MAX_MORE + 1);
+        return DI_ERR_INVALID;
+    }
+    for (int32_t i = 0; i < d->n_more; i++) {
+        if (d->more[i] < 0) {
+            DI_LOG_ERROR("CUDA device index %d (list entry %d): must be >= 0", (int)d->more[i],
+                         (int)i + 1);
+            return DI_ERR_INVALID;
+        }
     }
 #ifdef DI_HAVE_CUDA
     return DI_OK;

@@ -88,15 +88,37 @@ static const char *find_gguf(const char *dir, char *buf, size_t cap) {
 
 // --device cuda: the device-resident forward (dsv4_dev.h; V4.1: dsv41_dev.h) for sessions and the
 // serving engine (engine.c), when the model allows it (either precision recipe); otherwise (and
-// for MTP / DSpark sessions and a V4.1 engine with speculation) the offloaded CPU forward.
+// for MTP / DSpark sessions and a V4.1 engine with speculation) the offloaded CPU forward. A
+// device list (cuda:0,1,...): one backend per entry, the V4 forward's pipeline stages on them
+// (dsv4_dev.h "Pipeline stages"); V4.1 refuses a list (its forward has no stages yet).
 static di_status open_dev(di_model *m) {
-    di_status st = di_backend_open(&m->opt.device, m->opt.n_threads, &m->dev_backend);
-    if (st == DI_OK)
-        st = m->hp.v41 ? di_dsv41_dev_attach(m, m->dev_backend)
-                       : di_dsv4_dev_attach(m, m->dev_backend);
+    const di_device *dv = &m->opt.device;
+    if (dv->n_more > 0 && m->hp.v41) {
+        DI_LOG_ERROR("device: a list of %d devices (pipeline stages) runs DeepSeek V4 models only; "
+                     "a V4.1 model takes one device (cuda:N)",
+                     (int)dv->n_more + 1);
+        return DI_ERR_UNSUPPORTED;
+    }
+    const di_device one = {.kind = dv->kind, .index = dv->index};
+    di_status st = di_backend_open(&one, m->opt.n_threads, &m->dev_backend);
+    for (int32_t k = 0; st == DI_OK && k < dv->n_more; k++) {
+        const di_device next = {.kind = dv->kind, .index = dv->more[k]};
+        st = di_backend_open(&next, m->opt.n_threads, &m->dev_more[k]);
+        if (st == DI_OK) m->n_dev_more = k + 1;
+    }
+    if (st != DI_OK) return st; // the backends opened are freed with the model
+    if (m->hp.v41) {
+        st = di_dsv41_dev_attach(m, m->dev_backend);
+    } else {
+        di_backend *bs[DI_DEVICE_MAX_MORE + 1] = {m->dev_backend};
+        for (int32_t k = 0; k < m->n_dev_more; k++) bs[k + 1] = m->dev_more[k];
+        st = di_dsv4_dev_attach_stages(m, bs, 1 + m->n_dev_more);
+    }
     if (st == DI_ERR_UNSUPPORTED) { // a weight kind the backend lacks: logged; keep the offload
         DI_LOG_WARN("device: the device-resident forward is unavailable; sessions use the "
                     "offloaded matmuls");
+        for (int32_t k = 0; k < m->n_dev_more; k++) di_backend_destroy(m->dev_more[k]);
+        m->n_dev_more = 0;
         di_backend_destroy(m->dev_backend);
         m->dev_backend = NULL;
         return DI_OK;
@@ -251,6 +273,7 @@ void di_model_destroy(di_model *m) {
     di_dsv4_dev_destroy(m->dev); // before its backend
     di_dsv41_dev_destroy(m->dev41);
     di_backend_destroy(m->dev_backend);
+    for (int32_t k = 0; k < m->n_dev_more; k++) di_backend_destroy(m->dev_more[k]);
     di_accel_close(&m->accel);
     di_cpu_deinit(&m->cpu);
     di_pool_destroy(m->pool);
@@ -296,6 +319,15 @@ int32_t di_model_layer_ratio(const di_model *m, int32_t il) {
     return m->hp.compress_ratio[il];
 }
 
+di_status di_model_stage_split(const di_model *m, int32_t n_stages, int32_t *layer0,
+                               int64_t *stage_bytes) {
+    if (m->hp.v41) {
+        DI_LOG_ERROR("pipeline stages: DeepSeek V4 models only (this is V4.1)");
+        return DI_ERR_UNSUPPORTED;
+    }
+    return di_dsv4_dev_split(m, n_stages, layer0, stage_bytes);
+}
+
 size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     const di_hparams *hp = &m->hp;
     di_buf b;
@@ -309,6 +341,20 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     if (m->dev_backend)
         OUT("device forward    %s (sessions without MTP and the serving engine)\n",
             m->dev_backend->desc);
+    if (m->dev && di_dsv4_dev_n_stages(m->dev) > 1) {
+        const int32_t n = di_dsv4_dev_n_stages(m->dev);
+        int32_t l0[DI_DSV4_DEV_MAX_STAGES + 1];
+        int64_t bytes[DI_DSV4_DEV_MAX_STAGES];
+        if (di_dsv4_dev_split(m, n, l0, bytes) == DI_OK) {
+            for (int32_t k = 0; k < n; k++) {
+                int32_t a = 0, e = 0;
+                const di_backend *sb = di_dsv4_dev_stage(m->dev, k, &a, &e);
+                OUT("pipeline stage %d  layers [%d, %d)%s%s, %.1f MiB of weights, %s\n", (int)k,
+                    (int)a, (int)e, k == 0 ? " + embedding" : "", k == n - 1 ? " + head" : "",
+                    bytes[k] / 1048576.0, sb->desc);
+            }
+        }
+    }
     OUT("vocab             %d\n", hp->n_vocab);
     OUT("hidden            %d, %d layers, %d MTP block(s) loaded of %d declared\n", hp->n_embd,
         hp->n_layer, m->n_mtp_loaded, hp->n_mtp);

@@ -137,6 +137,10 @@ struct di_model {
     struct di_dsv41_dev *dev41;     // owned (di_dsv41_dev_attach); on dev_backend when that is set
     struct di_backend *dev_backend; // owned when di_model_load opened it (CUDA); NULL when a
                                     // caller attached its own backend (borrowed by dev)
+    // A device list (di_device.more): the backends of pipeline stages 1.. (stage 0's is
+    // dev_backend); owned when di_model_load opened them, borrowed by dev.
+    struct di_backend *dev_more[DI_DEVICE_MAX_MORE];
+    int32_t n_dev_more;
     // Expert parallelism (ep/ep.h): routed experts placed on worker processes are computed there.
     // Owned when di_model_load attached it (opt.ep_workers); NULL: every expert here.
     struct di_ep *ep;

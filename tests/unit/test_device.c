@@ -1,5 +1,6 @@
 // device (src/backend/device.c, di_model_options.device) on the CPU: the default is the CPU and
-// runs no device; malformed devices are refused with DI_ERR_INVALID; in a build without the CUDA
+// runs no device; malformed devices (and device lists: too long, a negative ordinal, a list on
+// the CPU) are refused with DI_ERR_INVALID; in a build without the CUDA
 // backend a CUDA device is refused with DI_ERR_UNSUPPORTED by di_device_check, di_model_load and
 // di_engine_create (cleanly: no model or engine is returned, nothing leaks under ASan). A CUDA
 // build runs the device itself in tests/backend/cuda/test_cuda_device.c (label cuda).
@@ -40,6 +41,22 @@ static void test_invalid(void) {
     di_model *m = NULL;
     CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_INVALID);
     CHECK(m == NULL);
+    // Device lists (pipeline stages): up to DI_DEVICE_MAX_MORE more non-negative ordinals, CUDA
+    // only. The zero value of the new fields is one device (checked by test_defaults' loads).
+    di_device too_many = {.kind = DI_DEVICE_CUDA, .n_more = DI_DEVICE_MAX_MORE + 1},
+              negative = {.kind = DI_DEVICE_CUDA, .n_more = 2, .more = {1, -1}},
+              below = {.kind = DI_DEVICE_CUDA, .n_more = -1},
+              cpu_list = {.kind = DI_DEVICE_CPU, .n_more = 1, .more = {1}};
+    CHECK_EQ(di_device_check(&too_many), DI_ERR_INVALID);
+    CHECK_EQ(di_device_check(&negative), DI_ERR_INVALID);
+    CHECK_EQ(di_device_check(&below), DI_ERR_INVALID);
+    CHECK_EQ(di_device_check(&cpu_list), DI_ERR_INVALID);
+    mo.device = negative;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_INVALID);
+    CHECK(m == NULL);
+    mo.device = cpu_list;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_INVALID);
+    CHECK(m == NULL);
 }
 
 static void test_cuda_without_backend(void) {
@@ -57,6 +74,15 @@ static void test_cuda_without_backend(void) {
     di_engine_options eo = di_engine_options_default();
     eo.device = cuda;
     di_engine *e = NULL;
+    CHECK_EQ(di_engine_create(g_dir, &eo, &e), DI_ERR_UNSUPPORTED);
+    CHECK(e == NULL);
+    // A list (cuda:0,1: two pipeline stages) is refused the same way.
+    di_device list = {.kind = DI_DEVICE_CUDA, .index = 0, .n_more = 1, .more = {1}};
+    CHECK_EQ(di_device_check(&list), DI_ERR_UNSUPPORTED);
+    mo.device = list;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_UNSUPPORTED);
+    CHECK(m == NULL);
+    eo.device = list;
     CHECK_EQ(di_engine_create(g_dir, &eo, &e), DI_ERR_UNSUPPORTED);
     CHECK(e == NULL);
 }
