@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# CLI test: the shared model option --device cpu|cuda[:N] (tools/cli/args.c) of logits, generate,
-# bench and info: malformed values are usage errors (exit 2); --device cpu changes nothing; a
-# build without the CUDA backend refuses --device cuda with exit 2 and says how to get one; a CUDA
-# build on a machine without a GPU fails the load with exit 1 and a clear message, never a crash.
+# CLI test: the shared model option --device cpu|cuda[:N[,M...]] (tools/cli/args.c) of logits,
+# generate, bench and info: malformed values (device lists included) are usage errors (exit 2);
+# --device cpu changes nothing; a build without the CUDA backend refuses --device cuda and device
+# lists with exit 2 and says how to get one; a CUDA build on a machine without a GPU fails the
+# load with exit 1 and a clear message, never a crash; on a GPU, cuda:0,0 runs two pipeline stages.
 # (The GPU's numbers: tests/backend/cuda/test_cuda_device.c, label cuda.)
 # Usage: test_device_cli.sh PATH/TO/deepinfer   (run from the source root by ctest; DI_HAVE_CUDA=1
 # in a DI_CUDA build)
@@ -17,7 +18,8 @@ trap 'rm -rf "$T"' EXIT
 M=tests/data/fixtures/tiny/hf
 ids=$(seq -s, 3 7 150)
 
-for v in bogus cuda:-1 cuda: cuda:x cuda0 gpu; do
+for v in bogus cuda:-1 cuda: cuda:x cuda0 gpu cuda:0, cuda:,1 cuda:0,,1 cuda:0,x cuda:0,-1 \
+    cuda:0,1,2,3,4,5,6,7,8 cuda:1024 cuda:0,1024 cpu:0,1; do
     "$B" logits --model $M --tokens "$ids" --out "$T/x.npy" --device "$v" 2>"$T/err"
     check "--device $v exits 2" "$?" "2"
     check "--device $v says why" "$(grep -q -- '--device must be' "$T/err" && echo yes)" "yes"
@@ -26,6 +28,15 @@ done
 "$B" logits --model $M --tokens "$ids" --out "$T/b.npy" --device cpu --log-level error
 check "--device cpu: same logits" "$(cmp "$T/a.npy" "$T/b.npy" && echo same)" "same"
 check "info --device cpu" "$("$B" info --model $M --device cpu --log-level error | grep -c '^device  *cpu$')" "1"
+
+# The split into pipeline stages (no device): tiny has 6 layers.
+check "info --stages 2" "$("$B" info --model $M --stages 2 --log-level error | grep -c '^stage split')" "2"
+"$B" info --model $M --stages 6 --log-level error >"$T/out"
+check "info --stages 6: one layer each" "$(grep -c 'layers \[[0-5], [1-6])' "$T/out")" "6"
+"$B" info --model $M --stages 7 >/dev/null 2>"$T/err"
+check "info --stages 7 on 6 layers exits 1" "$?" "1"
+"$B" info --model $M --stages 9 >/dev/null 2>"$T/err"
+check "info --stages 9 exits 2" "$?" "2"
 
 msg='this build has no CUDA backend: configure with -DDI_CUDA=ON'
 if [ "${DI_HAVE_CUDA:-0}" != 1 ]; then
@@ -43,13 +54,31 @@ if [ "${DI_HAVE_CUDA:-0}" != 1 ]; then
     refused serve serve --model $M
     "$B" logits --model $M --tokens "$ids" --out "$T/x.npy" --device cuda:3 2>"$T/err"
     check "--device cuda:3 without CUDA exits 2" "$?" "2"
+    # Device lists (pipeline stages) parse, and are refused like one CUDA device.
+    for v in cuda:0,1 cuda:0,0 cuda:3,2,1,0 cuda:0,1,2,3,4,5,6,7; do
+        for cmd in "logits --model $M --tokens $ids --out $T/x.npy" "info --model $M" \
+            "bench --model $M --requests 1 --prompt-len 4 --gen-len 2 --no-ratio" \
+            "generate --model $M --tokens 5,17 -n 2"; do
+            timeout 60 "$B" $cmd --device "$v" 2>"$T/err" >/dev/null
+            check "${cmd%% *} --device $v without CUDA exits 2" "$?" "2"
+            check "${cmd%% *} --device $v without CUDA says so" "$(grep -c -- "$msg" "$T/err")" "1"
+        done
+    done
 elif ! nvidia-smi -L >/dev/null 2>&1; then
     "$B" logits --model $M --tokens "$ids" --out "$T/x.npy" --device cuda 2>"$T/err"
     check "--device cuda without a GPU exits 1" "$?" "1"
     check "--device cuda without a GPU says so" "$(grep -c 'CUDA device 0 requested, 0 present' "$T/err")" "1"
+    "$B" logits --model $M --tokens "$ids" --out "$T/x.npy" --device cuda:0,1 2>"$T/err"
+    check "--device cuda:0,1 without a GPU exits 1" "$?" "1"
 else
     "$B" logits --model $M --tokens "$ids" --out "$T/x.npy" --device cuda 2>"$T/err"
     check "--device cuda on the GPU exits 0" "$?" "0"
     check "--device cuda logs where matmuls run" "$(grep -c 'every matmul on cuda:0' "$T/err")" "1"
+    # Two pipeline stages on the one GPU (their numbers: test_cuda_device).
+    "$B" logits --model $M --tokens "$ids" --out "$T/two.npy" --device cuda:0,0 2>"$T/err"
+    check "--device cuda:0,0 exits 0" "$?" "0"
+    check "--device cuda:0,0 logs its stages" "$(grep -c 'stage 1 of 2' "$T/err")" "1"
+    check "info --device cuda:0,0 prints the stages" \
+        "$("$B" info --model $M --device cuda:0,0 --log-level error | grep -c '^pipeline stage')" "2"
 fi
 exit $fail

@@ -85,18 +85,38 @@ bool di_args_write_npy(const char *path, const float *data, int64_t rows, int64_
     return ok;
 }
 
+// One ordinal of a device list: digits only, in [0, 1023]; *end after them.
+static bool device_ordinal(const char *p, const char **end, int32_t *out) {
+    long v = 0;
+    const char *q = p;
+    while (*q >= '0' && *q <= '9' && v <= 1023) v = v * 10 + (*q++ - '0');
+    if (q == p || v > 1023) return false;
+    *end = q;
+    *out = (int32_t)v;
+    return true;
+}
+
 bool di_args_device(const char *s, di_device *out) {
     di_device d = {.kind = DI_DEVICE_CPU, .index = 0};
     if (strcmp(s, "cpu") != 0) {
-        long n = 0;
-        if (strncmp(s, "cuda", 4) != 0 || (s[4] != 0 && s[4] != ':') ||
-            (s[4] == ':' && !di_args_int(s + 5, "--device cuda:N", 0, 1023, &n))) {
-            fprintf(stderr, "deepinfer: --device must be cpu, cuda or cuda:N (N >= 0), not '%s'\n",
-                    s);
+        bool ok = strncmp(s, "cuda", 4) == 0 && (s[4] == 0 || s[4] == ':');
+        d.kind = DI_DEVICE_CUDA;
+        if (ok && s[4] == ':') { // cuda:N or cuda:N,M,...: the first, then up to 7 more
+            const char *p = s + 5;
+            ok = device_ordinal(p, &p, &d.index);
+            while (ok && *p == ',') {
+                ok = d.n_more < DI_DEVICE_MAX_MORE && device_ordinal(p + 1, &p, &d.more[d.n_more]);
+                d.n_more += ok;
+            }
+            ok = ok && *p == 0;
+        }
+        if (!ok) {
+            fprintf(stderr,
+                    "deepinfer: --device must be cpu, cuda, cuda:N or a list cuda:N,M,... of at "
+                    "most %d ordinals (0 to 1023), not '%s'\n",
+                    DI_DEVICE_MAX_MORE + 1, s);
             return false;
         }
-        d.kind = DI_DEVICE_CUDA;
-        d.index = (int32_t)n;
     }
     // This build's limits (no CUDA backend) are a usage error: the library logs why.
     if (di_device_check(&d) != DI_OK) return false;

@@ -20,8 +20,9 @@ bool di_args_write_npy(const char *path, const float *data, int64_t rows, int64_
 // written on first use to $DEEPINFER_HOME/tiny-v4 (default ~/.cache/deepinfer/tiny-v4). Says so
 // on stderr. Returns NULL (with a message) if it cannot be created.
 const char *di_args_default_model(void);
-// Parses --device: "cpu", "cuda" (= cuda:0) or "cuda:N". false (with a message) when malformed or
-// when this build cannot run it (a CUDA device without the CUDA backend).
+// Parses --device: "cpu", "cuda" (= cuda:0), "cuda:N" or a list "cuda:N,M,..." of up to 8
+// ordinals (pipeline stages: di_device.more). false (with a message) when malformed or when this
+// build cannot run it (a CUDA device without the CUDA backend).
 bool di_args_device(const char *s, di_device *out);
 // Options shared by every model command: --model, --threads, --precision, --device, --log-level,
 // --ep-workers HOST:PORT[,HOST:PORT...] (expert workers, docs/expert-parallel.md),

@@ -26,7 +26,7 @@ static void usage(FILE *f) {
             "usage: deepinfer bench [--model DIR] [--requests 16] [--prompt-len 128]\n"
             "                       [--gen-len 64] [--kv-memory MiB] [--max-batch-tokens 256]\n"
             "                       [--threads N] [--precision fp32|official] [--no-ratio]\n"
-            "                       [--device cpu|cuda[:N]] [--spec-tokens N]\n"
+            "                       [--device cpu|cuda[:N,...]] [--spec-tokens N]\n"
             "                       [--ep-workers HOST:PORT,...] [--ep-placement FILE]\n"
             "                       [--cp-workers HOST:PORT,...] [--cp-min-tokens N]\n"
             "                       [--spec-min-confidence X] [--shared-prefix N]\n"

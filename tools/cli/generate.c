@@ -15,7 +15,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: deepinfer generate [--model DIR] (--prompt TEXT | --tokens 5,17,...)\n"
             "                          [-n 64] [--temperature 0] [--seed 0] [--threads N]\n"
-            "                          [--precision fp32|official] [--device cpu|cuda[:N]]\n"
+            "                          [--precision fp32|official] [--device cpu|cuda[:N,...]]\n"
             "                          [--no-stop] [--dspark] [--ep-workers HOST:PORT,...]\n"
             "                          [--ep-placement FILE] [--cp-workers HOST:PORT,...]\n"
             "                          [--cp-min-tokens N]\n"

@@ -12,7 +12,7 @@ static void usage(FILE *f) {
             "                        [--chunks 21,1,1,13,...] [--mtp-out FILE.npy]\n"
             "                        [--dspark FILE.json [--dspark-logits FILE.npy]]\n"
             "                        [--precision fp32|official] [--threads N]\n"
-            "                        [--device cpu|cuda[:N]] [--ep-workers HOST:PORT,...]\n"
+            "                        [--device cpu|cuda[:N,...]] [--ep-workers HOST:PORT,...]\n"
             "                        [--ep-placement FILE] [--cp-workers HOST:PORT,...]\n"
             "                        [--cp-min-tokens N]\n"
             "Writes the logits of every position as float32 [T, vocab]. --chunks feeds the\n"

@@ -17,7 +17,7 @@ static void usage(FILE *f) {
         f,
         "usage: deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]\n"
         "                       [--served-model-name NAME] [--threads N] [--kv-memory MiB]\n"
-        "                       [--precision fp32|official] [--device cpu|cuda[:N]]\n"
+        "                       [--precision fp32|official] [--device cpu|cuda[:N,...]]\n"
         "                       [--ep-workers HOST:PORT,...] [--ep-placement FILE]\n"
         "                       [--cp-workers HOST:PORT,...] [--cp-min-tokens N]\n"
         "                       [--eplb-interval STEPS] [--eplb-slots-per-rank S]\n"
