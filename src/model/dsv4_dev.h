@@ -105,24 +105,24 @@
  * (docs/kv-cache.md, "Disk tier", "On the device-resident forward").
  *
  * Pipeline stages (di_dsv4_dev_create_stages; --device cuda:0,1,...): for a model larger than one
- * device the layers are split into n contiguous ranges of about equal weight bytes
- * (di_dsv4_dev_split), stage k on backend k. Each stage is what the forward is on one backend for
- * its layers: their weights (the embedding on the first stage, and on the last when the MTP block
- * is enabled; the head, final norm and head mHC, and the MTP block, on the last) and, in every
- * state, their pools, rings, page tables, scratch, staging and decode graphs (keyed as above, one
- * set per stage). A call checks every stage first (nothing runs if one refuses), then runs stage
- * 0 from the tokens, hands the streams after its last layer ([T, NC, D] floats) to the next stage
- * (downloaded into the state's page-locked host buffer, uploaded by the next stage before its
- * layers; a peer copy between GPUs would replace the two) and so on; the last stage runs the head
- * and downloads the logits. Stages run one after another (no overlap, no micro-batches), so a
- * token's latency is that of one device reading all the weights, plus one hand-over per stage
- * boundary. Every other function dispatches over the stages: sizes and bytes are sums (each stage
- * has its own page tables), an entry block's host bytes are the stages' parts in stage order,
- * i.e. the layers' in layer order, the same bytes as one stage (the disk tier and the KV transfer
- * do not see the split), a tail snapshot is the header once and then the stages' parts (the same
- * bytes as one stage too), rollback and the slots' bookkeeping apply on every stage, the MTP block
- * runs on the last stage only, and graph stats count a call once (its ops and uploads summed over
- * the stages). A failed call restarts its slots on every stage.
+ * device the layers are split into n contiguous ranges of about equal weight bytes (the split
+ * whose largest stage is smallest: di_dsv4_dev_split), stage k on backend k. Each stage is what the
+ * forward is on one backend for its layers: their weights (the embedding on the first stage, and on
+ * the last when the MTP block is enabled; the head, final norm and head mHC, and the MTP block, on
+ * the last) and, in every state, their pools, rings, page tables, scratch, staging and decode
+ * graphs (keyed as above, one set per stage). A call checks every stage first (nothing runs if one
+ * refuses), then runs stage 0 from the tokens, hands the streams after its last layer ([T, NC, D]
+ * floats) to the next stage (downloaded into the state's page-locked host buffer, uploaded by the
+ * next stage before its layers; a peer copy between GPUs would replace the two) and so on; the last
+ * stage runs the head and downloads the logits. Stages run one after another (no overlap, no
+ * micro-batches), so a token's latency is that of one device reading all the weights, plus one
+ * hand-over per stage boundary. Every other function dispatches over the stages: sizes and bytes
+ * are sums (each stage has its own page tables), an entry block's host bytes are the stages' parts
+ * in stage order, i.e. the layers' in layer order, the same bytes as one stage (the disk tier and
+ * the KV transfer do not see the split), a tail snapshot is the header once and then the stages'
+ * parts (the same bytes as one stage too), rollback and the slots' bookkeeping apply on every
+ * stage, the MTP block runs on the last stage only, and graph stats count a call once (its ops and
+ * uploads summed over the stages). A failed call restarts its slots on every stage.
  *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backends and model are borrowed and must outlive it. A state owns
@@ -162,10 +162,11 @@ di_backend *di_dsv4_dev_backend(const di_dsv4_dev *d);
 int32_t di_dsv4_dev_n_stages(const di_dsv4_dev *d);
 // Stage k's backend (borrowed) and its layers [*l0, *l1); NULL (nothing written) for no stage k.
 di_backend *di_dsv4_dev_stage(const di_dsv4_dev *d, int32_t k, int32_t *l0, int32_t *l1);
-// The split of m's layers into n_stages contiguous ranges of about equal weight bytes (host bytes
-// of the matrices with their scales and the vectors a stage uploads; the embedding counted on the
-// first stage, the head, final norm and head mHC on the last; the MTP block not counted), each
-// stage at least one layer: stage k holds [layer0[k], layer0[k + 1]) (layer0: n_stages + 1
+// The split of m's layers into n_stages contiguous ranges of about equal weight bytes: of all
+// splits with at least one layer per stage, the one whose largest stage is smallest (ties to
+// earlier cuts), counting the host bytes of the matrices with their scales and the vectors
+// a stage uploads, the embedding on the first stage, the head, final norm and head mHC on the
+// last (the MTP block not counted): stage k holds [layer0[k], layer0[k + 1]) (layer0: n_stages + 1
 // entries), stage_bytes[k] its bytes (NULL: not wanted). Host only, no backend: `deepinfer info`
 // and the sizing of a deployment use it. DI_ERR_INVALID (logged) as di_dsv4_dev_create_stages,
 // DI_ERR_NOMEM.
