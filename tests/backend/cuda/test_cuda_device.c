@@ -16,7 +16,11 @@
 //     same greedy tokens where the CPU's top-two margin exceeds twice the V4.1 logits bound
 //     (TOL_LOGITS_OFFICIAL of the largest logit: a closer race may go either way there);
 //   - the device's stats (matmuls run, none declined, weights uploaded) and a device index that
-//     does not exist refused with DI_ERR_UNSUPPORTED by di_model_load and di_engine_create.
+//     does not exist refused with DI_ERR_UNSUPPORTED by di_model_load and di_engine_create;
+//   - pipeline stages (docs/cuda.md "Several GPUs: pipeline stages"): the logits, session and
+//     engine checks again with the device list cuda:0,0 (two stages on one GPU) and, with two
+//     GPUs, cuda:0,1, against the CPU; the stages in di_model_describe; a list on a V4.1 model
+//     and a list naming a missing device refused with DI_ERR_UNSUPPORTED.
 // Greedy tokens are compared up to the first step whose CPU top-two margin is within twice the
 // logits bound (2e-3 of the largest logit): a closer race may legitimately go either way.
 // Needs the full library (config and checkpoint loading): built by CMake with DI_CUDA, run by
@@ -48,12 +52,14 @@ enum { T_PRE = 64, N_DEC = 3, N_GEN = 16, N_REQ = 4, ENGINE_GEN = 12 };
 static char g_dir[4096];
 static double g_logit_scale;   // max |logit| of the CPU prefill: the tie margins' scale
 static double g_logit_scale41; // the same for the V4.1 tiny model (FP32 recipe)
+// The device every GPU load and engine uses: cuda:0, or a device list (test_stages).
+static di_device g_dev = {.kind = DI_DEVICE_CUDA, .index = 0};
 
 static di_model *load(const char *dir, bool cuda, di_precision prec) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 2;
     mo.precision = prec;
-    if (cuda) mo.device = (di_device){.kind = DI_DEVICE_CUDA, .index = 0};
+    if (cuda) mo.device = g_dev;
     di_model *m = NULL;
     di_status st = di_model_load(dir, &mo, &m);
     CHECK_EQ(st, DI_OK);
@@ -231,7 +237,7 @@ static bool engine_run_dir(const char *dir, bool cuda, int32_t spec, result *res
     di_engine_options o = di_engine_options_default();
     o.n_threads = 2;
     o.spec_tokens = spec;
-    if (cuda) o.device = (di_device){.kind = DI_DEVICE_CUDA, .index = 0};
+    if (cuda) o.device = g_dev;
     di_engine *e = NULL;
     di_status s = di_engine_create(dir, &o, &e);
     CHECK_EQ(s, DI_OK);
@@ -368,6 +374,43 @@ static void test_missing_device(void) {
     CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_INVALID);
 }
 
+// Pipeline stages: the product checks on cuda:0,0 (and cuda:0,1 with two GPUs), the stages
+// described, what a list refuses.
+static void test_stages(void) {
+    const int32_t n_gpu = di_cuda_device_count();
+    const di_device lists[2] = {{.kind = DI_DEVICE_CUDA, .index = 0, .n_more = 1, .more = {0}},
+                                {.kind = DI_DEVICE_CUDA, .index = 0, .n_more = 1, .more = {1}}};
+    for (int i = 0; i < (n_gpu >= 2 ? 2 : 1); i++) {
+        g_dev = lists[i];
+        fprintf(stderr, "  -- two pipeline stages on cuda:0,%d --\n", (int)g_dev.more[0]);
+        test_logits();
+        test_generate();
+        test_engine();
+        di_model *m = load(g_dir, true, DI_PRECISION_FP32);
+        if (m) {
+            char desc[8192];
+            di_model_describe(m, desc, sizeof desc);
+            CHECK(strstr(desc, "pipeline stage 0") != NULL);
+            CHECK(strstr(desc, "pipeline stage 1") != NULL);
+        }
+        di_model_destroy(m);
+    }
+    g_dev = lists[0];
+    char dir[] = "/tmp/di_test_cuda_v41_XXXXXX"; // V4.1: no stages yet
+    CHECK(mkdtemp(dir) != NULL);
+    CHECK_EQ(di_synth_v41_write(dir, true, false, 41), DI_OK);
+    di_model_options mo = di_model_options_default();
+    mo.device = g_dev;
+    di_model *m = NULL;
+    CHECK_EQ(di_model_load(dir, &mo, &m), DI_ERR_UNSUPPORTED);
+    CHECK(m == NULL);
+    di_test_remove_dir(dir);
+    mo.device.more[0] = n_gpu; // a stage on a device that does not exist
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_UNSUPPORTED);
+    CHECK(m == NULL);
+    g_dev = (di_device){.kind = DI_DEVICE_CUDA, .index = 0};
+}
+
 int main(void) {
     cuda_test_init();
     test_src_path("tests/data/fixtures/tiny/official", g_dir, sizeof g_dir);
@@ -376,5 +419,6 @@ int main(void) {
     RUN(test_v41);
     RUN(test_engine);
     RUN(test_missing_device);
+    RUN(test_stages);
     return cuda_test_finish();
 }
