@@ -4,8 +4,13 @@
 // backend's round_bf16, fake_quant and hadamard and the flags of attn, index_scores and moe);
 // where those keep sequential state
 // (compressor buffers, rings) this file keeps rows in backend pools and lists on the host which
-// rows each op reads. Sections: weights, state, per-call metadata, the layer, checks, decode
-// graphs, the call, the MTP block, tail snapshots.
+// rows each op reads. Everything up to the last sections is one pipeline stage (dev_stage,
+// stage_state: its layers on its backend; one stage is the whole model); the last sections are
+// the public API over the stages (dsv4_dev.h "Pipeline stages"). Sections: weights, state,
+// per-call metadata, the layer, checks, decode graphs, the call, the MTP block, tail snapshots,
+// pipeline stages, states over the stages, tail snapshots over the stages, model wiring. Over
+// 2,000 lines: the stage code and the wrapper share the file-private stage structs, which a split
+// would have to expose in a header of their own.
 #include "model/dsv4_dev.h"
 
 #include <math.h>
@@ -328,7 +333,8 @@ struct stage_state {
     di_dsv4_dev_graph_stats stats;
     // Tail snapshots ("tail snapshots" below): the snapshot's bytes gathered from (or scattered
     // into) a slot's rings on the backend, so a save or restore moves one host copy.
-    uint8_t *tail_dev; // backend block (in blocks) of di_dsv4_dev_tail_bytes
+    uint8_t
+        *tail_dev; // backend block (in blocks): the stage's part of a snapshot (stage_tail_bytes)
 };
 
 static di_status st_track(stage_state *s, void *p) {
