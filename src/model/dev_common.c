@@ -149,3 +149,45 @@ bool di_dev_logit_rows_ok(const char *who, const int32_t *logit_rows, int32_t n_
     }
     return true;
 }
+
+// ---- pipeline stages ----
+
+di_status di_dev_split(const int64_t *pre, int64_t head, int32_t L, int32_t n_stages,
+                       const bool *cut_ok, int32_t *layer0, int64_t *stage_bytes) {
+    if (n_stages < 1 || n_stages > L) return DI_ERR_INVALID;
+    // f[k * (L + 1) + l] = the least largest stage of layers [0, l) as stages 0..k (INT64_MAX:
+    // none with legal cuts), cut[.] the first layer of stage k there (the smallest such); O(n L^2).
+    const size_t cells = (size_t)n_stages * (size_t)(L + 1);
+    int64_t *f = di_malloc(sizeof(int64_t) * cells);
+    int32_t *cut = di_malloc(sizeof(int32_t) * cells);
+    if (!f || !cut) {
+        di_free(f), di_free(cut);
+        return DI_ERR_NOMEM;
+    }
+    for (size_t i = 0; i < cells; i++) f[i] = INT64_MAX, cut[i] = -1;
+    for (int32_t l = 1; l <= L; l++) f[l] = pre[l] + (n_stages == 1 && l == L ? head : 0);
+    for (int32_t k = 1; k < n_stages; k++) {
+        for (int32_t l = k + 1; l <= L; l++) {
+            const int64_t extra = k == n_stages - 1 && l == L ? head : 0;
+            int64_t best = INT64_MAX;
+            for (int32_t j = k; j < l; j++) {
+                const int64_t prev = f[(k - 1) * (L + 1) + j], here = pre[l] - pre[j] + extra;
+                if (prev == INT64_MAX || (cut_ok && !cut_ok[j])) continue;
+                const int64_t v = prev > here ? prev : here;
+                if (v < best) best = v, cut[k * (L + 1) + l] = j;
+            }
+            f[k * (L + 1) + l] = best;
+        }
+    }
+    const bool found = f[(size_t)(n_stages - 1) * (size_t)(L + 1) + (size_t)L] != INT64_MAX;
+    for (int32_t k = n_stages - 1, l = L; found && k > 0; k--) l = layer0[k] = cut[k * (L + 1) + l];
+    di_free(f);
+    di_free(cut);
+    if (!found) return DI_ERR_INVALID;
+    layer0[0] = 0;
+    layer0[n_stages] = L;
+    for (int32_t k = 0; stage_bytes && k < n_stages; k++)
+        stage_bytes[k] =
+            pre[layer0[k + 1]] - (k ? pre[layer0[k]] : 0) + (k == n_stages - 1 ? head : 0);
+    return DI_OK;
+}

@@ -2,7 +2,8 @@
  * dev_common — what the device-resident forwards (model/dsv4_dev.h for V4, model/dsv41_dev.h for
  * V4.1) share: the upload of a model's weights and small vectors into a backend (every block
  * tracked and freed together), a layer's MoE weights as di_backend_moe_w, the capture of a decode
- * step into a backend graph, and the check of a call's logit rows. Internal to src/model.
+ * step into a backend graph, the check of a call's logit rows, and the split of the layers into
+ * pipeline stages (di_dev_split). Internal to src/model.
  *
  * Owns: a di_dev_up owns the backend blocks it allocated (di_dev_up_free); the backend is
  * borrowed. Thread-safety: as the backend (one thread at a time).
@@ -49,3 +50,14 @@ di_status di_dev_capture(di_backend *b, di_status (*run)(const void *ctx), const
 // the call, for the log).
 bool di_dev_logit_rows_ok(const char *who, const int32_t *logit_rows, int32_t n_logit_rows,
                           int64_t n_rows, const float *logits);
+
+// The split of L layers into n_stages contiguous ranges (pipeline stages) whose largest is
+// smallest: pre[l] (L + 1 entries) the bytes of the first stage up to layer l (pre[0]: what the
+// first stage holds besides its layers), head what the last one holds besides its layers;
+// cut_ok[l] (l in [1, L); NULL: every cut) whether a stage may start at layer l. Of the splits with
+// at least one layer per stage and every cut legal, the one whose largest stage is smallest (ties
+// to earlier cuts): stage k holds [layer0[k], layer0[k + 1]) (n_stages + 1 entries), stage_bytes[k]
+// its bytes (NULL: not wanted). DI_ERR_INVALID (not logged: no such split), DI_ERR_NOMEM. Host
+// only.
+di_status di_dev_split(const int64_t *pre, int64_t head, int32_t L, int32_t n_stages,
+                       const bool *cut_ok, int32_t *layer0, int64_t *stage_bytes);

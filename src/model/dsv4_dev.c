@@ -2001,39 +2001,11 @@ di_status di_dsv4_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0
                          (int64_t)sizeof(float) * (m->hp.n_embd + m->hp.hc_mult + 1);
     pre[0] = tensor_bytes(&m->embed);
     for (int32_t il = 0; il < L; il++) pre[il + 1] = pre[il] + layer_bytes(m, il);
-    // The split whose largest stage is smallest (the memory every device of the list must hold):
-    // f[k * (L + 1) + l] = the least largest stage of layers [0, l) as stages 0..k, cut[.] the
-    // first layer of stage k there (the smallest such); O(n L^2) over at most 8 x 64 layers.
-    const size_t cells = (size_t)n_stages * (size_t)(L + 1);
-    int64_t *f = di_malloc(sizeof(int64_t) * cells);
-    int32_t *cut = di_malloc(sizeof(int32_t) * cells);
-    if (!f || !cut) {
-        di_free(pre), di_free(f), di_free(cut);
-        return DI_ERR_NOMEM;
-    }
-    for (int32_t l = 1; l <= L; l++) f[l] = pre[l] + (n_stages == 1 && l == L ? head : 0);
-    for (int32_t k = 1; k < n_stages; k++) {
-        for (int32_t l = k + 1; l <= L; l++) {
-            const int64_t extra = k == n_stages - 1 && l == L ? head : 0;
-            int64_t best = INT64_MAX;
-            for (int32_t j = k; j < l; j++) {
-                const int64_t prev = f[(k - 1) * (L + 1) + j], here = pre[l] - pre[j] + extra;
-                const int64_t v = prev > here ? prev : here;
-                if (v < best) best = v, cut[k * (L + 1) + l] = j;
-            }
-            f[k * (L + 1) + l] = best;
-        }
-    }
-    for (int32_t k = n_stages - 1, l = L; k > 0; k--) l = layer0[k] = cut[k * (L + 1) + l];
-    layer0[0] = 0;
-    di_free(f);
-    di_free(cut);
-    layer0[n_stages] = L;
-    for (int32_t k = 0; stage_bytes && k < n_stages; k++)
-        stage_bytes[k] =
-            pre[layer0[k + 1]] - (k ? pre[layer0[k]] : 0) + (k == n_stages - 1 ? head : 0);
+    // The split whose largest stage is smallest (the memory every device of the list must hold;
+    // dev_common.c's DP over the cuts, every cut legal in V4).
+    const di_status st = di_dev_split(pre, head, L, n_stages, NULL, layer0, stage_bytes);
     di_free(pre);
-    return DI_OK;
+    return st;
 }
 
 di_status di_dsv4_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
