@@ -43,10 +43,15 @@ typedef struct dev_layer {
     di_backend_moe_w moe;
 } dev_layer;
 
-struct di_dsv41_dev {
+// One pipeline stage (dsv41_dev.h "Pipeline stages"): the weights of layers [l0, l1) on its
+// backend, the embedding on the first, the head and final norm on the last. Layers are indexed by
+// their model index (layers[il] uploaded for il in [l0, l1) only).
+typedef struct dev_stage {
     di_model *m;   // borrowed
     di_backend *b; // borrowed
-    di_tensor embed, head;
+    int32_t l0, l1;
+    bool first, last;
+    di_tensor embed, head;              // embed: first stage; head: last stage
     float *norm;                        // backend [D]
     float *omega_main, *omega_compress; // backend [n_rot / 2]
     dev_layer *layers;                  // owned [n_layer]
@@ -55,17 +60,24 @@ struct di_dsv41_dev {
     const di_tensor *eg_tables[DI_MAX_ENGRAM];
     di_dev_up up;  // the backend blocks it uploaded (freed at destroy)
     bool official; // the official precision recipe (R-OFF)
+} dev_stage;
+
+// The forward over its stages (dsv41_dev.h "Pipeline stages").
+struct di_dsv41_dev {
+    di_model *m; // borrowed
+    int32_t n_stages;
+    dev_stage *st[DI_DSV41_DEV_MAX_STAGES]; // owned, in layer order
 };
 
-static di_status up_floats(di_dsv41_dev *d, const float *host, int64_t n, float **out) {
+static di_status up_floats(dev_stage *d, const float *host, int64_t n, float **out) {
     return di_dev_up_floats(&d->up, host, n, out);
 }
 
-static di_status up_weight(di_dsv41_dev *d, const di_tensor *w, di_tensor *out) {
+static di_status up_weight(dev_stage *d, const di_tensor *w, di_tensor *out) {
     return di_dev_up_weight(&d->up, w, out);
 }
 
-static di_status up_hc(di_dsv41_dev *d, const di_dsv4_hc_w *hc, int32_t n_base, dev_hc *out) {
+static di_status up_hc(dev_stage *d, const di_dsv4_hc_w *hc, int32_t n_base, dev_hc *out) {
     di_status st = up_weight(d, &hc->fn, &out->fn);
     if (st == DI_OK) st = up_floats(d, hc->base, n_base, &out->base);
     if (st == DI_OK) st = up_floats(d, hc->scale, 3, &out->scale);
@@ -79,8 +91,7 @@ static int source_of(const di_hparams *hp, int il) {
     return -1;
 }
 
-static di_status up_layer(di_dsv41_dev *d, const di_dsv4_layer_w *lw, dev_layer *out,
-                          di_tensor *tmp) {
+static di_status up_layer(dev_stage *d, const di_dsv4_layer_w *lw, dev_layer *out, di_tensor *tmp) {
     const di_model *m = d->m;
     const di_hparams *hp = &m->hp;
     const int32_t nc = hp->hc_mult, D = hp->n_embd;
@@ -132,35 +143,29 @@ fail:
     return st;
 }
 
-di_status di_dsv41_dev_create(di_model *m, di_backend *b, di_dsv41_dev **out) {
+static void stage_destroy(dev_stage *d);
+
+// Whether layer il is one of stage d's.
+static bool here(const dev_stage *d, int il) {
+    return il >= d->l0 && il < d->l1;
+}
+
+// Stage of layers [l0, l1) on b (the model's checks done by the caller).
+static di_status stage_create(di_model *m, di_backend *b, int32_t l0, int32_t l1, bool first,
+                              bool last, dev_stage **out) {
     const di_hparams *hp = &m->hp;
-    if (!hp->v41 || !m->v41) {
-        DI_LOG_ERROR("dev forward (V4.1): not a DeepSeek V4.1 model (dsv4_dev.h runs V4)");
-        return DI_ERR_UNSUPPORTED;
-    }
-    if (hp->n_engram > 0 && !m->v41->cmap) {
-        DI_LOG_ERROR("dev forward (V4.1): the model has no Engram compressed token map");
-        return DI_ERR_INVALID;
-    }
-    if (m->opt.precision != DI_PRECISION_FP32 && m->opt.precision != DI_PRECISION_OFFICIAL) {
-        DI_LOG_ERROR("dev forward (V4.1): unknown precision recipe %d", (int)m->opt.precision);
-        return DI_ERR_UNSUPPORTED;
-    }
-    if (hp->hc_mult > 16 || hp->hc_mult < 1) {
-        DI_LOG_ERROR("dev forward (V4.1): %d mHC streams (at most 16)", hp->hc_mult);
-        return DI_ERR_UNSUPPORTED;
-    }
     di_status st = DI_OK;
     di_tensor *tmp = NULL;
-    di_dsv41_dev *d = di_calloc(1, sizeof *d);
+    dev_stage *d = di_calloc(1, sizeof *d);
     if (!d) return DI_ERR_NOMEM;
     d->m = m;
     d->b = b;
+    d->l0 = l0, d->l1 = l1, d->first = first, d->last = last;
     d->up = (di_dev_up){.b = b, .who = "dev forward (V4.1)"};
     d->official = m->opt.precision == DI_PRECISION_OFFICIAL;
     d->layers = di_calloc((size_t)hp->n_layer, sizeof *d->layers);
     int32_t max_e = 1;
-    for (int il = 0; il < hp->n_layer; il++)
+    for (int il = l0; il < l1; il++)
         if (m->layers[il].n_expert > max_e) max_e = m->layers[il].n_expert;
     tmp = di_calloc((size_t)max_e, sizeof *tmp);
     if (!d->layers || !tmp) {
@@ -168,51 +173,29 @@ di_status di_dsv41_dev_create(di_model *m, di_backend *b, di_dsv41_dev **out) {
         goto fail;
     }
     const int half = hp->rope_main.n_dims / 2;
-    DI_TRY(up_weight(d, &m->embed, &d->embed));
-    DI_TRY(up_weight(d, &m->head, &d->head));
-    DI_TRY(up_floats(d, m->norm, hp->n_embd, &d->norm));
+    if (first) DI_TRY(up_weight(d, &m->embed, &d->embed));
+    if (last) {
+        DI_TRY(up_weight(d, &m->head, &d->head));
+        DI_TRY(up_floats(d, m->norm, hp->n_embd, &d->norm));
+    }
     DI_TRY(up_floats(d, m->omega_main, half, &d->omega_main));
     DI_TRY(up_floats(d, m->omega_compress, half, &d->omega_compress));
-    for (int il = 0; il < hp->n_layer; il++)
-        DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
+    for (int il = l0; il < l1; il++) DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
     DI_TRY(b->vt->sync(b)); // the host arrays of the uploads may be reused after this
     di_free(tmp);
-    if (hp->n_engram > 0) {
-        double mib = 0;
-        for (int L = 0; L < hp->n_engram; L++) mib += di_tensor_bytes(d->eg_tables[L]) / 1048576.0;
-        DI_LOG_INFO("dev forward (V4.1): the %d Engram tables (%.1f MiB) stay in host memory; "
-                    "each call gathers its rows there and uploads them with its lists",
-                    hp->n_engram, mib);
-    }
     *out = d;
     return DI_OK;
 fail:
     di_free(tmp);
-    di_dsv41_dev_destroy(d);
+    stage_destroy(d);
     return st;
 }
 
-void di_dsv41_dev_destroy(di_dsv41_dev *d) {
+static void stage_destroy(dev_stage *d) {
     if (!d) return;
     di_dev_up_free(&d->up);
     di_free(d->layers);
     di_free(d);
-}
-
-di_status di_dsv41_dev_attach(di_model *m, di_backend *b) {
-    if (m->dev41) {
-        DI_LOG_ERROR("dev forward (V4.1): the model already has one attached");
-        return DI_ERR_INVALID;
-    }
-    di_dsv41_dev *d = NULL;
-    di_status st = di_dsv41_dev_create(m, b, &d);
-    if (st != DI_OK) return st;
-    m->dev41 = d;
-    DI_LOG_INFO("device-resident V4.1 forward on %s: sessions without DSpark run every layer, "
-                "their KV and compressor state there; DSpark sessions and the serving engine keep "
-                "the CPU forward%s",
-                b->desc, m->accel_matmul ? " with its matmuls offloaded" : "");
-    return DI_OK;
 }
 
 static int64_t gcd64(int64_t a, int64_t b) {
@@ -224,8 +207,9 @@ static int64_t gcd64(int64_t a, int64_t b) {
     return a;
 }
 
-int32_t di_dsv41_dev_block_tokens(const di_dsv41_dev *d) {
-    const di_hparams *hp = &d->m->hp;
+// dsv41_dev.h di_dsv41_dev_block_tokens: over every layer of the model (all stages).
+static int32_t model_block_tokens(const di_model *m) {
+    const di_hparams *hp = &m->hp;
     int64_t l = 1;
     for (int il = 0; il < hp->n_layer; il++)
         if (hp->compress_ratio[il] > 0)
@@ -252,8 +236,12 @@ typedef struct dev_graph {
     int64_t n_ops; // ops it captured (stats.last_ops of a launch)
 } dev_graph;
 
-struct di_dsv41_dev_state {
-    di_dsv41_dev *d; // borrowed
+// One stage's part of a state (di_dsv41_dev_state: one per stage): the pools, rings, index keys,
+// scratch, staging and graphs of the stage's layers; the slots' bookkeeping (n_past, the Engram
+// history) is kept alike on every stage.
+typedef struct stage_state stage_state;
+struct stage_state {
+    dev_stage *d; // borrowed
     int32_t n_slots, n_ctx, max_rows, block_tokens, max_blocks, n_eblocks;
     bool shared;        // blocks listed per call
     int64_t layer_rows; // rows of one layer's pool region: max_rows + n_slots * W
@@ -268,7 +256,7 @@ struct di_dsv41_dev_state {
     void **blocks;
     int32_t n_mem, cap_mem;
     int64_t n_bytes; // backend bytes allocated (st_alloc) and the host staging
-    float *pool;     // [n_layer * layer_rows + entries, Dh]
+    float *pool;     // [(l1 - l0) * layer_rows + the stage's entries, Dh]
     float *x, *a, *out, *mix, *pre, *pre_attn, *post, *comb, *one_hot;
     float *qr, *q, *o, *u, *cc, *cz, *lat, *ik, *iq, *iw, *scores, *aq;
     float *blk; // [max_rows, score_stride / candidate_block_size + 1]: index_cand's block scores
@@ -284,7 +272,17 @@ struct di_dsv41_dev_state {
     di_dsv41_dev_graph_stats stats;
 };
 
-static di_status st_alloc(di_dsv41_dev_state *s, size_t bytes, void **out) {
+// A state over the stages: one part per stage and the hand-over's host buffer.
+struct di_dsv41_dev_state {
+    di_dsv41_dev *d; // borrowed
+    int32_t n_stages;
+    stage_state *ss[DI_DSV41_DEV_MAX_STAGES]; // owned, one per stage
+    float *xh;       // host_alloc of stage 0's backend [max_rows, NC * D + NC] (n_stages > 1)
+    size_t xh_bytes; // of xh
+    di_dsv41_dev_graph_stats stats; // the last call's, summed over the stages
+};
+
+static di_status st_alloc(stage_state *s, size_t bytes, void **out) {
     di_backend *b = s->d->b;
     if (s->n_mem == s->cap_mem) {
         int32_t cap = s->cap_mem ? 2 * s->cap_mem : 64;
@@ -302,21 +300,21 @@ static di_status st_alloc(di_dsv41_dev_state *s, size_t bytes, void **out) {
     return DI_OK;
 }
 
-static di_status st_floats(di_dsv41_dev_state *s, int64_t n, float **out) {
+static di_status st_floats(stage_state *s, int64_t n, float **out) {
     void *p = NULL;
     di_status st = st_alloc(s, sizeof(float) * (size_t)(n > 0 ? n : 1), &p);
     if (st == DI_OK) *out = p;
     return st;
 }
 
-static di_status st_ints(di_dsv41_dev_state *s, int64_t n, int32_t **out) {
+static di_status st_ints(stage_state *s, int64_t n, int32_t **out) {
     void *p = NULL;
     di_status st = st_alloc(s, sizeof(int32_t) * (size_t)(n > 0 ? n : 1), &p);
     if (st == DI_OK) *out = p;
     return st;
 }
 
-void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s) {
+static void part_destroy(stage_state *s) {
     if (!s) return;
     di_backend *b = s->d->b;
     if (s->graphs)
@@ -341,33 +339,33 @@ static int64_t eg_words(const di_tensor *t, int64_t n) {
 
 // Int32 words of the staging of a call of up to R rows over up to S sequences (the layout of
 // stage_layout, at its largest).
-static size_t stage_words(const di_dsv41_dev_state *s, int64_t R, int64_t S) {
+static size_t stage_words(const stage_state *s, int64_t R, int64_t S) {
     const di_hparams *hp = &s->d->m->hp;
     int64_t n = 8 * R + R * s->key_stride + S * s->max_blocks + (int64_t)hp->n_layer * R;
-    for (int il = 0; il < hp->n_layer; il++)
+    for (int il = s->d->l0; il < s->d->l1; il++)
         if (hp->kv_source[il]) n += 7 * R;
     const int64_t n_col = s->d->m->v41->hash.n_col;
     for (int L = 0; L < hp->n_engram; L++)
-        n += R * n_col + 2 + eg_words(s->d->eg_tables[L], R * n_col);
+        if (here(s->d, hp->engram_layer[L]))
+            n += R * n_col + 2 + eg_words(s->d->eg_tables[L], R * n_col);
     return (size_t)n + 64;
 }
 
-di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_ctx,
-                                    int32_t max_rows, int32_t n_blocks, int32_t block_tokens,
-                                    di_dsv41_dev_state **out) {
+// Stage d's part of a state (di_dsv41_dev_state_create's arguments, block_tokens resolved).
+static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
+                             int32_t n_blocks, int32_t block_tokens, stage_state **out) {
     const di_model *m = d->m;
     const di_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, nc = hp->hc_mult, Dh = hp->head_dim, H = hp->n_head;
     const int64_t DI = hp->index_head_dim, HI = hp->n_index_head, W = hp->window;
-    if (block_tokens == 0) block_tokens = di_dsv41_dev_block_tokens(d);
     bool ok = n_slots >= 1 && n_ctx >= 1 && max_rows >= 1 && n_blocks >= 0 && block_tokens >= 1;
     for (int il = 0; ok && il < hp->n_layer; il++)
         if (hp->compress_ratio[il] > 0 && block_tokens % hp->compress_ratio[il] != 0) ok = false;
     const int32_t max_blocks = ok ? (n_ctx + block_tokens - 1) / block_tokens : 0;
     const int64_t n_eb = n_blocks > 0 ? n_blocks : (int64_t)n_slots * max_blocks;
     const int64_t layer_rows = (int64_t)max_rows + (int64_t)n_slots * W;
-    int64_t pool_rows = (int64_t)hp->n_layer * layer_rows;
-    for (int il = 0; il < hp->n_layer; il++)
+    int64_t pool_rows = (int64_t)(d->l1 - d->l0) * layer_rows;
+    for (int il = d->l0; il < d->l1; il++)
         if (hp->kv_source[il]) pool_rows += n_eb * (block_tokens / hp->compress_ratio[il]);
     if (!ok || pool_rows > INT32_MAX || n_eb > INT32_MAX) {
         DI_LOG_ERROR("dev forward (V4.1): bad state (%d slots, n_ctx %d, %d rows, %d blocks of "
@@ -375,7 +373,7 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
                      n_slots, n_ctx, max_rows, n_blocks, block_tokens);
         return DI_ERR_INVALID;
     }
-    di_dsv41_dev_state *s = di_calloc(1, sizeof *s);
+    stage_state *s = di_calloc(1, sizeof *s);
     if (!s) return DI_ERR_NOMEM;
     s->d = d;
     s->n_slots = n_slots;
@@ -402,9 +400,9 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
     s->graphs_on = !(env && strcmp(env, "0") == 0);
     const int64_t R = max_rows;
     DI_TRY(st_floats(s, pool_rows * Dh, &s->pool));
-    int64_t row0 = (int64_t)hp->n_layer * layer_rows;
+    int64_t row0 = (int64_t)(d->l1 - d->l0) * layer_rows;
     int32_t max_vis = 1;
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int il = d->l0; il < d->l1; il++) {
         if (!hp->kv_source[il]) continue;
         dev_src *k = &s->src[il];
         k->il = il;
@@ -415,6 +413,10 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
         if (k->cap_vis > max_vis) max_vis = k->cap_vis;
         row0 += n_eb * k->per_page;
         DI_TRY(st_floats(s, n_eb * k->per_page * DI, &k->ikeys));
+        // Zeros as the entries (a block's bytes, di_dsv41_dev_state_read_block, are then a
+        // function of what the calls wrote).
+        DI_TRY(
+            d->b->vt->memset(d->b, k->ikeys, 0, sizeof(float) * (size_t)(n_eb * k->per_page * DI)));
         if (k->m == 2) {
             DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_c));
             DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_z));
@@ -489,13 +491,13 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
     *out = s;
     return DI_OK;
 fail:
-    di_dsv41_dev_state_destroy(s);
+    part_destroy(s);
     return st;
 }
 
 di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
                              int64_t *slot_bytes) {
-    const di_hparams *hp = &d->m->hp;
+    const di_hparams *hp = &d->m->hp; // every stage's layers: the sums over the stages
     const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
     bool ok = block_tokens >= 1;
     int64_t blk = 0, slot = (int64_t)hp->n_layer * hp->window * Dh;
@@ -516,22 +518,11 @@ di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_
     return DI_OK;
 }
 
-int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s) {
-    return s->n_eblocks;
-}
-
-int64_t di_dsv41_dev_state_bytes(const di_dsv41_dev_state *s) {
-    return s->n_bytes;
-}
-
-di_backend *di_dsv41_dev_backend(const di_dsv41_dev *d) {
-    return d->b;
-}
-
-// Copies block `block` between the state and host bytes in di_dsv41_dev_sizes' layout: into dst
-// (read), or from src (write) when dst is NULL.
-static di_status block_io(const di_dsv41_dev_state *s, int32_t block, uint8_t *dst,
-                          const uint8_t *src) {
+// Copies stage s's part of block `block` (its kv sources, in layer order) between the state and
+// host bytes in di_dsv41_dev_sizes' layout: into dst (read), or from src (write) when dst is NULL;
+// *n_bytes: the part's bytes.
+static di_status block_io(const stage_state *s, int32_t block, uint8_t *dst, const uint8_t *src,
+                          size_t *n_bytes) {
     const di_hparams *hp = &s->d->m->hp;
     di_backend *b = s->d->b;
     const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
@@ -540,7 +531,8 @@ static di_status block_io(const di_dsv41_dev_state *s, int32_t block, uint8_t *d
                      s->n_eblocks);
         return DI_ERR_INVALID;
     }
-    for (int il = 0; il < hp->n_layer; il++) {
+    *n_bytes = 0;
+    for (int il = s->d->l0; il < s->d->l1; il++) {
         if (!hp->kv_source[il]) continue;
         const dev_src *k = &s->src[il];
         const int64_t E = k->per_page;
@@ -555,16 +547,9 @@ static di_status block_io(const di_dsv41_dev_state *s, int32_t block, uint8_t *d
             dst += ne + nk;
         else
             src += ne + nk;
+        *n_bytes += ne + nk;
     }
     return DI_OK;
-}
-
-di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst) {
-    return block_io(s, block, dst, NULL);
-}
-
-di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, const void *src) {
-    return block_io(s, block, NULL, src);
 }
 
 size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d) {
@@ -580,13 +565,16 @@ static bool tail_pos_ok(const di_hparams *hp, int32_t pos) {
 }
 
 // The slot's window ring of layer il in the pool.
-static float *ring_of(const di_dsv41_dev_state *s, int il, int32_t slot) {
+static float *ring_of(const stage_state *s, int il, int32_t slot) {
     const di_hparams *hp = &s->d->m->hp;
     return s->pool +
-           ((int64_t)il * s->layer_rows + s->max_rows + (int64_t)slot * hp->window) * hp->head_dim;
+           ((int64_t)(il - s->d->l0) * s->layer_rows + s->max_rows + (int64_t)slot * hp->window) *
+               hp->head_dim;
 }
 
-di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst) {
+// Stage s's rings of slot `slot`'s snapshot (the header written too: the same on every stage)
+// into dst (di_dsv41_dev_tail_bytes: every stage writes its layers' rings at their offsets).
+static di_status part_tail_save(stage_state *s, int32_t slot, void *dst) {
     const di_hparams *hp = &s->d->m->hp;
     di_backend *b = s->d->b;
     if (slot < 0 || slot >= s->n_slots || s->n_past[slot] < 0 ||
@@ -599,8 +587,8 @@ di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst)
     const int32_t head[4] = {s->n_past[slot], hp->n_layer, hp->window, hp->head_dim};
     memcpy(dst, head, sizeof head);
     const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
-    uint8_t *out = (uint8_t *)dst + sizeof head;
-    for (int il = 0; il < hp->n_layer; il++, out += ring) {
+    uint8_t *out = (uint8_t *)dst + sizeof head + (size_t)s->d->l0 * ring;
+    for (int il = s->d->l0; il < s->d->l1; il++, out += ring) {
         di_status st = b->vt->download(b, out, ring_of(s, il, slot), ring);
         if (st != DI_OK) return st;
     }
@@ -617,9 +605,11 @@ di_status di_dsv41_dev_tail_check(const di_dsv41_dev *d, int32_t pos, const void
                : DI_ERR_INVALID;
 }
 
-di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t pos,
-                                    const void *src, const int32_t *tokens) {
-    const di_dsv41_dev *d = s->d;
+// Stage s's part of a tail restore (the checks repeated on every stage: the first refuses before
+// anything changes).
+static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, const void *src,
+                                   const int32_t *tokens) {
+    const dev_stage *d = s->d;
     const di_hparams *hp = &d->m->hp;
     di_backend *b = d->b;
     int32_t head[4];
@@ -642,8 +632,8 @@ di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t
     }
     s->n_past[slot] = -1; // until the copies are enqueued
     const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
-    const uint8_t *in = (const uint8_t *)src + sizeof head;
-    for (int il = 0; il < hp->n_layer; il++, in += ring) {
+    const uint8_t *in = (const uint8_t *)src + sizeof head + (size_t)d->l0 * ring;
+    for (int il = d->l0; il < d->l1; il++, in += ring) {
         di_status st = b->vt->upload(b, ring_of(s, il, slot), in, ring);
         if (st != DI_OK) return st;
     }
@@ -651,14 +641,6 @@ di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t
     for (int32_t p = 0; p < pos && hp->n_engram > 0; p++) hist[p] = d->m->v41->cmap[tokens[p]];
     s->n_past[slot] = pos;
     return DI_OK;
-}
-
-int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot) {
-    return slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1;
-}
-
-void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out) {
-    *out = s->stats;
 }
 
 // ---- per-call metadata ----
@@ -672,7 +654,7 @@ typedef struct src_meta {
 } src_meta;
 
 typedef struct call {
-    di_dsv41_dev_state *s;
+    stage_state *s;
     const di_dsv41_dev_seq *seqs;
     int32_t n_seq, T;
     int64_t tokens, pos, nk_win, nk_all, nwin, page_off, keys, win_dst, win_src, pages;
@@ -687,7 +669,7 @@ typedef struct call {
 
 // The staging offsets of a call (every size a function of T, n_seq and the sequences' n_tok).
 static void stage_layout(call *c) {
-    const di_dsv41_dev_state *s = c->s;
+    const stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     const int64_t T = c->T, W = hp->window;
     size_t o = 0;
@@ -709,7 +691,7 @@ static void stage_layout(call *c) {
     TAKE(win_dst, c->n_wd);
     TAKE(win_src, c->n_wd);
     TAKE(pages, (int64_t)c->n_seq * s->max_blocks);
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int il = s->d->l0; il < s->d->l1; il++) { // the stage's layers only
         if (hp->compress_ratio[il] > 0) TAKE(ebase[il], T);
         if (!hp->kv_source[il]) continue;
         src_meta *k = &c->sm[il];
@@ -731,6 +713,7 @@ static void stage_layout(call *c) {
     }
     const int64_t n_col = s->d->m->v41->hash.n_col;
     for (int L = 0; L < hp->n_engram; L++) {
+        if (!here(s->d, hp->engram_layer[L])) continue; // gathered by the stage holding it
         const di_tensor *et = s->d->eg_tables[L];
         TAKE(eg_ids[L], T * n_col);
         TAKE(eg_data[L], (T * n_col * (int64_t)et->nb1 + 3) / 4);
@@ -748,7 +731,7 @@ static int32_t block_of(const call *c, int32_t i, int64_t j) {
 
 // Fills the host staging of the call (layout done) and advances the slots' Engram histories.
 static void stage_fill(call *c, const int32_t *tokens) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     const di_model *m = s->d->m;
     const di_hparams *hp = &m->hp;
     const int64_t W = hp->window, bt = s->block_tokens;
@@ -779,8 +762,8 @@ static void stage_fill(call *c, const int32_t *tokens) {
             g[c->win_dst + wd] = (int32_t)(ring0 + (p0 + t) % W);
             g[c->win_src + wd] = r0 + t;
         }
-        // Engram: the slot's compressed ids (a replay's start: of its prefix too), then the row
-        // ids of every module.
+        // Engram: the slot's compressed ids (a replay's start: of its prefix too; kept on every
+        // stage), then the row ids of every module on this stage.
         int32_t *hist = s->hist + (int64_t)sq->slot * s->n_ctx;
         if (hp->n_engram > 0 && sq->win_lo > 0 && p0 == sq->win_lo)
             for (int64_t p = 0; p < p0; p++) hist[p] = m->v41->cmap[sq->prefix[p]];
@@ -793,6 +776,7 @@ static void stage_fill(call *c, const int32_t *tokens) {
             for (int k = 0; k < h->max_ngram; k++)
                 look[k] = P - k >= 0 ? hist[P - k] : DI_ENGRAM_DEAD;
             for (int L = 0; L < hp->n_engram; L++) {
+                if (!here(s->d, hp->engram_layer[L])) continue;
                 int64_t rows[DI_ENGRAM_MAX_COLS];
                 di_engram_hash_rows(h, L, look, m->v41->pad_c, rows);
                 const di_tensor *et = s->d->eg_tables[L];
@@ -814,14 +798,15 @@ static void stage_fill(call *c, const int32_t *tokens) {
         }
     }
     // Compressing layers: each row's entry base relative to the layer's pool region.
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int il = s->d->l0; il < s->d->l1; il++) {
         if (hp->compress_ratio[il] <= 0) continue;
-        const int src = s->d->layers[il].src;
-        const int64_t base = s->src[src].ent_row0 - (int64_t)il * s->layer_rows;
+        const int src = s->d->layers[il].src; // on this stage (the cut rule)
+        DI_ASSERT(here(s->d, src));
+        const int64_t base = s->src[src].ent_row0 - (int64_t)(il - s->d->l0) * s->layer_rows;
         for (int32_t t = 0; t < c->T; t++) g[c->ebase[il] + t] = (int32_t)base;
     }
     // kv sources: visible entries per row; the groups closing (padded to the shape's bound).
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int il = s->d->l0; il < s->d->l1; il++) {
         if (!hp->kv_source[il]) continue;
         const dev_src *k = &s->src[il];
         const src_meta *km = &c->sm[il];
@@ -887,7 +872,7 @@ static void stage_fill(call *c, const int32_t *tokens) {
 // rounded to BF16.
 static di_status linear(const call *c, const di_tensor *w, const float *x, int64_t n, int64_t xs,
                         float *y, int64_t ys, bool act_quant) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     const int64_t K = w->ne[0], N = w->ne[1];
     di_status st = DI_OK;
     if (s->d->official && act_quant &&
@@ -908,8 +893,8 @@ fail:
 // written to the source's index keys and entry rows at edst (-1: nowhere).
 static di_status finalise(const call *c, const dev_layer *lw, const dev_src *k, const src_meta *km,
                           float *lat, int32_t n) {
-    di_dsv41_dev_state *s = c->s;
-    const di_dsv41_dev *d = s->d;
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
     const di_hparams *hp = &d->m->hp;
     const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
     const int32_t n_rot = hp->rope_main.n_dims;
@@ -933,7 +918,7 @@ fail:
 
 // The CSA2 compressor of kv source il on normed input a (dsv41_attn.c compressor).
 static di_status compressor(const call *c, int il, const float *a) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     const dev_layer *lw = &s->d->layers[il];
     const dev_src *k = &s->src[il];
     const src_meta *km = &c->sm[il];
@@ -966,7 +951,7 @@ fail:
 // The indexer of index source il (dsv41_attn.c indexer): scores of its kv source's keys, the
 // candidate pool (level 1 on the candidate source, level 2 after it), the top-k into s->sel.
 static di_status indexer(const call *c, int il, const float *a, bool *have_cand) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     const dev_layer *lw = &s->d->layers[il];
     const dev_src *k = &s->src[lw->src];
     const src_meta *km = &c->sm[lw->src];
@@ -1007,8 +992,8 @@ fail:
 
 static di_status attention(const call *c, int il, const float *a, float *out, bool *have_topk,
                            bool *have_cand) {
-    di_dsv41_dev_state *s = c->s;
-    const di_dsv41_dev *d = s->d;
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
     const di_hparams *hp = &d->m->hp;
     const dev_layer *lw = &d->layers[il];
     const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
@@ -1019,7 +1004,7 @@ static di_status attention(const call *c, int il, const float *a, float *out, bo
     const float rscale =
         compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
     const int32_t *pos = D32(c->pos);
-    float *pool = s->pool + (int64_t)il * s->layer_rows * Dh; // this layer's region
+    float *pool = s->pool + (int64_t)(il - d->l0) * s->layer_rows * Dh; // this layer's region
     di_status st = DI_OK;
     // q: RMSNorm(wq_a a), wq_b, RoPE (no per-head RMS in V4.1).
     DI_TRY(linear(c, &lw->wq_a, a, T, D, s->qr, Rq, true));
@@ -1071,7 +1056,7 @@ fail:
 // with pre_in, then the norm.
 static di_status site(const call *c, const dev_hc *hc, const float *norm, const float *pre_in,
                       float *pre_out) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     const int64_t nc = hp->hc_mult, D = hp->n_embd, n_mix = (2 + nc) * nc;
     di_status st = DI_OK;
@@ -1087,7 +1072,7 @@ fail:
 }
 
 static di_status engram(const call *c, int il) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     const dev_layer *lw = &s->d->layers[il];
     const di_hparams *hp = &s->d->m->hp;
     const int64_t nc = hp->hc_mult, D = hp->n_embd, n_col = s->d->m->v41->hash.n_col;
@@ -1112,7 +1097,7 @@ fail:
 }
 
 static di_status block(const call *c, int il, bool *have_topk, bool *have_cand) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     const dev_layer *lw = &s->d->layers[il];
     const int32_t nc = hp->hc_mult;
@@ -1132,16 +1117,22 @@ fail:
     return st;
 }
 
-// The layers of a call (staging uploaded).
+// The stage's layers of a call (staging uploaded). The first stage embeds the tokens and starts
+// pre as one-hot(stream 0); a later one's streams and pre came from the stage before it
+// (stage_forward's hand-over, before the layers). have_topk / have_cand start false on every
+// stage: at a legal cut (dsv41_dev.h "Pipeline stages") no layer of the stage reads a top-k or a
+// candidate pool published before it.
 static di_status layers(const call *c) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
     const int64_t nc = hp->hc_mult;
     di_status st = DI_OK;
-    OP(embed, &s->d->embed, D32(c->tokens), c->T, (int32_t)nc, s->x);
-    OP(copy, s->pre, s->one_hot, sizeof(float) * (size_t)(c->T * nc));
+    if (s->d->first) {
+        OP(embed, &s->d->embed, D32(c->tokens), c->T, (int32_t)nc, s->x);
+        OP(copy, s->pre, s->one_hot, sizeof(float) * (size_t)(c->T * nc));
+    }
     bool have_topk = false, have_cand = false;
-    for (int il = 0; il < hp->n_layer; il++) DI_TRY(block(c, il, &have_topk, &have_cand));
+    for (int il = s->d->l0; il < s->d->l1; il++) DI_TRY(block(c, il, &have_topk, &have_cand));
     return DI_OK;
 fail:
     return st;
@@ -1150,8 +1141,8 @@ fail:
 // The head (dsv41.c head) on n <= HEAD_CHUNK rows of X listed in rows: gathered with their F_pre,
 // collapsed, normed, projected into s->logits [n, V].
 static di_status head(const call *c, const int32_t *rows, int32_t n) {
-    di_dsv41_dev_state *s = c->s;
-    const di_dsv41_dev *d = s->d;
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
     const di_hparams *hp = &d->m->hp;
     const int64_t nc = hp->hc_mult, D = hp->n_embd;
     di_status st = DI_OK;
@@ -1179,7 +1170,7 @@ fail:
 
 // ---- checks ----
 
-static di_status check_call(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
+static di_status check_call(stage_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
                             const int32_t *tokens, const int32_t *logit_rows, int32_t n_logit_rows,
                             const float *logits, int32_t *n_rows_out) {
     const di_hparams *hp = &s->d->m->hp;
@@ -1289,7 +1280,7 @@ static di_status check_call(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs,
 // A replay's start (pos == win_lo > 0): the slot's window rings in every layer become zero rows,
 // as di_dsv41_restart zeroes the CPU state's (before the call's ops, outside any graph).
 static di_status zero_rings(const call *c) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     di_backend *b = s->d->b;
     const di_hparams *hp = &s->d->m->hp;
     const int64_t W = hp->window, Dh = hp->head_dim;
@@ -1297,8 +1288,10 @@ static di_status zero_rings(const call *c) {
     for (int32_t i = 0; i < c->n_seq; i++) {
         const di_dsv41_dev_seq *sq = &c->seqs[i];
         if (sq->win_lo <= 0 || sq->pos != sq->win_lo) continue;
-        for (int il = 0; il < hp->n_layer; il++) {
-            float *ring = s->pool + ((int64_t)il * s->layer_rows + s->max_rows + sq->slot * W) * Dh;
+        for (int il = s->d->l0; il < s->d->l1; il++) {
+            float *ring = s->pool + ((int64_t)(il - s->d->l0) * s->layer_rows + s->max_rows +
+                                     (int64_t)sq->slot * W) *
+                                        Dh;
             DI_TRY(b->vt->memset(b, ring, 0, sizeof(float) * (size_t)(W * Dh)));
         }
     }
@@ -1324,14 +1317,14 @@ typedef struct step_ctx {
 static di_status run_step(const void *ctx) {
     const step_ctx *x = ctx;
     di_status st = layers(x->c);
-    if (st == DI_OK) st = head(x->c, x->rows, x->c->T);
+    if (st == DI_OK && x->c->s->d->last) st = head(x->c, x->rows, x->c->T);
     return st;
 }
 
 // The layers and the head of a decode step as one backend graph (dsv4_dev.c's scheme): the
 // first step of a size runs directly, the second captures, later ones replay.
 static di_status run_decode(const call *c, const int32_t *logit_rows) {
-    di_dsv41_dev_state *s = c->s;
+    stage_state *s = c->s;
     di_backend *b = s->d->b;
     dev_graph *g = &s->graphs[c->n_seq];
     const step_ctx x = {c, logit_rows};
@@ -1360,14 +1353,22 @@ static di_status run_decode(const call *c, const int32_t *logit_rows) {
     return b->vt->graph_launch(b, g->g);
 }
 
-di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
+// Stage s's part of a call checked by check_call on every stage (T rows). x_in: the streams
+// [T, NC, D] then pre [T, NC] after the previous stage's last layer (host, NULL on the first
+// stage), uploaded before the layers; x_out: where this stage's are downloaded for the next one
+// (NULL on the last stage, which runs the head and downloads the logits). On success the slots
+// advance; on failure the caller restarts them on every stage.
+static di_status stage_forward(stage_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
                                const int32_t *tokens, const int32_t *logit_rows,
-                               int32_t n_logit_rows, float *logits) {
-    int32_t T = 0;
-    di_status st = check_call(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T);
-    if (st != DI_OK) return st;
+                               int32_t n_logit_rows, float *logits, int32_t T, const float *x_in,
+                               float *x_out) {
     di_backend *b = s->d->b;
-    const int64_t V = s->d->m->hp.n_vocab;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t V = hp->n_vocab;
+    const bool last = s->d->last;
+    const size_t x_bytes = sizeof(float) * (size_t)T * (size_t)hp->hc_mult * (size_t)hp->n_embd;
+    const size_t pre_bytes = sizeof(float) * (size_t)T * (size_t)hp->hc_mult;
+    di_status st = DI_OK;
     call cl = {.s = s, .seqs = seqs, .n_seq = n_seq, .T = T};
     call *c = &cl;
     stage_layout(c);
@@ -1378,34 +1379,383 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
     s->stats.last_uploads = 1;
     s->stats.last_upload_bytes = (int64_t)(sizeof(int32_t) * c->n_words);
     DI_TRY(b->vt->upload(b, s->stage_dev, s->stage, sizeof(int32_t) * c->n_words));
+    if (x_in) { // the hand-over from the previous stage (stream-ordered before the layers)
+        s->stats.last_uploads += 2;
+        s->stats.last_upload_bytes += (int64_t)(x_bytes + pre_bytes);
+        DI_TRY(b->vt->upload(b, s->x, x_in, x_bytes));
+        DI_TRY(b->vt->upload(b, s->pre, (const uint8_t *)x_in + x_bytes, pre_bytes));
+    }
     DI_TRY(zero_rings(c));
     if (decode_shape(c, logit_rows, n_logit_rows)) {
         DI_TRY(run_decode(c, logit_rows));
-        if (n_logit_rows > 0)
+        if (n_logit_rows > 0 && last)
             DI_TRY(b->vt->download(b, logits, s->logits, sizeof(float) * (size_t)(T * V)));
     } else {
         s->stats.n_direct++;
         DI_TRY(layers(c));
-        for (int32_t k = 0; k < n_logit_rows; k += HEAD_CHUNK) {
+        for (int32_t k = 0; k < n_logit_rows && last; k += HEAD_CHUNK) {
             const int32_t n = n_logit_rows - k < HEAD_CHUNK ? n_logit_rows - k : HEAD_CHUNK;
             DI_TRY(head(c, logit_rows + k, n));
             DI_TRY(b->vt->download(b, logits + (int64_t)k * V, s->logits,
                                    sizeof(float) * (size_t)((int64_t)n * V)));
         }
     }
+    // The streams and the carried pre to the next stage: downloaded into page-locked host memory
+    // (the download waits for this stage's work), uploaded by the next stage. A peer copy between
+    // GPUs would go here instead.
+    if (x_out) {
+        DI_TRY(b->vt->download(b, x_out, s->x, x_bytes));
+        DI_TRY(b->vt->download(b, (uint8_t *)x_out + x_bytes, s->pre, pre_bytes));
+    }
+    // The end of the stage's step: every op done (and its faults surfaced) before the slots
+    // advance.
     DI_TRY(b->vt->sync(b));
     for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
     return DI_OK;
 fail:
+    return st;
+}
+
+// ---- the forward over its stages ----
+
+static dev_stage *last_stage(const di_dsv41_dev *d) {
+    return d->st[d->n_stages - 1];
+}
+
+static int64_t tensor_bytes(const di_tensor *t) {
+    return t->data ? (int64_t)di_tensor_bytes(t) : 0;
+}
+
+// Backend bytes of layer il's weights the dev forward uploads (matrices with their scales, the
+// vectors; Engram tables stay on the host and are not counted).
+static int64_t layer_bytes(const di_model *m, int32_t il) {
+    const di_hparams *hp = &m->hp;
+    const di_dsv4_layer_w *lw = &m->layers[il];
+    const int64_t f = sizeof(float), nc = hp->hc_mult, D = hp->n_embd;
+    int64_t n = tensor_bytes(&lw->hc_attn.fn) + tensor_bytes(&lw->hc_ffn.fn);
+    n += 2 * f * ((2 + nc) * nc + 3) + 2 * f * D;
+    n += tensor_bytes(&lw->wq_a) + tensor_bytes(&lw->wq_b) + tensor_bytes(&lw->wkv) +
+         tensor_bytes(&lw->wo_a) + tensor_bytes(&lw->wo_b);
+    n += f * (hp->q_lora_rank + hp->head_dim + hp->n_head);
+    if (lw->kv_source)
+        n += tensor_bytes(&lw->cmp.wkv) + tensor_bytes(&lw->cmp.wgate) + tensor_bytes(&lw->idx_wk) +
+             f * (hp->head_dim + hp->index_head_dim);
+    if (lw->index_source) n += tensor_bytes(&lw->idx_wq_b) + tensor_bytes(&lw->idx_weights_proj);
+    if (lw->engram >= 0) n += tensor_bytes(&lw->eg_wkv) + f * nc * D;
+    n += tensor_bytes(&lw->gate) + tensor_bytes(&lw->sh_w1) + tensor_bytes(&lw->sh_w2) +
+         tensor_bytes(&lw->sh_w3);
+    for (int32_t e = 0; e < lw->n_expert && lw->w1; e++)
+        n += tensor_bytes(&lw->w1[e]) + tensor_bytes(&lw->w2[e]) + tensor_bytes(&lw->w3[e]);
+    return n;
+}
+
+bool di_dsv41_dev_cut_ok(const di_model *m, int32_t l) {
+    const di_hparams *hp = &m->hp;
+    if (l <= 0 || l >= hp->n_layer) return l == 0 || l == hp->n_layer;
+    // The first compressing layer at or after l: it reads its kv source's entries and index keys
+    // and, when an index source came before, the published top-k; both must be its own stage's.
+    int32_t first_c = -1;
+    for (int32_t il = l; il < hp->n_layer && first_c < 0; il++)
+        if (hp->compress_ratio[il] > 0) first_c = il;
+    if (first_c >= 0 && !hp->kv_source[first_c]) return false; // an earlier stage's source
+    bool idx_before = false;
+    for (int32_t il = 0; il < l; il++) idx_before |= hp->index_source[il];
+    if (first_c >= 0 && idx_before && !hp->index_source[first_c]) return false; // its top-k
+    // The candidate pool: built at candidate_layer, applied by every later index source.
+    if (hp->candidate_layer >= 0 && hp->candidate_layer < l)
+        for (int32_t il = l; il < hp->n_layer; il++)
+            if (hp->index_source[il]) return false;
+    return true;
+}
+
+di_status di_dsv41_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
+                             int64_t *stage_bytes) {
+    const int32_t L = m->hp.n_layer;
+    if (n_stages < 1 || n_stages > DI_DSV41_DEV_MAX_STAGES || n_stages > L) {
+        DI_LOG_ERROR("dev forward (V4.1): %d pipeline stages for %d layers (1 to min(%d, layers))",
+                     n_stages, L, DI_DSV41_DEV_MAX_STAGES);
+        return DI_ERR_INVALID;
+    }
+    int64_t *pre = di_malloc(sizeof(int64_t) * (size_t)(L + 1)); // pre[l]: stage 0's bytes to l
+    bool *ok = di_malloc((size_t)(L + 1));
+    if (!pre || !ok) {
+        di_free(pre), di_free(ok);
+        return DI_ERR_NOMEM;
+    }
+    const int64_t head = tensor_bytes(&m->head) + (int64_t)sizeof(float) * m->hp.n_embd;
+    pre[0] = tensor_bytes(&m->embed);
+    for (int32_t il = 0; il < L; il++) pre[il + 1] = pre[il] + layer_bytes(m, il);
+    for (int32_t l = 0; l <= L; l++) ok[l] = di_dsv41_dev_cut_ok(m, l);
+    di_status st = di_dev_split(pre, head, L, n_stages, ok, layer0, stage_bytes);
+    if (st == DI_ERR_INVALID) {
+        int32_t n_cut = 0;
+        for (int32_t l = 1; l < L; l++) n_cut += ok[l];
+        DI_LOG_ERROR("dev forward (V4.1): no split into %d pipeline stages: the layer schedule "
+                     "has %d legal cuts (dsv41_dev.h \"Pipeline stages\")",
+                     n_stages, n_cut);
+    }
+    di_free(pre);
+    di_free(ok);
+    return st;
+}
+
+di_status di_dsv41_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
+                                     di_dsv41_dev **out) {
+    const di_hparams *hp = &m->hp;
+    if (!hp->v41 || !m->v41) {
+        DI_LOG_ERROR("dev forward (V4.1): not a DeepSeek V4.1 model (dsv4_dev.h runs V4)");
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (hp->n_engram > 0 && !m->v41->cmap) {
+        DI_LOG_ERROR("dev forward (V4.1): the model has no Engram compressed token map");
+        return DI_ERR_INVALID;
+    }
+    if (m->opt.precision != DI_PRECISION_FP32 && m->opt.precision != DI_PRECISION_OFFICIAL) {
+        DI_LOG_ERROR("dev forward (V4.1): unknown precision recipe %d", (int)m->opt.precision);
+        return DI_ERR_UNSUPPORTED;
+    }
+    if (hp->hc_mult > 16 || hp->hc_mult < 1) {
+        DI_LOG_ERROR("dev forward (V4.1): %d mHC streams (at most 16)", hp->hc_mult);
+        return DI_ERR_UNSUPPORTED;
+    }
+    int32_t l0[DI_DSV41_DEV_MAX_STAGES + 1];
+    int64_t bytes[DI_DSV41_DEV_MAX_STAGES];
+    di_status st = di_dsv41_dev_split(m, n_stages, l0, bytes);
+    if (st != DI_OK) return st;
+    return di_dsv41_dev_create_split(m, b, n_stages, l0, out);
+}
+
+di_status di_dsv41_dev_create_split(di_model *m, di_backend *const *b, int32_t n_stages,
+                                    const int32_t *layer0, di_dsv41_dev **out) {
+    const di_hparams *hp = &m->hp;
+    bool ok = n_stages >= 1 && n_stages <= DI_DSV41_DEV_MAX_STAGES && layer0[0] == 0 &&
+              layer0[n_stages] == hp->n_layer;
+    for (int32_t k = 0; ok && k < n_stages; k++)
+        ok = layer0[k] < layer0[k + 1] && di_dsv41_dev_cut_ok(m, layer0[k]);
+    if (!ok) {
+        DI_LOG_ERROR("dev forward (V4.1): not a split into %d stages at legal cuts (a later stage "
+                     "would read an earlier one's kv source, top-k or candidate pool)",
+                     n_stages);
+        return DI_ERR_INVALID;
+    }
+    di_dsv41_dev *d = di_calloc(1, sizeof *d);
+    if (!d) return DI_ERR_NOMEM;
+    d->m = m;
+    di_status st = DI_OK;
+    for (int32_t k = 0; k < n_stages; k++) {
+        st = stage_create(m, b[k], layer0[k], layer0[k + 1], k == 0, k == n_stages - 1, &d->st[k]);
+        if (st != DI_OK) goto fail;
+        d->n_stages = k + 1;
+        if (n_stages > 1)
+            DI_LOG_INFO("dev forward (V4.1): stage %d of %d: layers [%d, %d)%s%s, on %s", k,
+                        n_stages, layer0[k], layer0[k + 1], k == 0 ? " + embedding" : "",
+                        k == n_stages - 1 ? " + head" : "", b[k]->desc);
+    }
+    if (hp->n_engram > 0) {
+        double mib = 0;
+        for (int L = 0; L < hp->n_engram; L++)
+            mib += di_tensor_bytes(&m->layers[hp->engram_layer[L]].eg_table) / 1048576.0;
+        DI_LOG_INFO("dev forward (V4.1): the %d Engram tables (%.1f MiB) stay in host memory; "
+                    "each call gathers its rows there and uploads them with its lists",
+                    hp->n_engram, mib);
+    }
+    *out = d;
+    return DI_OK;
+fail:
+    di_dsv41_dev_destroy(d);
+    return st;
+}
+
+di_status di_dsv41_dev_create(di_model *m, di_backend *b, di_dsv41_dev **out) {
+    return di_dsv41_dev_create_stages(m, &b, 1, out);
+}
+
+void di_dsv41_dev_destroy(di_dsv41_dev *d) {
+    if (!d) return;
+    for (int32_t k = 0; k < d->n_stages; k++) stage_destroy(d->st[k]);
+    di_free(d);
+}
+
+int32_t di_dsv41_dev_n_stages(const di_dsv41_dev *d) {
+    return d->n_stages;
+}
+
+di_backend *di_dsv41_dev_stage(const di_dsv41_dev *d, int32_t k, int32_t *l0, int32_t *l1) {
+    if (k < 0 || k >= d->n_stages) return NULL;
+    *l0 = d->st[k]->l0;
+    *l1 = d->st[k]->l1;
+    return d->st[k]->b;
+}
+
+di_backend *di_dsv41_dev_backend(const di_dsv41_dev *d) {
+    return last_stage(d)->b;
+}
+
+int32_t di_dsv41_dev_block_tokens(const di_dsv41_dev *d) {
+    return model_block_tokens(d->m);
+}
+
+di_status di_dsv41_dev_attach_stages(di_model *m, di_backend *const *b, int32_t n_stages) {
+    if (m->dev41) {
+        DI_LOG_ERROR("dev forward (V4.1): the model already has one attached");
+        return DI_ERR_INVALID;
+    }
+    di_dsv41_dev *d = NULL;
+    di_status st = di_dsv41_dev_create_stages(m, b, n_stages, &d);
+    if (st != DI_OK) return st;
+    m->dev41 = d;
+    DI_LOG_INFO("device-resident V4.1 forward on %s%s: sessions without DSpark and the serving "
+                "engine without speculation run every layer, their KV and compressor state "
+                "there%s",
+                b[n_stages - 1]->desc, n_stages > 1 ? " (and the stages before it)" : "",
+                m->accel_matmul ? "; the CPU forward's matmuls offloaded" : "");
+    return DI_OK;
+}
+
+di_status di_dsv41_dev_attach(di_model *m, di_backend *b) {
+    return di_dsv41_dev_attach_stages(m, &b, 1);
+}
+
+void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s) {
+    if (!s) return;
+    for (int32_t k = 0; k < s->n_stages; k++) part_destroy(s->ss[k]);
+    if (s->xh) s->d->st[0]->b->vt->host_free(s->d->st[0]->b, s->xh);
+    di_free(s);
+}
+
+di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_ctx,
+                                    int32_t max_rows, int32_t n_blocks, int32_t block_tokens,
+                                    di_dsv41_dev_state **out) {
+    const di_hparams *hp = &d->m->hp;
+    if (block_tokens == 0) block_tokens = model_block_tokens(d->m);
+    di_dsv41_dev_state *s = di_calloc(1, sizeof *s);
+    if (!s) return DI_ERR_NOMEM;
+    s->d = d;
+    di_status st = DI_OK;
+    for (int32_t k = 0; k < d->n_stages; k++) {
+        DI_TRY(part_create(d->st[k], n_slots, n_ctx, max_rows, n_blocks, block_tokens, &s->ss[k]));
+        s->n_stages = k + 1;
+    }
+    if (d->n_stages > 1) {
+        di_backend *b = d->st[0]->b;
+        s->xh_bytes =
+            sizeof(float) * (size_t)max_rows * (size_t)hp->hc_mult * ((size_t)hp->n_embd + 1);
+        DI_TRY(b->vt->host_alloc(b, s->xh_bytes, (void **)&s->xh));
+    }
+    *out = s;
+    return DI_OK;
+fail:
+    di_dsv41_dev_state_destroy(s);
+    return st;
+}
+
+int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s) {
+    return s->ss[0]->n_eblocks;
+}
+
+int64_t di_dsv41_dev_state_bytes(const di_dsv41_dev_state *s) {
+    int64_t n = (int64_t)s->xh_bytes;
+    for (int32_t k = 0; k < s->n_stages; k++) n += s->ss[k]->n_bytes;
+    return n;
+}
+
+// Entry block I/O: the stages' parts in stage order, i.e. the kv sources' in layer order (the
+// same bytes as one stage).
+di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst) {
+    uint8_t *out = dst;
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        size_t n = 0;
+        di_status st = block_io(s->ss[k], block, out, NULL, &n);
+        if (st != DI_OK) return st;
+        out += n;
+    }
+    return DI_OK;
+}
+
+di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, const void *src) {
+    const uint8_t *in = src;
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        size_t n = 0;
+        di_status st = block_io(s->ss[k], block, NULL, in, &n);
+        if (st != DI_OK) return st;
+        in += n;
+    }
+    return DI_OK;
+}
+
+// Tail snapshots: the header once and every layer's rings at their offsets, each stage writing
+// (reading) its layers' (the same bytes as one stage).
+di_status di_dsv41_dev_tail_save(di_dsv41_dev_state *s, int32_t slot, void *dst) {
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st = part_tail_save(s->ss[k], slot, dst);
+        if (st != DI_OK) return st;
+    }
+    return DI_OK;
+}
+
+di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t pos,
+                                    const void *src, const int32_t *tokens) {
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        di_status st = part_tail_restore(s->ss[k], slot, pos, src, tokens);
+        if (st != DI_OK) {
+            // The first stage refuses before anything changes; a later failure leaves the slot
+            // to restart at 0 on every stage.
+            for (int32_t j = 0; j < k && slot >= 0 && slot < s->ss[j]->n_slots; j++)
+                s->ss[j]->n_past[slot] = -1;
+            return st;
+        }
+    }
+    return DI_OK;
+}
+
+int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot) {
+    const stage_state *p = s->ss[0];
+    return slot >= 0 && slot < p->n_slots ? p->n_past[slot] : -1;
+}
+
+void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out) {
+    // A call counts once (stage 0's way of running it: every stage decides alike); its costs are
+    // the stages' summed.
+    di_dsv41_dev_graph_stats g = s->ss[0]->stats;
+    g.last_ops = g.last_uploads = g.last_upload_bytes = 0;
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        g.last_ops += s->ss[k]->stats.last_ops;
+        g.last_uploads += s->ss[k]->stats.last_uploads;
+        g.last_upload_bytes += s->ss[k]->stats.last_upload_bytes;
+    }
+    *out = g;
+}
+
+di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
+                               const int32_t *tokens, const int32_t *logit_rows,
+                               int32_t n_logit_rows, float *logits) {
+    int32_t T = 0;
+    di_status st = DI_OK;
+    for (int32_t k = 0; k < s->n_stages; k++) { // every stage first: nothing runs if one refuses
+        st = check_call(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T);
+        if (st != DI_OK) return st;
+    }
+    for (int32_t k = 0; k < s->n_stages; k++) {
+        const bool last = k == s->n_stages - 1;
+        st = stage_forward(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, T,
+                           k > 0 ? s->xh : NULL, last ? NULL : s->xh);
+        if (st != DI_OK) goto fail;
+    }
+    return DI_OK;
+fail:
+    for (int32_t k = 0; k < s->n_stages; k++)
+        for (int32_t i = 0; i < n_seq; i++) s->ss[k]->n_past[seqs[i].slot] = -1;
     DI_LOG_ERROR("dev forward (V4.1): call failed (%s); its slots restart at 0", di_status_str(st));
     return st;
 }
 
 // Two decode steps of token 0 at position 0 per size (the first runs directly, the second is
-// captured). Shared blocks: every slot lists block 0 as cached (n_cached = block_tokens), so the
-// steps write no entry (an m = 1 source's group at position 0 would close in it) and block 0 is
-// left as it was; the graphs do not depend on it (the destinations are per-call lists).
-di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *s, int32_t max_seqs) {
+// captured, on every stage). Shared blocks: every slot lists block 0 as cached (n_cached =
+// block_tokens), so the steps write no entry (an m = 1 source's group at position 0 would close in
+// it) and block 0 is left as it was; the graphs do not depend on it (the destinations are per-call
+// lists).
+di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *st_all, int32_t max_seqs) {
+    const stage_state *s = st_all->ss[0];
     if (!s->graphs_on) return DI_OK;
     int32_t n_max = max_seqs < s->n_slots ? max_seqs : s->n_slots;
     if (n_max > HEAD_CHUNK) n_max = HEAD_CHUNK;
@@ -1430,7 +1780,7 @@ di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *s, int32_t max_seqs) {
         }
         const dev_graph *g = &s->graphs[n];
         for (int pass = 0; pass < 2 && st == DI_OK && !g->g; pass++)
-            st = di_dsv41_dev_forward(s, seqs, n, ids, rows, n, logits);
+            st = di_dsv41_dev_forward(st_all, seqs, n, ids, rows, n, logits);
     }
     di_free(seqs);
     di_free(ids);

@@ -60,6 +60,35 @@
  * list stride, the entries a slot can hold, the windows a shape can close, padded with destination
  * -1). DI_DEV_GRAPHS=0 (read at state create) runs every call directly.
  *
+ * Pipeline stages (di_dsv41_dev_create_stages; --device cuda:0,1,...): as dsv4_dev.h's, the
+ * layers are split into n contiguous ranges of about equal weight bytes (the split whose largest
+ * stage is smallest among those at legal cuts: di_dsv41_dev_split, dev_common.c's DP), stage k on
+ * backend k, each holding its layers' weights (the embedding on the first, the head and final norm
+ * on the last) and, in every state, their pools, rings, index keys, scratch, staging and decode
+ * graphs. A call checks every stage first, then runs stage 0 from the tokens and hands the streams
+ * after its last layer with the carried pre of the single-pass mHC ([T, NC, D] then [T, NC]
+ * floats: downloaded into the state's page-locked host buffer, uploaded by the next stage) to the
+ * next stage, and so on; the last runs the head and downloads the logits. Each stage gathers the
+ * Engram rows of its own Engram layers (every stage keeps the slots' compressed-id history).
+ * The cut rule (di_dsv41_dev_cut_ok): a stage may start at layer l only if nothing a layer at or
+ * after l reads was made before l, since only the streams and pre cross: (1) the first compressing
+ * layer at or after l is a kv source (every later compressing layer then reads a source at or
+ * after l: a source's entries and index keys are persistent state, written by its layer each call
+ * and read by the following layers in this and every later call); (2) if an index source comes
+ * before l, that first compressing layer is an index source too (it publishes its own top-k before
+ * it attends; the top-k published before l would otherwise be read); (3) if the candidate source
+ * comes before l, no index source is at or after l (each applies the candidate pool). have_topk and
+ * have_cand then start false on every stage, as nothing before the cut is read. On V4.1-Flash's
+ * schedule (deepseek-v41.md §1.2) the legal cuts are 1, 2, 8, 14 and 20 (the kv sources, and layer
+ * 1 before the first); layers 20..39 (source 20, candidate source 20, read by all of them) cannot
+ * be cut, so Flash splits into at most 6 stages and no stage is smaller than layers [20, 40) (see
+ * docs/cuda.md: they do not fit one H200). Handing over what crosses (a mirror of source 20's
+ * entries and index keys on the later stages, updated per call with the rows layer 20 writes, and
+ * the top-k and candidate pool per call) is not done. Every other function dispatches over the
+ * stages: block bytes are the stages' parts in layer order and tail snapshots the header and each
+ * stage's rings at their layer's offset (both the same bytes as one stage), graph stats count a
+ * call once (its ops and uploads summed), a failed call restarts its slots on every stage.
+ *
  * Owns: a di_dsv41_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
  * its pools, scratch, staging, graphs and host metadata, all sized at create. Thread-safety: one
@@ -67,12 +96,13 @@
  */
 #pragma once
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "backend/backend.h" // di_backend
 #include "deepinfer.h"       // di_model, di_status
 
-typedef struct di_dsv41_dev di_dsv41_dev;             // a V4.1 model's weights on one backend
+typedef struct di_dsv41_dev di_dsv41_dev;             // a V4.1 model's weights on its stages
 typedef struct di_dsv41_dev_state di_dsv41_dev_state; // the device state of n_slots sequences
 
 // Uploads every weight the main layers, the Engram modules (but their tables, which stay on the
@@ -80,8 +110,38 @@ typedef struct di_dsv41_dev_state di_dsv41_dev_state; // the device state of n_s
 // DI_ERR_UNSUPPORTED (logged) for a V4 model, hash-routed layers or a weight the backend cannot
 // matmul;
 // DI_ERR_INVALID (no Engram token map), DI_ERR_NOMEM, DI_ERR_CUDA. m and b are borrowed.
+// One stage: di_dsv41_dev_create_stages(m, &b, 1).
 di_status di_dsv41_dev_create(di_model *m, di_backend *b, di_dsv41_dev **out);
 void di_dsv41_dev_destroy(di_dsv41_dev *d); // NULL: no-op
+
+// The most pipeline stages ("Pipeline stages"): the devices one di_device lists.
+enum { DI_DSV41_DEV_MAX_STAGES = 8 };
+
+// The forward as n_stages pipeline stages: stage k on backend b[k] (borrowed, must outlive d; the
+// same backend may be listed more than once), its layers those of di_dsv41_dev_split. Errors as
+// di_dsv41_dev_create, and DI_ERR_INVALID (logged) as di_dsv41_dev_split.
+di_status di_dsv41_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
+                                     di_dsv41_dev **out);
+// The same on a given split: stage k holds [layer0[k], layer0[k + 1]) (layer0[0] = 0,
+// layer0[n_stages] = n_layer, increasing). DI_ERR_INVALID (logged) unless every cut is legal
+// (di_dsv41_dev_cut_ok). Tests use it to place a cut.
+di_status di_dsv41_dev_create_split(di_model *m, di_backend *const *b, int32_t n_stages,
+                                    const int32_t *layer0, di_dsv41_dev **out);
+// Whether a stage may start at layer l ("Pipeline stages": the cut rule); 0 and n_layer: true.
+// Host only, any thread.
+bool di_dsv41_dev_cut_ok(const di_model *m, int32_t l);
+// The split of m's layers into n_stages contiguous ranges at legal cuts, the one whose largest
+// stage is smallest (ties to earlier cuts), counting the bytes of the matrices with their scales
+// and the vectors a stage uploads (Engram tables stay on the host: not counted), the embedding on
+// the first stage, the head and final norm on the last: stage k holds [layer0[k], layer0[k + 1])
+// (n_stages + 1 entries), stage_bytes[k] its bytes (NULL: not wanted). Host only, no backend.
+// DI_ERR_INVALID (logged) for n_stages < 1, > DI_DSV41_DEV_MAX_STAGES or > n_layer, or when the
+// schedule has fewer than n_stages - 1 legal cuts; DI_ERR_NOMEM.
+di_status di_dsv41_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
+                             int64_t *stage_bytes);
+int32_t di_dsv41_dev_n_stages(const di_dsv41_dev *d);
+// Stage k's backend (borrowed) and its layers [*l0, *l1); NULL (nothing written) for no stage k.
+di_backend *di_dsv41_dev_stage(const di_dsv41_dev *d, int32_t k, int32_t *l0, int32_t *l1);
 
 // The least common multiple of the compress ratios rounded up to at least the window: the
 // default block size of a state.
@@ -109,7 +169,8 @@ int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s);
 // Backend bytes the state allocated (pools, rings, index keys, scratch, staging) with its host
 // staging; its entry blocks are di_dsv41_dev_state_n_blocks.
 int64_t di_dsv41_dev_state_bytes(const di_dsv41_dev_state *s);
-// The backend it runs on (borrowed): e.g. for host_alloc of the buffers logits go to.
+// The backend of the last stage (borrowed), where the logits come from: e.g. for host_alloc of the
+// buffers logits go to.
 di_backend *di_dsv41_dev_backend(const di_dsv41_dev *d);
 // Entry block I/O (the prefix cache's disk tier): one entry block's contents, exactly as stored
 // (di_dsv41_dev_sizes' block_bytes, in its layout), to and from host memory, so a block read from
@@ -181,6 +242,9 @@ int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
 // the CPU backend. Errors as di_dsv41_dev_create (nothing attached); DI_ERR_INVALID when one is
 // attached already.
 di_status di_dsv41_dev_attach(di_model *m, di_backend *b);
+// The same with n_stages pipeline stages on b[0..n_stages-1] (di_dsv41_dev_create_stages; --device
+// cuda:0,1,...). Errors as di_dsv41_dev_create_stages.
+di_status di_dsv41_dev_attach_stages(di_model *m, di_backend *const *b, int32_t n_stages);
 
 // Calls so far: run directly, captured into a graph (then launched), launched from a cached graph;
 // graphs cached now. The last call's costs: the ops it enqueued (embed to the head's matmul; a
