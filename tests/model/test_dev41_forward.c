@@ -31,6 +31,17 @@
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 //   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
 //       pool; see fixture_long).
+//   (l) the cut rule of pipeline stages (dsv41_dev.h "Pipeline stages"): the legal cuts of the
+//       tiny schedule (1 and 3) and of V4.1-Flash's (1, 2, 8, 14, 20), cuts right after a kv
+//       source (2) or after the candidate source (4) refused, the split at legal cuts only, too
+//       many stages refused, what the stages report.
+//   (m) pipeline stages (`test_dev41_forward --stages`, its own ctest entry): (a), (b)-(e), (g),
+//       (i), (k), (f) in both recipes with the forward on 2 CPU backends (the split at the
+//       heavier-balanced legal cut), then on 3 (cuts 1 and 3: a middle stage both receiving and
+//       handing over, the last one beginning at the kv + candidate source), and (h) at 2 stages:
+//       every logit bit-identical (memcmp) to the sessions' CPU forward and to a 1-stage forward
+//       fed the same calls beside it (h_call), entry blocks' bytes and tail snapshots equal to the
+//       1-stage state's.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -48,13 +59,19 @@ enum { N_SLOTS = 3, N_CTX = 192, MAX_ROWS = 48, BT = 16 };
 enum { MAXB = N_CTX / BT, N_BLK = (N_SLOTS + 1) * MAXB };
 
 static char g_dir[256], g_fix[256];
+// Pipeline stages of every dev forward the harness creates ((m): 2 and 3 with --stages).
+enum { MAX_STAGES = 3 };
+static int32_t g_stages = 1;
 static const char *g_model = g_dir; // the model h_init loads
 
 typedef struct harness {
     di_model *m;
-    di_backend *b;
+    di_backend *b, *more[MAX_STAGES - 1]; // b: stage 0's (and the 1-stage forward's); more: later
     di_dsv41_dev *d;
     di_dsv41_dev_state *st, *st2; // st2: NULL or a second state fed the same calls
+    // With stages (g_stages > 1): a 1-stage forward and state fed the same calls as st (h_call).
+    di_dsv41_dev *d1;
+    di_dsv41_dev_state *st1;
     di_session *ses[N_SLOTS];
     int gen[N_SLOTS];
     int32_t blk[N_SLOTS][MAXB], spare[MAXB];
@@ -82,9 +99,20 @@ static void h_init(harness *h, di_precision prec, bool two_states) {
     mo.precision = prec;
     CHECK_EQ(di_model_load(g_model, &mo, &h->m), DI_OK);
     CHECK_EQ(di_cpu_backend_create(2, &h->b), DI_OK);
-    CHECK_EQ(di_dsv41_dev_create(h->m, h->b, &h->d), DI_OK);
+    di_backend *bs[MAX_STAGES] = {h->b};
+    for (int32_t k = 1; k < g_stages; k++) {
+        CHECK_EQ(di_cpu_backend_create(2, &h->more[k - 1]), DI_OK);
+        bs[k] = h->more[k - 1];
+    }
+    CHECK_EQ(di_dsv41_dev_create_stages(h->m, bs, g_stages, &h->d), DI_OK);
+    CHECK_EQ(di_dsv41_dev_n_stages(h->d), g_stages);
     CHECK_EQ(di_dsv41_dev_block_tokens(h->d), BT);
     CHECK_EQ(di_dsv41_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h->st), DI_OK);
+    if (g_stages > 1) {
+        CHECK_EQ(di_dsv41_dev_create(h->m, h->b, &h->d1), DI_OK);
+        CHECK_EQ(di_dsv41_dev_state_create(h->d1, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h->st1),
+                 DI_OK);
+    }
     if (two_states) {
         setenv("DI_DEV_GRAPHS", "0", 1);
         CHECK_EQ(di_dsv41_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h->st2),
@@ -109,8 +137,11 @@ static void h_free(harness *h) {
     for (int i = 0; i < N_SLOTS; i++) di_session_destroy(h->ses[i]);
     di_dsv41_dev_state_destroy(h->st);
     di_dsv41_dev_state_destroy(h->st2);
+    di_dsv41_dev_state_destroy(h->st1);
     di_dsv41_dev_destroy(h->d);
+    di_dsv41_dev_destroy(h->d1);
     di_backend_destroy(h->b);
+    for (int k = 0; k < MAX_STAGES - 1; k++) di_backend_destroy(h->more[k]);
     di_model_destroy(h->m);
     free(h->got);
     free(h->got2);
@@ -147,6 +178,10 @@ static void h_call(harness *h, int n, const int *slots, const int *n_tok, const 
     CHECK_EQ(di_dsv41_dev_forward(h->st, seqs, n, tokens, rows, T, h->got), DI_OK);
     if (h->st2) {
         CHECK_EQ(di_dsv41_dev_forward(h->st2, seqs, n, tokens, rows, T, h->got2), DI_OK);
+        CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)(T * h->V)) == 0);
+    }
+    if (h->st1) { // (m) the 1-stage forward: the same logits
+        CHECK_EQ(di_dsv41_dev_forward(h->st1, seqs, n, tokens, rows, T, h->got2), DI_OK);
         CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)(T * h->V)) == 0);
     }
     int r = 0;
@@ -260,7 +295,7 @@ static void batches(di_precision prec) {
     di_dsv41_dev_get_graph_stats(h.st2, &g2);
     CHECK_EQ(g.last_ops, ops2);
     CHECK_EQ(g2.last_ops, ops2);
-    CHECK_EQ(g.last_uploads, 1);
+    CHECK_EQ(g.last_uploads, 1 + 3 * (g_stages - 1)); // + the streams and pre per later stage
     CHECK(g.last_upload_bytes > 0 && g.last_upload_bytes == g2.last_upload_bytes);
     CHECK(g.n_replayed > 20);
     CHECK_EQ(g.n_cached, 2);
@@ -293,6 +328,18 @@ static void prefix_reuse(di_precision prec) {
     for (int k = 0; k < AFTER; k++) {
         h_call(&h, 1, &s0, &one, NULL);
         memcpy(cold + (int64_t)k * h.V, h.got, sizeof(float) * (size_t)h.V);
+    }
+    if (h.st1) { // (m) a block's bytes: the stages' parts in layer order, the 1-stage bytes
+        int64_t bb1 = 0, sb1 = 0;
+        CHECK_EQ(di_dsv41_dev_sizes(h.d, BT, &bb1, &sb1), DI_OK);
+        uint8_t *x = malloc((size_t)bb1), *y = malloc((size_t)bb1);
+        for (int j = 0; j < (H + AFTER) / BT + 1; j++) {
+            CHECK_EQ(di_dsv41_dev_state_read_block(h.st, h.blk[s0][j], x), DI_OK);
+            CHECK_EQ(di_dsv41_dev_state_read_block(h.st1, h.blk[s0][j], y), DI_OK);
+            CHECK(memcmp(x, y, (size_t)bb1) == 0);
+        }
+        free(x);
+        free(y);
     }
     int32_t blk1[MAXB], tok[H + AFTER + 8], rows[MAX_ROWS];
     for (int j = 0; j < MAXB; j++) blk1[j] = j < H / BT ? h.blk[s0][j] : h.blk[s1][j];
@@ -396,6 +443,12 @@ static void tail_case(di_precision prec) {
     const size_t tb = di_dsv41_dev_tail_bytes(h.d);
     uint8_t *tail = malloc(tb);
     CHECK_EQ(di_dsv41_dev_tail_save(h.st, s0, tail), DI_OK);
+    if (h.st1) { // (m) the 1-stage state's snapshot of the same run: the same bytes
+        uint8_t *t1 = malloc(tb);
+        CHECK_EQ(di_dsv41_dev_tail_save(h.st1, s0, t1), DI_OK);
+        CHECK(memcmp(tail, t1, tb) == 0);
+        free(t1);
+    }
     int32_t tok[H + AFTER], rows[MAX_ROWS], blk1[MAXB];
     for (int p = 0; p < H + AFTER; p++) tok[p] = token_of(s0, h.gen[s0], p);
     for (int r = 0; r < MAX_ROWS; r++) rows[r] = r;
@@ -479,12 +532,14 @@ static void wiring(di_precision prec) {
     mo.n_threads = 2;
     mo.precision = prec;
     di_model *md = NULL, *mc = NULL;
-    di_backend *b = NULL;
+    di_backend *b = NULL, *bk[MAX_STAGES] = {NULL};
     CHECK_EQ(di_model_load(g_dir, &mo, &md), DI_OK);
     CHECK_EQ(di_model_load(g_dir, &mo, &mc), DI_OK);
-    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
-    if (!md || !mc || !b) return;
-    CHECK_EQ(di_dsv41_dev_attach(md, b), DI_OK);
+    for (int32_t k = 0; k < g_stages; k++) CHECK_EQ(di_cpu_backend_create(2, &bk[k]), DI_OK);
+    b = bk[0];
+    if (!md || !mc || !b || !bk[g_stages - 1]) return;
+    CHECK_EQ(di_dsv41_dev_attach_stages(md, bk, g_stages), DI_OK);
+    CHECK_EQ(di_dsv41_dev_n_stages(md->dev41), g_stages);
     CHECK_EQ(di_dsv41_dev_attach(md, b), DI_ERR_INVALID);
     di_session_options so = di_session_options_default();
     so.n_ctx_max = 400;
@@ -523,9 +578,9 @@ static void wiring(di_precision prec) {
     di_session_destroy(sc);
     free(ld);
     free(lc);
-    di_model_destroy(md); // the dev forward first, then the caller's backend
+    di_model_destroy(md); // the dev forward first, then the caller's backends
     di_model_destroy(mc);
-    di_backend_destroy(b);
+    for (int32_t k = 0; k < g_stages; k++) di_backend_destroy(bk[k]);
 }
 
 // (h) the committed v41_long fixture (official layout; 7 layers: kv sources m = 2 and m = 1, a
@@ -591,6 +646,77 @@ static void refuses_v4(void) {
     di_backend_destroy(b);
     di_model_destroy(m);
     di_test_remove_dir(dir);
+}
+
+// (l) the cut rule and the split.
+static void stage_rules(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    di_backend *b = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
+    if (!m || !b) return;
+    const int32_t L = m->hp.n_layer;
+    CHECK_EQ(L, 6);
+    // Ratios 0 2 2 1 1 1, kv sources 1 and 3, index sources 1, 3, 5, candidate source 3.
+    for (int32_t l = 0; l <= L; l++)
+        CHECK_EQ(di_dsv41_dev_cut_ok(m, l), l == 0 || l == 1 || l == 3 || l == L);
+    di_backend *bs[4] = {b, b, b, b};
+    di_dsv41_dev *d = NULL;
+    // Right after kv source 1 (layer 2 would read its entries and top-k on another stage), and
+    // right after the candidate source 3 (layers 4, 5 read its entries, 5 its candidate pool).
+    const int32_t after_src[3] = {0, 2, 6}, after_cand[3] = {0, 4, 6}, legal[4] = {0, 1, 3, 6};
+    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, after_src, &d), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, after_cand, &d), DI_ERR_INVALID);
+    CHECK(d == NULL);
+    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 3, legal, &d), DI_OK);
+    if (d) {
+        int32_t a = 0, e = 0;
+        CHECK_EQ(di_dsv41_dev_n_stages(d), 3);
+        for (int32_t k = 0; k < 3; k++) {
+            CHECK(di_dsv41_dev_stage(d, k, &a, &e) == b);
+            CHECK_EQ(a, legal[k]);
+            CHECK_EQ(e, legal[k + 1]);
+        }
+        CHECK(di_dsv41_dev_stage(d, 3, &a, &e) == NULL);
+        di_dsv41_dev_destroy(d);
+    }
+    int32_t l0[5];
+    int64_t bytes[4], total = 0;
+    CHECK_EQ(di_dsv41_dev_split(m, 1, l0, bytes), DI_OK);
+    total = bytes[0];
+    CHECK_EQ(di_dsv41_dev_split(m, 2, l0, bytes), DI_OK);
+    CHECK(l0[1] == 1 || l0[1] == 3);
+    CHECK_EQ(bytes[0] + bytes[1], total);
+    fprintf(stderr, "(l) 2 stages: [0, %d) [%d, 6), %lld + %lld bytes\n", l0[1], l0[1],
+            (long long)bytes[0], (long long)bytes[1]);
+    CHECK_EQ(di_dsv41_dev_split(m, 3, l0, bytes), DI_OK);
+    CHECK(l0[1] == 1 && l0[2] == 3);
+    CHECK_EQ(di_dsv41_dev_split(m, 4, l0, bytes), DI_ERR_INVALID); // two legal cuts only
+    CHECK_EQ(di_dsv41_dev_split(m, 0, l0, bytes), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_create_stages(m, bs, 4, &d), DI_ERR_INVALID);
+    // V4.1-Flash's schedule (deepseek-v41.md §1.2): cuts 1, 2, 8, 14 and 20 only.
+    {
+        di_model *f = calloc(1, sizeof *f);
+        di_hparams *hp = &f->hp;
+        hp->n_layer = 40;
+        for (int il = 0; il < 40; il++) hp->compress_ratio[il] = il < 2 ? 0 : il < 20 ? 2 : 1;
+        const int kv[4] = {2, 8, 14, 20}, idx[8] = {2, 8, 14, 20, 24, 28, 32, 36};
+        for (int i = 0; i < 4; i++) hp->kv_source[kv[i]] = true;
+        for (int i = 0; i < 8; i++) hp->index_source[idx[i]] = true;
+        hp->candidate_layer = 20;
+        int n_cut = 0;
+        for (int32_t l = 1; l < 40; l++) {
+            const bool ok = di_dsv41_dev_cut_ok(f, l);
+            n_cut += ok;
+            CHECK_EQ(ok, l == 1 || l == 2 || l == 8 || l == 14 || l == 20);
+        }
+        CHECK_EQ(n_cut, 5);
+        free(f);
+    }
+    di_backend_destroy(b);
+    di_model_destroy(m);
 }
 
 // (j): the CPU backend with weight_upload watched: every host tensor it is given is recorded.
@@ -675,10 +801,35 @@ static void official_wiring(void) {
     wiring(DI_PRECISION_OFFICIAL);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_dev41_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
     CHECK(di_synth_v41_write(g_dir, true, false, 41) == DI_OK);
+    if (argc > 1 && strcmp(argv[1], "--stages") == 0) { // (m): the scenarios on 2, then 3 stages
+        snprintf(g_fix, sizeof g_fix, "/tmp/di_test_dev41_fix_XXXXXX");
+        CHECK(mkdtemp(g_fix) != NULL);
+        CHECK(assemble_fixture());
+        for (g_stages = 2; g_stages <= MAX_STAGES; g_stages++) {
+            fprintf(stderr, "---- %d pipeline stages ----\n", g_stages);
+            RUN(fp32_one);
+            RUN(fp32_batches);
+            RUN(official_one);
+            RUN(official_batches);
+            RUN(fp32_prefix);
+            RUN(official_prefix);
+            RUN(fp32_tail);
+            RUN(official_tail);
+            RUN(fp32_prepare);
+            RUN(official_prepare);
+            RUN(fp32_wiring);
+            RUN(official_wiring);
+            if (g_stages == 2) RUN(fixture_long);
+        }
+        di_test_remove_dir(g_fix);
+        di_test_remove_dir(g_dir);
+        return test_finish();
+    }
+    RUN(stage_rules);
     RUN(fp32_one);
     RUN(fp32_batches);
     RUN(official_one);
