@@ -93,12 +93,6 @@ static const char *find_gguf(const char *dir, char *buf, size_t cap) {
 // (dsv4_dev.h "Pipeline stages"); V4.1 refuses a list (its forward has no stages yet).
 static di_status open_dev(di_model *m) {
     const di_device *dv = &m->opt.device;
-    if (dv->n_more > 0 && m->hp.v41) {
-        DI_LOG_ERROR("device: a list of %d devices (pipeline stages) runs DeepSeek V4 models only; "
-                     "a V4.1 model takes one device (cuda:N)",
-                     (int)dv->n_more + 1);
-        return DI_ERR_UNSUPPORTED;
-    }
     const di_device one = {.kind = dv->kind, .index = dv->index};
     di_status st = di_backend_open(&one, m->opt.n_threads, &m->dev_backend);
     for (int32_t k = 0; st == DI_OK && k < dv->n_more; k++) {
@@ -107,13 +101,12 @@ static di_status open_dev(di_model *m) {
         if (st == DI_OK) m->n_dev_more = k + 1;
     }
     if (st != DI_OK) return st; // the backends opened are freed with the model
-    if (m->hp.v41) {
-        st = di_dsv41_dev_attach(m, m->dev_backend);
-    } else {
-        di_backend *bs[DI_DEVICE_MAX_MORE + 1] = {m->dev_backend};
-        for (int32_t k = 0; k < m->n_dev_more; k++) bs[k + 1] = m->dev_more[k];
+    di_backend *bs[DI_DEVICE_MAX_MORE + 1] = {m->dev_backend};
+    for (int32_t k = 0; k < m->n_dev_more; k++) bs[k + 1] = m->dev_more[k];
+    if (m->hp.v41)
+        st = di_dsv41_dev_attach_stages(m, bs, 1 + m->n_dev_more);
+    else
         st = di_dsv4_dev_attach_stages(m, bs, 1 + m->n_dev_more);
-    }
     if (st == DI_ERR_UNSUPPORTED) { // a weight kind the backend lacks: logged; keep the offload
         DI_LOG_WARN("device: the device-resident forward is unavailable; sessions use the "
                     "offloaded matmuls");
@@ -321,10 +314,8 @@ int32_t di_model_layer_ratio(const di_model *m, int32_t il) {
 
 di_status di_model_stage_split(const di_model *m, int32_t n_stages, int32_t *layer0,
                                int64_t *stage_bytes) {
-    if (m->hp.v41) {
-        DI_LOG_ERROR("pipeline stages: DeepSeek V4 models only (this is V4.1)");
-        return DI_ERR_UNSUPPORTED;
-    }
+    // V4.1: at legal cuts only (dsv41_dev.h "Pipeline stages").
+    if (m->hp.v41) return di_dsv41_dev_split(m, n_stages, layer0, stage_bytes);
     return di_dsv4_dev_split(m, n_stages, layer0, stage_bytes);
 }
 
@@ -341,14 +332,18 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     if (m->dev_backend)
         OUT("device forward    %s (sessions without MTP and the serving engine)\n",
             m->dev_backend->desc);
-    if (m->dev && di_dsv4_dev_n_stages(m->dev) > 1) {
-        const int32_t n = di_dsv4_dev_n_stages(m->dev);
+    const int32_t n_st = m->dev     ? di_dsv4_dev_n_stages(m->dev)
+                         : m->dev41 ? di_dsv41_dev_n_stages(m->dev41)
+                                    : 1;
+    if (n_st > 1) {
+        const int32_t n = n_st;
         int32_t l0[DI_DSV4_DEV_MAX_STAGES + 1];
         int64_t bytes[DI_DSV4_DEV_MAX_STAGES];
-        if (di_dsv4_dev_split(m, n, l0, bytes) == DI_OK) {
+        if (di_model_stage_split(m, n, l0, bytes) == DI_OK) {
             for (int32_t k = 0; k < n; k++) {
                 int32_t a = 0, e = 0;
-                const di_backend *sb = di_dsv4_dev_stage(m->dev, k, &a, &e);
+                const di_backend *sb = m->dev ? di_dsv4_dev_stage(m->dev, k, &a, &e)
+                                              : di_dsv41_dev_stage(m->dev41, k, &a, &e);
                 OUT("pipeline stage %d  layers [%d, %d)%s%s, %.1f MiB of weights, %s\n", (int)k,
                     (int)a, (int)e, k == 0 ? " + embedding" : "", k == n - 1 ? " + head" : "",
                     bytes[k] / 1048576.0, sb->desc);
