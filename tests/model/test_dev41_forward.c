@@ -541,6 +541,12 @@ static void wiring(di_precision prec) {
     CHECK_EQ(di_dsv41_dev_attach_stages(md, bk, g_stages), DI_OK);
     CHECK_EQ(di_dsv41_dev_n_stages(md->dev41), g_stages);
     CHECK_EQ(di_dsv41_dev_attach(md, b), DI_ERR_INVALID);
+    if (g_stages > 1) { // (m) what the model describes: one line per stage, its layers
+        char desc[8192];
+        di_model_describe(md, desc, sizeof desc);
+        CHECK(strstr(desc, g_stages == 2 ? "pipeline stage 1  layers [3, 6) + head"
+                                         : "pipeline stage 2  layers [3, 6) + head") != NULL);
+    }
     di_session_options so = di_session_options_default();
     so.n_ctx_max = 400;
     di_session *sd = NULL, *sc = NULL;

@@ -2,8 +2,10 @@
 // runs no device; malformed devices (and device lists: too long, a negative ordinal, a list on
 // the CPU) are refused with DI_ERR_INVALID; in a build without the CUDA
 // backend a CUDA device is refused with DI_ERR_UNSUPPORTED by di_device_check, di_model_load and
-// di_engine_create (cleanly: no model or engine is returned, nothing leaks under ASan). A CUDA
-// build runs the device itself in tests/backend/cuda/test_cuda_device.c (label cuda).
+// di_engine_create (cleanly: no model or engine is returned, nothing leaks under ASan). The split
+// into pipeline stages of a V4 and of a V4.1 model (di_model_stage_split: V4.1 at its legal cuts
+// only, more stages than they allow refused). A CUDA build runs the device itself in
+// tests/backend/cuda/test_cuda_device.c (label cuda).
 #include "harness.h"
 
 #include "deepinfer.h"
@@ -87,10 +89,58 @@ static void test_cuda_without_backend(void) {
     CHECK(e == NULL);
 }
 
+// di_model_stage_split on the V4 tiny model (6 layers, every cut) and on the V4.1 tiny one
+// (v41-tiny: ratios 0 2 2 1 1 1, kv sources 1 and 3, the candidate source 3: cuts 1 and 3 only); a
+// V4.1 model with a device list takes the build's refusal as V4 does (no V4.1-specific one any
+// more).
+static void test_stage_split(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    di_model *m = NULL;
+    int32_t l0[9];
+    int64_t bytes[8];
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (!m) return;
+    CHECK_EQ(di_model_stage_split(m, 6, l0, bytes), DI_OK);
+    for (int k = 0; k <= 6; k++) CHECK_EQ(l0[k], k);
+    CHECK_EQ(di_model_stage_split(m, 7, l0, bytes), DI_ERR_INVALID);
+    di_model_destroy(m);
+    char dir[256];
+    snprintf(dir, sizeof dir, "/tmp/di_test_device_v41_XXXXXX");
+    CHECK(mkdtemp(dir) != NULL);
+    CHECK_EQ(di_synth_checkpoint("v41-tiny", dir, true, 7), DI_OK);
+    m = NULL;
+    CHECK_EQ(di_model_load(dir, &mo, &m), DI_OK);
+    if (m) {
+        CHECK_EQ(di_model_stage_split(m, 1, l0, bytes), DI_OK);
+        const int64_t total = bytes[0];
+        CHECK_EQ(di_model_stage_split(m, 2, l0, bytes), DI_OK);
+        CHECK(l0[0] == 0 && (l0[1] == 1 || l0[1] == 3) && l0[2] == 6);
+        CHECK_EQ(bytes[0] + bytes[1], total);
+        CHECK_EQ(di_model_stage_split(m, 3, l0, bytes), DI_OK);
+        CHECK(l0[0] == 0 && l0[1] == 1 && l0[2] == 3 && l0[3] == 6);
+        CHECK_EQ(bytes[0] + bytes[1] + bytes[2], total);
+        CHECK_EQ(di_model_stage_split(m, 4, l0, bytes), DI_ERR_INVALID); // two legal cuts
+        char desc[8192];
+        di_model_describe(m, desc, sizeof desc);
+        CHECK(strstr(desc, "pipeline stage") == NULL); // no list: no stages to describe
+        di_model_destroy(m);
+    }
+    di_device list = {.kind = DI_DEVICE_CUDA, .index = 0, .n_more = 1, .more = {0}};
+    if (di_device_check(&list) != DI_OK) {
+        mo.device = list;
+        m = NULL;
+        CHECK_EQ(di_model_load(dir, &mo, &m), DI_ERR_UNSUPPORTED);
+        CHECK(m == NULL);
+    }
+    di_test_remove_dir(dir);
+}
+
 int main(void) {
     test_src_path("tests/data/fixtures/tiny/official", g_dir, sizeof g_dir);
     RUN(test_defaults);
     RUN(test_invalid);
     RUN(test_cuda_without_backend);
+    RUN(test_stage_split);
     return test_finish();
 }

@@ -32,7 +32,10 @@
 //       snapshot along: nothing replayed after the import); a transfer of the CPU V4.1 forward is
 //       refused by the device-resident one and the other way round (DI_ERR_INVALID, the reason
 //       naming the layouts), inserting nothing, also by a device manager whose blocks have the
-//       CPU page's size (the layouts' sizes agree, their bytes never do).
+//       CPU page's size (the layouts' sizes agree, their bytes never do);
+//   (h) pipeline stages (model/dsv41_dev.h "Pipeline stages"): (a), (c) and (d) again with the
+//       twin attached as 2 stages on two CPU backends (layers [0, 3) and [3, 6)): the CPU engine's
+//       tokens, hits and replays, tail snapshots and disk blocks across the stages.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -53,8 +56,18 @@ static char g_dir[256];
 
 // ---- engines ----
 
+// (h) pipeline stages: g_stages > 1 attaches the twin as that many stages, stage 0 on the test's
+// backend, the others on g_stage_b (CPU backends of their own).
+static int32_t g_stages = 1;
+static di_backend *g_stage_b[DI_DSV41_DEV_MAX_STAGES];
+
 static di_status attach_cpu_twin(di_model *m, void *user) {
-    return di_dsv41_dev_attach(m, user); // the test's CPU backend, borrowed
+    if (g_stages == 1) return di_dsv41_dev_attach(m, user); // the test's CPU backend, borrowed
+    di_backend *bs[DI_DSV41_DEV_MAX_STAGES] = {user};
+    for (int32_t k = 1; k < g_stages; k++) bs[k] = g_stage_b[k];
+    di_status st = di_dsv41_dev_attach_stages(m, bs, g_stages);
+    if (st == DI_OK) CHECK_EQ(di_dsv41_dev_n_stages(m->dev41), g_stages);
+    return st;
 }
 
 static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
@@ -704,6 +717,27 @@ done:
     di_backend_destroy(b);
 }
 
+// ---- (h) ----
+
+static void test_stages(void) {
+    g_stages = 2;
+    CHECK_EQ(di_cpu_backend_create(2, &g_stage_b[1]), DI_OK);
+    if (g_stage_b[1]) {
+        test_same_tokens();
+        test_shared_prefix();
+        const char *dirs[4] = {"kvdisk-cpu", "kvdisk-dev", "kvdisk-evict-cpu", "kvdisk-evict-dev"};
+        for (int i = 0; i < 4; i++) { // (d) starts from empty disk tiers
+            char path[400];
+            snprintf(path, sizeof path, "%s/%s", g_dir, dirs[i]);
+            di_test_remove_dir(path);
+        }
+        test_disk();
+    }
+    di_backend_destroy(g_stage_b[1]);
+    g_stage_b[1] = NULL;
+    g_stages = 1;
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_dev41_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -719,6 +753,7 @@ int main(void) {
     RUN(test_sizing);
     RUN(test_spec_fallback);
     RUN(test_transfer);
+    RUN(test_stages);
     di_test_remove_dir(g_dir);
     return test_finish();
 }
