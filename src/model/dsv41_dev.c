@@ -2,8 +2,11 @@
 // model/dsv41.c and dsv41_attn.c op for op (and dsv4_moe.c through the backend's moe), in the FP32
 // recipe and the official one (every di_dsv4_round of the CPU forward is a ROUND here, in the same
 // order); where those keep per-sequence state (Engram history, rings, the pending ratio-2 row) this
-// file keeps rows in backend pools and lists on the host which rows each op reads. Sections:
-// weights, state, per-call metadata, the layer, checks, the call.
+// file keeps rows in backend pools and lists on the host which rows each op reads. Everything up
+// to "the forward over its stages" is one pipeline stage (dev_stage, stage_state: its layers
+// [l0, l1)); that last section is the public API, dispatching over the stages (dsv41_dev.h
+// "Pipeline stages"). Sections: weights, state, per-call metadata, the layer, checks, the call,
+// the forward over its stages.
 #include "model/dsv41_dev.h"
 
 #include <math.h>

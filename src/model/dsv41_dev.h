@@ -1,6 +1,7 @@
 /*
  * dsv41_dev — the DeepSeek V4.1 forward with activations, window KV, compressed entries, index
- * keys and compressor state resident in one backend's memory (backend/backend.h), written once
+ * keys and compressor state resident in one backend's memory, or in a few as pipeline stages
+ * ("Pipeline stages" below) (backend/backend.h), written once
  * against the backend vtable as model/dsv4_dev.h is for V4: on the CUDA backend it is the GPU
  * forward; on the CPU backend (the oracle twin) it reproduces the model's own V4.1 CPU forward
  * (model/dsv41.c, dsv41_attn.c: di_dsv41_forward_batch) bit for bit, which tests it without a GPU
@@ -89,10 +90,10 @@
  * stage's rings at their layer's offset (both the same bytes as one stage), graph stats count a
  * call once (its ops and uploads summed), a failed call restarts its slots on every stage.
  *
- * Owns: a di_dsv41_dev owns its backend blocks (small vectors, expert arrays; weights are the
- * backend's, freed with it); the backend and model are borrowed and must outlive it. A state owns
- * its pools, scratch, staging, graphs and host metadata, all sized at create. Thread-safety: one
- * thread at a time per backend.
+ * Owns: a di_dsv41_dev owns its stages' backend blocks (small vectors, expert arrays; weights are
+ * the backends', freed with them); the backends and model are borrowed and must outlive it. A state
+ * owns its pools, scratch, staging, graphs and host metadata, all sized at create. Thread-safety:
+ * one thread at a time per backend.
  */
 #pragma once
 
