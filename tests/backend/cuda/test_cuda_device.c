@@ -19,8 +19,11 @@
 //     does not exist refused with DI_ERR_UNSUPPORTED by di_model_load and di_engine_create;
 //   - pipeline stages (docs/cuda.md "Several GPUs: pipeline stages"): the logits, session and
 //     engine checks again with the device list cuda:0,0 (two stages on one GPU) and, with two
-//     GPUs, cuda:0,1, against the CPU; the stages in di_model_describe; a list on a V4.1 model
-//     and a list naming a missing device refused with DI_ERR_UNSUPPORTED.
+//     GPUs, cuda:0,1, against the CPU; the stages in di_model_describe; the V4.1 checks (sessions
+//     in both recipes, the serving engine) on the same lists, its stages described (layers [0, 3)
+//     and [3, 6): the tiny schedule's legal cut); a V4.1 list of 4 stages (its schedule has two
+//     legal cuts) refused with DI_ERR_INVALID, a list naming a missing device with
+//     DI_ERR_UNSUPPORTED.
 // Greedy tokens are compared up to the first step whose CPU top-two margin is within twice the
 // logits bound (2e-3 of the largest logit): a closer race may legitimately go either way.
 // Needs the full library (config and checkpoint loading): built by CMake with DI_CUDA, run by
@@ -394,16 +397,28 @@ static void test_stages(void) {
             CHECK(strstr(desc, "pipeline stage 1") != NULL);
         }
         di_model_destroy(m);
+        test_v41(); // the V4.1 device-resident forward as two stages
     }
     g_dev = lists[0];
-    char dir[] = "/tmp/di_test_cuda_v41_XXXXXX"; // V4.1: no stages yet
+    char dir[] = "/tmp/di_test_cuda_v41_XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
     CHECK_EQ(di_synth_v41_write(dir, true, false, 41), DI_OK);
     di_model_options mo = di_model_options_default();
     mo.device = g_dev;
     di_model *m = NULL;
-    CHECK_EQ(di_model_load(dir, &mo, &m), DI_ERR_UNSUPPORTED);
+    CHECK_EQ(di_model_load(dir, &mo, &m), DI_OK);
+    if (m) {
+        char desc[8192];
+        di_model_describe(m, desc, sizeof desc);
+        CHECK(strstr(desc, "pipeline stage 0  layers [0, 3) + embedding") != NULL);
+        CHECK(strstr(desc, "pipeline stage 1  layers [3, 6) + head") != NULL);
+    }
+    di_model_destroy(m);
+    m = NULL;
+    mo.device = (di_device){.kind = DI_DEVICE_CUDA, .index = 0, .n_more = 3, .more = {0, 0, 0}};
+    CHECK_EQ(di_model_load(dir, &mo, &m), DI_ERR_INVALID); // 4 stages, 2 legal cuts
     CHECK(m == NULL);
+    mo.device = g_dev;
     di_test_remove_dir(dir);
     mo.device.more[0] = n_gpu; // a stage on a device that does not exist
     CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_ERR_UNSUPPORTED);
