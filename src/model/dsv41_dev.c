@@ -54,8 +54,9 @@ typedef struct dev_stage {
     di_backend *b; // borrowed
     int32_t l0, l1;
     bool first, last;
-    di_tensor embed, head;              // embed: first stage; head: last stage
-    float *norm;                        // backend [D]
+    int32_t n_eg;          // Engram modules on the stage (those gather rows, keep the history)
+    di_tensor embed, head; // embed: first stage; head: last stage
+    float *norm;           // backend [D]
     float *omega_main, *omega_compress; // backend [n_rot / 2]
     dev_layer *layers;                  // owned [n_layer]
     // Engram tables by module: the model's host tensors (borrowed), never uploaded ("Engram
@@ -164,6 +165,7 @@ static di_status stage_create(di_model *m, di_backend *b, int32_t l0, int32_t l1
     d->m = m;
     d->b = b;
     d->l0 = l0, d->l1 = l1, d->first = first, d->last = last;
+    for (int L = 0; L < hp->n_engram; L++) d->n_eg += here(d, hp->engram_layer[L]);
     d->up = (di_dev_up){.b = b, .who = "dev forward (V4.1)"};
     d->official = m->opt.precision == DI_PRECISION_OFFICIAL;
     d->layers = di_calloc((size_t)hp->n_layer, sizeof *d->layers);
@@ -241,7 +243,7 @@ typedef struct dev_graph {
 
 // One stage's part of a state (di_dsv41_dev_state: one per stage): the pools, rings, index keys,
 // scratch, staging and graphs of the stage's layers; the slots' bookkeeping (n_past, the Engram
-// history) is kept alike on every stage.
+// history, on the stages with Engram layers) is kept alike on every stage.
 typedef struct stage_state stage_state;
 struct stage_state {
     dev_stage *d; // borrowed
@@ -252,7 +254,8 @@ struct stage_state {
     int32_t score_stride;
     dev_src *src;       // owned [n_layer]: by layer (only kv sources used)
     int32_t *n_past;    // owned [n_slots] host
-    int32_t *hist;      // owned [n_slots, n_ctx] host: compressed ids (Engram look-back)
+    int32_t *hist;      // owned [n_slots, n_ctx] host: compressed ids (Engram look-back); NULL
+                        // on a stage without Engram layers
     uint8_t *used;      // owned [n_slots] scratch of the checks
     int32_t *blk_owner; // owned [n_eblocks] scratch of the checks
     // Backend memory (tracked).
@@ -391,11 +394,12 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     di_status st = DI_OK;
     s->src = di_calloc((size_t)hp->n_layer, sizeof *s->src);
     s->n_past = di_calloc((size_t)n_slots, sizeof *s->n_past);
-    s->hist = di_calloc((size_t)n_slots * (size_t)n_ctx, sizeof *s->hist);
+    if (d->n_eg > 0) s->hist = di_calloc((size_t)n_slots * (size_t)n_ctx, sizeof *s->hist);
     s->used = di_calloc((size_t)n_slots, 1);
     s->blk_owner = di_calloc((size_t)n_eb, sizeof *s->blk_owner);
     s->graphs = di_calloc(HEAD_CHUNK + 1, sizeof *s->graphs);
-    if (!s->src || !s->n_past || !s->hist || !s->used || !s->blk_owner || !s->graphs) {
+    if (!s->src || !s->n_past || (d->n_eg > 0 && !s->hist) || !s->used || !s->blk_owner ||
+        !s->graphs) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -640,8 +644,8 @@ static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, co
         di_status st = b->vt->upload(b, ring_of(s, il, slot), in, ring);
         if (st != DI_OK) return st;
     }
-    int32_t *hist = s->hist + (int64_t)slot * s->n_ctx;
-    for (int32_t p = 0; p < pos && hp->n_engram > 0; p++) hist[p] = d->m->v41->cmap[tokens[p]];
+    for (int32_t p = 0; p < pos && d->n_eg > 0; p++)
+        s->hist[(int64_t)slot * s->n_ctx + p] = d->m->v41->cmap[tokens[p]];
     s->n_past[slot] = pos;
     return DI_OK;
 }
@@ -766,14 +770,14 @@ static void stage_fill(call *c, const int32_t *tokens) {
             g[c->win_src + wd] = r0 + t;
         }
         // Engram: the slot's compressed ids (a replay's start: of its prefix too; kept on every
-        // stage), then the row ids of every module on this stage.
+        // stage with Engram layers), then the row ids of every module on this stage.
+        if (s->d->n_eg == 0) continue;
         int32_t *hist = s->hist + (int64_t)sq->slot * s->n_ctx;
-        if (hp->n_engram > 0 && sq->win_lo > 0 && p0 == sq->win_lo)
+        if (sq->win_lo > 0 && p0 == sq->win_lo)
             for (int64_t p = 0; p < p0; p++) hist[p] = m->v41->cmap[sq->prefix[p]];
-        for (int32_t t = 0; t < sq->n_tok && hp->n_engram > 0; t++)
-            hist[p0 + t] = m->v41->cmap[tokens[r0 + t]];
+        for (int32_t t = 0; t < sq->n_tok; t++) hist[p0 + t] = m->v41->cmap[tokens[r0 + t]];
         const di_engram_hash *h = &m->v41->hash;
-        for (int32_t t = 0; t < sq->n_tok && hp->n_engram > 0; t++) {
+        for (int32_t t = 0; t < sq->n_tok; t++) {
             int32_t look[8];
             const int64_t P = p0 + t;
             for (int k = 0; k < h->max_ngram; k++)
