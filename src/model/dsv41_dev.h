@@ -70,7 +70,8 @@
  * after its last layer with the carried pre of the single-pass mHC ([T, NC, D] then [T, NC]
  * floats: downloaded into the state's page-locked host buffer, uploaded by the next stage) to the
  * next stage, and so on; the last runs the head and downloads the logits. Each stage gathers the
- * Engram rows of its own Engram layers (every stage keeps the slots' compressed-id history).
+ * Engram rows of its own Engram layers from the host tables (every stage with Engram layers keeps
+ * the slots' compressed-id history, so whichever stage holds one has its look-back).
  * The cut rule (di_dsv41_dev_cut_ok): a stage may start at layer l only if nothing a layer at or
  * after l reads was made before l, since only the streams and pre cross: (1) the first compressing
  * layer at or after l is a kv source (every later compressing layer then reads a source at or
@@ -82,13 +83,14 @@
  * have_cand then start false on every stage, as nothing before the cut is read. On V4.1-Flash's
  * schedule (deepseek-v41.md §1.2) the legal cuts are 1, 2, 8, 14 and 20 (the kv sources, and layer
  * 1 before the first); layers 20..39 (source 20, candidate source 20, read by all of them) cannot
- * be cut, so Flash splits into at most 6 stages and no stage is smaller than layers [20, 40) (see
- * docs/cuda.md: they do not fit one H200). Handing over what crosses (a mirror of source 20's
- * entries and index keys on the later stages, updated per call with the rows layer 20 writes, and
- * the top-k and candidate pool per call) is not done. Every other function dispatches over the
- * stages: block bytes are the stages' parts in layer order and tail snapshots the header and each
- * stage's rings at their layer's offset (both the same bytes as one stage), graph stats count a
- * call once (its ops and uploads summed), a failed call restarts its slots on every stage.
+ * be cut, so Flash splits into at most 6 stages and its last stage always holds layers [20, 40)
+ * (about 139 GiB of weights, docs/cuda.md: too much for one H200 with its KV). Handing over what
+ * crosses (a mirror of source 20's entries and index keys on the later stages, updated per call
+ * with the rows layer 20 writes, and the top-k and candidate pool per call) is not done. Every
+ * other function dispatches over the stages: block bytes are the stages' parts in layer order and
+ * tail snapshots the header and each stage's rings at their layer's offset (both the same bytes as
+ * one stage), graph stats count a call once (its ops and uploads summed), a failed call restarts
+ * its slots on every stage.
  *
  * Owns: a di_dsv41_dev owns its stages' backend blocks (small vectors, expert arrays; weights are
  * the backends', freed with them); the backends and model are borrowed and must outlive it. A state
