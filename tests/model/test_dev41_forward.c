@@ -807,6 +807,15 @@ static void official_wiring(void) {
     wiring(DI_PRECISION_OFFICIAL);
 }
 
+// Under AddressSanitizer (scripts/test.sh's second stage) --stages is a memory check: 3 stages only
+// (a middle stage both receives and hands over); the release stage checks exactness at 2 and 3.
+// The sanitized stage's total is what keeps CI under 20 minutes.
+#if defined(__SANITIZE_ADDRESS__)
+enum { FIRST_STAGES = 3 };
+#else
+enum { FIRST_STAGES = 2 };
+#endif
+
 int main(int argc, char **argv) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_dev41_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
@@ -815,7 +824,7 @@ int main(int argc, char **argv) {
         snprintf(g_fix, sizeof g_fix, "/tmp/di_test_dev41_fix_XXXXXX");
         CHECK(mkdtemp(g_fix) != NULL);
         CHECK(assemble_fixture());
-        for (g_stages = 2; g_stages <= MAX_STAGES; g_stages++) {
+        for (g_stages = FIRST_STAGES; g_stages <= MAX_STAGES; g_stages++) {
             fprintf(stderr, "---- %d pipeline stages ----\n", g_stages);
             RUN(fp32_one);
             RUN(fp32_batches);
