@@ -191,3 +191,7 @@ di_status di_dev_split(const int64_t *pre, int64_t head, int32_t L, int32_t n_st
             pre[layer0[k + 1]] - (k ? pre[layer0[k]] : 0) + (k == n_stages - 1 ? head : 0);
     return DI_OK;
 }
+
+int64_t di_dev_tensor_bytes(const di_tensor *t) {
+    return t->data ? (int64_t)di_tensor_bytes(t) : 0;
+}

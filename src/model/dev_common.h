@@ -30,6 +30,9 @@ di_status di_dev_up_floats(di_dev_up *u, const float *host, int64_t n, float **o
 // A weight uploaded by the backend (weight_upload; owned by the backend): DI_ERR_UNSUPPORTED
 // (logged) for a kind it cannot multiply.
 di_status di_dev_up_weight(di_dev_up *u, const di_tensor *w, di_tensor *out);
+// Host bytes of w's data and scales (0 for an absent tensor): what its upload costs, for the stage
+// splits of both forwards.
+int64_t di_dev_tensor_bytes(const di_tensor *t);
 // A layer's MoE weights (dsv4_moe.c's fields, its experts' tensors uploaded and their array copied
 // into backend memory) in the model's recipe, with the model's rules: V4 (hash routing allowed;
 // the official recipe without the + 1e-20) or V4.1 (gate_temp, the + 1e-20 in both recipes, A8 in

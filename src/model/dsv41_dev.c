@@ -1429,30 +1429,29 @@ static dev_stage *last_stage(const di_dsv41_dev *d) {
     return d->st[d->n_stages - 1];
 }
 
-static int64_t tensor_bytes(const di_tensor *t) {
-    return t->data ? (int64_t)di_tensor_bytes(t) : 0;
-}
-
 // Backend bytes of layer il's weights the dev forward uploads (matrices with their scales, the
 // vectors; Engram tables stay on the host and are not counted).
 static int64_t layer_bytes(const di_model *m, int32_t il) {
     const di_hparams *hp = &m->hp;
     const di_dsv4_layer_w *lw = &m->layers[il];
     const int64_t f = sizeof(float), nc = hp->hc_mult, D = hp->n_embd;
-    int64_t n = tensor_bytes(&lw->hc_attn.fn) + tensor_bytes(&lw->hc_ffn.fn);
+    int64_t n = di_dev_tensor_bytes(&lw->hc_attn.fn) + di_dev_tensor_bytes(&lw->hc_ffn.fn);
     n += 2 * f * ((2 + nc) * nc + 3) + 2 * f * D;
-    n += tensor_bytes(&lw->wq_a) + tensor_bytes(&lw->wq_b) + tensor_bytes(&lw->wkv) +
-         tensor_bytes(&lw->wo_a) + tensor_bytes(&lw->wo_b);
+    n += di_dev_tensor_bytes(&lw->wq_a) + di_dev_tensor_bytes(&lw->wq_b) +
+         di_dev_tensor_bytes(&lw->wkv) + di_dev_tensor_bytes(&lw->wo_a) +
+         di_dev_tensor_bytes(&lw->wo_b);
     n += f * (hp->q_lora_rank + hp->head_dim + hp->n_head);
     if (lw->kv_source)
-        n += tensor_bytes(&lw->cmp.wkv) + tensor_bytes(&lw->cmp.wgate) + tensor_bytes(&lw->idx_wk) +
-             f * (hp->head_dim + hp->index_head_dim);
-    if (lw->index_source) n += tensor_bytes(&lw->idx_wq_b) + tensor_bytes(&lw->idx_weights_proj);
-    if (lw->engram >= 0) n += tensor_bytes(&lw->eg_wkv) + f * nc * D;
-    n += tensor_bytes(&lw->gate) + tensor_bytes(&lw->sh_w1) + tensor_bytes(&lw->sh_w2) +
-         tensor_bytes(&lw->sh_w3);
+        n += di_dev_tensor_bytes(&lw->cmp.wkv) + di_dev_tensor_bytes(&lw->cmp.wgate) +
+             di_dev_tensor_bytes(&lw->idx_wk) + f * (hp->head_dim + hp->index_head_dim);
+    if (lw->index_source)
+        n += di_dev_tensor_bytes(&lw->idx_wq_b) + di_dev_tensor_bytes(&lw->idx_weights_proj);
+    if (lw->engram >= 0) n += di_dev_tensor_bytes(&lw->eg_wkv) + f * nc * D;
+    n += di_dev_tensor_bytes(&lw->gate) + di_dev_tensor_bytes(&lw->sh_w1) +
+         di_dev_tensor_bytes(&lw->sh_w2) + di_dev_tensor_bytes(&lw->sh_w3);
     for (int32_t e = 0; e < lw->n_expert && lw->w1; e++)
-        n += tensor_bytes(&lw->w1[e]) + tensor_bytes(&lw->w2[e]) + tensor_bytes(&lw->w3[e]);
+        n += di_dev_tensor_bytes(&lw->w1[e]) + di_dev_tensor_bytes(&lw->w2[e]) +
+             di_dev_tensor_bytes(&lw->w3[e]);
     return n;
 }
 
@@ -1489,8 +1488,8 @@ di_status di_dsv41_dev_split(const di_model *m, int32_t n_stages, int32_t *layer
         di_free(pre), di_free(ok);
         return DI_ERR_NOMEM;
     }
-    const int64_t head = tensor_bytes(&m->head) + (int64_t)sizeof(float) * m->hp.n_embd;
-    pre[0] = tensor_bytes(&m->embed);
+    const int64_t head = di_dev_tensor_bytes(&m->head) + (int64_t)sizeof(float) * m->hp.n_embd;
+    pre[0] = di_dev_tensor_bytes(&m->embed);
     for (int32_t il = 0; il < L; il++) pre[il + 1] = pre[il] + layer_bytes(m, il);
     for (int32_t l = 0; l <= L; l++) ok[l] = di_dsv41_dev_cut_ok(m, l);
     di_status st = di_dev_split(pre, head, L, n_stages, ok, layer0, stage_bytes);

@@ -1961,29 +1961,27 @@ static stage_state *last_part(const di_dsv4_dev_state *s) {
     return s->ss[s->n_stages - 1];
 }
 
-static int64_t tensor_bytes(const di_tensor *t) {
-    return t->data ? (int64_t)di_tensor_bytes(t) : 0;
-}
-
 // Host bytes of layer il's weights the dev forward uploads (matrices with their scales, the
 // vectors).
 static int64_t layer_bytes(const di_model *m, int32_t il) {
     const di_hparams *hp = &m->hp;
     const di_dsv4_layer_w *lw = &m->layers[il];
     const int64_t f = sizeof(float), nc = hp->hc_mult, D = hp->n_embd;
-    int64_t n = tensor_bytes(&lw->hc_attn.fn) + tensor_bytes(&lw->hc_ffn.fn);
+    int64_t n = di_dev_tensor_bytes(&lw->hc_attn.fn) + di_dev_tensor_bytes(&lw->hc_ffn.fn);
     n += 2 * f * ((2 + nc) * nc + 3) + 2 * f * D;
-    n += tensor_bytes(&lw->wq_a) + tensor_bytes(&lw->wq_b) + tensor_bytes(&lw->wkv) +
-         tensor_bytes(&lw->wo_a) + tensor_bytes(&lw->wo_b);
+    n += di_dev_tensor_bytes(&lw->wq_a) + di_dev_tensor_bytes(&lw->wq_b) +
+         di_dev_tensor_bytes(&lw->wkv) + di_dev_tensor_bytes(&lw->wo_a) +
+         di_dev_tensor_bytes(&lw->wo_b);
     const di_dsv4_compressor_w *cw[2] = {&lw->cmp, &lw->idx_cmp};
     for (int i = 0; i < (lw->ratio == 4 ? 2 : lw->ratio > 0 ? 1 : 0); i++)
-        n += tensor_bytes(&cw[i]->wkv) + tensor_bytes(&cw[i]->wgate) +
+        n += di_dev_tensor_bytes(&cw[i]->wkv) + di_dev_tensor_bytes(&cw[i]->wgate) +
              f * ((int64_t)cw[i]->m * cw[i]->c * cw[i]->d + cw[i]->d);
-    n += tensor_bytes(&lw->idx_wq_b) + tensor_bytes(&lw->idx_weights_proj);
-    n += tensor_bytes(&lw->gate) + tensor_bytes(&lw->sh_w1) + tensor_bytes(&lw->sh_w2) +
-         tensor_bytes(&lw->sh_w3);
+    n += di_dev_tensor_bytes(&lw->idx_wq_b) + di_dev_tensor_bytes(&lw->idx_weights_proj);
+    n += di_dev_tensor_bytes(&lw->gate) + di_dev_tensor_bytes(&lw->sh_w1) +
+         di_dev_tensor_bytes(&lw->sh_w2) + di_dev_tensor_bytes(&lw->sh_w3);
     for (int32_t e = 0; e < lw->n_expert && lw->w1; e++)
-        n += tensor_bytes(&lw->w1[e]) + tensor_bytes(&lw->w2[e]) + tensor_bytes(&lw->w3[e]);
+        n += di_dev_tensor_bytes(&lw->w1[e]) + di_dev_tensor_bytes(&lw->w2[e]) +
+             di_dev_tensor_bytes(&lw->w3[e]);
     return n;
 }
 
@@ -1997,9 +1995,9 @@ di_status di_dsv4_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0
     }
     int64_t *pre = di_malloc(sizeof(int64_t) * (size_t)(L + 1)); // pre[l]: stage 0's bytes to l
     if (!pre) return DI_ERR_NOMEM;
-    const int64_t head = tensor_bytes(&m->head) + tensor_bytes(&m->hc_head.fn) +
+    const int64_t head = di_dev_tensor_bytes(&m->head) + di_dev_tensor_bytes(&m->hc_head.fn) +
                          (int64_t)sizeof(float) * (m->hp.n_embd + m->hp.hc_mult + 1);
-    pre[0] = tensor_bytes(&m->embed);
+    pre[0] = di_dev_tensor_bytes(&m->embed);
     for (int32_t il = 0; il < L; il++) pre[il + 1] = pre[il] + layer_bytes(m, il);
     // The split whose largest stage is smallest (the memory every device of the list must hold;
     // dev_common.c's DP over the cuts, every cut legal in V4).
