@@ -10,7 +10,7 @@
 //       block comes back;
 //   (b) a forward failure injected mid-run ends exactly the requests of that step with
 //       DI_FINISH_ERROR / DI_ERR_CUDA; the others, and requests submitted afterwards into the
-//       failed slots, give the CPU engine's tokens;
+//       failed slots, give the CPU engine's tokens (engine_dev_common.h, shared with V4.1);
 //   (c) requests cancelled mid-decode free their slots mid-sequence; the requests that reuse
 //       them give the CPU engine's tokens;
 //   (d) on either forward, a step that fails after publishing a block to the prefix cache takes
@@ -96,28 +96,9 @@ static di_status attach_cpu_twin(di_model *m, void *user) {
     return di_dsv4_dev_attach_stages(m, bs, g_stages);
 }
 
-static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
-    di_engine_options o = di_engine_options_default();
-    o.n_threads = 2;
-    o.kv_memory_bytes = kv_bytes;
-    o.max_seqs = max_seqs;
-    o.max_batch_tokens = 32; // chunked prefill
-    o.max_ctx = MAX_CTX;
-    o.no_prefix_cache = false; // on, on both paths
-    o.no_tail_cache = true;    // the CPU engine replays as the device-resident one does
-    return o;
-}
+static result g_ref[N_REQ], g_ref2[N_REQ]; // the CPU engine's first and second pass
 
-// dev: the engine runs the device-resident forward on backend b; else the CPU forward.
-static di_engine *engine(size_t kv_bytes, int32_t max_seqs, di_backend *b) {
-    di_engine_options o = options(kv_bytes, max_seqs);
-    di_engine *e = NULL;
-    if (b)
-        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
-    else
-        CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
-    return e;
-}
+#include "engine_dev_common.h" // options, engine, check_clean, run_alone, run_shared, (b)
 
 // The device bytes of one entry block and of one slot's tail for a context of max_ctx (the
 // engine's blocks of di_kv_block_tokens positions), from a dev forward on a CPU backend; mtp: with
@@ -153,27 +134,6 @@ static size_t pool_for_three(bool mtp) {
     dev_sizes(g_dir, MAX_CTX, &blk, &slot, &bt, mtp);
     int32_t n = (MAX_CTX + bt - 1) / bt > 3 ? (MAX_CTX + bt - 1) / bt : 3;
     return (size_t)(3 * slot + n * blk);
-}
-
-static result g_ref[N_REQ], g_ref2[N_REQ]; // the CPU engine's first and second pass
-
-static void check_clean(di_engine *e, bool dev) {
-    di_engine_stats st;
-    di_engine_get_stats(e, &st);
-    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
-    CHECK_EQ(st.n_step_allocs, 0);
-    CHECK_EQ(st.device.resident, dev);
-    // Decode steps ran from the graphs captured at create (one per batch size up to max_seqs),
-    // and no step captured one.
-    di_dsv4_dev_graph_stats gs;
-    di_engine_get_graph_stats(e, &gs);
-    if (dev) {
-        CHECK_EQ(gs.n_captured, gs.n_cached);
-        CHECK(gs.n_cached >= 2); // max_seqs is 2, 3 or 6 here
-        CHECK(gs.n_replayed > 0);
-    } else {
-        CHECK_EQ(gs.n_cached + gs.n_replayed, 0);
-    }
 }
 
 // ---- (a) ----
@@ -239,56 +199,6 @@ static void test_same_tokens(void) {
         di_engine_destroy(e);
     }
     di_backend_destroy(b); // after the engine's model, which borrows it
-}
-
-// ---- (b) ----
-
-static void test_failure(void) {
-    di_backend *b = NULL;
-    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
-    if (!b) return;
-    di_engine *e = engine((size_t)64 << 20, 2, b);
-    if (!e) {
-        di_backend_destroy(b);
-        return;
-    }
-    static result got[N_REQ];
-    // Two run at a time. Request 0's 150-token prompt takes steps 1-5 (32 rows each), request 1
-    // (5 tokens) joins in step 5's leftover rows; the 9th forward, where both decode (and the plan
-    // of step 10, built during it, holds their placeholder rows), fails. 2 and 3 wait meanwhile.
-    di_engine_fail_forward(e, 8, 1, DI_ERR_CUDA);
-    run(e, got, 0, 4);
-    di_engine_wait_idle(e);
-    int n_failed = 0, n_ok = 0;
-    for (int i = 0; i < 4; i++) {
-        CHECK_EQ(atomic_load(&got[i].finished), 1);
-        if (got[i].finish == DI_FINISH_ERROR) {
-            CHECK_EQ(got[i].status, DI_ERR_CUDA);
-            n_failed++;
-        } else {
-            CHECK(same(&got[i], &g_ref[i]));
-            n_ok++;
-        }
-    }
-    CHECK(got[0].finish == DI_FINISH_ERROR && got[1].finish == DI_FINISH_ERROR);
-    CHECK(got[0].n > 0 && got[1].n > 0); // both had begun to decode
-    for (int i = 0; i < 2; i++)          // the tokens before the failure are the CPU engine's
-        CHECK(!memcmp(got[i].tokens, g_ref[i].tokens, sizeof(int32_t) * (size_t)got[i].n));
-    CHECK(got[2].finish != DI_FINISH_ERROR && got[3].finish != DI_FINISH_ERROR);
-    // Afterwards the failed slots serve new requests from position 0.
-    run(e, got, 4, N_REQ);
-    di_engine_wait_idle(e);
-    for (int i = 4; i < N_REQ; i++) CHECK(same(&got[i], &g_ref[i]));
-    di_engine_stats st;
-    di_engine_get_stats(e, &st);
-    fprintf(stderr,
-            "(b) injected DI_ERR_CUDA: %d requests ended with the error, %d + %d identical to "
-            "the CPU engine; %lld failed steps\n",
-            n_failed, n_ok, N_REQ - 4, (long long)st.n_failed_steps);
-    CHECK_EQ(st.n_failed_steps, 1);
-    check_clean(e, true);
-    di_engine_destroy(e);
-    di_backend_destroy(b);
 }
 
 // ---- (d), (e): failures on either forward (0: the CPU forward, 1: the device-resident one) ----
@@ -468,26 +378,10 @@ static void check_spec(di_engine *e, di_engine_stats *st, bool accepts) {
 
 // ---- (f) ----
 
-enum { D_CTX = 512, D_PREFIX = 300, D_REQ = 4 };
-static int32_t g_dprompt[D_REQ][D_PREFIX + 10];
-
-static void run_shared(di_engine *e, result *res) {
-    for (int i = 0; i < D_REQ; i++) { // the first alone, then the rest together
-        memset(&res[i], 0, sizeof res[i]);
-        di_request_params p = request(i, &res[i]);
-        p.prompt = g_dprompt[i];
-        p.n_prompt = D_PREFIX + 3 + i;
-        uint64_t id;
-        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-        if (i == 0) di_engine_wait_idle(e);
-    }
-    di_engine_wait_idle(e);
-}
+enum { D_CTX = 512 };
 
 static void test_shared_prefix(void) {
-    for (int i = 0; i < D_REQ; i++)
-        for (int t = 0; t < D_PREFIX + 10; t++)
-            g_dprompt[i][t] = (int32_t)((t < D_PREFIX ? t * 13 + 5 : t * 7 + i * 59) % V);
+    fill_dprompt();
     static result ref[D_REQ], got[D_REQ];
     di_engine_options o = options((size_t)64 << 20, 3);
     o.max_ctx = D_CTX;
@@ -749,20 +643,12 @@ static di_engine *disk_engine(size_t kv_bytes, const char *disk, bool prefix, di
     o.kv_disk_dir = disk;
     o.no_prefix_cache = !prefix;
     o.no_tail_cache = !prefix; // snapshots travel with their blocks' records
-    di_engine *e = NULL;
-    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
-    return e;
+    return engine_o(&o, b);
 }
 
 // Runs prompt[0, n) alone to completion (request 0's parameters: greedy, first logits).
 static void disk_run(di_engine *e, const int32_t *prompt, int32_t n, result *r) {
-    memset(r, 0, sizeof *r);
-    di_request_params p = request(0, r);
-    p.prompt = prompt;
-    p.n_prompt = n;
-    uint64_t id;
-    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-    di_engine_wait_idle(e);
+    run_alone(e, 0, prompt, n, r);
     CHECK_EQ(r->n, MAX_GEN);
 }
 
@@ -963,13 +849,7 @@ done:
 
 // Runs g_dprompt[i] (D_PREFIX + 3 + i tokens) alone to completion.
 static void xfer_run(di_engine *e, int i, result *r) {
-    memset(r, 0, sizeof *r);
-    di_request_params p = request(i, r);
-    p.prompt = g_dprompt[i];
-    p.n_prompt = D_PREFIX + 3 + i;
-    uint64_t id;
-    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-    di_engine_wait_idle(e);
+    run_alone(e, i, g_dprompt[i], D_PREFIX + 3 + i, r);
 }
 
 static di_engine *xfer_engine(di_backend *b, bool prefix) {
@@ -977,12 +857,7 @@ static di_engine *xfer_engine(di_backend *b, bool prefix) {
     o.max_ctx = D_CTX;
     o.no_prefix_cache = !prefix;
     o.no_tail_cache = !prefix;
-    di_engine *e = NULL;
-    if (b)
-        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
-    else
-        CHECK_EQ(di_engine_create(g_dir, &o, &e), DI_OK);
-    return e;
+    return engine_o(&o, b);
 }
 
 // Memory-backed block I/O of an accounting manager; writes fail from the fail_at-th one on.

@@ -12,7 +12,7 @@
 //       from the graphs prepared at create; the same in the official precision recipe;
 //   (b) a forward failure injected mid-run ends exactly the requests of that step with
 //       DI_FINISH_ERROR / DI_ERR_CUDA; the others, and requests submitted afterwards into the
-//       failed slots, give the CPU engine's tokens;
+//       failed slots, give the CPU engine's tokens (engine_dev_common.h, shared with V4);
 //   (c) requests sharing a 300-token prefix after a first one: without tail snapshots each hits
 //       288 positions and replays the bound (90), as the CPU engine; with them the first
 //       request's tail at 288 is restored by every later one (the Engram history rebuilt from the
@@ -70,32 +70,9 @@ static di_status attach_cpu_twin(di_model *m, void *user) {
     return st;
 }
 
-static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
-    di_engine_options o = di_engine_options_default();
-    o.n_threads = 2;
-    o.kv_memory_bytes = kv_bytes;
-    o.max_seqs = max_seqs;
-    o.max_batch_tokens = 32; // chunked prefill
-    o.max_ctx = MAX_CTX;
-    o.no_prefix_cache = false; // on, on both paths
-    o.no_tail_cache = true;    // the bounded replay, on both paths
-    return o;
-}
+static result g_ref[N_REQ], g_ref2[N_REQ]; // the CPU engine's first and second pass
 
-// b: the engine runs the V4.1 device-resident forward on backend b; NULL: the CPU V4.1 forward.
-static di_engine *engine_o(const di_engine_options *o, di_backend *b) {
-    di_engine *e = NULL;
-    if (b)
-        CHECK_EQ(di_engine_create_prepared(g_dir, o, attach_cpu_twin, b, &e), DI_OK);
-    else
-        CHECK_EQ(di_engine_create(g_dir, o, &e), DI_OK);
-    return e;
-}
-
-static di_engine *engine(size_t kv_bytes, int32_t max_seqs, di_backend *b) {
-    di_engine_options o = options(kv_bytes, max_seqs);
-    return engine_o(&o, b);
-}
+#include "engine_dev_common.h" // options, engine, check_clean, run_alone, run_shared, (b)
 
 // The device bytes of one entry block and of one slot's tail (the engine's blocks of
 // di_kv_block_tokens positions), from a V4.1 dev forward on a CPU backend.
@@ -120,29 +97,6 @@ static void dev_sizes(int64_t *blk, int64_t *slot, int32_t *bt) {
     di_dsv41_dev_destroy(d);
     di_backend_destroy(b);
     di_model_destroy(m);
-}
-
-static result g_ref[N_REQ], g_ref2[N_REQ]; // the CPU engine's first and second pass
-
-static void check_clean(di_engine *e, bool dev) {
-    di_engine_stats st;
-    di_engine_get_stats(e, &st);
-    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
-    CHECK_EQ(st.n_step_allocs, 0);
-    CHECK_EQ(st.device.resident, dev);
-    // Decode steps ran from the graphs prepared at create (one per batch size up to max_seqs),
-    // and no step captured one.
-    di_dsv4_dev_graph_stats gs;
-    di_engine_get_graph_stats(e, &gs);
-    if (dev) {
-        CHECK_EQ(gs.n_captured, gs.n_cached);
-        CHECK(gs.n_cached >= 2);
-        CHECK(gs.n_replayed > 0);
-        CHECK(di_engine_dev_state_bytes(e) > 0);
-    } else {
-        CHECK_EQ(gs.n_cached + gs.n_replayed, 0);
-        CHECK_EQ(di_engine_dev_state_bytes(e), 0);
-    }
 }
 
 // ---- (a) ----
@@ -254,79 +208,12 @@ static void test_official(void) {
     di_backend_destroy(b);
 }
 
-// ---- (b) ----
-
-static void test_failure(void) {
-    di_backend *b = NULL;
-    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
-    if (!b) return;
-    di_engine *e = engine((size_t)64 << 20, 2, b);
-    if (!e) {
-        di_backend_destroy(b);
-        return;
-    }
-    static result got[N_REQ];
-    // Two run at a time: request 0's 150-token prompt takes steps 1-5 (32 rows each), request 1
-    // (5 tokens) joins in step 5; the 9th forward, where both decode, fails. 2 and 3 wait.
-    di_engine_fail_forward(e, 8, 1, DI_ERR_CUDA);
-    run(e, got, 0, 4);
-    di_engine_wait_idle(e);
-    int n_failed = 0, n_ok = 0;
-    for (int i = 0; i < 4; i++) {
-        CHECK_EQ(atomic_load(&got[i].finished), 1);
-        if (got[i].finish == DI_FINISH_ERROR) {
-            CHECK_EQ(got[i].status, DI_ERR_CUDA);
-            n_failed++;
-        } else {
-            CHECK(same(&got[i], &g_ref[i]));
-            n_ok++;
-        }
-    }
-    CHECK(got[0].finish == DI_FINISH_ERROR && got[1].finish == DI_FINISH_ERROR);
-    CHECK(got[0].n > 0 && got[1].n > 0); // both had begun to decode
-    for (int i = 0; i < 2; i++)          // the tokens before the failure are the CPU engine's
-        CHECK(!memcmp(got[i].tokens, g_ref[i].tokens, sizeof(int32_t) * (size_t)got[i].n));
-    CHECK(got[2].finish != DI_FINISH_ERROR && got[3].finish != DI_FINISH_ERROR);
-    // Afterwards the failed slots serve new requests from position 0.
-    run(e, got, 4, N_REQ);
-    di_engine_wait_idle(e);
-    for (int i = 4; i < N_REQ; i++) CHECK(same(&got[i], &g_ref[i]));
-    di_engine_stats st;
-    di_engine_get_stats(e, &st);
-    fprintf(stderr,
-            "(b) injected DI_ERR_CUDA: %d requests ended with the error, %d + %d identical to "
-            "the CPU engine; %lld failed steps\n",
-            n_failed, n_ok, N_REQ - 4, (long long)st.n_failed_steps);
-    CHECK_EQ(n_failed, 2);
-    CHECK_EQ(st.n_failed_steps, 1);
-    check_clean(e, true);
-    di_engine_destroy(e);
-    di_backend_destroy(b);
-}
-
 // ---- (c) ----
 
-enum { D_CTX = 352, D_PREFIX = 300, D_REQ = 4, D_HIT = 288 };
-static int32_t g_dprompt[D_REQ][D_PREFIX + 10];
-
-// The first alone, then the rest together.
-static void run_shared(di_engine *e, result *res) {
-    for (int i = 0; i < D_REQ; i++) {
-        memset(&res[i], 0, sizeof res[i]);
-        di_request_params p = request(i, &res[i]);
-        p.prompt = g_dprompt[i];
-        p.n_prompt = D_PREFIX + 3 + i;
-        uint64_t id;
-        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-        if (i == 0) di_engine_wait_idle(e);
-    }
-    di_engine_wait_idle(e);
-}
+enum { D_CTX = 352, D_HIT = 288 };
 
 static void test_shared_prefix(void) {
-    for (int i = 0; i < D_REQ; i++)
-        for (int t = 0; t < D_PREFIX + 10; t++)
-            g_dprompt[i][t] = (int32_t)((t < D_PREFIX ? t * 13 + 5 : t * 7 + i * 59) % V);
+    fill_dprompt();
     static result ref[D_REQ], ref_t[D_REQ], got[D_REQ];
     int64_t blk = 0, slot = 0;
     int32_t bt = 1;
@@ -400,13 +287,7 @@ static di_engine *disk_engine(size_t kv_bytes, const char *disk, bool prefix, di
 
 // Runs prompt[0, n) alone to completion (request 0's parameters: greedy, first logits).
 static void disk_run(di_engine *e, const int32_t *prompt, int32_t n, result *r) {
-    memset(r, 0, sizeof *r);
-    di_request_params p = request(0, r);
-    p.prompt = prompt;
-    p.n_prompt = n;
-    uint64_t id;
-    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-    di_engine_wait_idle(e);
+    run_alone(e, 0, prompt, n, r);
     CHECK_EQ(r->n, MAX_GEN);
 }
 
@@ -581,13 +462,7 @@ static void test_spec_fallback(void) {
 
 // Runs g_dprompt[i] (D_PREFIX + 3 + i tokens) alone to completion.
 static void xfer_run(di_engine *e, int i, result *r) {
-    memset(r, 0, sizeof *r);
-    di_request_params p = request(i, r);
-    p.prompt = g_dprompt[i];
-    p.n_prompt = D_PREFIX + 3 + i;
-    uint64_t id;
-    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
-    di_engine_wait_idle(e);
+    run_alone(e, i, g_dprompt[i], D_PREFIX + 3 + i, r);
 }
 
 static di_engine *xfer_engine(di_backend *b) {

@@ -1,0 +1,161 @@
+/*
+ * engine_dev_common — the harness shared by the tests of the serving engine on a device-resident
+ * forward run on the CPU backend (its oracle twin): test_engine_dev.c (V4, model/dsv4_dev.h) and
+ * test_engine_dev41.c (V4.1, model/dsv41_dev.h). Both compare the engine on the twin with the
+ * engine's own CPU forward on the tiny model bit for bit; what differs between them is only how
+ * the twin is attached (the includer's attach_cpu_twin) and the model. Here: the engine options
+ * both use, engine creation on either forward, the end-of-run checks, a prompt run alone, the
+ * shared-prefix prompts and their run, and the injected-failure scenario (b).
+ *
+ * Header-only (static), included after engine_requests.h; the includer defines first g_dir (the
+ * model directory), attach_cpu_twin (a di_engine_create_prepared hook attaching the twin to the
+ * CPU backend passed as user) and g_ref (the CPU engine's results of the request set, filled by
+ * its scenario (a) before test_failure runs).
+ */
+#pragma once
+
+#include <stdatomic.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "engine/engine_internal.h"
+
+// Two threads, max_seqs slots, 32 rows per step (chunked prefill), max_ctx MAX_CTX, the prefix
+// cache on and tail snapshots off on both forwards (the CPU engine then replays as the
+// device-resident one does; the tests that want snapshots turn them on).
+static di_engine_options options(size_t kv_bytes, int32_t max_seqs) {
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = 2;
+    o.kv_memory_bytes = kv_bytes;
+    o.max_seqs = max_seqs;
+    o.max_batch_tokens = 32;
+    o.max_ctx = MAX_CTX;
+    o.no_prefix_cache = false;
+    o.no_tail_cache = true;
+    return o;
+}
+
+// b: the engine runs the device-resident forward on CPU backend b (borrowed: destroy it after
+// the engine); NULL: the engine's CPU forward.
+static di_engine *engine_o(const di_engine_options *o, di_backend *b) {
+    di_engine *e = NULL;
+    if (b)
+        CHECK_EQ(di_engine_create_prepared(g_dir, o, attach_cpu_twin, b, &e), DI_OK);
+    else
+        CHECK_EQ(di_engine_create(g_dir, o, &e), DI_OK);
+    return e;
+}
+
+static di_engine *engine(size_t kv_bytes, int32_t max_seqs, di_backend *b) {
+    di_engine_options o = options(kv_bytes, max_seqs);
+    return engine_o(&o, b);
+}
+
+// After a run: every block back, nothing allocated inside a step, the forward resident or not as
+// `dev` says; on the device-resident forward decode steps ran from the graphs prepared at create
+// (one per batch size up to max_seqs, at least 2 here) and no step captured one.
+static void check_clean(di_engine *e, bool dev) {
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    CHECK_EQ(st.n_step_allocs, 0);
+    CHECK_EQ(st.device.resident, dev);
+    di_dsv4_dev_graph_stats gs;
+    di_engine_get_graph_stats(e, &gs);
+    if (dev) {
+        CHECK_EQ(gs.n_captured, gs.n_cached);
+        CHECK(gs.n_cached >= 2);
+        CHECK(gs.n_replayed > 0);
+        CHECK(di_engine_dev_state_bytes(e) > 0);
+    } else {
+        CHECK_EQ(gs.n_cached + gs.n_replayed, 0);
+        CHECK_EQ(di_engine_dev_state_bytes(e), 0);
+    }
+}
+
+// Runs prompt[0, n) with request i's parameters alone to completion into *r.
+static void run_alone(di_engine *e, int i, const int32_t *prompt, int32_t n, result *r) {
+    memset(r, 0, sizeof *r);
+    di_request_params p = request(i, r);
+    p.prompt = prompt;
+    p.n_prompt = n;
+    uint64_t id;
+    CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    di_engine_wait_idle(e);
+}
+
+// The shared-prefix prompts: D_REQ prompts whose first D_PREFIX tokens are one and the same, then
+// their own; request i's is D_PREFIX + 3 + i tokens long.
+enum { D_PREFIX = 300, D_REQ = 4 };
+static int32_t g_dprompt[D_REQ][D_PREFIX + 10];
+
+static void fill_dprompt(void) {
+    for (int i = 0; i < D_REQ; i++)
+        for (int t = 0; t < D_PREFIX + 10; t++)
+            g_dprompt[i][t] = (int32_t)((t < D_PREFIX ? t * 13 + 5 : t * 7 + i * 59) % V);
+}
+
+// The first shared-prefix request alone, then the rest together.
+static void run_shared(di_engine *e, result *res) {
+    for (int i = 0; i < D_REQ; i++) {
+        memset(&res[i], 0, sizeof res[i]);
+        di_request_params p = request(i, &res[i]);
+        p.prompt = g_dprompt[i];
+        p.n_prompt = D_PREFIX + 3 + i;
+        uint64_t id;
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+        if (i == 0) di_engine_wait_idle(e);
+    }
+    di_engine_wait_idle(e);
+}
+
+// (b) A forward failure injected mid-run ends exactly the requests of that step with
+// DI_FINISH_ERROR / DI_ERR_CUDA; the others, and requests submitted afterwards into the failed
+// slots (from position 0), give the CPU engine's tokens (g_ref).
+static void test_failure(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    di_engine *e = engine((size_t)64 << 20, 2, b);
+    if (!e) {
+        di_backend_destroy(b);
+        return;
+    }
+    static result got[N_REQ];
+    // Two run at a time. Request 0's 150-token prompt takes steps 1-5 (32 rows each), request 1
+    // (5 tokens) joins in step 5's leftover rows; the 9th forward, where both decode (and the plan
+    // of step 10, built during it, holds their placeholder rows), fails. 2 and 3 wait meanwhile.
+    di_engine_fail_forward(e, 8, 1, DI_ERR_CUDA);
+    run(e, got, 0, 4);
+    di_engine_wait_idle(e);
+    int n_failed = 0, n_ok = 0;
+    for (int i = 0; i < 4; i++) {
+        CHECK_EQ(atomic_load(&got[i].finished), 1);
+        if (got[i].finish == DI_FINISH_ERROR) {
+            CHECK_EQ(got[i].status, DI_ERR_CUDA);
+            n_failed++;
+        } else {
+            CHECK(same(&got[i], &g_ref[i]));
+            n_ok++;
+        }
+    }
+    CHECK(got[0].finish == DI_FINISH_ERROR && got[1].finish == DI_FINISH_ERROR);
+    CHECK(got[0].n > 0 && got[1].n > 0); // both had begun to decode
+    for (int i = 0; i < 2; i++)          // the tokens before the failure are the CPU engine's
+        CHECK(!memcmp(got[i].tokens, g_ref[i].tokens, sizeof(int32_t) * (size_t)got[i].n));
+    CHECK(got[2].finish != DI_FINISH_ERROR && got[3].finish != DI_FINISH_ERROR);
+    run(e, got, 4, N_REQ);
+    di_engine_wait_idle(e);
+    for (int i = 4; i < N_REQ; i++) CHECK(same(&got[i], &g_ref[i]));
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    fprintf(stderr,
+            "(b) injected DI_ERR_CUDA: %d requests ended with the error, %d + %d identical to "
+            "the CPU engine; %lld failed steps\n",
+            n_failed, n_ok, N_REQ - 4, (long long)st.n_failed_steps);
+    CHECK_EQ(n_failed, 2);
+    CHECK_EQ(st.n_failed_steps, 1);
+    check_clean(e, true);
+    di_engine_destroy(e);
+    di_backend_destroy(b);
+}
