@@ -16,7 +16,8 @@
 //   3. prefill: one sequence of --prefill tokens (default 512) from position 0, logits of its last
 //      row: tokens/s; then (GPU) the same in the official recipe (row `pre-off`: A8 activations,
 //      its linears on FP8 tensor cores through matmul_a8, FP8 KV rows) on a second upload of the
-//      weights; the rest runs the FP32 recipe;
+//      weights, and its batch-1 decode at --ctx (row `dec-off`: attention on tensor cores where
+//      the device has them, attn_kv's di_cuda_attn_kv_dispatch); the rest runs the FP32 recipe;
 //   4. decode at batch 1 and batch --batch (default 64): every slot is filled to --ctx positions
 //      (default 1024; batch: 8 sequences x 256 rows per call, stopped early at a multiple of 256
 //      when --budget would be passed), then timed steps of one token per
@@ -184,7 +185,10 @@ static double expert_bytes(const di_model *m, int il) {
 }
 
 // KV and indexer bytes layer il reads for one query at position p (p + 1 positions visible).
-static double kv_bytes(const di_model *m, int il, int64_t p) {
+// Key bytes one query row reads at position p in layer il: rows of kv_row bytes (FP32 rows of
+// head_dim floats in the FP32 recipe, the 584-byte FP8 rows in the official one) plus the CSA
+// indexer's FP32 entries.
+static double kv_bytes(const di_model *m, int il, int64_t p, double kv_row) {
     const di_hparams *hp = &m->hp;
     const int32_t r = m->layers[il].ratio;
     const int64_t W = hp->window, vis = p + 1;
@@ -199,7 +203,7 @@ static double kv_bytes(const di_model *m, int il, int64_t p) {
             keys += n_ent;
         }
     }
-    return b + (double)keys * hp->head_dim * 4.0; // FP32 pool rows
+    return b + (double)keys * kv_row;
 }
 
 static double head_bytes(const di_model *m, int32_t B) {
@@ -388,11 +392,14 @@ static step_fig decode(bench *x, di_dsv4_dev_state *st, int32_t B, int warm, int
     return f;
 }
 
-// Bytes of one decode step of B sequences at position p; with the head when `head`.
-static double step_bytes(const di_model *m, int32_t B, int64_t p, double n_expert, bool head) {
+// Bytes of one decode step of B sequences at position p, KV rows of kv_row bytes; with the head
+// when `head`.
+static double step_bytes(const di_model *m, int32_t B, int64_t p, double n_expert, bool head,
+                         double kv_row) {
     double b = 0;
     for (int il = 0; il < m->hp.n_layer; il++)
-        b += layer_fixed_bytes(m, il) + n_expert * expert_bytes(m, il) + B * kv_bytes(m, il, p);
+        b += layer_fixed_bytes(m, il) + n_expert * expert_bytes(m, il) +
+             B * kv_bytes(m, il, p, kv_row);
     return b + (head ? head_bytes(m, B) : 0.0);
 }
 
@@ -402,9 +409,9 @@ static void print_header(void) {
 }
 
 static void print_step(const char *phase, const bench *x, int32_t B, const step_fig *f, bool head,
-                       double gbs) {
+                       double gbs, double kv_row) {
     const int nl = x->m->hp.n_layer;
-    const double bytes = step_bytes(x->m, B, f->ctx, f->n_expert, head);
+    const double bytes = step_bytes(x->m, B, f->ctx, f->n_expert, head, kv_row);
     const double roof_ms = gbs > 0 ? bytes / (gbs * 1e9) * 1e3 : 0;
     char lay[32] = "-", roof[32] = "-", of[32] = "-";
     if (!head) snprintf(lay, sizeof lay, "%.4f", f->ms / nl);
@@ -579,6 +586,7 @@ int main(int argc, char **argv) {
     }
     fflush(stdout);
 
+    const double f32_row = 4.0 * x.m->hp.head_dim; // the FP32 recipe's KV rows
     // Prefill of one sequence and batch-1 decode on a 1-slot state.
     const int32_t chunk = 512;
     const int32_t n_ctx = (o.ctx > o.prefill ? o.ctx : o.prefill) + 2 * (warm + o.steps) + 8;
@@ -599,6 +607,27 @@ int main(int argc, char **argv) {
                                 : "unused",
                (long long)((cu->n_fp8_tc_calls - tc0) / (1 + reps_prefill)));
         fflush(stdout);
+        // The official recipe's batch-1 decode (row `dec-off`): FP8 KV rows, attention on tensor
+        // cores where the device has them (attn_kv: di_cuda_attn_kv_dispatch), A8 + SIMT
+        // linears (decode rows stay off cuBLASLt).
+        di_dsv4_dev_state *s8 = NULL;
+        DK(di_dsv4_dev_state_create(d8, 1, n_ctx, o.prefill > chunk ? o.prefill : chunk, 0, 0,
+                                    &s8));
+        int32_t reached8 = 0;
+        fill(&x, s8, 1, o.ctx, chunk, chunk, 0, &reached8);
+        const int64_t at0 = cu->n_attn_tc_calls;
+        step_fig f8 = decode(&x, s8, 1, warm, o.steps, true);
+        f8.n_expert = x.m->hp.n_expert_used;
+        print_header();
+        print_step("dec-off", &x, 1, &f8, true, gbs, (double)di_dsv4_dev_state_kv_row_bytes(s8));
+        printf("(dec-off: the official recipe's decode; attention on tensor cores %s, %lld "
+               "attention calls on them per step)\n",
+               cu->attn_tc > 0   ? "verified and used"
+               : cu->attn_tc < 0 ? "OFF (see the log)"
+                                 : "unused",
+               (long long)((cu->n_attn_tc_calls - at0) / (warm + o.steps)));
+        fflush(stdout);
+        di_dsv4_dev_state_destroy(s8);
         di_dsv4_dev_destroy(d8);
     }
     di_dsv4_dev_state *s1 = NULL;
@@ -608,10 +637,10 @@ int main(int argc, char **argv) {
     fill(&x, s1, 1, o.ctx, chunk, chunk, 0, &reached);
     step_fig f = decode(&x, s1, 1, warm, o.steps, true);
     f.n_expert = n_exp1;
-    print_step("decode", &x, 1, &f, true, gbs);
+    print_step("decode", &x, 1, &f, true, gbs, f32_row);
     f = decode(&x, s1, 1, warm, o.steps, false);
     f.n_expert = n_exp1;
-    print_step("layers", &x, 1, &f, false, gbs);
+    print_step("layers", &x, 1, &f, false, gbs, f32_row);
     di_dsv4_dev_state_destroy(s1);
 
     // Batch B: fill every slot (8 sequences x 256 rows per call), then decode.
@@ -660,8 +689,8 @@ int main(int argc, char **argv) {
         else
             printf("(expert count failed: the uniform-routing expectation %.1f is used)\n", n_exp);
         fd.n_expert = fl.n_expert = n_exp;
-        print_step("decode", &x, B, &fd, true, gbs);
-        print_step("layers", &x, B, &fl, false, gbs);
+        print_step("decode", &x, B, &fd, true, gbs, f32_row);
+        print_step("layers", &x, B, &fl, false, gbs, f32_row);
         di_dsv4_dev_state_destroy(sb);
     }
     printf(

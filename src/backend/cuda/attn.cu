@@ -675,6 +675,97 @@ extern "C" di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_
                                         n_tok, H, scale, n_split, o);
 }
 
+// ---- the device-resident forward's attention on FP8 KV rows (backend.h attn_kv) ----
+
+namespace {
+
+// Whether this call may take the tensor-core kernel: the official recipe (round_p), a shape it
+// has, the device's shared memory, the alignments it needs; and, before the first check, not
+// inside a graph capture (the check downloads).
+bool attn_tc_eligible(const di_cuda *cu, const float *q, const float *o, int32_t dh, int32_t n_rot,
+                      bool round_p) {
+    if (!round_p || cu->attn_tc < 0 || (cu->attn_tc == 0 && cu->capturing)) return false;
+    if (((uintptr_t)q & 15) != 0 || ((uintptr_t)o & 7) != 0) return false;
+    if (dh == 512 && n_rot == 64) return TcShape<512, 64>::SMEM <= cu->smem_optin;
+    if (dh == 128 && n_rot == 64) return TcShape<128, 64>::SMEM <= cu->smem_optin;
+    return false;
+}
+
+// The first eligible call: the exact SIMT kernel into a scratch, the tensor cores into o, both
+// compared on the host. A match keeps the tensor cores for the context; a mismatch (or a refusal
+// of the kernel) logs it, turns them off and leaves the SIMT result in o.
+di_status attn_tc_check(di_cuda *cu, const float *q, const uint8_t *pool, const int32_t *key_idx,
+                        int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
+                        const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
+                        float scale, float *o) {
+    const size_t n = (size_t)n_tok * (size_t)H * (size_t)dh;
+    float *ref = NULL, *h_tc = NULL, *h_ref = NULL;
+    di_status st = di_cuda_alloc(cu, sizeof(float) * n, (void **)&ref);
+    if (st != DI_OK) return st;
+    st = di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
+                         n_rot, scale, true, ref);
+    if (st != DI_OK) goto out;
+    st = di_cuda_attn_bf16(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
+                           n_rot, scale, 0, o);
+    if (st == DI_ERR_NOMEM || st == DI_ERR_CUDA) goto out; // a fault is sticky: nothing to keep
+    if (st != DI_OK) {
+        DI_CUDA_LOG_WARN("attention on tensor cores refused its first call (%s): attention stays "
+                         "on the exact SIMT kernel",
+                         di_status_str(st));
+        cu->attn_tc = -1;
+    } else {
+        h_tc = (float *)malloc(sizeof(float) * n);
+        h_ref = (float *)malloc(sizeof(float) * n);
+        if (!h_tc || !h_ref) {
+            st = DI_ERR_NOMEM;
+            goto out;
+        }
+        if ((st = di_cuda_download(cu, h_tc, o, sizeof(float) * n)) != DI_OK) goto out;
+        if ((st = di_cuda_download(cu, h_ref, ref, sizeof(float) * n)) != DI_OK) goto out;
+        double amax = 0.0, dmax = 0.0;
+        for (size_t i = 0; i < n; i++) {
+            const double r = h_ref[i], d = fabs((double)h_tc[i] - r);
+            amax = fmax(amax, fabs(r));
+            dmax = d > dmax || d != d ? d : dmax; // a NaN difference counts as a mismatch
+        }
+        const bool ok = dmax == dmax && dmax <= (double)cu->attn_tc_check_tol * amax;
+        cu->attn_tc = ok ? 1 : -1;
+        di_log_write(ok ? 2 : 1, __FILE__, __LINE__,
+                     "cuda: attention on tensor cores (BF16) vs the exact SIMT kernel on its first "
+                     "call (%d rows, %d heads, dh %d, up to %d keys): max |diff| %.3g of max |o| "
+                     "%.3g: %s",
+                     n_tok, H, dh, max_keys, dmax, amax,
+                     ok ? "used from now on" : "MISMATCH, the SIMT kernel stays");
+        if (ok) cu->n_attn_tc_calls++;
+    }
+    if (cu->attn_tc < 0) st = di_cuda_copy_d2d(cu, o, ref, sizeof(float) * n);
+out:
+    free(h_ref);
+    free(h_tc);
+    di_cuda_free(cu, ref); // stream-ordered: after the copy above
+    return st;
+}
+
+} // namespace
+
+extern "C" di_status di_cuda_attn_kv_dispatch(di_cuda *cu, const float *q, const uint8_t *pool,
+                                              const int32_t *key_idx, int64_t key_stride,
+                                              const int32_t *n_keys, int32_t max_keys,
+                                              const float *sink, int32_t n_tok, int32_t H,
+                                              int32_t dh, int32_t n_rot, float scale, bool round_p,
+                                              float *o) {
+    if (n_tok <= 0 || H <= 0 || max_keys < 0 || !attn_tc_eligible(cu, q, o, dh, n_rot, round_p))
+        return di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H,
+                               dh, n_rot, scale, round_p, o);
+    if (cu->attn_tc == 0)
+        return attn_tc_check(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
+                             n_rot, scale, o);
+    const di_status st = di_cuda_attn_bf16(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
+                                           n_tok, H, dh, n_rot, scale, 0, o);
+    if (st == DI_OK) cu->n_attn_tc_calls++;
+    return st;
+}
+
 // ---- compressor pooling ----
 
 // Softmax pooling of one channel over the slots in slot order, as model/dsv4_attn.c

@@ -94,6 +94,22 @@ di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_t *pool,
                             int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
                             int32_t dh, int32_t n_rot, float scale, int32_t n_split, float *o);
 
+// The device-resident forward's attention on FP8 KV rows (backend.h attn_kv, cuda_ops.cu): in the
+// official recipe (round_p) on tensor cores (di_cuda_attn_bf16, automatic key splits) where the
+// shape, the device's shared memory and the alignments allow, else the exact SIMT kernel
+// (di_cuda_attn_kv); the FP32 recipe always on the SIMT kernel. The context's first eligible call
+// runs both and compares them (cu->attn_tc, cuda_backend.h): a mismatch turns the tensor cores
+// off for the context (logged) and that call returns the SIMT result. Not before that check
+// inside a graph capture (the check downloads: such a call runs the SIMT kernel). Numerics of
+// the tensor-core path: di_cuda_attn_bf16's (unnormalised p rounded to BF16, not the normalised
+// p of round_p; within docs/cuda.md's bound of it). DI_CUDA_ATTN_TC=0 at context create keeps the
+// SIMT kernel. Errors as di_cuda_attn_kv / di_cuda_attn_bf16.
+di_status di_cuda_attn_kv_dispatch(di_cuda *cu, const float *q, const uint8_t *pool,
+                                   const int32_t *key_idx, int64_t key_stride,
+                                   const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                   int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot, float scale,
+                                   bool round_p, float *o);
+
 // Compressor pooling (spec §2.5) for n_win closing windows of m tokens, width c*d per token:
 // entry[w][ch] = sum over slots softmax(Z[ch]) * C[ch] where the slots are, for c == 1, the m
 // tokens (buf_c/buf_z [n_win, m, d]); for c == 2, the overlap (ovl_c/ovl_z [n_win, m, d], only

@@ -39,6 +39,11 @@ extern "C" di_status di_cuda_create(int device, di_cuda **out) {
     cu->cc_minor = p.minor;
     cu->n_sm = p.multiProcessorCount;
     cu->smem_optin = p.sharedMemPerBlockOptin;
+    {
+        const char *e = getenv("DI_CUDA_ATTN_TC"); // the debug switch: 0 keeps the SIMT kernel
+        cu->attn_tc = e && !strcmp(e, "0") ? -1 : 0;
+        cu->attn_tc_check_tol = 0.1f;
+    }
     cu->l2_bytes = (size_t)p.l2CacheSize;
     // Informational only (the benchmarks measure the real ceiling): a driver that no longer reports
     // the memory clock leaves it 0 instead of failing the context.

@@ -64,6 +64,15 @@ typedef struct di_cuda {
     // (made once at upload) and the cuBLASLt algorithm of each shape; calls that found both.
     di_cuda_lt_cache *lt_cache; // owned
     int64_t n_fp8_tc_cached;
+    // attn_kv's tensor-core path in the official recipe (attn.cuh di_cuda_attn_kv_dispatch): 0 not
+    // checked yet, 1 checked against the exact SIMT kernel on its first call, -1 off (mismatch, a
+    // device without the shared memory, or DI_CUDA_ATTN_TC=0 at create); calls that took it. The
+    // check passes when max |TC - SIMT| <= attn_tc_check_tol * max |SIMT| (0.1: a gross-error
+    // detector; the kernel's element bound is test_cuda_attn's; a test sets it negative to force
+    // the mismatch path).
+    int attn_tc;
+    int64_t n_attn_tc_calls;
+    float attn_tc_check_tol;
 } di_cuda;
 
 // Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.

@@ -255,8 +255,8 @@ static di_status op_attn_kv(di_backend *b, const float *q, const uint8_t *pool,
                             int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
                             int32_t dh, int32_t n_rot, float scale, bool round_p, float *o) {
     ENTER(b);
-    return di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-                           n_rot, scale, round_p, o);
+    return di_cuda_attn_kv_dispatch(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok,
+                                    H, dh, n_rot, scale, round_p, o);
 }
 
 static di_status op_index_scores(di_backend *b, const float *qi, const float *wi, const float *keys,

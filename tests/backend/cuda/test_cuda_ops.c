@@ -13,6 +13,7 @@
 // entries (mhc_pre_carried, engram_gate, index_cand, Q4e). The kernels behind the
 // older entries have their own tests (test_cuda_gemm, _norm, _mhc, _moe, _indexer); here the
 // point is that each entry passes its arguments through as backend.h says.
+#include "backend/cuda/attn.cuh"    // di_cuda_attn_bf16
 #include "backend/cuda/cuda_test.h" // harness, rnd, check_bounds (its g_cu is the backend's context)
 
 #include <pthread.h>
@@ -1271,6 +1272,8 @@ static void kv_rows_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_
             *idxd = bk_from(idx, sizeof(int32_t) * (size_t)(T * ks));
     float *o1 = malloc(sizeof(float) * (size_t)n_o), *o2 = malloc(sizeof(float) * (size_t)n_o);
     const float scale = 1.0f / sqrtf((float)dh);
+    const int attn_tc = g_cu->attn_tc;
+    g_cu->attn_tc = -1; // the exact SIMT kernel for both (the tensor-core dispatch: below)
     for (int rp = 0; rp < 2; rp++) {
         CK(g_b->vt->attn(g_b, qd, fpd, idxd, ks, nkd, max_keys, sd, T, H, dh, scale, rp, o1d));
         CK(g_b->vt->attn_kv(g_b, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, n_rot, scale, rp,
@@ -1279,6 +1282,57 @@ static void kv_rows_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_
         bk_to(o2, o2d, sizeof(float) * (size_t)n_o);
         CHECK_EQ(n_diff_f32(o1, o2, n_o), 0);
     }
+    // The official recipe's attn_kv on tensor cores (di_cuda_attn_kv_dispatch) where the device
+    // has the shared memory: the first call is checked against the SIMT kernel and keeps them
+    // (attn_tc 1); its result and the next call's are di_cuda_attn_bf16's bit for bit (whose
+    // accuracy test_cuda_attn bounds). o1 holds the SIMT result with round_p.
+    float *o3d = bk_alloc(sizeof(float) * (size_t)n_o), *o3 = malloc(sizeof(float) * (size_t)n_o);
+    const di_status st_tc = di_cuda_attn_bf16(g_cu, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh,
+                                              n_rot, scale, 0, o3d);
+    CHECK(st_tc == DI_OK || st_tc == DI_ERR_UNSUPPORTED); // the latter: not the shared memory
+    const bool tc = st_tc == DI_OK;
+    if (tc) bk_to(o3, o3d, sizeof(float) * (size_t)n_o);
+    for (int call = 0; call < 2; call++) {
+        g_cu->attn_tc = call == 0 ? 0 : g_cu->attn_tc;
+        const int64_t n_tc = g_cu->n_attn_tc_calls;
+        bk_poison(o2d, sizeof(float) * (size_t)n_o);
+        CK(g_b->vt->attn_kv(g_b, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, n_rot, scale, true,
+                            o2d));
+        bk_to(o2, o2d, sizeof(float) * (size_t)n_o);
+        if (tc) {
+            if (g_cu->attn_tc != 1)
+                fprintf(stderr,
+                        "kv_rows dh=%d: the tensor-core attention was not kept (attn_tc "
+                        "%d; see the log)\n",
+                        dh, g_cu->attn_tc);
+            CHECK_EQ(g_cu->attn_tc, 1);
+            CHECK_EQ(g_cu->n_attn_tc_calls, n_tc + 1);
+            CHECK_EQ(n_diff_f32(o2, o3, n_o), 0);
+        } else { // not eligible on this device: the SIMT kernel, unchecked
+            CHECK_EQ(g_cu->attn_tc, 0);
+            CHECK_EQ(n_diff_f32(o2, o1, n_o), 0);
+        }
+    }
+    // A mismatch at the check (forced: a negative tolerance fails every comparison) turns the
+    // tensor cores off and returns the SIMT result; later calls stay on the SIMT kernel.
+    if (tc) {
+        const float tol = g_cu->attn_tc_check_tol;
+        g_cu->attn_tc = 0, g_cu->attn_tc_check_tol = -1.0f;
+        for (int call = 0; call < 2; call++) {
+            const int64_t n_tc = g_cu->n_attn_tc_calls;
+            bk_poison(o2d, sizeof(float) * (size_t)n_o);
+            CK(g_b->vt->attn_kv(g_b, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, n_rot, scale,
+                                true, o2d));
+            bk_to(o2, o2d, sizeof(float) * (size_t)n_o);
+            CHECK_EQ(g_cu->attn_tc, -1);
+            CHECK_EQ(g_cu->n_attn_tc_calls, n_tc);
+            CHECK_EQ(n_diff_f32(o2, o1, n_o), 0);
+        }
+        g_cu->attn_tc_check_tol = tol;
+    }
+    g_cu->attn_tc = attn_tc;
+    bk_free(o3d);
+    free(o3);
     CHECK_EQ(g_b->vt->kv_quant(g_b, kvd, 1, dh, dh, n_rot + 2, pd, NULL), DI_ERR_INVALID);
     cb->vt->destroy(cb);
     bk_free(kvd), bk_free(dstd), bk_free(pd), bk_free(fpd), bk_free(qd), bk_free(sd);
