@@ -265,6 +265,22 @@ static void test_prefix_key(void) {
     CHECK_EQ(key_str("{\"model\":\"m\"}", true, a, sizeof a, &pinned), 0);
 }
 
+// rt_replica_url: the scheme added when missing, trailing slashes dropped, other schemes, empty
+// and too-long addresses refused.
+static void test_replica_url(void) {
+    char out[32];
+    CHECK(rt_replica_url("127.0.0.1:8001", out, sizeof out));
+    CHECK_STR_EQ(out, "http://127.0.0.1:8001");
+    CHECK(rt_replica_url("http://h:1//", out, sizeof out));
+    CHECK_STR_EQ(out, "http://h:1");
+    CHECK(!rt_replica_url("https://h:1", out, sizeof out));
+    CHECK(!rt_replica_url("ftp://h:1", out, sizeof out));
+    CHECK(!rt_replica_url("", out, sizeof out));
+    CHECK(!rt_replica_url("http://", out, sizeof out));
+    CHECK(!rt_replica_url("http:///", out, sizeof out));
+    CHECK(!rt_replica_url("a-host-name-that-is-far-too-long:8000", out, sizeof out));
+}
+
 int main(void) {
     RUN(test_hash);
     RUN(test_ring_spread);
@@ -274,5 +290,6 @@ int main(void) {
     RUN(test_seen);
     RUN(test_policy_match);
     RUN(test_prefix_key);
+    RUN(test_replica_url);
     return test_finish();
 }

@@ -20,7 +20,7 @@ static void usage(FILE *f) {
             "                       [--health-fails 3] [--connect-timeout 2s]\n"
             "                       [--upstream-timeout 600s] [--prefix-bytes 1024]\n"
             "                       [--match-bytes 65536] [--max-imbalance 4] [--vnodes 64]\n"
-            "                       [--no-user-pin]\n"
+            "                       [--no-user-pin] [--admin-key KEY]\n"
             "                       [--max-body-mib 8] [--timeout 600] [--drain-timeout 30]\n"
             "       deepinfer route --prefill URL [--prefill ...] --decode URL [--decode ...]\n"
             "                       [--pd-min-bytes 1024] [--pd-min-new-tokens 256]\n"
@@ -35,7 +35,9 @@ static void usage(FILE *f) {
             "--pd-min-bytes is prefilled there first and its KV moved to the decode replica\n"
             "(--decode, same as --replica), which then serves it (docs/disaggregation.md),\n"
             "unless the decode replica already holds all but fewer than --pd-min-new-tokens of\n"
-            "its prompt (0: never ask).\n");
+            "its prompt (0: never ask).\n"
+            "--admin-key turns on the admin API: GET/POST/DELETE /admin/replicas with\n"
+            "Authorization: Bearer KEY lists, adds and removes replicas while the router runs.\n");
 }
 
 // "<n>[ms|s|m]" (seconds without a suffix) into milliseconds in [1, 86400 s]; false if malformed.
@@ -105,6 +107,10 @@ static bool metric(const char *text, const char *name, double *out) {
 }
 
 static void poll_once(rt *r, rt_replica *p, const char *role, int i, CURL *e, sb *body) {
+    pthread_mutex_lock(&r->mu);
+    const bool removed = p->removed;
+    pthread_mutex_unlock(&r->mu);
+    if (removed) return; // out by the admin API: nothing to learn until it is added back
     char url[300];
     snprintf(url, sizeof url, "%s/ready", p->url);
     int timeout_ms = r->cfg.health_interval_ms > r->cfg.connect_timeout_ms
@@ -125,6 +131,10 @@ static void poll_once(rt *r, rt_replica *p, const char *role, int i, CURL *e, sb
         }
     }
     pthread_mutex_lock(&r->mu);
+    if (p->removed) { // removed while this poll ran
+        pthread_mutex_unlock(&r->mu);
+        return;
+    }
     bool was = p->healthy;
     if (ready) {
         p->healthy = true;
@@ -174,13 +184,18 @@ static void *poll_main(void *arg) {
 
 // ---- arguments and wiring ----
 
-// "http://host:port[/]" or "host:port" into out (no trailing slash); false if not http.
-static bool replica_url(const char *s, char *out, size_t cap) {
-    if (strstr(s, "://") && strncmp(s, "http://", 7)) return false;
-    int n = snprintf(out, cap, "%s%s", strncmp(s, "http://", 7) ? "http://" : "", s);
-    if (n <= 7 || (size_t)n >= cap) return false;
-    while (n > 7 && out[n - 1] == '/') out[--n] = 0;
-    return n > 7;
+bool rt_poller_start(rt *r, bool pre, int k) {
+    rt_replica *p = pre ? &r->pre[k] : &r->rep[k];
+    poller *pl = malloc(sizeof *pl);
+    if (!pl) return false;
+    *pl = (poller){r, p, pre ? "prefill replica" : "replica", k};
+    if (pthread_create(&p->poller, NULL, poll_main, pl)) {
+        free(pl);
+        fprintf(stderr, "ERROR route: cannot start a health poller for %s\n", p->url);
+        return false;
+    }
+    p->poller_started = true;
+    return true;
 }
 
 int di_cli_route(int argc, char **argv) {
@@ -219,12 +234,12 @@ int di_cli_route(int argc, char **argv) {
                    has) {
             const bool pre = !strcmp(a, "--prefill");
             rt_replica *set = pre ? r->pre : r->rep;
-            int *n = pre ? &r->n_pre : &r->n_rep;
+            atomic_int *n = pre ? &r->n_pre : &r->n_rep;
             if (*n == RT_MAX_REPLICAS) {
                 fprintf(stderr, "route: at most %d replicas of each kind\n", RT_MAX_REPLICAS);
                 goto out;
             }
-            if (!replica_url(argv[++i], set[*n].url, sizeof set[0].url)) {
+            if (!rt_replica_url(argv[++i], set[*n].url, sizeof set[0].url)) {
                 fprintf(stderr, "route: %s takes http://HOST:PORT, got '%s'\n", a, argv[i]);
                 goto out;
             }
@@ -248,6 +263,12 @@ int di_cli_route(int argc, char **argv) {
             }
         } else if (!strcmp(a, "--replica-api-key") && has) {
             c->replica_api_key = argv[++i];
+        } else if (!strcmp(a, "--admin-key") && has) {
+            c->admin_key = argv[++i];
+            if (!*c->admin_key) {
+                fprintf(stderr, "route: --admin-key takes a non-empty key\n");
+                goto out;
+            }
         } else if ((!strcmp(a, "--health-interval") || !strcmp(a, "--connect-timeout") ||
                     !strcmp(a, "--upstream-timeout")) &&
                    has) {
@@ -321,17 +342,7 @@ int di_cli_route(int argc, char **argv) {
     srv_http_on_signals();
     for (int i = 0; i < r->n_rep + r->n_pre; i++) {
         const bool pre = i >= r->n_rep;
-        const int k = pre ? i - r->n_rep : i;
-        rt_replica *p = pre ? &r->pre[k] : &r->rep[k];
-        poller *pl = malloc(sizeof *pl);
-        if (!pl) goto out;
-        *pl = (poller){r, p, pre ? "prefill replica" : "replica", k};
-        if (pthread_create(&p->poller, NULL, poll_main, pl)) {
-            free(pl);
-            fprintf(stderr, "ERROR route: cannot start a health poller\n");
-            goto out;
-        }
-        p->poller_started = true;
+        if (!rt_poller_start(r, pre, pre ? i - r->n_rep : i)) goto out;
     }
     const srv_http_opts o = {.who = "route",
                              .host = c->http.host,
@@ -342,8 +353,9 @@ int di_cli_route(int argc, char **argv) {
                              .handler = rt_handle,
                              .cls = r};
     if (!srv_http_listen(&o, &h)) goto out;
-    fprintf(stderr, "INFO  route: listening on http://%s:%d, %d replica(s), health every %d ms\n",
-            c->http.host, c->http.port, r->n_rep, c->health_interval_ms);
+    fprintf(stderr, "INFO  route: listening on http://%s:%d, %d replica(s), health every %d ms%s\n",
+            c->http.host, c->http.port, atomic_load(&r->n_rep), c->health_interval_ms,
+            c->admin_key ? "; admin API on /admin/replicas" : "");
     if (r->n_pre)
         fprintf(stderr,
                 "INFO  route: prefill/decode disaggregation: %d prefill replica(s), %d decode "

@@ -73,6 +73,14 @@ size_t rt_prefix_key(const json_t *req, bool pin_user, char *out, size_t cap, bo
     return k.n;
 }
 
+bool rt_replica_url(const char *s, char *out, size_t cap) {
+    if (strstr(s, "://") && strncmp(s, "http://", 7)) return false;
+    int n = snprintf(out, cap, "%s%s", strncmp(s, "http://", 7) ? "http://" : "", s);
+    if (n <= 7 || (size_t)n >= cap) return false;
+    while (n > 7 && out[n - 1] == '/') out[--n] = 0;
+    return n > 7;
+}
+
 // ---- prefixes sent to a replica ----
 
 int rt_chain(const char *text, size_t n, uint64_t *out, int cap) {

@@ -32,6 +32,11 @@ uint64_t rt_hash(const void *p, size_t n);
 // by further messages therefore has its shorter form as a byte prefix. 0: nothing to hash.
 size_t rt_prefix_key(const json_t *req, bool pin_user, char *out, size_t cap, bool *pinned);
 
+// A replica's address as given ("http://host:port[/...]" or "host:port") into out as
+// "http://host:port" without trailing slashes; false if the scheme is not http, or the result is
+// empty or longer than cap - 1.
+bool rt_replica_url(const char *s, char *out, size_t cap);
+
 // ---- prefixes sent to a replica ----
 
 // Bytes of canonical prompt text per chain hash: a request matches a replica in whole chunks.

@@ -44,7 +44,7 @@ static const struct route {
     {"/metrics", "GET", K_METRICS},
 };
 
-static void count_status(rt *r, int status) {
+void rt_count_status(rt *r, int status) {
     pthread_mutex_lock(&r->mu);
     int k = status / 100;
     if (k >= 1 && k <= 5) r->n_status[k]++;
@@ -52,7 +52,7 @@ static void count_status(rt *r, int status) {
 }
 
 static enum MHD_Result fail(rt *r, struct MHD_Connection *c, srv_api api, const srv_err *e) {
-    count_status(r, e->status);
+    rt_count_status(r, e->status);
     return srv_send_error(c, api, e);
 }
 
@@ -327,22 +327,29 @@ static enum MHD_Result relay(rt *r, struct MHD_Connection *c, const call *x) {
     char v[16];
     snprintf(v, sizeof v, "%d", x->replica);
     MHD_add_response_header(resp, "X-Deepinfer-Replica", v);
-    count_status(r, (int)x->status);
+    rt_count_status(r, (int)x->status);
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)x->status, resp);
     MHD_destroy_response(resp);
     return ret;
 }
 
-// Picks one of the n replicas of `set` on `ring` for q (rt_policy_pick with each replica's match
-// of q's prefix chain, unless q is pinned to its user; exclude: the one that failed a first try,
-// or -1), takes its in-flight count, records q's chain as sent to it and counts the decision; -1
-// if none is healthy. Locks rt.mu.
-static int pick_in(rt *r, rt_replica *set, int n, const rt_ring *ring, const rt_route *q,
-                   int exclude) {
+// Picks one of the serving (pre false) or prefill replicas for q on their ring (rt_policy_pick
+// with each replica's match of q's prefix chain, unless q is pinned to its user; exclude: the one
+// that failed a first try, or -1), takes its in-flight count, records q's chain as sent to it and
+// counts the decision; -1 if none is healthy. Locks rt.mu (the admin API may grow the set and
+// rebuild its ring).
+static int pick_in(rt *r, bool pre, const rt_route *q, int exclude) {
     rt_replica_load loads[RT_MAX_REPLICAS];
     int match[RT_MAX_REPLICAS];
     rt_pick how;
     pthread_mutex_lock(&r->mu);
+    rt_replica *set = pre ? r->pre : r->rep;
+    const int n = pre ? r->n_pre : r->n_rep;
+    const rt_ring *ring = pre ? r->pre_ring : r->ring;
+    if (!ring) { // no prefill replica yet
+        pthread_mutex_unlock(&r->mu);
+        return -1;
+    }
     for (int i = 0; i < n; i++) {
         loads[i] = (rt_replica_load){set[i].healthy, set[i].n_inflight, set[i].n_waiting};
         match[i] = q->pinned ? 0 : rt_seen_match(&set[i].seen, q->chain, q->n_chain);
@@ -370,7 +377,7 @@ static int pick_in(rt *r, rt_replica *set, int n, const rt_ring *ring, const rt_
 // Picks a serving replica (exclude: the one that failed a first try, or -1), counting retries
 // and refusals.
 static int pick(rt *r, const rt_route *q, int exclude) {
-    const int i = pick_in(r, r->rep, r->n_rep, r->ring, q, exclude);
+    const int i = pick_in(r, false, q, exclude);
     pthread_mutex_lock(&r->mu);
     if (i >= 0 && exclude >= 0) r->n_retries++;
     if (i < 0 && exclude < 0) r->n_no_replica++;
@@ -383,7 +390,7 @@ static int pick(rt *r, const rt_route *q, int exclude) {
 // The prefill replica for a request: the serving replicas' policy on the prefill ring with the
 // request's key, so requests sharing a prefix are prefilled where that prefix is cached.
 static int pick_prefill(rt *r, const rt_route *q) {
-    return pick_in(r, r->pre, r->n_pre, r->pre_ring, q, -1);
+    return pick_in(r, true, q, -1);
 }
 
 // Runs x to its end within deadline (seconds, srv_now) or until the client leaves; true if it
@@ -630,7 +637,7 @@ static enum MHD_Result forward(rt *r, struct MHD_Connection *c, srv_api api, con
         char v[16];
         snprintf(v, sizeof v, "%d", i);
         MHD_add_response_header(resp, "X-Deepinfer-Replica", v);
-        count_status(r, (int)x->status);
+        rt_count_status(r, (int)x->status);
         enum MHD_Result ret = MHD_queue_response(c, (unsigned)x->status, resp);
         MHD_destroy_response(resp);
         return ret;
@@ -670,6 +677,7 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
         if (!strcmp(method, k_routes[i].method)) rt_ = &k_routes[i];
     }
     srv_api api = strstr(url, "messages") ? SRV_API_MESSAGES : SRV_API_OTHER;
+    if (!strcmp(url, "/admin/replicas")) return rt_admin(r, c, method, body, n_body, too_large);
     if (!rt_) {
         if (path_known) {
             srv_err_set(&e, 405, NULL, "Method %s is not allowed on %s.", method, url);
@@ -680,27 +688,30 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
         return fail(r, c, api, &e);
     }
     if (rt_->k == K_HEALTH) {
-        count_status(r, 200);
+        rt_count_status(r, 200);
         return srv_send_json(c, 200, json_pack("{s:s}", "status", "ok"), 0);
     }
     if (rt_->k == K_READY) {
-        int n_ready = 0;
+        int n_ready = 0, n_in = 0;
         pthread_mutex_lock(&r->mu);
-        for (int i = 0; i < r->n_rep; i++) n_ready += r->rep[i].healthy;
+        for (int i = 0; i < r->n_rep; i++) {
+            n_ready += r->rep[i].healthy;
+            n_in += !r->rep[i].removed;
+        }
         pthread_mutex_unlock(&r->mu);
         bool ok = n_ready > 0 && !atomic_load(&r->stop);
-        count_status(r, ok ? 200 : 503);
+        rt_count_status(r, ok ? 200 : 503);
         return srv_send_json(c, ok ? 200 : 503,
                              json_pack("{s:s,s:i,s:i}", "status",
                                        ok                      ? "ready"
                                        : atomic_load(&r->stop) ? "draining"
                                                                : "no_replica",
-                                       "replicas_ready", n_ready, "replicas", r->n_rep),
+                                       "replicas_ready", n_ready, "replicas", n_in),
                              ok ? 0 : 1);
     }
     if (rt_->k == K_METRICS) {
         char *t = rt_metrics_text(r);
-        count_status(r, 200);
+        rt_count_status(r, 200);
         enum MHD_Result ret =
             srv_send_text(c, 200, "text/plain; version=0.0.4; charset=utf-8", t ? t : "");
         free(t);
@@ -777,6 +788,9 @@ char *rt_metrics_text(rt *r) {
         sb_addf(&b, name "{replica=\"%d\",url=\"%s\"} " fmt "\n", i, r->rep[i].url, expr);
     FAMILY("deepinfer:router_replica_healthy", "gauge", "1 while the replica is in rotation.");
     PER_REPLICA("deepinfer:router_replica_healthy", "%d", r->rep[i].healthy ? 1 : 0);
+    FAMILY("deepinfer:router_replica_removed", "gauge",
+           "1 while the replica is taken out by the admin API (DELETE /admin/replicas).");
+    PER_REPLICA("deepinfer:router_replica_removed", "%d", r->rep[i].removed ? 1 : 0);
     FAMILY("deepinfer:router_replica_failed_polls_in_a_row", "gauge",
            "Failed /ready polls since the last good one.");
     PER_REPLICA("deepinfer:router_replica_failed_polls_in_a_row", "%d", r->rep[i].n_fails_in_a_row);

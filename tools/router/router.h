@@ -5,12 +5,16 @@
  *   proxy.c   the front's endpoints and the upstream transfers (libcurl): choice, failover,
  *             SSE pass-through, client-disconnect cancellation, the router's /metrics
  *   policy.c  routing key, consistent-hash ring, affine-or-least-loaded choice (no I/O)
+ *   admin.c   the admin API (--admin-key): replicas added, removed and listed at run time
  * The HTTP front is tools/server's libmicrohttpd layer (srv_http_listen, one thread per
  * connection); error bodies use the server's shapes (srv_err_*).
  *
  * Threads: one per client connection (libmicrohttpd), one health poller per replica and the main
- * thread waiting for a signal. Replica state and counters are guarded by rt.mu; the configuration
- * and the ring are immutable once the front listens.
+ * thread waiting for a signal. Replica state, the rings and the counters are guarded by rt.mu; the
+ * configuration is immutable once the front listens. Replica slots are only ever appended (the
+ * admin API; n_rep / n_pre grow after the slot is filled) and never freed before shutdown, so a
+ * slot index and its url stay valid without the lock; a removed replica keeps its slot (and its
+ * ring points, skipped as unusable) and may be added back.
  */
 #pragma once
 
@@ -61,6 +65,7 @@ typedef struct rt_config {
     int pd_min_new_tokens;  // PD mode: the decode replica holding all but fewer: no step (0: ask
                             // not)
     int prefill_timeout_ms; // PD mode: the prefill + KV import must finish within this
+    const char *admin_key;  // borrowed; NULL: no admin API (its paths answer 404)
 } rt_config;
 
 typedef struct rt_replica {
@@ -68,7 +73,8 @@ typedef struct rt_replica {
     pthread_t poller;
     bool poller_started;
     // guarded by rt.mu
-    bool healthy;         // in rotation
+    bool removed;         // taken out by the admin API: never picked, not polled (re-addable)
+    bool healthy;         // in rotation (never while removed)
     int n_fails_in_a_row; // failed /ready polls since the last good one
     int64_t n_inflight;   // requests the router has open on it
     int64_t n_waiting, n_running;
@@ -83,15 +89,15 @@ typedef struct rt_replica {
 
 typedef struct rt {
     rt_config cfg;
-    rt_replica rep[RT_MAX_REPLICAS]; // the serving replicas (--replica / --decode)
-    int n_rep;
+    rt_replica rep[RT_MAX_REPLICAS]; // the serving replicas (--replica / --decode, admin API)
+    atomic_int n_rep;                // grows (under mu) once its new slot is filled
     // Prefill/decode disaggregation (docs/disaggregation.md): prefill replicas (--prefill); with
     // any, a generation request is first prefilled on one of them and its KV imported into the
     // decode replica chosen for it.
     rt_replica pre[RT_MAX_REPLICAS];
-    int n_pre;
-    rt_ring *ring;     // owned: the serving (decode) replicas'
-    rt_ring *pre_ring; // owned: the prefill replicas' (NULL without any)
+    atomic_int n_pre;
+    rt_ring *ring;     // owned, guarded by mu: the serving (decode) replicas' (every slot's)
+    rt_ring *pre_ring; // owned, guarded by mu: the prefill replicas' (NULL without any)
     long started_at;
     atomic_bool stop;
     atomic_int inflight; // client requests being proxied
@@ -114,6 +120,16 @@ enum MHD_Result rt_handle(void *cls, struct MHD_Connection *c, const char *url, 
 char *rt_metrics_text(rt *r);
 // Frees the idle upstream handles (at shutdown, no request running).
 void rt_pool_free(rt *r);
+// Counts a response of `status` in the router's /metrics. Locks rt.mu.
+void rt_count_status(rt *r, int status);
 // A replica failed at the transport level (connect error, reset): out of rotation until a poll
 // finds it ready. Locks rt.mu.
 void rt_replica_down(rt *r, int i, const char *why);
+
+// main.c: starts the health poller of slot k of the serving (pre false) or prefill set. False
+// (logged) if the thread cannot start. Call with rt.mu not held or held: it takes no lock.
+bool rt_poller_start(rt *r, bool pre, int k);
+// admin.c: GET / POST / DELETE /admin/replicas (docs/router.md, "Replicas at run time"): lists,
+// adds (or restores) and removes replicas. The caller checked the path; the key is checked here.
+enum MHD_Result rt_admin(rt *r, struct MHD_Connection *c, const char *method, const char *body,
+                         size_t n_body, bool too_large);
