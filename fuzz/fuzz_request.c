@@ -21,8 +21,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         di_tok_free(text);
     static const char *const stop[] = {"</", "\n\n"};
     di_parser *p = NULL;
-    if (di_parser_create(NULL, (di_parser_stage)(data[0] % 3), data[0] & 4, stop, 2, sink, NULL,
-                         &p) == DI_OK) {
+    if (di_parser_create(NULL, (di_parser_stage)(data[0] % 3), data[0] & 4, data[0] & 8, stop, 2,
+                         sink, NULL, &p) == DI_OK) {
         di_parser_feed(p, json, size - 1);
         di_parser_end(p, DI_PARSER_FINISH_STOP);
         di_parser_destroy(p);
