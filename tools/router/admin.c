@@ -41,7 +41,8 @@ static json_t *replica_json(const rt_replica *p, const char *role, int i) {
 static enum MHD_Result list(rt *r, struct MHD_Connection *c) {
     json_t *a = json_array();
     pthread_mutex_lock(&r->mu);
-    for (int i = 0; i < r->n_rep; i++) json_array_append_new(a, replica_json(&r->rep[i], "serve", i));
+    for (int i = 0; i < r->n_rep; i++)
+        json_array_append_new(a, replica_json(&r->rep[i], "serve", i));
     for (int i = 0; i < r->n_pre; i++)
         json_array_append_new(a, replica_json(&r->pre[i], "prefill", i));
     pthread_mutex_unlock(&r->mu);
@@ -107,9 +108,9 @@ static enum MHD_Result add(rt *r, struct MHD_Connection *c, const char *url, boo
         return send_err(r, c, 500, NULL, "Could not add replica %s (out of memory or threads).",
                         url);
     fprintf(stderr, "INFO  route: admin: %s replica %d (%s) added\n", role, k, url);
-    return send_ok(r, c, 201,
-                   json_pack("{s:s,s:s,s:s,s:i}", "status", "added", "url", url, "role", role,
-                             "index", k));
+    return send_ok(
+        r, c, 201,
+        json_pack("{s:s,s:s,s:s,s:i}", "status", "added", "url", url, "role", role, "index", k));
 }
 
 // DELETE: {"url": "http://host:port"}: the replica of either role with that url.
