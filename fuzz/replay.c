@@ -95,8 +95,9 @@ int main(int argc, char **argv) {
     int total = 0;
     for (int i = 1; i < argc; i++) {
         struct stat st;
-        int r = stat(argv[i], &st) != 0 ? -1 : S_ISDIR(st.st_mode) ? run_dir(argv[i])
-                                                                     : run_file(argv[i]);
+        int r = stat(argv[i], &st) != 0 ? -1
+                : S_ISDIR(st.st_mode)   ? run_dir(argv[i])
+                                        : run_file(argv[i]);
         if (r < 0) {
             fprintf(stderr, "replay: cannot read %s\n", argv[i]);
             return 1;

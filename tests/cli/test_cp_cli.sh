@@ -5,38 +5,13 @@
 # DSpark speculative decoding after the split prefill) over 2 and 3 ranks; a model mismatch is refused naming both sides;
 # a worker that goes away fails the run with a message naming it; bad options are usage errors.
 # Usage: test_cp_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
-set -u
-B=${1:?path to deepinfer}
-fail=0
-check() { # name, got, want
-    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
-}
-T=$(mktemp -d)
-W=()
-cleanup() {
-    for p in "${W[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-    rm -rf "$T"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/lib.sh" "$@" # B, check, fail, T (removed at exit), W, start_worker
 M=tests/data/fixtures/tiny/official
 ids=$(seq -s, 1 5 500) # 100 ids < 512
 
-# start_worker NAME [options]: a worker on port 0; its port (from its first stdout line) in $PORT.
-start_worker() {
-    local name=$1
-    shift
-    "$B" cp-worker --listen 127.0.0.1:0 --model $M --threads 1 --log-level error "$@" \
-        >"$T/$name.out" 2>"$T/$name.err" &
-    W+=($!)
-    for _ in $(seq 100); do
-        grep -q '^listening on' "$T/$name.out" 2>/dev/null && break
-        sleep 0.05
-    done
-    PORT=$(sed -n 's/^listening on .*:\([0-9]*\)$/\1/p' "$T/$name.out")
-}
-start_worker w1
+start_worker cp-worker w1
 P1=$PORT
-start_worker w2
+start_worker cp-worker w2
 P2=$PORT
 CP="127.0.0.1:$P1,127.0.0.1:$P2"
 check "workers listening" "$([ -n "$P1" ] && [ -n "$P2" ] && echo yes)" "yes"
@@ -60,7 +35,7 @@ check "MTP logits over 2 ranks identical" "$(cmp "$T/am.npy" "$T/bm.npy" && echo
 check "logits after a prefix identical" "$(cmp "$T/a.npy" "$T/c.npy" && echo same)" "same"
 check "MTP logits after a prefix identical" "$(cmp "$T/am.npy" "$T/cm.npy" && echo same)" "same"
 
-start_worker w3 --precision official
+start_worker cp-worker w3 --precision official
 P3=$PORT
 "$B" logits --model $M --tokens "$ids" --out "$T/d.npy" --threads 1 --precision official \
     --log-level error
@@ -89,9 +64,9 @@ mkdir -p "$M41"
 "$B" synth --out "$M41" --preset v41-tiny >/dev/null 2>&1
 M0=$M
 M=$M41
-start_worker v1
+start_worker cp-worker v1
 Q1=$PORT
-start_worker v2
+start_worker cp-worker v2
 Q2=$PORT
 CP41="127.0.0.1:$Q1,127.0.0.1:$Q2"
 check "V4.1 workers listening" "$([ -n "$Q1" ] && [ -n "$Q2" ] && echo yes)" "yes"

@@ -8,14 +8,7 @@
 # (The GPU's numbers: tests/backend/cuda/test_cuda_device.c, label cuda.)
 # Usage: test_device_cli.sh PATH/TO/deepinfer   (run from the source root by ctest; DI_HAVE_CUDA=1
 # in a DI_CUDA build)
-set -u
-B=${1:?path to deepinfer}
-fail=0
-check() { # name, got, want
-    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
-}
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
+source "$(dirname "$0")/lib.sh" "$@" # B, check, fail, T (removed at exit), W, start_worker
 M=tests/data/fixtures/tiny/hf
 ids=$(seq -s, 3 7 150)
 

@@ -3,38 +3,13 @@
 # byte-identical output to the single process; a worker that goes away fails the run with a
 # message naming it; bad options are usage errors.
 # Usage: test_ep_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
-set -u
-B=${1:?path to deepinfer}
-fail=0
-check() { # name, got, want
-    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
-}
-T=$(mktemp -d)
-W=()
-cleanup() {
-    for p in "${W[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-    rm -rf "$T"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/lib.sh" "$@" # B, check, fail, T (removed at exit), W, start_worker
 M=tests/data/fixtures/tiny/official
 ids=$(seq -s, 3 7 350) # 50 ids < 512
 
-# start_worker NAME [options]: a worker on port 0; its port (from its first stdout line) in $PORT.
-start_worker() {
-    local name=$1
-    shift
-    "$B" expert-worker --listen 127.0.0.1:0 --model $M --threads 1 --log-level error "$@" \
-        >"$T/$name.out" 2>"$T/$name.err" &
-    W+=($!)
-    for _ in $(seq 100); do
-        grep -q '^listening on' "$T/$name.out" 2>/dev/null && break
-        sleep 0.05
-    done
-    PORT=$(sed -n 's/^listening on .*:\([0-9]*\)$/\1/p' "$T/$name.out")
-}
-start_worker w1
+start_worker expert-worker w1
 P1=$PORT
-start_worker w2
+start_worker expert-worker w2
 P2=$PORT
 EP="127.0.0.1:$P1,127.0.0.1:$P2"
 check "workers listening" "$([ -n "$P1" ] && [ -n "$P2" ] && echo yes)" "yes"

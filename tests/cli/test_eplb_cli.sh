@@ -2,14 +2,7 @@
 # CLI test: deepinfer eplb plans a placement from a load file, keeps it when re-planned against it
 # (0 moves), counts the front's shared-expert load on rank 0 by default, refuses bad input with a clear message and exit status, and --bench prints its table.
 # Usage: test_eplb_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
-set -u
-B=${1:?path to deepinfer}
-fail=0
-check() { # name, got, want
-    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
-}
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
+source "$(dirname "$0")/lib.sh" "$@" # B, check, fail, T (removed at exit), W, start_worker
 
 # 2 layers of 8 experts; expert 3 of layer 0 and expert 6 of layer 1 are hot.
 cat > "$T/load.json" <<'J'

@@ -7,12 +7,7 @@
 # scalar level (the reference arithmetic, same contract) within TOL_LEVEL of the AVX2 level;
 # malformed files and options fail cleanly.
 # Usage: test_gguf_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
-set -u
-B=${1:?path to deepinfer}
-fail=0
-check() { # name, got, want
-    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
-}
+source "$(dirname "$0")/lib.sh" "$@" # B, check, fail, T (removed at exit), W, start_worker
 # Tolerances, on the median over tokens of max |a - b| / max |b| per token's logits.
 # TOL_ACT: MXFP4 experts with 8-bit vs f32 activations (measured median 1.5e-2, 1.2e-2..2.7e-1 per
 # token: each activation moves by up to ~0.56 of its block's d = amax/127, and this random model
@@ -42,8 +37,6 @@ within() { # name, value, bound
     echo "     $1: $2 (bound $3)"
     check "$1" "$(awk -v v="$2" -v b="$3" 'BEGIN { print (v != "nan" && v + 0 <= b + 0) ? "yes" : "no" }')" "yes"
 }
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
 ids=5,17,300,4000,129000,7,7,7,1,2,3,99,12345,6,60000,21
 ids8=5,17,300,4000,129000,7,7,7 # the scalar level is slow
 "$B" synth --preset tiny --out "$T/st" 2>/dev/null

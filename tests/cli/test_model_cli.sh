@@ -2,14 +2,7 @@
 # CLI test: deepinfer info / logits / generate / synth on the committed fixtures and on a
 # synthesised checkpoint, including exit codes for bad input.
 # Usage: test_model_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
-set -u
-B=${1:?path to deepinfer}
-fail=0
-check() { # name, got, want
-    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
-}
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
+source "$(dirname "$0")/lib.sh" "$@" # B, check, fail, T (removed at exit), W, start_worker
 M=tests/data/fixtures/tiny/hf
 ids=$(seq -s, 3 7 350)   # 50 ids < 512
 

@@ -1,14 +1,7 @@
 #!/usr/bin/env bash
 # CLI test: deepinfer tokenize / detokenize / render (src/tok through the public API).
 # Usage: test_tok_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
-set -u
-B=${1:?path to deepinfer}
-fail=0
-check() { # name, got, want
-    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
-}
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
+source "$(dirname "$0")/lib.sh" "$@" # B, check, fail, T (removed at exit), W, start_worker
 
 check "tokenize plain" "$("$B" tokenize '<｜User｜>hi')" "30 28217 6756 28217 32 6366"
 check "special recognised" "$("$B" tokenize --special '<｜User｜>')" "128803"

@@ -3,14 +3,7 @@
 # --dspark) / generate on it, and deepinfer bench (the serving engine's V4.1 forward, with and
 # without speculative decoding, and its prefix reuse).
 # Usage: test_v41_cli.sh PATH/TO/deepinfer   (run from the source root by ctest)
-set -u
-B=${1:?path to deepinfer}
-fail=0
-check() { # name, got, want
-    if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; fail=1; fi
-}
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
+source "$(dirname "$0")/lib.sh" "$@" # B, check, fail, T (removed at exit), W, start_worker
 "$B" synth --preset v41-tiny --out "$T/off" --seed 3 2>/dev/null
 check "synth official" "$?" "0"
 "$B" synth --preset v41-tiny --layout hf --out "$T/hf" --seed 3 2>/dev/null
