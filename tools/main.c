@@ -19,6 +19,8 @@ static const struct {
      "serving-engine throughput: tokens/s, TTFT/ITL, KV usage, 16-vs-1 ratio"},
     {"serve", di_cli_serve,
      "HTTP server: OpenAI Chat/Completions/Responses and Anthropic Messages"},
+    {"batch", di_cli_batch,
+     "answer a file of OpenAI Batch requests (JSONL) offline, as serve would"},
     {"route", di_cli_route, "load balancer over serve replicas: prefix affinity, health, failover"},
     {"eplb", di_cli_eplb, "plan an expert-parallel placement (EPLB) from a routing load"},
     {"expert-worker", di_cli_expert_worker,

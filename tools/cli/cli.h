@@ -15,6 +15,7 @@ int di_cli_convert(int argc, char **argv);
 int di_cli_bench(int argc, char **argv);         // tools/cli/bench.c
 int di_cli_eplb(int argc, char **argv);          // tools/cli/eplb.c
 int di_cli_serve(int argc, char **argv);         // tools/server/main.c
+int di_cli_batch(int argc, char **argv);         // tools/server/main.c (batch.c)
 int di_cli_route(int argc, char **argv);         // tools/router/main.c
 int di_cli_expert_worker(int argc, char **argv); // tools/cli/worker.c
 int di_cli_cp_worker(int argc, char **argv);     // tools/cli/worker.c

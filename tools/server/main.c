@@ -157,7 +157,21 @@ static void config_model(const char *dir, bool *v41, int32_t *n_vocab) {
     json_decref(cfg);
 }
 
-int di_cli_serve(int argc, char **argv) {
+static void batch_usage(FILE *f) {
+    fprintf(f,
+            "usage: deepinfer batch --input FILE|- [--output FILE|-] [--concurrency 64]\n"
+            "                       [every model and engine option of deepinfer serve]\n"
+            "Answers a file of requests in the OpenAI Batch input format (one JSON object per\n"
+            "line: {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"}, url one of\n"
+            "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages) with the serve\n"
+            "routes' validation, prompts and answers, up to --concurrency requests in the engine\n"
+            "at once, and writes one line of the Batch output format per input line as it\n"
+            "completes (--output, default stdout; docs/server.md, \"Offline batches\").\n");
+}
+
+// deepinfer serve, or with `batch` deepinfer batch: the same model, engine and request handling,
+// its requests read from a file instead of HTTP.
+static int serve_main(int argc, char **argv, bool batch) {
     srv *s = calloc(1, sizeof *s);
     if (!s) return 1;
     srv_config *c = &s->cfg;
@@ -172,8 +186,24 @@ int di_cli_serve(int argc, char **argv) {
     ma.opt = di_model_options_default();
     long v;
     int rc = 2;
+    const char *batch_in = NULL, *batch_out = "-";
+    int batch_concurrency = 64;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        if (batch && (!strcmp(a, "--input") || !strcmp(a, "--output")) && i + 1 < argc) {
+            *(!strcmp(a, "--input") ? &batch_in : &batch_out) = argv[++i];
+            continue;
+        }
+        if (batch && !strcmp(a, "--concurrency") && i + 1 < argc) {
+            if (!di_args_int(argv[++i], "--concurrency", 1, 4096, &v)) goto out;
+            batch_concurrency = (int)v;
+            continue;
+        }
+        if (batch && (!strcmp(a, "--help") || !strcmp(a, "-h"))) {
+            batch_usage(stdout);
+            rc = 0;
+            goto out;
+        }
         int m = di_args_model_option(argc, argv, &i, &ma);
         if (m < 0) goto out;
         if (m > 0) continue;
@@ -287,10 +317,19 @@ int di_cli_serve(int argc, char **argv) {
             }
             c->keepalive_s = ka;
         } else {
-            fprintf(stderr, "serve: unknown or incomplete option '%s'\n", a);
-            usage(stderr);
+            fprintf(stderr, "%s: unknown or incomplete option '%s'\n", batch ? "batch" : "serve",
+                    a);
+            if (batch)
+                batch_usage(stderr);
+            else
+                usage(stderr);
             goto out;
         }
+    }
+    if (batch && !batch_in) {
+        fprintf(stderr, "batch: --input FILE (or - for stdin) is needed\n");
+        batch_usage(stderr);
+        goto out;
     }
     rc = 1;
     bool builtin = !ma.model;
@@ -381,6 +420,13 @@ int di_cli_serve(int argc, char **argv) {
                 di_tokenizer_n_vocab(s->tok), n_vocab, n_vocab);
     int32_t mp = config_ctx(ma.model);
     s->n_ctx = mp > 0 && mp < c->max_ctx ? mp : c->max_ctx;
+    if (batch) {
+        if (batch_concurrency > c->max_inflight) batch_concurrency = c->max_inflight;
+        fprintf(stderr, "INFO  batch: model '%s', context %d, up to %d requests at once\n",
+                c->model_name, s->n_ctx, batch_concurrency);
+        rc = srv_run_batch(s, batch_in, batch_out, batch_concurrency);
+        goto out;
+    }
     srv_http_on_signals();
     srv_http *h = NULL;
     if (!srv_http_start(s, &h)) goto out;
@@ -403,4 +449,12 @@ out:
     if (s->started_at) pthread_mutex_destroy(&s->metrics_mu);
     free(s);
     return rc;
+}
+
+int di_cli_serve(int argc, char **argv) {
+    return serve_main(argc, argv, false);
+}
+
+int di_cli_batch(int argc, char **argv) {
+    return serve_main(argc, argv, true);
 }

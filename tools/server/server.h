@@ -353,6 +353,12 @@ bool srv_completions_prepare(srv *s, json_t *req, bool beta, srv_gen **out, srv_
 bool srv_responses_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
 bool srv_messages_prepare(srv *s, json_t *req, srv_gen **out, srv_err *e);
 
+// batch.c: `deepinfer batch` (docs/server.md, "Offline batches"): the OpenAI Batch input file
+// in_path ("-": stdin) answered into out_path ("-": stdout), up to `concurrency` requests in the
+// engine at once, answers in completion order. 0, or 1 when a file cannot be read or written
+// (the lines' own errors are answers, not failures).
+int srv_run_batch(srv *s, const char *in_path, const char *out_path, int concurrency);
+
 // http.c
 typedef struct srv_http srv_http;
 // Handles one complete request (the body collected up to max_body_bytes; too_large: it was over
