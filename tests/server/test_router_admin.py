@@ -119,3 +119,46 @@ def test_router_admin_off():
     finally:
         router.stop()
         a.stop()
+
+
+def long_chat(seed):
+    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box "
+             "jovial zebras near old stone bridges under pale autumn skies").split()
+    text = " ".join(words[(i * 7 + seed) % len(words)] for i in range(300))
+    return {"model": MODEL, "temperature": 0, "max_tokens": 4,
+            "messages": [{"role": "user", "content": text}]}
+
+
+def test_router_admin_prefill():
+    """A prefill replica added at run time turns prefill/decode disaggregation on (the first
+    prefill ring made then); removed, requests fall back to the decode replica, same answers."""
+    ref, pre, dec = Server(), Server(["--kv-transfer"]), Server(["--kv-transfer"])
+    router = Router([dec], extra=["--admin-key", KEY, "--pd-min-bytes", "1000"])
+    try:
+        def outcome(k):
+            return router.metrics().get(f'deepinfer:router_pd_requests_total{{outcome="{k}"}}', 0)
+
+        def same_as_ref(seed):
+            body = long_chat(seed)
+            st, _, got = post(router, "/v1/chat/completions", body)
+            assert st == 200, got
+            assert got["choices"] == post(ref, "/v1/chat/completions", body)[2]["choices"]
+
+        same_as_ref(1)  # no prefill replica: one replica serves it whole
+        assert outcome("ok") == 0
+        st, body = admin(router, "POST", {"url": pre.base, "role": "prefill"})
+        assert st == 201 and body["role"] == "prefill" and body["index"] == 0, body
+        wait_for(lambda: router.healthy("deepinfer:router_prefill_replica_healthy") == [1],
+                 "the prefill replica in rotation")
+        same_as_ref(2)
+        assert outcome("ok") == 1
+        assert dec.metrics()["deepinfer:kv_transfer_imports_total"] == 1
+        assert admin(router, "DELETE", {"url": pre.base})[0] == 200
+        same_as_ref(3)  # no usable prefill replica: the decode replica computes the prompt
+        assert outcome("ok") == 1 and outcome("fallback") == 1
+        roles = sorted((r["role"], r["removed"]) for r in admin(router, "GET")[1]["replicas"])
+        assert roles == [("prefill", True), ("serve", False)]
+    finally:
+        router.stop()
+        for s in (ref, pre, dec):
+            s.stop()
