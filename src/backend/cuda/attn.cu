@@ -188,6 +188,7 @@ static di_status attn_launch(di_cuda *cu, const float *q, Rows rows, const int32
                              const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
                              bool round_p, float *o) {
     if (n_tok <= 0 || H <= 0) return DI_OK;
+    if ((int64_t)n_tok * H > INT32_MAX) return DI_ERR_INVALID; // gridDim.x: one block per (t, h)
     const size_t smem = sizeof(float) * ((size_t)dh * (1 + ATTN_WARPS) + (size_t)max_keys);
     if (smem > cu->smem_optin) {
         DI_CUDA_LOG_ERROR("attention: %d keys need %zu bytes of shared memory (limit %zu)",
@@ -630,7 +631,11 @@ di_status attn_tc_launch(di_cuda *cu, const float *q, const uint8_t *pool, const
     const int64_t chunk = (max_tiles + ns - 1) / ns * TC_BN; // whole tiles per split
     if (chunk > 0) ns = (max_keys + chunk - 1) / chunk;
     const int64_t n_blocks = (int64_t)n_tok * ns;
-    if (n_blocks > 0x7FFFFFFF || groups > 65535) return DI_ERR_INVALID;
+    // gridDim.x (rows x splits) and gridDim.y (head groups: H up to 65,535 x 64) limits; the
+    // combine's grid is one block per (t, h).
+    if (n_blocks > 0x7FFFFFFF || groups > DI_CUDA_MAX_GRID_Y ||
+        (ns > 1 && (int64_t)n_tok * H > 0x7FFFFFFF))
+        return DI_ERR_INVALID;
     float *o_part = NULL, *ml_part = NULL;
     di_status st = DI_OK;
     if (ns > 1) {

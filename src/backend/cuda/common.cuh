@@ -61,6 +61,18 @@ static inline unsigned di_div_up(int64_t a, int64_t b) {
     return (unsigned)((a + b - 1) / b);
 }
 
+// ---- launch limits ----
+
+// gridDim.y (and z) is at most 65,535, gridDim.x 2^31 - 1. A kernel with one grid row per call
+// row (or per tile of rows) launches di_grid_y(n) rows and loops over the rest:
+//     for (int64_t t = blockIdx.y; t < n; t += gridDim.y) ...
+// so a call of any row count launches (before: more than 65,535 rows was a launch error).
+enum { DI_CUDA_MAX_GRID_Y = 65535 };
+
+static inline unsigned di_grid_y(int64_t n) {
+    return (unsigned)(n < DI_CUDA_MAX_GRID_Y ? n : DI_CUDA_MAX_GRID_Y);
+}
+
 // ---- reductions ----
 
 __device__ __forceinline__ float di_warp_sum(float v) {

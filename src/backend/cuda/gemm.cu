@@ -204,21 +204,23 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_kernel(const di_tensor w, const float *__restrict__ x, int64_t n_tok, int64_t x_stride,
                 float *__restrict__ y, int64_t y_stride, int vec) {
     const int64_t o0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_ROWS;
-    const int64_t t0 = (int64_t)blockIdx.y * NT;
     if (o0 >= w.ne[1]) return;
     const int nr = (int)(w.ne[1] - o0 < GEMV_ROWS ? w.ne[1] - o0 : GEMV_ROWS);
-    const int nt = (int)(n_tok - t0 < NT ? n_tok - t0 : NT);
-    const float *xs[NT];
+    // Grid rows loop over the token passes (di_grid_y: any n_tok).
+    for (int64_t t0 = (int64_t)blockIdx.y * NT; t0 < n_tok; t0 += (int64_t)gridDim.y * NT) {
+        const int nt = (int)(n_tok - t0 < NT ? n_tok - t0 : NT);
+        const float *xs[NT];
 #pragma unroll
-    for (int j = 0; j < NT; j++) xs[j] = x + (t0 + (j < nt ? j : 0)) * x_stride;
-    float acc[GEMV_ROWS][NT];
-    gemv_rows<NT, GEMV_ROWS>(w, o0, nr, xs, nt, vec, acc);
-    if ((threadIdx.x & 31) == 0) {
+        for (int j = 0; j < NT; j++) xs[j] = x + (t0 + (j < nt ? j : 0)) * x_stride;
+        float acc[GEMV_ROWS][NT];
+        gemv_rows<NT, GEMV_ROWS>(w, o0, nr, xs, nt, vec, acc);
+        if ((threadIdx.x & 31) == 0) {
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++)
+            for (int r = 0; r < GEMV_ROWS; r++)
 #pragma unroll
-            for (int j = 0; j < NT; j++)
-                if (r < nr && j < nt) y[(t0 + j) * y_stride + o0 + r] = acc[r][j];
+                for (int j = 0; j < NT; j++)
+                    if (r < nr && j < nt) y[(t0 + j) * y_stride + o0 + r] = acc[r][j];
+        }
     }
 }
 
@@ -232,7 +234,8 @@ extern "C" di_status di_cuda_matmul_gemv(di_cuda *cu, const di_tensor *w, const 
         gemv_kernel<1>
             <<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(*w, x, n_tok, x_stride, y, y_stride, vec);
     } else {
-        dim3 grid(di_div_up(w->ne[1], GEMV_WARPS * GEMV_ROWS), di_div_up(n_tok, GEMV_NT));
+        dim3 grid(di_div_up(w->ne[1], GEMV_WARPS * GEMV_ROWS),
+                  di_grid_y(di_div_up(n_tok, GEMV_NT)));
         gemv_kernel<GEMV_NT>
             <<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(*w, x, n_tok, x_stride, y, y_stride, vec);
     }
@@ -250,43 +253,47 @@ __global__ void __launch_bounds__(TILE_THREADS)
     __shared__ float ws[TK][TM + 4]; // [column][row]
     __shared__ float xs[TK][TN + 4]; // [column][token]
     const int tid = threadIdx.x;
-    const int64_t o0 = (int64_t)blockIdx.x * TM, t0 = (int64_t)blockIdx.y * TN;
+    const int64_t o0 = (int64_t)blockIdx.x * TM;
     const int64_t n = w.ne[0], n_out = w.ne[1];
     const int lr = tid >> 2, lc = (tid & 3) * 8; // loader: row/token lr, columns lc..lc+7
     const int ty = tid >> 4, tx = tid & 15;      // compute: rows ty*4.., tokens tx*4..
-    float acc[4][4] = {};
-    for (int64_t k0 = 0; k0 < n; k0 += TK) {
-        {
-            const int64_t o = o0 + lr, c = k0 + lc;
-            float v[8];
-            if (o < n_out && vec && c + 8 <= n) {
-                decode8(w, o, c, v);
-            } else {
+    // Grid rows loop over the token tiles (di_grid_y: any n_tok); the k loop's last barrier
+    // frees ws and xs for the next tile.
+    for (int64_t t0 = (int64_t)blockIdx.y * TN; t0 < n_tok; t0 += (int64_t)gridDim.y * TN) {
+        float acc[4][4] = {};
+        for (int64_t k0 = 0; k0 < n; k0 += TK) {
+            {
+                const int64_t o = o0 + lr, c = k0 + lc;
+                float v[8];
+                if (o < n_out && vec && c + 8 <= n) {
+                    decode8(w, o, c, v);
+                } else {
+                    for (int i = 0; i < 8; i++)
+                        v[i] = (o < n_out && c + i < n) ? di_w_at(w, o, c + i) : 0.0f;
+                }
+                for (int i = 0; i < 8; i++) ws[lc + i][lr] = v[i];
+                const int64_t t = t0 + lr;
                 for (int i = 0; i < 8; i++)
-                    v[i] = (o < n_out && c + i < n) ? di_w_at(w, o, c + i) : 0.0f;
+                    xs[lc + i][lr] = (t < n_tok && c + i < n) ? x[t * x_stride + c + i] : 0.0f;
             }
-            for (int i = 0; i < 8; i++) ws[lc + i][lr] = v[i];
-            const int64_t t = t0 + lr;
-            for (int i = 0; i < 8; i++)
-                xs[lc + i][lr] = (t < n_tok && c + i < n) ? x[t * x_stride + c + i] : 0.0f;
-        }
-        __syncthreads();
+            __syncthreads();
 #pragma unroll 8
-        for (int k = 0; k < TK; k++) {
-            float a[4], b[4];
-            for (int i = 0; i < 4; i++) a[i] = ws[k][ty * 4 + i];
-            for (int j = 0; j < 4; j++) b[j] = xs[k][tx * 4 + j];
-            for (int i = 0; i < 4; i++)
-                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+            for (int k = 0; k < TK; k++) {
+                float a[4], b[4];
+                for (int i = 0; i < 4; i++) a[i] = ws[k][ty * 4 + i];
+                for (int j = 0; j < 4; j++) b[j] = xs[k][tx * 4 + j];
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+            }
+            __syncthreads();
         }
-        __syncthreads();
-    }
-    for (int i = 0; i < 4; i++) {
-        const int64_t o = o0 + ty * 4 + i;
-        if (o >= n_out) continue;
-        for (int j = 0; j < 4; j++) {
-            const int64_t t = t0 + tx * 4 + j;
-            if (t < n_tok) y[t * y_stride + o] = acc[i][j];
+        for (int i = 0; i < 4; i++) {
+            const int64_t o = o0 + ty * 4 + i;
+            if (o >= n_out) continue;
+            for (int j = 0; j < 4; j++) {
+                const int64_t t = t0 + tx * 4 + j;
+                if (t < n_tok) y[t * y_stride + o] = acc[i][j];
+            }
         }
     }
 }
@@ -295,7 +302,7 @@ extern "C" di_status di_cuda_matmul_tiled(di_cuda *cu, const di_tensor *w, const
                                           int64_t n_tok, int64_t x_stride, float *y,
                                           int64_t y_stride) {
     if (n_tok <= 0 || w->ne[1] <= 0) return DI_OK;
-    dim3 grid(di_div_up(w->ne[1], TM), di_div_up(n_tok, TN));
+    dim3 grid(di_div_up(w->ne[1], TM), di_grid_y(di_div_up(n_tok, TN)));
     tiled_kernel<<<grid, TILE_THREADS, 0, di_stream(cu)>>>(*w, x, n_tok, x_stride, y, y_stride,
                                                            vec8_ok(w));
     DI_CUDA_LAUNCHED("tiled_kernel");
@@ -312,14 +319,10 @@ extern "C" di_status di_cuda_matmul(di_cuda *cu, const di_tensor *w, const float
 // ---- grouped experts: one launch, blockIdx.y = expert ----
 
 template <int NT>
-__global__ void __launch_bounds__(GEMV_WARPS * 32)
-    grouped_kernel(const di_tensor *__restrict__ experts, const int32_t *__restrict__ offsets,
-                   const int32_t *__restrict__ x_rows, const float *__restrict__ x,
-                   int64_t x_stride, float *__restrict__ y, int64_t y_stride, int vec) {
-    const int e = blockIdx.y;
-    const int32_t r0 = offsets[e], r1 = offsets[e + 1];
-    if (r0 >= r1) return; // expert without tokens: its weights are never read
-    const di_tensor w = experts[e];
+__device__ __forceinline__ void grouped_expert(const di_tensor &w, int32_t r0, int32_t r1,
+                                               const int32_t *__restrict__ x_rows,
+                                               const float *__restrict__ x, int64_t x_stride,
+                                               float *__restrict__ y, int64_t y_stride, int vec) {
     const int64_t o0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_ROWS;
     if (o0 >= w.ne[1]) return;
     const int nr = (int)(w.ne[1] - o0 < GEMV_ROWS ? w.ne[1] - o0 : GEMV_ROWS);
@@ -344,6 +347,21 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
 }
 
+// Grid rows loop over the experts (di_grid_y: any n_expert).
+template <int NT>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    grouped_kernel(const di_tensor *__restrict__ experts, int32_t n_expert,
+                   const int32_t *__restrict__ offsets, const int32_t *__restrict__ x_rows,
+                   const float *__restrict__ x, int64_t x_stride, float *__restrict__ y,
+                   int64_t y_stride, int vec) {
+    for (int64_t e = blockIdx.y; e < n_expert; e += gridDim.y) {
+        const int32_t r0 = offsets[e], r1 = offsets[e + 1];
+        if (r0 >= r1) continue; // expert without tokens: its weights are never read
+        const di_tensor w = experts[e];
+        grouped_expert<NT>(w, r0, r1, x_rows, x, x_stride, y, y_stride, vec);
+    }
+}
+
 extern "C" di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *experts, int32_t n_expert,
                                             int64_t n_out, int64_t n_in, const int32_t *offsets,
                                             const int32_t *x_rows, const float *x, int64_t x_stride,
@@ -353,13 +371,13 @@ extern "C" di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *expert
     // one layer share kind, block sizes and strides (weights.c checks every shape at load).
     // Expert kinds: FP4 (block 32), FP8 (128) or float kinds, rows packed (nb1 = natural size).
     const int vec = n_in % 16 == 0 ? 16 : n_in % 8 == 0 ? 8 : 0;
-    dim3 grid(di_div_up(n_out, GEMV_WARPS * GEMV_ROWS), (unsigned)n_expert);
+    dim3 grid(di_div_up(n_out, GEMV_WARPS * GEMV_ROWS), di_grid_y(n_expert));
     if (rows_hint == 1)
-        grouped_kernel<1><<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(experts, offsets, x_rows, x,
-                                                                       x_stride, y, y_stride, vec);
+        grouped_kernel<1><<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(
+            experts, n_expert, offsets, x_rows, x, x_stride, y, y_stride, vec);
     else
         grouped_kernel<GEMV_NT><<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(
-            experts, offsets, x_rows, x, x_stride, y, y_stride, vec);
+            experts, n_expert, offsets, x_rows, x, x_stride, y, y_stride, vec);
     DI_CUDA_LAUNCHED("grouped_kernel");
     return DI_OK;
 }

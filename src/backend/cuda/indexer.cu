@@ -8,44 +8,47 @@ enum { TOPK_THREADS = 1024 };
 // ---- scores ----
 
 // Block (row t, 64 entries): the row's qI [HI, DI] and wI [HI] in shared memory; a warp per entry,
-// lanes over DI (coalesced key reads), ReLU then the head weight, summed in head order.
+// lanes over DI (coalesced key reads), ReLU then the head weight, summed in head order. Grid rows
+// loop over the call's rows (di_grid_y: any n_tok).
 __global__ void __launch_bounds__(IDX_THREADS)
     scores_kernel(const float *__restrict__ qi, const float *__restrict__ wi,
                   const float *__restrict__ keys, const int64_t *__restrict__ key_base,
                   const int32_t *__restrict__ pages, const int32_t *__restrict__ page_off,
-                  int32_t per_page, const int32_t *__restrict__ n_vis, int32_t HI, int32_t DI,
-                  bool round_bf16, float *__restrict__ scores, int64_t score_stride) {
+                  int32_t per_page, const int32_t *__restrict__ n_vis, int32_t n_tok, int32_t HI,
+                  int32_t DI, bool round_bf16, float *__restrict__ scores, int64_t score_stride) {
     extern __shared__ float qs[]; // [HI * DI] then wI [HI]
     float *ws = qs + (int64_t)HI * DI;
-    const int64_t t = blockIdx.y;
-    const int32_t vis = n_vis[t];
-    const int64_t w0 = (int64_t)blockIdx.x * IDX_KEYS_PER_BLOCK;
-    if (w0 >= vis) return;
-    for (int64_t i = threadIdx.x; i < (int64_t)HI * DI; i += blockDim.x)
-        qs[i] = qi[t * HI * DI + i];
-    for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
-    __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t kb = key_base ? key_base[t] : 0;
-    for (int64_t w = w0 + warp; w < w0 + IDX_KEYS_PER_BLOCK && w < vis; w += IDX_WARPS) {
-        int64_t row = kb + w; // contiguous entries, or the paged entry w (warp-uniform)
-        if (pages) {
-            const int32_t pg = pages[page_off[t] + w / per_page];
-            if (pg < 0) {
-                if (lane == 0) scores[t * score_stride + w] = -INFINITY;
-                continue;
+    const int64_t w0 = (int64_t)blockIdx.x * IDX_KEYS_PER_BLOCK;
+    for (int64_t t = blockIdx.y; t < n_tok; t += gridDim.y) {
+        const int32_t vis = n_vis[t];
+        if (w0 >= vis) continue; // block-uniform
+        __syncthreads();         // every warp is done with the previous row's qs
+        for (int64_t i = threadIdx.x; i < (int64_t)HI * DI; i += blockDim.x)
+            qs[i] = qi[t * HI * DI + i];
+        for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
+        __syncthreads();
+        const int64_t kb = key_base ? key_base[t] : 0;
+        for (int64_t w = w0 + warp; w < w0 + IDX_KEYS_PER_BLOCK && w < vis; w += IDX_WARPS) {
+            int64_t row = kb + w; // contiguous entries, or the paged entry w (warp-uniform)
+            if (pages) {
+                const int32_t pg = pages[page_off[t] + w / per_page];
+                if (pg < 0) {
+                    if (lane == 0) scores[t * score_stride + w] = -INFINITY;
+                    continue;
+                }
+                row = kb + (int64_t)pg * per_page + w % per_page;
             }
-            row = kb + (int64_t)pg * per_page + w % per_page;
+            const float *k = keys + row * DI;
+            float acc = 0.0f;
+            for (int32_t h = 0; h < HI; h++) {
+                float dot = 0.0f;
+                for (int32_t d = lane; d < DI; d += 32) dot = fmaf(qs[h * DI + d], k[d], dot);
+                dot = di_warp_sum(dot);
+                acc += ws[h] * (dot > 0 ? dot : 0); // ReLU, then the head weight
+            }
+            if (lane == 0) scores[t * score_stride + w] = round_bf16 ? di_round_bf16_dev(acc) : acc;
         }
-        const float *k = keys + row * DI;
-        float acc = 0.0f;
-        for (int32_t h = 0; h < HI; h++) {
-            float dot = 0.0f;
-            for (int32_t d = lane; d < DI; d += 32) dot = fmaf(qs[h * DI + d], k[d], dot);
-            dot = di_warp_sum(dot);
-            acc += ws[h] * (dot > 0 ? dot : 0); // ReLU, then the head weight
-        }
-        if (lane == 0) scores[t * score_stride + w] = round_bf16 ? di_round_bf16_dev(acc) : acc;
     }
 }
 
@@ -60,10 +63,10 @@ extern "C" di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const 
     if (n_tok <= 0 || max_vis <= 0) return DI_OK;
     CUDA_CHECK(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)smem));
-    dim3 grid(di_div_up(max_vis, IDX_KEYS_PER_BLOCK), (unsigned)n_tok);
+    dim3 grid(di_div_up(max_vis, IDX_KEYS_PER_BLOCK), di_grid_y(n_tok));
     scores_kernel<<<grid, IDX_THREADS, smem, di_stream(cu)>>>(qi, wi, keys, key_base, pages,
-                                                              page_off, per_page, n_vis, HI, DI,
-                                                              round_bf16, scores, score_stride);
+                                                              page_off, per_page, n_vis, n_tok, HI,
+                                                              DI, round_bf16, scores, score_stride);
     DI_CUDA_LAUNCHED("scores_kernel");
     return DI_OK;
 }

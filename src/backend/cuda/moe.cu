@@ -155,29 +155,30 @@ extern "C" di_status di_cuda_swiglu(di_cuda *cu, float *g, const float *u, int64
 
 __global__ void combine_kernel(const float *__restrict__ y, const int32_t *__restrict__ row_of_pair,
                                const int32_t *__restrict__ sel, const float *__restrict__ wgt,
-                               const float *__restrict__ shared, int32_t K, int64_t D,
-                               float *__restrict__ out) {
-    const int64_t t = blockIdx.y;
+                               const float *__restrict__ shared, int32_t n_tok, int32_t K,
+                               int64_t D, float *__restrict__ out) {
     const int64_t d = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= D) return;
-    // The token's slots sorted by (expert, slot): the CPU adds experts in ascending id.
-    int order[MAX_K];
-    for (int k = 0; k < K; k++) order[k] = k;
-    for (int i = 1; i < K; i++)
-        for (int j = i; j > 0 && sel[t * K + order[j]] < sel[t * K + order[j - 1]]; j--) {
-            const int tmp = order[j];
-            order[j] = order[j - 1];
-            order[j - 1] = tmp;
+    for (int64_t t = blockIdx.y; t < n_tok; t += gridDim.y) { // di_grid_y: any n_tok
+        // The token's slots sorted by (expert, slot): the CPU adds experts in ascending id.
+        int order[MAX_K];
+        for (int k = 0; k < K; k++) order[k] = k;
+        for (int i = 1; i < K; i++)
+            for (int j = i; j > 0 && sel[t * K + order[j]] < sel[t * K + order[j - 1]]; j--) {
+                const int tmp = order[j];
+                order[j] = order[j - 1];
+                order[j - 1] = tmp;
+            }
+        float acc = 0.0f;
+        for (int i = 0; i < K; i++) {
+            const int k = order[i];
+            // Separate product and sum roundings, as the CPU's y *= w; o += y.
+            const float yv = y[(int64_t)row_of_pair[t * K + k] * D + d];
+            acc = __fadd_rn(acc, wgt ? __fmul_rn(yv, wgt[t * K + k]) : yv);
         }
-    float acc = 0.0f;
-    for (int i = 0; i < K; i++) {
-        const int k = order[i];
-        // Separate product and sum roundings, as the CPU's y *= w; o += y.
-        const float yv = y[(int64_t)row_of_pair[t * K + k] * D + d];
-        acc = __fadd_rn(acc, wgt ? __fmul_rn(yv, wgt[t * K + k]) : yv);
+        if (shared) acc = __fadd_rn(acc, shared[t * D + d]);
+        out[t * D + d] = acc;
     }
-    if (shared) acc = __fadd_rn(acc, shared[t * D + d]);
-    out[t * D + d] = acc;
 }
 
 extern "C" di_status di_cuda_moe_combine(di_cuda *cu, const float *y, const int32_t *row_of_pair,
@@ -185,8 +186,10 @@ extern "C" di_status di_cuda_moe_combine(di_cuda *cu, const float *y, const int3
                                          int32_t n_tok, int32_t K, int64_t D, float *out) {
     if (K < 1 || K > MAX_K) return DI_ERR_INVALID;
     if (n_tok <= 0) return DI_OK;
-    dim3 grid(di_div_up(D, 256), (unsigned)n_tok);
-    combine_kernel<<<grid, 256, 0, di_stream(cu)>>>(y, row_of_pair, sel, wgt, shared, K, D, out);
+    if (D <= 0) return DI_OK;
+    dim3 grid(di_div_up(D, 256), di_grid_y(n_tok));
+    combine_kernel<<<grid, 256, 0, di_stream(cu)>>>(y, row_of_pair, sel, wgt, shared, n_tok, K, D,
+                                                    out);
     DI_CUDA_LAUNCHED("combine_kernel");
     return DI_OK;
 }

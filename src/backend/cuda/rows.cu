@@ -2,12 +2,8 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/rows.cuh"
 
-// Grid rows (blockIdx.y) are capped here and the kernels loop over the rest: gridDim.y <= 65535.
-enum { ROWS_THREADS = 256, ROWS_MAX_GRID_Y = 65535 };
-
-static inline unsigned grid_rows(int64_t n) {
-    return (unsigned)(n < ROWS_MAX_GRID_Y ? n : ROWS_MAX_GRID_Y);
-}
+// Grid rows (blockIdx.y) are capped (di_grid_y) and the kernels loop over the rest.
+enum { ROWS_THREADS = 256 };
 
 // ---- embedding ----
 
@@ -114,7 +110,7 @@ extern "C" di_status di_cuda_embed(di_cuda *cu, const di_tensor *table, const in
         return DI_ERR_INVALID;
     }
     if (n <= 0 || table->ne[0] <= 0) return DI_OK;
-    dim3 grid(di_div_up(table->ne[0], ROWS_THREADS), grid_rows(n));
+    dim3 grid(di_div_up(table->ne[0], ROWS_THREADS), di_grid_y(n));
     embed_kernel<<<grid, ROWS_THREADS, 0, di_stream(cu)>>>(*table, ids, n, copies, x);
     DI_CUDA_LAUNCHED("embed_kernel");
     return DI_OK;
@@ -143,7 +139,7 @@ extern "C" di_status di_cuda_scatter_rows(di_cuda *cu, const float *src, int64_t
                                           int64_t dst_stride, const int32_t *dst_rows,
                                           const int32_t *src_rows) {
     if (n <= 0 || width <= 0) return DI_OK;
-    dim3 grid(di_div_up(width, ROWS_THREADS), grid_rows(n));
+    dim3 grid(di_div_up(width, ROWS_THREADS), di_grid_y(n));
     scatter_rows_kernel<<<grid, ROWS_THREADS, 0, di_stream(cu)>>>(src, n, src_stride, width, dst,
                                                                   dst_stride, dst_rows, src_rows);
     DI_CUDA_LAUNCHED("scatter_rows_kernel");
@@ -166,7 +162,7 @@ extern "C" di_status di_cuda_add_ape(di_cuda *cu, float *z, int64_t n, int64_t s
                                      int32_t m) {
     if (m < 1) return DI_ERR_INVALID;
     if (n <= 0 || width <= 0) return DI_OK;
-    dim3 grid(di_div_up(width, ROWS_THREADS), grid_rows(n));
+    dim3 grid(di_div_up(width, ROWS_THREADS), di_grid_y(n));
     add_ape_kernel<<<grid, ROWS_THREADS, 0, di_stream(cu)>>>(z, n, stride, width, ape, pos, m);
     DI_CUDA_LAUNCHED("add_ape_kernel");
     return DI_OK;

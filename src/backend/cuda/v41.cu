@@ -56,16 +56,18 @@ extern "C" di_status di_cuda_engram_gate(di_cuda *cu, const float *kv, const flo
 // work; block 0 of each row also writes its block count into n_cand (di_cuda_topk's n_vis).
 __global__ void cand_blocks_kernel(const float *__restrict__ scores, int64_t stride,
                                    const int32_t *__restrict__ n_vis, int32_t bs,
-                                   float *__restrict__ work, int64_t wstride,
+                                   float *__restrict__ work, int64_t wstride, int32_t n_tok,
                                    int32_t *__restrict__ n_cand) {
-    const int64_t t = blockIdx.y, b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t vis = n_vis[t], n_blk = (vis + bs - 1) / bs;
-    if (b == 0) n_cand[t] = (int32_t)n_blk;
-    if (b >= n_blk) return;
-    const float *sc = scores + t * stride;
-    float mx = -INFINITY;
-    for (int64_t w = b * bs; w < (b + 1) * bs && w < vis; w++) mx = fmaxf(mx, sc[w]);
-    work[t * wstride + b] = b == n_blk - 1 ? INFINITY : mx;
+    const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t t = blockIdx.y; t < n_tok; t += gridDim.y) { // di_grid_y: any n_tok
+        const int64_t vis = n_vis[t], n_blk = (vis + bs - 1) / bs;
+        if (b == 0) n_cand[t] = (int32_t)n_blk;
+        if (b >= n_blk) continue;
+        const float *sc = scores + t * stride;
+        float mx = -INFINITY;
+        for (int64_t w = b * bs; w < (b + 1) * bs && w < vis; w++) mx = fmaxf(mx, sc[w]);
+        work[t * wstride + b] = b == n_blk - 1 ? INFINITY : mx;
+    }
 }
 
 // n_cand[t] = min(ntb, blocks): the picks di_cuda_topk kept.
@@ -78,13 +80,15 @@ __global__ void cand_count_kernel(int32_t *__restrict__ n_cand, int32_t n_tok, i
 __global__ void cand_mask_kernel(float *__restrict__ scores, int64_t stride,
                                  const int32_t *__restrict__ n_vis, int32_t bs, int32_t ntb,
                                  const int32_t *__restrict__ cand,
-                                 const int32_t *__restrict__ n_cand) {
-    const int64_t t = blockIdx.y, w = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (w >= n_vis[t]) return;
-    const int32_t *c = cand + t * ntb;
-    bool in = false;
-    for (int32_t i = 0; i < n_cand[t] && !in; i++) in = c[i] == w / bs;
-    if (!in) scores[t * stride + w] = -INFINITY;
+                                 const int32_t *__restrict__ n_cand, int32_t n_tok) {
+    const int64_t w = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t t = blockIdx.y; t < n_tok; t += gridDim.y) { // di_grid_y: any n_tok
+        if (w >= n_vis[t]) continue;
+        const int32_t *c = cand + t * ntb;
+        bool in = false;
+        for (int32_t i = 0; i < n_cand[t] && !in; i++) in = c[i] == w / bs;
+        if (!in) scores[t * stride + w] = -INFINITY;
+    }
 }
 
 // After topk, one thread per row: picks scored -inf dropped, the rest moved up, -1 after.
@@ -110,9 +114,9 @@ extern "C" di_status di_cuda_index_cand(di_cuda *cu, int32_t mode, float *scores
     switch (mode) {
     case DI_BACKEND_CAND_BUILD: {
         const int64_t wstride = score_stride / bs + 1;
-        const dim3 grid(di_div_up(wstride, V41_THREADS), (unsigned)n_tok);
+        const dim3 grid(di_div_up(wstride, V41_THREADS), di_grid_y(n_tok));
         cand_blocks_kernel<<<grid, V41_THREADS, 0, di_stream(cu)>>>(scores, score_stride, n_vis, bs,
-                                                                    work, wstride, n_cand);
+                                                                    work, wstride, n_tok, n_cand);
         DI_CUDA_LAUNCHED("cand_blocks_kernel");
         const di_status st = di_cuda_topk(cu, work, wstride, n_cand, n_tok, ntb, cand);
         if (st != DI_OK) return st;
@@ -122,9 +126,10 @@ extern "C" di_status di_cuda_index_cand(di_cuda *cu, int32_t mode, float *scores
     }
     case DI_BACKEND_CAND_MASK: {
         // Every row's entries up to the stride (rows with fewer visible return at once).
-        const dim3 grid(di_div_up(score_stride, V41_THREADS), (unsigned)n_tok);
+        if (score_stride <= 0) return DI_OK; // no entries
+        const dim3 grid(di_div_up(score_stride, V41_THREADS), di_grid_y(n_tok));
         cand_mask_kernel<<<grid, V41_THREADS, 0, di_stream(cu)>>>(scores, score_stride, n_vis, bs,
-                                                                  ntb, cand, n_cand);
+                                                                  ntb, cand, n_cand, n_tok);
         DI_CUDA_LAUNCHED("cand_mask_kernel");
         return DI_OK;
     }

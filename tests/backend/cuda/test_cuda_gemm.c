@@ -4,7 +4,9 @@
 // multiples of the 8-row block, the 64x64 tile, the 8/16-element vectors or the scale block, packed
 // rows (16-element vector path; 8-element for n_in = 200) and padded rows / strided activations
 // (scalar path), row views inside the
-// FP8 scale grid, the grouped expert GEMM (one launch for all experts, some without tokens), A8
+// FP8 scale grid, the grouped expert GEMM (one launch for all experts, some without tokens; more
+// than 65,535 experts),
+// token counts past the grid-row limit (gemv, tiled), A8
 // activation quantisation (bit-exact) and the cuBLASLt FP8 x FP8 block-scaled GEMM.
 #include "backend/cuda/cuda_test.h"
 
@@ -31,8 +33,10 @@ typedef struct mat {
     uint8_t *scale; // owned
 } mat;
 
-// Random matrix of `kind`; padded rows (nb1 + 3) force the scalar decode path.
-static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, bool padded) {
+// Random matrix of `kind`; padded rows (nb1 + 3) force the scalar decode path. block_in > 0
+// replaces the block-scaled kinds' column block (FP8 128, FP4 32).
+static mat make_mat_block(di_tensor_kind kind, int64_t n_in, int64_t n_out, bool padded,
+                          int32_t block_in) {
     mat m = {0};
     di_tensor *t = &m.t;
     t->name = "test";
@@ -57,6 +61,8 @@ static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, bool padde
         fprintf(stderr, "make_mat: %s is not a GPU kind\n", di_tensor_kind_name(kind));
         abort();
     }
+    if (block_in > 0 && (kind == DI_TENSOR_KIND_FP8 || kind == DI_TENSOR_KIND_FP4))
+        t->block_in = block_in;
     if (padded) t->nb1 += 3;
     uint8_t *d = calloc(t->nb1 * (size_t)n_out + 16, 1);
     for (int64_t r = 0; r < n_out; r++) {
@@ -103,6 +109,10 @@ static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, bool padde
         t->scale = m.scale;
     }
     return m;
+}
+
+static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, bool padded) {
+    return make_mat_block(kind, n_in, n_out, padded, 0);
 }
 
 static void free_mat(mat *m) {
@@ -254,6 +264,96 @@ static void test_grouped(void) {
     }
 }
 
+// More experts than gridDim.y's 65,535 (one grid row per expert failed to launch): two weights
+// alternate over the experts (a wrong expert index picks the other), tokens on a few experts
+// below the limit and on every expert past it.
+static void test_grouped_many_experts(void) {
+    const int32_t E = 65535 + 6;
+    const int64_t n_in = 16, n_out = 5, n_src = 7;
+    mat ms[2];
+    di_tensor wd[2];
+    for (int k = 0; k < 2; k++) {
+        ms[k] = make_mat(DI_TENSOR_KIND_BF16, n_in, n_out, false);
+        CK(di_cuda_tensor_upload(g_cu, &ms[k].t, &wd[k]));
+    }
+    di_tensor *experts = malloc(sizeof(di_tensor) * (size_t)E);
+    int32_t *offsets = malloc(sizeof(int32_t) * (size_t)(E + 1));
+    offsets[0] = 0;
+    for (int32_t e = 0; e < E; e++) {
+        experts[e] = wd[e & 1];
+        offsets[e + 1] = offsets[e] + (e >= 65535 ? 1 + (e & 1) : e % 9973 == 0 ? 1 : 0);
+    }
+    const int32_t n_rows = offsets[E];
+    int32_t *x_rows = malloc(sizeof(int32_t) * (size_t)n_rows);
+    for (int32_t i = 0; i < n_rows; i++) x_rows[i] = (int32_t)(rnd() % (uint64_t)n_src);
+    float x[7 * 16];
+    fill_rand(x, n_src * n_in, 1.0f);
+    float *yr = malloc(sizeof(float) * (size_t)(n_rows * n_out)),
+          *y = malloc(sizeof(float) * (size_t)(n_rows * n_out));
+    double *tol = malloc(sizeof(double) * (size_t)(n_rows * n_out));
+    int64_t past = 0;
+    for (int32_t e = 0; e < E; e++)
+        for (int32_t i = offsets[e]; i < offsets[e + 1]; i++) {
+            di_ref_matmul(&g_cpu, &ms[e & 1].t, x + (int64_t)x_rows[i] * n_in, 1, n_in,
+                          yr + (int64_t)i * n_out, n_out);
+            abs_terms(&ms[e & 1].t, x + (int64_t)x_rows[i] * n_in, 1, n_in,
+                      tol + (int64_t)i * n_out, n_out);
+            past += e >= 65535;
+        }
+    for (int64_t i = 0; i < n_rows * n_out; i++) tol[i] *= TOL_REF_TERMS(n_in);
+    di_tensor *wdd = dev_from(experts, sizeof(di_tensor) * (size_t)E);
+    int32_t *offd = dev_from(offsets, sizeof(int32_t) * (size_t)(E + 1));
+    int32_t *rowsd = dev_from(x_rows, sizeof(int32_t) * (size_t)n_rows);
+    float *xd = dev_from(x, sizeof x), *yd = dev_alloc(sizeof(float) * (size_t)(n_rows * n_out));
+    for (int hint = 0; hint < 2; hint++) {
+        dev_poison(yd, sizeof(float) * (size_t)(n_rows * n_out));
+        CK(di_cuda_matmul_grouped(g_cu, wdd, E, n_out, n_in, offd, rowsd, xd, n_in, yd, n_out,
+                                  hint));
+        dev_to(y, yd, sizeof(float) * (size_t)(n_rows * n_out));
+        char what[96];
+        snprintf(what, sizeof what, "grouped E=%d (%lld rows past 65535) hint %d", E,
+                 (long long)past, hint);
+        CHECK(check_bounds(what, y, yr, tol, n_rows * n_out) == 0);
+    }
+    for (int k = 0; k < 2; k++) free_mat(&ms[k]);
+    dev_free(wdd), dev_free(offd), dev_free(rowsd), dev_free(xd), dev_free(yd);
+    free(experts), free(offsets), free(x_rows), free(yr), free(y), free(tol);
+}
+
+// Token counts past gridDim.y's 65,535 for the kernels with one grid row per token pass: gemv
+// (8 tokens a row: > 524,280 tokens) and tiled (64 a row: > 4,194,240), tiny widths (n_in 2, one
+// output row). Before, both failed to launch.
+static void test_many_tokens(void) {
+    static const int64_t toks[2] = {65535 * 8 + 13, 65535 * 64 + 70};
+    static const matmul_fn fns[2] = {di_cuda_matmul_gemv, di_cuda_matmul_tiled};
+    static const char *const names[2] = {"gemv", "tiled"};
+    const int64_t n_in = 2, n_out = 1;
+    mat m = make_mat(DI_TENSOR_KIND_F32, n_in, n_out, false);
+    di_tensor wd;
+    CK(di_cuda_tensor_upload(g_cu, &m.t, &wd));
+    for (int f = 0; f < 2; f++) {
+        const int64_t nt = toks[f];
+        float *x = malloc(sizeof(float) * (size_t)(nt * n_in));
+        float *yr = malloc(sizeof(float) * (size_t)nt), *y = malloc(sizeof(float) * (size_t)nt);
+        double *tol = malloc(sizeof(double) * (size_t)nt);
+        fill_rand(x, nt * n_in, 1.0f);
+        di_ref_matmul(&g_cpu, &m.t, x, nt, n_in, yr, n_out);
+        abs_terms(&m.t, x, nt, n_in, tol, n_out);
+        for (int64_t i = 0; i < nt; i++) tol[i] *= TOL_REF_TERMS(n_in);
+        float *xd = dev_from(x, sizeof(float) * (size_t)(nt * n_in));
+        float *yd = dev_alloc(sizeof(float) * (size_t)nt);
+        dev_poison(yd, sizeof(float) * (size_t)nt);
+        CK(fns[f](g_cu, &wd, xd, nt, n_in, yd, n_out));
+        dev_to(y, yd, sizeof(float) * (size_t)nt);
+        char what[64];
+        snprintf(what, sizeof what, "%s F32 1x2 T=%lld", names[f], (long long)nt);
+        CHECK(check_bounds(what, y, yr, tol, nt) == 0);
+        dev_free(xd), dev_free(yd);
+        free(x), free(yr), free(y), free(tol);
+    }
+    free_mat(&m);
+}
+
 // ---- A8 and the cuBLASLt block-scaled FP8 GEMM (official recipe) ----
 
 // A8 on the device against di_act_quant_a8: codes times scales must give the CPU's values bit for
@@ -359,6 +459,8 @@ int main(void) {
     RUN(test_kinds);
     RUN(test_row_view);
     RUN(test_grouped);
+    RUN(test_grouped_many_experts);
+    RUN(test_many_tokens);
     RUN(test_act_quant);
     RUN(test_fp8_lt);
     di_cpu_deinit(&g_cpu);

@@ -3,7 +3,8 @@
 // the top-k against the model's own heap selection (di_dsv4_topk) on identical scores (exact: the
 // same set in ascending order, -1 padded): rows with fewer visible entries than k (all selected),
 // exactly k, many more (V4: 64 heads x 128, top-512 of up to 32768 entries), heavy ties (scores on
-// a coarse grid: the lower index must win), negative scores, BF16-rounded scores, 1 visible entry.
+// a coarse grid: the lower index must win), negative scores, BF16-rounded scores, 1 visible entry;
+// scores of more than 65,535 rows (the grid-row limit).
 #include "backend/cuda/cuda_test.h"
 
 #include <stdlib.h>
@@ -82,6 +83,9 @@ static void test_scores(void) {
     scores_case(3, 4, 128, 40, false);    // tiny fixture
     scores_case(5, 64, 128, 3000, false); // V4 heads
     scores_case(4, 64, 128, 700, true);
+    // More rows than gridDim.y's 65,535 (one grid row per call row failed to launch; the rows past
+    // it must be scored too), 66 entries: two key blocks per row. Tiny widths keep it cheap.
+    scores_case(65535 + 9, 2, 8, 66, false);
 }
 
 // grid: 0 = continuous scores, else scores drawn from `grid` values (ties).

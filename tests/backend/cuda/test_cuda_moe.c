@@ -2,8 +2,11 @@
 // built on di_ref_matmul: the router alone on identical logits (score-routed with bias, exact ties
 // broken to the lower id, hash-routed with duplicate experts in a row), the grouping, and whole
 // layers (FP8-free F32 gate, FP4 routed experts, FP8 shared expert) at the tiny fixture's shape
-// (E=8, K=2), a V4-like routing shape (E=256, K=6) and 1 to 70 tokens.
+// (E=8, K=2), a V4-like routing shape (E=256, K=6) and 1 to 70 tokens; the combine alone on more
+// rows than gridDim.y allows.
 #include "backend/cuda/cuda_test.h"
+
+#include <string.h>
 
 #include "backend/cpu/ref_ops.h"
 #include "backend/cuda/gemm.cuh"
@@ -297,12 +300,79 @@ static void test_moe(void) {
     moe_case(33, 64, 6, 512, 256, true);
 }
 
+// ---- combine over many rows ----
+
+// di_cuda_moe_combine against its host transcription, bit for bit (the same roundings in the same
+// order: each slot's product, then the sums in ascending (expert, slot) order, then the shared
+// output), on more rows than gridDim.y's 65,535 (one grid row per token failed to launch), with
+// and without weights and the shared output. Tiny widths (K 3, D 5) keep it cheap.
+static void test_combine_rows(void) {
+    const int32_t T = 65535 + 11, K = 3, E = 8;
+    const int64_t D = 5, P = (int64_t)T * K;
+    float *y = malloc(sizeof(float) * (size_t)(P * D)), *wgt = malloc(sizeof(float) * (size_t)P);
+    float *sh = malloc(sizeof(float) * (size_t)(T * D));
+    int32_t *sel = malloc(sizeof(int32_t) * (size_t)P), *rop = malloc(sizeof(int32_t) * (size_t)P);
+    fill_rand(y, P * D, 1.0f);
+    fill_rand(wgt, P, 1.0f);
+    fill_rand(sh, (int64_t)T * D, 1.0f);
+    for (int64_t p = 0; p < P; p++) {
+        sel[p] = (int32_t)(rnd() % E); // duplicates within a token too: slot order breaks them
+        rop[p] = (int32_t)(P - 1 - p); // grouped rows in reverse
+    }
+    float *ref = malloc(sizeof(float) * (size_t)(T * D)),
+          *out = malloc(sizeof(float) * (size_t)(T * D));
+    float *yd = dev_from(y, sizeof(float) * (size_t)(P * D)),
+          *wd = dev_from(wgt, sizeof(float) * (size_t)P);
+    float *shd = dev_from(sh, sizeof(float) * (size_t)(T * D));
+    int32_t *seld = dev_from(sel, sizeof(int32_t) * (size_t)P),
+            *ropd = dev_from(rop, sizeof(int32_t) * (size_t)P);
+    float *od = dev_alloc(sizeof(float) * (size_t)(T * D));
+    for (int variant = 0; variant < 2; variant++) {
+        const bool weighted = variant == 0;
+        for (int32_t t = 0; t < T; t++) {
+            int order[3] = {0, 1, 2};
+            for (int i = 1; i < K; i++)
+                for (int j = i; j > 0 && sel[t * K + order[j]] < sel[t * K + order[j - 1]]; j--) {
+                    const int tmp = order[j];
+                    order[j] = order[j - 1];
+                    order[j - 1] = tmp;
+                }
+            for (int64_t d = 0; d < D; d++) {
+                volatile float acc = 0.0f; // no contraction: one rounding per operation
+                for (int i = 0; i < K; i++) {
+                    const int64_t p = (int64_t)t * K + order[i];
+                    volatile float term = y[(int64_t)rop[p] * D + d];
+                    if (weighted) term = term * wgt[p];
+                    acc = acc + term;
+                }
+                if (weighted) acc = acc + sh[(int64_t)t * D + d];
+                ref[(int64_t)t * D + d] = acc;
+            }
+        }
+        dev_poison(od, sizeof(float) * (size_t)(T * D));
+        CK(di_cuda_moe_combine(g_cu, yd, ropd, seld, weighted ? wd : NULL, weighted ? shd : NULL, T,
+                               K, D, od));
+        dev_to(out, od, sizeof(float) * (size_t)(T * D));
+        int64_t bad = 0;
+        for (int64_t i = 0; i < (int64_t)T * D; i++)
+            if (memcmp(&out[i], &ref[i], sizeof(float)) != 0 && bad++ < 3)
+                fprintf(stderr, "  combine[%lld]: got %.9g, want %.9g\n", (long long)i, out[i],
+                        ref[i]);
+        fprintf(stderr, "  combine T=%d K=%d D=%lld%s: %lld differ\n", T, K, (long long)D,
+                weighted ? " weighted+shared" : "", (long long)bad);
+        CHECK(bad == 0);
+    }
+    dev_free(yd), dev_free(wd), dev_free(shd), dev_free(seld), dev_free(ropd), dev_free(od);
+    free(y), free(wgt), free(sh), free(sel), free(rop), free(ref), free(out);
+}
+
 int main(void) {
     cuda_test_init();
     CK(di_pool_create(2, &g_pool));
     CK(di_cpu_init(&g_cpu, g_pool, 4096));
     RUN(test_router);
     RUN(test_moe);
+    RUN(test_combine_rows);
     di_cpu_deinit(&g_cpu);
     di_pool_destroy(g_pool);
     return cuda_test_finish();

@@ -10,7 +10,8 @@
 // end / launch): a replay equals the same entries run directly for new data in the same buffers,
 // the padding of graph-stable lists (scatter destination -1, windows without rows), the calls a
 // capture refuses, and pool blocks taken inside a capture kept out of later allocations; V4.1's
-// entries (mhc_pre_carried, engram_gate, index_cand, Q4e). The kernels behind the
+// entries (mhc_pre_carried, engram_gate, index_cand, Q4e; index_cand on more than 65,535 rows).
+// The kernels behind the
 // older entries have their own tests (test_cuda_gemm, _norm, _mhc, _moe, _indexer); here the
 // point is that each entry passes its arguments through as backend.h says.
 #include "backend/cuda/attn.cuh"    // di_cuda_attn_bf16
@@ -1554,6 +1555,74 @@ static void test_v41(void) {
     free(xg), free(gx), free(tg), free(sc), free(gsc);
 }
 
+// V4.1's candidate pool on more rows than gridDim.y's 65,535 (BUILD's block scores and MASK had
+// one grid row per call row: a launch error), exactly against di_ref_cand_*: rows of 0 to ST
+// visible entries in turn, tiny widths to keep it cheap.
+static void test_v41_cand_rows(void) {
+    enum { ST = 13, BS = 4, NTB = 2, K = 4 };
+    const int32_t R = 65535 + 13;
+    const int64_t WS = ST / BS + 1;
+    float *sc = malloc(sizeof(float) * (size_t)R * ST),
+          *gsc = malloc(sizeof(float) * (size_t)R * ST);
+    for (int64_t i = 0; i < (int64_t)R * ST; i++) sc[i] = (float)(rnd() % 7) * 0.5f; // ties
+    int32_t *vis = malloc(sizeof(int32_t) * (size_t)R),
+            *cand = malloc(sizeof(int32_t) * (size_t)R * NTB);
+    int32_t *gcand = malloc(sizeof(int32_t) * (size_t)R * NTB),
+            *n_cand = malloc(sizeof(int32_t) * (size_t)R);
+    int32_t *gn = malloc(sizeof(int32_t) * (size_t)R),
+            *sel = malloc(sizeof(int32_t) * (size_t)R * K);
+    int32_t *gsel = malloc(sizeof(int32_t) * (size_t)R * K);
+    for (int32_t t = 0; t < R; t++) vis[t] = t % (ST + 1);
+    float blk[ST / BS + 2];
+    float *scd = bk_from(sc, sizeof(float) * (size_t)R * ST);
+    int32_t *visd = bk_from(vis, sizeof(int32_t) * (size_t)R);
+    int32_t *cdd = bk_alloc(sizeof(int32_t) * (size_t)R * NTB),
+            *nd = bk_alloc(sizeof(int32_t) * (size_t)R);
+    int32_t *seld = bk_alloc(sizeof(int32_t) * (size_t)R * K);
+    float *workd = bk_alloc(sizeof(float) * (size_t)(R * WS));
+    bk_poison(workd, sizeof(float) * (size_t)(R * WS));
+    bk_poison(cdd, sizeof(int32_t) * (size_t)R * NTB);
+    bk_poison(nd, sizeof(int32_t) * (size_t)R);
+    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_BUILD, scd, ST, visd, R, BS, NTB, cdd, nd, NULL, K,
+                           workd));
+    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_MASK, scd, ST, visd, R, BS, NTB, cdd, nd, NULL, K,
+                           NULL));
+    CK(g_b->vt->topk(g_b, scd, ST, visd, R, K, seld));
+    CK(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_DROP, scd, ST, visd, R, BS, NTB, NULL, NULL, seld,
+                           K, NULL));
+    bk_to(gcand, cdd, sizeof(int32_t) * (size_t)R * NTB);
+    bk_to(gn, nd, sizeof(int32_t) * (size_t)R);
+    bk_to(gsel, seld, sizeof(int32_t) * (size_t)R * K);
+    bk_to(gsc, scd, sizeof(float) * (size_t)R * ST);
+    int64_t bad = 0, bad_tail = 0;
+    for (int32_t t = 0; t < R; t++) {
+        float *st = sc + (int64_t)t * ST;
+        n_cand[t] = di_ref_cand_build(st, vis[t], BS, NTB, blk, cand + (int64_t)t * NTB);
+        di_ref_cand_mask(st, vis[t], BS, cand + (int64_t)t * NTB, n_cand[t]);
+        const int32_t k = vis[t] < K ? vis[t] : K;
+        int32_t *s = sel + (int64_t)t * K;
+        for (int i = 0; i < K; i++) s[i] = -1;
+        if (k == vis[t])
+            for (int i = 0; i < k; i++) s[i] = i;
+        else
+            di_dsv4_topk(st, vis[t], k, s);
+        di_ref_cand_drop(st, s, K);
+        int64_t b = gn[t] != n_cand[t];
+        for (int i = 0; i < n_cand[t] && i < gn[t]; i++)
+            b += gcand[(int64_t)t * NTB + i] != cand[(int64_t)t * NTB + i];
+        for (int i = 0; i < K; i++) b += gsel[(int64_t)t * K + i] != s[i];
+        b += n_diff_f32(gsc + (int64_t)t * ST, st, vis[t]);
+        bad += b;
+        if (t >= 65535) bad_tail += b;
+    }
+    fprintf(stderr, "  index_cand %d rows: %lld differ (%lld in rows >= 65535)\n", R,
+            (long long)bad, (long long)bad_tail);
+    CHECK_EQ(bad, 0);
+    bk_free(scd), bk_free(visd), bk_free(cdd), bk_free(nd), bk_free(seld), bk_free(workd);
+    free(sc), free(gsc), free(vis), free(cand), free(gcand), free(n_cand), free(gn), free(sel);
+    free(gsel);
+}
+
 // ---- indexer scores and top-k ----
 
 static void test_indexer(void) {
@@ -1941,6 +2010,7 @@ int main(void) {
     RUN(test_official_ops);
     RUN(test_indexer);
     RUN(test_v41);
+    RUN(test_v41_cand_rows);
     RUN(test_other_thread);
     RUN(test_graph);
     CK(g_b->vt->sync(g_b));
