@@ -7,26 +7,29 @@
 // ---- 8-element decode ----
 
 // True when rows decode 8 columns at a time with vector loads: n_in a multiple of 8 and, for
-// block-scaled kinds, block_in a multiple of 8 (one scale per chunk). Row starts are then
-// aligned to the vector width (cudaMalloc is 256-byte aligned, nb1 is n_in * element size).
-static bool vec8_ok(const di_tensor *w) {
-    if (w->ne[0] % 8 != 0) return false;
-    if (w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4)
-        return w->block_in % 8 == 0 && w->nb1 % 8 == 0;
-    if (w->kind == DI_TENSOR_KIND_F32) return w->nb1 % 16 == 0;
-    return w->nb1 % 16 == 0;
+// block-scaled kinds, block_in a multiple of 8 (one scale per chunk); the data pointer and the row
+// stride aligned to the widest load (then every row start is: row views start at row0 * nb1).
+// __host__ __device__: the grouped kernel evaluates them on each expert's own descriptor (its
+// array lives in device memory).
+__host__ __device__ static bool vec8_ok(const di_tensor &w) {
+    if (w.ne[0] % 8 != 0) return false;
+    const uintptr_t a = (uintptr_t)w.data;
+    if (w.kind == DI_TENSOR_KIND_FP8) return w.block_in % 8 == 0 && w.nb1 % 8 == 0 && a % 8 == 0;
+    if (w.kind == DI_TENSOR_KIND_FP4) return w.block_in % 8 == 0 && w.nb1 % 8 == 0 && a % 8 == 0;
+    return w.nb1 % 16 == 0 && a % 16 == 0;
 }
 
 // The 16-element path (decode GEMV): 16-byte loads of FP8 codes (8 of FP4, 32 of BF16/F16, 64 of
 // F32) per lane; needs n_in and block_in multiples of 16 and 16-byte aligned rows.
-static bool vec16_ok(const di_tensor *w) {
-    if (w->ne[0] % 16 != 0) return false;
-    if (w->kind == DI_TENSOR_KIND_FP8) return w->block_in % 16 == 0 && w->nb1 % 16 == 0;
-    if (w->kind == DI_TENSOR_KIND_FP4) return w->block_in % 16 == 0 && w->nb1 % 8 == 0;
-    return w->nb1 % 16 == 0;
+__host__ __device__ static bool vec16_ok(const di_tensor &w) {
+    if (w.ne[0] % 16 != 0) return false;
+    const uintptr_t a = (uintptr_t)w.data;
+    if (w.kind == DI_TENSOR_KIND_FP8) return w.block_in % 16 == 0 && w.nb1 % 16 == 0 && a % 16 == 0;
+    if (w.kind == DI_TENSOR_KIND_FP4) return w.block_in % 16 == 0 && w.nb1 % 8 == 0 && a % 8 == 0;
+    return w.nb1 % 16 == 0 && a % 16 == 0;
 }
 
-static int vec_mode(const di_tensor *w) {
+__host__ __device__ static int vec_mode(const di_tensor &w) {
     return vec16_ok(w) ? 16 : vec8_ok(w) ? 8 : 0;
 }
 
@@ -228,7 +231,7 @@ extern "C" di_status di_cuda_matmul_gemv(di_cuda *cu, const di_tensor *w, const 
                                          int64_t n_tok, int64_t x_stride, float *y,
                                          int64_t y_stride) {
     if (n_tok <= 0 || w->ne[1] <= 0) return DI_OK;
-    const int vec = vec_mode(w); // x is read with scalar loads: any alignment and stride
+    const int vec = vec_mode(*w); // x is read with scalar loads: any alignment and stride
     if (n_tok == 1) {
         dim3 grid(di_div_up(w->ne[1], GEMV_WARPS * GEMV_ROWS), 1);
         gemv_kernel<1>
@@ -304,7 +307,7 @@ extern "C" di_status di_cuda_matmul_tiled(di_cuda *cu, const di_tensor *w, const
     if (n_tok <= 0 || w->ne[1] <= 0) return DI_OK;
     dim3 grid(di_div_up(w->ne[1], TM), di_grid_y(di_div_up(n_tok, TN)));
     tiled_kernel<<<grid, TILE_THREADS, 0, di_stream(cu)>>>(*w, x, n_tok, x_stride, y, y_stride,
-                                                           vec8_ok(w));
+                                                           vec8_ok(*w));
     DI_CUDA_LAUNCHED("tiled_kernel");
     return DI_OK;
 }
@@ -318,13 +321,17 @@ extern "C" di_status di_cuda_matmul(di_cuda *cu, const di_tensor *w, const float
 
 // ---- grouped experts: one launch, blockIdx.y = expert ----
 
+// The vector width comes from each expert's own descriptor (vec_mode on the device: kind, block_in,
+// row stride and data alignment, as the non-grouped kernels decide on the host), not from the
+// shape alone: block-uniform, so no divergence.
 template <int NT>
 __device__ __forceinline__ void grouped_expert(const di_tensor &w, int32_t r0, int32_t r1,
                                                const int32_t *__restrict__ x_rows,
                                                const float *__restrict__ x, int64_t x_stride,
-                                               float *__restrict__ y, int64_t y_stride, int vec) {
+                                               float *__restrict__ y, int64_t y_stride) {
     const int64_t o0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_ROWS;
     if (o0 >= w.ne[1]) return;
+    const int vec = vec_mode(w);
     const int nr = (int)(w.ne[1] - o0 < GEMV_ROWS ? w.ne[1] - o0 : GEMV_ROWS);
     // Each pass reads the expert's rows once for up to NT of its tokens.
     for (int32_t i0 = r0; i0 < r1; i0 += NT) {
@@ -353,12 +360,12 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     grouped_kernel(const di_tensor *__restrict__ experts, int32_t n_expert,
                    const int32_t *__restrict__ offsets, const int32_t *__restrict__ x_rows,
                    const float *__restrict__ x, int64_t x_stride, float *__restrict__ y,
-                   int64_t y_stride, int vec) {
+                   int64_t y_stride) {
     for (int64_t e = blockIdx.y; e < n_expert; e += gridDim.y) {
         const int32_t r0 = offsets[e], r1 = offsets[e + 1];
         if (r0 >= r1) continue; // expert without tokens: its weights are never read
         const di_tensor w = experts[e];
-        grouped_expert<NT>(w, r0, r1, x_rows, x, x_stride, y, y_stride, vec);
+        grouped_expert<NT>(w, r0, r1, x_rows, x, x_stride, y, y_stride);
     }
 }
 
@@ -367,17 +374,14 @@ extern "C" di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *expert
                                             const int32_t *x_rows, const float *x, int64_t x_stride,
                                             float *y, int64_t y_stride, int32_t rows_hint) {
     if (n_expert <= 0 || n_out <= 0) return DI_OK;
-    // The vector path's conditions hold for every expert when they hold for the shape: experts of
-    // one layer share kind, block sizes and strides (weights.c checks every shape at load).
-    // Expert kinds: FP4 (block 32), FP8 (128) or float kinds, rows packed (nb1 = natural size).
-    const int vec = n_in % 16 == 0 ? 16 : n_in % 8 == 0 ? 8 : 0;
+    (void)n_in; // each expert's descriptor carries it (and picks its vector width, above)
     dim3 grid(di_div_up(n_out, GEMV_WARPS * GEMV_ROWS), di_grid_y(n_expert));
     if (rows_hint == 1)
         grouped_kernel<1><<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(
-            experts, n_expert, offsets, x_rows, x, x_stride, y, y_stride, vec);
+            experts, n_expert, offsets, x_rows, x, x_stride, y, y_stride);
     else
         grouped_kernel<GEMV_NT><<<grid, GEMV_WARPS * 32, 0, di_stream(cu)>>>(
-            experts, n_expert, offsets, x_rows, x, x_stride, y, y_stride, vec);
+            experts, n_expert, offsets, x_rows, x, x_stride, y, y_stride);
     DI_CUDA_LAUNCHED("grouped_kernel");
     return DI_OK;
 }

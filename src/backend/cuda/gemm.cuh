@@ -41,7 +41,9 @@ di_status di_cuda_matmul_tiled(di_cuda *cu, const di_tensor *w, const float *x, 
 // with src(i) = x_rows[i] (x_rows may be NULL: src(i) = i). experts: device array of n_expert
 // device tensors of one shape [n_out, n_in]; offsets: device [n_expert + 1]. rows_hint: the
 // expected rows per expert (1 in single-token decode picks the leaner one-token kernel; any
-// count stays correct, only speed depends on it; 0 = unknown). One launch.
+// count stays correct, only speed depends on it; 0 = unknown). One launch. Each expert's vector
+// width is decided on the device from its own descriptor (kind, block_in, row stride, alignment:
+// the gemv's conditions), so experts need not share a layout and n_in alone decides nothing.
 di_status di_cuda_matmul_grouped(di_cuda *cu, const di_tensor *experts, int32_t n_expert,
                                  int64_t n_out, int64_t n_in, const int32_t *offsets,
                                  const int32_t *x_rows, const float *x, int64_t x_stride, float *y,

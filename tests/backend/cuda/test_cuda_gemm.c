@@ -4,8 +4,8 @@
 // multiples of the 8-row block, the 64x64 tile, the 8/16-element vectors or the scale block, packed
 // rows (16-element vector path; 8-element for n_in = 200) and padded rows / strided activations
 // (scalar path), row views inside the
-// FP8 scale grid, the grouped expert GEMM (one launch for all experts, some without tokens; more
-// than 65,535 experts),
+// FP8 scale grid, the grouped expert GEMM (one launch for all experts, some without tokens; expert
+// layouts the shape does not tell: column blocks of 8, padded rows; more than 65,535 experts),
 // token counts past the grid-row limit (gemv, tiled), A8
 // activation quantisation (bit-exact) and the cuBLASLt FP8 x FP8 block-scaled GEMM.
 #include "backend/cuda/cuda_test.h"
@@ -264,6 +264,64 @@ static void test_grouped(void) {
     }
 }
 
+// Grouped experts whose layout the shape alone does not tell: n_in a multiple of 16, but FP8 /
+// FP4 column blocks of 8 (one scale per 8 columns: a 16-wide decode would apply one scale to two
+// blocks) and padded rows (nb1 + 3: 16-byte loads would be misaligned). The grouped kernel must
+// take each expert's vector width from its kind, block_in and row stride, as gemv does (before:
+// from n_in alone, wrong values or a misaligned-address fault).
+static void test_grouped_layouts(void) {
+    const int32_t E = 3;
+    const int64_t n_in = 256, n_out = 40, n_src = 9;
+    const int32_t offsets[4] = {0, 5, 5, 14};
+    const int32_t n_rows = offsets[E];
+    static const struct {
+        di_tensor_kind kind;
+        bool padded;
+        int32_t block_in;
+    } cases[] = {
+        {DI_TENSOR_KIND_FP8, false, 8}, {DI_TENSOR_KIND_FP4, false, 8},
+        {DI_TENSOR_KIND_FP8, true, 0},  {DI_TENSOR_KIND_FP4, true, 0},
+        {DI_TENSOR_KIND_BF16, true, 0}, {DI_TENSOR_KIND_F32, true, 0},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        mat ms[3];
+        di_tensor wd[3];
+        for (int e = 0; e < E; e++) {
+            ms[e] = make_mat_block(cases[c].kind, n_in, n_out, cases[c].padded, cases[c].block_in);
+            CK(di_cuda_tensor_upload(g_cu, &ms[e].t, &wd[e]));
+        }
+        int32_t x_rows[14];
+        for (int32_t i = 0; i < n_rows; i++) x_rows[i] = (int32_t)(rnd() % (uint64_t)n_src);
+        float x[9 * 256], yr[14 * 40], y[14 * 40];
+        double tol[14 * 40];
+        fill_rand(x, n_src * n_in, 1.0f);
+        for (int e = 0; e < E; e++)
+            for (int32_t i = offsets[e]; i < offsets[e + 1]; i++) {
+                di_ref_matmul(&g_cpu, &ms[e].t, x + (int64_t)x_rows[i] * n_in, 1, n_in,
+                              yr + (int64_t)i * n_out, n_out);
+                abs_terms(&ms[e].t, x + (int64_t)x_rows[i] * n_in, 1, n_in,
+                          tol + (int64_t)i * n_out, n_out);
+            }
+        for (int64_t i = 0; i < n_rows * n_out; i++) tol[i] *= TOL_REF_TERMS(n_in);
+        di_tensor *wdd = dev_from(wd, sizeof wd);
+        int32_t *offd = dev_from(offsets, sizeof offsets), *rowsd = dev_from(x_rows, sizeof x_rows);
+        float *xd = dev_from(x, sizeof x), *yd = dev_alloc(sizeof y);
+        for (int hint = 0; hint < 2; hint++) {
+            dev_poison(yd, sizeof y);
+            CK(di_cuda_matmul_grouped(g_cu, wdd, E, n_out, n_in, offd, rowsd, xd, n_in, yd, n_out,
+                                      hint));
+            dev_to(y, yd, sizeof y);
+            char what[96];
+            snprintf(what, sizeof what, "grouped %s%s block_in %d rows_hint %d",
+                     kind_name(cases[c].kind), cases[c].padded ? " padded" : "",
+                     (int)ms[0].t.block_in, hint);
+            CHECK(check_bounds(what, y, yr, tol, n_rows * n_out) == 0);
+        }
+        for (int e = 0; e < E; e++) free_mat(&ms[e]);
+        dev_free(wdd), dev_free(offd), dev_free(rowsd), dev_free(xd), dev_free(yd);
+    }
+}
+
 // More experts than gridDim.y's 65,535 (one grid row per expert failed to launch): two weights
 // alternate over the experts (a wrong expert index picks the other), tokens on a few experts
 // below the limit and on every expert past it.
@@ -459,6 +517,7 @@ int main(void) {
     RUN(test_kinds);
     RUN(test_row_view);
     RUN(test_grouped);
+    RUN(test_grouped_layouts);
     RUN(test_grouped_many_experts);
     RUN(test_many_tokens);
     RUN(test_act_quant);
