@@ -187,16 +187,19 @@ static di_status attn_launch(di_cuda *cu, const float *q, Rows rows, const int32
                              int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                              const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
                              bool round_p, float *o) {
+    static di_smem_kernel smem_k; // one per instance (decoder)
     if (n_tok <= 0 || H <= 0) return DI_OK;
     if ((int64_t)n_tok * H > INT32_MAX) return DI_ERR_INVALID; // gridDim.x: one block per (t, h)
+    // The kernel's static shared memory (red32: 128 bytes) counts against the limit too.
     const size_t smem = sizeof(float) * ((size_t)dh * (1 + ATTN_WARPS) + (size_t)max_keys);
-    if (smem > cu->smem_optin) {
-        DI_CUDA_LOG_ERROR("attention: %d keys need %zu bytes of shared memory (limit %zu)",
-                          max_keys, smem, cu->smem_optin);
-        return DI_ERR_INVALID;
-    }
-    CUDA_CHECK(cudaFuncSetAttribute(attn_kernel<Rows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)smem));
+    size_t st_smem = 0;
+    const di_status st =
+        di_cuda_smem_fit(cu, &smem_k, (const void *)attn_kernel<Rows>, smem, &st_smem);
+    if (st == DI_ERR_INVALID)
+        DI_CUDA_LOG_ERROR("attention: %d keys need %zu + %zu (static) bytes of shared memory "
+                          "(limit %zu)",
+                          max_keys, smem, st_smem, cu->smem_optin);
+    if (st != DI_OK) return st;
     attn_kernel<Rows><<<(unsigned)((int64_t)n_tok * H), ATTN_THREADS, smem, di_stream(cu)>>>(
         q, rows, key_idx, key_stride, n_keys, sink, H, dh, scale, round_p, o);
     DI_CUDA_LAUNCHED("attn_kernel");
@@ -613,11 +616,18 @@ di_status attn_tc_launch(di_cuda *cu, const float *q, const uint8_t *pool, const
                          const float *sink, int32_t n_tok, int32_t H, float scale, int32_t n_split,
                          float *o) {
     using S = TcShape<DH, ROT>;
-    if (S::SMEM > cu->smem_optin) {
-        DI_CUDA_LOG_ERROR("attention (bf16): %zu bytes of shared memory per block needed, the "
-                          "device allows %zu",
-                          S::SMEM, cu->smem_optin);
-        return DI_ERR_UNSUPPORTED; // this device (A100: 163 KB), not the shape
+    static di_smem_kernel smem_k;
+    {
+        size_t st_smem = 0;
+        const di_status fit =
+            di_cuda_smem_fit(cu, &smem_k, (const void *)attn_tc_kernel<DH, ROT>, S::SMEM, &st_smem);
+        if (fit == DI_ERR_INVALID) {
+            DI_CUDA_LOG_ERROR("attention (bf16): %zu + %zu (static) bytes of shared memory per "
+                              "block needed, the device allows %zu",
+                              S::SMEM, st_smem, cu->smem_optin);
+            return DI_ERR_UNSUPPORTED; // this device (A100: 163 KB), not the shape
+        }
+        if (fit != DI_OK) return fit;
     }
     const int64_t groups = (H + TC_HEADS - 1) / TC_HEADS,
                   max_tiles = (max_keys + TC_BN - 1) / TC_BN;
@@ -645,8 +655,6 @@ di_status attn_tc_launch(di_cuda *cu, const float *q, const uint8_t *pool, const
         st = di_cuda_alloc(cu, sizeof(float) * rows * 2, (void **)&ml_part);
         if (st != DI_OK) goto fail;
     }
-    CUDA_TRY(cudaFuncSetAttribute(attn_tc_kernel<DH, ROT>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S::SMEM));
     attn_tc_kernel<DH, ROT>
         <<<dim3((unsigned)n_blocks, (unsigned)groups), TC_THREADS, S::SMEM, di_stream(cu)>>>(
             q, pool, key_idx, key_stride, n_keys, sink, H, (int32_t)ns,

@@ -37,7 +37,7 @@ typedef struct di_cuda {
     void *stream;   // owned cudaStream_t
     void *cublaslt; // owned cublasLtHandle_t
     int cc_major, cc_minor, n_sm;
-    size_t smem_optin;   // max dynamic shared memory per block after opting in
+    size_t smem_optin;   // shared memory per block after opting in: static + dynamic
     size_t l2_bytes;     // L2 size
     double hbm_peak_gbs; // from memory clock and bus width (a datasheet-style number)
     // Caching pool: freed blocks keep their memory and are reused for requests of the same

@@ -58,11 +58,12 @@ extern "C" di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const 
                                             int32_t per_page, const int32_t *n_vis, int32_t max_vis,
                                             int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16,
                                             float *scores, int64_t score_stride) {
+    static di_smem_kernel smem_k;
     const size_t smem = sizeof(float) * ((size_t)HI * DI + (size_t)HI);
-    if (smem > cu->smem_optin || (pages && per_page < 1)) return DI_ERR_INVALID;
+    if (pages && per_page < 1) return DI_ERR_INVALID;
     if (n_tok <= 0 || max_vis <= 0) return DI_OK;
-    CUDA_CHECK(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)smem));
+    const di_status st = di_cuda_smem_fit(cu, &smem_k, (const void *)scores_kernel, smem, NULL);
+    if (st != DI_OK) return st;
     dim3 grid(di_div_up(max_vis, IDX_KEYS_PER_BLOCK), di_grid_y(n_tok));
     scores_kernel<<<grid, IDX_THREADS, smem, di_stream(cu)>>>(qi, wi, keys, key_base, pages,
                                                               page_off, per_page, n_vis, n_tok, HI,

@@ -1200,6 +1200,38 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int64_t n_pool, int32_t 
         free(sc);
 }
 
+// The shared-memory boundary: the kernel's dynamic size (q, the per-warp partials, max_keys
+// scores) plus its static shared memory (a 32-float reduction buffer) must fit the device's
+// opt-in limit. max_keys that fill the limit with the dynamic part alone are refused with
+// DI_ERR_INVALID before any work (before: accepted by a check that ignored the static part, then
+// cudaFuncSetAttribute failed: DI_ERR_CUDA); the largest accepted max_keys lies within the static
+// part of the limit and gives the reference's outputs with every key listed.
+static void test_attn_smem_boundary(void) {
+    const int32_t dh = 8;
+    const int64_t fixed = (int64_t)sizeof(float) * dh * 5; // q + 4 warps' partials
+    const int32_t mk_full = (int32_t)(((int64_t)g_cu->smem_optin - fixed) / 4);
+    float *d = bk_alloc(sizeof(float) * 64);
+    const int32_t zero = 0;
+    int32_t *nk0 = bk_from(&zero, sizeof zero);
+    CHECK_EQ(g_b->vt->attn(g_b, d, d, nk0, 1, nk0, mk_full, d, 1, 1, dh, 1.0f, false, d),
+             DI_ERR_INVALID);
+    int32_t mk = -1;
+    for (int32_t m = mk_full; m > mk_full - 256 && mk < 0; m--) {
+        const di_status st = g_b->vt->attn(g_b, d, d, nk0, 1, nk0, m, d, 1, 1, dh, 1.0f, false, d);
+        if (st == DI_OK)
+            mk = m;
+        else
+            CHECK_EQ(st, DI_ERR_INVALID);
+    }
+    fprintf(stderr,
+            "  attn smem: opt-in %zu bytes; max_keys %d refused, %d accepted (%lld bytes "
+            "of dynamic shared memory)\n",
+            g_cu->smem_optin, mk_full, mk, (long long)(fixed + 4 * (int64_t)mk));
+    CHECK(mk > 0);
+    bk_free(d), bk_free(nk0);
+    if (mk > 0) attn_case(dh, 2, 8, 50, mk, false); // rows of every list kind, up to mk keys
+}
+
 static void test_attn(void) {
     attn_case(512, 3, 8, 700, 640, false);  // V4's head_dim, every list kind once
     attn_case(128, 5, 9, 300, 200, false);  // the tiny fixture's head_dim, H not a power of two
@@ -1214,6 +1246,7 @@ static void test_attn(void) {
              DI_ERR_INVALID);
     CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 4, d, 1, 1, 2048, 1.0f, false, d), DI_ERR_INVALID);
     bk_free(d), bk_free(id);
+    test_attn_smem_boundary();
 }
 
 // KV rows (kv_quant, attn_kv): the bytes equal the CPU backend's (a skipped row untouched), and
