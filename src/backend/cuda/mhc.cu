@@ -1,6 +1,7 @@
 // mhc — hc_pre (RMS-scaled gates + Sinkhorn), V4.1's carried variant, and hc_post (mhc.cuh). One
-// block per token; the NC x NC Sinkhorn runs in one thread (NC = 4: 20 iterations of 16 elements),
-// in the order of model/dsv4.c's hc_pre_task so results match to FP32 rounding.
+// block per token; the NC x NC Sinkhorn runs on NC^2 threads (one element each; each row or column
+// sum still serial in index order), in the order of model/dsv4.c's hc_pre_task so results match
+// to FP32 rounding.
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/mhc.cuh"
 
@@ -18,6 +19,7 @@ __global__ void __launch_bounds__(MHC_THREADS)
                    float *__restrict__ a, float *__restrict__ post, float *__restrict__ comb) {
     __shared__ float red[32];
     __shared__ float pre[DI_CUDA_MHC_MAX_NC];
+    __shared__ float cs[DI_CUDA_MHC_MAX_NC * DI_CUDA_MHC_MAX_NC]; // Sinkhorn's C [nc][nc]
     const int64_t t = blockIdx.x;
     const int n_mix = head ? nc : (2 + nc) * nc;
     const float *xf = x + t * nc * D;
@@ -34,46 +36,67 @@ __global__ void __launch_bounds__(MHC_THREADS)
     }
     float ss = 0.0f;
     for (int64_t i = threadIdx.x; i < nc * D; i += blockDim.x) ss = fmaf(xf[i], xf[i], ss);
-    ss = di_block_sum(ss, red);
-    if (threadIdx.x == 0) {
-        const float r = 1.0f / sqrtf(ss / (float)(nc * D) + norm_eps);
-        const float *mr = mix_raw + t * n_mix;
-        for (int s = 0; s < nc; s++) pre[s] = sigmoidf_(mr[s] * r * scale[0] + base[s]) + hc_eps;
-        if (pre_out)
-            for (int s = 0; s < nc; s++) pre_out[t * nc + s] = pre[s];
-        if (!head) {
-            float *pt = post + t * nc, *C = comb + t * nc * nc;
-            for (int s = 0; s < nc; s++)
-                pt[s] = 2.0f * sigmoidf_(mr[nc + s] * r * scale[1] + base[nc + s]);
-            for (int j = 0; j < nc; j++)
-                for (int k = 0; k < nc; k++)
-                    C[j * nc + k] =
-                        mr[2 * nc + j * nc + k] * r * scale[2] + base[2 * nc + j * nc + k];
-            // Row softmax + eps, column normalisation, then (iters - 1) x (rows, columns).
-            for (int j = 0; j < nc; j++) {
-                float mx = C[j * nc];
-                for (int k = 1; k < nc; k++) mx = fmaxf(mx, C[j * nc + k]);
-                float sum = 0;
-                for (int k = 0; k < nc; k++) sum += (C[j * nc + k] = expf(C[j * nc + k] - mx));
-                for (int k = 0; k < nc; k++) C[j * nc + k] = C[j * nc + k] / sum + hc_eps;
-            }
-            for (int it = 0; it < iters; it++) {
-                if (it > 0) {
-                    for (int j = 0; j < nc; j++) {
-                        float sum = 0;
-                        for (int k = 0; k < nc; k++) sum += C[j * nc + k];
-                        for (int k = 0; k < nc; k++) C[j * nc + k] /= sum + hc_eps;
-                    }
-                }
-                for (int k = 0; k < nc; k++) {
-                    float sum = 0;
-                    for (int j = 0; j < nc; j++) sum += C[j * nc + k];
-                    for (int j = 0; j < nc; j++) C[j * nc + k] /= sum + hc_eps;
-                }
-            }
-        }
+    ss = di_block_sum(ss, red); // every thread gets it: each computes the same r
+    const float r = 1.0f / sqrtf(ss / (float)(nc * D) + norm_eps);
+    const float *mr = mix_raw + t * n_mix;
+    const int s0 = threadIdx.x;
+    if (s0 < nc) {
+        pre[s0] = sigmoidf_(mr[s0] * r * scale[0] + base[s0]) + hc_eps;
+        if (pre_out) pre_out[t * nc + s0] = pre[s0];
+        if (!head) post[t * nc + s0] = 2.0f * sigmoidf_(mr[nc + s0] * r * scale[1] + base[nc + s0]);
     }
-    __syncthreads();
+    if (!head) {
+        // Sinkhorn on nc * nc threads, thread (j, k) owning C[j][k] in shared memory. Each sum is
+        // still taken by one thread over its row or column in index order, and every element sees
+        // the same operations in the same order as model/dsv4.c's loop (and this kernel's former
+        // single-thread loop): the results are unchanged; only the serial chain is nc^2 shorter.
+        const int j = threadIdx.x / nc, k = threadIdx.x % nc;
+        const bool own = threadIdx.x < nc * nc;
+        if (own)
+            cs[threadIdx.x] = mr[2 * nc + j * nc + k] * r * scale[2] + base[2 * nc + j * nc + k];
+        __syncthreads();
+        // Row softmax + eps.
+        float v = 0.0f;
+        if (own) {
+            float mx = cs[j * nc];
+            for (int kk = 1; kk < nc; kk++) mx = fmaxf(mx, cs[j * nc + kk]);
+            v = expf(cs[threadIdx.x] - mx);
+        }
+        __syncthreads();
+        if (own) cs[threadIdx.x] = v;
+        __syncthreads();
+        if (own) {
+            float sum = 0;
+            for (int kk = 0; kk < nc; kk++) sum += cs[j * nc + kk];
+            v = cs[threadIdx.x] / sum + hc_eps;
+        }
+        __syncthreads();
+        if (own) cs[threadIdx.x] = v;
+        __syncthreads();
+        // Column normalisation, then (iters - 1) x (rows, columns).
+        for (int it = 0; it < iters; it++) {
+            if (it > 0) {
+                if (own) {
+                    float sum = 0;
+                    for (int kk = 0; kk < nc; kk++) sum += cs[j * nc + kk];
+                    v = cs[threadIdx.x] / (sum + hc_eps);
+                }
+                __syncthreads();
+                if (own) cs[threadIdx.x] = v;
+                __syncthreads();
+            }
+            if (own) {
+                float sum = 0;
+                for (int jj = 0; jj < nc; jj++) sum += cs[jj * nc + k];
+                v = cs[threadIdx.x] / (sum + hc_eps);
+            }
+            __syncthreads();
+            if (own) cs[threadIdx.x] = v;
+            __syncthreads();
+        }
+        if (own) comb[t * nc * nc + threadIdx.x] = cs[threadIdx.x];
+    }
+    __syncthreads(); // pre
     float *at = a + t * D;
     const float *p = pre_in ? pre_in + t * nc : pre; // V4.1: the pre carried from the last site
     for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {

@@ -1,8 +1,8 @@
 // CUDA mHC (backend/cuda/mhc.cuh) against the model's arithmetic (FP32 precision recipe): the
 // coefficients from model/dsv4.c's di_dsv4_hc_coeffs, the RMS scale, collapse and hc_post
 // transcribed beside it with the magnitudes their tolerances need: NC = 4 streams and 20 Sinkhorn
-// iterations as V4, the head variant (pre only), 1 token and several, hidden sizes that are not
-// multiples of the block.
+// iterations as V4 (also 3 and 16 streams: the Sinkhorn's one thread per element), the head
+// variant (pre only), 1 token and several, hidden sizes that are not multiples of the block.
 #include "backend/cuda/cuda_test.h"
 
 #include "backend/cpu/ref_ops.h" // di_sigmoid, di_ref_dot
@@ -80,13 +80,13 @@ static double *mag_tol(double *mag, int64_t n) {
     return mag;
 }
 
-static void mhc_case(int32_t T, int64_t D, bool head) {
-    const int nc = 4, iters = 20, n_mix = head ? nc : (2 + nc) * nc;
+static void mhc_case(int32_t T, int64_t D, bool head, int nc) {
+    const int iters = 20, n_mix = head ? nc : (2 + nc) * nc;
     const float hc_eps = 1e-6f, norm_eps = 1e-6f;
     const int64_t nx = (int64_t)T * nc * D;
     float *x = malloc(sizeof(float) * (size_t)nx),
           *mix = malloc(sizeof(float) * (size_t)(T * n_mix));
-    float base[24], scale[3] = {0.7f, 1.3f, 2.1f};
+    float base[16 * 18], scale[3] = {0.7f, 1.3f, 2.1f};
     fill_rand(x, nx, 2.0f);
     fill_rand(mix, (int64_t)T * n_mix, 3.0f);
     fill_rand(base, n_mix, 1.0f);
@@ -112,7 +112,8 @@ static void mhc_case(int32_t T, int64_t D, bool head) {
     dev_to(ga, ad, sizeof(float) * (size_t)(T * D));
     char what[96];
     double *tol = mag_tol(mag_a, (int64_t)T * D);
-    snprintf(what, sizeof what, "mhc_pre a T=%d D=%lld%s", T, (long long)D, head ? " head" : "");
+    snprintf(what, sizeof what, "mhc_pre a nc=%d T=%d D=%lld%s", nc, T, (long long)D,
+             head ? " head" : "");
     CHECK(check_bounds(what, ga, a, tol, (int64_t)T * D) == 0);
     free(mag_a);
     if (!head) {
@@ -149,11 +150,15 @@ static void mhc_case(int32_t T, int64_t D, bool head) {
 }
 
 static void test_mhc(void) {
-    mhc_case(1, 128, false);
-    mhc_case(5, 4096, false);
-    mhc_case(3, 100, false);
-    mhc_case(1, 4096, true);
-    mhc_case(7, 130, true);
+    mhc_case(1, 128, false, 4);
+    mhc_case(5, 4096, false, 4);
+    mhc_case(3, 100, false, 4);
+    mhc_case(1, 4096, true, 4);
+    mhc_case(7, 130, true, 4);
+    // Other stream counts: the Sinkhorn's nc x nc threads (one element each), up to the whole
+    // block at the maximum nc (16 x 16 = 256 threads).
+    mhc_case(3, 100, false, 3);
+    mhc_case(2, 64, false, 16);
 }
 
 int main(void) {
