@@ -84,18 +84,22 @@ extern "C" di_status di_cuda_router(di_cuda *cu, const float *logits, const floa
 
 // ---- grouping ----
 
-// One block; thread e owns expert e (and e + blockDim ...): it counts, then places its pairs in
-// ascending pair order, so the result is deterministic without atomics.
-// TODO(cuda): a parallel scan for prefill batches (each thread walks all pairs: O(T*K) each).
+// One block. The counts by shared atomics (the totals do not depend on their order), the prefix
+// sums in thread 0, then the pairs placed chunk by chunk (blockDim pairs) in pair order: inside a
+// warp the lanes of one expert take consecutive rows in lane order (__match_any_sync), and the
+// warps take their turn in order, so each expert's rows hold its pairs in ascending pair order —
+// the only order the result may have, the same as the former kernel's (which walked all pairs once
+// per expert per thread: O(T*K) each).
 __global__ void __launch_bounds__(GROUP_THREADS)
     group_kernel(const int32_t *__restrict__ sel, int32_t n_pairs, int32_t K, int32_t E,
                  int32_t *__restrict__ offsets, int32_t *__restrict__ rows,
                  int32_t *__restrict__ row_of_pair) {
-    __shared__ int32_t cnt[MAX_E + 1];
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int32_t c = 0;
-        for (int32_t p = 0; p < n_pairs; p++) c += sel[p] == e;
-        cnt[e] = c;
+    __shared__ int32_t cnt[MAX_E + 1]; // counts, then each expert's next free row
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int32_t p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        const int32_t e = sel[p];
+        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1); // an id out of range is not grouped
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -109,13 +113,25 @@ __global__ void __launch_bounds__(GROUP_THREADS)
         offsets[E] = acc;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int32_t r = cnt[e];
-        for (int32_t p = 0; p < n_pairs; p++) {
-            if (sel[p] != e) continue;
-            rows[r] = p / K;
-            row_of_pair[p] = r;
-            r++;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int32_t p0 = 0; p0 < n_pairs; p0 += blockDim.x) { // block-uniform
+        const int32_t p = p0 + threadIdx.x;
+        int32_t e = p < n_pairs ? sel[p] : -1;
+        if (e >= E) e = -1;
+        const bool valid = e >= 0;
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        const int rank = __popc(peers & ((1u << lane) - 1u));
+        const bool last = lane == 31 - __clz(peers); // the group's highest lane advances cnt
+        for (int w = 0; w < nw; w++) {
+            int32_t r = 0;
+            if (warp == w && valid) r = cnt[e] + rank;
+            __syncwarp(); // every lane of the group has read cnt[e] before `last` moves it
+            if (warp == w && valid) {
+                rows[r] = p / K;
+                row_of_pair[p] = r;
+                if (last) cnt[e] = r + 1;
+            }
+            __syncthreads(); // the next warp sees this warp's cursors
         }
     }
 }

@@ -131,6 +131,10 @@ static void test_router(void) {
     router_case(9, 8, 2, true, false);
     router_case(300, 256, 6, true, false);
     router_case(5, 384, 6, false, false);
+    // The grouping over many chunks of 1024 pairs (a prefill batch at V4's routing shape), and
+    // few experts for many pairs: whole warps of one expert (ranks up to 31 inside a warp).
+    router_case(4096, 256, 6, false, false);
+    router_case(700, 8, 6, true, false);
 }
 
 // ---- whole layer ----
