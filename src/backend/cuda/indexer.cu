@@ -102,7 +102,9 @@ __global__ void __launch_bounds__(TOPK_THREADS)
     topk_kernel(const float *__restrict__ scores, int64_t score_stride,
                 const int32_t *__restrict__ n_vis, int32_t topk, int32_t *__restrict__ sel) {
     __shared__ int warp_tot[32];
-    __shared__ int cnt;
+    __shared__ int hist[256];
+    __shared__ uint32_t sel_prefix;
+    __shared__ int32_t sel_want;
     const int64_t t = blockIdx.x;
     const int32_t vis = n_vis[t];
     const int32_t k = vis < topk ? vis : topk;
@@ -113,31 +115,45 @@ __global__ void __launch_bounds__(TOPK_THREADS)
         return;
     }
     const float *s = scores + t * score_stride;
-    // Radix select: the largest thr with count(key >= thr) >= k is the k-th largest key.
-    uint32_t thr = 0;
-    for (int bit = 31; bit >= 0; bit--) {
-        const uint32_t cand = thr | (1u << bit);
-        if (threadIdx.x == 0) cnt = 0;
+    // Radix select, 8 bits at a time from the top (4 passes over the row; the former bit-wise
+    // select took 32, plus one to count the keys above): each pass builds the histogram of the
+    // next byte over the keys that share the bytes chosen so far, and picks the byte at which the
+    // count from the top reaches the rank still wanted. Afterwards thr is the k-th largest key
+    // (the same threshold as before: a key value, so the selection is unchanged) and want the
+    // number of its ties to take (the keys above it, k - want, all go in).
+    uint32_t prefix = 0, pmask = 0;
+    int32_t want = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads(); // also: thread 0's reads of the last pass's histogram are done
+        for (int32_t base = 0; base < vis; base += blockDim.x) { // block-uniform: full warps
+            const int32_t w = base + threadIdx.x;
+            uint32_t d = 256; // no byte: past the row, or another prefix
+            if (w < vis) {
+                const uint32_t key = ordered(s[w]);
+                if ((key & pmask) == prefix) d = (key >> shift) & 255u;
+            }
+            // One shared atomic per distinct byte in the warp (the top byte is often shared).
+            const unsigned peers = __match_any_sync(0xffffffffu, d);
+            if (d < 256 && (int)(threadIdx.x & 31) == __ffs(peers) - 1)
+                atomicAdd(&hist[d], __popc(peers));
+        }
         __syncthreads();
-        int c = 0;
-        for (int32_t w = threadIdx.x; w < vis; w += blockDim.x) c += ordered(s[w]) >= cand;
-        c = __reduce_add_sync(0xffffffffu, c);
-        if ((threadIdx.x & 31) == 0) atomicAdd(&cnt, c);
+        if (threadIdx.x == 0) {
+            int32_t above = 0;
+            int b = 255;
+            for (; b > 0 && above + hist[b] < want; b--) above += hist[b];
+            sel_prefix = prefix | ((uint32_t)b << shift);
+            sel_want = want - above;
+        }
         __syncthreads();
-        if (cnt >= k) thr = cand;
-        __syncthreads();
+        prefix = sel_prefix;
+        want = sel_want;
+        pmask |= 255u << shift;
     }
     // Entries above thr all go in; ties at thr fill the rest, lowest index first.
-    if (threadIdx.x == 0) cnt = 0;
-    __syncthreads();
-    {
-        int c = 0;
-        for (int32_t w = threadIdx.x; w < vis; w += blockDim.x) c += ordered(s[w]) > thr;
-        c = __reduce_add_sync(0xffffffffu, c);
-        if ((threadIdx.x & 31) == 0) atomicAdd(&cnt, c);
-    }
-    __syncthreads();
-    const int32_t need_eq = k - cnt;
+    const uint32_t thr = prefix;
+    const int32_t need_eq = want;
     int32_t eq_seen = 0, n_out = 0;
     for (int32_t base = 0; base < vis; base += blockDim.x) {
         const int32_t w = base + threadIdx.x;

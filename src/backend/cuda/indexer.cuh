@@ -4,9 +4,10 @@
  * entries, and an exact top-k with the CPU's order (score descending, ties to the lower index),
  * the selection written in ascending entry order and padded with -1.
  *
- * The top-k is a radix select: 32 counting passes over the row find the k-th largest score's
- * bit pattern exactly; one ordered compaction pass then keeps every score above it and the
- * lowest-index ties. No sort, no heap, any number of entries (one block per query row).
+ * The top-k is a radix select: 4 histogram passes over the row (8 bits each, from the top) find
+ * the k-th largest score's bit pattern exactly, and the count of the scores above it; one ordered
+ * compaction pass then keeps every score above it and the lowest-index ties. No sort, no heap,
+ * any number of entries (one block per query row).
  * NaN scores are not ordered as the CPU's heap orders them (not produced by finite inputs).
  * Thread-safety: engine thread only.
  */

@@ -88,12 +88,23 @@ static void test_scores(void) {
     scores_case(65535 + 9, 2, 8, 66, false);
 }
 
-// grid: 0 = continuous scores, else scores drawn from `grid` values (ties).
+// grid: 0 = continuous scores, > 0 scores drawn from `grid` values (ties), < 0 scores of every
+// magnitude and sign with infinities and signed zeros.
 static void topk_case(int32_t T, int32_t n_ent, int32_t topk, int grid) {
     float *sc = malloc(sizeof(float) * (size_t)(T * n_ent));
     int32_t *vis = malloc(sizeof(int32_t) * (size_t)T);
     for (int64_t i = 0; i < (int64_t)T * n_ent; i++)
         sc[i] = grid ? (float)(int)(rnd() % (uint64_t)grid) - (float)grid / 2 : rndf() * 100.0f;
+    if (grid < 0) { // every byte of the ordered key in play: +-inf, huge, subnormal, +-0, ties
+        static const float special[8] = {INFINITY, -INFINITY, 3e38f, -3e38f,
+                                         1e-40f,   -1e-40f,   0.0f,  -0.0f};
+        for (int64_t i = 0; i < (int64_t)T * n_ent; i++) {
+            const uint64_t r = rnd();
+            sc[i] = r % 4 == 0   ? special[(r >> 8) % 8]
+                    : r % 4 == 1 ? ldexpf(rndf(), (int)((r >> 8) % 250) - 125)
+                                 : rndf();
+        }
+    }
     // Signed zeros among the ties: -0 == +0 for the CPU (a tie, to the lower index).
     for (int64_t i = 0; grid && i < (int64_t)T * n_ent; i += 2)
         if (sc[i] == 0.0f) sc[i] = -0.0f;
@@ -137,6 +148,7 @@ static void test_topk(void) {
     topk_case(8, 5000, 512, 7);  // heavy ties
     topk_case(4, 20000, 1024, 0);
     topk_case(3, 600, 512, 2);
+    topk_case(6, 3000, 700, -1); // scores spanning every exponent, infinities, zeros of both signs
 }
 
 int main(void) {
