@@ -3,6 +3,7 @@
 #include "backend/cuda/indexer.cuh"
 
 enum { IDX_THREADS = 256, IDX_WARPS = IDX_THREADS / 32, IDX_KEYS_PER_BLOCK = 64 };
+enum { IDX_LANE_HMAX = 64 }; // the lane-per-entry kernel's widest head count
 enum { TOPK_THREADS = 1024 };
 
 // ---- scores ----
@@ -52,16 +53,102 @@ __global__ void __launch_bounds__(IDX_THREADS)
     }
 }
 
+// Lane per entry (DI % 4 == 0, 16-byte aligned keys, HI <= HMAX): block (row t, IDX_THREADS
+// entries), one entry per thread; the thread runs its entry's HI dot products side by side over DI
+// in 4-wide steps (HMAX accumulators in registers, qI read from shared memory as broadcast
+// float4s, the key as float4s), so no warp reduction is needed (the warp-per-entry kernel spends
+// 5 shuffles per head and entry: 320 at V4's 64 heads), and the row's qI is loaded once per 256
+// entries instead of 64. Then ReLU and the head weight in head order. Each head's dot is summed
+// in column order here, lane-strided then tree-reduced there: another FP32 order, within the same
+// bound (test_cuda_indexer); paged and contiguous entries still score bit for bit the same.
+template <int HMAX>
+__global__ void __launch_bounds__(IDX_THREADS)
+    scores_lane_kernel(const float *__restrict__ qi, const float *__restrict__ wi,
+                       const float *__restrict__ keys, const int64_t *__restrict__ key_base,
+                       const int32_t *__restrict__ pages, const int32_t *__restrict__ page_off,
+                       int32_t per_page, const int32_t *__restrict__ n_vis, int32_t n_tok,
+                       int32_t HI, int32_t DI, bool round_bf16, float *__restrict__ scores,
+                       int64_t score_stride) {
+    extern __shared__ __align__(16) float qs4[]; // [HI * DI] then wI [HI]
+    float *ws = qs4 + (int64_t)HI * DI;
+    const int64_t w0 = (int64_t)blockIdx.x * IDX_THREADS;
+    for (int64_t t = blockIdx.y; t < n_tok; t += gridDim.y) {
+        const int32_t vis = n_vis[t];
+        if (w0 >= vis) continue; // block-uniform
+        __syncthreads();         // every thread is done with the previous row's qI
+        for (int64_t i = threadIdx.x; i < (int64_t)HI * DI; i += blockDim.x)
+            qs4[i] = qi[t * HI * DI + i];
+        for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
+        __syncthreads();
+        const int64_t w = w0 + threadIdx.x;
+        if (w >= vis) continue; // no barrier below in this row
+        int64_t row = (key_base ? key_base[t] : 0) + w;
+        if (pages) {
+            const int32_t pg = pages[page_off[t] + w / per_page];
+            if (pg < 0) {
+                scores[t * score_stride + w] = -INFINITY;
+                continue;
+            }
+            row = (key_base ? key_base[t] : 0) + (int64_t)pg * per_page + w % per_page;
+        }
+        const float4 *k4 = (const float4 *)(keys + row * DI);
+        float dot[HMAX];
+#pragma unroll
+        for (int h = 0; h < HMAX; h++) dot[h] = 0.0f;
+        for (int32_t c = 0; c < DI / 4; c++) {
+            const float4 kv = k4[c];
+#pragma unroll
+            for (int h = 0; h < HMAX; h++) {
+                if (h < HI) {
+                    const float4 qv = *(const float4 *)(qs4 + h * DI + 4 * c);
+                    dot[h] = fmaf(qv.x, kv.x, dot[h]);
+                    dot[h] = fmaf(qv.y, kv.y, dot[h]);
+                    dot[h] = fmaf(qv.z, kv.z, dot[h]);
+                    dot[h] = fmaf(qv.w, kv.w, dot[h]);
+                }
+            }
+        }
+        float acc = 0.0f;
+#pragma unroll
+        for (int h = 0; h < HMAX; h++)
+            if (h < HI) acc += ws[h] * (dot[h] > 0 ? dot[h] : 0); // ReLU, then the head weight
+        scores[t * score_stride + w] = round_bf16 ? di_round_bf16_dev(acc) : acc;
+    }
+}
+
 extern "C" di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const float *wi,
                                             const float *keys, const int64_t *key_base,
                                             const int32_t *pages, const int32_t *page_off,
                                             int32_t per_page, const int32_t *n_vis, int32_t max_vis,
                                             int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16,
                                             float *scores, int64_t score_stride) {
-    static di_smem_kernel smem_k;
+    static di_smem_kernel smem_k, smem_lane8, smem_lane64;
     const size_t smem = sizeof(float) * ((size_t)HI * DI + (size_t)HI);
     if (pages && per_page < 1) return DI_ERR_INVALID;
     if (n_tok <= 0 || max_vis <= 0) return DI_OK;
+    // The lane-per-entry kernel where its float4 loads and register accumulators fit; else the
+    // warp-per-entry kernel (any HI, DI).
+    const bool lane =
+        HI >= 1 && HI <= IDX_LANE_HMAX && DI >= 4 && DI % 4 == 0 && ((uintptr_t)keys & 15) == 0;
+    if (lane) {
+        const bool narrow = HI <= 8;
+        const void *fn = narrow ? (const void *)scores_lane_kernel<8>
+                                : (const void *)scores_lane_kernel<IDX_LANE_HMAX>;
+        const di_status st =
+            di_cuda_smem_fit(cu, narrow ? &smem_lane8 : &smem_lane64, fn, smem, NULL);
+        if (st != DI_OK) return st;
+        dim3 grid(di_div_up(max_vis, IDX_THREADS), di_grid_y(n_tok));
+        if (narrow)
+            scores_lane_kernel<8><<<grid, IDX_THREADS, smem, di_stream(cu)>>>(
+                qi, wi, keys, key_base, pages, page_off, per_page, n_vis, n_tok, HI, DI, round_bf16,
+                scores, score_stride);
+        else
+            scores_lane_kernel<IDX_LANE_HMAX><<<grid, IDX_THREADS, smem, di_stream(cu)>>>(
+                qi, wi, keys, key_base, pages, page_off, per_page, n_vis, n_tok, HI, DI, round_bf16,
+                scores, score_stride);
+        DI_CUDA_LAUNCHED("scores_lane_kernel");
+        return DI_OK;
+    }
     const di_status st = di_cuda_smem_fit(cu, &smem_k, (const void *)scores_kernel, smem, NULL);
     if (st != DI_OK) return st;
     dim3 grid(di_div_up(max_vis, IDX_KEYS_PER_BLOCK), di_grid_y(n_tok));

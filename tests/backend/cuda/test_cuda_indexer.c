@@ -4,7 +4,8 @@
 // same set in ascending order, -1 padded): rows with fewer visible entries than k (all selected),
 // exactly k, many more (V4: 64 heads x 128, top-512 of up to 32768 entries), heavy ties (scores on
 // a coarse grid: the lower index must win), negative scores, BF16-rounded scores, 1 visible entry;
-// scores of more than 65,535 rows (the grid-row limit).
+// scores of more than 65,535 rows (the grid-row limit); both score kernels (lane per entry, warp
+// per entry).
 #include "backend/cuda/cuda_test.h"
 
 #include <stdlib.h>
@@ -83,6 +84,12 @@ static void test_scores(void) {
     scores_case(3, 4, 128, 40, false);    // tiny fixture
     scores_case(5, 64, 128, 3000, false); // V4 heads
     scores_case(4, 64, 128, 700, true);
+    // Both kernels: lane per entry (DI % 4 == 0, HI <= 64; 8 or 64 accumulators) and warp per
+    // entry (DI 7, HI 65), rows over more than one 256-entry block.
+    scores_case(3, 8, 16, 600, false);
+    scores_case(3, 9, 12, 300, true);
+    scores_case(3, 3, 7, 300, false);
+    scores_case(2, 65, 8, 100, false);
     // More rows than gridDim.y's 65,535 (one grid row per call row failed to launch; the rows past
     // it must be scored too), 66 entries: two key blocks per row. Tiny widths keep it cheap.
     scores_case(65535 + 9, 2, 8, 66, false);
