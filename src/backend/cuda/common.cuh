@@ -76,20 +76,19 @@ static inline unsigned di_grid_y(int64_t n) {
 }
 
 // One per kernel that takes dynamic shared memory (a static object at its launch site; zero
-// initialised): the kernel's static shared memory, read once, and the devices whose dynamic
-// limit was raised.
+// initialised): the kernel's static shared memory, read once (a property of the binary).
 struct di_smem_kernel {
-    std::atomic<long long> static_plus1;    // sharedSizeBytes + 1; 0: not read yet
-    std::atomic<unsigned long long> raised; // bit d: raised on device d (d < 64)
+    std::atomic<long long> static_plus1; // sharedSizeBytes + 1; 0: not read yet
 };
 
 // Whether `dyn` bytes of dynamic shared memory fit `func` on cu's device (current on this thread):
 // its static shared memory (cudaFuncGetAttributes(...).sharedSizeBytes) plus dyn must fit the
 // per-block opt-in limit (cu->smem_optin counts both). If so, the kernel's dynamic limit
-// (cudaFuncAttributeMaxDynamicSharedMemorySize) is raised, once per device, to all that is left
-// (optin - static): calls of different sizes, from any thread, never lower it below a launch of
-// another. *static_bytes (may be NULL) gets the static size. DI_ERR_INVALID (does not fit),
-// DI_ERR_CUDA.
+// (cudaFuncAttributeMaxDynamicSharedMemorySize) is set to all that is left (optin - static), at
+// every call beyond the default 48 KB (a host-side call, as before): the same value from every
+// call and thread, so one call never lowers it below another's launch (pipeline stages sharing a
+// device), and it holds after a context reset. *static_bytes (may be NULL) gets the static size.
+// DI_ERR_INVALID (does not fit), DI_ERR_CUDA.
 static inline di_status di_cuda_smem_fit(di_cuda *cu, di_smem_kernel *k, const void *func,
                                          size_t dyn, size_t *static_bytes) {
     long long s1 = k->static_plus1.load(std::memory_order_relaxed);
@@ -102,13 +101,9 @@ static inline di_status di_cuda_smem_fit(di_cuda *cu, di_smem_kernel *k, const v
     const size_t st = (size_t)(s1 - 1);
     if (static_bytes) *static_bytes = st;
     if (st > cu->smem_optin || dyn > cu->smem_optin - st) return DI_ERR_INVALID;
-    const unsigned long long bit =
-        cu->device >= 0 && cu->device < 64 ? 1ull << (unsigned)cu->device : 0ull;
-    if (bit == 0 || (k->raised.load(std::memory_order_acquire) & bit) == 0) {
+    if (st + dyn > (size_t)48 * 1024)
         CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)(cu->smem_optin - st)));
-        k->raised.fetch_or(bit, std::memory_order_release);
-    }
     return DI_OK;
 }
 
