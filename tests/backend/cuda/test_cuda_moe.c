@@ -366,6 +366,9 @@ static void test_combine_rows(void) {
                 weighted ? " weighted+shared" : "", (long long)bad);
         CHECK(bad == 0);
     }
+    // D = 0: nothing to combine, no launch (before: a 0-wide grid, a launch error).
+    CHECK_EQ(di_cuda_moe_combine(g_cu, yd, ropd, seld, wd, shd, T, K, 0, od), DI_OK);
+    CK(di_cuda_sync(g_cu));
     dev_free(yd), dev_free(wd), dev_free(shd), dev_free(seld), dev_free(ropd), dev_free(od);
     free(y), free(wgt), free(sh), free(sel), free(rop), free(ref), free(out);
 }

@@ -1245,6 +1245,10 @@ static void test_attn(void) {
     CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 1 << 30, d, 1, 1, 64, 1.0f, false, d),
              DI_ERR_INVALID);
     CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 4, d, 1, 1, 2048, 1.0f, false, d), DI_ERR_INVALID);
+    // More (row, head) blocks than gridDim.x allows (2^20 rows x 2^12 heads = 2^32): refused before
+    // any work (before: the block count wrapped to 0 in the launch, a launch error).
+    CHECK_EQ(g_b->vt->attn(g_b, d, d, id, 1, id, 4, d, 1 << 20, 1 << 12, 8, 1.0f, false, d),
+             DI_ERR_INVALID);
     bk_free(d), bk_free(id);
     test_attn_smem_boundary();
 }
@@ -1651,6 +1655,12 @@ static void test_v41_cand_rows(void) {
     fprintf(stderr, "  index_cand %d rows: %lld differ (%lld in rows >= 65535)\n", R,
             (long long)bad, (long long)bad_tail);
     CHECK_EQ(bad, 0);
+    // A score stride of 0 (no entries): MASK has nothing to do and launches nothing (before: a
+    // 0-wide grid, a launch error).
+    CHECK_EQ(g_b->vt->index_cand(g_b, DI_BACKEND_CAND_MASK, scd, 0, visd, R, BS, NTB, cdd, nd, NULL,
+                                 K, NULL),
+             DI_OK);
+    CK(g_b->vt->sync(g_b));
     bk_free(scd), bk_free(visd), bk_free(cdd), bk_free(nd), bk_free(seld), bk_free(workd);
     free(sc), free(gsc), free(vis), free(cand), free(gcand), free(n_cand), free(gn), free(sel);
     free(gsel);
