@@ -34,6 +34,11 @@ typedef enum di_status {
     DI_ERR_CANCELLED = -7,   // the request was cancelled
     DI_ERR_UNSUPPORTED = -8, // a valid input that this build cannot handle
     DI_ERR_BUSY = -9,        // the engine's request queue is full; retry later
+    // The device was lost: a sticky device error (CUDA: an illegal address, a launch failure, an
+    // uncorrectable ECC error, a device-side assert, ...) poisoned its context, so every later call
+    // on it fails until the device is reset. The serving engine rebuilds its device state and goes
+    // on (docs/cuda.md, "Device loss"), or, past its bound, refuses requests with this status.
+    DI_ERR_DEVICE_LOST = -10,
 } di_status;
 
 // A static, human-readable name for st.

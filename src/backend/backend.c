@@ -22,6 +22,16 @@ di_status di_backend_open(const di_device *dev, int n_threads, di_backend **out)
 #endif
 }
 
+di_status di_backend_reset_device(const di_device *dev) {
+    if (!dev || dev->kind == DI_DEVICE_CPU) return DI_OK; // a CPU backend is never really lost
+#ifdef DI_HAVE_CUDA
+    return di_cuda_device_reset(dev->index);
+#else
+    DI_LOG_ERROR("backend: this build has no CUDA backend to reset");
+    return DI_ERR_UNSUPPORTED;
+#endif
+}
+
 void di_backend_destroy(di_backend *b) {
     if (!b) return;
     b->vt->destroy(b);

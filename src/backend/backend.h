@@ -317,12 +317,26 @@ struct di_backend {
 di_status di_backend_open(const di_device *dev, int n_threads, di_backend **out);
 void di_backend_destroy(di_backend *b); // NULL: no-op
 
+// After every backend on the device is destroyed: resets the device so that new backends on it
+// work again (CUDA: cudaDeviceReset, which clears a sticky error and frees what the process still
+// held there; the CPU: nothing). DI_ERR_CUDA when the reset fails (logged), DI_ERR_UNSUPPORTED for
+// CUDA in a build without it.
+di_status di_backend_reset_device(const di_device *dev);
+
 // The two implementations' constructors (di_backend_open calls them).
 di_status di_cpu_backend_create(int n_threads, di_backend **out);
+// Test hook (a simulated device loss on the CPU twin): after n_ok more entries (graph commands
+// count one each as they replay) the CPU backend b is lost: that entry and every later one return
+// DI_ERR_DEVICE_LOST (the frees and destroy still work) until b is destroyed. n_ok 0: the next
+// entry fails; n_ok < 0 disarms a pending loss (a lost backend stays lost). The thread using b.
+void di_cpu_backend_lose(di_backend *b, int64_t n_ok);
+// Whether the CPU backend b is lost (di_cpu_backend_lose); false for every other backend.
+bool di_cpu_backend_is_lost(const di_backend *b);
 // The commands a CPU backend graph (its graph_end) holds: the entries one launch runs (tests count
 // the ops of a captured step with it).
 int64_t di_cpu_backend_graph_n_cmds(const void *graph);
 di_status di_cuda_backend_create(int device, di_backend **out); // only with DI_HAVE_CUDA
+di_status di_cuda_device_reset(int device); // only with DI_HAVE_CUDA (cuda_backend.h)
 
 #ifdef __cplusplus
 }

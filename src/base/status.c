@@ -22,6 +22,8 @@ const char *di_status_str(di_status st) {
         return "unsupported";
     case DI_ERR_BUSY:
         return "busy (request queue full)";
+    case DI_ERR_DEVICE_LOST:
+        return "device lost (a sticky device error; the device must be reset)";
     }
     return "unknown status";
 }

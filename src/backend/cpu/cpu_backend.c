@@ -58,11 +58,33 @@ typedef struct cpu_impl {
     struct cmd *rec;
     int64_t n_rec, cap_rec;
     bool capturing, refused;
+    // A simulated device loss (di_cpu_backend_lose, tests): lose_in entries from now on the
+    // backend is lost (0: not armed); once lost, every entry but the frees and destroy returns
+    // DI_ERR_DEVICE_LOST, as a CUDA context after a sticky error, until the backend is destroyed.
+    int64_t lose_in;
+    bool lost;
 } cpu_impl;
+
+static const di_backend_vt cpu_vt;
 
 static cpu_impl *impl_of(const di_backend *b) {
     return b->impl;
 }
+
+// Counts an entry against an armed loss; whether the backend is lost (then the entry fails).
+static bool lost_now(cpu_impl *c) {
+    if (c->lost) return true;
+    if (c->lose_in <= 0 || --c->lose_in > 0) return false;
+    c->lost = true;
+    DI_LOG_ERROR("cpu backend: simulated device loss: every later call fails with %s",
+                 di_status_str(DI_ERR_DEVICE_LOST));
+    return true;
+}
+
+#define ALIVE(c)                                                                                   \
+    do {                                                                                           \
+        if (lost_now(c)) return DI_ERR_DEVICE_LOST;                                                \
+    } while (0)
 
 // ---- graph commands ----
 
@@ -323,6 +345,7 @@ static di_status refuse(cpu_impl *c, const char *what) {
 // the enclosing call in the member's order) and returns.
 #define RECORD(c, op_, member, ...)                                                                \
     do {                                                                                           \
+        ALIVE(c);                                                                                  \
         if ((c)->capturing) {                                                                      \
             cmd k_ = {.op = op_, .u.member = {__VA_ARGS__}};                                       \
             return record((c), &k_);                                                               \
@@ -332,6 +355,7 @@ static di_status refuse(cpu_impl *c, const char *what) {
 // ---- memory and copies ----
 
 static di_status cpu_alloc(di_backend *b, size_t bytes, void **out) {
+    ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "alloc");
     void *p = NULL;
     size_t n = (bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
@@ -359,12 +383,14 @@ static di_status cpu_copy(di_backend *b, void *dst, const void *src, size_t byte
 
 // Host <-> backend copies synchronise on CUDA: not inside a capture.
 static di_status cpu_upload(di_backend *b, void *dst, const void *src, size_t bytes) {
+    ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "upload");
     if (bytes) memmove(dst, src, bytes);
     return DI_OK;
 }
 
 static di_status cpu_download(di_backend *b, void *dst, const void *src, size_t bytes) {
+    ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "download");
     if (bytes) memmove(dst, src, bytes);
     return DI_OK;
@@ -377,6 +403,7 @@ static di_status cpu_memset(di_backend *b, void *dst, int value, size_t bytes) {
 }
 
 static di_status cpu_sync(di_backend *b) {
+    ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "sync");
     return DI_OK;
 }
@@ -399,6 +426,7 @@ static di_status ensure_row(cpu_impl *c, int64_t n_in) {
 }
 
 static di_status cpu_weight_upload(di_backend *b, const di_tensor *host, di_tensor *dev) {
+    ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "weight_upload");
     di_status st = ensure_row(impl_of(b), host->ne[0]);
     if (st != DI_OK) return st;
@@ -1165,6 +1193,7 @@ static di_status cpu_index_cand(di_backend *b, int32_t mode, float *scores, int6
 
 static di_status cpu_graph_begin(di_backend *b) {
     cpu_impl *c = impl_of(b);
+    ALIVE(c);
     if (c->capturing) {
         DI_LOG_ERROR("cpu backend: graph_begin inside a capture");
         return DI_ERR_INVALID;
@@ -1182,6 +1211,7 @@ static di_status cpu_graph_end(di_backend *b, void **graph) {
         return DI_ERR_INVALID;
     }
     c->capturing = false;
+    ALIVE(c);                              // the capture is closed either way
     if (c->refused) return DI_ERR_INVALID; // logged where it was refused
     cpu_graph *g = di_calloc(1, sizeof *g);
     if (!g) return DI_ERR_NOMEM;
@@ -1302,6 +1332,7 @@ static di_status replay(di_backend *b, const cmd *k) {
 
 static di_status cpu_graph_launch(di_backend *b, const void *graph) {
     cpu_impl *c = impl_of(b);
+    ALIVE(c);
     if (c->capturing) {
         DI_LOG_ERROR("cpu backend: graph_launch inside a capture");
         c->refused = true;
@@ -1317,6 +1348,20 @@ static di_status cpu_graph_launch(di_backend *b, const void *graph) {
         }
     }
     return DI_OK;
+}
+
+void di_cpu_backend_lose(di_backend *b, int64_t n_ok) {
+    DI_ASSERT(b->vt == &cpu_vt);
+    cpu_impl *c = impl_of(b);
+    if (n_ok < 0) {
+        c->lose_in = 0; // disarmed; a lost backend stays lost
+        return;
+    }
+    c->lose_in = n_ok + 1;
+}
+
+bool di_cpu_backend_is_lost(const di_backend *b) {
+    return b->vt == &cpu_vt && impl_of(b)->lost;
 }
 
 int64_t di_cpu_backend_graph_n_cmds(const void *graph) {

@@ -19,15 +19,23 @@ extern "C" void di_log_write(int level, const char *file, int line, const char *
 #define DI_CUDA_LOG_ERROR(...) di_log_write(0, __FILE__, __LINE__, __VA_ARGS__)
 #define DI_CUDA_LOG_WARN(...) di_log_write(1, __FILE__, __LINE__, __VA_ARGS__)
 
-// Runs a CUDA runtime call; on failure logs it with the CUDA error string and returns
-// DI_ERR_CUDA from the enclosing function (which must return di_status and own nothing that
-// needs cleanup at that point; otherwise use CUDA_TRY with a `fail` label).
+// The di_status of a failed CUDA call (cuda_backend.cu): DI_ERR_DEVICE_LOST for the sticky errors
+// that poison the context (illegal address or instruction, launch failure or timeout, misaligned
+// address, hardware stack error, device-side assert, uncorrectable ECC, ...; every later call
+// would fail), which also marks the current device lost (di_cuda_lost: the backend's entries then
+// refuse at once, until di_cuda_device_reset); DI_ERR_CUDA for every other error.
+extern "C" di_status di_cuda_error(cudaError_t e);
+
+// Runs a CUDA runtime call; on failure logs it with the CUDA error string and returns its status
+// (di_cuda_error: DI_ERR_CUDA, or DI_ERR_DEVICE_LOST for a sticky error) from the enclosing
+// function (which must return di_status and own nothing that needs cleanup at that point;
+// otherwise use CUDA_TRY with a `fail` label).
 #define CUDA_CHECK(call)                                                                           \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
         if (e_ != cudaSuccess) {                                                                   \
             DI_CUDA_LOG_ERROR("%s: %s (%s)", #call, cudaGetErrorString(e_), cudaGetErrorName(e_)); \
-            return DI_ERR_CUDA;                                                                    \
+            return di_cuda_error(e_);                                                              \
         }                                                                                          \
     } while (0)
 
@@ -36,7 +44,7 @@ extern "C" void di_log_write(int level, const char *file, int line, const char *
         cudaError_t e_ = (call);                                                                   \
         if (e_ != cudaSuccess) {                                                                   \
             DI_CUDA_LOG_ERROR("%s: %s (%s)", #call, cudaGetErrorString(e_), cudaGetErrorName(e_)); \
-            st = DI_ERR_CUDA;                                                                      \
+            st = di_cuda_error(e_);                                                                \
             goto fail;                                                                             \
         }                                                                                          \
     } while (0)

@@ -8,6 +8,69 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm.cuh" // di_cuda_lt_*
 
+// ---- errors: the sticky ones lose the device ----
+
+// Devices whose context a sticky error poisoned (set by di_cuda_error, cleared by
+// di_cuda_device_reset). Process-wide: a sticky error poisons the device's (primary) context for
+// every backend on it.
+enum { DI_CUDA_MAX_DEVICES = 64 };
+static bool g_lost[DI_CUDA_MAX_DEVICES];
+
+static bool is_sticky(cudaError_t e) {
+    switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorHardwareStackError:
+    case cudaErrorAssert:
+    case cudaErrorContextIsDestroyed:
+    case cudaErrorExternalDevice:
+        return true;
+    default:
+        return false;
+    }
+}
+
+extern "C" di_status di_cuda_error(cudaError_t e) {
+    if (e == cudaSuccess) return DI_OK;
+    if (!is_sticky(e)) return DI_ERR_CUDA;
+    int dev = -1;
+    if (cudaGetDevice(&dev) == cudaSuccess && dev >= 0 && dev < DI_CUDA_MAX_DEVICES &&
+        !__atomic_exchange_n(&g_lost[dev], true, __ATOMIC_SEQ_CST))
+        DI_CUDA_LOG_ERROR("CUDA device %d lost: %s (%s) is sticky; every call on it is refused "
+                          "until it is reset",
+                          dev, cudaGetErrorString(e), cudaGetErrorName(e));
+    return DI_ERR_DEVICE_LOST;
+}
+
+extern "C" bool di_cuda_lost(int device) {
+    return device >= 0 && device < DI_CUDA_MAX_DEVICES &&
+           __atomic_load_n(&g_lost[device], __ATOMIC_SEQ_CST);
+}
+
+extern "C" di_status di_cuda_device_reset(int device) {
+    if (device < 0 || device >= di_cuda_device_count()) {
+        DI_CUDA_LOG_ERROR("cudaDeviceReset: no CUDA device %d", device);
+        return DI_ERR_INVALID;
+    }
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaDeviceReset();
+    if (e != cudaSuccess) {
+        DI_CUDA_LOG_ERROR("cudaDeviceReset on device %d: %s (%s)", device, cudaGetErrorString(e),
+                          cudaGetErrorName(e));
+        return DI_ERR_CUDA;
+    }
+    (void)cudaGetLastError();
+    if (device < DI_CUDA_MAX_DEVICES) __atomic_store_n(&g_lost[device], false, __ATOMIC_SEQ_CST);
+    DI_CUDA_LOG_WARN("CUDA device %d reset", device);
+    return DI_OK;
+}
+
 // ---- context ----
 
 extern "C" int di_cuda_device_count(void) {
@@ -135,7 +198,7 @@ extern "C" di_status di_cuda_alloc(di_cuda *cu, size_t bytes, void **out) {
         DI_CUDA_LOG_ERROR("cudaMalloc(%zu bytes; pool holds %zu): %s", want, cu->pool_bytes,
                           cudaGetErrorString(e));
         free(b);
-        return DI_ERR_CUDA;
+        return di_cuda_error(e);
     }
     b->bytes = want;
     b->in_use = true;
@@ -193,7 +256,7 @@ extern "C" di_status di_cuda_check_launch(const char *what) {
     if (e != cudaSuccess) {
         DI_CUDA_LOG_ERROR("launch of %s failed: %s (%s)", what, cudaGetErrorString(e),
                           cudaGetErrorName(e));
-        return DI_ERR_CUDA;
+        return di_cuda_error(e);
     }
     return DI_OK;
 }

@@ -78,6 +78,14 @@ typedef struct di_cuda {
 // Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.
 int di_cuda_device_count(void);
 
+// Device loss (backend.h DI_ERR_DEVICE_LOST): whether a sticky error was seen on `device` since it
+// was last reset (the backend's entries then refuse at once with DI_ERR_DEVICE_LOST). Any thread.
+bool di_cuda_lost(int device);
+// cudaDeviceReset on `device` (every context, stream, allocation and graph of this process there
+// is gone: destroy the backends on it first) and clears its lost mark. DI_ERR_INVALID (no such
+// device), DI_ERR_CUDA (logged).
+di_status di_cuda_device_reset(int device);
+
 // Creates a context on `device`: its stream and cuBLASLt handle. DI_ERR_UNSUPPORTED when there is
 // no such device, DI_ERR_CUDA, DI_ERR_NOMEM. Free with di_cuda_destroy.
 di_status di_cuda_create(int device, di_cuda **out);

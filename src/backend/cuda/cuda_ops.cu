@@ -24,9 +24,11 @@
 
 static_assert(DI_CUDA_POOL_NO_ROW == DI_BACKEND_NO_ROW, "compress_pool's no-row marker");
 
-// The context of b with its device made current on this thread (declares `cu`).
+// The context of b with its device made current on this thread (declares `cu`); a lost device
+// (a sticky error seen on it, backend.h DI_ERR_DEVICE_LOST) refuses at once.
 #define ENTER(b)                                                                                   \
     di_cuda *cu = (di_cuda *)(b)->impl;                                                            \
+    if (di_cuda_lost(cu->device)) return DI_ERR_DEVICE_LOST;                                       \
     CUDA_CHECK(cudaSetDevice(cu->device))
 
 // Entries a capture cannot hold (backend.h graph_begin): refused, and the capture fails, as on
@@ -94,6 +96,7 @@ static di_status op_host_alloc(di_backend *b, size_t bytes, void **out) {
     const cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable);
     if (e != cudaSuccess) {
         DI_CUDA_LOG_ERROR("cudaHostAlloc(%zu bytes): %s", bytes, cudaGetErrorString(e));
+        if (di_cuda_error(e) == DI_ERR_DEVICE_LOST) return DI_ERR_DEVICE_LOST;
         (void)cudaGetLastError(); // not sticky: clear it
         return DI_ERR_NOMEM;
     }
