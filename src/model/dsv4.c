@@ -86,37 +86,134 @@ static const char *find_gguf(const char *dir, char *buf, size_t cap) {
     return n == 1 ? buf : NULL;
 }
 
+// The device-resident forward on one backend per entry of devs[0, n) (owned by m: dev_backend,
+// then dev_more), attached as n pipeline stages (V4 or V4.1 by the checkpoint). On failure the
+// backends opened stay in m (freed with it, or by close_dev); *attaching: whether the failure was
+// the attach's (every backend opened).
+static di_status open_dev_on(di_model *m, const di_device *devs, int32_t n, bool *attaching) {
+    *attaching = false;
+    di_status st = di_backend_open(&devs[0], m->opt.n_threads, &m->dev_backend);
+    for (int32_t k = 1; st == DI_OK && k < n; k++) {
+        st = di_backend_open(&devs[k], m->opt.n_threads, &m->dev_more[k - 1]);
+        if (st == DI_OK) m->n_dev_more = k;
+    }
+    if (st != DI_OK) return st;
+    *attaching = true;
+    di_backend *bs[DI_DEVICE_MAX_MORE + 1] = {m->dev_backend};
+    for (int32_t k = 0; k < m->n_dev_more; k++) bs[k + 1] = m->dev_more[k];
+    if (m->hp.v41) return di_dsv41_dev_attach_stages(m, bs, 1 + m->n_dev_more);
+    return di_dsv4_dev_attach_stages(m, bs, 1 + m->n_dev_more);
+}
+
+// Destroys the device-resident forward and the backends m owns (the forward first: it frees its
+// memory through them).
+static void close_dev(di_model *m) {
+    di_dsv4_dev_destroy(m->dev);
+    di_dsv41_dev_destroy(m->dev41);
+    m->dev = NULL;
+    m->dev41 = NULL;
+    for (int32_t k = 0; k < m->n_dev_more; k++) di_backend_destroy(m->dev_more[k]);
+    m->n_dev_more = 0;
+    di_backend_destroy(m->dev_backend);
+    m->dev_backend = NULL;
+}
+
 // --device cuda: the device-resident forward (dsv4_dev.h; V4.1: dsv41_dev.h) for sessions and the
 // serving engine (engine.c), when the model allows it (either precision recipe); otherwise (and
 // for MTP / DSpark sessions and a V4.1 engine with speculation) the offloaded CPU forward. A
-// device list (cuda:0,1,...): one backend per entry, the V4 forward's pipeline stages on them
-// (dsv4_dev.h "Pipeline stages"); V4.1 refuses a list (its forward has no stages yet).
+// device list (cuda:0,1,...): one backend per entry, the forward's pipeline stages on them
+// (dsv4_dev.h / dsv41_dev.h "Pipeline stages").
 static di_status open_dev(di_model *m) {
     const di_device *dv = &m->opt.device;
-    const di_device one = {.kind = dv->kind, .index = dv->index};
-    di_status st = di_backend_open(&one, m->opt.n_threads, &m->dev_backend);
-    for (int32_t k = 0; st == DI_OK && k < dv->n_more; k++) {
-        const di_device next = {.kind = dv->kind, .index = dv->more[k]};
-        st = di_backend_open(&next, m->opt.n_threads, &m->dev_more[k]);
-        if (st == DI_OK) m->n_dev_more = k + 1;
-    }
-    if (st != DI_OK) return st; // the backends opened are freed with the model
-    di_backend *bs[DI_DEVICE_MAX_MORE + 1] = {m->dev_backend};
-    for (int32_t k = 0; k < m->n_dev_more; k++) bs[k + 1] = m->dev_more[k];
-    if (m->hp.v41)
-        st = di_dsv41_dev_attach_stages(m, bs, 1 + m->n_dev_more);
-    else
-        st = di_dsv4_dev_attach_stages(m, bs, 1 + m->n_dev_more);
-    if (st == DI_ERR_UNSUPPORTED) { // a weight kind the backend lacks: logged; keep the offload
+    di_device devs[DI_DEVICE_MAX_MORE + 1] = {{.kind = dv->kind, .index = dv->index}};
+    for (int32_t k = 0; k < dv->n_more; k++)
+        devs[k + 1] = (di_device){.kind = dv->kind, .index = dv->more[k]};
+    bool attaching;
+    di_status st = open_dev_on(m, devs, 1 + dv->n_more, &attaching);
+    if (st == DI_ERR_UNSUPPORTED && attaching) { // a weight kind the backend lacks: logged
         DI_LOG_WARN("device: the device-resident forward is unavailable; sessions use the "
                     "offloaded matmuls");
-        for (int32_t k = 0; k < m->n_dev_more; k++) di_backend_destroy(m->dev_more[k]);
-        m->n_dev_more = 0;
-        di_backend_destroy(m->dev_backend);
-        m->dev_backend = NULL;
+        close_dev(m);
         return DI_OK;
     }
     return st;
+}
+
+di_status di_model_dev_open(di_model *m, const di_device *devs, int32_t n_devs) {
+    if (m->dev || m->dev41 || m->dev_backend || n_devs < 1 || n_devs > DI_DEVICE_MAX_MORE + 1) {
+        DI_LOG_ERROR("device: di_model_dev_open needs 1 to %d devices and a model without a "
+                     "device-resident forward",
+                     DI_DEVICE_MAX_MORE + 1);
+        return DI_ERR_INVALID;
+    }
+    bool attaching;
+    di_status st = open_dev_on(m, devs, n_devs, &attaching);
+    if (st != DI_OK) close_dev(m);
+    return st;
+}
+
+di_status di_model_dev_rebuild(di_model *m) {
+    if (!m->dev && !m->dev41) {
+        DI_LOG_ERROR("device: no device-resident forward to rebuild");
+        return DI_ERR_INVALID;
+    }
+    if (!m->dev_backend) {
+        DI_LOG_ERROR("device: the device-resident forward runs on the caller's backends: it cannot "
+                     "be rebuilt here");
+        return DI_ERR_UNSUPPORTED;
+    }
+    di_device devs[DI_DEVICE_MAX_MORE + 1];
+    const int32_t n = 1 + m->n_dev_more;
+    devs[0] = m->dev_backend->device;
+    for (int32_t k = 0; k < m->n_dev_more; k++) devs[k + 1] = m->dev_more[k]->device;
+    const int32_t n_stages =
+        m->dev ? di_dsv4_dev_n_stages(m->dev) : di_dsv41_dev_n_stages(m->dev41);
+    DI_LOG_WARN("device: rebuilding the %s device-resident forward (%d stages on %d backends): "
+                "destroying it and its backends, resetting their devices, uploading the weights "
+                "again",
+                m->hp.v41 ? "V4.1" : "V4", (int)n_stages, (int)n);
+    close_dev(m);
+    // The offloaded matmuls' context lives on a device being reset too: closed first, reopened
+    // after (its weights are uploaded again on first use).
+    const bool accel = m->accel.matmul != NULL;
+    if (accel) {
+        di_accel_close(&m->accel);
+        m->accel_matmul = NULL;
+        m->accel_user = NULL;
+    }
+    // Every device once (stages may share one), after every backend on it is gone.
+    for (int32_t k = 0; k < n; k++) {
+        bool seen = false;
+        for (int32_t j = 0; j < k && !seen; j++)
+            seen = devs[j].kind == devs[k].kind && devs[j].index == devs[k].index;
+        if (seen) continue;
+        di_status st = di_backend_reset_device(&devs[k]);
+        if (st != DI_OK) {
+            DI_LOG_ERROR("device: resetting device %d failed (%s): no device-resident forward",
+                         (int)devs[k].index, di_status_str(st));
+            return st;
+        }
+    }
+    if (accel) {
+        di_status st = di_accel_open(&m->opt.device, &m->accel);
+        if (st != DI_OK) {
+            DI_LOG_ERROR("device: reopening the offload context failed (%s)", di_status_str(st));
+            return st;
+        }
+        m->accel_matmul = m->accel.matmul;
+        m->accel_user = m->accel.user;
+    }
+    bool attaching;
+    di_status st = open_dev_on(m, devs, n, &attaching);
+    if (st != DI_OK) {
+        DI_LOG_ERROR("device: reopening the device-resident forward failed (%s)",
+                     di_status_str(st));
+        close_dev(m);
+        return st;
+    }
+    DI_LOG_WARN("device: the device-resident forward is rebuilt on %s%s", m->dev_backend->desc,
+                n > 1 ? " and the next stages' backends" : "");
+    return DI_OK;
 }
 
 uint64_t di_dsv4_model_id(const di_model *m) {
@@ -263,10 +360,7 @@ void di_model_destroy(di_model *m) {
     }
     di_ep_detach(m->ep);
     di_cp_detach(m->cp);
-    di_dsv4_dev_destroy(m->dev); // before its backend
-    di_dsv41_dev_destroy(m->dev41);
-    di_backend_destroy(m->dev_backend);
-    for (int32_t k = 0; k < m->n_dev_more; k++) di_backend_destroy(m->dev_more[k]);
+    close_dev(m); // the forward before its backends
     di_accel_close(&m->accel);
     di_cpu_deinit(&m->cpu);
     di_pool_destroy(m->pool);

@@ -154,6 +154,25 @@ struct di_model {
 // handshake share it (blocks and experts are never mixed between models, checkpoints or numerics).
 uint64_t di_dsv4_model_id(const di_model *m);
 
+// The device-resident forward on backends the model owns (what --device cuda:0,1,... does at
+// load): one backend per entry of devs[0, n_devs) (di_backend_open with the model's n_threads),
+// the forward attached on them as n_devs pipeline stages (V4: di_dsv4_dev_attach_stages; V4.1:
+// di_dsv41_dev_attach_stages). Tests attach the CPU twin this way (DI_DEVICE_CPU entries) when it
+// must be rebuildable. DI_ERR_INVALID (a forward or backend attached already, n_devs out of
+// [1, DI_DEVICE_MAX_MORE + 1]), the open's and the attach's errors (nothing is left attached).
+di_status di_model_dev_open(di_model *m, const di_device *devs, int32_t n_devs);
+// Device loss (docs/cuda.md, "Device loss"): destroys the device-resident forward (m->dev or
+// m->dev41) and the backends it runs on, resets their devices (di_backend_reset_device, each
+// once: stages may share one; the offload context, m->accel, is closed before and reopened
+// after), then opens the same devices again and attaches the forward with the same stages, its
+// weights uploaded again from the still-mapped checkpoint. Everything made on the old forward
+// (dev states, sessions on it, MTP enabled with di_dsv4_dev_mtp_enable, graphs, host memory from
+// its backends) must be destroyed before, and remade by the caller after. DI_ERR_UNSUPPORTED (the
+// backends are the caller's, not the model's: it cannot reopen them), DI_ERR_INVALID (no
+// device-resident forward), a reset's, the open's or the attach's error: then m has no
+// device-resident forward (logged). Not while a forward runs.
+di_status di_model_dev_rebuild(di_model *m);
+
 // The matmul of every layer: the accelerator's when one is attached and takes it, else
 // di_cpu_matmul. y[t*y_stride + o] = sum_i W[o, i] x[t*x_stride + i].
 static inline void di_dsv4_matmul(di_model *m, const di_tensor *w, const float *x, int64_t n_tok,
