@@ -1175,6 +1175,14 @@ bool di_kv_dev_pending(const di_kv_manager *kv) {
     return kv->dev && kv->dev[kv->dev_cur].n > 0;
 }
 
+int32_t di_kv_manager_drop_cached(di_kv_manager *kv) {
+    if (!kv->cache) return 0;
+    int32_t n = 0;
+    const int32_t n_ids = di_block_pool_n_total(kv->pool);
+    for (int32_t id = 0; id < n_ids; id++) n += di_prefix_cache_remove(kv->cache, id);
+    return n;
+}
+
 void di_kv_dev_drop_spills(di_kv_manager *kv) {
     if (!kv->dev) return;
     dev_batch *b = &kv->dev[kv->dev_cur];

@@ -322,3 +322,9 @@ void di_kv_seq_publish(di_kv_manager *kv, int32_t slot, const int32_t *tokens, i
 // takes them out of the prefix cache (the slot keeps its references). Marks each block taken out
 // in marks[id] = 1 (pool-sized, may be NULL) and returns how many. Then close the slot.
 int32_t di_kv_seq_unpublish_last(di_kv_manager *kv, int32_t slot, uint8_t *marks);
+// The blocks' contents are gone (the device was lost; docs/cuda.md, "Device loss"): every block
+// leaves the prefix cache without a write-back (their tail snapshots go with them; idle ones
+// become free; a block still referenced keeps its references, uncached). The disk tier's records,
+// queued or on disk, stay and are read back by later prefetches. Returns how many left. Engine
+// thread, no forward call in flight.
+int32_t di_kv_manager_drop_cached(di_kv_manager *kv);
