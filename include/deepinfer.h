@@ -619,6 +619,15 @@ typedef struct di_engine_options {
     // Token trie for requests with a grammar (borrowed; must outlive the engine). NULL: requests
     // with a grammar are refused with DI_ERR_INVALID.
     const di_grammar_vocab *grammar_vocab;
+    // Device loss on the device-resident forward (docs/cuda.md, "Device loss"): a step whose
+    // forward returns DI_ERR_DEVICE_LOST ends its requests with it, preempts the other running
+    // requests for recompute, drops the device's prefix-cache blocks and rebuilds the device
+    // state (devices reset, weights uploaded again), up to device_loss_max times within
+    // device_loss_window_s seconds (0: 3 and 600). One more loss within the window, or a failed
+    // rebuild, leaves the engine unhealthy (di_engine_stats.unhealthy): every request, waiting or
+    // submitted later, ends or is refused with DI_ERR_DEVICE_LOST. Negative values are refused.
+    int32_t device_loss_max;
+    int32_t device_loss_window_s;
 } di_engine_options;
 
 di_engine_options di_engine_options_default(void);
@@ -697,6 +706,13 @@ typedef struct di_engine_stats {
     // step fails (a sticky CUDA error, which only a new process clears) keeps counting; the
     // server reports itself failing from 3 in a row on (docs/server.md, /ready and /health).
     int64_t n_failed_in_a_row;
+    // Device loss (di_engine_options.device_loss_max; docs/cuda.md, "Device loss"): steps whose
+    // forward found the device lost (DI_ERR_DEVICE_LOST), rebuilds of the device state that
+    // succeeded, running requests preempted for recompute by them, and whether the engine gave up
+    // (too many losses within the window, or a failed rebuild): it then refuses every request with
+    // DI_ERR_DEVICE_LOST (the server's /health and /ready answer 503), for good.
+    int64_t n_device_losses, n_device_recoveries, n_device_loss_preempted;
+    bool unhealthy;
     // Speculative decoding (di_engine_options.spec_tokens): verify forwards (one per sequence and
     // step that speculated), drafts the DSpark module proposed, drafts fed to the target after
     // the confidence cut (the extra forward rows), drafts accepted (tokens gained over one per

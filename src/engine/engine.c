@@ -5,7 +5,8 @@
 // thread), while the engine thread plans step N+1 (scheduler.h); then the engine thread emits
 // step N, drops finished requests from the plan, fills in the sampled ids and launches
 // step N+1. DI_ENGINE_SYNC=1 (debug) plans only after the forward returns; DI_ENGINE_FAIL_STEPS=N
-// (debug) fails the first N steps as a device fault would.
+// (debug) fails the first N steps as a device fault would; DI_ENGINE_LOSE_DEVICE=N (debug) fails
+// them as a lost device would ("device loss" below).
 //
 // Three forwards, chosen at create:
 //   - the device-resident forward, when the model has one attached: V4's (model/dsv4_dev.h, m->dev:
@@ -23,11 +24,13 @@
 //     request's tokens (the Engram look-back before win_lo; a tail restore rebuilds the history
 //     from them too), so prefix reuse works as on the CPU path.
 //     A failed dev call fails the requests of that step (DI_FINISH_ERROR with its status); the
-//     engine keeps serving. With spec_tokens > 0 (a V4 checkpoint with its MTP block) the dev
-//     state holds the MTP block too (di_dsv4_dev_mtp_enable: a window ring per slot, paid from
-//     kv_memory_bytes): MTP speculation as on the CPU forward below, the step's call verifying
-//     [y, d] in two rows, the rejected row taken back in the dev state (di_dsv4_dev_rollback) and
-//     the MTP call run on the kept rows' main streams, which the state keeps from the step's call
+//     engine keeps serving. A lost device (DI_ERR_DEVICE_LOST: a sticky CUDA error) also has the
+//     device state rebuilt, the other running requests recomputed ("device loss" below). With
+//     spec_tokens > 0 (a V4 checkpoint with its MTP block) the dev state holds the MTP block too
+//     (di_dsv4_dev_mtp_enable: a window ring per slot, paid from kv_memory_bytes): MTP speculation
+//     as on the CPU forward below, the step's call verifying [y, d] in two rows, the rejected row
+//     taken back in the dev state (di_dsv4_dev_rollback) and the MTP call run on the kept rows'
+//     main streams, which the state keeps from the step's call
 //     ("speculative decoding on the device-resident forward" below; V4 only).
 //   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h) without the
 //     device-resident one (or with it and spec_tokens > 0): one V4.1 session
@@ -192,6 +195,18 @@ struct di_engine {
     // Failure injection (di_engine_fail_forward, DI_ENGINE_FAIL_STEPS): the fail_in-th next
     // forward and the fail_n - 1 after it fail with fail_status without running (0: none).
     atomic_int fail_in, fail_n, fail_status;
+    // Device loss ("device loss" below). dead: the engine gave up on the device (set by the engine
+    // thread under mu; then every request is refused). loss_ms: the scheduler clock of the last
+    // device_loss_max + 1 losses, a ring (n_loss of them so far).
+    bool dead;
+    int64_t *loss_ms; // owned [device_loss_max + 1]
+    int64_t n_loss;
+    // di_engine_lose_device (tests): the lose_in-th next forward arms the loss of stage
+    // lose_stage's CPU backend lose_after entries on; the next lose_rebuilds rebuilds lose their
+    // new backend too (lose_after entries into their warm-up).
+    atomic_int lose_in, lose_rebuilds;
+    int32_t lose_stage;
+    int64_t lose_after;
     int32_t eos;
     di_grammar_matcher_limits glim; // of the matchers of requests with a grammar
     pthread_t thread;
@@ -287,6 +302,7 @@ static di_status dev_block_read(void *user, int32_t block, void *dst);
 static di_status dev_block_write(void *user, int32_t block, const void *src);
 static void disk_store_stats(di_kv_manager *kv, di_engine_stats *st);
 static void eplb_done(void *user);
+static int64_t sched_now_ms(di_engine *e);
 
 // ---- the device-resident forwards (one adapter) ----
 //
@@ -748,6 +764,18 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
         st = DI_ERR_INVALID;
         goto fail;
     }
+    if (o->device_loss_max < 0 || o->device_loss_window_s < 0) {
+        DI_LOG_ERROR("engine: need device_loss_max >= 0 and device_loss_window_s >= 0");
+        st = DI_ERR_INVALID;
+        goto fail;
+    }
+    if (!o->device_loss_max) o->device_loss_max = 3;
+    if (!o->device_loss_window_s) o->device_loss_window_s = 600;
+    e->loss_ms = di_calloc((size_t)o->device_loss_max + 1, sizeof *e->loss_ms);
+    if (!e->loss_ms) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
     if (o->spec_tokens < 0 || o->spec_tokens > DI_MAX_SPEC_TOKENS ||
         !(o->spec_min_confidence >= -1.0f && o->spec_min_confidence <= 1.0f)) {
         DI_LOG_ERROR("engine: need spec_tokens in [0, %d] and spec_min_confidence in [-1, 1]",
@@ -950,6 +978,17 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
                     n_fail, n_fail, di_status_str(DI_ERR_CUDA));
         di_engine_fail_forward(e, 0, n_fail, DI_ERR_CUDA);
     }
+    // DI_ENGINE_LOSE_DEVICE=N: the first N steps fail with DI_ERR_DEVICE_LOST without running, a
+    // drill of device loss ("device loss" below; docs/server.md): on the device-resident forward
+    // each one rebuilds the device state (the bound applies), elsewhere (nothing to rebuild) the
+    // first leaves the engine unhealthy.
+    const char *lose_env = getenv("DI_ENGINE_LOSE_DEVICE");
+    const int n_lose = lose_env ? atoi(lose_env) : 0;
+    if (n_lose > 0) {
+        DI_LOG_WARN("engine: DI_ENGINE_LOSE_DEVICE=%d: the first %d steps fail with %s (a drill)",
+                    n_lose, n_lose, di_status_str(DI_ERR_DEVICE_LOST));
+        di_engine_fail_forward(e, 0, n_lose, DI_ERR_DEVICE_LOST);
+    }
     if (pthread_create(&e->fwd_thread, NULL, forward_main, e) != 0) {
         st = DI_ERR_NOMEM;
         goto fail;
@@ -993,6 +1032,15 @@ void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_statu
     atomic_store(&e->fail_status, (int)st);
     atomic_store(&e->fail_n, n_fail);
     atomic_store(&e->fail_in, n_fail > 0 ? n_ok + 1 : 0);
+}
+
+void di_engine_lose_device(di_engine *e, int32_t n_ok, int32_t stage, int64_t after_calls,
+                           int32_t n_rebuilds_lost) {
+    atomic_store(&e->lose_in, 0); // nothing armed while the fields change
+    e->lose_stage = stage;
+    e->lose_after = after_calls;
+    atomic_store(&e->lose_rebuilds, n_rebuilds_lost);
+    atomic_store(&e->lose_in, n_ok + 1);
 }
 
 void di_engine_set_masks_ahead(di_engine *e, bool on) {
@@ -1114,6 +1162,7 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_mlogit);
     di_free(e->x_mseq);
     di_free(e->marks);
+    di_free(e->loss_ms);
     for (int32_t i = 0; e->samplers && i < e->n_samplers; i++) di_sampler_destroy(e->samplers[i]);
     di_free(e->samplers);
     di_free(e->x_res);
@@ -1145,6 +1194,13 @@ di_status di_engine_submit(di_engine *e, const di_request_params *p, uint64_t *i
                           e->opt.grammar_vocab, &e->glim, &r);
     if (st != DI_OK) return st;
     pthread_mutex_lock(&e->mu);
+    if (e->dead) { // the device is lost for good ("device loss" below)
+        pthread_mutex_unlock(&e->mu);
+        DI_LOG_WARN("engine: request refused: the device is lost and was not recovered (%s)",
+                    di_status_str(DI_ERR_DEVICE_LOST));
+        di_request_destroy(r);
+        return DI_ERR_DEVICE_LOST;
+    }
     if (e->n_incoming + e->n_waiting_seen >= e->opt.max_queue || e->stop) {
         pthread_mutex_unlock(&e->mu);
         DI_LOG_WARN("engine: request queue full (%d waiting)", e->opt.max_queue);
@@ -1792,6 +1848,165 @@ static di_status inject_failure(di_engine *e) {
     return st;
 }
 
+// ---- device loss ----
+//
+// A lost device (backend.h DI_ERR_DEVICE_LOST: CUDA classifies the sticky errors, after which
+// every call on the device fails; the CPU twin under di_cpu_backend_lose) fails the step whose
+// forward found it, as any failure (fail_step: its requests end with DI_ERR_DEVICE_LOST; they may
+// be the cause, so they are not retried). Then, on the engine thread with no forward in flight
+// (device_lost): every other running request is preempted for recompute (back to the waiting
+// queue with its tokens: it continues after the rebuild from position 0, its output unchanged,
+// since a request's tokens depend on its own tokens only); the staged tail restores and MTP drafts
+// are dropped; the device blocks' contents are gone, so every block leaves the prefix cache
+// without a write-back (the disk tier's recorded downloads are dropped and its prefetches stopped;
+// its records, queued or on disk, stay and are read back by later admissions); then the device
+// state is rebuilt (dev_rebuild: the dev state, the logits' host memory and the model's
+// device-resident forward are destroyed, the devices reset and everything made again as at
+// create, the warm-up call and decode graphs included). At most device_loss_max losses within
+// device_loss_window_s seconds are recovered; one more, or a failed rebuild, and the engine gives
+// up (dead): it ends every waiting request and refuses every new one with DI_ERR_DEVICE_LOST, and
+// di_engine_stats.unhealthy tells the server (503 on /health and /ready, so the router takes the
+// replica out of rotation). Nothing of this runs inside a step's allocation count.
+
+// The backend of the device-resident forward's stage k; NULL when there is none.
+static di_backend *dev_stage_backend(const di_engine *e, int32_t k) {
+    int32_t l0, l1;
+    if (e->model->dev) {
+        if (k < 0 || k >= di_dsv4_dev_n_stages(e->model->dev)) return NULL;
+        return di_dsv4_dev_stage(e->model->dev, k, &l0, &l1);
+    }
+    if (!e->model->dev41 || k < 0 || k >= di_dsv41_dev_n_stages(e->model->dev41)) return NULL;
+    return di_dsv41_dev_stage(e->model->dev41, k, &l0, &l1);
+}
+
+// di_engine_lose_device's loss of stage lose_stage's CPU backend, lose_after entries from now.
+static void lose_stage_backend(di_engine *e, const char *when) {
+    di_backend *b = dev_stage_backend(e, e->lose_stage);
+    if (!b || strcmp(b->vt->name, "cpu") != 0) {
+        DI_LOG_ERROR("engine: device loss drill: stage %d has no CPU backend to lose",
+                     (int)e->lose_stage);
+        return;
+    }
+    DI_LOG_WARN("engine: device loss drill: stage %d's backend is lost %lld calls into %s",
+                (int)e->lose_stage, (long long)e->lose_after, when);
+    di_cpu_backend_lose(b, e->lose_after);
+}
+
+// Forward thread, before its call: the drill's loss, when this is the forward it names.
+static void arm_loss(di_engine *e) {
+    if (atomic_load(&e->lose_in) <= 0) return;
+    if (atomic_fetch_sub(&e->lose_in, 1) != 1) return;
+    lose_stage_backend(e, "this forward");
+}
+
+// Destroys the device state and everything made on the model's device-resident forward, rebuilds
+// the forward (di_model_dev_rebuild) and makes them again as create did. Engine thread, no
+// forward in flight. On failure the engine has no device state (the caller gives up).
+static di_status dev_rebuild(di_engine *e) {
+    const di_engine_options *o = &e->opt;
+    di_status st = DI_OK;
+    dev_state_destroy(e);
+    if (e->logits) { // the backend's host memory (page-locked on CUDA: gone with a reset)
+        di_backend *hb = dev_backend(e);
+        hb->vt->host_free(hb, e->logits);
+        e->logits = NULL;
+    }
+    DI_TRY(di_model_dev_rebuild(e->model));
+    if (e->spec_k > 0 && e->model->dev) DI_TRY(di_dsv4_dev_mtp_enable(e->model->dev));
+    if (atomic_load(&e->lose_rebuilds) > 0) { // the drill: this rebuild fails too
+        atomic_fetch_sub(&e->lose_rebuilds, 1);
+        lose_stage_backend(e, "the rebuild");
+    }
+    const size_t n_lrows = (size_t)o->max_seqs * (size_t)e->lstride;
+    di_backend *hb = dev_backend(e);
+    void *p = NULL;
+    DI_TRY(hb->vt->host_alloc(hb, sizeof(float) * n_lrows * (size_t)e->model->hp.n_vocab, &p));
+    e->logits = p;
+    DI_TRY(dev_state_create(e, o->max_batch_tokens + o->max_seqs * e->spec_k,
+                            di_block_pool_n_total(e->kv->pool), e->kv->block_tokens));
+    DI_TRY(dev_warm_up(e));
+    return DI_OK;
+fail:
+    return st;
+}
+
+// Ends every request the engine holds (running or waiting) with DI_ERR_DEVICE_LOST: the engine
+// gave up on the device.
+static void end_all_lost(di_engine *e, int64_t *cb_allocs) {
+    di_sched *s = &e->sched;
+    int64_t a0 = di_mem_thread_allocs();
+    while (s->n_running > 0)
+        finish(e, s->running[s->n_running - 1], DI_FINISH_ERROR, DI_ERR_DEVICE_LOST);
+    while (s->wait_head) finish(e, s->wait_head, DI_FINISH_ERROR, DI_ERR_DEVICE_LOST);
+    *cb_allocs += di_mem_thread_allocs() - a0;
+}
+
+// The step just failed with DI_ERR_DEVICE_LOST (fail_step ended its requests): recovers the
+// device state, or gives up ("device loss" above). *cb_allocs gets what this allocated (not a
+// step's).
+static void device_lost(di_engine *e, int64_t *cb_allocs) {
+    const int64_t a0 = di_mem_thread_allocs();
+    di_sched *s = &e->sched;
+    const di_engine_options *o = &e->opt;
+    const int64_t now = sched_now_ms(e), ring = (int64_t)o->device_loss_max + 1;
+    e->loss_ms[e->n_loss % ring] = now;
+    e->n_loss++;
+    // device_loss_max + 1 losses within the window: the oldest of them is the one just overwritten
+    // next.
+    const bool too_many =
+        e->n_loss >= ring && now - e->loss_ms[e->n_loss % ring] < o->device_loss_window_s * 1000LL;
+    int32_t n_pre = 0;
+    for (int32_t i = s->n_running - 1; i >= 0; i--, n_pre++) di_sched_preempt(s, s->running[i]);
+    if (e->dev_snap_id) memset(e->dev_snap_id, 0, sizeof *e->dev_snap_id * (size_t)o->max_seqs);
+    e->x_restore_st = DI_OK;
+    if (e->mtp_draft_req)
+        memset(e->mtp_draft_req, 0, sizeof *e->mtp_draft_req * (size_t)o->max_seqs);
+    di_kv_dev_drop_spills(e->kv); // a write-back would download what the lost device holds
+    if (e->kv->disk) di_kv_prefetch_yield(e->kv, 0); // their blocks are device blocks too
+    const int32_t n_dropped = di_kv_manager_drop_cached(e->kv);
+    DI_LOG_WARN("engine: the device is lost (loss %lld; %lld within %d s): %d running requests "
+                "preempted for recompute, %d blocks dropped from the prefix cache (the disk tier's "
+                "records stay)",
+                (long long)e->n_loss, (long long)(e->n_loss < ring ? e->n_loss : ring),
+                (int)o->device_loss_window_s, (int)n_pre, (int)n_dropped);
+    di_status st = DI_ERR_DEVICE_LOST;
+    if (!e->dev_on)
+        DI_LOG_ERROR("engine: no device-resident forward to rebuild (an injected loss, or a "
+                     "device the CPU forward uses)");
+    else if (too_many)
+        DI_LOG_ERROR("engine: the device was lost %d times within %d s (device_loss_max %d): not "
+                     "rebuilding it again",
+                     (int)ring, (int)o->device_loss_window_s, (int)o->device_loss_max);
+    else
+        st = dev_rebuild(e);
+    pthread_mutex_lock(&e->mu);
+    e->stats.n_device_losses = e->n_loss;
+    e->stats.n_device_loss_preempted += n_pre;
+    if (st == DI_OK) {
+        e->stats.n_device_recoveries++;
+        e->stats.n_failed_in_a_row = 0; // the device is new: the streak was the old one's
+    } else {
+        e->dead = true;
+        e->stats.unhealthy = true;
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (st == DI_OK) {
+        DI_LOG_WARN("engine: the device state is rebuilt (recovery %lld): %.1f MiB of device "
+                    "state, decode graphs captured; the %d preempted requests continue",
+                    (long long)e->stats.n_device_recoveries, (double)dev_state_bytes(e) / (1 << 20),
+                    (int)n_pre);
+    } else {
+        if (e->dev_on && !too_many)
+            DI_LOG_ERROR("engine: rebuilding the device state failed: %s", di_status_str(st));
+        DI_LOG_ERROR("engine: unhealthy: every request is refused with \"%s\" from now on; "
+                     "restart the process (or replace the device)",
+                     di_status_str(DI_ERR_DEVICE_LOST));
+        int64_t cb = 0; // counted below with the rest
+        end_all_lost(e, &cb);
+    }
+    *cb_allocs += di_mem_thread_allocs() - a0;
+}
+
 // ---- speculative decoding (V4.1 with DSpark, V4 with the MTP block) ----
 //
 // A decode sequence of the plan (one row: its last sampled token y at position P, the anchor)
@@ -2246,6 +2461,7 @@ static void *forward_main(void *p) {
         e->f_go = false;
         pthread_mutex_unlock(&e->fmu);
         int64_t a0 = di_mem_thread_allocs();
+        if (e->dev_on) arm_loss(e);
         di_status st = inject_failure(e);
         // The disk tier's device transfers handed over at launch, before any op of the call
         // (a failed upload fails the step, as a device fault).
@@ -2674,6 +2890,12 @@ static void *engine_main(void *p) {
         if (e->eplb) eplb_step(e);
         if (cancel) cancel_flagged(e); // drops the cancelled requests' rows from the plan
         if (stop && s->n_running == 0 && s->n_waiting == 0) break;
+        if (e->dead) { // the device is lost for good: nothing runs again ("device loss")
+            int64_t cb = 0;
+            end_all_lost(e, &cb);
+            have_plan = false;
+            continue;
+        }
 
         int64_t a0 = di_mem_thread_allocs(), cb_allocs = 0;
         if (!have_plan || s->aborted || s->n_seq == 0) {
@@ -2718,6 +2940,7 @@ static void *engine_main(void *p) {
             sample_and_emit(e, &cb_allocs); // retiring drops finished requests from the plan
         else
             fail_step(e, fst, &cb_allocs);
+        if (fst == DI_ERR_DEVICE_LOST) device_lost(e, &cb_allocs);
         int64_t step_allocs = di_mem_thread_allocs() - a0 - cb_allocs + fwd_allocs;
 
         pthread_mutex_lock(&e->mu);

@@ -6,6 +6,8 @@
  *     di_dsv41_dev_attach) so the engine runs the device-resident forward on the CPU backend (the
  *     oracle twin of the CUDA one) without a GPU.
  *   - di_engine_fail_forward: makes later forwards fail, as a CUDA error would.
+ *   - di_engine_lose_device: loses the device of a later forward (the CPU twin's backend, as a
+ *     sticky CUDA error would), so that the engine's recovery runs (docs/cuda.md, "Device loss").
  *   - di_engine_get_graph_stats: how many decode steps ran from captured graphs.
  *   - di_engine_dev_state_bytes: the device memory of the engine's dev state.
  *   - di_engine_set_draft_hook: lets a test replace the drafts of speculative decoding (DSpark's
@@ -22,7 +24,8 @@
  *   - di_engine_skew_clock: moves the scheduler's clock (priority aging) forward, so a test ages
  *     requests by minutes without waiting.
  * Thread-safety: create before start; di_engine_eplb_hold, di_engine_kv_disk_hold(_reads),
- * di_engine_skew_clock from any thread; di_engine_fail_forward from any thread;
+ * di_engine_skew_clock from any thread; di_engine_fail_forward and di_engine_lose_device from any
+ * thread;
  * di_engine_set_draft_hook and di_engine_set_masks_ahead while the engine is idle.
  */
 #pragma once
@@ -49,6 +52,17 @@ di_status di_engine_create_prepared(const char *model_dir, const di_engine_optio
 // injection; n_fail 0 cancels it. DI_ENGINE_FAIL_STEPS=N in the environment calls it at create
 // with (0, N, DI_ERR_CUDA).
 void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_status st);
+
+// Device loss drill on the device-resident forward's CPU twin (engine.c "device loss"): the
+// (n_ok + 1)-th forward from now first loses the CPU backend of pipeline stage `stage`
+// (di_cpu_backend_lose(b, after_calls): that forward's after_calls-th backend entry on it and
+// every later one return DI_ERR_DEVICE_LOST), so that forward fails as on a lost GPU and the
+// engine rebuilds its device state. The next n_rebuilds_lost rebuilds lose their new backend of
+// that stage too (after_calls entries into their warm-up call): they fail, and the engine gives
+// up. A stage without a CPU backend: logged, nothing lost. Recovery needs the twin on backends the
+// model owns (di_model_dev_open). Replaces an earlier pending drill. Any thread.
+void di_engine_lose_device(di_engine *e, int32_t n_ok, int32_t stage, int64_t after_calls,
+                           int32_t n_rebuilds_lost);
 
 // Device-resident forward only: the decode-graph counts of the engine's dev state (zeroes on the
 // CPU forward; on V4.1's those of di_dsv41_dev_graph_stats, n_direct_pages 0). Call while the

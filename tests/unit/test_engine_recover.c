@@ -1,0 +1,315 @@
+// The engine's recovery from a lost device (engine.c "device loss", docs/cuda.md "Device loss"),
+// on the device-resident forward's CPU twin attached on backends the model owns
+// (di_model_dev_open), the loss simulated by di_engine_lose_device (the CPU backend's
+// di_cpu_backend_lose: from some call of a forward on, every call fails with DI_ERR_DEVICE_LOST,
+// as on a GPU after a sticky CUDA error, until the backend is destroyed). The reference is the
+// same device-resident engine that never fails.
+//   (a) V4, one stage. Requests P0 (150 tokens), P1 (40) and P2 (121) with max_seqs 3 and 32 rows
+//       per step: P0 prefills in steps 1-5 (its first entry block is published by step 4), P1
+//       joins in step 5's 10 leftover rows, and the plan of step 6, built while step 5 runs,
+//       admits P2. The device is lost inside step 5: P0 and P1 end with DI_ERR_DEVICE_LOST; P2,
+//       running but not in the step, is preempted for recompute and gives the reference's tokens
+//       bit for bit after the rebuild. P0's prompt again afterwards finds nothing cached (the lost
+//       device's blocks left the prefix cache) and gives the reference's tokens. A second loss
+//       (device_loss_max 2), 601 s later on the scheduler's clock, is recovered too, and so is a
+//       third one (two within the 600 s window); a fourth one (three within it) leaves the engine
+//       unhealthy: every request still held ends with DI_ERR_DEVICE_LOST, a new
+//       one is refused with it, nothing crashes or hangs. No step allocates; every block comes
+//       back; decode steps replay graphs captured by the rebuild.
+//   (b) a rebuild that fails (its new backend is lost in the warm-up call): unhealthy after one
+//       loss, every request ends with DI_ERR_DEVICE_LOST and new ones are refused.
+//   (c) V4.1, one stage: (a)'s first loss.
+//   (d) V4, two pipeline stages on two CPU backends, the second stage's backend lost: (a)'s first
+//       loss (every stage rebuilt).
+#include "harness.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "backend/backend.h"
+#include "engine/engine_internal.h"
+#include "model/dsv4.h"
+#include "model/synth.h"
+
+enum { V = 512, MAX_CTX = 256, N_P = 5, LOSE_AFTER = 25 };
+
+static char g_dir4[256], g_dir41[256];
+static int32_t g_prompt[N_P][160];
+static const int32_t g_len[N_P] = {150, 40, 121, 90, 60};
+static const int32_t g_max_tokens[N_P] = {8, 8, 8, 6, 6};
+
+typedef struct result {
+    int32_t tokens[16];
+    float logprob[16];
+    int32_t n;
+    atomic_int finished;
+    di_finish finish;
+    di_status status;
+    int32_t n_preempted, n_cached;
+} result;
+
+static void on_event(void *user, const di_event *ev) {
+    result *r = user;
+    if (ev->token >= 0 && r->n < 16) {
+        r->tokens[r->n] = ev->token;
+        r->logprob[r->n] = ev->logprob;
+        r->n++;
+    }
+    if (ev->finish != DI_FINISH_NONE) {
+        r->finish = ev->finish;
+        r->status = ev->status;
+        r->n_preempted = ev->n_preempted;
+        r->n_cached = ev->n_cached;
+        atomic_fetch_add(&r->finished, 1);
+    }
+}
+
+// Request i (prompt P_i); odd ones sample with a seed (keyed by position: the same after a
+// recompute).
+static di_status submit(di_engine *e, int i, result *res) {
+    memset(res, 0, sizeof *res);
+    di_request_params p = di_request_params_default();
+    p.prompt = g_prompt[i];
+    p.n_prompt = g_len[i];
+    p.max_tokens = g_max_tokens[i];
+    p.ignore_eos = true;
+    if (i % 2) {
+        p.sample.temperature = 0.8f;
+        p.sample.top_k = 40;
+        p.sample.seed = 91 + (uint64_t)i;
+    }
+    p.on_event = on_event;
+    p.user = res;
+    uint64_t id;
+    return di_engine_submit(e, &p, &id);
+}
+
+static bool same(const result *a, const result *b) {
+    return a->n == b->n && !memcmp(a->tokens, b->tokens, sizeof(int32_t) * (size_t)a->n) &&
+           !memcmp(a->logprob, b->logprob, sizeof(float) * (size_t)a->n);
+}
+
+// ---- engines ----
+
+static int32_t g_stages = 1;
+
+static di_status open_twin(di_model *m, void *user) {
+    (void)user;
+    di_device devs[2] = {{.kind = DI_DEVICE_CPU}, {.kind = DI_DEVICE_CPU}};
+    return di_model_dev_open(m, devs, g_stages); // owned by the model: rebuildable
+}
+
+static di_engine *engine(const char *dir, int32_t loss_max) {
+    di_engine_options o = di_engine_options_default();
+    o.n_threads = 2;
+    o.kv_memory_bytes = (size_t)64 << 20;
+    o.max_seqs = 3;
+    o.max_batch_tokens = 32; // chunked prefill
+    o.max_ctx = MAX_CTX;
+    o.no_tail_cache = true; // the prefix cache on, hits continued by the bounded replay
+    o.device_loss_max = loss_max;
+    di_engine *e = NULL;
+    CHECK_EQ(di_engine_create_prepared(dir, &o, open_twin, NULL, &e), DI_OK);
+    return e;
+}
+
+static result g_ref[N_P];
+
+// The reference: the engine that never fails, every request once.
+static void reference(const char *dir) {
+    di_engine *e = engine(dir, 0);
+    if (!e) return;
+    for (int i = 0; i < N_P; i++) CHECK_EQ(submit(e, i, &g_ref[i]), DI_OK);
+    di_engine_wait_idle(e);
+    for (int i = 0; i < N_P; i++) {
+        CHECK_EQ(g_ref[i].finish, DI_FINISH_LENGTH);
+        CHECK_EQ(g_ref[i].n, g_max_tokens[i]);
+    }
+    di_engine_destroy(e);
+}
+
+static void stats(di_engine *e, di_engine_stats *st) {
+    di_engine_get_stats(e, st);
+}
+
+// Every request of ids[0, n) finished once: either with the loss, or with the reference's tokens.
+// Returns how many ended with the loss.
+static int check_outcomes(const result *got, const int *ids, int n) {
+    int n_lost = 0;
+    for (int k = 0; k < n; k++) {
+        const result *g = &got[k];
+        CHECK_EQ(atomic_load(&g->finished), 1);
+        if (g->finish == DI_FINISH_ERROR) {
+            CHECK_EQ(g->status, DI_ERR_DEVICE_LOST);
+            n_lost++;
+        } else {
+            CHECK_EQ(g->finish, DI_FINISH_LENGTH);
+            CHECK(same(g, &g_ref[ids[k]]));
+        }
+    }
+    return n_lost;
+}
+
+// (a)'s first loss on engine e (its first forwards): P0, P1, P2 submitted together, the device of
+// stage `stage` lost inside step 5. Then P0's prompt again. Returns false when something is off.
+static void first_loss(di_engine *e, int32_t stage, const char *what) {
+    static result got[3], again;
+    di_engine_lose_device(e, 4, stage, LOSE_AFTER, 0);
+    for (int i = 0; i < 3; i++) CHECK_EQ(submit(e, i, &got[i]), DI_OK);
+    di_engine_wait_idle(e);
+    const int ids[3] = {0, 1, 2};
+    CHECK_EQ(check_outcomes(got, ids, 3), 2);
+    // The step's requests end with the loss; the one admitted ahead is recomputed, unchanged.
+    CHECK(got[0].finish == DI_FINISH_ERROR && got[1].finish == DI_FINISH_ERROR);
+    CHECK_EQ(got[2].finish, DI_FINISH_LENGTH);
+    CHECK(got[2].n_preempted >= 1);
+    CHECK(same(&got[2], &g_ref[2]));
+    di_engine_stats st;
+    stats(e, &st);
+    CHECK_EQ(st.n_device_losses, 1);
+    CHECK_EQ(st.n_device_recoveries, 1);
+    CHECK(st.n_device_loss_preempted >= 1);
+    CHECK(!st.unhealthy);
+    // P0's prompt again: its first block (published before the loss) is not reused.
+    CHECK_EQ(submit(e, 0, &again), DI_OK);
+    di_engine_wait_idle(e);
+    CHECK_EQ(atomic_load(&again.finished), 1);
+    CHECK_EQ(again.finish, DI_FINISH_LENGTH);
+    CHECK_EQ(again.n_cached, 0);
+    CHECK(same(&again, &g_ref[0]));
+    stats(e, &st);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    CHECK_EQ(st.n_step_allocs, 0);
+    CHECK(st.device.resident);
+    di_dsv4_dev_graph_stats gs;
+    di_engine_get_graph_stats(e, &gs); // the rebuilt state's: captured by the rebuild, replayed
+    CHECK(gs.n_cached >= 2);
+    CHECK_EQ(gs.n_captured, gs.n_cached);
+    CHECK(gs.n_replayed > 0);
+    fprintf(stderr,
+            "%s: the device lost inside step 5: P0, P1 ended with \"%s\"; P2 preempted %d time(s) "
+            "and recomputed: identical to the reference; P0 again: %d cached positions, "
+            "identical; %lld steps, %lld failed\n",
+            what, di_status_str(got[0].status), (int)got[2].n_preempted, (int)again.n_cached,
+            (long long)st.n_steps, (long long)st.n_failed_steps);
+}
+
+// A later loss on engine e: P1, P3, P4 submitted, the device lost in their third forward.
+// Returns how many ended with the loss.
+static int later_loss(di_engine *e, result *got) {
+    static const int ids[3] = {1, 3, 4};
+    di_engine_lose_device(e, 2, 0, LOSE_AFTER, 0);
+    for (int k = 0; k < 3; k++) CHECK_EQ(submit(e, ids[k], &got[k]), DI_OK);
+    di_engine_wait_idle(e);
+    return check_outcomes(got, ids, 3);
+}
+
+// ---- (a) ----
+
+static void test_v4(void) {
+    reference(g_dir4);
+    di_engine *e = engine(g_dir4, 2);
+    if (!e) return;
+    first_loss(e, 0, "(a) V4");
+    // The window: the first loss is 601 s ago from here on, so the third loss is the second
+    // within it (recovered; without the window three losses would exceed device_loss_max 2).
+    di_engine_skew_clock(e, 601 * 1000);
+    static result got[3];
+    int n_lost = later_loss(e, got); // the second loss: recovered
+    CHECK(n_lost >= 1 && n_lost < 3);
+    di_engine_stats st;
+    stats(e, &st);
+    CHECK_EQ(st.n_device_losses, 2);
+    CHECK_EQ(st.n_device_recoveries, 2);
+    CHECK(!st.unhealthy);
+    n_lost = later_loss(e, got);
+    CHECK(n_lost >= 1 && n_lost < 3);
+    stats(e, &st);
+    CHECK_EQ(st.n_device_losses, 3);
+    CHECK_EQ(st.n_device_recoveries, 3);
+    CHECK(!st.unhealthy);
+    CHECK_EQ(st.n_step_allocs, 0);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    // The fourth: three within 600 s, more than device_loss_max: unhealthy. Every request ends.
+    n_lost = later_loss(e, got);
+    CHECK_EQ(n_lost, 3);
+    stats(e, &st);
+    CHECK_EQ(st.n_device_losses, 4);
+    CHECK_EQ(st.n_device_recoveries, 3);
+    CHECK(st.unhealthy);
+    static result refused;
+    CHECK_EQ(submit(e, 1, &refused), DI_ERR_DEVICE_LOST);
+    CHECK_EQ(atomic_load(&refused.finished), 0);
+    di_engine_wait_idle(e); // nothing held: returns
+    fprintf(stderr,
+            "(a) V4: losses 2 and 3 (601 s after the 1st) recovered; the 4th (three within 600 s): "
+            "unhealthy, "
+            "every request ended with the loss, a new one refused (\"%s\")\n",
+            di_status_str(DI_ERR_DEVICE_LOST));
+    di_engine_destroy(e);
+}
+
+// ---- (b) ----
+
+static void test_rebuild_fails(void) {
+    di_engine *e = engine(g_dir4, 0);
+    if (!e) return;
+    static result got[3];
+    di_engine_lose_device(e, 1, 0, LOSE_AFTER, 1); // the rebuild's backend is lost too
+    for (int i = 0; i < 3; i++) CHECK_EQ(submit(e, i, &got[i]), DI_OK);
+    di_engine_wait_idle(e);
+    const int ids[3] = {0, 1, 2};
+    CHECK_EQ(check_outcomes(got, ids, 3), 3);
+    di_engine_stats st;
+    stats(e, &st);
+    CHECK_EQ(st.n_device_losses, 1);
+    CHECK_EQ(st.n_device_recoveries, 0);
+    CHECK(st.unhealthy);
+    CHECK_EQ(submit(e, 0, &got[0]), DI_ERR_DEVICE_LOST);
+    fprintf(stderr, "(b) a failed rebuild: unhealthy after one loss, every request ended with "
+                    "the loss, new ones refused\n");
+    di_engine_destroy(e);
+}
+
+// ---- (c), (d) ----
+
+static void test_v41(void) {
+    reference(g_dir41);
+    di_engine *e = engine(g_dir41, 0);
+    if (!e) return;
+    first_loss(e, 0, "(c) V4.1");
+    di_engine_destroy(e);
+}
+
+static void test_stages(void) {
+    g_stages = 2;
+    reference(g_dir4);
+    di_engine *e = engine(g_dir4, 0);
+    if (e) {
+        first_loss(e, 1, "(d) V4, 2 stages, stage 1 lost");
+        di_engine_destroy(e);
+    }
+    g_stages = 1;
+}
+
+int main(void) {
+    snprintf(g_dir4, sizeof g_dir4, "/tmp/di_test_engine_recover4_XXXXXX");
+    snprintf(g_dir41, sizeof g_dir41, "/tmp/di_test_engine_recover41_XXXXXX");
+    if (!mkdtemp(g_dir4) || !mkdtemp(g_dir41)) return 1;
+    di_synth_config c;
+    CHECK(di_synth_preset("tiny-128", &c) == DI_OK); // SWA, CSA m=4, HCA m=128 layers
+    c.n_vocab = V;
+    CHECK(di_synth_write(&c, g_dir4) == DI_OK);
+    CHECK_EQ(di_synth_v41_write(g_dir41, true, false, 43), DI_OK);
+    for (int i = 0; i < N_P; i++)
+        for (int t = 0; t < 160; t++)
+            g_prompt[i][t] = (int32_t)((t * 31 + i * 17 + (i % 2 ? t * t : 0) + 3) % V);
+    di_set_log_level(1);
+    RUN(test_v4);
+    RUN(test_rebuild_fails);
+    RUN(test_v41);
+    RUN(test_stages);
+    di_test_remove_dir(g_dir4);
+    di_test_remove_dir(g_dir41);
+    return test_finish();
+}
