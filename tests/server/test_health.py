@@ -50,3 +50,32 @@ def test_failing_steps_turn_ready_and_health_503():
     finally:
         rc, log = s.stop()
     assert rc == 0, log
+
+
+def test_device_lost_for_good_turns_503_and_refuses():
+    """DI_ENGINE_LOSE_DEVICE=1: the first step fails as a lost device would. The CPU forward has no
+    device state to rebuild, so the engine gives up at once (on the device-resident forward it
+    would rebuild, within its bound): that request ends with an error, /ready and /health answer
+    503 "device_lost" for good, and every later request is refused with 503 without reaching the
+    engine's queue; the process stays up and stops cleanly."""
+    s = Server(env={"DI_ENGINE_LOSE_DEVICE": "1"})
+    try:
+        assert get(s, "/health") == (200, {"status": "ok"})
+        status, _, body = post(s, "/v1/chat/completions", CHAT)
+        assert status >= 500, (status, body)
+        assert "error" in body, body
+        assert get(s, "/ready") == (503, {"status": "device_lost"})
+        assert get(s, "/health") == (
+            503, {"status": "device_lost", "device_losses": 1, "device_recoveries": 0})
+        for _ in range(2):
+            status, _, body = post(s, "/v1/chat/completions", CHAT)
+            assert status == 503, (status, body)
+            assert "device was lost" in body["error"]["message"], body
+        m = s.metrics()
+        assert m["deepinfer:engine_device_losses_total"] == 1
+        assert m["deepinfer:engine_device_recoveries_total"] == 0
+        assert m["deepinfer:engine_unhealthy"] == 1
+        assert "unhealthy" in s.logtext()
+    finally:
+        rc, log = s.stop()
+    assert rc == 0, log

@@ -382,6 +382,10 @@ bool srv_gen_start(srv_gen *g, srv_err *e) {
             for (int k = 0; k < i; k++) g->ch[k].ended = true;
             if (st == DI_ERR_BUSY)
                 srv_err_set(e, 503, NULL, "The engine's queue is full; retry later.");
+            else if (st == DI_ERR_DEVICE_LOST)
+                srv_err_set(e, 503, NULL,
+                            "The device was lost and could not be recovered: this replica "
+                            "refuses requests (see /health); retry on another one.");
             else if (st == DI_ERR_NOMEM)
                 srv_err_set(e, 503, NULL, "The server is out of memory; retry later.");
             else

@@ -181,6 +181,19 @@ char *srv_metrics_text(srv *s) {
     COUNTER("deepinfer:engine_failed_steps_total",
             "Engine steps whose forward failed (their requests ended with an error).",
             st.n_failed_steps);
+    COUNTER("deepinfer:engine_device_losses_total",
+            "Steps whose forward found the device lost (a sticky device error).",
+            st.n_device_losses);
+    COUNTER("deepinfer:engine_device_recoveries_total",
+            "Device losses recovered: the device state rebuilt, the running requests recomputed.",
+            st.n_device_recoveries);
+    COUNTER("deepinfer:engine_device_loss_preempted_total",
+            "Running requests preempted for recompute by a device recovery.",
+            st.n_device_loss_preempted);
+    GAUGE("deepinfer:engine_unhealthy",
+          "1 once the engine gave up on a lost device (every request refused; /ready and "
+          "/health: 503).",
+          "%d", st.unhealthy ? 1 : 0);
     GAUGE("deepinfer:engine_failed_steps_in_a_row",
           "Failed steps since the last one that succeeded (/ready and /health: 503 from " SRV_STR(
               SRV_FAILING_STEPS) " on).",
@@ -412,10 +425,18 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     // step fails, e.g. after a sticky CUDA error, which only a new process clears): /ready turns
     // 503 so a load balancer stops sending, /health too so an orchestrator restarts the process.
     // A step that succeeds ends it (requests are still accepted meanwhile).
+    // Device lost for good (the engine gave up rebuilding it: too many losses within its window,
+    // or a failed rebuild; docs/server.md): /ready and /health 503 "device_lost" for the rest of
+    // the process, and every generation request 503 (the engine refuses them).
     int64_t n_failing = 0;
+    bool lost = false;
+    int64_t n_losses = 0, n_recoveries = 0;
     if ((r->k == K_HEALTH || r->k == K_READY) && atomic_load(&s->ready)) {
         di_engine_stats st;
         di_engine_get_stats(s->engine, &st);
+        lost = st.unhealthy;
+        n_losses = st.n_device_losses;
+        n_recoveries = st.n_device_recoveries;
         // With expert workers the failures were theirs: once they answer again the streak ends
         // here, without waiting for a request to reach this front (a router polls /ready).
         if (st.n_failed_in_a_row >= SRV_FAILING_STEPS &&
@@ -424,21 +445,25 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
         if (st.n_failed_in_a_row >= SRV_FAILING_STEPS) n_failing = st.n_failed_in_a_row;
     }
     if (r->k == K_HEALTH) {
-        const int code = n_failing ? 503 : 200;
+        const int code = n_failing || lost ? 503 : 200;
         srv_metrics_status(s, code);
         return srv_send_json(c, code,
-                             n_failing ? json_pack("{s:s,s:I}", "status", "failing",
-                                                   "failed_steps_in_a_row", (json_int_t)n_failing)
-                                       : json_pack("{s:s}", "status", "ok"),
-                             n_failing ? 1 : 0);
+                             lost        ? json_pack("{s:s,s:I,s:I}", "status", "device_lost",
+                                                     "device_losses", (json_int_t)n_losses,
+                                                     "device_recoveries", (json_int_t)n_recoveries)
+                             : n_failing ? json_pack("{s:s,s:I}", "status", "failing",
+                                                     "failed_steps_in_a_row", (json_int_t)n_failing)
+                                         : json_pack("{s:s}", "status", "ok"),
+                             code == 503 ? 1 : 0);
     }
     if (r->k == K_READY) {
-        bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining) && !n_failing;
+        bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining) && !n_failing && !lost;
         srv_metrics_status(s, ok ? 200 : 503);
         return srv_send_json(c, ok ? 200 : 503,
                              json_pack("{s:s}", "status",
                                        ok                          ? "ready"
                                        : atomic_load(&s->draining) ? "draining"
+                                       : lost                      ? "device_lost"
                                        : n_failing                 ? "failing"
                                                                    : "loading"),
                              ok ? 0 : 1);
