@@ -20,9 +20,13 @@
 //       loss, every request ends with DI_ERR_DEVICE_LOST and new ones are refused.
 //   (c) V4.1, one stage: (a)'s first loss.
 //   (d) V4, two pipeline stages on two CPU backends, the second stage's backend lost: (a)'s first
-//       loss (every stage rebuilt).
+//       loss (every stage rebuilt);
+//   (e) a running request with computed state (and a cached block with its tail snapshot) that is
+//       not in the lost step (a better-priority request took the step's rows) is preempted and
+//       recomputed after the rebuild, bit for bit the reference's (test_starved).
 #include "harness.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
@@ -31,12 +35,12 @@
 #include "model/dsv4.h"
 #include "model/synth.h"
 
-enum { V = 512, MAX_CTX = 256, N_P = 5, LOSE_AFTER = 25 };
+enum { V = 512, MAX_CTX = 256, N_P = 6, LOSE_AFTER = 25 };
 
 static char g_dir4[256], g_dir41[256];
 static int32_t g_prompt[N_P][160];
-static const int32_t g_len[N_P] = {150, 40, 121, 90, 60};
-static const int32_t g_max_tokens[N_P] = {8, 8, 8, 6, 6};
+static const int32_t g_len[N_P] = {150, 40, 121, 90, 60, 5};
+static const int32_t g_max_tokens[N_P] = {8, 8, 8, 6, 6, 12};
 
 typedef struct result {
     int32_t tokens[16];
@@ -46,7 +50,35 @@ typedef struct result {
     di_finish finish;
     di_status status;
     int32_t n_preempted, n_cached;
+    int32_t pause_at[2]; // (e): after this many tokens the engine thread pauses (0: never)
 } result;
+
+// (e): the engine thread pauses in a request's event callback until the test releases it, so the
+// test submits between two known steps (a deliberately slow callback: nothing else changes).
+static pthread_mutex_t g_pmu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_pcv = PTHREAD_COND_INITIALIZER;
+static int g_paused, g_released;
+
+static void pause_here(int k) {
+    pthread_mutex_lock(&g_pmu);
+    g_paused = k;
+    pthread_cond_broadcast(&g_pcv);
+    while (g_released < k) pthread_cond_wait(&g_pcv, &g_pmu);
+    pthread_mutex_unlock(&g_pmu);
+}
+
+static void wait_paused(int k) {
+    pthread_mutex_lock(&g_pmu);
+    while (g_paused < k) pthread_cond_wait(&g_pcv, &g_pmu);
+    pthread_mutex_unlock(&g_pmu);
+}
+
+static void release(int k) {
+    pthread_mutex_lock(&g_pmu);
+    g_released = k;
+    pthread_cond_broadcast(&g_pcv);
+    pthread_mutex_unlock(&g_pmu);
+}
 
 static void on_event(void *user, const di_event *ev) {
     result *r = user;
@@ -54,6 +86,8 @@ static void on_event(void *user, const di_event *ev) {
         r->tokens[r->n] = ev->token;
         r->logprob[r->n] = ev->logprob;
         r->n++;
+        for (int k = 0; k < 2; k++)
+            if (r->pause_at[k] && r->n == r->pause_at[k]) pause_here(k + 1);
     }
     if (ev->finish != DI_FINISH_NONE) {
         r->finish = ev->finish;
@@ -65,10 +99,13 @@ static void on_event(void *user, const di_event *ev) {
 }
 
 // Request i (prompt P_i); odd ones sample with a seed (keyed by position: the same after a
-// recompute).
-static di_status submit(di_engine *e, int i, result *res) {
+// recompute). With a priority (lower runs first) and pause points (res->pause_at, kept).
+static di_status submit_p(di_engine *e, int i, result *res, int32_t priority) {
+    const int32_t p0 = res->pause_at[0], p1 = res->pause_at[1];
     memset(res, 0, sizeof *res);
+    res->pause_at[0] = p0, res->pause_at[1] = p1;
     di_request_params p = di_request_params_default();
+    p.priority = priority;
     p.prompt = g_prompt[i];
     p.n_prompt = g_len[i];
     p.max_tokens = g_max_tokens[i];
@@ -82,6 +119,11 @@ static di_status submit(di_engine *e, int i, result *res) {
     p.user = res;
     uint64_t id;
     return di_engine_submit(e, &p, &id);
+}
+
+static di_status submit(di_engine *e, int i, result *res) {
+    res->pause_at[0] = res->pause_at[1] = 0;
+    return submit_p(e, i, res, 0);
 }
 
 static bool same(const result *a, const result *b) {
@@ -99,18 +141,23 @@ static di_status open_twin(di_model *m, void *user) {
     return di_model_dev_open(m, devs, g_stages); // owned by the model: rebuildable
 }
 
-static di_engine *engine(const char *dir, int32_t loss_max) {
+// rows: rows per step; tails: tail snapshots on (else hits are continued by the bounded replay).
+static di_engine *engine_o(const char *dir, int32_t loss_max, int32_t rows, bool tails) {
     di_engine_options o = di_engine_options_default();
     o.n_threads = 2;
     o.kv_memory_bytes = (size_t)64 << 20;
     o.max_seqs = 3;
-    o.max_batch_tokens = 32; // chunked prefill
+    o.max_batch_tokens = rows; // chunked prefill
     o.max_ctx = MAX_CTX;
-    o.no_tail_cache = true; // the prefix cache on, hits continued by the bounded replay
+    o.no_tail_cache = !tails; // the prefix cache on
     o.device_loss_max = loss_max;
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create_prepared(dir, &o, open_twin, NULL, &e), DI_OK);
     return e;
+}
+
+static di_engine *engine(const char *dir, int32_t loss_max) {
+    return engine_o(dir, loss_max, 32, false);
 }
 
 static result g_ref[N_P];
@@ -271,6 +318,60 @@ static void test_rebuild_fails(void) {
     di_engine_destroy(e);
 }
 
+// ---- (e) ----
+
+// A running request whose state is computed but which is not in the failing step: P0 (150
+// tokens, priority 0) prefills [0, 47), [47, 94), [94, 128) (its chunk ends at its snapshot
+// point, the block boundary 128, leaving 13 rows) beside P5's decodes, 48 rows per step; P2
+// (priority -1, better) is admitted into those 13 rows, and in the next step, which runs first
+// in priority order, takes the whole budget: P0 (128 positions computed) is not in that step,
+// which loses the device. P5 and P2 end with the loss; P0 is preempted for recompute (its state
+// and its cached first block with its tail snapshot are gone) and gives the reference's tokens.
+// The schedule is pinned by pausing the engine thread in P5's callbacks: P0 is submitted after
+// P5's first token (step 1), P2 after its third (step 3; the plan of step 4 is made), with the
+// loss armed for the third forward from there (step 6).
+static void test_starved(void) {
+    di_engine *e = engine_o(g_dir4, 0, 48, true);
+    if (!e) return;
+    static result tick, low, high;
+    g_paused = g_released = 0;
+    tick.pause_at[0] = 1, tick.pause_at[1] = 3;
+    CHECK_EQ(submit_p(e, 5, &tick, 0), DI_OK);
+    wait_paused(1);
+    low.pause_at[0] = low.pause_at[1] = 0;
+    CHECK_EQ(submit_p(e, 0, &low, 0), DI_OK);
+    release(1);
+    wait_paused(2);
+    high.pause_at[0] = high.pause_at[1] = 0;
+    CHECK_EQ(submit_p(e, 2, &high, -1), DI_OK);
+    di_engine_lose_device(e, 2, 0, LOSE_AFTER, 0);
+    release(2);
+    di_engine_wait_idle(e);
+    const result *got[3] = {&tick, &low, &high};
+    for (int k = 0; k < 3; k++) CHECK_EQ(atomic_load(&got[k]->finished), 1);
+    CHECK_EQ(tick.finish, DI_FINISH_ERROR);
+    CHECK_EQ(tick.status, DI_ERR_DEVICE_LOST);
+    CHECK_EQ(high.finish, DI_FINISH_ERROR);
+    CHECK_EQ(high.status, DI_ERR_DEVICE_LOST);
+    CHECK_EQ(tick.n, 5); // tokens 1-5 (steps 1-5) were the reference's
+    CHECK(!memcmp(tick.tokens, g_ref[5].tokens, sizeof(int32_t) * 5));
+    CHECK_EQ(low.finish, DI_FINISH_LENGTH);
+    CHECK_EQ(low.n_preempted, 1);
+    CHECK(same(&low, &g_ref[0]));
+    di_engine_stats st;
+    stats(e, &st);
+    CHECK_EQ(st.n_device_losses, 1);
+    CHECK_EQ(st.n_device_recoveries, 1);
+    CHECK_EQ(st.n_device_loss_preempted, 1);
+    CHECK_EQ(st.n_step_allocs, 0);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    fprintf(stderr,
+            "(e) P0 with 128 positions computed, starved by the better-priority P2 in the lost "
+            "step: preempted, recomputed, identical to the reference; P5 and P2 ended with the "
+            "loss\n");
+    di_engine_destroy(e);
+}
+
 // ---- (c), (d) ----
 
 static void test_v41(void) {
@@ -307,6 +408,7 @@ int main(void) {
     di_set_log_level(1);
     RUN(test_v4);
     RUN(test_rebuild_fails);
+    RUN(test_starved);
     RUN(test_v41);
     RUN(test_stages);
     di_test_remove_dir(g_dir4);
