@@ -702,9 +702,10 @@ typedef struct di_engine_stats {
     // Steps whose forward failed (the device-resident forward: DI_ERR_CUDA, DI_ERR_NOMEM): their
     // requests ended with DI_FINISH_ERROR and the error in di_event.status; the engine goes on.
     int64_t n_failed_steps;
-    // Steps failed since the last step that succeeded (0 after a success): a device whose every
-    // step fails (a sticky CUDA error, which only a new process clears) keeps counting; the
-    // server reports itself failing from 3 in a row on (docs/server.md, /ready and /health).
+    // Steps failed since the last step that succeeded (0 after a success, and after a device
+    // loss is recovered): a device whose every step fails keeps counting; the server reports
+    // itself failing from 3 in a row on (docs/server.md, /ready and /health). A lost device (a
+    // sticky CUDA error) is recovered or given up on instead (n_device_losses below).
     int64_t n_failed_in_a_row;
     // Device loss (di_engine_options.device_loss_max; docs/cuda.md, "Device loss"): steps whose
     // forward found the device lost (DI_ERR_DEVICE_LOST), rebuilds of the device state that

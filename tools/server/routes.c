@@ -422,12 +422,12 @@ enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, con
     }
     srv_api api = api_of(r->k);
     // Failing: the engine's last SRV_FAILING_STEPS steps or more all failed (a device whose every
-    // step fails, e.g. after a sticky CUDA error, which only a new process clears): /ready turns
-    // 503 so a load balancer stops sending, /health too so an orchestrator restarts the process.
-    // A step that succeeds ends it (requests are still accepted meanwhile).
-    // Device lost for good (the engine gave up rebuilding it: too many losses within its window,
-    // or a failed rebuild; docs/server.md): /ready and /health 503 "device_lost" for the rest of
-    // the process, and every generation request 503 (the engine refuses them).
+    // step fails; a sticky CUDA error is recovered by the engine, or it gives up: below): /ready
+    // turns 503 so a load balancer stops sending, /health too so an orchestrator restarts the
+    // process. A step that succeeds ends it (requests are still accepted meanwhile). Device lost
+    // for good (the engine gave up rebuilding it: too many losses within its window, or a failed
+    // rebuild; docs/server.md): /ready and /health 503 "device_lost" for the rest of the process,
+    // and every generation request 503 (the engine refuses them).
     int64_t n_failing = 0;
     bool lost = false;
     int64_t n_losses = 0, n_recoveries = 0;
