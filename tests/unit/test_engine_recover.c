@@ -21,6 +21,8 @@
 //   (c) V4.1, one stage: (a)'s first loss.
 //   (d) V4, two pipeline stages on two CPU backends, the second stage's backend lost: (a)'s first
 //       loss (every stage rebuilt);
+//   (f) V4 with MTP speculation (spec_tokens 1): (a)'s first loss; the rebuild enables the MTP
+//       block again;
 //   (e) a running request with computed state (and a cached block with its tail snapshot) that is
 //       not in the lost step (a better-priority request took the step's rows) is preempted and
 //       recomputed after the rebuild, bit for bit the reference's (test_starved).
@@ -141,8 +143,10 @@ static di_status open_twin(di_model *m, void *user) {
     return di_model_dev_open(m, devs, g_stages); // owned by the model: rebuildable
 }
 
-// rows: rows per step; tails: tail snapshots on (else hits are continued by the bounded replay).
-static di_engine *engine_o(const char *dir, int32_t loss_max, int32_t rows, bool tails) {
+// rows: rows per step; tails: tail snapshots on (else hits are continued by the bounded replay);
+// spec: MTP speculation (V4: one draft per verify).
+static di_engine *engine_o(const char *dir, int32_t loss_max, int32_t rows, bool tails,
+                           int32_t spec) {
     di_engine_options o = di_engine_options_default();
     o.n_threads = 2;
     o.kv_memory_bytes = (size_t)64 << 20;
@@ -151,13 +155,14 @@ static di_engine *engine_o(const char *dir, int32_t loss_max, int32_t rows, bool
     o.max_ctx = MAX_CTX;
     o.no_tail_cache = !tails; // the prefix cache on
     o.device_loss_max = loss_max;
+    o.spec_tokens = spec;
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create_prepared(dir, &o, open_twin, NULL, &e), DI_OK);
     return e;
 }
 
 static di_engine *engine(const char *dir, int32_t loss_max) {
-    return engine_o(dir, loss_max, 32, false);
+    return engine_o(dir, loss_max, 32, false, 0);
 }
 
 static result g_ref[N_P];
@@ -331,7 +336,7 @@ static void test_rebuild_fails(void) {
 // P5's first token (step 1), P2 after its third (step 3; the plan of step 4 is made), with the
 // loss armed for the third forward from there (step 6).
 static void test_starved(void) {
-    di_engine *e = engine_o(g_dir4, 0, 48, true);
+    di_engine *e = engine_o(g_dir4, 0, 48, true, 0);
     if (!e) return;
     static result tick, low, high;
     g_paused = g_released = 0;
@@ -382,6 +387,19 @@ static void test_v41(void) {
     di_engine_destroy(e);
 }
 
+// (f) MTP speculation on the device-resident forward: the rebuilt forward gets its MTP block
+// back (di_dsv4_dev_mtp_enable) and the state its MTP rings and verify graphs.
+static void test_spec(void) {
+    reference(g_dir4); // speculation changes no output: the plain engine's tokens
+    di_engine *e = engine_o(g_dir4, 0, 32, false, 1);
+    if (!e) return;
+    first_loss(e, 0, "(f) V4 with MTP speculation");
+    di_engine_stats st;
+    stats(e, &st);
+    CHECK(st.n_spec_verifies > 0);
+    di_engine_destroy(e);
+}
+
 static void test_stages(void) {
     g_stages = 2;
     reference(g_dir4);
@@ -409,6 +427,7 @@ int main(void) {
     RUN(test_v4);
     RUN(test_rebuild_fails);
     RUN(test_starved);
+    RUN(test_spec);
     RUN(test_v41);
     RUN(test_stages);
     di_test_remove_dir(g_dir4);
