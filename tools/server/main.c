@@ -33,6 +33,7 @@ static void usage(FILE *f) {
         "                       [--drain-timeout 30] [--log-level 0..3]\n"
         "                       [--spec-tokens N] [--spec-min-confidence X]\n"
         "                       [--kv-transfer] [--kv-transfer-max-bytes 1G]\n"
+        "                       [--device-loss-max 3] [--device-loss-window 600]\n"
         "OpenAI Chat Completions / Completions / Responses and Anthropic Messages over HTTP.\n"
         "Without --model it serves the built-in tiny random-weight model (meaningless text).\n"
         "--spec-tokens N (default 0 = off): speculative decoding, up to N drafts verified\n"
@@ -68,7 +69,10 @@ static void usage(FILE *f) {
         "--eplb-interval STEPS (default 0 = off): every STEPS steps plan a placement from\n"
         "the routing load since the last plan (EPLB, --eplb-slots-per-rank replicas per\n"
         "rank) and apply it when max/mean rank load drops by more than --eplb-min-gain\n"
-        "(default 0.05).\n",
+        "(default 0.05).\n"
+        "--device-loss-max N, --device-loss-window S (defaults 3, 600): a lost device (a sticky\n"
+        "CUDA error) is rebuilt at most N times within S seconds; beyond that, or when a rebuild\n"
+        "fails, /ready and /health answer 503 device_lost and every request gets 503.\n",
         (double)DI_SPEC_MIN_CONFIDENCE_DEFAULT, DI_ENGINE_PRIORITY_AGING_MS);
 }
 
@@ -256,6 +260,12 @@ static int serve_main(int argc, char **argv, bool batch) {
         } else if (!strcmp(a, "--max-batch-tokens") && has) {
             if (!di_args_int(argv[++i], "--max-batch-tokens", 1, 1 << 20, &v)) goto out;
             c->max_batch_tokens = (int32_t)v;
+        } else if (!strcmp(a, "--device-loss-max") && has) {
+            if (!di_args_int(argv[++i], "--device-loss-max", 1, 1 << 20, &v)) goto out;
+            c->device_loss_max = (int32_t)v;
+        } else if (!strcmp(a, "--device-loss-window") && has) {
+            if (!di_args_int(argv[++i], "--device-loss-window", 1, INT32_MAX, &v)) goto out;
+            c->device_loss_window_s = (int32_t)v;
         } else if (!strcmp(a, "--priority-aging-ms") && has) {
             if (!di_args_int(argv[++i], "--priority-aging-ms", 0, INT32_MAX, &v)) goto out;
             c->priority_aging_ms = (int32_t)v;
@@ -386,6 +396,8 @@ static int serve_main(int argc, char **argv, bool batch) {
     eo.max_seqs = c->max_seqs;
     eo.max_batch_tokens = c->max_batch_tokens;
     eo.priority_aging_ms = c->priority_aging_ms;
+    eo.device_loss_max = c->device_loss_max;           // 0: the engine's default (3)
+    eo.device_loss_window_s = c->device_loss_window_s; // 0: 600
     eo.spec_tokens = c->spec_tokens;
     eo.spec_min_confidence = c->spec_min_confidence;
     di_status st = di_engine_create(ma.model, &eo, &s->engine);

@@ -95,15 +95,17 @@ typedef struct srv_config {
     int32_t kv_disk_prefetches; // --kv-disk-prefetches: admission prefetches at once (0: 4)
     int32_t max_ctx;
     int32_t max_seqs;
-    int32_t max_batch_tokens;    // forward rows per step (--max-batch-tokens); 0 = 256
-    int32_t priority_aging_ms;   // --priority-aging-ms: one priority level per N ms waited; 0 off
-    int32_t spec_tokens;         // DSpark drafts per verify (V4.1 with DSpark); 0 = off
-    float spec_min_confidence;   // the confidence cut; 0 = the engine's default, < 0 none
-    int32_t eplb_interval;       // online EPLB every N steps (--ep-workers); 0 = off
-    int32_t eplb_slots_per_rank; // replicas per rank; 0 = the placement's
-    double eplb_min_gain;        // 0 = the engine's default (0.05)
-    int max_inflight;            // concurrent generation requests; more get 429
-    double keepalive_s;          // SSE keep-alive period while nothing is produced
+    int32_t max_batch_tokens;     // forward rows per step (--max-batch-tokens); 0 = 256
+    int32_t priority_aging_ms;    // --priority-aging-ms: one priority level per N ms waited; 0 off
+    int32_t device_loss_max;      // --device-loss-max: device rebuilds within the window (0: 3)
+    int32_t device_loss_window_s; // --device-loss-window: seconds (0: 600)
+    int32_t spec_tokens;          // DSpark drafts per verify (V4.1 with DSpark); 0 = off
+    float spec_min_confidence;    // the confidence cut; 0 = the engine's default, < 0 none
+    int32_t eplb_interval;        // online EPLB every N steps (--ep-workers); 0 = off
+    int32_t eplb_slots_per_rank;  // replicas per rank; 0 = the placement's
+    double eplb_min_gain;         // 0 = the engine's default (0.05)
+    int max_inflight;             // concurrent generation requests; more get 429
+    double keepalive_s;           // SSE keep-alive period while nothing is produced
     bool kv_transfer; // --kv-transfer: POST /internal/prefill and /internal/kv are served
     // --cache-isolation user: each request's prefix-cache namespace is its user id (Chat /
     // Completions / Responses `user_id` or `user`, Messages `metadata.user_id`), so users share
