@@ -23,6 +23,8 @@
 //       loss (every stage rebuilt);
 //   (f) V4 with MTP speculation (spec_tokens 1): (a)'s first loss; the rebuild enables the MTP
 //       block again;
+//   (g) the disk tier's records survive a loss: a block read from disk before it (and dropped
+//       from the memory cache by it) is read from disk again afterwards, the same tokens;
 //   (e) a running request with computed state (and a cached block with its tail snapshot) that is
 //       not in the lost step (a better-priority request took the step's rows) is preempted and
 //       recomputed after the rebuild, bit for bit the reference's (test_starved).
@@ -144,7 +146,10 @@ static di_status open_twin(di_model *m, void *user) {
 }
 
 // rows: rows per step; tails: tail snapshots on (else hits are continued by the bounded replay);
-// spec: MTP speculation (V4: one draft per verify).
+// spec: MTP speculation (V4: one draft per verify); disk: the prefix cache's disk tier there
+// (NULL: none).
+static const char *g_disk;
+
 static di_engine *engine_o(const char *dir, int32_t loss_max, int32_t rows, bool tails,
                            int32_t spec) {
     di_engine_options o = di_engine_options_default();
@@ -156,6 +161,7 @@ static di_engine *engine_o(const char *dir, int32_t loss_max, int32_t rows, bool
     o.no_tail_cache = !tails; // the prefix cache on
     o.device_loss_max = loss_max;
     o.spec_tokens = spec;
+    o.kv_disk_dir = g_disk;
     di_engine *e = NULL;
     CHECK_EQ(di_engine_create_prepared(dir, &o, open_twin, NULL, &e), DI_OK);
     return e;
@@ -400,6 +406,56 @@ static void test_spec(void) {
     di_engine_destroy(e);
 }
 
+// (g) The disk tier's records survive a loss: engine A runs P0 and is destroyed (its cached first
+// block written to disk); engine B on the same directory runs P0 (128 positions read from disk,
+// uploaded into a device block), then loses its device (P1, P3, P4): the block leaves the
+// memory cache, its record stays, and P0 again reads it from disk into the rebuilt device: 128
+// cached positions and the reference's tokens.
+static void test_disk(void) {
+    char disk[300];
+    snprintf(disk, sizeof disk, "%s/kv-disk", g_dir4);
+    g_disk = disk;
+    static result r, got[3];
+    di_engine *e = engine(g_dir4, 0);
+    if (e) {
+        CHECK_EQ(submit(e, 0, &r), DI_OK);
+        di_engine_wait_idle(e);
+        CHECK(same(&r, &g_ref[0]));
+        di_engine_destroy(e); // writes the cached block
+    }
+    e = engine(g_dir4, 0);
+    if (!e) {
+        g_disk = NULL;
+        return;
+    }
+    CHECK_EQ(submit(e, 0, &r), DI_OK);
+    di_engine_wait_idle(e);
+    CHECK_EQ(r.n_cached, 128);
+    CHECK(same(&r, &g_ref[0]));
+    di_engine_stats st0, st;
+    stats(e, &st0);
+    CHECK(st0.n_disk_dev_uploads >= 1);
+    int n_lost = later_loss(e, got);
+    CHECK(n_lost >= 1);
+    stats(e, &st);
+    CHECK_EQ(st.n_device_recoveries, 1);
+    CHECK_EQ(submit(e, 0, &r), DI_OK);
+    di_engine_wait_idle(e);
+    CHECK_EQ(r.finish, DI_FINISH_LENGTH);
+    CHECK_EQ(r.n_cached, 128); // from disk again: the memory copy was dropped, the record kept
+    CHECK(same(&r, &g_ref[0]));
+    stats(e, &st);
+    CHECK(st.n_disk_dev_uploads > st0.n_disk_dev_uploads);
+    CHECK(st.n_disk_blocks_read > st0.n_disk_blocks_read);
+    CHECK_EQ(st.n_step_allocs, 0);
+    fprintf(stderr,
+            "(g) disk tier: P0's block read from disk before the loss and again after it (%lld "
+            "uploads into device blocks), the reference's tokens\n",
+            (long long)st.n_disk_dev_uploads);
+    di_engine_destroy(e);
+    g_disk = NULL;
+}
+
 static void test_stages(void) {
     g_stages = 2;
     reference(g_dir4);
@@ -428,6 +484,7 @@ int main(void) {
     RUN(test_rebuild_fails);
     RUN(test_starved);
     RUN(test_spec);
+    RUN(test_disk);
     RUN(test_v41);
     RUN(test_stages);
     di_test_remove_dir(g_dir4);
