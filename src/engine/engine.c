@@ -1034,13 +1034,18 @@ void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_statu
     atomic_store(&e->fail_in, n_fail > 0 ? n_ok + 1 : 0);
 }
 
+static void lose_stage_backend(di_engine *e, const char *when);
+
 void di_engine_lose_device(di_engine *e, int32_t n_ok, int32_t stage, int64_t after_calls,
                            int32_t n_rebuilds_lost) {
     atomic_store(&e->lose_in, 0); // nothing armed while the fields change
     e->lose_stage = stage;
     e->lose_after = after_calls;
     atomic_store(&e->lose_rebuilds, n_rebuilds_lost);
-    atomic_store(&e->lose_in, n_ok + 1);
+    if (n_ok < 0) // now, from this thread (the engine idle)
+        lose_stage_backend(e, "the next call");
+    else
+        atomic_store(&e->lose_in, n_ok + 1);
 }
 
 void di_engine_set_masks_ahead(di_engine *e, bool on) {
@@ -1866,7 +1871,9 @@ static di_status inject_failure(di_engine *e) {
 // device_loss_window_s seconds are recovered; one more, or a failed rebuild, and the engine gives
 // up (dead): it ends every waiting request and refuses every new one with DI_ERR_DEVICE_LOST, and
 // di_engine_stats.unhealthy tells the server (503 on /health and /ready, so the router takes the
-// replica out of rotation). Nothing of this runs inside a step's allocation count.
+// replica out of rotation). Nothing of this runs inside a step's allocation count. A loss found
+// between steps (the disk tier's idle transfers, a KV export or import) recovers the same way at
+// once (lost_between_steps), before a step's requests would fail on it.
 
 // The backend of the device-resident forward's stage k; NULL when there is none.
 static di_backend *dev_stage_backend(const di_engine *e, int32_t k) {
@@ -2005,6 +2012,15 @@ static void device_lost(di_engine *e, int64_t *cb_allocs) {
         end_all_lost(e, &cb);
     }
     *cb_allocs += di_mem_thread_allocs() - a0;
+}
+
+// A device call between steps (the disk tier's transfers with the forward idle, a KV export or
+// import) found the device lost: recover now, before a step's requests would fail on it.
+static void lost_between_steps(di_engine *e, di_status st, const char *what) {
+    if (st != DI_ERR_DEVICE_LOST || !e->dev_on || e->dead) return;
+    DI_LOG_ERROR("engine: %s found the device lost, between steps", what);
+    int64_t cb = 0; // not a step's
+    device_lost(e, &cb);
 }
 
 // ---- speculative decoding (V4.1 with DSpark, V4 with the MTP block) ----
@@ -2721,6 +2737,7 @@ static void run_jobs(di_engine *e) {
             DI_LOG_ERROR("engine: uploading blocks read from the disk tier failed (%s): %d left "
                          "the prefix cache, %d requests that had attached them were preempted",
                          di_status_str(xs), (int)n_bad, (int)n_pre);
+        lost_between_steps(e, xs, "uploading blocks read from the disk tier");
     }
     for (kv_job *nx; j; j = nx) {
         nx = j->next;
@@ -2732,6 +2749,8 @@ static void run_jobs(di_engine *e) {
         else
             j->st = di_kv_manager_export(e->kv, j->tokens, j->n_tokens, j->salt, &j->out, &j->n_out,
                                          &j->n_a, j->err, j->cap);
+        // Recovered before its caller sees the status (it may retry on the rebuilt device).
+        lost_between_steps(e, j->st, "a KV transfer");
         pthread_mutex_lock(&e->mu);
         j->done = true; // j belongs to its caller from here on
         pthread_cond_broadcast(&e->cv_job);
@@ -2864,15 +2883,17 @@ static di_status dev_block_write(void *user, int32_t block, const void *src) {
     return dev_write_block(e, block, src);
 }
 
-// Engine thread, no forward in flight and no plan: runs the recorded transfers.
-static void dev_xfer_idle(di_engine *e) {
-    (void)di_kv_dev_sync(e->kv); // a failed upload is logged; the next call's faults surface
+// Engine thread, no forward in flight and no plan: runs the recorded transfers. Returns their
+// status (a failed upload is logged; the next call's faults surface).
+static di_status dev_xfer_idle(di_engine *e) {
+    const di_status st = di_kv_dev_sync(e->kv);
     pthread_mutex_lock(&e->mu);
     if (e->dev_xfer_busy) {
         e->dev_xfer_busy = false;
         pthread_cond_broadcast(&e->cv_idle);
     }
     pthread_mutex_unlock(&e->mu);
+    return st;
 }
 
 static void *engine_main(void *p) {
@@ -2883,7 +2904,8 @@ static void *engine_main(void *p) {
         // No forward is in flight here. Take new requests and cancellations (the ones that
         // arrived while the last step ran too); sleep while there is nothing to do.
         bool stop;
-        if (!have_plan && e->dev_on) dev_xfer_idle(e);
+        if (!have_plan && e->dev_on)
+            lost_between_steps(e, dev_xfer_idle(e), "the disk tier's device transfers");
         bool cancel = take_incoming(e, !have_plan, &stop) || cancel_later;
         cancel_later = false;
         run_jobs(e);
@@ -2973,8 +2995,8 @@ static void *engine_main(void *p) {
         st->device.resident = e->dev_on;
         pthread_mutex_unlock(&e->mu);
     }
-    run_jobs(e);                     // those queued before the stop
-    if (e->dev_on) dev_xfer_idle(e); // the last plan's evictions (the flush writes them next)
+    run_jobs(e);                           // those queued before the stop
+    if (e->dev_on) (void)dev_xfer_idle(e); // the last plan's evictions (the flush writes them next)
     // Final stats after the last cancellations.
     pthread_mutex_lock(&e->mu);
     e->stats.n_blocks_free = di_block_pool_n_available(e->kv->pool);

@@ -59,7 +59,9 @@ void di_engine_fail_forward(di_engine *e, int32_t n_ok, int32_t n_fail, di_statu
 // every later one return DI_ERR_DEVICE_LOST), so that forward fails as on a lost GPU and the
 // engine rebuilds its device state. The next n_rebuilds_lost rebuilds lose their new backend of
 // that stage too (after_calls entries into their warm-up call): they fail, and the engine gives
-// up. A stage without a CPU backend: logged, nothing lost. Recovery needs the twin on backends the
+// up. n_ok < 0: the stage's backend is lost now (after_calls entries from now, whatever thread
+// makes them; call it while the engine is idle). A stage without a CPU backend: logged, nothing
+// lost. Recovery needs the twin on backends the
 // model owns (di_model_dev_open). Replaces an earlier pending drill. Any thread.
 void di_engine_lose_device(di_engine *e, int32_t n_ok, int32_t stage, int64_t after_calls,
                            int32_t n_rebuilds_lost);

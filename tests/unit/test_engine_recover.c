@@ -25,6 +25,8 @@
 //       block again;
 //   (g) the disk tier's records survive a loss: a block read from disk before it (and dropped
 //       from the memory cache by it) is read from disk again afterwards, the same tokens;
+//   (h) a loss found between steps (by a KV export reading a cached block): the engine rebuilds
+//       at once, no step fails, the block is gone afterwards;
 //   (e) a running request with computed state (and a cached block with its tail snapshot) that is
 //       not in the lost step (a better-priority request took the step's rows) is preempted and
 //       recomputed after the rebuild, bit for bit the reference's (test_starved).
@@ -456,6 +458,42 @@ static void test_disk(void) {
     g_disk = NULL;
 }
 
+// (h) A loss found between steps: P0 runs (its first block cached); the device is lost while
+// the engine is idle, and a KV export (reading that block from the device) finds it: the export
+// fails with DI_ERR_DEVICE_LOST and the engine rebuilds at once, no step failing; P0 again then
+// finds nothing cached (the block was the lost device's) and gives the reference's tokens.
+static void test_idle(void) {
+    di_engine *e = engine(g_dir4, 0);
+    if (!e) return;
+    static result r;
+    CHECK_EQ(submit(e, 0, &r), DI_OK);
+    di_engine_wait_idle(e);
+    CHECK(same(&r, &g_ref[0]));
+    di_engine_lose_device(e, -1, 0, 0, 0); // lost now
+    void *x = NULL;
+    size_t n_x = 0;
+    int32_t n_blocks = 0;
+    char err[256] = "";
+    CHECK_EQ(di_engine_kv_export(e, g_prompt[0], g_len[0], 0, &x, &n_x, &n_blocks, err, sizeof err),
+             DI_ERR_DEVICE_LOST);
+    di_free_buffer(x);
+    di_engine_wait_idle(e);
+    di_engine_stats st;
+    stats(e, &st);
+    CHECK_EQ(st.n_device_losses, 1);
+    CHECK_EQ(st.n_device_recoveries, 1);
+    CHECK_EQ(st.n_failed_steps, 0);
+    CHECK(!st.unhealthy);
+    CHECK_EQ(submit(e, 0, &r), DI_OK);
+    di_engine_wait_idle(e);
+    CHECK_EQ(r.finish, DI_FINISH_LENGTH);
+    CHECK_EQ(r.n_cached, 0);
+    CHECK(same(&r, &g_ref[0]));
+    fprintf(stderr, "(h) a loss found by a KV export between steps: rebuilt at once, no step "
+                    "failed, the same tokens afterwards\n");
+    di_engine_destroy(e);
+}
+
 static void test_stages(void) {
     g_stages = 2;
     reference(g_dir4);
@@ -485,6 +523,7 @@ int main(void) {
     RUN(test_starved);
     RUN(test_spec);
     RUN(test_disk);
+    RUN(test_idle);
     RUN(test_v41);
     RUN(test_stages);
     di_test_remove_dir(g_dir4);
