@@ -1956,12 +1956,13 @@ static void device_lost(di_engine *e, int64_t *cb_allocs) {
     di_sched *s = &e->sched;
     const di_engine_options *o = &e->opt;
     const int64_t now = sched_now_ms(e), ring = (int64_t)o->device_loss_max + 1;
+    const int64_t window_ms = o->device_loss_window_s * 1000LL;
     e->loss_ms[e->n_loss % ring] = now;
     e->n_loss++;
-    // device_loss_max + 1 losses within the window: the oldest of them is the one just overwritten
-    // next.
-    const bool too_many =
-        e->n_loss >= ring && now - e->loss_ms[e->n_loss % ring] < o->device_loss_window_s * 1000LL;
+    int64_t n_recent = 0; // losses within the window, this one included (at most ring)
+    for (int64_t k = 0; k < ring && k < e->n_loss; k++) n_recent += now - e->loss_ms[k] < window_ms;
+    // More than device_loss_max within the window: the ring's every entry is in it.
+    const bool too_many = n_recent == ring;
     int32_t n_pre = 0;
     for (int32_t i = s->n_running - 1; i >= 0; i--, n_pre++) di_sched_preempt(s, s->running[i]);
     if (e->dev_snap_id) memset(e->dev_snap_id, 0, sizeof *e->dev_snap_id * (size_t)o->max_seqs);
@@ -1974,8 +1975,8 @@ static void device_lost(di_engine *e, int64_t *cb_allocs) {
     DI_LOG_WARN("engine: the device is lost (loss %lld; %lld within %d s): %d running requests "
                 "preempted for recompute, %d blocks dropped from the prefix cache (the disk tier's "
                 "records stay)",
-                (long long)e->n_loss, (long long)(e->n_loss < ring ? e->n_loss : ring),
-                (int)o->device_loss_window_s, (int)n_pre, (int)n_dropped);
+                (long long)e->n_loss, (long long)n_recent, (int)o->device_loss_window_s, (int)n_pre,
+                (int)n_dropped);
     di_status st = DI_ERR_DEVICE_LOST;
     if (!e->dev_on)
         DI_LOG_ERROR("engine: no device-resident forward to rebuild (an injected loss, or a "
