@@ -82,12 +82,11 @@ typedef struct di_device {
     // ordinals after `index`. A V4 or V4.1 model's device-resident forward then runs as
     // 1 + n_more pipeline stages (docs/cuda.md "Several GPUs: pipeline stages"): its layers split
     // into contiguous ranges of about equal weight bytes, stage 0 on `index`, stage k on
-    // more[k - 1] (an ordinal may repeat: cuda:0,0 is two stages on one GPU). A V4.1 model is cut
-    // only where no later layer reads an earlier stage's kv source, top-k or candidate pool
-    // (di_model_stage_split): di_model_load returns DI_ERR_INVALID for a list longer than its
-    // legal cuts allow (V4.1-Flash: at most 6). What does not run on the device-resident forward
-    // (the offloaded matmuls of MTP / DSpark sessions) uses `index`. 0 (the zero value, as before
-    // this field existed): the one device `index`.
+    // more[k - 1] (an ordinal may repeat: cuda:0,0 is two stages on one GPU; a V4.1 model's
+    // later stages keep mirrors of the earlier kv sources they read). di_model_load returns
+    // DI_ERR_INVALID for a list longer than the model's layers. What does not run on the
+    // device-resident forward (the offloaded matmuls of MTP / DSpark sessions) uses `index`. 0 (the
+    // zero value, as before this field existed): the one device `index`.
     int32_t n_more;
     int32_t more[DI_DEVICE_MAX_MORE];
 } di_device;
@@ -206,11 +205,11 @@ size_t di_model_describe(const di_model *model, char *buf, size_t cap);
 // The split of a V4 or V4.1 model's layers into n_stages pipeline stages as the device-resident
 // forward makes it for a device list of n_stages entries (di_device.more; docs/cuda.md "Several
 // GPUs: pipeline stages"): contiguous ranges of about equal weight bytes, at least one layer each
-// (V4.1: at legal cuts only, and its Engram tables, which stay in host memory, not counted); stage
+// (V4.1: any cut, its Engram tables, which stay in host memory, not counted); stage
 // k holds layers [layer0[k], layer0[k + 1]) (layer0: n_stages + 1 entries) and stage_bytes[k]
 // bytes of weights (the embedding counted on stage 0, the head on the last; NULL: not wanted).
 // Host only (no device). DI_ERR_INVALID (n_stages < 1, > DI_DEVICE_MAX_MORE + 1 or > the model's
-// layers; V4.1: fewer legal cuts than n_stages - 1; logged), DI_ERR_NOMEM.
+// layers; logged), DI_ERR_NOMEM.
 di_status di_model_stage_split(const di_model *model, int32_t n_stages, int32_t *layer0,
                                int64_t *stage_bytes);
 // Compression ratio of layer il (0 = sliding window only, 4 = CSA, other = HCA); -1 if out of

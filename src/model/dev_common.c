@@ -153,10 +153,10 @@ bool di_dev_logit_rows_ok(const char *who, const int32_t *logit_rows, int32_t n_
 // ---- pipeline stages ----
 
 di_status di_dev_split(const int64_t *pre, int64_t head, int32_t L, int32_t n_stages,
-                       const bool *cut_ok, int32_t *layer0, int64_t *stage_bytes) {
+                       int32_t *layer0, int64_t *stage_bytes) {
     if (n_stages < 1 || n_stages > L) return DI_ERR_INVALID;
     // f[k * (L + 1) + l] = the least largest stage of layers [0, l) as stages 0..k (INT64_MAX:
-    // none with legal cuts), cut[.] the first layer of stage k there (the smallest such); O(n L^2).
+    // none), cut[.] the first layer of stage k there (the smallest such); O(n L^2).
     const size_t cells = (size_t)n_stages * (size_t)(L + 1);
     int64_t *f = di_malloc(sizeof(int64_t) * cells);
     int32_t *cut = di_malloc(sizeof(int32_t) * cells);
@@ -172,7 +172,7 @@ di_status di_dev_split(const int64_t *pre, int64_t head, int32_t L, int32_t n_st
             int64_t best = INT64_MAX;
             for (int32_t j = k; j < l; j++) {
                 const int64_t prev = f[(k - 1) * (L + 1) + j], here = pre[l] - pre[j] + extra;
-                if (prev == INT64_MAX || (cut_ok && !cut_ok[j])) continue;
+                if (prev == INT64_MAX) continue;
                 const int64_t v = prev > here ? prev : here;
                 if (v < best) best = v, cut[k * (L + 1) + l] = j;
             }

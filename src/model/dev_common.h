@@ -56,11 +56,10 @@ bool di_dev_logit_rows_ok(const char *who, const int32_t *logit_rows, int32_t n_
 
 // The split of L layers into n_stages contiguous ranges (pipeline stages) whose largest is
 // smallest: pre[l] (L + 1 entries) the bytes of the first stage up to layer l (pre[0]: what the
-// first stage holds besides its layers), head what the last one holds besides its layers;
-// cut_ok[l] (l in [1, L); NULL: every cut) whether a stage may start at layer l. Of the splits with
-// at least one layer per stage and every cut legal, the one whose largest stage is smallest (ties
-// to earlier cuts): stage k holds [layer0[k], layer0[k + 1]) (n_stages + 1 entries), stage_bytes[k]
-// its bytes (NULL: not wanted). DI_ERR_INVALID (not logged: no such split), DI_ERR_NOMEM. Host
-// only.
+// first stage holds besides its layers), head what the last one holds besides its layers. Of the
+// splits with at least one layer per stage, the one whose largest stage is smallest (ties to
+// earlier cuts): stage k holds [layer0[k], layer0[k + 1]) (n_stages + 1 entries), stage_bytes[k]
+// its bytes (NULL: not wanted). DI_ERR_INVALID (not logged: n_stages < 1 or > L), DI_ERR_NOMEM.
+// Host only.
 di_status di_dev_split(const int64_t *pre, int64_t head, int32_t L, int32_t n_stages,
-                       const bool *cut_ok, int32_t *layer0, int64_t *stage_bytes);
+                       int32_t *layer0, int64_t *stage_bytes);

@@ -408,7 +408,7 @@ int32_t di_model_layer_ratio(const di_model *m, int32_t il) {
 
 di_status di_model_stage_split(const di_model *m, int32_t n_stages, int32_t *layer0,
                                int64_t *stage_bytes) {
-    // V4.1: at legal cuts only (dsv41_dev.h "Pipeline stages").
+    // V4.1: any cut, what crosses it handed over (dsv41_dev.h "Pipeline stages").
     if (m->hp.v41) return di_dsv41_dev_split(m, n_stages, layer0, stage_bytes);
     return di_dsv4_dev_split(m, n_stages, layer0, stage_bytes);
 }

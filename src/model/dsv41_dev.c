@@ -10,6 +10,7 @@
 #include "model/dsv41_dev.h"
 
 #include <math.h>
+#include <stdio.h>  // snprintf
 #include <stdlib.h> // getenv
 #include <string.h>
 
@@ -44,6 +45,11 @@ typedef struct dev_layer {
     di_tensor eg_wkv;
     float *eg_qk; // backend [NC, D]
     di_backend_moe_w moe;
+    // A kv source's roles on this stage (set for any il, inside the stage's layers or not;
+    // dsv41_dev.h "Pipeline stages"): mirror, an earlier stage owns source il and a layer here
+    // reads it, so the stage keeps a mirror of its entries and index keys; handed, il is one of
+    // the stage's layers and a later stage mirrors it, so its finalised rows are handed over.
+    bool mirror, handed;
 } dev_layer;
 
 // One pipeline stage (dsv41_dev.h "Pipeline stages"): the weights of layers [l0, l1) on its
@@ -59,6 +65,10 @@ typedef struct dev_stage {
     float *norm;           // backend [D]
     float *omega_main, *omega_compress; // backend [n_rot / 2]
     dev_layer *layers;                  // owned [n_layer]
+    // What the stage receives from the stage before it (_in) and hands to the next (_out) besides
+    // the streams and pre: the published top-k, the candidate pool (dsv41_dev.h "Pipeline
+    // stages"; false on one stage).
+    bool topk_in, topk_out, cand_in, cand_out;
     // Engram tables by module: the model's host tensors (borrowed), never uploaded ("Engram
     // tables" in dsv41_dev.h): each call's rows are gathered into its staging.
     const di_tensor *eg_tables[DI_MAX_ENGRAM];
@@ -154,6 +164,11 @@ static bool here(const dev_stage *d, int il) {
     return il >= d->l0 && il < d->l1;
 }
 
+// Whether stage d keeps kv source il's entries and index keys: its own, or a mirror.
+static bool keeps(const dev_stage *d, int il) {
+    return d->m->hp.kv_source[il] && (here(d, il) || d->layers[il].mirror);
+}
+
 // Stage of layers [l0, l1) on b (the model's checks done by the caller).
 static di_status stage_create(di_model *m, di_backend *b, int32_t l0, int32_t l1, bool first,
                               bool last, dev_stage **out) {
@@ -231,8 +246,11 @@ typedef struct dev_src {
     int32_t il, m, per_page; // layer, ratio, entries per block
     int64_t ent_row0;        // its first entry row in the pool
     float *ikeys;            // backend [n_blocks * per_page, DI]
-    float *ring_c, *ring_z;  // backend [n_slots * 2, Dh] (m = 2), else NULL
+    float *ring_c, *ring_z;  // backend [n_slots * 2, Dh] (m = 2, the owner only), else NULL
     int32_t cap_vis;         // the most entries a slot can have: n_ctx / m
+    // The hand-over of a handed or mirrored source (NULL: neither): a call's n_pool finalised
+    // rows, [n_pool, Dh] entries then [n_pool, DI] index keys (backend [max_rows * (Dh + DI)]).
+    float *xfer;
 } dev_src;
 
 typedef struct dev_graph {
@@ -283,8 +301,13 @@ struct di_dsv41_dev_state {
     di_dsv41_dev *d; // borrowed
     int32_t n_stages;
     stage_state *ss[DI_DSV41_DEV_MAX_STAGES]; // owned, one per stage
-    float *xh;       // host_alloc of stage 0's backend [max_rows, NC * D + NC] (n_stages > 1)
+    // host_alloc of stage 0's backend (n_stages > 1): the streams and pre [max_rows, NC * D + NC]
+    // floats, then the other hand-overs' regions at these byte offsets: per handed kv source its
+    // rows (max_rows * (Dh + DI) floats), the top-k [max_rows, index_topk], the candidate pool
+    // [max_rows, ntb] and its counts [max_rows] (int32).
+    float *xh;
     size_t xh_bytes; // of xh
+    size_t h_src[DI_MAX_LAYERS], h_sel, h_cand, h_ncand;
     di_dsv41_dev_graph_stats stats; // the last call's, summed over the stages
 };
 
@@ -348,8 +371,8 @@ static int64_t eg_words(const di_tensor *t, int64_t n) {
 static size_t stage_words(const stage_state *s, int64_t R, int64_t S) {
     const di_hparams *hp = &s->d->m->hp;
     int64_t n = 8 * R + R * s->key_stride + S * s->max_blocks + (int64_t)hp->n_layer * R;
-    for (int il = s->d->l0; il < s->d->l1; il++)
-        if (hp->kv_source[il]) n += 7 * R;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (keeps(s->d, il)) n += 7 * R;
     const int64_t n_col = s->d->m->v41->hash.n_col;
     for (int L = 0; L < hp->n_engram; L++)
         if (here(s->d, hp->engram_layer[L]))
@@ -371,8 +394,8 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     const int64_t n_eb = n_blocks > 0 ? n_blocks : (int64_t)n_slots * max_blocks;
     const int64_t layer_rows = (int64_t)max_rows + (int64_t)n_slots * W;
     int64_t pool_rows = (int64_t)(d->l1 - d->l0) * layer_rows;
-    for (int il = d->l0; il < d->l1; il++)
-        if (hp->kv_source[il]) pool_rows += n_eb * (block_tokens / hp->compress_ratio[il]);
+    for (int il = 0; ok && il < hp->n_layer; il++) // its own kv sources and its mirrors
+        if (keeps(d, il)) pool_rows += n_eb * (block_tokens / hp->compress_ratio[il]);
     if (!ok || pool_rows > INT32_MAX || n_eb > INT32_MAX) {
         DI_LOG_ERROR("dev forward (V4.1): bad state (%d slots, n_ctx %d, %d rows, %d blocks of "
                      "%d positions)",
@@ -409,8 +432,8 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     DI_TRY(st_floats(s, pool_rows * Dh, &s->pool));
     int64_t row0 = (int64_t)(d->l1 - d->l0) * layer_rows;
     int32_t max_vis = 1;
-    for (int il = d->l0; il < d->l1; il++) {
-        if (!hp->kv_source[il]) continue;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!keeps(d, il)) continue;
         dev_src *k = &s->src[il];
         k->il = il;
         k->m = hp->compress_ratio[il];
@@ -424,10 +447,12 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
         // function of what the calls wrote).
         DI_TRY(
             d->b->vt->memset(d->b, k->ikeys, 0, sizeof(float) * (size_t)(n_eb * k->per_page * DI)));
-        if (k->m == 2) {
+        if (k->m == 2 && here(d, il)) { // a mirror holds no rings: the owner compresses
             DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_c));
             DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_z));
         }
+        if (d->layers[il].mirror || d->layers[il].handed)
+            DI_TRY(st_floats(s, R * (Dh + DI), &k->xfer));
     }
     s->score_stride = max_vis;
     const int64_t n_mix = (2 + nc) * nc, n_col = m->v41->hash.n_col;
@@ -525,11 +550,42 @@ di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_
     return DI_OK;
 }
 
-// Copies stage s's part of block `block` (its kv sources, in layer order) between the state and
-// host bytes in di_dsv41_dev_sizes' layout: into dst (read), or from src (write) when dst is NULL;
-// *n_bytes: the part's bytes.
-static di_status block_io(const stage_state *s, int32_t block, uint8_t *dst, const uint8_t *src,
-                          size_t *n_bytes) {
+di_status di_dsv41_dev_block_mem_bytes(const di_dsv41_dev *d, int32_t block_tokens,
+                                       int64_t *mem_bytes, int64_t *stage_bytes) {
+    const di_hparams *hp = &d->m->hp;
+    int64_t blk = 0, slot = 0;
+    di_status st = di_dsv41_dev_sizes(d, block_tokens, &blk, &slot);
+    if (st != DI_OK) return st;
+    int64_t all = 0;
+    for (int32_t k = 0; k < d->n_stages; k++) {
+        int64_t n = 0;
+        for (int il = 0; il < hp->n_layer; il++)
+            if (keeps(d->st[k], il))
+                n += (int64_t)sizeof(float) * (block_tokens / hp->compress_ratio[il]) *
+                     (hp->head_dim + hp->index_head_dim);
+        if (stage_bytes) stage_bytes[k] = n;
+        all += n;
+    }
+    *mem_bytes = all;
+    return DI_OK;
+}
+
+// Byte offset of kv source il's part in a block's bytes (di_dsv41_dev_sizes' layout: the kv
+// sources in layer order, each its E entry rows then its E index keys).
+static size_t block_off(const stage_state *s, int il) {
+    const di_hparams *hp = &s->d->m->hp;
+    size_t off = 0;
+    for (int j = 0; j < il; j++)
+        if (hp->kv_source[j])
+            off += sizeof(float) * (size_t)(s->block_tokens / hp->compress_ratio[j]) *
+                   (size_t)(hp->head_dim + hp->index_head_dim);
+    return off;
+}
+
+// Copies stage s's part of block `block` between the state and host bytes in di_dsv41_dev_sizes'
+// layout (each kv source at its offset): its own sources' into dst (read), or, when dst is NULL,
+// from src into its own sources and its mirrors (write: every copy of a block holds its bytes).
+static di_status block_io(const stage_state *s, int32_t block, uint8_t *dst, const uint8_t *src) {
     const di_hparams *hp = &s->d->m->hp;
     di_backend *b = s->d->b;
     const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
@@ -538,23 +594,20 @@ static di_status block_io(const stage_state *s, int32_t block, uint8_t *dst, con
                      s->n_eblocks);
         return DI_ERR_INVALID;
     }
-    *n_bytes = 0;
-    for (int il = s->d->l0; il < s->d->l1; il++) {
-        if (!hp->kv_source[il]) continue;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!keeps(s->d, il) || (dst && !here(s->d, il))) continue; // read: from the owner
         const dev_src *k = &s->src[il];
         const int64_t E = k->per_page;
         float *ent = s->pool + (k->ent_row0 + (int64_t)block * E) * Dh;
         float *key = k->ikeys + (int64_t)block * E * DI;
         const size_t ne = sizeof(float) * (size_t)(E * Dh), nk = sizeof(float) * (size_t)(E * DI);
-        di_status st = dst ? b->vt->download(b, dst, ent, ne) : b->vt->upload(b, ent, src, ne);
+        const size_t off = block_off(s, il);
+        di_status st =
+            dst ? b->vt->download(b, dst + off, ent, ne) : b->vt->upload(b, ent, src + off, ne);
         if (st == DI_OK)
-            st = dst ? b->vt->download(b, dst + ne, key, nk) : b->vt->upload(b, key, src + ne, nk);
+            st = dst ? b->vt->download(b, dst + off + ne, key, nk)
+                     : b->vt->upload(b, key, src + off + ne, nk);
         if (st != DI_OK) return st;
-        if (dst)
-            dst += ne + nk;
-        else
-            src += ne + nk;
-        *n_bytes += ne + nk;
     }
     return DI_OK;
 }
@@ -698,9 +751,10 @@ static void stage_layout(call *c) {
     TAKE(win_dst, c->n_wd);
     TAKE(win_src, c->n_wd);
     TAKE(pages, (int64_t)c->n_seq * s->max_blocks);
-    for (int il = s->d->l0; il < s->d->l1; il++) { // the stage's layers only
+    for (int il = s->d->l0; il < s->d->l1; il++) // the stage's layers only
         if (hp->compress_ratio[il] > 0) TAKE(ebase[il], T);
-        if (!hp->kv_source[il]) continue;
+    for (int il = 0; il < hp->n_layer; il++) { // the kv sources it keeps: its own, its mirrors
+        if (!keeps(s->d, il)) continue;
         src_meta *k = &c->sm[il];
         const int32_t mm = hp->compress_ratio[il];
         k->n_pool = 0;
@@ -712,7 +766,7 @@ static void stage_layout(call *c) {
         TAKE(sm[il].n_vis, T);
         TAKE(sm[il].epos, k->n_pool);
         TAKE(sm[il].edst, k->n_pool);
-        if (mm == 2) {
+        if (mm == 2 && here(s->d, il)) { // the compressor's lists: the owner's only
             TAKE(sm[il].esrc, 2 * (int64_t)k->n_pool);
             TAKE(sm[il].rdst, k->n_rd);
             TAKE(sm[il].rsrc, k->n_rd);
@@ -807,17 +861,18 @@ static void stage_fill(call *c, const int32_t *tokens) {
     // Compressing layers: each row's entry base relative to the layer's pool region.
     for (int il = s->d->l0; il < s->d->l1; il++) {
         if (hp->compress_ratio[il] <= 0) continue;
-        const int src = s->d->layers[il].src; // on this stage (the cut rule)
-        DI_ASSERT(here(s->d, src));
+        const int src = s->d->layers[il].src; // the stage's own or a mirror
+        DI_ASSERT(keeps(s->d, src));
         const int64_t base = s->src[src].ent_row0 - (int64_t)(il - s->d->l0) * s->layer_rows;
         for (int32_t t = 0; t < c->T; t++) g[c->ebase[il] + t] = (int32_t)base;
     }
     // kv sources: visible entries per row; the groups closing (padded to the shape's bound).
-    for (int il = s->d->l0; il < s->d->l1; il++) {
-        if (!hp->kv_source[il]) continue;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!keeps(s->d, il)) continue;
         const dev_src *k = &s->src[il];
         const src_meta *km = &c->sm[il];
         const int32_t mm = k->m;
+        const bool own = here(s->d, il); // a mirror takes only n_vis, epos and edst
         int32_t n = 0, rd = 0;
         r = 0;
         for (int32_t i = 0; i < c->n_seq; i++) {
@@ -836,7 +891,7 @@ static void stage_fill(call *c, const int32_t *tokens) {
                                       ? -1
                                       : block_of(c, i, w / k->per_page) * k->per_page +
                                             (int32_t)(w % k->per_page);
-                if (mm == 2) {
+                if (mm == 2 && own) {
                     const int64_t q = P - 1; // the group's even position
                     g[km->esrc + 2 * n] =
                         q >= p0 ? (int32_t)(r0 + q - p0) : -(sq->slot * 2 + (int32_t)(q % 2)) - 1;
@@ -847,9 +902,10 @@ static void stage_fill(call *c, const int32_t *tokens) {
             for (; n_i < (sq->n_tok + mm - 1) / mm; n_i++, n++) { // padding
                 g[km->epos + n] = 0;
                 g[km->edst + n] = -1;
-                if (mm == 2) g[km->esrc + 2 * n] = g[km->esrc + 2 * n + 1] = DI_BACKEND_NO_ROW;
+                if (mm == 2 && own)
+                    g[km->esrc + 2 * n] = g[km->esrc + 2 * n + 1] = DI_BACKEND_NO_ROW;
             }
-            for (int32_t t = sq->n_tok > 2 ? sq->n_tok - 2 : 0; t < sq->n_tok && mm == 2;
+            for (int32_t t = sq->n_tok > 2 ? sq->n_tok - 2 : 0; t < sq->n_tok && mm == 2 && own;
                  t++, rd++) {
                 g[km->rdst + rd] = sq->slot * 2 + (int32_t)((p0 + t) % 2);
                 g[km->rsrc + rd] = r0 + t;
@@ -918,6 +974,11 @@ static di_status finalise(const call *c, const dev_layer *lw, const dev_src *k, 
     ROUND(lat, n * Dh);
     OP(fake_quant, lat, n, Dh, Dh, DI_DSV41_ENT_BLOCK, DI_BACKEND_Q4E, lat);
     OP(scatter_rows, lat, n, Dh, Dh, s->pool + k->ent_row0 * Dh, Dh, D32(km->edst), NULL);
+    if (lw->handed) { // a later stage mirrors the source: the rows for its hand-over (the call's
+                      // n rows at fixed offsets, so a decode graph records these copies too)
+        OP(copy, k->xfer, lat, sizeof(float) * (size_t)(n * Dh));
+        OP(copy, k->xfer + n * Dh, s->ik, sizeof(float) * (size_t)(n * DI));
+    }
     return DI_OK;
 fail:
     return st;
@@ -1126,19 +1187,29 @@ fail:
 
 // The stage's layers of a call (staging uploaded). The first stage embeds the tokens and starts
 // pre as one-hot(stream 0); a later one's streams and pre came from the stage before it
-// (stage_forward's hand-over, before the layers). have_topk / have_cand start false on every
-// stage: at a legal cut (dsv41_dev.h "Pipeline stages") no layer of the stage reads a top-k or a
-// candidate pool published before it.
+// (stage_forward's hand-over, before the layers), and so did the top-k and the candidate pool
+// when a layer here reads what an earlier stage published (have_topk / have_cand start as the
+// stage's topk_in / cand_in), and the rows each mirrored source finalised this call (in its xfer),
+// scattered into the mirror first: the destinations are the owner's (the same lists), so the
+// mirror's blocks hold the owner's bytes before any layer here reads them.
 static di_status layers(const call *c) {
     stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
-    const int64_t nc = hp->hc_mult;
+    const int64_t nc = hp->hc_mult, Dh = hp->head_dim, DI = hp->index_head_dim;
     di_status st = DI_OK;
     if (s->d->first) {
         OP(embed, &s->d->embed, D32(c->tokens), c->T, (int32_t)nc, s->x);
         OP(copy, s->pre, s->one_hot, sizeof(float) * (size_t)(c->T * nc));
     }
-    bool have_topk = false, have_cand = false;
+    for (int il = 0; il < s->d->l0; il++) {
+        if (!s->d->layers[il].mirror) continue;
+        const dev_src *k = &s->src[il];
+        const src_meta *km = &c->sm[il];
+        const int64_t n = km->n_pool;
+        OP(scatter_rows, k->xfer, n, Dh, Dh, s->pool + k->ent_row0 * Dh, Dh, D32(km->edst), NULL);
+        OP(scatter_rows, k->xfer + n * Dh, n, DI, DI, k->ikeys, DI, D32(km->edst), NULL);
+    }
+    bool have_topk = s->d->topk_in, have_cand = s->d->cand_in;
     for (int il = s->d->l0; il < s->d->l1; il++) DI_TRY(block(c, il, &have_topk, &have_cand));
     return DI_OK;
 fail:
@@ -1363,14 +1434,21 @@ static di_status run_decode(const call *c, const int32_t *logit_rows) {
 // Stage s's part of a call checked by check_call on every stage (T rows). x_in: the streams
 // [T, NC, D] then pre [T, NC] after the previous stage's last layer (host, NULL on the first
 // stage), uploaded before the layers; x_out: where this stage's are downloaded for the next one
-// (NULL on the last stage, which runs the head and downloads the logits). On success the slots
-// advance; on failure the caller restarts them on every stage.
-static di_status stage_forward(stage_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
-                               const int32_t *tokens, const int32_t *logit_rows,
-                               int32_t n_logit_rows, float *logits, int32_t T, const float *x_in,
-                               float *x_out) {
-    di_backend *b = s->d->b;
-    const di_hparams *hp = &s->d->m->hp;
+// (NULL on the last stage, which runs the head and downloads the logits). The other hand-overs
+// (dsv41_dev.h "Pipeline stages") go through all's regions of the same host buffer: the rows of
+// the sources the stage mirrors and the top-k / candidate pool it receives, uploaded before the
+// layers; those of the sources it hands over and the top-k / pool it passes on, downloaded after.
+// On success the slots advance; on failure the caller restarts them on every stage.
+static di_status stage_forward(const di_dsv41_dev_state *all, stage_state *s,
+                               const di_dsv41_dev_seq *seqs, int32_t n_seq, const int32_t *tokens,
+                               const int32_t *logit_rows, int32_t n_logit_rows, float *logits,
+                               int32_t T, const float *x_in, float *x_out) {
+    const dev_stage *d = s->d;
+    di_backend *b = d->b;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
+    const size_t ntb = (size_t)(hp->candidate_topk_blocks > 0 ? hp->candidate_topk_blocks : 1);
+    uint8_t *hx = (uint8_t *)all->xh;
     const int64_t V = hp->n_vocab;
     const bool last = s->d->last;
     const size_t x_bytes = sizeof(float) * (size_t)T * (size_t)hp->hc_mult * (size_t)hp->n_embd;
@@ -1391,6 +1469,28 @@ static di_status stage_forward(stage_state *s, const di_dsv41_dev_seq *seqs, int
         s->stats.last_upload_bytes += (int64_t)(x_bytes + pre_bytes);
         DI_TRY(b->vt->upload(b, s->x, x_in, x_bytes));
         DI_TRY(b->vt->upload(b, s->pre, (const uint8_t *)x_in + x_bytes, pre_bytes));
+    }
+    // The rows the earlier owners of the stage's mirrors finalised (their n_pool: this call's
+    // shape), the top-k and the candidate pool published before the stage.
+    for (int il = 0; il < d->l0; il++) {
+        if (!d->layers[il].mirror) continue;
+        const size_t n = sizeof(float) * (size_t)(c->sm[il].n_pool * (Dh + DI));
+        s->stats.last_uploads++;
+        s->stats.last_upload_bytes += (int64_t)n;
+        DI_TRY(b->vt->upload(b, s->src[il].xfer, hx + all->h_src[il], n));
+    }
+    if (d->topk_in) {
+        const size_t n = sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk;
+        s->stats.last_uploads++;
+        s->stats.last_upload_bytes += (int64_t)n;
+        DI_TRY(b->vt->upload(b, s->sel, hx + all->h_sel, n));
+    }
+    if (d->cand_in) {
+        const size_t n = sizeof(int32_t) * (size_t)T * ntb, nn = sizeof(int32_t) * (size_t)T;
+        s->stats.last_uploads += 2;
+        s->stats.last_upload_bytes += (int64_t)(n + nn);
+        DI_TRY(b->vt->upload(b, s->cand, hx + all->h_cand, n));
+        DI_TRY(b->vt->upload(b, s->n_cand, hx + all->h_ncand, nn));
     }
     DI_TRY(zero_rings(c));
     if (decode_shape(c, logit_rows, n_logit_rows)) {
@@ -1413,6 +1513,19 @@ static di_status stage_forward(stage_state *s, const di_dsv41_dev_seq *seqs, int
     if (x_out) {
         DI_TRY(b->vt->download(b, x_out, s->x, x_bytes));
         DI_TRY(b->vt->download(b, (uint8_t *)x_out + x_bytes, s->pre, pre_bytes));
+    }
+    // The rows the stage's handed sources finalised (for the later stages' mirrors), the top-k
+    // and the candidate pool when a later stage reads them (the stage's own or passed on).
+    for (int il = d->l0; il < d->l1; il++)
+        if (d->layers[il].handed)
+            DI_TRY(b->vt->download(b, hx + all->h_src[il], s->src[il].xfer,
+                                   sizeof(float) * (size_t)(c->sm[il].n_pool * (Dh + DI))));
+    if (d->topk_out)
+        DI_TRY(b->vt->download(b, hx + all->h_sel, s->sel,
+                               sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk));
+    if (d->cand_out) {
+        DI_TRY(b->vt->download(b, hx + all->h_cand, s->cand, sizeof(int32_t) * (size_t)T * ntb));
+        DI_TRY(b->vt->download(b, hx + all->h_ncand, s->n_cand, sizeof(int32_t) * (size_t)T));
     }
     // The end of the stage's step: every op done (and its faults surfaced) before the slots
     // advance.
@@ -1455,23 +1568,45 @@ static int64_t layer_bytes(const di_model *m, int32_t il) {
     return n;
 }
 
-bool di_dsv41_dev_cut_ok(const di_model *m, int32_t l) {
-    const di_hparams *hp = &m->hp;
-    if (l <= 0 || l >= hp->n_layer) return l == 0 || l == hp->n_layer;
-    // The first compressing layer at or after l: it reads its kv source's entries and index keys
-    // and, when an index source came before, the published top-k; both must be its own stage's.
-    int32_t first_c = -1;
-    for (int32_t il = l; il < hp->n_layer && first_c < 0; il++)
-        if (hp->compress_ratio[il] > 0) first_c = il;
-    if (first_c >= 0 && !hp->kv_source[first_c]) return false; // an earlier stage's source
+// Whether the top-k published before layer l is read at or after it: an index source came before
+// l and the first compressing layer at or after l is no index source (one publishes its own top-k
+// before it attends, and every later layer reads that one).
+static bool topk_crosses(const di_hparams *hp, int32_t l) {
     bool idx_before = false;
     for (int32_t il = 0; il < l; il++) idx_before |= hp->index_source[il];
-    if (first_c >= 0 && idx_before && !hp->index_source[first_c]) return false; // its top-k
-    // The candidate pool: built at candidate_layer, applied by every later index source.
-    if (hp->candidate_layer >= 0 && hp->candidate_layer < l)
-        for (int32_t il = l; il < hp->n_layer; il++)
-            if (hp->index_source[il]) return false;
-    return true;
+    for (int32_t il = l; il < hp->n_layer && idx_before; il++)
+        if (hp->compress_ratio[il] > 0) return !hp->index_source[il];
+    return false;
+}
+
+// Whether the candidate pool is read at or after layer l: the candidate source came before l and
+// an index source follows (each applies the pool).
+static bool cand_crosses(const di_hparams *hp, int32_t l) {
+    if (hp->candidate_layer < 0 || hp->candidate_layer >= l) return false;
+    for (int32_t il = l; il < hp->n_layer; il++)
+        if (hp->index_source[il]) return true;
+    return false;
+}
+
+// The hand-over's roles of every stage of d (dsv41_dev.h "Pipeline stages"): the mirrors each
+// keeps of the earlier stages' kv sources its layers read (and their owners' handed flags), and
+// the top-k / candidate pool each receives and passes on.
+static void set_handover(di_dsv41_dev *d) {
+    const di_hparams *hp = &d->m->hp;
+    for (int32_t k = 0; k < d->n_stages; k++) {
+        dev_stage *sk = d->st[k];
+        for (int il = sk->l0; il < sk->l1; il++) {
+            const int src = sk->layers[il].src;
+            if (src < 0 || src >= sk->l0) continue;
+            sk->layers[src].mirror = true;
+            for (int32_t j = 0; j < k; j++)
+                if (here(d->st[j], src)) d->st[j]->layers[src].handed = true;
+        }
+        sk->topk_in = k > 0 && topk_crosses(hp, sk->l0);
+        sk->topk_out = k < d->n_stages - 1 && topk_crosses(hp, sk->l1);
+        sk->cand_in = k > 0 && cand_crosses(hp, sk->l0);
+        sk->cand_out = k < d->n_stages - 1 && cand_crosses(hp, sk->l1);
+    }
 }
 
 di_status di_dsv41_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
@@ -1483,25 +1618,13 @@ di_status di_dsv41_dev_split(const di_model *m, int32_t n_stages, int32_t *layer
         return DI_ERR_INVALID;
     }
     int64_t *pre = di_malloc(sizeof(int64_t) * (size_t)(L + 1)); // pre[l]: stage 0's bytes to l
-    bool *ok = di_malloc((size_t)(L + 1));
-    if (!pre || !ok) {
-        di_free(pre), di_free(ok);
-        return DI_ERR_NOMEM;
-    }
+    if (!pre) return DI_ERR_NOMEM;
     const int64_t head = di_dev_tensor_bytes(&m->head) + (int64_t)sizeof(float) * m->hp.n_embd;
     pre[0] = di_dev_tensor_bytes(&m->embed);
     for (int32_t il = 0; il < L; il++) pre[il + 1] = pre[il] + layer_bytes(m, il);
-    for (int32_t l = 0; l <= L; l++) ok[l] = di_dsv41_dev_cut_ok(m, l);
-    di_status st = di_dev_split(pre, head, L, n_stages, ok, layer0, stage_bytes);
-    if (st == DI_ERR_INVALID) {
-        int32_t n_cut = 0;
-        for (int32_t l = 1; l < L; l++) n_cut += ok[l];
-        DI_LOG_ERROR("dev forward (V4.1): no split into %d pipeline stages: the layer schedule "
-                     "has %d legal cuts (dsv41_dev.h \"Pipeline stages\")",
-                     n_stages, n_cut);
-    }
+    // Every cut is legal: what crosses one is handed over (dsv41_dev.h "Pipeline stages").
+    const di_status st = di_dev_split(pre, head, L, n_stages, layer0, stage_bytes);
     di_free(pre);
-    di_free(ok);
     return st;
 }
 
@@ -1536,12 +1659,11 @@ di_status di_dsv41_dev_create_split(di_model *m, di_backend *const *b, int32_t n
     const di_hparams *hp = &m->hp;
     bool ok = n_stages >= 1 && n_stages <= DI_DSV41_DEV_MAX_STAGES && layer0[0] == 0 &&
               layer0[n_stages] == hp->n_layer;
-    for (int32_t k = 0; ok && k < n_stages; k++)
-        ok = layer0[k] < layer0[k + 1] && di_dsv41_dev_cut_ok(m, layer0[k]);
+    for (int32_t k = 0; ok && k < n_stages; k++) ok = layer0[k] < layer0[k + 1];
     if (!ok) {
-        DI_LOG_ERROR("dev forward (V4.1): not a split into %d stages at legal cuts (a later stage "
-                     "would read an earlier one's kv source, top-k or candidate pool)",
-                     n_stages);
+        DI_LOG_ERROR("dev forward (V4.1): not a split of %d layers into %d stages of at least one "
+                     "layer each",
+                     hp->n_layer, n_stages);
         return DI_ERR_INVALID;
     }
     di_dsv41_dev *d = di_calloc(1, sizeof *d);
@@ -1552,10 +1674,20 @@ di_status di_dsv41_dev_create_split(di_model *m, di_backend *const *b, int32_t n
         st = stage_create(m, b[k], layer0[k], layer0[k + 1], k == 0, k == n_stages - 1, &d->st[k]);
         if (st != DI_OK) goto fail;
         d->n_stages = k + 1;
-        if (n_stages > 1)
-            DI_LOG_INFO("dev forward (V4.1): stage %d of %d: layers [%d, %d)%s%s, on %s", k,
-                        n_stages, layer0[k], layer0[k + 1], k == 0 ? " + embedding" : "",
-                        k == n_stages - 1 ? " + head" : "", b[k]->desc);
+    }
+    set_handover(d);
+    for (int32_t k = 0; k < n_stages && n_stages > 1; k++) {
+        const dev_stage *sk = d->st[k];
+        char mir[128] = "";
+        for (int il = 0, n = 0; il < sk->l0 && n + 16 < (int)sizeof mir; il++)
+            if (sk->layers[il].mirror)
+                n += snprintf(mir + n, sizeof mir - (size_t)n, "%s%d", n ? ", " : "; mirrors of ",
+                              il);
+        DI_LOG_INFO("dev forward (V4.1): stage %d of %d: layers [%d, %d)%s%s, on %s%s%s%s", k,
+                    n_stages, layer0[k], layer0[k + 1], k == 0 ? " + embedding" : "",
+                    k == n_stages - 1 ? " + head" : "", b[k]->desc, mir,
+                    sk->topk_in ? "; receives the top-k" : "",
+                    sk->cand_in ? "; receives the candidate pool" : "");
     }
     if (hp->n_engram > 0) {
         double mib = 0;
@@ -1644,8 +1776,22 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
     }
     if (d->n_stages > 1) {
         di_backend *b = d->st[0]->b;
-        s->xh_bytes =
-            sizeof(float) * (size_t)max_rows * (size_t)hp->hc_mult * ((size_t)hp->n_embd + 1);
+        const size_t R = (size_t)max_rows;
+        size_t n = sizeof(float) * R * (size_t)hp->hc_mult * ((size_t)hp->n_embd + 1);
+        for (int32_t k = 0; k < d->n_stages; k++)
+            for (int il = d->st[k]->l0; il < d->st[k]->l1; il++)
+                if (d->st[k]->layers[il].handed) {
+                    s->h_src[il] = n;
+                    n += sizeof(float) * R * (size_t)(hp->head_dim + hp->index_head_dim);
+                }
+        s->h_sel = n;
+        n += sizeof(int32_t) * R * (size_t)hp->index_topk;
+        s->h_cand = n;
+        n += sizeof(int32_t) * R *
+             (size_t)(hp->candidate_topk_blocks > 0 ? hp->candidate_topk_blocks : 1);
+        s->h_ncand = n;
+        n += sizeof(int32_t) * R;
+        s->xh_bytes = n;
         DI_TRY(b->vt->host_alloc(b, s->xh_bytes, (void **)&s->xh));
     }
     *out = s;
@@ -1665,26 +1811,20 @@ int64_t di_dsv41_dev_state_bytes(const di_dsv41_dev_state *s) {
     return n;
 }
 
-// Entry block I/O: the stages' parts in stage order, i.e. the kv sources' in layer order (the
-// same bytes as one stage).
+// Entry block I/O: each kv source's part at its offset (the same bytes as one stage), read from
+// its owner, written to its owner and every mirror.
 di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst) {
-    uint8_t *out = dst;
     for (int32_t k = 0; k < s->n_stages; k++) {
-        size_t n = 0;
-        di_status st = block_io(s->ss[k], block, out, NULL, &n);
+        di_status st = block_io(s->ss[k], block, dst, NULL);
         if (st != DI_OK) return st;
-        out += n;
     }
     return DI_OK;
 }
 
 di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, const void *src) {
-    const uint8_t *in = src;
     for (int32_t k = 0; k < s->n_stages; k++) {
-        size_t n = 0;
-        di_status st = block_io(s->ss[k], block, NULL, in, &n);
+        di_status st = block_io(s->ss[k], block, NULL, src);
         if (st != DI_OK) return st;
-        in += n;
     }
     return DI_OK;
 }
@@ -1743,7 +1883,7 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
     }
     for (int32_t k = 0; k < s->n_stages; k++) {
         const bool last = k == s->n_stages - 1;
-        st = stage_forward(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, T,
+        st = stage_forward(s, s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, T,
                            k > 0 ? s->xh : NULL, last ? NULL : s->xh);
         if (st != DI_OK) goto fail;
     }

@@ -63,34 +63,43 @@
  *
  * Pipeline stages (di_dsv41_dev_create_stages; --device cuda:0,1,...): as dsv4_dev.h's, the
  * layers are split into n contiguous ranges of about equal weight bytes (the split whose largest
- * stage is smallest among those at legal cuts: di_dsv41_dev_split, dev_common.c's DP), stage k on
- * backend k, each holding its layers' weights (the embedding on the first, the head and final norm
- * on the last) and, in every state, their pools, rings, index keys, scratch, staging and decode
- * graphs. A call checks every stage first, then runs stage 0 from the tokens and hands the streams
- * after its last layer with the carried pre of the single-pass mHC ([T, NC, D] then [T, NC]
- * floats: downloaded into the state's page-locked host buffer, uploaded by the next stage) to the
- * next stage, and so on; the last runs the head and downloads the logits. Each stage gathers the
+ * stage is smallest, at any cut: di_dsv41_dev_split, dev_common.c's DP), stage k on backend k,
+ * each holding its layers' weights (the embedding on the first, the head and final norm on the
+ * last) and, in every state, their pools, rings, index keys, scratch, staging and decode graphs.
+ * A call checks every stage first, then runs stage 0 from the tokens and hands the streams after
+ * its last layer with the carried pre of the single-pass mHC ([T, NC, D] then [T, NC] floats:
+ * downloaded into the state's page-locked host buffer, uploaded by the next stage) to the next
+ * stage, and so on; the last runs the head and downloads the logits. Each stage gathers the
  * Engram rows of its own Engram layers from the host tables (every stage with Engram layers keeps
  * the slots' compressed-id history, so whichever stage holds one has its look-back).
- * The cut rule (di_dsv41_dev_cut_ok): a stage may start at layer l only if nothing a layer at or
- * after l reads was made before l, since only the streams and pre cross: (1) the first compressing
- * layer at or after l is a kv source (every later compressing layer then reads a source at or
- * after l: a source's entries and index keys are persistent state, written by its layer each call
- * and read by the following layers in this and every later call); (2) if an index source comes
- * before l, that first compressing layer is an index source too (it publishes its own top-k before
- * it attends; the top-k published before l would otherwise be read); (3) if the candidate source
- * comes before l, no index source is at or after l (each applies the candidate pool). have_topk and
- * have_cand then start false on every stage, as nothing before the cut is read. On V4.1-Flash's
- * schedule (deepseek-v41.md §1.2) the legal cuts are 1, 2, 8, 14 and 20 (the kv sources, and layer
- * 1 before the first); layers 20..39 (source 20, candidate source 20, read by all of them) cannot
- * be cut, so Flash splits into at most 6 stages and its last stage always holds layers [20, 40)
- * (about 139 GiB of weights, docs/cuda.md: too much for one H200 with its KV). Handing over what
- * crosses (a mirror of source 20's entries and index keys on the later stages, updated per call
- * with the rows layer 20 writes, and the top-k and candidate pool per call) is not done. Every
- * other function dispatches over the stages: block bytes are the stages' parts in layer order and
- * tail snapshots the header and each stage's rings at their layer's offset (both the same bytes as
- * one stage), graph stats count a call once (its ops and uploads summed), a failed call restarts
- * its slots on every stage.
+ * A V4.1 layer also reads what earlier layers made: its kv source's entries and index keys
+ * (persistent state, written by the source's layer each call, read by the following layers in
+ * this and every later call), the top-k the last index source published and the candidate pool
+ * of the candidate source (per call). A cut may fall anywhere because these are handed over too:
+ * (1) mirrors: a stage whose layers read a kv source an earlier stage owns keeps a mirror of the
+ * source's entry blocks and index keys (the owner's layout and block ids; no C/Z rings: only the
+ * owner compresses). Each call the owner's finalise also copies the rows it finalised (n_pool
+ * entries then n_pool index keys, the shape's padded count) into the source's transfer buffer,
+ * downloaded after the stage's work into the source's region of the host buffer; every mirroring
+ * stage uploads them before its layers and scatters them, first thing in its layers, to the
+ * destinations of its own lists (the same edst the owner used: -1 for padding and cached
+ * entries), so its blocks hold the owner's bytes before any layer reads them. (2) the top-k
+ * ([T, index_topk] int32) when an index source came before the cut and the first compressing layer
+ * after it is no index source, and (3) the candidate pool ([T, ntb] block ids, [T] counts) when
+ * the candidate source came before the cut and an index source follows: downloaded by the stage
+ * before the cut (its own or one it received and passes on), uploaded by the next, whose
+ * have_topk / have_cand start true. All of it is uploaded and downloaded outside the decode graphs
+ * (between the stages' launches, like the streams) at offsets that are functions of the shape;
+ * the copies and scatters are in them. On V4.1-Flash's widths a decode token moves, per boundary,
+ * 64 KiB of streams + 16 bytes of pre, 2.5 KiB per mirrored source read after it (an entry of 512
+ * floats and an index key of 128), 2 KiB of top-k and 8 KiB of candidate pool where they cross;
+ * a mirror of a ratio-m source costs its stage 2560 / m bytes per cached position
+ * (di_dsv41_dev_block_mem_bytes). Block I/O: a block's bytes are each source's part at its offset
+ * (the same bytes as one stage), read from the owner, written to the owner and every mirror
+ * (prefix-cache hits, the disk tier and KV transfers see the same blocks on every stage); tail
+ * snapshots are the header and each stage's window rings at their layer's offset (C/Z rings are
+ * not in a snapshot, which is taken where no group is open). Graph stats count a call once (its
+ * ops and uploads summed), a failed call restarts its slots on every stage.
  *
  * Owns: a di_dsv41_dev owns its stages' backend blocks (small vectors, expert arrays; weights are
  * the backends', freed with them); the backends and model are borrowed and must outlive it. A state
@@ -126,20 +135,16 @@ enum { DI_DSV41_DEV_MAX_STAGES = 8 };
 di_status di_dsv41_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
                                      di_dsv41_dev **out);
 // The same on a given split: stage k holds [layer0[k], layer0[k + 1]) (layer0[0] = 0,
-// layer0[n_stages] = n_layer, increasing). DI_ERR_INVALID (logged) unless every cut is legal
-// (di_dsv41_dev_cut_ok). Tests use it to place a cut.
+// layer0[n_stages] = n_layer, increasing: any cut, "Pipeline stages"). DI_ERR_INVALID (logged)
+// otherwise. Tests use it to place a cut.
 di_status di_dsv41_dev_create_split(di_model *m, di_backend *const *b, int32_t n_stages,
                                     const int32_t *layer0, di_dsv41_dev **out);
-// Whether a stage may start at layer l ("Pipeline stages": the cut rule); 0 and n_layer: true.
-// Host only, any thread.
-bool di_dsv41_dev_cut_ok(const di_model *m, int32_t l);
-// The split of m's layers into n_stages contiguous ranges at legal cuts, the one whose largest
-// stage is smallest (ties to earlier cuts), counting the bytes of the matrices with their scales
-// and the vectors a stage uploads (Engram tables stay on the host: not counted), the embedding on
-// the first stage, the head and final norm on the last: stage k holds [layer0[k], layer0[k + 1])
-// (n_stages + 1 entries), stage_bytes[k] its bytes (NULL: not wanted). Host only, no backend.
-// DI_ERR_INVALID (logged) for n_stages < 1, > DI_DSV41_DEV_MAX_STAGES or > n_layer, or when the
-// schedule has fewer than n_stages - 1 legal cuts; DI_ERR_NOMEM.
+// The split of m's layers into n_stages contiguous ranges, the one whose largest stage is smallest
+// (ties to earlier cuts), counting the bytes of the matrices with their scales and the vectors a
+// stage uploads (Engram tables stay on the host: not counted), the embedding on the first stage,
+// the head and final norm on the last: stage k holds [layer0[k], layer0[k + 1]) (n_stages + 1
+// entries), stage_bytes[k] its bytes (NULL: not wanted). Host only, no backend. DI_ERR_INVALID
+// (logged) for n_stages < 1, > DI_DSV41_DEV_MAX_STAGES or > n_layer; DI_ERR_NOMEM.
 di_status di_dsv41_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
                              int64_t *stage_bytes);
 int32_t di_dsv41_dev_n_stages(const di_dsv41_dev *d);
@@ -168,6 +173,12 @@ void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s); // NULL: no-op
 // every ratio).
 di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
                              int64_t *slot_bytes);
+// Backend bytes one entry block takes over all stages (mem_bytes) and on each (stage_bytes[k],
+// NULL: not wanted): block_bytes plus the mirrors of the kv sources later stages read ("Pipeline
+// stages"; one stage: block_bytes). What a serving engine divides its KV memory by.
+// DI_ERR_INVALID as di_dsv41_dev_sizes.
+di_status di_dsv41_dev_block_mem_bytes(const di_dsv41_dev *d, int32_t block_tokens,
+                                       int64_t *mem_bytes, int64_t *stage_bytes);
 int32_t di_dsv41_dev_state_n_blocks(const di_dsv41_dev_state *s);
 // Backend bytes the state allocated (pools, rings, index keys, scratch, staging) with its host
 // staging; its entry blocks are di_dsv41_dev_state_n_blocks.

@@ -2001,7 +2001,7 @@ di_status di_dsv4_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0
     for (int32_t il = 0; il < L; il++) pre[il + 1] = pre[il] + layer_bytes(m, il);
     // The split whose largest stage is smallest (the memory every device of the list must hold;
     // dev_common.c's DP over the cuts, every cut legal in V4).
-    const di_status st = di_dev_split(pre, head, L, n_stages, NULL, layer0, stage_bytes);
+    const di_status st = di_dev_split(pre, head, L, n_stages, layer0, stage_bytes);
     di_free(pre);
     return st;
 }

@@ -4,7 +4,7 @@
 # --device cpu changes nothing; a build without the CUDA backend refuses --device cuda and device
 # lists with exit 2 and says how to get one; a CUDA build on a machine without a GPU fails the
 # load with exit 1 and a clear message, never a crash; on a GPU, cuda:0,0 runs two pipeline stages.
-# info --stages N on V4 and on V4.1 (synth v41-tiny: its legal cuts 1 and 3 only, 4 stages refused).
+# info --stages N on V4 and on V4.1 (synth v41-tiny: any cut, inside kv sources' ranges too).
 # (The GPU's numbers: tests/backend/cuda/test_cuda_device.c, label cuda.)
 # Usage: test_device_cli.sh PATH/TO/deepinfer   (run from the source root by ctest; DI_HAVE_CUDA=1
 # in a DI_CUDA build)
@@ -32,8 +32,8 @@ check "info --stages 7 on 6 layers exits 1" "$?" "1"
 "$B" info --model $M --stages 9 >/dev/null 2>"$T/err"
 check "info --stages 9 exits 2" "$?" "2"
 
-# V4.1 (synth v41-tiny: ratios 0 2 2 1 1 1, kv sources 1 and 3, candidate source 3): split at its
-# legal cuts only (src/model/dsv41_dev.h "Pipeline stages").
+# V4.1 (synth v41-tiny: ratios 0 2 2 1 1 1, kv sources 1 and 3, candidate source 3): split at any
+# cut, what crosses it handed over (src/model/dsv41_dev.h "Pipeline stages").
 M41=$T/v41
 mkdir -p "$M41"
 "$B" synth --preset v41-tiny --out "$M41" --seed 5 >/dev/null 2>&1
@@ -42,11 +42,12 @@ check "synth v41-tiny" "$?" "0"
 check "v41 info --stages 2" "$(grep -c '^stage split' "$T/out41")" "2"
 check "v41 info --stages 2: at cut 3" "$(grep -c 'layers \[0, 3) + embedding\|layers \[3, 6) + head' "$T/out41")" "2"
 "$B" info --model "$M41" --stages 3 --log-level error >"$T/out41"
-check "v41 info --stages 3: cuts 1 and 3" \
-    "$(grep -c 'layers \[0, 1) + embedding\|layers \[1, 3),\|layers \[3, 6) + head' "$T/out41")" "3"
-"$B" info --model "$M41" --stages 4 >/dev/null 2>"$T/err"
-check "v41 info --stages 4 (two legal cuts) exits 1" "$?" "1"
-check "v41 info --stages 4 says why" "$(grep -c 'legal cuts' "$T/err")" "1"
+check "v41 info --stages 3: cuts 2 and 4 (inside the kv sources' ranges)" \
+    "$(grep -c 'layers \[0, 2) + embedding\|layers \[2, 4),\|layers \[4, 6) + head' "$T/out41")" "3"
+"$B" info --model "$M41" --stages 6 --log-level error >"$T/out41"
+check "v41 info --stages 6: one layer each" "$(grep -c 'layers \[[0-5], [1-6])' "$T/out41")" "6"
+"$B" info --model "$M41" --stages 7 >/dev/null 2>"$T/err"
+check "v41 info --stages 7 on 6 layers exits 1" "$?" "1"
 
 msg='this build has no CUDA backend: configure with -DDI_CUDA=ON'
 if [ "${DI_HAVE_CUDA:-0}" != 1 ]; then
@@ -96,7 +97,7 @@ else
         "$("$B" info --model $M --device cuda:0,0 --log-level error | grep -c '^pipeline stage')" "2"
     check "v41 info --device cuda:0,0 prints the stages" \
         "$("$B" info --model "$M41" --device cuda:0,0 --log-level error | grep -c '^pipeline stage')" "2"
-    "$B" info --model "$M41" --device cuda:0,0,0,0 >/dev/null 2>"$T/err"
-    check "v41 --device cuda:0,0,0,0 (two legal cuts) exits 1" "$?" "1"
+    "$B" info --model "$M41" --device cuda:0,0,0,0,0,0,0 >/dev/null 2>"$T/err"
+    check "v41 --device cuda:0,0,0,0,0,0,0 (7 stages, 6 layers) exits 1" "$?" "1"
 fi
 exit $fail

@@ -31,17 +31,22 @@
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 //   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
 //       pool; see fixture_long).
-//   (l) the cut rule of pipeline stages (dsv41_dev.h "Pipeline stages"): the legal cuts of the
-//       tiny schedule (1 and 3) and of V4.1-Flash's (1, 2, 8, 14, 20), cuts right after a kv
-//       source (2) or after the candidate source (4) refused, the split at legal cuts only, too
-//       many stages refused, what the stages report.
+//   (l) pipeline stages cut anywhere (dsv41_dev.h "Pipeline stages": what crosses a cut is handed
+//       over): any increasing split taken (cuts right after kv source 1, 2, and after the
+//       candidate source, 4, among them), a block's memory counting the mirrors, the DP's split
+//       the byte-optimal one of all splits, too many stages refused; then (`test_dev41_forward
+//       --cuts`, its own ctest entry) every split into 2 and 3 stages on 2 and 3 CPU backends in
+//       both recipes (cut_case): prefill, ragged batches and decodes (graphs replayed), prefix
+//       reuse on cached blocks and on block I/O copies, every logit bit-identical (memcmp) to a
+//       1-stage forward and to the CPU forward, block bytes and tail snapshots equal to the
+//       1-stage state's, each call's uploads the hand-over's;
 //   (m) pipeline stages (`test_dev41_forward --stages`, its own ctest entry): (a), (b)-(e), (g),
-//       (i), (k), (f) in both recipes with the forward on 2 CPU backends (the split at the
-//       heavier-balanced legal cut), then on 3 (cuts 1 and 3: a middle stage both receiving and
-//       handing over, the last one beginning at the kv + candidate source), and (h) at 2 stages:
-//       every logit bit-identical (memcmp) to the sessions' CPU forward and to a 1-stage forward
-//       fed the same calls beside it (h_call), entry blocks' bytes and tail snapshots equal to the
-//       1-stage state's.
+//       (i), (k), (f) in both recipes with the forward on 2 CPU backends (the DP's split: [0, 3),
+//       [3, 6)), then on 3 ([0, 2), [2, 4), [4, 6): mirrors of both kv sources, the top-k and the
+//       candidate pool handed over), and (h) at 2 stages (the fixture's split cuts inside kv
+//       source 1's range): every logit bit-identical (memcmp) to the sessions' CPU forward and
+//       to a 1-stage forward fed the same calls beside it (h_call), entry blocks' bytes and tail
+//       snapshots equal to the 1-stage state's.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -62,6 +67,7 @@ static char g_dir[256], g_fix[256];
 // Pipeline stages of every dev forward the harness creates ((m): 2 and 3 with --stages).
 enum { MAX_STAGES = 3 };
 static int32_t g_stages = 1;
+static const int32_t *g_split; // (l): the split of the g_stages stages (NULL: di_dsv41_dev_split's)
 static const char *g_model = g_dir; // the model h_init loads
 
 typedef struct harness {
@@ -104,7 +110,10 @@ static void h_init(harness *h, di_precision prec, bool two_states) {
         CHECK_EQ(di_cpu_backend_create(2, &h->more[k - 1]), DI_OK);
         bs[k] = h->more[k - 1];
     }
-    CHECK_EQ(di_dsv41_dev_create_stages(h->m, bs, g_stages, &h->d), DI_OK);
+    if (g_split)
+        CHECK_EQ(di_dsv41_dev_create_split(h->m, bs, g_stages, g_split, &h->d), DI_OK);
+    else
+        CHECK_EQ(di_dsv41_dev_create_stages(h->m, bs, g_stages, &h->d), DI_OK);
     CHECK_EQ(di_dsv41_dev_n_stages(h->d), g_stages);
     CHECK_EQ(di_dsv41_dev_block_tokens(h->d), BT);
     CHECK_EQ(di_dsv41_dev_state_create(h->d, N_SLOTS, N_CTX, MAX_ROWS, N_BLK, BT, &h->st), DI_OK);
@@ -207,6 +216,41 @@ static void h_call(harness *h, int n, const int *slots, const int *n_tok, const 
     }
 }
 
+// The uploads of a call ("Pipeline stages"), from the schedule: the staging per stage; per later
+// stage the staging, the streams and pre, one per earlier kv source a layer there reads (its
+// mirror's rows), the top-k when its first compressing layer is no index source but one came
+// before, the candidate pool and its counts when an index source follows the candidate source.
+static int64_t decode_uploads(const di_model *m, const di_dsv41_dev *d) {
+    const di_hparams *hp = &m->hp;
+    int64_t n = 1;
+    for (int32_t k = 1; k < di_dsv41_dev_n_stages(d); k++) {
+        int32_t l0 = 0, l1 = 0;
+        di_dsv41_dev_stage(d, k, &l0, &l1);
+        n += 3;
+        for (int src = 0; src < l0; src++) {
+            if (!hp->kv_source[src]) continue;
+            bool read = false;
+            for (int il = l0; il < l1; il++) {
+                int s = -1;
+                for (int j = il; j >= 0 && s < 0 && hp->compress_ratio[il] > 0; j--)
+                    if (hp->kv_source[j]) s = j;
+                read |= s == src;
+            }
+            n += read;
+        }
+        bool idx_before = false, idx_after = false;
+        for (int il = 0; il < l0; il++) idx_before |= hp->index_source[il];
+        for (int il = l0; il < hp->n_layer; il++) idx_after |= hp->index_source[il];
+        for (int il = l0; il < hp->n_layer && idx_before; il++)
+            if (hp->compress_ratio[il] > 0) {
+                n += !hp->index_source[il];
+                break;
+            }
+        if (hp->candidate_layer >= 0 && hp->candidate_layer < l0 && idx_after) n += 2;
+    }
+    return n;
+}
+
 // (a) one sequence: chunks straddling W = 16, ratio-2 groups and candidate blocks, then decodes.
 static void one_sequence(di_precision prec) {
     harness h;
@@ -295,7 +339,7 @@ static void batches(di_precision prec) {
     di_dsv41_dev_get_graph_stats(h.st2, &g2);
     CHECK_EQ(g.last_ops, ops2);
     CHECK_EQ(g2.last_ops, ops2);
-    CHECK_EQ(g.last_uploads, 1 + 3 * (g_stages - 1)); // + the streams and pre per later stage
+    CHECK_EQ(g.last_uploads, decode_uploads(h.m, h.d));
     CHECK(g.last_upload_bytes > 0 && g.last_upload_bytes == g2.last_upload_bytes);
     CHECK(g.n_replayed > 20);
     CHECK_EQ(g.n_cached, 2);
@@ -545,7 +589,7 @@ static void wiring(di_precision prec) {
         char desc[8192];
         di_model_describe(md, desc, sizeof desc);
         CHECK(strstr(desc, g_stages == 2 ? "pipeline stage 1  layers [3, 6) + head"
-                                         : "pipeline stage 2  layers [3, 6) + head") != NULL);
+                                         : "pipeline stage 2  layers [4, 6) + head") != NULL);
     }
     di_session_options so = di_session_options_default();
     so.n_ctx_max = 400;
@@ -654,7 +698,8 @@ static void refuses_v4(void) {
     di_test_remove_dir(dir);
 }
 
-// (l) the cut rule and the split.
+// (l) the split: any cut is taken (what crosses it is handed over), the DP's split is the
+// byte-optimal one, a block's memory counts the mirrors.
 static void stage_rules(void) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
@@ -663,66 +708,228 @@ static void stage_rules(void) {
     CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
     CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
     if (!m || !b) return;
-    const int32_t L = m->hp.n_layer;
+    const di_hparams *hp = &m->hp;
+    const int32_t L = hp->n_layer;
     CHECK_EQ(L, 6);
     // Ratios 0 2 2 1 1 1, kv sources 1 and 3, index sources 1, 3, 5, candidate source 3.
-    for (int32_t l = 0; l <= L; l++)
-        CHECK_EQ(di_dsv41_dev_cut_ok(m, l), l == 0 || l == 1 || l == 3 || l == L);
-    di_backend *bs[4] = {b, b, b, b};
+    di_backend *bs[6] = {b, b, b, b, b, b};
     di_dsv41_dev *d = NULL;
-    // Right after kv source 1 (layer 2 would read its entries and top-k on another stage), and
-    // right after the candidate source 3 (layers 4, 5 read its entries, 5 its candidate pool).
-    const int32_t after_src[3] = {0, 2, 6}, after_cand[3] = {0, 4, 6}, legal[4] = {0, 1, 3, 6};
-    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, after_src, &d), DI_ERR_INVALID);
-    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, after_cand, &d), DI_ERR_INVALID);
+    // Right after kv source 1 (layer 2 reads its entries and top-k on another stage), right after
+    // the candidate source 3 (layers 4, 5 read its entries, top-k and candidate pool), both.
+    const int32_t after_src[3] = {0, 2, 6}, after_cand[3] = {0, 4, 6}, both[4] = {0, 2, 4, 6};
+    const int32_t empty[3] = {0, 3, 3}, late[3] = {1, 3, 6};
+    const int64_t row = (int64_t)sizeof(float) * (hp->head_dim + hp->index_head_dim);
+    int64_t blk = 0, slot = 0, mem = 0, per[3] = {0, 0, 0};
+    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, empty, &d), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, late, &d), DI_ERR_INVALID);
     CHECK(d == NULL);
-    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 3, legal, &d), DI_OK);
+    // A block: source 1's 8 entries and keys, source 3's 16; a mirror adds its source's.
+    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, after_src, &d), DI_OK);
+    if (d) {
+        CHECK_EQ(di_dsv41_dev_sizes(d, BT, &blk, &slot), DI_OK);
+        CHECK_EQ(blk, 24 * row);
+        CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT, &mem, per), DI_OK);
+        CHECK_EQ(per[0], 8 * row);            // source 1
+        CHECK_EQ(per[1], 8 * row + 16 * row); // source 1's mirror, source 3
+        CHECK_EQ(mem, blk + 8 * row);
+        CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT + 1, &mem, per), DI_ERR_INVALID);
+        di_dsv41_dev_destroy(d);
+        d = NULL;
+    }
+    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, after_cand, &d), DI_OK);
+    if (d) {
+        CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT, &mem, per), DI_OK);
+        CHECK_EQ(per[0], 24 * row);
+        CHECK_EQ(per[1], 16 * row); // source 3's mirror only
+        CHECK_EQ(mem, blk + 16 * row);
+        di_dsv41_dev_destroy(d);
+        d = NULL;
+    }
+    CHECK_EQ(di_dsv41_dev_create_split(m, bs, 3, both, &d), DI_OK);
     if (d) {
         int32_t a = 0, e = 0;
         CHECK_EQ(di_dsv41_dev_n_stages(d), 3);
         for (int32_t k = 0; k < 3; k++) {
             CHECK(di_dsv41_dev_stage(d, k, &a, &e) == b);
-            CHECK_EQ(a, legal[k]);
-            CHECK_EQ(e, legal[k + 1]);
+            CHECK_EQ(a, both[k]);
+            CHECK_EQ(e, both[k + 1]);
         }
         CHECK(di_dsv41_dev_stage(d, 3, &a, &e) == NULL);
+        CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT, &mem, per), DI_OK);
+        CHECK_EQ(per[0], 8 * row);
+        CHECK_EQ(per[1], 24 * row);
+        CHECK_EQ(per[2], 16 * row);
+        CHECK_EQ(mem, blk + 24 * row);
         di_dsv41_dev_destroy(d);
+        d = NULL;
     }
-    int32_t l0[5];
-    int64_t bytes[4], total = 0;
+    CHECK_EQ(di_dsv41_dev_create(m, b, &d), DI_OK);
+    if (d) {
+        CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT, &mem, per), DI_OK);
+        CHECK_EQ(mem, blk); // one stage: no mirror
+        di_dsv41_dev_destroy(d);
+        d = NULL;
+    }
+    // The DP against every split: one layer per stage gives each layer's bytes (the embedding on
+    // the first, the head on the last); the 2- and 3-stage splits are the byte-optimal ones.
+    int32_t l0[8];
+    int64_t one[6], bytes[6], total = 0;
+    CHECK_EQ(di_dsv41_dev_split(m, 6, l0, one), DI_OK);
+    for (int32_t k = 0; k < 6; k++) CHECK_EQ(l0[k], k);
+    for (int32_t k = 0; k < 6; k++) total += one[k];
     CHECK_EQ(di_dsv41_dev_split(m, 1, l0, bytes), DI_OK);
-    total = bytes[0];
+    CHECK_EQ(bytes[0], total);
+    int64_t best2 = INT64_MAX, best3 = INT64_MAX;
+    for (int32_t c1 = 1; c1 < L; c1++) {
+        int64_t a = 0, e = 0;
+        for (int32_t il = 0; il < L; il++) *(il < c1 ? &a : &e) += one[il];
+        if ((a > e ? a : e) < best2) best2 = a > e ? a : e;
+        for (int32_t c2 = c1 + 1; c2 < L; c2++) {
+            int64_t x[3] = {0, 0, 0}, mx = 0;
+            for (int32_t il = 0; il < L; il++) x[il < c1 ? 0 : il < c2 ? 1 : 2] += one[il];
+            for (int k = 0; k < 3; k++) mx = x[k] > mx ? x[k] : mx;
+            if (mx < best3) best3 = mx;
+        }
+    }
     CHECK_EQ(di_dsv41_dev_split(m, 2, l0, bytes), DI_OK);
-    CHECK(l0[1] == 1 || l0[1] == 3);
     CHECK_EQ(bytes[0] + bytes[1], total);
+    CHECK_EQ(bytes[0] > bytes[1] ? bytes[0] : bytes[1], best2);
     fprintf(stderr, "(l) 2 stages: [0, %d) [%d, 6), %lld + %lld bytes\n", l0[1], l0[1],
             (long long)bytes[0], (long long)bytes[1]);
     CHECK_EQ(di_dsv41_dev_split(m, 3, l0, bytes), DI_OK);
-    CHECK(l0[1] == 1 && l0[2] == 3);
-    CHECK_EQ(di_dsv41_dev_split(m, 4, l0, bytes), DI_ERR_INVALID); // two legal cuts only
+    int64_t mx3 = 0;
+    for (int k = 0; k < 3; k++) mx3 = bytes[k] > mx3 ? bytes[k] : mx3;
+    CHECK_EQ(mx3, best3);
+    fprintf(stderr, "(l) 3 stages: [0, %d) [%d, %d) [%d, 6)\n", l0[1], l0[1], l0[2], l0[2]);
+    CHECK_EQ(di_dsv41_dev_split(m, 7, l0, bytes), DI_ERR_INVALID); // more stages than layers
     CHECK_EQ(di_dsv41_dev_split(m, 0, l0, bytes), DI_ERR_INVALID);
-    CHECK_EQ(di_dsv41_dev_create_stages(m, bs, 4, &d), DI_ERR_INVALID);
-    // V4.1-Flash's schedule (deepseek-v41.md §1.2): cuts 1, 2, 8, 14 and 20 only.
-    {
-        di_model *f = calloc(1, sizeof *f);
-        di_hparams *hp = &f->hp;
-        hp->n_layer = 40;
-        for (int il = 0; il < 40; il++) hp->compress_ratio[il] = il < 2 ? 0 : il < 20 ? 2 : 1;
-        const int kv[4] = {2, 8, 14, 20}, idx[8] = {2, 8, 14, 20, 24, 28, 32, 36};
-        for (int i = 0; i < 4; i++) hp->kv_source[kv[i]] = true;
-        for (int i = 0; i < 8; i++) hp->index_source[idx[i]] = true;
-        hp->candidate_layer = 20;
-        int n_cut = 0;
-        for (int32_t l = 1; l < 40; l++) {
-            const bool ok = di_dsv41_dev_cut_ok(f, l);
-            n_cut += ok;
-            CHECK_EQ(ok, l == 1 || l == 2 || l == 8 || l == 14 || l == 20);
-        }
-        CHECK_EQ(n_cut, 5);
-        free(f);
-    }
+    CHECK_EQ(di_dsv41_dev_create_stages(m, bs, 7, &d), DI_ERR_INVALID);
     di_backend_destroy(b);
     di_model_destroy(m);
+}
+
+// (l) one split (g_split, g_stages): the forward against the 1-stage forward beside it and the CPU
+// sessions (h_call): prefill chunks and decodes (graphs captured, then replayed: the hand-over
+// between graph launches), the block bytes and a tail snapshot equal to the 1-stage state's; a
+// replay on slot 0's cached blocks (prefix reuse: the mirrors' copies of blocks another sequence
+// wrote) and one on copies of them written through the block I/O (owners and mirrors) continue
+// exactly as slot 0 did.
+static void cut_case(di_precision prec) {
+    harness h;
+    h_init(&h, prec, false);
+    const di_hparams *hp = &h.m->hp;
+    enum { H = 112, AFTER = 8 };
+    const int s0 = 0, s2 = 2;
+    const int chunks[] = {7, 33, 40, 32}, one = 1, batch[2] = {0, 2}, sz[2] = {1, 13};
+    for (int k = 0; k < 4; k++) h_call(&h, 1, &s0, &chunks[k], NULL);
+    float *cold = malloc(sizeof(float) * (size_t)(AFTER * h.V));
+    for (int k = 0; k < AFTER; k++) {
+        h_call(&h, 1, &s0, &one, NULL);
+        memcpy(cold + (int64_t)k * h.V, h.got, sizeof(float) * (size_t)h.V);
+    }
+    // A ragged batch (slot 0 past its cold logits, slot 2 a prefill) and decodes of the two.
+    const int ones[2] = {1, 1};
+    h_call(&h, 2, batch, sz, NULL);
+    for (int k = 0; k < 4; k++) h_call(&h, 2, batch, ones, NULL);
+    di_dsv41_dev_graph_stats g;
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    CHECK(g.n_replayed >= 8);
+    CHECK_EQ(g.last_uploads, decode_uploads(h.m, h.d));
+    // Block bytes and a tail snapshot (at H + AFTER + 1 + 4 = 125: odd, so one more decode).
+    h_call(&h, 2, batch, ones, NULL);
+    int64_t bb = 0, sb = 0;
+    CHECK_EQ(di_dsv41_dev_sizes(h.d, BT, &bb, &sb), DI_OK);
+    uint8_t *x = malloc((size_t)bb), *y = malloc((size_t)bb);
+    for (int j = 0; j < (H + AFTER + 6) / BT + 1; j++) {
+        CHECK_EQ(di_dsv41_dev_state_read_block(h.st, h.blk[s0][j], x), DI_OK);
+        CHECK_EQ(di_dsv41_dev_state_read_block(h.st1, h.blk[s0][j], y), DI_OK);
+        CHECK(memcmp(x, y, (size_t)bb) == 0);
+    }
+    const size_t tb = di_dsv41_dev_tail_bytes(h.d);
+    uint8_t *t0 = malloc(tb), *t1 = malloc(tb);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, s0), H + AFTER + 6);
+    CHECK_EQ(di_dsv41_dev_tail_save(h.st, s0, t0), DI_OK);
+    CHECK_EQ(di_dsv41_dev_tail_save(h.st1, s0, t1), DI_OK);
+    CHECK(memcmp(t0, t1, tb) == 0);
+    // Prefix reuse: slot 1 on slot 0's first H positions' blocks, replaying from Q; then slot 2
+    // restarted on copies of them in the spare blocks (read from st, written into st's owners
+    // and mirrors; st1 gets the same bytes).
+    int32_t tok[H + AFTER], rows[MAX_ROWS], blk1[MAXB], blk2[MAXB];
+    for (int p = 0; p < H + AFTER; p++) tok[p] = token_of(s0, h.gen[s0], p);
+    for (int r = 0; r < MAX_ROWS; r++) rows[r] = r;
+    for (int j = 0; j < MAXB; j++) {
+        blk1[j] = j < H / BT ? h.blk[s0][j] : h.blk[1][j];
+        blk2[j] = j < H / BT ? h.spare[j] : h.blk[s2][j];
+    }
+    for (int j = 0; j < H / BT; j++) {
+        CHECK_EQ(di_dsv41_dev_state_read_block(h.st, h.blk[s0][j], x), DI_OK);
+        CHECK_EQ(di_dsv41_dev_state_write_block(h.st, h.spare[j], x), DI_OK);
+        CHECK_EQ(di_dsv41_dev_state_write_block(h.st1, h.spare[j], x), DI_OK);
+    }
+    const int32_t Q = H - hp->n_layer * (hp->window - 1);
+    for (int pass = 0; pass < 2; pass++) {
+        di_dsv41_dev_seq sq = {.slot = pass ? s2 : 1,
+                               .blocks = pass ? blk2 : blk1,
+                               .n_blocks = MAXB,
+                               .win_lo = Q,
+                               .n_cached = H,
+                               .prefix = tok};
+        int n_same = 0;
+        for (int32_t p = Q; p < H + AFTER;) {
+            const int32_t n = H + AFTER - p < MAX_ROWS ? H + AFTER - p : MAX_ROWS;
+            sq.pos = p, sq.n_tok = n;
+            CHECK_EQ(di_dsv41_dev_forward(h.st, &sq, 1, tok + p, rows, n, h.got), DI_OK);
+            CHECK_EQ(di_dsv41_dev_forward(h.st1, &sq, 1, tok + p, rows, n, h.got2), DI_OK);
+            CHECK(memcmp(h.got, h.got2, sizeof(float) * (size_t)(n * h.V)) == 0);
+            for (int32_t t = 0; t < n; t++)
+                if (p + t >= H)
+                    n_same += memcmp(h.got + (int64_t)t * h.V, cold + (int64_t)(p + t - H) * h.V,
+                                     sizeof(float) * (size_t)h.V) == 0;
+            p += n;
+        }
+        CHECK_EQ(n_same, AFTER);
+    }
+    CHECK_EQ(h.n_bad, 0);
+    free(x);
+    free(y);
+    free(t0);
+    free(t1);
+    free(cold);
+    h_free(&h);
+}
+
+// (l) every split of the tiny model into 2 and 3 stages (the cuts a rule once refused among them:
+// 2, right after kv source 1, and 4, right after the candidate source), both recipes. Under
+// AddressSanitizer a memory check (CUT_RECIPES): the splits with every kind of hand-over (2, 4;
+// 2 + 4, 4 + 5), one recipe each.
+static void every_cut(void) {
+#if defined(__SANITIZE_ADDRESS__)
+    static const int32_t splits[][4] = {{0, 2, 6}, {0, 4, 6}, {0, 2, 4, 6}, {0, 4, 5, 6}};
+    static const int32_t n_of[] = {2, 2, 3, 3};
+    enum { CUT_RECIPES = 1 };
+#else
+    enum { CUT_RECIPES = 2 };
+    static const int32_t splits[][4] = {{0, 1, 6},    {0, 2, 6},    {0, 3, 6},    {0, 4, 6},
+                                        {0, 5, 6},    {0, 1, 2, 6}, {0, 1, 3, 6}, {0, 1, 4, 6},
+                                        {0, 1, 5, 6}, {0, 2, 3, 6}, {0, 2, 4, 6}, {0, 2, 5, 6},
+                                        {0, 3, 4, 6}, {0, 3, 5, 6}, {0, 4, 5, 6}};
+    static const int32_t n_of[] = {2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3};
+#endif
+    for (size_t i = 0; i < sizeof n_of / sizeof *n_of; i++) {
+        g_stages = n_of[i];
+        g_split = splits[i];
+        const int before = g_checks_failed;
+        if (CUT_RECIPES == 2 || i % 2 == 0) cut_case(DI_PRECISION_FP32);
+        if (CUT_RECIPES == 2 || i % 2 == 1) cut_case(DI_PRECISION_OFFICIAL);
+        if (g_stages == 2)
+            fprintf(stderr, "(l) cut %d: %s\n", splits[i][1],
+                    g_checks_failed == before ? "exact" : "FAILED");
+        else
+            fprintf(stderr, "(l) cuts %d, %d: %s\n", splits[i][1], splits[i][2],
+                    g_checks_failed == before ? "exact" : "FAILED");
+    }
+    g_split = NULL;
+    g_stages = 1;
 }
 
 // (j): the CPU backend with weight_upload watched: every host tensor it is given is recorded.
@@ -820,6 +1027,11 @@ int main(int argc, char **argv) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_dev41_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
     CHECK(di_synth_v41_write(g_dir, true, false, 41) == DI_OK);
+    if (argc > 1 && strcmp(argv[1], "--cuts") == 0) { // (l): every cut
+        RUN(every_cut);
+        di_test_remove_dir(g_dir);
+        return test_finish();
+    }
     if (argc > 1 && strcmp(argv[1], "--stages") == 0) { // (m): the scenarios on 2, then 3 stages
         snprintf(g_fix, sizeof g_fix, "/tmp/di_test_dev41_fix_XXXXXX");
         CHECK(mkdtemp(g_fix) != NULL);

@@ -21,8 +21,8 @@
 //     engine checks again with the device list cuda:0,0 (two stages on one GPU) and, with two
 //     GPUs, cuda:0,1, against the CPU; the stages in di_model_describe; the V4.1 checks (sessions
 //     in both recipes, the serving engine) on the same lists, its stages described (layers [0, 3)
-//     and [3, 6): the tiny schedule's legal cut); a V4.1 list of 4 stages (its schedule has two
-//     legal cuts) refused with DI_ERR_INVALID, a list naming a missing device with
+//     and [3, 6): the byte-optimal cut); a V4.1 list of 7 stages (more than its 6 layers)
+//     refused with DI_ERR_INVALID, a list naming a missing device with
 //     DI_ERR_UNSUPPORTED.
 // Greedy tokens are compared up to the first step whose CPU top-two margin is within twice the
 // logits bound (2e-3 of the largest logit): a closer race may legitimately go either way.
@@ -415,8 +415,9 @@ static void test_stages(void) {
     }
     di_model_destroy(m);
     m = NULL;
-    mo.device = (di_device){.kind = DI_DEVICE_CUDA, .index = 0, .n_more = 3, .more = {0, 0, 0}};
-    CHECK_EQ(di_model_load(dir, &mo, &m), DI_ERR_INVALID); // 4 stages, 2 legal cuts
+    mo.device =
+        (di_device){.kind = DI_DEVICE_CUDA, .index = 0, .n_more = 6, .more = {0, 0, 0, 0, 0, 0}};
+    CHECK_EQ(di_model_load(dir, &mo, &m), DI_ERR_INVALID); // 7 stages, 6 layers
     CHECK(m == NULL);
     mo.device = g_dev;
     di_test_remove_dir(dir);
