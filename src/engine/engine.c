@@ -498,8 +498,14 @@ static di_status dev_kv_create(di_engine *e) {
     di_status st = dev_sizes(e, o->max_ctx, bt, &blk, &slot);
     if (st != DI_OK) return st;
     DI_ASSERT(bt == dev_block_tokens(e) && blk > 0);
+    // A block's device memory: V4.1 stages keep mirrors of the kv sources later stages read.
+    int64_t mem = blk;
+    if (e->model->dev41) {
+        st = di_dsv41_dev_block_mem_bytes(e->model->dev41, bt, &mem, NULL);
+        if (st != DI_OK) return st;
+    }
     const int64_t tails = slot * o->max_seqs;
-    const int64_t need = (int64_t)((o->max_ctx + bt - 1) / bt) * blk;
+    const int64_t need = (int64_t)((o->max_ctx + bt - 1) / bt) * mem;
     if ((int64_t)o->kv_memory_bytes < tails + need) {
         DI_LOG_ERROR("engine: --kv-memory %zu bytes cannot hold the device state of %d slots "
                      "(%lld bytes of window and compressor rings) plus one sequence of %d "
@@ -508,7 +514,7 @@ static di_status dev_kv_create(di_engine *e) {
                      (long long)need);
         return DI_ERR_INVALID;
     }
-    int64_t n = ((int64_t)o->kv_memory_bytes - tails) / blk;
+    int64_t n = ((int64_t)o->kv_memory_bytes - tails) / mem;
     // The dev state indexes rows of its pools with int32: cap the blocks so they fit (V4-Flash,
     // 32 CSA entries per block: about 33M blocks, far beyond any device's memory).
     const int64_t cap = dev_block_cap(e, bt);

@@ -33,9 +33,12 @@
 //       refused by the device-resident one and the other way round (DI_ERR_INVALID, the reason
 //       naming the layouts), inserting nothing, also by a device manager whose blocks have the
 //       CPU page's size (the layouts' sizes agree, their bytes never do);
-//   (h) pipeline stages (model/dsv41_dev.h "Pipeline stages"): (a), (c) and (d) again with the
-//       twin attached as 2 stages on two CPU backends (layers [0, 3) and [3, 6)): the CPU engine's
-//       tokens, hits and replays, tail snapshots and disk blocks across the stages.
+//   (h) pipeline stages (model/dsv41_dev.h "Pipeline stages"): (a), (c), (d), (e) and (g) again
+//       with the twin attached as 2 stages on two CPU backends at a cut inside kv source 3's range
+//       (layers [0, 4) and [4, 6): the second stage keeps a mirror of source 3's entries and index
+//       keys, the top-k and the candidate pool cross each call): the CPU engine's tokens, hits
+//       and replays (prefix hits on mirrored blocks), tail snapshots, disk blocks and KV transfers
+//       (written into the owner and the mirror), a block's memory counting its mirror.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -60,13 +63,26 @@ static char g_dir[256];
 // backend, the others on g_stage_b (CPU backends of their own).
 static int32_t g_stages = 1;
 static di_backend *g_stage_b[DI_DSV41_DEV_MAX_STAGES];
+// (h) the split: {0, 4, 6}, a cut inside kv source 3's range (layers 4 and 5 read its entries and
+// index keys from a mirror; the top-k and the candidate pool handed over each call).
+static const int32_t g_split[3] = {0, 4, 6};
+
+// The twin on g_stages stages at g_split (NULL b: on CPU backends of its own) into *out.
+static di_status create_twin(di_model *m, di_backend *b0, di_dsv41_dev **out) {
+    if (g_stages == 1) return di_dsv41_dev_create(m, b0, out);
+    di_backend *bs[DI_DSV41_DEV_MAX_STAGES] = {b0};
+    for (int32_t k = 1; k < g_stages; k++) bs[k] = g_stage_b[k];
+    return di_dsv41_dev_create_split(m, bs, g_stages, g_split, out);
+}
 
 static di_status attach_cpu_twin(di_model *m, void *user) {
     if (g_stages == 1) return di_dsv41_dev_attach(m, user); // the test's CPU backend, borrowed
-    di_backend *bs[DI_DSV41_DEV_MAX_STAGES] = {user};
-    for (int32_t k = 1; k < g_stages; k++) bs[k] = g_stage_b[k];
-    di_status st = di_dsv41_dev_attach_stages(m, bs, g_stages);
-    if (st == DI_OK) CHECK_EQ(di_dsv41_dev_n_stages(m->dev41), g_stages);
+    di_dsv41_dev *d = NULL;
+    di_status st = create_twin(m, user, &d);
+    if (st == DI_OK) {
+        CHECK_EQ(di_dsv41_dev_n_stages(d), g_stages);
+        m->dev41 = d; // attached as di_dsv41_dev_attach_stages would, at g_split
+    }
     return st;
 }
 
@@ -74,9 +90,11 @@ static result g_ref[N_REQ], g_ref2[N_REQ]; // the CPU engine's first and second 
 
 #include "engine_dev_common.h" // options, engine, check_clean, run_alone, run_shared, (b)
 
-// The device bytes of one entry block and of one slot's tail (the engine's blocks of
-// di_kv_block_tokens positions), from a V4.1 dev forward on a CPU backend.
+// The device memory of one entry block (di_dsv41_dev_block_mem_bytes: the mirrors of the stages
+// counted) and of one slot's tail (the engine's blocks of di_kv_block_tokens positions), from a
+// V4.1 dev forward on CPU backends (g_stages at g_split); g_io_bytes: a block's I/O bytes.
 static size_t g_tail_bytes; // di_dsv41_dev_tail_bytes
+static int64_t g_io_bytes;  // di_dsv41_dev_sizes' block_bytes
 
 static void dev_sizes(int64_t *blk, int64_t *slot, int32_t *bt) {
     di_model_options mo = di_model_options_default();
@@ -87,11 +105,13 @@ static void dev_sizes(int64_t *blk, int64_t *slot, int32_t *bt) {
     *blk = *slot = 0;
     CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
     CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
-    if (m && b) CHECK_EQ(di_dsv41_dev_create(m, b, &d), DI_OK);
+    if (m && b) CHECK_EQ(create_twin(m, b, &d), DI_OK);
     if (d) {
         *bt = di_kv_block_tokens(m);
         CHECK_EQ(di_dsv41_dev_block_tokens(d), *bt);
-        CHECK_EQ(di_dsv41_dev_sizes(d, *bt, blk, slot), DI_OK);
+        CHECK_EQ(di_dsv41_dev_sizes(d, *bt, &g_io_bytes, slot), DI_OK);
+        CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, *bt, blk, NULL), DI_OK);
+        CHECK(g_stages > 1 ? *blk > g_io_bytes : *blk == g_io_bytes); // g_split has a mirror
         g_tail_bytes = di_dsv41_dev_tail_bytes(d);
     }
     di_dsv41_dev_destroy(d);
@@ -160,7 +180,7 @@ static void test_same_tokens(void) {
                 (long long)st.n_preemptions, preempted, (long long)st.n_cache_hit_tokens,
                 (long long)st.n_replayed_tokens, (long long)gs.n_captured,
                 (long long)gs.n_replayed);
-        CHECK_EQ(st.block_bytes, blk);
+        CHECK_EQ(st.block_bytes, g_io_bytes);
         if (round == 1) CHECK(st.n_cache_hit_tokens > 0);
         CHECK_EQ(n_same, 2 * N_REQ);
         if (round == 0) CHECK(st.n_preemptions > 0);
@@ -412,16 +432,18 @@ static void test_sizing(void) {
         di_engine_get_stats(e, &st);
         bytes[k] = di_engine_dev_state_bytes(e);
         n_blocks[k] = st.n_blocks_total;
-        CHECK_EQ(st.block_bytes, blk);
+        CHECK_EQ(st.block_bytes, g_io_bytes); // what a block's I/O moves
         CHECK_EQ(st.block_tokens, bt);
         CHECK(st.device.resident);
         di_engine_destroy(e);
     }
     fprintf(stderr,
-            "(e) entry block %lld bytes, slot tail %lld bytes: %lld bytes of kv memory -> %lld "
-            "blocks, %lld bytes of device state; 10 blocks more -> %lld blocks, %lld bytes\n",
-            (long long)blk, (long long)slot, (long long)least, (long long)n_blocks[0],
-            (long long)bytes[0], (long long)n_blocks[1], (long long)bytes[1]);
+            "(e) entry block %lld bytes of memory (%lld of I/O), slot tail %lld bytes: %lld bytes "
+            "of kv memory -> %lld blocks, %lld bytes of device state; 10 blocks more -> %lld "
+            "blocks, %lld bytes\n",
+            (long long)blk, (long long)g_io_bytes, (long long)slot, (long long)least,
+            (long long)n_blocks[0], (long long)bytes[0], (long long)n_blocks[1],
+            (long long)bytes[1]);
     CHECK_EQ(n_blocks[0], one);
     CHECK(n_blocks[0] < (int64_t)max_seqs * one);
     CHECK_EQ(n_blocks[1], one + 10);
@@ -607,6 +629,8 @@ static void test_stages(void) {
             di_test_remove_dir(path);
         }
         test_disk();
+        test_sizing();
+        test_transfer();
     }
     di_backend_destroy(g_stage_b[1]);
     g_stage_b[1] = NULL;
