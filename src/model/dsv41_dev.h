@@ -91,15 +91,17 @@
  * have_topk / have_cand start true. All of it is uploaded and downloaded outside the decode graphs
  * (between the stages' launches, like the streams) at offsets that are functions of the shape;
  * the copies and scatters are in them. On V4.1-Flash's widths a decode token moves, per boundary,
- * 64 KiB of streams + 16 bytes of pre, 2.5 KiB per mirrored source read after it (an entry of 512
- * floats and an index key of 128), 2 KiB of top-k and 8 KiB of candidate pool where they cross;
- * a mirror of a ratio-m source costs its stage 2560 / m bytes per cached position
- * (di_dsv41_dev_block_mem_bytes). Block I/O: a block's bytes are each source's part at its offset
- * (the same bytes as one stage), read from the owner, written to the owner and every mirror
- * (prefix-cache hits, the disk tier and KV transfers see the same blocks on every stage); tail
- * snapshots are the header and each stage's window rings at their layer's offset (C/Z rings are
- * not in a snapshot, which is taken where no group is open). Graph stats count a call once (its
- * ops and uploads summed), a failed call restarts its slots on every stage.
+ * 80 KiB of streams + 16 bytes of pre, 2.5 KiB per mirrored source read after it (an entry of 512
+ * floats and an index key of 128), 2 KiB of top-k and 8 KiB of candidate pool where they cross
+ * (at most ≈92.5 KiB); a mirror of a ratio-m source costs its stage 2560 / m bytes per cached
+ * position (di_dsv41_dev_block_mem_bytes). Flash's byte-optimal 3-stage split, [0, 13) [13, 27)
+ * [27, 40), holds 90.8 / 96.5 / 90.7 GiB of weights (docs/cuda.md), 3 H200s. Block I/O: a block's
+ * bytes are each source's part at its offset (the same bytes as one stage), read from the owner,
+ * written to the owner and every mirror (prefix-cache hits, the disk tier and KV transfers see the
+ * same blocks on every stage); tail snapshots are the header and each stage's window rings at their
+ * layer's offset (C/Z rings are not in a snapshot, which is taken where no group is open). Graph
+ * stats count a call once (its ops and uploads summed), a failed call restarts its slots on every
+ * stage.
  *
  * Owns: a di_dsv41_dev owns its stages' backend blocks (small vectors, expert arrays; weights are
  * the backends', freed with them); the backends and model are borrowed and must outlive it. A state
