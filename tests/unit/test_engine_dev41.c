@@ -38,7 +38,8 @@
 //       (layers [0, 4) and [4, 6): the second stage keeps a mirror of source 3's entries and index
 //       keys, the top-k and the candidate pool cross each call): the CPU engine's tokens, hits
 //       and replays (prefix hits on mirrored blocks), tail snapshots, disk blocks and KV transfers
-//       (written into the owner and the mirror), a block's memory counting its mirror.
+//       (written into the owner and the mirror; not under ASan: STAGES_TRANSFER), a block's
+//       memory counting its mirror.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -616,6 +617,14 @@ done:
 
 // ---- (h) ----
 
+// Under AddressSanitizer (CI's sanitized stage) (h) leaves out (g): its block I/O into the owner
+// and the mirror is (d)'s, and its 4 s (release) would add a tenth to the sanitized run.
+#if defined(__SANITIZE_ADDRESS__)
+enum { STAGES_TRANSFER = 0 };
+#else
+enum { STAGES_TRANSFER = 1 };
+#endif
+
 static void test_stages(void) {
     g_stages = 2;
     CHECK_EQ(di_cpu_backend_create(2, &g_stage_b[1]), DI_OK);
@@ -630,7 +639,7 @@ static void test_stages(void) {
         }
         test_disk();
         test_sizing();
-        test_transfer();
+        if (STAGES_TRANSFER) test_transfer();
     }
     di_backend_destroy(g_stage_b[1]);
     g_stage_b[1] = NULL;
