@@ -73,6 +73,13 @@ typedef struct di_cuda {
     int attn_tc;
     int64_t n_attn_tc_calls;
     float attn_tc_check_tol;
+    // The routed experts' tensor-core grouped GEMM (moe_tc.cuh di_cuda_moe_grouped_a8): 0 not
+    // checked yet, 1 checked against the SIMT kernel on its first call, -1 off (mismatch, or
+    // DI_CUDA_MOE_TC=0); calls that took it. moe_tc_fault (tests only, false in the engine): the
+    // first call's tensor-core result is corrupted before the check compares it (the off path).
+    int moe_tc;
+    int64_t n_moe_tc_calls;
+    bool moe_tc_fault;
 } di_cuda;
 
 // Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.

@@ -2,6 +2,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/moe_tc.cuh" // di_cuda_moe_grouped_a8
 #include "backend/cuda/quant.cuh"
 
 enum { ROUTER_THREADS = 256, GROUP_THREADS = 1024, MAX_E = 4096, MAX_K = 16 };
@@ -236,6 +237,19 @@ static bool quantised(di_tensor_kind k) {
 
 // ---- the whole layer ----
 
+// A routed linear over the grouped rows: A8 inputs (the official recipe) through
+// di_cuda_moe_grouped_a8 (tensor cores for prefill), else the SIMT grouped kernel.
+static di_status routed(di_cuda *cu, const di_cuda_moe_w *w, bool a8, const di_tensor *ex,
+                        int64_t n_out, int64_t n_in, const int32_t *offsets, int32_t P,
+                        const int32_t *rows, const float *x, int64_t n_x_rows, float *y,
+                        int32_t n_tok, int32_t hint) {
+    if (a8)
+        return di_cuda_moe_grouped_a8(cu, w->routed_kind, ex, w->n_expert, n_out, n_in, offsets, P,
+                                      rows, x, n_x_rows, n_in, y, n_out, n_tok, hint);
+    return di_cuda_matmul_grouped(cu, ex, w->n_expert, n_out, n_in, offsets, rows, x, n_in, y,
+                                  n_out, hint);
+}
+
 // x[i] /= t over n values (V4.1's router temperature: a true division, as dsv4_moe.c).
 __global__ void div_kernel(float *__restrict__ x, int64_t n, float t) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -294,9 +308,9 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
         // One token: every expert has one row (a hash duplicate makes two; still correct).
         const int32_t hint = n_tok == 1 ? 1 : 0;
         DI_TRY(
-            di_cuda_matmul_grouped(cu, w->w1, E, F, D, offsets, rows, fr, D, g, F, hint)); // [P,F]
+            routed(cu, w, aq_r, w->w1, F, D, offsets, P, rows, fr, n_tok, g, n_tok, hint)); // [P,F]
         DI_TRY(
-            di_cuda_matmul_grouped(cu, w->w3, E, F, D, offsets, rows, fr, D, u, F, hint)); // [P,F]
+            routed(cu, w, aq_r, w->w3, F, D, offsets, P, rows, fr, n_tok, u, n_tok, hint)); // [P,F]
         if (off) {
             DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)P * F));
             DI_TRY(di_cuda_round_bf16(cu, u, (int64_t)P * F));
@@ -307,8 +321,7 @@ extern "C" di_status di_cuda_moe(di_cuda *cu, const di_cuda_moe_w *w, const floa
             DI_TRY(di_cuda_round_bf16(cu, g, (int64_t)P * F));
             if (aq_r) DI_TRY(di_cuda_fake_quant(cu, g, P, F, F, a8, 8, g));
         }
-        DI_TRY(
-            di_cuda_matmul_grouped(cu, w->w2, E, D, F, offsets, NULL, g, F, y, D, hint)); // [P,D]
+        DI_TRY(routed(cu, w, aq_r, w->w2, D, F, offsets, P, NULL, g, P, y, n_tok, hint)); // [P,D]
         if (off) DI_TRY(di_cuda_round_bf16(cu, y, (int64_t)P * D));
         // Shared expert on every token (g, u reused: the grouped w2 above is enqueued first).
         DI_TRY(di_cuda_matmul(cu, &w->sh_w1, aq_s1 ? fq : f, n_tok, D, g, Fs));

@@ -7,7 +7,9 @@
  * SwiGLU, grouped w2, the shared expert, combine. Both precision recipes: FP32 (routing weight
  * applied to the expert output, as R-HF) and the official one (di_cuda_moe_w.official: A8 before
  * FP8/FP4 expert linears, BF16 linear outputs, the weight applied to h before w2, BF16 h and
- * output; model/dsv4_moe.c's order).
+ * output; model/dsv4_moe.c's order). In the official recipe's prefill the routed linears run on
+ * BF16 tensor cores (moe_tc.cuh di_cuda_moe_grouped_a8: the same products, FP32 sums in another
+ * order; checked against the SIMT kernel on a context's first such call).
  *
  * Owns: nothing; di_cuda_moe takes its scratch from the pool for the call. Thread-safety: engine
  * thread only.

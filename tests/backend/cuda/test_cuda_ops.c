@@ -850,6 +850,30 @@ static void test_moe(void) {
     g_gate_temp = 0.0f, g_a8_block = 128;
 }
 
+// The official recipe's prefill (>= DI_BACKEND_TC_MIN_ROWS tokens): the routed experts on BF16
+// tensor cores (backend/cuda/moe_tc.cuh; sm_80+: the first call's check must pass and all three
+// routed linears of every call take them), 64-row tiles (40+ rows per expert) and 16-row tiles,
+// V4.1's A8 blocks of 32; then the same layers with them off (cu->moe_tc = -1: the SIMT kernel).
+// Both against the host layer within TOL_MOE_OFF_ROW_RMS.
+static void test_moe_tc(void) {
+    const bool tc = g_cu->cc_major >= 8;
+    for (int on = 1; on >= 0; on--) {
+        g_cu->moe_tc = on ? 0 : -1;
+        int64_t c0 = g_cu->n_moe_tc_calls;
+        moe_case(160, 8, 2, 256, 128, false, true, false, true); // 40 rows per expert
+        moe_case(200, 32, 3, 256, 128, true, true, false, true); // ~19 rows per expert
+        g_gate_temp = 1.7f, g_a8_block = 32;
+        moe_case(130, 8, 2, 128, 64, false, true, true, true); // K = 64 for w2: one step
+        g_gate_temp = 0.0f, g_a8_block = 128;
+        const int64_t calls = g_cu->n_moe_tc_calls - c0;
+        fprintf(stderr, "  routed tensor cores %s: moe_tc %d, %lld routed linears on them\n",
+                on ? "on" : "off", g_cu->moe_tc, (long long)calls);
+        CHECK(calls == (on && tc ? 9 : 0));
+        if (on) CHECK(g_cu->moe_tc == (tc ? 1 : 0));
+    }
+    g_cu->moe_tc = 0;
+}
+
 // ---- scatter_rows, add_ape, offset_list ----
 
 static void test_scatter_rows(void) {
@@ -2044,6 +2068,7 @@ int main(void) {
     RUN(test_scale);
     RUN(test_mhc);
     RUN(test_moe);
+    RUN(test_moe_tc);
     RUN(test_scatter_rows);
     RUN(test_add_ape);
     RUN(test_offset_list);
