@@ -36,6 +36,8 @@
 #include "backend/cuda/indexer.cuh"
 #include "backend/cuda/mhc.cuh"
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/moe_tc.cuh"
+#include "backend/cuda/quant.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/rope.cuh"
 
@@ -215,7 +217,7 @@ static const size_t k_lt_ws = (size_t)64 << 20;
 
 // D[M x N] (col-major, BF16) = A^T B with A = weights [M rows of K] FP8, B = tokens [N rows of K]
 // FP8: cuBLASLt's FP8 "TN" layout.
-static lt_gemm lt_plan(int64_t M, int64_t N, int64_t K) {
+static lt_gemm lt_plan(int64_t M, int64_t N, int64_t K, cudaDataType_t in = CUDA_R_8F_E4M3) {
     lt_gemm g;
     memset(&g, 0, sizeof g);
     cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -223,8 +225,8 @@ static lt_gemm lt_plan(int64_t M, int64_t N, int64_t K) {
         return g;
     cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
     cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
-    cublasLtMatrixLayoutCreate(&g.la, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)M, K);
-    cublasLtMatrixLayoutCreate(&g.lb, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)N, K);
+    cublasLtMatrixLayoutCreate(&g.la, in, (uint64_t)K, (uint64_t)M, K);
+    cublasLtMatrixLayoutCreate(&g.lb, in, (uint64_t)K, (uint64_t)N, K);
     cublasLtMatrixLayoutCreate(&g.lc, CUDA_R_16BF, (uint64_t)M, (uint64_t)N, M);
     cublasLtMatmulPreference_t pref;
     cublasLtMatmulPreferenceCreate(&pref);
@@ -392,6 +394,128 @@ static void moe_free(moe_layer &L) {
     cudaFree((void *)L.w.gate_bias), cudaFree(L.d1), cudaFree(L.d2), cudaFree(L.d3);
 }
 
+// The routed experts' three grouped linears of one layer (w1, w3 on T token rows, w2 on the
+// T*K grouped rows) on A8 activations: the SIMT grouped kernel against the BF16 tensor-core one
+// (moe_tc.cuh), with a routing drawn uniformly (K distinct experts per token). FLOPs 6 P F D
+// (P = T*K). Peers: the dense BF16 rate of this run (cuBLASLt 8192^3) and a cuBLASLt BF16 GEMM
+// of the same FLOPs (3 x [P x D] . [D x F]); diff: max |tc - simt| / max |simt| of w2's output
+// (the first-call check's figure: ~1e-6 expected).
+static void bench_moe_tc(moe_layer &L, int32_t E, int32_t K, int64_t D, int64_t F) {
+    double peak = 0;
+    {
+        const int64_t n = 8192;
+        void *a = dmalloc((size_t)(2 * n * n)), *b = dmalloc((size_t)(2 * n * n));
+        void *c = dmalloc((size_t)(2 * n * n));
+        fill(a, (size_t)(2 * n * n), 4, 0, 1.0f), fill(b, (size_t)(2 * n * n), 4, 0, 1.0f);
+        lt_gemm g = lt_plan(n, n, n, CUDA_R_16BF);
+        if (g.ok) { // a refused run leaves the peer out (0), not the section
+            bool ran = true;
+            const double ms = time_ms(2, 5, [&](int) { ran = lt_run(g, a, b, c) && ran; });
+            if (ran) peak = 2.0 * n * n * n / (ms * 1e-3) / 1e12;
+        }
+        lt_free(g);
+        cudaFree(a), cudaFree(b), cudaFree(c);
+    }
+    printf("\n== moe grouped: the routed w1 + w3 + w2 of one layer on A8 activations, SIMT vs BF16 "
+           "tensor cores (E=%d K=%d D=%lld F=%lld, FP4); dense BF16 (cuBLASLt 8192^3) %.0f "
+           "TFLOP/s\n",
+           E, K, (long long)D, (long long)F, peak);
+    printf("%-8s %6s %7s %10s %8s %10s %8s %8s %8s %10s %8s %9s\n", "", "tokens", "pairs",
+           "simt ms", "TFLOP/s", "tc ms", "TFLOP/s", "x simt", "x peak", "cublas ms", "x cublas",
+           "diff");
+    static const int32_t ts_full[] = {64, 128, 256, 512, 1024, 2048, 4096};
+    static const int32_t ts_quick[] = {64, 512, 4096};
+    const int32_t *ts = g_quick ? ts_quick : ts_full;
+    const int n_ts = g_quick ? 3 : 7;
+    for (int it = 0; it < n_ts; it++) {
+        const int32_t T = ts[it], P = T * K;
+        std::vector<int32_t> sel((size_t)P), counts((size_t)E + 1, 0), offsets((size_t)E + 1, 0);
+        uint64_t z = 0x9e3779b97f4a7c15ull * (uint64_t)(T + 1);
+        for (int32_t t = 0; t < T; t++)
+            for (int32_t k = 0; k < K; k++) {
+                int32_t e;
+                bool dup;
+                do {
+                    z = z * 6364136223846793005ull + 1442695040888963407ull;
+                    e = (int32_t)((z >> 33) % (uint64_t)E);
+                    dup = false;
+                    for (int32_t j = 0; j < k; j++) dup |= sel[(size_t)(t * K + j)] == e;
+                } while (dup);
+                sel[(size_t)(t * K + k)] = e;
+                counts[(size_t)e]++;
+            }
+        for (int32_t e = 0; e < E; e++)
+            offsets[(size_t)e + 1] = offsets[(size_t)e] + counts[(size_t)e];
+        std::vector<int32_t> rows((size_t)P), fillp(offsets.begin(), offsets.end() - 1);
+        for (int32_t p = 0; p < P; p++) rows[(size_t)fillp[(size_t)sel[(size_t)p]]++] = p / K;
+        int32_t *offd = (int32_t *)dmalloc(sizeof(int32_t) * (size_t)(E + 1));
+        int32_t *rowsd = (int32_t *)dmalloc(sizeof(int32_t) * (size_t)P);
+        CK(cudaMemcpy(offd, offsets.data(), sizeof(int32_t) * (size_t)(E + 1),
+                      cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(rowsd, rows.data(), sizeof(int32_t) * (size_t)P, cudaMemcpyHostToDevice));
+        float *x = (float *)dmalloc(sizeof(float) * (size_t)(T * D));
+        float *h = (float *)dmalloc(sizeof(float) * (size_t)P * (size_t)F);
+        float *g1 = (float *)dmalloc(sizeof(float) * (size_t)P * (size_t)F);
+        float *y = (float *)dmalloc(sizeof(float) * (size_t)P * (size_t)D);
+        float *yt = (float *)dmalloc(sizeof(float) * (size_t)P * (size_t)D);
+        fill(x, sizeof(float) * (size_t)(T * D), 3, 0, 1.0f);
+        fill(h, sizeof(float) * (size_t)P * (size_t)F, 3, 0, 1.0f);
+        DK(di_cuda_fake_quant(g_cu, x, T, D, D, 128, 8, x)); // A8 values
+        DK(di_cuda_fake_quant(g_cu, h, P, F, F, 128, 8, h));
+        auto run = [&](bool tc, float *yo) {
+            if (tc) {
+                DK(di_cuda_matmul_grouped_tc(g_cu, DI_TENSOR_KIND_FP4, L.d1, E, F, D, offd, P,
+                                             rowsd, x, T, D, g1, F));
+                DK(di_cuda_matmul_grouped_tc(g_cu, DI_TENSOR_KIND_FP4, L.d3, E, F, D, offd, P,
+                                             rowsd, x, T, D, g1, F));
+                DK(di_cuda_matmul_grouped_tc(g_cu, DI_TENSOR_KIND_FP4, L.d2, E, D, F, offd, P, NULL,
+                                             h, P, F, yo, D));
+            } else {
+                DK(di_cuda_matmul_grouped(g_cu, L.d1, E, F, D, offd, rowsd, x, D, g1, F, 0));
+                DK(di_cuda_matmul_grouped(g_cu, L.d3, E, F, D, offd, rowsd, x, D, g1, F, 0));
+                DK(di_cuda_matmul_grouped(g_cu, L.d2, E, D, F, offd, NULL, h, F, yo, D, 0));
+            }
+        };
+        const int reps = T >= 1024 ? 3 : 5;
+        const double simt = time_ms(1, reps, [&](int) { run(false, y); });
+        const double tc = time_ms(1, reps, [&](int) { run(true, yt); });
+        std::vector<float> hy((size_t)P * (size_t)D), ht((size_t)P * (size_t)D);
+        CK(cudaMemcpy(hy.data(), y, sizeof(float) * hy.size(), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(ht.data(), yt, sizeof(float) * ht.size(), cudaMemcpyDeviceToHost));
+        double amax = 0, dmax = 0;
+        for (size_t i = 0; i < hy.size(); i++) {
+            const double d = fabs((double)ht[i] - hy[i]);
+            amax = fmax(amax, fabs((double)hy[i]));
+            dmax = d > dmax || d != d ? d : dmax;
+        }
+        // The dense peer: the same FLOPs as one BF16 GEMM [P x D] . [D x F], three times.
+        double lt = 0;
+        {
+            void *a = dmalloc(2 * (size_t)(F * D)), *b = dmalloc(2 * (size_t)P * (size_t)D);
+            void *c = dmalloc(2 * (size_t)P * (size_t)F);
+            fill(a, 2 * (size_t)(F * D), 4, 0, 1.0f),
+                fill(b, 2 * (size_t)P * (size_t)D, 4, 0, 1.0f);
+            lt_gemm g = lt_plan(F, P, D, CUDA_R_16BF);
+            if (g.ok) {
+                bool ran = true;
+                lt = 3 * time_ms(2, reps, [&](int) { ran = lt_run(g, a, b, c) && ran; });
+                if (!ran) lt = 0;
+            }
+            lt_free(g);
+            cudaFree(a), cudaFree(b), cudaFree(c);
+        }
+        const double flop = 6.0 * P * (double)F * (double)D;
+        const double tf_simt = flop / (simt * 1e-3) / 1e12, tf_tc = flop / (tc * 1e-3) / 1e12;
+        printf("%-8s %6d %7d %10.3f %8.1f %10.3f %8.1f %8.2f %8.3f %10.3f %8.3f %9.2g\n", "grouped",
+               T, P, simt, tf_simt, tc, tf_tc, simt / tc, peak > 0 ? tf_tc / peak : 0.0, lt,
+               lt > 0 ? lt / tc : 0.0, amax > 0 ? dmax / amax : dmax);
+        cudaFree(offd), cudaFree(rowsd), cudaFree(x), cudaFree(h), cudaFree(g1), cudaFree(y),
+            cudaFree(yt);
+    }
+    printf("(x simt = simt ms / tc ms; x peak = tc TFLOP/s / dense BF16 TFLOP/s; x cublas = the "
+           "dense peer's ms / tc ms)\n");
+}
+
 static void bench_moe(void) {
     const int32_t E = 256, K = 6;
     const int64_t D = 4096, F = 2048;
@@ -426,6 +550,8 @@ static void bench_moe(void) {
         cudaFree(f), cudaFree(out), cudaFree(sel), cudaFree(ids);
     }
     printf("(GB/s: bytes of the experts touched + shared + gate, read once, / time)\n");
+    fflush(stdout);
+    bench_moe_tc(L, E, K, D, F);
     moe_free(L);
 }
 
