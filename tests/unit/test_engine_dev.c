@@ -544,12 +544,21 @@ static void test_spec(void) {
 
 // (a) and (h) on a 2-stage twin (model/dsv4_dev.h "Pipeline stages"): the same tokens as the CPU
 // engine (and its pool sized from the 2-stage sizes: a page table per stage in each slot's tail).
+// Under AddressSanitizer (CI's sanitized stage) (k) is a memory check of the engine on stages,
+// (a) alone: (h)'s MTP calls on the last stage run no stage code of their own that
+// test_dev_forward --stages (under ASan too) does not.
+#if defined(__SANITIZE_ADDRESS__)
+enum { STAGES_SPEC = 0 };
+#else
+enum { STAGES_SPEC = 1 };
+#endif
+
 static void test_stages(void) {
     g_stages = 2;
     CHECK_EQ(di_cpu_backend_create(2, &g_stage_b[1]), DI_OK);
     if (g_stage_b[1]) {
         test_same_tokens();
-        test_spec();
+        if (STAGES_SPEC) test_spec();
     }
     di_backend_destroy(g_stage_b[1]);
     g_stage_b[1] = NULL;
