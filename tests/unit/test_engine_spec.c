@@ -44,6 +44,8 @@
 //       sequences are preempted and recomputed: exact, every block back;
 //   (l) (V4) the prefix cache on: the six requests twice on one engine with oracle drafts, the
 //       second round on cache hits (bounded replay, then verifies): both rounds exact.
+// Under ASan the V4 run keeps (a), (b), (k) and (l) (the rest is the engine's, checked by the V4.1
+// run): 123 s instead of 203 s on 2 cores.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -899,6 +901,16 @@ static void test_prefix_cache(void) {
 }
 
 // One run of the suite on the checkpoint in g_dir (g_v4, g_k set).
+// Under AddressSanitizer (CI's sanitized stage) the V4 run is a memory check of what is V4's own
+// (its MTP drafts, oracle verifies, preemption and the prefix cache): the stop, cancel, failure,
+// option, budget and grammar paths of speculation are the engine's, the same for both drafters,
+// and the V4.1 run checks them under ASan.
+#if defined(__SANITIZE_ADDRESS__)
+enum { V4_ALL = 0 };
+#else
+enum { V4_ALL = 1 };
+#endif
+
 static void run_suite(void) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = N_THREADS;
@@ -915,13 +927,14 @@ static void run_suite(void) {
     for (int i = 0; i < N_REQ; i++) CHECK_EQ(g_off[i].n, MAX_GEN - 3 * (i % 3));
     test_own_drafts();
     test_oracle();
-    test_stops();
-    test_cancel();
-    test_failure();
-    test_options();
-    test_budget_and_sync();
-    test_grammar_no_spec();
-    test_grammar_after_spec();
+    const bool all = !g_v4 || V4_ALL;
+    if (all) test_stops();
+    if (all) test_cancel();
+    if (all) test_failure();
+    if (all) test_options();
+    if (all) test_budget_and_sync();
+    if (all) test_grammar_no_spec();
+    if (all) test_grammar_after_spec();
     test_preempted();
     if (g_v4) test_prefix_cache();
 }
