@@ -735,13 +735,9 @@ di_status attn_tc_check(di_cuda *cu, const float *q, const uint8_t *pool, const 
         }
         if ((st = di_cuda_download(cu, h_tc, o, sizeof(float) * n)) != DI_OK) goto out;
         if ((st = di_cuda_download(cu, h_ref, ref, sizeof(float) * n)) != DI_OK) goto out;
-        double amax = 0.0, dmax = 0.0;
-        for (size_t i = 0; i < n; i++) {
-            const double r = h_ref[i], d = fabs((double)h_tc[i] - r);
-            amax = fmax(amax, fabs(r));
-            dmax = d > dmax || d != d ? d : dmax; // a NaN difference counts as a mismatch
-        }
-        const bool ok = dmax == dmax && dmax <= (double)cu->attn_tc_check_tol * amax;
+        double amax, dmax;
+        const bool ok =
+            di_cuda_close(h_tc, h_ref, (size_t)n, (double)cu->attn_tc_check_tol, &amax, &dmax);
         cu->attn_tc = ok ? 1 : -1;
         di_log_write(ok ? 2 : 1, __FILE__, __LINE__,
                      "cuda: attention on tensor cores (BF16) vs the exact SIMT kernel on its first "

@@ -19,6 +19,22 @@ extern "C" void di_log_write(int level, const char *file, int line, const char *
 #define DI_CUDA_LOG_ERROR(...) di_log_write(0, __FILE__, __LINE__, __VA_ARGS__)
 #define DI_CUDA_LOG_WARN(...) di_log_write(1, __FILE__, __LINE__, __VA_ARGS__)
 
+// The tensor-core paths' first-call checks (FP8 cuBLASLt, routed experts, attention): max |ref|
+// into *amax and max |got - ref| into *dmax over n host values (a NaN difference makes *dmax
+// NaN); true when *dmax <= tol * *amax.
+static inline bool di_cuda_close(const float *got, const float *ref, size_t n, double tol,
+                                 double *amax, double *dmax) {
+    double a = 0.0, d = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double r = ref[i], e = fabs((double)got[i] - r);
+        a = fmax(a, fabs(r));
+        d = e > d || e != e ? e : d;
+    }
+    *amax = a;
+    *dmax = d;
+    return d == d && d <= tol * a;
+}
+
 // The di_status of a failed CUDA call (cuda_backend.cu): DI_ERR_DEVICE_LOST for the sticky errors
 // that poison the context (illegal address or instruction, launch failure or timeout, misaligned
 // address, hardware stack error, device-side assert, uncorrectable ECC, ...; every later call

@@ -449,13 +449,8 @@ static di_status tc_check(di_cuda *cu, di_tensor_kind kind, const di_tensor *exp
                                    sizeof(float) * (size_t)y_stride, sizeof(float) * (size_t)n_out,
                                    (size_t)n_rows, cudaMemcpyDeviceToHost, di_stream(cu)));
         DI_TRY(di_cuda_download(cu, h_ref, ref, sizeof(float) * (size_t)n)); // synchronises
-        double amax = 0.0, dmax = 0.0;
-        for (int64_t i = 0; i < n; i++) {
-            const double r = h_ref[i], d = fabs((double)h_tc[i] - r);
-            amax = fmax(amax, fabs(r));
-            dmax = d > dmax || d != d ? d : dmax; // a NaN difference counts as a mismatch
-        }
-        const bool ok = dmax == dmax && dmax <= 1e-2 * amax;
+        double amax, dmax;
+        const bool ok = di_cuda_close(h_tc, h_ref, (size_t)n, 1e-2, &amax, &dmax);
         cu->moe_tc = ok ? 1 : -1;
         di_log_write(ok ? 2 : 1, __FILE__, __LINE__,
                      "cuda: routed experts on BF16 tensor cores vs the SIMT kernel on the first "
