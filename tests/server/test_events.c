@@ -400,7 +400,23 @@ static void test_messages(void) {
     check_body(SRV_API_MESSAGES);
 }
 
+// The API keys' comparison (srv_secret_equal, http.c): equal only when every byte and the length
+// are, whichever byte differs and whichever string is longer.
+static void test_secret_equal(void) {
+    CHECK(srv_secret_equal("sk-abc", "sk-abc"));
+    CHECK(!srv_secret_equal("sk-abd", "sk-abc"));
+    CHECK(!srv_secret_equal("xk-abc", "sk-abc"));
+    CHECK(!srv_secret_equal("sk-ab", "sk-abc"));
+    CHECK(!srv_secret_equal("sk-abcsk-abc", "sk-abc")); // the key twice: its cycle, longer
+    CHECK(!srv_secret_equal("", "sk-abc"));
+    CHECK(!srv_secret_equal("a", ""));
+    CHECK(srv_secret_equal("", ""));
+    CHECK(!srv_secret_equal(NULL, "sk-abc"));
+    CHECK(!srv_secret_equal("sk-abc", NULL));
+}
+
 int main(void) {
+    RUN(test_secret_equal);
     if (di_tokenizer_load_for_model(NULL, &g_srv.tok) != DI_OK) return 1;
     g_srv.cfg.model_name = "m";
     pthread_mutex_init(&g_srv.metrics_mu, NULL);

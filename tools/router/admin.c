@@ -27,8 +27,7 @@ static enum MHD_Result send_ok(rt *r, struct MHD_Connection *c, int status, json
 }
 
 static bool admin_authorized(const rt *r, struct MHD_Connection *c) {
-    const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
-    return a && !strncmp(a, "Bearer ", 7) && !strcmp(a + 7, r->cfg.admin_key);
+    return r->cfg.admin_key && srv_authorized(c, r->cfg.admin_key, false);
 }
 
 static json_t *replica_json(const rt_replica *p, const char *role, int i) {

@@ -56,13 +56,9 @@ static enum MHD_Result fail(rt *r, struct MHD_Connection *c, srv_api api, const 
     return srv_send_error(c, api, e);
 }
 
-// The server's rule (tools/server/routes.c): a Bearer token, or x-api-key on Anthropic paths.
+// The server's rule (srv_authorized): a Bearer token, or x-api-key on Anthropic paths.
 static bool authorized(const rt *r, struct MHD_Connection *c, srv_api api) {
-    if (!r->cfg.http.api_key) return true;
-    const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
-    if (a && !strncmp(a, "Bearer ", 7)) return !strcmp(a + 7, r->cfg.http.api_key);
-    const char *x = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "x-api-key");
-    return api == SRV_API_MESSAGES && x && !strcmp(x, r->cfg.http.api_key);
+    return srv_authorized(c, r->cfg.http.api_key, api == SRV_API_MESSAGES);
 }
 
 // ---- upstream transfer ----

@@ -70,6 +70,25 @@ enum MHD_Result srv_send_error(struct MHD_Connection *c, srv_api api, const srv_
     return srv_send_json(c, e->status, srv_err_body(api, e), e->retry_after_s);
 }
 
+bool srv_secret_equal(const char *given, const char *key) {
+    if (!given || !key) return false;
+    const size_t n = strlen(given), k = strlen(key);
+    // Every byte of given is compared (with key's, cycled; an empty key against a NUL), so the
+    // loop's length is the client's and no early exit tells how much of key it matched.
+    volatile unsigned char diff = (unsigned char)(n != k);
+    for (size_t i = 0; i < n; i++)
+        diff |= (unsigned char)given[i] ^ (unsigned char)(k ? key[i % k] : 0);
+    return diff == 0;
+}
+
+bool srv_authorized(struct MHD_Connection *c, const char *key, bool x_api_key_ok) {
+    if (!key) return true;
+    const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
+    if (a && !strncmp(a, "Bearer ", 7)) return srv_secret_equal(a + 7, key); // Bearer wins
+    const char *x = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "x-api-key");
+    return x_api_key_ok && srv_secret_equal(x, key);
+}
+
 // ---- generation responses ----
 
 typedef struct stream_ctx {

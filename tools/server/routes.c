@@ -390,11 +390,7 @@ static enum MHD_Result fail(srv *s, struct MHD_Connection *c, srv_api api, const
 }
 
 static bool authorized(srv *s, struct MHD_Connection *c, kind k) {
-    if (!s->cfg.http.api_key) return true;
-    const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
-    if (a && !strncmp(a, "Bearer ", 7)) return !strcmp(a + 7, s->cfg.http.api_key); // Bearer wins
-    const char *x = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "x-api-key");
-    return (k == K_MSG || k == K_MSG_COUNT) && x && !strcmp(x, s->cfg.http.api_key);
+    return srv_authorized(c, s->cfg.http.api_key, k == K_MSG || k == K_MSG_COUNT);
 }
 
 enum MHD_Result srv_route(srv *s, struct MHD_Connection *c, const char *url, const char *method,

@@ -405,6 +405,14 @@ enum MHD_Result srv_send_text(struct MHD_Connection *c, int status, const char *
 enum MHD_Result srv_send_error(struct MHD_Connection *c, srv_api api, const srv_err *e);
 enum MHD_Result srv_run_generation(srv *s, struct MHD_Connection *c, srv_gen *g);
 bool srv_client_gone(struct MHD_Connection *c);
+// Whether a client's secret equals key, in a time that depends only on the client's length (never
+// on where they differ or on key). NULL given: false.
+bool srv_secret_equal(const char *given, const char *key);
+// The API key rule of serve and route (docs/server.md, "Authentication"): key NULL lets every
+// request in; else "Authorization: Bearer <key>" (which wins when present), or "x-api-key: <key>"
+// where x_api_key_ok (the Anthropic paths). admin_key (route's --admin-key) takes Bearer only:
+// srv_authorized(c, admin_key, false).
+bool srv_authorized(struct MHD_Connection *c, const char *key, bool x_api_key_ok);
 // internal.c (docs/disaggregation.md): POST /internal/prefill runs g (prefill_only) and answers
 // the prompt's cached blocks as a KV transfer; POST /internal/kv imports one; POST
 // /internal/kv/probe answers how much of a prompt is cached. They release the in-flight slot /
