@@ -2,7 +2,8 @@
 offline with the serve routes' answers — every API's body equal to what `deepinfer serve` returns
 for the same request (temperature 0 and seeded sampling, ids and times aside), the same at any
 --concurrency, HTTP errors in the route's shape and status, lines that are not requests answered
-with an error naming the line, nothing lost; bad arguments are usage errors."""
+with an error naming the line, a repeated custom_id rejected on its later lines (OpenAI requires them
+unique in a batch), nothing lost; bad arguments are usage errors."""
 import json
 import os
 import subprocess
@@ -68,25 +69,40 @@ def test_batch_matches_serve():
                   json.dumps({"custom_id": "stream", "method": "POST",
                               "url": "/v1/chat/completions", "body": dict(CHAT, stream=True)}),
                   json.dumps({"custom_id": "url", "method": "POST", "url": "/v1/embeddings",
-                              "body": {}})]
+                              "body": {}}),
+                  # custom_id must be unique: a repeat of a good line's id, and of a bad line's
+                  # (the first use owns the id whatever its answer), are not run.
+                  json.dumps({"custom_id": "chat", "method": "POST",
+                              "url": "/v1/completions", "body": REQUESTS[2][2]}),
+                  json.dumps({"custom_id": "x", "method": "POST",
+                              "url": "/v1/chat/completions", "body": CHAT})]
         results = {}
         for conc in ("1", "3", "16"):
             out, log = run_batch(server, lines, "--concurrency", conc)
             assert len(out) == len(lines) - 1, out  # every line answered, the blank one skipped
             ids = [o["id"] for o in out]
             assert len(set(ids)) == len(ids)
-            by = {o["custom_id"]: o for o in out if o["custom_id"] is not None}
+            by = {o["custom_id"]: o for o in out if o["custom_id"] and not o["error"]}
             for cid, _, _ in REQUESTS:
                 r = by[cid]["response"]
                 assert by[cid]["error"] is None
                 assert (r["status_code"], strip(r["body"])) == want[cid], (conc, cid)
-            errors = {o["custom_id"]: o["error"]["code"] for o in out if o["error"]}
-            assert errors == {None: errors[None], "x": "invalid_method", "stream": "invalid_body",
-                              "url": "invalid_url"}, errors
+            errors = {(o["custom_id"], o["error"]["code"]) for o in out if o["error"]}
+            assert errors == {(None, "invalid_json_line"), (None, "missing_custom_id"),
+                              ("x", "invalid_method"), ("stream", "invalid_body"),
+                              ("url", "invalid_url"), ("chat", "duplicate_custom_id"),
+                              ("x", "duplicate_custom_id")}, errors
+            assert [o["custom_id"] for o in out].count("chat") == 2
+            dups = sorted(o["error"]["message"] for o in out
+                          if o["error"] and o["error"]["code"] == "duplicate_custom_id")
+            assert dups == ['line 15: "custom_id" "chat" is a duplicate of line 1\'s (custom_id '
+                            'must be unique in a batch)',
+                            'line 16: "custom_id" "x" is a duplicate of line 11\'s (custom_id '
+                            'must be unique in a batch)'], dups
             anon = [o["error"] for o in out if o["custom_id"] is None]
             assert sorted(e["code"] for e in anon) == ["invalid_json_line", "missing_custom_id"]
             assert any("line 10:" in e["message"] for e in anon), anon  # names its line
-            assert "7 answered 200" not in log and "6 answered 200, 2 with an HTTP error, 5 not " \
+            assert "7 answered 200" not in log and "6 answered 200, 2 with an HTTP error, 7 not " \
                 "requests" in log, log
             results[conc] = {cid: strip(by[cid]["response"]["body"]) for cid, _, _ in REQUESTS}
         assert results["1"] == results["3"] == results["16"]

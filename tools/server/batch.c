@@ -7,7 +7,9 @@
 //    "error": null}
 // where body is what the HTTP route would answer (its error shape on 4xx/5xx); a line that is not
 // such a request gets "response": null and "error": {"code", "message"} naming the line. Lines are
-// independent: a bad one never stops the others.
+// independent: a bad one never stops the others. custom_ids must be unique within the file (the
+// OpenAI Batch API's rule): the first line with an id owns it, a later line with the same id is not
+// run and gets the error "duplicate_custom_id" naming both lines.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +26,9 @@ typedef struct batch_slot {
 typedef struct batch_run {
     srv *s;
     FILE *out;
+    // Every custom_id seen so far (any line whose custom_id is a non-empty string) -> its first
+    // line number; owned.
+    json_t *seen;
     int64_t n_written, n_ok, n_http_err, n_line_err;
 } batch_run;
 
@@ -84,6 +89,23 @@ static bool batch_route(const char *url, batch_kind *k, srv_api *api) {
     return false;
 }
 
+// Records custom_id cid as used by line `no`; false (msg written) when an earlier line used it.
+// Keys are compared as the whole string, NULs included (json_object_getn).
+static bool first_use(batch_run *b, json_t *cid, int64_t no, char *msg, size_t cap) {
+    const char *id = json_string_value(cid);
+    const size_t n = json_string_length(cid);
+    json_t *prev = json_object_getn(b->seen, id, n);
+    if (prev) {
+        snprintf(msg, cap,
+                 "line %lld: \"custom_id\" \"%.*s\" is a duplicate of line %lld's (custom_id must "
+                 "be unique in a batch)",
+                 (long long)no, n > 64 ? 64 : (int)n, id, (long long)json_integer_value(prev));
+        return false;
+    }
+    json_object_setn_new(b->seen, id, n, json_integer(no));
+    return true;
+}
+
 // Starts line `no` (text[0, n)) in slot sl, or answers it at once (bad line, validation error).
 static void start_line(batch_run *b, batch_slot *sl, const char *text, size_t n, int64_t no) {
     char msg[512];
@@ -103,6 +125,8 @@ static void start_line(batch_run *b, batch_slot *sl, const char *text, size_t n,
         snprintf(msg, sizeof msg, "line %lld: \"custom_id\" must be a non-empty string",
                  (long long)no);
         write_line(b, NULL, 0, NULL, NULL, "missing_custom_id", msg);
+    } else if (!first_use(b, cid, no, msg, sizeof msg)) {
+        write_line(b, cid, 0, NULL, NULL, "duplicate_custom_id", msg);
     } else if (!method || strcmp(method, "POST")) {
         snprintf(msg, sizeof msg, "line %lld: \"method\" must be \"POST\"", (long long)no);
         write_line(b, cid, 0, NULL, NULL, "invalid_method", msg);
@@ -167,12 +191,15 @@ int srv_run_batch(srv *s, const char *in_path, const char *out_path, int concurr
         return 1;
     }
     batch_slot *slots = calloc((size_t)concurrency, sizeof *slots);
-    if (!slots) {
+    json_t *seen = json_object();
+    if (!slots || !seen) {
+        free(slots);
+        json_decref(seen);
         if (in != stdin) fclose(in);
         if (out != stdout) fclose(out);
         return 1;
     }
-    batch_run b = {.s = s, .out = out};
+    batch_run b = {.s = s, .out = out, .seen = seen};
     const double t0 = srv_now();
     char *text = NULL;
     size_t cap = 0;
@@ -209,6 +236,7 @@ int srv_run_batch(srv *s, const char *in_path, const char *out_path, int concurr
     }
     free(text);
     free(slots);
+    json_decref(b.seen);
     const double dt = srv_now() - t0;
     pthread_mutex_lock(&s->metrics_mu);
     const uint64_t n_prompt = s->n_prompt_tokens, n_gen = s->n_gen_tokens;
