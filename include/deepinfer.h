@@ -242,12 +242,25 @@ typedef struct di_session di_session;
 typedef struct di_session_options {
     int32_t n_ctx_max; // positions this session may reach; 0 = the model's max_position_embeddings
     bool mtp; // run the MTP block (V4) / DSpark context (V4.1) on every step (needs its weights)
+    // A session on the device-resident forward recovers from a lost device (di_session_forward):
+    // at most device_loss_max losses found by its calls within device_loss_window_s seconds
+    // (0: 3 and 600 s, the serving engine's defaults). Must not be negative.
+    int32_t device_loss_max;
+    int32_t device_loss_window_s;
 } di_session_options;
 
 di_session_options di_session_options_default(void);
 
 // Creates an empty sequence state (position 0). DI_ERR_INVALID if mtp is requested but the
-// checkpoint has no MTP block; DI_ERR_NOMEM.
+// checkpoint has no MTP block, or for a negative count; DI_ERR_NOMEM.
+// Sessions on the device-resident forward (a model loaded with --device cuda, V4 or V4.1, the
+// session without mtp; docs/cuda.md "Sessions") keep the tokens they were fed on the host (4
+// bytes a position): device-loss recovery and di_session_save replay them. Creating and destroying
+// such sessions must not overlap the forward calls of the model's other sessions (a recovery
+// rebuilds the device state of all of them). DI_SESSION_LOSE_DEVICE=N (debug) makes the first N
+// forward calls of every session created afterwards fail as on a lost device, without running: a
+// drill of the recovery (on the CPU forward there is nothing to rebuild: the call fails with
+// DI_ERR_DEVICE_LOST).
 di_status di_session_create(di_model *model, const di_session_options *opt, di_session **out);
 void di_session_destroy(di_session *s);
 // Tokens consumed so far (= position of the next token).
@@ -271,22 +284,51 @@ typedef struct di_forward_out {
 // Feeds n_tokens tokens (ids < n_vocab) at the next positions and advances the state. Feeding
 // the same tokens in any chunking yields the same logits as one call.
 // Returns DI_ERR_INVALID (bad token id, n_tokens < 1, context exceeds n_ctx_max), DI_ERR_NOMEM;
-// on the device-resident forward (--device cuda, V4 in the FP32 recipe, no MTP) also DI_ERR_CUDA,
-// after which the session is reset to position 0; with expert workers DI_ERR_IO (the session must
-// be discarded); with prefill workers (a call of at least cp_min_tokens tokens) DI_ERR_IO, after
-// which the session is exactly as before the call (retry it, with or without the workers).
+// on the device-resident forward (--device cuda, V4 or V4.1, no MTP) also DI_ERR_CUDA, after
+// which the session is reset to position 0. A lost device (DI_ERR_DEVICE_LOST) is recovered
+// inside the call: the device state of every session on the model's device-resident forward is
+// dropped, the forward rebuilt (the devices reset, the weights uploaded again:
+// di_model_dev_rebuild; needs a forward the model opened itself, as --device does), this session's
+// tokens replayed into a new device state and the call run again, so its logits and every later
+// one equal a run that never lost the device (the model's other sessions replay theirs at their
+// next call); logged at WARN, counted in di_session_get_stats. More losses than
+// device_loss_max within device_loss_window_s, or a rebuild that fails: DI_ERR_DEVICE_LOST
+// (logged), the session keeping its tokens and position (a later call tries again, counting
+// another loss). With expert workers DI_ERR_IO (the session must be discarded); with prefill
+// workers (a call of at least cp_min_tokens tokens) DI_ERR_IO, after which the session is exactly
+// as before the call (retry it, with or without the workers).
 di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tokens,
                              const di_forward_out *out);
 
-// Serialises the whole state (position, window rings, compressed pools, compressor buffers) into
-// a new buffer (*bytes, free with di_free_buffer). DI_ERR_NOMEM; DI_ERR_UNSUPPORTED for a session
-// on the device-resident forward (its state lives in device memory).
+// Serialises the state into a new buffer (*bytes, free with di_free_buffer). On the CPU forward:
+// the whole state (position, window rings, compressed pools, compressor buffers). On the
+// device-resident forward: the model's identity and the tokens fed (a token state: 24 bytes +
+// 4 a position, whatever the model's size), which di_session_restore replays (the device's state
+// is not downloaded: the device-resident forward keeps no rollback rows and snapshots its rings
+// only at block boundaries, docs/cuda.md "Sessions"). DI_ERR_NOMEM.
 di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes);
-// Restores a state written by di_session_save for the same model. DI_ERR_FORMAT if the bytes are
-// not such a state (wrong model, truncated, corrupted); the session is then left reset.
-// DI_ERR_UNSUPPORTED (session unchanged) on the device-resident forward, as di_session_save.
+// Restores a state written by di_session_save for the same model. A token state (saved on the
+// device-resident forward) restores into any session of the model, on the device or on the CPU:
+// the session is reset and the tokens fed again (in chunks; the cost of their prefill), after
+// which its state is the one of a session fed those tokens, so it continues with the same logits.
+// A CPU state restores into a session on the CPU forward only. DI_ERR_FORMAT (logged) when the
+// bytes are not such a state (another model, truncated, corrupted, more positions than the
+// session's n_ctx_max, a CPU state given to a device session): a session on the device-resident
+// forward, or one given bytes that claim to be a token state, is then unchanged; a CPU session
+// given other bad bytes is left reset. The replay's errors (as di_session_forward) leave the
+// session reset.
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes);
 void di_free_buffer(void *p);
+
+// What a session's device-loss recovery did (di_session_forward): losses its calls found (a drill's
+// included), recoveries done (each rebuilt the device state and replayed the session's tokens)
+// and tokens replayed in all (restores and replays after another session's recovery included).
+typedef struct di_session_stats {
+    int64_t n_device_losses;
+    int64_t n_device_recoveries;
+    int64_t n_replayed_tokens;
+} di_session_stats;
+void di_session_get_stats(const di_session *s, di_session_stats *out);
 
 // Takes back the last n_tokens positions (speculative tokens the target rejected): afterwards the
 // session is exactly the state of a run that never fed them (its logits and MTP logits too). At

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/buf.h"
@@ -706,35 +707,77 @@ void di_dsv4_head_rows(di_dsv4_ctx *c, const int32_t *logit_rows, int32_t n_logi
     di_dsv4_matmul(m, &m->head, h, n_logit_rows, D, logits, hp->n_vocab);
 }
 
-// A V4.1 session's dev state (dsv41_dev.h): its own 1-slot state of the model's dev41, made at
-// its first call (at position 0).
-static di_status dev41_session_state(di_session *s) {
-    if (s->pos != 0) {
-        DI_LOG_ERROR("forward: this V4.1 session ran on the CPU forward (batched calls); it "
-                     "cannot move to the device-resident forward");
-        return DI_ERR_INVALID;
-    }
-    s->dev_max_rows =
-        s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max : DI_DSV4_DEV_SESSION_ROWS;
-    s->dev_rows = di_malloc(sizeof(int32_t) * (size_t)s->dev_max_rows);
-    if (!s->dev_rows) return DI_ERR_NOMEM;
-    di_status st = di_dsv41_dev_state_create(s->model->dev41, 1, s->n_ctx_max, s->dev_max_rows, 0,
-                                             0, &s->dev41);
-    if (st != DI_OK) {
-        di_free(s->dev_rows);
-        s->dev_rows = NULL;
-    }
-    return st;
+// ---- sessions on the device-resident forward ----
+//
+// A session on a device-resident forward (V4: s->dev, dsv4_dev.h; V4.1: s->dev41, dsv41_dev.h)
+// runs slot 0 of its own 1-slot state, made at create (V4) or at its first call (V4.1), and keeps
+// the tokens it fed on the host (dev_tokens). Device loss (deepinfer.h di_session_forward; the
+// serving engine's counterpart is engine.c "device loss"): a call that finds DI_ERR_DEVICE_LOST
+// drops the device state of every session of the model (they are listed on it: the states live on
+// the forward being destroyed), rebuilds the forward (di_model_dev_rebuild: every device reset,
+// the weights uploaded again), and runs again: a new state, the session's positions [0, p0)
+// replayed from dev_tokens without logits, then the call itself from p0. The device forward is
+// deterministic and feeding the same tokens in any chunking gives the same state, so the logits
+// after the recovery are the ones of a run that never lost the device. The other sessions replay
+// theirs at their next call (dev_on with no state). At most loss_max losses found by this
+// session's calls within loss_window_s seconds are recovered; past that (or when the rebuild
+// fails) the call returns DI_ERR_DEVICE_LOST and the session keeps its tokens and position.
+// The session owns the recovery (not generate, nor a caller of the API): it alone holds the tokens
+// and the device state, and it meets every loss, whoever calls it; the bound is per session, as a
+// loss is found by one call.
+
+bool di_dsv4_session_on_dev(const di_session *s) {
+    return s->dev_on || (s->v41 && !s->mtp && s->model->dev41 && s->pos == 0);
 }
 
-// A session on a device-resident forward (V4: s->dev, dsv4_dev.h; V4.1: s->dev41, dsv41_dev.h):
-// slot 0 of its dev state, in chunks of at most dev_max_rows rows (validated by the caller).
-static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
-                             const di_forward_out *out) {
-    if (s->v41 && !s->dev41) {
-        di_status st = dev41_session_state(s);
-        if (st != DI_OK) return st;
+di_status di_dsv4_session_dev_open(di_session *s) {
+    di_model *m = s->model;
+    if (s->v41 ? !m->dev41 : !m->dev) {
+        DI_LOG_ERROR("session: the model's device-resident forward is gone (its rebuild after a "
+                     "device loss failed)");
+        return DI_ERR_DEVICE_LOST;
     }
+    if (!s->dev_rows) {
+        s->dev_max_rows =
+            s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max : DI_DSV4_DEV_SESSION_ROWS;
+        s->dev_rows = di_malloc(sizeof(int32_t) * (size_t)s->dev_max_rows);
+        if (!s->dev_rows) return DI_ERR_NOMEM;
+    }
+    if (!s->dev_tokens) {
+        s->dev_tokens = di_malloc(sizeof(int32_t) * (size_t)s->n_ctx_max);
+        if (!s->dev_tokens) return DI_ERR_NOMEM;
+    }
+    di_status st =
+        s->v41
+            ? di_dsv41_dev_state_create(m->dev41, 1, s->n_ctx_max, s->dev_max_rows, 0, 0, &s->dev41)
+            : di_dsv4_dev_state_create(m->dev, 1, s->n_ctx_max, s->dev_max_rows, 0, 0, &s->dev);
+    if (st != DI_OK) return st;
+    s->dev_on = true;
+    s->dev_next = m->dev_sessions;
+    m->dev_sessions = s;
+    return DI_OK;
+}
+
+void di_dsv4_session_dev_close(di_session *s) {
+    if (!s->dev && !s->dev41) return;
+    for (di_session **p = &s->model->dev_sessions; *p; p = &(*p)->dev_next) {
+        if (*p == s) {
+            *p = s->dev_next;
+            break;
+        }
+    }
+    s->dev_next = NULL;
+    di_dsv4_dev_state_destroy(s->dev);
+    di_dsv41_dev_state_destroy(s->dev41);
+    s->dev = NULL;
+    s->dev41 = NULL;
+}
+
+// Feeds tokens at s->pos on the session's device state, in chunks of at most dev_max_rows rows
+// (validated by the caller), recording them in dev_tokens. A failure leaves s->pos where the
+// failed chunk started (the caller decides).
+static di_status dev_feed(di_session *s, const int32_t *tokens, int32_t n_tok,
+                          const di_forward_out *out) {
     const int64_t V = s->model->hp.n_vocab;
     const bool want = out && out->logits;
     for (int32_t done = 0; done < n_tok;) {
@@ -758,15 +801,117 @@ static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok
             di_dsv4_dev_seq seq = {.slot = 0, .pos = s->pos, .n_tok = n};
             st = di_dsv4_dev_forward(s->dev, &seq, 1, tokens + done, s->dev_rows, n_rows, logits);
         }
-        if (st != DI_OK) {
-            s->pos = 0; // the device state of this call is incomplete: start again
-            return st;
-        }
+        if (st != DI_OK) return st;
+        // A replay feeds dev_tokens itself: the same place, so memmove.
+        memmove(s->dev_tokens + s->pos, tokens + done, sizeof(int32_t) * (size_t)n);
         s->pos += n;
         done += n;
     }
+    return DI_OK;
+}
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+// A call found the device lost: drops every device state of the model's sessions and rebuilds the
+// forward, within the bound. DI_OK: run the call again (its session replays first).
+static di_status dev_lost(di_session *s) {
+    di_model *m = s->model;
+    const int64_t now = now_ms(), ring = (int64_t)s->loss_max + 1;
+    s->loss_ms[s->stats.n_device_losses % ring] = now;
+    s->stats.n_device_losses++;
+    int64_t n_recent = 0; // losses within the window, this one included (at most ring)
+    for (int64_t k = 0; k < ring && k < s->stats.n_device_losses; k++)
+        n_recent += now - s->loss_ms[k] < (int64_t)s->loss_window_s * 1000;
+    int32_t n_dropped = 0;
+    while (m->dev_sessions) { // their states live on the forward about to be destroyed
+        di_dsv4_session_dev_close(m->dev_sessions);
+        n_dropped++;
+    }
+    if (n_recent == ring) { // more than loss_max within the window
+        DI_LOG_ERROR("session: the device was lost %d times within %d s (device_loss_max %d): "
+                     "not rebuilding it again",
+                     (int)ring, (int)s->loss_window_s, (int)s->loss_max);
+        return DI_ERR_DEVICE_LOST;
+    }
+    if (!m->dev && !m->dev41) {
+        DI_LOG_ERROR("session: the device is lost and the model has no device-resident forward "
+                     "to rebuild");
+        return DI_ERR_DEVICE_LOST;
+    }
+    DI_LOG_WARN("session: the device is lost (loss %lld of this session, %lld within %d s): "
+                "rebuilding the device-resident forward (%d session states dropped); the session "
+                "replays its %d tokens",
+                (long long)s->stats.n_device_losses, (long long)n_recent, (int)s->loss_window_s,
+                (int)n_dropped, (int)s->pos);
+    di_status st = di_model_dev_rebuild(m);
+    if (st != DI_OK) {
+        DI_LOG_ERROR("session: rebuilding the device-resident forward failed (%s)",
+                     di_status_str(st));
+        return DI_ERR_DEVICE_LOST;
+    }
+    s->stats.n_device_recoveries++;
+    return DI_OK;
+}
+
+// A device session whose state was dropped (a device loss, this session's or another's): a new
+// state, positions [0, s->pos) replayed from dev_tokens. On failure s->pos is kept.
+static di_status dev_revive(di_session *s) {
+    const int32_t pos = s->pos;
+    di_status st = di_dsv4_session_dev_open(s);
+    if (st != DI_OK) return st;
+    s->pos = 0;
+    st = dev_feed(s, s->dev_tokens, pos, NULL);
+    if (st == DI_OK && pos > 0) {
+        s->stats.n_replayed_tokens += pos;
+        DI_LOG_INFO("session: %d tokens replayed into a new device state", (int)pos);
+    }
+    s->pos = pos;
+    return st;
+}
+
+// The session's call on the device-resident forward, with the device-loss recovery above.
+static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
+                             const di_forward_out *out) {
+    if (!s->dev_on) { // V4.1: the state is made at the first call
+        if (s->pos != 0) {
+            DI_LOG_ERROR("forward: this V4.1 session ran on the CPU forward (batched calls); it "
+                         "cannot move to the device-resident forward");
+            return DI_ERR_INVALID;
+        }
+        di_status st = di_dsv4_session_dev_open(s);
+        if (st != DI_OK) return st;
+    }
+    const int32_t p0 = s->pos;
+    for (;;) {
+        di_status st = DI_OK;
+        if (s->lose_in > 0) {
+            s->lose_in--;
+            DI_LOG_WARN("session: DI_SESSION_LOSE_DEVICE: this call fails with %s without running "
+                        "(a drill)",
+                        di_status_str(DI_ERR_DEVICE_LOST));
+            st = DI_ERR_DEVICE_LOST;
+        }
+        if (st == DI_OK && !s->dev && !s->dev41) st = dev_revive(s);
+        if (st == DI_OK) st = dev_feed(s, tokens, n_tok, out);
+        if (st == DI_OK) break;
+        if (st != DI_ERR_DEVICE_LOST) {
+            // The device state of this call is incomplete: start again (its state kept, at 0).
+            s->pos = 0;
+            return st;
+        }
+        s->pos = p0; // this call's chunks done so far are fed again
+        if ((st = dev_lost(s)) != DI_OK) return st;
+    }
     if (out && out->n_mtp_out) *out->n_mtp_out = 0;
     return DI_OK;
+}
+
+void di_session_get_stats(const di_session *s, di_session_stats *out) {
+    *out = s->stats;
 }
 
 di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok,
@@ -789,7 +934,14 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
             return DI_ERR_INVALID;
         }
     }
-    if (s->v41 && m->dev41 && !s->mtp) return dev_forward(s, tokens, n_tok, out);
+    if (s->lose_in > 0 && !di_dsv4_session_on_dev(s)) { // the drill on the CPU forward
+        s->lose_in--;
+        DI_LOG_ERROR("session: DI_SESSION_LOSE_DEVICE: this call fails with %s (a drill); the "
+                     "session runs on the CPU forward: there is no device state to rebuild",
+                     di_status_str(DI_ERR_DEVICE_LOST));
+        return DI_ERR_DEVICE_LOST;
+    }
+    if (s->v41 && (s->dev_on || (m->dev41 && !s->mtp))) return dev_forward(s, tokens, n_tok, out);
     if (s->v41 && m->cp && n_tok >= di_cp_min_tokens(m->cp)) // context parallelism (cp/cp.h)
         return di_cp_session_forward(m->cp, s, tokens, n_tok, out);
     if (s->v41) { // DeepSeek V4.1 (dsv41.c): the batch of one sequence
@@ -803,7 +955,7 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
         if (out && out->n_mtp_out) *out->n_mtp_out = 0;
         return DI_OK;
     }
-    if (s->dev) return dev_forward(s, tokens, n_tok, out);
+    if (s->dev_on) return dev_forward(s, tokens, n_tok, out);
     if (m->cp && n_tok >= di_cp_min_tokens(m->cp)) // context parallelism (cp/cp.h)
         return di_cp_session_forward(m->cp, s, tokens, n_tok, out);
     return di_dsv4_session_forward(s, tokens, n_tok, out, NULL);

@@ -134,7 +134,10 @@ struct di_model {
     struct di_dsv4_dev *dev; // owned (di_dsv4_dev_attach)
     // DeepSeek V4.1's (model/dsv41_dev.h): plain sessions without DSpark run on it (their device
     // state made at their first di_session_forward). NULL: none.
-    struct di_dsv41_dev *dev41;     // owned (di_dsv41_dev_attach); on dev_backend when that is set
+    struct di_dsv41_dev *dev41; // owned (di_dsv41_dev_attach); on dev_backend when that is set
+    // The sessions holding a device state on dev / dev41 (a list through di_session.dev_next):
+    // a session's device-loss recovery drops all of their states before the rebuild. Borrowed.
+    struct di_session *dev_sessions;
     struct di_backend *dev_backend; // owned when di_model_load opened it (CUDA); NULL when a
                                     // caller attached its own backend (borrowed by dev)
     // A device list (di_device.more): the backends of pipeline stages 1.. (stage 0's is
@@ -367,16 +370,40 @@ struct di_session {
     struct di_dsv41_state *v41; // owned: the V4.1 state (dsv41.h); NULL for V4 (then layers)
     di_dsv4_ws *ws_shared;      // borrowed: V4.1 calls use it instead of ws (di_dsv41_share_ws)
     // The model's device-resident forward runs this session (1 slot of n_ctx_max positions):
-    // layers are unused then, and save / restore are refused. NULL: the CPU forward.
+    // layers are unused then, save writes a token state (dev_tokens). NULL: the CPU forward (or a
+    // device session whose state a device loss dropped: dev_on).
     struct di_dsv4_dev_state *dev; // owned
     int32_t *dev_rows;             // owned [dev_max_rows]: logit rows of one dev call
     int32_t dev_max_rows;          // rows per dev call (longer feeds run in chunks)
     // V4.1 on the model's dev41 (a 1-slot state, made at the first di_session_forward, so the
     // engine's slot sessions, fed by di_dsv41_forward_batch, never hold one): the CPU V4.1 state
-    // is unused then; save, restore, rollback and batched calls are refused. dev_rows and
-    // dev_max_rows as for dev.
+    // is unused then; rollback and batched calls are refused, save / restore as for dev.
+    // dev_rows and dev_max_rows as for dev.
     struct di_dsv41_dev_state *dev41; // owned
+    // Device sessions (dev_on: V4 at create when the model has dev, V4.1 at its first call; for
+    // good, dev / dev41 being NULL while the state is dropped by a device loss, remade and
+    // replayed at the next call: dsv4.c "sessions on the device-resident forward"). dev_tokens
+    // [n_ctx_max] (owned) holds the tokens of positions [0, pos): the replay's and the token
+    // state's (di_session_save). dev_next: the model's list (m->dev_sessions) while a state is
+    // held. Device loss bound: loss_ms (owned [loss_max + 1], a ring of the n_loss losses' times).
+    bool dev_on;
+    int32_t *dev_tokens;
+    struct di_session *dev_next;
+    int32_t loss_max, loss_window_s;
+    int64_t *loss_ms;
+    int32_t lose_in; // DI_SESSION_LOSE_DEVICE: calls left that fail as on a lost device
+    di_session_stats stats;
 };
+
+// Makes the device state of a session on the device-resident forward (s->dev_on afterwards: V4
+// at create, V4.1 at its first call) and lists it on the model. DI_ERR_DEVICE_LOST when the
+// model's forward is gone (a failed rebuild), the state create's errors.
+di_status di_dsv4_session_dev_open(di_session *s);
+// Drops the session's device state (destroy) and takes it off the model's list.
+void di_dsv4_session_dev_close(di_session *s);
+// Whether s runs (or, a V4.1 session before its first call, will run) on the device-resident
+// forward: what di_session_save and di_session_restore dispatch on.
+bool di_dsv4_session_on_dev(const di_session *s);
 
 // Layer forward pieces; every one runs on all rows of c (il_state: index into each sequence's
 // layers[]). a: [T, D] normed hidden; out: [T, D].

@@ -360,7 +360,7 @@ static di_status forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *
     for (int32_t i = 0; i < n_seq; i++) {
         const di_dsv41_seq *b = &seqs[i];
         const di_session *s = b->s;
-        if (!s || s->model != m || !s->v41 || s->dev41 || b->n_tok < 1 || !b->tokens ||
+        if (!s || s->model != m || !s->v41 || s->dev_on || b->n_tok < 1 || !b->tokens ||
             b->n_out < 0 || b->n_out > b->n_tok || (int64_t)s->pos + b->n_tok > s->n_ctx_max) {
             DI_LOG_ERROR("forward: V4.1 sequence %d: not a V4.1 session of this model (or one on "
                          "the device-resident forward), or %d tokens (%d with logits) do not fit "
@@ -564,7 +564,7 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
 
 di_status di_session_rollback(di_session *s, int32_t n_tokens) {
     if (!s->v41) return di_dsv4_rollback(s, n_tokens); // V4 (dsv4_state.c)
-    if (s->dev41) {
+    if (s->dev_on) {
         DI_LOG_ERROR("rollback: none on the device-resident V4.1 forward");
         return DI_ERR_INVALID;
     }

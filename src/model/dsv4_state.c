@@ -111,6 +111,26 @@ di_status di_session_create(di_model *m, const di_session_options *opt, di_sessi
         return DI_ERR_INVALID;
     }
     s->mtp = s->opt.mtp;
+    if (s->opt.device_loss_max < 0 || s->opt.device_loss_window_s < 0) {
+        DI_LOG_ERROR("session: device_loss_max and device_loss_window_s must not be negative");
+        di_free(s);
+        return DI_ERR_INVALID;
+    }
+    s->loss_max = s->opt.device_loss_max ? s->opt.device_loss_max : 3;
+    s->loss_window_s = s->opt.device_loss_window_s ? s->opt.device_loss_window_s : 600;
+    s->loss_ms = di_calloc((size_t)s->loss_max + 1, sizeof *s->loss_ms);
+    if (!s->loss_ms) {
+        di_free(s);
+        return DI_ERR_NOMEM;
+    }
+    // Debug switch (conventions §7): DI_SESSION_LOSE_DEVICE=N, the first N calls fail as on a lost
+    // device (dsv4.c "sessions on the device-resident forward"): a drill of the recovery.
+    const char *lose = getenv("DI_SESSION_LOSE_DEVICE");
+    s->lose_in = lose ? atoi(lose) : 0;
+    if (s->lose_in > 0)
+        DI_LOG_WARN("session: DI_SESSION_LOSE_DEVICE=%d: its first %d forward calls fail with %s "
+                    "(a drill)",
+                    (int)s->lose_in, (int)s->lose_in, di_status_str(DI_ERR_DEVICE_LOST));
     const char *dump = getenv("DI_DUMP");
     if (dump && *dump) {
         snprintf(s->dump_dir, sizeof s->dump_dir, "%s", dump);
@@ -145,16 +165,7 @@ di_status di_session_create(di_model *m, const di_session_options *opt, di_sessi
     if (m->dev && !s->mtp) {
         // The device-resident forward: one slot of the whole context, sized once; calls longer
         // than dev_max_rows rows are fed in chunks (the same logits as one call).
-        s->dev_max_rows =
-            s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max : DI_DSV4_DEV_SESSION_ROWS;
-        s->dev_rows = di_malloc(sizeof(int32_t) * (size_t)s->dev_max_rows);
-        if (!s->dev_rows) {
-            st = DI_ERR_NOMEM;
-            goto fail;
-        }
-        if ((st = di_dsv4_dev_state_create(m->dev, 1, s->n_ctx_max, s->dev_max_rows, 0, 0,
-                                           &s->dev)) != DI_OK)
-            goto fail;
+        if ((st = di_dsv4_session_dev_open(s)) != DI_OK) goto fail;
         if (s->trace)
             DI_LOG_WARN("DI_DUMP: a session on the device-resident forward writes no "
                         "intermediates");
@@ -169,9 +180,10 @@ fail:
 void di_session_destroy(di_session *s) {
     if (!s) return;
     di_dsv41_state_destroy(s);
-    di_dsv4_dev_state_destroy(s->dev);
-    di_dsv41_dev_state_destroy(s->dev41);
+    di_dsv4_session_dev_close(s);
     di_free(s->dev_rows);
+    di_free(s->dev_tokens);
+    di_free(s->loss_ms);
     if (s->layers) {
         for (int il = 0; il < n_state_layers(s); il++) {
             di_aligned_free(s->layers[il].ring);
@@ -222,12 +234,12 @@ void di_dsv4_state_rollback(const di_model *m, di_dsv4_layer_state *layers, int 
 }
 
 di_status di_dsv4_rollback(di_session *s, int32_t n) {
-    if (s->dev || n < 0 || n > s->pos || n > DI_DSV4_ROLLBACK_MAX) {
+    if (s->dev_on || n < 0 || n > s->pos || n > DI_DSV4_ROLLBACK_MAX) {
         DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d%s)", n, s->pos,
                      DI_DSV4_ROLLBACK_MAX,
-                     s->dev ? "; none on the device-resident forward, whose rings have no spare "
-                              "rows"
-                            : "");
+                     s->dev_on ? "; none on the device-resident forward, whose rings have no spare "
+                                 "rows"
+                               : "");
         return DI_ERR_INVALID;
     }
     const di_hparams *hp = &s->model->hp;
@@ -405,13 +417,110 @@ static di_status put_cmp(di_buf *b, const di_dsv4_cmp_state *cs, const di_dsv4_c
     return st;
 }
 
-di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
-    if (s->v41 && !s->dev41) return di_dsv41_save(s, bytes, n_bytes);
-    if (s->dev || s->dev41) {
-        DI_LOG_ERROR("session save: the state lives on the model's device (device-resident "
-                     "forward); saving it is not supported");
-        return DI_ERR_UNSUPPORTED;
+// ---- token states (sessions on the device-resident forward) ----
+// Layout: {magic "DI4T", version, di_dsv4_model_id, pos, 0}, then the pos token ids fed (int32),
+// then the FNV-1a 64 checksum (di_buf_seal). Why tokens and not the device's state: the device
+// keeps no rollback rows (the CPU format's rings hold W + ROLLBACK_MAX rows) and its rings can be
+// snapshot only at a block boundary (di_dsv4_dev_tail_save), so a CPU state cannot be made from
+// it at any position without new device code, nor put back; while replaying the tokens (the
+// device-loss recovery's replay) rebuilds the state exactly on any forward of the model (device,
+// any stage split, or CPU), at the cost of their prefill, and the bytes stay small. The model id
+// covers the precision recipe: the replay recomputes everything with it.
+
+#define TOKENS_MAGIC 0x54344944u // "DI4T"
+#define TOKENS_VERSION 1u
+
+static di_status save_tokens(const di_session *s, void **bytes, size_t *n_bytes) {
+    di_buf b;
+    di_buf_init(&b);
+    const uint32_t hdr[2] = {TOKENS_MAGIC, TOKENS_VERSION};
+    const uint64_t id = di_dsv4_model_id(s->model);
+    const int32_t pos[2] = {s->pos, 0};
+    di_status st = di_buf_append(&b, hdr, sizeof hdr);
+    if (!st) st = di_buf_append(&b, &id, sizeof id);
+    if (!st) st = di_buf_append(&b, pos, sizeof pos);
+    if (!st && s->pos > 0) st = di_buf_append(&b, s->dev_tokens, sizeof(int32_t) * (size_t)s->pos);
+    if (st) {
+        di_buf_deinit(&b);
+        return st;
     }
+    return di_buf_seal(&b, bytes, n_bytes);
+}
+
+static bool is_token_state(const void *bytes, size_t n_bytes) {
+    uint32_t magic;
+    if (n_bytes < sizeof magic) return false;
+    memcpy(&magic, bytes, sizeof magic);
+    return magic == TOKENS_MAGIC;
+}
+
+// Checks the whole token state before anything changes, then resets the session and feeds them.
+static di_status restore_tokens(di_session *s, const void *bytes, size_t n_bytes) {
+    const di_model *m = s->model;
+    di_reader r;
+    uint32_t hdr[2];
+    uint64_t id;
+    int32_t pos[2];
+    if (!di_reader_open(&r, bytes, n_bytes)) {
+        DI_LOG_ERROR("session restore: checksum mismatch (truncated or corrupted token state); "
+                     "the session is unchanged");
+        return DI_ERR_FORMAT;
+    }
+    if (!di_reader_get(&r, hdr, sizeof hdr) || hdr[1] != TOKENS_VERSION ||
+        !di_reader_get(&r, &id, sizeof id) || !di_reader_get(&r, pos, sizeof pos) || pos[0] < 0 ||
+        pos[1] != 0 || r.left != sizeof(int32_t) * (size_t)pos[0]) {
+        DI_LOG_ERROR("session restore: not a token state of version %u (%zu bytes); the session "
+                     "is unchanged",
+                     TOKENS_VERSION, n_bytes);
+        return DI_ERR_FORMAT;
+    }
+    if (id != di_dsv4_model_id(m)) {
+        DI_LOG_ERROR("session restore: the token state is another model's (or another precision "
+                     "recipe's); the session is unchanged");
+        return DI_ERR_FORMAT;
+    }
+    if (pos[0] > s->n_ctx_max) {
+        DI_LOG_ERROR("session restore: the token state holds %d positions, more than the "
+                     "session's context of %d; the session is unchanged",
+                     pos[0], s->n_ctx_max);
+        return DI_ERR_FORMAT;
+    }
+    int32_t *toks = di_malloc(sizeof(int32_t) * (size_t)(pos[0] > 0 ? pos[0] : 1));
+    if (!toks) return DI_ERR_NOMEM;
+    di_reader_get(&r, toks, sizeof(int32_t) * (size_t)pos[0]);
+    for (int32_t t = 0; t < pos[0]; t++) {
+        if (toks[t] < 0 || toks[t] >= m->hp.n_vocab) {
+            DI_LOG_ERROR("session restore: token %d of the token state (%d) is outside the "
+                         "vocabulary; the session is unchanged",
+                         t, toks[t]);
+            di_free(toks);
+            return DI_ERR_FORMAT;
+        }
+    }
+    di_session_reset(s);
+    di_status st = DI_OK;
+    // In chunks: a CPU session's scratch is sized by its call's rows.
+    for (int32_t done = 0; st == DI_OK && done < pos[0];) {
+        const int32_t n =
+            pos[0] - done < DI_DSV4_DEV_SESSION_ROWS ? pos[0] - done : DI_DSV4_DEV_SESSION_ROWS;
+        st = di_session_forward(s, toks + done, n, NULL);
+        done += n;
+    }
+    di_free(toks);
+    if (st != DI_OK) {
+        DI_LOG_ERROR("session restore: replaying the token state failed (%s); the session is "
+                     "reset",
+                     di_status_str(st));
+        di_session_reset(s);
+        return st;
+    }
+    s->stats.n_replayed_tokens += pos[0];
+    return DI_OK;
+}
+
+di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes) {
+    if (di_dsv4_session_on_dev(s)) return save_tokens(s, bytes, n_bytes);
+    if (s->v41) return di_dsv41_save(s, bytes, n_bytes);
     const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     di_buf b;
@@ -450,12 +559,16 @@ static bool get_cmp(di_reader *r, di_dsv4_cmp_state *cs, const di_dsv4_compresso
 }
 
 di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
-    if (s->v41 && !s->dev41) return di_dsv41_restore(s, bytes, n_bytes);
-    if (s->dev || s->dev41) {
-        DI_LOG_ERROR("session restore: the state lives on the model's device (device-resident "
-                     "forward); restoring it is not supported");
-        return DI_ERR_UNSUPPORTED;
+    if (is_token_state(bytes, n_bytes)) return restore_tokens(s, bytes, n_bytes);
+    if (di_dsv4_session_on_dev(s)) {
+        DI_LOG_ERROR("session restore: these %zu bytes are not a token state: a session on the "
+                     "device-resident forward restores only states saved on it (a CPU session's "
+                     "state holds no tokens to replay; restore it into a session on the CPU "
+                     "forward); the session is unchanged",
+                     n_bytes);
+        return DI_ERR_FORMAT;
     }
+    if (s->v41) return di_dsv41_restore(s, bytes, n_bytes);
     const di_model *m = s->model;
     const di_hparams *hp = &m->hp;
     di_reader r;

@@ -392,7 +392,8 @@ static void test_attach(void) {
         CHECK(max_diff <= TOL_DEV * max_ref);
         void *bytes = NULL;
         size_t nb = 0;
-        CHECK_EQ(di_session_save(s, &bytes, &nb), DI_ERR_UNSUPPORTED);
+        CHECK_EQ(di_session_save(s, &bytes, &nb), DI_OK); // a token state: test_session_dev.c
+        di_free_buffer(bytes);
         // Reset starts slot 0 afresh: the first position again.
         di_session_reset(s);
         di_session_reset(a);

@@ -1,0 +1,318 @@
+// Sessions (include/deepinfer.h di_session_*) on the device-resident forward's CPU twin, attached
+// on backends the model owns (di_model_dev_open, so it can be rebuilt), V4 (synth tiny-128: SWA,
+// CSA m=4 and HCA m=128 layers) and V4.1 (synth v41-tiny, official layout): the device-loss
+// recovery and the token states of save / restore (model/dsv4.c "sessions on the device-resident
+// forward", dsv4_state.c "token states"). The reference of every device run is a session of the
+// same model that never lost the device: logits compared bit for bit.
+//   (a) two sessions A and B decode greedily in turns; the backend is lost inside one of A's
+//       calls (di_cpu_backend_lose: that call's k-th backend entry and every later one fail with
+//       DI_ERR_DEVICE_LOST): A recovers inside the call (its stats count one loss, one recovery,
+//       its tokens replayed), B replays at its next call (no loss of its own); both give the
+//       reference's logits and tokens. Then DI_SESSION_LOSE_DEVICE=1 (the drill): a new session's
+//       first call fails without running and is recovered the same way.
+//   (b) the bound: device_loss_max 1: a second loss within the window ends the call with
+//       DI_ERR_DEVICE_LOST, the session keeping its position; a further call fails the same way
+//       (the device stays lost); the model is usable again after a fresh rebuild.
+//   (c) save / restore: a token state saved mid-generation restores into a fresh device session
+//       and into a session on a CPU-only model of the same checkpoint, which continue with the
+//       logits of the uninterrupted run (the device's, bit for bit; the CPU's, bit for bit against
+//       a CPU session fed the same tokens); every byte flipped, every truncation, another model's
+//       state, a context too small and a CPU state given to a device session are DI_ERR_FORMAT and
+//       leave the device session unchanged; a token state restores into a CPU session of its own.
+#include "harness.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "base/log.h" // di_log_set_sink: the refusals' errors counted, not printed
+#include "model/dsv4.h"
+#include "model/synth.h"
+
+enum { V = 512, N_PROMPT = 70, N_GEN = 10, N_CTX = 128 };
+
+static char g_dir4[256], g_dir41[256];
+static int32_t g_prompt[N_PROMPT];
+
+static int g_n_errors;
+
+static void count_sink(di_log_level level, const char *msg, void *user) {
+    (void)msg, (void)user;
+    g_n_errors += level == DI_LOG_LEVEL_ERROR;
+}
+
+static int32_t argmax(const float *v) {
+    int32_t b = 0;
+    for (int32_t i = 1; i < V; i++)
+        if (v[i] > v[b]) b = i;
+    return b;
+}
+
+// A model of dir with (twin) or without the device-resident forward's CPU twin.
+static di_model *load(const char *dir, bool twin) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    di_model *m = NULL;
+    if (di_model_load(dir, &mo, &m) != DI_OK) return NULL;
+    di_device dev = {.kind = DI_DEVICE_CPU};
+    if (twin && di_model_dev_open(m, &dev, 1) != DI_OK) {
+        di_model_destroy(m);
+        return NULL;
+    }
+    return m;
+}
+
+static di_session *session(di_model *m, int32_t loss_max) {
+    di_session_options so = {.n_ctx_max = N_CTX, .device_loss_max = loss_max};
+    di_session *s = NULL;
+    return di_session_create(m, &so, &s) == DI_OK ? s : NULL;
+}
+
+// A greedy run: logits [N_GEN + 1, V] (the prompt's last row, then each decode step's) and the
+// tokens chosen [N_GEN + 1].
+typedef struct run {
+    float logits[N_GEN + 1][V];
+    int32_t tok[N_GEN + 1];
+} run;
+
+// Step k of a greedy run on s (k 0: the prompt).
+static di_status step(di_session *s, run *r, int k) {
+    di_forward_out fo = {.logits = r->logits[k], .last_only = true};
+    di_status st = k == 0 ? di_session_forward(s, g_prompt, N_PROMPT, &fo)
+                          : di_session_forward(s, &r->tok[k - 1], 1, &fo);
+    if (st == DI_OK) r->tok[k] = argmax(r->logits[k]);
+    return st;
+}
+
+static bool reference(di_model *m, run *ref) {
+    di_session *s = session(m, 0);
+    bool ok = s != NULL;
+    for (int k = 0; ok && k <= N_GEN; k++) ok = step(s, ref, k) == DI_OK;
+    di_session_destroy(s);
+    return ok;
+}
+
+static bool same_run(const run *a, const run *b) {
+    return !memcmp(a->logits, b->logits, sizeof a->logits) &&
+           !memcmp(a->tok, b->tok, sizeof a->tok);
+}
+
+// ---- (a), (b) device loss ----
+
+static void test_loss(const char *dir, const char *name) {
+    di_model *m = load(dir, true);
+    CHECK(m && (m->dev || m->dev41));
+    if (!m) return;
+    run *ref = calloc(1, sizeof *ref), *ra = calloc(1, sizeof *ra), *rb = calloc(1, sizeof *rb);
+    CHECK(reference(m, ref));
+    di_session *a = session(m, 0), *b = session(m, 0);
+    CHECK(a && b);
+    for (int k = 0; a && b && k <= N_GEN; k++) {
+        // Inside A's third decode step, 5 backend entries into it.
+        if (k == 3) di_cpu_backend_lose(m->dev_backend, 5);
+        CHECK_EQ(step(a, ra, k), DI_OK);
+        CHECK_EQ(step(b, rb, k), DI_OK);
+    }
+    CHECK(same_run(ra, ref));
+    CHECK(same_run(rb, ref));
+    di_session_stats sa, sb;
+    di_session_get_stats(a, &sa);
+    di_session_get_stats(b, &sb);
+    CHECK_EQ(sa.n_device_losses, 1);
+    CHECK_EQ(sa.n_device_recoveries, 1);
+    CHECK_EQ(sa.n_replayed_tokens, N_PROMPT + 2);
+    CHECK_EQ(sb.n_device_losses, 0);
+    CHECK_EQ(sb.n_replayed_tokens, N_PROMPT + 2);
+    CHECK_EQ(di_session_n_past(a), N_PROMPT + N_GEN);
+    di_session_destroy(a);
+    di_session_destroy(b);
+    // The drill: the first call fails without running.
+    setenv("DI_SESSION_LOSE_DEVICE", "1", 1);
+    a = session(m, 0);
+    unsetenv("DI_SESSION_LOSE_DEVICE");
+    memset(ra, 0, sizeof *ra);
+    for (int k = 0; a && k <= N_GEN; k++) CHECK_EQ(step(a, ra, k), DI_OK);
+    CHECK(same_run(ra, ref));
+    di_session_get_stats(a, &sa);
+    CHECK_EQ(sa.n_device_losses, 1);
+    CHECK_EQ(sa.n_device_recoveries, 1);
+    di_session_destroy(a);
+
+    // (b) device_loss_max 1: the second loss within the window is not recovered.
+    a = session(m, 1);
+    for (int k = 0; a && k <= 2; k++) CHECK_EQ(step(a, ra, k), DI_OK);
+    di_cpu_backend_lose(m->dev_backend, 3);
+    CHECK_EQ(step(a, ra, 3), DI_OK); // recovered
+    di_cpu_backend_lose(m->dev_backend, 3);
+    CHECK_EQ(step(a, ra, 4), DI_ERR_DEVICE_LOST);
+    CHECK_EQ(di_session_n_past(a), N_PROMPT + 3); // its tokens kept
+    CHECK_EQ(step(a, ra, 4), DI_ERR_DEVICE_LOST); // still lost, still over the bound
+    di_session_get_stats(a, &sa);
+    CHECK_EQ(sa.n_device_losses, 3);
+    CHECK_EQ(sa.n_device_recoveries, 1);
+    di_session_destroy(a);
+    // A fresh rebuild (no session holds a state) makes the model usable again.
+    CHECK_EQ(di_model_dev_rebuild(m), DI_OK);
+    memset(ra, 0, sizeof *ra);
+    a = session(m, 0);
+    for (int k = 0; a && k <= N_GEN; k++) CHECK_EQ(step(a, ra, k), DI_OK);
+    CHECK(same_run(ra, ref));
+    di_session_destroy(a);
+    fprintf(stderr, "%s: device loss recovered bit for bit; bound enforced\n", name);
+    free(ref);
+    free(ra);
+    free(rb);
+    di_model_destroy(m);
+}
+
+static void test_loss_v4(void) {
+    test_loss(g_dir4, "(a, b) V4");
+}
+
+static void test_loss_v41(void) {
+    test_loss(g_dir41, "(a, b) V4.1");
+}
+
+// ---- (c) save / restore ----
+
+enum { K_SAVE = 4 }; // saved after the prompt and 4 decode steps (at position N_PROMPT + 4)
+
+// Continues s from step K_SAVE + 1 with ref's tokens into r; true when every row equals ref's.
+static bool continues(di_session *s, const run *ref, run *r) {
+    for (int k = K_SAVE + 1; k <= N_GEN; k++) {
+        di_forward_out fo = {.logits = r->logits[k], .last_only = true};
+        if (di_session_forward(s, &ref->tok[k - 1], 1, &fo) != DI_OK) return false;
+    }
+    return !memcmp(r->logits[K_SAVE + 1], ref->logits[K_SAVE + 1],
+                   sizeof(float) * V * (N_GEN - K_SAVE));
+}
+
+static void test_save(const char *dir, const char *other_dir, const char *name) {
+    di_model *m = load(dir, true), *cpu = load(dir, false), *other = load(other_dir, true);
+    CHECK(m && cpu && other);
+    if (!m || !cpu || !other) goto done;
+    run *ref = calloc(1, sizeof *ref), *r = calloc(1, sizeof *r), *rc = calloc(1, sizeof *rc);
+    CHECK(reference(m, ref));
+    // The saved session: the prompt and K_SAVE decode steps.
+    di_session *s = session(m, 0);
+    for (int k = 0; s && k <= K_SAVE; k++) CHECK_EQ(step(s, r, k), DI_OK);
+    void *bytes = NULL;
+    size_t nb = 0;
+    CHECK_EQ(di_session_save(s, &bytes, &nb), DI_OK);
+    CHECK_EQ(nb, 24 + 4 * (size_t)(N_PROMPT + K_SAVE) + 8); // header, tokens, checksum
+    CHECK(continues(s, ref, r));
+    di_session_destroy(s);
+
+    // Into a fresh device session.
+    di_session *d = session(m, 0);
+    CHECK_EQ(di_session_restore(d, bytes, nb), DI_OK);
+    CHECK_EQ(di_session_n_past(d), N_PROMPT + K_SAVE);
+    // Bad bytes leave it unchanged: every byte flipped, every truncation.
+    unsigned char *bad = malloc(nb);
+    int n_refused = 0, n_tries = 0;
+    di_log_set_sink(count_sink, NULL); // hundreds of refusals, each logged once
+    g_n_errors = 0;
+    for (size_t i = 0; i < nb; i++) {
+        memcpy(bad, bytes, nb);
+        bad[i] ^= 0x40;
+        n_refused += di_session_restore(d, bad, nb) == DI_ERR_FORMAT;
+        n_tries++;
+    }
+    for (size_t n = 0; n < nb; n++, n_tries++)
+        n_refused += di_session_restore(d, bytes, n) == DI_ERR_FORMAT;
+    di_log_set_sink(NULL, NULL);
+    CHECK_EQ(n_refused, n_tries);
+    CHECK_EQ(g_n_errors, n_tries);
+    // Another model's token state; a context too small for it.
+    di_session *o = session(other, 0);
+    run *ro = calloc(1, sizeof *ro);
+    CHECK_EQ(step(o, ro, 0), DI_OK);
+    void *obytes = NULL;
+    size_t onb = 0;
+    CHECK_EQ(di_session_save(o, &obytes, &onb), DI_OK);
+    CHECK_EQ(di_session_restore(d, obytes, onb), DI_ERR_FORMAT);
+    di_session_options small = {.n_ctx_max = N_PROMPT};
+    di_session *t = NULL;
+    CHECK_EQ(di_session_create(m, &small, &t), DI_OK);
+    CHECK_EQ(di_session_restore(t, bytes, nb), DI_ERR_FORMAT);
+    di_session_destroy(t);
+    // A CPU session's state into the device session: DI_ERR_FORMAT, unchanged.
+    di_session *c = session(cpu, 0);
+    CHECK_EQ(step(c, rc, 0), DI_OK);
+    void *cbytes = NULL;
+    size_t cnb = 0;
+    CHECK_EQ(di_session_save(c, &cbytes, &cnb), DI_OK);
+    CHECK_EQ(di_session_restore(d, cbytes, cnb), DI_ERR_FORMAT);
+    CHECK_EQ(di_session_n_past(d), N_PROMPT + K_SAVE);
+    memset(r, 0, sizeof *r);
+    CHECK(continues(d, ref, r)); // bit for bit the uninterrupted run
+
+    // Into the CPU session (it had fed the prompt: restore resets it): the CPU forward's logits of
+    // the same tokens, i.e. those of a CPU session fed them directly.
+    run *cref = calloc(1, sizeof *cref);
+    di_session *c2 = session(cpu, 0);
+    for (int k = 0; c2 && k <= N_GEN; k++) {
+        di_forward_out fo = {.logits = cref->logits[k], .last_only = true};
+        CHECK_EQ(k == 0 ? di_session_forward(c2, g_prompt, N_PROMPT, &fo)
+                        : di_session_forward(c2, &ref->tok[k - 1], 1, &fo),
+                 DI_OK);
+        cref->tok[k] = ref->tok[k];
+    }
+    CHECK_EQ(di_session_restore(c, bytes, nb), DI_OK);
+    CHECK_EQ(di_session_n_past(c), N_PROMPT + K_SAVE);
+    memset(rc, 0, sizeof *rc);
+    CHECK(continues(c, cref, rc));
+    // A CPU session's own state still round-trips on the CPU.
+    di_session_reset(c);
+    CHECK_EQ(di_session_restore(c, cbytes, cnb), DI_OK);
+    CHECK_EQ(di_session_n_past(c), N_PROMPT);
+    fprintf(stderr,
+            "%s: token state of %zu bytes: device -> device and device -> CPU continue "
+            "bit for bit; %d bad images refused\n",
+            name, nb, n_tries);
+    di_free_buffer(bytes);
+    di_free_buffer(obytes);
+    di_free_buffer(cbytes);
+    free(bad);
+    free(ref);
+    free(r);
+    free(rc);
+    free(ro);
+    free(cref);
+    di_session_destroy(d);
+    di_session_destroy(o);
+    di_session_destroy(c);
+    di_session_destroy(c2);
+done:
+    di_model_destroy(m);
+    di_model_destroy(cpu);
+    di_model_destroy(other);
+}
+
+static void test_save_v4(void) {
+    test_save(g_dir4, g_dir41, "(c) V4");
+}
+
+static void test_save_v41(void) {
+    test_save(g_dir41, g_dir4, "(c) V4.1");
+}
+
+int main(void) {
+    snprintf(g_dir4, sizeof g_dir4, "/tmp/di_test_session_dev4_XXXXXX");
+    snprintf(g_dir41, sizeof g_dir41, "/tmp/di_test_session_dev41_XXXXXX");
+    if (!mkdtemp(g_dir4) || !mkdtemp(g_dir41)) return 1;
+    di_synth_config c;
+    CHECK(di_synth_preset("tiny-128", &c) == DI_OK);
+    c.n_vocab = V;
+    CHECK(di_synth_write(&c, g_dir4) == DI_OK);
+    CHECK_EQ(di_synth_v41_write(g_dir41, true, false, 43), DI_OK);
+    for (int t = 0; t < N_PROMPT; t++) g_prompt[t] = (int32_t)((t * 31 + t * t + 3) % V);
+    di_set_log_level(1);
+    RUN(test_loss_v4);
+    RUN(test_loss_v41);
+    RUN(test_save_v4);
+    RUN(test_save_v41);
+    di_test_remove_dir(g_dir4);
+    di_test_remove_dir(g_dir41);
+    return test_finish();
+}
