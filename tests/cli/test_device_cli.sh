@@ -5,6 +5,9 @@
 # lists with exit 2 and says how to get one; a CUDA build on a machine without a GPU fails the
 # load with exit 1 and a clear message, never a crash; on a GPU, cuda:0,0 runs two pipeline stages.
 # info --stages N on V4 and on V4.1 (synth v41-tiny: any cut, inside kv sources' ranges too).
+# generate's device-loss recovery (DI_SESSION_LOSE_DEVICE, the sessions' drill): on the CPU
+# forward nothing to rebuild (exit 1, says so); on a GPU the recovered run prints the output of a
+# run without the loss and one warning per recovery, and more losses than --device-loss-max fail.
 # (The GPU's numbers: tests/backend/cuda/test_cuda_device.c, label cuda.)
 # Usage: test_device_cli.sh PATH/TO/deepinfer   (run from the source root by ctest; DI_HAVE_CUDA=1
 # in a DI_CUDA build)
@@ -48,6 +51,21 @@ check "v41 info --stages 3: cuts 2 and 4 (inside the kv sources' ranges)" \
 check "v41 info --stages 6: one layer each" "$(grep -c 'layers \[[0-5], [1-6])' "$T/out41")" "6"
 "$B" info --model "$M41" --stages 7 >/dev/null 2>"$T/err"
 check "v41 info --stages 7 on 6 layers exits 1" "$?" "1"
+
+# The sessions' device-loss drill and bound options (any build).
+DI_SESSION_LOSE_DEVICE=1 "$B" generate --model $M --tokens 5,17 -n 2 >/dev/null 2>"$T/err"
+check "generate drill on the CPU forward exits 1" "$?" "1"
+check "generate drill on the CPU forward says why" \
+    "$(grep -c 'no device state to rebuild' "$T/err")" "1"
+for v in 0 -1 x; do
+    "$B" generate --model $M --tokens 5,17 -n 2 --device-loss-max "$v" >/dev/null 2>&1
+    check "generate --device-loss-max $v exits 2" "$?" "2"
+    "$B" generate --model $M --tokens 5,17 -n 2 --device-loss-window "$v" >/dev/null 2>&1
+    check "generate --device-loss-window $v exits 2" "$?" "2"
+done
+"$B" generate --model $M --tokens 5,17 -n 2 --device-loss-max 2 --device-loss-window 60 \
+    >/dev/null 2>&1
+check "generate --device-loss-max 2 --device-loss-window 60 exits 0" "$?" "0"
 
 msg='this build has no CUDA backend: configure with -DDI_CUDA=ON'
 if [ "${DI_HAVE_CUDA:-0}" != 1 ]; then
@@ -99,5 +117,20 @@ else
         "$("$B" info --model "$M41" --device cuda:0,0 --log-level error | grep -c '^pipeline stage')" "2"
     "$B" info --model "$M41" --device cuda:0,0,0,0,0,0,0 >/dev/null 2>"$T/err"
     check "v41 --device cuda:0,0,0,0,0,0,0 (7 stages, 6 layers) exits 1" "$?" "1"
+    # Sessions recover from a lost device (the drill: the calls fail without running; the reset
+    # and rebuild are real): the same tokens, one warning per recovery; past the bound, exit 1.
+    for mdl in $M "$M41"; do
+        "$B" generate --model $mdl --tokens "$ids" -n 8 --device cuda --log-level error \
+            >"$T/want" 2>/dev/null
+        DI_SESSION_LOSE_DEVICE=2 "$B" generate --model $mdl --tokens "$ids" -n 8 --device cuda \
+            >"$T/got" 2>"$T/err"
+        check "$mdl: generate recovers from two losses" "$?" "0"
+        check "$mdl: the same tokens after the recoveries" "$(cmp "$T/want" "$T/got" && echo same)" "same"
+        check "$mdl: a warning per recovery" "$(grep -c 'warning: the device was lost; recovered' "$T/err")" "2"
+        DI_SESSION_LOSE_DEVICE=3 "$B" generate --model $mdl --tokens "$ids" -n 8 --device cuda \
+            --device-loss-max 2 >/dev/null 2>"$T/err"
+        check "$mdl: three losses over --device-loss-max 2 exit 1" "$?" "1"
+        check "$mdl: ... and say so" "$(grep -c 'not rebuilding it again' "$T/err")" "1"
+    done
 fi
 exit $fail

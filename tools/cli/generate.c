@@ -18,7 +18,12 @@ static void usage(FILE *f) {
             "                          [--precision fp32|official] [--device cpu|cuda[:N,...]]\n"
             "                          [--no-stop] [--dspark] [--ep-workers HOST:PORT,...]\n"
             "                          [--ep-placement FILE] [--cp-workers HOST:PORT,...]\n"
-            "                          [--cp-min-tokens N]\n"
+            "                          [--cp-min-tokens N] [--device-loss-max 3]\n"
+            "                          [--device-loss-window 600]\n"
+            "--device-loss-max N, --device-loss-window S (the device-resident forward of\n"
+            "--device cuda): a lost device (a sticky CUDA error) is reset, the model's device\n"
+            "state rebuilt and the session's tokens replayed, so the output is unchanged (a\n"
+            "warning on stderr says so); at most N losses within S seconds (defaults 3, 600).\n"
             "--cp-workers (V4 and V4.1, CPU): prefill calls of at least --cp-min-tokens tokens\n"
             "(default 1024) are split over these prefill workers (deepinfer cp-worker) and this\n"
             "process; the output is identical to one process.\n"
@@ -48,6 +53,19 @@ static bool emit(int32_t t, long *n_out, long n_gen, bool stop_at_eos, int32_t e
     fflush(stdout);
     ++*n_out;
     return !(stop_at_eos && t == eos) && *n_out < n_gen;
+}
+
+// One warning line per device-loss recovery the session made since the last call (the library
+// logs the details; this says what it means for the output).
+static void warn_recoveries(const di_session *s, int64_t *n_seen) {
+    di_session_stats st;
+    di_session_get_stats(s, &st);
+    if (st.n_device_recoveries == *n_seen) return;
+    *n_seen = st.n_device_recoveries;
+    fprintf(stderr,
+            "\ndeepinfer generate: warning: the device was lost; recovered (recovery %lld: device "
+            "state rebuilt, %lld tokens replayed in all): the output continues unchanged\n",
+            (long long)st.n_device_recoveries, (long long)st.n_replayed_tokens);
 }
 
 static int32_t argmax(const float *v, int32_t n) {
@@ -140,7 +158,7 @@ static bool render_prompt(const char *model_dir, const char *text, di_tokenizer 
 int di_cli_generate(int argc, char **argv) {
     di_model_args ma = {.opt = di_model_options_default()};
     const char *tokens_s = NULL, *prompt_s = NULL;
-    long n_gen = 64, seed = 0;
+    long n_gen = 64, seed = 0, loss_max = 0, loss_window = 0;
     double temperature = 0;
     bool stop_at_eos = true, dspark = false, timing = false;
     for (int i = 1; i < argc; i++) {
@@ -175,6 +193,10 @@ int di_cli_generate(int argc, char **argv) {
             prompt_s = v;
         else if (strcmp(a, "-n") == 0) {
             if (!di_args_int(v, "-n", 0, 1 << 24, &n_gen)) return 2;
+        } else if (strcmp(a, "--device-loss-max") == 0) {
+            if (!di_args_int(v, "--device-loss-max", 1, 1000000, &loss_max)) return 2;
+        } else if (strcmp(a, "--device-loss-window") == 0) {
+            if (!di_args_int(v, "--device-loss-window", 1, 0x7fffffffL, &loss_window)) return 2;
         } else if (strcmp(a, "--seed") == 0) {
             if (!di_args_int(v, "--seed", 0, 0x7fffffffL, &seed)) return 2;
         } else if (strcmp(a, "--temperature") == 0) {
@@ -231,6 +253,8 @@ int di_cli_generate(int argc, char **argv) {
     }
     di_session_options so = di_session_options_default();
     so.mtp = dspark;
+    so.device_loss_max = (int32_t)loss_max;
+    so.device_loss_window_s = (int32_t)loss_window;
     // On a GPU the session's state is sized for its whole context at create (the device-resident
     // forward): the prompt, the output and a verified draft block, not the model's maximum.
     if (ma.opt.device.kind == DI_DEVICE_CUDA && (int64_t)n_prompt + n_gen + 17 < INT32_MAX)
@@ -250,7 +274,10 @@ int di_cli_generate(int argc, char **argv) {
     di_forward_out fo = {.logits = logits, .last_only = true};
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    if ((st = di_session_forward(s, prompt, n_prompt, &fo)) != DI_OK) {
+    int64_t n_recovered = 0;
+    st = di_session_forward(s, prompt, n_prompt, &fo);
+    warn_recoveries(s, &n_recovered);
+    if (st != DI_OK) {
         fprintf(stderr, "deepinfer generate: %s\n", di_status_str(st));
         goto done;
     }
@@ -287,7 +314,9 @@ int di_cli_generate(int argc, char **argv) {
         }
         fflush(stdout);
         if ((stop_at_eos && next == eos) || i + 1 == n_gen) break;
-        if ((st = di_session_forward(s, &next, 1, &fo)) != DI_OK) {
+        st = di_session_forward(s, &next, 1, &fo);
+        warn_recoveries(s, &n_recovered);
+        if (st != DI_OK) {
             fprintf(stderr, "\ndeepinfer generate: %s\n", di_status_str(st));
             goto done;
         }
