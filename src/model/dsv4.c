@@ -107,8 +107,10 @@ static di_status open_dev_on(di_model *m, const di_device *devs, int32_t n, bool
 }
 
 // Destroys the device-resident forward and the backends m owns (the forward first: it frees its
-// memory through them).
+// memory through them), after the device states of the sessions on it (they replay at their next
+// call: "sessions on the device-resident forward").
 static void close_dev(di_model *m) {
+    while (m->dev_sessions) di_dsv4_session_dev_close(m->dev_sessions);
     di_dsv4_dev_destroy(m->dev);
     di_dsv41_dev_destroy(m->dev41);
     m->dev = NULL;

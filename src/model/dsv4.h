@@ -168,12 +168,13 @@ di_status di_model_dev_open(di_model *m, const di_device *devs, int32_t n_devs);
 // m->dev41) and the backends it runs on, resets their devices (di_backend_reset_device, each
 // once: stages may share one; the offload context, m->accel, is closed before and reopened
 // after), then opens the same devices again and attaches the forward with the same stages, its
-// weights uploaded again from the still-mapped checkpoint. Everything made on the old forward
-// (dev states, sessions on it, MTP enabled with di_dsv4_dev_mtp_enable, graphs, host memory from
-// its backends) must be destroyed before, and remade by the caller after. DI_ERR_UNSUPPORTED (the
-// backends are the caller's, not the model's: it cannot reopen them), DI_ERR_INVALID (no
-// device-resident forward), a reset's, the open's or the attach's error: then m has no
-// device-resident forward (logged). Not while a forward runs.
+// weights uploaded again from the still-mapped checkpoint. The device states of the model's
+// sessions on it (di_session_*) are dropped first (each replays its tokens at its next call);
+// everything else made on the old forward (dev states, MTP enabled with di_dsv4_dev_mtp_enable,
+// graphs, host memory from its backends) must be destroyed before, and remade by the caller after.
+// DI_ERR_UNSUPPORTED (the backends are the caller's, not the model's: it cannot reopen them),
+// DI_ERR_INVALID (no device-resident forward), a reset's, the open's or the attach's error: then m
+// has no device-resident forward (logged). Not while a forward runs.
 di_status di_model_dev_rebuild(di_model *m);
 
 // The matmul of every layer: the accelerator's when one is attached and takes it, else

@@ -9,7 +9,8 @@
 //       DI_ERR_DEVICE_LOST): A recovers inside the call (its stats count one loss, one recovery,
 //       its tokens replayed), B replays at its next call (no loss of its own); both give the
 //       reference's logits and tokens. Then DI_SESSION_LOSE_DEVICE=1 (the drill): a new session's
-//       first call fails without running and is recovered the same way.
+//       first call fails without running and is recovered the same way; and di_model_dev_rebuild
+//       called from outside mid-generation (as the engine would): the session replays.
 //   (b) the bound: device_loss_max 1: a second loss within the window ends the call with
 //       DI_ERR_DEVICE_LOST, the session keeping its position; a further call fails the same way
 //       (the device stays lost); the model is usable again after a fresh rebuild.
@@ -136,6 +137,19 @@ static void test_loss(const char *dir, const char *name) {
     di_session_get_stats(a, &sa);
     CHECK_EQ(sa.n_device_losses, 1);
     CHECK_EQ(sa.n_device_recoveries, 1);
+    di_session_destroy(a);
+    // A rebuild from outside the session (the serving engine's, a caller's): the session's state
+    // is dropped with the old forward and replayed at its next call.
+    a = session(m, 0);
+    memset(ra, 0, sizeof *ra);
+    for (int k = 0; a && k <= N_GEN; k++) {
+        if (k == 3) CHECK_EQ(di_model_dev_rebuild(m), DI_OK);
+        CHECK_EQ(step(a, ra, k), DI_OK);
+    }
+    CHECK(same_run(ra, ref));
+    di_session_get_stats(a, &sa);
+    CHECK_EQ(sa.n_device_losses, 0);
+    CHECK_EQ(sa.n_replayed_tokens, N_PROMPT + 2);
     di_session_destroy(a);
 
     // (b) device_loss_max 1: the second loss within the window is not recovered.
