@@ -254,13 +254,13 @@ di_session_options di_session_options_default(void);
 // Creates an empty sequence state (position 0). DI_ERR_INVALID if mtp is requested but the
 // checkpoint has no MTP block, or for a negative count; DI_ERR_NOMEM.
 // Sessions on the device-resident forward (a model loaded with --device cuda, V4 or V4.1, the
-// session without mtp; docs/cuda.md "Sessions") keep the tokens they were fed on the host (4
-// bytes a position): device-loss recovery and di_session_save replay them. Creating and destroying
-// such sessions must not overlap the forward calls of the model's other sessions (a recovery
-// rebuilds the device state of all of them). DI_SESSION_LOSE_DEVICE=N (debug) makes the first N
-// forward calls of every session created afterwards fail as on a lost device, without running: a
-// drill of the recovery (on the CPU forward there is nothing to rebuild: the call fails with
-// DI_ERR_DEVICE_LOST).
+// session without mtp; docs/cuda.md "Sessions on the device-resident forward") keep the tokens they
+// were fed on the host (4 bytes a position): device-loss recovery and di_session_save replay them.
+// Creating and destroying such sessions must not overlap the forward calls of the model's other
+// sessions (a recovery rebuilds the device state of all of them). DI_SESSION_LOSE_DEVICE=N (debug)
+// makes the first N forward calls of every session created afterwards fail as on a lost device,
+// without running: a drill of the recovery (on the CPU forward there is nothing to rebuild: the
+// call fails with DI_ERR_DEVICE_LOST).
 di_status di_session_create(di_model *model, const di_session_options *opt, di_session **out);
 void di_session_destroy(di_session *s);
 // Tokens consumed so far (= position of the next token).
@@ -302,10 +302,10 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
 
 // Serialises the state into a new buffer (*bytes, free with di_free_buffer). On the CPU forward:
 // the whole state (position, window rings, compressed pools, compressor buffers). On the
-// device-resident forward: the model's identity and the tokens fed (a token state: 24 bytes +
+// device-resident forward: the model's identity and the tokens fed (a token state: 32 bytes +
 // 4 a position, whatever the model's size), which di_session_restore replays (the device's state
 // is not downloaded: the device-resident forward keeps no rollback rows and snapshots its rings
-// only at block boundaries, docs/cuda.md "Sessions"). DI_ERR_NOMEM.
+// only at block boundaries: docs/cuda.md "Sessions on the device-resident forward"). DI_ERR_NOMEM.
 di_status di_session_save(const di_session *s, void **bytes, size_t *n_bytes);
 // Restores a state written by di_session_save for the same model. A token state (saved on the
 // device-resident forward) restores into any session of the model, on the device or on the CPU:
@@ -333,7 +333,8 @@ void di_session_get_stats(const di_session *s, di_session_stats *out);
 // Takes back the last n_tokens positions (speculative tokens the target rejected): afterwards the
 // session is exactly the state of a run that never fed them (its logits and MTP logits too). At
 // most 16 positions per call on DeepSeek V4.1, 8 on V4. Returns DI_ERR_INVALID (n_tokens < 0, more
-// than fed, over the limit, a V4 session on the device-resident forward); nothing changes then.
+// than fed, over the limit, a session on the device-resident forward, V4 or V4.1); nothing changes
+// then.
 di_status di_session_rollback(di_session *s, int32_t n_tokens);
 
 // One DSpark draft block (DeepSeek V4.1, spec deepseek-v41.md §3.3).
