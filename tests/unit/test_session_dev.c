@@ -20,6 +20,8 @@
 //       a CPU session fed the same tokens); every byte flipped, every truncation, another model's
 //       state, a context too small and a CPU state given to a device session are DI_ERR_FORMAT and
 //       leave the device session unchanged; a token state restores into a CPU session of its own.
+//   (d) (a) and (b) again on two pipeline stages (V4 and V4.1), the second stage's backend lost
+//       (release build only: under ASan the same code paths as (a, b)).
 #include "harness.h"
 
 #include <stdlib.h>
@@ -30,8 +32,9 @@
 #include "model/dsv4.h"
 #include "model/synth.h"
 
-// Under ASan + UBSan (a memory check, about 35 times slower) a shorter prompt and run: 23 s (89
-// with the full one) against 2.5 s in a release build.
+// Under ASan + UBSan (a memory check, about 35 times slower) a shorter prompt and run, without
+// (d): 23 s on an idle 2-core machine (about 15 s of CPU; 89 s with the full run) against 2.5 s
+// in a release build (5 s with (d)).
 #if defined(__SANITIZE_ADDRESS__)
 enum { N_PROMPT = 20, N_GEN = 6 };
 #else
@@ -56,14 +59,16 @@ static int32_t argmax(const float *v) {
     return b;
 }
 
+static int32_t g_stages = 1; // pipeline stages of the twin ((d): 2, the last one's backend lost)
+
 // A model of dir with (twin) or without the device-resident forward's CPU twin.
 static di_model *load(const char *dir, bool twin) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 2;
     di_model *m = NULL;
     if (di_model_load(dir, &mo, &m) != DI_OK) return NULL;
-    di_device dev = {.kind = DI_DEVICE_CPU};
-    if (twin && di_model_dev_open(m, &dev, 1) != DI_OK) {
+    di_device devs[2] = {{.kind = DI_DEVICE_CPU}, {.kind = DI_DEVICE_CPU}};
+    if (twin && di_model_dev_open(m, devs, g_stages) != DI_OK) {
         di_model_destroy(m);
         return NULL;
     }
@@ -107,6 +112,11 @@ static bool same_run(const run *a, const run *b) {
 
 // ---- (a), (b) device loss ----
 
+// The backend a test loses: the last stage's (after a rebuild, the new one).
+static di_backend *lost(const di_model *m) {
+    return g_stages > 1 ? m->dev_more[g_stages - 2] : m->dev_backend;
+}
+
 static void test_loss(const char *dir, const char *name) {
     di_model *m = load(dir, true);
     CHECK(m && (m->dev || m->dev41));
@@ -117,7 +127,7 @@ static void test_loss(const char *dir, const char *name) {
     CHECK(a && b);
     for (int k = 0; a && b && k <= N_GEN; k++) {
         // Inside A's third decode step, 5 backend entries into it.
-        if (k == 3) di_cpu_backend_lose(m->dev_backend, 5);
+        if (k == 3) di_cpu_backend_lose(lost(m), 5);
         CHECK_EQ(step(a, ra, k), DI_OK);
         CHECK_EQ(step(b, rb, k), DI_OK);
     }
@@ -162,9 +172,9 @@ static void test_loss(const char *dir, const char *name) {
     // (b) device_loss_max 1: the second loss within the window is not recovered.
     a = session(m, 1);
     for (int k = 0; a && k <= 2; k++) CHECK_EQ(step(a, ra, k), DI_OK);
-    di_cpu_backend_lose(m->dev_backend, 3);
+    di_cpu_backend_lose(lost(m), 3);
     CHECK_EQ(step(a, ra, 3), DI_OK); // recovered
-    di_cpu_backend_lose(m->dev_backend, 3);
+    di_cpu_backend_lose(lost(m), 3);
     CHECK_EQ(step(a, ra, 4), DI_ERR_DEVICE_LOST);
     CHECK_EQ(di_session_n_past(a), N_PROMPT + 3); // its tokens kept
     CHECK_EQ(step(a, ra, 4), DI_ERR_DEVICE_LOST); // still lost, still over the bound
@@ -193,6 +203,16 @@ static void test_loss_v4(void) {
 static void test_loss_v41(void) {
     test_loss(g_dir41, "(a, b) V4.1");
 }
+
+#if !defined(__SANITIZE_ADDRESS__) // the same code paths as (a, b): release only
+// (d) (a) and (b) on two pipeline stages, the second stage's backend lost (every stage rebuilt).
+static void test_loss_stages(void) {
+    g_stages = 2;
+    test_loss(g_dir4, "(d) V4, 2 stages");
+    test_loss(g_dir41, "(d) V4.1, 2 stages");
+    g_stages = 1;
+}
+#endif
 
 // ---- (c) save / restore ----
 
@@ -331,6 +351,9 @@ int main(void) {
     di_set_log_level(1);
     RUN(test_loss_v4);
     RUN(test_loss_v41);
+#if !defined(__SANITIZE_ADDRESS__)
+    RUN(test_loss_stages);
+#endif
     RUN(test_save_v4);
     RUN(test_save_v41);
     di_test_remove_dir(g_dir4);
