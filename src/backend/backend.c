@@ -36,3 +36,19 @@ void di_backend_destroy(di_backend *b) {
     if (!b) return;
     b->vt->destroy(b);
 }
+
+bool di_backend_can_peer(const di_backend *b, const di_backend *src_b) {
+    return b->vt == src_b->vt && b->vt->can_peer && b->vt->can_peer(b, src_b);
+}
+
+di_status di_backend_hand_over(di_backend *b, void *dst, di_backend *src_b, const void *src,
+                               size_t bytes, void *bounce, bool *peer) {
+    if (di_backend_can_peer(b, src_b)) {
+        *peer = true;
+        return bytes ? b->vt->peer_copy(b, dst, src_b, src, bytes) : DI_OK;
+    }
+    DI_ASSERT(bounce); // the caller allocates one wherever a pair of its backends cannot peer
+    *peer = false;
+    di_status st = src_b->vt->download(src_b, bounce, src, bytes); // waits for src_b's work
+    return st == DI_OK ? b->vt->upload(b, dst, bounce, bytes) : st;
+}

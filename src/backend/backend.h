@@ -1,6 +1,8 @@
 /*
- * backend — the compute backend vtable (conventions §7): memory, copies, synchronisation, weight
- * upload, supports_op, and one entry per op of the device-resident V4 forward
+ * backend — the compute backend vtable (conventions §7): memory, copies (within a backend, to and
+ * from the host, and between two backends: the pipeline stages' hand-over, di_backend_hand_over),
+ * synchronisation, weight upload, supports_op, and one entry per op of the device-resident V4
+ * forward
  * (model/dsv4_dev.h). Two implementations:
  *   - CPU (backend/cpu/cpu_backend.c): "device" memory is host memory and every op runs the
  *     CPU kernels on it. It is the oracle twin of the CUDA backend: the device-resident forward
@@ -23,7 +25,7 @@
  *
  * Owns: a di_backend owns its context, every block from alloc not yet freed, and every uploaded
  * weight (freed at destroy). Thread-safety: one thread at a time (the thread running the
- * forward); create/destroy on any thread.
+ * forward; a copy between two backends uses both); create/destroy on any thread.
  */
 #pragma once
 
@@ -118,6 +120,20 @@ typedef struct di_backend_vt {
     di_status (*weight_upload)(di_backend *b, const di_tensor *host, di_tensor *dev);
     // Whether the backend computes matmuls with weights of this kind (host tensor).
     bool (*supports_matmul)(const di_backend *b, const di_tensor *w);
+    // Copies between two backends of this kind (the pipeline stages' hand-over; callers use
+    // di_backend_hand_over below, which falls back to a host bounce). can_peer: whether
+    // peer_copy can copy from src_b's memory into b's directly: the CPU backend always (one
+    // address space; di_cpu_backend_set_peer turns it off for tests), CUDA for the same device
+    // (two backends on it: a device copy) or two devices with peer access both ways (enabled at
+    // open: cudaDeviceCanAccessPeer, cudaDeviceEnablePeerAccess). peer_copy: b's dst <- src_b's
+    // src, `bytes`: enqueued on b's stream after everything enqueued on src_b before it, and
+    // everything enqueued later on either backend after it (CUDA: an event each way between the
+    // two streams, cudaMemcpyPeerAsync); asynchronous to the host like copy. Not inside a capture
+    // of either (refused: DI_ERR_INVALID, the capture fails); DI_ERR_UNSUPPORTED when !can_peer;
+    // either backend lost: DI_ERR_DEVICE_LOST.
+    bool (*can_peer)(const di_backend *b, const di_backend *src_b);
+    di_status (*peer_copy)(di_backend *b, void *dst, di_backend *src_b, const void *src,
+                           size_t bytes);
 
     // ---- ops ----
     // y[t*ys + o] = sum_i W[o, i] x[t*xs + i] (backend/cpu/gemm.h contract). x, y do not overlap.
@@ -327,6 +343,17 @@ di_status di_backend_reset_device(const di_device *dev);
 di_status di_cpu_backend_create(int n_threads, di_backend **out);
 // Test hook (a simulated device loss on the CPU twin): after n_ok more entries (graph commands
 // count one each as they replay) the CPU backend b is lost: that entry and every later one return
+// Whether di_backend_hand_over copies from src_b into b directly (the same kind of backend and
+// its can_peer), i.e. needs no bounce buffer.
+bool di_backend_can_peer(const di_backend *b, const di_backend *src_b);
+// b's dst <- src_b's src (bytes; the pipeline stages' hand-over, between the stages' launches):
+// peer_copy where di_backend_can_peer (asynchronous, ordered between the two streams; *peer =
+// true), else through the host: src_b downloads into `bounce` (host memory of at least `bytes`,
+// page-locked for speed: host_alloc), b uploads it (both synchronous; *peer = false). bounce may
+// be NULL only where di_backend_can_peer. src_b may be b (a plain copy). Errors of the entries.
+di_status di_backend_hand_over(di_backend *b, void *dst, di_backend *src_b, const void *src,
+                               size_t bytes, void *bounce, bool *peer);
+
 // DI_ERR_DEVICE_LOST (the frees and destroy still work) until b is destroyed. n_ok 0: the next
 // entry fails; n_ok < 0 disarms a pending loss (a lost backend stays lost). The thread using b.
 void di_cpu_backend_lose(di_backend *b, int64_t n_ok);
@@ -336,6 +363,10 @@ bool di_cpu_backend_is_lost(const di_backend *b);
 // the ops of a captured step with it).
 int64_t di_cpu_backend_graph_n_cmds(const void *graph);
 di_status di_cuda_backend_create(int device, di_backend **out); // only with DI_HAVE_CUDA
+// Test hook: whether the CPU backend b copies to and from other CPU backends directly (can_peer;
+// true at create). false: can_peer is false both ways for b, so the pipeline stages hand over
+// through the host bounce, as between GPUs without peer access.
+void di_cpu_backend_set_peer(di_backend *b, bool on);
 di_status di_cuda_device_reset(int device); // only with DI_HAVE_CUDA (cuda_backend.h)
 
 #ifdef __cplusplus

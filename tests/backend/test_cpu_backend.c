@@ -6,8 +6,9 @@
 // (scatter destinations < 0, windows without rows); graphs: a replay equals the same calls run
 // directly, reads the memory as it is at launch, keeps the scalars and tensors of the capture, and
 // a capture refuses what a CUDA capture cannot hold; V4.1's ops (mhc_pre_carried, engram_gate,
-// index_cand, Q4e). The whole forward on this backend is tested
-// against the model in tests/model/test_dev_forward.c.
+// index_cand, Q4e); attention's key counts outside [0, max_keys] refused (directly and replayed);
+// the copy between two backends, directly and through the host bounce. The whole forward on this
+// backend is tested against the model in tests/model/test_dev_forward.c.
 #include "harness.h"
 
 #include <math.h>
@@ -308,6 +309,72 @@ static void test_kv_rows(void) {
     CHECK_EQ(
         g_b->vt->attn_kv(g_b, q, pool, keys, KS, n_keys, KS, sink, T, H, DH, 32, 0.1f, true, o2),
         DI_ERR_INVALID);
+    // A key count outside [0, max_keys] (CUDA clamps it and reports DI_ERR_INVALID at the next
+    // sync): refused before any work, called directly or replayed from a graph (the counts are
+    // read when it runs), and the output untouched.
+    const int32_t over[T] = {KS + 1, 1}, neg[T] = {1, -1};
+    float o4[T * H * DH];
+    memset(o4, 0x7f, sizeof o4);
+    memcpy(o3, o4, sizeof o4);
+    CHECK_EQ(g_b->vt->attn_kv(g_b, q, pool, keys, KS, over, KS, sink, T, H, DH, NR, 0.1f, true, o4),
+             DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->attn_kv(g_b, q, pool, keys, KS, neg, KS, sink, T, H, DH, NR, 0.1f, true, o4),
+             DI_ERR_INVALID);
+    int32_t nk_live[T] = {n_keys[0], n_keys[1]};
+    CHECK_EQ(g_b->vt->graph_begin(g_b), DI_OK);
+    CHECK_EQ(
+        g_b->vt->attn_kv(g_b, q, pool, keys, KS, nk_live, KS, sink, T, H, DH, NR, 0.1f, true, o4),
+        DI_OK);
+    CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_OK);
+    nk_live[0] = KS + 3;
+    CHECK_EQ(g_b->vt->graph_launch(g_b, g), DI_ERR_INVALID);
+    g_b->vt->graph_destroy(g_b, g);
+    CHECK(memcmp(o3, o4, sizeof o4) == 0);
+}
+
+// The copy between two backends (backend.h can_peer, peer_copy; di_backend_hand_over): two CPU
+// backends copy directly; with one of them set not to peer (the stages' test of a GPU pair without
+// peer access) the hand-over goes through the bounce buffer instead; the same bytes either way.
+// peer_copy is refused inside a capture of either backend (the capture then fails), between
+// backends that cannot peer, and on a lost one.
+static void test_peer_copy(void) {
+    di_backend *b2 = NULL;
+    CHECK_EQ(di_cpu_backend_create(1, &b2), DI_OK);
+    if (!b2) return;
+    enum { N = 1000 };
+    uint8_t *src = NULL, *dst = NULL, bounce[N], want[N];
+    CHECK_EQ(g_b->vt->alloc(g_b, N, (void **)&src), DI_OK);
+    CHECK_EQ(b2->vt->alloc(b2, N, (void **)&dst), DI_OK);
+    for (int i = 0; i < N; i++) want[i] = (uint8_t)(i * 37 + 11);
+    CHECK_EQ(g_b->vt->upload(g_b, src, want, N), DI_OK);
+    CHECK(di_backend_can_peer(b2, g_b) && di_backend_can_peer(g_b, b2));
+    CHECK(di_backend_can_peer(g_b, g_b));
+    bool peer = false;
+    memset(dst, 0, N);
+    CHECK_EQ(di_backend_hand_over(b2, dst, g_b, src, N, NULL, &peer), DI_OK);
+    CHECK(peer && memcmp(dst, want, N) == 0);
+    di_cpu_backend_set_peer(b2, false);
+    CHECK(!di_backend_can_peer(b2, g_b) && !di_backend_can_peer(g_b, b2));
+    memset(dst, 0, N);
+    memset(bounce, 0, N);
+    CHECK_EQ(di_backend_hand_over(b2, dst, g_b, src, N, bounce, &peer), DI_OK);
+    CHECK(!peer && memcmp(dst, want, N) == 0 && memcmp(bounce, want, N) == 0);
+    CHECK_EQ(b2->vt->peer_copy(b2, dst, g_b, src, N), DI_ERR_UNSUPPORTED);
+    di_cpu_backend_set_peer(b2, true);
+    // Inside a capture of the destination or of the source: refused, the capture fails.
+    void *g = NULL;
+    CHECK_EQ(b2->vt->graph_begin(b2), DI_OK);
+    CHECK_EQ(b2->vt->peer_copy(b2, dst, g_b, src, N), DI_ERR_INVALID);
+    CHECK_EQ(b2->vt->graph_end(b2, &g), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->graph_begin(g_b), DI_OK);
+    CHECK_EQ(b2->vt->peer_copy(b2, dst, g_b, src, N), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_ERR_INVALID);
+    // A lost source: refused.
+    di_cpu_backend_lose(b2, 0);
+    CHECK_EQ(g_b->vt->peer_copy(g_b, src, b2, dst, N), DI_ERR_DEVICE_LOST);
+    b2->vt->free(b2, dst);
+    g_b->vt->free(g_b, src);
+    di_backend_destroy(b2);
 }
 
 static void test_topk_offsets(void) {
@@ -685,6 +752,7 @@ int main(void) {
     RUN(test_padding);
     RUN(test_graph);
     RUN(test_v41_ops);
+    RUN(test_peer_copy);
     di_backend_destroy(g_b);
     di_backend_destroy(NULL);
     return test_finish();

@@ -63,6 +63,7 @@ typedef struct cpu_impl {
     // DI_ERR_DEVICE_LOST, as a CUDA context after a sticky error, until the backend is destroyed.
     int64_t lose_in;
     bool lost;
+    bool no_peer; // di_cpu_backend_set_peer(b, false): can_peer is false both ways (tests)
 } cpu_impl;
 
 static const di_backend_vt cpu_vt;
@@ -392,6 +393,27 @@ static di_status cpu_upload(di_backend *b, void *dst, const void *src, size_t by
 static di_status cpu_download(di_backend *b, void *dst, const void *src, size_t bytes) {
     ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "download");
+    if (bytes) memmove(dst, src, bytes);
+    return DI_OK;
+}
+
+// Between two CPU backends: one address space, so a memmove (synchronous: both "streams" are the
+// calling thread). Refused inside a capture of either, as CUDA's must be (it records events).
+static bool cpu_can_peer(const di_backend *b, const di_backend *src_b) {
+    return src_b->vt == &cpu_vt && !impl_of(b)->no_peer && !impl_of(src_b)->no_peer;
+}
+
+static di_status cpu_peer_copy(di_backend *b, void *dst, di_backend *src_b, const void *src,
+                               size_t bytes) {
+    cpu_impl *c = impl_of(b);
+    ALIVE(c);
+    if (src_b != b) ALIVE(impl_of(src_b));
+    if (c->capturing) return refuse(c, "peer_copy");
+    if (impl_of(src_b)->capturing) return refuse(impl_of(src_b), "peer_copy");
+    if (!cpu_can_peer(b, src_b)) {
+        DI_LOG_ERROR("cpu backend: peer_copy between backends that cannot peer");
+        return DI_ERR_UNSUPPORTED;
+    }
     if (bytes) memmove(dst, src, bytes);
     return DI_OK;
 }
@@ -1371,6 +1393,11 @@ int64_t di_cpu_backend_graph_n_cmds(const void *graph) {
 static void cpu_graph_destroy(di_backend *b, void *graph) {
     (void)b;
     cpu_graph *g = graph;
+void di_cpu_backend_set_peer(di_backend *b, bool on) {
+    DI_ASSERT(b->vt == &cpu_vt);
+    impl_of(b)->no_peer = !on;
+}
+
     if (!g) return;
     di_free(g->cmds);
     di_free(g);
@@ -1417,6 +1444,8 @@ static const di_backend_vt cpu_vt = {
     .mhc_pre = cpu_mhc_pre,
     .mhc_post = cpu_mhc_post,
     .moe = cpu_moe,
+    .can_peer = cpu_can_peer,
+    .peer_copy = cpu_peer_copy,
     .scatter_rows = cpu_scatter_rows,
     .add_ape = cpu_add_ape,
     .compress_pool = cpu_compress_pool,
