@@ -445,7 +445,10 @@ static void dev_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out) {
                                          .n_cached = g.n_cached,
                                          .last_ops = g.last_ops,
                                          .last_uploads = g.last_uploads,
-                                         .last_upload_bytes = g.last_upload_bytes};
+                                         .last_upload_bytes = g.last_upload_bytes,
+                                         .n_handover_peer = g.n_handover_peer,
+                                         .n_handover_host = g.n_handover_host,
+                                         .last_handover_bytes = g.last_handover_bytes};
     }
 }
 

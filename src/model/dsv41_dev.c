@@ -301,10 +301,11 @@ struct di_dsv41_dev_state {
     di_dsv41_dev *d; // borrowed
     int32_t n_stages;
     stage_state *ss[DI_DSV41_DEV_MAX_STAGES]; // owned, one per stage
-    // host_alloc of stage 0's backend (n_stages > 1): the streams and pre [max_rows, NC * D + NC]
-    // floats, then the other hand-overs' regions at these byte offsets: per handed kv source its
-    // rows (max_rows * (Dh + DI) floats), the top-k [max_rows, index_topk], the candidate pool
-    // [max_rows, ntb] and its counts [max_rows] (int32).
+    // The host bounce of hand-overs between stages that cannot peer (di_backend_can_peer; NULL
+    // with one stage or when every pair can), host_alloc of stage 0's backend: the streams and pre
+    // [max_rows, NC * D + NC] floats, then the other hand-overs' regions at these byte offsets: per
+    // handed kv source its rows (max_rows * (Dh + DI) floats), the top-k [max_rows, index_topk],
+    // the candidate pool [max_rows, ntb] and its counts [max_rows] (int32).
     float *xh;
     size_t xh_bytes; // of xh
     size_t h_src[DI_MAX_LAYERS], h_sel, h_cand, h_ncand;
@@ -1431,28 +1432,58 @@ static di_status run_decode(const call *c, const int32_t *logit_rows) {
     return b->vt->graph_launch(b, g->g);
 }
 
-// Stage s's part of a call checked by check_call on every stage (T rows). x_in: the streams
-// [T, NC, D] then pre [T, NC] after the previous stage's last layer (host, NULL on the first
-// stage), uploaded before the layers; x_out: where this stage's are downloaded for the next one
-// (NULL on the last stage, which runs the head and downloads the logits). The other hand-overs
-// (dsv41_dev.h "Pipeline stages") go through all's regions of the same host buffer: the rows of
-// the sources the stage mirrors and the top-k / candidate pool it receives, uploaded before the
-// layers; those of the sources it hands over and the top-k / pool it passes on, downloaded after.
-// On success the slots advance; on failure the caller restarts them on every stage.
-static di_status stage_forward(const di_dsv41_dev_state *all, stage_state *s,
+// One hand-over into stage s (dsv41_dev.h "Pipeline stages"): its dst <- stage from's src, `bytes`
+// (di_backend_hand_over: a peer copy, or through all's host bounce at byte offset off), counted by
+// kind (a bounce is an upload of the call too).
+static di_status hand_in(const di_dsv41_dev_state *all, stage_state *s, void *dst,
+                         const stage_state *from, const void *src, size_t bytes, size_t off) {
+    bool peer = false;
+    di_status st = di_backend_hand_over(s->d->b, dst, from->d->b, src, bytes,
+                                        all->xh ? (uint8_t *)all->xh + off : NULL, &peer);
+    if (st != DI_OK) return st;
+    s->stats.last_handover_bytes += (int64_t)bytes;
+    if (peer) {
+        s->stats.n_handover_peer++;
+    } else {
+        s->stats.n_handover_host++;
+        s->stats.last_uploads++;
+        s->stats.last_upload_bytes += (int64_t)bytes;
+    }
+    return DI_OK;
+}
+
+// The stage of `all` whose layers hold layer il.
+static const stage_state *owner_of(const di_dsv41_dev_state *all, int il) {
+    for (int32_t k = 0; k < all->n_stages; k++)
+        if (il >= all->ss[k]->d->l0 && il < all->ss[k]->d->l1) return all->ss[k];
+    DI_ASSERT(!"a layer of no stage");
+    return NULL;
+}
+
+// Stage ks's part of a call checked by check_call on every stage (T rows). Before its layers it
+// copies what it receives (dsv41_dev.h "Pipeline stages") from the stages before, which keep it in
+// their backend memory after their step: the streams [T, NC, D] and pre [T, NC] after stage
+// ks - 1's last layer, the rows the owners of the stage's mirrors finalised (their xfer), the top-k
+// and candidate pool stage ks - 1 holds (its own or received). The last stage runs the head and
+// downloads the logits. On success the slots advance; on failure the caller restarts them on
+// every stage.
+static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
                                const di_dsv41_dev_seq *seqs, int32_t n_seq, const int32_t *tokens,
                                const int32_t *logit_rows, int32_t n_logit_rows, float *logits,
-                               int32_t T, const float *x_in, float *x_out) {
+                               int32_t T) {
+    stage_state *s = all->ss[ks];
+    const stage_state *prev = ks > 0 ? all->ss[ks - 1] : NULL;
     const dev_stage *d = s->d;
     di_backend *b = d->b;
     const di_hparams *hp = &d->m->hp;
     const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
     const size_t ntb = (size_t)(hp->candidate_topk_blocks > 0 ? hp->candidate_topk_blocks : 1);
-    uint8_t *hx = (uint8_t *)all->xh;
     const int64_t V = hp->n_vocab;
     const bool last = s->d->last;
     const size_t x_bytes = sizeof(float) * (size_t)T * (size_t)hp->hc_mult * (size_t)hp->n_embd;
     const size_t pre_bytes = sizeof(float) * (size_t)T * (size_t)hp->hc_mult;
+    const size_t pre_off = sizeof(float) * (size_t)s->max_rows * (size_t)hp->hc_mult *
+                           (size_t)hp->n_embd; // pre's region of the bounce
     di_status st = DI_OK;
     call cl = {.s = s, .seqs = seqs, .n_seq = n_seq, .T = T};
     call *c = &cl;
@@ -1463,34 +1494,30 @@ static di_status stage_forward(const di_dsv41_dev_state *all, stage_state *s,
     s->stats.last_ops = 0;
     s->stats.last_uploads = 1;
     s->stats.last_upload_bytes = (int64_t)(sizeof(int32_t) * c->n_words);
+    s->stats.last_handover_bytes = 0;
     DI_TRY(b->vt->upload(b, s->stage_dev, s->stage, sizeof(int32_t) * c->n_words));
-    if (x_in) { // the hand-over from the previous stage (stream-ordered before the layers)
-        s->stats.last_uploads += 2;
-        s->stats.last_upload_bytes += (int64_t)(x_bytes + pre_bytes);
-        DI_TRY(b->vt->upload(b, s->x, x_in, x_bytes));
-        DI_TRY(b->vt->upload(b, s->pre, (const uint8_t *)x_in + x_bytes, pre_bytes));
+    if (prev) { // the hand-overs (stream-ordered before the layers)
+        DI_TRY(hand_in(all, s, s->x, prev, prev->x, x_bytes, 0));
+        DI_TRY(hand_in(all, s, s->pre, prev, prev->pre, pre_bytes, pre_off));
     }
     // The rows the earlier owners of the stage's mirrors finalised (their n_pool: this call's
     // shape), the top-k and the candidate pool published before the stage.
     for (int il = 0; il < d->l0; il++) {
         if (!d->layers[il].mirror) continue;
+        const stage_state *o = owner_of(all, il);
         const size_t n = sizeof(float) * (size_t)(c->sm[il].n_pool * (Dh + DI));
-        s->stats.last_uploads++;
-        s->stats.last_upload_bytes += (int64_t)n;
-        DI_TRY(b->vt->upload(b, s->src[il].xfer, hx + all->h_src[il], n));
+        DI_TRY(hand_in(all, s, s->src[il].xfer, o, o->src[il].xfer, n, all->h_src[il]));
     }
     if (d->topk_in) {
+        DI_ASSERT(prev->d->topk_out);
         const size_t n = sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk;
-        s->stats.last_uploads++;
-        s->stats.last_upload_bytes += (int64_t)n;
-        DI_TRY(b->vt->upload(b, s->sel, hx + all->h_sel, n));
+        DI_TRY(hand_in(all, s, s->sel, prev, prev->sel, n, all->h_sel));
     }
     if (d->cand_in) {
+        DI_ASSERT(prev->d->cand_out);
         const size_t n = sizeof(int32_t) * (size_t)T * ntb, nn = sizeof(int32_t) * (size_t)T;
-        s->stats.last_uploads += 2;
-        s->stats.last_upload_bytes += (int64_t)(n + nn);
-        DI_TRY(b->vt->upload(b, s->cand, hx + all->h_cand, n));
-        DI_TRY(b->vt->upload(b, s->n_cand, hx + all->h_ncand, nn));
+        DI_TRY(hand_in(all, s, s->cand, prev, prev->cand, n, all->h_cand));
+        DI_TRY(hand_in(all, s, s->n_cand, prev, prev->n_cand, nn, all->h_ncand));
     }
     DI_TRY(zero_rings(c));
     if (decode_shape(c, logit_rows, n_logit_rows)) {
@@ -1507,26 +1534,8 @@ static di_status stage_forward(const di_dsv41_dev_state *all, stage_state *s,
                                    sizeof(float) * (size_t)((int64_t)n * V)));
         }
     }
-    // The streams and the carried pre to the next stage: downloaded into page-locked host memory
-    // (the download waits for this stage's work), uploaded by the next stage. A peer copy between
-    // GPUs would go here instead.
-    if (x_out) {
-        DI_TRY(b->vt->download(b, x_out, s->x, x_bytes));
-        DI_TRY(b->vt->download(b, (uint8_t *)x_out + x_bytes, s->pre, pre_bytes));
-    }
-    // The rows the stage's handed sources finalised (for the later stages' mirrors), the top-k
-    // and the candidate pool when a later stage reads them (the stage's own or passed on).
-    for (int il = d->l0; il < d->l1; il++)
-        if (d->layers[il].handed)
-            DI_TRY(b->vt->download(b, hx + all->h_src[il], s->src[il].xfer,
-                                   sizeof(float) * (size_t)(c->sm[il].n_pool * (Dh + DI))));
-    if (d->topk_out)
-        DI_TRY(b->vt->download(b, hx + all->h_sel, s->sel,
-                               sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk));
-    if (d->cand_out) {
-        DI_TRY(b->vt->download(b, hx + all->h_cand, s->cand, sizeof(int32_t) * (size_t)T * ntb));
-        DI_TRY(b->vt->download(b, hx + all->h_ncand, s->n_cand, sizeof(int32_t) * (size_t)T));
-    }
+    // What the later stages copy (the streams and pre, the rows of the stage's handed sources,
+    // the top-k and candidate pool) stays in this stage's memory until its next call.
     // The end of the stage's step: every op done (and its faults surfaced) before the slots
     // advance.
     DI_TRY(b->vt->sync(b));
@@ -1774,7 +1783,12 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
         DI_TRY(part_create(d->st[k], n_slots, n_ctx, max_rows, n_blocks, block_tokens, &s->ss[k]));
         s->n_stages = k + 1;
     }
-    if (d->n_stages > 1) {
+    // The host bounce, only where two stages that hand over (any earlier stage to a later one:
+    // a mirrored source's owner) cannot copy directly.
+    bool bounce = false;
+    for (int32_t k = 1; k < d->n_stages; k++)
+        for (int32_t j = 0; j < k; j++) bounce |= !di_backend_can_peer(d->st[k]->b, d->st[j]->b);
+    if (bounce) {
         di_backend *b = d->st[0]->b;
         const size_t R = (size_t)max_rows;
         size_t n = sizeof(float) * R * (size_t)hp->hc_mult * ((size_t)hp->n_embd + 1);
@@ -1864,10 +1878,14 @@ void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_grap
     // the stages' summed.
     di_dsv41_dev_graph_stats g = s->ss[0]->stats;
     g.last_ops = g.last_uploads = g.last_upload_bytes = 0;
+    g.n_handover_peer = g.n_handover_host = g.last_handover_bytes = 0;
     for (int32_t k = 0; k < s->n_stages; k++) {
         g.last_ops += s->ss[k]->stats.last_ops;
         g.last_uploads += s->ss[k]->stats.last_uploads;
         g.last_upload_bytes += s->ss[k]->stats.last_upload_bytes;
+        g.n_handover_peer += s->ss[k]->stats.n_handover_peer;
+        g.n_handover_host += s->ss[k]->stats.n_handover_host;
+        g.last_handover_bytes += s->ss[k]->stats.last_handover_bytes;
     }
     *out = g;
 }
@@ -1882,9 +1900,7 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
         if (st != DI_OK) return st;
     }
     for (int32_t k = 0; k < s->n_stages; k++) {
-        const bool last = k == s->n_stages - 1;
-        st = stage_forward(s, s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, T,
-                           k > 0 ? s->xh : NULL, last ? NULL : s->xh);
+        st = stage_forward(s, k, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, T);
         if (st != DI_OK) goto fail;
     }
     return DI_OK;

@@ -67,9 +67,11 @@
  * each holding its layers' weights (the embedding on the first, the head and final norm on the
  * last) and, in every state, their pools, rings, index keys, scratch, staging and decode graphs.
  * A call checks every stage first, then runs stage 0 from the tokens and hands the streams after
- * its last layer with the carried pre of the single-pass mHC ([T, NC, D] then [T, NC] floats:
- * downloaded into the state's page-locked host buffer, uploaded by the next stage) to the next
- * stage, and so on; the last runs the head and downloads the logits. Each stage gathers the
+ * its last layer with the carried pre of the single-pass mHC ([T, NC, D] then [T, NC] floats) to
+ * the next stage, which copies them from the previous stage's memory before its layers (as
+ * dsv4_dev.h's: di_backend_hand_over, a peer copy where the two backends can peer, else through
+ * the state's page-locked host buffer, allocated only when some pair of stages needs it), and so
+ * on; the last runs the head and downloads the logits. Each stage gathers the
  * Engram rows of its own Engram layers from the host tables (every stage with Engram layers keeps
  * the slots' compressed-id history, so whichever stage holds one has its look-back).
  * A V4.1 layer also reads what earlier layers made: its kv source's entries and index keys
@@ -80,17 +82,19 @@
  * source's entry blocks and index keys (the owner's layout and block ids; no C/Z rings: only the
  * owner compresses). Each call the owner's finalise also copies the rows it finalised (n_pool
  * entries then n_pool index keys, the shape's padded count) into the source's transfer buffer,
- * downloaded after the stage's work into the source's region of the host buffer; every mirroring
- * stage uploads them before its layers and scatters them, first thing in its layers, to the
+ * which stays in the owner's memory; every mirroring stage copies it from the owner's into its own
+ * (hand-over, as the streams) before its layers and scatters them, first thing in its layers, to
+ * the
  * destinations of its own lists (the same edst the owner used: -1 for padding and cached
  * entries), so its blocks hold the owner's bytes before any layer reads them. (2) the top-k
  * ([T, index_topk] int32) when an index source came before the cut and the first compressing layer
  * after it is no index source, and (3) the candidate pool ([T, ntb] block ids, [T] counts) when
- * the candidate source came before the cut and an index source follows: downloaded by the stage
- * before the cut (its own or one it received and passes on), uploaded by the next, whose
- * have_topk / have_cand start true. All of it is uploaded and downloaded outside the decode graphs
- * (between the stages' launches, like the streams) at offsets that are functions of the shape;
- * the copies and scatters are in them. On V4.1-Flash's widths a decode token moves, per boundary,
+ * the candidate source came before the cut and an index source follows: copied by the next stage
+ * from the stage before the cut (its own or one it received and passes on), whose have_topk /
+ * have_cand start true. All of it is handed over outside the decode graphs (between the stages'
+ * launches, like the streams; each buffer one hand-over, counted by kind in the graph stats) at
+ * sizes and offsets that are functions of the shape; the finalise copies and the scatters are in
+ * them. On V4.1-Flash's widths a decode token moves, per boundary,
  * 80 KiB of streams + 16 bytes of pre, 2.5 KiB per mirrored source read after it (an entry of 512
  * floats and an index key of 128), 2 KiB of top-k and 8 KiB of candidate pool where they cross
  * (at most ≈92.5 KiB); a mirror of a ratio-m source costs its stage 2560 / m bytes per cached
@@ -266,11 +270,14 @@ di_status di_dsv41_dev_attach_stages(di_model *m, di_backend *const *b, int32_t 
 // graphs cached now. The last call's costs: the ops it enqueued (embed to the head's matmul; a
 // launched graph counts the ops it captured; a replay's ring zeroing, the downloads and the sync
 // not counted) and its host-to-backend uploads and their bytes (a decode step: one upload, and
-// the same ops whatever its number of sequences).
+// the same ops whatever its number of sequences). The pipeline stages' hand-overs as dsv4_dev.h's
+// (one per buffer copied into a stage: so far by kind, peer or through the host bounce, which is
+// also an upload of the last call; the last call's bytes handed over).
 typedef struct di_dsv41_dev_graph_stats {
     int64_t n_direct, n_captured, n_replayed;
     int32_t n_cached;
     int64_t last_ops, last_uploads, last_upload_bytes;
+    int64_t n_handover_peer, n_handover_host, last_handover_bytes;
 } di_dsv41_dev_graph_stats;
 void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out);
 // Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps

@@ -1422,14 +1422,14 @@ static di_status capture(const call *c, const int32_t *rows, int32_t n, void **o
 // ---- the call ----
 
 // One stage's part of a call checked by check_call on every stage (T rows, n_upd page table
-// entries of this stage's mirror). x_in: the streams [T, NC, D] after the previous stage's last
-// layer (host, NULL on the first stage), uploaded into x before the layers; x_out: where this
-// stage's are downloaded to for the next one (NULL on the last stage, which runs the head and
-// downloads the logits).
+// entries of this stage's mirror). prev: the previous stage's part (NULL on the first stage),
+// whose streams [T, NC, D] after its last layer are copied into x before the layers
+// (di_backend_hand_over: a peer copy, or through bounce); this stage's stay in its x for the next
+// one (the last stage runs the head and downloads the logits).
 static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                                const int32_t *tokens, const int32_t *logit_rows,
                                int32_t n_logit_rows, float *logits, int32_t T, int32_t n_upd,
-                               const float *x_in, float *x_out) {
+                               const stage_state *prev, void *bounce) {
     const di_model *m = s->d->m;
     const di_hparams *hp = &m->hp;
     di_status st = DI_OK;
@@ -1437,6 +1437,7 @@ static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int3
     const size_t x_bytes = sizeof(float) * (size_t)T * (size_t)hp->hc_mult * (size_t)hp->n_embd;
     call cl = {s, seqs, n_seq, T};
     s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
+    s->stats.last_handover_bytes = 0;
     s->x_rows = 0; // until the call's streams are complete
     const call *c = &cl;
     // A decode step runs from its graph unless its page table changes more than one entry per
@@ -1488,10 +1489,17 @@ static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int3
     s->stats.last_uploads = 1;
     s->stats.last_upload_bytes = (int64_t)s->meta_used;
     DI_TRY(s->d->b->vt->upload(s->d->b, s->meta_dev, s->meta_host, s->meta_used));
-    if (x_in) { // the hand-over from the previous stage (stream-ordered before the layers)
-        s->stats.last_uploads++;
-        s->stats.last_upload_bytes += (int64_t)x_bytes;
-        DI_TRY(s->d->b->vt->upload(s->d->b, s->x, x_in, x_bytes));
+    if (prev) { // the hand-over from the previous stage (stream-ordered before the layers)
+        bool peer = false;
+        DI_TRY(di_backend_hand_over(s->d->b, s->x, prev->d->b, prev->x, x_bytes, bounce, &peer));
+        s->stats.last_handover_bytes += (int64_t)x_bytes;
+        if (peer) {
+            s->stats.n_handover_peer++;
+        } else { // downloaded from the previous stage into bounce, uploaded here
+            s->stats.n_handover_host++;
+            s->stats.last_uploads++;
+            s->stats.last_upload_bytes += (int64_t)x_bytes;
+        }
     }
 
     // Embedding, the layers, the head on the logit rows: a decode step through its graph (after
@@ -1541,10 +1549,7 @@ static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int3
         }
         s->stats.n_direct++;
     }
-    // The streams to the next stage: downloaded into page-locked host memory (the download
-    // waits for this stage's work), uploaded by the next stage. A peer copy (cudaMemcpyPeerAsync
-    // from this GPU's x into the next one's, ordered by an event) would go here instead.
-    if (x_out) DI_TRY(s->d->b->vt->download(s->d->b, x_out, s->x, x_bytes));
+    // The streams stay in s->x for the next stage, which copies them before its layers.
     // The end of the step: every op done (and its faults surfaced) before the slots advance.
     DI_TRY(s->d->b->vt->sync(s->d->b));
     for (int32_t i = 0; i < n_seq; i++) {
@@ -1947,9 +1952,10 @@ struct di_dsv4_dev_state {
     di_dsv4_dev *d; // borrowed
     int32_t n_stages;
     stage_state *ss[DI_DSV4_DEV_MAX_STAGES]; // owned: stage k's part
-    // The hand-over between stages: [max_rows, NC, D] streams, the first stage's backend's host
-    // memory (page-locked on CUDA, allocated portable: every GPU of the process DMAs from it).
-    // NULL with one stage.
+    // The host bounce of the hand-over between stages that cannot peer (di_backend_can_peer):
+    // [max_rows, NC, D] streams, the first stage's backend's host memory (page-locked on CUDA,
+    // allocated portable: every GPU of the process DMAs from it). NULL with one stage, or when
+    // every boundary copies directly.
     float *xfer; // owned (host_alloc of ss[0]'s backend)
 };
 
@@ -2144,7 +2150,10 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
         if (st != DI_OK) goto fail;
         s->n_stages = k + 1;
     }
-    if (d->n_stages > 1) {
+    bool bounce = false;
+    for (int32_t k = 1; k < d->n_stages; k++)
+        bounce |= !di_backend_can_peer(d->st[k]->b, d->st[k - 1]->b);
+    if (bounce) {
         di_backend *b = d->st[0]->b;
         void *p = NULL;
         st = b->vt->host_alloc(
@@ -2223,6 +2232,9 @@ void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_s
         g.last_ops += p.last_ops;
         g.last_uploads += p.last_uploads;
         g.last_upload_bytes += p.last_upload_bytes;
+        g.n_handover_peer += p.n_handover_peer;
+        g.n_handover_host += p.n_handover_host;
+        g.last_handover_bytes += p.last_handover_bytes;
     }
     *out = g;
 }
@@ -2237,12 +2249,12 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
                                   &T, &n_upd[k]);
         if (st != DI_OK) return st;
     }
-    // Stage after stage, the streams handed over through s->xfer (the stages' backends are used
-    // one after another: stage k + 1 starts when stage k's streams are downloaded).
+    // Stage after stage, each copying the streams from the one before (a peer copy, or through
+    // s->xfer; the stages' backends are used one after another: stage k + 1 starts when stage k's
+    // step has synchronised).
     for (int32_t k = 0; k < s->n_stages; k++) {
-        di_status st =
-            stage_forward(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, T,
-                          n_upd[k], k > 0 ? s->xfer : NULL, k < s->n_stages - 1 ? s->xfer : NULL);
+        di_status st = stage_forward(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows,
+                                     logits, T, n_upd[k], k > 0 ? s->ss[k - 1] : NULL, s->xfer);
         if (st != DI_OK) { // every stage's slots restart (the earlier stages advanced theirs)
             for (int32_t j = 0; j < s->n_stages; j++) {
                 s->ss[j]->x_rows = 0;

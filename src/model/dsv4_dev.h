@@ -112,17 +112,22 @@
  * the last) and, in every state, their pools, rings, page tables, scratch, staging and decode
  * graphs (keyed as above, one set per stage). A call checks every stage first (nothing runs if one
  * refuses), then runs stage 0 from the tokens, hands the streams after its last layer ([T, NC, D]
- * floats) to the next stage (downloaded into the state's page-locked host buffer, uploaded by the
- * next stage before its layers; a peer copy between GPUs would replace the two) and so on; the last
- * stage runs the head and downloads the logits. Stages run one after another (no overlap, no
- * micro-batches), so a token's latency is that of one device reading all the weights, plus one
- * hand-over per stage boundary. Every other function dispatches over the stages: sizes and bytes
- * are sums (each stage has its own page tables), an entry block's host bytes are the stages' parts
- * in stage order, i.e. the layers' in layer order, the same bytes as one stage (the disk tier and
- * the KV transfer do not see the split), a tail snapshot is the header once and then the stages'
- * parts (the same bytes as one stage too), rollback and the slots' bookkeeping apply on every
- * stage, the MTP block runs on the last stage only, and graph stats count a call once (its ops and
- * uploads summed over the stages). A failed call restarts its slots on every stage.
+ * floats) to the next stage, which copies them from the previous stage's memory before its layers
+ * (di_backend_hand_over: a device-to-device peer copy where the two backends can peer, i.e. two
+ * CPU backends, one GPU listed twice or two GPUs with peer access, ordered by events between the
+ * two streams; else downloaded into the state's page-locked host buffer and uploaded, two PCIe
+ * trips; allocated only when some boundary needs it), and so on; the last stage runs the head and
+ * downloads the logits. The hand-overs sit between the stages' launches, outside the decode graphs
+ * (a capture holds no peer copy), and are counted by kind in the graph stats. Stages run one after
+ * another (no overlap, no micro-batches: each stage's step ends with its sync), so a token's
+ * latency is that of one device reading all the weights, plus one hand-over per stage boundary.
+ * Every other function dispatches over the stages: sizes and bytes are sums (each stage has its own
+ * page tables), an entry block's host bytes are the stages' parts in stage order, i.e. the layers'
+ * in layer order, the same bytes as one stage (the disk tier and the KV transfer do not see the
+ * split), a tail snapshot is the header once and then the stages' parts (the same bytes as one
+ * stage too), rollback and the slots' bookkeeping apply on every stage, the MTP block runs on the
+ * last stage only, and graph stats count a call once (its ops and uploads summed over the stages).
+ * A failed call restarts its slots on every stage.
  *
  * Owns: a di_dsv4_dev owns its backend blocks (small vectors, expert arrays; weights are the
  * backend's, freed with it); the backends and model are borrowed and must outlive it. A state owns
@@ -257,10 +262,14 @@ int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot);
 // The last call's costs (issue #7: what a step launches and uploads): ops it enqueued on the
 // backend (the entries from embed to the head's matmul; a launched graph counts the ops it
 // captured; the logits download and the sync not counted), host-to-backend uploads and their bytes.
+// Pipeline stages' hand-overs ("Pipeline stages"), one per buffer copied into a stage: so far by
+// kind, directly (peer_copy: two CPU backends, one GPU or two with peer access) or through the
+// host bounce (then also an upload of the last call), and the last call's bytes handed over.
 typedef struct di_dsv4_dev_graph_stats {
     int64_t n_direct, n_captured, n_replayed, n_direct_pages;
     int32_t n_cached;
     int64_t last_ops, last_uploads, last_upload_bytes;
+    int64_t n_handover_peer, n_handover_host, last_handover_bytes;
 } di_dsv4_dev_graph_stats;
 void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out);
 // Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps

@@ -39,14 +39,16 @@
 //       both recipes (cut_case): prefill, ragged batches and decodes (graphs replayed), prefix
 //       reuse on cached blocks and on block I/O copies, every logit bit-identical (memcmp) to a
 //       1-stage forward and to the CPU forward, block bytes and tail snapshots equal to the
-//       1-stage state's, each call's uploads the hand-over's;
+//       1-stage state's, each call's uploads and hand-overs by kind (decode_handovers: 3 stages
+//       with the last CPU backend refusing peer copies, so it receives through the host bounce);
 //   (m) pipeline stages (`test_dev41_forward --stages`, its own ctest entry): (a), (b)-(e), (g),
 //       (i), (k), (f) in both recipes with the forward on 2 CPU backends (the DP's split: [0, 3),
 //       [3, 6)), then on 3 ([0, 2), [2, 4), [4, 6): mirrors of both kv sources, the top-k and the
 //       candidate pool handed over), and (h) at 2 stages (the fixture's split cuts inside kv
 //       source 1's range): every logit bit-identical (memcmp) to the sessions' CPU forward and
 //       to a 1-stage forward fed the same calls beside it (h_call), entry blocks' bytes and tail
-//       snapshots equal to the 1-stage state's.
+//       snapshots equal to the 1-stage state's, every call's hand-overs counted by kind (at 3
+//       stages the last one receives through the host bounce).
 #include "harness.h"
 
 #include <stdlib.h>
@@ -110,6 +112,10 @@ static void h_init(harness *h, di_precision prec, bool two_states) {
         CHECK_EQ(di_cpu_backend_create(2, &h->more[k - 1]), DI_OK);
         bs[k] = h->more[k - 1];
     }
+    // 3 stages: the last backend copies nothing directly, so what it receives (from stage 1 and
+    // the mirrors' rows from stage 0) goes through the host bounce (as between GPUs without peer
+    // access), what stage 1 receives directly (decode_handovers).
+    if (g_stages == 3) di_cpu_backend_set_peer(bs[2], false);
     if (g_split)
         CHECK_EQ(di_dsv41_dev_create_split(h->m, bs, g_stages, g_split, &h->d), DI_OK);
     else
@@ -157,6 +163,50 @@ static void h_free(harness *h) {
     free(h->ref);
 }
 
+// The hand-overs of a call ("Pipeline stages"), from the schedule, by kind (h_init: with 3
+// stages everything stage 2 receives goes through the host bounce): per later stage the streams
+// and pre, one per earlier kv source a layer there reads (its mirror's rows), the top-k when its
+// first compressing layer is no index source but one came before, the candidate pool and its
+// counts when an index source follows the candidate source.
+static void decode_handovers(const di_model *m, const di_dsv41_dev *d, int64_t *peer,
+                             int64_t *host) {
+    const di_hparams *hp = &m->hp;
+    *peer = *host = 0;
+    for (int32_t k = 1; k < di_dsv41_dev_n_stages(d); k++) {
+        int32_t l0 = 0, l1 = 0;
+        di_dsv41_dev_stage(d, k, &l0, &l1);
+        int64_t n = 2;
+        for (int src = 0; src < l0; src++) {
+            if (!hp->kv_source[src]) continue;
+            bool read = false;
+            for (int il = l0; il < l1; il++) {
+                int s = -1;
+                for (int j = il; j >= 0 && s < 0 && hp->compress_ratio[il] > 0; j--)
+                    if (hp->kv_source[j]) s = j;
+                read |= s == src;
+            }
+            n += read;
+        }
+        bool idx_before = false, idx_after = false;
+        for (int il = 0; il < l0; il++) idx_before |= hp->index_source[il];
+        for (int il = l0; il < hp->n_layer; il++) idx_after |= hp->index_source[il];
+        for (int il = l0; il < hp->n_layer && idx_before; il++)
+            if (hp->compress_ratio[il] > 0) {
+                n += !hp->index_source[il];
+                break;
+            }
+        if (hp->candidate_layer >= 0 && hp->candidate_layer < l0 && idx_after) n += 2;
+        *(k == 2 ? host : peer) += n;
+    }
+}
+
+// The uploads of a call: the staging per stage, and every hand-over through the host bounce.
+static int64_t decode_uploads(const di_model *m, const di_dsv41_dev *d) {
+    int64_t peer = 0, host = 0;
+    decode_handovers(m, d, &peer, &host);
+    return di_dsv41_dev_n_stages(d) + host;
+}
+
 // One call: slots[i] feeds n_tok[i] tokens at its position (restart[i]: at 0, on the spare
 // blocks, with a new token stream); every row's logits compared with the sessions'.
 static void h_call(harness *h, int n, const int *slots, const int *n_tok, const bool *restart) {
@@ -184,7 +234,19 @@ static void h_call(harness *h, int n, const int *slots, const int *n_tok, const 
             rows[T] = T;
         }
     }
+    di_dsv41_dev_graph_stats g0, g1;
+    di_dsv41_dev_get_graph_stats(h->st, &g0);
     CHECK_EQ(di_dsv41_dev_forward(h->st, seqs, n, tokens, rows, T, h->got), DI_OK);
+    di_dsv41_dev_get_graph_stats(h->st, &g1);
+    if (g_stages > 1) { // (l), (m) every call's hand-overs, by kind
+        int64_t peer = 0, host = 0;
+        decode_handovers(h->m, h->d, &peer, &host);
+        CHECK_EQ(g1.n_handover_peer - g0.n_handover_peer, peer);
+        CHECK_EQ(g1.n_handover_host - g0.n_handover_host, host);
+        CHECK_EQ(g1.last_uploads, decode_uploads(h->m, h->d));
+        CHECK(g1.last_handover_bytes >= (int64_t)(g_stages - 1) * T * (int64_t)sizeof(float) *
+                                            h->m->hp.hc_mult * (h->m->hp.n_embd + 1));
+    }
     if (h->st2) {
         CHECK_EQ(di_dsv41_dev_forward(h->st2, seqs, n, tokens, rows, T, h->got2), DI_OK);
         CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)(T * h->V)) == 0);
@@ -214,41 +276,6 @@ static void h_call(harness *h, int n, const int *slots, const int *n_tok, const 
         }
         r += n_tok[i];
     }
-}
-
-// The uploads of a call ("Pipeline stages"), from the schedule: the staging per stage; per later
-// stage the staging, the streams and pre, one per earlier kv source a layer there reads (its
-// mirror's rows), the top-k when its first compressing layer is no index source but one came
-// before, the candidate pool and its counts when an index source follows the candidate source.
-static int64_t decode_uploads(const di_model *m, const di_dsv41_dev *d) {
-    const di_hparams *hp = &m->hp;
-    int64_t n = 1;
-    for (int32_t k = 1; k < di_dsv41_dev_n_stages(d); k++) {
-        int32_t l0 = 0, l1 = 0;
-        di_dsv41_dev_stage(d, k, &l0, &l1);
-        n += 3;
-        for (int src = 0; src < l0; src++) {
-            if (!hp->kv_source[src]) continue;
-            bool read = false;
-            for (int il = l0; il < l1; il++) {
-                int s = -1;
-                for (int j = il; j >= 0 && s < 0 && hp->compress_ratio[il] > 0; j--)
-                    if (hp->kv_source[j]) s = j;
-                read |= s == src;
-            }
-            n += read;
-        }
-        bool idx_before = false, idx_after = false;
-        for (int il = 0; il < l0; il++) idx_before |= hp->index_source[il];
-        for (int il = l0; il < hp->n_layer; il++) idx_after |= hp->index_source[il];
-        for (int il = l0; il < hp->n_layer && idx_before; il++)
-            if (hp->compress_ratio[il] > 0) {
-                n += !hp->index_source[il];
-                break;
-            }
-        if (hp->candidate_layer >= 0 && hp->candidate_layer < l0 && idx_after) n += 2;
-    }
-    return n;
 }
 
 // (a) one sequence: chunks straddling W = 16, ratio-2 groups and candidate blocks, then decodes.

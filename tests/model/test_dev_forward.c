@@ -39,8 +39,11 @@
 //       backends, and (a) on tiny-128, (b)-(d), (f), (j)-(l) with 3 stages: every logit
 //       bit-identical (memcmp) to the sessions' CPU forward and to a 1-stage forward fed the same
 //       calls beside it (run_step), entry blocks' bytes equal to the 1-stage state's (test_prefix),
-//       tail snapshots of the same size restored across states; the split itself (test_split):
-//       balanced weight bytes, at least one layer per stage, more stages than layers refused.
+//       tail snapshots of the same size restored across states; every call's hand-overs counted
+//       by kind (2 stages: the peer copy; 3: one boundary peer, the other through the host
+//       bounce, the last CPU backend refusing peer copies) and bytes; the split itself
+//       (test_split): balanced weight bytes, at least one layer per stage, more stages than layers
+//       refused.
 // Every state of (a)-(d), (f), (h) and (j) has shared entry blocks listed per call in a shuffled,
 // non-contiguous order (a restarted slot moves to other blocks); (e)'s sessions use private ones.
 #include "harness.h"
@@ -77,6 +80,9 @@ static bool make_dev(di_model *m, int n_threads, di_backend *bs[MAX_STAGES], di_
     memset(bs, 0, sizeof(di_backend *) * MAX_STAGES);
     for (int32_t k = 0; k < g_stages; k++)
         if (di_cpu_backend_create(n_threads, &bs[k]) != DI_OK) return false;
+    // 3 stages: the last backend copies nothing directly, so the second boundary hands over
+    // through the host bounce (as between GPUs without peer access), the first one directly.
+    if (g_stages == 3) di_cpu_backend_set_peer(bs[2], false);
     if (d && di_dsv4_dev_create_stages(m, bs, g_stages, d) != DI_OK) return false;
     if (d) CHECK_EQ(di_dsv4_dev_n_stages(*d), g_stages);
     return true;
@@ -213,7 +219,20 @@ static void run_step(harness_ctx *h, const step *sp) {
     for (int32_t i = 0, r = 0; i < sp->n; r += sp->n_tok[i++])
         for (int32_t t = sp->last_rows ? sp->n_tok[i] - 1 : 0; t < sp->n_tok[i]; t++)
             rows[n_rows++] = r + t;
+    di_dsv4_dev_graph_stats g0, g1;
+    di_dsv4_dev_get_graph_stats(h->st, &g0);
     CHECK_EQ(di_dsv4_dev_forward(h->st, seqs, sp->n, tokens, rows, n_rows, h->got), DI_OK);
+    di_dsv4_dev_get_graph_stats(h->st, &g1);
+    { // (m) the hand-overs: the streams once per boundary, by kind (make_dev), the bounce's
+      // upload counted with the stages' one metadata upload each
+        const int64_t n_host = g_stages == 3, n_peer = g_stages - 1 - n_host;
+        const di_hparams *hp = &h->m->hp;
+        CHECK_EQ(g1.n_handover_peer - g0.n_handover_peer, n_peer);
+        CHECK_EQ(g1.n_handover_host - g0.n_handover_host, n_host);
+        CHECK_EQ(g1.last_handover_bytes,
+                 (int64_t)(g_stages - 1) * T * (int64_t)sizeof(float) * hp->hc_mult * hp->n_embd);
+        CHECK_EQ(g1.last_uploads, g_stages + n_host);
+    }
     if (h->st2) {
         CHECK_EQ(di_dsv4_dev_forward(h->st2, seqs, sp->n, tokens, rows, n_rows, h->got2), DI_OK);
         CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)n_rows * (size_t)h->V) == 0);
