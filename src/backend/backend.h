@@ -209,7 +209,11 @@ typedef struct di_backend_vt {
     // at pool + idx * dh): for query row t < n_tok and head h < H, o[t,h] = sum_j p_j k_j with p =
     // softmax over {scale * q[t,h] . k_j : j < n_keys[t], key_idx[t * key_stride + j] >= 0} ∪
     // {sink[h]} (the sink takes mass, gives no value); a negative index is a masked key.
-    // max_keys bounds every n_keys[t]. q, o: [T, H, dh]. Inverse RoPE of o is the caller's.
+    // max_keys bounds every n_keys[t]: a count outside [0, max_keys] is DI_ERR_INVALID (logged):
+    // the CPU refuses the call (or the graph launch holding it) before any work; CUDA, whose
+    // kernels read the counts as device data, clamps them to [0, max_keys] (no overrun) and
+    // returns it from the next sync or download (a device-side flag). q, o: [T, H, dh]. Inverse
+    // RoPE of o is the caller's.
     // round_p (the official recipe): each p_j, normalised, is rounded to BF16 before p.v.
     di_status (*attn)(di_backend *b, const float *q, const float *pool, const int32_t *key_idx,
                       int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
@@ -339,10 +343,6 @@ void di_backend_destroy(di_backend *b); // NULL: no-op
 // CUDA in a build without it.
 di_status di_backend_reset_device(const di_device *dev);
 
-// The two implementations' constructors (di_backend_open calls them).
-di_status di_cpu_backend_create(int n_threads, di_backend **out);
-// Test hook (a simulated device loss on the CPU twin): after n_ok more entries (graph commands
-// count one each as they replay) the CPU backend b is lost: that entry and every later one return
 // Whether di_backend_hand_over copies from src_b into b directly (the same kind of backend and
 // its can_peer), i.e. needs no bounce buffer.
 bool di_backend_can_peer(const di_backend *b, const di_backend *src_b);
@@ -354,19 +354,23 @@ bool di_backend_can_peer(const di_backend *b, const di_backend *src_b);
 di_status di_backend_hand_over(di_backend *b, void *dst, di_backend *src_b, const void *src,
                                size_t bytes, void *bounce, bool *peer);
 
+// The two implementations' constructors (di_backend_open calls them).
+di_status di_cpu_backend_create(int n_threads, di_backend **out);
+// Test hook (a simulated device loss on the CPU twin): after n_ok more entries (graph commands
+// count one each as they replay) the CPU backend b is lost: that entry and every later one return
 // DI_ERR_DEVICE_LOST (the frees and destroy still work) until b is destroyed. n_ok 0: the next
 // entry fails; n_ok < 0 disarms a pending loss (a lost backend stays lost). The thread using b.
 void di_cpu_backend_lose(di_backend *b, int64_t n_ok);
 // Whether the CPU backend b is lost (di_cpu_backend_lose); false for every other backend.
 bool di_cpu_backend_is_lost(const di_backend *b);
-// The commands a CPU backend graph (its graph_end) holds: the entries one launch runs (tests count
-// the ops of a captured step with it).
-int64_t di_cpu_backend_graph_n_cmds(const void *graph);
-di_status di_cuda_backend_create(int device, di_backend **out); // only with DI_HAVE_CUDA
 // Test hook: whether the CPU backend b copies to and from other CPU backends directly (can_peer;
 // true at create). false: can_peer is false both ways for b, so the pipeline stages hand over
 // through the host bounce, as between GPUs without peer access.
 void di_cpu_backend_set_peer(di_backend *b, bool on);
+// The commands a CPU backend graph (its graph_end) holds: the entries one launch runs (tests count
+// the ops of a captured step with it).
+int64_t di_cpu_backend_graph_n_cmds(const void *graph);
+di_status di_cuda_backend_create(int device, di_backend **out); // only with DI_HAVE_CUDA
 di_status di_cuda_device_reset(int device); // only with DI_HAVE_CUDA (cuda_backend.h)
 
 #ifdef __cplusplus

@@ -878,6 +878,19 @@ static void attn_task(void *p, int ith, int nth) {
     }
 }
 
+// attn / attn_kv: every n_keys[t] in [0, max_keys] (backend.h), else DI_ERR_INVALID before any
+// work (logged; CUDA, which cannot read the device counts before its kernels run, clamps them and
+// returns it at the next sync).
+static bool keys_ok(const char *what, const int32_t *n_keys, int32_t n_tok, int32_t max_keys) {
+    for (int32_t t = 0; t < n_tok; t++)
+        if (n_keys[t] < 0 || n_keys[t] > max_keys) {
+            DI_LOG_ERROR("cpu backend: %s: row %d has %d keys, outside [0, max_keys = %d]", what, t,
+                         n_keys[t], max_keys);
+            return false;
+        }
+    return true;
+}
+
 static di_status cpu_attn(di_backend *b, const float *q, const float *pool, const int32_t *key_idx,
                           int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                           const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
@@ -887,8 +900,7 @@ static di_status cpu_attn(di_backend *b, const float *q, const float *pool, cons
            scale, round_p, o);
     if (n_tok <= 0) return DI_OK;
     if (max_keys < 0 || H < 1 || dh < 1 || key_stride < max_keys) return DI_ERR_INVALID;
-    for (int32_t t = 0; t < n_tok; t++)
-        if (n_keys[t] < 0 || n_keys[t] > max_keys) return DI_ERR_INVALID;
+    if (!keys_ok("attn", n_keys, n_tok, max_keys)) return DI_ERR_INVALID;
     size_t mk = (size_t)max_keys + 1;
     if (grow_scratch(c, mk, mk * HEAD_GROUP) != DI_OK) {
         DI_LOG_ERROR("cpu backend: cannot allocate attention scratch for %d keys", max_keys);
@@ -963,8 +975,7 @@ static di_status cpu_attn_kv(di_backend *b, const float *q, const uint8_t *pool,
            dh, n_rot, scale, round_p, o);
     if (n_tok <= 0) return DI_OK;
     if (!kv_shape_ok(dh, n_rot) || max_keys < 0 || key_stride < max_keys) return DI_ERR_INVALID;
-    for (int32_t t = 0; t < n_tok; t++)
-        if (n_keys[t] < 0 || n_keys[t] > max_keys) return DI_ERR_INVALID;
+    if (!keys_ok("attn_kv", n_keys, n_tok, max_keys)) return DI_ERR_INVALID;
     const size_t n_idx = (size_t)n_tok * (size_t)key_stride;
     size_t n_rows = 0;
     for (int32_t t = 0; t < n_tok; t++)
@@ -1382,6 +1393,11 @@ void di_cpu_backend_lose(di_backend *b, int64_t n_ok) {
     c->lose_in = n_ok + 1;
 }
 
+void di_cpu_backend_set_peer(di_backend *b, bool on) {
+    DI_ASSERT(b->vt == &cpu_vt);
+    impl_of(b)->no_peer = !on;
+}
+
 bool di_cpu_backend_is_lost(const di_backend *b) {
     return b->vt == &cpu_vt && impl_of(b)->lost;
 }
@@ -1393,11 +1409,6 @@ int64_t di_cpu_backend_graph_n_cmds(const void *graph) {
 static void cpu_graph_destroy(di_backend *b, void *graph) {
     (void)b;
     cpu_graph *g = graph;
-void di_cpu_backend_set_peer(di_backend *b, bool on) {
-    DI_ASSERT(b->vt == &cpu_vt);
-    impl_of(b)->no_peer = !on;
-}
-
     if (!g) return;
     di_free(g->cmds);
     di_free(g);
@@ -1433,6 +1444,8 @@ static const di_backend_vt cpu_vt = {
     .sync = cpu_sync,
     .weight_upload = cpu_weight_upload,
     .supports_matmul = cpu_supports_matmul,
+    .can_peer = cpu_can_peer,
+    .peer_copy = cpu_peer_copy,
     .host_alloc = cpu_alloc, // this backend's memory is host memory
     .host_free = cpu_free,
     .matmul = cpu_matmul,
@@ -1444,8 +1457,6 @@ static const di_backend_vt cpu_vt = {
     .mhc_pre = cpu_mhc_pre,
     .mhc_post = cpu_mhc_post,
     .moe = cpu_moe,
-    .can_peer = cpu_can_peer,
-    .peer_copy = cpu_peer_copy,
     .scatter_rows = cpu_scatter_rows,
     .add_ape = cpu_add_ape,
     .compress_pool = cpu_compress_pool,

@@ -121,16 +121,18 @@ struct KeyRowsF32 {
 template <class Rows>
 __global__ void __launch_bounds__(ATTN_THREADS)
     attn_kernel(const float *__restrict__ q, Rows rows, const int32_t *__restrict__ key_idx,
-                int64_t key_stride, const int32_t *__restrict__ n_keys,
+                int64_t key_stride, const int32_t *__restrict__ n_keys, int32_t max_keys,
                 const float *__restrict__ sink, int32_t H, int32_t dh, float scale, bool round_p,
-                float *__restrict__ o) {
+                float *__restrict__ o, int *__restrict__ flags) {
     extern __shared__ float sm[]; // q [dh] | red [ATTN_WARPS * dh] | scores [max_keys]
     __shared__ float red32[32];
     float *qs = sm, *part = sm + dh, *sc = part + ATTN_WARPS * dh;
     const int64_t t = blockIdx.x / H;
     const int32_t h = blockIdx.x % H;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int32_t nk = n_keys[t];
+    // n_keys is device data: a count past max_keys would overrun the scores in shared memory.
+    // Clamped, and flagged for the next sync (DI_ERR_INVALID there).
+    const int32_t nk = di_cuda_attn_clamp_keys(n_keys[t], max_keys, flags, h == 0);
     const float *qrow = q + (t * H + h) * dh;
     for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) qs[d] = qrow[d];
     __syncthreads();
@@ -201,7 +203,8 @@ static di_status attn_launch(di_cuda *cu, const float *q, Rows rows, const int32
                           max_keys, smem, st_smem, cu->smem_optin);
     if (st != DI_OK) return st;
     attn_kernel<Rows><<<(unsigned)((int64_t)n_tok * H), ATTN_THREADS, smem, di_stream(cu)>>>(
-        q, rows, key_idx, key_stride, n_keys, sink, H, dh, scale, round_p, o);
+        q, rows, key_idx, key_stride, n_keys, max_keys, sink, H, dh, scale, round_p, o,
+        cu->flags_dev);
     DI_CUDA_LAUNCHED("attn_kernel");
     return DI_OK;
 }
@@ -337,9 +340,10 @@ template <int DH, int ROT>
 __global__ void __launch_bounds__(TC_THREADS, 1)
     attn_tc_kernel(const float *__restrict__ q, const uint8_t *__restrict__ pool,
                    const int32_t *__restrict__ key_idx, int64_t key_stride,
-                   const int32_t *__restrict__ n_keys, const float *__restrict__ sink, int32_t H,
-                   int32_t n_split, int32_t chunk, float scale, float *__restrict__ o,
-                   float *__restrict__ o_part, float *__restrict__ ml_part) {
+                   const int32_t *__restrict__ n_keys, int32_t max_keys,
+                   const float *__restrict__ sink, int32_t H, int32_t n_split, int32_t chunk,
+                   float scale, float *__restrict__ o, float *__restrict__ o_part,
+                   float *__restrict__ ml_part, int *__restrict__ flags) {
     using S = TcShape<DH, ROT>;
     extern __shared__ __align__(16) uint8_t smem[];
     __nv_bfloat16 *Qs = (__nv_bfloat16 *)(smem + S::Q_OFF); // [64 heads][LD]
@@ -353,7 +357,9 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t t = blockIdx.x / n_split;
     const int32_t split = (int32_t)(blockIdx.x % n_split), h0 = (int32_t)blockIdx.y * TC_HEADS;
-    const int32_t nk = n_keys[t];
+    // As attn_kernel: a count past max_keys (device data) clamped and flagged.
+    const int32_t nk =
+        di_cuda_attn_clamp_keys(n_keys[t], max_keys, flags, split == 0 && blockIdx.y == 0);
     const int32_t k_beg = split * chunk, k_end = min(nk, k_beg + chunk);
     const int32_t n_tiles = k_end > k_beg ? (k_end - k_beg + TC_BN - 1) / TC_BN : 0;
     const int32_t *idx_row = key_idx + t * key_stride;
@@ -657,8 +663,8 @@ di_status attn_tc_launch(di_cuda *cu, const float *q, const uint8_t *pool, const
     }
     attn_tc_kernel<DH, ROT>
         <<<dim3((unsigned)n_blocks, (unsigned)groups), TC_THREADS, S::SMEM, di_stream(cu)>>>(
-            q, pool, key_idx, key_stride, n_keys, sink, H, (int32_t)ns,
-            (int32_t)(chunk > 0 ? chunk : TC_BN), scale, o, o_part, ml_part);
+            q, pool, key_idx, key_stride, n_keys, max_keys, sink, H, (int32_t)ns,
+            (int32_t)(chunk > 0 ? chunk : TC_BN), scale, o, o_part, ml_part, cu->flags_dev);
     DI_TRY(di_cuda_check_launch("attn_tc_kernel"));
     if (ns > 1) {
         attn_tc_combine_kernel<<<(unsigned)((int64_t)n_tok * H), 128, sizeof(float) * (size_t)ns,

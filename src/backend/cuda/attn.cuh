@@ -49,8 +49,10 @@ di_status di_cuda_kv_dequant(di_cuda *cu, const uint8_t *pool, const int32_t *sr
 // ∪ {sink[h]} (the sink takes mass and gives no value), k_j = the KV row
 // key_idx[t * key_stride + j] of pool; a negative index (the top-k's -1 padding) is a masked key.
 // q, o: [T, H, dh] FP32; n_keys: device [T] (0 allowed: o = 0); max_keys bounds every n_keys[t]
-// (shared memory). Exact decode, FP32 scores and sums (the `--precision fp32` kernel).
-// The inverse RoPE of o is the caller's (rope.cuh). DI_ERR_CUDA, DI_ERR_INVALID.
+// (shared memory): a count outside [0, max_keys] (device data, unchecked on the host) is clamped
+// to it and flagged (DI_CUDA_FLAG_ATTN_KEYS: the next di_cuda_sync returns DI_ERR_INVALID); every
+// attention kernel here does the same. Exact decode, FP32 scores and sums (the `--precision fp32`
+// kernel). The inverse RoPE of o is the caller's (rope.cuh). DI_ERR_CUDA, DI_ERR_INVALID.
 di_status di_cuda_attn(di_cuda *cu, const float *q, const uint8_t *pool, const int32_t *key_idx,
                        int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                        const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,

@@ -83,6 +83,23 @@ static inline cudaStream_t di_stream(const di_cuda *cu) {
     return (cudaStream_t)cu->stream;
 }
 
+// ---- device-side error flags (di_cuda.flags_dev; reported by di_cuda_sync) ----
+
+// A kernel that finds device data outside its contract (a count it was told is bounded) clamps it
+// and ors its bit in: the next di_cuda_sync (or download) logs it and returns DI_ERR_INVALID.
+enum {
+    DI_CUDA_FLAG_ATTN_KEYS = 1, // attention: n_keys[t] < 0 or > max_keys
+};
+
+// The attention kernels' key count of a row: n_keys[t] clamped to [0, max_keys], the violation
+// flagged (by one thread of the row: `report`).
+__device__ __forceinline__ int32_t di_cuda_attn_clamp_keys(int32_t nk, int32_t max_keys, int *flags,
+                                                           bool report) {
+    if (nk >= 0 && nk <= max_keys) return nk;
+    if (report && threadIdx.x == 0) atomicOr(flags, DI_CUDA_FLAG_ATTN_KEYS);
+    return nk < 0 ? 0 : max_keys;
+}
+
 static inline unsigned di_div_up(int64_t a, int64_t b) {
     return (unsigned)((a + b - 1) / b);
 }

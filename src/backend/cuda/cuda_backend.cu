@@ -119,6 +119,39 @@ extern "C" di_status di_cuda_create(int device, di_cuda **out) {
     cu->hbm_peak_gbs = 2.0 * mem_clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;
     CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cu->stream = s;
+    {
+        cudaEvent_t ev = NULL;
+        CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+        cu->peer_event = ev;
+    }
+    {
+        void *fh = NULL, *fd = NULL;
+        CUDA_TRY(cudaHostAlloc(&fh, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+        cu->flags_host = (int *)fh;
+        *cu->flags_host = 0;
+        CUDA_TRY(cudaHostGetDevicePointer(&fd, fh, 0));
+        cu->flags_dev = (int *)fd;
+    }
+    // Peer access to every other device that allows it (the pipeline stages' hand-over,
+    // di_cuda_peer_copy). Enabled per context pair: a second backend on this device finds it
+    // enabled already; a device without it (no NVLink / P2P over PCIe) is left to the host bounce.
+    for (int j = 0; j < n && j < 64; j++) {
+        int can = 0;
+        if (j == device) continue;
+        if (cudaDeviceCanAccessPeer(&can, device, j) != cudaSuccess || !can) {
+            (void)cudaGetLastError();
+            continue;
+        }
+        const cudaError_t e = cudaDeviceEnablePeerAccess(j, 0);
+        if (e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled) {
+            cu->peer_mask |= (uint64_t)1 << j;
+        } else {
+            DI_CUDA_LOG_WARN("CUDA device %d: peer access to device %d refused (%s): hand-overs "
+                             "between them go through the host",
+                             device, j, cudaGetErrorString(e));
+        }
+        (void)cudaGetLastError(); // AlreadyEnabled and a refusal are not sticky: clear them
+    }
     if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) {
         DI_CUDA_LOG_ERROR("cublasLtCreate failed");
         st = DI_ERR_CUDA;
@@ -129,6 +162,10 @@ extern "C" di_status di_cuda_create(int device, di_cuda **out) {
     *out = cu;
     return DI_OK;
 fail:
+    // A failed call (an allocation: cudaHostAlloc, cudaStreamCreate) leaves its error as the
+    // thread's last one, which a later launch check would report as its own: cleared (a sticky
+    // one has lost the device anyway).
+    if (st != DI_ERR_DEVICE_LOST) (void)cudaGetLastError();
     di_cuda_destroy(cu);
     return st;
 }
@@ -154,6 +191,8 @@ extern "C" void di_cuda_destroy(di_cuda *cu) {
     free(cu->weights);
     di_cuda_lt_cache_free(cu);
     if (cu->cublaslt) cublasLtDestroy((cublasLtHandle_t)cu->cublaslt);
+    if (cu->peer_event) (void)cudaEventDestroy((cudaEvent_t)cu->peer_event);
+    if (cu->flags_host) (void)cudaFreeHost(cu->flags_host);
     if (cu->stream) (void)cudaStreamDestroy(di_stream(cu));
     free(cu);
 }
@@ -179,6 +218,20 @@ static size_t pool_round(size_t bytes) {
     return (bytes + big - 1) / big * big;
 }
 
+// cudaMalloc, its failure reported here: a failed allocation also leaves its error as the
+// thread's last error, which the next launch check (cudaGetLastError) would report as a launch
+// failure of an unrelated kernel. Cleared, unless sticky (then the device is lost anyway).
+static di_status device_malloc(di_cuda *cu, void **p, size_t bytes, const char *what) {
+    const cudaError_t e = cudaMalloc(p, bytes);
+    if (e == cudaSuccess) return DI_OK;
+    DI_CUDA_LOG_ERROR("cudaMalloc(%zu bytes, %s; pool holds %zu, weights %zu): %s", bytes, what,
+                      cu->pool_bytes, cu->weight_bytes, cudaGetErrorString(e));
+    const di_status st = di_cuda_error(e);
+    if (st != DI_ERR_DEVICE_LOST) (void)cudaGetLastError();
+    *p = NULL;
+    return st;
+}
+
 extern "C" di_status di_cuda_alloc(di_cuda *cu, size_t bytes, void **out) {
     const size_t want = pool_round(bytes);
     for (di_cuda_pool_block *b = cu->blocks; b; b = b->next) {
@@ -193,12 +246,10 @@ extern "C" di_status di_cuda_alloc(di_cuda *cu, size_t bytes, void **out) {
     }
     di_cuda_pool_block *b = (di_cuda_pool_block *)calloc(1, sizeof *b);
     if (!b) return DI_ERR_NOMEM;
-    cudaError_t e = cudaMalloc(&b->ptr, want);
-    if (e != cudaSuccess) {
-        DI_CUDA_LOG_ERROR("cudaMalloc(%zu bytes; pool holds %zu): %s", want, cu->pool_bytes,
-                          cudaGetErrorString(e));
+    const di_status st = device_malloc(cu, &b->ptr, want, "pool");
+    if (st != DI_OK) {
         free(b);
-        return di_cuda_error(e);
+        return st;
     }
     b->bytes = want;
     b->in_use = true;
@@ -228,11 +279,26 @@ extern "C" di_status di_cuda_upload(di_cuda *cu, void *dst, const void *src, siz
     return DI_OK;
 }
 
+// After a stream synchronisation: the device-side error flags the kernels raised since the last
+// check (common.cuh DI_CUDA_FLAG_*), logged and cleared.
+static di_status check_flags(di_cuda *cu) {
+    volatile int *f = cu->flags_host;
+    const int bits = f ? *f : 0;
+    if (!bits) return DI_OK;
+    *f = 0;
+    if (bits & DI_CUDA_FLAG_ATTN_KEYS)
+        DI_CUDA_LOG_ERROR("attention on device %d: a row's key count (n_keys, device data) was "
+                          "negative or beyond the call's max_keys; clamped, the output is not the "
+                          "op's",
+                          cu->device);
+    return DI_ERR_INVALID;
+}
+
 extern "C" di_status di_cuda_download(di_cuda *cu, void *dst, const void *src, size_t bytes) {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, di_stream(cu)));
     // Sync: the caller reads the host buffer at once.
     CUDA_CHECK(cudaStreamSynchronize(di_stream(cu)));
-    return DI_OK;
+    return check_flags(cu);
 }
 
 extern "C" di_status di_cuda_memset(di_cuda *cu, void *dst, int value, size_t bytes) {
@@ -245,10 +311,36 @@ extern "C" di_status di_cuda_copy_d2d(di_cuda *cu, void *dst, const void *src, s
     return DI_OK;
 }
 
+extern "C" bool di_cuda_can_peer(const di_cuda *dst, const di_cuda *src) {
+    if (dst->device == src->device) return true;
+    if (dst->device >= 64 || src->device >= 64) return false;
+    return (dst->peer_mask >> src->device & 1) && (src->peer_mask >> dst->device & 1);
+}
+
+extern "C" di_status di_cuda_peer_copy(di_cuda *dst, void *d, di_cuda *src, const void *s,
+                                       size_t bytes) {
+    cudaEvent_t ev_src = (cudaEvent_t)src->peer_event, ev_dst = (cudaEvent_t)dst->peer_event;
+    // The copy after src's work (an event is recorded on its own device's stream), ...
+    CUDA_CHECK(cudaSetDevice(src->device));
+    CUDA_CHECK(cudaEventRecord(ev_src, di_stream(src)));
+    CUDA_CHECK(cudaSetDevice(dst->device));
+    CUDA_CHECK(cudaStreamWaitEvent(di_stream(dst), ev_src, 0));
+    if (dst->device == src->device)
+        CUDA_CHECK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice, di_stream(dst)));
+    else
+        CUDA_CHECK(cudaMemcpyPeerAsync(d, dst->device, s, src->device, bytes, di_stream(dst)));
+    // ... and src's later work after the copy.
+    CUDA_CHECK(cudaEventRecord(ev_dst, di_stream(dst)));
+    CUDA_CHECK(cudaSetDevice(src->device));
+    CUDA_CHECK(cudaStreamWaitEvent(di_stream(src), ev_dst, 0));
+    CUDA_CHECK(cudaSetDevice(dst->device));
+    return DI_OK;
+}
+
 extern "C" di_status di_cuda_sync(di_cuda *cu) {
     CUDA_CHECK(cudaStreamSynchronize(di_stream(cu)));
     CUDA_CHECK(cudaGetLastError());
-    return DI_OK;
+    return check_flags(cu);
 }
 
 extern "C" di_status di_cuda_check_launch(const char *what) {
@@ -271,7 +363,8 @@ static di_status weight_alloc(di_cuda *cu, size_t bytes, void **out) {
         cu->weights = w;
         cu->cap_weights = cap;
     }
-    CUDA_CHECK(cudaMalloc(out, bytes ? bytes : 1));
+    const di_status st = device_malloc(cu, out, bytes ? bytes : 1, "weight");
+    if (st != DI_OK) return st;
     cu->weights[cu->n_weights++] = *out;
     cu->weight_bytes += bytes;
     return DI_OK;

@@ -13,6 +13,14 @@
  *     decodes exactly what quant_ref.c decodes on the CPU.
  *   - Activations are FP32 on the device, as in the CPU forward; accumulation is FP32.
  *
+ *   - Peer access: at create the context enables access to every other device that allows it
+ *     (di_cuda_peer_copy: the pipeline stages' device-to-device hand-over; the host bounce
+ *     elsewhere).
+ *   - A failed allocation is reported by the allocation (its error cleared, not left for the next
+ *     launch check); device data outside a kernel's contract that the kernel can detect
+ * (attention's n_keys beyond max_keys) is clamped and flagged, and the next di_cuda_sync returns
+ *     DI_ERR_INVALID.
+ *
  * Owns: di_cuda owns its stream, cuBLASLt handle, every pool block and every uploaded weight.
  * Thread-safety: engine thread only (one stream per engine; conventions §5).
  */
@@ -80,6 +88,16 @@ typedef struct di_cuda {
     int moe_tc;
     int64_t n_moe_tc_calls;
     bool moe_tc_fault;
+    // Peer access (di_cuda_peer_copy): bit j set when this context's device reaches device j's
+    // memory directly (cudaDeviceCanAccessPeer, then cudaDeviceEnablePeerAccess at create; devices
+    // 0..63); the event that orders a peer copy between this stream and the other's.
+    uint64_t peer_mask;
+    void *peer_event; // owned cudaEvent_t (timing disabled)
+    // Device-side error flags (common.cuh DI_CUDA_FLAG_*): mapped page-locked host memory the
+    // kernels or their bits into (flags_dev: its device address), read and cleared by di_cuda_sync
+    // and di_cuda_download after their stream synchronisation (no copy: zero-copy memory).
+    int *flags_host; // owned (cudaHostAlloc, mapped)
+    int *flags_dev;
 } di_cuda;
 
 // Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.
@@ -115,8 +133,18 @@ di_status di_cuda_upload(di_cuda *cu, void *dst, const void *src, size_t bytes);
 di_status di_cuda_download(di_cuda *cu, void *dst, const void *src, size_t bytes);
 di_status di_cuda_memset(di_cuda *cu, void *dst, int value, size_t bytes);
 di_status di_cuda_copy_d2d(di_cuda *cu, void *dst, const void *src, size_t bytes);
-// Waits for the stream; turns an asynchronous kernel fault into DI_ERR_CUDA (logged). The named
-// sync points of the engine (end of step, logits readback) call this.
+// Whether di_cuda_peer_copy copies from src's memory into dst's directly: the same device, or two
+// devices with peer access enabled both ways (peer_mask).
+bool di_cuda_can_peer(const di_cuda *dst, const di_cuda *src);
+// dst's d <- src's s (bytes): on dst's stream after an event recorded on src's stream (everything
+// enqueued there before), cudaMemcpyPeerAsync (a plain device copy on one device), then an event
+// src's stream waits on (so src's later work cannot overwrite s before it is read). Asynchronous.
+// Leaves dst's device current. DI_ERR_CUDA (logged); the caller checked di_cuda_can_peer.
+di_status di_cuda_peer_copy(di_cuda *dst, void *d, di_cuda *src, const void *s, size_t bytes);
+// Waits for the stream; turns an asynchronous kernel fault into DI_ERR_CUDA (logged), and a
+// device-side error flag a kernel raised since the last sync (cu->flags_host: device data outside
+// a kernel's contract, e.g. attention's n_keys[t] > max_keys, clamped) into DI_ERR_INVALID
+// (logged, cleared). The named sync points of the engine (end of step, logits readback) call this.
 di_status di_cuda_sync(di_cuda *cu);
 // Status of the last launch (cudaGetLastError), logged with `what` when it failed.
 di_status di_cuda_check_launch(const char *what);

@@ -83,6 +83,27 @@ static di_status op_copy(di_backend *b, void *dst, const void *src, size_t bytes
     return bytes ? di_cuda_copy_d2d(cu, dst, src, bytes) : DI_OK;
 }
 
+// The pipeline stages' hand-over (backend.h can_peer / peer_copy).
+static bool op_can_peer(const di_backend *b, const di_backend *src_b) {
+    return src_b->vt == b->vt &&
+           di_cuda_can_peer((const di_cuda *)b->impl, (const di_cuda *)src_b->impl);
+}
+
+static di_status op_peer_copy(di_backend *b, void *dst, di_backend *src_b, const void *src,
+                              size_t bytes) {
+    ENTER(b);
+    di_cuda *scu = (di_cuda *)src_b->impl;
+    if (di_cuda_lost(scu->device)) return DI_ERR_DEVICE_LOST;
+    NOT_CAPTURING(cu, "peer_copy");
+    NOT_CAPTURING(scu, "peer_copy");
+    if (!op_can_peer(b, src_b)) {
+        DI_CUDA_LOG_ERROR("cuda backend: peer_copy from device %d to %d without peer access",
+                          scu->device, cu->device);
+        return DI_ERR_UNSUPPORTED;
+    }
+    return bytes ? di_cuda_peer_copy(cu, dst, scu, src, bytes) : DI_OK;
+}
+
 static di_status op_sync(di_backend *b) {
     ENTER(b);
     NOT_CAPTURING(cu, "sync");
@@ -387,6 +408,8 @@ static di_backend_vt make_vt(void) {
     vt.sync = op_sync;
     vt.weight_upload = op_weight_upload;
     vt.supports_matmul = op_supports_matmul;
+    vt.can_peer = op_can_peer;
+    vt.peer_copy = op_peer_copy;
     vt.host_alloc = op_host_alloc;
     vt.host_free = op_host_free;
     vt.matmul = op_matmul;

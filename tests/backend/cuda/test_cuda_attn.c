@@ -5,7 +5,8 @@
 // 128 / 64), queries with 0 keys, 1 key, one tile, not a multiple of the tile, -1 padding, only
 // masked keys, 8300 keys; both kernels: the exact FP32 one (di_cuda_attn) and the BF16
 // tensor-core one (di_cuda_attn_bf16, with 1, automatic and 3 key splits, plus an exact check of
-// which keys it uses with one-hot keys);
+// which keys it uses with one-hot keys); n_keys beyond max_keys or negative (device data): clamped,
+// reported by the next sync as DI_ERR_INVALID once, on both kernels;
 // and the compressor pooling against a transcription of model/dsv4_attn.c compressor_step (HCA
 // c = 1, CSA c = 2 with and without the overlap).
 #include "backend/cuda/cuda_test.h"
@@ -329,6 +330,63 @@ static void test_attn_bf16_refuses(void) {
         DI_ERR_INVALID);
 }
 
+// n_keys is device data the kernels cannot check before they run: a count beyond max_keys (or
+// negative) is clamped to [0, max_keys] and flagged, and the next di_cuda_sync returns
+// DI_ERR_INVALID once (then the flag is clear). Checked on both kernels: the output equals the
+// call with the clamped counts bit for bit (the same keys in the same order), every row written.
+static void bad_keys_case(int32_t dh, int32_t n_rot, int32_t H, int32_t max_keys) {
+    enum { T = 4 };
+    const int64_t n_pool = 300;
+    float *keys;
+    uint8_t *pool = kv_rows(n_pool, dh, n_rot, &keys);
+    int32_t n_bad[T] = {max_keys, max_keys + 1000, -5, INT32_MAX},
+            n_clamped[T] = {max_keys, max_keys, 0, max_keys};
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)T * (size_t)max_keys);
+    for (int64_t i = 0; i < (int64_t)T * max_keys; i++) idx[i] = (int32_t)(rnd() % n_pool);
+    const int64_t n_o = (int64_t)T * H * dh;
+    float *q = malloc(sizeof(float) * (size_t)n_o), *sink = malloc(sizeof(float) * (size_t)H);
+    float *want = malloc(sizeof(float) * (size_t)n_o), *got = malloc(sizeof(float) * (size_t)n_o);
+    fill_rand(q, n_o, 0.1f);
+    fill_rand(sink, H, 1.0f);
+    float *qd = dev_from(q, sizeof(float) * (size_t)n_o),
+          *sd = dev_from(sink, sizeof(float) * (size_t)H);
+    int32_t *idxd = dev_from(idx, sizeof(int32_t) * (size_t)T * (size_t)max_keys);
+    int32_t *nbd = dev_from(n_bad, sizeof n_bad), *ncd = dev_from(n_clamped, sizeof n_clamped);
+    float *od = dev_alloc(sizeof(float) * (size_t)n_o);
+    const float scale = 1.0f / sqrtf((float)dh);
+    for (int kernel = 0; kernel < 2; kernel++) {
+        for (int pass = 0; pass < 2; pass++) { // the clamped counts, then the bad ones
+            const int32_t *nk = pass ? nbd : ncd;
+            dev_poison(od, sizeof(float) * (size_t)n_o);
+            di_status st = kernel == 0
+                               ? di_cuda_attn(g_cu, qd, pool, idxd, max_keys, nk, max_keys, sd, T,
+                                              H, dh, n_rot, scale, od)
+                               : di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nk, max_keys, sd,
+                                                   T, H, dh, n_rot, scale, 3, od);
+            if (kernel == 1 && !tc_ran(st, "attn_bf16 bad n_keys")) break;
+            CK(st);
+            CHECK_EQ(di_cuda_sync(g_cu), pass ? DI_ERR_INVALID : DI_OK);
+            CHECK_EQ(di_cuda_sync(g_cu), DI_OK); // reported once
+            dev_to(pass ? got : want, od, sizeof(float) * (size_t)n_o);
+        }
+        int64_t nan = 0;
+        for (int64_t i = 0; i < n_o; i++) nan += isnan(want[i]);
+        fprintf(stderr, "  bad n_keys, %s kernel, dh=%d max_keys=%d: %s\n",
+                kernel ? "bf16" : "fp32", dh, max_keys,
+                memcmp(got, want, sizeof(float) * (size_t)n_o) ? "DIFFERENT" : "clamped");
+        CHECK(nan == 0);
+        CHECK(memcmp(got, want, sizeof(float) * (size_t)n_o) == 0);
+    }
+    dev_free(qd), dev_free(sd), dev_free(idxd), dev_free(nbd), dev_free(ncd), dev_free(od),
+        dev_free(pool);
+    free(keys), free(idx), free(q), free(sink), free(want), free(got);
+}
+
+static void test_attn_bad_keys(void) {
+    bad_keys_case(512, 64, 64, 200);
+    bad_keys_case(128, 64, 4, 100);
+}
+
 // ---- compressor pooling ----
 
 static void ref_pool(const float *bc, const float *bz, const float *oc, const float *oz, bool ovl,
@@ -412,6 +470,7 @@ int main(void) {
     RUN(test_attn);
     RUN(test_attn_bf16_keys);
     RUN(test_attn_bf16_refuses);
+    RUN(test_attn_bad_keys);
     RUN(test_compress_pool);
     return cuda_test_finish();
 }

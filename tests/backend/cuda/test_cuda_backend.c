@@ -2,8 +2,10 @@
 // pool (reuse of a freed block, distinct live blocks), upload/download round trips, memset,
 // weight upload of a row view (scale rows and row0), op names and supports_op, the CPU fallback of
 // an unsupported matmul (odd-length FP4 rows) against di_cpu_matmul, error reporting (an invalid
-// launch configuration returns DI_ERR_INVALID / DI_ERR_CUDA, and the context stays usable), and a
-// CUDA graph of a decode-like sequence replayed against the same launches run directly.
+// launch configuration returns DI_ERR_INVALID / DI_ERR_CUDA, and the context stays usable; a failed
+// allocation leaves no error for the next launch), the copy between two backends (one device
+// twice, two devices: peer or host bounce, ordered between the streams), and a CUDA graph of a
+// decode-like sequence replayed against the same launches run directly.
 #include "backend/cuda/cuda_test.h"
 
 #include "backend/cpu/gemm.h"
@@ -11,6 +13,8 @@
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/rope.cuh"
+#include "backend/cuda/rows.cuh"
+#include "backend/backend.h"
 #include "base/thread.h"
 
 static void test_pool(void) {
@@ -98,6 +102,72 @@ static void test_errors(void) {
     dev_free(x);
 }
 
+// A failed cudaMalloc is reported by the allocation and leaves no error behind: the next launch
+// check and launch succeed (before, the next launch was reported failed with the allocation's
+// error), and the device is not lost (out of memory is not sticky).
+static void test_alloc_failure(void) {
+    void *p = NULL;
+    CHECK_EQ(di_cuda_alloc(g_cu, (size_t)1 << 50, &p), DI_ERR_CUDA); // 1 PiB
+    CHECK(p == NULL);
+    CHECK_EQ(di_cuda_check_launch("nothing after a failed allocation"), DI_OK);
+    CHECK(!di_cuda_lost(g_cu->device));
+    float h[64], back[64];
+    fill_rand(h, 64, 1.0f);
+    float *x = dev_from(h, sizeof h);
+    CHECK_EQ(di_cuda_scale(g_cu, x, 64, 2.0f), DI_OK);
+    dev_to(back, x, sizeof back);
+    for (int i = 0; i < 64; i++) CHECK_EQ(back[i], h[i] * 2.0f);
+    dev_free(x);
+}
+
+// The hand-over between two backends (backend.h can_peer / peer_copy, di_backend_hand_over): two
+// backends on device 0 (the same device listed twice: a device copy between their streams), and
+// devices 0 and 1 when there are two (a peer copy where peer access was enabled, else the host
+// bounce). The source is written by a kernel enqueued just before the copy (the copy must wait for
+// it) and rewritten right after it (the rewrite must wait for the copy).
+static void peer_pair(int d0, int d1) {
+    di_device dv0 = {.kind = DI_DEVICE_CUDA, .index = d0},
+              dv1 = {.kind = DI_DEVICE_CUDA, .index = d1};
+    di_backend *a = NULL, *b = NULL;
+    CK(di_backend_open(&dv0, 0, &a));
+    CK(di_backend_open(&dv1, 0, &b));
+    enum { N = 1 << 20 };
+    float *h = malloc(sizeof(float) * N), *back = malloc(sizeof(float) * N), *bounce = NULL;
+    CK(a->vt->host_alloc(a, sizeof(float) * N, (void **)&bounce));
+    fill_rand(h, N, 1.0f);
+    float *src = NULL, *dst = NULL;
+    CK(a->vt->alloc(a, sizeof(float) * N, (void **)&src));
+    CK(b->vt->alloc(b, sizeof(float) * N, (void **)&dst));
+    CK(a->vt->upload(a, src, h, sizeof(float) * N));
+    CK(a->vt->scale(a, src, N, 3.0f)); // enqueued, not waited for
+    bool peer = false;
+    CK(di_backend_hand_over(b, dst, a, src, sizeof(float) * N, bounce, &peer));
+    CK(a->vt->scale(a, src, N, 0.0f)); // after the copy
+    CK(b->vt->download(b, back, dst, sizeof(float) * N));
+    bool same = true;
+    for (int i = 0; i < N; i++) same &= back[i] == h[i] * 3.0f;
+    fprintf(stderr, "  devices %d -> %d: %s copy, %s\n", d0, d1, peer ? "direct" : "host bounce",
+            same ? "equal" : "DIFFERENT");
+    CHECK(same);
+    if (d0 == d1) CHECK(peer && di_backend_can_peer(b, a));
+    CK(a->vt->sync(a));
+    CK(b->vt->sync(b));
+    a->vt->free(a, src);
+    b->vt->free(b, dst);
+    a->vt->host_free(a, bounce);
+    di_backend_destroy(b);
+    di_backend_destroy(a);
+    free(h), free(back);
+}
+
+static void test_peer_copy(void) {
+    peer_pair(0, 0);
+    if (di_cuda_device_count() >= 2) {
+        peer_pair(0, 1);
+        peer_pair(1, 0);
+    }
+}
+
 // rmsnorm -> rope -> matmul captured once and replayed: same bits as running them directly.
 static void test_graph(void) {
     const int64_t n = 512, T = 4, n_out = 300;
@@ -146,6 +216,8 @@ int main(void) {
     RUN(test_ops_table);
     RUN(test_fallback);
     RUN(test_errors);
+    RUN(test_alloc_failure);
+    RUN(test_peer_copy);
     RUN(test_graph);
     return cuda_test_finish();
 }
