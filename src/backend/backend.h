@@ -63,6 +63,21 @@ static inline int64_t di_backend_kv_row_bytes(int32_t dh, int32_t n_rot) {
 // E4M3 scale per block, by division): the compressed entries of model/dsv41_attn.c.
 #define DI_BACKEND_Q4E (-4)
 
+// V4.1's stored codes (pack_rows, attn_codes, index_scores_q4; tensor/quant_ref.h
+// di_quant_*_pack, docs/kv-cache.md "Packed codes"): window rows Q8 (e4m3 codes, a UE8M0 scale
+// per DI_BACKEND_WIN_BLOCK dims), entries Q4e (e2m1 pairs, an E4M3 scale per DI_BACKEND_ENT_BLOCK),
+// index keys Q4 (e2m1 pairs, a UE8M0 scale per DI_BACKEND_KEY_BLOCK); model/dsv41.h's
+// DI_DSV41_*_BLOCK.
+#define DI_BACKEND_WIN_BLOCK 32
+#define DI_BACKEND_ENT_BLOCK 16
+#define DI_BACKEND_KEY_BLOCK 32
+
+// Bytes of one packed row of n values in blocks of `block` (bits 8: Q8; 4: Q4; DI_BACKEND_Q4E:
+// Q4e): the codes then a scale byte per block, unpadded (= di_quant_*_row_bytes).
+static inline int64_t di_backend_code_row_bytes(int32_t bits, int64_t n, int64_t block) {
+    return (bits == 8 ? n : n / 2) + n / block;
+}
+
 // index_cand's modes (V4.1's two-level indexer, model/dsv41_attn.c idx_task).
 typedef enum di_backend_cand_mode {
     DI_BACKEND_CAND_BUILD = 0, // level 1: the candidate pool of each row
@@ -323,6 +338,37 @@ typedef struct di_backend_vt {
     di_status (*index_cand)(di_backend *b, int32_t mode, float *scores, int64_t score_stride,
                             const int32_t *n_vis, int32_t n_tok, int32_t bs, int32_t ntb,
                             int32_t *cand, int32_t *n_cand, int32_t *sel, int32_t k, float *work);
+    // V4.1's KV codes (DI_BACKEND_WIN_BLOCK above): row i of n FP32 rows x + s_i * x_stride (s_i
+    // = src_rows[i], or i when src_rows is NULL) is fake-quantised (bits 8: Q8, 4: Q4,
+    // DI_BACKEND_Q4E: Q4e; blocks of `block` over its n_dims values) and its codes and scales are
+    // written to dst + dst_rows[i] * row_bytes (dst_rows NULL: row i; negative: row i skipped),
+    // row_bytes = di_backend_code_row_bytes(bits, n_dims, block): exactly tensor/quant_ref.h
+    // di_quant_*_pack of that row (the same bytes, NaN blocks included), x unchanged. No two
+    // dst_rows >= 0 equal. DI_ERR_INVALID unless block >= 2 is even and divides n_dims <= 1024,
+    // bits is 8, 4 or DI_BACKEND_Q4E.
+    di_status (*pack_rows)(di_backend *b, const float *x, int64_t n, int64_t x_stride,
+                           int32_t n_dims, int32_t block, int32_t bits, uint8_t *dst,
+                           const int32_t *dst_rows, const int32_t *src_rows);
+    // attn over V4.1's stored codes: key j of row t, id = key_idx[t * key_stride + j] (negative:
+    // masked), is the Q8 window row win + id * di_backend_code_row_bytes(8, dh, WIN_BLOCK) when
+    // j < n_win[t], else the Q4e entry row ent + id * di_backend_code_row_bytes(DI_BACKEND_Q4E,
+    // dh, ENT_BLOCK); each decoded exactly (di_quant_q8_unpack / _q4e_unpack), then attn's
+    // arithmetic on those rows in list order (the CPU backend runs exactly that). n_win[t] <=
+    // n_keys[t]. DI_ERR_INVALID unless dh is a multiple of 32, dh <= 1024, and as attn.
+    di_status (*attn_codes)(di_backend *b, const float *q, const uint8_t *win, const uint8_t *ent,
+                            const int32_t *key_idx, int64_t key_stride, const int32_t *n_win,
+                            const int32_t *n_keys, int32_t max_keys, const float *sink,
+                            int32_t n_tok, int32_t H, int32_t dh, float scale, bool round_p,
+                            float *o);
+    // index_scores over Q4 index keys (rows of di_backend_code_row_bytes(4, DI, KEY_BLOCK) bytes,
+    // the key of entry row r at keys + r * that, r as index_scores' row): each key decoded exactly
+    // (di_quant_q4_unpack), then index_scores' arithmetic. DI_ERR_INVALID unless DI is a multiple
+    // of DI_BACKEND_KEY_BLOCK, and as index_scores.
+    di_status (*index_scores_q4)(di_backend *b, const float *qi, const float *wi,
+                                 const uint8_t *keys, const int64_t *key_base, const int32_t *pages,
+                                 const int32_t *page_off, int32_t per_page, const int32_t *n_vis,
+                                 int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
+                                 bool round_bf16, float *scores, int64_t score_stride);
 } di_backend_vt;
 
 struct di_backend {

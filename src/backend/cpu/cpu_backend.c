@@ -48,6 +48,12 @@ typedef struct cpu_impl {
     size_t kv_rows_cap;
     int32_t *kv_idx; // owned
     size_t kv_idx_cap;
+    // attn_codes scratch: per thread, the decoded keys of one row (max_keys rows of dh floats).
+    float *kd; // owned [n_threads * kd_per_thread]
+    size_t kd_per_thread;
+    // index_scores_q4 scratch: per thread, a chunk of decoded index keys.
+    float *ik_rows; // owned [n_threads * ik_per_thread]
+    size_t ik_per_thread;
     // Attention / indexer scratch: per thread, key pointers and scores.
     const float **kp; // owned [n_threads * kp_per_thread]
     size_t kp_per_thread;
@@ -115,6 +121,9 @@ typedef enum cmd_op {
     CMD_MHC_PRE_CARRIED,
     CMD_ENGRAM_GATE,
     CMD_INDEX_CAND,
+    CMD_PACK_ROWS,
+    CMD_ATTN_CODES,
+    CMD_INDEX_SCORES_Q4,
 } cmd_op;
 
 // One recorded entry: its arguments by value (tensors and the MoE weight struct copied: the
@@ -311,6 +320,38 @@ typedef struct cmd {
             int32_t k;
             float *work;
         } index_cand;
+        struct {
+            const float *x;
+            int64_t n, x_stride;
+            int32_t n_dims, block, bits;
+            uint8_t *dst;
+            const int32_t *dst_rows, *src_rows;
+        } pack_rows;
+        struct {
+            const float *q;
+            const uint8_t *win, *ent;
+            const int32_t *key_idx;
+            int64_t key_stride;
+            const int32_t *n_win, *n_keys;
+            int32_t max_keys;
+            const float *sink;
+            int32_t n_tok, H, dh;
+            float scale;
+            bool round_p;
+            float *o;
+        } attn_codes;
+        struct {
+            const float *qi, *wi;
+            const uint8_t *keys;
+            const int64_t *key_base;
+            const int32_t *pages, *page_off;
+            int32_t per_page;
+            const int32_t *n_vis;
+            int32_t max_vis, n_tok, HI, DI;
+            bool round_bf16;
+            float *scores;
+            int64_t score_stride;
+        } index_scores_q4;
     } u;
 } cmd;
 
@@ -828,6 +869,10 @@ typedef struct attn_ctx {
     float scale;
     bool round_p;
     float *o;
+    // attn_codes: the keys are V4.1's codes (pool unused): key j < n_win[t] a Q8 window row of
+    // win, the others Q4e entries of ent, each row's present keys decoded into the thread's kd.
+    const uint8_t *win, *ent;
+    const int32_t *n_win;
 } attn_ctx;
 
 // Heads [h0, h0 + nh) of row t (model/dsv4_attn.c di_dsv4_attend_heads without the inverse RoPE).
@@ -847,8 +892,26 @@ static void attn_task(void *p, int ith, int nth) {
         if (t != t_prev) { // this row's present keys, in list order
             n_k = 0;
             const int32_t *ki = a->key_idx + t * a->key_stride;
-            for (int32_t j = 0; j < a->n_keys[t]; j++)
-                if (ki[j] >= 0) kp[n_k++] = a->pool + (int64_t)ki[j] * dh;
+            if (a->win) { // decoded exactly (attn_codes), once per row and thread
+                float *kd = a->c->kd + (size_t)ith * a->c->kd_per_thread;
+                const int64_t wb = di_backend_code_row_bytes(8, dh, DI_BACKEND_WIN_BLOCK);
+                const int64_t eb =
+                    di_backend_code_row_bytes(DI_BACKEND_Q4E, dh, DI_BACKEND_ENT_BLOCK);
+                for (int32_t j = 0; j < a->n_keys[t]; j++) {
+                    if (ki[j] < 0) continue;
+                    float *v = kd + n_k * dh;
+                    if (j < a->n_win[t])
+                        di_quant_q8_unpack(a->win + (int64_t)ki[j] * wb, dh, DI_BACKEND_WIN_BLOCK,
+                                           v);
+                    else
+                        di_quant_q4e_unpack(a->ent + (int64_t)ki[j] * eb, dh, DI_BACKEND_ENT_BLOCK,
+                                            v);
+                    kp[n_k++] = v;
+                }
+            } else {
+                for (int32_t j = 0; j < a->n_keys[t]; j++)
+                    if (ki[j] >= 0) kp[n_k++] = a->pool + (int64_t)ki[j] * dh;
+            }
             t_prev = t;
         }
         const float *q = a->q + (t * H + h0) * dh;
@@ -906,7 +969,8 @@ static di_status cpu_attn(di_backend *b, const float *q, const float *pool, cons
         DI_LOG_ERROR("cpu backend: cannot allocate attention scratch for %d keys", max_keys);
         return DI_ERR_NOMEM;
     }
-    attn_ctx a = {c, q, pool, sink, key_idx, n_keys, key_stride, n_tok, H, dh, scale, round_p, o};
+    attn_ctx a = {c, q,  pool,  sink,    key_idx, n_keys, key_stride, n_tok,
+                  H, dh, scale, round_p, o,       NULL,   NULL,       NULL};
     di_pool_run(c->pool, attn_task, &a);
     return DI_OK;
 }
@@ -1159,6 +1223,180 @@ static di_status cpu_hadamard(di_backend *b, float *x, int64_t n_rows, int64_t n
     return DI_OK;
 }
 
+// ---- V4.1's KV codes (backend.h pack_rows, attn_codes, index_scores_q4) ----
+
+static bool code_fmt_ok(int32_t n_dims, int32_t block, int32_t bits) {
+    return block >= 2 && block % 2 == 0 && n_dims >= block && n_dims <= 1024 &&
+           n_dims % block == 0 && (bits == 8 || bits == 4 || bits == DI_BACKEND_Q4E);
+}
+
+static di_status cpu_pack_rows(di_backend *b, const float *x, int64_t n, int64_t x_stride,
+                               int32_t n_dims, int32_t block, int32_t bits, uint8_t *dst,
+                               const int32_t *dst_rows, const int32_t *src_rows) {
+    cpu_impl *c = impl_of(b);
+    RECORD(c, CMD_PACK_ROWS, pack_rows, x, n, x_stride, n_dims, block, bits, dst, dst_rows,
+           src_rows);
+    if (!code_fmt_ok(n_dims, block, bits)) return DI_ERR_INVALID;
+    if (n <= 0) return DI_OK;
+    // The packers quantise in place: each row goes through a copy (x is left as it is).
+    float v[1024]; // a row's copy: n_dims <= 1024 (code_fmt_ok)
+    const int64_t rb = di_backend_code_row_bytes(bits, n_dims, block);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = dst_rows ? dst_rows[i] : i;
+        if (r < 0) continue; // padding, skipped
+        const int64_t si = src_rows ? src_rows[i] : i;
+        memcpy(v, x + si * x_stride, sizeof(float) * (size_t)n_dims);
+        uint8_t *row = dst + r * rb;
+        if (bits == 8)
+            di_quant_q8_pack(v, n_dims, block, row);
+        else if (bits == 4)
+            di_quant_q4_pack(v, n_dims, block, row);
+        else
+            di_quant_q4e_pack(v, n_dims, block, row);
+    }
+    return DI_OK;
+}
+
+// The twin of di_cuda_attn_codes: attn's task on each row's present keys, decoded exactly into
+// the thread's scratch (max_keys rows of dh floats a thread, grown once: no allocation that
+// depends on a call's rows), so the arithmetic is attn's on those FP32 rows.
+static di_status cpu_attn_codes(di_backend *b, const float *q, const uint8_t *win,
+                                const uint8_t *ent, const int32_t *key_idx, int64_t key_stride,
+                                const int32_t *n_win, const int32_t *n_keys, int32_t max_keys,
+                                const float *sink, int32_t n_tok, int32_t H, int32_t dh,
+                                float scale, bool round_p, float *o) {
+    cpu_impl *c = impl_of(b);
+    RECORD(c, CMD_ATTN_CODES, attn_codes, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys,
+           sink, n_tok, H, dh, scale, round_p, o);
+    if (n_tok <= 0) return DI_OK;
+    if (dh < 32 || dh % 32 != 0 || dh > 1024 || max_keys < 0 || H < 1 || key_stride < max_keys)
+        return DI_ERR_INVALID;
+    for (int32_t t = 0; t < n_tok; t++)
+        if (n_keys[t] < 0 || n_keys[t] > max_keys || n_win[t] < 0 || n_win[t] > n_keys[t])
+            return DI_ERR_INVALID;
+    const size_t mk = (size_t)max_keys + 1, per = mk * (size_t)dh;
+    if (grow_scratch(c, mk, mk * HEAD_GROUP) != DI_OK) {
+        DI_LOG_ERROR("cpu backend: cannot allocate attention scratch for %d keys", max_keys);
+        return DI_ERR_NOMEM;
+    }
+    if (per > c->kd_per_thread) {
+        float *p = di_aligned_alloc(sizeof(float) * per * (size_t)di_pool_n_threads(c->pool));
+        if (!p) {
+            DI_LOG_ERROR("cpu backend: cannot allocate the decoded keys of %d keys", max_keys);
+            return DI_ERR_NOMEM;
+        }
+        di_aligned_free(c->kd);
+        c->kd = p;
+        c->kd_per_thread = per;
+    }
+    attn_ctx a = {c, q,  NULL,  sink,    key_idx, n_keys, key_stride, n_tok,
+                  H, dh, scale, round_p, o,       win,    ent,        n_win};
+    di_pool_run(c->pool, attn_task, &a);
+    return DI_OK;
+}
+
+typedef struct index_q4_ctx {
+    const cpu_impl *c;
+    const float *qi, *wi;
+    const uint8_t *keys;
+    const int64_t *key_base;
+    const int32_t *pages, *page_off;
+    int32_t per_page;
+    const int32_t *n_vis;
+    int32_t n_tok, HI, DI;
+    bool round_bf16;
+    float *scores;
+    int64_t score_stride;
+} index_q4_ctx;
+
+// index_task on Q4 keys: each chunk's keys decoded into the thread's scratch, then scored as there
+// (every key on its own: the same scores as on the decoded FP32 keys).
+static void index_q4_task(void *p, int ith, int nth) {
+    const index_q4_ctx *x = p;
+    const float **kp = x->c->kp + (size_t)ith * x->c->kp_per_thread;
+    float *kd = x->c->ik_rows + (size_t)ith * x->c->ik_per_thread;
+    const int64_t kb = di_backend_code_row_bytes(4, x->DI, DI_BACKEND_KEY_BLOCK);
+    int64_t lo, hi;
+    di_split_range(x->n_tok, ith, nth, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        const uint8_t *keys = x->keys + (x->key_base ? x->key_base[t] : 0) * kb;
+        float *sc = x->scores + t * x->score_stride;
+        for (int64_t w0 = 0; w0 < x->n_vis[t]; w0 += KEY_CHUNK) {
+            int64_t nk = x->n_vis[t] - w0 < KEY_CHUNK ? x->n_vis[t] - w0 : KEY_CHUNK;
+            int64_t n_ok = 0;
+            for (int64_t w = 0; w < nk; w++) {
+                int64_t row = w0 + w;
+                if (x->pages) {
+                    int32_t pg = x->pages[x->page_off[t] + row / x->per_page];
+                    if (pg < 0) {
+                        sc[row] = -INFINITY;
+                        continue;
+                    }
+                    row = (int64_t)pg * x->per_page + row % x->per_page;
+                }
+                float *k = kd + n_ok * x->DI;
+                di_quant_q4_unpack(keys + row * kb, x->DI, DI_BACKEND_KEY_BLOCK, k);
+                kp[n_ok++] = k;
+            }
+            if (n_ok == nk) {
+                di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI,
+                                    x->HI, kp, nk, x->DI, sc + w0);
+                continue;
+            }
+            for (int64_t w = 0, j = 0; w < nk; w++) { // entries of negative pages: -inf above
+                const int64_t row = w0 + w;
+                if (x->pages[x->page_off[t] + row / x->per_page] < 0) continue;
+                di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI,
+                                    x->HI, kp + j++, 1, x->DI, sc + row);
+            }
+        }
+        if (x->round_bf16) round_all(x->scores + t * x->score_stride, x->n_vis[t]);
+    }
+}
+
+static di_status cpu_index_scores_q4(di_backend *b, const float *qi, const float *wi,
+                                     const uint8_t *keys, const int64_t *key_base,
+                                     const int32_t *pages, const int32_t *page_off,
+                                     int32_t per_page, const int32_t *n_vis, int32_t max_vis,
+                                     int32_t n_tok, int32_t HI, int32_t DI, bool round_bf16,
+                                     float *scores, int64_t score_stride) {
+    cpu_impl *c = impl_of(b);
+    RECORD(c, CMD_INDEX_SCORES_Q4, index_scores_q4, qi, wi, keys, key_base, pages, page_off,
+           per_page, n_vis, max_vis, n_tok, HI, DI, round_bf16, scores, score_stride);
+    if (n_tok <= 0) return DI_OK;
+    if (score_stride < max_vis || HI < 1 || DI < DI_BACKEND_KEY_BLOCK ||
+        DI % DI_BACKEND_KEY_BLOCK != 0 || (pages && per_page < 1))
+        return DI_ERR_INVALID;
+    for (int32_t t = 0; t < n_tok; t++)
+        if (n_vis[t] < 0 || n_vis[t] > max_vis) return DI_ERR_INVALID;
+    if (grow_scratch(c, KEY_CHUNK, 0) != DI_OK) return DI_ERR_NOMEM;
+    const size_t per = (size_t)KEY_CHUNK * (size_t)DI;
+    if (per > c->ik_per_thread) {
+        float *q = di_aligned_alloc(sizeof(float) * per * (size_t)di_pool_n_threads(c->pool));
+        if (!q) return DI_ERR_NOMEM;
+        di_aligned_free(c->ik_rows);
+        c->ik_rows = q;
+        c->ik_per_thread = per;
+    }
+    index_q4_ctx x = {.c = c,
+                      .qi = qi,
+                      .wi = wi,
+                      .keys = keys,
+                      .key_base = key_base,
+                      .pages = pages,
+                      .page_off = page_off,
+                      .per_page = per_page,
+                      .n_vis = n_vis,
+                      .n_tok = n_tok,
+                      .HI = HI,
+                      .DI = DI,
+                      .round_bf16 = round_bf16,
+                      .scores = scores,
+                      .score_stride = score_stride};
+    di_pool_run(c->pool, index_q4_task, &x);
+    return DI_OK;
+}
+
 // ---- DeepSeek V4.1 (model/dsv41.c, dsv41_attn.c) ----
 
 static di_status cpu_mhc_pre_carried(di_backend *b, const float *x, const float *mix_raw,
@@ -1358,6 +1596,24 @@ static di_status replay(di_backend *b, const cmd *k) {
                               A(index_cand).bs, A(index_cand).ntb, A(index_cand).cand,
                               A(index_cand).n_cand, A(index_cand).sel, A(index_cand).k,
                               A(index_cand).work);
+    case CMD_PACK_ROWS:
+        return cpu_pack_rows(b, A(pack_rows).x, A(pack_rows).n, A(pack_rows).x_stride,
+                             A(pack_rows).n_dims, A(pack_rows).block, A(pack_rows).bits,
+                             A(pack_rows).dst, A(pack_rows).dst_rows, A(pack_rows).src_rows);
+    case CMD_ATTN_CODES:
+        return cpu_attn_codes(b, A(attn_codes).q, A(attn_codes).win, A(attn_codes).ent,
+                              A(attn_codes).key_idx, A(attn_codes).key_stride, A(attn_codes).n_win,
+                              A(attn_codes).n_keys, A(attn_codes).max_keys, A(attn_codes).sink,
+                              A(attn_codes).n_tok, A(attn_codes).H, A(attn_codes).dh,
+                              A(attn_codes).scale, A(attn_codes).round_p, A(attn_codes).o);
+    case CMD_INDEX_SCORES_Q4:
+        return cpu_index_scores_q4(
+            b, A(index_scores_q4).qi, A(index_scores_q4).wi, A(index_scores_q4).keys,
+            A(index_scores_q4).key_base, A(index_scores_q4).pages, A(index_scores_q4).page_off,
+            A(index_scores_q4).per_page, A(index_scores_q4).n_vis, A(index_scores_q4).max_vis,
+            A(index_scores_q4).n_tok, A(index_scores_q4).HI, A(index_scores_q4).DI,
+            A(index_scores_q4).round_bf16, A(index_scores_q4).scores,
+            A(index_scores_q4).score_stride);
 #undef A
     }
     return DI_ERR_INVALID;
@@ -1426,6 +1682,8 @@ static void cpu_destroy(di_backend *b) {
         di_free(c->moe_i);
         di_aligned_free(c->kv_rows);
         di_free(c->kv_idx);
+        di_aligned_free(c->ik_rows);
+        di_aligned_free(c->kd);
         di_free((void *)c->kp);
         di_aligned_free(c->sc);
         di_free(c);
@@ -1477,6 +1735,9 @@ static const di_backend_vt cpu_vt = {
     .mhc_pre_carried = cpu_mhc_pre_carried,
     .engram_gate = cpu_engram_gate,
     .index_cand = cpu_index_cand,
+    .pack_rows = cpu_pack_rows,
+    .attn_codes = cpu_attn_codes,
+    .index_scores_q4 = cpu_index_scores_q4,
 };
 
 di_status di_cpu_backend_create(int n_threads, di_backend **out) {
