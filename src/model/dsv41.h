@@ -250,6 +250,11 @@ di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes);
 
 // Bytes of one page (a multiple of 64; V4.1-Flash 113,920 for 128 positions: 890 a position).
 size_t di_dsv41_page_bytes(const di_model *m, int32_t block_tokens);
+// Where kv source il's runs start in such a page: its entries at *off_main, its index keys at
+// *off_idx (bytes; il must be a kv source, DI_ASSERT). The device-resident forward's block I/O
+// (dsv41_dev.h) reads and writes blocks in this layout.
+void di_dsv41_page_offsets(const di_model *m, int32_t block_tokens, int il, int64_t *off_main,
+                           int64_t *off_idx);
 // Makes the session read and write its entries through pages[0 .. n_pages) (borrowed: the
 // engine's block table of its sequence; the array must outlive the session's calls and may grow
 // in place beyond n_pages). Frees pages the session owned (the first binding). Called again

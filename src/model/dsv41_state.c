@@ -139,6 +139,16 @@ size_t di_dsv41_page_bytes(const di_model *m, int32_t block_tokens) {
     return page_layout(&m->hp, block_tokens, NULL);
 }
 
+void di_dsv41_page_offsets(const di_model *m, int32_t block_tokens, int il, int64_t *off_main,
+                           int64_t *off_idx) {
+    const di_hparams *hp = &m->hp;
+    DI_ASSERT(il >= 0 && il < hp->n_layer && hp->kv_source[il]);
+    di_dsv41_src src[DI_MAX_LAYERS];
+    page_layout(hp, block_tokens, src);
+    *off_main = src[il].off_main;
+    *off_idx = src[il].off_idx;
+}
+
 // Pages for the entries of positions < end, history for positions < end_hist.
 di_status di_dsv41_reserve_state(di_session *s, int64_t end, int64_t end_hist) {
     di_dsv41_state *st = s->v41;
