@@ -20,6 +20,12 @@
 #include "model/dev_common.h" // weight uploads, MoE weights, logit rows
 #include "model/dsv41.h"
 
+// The backend's code formats are the CPU forward's (attn_codes and index_scores_q4 decode these).
+_Static_assert(DI_DSV41_WIN_BLOCK == DI_BACKEND_WIN_BLOCK &&
+                   DI_DSV41_ENT_BLOCK == DI_BACKEND_ENT_BLOCK &&
+                   DI_DSV41_KEY_BLOCK == DI_BACKEND_KEY_BLOCK,
+               "V4.1's code blocks");
+
 // Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the most sequences
 // of a decode step run as a graph.
 enum { HEAD_CHUNK = 64 };
@@ -241,15 +247,17 @@ static int32_t model_block_tokens(const di_model *m) {
 
 // ---- state ----
 
-// A kv source's device state.
+// A kv source's device state: its entries and index keys as packed codes (dsv41_dev.h "State
+// layout"), entry w of block b at row b * per_page + w of each.
 typedef struct dev_src {
     int32_t il, m, per_page; // layer, ratio, entries per block
-    int64_t ent_row0;        // its first entry row in the pool
-    float *ikeys;            // backend [n_blocks * per_page, DI]
+    uint8_t *ent;            // backend [n_blocks * per_page] Q4e rows of ent_bytes
+    uint8_t *ikeys;          // backend [n_blocks * per_page] Q4 rows of key_bytes
     float *ring_c, *ring_z;  // backend [n_slots * 2, Dh] (m = 2, the owner only), else NULL
     int32_t cap_vis;         // the most entries a slot can have: n_ctx / m
     // The hand-over of a handed or mirrored source (NULL: neither): a call's n_pool finalised
-    // rows, [n_pool, Dh] entries then [n_pool, DI] index keys (backend [max_rows * (Dh + DI)]).
+    // rows before packing, [n_pool, Dh] entries then [n_pool, DI] index keys as FP32 (backend
+    // [max_rows * (Dh + DI)]); the mirror packs them into the same codes the owner stored.
     float *xfer;
 } dev_src;
 
@@ -267,7 +275,7 @@ struct stage_state {
     dev_stage *d; // borrowed
     int32_t n_slots, n_ctx, max_rows, block_tokens, max_blocks, n_eblocks;
     bool shared;        // blocks listed per call
-    int64_t layer_rows; // rows of one layer's pool region: max_rows + n_slots * W
+    int64_t layer_rows; // window rows of one layer: max_rows + n_slots * W
     int32_t key_stride; // W + index_topk
     int32_t score_stride;
     dev_src *src;       // owned [n_layer]: by layer (only kv sources used)
@@ -280,7 +288,11 @@ struct stage_state {
     void **blocks;
     int32_t n_mem, cap_mem;
     int64_t n_bytes; // backend bytes allocated (st_alloc) and the host staging
-    float *pool;     // [(l1 - l0) * layer_rows + the stage's entries, Dh]
+    // Window rows as Q8 codes (win_bytes each): per layer of the stage its layer_rows rows (this
+    // call's rows, then every slot's W ring rows).
+    uint8_t *win;
+    int64_t win_bytes, ent_bytes, key_bytes; // packed row bytes: Q8 of Dh, Q4e of Dh, Q4 of DI
+    float *kvw; // [max_rows, Dh]: the call's window rows before packing (kept until the rings)
     float *x, *a, *out, *mix, *pre, *pre_attn, *post, *comb, *one_hot;
     float *qr, *q, *o, *u, *cc, *cz, *lat, *ik, *iq, *iw, *scores, *aq;
     float *blk; // [max_rows, score_stride / candidate_block_size + 1]: index_cand's block scores
@@ -394,10 +406,12 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     const int32_t max_blocks = ok ? (n_ctx + block_tokens - 1) / block_tokens : 0;
     const int64_t n_eb = n_blocks > 0 ? n_blocks : (int64_t)n_slots * max_blocks;
     const int64_t layer_rows = (int64_t)max_rows + (int64_t)n_slots * W;
-    int64_t pool_rows = (int64_t)(d->l1 - d->l0) * layer_rows;
-    for (int il = 0; ok && il < hp->n_layer; il++) // its own kv sources and its mirrors
-        if (keeps(d, il)) pool_rows += n_eb * (block_tokens / hp->compress_ratio[il]);
-    if (!ok || pool_rows > INT32_MAX || n_eb > INT32_MAX) {
+    const int64_t win_rows = (int64_t)(d->l1 - d->l0) * layer_rows;
+    int64_t max_ent = 0; // entry rows of the widest source (its own or a mirror)
+    for (int il = 0; ok && il < hp->n_layer; il++)
+        if (keeps(d, il) && n_eb * (block_tokens / hp->compress_ratio[il]) > max_ent)
+            max_ent = n_eb * (block_tokens / hp->compress_ratio[il]);
+    if (!ok || win_rows > INT32_MAX || max_ent > INT32_MAX || n_eb > INT32_MAX) {
         DI_LOG_ERROR("dev forward (V4.1): bad state (%d slots, n_ctx %d, %d rows, %d blocks of "
                      "%d positions)",
                      n_slots, n_ctx, max_rows, n_blocks, block_tokens);
@@ -430,8 +444,13 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     const char *env = getenv("DI_DEV_GRAPHS");
     s->graphs_on = !(env && strcmp(env, "0") == 0);
     const int64_t R = max_rows;
-    DI_TRY(st_floats(s, pool_rows * Dh, &s->pool));
-    int64_t row0 = (int64_t)(d->l1 - d->l0) * layer_rows;
+    s->win_bytes = di_backend_code_row_bytes(8, Dh, DI_BACKEND_WIN_BLOCK);
+    s->ent_bytes = di_backend_code_row_bytes(DI_BACKEND_Q4E, Dh, DI_BACKEND_ENT_BLOCK);
+    s->key_bytes = di_backend_code_row_bytes(4, DI, DI_BACKEND_KEY_BLOCK);
+    // Rings start as zero bytes: Q8 rows of +0 (code 0 times 2^-127), never read before written.
+    DI_TRY(st_alloc(s, (size_t)(win_rows * s->win_bytes), (void **)&s->win));
+    DI_TRY(d->b->vt->memset(d->b, s->win, 0, (size_t)(win_rows * s->win_bytes)));
+    DI_TRY(st_floats(s, R * Dh, &s->kvw));
     int32_t max_vis = 1;
     for (int il = 0; il < hp->n_layer; il++) {
         if (!keeps(d, il)) continue;
@@ -439,15 +458,15 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
         k->il = il;
         k->m = hp->compress_ratio[il];
         k->per_page = block_tokens / k->m;
-        k->ent_row0 = row0;
         k->cap_vis = n_ctx / k->m;
         if (k->cap_vis > max_vis) max_vis = k->cap_vis;
-        row0 += n_eb * k->per_page;
-        DI_TRY(st_floats(s, n_eb * k->per_page * DI, &k->ikeys));
-        // Zeros as the entries (a block's bytes, di_dsv41_dev_state_read_block, are then a
-        // function of what the calls wrote).
-        DI_TRY(
-            d->b->vt->memset(d->b, k->ikeys, 0, sizeof(float) * (size_t)(n_eb * k->per_page * DI)));
+        const int64_t n_ent = n_eb * k->per_page;
+        DI_TRY(st_alloc(s, (size_t)(n_ent * s->ent_bytes), (void **)&k->ent));
+        DI_TRY(st_alloc(s, (size_t)(n_ent * s->key_bytes), (void **)&k->ikeys));
+        // Zero bytes (a block's bytes, di_dsv41_dev_state_read_block, are then a function of
+        // what the calls wrote; zero codes decode to finite zeros).
+        DI_TRY(d->b->vt->memset(d->b, k->ent, 0, (size_t)(n_ent * s->ent_bytes)));
+        DI_TRY(d->b->vt->memset(d->b, k->ikeys, 0, (size_t)(n_ent * s->key_bytes)));
         if (k->m == 2 && here(d, il)) { // a mirror holds no rings: the owner compresses
             DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_c));
             DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_z));
@@ -519,8 +538,6 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
         di_free(oh);
         if (st != DI_OK) goto fail;
     }
-    // Rings and entries start as zeros (never read before written; zeros keep them finite).
-    DI_TRY(d->b->vt->memset(d->b, s->pool, 0, sizeof(float) * (size_t)(pool_rows * Dh)));
     *out = s;
     return DI_OK;
 fail:
@@ -528,26 +545,37 @@ fail:
     return st;
 }
 
+// Packed row bytes of a window row (Q8 of Dh), an entry (Q4e of Dh) and an index key (Q4 of DI).
+static int64_t win_row_bytes(const di_hparams *hp) {
+    return di_backend_code_row_bytes(8, hp->head_dim, DI_BACKEND_WIN_BLOCK);
+}
+
+// Backend bytes of kv source il's part of one entry block: its E entries and E index keys, packed
+// (no padding: rows of the same source follow each other across blocks).
+static int64_t src_block_bytes(const di_hparams *hp, int il, int32_t block_tokens) {
+    const int64_t E = block_tokens / hp->compress_ratio[il];
+    return E * (di_backend_code_row_bytes(DI_BACKEND_Q4E, hp->head_dim, DI_BACKEND_ENT_BLOCK) +
+                di_backend_code_row_bytes(4, hp->index_head_dim, DI_BACKEND_KEY_BLOCK));
+}
+
 di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
                              int64_t *slot_bytes) {
     const di_hparams *hp = &d->m->hp; // every stage's layers: the sums over the stages
-    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
     bool ok = block_tokens >= 1;
-    int64_t blk = 0, slot = (int64_t)hp->n_layer * hp->window * Dh;
+    int64_t slot = (int64_t)hp->n_layer * hp->window * win_row_bytes(hp);
     for (int il = 0; ok && il < hp->n_layer; il++) {
         const int32_t m = hp->compress_ratio[il];
         if (m > 0 && block_tokens % m != 0) ok = false;
-        if (!ok || !hp->kv_source[il]) continue;
-        blk += (int64_t)(block_tokens / m) * (Dh + DI);
-        if (m == 2) slot += 2 * 2 * Dh; // C and Z rings of 2 rows
+        if (ok && hp->kv_source[il] && m == 2) // C and Z rings of 2 FP32 rows
+            slot += 2 * 2 * (int64_t)hp->head_dim * (int64_t)sizeof(float);
     }
     if (!ok) {
         DI_LOG_ERROR("dev forward (V4.1): blocks of %d positions (a multiple of every ratio)",
                      block_tokens);
         return DI_ERR_INVALID;
     }
-    *block_bytes = blk * (int64_t)sizeof(float);
-    *slot_bytes = slot * (int64_t)sizeof(float);
+    *block_bytes = (int64_t)di_dsv41_page_bytes(d->m, block_tokens);
+    *slot_bytes = slot;
     return DI_OK;
 }
 
@@ -561,9 +589,7 @@ di_status di_dsv41_dev_block_mem_bytes(const di_dsv41_dev *d, int32_t block_toke
     for (int32_t k = 0; k < d->n_stages; k++) {
         int64_t n = 0;
         for (int il = 0; il < hp->n_layer; il++)
-            if (keeps(d->st[k], il))
-                n += (int64_t)sizeof(float) * (block_tokens / hp->compress_ratio[il]) *
-                     (hp->head_dim + hp->index_head_dim);
+            if (keeps(d->st[k], il)) n += src_block_bytes(hp, il, block_tokens);
         if (stage_bytes) stage_bytes[k] = n;
         all += n;
     }
@@ -571,25 +597,13 @@ di_status di_dsv41_dev_block_mem_bytes(const di_dsv41_dev *d, int32_t block_toke
     return DI_OK;
 }
 
-// Byte offset of kv source il's part in a block's bytes (di_dsv41_dev_sizes' layout: the kv
-// sources in layer order, each its E entry rows then its E index keys).
-static size_t block_off(const stage_state *s, int il) {
-    const di_hparams *hp = &s->d->m->hp;
-    size_t off = 0;
-    for (int j = 0; j < il; j++)
-        if (hp->kv_source[j])
-            off += sizeof(float) * (size_t)(s->block_tokens / hp->compress_ratio[j]) *
-                   (size_t)(hp->head_dim + hp->index_head_dim);
-    return off;
-}
-
-// Copies stage s's part of block `block` between the state and host bytes in di_dsv41_dev_sizes'
-// layout (each kv source at its offset): its own sources' into dst (read), or, when dst is NULL,
-// from src into its own sources and its mirrors (write: every copy of a block holds its bytes).
+// Copies stage s's part of block `block` between the state and host bytes in the CPU forward's
+// page layout (di_dsv41_page_bytes; each kv source's entries and index keys at
+// di_dsv41_page_offsets): its own sources' into dst (read), or, when dst is NULL, from src into its
+// own sources and its mirrors (write: every copy of a block holds its bytes).
 static di_status block_io(const stage_state *s, int32_t block, uint8_t *dst, const uint8_t *src) {
     const di_hparams *hp = &s->d->m->hp;
     di_backend *b = s->d->b;
-    const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
     if (block < 0 || block >= s->n_eblocks) {
         DI_LOG_ERROR("dev forward (V4.1): no entry block %d (the state has %d)", block,
                      s->n_eblocks);
@@ -599,15 +613,15 @@ static di_status block_io(const stage_state *s, int32_t block, uint8_t *dst, con
         if (!keeps(s->d, il) || (dst && !here(s->d, il))) continue; // read: from the owner
         const dev_src *k = &s->src[il];
         const int64_t E = k->per_page;
-        float *ent = s->pool + (k->ent_row0 + (int64_t)block * E) * Dh;
-        float *key = k->ikeys + (int64_t)block * E * DI;
-        const size_t ne = sizeof(float) * (size_t)(E * Dh), nk = sizeof(float) * (size_t)(E * DI);
-        const size_t off = block_off(s, il);
+        uint8_t *ent = k->ent + (int64_t)block * E * s->ent_bytes;
+        uint8_t *key = k->ikeys + (int64_t)block * E * s->key_bytes;
+        const size_t ne = (size_t)(E * s->ent_bytes), nk = (size_t)(E * s->key_bytes);
+        int64_t om = 0, oi = 0;
+        di_dsv41_page_offsets(s->d->m, s->block_tokens, il, &om, &oi);
         di_status st =
-            dst ? b->vt->download(b, dst + off, ent, ne) : b->vt->upload(b, ent, src + off, ne);
+            dst ? b->vt->download(b, dst + om, ent, ne) : b->vt->upload(b, ent, src + om, ne);
         if (st == DI_OK)
-            st = dst ? b->vt->download(b, dst + off + ne, key, nk)
-                     : b->vt->upload(b, key, src + off + ne, nk);
+            st = dst ? b->vt->download(b, dst + oi, key, nk) : b->vt->upload(b, key, src + oi, nk);
         if (st != DI_OK) return st;
     }
     return DI_OK;
@@ -615,7 +629,7 @@ static di_status block_io(const stage_state *s, int32_t block, uint8_t *dst, con
 
 size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d) {
     const di_hparams *hp = &d->m->hp;
-    return 16 + sizeof(float) * (size_t)hp->n_layer * (size_t)hp->window * (size_t)hp->head_dim;
+    return 16 + (size_t)hp->n_layer * (size_t)hp->window * (size_t)win_row_bytes(hp);
 }
 
 // Whether pos is a multiple of every compress ratio (no ratio-2 group open).
@@ -625,12 +639,12 @@ static bool tail_pos_ok(const di_hparams *hp, int32_t pos) {
     return true;
 }
 
-// The slot's window ring of layer il in the pool.
-static float *ring_of(const stage_state *s, int il, int32_t slot) {
+// The slot's window ring of layer il (W Q8 rows).
+static uint8_t *ring_of(const stage_state *s, int il, int32_t slot) {
     const di_hparams *hp = &s->d->m->hp;
-    return s->pool +
+    return s->win +
            ((int64_t)(il - s->d->l0) * s->layer_rows + s->max_rows + (int64_t)slot * hp->window) *
-               hp->head_dim;
+               s->win_bytes;
 }
 
 // Stage s's rings of slot `slot`'s snapshot (the header written too: the same on every stage)
@@ -647,7 +661,7 @@ static di_status part_tail_save(stage_state *s, int32_t slot, void *dst) {
     }
     const int32_t head[4] = {s->n_past[slot], hp->n_layer, hp->window, hp->head_dim};
     memcpy(dst, head, sizeof head);
-    const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
+    const size_t ring = (size_t)hp->window * (size_t)s->win_bytes;
     uint8_t *out = (uint8_t *)dst + sizeof head + (size_t)s->d->l0 * ring;
     for (int il = s->d->l0; il < s->d->l1; il++, out += ring) {
         di_status st = b->vt->download(b, out, ring_of(s, il, slot), ring);
@@ -692,7 +706,7 @@ static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, co
         return DI_ERR_INVALID;
     }
     s->n_past[slot] = -1; // until the copies are enqueued
-    const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
+    const size_t ring = (size_t)hp->window * (size_t)s->win_bytes;
     const uint8_t *in = (const uint8_t *)src + sizeof head + (size_t)d->l0 * ring;
     for (int il = d->l0; il < d->l1; il++, in += ring) {
         di_status st = b->vt->upload(b, ring_of(s, il, slot), in, ring);
@@ -720,7 +734,7 @@ typedef struct call {
     int32_t n_seq, T;
     int64_t tokens, pos, nk_win, nk_all, nwin, page_off, keys, win_dst, win_src, pages;
     int32_t n_wd;                 // window ring rows written
-    int64_t ebase[DI_MAX_LAYERS]; // per compressing layer: each row's entry base (pool rows)
+    int64_t ebase[DI_MAX_LAYERS]; // per compressing layer: each row's entry base (0)
     // Per Engram module: the T * n_col rows gathered from its host table (data rows, then scale
     // rows: the table's layout with one scale row per row) and their ids in that gather (0..).
     int64_t eg_ids[DI_MAX_ENGRAM], eg_data[DI_MAX_ENGRAM], eg_scale[DI_MAX_ENGRAM];
@@ -859,13 +873,12 @@ static void stage_fill(call *c, const int32_t *tokens) {
             }
         }
     }
-    // Compressing layers: each row's entry base relative to the layer's pool region.
+    // Compressing layers: each row's entry base, 0 (its key list names rows of the source's
+    // entries, which the attention reads apart from the window rows).
     for (int il = s->d->l0; il < s->d->l1; il++) {
         if (hp->compress_ratio[il] <= 0) continue;
-        const int src = s->d->layers[il].src; // the stage's own or a mirror
-        DI_ASSERT(keeps(s->d, src));
-        const int64_t base = s->src[src].ent_row0 - (int64_t)(il - s->d->l0) * s->layer_rows;
-        for (int32_t t = 0; t < c->T; t++) g[c->ebase[il] + t] = (int32_t)base;
+        DI_ASSERT(keeps(s->d, s->d->layers[il].src)); // the stage's own or a mirror
+        for (int32_t t = 0; t < c->T; t++) g[c->ebase[il] + t] = 0;
     }
     // kv sources: visible entries per row; the groups closing (padded to the shape's bound).
     for (int il = 0; il < hp->n_layer; il++) {
@@ -969,14 +982,15 @@ static di_status finalise(const call *c, const dev_layer *lw, const dev_src *k, 
     ROUND(s->ik, n * DI);
     OP(rope, s->ik, n, DI, DI, n_rot, d->omega_compress, D32(km->epos), 1, rs, false);
     ROUND(s->ik, n * DI);
-    OP(fake_quant, s->ik, n, DI, DI, DI_DSV41_KEY_BLOCK, 4, s->ik);
-    OP(scatter_rows, s->ik, n, DI, DI, k->ikeys, DI, D32(km->edst), NULL);
+    // Q4 codes of the key (the fake quantisation of dsv41_attn.c finalise, packed as it rounds).
+    OP(pack_rows, s->ik, n, DI, (int32_t)DI, DI_DSV41_KEY_BLOCK, 4, k->ikeys, D32(km->edst), NULL);
     OP(rope, lat, n, Dh, Dh, n_rot, d->omega_compress, D32(km->epos), 1, rs, false);
     ROUND(lat, n * Dh);
-    OP(fake_quant, lat, n, Dh, Dh, DI_DSV41_ENT_BLOCK, DI_BACKEND_Q4E, lat);
-    OP(scatter_rows, lat, n, Dh, Dh, s->pool + k->ent_row0 * Dh, Dh, D32(km->edst), NULL);
+    OP(pack_rows, lat, n, Dh, (int32_t)Dh, DI_DSV41_ENT_BLOCK, DI_BACKEND_Q4E, k->ent,
+       D32(km->edst), NULL);
     if (lw->handed) { // a later stage mirrors the source: the rows for its hand-over (the call's
-                      // n rows at fixed offsets, so a decode graph records these copies too)
+                      // n rows at fixed offsets, so a decode graph records these copies too), the
+                      // FP32 rows the codes were packed from
         OP(copy, k->xfer, lat, sizeof(float) * (size_t)(n * Dh));
         OP(copy, k->xfer + n * Dh, s->ik, sizeof(float) * (size_t)(n * DI));
     }
@@ -1038,7 +1052,7 @@ static di_status indexer(const call *c, int il, const float *a, bool *have_cand)
     DI_TRY(linear(c, &lw->idx_weights_proj, a, T, D, s->iw, HI, false));
     OP(scale, s->iw, T * HI, 1.0f / sqrtf((float)DI) / sqrtf((float)HI));
     ROUND(s->iw, T * HI);
-    OP(index_scores, s->iq, s->iw, k->ikeys, NULL, D32(c->pages), D32(c->page_off), k->per_page,
+    OP(index_scores_q4, s->iq, s->iw, k->ikeys, NULL, D32(c->pages), D32(c->page_off), k->per_page,
        D32(km->n_vis), k->cap_vis, (int32_t)T, (int32_t)HI, (int32_t)DI, official, s->scores,
        s->score_stride);
     const int32_t bs = hp->candidate_block_size > 0 ? hp->candidate_block_size : 1;
@@ -1073,7 +1087,7 @@ static di_status attention(const call *c, int il, const float *a, float *out, bo
     const float rscale =
         compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
     const int32_t *pos = D32(c->pos);
-    float *pool = s->pool + (int64_t)(il - d->l0) * s->layer_rows * Dh; // this layer's region
+    uint8_t *win = s->win + (int64_t)(il - d->l0) * s->layer_rows * s->win_bytes; // this layer's
     di_status st = DI_OK;
     // q: RMSNorm(wq_a a), wq_b, RoPE (no per-head RMS in V4.1).
     DI_TRY(linear(c, &lw->wq_a, a, T, D, s->qr, Rq, true));
@@ -1082,27 +1096,30 @@ static di_status attention(const call *c, int il, const float *a, float *out, bo
     DI_TRY(linear(c, &lw->wq_b, s->qr, T, Rq, s->q, H * Dh, true));
     OP(rope, s->q, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, false);
     ROUND(s->q, T * H * Dh);
-    // The window rows straight into this call's rows of the pool: norm, RoPE, Q8 over all dims.
-    DI_TRY(linear(c, &lw->wkv, a, T, D, pool, Dh, true));
-    OP(rmsnorm, pool, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
-    ROUND(pool, T * Dh);
-    OP(rope, pool, T, Dh, Dh, n_rot, omega, pos, 1, rscale, false);
-    ROUND(pool, T * Dh);
-    OP(fake_quant, pool, T, Dh, Dh, DI_DSV41_WIN_BLOCK, 8, pool);
+    // The window rows: norm, RoPE, then their Q8 codes (over all dims) into this call's rows of
+    // the layer's window rows; kvw keeps the FP32 rows for the ring update after the attention.
+    DI_TRY(linear(c, &lw->wkv, a, T, D, s->kvw, Dh, true));
+    OP(rmsnorm, s->kvw, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
+    ROUND(s->kvw, T * Dh);
+    OP(rope, s->kvw, T, Dh, Dh, n_rot, omega, pos, 1, rscale, false);
+    ROUND(s->kvw, T * Dh);
+    OP(pack_rows, s->kvw, T, Dh, (int32_t)Dh, DI_DSV41_WIN_BLOCK, 8, win, NULL, NULL);
     if (lw->kv_source) DI_TRY(compressor(c, il, a));
     if (lw->index_source) {
         DI_TRY(indexer(c, il, a, have_cand));
         *have_topk = true;
     }
     const bool with_entries = compress && *have_topk;
+    const uint8_t *ent = with_entries ? s->src[lw->src].ent : NULL;
     if (with_entries) {
         const dev_src *k = &s->src[lw->src];
         OP(offset_list, s->sel, (int32_t)T, hp->index_topk, D32(c->ebase[il]), D32(c->nwin),
            D32(c->pages), D32(c->page_off), k->per_page, D32(c->keys), s->key_stride);
     }
-    OP(attn, s->q, pool, D32(c->keys), s->key_stride, D32(with_entries ? c->nk_all : c->nk_win),
-       s->key_stride, lw->attn_sink, (int32_t)T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh),
-       d->official, s->o);
+    // Keys j < n_win: Q8 window rows of this layer; the rest: Q4e entries of the kv source.
+    OP(attn_codes, s->q, win, ent, D32(c->keys), s->key_stride, D32(c->nwin),
+       D32(with_entries ? c->nk_all : c->nk_win), s->key_stride, lw->attn_sink, (int32_t)T,
+       (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh), d->official, s->o);
     ROUND(s->o, T * H * Dh);
     OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, true);
     ROUND(s->o, T * H * Dh);
@@ -1114,8 +1131,10 @@ static di_status attention(const call *c, int il, const float *a, float *out, bo
     }
     ROUND(s->u, T * G * Ro);
     DI_TRY(linear(c, &lw->wo_b, s->u, T, G * Ro, out, D, true));
-    // Each sequence's last min(n_tok, W) window rows into its ring, after every read of it.
-    OP(scatter_rows, pool, c->n_wd, Dh, Dh, pool, Dh, D32(c->win_dst), D32(c->win_src));
+    // Each sequence's last min(n_tok, W) window rows into its ring, after every read of it: packed
+    // again from the FP32 rows (the same codes as the call rows').
+    OP(pack_rows, s->kvw, c->n_wd, Dh, (int32_t)Dh, DI_DSV41_WIN_BLOCK, 8, win, D32(c->win_dst),
+       D32(c->win_src));
     return DI_OK;
 fail:
     return st;
@@ -1207,8 +1226,10 @@ static di_status layers(const call *c) {
         const dev_src *k = &s->src[il];
         const src_meta *km = &c->sm[il];
         const int64_t n = km->n_pool;
-        OP(scatter_rows, k->xfer, n, Dh, Dh, s->pool + k->ent_row0 * Dh, Dh, D32(km->edst), NULL);
-        OP(scatter_rows, k->xfer + n * Dh, n, DI, DI, k->ikeys, DI, D32(km->edst), NULL);
+        OP(pack_rows, k->xfer, n, Dh, (int32_t)Dh, DI_DSV41_ENT_BLOCK, DI_BACKEND_Q4E, k->ent,
+           D32(km->edst), NULL);
+        OP(pack_rows, k->xfer + n * Dh, n, DI, (int32_t)DI, DI_DSV41_KEY_BLOCK, 4, k->ikeys,
+           D32(km->edst), NULL);
     }
     bool have_topk = s->d->topk_in, have_cand = s->d->cand_in;
     for (int il = s->d->l0; il < s->d->l1; il++) DI_TRY(block(c, il, &have_topk, &have_cand));
@@ -1362,17 +1383,13 @@ static di_status zero_rings(const call *c) {
     stage_state *s = c->s;
     di_backend *b = s->d->b;
     const di_hparams *hp = &s->d->m->hp;
-    const int64_t W = hp->window, Dh = hp->head_dim;
+    const int64_t W = hp->window;
     di_status st = DI_OK;
     for (int32_t i = 0; i < c->n_seq; i++) {
         const di_dsv41_dev_seq *sq = &c->seqs[i];
         if (sq->win_lo <= 0 || sq->pos != sq->win_lo) continue;
-        for (int il = s->d->l0; il < s->d->l1; il++) {
-            float *ring = s->pool + ((int64_t)(il - s->d->l0) * s->layer_rows + s->max_rows +
-                                     (int64_t)sq->slot * W) *
-                                        Dh;
-            DI_TRY(b->vt->memset(b, ring, 0, sizeof(float) * (size_t)(W * Dh)));
-        }
+        for (int il = s->d->l0; il < s->d->l1; il++) // zero bytes: Q8 rows of +0
+            DI_TRY(b->vt->memset(b, ring_of(s, il, sq->slot), 0, (size_t)(W * s->win_bytes)));
     }
     return DI_OK;
 fail:
@@ -1828,6 +1845,8 @@ int64_t di_dsv41_dev_state_bytes(const di_dsv41_dev_state *s) {
 // Entry block I/O: each kv source's part at its offset (the same bytes as one stage), read from
 // its owner, written to its owner and every mirror.
 di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst) {
+    // The page's padding (runs start at multiples of 64 bytes) reads as zeros, as a CPU page's.
+    memset(dst, 0, di_dsv41_page_bytes(s->d->m, s->ss[0]->block_tokens));
     for (int32_t k = 0; k < s->n_stages; k++) {
         di_status st = block_io(s->ss[k], block, dst, NULL);
         if (st != DI_OK) return st;

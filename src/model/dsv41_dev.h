@@ -12,16 +12,20 @@
  * FP4 linears, the MoE's official order, BF16 index scores and attention probabilities, as ops in
  * the CPU forward's order). In both recipes, as the CPU forward: window rows are Q8 (e4m3, scale
  * per 32 over all head_dim dims), entries Q4e (e2m1, E4M3 scale per 16), index keys and index
- * queries Q4 (e2m1, scale per 32, no Hadamard). Every stored row is an FP32 row holding those
- * quantised-exact values (the compact codes of docs/kv-cache.md "DeepSeek V4.1" are not used on
- * the device yet; a block's device bytes are this layout's, not di_dsv41_page_bytes' pages). Plain
- * sessions run on it once attached (di_dsv41_dev_attach: --device cuda), and so does the serving
- * engine without speculation (engine.c: one state of max_seqs slots whose entry blocks are its
- * kv_manager's blocks; prefix hits, tail snapshots, the disk tier and KV transfers through the
- * calls below; decode graphs prepared at create, di_dsv41_dev_prepare_decode). Prefix reuse (the
- * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
- * block I/O and tail snapshots run. Not run here: DSpark (its heads and blocks: an engine with
- * spec_tokens > 0 keeps the CPU V4.1 forward), context parallelism, rollback.
+ * queries Q4 (e2m1, scale per 32, no Hadamard). The state stores them as those codes, exactly
+ * the CPU forward's packed rows (docs/kv-cache.md "Packed codes": 528, 288 and 68 bytes at
+ * V4.1-Flash's 512 / 128 dims, against 2,048, 2,048 and 512 as FP32): the backend's pack_rows
+ * writes them where the rows are made, attention (attn_codes: Q8 window rows, then Q4e entries)
+ * and the index scores (index_scores_q4) decode them where they are read, so the values the forward
+ * computes are the FP32 layout's, bit for bit; a block's I/O bytes are the CPU forward's page
+ * (di_dsv41_page_bytes, "State layout"). Plain sessions run on it once attached
+ * (di_dsv41_dev_attach: --device cuda), and so does the serving engine without speculation
+ * (engine.c: one state of max_seqs slots whose entry blocks are its kv_manager's blocks; prefix
+ * hits, tail snapshots, the disk tier and KV transfers through the calls below; decode graphs
+ * prepared at create, di_dsv41_dev_prepare_decode). Prefix reuse (the bounded replay on another
+ * sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry block I/O and tail snapshots
+ * run. Not run here: DSpark (its heads and blocks: an engine with spec_tokens > 0 keeps the CPU
+ * V4.1 forward), context parallelism, rollback.
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows. Engram
@@ -42,17 +46,27 @@
  * window plus the published picks of its kv source's entries (offset_list), a layer before any
  * index source only its window. Then the window rows go into the slot's ring.
  *
- * State layout (backend memory). One pool of head_dim-float rows: per layer [max_rows rows of this
- * call | slot 0's W window ring rows | slot 1's | ...], then per kv source of ratio m its entry
- * blocks (block b holds E = block_tokens / m entries, entry w of a sequence is entry w % E of
- * block blocks[w / E]); per kv source its index keys [n_blocks * E, index_head_dim], and for m = 2
- * a ring of 2 rows per slot of C and of Z (row = pos mod 2). Attention of layer il reads the pool
- * from layer il's region, so its key lists hold the same window rows in every layer and the
- * entries at an offset per layer (a per-call array). Entry blocks are the caller's block ids
- * (shared blocks: the serving engine's kv_manager blocks; n_blocks 0: private, slot s's i-th
- * being s * max_blocks + i). Each call uploads one staging block (tokens, positions, key lists,
- * page lists, compressor sources and destinations, Engram row ids), laid out as a function of the
- * call's shape only (rows and sequences), and every op reads its lists from there.
+ * State layout (backend memory). Window rows: one array of Q8 rows (head_dim e4m3 codes, then a
+ * UE8M0 scale per 32 dims), per layer [max_rows rows of this call | slot 0's W window ring rows |
+ * slot 1's | ...]; a call's rows are packed there from their FP32 values (kept in scratch), and
+ * after the attention its sequences' last rows are packed again from those values into the rings
+ * (the same codes). Per kv source of ratio m its entries (Q4e rows: head_dim / 2 e2m1 pairs, then
+ * an E4M3 scale per 16) and its index keys (Q4 rows: index_head_dim / 2 pairs, a UE8M0 scale per
+ * 32), each an array of n_blocks * E rows (block b holds E = block_tokens / m of each, entry w of a
+ * sequence is row blocks[w / E] * E + w % E), and for m = 2 a ring of 2 FP32 rows per slot of C and
+ * of Z (row = pos mod 2; FP32 as the CPU forward's (C, Z) slots). Attention of layer il reads its
+ * key list's first n_win keys as layer il's window rows and the rest as its kv source's entry rows
+ * (attn_codes), so the lists hold the same window rows in every layer. Block I/O converts
+ * between these arrays and the CPU forward's page (per kv source in layer order its E entries then
+ * its E index keys, each run at a multiple of 64 bytes: di_dsv41_page_offsets; the padding reads as
+ * zeros and is not stored): a block read from the device is byte for byte the page the CPU forward
+ * holds for the same positions (test_dev41_forward (a)), 113,920 bytes on V4.1-Flash (128
+ * positions, 890 a position, no padding: device memory 890 a position too; 6,400 as FP32 rows).
+ * Entry blocks are the caller's block ids (shared blocks: the serving engine's kv_manager blocks;
+ * n_blocks 0: private, slot s's i-th being s * max_blocks + i). Each call uploads one staging block
+ * (tokens, positions, key lists, page lists, compressor sources and destinations, Engram row ids),
+ * laid out as a function of the call's shape only (rows and sequences), and every op reads its
+ * lists from there.
  *
  * Graphs: a decode step (every sequence feeds one token and takes its logits, at most 64
  * sequences) runs as a backend graph keyed by its number of sequences: the first step of a size
@@ -83,29 +97,29 @@
  * owner compresses). Each call the owner's finalise also copies the rows it finalised (n_pool
  * entries then n_pool index keys, the shape's padded count) into the source's transfer buffer,
  * which stays in the owner's memory; every mirroring stage copies it from the owner's into its own
- * (hand-over, as the streams) before its layers and scatters them, first thing in its layers, to
- * the
- * destinations of its own lists (the same edst the owner used: -1 for padding and cached
- * entries), so its blocks hold the owner's bytes before any layer reads them. (2) the top-k
- * ([T, index_topk] int32) when an index source came before the cut and the first compressing layer
- * after it is no index source, and (3) the candidate pool ([T, ntb] block ids, [T] counts) when
- * the candidate source came before the cut and an index source follows: copied by the next stage
- * from the stage before the cut (its own or one it received and passes on), whose have_topk /
- * have_cand start true. All of it is handed over outside the decode graphs (between the stages'
- * launches, like the streams; each buffer one hand-over, counted by kind in the graph stats) at
- * sizes and offsets that are functions of the shape; the finalise copies and the scatters are in
- * them. On V4.1-Flash's widths a decode token moves, per boundary,
+ * (hand-over, as the streams) before its layers and packs the rows (pack_rows: the owner's codes),
+ * first thing in its layers, to the destinations of its own lists (the same edst the owner used:
+ * -1 for padding and cached entries), so its blocks hold the owner's bytes before any layer reads
+ * them. (2) the top-k ([T, index_topk] int32) when an index source came before the cut and the
+ * first compressing layer after it is no index source, and (3) the candidate pool ([T, ntb] block
+ * ids, [T] counts) when the candidate source came before the cut and an index source follows:
+ * copied by the next stage from the stage before the cut (its own or one it received and passes
+ * on), whose have_topk / have_cand start true. All of it is handed over outside the decode graphs
+ * (between the stages' launches, like the streams; each buffer one hand-over, counted by kind in
+ * the graph stats) at sizes and offsets that are functions of the shape; the finalise copies and
+ * the packs are in them. On V4.1-Flash's widths a decode token moves, per boundary,
  * 80 KiB of streams + 16 bytes of pre, 2.5 KiB per mirrored source read after it (an entry of 512
  * floats and an index key of 128), 2 KiB of top-k and 8 KiB of candidate pool where they cross
- * (at most ≈92.5 KiB); a mirror of a ratio-m source costs its stage 2560 / m bytes per cached
- * position (di_dsv41_dev_block_mem_bytes). Flash's byte-optimal 3-stage split, [0, 13) [13, 27)
- * [27, 40), holds 90.8 / 96.5 / 90.7 GiB of weights (docs/cuda.md), 3 H200s. Block I/O: a block's
- * bytes are each source's part at its offset (the same bytes as one stage), read from the owner,
- * written to the owner and every mirror (prefix-cache hits, the disk tier and KV transfers see the
- * same blocks on every stage); tail snapshots are the header and each stage's window rings at their
- * layer's offset (C/Z rings are not in a snapshot, which is taken where no group is open). Graph
- * stats count a call once (its ops and uploads summed), a failed call restarts its slots on every
- * stage.
+ * (at most ≈92.5 KiB; the rows cross as the FP32 values the codes are packed from, which the
+ * mirror packs into the same codes); a mirror of a ratio-m source costs its stage 356 / m bytes per
+ * cached position (288 + 68: di_dsv41_dev_block_mem_bytes). Flash's byte-optimal 3-stage split, [0,
+ * 13) [13, 27) [27, 40), holds 90.8 / 96.5 / 90.7 GiB of weights (docs/cuda.md), 3 H200s. Block
+ * I/O: a block's bytes are each source's runs at their page offsets (the same bytes as one stage),
+ * read from the owner, written to the owner and every mirror (prefix-cache hits, the disk tier and
+ * KV transfers see the same blocks on every stage); tail snapshots are the header and each stage's
+ * window rings at their layer's offset (C/Z rings are not in a snapshot, which is taken where no
+ * group is open). Graph stats count a call once (its ops and uploads summed), a failed call
+ * restarts its slots on every stage.
  *
  * Owns: a di_dsv41_dev owns its stages' backend blocks (small vectors, expert arrays; weights are
  * the backends', freed with them); the backends and model are borrowed and must outlive it. A state
@@ -171,17 +185,21 @@ di_status di_dsv41_dev_state_create(di_dsv41_dev *d, int32_t n_slots, int32_t n_
                                     di_dsv41_dev_state **out);
 void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s); // NULL: no-op
 
-// Backend bytes of one entry block (per kv source in layer order: its E = block_tokens / m entry
-// rows of head_dim floats, then its E index keys of index_head_dim floats) and of one slot's tail
-// (the window rings of every layer, the ratio-2 sources' C and Z rings) for blocks of
-// block_tokens positions: what a serving engine would size its blocks from. The call rows and
+// The bytes of one entry block's I/O (block_bytes: the CPU forward's page, di_dsv41_page_bytes:
+// per kv source in layer order its E = block_tokens / m Q4e entries, then its E Q4 index keys,
+// each run at a multiple of 64 bytes; V4.1-Flash 113,920 at 128 positions) and the backend bytes
+// of one slot's tail (slot_bytes: the W Q8 window ring rows of every layer, the ratio-2 sources'
+// C and Z rings of 2 FP32 rows each) for blocks of block_tokens positions. A block's backend
+// memory is di_dsv41_dev_block_mem_bytes (the codes without the page's padding). The call rows and
 // scratch (max_rows) are not included. DI_ERR_INVALID (block_tokens not a positive multiple of
 // every ratio).
 di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
                              int64_t *slot_bytes);
 // Backend bytes one entry block takes over all stages (mem_bytes) and on each (stage_bytes[k],
-// NULL: not wanted): block_bytes plus the mirrors of the kv sources later stages read ("Pipeline
-// stages"; one stage: block_bytes). What a serving engine divides its KV memory by.
+// NULL: not wanted): every kv source's E entries and E index keys as codes (E * (Dh / 2 + Dh / 16
+// + DI / 2 + DI / 32) bytes, no padding) on its owner, again on each stage mirroring it ("Pipeline
+// stages"). One stage: block_bytes less the page's padding (none on V4.1-Flash). What a serving
+// engine divides its KV memory by.
 // DI_ERR_INVALID as di_dsv41_dev_sizes.
 di_status di_dsv41_dev_block_mem_bytes(const di_dsv41_dev *d, int32_t block_tokens,
                                        int64_t *mem_bytes, int64_t *stage_bytes);
@@ -192,9 +210,11 @@ int64_t di_dsv41_dev_state_bytes(const di_dsv41_dev_state *s);
 // The backend of the last stage (borrowed), where the logits come from: e.g. for host_alloc of the
 // buffers logits go to.
 di_backend *di_dsv41_dev_backend(const di_dsv41_dev *d);
-// Entry block I/O (the prefix cache's disk tier): one entry block's contents, exactly as stored
-// (di_dsv41_dev_sizes' block_bytes, in its layout), to and from host memory, so a block read from
-// one state writes identically into any state of a dev of the same model and recipe. read copies
+// Entry block I/O (the prefix cache's disk tier): one entry block's contents as the CPU forward's
+// page (di_dsv41_dev_sizes' block_bytes: the stored codes at di_dsv41_page_offsets, the padding
+// read as zeros and not written), to and from host memory, so a block read from one state writes
+// identically into any state of a dev of the same model and recipe, and holds the bytes of the
+// CPU forward's page of the same positions. read copies
 // block `block` into dst and syncs; write copies src into it (returns when src may be reused).
 // Not inside a call. DI_ERR_INVALID (no such block; logged), DI_ERR_CUDA.
 di_status di_dsv41_dev_state_read_block(const di_dsv41_dev_state *s, int32_t block, void *dst);
@@ -203,8 +223,8 @@ di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, c
 // Tail snapshots (docs/kv-cache.md "Tail snapshots"): at a position that is a multiple of every
 // compress ratio (no ratio-2 group open) a slot's future reads only its entry blocks, its window
 // rings and its Engram history (a function of the tokens). di_dsv41_dev_tail_bytes: a 16-byte
-// header (position, layers, window, head_dim) then every layer's W window ring rows of head_dim
-// floats, in ring order (row = position mod W).
+// header (position, layers, window, head_dim) then every layer's W window ring rows as Q8 codes
+// (head_dim + head_dim / 32 bytes each), in ring order (row = position mod W).
 size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d);
 // Copies slot `slot`'s tail at its current position into dst and syncs. DI_ERR_INVALID (slot out
 // of range or failed, a position that is no multiple of every ratio; logged), DI_ERR_CUDA.

@@ -291,6 +291,17 @@ static void one_sequence(di_precision prec) {
     CHECK_EQ(di_dsv41_dev_n_past(h.st, slot), 147);
     CHECK(h.n_rows == 147);
     CHECK_EQ(h.n_bad, 0);
+    // The blocks hold the CPU forward's pages byte for byte (the same packed codes at the same
+    // offsets, zero padding): the last one partly written, a ratio-2 group open at its end.
+    const size_t pb = di_dsv41_page_bytes(h.m, BT);
+    uint8_t *io = malloc(pb);
+    int n_same = 0;
+    for (int j = 0; j < (147 + BT - 1) / BT; j++) {
+        CHECK_EQ(di_dsv41_dev_state_read_block(h.st, h.blk[slot][j], io), DI_OK);
+        n_same += memcmp(io, h.ses[slot]->v41->pages[j], pb) == 0;
+    }
+    CHECK_EQ(n_same, (147 + BT - 1) / BT);
+    free(io);
     h_free(&h);
 }
 
@@ -512,6 +523,7 @@ static void tail_case(di_precision prec) {
     const int chunks[] = {48, 41, 7};
     for (int k = 0; k < 3; k++) h_call(&h, 1, &s0, &chunks[k], NULL);
     const size_t tb = di_dsv41_dev_tail_bytes(h.d);
+    CHECK_EQ(tb, 16 + 6 * 16 * 66); // every layer's 16 window ring rows as Q8 codes of 64 dims
     uint8_t *tail = malloc(tb);
     CHECK_EQ(di_dsv41_dev_tail_save(h.st, s0, tail), DI_OK);
     if (h.st1) { // (m) the 1-stage state's snapshot of the same run: the same bytes
@@ -556,8 +568,19 @@ static void prepare_case(di_precision prec) {
     int64_t blk_bytes = 0, slot_bytes = 0;
     CHECK_EQ(di_dsv41_dev_sizes(h.d, BT, &blk_bytes, &slot_bytes), DI_OK);
     CHECK(di_dsv41_dev_state_bytes(h.st) > N_BLK * blk_bytes + N_SLOTS * slot_bytes);
-    float *pat = malloc((size_t)blk_bytes), *back = malloc((size_t)blk_bytes);
-    for (int64_t i = 0; i < blk_bytes / 4; i++) pat[i] = (float)(i % 97) * 0.25f - 3.0f;
+    uint8_t *pat = calloc((size_t)blk_bytes, 1), *back = malloc((size_t)blk_bytes);
+    // A pattern in the page's runs (entries and index keys of every kv source), its padding zero
+    // (a block's padding is not stored: it reads back as zeros).
+    for (int il = 0; il < h.m->hp.n_layer; il++) {
+        if (!h.m->hp.kv_source[il]) continue;
+        const int64_t E = BT / h.m->hp.compress_ratio[il];
+        const int64_t ne = E * (h.m->hp.head_dim / 2 + h.m->hp.head_dim / 16);
+        const int64_t nk = E * (h.m->hp.index_head_dim / 2 + h.m->hp.index_head_dim / 32);
+        int64_t om = 0, oi = 0;
+        di_dsv41_page_offsets(h.m, BT, il, &om, &oi);
+        for (int64_t i = 0; i < ne; i++) pat[om + i] = (uint8_t)((om + i) * 37 % 251);
+        for (int64_t i = 0; i < nk; i++) pat[oi + i] = (uint8_t)((oi + i) * 41 % 253);
+    }
     CHECK_EQ(di_dsv41_dev_state_write_block(h.st, 0, pat), DI_OK);
     CHECK_EQ(di_dsv41_dev_prepare_decode(h.st, 8), DI_OK); // capped at the 3 slots
     di_dsv41_dev_graph_stats g;
@@ -746,7 +769,11 @@ static void stage_rules(void) {
     // the candidate source 3 (layers 4, 5 read its entries, top-k and candidate pool), both.
     const int32_t after_src[3] = {0, 2, 6}, after_cand[3] = {0, 4, 6}, both[4] = {0, 2, 4, 6};
     const int32_t empty[3] = {0, 3, 3}, late[3] = {1, 3, 6};
-    const int64_t row = (int64_t)sizeof(float) * (hp->head_dim + hp->index_head_dim);
+    // An entry and its index key as packed codes (Q4e of head_dim, Q4 of index_head_dim): 70
+    // bytes on the tiny model (36 + 34; 2,560 as FP32 rows before).
+    const int64_t row =
+        (hp->head_dim / 2 + hp->head_dim / 16) + (hp->index_head_dim / 2 + hp->index_head_dim / 32);
+    CHECK_EQ(row, 70);
     int64_t blk = 0, slot = 0, mem = 0, per[3] = {0, 0, 0};
     CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, empty, &d), DI_ERR_INVALID);
     CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, late, &d), DI_ERR_INVALID);
@@ -754,12 +781,17 @@ static void stage_rules(void) {
     // A block: source 1's 8 entries and keys, source 3's 16; a mirror adds its source's.
     CHECK_EQ(di_dsv41_dev_create_split(m, bs, 2, after_src, &d), DI_OK);
     if (d) {
+        // The I/O bytes: the CPU forward's page (each run padded to 64 bytes: 320 + 320 for
+        // source 1's 8 entries and keys, 576 + 576 for source 3's 16); the memory: the codes.
         CHECK_EQ(di_dsv41_dev_sizes(d, BT, &blk, &slot), DI_OK);
-        CHECK_EQ(blk, 24 * row);
+        CHECK_EQ(blk, (int64_t)di_dsv41_page_bytes(m, BT));
+        CHECK_EQ(blk, 1792);
+        // Every layer's 16 window rows (Q8: 64 + 2 bytes) and source 1's C and Z rings.
+        CHECK_EQ(slot, 6 * 16 * 66 + 2 * 2 * hp->head_dim * 4);
         CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT, &mem, per), DI_OK);
         CHECK_EQ(per[0], 8 * row);            // source 1
         CHECK_EQ(per[1], 8 * row + 16 * row); // source 1's mirror, source 3
-        CHECK_EQ(mem, blk + 8 * row);
+        CHECK_EQ(mem, 24 * row + 8 * row);
         CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT + 1, &mem, per), DI_ERR_INVALID);
         di_dsv41_dev_destroy(d);
         d = NULL;
@@ -769,7 +801,7 @@ static void stage_rules(void) {
         CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT, &mem, per), DI_OK);
         CHECK_EQ(per[0], 24 * row);
         CHECK_EQ(per[1], 16 * row); // source 3's mirror only
-        CHECK_EQ(mem, blk + 16 * row);
+        CHECK_EQ(mem, 24 * row + 16 * row);
         di_dsv41_dev_destroy(d);
         d = NULL;
     }
@@ -787,14 +819,14 @@ static void stage_rules(void) {
         CHECK_EQ(per[0], 8 * row);
         CHECK_EQ(per[1], 24 * row);
         CHECK_EQ(per[2], 16 * row);
-        CHECK_EQ(mem, blk + 24 * row);
+        CHECK_EQ(mem, 24 * row + 24 * row);
         di_dsv41_dev_destroy(d);
         d = NULL;
     }
     CHECK_EQ(di_dsv41_dev_create(m, b, &d), DI_OK);
     if (d) {
         CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT, &mem, per), DI_OK);
-        CHECK_EQ(mem, blk); // one stage: no mirror
+        CHECK_EQ(mem, 24 * row); // one stage: no mirror
         di_dsv41_dev_destroy(d);
         d = NULL;
     }
