@@ -332,10 +332,11 @@ void di_kv_manager_destroy(di_kv_manager *kv) {
 // ---- disk tier ----
 
 // The block records' layout (disk tier and KV transfer): the entry part of an entry block. V4.1's
-// device blocks (FP32 rows, model/dsv41_dev.h) are never the CPU forward's packed pages
-// (model/dsv41.h), whatever their sizes: their records carry DI_KV_TRANSFER_PRECISION_DEVICE on
-// disk too, so that neither forward's disk tier takes the other's records (another precision:
-// another model's).
+// device blocks hold the CPU forward's pages byte for byte (model/dsv41_dev.h), but a record also
+// carries its tail snapshot, which is each forward's own format: V4.1 device records carry
+// DI_KV_TRANSFER_PRECISION_DEVICE on disk too, so that neither forward's disk tier takes the
+// other's records (another precision: another model's). A KV transfer between them is taken
+// without its snapshot (di_kv_manager_import).
 static di_kv_disk_layout record_layout(const di_kv_manager *kv) {
     uint32_t precision = (uint32_t)kv->model->opt.precision;
     if (kv->model->hp.v41 && kv->bio.read) precision |= DI_KV_TRANSFER_PRECISION_DEVICE;
@@ -728,12 +729,11 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
     di_kv_disk_check e = di_kv_transfer_check(&l, snap_bytes, buf, n, kv->max_blocks, &t, err, cap);
     if (e == DI_KV_DISK_CHECK_OTHER_MODEL) {
         // The same checkpoint and precision on the other forward (CPU / device-resident): its
-        // records hold the same entry bytes when the layouts agree (the FP32 recipe: the device
-        // stores FP32 rows as the CPU pool does), so they are taken; its tail snapshot is the
-        // other forward's format and is left out (a hit then runs the bounded replay). Other
-        // layouts (the official recipe's FP8 device rows) are refused as another model's.
-        // V4.1: the CPU forward's blocks are packed pages, the device-resident forward's FP32 rows,
-        // never the same bytes (even where the sizes agree): always refused.
+        // records hold the same entry bytes when the layouts agree (V4's FP32 recipe: the device
+        // stores FP32 rows as the CPU pool does; V4.1 in both recipes: the device blocks are the
+        // CPU forward's packed pages), so they are taken; its tail snapshot is the other forward's
+        // format and is left out (a hit then runs the bounded replay). Other layouts (V4's
+        // official recipe, FP8 device rows) are refused as another model's.
         di_kv_disk_layout other = transfer_layout(kv, kv->bio.read == NULL);
         if (kv->model->hp.v41) // record_layout's device flag, as the other forward writes it
             other.precision = (uint32_t)kv->model->opt.precision |
@@ -741,17 +741,9 @@ di_status di_kv_manager_import(di_kv_manager *kv, const void *buf, size_t n, int
         char why[256];
         const di_kv_disk_check eo =
             di_kv_transfer_check(&other, 0, buf, n, kv->max_blocks, &t, why, sizeof why);
-        if (eo == DI_KV_DISK_CHECK_OK && !kv->model->hp.v41) {
+        if (eo == DI_KV_DISK_CHECK_OK) {
             l = other;
             e = eo;
-        } else if (eo == DI_KV_DISK_CHECK_OK) {
-            snprintf(err, cap,
-                     "the transfer was made by a replica on the V4.1 %s forward and this one runs "
-                     "the V4.1 %s forward, whose blocks have another layout (packed pages on the "
-                     "CPU forward, FP32 rows on the device-resident one): such replicas do not "
-                     "exchange KV transfers",
-                     kv->bio.read ? "CPU" : "device-resident",
-                     kv->bio.read ? "device-resident" : "CPU");
         } else if (eo != DI_KV_DISK_CHECK_OTHER_MODEL) {
             snprintf(err, cap,
                      "the transfer was made by a replica on the %s forward and this one runs the "
