@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cuda_fp8.h>
 
+#include "backend/backend.h" // DI_BACKEND_*_BLOCK
 #include "backend/cuda/attn.cuh"
 #include "backend/cuda/common.cuh"
 
@@ -239,6 +240,174 @@ extern "C" di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *
     const KeyRowsF32 rows = {pool, dh};
     return attn_launch(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
                        scale, round_p, o);
+}
+
+// ---- attention over V4.1's stored codes (backend.h attn_codes) ----
+//
+// Block = (query row t, group of AC_HEADS heads): the keys are shared by all heads (K = V, MQA),
+// so a block reads each listed key once for its AC_HEADS heads (a per-head block would read it H
+// times: 64 on V4.1-Flash), straight from the compact codes (528-byte Q8 window rows, 288-byte Q4e
+// entries instead of 2,048-byte FP32 rows): tiles of AC_TILE keys are decoded exactly into shared
+// memory (FP32), consecutive threads taking consecutive bytes of a row (coalesced). Pass 1: the
+// scores of the tile, thread (head, key) over dh (rows padded by one float: no bank conflicts);
+// then per head (a warp per head pair) the max with the sink, the sum of exp, the normalised p
+// (BF16 with round_p, as the CPU's attn); pass 2 decodes the tiles again (from L2 mostly: a row's
+// keys are a few hundred KB) and accumulates p k in registers, warp w taking heads 2w, 2w + 1 and
+// lane l dims l, l + 32, ... Two passes because round_p rounds the normalised p, which needs the
+// final max and sum before any p.v. FP32 scores and sums, in another order than the CPU's (within
+// test_cuda_ops' bound).
+
+enum { AC_THREADS = 256, AC_WARPS = AC_THREADS / 32, AC_HEADS = 2 * AC_WARPS, AC_TILE = 16 };
+static_assert(AC_HEADS * AC_TILE == AC_THREADS, "pass 1: a thread per (head, key) of a tile");
+
+// Dimension d of key j of the list (id >= 0): a Q8 window row (j < nw) or a Q4e entry.
+__device__ __forceinline__ float code_at(const uint8_t *__restrict__ win,
+                                         const uint8_t *__restrict__ ent, int32_t id, bool is_win,
+                                         int32_t d, int32_t dh) {
+    if (is_win) {
+        const uint8_t *row = win + (int64_t)id * (dh + dh / DI_BACKEND_WIN_BLOCK);
+        return di_e4m3_f32(row[d]) * di_ue8m0_f32(row[dh + d / DI_BACKEND_WIN_BLOCK]);
+    }
+    const uint8_t *row = ent + (int64_t)id * (dh / 2 + dh / DI_BACKEND_ENT_BLOCK);
+    const uint32_t byte = row[d >> 1], code = (d & 1) ? byte >> 4 : byte & 15u;
+    return di_e2m1_f32(code) * di_e4m3_f32(row[dh / 2 + d / DI_BACKEND_ENT_BLOCK]);
+}
+
+// Keys [j0, j0 + AC_TILE) of the list decoded into ks [AC_TILE][dh + 1] (masked or past nk: 0).
+__device__ __forceinline__ void decode_tile(const uint8_t *__restrict__ win,
+                                            const uint8_t *__restrict__ ent,
+                                            const int32_t *__restrict__ idx, int32_t j0, int32_t nk,
+                                            int32_t nw, int32_t dh, float *ks) {
+    for (int32_t e = threadIdx.x; e < AC_TILE * dh; e += blockDim.x) {
+        const int32_t jj = e / dh, d = e - jj * dh, j = j0 + jj;
+        const int32_t id = j < nk ? idx[j] : -1;
+        ks[jj * (dh + 1) + d] = id < 0 ? 0.0f : code_at(win, ent, id, j < nw, d, dh);
+    }
+}
+
+__global__ void __launch_bounds__(AC_THREADS)
+    attn_codes_kernel(const float *__restrict__ q, const uint8_t *__restrict__ win,
+                      const uint8_t *__restrict__ ent, const int32_t *__restrict__ key_idx,
+                      int64_t key_stride, const int32_t *__restrict__ n_win,
+                      const int32_t *__restrict__ n_keys, int32_t max_keys,
+                      const float *__restrict__ sink, int32_t H, int32_t dh, float scale,
+                      bool round_p, float *__restrict__ o) {
+    extern __shared__ float sm[]; // qs [AC_HEADS][dh] | ks [AC_TILE][dh + 1] | p [AC_HEADS][mk]
+    float *qs = sm, *ks = qs + AC_HEADS * dh, *ps = ks + AC_TILE * (dh + 1);
+    const int32_t n_grp = (H + AC_HEADS - 1) / AC_HEADS;
+    const int64_t t = blockIdx.x / n_grp;
+    const int32_t h0 = (int32_t)(blockIdx.x % n_grp) * AC_HEADS;
+    const int32_t nh = H - h0 < AC_HEADS ? H - h0 : AC_HEADS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int32_t nk = n_keys[t], nw = n_win[t];
+    const int32_t *idx = key_idx + t * key_stride;
+    for (int32_t e = threadIdx.x; e < AC_HEADS * dh; e += blockDim.x) {
+        const int32_t hh = e / dh;
+        qs[e] = hh < nh ? q[(t * H + h0 + hh) * dh + (e - hh * dh)] : 0.0f;
+    }
+    // Pass 1: scale * q . k of every (head, key).
+    const int32_t sh = threadIdx.x / AC_TILE, sj = threadIdx.x % AC_TILE;
+    for (int32_t j0 = 0; j0 < nk; j0 += AC_TILE) {
+        __syncthreads(); // qs written / the previous tile's scores done
+        decode_tile(win, ent, idx, j0, nk, nw, dh, ks);
+        __syncthreads();
+        const int32_t j = j0 + sj;
+        if (sh < nh && j < nk) {
+            float s = -INFINITY; // masked (top-k padding): no mass
+            if (idx[j] >= 0) {
+                const float *qh = qs + sh * dh, *kj = ks + sj * (dh + 1);
+                s = 0.0f;
+                for (int32_t d = 0; d < dh; d++) s = fmaf(qh[d], kj[d], s);
+                s *= scale;
+            }
+            ps[sh * max_keys + j] = s;
+        }
+    }
+    __syncthreads();
+    // The softmax with the sink, per head: a warp per head, its lanes over the keys.
+    for (int32_t hh = warp; hh < nh; hh += AC_WARPS) {
+        float *p = ps + hh * max_keys;
+        const float sk = sink[h0 + hh];
+        float mx = sk;
+        for (int32_t j = lane; j < nk; j += 32) mx = fmaxf(mx, p[j]);
+        mx = di_warp_max(mx);
+        float den = 0.0f;
+        for (int32_t j = lane; j < nk; j += 32) den += (p[j] = expf(p[j] - mx));
+        den = di_warp_sum(den) + expf(sk - mx); // the sink takes mass, gives no value
+        const float inv = 1.0f / den;
+        for (int32_t j = lane; j < nk; j += 32) {
+            const float v = p[j] * inv;
+            p[j] = round_p ? di_round_bf16_dev(v) : v; // official: BF16 p, normalised first
+        }
+    }
+    // Pass 2: o = sum_j p_j k_j, warp w: heads 2w and 2w + 1, lane: dims lane + 32 i.
+    float acc[2][ATTN_PER_LANE];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int i = 0; i < ATTN_PER_LANE; i++) acc[a][i] = 0.0f;
+    const int32_t ha = 2 * warp, hb = 2 * warp + 1;
+    for (int32_t j0 = 0; j0 < nk; j0 += AC_TILE) {
+        __syncthreads(); // the softmax done / the previous tile's sums done
+        decode_tile(win, ent, idx, j0, nk, nw, dh, ks);
+        __syncthreads();
+        const int32_t n_j = nk - j0 < AC_TILE ? nk - j0 : AC_TILE;
+        for (int32_t jj = 0; jj < n_j; jj++) {
+            if (idx[j0 + jj] < 0) continue; // masked: p 0 (and the decoded row zeros)
+            const float pa = ha < nh ? ps[ha * max_keys + j0 + jj] : 0.0f;
+            const float pb = hb < nh ? ps[hb * max_keys + j0 + jj] : 0.0f;
+            const float *kj = ks + jj * (dh + 1);
+#pragma unroll
+            for (int i = 0; i < ATTN_PER_LANE; i++) {
+                const int32_t d = lane + 32 * i;
+                if (d < dh) {
+                    acc[0][i] = fmaf(pa, kj[d], acc[0][i]);
+                    acc[1][i] = fmaf(pb, kj[d], acc[1][i]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+        const int32_t hh = a ? hb : ha;
+        if (hh >= nh) continue;
+        float *orow = o + (t * H + h0 + hh) * dh;
+#pragma unroll
+        for (int i = 0; i < ATTN_PER_LANE; i++) {
+            const int32_t d = lane + 32 * i;
+            if (d < dh) orow[d] = acc[a][i];
+        }
+    }
+}
+
+extern "C" di_status di_cuda_attn_codes(di_cuda *cu, const float *q, const uint8_t *win,
+                                        const uint8_t *ent, const int32_t *key_idx,
+                                        int64_t key_stride, const int32_t *n_win,
+                                        const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                        int32_t n_tok, int32_t H, int32_t dh, float scale,
+                                        bool round_p, float *o) {
+    static di_smem_kernel smem_k;
+    if (dh < 32 || dh % 32 != 0 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0 || H < 0 ||
+        key_stride < max_keys)
+        return DI_ERR_INVALID;
+    if (n_tok <= 0 || H == 0) return DI_OK;
+    const int64_t n_grp = (H + AC_HEADS - 1) / AC_HEADS;
+    if ((int64_t)n_tok * n_grp > INT32_MAX) return DI_ERR_INVALID;
+    const int32_t mk = max_keys > 0 ? max_keys : 1;
+    const size_t smem = sizeof(float) * ((size_t)AC_HEADS * dh + (size_t)AC_TILE * (dh + 1) +
+                                         (size_t)AC_HEADS * mk);
+    size_t st_smem = 0;
+    const di_status st =
+        di_cuda_smem_fit(cu, &smem_k, (const void *)attn_codes_kernel, smem, &st_smem);
+    if (st == DI_ERR_INVALID)
+        DI_CUDA_LOG_ERROR("attention (codes): %d keys of %d dims need %zu + %zu (static) bytes of "
+                          "shared memory (limit %zu)",
+                          max_keys, dh, smem, st_smem, cu->smem_optin);
+    if (st != DI_OK) return st;
+    attn_codes_kernel<<<(unsigned)((int64_t)n_tok * n_grp), AC_THREADS, smem, di_stream(cu)>>>(
+        q, win, ent, key_idx, key_stride, n_win, n_keys, mk, sink, H, dh, scale, round_p, o);
+    DI_CUDA_LAUNCHED("attn_codes_kernel");
+    return DI_OK;
 }
 
 // ---- attention on tensor cores (BF16 mma.sync, FlashMLA-style sparse decode) ----

@@ -76,6 +76,20 @@ di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *pool, const
                            const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
                            bool round_p, float *o);
 
+// The same attention over V4.1's stored codes (backend.h attn_codes): key j of row t is the Q8
+// window row win + id * (dh + dh / 32) when j < n_win[t], else the Q4e entry ent + id * (dh / 2 +
+// dh / 16) (id = key_idx[t * key_stride + j], negative: masked), decoded exactly in registers and
+// shared memory; a block per (row, group of 16 heads) reads each listed key once for its heads
+// (attn.cu "attention over V4.1's stored codes"). FP32 scores and sums; round_p: each normalised
+// p rounded to BF16 before p.v. dh a multiple of 32 up to DI_CUDA_ATTN_MAX_DH. DI_ERR_CUDA,
+// DI_ERR_INVALID (shape, or max_keys needing more shared memory than the device has: 16 heads'
+// scores of max_keys floats beside 16 q rows and 16 decoded keys).
+di_status di_cuda_attn_codes(di_cuda *cu, const float *q, const uint8_t *win, const uint8_t *ent,
+                             const int32_t *key_idx, int64_t key_stride, const int32_t *n_win,
+                             const int32_t *n_keys, int32_t max_keys, const float *sink,
+                             int32_t n_tok, int32_t H, int32_t dh, float scale, bool round_p,
+                             float *o);
+
 // The same function on tensor cores (the decode-speed kernel, FlashMLA-style sparse decode): one
 // block per (query row, group of 64 heads, key split) reads each listed KV row once for all its
 // heads, in tiles of 64 keys (cp.async double buffering), decodes them exactly to BF16 in shared

@@ -293,6 +293,34 @@ static di_status op_index_scores(di_backend *b, const float *qi, const float *wi
                                   max_vis, n_tok, HI, DI, round_bf16, scores, score_stride);
 }
 
+static di_status op_index_scores_q4(di_backend *b, const float *qi, const float *wi,
+                                    const uint8_t *keys, const int64_t *key_base,
+                                    const int32_t *pages, const int32_t *page_off, int32_t per_page,
+                                    const int32_t *n_vis, int32_t max_vis, int32_t n_tok,
+                                    int32_t HI, int32_t DI, bool round_bf16, float *scores,
+                                    int64_t score_stride) {
+    ENTER(b);
+    return di_cuda_indexer_scores_q4(cu, qi, wi, keys, key_base, pages, page_off, per_page, n_vis,
+                                     max_vis, n_tok, HI, DI, round_bf16, scores, score_stride);
+}
+
+static di_status op_pack_rows(di_backend *b, const float *x, int64_t n, int64_t x_stride,
+                              int32_t n_dims, int32_t block, int32_t bits, uint8_t *dst,
+                              const int32_t *dst_rows, const int32_t *src_rows) {
+    ENTER(b);
+    return di_cuda_pack_rows(cu, x, n, x_stride, n_dims, block, bits, dst, dst_rows, src_rows);
+}
+
+static di_status op_attn_codes(di_backend *b, const float *q, const uint8_t *win,
+                               const uint8_t *ent, const int32_t *key_idx, int64_t key_stride,
+                               const int32_t *n_win, const int32_t *n_keys, int32_t max_keys,
+                               const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
+                               bool round_p, float *o) {
+    ENTER(b);
+    return di_cuda_attn_codes(cu, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys, sink,
+                              n_tok, H, dh, scale, round_p, o);
+}
+
 static di_status op_topk(di_backend *b, const float *scores, int64_t score_stride,
                          const int32_t *n_vis, int32_t n_tok, int32_t topk, int32_t *sel) {
     ENTER(b);
@@ -427,6 +455,9 @@ static di_backend_vt make_vt(void) {
     vt.kv_quant = op_kv_quant;
     vt.attn_kv = op_attn_kv;
     vt.index_scores = op_index_scores;
+    vt.index_scores_q4 = op_index_scores_q4;
+    vt.pack_rows = op_pack_rows;
+    vt.attn_codes = op_attn_codes;
     vt.topk = op_topk;
     vt.offset_list = op_offset_list;
     vt.destroy = op_destroy;

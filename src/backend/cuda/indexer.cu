@@ -1,4 +1,5 @@
 // indexer — lightning indexer scores and the exact top-k (indexer.cuh).
+#include "backend/backend.h" // DI_BACKEND_KEY_BLOCK
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/indexer.cuh"
 
@@ -156,6 +157,105 @@ extern "C" di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const 
                                                               page_off, per_page, n_vis, n_tok, HI,
                                                               DI, round_bf16, scores, score_stride);
     DI_CUDA_LAUNCHED("scores_kernel");
+    return DI_OK;
+}
+
+// ---- scores over Q4 index keys (V4.1: backend.h index_scores_q4) ----
+
+// Lane per entry, as scores_lane_kernel, on the keys' codes: a thread reads its entry's packed
+// row (DI / 2 code bytes, a UE8M0 byte per 32 dims: 68 bytes at DI 128 instead of 512 as FP32)
+// and decodes it in registers, 32 dims at a time (the block's scale, then two values per byte,
+// exact products), into the HMAX heads' dots; heads beyond HMAX in further chunks (the key decoded
+// again). Then ReLU and the head weight in head order.
+template <int HMAX>
+__global__ void __launch_bounds__(IDX_THREADS)
+    scores_q4_kernel(const float *__restrict__ qi, const float *__restrict__ wi,
+                     const uint8_t *__restrict__ keys, const int64_t *__restrict__ key_base,
+                     const int32_t *__restrict__ pages, const int32_t *__restrict__ page_off,
+                     int32_t per_page, const int32_t *__restrict__ n_vis, int32_t n_tok, int32_t HI,
+                     int32_t DI, bool round_bf16, float *__restrict__ scores,
+                     int64_t score_stride) {
+    extern __shared__ __align__(16) float qsq[]; // [HI * DI] then wI [HI]
+    float *ws = qsq + (int64_t)HI * DI;
+    const int64_t w0 = (int64_t)blockIdx.x * IDX_THREADS;
+    const int64_t kb = DI / 2 + DI / DI_BACKEND_KEY_BLOCK; // a packed key's bytes
+    for (int64_t t = blockIdx.y; t < n_tok; t += gridDim.y) {
+        const int32_t vis = n_vis[t];
+        if (w0 >= vis) continue; // block-uniform
+        __syncthreads();         // every thread is done with the previous row's qI
+        for (int64_t i = threadIdx.x; i < (int64_t)HI * DI; i += blockDim.x)
+            qsq[i] = qi[t * HI * DI + i];
+        for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
+        __syncthreads();
+        const int64_t w = w0 + threadIdx.x;
+        if (w >= vis) continue; // no barrier below in this row
+        int64_t row = (key_base ? key_base[t] : 0) + w;
+        if (pages) {
+            const int32_t pg = pages[page_off[t] + w / per_page];
+            if (pg < 0) {
+                scores[t * score_stride + w] = -INFINITY;
+                continue;
+            }
+            row = (key_base ? key_base[t] : 0) + (int64_t)pg * per_page + w % per_page;
+        }
+        const uint8_t *k = keys + row * kb;
+        float acc = 0.0f;
+        for (int32_t hc = 0; hc < HI; hc += HMAX) {
+            float dot[HMAX];
+#pragma unroll
+            for (int h = 0; h < HMAX; h++) dot[h] = 0.0f;
+            for (int32_t b = 0; b < DI / DI_BACKEND_KEY_BLOCK; b++) {
+                const float sc = di_ue8m0_f32(k[DI / 2 + b]);
+                for (int32_t c = 0; c < DI_BACKEND_KEY_BLOCK / 2; c++) {
+                    const uint32_t byte = k[b * (DI_BACKEND_KEY_BLOCK / 2) + c];
+                    const float v0 = di_e2m1_f32(byte & 15u) * sc, v1 = di_e2m1_f32(byte >> 4) * sc;
+                    const int32_t d = b * DI_BACKEND_KEY_BLOCK + 2 * c;
+#pragma unroll
+                    for (int h = 0; h < HMAX; h++) {
+                        if (hc + h < HI) {
+                            const float2 qv = *(const float2 *)(qsq + (hc + h) * DI + d);
+                            dot[h] = fmaf(qv.x, v0, dot[h]);
+                            dot[h] = fmaf(qv.y, v1, dot[h]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < HMAX; h++)
+                if (hc + h < HI) acc += ws[hc + h] * (dot[h] > 0 ? dot[h] : 0); // ReLU, weight
+        }
+        scores[t * score_stride + w] = round_bf16 ? di_round_bf16_dev(acc) : acc;
+    }
+}
+
+extern "C" di_status di_cuda_indexer_scores_q4(di_cuda *cu, const float *qi, const float *wi,
+                                               const uint8_t *keys, const int64_t *key_base,
+                                               const int32_t *pages, const int32_t *page_off,
+                                               int32_t per_page, const int32_t *n_vis,
+                                               int32_t max_vis, int32_t n_tok, int32_t HI,
+                                               int32_t DI, bool round_bf16, float *scores,
+                                               int64_t score_stride) {
+    static di_smem_kernel smem8, smem64;
+    if ((pages && per_page < 1) || HI < 1 || DI < DI_BACKEND_KEY_BLOCK ||
+        DI % DI_BACKEND_KEY_BLOCK != 0 || score_stride < max_vis)
+        return DI_ERR_INVALID;
+    if (n_tok <= 0 || max_vis <= 0) return DI_OK;
+    const size_t smem = sizeof(float) * ((size_t)HI * DI + (size_t)HI);
+    const bool narrow = HI <= 8;
+    const void *fn =
+        narrow ? (const void *)scores_q4_kernel<8> : (const void *)scores_q4_kernel<IDX_LANE_HMAX>;
+    const di_status st = di_cuda_smem_fit(cu, narrow ? &smem8 : &smem64, fn, smem, NULL);
+    if (st != DI_OK) return st;
+    dim3 grid(di_div_up(max_vis, IDX_THREADS), di_grid_y(n_tok));
+    if (narrow)
+        scores_q4_kernel<8><<<grid, IDX_THREADS, smem, di_stream(cu)>>>(
+            qi, wi, keys, key_base, pages, page_off, per_page, n_vis, n_tok, HI, DI, round_bf16,
+            scores, score_stride);
+    else
+        scores_q4_kernel<IDX_LANE_HMAX><<<grid, IDX_THREADS, smem, di_stream(cu)>>>(
+            qi, wi, keys, key_base, pages, page_off, per_page, n_vis, n_tok, HI, DI, round_bf16,
+            scores, score_stride);
+    DI_CUDA_LAUNCHED("scores_q4_kernel");
     return DI_OK;
 }
 

@@ -31,6 +31,17 @@ di_status di_cuda_indexer_scores(di_cuda *cu, const float *qi, const float *wi, 
                                  int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
                                  bool round_bf16, float *scores, int64_t score_stride);
 
+// The same scores over V4.1's Q4 index keys (backend.h index_scores_q4): the key of entry row r
+// is the packed row keys + r * (DI / 2 + DI / 32) (e2m1 pairs, a UE8M0 scale per 32 dims),
+// decoded exactly in registers by the thread scoring it (lane per entry, any HI). DI a multiple
+// of 32. DI_ERR_CUDA, DI_ERR_INVALID (shape, shared memory).
+di_status di_cuda_indexer_scores_q4(di_cuda *cu, const float *qi, const float *wi,
+                                    const uint8_t *keys, const int64_t *key_base,
+                                    const int32_t *pages, const int32_t *page_off, int32_t per_page,
+                                    const int32_t *n_vis, int32_t max_vis, int32_t n_tok,
+                                    int32_t HI, int32_t DI, bool round_bf16, float *scores,
+                                    int64_t score_stride);
+
 // sel[t * topk + i]: the k = min(topk, n_vis[t]) best entries of scores row t (ascending index),
 // then -1 up to topk. When k == n_vis[t] the scores are not read (every entry is selected).
 // DI_ERR_CUDA.

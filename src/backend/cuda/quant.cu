@@ -146,3 +146,102 @@ extern "C" di_status di_cuda_hadamard(di_cuda *cu, float *x, int64_t n_rows, int
     DI_CUDA_LAUNCHED("hadamard_kernel");
     return DI_OK;
 }
+
+// ---- V4.1's packed codes (backend.h pack_rows) ----
+
+// The e2m1 code of x in [-6, 6] (di_f32_to_e2m1: ties to the even code; bit 3 the sign, kept for
+// zeros).
+__device__ __forceinline__ uint32_t e2m1_code(float x) {
+    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float a = fabsf(x);
+    uint32_t c = 0;
+    while (c < 7) {
+        const float mid = 0.5f * (mag[c] + mag[c + 1]);
+        if (a < mid) break;
+        if (a == mid) {
+            if (c & 1u) c++;
+            break;
+        }
+        c++;
+    }
+    return (signbit(x) ? 8u : 0u) | c;
+}
+
+// One block per (row, quantisation block): fake_quant_kernel's scale, then each value's code
+// (4-bit codes: a thread per pair of values, one byte each, so no two threads share a byte) and
+// the block's scale byte, exactly di_quant_*_pack's bytes (a non-finite block: zero codes and the
+// NaN scale byte).
+__global__ void __launch_bounds__(QUANT_THREADS)
+    pack_rows_kernel(const float *__restrict__ x, int64_t x_stride, int32_t n_dims, int32_t block,
+                     int32_t bits, int64_t row_bytes, uint8_t *__restrict__ dst,
+                     const int32_t *__restrict__ dst_rows, const int32_t *__restrict__ src_rows) {
+    __shared__ float red[32];
+    const int32_t nb = n_dims / block, blk = (int32_t)(blockIdx.x % (unsigned)nb);
+    const int64_t i = blockIdx.x / (unsigned)nb;
+    const int64_t r = dst_rows ? dst_rows[i] : i;
+    if (r < 0) return; // padding, skipped (block-uniform)
+    const float *v = x + (src_rows ? (int64_t)src_rows[i] : i) * x_stride + (int64_t)blk * block;
+    uint8_t *row = dst + r * row_bytes;
+    const bool nib = bits != 8;
+    uint8_t *codes = row + (nib ? (int64_t)blk * block / 2 : (int64_t)blk * block);
+    uint8_t *scale = row + (nib ? n_dims / 2 : n_dims) + blk;
+    float amax = 0.0f, bad = 0.0f;
+    for (int32_t j = threadIdx.x; j < block; j += blockDim.x) {
+        const float a = fabsf(v[j]);
+        if (!isfinite(a)) bad = 1.0f;
+        amax = fmaxf(amax, isfinite(a) ? a : 0.0f);
+    }
+    amax = di_block_max(amax, red);
+    bad = di_block_max(bad, red);
+    if (bad > 0.0f) {
+        for (int32_t j = threadIdx.x; j < (nib ? block / 2 : block); j += blockDim.x) codes[j] = 0;
+        if (threadIdx.x == 0) *scale = bits == DI_BACKEND_Q4E ? 0x7Fu : 0xFFu;
+        return;
+    }
+    if (bits == DI_BACKEND_Q4E) { // an E4M3 scale of amax / 6 (floored at 2^-9), by division
+        const uint32_t sb = (uint32_t)__nv_cvt_float_to_fp8(
+            __fdiv_rn(fmaxf(amax, 6.0f * 0x1p-9f), 6.0f), __NV_SATFINITE, __NV_E4M3);
+        const float sc = di_e4m3_f32(sb);
+        for (int32_t j = threadIdx.x; j < block / 2; j += blockDim.x) {
+            const float q0 = fminf(fmaxf(__fdiv_rn(v[2 * j], sc), -6.0f), 6.0f);
+            const float q1 = fminf(fmaxf(__fdiv_rn(v[2 * j + 1], sc), -6.0f), 6.0f);
+            codes[j] = (uint8_t)(e2m1_code(q0) | (e2m1_code(q1) << 4));
+        }
+        if (threadIdx.x == 0) *scale = (uint8_t)sb;
+        return;
+    }
+    const bool q8 = bits == 8;
+    const float qmax = q8 ? 448.0f : 6.0f, inv_qmax = q8 ? 1.0f / 448.0f : 1.0f / 6.0f;
+    amax = fmaxf(amax, q8 ? 1e-4f : 6.0f * 0x1p-126f);
+    const int k = fq_ceil_log2(amax * inv_qmax); // one f32 rounding
+    const float inv_s = ldexpf(1.0f, -k);
+    if (q8) {
+        for (int32_t j = threadIdx.x; j < block; j += blockDim.x) {
+            const float q = fminf(fmaxf(v[j] * inv_s, -qmax), qmax);
+            codes[j] = (uint8_t)__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+        }
+    } else {
+        for (int32_t j = threadIdx.x; j < block / 2; j += blockDim.x) {
+            const float q0 = fminf(fmaxf(v[2 * j] * inv_s, -qmax), qmax);
+            const float q1 = fminf(fmaxf(v[2 * j + 1] * inv_s, -qmax), qmax);
+            codes[j] = (uint8_t)(e2m1_code(q0) | (e2m1_code(q1) << 4));
+        }
+    }
+    if (threadIdx.x == 0) *scale = (uint8_t)(127 + k);
+}
+
+extern "C" di_status di_cuda_pack_rows(di_cuda *cu, const float *x, int64_t n, int64_t x_stride,
+                                       int32_t n_dims, int32_t block, int32_t bits, uint8_t *dst,
+                                       const int32_t *dst_rows, const int32_t *src_rows) {
+    if (block < 2 || block % 2 != 0 || n_dims < block || n_dims > 1024 || n_dims % block != 0 ||
+        (bits != 8 && bits != 4 && bits != DI_BACKEND_Q4E))
+        return DI_ERR_INVALID;
+    if (n <= 0) return DI_OK;
+    const int64_t n_blocks = n * (n_dims / block);
+    if (n_blocks > INT32_MAX) return DI_ERR_INVALID;
+    pack_rows_kernel<<<(unsigned)n_blocks, QUANT_THREADS, 0, di_stream(cu)>>>(
+        x, x_stride, n_dims, block, bits, di_backend_code_row_bytes(bits, n_dims, block), dst,
+        dst_rows, src_rows);
+    DI_CUDA_LAUNCHED("pack_rows_kernel");
+    return DI_OK;
+}

@@ -4,8 +4,9 @@
  * forward does: BF16 rounding (di_round_bf16), the fake quantisers Q8 (e4m3) and Q4 (e2m1) with
  * power-of-two block scales (di_fake_quant_q8 / _q4: A8 before FP8/FP4 linears, the KV rows' nope
  * dims, the indexer's Q4) and the scaled Walsh-Hadamard transform (di_hadamard, the same butterfly
- * order). Results are bit-identical to the CPU's on the same inputs (no reduction whose order
- * matters: max is exact, and each butterfly element sees the CPU's additions in the CPU's order).
+ * order), and the packers of V4.1's stored codes (di_quant_*_pack's bytes). Results are
+ * bit-identical to the CPU's on the same inputs (no reduction whose order matters: max is exact,
+ * and each butterfly element sees the CPU's additions in the CPU's order).
  *
  * Owns: nothing. Thread-safety: engine thread only.
  */
@@ -27,6 +28,15 @@ di_status di_cuda_round_bf16(di_cuda *cu, float *x, int64_t n);
 // bits is 8, 4 or DI_BACKEND_Q4E; DI_ERR_CUDA.
 di_status di_cuda_fake_quant(di_cuda *cu, const float *x, int64_t n_rows, int64_t n, int64_t stride,
                              int32_t block, int32_t bits, float *y);
+
+// V4.1's packed codes (backend.h pack_rows): rows x + s_i * x_stride (s_i = src_rows[i] or i)
+// fake-quantised per block (bits 8: Q8, 4: Q4, DI_BACKEND_Q4E: Q4e) and written as codes and scale
+// bytes (di_backend_code_row_bytes) at dst + dst_rows[i] * row bytes (NULL: i; negative:
+// skipped): the bytes of tensor/quant_ref.h di_quant_*_pack. DI_ERR_INVALID unless block >= 2 is
+// even and divides n_dims <= 1024, bits as above; DI_ERR_CUDA.
+di_status di_cuda_pack_rows(di_cuda *cu, const float *x, int64_t n, int64_t x_stride,
+                            int32_t n_dims, int32_t block, int32_t bits, uint8_t *dst,
+                            const int32_t *dst_rows, const int32_t *src_rows);
 
 // In place over n_rows contiguous rows of n floats: di_hadamard. DI_ERR_INVALID unless n is a
 // power of two <= 1024; DI_ERR_CUDA.

@@ -1,0 +1,409 @@
+// V4.1's stored codes on the CUDA backend (backend.h pack_rows, attn_codes, index_scores_q4;
+// model/dsv41_dev.h "State layout") against the CPU backend's entries, the oracle twin:
+//   - pack_rows: Q8 / Q4 / Q4e rows (blocks 32, 16, 32) byte for byte equal to the CPU's (the
+//     packers of tensor/quant_ref.c), over rows of very different magnitudes, zeros and -0,
+//     subnormal e4m3 steps, saturating values, a block holding inf and one holding NaN (zero codes
+//     and the NaN scale byte), gathered through src_rows, scattered through dst_rows with a
+//     skipped (-1) row whose bytes stay as they were;
+//   - attn_codes: every list kind of test_cuda_ops' attention (0 keys, 1, masked keys, all
+//     masked, repeats) over Q8 window rows then Q4e entries, with and without round_p, 1 to 64
+//     heads (head groups of 16, the last partial), dh 512 (V4.1-Flash) and 64 (the tiny model):
+//     within the FP32 bound of a double reference on the decoded rows, and so is the CPU
+//     backend's (the reference's own check);
+//   - index_scores_q4: contiguous (with key bases) and paged (shuffled pages, one missing: -inf)
+//     keys, HI 4 and 64 (V4.1-Flash's) and 72 (two head chunks), DI 128 and 64: within the FP32
+//     bound of the indexer's reference on the decoded keys, paged scores bit-identical to the
+//     contiguous ones; the BF16 scores of the official recipe BF16 and within one ulp.
+// Exits 77 without a device.
+#include "backend/cuda/cuda_test.h" // CK, rnd, fill_rand, gamma_k, check_bounds
+
+#include <math.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "tensor/quant_ref.h" // di_quant_*_unpack, di_round_bf16
+
+// Attention: scores within gamma(dh) * scale * sum|q k| (E); p within ~2E relative; o within
+// sum_j p_j |k_jd| times that plus the value sums' FP32 rounding (1e-5 relative for <~ 1000 keys),
+// as test_cuda_ops' TOL_ATTN_SUM_REL; round_p adds one BF16 ulp of p (2^-7 relative).
+#define TOL_ATTN_SUM_REL 1e-5
+// Indexer scores: gamma(DI) per head dot, then a sum of HI weighted terms (test_cuda_indexer.c).
+#define TOL_SCORE_FACTOR 2.0
+
+static di_backend *g_b, *g_cpu;
+
+static void *bk_from(di_backend *b, const void *host, size_t bytes) {
+    void *p = NULL;
+    CK(b->vt->alloc(b, bytes ? bytes : 1, &p));
+    if (bytes) CK(b->vt->upload(b, p, host, bytes));
+    return p;
+}
+
+static void bk_to(di_backend *b, void *host, const void *p, size_t bytes) {
+    CK(b->vt->download(b, host, p, bytes));
+}
+
+// ---- pack_rows ----
+
+static void pack_case(int32_t bits, int32_t n_dims, int32_t block, int64_t n) {
+    const int64_t stride = n_dims + 5, rb = di_backend_code_row_bytes(bits, n_dims, block);
+    const int64_t n_src = n + 3, n_dst = n + 2;
+    float *x = malloc(sizeof(float) * (size_t)(n_src * stride));
+    fill_rand(x, n_src * stride, 2.0f);
+    for (int64_t r = 0; r < n_src; r++) {
+        float *v = x + r * stride;
+        for (int32_t j = 0; j < n_dims; j++)
+            v[j] *= ldexpf(1.0f, (int)((r * 7 + j / block) % 41) - 20);
+        if (r == 0) v[0] = INFINITY;                             // a non-finite block: NaN codes
+        if (r == 1) v[block] = NAN;                              // another one, later in its row
+        if (r == 2) memset(v, 0, sizeof(float) * (size_t)block); // an all-zero block
+        if (r == 2) v[1] = -0.0f;
+        if (r == 3) v[2] = 1e30f; // saturates Q8 / sets a huge scale
+        if (r == 4)
+            for (int32_t j = 0; j < block; j++)
+                v[j] = ldexpf((float)(j % 9), -12); // e4m3 subnormals
+    }
+    int32_t *dst = malloc(sizeof(int32_t) * (size_t)n), *src = malloc(sizeof(int32_t) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) {
+        dst[i] = (int32_t)((i * 5 + 1) % n_dst); // scattered
+        src[i] = (int32_t)((i * 3 + 2) % n_src); // gathered
+    }
+    dst[n / 2] = -1; // padding: skipped
+    // Both backends: the same poisoned destination, the same call.
+    uint8_t *want = malloc((size_t)(n_dst * rb)), *got = malloc((size_t)(n_dst * rb));
+    memset(want, 0xA5, (size_t)(n_dst * rb));
+    memset(got, 0x5A, (size_t)(n_dst * rb));
+    di_backend *bs[2] = {g_cpu, g_b};
+    uint8_t *outs[2] = {want, got};
+    for (int k = 0; k < 2; k++) {
+        di_backend *b = bs[k];
+        float *xd = bk_from(b, x, sizeof(float) * (size_t)(n_src * stride));
+        int32_t *dd = bk_from(b, dst, sizeof(int32_t) * (size_t)n),
+                *sd = bk_from(b, src, sizeof(int32_t) * (size_t)n);
+        uint8_t *od = bk_from(b, outs[k], (size_t)(n_dst * rb));
+        CK(b->vt->pack_rows(b, xd, n, stride, n_dims, block, bits, od, dd, sd));
+        bk_to(b, outs[k], od, (size_t)(n_dst * rb));
+        b->vt->free(b, xd), b->vt->free(b, dd), b->vt->free(b, sd), b->vt->free(b, od);
+    }
+    int64_t bad = 0, untouched_ok = 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (dst[i] < 0) continue;
+        bad += memcmp(want + dst[i] * rb, got + dst[i] * rb, (size_t)rb) != 0;
+    }
+    // Rows no entry wrote keep their (different) poison on each side.
+    for (int64_t r = 0; r < n_dst; r++) {
+        bool written = false;
+        for (int64_t i = 0; i < n; i++) written |= dst[i] == r;
+        if (!written)
+            for (int64_t j = 0; j < rb; j++) untouched_ok &= got[r * rb + j] == 0x5A;
+    }
+    fprintf(stderr, "  pack_rows bits %d, %d dims, block %d, %lld rows: %lld differ\n", bits,
+            n_dims, block, (long long)n, (long long)bad);
+    CHECK_EQ(bad, 0);
+    CHECK(untouched_ok);
+    free(x), free(dst), free(src), free(want), free(got);
+}
+
+static void test_pack_rows(void) {
+    pack_case(8, 512, DI_BACKEND_WIN_BLOCK, 37);              // window rows (V4.1-Flash)
+    pack_case(DI_BACKEND_Q4E, 512, DI_BACKEND_ENT_BLOCK, 37); // entries
+    pack_case(4, 128, DI_BACKEND_KEY_BLOCK, 37);              // index keys
+    pack_case(8, 64, DI_BACKEND_WIN_BLOCK, 9);                // the tiny model's widths
+    pack_case(DI_BACKEND_Q4E, 64, DI_BACKEND_ENT_BLOCK, 9);
+    pack_case(4, 64, DI_BACKEND_KEY_BLOCK, 9);
+    float *d = NULL;
+    CK(g_b->vt->alloc(g_b, 4096, (void **)&d));
+    CHECK_EQ(g_b->vt->pack_rows(g_b, d, 1, 64, 64, 3, 8, (uint8_t *)d, NULL, NULL), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->pack_rows(g_b, d, 1, 64, 48, 32, 8, (uint8_t *)d, NULL, NULL),
+             DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->pack_rows(g_b, d, 1, 64, 64, 32, 5, (uint8_t *)d, NULL, NULL),
+             DI_ERR_INVALID);
+    g_b->vt->free(g_b, d);
+}
+
+// ---- attn_codes ----
+
+// Rows of dh values as codes (CPU packers) and their decoded values.
+static void make_rows(int32_t bits, int32_t dh, int32_t block, int64_t n, uint8_t *codes,
+                      float *dec) {
+    float *v = malloc(sizeof(float) * (size_t)dh);
+    const int64_t rb = di_backend_code_row_bytes(bits, dh, block);
+    for (int64_t r = 0; r < n; r++) {
+        fill_rand(v, dh, 1.5f);
+        for (int32_t j = 0; j < dh; j++) v[j] *= ldexpf(1.0f, (int)((r + j / block) % 5) - 2);
+        uint8_t *row = codes + r * rb;
+        if (bits == 8)
+            di_quant_q8_pack(v, dh, block, row), di_quant_q8_unpack(row, dh, block, dec + r * dh);
+        else if (bits == 4)
+            di_quant_q4_pack(v, dh, block, row), di_quant_q4_unpack(row, dh, block, dec + r * dh);
+        else
+            di_quant_q4e_pack(v, dh, block, row), di_quant_q4e_unpack(row, dh, block, dec + r * dh);
+    }
+    free(v);
+}
+
+static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e, int32_t max_keys,
+                      bool round_p) {
+    const int64_t ks = max_keys + 3, n_o = (int64_t)T * H * dh;
+    const int64_t wb = di_backend_code_row_bytes(8, dh, DI_BACKEND_WIN_BLOCK);
+    const int64_t eb = di_backend_code_row_bytes(DI_BACKEND_Q4E, dh, DI_BACKEND_ENT_BLOCK);
+    uint8_t *win = malloc((size_t)(n_w * wb)), *ent = malloc((size_t)(n_e * eb));
+    float *wdec = malloc(sizeof(float) * (size_t)(n_w * dh)),
+          *edec = malloc(sizeof(float) * (size_t)(n_e * dh));
+    make_rows(8, dh, DI_BACKEND_WIN_BLOCK, n_w, win, wdec);
+    make_rows(DI_BACKEND_Q4E, dh, DI_BACKEND_ENT_BLOCK, n_e, ent, edec);
+    float *q = malloc(sizeof(float) * (size_t)n_o), *sink = malloc(sizeof(float) * (size_t)H);
+    fill_rand(q, n_o, 2.0f);
+    fill_rand(sink, H, 2.0f);
+    int32_t *nk = malloc(sizeof(int32_t) * (size_t)T), *nw = malloc(sizeof(int32_t) * (size_t)T);
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * ks));
+    for (int32_t t = 0; t < T; t++) { // by t % 6: 0 keys, 1 (a window row), all, masked, ...
+        const int kind = t % 6;
+        int32_t k = kind == 0   ? 0
+                    : kind == 1 ? 1
+                    : kind == 2 ? max_keys
+                                : 1 + (int32_t)(rnd() % (uint64_t)max_keys);
+        nk[t] = k;
+        nw[t] = kind == 1 ? 1 : (int32_t)(rnd() % (uint64_t)(k + 1)); // window keys first
+        if (kind == 5) nw[t] = k;                                     // no entries
+        for (int64_t j = 0; j < ks; j++) {
+            int32_t v =
+                j < nw[t] ? (int32_t)(rnd() % (uint64_t)n_w) : (int32_t)(rnd() % (uint64_t)n_e);
+            if ((kind == 3 && j % 3 == 1) || kind == 4) v = -1; // masked; kind 4: all masked
+            idx[t * ks + j] = j < k ? v : -7;
+        }
+    }
+    const float scale = 1.0f / sqrtf((float)dh);
+    float *ref = malloc(sizeof(float) * (size_t)n_o);
+    double *tol = malloc(sizeof(double) * (size_t)n_o),
+           *sc = malloc(sizeof(double) * (size_t)(max_keys + 1));
+    for (int32_t t = 0; t < T; t++)
+        for (int32_t h = 0; h < H; h++) {
+            const float *qv = q + ((int64_t)t * H + h) * dh;
+            const int32_t *ix = idx + t * ks;
+            double mx = sink[h], maxabs = 0;
+            for (int32_t j = 0; j < nk[t]; j++) {
+                if (ix[j] < 0) continue;
+                const float *k = (j < nw[t] ? wdec : edec) + (int64_t)ix[j] * dh;
+                double s = 0, a = 0;
+                for (int32_t d = 0; d < dh; d++)
+                    s += (double)qv[d] * k[d], a += fabs((double)qv[d] * k[d]);
+                sc[j] = s * scale;
+                if (sc[j] > mx) mx = sc[j];
+                if (a > maxabs) maxabs = a;
+            }
+            double den = exp(sink[h] - mx);
+            for (int32_t j = 0; j < nk[t]; j++)
+                if (ix[j] >= 0) den += (sc[j] = exp(sc[j] - mx));
+            const double E = gamma_k(dh) * scale * maxabs;
+            for (int32_t d = 0; d < dh; d++) {
+                double o = 0, mag = 0;
+                for (int32_t j = 0; j < nk[t]; j++) {
+                    if (ix[j] < 0) continue;
+                    const double kd = ((j < nw[t] ? wdec : edec) + (int64_t)ix[j] * dh)[d];
+                    const double p = round_p ? di_round_bf16((float)(sc[j] / den)) : sc[j] / den;
+                    o += p * kd;
+                    mag += p * fabs(kd);
+                }
+                const int64_t i = ((int64_t)t * H + h) * dh + d;
+                ref[i] = (float)o;
+                tol[i] = mag * (4 * E + TOL_ATTN_SUM_REL + (round_p ? 0x1p-7 : 0.0)) + 1e-30;
+            }
+        }
+    di_backend *bs[2] = {g_cpu, g_b};
+    for (int k = 0; k < 2; k++) {
+        di_backend *b = bs[k];
+        uint8_t *wd = bk_from(b, win, (size_t)(n_w * wb)),
+                *ed = bk_from(b, ent, (size_t)(n_e * eb));
+        float *qd = bk_from(b, q, sizeof(float) * (size_t)n_o),
+              *sd = bk_from(b, sink, sizeof(float) * (size_t)H);
+        int32_t *nkd = bk_from(b, nk, sizeof(int32_t) * (size_t)T),
+                *nwd = bk_from(b, nw, sizeof(int32_t) * (size_t)T),
+                *id = bk_from(b, idx, sizeof(int32_t) * (size_t)(T * ks));
+        float *out = malloc(sizeof(float) * (size_t)n_o);
+        for (int64_t i = 0; i < n_o; i++) out[i] = NAN; // unwritten outputs fail
+        float *od = bk_from(b, out, sizeof(float) * (size_t)n_o);
+        CK(b->vt->attn_codes(b, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H, dh, scale,
+                             round_p, od));
+        bk_to(b, out, od, sizeof(float) * (size_t)n_o);
+        char what[96];
+        snprintf(what, sizeof what, "attn_codes %s dh=%d H=%d T=%d keys=%d%s", b->vt->name, dh, H,
+                 T, max_keys, round_p ? " round_p" : "");
+        CHECK(check_bounds(what, out, ref, tol, n_o) == 0);
+        b->vt->free(b, wd), b->vt->free(b, ed), b->vt->free(b, qd), b->vt->free(b, sd);
+        b->vt->free(b, nkd), b->vt->free(b, nwd), b->vt->free(b, id), b->vt->free(b, od);
+        free(out);
+    }
+    free(win), free(ent), free(wdec), free(edec), free(q), free(sink), free(nk), free(nw),
+        free(idx), free(ref), free(tol), free(sc);
+}
+
+static void test_attn_codes(void) {
+    attn_case(512, 64, 7, 400, 600, 640, false); // V4.1-Flash: 64 heads, W 128 + top-512
+    attn_case(512, 64, 7, 400, 600, 640, true);  // the official recipe: BF16 p
+    attn_case(512, 20, 6, 100, 50, 77, false);   // a partial head group (16 + 4)
+    attn_case(64, 4, 12, 40, 30, 24, true);      // the tiny model's widths
+    attn_case(64, 1, 6, 5, 5, 1, false);         // one head, one key at most
+    float *d = NULL;
+    CK(g_b->vt->alloc(g_b, 4096, (void **)&d));
+    const uint8_t *u = (const uint8_t *)d;
+    int32_t *i = (int32_t *)d;
+    CHECK_EQ(g_b->vt->attn_codes(g_b, d, u, u, i, 4, i, i, 4, d, 1, 1, 48, 1.0f, false, d),
+             DI_ERR_INVALID); // dh not a multiple of 32
+    CHECK_EQ(g_b->vt->attn_codes(g_b, d, u, u, i, 4, i, i, 1 << 28, d, 1, 1, 64, 1.0f, false, d),
+             DI_ERR_INVALID); // key_stride < max_keys
+    CHECK_EQ(
+        g_b->vt->attn_codes(g_b, d, u, u, i, 1 << 28, i, i, 1 << 28, d, 1, 1, 64, 1.0f, false, d),
+        DI_ERR_INVALID); // more scores than shared memory holds
+    g_b->vt->free(g_b, d);
+}
+
+// ---- index_scores_q4 ----
+
+static void index_case(int32_t T, int32_t HI, int32_t DI, int32_t n_ent, int32_t max_vis) {
+    const int64_t ss = max_vis + 5, kb = di_backend_code_row_bytes(4, DI, DI_BACKEND_KEY_BLOCK);
+    float *qi = malloc(sizeof(float) * (size_t)(T * HI * DI)),
+          *wi = malloc(sizeof(float) * (size_t)(T * HI));
+    uint8_t *keys = malloc((size_t)(n_ent * kb));
+    float *dec = malloc(sizeof(float) * (size_t)(n_ent * DI));
+    fill_rand(qi, (int64_t)T * HI * DI, 1.0f);
+    fill_rand(wi, (int64_t)T * HI, 0.1f);
+    make_rows(4, DI, DI_BACKEND_KEY_BLOCK, n_ent, keys, dec);
+    int32_t *vis = malloc(sizeof(int32_t) * (size_t)T);
+    int64_t *base = malloc(sizeof(int64_t) * (size_t)T);
+    for (int32_t t = 0; t < T; t++) {
+        vis[t] = t == 0 ? 1 : t == 1 ? max_vis : (int32_t)(rnd() % (uint64_t)max_vis) + 1;
+        base[t] = (int64_t)(rnd() % (uint64_t)(n_ent - vis[t] + 1));
+    }
+    float *ref = malloc(sizeof(float) * (size_t)(T * ss));
+    double *tol = malloc(sizeof(double) * (size_t)(T * ss));
+    for (int64_t i = 0; i < T * ss; i++) ref[i] = NAN, tol[i] = 0; // past n_vis: not written
+    for (int32_t t = 0; t < T; t++)
+        for (int32_t w = 0; w < vis[t]; w++) {
+            const float *kw = dec + (base[t] + w) * DI;
+            double acc = 0, bound = 0;
+            for (int32_t h = 0; h < HI; h++) {
+                const float *qv = qi + ((int64_t)t * HI + h) * DI;
+                double dot = 0, a = 0;
+                for (int32_t d = 0; d < DI; d++)
+                    dot += (double)qv[d] * kw[d], a += fabs((double)qv[d] * kw[d]);
+                acc += wi[t * HI + h] * (dot > 0 ? dot : 0);
+                bound += fabs(wi[t * HI + h]) * (gamma_k(DI) * a + gamma_k(HI) * fabs(dot));
+            }
+            ref[t * ss + w] = (float)acc;
+            tol[t * ss + w] = TOL_SCORE_FACTOR * bound + 1e-30;
+        }
+    // Paged: the same keys in shuffled pages of 7 (row t's from t * n_pg on; row 1's page 2
+    // missing: -inf).
+    const int32_t per = 7, n_pg = (max_vis + per - 1) / per, n_all = T * n_pg;
+    int32_t *pages = malloc(sizeof(int32_t) * (size_t)n_all),
+            *pg_off = malloc(sizeof(int32_t) * (size_t)T);
+    uint8_t *paged = calloc((size_t)n_all * per, (size_t)kb);
+    for (int32_t i = 0; i < n_all; i++) pages[i] = i;
+    for (int32_t i = n_all - 1; i > 0; i--) {
+        int32_t j = (int32_t)(rnd() % (uint64_t)(i + 1)), x = pages[i];
+        pages[i] = pages[j], pages[j] = x;
+    }
+    for (int32_t t = 0; t < T; t++) {
+        pg_off[t] = t * n_pg;
+        for (int32_t w = 0; w < vis[t]; w++)
+            memcpy(paged + ((int64_t)pages[t * n_pg + w / per] * per + w % per) * kb,
+                   keys + (base[t] + w) * kb, (size_t)kb);
+    }
+    if (n_pg > 2) pages[1 * n_pg + 2] = -1;
+    di_backend *bs[2] = {g_cpu, g_b};
+    float *out[2][2];
+    for (int k = 0; k < 2; k++) {
+        di_backend *b = bs[k];
+        float *qd = bk_from(b, qi, sizeof(float) * (size_t)(T * HI * DI)),
+              *wd = bk_from(b, wi, sizeof(float) * (size_t)(T * HI));
+        uint8_t *kd = bk_from(b, keys, (size_t)(n_ent * kb)),
+                *pkd = bk_from(b, paged, (size_t)n_all * per * (size_t)kb);
+        int32_t *vd = bk_from(b, vis, sizeof(int32_t) * (size_t)T),
+                *pgd = bk_from(b, pages, sizeof(int32_t) * (size_t)n_all),
+                *pod = bk_from(b, pg_off, sizeof(int32_t) * (size_t)T);
+        int64_t *bd = bk_from(b, base, sizeof(int64_t) * (size_t)T);
+        for (int paged_k = 0; paged_k < 2; paged_k++) {
+            float *o = malloc(sizeof(float) * (size_t)(T * ss));
+            for (int64_t i = 0; i < T * ss; i++) o[i] = NAN;
+            float *sd = bk_from(b, o, sizeof(float) * (size_t)(T * ss));
+            if (paged_k)
+                CK(b->vt->index_scores_q4(b, qd, wd, pkd, NULL, pgd, pod, per, vd, max_vis, T, HI,
+                                          DI, false, sd, ss));
+            else
+                CK(b->vt->index_scores_q4(b, qd, wd, kd, bd, NULL, NULL, 0, vd, max_vis, T, HI, DI,
+                                          false, sd, ss));
+            bk_to(b, o, sd, sizeof(float) * (size_t)(T * ss));
+            b->vt->free(b, sd);
+            out[k][paged_k] = o;
+        }
+        char what[96];
+        snprintf(what, sizeof what, "index_scores_q4 %s T=%d HI=%d DI=%d", b->vt->name, T, HI, DI);
+        CHECK(check_bounds(what, out[k][0], ref, tol, T * ss) == 0);
+        int64_t bad = 0;
+        for (int32_t t = 0; t < T; t++)
+            for (int32_t w = 0; w < vis[t]; w++) {
+                const float g = out[k][1][t * ss + w];
+                if (t == 1 && w / per == 2 && n_pg > 2)
+                    bad += !(isinf(g) && g < 0);
+                else
+                    bad += memcmp(&g, &out[k][0][t * ss + w], sizeof g) != 0;
+            }
+        fprintf(stderr, "  %s paged (7 a page, shuffled, one missing): %lld differ\n", what,
+                (long long)bad);
+        CHECK_EQ(bad, 0);
+        // The official recipe: BF16 scores, within one BF16 ulp of the reference's.
+        if (k == 1) {
+            float *ro = malloc(sizeof(float) * (size_t)(T * ss)),
+                  *rr = malloc(sizeof(float) * (size_t)(T * ss));
+            double *rt = malloc(sizeof(double) * (size_t)(T * ss));
+            float *sd = bk_from(b, ro, sizeof(float) * (size_t)(T * ss));
+            CK(b->vt->index_scores_q4(b, qd, wd, kd, bd, NULL, NULL, 0, vd, max_vis, T, HI, DI,
+                                      true, sd, ss));
+            bk_to(b, ro, sd, sizeof(float) * (size_t)(T * ss));
+            int64_t not_bf16 = 0;
+            for (int64_t i = 0; i < T * ss; i++) {
+                rr[i] = isnan(ref[i]) ? ref[i] : di_round_bf16(ref[i]);
+                rt[i] = isnan(ref[i]) ? 0 : tol[i] + fabs(ref[i]) * 0x1p-7;
+                if (!isnan(ref[i])) not_bf16 += ro[i] != di_round_bf16(ro[i]);
+            }
+            CHECK_EQ(not_bf16, 0);
+            CHECK(check_bounds("index_scores_q4 cuda bf16", ro, rr, rt, T * ss) == 0);
+            b->vt->free(b, sd);
+            free(ro), free(rr), free(rt);
+        }
+        b->vt->free(b, qd), b->vt->free(b, wd), b->vt->free(b, kd), b->vt->free(b, pkd);
+        b->vt->free(b, vd), b->vt->free(b, pgd), b->vt->free(b, pod), b->vt->free(b, bd);
+    }
+    for (int k = 0; k < 2; k++) free(out[k][0]), free(out[k][1]);
+    free(qi), free(wi), free(keys), free(dec), free(vis), free(base), free(ref), free(tol),
+        free(pages), free(pg_off), free(paged);
+}
+
+static void test_index_scores_q4(void) {
+    index_case(5, 64, 128, 3000, 2600); // V4.1-Flash's indexer widths
+    index_case(5, 4, 64, 300, 260);     // the tiny model's
+    index_case(3, 72, 128, 500, 300);   // two head chunks (64 + 8)
+    float *d = NULL;
+    CK(g_b->vt->alloc(g_b, 4096, (void **)&d));
+    int32_t *i = (int32_t *)d;
+    CHECK_EQ(g_b->vt->index_scores_q4(g_b, d, d, (const uint8_t *)d, NULL, NULL, NULL, 0, i, 4, 1,
+                                      4, 48, false, d, 4),
+             DI_ERR_INVALID); // DI not a multiple of 32
+    g_b->vt->free(g_b, d);
+}
+
+int main(void) {
+    if (di_cuda_device_count() == 0) DI_TEST_SKIP("no CUDA device");
+    CK(di_cuda_backend_create(0, &g_b));
+    g_cu = (di_cuda *)g_b->impl;
+    CK(di_cpu_backend_create(2, &g_cpu));
+    fprintf(stderr, "backend: %s\n", g_b->desc);
+    RUN(test_pack_rows);
+    RUN(test_attn_codes);
+    RUN(test_index_scores_q4);
+    CK(g_b->vt->sync(g_b));
+    di_backend_destroy(g_b);
+    di_backend_destroy(g_cpu);
+    return test_finish();
+}
