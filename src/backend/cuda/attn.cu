@@ -289,17 +289,20 @@ __global__ void __launch_bounds__(AC_THREADS)
     attn_codes_kernel(const float *__restrict__ q, const uint8_t *__restrict__ win,
                       const uint8_t *__restrict__ ent, const int32_t *__restrict__ key_idx,
                       int64_t key_stride, const int32_t *__restrict__ n_win,
-                      const int32_t *__restrict__ n_keys, int32_t max_keys,
+                      const int32_t *__restrict__ n_keys, int32_t max_keys, int32_t ps_stride,
                       const float *__restrict__ sink, int32_t H, int32_t dh, float scale,
-                      bool round_p, float *__restrict__ o) {
-    extern __shared__ float sm[]; // qs [AC_HEADS][dh] | ks [AC_TILE][dh + 1] | p [AC_HEADS][mk]
+                      bool round_p, float *__restrict__ o, int *__restrict__ flags) {
+    // qs [AC_HEADS][dh] | ks [AC_TILE][dh + 1] | p [AC_HEADS][ps_stride >= max_keys]
+    extern __shared__ float sm[];
     float *qs = sm, *ks = qs + AC_HEADS * dh, *ps = ks + AC_TILE * (dh + 1);
     const int32_t n_grp = (H + AC_HEADS - 1) / AC_HEADS;
     const int64_t t = blockIdx.x / n_grp;
     const int32_t h0 = (int32_t)(blockIdx.x % n_grp) * AC_HEADS;
     const int32_t nh = H - h0 < AC_HEADS ? H - h0 : AC_HEADS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int32_t nk = n_keys[t], nw = n_win[t];
+    // As attn_kernel: a count past max_keys (device data) clamped and flagged; n_win within it.
+    const int32_t nk = di_cuda_attn_clamp_keys(n_keys[t], max_keys, flags, h0 == 0);
+    const int32_t nw = n_win[t] < 0 ? 0 : n_win[t] > nk ? nk : n_win[t];
     const int32_t *idx = key_idx + t * key_stride;
     for (int32_t e = threadIdx.x; e < AC_HEADS * dh; e += blockDim.x) {
         const int32_t hh = e / dh;
@@ -320,13 +323,13 @@ __global__ void __launch_bounds__(AC_THREADS)
                 for (int32_t d = 0; d < dh; d++) s = fmaf(qh[d], kj[d], s);
                 s *= scale;
             }
-            ps[sh * max_keys + j] = s;
+            ps[sh * ps_stride + j] = s;
         }
     }
     __syncthreads();
     // The softmax with the sink, per head: a warp per head, its lanes over the keys.
     for (int32_t hh = warp; hh < nh; hh += AC_WARPS) {
-        float *p = ps + hh * max_keys;
+        float *p = ps + hh * ps_stride;
         const float sk = sink[h0 + hh];
         float mx = sk;
         for (int32_t j = lane; j < nk; j += 32) mx = fmaxf(mx, p[j]);
@@ -354,8 +357,8 @@ __global__ void __launch_bounds__(AC_THREADS)
         const int32_t n_j = nk - j0 < AC_TILE ? nk - j0 : AC_TILE;
         for (int32_t jj = 0; jj < n_j; jj++) {
             if (idx[j0 + jj] < 0) continue; // masked: p 0 (and the decoded row zeros)
-            const float pa = ha < nh ? ps[ha * max_keys + j0 + jj] : 0.0f;
-            const float pb = hb < nh ? ps[hb * max_keys + j0 + jj] : 0.0f;
+            const float pa = ha < nh ? ps[ha * ps_stride + j0 + jj] : 0.0f;
+            const float pb = hb < nh ? ps[hb * ps_stride + j0 + jj] : 0.0f;
             const float *kj = ks + jj * (dh + 1);
 #pragma unroll
             for (int i = 0; i < ATTN_PER_LANE; i++) {
@@ -405,7 +408,8 @@ extern "C" di_status di_cuda_attn_codes(di_cuda *cu, const float *q, const uint8
                           max_keys, dh, smem, st_smem, cu->smem_optin);
     if (st != DI_OK) return st;
     attn_codes_kernel<<<(unsigned)((int64_t)n_tok * n_grp), AC_THREADS, smem, di_stream(cu)>>>(
-        q, win, ent, key_idx, key_stride, n_win, n_keys, mk, sink, H, dh, scale, round_p, o);
+        q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys, mk, sink, H, dh, scale, round_p,
+        o, cu->flags_dev);
     DI_CUDA_LAUNCHED("attn_codes_kernel");
     return DI_OK;
 }

@@ -81,7 +81,9 @@ di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *pool, const
 // dh / 16) (id = key_idx[t * key_stride + j], negative: masked), decoded exactly in registers and
 // shared memory; a block per (row, group of 16 heads) reads each listed key once for its heads
 // (attn.cu "attention over V4.1's stored codes"). FP32 scores and sums; round_p: each normalised
-// p rounded to BF16 before p.v. dh a multiple of 32 up to DI_CUDA_ATTN_MAX_DH. DI_ERR_CUDA,
+// p rounded to BF16 before p.v. dh a multiple of 32 up to DI_CUDA_ATTN_MAX_DH. An n_keys[t] past
+// max_keys is clamped and reported at the next sync as di_cuda_attn's (DI_CUDA_FLAG_ATTN_KEYS),
+// n_win[t] clamped to the row's keys. DI_ERR_CUDA,
 // DI_ERR_INVALID (shape, or max_keys needing more shared memory than the device has: 16 heads'
 // scores of max_keys floats beside 16 q rows and 16 decoded keys).
 di_status di_cuda_attn_codes(di_cuda *cu, const float *q, const uint8_t *win, const uint8_t *ent,
