@@ -24,6 +24,15 @@
 // of a decode step run as a graph.
 enum { HEAD_CHUNK = 64 };
 
+// Rollback (di_dsv41_dev_rollback, dsv41_dev.h "Rollback"): a slot's window ring of every layer
+// holds ring_rows = W + DI_DSV41_ROLLBACK_MAX rows (position p in row p mod ring_rows) and a
+// ratio-2 source's C and Z rings CZ_ROWS rows (p mod CZ_ROWS), so the rows of rejected positions
+// never overwrite rows a kept position still reads.
+enum { CZ_ROWS = DI_DSV41_ROLLBACK_MAX + 2 };
+static int64_t ring_rows(const di_hparams *hp) {
+    return (int64_t)hp->window + DI_DSV41_ROLLBACK_MAX;
+}
+
 // ---- weights ----
 
 typedef struct dev_hc {
@@ -246,7 +255,7 @@ typedef struct dev_src {
     int32_t il, m, per_page; // layer, ratio, entries per block
     int64_t ent_row0;        // its first entry row in the pool
     float *ikeys;            // backend [n_blocks * per_page, DI]
-    float *ring_c, *ring_z;  // backend [n_slots * 2, Dh] (m = 2, the owner only), else NULL
+    float *ring_c, *ring_z;  // backend [n_slots * CZ_ROWS, Dh] (m = 2, the owner), else NULL
     int32_t cap_vis;         // the most entries a slot can have: n_ctx / m
     // The hand-over of a handed or mirrored source (NULL: neither): a call's n_pool finalised
     // rows, [n_pool, Dh] entries then [n_pool, DI] index keys (backend [max_rows * (Dh + DI)]).
@@ -267,11 +276,12 @@ struct stage_state {
     dev_stage *d; // borrowed
     int32_t n_slots, n_ctx, max_rows, block_tokens, max_blocks, n_eblocks;
     bool shared;        // blocks listed per call
-    int64_t layer_rows; // rows of one layer's pool region: max_rows + n_slots * W
+    int64_t layer_rows; // rows of one layer's pool region: max_rows + n_slots * ring_rows
     int32_t key_stride; // W + index_topk
     int32_t score_stride;
     dev_src *src;       // owned [n_layer]: by layer (only kv sources used)
     int32_t *n_past;    // owned [n_slots] host
+    int32_t *rb_lo;     // owned [n_slots] host: the lowest position a rollback returns to
     int32_t *hist;      // owned [n_slots, n_ctx] host: compressed ids (Engram look-back); NULL
                         // on a stage without Engram layers
     uint8_t *used;      // owned [n_slots] scratch of the checks
@@ -355,6 +365,7 @@ static void part_destroy(stage_state *s) {
     di_free(s->graphs);
     di_free(s->src);
     di_free(s->n_past);
+    di_free(s->rb_lo);
     di_free(s->hist);
     di_free(s->used);
     di_free(s->blk_owner);
@@ -393,7 +404,7 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
         if (hp->compress_ratio[il] > 0 && block_tokens % hp->compress_ratio[il] != 0) ok = false;
     const int32_t max_blocks = ok ? (n_ctx + block_tokens - 1) / block_tokens : 0;
     const int64_t n_eb = n_blocks > 0 ? n_blocks : (int64_t)n_slots * max_blocks;
-    const int64_t layer_rows = (int64_t)max_rows + (int64_t)n_slots * W;
+    const int64_t layer_rows = (int64_t)max_rows + (int64_t)n_slots * ring_rows(hp);
     int64_t pool_rows = (int64_t)(d->l1 - d->l0) * layer_rows;
     for (int il = 0; ok && il < hp->n_layer; il++) // its own kv sources and its mirrors
         if (keeps(d, il)) pool_rows += n_eb * (block_tokens / hp->compress_ratio[il]);
@@ -418,12 +429,13 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     di_status st = DI_OK;
     s->src = di_calloc((size_t)hp->n_layer, sizeof *s->src);
     s->n_past = di_calloc((size_t)n_slots, sizeof *s->n_past);
+    s->rb_lo = di_calloc((size_t)n_slots, sizeof *s->rb_lo);
     if (d->n_eg > 0) s->hist = di_calloc((size_t)n_slots * (size_t)n_ctx, sizeof *s->hist);
     s->used = di_calloc((size_t)n_slots, 1);
     s->blk_owner = di_calloc((size_t)n_eb, sizeof *s->blk_owner);
     s->graphs = di_calloc(HEAD_CHUNK + 1, sizeof *s->graphs);
-    if (!s->src || !s->n_past || (d->n_eg > 0 && !s->hist) || !s->used || !s->blk_owner ||
-        !s->graphs) {
+    if (!s->src || !s->n_past || !s->rb_lo || (d->n_eg > 0 && !s->hist) || !s->used ||
+        !s->blk_owner || !s->graphs) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -449,8 +461,8 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
         DI_TRY(
             d->b->vt->memset(d->b, k->ikeys, 0, sizeof(float) * (size_t)(n_eb * k->per_page * DI)));
         if (k->m == 2 && here(d, il)) { // a mirror holds no rings: the owner compresses
-            DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_c));
-            DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_z));
+            DI_TRY(st_floats(s, (int64_t)n_slots * CZ_ROWS * Dh, &k->ring_c));
+            DI_TRY(st_floats(s, (int64_t)n_slots * CZ_ROWS * Dh, &k->ring_z));
         }
         if (d->layers[il].mirror || d->layers[il].handed)
             DI_TRY(st_floats(s, R * (Dh + DI), &k->xfer));
@@ -533,13 +545,13 @@ di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_
     const di_hparams *hp = &d->m->hp; // every stage's layers: the sums over the stages
     const int64_t Dh = hp->head_dim, DI = hp->index_head_dim;
     bool ok = block_tokens >= 1;
-    int64_t blk = 0, slot = (int64_t)hp->n_layer * hp->window * Dh;
+    int64_t blk = 0, slot = (int64_t)hp->n_layer * ring_rows(hp) * Dh;
     for (int il = 0; ok && il < hp->n_layer; il++) {
         const int32_t m = hp->compress_ratio[il];
         if (m > 0 && block_tokens % m != 0) ok = false;
         if (!ok || !hp->kv_source[il]) continue;
         blk += (int64_t)(block_tokens / m) * (Dh + DI);
-        if (m == 2) slot += 2 * 2 * Dh; // C and Z rings of 2 rows
+        if (m == 2) slot += 2 * CZ_ROWS * Dh; // C and Z rings
     }
     if (!ok) {
         DI_LOG_ERROR("dev forward (V4.1): blocks of %d positions (a multiple of every ratio)",
@@ -628,16 +640,41 @@ static bool tail_pos_ok(const di_hparams *hp, int32_t pos) {
 // The slot's window ring of layer il in the pool.
 static float *ring_of(const stage_state *s, int il, int32_t slot) {
     const di_hparams *hp = &s->d->m->hp;
-    return s->pool +
-           ((int64_t)(il - s->d->l0) * s->layer_rows + s->max_rows + (int64_t)slot * hp->window) *
-               hp->head_dim;
+    return s->pool + ((int64_t)(il - s->d->l0) * s->layer_rows + s->max_rows +
+                      (int64_t)slot * ring_rows(hp)) *
+                         hp->head_dim;
+}
+
+// The window rows of positions [pos - W, pos) of slot `slot`'s ring of layer il (row p mod
+// ring_rows) to or from a snapshot's W rows of that layer (row p mod W): downloaded into dst, or
+// uploaded from src, in runs of rows consecutive on both sides. Saving, the rows of positions
+// below 0 are zero rows (no position has them; a restore skips them).
+static di_status tail_rows(stage_state *s, int il, int32_t slot, int32_t pos, uint8_t *dst,
+                           const uint8_t *src) {
+    const di_hparams *hp = &s->d->m->hp;
+    di_backend *b = s->d->b;
+    const int64_t W = hp->window, RW = ring_rows(hp);
+    const size_t row = sizeof(float) * (size_t)hp->head_dim;
+    const float *ring = ring_of(s, il, slot);
+    int64_t p = pos - W > 0 ? pos - W : 0;
+    if (dst && pos < W) memset(dst + (size_t)pos * row, 0, (size_t)(W - pos) * row);
+    while (p < pos) {
+        int64_t n = 1;
+        while (p + n < pos && (p + n) % RW != 0 && (p + n) % W != 0) n++;
+        uint8_t *dr = dst ? dst + (size_t)(p % W) * row : NULL;
+        float *rr = (float *)ring + (p % RW) * hp->head_dim;
+        di_status st = dst ? b->vt->download(b, dr, rr, (size_t)n * row)
+                           : b->vt->upload(b, rr, src + (size_t)(p % W) * row, (size_t)n * row);
+        if (st != DI_OK) return st;
+        p += n;
+    }
+    return DI_OK;
 }
 
 // Stage s's rings of slot `slot`'s snapshot (the header written too: the same on every stage)
 // into dst (di_dsv41_dev_tail_bytes: every stage writes its layers' rings at their offsets).
 static di_status part_tail_save(stage_state *s, int32_t slot, void *dst) {
     const di_hparams *hp = &s->d->m->hp;
-    di_backend *b = s->d->b;
     if (slot < 0 || slot >= s->n_slots || s->n_past[slot] < 0 ||
         !tail_pos_ok(hp, s->n_past[slot])) {
         DI_LOG_ERROR("dev forward (V4.1): no tail snapshot of slot %d (at %d: a multiple of every "
@@ -650,7 +687,7 @@ static di_status part_tail_save(stage_state *s, int32_t slot, void *dst) {
     const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
     uint8_t *out = (uint8_t *)dst + sizeof head + (size_t)s->d->l0 * ring;
     for (int il = s->d->l0; il < s->d->l1; il++, out += ring) {
-        di_status st = b->vt->download(b, out, ring_of(s, il, slot), ring);
+        di_status st = tail_rows(s, il, slot, s->n_past[slot], out, NULL);
         if (st != DI_OK) return st;
     }
     return DI_OK;
@@ -672,7 +709,6 @@ static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, co
                                    const int32_t *tokens) {
     const dev_stage *d = s->d;
     const di_hparams *hp = &d->m->hp;
-    di_backend *b = d->b;
     int32_t head[4];
     memcpy(head, src, sizeof head);
     const bool ok = slot >= 0 && slot < s->n_slots && pos >= 0 && pos <= s->n_ctx &&
@@ -695,12 +731,13 @@ static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, co
     const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
     const uint8_t *in = (const uint8_t *)src + sizeof head + (size_t)d->l0 * ring;
     for (int il = d->l0; il < d->l1; il++, in += ring) {
-        di_status st = b->vt->upload(b, ring_of(s, il, slot), in, ring);
+        di_status st = tail_rows(s, il, slot, pos, NULL, in);
         if (st != DI_OK) return st;
     }
     for (int32_t p = 0; p < pos && d->n_eg > 0; p++)
         s->hist[(int64_t)slot * s->n_ctx + p] = d->m->v41->cmap[tokens[p]];
     s->n_past[slot] = pos;
+    s->rb_lo[slot] = pos; // the ring rows before the snapshot's window are not restored
     return DI_OK;
 }
 
@@ -732,7 +769,7 @@ typedef struct call {
 static void stage_layout(call *c) {
     const stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
-    const int64_t T = c->T, W = hp->window;
+    const int64_t T = c->T, RW = ring_rows(hp);
     size_t o = 0;
 #define TAKE(field, n)                                                                             \
     do {                                                                                           \
@@ -748,7 +785,7 @@ static void stage_layout(call *c) {
     TAKE(keys, T * s->key_stride);
     c->n_wd = 0;
     for (int32_t i = 0; i < c->n_seq; i++)
-        c->n_wd += c->seqs[i].n_tok < W ? c->seqs[i].n_tok : (int32_t)W;
+        c->n_wd += c->seqs[i].n_tok < RW ? c->seqs[i].n_tok : (int32_t)RW;
     TAKE(win_dst, c->n_wd);
     TAKE(win_src, c->n_wd);
     TAKE(pages, (int64_t)c->n_seq * s->max_blocks);
@@ -762,7 +799,7 @@ static void stage_layout(call *c) {
         k->n_rd = 0;
         for (int32_t i = 0; i < c->n_seq; i++) {
             k->n_pool += (c->seqs[i].n_tok + mm - 1) / mm;
-            k->n_rd += c->seqs[i].n_tok < 2 ? c->seqs[i].n_tok : 2;
+            k->n_rd += c->seqs[i].n_tok < CZ_ROWS ? c->seqs[i].n_tok : CZ_ROWS;
         }
         TAKE(sm[il].n_vis, T);
         TAKE(sm[il].epos, k->n_pool);
@@ -796,12 +833,12 @@ static void stage_fill(call *c, const int32_t *tokens) {
     stage_state *s = c->s;
     const di_model *m = s->d->m;
     const di_hparams *hp = &m->hp;
-    const int64_t W = hp->window, bt = s->block_tokens;
+    const int64_t W = hp->window, RW = ring_rows(hp), bt = s->block_tokens;
     int32_t *g = s->stage;
     int32_t r = 0, wd = 0;
     for (int32_t i = 0; i < c->n_seq; i++) {
         const di_dsv41_dev_seq *sq = &c->seqs[i];
-        const int64_t p0 = sq->pos, ring0 = (int64_t)s->max_rows + (int64_t)sq->slot * W;
+        const int64_t p0 = sq->pos, ring0 = (int64_t)s->max_rows + (int64_t)sq->slot * RW;
         const int32_t r0 = r;
         for (int64_t j = 0; j < s->max_blocks; j++)
             g[c->pages + (int64_t)i * s->max_blocks + j] =
@@ -818,10 +855,10 @@ static void stage_fill(call *c, const int32_t *tokens) {
             g[c->page_off + r] = i * s->max_blocks;
             int32_t *kl = g + c->keys + (int64_t)r * s->key_stride;
             for (int64_t q = w_lo; q <= P; q++)
-                kl[q - w_lo] = q < p0 ? (int32_t)(ring0 + q % W) : (int32_t)(r0 + q - p0);
+                kl[q - w_lo] = q < p0 ? (int32_t)(ring0 + q % RW) : (int32_t)(r0 + q - p0);
         }
-        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++, wd++) {
-            g[c->win_dst + wd] = (int32_t)(ring0 + (p0 + t) % W);
+        for (int32_t t = sq->n_tok > RW ? sq->n_tok - (int32_t)RW : 0; t < sq->n_tok; t++, wd++) {
+            g[c->win_dst + wd] = (int32_t)(ring0 + (p0 + t) % RW);
             g[c->win_src + wd] = r0 + t;
         }
         // Engram: the slot's compressed ids (a replay's start: of its prefix too; kept on every
@@ -894,8 +931,9 @@ static void stage_fill(call *c, const int32_t *tokens) {
                                             (int32_t)(w % k->per_page);
                 if (mm == 2 && own) {
                     const int64_t q = P - 1; // the group's even position
-                    g[km->esrc + 2 * n] =
-                        q >= p0 ? (int32_t)(r0 + q - p0) : -(sq->slot * 2 + (int32_t)(q % 2)) - 1;
+                    g[km->esrc + 2 * n] = q >= p0
+                                              ? (int32_t)(r0 + q - p0)
+                                              : -(sq->slot * CZ_ROWS + (int32_t)(q % CZ_ROWS)) - 1;
                     g[km->esrc + 2 * n + 1] = r;
                 }
                 n++, n_i++;
@@ -906,9 +944,9 @@ static void stage_fill(call *c, const int32_t *tokens) {
                 if (mm == 2 && own)
                     g[km->esrc + 2 * n] = g[km->esrc + 2 * n + 1] = DI_BACKEND_NO_ROW;
             }
-            for (int32_t t = sq->n_tok > 2 ? sq->n_tok - 2 : 0; t < sq->n_tok && mm == 2 && own;
-                 t++, rd++) {
-                g[km->rdst + rd] = sq->slot * 2 + (int32_t)((p0 + t) % 2);
+            for (int32_t t = sq->n_tok > CZ_ROWS ? sq->n_tok - CZ_ROWS : 0;
+                 t < sq->n_tok && mm == 2 && own; t++, rd++) {
+                g[km->rdst + rd] = sq->slot * CZ_ROWS + (int32_t)((p0 + t) % CZ_ROWS);
                 g[km->rsrc + rd] = r0 + t;
             }
         }
@@ -1114,7 +1152,7 @@ static di_status attention(const call *c, int il, const float *a, float *out, bo
     }
     ROUND(s->u, T * G * Ro);
     DI_TRY(linear(c, &lw->wo_b, s->u, T, G * Ro, out, D, true));
-    // Each sequence's last min(n_tok, W) window rows into its ring, after every read of it.
+    // Each sequence's last min(n_tok, ring_rows) window rows into its ring, after every read.
     OP(scatter_rows, pool, c->n_wd, Dh, Dh, pool, Dh, D32(c->win_dst), D32(c->win_src));
     return DI_OK;
 fail:
@@ -1362,16 +1400,14 @@ static di_status zero_rings(const call *c) {
     stage_state *s = c->s;
     di_backend *b = s->d->b;
     const di_hparams *hp = &s->d->m->hp;
-    const int64_t W = hp->window, Dh = hp->head_dim;
+    const int64_t RW = ring_rows(hp), Dh = hp->head_dim;
     di_status st = DI_OK;
     for (int32_t i = 0; i < c->n_seq; i++) {
         const di_dsv41_dev_seq *sq = &c->seqs[i];
         if (sq->win_lo <= 0 || sq->pos != sq->win_lo) continue;
         for (int il = s->d->l0; il < s->d->l1; il++) {
-            float *ring = s->pool + ((int64_t)(il - s->d->l0) * s->layer_rows + s->max_rows +
-                                     (int64_t)sq->slot * W) *
-                                        Dh;
-            DI_TRY(b->vt->memset(b, ring, 0, sizeof(float) * (size_t)(W * Dh)));
+            float *ring = ring_of(s, il, sq->slot);
+            DI_TRY(b->vt->memset(b, ring, 0, sizeof(float) * (size_t)(RW * Dh)));
         }
     }
     return DI_OK;
@@ -1539,7 +1575,11 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
     // The end of the stage's step: every op done (and its faults surfaced) before the slots
     // advance.
     DI_TRY(b->vt->sync(b));
-    for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv41_dev_seq *sq = &seqs[i];
+        if (sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo)) s->rb_lo[sq->slot] = sq->pos;
+        s->n_past[sq->slot] = sq->pos + sq->n_tok;
+    }
     return DI_OK;
 fail:
     return st;
@@ -1865,6 +1905,38 @@ di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t
             return st;
         }
     }
+    return DI_OK;
+}
+
+// Why a rollback of n positions is exact (the state after it is the state of a run that never fed
+// them, for every later call): every read of the state is a function of the slot's position
+// (n_past) and of rows written for positions below it. (1) Window rows: a query at P reads
+// positions [P - W + 1, P], those before the call from ring row p mod ring_rows; a call writes
+// the last min(n_tok, ring_rows) of its rows, so after the rejected positions [q, q + n) were
+// written the rows of positions >= q + n - ring_rows >= q - W (n <= DI_DSV41_ROLLBACK_MAX) are
+// still their own, and a kept query (P >= q) reads no older one; rows at or beyond q are
+// rewritten by the calls that feed those positions again before any query reads them. (2)
+// Entries and index keys: a query sees the first (P + 1) / m entries of a source (n_vis, from
+// its position), so entries of groups closed by rejected positions are invisible until their
+// group closes again and its finalise overwrites them at the same destination (cached entries,
+// edst -1, were never written). (3) A ratio-2 group left open at q (q odd) pools the C and Z of
+// position q - 1 from ring row (q - 1) mod CZ_ROWS: written when q - 1 was fed (a call writes the
+// last min(n_tok, CZ_ROWS) rows, and q - 1 is within CZ_ROWS of every later call's end up to
+// q + n - 1) and overwritten only by position q - 1 + CZ_ROWS > q + n - 1. (4) The Engram
+// history of positions >= q is rewritten from the tokens of the calls that feed them. (5) The
+// call's lists are a function of the positions only. Before rb_lo (a tail restore, a replay's
+// start) the rings hold less than a rollback reads: refused.
+di_status di_dsv41_dev_rollback(di_dsv41_dev_state *s, int32_t slot, int32_t n) {
+    const stage_state *s0 = s->ss[0];
+    if (slot < 0 || slot >= s0->n_slots || s0->n_past[slot] < 0 || n < 0 ||
+        n > DI_DSV41_ROLLBACK_MAX || s0->n_past[slot] - n < s0->rb_lo[slot]) {
+        DI_LOG_ERROR("dev forward (V4.1): cannot take back %d positions of slot %d (at %d, back "
+                     "to %d at the lowest, at most %d)",
+                     n, slot, slot >= 0 && slot < s0->n_slots ? s0->n_past[slot] : -1,
+                     slot >= 0 && slot < s0->n_slots ? s0->rb_lo[slot] : -1, DI_DSV41_ROLLBACK_MAX);
+        return DI_ERR_INVALID;
+    }
+    for (int32_t k = 0; k < s->n_stages; k++) s->ss[k]->n_past[slot] -= n;
     return DI_OK;
 }
 

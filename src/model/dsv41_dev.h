@@ -21,7 +21,10 @@
  * calls below; decode graphs prepared at create, di_dsv41_dev_prepare_decode). Prefix reuse (the
  * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
  * block I/O and tail snapshots run. Not run here: DSpark (its heads and blocks: an engine with
- * spec_tokens > 0 keeps the CPU V4.1 forward), context parallelism, rollback.
+ * spec_tokens > 0 keeps the CPU V4.1 forward), context parallelism. Rollback of the last
+ * DI_DSV41_ROLLBACK_MAX positions runs (di_dsv41_dev_rollback: the window rings hold W +
+ * DI_DSV41_ROLLBACK_MAX rows, position p in row p mod that, and a ratio-2 source's C and Z rings
+ * DI_DSV41_ROLLBACK_MAX + 2 rows, so rejected rows never overwrite rows a kept position reads).
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows. Engram
@@ -43,16 +46,17 @@
  * index source only its window. Then the window rows go into the slot's ring.
  *
  * State layout (backend memory). One pool of head_dim-float rows: per layer [max_rows rows of this
- * call | slot 0's W window ring rows | slot 1's | ...], then per kv source of ratio m its entry
- * blocks (block b holds E = block_tokens / m entries, entry w of a sequence is entry w % E of
- * block blocks[w / E]); per kv source its index keys [n_blocks * E, index_head_dim], and for m = 2
- * a ring of 2 rows per slot of C and of Z (row = pos mod 2). Attention of layer il reads the pool
- * from layer il's region, so its key lists hold the same window rows in every layer and the
- * entries at an offset per layer (a per-call array). Entry blocks are the caller's block ids
- * (shared blocks: the serving engine's kv_manager blocks; n_blocks 0: private, slot s's i-th
- * being s * max_blocks + i). Each call uploads one staging block (tokens, positions, key lists,
- * page lists, compressor sources and destinations, Engram row ids), laid out as a function of the
- * call's shape only (rows and sequences), and every op reads its lists from there.
+ * call | slot 0's W + DI_DSV41_ROLLBACK_MAX window ring rows | slot 1's | ...], then per kv source
+ * of ratio m its entry blocks (block b holds E = block_tokens / m entries, entry w of a sequence is
+ * entry w % E of block blocks[w / E]); per kv source its index keys [n_blocks * E, index_head_dim],
+ * and for m = 2 a ring of DI_DSV41_ROLLBACK_MAX + 2 rows per slot of C and of Z (row = pos mod
+ * that). Attention of layer il reads the pool from layer il's region, so its key lists hold the
+ * same window rows in every layer and the entries at an offset per layer (a per-call array). Entry
+ * blocks are the caller's block ids (shared blocks: the serving engine's kv_manager blocks;
+ * n_blocks 0: private, slot s's i-th being s * max_blocks + i). Each call uploads one staging block
+ * (tokens, positions, key lists, page lists, compressor sources and destinations, Engram row ids),
+ * laid out as a function of the call's shape only (rows and sequences), and every op reads its
+ * lists from there.
  *
  * Graphs: a decode step (every sequence feeds one token and takes its logits, at most 64
  * sequences) runs as a backend graph keyed by its number of sequences: the first step of a size
@@ -173,10 +177,10 @@ void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s); // NULL: no-op
 
 // Backend bytes of one entry block (per kv source in layer order: its E = block_tokens / m entry
 // rows of head_dim floats, then its E index keys of index_head_dim floats) and of one slot's tail
-// (the window rings of every layer, the ratio-2 sources' C and Z rings) for blocks of
-// block_tokens positions: what a serving engine would size its blocks from. The call rows and
-// scratch (max_rows) are not included. DI_ERR_INVALID (block_tokens not a positive multiple of
-// every ratio).
+// (the window rings of every layer, the ratio-2 sources' C and Z rings, rollback's spare rows
+// included) for blocks of block_tokens positions: what a serving engine would size its blocks
+// from. The call rows and scratch (max_rows) are not included. DI_ERR_INVALID (block_tokens not a
+// positive multiple of every ratio).
 di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
                              int64_t *slot_bytes);
 // Backend bytes one entry block takes over all stages (mem_bytes) and on each (stage_bytes[k],
@@ -204,7 +208,8 @@ di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, c
 // compress ratio (no ratio-2 group open) a slot's future reads only its entry blocks, its window
 // rings and its Engram history (a function of the tokens). di_dsv41_dev_tail_bytes: a 16-byte
 // header (position, layers, window, head_dim) then every layer's W window ring rows of head_dim
-// floats, in ring order (row = position mod W).
+// floats (positions pos - W .. pos - 1; zero rows for those below 0), in ring order (row =
+// position mod W; the state's rings are longer, di_dsv41_dev_rollback).
 size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d);
 // Copies slot `slot`'s tail at its current position into dst and syncs. DI_ERR_INVALID (slot out
 // of range or failed, a position that is no multiple of every ratio; logged), DI_ERR_CUDA.
@@ -249,6 +254,14 @@ typedef struct di_dsv41_dev_seq {
 di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
                                const int32_t *tokens, const int32_t *logit_rows,
                                int32_t n_logit_rows, float *logits);
+
+// Takes back the last n positions slot `slot` consumed (rejected speculative tokens,
+// deepseek-v41.md §5.3; di_dsv41_rollback's device twin): afterwards the slot is exactly the state
+// of a run that never fed them (the argument is at the function, dsv41_dev.c), its next call
+// passing the new position. Host only (no backend work). DI_ERR_INVALID (logged; nothing changes)
+// for a slot out of range or failed, n < 0, n > DI_DSV41_ROLLBACK_MAX, or a position below the
+// slot's last start (pos 0, a replay's win_lo, a tail restore's pos: the rings hold nothing older).
+di_status di_dsv41_dev_rollback(di_dsv41_dev_state *s, int32_t slot, int32_t n);
 
 // Tokens slot `slot` has consumed (-1 after a failed call: restart it at pos 0).
 int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);

@@ -21,6 +21,10 @@
 //       start and continues bit-identically to the cold prefill; so does one on copies of those
 //       blocks made through the entry block I/O (read / write round-trips exactly);
 //   (i) tail snapshots: a slot's tail restored into another slot continues bit-identically;
+//   (n) rollback: ragged verify-shaped calls of another token stream, up to
+//       DI_DSV41_ROLLBACK_MAX rows taken back per slot (di_dsv41_dev_rollback against the
+//       sessions' di_dsv41_rollback), fed on: every logit bit-identical; decode steps too; bad
+//       rollbacks and one below a tail restore refused;
 //   (j) the Engram tables stay in host memory: the dev uploads no weight inside a table (the
 //       backend's weight_upload watched), and its calls' results above come from the rows
 //       gathered into each call's staging;
@@ -588,6 +592,93 @@ static void official_prepare(void) {
     prepare_case(DI_PRECISION_OFFICIAL);
 }
 
+// (n) rollback (di_dsv41_dev_rollback): verify-shaped calls of speculative tokens (another token
+// stream than the one fed after, so a trace of a rejected row would show) on 3 slots in ragged
+// batches, then n of each slot's rows taken back (up to DI_DSV41_ROLLBACK_MAX: odd and even
+// positions, whole calls, the window wrapped and a ratio-2 group left open) on the dev states
+// (graphs on and off, and the 1-stage forward with stages) and on the sessions
+// (di_dsv41_rollback), fed on: every logit row bit-identical (h_call); decode steps (graphs)
+// rolled back too; bad rollbacks refused without a change, and one below a tail restore.
+static void h_rollback(harness *h, int s, int n) {
+    CHECK_EQ(di_dsv41_dev_rollback(h->st, s, n), DI_OK);
+    if (h->st2) CHECK_EQ(di_dsv41_dev_rollback(h->st2, s, n), DI_OK);
+    if (h->st1) CHECK_EQ(di_dsv41_dev_rollback(h->st1, s, n), DI_OK);
+    CHECK_EQ(di_dsv41_rollback(h->ses[s], n), DI_OK);
+    CHECK_EQ(di_dsv41_dev_n_past(h->st, s), h->ses[s]->pos);
+}
+
+static void rollback_case(di_precision prec) {
+    harness h;
+    h_init(&h, prec, true);
+    const int all[N_SLOTS] = {0, 1, 2};
+    const int pre[N_SLOTS] = {9, 20, 17};
+    h_call(&h, N_SLOTS, all, pre, NULL);
+#ifdef DI_ASAN
+    enum { ROUNDS = 3 };
+#else
+    enum { ROUNDS = 8 };
+#endif
+    // Per round: each slot's speculative rows, then how many of them go back.
+    const int spec[8][N_SLOTS] = {{6, 3, 17}, {2, 6, 6},  {16, 1, 5}, {6, 6, 6},
+                                  {3, 17, 2}, {6, 2, 16}, {1, 6, 4},  {5, 5, 5}};
+    const int back[8][N_SLOTS] = {{5, 2, 16}, {1, 6, 3},  {16, 1, 4}, {3, 4, 6},
+                                  {2, 16, 1}, {6, 1, 15}, {0, 5, 3},  {4, 2, 1}};
+    const int kept[N_SLOTS] = {1, 2, 3};
+    for (int k = 0; k < ROUNDS; k++) {
+        for (int i = 0; i < N_SLOTS; i++) h.gen[i] += 1000; // the speculative token stream
+        h_call(&h, N_SLOTS, all, spec[k], NULL);
+        for (int i = 0; i < N_SLOTS; i++) {
+            h.gen[i] -= 1000;
+            h_rollback(&h, i, back[k][i]);
+        }
+        h_call(&h, N_SLOTS, all, kept, NULL);
+    }
+    // Decode steps (graph shape) rolled back one at a time.
+    const int ones[N_SLOTS] = {1, 1, 1};
+    for (int k = 0; k < 6; k++) {
+        for (int i = 0; i < N_SLOTS; i++) h.gen[i] += 1000;
+        h_call(&h, N_SLOTS, all, ones, NULL);
+        for (int i = 0; i < N_SLOTS; i++) {
+            h.gen[i] -= 1000;
+            if (k % 2 == 0 || i == 1) h_rollback(&h, i, 1);
+        }
+        h_call(&h, N_SLOTS, all, ones, NULL);
+    }
+    // Bad rollbacks: nothing changes.
+    const int32_t p0 = di_dsv41_dev_n_past(h.st, 0);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 0, DI_DSV41_ROLLBACK_MAX + 1), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 0, -1), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, N_SLOTS, 1), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, 0), p0);
+    // After a restart at 0 a slot cannot go below 0; after a tail restore not below its position.
+    const bool rs[N_SLOTS] = {false, false, true};
+    const int two[N_SLOTS] = {1, 1, 2};
+    h_call(&h, N_SLOTS, all, two, rs);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 2, 3), DI_ERR_INVALID);
+    const int fill = BT - 2;
+    const int s2 = 2;
+    h_call(&h, 1, &s2, &fill, NULL);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, 2), BT);
+    uint8_t *tail = malloc(di_dsv41_dev_tail_bytes(h.d));
+    int32_t tok[BT];
+    for (int p = 0; p < BT; p++) tok[p] = token_of(2, h.gen[2], p);
+    CHECK_EQ(di_dsv41_dev_tail_save(h.st, 2, tail), DI_OK);
+    CHECK_EQ(di_dsv41_dev_tail_restore(h.st, 2, BT, tail, tok), DI_OK);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 2, 1), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 2, 0), DI_OK);
+    free(tail);
+    CHECK(h.n_rows > 0);
+    CHECK_EQ(h.n_bad, 0);
+    h_free(&h);
+}
+
+static void fp32_rollback(void) {
+    rollback_case(DI_PRECISION_FP32);
+}
+static void official_rollback(void) {
+    rollback_case(DI_PRECISION_OFFICIAL);
+}
+
 static void fp32_tail(void) {
     tail_case(DI_PRECISION_FP32);
 }
@@ -1076,6 +1167,8 @@ int main(int argc, char **argv) {
             RUN(official_prefix);
             RUN(fp32_tail);
             RUN(official_tail);
+            RUN(fp32_rollback);
+            RUN(official_rollback);
             RUN(fp32_prepare);
             RUN(official_prepare);
             RUN(fp32_wiring);
@@ -1095,6 +1188,8 @@ int main(int argc, char **argv) {
     RUN(official_prefix);
     RUN(fp32_tail);
     RUN(official_tail);
+    RUN(fp32_rollback);
+    RUN(official_rollback);
     RUN(fp32_prepare);
     RUN(official_prepare);
     RUN(fp32_wiring);
