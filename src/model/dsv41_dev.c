@@ -6,7 +6,10 @@
 // to "the forward over its stages" is one pipeline stage (dev_stage, stage_state: its layers
 // [l0, l1)); that last section is the public API, dispatching over the stages (dsv41_dev.h
 // "Pipeline stages"). Sections: weights, state, per-call metadata, the layer, checks, the call,
-// the forward over its stages.
+// the forward over its stages (with rollback and DSpark's enable and draft calls). Over 2,000
+// lines: the DSpark blocks, taps and context rows are ops of the same call records (call,
+// stage_state, the staging lists and their OP / ROUND macros) as the layers', and a split would
+// have to export those internals.
 #include "model/dsv41_dev.h"
 
 #include <math.h>
@@ -19,6 +22,7 @@
 #include "base/status.h"      // DI_TRY
 #include "model/dev_common.h" // weight uploads, MoE weights, logit rows
 #include "model/dsv41.h"
+#include "backend/cpu/ref_ops.h" // di_ref_dot, di_sigmoid: the DSpark heads' host part, as dsv41.c
 
 // Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the most sequences
 // of a decode step run as a graph.
@@ -83,6 +87,14 @@ typedef struct dev_stage {
     const di_tensor *eg_tables[DI_MAX_ENGRAM];
     di_dev_up up;  // the backend blocks it uploaded (freed at destroy)
     bool official; // the official precision recipe (R-OFF)
+    // DSpark (dsv41_dev.h "DSpark"; the last stage, when the model loaded its blocks): the blocks
+    // (layers without compressor, indexer or Engram), main_proj / main_norm, the final norm and the
+    // Markov head's projection; the Markov embedding and the confidence head stay on the host.
+    int32_t n_ds;
+    dev_layer *ds; // owned [n_ds]
+    di_tensor ds_main_proj, ds_markov_head;
+    float *ds_main_norm, *ds_norm; // backend [D]
+    bool taps_here;                // a DSpark target layer is on this stage or an earlier one
 } dev_stage;
 
 // The forward over its stages (dsv41_dev.h "Pipeline stages").
@@ -196,13 +208,16 @@ static di_status stage_create(di_model *m, di_backend *b, int32_t l0, int32_t l1
     int32_t max_e = 1;
     for (int il = l0; il < l1; il++)
         if (m->layers[il].n_expert > max_e) max_e = m->layers[il].n_expert;
+    for (int i = 0; last && i < m->n_mtp_loaded; i++)
+        if (m->mtp[i].block.n_expert > max_e) max_e = m->mtp[i].block.n_expert;
     tmp = di_calloc((size_t)max_e, sizeof *tmp);
     if (!d->layers || !tmp) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
     const int half = hp->rope_main.n_dims / 2;
-    if (first) DI_TRY(up_weight(d, &m->embed, &d->embed));
+    // The embedding: the first stage's, and the last one's when it drafts (DSpark's block rows).
+    if (first || (last && m->n_mtp_loaded > 0)) DI_TRY(up_weight(d, &m->embed, &d->embed));
     if (last) {
         DI_TRY(up_weight(d, &m->head, &d->head));
         DI_TRY(up_floats(d, m->norm, hp->n_embd, &d->norm));
@@ -210,6 +225,20 @@ static di_status stage_create(di_model *m, di_backend *b, int32_t l0, int32_t l1
     DI_TRY(up_floats(d, m->omega_main, half, &d->omega_main));
     DI_TRY(up_floats(d, m->omega_compress, half, &d->omega_compress));
     for (int il = l0; il < l1; il++) DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
+    for (int k = 0; k < hp->n_dspark_target; k++) d->taps_here |= hp->dspark_target[k] < l1;
+    if (last && m->n_mtp_loaded > 0) {
+        d->ds = di_calloc((size_t)m->n_mtp_loaded, sizeof *d->ds);
+        if (!d->ds) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
+        d->n_ds = m->n_mtp_loaded;
+        for (int i = 0; i < d->n_ds; i++) DI_TRY(up_layer(d, &m->mtp[i].block, &d->ds[i], tmp));
+        DI_TRY(up_weight(d, &m->dspark.main_proj, &d->ds_main_proj));
+        DI_TRY(up_weight(d, &m->dspark.markov_head, &d->ds_markov_head));
+        DI_TRY(up_floats(d, m->dspark.main_norm, hp->n_embd, &d->ds_main_norm));
+        DI_TRY(up_floats(d, m->dspark.norm, hp->n_embd, &d->ds_norm));
+    }
     DI_TRY(b->vt->sync(b)); // the host arrays of the uploads may be reused after this
     di_free(tmp);
     *out = d;
@@ -224,6 +253,7 @@ static void stage_destroy(dev_stage *d) {
     if (!d) return;
     di_dev_up_free(&d->up);
     di_free(d->layers);
+    di_free(d->ds);
     di_free(d);
 }
 
@@ -304,6 +334,17 @@ struct stage_state {
     dev_graph *graphs; // owned [HEAD_CHUNK + 1]
     bool graphs_on;
     di_dsv41_dev_graph_stats stats;
+    // DSpark (di_dsv41_dev_dspark_enable; off and NULL before): the taps of the call's rows
+    // [max_rows, n_target, D] (stages with taps_here), an identity row list [max_rows], the
+    // streams' mean weights [max_rows, NC] (1 / NC), and on the last stage the DSpark blocks'
+    // pool (per block a region as a layer's: [max_rows call rows | slot 0's ring_rows | ...]),
+    // the Markov head's scratch ([HEAD_CHUNK, V] Markov logits, [HEAD_CHUNK, R] embeddings, ones)
+    // and host buffers (backend host_alloc) for a draft call's downloads and uploads.
+    bool dspark;
+    float *taps, *inv_nc, *dpool, *mk, *me, *ones;
+    int32_t *iota;
+    float *lg_h, *me_h, *h_h; // host [HEAD_CHUNK, V], [HEAD_CHUNK, R], [max_rows, D]
+    float *ci_h;              // owned [D + R]: the confidence head's input
 };
 
 // A state over the stages: one part per stage and the hand-over's host buffer.
@@ -320,6 +361,8 @@ struct di_dsv41_dev_state {
     size_t xh_bytes; // of xh
     size_t h_src[DI_MAX_LAYERS], h_sel, h_cand, h_ncand;
     di_dsv41_dev_graph_stats stats; // the last call's, summed over the stages
+    float *th; // DSpark with stages: host_alloc of stage 0's backend [max_rows, n_target, D], the
+               // taps handed over (NULL otherwise)
 };
 
 static di_status st_alloc(stage_state *s, size_t bytes, void **out) {
@@ -361,6 +404,10 @@ static void part_destroy(stage_state *s) {
         for (int i = 0; i <= HEAD_CHUNK; i++) b->vt->graph_destroy(b, s->graphs[i].g);
     for (int32_t i = 0; i < s->n_mem; i++) b->vt->free(b, s->blocks[i]);
     if (s->stage) b->vt->host_free(b, s->stage);
+    if (s->lg_h) b->vt->host_free(b, s->lg_h);
+    if (s->me_h) b->vt->host_free(b, s->me_h);
+    if (s->h_h) b->vt->host_free(b, s->h_h);
+    di_free(s->ci_h);
     di_free(s->blocks);
     di_free(s->graphs);
     di_free(s->src);
@@ -625,9 +672,14 @@ static di_status block_io(const stage_state *s, int32_t block, uint8_t *dst, con
     return DI_OK;
 }
 
+// Rings in a snapshot: every layer's, then every DSpark block's of the dev (dsv41_dev.h).
+static int32_t tail_rings(const di_dsv41_dev *d) {
+    return d->m->hp.n_layer + d->m->n_mtp_loaded; // the last stage uploads every DSpark block
+}
+
 size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d) {
     const di_hparams *hp = &d->m->hp;
-    return 16 + sizeof(float) * (size_t)hp->n_layer * (size_t)hp->window * (size_t)hp->head_dim;
+    return 16 + sizeof(float) * (size_t)tail_rings(d) * (size_t)hp->window * (size_t)hp->head_dim;
 }
 
 // Whether pos is a multiple of every compress ratio (no ratio-2 group open).
@@ -649,26 +701,32 @@ static float *ring_of(const stage_state *s, int il, int32_t slot) {
 // ring_rows) to or from a snapshot's W rows of that layer (row p mod W): downloaded into dst, or
 // uploaded from src, in runs of rows consecutive on both sides. Saving, the rows of positions
 // below 0 are zero rows (no position has them; a restore skips them).
-static di_status tail_rows(stage_state *s, int il, int32_t slot, int32_t pos, uint8_t *dst,
+static di_status tail_rows(stage_state *s, float *ring, int32_t pos, uint8_t *dst,
                            const uint8_t *src) {
     const di_hparams *hp = &s->d->m->hp;
     di_backend *b = s->d->b;
     const int64_t W = hp->window, RW = ring_rows(hp);
     const size_t row = sizeof(float) * (size_t)hp->head_dim;
-    const float *ring = ring_of(s, il, slot);
     int64_t p = pos - W > 0 ? pos - W : 0;
     if (dst && pos < W) memset(dst + (size_t)pos * row, 0, (size_t)(W - pos) * row);
     while (p < pos) {
         int64_t n = 1;
         while (p + n < pos && (p + n) % RW != 0 && (p + n) % W != 0) n++;
         uint8_t *dr = dst ? dst + (size_t)(p % W) * row : NULL;
-        float *rr = (float *)ring + (p % RW) * hp->head_dim;
+        float *rr = ring + (p % RW) * hp->head_dim;
         di_status st = dst ? b->vt->download(b, dr, rr, (size_t)n * row)
                            : b->vt->upload(b, rr, src + (size_t)(p % W) * row, (size_t)n * row);
         if (st != DI_OK) return st;
         p += n;
     }
     return DI_OK;
+}
+
+// Slot `slot`'s ring of DSpark block i (last stage, DSpark on).
+static float *ds_ring_of(const stage_state *s, int i, int32_t slot) {
+    const di_hparams *hp = &s->d->m->hp;
+    return s->dpool + ((int64_t)i * s->layer_rows + s->max_rows + (int64_t)slot * ring_rows(hp)) *
+                          hp->head_dim;
 }
 
 // Stage s's rings of slot `slot`'s snapshot (the header written too: the same on every stage)
@@ -682,12 +740,23 @@ static di_status part_tail_save(stage_state *s, int32_t slot, void *dst) {
                      slot, slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1);
         return DI_ERR_INVALID;
     }
-    const int32_t head[4] = {s->n_past[slot], hp->n_layer, hp->window, hp->head_dim};
+    const dev_stage *d = s->d;
+    const int32_t head[4] = {s->n_past[slot], hp->n_layer + d->m->n_mtp_loaded, hp->window,
+                             hp->head_dim};
     memcpy(dst, head, sizeof head);
     const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
     uint8_t *out = (uint8_t *)dst + sizeof head + (size_t)s->d->l0 * ring;
     for (int il = s->d->l0; il < s->d->l1; il++, out += ring) {
-        di_status st = tail_rows(s, il, slot, s->n_past[slot], out, NULL);
+        di_status st = tail_rows(s, ring_of(s, il, slot), s->n_past[slot], out, NULL);
+        if (st != DI_OK) return st;
+    }
+    // The DSpark blocks' rings after the layers' (zero rows in a state without DSpark).
+    for (int i = 0; d->last && i < d->n_ds; i++, out += ring) {
+        if (!s->dspark) {
+            memset(out, 0, ring);
+            continue;
+        }
+        di_status st = tail_rows(s, ds_ring_of(s, i, slot), s->n_past[slot], out, NULL);
         if (st != DI_OK) return st;
     }
     return DI_OK;
@@ -697,7 +766,7 @@ di_status di_dsv41_dev_tail_check(const di_dsv41_dev *d, int32_t pos, const void
     const di_hparams *hp = &d->m->hp;
     int32_t head[4];
     memcpy(head, src, sizeof head);
-    return tail_pos_ok(hp, pos) && head[0] == pos && head[1] == hp->n_layer &&
+    return tail_pos_ok(hp, pos) && head[0] == pos && head[1] == tail_rings(d) &&
                    head[2] == hp->window && head[3] == hp->head_dim
                ? DI_OK
                : DI_ERR_INVALID;
@@ -712,9 +781,9 @@ static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, co
     int32_t head[4];
     memcpy(head, src, sizeof head);
     const bool ok = slot >= 0 && slot < s->n_slots && pos >= 0 && pos <= s->n_ctx &&
-                    tail_pos_ok(hp, pos) && head[0] == pos && head[1] == hp->n_layer &&
-                    head[2] == hp->window && head[3] == hp->head_dim &&
-                    (pos == 0 || hp->n_engram == 0 || tokens);
+                    tail_pos_ok(hp, pos) && head[0] == pos &&
+                    head[1] == hp->n_layer + d->m->n_mtp_loaded && head[2] == hp->window &&
+                    head[3] == hp->head_dim && (pos == 0 || hp->n_engram == 0 || tokens);
     if (ok)
         for (int32_t p = 0; p < pos && hp->n_engram > 0; p++)
             if (tokens[p] < 0 || tokens[p] >= hp->n_vocab) {
@@ -731,7 +800,11 @@ static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, co
     const size_t ring = sizeof(float) * (size_t)hp->window * (size_t)hp->head_dim;
     const uint8_t *in = (const uint8_t *)src + sizeof head + (size_t)d->l0 * ring;
     for (int il = d->l0; il < d->l1; il++, in += ring) {
-        di_status st = tail_rows(s, il, slot, pos, NULL, in);
+        di_status st = tail_rows(s, ring_of(s, il, slot), pos, NULL, in);
+        if (st != DI_OK) return st;
+    }
+    for (int i = 0; d->last && s->dspark && i < d->n_ds; i++, in += ring) {
+        di_status st = tail_rows(s, ds_ring_of(s, i, slot), pos, NULL, in);
         if (st != DI_OK) return st;
     }
     for (int32_t p = 0; p < pos && d->n_eg > 0; p++)
@@ -1203,6 +1276,27 @@ fail:
     return st;
 }
 
+// DSpark taps (§3.2; dsv41.c forward_rows): the input streams of a target layer il averaged,
+// tap = bf16(sum_s X[s] / NC), into the call's taps [T, n_target, D]. The collapse with pre =
+// 1 / NC gives exactly that sum divided by NC: NC is a power of two (checked by
+// di_dsv41_dev_dspark_enable), so every product and partial sum is the CPU's scaled exactly.
+static di_status taps(const call *c, int il) {
+    stage_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd, nt = hp->n_dspark_target;
+    di_status st = DI_OK;
+    for (int k = 0; k < nt; k++) {
+        if (hp->dspark_target[k] != il) continue;
+        OP(mhc_pre_carried, s->x, NULL, NULL, NULL, (int32_t)nc, D, c->T, hp->hc_iters, hp->hc_eps,
+           hp->norm_eps, s->inv_nc, s->a, NULL, NULL, NULL);
+        ROUND(s->a, c->T * D);
+        OP(scatter_rows, s->a, c->T, D, D, s->taps + k * D, nt * D, s->iota, NULL);
+    }
+    return DI_OK;
+fail:
+    return st;
+}
+
 static di_status block(const call *c, int il, bool *have_topk, bool *have_cand) {
     stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
@@ -1211,6 +1305,7 @@ static di_status block(const call *c, int il, bool *have_topk, bool *have_cand) 
     const int64_t n_x = (int64_t)c->T * nc * hp->n_embd;
     di_status st = DI_OK;
     if (lw->engram >= 0) DI_TRY(engram(c, il));
+    if (s->dspark) DI_TRY(taps(c, il));
     DI_TRY(site(c, &lw->hc_attn, lw->attn_norm, s->pre, s->pre_attn));
     DI_TRY(attention(c, il, s->a, s->out, have_topk, have_cand));
     OP(mhc_post, s->out, s->x, s->post, s->comb, nc, hp->n_embd, c->T);
@@ -1278,6 +1373,130 @@ static di_status head(const call *c, const int32_t *rows, int32_t n) {
     OP(rmsnorm, s->h, n, D, D, d->norm, hp->norm_eps);
     ROUND(s->h, n * D);
     OP(matmul, &d->head, s->h, n, D, s->logits, hp->n_vocab);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// The DSpark context rows of the call's rows (§3.2; dsv41.c dspark_context, dsv41_attn.c
+// di_dsv41_dspark_ring): main_x = RMSNorm(main_proj . A8(taps)), then per DSpark block its row
+// Q8w(RoPE_main(RMSNorm(wkv . main_x), pos)) into each slot's ring (the window lists of the call:
+// the same ring layout as a layer's). Last stage, DSpark on, after the head.
+static di_status context_rows(const call *c) {
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t D = hp->n_embd, Dh = hp->head_dim, T = c->T;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    const float rs = hp->rope_main.attention_factor;
+    di_status st = DI_OK;
+    DI_TRY(linear(c, &d->ds_main_proj, s->taps, T, hp->n_dspark_target * D, s->out, D, true));
+    OP(rmsnorm, s->out, T, D, D, d->ds_main_norm, hp->norm_eps);
+    ROUND(s->out, T * D);
+    for (int i = 0; i < d->n_ds; i++) {
+        const dev_layer *lw = &d->ds[i];
+        float *pool = s->dpool + (int64_t)i * s->layer_rows * Dh;
+        DI_TRY(linear(c, &lw->wkv, s->out, T, D, s->cc, Dh, true));
+        OP(rmsnorm, s->cc, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
+        ROUND(s->cc, T * Dh);
+        OP(rope, s->cc, T, Dh, Dh, n_rot, d->omega_main, D32(c->pos), 1, rs, false);
+        ROUND(s->cc, T * Dh);
+        OP(fake_quant, s->cc, T, Dh, Dh, DI_DSV41_WIN_BLOCK, 8, s->cc);
+        OP(scatter_rows, s->cc, c->n_wd, Dh, Dh, pool, Dh, D32(c->win_dst), D32(c->win_src));
+    }
+    return DI_OK;
+fail:
+    return st;
+}
+
+// A DSpark block on the block rows of a draft call (dsv41.c block with dspark; dsv41_attn.c
+// di_dsv41_dspark_attention): as a layer's block without Engram, compressor or indexer; its
+// attention's keys are the slot's DSpark ring and every row of its block (the call's key lists),
+// the block rows' kv go into the call rows of the block's region and are not stored.
+static di_status ds_block(const call *c, int i, int32_t key_stride) {
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const dev_layer *lw = &d->ds[i];
+    const int32_t nc = hp->hc_mult;
+    const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
+    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, T = c->T, n_x = T * nc * D;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    const float rs = hp->rope_main.attention_factor;
+    const int32_t *pos = D32(c->pos);
+    float *pool = s->dpool + (int64_t)i * s->layer_rows * Dh;
+    di_status st = DI_OK;
+    DI_TRY(site(c, &lw->hc_attn, lw->attn_norm, s->pre, s->pre_attn));
+    DI_TRY(linear(c, &lw->wq_a, s->a, T, D, s->qr, Rq, true));
+    OP(rmsnorm, s->qr, T, Rq, Rq, lw->q_norm, hp->norm_eps);
+    ROUND(s->qr, T * Rq);
+    DI_TRY(linear(c, &lw->wq_b, s->qr, T, Rq, s->q, H * Dh, true));
+    OP(rope, s->q, T * H, Dh, Dh, n_rot, d->omega_main, pos, (int32_t)H, rs, false);
+    ROUND(s->q, T * H * Dh);
+    DI_TRY(linear(c, &lw->wkv, s->a, T, D, pool, Dh, true));
+    OP(rmsnorm, pool, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
+    ROUND(pool, T * Dh);
+    OP(rope, pool, T, Dh, Dh, n_rot, d->omega_main, pos, 1, rs, false);
+    ROUND(pool, T * Dh);
+    OP(fake_quant, pool, T, Dh, Dh, DI_DSV41_WIN_BLOCK, 8, pool);
+    OP(attn, s->q, pool, D32(c->keys), key_stride, D32(c->nk_win), key_stride, lw->attn_sink,
+       (int32_t)T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh), d->official, s->o);
+    ROUND(s->o, T * H * Dh);
+    OP(rope, s->o, T * H, Dh, Dh, n_rot, d->omega_main, pos, (int32_t)H, rs, true);
+    ROUND(s->o, T * H * Dh);
+    const int64_t group_in = H * Dh / G;
+    for (int64_t g = 0; g < G; g++) {
+        di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
+        OP(matmul, &wg, s->o + g * group_in, T, H * Dh, s->u + g * Ro, G * Ro);
+    }
+    ROUND(s->u, T * G * Ro);
+    DI_TRY(linear(c, &lw->wo_b, s->u, T, G * Ro, s->out, D, true));
+    OP(mhc_post, s->out, s->x, s->post, s->comb, nc, D, c->T);
+    ROUND(s->x, n_x);
+    DI_TRY(site(c, &lw->hc_ffn, lw->ffn_norm, s->pre_attn, s->pre));
+    OP(moe, &lw->moe, s->a, D32(c->tokens), c->T, s->out);
+    OP(mhc_post, s->out, s->x, s->post, s->comb, nc, D, c->T);
+    ROUND(s->x, n_x);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// The device work of a draft call (di_dsv41_dev_draft) over T = n * B block rows, staging
+// uploaded: the block rows' embedding, pre = one-hot(stream 0), the DSpark blocks, h = collapse
+// (the pre-norm rows of the confidence head, into s->a) and hn = RMSNorm(h, norm) (into s->out).
+static di_status draft_rows(const call *c, int32_t key_stride) {
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd, T = c->T;
+    di_status st = DI_OK;
+    OP(embed, &d->embed, D32(c->tokens), c->T, (int32_t)nc, s->x);
+    OP(copy, s->pre, s->one_hot, sizeof(float) * (size_t)(T * nc));
+    for (int i = 0; i < d->n_ds; i++) DI_TRY(ds_block(c, i, key_stride));
+    OP(mhc_pre_carried, s->x, NULL, NULL, NULL, (int32_t)nc, D, c->T, hp->hc_iters, hp->hc_eps,
+       hp->norm_eps, s->pre, s->a, NULL, NULL, NULL);
+    ROUND(s->a, T * D);
+    OP(copy, s->out, s->a, sizeof(float) * (size_t)(T * D));
+    OP(rmsnorm, s->out, T, D, D, d->ds_norm, hp->norm_eps);
+    ROUND(s->out, T * D);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// Block row j of a draft call's n sequences (the embeddings of their previous tokens in s->me):
+// base logits = head . hn[j] into s->logits, + the Markov head's head_markov . embed (mhc_post
+// with one stream and unit weights: mk + lg, the sum the CPU takes).
+static di_status draft_head(const call *c, int32_t j, int32_t n, int32_t bs) {
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t D = hp->n_embd, V = hp->n_vocab, R = hp->dspark_markov_rank;
+    di_status st = DI_OK;
+    OP(matmul, &d->head, s->out + (int64_t)j * D, n, (int64_t)bs * D, s->logits, V);
+    OP(matmul, &d->ds_markov_head, s->me, n, R, s->mk, V);
+    OP(mhc_post, s->mk, s->logits, s->ones, s->ones, 1, V, n);
     return DI_OK;
 fail:
     return st;
@@ -1409,6 +1628,9 @@ static di_status zero_rings(const call *c) {
             float *ring = ring_of(s, il, sq->slot);
             DI_TRY(b->vt->memset(b, ring, 0, sizeof(float) * (size_t)(RW * Dh)));
         }
+        for (int q = 0; s->dspark && s->d->last && q < s->d->n_ds; q++)
+            DI_TRY(
+                b->vt->memset(b, ds_ring_of(s, q, sq->slot), 0, sizeof(float) * (size_t)(RW * Dh)));
     }
     return DI_OK;
 fail:
@@ -1433,6 +1655,7 @@ static di_status run_step(const void *ctx) {
     const step_ctx *x = ctx;
     di_status st = layers(x->c);
     if (st == DI_OK && x->c->s->d->last) st = head(x->c, x->rows, x->c->T);
+    if (st == DI_OK && x->c->s->d->last && x->c->s->dspark) st = context_rows(x->c);
     return st;
 }
 
@@ -1544,6 +1767,26 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
         const size_t n = sizeof(float) * (size_t)(c->sm[il].n_pool * (Dh + DI));
         DI_TRY(hand_in(all, s, s->src[il].xfer, o, o->src[il].xfer, n, all->h_src[il]));
     }
+    // DSpark: the taps of target layers on earlier stages.
+    const size_t taps_bytes =
+        sizeof(float) * (size_t)T * (size_t)hp->n_dspark_target * (size_t)hp->n_embd;
+    bool taps_in = false;
+    for (int k = 0; k < hp->n_dspark_target && s->dspark && !d->first; k++)
+        taps_in |= hp->dspark_target[k] < d->l0;
+    if (taps_in) { // from the stage before (its own taps and those it received)
+        DI_ASSERT(prev->d->taps_here && prev->taps);
+        bool peer = false;
+        DI_TRY(
+            di_backend_hand_over(b, s->taps, prev->d->b, prev->taps, taps_bytes, all->th, &peer));
+        s->stats.last_handover_bytes += (int64_t)taps_bytes;
+        if (peer) {
+            s->stats.n_handover_peer++;
+        } else {
+            s->stats.n_handover_host++;
+            s->stats.last_uploads++;
+            s->stats.last_upload_bytes += (int64_t)taps_bytes;
+        }
+    }
     if (d->topk_in) {
         DI_ASSERT(prev->d->topk_out);
         const size_t n = sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk;
@@ -1569,6 +1812,7 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
             DI_TRY(b->vt->download(b, logits + (int64_t)k * V, s->logits,
                                    sizeof(float) * (size_t)((int64_t)n * V)));
         }
+        if (last && s->dspark) DI_TRY(context_rows(c));
     }
     // What the later stages copy (the streams and pre, the rows of the stage's handed sources,
     // the top-k and candidate pool) stays in this stage's memory until its next call.
@@ -1807,6 +2051,7 @@ void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s) {
     if (!s) return;
     for (int32_t k = 0; k < s->n_stages; k++) part_destroy(s->ss[k]);
     if (s->xh) s->d->st[0]->b->vt->host_free(s->d->st[0]->b, s->xh);
+    if (s->th) s->d->st[0]->b->vt->host_free(s->d->st[0]->b, s->th);
     di_free(s);
 }
 
@@ -1938,6 +2183,197 @@ di_status di_dsv41_dev_rollback(di_dsv41_dev_state *s, int32_t slot, int32_t n) 
     }
     for (int32_t k = 0; k < s->n_stages; k++) s->ss[k]->n_past[slot] -= n;
     return DI_OK;
+}
+
+// ---- DSpark ----
+
+di_status di_dsv41_dev_dspark_enable(di_dsv41_dev_state *all) {
+    const di_dsv41_dev *dv = all->d;
+    const di_model *m = dv->m;
+    const di_hparams *hp = &m->hp;
+    stage_state *sl = all->ss[all->n_stages - 1];
+    const int64_t D = hp->n_embd, nc = hp->hc_mult, Dh = hp->head_dim, V = hp->n_vocab;
+    const int64_t R = sl->max_rows, BS = hp->dspark_block_size, MR = hp->dspark_markov_rank;
+    const int64_t nt = hp->n_dspark_target;
+    if (sl->dspark) return DI_OK;
+    if (sl->d->n_ds < 1 || nt < 1 || BS < 1 || BS > 16) {
+        DI_LOG_ERROR("dev forward (V4.1): no DSpark: the model was loaded without its DSpark "
+                     "blocks (load it with mtp)");
+        return DI_ERR_INVALID;
+    }
+    if ((nc & (nc - 1)) != 0) {
+        DI_LOG_ERROR("dev forward (V4.1): DSpark taps need hc_mult a power of two (is %lld)",
+                     (long long)nc);
+        return DI_ERR_UNSUPPORTED;
+    }
+    if ((size_t)(3 * R + R * (hp->window + BS)) + 64 > sl->stage_cap) {
+        DI_LOG_ERROR("dev forward (V4.1): DSpark: a draft call's lists do not fit the staging");
+        return DI_ERR_INVALID;
+    }
+    di_status st = DI_OK;
+    int32_t *iota = di_malloc(sizeof(int32_t) * (size_t)R);
+    float *inv = di_malloc(sizeof(float) * (size_t)(R * nc));
+    float *ones = di_malloc(sizeof(float) * HEAD_CHUNK);
+    if (!iota || !inv || !ones) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    for (int64_t t = 0; t < R; t++) iota[t] = (int32_t)t;
+    for (int64_t i = 0; i < R * nc; i++) inv[i] = 1.0f / (float)nc;
+    for (int i = 0; i < HEAD_CHUNK; i++) ones[i] = 1.0f;
+    for (int32_t k = 0; k < all->n_stages; k++) {
+        stage_state *s = all->ss[k];
+        const dev_stage *d = s->d;
+        di_backend *b = d->b;
+        // Graphs captured before record no taps and no context rows: captured again.
+        for (int g = 0; g <= HEAD_CHUNK; g++) {
+            b->vt->graph_destroy(b, s->graphs[g].g);
+            s->graphs[g] = (dev_graph){0};
+        }
+        s->stats.n_cached = 0;
+        if (d->taps_here) {
+            DI_TRY(st_floats(s, R * nt * D, &s->taps));
+            DI_TRY(st_ints(s, R, &s->iota));
+            DI_TRY(st_floats(s, R * nc, &s->inv_nc));
+            DI_TRY(b->vt->upload(b, s->iota, iota, sizeof(int32_t) * (size_t)R));
+            DI_TRY(b->vt->upload(b, s->inv_nc, inv, sizeof(float) * (size_t)(R * nc)));
+        }
+        if (d->last) {
+            if (R * nt * D > s->aq_floats) { // main_proj's A8 input: the taps of every row
+                s->aq_floats = R * nt * D;
+                DI_TRY(st_floats(s, s->aq_floats, &s->aq));
+            }
+            const int64_t n = (int64_t)d->n_ds * s->layer_rows * Dh;
+            DI_TRY(st_floats(s, n, &s->dpool));
+            DI_TRY(b->vt->memset(b, s->dpool, 0, sizeof(float) * (size_t)n));
+            DI_TRY(st_floats(s, HEAD_CHUNK * V, &s->mk));
+            DI_TRY(st_floats(s, HEAD_CHUNK * MR, &s->me));
+            DI_TRY(st_floats(s, HEAD_CHUNK, &s->ones));
+            DI_TRY(b->vt->upload(b, s->ones, ones, sizeof(float) * HEAD_CHUNK));
+            DI_TRY(
+                b->vt->host_alloc(b, sizeof(float) * (size_t)(HEAD_CHUNK * V), (void **)&s->lg_h));
+            DI_TRY(
+                b->vt->host_alloc(b, sizeof(float) * (size_t)(HEAD_CHUNK * MR), (void **)&s->me_h));
+            DI_TRY(b->vt->host_alloc(b, sizeof(float) * (size_t)(R * D), (void **)&s->h_h));
+            s->ci_h = di_malloc(sizeof(float) * (size_t)(D + MR));
+            if (!s->ci_h) {
+                st = DI_ERR_NOMEM;
+                goto fail;
+            }
+            s->n_bytes += (int64_t)sizeof(float) * (HEAD_CHUNK * V + HEAD_CHUNK * MR + R * D);
+        }
+        DI_TRY(b->vt->sync(b));
+    }
+    if (all->n_stages > 1) {
+        di_backend *b = dv->st[0]->b;
+        DI_TRY(b->vt->host_alloc(b, sizeof(float) * (size_t)(R * nt * D), (void **)&all->th));
+    }
+    for (int32_t k = 0; k < all->n_stages; k++) all->ss[k]->dspark = true;
+    di_free(iota);
+    di_free(inv);
+    di_free(ones);
+    return DI_OK;
+fail:
+    di_free(iota);
+    di_free(inv);
+    di_free(ones);
+    DI_LOG_ERROR("dev forward (V4.1): DSpark not enabled (%s)", di_status_str(st));
+    return st;
+}
+
+bool di_dsv41_dev_dspark_on(const di_dsv41_dev_state *s) {
+    return s->ss[s->n_stages - 1]->dspark;
+}
+
+di_status di_dsv41_dev_draft(di_dsv41_dev_state *all, di_dsv41_dev_draft_seq *seqs, int32_t n,
+                             float *logits) {
+    stage_state *s = all->ss[all->n_stages - 1];
+    const dev_stage *d = s->d;
+    const di_model *m = d->m;
+    const di_hparams *hp = &m->hp;
+    di_backend *b = d->b;
+    const int32_t BS = hp->dspark_block_size;
+    const int64_t D = hp->n_embd, V = hp->n_vocab, MR = hp->dspark_markov_rank;
+    const int64_t W = hp->window, RW = ring_rows(hp), ks = W + BS;
+    if (!s->dspark || n < 1 || !seqs || n > HEAD_CHUNK || (int64_t)n * BS > s->max_rows) {
+        DI_LOG_ERROR("dev forward (V4.1): a draft call needs DSpark on and 1 .. %d sequences "
+                     "(%d block rows each, %d rows at most)",
+                     HEAD_CHUNK, BS, s->max_rows);
+        return DI_ERR_INVALID;
+    }
+    memset(s->used, 0, (size_t)s->n_slots);
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t sl = seqs[i].slot;
+        if (sl < 0 || sl >= s->n_slots || s->used[sl] || s->n_past[sl] < 1 || seqs[i].anchor < 0 ||
+            seqs[i].anchor >= hp->n_vocab) {
+            DI_LOG_ERROR("dev forward (V4.1): draft %d: slot %d (out of range, repeated, or at "
+                         "position 0) or anchor %d (the vocabulary has %lld)",
+                         i, sl, seqs[i].anchor, (long long)V);
+            return DI_ERR_INVALID;
+        }
+        s->used[sl] = 1;
+    }
+    // The lists: tokens (the anchor, then noise), positions a .. a + BS - 1, and every row's keys
+    // (the slot's ring rows of positions [a - W, a), then its block's rows).
+    const int32_t T = n * BS;
+    call cl = {.s = s, .n_seq = n, .T = T};
+    call *c = &cl;
+    c->tokens = 0, c->pos = T, c->nk_win = 2 * (int64_t)T, c->keys = 3 * (int64_t)T;
+    c->n_words = (size_t)(3 * (int64_t)T + (int64_t)T * ks);
+    int32_t *g = s->stage;
+    for (int32_t i = 0; i < n; i++) {
+        const int64_t a = s->n_past[seqs[i].slot];
+        const int64_t ring0 = (int64_t)s->max_rows + (int64_t)seqs[i].slot * RW;
+        const int64_t lo = a - W > 0 ? a - W : 0;
+        for (int32_t j = 0; j < BS; j++) {
+            const int64_t r = (int64_t)i * BS + j;
+            g[c->tokens + r] = j == 0 ? seqs[i].anchor : hp->dspark_noise_token;
+            g[c->pos + r] = (int32_t)(a + j);
+            g[c->nk_win + r] = (int32_t)(a - lo + BS);
+            int32_t *kl = g + c->keys + r * ks;
+            for (int64_t p = lo; p < a; p++) kl[p - lo] = (int32_t)(ring0 + p % RW);
+            for (int32_t q = 0; q < BS; q++) kl[a - lo + q] = (int32_t)((int64_t)i * BS + q);
+        }
+        memset(&seqs[i].out, 0, sizeof seqs[i].out);
+        seqs[i].out.n = BS;
+    }
+    di_status st = DI_OK;
+    s->stats.last_ops = 0;
+    DI_TRY(b->vt->upload(b, s->stage_dev, s->stage, sizeof(int32_t) * c->n_words));
+    DI_TRY(draft_rows(c, (int32_t)ks));
+    DI_TRY(b->vt->download(b, s->h_h, s->a, sizeof(float) * (size_t)((int64_t)T * D)));
+    float *mi = s->ci_h;
+    // Block row j of every sequence at once (row j + 1 needs row j's token): the Markov
+    // embeddings of the previous tokens (host rows of the BF16 table, as dsv41.c) up, the head and
+    // the Markov head on the device, the summed logits down; argmax and the confidence head here.
+    for (int32_t j = 0; j < BS && st == DI_OK; j++) {
+        for (int32_t i = 0; i < n; i++) {
+            const int32_t prev = j == 0 ? seqs[i].anchor : seqs[i].out.tokens[j - 1];
+            di_tensor_row_f32(&m->dspark.markov_embed, prev, s->me_h + i * MR);
+        }
+        st = b->vt->upload(b, s->me, s->me_h, sizeof(float) * (size_t)(n * MR));
+        if (st == DI_OK) st = draft_head(c, j, n, BS);
+        if (st == DI_OK)
+            st = b->vt->download(b, s->lg_h, s->logits, sizeof(float) * (size_t)(n * V));
+        for (int32_t i = 0; i < n && st == DI_OK; i++) {
+            const float *li = s->lg_h + i * V;
+            int32_t best = 0;
+            for (int64_t v = 1; v < V; v++)
+                if (li[v] > li[best]) best = (int32_t)v;
+            if (logits) memcpy(logits + ((int64_t)i * BS + j) * V, li, sizeof(float) * (size_t)V);
+            memcpy(mi, s->h_h + ((int64_t)i * BS + j) * D, sizeof(float) * (size_t)D);
+            memcpy(mi + D, s->me_h + i * MR, sizeof(float) * (size_t)MR);
+            const float conf = di_ref_dot(m->dspark.confidence, mi, D + MR);
+            seqs[i].out.conf_logit[j] = conf;
+            seqs[i].out.confidence[j] = di_sigmoid(conf);
+            seqs[i].out.tokens[j] = best;
+        }
+    }
+    if (st != DI_OK) goto fail;
+    return DI_OK;
+fail:
+    DI_LOG_ERROR("dev forward (V4.1): draft call failed (%s)", di_status_str(st));
+    return st;
 }
 
 int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot) {

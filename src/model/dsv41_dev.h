@@ -20,11 +20,31 @@
  * kv_manager's blocks; prefix hits, tail snapshots, the disk tier and KV transfers through the
  * calls below; decode graphs prepared at create, di_dsv41_dev_prepare_decode). Prefix reuse (the
  * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
- * block I/O and tail snapshots run. Not run here: DSpark (its heads and blocks: an engine with
- * spec_tokens > 0 keeps the CPU V4.1 forward), context parallelism. Rollback of the last
- * DI_DSV41_ROLLBACK_MAX positions runs (di_dsv41_dev_rollback: the window rings hold W +
- * DI_DSV41_ROLLBACK_MAX rows, position p in row p mod that, and a ratio-2 source's C and Z rings
- * DI_DSV41_ROLLBACK_MAX + 2 rows, so rejected rows never overwrite rows a kept position reads).
+ * block I/O and tail snapshots run, and so do rollback and DSpark (below). Not run here: context
+ * parallelism.
+ *
+ * Rollback (di_dsv41_dev_rollback) of the last DI_DSV41_ROLLBACK_MAX positions: the window rings
+ * hold W + DI_DSV41_ROLLBACK_MAX rows (position p in row p mod that) and a ratio-2 source's C and Z
+ * rings DI_DSV41_ROLLBACK_MAX + 2 rows, so rejected rows never overwrite rows a kept position
+ * reads; entries are visible by position. Host bookkeeping only.
+ *
+ * DSpark (deepseek-v41.md §3; di_dsv41_dev_dspark_enable, di_dsv41_dev_draft): the last stage
+ * also holds the DSpark blocks (layers without compressor, indexer or Engram, uploaded when the
+ * model loaded them), main_proj / main_norm, the final norm, the Markov head's projection and the
+ * embedding (the draft's block rows); the Markov embedding table and the confidence head stay on
+ * the host (a row and a dot per draft token). In a DSpark state every call computes the taps of
+ * the target layers' inputs (the streams' mean: the collapse with pre = 1 / NC, exact for NC a
+ * power of two) into [T, n_target, D], handed to the later stages with the streams when a target
+ * layer is before a cut (copied from the stage before: di_backend_hand_over, a peer copy or the
+ * state's own host bounce; n_target * D floats per row), and the last stage writes the DSpark
+ * context rows of every row (main_x, then per block its Q8 ring row into the slot's DSpark ring, a
+ * region of W + DI_DSV41_ROLLBACK_MAX rows per slot like a layer's) after the head, inside the
+ * decode graphs. A draft call runs directly on the last stage: the block rows of all its slots in
+ * one batch (key lists: the slot's DSpark ring of positions [a - W, a) then its block's rows,
+ * non-causal), then per block row j the head and the Markov head over all slots and their summed
+ * logits downloaded (argmax and confidence on the host: row j + 1 needs row j's token). Tail
+ * snapshots carry the DSpark rings after the layers' (zero rows in a state without DSpark), a
+ * replay's start zeroes them as di_dsv41_restart does.
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows. Engram
@@ -123,6 +143,7 @@
 
 #include "backend/backend.h" // di_backend
 #include "deepinfer.h"       // di_model, di_status
+#include "model/dsv41.h"     // di_dsv41_draft, DI_DSV41_ROLLBACK_MAX
 
 typedef struct di_dsv41_dev di_dsv41_dev;             // a V4.1 model's weights on its stages
 typedef struct di_dsv41_dev_state di_dsv41_dev_state; // the device state of n_slots sequences
@@ -262,6 +283,35 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
 // for a slot out of range or failed, n < 0, n > DI_DSV41_ROLLBACK_MAX, or a position below the
 // slot's last start (pos 0, a replay's win_lo, a tail restore's pos: the rings hold nothing older).
 di_status di_dsv41_dev_rollback(di_dsv41_dev_state *s, int32_t slot, int32_t n);
+
+// ---- DSpark (deepseek-v41.md §3; "DSpark" above) ----
+
+// Makes every later call of the state a DSpark one (the device twin of a session created with
+// mtp): each forward writes the taps of its rows and the DSpark context rows of every position it
+// feeds into its slots' DSpark rings, and di_dsv41_dev_draft drafts. Decode graphs captured
+// before are dropped (captured again with the taps and context rows). Call it before the slots
+// hold positions (their DSpark rings start empty). No-op when on. DI_ERR_INVALID (logged: the
+// model was loaded without its DSpark blocks, or a draft call's lists cannot fit the staging),
+// DI_ERR_UNSUPPORTED (hc_mult not a power of two), DI_ERR_NOMEM, DI_ERR_CUDA.
+di_status di_dsv41_dev_dspark_enable(di_dsv41_dev_state *s);
+bool di_dsv41_dev_dspark_on(const di_dsv41_dev_state *s);
+
+typedef struct di_dsv41_dev_draft_seq {
+    int32_t slot;       // a slot after a committed call (position a >= 1)
+    int32_t anchor;     // the token for position a (the target's pick after the last call)
+    di_dsv41_draft out; // its drafts (model/dsv41.h)
+} di_dsv41_dev_draft_seq;
+
+// Drafts a DSpark block for each of n slots in one call (di_dsv41_draft_batch's twin, bit for bit
+// its drafts, confidences and logits): the n * dspark_block_size block rows run the DSpark blocks
+// on the last stage in one batch, then block row j of every slot at once through the head and the
+// Markov head (its summed logits downloaded: argmax and the confidence head on the host, row
+// j + 1 needs row j's token). Runs directly (no graph), changes no slot. logits: when not NULL,
+// [n, dspark_block_size, V]. DI_ERR_INVALID (logged: DSpark off, n outside 1 .. 64 or more block
+// rows than max_rows, a slot out of range, repeated or at position 0, an anchor outside the
+// vocabulary; nothing ran), DI_ERR_CUDA, DI_ERR_NOMEM.
+di_status di_dsv41_dev_draft(di_dsv41_dev_state *s, di_dsv41_dev_draft_seq *seqs, int32_t n,
+                             float *logits);
 
 // Tokens slot `slot` has consumed (-1 after a failed call: restart it at pos 0).
 int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
