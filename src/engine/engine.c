@@ -11,16 +11,15 @@
 // Three forwards, chosen at create:
 //   - the device-resident forward, when the model has one attached: V4's (model/dsv4_dev.h, m->dev:
 //     --device cuda on a V4 checkpoint, or a test's CPU twin) or V4.1's (model/dsv41_dev.h,
-//     m->dev41: --device cuda on a V4.1 checkpoint, or a test's CPU twin) without speculation
-//     (V4.1's has no DSpark: with spec_tokens > 0 that engine runs the V4.1 forward below, its
-//     matmuls offloaded, and says so at INFO). Both are reached through one adapter (dev_*: "the
-//     device-resident forwards" below), so what follows holds for either: one dev state of max_seqs
-//     slots for max_batch_tokens rows whose compressed entries live in entry blocks; the
-//     kv_manager keeps the accounting of those blocks (ids, references, the prefix cache; no host
-//     memory, no tail blocks: the state holds every slot's rings), sized from kv_memory_bytes
-//     (minus the slots' tails, di_dsv4_dev_sizes / di_dsv41_dev_sizes). A running request's
-//     scheduler slot is its dev slot; each call passes its block ids, its win_lo (bounded replay
-//     after a prefix hit), the positions it attached from the prefix cache and (V4.1) its
+//     m->dev41: --device cuda on a V4.1 checkpoint, or a test's CPU twin), with or without
+//     speculation (V4's MTP, V4.1's DSpark: dev41_spec_forward). Both are reached through one
+//     adapter (dev_*: "the device-resident forwards" below), so what follows holds for either: one
+//     dev state of max_seqs slots for max_batch_tokens rows whose compressed entries live in entry
+//     blocks; the kv_manager keeps the accounting of those blocks (ids, references, the prefix
+//     cache; no host memory, no tail blocks: the state holds every slot's rings), sized from
+//     kv_memory_bytes (minus the slots' tails, di_dsv4_dev_sizes / di_dsv41_dev_sizes). A running
+//     request's scheduler slot is its dev slot; each call passes its block ids, its win_lo (bounded
+//     replay after a prefix hit), the positions it attached from the prefix cache and (V4.1) its
 //     request's tokens (the Engram look-back before win_lo; a tail restore rebuilds the history
 //     from them too), so prefix reuse works as on the CPU path.
 //     A failed dev call fails the requests of that step (DI_FINISH_ERROR with its status); the
@@ -119,7 +118,7 @@ struct di_engine {
     di_sample_result *x_res; // owned [max_seqs]: the samples of the plan being run
     di_dsv4_ws ws;           // owned (CPU forward; on V4.1 the slots' sessions share it)
     float *logits;           // owned [max_seqs, V]
-    // The device-resident forward (dev_on: model->dev, or model->dev41 without speculation): one
+    // The device-resident forward (dev_on: model->dev or model->dev41): one
     // state for every slot, reached through the dev_* adapter ("the device-resident forwards"
     // below), so that the engine has one path for both.
     bool dev_on;

@@ -16,12 +16,12 @@
  * quantised-exact values (the compact codes of docs/kv-cache.md "DeepSeek V4.1" are not used on
  * the device yet; a block's device bytes are this layout's, not di_dsv41_page_bytes' pages). Plain
  * sessions run on it once attached (di_dsv41_dev_attach: --device cuda), and so does the serving
- * engine without speculation (engine.c: one state of max_seqs slots whose entry blocks are its
- * kv_manager's blocks; prefix hits, tail snapshots, the disk tier and KV transfers through the
- * calls below; decode graphs prepared at create, di_dsv41_dev_prepare_decode). Prefix reuse (the
- * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
- * block I/O and tail snapshots run, and so do rollback and DSpark (below). Not run here: context
- * parallelism.
+ * engine, with DSpark speculation or without (engine.c: one state of max_seqs slots whose entry
+ * blocks are its kv_manager's blocks; prefix hits, tail snapshots, the disk tier and KV transfers
+ * through the calls below; decode graphs prepared at create, di_dsv41_dev_prepare_decode). Prefix
+ * reuse (the bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo /
+ * n_cached), entry block I/O and tail snapshots run, and so do rollback and DSpark (below). Not run
+ * here: context parallelism.
  *
  * Rollback (di_dsv41_dev_rollback) of the last DI_DSV41_ROLLBACK_MAX positions: the window rings
  * hold W + DI_DSV41_ROLLBACK_MAX rows (position p in row p mod that) and a ratio-2 source's C and Z
