@@ -511,6 +511,8 @@ static di_status dev_warm_up(di_engine *e) {
     if (st == DI_OK) st = dev_prepare_decode(e);
     if (st == DI_OK && e->spec_k > 0 && e->dstate)
         st = di_dsv4_dev_prepare_verify(e->dstate, o->max_seqs);
+    if (st == DI_OK && e->spec_k > 0 && e->dstate41) // verify steps of 1 .. spec_k drafts
+        st = di_dsv41_dev_prepare_verify(e->dstate41, o->max_seqs, e->spec_k + 1);
     if (st != DI_OK)
         DI_LOG_ERROR("engine: the device-resident forward failed its warm-up call of %d rows: %s",
                      (int)n, di_status_str(st));

@@ -27,6 +27,10 @@
 // Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the most sequences
 // of a decode step run as a graph.
 enum { HEAD_CHUNK = 64 };
+// Graph steps: every sequence r <= GRAPH_ROWS rows with all their logits (a decode step, r = 1;
+// a verify step of r - 1 drafts), at most HEAD_CHUNK rows; one graph per (r, sequences), slot
+// (r - 1) * (HEAD_CHUNK + 1) + n_seq of a state's graphs.
+enum { GRAPH_ROWS = DI_DSV41_ROLLBACK_MAX + 1, N_GRAPHS = GRAPH_ROWS * (HEAD_CHUNK + 1) };
 
 // Rollback (di_dsv41_dev_rollback, dsv41_dev.h "Rollback"): a slot's window ring of every layer
 // holds ring_rows = W + DI_DSV41_ROLLBACK_MAX rows (position p in row p mod ring_rows) and a
@@ -331,7 +335,7 @@ struct stage_state {
     size_t stage_cap;   // int32 words of both
     int64_t aq_floats;  // of aq
     // Graphs: one per decode size 1..min(n_slots, HEAD_CHUNK).
-    dev_graph *graphs; // owned [HEAD_CHUNK + 1]
+    dev_graph *graphs; // owned [N_GRAPHS]
     bool graphs_on;
     di_dsv41_dev_graph_stats stats;
     // DSpark (di_dsv41_dev_dspark_enable; off and NULL before): the taps of the call's rows
@@ -401,7 +405,7 @@ static void part_destroy(stage_state *s) {
     if (!s) return;
     di_backend *b = s->d->b;
     if (s->graphs)
-        for (int i = 0; i <= HEAD_CHUNK; i++) b->vt->graph_destroy(b, s->graphs[i].g);
+        for (int i = 0; i < N_GRAPHS; i++) b->vt->graph_destroy(b, s->graphs[i].g);
     for (int32_t i = 0; i < s->n_mem; i++) b->vt->free(b, s->blocks[i]);
     if (s->stage) b->vt->host_free(b, s->stage);
     if (s->lg_h) b->vt->host_free(b, s->lg_h);
@@ -480,7 +484,7 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     if (d->n_eg > 0) s->hist = di_calloc((size_t)n_slots * (size_t)n_ctx, sizeof *s->hist);
     s->used = di_calloc((size_t)n_slots, 1);
     s->blk_owner = di_calloc((size_t)n_eb, sizeof *s->blk_owner);
-    s->graphs = di_calloc(HEAD_CHUNK + 1, sizeof *s->graphs);
+    s->graphs = di_calloc(N_GRAPHS, sizeof *s->graphs);
     if (!s->src || !s->n_past || !s->rb_lo || (d->n_eg > 0 && !s->hist) || !s->used ||
         !s->blk_owner || !s->graphs) {
         st = DI_ERR_NOMEM;
@@ -1637,12 +1641,16 @@ fail:
     return st;
 }
 
-// Whether the call is a decode step of graph shape: every sequence one row with its logits.
-static bool decode_shape(const call *c, const int32_t *logit_rows, int32_t n_logit_rows) {
-    if (c->T != c->n_seq || c->n_seq > HEAD_CHUNK || n_logit_rows != c->T) return false;
+// The graph of the call when it is a graph step (GRAPH_ROWS: every sequence r rows, every row's
+// logits), -1 otherwise.
+static int32_t graph_of(const call *c, const int32_t *logit_rows, int32_t n_logit_rows) {
+    const int32_t r = c->seqs[0].n_tok;
+    if (r > GRAPH_ROWS || c->T > HEAD_CHUNK || n_logit_rows != c->T) return -1;
+    for (int32_t i = 1; i < c->n_seq; i++)
+        if (c->seqs[i].n_tok != r) return -1;
     for (int32_t k = 0; k < n_logit_rows; k++)
-        if (logit_rows[k] != k) return false;
-    return true;
+        if (logit_rows[k] != k) return -1;
+    return (r - 1) * (HEAD_CHUNK + 1) + c->n_seq;
 }
 
 // A decode step's layers and head (every row's logits), as one capture records them.
@@ -1661,10 +1669,10 @@ static di_status run_step(const void *ctx) {
 
 // The layers and the head of a decode step as one backend graph (dsv4_dev.c's scheme): the
 // first step of a size runs directly, the second captures, later ones replay.
-static di_status run_decode(const call *c, const int32_t *logit_rows) {
+static di_status run_decode(const call *c, const int32_t *logit_rows, int32_t key) {
     stage_state *s = c->s;
     di_backend *b = s->d->b;
-    dev_graph *g = &s->graphs[c->n_seq];
+    dev_graph *g = &s->graphs[key];
     const step_ctx x = {c, logit_rows};
     if (g->g) {
         s->stats.n_replayed++;
@@ -1799,8 +1807,9 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
         DI_TRY(hand_in(all, s, s->n_cand, prev, prev->n_cand, nn, all->h_ncand));
     }
     DI_TRY(zero_rings(c));
-    if (decode_shape(c, logit_rows, n_logit_rows)) {
-        DI_TRY(run_decode(c, logit_rows));
+    const int32_t key = graph_of(c, logit_rows, n_logit_rows);
+    if (key >= 0) {
+        DI_TRY(run_decode(c, logit_rows, key));
         if (n_logit_rows > 0 && last)
             DI_TRY(b->vt->download(b, logits, s->logits, sizeof(float) * (size_t)(T * V)));
     } else {
@@ -2226,7 +2235,7 @@ di_status di_dsv41_dev_dspark_enable(di_dsv41_dev_state *all) {
         const dev_stage *d = s->d;
         di_backend *b = d->b;
         // Graphs captured before record no taps and no context rows: captured again.
-        for (int g = 0; g <= HEAD_CHUNK; g++) {
+        for (int g = 0; g < N_GRAPHS; g++) {
             b->vt->graph_destroy(b, s->graphs[g].g);
             s->graphs[g] = (dev_graph){0};
         }
@@ -2424,6 +2433,46 @@ fail:
 // block_tokens), so the steps write no entry (an m = 1 source's group at position 0 would close in
 // it) and block 0 is left as it was; the graphs do not depend on it (the destinations are per-call
 // lists).
+di_status di_dsv41_dev_prepare_verify(di_dsv41_dev_state *st_all, int32_t max_seqs,
+                                      int32_t max_rows) {
+    const stage_state *s = st_all->ss[0];
+    if (!s->graphs_on) return DI_OK;
+    if (max_rows > GRAPH_ROWS) max_rows = GRAPH_ROWS;
+    if (max_rows > s->block_tokens) max_rows = s->block_tokens; // within block 0 (cached)
+    int32_t n_max = max_seqs < s->n_slots ? max_seqs : s->n_slots;
+    if (n_max > HEAD_CHUNK) n_max = HEAD_CHUNK;
+    const int64_t V = s->d->m->hp.n_vocab;
+    const int32_t cap = n_max * (max_rows > 1 ? max_rows : 1);
+    di_dsv41_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)(n_max > 0 ? n_max : 1));
+    int32_t *ids = di_calloc((size_t)(cap > 0 ? cap : 1), sizeof *ids); // token 0 everywhere
+    int32_t *rows = di_malloc(sizeof *rows * (size_t)(cap > 0 ? cap : 1));
+    float *logits = di_malloc(sizeof *logits * (size_t)HEAD_CHUNK * (size_t)V);
+    di_status st = seqs && ids && rows && logits ? DI_OK : DI_ERR_NOMEM;
+    static const int32_t block0 = 0;
+    for (int32_t r = 2; r <= max_rows && st == DI_OK; r++)
+        for (int32_t n = 1; n <= n_max && n * r <= HEAD_CHUNK && n * r <= s->max_rows &&
+                            st == DI_OK && s->graphs_on;
+             n++) {
+            for (int32_t i = 0; i < n; i++) {
+                seqs[i] = (di_dsv41_dev_seq){.slot = i, .pos = 0, .n_tok = r};
+                if (s->shared) {
+                    seqs[i].blocks = &block0;
+                    seqs[i].n_blocks = 1;
+                    seqs[i].n_cached = s->block_tokens;
+                }
+            }
+            for (int32_t t = 0; t < n * r; t++) rows[t] = t;
+            const dev_graph *g = &s->graphs[(r - 1) * (HEAD_CHUNK + 1) + n];
+            for (int pass = 0; pass < 2 && st == DI_OK && !g->g; pass++)
+                st = di_dsv41_dev_forward(st_all, seqs, n, ids, rows, n * r, logits);
+        }
+    di_free(seqs);
+    di_free(ids);
+    di_free(rows);
+    di_free(logits);
+    return st;
+}
+
 di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *st_all, int32_t max_seqs) {
     const stage_state *s = st_all->ss[0];
     if (!s->graphs_on) return DI_OK;

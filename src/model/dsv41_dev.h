@@ -79,11 +79,13 @@
  * lists from there.
  *
  * Graphs: a decode step (every sequence feeds one token and takes its logits, at most 64
- * sequences) runs as a backend graph keyed by its number of sequences: the first step of a size
- * runs directly, the second is captured and launched, later ones launch the cached graph. This
- * works because every scalar an op gets is a function of the shape (bounds are capacities: the key
- * list stride, the entries a slot can hold, the windows a shape can close, padded with destination
- * -1). DI_DEV_GRAPHS=0 (read at state create) runs every call directly.
+ * sequences) and a verify step (every sequence feeds r <= DI_DSV41_ROLLBACK_MAX + 1 rows and takes
+ * all their logits, at most 64 rows) run as a backend graph keyed by r and the number of
+ * sequences (a ragged step runs directly): the first step of a shape runs directly, the second is
+ * captured and launched, later ones launch the cached graph. This works because every scalar an op
+ * gets is a function of the shape (bounds are capacities: the key list stride, the entries a slot
+ * can hold, the windows a shape can close, padded with destination -1). DI_DEV_GRAPHS=0 (read at
+ * state create) runs every call directly.
  *
  * Pipeline stages (di_dsv41_dev_create_stages; --device cuda:0,1,...): as dsv4_dev.h's, the
  * layers are split into n contiguous ranges of about equal weight bytes (the split whose largest
@@ -349,3 +351,9 @@ void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_grap
 // steps write no entry, block 0 is left as it was). No-op with graphs off (DI_DEV_GRAPHS=0).
 // Not inside a call. Errors as di_dsv41_dev_forward (and DI_ERR_NOMEM for its host scratch).
 di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *s, int32_t max_seqs);
+// The same for verify steps (every sequence r rows, every row's logits: a speculative verify of
+// r - 1 drafts, for every r in 2 .. min(max_rows, DI_DSV41_ROLLBACK_MAX + 1, block_tokens) and
+// every number of sequences up to max_seqs, the slots and n * r <= 64 rows): two steps each of
+// token 0 at position 0 (block 0 listed as cached, as above; the slots are left at position r:
+// restart them at 0). Such steps later launch their graph. Errors as di_dsv41_dev_prepare_decode.
+di_status di_dsv41_dev_prepare_verify(di_dsv41_dev_state *s, int32_t max_seqs, int32_t max_rows);

@@ -30,7 +30,9 @@
 //       gathered into each call's staging;
 //   (k) di_dsv41_dev_prepare_decode captures the decode graph of every size up to the slots at
 //       once (block 0, listed as cached, keeps its contents exactly), and decode steps of slots
-//       restarted afterwards launch those graphs (no capture) with the sessions' logits;
+//       restarted afterwards launch those graphs (no capture) with the sessions' logits; so does
+//       di_dsv41_dev_prepare_verify for verify steps (2 and 3 rows per sequence), launched by
+//       such steps later;
 // each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 //   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
@@ -581,6 +583,10 @@ static void prepare_case(di_precision prec) {
     CHECK_EQ(g.n_cached, N_SLOTS);
     CHECK_EQ(g.n_direct, N_SLOTS);
     CHECK_EQ(g.n_replayed, 0); // a capture launches its graph, counted as captured
+    // Verify steps of 2 and 3 rows per sequence, 1 .. 3 sequences: 6 graphs more.
+    CHECK_EQ(di_dsv41_dev_prepare_verify(h.st, 8, 3), DI_OK);
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    CHECK_EQ(g.n_captured, N_SLOTS + 6);
     CHECK_EQ(di_dsv41_dev_state_read_block(h.st, 0, back), DI_OK);
     CHECK(memcmp(pat, back, (size_t)blk_bytes) == 0);
     const int all[N_SLOTS] = {0, 1, 2}, pre[N_SLOTS] = {5, 19, 2}, ones[N_SLOTS] = {1, 1, 1};
@@ -588,8 +594,16 @@ static void prepare_case(di_precision prec) {
     h_call(&h, N_SLOTS, all, pre, rs);
     for (int k = 0; k < 12; k++) h_call(&h, k % 3 == 2 ? 2 : N_SLOTS, all, ones, NULL);
     di_dsv41_dev_get_graph_stats(h.st, &g);
-    CHECK_EQ(g.n_captured, N_SLOTS);
+    CHECK_EQ(g.n_captured, N_SLOTS + 6);
     CHECK_EQ(g.n_replayed, 12);
+    // Verify-shaped steps launch the prepared graphs (the sessions' logits, every row).
+    const int twos[N_SLOTS] = {2, 2, 2}, threes[N_SLOTS] = {3, 3, 3};
+    h_call(&h, N_SLOTS, all, twos, NULL);
+    h_call(&h, 2, all, threes, NULL);
+    h_call(&h, N_SLOTS, all, threes, NULL);
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    CHECK_EQ(g.n_captured, N_SLOTS + 6);
+    CHECK_EQ(g.n_replayed, 15);
     CHECK_EQ(h.n_bad, 0);
     free(pat);
     free(back);
@@ -755,14 +769,17 @@ static void dspark_case(di_precision prec) {
     enum { STEPS = 20 };
 #endif
     const int ones[N_SLOTS] = {1, 1, 1};
-    const int spec[N_SLOTS] = {3, 2, 3}, back[N_SLOTS] = {2, 0, 3};
+    // Verifies: [anchor, drafts] of another stream, rejected rows back; ragged, and uniform (a
+    // verify graph: captured at its second step, replayed after).
+    const int spec[2][N_SLOTS] = {{3, 2, 3}, {3, 3, 3}}, back[2][N_SLOTS] = {{2, 0, 3}, {1, 3, 0}};
     for (int k = 0; k < STEPS; k++) {
-        if (k % 3 == 2) { // a verify: [anchor, drafts] of another stream, rejected rows back
+        if (k % 3 != 0) {
+            const int v = k % 3 - 1;
             for (int i = 0; i < N_SLOTS; i++) h.gen[i] += 1000;
-            h_call(&h, N_SLOTS, all, spec, NULL);
+            h_call(&h, N_SLOTS, all, spec[v], NULL);
             for (int i = 0; i < N_SLOTS; i++) {
                 h.gen[i] -= 1000;
-                h_rollback(&h, i, back[i]);
+                h_rollback(&h, i, back[v][i]);
             }
         } else {
             h_call(&h, N_SLOTS, all, ones, NULL);

@@ -487,6 +487,14 @@ static void spec_compare(const char *tag, const di_engine_stats *ref, const resu
     CHECK_EQ(st.n_step_allocs, 0);
     CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
     CHECK(st.n_spec_verifies > 0);
+    // Graphs: decode and verify steps prepared at create, none captured in a step.
+    di_dsv4_dev_graph_stats gs;
+    di_engine_get_graph_stats(e, &gs);
+    fprintf(stderr, "    graphs: %lld cached, %lld captured, %lld replayed, %lld direct\n",
+            (long long)gs.n_cached, (long long)gs.n_captured, (long long)gs.n_replayed,
+            (long long)gs.n_direct);
+    CHECK_EQ(gs.n_captured, gs.n_cached);
+    CHECK(gs.n_replayed > 0);
 }
 
 // Oracle drafts from the engine's output without speculation (g_ref; speculation never changes
