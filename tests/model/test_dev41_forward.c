@@ -73,6 +73,15 @@ enum { MAXB = N_CTX / BT, N_BLK = (N_SLOTS + 1) * MAXB };
 
 static char g_dir[256], g_fix[256], g_ds[256];
 static bool g_mtp; // (o): sessions with DSpark (mtp) and dev states with it on (h_init)
+
+// Under ASan + UBSan the FP32 runs of (n) and (o) are left to the release stage (the official
+// recipe's runs take the same paths, and its roundings besides).
+#if defined(__SANITIZE_ADDRESS__) || defined(DI_ASAN)
+enum { SAN = 1 };
+#else
+enum { SAN = 0 };
+#endif
+
 // Pipeline stages of every dev forward the harness creates ((m): 2 and 3 with --stages).
 enum { MAX_STAGES = 3 };
 static int32_t g_stages = 1;
@@ -698,7 +707,7 @@ static void rollback_case(di_precision prec) {
 }
 
 static void fp32_rollback(void) {
-    rollback_case(DI_PRECISION_FP32);
+    if (!SAN) rollback_case(DI_PRECISION_FP32);
 }
 static void official_rollback(void) {
     rollback_case(DI_PRECISION_OFFICIAL);
@@ -764,7 +773,7 @@ static void dspark_case(di_precision prec) {
     const int two[2] = {1, 2};
     h_draft(&h, 2, two);
 #if defined(__SANITIZE_ADDRESS__) || defined(DI_ASAN)
-    enum { STEPS = 4 };
+    enum { STEPS = 7 }; // a decode graph replayed at the third decode step
 #else
     enum { STEPS = 20 };
 #endif
@@ -842,7 +851,7 @@ static void dspark_case(di_precision prec) {
 }
 
 static void fp32_dspark(void) {
-    dspark_case(DI_PRECISION_FP32);
+    if (!SAN) dspark_case(DI_PRECISION_FP32);
 }
 static void official_dspark(void) {
     dspark_case(DI_PRECISION_OFFICIAL);
