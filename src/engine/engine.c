@@ -11,16 +11,15 @@
 // Three forwards, chosen at create:
 //   - the device-resident forward, when the model has one attached: V4's (model/dsv4_dev.h, m->dev:
 //     --device cuda on a V4 checkpoint, or a test's CPU twin) or V4.1's (model/dsv41_dev.h,
-//     m->dev41: --device cuda on a V4.1 checkpoint, or a test's CPU twin) without speculation
-//     (V4.1's has no DSpark: with spec_tokens > 0 that engine runs the V4.1 forward below, its
-//     matmuls offloaded, and says so at INFO). Both are reached through one adapter (dev_*: "the
-//     device-resident forwards" below), so what follows holds for either: one dev state of max_seqs
-//     slots for max_batch_tokens rows whose compressed entries live in entry blocks; the
-//     kv_manager keeps the accounting of those blocks (ids, references, the prefix cache; no host
-//     memory, no tail blocks: the state holds every slot's rings), sized from kv_memory_bytes
-//     (minus the slots' tails, di_dsv4_dev_sizes / di_dsv41_dev_sizes). A running request's
-//     scheduler slot is its dev slot; each call passes its block ids, its win_lo (bounded replay
-//     after a prefix hit), the positions it attached from the prefix cache and (V4.1) its
+//     m->dev41: --device cuda on a V4.1 checkpoint, or a test's CPU twin), with or without
+//     speculation (V4's MTP, V4.1's DSpark: dev41_spec_forward). Both are reached through one
+//     adapter (dev_*: "the device-resident forwards" below), so what follows holds for either: one
+//     dev state of max_seqs slots for max_batch_tokens rows whose compressed entries live in entry
+//     blocks; the kv_manager keeps the accounting of those blocks (ids, references, the prefix
+//     cache; no host memory, no tail blocks: the state holds every slot's rings), sized from
+//     kv_memory_bytes (minus the slots' tails, di_dsv4_dev_sizes / di_dsv41_dev_sizes). A running
+//     request's scheduler slot is its dev slot; each call passes its block ids, its win_lo (bounded
+//     replay after a prefix hit), the positions it attached from the prefix cache and (V4.1) its
 //     request's tokens (the Engram look-back before win_lo; a tail restore rebuilds the history
 //     from them too), so prefix reuse works as on the CPU path.
 //     A failed dev call fails the requests of that step (DI_FINISH_ERROR with its status); the
@@ -119,7 +118,7 @@ struct di_engine {
     di_sample_result *x_res; // owned [max_seqs]: the samples of the plan being run
     di_dsv4_ws ws;           // owned (CPU forward; on V4.1 the slots' sessions share it)
     float *logits;           // owned [max_seqs, V]
-    // The device-resident forward (dev_on: model->dev, or model->dev41 without speculation): one
+    // The device-resident forward (dev_on: model->dev or model->dev41): one
     // state for every slot, reached through the dev_* adapter ("the device-resident forwards"
     // below), so that the engine has one path for both.
     bool dev_on;
@@ -141,16 +140,17 @@ struct di_engine {
     int32_t x_dev_bad;      // blocks whose disk-tier upload before the call failed (marked)
     di_request **x_seq_req; // owned [max_seqs]: the request of each planned sequence
     // The V4.1 forward (model->hp.v41): one session per scheduler slot.
-    di_session **v41;        // owned [max_seqs]; NULL on the other forwards
-    int32_t n_v41;           // sessions created
-    int32_t *x_slot;         // owned [max_seqs]: the slot of each planned sequence (V4.1)
-    di_dsv41_seq *x_b;       // owned [max_seqs]: the batched call's sequences (v41_forward)
-    int32_t *x_bk;           // owned [max_seqs]: the logit slot of each (-1: none)
-    int32_t *x_ver;          // owned [max_seqs * lstride]: logit slot k's verify tokens
-    di_dsv41_draft_seq *x_d; // owned [max_seqs]: the step's draft call (speculating sequences)
-    int32_t *x_dseq;         // owned [max_seqs]: the plan sequence of each draft
-    int32_t *x_dkmax;        // owned [max_seqs]: the most drafts it may verify
-    int64_t v41_slot_bytes;  // one slot tail: its session state without entries (shared ws)
+    di_session **v41;             // owned [max_seqs]; NULL on the other forwards
+    int32_t n_v41;                // sessions created
+    int32_t *x_slot;              // owned [max_seqs]: the slot of each planned sequence (V4.1)
+    di_dsv41_seq *x_b;            // owned [max_seqs]: the batched call's sequences (v41_forward)
+    int32_t *x_bk;                // owned [max_seqs]: the logit slot of each (-1: none)
+    int32_t *x_ver;               // owned [max_seqs * lstride]: logit slot k's verify tokens
+    di_dsv41_draft_seq *x_d;      // owned [max_seqs]: the step's draft call (speculating sequences)
+    int32_t *x_dseq;              // owned [max_seqs]: the plan sequence of each draft
+    int32_t *x_dkmax;             // owned [max_seqs]: the most drafts it may verify
+    di_dsv41_dev_draft_seq *x_dd; // owned [max_seqs] (V4.1 DSpark on the device): the draft call
+    int64_t v41_slot_bytes;       // one slot tail: its session state without entries (shared ws)
     // Speculative decoding (V4.1 with DSpark, opt.spec_tokens > 0; "speculative decoding" below).
     // Logit slot k (a sampled sequence of the plan) owns lstride rows of logits and of sample
     // results: its verify rows. lstride is 1 when speculation is off.
@@ -305,14 +305,18 @@ static void eplb_done(void *user);
 static int64_t sched_now_ms(di_engine *e);
 
 // ---- the device-resident forwards (one adapter) ----
+
+// Slots per DSpark draft call on the device (di_dsv41_dev_draft takes at most 64).
+enum { DI_ENGINE_DRAFT_CHUNK = 64 };
 //
 // The V4 (model/dsv4_dev.h) and V4.1 (model/dsv41_dev.h) device-resident forwards have the same
 // shape: a state of max_seqs slots whose entry blocks are the accounting kv_manager's blocks, calls
 // listing each sequence's blocks, win_lo and n_cached, tail snapshots, entry block I/O, decode
 // graphs. The engine reaches either through these few calls, so that its sizing, warm-up, launch,
-// tail and block I/O code is written once. What only V4 has (MTP speculation: mtp_enable, the
-// verify graphs, rollback, the MTP call) stays V4's (e->dstate, spec_k > 0): a V4.1 engine with
-// speculation runs the CPU V4.1 forward (DSpark is not on the device).
+// tail and block I/O code is written once. Speculation differs: V4's MTP (mtp_enable, the verify
+// graphs, rollback, the MTP call after the step: e->dstate, spec_k > 0) and V4.1's DSpark (the
+// state's DSpark enabled at create, a draft call before the step's call, rollback:
+// dev41_spec_forward, e->dstate41, spec_k > 0).
 
 static di_backend *dev_backend(const di_engine *e) {
     return e->model->dev ? di_dsv4_dev_backend(e->model->dev)
@@ -324,10 +328,17 @@ static int32_t dev_block_tokens(const di_engine *e) {
                          : di_dsv41_dev_block_tokens(e->model->dev41);
 }
 
+// A slot's tail: V4.1 with DSpark adds the DSpark blocks' rings (di_dsv41_dev_dspark_enable: per
+// block W + DI_DSV41_ROLLBACK_MAX Q8 rows, as a layer's window ring).
 static di_status dev_sizes(const di_engine *e, int32_t n_ctx, int32_t bt, int64_t *blk,
                            int64_t *slot) {
-    return e->model->dev ? di_dsv4_dev_sizes(e->model->dev, n_ctx, bt, blk, slot)
-                         : di_dsv41_dev_sizes(e->model->dev41, bt, blk, slot);
+    if (e->model->dev) return di_dsv4_dev_sizes(e->model->dev, n_ctx, bt, blk, slot);
+    di_status st = di_dsv41_dev_sizes(e->model->dev41, bt, blk, slot);
+    const di_hparams *hp = &e->model->hp;
+    if (st == DI_OK && e->spec_k > 0)
+        *slot += (int64_t)e->model->n_mtp_loaded * (hp->window + DI_DSV41_ROLLBACK_MAX) *
+                 di_backend_code_row_bytes(8, hp->head_dim, DI_BACKEND_WIN_BLOCK);
+    return st;
 }
 
 // The most entry blocks of bt positions the state can index (int32 rows, halved for margin): V4
@@ -348,17 +359,29 @@ static int64_t dev_block_cap(const di_engine *e, int32_t bt) {
     int64_t per_block = 0;
     for (int il = 0; il < hp->n_layer; il++)
         if (hp->kv_source[il]) per_block += bt / hp->compress_ratio[il];
-    const int64_t left = INT32_MAX / 2 - (int64_t)hp->n_layer * fixed;
+    // V4.1's rings hold DI_DSV41_ROLLBACK_MAX rows beyond the window (di_dsv41_dev_rollback).
+    const int64_t fixed41 = fixed + (int64_t)e->opt.max_seqs * DI_DSV41_ROLLBACK_MAX;
+    const int64_t left = INT32_MAX / 2 - (int64_t)hp->n_layer * fixed41;
     return per_block > 0 && left / per_block < cap ? left / per_block : cap;
 }
 
+// n_rows: a step's rows (its verify rows included). V4.1 with speculation: a draft call's block
+// rows fit too, and the state runs DSpark.
 static di_status dev_state_create(di_engine *e, int32_t n_rows, int32_t n_blocks, int32_t bt) {
     const di_engine_options *o = &e->opt;
     if (e->model->dev)
         return di_dsv4_dev_state_create(e->model->dev, o->max_seqs, o->max_ctx, n_rows, n_blocks,
                                         bt, &e->dstate);
-    return di_dsv41_dev_state_create(e->model->dev41, o->max_seqs, o->max_ctx, n_rows, n_blocks, bt,
-                                     &e->dstate41);
+    if (e->spec_k > 0) {
+        const int32_t nd =
+            o->max_seqs < DI_ENGINE_DRAFT_CHUNK ? o->max_seqs : DI_ENGINE_DRAFT_CHUNK;
+        if (nd * e->model->hp.dspark_block_size > n_rows)
+            n_rows = nd * e->model->hp.dspark_block_size;
+    }
+    di_status st = di_dsv41_dev_state_create(e->model->dev41, o->max_seqs, o->max_ctx, n_rows,
+                                             n_blocks, bt, &e->dstate41);
+    if (st == DI_OK && e->spec_k > 0) st = di_dsv41_dev_dspark_enable(e->dstate41);
+    return st;
 }
 
 static void dev_state_destroy(di_engine *e) {
@@ -476,14 +499,21 @@ static di_status dev_warm_up(di_engine *e) {
     di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = n, .blocks = e->x_blocks, .n_blocks = nb};
     int32_t last = n - 1;
     di_status st = dev_forward(e, &sq, NULL, 1, tok, &last, 1, e->logits);
-    if (st == DI_OK && e->spec_k > 0) { // V4's MTP speculation (e->dstate)
+    if (st == DI_OK && e->spec_k > 0 && e->dstate41) { // V4.1's DSpark: a draft call on slot 0
+        e->x_dd[0] = (di_dsv41_dev_draft_seq){.slot = 0, .anchor = 0};
+        st = di_dsv41_dev_draft(e->dstate41, e->x_dd, 1, NULL);
+    }
+    if (st == DI_OK && e->spec_k > 0 && e->dstate) { // V4's MTP speculation
         for (int32_t t = 0; t < n; t++) e->x_mrows[t] = t;
         memset(e->x_mids, 0, sizeof(int32_t) * (size_t)n);
         st = di_dsv4_dev_mtp_forward(e->dstate, &sq, 1, e->x_mrows, e->x_mids, &last, 1,
                                      e->mtp_logits);
     }
     if (st == DI_OK) st = dev_prepare_decode(e);
-    if (st == DI_OK && e->spec_k > 0) st = di_dsv4_dev_prepare_verify(e->dstate, o->max_seqs);
+    if (st == DI_OK && e->spec_k > 0 && e->dstate)
+        st = di_dsv4_dev_prepare_verify(e->dstate, o->max_seqs);
+    if (st == DI_OK && e->spec_k > 0 && e->dstate41) // verify steps of 1 .. spec_k drafts
+        st = di_dsv41_dev_prepare_verify(e->dstate41, o->max_seqs, e->spec_k + 1);
     if (st != DI_OK)
         DI_LOG_ERROR("engine: the device-resident forward failed its warm-up call of %d rows: %s",
                      (int)n, di_status_str(st));
@@ -742,6 +772,16 @@ static di_status dev_spec_create(di_engine *e) {
     e->x_mrows = di_malloc(sizeof(int32_t) * n_rows);
     if (!spec_arrays_create(e, n_rows) || !e->x_vdev || !e->x_mdev || !e->x_mrows)
         return DI_ERR_NOMEM;
+    if (e->dstate41) { // DSpark: the step's draft call
+        e->x_dd = di_calloc(ms, sizeof *e->x_dd);
+        e->x_dseq = di_malloc(sizeof(int32_t) * ms);
+        e->x_dkmax = di_malloc(sizeof(int32_t) * ms);
+        if (!e->x_dd || !e->x_dseq || !e->x_dkmax) return DI_ERR_NOMEM;
+        DI_LOG_INFO("engine: speculative decoding with DSpark on the device-resident forward: up "
+                    "to %d drafts per verify, confidence cut %g",
+                    (int)e->spec_k, (double)e->spec_tau);
+        return DI_OK;
+    }
     DI_LOG_INFO("engine: speculative decoding with the MTP block on the device-resident forward: "
                 "one draft per verify");
     return DI_OK;
@@ -832,12 +872,8 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->eos = hp->eos_token;
     DI_TRY(spec_setup(e));
     // The device-resident forward when the model has one attached: V4's (with or without MTP
-    // speculation), V4.1's without speculation (it has no DSpark: with spec_tokens > 0 the CPU
-    // V4.1 forward runs, its matmuls on the device).
-    e->dev_on = e->model->dev || (e->model->dev41 && e->spec_k == 0);
-    if (e->model->dev41 && !e->dev_on)
-        DI_LOG_INFO("engine: speculative decoding (DSpark) is not on the V4.1 device-resident "
-                    "forward: the engine runs the CPU V4.1 forward (its matmuls on the device)");
+    // speculation), V4.1's (with or without DSpark speculation).
+    e->dev_on = e->model->dev || e->model->dev41;
     if (e->dev_on)
         DI_TRY(dev_kv_create(e));
     else if (hp->v41)
@@ -1158,6 +1194,7 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_d);
     di_free(e->x_dseq);
     di_free(e->x_dkmax);
+    di_free(e->x_dd);
     di_free(e->mtp_ls);
     di_aligned_free(e->mtp_ring);
     di_free(e->mtp_draft);
@@ -2075,6 +2112,13 @@ static void spec_rollback(di_engine *e, int32_t k, int32_t pos_new) {
         DI_ASSERT(st == DI_OK);
         return;
     }
+    if (e->dstate41) { // at most DI_MAX_SPEC_TOKENS <= DI_DSV41_ROLLBACK_MAX positions
+        const int32_t slot = e->x_lslot[k];
+        di_status st = di_dsv41_dev_rollback(e->dstate41, slot,
+                                             di_dsv41_dev_n_past(e->dstate41, slot) - pos_new);
+        DI_ASSERT(st == DI_OK);
+        return;
+    }
     di_dsv4_state_rollback(e->model, e->kv->seqs[e->x_lslot[k]].layers, 0, e->model->hp.n_layer,
                            pos_new);
 }
@@ -2456,6 +2500,66 @@ static di_status dev_spec_forward(di_engine *e) {
     return DI_OK;
 }
 
+// V4.1 with DSpark on the device-resident forward (v41_forward's order on the dev state): the
+// drafts of every sampled decode that speculates in one draft call (di_dsv41_dev_draft, chunks of
+// DI_ENGINE_DRAFT_CHUNK slots; each slot as the previous step left it, its anchor the token it
+// feeds now), then the step's one call, a verify's rows [anchor, drafts] (spec_take: the
+// confidence cut, the hook) with the logits of every one, another sequence's planned rows with
+// its last row's logits when it samples. A failed draft or call fails the step (fail_step) before
+// any slot moved.
+static di_status dev41_spec_forward(di_engine *e) {
+    int32_t row = 0, n_draft = 0;
+    for (int32_t i = 0; i < e->x_n_seq; row += e->x_seqs[i].n_tok, i++) {
+        const di_dsv4_seq *sq = &e->x_seqs[i];
+        const int32_t last = row + sq->n_tok - 1;
+        int32_t kslot = -1;
+        for (int32_t k = 0; k < e->x_n_logit; k++)
+            if (e->x_logit_rows[k] == last) kslot = k;
+        e->x_bk[i] = kslot;
+        if (kslot < 0) continue;
+        e->x_lslot[kslot] = e->x_seq_req[i]->slot;
+        const int32_t k_max = spec_kmax(e, kslot, sq, e->x_cap[i]);
+        if (k_max <= 0) continue;
+        e->x_dd[n_draft] =
+            (di_dsv41_dev_draft_seq){.slot = e->x_seq_req[i]->slot, .anchor = e->x_tokens[last]};
+        e->x_dseq[n_draft] = i;
+        e->x_dkmax[n_draft++] = k_max;
+    }
+    for (int32_t c0 = 0; c0 < n_draft; c0 += DI_ENGINE_DRAFT_CHUNK) {
+        const int32_t n =
+            n_draft - c0 < DI_ENGINE_DRAFT_CHUNK ? n_draft - c0 : DI_ENGINE_DRAFT_CHUNK;
+        di_status st = di_dsv41_dev_draft(e->dstate41, e->x_dd + c0, n, NULL);
+        if (st != DI_OK) return st;
+    }
+    int32_t vrow = 0, n_vl = 0, j = 0;
+    row = 0;
+    for (int32_t i = 0; i < e->x_n_seq; row += e->x_seqs[i].n_tok, i++) {
+        const di_dsv4_seq *sq = &e->x_seqs[i];
+        int32_t *ver = e->x_vtokens + vrow;
+        memcpy(ver, e->x_tokens + row, sizeof(int32_t) * (size_t)sq->n_tok);
+        e->x_vdev[i] = e->x_dev[i];
+        int32_t n_rows = sq->n_tok;
+        const int32_t kslot = e->x_bk[i];
+        if (j < n_draft && e->x_dseq[j] == i) { // a verify: [anchor, drafts]
+            _Static_assert(sizeof(di_draft) == sizeof(di_dsv41_draft), "same layout");
+            di_draft d;
+            memcpy(&d, &e->x_dd[j].out, sizeof d);
+            spec_take(e, kslot, sq, &d, e->x_dkmax[j], ver, &n_rows);
+            e->x_vdev[i].n_tok = n_rows;
+            for (int32_t t = 0; t < n_rows; t++) e->x_vlogit[n_vl++] = vrow + t;
+            j++;
+        } else if (kslot >= 0) {
+            e->x_vlogit[n_vl++] = vrow + n_rows - 1;
+        }
+        vrow += n_rows;
+    }
+    di_status st = dev_forward(e, e->x_vdev, e->x_prefix, e->x_n_seq, e->x_vtokens, e->x_vlogit,
+                               n_vl, e->logits);
+    if (st != DI_OK) return st;
+    logits_to_slots(e, n_vl);
+    return DI_OK;
+}
+
 // After the step's sampling and accept: the MTP call on every kept row of the step, each with the
 // token after it, and the next drafts (mtp_step's rules, on the dev state: row t of the MTP call
 // reads the main streams of its row of the step's call).
@@ -2501,7 +2605,9 @@ static void *forward_main(void *p) {
             st = v41_forward(e);
         } else if (e->dev_on) {
             st = e->x_restore_st; // the launch's tail restores
-            if (st == DI_OK && e->spec_k > 0)
+            if (st == DI_OK && e->spec_k > 0 && e->dstate41)
+                st = dev41_spec_forward(e); // V4.1 with DSpark
+            else if (st == DI_OK && e->spec_k > 0)
                 st = dev_spec_forward(e); // V4 with MTP
             else if (st == DI_OK)
                 st = dev_forward(e, e->x_dev, e->x_prefix, e->x_n_seq, e->x_tokens, e->x_logit_rows,

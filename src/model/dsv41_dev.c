@@ -6,7 +6,10 @@
 // to "the forward over its stages" is one pipeline stage (dev_stage, stage_state: its layers
 // [l0, l1)); that last section is the public API, dispatching over the stages (dsv41_dev.h
 // "Pipeline stages"). Sections: weights, state, per-call metadata, the layer, checks, the call,
-// the forward over its stages.
+// the forward over its stages (with rollback and DSpark's enable and draft calls). Over 2,000
+// lines: the DSpark blocks, taps and context rows are ops of the same call records (call,
+// stage_state, the staging lists and their OP / ROUND macros) as the layers', and a split would
+// have to export those internals.
 #include "model/dsv41_dev.h"
 
 #include <math.h>
@@ -19,6 +22,7 @@
 #include "base/status.h"      // DI_TRY
 #include "model/dev_common.h" // weight uploads, MoE weights, logit rows
 #include "model/dsv41.h"
+#include "backend/cpu/ref_ops.h" // di_ref_dot, di_sigmoid: the DSpark heads' host part, as dsv41.c
 
 // The backend's code formats are the CPU forward's (attn_codes and index_scores_q4 decode these).
 _Static_assert(DI_DSV41_WIN_BLOCK == DI_BACKEND_WIN_BLOCK &&
@@ -29,6 +33,19 @@ _Static_assert(DI_DSV41_WIN_BLOCK == DI_BACKEND_WIN_BLOCK &&
 // Head rows computed at once (bounds the logits scratch [HEAD_CHUNK, V]); also the most sequences
 // of a decode step run as a graph.
 enum { HEAD_CHUNK = 64 };
+// Graph steps: every sequence r <= GRAPH_ROWS rows with all their logits (a decode step, r = 1;
+// a verify step of r - 1 drafts), at most HEAD_CHUNK rows; one graph per (r, sequences), slot
+// (r - 1) * (HEAD_CHUNK + 1) + n_seq of a state's graphs.
+enum { GRAPH_ROWS = DI_DSV41_ROLLBACK_MAX + 1, N_GRAPHS = GRAPH_ROWS * (HEAD_CHUNK + 1) };
+
+// Rollback (di_dsv41_dev_rollback, dsv41_dev.h "Rollback"): a slot's window ring of every layer
+// holds ring_rows = W + DI_DSV41_ROLLBACK_MAX rows (position p in row p mod ring_rows) and a
+// ratio-2 source's C and Z rings CZ_ROWS rows (p mod CZ_ROWS), so the rows of rejected positions
+// never overwrite rows a kept position still reads.
+enum { CZ_ROWS = DI_DSV41_ROLLBACK_MAX + 2 };
+static int64_t ring_rows(const di_hparams *hp) {
+    return (int64_t)hp->window + DI_DSV41_ROLLBACK_MAX;
+}
 
 // ---- weights ----
 
@@ -80,6 +97,14 @@ typedef struct dev_stage {
     const di_tensor *eg_tables[DI_MAX_ENGRAM];
     di_dev_up up;  // the backend blocks it uploaded (freed at destroy)
     bool official; // the official precision recipe (R-OFF)
+    // DSpark (dsv41_dev.h "DSpark"; the last stage, when the model loaded its blocks): the blocks
+    // (layers without compressor, indexer or Engram), main_proj / main_norm, the final norm and the
+    // Markov head's projection; the Markov embedding and the confidence head stay on the host.
+    int32_t n_ds;
+    dev_layer *ds; // owned [n_ds]
+    di_tensor ds_main_proj, ds_markov_head;
+    float *ds_main_norm, *ds_norm; // backend [D]
+    bool taps_here;                // a DSpark target layer is on this stage or an earlier one
 } dev_stage;
 
 // The forward over its stages (dsv41_dev.h "Pipeline stages").
@@ -193,13 +218,16 @@ static di_status stage_create(di_model *m, di_backend *b, int32_t l0, int32_t l1
     int32_t max_e = 1;
     for (int il = l0; il < l1; il++)
         if (m->layers[il].n_expert > max_e) max_e = m->layers[il].n_expert;
+    for (int i = 0; last && i < m->n_mtp_loaded; i++)
+        if (m->mtp[i].block.n_expert > max_e) max_e = m->mtp[i].block.n_expert;
     tmp = di_calloc((size_t)max_e, sizeof *tmp);
     if (!d->layers || !tmp) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
     const int half = hp->rope_main.n_dims / 2;
-    if (first) DI_TRY(up_weight(d, &m->embed, &d->embed));
+    // The embedding: the first stage's, and the last one's when it drafts (DSpark's block rows).
+    if (first || (last && m->n_mtp_loaded > 0)) DI_TRY(up_weight(d, &m->embed, &d->embed));
     if (last) {
         DI_TRY(up_weight(d, &m->head, &d->head));
         DI_TRY(up_floats(d, m->norm, hp->n_embd, &d->norm));
@@ -207,6 +235,20 @@ static di_status stage_create(di_model *m, di_backend *b, int32_t l0, int32_t l1
     DI_TRY(up_floats(d, m->omega_main, half, &d->omega_main));
     DI_TRY(up_floats(d, m->omega_compress, half, &d->omega_compress));
     for (int il = l0; il < l1; il++) DI_TRY(up_layer(d, &m->layers[il], &d->layers[il], tmp));
+    for (int k = 0; k < hp->n_dspark_target; k++) d->taps_here |= hp->dspark_target[k] < l1;
+    if (last && m->n_mtp_loaded > 0) {
+        d->ds = di_calloc((size_t)m->n_mtp_loaded, sizeof *d->ds);
+        if (!d->ds) {
+            st = DI_ERR_NOMEM;
+            goto fail;
+        }
+        d->n_ds = m->n_mtp_loaded;
+        for (int i = 0; i < d->n_ds; i++) DI_TRY(up_layer(d, &m->mtp[i].block, &d->ds[i], tmp));
+        DI_TRY(up_weight(d, &m->dspark.main_proj, &d->ds_main_proj));
+        DI_TRY(up_weight(d, &m->dspark.markov_head, &d->ds_markov_head));
+        DI_TRY(up_floats(d, m->dspark.main_norm, hp->n_embd, &d->ds_main_norm));
+        DI_TRY(up_floats(d, m->dspark.norm, hp->n_embd, &d->ds_norm));
+    }
     DI_TRY(b->vt->sync(b)); // the host arrays of the uploads may be reused after this
     di_free(tmp);
     *out = d;
@@ -221,6 +263,7 @@ static void stage_destroy(dev_stage *d) {
     if (!d) return;
     di_dev_up_free(&d->up);
     di_free(d->layers);
+    di_free(d->ds);
     di_free(d);
 }
 
@@ -253,7 +296,7 @@ typedef struct dev_src {
     int32_t il, m, per_page; // layer, ratio, entries per block
     uint8_t *ent;            // backend [n_blocks * per_page] Q4e rows of ent_bytes
     uint8_t *ikeys;          // backend [n_blocks * per_page] Q4 rows of key_bytes
-    float *ring_c, *ring_z;  // backend [n_slots * 2, Dh] (m = 2, the owner only), else NULL
+    float *ring_c, *ring_z;  // backend [n_slots * CZ_ROWS, Dh] (m = 2, the owner), else NULL
     int32_t cap_vis;         // the most entries a slot can have: n_ctx / m
     // The hand-over of a handed or mirrored source (NULL: neither): a call's n_pool finalised
     // rows before packing, [n_pool, Dh] entries then [n_pool, DI] index keys as FP32 (backend
@@ -275,11 +318,12 @@ struct stage_state {
     dev_stage *d; // borrowed
     int32_t n_slots, n_ctx, max_rows, block_tokens, max_blocks, n_eblocks;
     bool shared;        // blocks listed per call
-    int64_t layer_rows; // window rows of one layer: max_rows + n_slots * W
+    int64_t layer_rows; // window rows of one layer: max_rows + n_slots * ring_rows
     int32_t key_stride; // W + index_topk
     int32_t score_stride;
     dev_src *src;       // owned [n_layer]: by layer (only kv sources used)
     int32_t *n_past;    // owned [n_slots] host
+    int32_t *rb_lo;     // owned [n_slots] host: the lowest position a rollback returns to
     int32_t *hist;      // owned [n_slots, n_ctx] host: compressed ids (Engram look-back); NULL
                         // on a stage without Engram layers
     uint8_t *used;      // owned [n_slots] scratch of the checks
@@ -303,9 +347,22 @@ struct stage_state {
     size_t stage_cap;   // int32 words of both
     int64_t aq_floats;  // of aq
     // Graphs: one per decode size 1..min(n_slots, HEAD_CHUNK).
-    dev_graph *graphs; // owned [HEAD_CHUNK + 1]
+    dev_graph *graphs; // owned [N_GRAPHS]
     bool graphs_on;
     di_dsv41_dev_graph_stats stats;
+    // DSpark (di_dsv41_dev_dspark_enable; off and NULL before): the taps of the call's rows
+    // [max_rows, n_target, D] (stages with taps_here), an identity row list [max_rows], the
+    // streams' mean weights [max_rows, NC] (1 / NC), and on the last stage the DSpark blocks'
+    // window rows as Q8 codes (dwin: per block a region of layer_rows rows of win_bytes, as a
+    // layer's: [max_rows call rows | slot 0's ring_rows | ...]),
+    // the Markov head's scratch ([HEAD_CHUNK, V] Markov logits, [HEAD_CHUNK, R] embeddings, ones)
+    // and host buffers (backend host_alloc) for a draft call's downloads and uploads.
+    bool dspark;
+    float *taps, *inv_nc, *mk, *me, *ones;
+    uint8_t *dwin;
+    int32_t *iota;
+    float *lg_h, *me_h, *h_h; // host [HEAD_CHUNK, V], [HEAD_CHUNK, R], [max_rows, D]
+    float *ci_h;              // owned [D + R]: the confidence head's input
 };
 
 // A state over the stages: one part per stage and the hand-over's host buffer.
@@ -322,6 +379,8 @@ struct di_dsv41_dev_state {
     size_t xh_bytes; // of xh
     size_t h_src[DI_MAX_LAYERS], h_sel, h_cand, h_ncand;
     di_dsv41_dev_graph_stats stats; // the last call's, summed over the stages
+    float *th; // DSpark with stages: host_alloc of stage 0's backend [max_rows, n_target, D], the
+               // taps handed over (NULL otherwise)
 };
 
 static di_status st_alloc(stage_state *s, size_t bytes, void **out) {
@@ -360,13 +419,18 @@ static void part_destroy(stage_state *s) {
     if (!s) return;
     di_backend *b = s->d->b;
     if (s->graphs)
-        for (int i = 0; i <= HEAD_CHUNK; i++) b->vt->graph_destroy(b, s->graphs[i].g);
+        for (int i = 0; i < N_GRAPHS; i++) b->vt->graph_destroy(b, s->graphs[i].g);
     for (int32_t i = 0; i < s->n_mem; i++) b->vt->free(b, s->blocks[i]);
     if (s->stage) b->vt->host_free(b, s->stage);
+    if (s->lg_h) b->vt->host_free(b, s->lg_h);
+    if (s->me_h) b->vt->host_free(b, s->me_h);
+    if (s->h_h) b->vt->host_free(b, s->h_h);
+    di_free(s->ci_h);
     di_free(s->blocks);
     di_free(s->graphs);
     di_free(s->src);
     di_free(s->n_past);
+    di_free(s->rb_lo);
     di_free(s->hist);
     di_free(s->used);
     di_free(s->blk_owner);
@@ -405,7 +469,7 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
         if (hp->compress_ratio[il] > 0 && block_tokens % hp->compress_ratio[il] != 0) ok = false;
     const int32_t max_blocks = ok ? (n_ctx + block_tokens - 1) / block_tokens : 0;
     const int64_t n_eb = n_blocks > 0 ? n_blocks : (int64_t)n_slots * max_blocks;
-    const int64_t layer_rows = (int64_t)max_rows + (int64_t)n_slots * W;
+    const int64_t layer_rows = (int64_t)max_rows + (int64_t)n_slots * ring_rows(hp);
     const int64_t win_rows = (int64_t)(d->l1 - d->l0) * layer_rows;
     int64_t max_ent = 0; // entry rows of the widest source (its own or a mirror)
     for (int il = 0; ok && il < hp->n_layer; il++)
@@ -432,12 +496,13 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     di_status st = DI_OK;
     s->src = di_calloc((size_t)hp->n_layer, sizeof *s->src);
     s->n_past = di_calloc((size_t)n_slots, sizeof *s->n_past);
+    s->rb_lo = di_calloc((size_t)n_slots, sizeof *s->rb_lo);
     if (d->n_eg > 0) s->hist = di_calloc((size_t)n_slots * (size_t)n_ctx, sizeof *s->hist);
     s->used = di_calloc((size_t)n_slots, 1);
     s->blk_owner = di_calloc((size_t)n_eb, sizeof *s->blk_owner);
-    s->graphs = di_calloc(HEAD_CHUNK + 1, sizeof *s->graphs);
-    if (!s->src || !s->n_past || (d->n_eg > 0 && !s->hist) || !s->used || !s->blk_owner ||
-        !s->graphs) {
+    s->graphs = di_calloc(N_GRAPHS, sizeof *s->graphs);
+    if (!s->src || !s->n_past || !s->rb_lo || (d->n_eg > 0 && !s->hist) || !s->used ||
+        !s->blk_owner || !s->graphs) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -468,8 +533,8 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
         DI_TRY(d->b->vt->memset(d->b, k->ent, 0, (size_t)(n_ent * s->ent_bytes)));
         DI_TRY(d->b->vt->memset(d->b, k->ikeys, 0, (size_t)(n_ent * s->key_bytes)));
         if (k->m == 2 && here(d, il)) { // a mirror holds no rings: the owner compresses
-            DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_c));
-            DI_TRY(st_floats(s, (int64_t)n_slots * 2 * Dh, &k->ring_z));
+            DI_TRY(st_floats(s, (int64_t)n_slots * CZ_ROWS * Dh, &k->ring_c));
+            DI_TRY(st_floats(s, (int64_t)n_slots * CZ_ROWS * Dh, &k->ring_z));
         }
         if (d->layers[il].mirror || d->layers[il].handed)
             DI_TRY(st_floats(s, R * (Dh + DI), &k->xfer));
@@ -562,12 +627,12 @@ di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_
                              int64_t *slot_bytes) {
     const di_hparams *hp = &d->m->hp; // every stage's layers: the sums over the stages
     bool ok = block_tokens >= 1;
-    int64_t slot = (int64_t)hp->n_layer * hp->window * win_row_bytes(hp);
+    int64_t slot = (int64_t)hp->n_layer * ring_rows(hp) * win_row_bytes(hp);
     for (int il = 0; ok && il < hp->n_layer; il++) {
         const int32_t m = hp->compress_ratio[il];
         if (m > 0 && block_tokens % m != 0) ok = false;
-        if (ok && hp->kv_source[il] && m == 2) // C and Z rings of 2 FP32 rows
-            slot += 2 * 2 * (int64_t)hp->head_dim * (int64_t)sizeof(float);
+        if (ok && hp->kv_source[il] && m == 2) // C and Z rings of CZ_ROWS FP32 rows
+            slot += 2 * CZ_ROWS * (int64_t)hp->head_dim * (int64_t)sizeof(float);
     }
     if (!ok) {
         DI_LOG_ERROR("dev forward (V4.1): blocks of %d positions (a multiple of every ratio)",
@@ -627,9 +692,14 @@ static di_status block_io(const stage_state *s, int32_t block, uint8_t *dst, con
     return DI_OK;
 }
 
+// Rings in a snapshot: every layer's, then every DSpark block's of the dev (dsv41_dev.h).
+static int32_t tail_rings(const di_dsv41_dev *d) {
+    return d->m->hp.n_layer + d->m->n_mtp_loaded; // the last stage uploads every DSpark block
+}
+
 size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d) {
     const di_hparams *hp = &d->m->hp;
-    return 16 + (size_t)hp->n_layer * (size_t)hp->window * (size_t)win_row_bytes(hp);
+    return 16 + (size_t)tail_rings(d) * (size_t)hp->window * (size_t)win_row_bytes(hp);
 }
 
 // Whether pos is a multiple of every compress ratio (no ratio-2 group open).
@@ -642,16 +712,51 @@ static bool tail_pos_ok(const di_hparams *hp, int32_t pos) {
 // The slot's window ring of layer il (W Q8 rows).
 static uint8_t *ring_of(const stage_state *s, int il, int32_t slot) {
     const di_hparams *hp = &s->d->m->hp;
-    return s->win +
-           ((int64_t)(il - s->d->l0) * s->layer_rows + s->max_rows + (int64_t)slot * hp->window) *
-               s->win_bytes;
+    return s->win + ((int64_t)(il - s->d->l0) * s->layer_rows + s->max_rows +
+                     (int64_t)slot * ring_rows(hp)) *
+                        s->win_bytes;
+}
+
+// The window rows of positions [pos - W, pos) of slot `slot`'s ring (Q8 rows of win_bytes; row p
+// mod ring_rows) to or from a snapshot's W rows of that ring (row p mod W): downloaded into dst,
+// or uploaded from src, in runs of rows consecutive on both sides. Saving, the rows of positions
+// below 0 are zero bytes (Q8 rows of +0; no position has them; a restore skips them).
+static di_status tail_rows(stage_state *s, uint8_t *ring, int32_t pos, uint8_t *dst,
+                           const uint8_t *src) {
+    const di_hparams *hp = &s->d->m->hp;
+    di_backend *b = s->d->b;
+    const int64_t W = hp->window, RW = ring_rows(hp);
+    const size_t row = (size_t)s->win_bytes;
+    int64_t p = pos - W > 0 ? pos - W : 0;
+    if (dst && pos < W) memset(dst + (size_t)pos * row, 0, (size_t)(W - pos) * row);
+    while (p < pos) {
+        int64_t n = 1;
+        while (p + n < pos && (p + n) % RW != 0 && (p + n) % W != 0) n++;
+        uint8_t *dr = dst ? dst + (size_t)(p % W) * row : NULL;
+        uint8_t *rr = ring + (size_t)(p % RW) * row;
+        di_status st = dst ? b->vt->download(b, dr, rr, (size_t)n * row)
+                           : b->vt->upload(b, rr, src + (size_t)(p % W) * row, (size_t)n * row);
+        if (st != DI_OK) return st;
+        p += n;
+    }
+    return DI_OK;
+}
+
+// DSpark block i's region of Q8 rows (as a layer's: the call's rows, then every slot's ring_rows).
+static uint8_t *ds_region(const stage_state *s, int i) {
+    return s->dwin + (int64_t)i * s->layer_rows * s->win_bytes;
+}
+
+// Slot `slot`'s ring of DSpark block i (last stage, DSpark on).
+static uint8_t *ds_ring_of(const stage_state *s, int i, int32_t slot) {
+    const di_hparams *hp = &s->d->m->hp;
+    return ds_region(s, i) + (s->max_rows + (int64_t)slot * ring_rows(hp)) * s->win_bytes;
 }
 
 // Stage s's rings of slot `slot`'s snapshot (the header written too: the same on every stage)
 // into dst (di_dsv41_dev_tail_bytes: every stage writes its layers' rings at their offsets).
 static di_status part_tail_save(stage_state *s, int32_t slot, void *dst) {
     const di_hparams *hp = &s->d->m->hp;
-    di_backend *b = s->d->b;
     if (slot < 0 || slot >= s->n_slots || s->n_past[slot] < 0 ||
         !tail_pos_ok(hp, s->n_past[slot])) {
         DI_LOG_ERROR("dev forward (V4.1): no tail snapshot of slot %d (at %d: a multiple of every "
@@ -659,12 +764,23 @@ static di_status part_tail_save(stage_state *s, int32_t slot, void *dst) {
                      slot, slot >= 0 && slot < s->n_slots ? s->n_past[slot] : -1);
         return DI_ERR_INVALID;
     }
-    const int32_t head[4] = {s->n_past[slot], hp->n_layer, hp->window, hp->head_dim};
+    const dev_stage *d = s->d;
+    const int32_t head[4] = {s->n_past[slot], hp->n_layer + d->m->n_mtp_loaded, hp->window,
+                             hp->head_dim};
     memcpy(dst, head, sizeof head);
     const size_t ring = (size_t)hp->window * (size_t)s->win_bytes;
     uint8_t *out = (uint8_t *)dst + sizeof head + (size_t)s->d->l0 * ring;
     for (int il = s->d->l0; il < s->d->l1; il++, out += ring) {
-        di_status st = b->vt->download(b, out, ring_of(s, il, slot), ring);
+        di_status st = tail_rows(s, ring_of(s, il, slot), s->n_past[slot], out, NULL);
+        if (st != DI_OK) return st;
+    }
+    // The DSpark blocks' rings after the layers' (zero rows in a state without DSpark).
+    for (int i = 0; d->last && i < d->n_ds; i++, out += ring) {
+        if (!s->dspark) {
+            memset(out, 0, ring);
+            continue;
+        }
+        di_status st = tail_rows(s, ds_ring_of(s, i, slot), s->n_past[slot], out, NULL);
         if (st != DI_OK) return st;
     }
     return DI_OK;
@@ -674,7 +790,7 @@ di_status di_dsv41_dev_tail_check(const di_dsv41_dev *d, int32_t pos, const void
     const di_hparams *hp = &d->m->hp;
     int32_t head[4];
     memcpy(head, src, sizeof head);
-    return tail_pos_ok(hp, pos) && head[0] == pos && head[1] == hp->n_layer &&
+    return tail_pos_ok(hp, pos) && head[0] == pos && head[1] == tail_rings(d) &&
                    head[2] == hp->window && head[3] == hp->head_dim
                ? DI_OK
                : DI_ERR_INVALID;
@@ -686,13 +802,12 @@ static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, co
                                    const int32_t *tokens) {
     const dev_stage *d = s->d;
     const di_hparams *hp = &d->m->hp;
-    di_backend *b = d->b;
     int32_t head[4];
     memcpy(head, src, sizeof head);
     const bool ok = slot >= 0 && slot < s->n_slots && pos >= 0 && pos <= s->n_ctx &&
-                    tail_pos_ok(hp, pos) && head[0] == pos && head[1] == hp->n_layer &&
-                    head[2] == hp->window && head[3] == hp->head_dim &&
-                    (pos == 0 || hp->n_engram == 0 || tokens);
+                    tail_pos_ok(hp, pos) && head[0] == pos &&
+                    head[1] == hp->n_layer + d->m->n_mtp_loaded && head[2] == hp->window &&
+                    head[3] == hp->head_dim && (pos == 0 || hp->n_engram == 0 || tokens);
     if (ok)
         for (int32_t p = 0; p < pos && hp->n_engram > 0; p++)
             if (tokens[p] < 0 || tokens[p] >= hp->n_vocab) {
@@ -709,12 +824,17 @@ static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, co
     const size_t ring = (size_t)hp->window * (size_t)s->win_bytes;
     const uint8_t *in = (const uint8_t *)src + sizeof head + (size_t)d->l0 * ring;
     for (int il = d->l0; il < d->l1; il++, in += ring) {
-        di_status st = b->vt->upload(b, ring_of(s, il, slot), in, ring);
+        di_status st = tail_rows(s, ring_of(s, il, slot), pos, NULL, in);
+        if (st != DI_OK) return st;
+    }
+    for (int i = 0; d->last && s->dspark && i < d->n_ds; i++, in += ring) {
+        di_status st = tail_rows(s, ds_ring_of(s, i, slot), pos, NULL, in);
         if (st != DI_OK) return st;
     }
     for (int32_t p = 0; p < pos && d->n_eg > 0; p++)
         s->hist[(int64_t)slot * s->n_ctx + p] = d->m->v41->cmap[tokens[p]];
     s->n_past[slot] = pos;
+    s->rb_lo[slot] = pos; // the ring rows before the snapshot's window are not restored
     return DI_OK;
 }
 
@@ -746,7 +866,7 @@ typedef struct call {
 static void stage_layout(call *c) {
     const stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
-    const int64_t T = c->T, W = hp->window;
+    const int64_t T = c->T, RW = ring_rows(hp);
     size_t o = 0;
 #define TAKE(field, n)                                                                             \
     do {                                                                                           \
@@ -762,7 +882,7 @@ static void stage_layout(call *c) {
     TAKE(keys, T * s->key_stride);
     c->n_wd = 0;
     for (int32_t i = 0; i < c->n_seq; i++)
-        c->n_wd += c->seqs[i].n_tok < W ? c->seqs[i].n_tok : (int32_t)W;
+        c->n_wd += c->seqs[i].n_tok < RW ? c->seqs[i].n_tok : (int32_t)RW;
     TAKE(win_dst, c->n_wd);
     TAKE(win_src, c->n_wd);
     TAKE(pages, (int64_t)c->n_seq * s->max_blocks);
@@ -776,7 +896,7 @@ static void stage_layout(call *c) {
         k->n_rd = 0;
         for (int32_t i = 0; i < c->n_seq; i++) {
             k->n_pool += (c->seqs[i].n_tok + mm - 1) / mm;
-            k->n_rd += c->seqs[i].n_tok < 2 ? c->seqs[i].n_tok : 2;
+            k->n_rd += c->seqs[i].n_tok < CZ_ROWS ? c->seqs[i].n_tok : CZ_ROWS;
         }
         TAKE(sm[il].n_vis, T);
         TAKE(sm[il].epos, k->n_pool);
@@ -810,12 +930,12 @@ static void stage_fill(call *c, const int32_t *tokens) {
     stage_state *s = c->s;
     const di_model *m = s->d->m;
     const di_hparams *hp = &m->hp;
-    const int64_t W = hp->window, bt = s->block_tokens;
+    const int64_t W = hp->window, RW = ring_rows(hp), bt = s->block_tokens;
     int32_t *g = s->stage;
     int32_t r = 0, wd = 0;
     for (int32_t i = 0; i < c->n_seq; i++) {
         const di_dsv41_dev_seq *sq = &c->seqs[i];
-        const int64_t p0 = sq->pos, ring0 = (int64_t)s->max_rows + (int64_t)sq->slot * W;
+        const int64_t p0 = sq->pos, ring0 = (int64_t)s->max_rows + (int64_t)sq->slot * RW;
         const int32_t r0 = r;
         for (int64_t j = 0; j < s->max_blocks; j++)
             g[c->pages + (int64_t)i * s->max_blocks + j] =
@@ -832,10 +952,10 @@ static void stage_fill(call *c, const int32_t *tokens) {
             g[c->page_off + r] = i * s->max_blocks;
             int32_t *kl = g + c->keys + (int64_t)r * s->key_stride;
             for (int64_t q = w_lo; q <= P; q++)
-                kl[q - w_lo] = q < p0 ? (int32_t)(ring0 + q % W) : (int32_t)(r0 + q - p0);
+                kl[q - w_lo] = q < p0 ? (int32_t)(ring0 + q % RW) : (int32_t)(r0 + q - p0);
         }
-        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++, wd++) {
-            g[c->win_dst + wd] = (int32_t)(ring0 + (p0 + t) % W);
+        for (int32_t t = sq->n_tok > RW ? sq->n_tok - (int32_t)RW : 0; t < sq->n_tok; t++, wd++) {
+            g[c->win_dst + wd] = (int32_t)(ring0 + (p0 + t) % RW);
             g[c->win_src + wd] = r0 + t;
         }
         // Engram: the slot's compressed ids (a replay's start: of its prefix too; kept on every
@@ -907,8 +1027,9 @@ static void stage_fill(call *c, const int32_t *tokens) {
                                             (int32_t)(w % k->per_page);
                 if (mm == 2 && own) {
                     const int64_t q = P - 1; // the group's even position
-                    g[km->esrc + 2 * n] =
-                        q >= p0 ? (int32_t)(r0 + q - p0) : -(sq->slot * 2 + (int32_t)(q % 2)) - 1;
+                    g[km->esrc + 2 * n] = q >= p0
+                                              ? (int32_t)(r0 + q - p0)
+                                              : -(sq->slot * CZ_ROWS + (int32_t)(q % CZ_ROWS)) - 1;
                     g[km->esrc + 2 * n + 1] = r;
                 }
                 n++, n_i++;
@@ -919,9 +1040,9 @@ static void stage_fill(call *c, const int32_t *tokens) {
                 if (mm == 2 && own)
                     g[km->esrc + 2 * n] = g[km->esrc + 2 * n + 1] = DI_BACKEND_NO_ROW;
             }
-            for (int32_t t = sq->n_tok > 2 ? sq->n_tok - 2 : 0; t < sq->n_tok && mm == 2 && own;
-                 t++, rd++) {
-                g[km->rdst + rd] = sq->slot * 2 + (int32_t)((p0 + t) % 2);
+            for (int32_t t = sq->n_tok > CZ_ROWS ? sq->n_tok - CZ_ROWS : 0;
+                 t < sq->n_tok && mm == 2 && own; t++, rd++) {
+                g[km->rdst + rd] = sq->slot * CZ_ROWS + (int32_t)((p0 + t) % CZ_ROWS);
                 g[km->rsrc + rd] = r0 + t;
             }
         }
@@ -1131,8 +1252,8 @@ static di_status attention(const call *c, int il, const float *a, float *out, bo
     }
     ROUND(s->u, T * G * Ro);
     DI_TRY(linear(c, &lw->wo_b, s->u, T, G * Ro, out, D, true));
-    // Each sequence's last min(n_tok, W) window rows into its ring, after every read of it: packed
-    // again from the FP32 rows (the same codes as the call rows').
+    // Each sequence's last min(n_tok, ring_rows) window rows into its ring, after every read of
+    // it: packed again from the FP32 rows (the same codes as the call rows').
     OP(pack_rows, s->kvw, c->n_wd, Dh, (int32_t)Dh, DI_DSV41_WIN_BLOCK, 8, win, D32(c->win_dst),
        D32(c->win_src));
     return DI_OK;
@@ -1184,6 +1305,27 @@ fail:
     return st;
 }
 
+// DSpark taps (§3.2; dsv41.c forward_rows): the input streams of a target layer il averaged,
+// tap = bf16(sum_s X[s] / NC), into the call's taps [T, n_target, D]. The collapse with pre =
+// 1 / NC gives exactly that sum divided by NC: NC is a power of two (checked by
+// di_dsv41_dev_dspark_enable), so every product and partial sum is the CPU's scaled exactly.
+static di_status taps(const call *c, int il) {
+    stage_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd, nt = hp->n_dspark_target;
+    di_status st = DI_OK;
+    for (int k = 0; k < nt; k++) {
+        if (hp->dspark_target[k] != il) continue;
+        OP(mhc_pre_carried, s->x, NULL, NULL, NULL, (int32_t)nc, D, c->T, hp->hc_iters, hp->hc_eps,
+           hp->norm_eps, s->inv_nc, s->a, NULL, NULL, NULL);
+        ROUND(s->a, c->T * D);
+        OP(scatter_rows, s->a, c->T, D, D, s->taps + k * D, nt * D, s->iota, NULL);
+    }
+    return DI_OK;
+fail:
+    return st;
+}
+
 static di_status block(const call *c, int il, bool *have_topk, bool *have_cand) {
     stage_state *s = c->s;
     const di_hparams *hp = &s->d->m->hp;
@@ -1192,6 +1334,7 @@ static di_status block(const call *c, int il, bool *have_topk, bool *have_cand) 
     const int64_t n_x = (int64_t)c->T * nc * hp->n_embd;
     di_status st = DI_OK;
     if (lw->engram >= 0) DI_TRY(engram(c, il));
+    if (s->dspark) DI_TRY(taps(c, il));
     DI_TRY(site(c, &lw->hc_attn, lw->attn_norm, s->pre, s->pre_attn));
     DI_TRY(attention(c, il, s->a, s->out, have_topk, have_cand));
     OP(mhc_post, s->out, s->x, s->post, s->comb, nc, hp->n_embd, c->T);
@@ -1261,6 +1404,133 @@ static di_status head(const call *c, const int32_t *rows, int32_t n) {
     OP(rmsnorm, s->h, n, D, D, d->norm, hp->norm_eps);
     ROUND(s->h, n * D);
     OP(matmul, &d->head, s->h, n, D, s->logits, hp->n_vocab);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// The DSpark context rows of the call's rows (§3.2; dsv41.c dspark_context, dsv41_attn.c
+// di_dsv41_dspark_ring): main_x = RMSNorm(main_proj . A8(taps)), then per DSpark block its row
+// Q8w(RoPE_main(RMSNorm(wkv . main_x), pos)) into each slot's ring (the window lists of the call:
+// the same ring layout as a layer's). Last stage, DSpark on, after the head.
+static di_status context_rows(const call *c) {
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t D = hp->n_embd, Dh = hp->head_dim, T = c->T;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    const float rs = hp->rope_main.attention_factor;
+    di_status st = DI_OK;
+    DI_TRY(linear(c, &d->ds_main_proj, s->taps, T, hp->n_dspark_target * D, s->out, D, true));
+    OP(rmsnorm, s->out, T, D, D, d->ds_main_norm, hp->norm_eps);
+    ROUND(s->out, T * D);
+    for (int i = 0; i < d->n_ds; i++) {
+        const dev_layer *lw = &d->ds[i];
+        DI_TRY(linear(c, &lw->wkv, s->out, T, D, s->cc, Dh, true));
+        OP(rmsnorm, s->cc, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
+        ROUND(s->cc, T * Dh);
+        OP(rope, s->cc, T, Dh, Dh, n_rot, d->omega_main, D32(c->pos), 1, rs, false);
+        ROUND(s->cc, T * Dh);
+        // Q8w: the rows' Q8 codes straight into the slots' rings (the window lists of the call).
+        OP(pack_rows, s->cc, c->n_wd, Dh, (int32_t)Dh, DI_DSV41_WIN_BLOCK, 8, ds_region(s, i),
+           D32(c->win_dst), D32(c->win_src));
+    }
+    return DI_OK;
+fail:
+    return st;
+}
+
+// A DSpark block on the block rows of a draft call (dsv41.c block with dspark; dsv41_attn.c
+// di_dsv41_dspark_attention): as a layer's block without Engram, compressor or indexer; its
+// attention's keys are the slot's DSpark ring and every row of its block (the call's key lists),
+// the block rows' kv go into the call rows of the block's region and are not stored.
+static di_status ds_block(const call *c, int i, int32_t key_stride) {
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const dev_layer *lw = &d->ds[i];
+    const int32_t nc = hp->hc_mult;
+    const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
+    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, T = c->T, n_x = T * nc * D;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    const float rs = hp->rope_main.attention_factor;
+    const int32_t *pos = D32(c->pos);
+    uint8_t *win = ds_region(s, i);
+    di_status st = DI_OK;
+    DI_TRY(site(c, &lw->hc_attn, lw->attn_norm, s->pre, s->pre_attn));
+    DI_TRY(linear(c, &lw->wq_a, s->a, T, D, s->qr, Rq, true));
+    OP(rmsnorm, s->qr, T, Rq, Rq, lw->q_norm, hp->norm_eps);
+    ROUND(s->qr, T * Rq);
+    DI_TRY(linear(c, &lw->wq_b, s->qr, T, Rq, s->q, H * Dh, true));
+    OP(rope, s->q, T * H, Dh, Dh, n_rot, d->omega_main, pos, (int32_t)H, rs, false);
+    ROUND(s->q, T * H * Dh);
+    // The block rows' kv: their Q8 codes into the call rows of the block's region (not stored).
+    DI_TRY(linear(c, &lw->wkv, s->a, T, D, s->kvw, Dh, true));
+    OP(rmsnorm, s->kvw, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
+    ROUND(s->kvw, T * Dh);
+    OP(rope, s->kvw, T, Dh, Dh, n_rot, d->omega_main, pos, 1, rs, false);
+    ROUND(s->kvw, T * Dh);
+    OP(pack_rows, s->kvw, T, Dh, (int32_t)Dh, DI_DSV41_WIN_BLOCK, 8, win, NULL, NULL);
+    // Every key a Q8 row of the region (n_win = n_keys: the ring's rows, then the block's).
+    OP(attn_codes, s->q, win, NULL, D32(c->keys), key_stride, D32(c->nk_win), D32(c->nk_win),
+       key_stride, lw->attn_sink, (int32_t)T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh),
+       d->official, s->o);
+    ROUND(s->o, T * H * Dh);
+    OP(rope, s->o, T * H, Dh, Dh, n_rot, d->omega_main, pos, (int32_t)H, rs, true);
+    ROUND(s->o, T * H * Dh);
+    const int64_t group_in = H * Dh / G;
+    for (int64_t g = 0; g < G; g++) {
+        di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
+        OP(matmul, &wg, s->o + g * group_in, T, H * Dh, s->u + g * Ro, G * Ro);
+    }
+    ROUND(s->u, T * G * Ro);
+    DI_TRY(linear(c, &lw->wo_b, s->u, T, G * Ro, s->out, D, true));
+    OP(mhc_post, s->out, s->x, s->post, s->comb, nc, D, c->T);
+    ROUND(s->x, n_x);
+    DI_TRY(site(c, &lw->hc_ffn, lw->ffn_norm, s->pre_attn, s->pre));
+    OP(moe, &lw->moe, s->a, D32(c->tokens), c->T, s->out);
+    OP(mhc_post, s->out, s->x, s->post, s->comb, nc, D, c->T);
+    ROUND(s->x, n_x);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// The device work of a draft call (di_dsv41_dev_draft) over T = n * B block rows, staging
+// uploaded: the block rows' embedding, pre = one-hot(stream 0), the DSpark blocks, h = collapse
+// (the pre-norm rows of the confidence head, into s->a) and hn = RMSNorm(h, norm) (into s->out).
+static di_status draft_rows(const call *c, int32_t key_stride) {
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t nc = hp->hc_mult, D = hp->n_embd, T = c->T;
+    di_status st = DI_OK;
+    OP(embed, &d->embed, D32(c->tokens), c->T, (int32_t)nc, s->x);
+    OP(copy, s->pre, s->one_hot, sizeof(float) * (size_t)(T * nc));
+    for (int i = 0; i < d->n_ds; i++) DI_TRY(ds_block(c, i, key_stride));
+    OP(mhc_pre_carried, s->x, NULL, NULL, NULL, (int32_t)nc, D, c->T, hp->hc_iters, hp->hc_eps,
+       hp->norm_eps, s->pre, s->a, NULL, NULL, NULL);
+    ROUND(s->a, T * D);
+    OP(copy, s->out, s->a, sizeof(float) * (size_t)(T * D));
+    OP(rmsnorm, s->out, T, D, D, d->ds_norm, hp->norm_eps);
+    ROUND(s->out, T * D);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// Block row j of a draft call's n sequences (the embeddings of their previous tokens in s->me):
+// base logits = head . hn[j] into s->logits, + the Markov head's head_markov . embed (mhc_post
+// with one stream and unit weights: mk + lg, the sum the CPU takes).
+static di_status draft_head(const call *c, int32_t j, int32_t n, int32_t bs) {
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const int64_t D = hp->n_embd, V = hp->n_vocab, R = hp->dspark_markov_rank;
+    di_status st = DI_OK;
+    OP(matmul, &d->head, s->out + (int64_t)j * D, n, (int64_t)bs * D, s->logits, V);
+    OP(matmul, &d->ds_markov_head, s->me, n, R, s->mk, V);
+    OP(mhc_post, s->mk, s->logits, s->ones, s->ones, 1, V, n);
     return DI_OK;
 fail:
     return st;
@@ -1383,25 +1653,31 @@ static di_status zero_rings(const call *c) {
     stage_state *s = c->s;
     di_backend *b = s->d->b;
     const di_hparams *hp = &s->d->m->hp;
-    const int64_t W = hp->window;
+    const int64_t RW = ring_rows(hp);
     di_status st = DI_OK;
     for (int32_t i = 0; i < c->n_seq; i++) {
         const di_dsv41_dev_seq *sq = &c->seqs[i];
         if (sq->win_lo <= 0 || sq->pos != sq->win_lo) continue;
         for (int il = s->d->l0; il < s->d->l1; il++) // zero bytes: Q8 rows of +0
-            DI_TRY(b->vt->memset(b, ring_of(s, il, sq->slot), 0, (size_t)(W * s->win_bytes)));
+            DI_TRY(b->vt->memset(b, ring_of(s, il, sq->slot), 0, (size_t)(RW * s->win_bytes)));
+        for (int q = 0; s->dspark && s->d->last && q < s->d->n_ds; q++)
+            DI_TRY(b->vt->memset(b, ds_ring_of(s, q, sq->slot), 0, (size_t)(RW * s->win_bytes)));
     }
     return DI_OK;
 fail:
     return st;
 }
 
-// Whether the call is a decode step of graph shape: every sequence one row with its logits.
-static bool decode_shape(const call *c, const int32_t *logit_rows, int32_t n_logit_rows) {
-    if (c->T != c->n_seq || c->n_seq > HEAD_CHUNK || n_logit_rows != c->T) return false;
+// The graph of the call when it is a graph step (GRAPH_ROWS: every sequence r rows, every row's
+// logits), -1 otherwise.
+static int32_t graph_of(const call *c, const int32_t *logit_rows, int32_t n_logit_rows) {
+    const int32_t r = c->seqs[0].n_tok;
+    if (r > GRAPH_ROWS || c->T > HEAD_CHUNK || n_logit_rows != c->T) return -1;
+    for (int32_t i = 1; i < c->n_seq; i++)
+        if (c->seqs[i].n_tok != r) return -1;
     for (int32_t k = 0; k < n_logit_rows; k++)
-        if (logit_rows[k] != k) return false;
-    return true;
+        if (logit_rows[k] != k) return -1;
+    return (r - 1) * (HEAD_CHUNK + 1) + c->n_seq;
 }
 
 // A decode step's layers and head (every row's logits), as one capture records them.
@@ -1414,15 +1690,16 @@ static di_status run_step(const void *ctx) {
     const step_ctx *x = ctx;
     di_status st = layers(x->c);
     if (st == DI_OK && x->c->s->d->last) st = head(x->c, x->rows, x->c->T);
+    if (st == DI_OK && x->c->s->d->last && x->c->s->dspark) st = context_rows(x->c);
     return st;
 }
 
 // The layers and the head of a decode step as one backend graph (dsv4_dev.c's scheme): the
 // first step of a size runs directly, the second captures, later ones replay.
-static di_status run_decode(const call *c, const int32_t *logit_rows) {
+static di_status run_decode(const call *c, const int32_t *logit_rows, int32_t key) {
     stage_state *s = c->s;
     di_backend *b = s->d->b;
-    dev_graph *g = &s->graphs[c->n_seq];
+    dev_graph *g = &s->graphs[key];
     const step_ctx x = {c, logit_rows};
     if (g->g) {
         s->stats.n_replayed++;
@@ -1525,6 +1802,26 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
         const size_t n = sizeof(float) * (size_t)(c->sm[il].n_pool * (Dh + DI));
         DI_TRY(hand_in(all, s, s->src[il].xfer, o, o->src[il].xfer, n, all->h_src[il]));
     }
+    // DSpark: the taps of target layers on earlier stages.
+    const size_t taps_bytes =
+        sizeof(float) * (size_t)T * (size_t)hp->n_dspark_target * (size_t)hp->n_embd;
+    bool taps_in = false;
+    for (int k = 0; k < hp->n_dspark_target && s->dspark && !d->first; k++)
+        taps_in |= hp->dspark_target[k] < d->l0;
+    if (taps_in) { // from the stage before (its own taps and those it received)
+        DI_ASSERT(prev->d->taps_here && prev->taps);
+        bool peer = false;
+        DI_TRY(
+            di_backend_hand_over(b, s->taps, prev->d->b, prev->taps, taps_bytes, all->th, &peer));
+        s->stats.last_handover_bytes += (int64_t)taps_bytes;
+        if (peer) {
+            s->stats.n_handover_peer++;
+        } else {
+            s->stats.n_handover_host++;
+            s->stats.last_uploads++;
+            s->stats.last_upload_bytes += (int64_t)taps_bytes;
+        }
+    }
     if (d->topk_in) {
         DI_ASSERT(prev->d->topk_out);
         const size_t n = sizeof(int32_t) * (size_t)T * (size_t)hp->index_topk;
@@ -1537,8 +1834,9 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
         DI_TRY(hand_in(all, s, s->n_cand, prev, prev->n_cand, nn, all->h_ncand));
     }
     DI_TRY(zero_rings(c));
-    if (decode_shape(c, logit_rows, n_logit_rows)) {
-        DI_TRY(run_decode(c, logit_rows));
+    const int32_t key = graph_of(c, logit_rows, n_logit_rows);
+    if (key >= 0) {
+        DI_TRY(run_decode(c, logit_rows, key));
         if (n_logit_rows > 0 && last)
             DI_TRY(b->vt->download(b, logits, s->logits, sizeof(float) * (size_t)(T * V)));
     } else {
@@ -1550,13 +1848,18 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
             DI_TRY(b->vt->download(b, logits + (int64_t)k * V, s->logits,
                                    sizeof(float) * (size_t)((int64_t)n * V)));
         }
+        if (last && s->dspark) DI_TRY(context_rows(c));
     }
     // What the later stages copy (the streams and pre, the rows of the stage's handed sources,
     // the top-k and candidate pool) stays in this stage's memory until its next call.
     // The end of the stage's step: every op done (and its faults surfaced) before the slots
     // advance.
     DI_TRY(b->vt->sync(b));
-    for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv41_dev_seq *sq = &seqs[i];
+        if (sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo)) s->rb_lo[sq->slot] = sq->pos;
+        s->n_past[sq->slot] = sq->pos + sq->n_tok;
+    }
     return DI_OK;
 fail:
     return st;
@@ -1769,8 +2072,8 @@ di_status di_dsv41_dev_attach_stages(di_model *m, di_backend *const *b, int32_t 
     if (st != DI_OK) return st;
     m->dev41 = d;
     DI_LOG_INFO("device-resident V4.1 forward on %s%s: sessions without DSpark and the serving "
-                "engine without speculation run every layer, their KV and compressor state "
-                "there%s",
+                "engine (DSpark speculation included) run every layer, their KV and compressor "
+                "state there%s",
                 b[n_stages - 1]->desc, n_stages > 1 ? " (and the stages before it)" : "",
                 m->accel_matmul ? "; the CPU forward's matmuls offloaded" : "");
     return DI_OK;
@@ -1784,6 +2087,7 @@ void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s) {
     if (!s) return;
     for (int32_t k = 0; k < s->n_stages; k++) part_destroy(s->ss[k]);
     if (s->xh) s->d->st[0]->b->vt->host_free(s->d->st[0]->b, s->xh);
+    if (s->th) s->d->st[0]->b->vt->host_free(s->d->st[0]->b, s->th);
     di_free(s);
 }
 
@@ -1887,6 +2191,229 @@ di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t
     return DI_OK;
 }
 
+// Why a rollback of n positions is exact (the state after it is the state of a run that never fed
+// them, for every later call): every read of the state is a function of the slot's position
+// (n_past) and of rows written for positions below it. (1) Window rows: a query at P reads
+// positions [P - W + 1, P], those before the call from ring row p mod ring_rows; a call writes
+// the last min(n_tok, ring_rows) of its rows, so after the rejected positions [q, q + n) were
+// written the rows of positions >= q + n - ring_rows >= q - W (n <= DI_DSV41_ROLLBACK_MAX) are
+// still their own, and a kept query (P >= q) reads no older one; rows at or beyond q are
+// rewritten by the calls that feed those positions again before any query reads them. (2)
+// Entries and index keys: a query sees the first (P + 1) / m entries of a source (n_vis, from
+// its position), so entries of groups closed by rejected positions are invisible until their
+// group closes again and its finalise overwrites them at the same destination (cached entries,
+// edst -1, were never written). (3) A ratio-2 group left open at q (q odd) pools the C and Z of
+// position q - 1 from ring row (q - 1) mod CZ_ROWS: written when q - 1 was fed (a call writes the
+// last min(n_tok, CZ_ROWS) rows, and q - 1 is within CZ_ROWS of every later call's end up to
+// q + n - 1) and overwritten only by position q - 1 + CZ_ROWS > q + n - 1. (4) The Engram
+// history of positions >= q is rewritten from the tokens of the calls that feed them. (5) The
+// call's lists are a function of the positions only. Before rb_lo (a tail restore, a replay's
+// start) the rings hold less than a rollback reads: refused.
+di_status di_dsv41_dev_rollback(di_dsv41_dev_state *s, int32_t slot, int32_t n) {
+    const stage_state *s0 = s->ss[0];
+    if (slot < 0 || slot >= s0->n_slots || s0->n_past[slot] < 0 || n < 0 ||
+        n > DI_DSV41_ROLLBACK_MAX || s0->n_past[slot] - n < s0->rb_lo[slot]) {
+        DI_LOG_ERROR("dev forward (V4.1): cannot take back %d positions of slot %d (at %d, back "
+                     "to %d at the lowest, at most %d)",
+                     n, slot, slot >= 0 && slot < s0->n_slots ? s0->n_past[slot] : -1,
+                     slot >= 0 && slot < s0->n_slots ? s0->rb_lo[slot] : -1, DI_DSV41_ROLLBACK_MAX);
+        return DI_ERR_INVALID;
+    }
+    for (int32_t k = 0; k < s->n_stages; k++) s->ss[k]->n_past[slot] -= n;
+    return DI_OK;
+}
+
+// ---- DSpark ----
+
+di_status di_dsv41_dev_dspark_enable(di_dsv41_dev_state *all) {
+    const di_dsv41_dev *dv = all->d;
+    const di_model *m = dv->m;
+    const di_hparams *hp = &m->hp;
+    stage_state *sl = all->ss[all->n_stages - 1];
+    const int64_t D = hp->n_embd, nc = hp->hc_mult, V = hp->n_vocab;
+    const int64_t R = sl->max_rows, BS = hp->dspark_block_size, MR = hp->dspark_markov_rank;
+    const int64_t nt = hp->n_dspark_target;
+    if (sl->dspark) return DI_OK;
+    if (sl->d->n_ds < 1 || nt < 1 || BS < 1 || BS > 16) {
+        DI_LOG_ERROR("dev forward (V4.1): no DSpark: the model was loaded without its DSpark "
+                     "blocks (load it with mtp)");
+        return DI_ERR_INVALID;
+    }
+    if ((nc & (nc - 1)) != 0) {
+        DI_LOG_ERROR("dev forward (V4.1): DSpark taps need hc_mult a power of two (is %lld)",
+                     (long long)nc);
+        return DI_ERR_UNSUPPORTED;
+    }
+    if ((size_t)(3 * R + R * (hp->window + BS)) + 64 > sl->stage_cap) {
+        DI_LOG_ERROR("dev forward (V4.1): DSpark: a draft call's lists do not fit the staging");
+        return DI_ERR_INVALID;
+    }
+    di_status st = DI_OK;
+    int32_t *iota = di_malloc(sizeof(int32_t) * (size_t)R);
+    float *inv = di_malloc(sizeof(float) * (size_t)(R * nc));
+    float *ones = di_malloc(sizeof(float) * HEAD_CHUNK);
+    if (!iota || !inv || !ones) {
+        st = DI_ERR_NOMEM;
+        goto fail;
+    }
+    for (int64_t t = 0; t < R; t++) iota[t] = (int32_t)t;
+    for (int64_t i = 0; i < R * nc; i++) inv[i] = 1.0f / (float)nc;
+    for (int i = 0; i < HEAD_CHUNK; i++) ones[i] = 1.0f;
+    for (int32_t k = 0; k < all->n_stages; k++) {
+        stage_state *s = all->ss[k];
+        const dev_stage *d = s->d;
+        di_backend *b = d->b;
+        // Graphs captured before record no taps and no context rows: captured again.
+        for (int g = 0; g < N_GRAPHS; g++) {
+            b->vt->graph_destroy(b, s->graphs[g].g);
+            s->graphs[g] = (dev_graph){0};
+        }
+        s->stats.n_cached = 0;
+        if (d->taps_here) {
+            DI_TRY(st_floats(s, R * nt * D, &s->taps));
+            DI_TRY(st_ints(s, R, &s->iota));
+            DI_TRY(st_floats(s, R * nc, &s->inv_nc));
+            DI_TRY(b->vt->upload(b, s->iota, iota, sizeof(int32_t) * (size_t)R));
+            DI_TRY(b->vt->upload(b, s->inv_nc, inv, sizeof(float) * (size_t)(R * nc)));
+        }
+        if (d->last) {
+            if (R * nt * D > s->aq_floats) { // main_proj's A8 input: the taps of every row
+                s->aq_floats = R * nt * D;
+                DI_TRY(st_floats(s, s->aq_floats, &s->aq));
+            }
+            const size_t n = (size_t)((int64_t)d->n_ds * s->layer_rows * s->win_bytes);
+            DI_TRY(st_alloc(s, n, (void **)&s->dwin)); // zero bytes: Q8 rows of +0
+            DI_TRY(b->vt->memset(b, s->dwin, 0, n));
+            DI_TRY(st_floats(s, HEAD_CHUNK * V, &s->mk));
+            DI_TRY(st_floats(s, HEAD_CHUNK * MR, &s->me));
+            DI_TRY(st_floats(s, HEAD_CHUNK, &s->ones));
+            DI_TRY(b->vt->upload(b, s->ones, ones, sizeof(float) * HEAD_CHUNK));
+            DI_TRY(
+                b->vt->host_alloc(b, sizeof(float) * (size_t)(HEAD_CHUNK * V), (void **)&s->lg_h));
+            DI_TRY(
+                b->vt->host_alloc(b, sizeof(float) * (size_t)(HEAD_CHUNK * MR), (void **)&s->me_h));
+            DI_TRY(b->vt->host_alloc(b, sizeof(float) * (size_t)(R * D), (void **)&s->h_h));
+            s->ci_h = di_malloc(sizeof(float) * (size_t)(D + MR));
+            if (!s->ci_h) {
+                st = DI_ERR_NOMEM;
+                goto fail;
+            }
+            s->n_bytes += (int64_t)sizeof(float) * (HEAD_CHUNK * V + HEAD_CHUNK * MR + R * D);
+        }
+        DI_TRY(b->vt->sync(b));
+    }
+    if (all->n_stages > 1) {
+        di_backend *b = dv->st[0]->b;
+        DI_TRY(b->vt->host_alloc(b, sizeof(float) * (size_t)(R * nt * D), (void **)&all->th));
+    }
+    for (int32_t k = 0; k < all->n_stages; k++) all->ss[k]->dspark = true;
+    di_free(iota);
+    di_free(inv);
+    di_free(ones);
+    return DI_OK;
+fail:
+    di_free(iota);
+    di_free(inv);
+    di_free(ones);
+    DI_LOG_ERROR("dev forward (V4.1): DSpark not enabled (%s)", di_status_str(st));
+    return st;
+}
+
+bool di_dsv41_dev_dspark_on(const di_dsv41_dev_state *s) {
+    return s->ss[s->n_stages - 1]->dspark;
+}
+
+di_status di_dsv41_dev_draft(di_dsv41_dev_state *all, di_dsv41_dev_draft_seq *seqs, int32_t n,
+                             float *logits) {
+    stage_state *s = all->ss[all->n_stages - 1];
+    const dev_stage *d = s->d;
+    const di_model *m = d->m;
+    const di_hparams *hp = &m->hp;
+    di_backend *b = d->b;
+    const int32_t BS = hp->dspark_block_size;
+    const int64_t D = hp->n_embd, V = hp->n_vocab, MR = hp->dspark_markov_rank;
+    const int64_t W = hp->window, RW = ring_rows(hp), ks = W + BS;
+    if (!s->dspark || n < 1 || !seqs || n > HEAD_CHUNK || (int64_t)n * BS > s->max_rows) {
+        DI_LOG_ERROR("dev forward (V4.1): a draft call needs DSpark on and 1 .. %d sequences "
+                     "(%d block rows each, %d rows at most)",
+                     HEAD_CHUNK, BS, s->max_rows);
+        return DI_ERR_INVALID;
+    }
+    memset(s->used, 0, (size_t)s->n_slots);
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t sl = seqs[i].slot;
+        if (sl < 0 || sl >= s->n_slots || s->used[sl] || s->n_past[sl] < 1 || seqs[i].anchor < 0 ||
+            seqs[i].anchor >= hp->n_vocab) {
+            DI_LOG_ERROR("dev forward (V4.1): draft %d: slot %d (out of range, repeated, or at "
+                         "position 0) or anchor %d (the vocabulary has %lld)",
+                         i, sl, seqs[i].anchor, (long long)V);
+            return DI_ERR_INVALID;
+        }
+        s->used[sl] = 1;
+    }
+    // The lists: tokens (the anchor, then noise), positions a .. a + BS - 1, and every row's keys
+    // (the slot's ring rows of positions [a - W, a), then its block's rows).
+    const int32_t T = n * BS;
+    call cl = {.s = s, .n_seq = n, .T = T};
+    call *c = &cl;
+    c->tokens = 0, c->pos = T, c->nk_win = 2 * (int64_t)T, c->keys = 3 * (int64_t)T;
+    c->n_words = (size_t)(3 * (int64_t)T + (int64_t)T * ks);
+    int32_t *g = s->stage;
+    for (int32_t i = 0; i < n; i++) {
+        const int64_t a = s->n_past[seqs[i].slot];
+        const int64_t ring0 = (int64_t)s->max_rows + (int64_t)seqs[i].slot * RW;
+        const int64_t lo = a - W > 0 ? a - W : 0;
+        for (int32_t j = 0; j < BS; j++) {
+            const int64_t r = (int64_t)i * BS + j;
+            g[c->tokens + r] = j == 0 ? seqs[i].anchor : hp->dspark_noise_token;
+            g[c->pos + r] = (int32_t)(a + j);
+            g[c->nk_win + r] = (int32_t)(a - lo + BS);
+            int32_t *kl = g + c->keys + r * ks;
+            for (int64_t p = lo; p < a; p++) kl[p - lo] = (int32_t)(ring0 + p % RW);
+            for (int32_t q = 0; q < BS; q++) kl[a - lo + q] = (int32_t)((int64_t)i * BS + q);
+        }
+        memset(&seqs[i].out, 0, sizeof seqs[i].out);
+        seqs[i].out.n = BS;
+    }
+    di_status st = DI_OK;
+    s->stats.last_ops = 0;
+    DI_TRY(b->vt->upload(b, s->stage_dev, s->stage, sizeof(int32_t) * c->n_words));
+    DI_TRY(draft_rows(c, (int32_t)ks));
+    DI_TRY(b->vt->download(b, s->h_h, s->a, sizeof(float) * (size_t)((int64_t)T * D)));
+    float *mi = s->ci_h;
+    // Block row j of every sequence at once (row j + 1 needs row j's token): the Markov
+    // embeddings of the previous tokens (host rows of the BF16 table, as dsv41.c) up, the head and
+    // the Markov head on the device, the summed logits down; argmax and the confidence head here.
+    for (int32_t j = 0; j < BS && st == DI_OK; j++) {
+        for (int32_t i = 0; i < n; i++) {
+            const int32_t prev = j == 0 ? seqs[i].anchor : seqs[i].out.tokens[j - 1];
+            di_tensor_row_f32(&m->dspark.markov_embed, prev, s->me_h + i * MR);
+        }
+        st = b->vt->upload(b, s->me, s->me_h, sizeof(float) * (size_t)(n * MR));
+        if (st == DI_OK) st = draft_head(c, j, n, BS);
+        if (st == DI_OK)
+            st = b->vt->download(b, s->lg_h, s->logits, sizeof(float) * (size_t)(n * V));
+        for (int32_t i = 0; i < n && st == DI_OK; i++) {
+            const float *li = s->lg_h + i * V;
+            int32_t best = 0;
+            for (int64_t v = 1; v < V; v++)
+                if (li[v] > li[best]) best = (int32_t)v;
+            if (logits) memcpy(logits + ((int64_t)i * BS + j) * V, li, sizeof(float) * (size_t)V);
+            memcpy(mi, s->h_h + ((int64_t)i * BS + j) * D, sizeof(float) * (size_t)D);
+            memcpy(mi + D, s->me_h + i * MR, sizeof(float) * (size_t)MR);
+            const float conf = di_ref_dot(m->dspark.confidence, mi, D + MR);
+            seqs[i].out.conf_logit[j] = conf;
+            seqs[i].out.confidence[j] = di_sigmoid(conf);
+            seqs[i].out.tokens[j] = best;
+        }
+    }
+    if (st != DI_OK) goto fail;
+    return DI_OK;
+fail:
+    DI_LOG_ERROR("dev forward (V4.1): draft call failed (%s)", di_status_str(st));
+    return st;
+}
+
 int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot) {
     const stage_state *p = s->ss[0];
     return slot >= 0 && slot < p->n_slots ? p->n_past[slot] : -1;
@@ -1935,6 +2462,46 @@ fail:
 // block_tokens), so the steps write no entry (an m = 1 source's group at position 0 would close in
 // it) and block 0 is left as it was; the graphs do not depend on it (the destinations are per-call
 // lists).
+di_status di_dsv41_dev_prepare_verify(di_dsv41_dev_state *st_all, int32_t max_seqs,
+                                      int32_t max_rows) {
+    const stage_state *s = st_all->ss[0];
+    if (!s->graphs_on) return DI_OK;
+    if (max_rows > GRAPH_ROWS) max_rows = GRAPH_ROWS;
+    if (max_rows > s->block_tokens) max_rows = s->block_tokens; // within block 0 (cached)
+    int32_t n_max = max_seqs < s->n_slots ? max_seqs : s->n_slots;
+    if (n_max > HEAD_CHUNK) n_max = HEAD_CHUNK;
+    const int64_t V = s->d->m->hp.n_vocab;
+    const int32_t cap = n_max * (max_rows > 1 ? max_rows : 1);
+    di_dsv41_dev_seq *seqs = di_malloc(sizeof *seqs * (size_t)(n_max > 0 ? n_max : 1));
+    int32_t *ids = di_calloc((size_t)(cap > 0 ? cap : 1), sizeof *ids); // token 0 everywhere
+    int32_t *rows = di_malloc(sizeof *rows * (size_t)(cap > 0 ? cap : 1));
+    float *logits = di_malloc(sizeof *logits * (size_t)HEAD_CHUNK * (size_t)V);
+    di_status st = seqs && ids && rows && logits ? DI_OK : DI_ERR_NOMEM;
+    static const int32_t block0 = 0;
+    for (int32_t r = 2; r <= max_rows && st == DI_OK; r++)
+        for (int32_t n = 1; n <= n_max && n * r <= HEAD_CHUNK && n * r <= s->max_rows &&
+                            st == DI_OK && s->graphs_on;
+             n++) {
+            for (int32_t i = 0; i < n; i++) {
+                seqs[i] = (di_dsv41_dev_seq){.slot = i, .pos = 0, .n_tok = r};
+                if (s->shared) {
+                    seqs[i].blocks = &block0;
+                    seqs[i].n_blocks = 1;
+                    seqs[i].n_cached = s->block_tokens;
+                }
+            }
+            for (int32_t t = 0; t < n * r; t++) rows[t] = t;
+            const dev_graph *g = &s->graphs[(r - 1) * (HEAD_CHUNK + 1) + n];
+            for (int pass = 0; pass < 2 && st == DI_OK && !g->g; pass++)
+                st = di_dsv41_dev_forward(st_all, seqs, n, ids, rows, n * r, logits);
+        }
+    di_free(seqs);
+    di_free(ids);
+    di_free(rows);
+    di_free(logits);
+    return st;
+}
+
 di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *st_all, int32_t max_seqs) {
     const stage_state *s = st_all->ss[0];
     if (!s->graphs_on) return DI_OK;

@@ -19,13 +19,42 @@
  * and the index scores (index_scores_q4) decode them where they are read, so the values the forward
  * computes are the FP32 layout's, bit for bit; a block's I/O bytes are the CPU forward's page
  * (di_dsv41_page_bytes, "State layout"). Plain sessions run on it once attached
- * (di_dsv41_dev_attach: --device cuda), and so does the serving engine without speculation
- * (engine.c: one state of max_seqs slots whose entry blocks are its kv_manager's blocks; prefix
- * hits, tail snapshots, the disk tier and KV transfers through the calls below; decode graphs
- * prepared at create, di_dsv41_dev_prepare_decode). Prefix reuse (the bounded replay on another
- * sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry block I/O and tail snapshots
- * run. Not run here: DSpark (its heads and blocks: an engine with spec_tokens > 0 keeps the CPU
- * V4.1 forward), context parallelism, rollback.
+ * (di_dsv41_dev_attach: --device cuda), and so does the serving engine, with DSpark speculation or
+ * without (engine.c: one state of max_seqs slots whose entry blocks are its kv_manager's blocks;
+ * prefix hits, tail snapshots, the disk tier and KV transfers through the calls below; decode and
+ * verify graphs prepared at create, di_dsv41_dev_prepare_decode / _verify). Prefix reuse (the
+ * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
+ * block I/O and tail snapshots run, and so do rollback and DSpark (below). Not run here: context
+ * parallelism.
+ *
+ * Rollback (di_dsv41_dev_rollback) of the last DI_DSV41_ROLLBACK_MAX positions: the window rings
+ * hold W + DI_DSV41_ROLLBACK_MAX Q8 rows (position p in row p mod that) and a ratio-2 source's C
+ * and Z rings DI_DSV41_ROLLBACK_MAX + 2 FP32 rows, so rejected rows never overwrite rows a kept
+ * position reads; entries are visible by position. Host bookkeeping only.
+ *
+ * DSpark (deepseek-v41.md §3; di_dsv41_dev_dspark_enable, di_dsv41_dev_draft): the last stage
+ * also holds the DSpark blocks (layers without compressor, indexer or Engram, uploaded when the
+ * model loaded them), main_proj / main_norm, the final norm, the Markov head's projection and the
+ * embedding (the draft's block rows); the Markov embedding table and the confidence head stay on
+ * the host (a row and a dot per draft token). In a DSpark state every call computes the taps of
+ * the target layers' inputs (the streams' mean: the collapse with pre = 1 / NC, exact for NC a
+ * power of two) into [T, n_target, D], handed to the later stages with the streams when a target
+ * layer is before a cut (copied from the stage before: di_backend_hand_over, a peer copy or the
+ * state's own host bounce; n_target * D floats per row), and the last stage writes the DSpark
+ * context rows of every row (main_x, then per block its Q8 row, packed by pack_rows into the
+ * slot's DSpark ring) after the head, inside the decode graphs. The DSpark rings are stored as the
+ * layers' window rings are: per DSpark block a region of Q8 code rows (win_bytes each) [max_rows
+ * rows of this call | slot 0's W + DI_DSV41_ROLLBACK_MAX ring rows | slot 1's | ...]. A draft call
+ * runs directly on the last stage: the block rows of all its slots in one batch, their kv packed
+ * into the call rows of the block's region (not kept), key lists: the slot's DSpark ring of
+ * positions [a - W, a) then its block's rows, non-causal (every row lists all of its block's);
+ * attn_codes reads them with n_win = n_keys (every key a Q8 row of that region, no entries), which
+ * is exactly attn over the FP32 rows of the same Q8 values the CPU forward's DSpark attention
+ * reads, since the key lists, not the op, carry "ring then block, non-causal". Then per block row
+ * j the head and the Markov head over all slots and their summed logits downloaded (argmax and
+ * confidence on the host: row j + 1 needs row j's token). Tail snapshots carry the DSpark rings'
+ * W rows after the layers' (zero bytes in a state without DSpark); a replay's start zeroes them as
+ * di_dsv41_restart does.
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows. Engram
@@ -47,21 +76,26 @@
  * index source only its window. Then the window rows go into the slot's ring.
  *
  * State layout (backend memory). Window rows: one array of Q8 rows (head_dim e4m3 codes, then a
- * UE8M0 scale per 32 dims), per layer [max_rows rows of this call | slot 0's W window ring rows |
- * slot 1's | ...]; a call's rows are packed there from their FP32 values (kept in scratch), and
- * after the attention its sequences' last rows are packed again from those values into the rings
- * (the same codes). Per kv source of ratio m its entries (Q4e rows: head_dim / 2 e2m1 pairs, then
- * an E4M3 scale per 16) and its index keys (Q4 rows: index_head_dim / 2 pairs, a UE8M0 scale per
- * 32), each an array of n_blocks * E rows (block b holds E = block_tokens / m of each, entry w of a
- * sequence is row blocks[w / E] * E + w % E), and for m = 2 a ring of 2 FP32 rows per slot of C and
- * of Z (row = pos mod 2; FP32 as the CPU forward's (C, Z) slots). Attention of layer il reads its
- * key list's first n_win keys as layer il's window rows and the rest as its kv source's entry rows
- * (attn_codes), so the lists hold the same window rows in every layer. Block I/O converts
- * between these arrays and the CPU forward's page (per kv source in layer order its E entries then
- * its E index keys, each run at a multiple of 64 bytes: di_dsv41_page_offsets; the padding reads as
- * zeros and is not stored): a block read from the device is byte for byte the page the CPU forward
- * holds for the same positions (test_dev41_forward (a)), 113,920 bytes on V4.1-Flash (128
- * positions, 890 a position, no padding: device memory 890 a position too; 6,400 as FP32 rows).
+ * UE8M0 scale per 32 dims), per layer [max_rows rows of this call | slot 0's W +
+ * DI_DSV41_ROLLBACK_MAX window ring rows | slot 1's | ...] (a ring's row of position p: p mod
+ * W + DI_DSV41_ROLLBACK_MAX); a call's rows are packed there from their FP32 values (kept in
+ * scratch), and after the attention its sequences' last rows are packed again from those values
+ * into the rings (the same codes). The DSpark blocks' rings (DSpark state, last stage) are a second
+ * array of the same regions, one per DSpark block. Per kv source of ratio m its entries (Q4e rows:
+ * head_dim / 2 e2m1 pairs, then an E4M3 scale per 16) and its index keys (Q4 rows: index_head_dim
+ * / 2 pairs, a UE8M0 scale per 32), each an array of n_blocks * E rows (block b holds E =
+ * block_tokens / m of each, entry w of a sequence is row blocks[w / E] * E + w % E), and for m = 2
+ * a ring of DI_DSV41_ROLLBACK_MAX + 2 FP32 rows per slot of C and of Z (row = pos mod that; FP32 as
+ * the CPU forward's (C, Z) slots). Attention of layer il reads its key list's first n_win keys as
+ * layer il's window rows and the rest as its kv source's entry rows (attn_codes), so the lists
+ * hold the same window rows in every layer. Block I/O converts between these arrays and the CPU
+ * forward's page (per kv source in layer order its E entries then its E index keys, each run at a
+ * multiple of 64 bytes: di_dsv41_page_offsets; the padding reads as zeros and is not stored): a
+ * block read from the device is byte for byte the page the CPU forward holds for the same positions
+ * (test_dev41_forward (a)), 113,920 bytes on V4.1-Flash (128 positions, 890 a position, no
+ * padding: device memory 890 a position too; 6,400 as FP32 rows). A slot's tail on V4.1-Flash:
+ * 40 layers x 144 Q8 ring rows of 528 bytes + 3 ratio-2 sources x 2 x 18 FP32 rows of 2,048 bytes
+ * = 3,262,464 bytes, plus 76,032 per DSpark block in a DSpark state.
  * Entry blocks are the caller's block ids (shared blocks: the serving engine's kv_manager blocks;
  * n_blocks 0: private, slot s's i-th being s * max_blocks + i). Each call uploads one staging block
  * (tokens, positions, key lists, page lists, compressor sources and destinations, Engram row ids),
@@ -69,11 +103,13 @@
  * lists from there.
  *
  * Graphs: a decode step (every sequence feeds one token and takes its logits, at most 64
- * sequences) runs as a backend graph keyed by its number of sequences: the first step of a size
- * runs directly, the second is captured and launched, later ones launch the cached graph. This
- * works because every scalar an op gets is a function of the shape (bounds are capacities: the key
- * list stride, the entries a slot can hold, the windows a shape can close, padded with destination
- * -1). DI_DEV_GRAPHS=0 (read at state create) runs every call directly.
+ * sequences) and a verify step (every sequence feeds r <= DI_DSV41_ROLLBACK_MAX + 1 rows and takes
+ * all their logits, at most 64 rows) run as a backend graph keyed by r and the number of
+ * sequences (a ragged step runs directly): the first step of a shape runs directly, the second is
+ * captured and launched, later ones launch the cached graph. This works because every scalar an op
+ * gets is a function of the shape (bounds are capacities: the key list stride, the entries a slot
+ * can hold, the windows a shape can close, padded with destination -1). DI_DEV_GRAPHS=0 (read at
+ * state create) runs every call directly.
  *
  * Pipeline stages (di_dsv41_dev_create_stages; --device cuda:0,1,...): as dsv4_dev.h's, the
  * layers are split into n contiguous ranges of about equal weight bytes (the split whose largest
@@ -133,6 +169,7 @@
 
 #include "backend/backend.h" // di_backend
 #include "deepinfer.h"       // di_model, di_status
+#include "model/dsv41.h"     // di_dsv41_draft, DI_DSV41_ROLLBACK_MAX
 
 typedef struct di_dsv41_dev di_dsv41_dev;             // a V4.1 model's weights on its stages
 typedef struct di_dsv41_dev_state di_dsv41_dev_state; // the device state of n_slots sequences
@@ -188,11 +225,12 @@ void di_dsv41_dev_state_destroy(di_dsv41_dev_state *s); // NULL: no-op
 // The bytes of one entry block's I/O (block_bytes: the CPU forward's page, di_dsv41_page_bytes:
 // per kv source in layer order its E = block_tokens / m Q4e entries, then its E Q4 index keys,
 // each run at a multiple of 64 bytes; V4.1-Flash 113,920 at 128 positions) and the backend bytes
-// of one slot's tail (slot_bytes: the W Q8 window ring rows of every layer, the ratio-2 sources'
-// C and Z rings of 2 FP32 rows each) for blocks of block_tokens positions. A block's backend
-// memory is di_dsv41_dev_block_mem_bytes (the codes without the page's padding). The call rows and
-// scratch (max_rows) are not included. DI_ERR_INVALID (block_tokens not a positive multiple of
-// every ratio).
+// of one slot's tail (slot_bytes: the W + DI_DSV41_ROLLBACK_MAX Q8 window ring rows of every layer,
+// the ratio-2 sources' C and Z rings of DI_DSV41_ROLLBACK_MAX + 2 FP32 rows each; not the DSpark
+// rings of a DSpark state, which the engine adds) for blocks of block_tokens positions. A block's
+// backend memory is di_dsv41_dev_block_mem_bytes (the codes without the page's padding). The call
+// rows and scratch (max_rows) are not included. DI_ERR_INVALID (block_tokens not a positive
+// multiple of every ratio).
 di_status di_dsv41_dev_sizes(const di_dsv41_dev *d, int32_t block_tokens, int64_t *block_bytes,
                              int64_t *slot_bytes);
 // Backend bytes one entry block takes over all stages (mem_bytes) and on each (stage_bytes[k],
@@ -223,8 +261,10 @@ di_status di_dsv41_dev_state_write_block(di_dsv41_dev_state *s, int32_t block, c
 // Tail snapshots (docs/kv-cache.md "Tail snapshots"): at a position that is a multiple of every
 // compress ratio (no ratio-2 group open) a slot's future reads only its entry blocks, its window
 // rings and its Engram history (a function of the tokens). di_dsv41_dev_tail_bytes: a 16-byte
-// header (position, layers, window, head_dim) then every layer's W window ring rows as Q8 codes
-// (head_dim + head_dim / 32 bytes each), in ring order (row = position mod W).
+// header (position, rings: layers + the model's DSpark blocks, window, head_dim) then every
+// layer's W window ring rows, then every DSpark block's, as Q8 codes (head_dim + head_dim / 32
+// bytes each; positions pos - W .. pos - 1, zero bytes for those below 0), in ring order (row =
+// position mod W; the state's rings are longer, di_dsv41_dev_rollback).
 size_t di_dsv41_dev_tail_bytes(const di_dsv41_dev *d);
 // Copies slot `slot`'s tail at its current position into dst and syncs. DI_ERR_INVALID (slot out
 // of range or failed, a position that is no multiple of every ratio; logged), DI_ERR_CUDA.
@@ -270,6 +310,43 @@ di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *se
                                const int32_t *tokens, const int32_t *logit_rows,
                                int32_t n_logit_rows, float *logits);
 
+// Takes back the last n positions slot `slot` consumed (rejected speculative tokens,
+// deepseek-v41.md §5.3; di_dsv41_rollback's device twin): afterwards the slot is exactly the state
+// of a run that never fed them (the argument is at the function, dsv41_dev.c), its next call
+// passing the new position. Host only (no backend work). DI_ERR_INVALID (logged; nothing changes)
+// for a slot out of range or failed, n < 0, n > DI_DSV41_ROLLBACK_MAX, or a position below the
+// slot's last start (pos 0, a replay's win_lo, a tail restore's pos: the rings hold nothing older).
+di_status di_dsv41_dev_rollback(di_dsv41_dev_state *s, int32_t slot, int32_t n);
+
+// ---- DSpark (deepseek-v41.md §3; "DSpark" above) ----
+
+// Makes every later call of the state a DSpark one (the device twin of a session created with
+// mtp): each forward writes the taps of its rows and the DSpark context rows of every position it
+// feeds into its slots' DSpark rings, and di_dsv41_dev_draft drafts. Decode graphs captured
+// before are dropped (captured again with the taps and context rows). Call it before the slots
+// hold positions (their DSpark rings start empty). No-op when on. DI_ERR_INVALID (logged: the
+// model was loaded without its DSpark blocks, or a draft call's lists cannot fit the staging),
+// DI_ERR_UNSUPPORTED (hc_mult not a power of two), DI_ERR_NOMEM, DI_ERR_CUDA.
+di_status di_dsv41_dev_dspark_enable(di_dsv41_dev_state *s);
+bool di_dsv41_dev_dspark_on(const di_dsv41_dev_state *s);
+
+typedef struct di_dsv41_dev_draft_seq {
+    int32_t slot;       // a slot after a committed call (position a >= 1)
+    int32_t anchor;     // the token for position a (the target's pick after the last call)
+    di_dsv41_draft out; // its drafts (model/dsv41.h)
+} di_dsv41_dev_draft_seq;
+
+// Drafts a DSpark block for each of n slots in one call (di_dsv41_draft_batch's twin, bit for bit
+// its drafts, confidences and logits): the n * dspark_block_size block rows run the DSpark blocks
+// on the last stage in one batch, then block row j of every slot at once through the head and the
+// Markov head (its summed logits downloaded: argmax and the confidence head on the host, row
+// j + 1 needs row j's token). Runs directly (no graph), changes no slot. logits: when not NULL,
+// [n, dspark_block_size, V]. DI_ERR_INVALID (logged: DSpark off, n outside 1 .. 64 or more block
+// rows than max_rows, a slot out of range, repeated or at position 0, an anchor outside the
+// vocabulary; nothing ran), DI_ERR_CUDA, DI_ERR_NOMEM.
+di_status di_dsv41_dev_draft(di_dsv41_dev_state *s, di_dsv41_dev_draft_seq *seqs, int32_t n,
+                             float *logits);
+
 // Tokens slot `slot` has consumed (-1 after a failed call: restart it at pos 0).
 int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
 
@@ -306,3 +383,9 @@ void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_grap
 // steps write no entry, block 0 is left as it was). No-op with graphs off (DI_DEV_GRAPHS=0).
 // Not inside a call. Errors as di_dsv41_dev_forward (and DI_ERR_NOMEM for its host scratch).
 di_status di_dsv41_dev_prepare_decode(di_dsv41_dev_state *s, int32_t max_seqs);
+// The same for verify steps (every sequence r rows, every row's logits: a speculative verify of
+// r - 1 drafts, for every r in 2 .. min(max_rows, DI_DSV41_ROLLBACK_MAX + 1, block_tokens) and
+// every number of sequences up to max_seqs, the slots and n * r <= 64 rows): two steps each of
+// token 0 at position 0 (block 0 listed as cached, as above; the slots are left at position r:
+// restart them at 0). Such steps later launch their graph. Errors as di_dsv41_dev_prepare_decode.
+di_status di_dsv41_dev_prepare_verify(di_dsv41_dev_state *s, int32_t max_seqs, int32_t max_rows);

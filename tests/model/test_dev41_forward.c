@@ -21,12 +21,18 @@
 //       start and continues bit-identically to the cold prefill; so does one on copies of those
 //       blocks made through the entry block I/O (read / write round-trips exactly);
 //   (i) tail snapshots: a slot's tail restored into another slot continues bit-identically;
+//   (n) rollback: ragged verify-shaped calls of another token stream, up to
+//       DI_DSV41_ROLLBACK_MAX rows taken back per slot (di_dsv41_dev_rollback against the
+//       sessions' di_dsv41_rollback), fed on: every logit bit-identical; decode steps too; bad
+//       rollbacks and one below a tail restore refused;
 //   (j) the Engram tables stay in host memory: the dev uploads no weight inside a table (the
 //       backend's weight_upload watched), and its calls' results above come from the rows
 //       gathered into each call's staging;
 //   (k) di_dsv41_dev_prepare_decode captures the decode graph of every size up to the slots at
 //       once (block 0, listed as cached, keeps its contents exactly), and decode steps of slots
-//       restarted afterwards launch those graphs (no capture) with the sessions' logits;
+//       restarted afterwards launch those graphs (no capture) with the sessions' logits; so does
+//       di_dsv41_dev_prepare_verify for verify steps (2 and 3 rows per sequence), launched by
+//       such steps later;
 // each in the FP32 recipe and in the official one (R-OFF). Every state has shared entry blocks
 // listed per call in a shuffled, non-contiguous order. A V4 model is refused.
 //   (h) (a) - (e) again on the committed v41_long fixture (other layer schedule and candidate
@@ -65,7 +71,17 @@
 enum { N_SLOTS = 3, N_CTX = 192, MAX_ROWS = 48, BT = 16 };
 enum { MAXB = N_CTX / BT, N_BLK = (N_SLOTS + 1) * MAXB };
 
-static char g_dir[256], g_fix[256];
+static char g_dir[256], g_fix[256], g_ds[256];
+static bool g_mtp; // (o): sessions with DSpark (mtp) and dev states with it on (h_init)
+
+// Under ASan + UBSan the FP32 runs of (n) and (o) are left to the release stage (the official
+// recipe's runs take the same paths, and its roundings besides).
+#if defined(__SANITIZE_ADDRESS__) || defined(DI_ASAN)
+enum { SAN = 1 };
+#else
+enum { SAN = 0 };
+#endif
+
 // Pipeline stages of every dev forward the harness creates ((m): 2 and 3 with --stages).
 enum { MAX_STAGES = 3 };
 static int32_t g_stages = 1;
@@ -95,6 +111,7 @@ static int32_t token_of(int slot, int gen, int32_t pos) {
 static di_session *new_session(di_model *m) {
     di_session_options so = di_session_options_default();
     so.n_ctx_max = N_CTX;
+    so.mtp = g_mtp;
     di_session *s = NULL;
     CHECK_EQ(di_session_create(m, &so, &s), DI_OK);
     return s;
@@ -134,6 +151,11 @@ static void h_init(harness *h, di_precision prec, bool two_states) {
                  DI_OK);
         unsetenv("DI_DEV_GRAPHS");
     }
+    if (g_mtp) {
+        CHECK_EQ(di_dsv41_dev_dspark_enable(h->st), DI_OK);
+        if (h->st2) CHECK_EQ(di_dsv41_dev_dspark_enable(h->st2), DI_OK);
+        if (h->st1) CHECK_EQ(di_dsv41_dev_dspark_enable(h->st1), DI_OK);
+    }
     // Shuffled, non-contiguous block ids: a permutation of [0, N_BLK) dealt out to the slots and
     // the spare set (29 is prime to N_BLK = 48).
     int32_t perm[N_BLK];
@@ -167,7 +189,8 @@ static void h_free(harness *h) {
 // stages everything stage 2 receives goes through the host bounce): per later stage the streams
 // and pre, one per earlier kv source a layer there reads (its mirror's rows), the top-k when its
 // first compressing layer is no index source but one came before, the candidate pool and its
-// counts when an index source follows the candidate source.
+// counts when an index source follows the candidate source, the DSpark taps when a target layer
+// is before it.
 static void decode_handovers(const di_model *m, const di_dsv41_dev *d, int64_t *peer,
                              int64_t *host) {
     const di_hparams *hp = &m->hp;
@@ -196,6 +219,9 @@ static void decode_handovers(const di_model *m, const di_dsv41_dev *d, int64_t *
                 break;
             }
         if (hp->candidate_layer >= 0 && hp->candidate_layer < l0 && idx_after) n += 2;
+        bool taps = false; // (o) DSpark: the taps of a target layer before the stage
+        for (int t = 0; t < hp->n_dspark_target && g_mtp; t++) taps |= hp->dspark_target[t] < l0;
+        n += taps;
         *(k == 2 ? host : peer) += n;
     }
 }
@@ -523,7 +549,8 @@ static void tail_case(di_precision prec) {
     const int chunks[] = {48, 41, 7};
     for (int k = 0; k < 3; k++) h_call(&h, 1, &s0, &chunks[k], NULL);
     const size_t tb = di_dsv41_dev_tail_bytes(h.d);
-    CHECK_EQ(tb, 16 + 6 * 16 * 66); // every layer's 16 window ring rows as Q8 codes of 64 dims
+    // Every layer's 16 window ring rows as Q8 codes of 64 dims, then every DSpark block's.
+    CHECK_EQ(tb, 16 + (6 + (size_t)h.m->n_mtp_loaded) * 16 * 66);
     uint8_t *tail = malloc(tb);
     CHECK_EQ(di_dsv41_dev_tail_save(h.st, s0, tail), DI_OK);
     if (h.st1) { // (m) the 1-stage state's snapshot of the same run: the same bytes
@@ -589,6 +616,10 @@ static void prepare_case(di_precision prec) {
     CHECK_EQ(g.n_cached, N_SLOTS);
     CHECK_EQ(g.n_direct, N_SLOTS);
     CHECK_EQ(g.n_replayed, 0); // a capture launches its graph, counted as captured
+    // Verify steps of 2 and 3 rows per sequence, 1 .. 3 sequences: 6 graphs more.
+    CHECK_EQ(di_dsv41_dev_prepare_verify(h.st, 8, 3), DI_OK);
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    CHECK_EQ(g.n_captured, N_SLOTS + 6);
     CHECK_EQ(di_dsv41_dev_state_read_block(h.st, 0, back), DI_OK);
     CHECK(memcmp(pat, back, (size_t)blk_bytes) == 0);
     const int all[N_SLOTS] = {0, 1, 2}, pre[N_SLOTS] = {5, 19, 2}, ones[N_SLOTS] = {1, 1, 1};
@@ -596,8 +627,16 @@ static void prepare_case(di_precision prec) {
     h_call(&h, N_SLOTS, all, pre, rs);
     for (int k = 0; k < 12; k++) h_call(&h, k % 3 == 2 ? 2 : N_SLOTS, all, ones, NULL);
     di_dsv41_dev_get_graph_stats(h.st, &g);
-    CHECK_EQ(g.n_captured, N_SLOTS);
+    CHECK_EQ(g.n_captured, N_SLOTS + 6);
     CHECK_EQ(g.n_replayed, 12);
+    // Verify-shaped steps launch the prepared graphs (the sessions' logits, every row).
+    const int twos[N_SLOTS] = {2, 2, 2}, threes[N_SLOTS] = {3, 3, 3};
+    h_call(&h, N_SLOTS, all, twos, NULL);
+    h_call(&h, 2, all, threes, NULL);
+    h_call(&h, N_SLOTS, all, threes, NULL);
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    CHECK_EQ(g.n_captured, N_SLOTS + 6);
+    CHECK_EQ(g.n_replayed, 15);
     CHECK_EQ(h.n_bad, 0);
     free(pat);
     free(back);
@@ -609,6 +648,237 @@ static void fp32_prepare(void) {
 }
 static void official_prepare(void) {
     prepare_case(DI_PRECISION_OFFICIAL);
+}
+
+// (n) rollback (di_dsv41_dev_rollback): verify-shaped calls of speculative tokens (another token
+// stream than the one fed after, so a trace of a rejected row would show) on 3 slots in ragged
+// batches, then n of each slot's rows taken back (up to DI_DSV41_ROLLBACK_MAX: odd and even
+// positions, whole calls, the window wrapped and a ratio-2 group left open) on the dev states
+// (graphs on and off, and the 1-stage forward with stages) and on the sessions
+// (di_dsv41_rollback), fed on: every logit row bit-identical (h_call); decode steps (graphs)
+// rolled back too; bad rollbacks refused without a change, and one below a tail restore.
+static void h_rollback(harness *h, int s, int n) {
+    CHECK_EQ(di_dsv41_dev_rollback(h->st, s, n), DI_OK);
+    if (h->st2) CHECK_EQ(di_dsv41_dev_rollback(h->st2, s, n), DI_OK);
+    if (h->st1) CHECK_EQ(di_dsv41_dev_rollback(h->st1, s, n), DI_OK);
+    CHECK_EQ(di_dsv41_rollback(h->ses[s], n), DI_OK);
+    CHECK_EQ(di_dsv41_dev_n_past(h->st, s), h->ses[s]->pos);
+}
+
+static void rollback_case(di_precision prec) {
+    harness h;
+    h_init(&h, prec, true);
+    const int all[N_SLOTS] = {0, 1, 2};
+    const int pre[N_SLOTS] = {9, 20, 17};
+    h_call(&h, N_SLOTS, all, pre, NULL);
+#if defined(__SANITIZE_ADDRESS__) || defined(DI_ASAN)
+    enum { ROUNDS = 3 };
+#else
+    enum { ROUNDS = 8 };
+#endif
+    // Per round: each slot's speculative rows, then how many of them go back.
+    const int spec[8][N_SLOTS] = {{6, 3, 17}, {2, 6, 6},  {16, 1, 5}, {6, 6, 6},
+                                  {3, 17, 2}, {6, 2, 16}, {1, 6, 4},  {5, 5, 5}};
+    const int back[8][N_SLOTS] = {{5, 2, 16}, {1, 6, 3},  {16, 1, 4}, {3, 4, 6},
+                                  {2, 16, 1}, {6, 1, 15}, {0, 5, 3},  {4, 2, 1}};
+    const int kept[N_SLOTS] = {1, 2, 3};
+    for (int k = 0; k < ROUNDS; k++) {
+        for (int i = 0; i < N_SLOTS; i++) h.gen[i] += 1000; // the speculative token stream
+        h_call(&h, N_SLOTS, all, spec[k], NULL);
+        for (int i = 0; i < N_SLOTS; i++) {
+            h.gen[i] -= 1000;
+            h_rollback(&h, i, back[k][i]);
+        }
+        h_call(&h, N_SLOTS, all, kept, NULL);
+    }
+    // Decode steps (graph shape) rolled back one at a time.
+    const int ones[N_SLOTS] = {1, 1, 1};
+    for (int k = 0; k < 6; k++) {
+        for (int i = 0; i < N_SLOTS; i++) h.gen[i] += 1000;
+        h_call(&h, N_SLOTS, all, ones, NULL);
+        for (int i = 0; i < N_SLOTS; i++) {
+            h.gen[i] -= 1000;
+            if (k % 2 == 0 || i == 1) h_rollback(&h, i, 1);
+        }
+        h_call(&h, N_SLOTS, all, ones, NULL);
+    }
+    // Bad rollbacks: nothing changes.
+    const int32_t p0 = di_dsv41_dev_n_past(h.st, 0);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 0, DI_DSV41_ROLLBACK_MAX + 1), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 0, -1), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, N_SLOTS, 1), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, 0), p0);
+    // After a restart at 0 a slot cannot go below 0; after a tail restore not below its position.
+    const bool rs[N_SLOTS] = {false, false, true};
+    const int two[N_SLOTS] = {1, 1, 2};
+    h_call(&h, N_SLOTS, all, two, rs);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 2, 3), DI_ERR_INVALID);
+    const int fill = BT - 2;
+    const int s2 = 2;
+    h_call(&h, 1, &s2, &fill, NULL);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, 2), BT);
+    uint8_t *tail = malloc(di_dsv41_dev_tail_bytes(h.d));
+    int32_t tok[BT];
+    for (int p = 0; p < BT; p++) tok[p] = token_of(2, h.gen[2], p);
+    CHECK_EQ(di_dsv41_dev_tail_save(h.st, 2, tail), DI_OK);
+    CHECK_EQ(di_dsv41_dev_tail_restore(h.st, 2, BT, tail, tok), DI_OK);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 2, 1), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 2, 0), DI_OK);
+    free(tail);
+    CHECK(h.n_rows > 0);
+    CHECK_EQ(h.n_bad, 0);
+    h_free(&h);
+}
+
+static void fp32_rollback(void) {
+    if (!SAN) rollback_case(DI_PRECISION_FP32);
+}
+static void official_rollback(void) {
+    rollback_case(DI_PRECISION_OFFICIAL);
+}
+
+// (o) DSpark (di_dsv41_dev_dspark_enable, di_dsv41_dev_draft) on the DSpark model: after every
+// call (ragged prefill chunks, decode steps in graphs, verify-shaped calls of another token stream
+// with rows rolled back) each slot's draft block, drafted on the dev states in one call, is bit
+// for bit di_dsv41_draft_batch's on the sessions: tokens, confidences and their logits, and every
+// draft logit (memcmp); the context rows come from the taps of every call (the drafts read
+// them); a tail snapshot restored into another slot drafts the same; bad drafts refused.
+static void h_draft(harness *h, int n, const int *slots) {
+    const int32_t B = h->m->hp.dspark_block_size;
+    di_dsv41_dev_draft_seq dv[N_SLOTS];
+    di_dsv41_draft_seq cpu[N_SLOTS];
+    const size_t nl = (size_t)n * (size_t)B * (size_t)h->V;
+    float *lg = malloc(sizeof(float) * nl), *lg2 = malloc(sizeof(float) * nl),
+          *ref = malloc(sizeof(float) * nl);
+    for (int i = 0; i < n; i++) {
+        const int s = slots[i];
+        const int32_t a = di_dsv41_dev_n_past(h->st, s);
+        const int32_t anchor = token_of(s, h->gen[s] + 7, a);
+        dv[i] = (di_dsv41_dev_draft_seq){.slot = s, .anchor = anchor};
+        cpu[i] = (di_dsv41_draft_seq){.s = h->ses[s], .anchor = anchor};
+    }
+    CHECK_EQ(di_dsv41_draft_batch(h->m, di_dsv41_ws(h->ses[slots[0]]), cpu, n, ref), DI_OK);
+    di_dsv41_dev_state *sts[3] = {h->st, h->st2, h->st1};
+    for (int k = 0; k < 3; k++) {
+        if (!sts[k]) continue;
+        di_dsv41_dev_draft_seq d2[N_SLOTS];
+        memcpy(d2, dv, sizeof d2);
+        CHECK_EQ(di_dsv41_dev_draft(sts[k], d2, n, k == 0 ? lg : lg2), DI_OK);
+        for (int i = 0; i < n; i++) {
+            const bool same = memcmp(&d2[i].out, &cpu[i].out, sizeof d2[i].out) == 0;
+            CHECK(same);
+            h->n_rows++;
+            if (!same && h->n_bad++ < 5)
+                fprintf(stderr, "draft of slot %d: tokens %d/%d conf %g/%g\n", slots[i],
+                        d2[i].out.tokens[0], cpu[i].out.tokens[0], d2[i].out.confidence[0],
+                        cpu[i].out.confidence[0]);
+        }
+        CHECK(memcmp(k == 0 ? lg : lg2, ref, sizeof(float) * nl) == 0);
+    }
+    free(lg);
+    free(lg2);
+    free(ref);
+}
+
+static void dspark_case(di_precision prec) {
+    g_mtp = true;
+    g_model = g_ds;
+    harness h;
+    h_init(&h, prec, true);
+    CHECK(di_dsv41_dev_dspark_on(h.st));
+    CHECK(h.m->hp.dspark_block_size >= 2);
+    const int all[N_SLOTS] = {0, 1, 2};
+    const int pre[N_SLOTS] = {5, 19, 22};
+    h_call(&h, N_SLOTS, all, pre, NULL);
+    h_draft(&h, N_SLOTS, all);
+    const int order[N_SLOTS] = {2, 0, 1}, sizes[N_SLOTS] = {1, 12, 3};
+    h_call(&h, N_SLOTS, order, sizes, NULL);
+    h_draft(&h, N_SLOTS, order);
+    const int two[2] = {1, 2};
+    h_draft(&h, 2, two);
+#if defined(__SANITIZE_ADDRESS__) || defined(DI_ASAN)
+    enum { STEPS = 7 }; // a decode graph replayed at the third decode step
+#else
+    enum { STEPS = 20 };
+#endif
+    const int ones[N_SLOTS] = {1, 1, 1};
+    // Verifies: [anchor, drafts] of another stream, rejected rows back; ragged, and uniform (a
+    // verify graph: captured at its second step, replayed after).
+    const int spec[2][N_SLOTS] = {{3, 2, 3}, {3, 3, 3}}, back[2][N_SLOTS] = {{2, 0, 3}, {1, 3, 0}};
+    for (int k = 0; k < STEPS; k++) {
+        if (k % 3 != 0) {
+            const int v = k % 3 - 1;
+            for (int i = 0; i < N_SLOTS; i++) h.gen[i] += 1000;
+            h_call(&h, N_SLOTS, all, spec[v], NULL);
+            for (int i = 0; i < N_SLOTS; i++) {
+                h.gen[i] -= 1000;
+                h_rollback(&h, i, back[v][i]);
+            }
+        } else {
+            h_call(&h, N_SLOTS, all, ones, NULL);
+        }
+        h_draft(&h, N_SLOTS, all);
+    }
+    di_dsv41_dev_graph_stats g;
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    CHECK(g.n_replayed > 0);
+    // A tail snapshot (window and DSpark rings) of slot 2, restarted and fed 2 * BT positions,
+    // restored into slot 1 on slot 2's blocks below it: the same drafts as slot 2 (logits too),
+    // before and after one more position on both.
+    {
+        const bool rs[N_SLOTS] = {false, false, true};
+        const int sz[N_SLOTS] = {1, 1, 2 * BT};
+        h_call(&h, N_SLOTS, all, sz, rs);
+        enum { P = 2 * BT };
+        CHECK_EQ(di_dsv41_dev_n_past(h.st, 2), P);
+        uint8_t *tail = malloc(di_dsv41_dev_tail_bytes(h.d));
+        int32_t tok[P + 1], blk1[MAXB], rows[1] = {0};
+        for (int q = 0; q <= P; q++) tok[q] = token_of(2, h.gen[2], q);
+        for (int j = 0; j < MAXB; j++) blk1[j] = j < P / BT ? h.blk[2][j] : h.blk[1][j];
+        CHECK_EQ(di_dsv41_dev_tail_save(h.st, 2, tail), DI_OK);
+        CHECK_EQ(di_dsv41_dev_tail_restore(h.st, 1, P, tail, tok), DI_OK);
+        const int64_t nl = (int64_t)h.m->hp.dspark_block_size * h.V;
+        float *l1 = malloc(sizeof(float) * (size_t)nl), *l2 = malloc(sizeof(float) * (size_t)nl);
+        for (int step = 0; step < 2; step++) {
+            di_dsv41_dev_draft_seq a2 = {.slot = 2, .anchor = 11}, a1 = {.slot = 1, .anchor = 11};
+            CHECK_EQ(di_dsv41_dev_draft(h.st, &a2, 1, l2), DI_OK);
+            CHECK_EQ(di_dsv41_dev_draft(h.st, &a1, 1, l1), DI_OK);
+            CHECK(memcmp(&a1.out, &a2.out, sizeof a1.out) == 0);
+            CHECK(memcmp(l1, l2, sizeof(float) * (size_t)nl) == 0);
+            const int32_t q = P + step;
+            di_dsv41_dev_seq q2 = {
+                .slot = 2, .pos = q, .n_tok = 1, .blocks = h.blk[2], .n_blocks = MAXB};
+            di_dsv41_dev_seq q1 = {
+                .slot = 1, .pos = q, .n_tok = 1, .blocks = blk1, .n_blocks = MAXB};
+            if (step == 0) {
+                CHECK_EQ(di_dsv41_dev_forward(h.st, &q2, 1, &tok[P], rows, 1, h.got), DI_OK);
+                CHECK_EQ(di_dsv41_dev_forward(h.st, &q1, 1, &tok[P], rows, 1, h.got2), DI_OK);
+                CHECK(memcmp(h.got, h.got2, sizeof(float) * (size_t)h.V) == 0);
+            }
+        }
+        free(l1);
+        free(l2);
+        free(tail);
+    }
+    // Bad drafts: nothing runs.
+    di_dsv41_dev_draft_seq bad[2] = {{.slot = 0, .anchor = 1}, {.slot = 0, .anchor = 1}};
+    CHECK_EQ(di_dsv41_dev_draft(h.st, bad, 2, NULL), DI_ERR_INVALID); // a slot twice
+    bad[0].anchor = (int32_t)h.V;
+    CHECK_EQ(di_dsv41_dev_draft(h.st, bad, 1, NULL), DI_ERR_INVALID); // anchor out of range
+    bad[0] = (di_dsv41_dev_draft_seq){.slot = N_SLOTS, .anchor = 1};
+    CHECK_EQ(di_dsv41_dev_draft(h.st, bad, 1, NULL), DI_ERR_INVALID);
+    CHECK(h.n_rows > 0);
+    CHECK_EQ(h.n_bad, 0);
+    h_free(&h);
+    g_mtp = false;
+    g_model = g_dir;
+}
+
+static void fp32_dspark(void) {
+    if (!SAN) dspark_case(DI_PRECISION_FP32);
+}
+static void official_dspark(void) {
+    dspark_case(DI_PRECISION_OFFICIAL);
 }
 
 static void fp32_tail(void) {
@@ -786,8 +1056,11 @@ static void stage_rules(void) {
         CHECK_EQ(di_dsv41_dev_sizes(d, BT, &blk, &slot), DI_OK);
         CHECK_EQ(blk, (int64_t)di_dsv41_page_bytes(m, BT));
         CHECK_EQ(blk, 1792);
-        // Every layer's 16 window rows (Q8: 64 + 2 bytes) and source 1's C and Z rings.
-        CHECK_EQ(slot, 6 * 16 * 66 + 2 * 2 * hp->head_dim * 4);
+        // Every layer's 16 + DI_DSV41_ROLLBACK_MAX window ring rows (Q8: 64 + 2 bytes) and
+        // source 1's C and Z rings of DI_DSV41_ROLLBACK_MAX + 2 FP32 rows.
+        CHECK_EQ(slot, 6 * (16 + DI_DSV41_ROLLBACK_MAX) * 66 +
+                           2 * (DI_DSV41_ROLLBACK_MAX + 2) * hp->head_dim * 4);
+        CHECK_EQ(slot, 21888);
         CHECK_EQ(di_dsv41_dev_block_mem_bytes(d, BT, &mem, per), DI_OK);
         CHECK_EQ(per[0], 8 * row);            // source 1
         CHECK_EQ(per[1], 8 * row + 16 * row); // source 1's mirror, source 3
@@ -1089,9 +1362,13 @@ int main(int argc, char **argv) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_dev41_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
     CHECK(di_synth_v41_write(g_dir, true, false, 41) == DI_OK);
+    snprintf(g_ds, sizeof g_ds, "/tmp/di_test_dev41_ds_XXXXXX");
+    if (!mkdtemp(g_ds)) return 1;
+    CHECK(di_synth_v41_write(g_ds, true, true, 41) == DI_OK);
     if (argc > 1 && strcmp(argv[1], "--cuts") == 0) { // (l): every cut
         RUN(every_cut);
         di_test_remove_dir(g_dir);
+        di_test_remove_dir(g_ds);
         return test_finish();
     }
     if (argc > 1 && strcmp(argv[1], "--stages") == 0) { // (m): the scenarios on 2, then 3 stages
@@ -1108,14 +1385,29 @@ int main(int argc, char **argv) {
             RUN(official_prefix);
             RUN(fp32_tail);
             RUN(official_tail);
+            RUN(fp32_rollback);
+            RUN(official_rollback);
+            RUN(fp32_dspark);
+            RUN(official_dspark);
             RUN(fp32_prepare);
             RUN(official_prepare);
             RUN(fp32_wiring);
             RUN(official_wiring);
             if (g_stages == 2) RUN(fixture_long);
         }
+        // (o) DSpark with the taps crossing cuts (targets 4 and 5): [0, 5) [5, 6) hands layer
+        // 4's tap over; [0, 4) [4, 5) [5, 6) passes it through a middle stage.
+        static const int32_t ds2[3] = {0, 5, 6}, ds3[4] = {0, 4, 5, 6};
+        for (g_stages = FIRST_STAGES; g_stages <= MAX_STAGES; g_stages++) {
+            g_split = g_stages == 2 ? ds2 : ds3;
+            fprintf(stderr, "---- DSpark on %d pipeline stages ----\n", g_stages);
+            RUN(fp32_dspark);
+            RUN(official_dspark);
+        }
+        g_split = NULL;
         di_test_remove_dir(g_fix);
         di_test_remove_dir(g_dir);
+        di_test_remove_dir(g_ds);
         return test_finish();
     }
     RUN(stage_rules);
@@ -1127,6 +1419,10 @@ int main(int argc, char **argv) {
     RUN(official_prefix);
     RUN(fp32_tail);
     RUN(official_tail);
+    RUN(fp32_rollback);
+    RUN(official_rollback);
+    RUN(fp32_dspark);
+    RUN(official_dspark);
     RUN(fp32_prepare);
     RUN(official_prepare);
     RUN(fp32_wiring);
@@ -1139,5 +1435,6 @@ int main(int argc, char **argv) {
     RUN(fixture_long);
     di_test_remove_dir(g_fix);
     di_test_remove_dir(g_dir);
+    di_test_remove_dir(g_ds);
     return test_finish();
 }

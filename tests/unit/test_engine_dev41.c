@@ -26,14 +26,20 @@
 //   (e) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
 //       (di_dsv41_dev_sizes); one byte less than a max_ctx sequence needs is refused; the device
 //       state grows by exactly the blocks more memory buys;
-//   (f) with spec_tokens > 0 (DSpark, not on the device-resident forward) the engine runs the CPU
-//       V4.1 forward (not resident, no dev graphs) and gives the same tokens;
+//   (f) with spec_tokens > 0 the engine runs DSpark on the device-resident forward (drafts,
+//       verifies, rollback on the dev state): against the CPU V4.1 engine with the same options
+//       (greedy and seeded requests) the same tokens and logprobs, and on a roomy pool the same
+//       verifies, drafts and acceptances, cache hits and replays; the second pass with oracle
+//       drafts (2, 1 and 0 accepted: rollbacks of 0, 1, 2 rows) and prefix hits; a tiny pool
+//       preempts and readmits; the tokens those of the engine without speculation; nothing
+//       allocated in a step;
 //   (g) KV transfer between V4.1 device-resident engines (through the block I/O, the tail
 //       snapshot along: nothing replayed after the import); a transfer of the CPU V4.1 forward is
 //       taken by the device-resident one and the other way round (their blocks are the same
 //       packed pages, model/dsv41_dev.h), without the other forward's tail snapshot: the request
 //       on the imported blocks reuses them, runs the bounded replay and gives the cold tokens;
-//   (h) pipeline stages (model/dsv41_dev.h "Pipeline stages"): (a), (c), (d), (e) and (g) again
+//   (h) pipeline stages (model/dsv41_dev.h "Pipeline stages"): (a), (c), (d), (f), (e) and (g)
+//   again
 //       with the twin attached as 2 stages on two CPU backends at a cut inside kv source 3's range
 //       (layers [0, 4) and [4, 6): the second stage keeps a mirror of source 3's entries and index
 //       keys, the top-k and the candidate pool cross each call): the CPU engine's tokens, hits
@@ -96,6 +102,7 @@ static result g_ref[N_REQ], g_ref2[N_REQ]; // the CPU engine's first and second 
 // V4.1 dev forward on CPU backends (g_stages at g_split); g_io_bytes: a block's I/O bytes.
 static size_t g_tail_bytes; // di_dsv41_dev_tail_bytes
 static int64_t g_io_bytes;  // di_dsv41_dev_sizes' block_bytes
+static int64_t g_ds_slot;   // the DSpark rings of a slot
 
 static void dev_sizes(int64_t *blk, int64_t *slot, int32_t *bt) {
     di_model_options mo = di_model_options_default();
@@ -117,6 +124,14 @@ static void dev_sizes(int64_t *blk, int64_t *slot, int32_t *bt) {
         CHECK_EQ(g_io_bytes, (int64_t)di_dsv41_page_bytes(m, *bt));
         CHECK(g_stages > 1 ? *blk > 1680 : *blk == 1680);
         g_tail_bytes = di_dsv41_dev_tail_bytes(d);
+        // (f) a DSpark slot's rings besides (di_dsv41_dev_dspark_enable; engine.c dev_sizes)
+        // (16 + DI_DSV41_ROLLBACK_MAX Q8 rows of 66 bytes per DSpark block)
+        g_ds_slot = (int64_t)m->n_mtp_loaded * (m->hp.window + DI_DSV41_ROLLBACK_MAX) *
+                    di_backend_code_row_bytes(8, m->hp.head_dim, DI_BACKEND_WIN_BLOCK);
+        CHECK_EQ(m->hp.window, 16);
+        CHECK_EQ(g_ds_slot, (int64_t)m->n_mtp_loaded * 32 * 66);
+        // Every layer's 32 Q8 ring rows and source 1's C and Z rings of 18 FP32 rows.
+        CHECK_EQ(*slot, 6 * 32 * 66 + 2 * 18 * 64 * 4);
     }
     di_dsv41_dev_destroy(d);
     di_backend_destroy(b);
@@ -457,29 +472,117 @@ static void test_sizing(void) {
 
 // ---- (f) ----
 
-static void test_spec_fallback(void) {
+// (f) DSpark speculation on the device-resident forward (di_dsv41_dev_dspark_enable, drafts by
+// di_dsv41_dev_draft, rollback by di_dsv41_dev_rollback) against the CPU V4.1 engine with the
+// same spec_tokens: the same tokens, logprobs and acceptance counts, with a tiny pool
+// (preemption, readmission on prefix hits) and a roomy one, two passes (the prefix cache hits).
+static void spec_compare(const char *tag, const di_engine_stats *ref, const result *want,
+                         di_engine *e, const result *got) {
+    di_engine_stats st;
+    di_engine_get_stats(e, &st);
+    int n_same = 0;
+    for (int i = 0; i < N_REQ; i++) n_same += same(&got[i], &want[i]);
+    fprintf(stderr,
+            "(f) %s: resident %d, %lld verifies (CPU %lld), %lld drafted, %lld accepted (CPU "
+            "%lld), %lld preemptions, %d/%d identical\n",
+            tag, (int)st.device.resident, (long long)st.n_spec_verifies,
+            (long long)ref->n_spec_verifies, (long long)st.n_spec_drafted,
+            (long long)st.n_spec_accepted, (long long)ref->n_spec_accepted,
+            (long long)st.n_preemptions, n_same, N_REQ);
+    CHECK_EQ(n_same, N_REQ);
+    CHECK(st.device.resident);
+    CHECK_EQ(st.n_failed_steps, 0);
+    CHECK_EQ(st.n_step_allocs, 0);
+    CHECK_EQ(st.n_blocks_free, st.n_blocks_total);
+    CHECK(st.n_spec_verifies > 0);
+    // Graphs: decode and verify steps prepared at create, none captured in a step.
+    di_dsv4_dev_graph_stats gs;
+    di_engine_get_graph_stats(e, &gs);
+    fprintf(stderr, "    graphs: %lld cached, %lld captured, %lld replayed, %lld direct\n",
+            (long long)gs.n_cached, (long long)gs.n_captured, (long long)gs.n_replayed,
+            (long long)gs.n_direct);
+    CHECK_EQ(gs.n_captured, gs.n_cached);
+    CHECK(gs.n_replayed > 0);
+}
+
+// Oracle drafts from the engine's output without speculation (g_ref; speculation never changes
+// it): by the output token's position all right, the first right and the second wrong, or all
+// wrong, so verifies accept 2, 1 and 0 drafts (rollback of 0, 1 and 2 rows).
+static void oracle_hook(void *user, uint64_t id, int32_t n_gen, di_draft *d) {
+    (void)user;
+    const result *t = &g_ref[(id - 1) % N_REQ];
+    for (int32_t j = 0; j < d->n; j++) {
+        const int32_t g = n_gen + j, tok = g < t->n ? t->tokens[g] : 0;
+        const int kind = n_gen % 3;
+        d->tokens[j] = kind == 0 || (kind == 1 && j == 0) ? tok : (tok + 1) % V;
+    }
+}
+
+// Under ASan the roomy round only (a memory check of the same paths).
+#if defined(__SANITIZE_ADDRESS__)
+enum { SPEC_ROUND0 = 1 };
+#else
+enum { SPEC_ROUND0 = 0 };
+#endif
+
+static void test_spec(void) {
     di_backend *b = NULL;
     CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
     if (!b) return;
-    di_engine_options o = options((size_t)64 << 20, N_REQ);
-    o.spec_tokens = 2;
-    di_engine *e = engine_o(&o, b);
-    if (e) {
-        static result got[N_REQ];
-        run(e, got, 0, N_REQ);
-        di_engine_wait_idle(e);
-        int n_same = 0;
-        for (int i = 0; i < N_REQ; i++) n_same += same(&got[i], &g_ref[i]);
-        di_engine_stats st;
-        di_engine_get_stats(e, &st);
-        fprintf(stderr,
-                "(f) spec_tokens 2 on a model with the V4.1 dev forward attached: resident %d, "
-                "%lld verifies, %d/%d identical\n",
-                (int)st.device.resident, (long long)st.n_spec_verifies, n_same, N_REQ);
-        CHECK_EQ(n_same, N_REQ);
-        CHECK(st.n_spec_verifies > 0);
-        check_clean(e, false); // the CPU V4.1 forward: no dev state, no dev graphs
-        di_engine_destroy(e);
+    int64_t blk = 0, slot = 0;
+    int32_t bt = 1;
+    dev_sizes(&blk, &slot, &bt);
+    slot += g_ds_slot;
+    const size_t tiny = (size_t)(3 * slot + ((MAX_CTX + bt - 1) / bt) * blk);
+    for (int round = SPEC_ROUND0; round < 2; round++) {
+        const int32_t ms = round == 0 ? 3 : N_REQ;
+        di_engine_options o = options((size_t)64 << 20, ms);
+        o.spec_tokens = 2;
+        o.no_tail_cache = round == 0;        // roomy: tail snapshots (DSpark rings included) on
+        di_engine *cpu = engine_o(&o, NULL); // the CPU V4.1 engine with DSpark
+        if (round == 0) o.kv_memory_bytes = tiny;
+        di_engine *dev = engine_o(&o, b);
+        if (!cpu || !dev) {
+            di_engine_destroy(cpu);
+            di_engine_destroy(dev);
+            break;
+        }
+        for (int pass = 0; pass < 2; pass++) {
+            static result want[N_REQ], got[N_REQ];
+            // Pass 1: the oracle's drafts (accepted ones, rollbacks of 0 .. 2 rows).
+            di_engine_set_draft_hook(cpu, pass == 1 ? oracle_hook : NULL, NULL);
+            di_engine_set_draft_hook(dev, pass == 1 ? oracle_hook : NULL, NULL);
+            run(cpu, want, 0, N_REQ);
+            di_engine_wait_idle(cpu);
+            run(dev, got, 0, N_REQ);
+            di_engine_wait_idle(dev);
+            di_engine_stats ref;
+            di_engine_get_stats(cpu, &ref);
+            char tag[64];
+            snprintf(tag, sizeof tag, "%s pool, pass %d", round == 0 ? "tiny" : "roomy", pass);
+            spec_compare(tag, &ref, want, dev, got);
+            for (int i = 0; i < N_REQ; i++) CHECK(same(&got[i], &g_ref[i])); // spec off's
+            if (round == 1) {
+                di_engine_stats st;
+                di_engine_get_stats(dev, &st);
+                CHECK_EQ(st.n_spec_verifies, ref.n_spec_verifies);
+                CHECK_EQ(st.n_spec_drafted, ref.n_spec_drafted);
+                CHECK_EQ(st.n_spec_accepted, ref.n_spec_accepted);
+                CHECK_EQ(st.n_tail_restored, ref.n_tail_restored);
+                if (pass == 1) CHECK(st.n_tail_restored > 0); // the DSpark rings come back too
+                for (int i = 0; i < N_REQ; i++) {
+                    CHECK_EQ(got[i].n_cached, want[i].n_cached);
+                    CHECK_EQ(got[i].n_replayed, want[i].n_replayed);
+                }
+            } else {
+                di_engine_stats st;
+                di_engine_get_stats(dev, &st);
+                CHECK(pass == 0 || st.n_preemptions > 0);
+            }
+            if (pass == 1) CHECK(ref.n_spec_accepted > 0);
+        }
+        di_engine_destroy(cpu);
+        di_engine_destroy(dev);
     }
     di_backend_destroy(b);
 }
@@ -610,6 +713,7 @@ static void test_stages(void) {
             di_test_remove_dir(path);
         }
         test_disk();
+        if (STAGES_ALL) test_spec();
         if (STAGES_ALL) test_sizing();
         if (STAGES_ALL) test_transfer();
     }
@@ -631,7 +735,7 @@ int main(void) {
     RUN(test_shared_prefix);
     RUN(test_disk);
     RUN(test_sizing);
-    RUN(test_spec_fallback);
+    RUN(test_spec);
     RUN(test_transfer);
     RUN(test_stages);
     di_test_remove_dir(g_dir);

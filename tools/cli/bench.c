@@ -278,7 +278,7 @@ static int spec_row(const char *model, di_engine_options o, int32_t n_vocab, int
                                                    : DI_SPEC_MIN_CONFIDENCE_DEFAULT));
     else
         printf("speculative decoding (the MTP block's one draft per verify), greedy:\n");
-    if (plain_resident && !es.device.resident) // V4.1: DSpark is not on the device-resident forward
+    if (plain_resident && !es.device.resident) // one forward resident, the other not
         printf("  (the engine with speculation runs the CPU forward with offloaded matmuls, the "
                "one without it the device-resident forward: the ratios compare two forwards)\n");
     printf("  1 sequence    decode %10.1f tokens/s (without: %.1f, %.2fx), step allocations %lld\n",
