@@ -153,9 +153,9 @@
  * I/O: a block's bytes are each source's runs at their page offsets (the same bytes as one stage),
  * read from the owner, written to the owner and every mirror (prefix-cache hits, the disk tier and
  * KV transfers see the same blocks on every stage); tail snapshots are the header and each stage's
- * window rings at their layer's offset (C/Z rings are not in a snapshot, which is taken where no
- * group is open). Graph stats count a call once (its ops and uploads summed), a failed call
- * restarts its slots on every stage.
+ * window rings at their layer's offset, the last stage's DSpark rings after them (C/Z rings are
+ * not in a snapshot, which is taken where no group is open). Graph stats count a call once (its
+ * ops and uploads summed), a failed call restarts its slots on every stage.
  *
  * Owns: a di_dsv41_dev owns its stages' backend blocks (small vectors, expert arrays; weights are
  * the backends', freed with them); the backends and model are borrowed and must outlive it. A state
