@@ -30,9 +30,10 @@
 //     as on the CPU forward below, the step's call verifying [y, d] in two rows, the rejected row
 //     taken back in the dev state (di_dsv4_dev_rollback) and the MTP call run on the kept rows'
 //     main streams, which the state keeps from the step's call
-//     ("speculative decoding on the device-resident forward" below; V4 only).
+//     ("speculative decoding on the device-resident forward" below; V4.1's DSpark on its device
+//     forward: dev41_spec_forward).
 //   - the V4.1 forward, for a DeepSeek V4.1 checkpoint (hp.v41; model/dsv41.h) without the
-//     device-resident one (or with it and spec_tokens > 0): one V4.1 session
+//     device-resident one: one V4.1 session
 //     per scheduler slot holding the slot's fixed tail (window and DSpark rings, (C, Z) slots,
 //     the Engram history), reserved at create for max_ctx positions and max_batch_tokens rows
 //     (di_dsv41_reserve_ctx), all sharing the engine's workspace (di_dsv41_share_ws), which
