@@ -1063,9 +1063,13 @@ static di_status cpu_attn_kv(di_backend *b, const float *q, const uint8_t *pool,
                     round_p, o);
 }
 
+// The index scores of index_scores and index_scores_q4: keys as FP32 rows (keys) or as Q4 codes
+// (codes: each chunk's keys decoded into the thread's scratch first, then scored the same way:
+// every key on its own, so the scores are those of the decoded FP32 keys).
 typedef struct index_ctx {
     const cpu_impl *c;
     const float *qi, *wi, *keys;
+    const uint8_t *codes; // non-NULL: Q4 keys (keys NULL)
     const int64_t *key_base;
     const int32_t *pages, *page_off;
     int32_t per_page;
@@ -1079,10 +1083,12 @@ typedef struct index_ctx {
 static void index_task(void *p, int ith, int nth) {
     const index_ctx *x = p;
     const float **kp = x->c->kp + (size_t)ith * x->c->kp_per_thread;
+    float *kd = x->codes ? x->c->ik_rows + (size_t)ith * x->c->ik_per_thread : NULL;
+    const int64_t kb = x->codes ? di_backend_code_row_bytes(4, x->DI, DI_BACKEND_KEY_BLOCK) : 0;
     int64_t lo, hi;
     di_split_range(x->n_tok, ith, nth, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
-        const float *keys = x->keys + (x->key_base ? x->key_base[t] : 0) * x->DI;
+        const int64_t base = x->key_base ? x->key_base[t] : 0;
         float *sc = x->scores + t * x->score_stride;
         for (int64_t w0 = 0; w0 < x->n_vis[t]; w0 += KEY_CHUNK) {
             int64_t nk = x->n_vis[t] - w0 < KEY_CHUNK ? x->n_vis[t] - w0 : KEY_CHUNK;
@@ -1092,23 +1098,29 @@ static void index_task(void *p, int ith, int nth) {
                 int64_t row = w0 + w;
                 if (x->pages) {
                     int32_t pg = x->pages[x->page_off[t] + row / x->per_page];
-                    if (pg < 0) continue; // scored -inf below
+                    if (pg < 0) {
+                        sc[row] = -INFINITY;
+                        continue;
+                    }
                     row = (int64_t)pg * x->per_page + row % x->per_page;
                 }
-                kp[n_ok++] = keys + row * x->DI;
+                if (x->codes) {
+                    float *k = kd + n_ok * x->DI;
+                    di_quant_q4_unpack(x->codes + (base + row) * kb, x->DI, DI_BACKEND_KEY_BLOCK,
+                                       k);
+                    kp[n_ok++] = k;
+                } else {
+                    kp[n_ok++] = x->keys + (base + row) * x->DI;
+                }
             }
             if (n_ok == nk) {
                 di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI,
                                     x->HI, kp, nk, x->DI, sc + w0);
                 continue;
             }
-            // Entries of negative pages: -inf, the others scored one by one.
-            for (int64_t w = 0, j = 0; w < nk; w++) {
-                int64_t row = w0 + w;
-                if (x->pages[x->page_off[t] + row / x->per_page] < 0) {
-                    sc[row] = -INFINITY;
-                    continue;
-                }
+            for (int64_t w = 0, j = 0; w < nk; w++) { // entries of negative pages: -inf above
+                const int64_t row = w0 + w;
+                if (x->pages[x->page_off[t] + row / x->per_page] < 0) continue;
                 di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI,
                                     x->HI, kp + j++, 1, x->DI, sc + row);
             }
@@ -1295,65 +1307,6 @@ static di_status cpu_attn_codes(di_backend *b, const float *q, const uint8_t *wi
     return DI_OK;
 }
 
-typedef struct index_q4_ctx {
-    const cpu_impl *c;
-    const float *qi, *wi;
-    const uint8_t *keys;
-    const int64_t *key_base;
-    const int32_t *pages, *page_off;
-    int32_t per_page;
-    const int32_t *n_vis;
-    int32_t n_tok, HI, DI;
-    bool round_bf16;
-    float *scores;
-    int64_t score_stride;
-} index_q4_ctx;
-
-// index_task on Q4 keys: each chunk's keys decoded into the thread's scratch, then scored as there
-// (every key on its own: the same scores as on the decoded FP32 keys).
-static void index_q4_task(void *p, int ith, int nth) {
-    const index_q4_ctx *x = p;
-    const float **kp = x->c->kp + (size_t)ith * x->c->kp_per_thread;
-    float *kd = x->c->ik_rows + (size_t)ith * x->c->ik_per_thread;
-    const int64_t kb = di_backend_code_row_bytes(4, x->DI, DI_BACKEND_KEY_BLOCK);
-    int64_t lo, hi;
-    di_split_range(x->n_tok, ith, nth, &lo, &hi);
-    for (int64_t t = lo; t < hi; t++) {
-        const uint8_t *keys = x->keys + (x->key_base ? x->key_base[t] : 0) * kb;
-        float *sc = x->scores + t * x->score_stride;
-        for (int64_t w0 = 0; w0 < x->n_vis[t]; w0 += KEY_CHUNK) {
-            int64_t nk = x->n_vis[t] - w0 < KEY_CHUNK ? x->n_vis[t] - w0 : KEY_CHUNK;
-            int64_t n_ok = 0;
-            for (int64_t w = 0; w < nk; w++) {
-                int64_t row = w0 + w;
-                if (x->pages) {
-                    int32_t pg = x->pages[x->page_off[t] + row / x->per_page];
-                    if (pg < 0) {
-                        sc[row] = -INFINITY;
-                        continue;
-                    }
-                    row = (int64_t)pg * x->per_page + row % x->per_page;
-                }
-                float *k = kd + n_ok * x->DI;
-                di_quant_q4_unpack(keys + row * kb, x->DI, DI_BACKEND_KEY_BLOCK, k);
-                kp[n_ok++] = k;
-            }
-            if (n_ok == nk) {
-                di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI,
-                                    x->HI, kp, nk, x->DI, sc + w0);
-                continue;
-            }
-            for (int64_t w = 0, j = 0; w < nk; w++) { // entries of negative pages: -inf above
-                const int64_t row = w0 + w;
-                if (x->pages[x->page_off[t] + row / x->per_page] < 0) continue;
-                di_cpu_index_scores(x->c->cpu.isa, x->qi + t * x->HI * x->DI, x->wi + t * x->HI,
-                                    x->HI, kp + j++, 1, x->DI, sc + row);
-            }
-        }
-        if (x->round_bf16) round_all(x->scores + t * x->score_stride, x->n_vis[t]);
-    }
-}
-
 static di_status cpu_index_scores_q4(di_backend *b, const float *qi, const float *wi,
                                      const uint8_t *keys, const int64_t *key_base,
                                      const int32_t *pages, const int32_t *page_off,
@@ -1378,22 +1331,22 @@ static di_status cpu_index_scores_q4(di_backend *b, const float *qi, const float
         c->ik_rows = q;
         c->ik_per_thread = per;
     }
-    index_q4_ctx x = {.c = c,
-                      .qi = qi,
-                      .wi = wi,
-                      .keys = keys,
-                      .key_base = key_base,
-                      .pages = pages,
-                      .page_off = page_off,
-                      .per_page = per_page,
-                      .n_vis = n_vis,
-                      .n_tok = n_tok,
-                      .HI = HI,
-                      .DI = DI,
-                      .round_bf16 = round_bf16,
-                      .scores = scores,
-                      .score_stride = score_stride};
-    di_pool_run(c->pool, index_q4_task, &x);
+    index_ctx x = {.c = c,
+                   .qi = qi,
+                   .wi = wi,
+                   .codes = keys,
+                   .key_base = key_base,
+                   .pages = pages,
+                   .page_off = page_off,
+                   .per_page = per_page,
+                   .n_vis = n_vis,
+                   .n_tok = n_tok,
+                   .HI = HI,
+                   .DI = DI,
+                   .round_bf16 = round_bf16,
+                   .scores = scores,
+                   .score_stride = score_stride};
+    di_pool_run(c->pool, index_task, &x);
     return DI_OK;
 }
 
