@@ -1194,37 +1194,76 @@ fail:
     return st;
 }
 
-static di_status attention(const call *c, int il, const float *a, float *out, bool *have_topk,
-                           bool *have_cand) {
+// The q and window rows of an attention (a layer's or a DSpark block's) from its input a: q =
+// RoPE(wq_b RMSNorm(wq_a a)) (no per-head RMS in V4.1) into s->q; the window rows RoPE(RMSNorm(wkv
+// a)) into s->kvw (FP32, kept for a ring update after the attention) and their Q8 codes (over all
+// dims) into the call rows of win.
+static di_status attn_q_kv(const call *c, const dev_layer *lw, const float *a, const float *omega,
+                           float rscale, uint8_t *win) {
     stage_state *s = c->s;
-    const dev_stage *d = s->d;
-    const di_hparams *hp = &d->m->hp;
-    const dev_layer *lw = &d->layers[il];
+    const di_hparams *hp = &s->d->m->hp;
     const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
-    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, T = c->T;
+    const int64_t T = c->T;
     const int32_t n_rot = hp->rope_main.n_dims;
-    const bool compress = lw->ratio > 0;
-    const float *omega = compress ? d->omega_compress : d->omega_main;
-    const float rscale =
-        compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
     const int32_t *pos = D32(c->pos);
-    uint8_t *win = s->win + (int64_t)(il - d->l0) * s->layer_rows * s->win_bytes; // this layer's
     di_status st = DI_OK;
-    // q: RMSNorm(wq_a a), wq_b, RoPE (no per-head RMS in V4.1).
     DI_TRY(linear(c, &lw->wq_a, a, T, D, s->qr, Rq, true));
     OP(rmsnorm, s->qr, T, Rq, Rq, lw->q_norm, hp->norm_eps);
     ROUND(s->qr, T * Rq);
     DI_TRY(linear(c, &lw->wq_b, s->qr, T, Rq, s->q, H * Dh, true));
     OP(rope, s->q, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, false);
     ROUND(s->q, T * H * Dh);
-    // The window rows: norm, RoPE, then their Q8 codes (over all dims) into this call's rows of
-    // the layer's window rows; kvw keeps the FP32 rows for the ring update after the attention.
     DI_TRY(linear(c, &lw->wkv, a, T, D, s->kvw, Dh, true));
     OP(rmsnorm, s->kvw, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
     ROUND(s->kvw, T * Dh);
     OP(rope, s->kvw, T, Dh, Dh, n_rot, omega, pos, 1, rscale, false);
     ROUND(s->kvw, T * Dh);
     OP(pack_rows, s->kvw, T, Dh, (int32_t)Dh, DI_DSV41_WIN_BLOCK, 8, win, NULL, NULL);
+    return DI_OK;
+fail:
+    return st;
+}
+
+// An attention's output from s->o: the inverse RoPE, then the grouped output (V4 §2.4): u_g =
+// wo_a[g] . o_g (no activation quant), out = wo_b . u.
+static di_status attn_out(const call *c, const dev_layer *lw, const float *omega, float rscale,
+                          float *out) {
+    stage_state *s = c->s;
+    const di_hparams *hp = &s->d->m->hp;
+    const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim;
+    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, T = c->T;
+    const int32_t n_rot = hp->rope_main.n_dims;
+    di_status st = DI_OK;
+    ROUND(s->o, T * H * Dh);
+    OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, D32(c->pos), (int32_t)H, rscale, true);
+    ROUND(s->o, T * H * Dh);
+    const int64_t group_in = H * Dh / G;
+    for (int64_t g = 0; g < G; g++) {
+        di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
+        OP(matmul, &wg, s->o + g * group_in, T, H * Dh, s->u + g * Ro, G * Ro);
+    }
+    ROUND(s->u, T * G * Ro);
+    DI_TRY(linear(c, &lw->wo_b, s->u, T, G * Ro, out, D, true));
+    return DI_OK;
+fail:
+    return st;
+}
+
+static di_status attention(const call *c, int il, const float *a, float *out, bool *have_topk,
+                           bool *have_cand) {
+    stage_state *s = c->s;
+    const dev_stage *d = s->d;
+    const di_hparams *hp = &d->m->hp;
+    const dev_layer *lw = &d->layers[il];
+    const int64_t H = hp->n_head, Dh = hp->head_dim, T = c->T;
+    const bool compress = lw->ratio > 0;
+    const float *omega = compress ? d->omega_compress : d->omega_main;
+    const float rscale =
+        compress ? hp->rope_compress.attention_factor : hp->rope_main.attention_factor;
+    uint8_t *win = s->win + (int64_t)(il - d->l0) * s->layer_rows * s->win_bytes; // this layer's
+    di_status st = DI_OK;
+    // q, and the window rows into this call's rows of the layer's window rows.
+    DI_TRY(attn_q_kv(c, lw, a, omega, rscale, win));
     if (lw->kv_source) DI_TRY(compressor(c, il, a));
     if (lw->index_source) {
         DI_TRY(indexer(c, il, a, have_cand));
@@ -1241,17 +1280,7 @@ static di_status attention(const call *c, int il, const float *a, float *out, bo
     OP(attn_codes, s->q, win, ent, D32(c->keys), s->key_stride, D32(c->nwin),
        D32(with_entries ? c->nk_all : c->nk_win), s->key_stride, lw->attn_sink, (int32_t)T,
        (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh), d->official, s->o);
-    ROUND(s->o, T * H * Dh);
-    OP(rope, s->o, T * H, Dh, Dh, n_rot, omega, pos, (int32_t)H, rscale, true);
-    ROUND(s->o, T * H * Dh);
-    // Grouped output (V4 §2.4): u_g = wo_a[g] . o_g (no activation quant), out = wo_b . u.
-    const int64_t group_in = H * Dh / G;
-    for (int64_t g = 0; g < G; g++) {
-        di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
-        OP(matmul, &wg, s->o + g * group_in, T, H * Dh, s->u + g * Ro, G * Ro);
-    }
-    ROUND(s->u, T * G * Ro);
-    DI_TRY(linear(c, &lw->wo_b, s->u, T, G * Ro, out, D, true));
+    DI_TRY(attn_out(c, lw, omega, rscale, out));
     // Each sequence's last min(n_tok, ring_rows) window rows into its ring, after every read of
     // it: packed again from the FP32 rows (the same codes as the call rows').
     OP(pack_rows, s->kvw, c->n_wd, Dh, (int32_t)Dh, DI_DSV41_WIN_BLOCK, 8, win, D32(c->win_dst),
@@ -1450,41 +1479,19 @@ static di_status ds_block(const call *c, int i, int32_t key_stride) {
     const di_hparams *hp = &d->m->hp;
     const dev_layer *lw = &d->ds[i];
     const int32_t nc = hp->hc_mult;
-    const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, Rq = hp->q_lora_rank;
-    const int64_t G = hp->o_groups, Ro = hp->o_lora_rank, T = c->T, n_x = T * nc * D;
-    const int32_t n_rot = hp->rope_main.n_dims;
+    const int64_t D = hp->n_embd, H = hp->n_head, Dh = hp->head_dim, T = c->T, n_x = T * nc * D;
     const float rs = hp->rope_main.attention_factor;
-    const int32_t *pos = D32(c->pos);
     uint8_t *win = ds_region(s, i);
     di_status st = DI_OK;
     DI_TRY(site(c, &lw->hc_attn, lw->attn_norm, s->pre, s->pre_attn));
-    DI_TRY(linear(c, &lw->wq_a, s->a, T, D, s->qr, Rq, true));
-    OP(rmsnorm, s->qr, T, Rq, Rq, lw->q_norm, hp->norm_eps);
-    ROUND(s->qr, T * Rq);
-    DI_TRY(linear(c, &lw->wq_b, s->qr, T, Rq, s->q, H * Dh, true));
-    OP(rope, s->q, T * H, Dh, Dh, n_rot, d->omega_main, pos, (int32_t)H, rs, false);
-    ROUND(s->q, T * H * Dh);
-    // The block rows' kv: their Q8 codes into the call rows of the block's region (not stored).
-    DI_TRY(linear(c, &lw->wkv, s->a, T, D, s->kvw, Dh, true));
-    OP(rmsnorm, s->kvw, T, Dh, Dh, lw->kv_norm, hp->norm_eps);
-    ROUND(s->kvw, T * Dh);
-    OP(rope, s->kvw, T, Dh, Dh, n_rot, d->omega_main, pos, 1, rs, false);
-    ROUND(s->kvw, T * Dh);
-    OP(pack_rows, s->kvw, T, Dh, (int32_t)Dh, DI_DSV41_WIN_BLOCK, 8, win, NULL, NULL);
+    // q, and the block rows' kv: their Q8 codes into the call rows of the block's region (not
+    // stored).
+    DI_TRY(attn_q_kv(c, lw, s->a, d->omega_main, rs, win));
     // Every key a Q8 row of the region (n_win = n_keys: the ring's rows, then the block's).
     OP(attn_codes, s->q, win, NULL, D32(c->keys), key_stride, D32(c->nk_win), D32(c->nk_win),
        key_stride, lw->attn_sink, (int32_t)T, (int32_t)H, (int32_t)Dh, 1.0f / sqrtf((float)Dh),
        d->official, s->o);
-    ROUND(s->o, T * H * Dh);
-    OP(rope, s->o, T * H, Dh, Dh, n_rot, d->omega_main, pos, (int32_t)H, rs, true);
-    ROUND(s->o, T * H * Dh);
-    const int64_t group_in = H * Dh / G;
-    for (int64_t g = 0; g < G; g++) {
-        di_tensor wg = di_tensor_rows(&lw->wo_a, g * Ro, Ro);
-        OP(matmul, &wg, s->o + g * group_in, T, H * Dh, s->u + g * Ro, G * Ro);
-    }
-    ROUND(s->u, T * G * Ro);
-    DI_TRY(linear(c, &lw->wo_b, s->u, T, G * Ro, s->out, D, true));
+    DI_TRY(attn_out(c, lw, d->omega_main, rs, s->out));
     OP(mhc_post, s->out, s->x, s->post, s->comb, nc, D, c->T);
     ROUND(s->x, n_x);
     DI_TRY(site(c, &lw->hc_ffn, lw->ffn_norm, s->pre_attn, s->pre));
