@@ -37,22 +37,27 @@ __device__ __forceinline__ float e4m3_grid(float x) {
     return di_e4m3_f32(b);
 }
 
-// e2m1 grid value of x in [-6, 6]: the walk of di_f32_to_e2m1 (ties to the even code; the sign of
-// zero kept).
-__device__ __forceinline__ float e2m1_grid(float x) {
+// The e2m1 code of x in [-6, 6] (di_f32_to_e2m1: ties to the even code; bit 3 the sign, kept for
+// zeros).
+__device__ __forceinline__ uint32_t e2m1_code(float x) {
     const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
     const float a = fabsf(x);
-    int c = 0;
+    uint32_t c = 0;
     while (c < 7) {
         const float mid = 0.5f * (mag[c] + mag[c + 1]);
         if (a < mid) break;
         if (a == mid) {
-            if (c & 1) c++;
+            if (c & 1u) c++;
             break;
         }
         c++;
     }
-    return signbit(x) ? -mag[c] : mag[c];
+    return (signbit(x) ? 8u : 0u) | c;
+}
+
+// e2m1 grid value of x in [-6, 6] (di_f32_to_e2m1 then back; the sign of zero kept).
+__device__ __forceinline__ float e2m1_grid(float x) {
+    return di_e2m1_f32(e2m1_code(x));
 }
 
 // One block per (row, quantisation block), row-major over the grid: amax (exact), the power-of-two
@@ -147,25 +152,7 @@ extern "C" di_status di_cuda_hadamard(di_cuda *cu, float *x, int64_t n_rows, int
     return DI_OK;
 }
 
-// ---- V4.1's packed codes (backend.h pack_rows) ----
-
-// The e2m1 code of x in [-6, 6] (di_f32_to_e2m1: ties to the even code; bit 3 the sign, kept for
-// zeros).
-__device__ __forceinline__ uint32_t e2m1_code(float x) {
-    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    const float a = fabsf(x);
-    uint32_t c = 0;
-    while (c < 7) {
-        const float mid = 0.5f * (mag[c] + mag[c + 1]);
-        if (a < mid) break;
-        if (a == mid) {
-            if (c & 1u) c++;
-            break;
-        }
-        c++;
-    }
-    return (signbit(x) ? 8u : 0u) | c;
-}
+// ---- V4.1's packed codes (backend.h pack_rows; e2m1_code above) ----
 
 // One block per (row, quantisation block): fake_quant_kernel's scale, then each value's code
 // (4-bit codes: a thread per pair of values, one byte each, so no two threads share a byte) and
