@@ -9,6 +9,28 @@ enum { TOPK_THREADS = 1024 };
 
 // ---- scores ----
 
+// Row t's index queries and head weights into shared memory (qs [HI * DI], ws [HI]), by the
+// whole block (the callers' barriers around it).
+__device__ __forceinline__ void load_query_row(const float *__restrict__ qi,
+                                               const float *__restrict__ wi, int64_t t, int32_t HI,
+                                               int32_t DI, float *qs, float *ws) {
+    for (int64_t i = threadIdx.x; i < (int64_t)HI * DI; i += blockDim.x)
+        qs[i] = qi[t * HI * DI + i];
+    for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
+}
+
+// The key row of row t's entry w: contiguous from key_base[t], or through its page (-1: the page
+// is negative, the entry scored -inf).
+__device__ __forceinline__ int64_t entry_row(const int64_t *__restrict__ key_base,
+                                             const int32_t *__restrict__ pages,
+                                             const int32_t *__restrict__ page_off, int32_t per_page,
+                                             int64_t t, int64_t w) {
+    const int64_t kb = key_base ? key_base[t] : 0;
+    if (!pages) return kb + w;
+    const int32_t pg = pages[page_off[t] + w / per_page];
+    return pg < 0 ? -1 : kb + (int64_t)pg * per_page + w % per_page;
+}
+
 // Block (row t, 64 entries): the row's qI [HI, DI] and wI [HI] in shared memory; a warp per entry,
 // lanes over DI (coalesced key reads), ReLU then the head weight, summed in head order. Grid rows
 // loop over the call's rows (di_grid_y: any n_tok).
@@ -26,20 +48,14 @@ __global__ void __launch_bounds__(IDX_THREADS)
         const int32_t vis = n_vis[t];
         if (w0 >= vis) continue; // block-uniform
         __syncthreads();         // every warp is done with the previous row's qs
-        for (int64_t i = threadIdx.x; i < (int64_t)HI * DI; i += blockDim.x)
-            qs[i] = qi[t * HI * DI + i];
-        for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
+        load_query_row(qi, wi, t, HI, DI, qs, ws);
         __syncthreads();
-        const int64_t kb = key_base ? key_base[t] : 0;
         for (int64_t w = w0 + warp; w < w0 + IDX_KEYS_PER_BLOCK && w < vis; w += IDX_WARPS) {
-            int64_t row = kb + w; // contiguous entries, or the paged entry w (warp-uniform)
-            if (pages) {
-                const int32_t pg = pages[page_off[t] + w / per_page];
-                if (pg < 0) {
-                    if (lane == 0) scores[t * score_stride + w] = -INFINITY;
-                    continue;
-                }
-                row = kb + (int64_t)pg * per_page + w % per_page;
+            // contiguous entries, or the paged entry w (warp-uniform)
+            const int64_t row = entry_row(key_base, pages, page_off, per_page, t, w);
+            if (row < 0) {
+                if (lane == 0) scores[t * score_stride + w] = -INFINITY;
+                continue;
             }
             const float *k = keys + row * DI;
             float acc = 0.0f;
@@ -77,20 +93,14 @@ __global__ void __launch_bounds__(IDX_THREADS)
         const int32_t vis = n_vis[t];
         if (w0 >= vis) continue; // block-uniform
         __syncthreads();         // every thread is done with the previous row's qI
-        for (int64_t i = threadIdx.x; i < (int64_t)HI * DI; i += blockDim.x)
-            qs4[i] = qi[t * HI * DI + i];
-        for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
+        load_query_row(qi, wi, t, HI, DI, qs4, ws);
         __syncthreads();
         const int64_t w = w0 + threadIdx.x;
         if (w >= vis) continue; // no barrier below in this row
-        int64_t row = (key_base ? key_base[t] : 0) + w;
-        if (pages) {
-            const int32_t pg = pages[page_off[t] + w / per_page];
-            if (pg < 0) {
-                scores[t * score_stride + w] = -INFINITY;
-                continue;
-            }
-            row = (key_base ? key_base[t] : 0) + (int64_t)pg * per_page + w % per_page;
+        const int64_t row = entry_row(key_base, pages, page_off, per_page, t, w);
+        if (row < 0) {
+            scores[t * score_stride + w] = -INFINITY;
+            continue;
         }
         const float4 *k4 = (const float4 *)(keys + row * DI);
         float dot[HMAX];
@@ -183,20 +193,14 @@ __global__ void __launch_bounds__(IDX_THREADS)
         const int32_t vis = n_vis[t];
         if (w0 >= vis) continue; // block-uniform
         __syncthreads();         // every thread is done with the previous row's qI
-        for (int64_t i = threadIdx.x; i < (int64_t)HI * DI; i += blockDim.x)
-            qsq[i] = qi[t * HI * DI + i];
-        for (int32_t h = threadIdx.x; h < HI; h += blockDim.x) ws[h] = wi[t * HI + h];
+        load_query_row(qi, wi, t, HI, DI, qsq, ws);
         __syncthreads();
         const int64_t w = w0 + threadIdx.x;
         if (w >= vis) continue; // no barrier below in this row
-        int64_t row = (key_base ? key_base[t] : 0) + w;
-        if (pages) {
-            const int32_t pg = pages[page_off[t] + w / per_page];
-            if (pg < 0) {
-                scores[t * score_stride + w] = -INFINITY;
-                continue;
-            }
-            row = (key_base ? key_base[t] : 0) + (int64_t)pg * per_page + w % per_page;
+        const int64_t row = entry_row(key_base, pages, page_off, per_page, t, w);
+        if (row < 0) {
+            scores[t * score_stride + w] = -INFINITY;
+            continue;
         }
         const uint8_t *k = keys + row * kb;
         float acc = 0.0f;
