@@ -3,6 +3,7 @@ sticky CUDA error): DI_ENGINE_FAIL_STEPS=N makes the first N steps fail as a dev
 Each request below takes one step (a short prompt), so requests 1..N fail; from the 3rd failure in
 a row /ready and /health answer 503 "failing"; the next request that runs ends it."""
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -17,6 +18,18 @@ def get(server, path):
             return r.status, json.loads(r.read().decode())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read().decode())
+
+
+def get_after(server, path, want, timeout_s=10.0):
+    """GET path until it answers want (at most timeout_s): the engine thread marks itself unhealthy
+    after it ended the failed step's requests (and tried a rebuild), so a client that saw its
+    request's error may ask /ready a moment before that."""
+    deadline = time.monotonic() + timeout_s
+    got = get(server, path)
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        got = get(server, path)
+    return got
 
 
 def test_failing_steps_turn_ready_and_health_503():
@@ -64,7 +77,8 @@ def test_device_lost_for_good_turns_503_and_refuses():
         status, _, body = post(s, "/v1/chat/completions", CHAT)
         assert status >= 500, (status, body)
         assert "error" in body, body
-        assert get(s, "/ready") == (503, {"status": "device_lost"})
+        assert get_after(s, "/ready", (503, {"status": "device_lost"})) == (
+            503, {"status": "device_lost"})
         assert get(s, "/health") == (
             503, {"status": "device_lost", "device_losses": 1, "device_recoveries": 0})
         for _ in range(2):
