@@ -16,7 +16,7 @@ cmake --build "$root/build" -j"$jobs"
 (cd "$root/build" && ctest -L cpu --output-on-failure -j"$jobs" --timeout 900)
 
 # CUDA: configure and compile the library, its tests and the two benchmarks scripts/gpu-check runs
-# on the device (no tools, to keep CI short).
+# on the device (no tools, to keep CI short), and gpu-check's own plain build (--build-only).
 nvcc=$(command -v nvcc || true)
 [[ -z $nvcc && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
 if [[ -n $nvcc ]]; then
@@ -24,6 +24,11 @@ if [[ -n $nvcc ]]; then
     cmake -S "$root" -B "$root/build-cuda" -DCMAKE_BUILD_TYPE=Release -DDI_WERROR=ON -DDI_CUDA=ON \
         -DDI_BUILD_TOOLS=OFF -DDI_CUDA_BENCH=ON -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
     cmake --build "$root/build-cuda" -j"$jobs" --target di_cuda_tests bench_cuda bench_forward
+    # The device check's own build (plain nvcc/gcc, sm_90a): what a device session runs first.
+    PATH="$(dirname "$nvcc"):$PATH" OUT="$root/build-gpu-check/out" \
+        DI_GPU_CHECK_BUILD="$root/build-gpu-check/tree" \
+        "$root/scripts/gpu-check" --build-only >/dev/null ||
+        { cat "$root/build-gpu-check/out/gpu-check.log" >&2; exit 1; }
     if nvidia-smi -L >/dev/null 2>&1; then
         (cd "$root/build-cuda" && ctest -L cuda --output-on-failure --timeout 900)
     fi
