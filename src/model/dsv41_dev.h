@@ -354,10 +354,11 @@ int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
 
 // Creates the model's V4.1 dev forward on backend b (borrowed; must outlive m) and attaches it
 // (m->dev41): sessions without DSpark then run di_session_forward through a 1-slot state of their
-// n_ctx_max made at their first call (model/dsv4.c); their save, restore, rollback and batched
-// calls are refused. di_model_load calls it with the CUDA backend for --device cuda; tests with
-// the CPU backend. Errors as di_dsv41_dev_create (nothing attached); DI_ERR_INVALID when one is
-// attached already.
+// n_ctx_max made at their first call (model/dsv4.c); they save a token state that restore
+// replays (on the device or the CPU; model/dsv4_state.c "token states") and replay their tokens
+// after a lost device, as V4's; their rollback and batched calls are refused. di_model_load
+// calls it with the CUDA backend for --device cuda; tests with the CPU backend. Errors as
+// di_dsv41_dev_create (nothing attached); DI_ERR_INVALID when one is attached already.
 di_status di_dsv41_dev_attach(di_model *m, di_backend *b);
 // The same with n_stages pipeline stages on b[0..n_stages-1] (di_dsv41_dev_create_stages; --device
 // cuda:0,1,...). Errors as di_dsv41_dev_create_stages.
