@@ -1,14 +1,13 @@
 /*
  * backend — the compute backend vtable (conventions §7): memory, copies (within a backend, to and
  * from the host, and between two backends: the pipeline stages' hand-over, di_backend_hand_over),
- * synchronisation, weight upload, supports_op, and one entry per op of the device-resident V4
- * forward
- * (model/dsv4_dev.h). Two implementations:
+ * synchronisation, weight upload, supports_op, and one entry per op of the device-resident
+ * forwards of V4 and V4.1 (model/dsv4_dev.h, model/dsv41_dev.h). Two implementations:
  *   - CPU (backend/cpu/cpu_backend.c): "device" memory is host memory and every op runs the
- *     CPU kernels on it. It is the oracle twin of the CUDA backend: the device-resident forward
- *     run on it must give the model's own CPU forward (tests/model/test_dev_forward.c), which
- *     tests the forward's orchestration (state layout, key lists, compressor windows, ring
- *     updates) without a GPU.
+ *     CPU kernels on it. It is the oracle twin of the CUDA backend: a device-resident forward
+ *     run on it must give the model's own CPU forward bit for bit
+ *     (tests/model/test_dev_forward.c, test_dev41_forward.c), which tests the forward's
+ *     orchestration (state layout, key lists, compressor windows, ring updates) without a GPU.
  *   - CUDA (backend/cuda/cuda_ops.cu): the launchers of backend/cuda/<op>.cuh on a di_cuda context.
  * Every op of one backend is tested against the CPU backend on the same inputs
  * (tests/backend/cuda/test_cuda_ops.c).
@@ -17,7 +16,9 @@
  *   - Pointers named like data (x, y, q, pool, ...) and every int array are backend memory (from
  *     alloc, or inside an uploaded weight); plain scalars are host values.
  *   - Entries enqueue in order on the backend's one stream and return di_status: DI_ERR_INVALID
- *     for shapes the op cannot handle (checked before any work), DI_ERR_CUDA / DI_ERR_NOMEM.
+ *     for shapes the op cannot handle (checked before any work), DI_ERR_CUDA / DI_ERR_NOMEM,
+ *     DI_ERR_DEVICE_LOST once a sticky error lost the device (from every entry but the frees
+ *     and destroy, until di_backend_reset_device).
  *     Faults inside asynchronous work surface at the next sync (or download).
  *   - Activations are FP32 rows; accumulation is FP32. Weights are di_tensor with backend data
  *     and scale pointers (weight_upload), decoded exactly as tensor/quant_ref.c.
