@@ -146,6 +146,20 @@ di_model_options di_model_options_default(void);
 // device context failed), DI_ERR_INVALID (bad options; an expert or prefill worker running another
 // model), DI_ERR_NOMEM; with ep_workers or cp_workers also DI_ERR_IO (a worker unreachable).
 di_status di_model_load(const char *dir, const di_model_options *opt, di_model **out);
+
+// What a checkpoint's configuration says, read without mapping its weights: config.json, or the
+// GGUF file's metadata, found and validated as di_model_load finds and validates them. The tools
+// take the prompt format from it (DeepSeek V4.1 checkpoints render chat requests in the dsv41
+// encoding, docs/tokenizer.md), whichever of the three V4.1 config forms the checkpoint has.
+typedef struct di_model_config {
+    bool v41; // DeepSeek V4.1 (else V4)
+    int32_t n_vocab;
+    int64_t max_position_embeddings; // 1,048,576 when the config names none
+} di_model_config;
+
+// Errors as di_model_load's reading of the configuration: DI_ERR_IO, DI_ERR_FORMAT,
+// DI_ERR_UNSUPPORTED (logged), DI_ERR_INVALID (NULL arguments).
+di_status di_model_read_config(const char *model_dir, di_model_config *out);
 // Frees the model and unmaps its files. NULL does nothing. Sessions must be destroyed first.
 void di_model_destroy(di_model *model);
 

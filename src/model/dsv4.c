@@ -122,8 +122,8 @@ static void close_dev(di_model *m) {
 }
 
 // --device cuda: the device-resident forward (dsv4_dev.h; V4.1: dsv41_dev.h) for sessions and the
-// serving engine (engine.c), when the model allows it (either precision recipe); otherwise (and
-// for MTP / DSpark sessions and a V4.1 engine with speculation) the offloaded CPU forward. A
+// serving engine (engine.c, speculation included), when the model allows it (either precision
+// recipe); otherwise (and for MTP / DSpark sessions) the offloaded CPU forward. A
 // device list (cuda:0,1,...): one backend per entry, the forward's pipeline stages on them
 // (dsv4_dev.h / dsv41_dev.h "Pipeline stages").
 static di_status open_dev(di_model *m) {
@@ -374,6 +374,27 @@ void di_model_destroy(di_model *m) {
     di_free(m->omega_main);
     di_free(m->omega_compress);
     di_free(m);
+}
+
+di_status di_model_read_config(const char *dir, di_model_config *out) {
+    if (!dir || !out) return DI_ERR_INVALID;
+    di_hparams hp;
+    char path[4096];
+    const char *gguf_path = find_gguf(dir, path, sizeof path);
+    di_status st;
+    if (gguf_path) {
+        di_gguf_file *f = NULL;
+        st = di_gguf_open(gguf_path, &f);
+        if (st == DI_OK) st = di_dsv4_gguf_hparams(f, gguf_path, &hp);
+        di_gguf_close(f);
+    } else {
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        st = di_hparams_load(path, &hp);
+    }
+    if (st != DI_OK) return st;
+    *out = (di_model_config){
+        .v41 = hp.v41, .n_vocab = hp.n_vocab, .max_position_embeddings = hp.max_pos};
+    return DI_OK;
 }
 
 void di_model_get_info(const di_model *m, di_model_info *out) {

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include "deepinfer.h"
 #include "model/hparams.h"
 
 static void check_flash(const di_hparams *hp) {
@@ -274,11 +275,49 @@ static void test_v41_configs(void) {
 #undef HD80
 }
 
+// di_model_read_config on a checkpoint directory's config.json in each released form: the tools
+// take the prompt format from it, and the official V4.1 config names no model_type.
+static void test_read_config(void) {
+    char dir[] = "/tmp/di_readcfg_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    char cfg[256], src[1024];
+    snprintf(cfg, sizeof cfg, "%s/config.json", dir);
+    const struct {
+        const char *file;
+        bool v41;
+    } cases[] = {{"tests/data/configs/deepseek-v4-flash.json", false},
+                 {"tests/data/configs/deepseek-v4-flash-inference.json", false},
+                 {"tests/data/configs/deepseek-v41-flash.json", true},
+                 {"tests/data/configs/deepseek-v41-flash-inference.json", true}};
+    di_model_config mc;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        FILE *in = fopen(test_src_path(cases[i].file, src, sizeof src), "rb");
+        FILE *out = fopen(cfg, "wb");
+        CHECK(in && out);
+        char buf[4096];
+        size_t n;
+        while (in && out && (n = fread(buf, 1, sizeof buf, in)) > 0)
+            CHECK(fwrite(buf, 1, n, out) == n);
+        if (in) fclose(in);
+        if (out) fclose(out);
+        memset(&mc, 0xff, sizeof mc);
+        CHECK(di_model_read_config(dir, &mc) == DI_OK);
+        CHECK(mc.v41 == cases[i].v41);
+        CHECK_EQ(mc.n_vocab, 129280);
+        CHECK_EQ(mc.max_position_embeddings, 1048576);
+    }
+    unlink(cfg);
+    CHECK(di_model_read_config(dir, &mc) == DI_ERR_IO); // no config.json, no .gguf
+    rmdir(dir);
+    CHECK(di_model_read_config(NULL, &mc) == DI_ERR_INVALID);
+}
+
 int main(void) {
     RUN(test_released_configs);
     RUN(test_rope_table);
     RUN(test_bad_configs);
     RUN(test_nested_rope);
     RUN(test_v41_configs);
+    RUN(test_read_config);
     return test_finish();
 }

@@ -121,10 +121,16 @@ static bool dspark_loop(di_session *s, const di_model_info *info, float *logits,
     return true;
 }
 
-// Renders text as one user turn (DeepSeek V4 chat format, non-thinking) with the model's
-// tokenizer; *ids is malloc'd. Sets up a streaming detokenizer for the output.
+// Renders text as one user turn (non-thinking) with the model's tokenizer in the checkpoint's
+// chat format (DeepSeek V4.1's for a V4.1 checkpoint, else V4's: di_model_read_config); *ids is
+// malloc'd. Sets up a streaming detokenizer for the output.
 static bool render_prompt(const char *model_dir, const char *text, di_tokenizer **tok,
                           di_detok **detok, int32_t **ids, int32_t *n_ids) {
+    di_model_config mc;
+    if (di_model_read_config(model_dir, &mc) != DI_OK) {
+        fprintf(stderr, "deepinfer generate: cannot read the configuration of %s\n", model_dir);
+        return false;
+    }
     if (di_tokenizer_load_for_model(model_dir, tok) != DI_OK) {
         fprintf(stderr, "deepinfer generate: no tokenizer for %s\n", model_dir);
         return false;
@@ -137,12 +143,20 @@ static bool render_prompt(const char *model_dir, const char *text, di_tokenizer 
         return false;
     }
     di_render_options ro = di_render_options_default();
+    ro.encoding = mc.v41 ? 1 : 0;
     char *rendered = NULL;
     size_t n_text = 0, n = 0;
     int32_t *rids = NULL;
     di_status st = di_render_request(*tok, body, strlen(body), DI_RENDER_API_CHAT, &ro, &rendered,
                                      &n_text, &rids, &n);
     free(body);
+    if (st == DI_ERR_UNSUPPORTED) { // the model's tokenizer, as serve says (docs/server.md)
+        fprintf(stderr,
+                "deepinfer generate: the tokenizer lacks a special token of the DeepSeek %s "
+                "prompt format: the model directory needs its own tokenizer.json\n",
+                mc.v41 ? "V4.1" : "V4");
+        return false;
+    }
     if (st != DI_OK) {
         fprintf(stderr, "deepinfer generate: cannot render the prompt: %s\n", di_status_str(st));
         return false;

@@ -25,19 +25,11 @@ static char *slurp(const char *path, size_t *n) {
     return b;
 }
 
-// dsv41 if DIR/config.json mentions a V4.1 model type.
+// dsv41 for a DeepSeek V4.1 checkpoint (di_model_read_config), else dsv4 (no DIR, or no
+// configuration there: the committed V4 tokenizer's format).
 static int encoding_of_model(const char *dir) {
-    if (!dir) return 0;
-    char p[4096];
-    snprintf(p, sizeof p, "%s/config.json", dir);
-    size_t n;
-    char *c = slurp(p, &n);
-    if (!c) return 0;
-    c = realloc(c, n + 1);
-    c[n] = 0;
-    int enc = strstr(c, "deepseek_v41") || strstr(c, "DeepseekV41") ? 1 : 0;
-    free(c);
-    return enc;
+    di_model_config mc;
+    return dir && di_model_read_config(dir, &mc) == DI_OK && mc.v41 ? 1 : 0;
 }
 
 int di_cli_render(int argc, char **argv) {

@@ -38,7 +38,7 @@ static void usage(FILE *f) {
         "Without --model it serves the built-in tiny random-weight model (meaningless text).\n"
         "--spec-tokens N (default 0 = off): speculative decoding, up to N drafts verified\n"
         "per step, drafted by DSpark (DeepSeek V4.1) or by the MTP block (V4: one draft per\n"
-        "step, CPU forward); outputs are identical without it.\n"
+        "step), on the CPU and the device forward; outputs are identical without it.\n"
         "--spec-min-confidence X: verify DSpark drafts while their estimated survival is >= X\n"
         "(default %g; negative: always N).\n"
         "--tail-cache-mib N: memory for tail snapshots (the window state at a prompt's last\n"
@@ -130,35 +130,6 @@ static bool parse_seconds(const char *s, int64_t *out) {
     if (v > INT64_MAX / mul) return false;
     *out = (int64_t)(v * mul);
     return true;
-}
-
-// max_position_embeddings of the checkpoint's config.json (0 if absent).
-static int32_t config_ctx(const char *dir) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    json_t *cfg = json_load_file(path, 0, NULL);
-    json_t *v = json_object_get(cfg, "max_position_embeddings");
-    if (!v) v = json_object_get(json_object_get(cfg, "text_config"), "max_position_embeddings");
-    int32_t n = (int32_t)json_integer_value(v); // V4.1: in text_config
-    json_decref(cfg);
-    return n;
-}
-
-// The model's config.json: whether it is a DeepSeek V4.1 checkpoint (its model_type, at the top or
-// in text_config: prompts render in the dsv41 format, docs/tokenizer.md) and its vocabulary size
-// (0 if absent).
-static void config_model(const char *dir, bool *v41, int32_t *n_vocab) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    json_t *cfg = json_load_file(path, 0, NULL);
-    json_t *tc = json_object_get(cfg, "text_config");
-    const char *mt = json_string_value(json_object_get(cfg, "model_type"));
-    const char *tmt = json_string_value(json_object_get(tc, "model_type"));
-    *v41 = (mt && strstr(mt, "deepseek_v41")) || (tmt && strstr(tmt, "deepseek_v41"));
-    json_t *nv = json_object_get(cfg, "vocab_size");
-    if (!nv) nv = json_object_get(tc, "vocab_size");
-    *n_vocab = (int32_t)json_integer_value(nv);
-    json_decref(cfg);
 }
 
 static void batch_usage(FILE *f) {
@@ -417,9 +388,15 @@ static int serve_main(int argc, char **argv, bool batch) {
             goto out;
         }
     }
-    bool v41 = false;
-    int32_t n_vocab = 0;
-    config_model(ma.model, &v41, &n_vocab);
+    // The checkpoint's configuration (read as the engine's load read it): V4.1 prompts render in
+    // the dsv41 format (docs/tokenizer.md); the vocabulary and the positions the model takes.
+    di_model_config mc = {0};
+    if (di_model_read_config(ma.model, &mc) != DI_OK) {
+        fprintf(stderr, "ERROR serve: cannot read the configuration of %s\n", ma.model);
+        goto out;
+    }
+    bool v41 = mc.v41;
+    int32_t n_vocab = mc.n_vocab;
     s->encoding = v41 ? 1 : 0;
     s->n_vocab = n_vocab > 0 ? n_vocab : di_tokenizer_n_vocab(s->tok);
     if (v41)
@@ -430,8 +407,8 @@ static int serve_main(int argc, char **argv, bool batch) {
                 "WARN  serve: the tokenizer has %d ids but the model's vocabulary has %d: every "
                 "prompt holding an id >= %d (special tokens, most text) is refused with 400\n",
                 di_tokenizer_n_vocab(s->tok), n_vocab, n_vocab);
-    int32_t mp = config_ctx(ma.model);
-    s->n_ctx = mp > 0 && mp < c->max_ctx ? mp : c->max_ctx;
+    int64_t mp = mc.max_position_embeddings;
+    s->n_ctx = mp > 0 && mp < c->max_ctx ? (int32_t)mp : c->max_ctx;
     if (batch) {
         if (batch_concurrency > c->max_inflight) batch_concurrency = c->max_inflight;
         fprintf(stderr, "INFO  batch: model '%s', context %d, up to %d requests at once\n",
