@@ -11,7 +11,7 @@ static const struct {
 } k_commands[] = {
     {"info", di_cli_info, "print a checkpoint's configuration and tensor summary"},
     {"logits", di_cli_logits, "run the forward pass on token ids and write logits as .npy"},
-    {"generate", di_cli_generate, "generate token ids from a prompt of token ids"},
+    {"generate", di_cli_generate, "generate from a prompt (text or token ids)"},
     {"tokenize", di_cli_tokenize, "text to token ids (HF tokenizer.json)"},
     {"detokenize", di_cli_detokenize, "token ids to text"},
     {"render", di_cli_render, "render an API request as a V4/V4.1 prompt: text and ids"},
@@ -27,7 +27,8 @@ static const struct {
      "serve a model's routed experts to fronts started with --ep-workers (expert parallelism)"},
     {"cp-worker", di_cli_cp_worker,
      "compute pieces of long prefills for fronts started with --cp-workers (context parallelism)"},
-    {"synth", di_cli_synth, "write a random-weight V4 checkpoint (tests, benchmarks, default)"},
+    {"synth", di_cli_synth,
+     "write a random-weight V4 or V4.1 checkpoint (tests, benchmarks, default)"},
     {"convert", di_cli_convert, "convert an official-layout checkpoint to GGUF (llama.cpp)"},
 };
 

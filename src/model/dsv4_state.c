@@ -419,13 +419,14 @@ static di_status put_cmp(di_buf *b, const di_dsv4_cmp_state *cs, const di_dsv4_c
 
 // ---- token states (sessions on the device-resident forward) ----
 // Layout: {magic "DI4T", version, di_dsv4_model_id, pos, 0}, then the pos token ids fed (int32),
-// then the FNV-1a 64 checksum (di_buf_seal). Why tokens and not the device's state: the device
-// keeps no rollback rows (the CPU format's rings hold W + ROLLBACK_MAX rows) and its rings can be
-// snapshot only at a block boundary (di_dsv4_dev_tail_save), so a CPU state cannot be made from
-// it at any position without new device code, nor put back; while replaying the tokens (the
-// device-loss recovery's replay) rebuilds the state exactly on any forward of the model (device,
-// any stage split, or CPU), at the cost of their prefill, and the bytes stay small. The model id
-// covers the precision recipe: the replay recomputes everything with it.
+// then the FNV-1a 64 checksum (di_buf_seal). Why tokens and not the device's state: the device's
+// rings hold other rollback rows than the CPU format's (V4's none, V4.1's 16 as Q8 codes; the
+// CPU's W + ROLLBACK_MAX FP32 rows) and can be snapshot only at a block boundary
+// (di_dsv4_dev_tail_save), so a CPU state cannot be made from it at any position without new device
+// code, nor put back; while replaying the tokens (the device-loss recovery's replay) rebuilds the
+// state exactly on any forward of the model (device, any stage split, or CPU), at the cost of their
+// prefill, and the bytes stay small. The model id covers the precision recipe: the replay
+// recomputes everything with it.
 
 #define TOKENS_MAGIC 0x54344944u // "DI4T"
 #define TOKENS_VERSION 1u

@@ -55,13 +55,13 @@ static const worker_kind k_cp = {
     "cp-worker",
     "usage: deepinfer cp-worker --listen HOST:PORT [--model DIR] [--threads N]\n"
     "                           [--precision fp32|official] [--log-level L]\n"
-    "Computes pieces of long prefills (DeepSeek V4, CPU) for fronts started with\n"
-    "--cp-workers (generate, logits): each front connects, checks that both sides run\n"
-    "the same model (checkpoint and precision), then sends jobs: a piece of a prompt,\n"
-    "and layer by layer the state of the pieces before it. Stateless between jobs.\n"
-    "List each worker once per front. It trusts its fronts: listen on a private\n"
-    "network only. HOST may be empty (':9000', every interface). Without --model, the\n"
-    "built-in tiny model. Stops on SIGINT / SIGTERM.\n",
+    "Computes pieces of long prefills (DeepSeek V4 and V4.1, CPU forward) for fronts\n"
+    "started with --cp-workers (generate, logits, serve, bench): each front connects,\n"
+    "checks that both sides run the same model (checkpoint and precision), then sends\n"
+    "jobs: a piece of a prompt, and layer by layer the state of the pieces before it.\n"
+    "Stateless between jobs. List each worker once per front. It trusts its fronts:\n"
+    "listen on a private network only. HOST may be empty (':9000', every interface).\n"
+    "Without --model, the built-in tiny model. Stops on SIGINT / SIGTERM.\n",
     cp_start, cp_port, cp_stop};
 
 static int run(const worker_kind *k, int argc, char **argv) {
