@@ -242,178 +242,6 @@ extern "C" di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *
                        scale, round_p, o);
 }
 
-// ---- attention over V4.1's stored codes (backend.h attn_codes) ----
-//
-// Block = (query row t, group of AC_HEADS heads): the keys are shared by all heads (K = V, MQA),
-// so a block reads each listed key once for its AC_HEADS heads (a per-head block would read it H
-// times: 64 on V4.1-Flash), straight from the compact codes (528-byte Q8 window rows, 288-byte Q4e
-// entries instead of 2,048-byte FP32 rows): tiles of AC_TILE keys are decoded exactly into shared
-// memory (FP32), consecutive threads taking consecutive bytes of a row (coalesced). Pass 1: the
-// scores of the tile, thread (head, key) over dh (rows padded by one float: no bank conflicts);
-// then per head (a warp per head pair) the max with the sink, the sum of exp, the normalised p
-// (BF16 with round_p, as the CPU's attn); pass 2 decodes the tiles again (from L2 mostly: a row's
-// keys are a few hundred KB) and accumulates p k in registers, warp w taking heads 2w, 2w + 1 and
-// lane l dims l, l + 32, ... Two passes because round_p rounds the normalised p, which needs the
-// final max and sum before any p.v. FP32 scores and sums, in another order than the CPU's (within
-// test_cuda_ops' bound).
-
-enum { AC_THREADS = 256, AC_WARPS = AC_THREADS / 32, AC_HEADS = 2 * AC_WARPS, AC_TILE = 16 };
-static_assert(AC_HEADS * AC_TILE == AC_THREADS, "pass 1: a thread per (head, key) of a tile");
-
-// Dimension d of key j of the list (id >= 0): a Q8 window row (j < nw) or a Q4e entry.
-__device__ __forceinline__ float code_at(const uint8_t *__restrict__ win,
-                                         const uint8_t *__restrict__ ent, int32_t id, bool is_win,
-                                         int32_t d, int32_t dh) {
-    if (is_win) {
-        const uint8_t *row = win + (int64_t)id * (dh + dh / DI_BACKEND_WIN_BLOCK);
-        return di_e4m3_f32(row[d]) * di_ue8m0_f32(row[dh + d / DI_BACKEND_WIN_BLOCK]);
-    }
-    const uint8_t *row = ent + (int64_t)id * (dh / 2 + dh / DI_BACKEND_ENT_BLOCK);
-    const uint32_t byte = row[d >> 1], code = (d & 1) ? byte >> 4 : byte & 15u;
-    return di_e2m1_f32(code) * di_e4m3_f32(row[dh / 2 + d / DI_BACKEND_ENT_BLOCK]);
-}
-
-// Keys [j0, j0 + AC_TILE) of the list decoded into ks [AC_TILE][dh + 1] (masked or past nk: 0).
-__device__ __forceinline__ void decode_tile(const uint8_t *__restrict__ win,
-                                            const uint8_t *__restrict__ ent,
-                                            const int32_t *__restrict__ idx, int32_t j0, int32_t nk,
-                                            int32_t nw, int32_t dh, float *ks) {
-    for (int32_t e = threadIdx.x; e < AC_TILE * dh; e += blockDim.x) {
-        const int32_t jj = e / dh, d = e - jj * dh, j = j0 + jj;
-        const int32_t id = j < nk ? idx[j] : -1;
-        ks[jj * (dh + 1) + d] = id < 0 ? 0.0f : code_at(win, ent, id, j < nw, d, dh);
-    }
-}
-
-__global__ void __launch_bounds__(AC_THREADS)
-    attn_codes_kernel(const float *__restrict__ q, const uint8_t *__restrict__ win,
-                      const uint8_t *__restrict__ ent, const int32_t *__restrict__ key_idx,
-                      int64_t key_stride, const int32_t *__restrict__ n_win,
-                      const int32_t *__restrict__ n_keys, int32_t max_keys, int32_t ps_stride,
-                      const float *__restrict__ sink, int32_t H, int32_t dh, float scale,
-                      bool round_p, float *__restrict__ o, int *__restrict__ flags) {
-    // qs [AC_HEADS][dh] | ks [AC_TILE][dh + 1] | p [AC_HEADS][ps_stride >= max_keys]
-    extern __shared__ float sm[];
-    float *qs = sm, *ks = qs + AC_HEADS * dh, *ps = ks + AC_TILE * (dh + 1);
-    const int32_t n_grp = (H + AC_HEADS - 1) / AC_HEADS;
-    const int64_t t = blockIdx.x / n_grp;
-    const int32_t h0 = (int32_t)(blockIdx.x % n_grp) * AC_HEADS;
-    const int32_t nh = H - h0 < AC_HEADS ? H - h0 : AC_HEADS;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // As attn_kernel: a count past max_keys (device data) clamped and flagged; n_win within it.
-    const int32_t nk = di_cuda_attn_clamp_keys(n_keys[t], max_keys, flags, h0 == 0);
-    const int32_t nw = n_win[t] < 0 ? 0 : n_win[t] > nk ? nk : n_win[t];
-    const int32_t *idx = key_idx + t * key_stride;
-    for (int32_t e = threadIdx.x; e < AC_HEADS * dh; e += blockDim.x) {
-        const int32_t hh = e / dh;
-        qs[e] = hh < nh ? q[(t * H + h0 + hh) * dh + (e - hh * dh)] : 0.0f;
-    }
-    // Pass 1: scale * q . k of every (head, key).
-    const int32_t sh = threadIdx.x / AC_TILE, sj = threadIdx.x % AC_TILE;
-    for (int32_t j0 = 0; j0 < nk; j0 += AC_TILE) {
-        __syncthreads(); // qs written / the previous tile's scores done
-        decode_tile(win, ent, idx, j0, nk, nw, dh, ks);
-        __syncthreads();
-        const int32_t j = j0 + sj;
-        if (sh < nh && j < nk) {
-            float s = -INFINITY; // masked (top-k padding): no mass
-            if (idx[j] >= 0) {
-                const float *qh = qs + sh * dh, *kj = ks + sj * (dh + 1);
-                s = 0.0f;
-                for (int32_t d = 0; d < dh; d++) s = fmaf(qh[d], kj[d], s);
-                s *= scale;
-            }
-            ps[sh * ps_stride + j] = s;
-        }
-    }
-    __syncthreads();
-    // The softmax with the sink, per head: a warp per head, its lanes over the keys.
-    for (int32_t hh = warp; hh < nh; hh += AC_WARPS) {
-        float *p = ps + hh * ps_stride;
-        const float sk = sink[h0 + hh];
-        float mx = sk;
-        for (int32_t j = lane; j < nk; j += 32) mx = fmaxf(mx, p[j]);
-        mx = di_warp_max(mx);
-        float den = 0.0f;
-        for (int32_t j = lane; j < nk; j += 32) den += (p[j] = expf(p[j] - mx));
-        den = di_warp_sum(den) + expf(sk - mx); // the sink takes mass, gives no value
-        const float inv = 1.0f / den;
-        for (int32_t j = lane; j < nk; j += 32) {
-            const float v = p[j] * inv;
-            p[j] = round_p ? di_round_bf16_dev(v) : v; // official: BF16 p, normalised first
-        }
-    }
-    // Pass 2: o = sum_j p_j k_j, warp w: heads 2w and 2w + 1, lane: dims lane + 32 i.
-    float acc[2][ATTN_PER_LANE];
-#pragma unroll
-    for (int a = 0; a < 2; a++)
-#pragma unroll
-        for (int i = 0; i < ATTN_PER_LANE; i++) acc[a][i] = 0.0f;
-    const int32_t ha = 2 * warp, hb = 2 * warp + 1;
-    for (int32_t j0 = 0; j0 < nk; j0 += AC_TILE) {
-        __syncthreads(); // the softmax done / the previous tile's sums done
-        decode_tile(win, ent, idx, j0, nk, nw, dh, ks);
-        __syncthreads();
-        const int32_t n_j = nk - j0 < AC_TILE ? nk - j0 : AC_TILE;
-        for (int32_t jj = 0; jj < n_j; jj++) {
-            if (idx[j0 + jj] < 0) continue; // masked: p 0 (and the decoded row zeros)
-            const float pa = ha < nh ? ps[ha * ps_stride + j0 + jj] : 0.0f;
-            const float pb = hb < nh ? ps[hb * ps_stride + j0 + jj] : 0.0f;
-            const float *kj = ks + jj * (dh + 1);
-#pragma unroll
-            for (int i = 0; i < ATTN_PER_LANE; i++) {
-                const int32_t d = lane + 32 * i;
-                if (d < dh) {
-                    acc[0][i] = fmaf(pa, kj[d], acc[0][i]);
-                    acc[1][i] = fmaf(pb, kj[d], acc[1][i]);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int a = 0; a < 2; a++) {
-        const int32_t hh = a ? hb : ha;
-        if (hh >= nh) continue;
-        float *orow = o + (t * H + h0 + hh) * dh;
-#pragma unroll
-        for (int i = 0; i < ATTN_PER_LANE; i++) {
-            const int32_t d = lane + 32 * i;
-            if (d < dh) orow[d] = acc[a][i];
-        }
-    }
-}
-
-extern "C" di_status di_cuda_attn_codes(di_cuda *cu, const float *q, const uint8_t *win,
-                                        const uint8_t *ent, const int32_t *key_idx,
-                                        int64_t key_stride, const int32_t *n_win,
-                                        const int32_t *n_keys, int32_t max_keys, const float *sink,
-                                        int32_t n_tok, int32_t H, int32_t dh, float scale,
-                                        bool round_p, float *o) {
-    static di_smem_kernel smem_k;
-    if (dh < 32 || dh % 32 != 0 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0 || H < 0 ||
-        key_stride < max_keys)
-        return DI_ERR_INVALID;
-    if (n_tok <= 0 || H == 0) return DI_OK;
-    const int64_t n_grp = (H + AC_HEADS - 1) / AC_HEADS;
-    if ((int64_t)n_tok * n_grp > INT32_MAX) return DI_ERR_INVALID;
-    const int32_t mk = max_keys > 0 ? max_keys : 1;
-    const size_t smem = sizeof(float) * ((size_t)AC_HEADS * dh + (size_t)AC_TILE * (dh + 1) +
-                                         (size_t)AC_HEADS * mk);
-    size_t st_smem = 0;
-    const di_status st =
-        di_cuda_smem_fit(cu, &smem_k, (const void *)attn_codes_kernel, smem, &st_smem);
-    if (st == DI_ERR_INVALID)
-        DI_CUDA_LOG_ERROR("attention (codes): %d keys of %d dims need %zu + %zu (static) bytes of "
-                          "shared memory (limit %zu)",
-                          max_keys, dh, smem, st_smem, cu->smem_optin);
-    if (st != DI_OK) return st;
-    attn_codes_kernel<<<(unsigned)((int64_t)n_tok * n_grp), AC_THREADS, smem, di_stream(cu)>>>(
-        q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys, mk, sink, H, dh, scale, round_p,
-        o, cu->flags_dev);
-    DI_CUDA_LAUNCHED("attn_codes_kernel");
-    return DI_OK;
-}
-
 // ---- attention on tensor cores (BF16 mma.sync, FlashMLA-style sparse decode) ----
 //
 // Block = (query row t, group of 64 heads, key split), 8 warps. Per tile of 64 listed keys:
@@ -865,6 +693,469 @@ extern "C" di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_
                                         n_tok, H, scale, n_split, o)
               : attn_tc_launch<128, 64>(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
                                         n_tok, H, scale, n_split, o);
+}
+
+// ---- attention over V4.1's stored codes (backend.h attn_codes) ----
+//
+// Flash-decoding over the compact codes (528-byte Q8 window rows, 288-byte Q4e entries at dh 512,
+// instead of 2,048-byte FP32 rows). Block = (query row t, group of HB = 8 * HPW heads, key split):
+// the keys are shared by all heads (K = V, MQA), so a block reads each key of its split once for
+// its HB heads (HPW 8: 64 heads, one V4.1-Flash row), and the splits fill the GPU at batch 1 (a
+// V4.1-Flash row alone is one head group: without splits one block for the whole GPU). Per tile of
+// AC_BN = 32 listed keys, 8 warps:
+//   1. the raw code rows of the next tile are copied into one of two raw stages (cp.async of the
+//      widest piece the rows allow: 16 bytes where the row sizes and bases are 16-byte multiples,
+//      i.e. dh a multiple of 512 (528 = 33 x 16, 288 = 18 x 16); 8 at dh 256, 4 at dh 128; plain
+//      byte copies at dh 64 (66-byte window rows)), issued before this tile's arithmetic, so the
+//      reads overlap it;
+//   2. this tile's raw rows are decoded exactly into BF16 in shared memory (8 dims per 16-byte
+//      store): e4m3 x 2^k and e2m1 x e4m3 have at most 4 and 6 significant bits, exact in BF16's 8
+//      (the products are FP32-exact; only values below FP32's normal range, a block scale under
+//      2^-117, can lose bits: at most 2^-133 absolute); masked keys (index < 0) and keys past the
+//      split become zeros;
+//   3. q.k in FP32: warp w takes heads w*HPW .. w*HPW + HPW - 1, lane l key l of the tile, each
+//      over all dh (q in shared memory as FP32, read as broadcast float4s; the key row as 16-byte
+//      BF16 pieces, rows skewed by 16 bytes: no bank conflicts);
+//   4. online softmax with the running max and sum per head, all in the warp that owns the head
+//      (shuffles only, no block barrier): p = exp(s - m) into the warp's own shared p tile;
+//   5. o += p v in FP32 registers: the warp's HPW heads x lane l's dims 4(l + 32 g) .. + 3 (NG
+//      groups; 128 accumulators per thread at dh 512, HPW 8).
+// One split writes o = acc / (l + exp(sink - m)) (with the max rescaling); several write their
+// (o, m, l) partials into pool scratch (di_cuda_alloc: graph-aware) and attn_tc_combine_kernel
+// merges them (splits with no key weigh 0). The automatic split count fills the SMs (one block
+// each: ~200 KB of shared memory at dh 512) with >= 2 tiles per split, as attn_tc's.
+//
+// Numerics against the CPU op (the oracle): FP32 scores, exps and sums in another order (within
+// test_cuda_v41_codes' FP32 bound). round_p: the oracle rounds each normalised p = e_j / den to
+// BF16 before p.v; a single pass has neither the final max nor den when it weighs a key, so this
+// kernel keeps p unrounded (FP32) -- nearer the exact value than the rounded one. Each weight is
+// then within half a BF16 ulp (2^-8 relative) plus the FP32 error of the oracle's, so o is within
+// 2^-8 sum_j p_j |v_j| (plus the FP32 bound) of the oracle's; the test checks that bound (the CPU
+// itself, rounding an FP32 p that may sit on the other side of a tie, is allowed one ulp: 2^-7).
+// A two-pass kernel (max and den first, then p.v) would read every key twice.
+//
+// Predicted bound (unmeasured: docs/cuda.md): per key 2 x H x dh FMAs (65,536 at V4.1-Flash) on
+// FP32 cores, 33.5 T FMA/s on an H200 -> ~0.5 G keys/s, ~150 GB/s of 288-byte entries: the kernel
+// is arithmetic-bound at ~3% of the copy bandwidth; BF16 tensor cores (attn_tc's scheme) are the
+// way past it where q is BF16 (the official recipe).
+
+namespace {
+
+enum {
+    AC_THREADS = 256,
+    AC_WARPS = AC_THREADS / 32,
+    AC_BN = 32,                        // keys per tile: one per lane in q.k
+    AC_MIN_KEYS_PER_SPLIT = 2 * AC_BN, // automatic splits keep >= 2 tiles each
+    AC_MAX_SPLITS = 4096
+};
+
+// Shared memory of one block (bytes): q [HB][dh] FP32 | K [AC_BN][ldk] BF16 | raw [2][AC_BN][rs]
+// | idx [2][AC_BN] | p [AC_WARPS][AC_BN][hpw] FP32.
+struct AcLayout {
+    int32_t ldk, rs;
+    size_t k_off, raw_off, idx_off, p_off, total;
+};
+
+__host__ __device__ inline AcLayout ac_layout(int32_t dh, int32_t hpw) {
+    AcLayout L;
+    const int32_t wb = dh + dh / DI_BACKEND_WIN_BLOCK; // the window row, the longer of the two
+    L.ldk = dh + 8;                                    // 16-byte skew per row
+    L.rs = (wb + 15) / 16 * 16;
+    L.k_off = sizeof(float) * (size_t)AC_WARPS * hpw * dh;
+    L.raw_off = L.k_off + 2 * (size_t)AC_BN * L.ldk;
+    L.idx_off = L.raw_off + 2 * (size_t)AC_BN * L.rs;
+    L.p_off = L.idx_off + sizeof(int32_t) * 2 * AC_BN;
+    L.total = L.p_off + sizeof(float) * (size_t)AC_WARPS * AC_BN * hpw;
+    return L;
+}
+
+__device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src)
+                 : "memory");
+}
+
+// Two e2m1 codes (the low nibble first) times the block scale, as BF16x2: exact (see above).
+__device__ __forceinline__ uint32_t e2m1x2_bf16x2(uint32_t byte, float sc) {
+    return bf162_bits(
+        __floats2bfloat162_rn(di_e2m1_f32(byte & 15u) * sc, di_e2m1_f32((byte >> 4) & 15u) * sc));
+}
+
+// BF16 pair (the low half first) as two floats.
+__device__ __forceinline__ float bf_lo(uint32_t v) {
+    return __uint_as_float(v << 16);
+}
+__device__ __forceinline__ float bf_hi(uint32_t v) {
+    return __uint_as_float(v & 0xFFFF0000u);
+}
+
+// HPW heads per warp, NG groups of 4 dims per lane (4 * 32 * NG >= dh).
+template <int HPW, int NG>
+__global__ void __launch_bounds__(AC_THREADS, 1)
+    attn_codes_kernel(const float *__restrict__ q, const uint8_t *__restrict__ win,
+                      const uint8_t *__restrict__ ent, const int32_t *__restrict__ key_idx,
+                      int64_t key_stride, const int32_t *__restrict__ n_win,
+                      const int32_t *__restrict__ n_keys, int32_t max_keys,
+                      const float *__restrict__ sink, int32_t H, int32_t dh, float scale,
+                      int32_t n_split, int32_t chunk, int32_t vw, float *__restrict__ o,
+                      float *__restrict__ o_part, float *__restrict__ ml_part,
+                      int *__restrict__ flags) {
+    constexpr int HB = AC_WARPS * HPW;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const AcLayout L = ac_layout(dh, HPW);
+    float *qs = (float *)smem;                             // [HB][dh]
+    __nv_bfloat16 *ks = (__nv_bfloat16 *)(smem + L.k_off); // [AC_BN][ldk] decoded
+    uint8_t *raw = smem + L.raw_off;                       // [2][AC_BN][rs]
+    int32_t *idx_s = (int32_t *)(smem + L.idx_off);        // [2][AC_BN], -1 = masked
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float *ps = (float *)(smem + L.p_off) + warp * AC_BN * HPW; // this warp's [AC_BN][HPW]
+
+    const int64_t t = blockIdx.x / n_split;
+    const int32_t split = (int32_t)(blockIdx.x % n_split), h0 = (int32_t)blockIdx.y * HB;
+    // As attn_kernel: a count past max_keys (device data) clamped and flagged; n_win within it.
+    const int32_t nk =
+        di_cuda_attn_clamp_keys(n_keys[t], max_keys, flags, split == 0 && blockIdx.y == 0);
+    const int32_t nw = min(max(n_win[t], 0), nk);
+    const int64_t k_beg = (int64_t)split * chunk, k_end = min((int64_t)nk, k_beg + chunk);
+    const int32_t n_tiles = k_end > k_beg ? (int32_t)((k_end - k_beg + AC_BN - 1) / AC_BN) : 0;
+    const int32_t *idx_row = key_idx + t * key_stride;
+    const int64_t wb = dh + dh / DI_BACKEND_WIN_BLOCK, eb = dh / 2 + dh / DI_BACKEND_ENT_BLOCK;
+
+    // q rows h0 .. h0 + HB - 1 (zeros past H: their scores are 0, their outputs unwritten).
+    for (int32_t e = tid; e < HB * dh; e += AC_THREADS) {
+        const int32_t hh = e / dh;
+        qs[e] = h0 + hh < H ? q[(t * H + h0 + hh) * dh + (e - hh * dh)] : 0.0f;
+    }
+    auto load_idx = [&](int32_t it, int st) {
+        if (tid < AC_BN) {
+            const int64_t j = k_beg + (int64_t)it * AC_BN + tid;
+            idx_s[st * AC_BN + tid] = j < k_end ? idx_row[j] : -1;
+        }
+    };
+    // Key r of tile it is a window row (Q8) or an entry (Q4e).
+    auto is_win = [&](int32_t it, int r) { return k_beg + (int64_t)it * AC_BN + r < nw; };
+    auto issue = [&](int32_t it, int st) { // raw rows of idx_s[st] -> raw stage st
+        uint8_t *dst = raw + (size_t)st * AC_BN * L.rs;
+        if (vw > 0) {
+            const int ch = L.rs / vw;
+            for (int c = tid; c < AC_BN * ch; c += AC_THREADS) {
+                const int r = c / ch, off = (c - r * ch) * vw;
+                const int32_t id = idx_s[st * AC_BN + r];
+                const bool w = is_win(it, r);
+                const int64_t rb = w ? wb : eb;
+                if (id < 0 || off >= rb) continue; // masked, or past an entry's end
+                const uint8_t *src = (w ? win : ent) + id * rb + off;
+                if (vw == 16)
+                    cp_async16(dst + r * L.rs + off, src);
+                else if (vw == 8)
+                    cp_async8(dst + r * L.rs + off, src);
+                else
+                    cp_async4(dst + r * L.rs + off, src);
+            }
+            cp_async_commit();
+        } else { // rows not 4-byte multiples (dh 64): plain byte copies, published by barrier (B)
+            for (int e = tid; e < AC_BN * L.rs; e += AC_THREADS) {
+                const int r = e / L.rs, off = e - r * L.rs;
+                const int32_t id = idx_s[st * AC_BN + r];
+                const bool w = is_win(it, r);
+                const int64_t rb = w ? wb : eb;
+                if (id >= 0 && off < rb) dst[e] = (w ? win : ent)[id * rb + off];
+            }
+        }
+    };
+    auto decode = [&](int32_t it, int st) { // raw stage st -> ks (BF16), 8 dims per step
+        const uint8_t *src = raw + (size_t)st * AC_BN * L.rs;
+        const int32_t g8 = dh / 8;
+        for (int32_t g = tid; g < AC_BN * g8; g += AC_THREADS) {
+            const int32_t r = g / g8, c = (g - r * g8) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (idx_s[st * AC_BN + r] >= 0) {
+                const uint8_t *row = src + r * L.rs;
+                if (is_win(it, r)) {
+                    const uint2 codes = *(const uint2 *)(row + c);
+                    const float sc = di_ue8m0_f32(row[dh + c / DI_BACKEND_WIN_BLOCK]);
+                    v.x = e4m3x2_bf16x2(codes.x, sc);
+                    v.y = e4m3x2_bf16x2(codes.x >> 16, sc);
+                    v.z = e4m3x2_bf16x2(codes.y, sc);
+                    v.w = e4m3x2_bf16x2(codes.y >> 16, sc);
+                } else {
+                    const uint32_t nib = *(const uint32_t *)(row + c / 2);
+                    const float sc = di_e4m3_f32(row[dh / 2 + c / DI_BACKEND_ENT_BLOCK]);
+                    v.x = e2m1x2_bf16x2(nib & 0xFFu, sc);
+                    v.y = e2m1x2_bf16x2((nib >> 8) & 0xFFu, sc);
+                    v.z = e2m1x2_bf16x2((nib >> 16) & 0xFFu, sc);
+                    v.w = e2m1x2_bf16x2(nib >> 24, sc);
+                }
+            }
+            *(uint4 *)(ks + r * L.ldk + c) = v;
+        }
+    };
+
+    float acc[HPW][NG][4], m_r[HPW], l_r[HPW]; // o, running max and sum of the warp's heads
+#pragma unroll
+    for (int i = 0; i < HPW; i++) {
+        m_r[i] = -INFINITY, l_r[i] = 0.0f;
+#pragma unroll
+        for (int g = 0; g < NG; g++) acc[i][g][0] = acc[i][g][1] = acc[i][g][2] = acc[i][g][3] = 0;
+    }
+    const int32_t hw = h0 + warp * HPW; // this warp's first head
+    const float *qw = qs + warp * HPW * dh;
+
+    if (n_tiles > 0) load_idx(0, 0);
+    __syncthreads(); // qs, idx_s[0]
+    if (n_tiles > 0) issue(0, 0);
+    for (int32_t it = 0; it < n_tiles; it++) {
+        const int st = it & 1;
+        cp_async_wait_all();
+        // (B) this tile's raw rows have landed for every thread; the previous tile's p.v (the last
+        // reader of ks) is done everywhere.
+        __syncthreads();
+        decode(it, st);
+        if (it + 1 < n_tiles) load_idx(it + 1, st ^ 1); // stage st^1 free since tile it-1
+        __syncthreads();                                // (C) ks, idx_s[st ^ 1]
+        if (it + 1 < n_tiles) issue(it + 1, st ^ 1);    // in flight during this tile's arithmetic
+        if (hw >= H) continue;                          // a warp past the heads: copies only
+
+        // ---- s = scale * q.k: this warp's heads x key `lane` ----
+        float s[HPW];
+#pragma unroll
+        for (int i = 0; i < HPW; i++) s[i] = 0.0f;
+        const __nv_bfloat16 *kr = ks + lane * L.ldk;
+#pragma unroll 2
+        for (int32_t d = 0; d < dh; d += 8) {
+            const uint4 kv = *(const uint4 *)(kr + d);
+            const float k[8] = {bf_lo(kv.x), bf_hi(kv.x), bf_lo(kv.y), bf_hi(kv.y),
+                                bf_lo(kv.z), bf_hi(kv.z), bf_lo(kv.w), bf_hi(kv.w)};
+#pragma unroll
+            for (int i = 0; i < HPW; i++) {
+                const float4 a = *(const float4 *)(qw + i * dh + d);
+                const float4 b = *(const float4 *)(qw + i * dh + d + 4);
+                s[i] = fmaf(a.x, k[0], s[i]);
+                s[i] = fmaf(a.y, k[1], s[i]);
+                s[i] = fmaf(a.z, k[2], s[i]);
+                s[i] = fmaf(a.w, k[3], s[i]);
+                s[i] = fmaf(b.x, k[4], s[i]);
+                s[i] = fmaf(b.y, k[5], s[i]);
+                s[i] = fmaf(b.z, k[6], s[i]);
+                s[i] = fmaf(b.w, k[7], s[i]);
+            }
+        }
+        // ---- online softmax (masked keys: no mass), p into the warp's tile ----
+        const bool ok = idx_s[st * AC_BN + lane] >= 0;
+#pragma unroll
+        for (int i = 0; i < HPW; i++) {
+            const float sv = ok ? s[i] * scale : -INFINITY;
+            const float mn = fmaxf(m_r[i], di_warp_max(sv));
+            const float alpha = mn == -INFINITY ? 1.0f : expf(m_r[i] - mn);
+            const float p = sv == -INFINITY ? 0.0f : expf(sv - mn);
+            l_r[i] = l_r[i] * alpha + di_warp_sum(p);
+            m_r[i] = mn;
+            ps[lane * HPW + i] = p;
+#pragma unroll
+            for (int g = 0; g < NG; g++) {
+                acc[i][g][0] *= alpha, acc[i][g][1] *= alpha;
+                acc[i][g][2] *= alpha, acc[i][g][3] *= alpha;
+            }
+        }
+        __syncwarp();
+        // ---- o += p v: this warp's heads x lane's dims ----
+        for (int jj = 0; jj < AC_BN; jj++) {
+            float p[HPW];
+#pragma unroll
+            for (int i = 0; i < HPW; i++) p[i] = ps[jj * HPW + i];
+            const __nv_bfloat16 *vr = ks + jj * L.ldk;
+#pragma unroll
+            for (int g = 0; g < NG; g++) {
+                const int32_t c = 4 * (lane + 32 * g);
+                if (c >= dh) continue;
+                const uint2 kv = *(const uint2 *)(vr + c);
+                const float v0 = bf_lo(kv.x), v1 = bf_hi(kv.x), v2 = bf_lo(kv.y), v3 = bf_hi(kv.y);
+#pragma unroll
+                for (int i = 0; i < HPW; i++) {
+                    acc[i][g][0] = fmaf(p[i], v0, acc[i][g][0]);
+                    acc[i][g][1] = fmaf(p[i], v1, acc[i][g][1]);
+                    acc[i][g][2] = fmaf(p[i], v2, acc[i][g][2]);
+                    acc[i][g][3] = fmaf(p[i], v3, acc[i][g][3]);
+                }
+            }
+        }
+        __syncwarp(); // every lane's p read before the next tile's writes
+    }
+
+    // ---- epilogue: the sink and 1/den (one split), or the split's (o, m, l) for the combine ----
+#pragma unroll
+    for (int i = 0; i < HPW; i++) {
+        const int32_t h = hw + i;
+        if (h >= H) break;
+        const float m = m_r[i], l = l_r[i];
+        float mul = 1.0f, *orow;
+        if (n_split == 1) {
+            const float sk = sink[h], M = fmaxf(m, sk);
+            const float f = m == -INFINITY ? 0.0f : expf(m - M);
+            mul = f / (l * f + expf(sk - M)); // the sink takes mass, gives no value
+            orow = o + (t * H + h) * dh;
+        } else {
+            const int64_t pr = (t * n_split + split) * H + h;
+            orow = o_part + pr * dh;
+            if (lane == 0) ml_part[2 * pr] = m, ml_part[2 * pr + 1] = l;
+        }
+#pragma unroll
+        for (int g = 0; g < NG; g++) {
+            const int32_t c = 4 * (lane + 32 * g);
+            if (c >= dh) continue;
+            orow[c] = acc[i][g][0] * mul, orow[c + 1] = acc[i][g][1] * mul;
+            orow[c + 2] = acc[i][g][2] * mul, orow[c + 3] = acc[i][g][3] * mul;
+        }
+    }
+}
+
+// The split count ns and the keys per split (whole tiles; 0 when max_keys is 0) of n_tok rows of
+// `groups` head groups: n_split > 0 forced (clamped to the tiles), else enough to fill the SMs
+// (one block each: shared memory) with >= 2 tiles per split.
+void attn_codes_plan(const di_cuda *cu, int64_t n_tok, int64_t groups, int32_t max_keys,
+                     int32_t n_split, int64_t *ns_out, int64_t *chunk_out) {
+    const int64_t max_tiles = (max_keys + AC_BN - 1) / AC_BN;
+    int64_t ns = n_split;
+    if (ns <= 0) {
+        const int64_t base = n_tok * groups;
+        ns = base >= cu->n_sm ? 1 : cu->n_sm / base;
+        ns = std::min<int64_t>(ns, std::max<int64_t>(1, max_keys / AC_MIN_KEYS_PER_SPLIT));
+    }
+    ns = std::max<int64_t>(1, std::min<int64_t>({ns, max_tiles, (int64_t)AC_MAX_SPLITS}));
+    const int64_t chunk = (max_tiles + ns - 1) / ns * AC_BN;
+    if (chunk > 0) ns = (max_keys + chunk - 1) / chunk;
+    *ns_out = ns, *chunk_out = chunk;
+}
+
+// Heads per warp of an automatic choice: 8 (64-head blocks) where its shared memory fits, else 4
+// (the A100 at dh 512), up to dh 512 (ng <= 4); 2 above.
+int attn_codes_hpw(const di_cuda *cu, int32_t dh, int ng) {
+    if (ng > 4) return 2;
+    return ac_layout(dh, 8).total <= cu->smem_optin ? 8 : 4;
+}
+
+int attn_codes_ng(int32_t dh) { // groups of 4 dims per lane: 128 * ng >= dh, a power of two
+    int ng = 1;
+    while (128 * ng < dh) ng *= 2;
+    return ng;
+}
+
+// One instance: the shared-memory fit, the split partials, the kernel and the combine.
+template <int HPW, int NG>
+di_status attn_codes_launch(di_cuda *cu, const float *q, const uint8_t *win, const uint8_t *ent,
+                            const int32_t *key_idx, int64_t key_stride, const int32_t *n_win,
+                            const int32_t *n_keys, int32_t max_keys, const float *sink,
+                            int32_t n_tok, int32_t H, int32_t dh, float scale, int32_t n_split,
+                            int32_t vw, float *o) {
+    static di_smem_kernel smem_k;
+    const size_t smem = ac_layout(dh, HPW).total;
+    size_t st_smem = 0;
+    di_status st =
+        di_cuda_smem_fit(cu, &smem_k, (const void *)attn_codes_kernel<HPW, NG>, smem, &st_smem);
+    if (st == DI_ERR_INVALID)
+        DI_CUDA_LOG_ERROR("attention (codes): dh %d with %d heads per block needs %zu + %zu "
+                          "(static) bytes of shared memory (limit %zu)",
+                          dh, AC_WARPS * HPW, smem, st_smem, cu->smem_optin);
+    if (st != DI_OK) return st;
+    const int64_t groups = (H + AC_WARPS * HPW - 1) / (AC_WARPS * HPW);
+    int64_t ns, chunk;
+    attn_codes_plan(cu, n_tok, groups, max_keys, n_split, &ns, &chunk);
+    const int64_t n_blocks = (int64_t)n_tok * ns;
+    // gridDim.x (rows x splits) and gridDim.y (head groups) limits; the combine's grid is one
+    // block per (t, h).
+    if (n_blocks > 0x7FFFFFFF || groups > DI_CUDA_MAX_GRID_Y ||
+        (ns > 1 && (int64_t)n_tok * H > 0x7FFFFFFF))
+        return DI_ERR_INVALID;
+    float *o_part = NULL, *ml_part = NULL;
+    if (ns > 1) {
+        const size_t rows = (size_t)n_tok * (size_t)ns * (size_t)H;
+        st = di_cuda_alloc(cu, sizeof(float) * rows * (size_t)dh, (void **)&o_part);
+        if (st != DI_OK) return st;
+        st = di_cuda_alloc(cu, sizeof(float) * rows * 2, (void **)&ml_part);
+        if (st != DI_OK) goto fail;
+    }
+    attn_codes_kernel<HPW, NG>
+        <<<dim3((unsigned)n_blocks, (unsigned)groups), AC_THREADS, smem, di_stream(cu)>>>(
+            q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys, sink, H, dh, scale,
+            (int32_t)ns, (int32_t)(chunk > 0 ? chunk : AC_BN), vw, o, o_part, ml_part,
+            cu->flags_dev);
+    DI_TRY(di_cuda_check_launch("attn_codes_kernel"));
+    if (ns > 1) {
+        attn_tc_combine_kernel<<<(unsigned)((int64_t)n_tok * H), 128, sizeof(float) * (size_t)ns,
+                                 di_stream(cu)>>>(o_part, ml_part, sink, H, dh, (int32_t)ns, o);
+        DI_TRY(di_cuda_check_launch("attn_tc_combine_kernel (codes)"));
+    }
+fail: // the pool reuses the scratch only after the launches above (one stream)
+    if (ml_part) di_cuda_free(cu, ml_part);
+    if (o_part) di_cuda_free(cu, o_part);
+    return st;
+}
+
+// The widest copy piece (16, 8 or 4 bytes; 0: bytes) that divides every row's offset: both row
+// sizes and both bases.
+int attn_codes_piece(const uint8_t *win, const uint8_t *ent, int32_t dh) {
+    const uint64_t wb = (uint64_t)dh + (uint64_t)dh / DI_BACKEND_WIN_BLOCK,
+                   eb = (uint64_t)dh / 2 + (uint64_t)dh / DI_BACKEND_ENT_BLOCK;
+    const uint64_t all = wb | eb | (uint64_t)(uintptr_t)win | (uint64_t)(uintptr_t)ent | 16u;
+    const int a = (int)(all & (~all + 1)); // the lowest set bit: the common power-of-two divisor
+    return a >= 4 ? a : 0;
+}
+
+} // namespace
+
+extern "C" di_status di_cuda_attn_codes_ex(di_cuda *cu, const float *q, const uint8_t *win,
+                                           const uint8_t *ent, const int32_t *key_idx,
+                                           int64_t key_stride, const int32_t *n_win,
+                                           const int32_t *n_keys, int32_t max_keys,
+                                           const float *sink, int32_t n_tok, int32_t H, int32_t dh,
+                                           float scale, int32_t n_split, int32_t heads_per_warp,
+                                           float *o) {
+    if (dh < 32 || dh % 32 != 0 || dh > DI_CUDA_ATTN_MAX_DH || max_keys < 0 || H < 0 ||
+        key_stride < max_keys || n_split < 0 ||
+        (heads_per_warp != 0 && heads_per_warp != 2 && heads_per_warp != 4 && heads_per_warp != 8))
+        return DI_ERR_INVALID;
+    if (n_tok <= 0 || H == 0) return DI_OK;
+    const int ng = attn_codes_ng(dh);
+    const int hpw = heads_per_warp ? heads_per_warp : attn_codes_hpw(cu, dh, ng);
+    const int32_t vw = attn_codes_piece(win, ent, dh);
+#define AC_CASE(P, G)                                                                              \
+    if (hpw == P && ng == G)                                                                       \
+    return attn_codes_launch<P, G>(cu, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys,  \
+                                   sink, n_tok, H, dh, scale, n_split, vw, o)
+    AC_CASE(8, 1);
+    AC_CASE(8, 2);
+    AC_CASE(8, 4);
+    AC_CASE(4, 1);
+    AC_CASE(4, 2);
+    AC_CASE(4, 4);
+    AC_CASE(2, 8);
+#undef AC_CASE
+    return DI_ERR_INVALID; // heads_per_warp not built for this dh (8 and 4 up to 512, 2 above)
+}
+
+extern "C" int64_t di_cuda_attn_codes_splits(const di_cuda *cu, int32_t n_tok, int32_t H,
+                                             int32_t dh, int32_t max_keys) {
+    if (n_tok <= 0 || H <= 0 || max_keys <= 0 || dh < 32 || dh % 32 != 0 ||
+        dh > DI_CUDA_ATTN_MAX_DH)
+        return 1;
+    const int ng = attn_codes_ng(dh), hb = AC_WARPS * attn_codes_hpw(cu, dh, ng);
+    int64_t ns, chunk;
+    attn_codes_plan(cu, n_tok, (H + hb - 1) / hb, max_keys, 0, &ns, &chunk);
+    return ns;
+}
+
+extern "C" di_status di_cuda_attn_codes(di_cuda *cu, const float *q, const uint8_t *win,
+                                        const uint8_t *ent, const int32_t *key_idx,
+                                        int64_t key_stride, const int32_t *n_win,
+                                        const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                        int32_t n_tok, int32_t H, int32_t dh, float scale,
+                                        bool round_p, float *o) {
+    (void)round_p; // p stays FP32: within half a BF16 ulp of the rounded one (see above)
+    return di_cuda_attn_codes_ex(cu, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys,
+                                 sink, n_tok, H, dh, scale, 0, 0, o);
 }
 
 // ---- the device-resident forward's attention on FP8 KV rows (backend.h attn_kv) ----

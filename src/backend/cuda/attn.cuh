@@ -78,19 +78,37 @@ di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *pool, const
 
 // The same attention over V4.1's stored codes (backend.h attn_codes): key j of row t is the Q8
 // window row win + id * (dh + dh / 32) when j < n_win[t], else the Q4e entry ent + id * (dh / 2 +
-// dh / 16) (id = key_idx[t * key_stride + j], negative: masked), decoded exactly in registers and
-// shared memory; a block per (row, group of 16 heads) reads each listed key once for its heads
-// (attn.cu "attention over V4.1's stored codes"). FP32 scores and sums; round_p: each normalised
-// p rounded to BF16 before p.v. dh a multiple of 32 up to DI_CUDA_ATTN_MAX_DH. An n_keys[t] past
-// max_keys is clamped and reported at the next sync as di_cuda_attn's (DI_CUDA_FLAG_ATTN_KEYS),
-// n_win[t] clamped to the row's keys. DI_ERR_CUDA,
-// DI_ERR_INVALID (shape, or max_keys needing more shared memory than the device has: 16 heads'
-// scores of max_keys floats beside 16 q rows and 16 decoded keys).
+// dh / 16) (id = key_idx[t * key_stride + j], negative: masked), decoded exactly into BF16 in
+// shared memory; a block per (row, group of up to 64 heads, key split) reads each key of its
+// split once for its heads, the splits' partials merged by a combine kernel (attn.cu "attention
+// over V4.1's stored codes"). FP32 scores, sums and p.v. round_p: the CPU's p is the normalised p
+// rounded to BF16; this kernel's is the unrounded p (one pass has no final max and sum when it
+// weighs a key), within half a BF16 ulp of it. dh a multiple of 32 up to DI_CUDA_ATTN_MAX_DH; any
+// max_keys (shared memory does not grow with it; the split partials come from the pool). An
+// n_keys[t] past max_keys is clamped and reported at the next sync as di_cuda_attn's
+// (DI_CUDA_FLAG_ATTN_KEYS), n_win[t] clamped to the row's keys. DI_ERR_CUDA, DI_ERR_NOMEM (the
+// partials), DI_ERR_INVALID (shape, or a dh whose smallest block does not fit the device's shared
+// memory: dh 1024 on an A100).
 di_status di_cuda_attn_codes(di_cuda *cu, const float *q, const uint8_t *win, const uint8_t *ent,
                              const int32_t *key_idx, int64_t key_stride, const int32_t *n_win,
                              const int32_t *n_keys, int32_t max_keys, const float *sink,
                              int32_t n_tok, int32_t H, int32_t dh, float scale, bool round_p,
                              float *o);
+
+// di_cuda_attn_codes with its two automatic choices forced (tests, benchmarks): n_split key
+// splits per row (0: automatic; clamped to the tiles of max_keys), heads_per_warp 8, 4 or 2 (0:
+// automatic: 8 where its shared memory fits, else 4, up to dh 512; 2 above; another value, or one
+// not built for this dh: DI_ERR_INVALID). round_p is not an argument: the arithmetic is the same.
+di_status di_cuda_attn_codes_ex(di_cuda *cu, const float *q, const uint8_t *win, const uint8_t *ent,
+                                const int32_t *key_idx, int64_t key_stride, const int32_t *n_win,
+                                const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                int32_t n_tok, int32_t H, int32_t dh, float scale, int32_t n_split,
+                                int32_t heads_per_warp, float *o);
+
+// The key splits per row that di_cuda_attn_codes picks for this shape (the benchmark's column):
+// 1 for an empty call or a bad shape.
+int64_t di_cuda_attn_codes_splits(const di_cuda *cu, int32_t n_tok, int32_t H, int32_t dh,
+                                  int32_t max_keys);
 
 // The same function on tensor cores (the decode-speed kernel, FlashMLA-style sparse decode): one
 // block per (query row, group of 64 heads, key split) reads each listed KV row once for all its

@@ -6,10 +6,16 @@
 //     and the NaN scale byte), gathered through src_rows, scattered through dst_rows with a
 //     skipped (-1) row whose bytes stay as they were;
 //   - attn_codes: every list kind of test_cuda_ops' attention (0 keys, 1, masked keys, all
-//     masked, repeats) over Q8 window rows then Q4e entries, with and without round_p, 1 to 64
-//     heads (head groups of 16, the last partial), dh 512 (V4.1-Flash) and 64 (the tiny model):
-//     within the FP32 bound of a double reference on the decoded rows, and so is the CPU
-//     backend's (the reference's own check);
+//     masked, repeats) plus n_win = n_keys and n_win = 0, over Q8 window rows then Q4e entries,
+//     with and without round_p, 1 to 72 heads (64-head blocks, the last partial), dh 512
+//     (V4.1-Flash), 64 (the tiny model: byte copies), 128 / 256 (4- / 8-byte copies) and 1024
+//     (16-head blocks), 8k and 64k keys at batch 1, batch 64: within the FP32 bound of a double
+//     reference on the decoded rows, and so is the CPU backend's (the reference's own check);
+//     CUDA's round_p (p kept unrounded: attn.cu) within half a BF16 ulp, and the exact unrounded
+//     output checked against that bound too; every case through the automatic split count and
+//     forced (1 split, 7, one tile each, the 32-head block with 3); n_keys past max_keys clamped,
+//     flagged and reported once at the sync, split or not; refused shapes. `--cpu` without a
+//     device runs these cases on the CPU op alone (then skips);
 //   - index_scores_q4: contiguous (with key bases) and paged (shuffled pages, one missing: -inf)
 //     keys, HI 4 and 64 (V4.1-Flash's) and 72 (two head chunks), DI 128 and 64: within the FP32
 //     bound of the indexer's reference on the decoded keys, paged scores bit-identical to the
@@ -21,7 +27,8 @@
 #include <string.h>
 
 #include "backend/backend.h"
-#include "tensor/quant_ref.h" // di_quant_*_unpack, di_round_bf16
+#include "backend/cuda/attn.cuh" // di_cuda_attn_codes_ex
+#include "tensor/quant_ref.h"    // di_quant_*_unpack, di_round_bf16
 
 // Attention: scores within gamma(dh) * scale * sum|q k| (E); p within ~2E relative; o within
 // sum_j p_j |k_jd| times that plus the value sums' FP32 rounding (1e-5 relative for <~ 1000 keys),
@@ -142,8 +149,26 @@ static void make_rows(int32_t bits, int32_t dh, int32_t block, int64_t n, uint8_
     free(v);
 }
 
+// The CUDA calls of every attn_case: the backend entry (automatic splits and heads per block),
+// then di_cuda_attn_codes_ex with both forced: one split (no combine), 7 (uneven: a row with fewer
+// keys than max_keys leaves later splits empty, weighing 0), more splits than tiles (clamped: one
+// tile each), and the 32-head block (the A100's at dh 512) with 3 splits.
+static const struct {
+    int32_t n_split, hpw;
+    const char *what;
+} k_variants[] = {{-1, 0, "auto"},
+                  {1, 0, "1 split"},
+                  {7, 0, "7 splits"},
+                  {1 << 20, 0, "a tile each"},
+                  {3, 4, "32 heads, 3 splits"}};
+
+// Key kinds by (t + kind0) % 7: 0 keys, 1 key (a window row), all max_keys (window rows first,
+// a random count), every third masked, all masked, window rows only (n_win = n_keys), entries
+// only (n_win = 0).
+enum { KIND_NONE, KIND_ONE, KIND_ALL, KIND_MASKED, KIND_ALL_MASKED, KIND_WIN_ONLY, KIND_ENT_ONLY };
+
 static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e, int32_t max_keys,
-                      bool round_p) {
+                      bool round_p, int kind0) {
     const int64_t ks = max_keys + 3, n_o = (int64_t)T * H * dh;
     const int64_t wb = di_backend_code_row_bytes(8, dh, DI_BACKEND_WIN_BLOCK);
     const int64_t eb = di_backend_code_row_bytes(DI_BACKEND_Q4E, dh, DI_BACKEND_ENT_BLOCK);
@@ -157,62 +182,86 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
     fill_rand(sink, H, 2.0f);
     int32_t *nk = malloc(sizeof(int32_t) * (size_t)T), *nw = malloc(sizeof(int32_t) * (size_t)T);
     int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * ks));
-    for (int32_t t = 0; t < T; t++) { // by t % 6: 0 keys, 1 (a window row), all, masked, ...
-        const int kind = t % 6;
-        int32_t k = kind == 0   ? 0
-                    : kind == 1 ? 1
-                    : kind == 2 ? max_keys
-                                : 1 + (int32_t)(rnd() % (uint64_t)max_keys);
+    for (int32_t t = 0; t < T; t++) {
+        const int kind = (t + kind0) % 7;
+        int32_t k = kind == KIND_NONE  ? 0
+                    : kind == KIND_ONE ? 1
+                    : kind == KIND_ALL || kind >= KIND_WIN_ONLY
+                        ? max_keys
+                        : 1 + (int32_t)(rnd() % (uint64_t)max_keys);
         nk[t] = k;
-        nw[t] = kind == 1 ? 1 : (int32_t)(rnd() % (uint64_t)(k + 1)); // window keys first
-        if (kind == 5) nw[t] = k;                                     // no entries
+        nw[t] = kind == KIND_ONE ? 1 : (int32_t)(rnd() % (uint64_t)(k + 1)); // window keys first
+        if (kind == KIND_WIN_ONLY) nw[t] = k;
+        if (kind == KIND_ENT_ONLY) nw[t] = 0;
         for (int64_t j = 0; j < ks; j++) {
             int32_t v =
                 j < nw[t] ? (int32_t)(rnd() % (uint64_t)n_w) : (int32_t)(rnd() % (uint64_t)n_e);
-            if ((kind == 3 && j % 3 == 1) || kind == 4) v = -1; // masked; kind 4: all masked
+            if ((kind == KIND_MASKED && j % 3 == 1) || kind == KIND_ALL_MASKED) v = -1;
             idx[t * ks + j] = j < k ? v : -7;
         }
     }
     const float scale = 1.0f / sqrtf((float)dh);
     float *ref = malloc(sizeof(float) * (size_t)n_o);
     double *tol = malloc(sizeof(double) * (size_t)n_o),
-           *sc = malloc(sizeof(double) * (size_t)(max_keys + 1));
+           *mags = malloc(sizeof(double) * (size_t)n_o),
+           *sc = malloc(sizeof(double) * (size_t)(max_keys + 1)), *pr = NULL;
+    float **kr = malloc(sizeof(float *) * (size_t)(max_keys + 1));
+    double *unr = calloc((size_t)n_o, sizeof(double)); // round_p: o with the unrounded p, exact
+    pr = malloc(sizeof(double) * (size_t)(max_keys + 1));
     for (int32_t t = 0; t < T; t++)
         for (int32_t h = 0; h < H; h++) {
             const float *qv = q + ((int64_t)t * H + h) * dh;
             const int32_t *ix = idx + t * ks;
             double mx = sink[h], maxabs = 0;
+            int32_t n = 0; // present keys: their rows in kr, scores in sc
             for (int32_t j = 0; j < nk[t]; j++) {
                 if (ix[j] < 0) continue;
-                const float *k = (j < nw[t] ? wdec : edec) + (int64_t)ix[j] * dh;
+                float *k = (j < nw[t] ? wdec : edec) + (int64_t)ix[j] * dh;
                 double s = 0, a = 0;
                 for (int32_t d = 0; d < dh; d++)
                     s += (double)qv[d] * k[d], a += fabs((double)qv[d] * k[d]);
-                sc[j] = s * scale;
-                if (sc[j] > mx) mx = sc[j];
+                kr[n] = k;
+                sc[n] = s * scale;
+                if (sc[n] > mx) mx = sc[n];
                 if (a > maxabs) maxabs = a;
+                n++;
             }
             double den = exp(sink[h] - mx);
-            for (int32_t j = 0; j < nk[t]; j++)
-                if (ix[j] >= 0) den += (sc[j] = exp(sc[j] - mx));
+            for (int32_t j = 0; j < n; j++) den += (sc[j] = exp(sc[j] - mx));
+            for (int32_t j = 0; j < n; j++)
+                pr[j] = round_p ? di_round_bf16((float)(sc[j] / den)) : sc[j] / den;
             const double E = gamma_k(dh) * scale * maxabs;
-            for (int32_t d = 0; d < dh; d++) {
-                double o = 0, mag = 0;
-                for (int32_t j = 0; j < nk[t]; j++) {
-                    if (ix[j] < 0) continue;
-                    const double kd = ((j < nw[t] ? wdec : edec) + (int64_t)ix[j] * dh)[d];
-                    const double p = round_p ? di_round_bf16((float)(sc[j] / den)) : sc[j] / den;
-                    o += p * kd;
-                    mag += p * fabs(kd);
+            const int64_t o0 = ((int64_t)t * H + h) * dh;
+            for (int32_t d = 0; d < dh; d++) ref[o0 + d] = 0, mags[o0 + d] = 0;
+            double *o = calloc((size_t)dh, sizeof(double));
+            for (int32_t j = 0; j < n; j++)
+                for (int32_t d = 0; d < dh; d++) {
+                    o[d] += pr[j] * kr[j][d], mags[o0 + d] += pr[j] * fabs((double)kr[j][d]);
+                    if (round_p) unr[o0 + d] += sc[j] / den * kr[j][d]; // CUDA's: p unrounded
                 }
-                const int64_t i = ((int64_t)t * H + h) * dh + d;
-                ref[i] = (float)o;
-                tol[i] = mag * (4 * E + TOL_ATTN_SUM_REL + (round_p ? 0x1p-7 : 0.0)) + 1e-30;
+            for (int32_t d = 0; d < dh; d++) {
+                ref[o0 + d] = (float)o[d];
+                tol[o0 + d] = mags[o0 + d] * (4 * E + TOL_ATTN_SUM_REL) + 1e-30;
             }
+            free(o);
         }
+    // round_p: the CPU rounds its FP32 p, which may sit on the other side of a rounding tie from
+    // the reference's (one BF16 ulp: 2^-7 relative at most); CUDA keeps p unrounded, within half
+    // an ulp (2^-8) of the reference's (attn.cu): allowed a hair more, no more.
+    double *tol_b = malloc(sizeof(double) * (size_t)n_o);
+    if (round_p) { // the argument itself: exact arithmetic on unrounded p meets CUDA's bound
+        float *uf = malloc(sizeof(float) * (size_t)n_o);
+        for (int64_t i = 0; i < n_o; i++)
+            uf[i] = (float)unr[i], tol_b[i] = tol[i] + mags[i] * 0x1.02p-8;
+        CHECK(check_bounds("  unrounded p (exact)", uf, ref, tol_b, n_o) == 0);
+        free(uf);
+    }
     di_backend *bs[2] = {g_cpu, g_b};
-    for (int k = 0; k < 2; k++) {
+    const int nb = g_b ? 2 : 1; // --cpu without a device: the CPU op only
+    for (int k = 0; k < nb; k++) {
         di_backend *b = bs[k];
+        const double rp = round_p ? (k == 0 ? 0x1p-7 : 0x1.02p-8) : 0.0;
+        for (int64_t i = 0; i < n_o; i++) tol_b[i] = tol[i] + mags[i] * rp;
         uint8_t *wd = bk_from(b, win, (size_t)(n_w * wb)),
                 *ed = bk_from(b, ent, (size_t)(n_e * eb));
         float *qd = bk_from(b, q, sizeof(float) * (size_t)n_o),
@@ -221,40 +270,111 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
                 *nwd = bk_from(b, nw, sizeof(int32_t) * (size_t)T),
                 *id = bk_from(b, idx, sizeof(int32_t) * (size_t)(T * ks));
         float *out = malloc(sizeof(float) * (size_t)n_o);
-        for (int64_t i = 0; i < n_o; i++) out[i] = NAN; // unwritten outputs fail
-        float *od = bk_from(b, out, sizeof(float) * (size_t)n_o);
-        CK(b->vt->attn_codes(b, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H, dh, scale,
-                             round_p, od));
-        bk_to(b, out, od, sizeof(float) * (size_t)n_o);
-        char what[96];
-        snprintf(what, sizeof what, "attn_codes %s dh=%d H=%d T=%d keys=%d%s", b->vt->name, dh, H,
-                 T, max_keys, round_p ? " round_p" : "");
-        CHECK(check_bounds(what, out, ref, tol, n_o) == 0);
+        const int n_var = k == 0 ? 1 : (int)(sizeof k_variants / sizeof k_variants[0]);
+        for (int v = 0; v < n_var; v++) {
+            if (k == 1 && k_variants[v].hpw == 4 && dh > 512) continue; // not built above 512
+            for (int64_t i = 0; i < n_o; i++) out[i] = NAN;             // unwritten outputs fail
+            float *od = bk_from(b, out, sizeof(float) * (size_t)n_o);
+            if (k == 0 || k_variants[v].n_split < 0)
+                CK(b->vt->attn_codes(b, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H, dh, scale,
+                                     round_p, od));
+            else
+                CK(di_cuda_attn_codes_ex(g_cu, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H, dh,
+                                         scale, k_variants[v].n_split, k_variants[v].hpw, od));
+            bk_to(b, out, od, sizeof(float) * (size_t)n_o);
+            b->vt->free(b, od);
+            char what[128];
+            snprintf(what, sizeof what, "attn_codes %s%s%s dh=%d H=%d T=%d keys=%d%s", b->vt->name,
+                     k ? ", " : "", k ? k_variants[v].what : "", dh, H, T, max_keys,
+                     round_p ? " round_p" : "");
+            CHECK(check_bounds(what, out, ref, tol_b, n_o) == 0);
+        }
         b->vt->free(b, wd), b->vt->free(b, ed), b->vt->free(b, qd), b->vt->free(b, sd);
-        b->vt->free(b, nkd), b->vt->free(b, nwd), b->vt->free(b, id), b->vt->free(b, od);
+        b->vt->free(b, nkd), b->vt->free(b, nwd), b->vt->free(b, id);
         free(out);
     }
     free(win), free(ent), free(wdec), free(edec), free(q), free(sink), free(nk), free(nw),
-        free(idx), free(ref), free(tol), free(sc);
+        free(idx), free(ref), free(tol), free(tol_b), free(mags), free(sc), free(pr), free(kr),
+        free(unr);
+}
+
+// n_keys (device data) past max_keys or negative: clamped, flagged, DI_ERR_INVALID at the next sync
+// (once); the output equals the call with the clamped counts bit for bit (split or not).
+static void bad_keys_case(int32_t n_split) {
+    enum { T = 4, H = 64, DH = 512, MK = 200, NE = 300 };
+    const int64_t eb = di_backend_code_row_bytes(DI_BACKEND_Q4E, DH, DI_BACKEND_ENT_BLOCK);
+    uint8_t *ent = malloc((size_t)(NE * eb));
+    float *edec = malloc(sizeof(float) * (size_t)NE * DH);
+    make_rows(DI_BACKEND_Q4E, DH, DI_BACKEND_ENT_BLOCK, NE, ent, edec);
+    int32_t n_bad[T] = {MK, MK + 1000, -5, INT32_MAX}, n_clamped[T] = {MK, MK, 0, MK};
+    int32_t n_win[T] = {0, 0, 0, 0}, *idx = malloc(sizeof(int32_t) * T * MK);
+    for (int32_t i = 0; i < T * MK; i++) idx[i] = (int32_t)(rnd() % NE);
+    const int64_t n_o = (int64_t)T * H * DH;
+    float *q = malloc(sizeof(float) * (size_t)n_o), *sink = malloc(sizeof(float) * H);
+    float *want = malloc(sizeof(float) * (size_t)n_o), *got = malloc(sizeof(float) * (size_t)n_o);
+    fill_rand(q, n_o, 0.1f);
+    fill_rand(sink, H, 1.0f);
+    float *qd = bk_from(g_b, q, sizeof(float) * (size_t)n_o), *sd = bk_from(g_b, sink, 4 * H);
+    uint8_t *ed = bk_from(g_b, ent, (size_t)(NE * eb));
+    int32_t *idxd = bk_from(g_b, idx, sizeof(int32_t) * T * MK), *nwd = bk_from(g_b, n_win, 4 * T);
+    int32_t *nbd = bk_from(g_b, n_bad, sizeof n_bad), *ncd = bk_from(g_b, n_clamped, 4 * T);
+    float *od = bk_from(g_b, want, sizeof(float) * (size_t)n_o);
+    for (int pass = 0; pass < 2; pass++) { // the clamped counts, then the bad ones
+        CK(g_b->vt->memset(g_b, od, 0xFF, sizeof(float) * (size_t)n_o));
+        CK(di_cuda_attn_codes_ex(g_cu, qd, ed, ed, idxd, MK, nwd, pass ? nbd : ncd, MK, sd, T, H,
+                                 DH, 0.05f, n_split, 0, od));
+        CHECK_EQ(g_b->vt->sync(g_b), pass ? DI_ERR_INVALID : DI_OK);
+        CHECK_EQ(g_b->vt->sync(g_b), DI_OK); // reported once
+        bk_to(g_b, pass ? got : want, od, sizeof(float) * (size_t)n_o);
+    }
+    int64_t nan = 0;
+    for (int64_t i = 0; i < n_o; i++) nan += isnan(want[i]);
+    const bool same = memcmp(got, want, sizeof(float) * (size_t)n_o) == 0;
+    fprintf(stderr, "  attn_codes bad n_keys, %d splits: %s\n", n_split,
+            same ? "clamped" : "DIFFERENT");
+    CHECK_EQ(nan, 0);
+    CHECK(same);
+    g_b->vt->free(g_b, qd), g_b->vt->free(g_b, sd), g_b->vt->free(g_b, ed);
+    g_b->vt->free(g_b, idxd), g_b->vt->free(g_b, nwd), g_b->vt->free(g_b, nbd);
+    g_b->vt->free(g_b, ncd), g_b->vt->free(g_b, od);
+    free(ent), free(edec), free(idx), free(q), free(sink), free(want), free(got);
 }
 
 static void test_attn_codes(void) {
-    attn_case(512, 64, 7, 400, 600, 640, false); // V4.1-Flash: 64 heads, W 128 + top-512
-    attn_case(512, 64, 7, 400, 600, 640, true);  // the official recipe: BF16 p
-    attn_case(512, 20, 6, 100, 50, 77, false);   // a partial head group (16 + 4)
-    attn_case(64, 4, 12, 40, 30, 24, true);      // the tiny model's widths
-    attn_case(64, 1, 6, 5, 5, 1, false);         // one head, one key at most
+    attn_case(512, 64, 7, 400, 600, 640, false, 0); // V4.1-Flash: 64 heads, W 128 + top-512
+    attn_case(512, 64, 7, 400, 600, 640, true, 0);  // the official recipe: BF16 p
+    attn_case(512, 20, 6, 100, 50, 77, false, 0);   // a partial head group (16 + 4)
+    attn_case(64, 4, 12, 40, 30, 24, true, 0);      // the tiny model's widths (byte copies)
+    attn_case(64, 1, 6, 5, 5, 1, false, 0);         // one head, one key at most
+    attn_case(256, 8, 7, 50, 60, 100, true, 3);     // 8-byte pieces (264-byte window rows)
+    attn_case(128, 72, 7, 50, 60, 90, false, 1);    // 4-byte pieces; two head groups (64 + 8)
+    attn_case(1024, 16, 3, 20, 30, 70, true, 1);    // dh 1024: 16-head blocks, 8 groups a lane
+    // Long lists at batch 1 (many splits: the combine of up to 132), V4.1-Flash's batch 64.
+    attn_case(512, 64, 1, 128, 4000, 8192, true, KIND_ALL);
+    attn_case(512, 64, 1, 128, 4000, 8192, false, KIND_MASKED);
+    attn_case(512, 16, 1, 128, 8000, 65536, true, KIND_ALL);
+    attn_case(512, 64, 64, 128, 1000, 640, true, 0);
+    if (!g_b) return; // --cpu: the CPU op's side only
+    bad_keys_case(1);
+    bad_keys_case(5);
     float *d = NULL;
     CK(g_b->vt->alloc(g_b, 4096, (void **)&d));
     const uint8_t *u = (const uint8_t *)d;
     int32_t *i = (int32_t *)d;
     CHECK_EQ(g_b->vt->attn_codes(g_b, d, u, u, i, 4, i, i, 4, d, 1, 1, 48, 1.0f, false, d),
              DI_ERR_INVALID); // dh not a multiple of 32
+    CHECK_EQ(g_b->vt->attn_codes(g_b, d, u, u, i, 4, i, i, 4, d, 1, 1, 1056, 1.0f, false, d),
+             DI_ERR_INVALID); // dh past 1024
     CHECK_EQ(g_b->vt->attn_codes(g_b, d, u, u, i, 4, i, i, 1 << 28, d, 1, 1, 64, 1.0f, false, d),
              DI_ERR_INVALID); // key_stride < max_keys
-    CHECK_EQ(
-        g_b->vt->attn_codes(g_b, d, u, u, i, 1 << 28, i, i, 1 << 28, d, 1, 1, 64, 1.0f, false, d),
-        DI_ERR_INVALID); // more scores than shared memory holds
+    CHECK_EQ(g_b->vt->attn_codes(g_b, d, u, u, i, 4, i, i, -1, d, 1, 1, 64, 1.0f, false, d),
+             DI_ERR_INVALID); // negative max_keys
+    CHECK_EQ(di_cuda_attn_codes_ex(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 64, 1.0f, 0, 3, d),
+             DI_ERR_INVALID); // no 3-heads-a-warp block
+    CHECK_EQ(di_cuda_attn_codes_ex(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 1024, 1.0f, 0, 8, d),
+             DI_ERR_INVALID); // 64-head blocks are built up to dh 512
+    CHECK_EQ(di_cuda_attn_codes_ex(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 64, 1.0f, -2, 0, d),
+             DI_ERR_INVALID); // negative split count
     g_b->vt->free(g_b, d);
 }
 
@@ -393,8 +513,18 @@ static void test_index_scores_q4(void) {
     g_b->vt->free(g_b, d);
 }
 
-int main(void) {
-    if (di_cuda_device_count() == 0) DI_TEST_SKIP("no CUDA device");
+int main(int argc, char **argv) {
+    if (di_cuda_device_count() == 0) {
+        // --cpu (a development aid without a GPU): the attn_codes cases against the CPU op alone,
+        // so the reference and the cases are exercised where the CUDA side cannot run.
+        if (argc > 1 && strcmp(argv[1], "--cpu") == 0) {
+            CK(di_cpu_backend_create(2, &g_cpu));
+            RUN(test_attn_codes);
+            di_backend_destroy(g_cpu);
+            if (test_finish() != 0) return 1;
+        }
+        DI_TEST_SKIP("no CUDA device");
+    }
     CK(di_cuda_backend_create(0, &g_b));
     g_cu = (di_cuda *)g_b->impl;
     CK(di_cpu_backend_create(2, &g_cpu));
