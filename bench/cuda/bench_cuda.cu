@@ -13,6 +13,9 @@
 //            entries; HCA: window + every L/128 entry; dense: window + every L/4 entry), batch 1
 //            and 64 sequences, the exact FP32 kernel and the BF16 tensor-core kernel: effective
 //            GB/s (KV rows + indices + q + o) and the tensor-core kernel's ratio to copy
+//   codes    V4.1's attention over its compact codes (di_cuda_attn_codes: Q8 window rows + Q4e
+//            entries, 64 heads, dh 512, round_p) at 4k ... 128k keys at batch 1 and 8k at batch
+//            64: effective GB/s (code rows + indices + q + o) and its ratio to copy
 //   layer    one full-width V4-Flash CSA layer's decode (batch 1 and 64) as a CUDA graph: time vs
 //            the HBM roofline of the bytes it must read (weights touched + KV)
 //   model    43 layers (4 distinct weight sets, cycled) + head: decode tokens/s at batch 1 and 64
@@ -30,6 +33,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "backend/backend.h" // DI_BACKEND_*_BLOCK, di_backend_code_row_bytes
 #include "backend/cuda/attn.cuh"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/gemm.cuh"
@@ -632,6 +636,87 @@ static void bench_attn(void) {
            "the copy bandwidth above; the acceptance target is >= 3000 GB/s)\n");
 }
 
+// ---- attention over V4.1's codes ----
+
+// di_cuda_attn_codes at V4.1-Flash's shapes: 64 heads, dh 512, each sequence a window of 128 Q8
+// rows (528 bytes) then n_keys - 128 Q4e entries (288 bytes), round_p (the official recipe).
+static void bench_codes(void) {
+    const int32_t H = 64, dh = 512, W = 128;
+    const int64_t wb = di_backend_code_row_bytes(8, dh, DI_BACKEND_WIN_BLOCK);
+    const int64_t eb = di_backend_code_row_bytes(DI_BACKEND_Q4E, dh, DI_BACKEND_ENT_BLOCK);
+    static const struct {
+        int32_t B, n_keys;
+    } full[] = {{1, 4096}, {1, 16384}, {1, 65536}, {1, 131072}, {64, 8192}},
+      quick[] = {{1, 4096}, {1, 131072}, {64, 8192}};
+    const int n_cfg = g_quick ? 3 : 5;
+    // Valid codes (finite scores): random FP32 rows packed by the backend's own packer, one chunk
+    // of rows repeated over the pools.
+    const int64_t chunk_rows = 16384;
+    float *x = (float *)dmalloc(sizeof(float) * (size_t)(chunk_rows * dh));
+    fill(x, sizeof(float) * (size_t)(chunk_rows * dh), 3, 0, 1.0f);
+    printf("\n== codes: attn_codes, H=%d dh=%d, %d Q8 window rows of %lld bytes + Q4e entries of "
+           "%lld bytes, round_p, decode (1 query row per sequence)\n",
+           H, dh, W, (long long)wb, (long long)eb);
+    printf("%6s %8s %7s %10s %9s %7s\n", "batch", "keys", "splits", "ms", "GB/s", "x copy");
+    for (int ci = 0; ci < n_cfg; ci++) {
+        const int32_t B = (g_quick ? quick : full)[ci].B,
+                      n_keys = (g_quick ? quick : full)[ci].n_keys;
+        const int32_t n_e = n_keys - W;
+        // Copies of every sequence's rows so that one call's rows are not in L2 from the last
+        // call (>= 256 MB in all), rotated per repetition.
+        const int64_t call_bytes = (int64_t)B * (W * wb + (int64_t)n_e * eb);
+        const int n_copy =
+            (int)std::max<int64_t>(1, std::min<int64_t>(8, ((int64_t)256 << 20) / call_bytes + 1));
+        const int64_t n_win = (int64_t)B * W * n_copy, n_ent = (int64_t)B * n_e * n_copy;
+        uint8_t *win = (uint8_t *)dmalloc((size_t)(n_win * wb));
+        uint8_t *ent = (uint8_t *)dmalloc((size_t)(n_ent * eb));
+        for (int64_t r = 0; r < n_win; r += chunk_rows)
+            DK(di_cuda_pack_rows(g_cu, x, std::min(chunk_rows, n_win - r), dh, dh,
+                                 DI_BACKEND_WIN_BLOCK, 8, win + r * wb, NULL, NULL));
+        for (int64_t r = 0; r < n_ent; r += chunk_rows)
+            DK(di_cuda_pack_rows(g_cu, x, std::min(chunk_rows, n_ent - r), dh, dh,
+                                 DI_BACKEND_ENT_BLOCK, DI_BACKEND_Q4E, ent + r * eb, NULL, NULL));
+        // Sequence b of copy c: window rows (c * B + b) * W .., entries (c * B + b) * n_e ..
+        std::vector<int32_t> idx((size_t)n_copy * B * n_keys), nk((size_t)B, n_keys),
+            nw((size_t)B, W);
+        for (int c = 0; c < n_copy; c++)
+            for (int32_t b = 0; b < B; b++)
+                for (int32_t j = 0; j < n_keys; j++)
+                    idx[((size_t)c * B + b) * n_keys + j] =
+                        j < W ? (int32_t)(((int64_t)c * B + b) * W + j)
+                              : (int32_t)(((int64_t)c * B + b) * n_e + j - W);
+        int32_t *idxd = (int32_t *)dmalloc(sizeof(int32_t) * idx.size());
+        int32_t *nkd = (int32_t *)dmalloc(sizeof(int32_t) * (size_t)B);
+        int32_t *nwd = (int32_t *)dmalloc(sizeof(int32_t) * (size_t)B);
+        CK(cudaMemcpy(idxd, idx.data(), sizeof(int32_t) * idx.size(), cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(nkd, nk.data(), sizeof(int32_t) * (size_t)B, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(nwd, nw.data(), sizeof(int32_t) * (size_t)B, cudaMemcpyHostToDevice));
+        CK(cudaDeviceSynchronize()); // the lists landed before g_s's first launch (bench_attn)
+        float *q = (float *)dmalloc(sizeof(float) * (size_t)(B * H * dh));
+        float *o = (float *)dmalloc(sizeof(float) * (size_t)(B * H * dh));
+        float *sink = (float *)dmalloc(sizeof(float) * (size_t)H);
+        fill(q, sizeof(float) * (size_t)(B * H * dh), 3, 0, 1.0f);
+        fill(sink, sizeof(float) * (size_t)H, 3, 0, 1.0f);
+        const float scale = 1.0f / sqrtf((float)dh);
+        const double ms = time_ms(2, g_quick ? 5 : 20, [&](int rep) {
+            const int c = rep % n_copy;
+            DK(di_cuda_attn_codes(g_cu, q, win, ent, idxd + (size_t)c * B * n_keys, n_keys, nwd,
+                                  nkd, n_keys, sink, B, H, dh, scale, true, o));
+        });
+        const int64_t ns = di_cuda_attn_codes_splits(g_cu, B, H, dh, n_keys);
+        // Effective bytes: code rows and their indices read once, q read, o written.
+        const double bytes = (double)call_bytes + 4.0 * B * n_keys + 2.0 * 4.0 * B * H * dh;
+        const double gbs = bytes / (ms * 1e-3) / 1e9;
+        printf("%6d %8d %7lld %10.4f %9.0f %7.3f\n", B, n_keys, (long long)ns, ms, gbs,
+               g_copy_gbs > 0 ? gbs / g_copy_gbs : 0.0);
+        cudaFree(win), cudaFree(ent), cudaFree(idxd), cudaFree(nkd), cudaFree(nwd), cudaFree(q),
+            cudaFree(o), cudaFree(sink);
+    }
+    cudaFree(x);
+    printf("(GB/s: (code rows + indices + q + o bytes) / time; x copy = GB/s / the copy bandwidth "
+           "above; FP32 cores: predicted arithmetic-bound near 150 GB/s, docs/cuda.md)\n");
+}
+
 // ---- one layer and the synthetic model ----
 
 typedef struct layer_w {
@@ -856,7 +941,7 @@ int main(int argc, char **argv) {
             only = argv[++i];
         } else {
             fprintf(stderr,
-                    "usage: bench_cuda [--quick] [--only copy|gemm|moe|attn|layer|model]\n");
+                    "usage: bench_cuda [--quick] [--only copy|gemm|moe|attn|codes|layer|model]\n");
             return 2;
         }
     }
@@ -878,6 +963,7 @@ int main(int argc, char **argv) {
     SECTION("gemm", bench_gemm());
     SECTION("moe", bench_moe());
     SECTION("attn", bench_attn());
+    SECTION("codes", bench_codes());
     SECTION("layer", bench_layer_and_model(false));
     SECTION("model", bench_layer_and_model(true));
     CK(cudaStreamSynchronize(g_s));
