@@ -36,10 +36,11 @@ static inline bool di_cuda_close(const float *got, const float *ref, size_t n, d
 }
 
 // The di_status of a failed CUDA call (cuda_backend.cu): DI_ERR_DEVICE_LOST for the sticky errors
-// that poison the context (illegal address or instruction, launch failure or timeout, misaligned
-// address, hardware stack error, device-side assert, uncorrectable ECC, ...; every later call
-// would fail), which also marks the current device lost (di_cuda_lost: the backend's entries then
-// refuse at once, until di_cuda_device_reset); DI_ERR_CUDA for every other error.
+// that poison the context (di_cuda_error_is_sticky: illegal address or instruction, launch
+// failure or timeout, misaligned address, hardware stack error, device-side assert, uncorrectable
+// ECC, a contained exception, ...; every later call would fail), which also marks the current
+// device lost (di_cuda_lost: the backend's entries then refuse at once, until
+// di_cuda_device_reset); DI_ERR_CUDA for every other error.
 extern "C" di_status di_cuda_error(cudaError_t e);
 
 // Runs a CUDA runtime call; on failure logs it with the CUDA error string and returns its status

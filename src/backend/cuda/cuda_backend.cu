@@ -16,6 +16,8 @@
 enum { DI_CUDA_MAX_DEVICES = 64 };
 static bool g_lost[DI_CUDA_MAX_DEVICES];
 
+// The errors after which every later call in the process fails the same way (driver_types.h: "the
+// process must be terminated and relaunched", or an uncorrectable hardware error).
 static bool is_sticky(cudaError_t e) {
     switch (e) {
     case cudaErrorIllegalAddress:
@@ -30,10 +32,18 @@ static bool is_sticky(cudaError_t e) {
     case cudaErrorAssert:
     case cudaErrorContextIsDestroyed:
     case cudaErrorExternalDevice:
+    case cudaErrorContained:        // an exception contained by the GPU (peer memory over NVLink)
+    case cudaErrorTensorMemoryLeak: // a kernel left tensor memory allocated (sm_100)
+    case cudaErrorNvlinkUncorrectable: // as cudaErrorECCUncorrectable
+    case cudaErrorMpsClientTerminated:
         return true;
     default:
         return false;
     }
+}
+
+extern "C" bool di_cuda_error_is_sticky(int code) {
+    return code != 0 && is_sticky((cudaError_t)code);
 }
 
 extern "C" di_status di_cuda_error(cudaError_t e) {

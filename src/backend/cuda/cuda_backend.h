@@ -103,6 +103,12 @@ typedef struct di_cuda {
 // Number of CUDA devices usable by this process (0 when there is no driver or device). Any thread.
 int di_cuda_device_count(void);
 
+// Whether a CUDA error (a cudaError_t's value) is sticky: it poisons the context, every later call
+// fails (di_cuda_error then returns DI_ERR_DEVICE_LOST and marks the device lost): illegal address
+// or instruction, launch failure or timeout, misaligned address, hardware stack error, device-side
+// assert, uncorrectable ECC or NVLink error, an exception contained by the GPU, a tensor-memory
+// leak, a terminated MPS client, a destroyed context. A pure function: any thread, no device.
+bool di_cuda_error_is_sticky(int code);
 // Device loss (backend.h DI_ERR_DEVICE_LOST): whether a sticky error was seen on `device` since it
 // was last reset (the backend's entries then refuse at once with DI_ERR_DEVICE_LOST). Any thread.
 bool di_cuda_lost(int device);

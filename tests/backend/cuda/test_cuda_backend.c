@@ -3,9 +3,9 @@
 // weight upload of a row view (scale rows and row0), op names and supports_op, the CPU fallback of
 // an unsupported matmul (odd-length FP4 rows) against di_cpu_matmul, error reporting (an invalid
 // launch configuration returns DI_ERR_INVALID / DI_ERR_CUDA, and the context stays usable; a failed
-// allocation leaves no error for the next launch), the copy between two backends (one device
-// twice, two devices: peer or host bounce, ordered between the streams), and a CUDA graph of a
-// decode-like sequence replayed against the same launches run directly.
+// allocation leaves no error for the next launch; the sticky errors), the copy between two
+// backends (one device twice, two devices: peer or host bounce, ordered between the streams), and
+// a CUDA graph of a decode-like sequence replayed against the same launches run directly.
 #include "backend/cuda/cuda_test.h"
 
 #include "backend/cpu/gemm.h"
@@ -210,7 +210,28 @@ static void test_graph(void) {
     free(wm);
 }
 
+// The sticky classes (di_cuda_error_is_sticky, no device needed: checked before the device test
+// skips): driver_types.h's values, so the test needs no CUDA header. Before, an exception
+// contained by the GPU (226: peer memory over NVLink), a tensor-memory leak (721) and a
+// terminated MPS client (810), after which every call fails, were plain DI_ERR_CUDA: the device
+// was not marked lost and the engine did not rebuild.
+static void test_sticky_classes(void) {
+    static const int sticky[] = {700, 702, 214, 715, 716, 717, 718, 714,
+                                 710, 719, 709, 911, 226, 721, 220, 810};
+    static const int plain[] = {0, 1, 2, 101, 98, 209, 701, 900, 901, 904, 905, 704, 4, 3, 999};
+    for (size_t i = 0; i < sizeof sticky / sizeof *sticky; i++) {
+        if (!di_cuda_error_is_sticky(sticky[i])) fprintf(stderr, "  %d: not sticky\n", sticky[i]);
+        CHECK(di_cuda_error_is_sticky(sticky[i]));
+    }
+    for (size_t i = 0; i < sizeof plain / sizeof *plain; i++) {
+        if (di_cuda_error_is_sticky(plain[i])) fprintf(stderr, "  %d: sticky\n", plain[i]);
+        CHECK(!di_cuda_error_is_sticky(plain[i]));
+    }
+}
+
 int main(void) {
+    RUN(test_sticky_classes);
+    if (g_checks_failed) return test_finish();
     cuda_test_init();
     RUN(test_pool);
     RUN(test_ops_table);
