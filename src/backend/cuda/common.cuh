@@ -43,16 +43,26 @@ static inline bool di_cuda_close(const float *got, const float *ref, size_t n, d
 // di_cuda_device_reset); DI_ERR_CUDA for every other error.
 extern "C" di_status di_cuda_error(cudaError_t e);
 
+// di_cuda_error(e) for an error this call site reports: a non-sticky one is also taken from the
+// thread's last error (cudaGetLastError), so no later launch check reports it again.
+static inline di_status di_cuda_error_taken(cudaError_t e) {
+    const di_status st = di_cuda_error(e);
+    if (st != DI_ERR_DEVICE_LOST) (void)cudaGetLastError();
+    return st;
+}
+
 // Runs a CUDA runtime call; on failure logs it with the CUDA error string and returns its status
 // (di_cuda_error: DI_ERR_CUDA, or DI_ERR_DEVICE_LOST for a sticky error) from the enclosing
 // function (which must return di_status and own nothing that needs cleanup at that point;
-// otherwise use CUDA_TRY with a `fail` label).
+// otherwise use CUDA_TRY with a `fail` label). A failed runtime call also leaves its error as the
+// thread's last error, which the next launch check (cudaGetLastError) would report as the failure
+// of an unrelated kernel: reported here, it is taken (di_cuda_error_taken; a sticky one stays).
 #define CUDA_CHECK(call)                                                                           \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
         if (e_ != cudaSuccess) {                                                                   \
             DI_CUDA_LOG_ERROR("%s: %s (%s)", #call, cudaGetErrorString(e_), cudaGetErrorName(e_)); \
-            return di_cuda_error(e_);                                                              \
+            return di_cuda_error_taken(e_);                                                        \
         }                                                                                          \
     } while (0)
 
@@ -61,7 +71,7 @@ extern "C" di_status di_cuda_error(cudaError_t e);
         cudaError_t e_ = (call);                                                                   \
         if (e_ != cudaSuccess) {                                                                   \
             DI_CUDA_LOG_ERROR("%s: %s (%s)", #call, cudaGetErrorString(e_), cudaGetErrorName(e_)); \
-            st = di_cuda_error(e_);                                                                \
+            st = di_cuda_error_taken(e_);                                                          \
             goto fail;                                                                             \
         }                                                                                          \
     } while (0)

@@ -428,8 +428,12 @@ extern "C" di_status di_cuda_graph_end(di_cuda *cu, di_cuda_graph **out) {
     cu->refused = false;
     di_cuda_graph *g = (di_cuda_graph *)calloc(1, sizeof *g);
     if (!g || refused) { // the capture is closed either way
-        cudaGraph_t tmp;
-        if (cudaStreamEndCapture(di_stream(cu), &tmp) == cudaSuccess && tmp) cudaGraphDestroy(tmp);
+        cudaGraph_t tmp = NULL;
+        const cudaError_t e = cudaStreamEndCapture(di_stream(cu), &tmp);
+        if (e == cudaSuccess && tmp) cudaGraphDestroy(tmp);
+        // A capture invalidated by a failed launch inside it ends with an error: taken here (not
+        // left for the next launch check to report as its own).
+        if (e != cudaSuccess) (void)di_cuda_error_taken(e);
         free(g);
         return refused ? DI_ERR_INVALID : DI_ERR_NOMEM;
     }

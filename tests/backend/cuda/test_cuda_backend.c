@@ -3,9 +3,10 @@
 // weight upload of a row view (scale rows and row0), op names and supports_op, the CPU fallback of
 // an unsupported matmul (odd-length FP4 rows) against di_cpu_matmul, error reporting (an invalid
 // launch configuration returns DI_ERR_INVALID / DI_ERR_CUDA, and the context stays usable; a failed
-// allocation leaves no error for the next launch; the sticky errors), the copy between two
-// backends (one device twice, two devices: peer or host bounce, ordered between the streams), and
-// a CUDA graph of a decode-like sequence replayed against the same launches run directly.
+// allocation, a failed cudaSetDevice and a failed capture leave no error for the next launch), the
+// copy between two backends (one device twice, two devices: peer or host bounce, ordered between
+// the streams), and a CUDA graph of a decode-like sequence replayed against the same launches run
+// directly.
 #include "backend/cuda/cuda_test.h"
 
 #include "backend/cpu/gemm.h"
@@ -118,6 +119,44 @@ static void test_alloc_failure(void) {
     dev_to(back, x, sizeof back);
     for (int i = 0; i < 64; i++) CHECK_EQ(back[i], h[i] * 2.0f);
     dev_free(x);
+}
+
+// A runtime call that fails without a kernel (not sticky) is reported by its entry and leaves no
+// error for the next launch check: cudaSetDevice on a device that does not exist (the backend's
+// entry, through a copy of its context naming device 63), then a capture invalidated by a launch
+// that fails inside it and closed by graph_end after a refused entry (cudaStreamEndCapture's
+// error). Before, the next launch of any kernel was reported failed with that error (and the
+// tensor-core paths' first-call checks turned themselves off on it).
+static void test_error_taken(void) {
+    di_device dv = {.kind = DI_DEVICE_CUDA, .index = 0};
+    di_backend *b = NULL;
+    CK(di_backend_open(&dv, 0, &b));
+    float h[64], back[64];
+    fill_rand(h, 64, 1.0f);
+    float *x = NULL;
+    CK(b->vt->alloc(b, sizeof h, (void **)&x));
+    CK(b->vt->upload(b, x, h, sizeof h));
+    di_cuda fake = *(di_cuda *)b->impl;
+    fake.device = 63;
+    di_backend fb = *b;
+    fb.impl = &fake;
+    CHECK_EQ(fb.vt->scale(&fb, x, 64, 2.0f), DI_ERR_CUDA); // cudaSetDevice(63) fails
+    CHECK_EQ(di_cuda_check_launch("nothing after a failed cudaSetDevice"), DI_OK);
+    CHECK(!di_cuda_lost(0));
+    CK(b->vt->scale(b, x, 64, 2.0f));
+    // A launch the device rejects inside a capture, an entry refused there, then graph_end.
+    void *g = NULL;
+    CK(b->vt->graph_begin(b));
+    CHECK(di_cuda_softmax((di_cuda *)b->impl, x, (int64_t)1 << 40, 16, 16, 1.0f) == DI_ERR_CUDA);
+    CHECK_EQ(b->vt->sync(b), DI_ERR_INVALID); // refused: the capture fails
+    CHECK_EQ(b->vt->graph_end(b, &g), DI_ERR_INVALID);
+    CHECK(g == NULL);
+    CHECK_EQ(di_cuda_check_launch("nothing after a failed capture"), DI_OK);
+    CK(b->vt->scale(b, x, 64, 0.5f));
+    CK(b->vt->download(b, back, x, sizeof back));
+    for (int i = 0; i < 64; i++) CHECK_EQ(back[i], h[i]); // x 2 x 0.5: exact
+    b->vt->free(b, x);
+    di_backend_destroy(b);
 }
 
 // The hand-over between two backends (backend.h can_peer / peer_copy, di_backend_hand_over): two
@@ -238,6 +277,7 @@ int main(void) {
     RUN(test_fallback);
     RUN(test_errors);
     RUN(test_alloc_failure);
+    RUN(test_error_taken);
     RUN(test_peer_copy);
     RUN(test_graph);
     return cuda_test_finish();
