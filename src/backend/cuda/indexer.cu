@@ -297,7 +297,9 @@ __global__ void __launch_bounds__(TOPK_THREADS)
     __shared__ uint32_t sel_prefix;
     __shared__ int32_t sel_want;
     const int64_t t = blockIdx.x;
-    const int32_t vis = n_vis[t];
+    // A negative count (device data) selects nothing, as the CPU's topk: unclamped, k < 0 made the
+    // -1 padding below start before the row (writes into the rows before it).
+    const int32_t vis = max(n_vis[t], 0);
     const int32_t k = vis < topk ? vis : topk;
     int32_t *out = sel + t * topk;
     for (int32_t i = k + threadIdx.x; i < topk; i += blockDim.x) out[i] = -1;

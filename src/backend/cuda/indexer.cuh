@@ -43,8 +43,8 @@ di_status di_cuda_indexer_scores_q4(di_cuda *cu, const float *qi, const float *w
                                     int64_t score_stride);
 
 // sel[t * topk + i]: the k = min(topk, n_vis[t]) best entries of scores row t (ascending index),
-// then -1 up to topk. When k == n_vis[t] the scores are not read (every entry is selected).
-// DI_ERR_CUDA.
+// then -1 up to topk. When k == n_vis[t] the scores are not read (every entry is selected); a
+// negative n_vis[t] selects nothing (the row all -1, as the CPU backend). DI_ERR_CUDA.
 di_status di_cuda_topk(di_cuda *cu, const float *scores, int64_t score_stride, const int32_t *n_vis,
                        int32_t n_tok, int32_t topk, int32_t *sel);
 

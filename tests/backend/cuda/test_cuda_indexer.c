@@ -3,9 +3,9 @@
 // the top-k against the model's own heap selection (di_dsv4_topk) on identical scores (exact: the
 // same set in ascending order, -1 padded): rows with fewer visible entries than k (all selected),
 // exactly k, many more (V4: 64 heads x 128, top-512 of up to 32768 entries), heavy ties (scores on
-// a coarse grid: the lower index must win), negative scores, BF16-rounded scores, 1 visible entry;
-// scores of more than 65,535 rows (the grid-row limit); both score kernels (lane per entry, warp
-// per entry).
+// a coarse grid: the lower index must win), negative scores, BF16-rounded scores, 1 visible entry,
+// a negative count (nothing selected); scores of more than 65,535 rows (the grid-row limit); both
+// score kernels (lane per entry, warp per entry).
 #include "backend/cuda/cuda_test.h"
 
 #include <stdlib.h>
@@ -148,7 +148,32 @@ static void topk_case(int32_t T, int32_t n_ent, int32_t topk, int grid) {
     free(sc), free(vis), free(ref), free(out);
 }
 
+// A negative count selects nothing, as the CPU: the row all -1, nothing written outside the
+// selection. Before, k = n_vis < 0 started the -1 padding before the row: row 0's wrote into the
+// guard words before the selection (unwritten by any other row, so the overrun shows whatever the
+// blocks' order), a later row's into the rows before it.
+static void topk_negative_case(void) {
+    enum { T = 3, N = 40, K = 8, G = 64 };
+    float sc[T * N];
+    for (int i = 0; i < T * N; i++) sc[i] = rndf() * 10.0f;
+    const int32_t vis[T] = {-5, N, -(K + 3)};
+    int32_t ref[T * K], got[G + T * K + G];
+    for (int32_t t = 0; t < T; t++) ref_topk(sc + t * N, vis[t], K, ref + t * K);
+    float *sd = dev_from(sc, sizeof sc);
+    int32_t *vd = dev_from(vis, sizeof vis), *od = dev_alloc(sizeof got);
+    CK(di_cuda_memset(g_cu, od, 0x55, sizeof got)); // poison and guards (not -1)
+    CK(di_cuda_topk(g_cu, sd, N, vd, T, K, od + G));
+    dev_to(got, od, sizeof got);
+    bool guards = true;
+    for (int i = 0; i < G; i++) guards &= got[i] == 0x55555555 && got[G + T * K + i] == 0x55555555;
+    CHECK(guards);
+    CHECK(memcmp(got + G, ref, sizeof ref) == 0);
+    for (int i = 0; i < K; i++) CHECK(ref[i] == -1 && ref[2 * K + i] == -1);
+    dev_free(sd), dev_free(vd), dev_free(od);
+}
+
 static void test_topk(void) {
+    topk_negative_case();
     topk_case(6, 40, 3, 0);      // tiny fixture
     topk_case(6, 40, 3, 4);      // ties
     topk_case(8, 32768, 512, 0); // V4-Flash at 128k context
