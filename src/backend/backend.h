@@ -285,9 +285,10 @@ typedef struct di_backend_vt {
     // ---- graphs (CUDA graphs; docs/cuda.md "CUDA graphs of decode steps") ----
     // graph_begin starts a capture: the entries called until graph_end are recorded, not run
     // (their scalars and pointers by value; the backend memory they point to is read when the
-    // graph runs). Inside a capture alloc, free, upload, download, sync and weight_upload are
-    // refused (DI_ERR_INVALID, logged; free only logs) and the capture fails: a CUDA stream cannot
-    // synchronise while capturing, and memory taken there would stay bound to the graph. Every
+    // graph runs). Inside a capture alloc, free, host_alloc, host_free, upload, download,
+    // peer_copy, sync and weight_upload are refused (DI_ERR_INVALID, logged; free and host_free
+    // only log, the memory stays valid) and the capture fails: a CUDA stream cannot synchronise
+    // while capturing, and memory taken there would stay bound to the graph. Every
     // other entry may be captured; a shape error is reported when the entry is called (CUDA) or
     // when the graph runs (CPU). DI_ERR_INVALID when a capture is open already.
     di_status (*graph_begin)(di_backend *b);

@@ -126,8 +126,17 @@ static di_status op_host_alloc(di_backend *b, size_t bytes, void **out) {
 }
 
 static void op_host_free(di_backend *b, void *p) {
-    (void)b;
-    if (p) (void)cudaFreeHost(p);
+    di_cuda *cu = (di_cuda *)b->impl;
+    if (cu->capturing) { // cudaFreeHost synchronises: not inside a capture, as on the CPU twin
+        (void)refuse(cu, "host_free"); // not freed: the capture fails
+        return;
+    }
+    if (!p) return;
+    const cudaError_t e = cudaFreeHost(p);
+    if (e != cudaSuccess) { // logged and taken: not left for the next launch check
+        DI_CUDA_LOG_ERROR("cudaFreeHost(%p): %s", p, cudaGetErrorString(e));
+        (void)di_cuda_error_taken(e);
+    }
 }
 
 static di_status op_weight_upload(di_backend *b, const di_tensor *host, di_tensor *dev) {

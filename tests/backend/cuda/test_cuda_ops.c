@@ -273,6 +273,17 @@ static void test_memory(void) {
         CHECK_EQ(g_b->vt->host_alloc(g_b, 64, &h2), DI_ERR_INVALID);
         CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_ERR_INVALID);
         CHECK(h2 == NULL && g == NULL);
+        // host_free is refused there too (as on the CPU twin; cudaFreeHost synchronises): the
+        // capture fails and the memory stays valid (freed after it).
+        CK(g_b->vt->host_alloc(g_b, 64, &h2));
+        CK(g_b->vt->graph_begin(g_b));
+        g_b->vt->host_free(g_b, h2);
+        CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_ERR_INVALID);
+        CHECK(g == NULL);
+        memset(h2, 0x5A, 64); // still ours
+        CHECK(((uint8_t *)h2)[63] == 0x5A);
+        g_b->vt->host_free(g_b, h2);
+        CHECK_EQ(di_cuda_check_launch("nothing after host_free"), DI_OK);
     }
     g_b->vt->free(g_b, NULL);
     CK(g_b->vt->sync(g_b));
