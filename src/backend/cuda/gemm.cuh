@@ -93,7 +93,9 @@ void di_cuda_lt_cache_free(di_cuda *cu);
 // sums in another order: max |diff| <= 1e-2 max |y|, a wrong scale or layout is off by O(max |y|));
 // a mismatch, no cuBLASLt algorithm or a failing cuBLASLt call (on the first call or a later one)
 // turns the tensor-core path off for the context (logged, cu->fp8_tc = -1), and every call is then
-// the SIMT path. DI_ERR_INVALID, DI_ERR_CUDA.
+// the SIMT path. cuBLASLt has these block-scale modes (12.9+) for Hopper only (docs/cuda.md): on
+// sm_100 the first call is expected to find no algorithm and turn the path off. DI_ERR_INVALID,
+// DI_ERR_CUDA.
 di_status di_cuda_matmul_a8(di_cuda *cu, const di_tensor *w, const float *x, int64_t n_tok,
                             int64_t x_stride, float *aq, float *y, int64_t y_stride);
 
