@@ -244,12 +244,14 @@ extern "C" di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *
 
 // ---- attention on tensor cores (BF16 mma.sync, FlashMLA-style sparse decode) ----
 //
+// The key source is a template parameter (R: TcRowsFp8, V4's 584-byte KV rows): only the copy
+// and the decode of steps 1 and 2 depend on it.
 // Block = (query row t, group of 64 heads, key split), 8 warps. Per tile of 64 listed keys:
-//   1. cp.async (8-byte pieces: rows are 584 bytes, 8-aligned) of the raw rows into one of two
-//      raw stages; the next tile's copy is issued before this tile's arithmetic, so HBM reads
-//      overlap the tensor cores;
+//   1. cp.async of the raw rows into one of two raw stages (pieces the rows allow: 8 bytes for
+//      V4's 584-byte rows); the next tile's copy is issued before this tile's arithmetic, so HBM
+//      reads overlap the tensor cores;
 //   2. exact decode to BF16 in shared memory (e4m3 x 2^k has 4 significant bits: exact in BF16's
-//      8; the rope dims are BF16 already); masked keys (index < 0, past the split) become zeros;
+//      8; V4's rope dims are BF16 already); masked keys (index < 0, past the split) become zeros;
 //   3. S = Q K^T: warp w takes heads 16*(w%4).. and keys 32*(w/4).. (4 n-tiles), k over dh;
 //   4. online softmax: per-head tile maxima via shared memory, P = exp(S - m) rounded to BF16
 //      into shared memory, row sums of the rounded P;
@@ -258,6 +260,7 @@ extern "C" di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *
 // Every thread keeps its own copy of the running max of the rows it touches; the copies stay
 // equal because each is the same fmaxf chain over the same shared values.
 // Shared memory (dh 512): Q 66.5 KB + K 66.5 KB + P 9 KB + 2 raw stages 73 KB + 1.5 KB = 213.5 KB.
+// ptxas (sm_90a): 220 registers, no spills.
 
 namespace {
 
@@ -270,9 +273,8 @@ enum {
     TC_MAX_SPLITS = 4096
 };
 
-template <int DH, int ROT> struct TcShape {
-    static constexpr int NOPE = DH - ROT;
-    static constexpr int RB = (NOPE + 2 * ROT + NOPE / 64 + 7) / 8 * 8; // di_cuda_kv_row_bytes
+// The block's shared memory for head dim DH and raw stage rows of RS bytes (the key source's).
+template <int DH, int RS> struct TcShape {
     static constexpr int LD = DH + 8;     // BF16 row stride of Q and K: 16-byte skew per row,
     static constexpr int LDP = TC_BN + 8; // so ldmatrix's 8 rows hit 8 different bank groups
     static constexpr int NT = DH / 64;    // PV n-tiles (of 8 dims) per warp: dh/8 dims per warp
@@ -280,10 +282,11 @@ template <int DH, int ROT> struct TcShape {
     static constexpr size_t K_OFF = Q_OFF + (size_t)TC_HEADS * LD * 2;
     static constexpr size_t P_OFF = K_OFF + (size_t)TC_BN * LD * 2;
     static constexpr size_t RAW_OFF = P_OFF + (size_t)TC_HEADS * LDP * 2;
-    static constexpr size_t IDX_OFF = RAW_OFF + 2 * (size_t)TC_BN * RB;
+    static constexpr size_t IDX_OFF = RAW_OFF + 2 * (size_t)TC_BN * RS;
     static constexpr size_t RED_OFF = IDX_OFF + 2 * (size_t)TC_BN * 4;
     static constexpr size_t SMEM = RED_OFF + 4 * (size_t)TC_HEADS * 4;
-    static_assert(NOPE % 64 == 0 && ROT % 8 == 0 && DH % 64 == 0, "tile shapes");
+    static_assert(DH % 128 == 0, "tile shapes: dh/8 dims per warp in pairs of 8-dim n-tiles");
+    static_assert(RS % 8 == 0, "raw rows 8-byte aligned (the decode's 8-byte loads)");
     static_assert(K_OFF % 16 == 0 && P_OFF % 16 == 0 && RAW_OFF % 16 == 0 && IDX_OFF % 16 == 0,
                   "16-byte aligned regions");
 };
@@ -337,20 +340,76 @@ __device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint32_t two_codes, float sc) 
     return bf162_bits(__floats2bfloat162_rn(f.x * sc, f.y * sc));
 }
 
-template <int DH, int ROT>
+__device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src)
+                 : "memory");
+}
+
+// Two e2m1 codes (the low nibble first) times the block scale, as BF16x2: exact (an e2m1 value
+// has 2 significant bits, the E4M3 scale 4: their FP32 product has at most 6, exact in BF16).
+__device__ __forceinline__ uint32_t e2m1x2_bf16x2(uint32_t byte, float sc) {
+    return bf162_bits(
+        __floats2bfloat162_rn(di_e2m1_f32(byte & 15u) * sc, di_e2m1_f32((byte >> 4) & 15u) * sc));
+}
+
+// Key sources of attn_tc_kernel: the raw stage's row stride RS (bytes), and for listed key j
+// (its position in the row's list) with row index id: its bytes, its copy into the raw stage in
+// pieces of piece() bytes, and the exact BF16 decode of 8 dims from the staged row. begin(t, nk)
+// sees the block's query row before any of them.
+//
+// V4's KV rows (584 bytes at dh 512, 8-byte aligned: 8-byte pieces): nope dims e4m3 x the UE8M0
+// scale of their 64, rope dims BF16 already.
+template <int DH, int ROT> struct TcRowsFp8 {
+    static constexpr int NOPE = DH - ROT;
+    static constexpr int RB = (NOPE + 2 * ROT + NOPE / 64 + 7) / 8 * 8; // di_cuda_kv_row_bytes
+    static constexpr int RS = RB;
+    static_assert(NOPE % 64 == 0 && ROT % 8 == 0, "8-dim decode groups inside nope or rope");
+    const uint8_t *pool;
+    __device__ __forceinline__ void begin(int64_t, int32_t) {}
+    __device__ __forceinline__ int piece() const {
+        return 8;
+    }
+    __device__ __forceinline__ int bytes(int32_t) const {
+        return RB;
+    }
+    __device__ __forceinline__ void copy(uint8_t *dst, int32_t id, int32_t, int off) const {
+        cp_async8(dst, pool + (int64_t)id * RB + off);
+    }
+    __device__ __forceinline__ uint4 decode8(const uint8_t *row, int c, int32_t) const {
+        uint4 v;
+        if (c < NOPE) {
+            const uint2 codes = *(const uint2 *)(row + c);
+            const float sc = di_ue8m0_f32(row[NOPE + 2 * ROT + c / 64]);
+            v.x = e4m3x2_bf16x2(codes.x, sc);
+            v.y = e4m3x2_bf16x2(codes.x >> 16, sc);
+            v.z = e4m3x2_bf16x2(codes.y, sc);
+            v.w = e4m3x2_bf16x2(codes.y >> 16, sc);
+        } else {
+            const uint2 lo = *(const uint2 *)(row + NOPE + 2 * (c - NOPE));
+            const uint2 hi = *(const uint2 *)(row + NOPE + 2 * (c - NOPE) + 8);
+            v = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        }
+        return v;
+    }
+};
+
+template <int DH, class R>
 __global__ void __launch_bounds__(TC_THREADS, 1)
-    attn_tc_kernel(const float *__restrict__ q, const uint8_t *__restrict__ pool,
-                   const int32_t *__restrict__ key_idx, int64_t key_stride,
-                   const int32_t *__restrict__ n_keys, int32_t max_keys,
+    attn_tc_kernel(const float *__restrict__ q, R rows, const int32_t *__restrict__ key_idx,
+                   int64_t key_stride, const int32_t *__restrict__ n_keys, int32_t max_keys,
                    const float *__restrict__ sink, int32_t H, int32_t n_split, int32_t chunk,
                    float scale, float *__restrict__ o, float *__restrict__ o_part,
                    float *__restrict__ ml_part, int *__restrict__ flags) {
-    using S = TcShape<DH, ROT>;
+    using S = TcShape<DH, R::RS>;
     extern __shared__ __align__(16) uint8_t smem[];
     __nv_bfloat16 *Qs = (__nv_bfloat16 *)(smem + S::Q_OFF); // [64 heads][LD]
     __nv_bfloat16 *Ks = (__nv_bfloat16 *)(smem + S::K_OFF); // [64 keys][LD] decoded
     __nv_bfloat16 *Ps = (__nv_bfloat16 *)(smem + S::P_OFF); // [64 heads][LDP]
-    uint8_t *raw = smem + S::RAW_OFF;                       // [2][64][RB]
+    uint8_t *raw = smem + S::RAW_OFF;                       // [2][64][RS]
     int32_t *idx_s = (int32_t *)(smem + S::IDX_OFF);        // [2][64], -1 = masked
     float *red_max = (float *)(smem + S::RED_OFF);          // [2 key halves][64 heads]
     float *red_sum = red_max + 2 * TC_HEADS;                // [2][64]
@@ -364,6 +423,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
     const int32_t k_beg = split * chunk, k_end = min(nk, k_beg + chunk);
     const int32_t n_tiles = k_end > k_beg ? (k_end - k_beg + TC_BN - 1) / TC_BN : 0;
     const int32_t *idx_row = key_idx + t * key_stride;
+    rows.begin(t, nk);
 
     // q rows h0 .. h0+63 -> BF16 (zeros past H: their scores are 0, their outputs unwritten).
     for (int i = tid; i < TC_HEADS * (DH / 4); i += TC_THREADS) {
@@ -381,37 +441,26 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
             idx_s[st * TC_BN + tid] = j < k_end ? idx_row[j] : -1;
         }
     };
-    auto issue = [&](int st) { // raw rows of idx_s[st] -> raw stage st (masked rows skipped)
-        constexpr int CH = S::RB / 8;
-        uint8_t *dst = raw + (size_t)st * TC_BN * S::RB;
-        for (int c = tid; c < TC_BN * CH; c += TC_THREADS) {
-            const int r = c / CH, off = (c % CH) * 8;
-            const int32_t id = idx_s[st * TC_BN + r];
-            if (id >= 0) cp_async8(dst + r * S::RB + off, pool + (int64_t)id * S::RB + off);
+    // Raw rows of tile it (listed in idx_s[st]) -> raw stage st; masked rows are skipped, a row
+    // shorter than RS (an entry) copies its own bytes only.
+    auto issue = [&](int32_t it, int st) {
+        const int pc = rows.piece(), ch = R::RS / pc;
+        uint8_t *dst = raw + (size_t)st * TC_BN * R::RS;
+        for (int c = tid; c < TC_BN * ch; c += TC_THREADS) {
+            const int r = c / ch, off = (c - r * ch) * pc;
+            const int32_t id = idx_s[st * TC_BN + r], j = k_beg + it * TC_BN + r;
+            if (id >= 0 && off < rows.bytes(j)) rows.copy(dst + r * R::RS + off, id, j, off);
         }
         cp_async_commit();
     };
-    auto decode = [&](int st) { // raw stage st -> Ks (BF16), 8 dims (16 bytes) per step
+    auto decode = [&](int32_t it, int st) { // raw stage st -> Ks (BF16), 8 dims (16 bytes) a step
         constexpr int G = DH / 8;
-        const uint8_t *src = raw + (size_t)st * TC_BN * S::RB;
+        const uint8_t *src = raw + (size_t)st * TC_BN * R::RS;
         for (int g = tid; g < TC_BN * G; g += TC_THREADS) {
             const int r = g / G, c = (g % G) * 8;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (idx_s[st * TC_BN + r] >= 0) {
-                const uint8_t *row = src + r * S::RB;
-                if (c < S::NOPE) {
-                    const uint2 codes = *(const uint2 *)(row + c);
-                    const float sc = di_ue8m0_f32(row[S::NOPE + 2 * ROT + c / 64]);
-                    v.x = e4m3x2_bf16x2(codes.x, sc);
-                    v.y = e4m3x2_bf16x2(codes.x >> 16, sc);
-                    v.z = e4m3x2_bf16x2(codes.y, sc);
-                    v.w = e4m3x2_bf16x2(codes.y >> 16, sc);
-                } else {
-                    const uint2 lo = *(const uint2 *)(row + S::NOPE + 2 * (c - S::NOPE));
-                    const uint2 hi = *(const uint2 *)(row + S::NOPE + 2 * (c - S::NOPE) + 8);
-                    v = make_uint4(lo.x, lo.y, hi.x, hi.y);
-                }
-            }
+            if (idx_s[st * TC_BN + r] >= 0)
+                v = rows.decode8(src + r * R::RS, c, k_beg + it * TC_BN + r);
             *(uint4 *)(Ks + r * S::LD + c) = v;
         }
     };
@@ -434,17 +483,17 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
 
     if (n_tiles > 0) load_idx(0, 0);
     __syncthreads(); // Qs, idx_s[0]
-    if (n_tiles > 0) issue(0);
+    if (n_tiles > 0) issue(0, 0);
     for (int32_t it = 0; it < n_tiles; it++) {
         const int st = it & 1;
         cp_async_wait_all();
         // (B) this tile's raw rows have landed for every thread; the previous tile's P.V (the
         // last reader of Ks, Ps and red_*) is done everywhere.
         __syncthreads();
-        decode(st);
+        decode(it, st);
         if (it + 1 < n_tiles) load_idx(it + 1, st ^ 1); // stage st^1 free since tile it-1
         __syncthreads();                                // (C) Ks, idx_s[st ^ 1]
-        if (it + 1 < n_tiles) issue(st ^ 1);            // in flight during this tile's arithmetic
+        if (it + 1 < n_tiles) issue(it + 1, st ^ 1);    // in flight during this tile's arithmetic
         const int32_t *msk = idx_s + st * TC_BN;
 
         // ---- S = Q K^T (16 heads x 32 keys per warp) ----
@@ -617,17 +666,24 @@ __global__ void attn_tc_combine_kernel(const float *__restrict__ o_part,
     }
 }
 
-template <int DH, int ROT>
-di_status attn_tc_launch(di_cuda *cu, const float *q, const uint8_t *pool, const int32_t *key_idx,
+// Shared memory of one attn_tc_kernel<DH, R> block.
+template <int DH, class R> constexpr size_t tc_smem() {
+    return TcShape<DH, R::RS>::SMEM;
+}
+
+// One instance (head dim, key source): the shared-memory fit (DI_ERR_UNSUPPORTED where the device
+// has too little), the split plan, the split partials, the kernel and the combine.
+template <int DH, class R>
+di_status attn_tc_launch(di_cuda *cu, const float *q, R rows, const int32_t *key_idx,
                          int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                          const float *sink, int32_t n_tok, int32_t H, float scale, int32_t n_split,
                          float *o) {
-    using S = TcShape<DH, ROT>;
-    static di_smem_kernel smem_k;
+    using S = TcShape<DH, R::RS>;
+    static di_smem_kernel smem_k; // one per instance
     {
         size_t st_smem = 0;
         const di_status fit =
-            di_cuda_smem_fit(cu, &smem_k, (const void *)attn_tc_kernel<DH, ROT>, S::SMEM, &st_smem);
+            di_cuda_smem_fit(cu, &smem_k, (const void *)attn_tc_kernel<DH, R>, S::SMEM, &st_smem);
         if (fit == DI_ERR_INVALID) {
             DI_CUDA_LOG_ERROR("attention (bf16): %zu + %zu (static) bytes of shared memory per "
                               "block needed, the device allows %zu",
@@ -662,9 +718,9 @@ di_status attn_tc_launch(di_cuda *cu, const float *q, const uint8_t *pool, const
         st = di_cuda_alloc(cu, sizeof(float) * rows * 2, (void **)&ml_part);
         if (st != DI_OK) goto fail;
     }
-    attn_tc_kernel<DH, ROT>
+    attn_tc_kernel<DH, R>
         <<<dim3((unsigned)n_blocks, (unsigned)groups), TC_THREADS, S::SMEM, di_stream(cu)>>>(
-            q, pool, key_idx, key_stride, n_keys, max_keys, sink, H, (int32_t)ns,
+            q, rows, key_idx, key_stride, n_keys, max_keys, sink, H, (int32_t)ns,
             (int32_t)(chunk > 0 ? chunk : TC_BN), scale, o, o_part, ml_part, cu->flags_dev);
     DI_TRY(di_cuda_check_launch("attn_tc_kernel"));
     if (ns > 1) {
@@ -689,10 +745,14 @@ extern "C" di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_
     const bool v4 = dh == 512 && n_rot == 64, tiny = dh == 128 && n_rot == 64;
     if (!v4 && !tiny) return DI_ERR_INVALID;
     if (n_tok <= 0 || H <= 0) return DI_OK;
-    return v4 ? attn_tc_launch<512, 64>(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
-                                        n_tok, H, scale, n_split, o)
-              : attn_tc_launch<128, 64>(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
-                                        n_tok, H, scale, n_split, o);
+    if (v4) {
+        const TcRowsFp8<512, 64> rows = {pool};
+        return attn_tc_launch<512>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok,
+                                   H, scale, n_split, o);
+    }
+    const TcRowsFp8<128, 64> rows = {pool};
+    return attn_tc_launch<128>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H,
+                               scale, n_split, o);
 }
 
 // ---- attention over V4.1's stored codes (backend.h attn_codes) ----
@@ -767,21 +827,6 @@ __host__ __device__ inline AcLayout ac_layout(int32_t dh, int32_t hpw) {
     L.p_off = L.idx_off + sizeof(int32_t) * 2 * AC_BN;
     L.total = L.p_off + sizeof(float) * (size_t)AC_WARPS * AC_BN * hpw;
     return L;
-}
-
-__device__ __forceinline__ void cp_async4(void *dst, const void *src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src)
-                 : "memory");
-}
-
-// Two e2m1 codes (the low nibble first) times the block scale, as BF16x2: exact (see above).
-__device__ __forceinline__ uint32_t e2m1x2_bf16x2(uint32_t byte, float sc) {
-    return bf162_bits(
-        __floats2bfloat162_rn(di_e2m1_f32(byte & 15u) * sc, di_e2m1_f32((byte >> 4) & 15u) * sc));
 }
 
 // BF16 pair (the low half first) as two floats.
@@ -1158,44 +1203,41 @@ extern "C" di_status di_cuda_attn_codes(di_cuda *cu, const float *q, const uint8
                                  sink, n_tok, H, dh, scale, 0, 0, o);
 }
 
-// ---- the device-resident forward's attention on FP8 KV rows (backend.h attn_kv) ----
+// ---- tensor-core attention checked once per context (backend.h attn_kv) ----
 
 namespace {
 
-// Whether this call may take the tensor-core kernel: the official recipe (round_p), a shape it
-// has, the device's shared memory, the alignments it needs; and, before the first check, not
-// inside a graph capture (the check downloads).
-bool attn_tc_eligible(const di_cuda *cu, const float *q, const float *o, int32_t dh, int32_t n_rot,
-                      bool round_p) {
-    if (!round_p || cu->attn_tc < 0 || (cu->attn_tc == 0 && cu->capturing)) return false;
-    if (((uintptr_t)q & 15) != 0 || ((uintptr_t)o & 7) != 0) return false;
-    if (dh == 512 && n_rot == 64) return TcShape<512, 64>::SMEM <= cu->smem_optin;
-    if (dh == 128 && n_rot == 64) return TcShape<128, 64>::SMEM <= cu->smem_optin;
-    return false;
-}
-
-// The first eligible call: the exact SIMT kernel into a scratch, the tensor cores into o, both
-// compared on the host. A match keeps the tensor cores for the context; a mismatch (or a refusal
-// of the kernel) logs it, turns them off and leaves the SIMT result in o.
-di_status attn_tc_check(di_cuda *cu, const float *q, const uint8_t *pool, const int32_t *key_idx,
-                        int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
-                        const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
-                        float scale, float *o) {
+// A tensor-core kernel standing in for an exact one in the official recipe, checked once per
+// context (docs/cuda.md Numerics; attn_kv's dispatch): *state 0 not checked yet,
+// 1 checked and on, -1 off (a mismatch, a refusal, DI_CUDA_ATTN_TC=0 at create). exact(dst) and
+// tc(dst) run the two kernels into dst (n_tok * H * dh floats). Off, or not checked yet inside a
+// graph capture (the check downloads): the exact kernel. Otherwise the first call runs the exact
+// kernel into a pool scratch and the tensor cores into o and compares them on the host (max |diff|
+// <= attn_tc_check_tol * max |exact|, no NaN): a match keeps the tensor cores for the context; a
+// mismatch or a refusal of the kernel logs it, turns them off and leaves the exact result in o.
+// *n_calls counts the calls the tensor cores served (the checked one included).
+template <class Exact, class Tc>
+di_status attn_tc_checked(di_cuda *cu, int *state, int64_t *n_calls, const char *what,
+                          int32_t n_tok, int32_t H, int32_t dh, int32_t max_keys, float *o,
+                          const Exact &exact, const Tc &tc) {
+    if (*state < 0 || (*state == 0 && cu->capturing)) return exact(o);
+    if (*state > 0) {
+        const di_status st = tc(o);
+        if (st == DI_OK) (*n_calls)++;
+        return st;
+    }
     const size_t n = (size_t)n_tok * (size_t)H * (size_t)dh;
     float *ref = NULL, *h_tc = NULL, *h_ref = NULL;
     di_status st = di_cuda_alloc(cu, sizeof(float) * n, (void **)&ref);
     if (st != DI_OK) return st;
-    st = di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-                         n_rot, scale, true, ref);
-    if (st != DI_OK) goto out;
-    st = di_cuda_attn_bf16(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-                           n_rot, scale, 0, o);
+    if ((st = exact(ref)) != DI_OK) goto out;
+    st = tc(o);
     if (st == DI_ERR_NOMEM || st == DI_ERR_CUDA) goto out; // a fault is sticky: nothing to keep
     if (st != DI_OK) {
-        DI_CUDA_LOG_WARN("attention on tensor cores refused its first call (%s): attention stays "
-                         "on the exact SIMT kernel",
-                         di_status_str(st));
-        cu->attn_tc = -1;
+        DI_CUDA_LOG_WARN("%s on tensor cores refused its first call (%s): it stays on the exact "
+                         "kernel",
+                         what, di_status_str(st));
+        *state = -1;
     } else {
         h_tc = (float *)malloc(sizeof(float) * n);
         h_ref = (float *)malloc(sizeof(float) * n);
@@ -1208,21 +1250,30 @@ di_status attn_tc_check(di_cuda *cu, const float *q, const uint8_t *pool, const 
         double amax, dmax;
         const bool ok =
             di_cuda_close(h_tc, h_ref, (size_t)n, (double)cu->attn_tc_check_tol, &amax, &dmax);
-        cu->attn_tc = ok ? 1 : -1;
+        *state = ok ? 1 : -1;
         di_log_write(ok ? 2 : 1, __FILE__, __LINE__,
-                     "cuda: attention on tensor cores (BF16) vs the exact SIMT kernel on its first "
-                     "call (%d rows, %d heads, dh %d, up to %d keys): max |diff| %.3g of max |o| "
-                     "%.3g: %s",
-                     n_tok, H, dh, max_keys, dmax, amax,
-                     ok ? "used from now on" : "MISMATCH, the SIMT kernel stays");
-        if (ok) cu->n_attn_tc_calls++;
+                     "cuda: %s on tensor cores (BF16) vs the exact kernel on its first call (%d "
+                     "rows, %d heads, dh %d, up to %d keys): max |diff| %.3g of max |o| %.3g: %s",
+                     what, n_tok, H, dh, max_keys, dmax, amax,
+                     ok ? "used from now on" : "MISMATCH, the exact kernel stays");
+        if (ok) (*n_calls)++;
     }
-    if (cu->attn_tc < 0) st = di_cuda_copy_d2d(cu, o, ref, sizeof(float) * n);
+    if (*state < 0) st = di_cuda_copy_d2d(cu, o, ref, sizeof(float) * n);
 out:
     free(h_ref);
     free(h_tc);
     di_cuda_free(cu, ref); // stream-ordered: after the copy above
     return st;
+}
+
+// Whether an attn_kv call may take the tensor-core kernel: the official recipe (round_p), a
+// shape it has, the device's shared memory, the alignments it needs.
+bool attn_kv_tc_eligible(const di_cuda *cu, const float *q, const float *o, int32_t dh,
+                         int32_t n_rot, bool round_p) {
+    if (!round_p || ((uintptr_t)q & 15) != 0 || ((uintptr_t)o & 7) != 0) return false;
+    if (dh == 512 && n_rot == 64) return tc_smem<512, TcRowsFp8<512, 64>>() <= cu->smem_optin;
+    if (dh == 128 && n_rot == 64) return tc_smem<128, TcRowsFp8<128, 64>>() <= cu->smem_optin;
+    return false;
 }
 
 } // namespace
@@ -1233,16 +1284,19 @@ extern "C" di_status di_cuda_attn_kv_dispatch(di_cuda *cu, const float *q, const
                                               const float *sink, int32_t n_tok, int32_t H,
                                               int32_t dh, int32_t n_rot, float scale, bool round_p,
                                               float *o) {
-    if (n_tok <= 0 || H <= 0 || max_keys < 0 || !attn_tc_eligible(cu, q, o, dh, n_rot, round_p))
+    if (n_tok <= 0 || H <= 0 || max_keys < 0 || !attn_kv_tc_eligible(cu, q, o, dh, n_rot, round_p))
         return di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H,
                                dh, n_rot, scale, round_p, o);
-    if (cu->attn_tc == 0)
-        return attn_tc_check(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H, dh,
-                             n_rot, scale, o);
-    const di_status st = di_cuda_attn_bf16(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
-                                           n_tok, H, dh, n_rot, scale, 0, o);
-    if (st == DI_OK) cu->n_attn_tc_calls++;
-    return st;
+    return attn_tc_checked(
+        cu, &cu->attn_tc, &cu->n_attn_tc_calls, "attention", n_tok, H, dh, max_keys, o,
+        [&](float *dst) {
+            return di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok,
+                                   H, dh, n_rot, scale, true, dst);
+        },
+        [&](float *dst) {
+            return di_cuda_attn_bf16(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
+                                     n_tok, H, dh, n_rot, scale, 0, dst);
+        });
 }
 
 // ---- compressor pooling ----
