@@ -244,14 +244,16 @@ extern "C" di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *
 
 // ---- attention on tensor cores (BF16 mma.sync, FlashMLA-style sparse decode) ----
 //
-// The key source is a template parameter (R: TcRowsFp8, V4's 584-byte KV rows): only the copy
-// and the decode of steps 1 and 2 depend on it.
+// One kernel, two key sources (the template parameter R: TcRowsFp8, V4's 584-byte KV rows, for
+// di_cuda_attn_bf16; TcRowsCodes, V4.1's Q8 window rows then Q4e entries, for
+// di_cuda_attn_codes_bf16): only the copy and the decode of step 1 and 2 differ.
 // Block = (query row t, group of 64 heads, key split), 8 warps. Per tile of 64 listed keys:
 //   1. cp.async of the raw rows into one of two raw stages (pieces the rows allow: 8 bytes for
-//      V4's 584-byte rows); the next tile's copy is issued before this tile's arithmetic, so HBM
-//      reads overlap the tensor cores;
-//   2. exact decode to BF16 in shared memory (e4m3 x 2^k has 4 significant bits: exact in BF16's
-//      8; V4's rope dims are BF16 already); masked keys (index < 0, past the split) become zeros;
+//      V4's 584-byte rows; 16 / 8 / 4 for the codes at dh 512 / 256 / 128); the next tile's copy
+//      is issued before this tile's arithmetic, so HBM reads overlap the tensor cores;
+//   2. exact decode to BF16 in shared memory (e4m3 x 2^k has 4 significant bits, e2m1 x e4m3 6:
+//      exact in BF16's 8; V4's rope dims are BF16 already); masked keys (index < 0, past the
+//      split) become zeros;
 //   3. S = Q K^T: warp w takes heads 16*(w%4).. and keys 32*(w/4).. (4 n-tiles), k over dh;
 //   4. online softmax: per-head tile maxima via shared memory, P = exp(S - m) rounded to BF16
 //      into shared memory, row sums of the rounded P;
@@ -259,8 +261,9 @@ extern "C" di_status di_cuda_attn_f32(di_cuda *cu, const float *q, const float *
 //      128 floats per thread at dh 512), V = the decoded keys read transposed (ldmatrix.trans).
 // Every thread keeps its own copy of the running max of the rows it touches; the copies stay
 // equal because each is the same fmaxf chain over the same shared values.
-// Shared memory (dh 512): Q 66.5 KB + K 66.5 KB + P 9 KB + 2 raw stages 73 KB + 1.5 KB = 213.5 KB.
-// ptxas (sm_90a): 220 registers, no spills.
+// Shared memory (dh 512): Q 66.5 KB + K 66.5 KB + P 9 KB + 2 raw stages (73 KB of 584-byte rows,
+// 66 KB of 528-byte code rows) + 1.5 KB = 213.5 KB (V4) / 206.5 KB (codes). ptxas (sm_90a): 220
+// and 218 registers, no spills.
 
 namespace {
 
@@ -392,6 +395,56 @@ template <int DH, int ROT> struct TcRowsFp8 {
             const uint2 lo = *(const uint2 *)(row + NOPE + 2 * (c - NOPE));
             const uint2 hi = *(const uint2 *)(row + NOPE + 2 * (c - NOPE) + 8);
             v = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        }
+        return v;
+    }
+};
+
+// V4.1's stored codes (backend.h attn_codes): key j < n_win[t] (clamped to the row's keys) the
+// Q8 window row win + id * WB (e4m3 codes, a UE8M0 scale per 32 dims), the rest the Q4e entry
+// ent + id * EB (e2m1 pairs, an E4M3 scale per 16 dims); both decode exactly into BF16. vw: the
+// copy piece (16, 8 or 4 bytes: attn_codes_piece, the widest dividing both row sizes and bases).
+template <int DH> struct TcRowsCodes {
+    static constexpr int WB = DH + DH / DI_BACKEND_WIN_BLOCK,
+                         EB = DH / 2 + DH / DI_BACKEND_ENT_BLOCK;
+    static constexpr int RS = (WB + 15) / 16 * 16; // 16-byte pieces land 16-byte aligned
+    const uint8_t *win, *ent;
+    const int32_t *n_win;
+    int32_t vw, nw;
+    __device__ __forceinline__ void begin(int64_t t, int32_t nk) {
+        nw = min(max(n_win[t], 0), nk);
+    }
+    __device__ __forceinline__ int piece() const {
+        return vw;
+    }
+    __device__ __forceinline__ int bytes(int32_t j) const {
+        return j < nw ? WB : EB;
+    }
+    __device__ __forceinline__ void copy(uint8_t *dst, int32_t id, int32_t j, int off) const {
+        const uint8_t *src = j < nw ? win + (int64_t)id * WB + off : ent + (int64_t)id * EB + off;
+        if (vw == 16)
+            cp_async16(dst, src);
+        else if (vw == 8)
+            cp_async8(dst, src);
+        else
+            cp_async4(dst, src);
+    }
+    __device__ __forceinline__ uint4 decode8(const uint8_t *row, int c, int32_t j) const {
+        uint4 v;
+        if (j < nw) {
+            const uint2 codes = *(const uint2 *)(row + c);
+            const float sc = di_ue8m0_f32(row[DH + c / DI_BACKEND_WIN_BLOCK]);
+            v.x = e4m3x2_bf16x2(codes.x, sc);
+            v.y = e4m3x2_bf16x2(codes.x >> 16, sc);
+            v.z = e4m3x2_bf16x2(codes.y, sc);
+            v.w = e4m3x2_bf16x2(codes.y >> 16, sc);
+        } else {
+            const uint32_t nib = *(const uint32_t *)(row + c / 2);
+            const float sc = di_e4m3_f32(row[DH / 2 + c / DI_BACKEND_ENT_BLOCK]);
+            v.x = e2m1x2_bf16x2(nib & 0xFFu, sc);
+            v.y = e2m1x2_bf16x2((nib >> 8) & 0xFFu, sc);
+            v.z = e2m1x2_bf16x2((nib >> 16) & 0xFFu, sc);
+            v.w = e2m1x2_bf16x2(nib >> 24, sc);
         }
         return v;
     }
@@ -796,8 +849,18 @@ extern "C" di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_
 //
 // Predicted bound (unmeasured: docs/cuda.md): per key 2 x H x dh FMAs (65,536 at V4.1-Flash) on
 // FP32 cores, 33.5 T FMA/s on an H200 -> ~0.5 G keys/s, ~150 GB/s of 288-byte entries: the kernel
-// is arithmetic-bound at ~3% of the copy bandwidth; BF16 tensor cores (attn_tc's scheme) are the
-// way past it where q is BF16 (the official recipe).
+// is arithmetic-bound at ~3% of the copy bandwidth. This is the FP32 recipe's kernel and the
+// exact one the official recipe's tensor-core kernel (attn_tc_kernel<DH, TcRowsCodes>,
+// di_cuda_attn_codes_bf16) is checked against once per context (di_cuda_attn_codes_dispatch).
+//
+// The tensor-core kernel's numerics against the CPU op with round_p (the oracle): q rounded to
+// BF16 (lossless: the official recipe's q is BF16, model/dsv41_attn.c; an FP32 q would move each
+// score by <= 2^-8 scale sum_d |q_d k_d|); scores and p.v in the MMA's FP32 (Hopper may truncate
+// its accumulator alignment: ~4x the RN gamma(dh)); each unnormalised p = exp(s - running max)
+// rounded to BF16, the denominator the FP32 sum of the rounded values plus the sink's mass, so
+// each weight is within 2u / (1 - u), u = 2^-8, of the exact normalised p, and within ~3u of the
+// oracle's BF16-rounded one (itself within u of exact): o within (3u + 1e-4 + 16 gamma(dh) scale
+// max_j sum_d |q_d k_jd|) sum_j p_j |v_j| of the oracle's (test_cuda_v41_codes: TOL_TC_*).
 
 namespace {
 
@@ -1203,12 +1266,39 @@ extern "C" di_status di_cuda_attn_codes(di_cuda *cu, const float *q, const uint8
                                  sink, n_tok, H, dh, scale, 0, 0, o);
 }
 
-// ---- tensor-core attention checked once per context (backend.h attn_kv) ----
+// ---- attention over V4.1's stored codes on tensor cores ----
+
+extern "C" di_status di_cuda_attn_codes_bf16(di_cuda *cu, const float *q, const uint8_t *win,
+                                             const uint8_t *ent, const int32_t *key_idx,
+                                             int64_t key_stride, const int32_t *n_win,
+                                             const int32_t *n_keys, int32_t max_keys,
+                                             const float *sink, int32_t n_tok, int32_t H,
+                                             int32_t dh, float scale, int32_t n_split, float *o) {
+    if (max_keys < 0 || key_stride < max_keys || H < 0 || n_split < 0 || ((uintptr_t)q & 15) != 0 ||
+        ((uintptr_t)o & 7) != 0 || (dh != 512 && dh != 256 && dh != 128))
+        return DI_ERR_INVALID;
+    const int32_t vw = attn_codes_piece(win, ent, dh);
+    if (vw < 4) return DI_ERR_INVALID; // a base not 4-byte aligned: no cp.async piece
+    if (n_tok <= 0 || H == 0) return DI_OK;
+#define TC_CODES_CASE(D)                                                                           \
+    if (dh == D) {                                                                                 \
+        const TcRowsCodes<D> rows = {win, ent, n_win, vw, 0};                                      \
+        return attn_tc_launch<D>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok,  \
+                                 H, scale, n_split, o);                                            \
+    }
+    TC_CODES_CASE(512);
+    TC_CODES_CASE(256);
+    TC_CODES_CASE(128);
+#undef TC_CODES_CASE
+    return DI_ERR_INVALID;
+}
+
+// ---- tensor-core attention checked once per context (backend.h attn_kv, attn_codes) ----
 
 namespace {
 
 // A tensor-core kernel standing in for an exact one in the official recipe, checked once per
-// context (docs/cuda.md Numerics; attn_kv's dispatch): *state 0 not checked yet,
+// context (docs/cuda.md Numerics; attn_kv's and attn_codes' dispatch): *state 0 not checked yet,
 // 1 checked and on, -1 off (a mismatch, a refusal, DI_CUDA_ATTN_TC=0 at create). exact(dst) and
 // tc(dst) run the two kernels into dst (n_tok * H * dh floats). Off, or not checked yet inside a
 // graph capture (the check downloads): the exact kernel. Otherwise the first call runs the exact
@@ -1276,6 +1366,20 @@ bool attn_kv_tc_eligible(const di_cuda *cu, const float *q, const float *o, int3
     return false;
 }
 
+// The same for attn_codes: round_p, valid lists, dh 512 / 256 / 128, the shared memory, q and o
+// aligned, both code bases 4-byte aligned (a cp.async piece).
+bool attn_codes_tc_eligible(const di_cuda *cu, const float *q, const float *o, const uint8_t *win,
+                            const uint8_t *ent, int64_t key_stride, int32_t max_keys, int32_t dh,
+                            bool round_p) {
+    if (!round_p || max_keys < 0 || key_stride < max_keys || ((uintptr_t)q & 15) != 0 ||
+        ((uintptr_t)o & 7) != 0 || attn_codes_piece(win, ent, dh) < 4)
+        return false;
+    if (dh == 512) return tc_smem<512, TcRowsCodes<512>>() <= cu->smem_optin;
+    if (dh == 256) return tc_smem<256, TcRowsCodes<256>>() <= cu->smem_optin;
+    if (dh == 128) return tc_smem<128, TcRowsCodes<128>>() <= cu->smem_optin;
+    return false;
+}
+
 } // namespace
 
 extern "C" di_status di_cuda_attn_kv_dispatch(di_cuda *cu, const float *q, const uint8_t *pool,
@@ -1296,6 +1400,28 @@ extern "C" di_status di_cuda_attn_kv_dispatch(di_cuda *cu, const float *q, const
         [&](float *dst) {
             return di_cuda_attn_bf16(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
                                      n_tok, H, dh, n_rot, scale, 0, dst);
+        });
+}
+
+extern "C" di_status di_cuda_attn_codes_dispatch(di_cuda *cu, const float *q, const uint8_t *win,
+                                                 const uint8_t *ent, const int32_t *key_idx,
+                                                 int64_t key_stride, const int32_t *n_win,
+                                                 const int32_t *n_keys, int32_t max_keys,
+                                                 const float *sink, int32_t n_tok, int32_t H,
+                                                 int32_t dh, float scale, bool round_p, float *o) {
+    if (n_tok <= 0 || H <= 0 ||
+        !attn_codes_tc_eligible(cu, q, o, win, ent, key_stride, max_keys, dh, round_p))
+        return di_cuda_attn_codes(cu, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys,
+                                  sink, n_tok, H, dh, scale, round_p, o);
+    return attn_tc_checked(
+        cu, &cu->attn_codes_tc, &cu->n_attn_codes_tc_calls, "attn_codes", n_tok, H, dh, max_keys, o,
+        [&](float *dst) {
+            return di_cuda_attn_codes(cu, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys,
+                                      sink, n_tok, H, dh, scale, true, dst);
+        },
+        [&](float *dst) {
+            return di_cuda_attn_codes_bf16(cu, q, win, ent, key_idx, key_stride, n_win, n_keys,
+                                           max_keys, sink, n_tok, H, dh, scale, 0, dst);
         });
 }
 

@@ -110,6 +110,41 @@ di_status di_cuda_attn_codes_ex(di_cuda *cu, const float *q, const uint8_t *win,
 int64_t di_cuda_attn_codes_splits(const di_cuda *cu, int32_t n_tok, int32_t H, int32_t dh,
                                   int32_t max_keys);
 
+// di_cuda_attn_codes on BF16 tensor cores (the official recipe's kernel): di_cuda_attn_bf16's
+// kernel (attn.cu: the same block, mma.sync fragments, online softmax with the sink, key splits
+// and combine) with the codes as its key source: each 64-key tile's Q8 window rows and Q4e
+// entries are copied with cp.async (16-, 8- or 4-byte pieces: what the row sizes and bases allow)
+// and decoded exactly into the BF16 tile. Numerics (docs/cuda.md): q rounded to BF16 (lossless in
+// the official recipe, whose q is BF16: model/dsv41_attn.c; against an FP32 q each score moves by
+// <= 2^-8 * scale * sum_d |q_d k_d|), scores and p.v in the MMA's FP32, the unnormalised p rounded
+// to BF16 (numerator and denominator), so each weight is within 2u / (1 - u), u = 2^-8, of the
+// exact normalised p, and within ~3u of the CPU op's BF16-rounded one (test_cuda_v41_codes checks
+// that bound). dh 512, 256 or 128 (else DI_ERR_INVALID: the tiny model's dh 64 stays on
+// di_cuda_attn_codes), any H (groups of 64, the last padded), any max_keys; q 16-byte and o
+// 8-byte aligned, win and ent 4-byte aligned, else DI_ERR_INVALID. n_split as di_cuda_attn_bf16's
+// (0: automatic). Shared memory 206.5 KB at dh 512 (H100 / H200 / B200): DI_ERR_UNSUPPORTED where
+// the device has less (A100). n_keys clamped and flagged, n_win clamped, as di_cuda_attn_codes.
+// DI_ERR_CUDA, DI_ERR_NOMEM (the split partials), DI_ERR_INVALID, DI_ERR_UNSUPPORTED.
+di_status di_cuda_attn_codes_bf16(di_cuda *cu, const float *q, const uint8_t *win,
+                                  const uint8_t *ent, const int32_t *key_idx, int64_t key_stride,
+                                  const int32_t *n_win, const int32_t *n_keys, int32_t max_keys,
+                                  const float *sink, int32_t n_tok, int32_t H, int32_t dh,
+                                  float scale, int32_t n_split, float *o);
+
+// The device-resident V4.1 forward's attention (backend.h attn_codes, cuda_ops.cu): in the
+// official recipe (round_p) on tensor cores (di_cuda_attn_codes_bf16, automatic splits) where the
+// shape, the device's shared memory and the alignments allow, else di_cuda_attn_codes (the FP32
+// recipe always). Checked once per context exactly as di_cuda_attn_kv_dispatch (the same helper:
+// the first eligible call outside a graph capture runs both and compares; a mismatch turns them
+// off for the context, cu->attn_codes_tc, and returns the exact result; DI_CUDA_ATTN_TC=0 keeps
+// the exact kernel; cu->n_attn_codes_tc_calls counts the calls). Errors as the two kernels'.
+di_status di_cuda_attn_codes_dispatch(di_cuda *cu, const float *q, const uint8_t *win,
+                                      const uint8_t *ent, const int32_t *key_idx,
+                                      int64_t key_stride, const int32_t *n_win,
+                                      const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                      int32_t n_tok, int32_t H, int32_t dh, float scale,
+                                      bool round_p, float *o);
+
 // The same function on tensor cores (the decode-speed kernel, FlashMLA-style sparse decode): one
 // block per (query row, group of 64 heads, key split) reads each listed KV row once for all its
 // heads, in tiles of 64 keys (cp.async double buffering), decodes them exactly to BF16 in shared

@@ -115,6 +115,7 @@ extern "C" di_status di_cuda_create(int device, di_cuda **out) {
     {
         const char *e = getenv("DI_CUDA_ATTN_TC"); // the debug switch: 0 keeps the SIMT kernel
         cu->attn_tc = e && !strcmp(e, "0") ? -1 : 0;
+        cu->attn_codes_tc = cu->attn_tc;
         cu->attn_tc_check_tol = 0.1f;
     }
     cu->l2_bytes = (size_t)p.l2CacheSize;

@@ -81,6 +81,10 @@ typedef struct di_cuda {
     int attn_tc;
     int64_t n_attn_tc_calls;
     float attn_tc_check_tol;
+    // attn_codes' tensor-core path (attn.cuh di_cuda_attn_codes_dispatch), checked the same way
+    // (the same helper, tolerance and DI_CUDA_ATTN_TC switch) against the exact FP32 kernel.
+    int attn_codes_tc;
+    int64_t n_attn_codes_tc_calls;
     // The routed experts' tensor-core grouped GEMM (moe_tc.cuh di_cuda_moe_grouped_a8): 0 not
     // checked yet, 1 checked against the SIMT kernel on its first call, -1 off (mismatch, or
     // DI_CUDA_MOE_TC=0); calls that took it. moe_tc_fault (tests only, false in the engine): the

@@ -326,8 +326,8 @@ static di_status op_attn_codes(di_backend *b, const float *q, const uint8_t *win
                                const float *sink, int32_t n_tok, int32_t H, int32_t dh, float scale,
                                bool round_p, float *o) {
     ENTER(b);
-    return di_cuda_attn_codes(cu, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys, sink,
-                              n_tok, H, dh, scale, round_p, o);
+    return di_cuda_attn_codes_dispatch(cu, q, win, ent, key_idx, key_stride, n_win, n_keys,
+                                       max_keys, sink, n_tok, H, dh, scale, round_p, o);
 }
 
 static di_status op_topk(di_backend *b, const float *scores, int64_t score_stride,

@@ -14,8 +14,14 @@
 //     CUDA's round_p (p kept unrounded: attn.cu) within half a BF16 ulp, and the exact unrounded
 //     output checked against that bound too; every case through the automatic split count and
 //     forced (1 split, 7, one tile each, the 32-head block with 3); n_keys past max_keys clamped,
-//     flagged and reported once at the sync, split or not; refused shapes. `--cpu` without a
-//     device runs these cases on the CPU op alone (then skips);
+//     flagged and reported once at the sync, split or not; refused shapes. The BF16 tensor-core
+//     kernel (di_cuda_attn_codes_bf16; round_p cases, whose q is BF16 as the official recipe's)
+//     with 1, automatic and 3 splits at dh 512 / 256 / 128 within test_cuda_attn's tensor-core
+//     bound (plus the reference's own BF16 p), and the backend entry taking it there; the
+//     dispatch as test_cuda_ops' kv_rows: the checked call and the next are the kernel's bits,
+//     without round_p the exact kernel, a forced mismatch leaves the exact result and the exact
+//     kernel from then on. `--cpu` without a device runs the attn_codes cases on the CPU op
+//     alone (then skips);
 //   - index_scores_q4: contiguous (with key bases) and paged (shuffled pages, one missing: -inf)
 //     keys, HI 4 and 64 (V4.1-Flash's) and 72 (two head chunks), DI 128 and 64: within the FP32
 //     bound of the indexer's reference on the decoded keys, paged scores bit-identical to the
@@ -24,6 +30,7 @@
 #include "backend/cuda/cuda_test.h" // CK, rnd, fill_rand, gamma_k, check_bounds
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/backend.h"
@@ -34,6 +41,14 @@
 // sum_j p_j |k_jd| times that plus the value sums' FP32 rounding (1e-5 relative for <~ 1000 keys),
 // as test_cuda_ops' TOL_ATTN_SUM_REL; round_p adds one BF16 ulp of p (2^-7 relative).
 #define TOL_ATTN_SUM_REL 1e-5
+// The BF16 tensor-core kernel (di_cuda_attn_codes_bf16), as test_cuda_attn's bound of
+// di_cuda_attn_bf16: q BF16 (the official recipe's; the reference gets the same q), scores in the
+// MMA's FP32 (4x the RN gamma: Hopper's accumulator may truncate), each unnormalised p rounded to
+// BF16 in the numerator and the denominator (2u / (1 - u) relative, u = 2^-8, plus FP32
+// rescaling and sums), and the reference's own BF16 p (round_p) within half an ulp of exact.
+#define TOL_TC_ACC_GAMMA 4.0
+#define TOL_TC_P_REL (2.01 * 0.00390625 + 1e-4)
+#define TOL_TC_REF_P_REL 0x1.02p-8
 // Indexer scores: gamma(DI) per head dot, then a sum of HI weighted terms (test_cuda_indexer.c).
 #define TOL_SCORE_FACTOR 2.0
 
@@ -179,6 +194,8 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
     make_rows(DI_BACKEND_Q4E, dh, DI_BACKEND_ENT_BLOCK, n_e, ent, edec);
     float *q = malloc(sizeof(float) * (size_t)n_o), *sink = malloc(sizeof(float) * (size_t)H);
     fill_rand(q, n_o, 2.0f);
+    if (round_p) // the official recipe's q is BF16 (model/dsv41_attn.c rounds it)
+        for (int64_t i = 0; i < n_o; i++) q[i] = di_round_bf16(q[i]);
     fill_rand(sink, H, 2.0f);
     int32_t *nk = malloc(sizeof(int32_t) * (size_t)T), *nw = malloc(sizeof(int32_t) * (size_t)T);
     int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * ks));
@@ -203,10 +220,15 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
     const float scale = 1.0f / sqrtf((float)dh);
     float *ref = malloc(sizeof(float) * (size_t)n_o);
     double *tol = malloc(sizeof(double) * (size_t)n_o),
-           *mags = malloc(sizeof(double) * (size_t)n_o),
+           *tol_tc = malloc(sizeof(double) * (size_t)n_o), // the tensor-core kernel's (round_p)
+               *mags = malloc(sizeof(double) * (size_t)n_o),
            *sc = malloc(sizeof(double) * (size_t)(max_keys + 1)), *pr = NULL;
     float **kr = malloc(sizeof(float *) * (size_t)(max_keys + 1));
     double *unr = calloc((size_t)n_o, sizeof(double)); // round_p: o with the unrounded p, exact
+    // round_p: o with the tensor-core kernel's weights (exact otherwise): p = BF16(exp(s - m)), m
+    // the keys' max, normalised by their sum and the sink's mass (attn.cu's epilogue).
+    double *tcw = calloc((size_t)n_o, sizeof(double)),
+           *wt = malloc(sizeof(double) * (size_t)(max_keys + 1));
     pr = malloc(sizeof(double) * (size_t)(max_keys + 1));
     for (int32_t t = 0; t < T; t++)
         for (int32_t h = 0; h < H; h++) {
@@ -226,6 +248,11 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
                 if (a > maxabs) maxabs = a;
                 n++;
             }
+            double mk = -INFINITY, l = 0;
+            for (int32_t j = 0; j < n; j++) mk = sc[j] > mk ? sc[j] : mk;
+            for (int32_t j = 0; j < n; j++) l += (wt[j] = di_round_bf16((float)exp(sc[j] - mk)));
+            const double Mx = mk > sink[h] ? mk : sink[h], f = n ? exp(mk - Mx) : 0;
+            for (int32_t j = 0; j < n; j++) wt[j] *= f / (l * f + exp(sink[h] - Mx));
             double den = exp(sink[h] - mx);
             for (int32_t j = 0; j < n; j++) den += (sc[j] = exp(sc[j] - mx));
             for (int32_t j = 0; j < n; j++)
@@ -238,10 +265,14 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
                 for (int32_t d = 0; d < dh; d++) {
                     o[d] += pr[j] * kr[j][d], mags[o0 + d] += pr[j] * fabs((double)kr[j][d]);
                     if (round_p) unr[o0 + d] += sc[j] / den * kr[j][d]; // CUDA's: p unrounded
+                    if (round_p) tcw[o0 + d] += wt[j] * kr[j][d];
                 }
             for (int32_t d = 0; d < dh; d++) {
                 ref[o0 + d] = (float)o[d];
                 tol[o0 + d] = mags[o0 + d] * (4 * E + TOL_ATTN_SUM_REL) + 1e-30;
+                tol_tc[o0 + d] =
+                    mags[o0 + d] * (4 * TOL_TC_ACC_GAMMA * E + TOL_TC_P_REL + TOL_TC_REF_P_REL) +
+                    1e-30;
             }
             free(o);
         }
@@ -254,6 +285,8 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
         for (int64_t i = 0; i < n_o; i++)
             uf[i] = (float)unr[i], tol_b[i] = tol[i] + mags[i] * 0x1.02p-8;
         CHECK(check_bounds("  unrounded p (exact)", uf, ref, tol_b, n_o) == 0);
+        for (int64_t i = 0; i < n_o; i++) uf[i] = (float)tcw[i]; // and the tensor cores' bound
+        CHECK(check_bounds("  BF16 unnormalised p (exact)", uf, ref, tol_tc, n_o) == 0);
         free(uf);
     }
     di_backend *bs[2] = {g_cpu, g_b};
@@ -270,32 +303,64 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
                 *nwd = bk_from(b, nw, sizeof(int32_t) * (size_t)T),
                 *id = bk_from(b, idx, sizeof(int32_t) * (size_t)(T * ks));
         float *out = malloc(sizeof(float) * (size_t)n_o);
+        // The tensor-core kernel (round_p: the official recipe it serves) with 1 split, automatic
+        // and 3 (partials + combine); where it runs (dh 512 / 256 / 128 with the shared memory),
+        // the backend entry must take it (the dispatch: checked on the first such call).
+        bool tc = false;
+        if (k == 1 && round_p) {
+            static const int32_t tc_splits[] = {1, 0, 3};
+            for (int v = 0; v < 3; v++) {
+                for (int64_t i = 0; i < n_o; i++) out[i] = NAN;
+                float *od = bk_from(b, out, sizeof(float) * (size_t)n_o);
+                const di_status st =
+                    di_cuda_attn_codes_bf16(g_cu, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H,
+                                            dh, scale, tc_splits[v], od);
+                const bool shape = dh == 512 || dh == 256 || dh == 128;
+                if (!shape || st == DI_ERR_UNSUPPORTED) { // dh 64 / 1024; the A100 at dh 512
+                    CHECK_EQ(st, shape ? DI_ERR_UNSUPPORTED : DI_ERR_INVALID);
+                    b->vt->free(b, od);
+                    break;
+                }
+                CK(st);
+                tc = true;
+                bk_to(b, out, od, sizeof(float) * (size_t)n_o);
+                b->vt->free(b, od);
+                char what[128];
+                snprintf(what, sizeof what, "attn_codes_bf16 %d splits dh=%d H=%d T=%d keys=%d",
+                         tc_splits[v], dh, H, T, max_keys);
+                CHECK(check_bounds(what, out, ref, tol_tc, n_o) == 0);
+            }
+        }
         const int n_var = k == 0 ? 1 : (int)(sizeof k_variants / sizeof k_variants[0]);
         for (int v = 0; v < n_var; v++) {
             if (k == 1 && k_variants[v].hpw == 4 && dh > 512) continue; // not built above 512
             for (int64_t i = 0; i < n_o; i++) out[i] = NAN;             // unwritten outputs fail
             float *od = bk_from(b, out, sizeof(float) * (size_t)n_o);
-            if (k == 0 || k_variants[v].n_split < 0)
+            bool took_tc = false;
+            if (k == 0 || k_variants[v].n_split < 0) {
+                const int64_t n_tc = k ? g_cu->n_attn_codes_tc_calls : 0;
                 CK(b->vt->attn_codes(b, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H, dh, scale,
                                      round_p, od));
-            else
+                took_tc = k && g_cu->n_attn_codes_tc_calls > n_tc;
+                if (k) CHECK_EQ(took_tc, tc); // round_p and a tensor-core shape: always taken
+            } else
                 CK(di_cuda_attn_codes_ex(g_cu, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H, dh,
                                          scale, k_variants[v].n_split, k_variants[v].hpw, od));
             bk_to(b, out, od, sizeof(float) * (size_t)n_o);
             b->vt->free(b, od);
             char what[128];
-            snprintf(what, sizeof what, "attn_codes %s%s%s dh=%d H=%d T=%d keys=%d%s", b->vt->name,
-                     k ? ", " : "", k ? k_variants[v].what : "", dh, H, T, max_keys,
-                     round_p ? " round_p" : "");
-            CHECK(check_bounds(what, out, ref, tol_b, n_o) == 0);
+            snprintf(what, sizeof what, "attn_codes %s%s%s dh=%d H=%d T=%d keys=%d%s%s",
+                     b->vt->name, k ? ", " : "", k ? k_variants[v].what : "", dh, H, T, max_keys,
+                     round_p ? " round_p" : "", took_tc ? " (tensor cores)" : "");
+            CHECK(check_bounds(what, out, ref, took_tc ? tol_tc : tol_b, n_o) == 0);
         }
         b->vt->free(b, wd), b->vt->free(b, ed), b->vt->free(b, qd), b->vt->free(b, sd);
         b->vt->free(b, nkd), b->vt->free(b, nwd), b->vt->free(b, id);
         free(out);
     }
     free(win), free(ent), free(wdec), free(edec), free(q), free(sink), free(nk), free(nw),
-        free(idx), free(ref), free(tol), free(tol_b), free(mags), free(sc), free(pr), free(kr),
-        free(unr);
+        free(idx), free(ref), free(tol), free(tol_tc), free(tol_b), free(mags), free(sc), free(pr),
+        free(kr), free(unr), free(tcw), free(wt);
 }
 
 // n_keys (device data) past max_keys or negative: clamped, flagged, DI_ERR_INVALID at the next sync
@@ -340,6 +405,104 @@ static void bad_keys_case(int32_t n_split) {
     free(ent), free(edec), free(idx), free(q), free(sink), free(want), free(got);
 }
 
+// The backend entry's dispatch (di_cuda_attn_codes_dispatch), as test_cuda_ops' kv_rows checks
+// attn_kv's: in the official recipe, where the tensor-core kernel runs, the first call is checked
+// against the exact kernel and keeps it (attn_codes_tc 1, counted), its result and the next
+// call's di_cuda_attn_codes_bf16's bit for bit; a graph capture before the check holds the exact
+// kernel (no check), one after it the tensor cores; without round_p the exact kernel, uncounted; a
+// mismatch at the check (forced: a negative tolerance fails every comparison) turns the tensor
+// cores off and returns the exact result, and later calls stay on the exact kernel. Where it does
+// not run (the A100's shared memory): the exact kernel, unchecked.
+static void dispatch_case(void) {
+    enum { T = 3, H = 64, DH = 512, MK = 300, NW = 40, NE = 500 };
+    const int64_t wb = di_backend_code_row_bytes(8, DH, DI_BACKEND_WIN_BLOCK),
+                  eb = di_backend_code_row_bytes(DI_BACKEND_Q4E, DH, DI_BACKEND_ENT_BLOCK);
+    uint8_t *win = malloc((size_t)(NW * wb)), *ent = malloc((size_t)(NE * eb));
+    float *wdec = malloc(sizeof(float) * NW * DH), *edec = malloc(sizeof(float) * NE * DH);
+    make_rows(8, DH, DI_BACKEND_WIN_BLOCK, NW, win, wdec);
+    make_rows(DI_BACKEND_Q4E, DH, DI_BACKEND_ENT_BLOCK, NE, ent, edec);
+    int32_t n_keys[T] = {MK, 77, 1}, n_win[T] = {32, 10, 1},
+            *idx = malloc(sizeof(int32_t) * T * MK);
+    for (int32_t t = 0; t < T; t++)
+        for (int32_t j = 0; j < MK; j++)
+            idx[t * MK + j] = j < n_win[t] ? (int32_t)(rnd() % NW) : (int32_t)(rnd() % NE);
+    idx[5] = -1; // a masked key
+    const int64_t n_o = (int64_t)T * H * DH;
+    const size_t ob = sizeof(float) * (size_t)n_o;
+    float *q = malloc(ob), *sink = malloc(sizeof(float) * H);
+    fill_rand(q, n_o, 1.0f);
+    for (int64_t i = 0; i < n_o; i++) q[i] = di_round_bf16(q[i]);
+    fill_rand(sink, H, 1.0f);
+    float *qd = bk_from(g_b, q, ob), *sd = bk_from(g_b, sink, sizeof(float) * H);
+    uint8_t *wd = bk_from(g_b, win, (size_t)(NW * wb)), *ed = bk_from(g_b, ent, (size_t)(NE * eb));
+    int32_t *idxd = bk_from(g_b, idx, sizeof(int32_t) * T * MK),
+            *nwd = bk_from(g_b, n_win, sizeof n_win), *nkd = bk_from(g_b, n_keys, sizeof n_keys);
+    float *exact = malloc(ob), *tcr = malloc(ob), *got = malloc(ob), *od = bk_from(g_b, q, ob);
+    const float scale = 1.0f / sqrtf((float)DH);
+    CK(di_cuda_attn_codes(g_cu, qd, wd, ed, idxd, MK, nwd, nkd, MK, sd, T, H, DH, scale, true, od));
+    bk_to(g_b, exact, od, ob);
+    const di_status st_tc = di_cuda_attn_codes_bf16(g_cu, qd, wd, ed, idxd, MK, nwd, nkd, MK, sd, T,
+                                                    H, DH, scale, 0, od);
+    CHECK(st_tc == DI_OK || st_tc == DI_ERR_UNSUPPORTED); // the latter: not the shared memory
+    const bool tc = st_tc == DI_OK;
+    if (tc) bk_to(g_b, tcr, od, ob);
+    const int state = g_cu->attn_codes_tc;
+    const float tol = g_cu->attn_tc_check_tol;
+    g_cu->attn_codes_tc = 0;
+    // A call captured into a graph before the check (the exact kernel: the check downloads, so it
+    // waits for a direct call; the state stays 0), the checked call, the next, one without
+    // round_p, and a call captured after the check (the tensor cores), each replay's output equal
+    // to the direct kernel's.
+    for (int call = 0; call < 5; call++) {
+        const bool rp = call != 3, captured = call == 0 || call == 4, on_tc = tc && rp && call > 0;
+        const int64_t n_tc = g_cu->n_attn_codes_tc_calls;
+        CK(g_b->vt->memset(g_b, od, 0xFF, ob));
+        if (captured) {
+            void *graph = NULL;
+            CK(g_b->vt->graph_begin(g_b));
+            const di_status st = g_b->vt->attn_codes(g_b, qd, wd, ed, idxd, MK, nwd, nkd, MK, sd, T,
+                                                     H, DH, scale, rp, od);
+            CK(g_b->vt->graph_end(g_b, &graph));
+            CK(st);
+            CK(g_b->vt->graph_launch(g_b, graph));
+            bk_to(g_b, got, od, ob);
+            g_b->vt->graph_destroy(g_b, graph);
+        } else {
+            CK(g_b->vt->attn_codes(g_b, qd, wd, ed, idxd, MK, nwd, nkd, MK, sd, T, H, DH, scale, rp,
+                                   od));
+            bk_to(g_b, got, od, ob);
+        }
+        CHECK_EQ(g_cu->attn_codes_tc, tc && call > 0 ? 1 : 0);
+        CHECK_EQ(g_cu->n_attn_codes_tc_calls, n_tc + (on_tc ? 1 : 0));
+        if (memcmp(got, on_tc ? tcr : exact, ob) != 0)
+            fprintf(stderr, "  attn_codes dispatch call %d: not the %s kernel's bits\n", call,
+                    on_tc ? "tensor-core" : "exact");
+        CHECK(memcmp(got, on_tc ? tcr : exact, ob) == 0);
+    }
+    if (tc) {
+        g_cu->attn_codes_tc = 0, g_cu->attn_tc_check_tol = -1.0f;
+        for (int call = 0; call < 2; call++) {
+            const int64_t n_tc = g_cu->n_attn_codes_tc_calls;
+            CK(g_b->vt->memset(g_b, od, 0xFF, ob));
+            CK(g_b->vt->attn_codes(g_b, qd, wd, ed, idxd, MK, nwd, nkd, MK, sd, T, H, DH, scale,
+                                   true, od));
+            bk_to(g_b, got, od, ob);
+            CHECK_EQ(g_cu->attn_codes_tc, -1);
+            CHECK_EQ(g_cu->n_attn_codes_tc_calls, n_tc);
+            CHECK(memcmp(got, exact, ob) == 0);
+        }
+    }
+    fprintf(stderr, "  attn_codes dispatch: %s\n",
+            tc ? "tensor cores checked and kept; a forced mismatch falls back"
+               : "tensor cores unsupported here: the exact kernel");
+    g_cu->attn_codes_tc = state, g_cu->attn_tc_check_tol = tol;
+    g_b->vt->free(g_b, qd), g_b->vt->free(g_b, sd), g_b->vt->free(g_b, wd);
+    g_b->vt->free(g_b, ed), g_b->vt->free(g_b, idxd), g_b->vt->free(g_b, nwd);
+    g_b->vt->free(g_b, nkd), g_b->vt->free(g_b, od);
+    free(win), free(ent), free(wdec), free(edec), free(idx), free(q), free(sink), free(exact),
+        free(tcr), free(got);
+}
+
 static void test_attn_codes(void) {
     attn_case(512, 64, 7, 400, 600, 640, false, 0); // V4.1-Flash: 64 heads, W 128 + top-512
     attn_case(512, 64, 7, 400, 600, 640, true, 0);  // the official recipe: BF16 p
@@ -348,6 +511,7 @@ static void test_attn_codes(void) {
     attn_case(64, 1, 6, 5, 5, 1, false, 0);         // one head, one key at most
     attn_case(256, 8, 7, 50, 60, 100, true, 3);     // 8-byte pieces (264-byte window rows)
     attn_case(128, 72, 7, 50, 60, 90, false, 1);    // 4-byte pieces; two head groups (64 + 8)
+    attn_case(128, 72, 5, 50, 60, 130, true, 2);    // the same with round_p (tensor cores)
     attn_case(1024, 16, 3, 20, 30, 70, true, 1);    // dh 1024: 16-head blocks, 8 groups a lane
     // Long lists at batch 1 (many splits: the combine of up to 132), V4.1-Flash's batch 64.
     attn_case(512, 64, 1, 128, 4000, 8192, true, KIND_ALL);
@@ -357,6 +521,7 @@ static void test_attn_codes(void) {
     if (!g_b) return; // --cpu: the CPU op's side only
     bad_keys_case(1);
     bad_keys_case(5);
+    dispatch_case();
     float *d = NULL;
     CK(g_b->vt->alloc(g_b, 4096, (void **)&d));
     const uint8_t *u = (const uint8_t *)d;
@@ -375,6 +540,22 @@ static void test_attn_codes(void) {
              DI_ERR_INVALID); // 64-head blocks are built up to dh 512
     CHECK_EQ(di_cuda_attn_codes_ex(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 64, 1.0f, -2, 0, d),
              DI_ERR_INVALID); // negative split count
+    // The tensor-core kernel: dh 512 / 256 / 128 only, q 16- and o 8-byte aligned, the code bases
+    // 4-byte aligned, a split count >= 0.
+    CHECK_EQ(di_cuda_attn_codes_bf16(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 64, 1.0f, 0, d),
+             DI_ERR_INVALID);
+    CHECK_EQ(di_cuda_attn_codes_bf16(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 1024, 1.0f, 0, d),
+             DI_ERR_INVALID);
+    CHECK_EQ(di_cuda_attn_codes_bf16(g_cu, d + 1, u, u, i, 4, i, i, 4, d, 1, 1, 128, 1.0f, 0, d),
+             DI_ERR_INVALID);
+    CHECK_EQ(di_cuda_attn_codes_bf16(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 128, 1.0f, 0, d + 1),
+             DI_ERR_INVALID);
+    CHECK_EQ(di_cuda_attn_codes_bf16(g_cu, d, u + 2, u, i, 4, i, i, 4, d, 1, 1, 128, 1.0f, 0, d),
+             DI_ERR_INVALID);
+    CHECK_EQ(di_cuda_attn_codes_bf16(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 128, 1.0f, -1, d),
+             DI_ERR_INVALID);
+    CHECK_EQ(di_cuda_attn_codes_bf16(g_cu, d, u, u, i, 2, i, i, 4, d, 1, 1, 128, 1.0f, 0, d),
+             DI_ERR_INVALID); // key_stride < max_keys
     g_b->vt->free(g_b, d);
 }
 
@@ -527,6 +708,8 @@ int main(int argc, char **argv) {
     }
     CK(di_cuda_backend_create(0, &g_b));
     g_cu = (di_cuda *)g_b->impl;
+    const char *tc_env = getenv("DI_CUDA_ATTN_TC"); // attn_kv's switch turns attn_codes' off too
+    CHECK_EQ(g_cu->attn_codes_tc, tc_env && strcmp(tc_env, "0") == 0 ? -1 : 0);
     CK(di_cpu_backend_create(2, &g_cpu));
     fprintf(stderr, "backend: %s\n", g_b->desc);
     RUN(test_pack_rows);
