@@ -13,9 +13,11 @@
 //            entries; HCA: window + every L/128 entry; dense: window + every L/4 entry), batch 1
 //            and 64 sequences, the exact FP32 kernel and the BF16 tensor-core kernel: effective
 //            GB/s (KV rows + indices + q + o) and the tensor-core kernel's ratio to copy
-//   codes    V4.1's attention over its compact codes (di_cuda_attn_codes: Q8 window rows + Q4e
-//            entries, 64 heads, dh 512, round_p) at 4k ... 128k keys at batch 1 and 8k at batch
-//            64: effective GB/s (code rows + indices + q + o) and its ratio to copy
+//   codes    V4.1's attention over its compact codes (Q8 window rows + Q4e entries, 64 heads,
+//            dh 512, round_p) at 4k ... 128k keys at batch 1 and 8k at batch 64, the FP32 kernel
+//            (di_cuda_attn_codes) and the BF16 tensor-core one (di_cuda_attn_codes_bf16):
+//            effective GB/s (code rows + indices + q + o), the ratio to copy, the speedup and
+//            the two kernels' largest difference
 //   layer    one full-width V4-Flash CSA layer's decode (batch 1 and 64) as a CUDA graph: time vs
 //            the HBM roofline of the bytes it must read (weights touched + KV)
 //   model    43 layers (4 distinct weight sets, cycled) + head: decode tokens/s at batch 1 and 64
@@ -657,7 +659,8 @@ static void bench_codes(void) {
     printf("\n== codes: attn_codes, H=%d dh=%d, %d Q8 window rows of %lld bytes + Q4e entries of "
            "%lld bytes, round_p, decode (1 query row per sequence)\n",
            H, dh, W, (long long)wb, (long long)eb);
-    printf("%6s %8s %7s %10s %9s %7s\n", "batch", "keys", "splits", "ms", "GB/s", "x copy");
+    printf("%6s %8s %7s %10s %9s %10s %9s %7s %7s %9s\n", "batch", "keys", "splits", "fp32 ms",
+           "GB/s", "bf16 ms", "GB/s", "x copy", "x fp32", "max|d|/o");
     for (int ci = 0; ci < n_cfg; ci++) {
         const int32_t B = (g_quick ? quick : full)[ci].B,
                       n_keys = (g_quick ? quick : full)[ci].n_keys;
@@ -707,14 +710,52 @@ static void bench_codes(void) {
         // Effective bytes: code rows and their indices read once, q read, o written.
         const double bytes = (double)call_bytes + 4.0 * B * n_keys + 2.0 * 4.0 * B * H * dh;
         const double gbs = bytes / (ms * 1e-3) / 1e9;
-        printf("%6d %8d %7lld %10.4f %9.0f %7.3f\n", B, n_keys, (long long)ns, ms, gbs,
-               g_copy_gbs > 0 ? gbs / g_copy_gbs : 0.0);
+        // The BF16 tensor-core kernel (the official recipe's on H100/H200/B200; refused with
+        // DI_ERR_UNSUPPORTED where the shared memory is short) on the same calls, and its largest
+        // difference from the FP32 kernel (copy 0) relative to the largest |o|.
+        const size_t n_o = (size_t)B * H * dh;
+        std::vector<float> o32(n_o), o16(n_o);
+        DK(di_cuda_attn_codes(g_cu, q, win, ent, idxd, n_keys, nwd, nkd, n_keys, sink, B, H, dh,
+                              scale, true, o)); // copy 0 (the timed calls rotate the copies)
+        CK(cudaStreamSynchronize(g_s));
+        CK(cudaMemcpy(o32.data(), o, sizeof(float) * n_o, cudaMemcpyDeviceToHost));
+        const di_status st16 = di_cuda_attn_codes_bf16(g_cu, q, win, ent, idxd, n_keys, nwd, nkd,
+                                                       n_keys, sink, B, H, dh, scale, 0, o);
+        double ms16 = 0, amax = 0, dmax = 0;
+        if (st16 == DI_OK) {
+            CK(cudaStreamSynchronize(g_s));
+            CK(cudaMemcpy(o16.data(), o, sizeof(float) * n_o, cudaMemcpyDeviceToHost));
+            for (size_t i = 0; i < n_o; i++) {
+                amax = std::max(amax, (double)fabsf(o32[i]));
+                dmax = std::max(dmax, (double)fabsf(o16[i] - o32[i]));
+            }
+            ms16 = time_ms(2, g_quick ? 5 : 20, [&](int rep) {
+                const int c = rep % n_copy;
+                DK(di_cuda_attn_codes_bf16(g_cu, q, win, ent, idxd + (size_t)c * B * n_keys, n_keys,
+                                           nwd, nkd, n_keys, sink, B, H, dh, scale, 0, o));
+            });
+        } else if (st16 != DI_ERR_UNSUPPORTED) {
+            DK(st16);
+        }
+        const double gbs16 = ms16 > 0 ? bytes / (ms16 * 1e-3) / 1e9 : 0.0;
+        printf("%6d %8d %7lld %10.4f %9.0f ", B, n_keys, (long long)ns, ms, gbs);
+        if (ms16 > 0)
+            printf("%10.4f %9.0f %7.3f %7.2f %9.2g\n", ms16, gbs16,
+                   g_copy_gbs > 0 ? gbs16 / g_copy_gbs : 0.0, ms / ms16,
+                   amax > 0 ? dmax / amax : dmax);
+        else
+            printf("%10s %9s %7.3f %7s %9s\n", "unsupp.", "-",
+                   g_copy_gbs > 0 ? gbs / g_copy_gbs : 0.0, "-", "-");
         cudaFree(win), cudaFree(ent), cudaFree(idxd), cudaFree(nkd), cudaFree(nwd), cudaFree(q),
             cudaFree(o), cudaFree(sink);
     }
     cudaFree(x);
-    printf("(GB/s: (code rows + indices + q + o bytes) / time; x copy = GB/s / the copy bandwidth "
-           "above; FP32 cores: predicted arithmetic-bound near 150 GB/s, docs/cuda.md)\n");
+    printf("(GB/s: (code rows + indices + q + o bytes) / time; fp32 = di_cuda_attn_codes (FP32 "
+           "cores: predicted arithmetic-bound near 150 GB/s), bf16 = di_cuda_attn_codes_bf16 "
+           "(tensor cores, automatic key splits: what attn_codes runs in the official recipe; "
+           "predicted ~0.5-0.75 TB/s, docs/cuda.md); x copy = bf16 GB/s (fp32 where bf16 is "
+           "unsupported) / the copy bandwidth above; x fp32 = the speedup; max|d|/o = max |bf16 - "
+           "fp32| / max |o|)\n");
 }
 
 // ---- one layer and the synthetic model ----
