@@ -852,6 +852,8 @@ extern "C" di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_
 // is arithmetic-bound at ~3% of the copy bandwidth. This is the FP32 recipe's kernel and the
 // exact one the official recipe's tensor-core kernel (attn_tc_kernel<DH, TcRowsCodes>,
 // di_cuda_attn_codes_bf16) is checked against once per context (di_cuda_attn_codes_dispatch).
+// That kernel's predicted bound (unmeasured): the V4 kernel's key rate (the same arithmetic per
+// key; mma.sync issue and ldmatrix traffic bound it, not HBM), ~0.5-0.75 TB/s of entries.
 //
 // The tensor-core kernel's numerics against the CPU op with round_p (the oracle): q rounded to
 // BF16 (lossless: the official recipe's q is BF16, model/dsv41_attn.c; an FP32 q would move each
