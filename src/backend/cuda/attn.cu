@@ -1303,22 +1303,27 @@ namespace {
 // context (docs/cuda.md Numerics; attn_kv's and attn_codes' dispatch): *state 0 not checked yet,
 // 1 checked and on, -1 off (a mismatch, a refusal, DI_CUDA_ATTN_TC=0 at create). exact(dst) and
 // tc(dst) run the two kernels into dst (n_tok * H * dh floats). Off, or not checked yet inside a
-// graph capture (the check downloads): the exact kernel. Otherwise the first call runs the exact
-// kernel into a pool scratch and the tensor cores into o and compares them on the host (max |diff|
-// <= attn_tc_check_tol * max |exact|, no NaN): a match keeps the tensor cores for the context; a
-// mismatch or a refusal of the kernel logs it, turns them off and leaves the exact result in o.
-// *n_calls counts the calls the tensor cores served (the checked one included).
+// graph capture (the check downloads) or on a call of more than ATTN_TC_CHECK_MAX_FLOATS outputs
+// (a long prefill: its scratch would stay in the pool and its downloads take seconds): the exact
+// kernel. Otherwise the first call runs the exact kernel into a pool scratch and the tensor cores
+// into o and compares them on the host (max |diff| <= attn_tc_check_tol * max |exact|, no NaN): a
+// match keeps the tensor cores for the context; a mismatch or a refusal of the kernel logs it,
+// turns them off and leaves the exact result in o. *n_calls counts the calls the tensor cores
+// served (the checked one included).
+enum { ATTN_TC_CHECK_MAX_FLOATS = 1 << 24 }; // 64 MiB: 512 rows of 64 heads x 512 dims
+
 template <class Exact, class Tc>
 di_status attn_tc_checked(di_cuda *cu, int *state, int64_t *n_calls, const char *what,
                           int32_t n_tok, int32_t H, int32_t dh, int32_t max_keys, float *o,
                           const Exact &exact, const Tc &tc) {
-    if (*state < 0 || (*state == 0 && cu->capturing)) return exact(o);
+    const size_t n = (size_t)n_tok * (size_t)H * (size_t)dh;
+    if (*state < 0 || (*state == 0 && (cu->capturing || n > ATTN_TC_CHECK_MAX_FLOATS)))
+        return exact(o);
     if (*state > 0) {
         const di_status st = tc(o);
         if (st == DI_OK) (*n_calls)++;
         return st;
     }
-    const size_t n = (size_t)n_tok * (size_t)H * (size_t)dh;
     float *ref = NULL, *h_tc = NULL, *h_ref = NULL;
     di_status st = di_cuda_alloc(cu, sizeof(float) * n, (void **)&ref);
     if (st != DI_OK) return st;

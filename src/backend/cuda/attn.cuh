@@ -131,13 +131,14 @@ di_status di_cuda_attn_codes_bf16(di_cuda *cu, const float *q, const uint8_t *wi
                                   const float *sink, int32_t n_tok, int32_t H, int32_t dh,
                                   float scale, int32_t n_split, float *o);
 
-// The device-resident V4.1 forward's attention (backend.h attn_codes, cuda_ops.cu): in the
-// official recipe (round_p) on tensor cores (di_cuda_attn_codes_bf16, automatic splits) where the
-// shape, the device's shared memory and the alignments allow, else di_cuda_attn_codes (the FP32
-// recipe always). Checked once per context exactly as di_cuda_attn_kv_dispatch (the same helper:
-// the first eligible call outside a graph capture runs both and compares; a mismatch turns them
-// off for the context, cu->attn_codes_tc, and returns the exact result; DI_CUDA_ATTN_TC=0 keeps
-// the exact kernel; cu->n_attn_codes_tc_calls counts the calls). Errors as the two kernels'.
+// The device-resident V4.1 forward's attention (backend.h attn_codes, cuda_ops.cu): in the official
+// recipe (round_p) on tensor cores (di_cuda_attn_codes_bf16, automatic splits) where the shape, the
+// device's shared memory and the alignments allow, else di_cuda_attn_codes (the FP32 recipe
+// always). Checked once per context exactly as di_cuda_attn_kv_dispatch (the same helper: the first
+// eligible call outside a graph capture and of at most 2^24 output floats runs both and compares; a
+// mismatch turns them off for the context, cu->attn_codes_tc, and returns the exact result;
+// DI_CUDA_ATTN_TC=0 keeps the exact kernel; cu->n_attn_codes_tc_calls counts the calls). Errors as
+// the two kernels'.
 di_status di_cuda_attn_codes_dispatch(di_cuda *cu, const float *q, const uint8_t *win,
                                       const uint8_t *ent, const int32_t *key_idx,
                                       int64_t key_stride, const int32_t *n_win,
@@ -169,11 +170,12 @@ di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_t *pool,
 // official recipe (round_p) on tensor cores (di_cuda_attn_bf16, automatic key splits) where the
 // shape, the device's shared memory and the alignments allow, else the exact SIMT kernel
 // (di_cuda_attn_kv); the FP32 recipe always on the SIMT kernel. The context's first eligible call
-// runs both and compares them (cu->attn_tc, cuda_backend.h): a mismatch turns the tensor cores
-// off for the context (logged) and that call returns the SIMT result. Not before that check
-// inside a graph capture (the check downloads: such a call runs the SIMT kernel). Numerics of
-// the tensor-core path: di_cuda_attn_bf16's (unnormalised p rounded to BF16, not the normalised
-// p of round_p; within docs/cuda.md's bound of it). DI_CUDA_ATTN_TC=0 at context create keeps the
+// runs both and compares them (cu->attn_tc, cuda_backend.h): a mismatch turns the tensor cores off
+// for the context (logged) and that call returns the SIMT result. Not before that check inside a
+// graph capture (the check downloads: such a call runs the SIMT kernel), nor on a call of more than
+// 2^24 output floats (a long prefill: the SIMT kernel, the check left to a later call). Numerics of
+// the tensor-core path: di_cuda_attn_bf16's (unnormalised p rounded to BF16, not the normalised p
+// of round_p; within docs/cuda.md's bound of it). DI_CUDA_ATTN_TC=0 at context create keeps the
 // SIMT kernel. Errors as di_cuda_attn_kv / di_cuda_attn_bf16.
 di_status di_cuda_attn_kv_dispatch(di_cuda *cu, const float *q, const uint8_t *pool,
                                    const int32_t *key_idx, int64_t key_stride,

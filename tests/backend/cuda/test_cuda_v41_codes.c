@@ -408,11 +408,12 @@ static void bad_keys_case(int32_t n_split) {
 // The backend entry's dispatch (di_cuda_attn_codes_dispatch), as test_cuda_ops' kv_rows checks
 // attn_kv's: in the official recipe, where the tensor-core kernel runs, the first call is checked
 // against the exact kernel and keeps it (attn_codes_tc 1, counted), its result and the next
-// call's di_cuda_attn_codes_bf16's bit for bit; a graph capture before the check holds the exact
-// kernel (no check), one after it the tensor cores; without round_p the exact kernel, uncounted; a
-// mismatch at the check (forced: a negative tolerance fails every comparison) turns the tensor
-// cores off and returns the exact result, and later calls stay on the exact kernel. Where it does
-// not run (the A100's shared memory): the exact kernel, unchecked.
+// call's di_cuda_attn_codes_bf16's bit for bit; a call of more than 2^24 outputs and a graph
+// capture before the check hold the exact kernel (no check), a capture after it the tensor cores;
+// without round_p the exact kernel, uncounted; a mismatch at the check (forced: a negative
+// tolerance fails every comparison) turns the tensor cores off and returns the exact result, and
+// later calls stay on the exact kernel. Where it does not run (the A100's shared memory): the exact
+// kernel, unchecked.
 static void dispatch_case(void) {
     enum { T = 3, H = 64, DH = 512, MK = 300, NW = 40, NE = 500 };
     const int64_t wb = di_backend_code_row_bytes(8, DH, DI_BACKEND_WIN_BLOCK),
@@ -449,6 +450,38 @@ static void dispatch_case(void) {
     const int state = g_cu->attn_codes_tc;
     const float tol = g_cu->attn_tc_check_tol;
     g_cu->attn_codes_tc = 0;
+    // A call of more than 2^24 outputs (a long prefill) before the check: the exact kernel, the
+    // check left to a later call (its scratch would stay in the pool).
+    {
+        enum { TB = 520 }; // 520 x 64 x 512 > 2^24
+        const size_t obb = sizeof(float) * (size_t)TB * H * DH;
+        float *qb = malloc(obb), *want = malloc(obb), *have = malloc(obb);
+        int32_t *nkb = malloc(sizeof(int32_t) * TB), *nwb = malloc(sizeof(int32_t) * TB),
+                *idxb = malloc(sizeof(int32_t) * TB * MK);
+        fill_rand(qb, (int64_t)TB * H * DH, 1.0f);
+        for (int32_t t = 0; t < TB; t++) {
+            nkb[t] = n_keys[t % T], nwb[t] = n_win[t % T];
+            memcpy(idxb + (size_t)t * MK, idx + (size_t)(t % T) * MK, sizeof(int32_t) * MK);
+        }
+        float *qbd = bk_from(g_b, qb, obb), *obd = bk_from(g_b, qb, obb);
+        int32_t *nkbd = bk_from(g_b, nkb, sizeof(int32_t) * TB),
+                *nwbd = bk_from(g_b, nwb, sizeof(int32_t) * TB),
+                *idxbd = bk_from(g_b, idxb, sizeof(int32_t) * TB * MK);
+        CK(di_cuda_attn_codes(g_cu, qbd, wd, ed, idxbd, MK, nwbd, nkbd, MK, sd, TB, H, DH, scale,
+                              true, obd));
+        bk_to(g_b, want, obd, obb);
+        const int64_t n_tc = g_cu->n_attn_codes_tc_calls;
+        CK(g_b->vt->memset(g_b, obd, 0xFF, obb));
+        CK(g_b->vt->attn_codes(g_b, qbd, wd, ed, idxbd, MK, nwbd, nkbd, MK, sd, TB, H, DH, scale,
+                               true, obd));
+        bk_to(g_b, have, obd, obb);
+        CHECK_EQ(g_cu->attn_codes_tc, 0);
+        CHECK_EQ(g_cu->n_attn_codes_tc_calls, n_tc);
+        CHECK(memcmp(have, want, obb) == 0);
+        g_b->vt->free(g_b, qbd), g_b->vt->free(g_b, obd), g_b->vt->free(g_b, nkbd);
+        g_b->vt->free(g_b, nwbd), g_b->vt->free(g_b, idxbd);
+        free(qb), free(want), free(have), free(nkb), free(nwb), free(idxb);
+    }
     // A call captured into a graph before the check (the exact kernel: the check downloads, so it
     // waits for a direct call; the state stays 0), the checked call, the next, one without
     // round_p, and a call captured after the check (the tensor cores), each replay's output equal
