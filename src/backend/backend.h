@@ -371,6 +371,19 @@ typedef struct di_backend_vt {
                                  const int32_t *page_off, int32_t per_page, const int32_t *n_vis,
                                  int32_t max_vis, int32_t n_tok, int32_t HI, int32_t DI,
                                  bool round_bf16, float *scores, int64_t score_stride);
+
+    // ---- greedy picks on the device (the sampler's di_argmax; docs/cuda.md "What a step
+    // costs") ----
+    // ids[r] = the first index of the largest of x[r * stride + 0 .. V) for r < n_rows, exactly
+    // sample/sampler.h di_argmax, so a row's pick is the host's whatever the row holds: NaNs never
+    // win and a row whose entry 0 is NaN gives 0; equal values (-0 and +0 included) go to the
+    // lower index; a row of -inf gives 0. The greedy rows' tokens (the engine's plain greedy
+    // rows, DSpark's and MTP's drafts) then cross to the host as V times fewer bytes. The CPU
+    // backend scans each row in order (rows over the pool); CUDA: a block per row, float4 loads
+    // where the row is 16-byte aligned, warp-shuffle reductions under the same rule. No scratch:
+    // graph-capturable. DI_ERR_INVALID (logged) unless 1 <= V <= INT32_MAX and stride >= V.
+    di_status (*argmax_rows)(di_backend *b, const float *x, int64_t n_rows, int64_t V,
+                             int64_t stride, int32_t *ids);
 } di_backend_vt;
 
 struct di_backend {

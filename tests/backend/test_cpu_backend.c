@@ -7,7 +7,9 @@
 // directly, reads the memory as it is at launch, keeps the scalars and tensors of the capture, and
 // a capture refuses what a CUDA capture cannot hold; V4.1's ops (mhc_pre_carried, engram_gate,
 // index_cand, Q4e); attention's key counts outside [0, max_keys] refused (directly and replayed);
-// the copy between two backends, directly and through the host bounce. The whole forward on this
+// the copy between two backends, directly and through the host bounce; argmax_rows against the
+// sampler's di_argmax (ties, -0/+0, -inf and NaN rows, a NaN at entry 0, strided rows, captured
+// and replayed). The whole forward on this
 // backend is tested against the model in tests/model/test_dev_forward.c.
 #include "harness.h"
 
@@ -16,6 +18,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "sample/sampler.h"   // di_argmax: what argmax_rows must equal
 #include "tensor/quant_ref.h" // di_round_bf16, di_fake_quant_q8/q4, di_hadamard
 
 // The backend runs the same float operations in the same order as these loops; only a compiler
@@ -485,6 +488,55 @@ static void test_rows(void) {
     CHECK_EQ(g_b->vt->embed(g_b, &t, bad, 1, 2, x), DI_ERR_INVALID);
 }
 
+// argmax_rows: each row's pick is the sampler's di_argmax of that row (its AVX2 form from 16
+// entries on, its scalar scan below), on rows built to catch every rule: ties in and across
+// vector lanes, -0 before +0, -inf rows, NaN rows, a NaN at entry 0 before a larger value, NaNs
+// around the maximum, maxima first and last; rows `stride` apart from an odd offset; n_rows 0
+// writes nothing; bad shapes refused; a captured call replays on the rows as they are at launch.
+static void test_argmax_rows(void) {
+    enum { W = 37, N = 10, S = 41 };
+    float h[1 + N * S];
+    uint64_t z = 99;
+    for (int i = 0; i < 1 + N * S; i++) {
+        z = z * 6364136223846793005ull + 1442695040888963407ull;
+        h[i] = (float)((z >> 40) % 1000) / 250.0f - 2.0f; // [-2, 2): some equal values
+    }
+    float *r[N];
+    for (int k = 0; k < N; k++) r[k] = h + 1 + k * S;
+    r[0][20] = r[0][21] = r[0][36] = 5.0f;           // ties in a lane group and past it
+    for (int i = 0; i < W; i++) r[1][i] = -INFINITY; // -inf row
+    for (int i = 0; i < W; i++) r[2][i] = NAN;       // NaN row
+    r[3][0] = NAN, r[3][30] = 9.0f;                  // NaN at 0 wins
+    r[4][5] = NAN, r[4][6] = 9.0f, r[4][7] = NAN;    // NaNs never win
+    for (int i = 0; i < W; i++) r[5][i] = -1.0f - (float)i;
+    r[5][17] = -0.0f, r[5][18] = 0.0f;      // -0 before +0: the first
+    r[6][0] = 7.0f, r[6][W - 1] = 7.0f;     // first of two
+    r[7][W - 1] = 7.0f;                     // last
+    r[8][3] = INFINITY, r[8][2] = INFINITY; // +inf twice
+    int32_t ids[N + 1];
+    for (int k = 0; k <= N; k++) ids[k] = -5;
+    CHECK_EQ(g_b->vt->argmax_rows(g_b, h + 1, N, W, S, ids), DI_OK);
+    for (int k = 0; k < N; k++) CHECK_EQ(ids[k], di_argmax(r[k], W));
+    CHECK_EQ(ids[N], -5); // past n: not written
+    const int32_t want[N - 1] = {20, 0, 0, 0, 6, 17, 0, W - 1, 2};
+    for (int k = 0; k < N - 1; k++) CHECK_EQ(ids[k], want[k]);
+    CHECK_EQ(g_b->vt->argmax_rows(g_b, h, 0, W, W, ids), DI_OK);
+    CHECK_EQ(ids[N], -5);
+    CHECK_EQ(g_b->vt->argmax_rows(g_b, h, 1, 0, 1, ids), DI_ERR_INVALID);
+    CHECK_EQ(g_b->vt->argmax_rows(g_b, h, 2, W, W - 1, ids), DI_ERR_INVALID);
+    // Captured, then replayed after the rows changed: the picks of the rows at launch.
+    void *g = NULL;
+    CHECK_EQ(g_b->vt->graph_begin(g_b), DI_OK);
+    CHECK_EQ(g_b->vt->argmax_rows(g_b, h + 1, N, W, S, ids), DI_OK);
+    CHECK_EQ(g_b->vt->graph_end(g_b, &g), DI_OK);
+    CHECK_EQ(di_cpu_backend_graph_n_cmds(g), 1);
+    r[0][1] = 50.0f, r[9][W - 1] = 50.0f;
+    CHECK_EQ(g_b->vt->graph_launch(g_b, g), DI_OK);
+    CHECK_EQ(ids[0], 1);
+    CHECK_EQ(ids[9], W - 1);
+    g_b->vt->graph_destroy(g_b, g);
+}
+
 // Padding entries of graph-stable lists: a negative scatter destination moves nothing, a window
 // without rows pools to 0.
 static void test_padding(void) {
@@ -753,6 +805,7 @@ int main(void) {
     RUN(test_graph);
     RUN(test_v41_ops);
     RUN(test_peer_copy);
+    RUN(test_argmax_rows);
     di_backend_destroy(g_b);
     di_backend_destroy(NULL);
     return test_finish();

@@ -124,6 +124,7 @@ typedef enum cmd_op {
     CMD_PACK_ROWS,
     CMD_ATTN_CODES,
     CMD_INDEX_SCORES_Q4,
+    CMD_ARGMAX_ROWS,
 } cmd_op;
 
 // One recorded entry: its arguments by value (tensors and the MoE weight struct copied: the
@@ -352,6 +353,11 @@ typedef struct cmd {
             float *scores;
             int64_t score_stride;
         } index_scores_q4;
+        struct {
+            const float *x;
+            int64_t n_rows, V, stride;
+            int32_t *ids;
+        } argmax_rows;
     } u;
 } cmd;
 
@@ -1413,6 +1419,39 @@ static di_status cpu_index_cand(di_backend *b, int32_t mode, float *scores, int6
     return DI_OK;
 }
 
+// ---- greedy picks (backend.h argmax_rows) ----
+
+typedef struct argmax_ctx {
+    const float *x;
+    int64_t n_rows, V, stride;
+    int32_t *ids;
+} argmax_ctx;
+
+static void argmax_task(void *p, int ith, int nth) {
+    const argmax_ctx *a = p;
+    int64_t lo, hi;
+    di_split_range(a->n_rows, ith, nth, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) a->ids[r] = di_ref_argmax(a->x + r * a->stride, a->V);
+}
+
+static di_status cpu_argmax_rows(di_backend *b, const float *x, int64_t n_rows, int64_t V,
+                                 int64_t stride, int32_t *ids) {
+    cpu_impl *c = impl_of(b);
+    RECORD(c, CMD_ARGMAX_ROWS, argmax_rows, x, n_rows, V, stride, ids);
+    if (V < 1 || V > INT32_MAX || stride < V || n_rows < 0) {
+        DI_LOG_ERROR("cpu backend: argmax_rows of %lld rows of %lld values %lld apart",
+                     (long long)n_rows, (long long)V, (long long)stride);
+        return DI_ERR_INVALID;
+    }
+    if (n_rows == 0) return DI_OK;
+    argmax_ctx a = {.x = x, .n_rows = n_rows, .V = V, .stride = stride, .ids = ids};
+    if (n_rows == 1)
+        argmax_task(&a, 0, 1); // one row: no pool hand-off
+    else
+        di_pool_run(c->pool, argmax_task, &a);
+    return DI_OK;
+}
+
 // ---- graphs ----
 
 static di_status cpu_graph_begin(di_backend *b) {
@@ -1516,6 +1555,9 @@ static di_status replay(di_backend *b, const cmd *k) {
             A(index_scores).per_page, A(index_scores).n_vis, A(index_scores).max_vis,
             A(index_scores).n_tok, A(index_scores).HI, A(index_scores).DI,
             A(index_scores).round_bf16, A(index_scores).scores, A(index_scores).score_stride);
+    case CMD_ARGMAX_ROWS:
+        return cpu_argmax_rows(b, A(argmax_rows).x, A(argmax_rows).n_rows, A(argmax_rows).V,
+                               A(argmax_rows).stride, A(argmax_rows).ids);
     case CMD_TOPK:
         return cpu_topk(b, A(topk).scores, A(topk).score_stride, A(topk).n_vis, A(topk).n_tok,
                         A(topk).topk, A(topk).sel);
@@ -1691,6 +1733,7 @@ static const di_backend_vt cpu_vt = {
     .pack_rows = cpu_pack_rows,
     .attn_codes = cpu_attn_codes,
     .index_scores_q4 = cpu_index_scores_q4,
+    .argmax_rows = cpu_argmax_rows,
 };
 
 di_status di_cpu_backend_create(int n_threads, di_backend **out) {

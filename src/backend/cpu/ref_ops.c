@@ -269,6 +269,13 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+int32_t di_ref_argmax(const float *v, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (v[i] > v[best]) best = i;
+    return (int32_t)best;
+}
+
 void di_ref_topk(const float *sc, int64_t n, int32_t k, int32_t *sel) {
     // Min-heap of the k best (score descending, index ascending): O(n log k). Candidates come
     // in ascending index, so an equal score never displaces: ties keep the lower index.

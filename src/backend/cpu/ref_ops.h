@@ -114,6 +114,11 @@ void di_ref_hc_coeffs(const float *mix, const float *base, const float *scale, i
 // and the CPU backend's topk call it.
 void di_ref_topk(const float *sc, int64_t n, int32_t k, int32_t *sel);
 
+// The first index of the largest of v[0..n), n >= 1: the scan `v[i] > v[best]` from best = 0, so
+// NaNs never win (a NaN at 0 keeps 0) and equal values keep the lower index: sample/sampler.h
+// di_argmax's answer (the CPU backend's argmax_rows runs it per row).
+int32_t di_ref_argmax(const float *v, int64_t n);
+
 // mHC post (spec §2.3) in place over n_tok tokens: x[t, k] = post[t, k] o[t] + sum_j comb[t, j, k]
 // x[t, j], per element in that order (x: [T, nc, D], o: [T, D], post: [T, nc], comb: [T, nc, nc];
 // nc <= 16). The one copy: model/dsv4.c (di_dsv4_hc_post) and the CPU backend's mhc_post.

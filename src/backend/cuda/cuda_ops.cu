@@ -20,6 +20,7 @@
 #include "backend/cuda/quant.cuh"
 #include "backend/cuda/rope.cuh"
 #include "backend/cuda/rows.cuh"
+#include "backend/cuda/sample.cuh"
 #include "backend/cuda/v41.cuh"
 
 static_assert(DI_CUDA_POOL_NO_ROW == DI_BACKEND_NO_ROW, "compress_pool's no-row marker");
@@ -390,6 +391,14 @@ static di_status op_hadamard(di_backend *b, float *x, int64_t n_rows, int64_t n)
     return di_cuda_hadamard(cu, x, n_rows, n);
 }
 
+// ---- greedy picks (sample.cuh) ----
+
+static di_status op_argmax_rows(di_backend *b, const float *x, int64_t n_rows, int64_t V,
+                                int64_t stride, int32_t *ids) {
+    ENTER(b);
+    return di_cuda_argmax_rows(cu, x, n_rows, V, stride, ids);
+}
+
 // ---- graphs ----
 
 static di_status op_graph_begin(di_backend *b) {
@@ -481,6 +490,7 @@ static di_backend_vt make_vt(void) {
     vt.mhc_pre_carried = op_mhc_pre_carried;
     vt.engram_gate = op_engram_gate;
     vt.index_cand = op_index_cand;
+    vt.argmax_rows = op_argmax_rows;
     return vt;
 }
 

@@ -216,7 +216,7 @@ static void test_vtable(void) {
         NULL_ENTRY(destroy) + NULL_ENTRY(graph_begin) + NULL_ENTRY(graph_end) +
         NULL_ENTRY(graph_launch) + NULL_ENTRY(graph_destroy) + NULL_ENTRY(round_bf16) +
         NULL_ENTRY(fake_quant) + NULL_ENTRY(hadamard) + NULL_ENTRY(mhc_pre_carried) +
-        NULL_ENTRY(engram_gate) + NULL_ENTRY(index_cand);
+        NULL_ENTRY(engram_gate) + NULL_ENTRY(index_cand) + NULL_ENTRY(argmax_rows);
 #undef NULL_ENTRY
     CHECK_EQ(n_null, 0);
     // A device that does not exist is refused, not crashed on.
