@@ -195,3 +195,38 @@ di_status di_dev_split(const int64_t *pre, int64_t head, int32_t L, int32_t n_st
 int64_t di_dev_tensor_bytes(const di_tensor *t) {
     return t->data ? (int64_t)di_tensor_bytes(t) : 0;
 }
+
+// ---- a call's logits to the host, greedy rows as their picks ----
+
+di_status di_dev_logits_down(di_backend *b, const float *dev, int32_t n, int64_t V,
+                             const uint8_t *greedy, int32_t *pick_dev, int32_t *pick_host,
+                             float *logits, int32_t *picks, int64_t *n_ops, int64_t *n_bytes) {
+    const size_t row = sizeof(float) * (size_t)V;
+    bool any = false;
+    for (int32_t k = 0; greedy && k < n && !any; k++) any = greedy[k] != 0;
+    if (!any) {
+        *n_bytes += (int64_t)(row * (size_t)n);
+        return n > 0 ? b->vt->download(b, logits, dev, row * (size_t)n) : DI_OK;
+    }
+    // Every row's pick in one launch (a sampled row's is not used: one op however they mix).
+    di_status st = b->vt->argmax_rows(b, dev, n, V, V, pick_dev);
+    ++*n_ops;
+    if (st == DI_OK) st = b->vt->download(b, pick_host, pick_dev, sizeof(int32_t) * (size_t)n);
+    if (st != DI_OK) return st;
+    *n_bytes += (int64_t)(sizeof(int32_t) * (size_t)n);
+    for (int32_t k = 0; k < n;) {
+        if (greedy[k]) {
+            picks[k] = pick_host[k];
+            k++;
+            continue;
+        }
+        int32_t e = k + 1;
+        while (e < n && !greedy[e]) e++;
+        st = b->vt->download(b, logits + (int64_t)k * V, dev + (int64_t)k * V,
+                             row * (size_t)(e - k));
+        if (st != DI_OK) return st;
+        *n_bytes += (int64_t)(row * (size_t)(e - k));
+        k = e;
+    }
+    return DI_OK;
+}

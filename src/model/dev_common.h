@@ -63,3 +63,15 @@ bool di_dev_logit_rows_ok(const char *who, const int32_t *logit_rows, int32_t n_
 // Host only.
 di_status di_dev_split(const int64_t *pre, int64_t head, int32_t L, int32_t n_stages,
                        int32_t *layer0, int64_t *stage_bytes);
+
+// ---- a call's logits to the host, greedy rows as their picks ----
+
+// The logits of n head rows (backend dev [n, V], contiguous) to the host. Rows whose greedy[k] is
+// set (greedy NULL: none) cross as their argmax only (argmax_rows into pick_dev [n], n ids down
+// into pick_host [n]: picks[k] written, sample/sampler.h di_argmax's pick of that row; its row of
+// logits left as it was); the other rows' logits go to logits + k * V, one download per run of
+// consecutive such rows (all rows: one download, as without greedy rows). *n_ops += the argmax op
+// (0 or 1), *n_bytes += the bytes downloaded. Synchronous like download. Backend errors.
+di_status di_dev_logits_down(di_backend *b, const float *dev, int32_t n, int64_t V,
+                             const uint8_t *greedy, int32_t *pick_dev, int32_t *pick_host,
+                             float *logits, int32_t *picks, int64_t *n_ops, int64_t *n_bytes);

@@ -343,9 +343,12 @@ struct stage_state {
     float *eg_in, *eg_kv, *hx, *hpre, *h, *logits;
     int32_t *sel, *cand, *n_cand;
     int32_t *stage_dev; // backend staging (the call's lists)
-    int32_t *stage;     // host staging (backend host_alloc)
-    size_t stage_cap;   // int32 words of both
-    int64_t aq_floats;  // of aq
+    // The greedy picks of a head chunk's logit rows (argmax_rows; greedy rows and DSpark drafts
+    // cross as one id each): backend [HR] and host (host_alloc) [HR], HR = min(max_rows, 64).
+    int32_t *pick, *pick_h;
+    int32_t *stage;    // host staging (backend host_alloc)
+    size_t stage_cap;  // int32 words of both
+    int64_t aq_floats; // of aq
     // Graphs: one per decode size 1..min(n_slots, HEAD_CHUNK).
     dev_graph *graphs; // owned [N_GRAPHS]
     bool graphs_on;
@@ -361,8 +364,8 @@ struct stage_state {
     float *taps, *inv_nc, *mk, *me, *ones;
     uint8_t *dwin;
     int32_t *iota;
-    float *lg_h, *me_h, *h_h; // host [HEAD_CHUNK, V], [HEAD_CHUNK, R], [max_rows, D]
-    float *ci_h;              // owned [D + R]: the confidence head's input
+    float *me_h, *h_h; // host [HEAD_CHUNK, R], [max_rows, D]
+    float *ci_h;       // owned [D + R]: the confidence head's input
 };
 
 // A state over the stages: one part per stage and the hand-over's host buffer.
@@ -422,7 +425,7 @@ static void part_destroy(stage_state *s) {
         for (int i = 0; i < N_GRAPHS; i++) b->vt->graph_destroy(b, s->graphs[i].g);
     for (int32_t i = 0; i < s->n_mem; i++) b->vt->free(b, s->blocks[i]);
     if (s->stage) b->vt->host_free(b, s->stage);
-    if (s->lg_h) b->vt->host_free(b, s->lg_h);
+    if (s->pick_h) b->vt->host_free(b, s->pick_h);
     if (s->me_h) b->vt->host_free(b, s->me_h);
     if (s->h_h) b->vt->host_free(b, s->h_h);
     di_free(s->ci_h);
@@ -587,6 +590,9 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     DI_TRY(st_floats(s, HR * nc, &s->hpre));
     DI_TRY(st_floats(s, HR * D, &s->h));
     DI_TRY(st_floats(s, HR * hp->n_vocab, &s->logits));
+    DI_TRY(st_ints(s, HR, &s->pick));
+    DI_TRY(d->b->vt->host_alloc(d->b, sizeof(int32_t) * (size_t)HR, (void **)&s->pick_h));
+    s->n_bytes += (int64_t)(sizeof(int32_t) * (size_t)HR);
     s->stage_cap = stage_words(s, R, n_slots < R ? n_slots : R);
     DI_TRY(st_ints(s, (int64_t)s->stage_cap, &s->stage_dev));
     DI_TRY(d->b->vt->host_alloc(d->b, sizeof(int32_t) * s->stage_cap, (void **)&s->stage));
@@ -1528,7 +1534,8 @@ fail:
 
 // Block row j of a draft call's n sequences (the embeddings of their previous tokens in s->me):
 // base logits = head . hn[j] into s->logits, + the Markov head's head_markov . embed (mhc_post
-// with one stream and unit weights: mk + lg, the sum the CPU takes).
+// with one stream and unit weights: mk + lg, the sum the CPU takes), then each row's draft, its
+// argmax (the host's scan, ties to the lower id), into s->pick.
 static di_status draft_head(const call *c, int32_t j, int32_t n, int32_t bs) {
     stage_state *s = c->s;
     const dev_stage *d = s->d;
@@ -1538,6 +1545,7 @@ static di_status draft_head(const call *c, int32_t j, int32_t n, int32_t bs) {
     OP(matmul, &d->head, s->out + (int64_t)j * D, n, (int64_t)bs * D, s->logits, V);
     OP(matmul, &d->ds_markov_head, s->me, n, R, s->mk, V);
     OP(mhc_post, s->mk, s->logits, s->ones, s->ones, 1, V, n);
+    OP(argmax_rows, s->logits, n, V, V, s->pick);
     return DI_OK;
 fail:
     return st;
@@ -1771,7 +1779,7 @@ static const stage_state *owner_of(const di_dsv41_dev_state *all, int il) {
 static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
                                const di_dsv41_dev_seq *seqs, int32_t n_seq, const int32_t *tokens,
                                const int32_t *logit_rows, int32_t n_logit_rows, float *logits,
-                               int32_t T) {
+                               const uint8_t *greedy, int32_t *picks, int32_t T) {
     stage_state *s = all->ss[ks];
     const stage_state *prev = ks > 0 ? all->ss[ks - 1] : NULL;
     const dev_stage *d = s->d;
@@ -1796,6 +1804,7 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
     s->stats.last_uploads = 1;
     s->stats.last_upload_bytes = (int64_t)(sizeof(int32_t) * c->n_words);
     s->stats.last_handover_bytes = 0;
+    s->stats.last_download_bytes = 0;
     DI_TRY(b->vt->upload(b, s->stage_dev, s->stage, sizeof(int32_t) * c->n_words));
     if (prev) { // the hand-overs (stream-ordered before the layers)
         DI_TRY(hand_in(all, s, s->x, prev, prev->x, x_bytes, 0));
@@ -1844,16 +1853,18 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
     const int32_t key = graph_of(c, logit_rows, n_logit_rows);
     if (key >= 0) {
         DI_TRY(run_decode(c, logit_rows, key));
-        if (n_logit_rows > 0 && last)
-            DI_TRY(b->vt->download(b, logits, s->logits, sizeof(float) * (size_t)(T * V)));
+        if (n_logit_rows > 0 && last) // after the graph: its ops are the same for any greedy rows
+            DI_TRY(di_dev_logits_down(b, s->logits, T, V, greedy, s->pick, s->pick_h, logits, picks,
+                                      &s->stats.last_ops, &s->stats.last_download_bytes));
     } else {
         s->stats.n_direct++;
         DI_TRY(layers(c));
         for (int32_t k = 0; k < n_logit_rows && last; k += HEAD_CHUNK) {
             const int32_t n = n_logit_rows - k < HEAD_CHUNK ? n_logit_rows - k : HEAD_CHUNK;
             DI_TRY(head(c, logit_rows + k, n));
-            DI_TRY(b->vt->download(b, logits + (int64_t)k * V, s->logits,
-                                   sizeof(float) * (size_t)((int64_t)n * V)));
+            DI_TRY(di_dev_logits_down(b, s->logits, n, V, greedy ? greedy + k : NULL, s->pick,
+                                      s->pick_h, logits + (int64_t)k * V, picks ? picks + k : NULL,
+                                      &s->stats.last_ops, &s->stats.last_download_bytes));
         }
         if (last && s->dspark) DI_TRY(context_rows(c));
     }
@@ -1867,6 +1878,7 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
         if (sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo)) s->rb_lo[sq->slot] = sq->pos;
         s->n_past[sq->slot] = sq->pos + sq->n_tok;
     }
+    s->stats.n_download_bytes += s->stats.last_download_bytes;
     return DI_OK;
 fail:
     return st;
@@ -2296,8 +2308,6 @@ di_status di_dsv41_dev_dspark_enable(di_dsv41_dev_state *all) {
             DI_TRY(st_floats(s, HEAD_CHUNK, &s->ones));
             DI_TRY(b->vt->upload(b, s->ones, ones, sizeof(float) * HEAD_CHUNK));
             DI_TRY(
-                b->vt->host_alloc(b, sizeof(float) * (size_t)(HEAD_CHUNK * V), (void **)&s->lg_h));
-            DI_TRY(
                 b->vt->host_alloc(b, sizeof(float) * (size_t)(HEAD_CHUNK * MR), (void **)&s->me_h));
             DI_TRY(b->vt->host_alloc(b, sizeof(float) * (size_t)(R * D), (void **)&s->h_h));
             s->ci_h = di_malloc(sizeof(float) * (size_t)(D + MR));
@@ -2305,7 +2315,7 @@ di_status di_dsv41_dev_dspark_enable(di_dsv41_dev_state *all) {
                 st = DI_ERR_NOMEM;
                 goto fail;
             }
-            s->n_bytes += (int64_t)sizeof(float) * (HEAD_CHUNK * V + HEAD_CHUNK * MR + R * D);
+            s->n_bytes += (int64_t)sizeof(float) * (HEAD_CHUNK * MR + R * D);
         }
         DI_TRY(b->vt->sync(b));
     }
@@ -2384,13 +2394,17 @@ di_status di_dsv41_dev_draft(di_dsv41_dev_state *all, di_dsv41_dev_draft_seq *se
     }
     di_status st = DI_OK;
     s->stats.last_ops = 0;
+    s->stats.last_download_bytes = 0;
     DI_TRY(b->vt->upload(b, s->stage_dev, s->stage, sizeof(int32_t) * c->n_words));
     DI_TRY(draft_rows(c, (int32_t)ks));
     DI_TRY(b->vt->download(b, s->h_h, s->a, sizeof(float) * (size_t)((int64_t)T * D)));
     float *mi = s->ci_h;
     // Block row j of every sequence at once (row j + 1 needs row j's token): the Markov
-    // embeddings of the previous tokens (host rows of the BF16 table, as dsv41.c) up, the head and
-    // the Markov head on the device, the summed logits down; argmax and the confidence head here.
+    // embeddings of the previous tokens (host rows of the BF16 table, as dsv41.c) up, the head,
+    // the Markov head and the drafts' argmax on the device, n ids down (the logits only for a
+    // caller that asks: n * V floats a row otherwise, 33 MB per block row at 64 slots on
+    // V4.1-Flash); the confidence head here (it reads the block's hidden row and the Markov
+    // embedding, not the logits).
     for (int32_t j = 0; j < BS && st == DI_OK; j++) {
         for (int32_t i = 0; i < n; i++) {
             const int32_t prev = j == 0 ? seqs[i].anchor : seqs[i].out.tokens[j - 1];
@@ -2398,14 +2412,15 @@ di_status di_dsv41_dev_draft(di_dsv41_dev_state *all, di_dsv41_dev_draft_seq *se
         }
         st = b->vt->upload(b, s->me, s->me_h, sizeof(float) * (size_t)(n * MR));
         if (st == DI_OK) st = draft_head(c, j, n, BS);
-        if (st == DI_OK)
-            st = b->vt->download(b, s->lg_h, s->logits, sizeof(float) * (size_t)(n * V));
+        if (st == DI_OK) st = b->vt->download(b, s->pick_h, s->pick, sizeof(int32_t) * (size_t)n);
+        s->stats.last_download_bytes += (int64_t)sizeof(int32_t) * n;
+        for (int32_t i = 0; i < n && st == DI_OK && logits; i++) {
+            st = b->vt->download(b, logits + ((int64_t)i * BS + j) * V, s->logits + i * V,
+                                 sizeof(float) * (size_t)V);
+            s->stats.last_download_bytes += (int64_t)sizeof(float) * V;
+        }
         for (int32_t i = 0; i < n && st == DI_OK; i++) {
-            const float *li = s->lg_h + i * V;
-            int32_t best = 0;
-            for (int64_t v = 1; v < V; v++)
-                if (li[v] > li[best]) best = (int32_t)v;
-            if (logits) memcpy(logits + ((int64_t)i * BS + j) * V, li, sizeof(float) * (size_t)V);
+            const int32_t best = s->pick_h[i];
             memcpy(mi, s->h_h + ((int64_t)i * BS + j) * D, sizeof(float) * (size_t)D);
             memcpy(mi + D, s->me_h + i * MR, sizeof(float) * (size_t)MR);
             const float conf = di_ref_dot(m->dspark.confidence, mi, D + MR);
@@ -2415,6 +2430,7 @@ di_status di_dsv41_dev_draft(di_dsv41_dev_state *all, di_dsv41_dev_draft_seq *se
         }
     }
     if (st != DI_OK) goto fail;
+    s->stats.n_download_bytes += s->stats.last_download_bytes;
     return DI_OK;
 fail:
     DI_LOG_ERROR("dev forward (V4.1): draft call failed (%s)", di_status_str(st));
@@ -2432,7 +2448,10 @@ void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_grap
     di_dsv41_dev_graph_stats g = s->ss[0]->stats;
     g.last_ops = g.last_uploads = g.last_upload_bytes = 0;
     g.n_handover_peer = g.n_handover_host = g.last_handover_bytes = 0;
+    g.last_download_bytes = g.n_download_bytes = 0;
     for (int32_t k = 0; k < s->n_stages; k++) {
+        g.last_download_bytes += s->ss[k]->stats.last_download_bytes;
+        g.n_download_bytes += s->ss[k]->stats.n_download_bytes;
         g.last_ops += s->ss[k]->stats.last_ops;
         g.last_uploads += s->ss[k]->stats.last_uploads;
         g.last_upload_bytes += s->ss[k]->stats.last_upload_bytes;
@@ -2446,14 +2465,27 @@ void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_grap
 di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
                                const int32_t *tokens, const int32_t *logit_rows,
                                int32_t n_logit_rows, float *logits) {
+    return di_dsv41_dev_forward_picks(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits,
+                                      NULL, NULL);
+}
+
+di_status di_dsv41_dev_forward_picks(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs,
+                                     int32_t n_seq, const int32_t *tokens,
+                                     const int32_t *logit_rows, int32_t n_logit_rows, float *logits,
+                                     const uint8_t *greedy, int32_t *picks) {
     int32_t T = 0;
     di_status st = DI_OK;
+    if (greedy && !picks) {
+        DI_LOG_ERROR("dev forward (V4.1): greedy rows need somewhere to write their picks");
+        return DI_ERR_INVALID;
+    }
     for (int32_t k = 0; k < s->n_stages; k++) { // every stage first: nothing runs if one refuses
         st = check_call(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, &T);
         if (st != DI_OK) return st;
     }
     for (int32_t k = 0; k < s->n_stages; k++) {
-        st = stage_forward(s, k, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, T);
+        st = stage_forward(s, k, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, greedy,
+                           picks, T);
         if (st != DI_OK) goto fail;
     }
     return DI_OK;

@@ -309,6 +309,17 @@ typedef struct di_dsv41_dev_seq {
 di_status di_dsv41_dev_forward(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs, int32_t n_seq,
                                const int32_t *tokens, const int32_t *logit_rows,
                                int32_t n_logit_rows, float *logits);
+// di_dsv41_dev_forward with greedy rows: logit row k with greedy[k] != 0 crosses to the host as
+// its argmax only, picks[k] (host [n_logit_rows]; exactly sample/sampler.h di_argmax of the row
+// the plain call downloads), its row of logits left as it was; the other rows' logits as
+// di_dsv41_dev_forward (one download per run of consecutive such rows). The greedy picks cost
+// one argmax_rows op per head chunk after the head (after a decode graph's launch: the graphs are
+// the same) and 4 bytes a row instead of 4 V. greedy NULL: the plain call. DI_ERR_INVALID also
+// for greedy without picks; errors as di_dsv41_dev_forward.
+di_status di_dsv41_dev_forward_picks(di_dsv41_dev_state *s, const di_dsv41_dev_seq *seqs,
+                                     int32_t n_seq, const int32_t *tokens,
+                                     const int32_t *logit_rows, int32_t n_logit_rows, float *logits,
+                                     const uint8_t *greedy, int32_t *picks);
 
 // Takes back the last n positions slot `slot` consumed (rejected speculative tokens,
 // deepseek-v41.md §5.3; di_dsv41_rollback's device twin): afterwards the slot is exactly the state
@@ -338,10 +349,11 @@ typedef struct di_dsv41_dev_draft_seq {
 
 // Drafts a DSpark block for each of n slots in one call (di_dsv41_draft_batch's twin, bit for bit
 // its drafts, confidences and logits): the n * dspark_block_size block rows run the DSpark blocks
-// on the last stage in one batch, then block row j of every slot at once through the head and the
-// Markov head (its summed logits downloaded: argmax and the confidence head on the host, row
-// j + 1 needs row j's token). Runs directly (no graph), changes no slot. logits: when not NULL,
-// [n, dspark_block_size, V]. DI_ERR_INVALID (logged: DSpark off, n outside 1 .. 64 or more block
+// on the last stage in one batch, then block row j of every slot at once through the head, the
+// Markov head and the drafts' argmax on the device (argmax_rows: n ids downloaded, not n rows of
+// logits; the confidence head on the host, row j + 1 needs row j's token). Runs directly (no
+// graph), changes no slot. logits: when not NULL, [n, dspark_block_size, V], downloaded too (a
+// row each: tests). DI_ERR_INVALID (logged: DSpark off, n outside 1 .. 64 or more block
 // rows than max_rows, a slot out of range, repeated or at position 0, an anchor outside the
 // vocabulary; nothing ran), DI_ERR_CUDA, DI_ERR_NOMEM.
 di_status di_dsv41_dev_draft(di_dsv41_dev_state *s, di_dsv41_dev_draft_seq *seqs, int32_t n,
@@ -370,12 +382,16 @@ di_status di_dsv41_dev_attach_stages(di_model *m, di_backend *const *b, int32_t 
 // not counted) and its host-to-backend uploads and their bytes (a decode step: one upload, and
 // the same ops whatever its number of sequences). The pipeline stages' hand-overs as dsv4_dev.h's
 // (one per buffer copied into a stage: so far by kind, peer or through the host bounce, which is
-// also an upload of the last call; the last call's bytes handed over).
+// also an upload of the last call; the last call's bytes handed over). The bytes of results
+// downloaded (logits, greedy picks, a draft call's picks and logits asked for; not the hidden
+// rows a draft call reads back, snapshots or KV transfers): the last call's (a forward or a draft
+// call) and every call's so far.
 typedef struct di_dsv41_dev_graph_stats {
     int64_t n_direct, n_captured, n_replayed;
     int32_t n_cached;
     int64_t last_ops, last_uploads, last_upload_bytes;
     int64_t n_handover_peer, n_handover_host, last_handover_bytes;
+    int64_t last_download_bytes, n_download_bytes;
 } di_dsv41_dev_graph_stats;
 void di_dsv41_dev_get_graph_stats(const di_dsv41_dev_state *s, di_dsv41_dev_graph_stats *out);
 // Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps

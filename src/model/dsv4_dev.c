@@ -307,6 +307,9 @@ struct stage_state {
     float *kvf; // official recipe: this call's FP32 kv rows [max_rows, Dh] (then kv_quant)
     int64_t kv_row_bytes; // bytes per KV pool row: 4 Dh (FP32 rows) or the KV row format's
     float *hx, *h, *logits;
+    // The greedy picks of a head chunk's logit rows (argmax_rows: greedy rows and MTP drafts cross
+    // as one id each), last stage: backend [HC] and host (host_alloc, owned) [HC].
+    int32_t *pick, *pick_h;
     int32_t *sel;
     int32_t *zeros; // [max_rows] of 0: key_lists' base and offset of the window keys
     int64_t score_stride;
@@ -548,6 +551,7 @@ static void stage_state_destroy(stage_state *s) {
         s->d->b->vt->graph_destroy(s->d->b, s->graphs[i].graph);
     di_free(s->graphs);
     s->d->b->vt->host_free(s->d->b, s->meta_host); // meta_dev is in the blocks
+    s->d->b->vt->host_free(s->d->b, s->pick_h);
     for (int32_t i = 0; i < s->n_blocks; i++) s->d->b->vt->free(s->d->b, s->blocks[i]);
     di_free(s->blocks);
     di_free(s->n_past);
@@ -742,6 +746,11 @@ static di_status stage_state_create(dev_stage *d, int32_t n_slots, int32_t n_ctx
         DI_TRY(st_floats(s, HC * nc * D, &s->hx));
         DI_TRY(st_floats(s, HC * D, &s->h));
         DI_TRY(st_floats(s, HC * hp->n_vocab, &s->logits));
+        void *pk = NULL;
+        DI_TRY(st_alloc(s, sizeof(int32_t) * (size_t)HC, &pk));
+        s->pick = pk;
+        DI_TRY(d->b->vt->host_alloc(d->b, sizeof(int32_t) * (size_t)HC, &pk));
+        s->pick_h = pk;
     }
     if (d->official) {
         int64_t w = D > Rq ? D : Rq;
@@ -1428,8 +1437,9 @@ static di_status capture(const call *c, const int32_t *rows, int32_t n, void **o
 // one (the last stage runs the head and downloads the logits).
 static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                                const int32_t *tokens, const int32_t *logit_rows,
-                               int32_t n_logit_rows, float *logits, int32_t T, int32_t n_upd,
-                               const stage_state *prev, void *bounce) {
+                               int32_t n_logit_rows, float *logits, const uint8_t *greedy,
+                               int32_t *picks, int32_t T, int32_t n_upd, const stage_state *prev,
+                               void *bounce) {
     const di_model *m = s->d->m;
     const di_hparams *hp = &m->hp;
     di_status st = DI_OK;
@@ -1437,7 +1447,7 @@ static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int3
     const size_t x_bytes = sizeof(float) * (size_t)T * (size_t)hp->hc_mult * (size_t)hp->n_embd;
     call cl = {s, seqs, n_seq, T};
     s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
-    s->stats.last_handover_bytes = 0;
+    s->stats.last_handover_bytes = s->stats.last_download_bytes = 0;
     s->x_rows = 0; // until the call's streams are complete
     const call *c = &cl;
     // A decode step runs from its graph unless its page table changes more than one entry per
@@ -1504,7 +1514,6 @@ static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int3
 
     // Embedding, the layers, the head on the logit rows: a decode step through its graph (after
     // it ran once directly), every other call directly, chunk by chunk of the head.
-    const size_t row_bytes = sizeof(float) * (size_t)hp->n_vocab;
     if (graph) {
         // n_seq <= n_slots, HEAD_CHUNK
         struct dev_graph *g = &s->graphs[(rows - 1) * s->n_graphs + n_seq - 1];
@@ -1535,17 +1544,20 @@ static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int3
             DI_TRY(s->d->b->vt->graph_launch(s->d->b, g->graph));
         }
         g->seen = true;
-        if (last)
-            DI_TRY(s->d->b->vt->download(s->d->b, logits, s->logits,
-                                         row_bytes * (size_t)n_logit_rows));
+        if (last) // after the graph: its ops are the same for any greedy rows
+            DI_TRY(di_dev_logits_down(s->d->b, s->logits, n_logit_rows, hp->n_vocab, greedy,
+                                      s->pick, s->pick_h, logits, picks, &s->stats.last_ops,
+                                      &s->stats.last_download_bytes));
     } else {
         DI_TRY(layers(c));
         const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
         for (int32_t k = 0; k < n_logit_rows && last; k += HC) {
             int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
             DI_TRY(head(c, &s->d->hc_head, s->d->norm, logit_rows + k, n));
-            DI_TRY(s->d->b->vt->download(s->d->b, logits + (int64_t)k * hp->n_vocab, s->logits,
-                                         row_bytes * (size_t)n));
+            DI_TRY(di_dev_logits_down(s->d->b, s->logits, n, hp->n_vocab,
+                                      greedy ? greedy + k : NULL, s->pick, s->pick_h,
+                                      logits + (int64_t)k * hp->n_vocab, picks ? picks + k : NULL,
+                                      &s->stats.last_ops, &s->stats.last_download_bytes));
         }
         s->stats.n_direct++;
     }
@@ -1558,6 +1570,7 @@ static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int3
         s->back_lo[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok - 1; // its last row may go
     }
     s->x_rows = T; // the main streams of every row, for an MTP call (head() only reads x)
+    s->stats.n_download_bytes += s->stats.last_download_bytes;
     return DI_OK;
 fail:
     // Whether the page table updates reached the device is unknown: the next call of these
@@ -1669,7 +1682,8 @@ fail:
 // The MTP call on the last stage s (its main streams are the last stage's x).
 static di_status stage_mtp_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                                    const int32_t *x_rows, const int32_t *ids_next,
-                                   const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+                                   const int32_t *logit_rows, int32_t n_logit_rows, float *logits,
+                                   const uint8_t *greedy, int32_t *picks) {
     const di_hparams *hp = &s->d->m->hp;
     int32_t T = 0;
     di_status st =
@@ -1678,6 +1692,7 @@ static di_status stage_mtp_forward(stage_state *s, const di_dsv4_dev_seq *seqs, 
     call cl = {s, seqs, n_seq, T};
     const call *c = &cl;
     s->stats.last_ops = s->stats.last_uploads = s->stats.last_upload_bytes = 0;
+    s->stats.last_download_bytes = 0;
     s->meta_used = 0;
     iarr_place(s, &s->tokens, (size_t)T);
     iarr_place(s, &s->pos, (size_t)T);
@@ -1697,14 +1712,16 @@ static di_status stage_mtp_forward(stage_state *s, const di_dsv4_dev_seq *seqs, 
     DI_TRY(mtp_input(c));
     DI_TRY(block(c, hp->n_layer));
     const int32_t HC = s->max_rows < HEAD_CHUNK ? s->max_rows : HEAD_CHUNK;
-    const size_t row_bytes = sizeof(float) * (size_t)hp->n_vocab;
     for (int32_t k = 0; k < n_logit_rows; k += HC) {
         int32_t n = n_logit_rows - k < HC ? n_logit_rows - k : HC;
         DI_TRY(head(c, &s->d->mtp_hc_head, s->d->mtp_norm, logit_rows + k, n));
-        DI_TRY(s->d->b->vt->download(s->d->b, logits + (int64_t)k * hp->n_vocab, s->logits,
-                                     row_bytes * (size_t)n));
+        DI_TRY(di_dev_logits_down(s->d->b, s->logits, n, hp->n_vocab, greedy ? greedy + k : NULL,
+                                  s->pick, s->pick_h, logits + (int64_t)k * hp->n_vocab,
+                                  picks ? picks + k : NULL, &s->stats.last_ops,
+                                  &s->stats.last_download_bytes));
     }
     DI_TRY(s->d->b->vt->sync(s->d->b));
+    s->stats.n_download_bytes += s->stats.last_download_bytes;
     s->stats.n_direct++;
     for (int32_t i = 0; i < n_seq; i++) s->mtp_n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
     return DI_OK;
@@ -2235,6 +2252,8 @@ void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_s
         g.n_handover_peer += p.n_handover_peer;
         g.n_handover_host += p.n_handover_host;
         g.last_handover_bytes += p.last_handover_bytes;
+        g.last_download_bytes += p.last_download_bytes;
+        g.n_download_bytes += p.n_download_bytes;
     }
     *out = g;
 }
@@ -2242,7 +2261,19 @@ void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_s
 di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                               const int32_t *tokens, const int32_t *logit_rows,
                               int32_t n_logit_rows, float *logits) {
+    return di_dsv4_dev_forward_picks(s, seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, NULL,
+                                     NULL);
+}
+
+di_status di_dsv4_dev_forward_picks(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
+                                    int32_t n_seq, const int32_t *tokens, const int32_t *logit_rows,
+                                    int32_t n_logit_rows, float *logits, const uint8_t *greedy,
+                                    int32_t *picks) {
     int32_t T = 0, n_upd[DI_DSV4_DEV_MAX_STAGES];
+    if (greedy && !picks) {
+        DI_LOG_ERROR("dev forward: greedy rows need somewhere to write their picks");
+        return DI_ERR_INVALID;
+    }
     // Every stage's checks before any stage runs (a stage refuses only what another would).
     for (int32_t k = 0; k < s->n_stages; k++) {
         di_status st = check_call(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits,
@@ -2253,8 +2284,9 @@ di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
     // s->xfer; the stages' backends are used one after another: stage k + 1 starts when stage k's
     // step has synchronised).
     for (int32_t k = 0; k < s->n_stages; k++) {
-        di_status st = stage_forward(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows,
-                                     logits, T, n_upd[k], k > 0 ? s->ss[k - 1] : NULL, s->xfer);
+        di_status st =
+            stage_forward(s->ss[k], seqs, n_seq, tokens, logit_rows, n_logit_rows, logits, greedy,
+                          picks, T, n_upd[k], k > 0 ? s->ss[k - 1] : NULL, s->xfer);
         if (st != DI_OK) { // every stage's slots restart (the earlier stages advanced theirs)
             for (int32_t j = 0; j < s->n_stages; j++) {
                 s->ss[j]->x_rows = 0;
@@ -2317,13 +2349,26 @@ di_status di_dsv4_dev_prepare_verify(di_dsv4_dev_state *s, int32_t max_seqs) {
 di_status di_dsv4_dev_mtp_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                                   const int32_t *x_rows, const int32_t *ids_next,
                                   const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+    return di_dsv4_dev_mtp_forward_picks(s, seqs, n_seq, x_rows, ids_next, logit_rows, n_logit_rows,
+                                         logits, NULL, NULL);
+}
+
+di_status di_dsv4_dev_mtp_forward_picks(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
+                                        int32_t n_seq, const int32_t *x_rows,
+                                        const int32_t *ids_next, const int32_t *logit_rows,
+                                        int32_t n_logit_rows, float *logits, const uint8_t *greedy,
+                                        int32_t *picks) {
+    if (greedy && !picks) {
+        DI_LOG_ERROR("dev mtp: greedy rows need somewhere to write their picks");
+        return DI_ERR_INVALID;
+    }
     // The MTP block runs on the last stage only (its main streams are that stage's): the other
     // stages' last-call costs are none.
     for (int32_t k = 0; k < s->n_stages - 1; k++)
         s->ss[k]->stats.last_ops = s->ss[k]->stats.last_uploads =
-            s->ss[k]->stats.last_upload_bytes = 0;
+            s->ss[k]->stats.last_upload_bytes = s->ss[k]->stats.last_download_bytes = 0;
     return stage_mtp_forward(last_part(s), seqs, n_seq, x_rows, ids_next, logit_rows, n_logit_rows,
-                             logits);
+                             logits, greedy, picks);
 }
 
 di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos) {

@@ -250,6 +250,17 @@ typedef struct di_dsv4_dev_seq {
 di_status di_dsv4_dev_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                               const int32_t *tokens, const int32_t *logit_rows,
                               int32_t n_logit_rows, float *logits);
+// di_dsv4_dev_forward with greedy rows: logit row k with greedy[k] != 0 crosses to the host as
+// its argmax only, picks[k] (host [n_logit_rows]; exactly sample/sampler.h di_argmax of the row
+// the plain call downloads), its row of logits left as it was; the other rows' logits as
+// di_dsv4_dev_forward (one download per run of consecutive such rows). The picks cost one
+// argmax_rows op per head chunk after the head (after a decode graph's launch: the graphs are the
+// same) and 4 bytes a row instead of 4 V. greedy NULL: the plain call. DI_ERR_INVALID also for
+// greedy without picks; errors as di_dsv4_dev_forward.
+di_status di_dsv4_dev_forward_picks(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
+                                    int32_t n_seq, const int32_t *tokens, const int32_t *logit_rows,
+                                    int32_t n_logit_rows, float *logits, const uint8_t *greedy,
+                                    int32_t *picks);
 
 // Tokens slot `slot` has consumed (-1 after a failed call: restart it at pos 0).
 int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot);
@@ -265,11 +276,14 @@ int32_t di_dsv4_dev_n_past(const di_dsv4_dev_state *s, int32_t slot);
 // Pipeline stages' hand-overs ("Pipeline stages"), one per buffer copied into a stage: so far by
 // kind, directly (peer_copy: two CPU backends, one GPU or two with peer access) or through the
 // host bounce (then also an upload of the last call), and the last call's bytes handed over.
+// The bytes of results downloaded (logits, greedy picks: di_dsv4_dev_forward_picks; not
+// snapshots or KV transfers), the last call's (a main or an MTP call) and every call's so far.
 typedef struct di_dsv4_dev_graph_stats {
     int64_t n_direct, n_captured, n_replayed, n_direct_pages;
     int32_t n_cached;
     int64_t last_ops, last_uploads, last_upload_bytes;
     int64_t n_handover_peer, n_handover_host, last_handover_bytes;
+    int64_t last_download_bytes, n_download_bytes;
 } di_dsv4_dev_graph_stats;
 void di_dsv4_dev_get_graph_stats(const di_dsv4_dev_state *s, di_dsv4_dev_graph_stats *out);
 // Runs and captures the decode graph of every size 1..min(max_seqs, n_slots, 64): two decode steps
@@ -305,6 +319,13 @@ bool di_dsv4_dev_has_mtp(const di_dsv4_dev *d);
 di_status di_dsv4_dev_mtp_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                                   const int32_t *x_rows, const int32_t *ids_next,
                                   const int32_t *logit_rows, int32_t n_logit_rows, float *logits);
+// di_dsv4_dev_mtp_forward with greedy rows, as di_dsv4_dev_forward_picks: the engine's drafts
+// (the argmax of each MTP logit row) cross as picks[k], one id a row.
+di_status di_dsv4_dev_mtp_forward_picks(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs,
+                                        int32_t n_seq, const int32_t *x_rows,
+                                        const int32_t *ids_next, const int32_t *logit_rows,
+                                        int32_t n_logit_rows, float *logits, const uint8_t *greedy,
+                                        int32_t *picks);
 // Positions slot `slot`'s MTP ring consumed (-1: restart it; no MTP: -1).
 int32_t di_dsv4_dev_mtp_n_past(const di_dsv4_dev_state *s, int32_t slot);
 // Takes slot `slot` back to position pos: at most the last row of its last call (a rejected

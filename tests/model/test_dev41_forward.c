@@ -67,6 +67,7 @@
 #include "model/dsv41.h"
 #include "model/dsv41_dev.h"
 #include "model/synth.h"
+#include "sample/sampler.h" // di_argmax: what a greedy row's pick must be
 
 enum { N_SLOTS = 3, N_CTX = 192, MAX_ROWS = 48, BT = 16 };
 enum { MAXB = N_CTX / BT, N_BLK = (N_SLOTS + 1) * MAXB };
@@ -102,6 +103,10 @@ typedef struct harness {
     int64_t V;
     float *got, *got2, *ref;
     int n_rows, n_bad;
+    // (p) greedy picks: h_call runs st through di_dsv41_dev_forward_picks with every third row
+    // (shifting by call) greedy; n_calls counts the calls.
+    bool picks;
+    int n_calls, n_picked;
 } harness;
 
 static int32_t token_of(int slot, int gen, int32_t pos) {
@@ -262,8 +267,23 @@ static void h_call(harness *h, int n, const int *slots, const int *n_tok, const 
     }
     di_dsv41_dev_graph_stats g0, g1;
     di_dsv41_dev_get_graph_stats(h->st, &g0);
-    CHECK_EQ(di_dsv41_dev_forward(h->st, seqs, n, tokens, rows, T, h->got), DI_OK);
+    // (p) with picks: the greedy rows' logits are not written (0xFF bytes stay), their picks are.
+    uint8_t greedy[MAX_ROWS] = {0};
+    int32_t picks[MAX_ROWS];
+    int n_greedy = 0;
+    for (int t = 0; t < T && h->picks; t++) n_greedy += greedy[t] = (t + h->n_calls) % 3 == 2;
+    h->n_calls++;
+    memset(h->got, 0xFF, sizeof(float) * (size_t)(T * h->V));
+    CHECK_EQ(di_dsv41_dev_forward_picks(h->st, seqs, n, tokens, rows, T, h->got,
+                                        h->picks ? greedy : NULL, picks),
+             DI_OK);
     di_dsv41_dev_get_graph_stats(h->st, &g1);
+    { // the bytes of results: 4 per row more when a row is greedy, 4 V less per greedy row
+        const int64_t want = (n_greedy ? 4 * (int64_t)T : 0) + 4 * h->V * (T - n_greedy);
+        CHECK_EQ(g1.last_download_bytes, want);
+        CHECK_EQ(g1.n_download_bytes - g0.n_download_bytes, want);
+        h->n_picked += n_greedy;
+    }
     if (g_stages > 1) { // (l), (m) every call's hand-overs, by kind
         int64_t peer = 0, host = 0;
         decode_handovers(h->m, h->d, &peer, &host);
@@ -273,13 +293,17 @@ static void h_call(harness *h, int n, const int *slots, const int *n_tok, const 
         CHECK(g1.last_handover_bytes >= (int64_t)(g_stages - 1) * T * (int64_t)sizeof(float) *
                                             h->m->hp.hc_mult * (h->m->hp.n_embd + 1));
     }
-    if (h->st2) {
-        CHECK_EQ(di_dsv41_dev_forward(h->st2, seqs, n, tokens, rows, T, h->got2), DI_OK);
-        CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)(T * h->V)) == 0);
-    }
-    if (h->st1) { // (m) the 1-stage forward: the same logits
-        CHECK_EQ(di_dsv41_dev_forward(h->st1, seqs, n, tokens, rows, T, h->got2), DI_OK);
-        CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)(T * h->V)) == 0);
+    // A greedy row of st's call: its pick is di_argmax of the row `full` (another state's, or
+    // the session's), its logits untouched; another row: the same logits as `full`.
+#define SAME_ROW(t, full)                                                                          \
+    (greedy[t] ? picks[t] == di_argmax((full), (int32_t)h->V) &&                                   \
+                     ((const uint32_t *)(h->got + (int64_t)(t)*h->V))[h->V - 1] == 0xFFFFFFFFu     \
+               : memcmp(h->got + (int64_t)(t)*h->V, (full), sizeof(float) * (size_t)h->V) == 0)
+    di_dsv41_dev_state *others[2] = {h->st2, h->st1}; // (m) st1: the 1-stage forward
+    for (int k = 0; k < 2; k++) {
+        if (!others[k]) continue;
+        CHECK_EQ(di_dsv41_dev_forward(others[k], seqs, n, tokens, rows, T, h->got2), DI_OK);
+        for (int t = 0; t < T; t++) CHECK(SAME_ROW(t, h->got2 + (int64_t)t * h->V));
     }
     int r = 0;
     for (int i = 0; i < n; i++) {
@@ -289,7 +313,11 @@ static void h_call(harness *h, int n, const int *slots, const int *n_tok, const 
         for (int t = 0; t < n_tok[i]; t++) {
             const float *a = h->got + (int64_t)(r + t) * h->V, *b = h->ref + (int64_t)t * h->V;
             h->n_rows++;
-            if (memcmp(a, b, sizeof(float) * (size_t)h->V) != 0) {
+            if (greedy[r + t]) {
+                if (!SAME_ROW(r + t, b) && h->n_bad++ < 5)
+                    fprintf(stderr, "slot %d pos %d: greedy pick %d, not %d\n", slots[i],
+                            seqs[i].pos + t, picks[r + t], di_argmax(b, (int32_t)h->V));
+            } else if (memcmp(a, b, sizeof(float) * (size_t)h->V) != 0) {
                 double mx = 0;
                 for (int64_t v = 0; v < h->V; v++) {
                     double e = a[v] > b[v] ? a[v] - b[v] : b[v] - a[v];
@@ -302,6 +330,7 @@ static void h_call(harness *h, int n, const int *slots, const int *n_tok, const 
         }
         r += n_tok[i];
     }
+#undef SAME_ROW
 }
 
 // (a) one sequence: chunks straddling W = 16, ratio-2 groups and candidate blocks, then decodes.
@@ -409,12 +438,35 @@ static void batches(di_precision prec) {
     CHECK_EQ(g.n_cached, 2);
     CHECK_EQ(g2.n_replayed, 0);
     CHECK_EQ(g2.n_cached, 0);
+    // (p) greedy picks (di_dsv41_dev_forward_picks, h_call): ragged calls, then decode steps
+    // (graphs replayed), every third row greedy: each pick di_argmax of the row st2 and the
+    // sessions computed, the other rows their logits, the greedy rows' logits not written, 4 bytes
+    // downloaded a greedy row instead of 4 V; a replayed decode step (one greedy row of 3) costs
+    // the graph's ops and the argmax op after it. Greedy rows without picks are refused.
+    h.picks = true;
+    const int picked0 = h.n_picked;
+    for (int k = 0; k < 4; k++) h_call(&h, N_SLOTS, order[k], sizes[k], NULL);
+    for (int k = 0; k < 6; k++) h_call(&h, N_SLOTS, all, ones, NULL);
+    di_dsv41_dev_get_graph_stats(h.st, &g);
+    CHECK_EQ(g.last_ops, ops2 + 1);
+    CHECK(h.n_picked - picked0 >= 6 + 10);
+    {
+        const uint8_t gr[1] = {1};
+        int32_t tok[1] = {1}, rows[1] = {0};
+        di_dsv41_dev_seq ok = {.slot = 0,
+                               .pos = di_dsv41_dev_n_past(h.st, 0),
+                               .n_tok = 1,
+                               .blocks = h.blk[0],
+                               .n_blocks = MAXB};
+        CHECK_EQ(di_dsv41_dev_forward_picks(h.st, &ok, 1, tok, rows, 1, h.got, gr, NULL),
+                 DI_ERR_INVALID);
+    }
     CHECK_EQ(h.n_bad, 0);
     fprintf(stderr,
-            "  %d rows compared; graphs: %lld direct, %lld captured, %lld replayed; a decode step "
-            "%lld ops, %lld bytes uploaded\n",
-            h.n_rows, (long long)g.n_direct, (long long)g.n_captured, (long long)g.n_replayed,
-            (long long)ops2, (long long)g.last_upload_bytes);
+            "  %d rows compared (%d greedy picks); graphs: %lld direct, %lld captured, %lld "
+            "replayed; a decode step %lld ops, %lld bytes uploaded\n",
+            h.n_rows, h.n_picked, (long long)g.n_direct, (long long)g.n_captured,
+            (long long)g.n_replayed, (long long)ops2, (long long)g.last_upload_bytes);
     h_free(&h);
 }
 
@@ -592,6 +644,7 @@ static void tail_case(di_precision prec) {
 static void prepare_case(di_precision prec) {
     harness h;
     h_init(&h, prec, false);
+    h.picks = true; // (p) the decode and verify graphs' steps with greedy rows
     int64_t blk_bytes = 0, slot_bytes = 0;
     CHECK_EQ(di_dsv41_dev_sizes(h.d, BT, &blk_bytes, &slot_bytes), DI_OK);
     CHECK(di_dsv41_dev_state_bytes(h.st) > N_BLK * blk_bytes + N_SLOTS * slot_bytes);
@@ -787,6 +840,7 @@ static void dspark_case(di_precision prec) {
     h_init(&h, prec, true);
     CHECK(di_dsv41_dev_dspark_on(h.st));
     CHECK(h.m->hp.dspark_block_size >= 2);
+    h.picks = true; // (p) greedy rows in DSpark states' calls (their context rows after the head)
     const int all[N_SLOTS] = {0, 1, 2};
     const int pre[N_SLOTS] = {5, 19, 22};
     h_call(&h, N_SLOTS, all, pre, NULL);

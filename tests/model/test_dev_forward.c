@@ -55,6 +55,7 @@
 #include "model/dsv4.h"
 #include "model/dsv4_dev.h"
 #include "model/synth.h"
+#include "sample/sampler.h" // di_argmax: what a greedy row's pick must be
 
 // Both sides run the same kernels in the same order on the same rows, so the logits should be
 // bit-identical; the bound leaves room only for a reordered sum somewhere (~1e-7 relative per op),
@@ -116,6 +117,10 @@ typedef struct harness_ctx {
     float *got, *got2, *ref;
     double max_diff, max_ref;
     int64_t rows;
+    // (n) greedy picks: run_step runs st through di_dsv4_dev_forward_picks with every third logit
+    // row (shifting by call) greedy; n_calls counts the calls, n_picked the picks checked.
+    bool picks;
+    int64_t n_calls, n_picked;
 } harness_ctx;
 
 // Block ids 0..N_BLK-1 in a fixed shuffled order, MAXB per slot, then the spare set.
@@ -221,8 +226,24 @@ static void run_step(harness_ctx *h, const step *sp) {
             rows[n_rows++] = r + t;
     di_dsv4_dev_graph_stats g0, g1;
     di_dsv4_dev_get_graph_stats(h->st, &g0);
-    CHECK_EQ(di_dsv4_dev_forward(h->st, seqs, sp->n, tokens, rows, n_rows, h->got), DI_OK);
+    // (n) with picks: a greedy row's logits are not written (0xFF bytes stay), its pick is.
+    uint8_t greedy[MAX_ROWS] = {0};
+    int32_t picks[MAX_ROWS];
+    int32_t n_greedy = 0;
+    for (int32_t k = 0; k < n_rows && h->picks; k++)
+        n_greedy += greedy[k] = (k + h->n_calls) % 3 == 2;
+    h->n_calls++;
+    memset(h->got, 0xFF, sizeof(float) * (size_t)n_rows * (size_t)h->V);
+    CHECK_EQ(di_dsv4_dev_forward_picks(h->st, seqs, sp->n, tokens, rows, n_rows, h->got,
+                                       h->picks ? greedy : NULL, picks),
+             DI_OK);
     di_dsv4_dev_get_graph_stats(h->st, &g1);
+    { // the bytes of results: 4 per row more when a row is greedy, 4 V less per greedy row
+        const int64_t want =
+            (n_greedy ? 4 * (int64_t)n_rows : 0) + 4 * (int64_t)h->V * (n_rows - n_greedy);
+        CHECK_EQ(g1.last_download_bytes, want);
+        CHECK_EQ(g1.n_download_bytes - g0.n_download_bytes, want);
+    }
     { // (m) the hand-overs: the streams once per boundary, by kind (make_dev), the bounce's
       // upload counted with the stages' one metadata upload each
         const int64_t n_host = g_stages == 3, n_peer = g_stages - 1 - n_host;
@@ -233,13 +254,18 @@ static void run_step(harness_ctx *h, const step *sp) {
                  (int64_t)(g_stages - 1) * T * (int64_t)sizeof(float) * hp->hc_mult * hp->n_embd);
         CHECK_EQ(g1.last_uploads, g_stages + n_host);
     }
-    if (h->st2) {
-        CHECK_EQ(di_dsv4_dev_forward(h->st2, seqs, sp->n, tokens, rows, n_rows, h->got2), DI_OK);
-        CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)n_rows * (size_t)h->V) == 0);
-    }
-    if (h->st1) { // (m) the 1-stage forward
-        CHECK_EQ(di_dsv4_dev_forward(h->st1, seqs, sp->n, tokens, rows, n_rows, h->got2), DI_OK);
-        CHECK(memcmp(h->got, h->got2, sizeof(float) * (size_t)n_rows * (size_t)h->V) == 0);
+    // Logit row k of st's call against the row `full` (another state's, or the session's): a
+    // greedy row's pick is di_argmax(full) and its logits are untouched, another row's logits
+    // are full's.
+#define SAME_ROW(k, full)                                                                          \
+    (greedy[k] ? picks[k] == di_argmax((full), h->V) &&                                            \
+                     ((const uint32_t *)(h->got + (int64_t)(k)*h->V))[h->V - 1] == 0xFFFFFFFFu     \
+               : memcmp(h->got + (int64_t)(k)*h->V, (full), sizeof(float) * (size_t)h->V) == 0)
+    di_dsv4_dev_state *others[2] = {h->st2, h->st1}; // (m) st1: the 1-stage forward
+    for (int j = 0; j < 2; j++) {
+        if (!others[j]) continue;
+        CHECK_EQ(di_dsv4_dev_forward(others[j], seqs, sp->n, tokens, rows, n_rows, h->got2), DI_OK);
+        for (int32_t k = 0; k < n_rows; k++) CHECK(SAME_ROW(k, h->got2 + (int64_t)k * h->V));
     }
     int32_t r0 = 0, k_got = 0;
     for (int i = 0; i < sp->n; i++) {
@@ -249,6 +275,13 @@ static void run_step(harness_ctx *h, const step *sp) {
         CHECK_EQ(di_dsv4_dev_n_past(h->st, s), di_session_n_past(h->ses[s]));
         const int32_t n = sp->last_rows ? 1 : sp->n_tok[i];
         for (int64_t k = 0; k < (int64_t)n * h->V; k++) {
+            if (greedy[k_got + k / h->V]) { // its pick instead (once per row)
+                if (k % h->V == 0) {
+                    CHECK(SAME_ROW(k_got + k / h->V, h->ref + k));
+                    h->n_picked++;
+                }
+                continue;
+            }
             double r = h->ref[k], g = h->got[(int64_t)k_got * h->V + k];
             if (fabs(r) > h->max_ref) h->max_ref = fabs(r);
             if (!(fabs(g - r) <= h->max_diff)) h->max_diff = isnan(g) ? INFINITY : fabs(g - r);
@@ -258,6 +291,7 @@ static void run_step(harness_ctx *h, const step *sp) {
         r0 += sp->n_tok[i];
     }
     CHECK_EQ(k_got, n_rows);
+#undef SAME_ROW
 }
 
 static void report(const harness_ctx *h, const char *what) {
@@ -489,6 +523,34 @@ static void test_graphs(void) {
     CHECK_EQ(g.n_replayed, 30 - 2 - 2); // every decode step but the first two of each size
     CHECK_EQ(g.n_direct, 4 + 2);
     CHECK(n.n_captured == 0 && n.n_replayed == 0 && n.n_direct == 4 + 30);
+    // (n) greedy picks (di_dsv4_dev_forward_picks, run_step): a ragged prefill call, then decode
+    // steps (graphs replayed), every third logit row greedy: each pick di_argmax of the row st2
+    // and the sessions computed, the other rows their logits, the greedy rows' logits not written,
+    // 4 bytes downloaded a greedy row instead of 4 V; a replayed step with a greedy row costs the
+    // graph's ops and the argmax op after it. Greedy rows without picks are refused.
+    h.picks = true;
+    const step mixed = {.n = 3, .slot = {1, 0, 2}, .n_tok = {7, 2, 5}, .last_rows = false};
+    run_step(&h, &mixed);
+    for (int k = 0; k < 6; k++) {
+        const step sp = {.n = 3, .slot = {0, 1, 2}, .n_tok = {1, 1, 1}};
+        run_step(&h, &sp);
+        di_dsv4_dev_get_graph_stats(h.st, &g);
+        di_dsv4_dev_get_graph_stats(h.st2, &n);
+        CHECK_EQ(g.last_ops, n.last_ops + 1); // st2 runs the same step's ops directly
+    }
+    CHECK(h.n_picked >= 14 / 3 + 6); // a third of the 14 rows, one row of each decode step
+    {
+        di_dsv4_dev_seq sq = {.slot = 0,
+                              .pos = di_dsv4_dev_n_past(h.st, 0),
+                              .n_tok = 1,
+                              .blocks = h.blk[0],
+                              .n_blocks = MAXB};
+        const uint8_t gr[1] = {1};
+        int32_t t0[1] = {1}, r0[1] = {0};
+        CHECK_EQ(di_dsv4_dev_forward_picks(h.st, &sq, 1, t0, r0, 1, h.got, gr, NULL),
+                 DI_ERR_INVALID);
+    }
+    report(&h, "(n) greedy picks = di_argmax of the rows");
     close_ctx(&h);
 }
 
@@ -1188,7 +1250,12 @@ static void mtp_run(di_precision prec) {
           *cpu_ml = calloc((size_t)N_SLOTS * MTP_CTX, VB);
     float *got = malloc(VB * MAX_ROWS), *ref = malloc(VB * MAX_ROWS), *ml = malloc(VB * MAX_ROWS);
     int32_t cpu_hi[N_SLOTS] = {0}, dev_hi[N_SLOTS] = {0}; // positions compared so far (exclusive)
-    if (!dev_ml || !cpu_ml || !got || !ref || !ml) goto free_all;
+    // (n) the MTP call's greedy picks (di_dsv4_dev_mtp_forward_picks: every other row at odd
+    // steps), per slot and position; -1: the row's logits came down.
+    int32_t *dev_pick = malloc(sizeof(int32_t) * (size_t)N_SLOTS * MTP_CTX);
+    int64_t n_mpicked = 0;
+    if (!dev_ml || !cpu_ml || !got || !ref || !ml || !dev_pick) goto free_all;
+    for (int64_t i = 0; i < (int64_t)N_SLOTS * MTP_CTX; i++) dev_pick[i] = -1;
     // Ragged prefill (3 calls), then 24 verify steps of every slot.
     const int32_t pre[3][N_SLOTS] = {{37, 5, 1}, {40, 17, 16}, {33, 30, 15}};
     int64_t n_rolled = 0;
@@ -1240,11 +1307,18 @@ static void mtp_run(di_precision prec) {
             }
             r0 += seqs[s].n_tok;
         }
-        CHECK_EQ(di_dsv4_dev_mtp_forward(st, ms, n_m, xr, nxt, mrows, n_mrows, got), DI_OK);
+        uint8_t greedy[MAX_ROWS];
+        int32_t picks[MAX_ROWS];
+        for (int32_t k = 0; k < n_mrows; k++) greedy[k] = stp % 2 == 1 && k % 2 == 0;
+        CHECK_EQ(
+            di_dsv4_dev_mtp_forward_picks(st, ms, n_m, xr, nxt, mrows, n_mrows, got, greedy, picks),
+            DI_OK);
         for (int i = 0, r = 0; i < n_m; r += ms[i].n_tok, i++) {
             const int s = ms[i].slot;
             memcpy(dev_ml + ((int64_t)s * MTP_CTX + ms[i].pos) * V, got + (int64_t)r * V,
                    VB * (size_t)ms[i].n_tok);
+            for (int32_t t = 0; t < ms[i].n_tok; t++)
+                dev_pick[s * MTP_CTX + ms[i].pos + t] = greedy[r + t] ? picks[r + t] : -1;
             dev_hi[s] = ms[i].pos + ms[i].n_tok;
             CHECK_EQ(di_dsv4_dev_mtp_n_past(st, s), dev_hi[s]);
         }
@@ -1259,9 +1333,17 @@ static void mtp_run(di_precision prec) {
     CHECK(di_session_n_past(ses[0]) > 128); // slot 0's rejected rows crossed the first HCA window
     for (int s = 0; s < N_SLOTS; s++) {
         CHECK_EQ(dev_hi[s], cpu_hi[s] + 1); // the session's last position waits for its token
-        CHECK(memcmp(dev_ml + (int64_t)s * MTP_CTX * V, cpu_ml + (int64_t)s * MTP_CTX * V,
-                     VB * (size_t)cpu_hi[s]) == 0);
+        for (int32_t p = 0; p < cpu_hi[s]; p++) {
+            const int64_t o = ((int64_t)s * MTP_CTX + p) * V;
+            if (dev_pick[s * MTP_CTX + p] >= 0) { // a draft: the argmax of the session's row
+                CHECK_EQ(dev_pick[s * MTP_CTX + p], di_argmax(cpu_ml + o, V));
+                n_mpicked++;
+            } else {
+                CHECK(memcmp(dev_ml + o, cpu_ml + o, VB) == 0);
+            }
+        }
     }
+    CHECK(n_mpicked >= 24);
     // Refusals: two rows back, to win_lo (0), an MTP call that does not continue its ring.
     CHECK_EQ(di_dsv4_dev_rollback(st, 0, di_dsv4_dev_n_past(st, 0) - 2), DI_ERR_INVALID);
     CHECK_EQ(di_dsv4_dev_rollback(st, 5, 0), DI_ERR_INVALID);
@@ -1283,6 +1365,7 @@ static void mtp_run(di_precision prec) {
     CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
     mtp_tail(d, st, hb.blk, V, got, ml);
 free_all:
+    free(dev_pick);
     free(dev_ml);
     free(cpu_ml);
     free(got);
