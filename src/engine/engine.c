@@ -165,6 +165,11 @@ struct di_engine {
     int32_t *x_lslot;  // owned [max_seqs]: the slot (scheduler / V4.1) of logit slot k
     int32_t *x_job;    // owned [max_seqs * lstride]: the rows to sample, k * lstride + i
     int32_t x_n_job;   // (the forward thread's)
+    // Greedy picks on the device-resident forward ("greedy rows on the device" below): per logit
+    // row (the call's rows, then moved with the logits to the slots' rows k * lstride + i) whether
+    // it crossed as its device argmax only, and that pick.
+    uint8_t *x_greedy; // owned [max_seqs * lstride]
+    int32_t *x_pick;   // owned [max_seqs * lstride]
     int64_t spec_n[4]; // engine thread: verifies, drafted, verified, accepted so far
     int64_t spec_hist[DI_MAX_SPEC_TOKENS + 1];
     di_engine_draft_fn draft_hook; // a test's (engine_internal.h); NULL: the model's own drafts
@@ -179,6 +184,8 @@ struct di_engine {
     int32_t *mtp_draft_pos;      // owned [max_seqs]: ... for this position ...
     uint64_t *mtp_draft_req;     // owned [max_seqs]: ... of this request (0: none)
     float *mtp_logits;           // owned [max_seqs, V]: the MTP call's logits
+    int32_t *mtp_pick;           // owned [max_seqs]: the device MTP call's drafts (its picks)
+    uint8_t *mtp_all;            // owned [max_seqs] of 1: every MTP logit row is a greedy one
     di_dsv4_seq *x_vseqs;        // owned [max_seqs]: the step's call, verify rows included
     int32_t *x_vtokens;          // owned [max_batch_tokens + max_seqs * spec_k]: its tokens
     int32_t *x_vlogit;           // owned [max_seqs * lstride]: its logit rows
@@ -399,12 +406,14 @@ static int64_t dev_state_bytes(const di_engine *e) {
 
 // One call: seqs in V4's form; prefix[i] (V4.1; NULL: none) the tokens of sequence i's request,
 // of which a replay's start reads those before its win_lo (Engram).
+// greedy, picks: di_dsv4_dev_forward_picks's (NULL: every row's logits).
 static di_status dev_forward(di_engine *e, const di_dsv4_dev_seq *seqs,
                              const int32_t *const *prefix, int32_t n_seq, const int32_t *tokens,
-                             const int32_t *logit_rows, int32_t n_logit_rows, float *logits) {
+                             const int32_t *logit_rows, int32_t n_logit_rows, float *logits,
+                             const uint8_t *greedy, int32_t *picks) {
     if (e->dstate)
-        return di_dsv4_dev_forward(e->dstate, seqs, n_seq, tokens, logit_rows, n_logit_rows,
-                                   logits);
+        return di_dsv4_dev_forward_picks(e->dstate, seqs, n_seq, tokens, logit_rows, n_logit_rows,
+                                         logits, greedy, picks);
     for (int32_t i = 0; i < n_seq; i++)
         e->x_dev41[i] = (di_dsv41_dev_seq){.slot = seqs[i].slot,
                                            .pos = seqs[i].pos,
@@ -414,8 +423,8 @@ static di_status dev_forward(di_engine *e, const di_dsv4_dev_seq *seqs,
                                            .win_lo = seqs[i].win_lo,
                                            .n_cached = seqs[i].n_cached,
                                            .prefix = prefix ? prefix[i] : NULL};
-    return di_dsv41_dev_forward(e->dstate41, e->x_dev41, n_seq, tokens, logit_rows, n_logit_rows,
-                                logits);
+    return di_dsv41_dev_forward_picks(e->dstate41, e->x_dev41, n_seq, tokens, logit_rows,
+                                      n_logit_rows, logits, greedy, picks);
 }
 
 static di_status dev_prepare_decode(di_engine *e) {
@@ -472,7 +481,9 @@ static void dev_graph_stats(const di_engine *e, di_dsv4_dev_graph_stats *out) {
                                          .last_upload_bytes = g.last_upload_bytes,
                                          .n_handover_peer = g.n_handover_peer,
                                          .n_handover_host = g.n_handover_host,
-                                         .last_handover_bytes = g.last_handover_bytes};
+                                         .last_handover_bytes = g.last_handover_bytes,
+                                         .last_download_bytes = g.last_download_bytes,
+                                         .n_download_bytes = g.n_download_bytes};
     }
 }
 
@@ -499,7 +510,7 @@ static di_status dev_warm_up(di_engine *e) {
     for (int32_t i = 0; i < nb; i++) e->x_blocks[i] = i;
     di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = n, .blocks = e->x_blocks, .n_blocks = nb};
     int32_t last = n - 1;
-    di_status st = dev_forward(e, &sq, NULL, 1, tok, &last, 1, e->logits);
+    di_status st = dev_forward(e, &sq, NULL, 1, tok, &last, 1, e->logits, NULL, NULL);
     if (st == DI_OK && e->spec_k > 0 && e->dstate41) { // V4.1's DSpark: a draft call on slot 0
         e->x_dd[0] = (di_dsv41_dev_draft_seq){.slot = 0, .anchor = 0};
         st = di_dsv41_dev_draft(e->dstate41, e->x_dd, 1, NULL);
@@ -713,6 +724,9 @@ static bool spec_arrays_create(di_engine *e, size_t n_rows) {
     e->mtp_draft_pos = di_calloc(ms, sizeof(int32_t));
     e->mtp_draft_req = di_calloc(ms, sizeof(uint64_t));
     e->mtp_logits = di_malloc(sizeof(float) * ms * (size_t)e->model->hp.n_vocab);
+    e->mtp_pick = di_calloc(ms, sizeof(int32_t));
+    e->mtp_all = di_malloc(ms);
+    if (e->mtp_all) memset(e->mtp_all, 1, ms);
     e->x_vtokens = di_malloc(sizeof(int32_t) * n_rows);
     e->x_vlogit = di_malloc(sizeof(int32_t) * ms * (size_t)e->lstride);
     e->x_cap = di_calloc(ms, sizeof(int32_t));
@@ -720,8 +734,9 @@ static bool spec_arrays_create(di_engine *e, size_t n_rows) {
     e->x_mlogit = di_malloc(sizeof(int32_t) * ms);
     e->x_mseq = di_malloc(sizeof(int32_t) * ms);
     e->x_bk = di_malloc(sizeof(int32_t) * ms);
-    return e->mtp_draft && e->mtp_draft_pos && e->mtp_draft_req && e->mtp_logits && e->x_vtokens &&
-           e->x_vlogit && e->x_cap && e->x_mids && e->x_mlogit && e->x_mseq && e->x_bk;
+    return e->mtp_draft && e->mtp_draft_pos && e->mtp_draft_req && e->mtp_logits && e->mtp_pick &&
+           e->mtp_all && e->x_vtokens && e->x_vlogit && e->x_cap && e->x_mids && e->x_mlogit &&
+           e->x_mseq && e->x_bk;
 }
 
 // The CPU forward with MTP speculation (V4): every slot also holds the MTP block's window ring
@@ -978,11 +993,13 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->x_nprop = di_calloc((size_t)o->max_seqs, sizeof(int32_t));
     e->x_lslot = di_calloc((size_t)o->max_seqs, sizeof(int32_t));
     e->x_job = di_calloc(n_lrows, sizeof(int32_t));
+    e->x_greedy = di_calloc(n_lrows, 1);
+    e->x_pick = di_calloc(n_lrows, sizeof(int32_t));
     e->x_seq_req = di_calloc((size_t)o->max_seqs, sizeof *e->x_seq_req);
     e->marks = di_calloc((size_t)di_block_pool_n_total(e->kv->pool), 1);
     if (!e->logits || !e->x_seqs || !e->x_tokens || !e->x_logit_rows || !e->x_logit_req ||
         !e->x_res || !e->x_seq_req || !e->marks || !e->x_nrows || !e->x_emit || !e->x_ndraft ||
-        !e->x_nprop || !e->x_lslot || !e->x_job || !e->x_mask_req) {
+        !e->x_nprop || !e->x_lslot || !e->x_job || !e->x_mask_req || !e->x_greedy || !e->x_pick) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -1202,6 +1219,8 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->mtp_draft_pos);
     di_free(e->mtp_draft_req);
     di_free(e->mtp_logits);
+    di_free(e->mtp_pick);
+    di_free(e->mtp_all);
     di_free(e->x_vseqs);
     di_free(e->x_vtokens);
     di_free(e->x_vlogit);
@@ -1224,6 +1243,8 @@ void di_engine_destroy(di_engine *e) {
     di_free(e->x_nprop);
     di_free(e->x_lslot);
     di_free(e->x_job);
+    di_free(e->x_greedy);
+    di_free(e->x_pick);
     di_sched_deinit(&e->sched);
     di_kv_manager_destroy(e->kv);
     di_model_destroy(e->model);
@@ -1834,6 +1855,37 @@ static int32_t masks_ahead(di_engine *e) {
     return n;
 }
 
+// ---- greedy rows on the device (the device-resident forwards) ----
+//
+// A logit row whose sample is the raw argmax, and which nothing else of the row is read for,
+// crosses from the device as that argmax only (di_dsv4_dev_forward_picks /
+// di_dsv41_dev_forward_picks: backend.h argmax_rows, 4 bytes instead of 4 V, 517 KB a row on
+// V4-Flash): its request samples greedily with no logit bias and no penalties (sampler.c's plain
+// greedy branch, which takes di_argmax of the raw row whatever top_k, top_p or min_p say), wants
+// no logprobs or top logprobs, has no grammar (a constrained row is masked first), and does not
+// want this row as its first_logits. Every other row downloads in full (one download per run of
+// such rows). The pick is di_argmax's of the very row a full download brings, so tokens, finish
+// reasons and stats are today's; only the bytes change (the graph stats' n_download_bytes). The
+// verify rows of speculation follow the same rule row by row, and the MTP call's drafts (an
+// argmax each) always cross as picks.
+
+// Whether row i of r's logit slot (output token n_gen + i) is such a row.
+static bool row_greedy(const di_request *r, int32_t i) {
+    const di_sample_params *p = &r->sample;
+    return p->temperature == 0 && p->n_logit_bias == 0 && p->presence_penalty == 0 &&
+           p->frequency_penalty == 0 && p->repetition_penalty == 1 && !p->logprobs &&
+           p->n_logprobs == 0 && !r->gm && !(r->first_logits && r->n_gen + i == 0);
+}
+
+// x_greedy of the call's n logit rows, slot after slot (slot k's x_nrows[k] rows).
+static void mark_greedy(di_engine *e, int32_t n) {
+    int32_t j = 0;
+    for (int32_t k = 0; k < e->x_n_logit; k++)
+        for (int32_t i = 0; i < e->x_nrows[k]; i++)
+            e->x_greedy[j++] = row_greedy(e->x_logit_req[k], i);
+    DI_ASSERT(j == n);
+}
+
 // A constrained row: r's mask (computed ahead, or here), the masked sample, then the matcher
 // advanced by the token. A failure (a matcher limit, or no token allowed) is left in r->g_status
 // for sample_and_emit, which ends the request.
@@ -1875,6 +1927,12 @@ static void sample_task(void *p, int ith, int nth) {
     for (int64_t j = lo; j < hi; j++) {
         const int32_t row = e->x_job[j], k = row / e->lstride, i = row % e->lstride;
         di_request *r = e->x_logit_req[k];
+        if (e->dev_on && e->x_greedy[row]) { // the device's argmax: di_sampler_sample's result
+            e->x_res[row].token = e->x_pick[row];
+            e->x_res[row].logprob = 0;
+            e->x_res[row].n_top = 0;
+            continue;
+        }
         if (r->gm && r->g_active && r->g_status == DI_OK) {
             DI_ASSERT(i == 0);
             sample_constrained(e, e->samplers[ith], r, e->logits + row * V, &e->x_res[row]);
@@ -2364,9 +2422,12 @@ static void logits_to_slots(di_engine *e, int32_t n_vl) {
         off -= e->x_nrows[k];
         const int64_t dst = (int64_t)k * e->lstride;
         DI_ASSERT(dst >= off);
-        if (dst != off)
+        if (dst != off) {
             memmove(e->logits + dst * V, e->logits + (int64_t)off * V,
                     sizeof(float) * (size_t)(e->x_nrows[k] * V));
+            memmove(e->x_greedy + dst, e->x_greedy + off, (size_t)e->x_nrows[k]);
+            memmove(e->x_pick + dst, e->x_pick + off, sizeof(int32_t) * (size_t)e->x_nrows[k]);
+        }
     }
 }
 
@@ -2426,13 +2487,14 @@ static int32_t mtp_kept(di_engine *e, int32_t i, int32_t pos, int32_t n_tok, int
     return keep;
 }
 
-// The drafts of the MTP call's n_ml logit rows (argmax, ties to the lower id), for the plan
-// sequences x_mseq.
-static void mtp_drafts(di_engine *e, int32_t n_ml) {
+// The drafts of the MTP call's n_ml logit rows (argmax, ties to the lower id: picks[j], the
+// device's, or di_argmax of mtp_logits when picks is NULL), for the plan sequences x_mseq.
+static void mtp_drafts(di_engine *e, int32_t n_ml, const int32_t *picks) {
     const int64_t V = e->model->hp.n_vocab;
     for (int32_t j = 0; j < n_ml; j++) {
         const di_request *r = e->x_seq_req[e->x_mseq[j]];
-        e->mtp_draft[r->slot] = di_argmax(e->mtp_logits + (int64_t)j * V, (int32_t)V);
+        e->mtp_draft[r->slot] =
+            picks ? picks[j] : di_argmax(e->mtp_logits + (int64_t)j * V, (int32_t)V);
         e->mtp_draft_req[r->slot] = r->id;
     }
 }
@@ -2469,7 +2531,7 @@ static di_status mtp_step(di_engine *e) {
     c.n_seq = n_m;
     di_dsv4_set_rows(&c);
     di_status st = di_dsv4_mtp_forward_batch(&c, xm, e->x_mids, e->x_mlogit, n_ml, e->mtp_logits);
-    if (st == DI_OK) mtp_drafts(e, n_ml);
+    if (st == DI_OK) mtp_drafts(e, n_ml, NULL);
     return st;
 }
 
@@ -2494,8 +2556,9 @@ static di_status dev_spec_forward(di_engine *e) {
         row += e->x_seqs[i].n_tok;
         vrow += e->x_vdev[i].n_tok;
     }
-    di_status st = di_dsv4_dev_forward(e->dstate, e->x_vdev, e->x_n_seq, e->x_vtokens, e->x_vlogit,
-                                       n_vl, e->logits);
+    mark_greedy(e, n_vl);
+    di_status st = di_dsv4_dev_forward_picks(e->dstate, e->x_vdev, e->x_n_seq, e->x_vtokens,
+                                             e->x_vlogit, n_vl, e->logits, e->x_greedy, e->x_pick);
     if (st != DI_OK) return st;
     logits_to_slots(e, n_vl);
     return DI_OK;
@@ -2554,8 +2617,9 @@ static di_status dev41_spec_forward(di_engine *e) {
         }
         vrow += n_rows;
     }
+    mark_greedy(e, n_vl);
     di_status st = dev_forward(e, e->x_vdev, e->x_prefix, e->x_n_seq, e->x_vtokens, e->x_vlogit,
-                               n_vl, e->logits);
+                               n_vl, e->logits, e->x_greedy, e->x_pick);
     if (st != DI_OK) return st;
     logits_to_slots(e, n_vl);
     return DI_OK;
@@ -2577,9 +2641,10 @@ static di_status dev_mtp_step(di_engine *e) {
         mrow += keep;
     }
     if (n_m == 0) return DI_OK;
-    di_status st = di_dsv4_dev_mtp_forward(e->dstate, e->x_mdev, n_m, e->x_mrows, e->x_mids,
-                                           e->x_mlogit, n_ml, e->mtp_logits);
-    if (st == DI_OK) mtp_drafts(e, n_ml);
+    di_status st =
+        di_dsv4_dev_mtp_forward_picks(e->dstate, e->x_mdev, n_m, e->x_mrows, e->x_mids, e->x_mlogit,
+                                      n_ml, e->mtp_logits, e->mtp_all, e->mtp_pick);
+    if (st == DI_OK) mtp_drafts(e, n_ml, e->mtp_pick);
     return st;
 }
 
@@ -2610,9 +2675,11 @@ static void *forward_main(void *p) {
                 st = dev41_spec_forward(e); // V4.1 with DSpark
             else if (st == DI_OK && e->spec_k > 0)
                 st = dev_spec_forward(e); // V4 with MTP
-            else if (st == DI_OK)
+            else if (st == DI_OK) {
+                mark_greedy(e, e->x_n_logit); // one row a slot: the call's rows are the slots'
                 st = dev_forward(e, e->x_dev, e->x_prefix, e->x_n_seq, e->x_tokens, e->x_logit_rows,
-                                 e->x_n_logit, e->logits);
+                                 e->x_n_logit, e->logits, e->x_greedy, e->x_pick);
+            }
         } else if (e->mtp_ls) {
             st = v4_spec_forward(e);
         } else if (e->model->cp) { // long prefill chunks over the prefill workers (cp/cp.h)

@@ -159,3 +159,104 @@ static void test_failure(void) {
     di_engine_destroy(e);
     di_backend_destroy(b);
 }
+
+// ---- greedy rows: the device's argmax instead of the row (engine.c "greedy rows on the device")
+
+// Request i of the greedy set: request(i)'s prompt, length and budget, its sampling by kind
+// i % 5 (every request ignores EOS):
+//   0: greedy and nothing else of its rows: every row crosses as its device argmax;
+//   1: greedy with logprobs and N_TOP top logprobs: full rows;
+//   2: seeded sampling (temperature 0.8, top_k 40), no logprobs: full rows;
+//   3: greedy with first_logits: its first row full, the later ones picks;
+//   4: greedy with a repetition penalty: full rows.
+// only_greedy: every request of kind 0.
+static di_request_params greedy_request(int i, result *r, bool only_greedy) {
+    di_request_params p = request(i, r);
+    const int kind = only_greedy ? 0 : i % 5;
+    p.sample = di_sample_params_default();
+    p.first_logits = kind == 3 ? r->first : NULL;
+    if (kind == 1) p.sample.logprobs = true, p.sample.n_logprobs = N_TOP;
+    if (kind == 2)
+        p.sample.temperature = 0.8f, p.sample.top_k = 40, p.sample.seed = 91 + (uint64_t)i;
+    if (kind == 4) p.sample.repetition_penalty = 1.3f;
+    return p;
+}
+
+static void run_greedy(di_engine *e, result *res, bool only_greedy) {
+    for (int i = 0; i < N_REQ; i++) {
+        memset(&res[i], 0, sizeof res[i]);
+        di_request_params p = greedy_request(i, &res[i], only_greedy);
+        uint64_t id;
+        CHECK_EQ(di_engine_submit(e, &p, &id), DI_OK);
+    }
+    di_engine_wait_idle(e);
+}
+
+// Drafts for the greedy set (user: the reference results of the set being run): by the output
+// token's position all right or the first one wrong, so verifies accept and reject.
+static void greedy_oracle(void *user, uint64_t id, int32_t n_gen, di_draft *d) {
+    const result *t = (const result *)user + (id - 1) % N_REQ;
+    for (int32_t j = 0; j < d->n; j++) {
+        const int32_t g = n_gen + j, tok = g < t->n ? t->tokens[g] : 0;
+        d->tokens[j] = n_gen % 2 == 1 && j == 0 ? (tok + 1) % V : tok;
+    }
+}
+
+// The references: the greedy set, mixed (g_gref[0]) and greedy only ([1]), on the CPU engine
+// without speculation (whose outputs speculation never changes).
+static result g_gref[2][N_REQ];
+static void greedy_refs(void) {
+    di_engine_options oc = options((size_t)64 << 20, N_REQ);
+    di_engine *cpu = engine_o(&oc, NULL);
+    if (!cpu) return;
+    for (int only = 0; only < 2; only++) run_greedy(cpu, g_gref[only], only);
+    di_engine_destroy(cpu);
+}
+
+// The greedy set, mixed and greedy only, on the dev engine of options o (spec_tokens > 0: with
+// the oracle's drafts) against g_gref: identical results (tokens, logprobs, top logprobs,
+// first logits, finish reasons). The bytes of results the dev state downloaded (graph stats'
+// n_download_bytes): the greedy-only run downloads no row at all (V = 512 floats), 4 bytes per
+// token without speculation (one logit row a token); the mixed one at least a row for every token
+// of kinds 1, 2, 4 and fewer than a row a token.
+static void greedy_rows_case(const char *tag, const di_engine_options *o, di_backend *b) {
+    static result got[N_REQ];
+    result(*ref)[N_REQ] = g_gref;
+    di_engine *dev = engine_o(o, b);
+    if (!dev) return;
+    for (int only = 0; only < 2; only++) {
+        if (o->spec_tokens > 0) di_engine_set_draft_hook(dev, greedy_oracle, ref[only]);
+        di_dsv4_dev_graph_stats g0, g1;
+        di_engine_get_graph_stats(dev, &g0);
+        run_greedy(dev, got, only);
+        di_engine_get_graph_stats(dev, &g1);
+        const int64_t bytes = g1.n_download_bytes - g0.n_download_bytes;
+        int n_same = 0;
+        int64_t n_tok = 0, n_full = 0;
+        for (int i = 0; i < N_REQ; i++) {
+            n_same += same(&got[i], &ref[only][i]);
+            CHECK_EQ(got[i].finish, ref[only][i].finish);
+            n_tok += got[i].n;
+            const int kind = only ? 0 : i % 5;
+            if (kind == 1 || kind == 2 || kind == 4) n_full += got[i].n;
+        }
+        di_engine_stats st;
+        di_engine_get_stats(dev, &st);
+        fprintf(stderr,
+                "(greedy rows) %s, %s: %d/%d identical to the CPU engine, %lld tokens, %lld "
+                "bytes of results downloaded (a row: %lld), %lld preemptions, %lld verifies\n",
+                tag, only ? "greedy only" : "mixed", n_same, N_REQ, (long long)n_tok,
+                (long long)bytes, (long long)(4 * V), (long long)st.n_preemptions,
+                (long long)st.n_spec_verifies);
+        CHECK_EQ(n_same, N_REQ);
+        if (only) { // ids only: one a token, or (speculation) a few: verify and draft rows
+            CHECK(bytes > 0 && bytes <= 4 * 16 * n_tok);
+            if (o->spec_tokens == 0) CHECK_EQ(bytes, 4 * n_tok);
+        } else {
+            CHECK(bytes >= 4 * V * n_full);
+            CHECK(bytes < 4 * V * n_tok);
+        }
+    }
+    check_clean(dev, true);
+    di_engine_destroy(dev);
+}

@@ -540,6 +540,31 @@ static void test_spec(void) {
     di_backend_destroy(b);
 }
 
+// ---- (l) ----
+
+// Greedy rows on the device (engine_dev_common.h greedy_rows_case): the plain engine with room
+// for every request, with a tiny pool and 3 slots (preemption, recompute), and with MTP
+// speculation (its verify rows picked or downloaded row by row, the MTP drafts always picks).
+// Under AddressSanitizer the MTP engine only (its verify rows and drafts take every path).
+static void test_greedy_rows(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    if (g_stages == 1) greedy_refs(); // the stages' run reuses them
+    di_engine_options o = options((size_t)64 << 20, N_REQ);
+#if !defined(__SANITIZE_ADDRESS__)
+    greedy_rows_case("plain, roomy", &o, b);
+    if (g_stages == 1) { // on stages the roomy engines (the pool's accounting is (a)'s)
+        o = options(pool_for_three(false), 3);
+        greedy_rows_case("plain, tiny pool", &o, b);
+    }
+#endif
+    o = options((size_t)64 << 20, N_REQ);
+    o.spec_tokens = 1;
+    greedy_rows_case("MTP, roomy", &o, b);
+    di_backend_destroy(b);
+}
+
 // ---- (k) ----
 
 // (a) and (h) on a 2-stage twin (model/dsv4_dev.h "Pipeline stages"): the same tokens as the CPU
@@ -559,6 +584,7 @@ static void test_stages(void) {
     if (g_stage_b[1]) {
         test_same_tokens();
         if (STAGES_SPEC) test_spec();
+        if (STAGES_SPEC) test_greedy_rows();
     }
     di_backend_destroy(g_stage_b[1]);
     g_stage_b[1] = NULL;
@@ -1115,6 +1141,7 @@ int main(void) {
     RUN(test_spec);
     RUN(test_disk);
     RUN(test_transfer);
+    RUN(test_greedy_rows);
     RUN(test_stages);
     di_test_remove_dir(g_dir);
     return test_finish();

@@ -587,6 +587,34 @@ static void test_spec(void) {
     di_backend_destroy(b);
 }
 
+// ---- (l) ----
+
+// Greedy rows on the device (engine_dev_common.h greedy_rows_case): the plain engine with room
+// for every request, with a tiny pool and 3 slots (preemption), and with DSpark (2 drafts: verify
+// rows picked or downloaded row by row, the drafts always picks). Under AddressSanitizer the
+// DSpark engine only (its verify rows and drafts take every path).
+static void test_greedy_rows(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    if (!b) return;
+    if (g_stages == 1) greedy_refs(); // the stages' run reuses them
+    di_engine_options o = options((size_t)64 << 20, N_REQ);
+#if !defined(__SANITIZE_ADDRESS__)
+    greedy_rows_case("plain, roomy", &o, b);
+    if (g_stages == 1) { // on stages the roomy engines (the pool's accounting is (a)'s)
+        int64_t blk = 0, slot = 0;
+        int32_t bt = 1;
+        dev_sizes(&blk, &slot, &bt);
+        o = options((size_t)(3 * slot + ((MAX_CTX + bt - 1) / bt) * blk), 3);
+        greedy_rows_case("plain, tiny pool", &o, b);
+    }
+#endif
+    o = options((size_t)64 << 20, N_REQ);
+    o.spec_tokens = 2;
+    greedy_rows_case("DSpark, roomy", &o, b);
+    di_backend_destroy(b);
+}
+
 // ---- (g) ----
 
 // Runs g_dprompt[i] (D_PREFIX + 3 + i tokens) alone to completion.
@@ -716,6 +744,7 @@ static void test_stages(void) {
         if (STAGES_ALL) test_spec();
         if (STAGES_ALL) test_sizing();
         if (STAGES_ALL) test_transfer();
+        if (STAGES_ALL) test_greedy_rows();
     }
     di_backend_destroy(g_stage_b[1]);
     g_stage_b[1] = NULL;
@@ -737,6 +766,7 @@ int main(void) {
     RUN(test_sizing);
     RUN(test_spec);
     RUN(test_transfer);
+    RUN(test_greedy_rows);
     RUN(test_stages);
     di_test_remove_dir(g_dir);
     return test_finish();
