@@ -24,8 +24,9 @@
  * prefix hits, tail snapshots, the disk tier and KV transfers through the calls below; decode and
  * verify graphs prepared at create, di_dsv41_dev_prepare_decode / _verify). Prefix reuse (the
  * bounded replay on another sequence's cached blocks: di_dsv41_dev_seq.win_lo / n_cached), entry
- * block I/O and tail snapshots run, and so do rollback and DSpark (below). Not run here: context
- * parallelism.
+ * block I/O and tail snapshots run, and so do rollback and DSpark (below). A call's greedy rows
+ * (di_dsv41_dev_forward_picks: the engine's plain greedy rows) come back as their device argmax,
+ * 4 bytes instead of a row of logits. Not run here: context parallelism.
  *
  * Rollback (di_dsv41_dev_rollback) of the last DI_DSV41_ROLLBACK_MAX positions: the window rings
  * hold W + DI_DSV41_ROLLBACK_MAX Q8 rows (position p in row p mod that) and a ratio-2 source's C
@@ -51,10 +52,11 @@
  * attn_codes reads them with n_win = n_keys (every key a Q8 row of that region, no entries), which
  * is exactly attn over the FP32 rows of the same Q8 values the CPU forward's DSpark attention
  * reads, since the key lists, not the op, carry "ring then block, non-causal". Then per block row
- * j the head and the Markov head over all slots and their summed logits downloaded (argmax and
- * confidence on the host: row j + 1 needs row j's token). Tail snapshots carry the DSpark rings'
- * W rows after the layers' (zero bytes in a state without DSpark); a replay's start zeroes them as
- * di_dsv41_restart does.
+ * j the head and the Markov head over all slots, their summed logits' argmax on the device
+ * (argmax_rows: the drafts, n ids downloaded instead of n rows of V floats) and the confidence on
+ * the host (it reads the block's hidden row and the Markov embedding; row j + 1 needs row j's
+ * token). Tail snapshots carry the DSpark rings' W rows after the layers' (zero bytes in a state
+ * without DSpark); a replay's start zeroes them as di_dsv41_restart does.
  *
  * Per call (V4.1 §2.1): the host keeps each slot's compressed-id history (Engram, §2.3.1: integer
  * work on the token ids) and computes every Engram layer's row ids for the call's rows. Engram
