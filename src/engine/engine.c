@@ -118,7 +118,7 @@ struct di_engine {
     int32_t n_samplers;
     di_sample_result *x_res; // owned [max_seqs]: the samples of the plan being run
     di_dsv4_ws ws;           // owned (CPU forward; on V4.1 the slots' sessions share it)
-    float *logits;           // owned [max_seqs, V]
+    float *logits;           // owned [max_seqs * lstride, V] (lstride: spec_tokens + 1 rows)
     // The device-resident forward (dev_on: model->dev or model->dev41): one
     // state for every slot, reached through the dev_* adapter ("the device-resident forwards"
     // below), so that the engine has one path for both.
