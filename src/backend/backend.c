@@ -37,6 +37,11 @@ void di_backend_destroy(di_backend *b) {
     b->vt->destroy(b);
 }
 
+di_status di_backend_mem_info(di_backend *b, size_t *free_bytes, size_t *total_bytes) {
+    if (!b->vt->mem_info) return DI_ERR_UNSUPPORTED;
+    return b->vt->mem_info(b, free_bytes, total_bytes);
+}
+
 bool di_backend_can_peer(const di_backend *b, const di_backend *src_b) {
     return b->vt == src_b->vt && b->vt->can_peer && b->vt->can_peer(b, src_b);
 }

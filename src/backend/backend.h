@@ -151,6 +151,16 @@ typedef struct di_backend_vt {
     di_status (*peer_copy)(di_backend *b, void *dst, di_backend *src_b, const void *src,
                            size_t bytes);
 
+    // ---- device memory (the pipeline stages' KV-aware split, the engine's KV blocks) ----
+    // The memory b's allocations come from: *free_bytes what an alloc could still get now (what
+    // b and everything else on the device hold already is not free), *total_bytes the device's
+    // size. CUDA: cudaMemGetInfo on b's device (shared by every backend and process on it). CPU:
+    // the host's MemAvailable and MemTotal (/proc/meminfo), or what di_cpu_backend_set_mem set
+    // (tests model unequal devices). Host only, not inside a capture (refused: DI_ERR_INVALID).
+    // DI_ERR_UNSUPPORTED when the backend cannot say (NULL entry: di_backend_mem_info says so);
+    // a lost device: DI_ERR_DEVICE_LOST. Outputs written only on success.
+    di_status (*mem_info)(di_backend *b, size_t *free_bytes, size_t *total_bytes);
+
     // ---- ops ----
     // y[t*ys + o] = sum_i W[o, i] x[t*xs + i] (backend/cpu/gemm.h contract). x, y do not overlap.
     di_status (*matmul)(di_backend *b, const di_tensor *w, const float *x, int64_t n_tok,
@@ -428,6 +438,16 @@ bool di_cpu_backend_is_lost(const di_backend *b);
 // true at create). false: can_peer is false both ways for b, so the pipeline stages hand over
 // through the host bounce, as between GPUs without peer access.
 void di_cpu_backend_set_peer(di_backend *b, bool on);
+
+// ---- device memory ----
+// b's mem_info, or DI_ERR_UNSUPPORTED (not logged) for a backend without the entry.
+di_status di_backend_mem_info(di_backend *b, size_t *free_bytes, size_t *total_bytes);
+// Test hook: the memory the CPU backend b reports (mem_info) from now on: free_bytes and
+// total_bytes, as if b were a device of that size; both 0: the host's numbers again; free_bytes >
+// total_bytes: b cannot say (mem_info DI_ERR_UNSUPPORTED, as a backend without the entry). It
+// limits nothing (allocations still come from the host, and uploads do not lower it): the stages'
+// split and the engine's block count read it, so tests can model unequal or unknown devices.
+void di_cpu_backend_set_mem(di_backend *b, size_t free_bytes, size_t total_bytes);
 // The commands a CPU backend graph (its graph_end) holds: the entries one launch runs (tests count
 // the ops of a captured step with it).
 int64_t di_cpu_backend_graph_n_cmds(const void *graph);

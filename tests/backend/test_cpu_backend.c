@@ -9,7 +9,8 @@
 // index_cand, Q4e); attention's key counts outside [0, max_keys] refused (directly and replayed);
 // the copy between two backends, directly and through the host bounce; argmax_rows against the
 // sampler's di_argmax (ties, -0/+0, -inf and NaN rows, a NaN at entry 0, strided rows, captured
-// and replayed). The whole forward on this
+// and replayed); mem_info (the host's memory, the test hook's, "cannot say", refused in a capture
+// and on a lost backend). The whole forward on this
 // backend is tested against the model in tests/model/test_dev_forward.c.
 #include "harness.h"
 
@@ -340,6 +341,37 @@ static void test_kv_rows(void) {
 // peer access) the hand-over goes through the bounce buffer instead; the same bytes either way.
 // peer_copy is refused inside a capture of either backend (the capture then fails), between
 // backends that cannot peer, and on a lost one.
+// mem_info: the host's MemAvailable / MemTotal by default, the hook's numbers after
+// di_cpu_backend_set_mem (0, 0: the host's again; free > total: the backend cannot say,
+// DI_ERR_UNSUPPORTED as a backend without the entry); refused inside a capture and once lost;
+// outputs untouched on failure.
+static void test_mem_info(void) {
+    di_backend *b = NULL;
+    CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
+    if (!b) return;
+    size_t fr = 0, tot = 0;
+    CHECK_EQ(di_backend_mem_info(b, &fr, &tot), DI_OK);
+    CHECK(tot > 0 && fr > 0 && fr <= tot);
+    di_cpu_backend_set_mem(b, 3000, 4000);
+    CHECK_EQ(di_backend_mem_info(b, &fr, &tot), DI_OK);
+    CHECK(fr == 3000 && tot == 4000);
+    di_cpu_backend_set_mem(b, 1, 0);
+    fr = tot = 7;
+    CHECK_EQ(di_backend_mem_info(b, &fr, &tot), DI_ERR_UNSUPPORTED);
+    CHECK(fr == 7 && tot == 7);
+    di_cpu_backend_set_mem(b, 0, 0);
+    CHECK_EQ(di_backend_mem_info(b, &fr, &tot), DI_OK);
+    CHECK(tot > 4000);
+    void *g = NULL;
+    CHECK_EQ(b->vt->graph_begin(b), DI_OK);
+    CHECK_EQ(di_backend_mem_info(b, &fr, &tot), DI_ERR_INVALID);
+    CHECK_EQ(b->vt->graph_end(b, &g), DI_ERR_INVALID);
+    di_cpu_backend_lose(b, 0);
+    CHECK(b->vt->sync(b) == DI_ERR_DEVICE_LOST);
+    CHECK_EQ(di_backend_mem_info(b, &fr, &tot), DI_ERR_DEVICE_LOST);
+    di_backend_destroy(b);
+}
+
 static void test_peer_copy(void) {
     di_backend *b2 = NULL;
     CHECK_EQ(di_cpu_backend_create(1, &b2), DI_OK);
@@ -806,6 +838,7 @@ int main(void) {
     RUN(test_v41_ops);
     RUN(test_peer_copy);
     RUN(test_argmax_rows);
+    RUN(test_mem_info);
     di_backend_destroy(g_b);
     di_backend_destroy(NULL);
     return test_finish();

@@ -105,6 +105,18 @@ static di_status op_peer_copy(di_backend *b, void *dst, di_backend *src_b, const
     return bytes ? di_cuda_peer_copy(cu, dst, scu, src, bytes) : DI_OK;
 }
 
+// Device memory (backend.h mem_info): what the device has free now, for every backend and
+// process on it.
+static di_status op_mem_info(di_backend *b, size_t *free_bytes, size_t *total_bytes) {
+    ENTER(b);
+    NOT_CAPTURING(cu, "mem_info");
+    size_t fr = 0, tot = 0;
+    CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
+    *free_bytes = fr;
+    *total_bytes = tot;
+    return DI_OK;
+}
+
 static di_status op_sync(di_backend *b) {
     ENTER(b);
     NOT_CAPTURING(cu, "sync");
@@ -456,6 +468,7 @@ static di_backend_vt make_vt(void) {
     vt.supports_matmul = op_supports_matmul;
     vt.can_peer = op_can_peer;
     vt.peer_copy = op_peer_copy;
+    vt.mem_info = op_mem_info;
     vt.host_alloc = op_host_alloc;
     vt.host_free = op_host_free;
     vt.matmul = op_matmul;
