@@ -128,7 +128,20 @@ typedef struct di_model_options {
     // NULL or "": none.
     const char *cp_workers;
     int32_t cp_min_tokens; // shortest prefill call split over the workers; 0: 1024
+    // The device state the pipeline stages' split balances KV capacity for (docs/cuda.md "Several
+    // GPUs: pipeline stages", "The split"): dev_slots sequences of dev_ctx positions, calls of
+    // dev_rows rows, dev_spec with speculation's rings (V4's MTP, V4.1's DSpark); the serving
+    // engine fills them in from its options. 0 / false: the engine's defaults (16, 8192, 256, no
+    // speculation). dev_reserve_bytes: device memory every stage leaves free besides its weights,
+    // that state and its entry blocks (backend scratch, graphs); 0: DI_DEV_RESERVE_DEFAULT_BYTES.
+    // Read at load (the split is chosen before the weights go up) and by the engine (its blocks).
+    int32_t dev_slots, dev_ctx, dev_rows;
+    bool dev_spec;
+    size_t dev_reserve_bytes;
 } di_model_options;
+
+// The default of di_model_options.dev_reserve_bytes: 1 GiB per stage.
+#define DI_DEV_RESERVE_DEFAULT_BYTES ((size_t)1 << 30)
 
 // Default options: all CPUs, FP32, CPU only.
 di_model_options di_model_options_default(void);
@@ -216,14 +229,34 @@ int32_t di_model_ep_stats(const di_model *model, di_ep_worker_stats *out, int32_
 // Writes a multi-line description (config, layer schedule, dtypes; with a device list, the
 // pipeline stages) into buf (NUL-terminated, truncated to cap). Returns the length it needed.
 size_t di_model_describe(const di_model *model, char *buf, size_t cap);
+// One pipeline stage of di_model_stage_plan: layers [layer0, layer1), weight_bytes of weights,
+// fixed_bytes of the planned device state's fixed part (slots' tails, call rows, scratch),
+// block_bytes per entry block (its layers' entries, V4.1's mirrors); with memory: budget_bytes
+// (free less the reserve) and n_blocks, the blocks it holds (INT64_MAX: its layers keep none);
+// without: 0 and -1.
+typedef struct di_stage_plan {
+    int32_t layer0, layer1;
+    int64_t weight_bytes, fixed_bytes, block_bytes, budget_bytes, n_blocks;
+} di_stage_plan;
 // The split of a V4 or V4.1 model's layers into n_stages pipeline stages as the device-resident
-// forward makes it for a device list of n_stages entries (di_device.more; docs/cuda.md "Several
-// GPUs: pipeline stages"): contiguous ranges of about equal weight bytes, at least one layer each
-// (V4.1: any cut, its Engram tables, which stay in host memory, not counted); stage
-// k holds layers [layer0[k], layer0[k + 1]) (layer0: n_stages + 1 entries) and stage_bytes[k]
-// bytes of weights (the embedding counted on stage 0, the head on the last; NULL: not wanted).
-// Host only (no device). DI_ERR_INVALID (n_stages < 1, > DI_DEVICE_MAX_MORE + 1 or > the model's
-// layers; logged), DI_ERR_NOMEM.
+// forward chooses it on devices with free_bytes[k] free (NULL: unknown, the weight balance of
+// di_model_stage_split) for the device state the model options' dev_* fields plan (docs/cuda.md
+// "The split": the most entry blocks every stage holds, then the smallest largest stage):
+// stages[0, n_stages) and *n_blocks, the blocks every stage holds (-1 without memory). Host only.
+// DI_ERR_INVALID as di_model_stage_split; DI_ERR_NOMEM (logged: the stage and its bytes) when no
+// split leaves every stage room for its weights, fixed state and one max-context sequence.
+di_status di_model_stage_plan(const di_model *model, int32_t n_stages, const size_t *free_bytes,
+                              di_stage_plan *stages, int64_t *n_blocks);
+// The split of a V4 or V4.1 model's layers into n_stages pipeline stages as the device-resident
+// forward makes it for a device list of n_stages entries whose memory is unknown (di_device.more;
+// docs/cuda.md "Several GPUs: pipeline stages"; with memory: di_model_stage_plan): contiguous
+// ranges of about equal weight bytes, at least one layer each (V4.1: any cut, its Engram tables,
+// which stay in host memory, not counted); stage k holds layers [layer0[k], layer0[k + 1])
+// (layer0: n_stages + 1 entries) and stage_bytes[k] bytes of weights (the embedding counted on
+// stage 0, the head on the last, and there the MTP block with dev_spec (V4) or DSpark's blocks
+// (V4.1) with the embedding copy they use; NULL: not wanted). Host only (no device).
+// DI_ERR_INVALID (n_stages < 1, > DI_DEVICE_MAX_MORE + 1 or > the model's layers; logged),
+// DI_ERR_NOMEM.
 di_status di_model_stage_split(const di_model *model, int32_t n_stages, int32_t *layer0,
                                int64_t *stage_bytes);
 // Compression ratio of layer il (0 = sliding window only, 4 = CSA, other = HCA); -1 if out of

@@ -437,6 +437,36 @@ di_status di_model_stage_split(const di_model *m, int32_t n_stages, int32_t *lay
     return di_dsv4_dev_split(m, n_stages, layer0, stage_bytes);
 }
 
+di_status di_model_stage_plan(const di_model *m, int32_t n_stages, const size_t *free_bytes,
+                              di_stage_plan *stages, int64_t *n_blocks) {
+    if (n_stages < 1 || n_stages > DI_DEV_SPLIT_MAX_STAGES || n_stages > m->hp.n_layer) {
+        DI_LOG_ERROR("device: %d pipeline stages for %d layers (1 to min(%d, layers))", n_stages,
+                     m->hp.n_layer, DI_DEV_SPLIT_MAX_STAGES);
+        return DI_ERR_INVALID;
+    }
+    int64_t budget[DI_DEV_SPLIT_MAX_STAGES];
+    const di_dev_plan p = di_dev_plan_of(m, 0); // its reserve
+    for (int32_t k = 0; free_bytes && k < n_stages; k++) {
+        const int64_t fr = free_bytes[k] > (size_t)INT64_MAX ? INT64_MAX : (int64_t)free_bytes[k];
+        budget[k] = fr > p.reserve_bytes ? fr - p.reserve_bytes : 0;
+    }
+    di_dev_split_out sp;
+    const di_status st = m->hp.v41
+                             ? di_dsv41_dev_split_mem(m, n_stages, free_bytes ? budget : NULL, &sp)
+                             : di_dsv4_dev_split_mem(m, n_stages, free_bytes ? budget : NULL, &sp);
+    if (st != DI_OK) return st;
+    for (int32_t k = 0; k < n_stages; k++)
+        stages[k] = (di_stage_plan){.layer0 = sp.layer0[k],
+                                    .layer1 = sp.layer0[k + 1],
+                                    .weight_bytes = sp.cost[k].weight_bytes,
+                                    .fixed_bytes = sp.cost[k].fixed_bytes,
+                                    .block_bytes = sp.cost[k].block_bytes,
+                                    .budget_bytes = sp.budget_bytes[k],
+                                    .n_blocks = sp.blocks[k]};
+    *n_blocks = sp.n_blocks;
+    return DI_OK;
+}
+
 size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     const di_hparams *hp = &m->hp;
     di_buf b;
@@ -453,20 +483,19 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     const int32_t n_st = m->dev     ? di_dsv4_dev_n_stages(m->dev)
                          : m->dev41 ? di_dsv41_dev_n_stages(m->dev41)
                                     : 1;
-    if (n_st > 1) {
-        const int32_t n = n_st;
-        int32_t l0[DI_DSV4_DEV_MAX_STAGES + 1];
-        int64_t bytes[DI_DSV4_DEV_MAX_STAGES];
-        if (di_model_stage_split(m, n, l0, bytes) == DI_OK) {
-            for (int32_t k = 0; k < n; k++) {
-                int32_t a = 0, e = 0;
-                const di_backend *sb = m->dev ? di_dsv4_dev_stage(m->dev, k, &a, &e)
-                                              : di_dsv41_dev_stage(m->dev41, k, &a, &e);
-                OUT("pipeline stage %d  layers [%d, %d)%s%s, %.1f MiB of weights, %s\n", (int)k,
-                    (int)a, (int)e, k == 0 ? " + embedding" : "", k == n - 1 ? " + head" : "",
-                    bytes[k] / 1048576.0, sb->desc);
-            }
-        }
+    for (int32_t k = 0; n_st > 1 && k < n_st; k++) { // the attached split (by memory or not)
+        int32_t a = 0, e = 0;
+        const di_backend *sb =
+            m->dev ? di_dsv4_dev_stage(m->dev, k, &a, &e) : di_dsv41_dev_stage(m->dev41, k, &a, &e);
+        di_dev_stage_cost c;
+        if (m->dev)
+            di_dsv4_dev_stage_cost(m, a, e, &c);
+        else
+            di_dsv41_dev_stage_cost(m, a, e, &c);
+        OUT("pipeline stage %d  layers [%d, %d)%s%s, %.1f MiB of weights, %lld bytes per entry "
+            "block, %s\n",
+            (int)k, (int)a, (int)e, k == 0 ? " + embedding" : "", k == n_st - 1 ? " + head" : "",
+            c.weight_bytes / 1048576.0, (long long)c.block_bytes, sb->desc);
     }
     OUT("vocab             %d\n", hp->n_vocab);
     OUT("hidden            %d, %d layers, %d MTP block(s) loaded of %d declared\n", hp->n_embd,

@@ -1892,9 +1892,8 @@ static dev_stage *last_stage(const di_dsv41_dev *d) {
 
 // Backend bytes of layer il's weights the dev forward uploads (matrices with their scales, the
 // vectors; Engram tables stay on the host and are not counted).
-static int64_t layer_bytes(const di_model *m, int32_t il) {
+static int64_t layer_w_bytes(const di_model *m, const di_dsv4_layer_w *lw) {
     const di_hparams *hp = &m->hp;
-    const di_dsv4_layer_w *lw = &m->layers[il];
     const int64_t f = sizeof(float), nc = hp->hc_mult, D = hp->n_embd;
     int64_t n = di_dev_tensor_bytes(&lw->hc_attn.fn) + di_dev_tensor_bytes(&lw->hc_ffn.fn);
     n += 2 * f * ((2 + nc) * nc + 3) + 2 * f * D;
@@ -1914,6 +1913,10 @@ static int64_t layer_bytes(const di_model *m, int32_t il) {
         n += di_dev_tensor_bytes(&lw->w1[e]) + di_dev_tensor_bytes(&lw->w2[e]) +
              di_dev_tensor_bytes(&lw->w3[e]);
     return n;
+}
+
+static int64_t layer_bytes(const di_model *m, int32_t il) {
+    return layer_w_bytes(m, &m->layers[il]);
 }
 
 // Whether the top-k published before layer l is read at or after it: an index source came before
@@ -1957,23 +1960,113 @@ static void set_handover(di_dsv41_dev *d) {
     }
 }
 
-di_status di_dsv41_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
-                             int64_t *stage_bytes) {
+// ---- the KV-aware split (dev_common.h di_dev_split_mem) ----
+
+typedef struct split_ctx {
+    const di_model *m;
+    const di_dev_plan *p;
+} split_ctx;
+
+// Bytes per call row of a stage's scratch besides its layers' window rows (part_create's buffers
+// sized by max_rows: streams, projections, index queries and scores, key lists; the last stage's
+// head chunk counted once, not per row): the fixed part's estimate, the backend's own op scratch
+// being the reserve's.
+static int64_t row_scratch_bytes(const di_hparams *hp, int32_t n_ctx) {
+    const int64_t D = hp->n_embd, nc = hp->hc_mult, Dh = hp->head_dim, H = hp->n_head;
+    const int64_t f = sizeof(float);
+    int32_t min_ratio = 0;
+    for (int il = 0; il < hp->n_layer; il++)
+        if (hp->compress_ratio[il] > 0 && (!min_ratio || hp->compress_ratio[il] < min_ratio))
+            min_ratio = hp->compress_ratio[il];
+    const int64_t max_vis = min_ratio ? n_ctx / min_ratio : 1;
+    int64_t widest = H * Dh > D ? H * Dh : D;
+    if ((int64_t)hp->o_groups * hp->o_lora_rank > widest)
+        widest = (int64_t)hp->o_groups * hp->o_lora_rank;
+    const int64_t floats = nc * D + 2 * D + (2 + nc) * nc + 5 * nc + nc * nc + hp->q_lora_rank +
+                           2 * H * Dh + (int64_t)hp->o_groups * hp->o_lora_rank + 4 * Dh +
+                           hp->index_head_dim * (1 + (int64_t)hp->n_index_head) + hp->n_index_head +
+                           2 * max_vis + widest + hp->index_topk + hp->window +
+                           (int64_t)(nc + 1) * D;
+    return f * floats;
+}
+
+// dev_common.h di_dev_stage_cost_fn for V4.1 stage [l0, l1): its weights (the embedding on the
+// first stage; the head and final norm, and with DSpark loaded its blocks, heads, norms and the
+// embedding again, on the last), the entries and index keys of the kv sources it owns or mirrors
+// (set_handover's rule: a source before l0 that one of its layers reads), and the fixed part of
+// the plan's state: n_slots tails (every layer's window ring, the owned ratio-2 sources' C and Z
+// rings, with spec the DSpark rings on the last stage) and max_rows call rows and scratch.
+static void stage_cost41(const void *ctx, int32_t l0, int32_t l1, int32_t L,
+                         di_dev_stage_cost *out) {
+    const split_ctx *c = ctx;
+    const di_model *m = c->m;
+    const di_hparams *hp = &m->hp;
+    const di_dev_plan *p = c->p;
+    const bool first = l0 == 0, last = l1 == L;
+    const int64_t f = sizeof(float), win = win_row_bytes(hp), R = p->max_rows;
+    int64_t w = 0; // (the rope tables every stage uploads, a few hundred bytes, not counted)
+    if (first || (last && m->n_mtp_loaded > 0)) w += di_dev_tensor_bytes(&m->embed);
+    if (last) w += di_dev_tensor_bytes(&m->head) + f * hp->n_embd;
+    for (int32_t il = l0; il < l1; il++) w += layer_bytes(m, il);
+    for (int i = 0; last && i < m->n_mtp_loaded; i++) w += layer_w_bytes(m, &m->mtp[i].block);
+    if (last && m->n_mtp_loaded > 0)
+        w += di_dev_tensor_bytes(&m->dspark.main_proj) +
+             di_dev_tensor_bytes(&m->dspark.markov_head) + 2 * f * hp->n_embd;
+    int64_t blk = 0, slot = (int64_t)(l1 - l0) * ring_rows(hp) * win;
+    for (int32_t il = 0; il < l1; il++) {
+        if (!hp->kv_source[il]) continue;
+        bool kept = il >= l0;
+        for (int32_t j = l0; j < l1 && !kept; j++)
+            kept = hp->compress_ratio[j] > 0 && source_of(hp, j) == il;
+        if (!kept) continue;
+        blk += src_block_bytes(hp, il, p->block_tokens);
+        if (il >= l0 && hp->compress_ratio[il] == 2) slot += 2 * CZ_ROWS * hp->head_dim * f;
+    }
+    int64_t fixed = (int64_t)(l1 - l0) * R * win + R * row_scratch_bytes(hp, p->n_ctx);
+    if (last) {
+        const int64_t HR = R < HEAD_CHUNK ? R : HEAD_CHUNK;
+        fixed += HR * f * ((int64_t)hp->hc_mult * hp->n_embd + hp->n_embd + hp->n_vocab);
+        // The DSpark blocks' regions: their call rows always, their rings with speculation.
+        fixed += (int64_t)m->n_mtp_loaded * R * win;
+        if (p->spec) slot += (int64_t)m->n_mtp_loaded * ring_rows(hp) * win;
+    }
+    out->weight_bytes = w;
+    out->block_bytes = blk;
+    out->fixed_bytes = fixed + (int64_t)p->n_slots * slot;
+}
+
+di_status di_dsv41_dev_split_mem(const di_model *m, int32_t n_stages, const int64_t *budget_bytes,
+                                 di_dev_split_out *out) {
     const int32_t L = m->hp.n_layer;
     if (n_stages < 1 || n_stages > DI_DSV41_DEV_MAX_STAGES || n_stages > L) {
         DI_LOG_ERROR("dev forward (V4.1): %d pipeline stages for %d layers (1 to min(%d, layers))",
                      n_stages, L, DI_DSV41_DEV_MAX_STAGES);
         return DI_ERR_INVALID;
     }
-    int64_t *pre = di_malloc(sizeof(int64_t) * (size_t)(L + 1)); // pre[l]: stage 0's bytes to l
-    if (!pre) return DI_ERR_NOMEM;
-    const int64_t head = di_dev_tensor_bytes(&m->head) + (int64_t)sizeof(float) * m->hp.n_embd;
-    pre[0] = di_dev_tensor_bytes(&m->embed);
-    for (int32_t il = 0; il < L; il++) pre[il + 1] = pre[il] + layer_bytes(m, il);
-    // Every cut is legal: what crosses one is handed over (dsv41_dev.h "Pipeline stages").
-    const di_status st = di_dev_split(pre, head, L, n_stages, layer0, stage_bytes);
-    di_free(pre);
-    return st;
+    const di_dev_plan p = di_dev_plan_of(m, model_block_tokens(m));
+    const split_ctx c = {.m = m, .p = &p};
+    const int64_t one_seq = (p.n_ctx + p.block_tokens - 1) / p.block_tokens;
+    return di_dev_split_mem("dev forward (V4.1)", L, n_stages, stage_cost41, &c, budget_bytes,
+                            one_seq, out);
+}
+
+void di_dsv41_dev_stage_cost(const di_model *m, int32_t l0, int32_t l1, di_dev_stage_cost *out) {
+    const di_dev_plan p = di_dev_plan_of(m, model_block_tokens(m));
+    const split_ctx c = {.m = m, .p = &p};
+    DI_ASSERT(l0 >= 0 && l0 < l1 && l1 <= m->hp.n_layer);
+    stage_cost41(&c, l0, l1, m->hp.n_layer, out);
+}
+
+di_status di_dsv41_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
+                             int64_t *stage_bytes) {
+    // The weight balance: the KV-aware split without budgets (every cut is legal: what crosses
+    // one is handed over, dsv41_dev.h "Pipeline stages").
+    di_dev_split_out sp;
+    const di_status st = di_dsv41_dev_split_mem(m, n_stages, NULL, &sp);
+    if (st != DI_OK) return st;
+    for (int32_t k = 0; k <= n_stages; k++) layer0[k] = sp.layer0[k];
+    for (int32_t k = 0; stage_bytes && k < n_stages; k++) stage_bytes[k] = sp.cost[k].weight_bytes;
+    return DI_OK;
 }
 
 di_status di_dsv41_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
@@ -1995,11 +2088,21 @@ di_status di_dsv41_dev_create_stages(di_model *m, di_backend *const *b, int32_t 
         DI_LOG_ERROR("dev forward (V4.1): %d mHC streams (at most 16)", hp->hc_mult);
         return DI_ERR_UNSUPPORTED;
     }
-    int32_t l0[DI_DSV41_DEV_MAX_STAGES + 1];
-    int64_t bytes[DI_DSV41_DEV_MAX_STAGES];
-    di_status st = di_dsv41_dev_split(m, n_stages, l0, bytes);
+    // The split for the plan's state on the memory the backends have free (dev_common.h
+    // di_dev_split_mem); the weight balance where some backend cannot say.
+    if (n_stages < 1 || n_stages > DI_DSV41_DEV_MAX_STAGES || n_stages > hp->n_layer) {
+        DI_LOG_ERROR("dev forward (V4.1): %d pipeline stages for %d layers (1 to min(%d, layers))",
+                     n_stages, hp->n_layer, DI_DSV41_DEV_MAX_STAGES);
+        return DI_ERR_INVALID;
+    }
+    int64_t budget[DI_DSV41_DEV_MAX_STAGES];
+    const di_dev_plan p = di_dev_plan_of(m, model_block_tokens(m));
+    const bool known = di_dev_stage_budgets(b, n_stages, p.reserve_bytes, budget);
+    di_dev_split_out sp;
+    di_status st = di_dsv41_dev_split_mem(m, n_stages, known ? budget : NULL, &sp);
     if (st != DI_OK) return st;
-    return di_dsv41_dev_create_split(m, b, n_stages, l0, out);
+    if (n_stages > 1) di_dev_split_log("dev forward (V4.1)", &sp, &p);
+    return di_dsv41_dev_create_split(m, b, n_stages, sp.layer0, out);
 }
 
 di_status di_dsv41_dev_create_split(di_model *m, di_backend *const *b, int32_t n_stages,

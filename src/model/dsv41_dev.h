@@ -114,8 +114,11 @@
  * state create) runs every call directly.
  *
  * Pipeline stages (di_dsv41_dev_create_stages; --device cuda:0,1,...): as dsv4_dev.h's, the
- * layers are split into n contiguous ranges of about equal weight bytes (the split whose largest
- * stage is smallest, at any cut: di_dsv41_dev_split, dev_common.c's DP), stage k on backend k,
+ * layers are split into n contiguous ranges at any cut, where every backend reports its memory the
+ * one holding the most entry blocks on every stage (mirrors counted) for m->opt's dev_* plan, then
+ * the smallest largest stage (di_dsv41_dev_split_mem: dev_common.c's DPs, DSpark's weights and
+ * embedding copy on the last stage), else the weight balance (di_dsv41_dev_split), stage k on
+ * backend k,
  * each holding its layers' weights (the embedding on the first, the head and final norm on the
  * last) and, in every state, their pools, rings, index keys, scratch, staging and decode graphs.
  * A call checks every stage first, then runs stage 0 from the tokens and hands the streams after
@@ -169,9 +172,10 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "backend/backend.h" // di_backend
-#include "deepinfer.h"       // di_model, di_status
-#include "model/dsv41.h"     // di_dsv41_draft, DI_DSV41_ROLLBACK_MAX
+#include "backend/backend.h"  // di_backend
+#include "deepinfer.h"        // di_model, di_status
+#include "model/dev_common.h" // di_dev_split_out
+#include "model/dsv41.h"      // di_dsv41_draft, DI_DSV41_ROLLBACK_MAX
 
 typedef struct di_dsv41_dev di_dsv41_dev;             // a V4.1 model's weights on its stages
 typedef struct di_dsv41_dev_state di_dsv41_dev_state; // the device state of n_slots sequences
@@ -189,8 +193,10 @@ void di_dsv41_dev_destroy(di_dsv41_dev *d); // NULL: no-op
 enum { DI_DSV41_DEV_MAX_STAGES = 8 };
 
 // The forward as n_stages pipeline stages: stage k on backend b[k] (borrowed, must outlive d; the
-// same backend may be listed more than once), its layers those of di_dsv41_dev_split. Errors as
-// di_dsv41_dev_create, and DI_ERR_INVALID (logged) as di_dsv41_dev_split.
+// same backend may be listed more than once), its layers those of di_dsv41_dev_split_mem on the
+// backends' free memory less the plan's reserve (di_dev_stage_budgets), or of di_dsv41_dev_split
+// where some backend cannot say. Errors as di_dsv41_dev_create, and DI_ERR_INVALID (logged) as
+// di_dsv41_dev_split, DI_ERR_NOMEM (logged) as di_dsv41_dev_split_mem.
 di_status di_dsv41_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
                                      di_dsv41_dev **out);
 // The same on a given split: stage k holds [layer0[k], layer0[k + 1]) (layer0[0] = 0,
@@ -201,11 +207,27 @@ di_status di_dsv41_dev_create_split(di_model *m, di_backend *const *b, int32_t n
 // The split of m's layers into n_stages contiguous ranges, the one whose largest stage is smallest
 // (ties to earlier cuts), counting the bytes of the matrices with their scales and the vectors a
 // stage uploads (Engram tables stay on the host: not counted), the embedding on the first stage,
-// the head and final norm on the last: stage k holds [layer0[k], layer0[k + 1]) (n_stages + 1
-// entries), stage_bytes[k] its bytes (NULL: not wanted). Host only, no backend. DI_ERR_INVALID
-// (logged) for n_stages < 1, > DI_DSV41_DEV_MAX_STAGES or > n_layer; DI_ERR_NOMEM.
+// the head and final norm on the last, with DSpark loaded its blocks, heads and the embedding copy
+// there too (di_dsv41_dev_split_mem without budgets): stage k holds [layer0[k], layer0[k + 1])
+// (n_stages + 1 entries), stage_bytes[k] its bytes (NULL: not wanted). Host only, no backend.
+// DI_ERR_INVALID (logged) for n_stages < 1, > DI_DSV41_DEV_MAX_STAGES or > n_layer; DI_ERR_NOMEM.
 di_status di_dsv41_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
                              int64_t *stage_bytes);
+// The KV-aware split (dev_common.h di_dev_split_mem; docs/cuda.md "The split") of m's layers
+// into n_stages for the state m->opt's dev_* fields plan (di_model_options; their zeros the
+// engine's defaults) on stages of budget_bytes[k] (free memory less the plan's reserve; NULL:
+// unknown, the weight balance of di_dsv41_dev_split), counting each stage's weights (DSpark's
+// blocks, heads and embedding copy on the last stage when the model loaded them), the entries and
+// index keys of the kv sources it owns or mirrors per block, and its slots' tails (the DSpark
+// rings with dev_spec), call rows and scratch. di_dsv41_dev_create_stages uses it with the
+// backends' mem_info. DI_ERR_INVALID (logged) as di_dsv41_dev_split; DI_ERR_NOMEM (logged: the
+// stage and its bytes) when the best split leaves some stage unable to hold its weights, fixed
+// state and one max-context sequence's blocks, or out of host memory.
+di_status di_dsv41_dev_split_mem(const di_model *m, int32_t n_stages, const int64_t *budget_bytes,
+                                 di_dev_split_out *out);
+// What a stage holding layers [l0, l1) (0 <= l0 < l1 <= n_layer) costs for m's plan: the table
+// di_dsv41_dev_split_mem optimises over. Host only.
+void di_dsv41_dev_stage_cost(const di_model *m, int32_t l0, int32_t l1, di_dev_stage_cost *out);
 int32_t di_dsv41_dev_n_stages(const di_dsv41_dev *d);
 // Stage k's backend (borrowed) and its layers [*l0, *l1); NULL (nothing written) for no stage k.
 di_backend *di_dsv41_dev_stage(const di_dsv41_dev *d, int32_t k, int32_t *l0, int32_t *l1);
@@ -375,7 +397,7 @@ int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
 // di_dsv41_dev_create (nothing attached); DI_ERR_INVALID when one is attached already.
 di_status di_dsv41_dev_attach(di_model *m, di_backend *b);
 // The same with n_stages pipeline stages on b[0..n_stages-1] (di_dsv41_dev_create_stages; --device
-// cuda:0,1,...). Errors as di_dsv41_dev_create_stages.
+// cuda:0,1,...; the split from the backends' memory). Errors as di_dsv41_dev_create_stages.
 di_status di_dsv41_dev_attach_stages(di_model *m, di_backend *const *b, int32_t n_stages);
 
 // Calls so far: run directly, captured into a graph (then launched), launched from a cached graph;

@@ -1986,9 +1986,8 @@ static stage_state *last_part(const di_dsv4_dev_state *s) {
 
 // Host bytes of layer il's weights the dev forward uploads (matrices with their scales, the
 // vectors).
-static int64_t layer_bytes(const di_model *m, int32_t il) {
+static int64_t layer_w_bytes(const di_model *m, const di_dsv4_layer_w *lw) {
     const di_hparams *hp = &m->hp;
-    const di_dsv4_layer_w *lw = &m->layers[il];
     const int64_t f = sizeof(float), nc = hp->hc_mult, D = hp->n_embd;
     int64_t n = di_dev_tensor_bytes(&lw->hc_attn.fn) + di_dev_tensor_bytes(&lw->hc_ffn.fn);
     n += 2 * f * ((2 + nc) * nc + 3) + 2 * f * D;
@@ -2008,25 +2007,113 @@ static int64_t layer_bytes(const di_model *m, int32_t il) {
     return n;
 }
 
-di_status di_dsv4_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
-                            int64_t *stage_bytes) {
+static int64_t layer_bytes(const di_model *m, int32_t il) {
+    return layer_w_bytes(m, &m->layers[il]);
+}
+
+// ---- the KV-aware split (dev_common.h di_dev_split_mem) ----
+
+typedef struct split_ctx {
+    const di_model *m;
+    const di_dev_plan *p;
+} split_ctx;
+
+// dev_common.h di_dev_stage_cost_fn for V4 stage [l0, l1): its weights (the embedding on the
+// first; the head, final norm and head mHC on the last, with the plan's speculation also the MTP
+// block, its projections, norms and head mHC and the embedding again, as di_dsv4_dev_mtp_enable
+// uploads them), its layers' entries and indexer keys per block (stage_sizes), and the fixed part
+// of the plan's state: n_slots tails (window rings, compressor token rings, the page table, the
+// MTP ring with speculation) and max_rows call rows of every pool, and the per-row scratch
+// (state_create's buffers; the backend's own op scratch is the reserve's).
+static void stage_cost4(const void *ctx, int32_t l0, int32_t l1, int32_t L,
+                        di_dev_stage_cost *out) {
+    const split_ctx *c = ctx;
+    const di_model *m = c->m;
+    const di_hparams *hp = &m->hp;
+    const di_dev_plan *p = c->p;
+    const bool first = l0 == 0, last = l1 == L, mtp = last && p->spec && m->n_mtp_loaded > 0;
+    const int64_t f = sizeof(float), W = hp->window, R = p->max_rows, D = hp->n_embd;
+    const int64_t nc = hp->hc_mult, Dh = hp->head_dim, DI = hp->index_head_dim;
+    const int64_t rb = m->opt.precision == DI_PRECISION_OFFICIAL
+                           ? di_backend_kv_row_bytes(hp->head_dim, hp->rope_main.n_dims)
+                           : f * Dh;
+    int64_t w = 0;
+    if (first || mtp) w += di_dev_tensor_bytes(&m->embed);
+    if (last)
+        w += di_dev_tensor_bytes(&m->head) + di_dev_tensor_bytes(&m->hc_head.fn) + f * (D + nc + 1);
+    if (mtp) {
+        const di_dsv4_mtp_w *t = &m->mtp[0];
+        w += layer_w_bytes(m, &t->block) + di_dev_tensor_bytes(&t->e_proj) +
+             di_dev_tensor_bytes(&t->h_proj) + di_dev_tensor_bytes(&t->hc_head.fn) +
+             f * (3 * D + nc + 1);
+    }
+    int64_t blk = 0, slot = f * ((p->n_ctx + p->block_tokens - 1) / p->block_tokens);
+    int64_t cap4 = 1;
+    for (int32_t il = l0; il < l1; il++) {
+        const di_dsv4_layer_w *lw = &m->layers[il];
+        w += layer_bytes(m, il);
+        slot += W * rb;
+        if (lw->ratio <= 0) continue;
+        const int64_t E = p->block_tokens / lw->ratio, Rr = (int64_t)lw->cmp.c * lw->ratio;
+        blk += E * rb;
+        slot += 2 * Rr * lw->cmp.c * lw->cmp.d * f;
+        if (lw->ratio == 4) {
+            blk += E * DI * f;
+            slot += 2 * Rr * lw->idx_cmp.c * lw->idx_cmp.d * f;
+            if (p->n_ctx / 4 > cap4) cap4 = p->n_ctx / 4;
+        }
+    }
+    if (mtp) slot += W * rb;
+    const int64_t H = hp->n_head, G = hp->o_groups, Ro = hp->o_lora_rank;
+    const int64_t HI = hp->n_index_head, cw = 2 * (Dh > DI ? Dh : DI);
+    int64_t widest = D > hp->q_lora_rank ? D : hp->q_lora_rank;
+    if (G * Ro > widest) widest = G * Ro;
+    const int64_t row_floats = nc * D + 2 * D + nc + nc * nc + (2 + nc) * nc + hp->q_lora_rank +
+                               2 * H * Dh + G * Ro + 2 * cw + HI * DI + HI + cap4 + widest + Dh +
+                               hp->index_topk + 4;
+    int64_t fixed = (int64_t)(l1 - l0 + (mtp ? 1 : 0)) * R * rb + R * f * row_floats;
+    if (last) {
+        const int64_t HC = R < HEAD_CHUNK ? R : HEAD_CHUNK;
+        fixed += HC * f * (nc * D + D + hp->n_vocab);
+    }
+    if (mtp) fixed += R * f * (nc * D + nc);
+    out->weight_bytes = w;
+    out->block_bytes = blk;
+    out->fixed_bytes = fixed + (int64_t)p->n_slots * slot;
+}
+
+di_status di_dsv4_dev_split_mem(const di_model *m, int32_t n_stages, const int64_t *budget_bytes,
+                                di_dev_split_out *out) {
     const int32_t L = m->hp.n_layer;
     if (n_stages < 1 || n_stages > DI_DSV4_DEV_MAX_STAGES || n_stages > L) {
         DI_LOG_ERROR("dev forward: %d pipeline stages for %d layers (1 to min(%d, layers))",
                      n_stages, L, DI_DSV4_DEV_MAX_STAGES);
         return DI_ERR_INVALID;
     }
-    int64_t *pre = di_malloc(sizeof(int64_t) * (size_t)(L + 1)); // pre[l]: stage 0's bytes to l
-    if (!pre) return DI_ERR_NOMEM;
-    const int64_t head = di_dev_tensor_bytes(&m->head) + di_dev_tensor_bytes(&m->hc_head.fn) +
-                         (int64_t)sizeof(float) * (m->hp.n_embd + m->hp.hc_mult + 1);
-    pre[0] = di_dev_tensor_bytes(&m->embed);
-    for (int32_t il = 0; il < L; il++) pre[il + 1] = pre[il] + layer_bytes(m, il);
-    // The split whose largest stage is smallest (the memory every device of the list must hold;
-    // dev_common.c's DP over the cuts, every cut legal in V4).
-    const di_status st = di_dev_split(pre, head, L, n_stages, layer0, stage_bytes);
-    di_free(pre);
-    return st;
+    const di_dev_plan p = di_dev_plan_of(m, model_block_tokens(m));
+    const split_ctx c = {.m = m, .p = &p};
+    const int64_t one_seq = (p.n_ctx + p.block_tokens - 1) / p.block_tokens;
+    return di_dev_split_mem("dev forward", L, n_stages, stage_cost4, &c, budget_bytes, one_seq,
+                            out);
+}
+
+void di_dsv4_dev_stage_cost(const di_model *m, int32_t l0, int32_t l1, di_dev_stage_cost *out) {
+    const di_dev_plan p = di_dev_plan_of(m, model_block_tokens(m));
+    const split_ctx c = {.m = m, .p = &p};
+    DI_ASSERT(l0 >= 0 && l0 < l1 && l1 <= m->hp.n_layer);
+    stage_cost4(&c, l0, l1, m->hp.n_layer, out);
+}
+
+di_status di_dsv4_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
+                            int64_t *stage_bytes) {
+    // The weight balance: the KV-aware split without budgets (the memory every device of the
+    // list must hold; dev_common.c's DP over the cuts, every cut legal in V4).
+    di_dev_split_out sp;
+    const di_status st = di_dsv4_dev_split_mem(m, n_stages, NULL, &sp);
+    if (st != DI_OK) return st;
+    for (int32_t k = 0; k <= n_stages; k++) layer0[k] = sp.layer0[k];
+    for (int32_t k = 0; stage_bytes && k < n_stages; k++) stage_bytes[k] = sp.cost[k].weight_bytes;
+    return DI_OK;
 }
 
 di_status di_dsv4_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
@@ -2045,10 +2132,21 @@ di_status di_dsv4_dev_create_stages(di_model *m, di_backend *const *b, int32_t n
         DI_LOG_ERROR("dev forward: %d mHC streams (at most 16)", hp->hc_mult);
         return DI_ERR_UNSUPPORTED;
     }
-    int32_t l0[DI_DSV4_DEV_MAX_STAGES + 1];
-    int64_t bytes[DI_DSV4_DEV_MAX_STAGES];
-    di_status st = di_dsv4_dev_split(m, n_stages, l0, bytes);
+    if (n_stages < 1 || n_stages > DI_DSV4_DEV_MAX_STAGES || n_stages > hp->n_layer) {
+        DI_LOG_ERROR("dev forward: %d pipeline stages for %d layers (1 to min(%d, layers))",
+                     n_stages, hp->n_layer, DI_DSV4_DEV_MAX_STAGES);
+        return DI_ERR_INVALID;
+    }
+    // The split for the plan's state on the memory the backends have free (dev_common.h
+    // di_dev_split_mem); the weight balance where some backend cannot say.
+    int64_t budget[DI_DSV4_DEV_MAX_STAGES];
+    const di_dev_plan plan = di_dev_plan_of(m, model_block_tokens(m));
+    const bool known = di_dev_stage_budgets(b, n_stages, plan.reserve_bytes, budget);
+    di_dev_split_out sp;
+    di_status st = di_dsv4_dev_split_mem(m, n_stages, known ? budget : NULL, &sp);
     if (st != DI_OK) return st;
+    if (n_stages > 1) di_dev_split_log("dev forward", &sp, &plan);
+    const int32_t *l0 = sp.layer0;
     di_dsv4_dev *d = di_calloc(1, sizeof *d);
     if (!d) return DI_ERR_NOMEM;
     d->m = m;
@@ -2060,7 +2158,8 @@ di_status di_dsv4_dev_create_stages(di_model *m, di_backend *const *b, int32_t n
             DI_LOG_INFO("dev forward: stage %d of %d: layers [%d, %d)%s%s, %.1f MiB of weights, "
                         "on %s",
                         k, n_stages, l0[k], l0[k + 1], k == 0 ? " + embedding" : "",
-                        k == n_stages - 1 ? " + head" : "", bytes[k] / 1048576.0, b[k]->desc);
+                        k == n_stages - 1 ? " + head" : "", sp.cost[k].weight_bytes / 1048576.0,
+                        b[k]->desc);
     }
     *out = d;
     return DI_OK;

@@ -105,8 +105,11 @@
  * (docs/kv-cache.md, "Disk tier", "On the device-resident forward").
  *
  * Pipeline stages (di_dsv4_dev_create_stages; --device cuda:0,1,...): for a model larger than one
- * device the layers are split into n contiguous ranges of about equal weight bytes (the split
- * whose largest stage is smallest: di_dsv4_dev_split), stage k on backend k. Each stage is what the
+ * device the layers are split into n contiguous ranges, chosen when the stages are created (the
+ * weights go up once): where every backend reports its memory (backend.h mem_info), the split
+ * that holds the most entry blocks on every stage for the state m->opt's dev_* fields plan, then
+ * the smallest largest stage (di_dsv4_dev_split_mem, docs/cuda.md "The split"); else the one of
+ * about equal weight bytes (di_dsv4_dev_split), stage k on backend k. Each stage is what the
  * forward is on one backend for its layers: their weights (the embedding on the first stage, and on
  * the last when the MTP block is enabled; the head, final norm and head mHC, and the MTP block, on
  * the last) and, in every state, their pools, rings, page tables, scratch, staging and decode
@@ -139,8 +142,9 @@
 
 #include <stdint.h>
 
-#include "backend/backend.h" // di_backend
-#include "deepinfer.h"       // di_model, di_status
+#include "backend/backend.h"  // di_backend
+#include "deepinfer.h"        // di_model, di_status
+#include "model/dev_common.h" // di_dev_split_out, di_dev_stage_cost
 
 typedef struct di_dsv4_dev di_dsv4_dev;             // a model's weights on its stages' backends
 typedef struct di_dsv4_dev_state di_dsv4_dev_state; // KV + compressor state of n_slots sequences
@@ -156,8 +160,10 @@ enum { DI_DSV4_DEV_MAX_STAGES = 8 };
 di_status di_dsv4_dev_create(di_model *m, di_backend *b, di_dsv4_dev **out);
 // The forward as n_stages pipeline stages ("Pipeline stages"): stage k on backend b[k] (borrowed,
 // must outlive d; the same backend may be listed more than once), its layers those of
-// di_dsv4_dev_split. Errors as di_dsv4_dev_create, and DI_ERR_INVALID (logged) for n_stages < 1,
-// > DI_DSV4_DEV_MAX_STAGES or > n_layer.
+// di_dsv4_dev_split_mem on the backends' free memory less the plan's reserve, or of
+// di_dsv4_dev_split where some backend cannot say. Errors as di_dsv4_dev_create, DI_ERR_INVALID
+// (logged) for n_stages < 1, > DI_DSV4_DEV_MAX_STAGES or > n_layer, DI_ERR_NOMEM (logged) as
+// di_dsv4_dev_split_mem.
 di_status di_dsv4_dev_create_stages(di_model *m, di_backend *const *b, int32_t n_stages,
                                     di_dsv4_dev **out);
 void di_dsv4_dev_destroy(di_dsv4_dev *d); // NULL: no-op
@@ -171,12 +177,29 @@ di_backend *di_dsv4_dev_stage(const di_dsv4_dev *d, int32_t k, int32_t *l0, int3
 // splits with at least one layer per stage, the one whose largest stage is smallest (ties to
 // earlier cuts), counting the host bytes of the matrices with their scales and the vectors
 // a stage uploads, the embedding on the first stage, the head, final norm and head mHC on the
-// last (the MTP block not counted): stage k holds [layer0[k], layer0[k + 1]) (layer0: n_stages + 1
+// last (the MTP block and its embedding copy only with m->opt.dev_spec; di_dsv4_dev_split_mem
+// without budgets): stage k holds [layer0[k], layer0[k + 1]) (layer0: n_stages + 1
 // entries), stage_bytes[k] its bytes (NULL: not wanted). Host only, no backend: `deepinfer info`
 // and the sizing of a deployment use it. DI_ERR_INVALID (logged) as di_dsv4_dev_create_stages,
 // DI_ERR_NOMEM.
 di_status di_dsv4_dev_split(const di_model *m, int32_t n_stages, int32_t *layer0,
                             int64_t *stage_bytes);
+
+// The KV-aware split (dev_common.h di_dev_split_mem; docs/cuda.md "The split") of m's layers
+// into n_stages for the state m->opt's dev_* fields plan (di_model_options; their zeros the
+// engine's defaults) on stages of budget_bytes[k] (free memory less the plan's reserve; NULL:
+// unknown, the weight balance of di_dsv4_dev_split), counting each stage's weights (with dev_spec
+// and an MTP block loaded, the MTP block, its projections and the embedding copy on the last
+// stage), its layers' entries and indexer keys per block, and its slots' tails (the MTP ring with
+// dev_spec), call rows and scratch. di_dsv4_dev_create_stages uses it with the backends'
+// mem_info. DI_ERR_INVALID (logged) as di_dsv4_dev_split; DI_ERR_NOMEM (logged: the stage and its
+// bytes) when the best split leaves some stage unable to hold its weights, fixed state and one
+// max-context sequence's blocks, or out of host memory.
+di_status di_dsv4_dev_split_mem(const di_model *m, int32_t n_stages, const int64_t *budget_bytes,
+                                di_dev_split_out *out);
+// What a stage holding layers [l0, l1) (0 <= l0 < l1 <= n_layer) costs for m's plan: the table
+// di_dsv4_dev_split_mem optimises over. Host only.
+void di_dsv4_dev_stage_cost(const di_model *m, int32_t l0, int32_t l1, di_dev_stage_cost *out);
 
 // The state of n_slots sequences of up to n_ctx positions each, for calls of up to max_rows rows
 // in total, with n_blocks entry blocks of block_tokens positions ("State layout"). n_blocks > 0:

@@ -45,8 +45,8 @@ check "synth v41-tiny" "$?" "0"
 check "v41 info --stages 2" "$(grep -c '^stage split' "$T/out41")" "2"
 check "v41 info --stages 2: at cut 3" "$(grep -c 'layers \[0, 3) + embedding\|layers \[3, 6) + head' "$T/out41")" "2"
 "$B" info --model "$M41" --stages 3 --log-level error >"$T/out41"
-check "v41 info --stages 3: cuts 2 and 4 (inside the kv sources' ranges)" \
-    "$(grep -c 'layers \[0, 2) + embedding\|layers \[2, 4),\|layers \[4, 6) + head' "$T/out41")" "3"
+check "v41 info --stages 3: cuts 2 and 5 (inside the kv sources' ranges; DSpark on the last)" \
+    "$(grep -c 'layers \[0, 2) + embedding\|layers \[2, 5),\|layers \[5, 6) + head' "$T/out41")" "3"
 "$B" info --model "$M41" --stages 6 --log-level error >"$T/out41"
 check "v41 info --stages 6: one layer each" "$(grep -c 'layers \[[0-5], [1-6])' "$T/out41")" "6"
 "$B" info --model "$M41" --stages 7 >/dev/null 2>"$T/err"

@@ -962,8 +962,11 @@ static void wiring(di_precision prec) {
     if (g_stages > 1) { // (m) what the model describes: one line per stage, its layers
         char desc[8192];
         di_model_describe(md, desc, sizeof desc);
-        CHECK(strstr(desc, g_stages == 2 ? "pipeline stage 1  layers [3, 6) + head"
-                                         : "pipeline stage 2  layers [4, 6) + head") != NULL);
+        int32_t a = -1, e = -1; // the split the backends' memory chose (di_dsv41_dev_split_mem)
+        CHECK(di_dsv41_dev_stage(md->dev41, g_stages - 1, &a, &e) == bk[g_stages - 1]);
+        char want[96];
+        snprintf(want, sizeof want, "pipeline stage %d  layers [%d, 6) + head, ", g_stages - 1, a);
+        CHECK(strstr(desc, want) != NULL);
     }
     di_session_options so = di_session_options_default();
     so.n_ctx_max = 400;
@@ -1195,6 +1198,73 @@ static void stage_rules(void) {
     di_model_destroy(m);
 }
 
+// (q) the KV-aware split (di_dsv41_dev_split_mem) on two CPU backends of unequal memory
+// (di_cpu_backend_set_mem): stage 1 gets just too little for the weight split's stage 1 to hold
+// one sequence's blocks, so that split would be refused; the chosen split differs, holds more
+// blocks (checked against the stage costs) and di_dsv41_dev_create_stages takes it; its logits
+// are the 1-stage forward's and the CPU forward's bit for bit ((l) on it: q_split). Without
+// memory (a budget-less call) it is di_dsv41_dev_split's.
+static int32_t q_split[3];
+static void mem_split(void) {
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 2;
+    mo.dev_slots = N_SLOTS, mo.dev_ctx = N_CTX, mo.dev_rows = MAX_ROWS;
+    mo.dev_reserve_bytes = 4096;
+    di_model *m = NULL;
+    CHECK_EQ(di_model_load(g_model, &mo, &m), DI_OK);
+    if (!m) return;
+    const int32_t L = m->hp.n_layer, one_seq = (N_CTX + BT - 1) / BT;
+    int32_t wl0[3];
+    int64_t wb[2];
+    CHECK_EQ(di_dsv41_dev_split(m, 2, wl0, wb), DI_OK);
+    di_dev_split_out sp;
+    CHECK_EQ(di_dsv41_dev_split_mem(m, 2, NULL, &sp), DI_OK);
+    CHECK(!sp.by_memory && sp.layer0[1] == wl0[1]);
+    di_dev_stage_cost w0, w1;
+    di_dsv41_dev_stage_cost(m, 0, wl0[1], &w0);
+    di_dsv41_dev_stage_cost(m, wl0[1], L, &w1);
+    CHECK(w1.block_bytes > 0);
+    const int64_t budget[2] = {8 * (w0.weight_bytes + w1.weight_bytes + w0.fixed_bytes +
+                                    w1.fixed_bytes +
+                                    64 * one_seq * (w0.block_bytes + w1.block_bytes)),
+                               w1.weight_bytes + w1.fixed_bytes + one_seq * w1.block_bytes - 1};
+    CHECK_EQ(di_dsv41_dev_split_mem(m, 2, budget, &sp), DI_OK);
+    CHECK(sp.by_memory);
+    CHECK(sp.layer0[1] != wl0[1]);
+    CHECK(sp.n_blocks >= one_seq); // the weight split: one_seq - 1 on stage 1
+    for (int32_t k = 0; k < 2; k++) {
+        di_dev_stage_cost c;
+        di_dsv41_dev_stage_cost(m, sp.layer0[k], sp.layer0[k + 1], &c);
+        const int64_t left = budget[k] - c.weight_bytes - c.fixed_bytes;
+        CHECK_EQ(sp.blocks[k], c.block_bytes > 0 ? left / c.block_bytes : INT64_MAX);
+    }
+    fprintf(stderr, "(q) weights: [0, %d) [%d, %d); memory: [0, %d) [%d, %d), %lld blocks\n",
+            wl0[1], wl0[1], L, sp.layer0[1], sp.layer0[1], L, (long long)sp.n_blocks);
+    // Too little for any split: refused (logged with the stage and its bytes).
+    const int64_t tiny[2] = {budget[0], w1.weight_bytes / 4};
+    di_dev_split_out no;
+    CHECK_EQ(di_dsv41_dev_split_mem(m, 2, tiny, &no), DI_ERR_NOMEM);
+    // The backends report those budgets plus the reserve: create_stages takes the same split.
+    di_backend *bs[2] = {NULL, NULL};
+    CHECK_EQ(di_cpu_backend_create(2, &bs[0]), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(2, &bs[1]), DI_OK);
+    for (int32_t k = 0; k < 2 && bs[k]; k++)
+        di_cpu_backend_set_mem(bs[k], (size_t)budget[k] + mo.dev_reserve_bytes,
+                               (size_t)budget[k] * 2 + mo.dev_reserve_bytes);
+    di_dsv41_dev *d = NULL;
+    if (bs[0] && bs[1]) CHECK_EQ(di_dsv41_dev_create_stages(m, bs, 2, &d), DI_OK);
+    if (d) {
+        int32_t a = -1, e = -1;
+        CHECK(di_dsv41_dev_stage(d, 1, &a, &e) == bs[1]);
+        CHECK(a == sp.layer0[1] && e == L);
+        di_dsv41_dev_destroy(d);
+    }
+    di_backend_destroy(bs[0]);
+    di_backend_destroy(bs[1]);
+    q_split[0] = 0, q_split[1] = sp.layer0[1], q_split[2] = L;
+    di_model_destroy(m);
+}
+
 // (l) one split (g_split, g_stages): the forward against the 1-stage forward beside it and the CPU
 // sessions (h_call): prefill chunks and decodes (graphs captured, then replayed: the hand-over
 // between graph launches), the block bytes and a tail snapshot equal to the 1-stage state's; a
@@ -1319,6 +1389,10 @@ static void every_cut(void) {
     }
     g_split = NULL;
     g_stages = 1;
+}
+
+static void mem_split_logits(void) {
+    cut_case(DI_PRECISION_FP32);
 }
 
 // (j): the CPU backend with weight_upload watched: every host tensor it is given is recorded.
@@ -1465,6 +1539,12 @@ int main(int argc, char **argv) {
         return test_finish();
     }
     RUN(stage_rules);
+    RUN(mem_split);
+    if (q_split[2] > 0) { // (q)'s split, bit for bit as (l)'s cuts
+        g_stages = 2, g_split = q_split;
+        RUN(mem_split_logits);
+        g_stages = 1, g_split = NULL;
+    }
     RUN(fp32_one);
     RUN(fp32_batches);
     RUN(official_one);

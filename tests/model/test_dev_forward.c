@@ -52,6 +52,7 @@
 #include <stdlib.h>
 
 #include "backend/backend.h"
+#include "kv/kv_manager.h" // di_kv_block_tokens
 #include "model/dsv4.h"
 #include "model/dsv4_dev.h"
 #include "model/synth.h"
@@ -1455,9 +1456,12 @@ static void test_split(void) {
     CHECK_EQ(di_dsv4_dev_create_stages(m, b, L + 1, &d), DI_ERR_INVALID);
     CHECK_EQ(di_dsv4_dev_create_stages(m, b, 0, &d), DI_ERR_INVALID);
     CHECK(d == NULL);
-    // Two stages on the same backend (cuda:0,0's shape): what the stages report.
+    // Two stages on the same backend (cuda:0,0's shape) that cannot say its memory: the weight
+    // split (di_dsv4_dev_split_mem's fallback), and what the stages report.
     di_backend *same[2] = {b[0], b[0]};
+    di_cpu_backend_set_mem(b[0], 1, 0);
     CHECK_EQ(di_dsv4_dev_create_stages(m, same, 2, &d), DI_OK);
+    di_cpu_backend_set_mem(b[0], 0, 0);
     if (d) {
         int32_t a0 = -1, a1 = -1, c0 = -1, c1 = -1;
         CHECK_EQ(di_dsv4_dev_split(m, 2, l0, NULL), DI_OK);
@@ -1468,6 +1472,56 @@ static void test_split(void) {
         CHECK(di_dsv4_dev_backend(d) == b[0]);
     }
     di_dsv4_dev_destroy(d);
+    d = NULL;
+    // The KV-aware split (di_dsv4_dev_split_mem): stage 1 just short of one sequence's blocks on
+    // the weight split, which the memory moves; the backends reporting those budgets (plus the
+    // reserve) get the same split from create_stages.
+    di_model_destroy(m);
+    m = NULL;
+    mo.dev_slots = 2, mo.dev_ctx = 256, mo.dev_rows = 32, mo.dev_reserve_bytes = 4096;
+    CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
+    if (!m) return;
+    CHECK_EQ(di_dsv4_dev_split(m, 2, l0, NULL), DI_OK);
+    di_dev_stage_cost w0, w1;
+    di_dsv4_dev_stage_cost(m, 0, l0[1], &w0);
+    di_dsv4_dev_stage_cost(m, l0[1], L, &w1);
+    const int32_t bt = di_kv_block_tokens(m), n_one = (256 + bt - 1) / bt;
+    const int64_t budget[2] = {4 * (w0.weight_bytes + w0.fixed_bytes + w1.weight_bytes +
+                                    w1.fixed_bytes +
+                                    64 * n_one * (w0.block_bytes + w1.block_bytes)),
+                               w1.weight_bytes + w1.fixed_bytes + n_one * w1.block_bytes - 1};
+    di_dev_split_out sp;
+    CHECK_EQ(di_dsv4_dev_split_mem(m, 2, NULL, &sp), DI_OK);
+    CHECK(!sp.by_memory && sp.layer0[1] == l0[1]);
+    CHECK_EQ(di_dsv4_dev_split_mem(m, 2, budget, &sp), DI_OK);
+    CHECK(sp.layer0[1] != l0[1] && sp.n_blocks >= n_one);
+    fprintf(stderr,
+            "(m) KV-aware: weights [0, %d) [%d, %d), memory [0, %d) [%d, %d): %lld blocks\n", l0[1],
+            l0[1], L, sp.layer0[1], sp.layer0[1], L, (long long)sp.n_blocks);
+    for (int k = 0; k < 2; k++)
+        di_cpu_backend_set_mem(b[k], (size_t)budget[k] + 4096, 2 * (size_t)budget[k] + 4096);
+    CHECK_EQ(di_dsv4_dev_create_stages(m, b, 2, &d), DI_OK);
+    if (d) {
+        int32_t a0 = -1, a1 = -1;
+        CHECK(di_dsv4_dev_stage(d, 1, &a0, &a1) == b[1]);
+        CHECK(a0 == sp.layer0[1] && a1 == L);
+    }
+    di_dsv4_dev_destroy(d);
+    const int64_t tiny[2] = {budget[0], w1.weight_bytes / 4};
+    CHECK_EQ(di_dsv4_dev_split_mem(m, 2, tiny, &sp), DI_ERR_NOMEM);
+    // With speculation planned (dev_spec) the last stage counts the MTP block and the embedding
+    // copy (di_dsv4_dev_mtp_enable's uploads) and the MTP window ring in its slots.
+    if (m->n_mtp_loaded > 0) {
+        m->opt.dev_spec = true;
+        di_dev_stage_cost s1, s0;
+        di_dsv4_dev_stage_cost(m, l0[1], L, &s1);
+        di_dsv4_dev_stage_cost(m, 0, l0[1], &s0);
+        CHECK(s1.weight_bytes > w1.weight_bytes + (int64_t)di_tensor_bytes(&m->embed));
+        CHECK(s1.fixed_bytes > w1.fixed_bytes);
+        CHECK_EQ(s0.weight_bytes, w0.weight_bytes);
+        CHECK_EQ(s1.block_bytes, w1.block_bytes);
+        m->opt.dev_spec = false;
+    }
     for (int k = 0; k < 8; k++) di_backend_destroy(b[k]);
     di_model_destroy(m);
 }

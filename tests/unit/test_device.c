@@ -90,9 +90,9 @@ static void test_cuda_without_backend(void) {
 }
 
 // di_model_stage_split on the V4 tiny model (6 layers, every cut) and on the V4.1 tiny one
-// (v41-tiny: ratios 0 2 2 1 1 1, kv sources 1 and 3, the candidate source 3: cuts 1 and 3 only); a
-// V4.1 model with a device list takes the build's refusal as V4 does (no V4.1-specific one any
-// more).
+// (v41-tiny: ratios 0 2 2 1 1 1, kv sources 1 and 3, the candidate source 3: any cut, DSpark and
+// the embedding copy on the last stage), di_model_stage_plan's KV-aware split on unequal
+// memories; a V4.1 model with a device list takes the build's refusal as V4 does.
 static void test_stage_split(void) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
@@ -110,16 +110,39 @@ static void test_stage_split(void) {
     CHECK(mkdtemp(dir) != NULL);
     CHECK_EQ(di_synth_checkpoint("v41-tiny", dir, true, 7), DI_OK);
     m = NULL;
+    mo.dev_ctx = 256; // the KV-aware split's plan: sequences of 16 blocks of 16 positions
     CHECK_EQ(di_model_load(dir, &mo, &m), DI_OK);
     if (m) {
         CHECK_EQ(di_model_stage_split(m, 1, l0, bytes), DI_OK);
         const int64_t total = bytes[0];
+        // With stages the last one holds a copy of the embedding besides DSpark's blocks (its
+        // drafts' rows): the same bytes more on 2 and on 3 stages.
         CHECK_EQ(di_model_stage_split(m, 2, l0, bytes), DI_OK);
         CHECK(l0[0] == 0 && l0[1] == 3 && l0[2] == 6);
-        CHECK_EQ(bytes[0] + bytes[1], total);
+        const int64_t sum2 = bytes[0] + bytes[1];
+        CHECK(sum2 > total);
         CHECK_EQ(di_model_stage_split(m, 3, l0, bytes), DI_OK);
-        CHECK(l0[0] == 0 && l0[1] == 2 && l0[2] == 4 && l0[3] == 6); // cuts inside both sources
-        CHECK_EQ(bytes[0] + bytes[1] + bytes[2], total);
+        CHECK(l0[0] == 0 && l0[1] == 2 && l0[2] == 5 && l0[3] == 6); // cuts inside both sources
+        CHECK_EQ(bytes[0] + bytes[1] + bytes[2], sum2);
+        // The KV-aware split (di_model_stage_plan): without memory the weight balance; a second
+        // device just too small for the weight split's last stage, its state and one sequence
+        // moves the cut; too little for any split is refused.
+        di_stage_plan sp[3];
+        int64_t n_blocks = 0;
+        CHECK_EQ(di_model_stage_plan(m, 3, NULL, sp, &n_blocks), DI_OK);
+        CHECK(sp[0].layer1 == 2 && sp[1].layer1 == 5 && n_blocks == -1 && sp[2].n_blocks == -1);
+        CHECK_EQ(di_model_stage_plan(m, 2, NULL, sp, &n_blocks), DI_OK);
+        const size_t reserve = DI_DEV_RESERVE_DEFAULT_BYTES;
+        const int64_t one = 256 / 16;
+        size_t fr[2] = {reserve + ((size_t)1 << 30),
+                        reserve + (size_t)(sp[1].weight_bytes + sp[1].fixed_bytes +
+                                           one * sp[1].block_bytes - 1)};
+        CHECK_EQ(di_model_stage_plan(m, 2, fr, sp, &n_blocks), DI_OK);
+        CHECK(sp[0].layer1 != 3 && n_blocks >= one &&
+              sp[1].budget_bytes + (int64_t)reserve == (int64_t)fr[1]);
+        CHECK(n_blocks == (sp[0].n_blocks < sp[1].n_blocks ? sp[0].n_blocks : sp[1].n_blocks));
+        fr[1] = reserve + 1000;
+        CHECK_EQ(di_model_stage_plan(m, 2, fr, sp, &n_blocks), DI_ERR_NOMEM);
         CHECK_EQ(di_model_stage_split(m, 6, l0, bytes), DI_OK); // once refused: 2 legal cuts
         for (int k = 0; k <= 6; k++) CHECK_EQ(l0[k], k);
         CHECK_EQ(di_model_stage_split(m, 7, l0, bytes), DI_ERR_INVALID);
