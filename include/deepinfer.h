@@ -631,7 +631,11 @@ typedef struct di_engine_options {
     size_t kv_memory_bytes;   // the KV pool (window rings, compressed entries, compressor
                               // buffers); 0 = 256 MiB. On the device-resident forward it is
                               // device memory: max_seqs slots' rings, the rest entry blocks.
-                              // On V4.1: max_seqs slot tails, the rest blocks (see create)
+                              // On V4.1: max_seqs slot tails, the rest blocks (see create).
+                              // The device-resident V4.1 forward also caps the blocks by the
+                              // memory its stages report left after their weights, fixed state
+                              // and dev_reserve_bytes (docs/cuda.md "The split")
+    size_t dev_reserve_bytes; // di_model_options.dev_reserve_bytes; 0: its default
     int32_t max_seqs;         // sequences running at once; 0 = 16
     int32_t max_batch_tokens; // forward rows per step (token budget); 0 = 256
     int32_t max_ctx;          // positions per request; 0 = 8192 (capped by the model)

@@ -17,7 +17,10 @@
 //     dev state of max_seqs slots for max_batch_tokens rows whose compressed entries live in entry
 //     blocks; the kv_manager keeps the accounting of those blocks (ids, references, the prefix
 //     cache; no host memory, no tail blocks: the state holds every slot's rings), sized from
-//     kv_memory_bytes (minus the slots' tails, di_dsv4_dev_sizes / di_dsv41_dev_sizes). A running
+//     kv_memory_bytes (minus the slots' tails, di_dsv4_dev_sizes / di_dsv41_dev_sizes) and capped
+//     by the blocks every pipeline stage's free memory holds (dev_mem_blocks; the stages' split
+//     was chosen at load for these sizes, which create hands to di_model_load: di_model_options
+//     dev_*, docs/cuda.md "The split"). A running
 //     request's scheduler slot is its dev slot; each call passes its block ids, its win_lo (bounded
 //     replay after a prefix hit), the positions it attached from the prefix cache and (V4.1) its
 //     request's tokens (the Engram look-back before win_lo; a tail restore rebuilds the history
@@ -364,13 +367,49 @@ static int64_t dev_block_cap(const di_engine *e, int32_t bt) {
         }
         return cap;
     }
+    // V4.1's compact state keeps each kv source's entries and index keys in arrays of their own
+    // (the window rows, call rows and rings are another array, not sized by blocks): the widest
+    // source's E = bt / ratio rows per block bound the blocks.
     int64_t per_block = 0;
     for (int il = 0; il < hp->n_layer; il++)
-        if (hp->kv_source[il]) per_block += bt / hp->compress_ratio[il];
-    // V4.1's rings hold DI_DSV41_ROLLBACK_MAX rows beyond the window (di_dsv41_dev_rollback).
-    const int64_t fixed41 = fixed + (int64_t)e->opt.max_seqs * DI_DSV41_ROLLBACK_MAX;
-    const int64_t left = INT32_MAX / 2 - (int64_t)hp->n_layer * fixed41;
-    return per_block > 0 && left / per_block < cap ? left / per_block : cap;
+        if (hp->kv_source[il] && bt / hp->compress_ratio[il] > per_block)
+            per_block = bt / hp->compress_ratio[il];
+    return per_block > 0 && cap / per_block < cap ? cap / per_block : cap;
+}
+
+// The most entry blocks every stage of the device-resident forward holds in the memory its
+// backend reports free now (the weights are up) less the plan's reserve (di_model_options
+// dev_reserve_bytes) and the stage's fixed state (the slots' tails, call rows, scratch:
+// di_dsv4_dev_stage_cost / di_dsv41_dev_stage_cost, the split's own numbers); *stage the
+// bottleneck. -1 where some backend cannot say (kv_memory_bytes alone sizes the blocks then).
+static int64_t dev_mem_blocks(const di_engine *e, int32_t *stage) {
+    const di_model *m = e->model;
+    const int32_t n = m->dev ? di_dsv4_dev_n_stages(m->dev) : di_dsv41_dev_n_stages(m->dev41);
+    di_backend *bs[DI_DEV_SPLIT_MAX_STAGES];
+    int32_t l0[DI_DEV_SPLIT_MAX_STAGES], l1[DI_DEV_SPLIT_MAX_STAGES];
+    int64_t budget[DI_DEV_SPLIT_MAX_STAGES];
+    for (int32_t k = 0; k < n; k++)
+        bs[k] = m->dev ? di_dsv4_dev_stage(m->dev, k, &l0[k], &l1[k])
+                       : di_dsv41_dev_stage(m->dev41, k, &l0[k], &l1[k]);
+    const size_t res =
+        m->opt.dev_reserve_bytes ? m->opt.dev_reserve_bytes : DI_DEV_RESERVE_DEFAULT_BYTES;
+    if (!di_dev_stage_budgets(bs, n, (int64_t)res, budget)) return -1;
+    int64_t best = INT64_MAX;
+    for (int32_t k = 0; k < n; k++) {
+        di_dev_stage_cost c;
+        if (m->dev)
+            di_dsv4_dev_stage_cost(m, l0[k], l1[k], &c);
+        else
+            di_dsv41_dev_stage_cost(m, l0[k], l1[k], &c);
+        const int64_t left = budget[k] - c.fixed_bytes;
+        const int64_t v = left < 0 ? 0 : c.block_bytes > 0 ? left / c.block_bytes : INT64_MAX;
+        DI_LOG_INFO("engine: device stage %d: %.1f MiB free less the reserve, %.1f MiB of fixed "
+                    "state, %lld bytes per block: %lld blocks",
+                    (int)k, (double)budget[k] / 1048576.0, (double)c.fixed_bytes / 1048576.0,
+                    (long long)c.block_bytes, v == INT64_MAX ? -1LL : (long long)v);
+        if (v < best) best = v, *stage = k;
+    }
+    return best;
 }
 
 // n_rows: a step's rows (its verify rows included). V4.1 with speculation: a draft call's block
@@ -560,6 +599,21 @@ static di_status dev_kv_create(di_engine *e) {
         return DI_ERR_INVALID;
     }
     int64_t n = ((int64_t)o->kv_memory_bytes - tails) / mem;
+    // The memory the stages have left bounds it too: the blocks every stage holds.
+    int32_t neck = 0;
+    const int64_t fit = dev_mem_blocks(e, &neck);
+    if (fit >= 0 && fit < (o->max_ctx + bt - 1) / bt) {
+        DI_LOG_ERROR("engine: device stage %d has memory for %lld entry blocks, fewer than one "
+                     "sequence of %d positions needs (%d)",
+                     (int)neck, (long long)fit, (int)o->max_ctx, (int)((o->max_ctx + bt - 1) / bt));
+        return DI_ERR_NOMEM;
+    }
+    if (fit >= 0 && fit < n) {
+        DI_LOG_INFO("engine: --kv-memory's %lld entry blocks exceed what device stage %d has left "
+                    "(%lld): using %lld",
+                    (long long)n, (int)neck, (long long)fit, (long long)fit);
+        n = fit;
+    }
     // The dev state indexes rows of its pools with int32: cap the blocks so they fit (V4-Flash,
     // 32 CSA entries per block: about 33M blocks, far beyond any device's memory).
     const int64_t cap = dev_block_cap(e, bt);
@@ -854,7 +908,14 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
                            .ep_workers = o->ep_workers,
                            .ep_placement = o->ep_placement,
                            .cp_workers = o->cp_workers,
-                           .cp_min_tokens = o->cp_min_tokens};
+                           .cp_min_tokens = o->cp_min_tokens,
+                           // The state the pipeline stages' split balances KV capacity for
+                           // (dev_kv_create; spec_setup may cap spec_tokens: an upper bound).
+                           .dev_slots = o->max_seqs,
+                           .dev_ctx = o->max_ctx,
+                           .dev_rows = o->max_batch_tokens + o->max_seqs * o->spec_tokens,
+                           .dev_spec = o->spec_tokens > 0,
+                           .dev_reserve_bytes = o->dev_reserve_bytes};
     DI_TRY(di_model_load(model_dir, &mo, &e->model));
     if (prepare) DI_TRY(prepare(e->model, prepare_user));
     const di_hparams *hp = &e->model->hp;

@@ -45,7 +45,11 @@
 //       keys, the top-k and the candidate pool cross each call): the CPU engine's tokens, hits
 //       and replays (prefix hits on mirrored blocks), tail snapshots, disk blocks and KV transfers
 //       (written into the owner and the mirror; not under ASan: STAGES_TRANSFER), a block's
-//       memory counting its mirror.
+//       memory counting its mirror;
+//   (i) the engine's blocks from its stages' memory (di_cpu_backend_set_mem: unequal devices):
+//       the weight split's bottleneck stage bounds them, the KV-aware split
+//       (di_dsv41_dev_split_mem, chosen at attach) holds more, with the CPU engine's tokens; a
+//       stage without room for one sequence refused.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -717,6 +721,108 @@ done:
     di_backend_destroy(b);
 }
 
+// ---- (i) ----
+
+// (i) the engine's blocks from its stages' memory: two CPU backends reporting unequal memory
+// (di_cpu_backend_set_mem); stage 1 has room for 3 blocks more than one max_ctx sequence on the
+// weight split (di_dsv41_dev_split). Attached at that split the engine gets exactly those blocks
+// (the memory bounds kv_memory_bytes' count); attached by di_dsv41_dev_create_stages the
+// KV-aware split (another cut) gets its own larger count, di_dsv41_dev_split_mem's, and the CPU
+// engine's tokens. Too little memory on a stage: refused. The hook does not shrink with the
+// uploads, so the attach lowers it by each stage's weights, as a device's free memory would.
+enum { RESERVE = 4096 };
+typedef struct mem_twin {
+    di_backend *b[2];
+    int64_t budget[2];
+    const int32_t *split; // NULL: the KV-aware split from the memory
+    int32_t cut;          // the attached split's cut
+} mem_twin;
+
+static di_status attach_mem_twin(di_model *m, void *user) {
+    mem_twin *t = user;
+    for (int k = 0; k < 2; k++)
+        di_cpu_backend_set_mem(t->b[k], (size_t)t->budget[k] + RESERVE,
+                               2 * (size_t)t->budget[k] + RESERVE);
+    di_dsv41_dev *d = NULL;
+    di_status st = t->split ? di_dsv41_dev_create_split(m, t->b, 2, t->split, &d)
+                            : di_dsv41_dev_create_stages(m, t->b, 2, &d);
+    if (st != DI_OK) return st;
+    m->dev41 = d;
+    for (int32_t k = 0; k < 2; k++) {
+        int32_t l0 = 0, l1 = 0;
+        di_dsv41_dev_stage(d, k, &l0, &l1);
+        di_dev_stage_cost c;
+        di_dsv41_dev_stage_cost(m, l0, l1, &c);
+        di_cpu_backend_set_mem(t->b[k], (size_t)(t->budget[k] - c.weight_bytes) + RESERVE,
+                               2 * (size_t)t->budget[k] + RESERVE);
+        if (k == 0) t->cut = l1;
+    }
+    return DI_OK;
+}
+
+static void test_mem_stages(void) {
+    di_engine_options o = options((size_t)64 << 20, N_REQ);
+    o.dev_reserve_bytes = RESERVE;
+    // The plan the engine hands its model (engine.c create): the same costs as the test's.
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    mo.dev_slots = o.max_seqs, mo.dev_ctx = o.max_ctx, mo.dev_rows = o.max_batch_tokens;
+    mo.dev_reserve_bytes = RESERVE;
+    di_model *m = NULL;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (!m) return;
+    const int32_t L = m->hp.n_layer, bt = di_kv_block_tokens(m), one = (MAX_CTX + bt - 1) / bt;
+    int32_t wl0[3];
+    CHECK_EQ(di_dsv41_dev_split(m, 2, wl0, NULL), DI_OK);
+    di_dev_stage_cost w0, w1;
+    di_dsv41_dev_stage_cost(m, 0, wl0[1], &w0);
+    di_dsv41_dev_stage_cost(m, wl0[1], L, &w1);
+    mem_twin t = {.budget = {4 * (w0.weight_bytes + w0.fixed_bytes + w1.weight_bytes +
+                                  w1.fixed_bytes + 64 * one * (w0.block_bytes + w1.block_bytes)),
+                             w1.weight_bytes + w1.fixed_bytes + (one + 3) * w1.block_bytes}};
+    di_dev_split_out sp;
+    CHECK_EQ(di_dsv41_dev_split_mem(m, 2, t.budget, &sp), DI_OK);
+    di_model_destroy(m);
+    CHECK(sp.layer0[1] != wl0[1]);
+    CHECK(sp.n_blocks > one + 3);
+    CHECK_EQ(di_cpu_backend_create(2, &t.b[0]), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(2, &t.b[1]), DI_OK);
+    int64_t n_blocks[2] = {0, 0};
+    for (int pass = 0; pass < 2 && t.b[0] && t.b[1]; pass++) { // the weight split, then the KV's
+        t.split = pass == 0 ? wl0 : NULL;
+        di_engine *e = NULL;
+        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_mem_twin, &t, &e), DI_OK);
+        if (!e) break;
+        CHECK_EQ(t.cut, pass == 0 ? wl0[1] : sp.layer0[1]);
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        n_blocks[pass] = st.n_blocks_total;
+        if (pass == 1) {
+            static result got[N_REQ];
+            run(e, got, 0, N_REQ);
+            di_engine_wait_idle(e);
+            for (int i = 0; i < N_REQ; i++) CHECK(same(&got[i], &g_ref[i]));
+        }
+        di_engine_destroy(e);
+    }
+    fprintf(stderr,
+            "(i) weight split [0, %d) [%d, %d): %lld blocks; KV-aware split [0, %d) [%d, %d): "
+            "%lld blocks\n",
+            wl0[1], wl0[1], L, (long long)n_blocks[0], sp.layer0[1], sp.layer0[1], L,
+            (long long)n_blocks[1]);
+    CHECK_EQ(n_blocks[0], one + 3);
+    CHECK_EQ(n_blocks[1], sp.n_blocks);
+    // One block less than a sequence on the weight split's stage 1: the engine refuses.
+    t.split = wl0;
+    t.budget[1] -= 4 * w1.block_bytes;
+    di_engine *e = NULL;
+    if (t.b[0] && t.b[1])
+        CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_mem_twin, &t, &e), DI_ERR_NOMEM);
+    CHECK(e == NULL);
+    di_backend_destroy(t.b[0]);
+    di_backend_destroy(t.b[1]);
+}
+
 // ---- (h) ----
 
 // Under AddressSanitizer (CI's sanitized stage) (h) is a memory check of the engine on stages:
@@ -768,6 +874,7 @@ int main(void) {
     RUN(test_transfer);
     RUN(test_greedy_rows);
     RUN(test_stages);
+    RUN(test_mem_stages);
     di_test_remove_dir(g_dir);
     return test_finish();
 }
