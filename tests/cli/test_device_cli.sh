@@ -51,6 +51,18 @@ check "v41 info --stages 3: cuts 2 and 5 (inside the kv sources' ranges; DSpark 
 check "v41 info --stages 6: one layer each" "$(grep -c 'layers \[[0-5], [1-6])' "$T/out41")" "6"
 "$B" info --model "$M41" --stages 7 >/dev/null 2>"$T/err"
 check "v41 info --stages 7 on 6 layers exits 1" "$?" "1"
+# The KV-aware split (docs/cuda.md "The split"): a second device of 17 MiB cannot hold the weight
+# split's [3, 6) with the default plan's state and one sequence's blocks; the memory moves the cut.
+"$B" info --model "$M41" --stages 2 --stage-mem 100,17 --dev-reserve 1 --log-level error >"$T/out41"
+check "v41 info --stage-mem: the cut moves" "$(grep -c 'layers \[5, 6) + head' "$T/out41")" "1"
+check "v41 info --stage-mem: blocks per stage" "$(grep -c 'MiB for it: [0-9]* blocks' "$T/out41")" "2"
+check "v41 info --stage-mem: the blocks every stage holds" \
+    "$(grep -c '^split summary .* KV blocks on every stage' "$T/out41")" "1"
+"$B" info --model "$M41" --stages 2 --stage-mem 100,15 --dev-reserve 1 >/dev/null 2>"$T/err"
+check "v41 info --stage-mem too small exits 1" "$?" "1"
+check "v41 info --stage-mem too small names the stage" "$(grep -c 'the best leaves stage 1' "$T/err")" "1"
+"$B" info --model "$M41" --stages 2 --stage-mem 100,50,50 >/dev/null 2>"$T/err"
+check "v41 info --stage-mem of 3 stages for 2 exits 2" "$?" "2"
 
 # The sessions' device-loss drill and bound options (any build).
 DI_SESSION_LOSE_DEVICE=1 "$B" generate --model $M --tokens 5,17 -n 2 >/dev/null 2>"$T/err"

@@ -130,7 +130,8 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
     if (strcmp(a, "--model") == 0 || strcmp(a, "--threads") == 0 || strcmp(a, "--precision") == 0 ||
         strcmp(a, "--device") == 0 || strcmp(a, "--log-level") == 0 ||
         strcmp(a, "--ep-workers") == 0 || strcmp(a, "--ep-placement") == 0 ||
-        strcmp(a, "--cp-workers") == 0 || strcmp(a, "--cp-min-tokens") == 0) {
+        strcmp(a, "--cp-workers") == 0 || strcmp(a, "--cp-min-tokens") == 0 ||
+        strcmp(a, "--dev-reserve") == 0) {
         if (!has_val) {
             fprintf(stderr, "deepinfer: %s needs a value\n", a);
             return -1;
@@ -146,6 +147,10 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
             long n;
             if (!di_args_int(v, "--cp-min-tokens", 1, 1 << 30, &n)) return -1;
             ma->opt.cp_min_tokens = (int32_t)n;
+        } else if (strcmp(a, "--dev-reserve") == 0) { // MiB each pipeline stage leaves free
+            long n;
+            if (!di_args_int(v, "--dev-reserve (MiB)", 1, 1 << 24, &n)) return -1;
+            ma->opt.dev_reserve_bytes = (size_t)n << 20;
         } else if (strcmp(a, "--ep-placement") == 0) {
             ma->opt.ep_placement = v; // read and checked against the model at load
         } else if (strcmp(a, "--threads") == 0) {

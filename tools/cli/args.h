@@ -27,7 +27,8 @@ bool di_args_device(const char *s, di_device *out);
 // Options shared by every model command: --model, --threads, --precision, --device, --log-level,
 // --ep-workers HOST:PORT[,HOST:PORT...] (expert workers, docs/expert-parallel.md),
 // --cp-workers HOST:PORT[,HOST:PORT...] and --cp-min-tokens N (prefill workers,
-// docs/context-parallel.md).
+// docs/context-parallel.md), --dev-reserve MiB (what each pipeline stage leaves free,
+// di_model_options.dev_reserve_bytes; docs/cuda.md "The split").
 typedef struct di_model_args {
     const char *model;
     di_model_options opt;

@@ -416,6 +416,7 @@ int di_cli_bench(int argc, char **argv) {
     o.ep_placement = ma.opt.ep_placement;
     o.cp_workers = ma.opt.cp_workers;
     o.cp_min_tokens = ma.opt.cp_min_tokens;
+    o.dev_reserve_bytes = ma.opt.dev_reserve_bytes;
     o.kv_memory_bytes = (size_t)kv_mib << 20;
     o.max_seqs = (int32_t)(n_req > 16 ? n_req : 16);
     o.max_batch_tokens = (int32_t)batch;

@@ -63,6 +63,7 @@ static void usage(FILE *f) {
         "MTP speculation).\n"
         "--max-batch-tokens (default 256): forward rows per step; a prefill chunk is at most\n"
         "this long.\n"
+
         "--priority-aging-ms N (default %d; 0: off): a waiting request's priority improves by\n"
         "one level per N ms waited, so a steady stream of better-priority requests cannot\n"
         "starve it (equal priorities are shared between users by tokens received).\n"
@@ -74,6 +75,11 @@ static void usage(FILE *f) {
         "CUDA error) is rebuilt at most N times within S seconds; beyond that, or when a rebuild\n"
         "fails, /ready and /health answer 503 device_lost and every request gets 503.\n",
         (double)DI_SPEC_MIN_CONFIDENCE_DEFAULT, DI_ENGINE_PRIORITY_AGING_MS);
+    fputs("--dev-reserve MiB (default 1024): device memory every pipeline stage (--device\n"
+          "cuda:N,M,...) leaves free; the split holds the most KV blocks on every stage for\n"
+          "--max-seqs, --max-ctx and --max-batch-tokens, and --kv-memory's blocks are capped by\n"
+          "what the stages have left (docs/cuda.md \"The split\").\n",
+          f);
 }
 
 // "<n>[k|m|g|t]" (binary multiples; bytes without a suffix) into *out; false if malformed.
@@ -351,6 +357,7 @@ static int serve_main(int argc, char **argv, bool batch) {
     eo.ep_placement = ma.opt.ep_placement;
     eo.cp_workers = ma.opt.cp_workers;
     eo.cp_min_tokens = ma.opt.cp_min_tokens;
+    eo.dev_reserve_bytes = ma.opt.dev_reserve_bytes; // --dev-reserve (0: the default)
     eo.eplb_interval = c->eplb_interval;
     eo.eplb_slots_per_rank = c->eplb_slots_per_rank;
     eo.eplb_min_gain = c->eplb_min_gain;
