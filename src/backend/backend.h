@@ -155,8 +155,9 @@ typedef struct di_backend_vt {
     // The memory b's allocations come from: *free_bytes what an alloc could still get now (what
     // b and everything else on the device hold already is not free), *total_bytes the device's
     // size. CUDA: cudaMemGetInfo on b's device (shared by every backend and process on it). CPU:
-    // the host's MemAvailable and MemTotal (/proc/meminfo), or what di_cpu_backend_set_mem set
-    // (tests model unequal devices). Host only, not inside a capture (refused: DI_ERR_INVALID).
+    // what di_cpu_backend_set_mem set (tests model unequal devices), else it cannot say (the
+    // host's free memory is no device's, and the CPU twin's splits must not follow the machine's
+    // load). Host only, not inside a capture (refused: DI_ERR_INVALID).
     // DI_ERR_UNSUPPORTED when the backend cannot say (NULL entry: di_backend_mem_info says so);
     // a lost device: DI_ERR_DEVICE_LOST. Outputs written only on success.
     di_status (*mem_info)(di_backend *b, size_t *free_bytes, size_t *total_bytes);
@@ -443,7 +444,7 @@ void di_cpu_backend_set_peer(di_backend *b, bool on);
 // b's mem_info, or DI_ERR_UNSUPPORTED (not logged) for a backend without the entry.
 di_status di_backend_mem_info(di_backend *b, size_t *free_bytes, size_t *total_bytes);
 // Test hook: the memory the CPU backend b reports (mem_info) from now on: free_bytes and
-// total_bytes, as if b were a device of that size; both 0: the host's numbers again; free_bytes >
+// total_bytes, as if b were a device of that size; both 0 (the default) or free_bytes >
 // total_bytes: b cannot say (mem_info DI_ERR_UNSUPPORTED, as a backend without the entry). It
 // limits nothing (allocations still come from the host, and uploads do not lower it): the stages'
 // split and the engine's block count read it, so tests can model unequal or unknown devices.
