@@ -123,7 +123,7 @@ static void close_dev(di_model *m) {
 
 // --device cuda: the device-resident forward (dsv4_dev.h; V4.1: dsv41_dev.h) for sessions and the
 // serving engine (engine.c, speculation included), when the model allows it (either precision
-// recipe); otherwise (and for MTP / DSpark sessions) the offloaded CPU forward. A
+// recipe); otherwise (and for V4 MTP sessions) the offloaded CPU forward. A
 // device list (cuda:0,1,...): one backend per entry, the forward's pipeline stages on them
 // (dsv4_dev.h / dsv41_dev.h "Pipeline stages").
 static di_status open_dev(di_model *m) {
@@ -763,23 +763,31 @@ void di_dsv4_head_rows(di_dsv4_ctx *c, const int32_t *logit_rows, int32_t n_logi
 //
 // A session on a device-resident forward (V4: s->dev, dsv4_dev.h; V4.1: s->dev41, dsv41_dev.h)
 // runs slot 0 of its own 1-slot state, made at create (V4) or at its first call (V4.1), and keeps
-// the tokens it fed on the host (dev_tokens). Device loss (deepinfer.h di_session_forward; the
-// serving engine's counterpart is engine.c "device loss"): a call that finds DI_ERR_DEVICE_LOST
-// drops the device state of every session of the model (they are listed on it: the states live on
-// the forward being destroyed), rebuilds the forward (di_model_dev_rebuild: every device reset,
-// the weights uploaded again), and runs again: a new state, the session's positions [0, p0)
-// replayed from dev_tokens without logits, then the call itself from p0. The device forward is
-// deterministic and feeding the same tokens in any chunking gives the same state, so the logits
-// after the recovery are the ones of a run that never lost the device. The other sessions replay
-// theirs at their next call (dev_on with no state). At most loss_max losses found by this
-// session's calls within loss_window_s seconds are recovered; past that (or when the rebuild
-// fails) the call returns DI_ERR_DEVICE_LOST and the session keeps its tokens and position.
+// the tokens it fed on the host (dev_tokens). A V4.1 DSpark session (mtp) runs there too: its
+// state is made with DSpark on (di_dsv41_dev_dspark_enable, the DSpark rings written by every
+// call), di_session_draft drafts on it (di_dsv41_dev_draft) and di_session_rollback takes back
+// up to DI_DSV41_ROLLBACK_MAX positions (di_dsv41_dev_rollback; s->pos, and so dev_tokens, shorten
+// with it); a replay (device loss, a token state restored) rebuilds the DSpark rings with the
+// layers'. V4 MTP sessions keep the CPU forward: the device MTP call reads the main streams of
+// the last call only (dsv4_dev.h "MTP"), while the session's MTP position waits for the next
+// call's first token, and di_dsv4_dev_rollback takes back one row, not DI_DSV4_ROLLBACK_MAX (and
+// di_dsv4_dev_mtp_enable must precede every state of the model's forward). Device loss (deepinfer.h
+// di_session_forward; the serving engine's counterpart is engine.c "device loss"): a call that
+// finds DI_ERR_DEVICE_LOST drops the device state of every session of the model (they are listed on
+// it: the states live on the forward being destroyed), rebuilds the forward (di_model_dev_rebuild:
+// every device reset, the weights uploaded again), and runs again: a new state, the session's
+// positions [0, p0) replayed from dev_tokens without logits, then the call itself from p0. The
+// device forward is deterministic and feeding the same tokens in any chunking gives the same state,
+// so the logits after the recovery are the ones of a run that never lost the device. The other
+// sessions replay theirs at their next call (dev_on with no state). At most loss_max losses found
+// by this session's calls within loss_window_s seconds are recovered; past that (or when the
+// rebuild fails) the call returns DI_ERR_DEVICE_LOST and the session keeps its tokens and position.
 // The session owns the recovery (not generate, nor a caller of the API): it alone holds the tokens
 // and the device state, and it meets every loss, whoever calls it; the bound is per session, as a
 // loss is found by one call.
 
 bool di_dsv4_session_on_dev(const di_session *s) {
-    return s->dev_on || (s->v41 && !s->mtp && s->model->dev41 && s->pos == 0);
+    return s->dev_on || (s->v41 && s->model->dev41 && s->pos == 0);
 }
 
 di_status di_dsv4_session_dev_open(di_session *s) {
@@ -792,6 +800,9 @@ di_status di_dsv4_session_dev_open(di_session *s) {
     if (!s->dev_rows) {
         s->dev_max_rows =
             s->n_ctx_max < DI_DSV4_DEV_SESSION_ROWS ? s->n_ctx_max : DI_DSV4_DEV_SESSION_ROWS;
+        // A draft call's block rows are rows of the state's calls too.
+        if (s->v41 && s->mtp && s->dev_max_rows < m->hp.dspark_block_size)
+            s->dev_max_rows = m->hp.dspark_block_size;
         s->dev_rows = di_malloc(sizeof(int32_t) * (size_t)s->dev_max_rows);
         if (!s->dev_rows) return DI_ERR_NOMEM;
     }
@@ -803,6 +814,12 @@ di_status di_dsv4_session_dev_open(di_session *s) {
         s->v41
             ? di_dsv41_dev_state_create(m->dev41, 1, s->n_ctx_max, s->dev_max_rows, 0, 0, &s->dev41)
             : di_dsv4_dev_state_create(m->dev, 1, s->n_ctx_max, s->dev_max_rows, 0, 0, &s->dev);
+    // A DSpark session (mtp on V4.1): its state writes the DSpark rings and drafts (before the
+    // slot holds a position, as di_dsv41_dev_dspark_enable requires).
+    if (st == DI_OK && s->v41 && s->mtp && (st = di_dsv41_dev_dspark_enable(s->dev41)) != DI_OK) {
+        di_dsv41_dev_state_destroy(s->dev41);
+        s->dev41 = NULL;
+    }
     if (st != DI_OK) return st;
     s->dev_on = true;
     s->dev_next = m->dev_sessions;
@@ -962,6 +979,47 @@ static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok
     return DI_OK;
 }
 
+// A DSpark session's rollback on the device: the slot's positions taken back on its state (host
+// bookkeeping, di_dsv41_dev_rollback), or, when the state was dropped (another session's device
+// loss), only s->pos: the replay at the next call feeds dev_tokens [0, s->pos).
+di_status di_dsv4_session_dev_rollback(di_session *s, int32_t n) {
+    if (n < 0 || n > s->pos || n > DI_DSV41_ROLLBACK_MAX) {
+        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d on the "
+                     "device-resident V4.1 forward)",
+                     n, s->pos, DI_DSV41_ROLLBACK_MAX);
+        return DI_ERR_INVALID;
+    }
+    if (n == 0) return DI_OK;
+    if (s->dev41) {
+        di_status st = di_dsv41_dev_rollback(s->dev41, 0, n);
+        if (st != DI_OK) return st;
+    }
+    s->pos -= n;
+    return DI_OK;
+}
+
+// A DSpark draft on the session's device state (di_dsv41_dev_draft: the CPU draft's drafts,
+// confidences and logits bit for bit), with the device-loss recovery of dev_forward: a dropped
+// state is replayed first, a loss found by the draft rebuilds the forward and drafts again.
+di_status di_dsv4_session_dev_draft(di_session *s, int32_t anchor, di_dsv41_draft *out,
+                                    float *logits) {
+    if (anchor < 0 || anchor >= s->model->hp.n_vocab || s->pos < 1) {
+        DI_LOG_ERROR("dspark: needs a committed forward and an anchor token id < %d",
+                     s->model->hp.n_vocab);
+        return DI_ERR_INVALID;
+    }
+    for (;;) {
+        di_status st = s->dev41 ? DI_OK : dev_revive(s);
+        if (st == DI_OK) {
+            di_dsv41_dev_draft_seq d = {.slot = 0, .anchor = anchor};
+            st = di_dsv41_dev_draft(s->dev41, &d, 1, logits);
+            if (st == DI_OK) *out = d.out;
+        }
+        if (st != DI_ERR_DEVICE_LOST) return st;
+        if ((st = dev_lost(s)) != DI_OK) return st;
+    }
+}
+
 void di_session_get_stats(const di_session *s, di_session_stats *out) {
     *out = s->stats;
 }
@@ -993,7 +1051,7 @@ di_status di_session_forward(di_session *s, const int32_t *tokens, int32_t n_tok
                      di_status_str(DI_ERR_DEVICE_LOST));
         return DI_ERR_DEVICE_LOST;
     }
-    if (s->v41 && (s->dev_on || (m->dev41 && !s->mtp))) return dev_forward(s, tokens, n_tok, out);
+    if (s->v41 && (s->dev_on || m->dev41)) return dev_forward(s, tokens, n_tok, out);
     if (s->v41 && m->cp && n_tok >= di_cp_min_tokens(m->cp)) // context parallelism (cp/cp.h)
         return di_cp_session_forward(m->cp, s, tokens, n_tok, out);
     if (s->v41) { // DeepSeek V4.1 (dsv41.c): the batch of one sequence

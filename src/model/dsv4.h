@@ -132,8 +132,8 @@ struct di_model {
     // The device-resident forward (model/dsv4_dev.h): every weight of the main layers and the head
     // uploaded to a backend once; sessions without MTP created afterwards run on it. NULL: none.
     struct di_dsv4_dev *dev; // owned (di_dsv4_dev_attach)
-    // DeepSeek V4.1's (model/dsv41_dev.h): plain sessions without DSpark run on it (their device
-    // state made at their first di_session_forward). NULL: none.
+    // DeepSeek V4.1's (model/dsv41_dev.h): sessions run on it, DSpark ones (mtp) included (their
+    // device state made at their first di_session_forward). NULL: none.
     struct di_dsv41_dev *dev41; // owned (di_dsv41_dev_attach); on dev_backend when that is set
     // The sessions holding a device state on dev / dev41 (a list through di_session.dev_next):
     // a session's device-loss recovery drops all of their states before the rebuild. Borrowed.

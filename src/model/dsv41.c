@@ -563,11 +563,8 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
 // ---- public API (deepinfer.h) ----
 
 di_status di_session_rollback(di_session *s, int32_t n_tokens) {
-    if (!s->v41) return di_dsv4_rollback(s, n_tokens); // V4 (dsv4_state.c)
-    if (s->dev_on) {
-        DI_LOG_ERROR("rollback: none on the device-resident V4.1 forward");
-        return DI_ERR_INVALID;
-    }
+    if (!s->v41) return di_dsv4_rollback(s, n_tokens);               // V4 (dsv4_state.c)
+    if (s->dev_on) return di_dsv4_session_dev_rollback(s, n_tokens); // dsv4.c
     return di_dsv41_rollback(s, n_tokens);
 }
 
@@ -577,8 +574,13 @@ di_status di_session_draft(di_session *s, int32_t anchor, di_draft *out, float *
         return DI_ERR_UNSUPPORTED;
     }
     _Static_assert(sizeof(di_draft) == sizeof(di_dsv41_draft), "same layout");
+    if (!s->mtp || s->model->n_mtp_loaded == 0) {
+        DI_LOG_ERROR("dspark: the session runs no DSpark module (create it with mtp)");
+        return DI_ERR_INVALID;
+    }
     di_dsv41_draft d;
-    di_status st = di_dsv41_draft_block(s, anchor, &d, logits);
+    di_status st = s->dev_on ? di_dsv4_session_dev_draft(s, anchor, &d, logits) // dsv4.c
+                             : di_dsv41_draft_block(s, anchor, &d, logits);
     if (st != DI_OK) return st;
     memcpy(out, &d, sizeof d);
     return DI_OK;

@@ -2193,9 +2193,9 @@ di_status di_dsv41_dev_attach_stages(di_model *m, di_backend *const *b, int32_t 
     di_status st = di_dsv41_dev_create_stages(m, b, n_stages, &d);
     if (st != DI_OK) return st;
     m->dev41 = d;
-    DI_LOG_INFO("device-resident V4.1 forward on %s%s: sessions without DSpark and the serving "
-                "engine (DSpark speculation included) run every layer, their KV and compressor "
-                "state there%s",
+    DI_LOG_INFO("device-resident V4.1 forward on %s%s: sessions (DSpark ones included: their "
+                "drafts and rollbacks too) and the serving engine (DSpark speculation included) "
+                "run every layer, their KV and compressor state there%s",
                 b[n_stages - 1]->desc, n_stages > 1 ? " (and the stages before it)" : "",
                 m->accel_matmul ? "; the CPU forward's matmuls offloaded" : "");
     return DI_OK;

@@ -389,10 +389,13 @@ int32_t di_dsv41_dev_n_past(const di_dsv41_dev_state *s, int32_t slot);
 // ---- model wiring ----
 
 // Creates the model's V4.1 dev forward on backend b (borrowed; must outlive m) and attaches it
-// (m->dev41): sessions without DSpark then run di_session_forward through a 1-slot state of their
-// n_ctx_max made at their first call (model/dsv4.c); they save a token state that restore
-// replays (on the device or the CPU; model/dsv4_state.c "token states") and replay their tokens
-// after a lost device, as V4's; their rollback and batched calls are refused. di_model_load
+// (m->dev41): sessions then run di_session_forward through a 1-slot state of their n_ctx_max
+// made at their first call (model/dsv4.c); they save a token state that restore replays (on the
+// device or the CPU; model/dsv4_state.c "token states") and replay their tokens after a lost
+// device, as V4's; their batched calls are refused. DSpark sessions (mtp) make that state with
+// DSpark on (di_dsv41_dev_dspark_enable) and draft (di_session_draft: di_dsv41_dev_draft) and
+// roll back (di_session_rollback: di_dsv41_dev_rollback, at most DI_DSV41_ROLLBACK_MAX) on it;
+// a replay rebuilds their DSpark rings too. di_model_load
 // calls it with the CUDA backend for --device cuda; tests with the CPU backend. Errors as
 // di_dsv41_dev_create (nothing attached); DI_ERR_INVALID when one is attached already.
 di_status di_dsv41_dev_attach(di_model *m, di_backend *b);
