@@ -22,6 +22,12 @@
 //       leave the device session unchanged; a token state restores into a CPU session of its own.
 //   (d) (a) and (b) again on two pipeline stages (V4 and V4.1), the second stage's backend lost
 //       (release build only: under ASan the same code paths as (a, b)).
+//   (e) a V4.1 DSpark session (mtp, synth v41-tiny with its DSpark block) on the device forward
+//       against a CPU DSpark session: draft / verify / rollback steps as generate --dspark's
+//       (rollbacks of all, none and some drafts), bit for bit through a token-state save /
+//       restore, backend losses inside a draft and a verify call, a rollback on a state dropped
+//       by a rebuild from outside, and the drill; rollbacks past 16 or the position refused
+//       (release 8 steps, ASan 4).
 #include "harness.h"
 
 #include <stdlib.h>
@@ -338,15 +344,168 @@ static void test_save_v41(void) {
     test_save(g_dir41, g_dir4, "(c) V4.1");
 }
 
+// ---- (e) DSpark sessions (V4.1, mtp) on the device forward ----
+//
+// A loop like generate's dspark_loop: draft from the anchor (logits asked for), verify anchor +
+// drafts in one call (every row's logits), take back a scheduled number of drafts (all, none,
+// some: rollbacks of n, 0 and between), the next anchor the verify row's argmax after the kept
+// ones. The device session's drafts, confidences, draft logits, verify logits and anchors equal the
+// CPU session's (memcmp), with a token-state save and restore into a fresh device session, a
+// backend loss inside a verify call and one inside a draft call, and the DI_SESSION_LOSE_DEVICE
+// drill, all mid-run. Rollbacks past DI_DSV41_ROLLBACK_MAX or the position are refused, nothing
+// changed.
+#if defined(__SANITIZE_ADDRESS__)
+enum { N_IT = 4 };
+#else
+enum { N_IT = 8 };
+#endif
+enum { B_MAX = 16 };
+
+static char g_dir41d[256];
+
+typedef struct spec_run {
+    di_draft d[N_IT];
+    float dl[N_IT][B_MAX][V];     // the drafts' logits
+    float vl[N_IT][B_MAX + 1][V]; // the verify rows' logits
+    int32_t anchor[N_IT + 1];
+    int32_t pos[N_IT + 1];
+} spec_run;
+
+static di_session *spec_session(di_model *m) {
+    di_session_options so = {.n_ctx_max = N_CTX + 64, .mtp = true};
+    di_session *s = NULL;
+    return di_session_create(m, &so, &s) == DI_OK ? s : NULL;
+}
+
+// Drafts taken back at iteration it (of n): all, none, then some.
+static int32_t spec_back(int it, int32_t n) {
+    static const int32_t sched[] = {-1, 0, 5, -1, 1, 0, 9, 3};
+    const int32_t b = sched[it % 8];
+    return b < 0 ? n : b < n ? b : n;
+}
+
+// The loop on *ps (replaced by the session restored into); with disturb, at iteration 0 a token
+// state restored into a fresh session, 1 a loss inside the draft, 2 one inside the verify, 3
+// rollbacks past the limit refused, then a rebuild from outside before the rollback (the state
+// dropped), 4 the drill (in the restore's replay).
+static bool spec_loop(di_model *m, di_session **ps, spec_run *r, bool disturb) {
+    di_session *s = *ps;
+    float last[V];
+    di_forward_out fo = {.logits = last, .last_only = true};
+    if (di_session_forward(s, g_prompt, N_PROMPT, &fo) != DI_OK) return false;
+    r->anchor[0] = argmax(last);
+    r->pos[0] = di_session_n_past(s);
+    for (int it = 0; it < N_IT; it++) {
+        if (disturb && it == 1) di_cpu_backend_lose(lost(m), 4); // inside the draft call
+        if (di_session_draft(s, r->anchor[it], &r->d[it], &r->dl[it][0][0]) != DI_OK) return false;
+        const int32_t n = r->d[it].n;
+        if (n < 1 || n > B_MAX) return false;
+        int32_t ver[B_MAX + 1];
+        ver[0] = r->anchor[it];
+        memcpy(ver + 1, r->d[it].tokens, sizeof(int32_t) * (size_t)n);
+        if (disturb && it == 2) di_cpu_backend_lose(lost(m), 6); // inside the verify call
+        di_forward_out vo = {.logits = &r->vl[it][0][0]};
+        if (di_session_forward(s, ver, n + 1, &vo) != DI_OK) return false;
+        const int32_t back = spec_back(it, n);
+        if (disturb && it == 3) {
+            // Past the limits: refused, nothing changed.
+            const int32_t p = di_session_n_past(s);
+            if (di_session_rollback(s, 17) != DI_ERR_INVALID ||
+                di_session_rollback(s, -1) != DI_ERR_INVALID || di_session_n_past(s) != p)
+                return false;
+            // A rebuild from outside drops the state: the rollback below moves the position
+            // only, and the next call (the draft) replays the kept tokens.
+            if (di_model_dev_rebuild(m) != DI_OK || s->dev41) return false;
+        }
+        if (di_session_rollback(s, back) != DI_OK) return false;
+        r->anchor[it + 1] = argmax(r->vl[it][n - back]);
+        r->pos[it + 1] = di_session_n_past(s);
+        if (disturb && it == 0) { // a token state into a fresh device session
+            void *bytes = NULL;
+            size_t nb = 0;
+            if (di_session_save(s, &bytes, &nb) != DI_OK) return false;
+            di_session *t = spec_session(m);
+            di_status st = t ? di_session_restore(t, bytes, nb) : DI_ERR_NOMEM;
+            di_free_buffer(bytes);
+            if (st != DI_OK || di_session_n_past(t) != r->pos[1]) return false;
+            di_session_destroy(s);
+            *ps = s = t;
+        }
+        if (disturb && it == 4) { // the drill: the next call (a draft, then the verify) recovers
+            setenv("DI_SESSION_LOSE_DEVICE", "1", 1);
+            di_session *t = spec_session(m);
+            unsetenv("DI_SESSION_LOSE_DEVICE");
+            void *bytes = NULL;
+            size_t nb = 0;
+            if (!t || di_session_save(s, &bytes, &nb) != DI_OK) return false;
+            // The drill counts forward calls: the restore's replay is the first, recovered.
+            di_status st = di_session_restore(t, bytes, nb);
+            di_free_buffer(bytes);
+            di_session_stats ss;
+            di_session_get_stats(t, &ss);
+            if (st != DI_OK || ss.n_device_recoveries != 1) return false;
+            di_session_destroy(s);
+            *ps = s = t;
+        }
+    }
+    return true;
+}
+
+static void test_dspark(void) {
+    di_model *m = load(g_dir41d, true), *cpu = load(g_dir41d, false);
+    CHECK(m && cpu && m->dev41);
+    if (!m || !cpu) goto done;
+    CHECK(m->hp.dspark_block_size >= 1 && m->hp.dspark_block_size <= B_MAX);
+    spec_run *ref = calloc(1, sizeof *ref), *r = calloc(1, sizeof *r);
+    di_session *c = spec_session(cpu), *s = spec_session(m);
+    CHECK(c && s);
+    CHECK(spec_loop(cpu, &c, ref, false));
+    CHECK(!c->dev_on);
+    CHECK(spec_loop(m, &s, r, true));
+    CHECK(s && s->dev_on);
+    di_session_stats ss;
+    di_session_get_stats(s, &ss);
+    CHECK(!memcmp(ref->d, r->d, sizeof ref->d));
+    CHECK(!memcmp(ref->dl, r->dl, sizeof ref->dl));
+    CHECK(!memcmp(ref->anchor, r->anchor, sizeof ref->anchor));
+    CHECK(!memcmp(ref->pos, r->pos, sizeof ref->pos));
+    // Verify rows: those of each call's rows (n + 1 of them).
+    for (int it = 0; it < N_IT; it++)
+        CHECK(!memcmp(ref->vl[it], r->vl[it], sizeof(float) * V * (size_t)(ref->d[it].n + 1)));
+    // A rollback past the position on a fresh device session.
+    di_session *t = spec_session(m);
+    float last[V];
+    di_forward_out fo = {.logits = last, .last_only = true};
+    CHECK_EQ(di_session_forward(t, g_prompt, 3, &fo), DI_OK);
+    CHECK_EQ(di_session_rollback(t, 4), DI_ERR_INVALID);
+    CHECK_EQ(di_session_rollback(t, 3), DI_OK);
+    CHECK_EQ(di_session_n_past(t), 0);
+    fprintf(stderr,
+            "(e) V4.1 DSpark: %d draft / verify / rollback steps on the device session = the CPU "
+            "session's (positions %d .. %d), through a save / restore, 2 losses, a rebuild and a "
+            "drill\n",
+            N_IT, r->pos[0], r->pos[N_IT]);
+    di_session_destroy(t);
+    di_session_destroy(c);
+    di_session_destroy(s);
+    free(ref);
+    free(r);
+done:
+    di_model_destroy(m);
+    di_model_destroy(cpu);
+}
+
 int main(void) {
     snprintf(g_dir4, sizeof g_dir4, "/tmp/di_test_session_dev4_XXXXXX");
     snprintf(g_dir41, sizeof g_dir41, "/tmp/di_test_session_dev41_XXXXXX");
-    if (!mkdtemp(g_dir4) || !mkdtemp(g_dir41)) return 1;
+    snprintf(g_dir41d, sizeof g_dir41d, "/tmp/di_test_session_dev41d_XXXXXX");
+    if (!mkdtemp(g_dir4) || !mkdtemp(g_dir41) || !mkdtemp(g_dir41d)) return 1;
     di_synth_config c;
     CHECK(di_synth_preset("tiny-128", &c) == DI_OK);
     c.n_vocab = V;
     CHECK(di_synth_write(&c, g_dir4) == DI_OK);
     CHECK_EQ(di_synth_v41_write(g_dir41, true, false, 43), DI_OK);
+    CHECK_EQ(di_synth_v41_write(g_dir41d, true, true, 47), DI_OK);
     for (int t = 0; t < N_PROMPT; t++) g_prompt[t] = (int32_t)((t * 31 + t * t + 3) % V);
     di_set_log_level(1);
     RUN(test_loss_v4);
@@ -356,7 +515,9 @@ int main(void) {
 #endif
     RUN(test_save_v4);
     RUN(test_save_v41);
+    RUN(test_dspark);
     di_test_remove_dir(g_dir4);
+    di_test_remove_dir(g_dir41d);
     di_test_remove_dir(g_dir41);
     return test_finish();
 }
