@@ -16,7 +16,7 @@
 //       graphs replayed (stats); a decode step enqueues the same ops at 2 and 3 sequences and
 //       uploads once;
 //   (f) the product wiring (di_dsv41_dev_attach): plain sessions against a model without it,
-//       prompts longer than one dev call; what such a session refuses;
+//       prompts longer than one dev call; its rollback as the CPU session's; what it refuses;
 //   (g) prefix reuse: a slot attached to another's full blocks replays from the bounded-replay
 //       start and continues bit-identically to the cold prefill; so does one on copies of those
 //       blocks made through the entry block I/O (read / write round-trips exactly);
@@ -943,8 +943,9 @@ static void official_tail(void) {
 }
 
 // (f) the product wiring: di_dsv41_dev_attach, then plain sessions (a 300-token prompt fed in the
-// dev forward's chunks of 256 rows, then decodes with last_only) against a model without it; save,
-// rollback and batched calls of such a session refused.
+// dev forward's chunks of 256 rows, then decodes with last_only) against a model without it; a
+// save (a token state), a rollback as the CPU session's (past 16 positions refused), and batched
+// calls of such a session refused.
 static void wiring(di_precision prec) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 2;
@@ -997,7 +998,16 @@ static void wiring(di_precision prec) {
     size_t nb = 0;
     CHECK_EQ(di_session_save(sd, &bytes, &nb), DI_OK); // a token state: test_session_dev.c
     di_free_buffer(bytes);
-    CHECK_EQ(di_session_rollback(sd, 1), DI_ERR_INVALID);
+    // Rollback on a device session (di_dsv41_dev_rollback, <= 16 positions): the CPU session's
+    // logits after taking a position back and feeding another token.
+    CHECK_EQ(di_session_rollback(sd, 1), DI_OK);
+    CHECK_EQ(di_session_rollback(sc, 1), DI_OK);
+    CHECK_EQ(sd->pos, P + DEC - 1);
+    int32_t other = token_of(2, 5, P + DEC);
+    CHECK_EQ(di_session_forward(sd, &other, 1, &od), DI_OK);
+    CHECK_EQ(di_session_forward(sc, &other, 1, &oc), DI_OK);
+    CHECK(memcmp(ld, lc, sizeof(float) * (size_t)V) == 0);
+    CHECK_EQ(di_session_rollback(sd, 17), DI_ERR_INVALID); // past DI_DSV41_ROLLBACK_MAX
     int32_t one = 5;
     di_dsv41_seq bs = {.s = sd, .tokens = &one, .n_tok = 1, .n_out = 1};
     CHECK_EQ(di_dsv41_forward_batch(md, di_dsv41_ws(sd), &bs, 1, ld), DI_ERR_INVALID);
