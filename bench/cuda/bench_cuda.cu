@@ -211,6 +211,20 @@ static void bench_copy(void) {
 
 // ---- gemm vs cuBLASLt FP8 ----
 
+// Host decodes for the checks (spec §4.3): FP8 e4m3fn (no infinities; NaN codes are never drawn)
+// and BF16.
+static double h_e4m3(uint8_t c) {
+    const int e = (c >> 3) & 15, m = c & 7;
+    const double v = e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp(m / 8.0, -6);
+    return c & 0x80 ? -v : v;
+}
+static double h_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 typedef struct lt_gemm {
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc;
@@ -277,8 +291,8 @@ static void bench_gemm(void) {
     const int n_ms = g_quick ? 4 : 7;
     g_lt_ws = dmalloc(k_lt_ws);
     printf("\n== gemm: di_cuda_matmul FP8 128x128 vs cuBLASLt FP8 (per-tensor scale, BF16 out)\n");
-    printf("%-18s %6s %10s %9s %9s %10s %9s %7s %10s %7s\n", "shape", "M", "ours ms", "TFLOP/s",
-           "GB/s", "cublas ms", "TFLOP/s", "ratio", "blk ms", "ratio");
+    printf("%-18s %6s %10s %9s %9s %10s %9s %7s %10s %7s %s\n", "shape", "M", "ours ms", "TFLOP/s",
+           "GB/s", "cublas ms", "TFLOP/s", "ratio", "blk ms", "ratio", "check lt/blk");
     for (const shape &sh : shapes) {
         if (g_quick && sh.n_out == 2048) continue;
         di_tensor w0 = dev_weight(DI_TENSOR_KIND_FP8, sh.n_in, sh.n_out);
@@ -327,9 +341,60 @@ static void bench_gemm(void) {
                                              sh.n_out));
                 });
             }
+            // Checked before the figures are believed (on copy 0): cuBLASLt per-tensor on 8
+            // outputs against the host's sum of the same FP8 bytes' products (BF16 out: 1e-2),
+            // the block-scaled path against di_cuda_matmul on the first rows (A8 vs FP32
+            // activations: ~1e-2 of the largest output expected). "BAD" marks a failed check.
+            double lt_err = -1, blk_err = -1;
+            if (lt > 0) {
+                lt_gemm g2 = lt_plan(sh.n_out, M, sh.n_in);
+                if (g2.ok && lt_run(g2, ws[0].data, xb, yb)) {
+                    CK(cudaStreamSynchronize(g_s));
+                    std::vector<uint8_t> wr((size_t)sh.n_in), xr((size_t)sh.n_in);
+                    lt_err = 0;
+                    for (int k = 0; k < 8; k++) {
+                        const int64_t m = (M - 1) * k / 7, n = (sh.n_out - 1) * ((k * 5) % 8) / 7;
+                        uint16_t d;
+                        CK(cudaMemcpy(wr.data(), (const uint8_t *)ws[0].data + n * sh.n_in,
+                                      (size_t)sh.n_in, cudaMemcpyDeviceToHost));
+                        CK(cudaMemcpy(xr.data(), xb + m * sh.n_in, (size_t)sh.n_in,
+                                      cudaMemcpyDeviceToHost));
+                        CK(cudaMemcpy(&d, (const uint16_t *)yb + m * sh.n_out + n, 2,
+                                      cudaMemcpyDeviceToHost));
+                        double ref = 0, mag = 0;
+                        for (int64_t i = 0; i < sh.n_in; i++) {
+                            const double p_ = h_e4m3(wr[(size_t)i]) * h_e4m3(xr[(size_t)i]);
+                            ref += p_, mag += fabs(p_);
+                        }
+                        const double e = fabs(h_bf16(d) - ref) / (mag + 1e-30);
+                        lt_err = e > lt_err || e != e ? e : lt_err;
+                    }
+                }
+                lt_free(g2);
+            }
+            if (blk > 0) {
+                const int64_t mr = std::min<int64_t>(M, 16);
+                const size_t nc = (size_t)(mr * sh.n_out);
+                std::vector<float> y0(nc), y1(nc);
+                DK(di_cuda_matmul(g_cu, &ws[0], x, M, sh.n_in, y, sh.n_out));
+                CK(cudaStreamSynchronize(g_s));
+                CK(cudaMemcpy(y0.data(), y, sizeof(float) * nc, cudaMemcpyDeviceToHost));
+                DK(di_cuda_act_quant_a8(g_cu, x, M, sh.n_in, sh.n_in, xb, xsc));
+                DK(di_cuda_matmul_fp8_lt(g_cu, &ws[0], wsc, xb, xsc, M, y, sh.n_out));
+                CK(cudaStreamSynchronize(g_s));
+                CK(cudaMemcpy(y1.data(), y, sizeof(float) * nc, cudaMemcpyDeviceToHost));
+                double amax = 0, dmax = 0;
+                for (size_t i = 0; i < nc; i++) {
+                    amax = std::max(amax, (double)fabsf(y0[i]));
+                    const double d = fabs((double)y1[i] - y0[i]);
+                    dmax = d > dmax || d != d ? d : dmax;
+                }
+                blk_err = amax > 0 ? dmax / amax : dmax;
+            }
             cudaFree(wsc), cudaFree(xsc);
             const double gbs = (double)wb / (ours * 1e-3) / 1e9;
             char lts[32] = "n/a", ltt[32] = "-", ltr[32] = "-", bks[32] = "n/a", bkr[32] = "-";
+            char chk[48] = "-";
             if (lt > 0) {
                 snprintf(lts, sizeof lts, "%.4f", lt);
                 snprintf(ltt, sizeof ltt, "%.2f", flop / (lt * 1e-3) / 1e12);
@@ -339,8 +404,14 @@ static void bench_gemm(void) {
                 snprintf(bks, sizeof bks, "%.4f", blk);
                 if (lt > 0) snprintf(bkr, sizeof bkr, "%.3f", lt / blk);
             }
-            printf("%-18s %6lld %10.4f %9.2f %9.0f %10s %9s %7s %10s %7s\n", sh.name, (long long)M,
-                   ours, flop / (ours * 1e-3) / 1e12, gbs, lts, ltt, ltr, bks, bkr);
+            // lt: the worst of the 8 sampled outputs (|d| / sum |products|); blk: max|d|/max|y|.
+            const bool bad =
+                lt_err > 1e-2 || lt_err != lt_err || blk_err > 5e-2 || blk_err != blk_err;
+            if (lt_err >= 0 || blk_err >= 0)
+                snprintf(chk, sizeof chk, "%.1e/%.1e%s", lt_err, blk_err, bad ? " BAD" : "");
+            printf("%-18s %6lld %10.4f %9.2f %9.0f %10s %9s %7s %10s %7s %s\n", sh.name,
+                   (long long)M, ours, flop / (ours * 1e-3) / 1e12, gbs, lts, ltt, ltr, bks, bkr,
+                   chk);
             cudaFree(x), cudaFree(y), cudaFree(xb), cudaFree(yb);
         }
         for (di_tensor &t : ws) free_weight(t);
