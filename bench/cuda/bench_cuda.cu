@@ -3,16 +3,21 @@
 // tests/backend/cuda (run first by scripts/gpu-check).
 //
 // Sections (each prints a table; `--only NAME` runs one):
-//   copy     device-to-device copy bandwidth (bytes read + written): the HBM ceiling used below
+//   copy     device-to-device copy bandwidth (bytes read + written): the HBM ceiling used below;
+//            and a read-only stream (2 x 2 GiB): how much faster HBM reads than it copies, i.e.
+//            how optimistic the roofline figures below may be for read-dominated decode
 //   gemm     FP8 128x128 block-scaled GEMM/GEMV (di_cuda_matmul) at M = 1 ... 8192 tokens on the
 //            V4-Flash projection shapes, against cuBLASLt FP8 (per-tensor scale, BF16 out) on the
-//            same shape: TFLOP/s, weight GB/s, ratio
+//            same shape: TFLOP/s, weight GB/s, ratio; and the official recipe's prefill path (A8
+//            activations + cuBLASLt FP8 128x128 block-scaled, timed with its A8 quantisation) vs
+//            the same per-tensor cuBLASLt; both cuBLASLt results checked first ("check": BAD)
 //   moe      one MoE layer (E=256, K=6, D=4096, F=2048, FP4 experts + FP8 shared) at 1 ... 4096
 //            tokens: time, tokens/s, GB/s of the experts actually touched
 //   attn     sink attention over FP8 584-byte KV rows at 4k ... 128k context (CSA: window + top-512
 //            entries; HCA: window + every L/128 entry; dense: window + every L/4 entry), batch 1
 //            and 64 sequences, the exact FP32 kernel and the BF16 tensor-core kernel: effective
-//            GB/s (KV rows + indices + q + o) and the tensor-core kernel's ratio to copy
+//            GB/s (KV rows + indices + q + o) and the tensor-core kernel's ratio to copy; copies
+//            of the rows rotated per call (>= 256 MB: a batch-64 CSA call's 24 MB fits L2)
 //   codes    V4.1's attention over its compact codes (Q8 window rows + Q4e entries, 64 heads,
 //            dh 512, round_p) at 4k ... 128k keys at batch 1 and 8k at batch 64, the FP32 kernel
 //            (di_cuda_attn_codes) and the BF16 tensor-core one (di_cuda_attn_codes_bf16):
@@ -23,7 +28,10 @@
 //   model    43 layers (4 distinct weight sets, cycled) + head: decode tokens/s at batch 1 and 64
 //
 // Method (.library/device/METHOD.md): CUDA events around each repetition, warm-up first, median of
-// the repetitions, rotating weight copies when one copy would fit in L2, random (never zero) data.
+// the repetitions, rotating copies of weights, KV rows and codes so that a call never reads what
+// the previous one left in L2 (H200: 60 MB), random (never zero) data. The layer section replays
+// one layer's ~260 MB (batch 1) per step and the model cycles 4 weight sets; the moe section's
+// shared expert and gate (29 MB) stay in L2 between its calls (its GB/s is not an HBM figure).
 // --quick shortens every section (fewer repetitions and sizes) to fit scripts/gpu-check's budget.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -344,7 +352,7 @@ static void bench_gemm(void) {
             float *y = (float *)dmalloc(sizeof(float) * (size_t)(M * sh.n_out));
             fill(x, sizeof(float) * (size_t)(M * sh.n_in), 3, 0, 1.0f);
             const double flop = 2.0 * (double)M * sh.n_out * sh.n_in;
-            const int reps = M >= 2048 ? 3 : (g_quick ? 5 : 10);
+            const int reps = M >= 2048 ? 5 : (g_quick ? 5 : 10);
             double ours = time_ms(1, reps, [&](int i) {
                 DK(di_cuda_matmul(g_cu, &ws[(size_t)(i % n_rot)], x, M, sh.n_in, y, sh.n_out));
             });
@@ -723,7 +731,7 @@ static void bench_attn(void) {
                 fill(q, sizeof(float) * (size_t)(B * H * dh), 3, 0, 1.0f);
                 fill(sink, sizeof(float) * (size_t)H, 3, 0, 1.0f);
                 const float scale = 1.0f / sqrtf((float)dh);
-                double ms32 = time_ms(1, g_quick ? 3 : 8, [&](int rep) {
+                double ms32 = time_ms(1, g_quick ? 5 : 8, [&](int rep) {
                     DK(di_cuda_attn(g_cu, q, pool, idxd + (size_t)(rep % n_copy) * n_rows, n_keys,
                                     nkd, n_keys, sink, B, H, dh, n_rot, scale, o));
                 });
@@ -1057,7 +1065,7 @@ static void bench_layer_and_model(bool model) {
             DK(di_cuda_matmul(g_cu, &head, h, B, kD, logits, 129280));
         }
         DK(di_cuda_graph_end(g_cu, &g));
-        double ms = time_ms(1, g_quick ? 3 : 8, [&](int) { DK(di_cuda_graph_launch(g_cu, g)); });
+        double ms = time_ms(2, g_quick ? 10 : 20, [&](int) { DK(di_cuda_graph_launch(g_cu, g)); });
         const double roof_ms = bytes / (g_copy_gbs * 1e9) * 1e3;
         if (model)
             printf("%6d %10.3f %12.1f %12.0f %8.1f%%\n", B, ms, B / (ms * 1e-3), bytes / 1e6,
