@@ -385,8 +385,8 @@ static void bench_gemm(void) {
             }
             // Checked before the figures are believed (on copy 0): cuBLASLt per-tensor on 8
             // outputs against the host's sum of the same FP8 bytes' products (BF16 out: 1e-2),
-            // the block-scaled path against di_cuda_matmul on the first rows (A8 vs FP32
-            // activations: ~1e-2 of the largest output expected). "BAD" marks a failed check.
+            // the block-scaled path against di_cuda_matmul on the first rows, both on A8 values
+            // (1e-2 of the largest output). "BAD" marks a failed check.
             double lt_err = -1, blk_err = -1;
             if (lt > 0) {
                 lt_gemm g2 = lt_plan(sh.n_out, M, sh.n_in);
@@ -418,6 +418,10 @@ static void bench_gemm(void) {
                 const int64_t mr = std::min<int64_t>(M, 16);
                 const size_t nc = (size_t)(mr * sh.n_out);
                 std::vector<float> y0(nc), y1(nc);
+                // Both on A8 values (x fake-quantised in place: its A8 is then exact), so only
+                // the summation differs: FP8 tensor-core accumulation, 2^-11 of the sum of
+                // |terms| (test_cuda_gemm), ~1e-3 of max |y| here; a wrong scale or layout: ~1.
+                DK(di_cuda_fake_quant(g_cu, x, M, sh.n_in, sh.n_in, 128, 8, x));
                 DK(di_cuda_matmul(g_cu, &ws[0], x, M, sh.n_in, y, sh.n_out));
                 CK(cudaStreamSynchronize(g_s));
                 CK(cudaMemcpy(y0.data(), y, sizeof(float) * nc, cudaMemcpyDeviceToHost));
@@ -448,7 +452,7 @@ static void bench_gemm(void) {
             }
             // lt: the worst of the 8 sampled outputs (|d| / sum |products|); blk: max|d|/max|y|.
             const bool bad =
-                lt_err > 1e-2 || lt_err != lt_err || blk_err > 5e-2 || blk_err != blk_err;
+                lt_err > 1e-2 || lt_err != lt_err || blk_err > 1e-2 || blk_err != blk_err;
             if (lt_err >= 0 || blk_err >= 0)
                 snprintf(chk, sizeof chk, "%.1e/%.1e%s", lt_err, blk_err, bad ? " BAD" : "");
             printf("%-18s %6lld %10.4f %9.2f %9.0f %10s %9s %7s %10s %7s %s\n", sh.name,
