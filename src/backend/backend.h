@@ -449,6 +449,13 @@ di_status di_backend_mem_info(di_backend *b, size_t *free_bytes, size_t *total_b
 // limits nothing (allocations still come from the host, and uploads do not lower it): the stages'
 // split and the engine's block count read it, so tests can model unequal or unknown devices.
 void di_cpu_backend_set_mem(di_backend *b, size_t free_bytes, size_t total_bytes);
+// Test hook: the CPU backend's deferred mode (cpu_backend.c; also DI_CPU_DEFERRED=1 at create): its
+// ops, memset, copy, free and graph_launch are queued and run, in order, only where the CUDA
+// backend's stream is synchronised (upload, download, sync, weight_upload, host_free, peer_copy of
+// either backend, destroy), so host code that touches backend memory without download/upload, or
+// hands an op host memory it changes before the next sync, gives different bits on the CPU twin
+// too. off: the queue runs first. The thread using b.
+void di_cpu_backend_set_deferred(di_backend *b, bool on);
 // The commands a CPU backend graph (its graph_end) holds: the entries one launch runs (tests count
 // the ops of a captured step with it).
 int64_t di_cpu_backend_graph_n_cmds(const void *graph);

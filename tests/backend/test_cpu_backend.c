@@ -10,8 +10,9 @@
 // the copy between two backends, directly and through the host bounce; argmax_rows against the
 // sampler's di_argmax (ties, -0/+0, -inf and NaN rows, a NaN at entry 0, strided rows, captured
 // and replayed); mem_info (the test hook's numbers, else "cannot say", refused in a capture
-// and on a lost backend). The whole forward on this
-// backend is tested against the model in tests/model/test_dev_forward.c.
+// and on a lost backend); the deferred mode (the CUDA stream's asynchrony: queued work runs at
+// the sync points, in order). The whole forward on this backend is tested against the model in
+// tests/model/test_dev_forward.c.
 #include "harness.h"
 
 #include <math.h>
@@ -819,6 +820,101 @@ static void test_v41_ops(void) {
     CHECK(memcmp(q, qw, sizeof q) == 0);
 }
 
+// Deferred mode (di_cpu_backend_set_deferred, the twin of the CUDA stream's asynchrony): ops,
+// memset, copy, free and graph launches wait for the next sync point; upload, download, sync,
+// host_free and peer_copy (both backends) are sync points, in stream order; a queued command's
+// shape error surfaces at the sync; an armed loss counts entries as they are queued; turning the
+// mode off runs the queue.
+static void test_deferred(void) {
+    di_backend *b = NULL, *b2 = NULL;
+    CHECK_EQ(di_cpu_backend_create(1, &b), DI_OK);
+    CHECK_EQ(di_cpu_backend_create(1, &b2), DI_OK);
+    if (!b || !b2) goto done;
+    const di_backend_vt *vt = b->vt;
+    di_cpu_backend_set_deferred(b, true);
+    di_cpu_backend_set_deferred(b2, true);
+    enum { N = 64 };
+    float *x = NULL, *y = NULL, *z = NULL, h[N], out[N];
+    CHECK_EQ(vt->alloc(b, sizeof h, (void **)&x), DI_OK);
+    CHECK_EQ(vt->alloc(b, sizeof h, (void **)&y), DI_OK);
+    CHECK_EQ(vt->alloc(b2, sizeof h, (void **)&z), DI_OK);
+    if (!x || !y || !z) goto done;
+    for (int i = 0; i < N; i++) h[i] = (float)i;
+    CHECK_EQ(vt->upload(b, x, h, sizeof h), DI_OK);
+    CHECK(memcmp(x, h, sizeof h) == 0); // an upload runs at once (the CUDA one synchronises)
+    // Queued: the memory is unchanged until a sync point, which runs the commands in order.
+    CHECK_EQ(vt->scale(b, x, N, 2.0f), DI_OK);
+    CHECK_EQ(vt->copy(b, y, x, sizeof h), DI_OK);
+    CHECK_EQ(vt->scale(b, x, N, 3.0f), DI_OK);
+    CHECK(memcmp(x, h, sizeof h) == 0);
+    CHECK_EQ(vt->download(b, out, y, sizeof out), DI_OK);
+    for (int i = 0; i < N; i++) CHECK_EQ(out[i], 2.0f * (float)i);
+    CHECK_EQ(x[5], 30.0f);
+    // Host memory an op reads is read at the sync, not at the call (as a kernel reads it late).
+    for (int i = 0; i < N; i++) h[i] = 1.0f;
+    CHECK_EQ(vt->upload(b, x, h, sizeof h), DI_OK);
+    CHECK_EQ(vt->memset(b, y, 0, sizeof h), DI_OK);
+    CHECK_EQ(vt->sync(b), DI_OK);
+    CHECK_EQ(y[7], 0.0f);
+    // An upload is ordered after the queued work: the op reads x before the upload rewrites it.
+    CHECK_EQ(vt->copy(b, y, x, sizeof h), DI_OK);
+    for (int i = 0; i < N; i++) h[i] = 9.0f;
+    CHECK_EQ(vt->upload(b, x, h, sizeof h), DI_OK);
+    CHECK_EQ(y[3], 1.0f);
+    // peer_copy: after both backends' queued work, before what either queues later.
+    CHECK_EQ(vt->scale(b, x, N, 2.0f), DI_OK); // x = 18
+    CHECK_EQ(b2->vt->memset(b2, z, 0, sizeof h), DI_OK);
+    CHECK_EQ(b2->vt->peer_copy(b2, z, b, x, sizeof h), DI_OK);
+    CHECK_EQ(z[0], 18.0f);
+    CHECK_EQ(vt->scale(b, x, N, 0.5f), DI_OK);
+    CHECK_EQ(z[1], 18.0f);
+    CHECK_EQ(x[1], 18.0f);
+    // A graph launch is queued too; a free waits for the commands before it.
+    void *graph = NULL;
+    CHECK_EQ(vt->graph_begin(b), DI_OK);
+    CHECK_EQ(vt->scale(b, x, N, 2.0f), DI_OK);
+    CHECK_EQ(vt->graph_end(b, &graph), DI_OK);
+    CHECK_EQ(di_cpu_backend_graph_n_cmds(graph), 1);
+    CHECK_EQ(vt->graph_launch(b, graph), DI_OK); // queued after the 0.5 scale: x = 18
+    float *tmp = NULL;
+    CHECK_EQ(vt->alloc(b, sizeof h, (void **)&tmp), DI_OK);
+    CHECK_EQ(vt->copy(b, tmp, x, sizeof h), DI_OK);
+    CHECK_EQ(vt->copy(b, y, tmp, sizeof h), DI_OK);
+    vt->free(b, tmp); // after the copies read it (ASan would report a use after free otherwise)
+    CHECK_EQ(y[0], 1.0f);
+    CHECK_EQ(vt->sync(b), DI_OK);
+    CHECK_EQ(y[0], 18.0f);
+    CHECK_EQ(x[0], 18.0f);
+    // host_free synchronises (cudaFreeHost) like a sync.
+    float *hb = NULL;
+    CHECK_EQ(vt->host_alloc(b, sizeof h, (void **)&hb), DI_OK);
+    CHECK_EQ(vt->memset(b, x, 0, sizeof h), DI_OK);
+    vt->host_free(b, hb);
+    CHECK_EQ(x[2], 0.0f);
+    // A queued command's shape error surfaces at the sync point (a fault of asynchronous work).
+    CHECK_EQ(vt->fake_quant(b, x, 1, N, N, 3, 8, y), DI_OK); // block 3 does not divide 64
+    CHECK_EQ(vt->sync(b), DI_ERR_INVALID);
+    CHECK_EQ(vt->sync(b), DI_OK); // taken
+    // Off: the queue runs first.
+    CHECK_EQ(vt->memset(b, y, 0, sizeof h), DI_OK);
+    di_cpu_backend_set_deferred(b, false);
+    CHECK_EQ(y[4], 0.0f);
+    CHECK_EQ(vt->scale(b, x, N, 2.0f), DI_OK); // runs at once again
+    // An armed loss counts queued entries and graph commands as they are queued.
+    di_cpu_backend_set_deferred(b, true);
+    di_cpu_backend_lose(b, 2); // the launch and its one command, then lost
+    CHECK_EQ(vt->graph_launch(b, graph), DI_OK);
+    CHECK_EQ(vt->scale(b, x, N, 2.0f), DI_ERR_DEVICE_LOST);
+    CHECK_EQ(vt->sync(b), DI_ERR_DEVICE_LOST);
+    vt->graph_destroy(b, graph);
+    vt->free(b, x);
+    vt->free(b, y);
+    b2->vt->free(b2, z);
+done:
+    di_backend_destroy(b); // the queued frees run
+    di_backend_destroy(b2);
+}
+
 int main(void) {
     di_device cpu = {.kind = DI_DEVICE_CPU};
     CHECK_EQ(di_backend_open(&cpu, 2, &g_b), DI_OK);
@@ -838,6 +934,7 @@ int main(void) {
     RUN(test_peer_copy);
     RUN(test_argmax_rows);
     RUN(test_mem_info);
+    RUN(test_deferred);
     di_backend_destroy(g_b);
     di_backend_destroy(NULL);
     return test_finish();

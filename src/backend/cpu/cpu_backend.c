@@ -13,6 +13,16 @@
 // the capture; the calls a CUDA capture cannot hold (alloc, free, upload, download, sync,
 // weight_upload) are refused and fail the capture. Shapes are checked when the graph runs.
 //
+// Deferred mode (di_cpu_backend_set_deferred, or DI_CPU_DEFERRED=1 at create; tests): the twin
+// of the CUDA backend's asynchrony. Every op, memset, copy, free and graph_launch is queued as a
+// command (the same records as a capture) instead of run, and the queue runs, in order, at the
+// points where the CUDA backend's stream is synchronised: upload, download, sync,
+// weight_upload, host_free (cudaFreeHost), peer_copy (both backends' queues, then the copy) and
+// destroy. So host code that reads or writes backend memory without a download or upload, or
+// hands an op host memory it rewrites or frees before the next sync, gets different bits (or an
+// ASan report) on the CPU twin too, as it would on a GPU; free is queued because the CUDA pool
+// reuses a block in stream order. A queued command's shape error surfaces at that flush point.
+//
 // Owns: its thread pool, di_cpu scratch (grown to the widest weight row uploaded or multiplied),
 // the MoE and attention scratch (grown when a call needs more: the first calls of a shape only).
 // Thread-safety: one thread at a time (backend.h).
@@ -73,6 +83,11 @@ typedef struct cpu_impl {
     // di_cpu_backend_set_mem (tests): the free and total bytes mem_info reports (both 0, the
     // default, or free > total: it cannot say).
     size_t mem_free, mem_total;
+    // Deferred mode (di_cpu_backend_set_deferred): the queued commands (owned), whether the queue
+    // is being run (its entries then run at once).
+    struct cmd *q;
+    int64_t n_q, cap_q;
+    bool deferred, flushing;
 } cpu_impl;
 
 static const di_backend_vt cpu_vt;
@@ -84,6 +99,7 @@ static cpu_impl *impl_of(const di_backend *b) {
 // Counts an entry against an armed loss; whether the backend is lost (then the entry fails).
 static bool lost_now(cpu_impl *c) {
     if (c->lost) return true;
+    if (c->flushing) return false; // a queued command was counted when it was queued
     if (c->lose_in <= 0 || --c->lose_in > 0) return false;
     c->lost = true;
     DI_LOG_ERROR("cpu backend: simulated device loss: every later call fails with %s",
@@ -128,6 +144,7 @@ typedef enum cmd_op {
     CMD_ATTN_CODES,
     CMD_INDEX_SCORES_Q4,
     CMD_ARGMAX_ROWS,
+    CMD_FREE, // deferred mode only: a free after the commands before it
 } cmd_op;
 
 // One recorded entry: its arguments by value (tensors and the MoE weight struct copied: the
@@ -135,6 +152,9 @@ typedef enum cmd_op {
 typedef struct cmd {
     cmd_op op;
     union {
+        struct {
+            void *p;
+        } free;
         struct {
             void *dst;
             int value;
@@ -385,6 +405,48 @@ static di_status record(cpu_impl *c, const cmd *k) {
     return DI_OK;
 }
 
+// Deferred mode: appends a command to the queue (DI_ERR_NOMEM: not queued, nothing run).
+static di_status enqueue(cpu_impl *c, const cmd *k) {
+    if (c->n_q == c->cap_q) {
+        int64_t cap = c->cap_q ? 2 * c->cap_q : 1024;
+        cmd *p = di_realloc(c->q, sizeof(cmd) * (size_t)cap);
+        if (!p) return DI_ERR_NOMEM;
+        c->q = p;
+        c->cap_q = cap;
+    }
+    c->q[c->n_q++] = *k;
+    return DI_OK;
+}
+
+static di_status replay(di_backend *b, const cmd *k);
+
+// Deferred mode: runs the queued commands in order (a CUDA stream synchronisation). The first
+// error is logged and returned (as a fault of asynchronous work surfaces at the next sync); the
+// commands after it still run, as a stream's later kernels do.
+static di_status flush(di_backend *b) {
+    cpu_impl *c = impl_of(b);
+    if (c->flushing || c->n_q == 0) return DI_OK;
+    c->flushing = true;
+    di_status first = DI_OK;
+    for (int64_t i = 0; i < c->n_q; i++) {
+        const di_status st = replay(b, &c->q[i]);
+        if (st != DI_OK && first == DI_OK) {
+            DI_LOG_ERROR("cpu backend: deferred command %lld (op %d) failed: %s", (long long)i,
+                         (int)c->q[i].op, di_status_str(st));
+            first = st;
+        }
+    }
+    c->n_q = 0;
+    c->flushing = false;
+    return first;
+}
+
+#define FLUSH(b)                                                                                   \
+    do {                                                                                           \
+        const di_status fst_ = flush(b);                                                           \
+        if (fst_ != DI_OK) return fst_;                                                            \
+    } while (0)
+
 // An entry a capture cannot hold: refused, and the capture fails.
 static di_status refuse(cpu_impl *c, const char *what) {
     DI_LOG_ERROR("cpu backend: %s inside a graph capture (a CUDA capture cannot hold it)", what);
@@ -393,13 +455,18 @@ static di_status refuse(cpu_impl *c, const char *what) {
 }
 
 // During a capture: records the entry (enum value op, union member `member`, the arguments of
-// the enclosing call in the member's order) and returns.
+// the enclosing call in the member's order) and returns; in deferred mode (outside a flush) it
+// queues it likewise.
 #define RECORD(c, op_, member, ...)                                                                \
     do {                                                                                           \
         ALIVE(c);                                                                                  \
         if ((c)->capturing) {                                                                      \
             cmd k_ = {.op = op_, .u.member = {__VA_ARGS__}};                                       \
             return record((c), &k_);                                                               \
+        }                                                                                          \
+        if ((c)->deferred && !(c)->flushing) {                                                     \
+            cmd k_ = {.op = op_, .u.member = {__VA_ARGS__}};                                       \
+            return enqueue((c), &k_);                                                              \
         }                                                                                          \
     } while (0)
 
@@ -419,10 +486,29 @@ static di_status cpu_alloc(di_backend *b, size_t bytes, void **out) {
 }
 
 static void cpu_free(di_backend *b, void *p) {
-    if (impl_of(b)->capturing) {
-        (void)refuse(impl_of(b), "free"); // not freed: the capture fails
+    cpu_impl *c = impl_of(b);
+    if (c->capturing) {
+        (void)refuse(c, "free"); // not freed: the capture fails
         return;
     }
+    if (p && c->deferred && !c->flushing && c->n_q > 0) {
+        // After the queued commands, which may use the block (the CUDA pool reuses it in stream
+        // order). Without room in the queue: they run first.
+        const cmd k = {.op = CMD_FREE, .u.free = {p}};
+        if (enqueue(c, &k) == DI_OK) return;
+        (void)flush(b);
+    }
+    free(p);
+}
+
+// host_free: cudaFreeHost synchronises with the device's work first.
+static void cpu_host_free(di_backend *b, void *p) {
+    cpu_impl *c = impl_of(b);
+    if (c->capturing) {
+        (void)refuse(c, "host_free"); // not freed: the capture fails
+        return;
+    }
+    (void)flush(b); // an error of queued work surfaces at the next sync
     free(p);
 }
 
@@ -436,6 +522,7 @@ static di_status cpu_copy(di_backend *b, void *dst, const void *src, size_t byte
 static di_status cpu_upload(di_backend *b, void *dst, const void *src, size_t bytes) {
     ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "upload");
+    FLUSH(b);
     if (bytes) memmove(dst, src, bytes);
     return DI_OK;
 }
@@ -443,6 +530,7 @@ static di_status cpu_upload(di_backend *b, void *dst, const void *src, size_t by
 static di_status cpu_download(di_backend *b, void *dst, const void *src, size_t bytes) {
     ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "download");
+    FLUSH(b);
     if (bytes) memmove(dst, src, bytes);
     return DI_OK;
 }
@@ -464,6 +552,9 @@ static di_status cpu_peer_copy(di_backend *b, void *dst, di_backend *src_b, cons
         DI_LOG_ERROR("cpu backend: peer_copy between backends that cannot peer");
         return DI_ERR_UNSUPPORTED;
     }
+    // Deferred mode: after src_b's and b's queued work, before anything queued later on either.
+    if (src_b != b) FLUSH(src_b);
+    FLUSH(b);
     if (bytes) memmove(dst, src, bytes);
     return DI_OK;
 }
@@ -494,7 +585,7 @@ static di_status cpu_memset(di_backend *b, void *dst, int value, size_t bytes) {
 static di_status cpu_sync(di_backend *b) {
     ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "sync");
-    return DI_OK;
+    return flush(b);
 }
 
 // di_cpu_matmul asserts its row capacity: grow it (re-init) for a wider weight.
@@ -517,6 +608,7 @@ static di_status ensure_row(cpu_impl *c, int64_t n_in) {
 static di_status cpu_weight_upload(di_backend *b, const di_tensor *host, di_tensor *dev) {
     ALIVE(impl_of(b));
     if (impl_of(b)->capturing) return refuse(impl_of(b), "weight_upload");
+    FLUSH(b);
     di_status st = ensure_row(impl_of(b), host->ne[0]);
     if (st != DI_OK) return st;
     *dev = *host; // host memory is this backend's memory: no copy
@@ -1514,6 +1606,9 @@ static di_status cpu_graph_end(di_backend *b, void **graph) {
 static di_status replay(di_backend *b, const cmd *k) {
     switch (k->op) {
 #define A(m) k->u.m
+    case CMD_FREE:
+        free(A(free).p);
+        return DI_OK;
     case CMD_MEMSET:
         return cpu_memset(b, A(memset).dst, A(memset).value, A(memset).bytes);
     case CMD_COPY:
@@ -1643,6 +1738,14 @@ static di_status cpu_graph_launch(di_backend *b, const void *graph) {
         return DI_ERR_INVALID;
     }
     const cpu_graph *g = graph;
+    if (c->deferred && !c->flushing) { // queued, each command counted (an armed loss) as it is
+        for (int64_t i = 0; i < g->n; i++) {
+            ALIVE(c); // as each replayed entry counts below
+            di_status st = enqueue(c, &g->cmds[i]);
+            if (st != DI_OK) return st;
+        }
+        return DI_OK;
+    }
     for (int64_t i = 0; i < g->n; i++) {
         di_status st = replay(b, &g->cmds[i]);
         if (st != DI_OK) {
@@ -1675,6 +1778,12 @@ void di_cpu_backend_set_mem(di_backend *b, size_t free_bytes, size_t total_bytes
     impl_of(b)->mem_total = total_bytes;
 }
 
+void di_cpu_backend_set_deferred(di_backend *b, bool on) {
+    DI_ASSERT(b->vt == &cpu_vt);
+    if (!on) (void)flush(b);
+    impl_of(b)->deferred = on;
+}
+
 bool di_cpu_backend_is_lost(const di_backend *b) {
     return b->vt == &cpu_vt && impl_of(b)->lost;
 }
@@ -1696,6 +1805,11 @@ static void cpu_graph_destroy(di_backend *b, void *graph) {
 static void cpu_destroy(di_backend *b) {
     cpu_impl *c = impl_of(b);
     if (c) {
+        // The queued frees run; the other queued work is dropped: nothing can read its results,
+        // and the host memory it names (a CPU weight is the checkpoint's mapping) may be gone.
+        for (int64_t i = 0; i < c->n_q; i++)
+            if (c->q[i].op == CMD_FREE) free(c->q[i].u.free.p);
+        di_free(c->q);
         di_free(c->rec);
         if (c->cpu_ok) di_cpu_deinit(&c->cpu);
         di_pool_destroy(c->pool);
@@ -1727,7 +1841,7 @@ static const di_backend_vt cpu_vt = {
     .peer_copy = cpu_peer_copy,
     .mem_info = cpu_mem_info,
     .host_alloc = cpu_alloc, // this backend's memory is host memory
-    .host_free = cpu_free,
+    .host_free = cpu_host_free,
     .matmul = cpu_matmul,
     .matmul_a8 = cpu_matmul_a8,
     .embed = cpu_embed,
@@ -1780,6 +1894,8 @@ di_status di_cpu_backend_create(int n_threads, di_backend **out) {
         cpu_destroy(b);
         return st;
     }
+    const char *env = getenv("DI_CPU_DEFERRED"); // tests: every CPU backend deferred
+    c->deferred = env && env[0] == '1';
     snprintf(b->desc, sizeof b->desc, "cpu (%d threads, %s)", di_pool_n_threads(c->pool),
              di_cpu_isa_name((di_cpu_isa)c->cpu.isa));
     *out = b;
