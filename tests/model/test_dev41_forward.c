@@ -55,6 +55,9 @@
 //       to a 1-stage forward fed the same calls beside it (h_call), entry blocks' bytes and tail
 //       snapshots equal to the 1-stage state's, every call's hand-overs counted by kind (at 3
 //       stages the last one receives through the host bounce).
+// --deferred: some of the scenarios above on CPU backends in deferred mode (backend.h
+// di_cpu_backend_set_deferred), on 1 then 3 stages: the same bits, so the host code syncs wherever
+// the CUDA backend's asynchrony needs it.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -1505,6 +1508,27 @@ int main(int argc, char **argv) {
     CHECK(di_synth_v41_write(g_ds, true, true, 41) == DI_OK);
     if (argc > 1 && strcmp(argv[1], "--cuts") == 0) { // (l): every cut
         RUN(every_cut);
+        di_test_remove_dir(g_dir);
+        di_test_remove_dir(g_ds);
+        return test_finish();
+    }
+    if (argc > 1 && strcmp(argv[1], "--deferred") == 0) {
+        // --deferred: scenarios on CPU backends in deferred mode (backend.h
+        // di_cpu_backend_set_deferred: work runs at the CUDA stream's sync points only), on one
+        // stage, then on 3: host code that reads backend memory before a download, or rewrites or
+        // frees memory queued work still reads, gives other bits. Under AddressSanitizer (a host
+        // buffer freed under queued work) the batches and a tail on 3 stages only.
+        setenv("DI_CPU_DEFERRED", "1", 1);
+        for (g_stages = SAN ? 3 : 1; g_stages <= MAX_STAGES; g_stages += 2) {
+            fprintf(stderr, "---- deferred, %d pipeline stages ----\n", g_stages);
+            if (!SAN) RUN(fp32_one);
+            RUN(official_batches);
+            if (!SAN) RUN(official_prefix);
+            RUN(fp32_tail);
+            if (!SAN) RUN(official_rollback);
+            if (!SAN) RUN(official_dspark);
+            if (!SAN) RUN(official_prepare);
+        }
         di_test_remove_dir(g_dir);
         di_test_remove_dir(g_ds);
         return test_finish();

@@ -61,6 +61,8 @@
 //       the import's write), and a rerun reading it back gives the cold engine's tokens;
 //   (k) pipeline stages: (a) and (h) again with the twin attached as 2 stages on two CPU
 //       backends (di_dsv4_dev_attach_stages): the CPU engine's tokens bit for bit.
+// --deferred: (a), the disk tier, the KV transfers, greedy rows and the stages on CPU backends in
+// deferred mode (backend.h di_cpu_backend_set_deferred): the same tokens.
 #include "harness.h"
 
 #include <fcntl.h>
@@ -1120,7 +1122,7 @@ done:
     di_backend_destroy(b);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_dev_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
     di_synth_config c;
@@ -1131,6 +1133,20 @@ int main(void) {
         for (int t = 0; t < 160; t++)
             g_prompt[i][t] = (int32_t)((t < 40 ? t * 31 + 3 : t * 17 + i * 101) % V);
     di_set_log_level(1);
+    if (argc > 1 && strcmp(argv[1], "--deferred") == 0) {
+        // The CPU backends in deferred mode (backend.h di_cpu_backend_set_deferred: work runs at
+        // the CUDA stream's sync points only): the engine's device paths (the logits' download,
+        // greedy rows' device argmax, the disk tier's block transfers, the KV transfers, the
+        // stages' hand-over) must still give the same tokens.
+        setenv("DI_CPU_DEFERRED", "1", 1);
+        RUN(test_same_tokens);
+        RUN(test_disk);
+        RUN(test_transfer);
+        RUN(test_greedy_rows); // before the stages: their run reuses its references
+        RUN(test_stages);
+        di_test_remove_dir(g_dir);
+        return test_finish();
+    }
     RUN(test_same_tokens);
     RUN(test_failure);
     RUN(test_cancel);

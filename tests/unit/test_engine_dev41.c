@@ -50,6 +50,8 @@
 //       the weight split's bottleneck stage bounds them, the KV-aware split
 //       (di_dsv41_dev_split_mem, chosen at attach) holds more, with the CPU engine's tokens; a
 //       stage without room for one sequence refused.
+// --deferred: the disk tier, greedy rows and the stages on CPU backends in deferred mode (backend.h
+// di_cpu_backend_set_deferred): the same tokens.
 #include "harness.h"
 
 #include <stdatomic.h>
@@ -857,13 +859,25 @@ static void test_stages(void) {
     g_stages = 1;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     snprintf(g_dir, sizeof g_dir, "/tmp/di_test_engine_dev41_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
     CHECK_EQ(di_synth_v41_write(g_dir, true, true, 41), DI_OK);
     for (int i = 0; i < N_REQ; i++)
         for (int t = 0; t < g_len[i]; t++)
             g_prompt[i][t] = (int32_t)((t * 31 + i * 17 + (i % 2 ? t * t : 0) + 3) % V);
+    if (argc > 1 && strcmp(argv[1], "--deferred") == 0) {
+        // The CPU backends in deferred mode (backend.h di_cpu_backend_set_deferred: work runs at
+        // the CUDA stream's sync points only): the engine's device paths (the logits' download,
+        // greedy rows' device argmax, the disk tier's block transfers, the stages' hand-over;
+        // the KV transfers in V4's test_engine_dev --deferred) must still give the same tokens.
+        setenv("DI_CPU_DEFERRED", "1", 1);
+        RUN(test_disk);
+        RUN(test_greedy_rows); // before the stages: their run reuses its references
+        RUN(test_stages);
+        di_test_remove_dir(g_dir);
+        return test_finish();
+    }
     RUN(test_same_tokens);
     RUN(test_official);
     RUN(test_failure);
