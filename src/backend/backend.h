@@ -115,24 +115,49 @@ typedef struct di_backend_vt {
     const char *name; // "cpu", "cuda"
 
     // ---- memory and copies ----
-    // At least `bytes` (256-byte aligned), contents undefined. Stream-ordered reuse.
+    // The ordering each entry gives (CUDA: cuda_backend.cu; the CPU twin's deferred mode,
+    // di_cpu_backend_set_deferred, reproduces it). "Enqueued": runs after everything enqueued on
+    // b before it and before everything enqueued after it, asynchronously to the host (the ops,
+    // memset, copy, graph_launch). "Synchronous": returns when everything enqueued on b before it
+    // and the entry itself have completed (a stream synchronisation; b's earlier faults surface
+    // there). No entry orders b's work against another backend's, except peer_copy (and the
+    // hand-over built on it). The host never reads or writes backend memory itself: only upload
+    // and download do, which is what makes single host staging buffers (the forward's metadata,
+    // the logits) safe to rewrite for the next call as soon as they return.
+    // alloc: at least `bytes` (256-byte aligned), contents undefined; no device call and no
+    // ordering (CUDA: a caching pool). free: no device call; the block may be handed out again by
+    // the next alloc at once, which is safe because the new owner's work is enqueued on the same
+    // stream after the old owner's (stream-ordered reuse): the work already enqueued on b may
+    // still use the block, but another backend's stream must not (a peer_copy from it is ordered
+    // by its events), the host must not, and no graph still holding the block may be launched
+    // again (destroy graphs before freeing what they name).
     di_status (*alloc)(di_backend *b, size_t bytes, void **out);
     void (*free)(di_backend *b, void *p); // NULL: no-op
-    // Host -> backend and backend -> host; both return when the host buffer may be reused / read.
+    // Host -> backend and backend -> host, any host memory (pageable or host_alloc): synchronous
+    // (above), so they return when the host buffer may be reused (upload) or read (download), and
+    // an upload never overwrites memory that earlier enqueued work (a graph replay included) still
+    // reads. Callers rely on that (single-buffered staging): an asynchronous upload from
+    // page-locked memory would need double-buffered staging in every caller first.
     di_status (*upload)(di_backend *b, void *dst, const void *src, size_t bytes);
     di_status (*download)(di_backend *b, void *dst, const void *src, size_t bytes);
+    // Enqueued (above); copy: within b.
     di_status (*memset)(di_backend *b, void *dst, int value, size_t bytes);
-    di_status (*copy)(di_backend *b, void *dst, const void *src, size_t bytes); // within backend
+    di_status (*copy)(di_backend *b, void *dst, const void *src, size_t bytes);
+    // Synchronous (above): waits for b's enqueued work only (not another backend's), surfaces its
+    // faults.
     di_status (*sync)(di_backend *b);
     // Host memory the backend copies to and from fastest, for buffers that cross every step (the
     // device-resident forward's metadata staging, the engine's logits): CUDA page-locked memory
     // (cudaHostAlloc: DMA at the link's speed instead of staged copies of pageable memory), the
     // CPU backend plain 256-byte aligned memory. Not inside a capture. Free with host_free (NULL:
-    // no-op). DI_ERR_NOMEM.
+    // no-op; CUDA's cudaFreeHost waits for the device's work first). DI_ERR_NOMEM. Host memory,
+    // never an op's argument (on a GPU with unified addressing a kernel could read it, over the
+    // link and late: the CPU twin cannot tell it from backend memory).
     di_status (*host_alloc)(di_backend *b, size_t bytes, void **out);
     void (*host_free)(di_backend *b, void *p);
     // Copies a host weight (a mapped checkpoint view) into backend memory once: *dev gets the same
     // kind, shape and layout with backend pointers. The CPU backend makes no copy (dev = host).
+    // Synchronous, as upload.
     di_status (*weight_upload)(di_backend *b, const di_tensor *host, di_tensor *dev);
     // Whether the backend computes matmuls with weights of this kind (host tensor).
     bool (*supports_matmul)(const di_backend *b, const di_tensor *w);
@@ -307,7 +332,10 @@ typedef struct di_backend_vt {
     // every case; DI_ERR_INVALID when something was refused inside it, DI_ERR_CUDA, DI_ERR_NOMEM.
     di_status (*graph_end)(di_backend *b, void **graph);
     // Runs the captured entries in order on the stream, as if called again with the same
-    // arguments (asynchronous like them: faults surface at the next sync). Not inside a capture.
+    // arguments (enqueued like them: faults surface at the next sync). Not inside a capture. The
+    // memory a replay reads may be rewritten by an upload right after graph_launch returns (the
+    // upload is ordered after the replay); graph_destroy may follow a launch at once (CUDA frees
+    // an executing graph when it completes).
     di_status (*graph_launch)(di_backend *b, const void *graph);
     void (*graph_destroy)(di_backend *b, void *graph); // NULL: no-op
 
