@@ -157,7 +157,8 @@ typedef struct di_backend_vt {
     void (*host_free)(di_backend *b, void *p);
     // Copies a host weight (a mapped checkpoint view) into backend memory once: *dev gets the same
     // kind, shape and layout with backend pointers. The CPU backend makes no copy (dev = host).
-    // Synchronous, as upload.
+    // The host tensor's bytes are copied synchronously (as upload); CUDA may enqueue device work on
+    // them after the copy (an FP8 weight's scales repacked for cuBLASLt), stream-ordered.
     di_status (*weight_upload)(di_backend *b, const di_tensor *host, di_tensor *dev);
     // Whether the backend computes matmuls with weights of this kind (host tensor).
     bool (*supports_matmul)(const di_backend *b, const di_tensor *w);
