@@ -21,10 +21,14 @@ nvcc=$(command -v nvcc || true)
 [[ -z $nvcc && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
 if [[ -n $nvcc ]]; then
     echo "== CUDA build (compile only unless a GPU is present)" >&2
+    # sm_80 and sm_100 here; sm_90a (the H200's) in gpu-check --build-only below, warnings as
+    # errors too: each architecture compiled once.
     cmake -S "$root" -B "$root/build-cuda" -DCMAKE_BUILD_TYPE=Release -DDI_WERROR=ON -DDI_CUDA=ON \
-        -DDI_BUILD_TOOLS=OFF -DDI_CUDA_BENCH=ON -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
+        -DDI_BUILD_TOOLS=OFF -DDI_CUDA_BENCH=ON -DDI_CUDA_ARCHS="80;100" \
+        -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
     cmake --build "$root/build-cuda" -j"$jobs" --target di_cuda_tests bench_cuda bench_forward
-    # The device check's own build (plain nvcc/gcc, sm_90a): what a device session runs first.
+    # The device check's own build (plain nvcc/gcc, sm_90a, warnings as errors): what a device
+    # session runs first, and CI's sm_90a compile.
     PATH="$(dirname "$nvcc"):$PATH" OUT="$root/build-gpu-check/out" \
         DI_GPU_CHECK_BUILD="$root/build-gpu-check/tree" \
         "$root/scripts/gpu-check" --build-only >/dev/null ||
