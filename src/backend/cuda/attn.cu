@@ -359,6 +359,19 @@ __device__ __forceinline__ uint32_t e2m1x2_bf16x2(uint32_t byte, float sc) {
         __floats2bfloat162_rn(di_e2m1_f32(byte & 15u) * sc, di_e2m1_f32((byte >> 4) & 15u) * sc));
 }
 
+// 8 dims as BF16 (exact, as above): e4m3 codes (8 bytes at p, 8-byte aligned) or e2m1 pairs
+// (4 bytes at p, 4-byte aligned) times their block's scale sc.
+__device__ __forceinline__ uint4 e4m3x8_bf16(const uint8_t *p, float sc) {
+    const uint2 codes = *(const uint2 *)p;
+    return make_uint4(e4m3x2_bf16x2(codes.x, sc), e4m3x2_bf16x2(codes.x >> 16, sc),
+                      e4m3x2_bf16x2(codes.y, sc), e4m3x2_bf16x2(codes.y >> 16, sc));
+}
+__device__ __forceinline__ uint4 e2m1x8_bf16(const uint8_t *p, float sc) {
+    const uint32_t nib = *(const uint32_t *)p;
+    return make_uint4(e2m1x2_bf16x2(nib & 0xFFu, sc), e2m1x2_bf16x2((nib >> 8) & 0xFFu, sc),
+                      e2m1x2_bf16x2((nib >> 16) & 0xFFu, sc), e2m1x2_bf16x2(nib >> 24, sc));
+}
+
 // Key sources of attn_tc_kernel: the raw stage's row stride RS (bytes), and for listed key j
 // (its position in the row's list) with row index id: its bytes, its copy into the raw stage in
 // pieces of piece() bytes, and the exact BF16 decode of 8 dims from the staged row. begin(t, nk)
@@ -385,12 +398,7 @@ template <int DH, int ROT> struct TcRowsFp8 {
     __device__ __forceinline__ uint4 decode8(const uint8_t *row, int c, int32_t) const {
         uint4 v;
         if (c < NOPE) {
-            const uint2 codes = *(const uint2 *)(row + c);
-            const float sc = di_ue8m0_f32(row[NOPE + 2 * ROT + c / 64]);
-            v.x = e4m3x2_bf16x2(codes.x, sc);
-            v.y = e4m3x2_bf16x2(codes.x >> 16, sc);
-            v.z = e4m3x2_bf16x2(codes.y, sc);
-            v.w = e4m3x2_bf16x2(codes.y >> 16, sc);
+            v = e4m3x8_bf16(row + c, di_ue8m0_f32(row[NOPE + 2 * ROT + c / 64]));
         } else {
             const uint2 lo = *(const uint2 *)(row + NOPE + 2 * (c - NOPE));
             const uint2 hi = *(const uint2 *)(row + NOPE + 2 * (c - NOPE) + 8);
@@ -430,23 +438,9 @@ template <int DH> struct TcRowsCodes {
             cp_async4(dst, src);
     }
     __device__ __forceinline__ uint4 decode8(const uint8_t *row, int c, int32_t j) const {
-        uint4 v;
-        if (j < nw) {
-            const uint2 codes = *(const uint2 *)(row + c);
-            const float sc = di_ue8m0_f32(row[DH + c / DI_BACKEND_WIN_BLOCK]);
-            v.x = e4m3x2_bf16x2(codes.x, sc);
-            v.y = e4m3x2_bf16x2(codes.x >> 16, sc);
-            v.z = e4m3x2_bf16x2(codes.y, sc);
-            v.w = e4m3x2_bf16x2(codes.y >> 16, sc);
-        } else {
-            const uint32_t nib = *(const uint32_t *)(row + c / 2);
-            const float sc = di_e4m3_f32(row[DH / 2 + c / DI_BACKEND_ENT_BLOCK]);
-            v.x = e2m1x2_bf16x2(nib & 0xFFu, sc);
-            v.y = e2m1x2_bf16x2((nib >> 8) & 0xFFu, sc);
-            v.z = e2m1x2_bf16x2((nib >> 16) & 0xFFu, sc);
-            v.w = e2m1x2_bf16x2(nib >> 24, sc);
-        }
-        return v;
+        return j < nw
+                   ? e4m3x8_bf16(row + c, di_ue8m0_f32(row[DH + c / DI_BACKEND_WIN_BLOCK]))
+                   : e2m1x8_bf16(row + c / 2, di_e4m3_f32(row[DH / 2 + c / DI_BACKEND_ENT_BLOCK]));
     }
 };
 
@@ -984,21 +978,10 @@ __global__ void __launch_bounds__(AC_THREADS, 1)
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
             if (idx_s[st * AC_BN + r] >= 0) {
                 const uint8_t *row = src + r * L.rs;
-                if (is_win(it, r)) {
-                    const uint2 codes = *(const uint2 *)(row + c);
-                    const float sc = di_ue8m0_f32(row[dh + c / DI_BACKEND_WIN_BLOCK]);
-                    v.x = e4m3x2_bf16x2(codes.x, sc);
-                    v.y = e4m3x2_bf16x2(codes.x >> 16, sc);
-                    v.z = e4m3x2_bf16x2(codes.y, sc);
-                    v.w = e4m3x2_bf16x2(codes.y >> 16, sc);
-                } else {
-                    const uint32_t nib = *(const uint32_t *)(row + c / 2);
-                    const float sc = di_e4m3_f32(row[dh / 2 + c / DI_BACKEND_ENT_BLOCK]);
-                    v.x = e2m1x2_bf16x2(nib & 0xFFu, sc);
-                    v.y = e2m1x2_bf16x2((nib >> 8) & 0xFFu, sc);
-                    v.z = e2m1x2_bf16x2((nib >> 16) & 0xFFu, sc);
-                    v.w = e2m1x2_bf16x2(nib >> 24, sc);
-                }
+                v = is_win(it, r)
+                        ? e4m3x8_bf16(row + c, di_ue8m0_f32(row[dh + c / DI_BACKEND_WIN_BLOCK]))
+                        : e2m1x8_bf16(row + c / 2,
+                                      di_e4m3_f32(row[dh / 2 + c / DI_BACKEND_ENT_BLOCK]));
             }
             *(uint4 *)(ks + r * L.ldk + c) = v;
         }
