@@ -1,8 +1,9 @@
 /*
  * harness — minimal test macros. A test is a main() that runs cases with RUN(fn); each CHECK
  * failure prints file:line and the values, and the process exits 1 if any check failed, 77 when
- * the test skips itself (ctest SKIP_RETURN_CODE), 0 otherwise. The last line printed is
- * "N passed, N failed" over checks.
+ * the test skips itself (ctest SKIP_RETURN_CODE), 0 otherwise. RUN prints each case's result and
+ * wall time ("ok   test_x (1.2 s)": where a test's time goes, for trimming CI's sanitizer run). The
+ * last line printed is "N passed, N failed" over checks.
  */
 #pragma once
 
@@ -11,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int g_checks_passed, g_checks_failed;
 
@@ -66,11 +68,19 @@ static int g_checks_passed, g_checks_failed;
         exit(77);                                                                                  \
     } while (0)
 
+static inline double di_test_now_s(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 #define RUN(fn)                                                                                    \
     do {                                                                                           \
         int before_ = g_checks_failed;                                                             \
+        double t0_ = di_test_now_s();                                                              \
         fn();                                                                                      \
-        fprintf(stderr, "%s %s\n", g_checks_failed == before_ ? "ok  " : "FAIL", #fn);             \
+        fprintf(stderr, "%s %s (%.1f s)\n", g_checks_failed == before_ ? "ok  " : "FAIL", #fn,     \
+                di_test_now_s() - t0_);                                                            \
     } while (0)
 
 // Removes dir and everything below it (a test's temporary directory); says so if it cannot.

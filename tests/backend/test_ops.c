@@ -12,11 +12,18 @@
 //     AVX2 bits, bit-identity with di_ref_matmul at every level on edge shapes (1..7 tokens, rows
 //     off the tile, 32-column rows, a token-chunk boundary, zero and extreme blocks), and the
 //     distance to exact f32 activations within the quantisation bound;
-//   - the DI_CPU_ISA switch.
+//   - the DI_CPU_ISA switch;
+//   - under AddressSanitizer, the AVX2 kernels' region checks (gemm_avx2.c "AddressSanitizer":
+//     that file is not instrumented access by access): a call given an input or an output one
+//     element short is reported by ASan and aborts (in a child process), the exact size is not.
 #include "harness.h"
 
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
 
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/ref_ops.h"
@@ -681,6 +688,84 @@ static void test_isa_switch(void) {
     di_cpu_deinit(&c);
 }
 
+#if defined(__SANITIZE_ADDRESS__)
+// Runs case k of asan_case in a child (its stderr into a pipe): true when the child died with an
+// AddressSanitizer report.
+static void asan_case(int k, bool short_by_one);
+
+static bool asan_reported(int k, bool short_by_one) {
+    int fd[2];
+    if (pipe(fd) != 0) return false;
+    fflush(NULL);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd[1], 2);
+        close(fd[0]);
+        asan_case(k, short_by_one);
+        _exit(0);
+    }
+    close(fd[1]);
+    char buf[8192];
+    size_t len = 0;
+    ssize_t r;
+    while ((r = read(fd[0], buf + len, sizeof buf - 1 - len)) > 0) len += (size_t)r;
+    buf[len] = 0;
+    close(fd[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    const bool died = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    return died && strstr(buf, "AddressSanitizer") != NULL;
+}
+
+// Case k, with one of its regions a heap block one element short (or exact): 0 rows_y's input
+// rows, 1 rows_y's output, 2 gemv's token (BF16 rows), 3 quant_act's codes.
+static void asan_case(int k, bool short_by_one) {
+    enum { N = 64, NT = 5 };
+    const int64_t s = short_by_one ? 1 : 0;
+    float *w = di_aligned_alloc(sizeof(float) * 4 * N);
+    for (int i = 0; i < 4 * N; i++) w[i] = (float)(i % 7) - 3.0f;
+    if (k == 0 || k == 1) {
+        float *x = malloc(sizeof(float) * (size_t)(NT * N - (k == 0 ? s : 0)));
+        float *y = malloc(sizeof(float) * (size_t)(NT * 4 - (k == 1 ? s : 0)));
+        for (int64_t i = 0; i < NT * N - (k == 0 ? s : 0); i++) x[i] = 1.0f;
+        di_gemm_avx2_rows_y(w, N, 4, x, N, NT, N, y, 4);
+        free(x);
+        free(y);
+    } else if (k == 2) {
+        uint16_t *wb = malloc(sizeof(uint16_t) * 4 * N);
+        for (int i = 0; i < 4 * N; i++) wb[i] = 0x3F80; // BF16 1.0
+        di_tensor t = {
+            .name = "w", .kind = DI_TENSOR_KIND_BF16, .ne = {N, 4}, .nb1 = 2 * N, .data = wb};
+        float *x = malloc(sizeof(float) * (size_t)(N - s));
+        for (int64_t i = 0; i < N - s; i++) x[i] = 1.0f;
+        const float *xs[1] = {x};
+        float acc[4][3][8] = {{{0}}};
+        di_gemm_avx2_gemv(&t, 0, 4, xs, 1, acc);
+        free(x);
+        free(wb);
+    } else {
+        float x[N];
+        for (int i = 0; i < N; i++) x[i] = (float)i;
+        int8_t *q = malloc((size_t)(N - s));
+        float d[N / 32];
+        di_gemm_avx2_quant_act(x, N, q, d);
+        free(q);
+    }
+    di_aligned_free(w);
+}
+
+static void test_asan_regions(void) {
+    if (!di_gemm_avx2_built() || di_cpu_isa_supported() < DI_CPU_ISA_AVX2) {
+        fprintf(stderr, "  no AVX2 kernels here: nothing to check\n");
+        return;
+    }
+    for (int k = 0; k < 4; k++) {
+        CHECK(!asan_reported(k, false));
+        CHECK(asan_reported(k, true));
+    }
+}
+#endif
+
 int main(void) {
     if (di_pool_create(2, &g_pool2) != DI_OK) return 1;
     if (di_cpu_init(&g_cpu, g_pool2, MAX_ROW) != DI_OK) return 1;
@@ -698,6 +783,9 @@ int main(void) {
     RUN(test_gemm_views);
     RUN(test_gemm_extremes);
     RUN(test_gemm_threads);
+#if defined(__SANITIZE_ADDRESS__)
+    RUN(test_asan_regions);
+#endif
     di_cpu_deinit(&g_cpu);
     di_cpu_deinit(&g_ref);
     di_pool_destroy(g_pool2);

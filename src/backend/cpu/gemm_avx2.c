@@ -19,6 +19,91 @@ bool di_gemm_avx2_built(void) {
     return true;
 }
 
+// ---- AddressSanitizer: each entry's regions, checked once per call ----
+//
+// Under AddressSanitizer this file is compiled without ASan's per-access instrumentation
+// (CMakeLists.txt: -fno-sanitize=address and DI_ASAN_REGIONS): its SIMD loops were ~70% of the
+// sanitized test run, every 32-byte load checked. Instead each entry below checks, once per call,
+// the exact regions of caller memory it reads and writes (READS / WRITES: the shadow of [p, p + n)
+// through __asan_region_is_poisoned), so an out-of-bounds extent that a caller passes is reported
+// by ASan as a bad access at its first unaddressable byte, and the run aborts. What this does not
+// see: an access of these kernels outside the regions their contracts (gemm.h) name, i.e. a bug
+// inside the kernels themselves; test_ops checks their outputs exactly against the reference on
+// edge shapes, and its ASan case checks that a region one element short is reported.
+#if defined(DI_ASAN_REGIONS)
+#include <sanitizer/asan_interface.h>
+
+__attribute__((noinline)) static void asan_region(const void *p, size_t n, int is_write) {
+    if (n == 0) return;
+    void *bad = __asan_region_is_poisoned((void *)(uintptr_t)p, n);
+    if (bad)
+        __asan_report_error(__builtin_return_address(0), __builtin_frame_address(0),
+                            __builtin_frame_address(0), bad, is_write, 1);
+}
+#define READS(p, n) asan_region((p), (size_t)(n), 0)
+#define WRITES(p, n) asan_region((p), (size_t)(n), 1)
+
+// Bytes of one data row of w (its n_in columns), and of its scale row (FP8, FP4).
+static size_t w_row_bytes(const di_tensor *w) {
+    const int64_t n = w->ne[0];
+    int64_t el = 0;
+    size_t by = 0;
+    switch (w->kind) {
+    case DI_TENSOR_KIND_F32:
+        return (size_t)n * 4;
+    case DI_TENSOR_KIND_F16:
+    case DI_TENSOR_KIND_BF16:
+        return (size_t)n * 2;
+    case DI_TENSOR_KIND_FP8:
+        return (size_t)n;
+    case DI_TENSOR_KIND_FP4:
+        return (size_t)n / 2;
+    default:
+        return di_tensor_kind_block(w->kind, &el, &by) ? (size_t)(n / el) * by : 0;
+    }
+}
+
+// Rows r0 .. r0 + nr - 1 of w: their data and, for FP8 / FP4, their scale rows.
+static void reads_w_rows(const di_tensor *w, int64_t r0, int nr) {
+    const size_t rb = w_row_bytes(w);
+    const bool scaled = w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4;
+    for (int i = 0; i < nr; i++) {
+        READS((const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1, rb);
+        if (scaled)
+            READS(w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1,
+                  (w->ne[0] + w->block_in - 1) / w->block_in);
+    }
+}
+
+// nt token rows of n elements of `size` bytes each, from an array of pointers.
+static void reads_each(const void *const *xs, int nt, size_t bytes) {
+    for (int j = 0; j < nt; j++) READS(xs[j], bytes);
+}
+
+// The accumulators acc[i][j] (i < nr, j < nt) of a float[4][3][8]: read and written.
+static void touches_acc(float acc[4][3][8], int nr, int nt) {
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < nt; j++) WRITES(acc[i][j], 8 * sizeof(float));
+}
+
+// Sums of nr rows x nt tokens to y[j * y_stride + i].
+static void writes_y(const float *y, int64_t y_stride, int nr, int64_t nt) {
+    for (int64_t j = 0; j < nt; j++) WRITES(y + j * y_stride, (size_t)nr * sizeof(float));
+}
+#else
+#define READS(p, n) ((void)0)
+#define WRITES(p, n) ((void)0)
+#define reads_w_rows(w, r0, nr) ((void)0)
+#define reads_each(xs, nt, bytes) ((void)0)
+#define touches_acc(acc, nr, nt) ((void)0)
+#define writes_y(y, y_stride, nr, nt) ((void)0)
+#endif
+
+// Floats up to the next multiple of 8 (the decoded rows' zero padding).
+static inline int64_t up8(int64_t n) {
+    return (n + 7) & ~(int64_t)7;
+}
+
 // ---- element decoders (8 values -> 8 floats, exact) ----
 
 // e4m3fn -> binary16 by moving bits: with the byte in the high half of a 16-bit lane
@@ -255,6 +340,9 @@ static void decode_iq2_xxs(const di_tensor *w, int64_t r, int64_t c0, int64_t c1
 void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1, float *dst,
                          int64_t dst_stride) {
     const int64_t n = w->ne[0];
+    reads_w_rows(w, r0, nr);
+    for (int i = 0; i < nr; i++)
+        WRITES(dst + i * dst_stride, sizeof(float) * (c1 == n ? up8(c1 - c0) : c1 - c0));
     for (int i = 0; i < nr; i++) {
         float *d = dst + i * dst_stride;
         switch (w->kind) {
@@ -333,6 +421,10 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t w
 
 void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
                        int64_t c0, int64_t c1, int64_t n, float acc[4][3][8]) {
+    for (int i = 0; i < nr; i++) READS(w + i * w_stride, sizeof(float) * up8(c1 - c0));
+    for (int j = 0; j < nt; j++)
+        READS(xs[j] + c0, sizeof(float) * ((c0 + up8(c1 - c0) < n ? c0 + up8(c1 - c0) : n) - c0));
+    touches_acc(acc, nr, nt);
 #define T(R, N)                                                                                    \
     case (R)*4 + (N):                                                                              \
         tile(w, w_stride, R, xs, N, c0, c1, n, acc);                                               \
@@ -406,6 +498,9 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
 
 void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
                          int64_t n, float *y, int64_t y_stride) {
+    for (int i = 0; i < nr; i++) READS(w + i * w_stride, sizeof(float) * up8(n));
+    reads_each((const void *const *)xs, nt, sizeof(float) * (size_t)n);
+    writes_y(y, y_stride, nr, nt);
 #define T(R, N)                                                                                    \
     case (R)*4 + (N):                                                                              \
         tile_y(w, w_stride, R, xs, N, n, y, y_stride);                                             \
@@ -422,6 +517,9 @@ void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *
 // (16 = 3+3+3+3+2+2): one call per row block, the common 4 x 3 tile inlined.
 void di_gemm_avx2_rows_y(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
                          int64_t n_tok, int64_t n, float *y, int64_t y_stride) {
+    for (int i = 0; i < nr; i++) READS(w + i * w_stride, sizeof(float) * up8(n));
+    for (int64_t t = 0; t < n_tok; t++) READS(x + t * x_stride, sizeof(float) * (size_t)n);
+    writes_y(y, y_stride, nr, n_tok);
     const int64_t n_tiles = (n_tok + 2) / 3;
     const float *xs[3];
     for (int64_t t = 0, k = 0; t < n_tok; k++) {
@@ -579,6 +677,9 @@ bool di_gemm_avx2_gemv_ok(const di_tensor *w) {
 
 void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *const *xs, int nt,
                        float acc[4][3][8]) {
+    reads_w_rows(w, r0, nr);
+    reads_each((const void *const *)xs, nt, sizeof(float) * (size_t)w->ne[0]);
+    touches_acc(acc, nr, nt);
 #define G(R, N)                                                                                    \
     case (R)*4 + (N):                                                                              \
         if (w->kind == DI_TENSOR_KIND_FP8)                                                         \
@@ -605,6 +706,9 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
 // di_quant_act_q8's bits: the same amax (max is exact in any order), the same scalar d and id,
 // then per value the same two float operations (x * id, + copysign(0.5 - 2^-25)) and truncation.
 void di_gemm_avx2_quant_act(const float *x, int64_t n, int8_t *q, float *d) {
+    READS(x, sizeof(float) * (size_t)n);
+    WRITES(q, (size_t)n);
+    WRITES(d, sizeof(float) * (size_t)(n / 32));
     const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0x1.fffffep-2f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < n / 32; b++) {
@@ -768,6 +872,10 @@ void di_gemm_avx2_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8_t
                             const float *const *xd, int nt, float *y, int64_t y_stride) {
     const bool mx = w->kind == DI_TENSOR_KIND_MXFP4;
     DI_ASSERT(mx || w->kind == DI_TENSOR_KIND_Q8_0);
+    reads_w_rows(w, r0, nr);
+    reads_each((const void *const *)xq, nt, (size_t)w->ne[0]);
+    reads_each((const void *const *)xd, nt, sizeof(float) * (size_t)(w->ne[0] / 32));
+    writes_y(y, y_stride, nr, nt);
     int8_src src;
     for (int i = 0; i < nr; i++) src.rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
     // The same columns of the next group of rows: a group's rows are short streams (a 4096-column
@@ -789,6 +897,11 @@ void di_gemm_avx2_codes(const di_tensor *w, int64_t r0, int nr, int8_t *q, int64
                         int64_t ldd) {
     const bool mx = w->kind == DI_TENSOR_KIND_MXFP4;
     DI_ASSERT(mx || w->kind == DI_TENSOR_KIND_Q8_0);
+    reads_w_rows(w, r0, nr);
+    for (int i = 0; i < nr; i++) {
+        WRITES(q + i * ldq, (size_t)w->ne[0]);
+        WRITES(d + i * ldd, sizeof(float) * (size_t)(w->ne[0] / 32));
+    }
     const __m128i lut = mxfp4_lut();
     for (int i = 0; i < nr; i++) {
         int8_src src;
@@ -804,6 +917,13 @@ void di_gemm_avx2_codes(const di_tensor *w, int64_t r0, int nr, int8_t *q, int64
 void di_gemm_avx2_gemv_codes(const int8_t *q, int64_t ldq, const float *d, int64_t ldd, int64_t n,
                              int nr, const int8_t *const *xq, const float *const *xd, int nt,
                              float *y, int64_t y_stride) {
+    for (int i = 0; i < nr; i++) {
+        READS(q + i * ldq, (size_t)n);
+        READS(d + i * ldd, sizeof(float) * (size_t)(n / 32));
+    }
+    reads_each((const void *const *)xq, nt, (size_t)n);
+    reads_each((const void *const *)xd, nt, sizeof(float) * (size_t)(n / 32));
+    writes_y(y, y_stride, nr, nt);
     int8_src src;
     for (int i = 0; i < nr; i++) {
         src.rows[i] = (const uint8_t *)(q + i * ldq);
@@ -824,6 +944,10 @@ void di_gemm_avx2_gemv_codes(const int8_t *q, int64_t ldq, const float *d, int64
 // the vector maximum), the same scalar -127 / mx, per value the same product rounded to nearest
 // even (vroundps) and clamped at 127, the same integer sums.
 void di_gemm_avx2_quant_act_q8_k(const float *x, int64_t n, int8_t *q, float *d, int16_t *bsums) {
+    READS(x, sizeof(float) * (size_t)n);
+    WRITES(q, (size_t)n);
+    WRITES(d, sizeof(float) * (size_t)(n / 256));
+    WRITES(bsums, sizeof(int16_t) * (size_t)(n / 16));
     const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(127.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < n / 256; b++) {
@@ -932,6 +1056,11 @@ void di_gemm_avx2_gemv_q4_k8(const di_tensor *w, int64_t r0, int nr, const int8_
                              const float *const *xd, const int16_t *const *xs, int nt, float *y,
                              int64_t y_stride) {
     DI_ASSERT(w->kind == DI_TENSOR_KIND_Q4_K);
+    reads_w_rows(w, r0, nr);
+    reads_each((const void *const *)xq, nt, (size_t)w->ne[0]);
+    reads_each((const void *const *)xd, nt, sizeof(float) * (size_t)(w->ne[0] / 256));
+    reads_each((const void *const *)xs, nt, sizeof(int16_t) * (size_t)(w->ne[0] / 16));
+    writes_y(y, y_stride, nr, nt);
 #define G(R, N)                                                                                    \
     case (R)*4 + (N):                                                                              \
         gemv_q4_k8(w, r0, R, xq, xd, xs, N, y, y_stride);                                          \
