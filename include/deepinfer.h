@@ -634,12 +634,14 @@ typedef struct di_engine_options {
     di_device device;         // where the model runs (di_model_options.device); CUDA on a V4
                               // FP32 checkpoint: the device-resident forward (see create)
     size_t kv_memory_bytes;   // the KV pool (window rings, compressed entries, compressor
-                              // buffers); 0 = 256 MiB. On the device-resident forward it is
-                              // device memory: max_seqs slots' rings, the rest entry blocks.
-                              // On V4.1: max_seqs slot tails, the rest blocks (see create).
-                              // The device-resident V4.1 forward also caps the blocks by the
-                              // memory its stages report left after their weights, fixed state
-                              // and dev_reserve_bytes (docs/cuda.md "The split")
+                              // buffers). On the device-resident forward it is device memory:
+                              // max_seqs slots' rings, the rest entry blocks; its blocks are
+                              // also capped by the memory the stages report left after their
+                              // weights, fixed state and dev_reserve_bytes (docs/cuda.md "The
+                              // split"). On V4.1: max_seqs slot tails, the rest blocks (see
+                              // create). 0 = automatic: on the device-resident forward whose
+                              // devices report their memory, every block the stages hold (the
+                              // cap alone), elsewhere 256 MiB
     size_t dev_reserve_bytes; // di_model_options.dev_reserve_bytes; 0: its default
     int32_t max_seqs;         // sequences running at once; 0 = 16
     int32_t max_batch_tokens; // forward rows per step (token budget); 0 = 256
@@ -739,6 +741,8 @@ typedef struct di_engine_stats {
     int64_t n_blocks_cached;               // held only by the prefix cache
     int64_t block_bytes;
     int32_t block_tokens;
+    int64_t kv_memory_bytes; // the KV pool as sized: di_engine_options.kv_memory_bytes, or what
+                             // its 0 came to (the devices' memory, or 256 MiB)
     int32_t n_running, n_waiting;
     int64_t n_steps, n_prefill_tokens, n_decode_tokens, n_preemptions;
     int64_t n_priority_preemptions; // of n_preemptions: for a waiting request of better priority

@@ -20,7 +20,8 @@
 //     kv_memory_bytes (minus the slots' tails, di_dsv4_dev_sizes / di_dsv41_dev_sizes) and capped
 //     by the blocks every pipeline stage's free memory holds (dev_mem_blocks; the stages' split
 //     was chosen at load for these sizes, which create hands to di_model_load: di_model_options
-//     dev_*, docs/cuda.md "The split"). A running
+//     dev_*, docs/cuda.md "The split"); kv_memory_bytes 0 takes that cap alone (the KV fills
+//     the devices, less the reserve). A running
 //     request's scheduler slot is its dev slot; each call passes its block ids, its win_lo (bounded
 //     replay after a prefix hit), the positions it attached from the prefix cache and (V4.1) its
 //     request's tokens (the Engram look-back before win_lo; a tail restore rebuilds the history
@@ -125,6 +126,7 @@ struct di_engine {
     // The device-resident forward (dev_on: model->dev or model->dev41): one
     // state for every slot, reached through the dev_* adapter ("the device-resident forwards"
     // below), so that the engine has one path for both.
+    bool kv_auto; // kv_memory_bytes was 0: the device's memory sizes the KV (dev_kv_create)
     bool dev_on;
     di_dsv4_dev_state *dstate;    // owned; V4's (NULL otherwise)
     di_dsv41_dev_state *dstate41; // owned; V4.1's (NULL otherwise)
@@ -573,10 +575,12 @@ static di_status dev_warm_up(di_engine *e) {
 
 // The device-resident forward's kv_manager (accounting only): kv_memory_bytes pays for the
 // max_seqs slots' tails first (window and compressor rings, page tables; V4.1: window rings and
-// the ratio-2 sources' C and Z rings), the rest for entry blocks; the dev state is created with
-// exactly these blocks.
+// the ratio-2 sources' C and Z rings), the rest for entry blocks, capped by the blocks every
+// stage's memory holds (dev_mem_blocks); with kv_memory_bytes 0 (kv_auto) and stages that report
+// their memory, that cap alone, and kv_memory_bytes becomes what the slots and blocks take. The
+// dev state is created with exactly these blocks.
 static di_status dev_kv_create(di_engine *e) {
-    const di_engine_options *o = &e->opt;
+    di_engine_options *o = &e->opt;
     const int32_t bt = di_kv_block_tokens(e->model);
     int64_t blk = 0, slot = 0;
     di_status st = dev_sizes(e, o->max_ctx, bt, &blk, &slot);
@@ -590,6 +594,24 @@ static di_status dev_kv_create(di_engine *e) {
     }
     const int64_t tails = slot * o->max_seqs;
     const int64_t need = (int64_t)((o->max_ctx + bt - 1) / bt) * mem;
+    // The memory the stages have left bounds the blocks: those every stage holds.
+    int32_t neck = 0;
+    const int64_t fit = dev_mem_blocks(e, &neck);
+    if (fit >= 0 && fit < (o->max_ctx + bt - 1) / bt) {
+        DI_LOG_ERROR("engine: device stage %d has memory for %lld entry blocks, fewer than one "
+                     "sequence of %d positions needs (%d)",
+                     (int)neck, (long long)fit, (int)o->max_ctx, (int)((o->max_ctx + bt - 1) / bt));
+        return DI_ERR_NOMEM;
+    }
+    if (e->kv_auto && fit >= 0) {
+        // fit is at most the blocks of one stage's memory (no larger than a device): it fits
+        // size_t and the int64 arithmetic below.
+        o->kv_memory_bytes = (size_t)(tails + fit * mem);
+        DI_LOG_INFO("engine: the KV from the devices' memory: %d slot tails of %.1f MiB and %lld "
+                    "entry blocks of %.1f KiB (%.2f GiB; device stage %d bounds it)",
+                    (int)o->max_seqs, (double)slot / 1048576.0, (long long)fit,
+                    (double)mem / 1024.0, (double)o->kv_memory_bytes / 1073741824.0, (int)neck);
+    }
     if ((int64_t)o->kv_memory_bytes < tails + need) {
         DI_LOG_ERROR("engine: --kv-memory %zu bytes cannot hold the device state of %d slots "
                      "(%lld bytes of window and compressor rings) plus one sequence of %d "
@@ -599,15 +621,6 @@ static di_status dev_kv_create(di_engine *e) {
         return DI_ERR_INVALID;
     }
     int64_t n = ((int64_t)o->kv_memory_bytes - tails) / mem;
-    // The memory the stages have left bounds it too: the blocks every stage holds.
-    int32_t neck = 0;
-    const int64_t fit = dev_mem_blocks(e, &neck);
-    if (fit >= 0 && fit < (o->max_ctx + bt - 1) / bt) {
-        DI_LOG_ERROR("engine: device stage %d has memory for %lld entry blocks, fewer than one "
-                     "sequence of %d positions needs (%d)",
-                     (int)neck, (long long)fit, (int)o->max_ctx, (int)((o->max_ctx + bt - 1) / bt));
-        return DI_ERR_NOMEM;
-    }
     if (fit >= 0 && fit < n) {
         DI_LOG_INFO("engine: --kv-memory's %lld entry blocks exceed what device stage %d has left "
                     "(%lld): using %lld",
@@ -865,7 +878,9 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->opt = opt ? *opt : di_engine_options_default();
     e->glim = di_grammar_matcher_limits_default();
     di_engine_options *o = &e->opt;
-    if (!o->kv_memory_bytes) o->kv_memory_bytes = (size_t)256 << 20;
+    e->kv_auto = !o->kv_memory_bytes;
+    if (!o->kv_memory_bytes)
+        o->kv_memory_bytes = (size_t)256 << 20; // unless dev_kv_create sizes it
     if (!o->max_seqs) o->max_seqs = 16;
     if (!o->max_batch_tokens) o->max_batch_tokens = 256;
     if (!o->max_ctx) o->max_ctx = 8192;
@@ -1072,6 +1087,7 @@ static di_status create(const char *model_dir, const di_engine_options *opt,
     e->stats.block_bytes =
         e->dev_on ? e->dev_block_bytes : (int64_t)di_block_pool_block_bytes(e->kv->pool);
     e->stats.block_tokens = e->kv->block_tokens;
+    e->stats.kv_memory_bytes = (int64_t)o->kv_memory_bytes;
     disk_stats(e, &e->stats); // the records found at open
     if (e->dev_on) {
         DI_TRY(dev_warm_up(e));

@@ -25,7 +25,8 @@
 //       taken by the other's disk tier;
 //   (e) sizing: kv_memory_bytes pays for max_seqs slot tails and then entry blocks
 //       (di_dsv41_dev_sizes); one byte less than a max_ctx sequence needs is refused; the device
-//       state grows by exactly the blocks more memory buys;
+//       state grows by exactly the blocks more memory buys; 0 on a backend that cannot say its
+//       memory: 256 MiB;
 //   (f) with spec_tokens > 0 the engine runs DSpark on the device-resident forward (drafts,
 //       verifies, rollback on the dev state): against the CPU V4.1 engine with the same options
 //       (greedy and seeded requests) the same tokens and logprobs, and on a roomy pool the same
@@ -48,8 +49,9 @@
 //       memory counting its mirror;
 //   (i) the engine's blocks from its stages' memory (di_cpu_backend_set_mem: unequal devices):
 //       the weight split's bottleneck stage bounds them, the KV-aware split
-//       (di_dsv41_dev_split_mem, chosen at attach) holds more, with the CPU engine's tokens; a
-//       stage without room for one sequence refused.
+//       (di_dsv41_dev_split_mem, chosen at attach) holds more, with the CPU engine's tokens;
+//       kv_memory_bytes 0 takes every block the memory holds; a stage without room for one
+//       sequence refused.
 // --deferred: the disk tier, greedy rows and the stages on CPU backends in deferred mode (backend.h
 // di_cpu_backend_set_deferred): the same tokens.
 #include "harness.h"
@@ -473,6 +475,18 @@ static void test_sizing(void) {
     CHECK(n_blocks[0] < (int64_t)max_seqs * one);
     CHECK_EQ(n_blocks[1], one + 10);
     CHECK_EQ(bytes[1] - bytes[0], 10 * blk); // the state follows kv_memory, block by block
+    // kv_memory_bytes 0 where the backend cannot say its memory (the CPU backend's default):
+    // 256 MiB. (Where it can: test_mem_stages.)
+    o = options(0, max_seqs);
+    e = NULL;
+    CHECK_EQ(di_engine_create_prepared(g_dir, &o, attach_cpu_twin, b, &e), DI_OK);
+    if (e) {
+        di_engine_stats st;
+        di_engine_get_stats(e, &st);
+        CHECK_EQ(st.kv_memory_bytes, (int64_t)256 << 20);
+        CHECK_EQ(st.n_blocks_total, (((int64_t)256 << 20) - max_seqs * slot) / blk);
+        di_engine_destroy(e);
+    }
     di_backend_destroy(b);
 }
 
@@ -814,6 +828,23 @@ static void test_mem_stages(void) {
             (long long)n_blocks[1]);
     CHECK_EQ(n_blocks[0], one + 3);
     CHECK_EQ(n_blocks[1], sp.n_blocks);
+    // kv_memory_bytes 0: the stages' memory alone sizes the KV (every block the bottleneck stage
+    // holds, not 256 MiB's), and the stats say the bytes it came to.
+    {
+        di_engine_options oa = o;
+        oa.kv_memory_bytes = 0;
+        t.split = NULL;
+        di_engine *e = NULL;
+        CHECK_EQ(di_engine_create_prepared(g_dir, &oa, attach_mem_twin, &t, &e), DI_OK);
+        if (e) {
+            di_engine_stats st;
+            di_engine_get_stats(e, &st);
+            CHECK_EQ(st.n_blocks_total, sp.n_blocks);
+            CHECK(st.kv_memory_bytes < (int64_t)64 << 20);
+            CHECK(st.kv_memory_bytes >= st.n_blocks_total * st.block_bytes);
+            di_engine_destroy(e);
+        }
+    }
     // One block less than a sequence on the weight split's stage 1: the engine refuses.
     t.split = wl0;
     t.budget[1] -= 4 * w1.block_bytes;
