@@ -8,11 +8,14 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 jobs=${DI_JOBS:-$(nproc)}
+# Each stage's start says the seconds since this script began (where CI's time goes).
+stage() { echo "== [${SECONDS}s] $*" >&2; }
 "$root/scripts/deps.sh"
 
-echo "== release build: all CPU tests" >&2
+stage "release build: all CPU tests"
 cmake -S "$root" -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DDI_WERROR=ON >/dev/null
 cmake --build "$root/build" -j"$jobs"
+stage "release: ctest"
 (cd "$root/build" && ctest -L cpu --output-on-failure -j"$jobs" --timeout 900)
 
 # CUDA: configure and compile the library, its tests and the two benchmarks scripts/gpu-check runs
@@ -20,13 +23,14 @@ cmake --build "$root/build" -j"$jobs"
 nvcc=$(command -v nvcc || true)
 [[ -z $nvcc && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
 if [[ -n $nvcc ]]; then
-    echo "== CUDA build (compile only unless a GPU is present)" >&2
+    stage "CUDA build (compile only unless a GPU is present)"
     # sm_80 and sm_100 here; sm_90a (the H200's) in gpu-check --build-only below, warnings as
     # errors too: each architecture compiled once.
     cmake -S "$root" -B "$root/build-cuda" -DCMAKE_BUILD_TYPE=Release -DDI_WERROR=ON -DDI_CUDA=ON \
         -DDI_BUILD_TOOLS=OFF -DDI_CUDA_BENCH=ON -DDI_CUDA_ARCHS="80;100" \
         -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
     cmake --build "$root/build-cuda" -j"$jobs" --target di_cuda_tests bench_cuda bench_forward
+    stage "gpu-check --build-only (sm_90a)"
     # The device check's own build (plain nvcc/gcc, sm_90a, warnings as errors): what a device
     # session runs first, and CI's sm_90a compile.
     PATH="$(dirname "$nvcc"):$PATH" OUT="$root/build-gpu-check/out" \
@@ -37,12 +41,14 @@ if [[ -n $nvcc ]]; then
         (cd "$root/build-cuda" && ctest -L cuda --output-on-failure --timeout 900)
     fi
 else
-    echo "== CUDA build skipped: no nvcc" >&2
+    stage "CUDA build skipped: no nvcc"
 fi
 
-echo "== ASan+UBSan build: the CPU tests again (but the no-sanitizer ones)" >&2
+stage "ASan+UBSan build: the CPU tests again (but the no-sanitizer ones)"
 cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDI_WERROR=ON \
     -DDI_SANITIZE=address,undefined >/dev/null
 cmake --build "$root/build-asan" -j"$jobs"
+stage "ASan+UBSan: ctest"
 (cd "$root/build-asan" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest -L cpu -LE no-sanitizer --output-on-failure -j"$jobs" --timeout 1800)
+stage "done"
