@@ -76,7 +76,8 @@ static void usage(FILE *f) {
         "fails, /ready and /health answer 503 device_lost and every request gets 503.\n",
         (double)DI_SPEC_MIN_CONFIDENCE_DEFAULT, DI_ENGINE_PRIORITY_AGING_MS);
     fputs("--kv-memory MiB: the KV pool. Default: on --device cuda every KV block the GPUs'\n"
-          "memory holds after the weights, the slots' state and --dev-reserve; elsewhere 256.\n"
+          "memory holds after the weights, the slots' state and --dev-reserve (servers sharing a\n"
+          "GPU: give each its --kv-memory); elsewhere 256.\n"
           "--dev-reserve MiB (default 1024): device memory every pipeline stage (--device\n"
           "cuda:N,M,...) leaves free; the split holds the most KV blocks on every stage for\n"
           "--max-seqs, --max-ctx and --max-batch-tokens, and --kv-memory's blocks are capped by\n"
