@@ -116,6 +116,9 @@ extern "C" di_status di_cuda_create(int device, di_cuda **out) {
         const char *e = getenv("DI_CUDA_ATTN_TC"); // the debug switch: 0 keeps the SIMT kernel
         cu->attn_tc = e && !strcmp(e, "0") ? -1 : 0;
         cu->attn_codes_tc = cu->attn_tc;
+        const char *w = getenv("DI_CUDA_ATTN_WG"); // 0: skip the wgmma kernels (mma.sync first)
+        cu->attn_wg = cu->attn_tc < 0 || (w && !strcmp(w, "0")) ? -1 : 0;
+        cu->attn_codes_wg = cu->attn_wg;
         cu->attn_tc_check_tol = 0.1f;
     }
     cu->l2_bytes = (size_t)p.l2CacheSize;

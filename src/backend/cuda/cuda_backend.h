@@ -85,6 +85,12 @@ typedef struct di_cuda {
     // (the same helper, tolerance and DI_CUDA_ATTN_TC switch) against the exact FP32 kernel.
     int attn_codes_tc;
     int64_t n_attn_codes_tc_calls;
+    // The wgmma kernels of both (attn.cuh di_cuda_attn_wg, di_cuda_attn_codes_wg: cc 9.0 with
+    // sm_90a code), tried before the mma.sync ones and checked the same way, each with its own
+    // state (as attn_tc; -1 also for DI_CUDA_ATTN_WG=0 at create) and count; once off, the mma.sync
+    // kernel (and its own check) serves the op.
+    int attn_wg, attn_codes_wg;
+    int64_t n_attn_wg_calls, n_attn_codes_wg_calls;
     // The routed experts' tensor-core grouped GEMM (moe_tc.cuh di_cuda_moe_grouped_a8): 0 not
     // checked yet, 1 checked against the SIMT kernel on its first call, -1 off (mismatch, or
     // DI_CUDA_MOE_TC=0); calls that took it. moe_tc_fault (tests only, false in the engine): the
