@@ -7,6 +7,7 @@
 #include "backend/backend.h" // DI_BACKEND_*_BLOCK
 #include "backend/cuda/attn.cuh"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/wgmma.cuh" // wg_* (sm_90a), di_wg_* (wgmma_layout.h)
 
 // ---- KV rows ----
 
@@ -713,28 +714,351 @@ __global__ void attn_tc_combine_kernel(const float *__restrict__ o_part,
     }
 }
 
+// ---- attention on wgmma (sm_90a: Hopper's warpgroup MMA) ----
+//
+// attn_tc_kernel's block, key sources, decode, online softmax and numerics with the two products
+// on wgmma (wgmma.cuh, wgmma_layout.h) instead of mma.sync, for dh 512 (V4's 584-byte rows and
+// V4.1's codes). Block = (query row t, group of 64 heads, key split), 2 warpgroups (256 threads).
+// Per tile of 64 listed keys:
+//   1. cp.async of the next tile's raw rows (2 raw stages, as attn_tc_kernel);
+//   2. exact decode of this tile into the K tile (BF16, SW128 k-blocked: 64 keys x 512 dims),
+//      16-byte stores, fence.proxy.async (the tensor cores read through the async proxy);
+//   3. S = Q K^T: warpgroup g computes heads 0..63 x keys 32g..32g+31 (m64n32k16, 32 k-steps
+//      over the dims, A = Q and B = the K tile both K-major in shared memory), wait_group 0;
+//   4. online softmax in registers: thread (warp w, lane l) holds rows rq = 16 (w % 4) + l / 4
+//      and rq + 8 of both S and O (the accumulator map), so one running max and sum per row;
+//      the two key halves' maxima and sums meet in shared memory; P = exp(S - m) rounded to BF16
+//      into the P tile (SW128, 64 x 64), fence.proxy.async;
+//   5. O = O * alpha + P V: warpgroup g computes heads 0..63 x dims 256g..256g+255 (m64n256k16,
+//      4 k-steps over the keys, A = P K-major, B = the K tile MN-major: tnspB), 128 FP32
+//      accumulators per thread, wait_group 0.
+// Shared memory (1024-aligned): Q 64 KB + K 64 KB + P 8 KB + 2 raw stages (73 KB of 584-byte
+// rows / 66 KB of 528-byte codes) + indices and reductions 1.5 KB + 1 KB alignment slack =
+// 211.5 KB (V4) / 204.5 KB (codes). ptxas (sm_90a, CUDA 13.0): 183 (V4) / 180 (codes) registers,
+// 0 bytes stack frame and spills; SASS: 32 HGMMA.64x32x16 + 4 HGMMA.64x256x16 per instance, no
+// LDL/STL (scripts/gpu-check --build-only checks both on every CI run).
+//
+// The count that bounds it (V4-Flash, 64 heads, dh 512): per key QK^T + PV = 2 x 64 x 512 x 2 =
+// 131k FLOP over 584 bytes, 224 FLOP/byte; the H200's dense-BF16 ridge is ~206 FLOP/byte
+// (990 TFLOP/s / 4.8 TB/s). So 3,000 GB/s needs ~670 TFLOP/s of BF16 MMA, near wgmma's peak and
+// out of reach of mma.sync (about half of it). This version is the first step: decode, S and PV
+// of a tile run one after another (no warp specialisation, no second K tile: the shared memory
+// has room for one decoded tile beside Q and the raw stages), and S's m64n32 instructions are
+// narrow; its bound is the serial sum per tile, not HBM. A rough count per 64-key tile and SM
+// (1.8 GHz): S ~1.5k cycles (32 m64n32k16 per warpgroup, their A and B re-read from shared memory
+// at 128 B/cycle), PV ~1k (8 m64n256k16 at the MMA rate), the decode ~1.3k (4096 8-dim groups),
+// softmax and barriers ~0.3k: ~4k cycles for 37 KB of rows, ~2 TB/s over 132 busy SMs (batch 64,
+// or enough splits) — predicted, never measured. docs/cuda.md "Not done yet" lists what is left
+// for 3,000 GB/s (a producer warpgroup with two decoded tiles so decode and MMA overlap, S on
+// N = 64 in one warpgroup while the other does PV).
+//
+// Outside sm_90a (sm_80, sm_100, plain sm_90) the kernel compiles to a stub writing NaN to every
+// output it owns, so a dispatch mistake fails the check-once comparison instead of passing stale
+// memory off as a result; the host never launches it there (attn_wg_usable).
+
+enum { WG_THREADS = 256, WG_ALIGN = 1024 };
+
+template <int RS> struct WgShape {
+    static constexpr int DH = 512;
+    static constexpr size_t Q_OFF = 0;
+    static constexpr size_t K_OFF = Q_OFF + (size_t)TC_HEADS * DH * 2;
+    static constexpr size_t P_OFF = K_OFF + (size_t)TC_BN * DH * 2;
+    static constexpr size_t RAW_OFF = P_OFF + (size_t)TC_HEADS * TC_BN * 2;
+    static constexpr size_t IDX_OFF = RAW_OFF + 2 * (size_t)TC_BN * RS;
+    static constexpr size_t RED_OFF = IDX_OFF + 2 * (size_t)TC_BN * 4;
+    static constexpr size_t SMEM = RED_OFF + 4 * (size_t)TC_HEADS * 4 + WG_ALIGN;
+    static_assert(K_OFF % 1024 == 0 && P_OFF % 1024 == 0, "SW128 tiles 1024-byte aligned");
+    static_assert(RAW_OFF % 16 == 0 && IDX_OFF % 16 == 0 && RS % 8 == 0, "aligned stages");
+};
+
+template <class R>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+    attn_wg_kernel(const float *__restrict__ q, R rows, const int32_t *__restrict__ key_idx,
+                   int64_t key_stride, const int32_t *__restrict__ n_keys, int32_t max_keys,
+                   const float *__restrict__ sink, int32_t H, int32_t n_split, int32_t chunk,
+                   float scale, float *__restrict__ o, float *__restrict__ o_part,
+                   float *__restrict__ ml_part, int *__restrict__ flags) {
+    constexpr int DH = 512;
+    using S = WgShape<R::RS>;
+    const int tid = threadIdx.x;
+    const int64_t t = blockIdx.x / n_split;
+    const int32_t split = (int32_t)(blockIdx.x % n_split), h0 = (int32_t)blockIdx.y * TC_HEADS;
+#if DI_WG_ENABLED
+    extern __shared__ __align__(16) uint8_t wg_smem_raw[];
+    uint8_t *smem =
+        wg_smem_raw + ((WG_ALIGN - (smem_u32(wg_smem_raw) & (WG_ALIGN - 1))) & (WG_ALIGN - 1));
+    uint8_t *Qs = smem + S::Q_OFF, *Ks = smem + S::K_OFF, *Ps = smem + S::P_OFF;
+    uint8_t *raw = smem + S::RAW_OFF;                // [2][64][RS]
+    int32_t *idx_s = (int32_t *)(smem + S::IDX_OFF); // [2][64], -1 = masked
+    float *red_max = (float *)(smem + S::RED_OFF);   // [2 key halves][64 heads]
+    float *red_sum = red_max + 2 * TC_HEADS;         // [2][64]
+    const uint32_t q_sa = smem_u32(Qs), k_sa = smem_u32(Ks), p_sa = smem_u32(Ps);
+
+    const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const int32_t nk =
+        di_cuda_attn_clamp_keys(n_keys[t], max_keys, flags, split == 0 && blockIdx.y == 0);
+    const int32_t k_beg = split * chunk, k_end = min(nk, k_beg + chunk);
+    const int32_t n_tiles = k_end > k_beg ? (k_end - k_beg + TC_BN - 1) / TC_BN : 0;
+    const int32_t *idx_row = key_idx + t * key_stride;
+    rows.begin(t, nk);
+
+    // q rows h0 .. h0+63 -> BF16 Q tile (zeros past H), 8 dims (16 bytes) a step.
+    for (int i = tid; i < TC_HEADS * (DH / 8); i += WG_THREADS) {
+        const int r = i / (DH / 8), c = (i % (DH / 8)) * 8;
+        float4 v0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), v1 = v0;
+        if (h0 + r < H) {
+            const float *src = q + ((t * H + h0 + r) * DH + c);
+            v0 = *(const float4 *)src;
+            v1 = *(const float4 *)(src + 4);
+        }
+        *(uint4 *)(Qs + di_wg_tile_off(r, c, TC_HEADS)) =
+            make_uint4(bf162_bits(__floats2bfloat162_rn(v0.x, v0.y)),
+                       bf162_bits(__floats2bfloat162_rn(v0.z, v0.w)),
+                       bf162_bits(__floats2bfloat162_rn(v1.x, v1.y)),
+                       bf162_bits(__floats2bfloat162_rn(v1.z, v1.w)));
+    }
+    wg_fence_proxy_async();
+    auto load_idx = [&](int32_t it, int st) {
+        if (tid < TC_BN) {
+            const int32_t j = k_beg + it * TC_BN + tid;
+            idx_s[st * TC_BN + tid] = j < k_end ? idx_row[j] : -1;
+        }
+    };
+    auto issue = [&](int32_t it, int st) { // as attn_tc_kernel's
+        const int pc = rows.piece(), ch = R::RS / pc;
+        uint8_t *dst = raw + (size_t)st * TC_BN * R::RS;
+        for (int c = tid; c < TC_BN * ch; c += WG_THREADS) {
+            const int r = c / ch, off = (c - r * ch) * pc;
+            const int32_t id = idx_s[st * TC_BN + r], j = k_beg + it * TC_BN + r;
+            if (id >= 0 && off < rows.bytes(j)) rows.copy(dst + r * R::RS + off, id, j, off);
+        }
+        cp_async_commit();
+    };
+    auto decode = [&](int32_t it, int st) { // raw stage st -> the K tile, 8 dims a step
+        constexpr int G = DH / 8;
+        const uint8_t *src = raw + (size_t)st * TC_BN * R::RS;
+        for (int g = tid; g < TC_BN * G; g += WG_THREADS) {
+            const int r = g / G, c = (g % G) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (idx_s[st * TC_BN + r] >= 0)
+                v = rows.decode8(src + r * R::RS, c, k_beg + it * TC_BN + r);
+            *(uint4 *)(Ks + di_wg_tile_off(r, c, TC_BN)) = v;
+        }
+        wg_fence_proxy_async();
+    };
+
+    const int g4 = lane >> 2, c4 = (lane & 3) * 2; // accumulator: rows g4 (+8), cols c4, c4 + 1
+    const int rq = (warp & 3) * 16 + g4;           // this thread's rows rq, rq + 8 (S and O)
+    float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
+    float acc[128]; // O: rows rq (+8), dims 256 wg + 8 (i / 4) + c4 + i % 2
+#pragma unroll
+    for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+
+    if (n_tiles > 0) load_idx(0, 0);
+    __syncthreads(); // Qs, idx_s[0]
+    if (n_tiles > 0) issue(0, 0);
+    for (int32_t it = 0; it < n_tiles; it++) {
+        const int st = it & 1;
+        cp_async_wait_all();
+        // (B) this tile's raw rows have landed everywhere; the previous tile's MMAs (the last
+        // readers of Ks and Ps, waited for by each warpgroup) and red_* readers are done.
+        __syncthreads();
+        decode(it, st);
+        if (it + 1 < n_tiles) load_idx(it + 1, st ^ 1);
+        __syncthreads();                             // (C) Ks (fenced), idx_s[st ^ 1]
+        if (it + 1 < n_tiles) issue(it + 1, st ^ 1); // in flight during this tile's arithmetic
+        const int32_t *msk = idx_s + st * TC_BN;
+
+        // ---- S = Q K^T: 64 heads x keys 32 wg .. 32 wg + 31 ----
+        float s[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) s[i] = 0.0f;
+        wg_fence();
+#pragma unroll
+        for (int k0 = 0; k0 < DH; k0 += 16)
+            wg_m64n32k16_ss(s, di_wg_desc_kmajor(q_sa, TC_HEADS, 0, k0),
+                            di_wg_desc_kmajor(k_sa, TC_BN, 32 * wg, k0), k0 > 0 ? 1 : 0);
+        wg_commit();
+        wg_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 16; i++) wg_fence_reg(s[i]);
+        // s[4 nt + e]: row rq + 8 (e / 2), key 32 wg + 8 nt + c4 + e % 2 (attn_tc_kernel's
+        // s[nt][e] for its warp's key half: the same arithmetic from here on).
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const bool ok = msk[wg * 32 + nt * 8 + c4 + e] >= 0;
+                s[4 * nt + e] = ok ? s[4 * nt + e] * scale : -INFINITY;
+                s[4 * nt + 2 + e] = ok ? s[4 * nt + 2 + e] * scale : -INFINITY;
+                mx0 = fmaxf(mx0, s[4 * nt + e]);
+                mx1 = fmaxf(mx1, s[4 * nt + 2 + e]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        if ((lane & 3) == 0) {
+            red_max[wg * TC_HEADS + rq] = mx0;
+            red_max[wg * TC_HEADS + rq + 8] = mx1;
+        }
+        __syncthreads(); // (D) tile maxima of both key halves
+
+        // ---- P = exp(S - m_new) in BF16 (the P tile), row sums of the rounded values ----
+        const float mn0 = fmaxf(m_r[0], fmaxf(red_max[rq], red_max[TC_HEADS + rq]));
+        const float mn1 = fmaxf(m_r[1], fmaxf(red_max[rq + 8], red_max[TC_HEADS + rq + 8]));
+        {
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                const float p0 = mn0 == -INFINITY ? 0.0f : expf(s[4 * nt] - mn0);
+                const float p1 = mn0 == -INFINITY ? 0.0f : expf(s[4 * nt + 1] - mn0);
+                const float p2 = mn1 == -INFINITY ? 0.0f : expf(s[4 * nt + 2] - mn1);
+                const float p3 = mn1 == -INFINITY ? 0.0f : expf(s[4 * nt + 3] - mn1);
+                const __nv_bfloat162 lo = __floats2bfloat162_rn(p0, p1);
+                const __nv_bfloat162 hi = __floats2bfloat162_rn(p2, p3);
+                const int col = wg * 32 + nt * 8 + c4;
+                *(__nv_bfloat162 *)(Ps + di_wg_tile_off(rq, col, TC_HEADS)) = lo;
+                *(__nv_bfloat162 *)(Ps + di_wg_tile_off(rq + 8, col, TC_HEADS)) = hi;
+                const float2 fl = __bfloat1622float2(lo), fh = __bfloat1622float2(hi);
+                sum0 += fl.x + fl.y;
+                sum1 += fh.x + fh.y;
+            }
+            wg_fence_proxy_async();
+            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
+            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
+            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
+            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+            if ((lane & 3) == 0) {
+                red_sum[wg * TC_HEADS + rq] = sum0;
+                red_sum[wg * TC_HEADS + rq + 8] = sum1;
+            }
+        }
+        __syncthreads(); // (E) Ps (fenced), red_sum
+
+        // ---- rescale O, then O += P V (64 heads x dims 256 wg ..) ----
+        const float a0 = mn0 == -INFINITY ? 1.0f : expf(m_r[0] - mn0);
+        const float a1 = mn1 == -INFINITY ? 1.0f : expf(m_r[1] - mn1);
+        l_r[0] = l_r[0] * a0 + (red_sum[rq] + red_sum[TC_HEADS + rq]);
+        l_r[1] = l_r[1] * a1 + (red_sum[rq + 8] + red_sum[TC_HEADS + rq + 8]);
+        m_r[0] = mn0, m_r[1] = mn1;
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] *= (i & 2) ? a1 : a0;
+        wg_fence();
+#pragma unroll
+        for (int k0 = 0; k0 < TC_BN; k0 += 16)
+            wg_m64n256k16_ss_tb(acc, di_wg_desc_kmajor(p_sa, TC_HEADS, 0, k0),
+                                di_wg_desc_mnmajor(k_sa, TC_BN, k0, 256 * wg), 1);
+        wg_commit();
+        wg_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 128; i++) wg_fence_reg(acc[i]);
+    }
+
+    // ---- epilogue: the sink and 1/den (one split), or the split's (O, m, l) for the combine ----
+    const int d0 = 256 * wg + c4;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int32_t h = h0 + rq + 8 * hf;
+        if (h >= H) continue;
+        const float m = m_r[hf], l = l_r[hf];
+        if (n_split == 1) {
+            const float sk = sink[h], M = fmaxf(m, sk);
+            const float f = m == -INFINITY ? 0.0f : expf(m - M);
+            const float mul = f / (l * f + expf(sk - M));
+            float *orow = o + (t * H + h) * DH + d0;
+#pragma unroll
+            for (int j = 0; j < 32; j++)
+                *(float2 *)(orow + 8 * j) =
+                    make_float2(acc[4 * j + 2 * hf] * mul, acc[4 * j + 2 * hf + 1] * mul);
+        } else {
+            const int64_t pr = (t * n_split + split) * H + h;
+            float *orow = o_part + pr * DH + d0;
+#pragma unroll
+            for (int j = 0; j < 32; j++)
+                *(float2 *)(orow + 8 * j) =
+                    make_float2(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+            if (wg == 0 && (lane & 3) == 0) ml_part[2 * pr] = m, ml_part[2 * pr + 1] = l;
+        }
+    }
+#else
+    // Not sm_90a: NaN into everything this block owns (never launched: attn_wg_usable).
+    (void)rows, (void)key_idx, (void)key_stride, (void)n_keys, (void)max_keys, (void)sink,
+        (void)chunk, (void)scale, (void)flags;
+    for (int i = tid; i < TC_HEADS * DH; i += WG_THREADS) {
+        const int32_t h = h0 + i / DH;
+        if (h >= H) continue;
+        if (n_split == 1) {
+            o[(t * H + h) * DH + i % DH] = NAN;
+        } else {
+            const int64_t pr = (t * n_split + split) * H + h;
+            o_part[pr * DH + i % DH] = NAN;
+            if (i % DH == 0) ml_part[2 * pr] = NAN, ml_part[2 * pr + 1] = NAN;
+        }
+    }
+#endif
+}
+
 // Shared memory of one attn_tc_kernel<DH, R> block.
 template <int DH, class R> constexpr size_t tc_smem() {
     return TcShape<DH, R::RS>::SMEM;
 }
+// ... and of one attn_wg_kernel<R> block (dh 512).
+template <class R> constexpr size_t wg_smem() {
+    return WgShape<R::RS>::SMEM;
+}
 
-// One instance (head dim, key source): the shared-memory fit (DI_ERR_UNSUPPORTED where the device
-// has too little), the split plan, the split partials, the kernel and the combine.
-template <int DH, class R>
+// The kernel of one instance: attn_wg_kernel<R> (WG, dh 512 only) or attn_tc_kernel<DH, R>.
+template <int DH, class R, bool WG> const void *tc_fn() {
+    if constexpr (WG) {
+        static_assert(DH == 512, "the wgmma kernel is dh 512 only");
+        return (const void *)attn_wg_kernel<R>;
+    } else {
+        return (const void *)attn_tc_kernel<DH, R>;
+    }
+}
+
+// Whether the wgmma kernel fn has this device's machine code: a cc 9.0 device running the sm_90a
+// instance (binaryVersion 90; a binary without compute_90a runs its sm_80 code there, the stub).
+// Read once per instance (*cache: 0 not read, 1 yes, -1 no; a property of the binary and the
+// device, and a process drives one device kind).
+bool attn_wg_usable(const di_cuda *cu, const void *fn, std::atomic<int> *cache) {
+    if (cu->cc_major != 9 || cu->cc_minor != 0) return false;
+    int c = cache->load(std::memory_order_relaxed);
+    if (c == 0) {
+        cudaFuncAttributes fa;
+        const cudaError_t e = cudaFuncGetAttributes(&fa, fn);
+        if (e != cudaSuccess) (void)cudaGetLastError();
+        c = e == cudaSuccess && fa.binaryVersion == 90 ? 1 : -1;
+        cache->store(c, std::memory_order_relaxed);
+    }
+    return c > 0;
+}
+
+// One instance (head dim, key source, kernel): the shared-memory fit (DI_ERR_UNSUPPORTED where the
+// device has too little, or, for the wgmma kernel, no sm_90a code for it), the split plan, the
+// split partials, the kernel and the combine.
+template <int DH, bool WG, class R>
 di_status attn_tc_launch(di_cuda *cu, const float *q, R rows, const int32_t *key_idx,
                          int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
                          const float *sink, int32_t n_tok, int32_t H, float scale, int32_t n_split,
                          float *o) {
-    using S = TcShape<DH, R::RS>;
+    constexpr size_t SMEM = WG ? wg_smem<R>() : tc_smem<DH, R>();
+    const char *name = WG ? "attn_wg_kernel" : "attn_tc_kernel";
+    const void *fn = tc_fn<DH, R, WG>();
     static di_smem_kernel smem_k; // one per instance
+    if (WG) {
+        static std::atomic<int> usable;
+        if (!attn_wg_usable(cu, fn, &usable)) return DI_ERR_UNSUPPORTED;
+    }
     {
         size_t st_smem = 0;
-        const di_status fit =
-            di_cuda_smem_fit(cu, &smem_k, (const void *)attn_tc_kernel<DH, R>, S::SMEM, &st_smem);
+        const di_status fit = di_cuda_smem_fit(cu, &smem_k, fn, SMEM, &st_smem);
         if (fit == DI_ERR_INVALID) {
-            DI_CUDA_LOG_ERROR("attention (bf16): %zu + %zu (static) bytes of shared memory per "
+            DI_CUDA_LOG_ERROR("attention (%s): %zu + %zu (static) bytes of shared memory per "
                               "block needed, the device allows %zu",
-                              S::SMEM, st_smem, cu->smem_optin);
+                              name, SMEM, st_smem, cu->smem_optin);
             return DI_ERR_UNSUPPORTED; // this device (A100: 163 KB), not the shape
         }
         if (fit != DI_OK) return fit;
@@ -765,11 +1089,19 @@ di_status attn_tc_launch(di_cuda *cu, const float *q, R rows, const int32_t *key
         st = di_cuda_alloc(cu, sizeof(float) * rows * 2, (void **)&ml_part);
         if (st != DI_OK) goto fail;
     }
-    attn_tc_kernel<DH, R>
-        <<<dim3((unsigned)n_blocks, (unsigned)groups), TC_THREADS, S::SMEM, di_stream(cu)>>>(
-            q, rows, key_idx, key_stride, n_keys, max_keys, sink, H, (int32_t)ns,
-            (int32_t)(chunk > 0 ? chunk : TC_BN), scale, o, o_part, ml_part, cu->flags_dev);
-    DI_TRY(di_cuda_check_launch("attn_tc_kernel"));
+    {
+        const dim3 grid((unsigned)n_blocks, (unsigned)groups);
+        const int32_t ck = (int32_t)(chunk > 0 ? chunk : TC_BN);
+        if constexpr (WG)
+            attn_wg_kernel<R><<<grid, WG_THREADS, SMEM, di_stream(cu)>>>(
+                q, rows, key_idx, key_stride, n_keys, max_keys, sink, H, (int32_t)ns, ck, scale, o,
+                o_part, ml_part, cu->flags_dev);
+        else
+            attn_tc_kernel<DH, R><<<grid, TC_THREADS, SMEM, di_stream(cu)>>>(
+                q, rows, key_idx, key_stride, n_keys, max_keys, sink, H, (int32_t)ns, ck, scale, o,
+                o_part, ml_part, cu->flags_dev);
+    }
+    DI_TRY(di_cuda_check_launch(name));
     if (ns > 1) {
         attn_tc_combine_kernel<<<(unsigned)((int64_t)n_tok * H), 128, sizeof(float) * (size_t)ns,
                                  di_stream(cu)>>>(o_part, ml_part, sink, H, DH, (int32_t)ns, o);
@@ -794,12 +1126,26 @@ extern "C" di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_
     if (n_tok <= 0 || H <= 0) return DI_OK;
     if (v4) {
         const TcRowsFp8<512, 64> rows = {pool};
-        return attn_tc_launch<512>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok,
-                                   H, scale, n_split, o);
+        return attn_tc_launch<512, false>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink,
+                                          n_tok, H, scale, n_split, o);
     }
     const TcRowsFp8<128, 64> rows = {pool};
-    return attn_tc_launch<128>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H,
-                               scale, n_split, o);
+    return attn_tc_launch<128, false>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink,
+                                      n_tok, H, scale, n_split, o);
+}
+
+extern "C" di_status di_cuda_attn_wg(di_cuda *cu, const float *q, const uint8_t *pool,
+                                     const int32_t *key_idx, int64_t key_stride,
+                                     const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                     int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
+                                     float scale, int32_t n_split, float *o) {
+    if (max_keys < 0 || n_split < 0 || ((uintptr_t)q & 15) != 0 || ((uintptr_t)o & 7) != 0 ||
+        dh != 512 || n_rot != 64)
+        return DI_ERR_INVALID;
+    if (n_tok <= 0 || H <= 0) return DI_OK;
+    const TcRowsFp8<512, 64> rows = {pool};
+    return attn_tc_launch<512, true>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink,
+                                     n_tok, H, scale, n_split, o);
 }
 
 // ---- attention over V4.1's stored codes (backend.h attn_codes) ----
@@ -1268,8 +1614,8 @@ extern "C" di_status di_cuda_attn_codes_bf16(di_cuda *cu, const float *q, const 
 #define TC_CODES_CASE(D)                                                                           \
     if (dh == D) {                                                                                 \
         const TcRowsCodes<D> rows = {win, ent, n_win, vw, 0};                                      \
-        return attn_tc_launch<D>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink, n_tok,  \
-                                 H, scale, n_split, o);                                            \
+        return attn_tc_launch<D, false>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink,  \
+                                        n_tok, H, scale, n_split, o);                              \
     }
     TC_CODES_CASE(512);
     TC_CODES_CASE(256);
@@ -1278,30 +1624,57 @@ extern "C" di_status di_cuda_attn_codes_bf16(di_cuda *cu, const float *q, const 
     return DI_ERR_INVALID;
 }
 
+extern "C" di_status di_cuda_attn_codes_wg(di_cuda *cu, const float *q, const uint8_t *win,
+                                           const uint8_t *ent, const int32_t *key_idx,
+                                           int64_t key_stride, const int32_t *n_win,
+                                           const int32_t *n_keys, int32_t max_keys,
+                                           const float *sink, int32_t n_tok, int32_t H, int32_t dh,
+                                           float scale, int32_t n_split, float *o) {
+    if (max_keys < 0 || key_stride < max_keys || H < 0 || n_split < 0 || ((uintptr_t)q & 15) != 0 ||
+        ((uintptr_t)o & 7) != 0 || dh != 512)
+        return DI_ERR_INVALID;
+    const int32_t vw = attn_codes_piece(win, ent, dh);
+    if (vw < 4) return DI_ERR_INVALID;
+    if (n_tok <= 0 || H == 0) return DI_OK;
+    const TcRowsCodes<512> rows = {win, ent, n_win, vw, 0};
+    return attn_tc_launch<512, true>(cu, q, rows, key_idx, key_stride, n_keys, max_keys, sink,
+                                     n_tok, H, scale, n_split, o);
+}
+
 // ---- tensor-core attention checked once per context (backend.h attn_kv, attn_codes) ----
 
 namespace {
 
 // A tensor-core kernel standing in for an exact one in the official recipe, checked once per
 // context (docs/cuda.md Numerics; attn_kv's and attn_codes' dispatch): *state 0 not checked yet,
-// 1 checked and on, -1 off (a mismatch, a refusal, DI_CUDA_ATTN_TC=0 at create). exact(dst) and
-// tc(dst) run the two kernels into dst (n_tok * H * dh floats). Off, or not checked yet inside a
-// graph capture (the check downloads) or on a call of more than ATTN_TC_CHECK_MAX_FLOATS outputs
-// (a long prefill: its scratch would stay in the pool and its downloads take seconds): the exact
-// kernel. Otherwise the first call runs the exact kernel into a pool scratch and the tensor cores
-// into o and compares them on the host (max |diff| <= attn_tc_check_tol * max |exact|, no NaN): a
-// match keeps the tensor cores for the context; a mismatch or a refusal of the kernel logs it,
-// turns them off and leaves the exact result in o. *n_calls counts the calls the tensor cores
-// served (the checked one included).
+// 1 checked and on, -1 off (a mismatch, a refusal, DI_CUDA_ATTN_TC=0 or DI_CUDA_ATTN_WG=0 at
+// create). exact(dst) and tc(dst) run the two kernels into dst (n_tok * H * dh floats); `what`
+// names the op, `kernel` the tensor-core kernel, `then` what serves the op once it is off. Off, or
+// not checked yet inside a graph capture (the check downloads) or on a call of more than
+// ATTN_TC_CHECK_MAX_FLOATS outputs (a long prefill: its scratch would stay in the pool and its
+// downloads take seconds): the exact kernel. Otherwise the first call runs the exact kernel into a
+// pool scratch and the tensor cores into o and compares them on the host (max |diff| <=
+// attn_tc_check_tol * max |exact|, no NaN): a match keeps the tensor cores for the context; a
+// mismatch or a refusal of the kernel logs a WARN naming the kernel and the error, turns it off
+// and leaves the exact result in o. *n_calls counts the calls the tensor cores served (the checked
+// one included). Two kernels are chained by their callers: the wgmma kernel first (its own
+// state), the mma.sync one (its own state and check) once the first is off or not checkable.
 enum { ATTN_TC_CHECK_MAX_FLOATS = 1 << 24 }; // 64 MiB: 512 rows of 64 heads x 512 dims
+
+// Whether attn_tc_checked would run the tensor-core kernel of this state on this call (checked
+// and on, or checkable now).
+bool attn_tc_would_run(const di_cuda *cu, int state, int32_t n_tok, int32_t H, int32_t dh) {
+    const size_t n = (size_t)n_tok * (size_t)H * (size_t)dh;
+    return state > 0 || (state == 0 && !cu->capturing && n <= ATTN_TC_CHECK_MAX_FLOATS);
+}
 
 template <class Exact, class Tc>
 di_status attn_tc_checked(di_cuda *cu, int *state, int64_t *n_calls, const char *what,
-                          int32_t n_tok, int32_t H, int32_t dh, int32_t max_keys, float *o,
-                          const Exact &exact, const Tc &tc) {
+                          const char *kernel, const char *then, int32_t n_tok, int32_t H,
+                          int32_t dh, int32_t max_keys, float *o, const Exact &exact,
+                          const Tc &tc) {
     const size_t n = (size_t)n_tok * (size_t)H * (size_t)dh;
-    if (*state < 0 || (*state == 0 && (cu->capturing || n > ATTN_TC_CHECK_MAX_FLOATS)))
-        return exact(o);
+    if (!attn_tc_would_run(cu, *state, n_tok, H, dh)) return exact(o);
     if (*state > 0) {
         const di_status st = tc(o);
         if (st == DI_OK) (*n_calls)++;
@@ -1312,11 +1685,12 @@ di_status attn_tc_checked(di_cuda *cu, int *state, int64_t *n_calls, const char 
     if (st != DI_OK) return st;
     if ((st = exact(ref)) != DI_OK) goto out;
     st = tc(o);
-    if (st == DI_ERR_NOMEM || st == DI_ERR_CUDA) goto out; // a fault is sticky: nothing to keep
+    if (st == DI_ERR_NOMEM || st == DI_ERR_CUDA || st == DI_ERR_DEVICE_LOST)
+        goto out; // a fault is sticky: nothing to keep
     if (st != DI_OK) {
-        DI_CUDA_LOG_WARN("%s on tensor cores refused its first call (%s): it stays on the exact "
-                         "kernel",
-                         what, di_status_str(st));
+        DI_CUDA_LOG_WARN("%s on tensor cores (%s) refused its first call (%s): off for this "
+                         "context, %s",
+                         what, kernel, di_status_str(st), then);
         *state = -1;
     } else {
         h_tc = (float *)malloc(sizeof(float) * n);
@@ -1332,10 +1706,10 @@ di_status attn_tc_checked(di_cuda *cu, int *state, int64_t *n_calls, const char 
             di_cuda_close(h_tc, h_ref, (size_t)n, (double)cu->attn_tc_check_tol, &amax, &dmax);
         *state = ok ? 1 : -1;
         di_log_write(ok ? 2 : 1, __FILE__, __LINE__,
-                     "cuda: %s on tensor cores (BF16) vs the exact kernel on its first call (%d "
-                     "rows, %d heads, dh %d, up to %d keys): max |diff| %.3g of max |o| %.3g: %s",
-                     what, n_tok, H, dh, max_keys, dmax, amax,
-                     ok ? "used from now on" : "MISMATCH, the exact kernel stays");
+                     "cuda: %s on tensor cores (%s) vs the exact kernel on its first call (%d "
+                     "rows, %d heads, dh %d, up to %d keys): max |diff| %.3g of max |o| %.3g: %s%s",
+                     what, kernel, n_tok, H, dh, max_keys, dmax, amax,
+                     ok ? "used from now on" : "MISMATCH, off for this context, ", ok ? "" : then);
         if (ok) (*n_calls)++;
     }
     if (*state < 0) st = di_cuda_copy_d2d(cu, o, ref, sizeof(float) * n);
@@ -1370,6 +1744,16 @@ bool attn_codes_tc_eligible(const di_cuda *cu, const float *q, const float *o, c
     return false;
 }
 
+// Whether a call the mma.sync kernel may take may also try the wgmma kernel: dh 512 (V4's rows
+// with 64 rope dims, V4.1's codes), a cc 9.0 device (elsewhere it is not tried at all: no WARN),
+// its shared memory; whether the binary has its sm_90a code is the launcher's check (a refusal,
+// logged once by attn_tc_checked).
+bool attn_wg_eligible(const di_cuda *cu, int32_t dh, int32_t n_rot, bool codes) {
+    if (dh != 512 || (!codes && n_rot != 64) || cu->cc_major != 9 || cu->cc_minor != 0)
+        return false;
+    return (codes ? wg_smem<TcRowsCodes<512>>() : wg_smem<TcRowsFp8<512, 64>>()) <= cu->smem_optin;
+}
+
 } // namespace
 
 extern "C" di_status di_cuda_attn_kv_dispatch(di_cuda *cu, const float *q, const uint8_t *pool,
@@ -1381,13 +1765,21 @@ extern "C" di_status di_cuda_attn_kv_dispatch(di_cuda *cu, const float *q, const
     if (n_tok <= 0 || H <= 0 || max_keys < 0 || !attn_kv_tc_eligible(cu, q, o, dh, n_rot, round_p))
         return di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H,
                                dh, n_rot, scale, round_p, o);
+    const auto exact = [&](float *dst) {
+        return di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok, H,
+                               dh, n_rot, scale, true, dst);
+    };
+    if (attn_wg_eligible(cu, dh, n_rot, false) && attn_tc_would_run(cu, cu->attn_wg, n_tok, H, dh))
+        return attn_tc_checked(
+            cu, &cu->attn_wg, &cu->n_attn_wg_calls, "attention", "attn_wg_kernel, wgmma",
+            "the mma.sync kernel (its own check) from the next call", n_tok, H, dh, max_keys, o,
+            exact, [&](float *dst) {
+                return di_cuda_attn_wg(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
+                                       n_tok, H, dh, n_rot, scale, 0, dst);
+            });
     return attn_tc_checked(
-        cu, &cu->attn_tc, &cu->n_attn_tc_calls, "attention", n_tok, H, dh, max_keys, o,
-        [&](float *dst) {
-            return di_cuda_attn_kv(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink, n_tok,
-                                   H, dh, n_rot, scale, true, dst);
-        },
-        [&](float *dst) {
+        cu, &cu->attn_tc, &cu->n_attn_tc_calls, "attention", "attn_tc_kernel, mma.sync",
+        "the exact kernel stays", n_tok, H, dh, max_keys, o, exact, [&](float *dst) {
             return di_cuda_attn_bf16(cu, q, pool, key_idx, key_stride, n_keys, max_keys, sink,
                                      n_tok, H, dh, n_rot, scale, 0, dst);
         });
@@ -1403,16 +1795,25 @@ extern "C" di_status di_cuda_attn_codes_dispatch(di_cuda *cu, const float *q, co
         !attn_codes_tc_eligible(cu, q, o, win, ent, key_stride, max_keys, dh, round_p))
         return di_cuda_attn_codes(cu, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys,
                                   sink, n_tok, H, dh, scale, round_p, o);
-    return attn_tc_checked(
-        cu, &cu->attn_codes_tc, &cu->n_attn_codes_tc_calls, "attn_codes", n_tok, H, dh, max_keys, o,
-        [&](float *dst) {
-            return di_cuda_attn_codes(cu, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys,
-                                      sink, n_tok, H, dh, scale, true, dst);
-        },
-        [&](float *dst) {
-            return di_cuda_attn_codes_bf16(cu, q, win, ent, key_idx, key_stride, n_win, n_keys,
-                                           max_keys, sink, n_tok, H, dh, scale, 0, dst);
-        });
+    const auto exact = [&](float *dst) {
+        return di_cuda_attn_codes(cu, q, win, ent, key_idx, key_stride, n_win, n_keys, max_keys,
+                                  sink, n_tok, H, dh, scale, true, dst);
+    };
+    if (attn_wg_eligible(cu, dh, 0, true) && attn_tc_would_run(cu, cu->attn_codes_wg, n_tok, H, dh))
+        return attn_tc_checked(
+            cu, &cu->attn_codes_wg, &cu->n_attn_codes_wg_calls, "attn_codes",
+            "attn_wg_kernel, wgmma", "the mma.sync kernel (its own check) from the next call",
+            n_tok, H, dh, max_keys, o, exact, [&](float *dst) {
+                return di_cuda_attn_codes_wg(cu, q, win, ent, key_idx, key_stride, n_win, n_keys,
+                                             max_keys, sink, n_tok, H, dh, scale, 0, dst);
+            });
+    return attn_tc_checked(cu, &cu->attn_codes_tc, &cu->n_attn_codes_tc_calls, "attn_codes",
+                           "attn_tc_kernel, mma.sync", "the exact kernel stays", n_tok, H, dh,
+                           max_keys, o, exact, [&](float *dst) {
+                               return di_cuda_attn_codes_bf16(cu, q, win, ent, key_idx, key_stride,
+                                                              n_win, n_keys, max_keys, sink, n_tok,
+                                                              H, dh, scale, 0, dst);
+                           });
 }
 
 // ---- compressor pooling ----

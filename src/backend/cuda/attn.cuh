@@ -131,14 +131,29 @@ di_status di_cuda_attn_codes_bf16(di_cuda *cu, const float *q, const uint8_t *wi
                                   const float *sink, int32_t n_tok, int32_t H, int32_t dh,
                                   float scale, int32_t n_split, float *o);
 
+// di_cuda_attn_codes_bf16 on Hopper's wgmma (attn.cu "attention on wgmma"): the same block, key
+// source, decode, online softmax, splits and numerics (the same bound), S = Q K^T and P V on
+// wgmma.mma_async (sm_90a) instead of mma.sync. dh 512 only (else DI_ERR_INVALID), alignments as
+// di_cuda_attn_codes_bf16's. DI_ERR_UNSUPPORTED on a device that is not cc 9.0, in a binary
+// without sm_90a code (wgmma_probe.cuh di_cuda_wgmma_available), or without the 204.5 KB of shared
+// memory. Errors otherwise as di_cuda_attn_codes_bf16's.
+di_status di_cuda_attn_codes_wg(di_cuda *cu, const float *q, const uint8_t *win, const uint8_t *ent,
+                                const int32_t *key_idx, int64_t key_stride, const int32_t *n_win,
+                                const int32_t *n_keys, int32_t max_keys, const float *sink,
+                                int32_t n_tok, int32_t H, int32_t dh, float scale, int32_t n_split,
+                                float *o);
+
 // The device-resident V4.1 forward's attention (backend.h attn_codes, cuda_ops.cu): in the official
 // recipe (round_p) on tensor cores (di_cuda_attn_codes_bf16, automatic splits) where the shape, the
 // device's shared memory and the alignments allow, else di_cuda_attn_codes (the FP32 recipe
 // always). Checked once per context exactly as di_cuda_attn_kv_dispatch (the same helper: the first
 // eligible call outside a graph capture and of at most 2^24 output floats runs both and compares; a
 // mismatch turns them off for the context, cu->attn_codes_tc, and returns the exact result;
-// DI_CUDA_ATTN_TC=0 keeps the exact kernel; cu->n_attn_codes_tc_calls counts the calls). Errors as
-// the two kernels'.
+// DI_CUDA_ATTN_TC=0 keeps the exact kernel; cu->n_attn_codes_tc_calls counts the calls). On a
+// cc 9.0 device at dh 512 the wgmma kernel (di_cuda_attn_codes_wg) is tried first, checked the same
+// way with its own state (cu->attn_codes_wg, cu->n_attn_codes_wg_calls; DI_CUDA_ATTN_WG=0 skips
+// it); once it is off (a mismatch or a refusal, logged as a WARN naming the kernel) the mma.sync
+// kernel and its own check serve the op. Errors as the kernels'.
 di_status di_cuda_attn_codes_dispatch(di_cuda *cu, const float *q, const uint8_t *win,
                                       const uint8_t *ent, const int32_t *key_idx,
                                       int64_t key_stride, const int32_t *n_win,
@@ -166,6 +181,17 @@ di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_t *pool,
                             int32_t max_keys, const float *sink, int32_t n_tok, int32_t H,
                             int32_t dh, int32_t n_rot, float scale, int32_t n_split, float *o);
 
+// di_cuda_attn_bf16 on Hopper's wgmma (attn.cu "attention on wgmma"): the same block, decode,
+// online softmax, splits and numerics (the same bound), S = Q K^T and P V on wgmma.mma_async
+// (sm_90a) instead of mma.sync; 211.5 KB of shared memory. (dh, n_rot) = (512, 64) only (else
+// DI_ERR_INVALID), alignments as di_cuda_attn_bf16's. DI_ERR_UNSUPPORTED on a device that is not
+// cc 9.0, in a binary without sm_90a code, or without the shared memory. Errors otherwise as
+// di_cuda_attn_bf16's.
+di_status di_cuda_attn_wg(di_cuda *cu, const float *q, const uint8_t *pool, const int32_t *key_idx,
+                          int64_t key_stride, const int32_t *n_keys, int32_t max_keys,
+                          const float *sink, int32_t n_tok, int32_t H, int32_t dh, int32_t n_rot,
+                          float scale, int32_t n_split, float *o);
+
 // The device-resident forward's attention on FP8 KV rows (backend.h attn_kv, cuda_ops.cu): in the
 // official recipe (round_p) on tensor cores (di_cuda_attn_bf16, automatic key splits) where the
 // shape, the device's shared memory and the alignments allow, else the exact SIMT kernel
@@ -176,7 +202,10 @@ di_status di_cuda_attn_bf16(di_cuda *cu, const float *q, const uint8_t *pool,
 // 2^24 output floats (a long prefill: the SIMT kernel, the check left to a later call). Numerics of
 // the tensor-core path: di_cuda_attn_bf16's (unnormalised p rounded to BF16, not the normalised p
 // of round_p; within docs/cuda.md's bound of it). DI_CUDA_ATTN_TC=0 at context create keeps the
-// SIMT kernel. Errors as di_cuda_attn_kv / di_cuda_attn_bf16.
+// SIMT kernel. On a cc 9.0 device at dh 512 the wgmma kernel (di_cuda_attn_wg) is tried first,
+// checked the same way with its own state (cu->attn_wg; DI_CUDA_ATTN_WG=0 skips it); once it is
+// off (logged as a WARN naming the kernel), di_cuda_attn_bf16 and its own check serve the op.
+// Errors as di_cuda_attn_kv / di_cuda_attn_bf16 / di_cuda_attn_wg.
 di_status di_cuda_attn_kv_dispatch(di_cuda *cu, const float *q, const uint8_t *pool,
                                    const int32_t *key_idx, int64_t key_stride,
                                    const int32_t *n_keys, int32_t max_keys, const float *sink,

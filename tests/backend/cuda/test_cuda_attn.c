@@ -5,13 +5,16 @@
 // 128 / 64), queries with 0 keys, 1 key, one tile, not a multiple of the tile, -1 padding, only
 // masked keys, 8300 keys; both kernels: the exact FP32 one (di_cuda_attn) and the BF16
 // tensor-core one (di_cuda_attn_bf16, with 1, automatic and 3 key splits, plus an exact check of
-// which keys it uses with one-hot keys); n_keys beyond max_keys or negative (device data): clamped,
-// reported by the next sync as DI_ERR_INVALID once, on both kernels;
+// which keys it uses with one-hot keys) and, on a cc 9.0 device, its wgmma instance
+// (di_cuda_attn_wg, dh 512: the same cases and bounds; refused elsewhere); n_keys beyond max_keys
+// or negative (device data): clamped, reported by the next sync as DI_ERR_INVALID once, on every
+// kernel;
 // and the compressor pooling against a transcription of model/dsv4_attn.c compressor_step (HCA
 // c = 1, CSA c = 2 with and without the overlap).
 #include "backend/cuda/cuda_test.h"
 
 #include "backend/cuda/attn.cuh"
+#include "backend/cuda/wgmma_probe.cuh" // di_cuda_wgmma_available
 #include "tensor/quant_ref.h"
 
 // Attention: the GPU's FP32 scores differ from exact by at most gamma(dh) * scale * sum|q k| each
@@ -181,6 +184,35 @@ static bool tc_ran(di_status st, const char *what) {
     return true;
 }
 
+// The tensor-core kernels under test: 0 mma.sync (di_cuda_attn_bf16), 1 wgmma (di_cuda_attn_wg,
+// dh 512 with 64 rope dims only). The wgmma one says DI_ERR_UNSUPPORTED off a cc 9.0 device with
+// sm_90a code (skipped, logged); on one, that answer fails the test (a build without the sm_90a
+// kernel would otherwise pass untested).
+enum { TC_MMA = 0, TC_WG = 1, TC_KERNELS = 2 };
+static const char *const tc_name[TC_KERNELS] = {"attn_bf16", "attn_wg"};
+static bool tc_has(int kernel, int32_t dh, int32_t n_rot) {
+    return kernel == TC_MMA || (dh == 512 && n_rot == 64);
+}
+static di_status tc_attn(int kernel, const float *q, const uint8_t *pool, const int32_t *idx,
+                         int64_t key_stride, const int32_t *nk, int32_t max_keys, const float *sink,
+                         int32_t T, int32_t H, int32_t dh, int32_t n_rot, float scale,
+                         int32_t n_split, float *o) {
+    return kernel == TC_WG ? di_cuda_attn_wg(g_cu, q, pool, idx, key_stride, nk, max_keys, sink, T,
+                                             H, dh, n_rot, scale, n_split, o)
+                           : di_cuda_attn_bf16(g_cu, q, pool, idx, key_stride, nk, max_keys, sink,
+                                               T, H, dh, n_rot, scale, n_split, o);
+}
+static bool tc_ran_k(int kernel, di_status st, const char *what) {
+    if (kernel == TC_WG && st == DI_ERR_UNSUPPORTED) {
+        const bool has = di_cuda_wgmma_available(g_cu);
+        fprintf(stderr, "  %s: UNSUPPORTED %s\n", what,
+                has ? "on a cc 9.0 device with sm_90a code" : "(no wgmma here), skipped");
+        CHECK(!has); // the wgmma kernel must run where it has code
+        return false;
+    }
+    return tc_ran(st, what);
+}
+
 static void attn_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_t n_pool,
                       int32_t max_keys, float q_amp) {
     float *keys;
@@ -219,21 +251,23 @@ static void attn_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_t n
     // The BF16 tensor-core kernel: one split (sink in the main kernel), automatic, and 3 splits
     // (partials + combine).
     static const int32_t splits[] = {1, 0, 3};
-    for (int si = 0; si < 3; si++) {
-        dev_poison(od, sizeof(float) * (size_t)n_o);
-        snprintf(what, sizeof what, "attn_bf16 dh=%d H=%d T=%d keys<=%d q~%g split=%d", dh, H, T,
-                 max_keys, (double)q_amp, splits[si]);
-        if (!tc_ran(di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh,
-                                      n_rot, scale, splits[si], od),
-                    what))
-            break;
-        dev_to(out, od, sizeof(float) * (size_t)n_o);
-        CHECK(check_bounds(what, out, refb, tolb, n_o) == 0);
-        const double e = rel_l2(out, ref, n_o);
-        fprintf(stderr, "  rel_l2 vs bf16-q ref %.3g, vs fp32-q ref %.3g\n", rel_l2(out, refb, n_o),
-                e);
-        if (q_amp <= 0.1f) CHECK(e <= TOL_TC_QROUND_REL_L2);
-    }
+    for (int kernel = 0; kernel < TC_KERNELS; kernel++)
+        for (int si = 0; si < 3 && tc_has(kernel, dh, n_rot); si++) {
+            dev_poison(od, sizeof(float) * (size_t)n_o);
+            snprintf(what, sizeof what, "%s dh=%d H=%d T=%d keys<=%d q~%g split=%d",
+                     tc_name[kernel], dh, H, T, max_keys, (double)q_amp, splits[si]);
+            if (!tc_ran_k(kernel,
+                          tc_attn(kernel, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh,
+                                  n_rot, scale, splits[si], od),
+                          what))
+                break;
+            dev_to(out, od, sizeof(float) * (size_t)n_o);
+            CHECK(check_bounds(what, out, refb, tolb, n_o) == 0);
+            const double e = rel_l2(out, ref, n_o);
+            fprintf(stderr, "  rel_l2 vs bf16-q ref %.3g, vs fp32-q ref %.3g\n",
+                    rel_l2(out, refb, n_o), e);
+            if (q_amp <= 0.1f) CHECK(e <= TOL_TC_QROUND_REL_L2);
+        }
     dev_free(qd), dev_free(sd), dev_free(idxd), dev_free(nkd), dev_free(od), dev_free(pool);
     free(keys), free(n_keys), free(idx), free(q), free(qb), free(sink), free(ref), free(refb),
         free(out), free(tol), free(tolb);
@@ -254,8 +288,8 @@ static void test_attn(void) {
 // combine stays under 1e-6 relative.
 #define TOL_ONEHOT_REL 1e-5
 
-static void onehot_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int32_t max_keys,
-                        int32_t n_split) {
+static void onehot_case(int kernel, int32_t dh, int32_t n_rot, int32_t H, int32_t T,
+                        int32_t max_keys, int32_t n_split) {
     const int64_t n_pool = 3 * dh + 5;
     float *kv = calloc((size_t)(n_pool * dh), sizeof(float));
     for (int64_t r = 0; r < n_pool; r++) kv[r * dh + r % dh] = 1.0f;
@@ -279,11 +313,12 @@ static void onehot_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int32_t
     int32_t *cnt = malloc(sizeof(int32_t) * (size_t)dh);
     int64_t bad = 0;
     char what[96];
-    snprintf(what, sizeof what, "onehot dh=%d H=%d T=%d keys<=%d split=%d", dh, H, T, max_keys,
-             n_split);
-    if (!tc_ran(di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh,
-                                  n_rot, 1.0f / sqrtf((float)dh), n_split, od),
-                what))
+    snprintf(what, sizeof what, "onehot %s dh=%d H=%d T=%d keys<=%d split=%d", tc_name[kernel], dh,
+             H, T, max_keys, n_split);
+    if (!tc_ran_k(kernel,
+                  tc_attn(kernel, qd, pool, idxd, max_keys, nkd, max_keys, sd, T, H, dh, n_rot,
+                          1.0f / sqrtf((float)dh), n_split, od),
+                  what))
         T = 0; // skipped: nothing to compare
     else
         dev_to(out, od, sizeof(float) * (size_t)n_o);
@@ -314,10 +349,13 @@ static void onehot_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int32_t
 }
 
 static void test_attn_bf16_keys(void) {
-    onehot_case(512, 64, 64, 8, 8300, 1);
-    onehot_case(512, 64, 64, 8, 8300, 0);
-    onehot_case(128, 64, 4, 16, 700, 0);
-    onehot_case(128, 64, 4, 16, 700, 5);
+    for (int kernel = 0; kernel < TC_KERNELS; kernel++) {
+        onehot_case(kernel, 512, 64, 64, 8, 8300, 1);
+        onehot_case(kernel, 512, 64, 64, 8, 8300, 0);
+        onehot_case(kernel, 512, 64, 70, 3, 700, 2); // a padded second head group
+    }
+    onehot_case(TC_MMA, 128, 64, 4, 16, 700, 0);
+    onehot_case(TC_MMA, 128, 64, 4, 16, 700, 5);
 }
 
 static void test_attn_bf16_refuses(void) {
@@ -327,6 +365,13 @@ static void test_attn_bf16_refuses(void) {
         DI_ERR_INVALID);
     CHECK_EQ(
         di_cuda_attn_bf16(g_cu, NULL, NULL, NULL, 0, NULL, 0, NULL, 1, 1, 512, 32, 1.0f, 0, NULL),
+        DI_ERR_INVALID);
+    // The wgmma kernel: dh 512 with 64 rope dims only (the tiny fixture's 128 stays on mma.sync).
+    CHECK_EQ(
+        di_cuda_attn_wg(g_cu, NULL, NULL, NULL, 0, NULL, 0, NULL, 1, 1, 128, 64, 1.0f, 0, NULL),
+        DI_ERR_INVALID);
+    CHECK_EQ(
+        di_cuda_attn_wg(g_cu, NULL, NULL, NULL, 0, NULL, 0, NULL, 1, 1, 512, 32, 1.0f, 0, NULL),
         DI_ERR_INVALID);
 }
 
@@ -354,25 +399,27 @@ static void bad_keys_case(int32_t dh, int32_t n_rot, int32_t H, int32_t max_keys
     int32_t *nbd = dev_from(n_bad, sizeof n_bad), *ncd = dev_from(n_clamped, sizeof n_clamped);
     float *od = dev_alloc(sizeof(float) * (size_t)n_o);
     const float scale = 1.0f / sqrtf((float)dh);
-    for (int kernel = 0; kernel < 2; kernel++) {
+    for (int kernel = 0; kernel < 1 + TC_KERNELS; kernel++) { // fp32, then the tensor-core ones
+        if (kernel > 0 && !tc_has(kernel - 1, dh, n_rot)) continue;
+        bool ran = true;
         for (int pass = 0; pass < 2; pass++) { // the clamped counts, then the bad ones
             const int32_t *nk = pass ? nbd : ncd;
             dev_poison(od, sizeof(float) * (size_t)n_o);
-            di_status st = kernel == 0
-                               ? di_cuda_attn(g_cu, qd, pool, idxd, max_keys, nk, max_keys, sd, T,
-                                              H, dh, n_rot, scale, od)
-                               : di_cuda_attn_bf16(g_cu, qd, pool, idxd, max_keys, nk, max_keys, sd,
-                                                   T, H, dh, n_rot, scale, 3, od);
-            if (kernel == 1 && !tc_ran(st, "attn_bf16 bad n_keys")) break;
+            di_status st = kernel == 0 ? di_cuda_attn(g_cu, qd, pool, idxd, max_keys, nk, max_keys,
+                                                      sd, T, H, dh, n_rot, scale, od)
+                                       : tc_attn(kernel - 1, qd, pool, idxd, max_keys, nk, max_keys,
+                                                 sd, T, H, dh, n_rot, scale, 3, od);
+            if (kernel > 0 && !(ran = tc_ran_k(kernel - 1, st, "bad n_keys"))) break;
             CK(st);
             CHECK_EQ(di_cuda_sync(g_cu), pass ? DI_ERR_INVALID : DI_OK);
             CHECK_EQ(di_cuda_sync(g_cu), DI_OK); // reported once
             dev_to(pass ? got : want, od, sizeof(float) * (size_t)n_o);
         }
+        if (!ran) continue;
         int64_t nan = 0;
         for (int64_t i = 0; i < n_o; i++) nan += isnan(want[i]);
         fprintf(stderr, "  bad n_keys, %s kernel, dh=%d max_keys=%d: %s\n",
-                kernel ? "bf16" : "fp32", dh, max_keys,
+                kernel ? tc_name[kernel - 1] : "fp32", dh, max_keys,
                 memcmp(got, want, sizeof(float) * (size_t)n_o) ? "DIFFERENT" : "clamped");
         CHECK(nan == 0);
         CHECK(memcmp(got, want, sizeof(float) * (size_t)n_o) == 0);

@@ -1345,8 +1345,9 @@ static void kv_rows_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_
             *idxd = bk_from(idx, sizeof(int32_t) * (size_t)(T * ks));
     float *o1 = malloc(sizeof(float) * (size_t)n_o), *o2 = malloc(sizeof(float) * (size_t)n_o);
     const float scale = 1.0f / sqrtf((float)dh);
-    const int attn_tc = g_cu->attn_tc;
+    const int attn_tc = g_cu->attn_tc, attn_wg = g_cu->attn_wg;
     g_cu->attn_tc = -1; // the exact SIMT kernel for both (the tensor-core dispatch: below)
+    g_cu->attn_wg = -1; // the mma.sync kernel's dispatch first; the wgmma kernel's after it
     for (int rp = 0; rp < 2; rp++) {
         CK(g_b->vt->attn(g_b, qd, fpd, idxd, ks, nkd, max_keys, sd, T, H, dh, scale, rp, o1d));
         CK(g_b->vt->attn_kv(g_b, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, n_rot, scale, rp,
@@ -1403,7 +1404,48 @@ static void kv_rows_case(int32_t dh, int32_t n_rot, int32_t H, int32_t T, int64_
         }
         g_cu->attn_tc_check_tol = tol;
     }
-    g_cu->attn_tc = attn_tc;
+    // The wgmma kernel (cc 9.0 with sm_90a code, dh 512), tried before the mma.sync one: its first
+    // call checked and kept (attn_wg 1), its result and the next di_cuda_attn_wg's bit for bit; a
+    // forced mismatch returns the SIMT result and turns it off, and the next call is the mma.sync
+    // kernel's (checked already here: attn_tc 1), bit for bit.
+    float *o4d = bk_alloc(sizeof(float) * (size_t)n_o), *o4 = malloc(sizeof(float) * (size_t)n_o);
+    const di_status st_wg =
+        di_cuda_attn_wg(g_cu, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, n_rot, scale, 0, o4d);
+    CHECK(st_wg == DI_OK || st_wg == DI_ERR_UNSUPPORTED || (dh != 512 && st_wg == DI_ERR_INVALID));
+    if (st_wg == DI_OK && tc) {
+        bk_to(o4, o4d, sizeof(float) * (size_t)n_o);
+        const float tol = g_cu->attn_tc_check_tol;
+        g_cu->attn_tc = 1;
+        for (int call = 0; call < 4; call++) {
+            if (call == 0 || call == 2) g_cu->attn_wg = 0;
+            g_cu->attn_tc_check_tol = call < 2 ? tol : -1.0f;
+            const int64_t n_wg = g_cu->n_attn_wg_calls, n_tc = g_cu->n_attn_tc_calls;
+            bk_poison(o2d, sizeof(float) * (size_t)n_o);
+            CK(g_b->vt->attn_kv(g_b, qd, pd, idxd, ks, nkd, max_keys, sd, T, H, dh, n_rot, scale,
+                                true, o2d));
+            bk_to(o2, o2d, sizeof(float) * (size_t)n_o);
+            const bool on_wg = call < 2, on_tc = call == 3;
+            CHECK_EQ(g_cu->attn_wg, on_wg ? 1 : -1);
+            CHECK_EQ(g_cu->n_attn_wg_calls, n_wg + (on_wg ? 1 : 0));
+            CHECK_EQ(g_cu->n_attn_tc_calls, n_tc + (on_tc ? 1 : 0));
+            const int64_t nd = n_diff_f32(o2, on_wg ? o4 : on_tc ? o3 : o1, n_o);
+            if (nd)
+                fprintf(stderr, "kv_rows wgmma dispatch call %d: %lld outputs not the %s bits\n",
+                        call, (long long)nd,
+                        on_wg   ? "wgmma"
+                        : on_tc ? "mma.sync"
+                                : "SIMT");
+            CHECK_EQ(nd, 0);
+        }
+        g_cu->attn_tc_check_tol = tol;
+        fprintf(stderr,
+                "  kv_rows dh=%d: wgmma checked and kept; a forced mismatch falls back to "
+                "mma.sync\n",
+                dh);
+    }
+    g_cu->attn_tc = attn_tc, g_cu->attn_wg = attn_wg;
+    bk_free(o4d);
+    free(o4);
     bk_free(o3d);
     free(o3);
     CHECK_EQ(g_b->vt->kv_quant(g_b, kvd, 1, dh, dh, n_rot + 2, pd, NULL), DI_ERR_INVALID);

@@ -18,10 +18,13 @@
 //     BF16 tensor-core kernel (di_cuda_attn_codes_bf16; round_p cases, whose q is BF16 as the
 //     official recipe's) with 1, automatic and 3 splits at dh 512 / 256 / 128 within
 //     test_cuda_attn's tensor-core bound (plus the reference's own BF16 p), and the backend entry
-//     taking it there; the dispatch as test_cuda_ops' kv_rows: the checked call and the next are
-//     the kernel's bits, without round_p the exact kernel, a forced mismatch leaves the exact
-//     result and the exact kernel from then on. `--cpu` without a device runs the attn_codes cases
-//     on the CPU op alone (then skips);
+//     taking it there; its wgmma instance (di_cuda_attn_codes_wg, dh 512, cc 9.0 with sm_90a
+//     code; refused elsewhere) on the same cases within the same bound, bad n_keys too; the
+//     dispatch as test_cuda_ops' kv_rows: the checked call and the next are the kernel's bits,
+//     without round_p the exact kernel, a forced mismatch leaves the exact result and the exact
+//     kernel from then on; with the wgmma kernel tried first, its checked call and the next are its
+//     bits, a forced mismatch the exact result and then the mma.sync kernel's. `--cpu` without a
+//     device runs the attn_codes cases on the CPU op alone (then skips);
 //   - index_scores_q4: contiguous (with key bases) and paged (shuffled pages, one missing: -inf)
 //     keys, HI 4 and 64 (V4.1-Flash's) and 72 (two head chunks), DI 128 and 64: within the FP32
 //     bound of the indexer's reference on the decoded keys, paged scores bit-identical to the
@@ -34,8 +37,9 @@
 #include <string.h>
 
 #include "backend/backend.h"
-#include "backend/cuda/attn.cuh" // di_cuda_attn_codes_ex
-#include "tensor/quant_ref.h"    // di_quant_*_unpack, di_round_bf16
+#include "backend/cuda/attn.cuh"        // di_cuda_attn_codes_ex
+#include "backend/cuda/wgmma_probe.cuh" // di_cuda_wgmma_available
+#include "tensor/quant_ref.h"           // di_quant_*_unpack, di_round_bf16
 
 // Attention: scores within gamma(dh) * scale * sum|q k| (E); p within ~2E relative; o within
 // sum_j p_j |k_jd| times that plus the value sums' FP32 rounding (1e-5 relative for <~ 1000 keys),
@@ -306,18 +310,22 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
         // The tensor-core kernel (round_p: the official recipe it serves) with 1 split, automatic
         // and 3 (partials + combine); where it runs (dh 512 / 256 / 128 with the shared memory),
         // the backend entry must take it (the dispatch: checked on the first such call).
+        // The same for the wgmma instance (dh 512; a cc 9.0 device with sm_90a code must run it).
         bool tc = false;
-        if (k == 1 && round_p) {
+        for (int wg = 0; wg < 2 && k == 1 && round_p; wg++) {
             static const int32_t tc_splits[] = {1, 0, 3};
             for (int v = 0; v < 3; v++) {
                 for (int64_t i = 0; i < n_o; i++) out[i] = NAN;
                 float *od = bk_from(b, out, sizeof(float) * (size_t)n_o);
                 const di_status st =
-                    di_cuda_attn_codes_bf16(g_cu, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H,
-                                            dh, scale, tc_splits[v], od);
-                const bool shape = dh == 512 || dh == 256 || dh == 128;
+                    wg ? di_cuda_attn_codes_wg(g_cu, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T,
+                                               H, dh, scale, tc_splits[v], od)
+                       : di_cuda_attn_codes_bf16(g_cu, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd,
+                                                 T, H, dh, scale, tc_splits[v], od);
+                const bool shape = wg ? dh == 512 : dh == 512 || dh == 256 || dh == 128;
                 if (!shape || st == DI_ERR_UNSUPPORTED) { // dh 64 / 1024; the A100 at dh 512
                     CHECK_EQ(st, shape ? DI_ERR_UNSUPPORTED : DI_ERR_INVALID);
+                    if (wg && shape) CHECK(!di_cuda_wgmma_available(g_cu));
                     b->vt->free(b, od);
                     break;
                 }
@@ -326,8 +334,8 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
                 bk_to(b, out, od, sizeof(float) * (size_t)n_o);
                 b->vt->free(b, od);
                 char what[128];
-                snprintf(what, sizeof what, "attn_codes_bf16 %d splits dh=%d H=%d T=%d keys=%d",
-                         tc_splits[v], dh, H, T, max_keys);
+                snprintf(what, sizeof what, "attn_codes_%s %d splits dh=%d H=%d T=%d keys=%d",
+                         wg ? "wg" : "bf16", tc_splits[v], dh, H, T, max_keys);
                 CHECK(check_bounds(what, out, ref, tol_tc, n_o) == 0);
             }
         }
@@ -338,10 +346,11 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
             float *od = bk_from(b, out, sizeof(float) * (size_t)n_o);
             bool took_tc = false;
             if (k == 0 || k_variants[v].n_split < 0) {
-                const int64_t n_tc = k ? g_cu->n_attn_codes_tc_calls : 0;
+                const int64_t n_tc =
+                    k ? g_cu->n_attn_codes_tc_calls + g_cu->n_attn_codes_wg_calls : 0;
                 CK(b->vt->attn_codes(b, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H, dh, scale,
                                      round_p, od));
-                took_tc = k && g_cu->n_attn_codes_tc_calls > n_tc;
+                took_tc = k && g_cu->n_attn_codes_tc_calls + g_cu->n_attn_codes_wg_calls > n_tc;
                 if (k) CHECK_EQ(took_tc, tc); // round_p and a tensor-core shape: always taken
             } else
                 CK(di_cuda_attn_codes_ex(g_cu, qd, wd, ed, id, ks, nwd, nkd, max_keys, sd, T, H, dh,
@@ -365,8 +374,8 @@ static void attn_case(int32_t dh, int32_t H, int32_t T, int32_t n_w, int32_t n_e
 
 // n_keys (device data) past max_keys or negative: clamped, flagged, DI_ERR_INVALID at the next sync
 // (once); the output equals the call with the clamped counts bit for bit (split or not), on the
-// FP32 kernel and (tc, where it runs) the tensor-core one.
-static void bad_keys_case(int32_t n_split, bool tc) {
+// FP32 kernel and (tc 1, where it runs) the tensor-core one, (tc 2) its wgmma instance.
+static void bad_keys_case(int32_t n_split, int tc) {
     enum { T = 4, H = 64, DH = 512, MK = 200, NE = 300 };
     const int64_t eb = di_backend_code_row_bytes(DI_BACKEND_Q4E, DH, DI_BACKEND_ENT_BLOCK);
     uint8_t *ent = malloc((size_t)(NE * eb));
@@ -389,12 +398,17 @@ static void bad_keys_case(int32_t n_split, bool tc) {
     for (int pass = 0; pass < 2 && ran; pass++) { // the clamped counts, then the bad ones
         CK(g_b->vt->memset(g_b, od, 0xFF, sizeof(float) * (size_t)n_o));
         const di_status st =
-            tc ? di_cuda_attn_codes_bf16(g_cu, qd, ed, ed, idxd, MK, nwd, pass ? nbd : ncd, MK, sd,
-                                         T, H, DH, 0.05f, n_split, od)
-               : di_cuda_attn_codes_ex(g_cu, qd, ed, ed, idxd, MK, nwd, pass ? nbd : ncd, MK, sd, T,
-                                       H, DH, 0.05f, n_split, 0, od);
+            tc == 2 ? di_cuda_attn_codes_wg(g_cu, qd, ed, ed, idxd, MK, nwd, pass ? nbd : ncd, MK,
+                                            sd, T, H, DH, 0.05f, n_split, od)
+            : tc    ? di_cuda_attn_codes_bf16(g_cu, qd, ed, ed, idxd, MK, nwd, pass ? nbd : ncd, MK,
+                                              sd, T, H, DH, 0.05f, n_split, od)
+                 : di_cuda_attn_codes_ex(g_cu, qd, ed, ed, idxd, MK, nwd, pass ? nbd : ncd, MK, sd,
+                                         T, H, DH, 0.05f, n_split, 0, od);
         ran = !(tc && st == DI_ERR_UNSUPPORTED); // the A100's shared memory: nothing to check
-        if (!ran) break;
+        if (!ran) {
+            if (tc == 2) CHECK(!di_cuda_wgmma_available(g_cu)); // off cc 9.0 / sm_90a only
+            break;
+        }
         CK(st);
         CHECK_EQ(g_b->vt->sync(g_b), pass ? DI_ERR_INVALID : DI_OK);
         CHECK_EQ(g_b->vt->sync(g_b), DI_OK); // reported once
@@ -404,8 +418,11 @@ static void bad_keys_case(int32_t n_split, bool tc) {
         int64_t nan = 0;
         for (int64_t i = 0; i < n_o; i++) nan += isnan(want[i]);
         const bool same = memcmp(got, want, sizeof(float) * (size_t)n_o) == 0;
-        fprintf(stderr, "  attn_codes%s bad n_keys, %d splits: %s\n", tc ? "_bf16" : "", n_split,
-                same ? "clamped" : "DIFFERENT");
+        fprintf(stderr, "  attn_codes%s bad n_keys, %d splits: %s\n",
+                tc == 2 ? "_wg"
+                : tc    ? "_bf16"
+                        : "",
+                n_split, same ? "clamped" : "DIFFERENT");
         CHECK_EQ(nan, 0);
         CHECK(same);
     }
@@ -457,9 +474,10 @@ static void dispatch_case(void) {
     CHECK(st_tc == DI_OK || st_tc == DI_ERR_UNSUPPORTED); // the latter: not the shared memory
     const bool tc = st_tc == DI_OK;
     if (tc) bk_to(g_b, tcr, od, ob);
-    const int state = g_cu->attn_codes_tc;
+    const int state = g_cu->attn_codes_tc, state_wg = g_cu->attn_codes_wg;
     const float tol = g_cu->attn_tc_check_tol;
     g_cu->attn_codes_tc = 0;
+    g_cu->attn_codes_wg = -1; // the mma.sync kernel's dispatch first, the wgmma one's below
     // A call of more than 2^24 outputs (a long prefill) before the check: the exact kernel, the
     // check left to a later call (its scratch would stay in the pool).
     {
@@ -538,7 +556,42 @@ static void dispatch_case(void) {
     fprintf(stderr, "  attn_codes dispatch: %s\n",
             tc ? "tensor cores checked and kept; a forced mismatch falls back"
                : "tensor cores unsupported here: the exact kernel");
-    g_cu->attn_codes_tc = state, g_cu->attn_tc_check_tol = tol;
+    // The wgmma kernel tried first (cc 9.0 with sm_90a code): its checked call and the next are
+    // di_cuda_attn_codes_wg's bits (attn_codes_wg 1, counted); a forced mismatch returns the exact
+    // result and turns it off, and the next call is the mma.sync kernel's (already checked here).
+    const di_status st_wg =
+        di_cuda_attn_codes_wg(g_cu, qd, wd, ed, idxd, MK, nwd, nkd, MK, sd, T, H, DH, scale, 0, od);
+    CHECK(st_wg == DI_OK || (st_wg == DI_ERR_UNSUPPORTED && !di_cuda_wgmma_available(g_cu)));
+    if (st_wg == DI_OK && tc) {
+        float *wgr = malloc(ob);
+        bk_to(g_b, wgr, od, ob);
+        g_cu->attn_codes_tc = 1;
+        for (int call = 0; call < 4; call++) {
+            if (call == 0 || call == 2) g_cu->attn_codes_wg = 0;
+            g_cu->attn_tc_check_tol = call < 2 ? tol : -1.0f;
+            const int64_t n_wg = g_cu->n_attn_codes_wg_calls, n_tc = g_cu->n_attn_codes_tc_calls;
+            CK(g_b->vt->memset(g_b, od, 0xFF, ob));
+            CK(g_b->vt->attn_codes(g_b, qd, wd, ed, idxd, MK, nwd, nkd, MK, sd, T, H, DH, scale,
+                                   true, od));
+            bk_to(g_b, got, od, ob);
+            const bool on_wg = call < 2, on_tc = call == 3;
+            CHECK_EQ(g_cu->attn_codes_wg, on_wg ? 1 : -1);
+            CHECK_EQ(g_cu->n_attn_codes_wg_calls, n_wg + (on_wg ? 1 : 0));
+            CHECK_EQ(g_cu->n_attn_codes_tc_calls, n_tc + (on_tc ? 1 : 0));
+            const float *want = on_wg ? wgr : on_tc ? tcr : exact;
+            if (memcmp(got, want, ob) != 0)
+                fprintf(stderr, "  attn_codes wgmma dispatch call %d: not the %s kernel's bits\n",
+                        call,
+                        on_wg   ? "wgmma"
+                        : on_tc ? "mma.sync"
+                                : "exact");
+            CHECK(memcmp(got, want, ob) == 0);
+        }
+        fprintf(stderr, "  attn_codes dispatch: wgmma checked and kept; a forced mismatch falls "
+                        "back to mma.sync\n");
+        free(wgr);
+    }
+    g_cu->attn_codes_tc = state, g_cu->attn_codes_wg = state_wg, g_cu->attn_tc_check_tol = tol;
     g_b->vt->free(g_b, qd), g_b->vt->free(g_b, sd), g_b->vt->free(g_b, wd);
     g_b->vt->free(g_b, ed), g_b->vt->free(g_b, idxd), g_b->vt->free(g_b, nwd);
     g_b->vt->free(g_b, nkd), g_b->vt->free(g_b, od);
@@ -562,10 +615,12 @@ static void test_attn_codes(void) {
     attn_case(512, 16, 1, 128, 8000, 65536, true, KIND_ALL);
     attn_case(512, 64, 64, 128, 1000, 640, true, 0);
     if (!g_b) return; // --cpu: the CPU op's side only
-    bad_keys_case(1, false);
-    bad_keys_case(5, false);
-    bad_keys_case(1, true);
-    bad_keys_case(3, true);
+    bad_keys_case(1, 0);
+    bad_keys_case(5, 0);
+    bad_keys_case(1, 1);
+    bad_keys_case(3, 1);
+    bad_keys_case(1, 2);
+    bad_keys_case(3, 2);
     dispatch_case();
     float *d = NULL;
     CK(g_b->vt->alloc(g_b, 4096, (void **)&d));
@@ -585,6 +640,11 @@ static void test_attn_codes(void) {
              DI_ERR_INVALID); // 64-head blocks are built up to dh 512
     CHECK_EQ(di_cuda_attn_codes_ex(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 64, 1.0f, -2, 0, d),
              DI_ERR_INVALID); // negative split count
+    // The wgmma kernel: dh 512 only.
+    CHECK_EQ(di_cuda_attn_codes_wg(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 256, 1.0f, 0, d),
+             DI_ERR_INVALID);
+    CHECK_EQ(di_cuda_attn_codes_wg(g_cu, d + 1, u, u, i, 4, i, i, 4, d, 1, 1, 512, 1.0f, 0, d),
+             DI_ERR_INVALID);
     // The tensor-core kernel: dh 512 / 256 / 128 only, q 16- and o 8-byte aligned, the code bases
     // 4-byte aligned, a split count >= 0.
     CHECK_EQ(di_cuda_attn_codes_bf16(g_cu, d, u, u, i, 4, i, i, 4, d, 1, 1, 64, 1.0f, 0, d),
