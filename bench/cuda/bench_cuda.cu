@@ -15,14 +15,17 @@
 //            tokens: time, tokens/s, GB/s of the experts actually touched
 //   attn     sink attention over FP8 584-byte KV rows at 4k ... 128k context (CSA: window + top-512
 //            entries; HCA: window + every L/128 entry; dense: window + every L/4 entry), batch 1
-//            and 64 sequences, the exact FP32 kernel and the BF16 tensor-core kernel: effective
-//            GB/s (KV rows + indices + q + o) and the tensor-core kernel's ratio to copy; copies
-//            of the rows rotated per call (>= 256 MB: a batch-64 CSA call's 24 MB fits L2)
+//            and 64 sequences, the exact FP32 kernel, the BF16 tensor-core kernel (mma.sync) and
+//            its wgmma instance (cc 9.0: di_cuda_attn_wg, "-" elsewhere): effective GB/s (KV rows +
+//            indices + q + o), the ratios to copy and (wgmma) to the 3,000 GB/s goal, wgmma's
+//            largest difference from the FP32 kernel; copies of the rows rotated per call
+//            (>= 256 MB: a batch-64 CSA call's 24 MB fits L2)
 //   codes    V4.1's attention over its compact codes (Q8 window rows + Q4e entries, 64 heads,
 //            dh 512, round_p) at 4k ... 128k keys at batch 1 and 8k at batch 64, the FP32 kernel
-//            (di_cuda_attn_codes) and the BF16 tensor-core one (di_cuda_attn_codes_bf16):
-//            effective GB/s (code rows + indices + q + o), the ratio to copy, the speedup and
-//            the two kernels' largest difference
+//            (di_cuda_attn_codes), the BF16 tensor-core one (di_cuda_attn_codes_bf16) and its
+//            wgmma instance (cc 9.0: di_cuda_attn_codes_wg): effective GB/s (code rows + indices
+//            + q + o), the ratios to copy, to the FP32 kernel and (wgmma) to the 3,000 GB/s goal,
+//            each tensor-core kernel's largest difference from the FP32 kernel
 //   layer    one full-width V4-Flash CSA layer's decode (batch 1 and 64) as a CUDA graph: time vs
 //            the HBM roofline of the bytes it must read (weights touched + KV)
 //   model    43 layers (4 distinct weight sets, cycled) + head: decode tokens/s at batch 1 and 64
@@ -45,6 +48,7 @@
 
 #include "backend/backend.h" // DI_BACKEND_*_BLOCK, di_backend_code_row_bytes
 #include "backend/cuda/attn.cuh"
+#include "backend/cuda/wgmma_probe.cuh" // di_cuda_wgmma_available
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/indexer.cuh"
@@ -698,6 +702,30 @@ static void bench_moe(void) {
 
 // ---- attention ----
 
+enum { ATTN_GOAL_GBS = 3000 }; // issue #7: attention decode >= 3,000 GB/s effective
+
+// max |got - ref| / max |ref| over n values (a NaN difference gives NaN).
+static double max_rel_diff(const float *got, const float *ref, size_t n) {
+    double amax = 0, dmax = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)got[i] - ref[i]);
+        amax = std::max(amax, fabs((double)ref[i]));
+        dmax = d > dmax || d != d ? d : dmax;
+    }
+    return amax > 0 ? dmax / amax : dmax;
+}
+
+// The wgmma columns of a row (ms 0: not run on this device) and the line's end.
+static void print_wg(double ms, double bytes, double diff) {
+    if (ms <= 0) {
+        printf("%10s %9s %7s %7s %9s\n", "-", "-", "-", "-", "-");
+        return;
+    }
+    const double gbs = bytes / (ms * 1e-3) / 1e9;
+    printf("%10.4f %9.0f %7.3f %7.3f %9.2g\n", ms, gbs, gbs / ATTN_GOAL_GBS,
+           g_copy_gbs > 0 ? gbs / g_copy_gbs : 0.0, diff);
+}
+
 static void bench_attn(void) {
     const int32_t H = 64, dh = 512, n_rot = 64, W = 128;
     const int64_t rb = di_cuda_kv_row_bytes(dh, n_rot);
@@ -712,8 +740,9 @@ static void bench_attn(void) {
     fill(kv_f32, sizeof(float) * (size_t)(chunk_rows * dh), 3, 0, 1.0f);
     printf("\n== attn: H=%d dh=%d FP8 rows of %lld bytes, decode (1 query row per sequence)\n", H,
            dh, (long long)rb);
-    printf("%-6s %8s %6s %8s %10s %9s %10s %9s %7s\n", "kind", "context", "batch", "keys",
-           "fp32 ms", "GB/s", "bf16 ms", "GB/s", "x copy");
+    printf("%-6s %8s %6s %8s %10s %9s %10s %9s %7s %10s %9s %7s %7s %9s\n", "kind", "context",
+           "batch", "keys", "fp32 ms", "GB/s", "bf16 ms", "GB/s", "x copy", "wg ms", "GB/s",
+           "x goal", "x copy", "max|d|/o");
     for (int ci = 0; ci < n_ctx; ci++) {
         const int64_t L = ctxs[ci];
         for (int kind = 0; kind < 3; kind++) {
@@ -764,12 +793,34 @@ static void bench_attn(void) {
                 // Effective bytes: KV rows + their indices read once, q read, o written.
                 const double bytes = (double)call_rows + 2.0 * 4.0 * B * H * dh;
                 const double gbs16 = bytes / (ms16 * 1e-3) / 1e9;
-                printf("%-6s %8lld %6d %8d %10.4f %9.0f %10.4f %9.0f %7.3f\n",
+                printf("%-6s %8lld %6d %8d %10.4f %9.0f %10.4f %9.0f %7.3f ",
                        kind == 0   ? "CSA"
                        : kind == 1 ? "HCA"
                                    : "dense",
                        (long long)L, B, n_keys, ms32, bytes / (ms32 * 1e-3) / 1e9, ms16, gbs16,
                        g_copy_gbs > 0 ? gbs16 / g_copy_gbs : 0.0);
+                // The wgmma kernel (cc 9.0 with sm_90a code): its difference from the FP32
+                // kernel on copy 0 first, then its time.
+                double msw = 0, dw = 0;
+                if (di_cuda_wgmma_available(g_cu)) {
+                    const size_t n_o = (size_t)B * H * dh;
+                    std::vector<float> o32(n_o), ow(n_o);
+                    DK(di_cuda_attn(g_cu, q, pool, idxd, n_keys, nkd, n_keys, sink, B, H, dh, n_rot,
+                                    scale, o));
+                    CK(cudaStreamSynchronize(g_s));
+                    CK(cudaMemcpy(o32.data(), o, sizeof(float) * n_o, cudaMemcpyDeviceToHost));
+                    DK(di_cuda_attn_wg(g_cu, q, pool, idxd, n_keys, nkd, n_keys, sink, B, H, dh,
+                                       n_rot, scale, 0, o));
+                    CK(cudaStreamSynchronize(g_s));
+                    CK(cudaMemcpy(ow.data(), o, sizeof(float) * n_o, cudaMemcpyDeviceToHost));
+                    dw = max_rel_diff(ow.data(), o32.data(), n_o);
+                    msw = time_ms(2, g_quick ? 5 : 20, [&](int rep) {
+                        DK(di_cuda_attn_wg(g_cu, q, pool, idxd + (size_t)(rep % n_copy) * n_rows,
+                                           n_keys, nkd, n_keys, sink, B, H, dh, n_rot, scale, 0,
+                                           o));
+                    });
+                }
+                print_wg(msw, bytes, dw);
                 cudaFree(pool), cudaFree(idxd), cudaFree(nkd), cudaFree(q), cudaFree(o),
                     cudaFree(sink);
             }
@@ -777,8 +828,10 @@ static void bench_attn(void) {
     }
     cudaFree(kv_f32);
     printf("(GB/s: (KV rows + indices + q + o bytes) / time; fp32 = di_cuda_attn (exact, SIMT), "
-           "bf16 = di_cuda_attn_bf16 (tensor cores, automatic key splits); x copy = bf16 GB/s / "
-           "the copy bandwidth above; the acceptance target is >= 3000 GB/s)\n");
+           "bf16 = di_cuda_attn_bf16 (tensor cores, mma.sync, automatic key splits); x copy = "
+           "GB/s / the copy bandwidth above; wg = di_cuda_attn_wg (the same on wgmma, sm_90a; "
+           "'-' on other devices); x goal = wg GB/s / 3000, the acceptance target; max|d|/o = "
+           "max |wg - fp32| / max |o| on one call)\n");
 }
 
 // ---- attention over V4.1's codes ----
@@ -802,8 +855,9 @@ static void bench_codes(void) {
     printf("\n== codes: attn_codes, H=%d dh=%d, %d Q8 window rows of %lld bytes + Q4e entries of "
            "%lld bytes, round_p, decode (1 query row per sequence)\n",
            H, dh, W, (long long)wb, (long long)eb);
-    printf("%6s %8s %7s %10s %9s %10s %9s %7s %7s %9s\n", "batch", "keys", "splits", "fp32 ms",
-           "GB/s", "bf16 ms", "GB/s", "x copy", "x fp32", "max|d|/o");
+    printf("%6s %8s %7s %10s %9s %10s %9s %7s %7s %9s %10s %9s %7s %7s %9s\n", "batch", "keys",
+           "splits", "fp32 ms", "GB/s", "bf16 ms", "GB/s", "x copy", "x fp32", "max|d|/o", "wg ms",
+           "GB/s", "x goal", "x copy", "max|d|/o");
     for (int ci = 0; ci < n_cfg; ci++) {
         const int32_t B = (g_quick ? quick : full)[ci].B,
                       n_keys = (g_quick ? quick : full)[ci].n_keys;
@@ -883,12 +937,28 @@ static void bench_codes(void) {
         const double gbs16 = ms16 > 0 ? bytes / (ms16 * 1e-3) / 1e9 : 0.0;
         printf("%6d %8d %7lld %10.4f %9.0f ", B, n_keys, (long long)ns, ms, gbs);
         if (ms16 > 0)
-            printf("%10.4f %9.0f %7.3f %7.2f %9.2g\n", ms16, gbs16,
+            printf("%10.4f %9.0f %7.3f %7.2f %9.2g ", ms16, gbs16,
                    g_copy_gbs > 0 ? gbs16 / g_copy_gbs : 0.0, ms / ms16,
                    amax > 0 ? dmax / amax : dmax);
         else
-            printf("%10s %9s %7.3f %7s %9s\n", "unsupp.", "-",
+            printf("%10s %9s %7.3f %7s %9s ", "unsupp.", "-",
                    g_copy_gbs > 0 ? gbs / g_copy_gbs : 0.0, "-", "-");
+        // The wgmma kernel (cc 9.0 with sm_90a code) on the same calls.
+        double msw = 0, dw = 0;
+        if (di_cuda_wgmma_available(g_cu)) {
+            std::vector<float> ow(n_o);
+            DK(di_cuda_attn_codes_wg(g_cu, q, win, ent, idxd, n_keys, nwd, nkd, n_keys, sink, B, H,
+                                     dh, scale, 0, o));
+            CK(cudaStreamSynchronize(g_s));
+            CK(cudaMemcpy(ow.data(), o, sizeof(float) * n_o, cudaMemcpyDeviceToHost));
+            dw = max_rel_diff(ow.data(), o32.data(), n_o);
+            msw = time_ms(2, g_quick ? 5 : 20, [&](int rep) {
+                const int c = rep % n_copy;
+                DK(di_cuda_attn_codes_wg(g_cu, q, win, ent, idxd + (size_t)c * B * n_keys, n_keys,
+                                         nwd, nkd, n_keys, sink, B, H, dh, scale, 0, o));
+            });
+        }
+        print_wg(msw, bytes, dw);
         cudaFree(win), cudaFree(ent), cudaFree(idxd), cudaFree(nkd), cudaFree(nwd), cudaFree(q),
             cudaFree(o), cudaFree(sink);
     }
@@ -898,7 +968,8 @@ static void bench_codes(void) {
            "(tensor cores, automatic key splits: what attn_codes runs in the official recipe; "
            "predicted ~0.5-0.75 TB/s, docs/cuda.md); x copy = bf16 GB/s (fp32 where bf16 is "
            "unsupported) / the copy bandwidth above; x fp32 = the speedup; max|d|/o = max |bf16 - "
-           "fp32| / max |o|)\n");
+           "fp32| / max |o|; wg = di_cuda_attn_codes_wg (the same on wgmma, sm_90a; '-' on other "
+           "devices), x goal = its GB/s / 3000, x copy and max|d|/o as bf16's)\n");
 }
 
 // ---- one layer and the synthetic model ----
