@@ -615,16 +615,21 @@ int main(int argc, char **argv) {
                                     &s8));
         int32_t reached8 = 0;
         fill(&x, s8, 1, o.ctx, chunk, chunk, 0, &reached8);
-        const int64_t at0 = cu->n_attn_tc_calls;
+        const int64_t at0 = cu->n_attn_tc_calls, aw0 = cu->n_attn_wg_calls;
         step_fig f8 = decode(&x, s8, 1, warm, o.steps, true);
         f8.n_expert = x.m->hp.n_expert_used;
         print_header();
         print_step("dec-off", &x, 1, &f8, true, gbs, (double)di_dsv4_dev_state_kv_row_bytes(s8));
-        printf("(dec-off: the official recipe's decode; attention on tensor cores %s, %lld "
-               "attention calls on them per step)\n",
+        // Two tensor-core kernels: wgmma (cc 9.0, tried first) and mma.sync (its fallback).
+        printf("(dec-off: the official recipe's decode; attention on tensor cores wgmma %s / "
+               "mma.sync %s, %lld wgmma and %lld mma.sync attention calls per step)\n",
+               cu->attn_wg > 0   ? "verified and used"
+               : cu->attn_wg < 0 ? "OFF"
+                                 : "unused",
                cu->attn_tc > 0   ? "verified and used"
                : cu->attn_tc < 0 ? "OFF (see the log)"
                                  : "unused",
+               (long long)((cu->n_attn_wg_calls - aw0) / (warm + o.steps)),
                (long long)((cu->n_attn_tc_calls - at0) / (warm + o.steps)));
         fflush(stdout);
         di_dsv4_dev_state_destroy(s8);
