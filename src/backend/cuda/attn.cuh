@@ -16,6 +16,11 @@
  * paged compressed entries and CSA top-k selections are all the same kernel (as FlashMLA's sparse
  * decode): the caller lists, for query row t, the rows of its n_keys[t] keys.
  *
+ * Kernels per key source: the exact FP32 one (the `--precision fp32` recipe and the reference),
+ * BF16 tensor cores on mma.sync (any sm_80+ device with the shared memory) and, on a cc 9.0
+ * device with sm_90a code, the same on wgmma (wgmma.cuh); the official recipe's dispatch tries
+ * wgmma, then mma.sync, each checked once per context against the exact kernel.
+ *
  * Thread-safety: engine thread only.
  */
 #pragma once
