@@ -2,6 +2,7 @@
 // contracts of backend/backend.h written out as plain loops: compress_pool's row sources (this
 // call's rows, the ring, the absent overlap of window 0), attention's masked keys and sink, top-k
 // ties and padding, offset_list and index_scores (contiguous and through a page table),
+// index_scores_q4 on pack_rows' Q4 codes equal to index_scores on the decoded keys bit for bit,
 // matmul_a8, scatter_rows, add_ape, embed, memory alignment; the padding of graph-stable lists
 // (scatter destinations < 0, windows without rows); graphs: a replay equals the same calls run
 // directly, reads the memory as it is at launch, keeps the scalars and tensors of the capture, and
@@ -493,6 +494,89 @@ static void test_index_scores_paged(void) {
              DI_ERR_INVALID);
 }
 
+// index_scores_q4 on Q4 codes gives index_scores' scores on the decoded FP32 keys bit for bit
+// (backend.h: each key decoded exactly, then index_scores' arithmetic), contiguous and paged (a
+// page missing: -inf), FP32 and BF16 scores: what lets V4's device forward keep the official
+// recipe's keys as codes and still equal the CPU forward, which scores the FP32 keys
+// (model/dsv4_dev.h). The codes come from pack_rows (the same bytes as di_quant_q4_pack) of
+// keys in V4's range after the Hadamard; the widths of the tiny synthetic V4 (4 heads x 128) and
+// V4-Flash (64 x 128), more entries than one key chunk (64).
+static void index_q4_case(int32_t HI, int32_t DI) {
+    enum { T = 3, PER = 5, NPG = 30, VIS = PER * NPG, N_ENT = T * VIS };
+    const int64_t kb = di_backend_code_row_bytes(4, DI, DI_BACKEND_KEY_BLOCK);
+    float *qi = malloc(sizeof(float) * (size_t)(T * HI * DI)),
+          *wi = malloc(sizeof(float) * (size_t)(T * HI)),
+          *raw = malloc(sizeof(float) * (size_t)(N_ENT * DI)),
+          *dec = malloc(sizeof(float) * (size_t)(N_ENT * DI)),
+          *dec_pg = calloc((size_t)(N_ENT * DI), sizeof(float));
+    uint8_t *codes = malloc((size_t)(N_ENT * kb)), *ref = malloc((size_t)kb),
+            *codes_pg = calloc((size_t)N_ENT, (size_t)kb);
+    float sc[2][T * VIS], back[1024];
+    if (!qi || !wi || !raw || !dec || !dec_pg || !codes || !ref || !codes_pg) {
+        CHECK(false);
+        goto done;
+    }
+    for (int64_t i = 0; i < (int64_t)T * HI * DI; i++) qi[i] = (float)sin((double)i * 0.731) * 1.5f;
+    for (int64_t i = 0; i < (int64_t)T * HI; i++) wi[i] = 0.02f + 0.01f * (float)(i % 7);
+    for (int64_t i = 0; i < (int64_t)N_ENT * DI; i++) // scales vary by block, a few zero blocks
+        raw[i] = (i / DI_BACKEND_KEY_BLOCK) % 11 == 3
+                     ? 0.0f
+                     : (float)(cos((double)i * 1.37) * exp(0.3 * (double)((i / 32) % 9) - 1.2));
+    CHECK_EQ(
+        g_b->vt->pack_rows(g_b, raw, N_ENT, DI, DI, DI_BACKEND_KEY_BLOCK, 4, codes, NULL, NULL),
+        DI_OK);
+    for (int64_t e = 0; e < N_ENT; e++) {
+        memcpy(dec + e * DI, raw + e * DI, sizeof(float) * (size_t)DI);
+        di_quant_q4_pack(dec + e * DI, DI, DI_BACKEND_KEY_BLOCK, ref); // dec: fake-quantised
+        CHECK(memcmp(ref, codes + e * kb, (size_t)kb) == 0);
+        di_quant_q4_unpack(codes + e * kb, DI, DI_BACKEND_KEY_BLOCK, back);
+        CHECK(memcmp(back, dec + e * DI, sizeof(float) * (size_t)DI) == 0); // exact decode
+    }
+    // Paged: row t's page j in block pages[t * NPG + j] (a permutation; row 1's page 4 missing).
+    int32_t pages[T * NPG], pg_off[T];
+    for (int32_t i = 0; i < T * NPG; i++) pages[i] = (i * 37 + 11) % (T * NPG);
+    for (int32_t t = 0; t < T; t++) {
+        pg_off[t] = t * NPG;
+        for (int32_t w = 0; w < VIS; w++) {
+            const int64_t r = (int64_t)pages[t * NPG + w / PER] * PER + w % PER, e = t * VIS + w;
+            memcpy(codes_pg + r * kb, codes + e * kb, (size_t)kb);
+            memcpy(dec_pg + r * DI, dec + e * DI, sizeof(float) * (size_t)DI);
+        }
+    }
+    pages[1 * NPG + 4] = -1;
+    const int64_t key_base[T] = {0, VIS, 2 * VIS};
+    const int32_t n_vis[T] = {VIS, VIS - 3, 1};
+    int64_t differ = 0, n = 0;
+    for (int paged = 0; paged < 2; paged++)
+        for (int r = 0; r < 2; r++) { // FP32, then BF16 scores
+            for (int i = 0; i < T * VIS; i++) sc[0][i] = sc[1][i] = 42;
+            const int64_t *kbp = paged ? NULL : key_base;
+            const int32_t *pg = paged ? pages : NULL, *po = paged ? pg_off : NULL;
+            CHECK_EQ(g_b->vt->index_scores(g_b, qi, wi, paged ? dec_pg : dec, kbp, pg, po,
+                                           paged ? PER : 0, n_vis, VIS, T, HI, DI, r == 1, sc[0],
+                                           VIS),
+                     DI_OK);
+            CHECK_EQ(g_b->vt->index_scores_q4(g_b, qi, wi, paged ? codes_pg : codes, kbp, pg, po,
+                                              paged ? PER : 0, n_vis, VIS, T, HI, DI, r == 1, sc[1],
+                                              VIS),
+                     DI_OK);
+            differ += memcmp(sc[0], sc[1], sizeof sc[0]) != 0;
+            for (int32_t t = 0; t < T; t++)
+                for (int32_t w = 0; w < n_vis[t]; w++) n += sc[1][t * VIS + w] > 0;
+        }
+    CHECK_EQ(differ, 0);
+    CHECK(n > 0);                               // the scores are not all zero (ReLU) or -inf
+    for (int32_t w = 4 * PER; w < 5 * PER; w++) // the last pass (paged): the missing page
+        CHECK(isinf(sc[1][1 * VIS + w]) && sc[1][1 * VIS + w] < 0);
+done:
+    free(qi), free(wi), free(raw), free(dec), free(dec_pg), free(codes), free(ref), free(codes_pg);
+}
+
+static void test_index_scores_q4(void) {
+    index_q4_case(4, 128);  // the tiny synthetic V4's indexer
+    index_q4_case(64, 128); // V4-Flash's
+}
+
 static void test_rows(void) {
     float src[3 * 4], dst[5 * 4] = {0}, z[3 * 2] = {0}, ape[3 * 2];
     for (int i = 0; i < 12; i++) src[i] = (float)i;
@@ -927,6 +1011,7 @@ int main(void) {
     RUN(test_kv_rows);
     RUN(test_topk_offsets);
     RUN(test_index_scores_paged);
+    RUN(test_index_scores_q4);
     RUN(test_rows);
     RUN(test_padding);
     RUN(test_graph);

@@ -28,7 +28,11 @@
 //   - index_scores_q4: contiguous (with key bases) and paged (shuffled pages, one missing: -inf)
 //     keys, HI 4 and 64 (V4.1-Flash's) and 72 (two head chunks), DI 128 and 64: within the FP32
 //     bound of the indexer's reference on the decoded keys, paged scores bit-identical to the
-//     contiguous ones; the BF16 scores of the official recipe BF16 and within one ulp.
+//     contiguous ones; the BF16 scores of the official recipe BF16 and within one ulp; for HI <=
+//     64 (the FP32 entry's lane kernel) bit-identical to index_scores on the decoded FP32 keys,
+//     FP32 and BF16 scores: V4's device forward stores its official-recipe keys as these codes
+//     (model/dsv4_dev.h), so the scores must not depend on the format; HI 4 at DI 128 is the tiny
+//     synthetic V4's indexer.
 // Exits 77 without a device.
 #include "backend/cuda/cuda_test.h" // CK, rnd, fill_rand, gamma_k, check_bounds
 
@@ -758,6 +762,33 @@ static void index_case(int32_t T, int32_t HI, int32_t DI, int32_t n_ent, int32_t
         fprintf(stderr, "  %s paged (7 a page, shuffled, one missing): %lld differ\n", what,
                 (long long)bad);
         CHECK_EQ(bad, 0);
+        // The FP32 keys' entry on the decoded keys: the same bits (HI <= 64: its lane kernel, whose
+        // per-head dot runs over the dims in the same order), FP32 and BF16 scores.
+        if (k == 1 && HI <= 64) {
+            float *dd = bk_from(b, dec, sizeof(float) * (size_t)(n_ent * DI));
+            float *o = malloc(sizeof(float) * (size_t)(T * ss)),
+                  *oq = malloc(sizeof(float) * (size_t)(T * ss));
+            int64_t differ = 0;
+            for (int r = 0; r < 2; r++) {
+                for (int64_t i = 0; i < T * ss; i++) o[i] = oq[i] = NAN;
+                float *sd = bk_from(b, o, sizeof(float) * (size_t)(T * ss)),
+                      *sq = bk_from(b, oq, sizeof(float) * (size_t)(T * ss));
+                CK(b->vt->index_scores(b, qd, wd, dd, bd, NULL, NULL, 0, vd, max_vis, T, HI, DI,
+                                       r == 1, sd, ss));
+                CK(b->vt->index_scores_q4(b, qd, wd, kd, bd, NULL, NULL, 0, vd, max_vis, T, HI, DI,
+                                          r == 1, sq, ss));
+                bk_to(b, o, sd, sizeof(float) * (size_t)(T * ss));
+                bk_to(b, oq, sq, sizeof(float) * (size_t)(T * ss));
+                for (int64_t i = 0; i < T * ss; i++)
+                    differ += memcmp(&o[i], &oq[i], sizeof(float)) != 0;
+                b->vt->free(b, sd), b->vt->free(b, sq);
+            }
+            fprintf(stderr, "  %s vs index_scores on the decoded keys: %lld differ\n", what,
+                    (long long)differ);
+            CHECK_EQ(differ, 0);
+            b->vt->free(b, dd);
+            free(o), free(oq);
+        }
         // The official recipe: BF16 scores, within one BF16 ulp of the reference's.
         if (k == 1) {
             float *ro = malloc(sizeof(float) * (size_t)(T * ss)),
@@ -789,6 +820,7 @@ static void index_case(int32_t T, int32_t HI, int32_t DI, int32_t n_ent, int32_t
 static void test_index_scores_q4(void) {
     index_case(5, 64, 128, 3000, 2600); // V4.1-Flash's indexer widths
     index_case(5, 4, 64, 300, 260);     // the tiny model's
+    index_case(4, 4, 128, 400, 330);    // the tiny synthetic V4's (its official-recipe keys)
     index_case(3, 72, 128, 500, 300);   // two head chunks (64 + 8)
     float *d = NULL;
     CK(g_b->vt->alloc(g_b, 4096, (void **)&d));
