@@ -187,8 +187,8 @@ static double expert_bytes(const di_model *m, int il) {
 // KV and indexer bytes layer il reads for one query at position p (p + 1 positions visible).
 // Key bytes one query row reads at position p in layer il: rows of kv_row bytes (FP32 rows of
 // head_dim floats in the FP32 recipe, the 584-byte FP8 rows in the official one) plus the CSA
-// indexer's FP32 entries.
-static double kv_bytes(const di_model *m, int il, int64_t p, double kv_row) {
+// indexer's keys of key bytes (FP32 rows, or the official recipe's 68-byte Q4 codes).
+static double kv_bytes(const di_model *m, int il, int64_t p, double kv_row, double key) {
     const di_hparams *hp = &m->hp;
     const int32_t r = m->layers[il].ratio;
     const int64_t W = hp->window, vis = p + 1;
@@ -198,7 +198,7 @@ static double kv_bytes(const di_model *m, int il, int64_t p, double kv_row) {
         const int64_t n_ent = vis / r;
         if (r == 4) {
             keys += n_ent < hp->index_topk ? n_ent : hp->index_topk;
-            b += (double)n_ent * hp->index_head_dim * 4.0; // the indexer scores every entry
+            b += (double)n_ent * key; // the indexer scores every entry
         } else {
             keys += n_ent;
         }
@@ -392,14 +392,14 @@ static step_fig decode(bench *x, di_dsv4_dev_state *st, int32_t B, int warm, int
     return f;
 }
 
-// Bytes of one decode step of B sequences at position p, KV rows of kv_row bytes; with the head
-// when `head`.
+// Bytes of one decode step of B sequences at position p, KV rows of kv_row bytes, indexer keys of
+// key bytes; with the head when `head`.
 static double step_bytes(const di_model *m, int32_t B, int64_t p, double n_expert, bool head,
-                         double kv_row) {
+                         double kv_row, double key) {
     double b = 0;
     for (int il = 0; il < m->hp.n_layer; il++)
         b += layer_fixed_bytes(m, il) + n_expert * expert_bytes(m, il) +
-             B * kv_bytes(m, il, p, kv_row);
+             B * kv_bytes(m, il, p, kv_row, key);
     return b + (head ? head_bytes(m, B) : 0.0);
 }
 
@@ -409,9 +409,9 @@ static void print_header(void) {
 }
 
 static void print_step(const char *phase, const bench *x, int32_t B, const step_fig *f, bool head,
-                       double gbs, double kv_row) {
+                       double gbs, double kv_row, double key) {
     const int nl = x->m->hp.n_layer;
-    const double bytes = step_bytes(x->m, B, f->ctx, f->n_expert, head, kv_row);
+    const double bytes = step_bytes(x->m, B, f->ctx, f->n_expert, head, kv_row, key);
     const double roof_ms = gbs > 0 ? bytes / (gbs * 1e9) * 1e3 : 0;
     char lay[32] = "-", roof[32] = "-", of[32] = "-";
     if (!head) snprintf(lay, sizeof lay, "%.4f", f->ms / nl);
@@ -586,7 +586,8 @@ int main(int argc, char **argv) {
     }
     fflush(stdout);
 
-    const double f32_row = 4.0 * x.m->hp.head_dim; // the FP32 recipe's KV rows
+    const double f32_row = 4.0 * x.m->hp.head_dim;       // the FP32 recipe's KV rows
+    const double f32_key = 4.0 * x.m->hp.index_head_dim; // and indexer keys
     // Prefill of one sequence and batch-1 decode on a 1-slot state.
     const int32_t chunk = 512;
     const int32_t n_ctx = (o.ctx > o.prefill ? o.ctx : o.prefill) + 2 * (warm + o.steps) + 8;
@@ -619,7 +620,8 @@ int main(int argc, char **argv) {
         step_fig f8 = decode(&x, s8, 1, warm, o.steps, true);
         f8.n_expert = x.m->hp.n_expert_used;
         print_header();
-        print_step("dec-off", &x, 1, &f8, true, gbs, (double)di_dsv4_dev_state_kv_row_bytes(s8));
+        print_step("dec-off", &x, 1, &f8, true, gbs, (double)di_dsv4_dev_state_kv_row_bytes(s8),
+                   (double)di_dsv4_dev_state_index_key_bytes(s8));
         // Two tensor-core kernels: wgmma (cc 9.0, tried first) and mma.sync (its fallback).
         printf("(dec-off: the official recipe's decode; attention on tensor cores wgmma %s / "
                "mma.sync %s, %lld wgmma and %lld mma.sync attention calls per step)\n",
@@ -642,10 +644,10 @@ int main(int argc, char **argv) {
     fill(&x, s1, 1, o.ctx, chunk, chunk, 0, &reached);
     step_fig f = decode(&x, s1, 1, warm, o.steps, true);
     f.n_expert = n_exp1;
-    print_step("decode", &x, 1, &f, true, gbs, f32_row);
+    print_step("decode", &x, 1, &f, true, gbs, f32_row, f32_key);
     f = decode(&x, s1, 1, warm, o.steps, false);
     f.n_expert = n_exp1;
-    print_step("layers", &x, 1, &f, false, gbs, f32_row);
+    print_step("layers", &x, 1, &f, false, gbs, f32_row, f32_key);
     di_dsv4_dev_state_destroy(s1);
 
     // Batch B: fill every slot (8 sequences x 256 rows per call), then decode.
@@ -694,8 +696,8 @@ int main(int argc, char **argv) {
         else
             printf("(expert count failed: the uniform-routing expectation %.1f is used)\n", n_exp);
         fd.n_expert = fl.n_expert = n_exp;
-        print_step("decode", &x, B, &fd, true, gbs, f32_row);
-        print_step("layers", &x, B, &fl, false, gbs, f32_row);
+        print_step("decode", &x, B, &fd, true, gbs, f32_row, f32_key);
+        print_step("layers", &x, B, &fl, false, gbs, f32_row, f32_key);
         di_dsv4_dev_state_destroy(sb);
     }
     printf(

@@ -1,7 +1,8 @@
 // dsv4_dev — the device-resident V4 forward on a backend (dsv4_dev.h). It mirrors model/dsv4.c,
 // dsv4_attn.c and dsv4_moe.c op for op in the FP32 recipe and in the official one (R-OFF: every
 // BF16 rounding, A8 / Q8 / Hadamard + Q4 point of the CPU forward, in the same order, through the
-// backend's round_bf16, fake_quant and hadamard and the flags of attn, index_scores and moe);
+// backend's round_bf16, fake_quant, hadamard, kv_quant and pack_rows (the stored rows and keys)
+// and the flags of attn, index_scores and moe);
 // where those keep sequential state
 // (compressor buffers, rings) this file keeps rows in backend pools and lists on the host which
 // rows each op reads. Everything up to the last sections is one pipeline stage (dev_stage,
@@ -257,9 +258,14 @@ typedef struct ratio_class {
 } ratio_class;
 
 typedef struct dev_lstate {
-    float *kv;                // FP32 recipe: [max_rows + n_slots * W + n_blocks * per_page, Dh]
-    uint8_t *kvb;             // official: the same rows as KV rows of kv_row_bytes (kv_quant)
-    float *idx;               // CSA: [n_blocks * per_page, DI] (entry block b from b * per_page)
+    float *kv;    // FP32 recipe: [max_rows + n_slots * W + n_blocks * per_page, Dh]
+    uint8_t *kvb; // official: the same rows as KV rows of kv_row_bytes (kv_quant)
+    // CSA: the indexer's keys, entry block b's from row b * per_page: FP32 recipe [n_blocks *
+    // per_page, DI] floats (idx); official: the same rows as Q4 codes of key_bytes (idxq: e2m1
+    // pairs, a UE8M0 scale per DI_BACKEND_KEY_BLOCK dims; pack_rows, index_scores_q4), lossless
+    // there (the keys are Q4-rounded, spec §2.5).
+    float *idx;
+    uint8_t *idxq;
     float *ring_c, *ring_z;   // compressing: [n_slots * R, c * d]
     float *iring_c, *iring_z; // CSA indexer compressor
 } dev_lstate;
@@ -306,6 +312,7 @@ struct stage_state {
     float *aq;  // official recipe: A8-quantised linear inputs [max_rows, max(D, Rq, G*Ro)]
     float *kvf; // official recipe: this call's FP32 kv rows [max_rows, Dh] (then kv_quant)
     int64_t kv_row_bytes; // bytes per KV pool row: 4 Dh (FP32 rows) or the KV row format's
+    int64_t key_bytes;    // bytes per indexer key: 4 DI (FP32) or its Q4 codes' (official)
     float *hx, *h, *logits;
     // The greedy picks of a head chunk's logit rows (argmax_rows: greedy rows and MTP drafts cross
     // as one id each), last stage: backend [HC] and host (host_alloc, owned) [HC].
@@ -452,6 +459,15 @@ static int64_t row_bytes_of(const dev_stage *d) {
                        : (int64_t)sizeof(float) * hp->head_dim;
 }
 
+// Bytes per indexer key of d's recipe (dsv4_dev.h di_dsv4_dev_state_index_key_bytes): FP32 rows,
+// or (official) the Q4 codes of backend.h pack_rows (68 at V4's index_head_dim 128).
+static int64_t key_bytes_of(const di_model *m) {
+    const int64_t DI = m->hp.index_head_dim;
+    return m->opt.precision == DI_PRECISION_OFFICIAL
+               ? di_backend_code_row_bytes(4, DI, DI_BACKEND_KEY_BLOCK)
+               : (int64_t)sizeof(float) * DI;
+}
+
 // dsv4_dev.h di_dsv4_dev_block_tokens: over every layer of the model (all stages).
 static int32_t model_block_tokens(const di_model *m) {
     const di_hparams *hp = &m->hp;
@@ -497,7 +513,7 @@ static void stage_sizes(const dev_stage *d, int32_t n_ctx, int32_t block_tokens,
         blk += E * rb;
         slot += 2 * R * lw->cmp.c * lw->cmp.d * f; // compressor token rings C and Z
         if (lw->ratio == 4) {
-            blk += E * hp->index_head_dim * f;
+            blk += E * key_bytes_of(d->m);
             slot += 2 * R * lw->idx_cmp.c * lw->idx_cmp.d * f;
         }
     }
@@ -507,13 +523,13 @@ static void stage_sizes(const dev_stage *d, int32_t n_ctx, int32_t block_tokens,
 }
 
 // Entry block `block`'s pieces in their layout order (dsv4_dev.h di_dsv4_dev_state_read_block):
-// per compressing layer its E KV pool rows, then for CSA its E indexer keys, each one backend
-// range; fn copies each between the range and the host bytes at *hostp + its offset. The stage's
-// layers only: *hostp is advanced past its part (the stages' parts follow in layer order).
+// per compressing layer its E KV pool rows, then for CSA its E indexer keys (FP32 rows or Q4
+// codes), each one backend range; fn copies each between the range and the host bytes at *hostp +
+// its offset. The stage's layers only: *hostp is advanced past its part (the stages' parts follow
+// in layer order).
 typedef di_status (*block_copy_fn)(di_backend *b, uint8_t *dev, uint8_t *host, size_t n);
 static di_status block_walk(const stage_state *s, int32_t block, uint8_t **hostp,
                             block_copy_fn fn) {
-    const di_hparams *hp = &s->d->m->hp;
     di_backend *b = s->d->b;
     uint8_t *host = *hostp;
     for (int il = s->d->l0; il < s->d->l1; il++) {
@@ -527,8 +543,9 @@ static di_status block_walk(const stage_state *s, int32_t block, uint8_t **hostp
         if (st != DI_OK) return st;
         host += n;
         if (k->ratio == 4) {
-            const size_t ni = sizeof(float) * (size_t)(E * hp->index_head_dim);
-            st = fn(b, (uint8_t *)(ls->idx + (int64_t)block * E * hp->index_head_dim), host, ni);
+            const size_t ni = (size_t)(E * s->key_bytes);
+            uint8_t *keys = s->d->official ? ls->idxq : (uint8_t *)ls->idx;
+            st = fn(b, keys + (int64_t)block * E * s->key_bytes, host, ni);
             if (st != DI_OK) return st;
             host += ni;
         }
@@ -602,11 +619,18 @@ static di_status stage_state_create(dev_stage *d, int32_t n_slots, int32_t n_ctx
                      n_rot, hp->rope_compress.n_dims);
         return DI_ERR_UNSUPPORTED;
     }
+    // ... and its indexer keys Q4 codes (pack_rows: blocks of DI_BACKEND_KEY_BLOCK, <= 1024 dims).
+    if (d->official && (DI % DI_BACKEND_KEY_BLOCK != 0 || DI > 1024)) {
+        DI_LOG_ERROR("dev state: index_head_dim %lld: no Q4 index keys (a multiple of %d, <= 1024)",
+                     (long long)DI, DI_BACKEND_KEY_BLOCK);
+        return DI_ERR_UNSUPPORTED;
+    }
     di_status st = DI_OK;
     stage_state *s = di_calloc(1, sizeof *s);
     if (!s) return DI_ERR_NOMEM;
     s->d = d;
     s->kv_row_bytes = row_bytes_of(d);
+    s->key_bytes = key_bytes_of(m);
     s->n_slots = n_slots, s->n_ctx = n_ctx, s->max_rows = max_rows;
     s->block_tokens = block_tokens;
     s->max_blocks = (int32_t)max_blocks;
@@ -684,7 +708,13 @@ static di_status stage_state_create(dev_stage *d, int32_t n_slots, int32_t n_ctx
             int64_t n = (int64_t)n_slots * rc->R * lw->idx_cmp.c * lw->idx_cmp.d;
             DI_TRY(st_floats(s, n, &ls->iring_c));
             DI_TRY(st_floats(s, n, &ls->iring_z));
-            DI_TRY(st_floats(s, n_eb * rc->per_page * DI, &ls->idx));
+            if (d->official) { // Q4 codes (pack_rows)
+                void *kp = NULL;
+                DI_TRY(st_alloc(s, (size_t)(n_eb * rc->per_page * s->key_bytes), &kp));
+                ls->idxq = kp;
+            } else {
+                DI_TRY(st_floats(s, n_eb * rc->per_page * DI, &ls->idx));
+            }
             if (rc->cap > cap4) cap4 = rc->cap;
         }
     }
@@ -967,8 +997,10 @@ fail:
 // ring, normalise and rotate the entries, scatter them into their pool, then ring the last tokens.
 // Official recipe (dsv4_attn.c finalise_entry): the entries are rounded to BF16 around the norm
 // and the rotation, then Q8 on the nope dims (main) or Hadamard, BF16 and Q4 (indexer); the main
-// entries go into their KV rows by kv_quant (lossless: they are Q8-exact), the indexer's stay FP32.
-// pool: FP32 rows pool_stride floats apart, or (official main compressor) KV rows.
+// entries go into their KV rows by kv_quant (lossless: they are Q8-exact), the indexer's are
+// packed as Q4 codes by pack_rows, which rounds them exactly as fake_quant's Q4 does (quant_ref.h
+// di_quant_q4_pack): the codes decode to the CPU forward's keys bit for bit.
+// pool: FP32 rows pool_stride floats apart, or (official) KV rows (main) / Q4 codes (indexer).
 static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class *k, const float *a,
                             bool indexer, float *ring_c, float *ring_z, void *pool,
                             int64_t pool_stride, const int32_t *ent_dst) {
@@ -993,15 +1025,15 @@ static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class 
     if (s->d->official && indexer) {
         OP(hadamard, s->ent, k->n_pool, cw->d);
         ROUND(s->ent, n_ent);
-        OP(fake_quant, s->ent, k->n_pool, cw->d, cw->d, 32, 4, s->ent);
+        OP(pack_rows, s->ent, k->n_pool, cw->d, (int32_t)cw->d, DI_BACKEND_KEY_BLOCK, 4,
+           (uint8_t *)pool, ent_dst, NULL); // Q4 in blocks of 32, as codes
     } else if (s->d->official) {
         OP(fake_quant, s->ent, k->n_pool, cw->d - n_rot, cw->d, 64, 8, s->ent);
-    }
-    if (s->d->official && !indexer)
         OP(kv_quant, s->ent, k->n_pool, cw->d, (int32_t)cw->d, n_rot, (uint8_t *)pool, ent_dst);
-    else
+    } else {
         OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, (float *)pool, pool_stride, ent_dst,
            NULL);
+    }
     // Every sequence's last min(n_tok, R) token rows into its ring: one gather-scatter each.
     OP(scatter_rows, s->cc, k->n_rd, width, width, ring_c, width, D32(k->ring_dst),
        D32(k->ring_src));
@@ -1055,8 +1087,8 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     // CSA: the indexer (its compressor, q, weights, scores, top-k appended to the key lists).
     if (lw->ratio == 4) {
         const int64_t HI = hp->n_index_head, DI = hp->index_head_dim;
-        DI_TRY(compressor(c, &lw->idx_cmp, k, a, true, ls->iring_c, ls->iring_z, ls->idx, DI,
-                          D32(k->ent_dst_idx)));
+        DI_TRY(compressor(c, &lw->idx_cmp, k, a, true, ls->iring_c, ls->iring_z,
+                          official ? (void *)ls->idxq : (void *)ls->idx, DI, D32(k->ent_dst_idx)));
         DI_TRY(linear(c, &lw->idx_wq_b, s->qr, Rq, s->iq, HI * DI, true)); // qi: [T, HI, DI]
         OP(rope, s->iq, T * HI, DI, DI, n_rot, d->omega_compress, pos, (int32_t)HI,
            hp->rope_compress.attention_factor, false);
@@ -1069,11 +1101,16 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
         DI_TRY(linear(c, &lw->idx_weights_proj, a, D, s->iw, HI, false)); // wi: [T, HI]
         OP(scale, s->iw, T * HI, 1.0f / sqrtf((float)DI) / sqrtf((float)HI));
         ROUND(s->iw, T * HI);
-        // max_vis: the slot capacity (a bound independent of the positions). Official: BF16
-        // scores.
-        OP(index_scores, s->iq, s->iw, ls->idx, NULL, s->pages, D32(s->pg_off), k->per_page,
-           D32(k->n_vis), k->cap, T, (int32_t)HI, (int32_t)DI, official, s->scores,
-           s->score_stride);
+        // max_vis: the slot capacity (a bound independent of the positions). Official: the keys'
+        // Q4 codes, each decoded exactly (the same scores as on the FP32 keys), BF16 scores.
+        if (official)
+            OP(index_scores_q4, s->iq, s->iw, ls->idxq, NULL, s->pages, D32(s->pg_off), k->per_page,
+               D32(k->n_vis), k->cap, T, (int32_t)HI, (int32_t)DI, true, s->scores,
+               s->score_stride);
+        else
+            OP(index_scores, s->iq, s->iw, ls->idx, NULL, s->pages, D32(s->pg_off), k->per_page,
+               D32(k->n_vis), k->cap, T, (int32_t)HI, (int32_t)DI, false, s->scores,
+               s->score_stride);
         OP(topk, s->scores, s->score_stride, D32(k->n_vis), T, hp->index_topk, s->sel);
         OP(offset_list, s->sel, T, hp->index_topk, D32(k->base), D32(k->off), s->pages,
            D32(s->pg_off), k->per_page, k->keys, k->key_stride);
@@ -2021,10 +2058,10 @@ typedef struct split_ctx {
 // dev_common.h di_dev_stage_cost_fn for V4 stage [l0, l1): its weights (the embedding on the
 // first; the head, final norm and head mHC on the last, with the plan's speculation also the MTP
 // block, its projections, norms and head mHC and the embedding again, as di_dsv4_dev_mtp_enable
-// uploads them), its layers' entries and indexer keys per block (stage_sizes), and the fixed part
-// of the plan's state: n_slots tails (window rings, compressor token rings, the page table, the
-// MTP ring with speculation) and max_rows call rows of every pool, and the per-row scratch
-// (state_create's buffers; the backend's own op scratch is the reserve's).
+// uploads them), its layers' entries and indexer keys (FP32 or Q4 codes) per block (stage_sizes),
+// and the fixed part of the plan's state: n_slots tails (window rings, compressor token rings, the
+// page table, the MTP ring with speculation) and max_rows call rows of every pool, and the per-row
+// scratch (state_create's buffers; the backend's own op scratch is the reserve's).
 static void stage_cost4(const void *ctx, int32_t l0, int32_t l1, int32_t L,
                         di_dev_stage_cost *out) {
     const split_ctx *c = ctx;
@@ -2058,7 +2095,7 @@ static void stage_cost4(const void *ctx, int32_t l0, int32_t l1, int32_t L,
         blk += E * rb;
         slot += 2 * Rr * lw->cmp.c * lw->cmp.d * f;
         if (lw->ratio == 4) {
-            blk += E * DI * f;
+            blk += E * key_bytes_of(m);
             slot += 2 * Rr * lw->idx_cmp.c * lw->idx_cmp.d * f;
             if (p->n_ctx / 4 > cap4) cap4 = p->n_ctx / 4;
         }
@@ -2286,6 +2323,10 @@ fail:
 
 int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s) {
     return s->ss[0]->kv_row_bytes;
+}
+
+int64_t di_dsv4_dev_state_index_key_bytes(const di_dsv4_dev_state *s) {
+    return s->ss[0]->key_bytes;
 }
 
 int64_t di_dsv4_dev_state_bytes(const di_dsv4_dev_state *s) {

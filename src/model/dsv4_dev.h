@@ -12,7 +12,12 @@
  * the indexer's Hadamard + Q4, BF16 scores and attention probabilities, the MoE's order) is an op
  * of its own, in the same order. KV rows are FP32 in the FP32 recipe; in R-OFF they hold Q8-exact
  * values and are stored as the FP8 KV rows of backend.h kv_quant (584 bytes at V4's head_dim 512,
- * lossless), attention reading them with attn_kv.
+ * lossless), attention reading them with attn_kv. Likewise the CSA indexer's compressed keys: FP32
+ * rows in the FP32 recipe; in R-OFF Q4-rounded (spec §2.5, e = Q4(WHT(e), 32)) and stored as their
+ * Q4 codes (backend.h pack_rows: e2m1 pairs and a UE8M0 scale per DI_BACKEND_KEY_BLOCK dims, 68
+ * bytes at V4's index_head_dim 128 instead of 512, lossless; the spec's §3.3 layout, V4.1's index
+ * key format), scored by index_scores_q4, which decodes each key exactly and scores it as
+ * index_scores scores the FP32 key (the same bits).
  *
  * State layout (backend memory). Compressed entries live in entry blocks of block_tokens
  * positions (a multiple of every compress ratio; the serving engine's KV blocks: their ids are the
@@ -23,7 +28,8 @@
  * | slot 0's W window ring rows | slot 1's | ... | block 0's E entries | block 1's | ...], so one
  * attention call addresses this call's kv rows, every slot's window ring (row = pos mod W) and
  * every entry by row index;
- *   - CSA layers: the indexer's keys [n_blocks * E, DI], block b's from b * E;
+ *   - CSA layers: the indexer's keys [n_blocks * E] (FP32 rows of DI floats, or R-OFF's Q4 codes
+ * of di_dsv4_dev_state_index_key_bytes), block b's from b * E;
  *   - compressing layers: per compressor a token ring per slot, R = c*m rows (c = 2 with overlap,
  *     1 for HCA) of c*d floats for C and for Z (Z with its position bias), row = pos mod R.
  * The window rings, the token rings and the call rows are the fixed "tail" of each slot (sized at
@@ -214,17 +220,21 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s); // NULL: no-op
 // Bytes per row of the state's KV pools: 4 * head_dim (FP32 rows, the FP32 recipe) or
 // di_backend_kv_row_bytes(head_dim, rope dims) (the FP8 KV rows of the official recipe).
 int64_t di_dsv4_dev_state_kv_row_bytes(const di_dsv4_dev_state *s);
+// Bytes per key of the state's indexer key pools (CSA layers): 4 * index_head_dim (FP32 keys, the
+// FP32 recipe) or di_backend_code_row_bytes(4, index_head_dim, DI_BACKEND_KEY_BLOCK) (the official
+// recipe's Q4 codes: 68 at V4's 128 dims, lossless there).
+int64_t di_dsv4_dev_state_index_key_bytes(const di_dsv4_dev_state *s);
 
 // The least common multiple of the compress ratios rounded up to at least the window: the serving
 // engine's block size (kv/kv_manager.c, the same rule) and the default of a state.
 int32_t di_dsv4_dev_block_tokens(const di_dsv4_dev *d);
 
 // Backend bytes of one entry block (every compressing layer's E entries of kv_row_bytes, CSA's E
-// indexer keys) and of one slot's tail (window rings, the MTP block's when enabled, compressor
-// token rings, its page table) for blocks of block_tokens positions and a context of n_ctx: the
-// engine sizes its blocks from kv_memory_bytes with them. The call rows and scratch (max_rows)
-// are not included.
-// DI_ERR_INVALID (bad n_ctx or block_tokens).
+// indexer keys of index_key_bytes: R-OFF's Q4 codes make V4-Flash's 128-position block 449,824
+// bytes instead of 748,192) and of one slot's tail (window rings, the MTP block's when enabled,
+// compressor token rings, its page table) for blocks of block_tokens positions and a context of
+// n_ctx: the engine sizes its blocks from kv_memory_bytes with them. The call rows and scratch
+// (max_rows) are not included. DI_ERR_INVALID (bad n_ctx or block_tokens).
 di_status di_dsv4_dev_sizes(const di_dsv4_dev *d, int32_t n_ctx, int32_t block_tokens,
                             int64_t *block_bytes, int64_t *slot_bytes);
 
@@ -236,11 +246,12 @@ int32_t di_dsv4_dev_state_n_blocks(const di_dsv4_dev_state *s);
 // blocks back and reads them in through these; tests check that cached blocks are never
 // rewritten. The host bytes (di_dsv4_dev_sizes' block_bytes) are, per compressing layer in layer
 // order, its E = block_tokens / ratio entry rows (E * kv_row_bytes: FP32 rows, or the official
-// recipe's FP8 KV rows) and then, for CSA (ratio 4), its E indexer keys (E * index_head_dim
-// floats): the device bytes as they are, so a read then a write round-trips exactly (a block
-// written by one state reads back identically on any state of a dev of the same model and recipe).
-// read copies block `block` into dst and syncs (dst is written on return); write copies src into
-// it (returns when src may be reused; stream-ordered before the next call). Not inside a call.
+// recipe's FP8 KV rows) and then, for CSA (ratio 4), its E indexer keys (E *
+// di_dsv4_dev_state_index_key_bytes: FP32 rows, or the official recipe's Q4 codes): the device
+// bytes as they are, so a read then a write round-trips exactly (a block written by one state
+// reads back identically on any state of a dev of the same model and recipe). read copies block
+// `block` into dst and syncs (dst is written on return); write copies src into it (returns when
+// src may be reused; stream-ordered before the next call). Not inside a call.
 // DI_ERR_INVALID (no such block; logged), DI_ERR_CUDA.
 di_status di_dsv4_dev_state_read_block(const di_dsv4_dev_state *s, int32_t block, void *dst);
 di_status di_dsv4_dev_state_write_block(di_dsv4_dev_state *s, int32_t block, const void *src);

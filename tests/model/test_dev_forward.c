@@ -3,7 +3,8 @@
 // is the orchestration's (state layout, key lists, compressor windows and overlap, rings).
 //   (a) one sequence, prefill chunks straddling window / ratio boundaries then decodes, on the
 //       tiny-128 synthetic model (SWA / CSA m=4 / HCA m=128) and the committed hca128 fixture in
-//       both layouts;
+//       both layouts; then every CSA indexer key its entry blocks hold (read_block) equals its
+//       session's key bit for bit;
 //   (b) a ragged batch of 3 slots at different positions in one call, each vs its own session;
 //   (c) a slot restarted at position 0 inside a batch;
 //   (d) bad calls refused with DI_ERR_INVALID and no change of state;
@@ -18,8 +19,9 @@
 //       shapes scaled down, with private and with shared blocks: the ops must not grow with the
 //       sequences (shared blocks add exactly one: the page table's scatter), and a call uploads
 //       once;
-//   (h) the official precision recipe (R-OFF; KV pools of FP8 KV rows, asserted by their bytes
-//       per row): (a), (b, c), (e) and (f) again on models loaded
+//   (h) the official precision recipe (R-OFF; KV pools of FP8 KV rows and indexer keys of Q4
+//       codes, 68 bytes at 128 dims, asserted by their bytes per row and an entry block's bytes;
+//       (a)'s keys decoded exactly): (a), (b, c), (e) and (f) again on models loaded
 //       with DI_PRECISION_OFFICIAL (tiny-128 in the official layout: FP8 / FP4 weights, A8, CSA's
 //       indexer with Hadamard + Q4; the hca128 fixture in both layouts): every BF16 rounding and
 //       fake quantisation of the CPU forward is an op of the dev forward, so the logits are
@@ -59,7 +61,8 @@
 #include "model/dsv4.h"
 #include "model/dsv4_dev.h"
 #include "model/synth.h"
-#include "sample/sampler.h" // di_argmax: what a greedy row's pick must be
+#include "sample/sampler.h"   // di_argmax: what a greedy row's pick must be
+#include "tensor/quant_ref.h" // di_quant_q4_unpack: the official recipe's index key codes
 
 // Both sides run the same kernels in the same order on the same rows, so the logits should be
 // bit-identical; the bound leaves room only for a reordered sum somewhere (~1e-7 relative per op),
@@ -171,6 +174,22 @@ static bool open_ctx(harness_ctx *h, const char *dir) {
                      : (int64_t)sizeof(float) * hp->head_dim);
     if (h->st && g_prec == DI_PRECISION_OFFICIAL)
         CHECK(di_dsv4_dev_state_kv_row_bytes(h->st) < (int64_t)sizeof(float) * hp->head_dim);
+    // ... and the indexer's keys: FP32 rows, or (official) their Q4 codes (68 bytes at 128 dims);
+    // an entry block is every compressing layer's E entry rows and CSA's E keys.
+    if (h->st) {
+        const int64_t kb = di_dsv4_dev_state_index_key_bytes(h->st);
+        CHECK_EQ(kb, g_prec == DI_PRECISION_OFFICIAL
+                         ? di_backend_code_row_bytes(4, hp->index_head_dim, DI_BACKEND_KEY_BLOCK)
+                         : (int64_t)sizeof(float) * hp->index_head_dim);
+        if (g_prec == DI_PRECISION_OFFICIAL && hp->index_head_dim == 128) CHECK_EQ(kb, 68);
+        int64_t want = 0, bb = 0, sb = 0;
+        for (int il = 0; il < hp->n_layer; il++) {
+            const int32_t r = h->m->layers[il].ratio;
+            if (r > 0) want += BT / r * (di_dsv4_dev_state_kv_row_bytes(h->st) + (r == 4 ? kb : 0));
+        }
+        CHECK_EQ(di_dsv4_dev_sizes(h->d, N_CTX, BT, &bb, &sb), DI_OK);
+        CHECK_EQ(bb, want);
+    }
     di_session_options so = {.n_ctx_max = N_CTX};
     for (int i = 0; i < N_SLOTS; i++) CHECK(di_session_create(h->m, &so, &h->ses[i]) == DI_OK);
     h->got = malloc(sizeof(float) * MAX_ROWS * (size_t)h->V);
@@ -312,8 +331,56 @@ static void report(const harness_ctx *h, const char *what) {
         .n = 1, .slot = {slot_}, .n_tok = { n_tok_ }                                               \
     }
 
+// The indexer keys slot `slot`'s entry blocks hold (di_dsv4_dev_state_read_block's layout) are
+// the keys its session's CPU forward computed, bit for bit: FP32 rows as they are, or (official)
+// Q4 codes decoded exactly (tensor/quant_ref.h di_quant_q4_unpack). Returns the keys compared.
+static int64_t check_index_keys(const harness_ctx *h, int slot) {
+    const di_hparams *hp = &h->m->hp;
+    const di_session *ses = h->ses[slot];
+    const int64_t DI = hp->index_head_dim, rb = di_dsv4_dev_state_kv_row_bytes(h->st);
+    const int64_t kb = di_dsv4_dev_state_index_key_bytes(h->st);
+    int64_t bb = 0, sb = 0, n = 0, bad = 0;
+    CHECK_EQ(di_dsv4_dev_sizes(h->d, N_CTX, BT, &bb, &sb), DI_OK);
+    uint8_t *blk = malloc((size_t)bb);
+    float *key = malloc(sizeof(float) * (size_t)DI);
+    if (!blk || !key) {
+        CHECK(false);
+        goto done;
+    }
+    for (int32_t b = 0; b < MAXB && b * BT < ses->pos; b++) {
+        CHECK_EQ(di_dsv4_dev_state_read_block(h->st, h->blk[slot][b], blk), DI_OK);
+        int64_t off = 0;
+        for (int il = 0; il < hp->n_layer; il++) {
+            const int32_t r = h->m->layers[il].ratio;
+            if (r <= 0) continue;
+            const int64_t E = BT / r;
+            off += E * rb; // the entries' rows
+            if (r != 4) continue;
+            const di_dsv4_cmp_state *cs = &ses->layers[il].idx;
+            for (int64_t e = 0; e < E && b * E + e < cs->n_entries; e++, n++) {
+                const uint8_t *k = blk + off + e * kb;
+                if (g_prec == DI_PRECISION_OFFICIAL)
+                    di_quant_q4_unpack(k, DI, DI_BACKEND_KEY_BLOCK, key);
+                else
+                    memcpy(key, k, sizeof(float) * (size_t)DI);
+                bad += memcmp(key, di_dsv4_entry(cs, b * E + e, (int32_t)DI),
+                              sizeof(float) * (size_t)DI) != 0;
+            }
+            off += E * kb;
+        }
+        CHECK_EQ(off, bb);
+    }
+    fprintf(stderr, "keys: %lld compared, %lld differ\n", (long long)n, (long long)bad);
+    CHECK_EQ(bad, 0);
+done:
+    free(blk);
+    free(key);
+    return n;
+}
+
 // (a) one sequence: 1, 3, 5 (crosses CSA windows and the 16-row window), 64 (to 73), 60 (crosses
-// 128: the first HCA window closes mid-chunk), decodes, 96, then 30 (crosses 256).
+// 128: the first HCA window closes mid-chunk), decodes, 96, then 30 (crosses 256); then its
+// entry blocks' indexer keys against the session's (check_index_keys).
 static void one_sequence(const char *dir, const char *what) {
     harness_ctx h;
     if (!open_ctx(&h, dir)) {
@@ -327,6 +394,9 @@ static void one_sequence(const char *dir, const char *what) {
         run_step(&h, &sp);
     }
     CHECK_EQ(di_session_n_past(h.ses[0]), 268);
+    int n_csa = 0;
+    for (int il = 0; il < h.m->hp.n_layer; il++) n_csa += h.m->layers[il].ratio == 4;
+    CHECK_EQ(check_index_keys(&h, 0), (int64_t)n_csa * (268 / 4)); // every CSA entry's key
     report(&h, what);
     close_ctx(&h);
 }
