@@ -44,7 +44,10 @@
 //       before the next call and written back, snapshot included; the rerun reads them back and
 //       uploads them before its call); a corrupted record (the chain stops before it). Every
 //       output is bit for bit that of a device-resident engine without any cache; nothing is
-//       allocated in a step; every block comes back;
+//       allocated in a step; every block comes back. In the official recipe (Q4 index key codes)
+//       a restart reads its records back, and one rewritten in the former device layout (the
+//       keys as FP32 rows: what builds before the codes wrote) is dropped as another block
+//       layout, never misread: the chain stops there, the output is the cold engine's;
 //   (j) KV transfer (docs/disaggregation.md) between device-resident engines: engine A runs (f)'s
 //       prompt and exports its two blocks (read from the device) and its tail snapshot; engine B
 //       imports them (written to the device; a second import finds them present) and runs a
@@ -78,6 +81,7 @@
 #include "model/dsv4.h"
 #include "model/dsv4_dev.h"
 #include "model/synth.h"
+#include "tensor/quant_ref.h" // di_quant_q4_unpack: (i)'s former-layout record
 
 enum { V = 512, N_REQ = 6, MAX_GEN = 24, MAX_CTX = 256, N_TOP = 3 };
 
@@ -105,10 +109,15 @@ static result g_ref[N_REQ], g_ref2[N_REQ]; // the CPU engine's first and second 
 // The device bytes of one entry block and of one slot's tail for a context of max_ctx (the
 // engine's blocks of di_kv_block_tokens positions), from a dev forward on a CPU backend; mtp: with
 // the MTP block enabled (its window ring in the tail).
+// The precision recipe of dev_sizes, dev_record_path and disk_engine (the official one in (i)'s
+// former-layout record).
+static di_precision g_prec = DI_PRECISION_FP32;
+
 static void dev_sizes(const char *dir, int32_t max_ctx, int64_t *blk, int64_t *slot, int32_t *bt,
                       bool mtp) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
+    mo.precision = g_prec;
     di_model *m = NULL;
     di_backend *b = NULL;
     di_dsv4_dev *d = NULL;
@@ -677,6 +686,7 @@ static int32_t g_kp[K_P2], g_ky[K_Y]; // the prompt and its extension; an unrela
 static di_engine *disk_engine(size_t kv_bytes, const char *disk, bool prefix, di_backend *b) {
     di_engine_options o = options(kv_bytes, 3);
     o.max_ctx = K_CTX;
+    o.precision = g_prec;
     o.kv_disk_dir = disk;
     o.no_prefix_cache = !prefix;
     o.no_tail_cache = !prefix; // snapshots travel with their blocks' records
@@ -700,10 +710,13 @@ static di_status no_block_write(void *user, int32_t block, const void *src) {
 }
 
 // The path of the record of block `blk` of g_kp (salt 0), through an accounting kv_manager of
-// the device layout holding the directory's lock meanwhile (no engine may run on it then).
-static void dev_record_path(const char *disk, int blk, char *buf, size_t cap) {
+// the device layout holding the directory's lock meanwhile (no engine may run on it then); its
+// hash, its parent's and the store's layout into h, parent and l when not NULL.
+static void dev_record(const char *disk, int blk, char *buf, size_t cap, uint64_t *hash,
+                       uint64_t *parent, di_kv_disk_layout *l) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
+    mo.precision = g_prec;
     di_model *m = NULL;
     di_kv_manager *kv = NULL;
     int64_t bb = 0, sb = 0;
@@ -717,14 +730,23 @@ static void dev_record_path(const char *disk, int blk, char *buf, size_t cap) {
     di_kv_disk_options o = {.dir = disk};
     if (kv) CHECK_EQ(di_kv_manager_open_disk(kv, &o), DI_OK);
     if (kv && kv->disk) {
-        uint64_t h = 0;
-        for (int i = 0; i <= blk; i++)
+        uint64_t h = 0, up = 0;
+        for (int i = 0; i <= blk; i++) {
+            up = h;
             h = di_prefix_cache_hash(kv->cache, h, g_kp + i * kv->block_tokens, 0);
+        }
         CHECK(di_kv_disk_has(kv->disk, h));
         di_kv_disk_path(kv->disk, h, buf, cap);
+        if (hash) *hash = h;
+        if (parent) *parent = up;
+        if (l) *l = *di_kv_disk_get_layout(kv->disk);
     }
     di_kv_manager_destroy(kv);
     di_model_destroy(m);
+}
+
+static void dev_record_path(const char *disk, int blk, char *buf, size_t cap) {
+    dev_record(disk, blk, buf, cap, NULL, NULL, NULL);
 }
 
 static void check_disk_clean(di_engine *e, di_engine_stats *st) {
@@ -880,6 +902,119 @@ static void test_disk(void) {
     di_engine_destroy(e);
 done:
     di_backend_destroy(b);
+}
+
+// (i) in the official recipe: the device's records round-trip (block 0 read back), and a record
+// of the former device layout (FP32 index keys beside the FP8 rows: what the device forward
+// stored before its keys became Q4 codes) is refused, never misread: block 1's record rewritten
+// in that layout (its keys decoded, the header's payload size the old one, valid checksums) is
+// dropped as another block layout, the chain stops after block 0, the output is the cold
+// engine's.
+static void test_disk_former_layout(void) {
+    g_prec = DI_PRECISION_OFFICIAL;
+    char disk[300], p[4200];
+    snprintf(disk, sizeof disk, "%s/kvdisk-former", g_dir);
+    di_backend *b = NULL;
+    di_model *m = NULL;
+    unsigned char *rec = NULL, *old = NULL;
+    float *old_payload = NULL;
+    CHECK_EQ(di_cpu_backend_create(2, &b), DI_OK);
+    di_model_options mo = di_model_options_default();
+    mo.n_threads = 1;
+    mo.precision = g_prec;
+    CHECK_EQ(di_model_load(g_dir, &mo, &m), DI_OK);
+    if (!b || !m) goto done;
+    di_engine_stats st;
+    static result ref, r;
+    di_engine *e = disk_engine((size_t)64 << 20, NULL, false, b);
+    if (!e) goto done;
+    disk_run(e, g_kp, K_P2, &ref);
+    di_engine_destroy(e);
+    e = disk_engine((size_t)64 << 20, disk, true, b);
+    if (!e) goto done;
+    disk_run(e, g_kp, K_P1, &r);
+    di_engine_destroy(e); // writes blocks 0 and 1
+
+    uint64_t h = 0, parent = 0;
+    di_kv_disk_layout l = {0};
+    dev_record(disk, 1, p, sizeof p, &h, &parent, &l);
+    const di_hparams *hp = &m->hp;
+    const int32_t bt = l.block_tokens;
+    const int64_t rb = di_backend_kv_row_bytes(hp->head_dim, hp->rope_main.n_dims);
+    const int64_t DI = hp->index_head_dim,
+                  kb = di_backend_code_row_bytes(4, DI, DI_BACKEND_KEY_BLOCK);
+    int64_t old_bytes = 0;
+    for (int il = 0; il < hp->n_layer; il++) {
+        const int32_t r4 = m->layers[il].ratio;
+        if (r4 > 0) old_bytes += bt / r4 * (rb + (r4 == 4 ? (int64_t)sizeof(float) * DI : 0));
+    }
+    CHECK(old_bytes > (int64_t)sizeof(float) * l.payload_floats); // the keys were 4 DI bytes
+    const size_t head = 128 + sizeof(int32_t) * (size_t)bt;       // header, tokens
+    rec = malloc(head + sizeof(float) * (size_t)l.payload_floats);
+    old_payload = malloc((size_t)old_bytes);
+    int fd = open(p, O_RDONLY);
+    CHECK(fd >= 0);
+    if (fd < 0 || !rec || !old_payload) goto done;
+    CHECK_EQ(pread(fd, rec, head + sizeof(float) * (size_t)l.payload_floats, 0),
+             (ssize_t)(head + sizeof(float) * (size_t)l.payload_floats));
+    close(fd);
+    { // the payload again with every CSA key decoded to its FP32 row
+        const unsigned char *src = rec + head;
+        unsigned char *dst = (unsigned char *)old_payload;
+        for (int il = 0; il < hp->n_layer; il++) {
+            const int32_t r4 = m->layers[il].ratio;
+            if (r4 <= 0) continue;
+            const int64_t E = bt / r4;
+            memcpy(dst, src, (size_t)(E * rb));
+            src += E * rb, dst += E * rb;
+            for (int64_t k = 0; r4 == 4 && k < E; k++) {
+                di_quant_q4_unpack(src, DI, DI_BACKEND_KEY_BLOCK, (float *)dst);
+                src += kb, dst += sizeof(float) * DI;
+            }
+        }
+        CHECK_EQ((int64_t)(src - (rec + head)), (int64_t)sizeof(float) * l.payload_floats);
+        CHECK_EQ((int64_t)(dst - (unsigned char *)old_payload), old_bytes);
+    }
+    di_kv_disk_layout lo = l;
+    lo.payload_floats = old_bytes / (int64_t)sizeof(float);
+    lo.block_floats = lo.payload_floats;
+    const size_t n_old = di_kv_disk_record_size(&lo);
+    old = malloc(n_old);
+    if (!old) goto done;
+    di_kv_disk_record_put(&lo, h, parent, 0, (const int32_t *)(rec + 128), old_payload, old);
+    { // a valid record of its own layout, another block layout for this build's
+        di_kv_disk_record dr;
+        const char *why = NULL;
+        CHECK_EQ(di_kv_disk_record_check(&lo, old, n_old, &dr, &why), DI_KV_DISK_CHECK_OK);
+        CHECK_EQ(di_kv_disk_record_check(&l, old, n_old, &dr, &why), DI_KV_DISK_CHECK_CORRUPT);
+        CHECK(why && strstr(why, "block layout") != NULL);
+    }
+    fd = open(p, O_WRONLY | O_TRUNC);
+    CHECK(fd >= 0);
+    if (fd < 0) goto done;
+    CHECK_EQ(write(fd, old, n_old), (ssize_t)n_old);
+    close(fd);
+
+    e = disk_engine((size_t)64 << 20, disk, true, b);
+    if (!e) goto done;
+    disk_run(e, g_kp, K_P2, &r);
+    CHECK(same(&r, &ref));
+    CHECK_EQ(r.n_cached, 128); // block 0 from disk; the chain stops at the former-layout record
+    check_disk_clean(e, &st);
+    CHECK_EQ(st.n_disk_blocks_read, 1);
+    CHECK_EQ(st.n_disk_dropped, 1);
+    CHECK(access(p, F_OK) != 0); // deleted
+    fprintf(stderr,
+            "(i) official recipe: block 0 read back, a record of the former layout (%lld payload "
+            "bytes, Q4 keys as FP32; this build's %lld) dropped, output identical: %d\n",
+            (long long)old_bytes, (long long)(sizeof(float) * (size_t)l.payload_floats),
+            (int)same(&r, &ref));
+    di_engine_destroy(e);
+done:
+    free(rec), free(old), free(old_payload);
+    di_model_destroy(m);
+    di_backend_destroy(b);
+    g_prec = DI_PRECISION_FP32;
 }
 
 // ---- (j) ----
@@ -1156,6 +1291,7 @@ int main(int argc, char **argv) {
     RUN(test_sizing);
     RUN(test_spec);
     RUN(test_disk);
+    RUN(test_disk_former_layout);
     RUN(test_transfer);
     RUN(test_greedy_rows);
     RUN(test_stages);
