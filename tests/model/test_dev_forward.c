@@ -189,6 +189,10 @@ static bool open_ctx(harness_ctx *h, const char *dir) {
         }
         CHECK_EQ(di_dsv4_dev_sizes(h->d, N_CTX, BT, &bb, &sb), DI_OK);
         CHECK_EQ(bb, want);
+        // ... and the stage split's estimate of a block (di_dsv4_dev_split_mem's costs) agrees.
+        di_dev_stage_cost cost;
+        di_dsv4_dev_stage_cost(h->m, 0, hp->n_layer, &cost);
+        CHECK_EQ(cost.block_bytes, bb);
     }
     di_session_options so = {.n_ctx_max = N_CTX};
     for (int i = 0; i < N_SLOTS; i++) CHECK(di_session_create(h->m, &so, &h->ses[i]) == DI_OK);
