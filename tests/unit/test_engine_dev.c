@@ -1291,7 +1291,12 @@ int main(int argc, char **argv) {
     RUN(test_sizing);
     RUN(test_spec);
     RUN(test_disk);
+#if !defined(__SANITIZE_ADDRESS__)
+    // Release only (34 s under ASan + UBSan on 2 cores): its engines run test_disk's disk path in
+    // the official recipe, whose device code the sanitizers see in test_dev_forward (h); what it
+    // adds is a record rewritten on the host and its refusal (kv_disk's checks: test_kv_disk).
     RUN(test_disk_former_layout);
+#endif
     RUN(test_transfer);
     RUN(test_greedy_rows);
     RUN(test_stages);
