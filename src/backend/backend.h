@@ -68,7 +68,7 @@ static inline int64_t di_backend_kv_row_bytes(int32_t dh, int32_t n_rot) {
 // di_quant_*_pack, docs/kv-cache.md "Packed codes"): window rows Q8 (e4m3 codes, a UE8M0 scale
 // per DI_BACKEND_WIN_BLOCK dims), entries Q4e (e2m1 pairs, an E4M3 scale per DI_BACKEND_ENT_BLOCK),
 // index keys Q4 (e2m1 pairs, a UE8M0 scale per DI_BACKEND_KEY_BLOCK); model/dsv41.h's
-// DI_DSV41_*_BLOCK.
+// DI_DSV41_*_BLOCK. V4's official-recipe index keys are the same Q4 codes (model/dsv4_dev.h).
 #define DI_BACKEND_WIN_BLOCK 32
 #define DI_BACKEND_ENT_BLOCK 16
 #define DI_BACKEND_KEY_BLOCK 32
