@@ -7,6 +7,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/log.h"
+
 bool di_args_int_list(const char *s, const char *what, int32_t **out, int32_t *n) {
     size_t cap = 16, cnt = 0;
     int32_t *v = malloc(cap * sizeof *v);
@@ -160,6 +162,7 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
         } else if (strcmp(a, "--device") == 0) {
             if (!di_args_device(v, &ma->opt.device)) return -1;
         } else if (strcmp(a, "--precision") == 0) {
+            ma->precision_given = true;
             if (strcmp(v, "fp32") == 0)
                 ma->opt.precision = DI_PRECISION_FP32;
             else if (strcmp(v, "official") == 0)
@@ -181,6 +184,13 @@ int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma) {
         return 1;
     }
     return 0;
+}
+
+void di_args_model_finish(di_model_args *ma) {
+    if (ma->precision_given || ma->opt.device.kind != DI_DEVICE_CUDA) return;
+    ma->opt.precision = DI_PRECISION_OFFICIAL;
+    DI_LOG_INFO("--device cuda: the official precision recipe (FP8 KV, FP8 GEMMs, BF16 tensor "
+                "cores); --precision fp32 runs the reference numerics");
 }
 
 di_http_args di_args_http_defaults(void) {

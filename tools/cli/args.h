@@ -32,10 +32,15 @@ bool di_args_device(const char *s, di_device *out);
 typedef struct di_model_args {
     const char *model;
     di_model_options opt;
+    bool precision_given; // --precision was on the command line
 } di_model_args;
 // Consumes argv[*i] (and its value) if it is a shared model option; returns 1 if consumed,
 // 0 if not a model option, -1 on a malformed value.
 int di_args_model_option(int argc, char **argv, int *i, di_model_args *ma);
+// After the options: without --precision, --device cuda runs the official recipe (the numerics
+// DeepSeek serves with, on the device's fast paths: FP8 KV rows, FP8 GEMMs and BF16 tensor cores;
+// docs/cuda.md "Numerics") and the CPU the fp32 recipe (the reference's numerics); logged.
+void di_args_model_finish(di_model_args *ma);
 // Options shared by the HTTP fronts (serve, route): --host, --port, --api-key, --max-body-mib,
 // --timeout (idle connection, seconds) and --drain-timeout (seconds).
 typedef struct di_http_args {

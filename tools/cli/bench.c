@@ -408,6 +408,7 @@ int di_cli_bench(int argc, char **argv) {
         return 2;
     }
     if (!ma.model && !(ma.model = di_args_default_model())) return 1;
+    di_args_model_finish(&ma);
     di_engine_options o = di_engine_options_default();
     o.n_threads = ma.opt.n_threads;
     o.precision = ma.opt.precision;

@@ -251,6 +251,7 @@ int di_cli_generate(int argc, char **argv) {
     } else if (!render_prompt(ma.model, prompt_s, &tok, &detok, &prompt, &n_prompt)) {
         goto done;
     }
+    di_args_model_finish(&ma);
     st = di_model_load(ma.model, &ma.opt, &m);
     if (st != DI_OK) {
         fprintf(stderr, "deepinfer generate: cannot load %s: %s\n", ma.model, di_status_str(st));

@@ -80,6 +80,7 @@ int di_cli_info(int argc, char **argv) {
         }
     }
     if (!ma.model && !(ma.model = di_args_default_model())) return 1;
+    di_args_model_finish(&ma);
     di_model *m = NULL;
     di_status st = di_model_load(ma.model, &ma.opt, &m);
     if (st != DI_OK) {

@@ -91,6 +91,7 @@ int di_cli_logits(int argc, char **argv) {
     di_session *s = NULL;
     float *logits = NULL, *mtp = NULL, *dl = NULL;
     FILE *dj = NULL;
+    di_args_model_finish(&ma);
     di_status st = di_model_load(ma.model, &ma.opt, &m);
     if (st != DI_OK) {
         fprintf(stderr, "deepinfer logits: cannot load %s: %s\n", ma.model, di_status_str(st));

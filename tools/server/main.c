@@ -75,7 +75,9 @@ static void usage(FILE *f) {
         "CUDA error) is rebuilt at most N times within S seconds; beyond that, or when a rebuild\n"
         "fails, /ready and /health answer 503 device_lost and every request gets 503.\n",
         (double)DI_SPEC_MIN_CONFIDENCE_DEFAULT, DI_ENGINE_PRIORITY_AGING_MS);
-    fputs("--kv-memory MiB: the KV pool. Default: on --device cuda every KV block the GPUs'\n"
+    fputs("--precision fp32|official: the numerics recipe; default fp32 (the reference's) on the\n"
+          "CPU, official (DeepSeek's: FP8 KV and GEMMs, the GPU's fast paths) with --device cuda.\n"
+          "--kv-memory MiB: the KV pool. Default: on --device cuda every KV block the GPUs'\n"
           "memory holds after the weights, the slots' state and --dev-reserve (servers sharing a\n"
           "GPU: give each its --kv-memory); elsewhere 256.\n"
           "--dev-reserve MiB (default 1024): device memory every pipeline stage (--device\n"
@@ -351,6 +353,7 @@ static int serve_main(int argc, char **argv, bool batch) {
     }
     s->think_end = di_tokenizer_token_id(s->tok, "</think>");
     s->dsml = di_tokenizer_token_id(s->tok, "｜DSML｜");
+    di_args_model_finish(&ma);
     di_engine_options eo = di_engine_options_default();
     eo.grammar_vocab = s->gvocab;
     eo.n_threads = ma.opt.n_threads;
