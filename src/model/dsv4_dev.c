@@ -234,9 +234,10 @@ typedef struct ratio_class {
     int32_t c;          // compressor copies (2: overlapping windows), 0 without compressor
     int32_t cap;        // compressed entries a sequence can have: n_ctx / ratio
     int32_t per_page;   // entries per entry block: block_tokens / ratio
-    int64_t entry_base; // KV pool row of entry block 0's first entry: max_rows + n_slots * W
+    int64_t entry_base; // KV pool row of entry block 0's first entry: max_rows + n_slots * Wr
     int64_t key_stride; // key list row: W + (CSA: topk, HCA: cap)
-    int32_t R;          // compressor token ring rows per slot (c * ratio)
+    int32_t R;          // a window's token rows (c * ratio)
+    int32_t Rr;         // compressor token ring rows per slot: R + the state's ring_extra
     int32_t win_cap;    // windows one call pools (closing ones and padding)
     // Key lists: the host builds each row's window keys (win_keys [rows, W], -1 padded); for
     // compressing ratios `keys` [max_rows, key_stride] (backend) is assembled on the backend at
@@ -258,7 +259,7 @@ typedef struct ratio_class {
 } ratio_class;
 
 typedef struct dev_lstate {
-    float *kv;    // FP32 recipe: [max_rows + n_slots * W + n_blocks * per_page, Dh]
+    float *kv;    // FP32 recipe: [max_rows + n_slots * Wr + n_blocks * per_page, Dh]
     uint8_t *kvb; // official: the same rows as KV rows of kv_row_bytes (kv_quant)
     // CSA: the indexer's keys, entry block b's from row b * per_page: FP32 recipe [n_blocks *
     // per_page, DI] floats (idx); official: the same rows as Q4 codes of key_bytes (idxq: e2m1
@@ -266,7 +267,7 @@ typedef struct dev_lstate {
     // there (the keys are Q4-rounded, spec §2.5).
     float *idx;
     uint8_t *idxq;
-    float *ring_c, *ring_z;   // compressing: [n_slots * R, c * d]
+    float *ring_c, *ring_z;   // compressing: [n_slots * Rr, c * d]
     float *iring_c, *iring_z; // CSA indexer compressor
 } dev_lstate;
 
@@ -301,12 +302,25 @@ struct stage_state {
     bool mtp;
     ratio_class mtp_cls;
     int32_t *mtp_n_past; // owned [n_slots]: positions the slot's MTP ring consumed (-1: restart)
-    int32_t *back_lo;    // owned [n_slots]: the lowest position a rollback may go back to
-    iarr mtp_src;        // [rows]: the MTP call's rows' rows of the last main call
+    iarr mtp_src;        // [rows]: the MTP call's rows' rows of x (the last main call's, or kept)
     int32_t x_rows;      // rows of the last main call whose streams x still holds (0: none)
     float *xmain;        // [max_rows, NC, D]: the MTP call's main streams, gathered from x
-    float *ones;         // [max_rows * NC] of 1.0f: post and comb of the MTP's stream add
-    int32_t *iota;       // [max_rows]: 0, 1, 2, ...
+    // Rollback (stage_rollback; dsv4_dev.h di_dsv4_dev_state_create_spec): up to back_max rows,
+    // every ring ring_extra = back_max - 1 rows longer per slot than it reads (the window rings Wr
+    // = W + ring_extra, the token rings Rr = R + ring_extra). Per slot: hw, the end of the highest
+    // position its rings were written at since start, the position its run started at (0, win_lo,
+    // a tail restore's); a rollback goes back to max(start, hw - back_max) at the lowest. The same
+    // for the MTP ring (mtp_hw, mtp_start).
+    int32_t back_max, ring_extra, Wr;
+    int32_t *hw, *start, *mtp_hw, *mtp_start; // owned [n_slots] each
+    // Kept streams (keep_streams, last stage): x holds n_keep = back_max + 1 more rows per slot
+    // after its max_rows, the main streams of the slot's last positions (row max_rows + slot *
+    // n_keep + pos mod n_keep), written by every main call (its last min(n_tok, n_keep) rows of
+    // each sequence: keep_dst / keep_src, n_kd rows); an MTP call's x_rows -1 reads them.
+    int32_t n_keep, n_kd;
+    iarr keep_dst, keep_src;
+    float *ones;   // [max_rows * NC] of 1.0f: post and comb of the MTP's stream add
+    int32_t *iota; // [max_rows]: 0, 1, 2, ...
     // scratch (backend), sized for max_rows rows
     float *x, *a, *out, *post, *comb, *mix, *qr, *q, *o, *u, *cc, *cz, *ent, *iq, *iw, *scores;
     float *aq;  // official recipe: A8-quantised linear inputs [max_rows, max(D, Rq, G*Ro)]
@@ -420,9 +434,10 @@ static di_status class_init(stage_state *s, ratio_class *k, const di_dsv4_layer_
     k->c = lw->ratio > 0 ? lw->cmp.c : 0;
     k->cap = lw->ratio > 0 ? s->n_ctx / lw->ratio : 0;
     k->per_page = lw->ratio > 0 ? s->block_tokens / lw->ratio : 0;
-    k->entry_base = T + (int64_t)s->n_slots * W;
+    k->entry_base = T + (int64_t)s->n_slots * s->Wr;
     k->key_stride = W + (lw->ratio == 4 ? hp->index_topk : k->cap);
     k->R = k->c * lw->ratio;
+    k->Rr = lw->ratio > 0 ? k->R + s->ring_extra : 0;
     // A sequence closes at most n_tok / m + 1 windows in a call, and each needs one of its rows.
     int64_t wc = lw->ratio > 0 ? T / lw->ratio + s->n_slots : 0;
     k->win_cap = (int32_t)(wc < T ? wc : T);
@@ -578,7 +593,10 @@ static void stage_state_destroy(stage_state *s) {
     di_free(s->ls);
     di_free(s->layer_cls);
     di_free(s->mtp_n_past);
-    di_free(s->back_lo);
+    di_free(s->hw);
+    di_free(s->start);
+    di_free(s->mtp_hw);
+    di_free(s->mtp_start);
     s->d->n_states--;
     di_free(s->row0);
     di_free(s->used);
@@ -587,12 +605,13 @@ static void stage_state_destroy(stage_state *s) {
 
 static size_t stage_tail_bytes(const dev_stage *d);
 
-// Stage d's part of a state (the caller checked the counts and block_tokens).
+// Stage d's part of a state (the caller checked the counts, block_tokens and the spec).
 static di_status stage_state_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
-                                    int32_t n_blocks, int32_t block_tokens, stage_state **out) {
+                                    int32_t n_blocks, int32_t block_tokens,
+                                    const di_dsv4_dev_spec *spec, stage_state **out) {
     const di_model *m = d->m;
     const di_hparams *hp = &m->hp;
-    const int64_t W = hp->window, Dh = hp->head_dim, DI = hp->index_head_dim;
+    const int64_t Wr = hp->window + spec->back_max - 1, Dh = hp->head_dim, DI = hp->index_head_dim;
     const int64_t T = max_rows, nc = hp->hc_mult, D = hp->n_embd;
     const int64_t max_blocks = ((int64_t)n_ctx + block_tokens - 1) / block_tokens;
     const int64_t n_eb = n_blocks > 0 ? n_blocks : n_slots * max_blocks;
@@ -603,7 +622,7 @@ static di_status stage_state_create(dev_stage *d, int32_t n_slots, int32_t n_ctx
     }
     for (int il = 0; il < hp->n_layer; il++) {
         int32_t r = m->layers[il].ratio;
-        int64_t rows = T + (int64_t)n_slots * W + (r > 0 ? n_eb * (block_tokens / r) : 0);
+        int64_t rows = T + (int64_t)n_slots * Wr + (r > 0 ? n_eb * (block_tokens / r) : 0);
         if (rows > INT32_MAX / 2) {
             DI_LOG_ERROR("dev state: %lld KV rows per layer overflow the row index",
                          (long long)rows);
@@ -645,17 +664,25 @@ static di_status stage_state_create(dev_stage *d, int32_t n_slots, int32_t n_ctx
     s->pages_host = di_malloc(sizeof(int32_t) * n_pt);
     s->blk_mark = s->shared ? di_calloc((size_t)n_eb, sizeof(uint32_t)) : NULL;
     s->ls = di_calloc((size_t)hp->n_layer + 1, sizeof *s->ls);
-    d->n_states++; // until destroy (a failed create included)
-    s->mtp = d->mtp;
+    d->n_states++;                // until destroy (a failed create included)
+    s->mtp = spec->mtp && d->mtp; // the last stage's (the MTP block runs there)
+    s->back_max = spec->back_max;
+    s->ring_extra = spec->back_max - 1;
+    s->Wr = (int32_t)Wr;
+    s->n_keep = s->mtp && spec->keep_streams ? spec->back_max + 1 : 0;
     s->mtp_n_past = di_calloc((size_t)n_slots, sizeof(int32_t));
-    s->back_lo = di_calloc((size_t)n_slots, sizeof(int32_t));
+    s->hw = di_calloc((size_t)n_slots, sizeof(int32_t));
+    s->start = di_calloc((size_t)n_slots, sizeof(int32_t));
+    s->mtp_hw = di_calloc((size_t)n_slots, sizeof(int32_t));
+    s->mtp_start = di_calloc((size_t)n_slots, sizeof(int32_t));
     s->layer_cls = di_calloc((size_t)hp->n_layer, 1);
     s->row0 = di_calloc((size_t)n_slots, sizeof(int32_t));
     s->used = di_calloc((size_t)n_slots, 1);
     s->n_graphs = n_slots < HEAD_CHUNK ? n_slots : HEAD_CHUNK;
     s->graphs = di_calloc((size_t)(GRAPH_ROWS * s->n_graphs), sizeof *s->graphs);
     if (!s->n_past || !s->win_lo || !s->pages_host || (s->shared && !s->blk_mark) || !s->ls ||
-        !s->mtp_n_past || !s->back_lo || !s->layer_cls || !s->row0 || !s->used || !s->graphs) {
+        !s->mtp_n_past || !s->hw || !s->start || !s->mtp_hw || !s->mtp_start || !s->layer_cls ||
+        !s->row0 || !s->used || !s->graphs) {
         st = DI_ERR_NOMEM;
         goto fail;
     }
@@ -700,12 +727,12 @@ static di_status stage_state_create(dev_stage *d, int32_t n_slots, int32_t n_ctx
             DI_TRY(st_floats(s, pool_rows * Dh, &ls->kv));
         }
         if (lw->ratio > 0) {
-            int64_t n = (int64_t)n_slots * rc->R * lw->cmp.c * lw->cmp.d;
+            int64_t n = (int64_t)n_slots * rc->Rr * lw->cmp.c * lw->cmp.d;
             DI_TRY(st_floats(s, n, &ls->ring_c));
             DI_TRY(st_floats(s, n, &ls->ring_z));
         }
         if (lw->ratio == 4) {
-            int64_t n = (int64_t)n_slots * rc->R * lw->idx_cmp.c * lw->idx_cmp.d;
+            int64_t n = (int64_t)n_slots * rc->Rr * lw->idx_cmp.c * lw->idx_cmp.d;
             DI_TRY(st_floats(s, n, &ls->iring_c));
             DI_TRY(st_floats(s, n, &ls->iring_z));
             if (d->official) { // Q4 codes (pack_rows)
@@ -756,7 +783,12 @@ static di_status stage_state_create(dev_stage *d, int32_t n_slots, int32_t n_ctx
     for (int i = 0; i < s->n_cls; i++)
         if (s->cls[i].win_cap > n_win_max) n_win_max = s->cls[i].win_cap;
     s->score_stride = cap4;
-    DI_TRY(st_floats(s, T * nc * D, &s->x));
+    // x: this call's rows, then (kept streams) every slot's last n_keep positions' streams.
+    DI_TRY(st_floats(s, (T + (int64_t)n_slots * s->n_keep) * nc * D, &s->x));
+    if (s->n_keep > 0) {
+        DI_TRY(iarr_init(s, &s->keep_dst, sizeof(int32_t), (size_t)T));
+        DI_TRY(iarr_init(s, &s->keep_src, sizeof(int32_t), (size_t)T));
+    }
     DI_TRY(st_floats(s, T * D, &s->a));
     DI_TRY(st_floats(s, T * D, &s->out));
     DI_TRY(st_floats(s, T * nc, &s->post));
@@ -832,21 +864,22 @@ static void stage_graph_stats(const stage_state *s, di_dsv4_dev_graph_stats *out
 // ---- per-call metadata (host lists of rows, uploaded once per call) ----
 
 // The KV pool row of position q of sequence i (first position p0 this call, first row r0): this
-// call's row, or the slot's ring (row = q mod W).
-static inline int32_t win_row(int64_t q, int64_t p0, int32_t r0, int64_t ring0, int64_t W) {
-    return (int32_t)(q >= p0 ? r0 + (q - p0) : ring0 + q % W);
+// call's row, or the slot's ring (row = q mod Wr, its Wr rows).
+static inline int32_t win_row(int64_t q, int64_t p0, int32_t r0, int64_t ring0, int64_t Wr) {
+    return (int32_t)(q >= p0 ? r0 + (q - p0) : ring0 + q % Wr);
 }
 
-// Compressor source of position q: this call's row (>= 0) or the slot's token ring (-(row) - 1).
-static inline int32_t cmp_src(int64_t q, int64_t p0, int32_t r0, int64_t ring0, int64_t R) {
+// Compressor source of position q: this call's row (>= 0) or the slot's token ring of Rr rows
+// (-(row) - 1).
+static inline int32_t cmp_src(int64_t q, int64_t p0, int32_t r0, int64_t ring0, int64_t Rr) {
     if (q < 0) return DI_BACKEND_NO_ROW;
-    return (int32_t)(q >= p0 ? r0 + (q - p0) : -(ring0 + q % R) - 1);
+    return (int32_t)(q >= p0 ? r0 + (q - p0) : -(ring0 + q % Rr) - 1);
 }
 
 static void build_class(stage_state *s, ratio_class *k, const di_dsv4_dev_seq *seqs,
                         int32_t n_seq) {
     const di_hparams *hp = &s->d->m->hp;
-    const int64_t W = hp->window, T = s->max_rows;
+    const int64_t W = hp->window, Wr = s->Wr, T = s->max_rows;
     const int32_t ratio = k->ratio, topk = hp->index_topk;
     // The lists' lengths (functions of the call's shape: n_tok per sequence), then every list
     // placed in the packed buffers for them.
@@ -855,9 +888,9 @@ static void build_class(stage_state *s, ratio_class *k, const di_dsv4_dev_seq *s
     for (int32_t i = 0; i < n_seq; i++) {
         const int32_t n = seqs[i].n_tok;
         n_call += n;
-        k->n_wd += n < W ? n : (int32_t)W;
+        k->n_wd += n < Wr ? n : (int32_t)Wr;
         if (ratio <= 0) continue;
-        k->n_rd += n < k->R ? n : k->R;
+        k->n_rd += n < k->Rr ? n : k->Rr;
         k->n_pool += (n - 1) / ratio + 1; // n positions close at most this many windows
     }
     iarr_place(s, &k->win_keys, (size_t)n_call * (size_t)W);
@@ -880,7 +913,7 @@ static void build_class(stage_state *s, ratio_class *k, const di_dsv4_dev_seq *s
     int32_t n_wd = 0, n_rd = 0, n_win = 0;
     for (int32_t i = 0; i < n_seq; i++) {
         const di_dsv4_dev_seq *sq = &seqs[i];
-        const int64_t p0 = sq->pos, ring0 = T + (int64_t)sq->slot * W;
+        const int64_t p0 = sq->pos, ring0 = T + (int64_t)sq->slot * Wr;
         const int32_t r0 = s->row0[i];
         // The slot's page table as this call leaves it (the updates are applied first).
         const int32_t *pt = s->pages_host + (int64_t)sq->slot * s->max_blocks;
@@ -890,7 +923,7 @@ static void build_class(stage_state *s, ratio_class *k, const di_dsv4_dev_seq *s
         for (int32_t t = 0; t < sq->n_tok; t++) {
             const int64_t P = p0 + t, w_lo = P - W + 1 > sq->win_lo ? P - W + 1 : sq->win_lo;
             int32_t *row = ki + (int64_t)(r0 + t) * W, n = 0;
-            for (int64_t q = w_lo; q <= P; q++) row[n++] = win_row(q, p0, r0, ring0, W);
+            for (int64_t q = w_lo; q <= P; q++) row[n++] = win_row(q, p0, r0, ring0, Wr);
             for (int64_t j = n; j < W; j++) row[j] = -1; // past the window: copied, never read
             if (ratio > 0) {
                 I32(k->base)[r0 + t] = (int32_t)k->entry_base;
@@ -904,10 +937,11 @@ static void build_class(stage_state *s, ratio_class *k, const di_dsv4_dev_seq *s
             }
             nk[r0 + t] = n;
         }
-        // The window ring after attention: the last min(n_tok, W) rows, from this call's rows.
-        for (int32_t t = sq->n_tok > W ? sq->n_tok - (int32_t)W : 0; t < sq->n_tok; t++) {
+        // The window ring after attention: the last min(n_tok, Wr) rows, from this call's rows
+        // (all Wr: a rollback of up to back_max rows reads the ring down to its new position - W).
+        for (int32_t t = sq->n_tok > Wr ? sq->n_tok - (int32_t)Wr : 0; t < sq->n_tok; t++) {
             ws[n_wd] = r0 + t;
-            wd[n_wd++] = (int32_t)(ring0 + (p0 + t) % W);
+            wd[n_wd++] = (int32_t)(ring0 + (p0 + t) % Wr);
         }
         if (ratio <= 0) continue;
         // Windows closing in this call (model/dsv4_attn.c compressor_step): slots j < m are the
@@ -915,15 +949,15 @@ static void build_class(stage_state *s, ratio_class *k, const di_dsv4_dev_seq *s
         // Entry w goes to its block's rows (entry block pt[w / per_page], w % per_page in it);
         // an entry the prefix cache holds (w < n_cached / m) stays untouched: nothing rewrites a
         // shared block, and the window is pooled for nothing (destination -1).
-        const int32_t m = ratio, c = k->c, R = k->R, E = k->per_page;
-        const int64_t cring0 = (int64_t)sq->slot * R, w_cached = sq->n_cached / m;
+        const int32_t m = ratio, c = k->c, R = k->R, Rr = k->Rr, E = k->per_page;
+        const int64_t cring0 = (int64_t)sq->slot * Rr, w_cached = sq->n_cached / m;
         for (int64_t P = p0; P < p0 + sq->n_tok; P++) {
             if ((P + 1) % m != 0) continue;
             const int64_t w = P / m;
             int32_t *src = I32(k->src) + (int64_t)n_win * R;
             for (int32_t j = 0; j < c * m; j++) {
                 int64_t q = c == 2 ? (w - 1) * m + j : w * m + j;
-                src[j] = cmp_src(q, p0, r0, cring0, R);
+                src[j] = cmp_src(q, p0, r0, cring0, Rr);
             }
             const int64_t e = w < w_cached ? -1 : (int64_t)pt[w / E] * E + w % E;
             I32(k->ent_pos)[n_win] = (int32_t)(w * m);
@@ -931,10 +965,10 @@ static void build_class(stage_state *s, ratio_class *k, const di_dsv4_dev_seq *s
             I32(k->ent_dst_idx)[n_win] = (int32_t)e;
             n_win++;
         }
-        // The compressor token ring after pooling: the last min(n_tok, R) rows.
-        for (int32_t t = sq->n_tok > R ? sq->n_tok - R : 0; t < sq->n_tok; t++) {
+        // The compressor token ring after pooling: the last min(n_tok, Rr) rows.
+        for (int32_t t = sq->n_tok > Rr ? sq->n_tok - Rr : 0; t < sq->n_tok; t++) {
             I32(k->ring_src)[n_rd] = r0 + t;
-            I32(k->ring_dst)[n_rd++] = (int32_t)(cring0 + (p0 + t) % R);
+            I32(k->ring_dst)[n_rd++] = (int32_t)(cring0 + (p0 + t) % Rr);
         }
     }
     DI_ASSERT(n_wd == k->n_wd && n_rd == k->n_rd);
@@ -1034,7 +1068,7 @@ static di_status compressor(const call *c, const dev_cmp *cw, const ratio_class 
         OP(scatter_rows, s->ent, k->n_pool, cw->d, cw->d, (float *)pool, pool_stride, ent_dst,
            NULL);
     }
-    // Every sequence's last min(n_tok, R) token rows into its ring: one gather-scatter each.
+    // Every sequence's last min(n_tok, Rr) token rows into its ring: one gather-scatter each.
     OP(scatter_rows, s->cc, k->n_rd, width, width, ring_c, width, D32(k->ring_dst),
        D32(k->ring_src));
     OP(scatter_rows, s->cz, k->n_rd, width, width, ring_z, width, D32(k->ring_dst),
@@ -1144,7 +1178,7 @@ static di_status attention(const call *c, int il, const float *a, float *out) {
     ROUND(s->u, T * G * Ro);
     DI_TRY(linear(c, &lw->wo_b, s->u, G * Ro, out, D, true));
 
-    // Each sequence's last min(n_tok, W) kv rows (this call's rows of the pool) into its window
+    // Each sequence's last min(n_tok, Wr) kv rows (this call's rows of the pool) into its window
     // ring, after every read of the ring: one gather-scatter for every sequence.
     // Official: the KV rows as rows of 32-bit words (scatter_rows copies bits).
     const int64_t rw = s->kv_row_bytes / (int64_t)sizeof(float);
@@ -1532,6 +1566,22 @@ static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int3
     }
     memcpy(s->tokens.host, tokens, sizeof(int32_t) * (size_t)T);
     for (int i = 0; i < s->n_cls; i++) build_class(s, &s->cls[i], seqs, n_seq);
+    if (s->n_keep > 0) { // kept streams: each sequence's last min(n_tok, n_keep) rows
+        s->n_kd = 0;
+        for (int32_t i = 0; i < n_seq; i++)
+            s->n_kd += seqs[i].n_tok < s->n_keep ? seqs[i].n_tok : s->n_keep;
+        iarr_place(s, &s->keep_dst, (size_t)s->n_kd);
+        iarr_place(s, &s->keep_src, (size_t)s->n_kd);
+        int32_t *ksrc = I32(s->keep_src), *kdst = I32(s->keep_dst), n = 0;
+        for (int32_t i = 0; i < n_seq; i++) {
+            const di_dsv4_dev_seq *sq = &seqs[i];
+            const int32_t t0 = sq->n_tok > s->n_keep ? sq->n_tok - s->n_keep : 0;
+            for (int32_t t = t0; t < sq->n_tok; t++, n++) {
+                ksrc[n] = s->row0[i] + t;
+                kdst[n] = s->max_rows + sq->slot * s->n_keep + (sq->pos + t) % s->n_keep;
+            }
+        }
+    }
     for (int32_t i = 0; i < n_seq; i++) s->n_past[seqs[i].slot] = -1; // until the call succeeds
     s->stats.last_uploads = 1;
     s->stats.last_upload_bytes = (int64_t)s->meta_used;
@@ -1599,12 +1649,22 @@ static di_status stage_forward(stage_state *s, const di_dsv4_dev_seq *seqs, int3
         s->stats.n_direct++;
     }
     // The streams stay in s->x for the next stage, which copies them before its layers.
+    // Kept streams (after the head, which only reads x; outside any graph): the call's last rows
+    // into the slots' kept rows of x.
+    if (s->n_keep > 0) {
+        const int64_t w = (int64_t)hp->hc_mult * hp->n_embd;
+        OP(scatter_rows, s->x, s->n_kd, w, w, s->x, w, D32(s->keep_dst), D32(s->keep_src));
+    }
     // The end of the step: every op done (and its faults surfaced) before the slots advance.
     DI_TRY(s->d->b->vt->sync(s->d->b));
     for (int32_t i = 0; i < n_seq; i++) {
-        s->n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
-        s->win_lo[seqs[i].slot] = seqs[i].win_lo;
-        s->back_lo[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok - 1; // its last row may go
+        const di_dsv4_dev_seq *sq = &seqs[i];
+        const int32_t end = sq->pos + sq->n_tok;
+        const bool fresh = sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo);
+        s->n_past[sq->slot] = end;
+        s->win_lo[sq->slot] = sq->win_lo;
+        if (fresh) s->start[sq->slot] = sq->pos;
+        s->hw[sq->slot] = fresh || end > s->hw[sq->slot] ? end : s->hw[sq->slot];
     }
     s->x_rows = T; // the main streams of every row, for an MTP call (head() only reads x)
     s->stats.n_download_bytes += s->stats.last_download_bytes;
@@ -1632,9 +1692,8 @@ static di_status check_mtp_call(stage_state *s, const di_dsv4_dev_seq *seqs, int
         DI_LOG_ERROR("dev mtp: the state has no MTP block (di_dsv4_dev_mtp_enable before it)");
         return DI_ERR_INVALID;
     }
-    if (n_seq < 1 || !seqs || !x_rows || !ids_next || s->x_rows == 0) {
-        DI_LOG_ERROR("dev mtp: need sequences, rows and tokens after a main call (%d rows kept)",
-                     s->x_rows);
+    if (n_seq < 1 || !seqs || !x_rows || !ids_next) {
+        DI_LOG_ERROR("dev mtp: need sequences, rows and tokens");
         return DI_ERR_INVALID;
     }
     memset(s->used, 0, (size_t)s->n_slots);
@@ -1660,16 +1719,29 @@ static di_status check_mtp_call(stage_state *s, const di_dsv4_dev_seq *seqs, int
         }
         n_rows += sq->n_tok;
     }
-    if (n_rows > s->x_rows) {
-        DI_LOG_ERROR("dev mtp: %lld rows, the last main call had %d", (long long)n_rows, s->x_rows);
+    bool kept = false;
+    for (int64_t t = 0; t < n_rows; t++) kept |= x_rows[t] == DI_DSV4_DEV_X_KEPT;
+    if (n_rows > (kept ? s->max_rows : s->x_rows)) {
+        DI_LOG_ERROR("dev mtp: %lld rows, the last main call had %d (the state takes %d)",
+                     (long long)n_rows, s->x_rows, s->max_rows);
         return DI_ERR_INVALID;
     }
-    for (int64_t t = 0; t < n_rows; t++) {
-        if (x_rows[t] < 0 || x_rows[t] >= s->x_rows || ids_next[t] < 0 ||
-            ids_next[t] >= hp->n_vocab) {
-            DI_LOG_ERROR("dev mtp: row %lld: main row %d (of %d), token %d", (long long)t,
-                         x_rows[t], s->x_rows, ids_next[t]);
-            return DI_ERR_INVALID;
+    for (int32_t i = 0, t = 0; i < n_seq; i++) {
+        const di_dsv4_dev_seq *sq = &seqs[i];
+        for (int32_t j = 0; j < sq->n_tok; j++, t++) {
+            // A kept row: its position's streams among the slot's kept ones (the last n_keep
+            // positions its main rings were written at, below its n_past, since its start).
+            const int64_t q = (int64_t)sq->pos + j, hw = s->hw[sq->slot], st = s->start[sq->slot];
+            const bool ok_kept = x_rows[t] == DI_DSV4_DEV_X_KEPT && s->n_keep > 0 &&
+                                 q < s->n_past[sq->slot] && q >= st && q >= hw - s->n_keep;
+            const bool ok_row = x_rows[t] >= 0 && x_rows[t] < s->x_rows;
+            if ((!ok_kept && !ok_row) || ids_next[t] < 0 || ids_next[t] >= hp->n_vocab) {
+                DI_LOG_ERROR("dev mtp: row %d (slot %d, position %lld): main row %d (of %d; -1: "
+                             "kept streams, %d a slot), token %d",
+                             (int)t, sq->slot, (long long)q, x_rows[t], s->x_rows, s->n_keep,
+                             ids_next[t]);
+                return DI_ERR_INVALID;
+            }
         }
     }
     if (!di_dev_logit_rows_ok("dev mtp", logit_rows, n_logit_rows, n_rows, logits))
@@ -1739,7 +1811,14 @@ static di_status stage_mtp_forward(stage_state *s, const di_dsv4_dev_seq *seqs, 
         for (int32_t t = 0; t < seqs[i].n_tok; t++) I32(s->pos)[r + t] = seqs[i].pos + t;
     }
     memcpy(s->tokens.host, ids_next, sizeof(int32_t) * (size_t)T);
-    memcpy(s->mtp_src.host, x_rows, sizeof(int32_t) * (size_t)T);
+    int32_t *src = I32(s->mtp_src);
+    for (int32_t i = 0, t = 0; i < n_seq; i++) { // kept rows: x's rows after max_rows
+        const di_dsv4_dev_seq *sq = &seqs[i];
+        for (int32_t j = 0; j < sq->n_tok; j++, t++)
+            src[t] = x_rows[t] != DI_DSV4_DEV_X_KEPT // checked: then n_keep > 0
+                         ? x_rows[t]
+                         : s->max_rows + sq->slot * s->n_keep + (sq->pos + j) % s->n_keep;
+    }
     build_class(s, &s->mtp_cls, seqs, n_seq); // window keys and ring writes in the MTP's pool
     s->x_rows = 0;                            // x becomes the MTP block's streams
     for (int32_t i = 0; i < n_seq; i++) s->mtp_n_past[seqs[i].slot] = -1; // until it succeeds
@@ -1760,7 +1839,14 @@ static di_status stage_mtp_forward(stage_state *s, const di_dsv4_dev_seq *seqs, 
     DI_TRY(s->d->b->vt->sync(s->d->b));
     s->stats.n_download_bytes += s->stats.last_download_bytes;
     s->stats.n_direct++;
-    for (int32_t i = 0; i < n_seq; i++) s->mtp_n_past[seqs[i].slot] = seqs[i].pos + seqs[i].n_tok;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const di_dsv4_dev_seq *sq = &seqs[i];
+        const int32_t end = sq->pos + sq->n_tok;
+        const bool fresh = sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo);
+        s->mtp_n_past[sq->slot] = end;
+        if (fresh) s->mtp_start[sq->slot] = sq->pos;
+        s->mtp_hw[sq->slot] = fresh || end > s->mtp_hw[sq->slot] ? end : s->mtp_hw[sq->slot];
+    }
     return DI_OK;
 fail:
     DI_LOG_ERROR("dev mtp: %s on %s; the call's slots must restart at position 0",
@@ -1768,32 +1854,63 @@ fail:
     return st;
 }
 
-// Taking back the last row (dsv4_dev.h di_dsv4_dev_rollback). Why it leaves no trace: the rolled
-// back row q = pos wrote (1) window ring row q mod W, whose previous position q - W no later call
-// reads (a call at p >= q reads window positions > p - W >= q - W); (2) compressor token ring
-// row q mod R (R = c m), whose previous position q - R no later window reads (the next window to
-// close, the one holding q, starts at floor(q / m) m - (c - 1) m > q - c m); (3) when q closed a
-// window w ((q + 1) mod m == 0), entry w in the block of q: only rows at positions >= q see it
-// (n_vis, the HCA count: (P + 1) / m > w), and the call that feeds q again closes w again and
-// rewrites the same entry in its compressor before its indexer or attention reads it; a block
-// holding q is not a cached one (q >= n_cached: its windows were not stored at all otherwise),
-// and tail snapshots at pos read only positions < pos. Taking back two rows would break (1): row
-// q + 1 overwrote position q + 1 - W, which the call at q reads. The MTP ring runs on kept rows
-// only (its calls come after the accept), so it has nothing to take back; a slot taken back
-// below its MTP position (a kept row given up: the engine's cancelled block, whose request ends)
-// must restart its MTP ring (fresh, or a tail restore).
-static di_status stage_rollback(stage_state *s, int32_t slot, int32_t pos) {
+// Taking back rows (dsv4_dev.h di_dsv4_dev_rollback, di_dsv4_dev_rollback_mtp). Why it leaves no
+// trace, for a state of back_max rows (its rings ring_extra = back_max - 1 rows longer than they
+// read: Wr = W + ring_extra window rows, Rr = R + ring_extra token rows, R = c m) and a slot whose
+// rings were written up to hw (the end of the highest position since its start) going back to pos
+// with hw - pos <= back_max: a ring row holds the highest position written at it, so position x's
+// row is intact while x + Wr >= hw (x + Rr for a token ring). (1) A call at p >= pos reads window
+// positions > p - W >= pos - W, and pos - W + 1 + Wr = pos + back_max >= hw. (2) The next window to
+// close, the one holding pos, starts at floor(pos / m) m - (c - 1) m >= pos - R + 1, and pos - R +
+// 1 + Rr = pos + back_max >= hw. Every such position below pos was last fed by a call ending at or
+// below hw, which wrote its last min(n_tok, Wr) (Rr) rows into the ring, so the row is there.
+// (3) A taken-back position that closed a window w wrote entry w in the block of its position:
+// only rows at positions >= its closing one see it (n_vis, the HCA count: (P + 1) / m > w), and the
+// call that feeds that position again closes w again and rewrites the entry in its compressor
+// before its indexer or attention reads it; such a block is not a cached one (its windows were not
+// stored at all otherwise), and tail snapshots at pos read only positions < pos. The bound is on
+// hw, not on the rows of one call: rows fed again after a rollback do not give back the rows the
+// taken-back ones overwrote, so a second rollback counts from the first one's hw. With back_max 1
+// (the engine's states) that is the last row of the last call, once. The MTP ring is a window ring
+// of its own positions (mtp_hw, mtp_start): di_dsv4_dev_rollback_mtp takes it back under the same
+// bound (to its start it always may: a call there starts it afresh); di_dsv4_dev_rollback leaves
+// it where it is when it is at or below pos, else restarts it (a kept row given up: the engine's
+// cancelled block, whose request ends; fresh, or a tail restore).
+static di_status check_rollback(const stage_state *s, int32_t slot, int32_t pos, int32_t mtp_pos) {
     const bool in = slot >= 0 && slot < s->n_slots;
     const int32_t np = in ? s->n_past[slot] : -1;
-    if (np < 0 || pos < s->back_lo[slot] || pos > np || pos <= s->win_lo[slot]) {
-        DI_LOG_ERROR("dev rollback: slot %d at %d (window from %d) cannot go back to %d (the last "
-                     "call's last row at most, once)",
-                     slot, np, in ? s->win_lo[slot] : -1, pos);
+    const int32_t lo = in && s->hw[slot] - s->back_max > s->start[slot] ? s->hw[slot] - s->back_max
+                                                                        : (in ? s->start[slot] : 0);
+    if (np < 0 || pos < lo || pos > np || pos <= s->win_lo[slot]) {
+        DI_LOG_ERROR("dev rollback: slot %d at %d (window from %d) cannot go back to %d: at most "
+                     "%d rows below the highest position its rings hold (%d), not below %d",
+                     slot, np, in ? s->win_lo[slot] : -1, pos, s->back_max, in ? s->hw[slot] : -1,
+                     lo);
         return DI_ERR_INVALID;
     }
-    s->n_past[slot] = s->back_lo[slot] = pos;
-    if (s->mtp && s->mtp_n_past[slot] > pos) s->mtp_n_past[slot] = -1;
+    if (mtp_pos < 0 || !s->d->last) return DI_OK; // the MTP ring is the last stage's
+    const int32_t mp = s->mtp ? s->mtp_n_past[slot] : -1;
+    const int32_t mlo = s->mtp_hw[slot] - s->back_max > s->mtp_start[slot]
+                            ? s->mtp_hw[slot] - s->back_max
+                            : s->mtp_start[slot];
+    const bool fresh = mtp_pos == 0 || (s->win_lo[slot] > 0 && mtp_pos == s->win_lo[slot]);
+    if (mp < 0 || mtp_pos > mp || mtp_pos > pos || (!fresh && mtp_pos < mlo)) {
+        DI_LOG_ERROR("dev rollback: slot %d: its MTP ring at %d cannot go back to %d (main to %d; "
+                     "at most %d rows below its highest position %d, not below %d)",
+                     slot, mp, mtp_pos, pos, s->back_max, s->mtp_hw[slot], mlo);
+        return DI_ERR_INVALID;
+    }
     return DI_OK;
+}
+
+// Applies a rollback check_rollback accepted (on every stage).
+static void stage_rollback(stage_state *s, int32_t slot, int32_t pos, int32_t mtp_pos) {
+    s->n_past[slot] = pos;
+    if (!s->mtp) return;
+    if (mtp_pos >= 0)
+        s->mtp_n_past[slot] = mtp_pos;
+    else if (s->mtp_n_past[slot] > pos)
+        s->mtp_n_past[slot] = -1;
 }
 
 #undef ROUND
@@ -1833,19 +1950,19 @@ static bool tail_ring_at(const dev_stage *d, const stage_state *s, int32_t slot,
     const int64_t W = hp->window, f = sizeof(float);
     if (kind == 0) {
         r->row_bytes = row_bytes_of(d);
-        r->n_rows = W;
+        r->n_rows = s ? s->Wr : W;
         r->keep = W - 1;
         r->base = NULL;
         if (s) {
             uint8_t *pool = d->official ? ls->kvb : (uint8_t *)ls->kv;
-            r->base = pool + ((int64_t)s->max_rows + (int64_t)slot * W) * r->row_bytes;
+            r->base = pool + ((int64_t)s->max_rows + (int64_t)slot * s->Wr) * r->row_bytes;
         }
         return r->keep > 0;
     }
     if (lw->ratio <= 0 || (kind >= 3 && lw->ratio != 4)) return false;
     const di_dsv4_compressor_w *cw = kind < 3 ? &lw->cmp : &lw->idx_cmp;
     r->row_bytes = (int64_t)cw->c * cw->d * f;
-    r->n_rows = (int64_t)cw->c * cw->m;
+    r->n_rows = (int64_t)cw->c * cw->m + (s ? s->ring_extra : 0);
     r->keep = (int64_t)(cw->c - 1) * cw->m;
     r->base = NULL;
     if (s) {
@@ -1982,9 +2099,9 @@ static di_status stage_tail_restore(stage_state *s, int32_t slot, int32_t pos, c
     // The slot continues at pos with every window row (no win_lo). Its page table is left as it
     // is, on the device and in the host mirror (which stays exact: the next call writes only the
     // entries that differ from the blocks it lists, e.g. the hit's).
-    s->n_past[slot] = s->back_lo[slot] = pos;
+    s->n_past[slot] = s->hw[slot] = s->start[slot] = pos;
     s->win_lo[slot] = 0;
-    if (s->mtp) s->mtp_n_past[slot] = pos;
+    if (s->mtp) s->mtp_n_past[slot] = s->mtp_hw[slot] = s->mtp_start[slot] = pos;
     return DI_OK;
 fail:
     DI_LOG_ERROR("dev tail: restoring slot %d on %s: %s; restart it at position 0", slot, b->desc,
@@ -2237,12 +2354,7 @@ di_status di_dsv4_dev_mtp_enable(di_dsv4_dev *d) {
         DI_LOG_ERROR("dev forward: the checkpoint has no sliding-window MTP block (mtp.*)");
         return DI_ERR_UNSUPPORTED;
     }
-    if (d->n_states > 0) {
-        DI_LOG_ERROR("dev forward: the MTP block must be enabled before the first state (%d "
-                     "exist)",
-                     d->n_states);
-        return DI_ERR_INVALID;
-    }
+    // States that exist keep no MTP ring (made without it; dsv4_dev.h di_dsv4_dev_mtp_enable).
     di_status st = stage_mtp_enable(last_stage(d));
     if (st == DI_OK) d->mtp = true;
     return st;
@@ -2283,7 +2395,26 @@ void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s) {
 di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
                                    int32_t n_blocks, int32_t block_tokens,
                                    di_dsv4_dev_state **out) {
+    const di_dsv4_dev_spec spec = {.mtp = d->mtp, .back_max = 1};
+    return di_dsv4_dev_state_create_spec(d, n_slots, n_ctx, max_rows, n_blocks, block_tokens, &spec,
+                                         out);
+}
+
+di_status di_dsv4_dev_state_create_spec(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx,
+                                        int32_t max_rows, int32_t n_blocks, int32_t block_tokens,
+                                        const di_dsv4_dev_spec *spec_in, di_dsv4_dev_state **out) {
     const di_hparams *hp = &d->m->hp;
+    di_dsv4_dev_spec spec = *spec_in;
+    if (spec.back_max == 0) spec.back_max = 1;
+    if (spec.back_max < 1 || spec.back_max > DI_DSV4_ROLLBACK_MAX || (spec.mtp && !d->mtp) ||
+        (spec.keep_streams && !spec.mtp)) {
+        DI_LOG_ERROR("dev state: rollbacks of %d rows (1 to %d), MTP %s%s, kept streams %s: "
+                     "unsupported",
+                     spec.back_max, DI_DSV4_ROLLBACK_MAX, spec.mtp ? "on" : "off",
+                     spec.mtp && !d->mtp ? " (di_dsv4_dev_mtp_enable first)" : "",
+                     spec.keep_streams ? "on (needs MTP)" : "off");
+        return DI_ERR_INVALID;
+    }
     if (n_slots < 1 || n_ctx < 1 || max_rows < 1 || n_blocks < 0) {
         DI_LOG_ERROR("dev state: %d slots, context %d, %d rows, %d blocks: each must be >= 1 "
                      "(blocks: >= 0)",
@@ -2298,7 +2429,7 @@ di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ct
     s->d = d;
     d->n_states++; // until destroy (a failed create included)
     for (int32_t k = 0; k < d->n_stages; k++) {
-        st = stage_state_create(d->st[k], n_slots, n_ctx, max_rows, n_blocks, block_tokens,
+        st = stage_state_create(d->st[k], n_slots, n_ctx, max_rows, n_blocks, block_tokens, &spec,
                                 &s->ss[k]);
         if (st != DI_OK) goto fail;
         s->n_stages = k + 1;
@@ -2511,13 +2642,29 @@ di_status di_dsv4_dev_mtp_forward_picks(di_dsv4_dev_state *s, const di_dsv4_dev_
                              logits, greedy, picks);
 }
 
-di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos) {
-    // The stages' bookkeeping is alike: the first one's check decides for all.
+// Checked on every stage first (the MTP ring on the last), then applied on all: nothing changes
+// when one refuses.
+static di_status rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos, int32_t mtp_pos) {
     for (int32_t k = 0; k < s->n_stages; k++) {
-        di_status st = stage_rollback(s->ss[k], slot, pos);
+        di_status st = check_rollback(s->ss[k], slot, pos, mtp_pos);
         if (st != DI_OK) return st;
     }
+    for (int32_t k = 0; k < s->n_stages; k++) stage_rollback(s->ss[k], slot, pos, mtp_pos);
     return DI_OK;
+}
+
+di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos) {
+    return rollback(s, slot, pos, -1);
+}
+
+di_status di_dsv4_dev_rollback_mtp(di_dsv4_dev_state *s, int32_t slot, int32_t pos,
+                                   int32_t mtp_pos) {
+    if (mtp_pos < 0 || !last_part(s)->mtp) {
+        DI_LOG_ERROR("dev rollback: slot %d: MTP position %d (%s)", slot, mtp_pos,
+                     last_part(s)->mtp ? "negative" : "the state has no MTP ring");
+        return DI_ERR_INVALID;
+    }
+    return rollback(s, slot, pos, mtp_pos);
 }
 
 // ---- tail snapshots over the stages: the header once, then the stages' parts in order ----
@@ -2541,7 +2688,17 @@ size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d) {
     return n;
 }
 
+// A state made without the MTP ring of its dev's snapshots (made before di_dsv4_dev_mtp_enable,
+// or with a spec without MTP): DI_ERR_INVALID (logged).
+static di_status tail_layout(const di_dsv4_dev_state *s) {
+    if (last_part(s)->mtp == last_stage(s->d)->mtp) return DI_OK;
+    DI_LOG_ERROR("dev tail: the state has %s MTP ring, its dev's snapshots %s one",
+                 last_part(s)->mtp ? "an" : "no", last_stage(s->d)->mtp ? "hold" : "do not hold");
+    return DI_ERR_INVALID;
+}
+
 di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst) {
+    if (tail_layout(s) != DI_OK) return DI_ERR_INVALID;
     const int32_t pos = di_dsv4_dev_n_past(s, slot);
     for (int32_t k = 0; k < s->n_stages; k++) {
         di_status st = check_tail_pos(s->ss[k], slot, pos);
@@ -2562,6 +2719,7 @@ di_status di_dsv4_dev_tail_save(di_dsv4_dev_state *s, int32_t slot, void *dst) {
 
 di_status di_dsv4_dev_tail_restore(di_dsv4_dev_state *s, int32_t slot, int32_t pos,
                                    const void *src) {
+    if (tail_layout(s) != DI_OK) return DI_ERR_INVALID;
     for (int32_t k = 0; k < s->n_stages; k++) {
         di_status st = check_tail_pos(s->ss[k], slot, pos);
         if (st != DI_OK) return st;

@@ -79,18 +79,31 @@
  * fails (nothing ran) logs a WARN, runs the step directly and turns graphs off for the state.
  * DI_DEV_GRAPHS=0 (read at state create) runs every call directly: the debug switch to compare.
  *
- * MTP (spec §2.10; di_dsv4_dev_mtp_enable, before the first state): the MTP block is one more
- * layer (index n_layer) with its own KV pool of this call's rows and a W-row window ring per slot
- * (ratio 0: no entries), its own lists (a ratio-0 class) and position per slot. A main call's
- * residual streams stay in the state's x scratch after it (the head only reads them);
- * di_dsv4_dev_mtp_forward then runs the block on any of those rows (the engine: the kept ones,
- * after sampling, each with the token after it): the rows gathered (scatter_rows), the input
+ * MTP (spec §2.10; di_dsv4_dev_mtp_enable uploads the block; the states made afterwards with it):
+ * the MTP block is one more layer (index n_layer) with its own KV pool of this call's rows and a
+ * window ring per slot (ratio 0: no entries), its own lists (a ratio-0 class) and position per
+ * slot. A main call's residual streams stay in the state's x scratch after it (the head only reads
+ * them); di_dsv4_dev_mtp_forward then runs the block on any of those rows (the engine: the kept
+ * ones, after sampling, each with the token after it): the rows gathered (scatter_rows), the input
  * e_proj . RMSNorm(embed) + h_proj . RMSNorm(stream) through existing ops (the stream add is
  * mhc_post over NC * T one-stream rows with post = comb = 1: x + e exactly), the block, the head
- * with the MTP's mHC and norm. Rollback (di_dsv4_dev_rollback): a slot may take back the last row
- * of its last call, once (a rejected verify row); the argument that it leaves no trace in the
- * rings and entries is at the function. MTP calls run directly (no graph); a step in which every
+ * with the MTP's mHC and norm. A state made with kept streams (di_dsv4_dev_state_create_spec: a
+ * session's, whose MTP position waits for the next call's first token, dsv4.c "sessions on the
+ * device-resident forward") also keeps each slot's last back_max + 1 positions' main streams in x
+ * after the call rows (one scatter_rows after every main call, outside its graph), which an MTP
+ * call reads by position (x_rows DI_DSV4_DEV_X_KEPT): the pending position of an earlier call, or
+ * the one a rollback leaves pending. MTP calls run directly (no graph); a step in which every
  * sequence verifies is decode-shaped (r = 2, "Graphs").
+ *
+ * Rollback (di_dsv4_dev_rollback, di_dsv4_dev_rollback_mtp): a state takes back up to back_max
+ * rows (di_dsv4_dev_state_create_spec; 1 for di_dsv4_dev_state_create: the engine's rejected
+ * verify row), below the highest position the slot's rings were written at since its start, not
+ * per call (the rows fed again after a rollback do not give back the ones the taken-back rows
+ * overwrote). Every ring of such a state is back_max - 1 rows longer per slot than it reads (the
+ * window rings W + back_max - 1 rows, the compressor token rings c m + back_max - 1; row =
+ * position mod its rows), and a call writes the last min(n_tok, rows) of them; the argument that a
+ * rollback leaves no trace in the rings and entries is at stage_rollback. With back_max 1 the
+ * layout is the one above (W-row window rings, c m-row token rings).
  *
  * Tail snapshots (docs/kv-cache.md): at a position pos that is a multiple of every compress ratio
  * (a block boundary) a slot's future reads only the entries (in blocks), the last W - 1 rows of
@@ -211,10 +224,27 @@ void di_dsv4_dev_stage_cost(const di_model *m, int32_t l0, int32_t l1, di_dev_st
 // in total, with n_blocks entry blocks of block_tokens positions ("State layout"). n_blocks > 0:
 // shared blocks, listed by each call (di_dsv4_dev_seq.blocks: ids in [0, n_blocks)); n_blocks 0:
 // private blocks (n_slots * ceil(n_ctx / block_tokens), identity). block_tokens 0: the default
-// (di_dsv4_dev_block_tokens). Every slot starts empty. DI_ERR_INVALID (counts < 1, n_blocks < 0,
-// block_tokens not a multiple of every ratio, index overflow; logged), DI_ERR_NOMEM.
+// (di_dsv4_dev_block_tokens). Every slot starts empty. With the MTP block when d has it enabled,
+// rollbacks of one row, no kept streams (di_dsv4_dev_state_create_spec {d's MTP, false, 1}).
+// DI_ERR_INVALID (counts < 1, n_blocks < 0, block_tokens not a multiple of every ratio, index
+// overflow; logged), DI_ERR_NOMEM.
 di_status di_dsv4_dev_state_create(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx, int32_t max_rows,
                                    int32_t n_blocks, int32_t block_tokens, di_dsv4_dev_state **out);
+// What a state is made for beyond plain calls ("MTP", "Rollback"): mtp, the MTP block's window
+// ring per slot (d's block enabled first); keep_streams (with mtp), every slot's last back_max + 1
+// main streams kept for MTP calls (x_rows DI_DSV4_DEV_X_KEPT); back_max, the rows a rollback may
+// take back, 1 .. DI_DSV4_ROLLBACK_MAX (model/dsv4.h: 8; 0: 1), every ring back_max - 1 rows
+// longer. A V4 MTP session's state: {true, true, DI_DSV4_ROLLBACK_MAX}.
+typedef struct di_dsv4_dev_spec {
+    bool mtp, keep_streams;
+    int32_t back_max;
+} di_dsv4_dev_spec;
+// di_dsv4_dev_state_create for spec (borrowed for the call). DI_ERR_INVALID also for back_max
+// outside [0, DI_DSV4_ROLLBACK_MAX], mtp on a dev without its MTP block, keep_streams without mtp
+// (logged).
+di_status di_dsv4_dev_state_create_spec(di_dsv4_dev *d, int32_t n_slots, int32_t n_ctx,
+                                        int32_t max_rows, int32_t n_blocks, int32_t block_tokens,
+                                        const di_dsv4_dev_spec *spec, di_dsv4_dev_state **out);
 void di_dsv4_dev_state_destroy(di_dsv4_dev_state *s); // NULL: no-op
 
 // Bytes per row of the state's KV pools: 4 * head_dim (FP32 rows, the FP32 recipe) or
@@ -334,22 +364,27 @@ di_status di_dsv4_dev_prepare_verify(di_dsv4_dev_state *s, int32_t max_seqs);
 // ---- MTP (spec §2.10; "MTP" above) ----
 
 // Uploads the model's MTP block (e_proj, h_proj, its norms, head mHC and sliding-window decoder
-// block; the lm head is shared): states created afterwards have an MTP window ring per slot, and
-// their tails and di_dsv4_dev_sizes include it. Once, before the first state of d (no-op when
-// enabled already). DI_ERR_UNSUPPORTED (no MTP block, or one that compresses), DI_ERR_INVALID (a
-// state exists), DI_ERR_NOMEM, DI_ERR_CUDA; logged.
+// block; the lm head is shared): states created afterwards by di_dsv4_dev_state_create have an MTP
+// window ring per slot (di_dsv4_dev_state_create_spec: those asking for it), and tails and
+// di_dsv4_dev_sizes include it. States that exist already keep none (their MTP calls and tail
+// snapshots are refused). Once (no-op when enabled already), before or after states exist.
+// DI_ERR_UNSUPPORTED (no MTP block, or one that compresses), DI_ERR_NOMEM, DI_ERR_CUDA; logged.
 di_status di_dsv4_dev_mtp_enable(di_dsv4_dev *d);
 bool di_dsv4_dev_has_mtp(const di_dsv4_dev *d);
+// x_rows value of an MTP row that reads its own position's kept main streams ("MTP").
+enum { DI_DSV4_DEV_X_KEPT = -1 };
 // The MTP block on rows of the last di_dsv4_dev_forward call (its main streams stay in the
 // state's backend memory until the next call of either kind): seqs[i] runs n_tok rows at
 // positions pos.. of its slot's MTP ring (pos equals the positions the ring consumed, or starts
 // it afresh: 0, or win_lo > 0; pos + n_tok at most the slot's main n_past); row t (concatenated
-// in seqs order) reads the main streams of row x_rows[t] of that call and the token ids_next[t]
-// (the one at its position + 1) and predicts the token two positions on. MTP logits of the rows
-// in logit_rows (ascending) go to host logits [n, V]. Bit for bit the CPU forward's
-// (di_dsv4_mtp_forward_batch). Runs directly (no graph). DI_ERR_INVALID (no MTP, no main call
-// before it, bad slots, positions, rows, tokens; logged), DI_ERR_CUDA (the slots' MTP rings must
-// restart).
+// in seqs order) reads the main streams of row x_rows[t] of that call, or with x_rows[t] ==
+// DI_DSV4_DEV_X_KEPT (a state with kept streams) the kept streams of its position (one of the
+// slot's last back_max + 1 positions below its n_past, fed since its start), and the token
+// ids_next[t] (the one at its position + 1), and predicts the token two positions on. At most
+// max_rows rows (without kept rows: at most the last call's). MTP logits of the rows in logit_rows
+// (ascending) go to host logits [n, V]. Bit for bit the CPU forward's (di_dsv4_mtp_forward_batch).
+// Runs directly (no graph). DI_ERR_INVALID (no MTP, no main call before it, bad slots, positions,
+// rows, kept rows not kept, tokens; logged), DI_ERR_CUDA (the slots' MTP rings must restart).
 di_status di_dsv4_dev_mtp_forward(di_dsv4_dev_state *s, const di_dsv4_dev_seq *seqs, int32_t n_seq,
                                   const int32_t *x_rows, const int32_t *ids_next,
                                   const int32_t *logit_rows, int32_t n_logit_rows, float *logits);
@@ -362,11 +397,19 @@ di_status di_dsv4_dev_mtp_forward_picks(di_dsv4_dev_state *s, const di_dsv4_dev_
                                         int32_t *picks);
 // Positions slot `slot`'s MTP ring consumed (-1: restart it; no MTP: -1).
 int32_t di_dsv4_dev_mtp_n_past(const di_dsv4_dev_state *s, int32_t slot);
-// Takes slot `slot` back to position pos: at most the last row of its last call (a rejected
-// verify row), once, never to or before its win_lo. The row taken back leaves no trace (the
-// argument is at the function in dsv4_dev.c); a slot whose MTP ring had consumed that row restarts
-// its MTP ring. DI_ERR_INVALID (logged; nothing changes).
+// Takes slot `slot` back to position pos ("Rollback"): at most back_max rows below the highest
+// position its rings were written at since its start (back_max 1: the last row of its last call,
+// a rejected verify row, once), never below a tail restore's position nor to or before its
+// win_lo. The rows taken back leave no trace (the argument is at stage_rollback in dsv4_dev.c); a
+// slot whose MTP ring had consumed past pos restarts its MTP ring. DI_ERR_INVALID (logged; nothing
+// changes).
 di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos);
+// The same, and the slot's MTP ring back to mtp_pos <= pos with the same bound on its own
+// positions (or to its start: 0, win_lo), both checked before either moves: a V4 MTP session's
+// rollback (its MTP position one below its main one). DI_ERR_INVALID (a state without MTP, or as
+// di_dsv4_dev_rollback; logged; nothing changes).
+di_status di_dsv4_dev_rollback_mtp(di_dsv4_dev_state *s, int32_t slot, int32_t pos,
+                                   int32_t mtp_pos);
 
 // ---- tail snapshots (docs/kv-cache.md "Tail snapshots") ----
 
@@ -375,7 +418,8 @@ di_status di_dsv4_dev_rollback(di_dsv4_dev_state *s, int32_t slot, int32_t pos);
 // format: FP32 rows, or the official recipe's FP8 KV rows) and, per compressor with overlapping
 // windows (CSA: main and indexer), the last m rows of its C and Z token rings; HCA keeps none;
 // with the MTP block enabled, then the last W - 1 rows of its window ring (the header counts it as
-// a layer). The same for every state of d (the MTP block is enabled before any).
+// a layer). The same for every state of d with d's MTP ring (rows by position: whatever the
+// state's back_max); tail_save and tail_restore refuse the others (DI_ERR_INVALID, logged).
 size_t di_dsv4_dev_tail_bytes(const di_dsv4_dev *d);
 // Copies slot `slot`'s tail at its current position (di_dsv4_dev_n_past, a multiple of every
 // compress ratio: the engine's block boundaries) into dst (di_dsv4_dev_tail_bytes). Syncs (dst is

@@ -1465,7 +1465,8 @@ static void test_mtp(void) {
     mtp_run(DI_PRECISION_FP32);
 #endif
     mtp_run(DI_PRECISION_OFFICIAL);
-    // Enabling needs the MTP block before any state: refused once one exists.
+    // Enabled after a state exists: that state keeps no MTP ring (its MTP calls and tail
+    // snapshots refused), the states made afterwards have one.
     di_model_options mo = di_model_options_default();
     mo.n_threads = 1;
     di_model *m = NULL;
@@ -1475,9 +1476,26 @@ static void test_mtp(void) {
     CHECK(di_model_load(g_dir, &mo, &m) == DI_OK);
     if (m) CHECK(make_dev(m, 1, b, &d));
     if (d) CHECK(di_dsv4_dev_state_create(d, 1, 64, 8, 0, 0, &st) == DI_OK);
-    if (st) CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_ERR_INVALID);
+    di_dsv4_dev_state *st2 = NULL;
+    if (st) {
+        CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
+        CHECK(di_dsv4_dev_state_create(d, 1, 64, 8, 0, 0, &st2) == DI_OK);
+        const int32_t tok[4] = {1, 2, 3, 4}, rows[1] = {0}, ids[1] = {5};
+        const di_dsv4_dev_seq sq = {.slot = 0, .pos = 0, .n_tok = 4};
+        const di_dsv4_dev_seq mq = {.slot = 0, .pos = 0, .n_tok = 1};
+        uint8_t *tail = malloc(di_dsv4_dev_tail_bytes(d));
+        CHECK(st2 && tail);
+        for (int k = 0; st2 && tail && k < 2; k++) {
+            di_dsv4_dev_state *t = k ? st2 : st;
+            CHECK_EQ(di_dsv4_dev_tail_save(t, 0, tail), k ? DI_OK : DI_ERR_INVALID); // at 0
+            CHECK_EQ(di_dsv4_dev_forward(t, &sq, 1, tok, NULL, 0, NULL), DI_OK);
+            CHECK_EQ(di_dsv4_dev_mtp_forward(t, &mq, 1, rows, ids, NULL, 0, NULL),
+                     k ? DI_OK : DI_ERR_INVALID);
+        }
+        free(tail);
+    }
     di_dsv4_dev_state_destroy(st);
-    if (d) CHECK_EQ(di_dsv4_dev_mtp_enable(d), DI_OK);
+    di_dsv4_dev_state_destroy(st2);
     di_dsv4_dev_destroy(d);
     free_backends(b);
     di_model_destroy(m);
