@@ -123,7 +123,7 @@ static void close_dev(di_model *m) {
 
 // --device cuda: the device-resident forward (dsv4_dev.h; V4.1: dsv41_dev.h) for sessions and the
 // serving engine (engine.c, speculation included), when the model allows it (either precision
-// recipe); otherwise (and for V4 MTP sessions) the offloaded CPU forward. A
+// recipe); otherwise the offloaded CPU forward. A
 // device list (cuda:0,1,...): one backend per entry, the forward's pipeline stages on them
 // (dsv4_dev.h / dsv41_dev.h "Pipeline stages").
 static di_status open_dev(di_model *m) {
@@ -768,23 +768,31 @@ void di_dsv4_head_rows(di_dsv4_ctx *c, const int32_t *logit_rows, int32_t n_logi
 // call), di_session_draft drafts on it (di_dsv41_dev_draft) and di_session_rollback takes back
 // up to DI_DSV41_ROLLBACK_MAX positions (di_dsv41_dev_rollback; s->pos, and so dev_tokens, shorten
 // with it); a replay (device loss, a token state restored) rebuilds the DSpark rings with the
-// layers'. V4 MTP sessions keep the CPU forward: the device MTP call reads the main streams of
-// the last call only (dsv4_dev.h "MTP"), while the session's MTP position waits for the next
-// call's first token, and di_dsv4_dev_rollback takes back one row, not DI_DSV4_ROLLBACK_MAX (and
-// di_dsv4_dev_mtp_enable must precede every state of the model's forward). Device loss (deepinfer.h
-// di_session_forward; the serving engine's counterpart is engine.c "device loss"): a call that
-// finds DI_ERR_DEVICE_LOST drops the device state of every session of the model (they are listed on
-// it: the states live on the forward being destroyed), rebuilds the forward (di_model_dev_rebuild:
-// every device reset, the weights uploaded again), and runs again: a new state, the session's
-// positions [0, p0) replayed from dev_tokens without logits, then the call itself from p0. The
-// device forward is deterministic and feeding the same tokens in any chunking gives the same state,
-// so the logits after the recovery are the ones of a run that never lost the device. The other
-// sessions replay theirs at their next call (dev_on with no state). At most loss_max losses found
-// by this session's calls within loss_window_s seconds are recovered; past that (or when the
-// rebuild fails) the call returns DI_ERR_DEVICE_LOST and the session keeps its tokens and position.
-// The session owns the recovery (not generate, nor a caller of the API): it alone holds the tokens
-// and the device state, and it meets every loss, whoever calls it; the bound is per session, as a
-// loss is found by one call.
+// layers'. A V4 session's state takes back up to DI_DSV4_ROLLBACK_MAX rows, as the CPU session
+// (di_dsv4_dev_state_create_spec back_max; dsv4_dev.h "Rollback": its rings that many rows longer,
+// the bound counted from the highest position fed, which the device enforces). A V4 MTP session
+// runs there too: its state has the
+// MTP ring and kept streams (the MTP block uploaded at its first state, di_dsv4_dev_mtp_enable: any
+// time, the model's other states keeping none); the CPU session's MTP position waits for the next
+// call's first token, so each call (each chunk of dev_max_rows) at p runs the MTP block on the
+// pending position p - 1 first, from its kept main streams (the device's MTP call reads only the
+// last main call's rows otherwise, and the main call's own kept rows may overwrite p - 1's), then
+// the main call, then the MTP block on that call's rows but the last (dev_feed); the MTP logits are
+// the CPU session's rows bit for bit. Its rollback takes the MTP ring back with the main one, to
+// one below (di_dsv4_dev_rollback_mtp, both checked first), and a replay rebuilds it with the
+// layers'. Device loss (deepinfer.h di_session_forward; the serving engine's counterpart is
+// engine.c "device loss"): a call that finds DI_ERR_DEVICE_LOST drops the device state of every
+// session of the model (they are listed on it: the states live on the forward being destroyed),
+// rebuilds the forward (di_model_dev_rebuild: every device reset, the weights uploaded again), and
+// runs again: a new state, the session's positions [0, p0) replayed from dev_tokens without logits,
+// then the call itself from p0. The device forward is deterministic and feeding the same tokens in
+// any chunking gives the same state, so the logits after the recovery are the ones of a run that
+// never lost the device. The other sessions replay theirs at their next call (dev_on with no
+// state). At most loss_max losses found by this session's calls within loss_window_s seconds are
+// recovered; past that (or when the rebuild fails) the call returns DI_ERR_DEVICE_LOST and the
+// session keeps its tokens and position. The session owns the recovery (not generate, nor a caller
+// of the API): it alone holds the tokens and the device state, and it meets every loss, whoever
+// calls it; the bound is per session, as a loss is found by one call.
 
 bool di_dsv4_session_on_dev(const di_session *s) {
     return s->dev_on || (s->v41 && s->model->dev41 && s->pos == 0);
@@ -810,10 +818,22 @@ di_status di_dsv4_session_dev_open(di_session *s) {
         s->dev_tokens = di_malloc(sizeof(int32_t) * (size_t)s->n_ctx_max);
         if (!s->dev_tokens) return DI_ERR_NOMEM;
     }
-    di_status st =
-        s->v41
-            ? di_dsv41_dev_state_create(m->dev41, 1, s->n_ctx_max, s->dev_max_rows, 0, 0, &s->dev41)
-            : di_dsv4_dev_state_create(m->dev, 1, s->n_ctx_max, s->dev_max_rows, 0, 0, &s->dev);
+    if (!s->v41 && s->mtp && !s->dev_mtp) {
+        s->dev_mtp = di_malloc(sizeof(int32_t) * 3 * (size_t)s->dev_max_rows);
+        if (!s->dev_mtp) return DI_ERR_NOMEM;
+    }
+    // V4: rollbacks of up to DI_DSV4_ROLLBACK_MAX rows, as the CPU session's; an MTP session's
+    // state with the MTP ring and the kept streams its pending position reads (the block uploaded
+    // first: a no-op once done, again after a rebuild).
+    const di_dsv4_dev_spec spec = {
+        .mtp = s->mtp, .keep_streams = s->mtp, .back_max = DI_DSV4_ROLLBACK_MAX};
+    di_status st = DI_OK;
+    if (!s->v41 && s->mtp) st = di_dsv4_dev_mtp_enable(m->dev);
+    if (st != DI_OK) return st;
+    st = s->v41 ? di_dsv41_dev_state_create(m->dev41, 1, s->n_ctx_max, s->dev_max_rows, 0, 0,
+                                            &s->dev41)
+                : di_dsv4_dev_state_create_spec(m->dev, 1, s->n_ctx_max, s->dev_max_rows, 0, 0,
+                                                &spec, &s->dev);
     // A DSpark session (mtp on V4.1): its state writes the DSpark rings and drafts (before the
     // slot holds a position, as di_dsv41_dev_dspark_enable requires).
     if (st == DI_OK && s->v41 && s->mtp && (st = di_dsv41_dev_dspark_enable(s->dev41)) != DI_OK) {
@@ -842,13 +862,34 @@ void di_dsv4_session_dev_close(di_session *s) {
     s->dev41 = NULL;
 }
 
+// A V4 MTP session's MTP call on rows of its device state (di_dsv4_session_forward's MTP on the
+// device), positions mp.. : the pending position alone (kept: its main streams kept by the call
+// that fed it, read before the next main call writes its own kept rows over them; with the token
+// fed after it, ids[0]), or rows 0 .. n - 1 of the main call just made (each with the token after
+// it). Their MTP logits to logits (NULL: none) [n, V].
+static di_status dev_mtp(di_session *s, int32_t mp, bool kept, const int32_t *ids, int32_t n,
+                         float *logits) {
+    int32_t *xr = s->dev_mtp, *in = xr + s->dev_max_rows, *lr = in + s->dev_max_rows;
+    for (int32_t t = 0; t < n; t++) {
+        xr[t] = kept ? DI_DSV4_DEV_X_KEPT : t;
+        in[t] = ids[t];
+        lr[t] = t;
+    }
+    di_dsv4_dev_seq ms = {.slot = 0, .pos = mp, .n_tok = n};
+    return di_dsv4_dev_mtp_forward(s->dev, &ms, 1, xr, in, lr, logits ? n : 0, logits);
+}
+
 // Feeds tokens at s->pos on the session's device state, in chunks of at most dev_max_rows rows
-// (validated by the caller), recording them in dev_tokens. A failure leaves s->pos where the
-// failed chunk started (the caller decides).
+// (validated by the caller), recording them in dev_tokens. A V4 MTP session's chunk at p runs the
+// MTP block on the pending position p - 1 (p > 0) with its first token before its main call, and
+// on its rows but the last after it (dev_mtp): its MTP ring then waits at p + n - 1, as the CPU
+// session's; the MTP logits go to their row of the feed's (positions max(p0 - 1, 0) .. for a
+// feed from p0). A failure leaves s->pos where the failed chunk started (the caller decides).
 static di_status dev_feed(di_session *s, const int32_t *tokens, int32_t n_tok,
                           const di_forward_out *out) {
     const int64_t V = s->model->hp.n_vocab;
     const bool want = out && out->logits;
+    const int32_t m0 = s->pos > 0 ? s->pos - 1 : 0; // the feed's first MTP position
     for (int32_t done = 0; done < n_tok;) {
         const int32_t n = n_tok - done < s->dev_max_rows ? n_tok - done : s->dev_max_rows;
         const bool last = done + n == n_tok;
@@ -867,8 +908,18 @@ static di_status dev_feed(di_session *s, const int32_t *tokens, int32_t n_tok,
             st =
                 di_dsv41_dev_forward(s->dev41, &seq, 1, tokens + done, s->dev_rows, n_rows, logits);
         } else {
+            // The MTP rows' logits: row q - m0 of the feed's for position q.
+            float *ml = out && out->mtp_logits ? out->mtp_logits - m0 * V : NULL;
+            st = DI_OK;
+            if (s->mtp && s->pos > 0)
+                st = dev_mtp(s, s->pos - 1, true, tokens + done, 1, ml ? ml + (s->pos - 1) * V : 0);
             di_dsv4_dev_seq seq = {.slot = 0, .pos = s->pos, .n_tok = n};
-            st = di_dsv4_dev_forward(s->dev, &seq, 1, tokens + done, s->dev_rows, n_rows, logits);
+            if (st == DI_OK)
+                st = di_dsv4_dev_forward(s->dev, &seq, 1, tokens + done, s->dev_rows, n_rows,
+                                         logits);
+            if (st == DI_OK && s->mtp && n > 1)
+                st = dev_mtp(s, s->pos, false, tokens + done + 1, n - 1,
+                             ml ? ml + s->pos * V : NULL);
         }
         if (st != DI_OK) return st;
         // A replay feeds dev_tokens itself: the same place, so memmove.
@@ -975,26 +1026,36 @@ static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok
         s->pos = p0; // this call's chunks done so far are fed again
         if ((st = dev_lost(s)) != DI_OK) return st;
     }
-    if (out && out->n_mtp_out) *out->n_mtp_out = 0;
+    // V4 MTP: the rows of positions max(p0 - 1, 0) .. p0 + n_tok - 2 (deepinfer.h).
+    if (out && out->n_mtp_out) *out->n_mtp_out = s->mtp && !s->v41 ? (p0 > 0) + n_tok - 1 : 0;
     return DI_OK;
 }
 
-// A DSpark session's rollback on the device: the slot's positions taken back on its state (host
-// bookkeeping, di_dsv41_dev_rollback), or, when the state was dropped (another session's device
-// loss), only s->pos: the replay at the next call feeds dev_tokens [0, s->pos).
+// A device session's rollback: the slot's positions taken back on its state (host bookkeeping:
+// V4.1 di_dsv41_dev_rollback; V4 di_dsv4_dev_rollback, an MTP session's MTP ring with it to one
+// below, where the CPU session's waits, di_dsv4_dev_rollback_mtp; back to 0 the next call starts
+// the slot afresh), or, when the state was dropped (another session's device loss), only s->pos:
+// the replay at the next call feeds dev_tokens [0, s->pos). The device refuses a rollback its
+// rings cannot take back (past DI_DSV4_ROLLBACK_MAX rows below the highest position fed, e.g.
+// after successive rollbacks; dsv4_dev.h "Rollback"): nothing changes then.
 di_status di_dsv4_session_dev_rollback(di_session *s, int32_t n) {
-    if (n < 0 || n > s->pos || n > DI_DSV41_ROLLBACK_MAX) {
+    const int32_t max = s->v41 ? DI_DSV41_ROLLBACK_MAX : DI_DSV4_ROLLBACK_MAX;
+    if (n < 0 || n > s->pos || n > max) {
         DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d on the "
-                     "device-resident V4.1 forward)",
-                     n, s->pos, DI_DSV41_ROLLBACK_MAX);
+                     "device-resident %s forward)",
+                     n, s->pos, max, s->v41 ? "V4.1" : "V4");
         return DI_ERR_INVALID;
     }
     if (n == 0) return DI_OK;
-    if (s->dev41) {
-        di_status st = di_dsv41_dev_rollback(s->dev41, 0, n);
-        if (st != DI_OK) return st;
-    }
-    s->pos -= n;
+    const int32_t pos = s->pos - n;
+    di_status st = DI_OK;
+    if (s->dev41)
+        st = di_dsv41_dev_rollback(s->dev41, 0, n);
+    else if (s->dev && pos > 0)
+        st = s->mtp ? di_dsv4_dev_rollback_mtp(s->dev, 0, pos, pos - 1)
+                    : di_dsv4_dev_rollback(s->dev, 0, pos);
+    if (st != DI_OK) return st;
+    s->pos = pos;
     return DI_OK;
 }
 

@@ -248,8 +248,9 @@ typedef struct di_dsv4_layer_state {
 void di_dsv4_state_rollback(const di_model *m, di_dsv4_layer_state *layers, int il0, int il1,
                             int32_t pos_new);
 // di_session_rollback of a V4 session: its main layers, its MTP block (one position behind) and
-// the MTP block's pending input. DI_ERR_INVALID (nothing changes) for n < 0, n > pos, n >
-// DI_DSV4_ROLLBACK_MAX, or a session on the device-resident forward.
+// the MTP block's pending input; a session on the device-resident forward through
+// di_dsv4_session_dev_rollback (dsv41.h). DI_ERR_INVALID (nothing changes) for n < 0, n > pos, n
+// > DI_DSV4_ROLLBACK_MAX (the device-resident forward: also past what its rings hold).
 di_status di_dsv4_rollback(di_session *s, int32_t n);
 
 // Debug/test hook: called with named intermediate tensors (FP32 rows, or int32 when is_int).
@@ -376,6 +377,8 @@ struct di_session {
     struct di_dsv4_dev_state *dev; // owned
     int32_t *dev_rows;             // owned [dev_max_rows]: logit rows of one dev call
     int32_t dev_max_rows;          // rows per dev call (longer feeds run in chunks)
+    // V4 with MTP on dev: owned [3 * dev_max_rows], an MTP call's x_rows, ids_next, logit rows.
+    int32_t *dev_mtp;
     // V4.1 on the model's dev41 (a 1-slot state, made at the first di_session_forward, so the
     // engine's slot sessions, fed by di_dsv41_forward_batch, never hold one): the CPU V4.1 state
     // is unused then; rollback and batched calls are refused, save / restore as for dev.

@@ -313,10 +313,12 @@ void di_dsv41_dspark_context(di_session *s, const float *taps, int32_t p0, int32
 // (di_dsv41_draft_batch) on the session's workspace.
 di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *out, float *logits);
 
-// A DSpark session on the device-resident forward (s->dev_on; model/dsv4.c "sessions on the
-// device-resident forward"): di_session_rollback's and di_session_draft's device twins. Rollback:
-// at most DI_DSV41_ROLLBACK_MAX positions (di_dsv41_dev_rollback; DI_ERR_INVALID, logged, nothing
-// changed, beyond). Draft: di_dsv41_dev_draft on slot 0 (bit for bit di_dsv41_draft_block's
+// A session on the device-resident forward (s->dev_on; model/dsv4.c "sessions on the
+// device-resident forward"): di_session_rollback's and (DSpark) di_session_draft's device twins.
+// Rollback: at most DI_DSV41_ROLLBACK_MAX positions on V4.1 (di_dsv41_dev_rollback),
+// DI_DSV4_ROLLBACK_MAX below the highest position fed on V4 (di_dsv4_dev_rollback, an MTP
+// session's MTP ring with it: di_dsv4_dev_rollback_mtp); DI_ERR_INVALID, logged, nothing changed,
+// beyond. Draft: di_dsv41_dev_draft on slot 0 (bit for bit di_dsv41_draft_block's
 // drafts, confidences and logits), with the session's device-loss recovery.
 di_status di_dsv4_session_dev_rollback(di_session *s, int32_t n);
 di_status di_dsv4_session_dev_draft(di_session *s, int32_t anchor, di_dsv41_draft *out,

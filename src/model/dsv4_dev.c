@@ -2756,11 +2756,10 @@ di_status di_dsv4_dev_attach_stages(di_model *m, di_backend *const *b, int32_t n
     di_status st = di_dsv4_dev_create_stages(m, b, n_stages, &d);
     if (st != DI_OK) return st;
     m->dev = d;
-    DI_LOG_INFO("device-resident forward on %s%s: sessions without MTP and the serving engine run "
-                "every layer, their KV and compressor state there; MTP sessions keep the CPU "
-                "forward%s",
-                b[0]->desc, n_stages > 1 ? " and the next stages' backends" : "",
-                m->accel_matmul ? " with its matmuls offloaded" : "");
+    DI_LOG_INFO("device-resident forward on %s%s: sessions (MTP ones too, when the MTP block is "
+                "a sliding-window one) and the serving engine run every layer, their KV and "
+                "compressor state there",
+                b[0]->desc, n_stages > 1 ? " and the next stages' backends" : "");
     return DI_OK;
 }
 

@@ -443,8 +443,9 @@ di_status di_dsv4_dev_tail_check(const di_dsv4_dev *d, int32_t pos, const void *
 // ---- model wiring ----
 
 // Creates the model's dev forward on backend b (borrowed; must outlive m) and attaches it:
-// sessions created afterwards without MTP run di_session_forward through a 1-slot state of their
-// n_ctx_max (dsv4_state.c). di_model_load calls it with the CUDA backend for --device cuda; tests
+// sessions created afterwards run di_session_forward through a 1-slot state of their n_ctx_max
+// (dsv4_state.c; MTP sessions with the MTP block enabled then, dsv4.c "sessions on the
+// device-resident forward"). di_model_load calls it with the CUDA backend for --device cuda; tests
 // call it with the CPU backend. Errors as di_dsv4_dev_create (nothing attached);
 // DI_ERR_INVALID when one is attached already.
 di_status di_dsv4_dev_attach(di_model *m, di_backend *b);

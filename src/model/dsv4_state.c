@@ -162,9 +162,11 @@ di_status di_session_create(di_model *m, const di_session_options *opt, di_sessi
         if (lw->ratio > 0 && (st = cmp_state_init(&ls->cmp, &lw->cmp)) != DI_OK) goto fail;
         if (lw->ratio == 4 && (st = cmp_state_init(&ls->idx, &lw->idx_cmp)) != DI_OK) goto fail;
     }
-    if (m->dev && !s->mtp) {
+    if (m->dev && (!s->mtp || m->mtp[0].block.ratio == 0)) {
         // The device-resident forward: one slot of the whole context, sized once; calls longer
-        // than dev_max_rows rows are fed in chunks (the same logits as one call).
+        // than dev_max_rows rows are fed in chunks (the same logits as one call). An MTP session
+        // too, its MTP block uploaded at its first state (a block that compresses has no device
+        // twin: such a session keeps the CPU forward).
         if ((st = di_dsv4_session_dev_open(s)) != DI_OK) goto fail;
         if (s->trace)
             DI_LOG_WARN("DI_DUMP: a session on the device-resident forward writes no "
@@ -182,6 +184,7 @@ void di_session_destroy(di_session *s) {
     di_dsv41_state_destroy(s);
     di_dsv4_session_dev_close(s);
     di_free(s->dev_rows);
+    di_free(s->dev_mtp);
     di_free(s->dev_tokens);
     di_free(s->loss_ms);
     if (s->layers) {
@@ -234,12 +237,10 @@ void di_dsv4_state_rollback(const di_model *m, di_dsv4_layer_state *layers, int 
 }
 
 di_status di_dsv4_rollback(di_session *s, int32_t n) {
-    if (s->dev_on || n < 0 || n > s->pos || n > DI_DSV4_ROLLBACK_MAX) {
-        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d%s)", n, s->pos,
-                     DI_DSV4_ROLLBACK_MAX,
-                     s->dev_on ? "; none on the device-resident forward, whose rings have no spare "
-                                 "rows"
-                               : "");
+    if (s->dev_on) return di_dsv4_session_dev_rollback(s, n); // dsv4.c
+    if (n < 0 || n > s->pos || n > DI_DSV4_ROLLBACK_MAX) {
+        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d)", n, s->pos,
+                     DI_DSV4_ROLLBACK_MAX);
         return DI_ERR_INVALID;
     }
     const di_hparams *hp = &s->model->hp;

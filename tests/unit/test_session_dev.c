@@ -28,6 +28,16 @@
 //       restore, backend losses inside a draft and a verify call, a rollback on a state dropped
 //       by a rebuild from outside, and the drill; rollbacks past 16 or the position refused
 //       (release 8 steps, ASan 4).
+//   (f) a V4 MTP session (tiny-128's sliding-window MTP block) on the device forward against a
+//       CPU MTP session: verify steps of an anchor and 1 to 8 drafts (the first the MTP block's
+//       argmax) in one call, every row's logits and MTP logits, the drafts (each MTP row's
+//       argmax) and anchors bit for bit through rollbacks of all, none and some drafts (up to
+//       8), a token-state save / restore into a fresh device session, a backend loss inside a
+//       verify call, a rebuild from outside before a rollback and the drill; a rollback past what
+//       the device rings hold (more than 8 below the highest position fed, across calls)
+//       refused, nothing lost;
+//       the prompt fed in chunks as one call. Again with the backends deferred (--deferred,
+//       release stage only). Release 10 steps, ASan 4 without the losses.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -495,7 +505,184 @@ done:
     di_model_destroy(cpu);
 }
 
-int main(void) {
+// ---- (f) V4 MTP sessions on the device forward ----
+//
+// A verify loop on the session API (include/deepinfer.h di_forward_out.mtp_logits): each call
+// feeds the anchor and k drafts (k = 1 .. 8 by the schedule; the first draft the argmax of the
+// last call's last MTP row, the others made up), with every row's logits and the MTP logits of
+// its rows (positions p - 1 .. p + k - 1); then takes back a scheduled number of drafts (all,
+// none, some: the state of each is what the next call reads), the next anchor the argmax of the
+// verify row after the kept ones.
+#if defined(__SANITIZE_ADDRESS__)
+enum { M_IT = 4 };
+#else
+enum { M_IT = 10 };
+#endif
+enum { M_MAX = 8 }; // DI_DSV4_ROLLBACK_MAX drafts
+
+typedef struct mtp_run {
+    float pl[V];                    // the prompt's last row
+    float pm[N_PROMPT][V];          // the prompt's MTP rows (N_PROMPT - 1)
+    float vl[M_IT][M_MAX + 1][V];   // verify rows' logits
+    float vm[M_IT][M_MAX + 1][V];   // their MTP rows
+    int32_t draft[M_IT][M_MAX + 1]; // every MTP row's argmax (the drafts it makes)
+    int32_t n_mtp[M_IT + 1];
+    int32_t anchor[M_IT + 1], pos[M_IT + 1];
+} mtp_run;
+
+static di_session *mtp_session(di_model *m) {
+    di_session_options so = {.n_ctx_max = N_CTX + 64, .mtp = true};
+    di_session *s = NULL;
+    return di_session_create(m, &so, &s) == DI_OK ? s : NULL;
+}
+
+// Drafts at iteration it and how many of them are taken back (-1: all).
+static const int32_t mtp_k[] = {3, 8, 8, 1, 5, 2, 8, 4, 1, 6};
+static const int32_t mtp_back[] = {-1, 0, -1, 1, 2, 0, 5, -1, 0, 3};
+
+// The loop on *ps (replaced by the session restored into); with disturb, at iteration 1 a token
+// state restored into a fresh session, 2 a backend loss inside the verify call, 3 a rollback the
+// device rings cannot take refused, 4 a rebuild from outside before the rollback (the state
+// dropped), 5 the drill (a fresh session's restore replays through it).
+static bool mtp_loop(di_model *m, di_session **ps, mtp_run *r, bool disturb) {
+    di_session *s = *ps;
+    int32_t n_m = -1;
+    // The prompt in two calls (its MTP rows: positions 0 .. N_PROMPT - 2 either way).
+    di_forward_out fo = {.mtp_logits = &r->pm[0][0], .n_mtp_out = &n_m};
+    const int32_t cut = N_PROMPT / 3;
+    if (di_session_forward(s, g_prompt, cut, &fo) != DI_OK || n_m != cut - 1) return false;
+    fo = (di_forward_out){
+        .logits = r->pl, .last_only = true, .mtp_logits = &r->pm[cut - 1][0], .n_mtp_out = &n_m};
+    if (di_session_forward(s, g_prompt + cut, N_PROMPT - cut, &fo) != DI_OK) return false;
+    r->n_mtp[0] = n_m; // N_PROMPT - cut: the pending position cut - 1 and the call's rows
+    r->anchor[0] = argmax(r->pl);
+    r->pos[0] = di_session_n_past(s);
+    int32_t guess = argmax(r->pm[N_PROMPT - 2]);
+    for (int it = 0; it < M_IT; it++) {
+        const int32_t k = mtp_k[it];
+        int32_t ver[M_MAX + 1] = {r->anchor[it], guess};
+        for (int32_t j = 2; j <= k; j++) ver[j] = (ver[j - 1] * 7 + 3) % V;
+        if (disturb && it == 2) di_cpu_backend_lose(lost(m), 6); // inside the verify call
+        di_forward_out vo = {
+            .logits = &r->vl[it][0][0], .mtp_logits = &r->vm[it][0][0], .n_mtp_out = &n_m};
+        if (di_session_forward(s, ver, k + 1, &vo) != DI_OK) return false;
+        r->n_mtp[it + 1] = n_m;
+        for (int32_t j = 0; j < n_m; j++) r->draft[it][j] = argmax(r->vm[it][j]);
+        const int32_t back = mtp_back[it] < 0 ? k : mtp_back[it];
+        if (disturb && it == 3) {
+            // Past the limits: refused, nothing changed.
+            const int32_t p = di_session_n_past(s);
+            if (di_session_rollback(s, M_MAX + 1) != DI_ERR_INVALID ||
+                di_session_rollback(s, -1) != DI_ERR_INVALID || di_session_n_past(s) != p)
+                return false;
+        }
+        if (disturb && it == 4 && (di_model_dev_rebuild(m) != DI_OK || s->dev)) return false;
+        if (di_session_rollback(s, back) != DI_OK) return false;
+        r->anchor[it + 1] = argmax(r->vl[it][k - back]);
+        r->pos[it + 1] = di_session_n_past(s);
+        guess = argmax(r->vm[it][k - back]);   // the MTP row of the last kept position
+        if (disturb && (it == 1 || it == 5)) { // a token state into a fresh device session
+            if (it == 5) setenv("DI_SESSION_LOSE_DEVICE", "1", 1); // the drill: its replay
+            di_session *t = mtp_session(m);
+            unsetenv("DI_SESSION_LOSE_DEVICE");
+            void *bytes = NULL;
+            size_t nb = 0;
+            if (!t || di_session_save(s, &bytes, &nb) != DI_OK) return false;
+            di_status st = di_session_restore(t, bytes, nb);
+            di_free_buffer(bytes);
+            di_session_stats ss;
+            di_session_get_stats(t, &ss);
+            if (st != DI_OK || di_session_n_past(t) != r->pos[it + 1] ||
+                ss.n_device_recoveries != (it == 5))
+                return false;
+            di_session_destroy(s);
+            *ps = s = t;
+        }
+    }
+    return true;
+}
+
+static void test_mtp(bool disturb) {
+    di_model *m = load(g_dir4, true), *cpu = load(g_dir4, false);
+    CHECK(m && cpu && m->dev);
+    if (!m || !cpu) goto done;
+    mtp_run *ref = calloc(1, sizeof *ref), *r = calloc(1, sizeof *r);
+    di_session *c = mtp_session(cpu), *s = mtp_session(m);
+    CHECK(c && s && !c->dev_on && s->dev);
+    CHECK(mtp_loop(cpu, &c, ref, false));
+    CHECK(mtp_loop(m, &s, r, disturb));
+    CHECK(s && s->dev_on);
+    CHECK(!memcmp(ref->pl, r->pl, sizeof ref->pl));
+    CHECK(!memcmp(ref->pm, r->pm, sizeof(float) * V * (N_PROMPT - 1)));
+    CHECK(!memcmp(ref->n_mtp, r->n_mtp, sizeof ref->n_mtp));
+    CHECK(!memcmp(ref->anchor, r->anchor, sizeof ref->anchor));
+    CHECK(!memcmp(ref->pos, r->pos, sizeof ref->pos));
+    for (int it = 0; it < M_IT; it++) {
+        const size_t n = (size_t)mtp_k[it] + 1;
+        CHECK_EQ(ref->n_mtp[it + 1], (int32_t)n);
+        CHECK(!memcmp(ref->vl[it], r->vl[it], sizeof(float) * V * n));
+        CHECK(!memcmp(ref->vm[it], r->vm[it], sizeof(float) * V * n));
+        CHECK(!memcmp(ref->draft[it], r->draft[it], sizeof(int32_t) * n));
+    }
+    // The device refuses what its rings cannot take back (8 below the highest position fed:
+    // taking back 8, feeding 1 and taking back 2 more would reach 9), losing nothing: the session
+    // continues as the CPU one that never tried.
+    di_session *t = mtp_session(m), *tc = mtp_session(cpu);
+    CHECK(t && tc);
+    float lt[2][V], lc[2][V], mt[9][V], mc[9][V];
+    di_forward_out ft = {.logits = lt[0], .last_only = true, .mtp_logits = mt[0]};
+    di_forward_out fc = {.logits = lc[0], .last_only = true, .mtp_logits = mc[0]};
+    for (int i = 0; t && tc && i < 2; i++) {
+        CHECK_EQ(di_session_forward(t, g_prompt + 9 * i, 9, &ft), DI_OK);
+        CHECK_EQ(di_session_forward(tc, g_prompt + 9 * i, 9, &fc), DI_OK);
+        CHECK_EQ(di_session_rollback(t, 8), DI_OK);
+        CHECK_EQ(di_session_rollback(tc, 8), DI_OK);
+    }
+    if (t && tc) {
+        CHECK_EQ(di_session_forward(t, g_prompt + 30, 1, &ft), DI_OK);
+        CHECK_EQ(di_session_forward(tc, g_prompt + 30, 1, &fc), DI_OK);
+        CHECK_EQ(di_session_rollback(t, 2), DI_ERR_INVALID);
+        CHECK_EQ(di_session_n_past(t), 3);
+        CHECK_EQ(di_session_rollback(t, 1), DI_OK);
+        CHECK_EQ(di_session_rollback(tc, 1), DI_OK);
+        ft.logits = lt[1], fc.logits = lc[1];
+        CHECK_EQ(di_session_forward(t, g_prompt + 40, 9, &ft), DI_OK);
+        CHECK_EQ(di_session_forward(tc, g_prompt + 40, 9, &fc), DI_OK);
+        CHECK(!memcmp(lt, lc, sizeof lt));
+        CHECK(!memcmp(mt, mc, sizeof mt));
+        CHECK_EQ(di_session_rollback(t, 11), DI_ERR_INVALID); // and the API's limits
+        CHECK_EQ(di_session_rollback(t, 9), DI_ERR_INVALID);
+    }
+    fprintf(stderr,
+            "(f) V4 MTP%s: %d verify / rollback steps on the device session = the CPU session's "
+            "(positions %d .. %d; logits, MTP logits, drafts)%s; a rollback past the rings "
+            "refused\n",
+            disturb ? "" : " (deferred)", M_IT, r->pos[0], r->pos[M_IT],
+            disturb ? ", through 2 save / restores, a loss, a rebuild and a drill" : "");
+    di_session_destroy(t);
+    di_session_destroy(tc);
+    di_session_destroy(c);
+    di_session_destroy(s);
+    free(ref);
+    free(r);
+done:
+    di_model_destroy(m);
+    di_model_destroy(cpu);
+}
+
+static void test_mtp_v4(void) {
+#if defined(__SANITIZE_ADDRESS__)
+    test_mtp(false); // the losses' paths are (a)'s
+#else
+    test_mtp(true);
+#endif
+}
+
+static void test_mtp_deferred(void) {
+    test_mtp(false);
+}
+
+int main(int argc, char **argv) {
     snprintf(g_dir4, sizeof g_dir4, "/tmp/di_test_session_dev4_XXXXXX");
     snprintf(g_dir41, sizeof g_dir41, "/tmp/di_test_session_dev41_XXXXXX");
     snprintf(g_dir41d, sizeof g_dir41d, "/tmp/di_test_session_dev41d_XXXXXX");
@@ -508,6 +695,16 @@ int main(void) {
     CHECK_EQ(di_synth_v41_write(g_dir41d, true, true, 47), DI_OK);
     for (int t = 0; t < N_PROMPT; t++) g_prompt[t] = (int32_t)((t * 31 + t * t + 3) % V);
     di_set_log_level(1);
+    if (argc > 1 && strcmp(argv[1], "--deferred") == 0) {
+        // The CPU backends in deferred mode (backend.h di_cpu_backend_set_deferred: work runs at
+        // the CUDA stream's sync points only): (f) must give the same bits.
+        setenv("DI_CPU_DEFERRED", "1", 1);
+        RUN(test_mtp_deferred);
+        di_test_remove_dir(g_dir4);
+        di_test_remove_dir(g_dir41d);
+        di_test_remove_dir(g_dir41);
+        return test_finish();
+    }
     RUN(test_loss_v4);
     RUN(test_loss_v41);
 #if !defined(__SANITIZE_ADDRESS__)
@@ -516,6 +713,7 @@ int main(void) {
     RUN(test_save_v4);
     RUN(test_save_v41);
     RUN(test_dspark);
+    RUN(test_mtp_v4);
     di_test_remove_dir(g_dir4);
     di_test_remove_dir(g_dir41d);
     di_test_remove_dir(g_dir41);
