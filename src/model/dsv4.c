@@ -770,8 +770,8 @@ void di_dsv4_head_rows(di_dsv4_ctx *c, const int32_t *logit_rows, int32_t n_logi
 // with it); a replay (device loss, a token state restored) rebuilds the DSpark rings with the
 // layers'. A V4 session's state takes back up to DI_DSV4_ROLLBACK_MAX rows, as the CPU session
 // (di_dsv4_dev_state_create_spec back_max; dsv4_dev.h "Rollback": its rings that many rows longer,
-// the bound counted from the highest position fed, which the device enforces). A V4 MTP session
-// runs there too: its state has the
+// the bound counted from the highest position fed; the session checks its own count first, s->hw,
+// as the CPU session does: the same refusals). A V4 MTP session runs there too: its state has the
 // MTP ring and kept streams (the MTP block uploaded at its first state, di_dsv4_dev_mtp_enable: any
 // time, the model's other states keeping none); the CPU session's MTP position waits for the next
 // call's first token, so each call (each chunk of dev_max_rows) at p runs the MTP block on the
@@ -1028,6 +1028,7 @@ static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok
     }
     // V4 MTP: the rows of positions max(p0 - 1, 0) .. p0 + n_tok - 2 (deepinfer.h).
     if (out && out->n_mtp_out) *out->n_mtp_out = s->mtp && !s->v41 ? (p0 > 0) + n_tok - 1 : 0;
+    if (s->pos > s->hw) s->hw = s->pos; // as the CPU session's (di_dsv4_rollback)
     return DI_OK;
 }
 
@@ -1196,5 +1197,6 @@ di_status di_dsv4_session_forward(di_session *s, const int32_t *tokens, int32_t 
         *out->n_mtp_out = 0;
     }
     s->pos = p0 + n_tok;
+    if (s->pos > s->hw) s->hw = s->pos;
     return DI_OK;
 }

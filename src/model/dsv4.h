@@ -195,7 +195,9 @@ void di_dsv4_weights_free(di_model *m);
 // Positions a V4 state can take back (di_dsv4_rollback, di_session_rollback): window rings keep
 // this many rows beyond W and the compressors' token rings as many beyond what a window needs, so
 // the rows of rejected positions land in slots no kept position reads, and a rollback only moves
-// counters. 8: the engine's MTP verify takes back at most one row (one draft per step), and 8
+// counters: at most this many below the highest position written (not per call: rows fed again
+// after a rollback do not give back the rows the taken-back ones overwrote; di_dsv4_rollback
+// checks it). 8: the engine's MTP verify takes back at most one row (one draft per step), and 8
 // leaves room for chained drafts through the public API while the extra rows stay small
 // (V4-Flash: 8 * 512 floats a layer's window ring, 8 * c * d a compressor's ring).
 #define DI_DSV4_ROLLBACK_MAX 8
@@ -250,7 +252,9 @@ void di_dsv4_state_rollback(const di_model *m, di_dsv4_layer_state *layers, int 
 // di_session_rollback of a V4 session: its main layers, its MTP block (one position behind) and
 // the MTP block's pending input; a session on the device-resident forward through
 // di_dsv4_session_dev_rollback (dsv41.h). DI_ERR_INVALID (nothing changes) for n < 0, n > pos, n
-// > DI_DSV4_ROLLBACK_MAX (the device-resident forward: also past what its rings hold).
+// > DI_DSV4_ROLLBACK_MAX, or a new position above 0 more than DI_DSV4_ROLLBACK_MAX below hw (the
+// highest position fed since the reset; after a CPU state's restore its position + the maximum:
+// what the saved session fed past it is unknown).
 di_status di_dsv4_rollback(di_session *s, int32_t n);
 
 // Debug/test hook: called with named intermediate tensors (FP32 rows, or int32 when is_int).
@@ -365,6 +369,11 @@ struct di_session {
     // rollback finds here too.
     float *mtp_x;
     bool mtp_pending;
+    // V4: the highest position fed since the reset (on the CPU forward its rings' writes, on the
+    // device the session's own count, a replay's lower): a rollback goes back at most
+    // DI_DSV4_ROLLBACK_MAX below it (di_dsv4_rollback), since rows fed again after a rollback do
+    // not give back the ring rows the taken-back ones overwrote.
+    int32_t hw;
     di_dsv4_ws ws;          // owned scratch, grown (never shrunk) when a call needs more
     di_dsv4_trace_fn trace; // named intermediates (tests; DI_DUMP writes them as .npy)
     void *trace_user;

@@ -205,7 +205,7 @@ int32_t di_session_n_past(const di_session *s) {
 }
 
 void di_session_reset(di_session *s) {
-    s->pos = 0;
+    s->pos = s->hw = 0;
     s->mtp_pending = false;
     if (s->v41) {
         s->v41->dspark_pos = 0;
@@ -237,12 +237,23 @@ void di_dsv4_state_rollback(const di_model *m, di_dsv4_layer_state *layers, int 
 }
 
 di_status di_dsv4_rollback(di_session *s, int32_t n) {
-    if (s->dev_on) return di_dsv4_session_dev_rollback(s, n); // dsv4.c
-    if (n < 0 || n > s->pos || n > DI_DSV4_ROLLBACK_MAX) {
-        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d)", n, s->pos,
-                     DI_DSV4_ROLLBACK_MAX);
+    // The rings keep DI_DSV4_ROLLBACK_MAX rows more than they read (+1 on the CPU: W + MAX rows
+    // against W - 1 read; the device's W + MAX - 1): a position the rollback returns to must be
+    // within that of the highest one written, whatever the calls and rollbacks in between.
+    // Back to 0 reads no ring row: always (as new).
+    if (n < 0 || n > s->pos || n > DI_DSV4_ROLLBACK_MAX ||
+        (s->pos > n && s->hw - (s->pos - n) > DI_DSV4_ROLLBACK_MAX)) {
+        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d, and not more "
+                     "than %d below the highest position fed since the reset, %d)",
+                     n, s->pos, DI_DSV4_ROLLBACK_MAX, DI_DSV4_ROLLBACK_MAX, s->hw);
         return DI_ERR_INVALID;
     }
+    if (s->dev_on) { // dsv4.c
+        di_status st = di_dsv4_session_dev_rollback(s, n);
+        if (st == DI_OK && s->pos == 0) s->hw = 0;
+        return st;
+    }
+    if (s->pos == n) s->hw = 0;
     const di_hparams *hp = &s->model->hp;
     const int32_t pos = s->pos - n;
     di_dsv4_state_rollback(s->model, s->layers, 0, hp->n_layer, pos);
@@ -606,6 +617,9 @@ di_status di_session_restore(di_session *s, const void *bytes, size_t n_bytes) {
         return DI_ERR_FORMAT;
     }
     s->pos = pos;
+    // What the saved session fed past pos (before a rollback) is not saved: a rollback below pos
+    // is refused (that session's rings may have lost rows below it), one down to pos allowed.
+    s->hw = pos + DI_DSV4_ROLLBACK_MAX;
     s->mtp_pending = flags[1];
     return DI_OK;
 }

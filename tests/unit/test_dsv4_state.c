@@ -5,7 +5,8 @@
 // closes CSA (m = 4) and HCA (m = 8 on the tiny model) windows and crosses the window ring's wrap
 // (W = 16, ring W + 8); in FP32 and in the official recipe. Each case starts from the prefix's
 // state saved once (di_session_save / restore: the format holds the rollback rows). A rollback
-// past what is allowed is refused with DI_ERR_INVALID and changes nothing.
+// past what is allowed is refused with DI_ERR_INVALID and changes nothing, successive rollbacks
+// more than DI_DSV4_ROLLBACK_MAX below the highest position fed included.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -97,6 +98,20 @@ static void run_case(di_precision prec) {
     feed(ref, prefix, 20, 20, NULL, NULL, NULL);
     CHECK_EQ(di_session_rollback(s, DI_DSV4_ROLLBACK_MAX + 1), DI_ERR_INVALID);
     CHECK_EQ(di_session_rollback(s, -1), DI_ERR_INVALID);
+    CHECK_EQ(di_session_n_past(s), 20);
+    // Successive rollbacks: the bound counts from the highest position fed. 8 taken back, 1 fed
+    // and 3 more taken back would be 10 below it: the window ring (W + 8 rows) lost position
+    // 18 - W + 1's row, which position 18 reads, to the first rejected rows (this was accepted,
+    // giving other logits); 1 more is 8 below it.
+    int32_t junk[DI_DSV4_ROLLBACK_MAX];
+    for (int32_t t = 0; t < DI_DSV4_ROLLBACK_MAX; t++) junk[t] = rnd_token();
+    feed(s, junk, DI_DSV4_ROLLBACK_MAX, DI_DSV4_ROLLBACK_MAX, NULL, NULL, NULL);
+    CHECK_EQ(di_session_rollback(s, DI_DSV4_ROLLBACK_MAX), DI_OK);
+    feed(s, junk, 1, 1, NULL, NULL, NULL);
+    CHECK_EQ(di_session_rollback(s, 3), DI_ERR_INVALID);
+    CHECK_EQ(di_session_rollback(s, 2), DI_ERR_INVALID); // 9 below: the device's limit too
+    CHECK_EQ(di_session_n_past(s), 21);
+    CHECK_EQ(di_session_rollback(s, 1), DI_OK);
     CHECK_EQ(di_session_n_past(s), 20);
     di_session *fresh = NULL;
     CHECK_EQ(di_session_create(m, &so, &fresh), DI_OK);

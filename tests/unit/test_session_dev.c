@@ -34,8 +34,8 @@
 //       argmax) and anchors bit for bit through rollbacks of all, none and some drafts (up to
 //       8), a token-state save / restore into a fresh device session, a backend loss inside a
 //       verify call, a rebuild from outside before a rollback and the drill; a rollback past what
-//       the device rings hold (more than 8 below the highest position fed, across calls)
-//       refused, nothing lost;
+//       the rings hold (more than 8 below the highest position fed, across calls) refused by
+//       both sessions, nothing lost;
 //       the prompt fed in chunks as one call. Again with the backends deferred (--deferred,
 //       release stage only). Release 10 steps, ASan 4 without the losses.
 #include "harness.h"
@@ -624,9 +624,9 @@ static void test_mtp(bool disturb) {
         CHECK(!memcmp(ref->vm[it], r->vm[it], sizeof(float) * V * n));
         CHECK(!memcmp(ref->draft[it], r->draft[it], sizeof(int32_t) * n));
     }
-    // The device refuses what its rings cannot take back (8 below the highest position fed:
-    // taking back 8, feeding 1 and taking back 2 more would reach 9), losing nothing: the session
-    // continues as the CPU one that never tried.
+    // Both refuse what the rings cannot take back (8 below the highest position fed: taking back
+    // 8, feeding 1 and taking back 2 more would reach 9; the CPU rings hold 9, the device's 8, and
+    // both sessions count 8), losing nothing: the sessions then continue alike.
     di_session *t = mtp_session(m), *tc = mtp_session(cpu);
     CHECK(t && tc);
     float lt[2][V], lc[2][V], mt[9][V], mc[9][V];
@@ -642,7 +642,9 @@ static void test_mtp(bool disturb) {
         CHECK_EQ(di_session_forward(t, g_prompt + 30, 1, &ft), DI_OK);
         CHECK_EQ(di_session_forward(tc, g_prompt + 30, 1, &fc), DI_OK);
         CHECK_EQ(di_session_rollback(t, 2), DI_ERR_INVALID);
+        CHECK_EQ(di_session_rollback(tc, 2), DI_ERR_INVALID);
         CHECK_EQ(di_session_n_past(t), 3);
+        CHECK_EQ(di_session_n_past(tc), 3);
         CHECK_EQ(di_session_rollback(t, 1), DI_OK);
         CHECK_EQ(di_session_rollback(tc, 1), DI_OK);
         ft.logits = lt[1], fc.logits = lc[1];
