@@ -85,8 +85,8 @@ typedef struct di_device {
     // more[k - 1] (an ordinal may repeat: cuda:0,0 is two stages on one GPU; a V4.1 model's
     // later stages keep mirrors of the earlier kv sources they read). di_model_load returns
     // DI_ERR_INVALID for a list longer than the model's layers. What does not run on the
-    // device-resident forward (the offloaded matmuls of V4 MTP sessions) uses `index`. 0 (the
-    // zero value, as before this field existed): the one device `index`.
+    // device-resident forward (the offloaded matmuls of a model it cannot hold) uses `index`. 0
+    // (the zero value, as before this field existed): the one device `index`.
     int32_t n_more;
     int32_t more[DI_DEVICE_MAX_MORE];
 } di_device;
@@ -107,7 +107,7 @@ typedef struct di_device_stats {
     int64_t weight_bytes; // bytes of weights (and their scales) uploaded
     // The forward is device-resident (docs/cuda.md): activations, KV and compressor state stay in
     // the device's memory and only token ids and logits cross (the engine's steps; a model's
-    // sessions, but V4 sessions with MTP). false: the CPU forward, its matmuls offloaded when
+    // sessions, MTP ones included). false: the CPU forward, its matmuls offloaded when
     // n_matmuls > 0.
     bool resident;
 } di_device_stats;
@@ -301,14 +301,14 @@ di_session_options di_session_options_default(void);
 
 // Creates an empty sequence state (position 0). DI_ERR_INVALID if mtp is requested but the
 // checkpoint has no MTP block, or for a negative count; DI_ERR_NOMEM.
-// Sessions on the device-resident forward (a model loaded with --device cuda: V4 sessions without
-// mtp, every V4.1 session, DSpark ones included; docs/cuda.md "Sessions on the device-resident
-// forward") keep the tokens they were fed on the host (4 bytes a position): device-loss recovery
-// and di_session_save replay them. Creating and destroying such sessions must not overlap the
-// forward calls of the model's other sessions (a recovery rebuilds the device state of all of
-// them). DI_SESSION_LOSE_DEVICE=N (debug) makes the first N forward calls of every session created
-// afterwards fail as on a lost device, without running: a drill of the recovery (on the CPU forward
-// there is nothing to rebuild: the call fails with DI_ERR_DEVICE_LOST).
+// Sessions on the device-resident forward (a model loaded with --device cuda: every V4 session, MTP
+// ones included, every V4.1 session, DSpark ones included; docs/cuda.md "Sessions on the
+// device-resident forward") keep the tokens they were fed on the host (4 bytes a position):
+// device-loss recovery and di_session_save replay them. Creating and destroying such sessions must
+// not overlap the forward calls of the model's other sessions (a recovery rebuilds the device state
+// of all of them). DI_SESSION_LOSE_DEVICE=N (debug) makes the first N forward calls of every
+// session created afterwards fail as on a lost device, without running: a drill of the recovery (on
+// the CPU forward there is nothing to rebuild: the call fails with DI_ERR_DEVICE_LOST).
 di_status di_session_create(di_model *model, const di_session_options *opt, di_session **out);
 void di_session_destroy(di_session *s);
 // Tokens consumed so far (= position of the next token).
@@ -332,7 +332,7 @@ typedef struct di_forward_out {
 // Feeds n_tokens tokens (ids < n_vocab) at the next positions and advances the state. Feeding
 // the same tokens in any chunking yields the same logits as one call.
 // Returns DI_ERR_INVALID (bad token id, n_tokens < 1, context exceeds n_ctx_max), DI_ERR_NOMEM;
-// on the device-resident forward (--device cuda, V4 or V4.1, no MTP) also DI_ERR_CUDA, after
+// on the device-resident forward (--device cuda, V4 or V4.1) also DI_ERR_CUDA, after
 // which the session is reset to position 0. A lost device (DI_ERR_DEVICE_LOST) is recovered
 // inside the call: the device state of every session on the model's device-resident forward is
 // dropped, the forward rebuilt (the devices reset, the weights uploaded again:
@@ -380,11 +380,13 @@ void di_session_get_stats(const di_session *s, di_session_stats *out);
 
 // Takes back the last n_tokens positions (speculative tokens the target rejected): afterwards the
 // session is exactly the state of a run that never fed them (its logits and MTP logits too). At
-// most 16 positions per call on DeepSeek V4.1 (on the CPU forward and on the device-resident one:
-// a DSpark session with --device cuda), 8 on V4 (its CPU forward: V4 MTP sessions run there).
-// Returns DI_ERR_INVALID (n_tokens < 0, more than fed, over the limit, a V4 session on the
-// device-resident forward: V4 sessions without MTP, whose device rings keep no rows to take
-// back); nothing changes then.
+// most 16 positions per call on DeepSeek V4.1, 8 on V4 (on the CPU forward and on the
+// device-resident one, MTP and DSpark sessions included). On V4 the new position (unless 0) must
+// also be at most 8 below the highest position fed since the session was created or reset, across
+// calls: taking back 8, feeding 1 and taking back 2 more is refused (the rings hold no more rows:
+// the row fed again gives back none of those the taken-back rows overwrote); after restoring a
+// CPU state, nothing below its position. Returns DI_ERR_INVALID (n_tokens < 0, more than fed, over
+// the limit); nothing changes then.
 di_status di_session_rollback(di_session *s, int32_t n_tokens);
 
 // One DSpark draft block (DeepSeek V4.1, spec deepseek-v41.md §3.3).
