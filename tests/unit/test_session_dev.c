@@ -36,8 +36,9 @@
 //       verify call, a rebuild from outside before a rollback and the drill; a rollback past what
 //       the rings hold (more than 8 below the highest position fed, across calls) refused by
 //       both sessions, nothing lost;
-//       the prompt fed in chunks as one call. Again with the backends deferred (--deferred,
-//       release stage only). Release 10 steps, ASan 4 without the losses.
+//       the prompt fed in chunks as one call. Again on two pipeline stages (release) and with the
+//       backends deferred (--deferred, release stage only). Release 10 steps, ASan 4 without the
+//       losses.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -684,6 +685,16 @@ static void test_mtp_deferred(void) {
     test_mtp(false);
 }
 
+#if !defined(__SANITIZE_ADDRESS__)
+// (f) on two pipeline stages (the MTP block, its ring and the kept streams on the last one, the
+// rollback's bookkeeping on both; the second stage's backend lost).
+static void test_mtp_stages(void) {
+    g_stages = 2;
+    test_mtp(true);
+    g_stages = 1;
+}
+#endif
+
 int main(int argc, char **argv) {
     snprintf(g_dir4, sizeof g_dir4, "/tmp/di_test_session_dev4_XXXXXX");
     snprintf(g_dir41, sizeof g_dir41, "/tmp/di_test_session_dev41_XXXXXX");
@@ -716,6 +727,9 @@ int main(int argc, char **argv) {
     RUN(test_save_v41);
     RUN(test_dspark);
     RUN(test_mtp_v4);
+#if !defined(__SANITIZE_ADDRESS__)
+    RUN(test_mtp_stages);
+#endif
     di_test_remove_dir(g_dir4);
     di_test_remove_dir(g_dir41d);
     di_test_remove_dir(g_dir41);
