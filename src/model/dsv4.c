@@ -421,7 +421,7 @@ void di_model_get_info(const di_model *m, di_model_info *out) {
         .device = m->opt.device,
     };
     di_accel_get_stats(&m->accel, &i.device_stats);
-    i.device_stats.resident = m->dev || m->dev41; // sessions without MTP run on it
+    i.device_stats.resident = m->dev || m->dev41; // sessions (MTP ones too) run on it
     *out = i;
 }
 
@@ -478,7 +478,7 @@ size_t di_model_describe(const di_model *m, char *buf, size_t cap) {
     OUT("tensor bytes      %zu\n", di_st_set_data_bytes(m->st));
     OUT("device            %s\n", m->accel.matmul ? m->accel.desc : "cpu");
     if (m->dev_backend)
-        OUT("device forward    %s (sessions without MTP and the serving engine)\n",
+        OUT("device forward    %s (sessions, MTP ones too, and the serving engine)\n",
             m->dev_backend->desc);
     const int32_t n_st = m->dev     ? di_dsv4_dev_n_stages(m->dev)
                          : m->dev41 ? di_dsv41_dev_n_stages(m->dev41)

@@ -130,7 +130,8 @@ struct di_model {
     // before the first forward (the serving engine sets its own).
     struct di_ep_load *expert_load;
     // The device-resident forward (model/dsv4_dev.h): every weight of the main layers and the head
-    // uploaded to a backend once; sessions without MTP created afterwards run on it. NULL: none.
+    // uploaded to a backend once; sessions created afterwards run on it (MTP ones with the MTP
+    // block uploaded at their first state: di_dsv4_dev_mtp_enable). NULL: none.
     struct di_dsv4_dev *dev; // owned (di_dsv4_dev_attach)
     // DeepSeek V4.1's (model/dsv41_dev.h): sessions run on it, DSpark ones (mtp) included (their
     // device state made at their first di_session_forward). NULL: none.
