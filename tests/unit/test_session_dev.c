@@ -35,7 +35,7 @@
 //       8), a token-state save / restore into a fresh device session, a backend loss inside a
 //       verify call, a rebuild from outside before a rollback and the drill; a rollback past what
 //       the rings hold (more than 8 below the highest position fed, across calls) refused by
-//       both sessions, nothing lost;
+//       both sessions, nothing lost; 8 taken back across the first HCA window's close (release);
 //       the prompt fed in chunks as one call. Again on two pipeline stages (release) and with the
 //       backends deferred (--deferred, release stage only). Release 10 steps, ASan 4 without the
 //       losses.
@@ -51,8 +51,8 @@
 
 // Under ASan + UBSan (a memory check, about 35 times slower) a shorter prompt and run, without
 // (d): 23 s on an idle 2-core machine (about 15 s of CPU; 89 s with the full run) against 2.5 s
-// in a release build (5 s with (d)); (f) adds 1.9 s there (4 steps, no losses), 0.8 s in release
-// (0.3 s, and 0.5 s on two stages).
+// in a release build (5 s with (d)); (f) adds 1.9 s there (4 steps, no losses), 2 s in release
+// (1 s, and 1 s on two stages: most of it the HCA case's two 132-token runs).
 #if defined(__SANITIZE_ADDRESS__)
 enum { N_PROMPT = 20, N_GEN = 6 };
 #else
@@ -632,8 +632,8 @@ static void test_mtp(bool disturb, const char *name) {
     di_session *t = mtp_session(m), *tc = mtp_session(cpu);
     CHECK(t && tc);
     float lt[2][V], lc[2][V], mt[9][V], mc[9][V];
-    int32_t tk[49]; // the prompt may be shorter (ASan)
-    for (int32_t i = 0; i < 49; i++) tk[i] = (int32_t)((i * 53 + 7) % V);
+    int32_t tk[140]; // the prompt may be shorter (ASan)
+    for (int32_t i = 0; i < 140; i++) tk[i] = (int32_t)((i * 53 + 7) % V);
     di_forward_out ft = {.logits = lt[0], .last_only = true, .mtp_logits = mt[0]};
     di_forward_out fc = {.logits = lc[0], .last_only = true, .mtp_logits = mc[0]};
     for (int i = 0; t && tc && i < 2; i++) {
@@ -658,6 +658,28 @@ static void test_mtp(bool disturb, const char *name) {
         CHECK(!memcmp(mt, mc, sizeof mt));
         CHECK_EQ(di_session_rollback(t, 11), DI_ERR_INVALID); // and the API's limits
         CHECK_EQ(di_session_rollback(t, 9), DI_ERR_INVALID);
+#if !defined(__SANITIZE_ADDRESS__) // two 132-token runs: release only
+        // 8 rows taken back across the first HCA window's close (position 127) and CSA's.
+        di_session_reset(t);
+        di_session_reset(tc);
+        float l2[2][8][V], m2[2][9][V];
+        int32_t n2[2] = {0, 0};
+        for (int k = 0; k < 2; k++) {
+            di_session *x = k ? tc : t;
+            di_forward_out f = {.mtp_logits = m2[k][0], .n_mtp_out = &n2[k]};
+            CHECK_EQ(di_session_forward(x, tk, 60, NULL), DI_OK);
+            CHECK_EQ(di_session_forward(x, tk + 60, 64, NULL), DI_OK);
+            CHECK_EQ(di_session_forward(x, tk + 1, 8, &f), DI_OK); // positions 124 .. 131
+            CHECK_EQ(di_session_rollback(x, 8), DI_OK);
+            f.logits = l2[k][0];
+            CHECK_EQ(di_session_forward(x, tk + 124, 8, &f), DI_OK);
+            CHECK_EQ(di_session_n_past(x), 132);
+        }
+        CHECK_EQ(n2[0], 8);
+        CHECK_EQ(n2[1], 8);
+        CHECK(!memcmp(l2[0], l2[1], sizeof l2[0]));
+        CHECK(!memcmp(m2[0], m2[1], sizeof(float) * 8 * V));
+#endif
     }
     fprintf(stderr,
             "%s: %d verify / rollback steps on the device session = the CPU session's "
