@@ -36,9 +36,9 @@
 //       verify call, a rebuild from outside before a rollback and the drill; a rollback past what
 //       the rings hold (more than 8 below the highest position fed, across calls) refused by
 //       both sessions, nothing lost; 8 taken back across the first HCA window's close (release);
-//       the prompt fed in chunks as one call. Again on two pipeline stages (release) and with the
-//       backends deferred (--deferred, release stage only). Release 10 steps, ASan 4 without the
-//       losses.
+//       the prompt fed in chunks as one call. Again on two pipeline stages and in the official
+//       recipe (release), and with the backends deferred (--deferred, release stage only). Release
+//       10 steps, ASan 4 without the losses.
 #include "harness.h"
 
 #include <stdlib.h>
@@ -78,11 +78,13 @@ static int32_t argmax(const float *v) {
 }
 
 static int32_t g_stages = 1; // pipeline stages of the twin ((d): 2, the last one's backend lost)
+static di_precision g_prec = DI_PRECISION_FP32; // the models' recipe ((f): the official one too)
 
 // A model of dir with (twin) or without the device-resident forward's CPU twin.
 static di_model *load(const char *dir, bool twin) {
     di_model_options mo = di_model_options_default();
     mo.n_threads = 2;
+    mo.precision = g_prec;
     di_model *m = NULL;
     if (di_model_load(dir, &mo, &m) != DI_OK) return NULL;
     di_device devs[2] = {{.kind = DI_DEVICE_CPU}, {.kind = DI_DEVICE_CPU}};
@@ -718,6 +720,13 @@ static void test_mtp_stages(void) {
     test_mtp(true, "(f) V4 MTP, 2 stages");
     g_stages = 1;
 }
+
+// (f) in the official recipe (FP8 KV rows in the rings, Q4 index key codes in the entries).
+static void test_mtp_official(void) {
+    g_prec = DI_PRECISION_OFFICIAL;
+    test_mtp(true, "(f) V4 MTP, official recipe");
+    g_prec = DI_PRECISION_FP32;
+}
 #endif
 
 int main(int argc, char **argv) {
@@ -754,6 +763,7 @@ int main(int argc, char **argv) {
     RUN(test_mtp_v4);
 #if !defined(__SANITIZE_ADDRESS__)
     RUN(test_mtp_stages);
+    RUN(test_mtp_official);
 #endif
     di_test_remove_dir(g_dir4);
     di_test_remove_dir(g_dir41d);
