@@ -445,6 +445,78 @@ template <int DH> struct TcRowsCodes {
     }
 };
 
+// ---- the tile steps both tensor-core kernels share (attn_tc_kernel, attn_wg_kernel) ----
+// A block of TC_THREADS threads walks its split's listed keys in tiles of TC_BN through two raw
+// stages: the list entries of a tile into idx_s[st] (-1 = masked or past the split), their raw
+// rows copied into raw stage st, decoded exactly into the BF16 K tile; after S = Q K^T, each
+// thread's two S rows masked, scaled and reduced to the tile's maxima per key half.
+
+// idx_s[st] <- the list entries of tile it (-1 past the split's end k_end).
+__device__ __forceinline__ void tc_load_idx(int32_t *idx_s, const int32_t *idx_row, int32_t k_beg,
+                                            int32_t k_end, int32_t it, int st, int tid) {
+    if (tid < TC_BN) {
+        const int32_t j = k_beg + it * TC_BN + tid;
+        idx_s[st * TC_BN + tid] = j < k_end ? idx_row[j] : -1;
+    }
+}
+
+// Raw rows of tile it (listed in idx_s[st]) -> raw stage st, one cp.async group; masked rows are
+// skipped, a row shorter than RS (an entry) copies its own bytes only.
+template <class R>
+__device__ __forceinline__ void tc_issue(const R &rows, uint8_t *raw, const int32_t *idx_s,
+                                         int32_t k_beg, int32_t it, int st, int tid) {
+    const int pc = rows.piece(), ch = R::RS / pc;
+    uint8_t *dst = raw + (size_t)st * TC_BN * R::RS;
+    for (int c = tid; c < TC_BN * ch; c += TC_THREADS) {
+        const int r = c / ch, off = (c - r * ch) * pc;
+        const int32_t id = idx_s[st * TC_BN + r], j = k_beg + it * TC_BN + r;
+        if (id >= 0 && off < rows.bytes(j)) rows.copy(dst + r * R::RS + off, id, j, off);
+    }
+    cp_async_commit();
+}
+
+// Raw stage st -> the BF16 K tile, 8 dims (16 bytes) a step: dims c .. c + 7 of key r stored at
+// at(r, c) (the kernel's tile layout); masked keys become zeros.
+template <int DH, class R, class At>
+__device__ __forceinline__ void tc_decode(const R &rows, const uint8_t *raw, const int32_t *idx_s,
+                                          int32_t k_beg, int32_t it, int st, int tid, At at) {
+    constexpr int G = DH / 8;
+    const uint8_t *src = raw + (size_t)st * TC_BN * R::RS;
+    for (int g = tid; g < TC_BN * G; g += TC_THREADS) {
+        const int r = g / G, c = (g % G) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (idx_s[st * TC_BN + r] >= 0)
+            v = rows.decode8(src + r * R::RS, c, k_beg + it * TC_BN + r);
+        *(uint4 *)at(r, c) = v;
+    }
+}
+
+// This thread's S fragment of 32 keys (s[4 nt + e]: row rq + 8 (e / 2), key 8 nt + c4 + e % 2 of
+// the key half whose mask entries are msk[0..32)): masked keys -inf, the rest times scale; the
+// rows' maxima over the half (the 4 lanes of a row by shuffles) into red_max[rq], [rq + 8].
+__device__ __forceinline__ void tc_tile_max(float *s, const int32_t *msk, int c4, int lane, int rq,
+                                            float scale, float *red_max) {
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const bool ok = msk[nt * 8 + c4 + e] >= 0;
+            s[4 * nt + e] = ok ? s[4 * nt + e] * scale : -INFINITY;
+            s[4 * nt + 2 + e] = ok ? s[4 * nt + 2 + e] * scale : -INFINITY;
+            mx0 = fmaxf(mx0, s[4 * nt + e]);
+            mx1 = fmaxf(mx1, s[4 * nt + 2 + e]);
+        }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    if ((lane & 3) == 0) {
+        red_max[rq] = mx0;
+        red_max[rq + 8] = mx1;
+    }
+}
+
 template <int DH, class R>
 __global__ void __launch_bounds__(TC_THREADS, 1)
     attn_tc_kernel(const float *__restrict__ q, R rows, const int32_t *__restrict__ key_idx,
@@ -484,33 +556,12 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
         *(uint2 *)(Qs + r * S::LD + c) = b;
     }
     auto load_idx = [&](int32_t it, int st) {
-        if (tid < TC_BN) {
-            const int32_t j = k_beg + it * TC_BN + tid;
-            idx_s[st * TC_BN + tid] = j < k_end ? idx_row[j] : -1;
-        }
+        tc_load_idx(idx_s, idx_row, k_beg, k_end, it, st, tid);
     };
-    // Raw rows of tile it (listed in idx_s[st]) -> raw stage st; masked rows are skipped, a row
-    // shorter than RS (an entry) copies its own bytes only.
-    auto issue = [&](int32_t it, int st) {
-        const int pc = rows.piece(), ch = R::RS / pc;
-        uint8_t *dst = raw + (size_t)st * TC_BN * R::RS;
-        for (int c = tid; c < TC_BN * ch; c += TC_THREADS) {
-            const int r = c / ch, off = (c - r * ch) * pc;
-            const int32_t id = idx_s[st * TC_BN + r], j = k_beg + it * TC_BN + r;
-            if (id >= 0 && off < rows.bytes(j)) rows.copy(dst + r * R::RS + off, id, j, off);
-        }
-        cp_async_commit();
-    };
-    auto decode = [&](int32_t it, int st) { // raw stage st -> Ks (BF16), 8 dims (16 bytes) a step
-        constexpr int G = DH / 8;
-        const uint8_t *src = raw + (size_t)st * TC_BN * R::RS;
-        for (int g = tid; g < TC_BN * G; g += TC_THREADS) {
-            const int r = g / G, c = (g % G) * 8;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (idx_s[st * TC_BN + r] >= 0)
-                v = rows.decode8(src + r * R::RS, c, k_beg + it * TC_BN + r);
-            *(uint4 *)(Ks + r * S::LD + c) = v;
-        }
+    auto issue = [&](int32_t it, int st) { tc_issue(rows, raw, idx_s, k_beg, it, st, tid); };
+    auto decode = [&](int32_t it, int st) { // raw stage st -> Ks (row-major, skewed rows)
+        tc_decode<DH>(rows, raw, idx_s, k_beg, it, st, tid,
+                      [&](int r, int c) { return Ks + r * S::LD + c; });
     };
 
     const int mq = warp & 3, kh = warp >> 2;       // S = QK^T: this warp's m-tile, key half
@@ -564,25 +615,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
                 mma_bf16(s[3], a, b1[2], b1[3]);
             }
         }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const bool ok = msk[kh * 32 + nt * 8 + c4 + e] >= 0;
-                s[nt][e] = ok ? s[nt][e] * scale : -INFINITY;
-                s[nt][2 + e] = ok ? s[nt][2 + e] * scale : -INFINITY;
-                mx0 = fmaxf(mx0, s[nt][e]);
-                mx1 = fmaxf(mx1, s[nt][2 + e]);
-            }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        if ((lane & 3) == 0) {
-            red_max[kh * TC_HEADS + rq] = mx0;
-            red_max[kh * TC_HEADS + rq + 8] = mx1;
-        }
+        tc_tile_max(&s[0][0], msk + kh * 32, c4, lane, rq, scale, red_max + kh * TC_HEADS);
         __syncthreads(); // (D) tile maxima of both key halves
 
         // ---- P = exp(S - m_new) in BF16, row sums of the rounded values ----
@@ -756,7 +789,8 @@ __global__ void attn_tc_combine_kernel(const float *__restrict__ o_part,
 // output it owns, so a dispatch mistake fails the check-once comparison instead of passing stale
 // memory off as a result; the host never launches it there (attn_wg_usable).
 
-enum { WG_THREADS = 256, WG_ALIGN = 1024 };
+// TC_THREADS: the shared tile steps (tc_issue, tc_decode) stride by it.
+enum { WG_THREADS = TC_THREADS, WG_ALIGN = 1024 };
 
 template <int RS> struct WgShape {
     static constexpr int DH = 512;
@@ -819,31 +853,12 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     }
     wg_fence_proxy_async();
     auto load_idx = [&](int32_t it, int st) {
-        if (tid < TC_BN) {
-            const int32_t j = k_beg + it * TC_BN + tid;
-            idx_s[st * TC_BN + tid] = j < k_end ? idx_row[j] : -1;
-        }
+        tc_load_idx(idx_s, idx_row, k_beg, k_end, it, st, tid);
     };
-    auto issue = [&](int32_t it, int st) { // as attn_tc_kernel's
-        const int pc = rows.piece(), ch = R::RS / pc;
-        uint8_t *dst = raw + (size_t)st * TC_BN * R::RS;
-        for (int c = tid; c < TC_BN * ch; c += WG_THREADS) {
-            const int r = c / ch, off = (c - r * ch) * pc;
-            const int32_t id = idx_s[st * TC_BN + r], j = k_beg + it * TC_BN + r;
-            if (id >= 0 && off < rows.bytes(j)) rows.copy(dst + r * R::RS + off, id, j, off);
-        }
-        cp_async_commit();
-    };
-    auto decode = [&](int32_t it, int st) { // raw stage st -> the K tile, 8 dims a step
-        constexpr int G = DH / 8;
-        const uint8_t *src = raw + (size_t)st * TC_BN * R::RS;
-        for (int g = tid; g < TC_BN * G; g += WG_THREADS) {
-            const int r = g / G, c = (g % G) * 8;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (idx_s[st * TC_BN + r] >= 0)
-                v = rows.decode8(src + r * R::RS, c, k_beg + it * TC_BN + r);
-            *(uint4 *)(Ks + di_wg_tile_off(r, c, TC_BN)) = v;
-        }
+    auto issue = [&](int32_t it, int st) { tc_issue(rows, raw, idx_s, k_beg, it, st, tid); };
+    auto decode = [&](int32_t it, int st) { // raw stage st -> the K tile (SW128 k-blocked)
+        tc_decode<DH>(rows, raw, idx_s, k_beg, it, st, tid,
+                      [&](int r, int c) { return Ks + di_wg_tile_off(r, c, TC_BN); });
         wg_fence_proxy_async();
     };
 
@@ -884,25 +899,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
         for (int i = 0; i < 16; i++) wg_fence_reg(s[i]);
         // s[4 nt + e]: row rq + 8 (e / 2), key 32 wg + 8 nt + c4 + e % 2 (attn_tc_kernel's
         // s[nt][e] for its warp's key half: the same arithmetic from here on).
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const bool ok = msk[wg * 32 + nt * 8 + c4 + e] >= 0;
-                s[4 * nt + e] = ok ? s[4 * nt + e] * scale : -INFINITY;
-                s[4 * nt + 2 + e] = ok ? s[4 * nt + 2 + e] * scale : -INFINITY;
-                mx0 = fmaxf(mx0, s[4 * nt + e]);
-                mx1 = fmaxf(mx1, s[4 * nt + 2 + e]);
-            }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        if ((lane & 3) == 0) {
-            red_max[wg * TC_HEADS + rq] = mx0;
-            red_max[wg * TC_HEADS + rq + 8] = mx1;
-        }
+        tc_tile_max(s, msk + wg * 32, c4, lane, rq, scale, red_max + wg * TC_HEADS);
         __syncthreads(); // (D) tile maxima of both key halves
 
         // ---- P = exp(S - m_new) in BF16 (the P tile), row sums of the rounded values ----
