@@ -402,6 +402,27 @@ static int32_t spec_back(int it, int32_t n) {
 // state restored into a fresh session, 1 a loss inside the draft, 2 one inside the verify, 3
 // rollbacks past the limit refused, then a rebuild from outside before the rollback (the state
 // dropped), 4 the drill (in the restore's replay).
+// *ps's token state saved and restored into t (a fresh session, NULL: out of memory), which then
+// replaces *ps. False when a step fails, t's position is not want_pos (< 0: not checked) or its
+// device recoveries are not want_rec (< 0: not checked); t is destroyed then.
+static bool move_state(di_session **ps, di_session *t, int32_t want_pos, int64_t want_rec) {
+    void *bytes = NULL;
+    size_t nb = 0;
+    di_status st = t ? di_session_save(*ps, &bytes, &nb) : DI_ERR_NOMEM;
+    if (st == DI_OK) st = di_session_restore(t, bytes, nb);
+    di_free_buffer(bytes);
+    di_session_stats ss = {0};
+    if (st == DI_OK) di_session_get_stats(t, &ss);
+    if (st != DI_OK || (want_pos >= 0 && di_session_n_past(t) != want_pos) ||
+        (want_rec >= 0 && ss.n_device_recoveries != want_rec)) {
+        di_session_destroy(t);
+        return false;
+    }
+    di_session_destroy(*ps);
+    *ps = t;
+    return true;
+}
+
 static bool spec_loop(di_model *m, di_session **ps, spec_run *r, bool disturb) {
     di_session *s = *ps;
     float last[V];
@@ -435,31 +456,16 @@ static bool spec_loop(di_model *m, di_session **ps, spec_run *r, bool disturb) {
         r->anchor[it + 1] = argmax(r->vl[it][n - back]);
         r->pos[it + 1] = di_session_n_past(s);
         if (disturb && it == 0) { // a token state into a fresh device session
-            void *bytes = NULL;
-            size_t nb = 0;
-            if (di_session_save(s, &bytes, &nb) != DI_OK) return false;
-            di_session *t = spec_session(m);
-            di_status st = t ? di_session_restore(t, bytes, nb) : DI_ERR_NOMEM;
-            di_free_buffer(bytes);
-            if (st != DI_OK || di_session_n_past(t) != r->pos[1]) return false;
-            di_session_destroy(s);
-            *ps = s = t;
+            if (!move_state(ps, spec_session(m), r->pos[1], -1)) return false;
+            s = *ps;
         }
         if (disturb && it == 4) { // the drill: the next call (a draft, then the verify) recovers
             setenv("DI_SESSION_LOSE_DEVICE", "1", 1);
             di_session *t = spec_session(m);
             unsetenv("DI_SESSION_LOSE_DEVICE");
-            void *bytes = NULL;
-            size_t nb = 0;
-            if (!t || di_session_save(s, &bytes, &nb) != DI_OK) return false;
             // The drill counts forward calls: the restore's replay is the first, recovered.
-            di_status st = di_session_restore(t, bytes, nb);
-            di_free_buffer(bytes);
-            di_session_stats ss;
-            di_session_get_stats(t, &ss);
-            if (st != DI_OK || ss.n_device_recoveries != 1) return false;
-            di_session_destroy(s);
-            *ps = s = t;
+            if (!move_state(ps, t, -1, 1)) return false;
+            s = *ps;
         }
     }
     return true;
@@ -589,18 +595,8 @@ static bool mtp_loop(di_model *m, di_session **ps, mtp_run *r, bool disturb) {
             if (it == 5) setenv("DI_SESSION_LOSE_DEVICE", "1", 1); // the drill: its replay
             di_session *t = mtp_session(m);
             unsetenv("DI_SESSION_LOSE_DEVICE");
-            void *bytes = NULL;
-            size_t nb = 0;
-            if (!t || di_session_save(s, &bytes, &nb) != DI_OK) return false;
-            di_status st = di_session_restore(t, bytes, nb);
-            di_free_buffer(bytes);
-            di_session_stats ss;
-            di_session_get_stats(t, &ss);
-            if (st != DI_OK || di_session_n_past(t) != r->pos[it + 1] ||
-                ss.n_device_recoveries != (it == 5))
-                return false;
-            di_session_destroy(s);
-            *ps = s = t;
+            if (!move_state(ps, t, r->pos[it + 1], it == 5)) return false;
+            s = *ps;
         }
     }
     return true;
