@@ -381,12 +381,12 @@ void di_session_get_stats(const di_session *s, di_session_stats *out);
 // Takes back the last n_tokens positions (speculative tokens the target rejected): afterwards the
 // session is exactly the state of a run that never fed them (its logits and MTP logits too). At
 // most 16 positions per call on DeepSeek V4.1, 8 on V4 (on the CPU forward and on the
-// device-resident one, MTP and DSpark sessions included). On V4 the new position (unless 0) must
-// also be at most 8 below the highest position fed since the session was created or reset, across
-// calls: taking back 8, feeding 1 and taking back 2 more is refused (the rings hold no more rows:
-// the row fed again gives back none of those the taken-back rows overwrote); after restoring a
-// CPU state, nothing below its position. Returns DI_ERR_INVALID (n_tokens < 0, more than fed, over
-// the limit); nothing changes then.
+// device-resident one, MTP and DSpark sessions included). The new position (unless 0) must also
+// be at most that limit (8 on V4, 16 on V4.1) below the highest position fed since the session was
+// created or reset, across calls: on V4 taking back 8, feeding 1 and taking back 2 more is refused
+// (the rings hold no more rows: the row fed again gives back none of those the taken-back rows
+// overwrote); after restoring a state, nothing below its position. Returns DI_ERR_INVALID
+// (n_tokens < 0, more than fed, over the limit); nothing changes then.
 di_status di_session_rollback(di_session *s, int32_t n_tokens);
 
 // One DSpark draft block (DeepSeek V4.1, spec deepseek-v41.md §3.3).

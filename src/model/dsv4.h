@@ -370,10 +370,11 @@ struct di_session {
     // rollback finds here too.
     float *mtp_x;
     bool mtp_pending;
-    // V4: the highest position fed since the reset (on the CPU forward its rings' writes, on the
+    // The highest position fed since the reset (on the CPU forward its rings' writes, on the
     // device the session's own count, a replay's lower): a rollback goes back at most
-    // DI_DSV4_ROLLBACK_MAX below it (di_dsv4_rollback), since rows fed again after a rollback do
-    // not give back the ring rows the taken-back ones overwrote.
+    // DI_DSV4_ROLLBACK_MAX (V4.1: DI_DSV41_ROLLBACK_MAX) below it (di_dsv4_rollback,
+    // di_dsv41_rollback), since rows fed again after a rollback do not give back the ring rows the
+    // taken-back ones overwrote.
     int32_t hw;
     di_dsv4_ws ws;          // owned scratch, grown (never shrunk) when a call needs more
     di_dsv4_trace_fn trace; // named intermediates (tests; DI_DUMP writes them as .npy)

@@ -419,7 +419,11 @@ static di_status forward_batch(di_model *m, di_dsv4_ws *ws, const di_dsv41_seq *
     forward_rows(&c, tokens, n_out, logits);
     // An expert worker or a context-parallel peer failed (positions unchanged).
     if (c.status != DI_OK) return c.status;
-    for (int32_t i = 0; i < n_seq; i++) seqs[i].s->pos += seqs[i].n_tok;
+    for (int32_t i = 0; i < n_seq; i++) {
+        di_session *si = seqs[i].s;
+        si->pos += seqs[i].n_tok;
+        if (si->pos > si->hw) si->hw = si->pos; // di_dsv41_rollback's bound
+    }
     m->n_forward_calls++;
     return DI_OK;
 }
@@ -563,8 +567,7 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
 // ---- public API (deepinfer.h) ----
 
 di_status di_session_rollback(di_session *s, int32_t n_tokens) {
-    if (!s->v41) return di_dsv4_rollback(s, n_tokens);               // V4 (dsv4_state.c)
-    if (s->dev_on) return di_dsv4_session_dev_rollback(s, n_tokens); // dsv4.c
+    if (!s->v41) return di_dsv4_rollback(s, n_tokens); // V4 (dsv4_state.c)
     return di_dsv41_rollback(s, n_tokens);
 }
 

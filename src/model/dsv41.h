@@ -286,8 +286,11 @@ di_status di_dsv41_tail_load(di_session *s, const uint8_t *tail, int64_t hit, in
                              const int32_t *tokens);
 
 // Takes back the last n positions (rejected speculative tokens, §5.3): afterwards the session is
-// exactly the state of a run that never saw them. DI_ERR_INVALID if n < 0, n > s->pos or
-// n > DI_DSV41_ROLLBACK_MAX (then nothing changes).
+// exactly the state of a run that never saw them; a session on the device-resident forward
+// through di_dsv4_session_dev_rollback. DI_ERR_INVALID if n < 0, n > s->pos,
+// n > DI_DSV41_ROLLBACK_MAX, or the new position above 0 is more than DI_DSV41_ROLLBACK_MAX below
+// s->hw, the highest position fed since the reset (after a restore or a restart at pos: pos + the
+// maximum, nothing below pos); then nothing changes.
 di_status di_dsv41_rollback(di_session *s, int32_t n);
 
 // ---- DSpark (dsv41.c) ----

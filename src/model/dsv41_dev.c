@@ -323,7 +323,8 @@ struct stage_state {
     int32_t score_stride;
     dev_src *src;       // owned [n_layer]: by layer (only kv sources used)
     int32_t *n_past;    // owned [n_slots] host
-    int32_t *rb_lo;     // owned [n_slots] host: the lowest position a rollback returns to
+    int32_t *rb_lo;     // owned [n_slots] host: the slot's last start (a rollback goes no lower)
+    int32_t *hw;        // owned [n_slots] host: the highest position fed since that start
     int32_t *hist;      // owned [n_slots, n_ctx] host: compressed ids (Engram look-back); NULL
                         // on a stage without Engram layers
     uint8_t *used;      // owned [n_slots] scratch of the checks
@@ -434,6 +435,7 @@ static void part_destroy(stage_state *s) {
     di_free(s->src);
     di_free(s->n_past);
     di_free(s->rb_lo);
+    di_free(s->hw);
     di_free(s->hist);
     di_free(s->used);
     di_free(s->blk_owner);
@@ -500,11 +502,12 @@ static di_status part_create(dev_stage *d, int32_t n_slots, int32_t n_ctx, int32
     s->src = di_calloc((size_t)hp->n_layer, sizeof *s->src);
     s->n_past = di_calloc((size_t)n_slots, sizeof *s->n_past);
     s->rb_lo = di_calloc((size_t)n_slots, sizeof *s->rb_lo);
+    s->hw = di_calloc((size_t)n_slots, sizeof *s->hw);
     if (d->n_eg > 0) s->hist = di_calloc((size_t)n_slots * (size_t)n_ctx, sizeof *s->hist);
     s->used = di_calloc((size_t)n_slots, 1);
     s->blk_owner = di_calloc((size_t)n_eb, sizeof *s->blk_owner);
     s->graphs = di_calloc(N_GRAPHS, sizeof *s->graphs);
-    if (!s->src || !s->n_past || !s->rb_lo || (d->n_eg > 0 && !s->hist) || !s->used ||
+    if (!s->src || !s->n_past || !s->rb_lo || !s->hw || (d->n_eg > 0 && !s->hist) || !s->used ||
         !s->blk_owner || !s->graphs) {
         st = DI_ERR_NOMEM;
         goto fail;
@@ -840,7 +843,8 @@ static di_status part_tail_restore(stage_state *s, int32_t slot, int32_t pos, co
     for (int32_t p = 0; p < pos && d->n_eg > 0; p++)
         s->hist[(int64_t)slot * s->n_ctx + p] = d->m->v41->cmap[tokens[p]];
     s->n_past[slot] = pos;
-    s->rb_lo[slot] = pos; // the ring rows before the snapshot's window are not restored
+    s->rb_lo[slot] = s->hw[slot] =
+        pos; // the ring rows before the snapshot's window are not restored
     return DI_OK;
 }
 
@@ -1875,8 +1879,12 @@ static di_status stage_forward(const di_dsv41_dev_state *all, int32_t ks,
     DI_TRY(b->vt->sync(b));
     for (int32_t i = 0; i < n_seq; i++) {
         const di_dsv41_dev_seq *sq = &seqs[i];
-        if (sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo)) s->rb_lo[sq->slot] = sq->pos;
-        s->n_past[sq->slot] = sq->pos + sq->n_tok;
+        const int32_t end = sq->pos + sq->n_tok;
+        if (sq->pos == 0 || (sq->win_lo > 0 && sq->pos == sq->win_lo))
+            s->rb_lo[sq->slot] = sq->pos, s->hw[sq->slot] = end;
+        else if (end > s->hw[sq->slot])
+            s->hw[sq->slot] = end;
+        s->n_past[sq->slot] = end;
     }
     s->stats.n_download_bytes += s->stats.last_download_bytes;
     return DI_OK;
@@ -2330,15 +2338,23 @@ di_status di_dsv41_dev_tail_restore(di_dsv41_dev_state *s, int32_t slot, int32_t
 // q + n - 1) and overwritten only by position q - 1 + CZ_ROWS > q + n - 1. (4) The Engram
 // history of positions >= q is rewritten from the tokens of the calls that feed them. (5) The
 // call's lists are a function of the positions only. Before rb_lo (a tail restore, a replay's
-// start) the rings hold less than a rollback reads: refused.
+// start) the rings hold less than a rollback reads: refused. Successive rollbacks: the argument
+// holds with q + n replaced by hw, the highest position fed since that start (rows fed again
+// after a rollback do not give back the rows the taken-back ones overwrote), so the bound is
+// q >= hw - DI_DSV41_ROLLBACK_MAX, not n <= DI_DSV41_ROLLBACK_MAX per call.
 di_status di_dsv41_dev_rollback(di_dsv41_dev_state *s, int32_t slot, int32_t n) {
     const stage_state *s0 = s->ss[0];
-    if (slot < 0 || slot >= s0->n_slots || s0->n_past[slot] < 0 || n < 0 ||
-        n > DI_DSV41_ROLLBACK_MAX || s0->n_past[slot] - n < s0->rb_lo[slot]) {
+    const bool in = slot >= 0 && slot < s0->n_slots;
+    int32_t lo = in ? s0->rb_lo[slot] : 0;
+    if (in && s0->hw[slot] - DI_DSV41_ROLLBACK_MAX > lo) lo = s0->hw[slot] - DI_DSV41_ROLLBACK_MAX;
+    // Back to 0 reads no ring row (the next call starts the slot afresh): always.
+    if (!in || s0->n_past[slot] < 0 || n < 0 || n > DI_DSV41_ROLLBACK_MAX || n > s0->n_past[slot] ||
+        (s0->n_past[slot] - n > 0 && s0->n_past[slot] - n < lo)) {
         DI_LOG_ERROR("dev forward (V4.1): cannot take back %d positions of slot %d (at %d, back "
-                     "to %d at the lowest, at most %d)",
-                     n, slot, slot >= 0 && slot < s0->n_slots ? s0->n_past[slot] : -1,
-                     slot >= 0 && slot < s0->n_slots ? s0->rb_lo[slot] : -1, DI_DSV41_ROLLBACK_MAX);
+                     "to %d at the lowest: the slot's start or %d below the highest position fed "
+                     "since, %d)",
+                     n, slot, in ? s0->n_past[slot] : -1, lo, DI_DSV41_ROLLBACK_MAX,
+                     in ? s0->hw[slot] : -1);
         return DI_ERR_INVALID;
     }
     for (int32_t k = 0; k < s->n_stages; k++) s->ss[k]->n_past[slot] -= n;

@@ -349,8 +349,10 @@ di_status di_dsv41_dev_forward_picks(di_dsv41_dev_state *s, const di_dsv41_dev_s
 // deepseek-v41.md §5.3; di_dsv41_rollback's device twin): afterwards the slot is exactly the state
 // of a run that never fed them (the argument is at the function, dsv41_dev.c), its next call
 // passing the new position. Host only (no backend work). DI_ERR_INVALID (logged; nothing changes)
-// for a slot out of range or failed, n < 0, n > DI_DSV41_ROLLBACK_MAX, or a position below the
-// slot's last start (pos 0, a replay's win_lo, a tail restore's pos: the rings hold nothing older).
+// for a slot out of range or failed, n < 0, n > DI_DSV41_ROLLBACK_MAX, a position below the
+// slot's last start (pos 0, a replay's win_lo, a tail restore's pos: the rings hold nothing older)
+// or more than DI_DSV41_ROLLBACK_MAX below the highest position fed since (successive rollbacks
+// with calls between: the rejected rows overwrote ring rows the calls after do not give back).
 di_status di_dsv41_dev_rollback(di_dsv41_dev_state *s, int32_t slot, int32_t n);
 
 // ---- DSpark (deepseek-v41.md §3; "DSpark" above) ----

@@ -355,11 +355,24 @@ void di_dsv41_share_ws(di_session *s, di_dsv4_ws *ws) {
 // ---- rollback (§5.3) ----
 
 di_status di_dsv41_rollback(di_session *s, int32_t n) {
-    if (!s->v41 || n < 0 || n > s->pos || n > DI_DSV41_ROLLBACK_MAX) {
-        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d)", n, s->pos,
-                     DI_DSV41_ROLLBACK_MAX);
+    // The window ring keeps DI_DSV41_ROLLBACK_MAX rows more than a query reads and the (C, Z)
+    // slots as many positions: a position the rollback returns to must be within that of the
+    // highest one written (s->hw), whatever the calls and rollbacks in between (rows fed again
+    // after a rollback do not give back the rows the taken-back ones overwrote). Back to 0 reads
+    // no ring row: always.
+    if (!s->v41 || n < 0 || n > s->pos || n > DI_DSV41_ROLLBACK_MAX ||
+        (s->pos > n && s->hw - (s->pos - n) > DI_DSV41_ROLLBACK_MAX)) {
+        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d, and not more "
+                     "than %d below the highest position fed since the reset, %d)",
+                     n, s->pos, DI_DSV41_ROLLBACK_MAX, DI_DSV41_ROLLBACK_MAX, s->hw);
         return DI_ERR_INVALID;
     }
+    if (s->dev_on) { // dsv4.c
+        di_status st = di_dsv4_session_dev_rollback(s, n);
+        if (st == DI_OK && s->pos == 0) s->hw = 0;
+        return st;
+    }
+    if (s->pos == n) s->hw = 0;
     const di_hparams *hp = &s->model->hp;
     di_dsv41_state *st = s->v41;
     const int32_t pos = s->pos - n;
@@ -397,6 +410,9 @@ di_status di_dsv41_restart(di_session *s, int64_t hit, int32_t pos, const int32_
     for (int il = 0; il < hp->n_layer; il++)
         if (hp->kv_source[il]) st->src[il].n_entries = hit / hp->compress_ratio[il];
     s->pos = pos;
+    // The rings hold no row below pos (a tail load's: what the saving session fed past it is
+    // unknown): a rollback below pos is refused.
+    s->hw = pos + DI_DSV41_ROLLBACK_MAX;
     st->dspark_pos = pos;
     return DI_OK;
 }
@@ -531,6 +547,7 @@ di_status di_dsv41_restore(di_session *s, const void *bytes, size_t n_bytes) {
         goto fail;
     }
     s->pos = pos[0];
+    s->hw = pos[0] + DI_DSV41_ROLLBACK_MAX; // as di_dsv41_restart's
     st->dspark_pos = pos[1];
     return DI_OK;
 fail:

@@ -24,7 +24,8 @@
 //   (n) rollback: ragged verify-shaped calls of another token stream, up to
 //       DI_DSV41_ROLLBACK_MAX rows taken back per slot (di_dsv41_dev_rollback against the
 //       sessions' di_dsv41_rollback), fed on: every logit bit-identical; decode steps too; bad
-//       rollbacks and one below a tail restore refused;
+//       rollbacks, successive ones more than 16 below the highest position fed and one below a
+//       tail restore refused;
 //   (j) the Engram tables stay in host memory: the dev uploads no weight inside a table (the
 //       backend's weight_upload watched), and its calls' results above come from the rows
 //       gathered into each call's staging;
@@ -712,7 +713,8 @@ static void official_prepare(void) {
 // positions, whole calls, the window wrapped and a ratio-2 group left open) on the dev states
 // (graphs on and off, and the 1-stage forward with stages) and on the sessions
 // (di_dsv41_rollback), fed on: every logit row bit-identical (h_call); decode steps (graphs)
-// rolled back too; bad rollbacks refused without a change, and one below a tail restore.
+// rolled back too; bad rollbacks refused without a change (successive ones more than
+// DI_DSV41_ROLLBACK_MAX below the highest position fed too), and one below a tail restore.
 static void h_rollback(harness *h, int s, int n) {
     CHECK_EQ(di_dsv41_dev_rollback(h->st, s, n), DI_OK);
     if (h->st2) CHECK_EQ(di_dsv41_dev_rollback(h->st2, s, n), DI_OK);
@@ -758,6 +760,24 @@ static void rollback_case(di_precision prec) {
         }
         h_call(&h, N_SLOTS, all, ones, NULL);
     }
+    // Successive rollbacks: 16 rows taken back, 1 fed, then 2 more would be 17 below the highest
+    // position fed (the rejected rows overwrote a window ring row the new position reads):
+    // refused by the states and the session, nothing changed; 1 more (16 below, the edge) taken
+    // and fed on bit-identically.
+    const int z = 0, sixteen = DI_DSV41_ROLLBACK_MAX, one = 1, three = 3;
+    h.gen[0] += 1000;
+    h_call(&h, 1, &z, &sixteen, NULL);
+    h.gen[0] -= 1000;
+    h_rollback(&h, 0, DI_DSV41_ROLLBACK_MAX);
+    h_call(&h, 1, &z, &one, NULL);
+    const int32_t pz = di_dsv41_dev_n_past(h.st, 0);
+    CHECK_EQ(di_dsv41_dev_rollback(h.st, 0, 2), DI_ERR_INVALID);
+    if (h.st2) CHECK_EQ(di_dsv41_dev_rollback(h.st2, 0, 2), DI_ERR_INVALID);
+    if (h.st1) CHECK_EQ(di_dsv41_dev_rollback(h.st1, 0, 2), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_rollback(h.ses[0], 2), DI_ERR_INVALID);
+    CHECK_EQ(di_dsv41_dev_n_past(h.st, 0), pz);
+    h_rollback(&h, 0, 1);
+    h_call(&h, 1, &z, &three, NULL);
     // Bad rollbacks: nothing changes.
     const int32_t p0 = di_dsv41_dev_n_past(h.st, 0);
     CHECK_EQ(di_dsv41_dev_rollback(h.st, 0, DI_DSV41_ROLLBACK_MAX + 1), DI_ERR_INVALID);

@@ -142,6 +142,32 @@ static void check_rollback(const char *dir) {
         CHECK(e <= TOL_CHUNK);
         di_session_destroy(s);
     }
+    // Successive rollbacks: the bound counts from the highest position fed (37 here). 16 junk
+    // rows taken back, one real token fed and 4 more taken back would return to 18, 19 below it:
+    // the window ring (W + 16 rows) lost position 18 - W + 1's row, which position 18 reads, to
+    // the junk rows (this was accepted and gave other logits); 2 back is 17 below, refused too;
+    // 1 back is 16 below, the edge: exact.
+    {
+        enum { P = 21 };
+        int32_t chunk[1] = {P}, junk16[DI_DSV41_ROLLBACK_MAX];
+        make_ids(junk16, DI_DSV41_ROLLBACK_MAX, 7);
+        s = run(m, false, ids, P, chunk, 1, got);
+        CHECK(s != NULL);
+        di_forward_out fo = {.logits = tmp, .last_only = true};
+        CHECK(s && di_session_forward(s, junk16, DI_DSV41_ROLLBACK_MAX, &fo) == DI_OK);
+        CHECK(s && di_session_rollback(s, DI_DSV41_ROLLBACK_MAX) == DI_OK);
+        CHECK(s && di_session_forward(s, ids + P, 1, &fo) == DI_OK);
+        CHECK(s && di_session_rollback(s, 4) == DI_ERR_INVALID);
+        CHECK(s && di_session_rollback(s, 2) == DI_ERR_INVALID);
+        CHECK_EQ(s ? di_session_n_past(s) : -1, P + 1);
+        CHECK(s && di_session_rollback(s, 1) == DI_OK);
+        fo = (di_forward_out){.logits = got + (int64_t)P * V};
+        CHECK(s && di_session_forward(s, ids + P, T - P, &fo) == DI_OK);
+        double e = test_rel_err(got + (int64_t)P * V, ref + (int64_t)P * V, (int64_t)(T - P) * V);
+        fprintf(stderr, "  successive rollbacks (16, 1 fed, 1) at %d: continuation %.3g\n", P, e);
+        CHECK(e <= TOL_CHUNK);
+        di_session_destroy(s);
+    }
     // Limits.
     s = run(m, false, ids, 4, one, 1, got);
     CHECK(di_dsv41_rollback(s, 5) == DI_ERR_INVALID);

@@ -26,7 +26,8 @@
 //       against a CPU DSpark session: draft / verify / rollback steps as generate --dspark's
 //       (rollbacks of all, none and some drafts), bit for bit through a token-state save /
 //       restore, backend losses inside a draft and a verify call, a rollback on a state dropped
-//       by a rebuild from outside, and the drill; rollbacks past 16 or the position refused
+//       by a rebuild from outside, and the drill; rollbacks past 16, the position, or 16 below
+//       the highest position fed (successive ones) refused alike, the edge then continuing alike
 //       (release 8 steps, ASan 4).
 //   (f) a V4 MTP session (tiny-128's sliding-window MTP block) on the device forward against a
 //       CPU MTP session: verify steps of an anchor and 1 to 8 drafts (the first the MTP block's
@@ -500,6 +501,32 @@ static void test_dspark(void) {
     CHECK_EQ(di_session_rollback(t, 4), DI_ERR_INVALID);
     CHECK_EQ(di_session_rollback(t, 3), DI_OK);
     CHECK_EQ(di_session_n_past(t), 0);
+    // Successive rollbacks, refused alike more than 16 below the highest position fed (37: 16
+    // taken back, 1 fed, then 4 or 2 more would be 19 or 17 below; the rings lost rows the new
+    // position reads), 1 more (the edge) taken: the sessions then continue alike.
+    di_session *u = spec_session(m), *uc = spec_session(cpu);
+    CHECK(u && uc);
+    int32_t tk[40]; // the prompt may be shorter (ASan)
+    for (int32_t i = 0; i < 40; i++) tk[i] = (int32_t)((i * 53 + 7) % V);
+    float lu[V], luc[V];
+    di_forward_out fu = {.logits = lu, .last_only = true}, fuc = {.logits = luc, .last_only = true};
+    for (int k = 0; u && uc && k < 2; k++) {
+        di_session *x = k ? uc : u;
+        di_forward_out *fx = k ? &fuc : &fu;
+        CHECK_EQ(di_session_forward(x, tk, 21, fx), DI_OK);
+        CHECK_EQ(di_session_forward(x, tk + 24, 16, fx), DI_OK);
+        CHECK_EQ(di_session_rollback(x, 16), DI_OK);
+        CHECK_EQ(di_session_forward(x, tk + 21, 1, fx), DI_OK);
+        CHECK_EQ(di_session_rollback(x, 4), DI_ERR_INVALID);
+        CHECK_EQ(di_session_rollback(x, 2), DI_ERR_INVALID);
+        CHECK_EQ(di_session_n_past(x), 22);
+        CHECK_EQ(di_session_rollback(x, 1), DI_OK);
+        CHECK_EQ(di_session_forward(x, tk + 21, 19, fx), DI_OK);
+    }
+    CHECK(u && u->dev_on);
+    CHECK(!memcmp(lu, luc, sizeof lu));
+    di_session_destroy(u);
+    di_session_destroy(uc);
     fprintf(stderr,
             "(e) V4.1 DSpark: %d draft / verify / rollback steps on the device session = the CPU "
             "session's (positions %d .. %d), through a save / restore, 2 losses, a rebuild and a "
