@@ -888,6 +888,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
         float s[16];
 #pragma unroll
         for (int i = 0; i < 16; i++) s[i] = 0.0f;
+        wg_fence_regs(s);
         wg_fence();
 #pragma unroll
         for (int k0 = 0; k0 < DH; k0 += 16)
@@ -895,8 +896,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
                             di_wg_desc_kmajor(k_sa, TC_BN, 32 * wg, k0), k0 > 0 ? 1 : 0);
         wg_commit();
         wg_wait<0>();
-#pragma unroll
-        for (int i = 0; i < 16; i++) wg_fence_reg(s[i]);
+        wg_fence_regs(s);
         // s[4 nt + e]: row rq + 8 (e / 2), key 32 wg + 8 nt + c4 + e % 2 (attn_tc_kernel's
         // s[nt][e] for its warp's key half: the same arithmetic from here on).
         tc_tile_max(s, msk + wg * 32, c4, lane, rq, scale, red_max + wg * TC_HEADS);
@@ -942,6 +942,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
         m_r[0] = mn0, m_r[1] = mn1;
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] *= (i & 2) ? a1 : a0;
+        wg_fence_regs(acc); // the rescale above wgmma.fence
         wg_fence();
 #pragma unroll
         for (int k0 = 0; k0 < TC_BN; k0 += 16)
@@ -949,8 +950,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
                                 di_wg_desc_mnmajor(k_sa, TC_BN, k0, 256 * wg), 1);
         wg_commit();
         wg_wait<0>();
-#pragma unroll
-        for (int i = 0; i < 128; i++) wg_fence_reg(acc[i]);
+        wg_fence_regs(acc);
     }
 
     // ---- epilogue: the sink and 1/den (one split), or the split's (O, m, l) for the combine ----

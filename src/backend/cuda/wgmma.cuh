@@ -55,6 +55,13 @@ __device__ __forceinline__ void wg_fence_proxy_async() {
 __device__ __forceinline__ void wg_fence_reg(float &r) {
     asm volatile("" : "+f"(r)::"memory");
 }
+// Every register of an accumulator fenced: before wg_fence (writes to it stay above: else
+// ptxas sinks them below wgmma.fence and injects a warpgroup.arrive, C7519) and after the wait
+// (reads stay below).
+template <int N> __device__ __forceinline__ void wg_fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) wg_fence_reg(r[i]);
+}
 
 // d (m64n32, 16 registers) = A (64 x 16, K-major, descriptor da) * B (16 x 32, K-major: 32 rows
 // of K, descriptor db) + (scale_d ? d : 0). Asynchronous: commit and wait before reading d.

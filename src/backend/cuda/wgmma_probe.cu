@@ -37,6 +37,7 @@ __device__ void wgp_stage(uint8_t *dst, const uint16_t *src, int rows, int cols)
 // acc (m64n32) += A B over K (K-major A at a_s, K-major B rows r0.. of a tile of b_rows rows).
 __device__ __forceinline__ void wgp_ss(float (&acc)[16], uint32_t a_s, uint32_t b_s, int b_rows,
                                        int r0, int K, bool first) {
+    wg_fence_regs(acc);
     wg_fence();
     for (int k0 = 0; k0 < K; k0 += 16)
         wg_m64n32k16_ss(acc, di_wg_desc_kmajor(a_s, 64, 0, k0),
@@ -49,8 +50,7 @@ __device__ __forceinline__ void wgp_ss(float (&acc)[16], uint32_t a_s, uint32_t 
 template <int NR>
 __device__ __forceinline__ void wgp_store(float (&acc)[NR], float *d, int ld, int c0) {
     const int t = threadIdx.x % 128;
-#pragma unroll
-    for (int i = 0; i < NR; i++) wg_fence_reg(acc[i]);
+    wg_fence_regs(acc);
 #pragma unroll
     for (int i = 0; i < NR; i++) d[di_wg_acc_row(t, i) * ld + c0 + di_wg_acc_col(t, i)] = acc[i];
 }
@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(WGP_THREADS, 1)
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        wg_fence_regs(acc);
         wg_fence();
 #pragma unroll
         for (int k0 = 0; k0 < 64; k0 += 16)
