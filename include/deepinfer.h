@@ -789,6 +789,11 @@ typedef struct di_engine_stats {
     int64_t n_disk_dev_downloads, n_disk_dev_uploads, n_disk_dev_lost;
     int64_t n_step_allocs; // heap allocations made by the engine thread inside steps (debug
                            // builds count them; always 0 in a correct build)
+    // Where the steps' time went on the forward thread, since create: the forward calls (with
+    // speculation's draft and MTP calls, and on the device the logits' downloads) and the
+    // sampling of their rows (on the model's thread pool; greedy rows on the device-resident
+    // forward arrive as their argmax and cost nothing here).
+    int64_t forward_us, sample_us;
     // Asynchronous scheduling: steps whose plan was built while the previous step's forward
     // ran, and those of them whose plan was complete before that forward returned.
     int64_t n_plans_ahead, n_plans_overlapped;

@@ -239,9 +239,10 @@ struct di_engine {
     bool fwd_started;
     pthread_mutex_t fmu;
     pthread_cond_t fcv;
-    bool f_go, f_done, f_quit; // guarded by fmu
-    int64_t f_allocs;          // allocations inside the last forward (forward thread)
-    di_status f_status;        // the last forward's status (DI_OK on the CPU forward)
+    bool f_go, f_done, f_quit;         // guarded by fmu
+    int64_t f_allocs;                  // allocations inside the last forward (forward thread)
+    int64_t f_forward_us, f_sample_us; // the last step's forward calls and its sampling
+    di_status f_status;                // the last forward's status (DI_OK on the CPU forward)
     // Guarded by mu.
     pthread_mutex_t mu;
     pthread_cond_t cv_work, cv_idle;
@@ -2725,6 +2726,12 @@ static di_status dev_mtp_step(di_engine *e) {
     return st;
 }
 
+static int64_t mono_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
 static void *forward_main(void *p) {
     di_engine *e = p;
     pthread_mutex_lock(&e->fmu);
@@ -2734,6 +2741,8 @@ static void *forward_main(void *p) {
         e->f_go = false;
         pthread_mutex_unlock(&e->fmu);
         int64_t a0 = di_mem_thread_allocs();
+        const int64_t t0 = mono_us();
+        int64_t t_sample = 0;
         if (e->dev_on) arm_loss(e);
         di_status st = inject_failure(e);
         // The disk tier's device transfers handed over at launch, before any op of the call
@@ -2774,7 +2783,9 @@ static void *forward_main(void *p) {
             for (int32_t k = 0; k < e->x_n_logit; k++)
                 for (int32_t i = 0; i < e->x_nrows[k]; i++)
                     e->x_job[e->x_n_job++] = k * e->lstride + i;
+            const int64_t ts = mono_us();
             di_pool_run(e->model->pool, sample_task, e);
+            t_sample = mono_us() - ts;
             if (e->spec_k > 0) spec_accept(e);
             if (e->mtp_ls) st = mtp_step(e); // an expert worker failing here fails the step
             if (e->dstate && e->spec_k > 0) st = dev_mtp_step(e); // a device fault fails it too
@@ -2782,6 +2793,8 @@ static void *forward_main(void *p) {
         int64_t allocs = di_mem_thread_allocs() - a0;
         pthread_mutex_lock(&e->fmu);
         e->f_allocs = allocs;
+        e->f_sample_us = t_sample;
+        e->f_forward_us = mono_us() - t0 - t_sample;
         e->f_status = st;
         e->f_done = true;
         pthread_cond_broadcast(&e->fcv);
@@ -2885,11 +2898,13 @@ static bool forward_done(di_engine *e) {
     return done;
 }
 
-// Waits for the forward in flight; returns its status and (*allocs) the allocations it made.
-static di_status forward_wait(di_engine *e, int64_t *allocs) {
+// Waits for the forward in flight; returns its status, (*allocs) the allocations it made and its
+// times (us[0] the forward calls, us[1] the sampling).
+static di_status forward_wait(di_engine *e, int64_t *allocs, int64_t us[2]) {
     pthread_mutex_lock(&e->fmu);
     while (!e->f_done) pthread_cond_wait(&e->fcv, &e->fmu);
     *allocs = e->f_allocs;
+    us[0] = e->f_forward_us, us[1] = e->f_sample_us;
     di_status st = e->f_status;
     pthread_mutex_unlock(&e->fmu);
     return st;
@@ -3207,8 +3222,8 @@ static void *engine_main(void *p) {
             have_plan = true;
         }
         const int32_t n_masks = e->masks_ahead ? masks_ahead(e) : 0;
-        int64_t fwd_allocs = 0;
-        di_status fst = forward_wait(e, &fwd_allocs);
+        int64_t fwd_allocs = 0, fwd_us[2];
+        di_status fst = forward_wait(e, &fwd_allocs, fwd_us);
         // The batch it ran: its prefetch staging is free; blocks whose upload failed (the step
         // failed too) leave the prefix cache, marked for fail_step.
         e->x_dev_bad = e->dev_on ? di_kv_dev_end(e->kv, e->marks) : 0;
@@ -3234,6 +3249,8 @@ static void *engine_main(void *p) {
         st->n_plans_overlapped += overlapped;
         st->n_masks_ahead += n_masks;
         st->n_step_allocs += step_allocs;
+        st->forward_us += fwd_us[0];
+        st->sample_us += fwd_us[1];
         st->n_prefill_tokens = s->n_prefill_rows;
         st->n_decode_tokens = s->n_decode_rows;
         st->n_preemptions = s->n_preemptions;

@@ -76,6 +76,9 @@ def one_round(server):
     assert m["deepinfer:num_requests_running"] == 0, m
     assert m["deepinfer:num_http_requests_in_flight"] == 0, m
     assert m['deepinfer:http_responses_total{model_name="deepinfer-tiny",status="5xx"}'] == 0
+    # where the steps' time went: both timed (the requests generated tokens)
+    assert m["deepinfer:engine_forward_seconds_total"] > 0, m
+    assert m["deepinfer:engine_sample_seconds_total"] > 0, m
 
 
 def rss_kib(pid):

@@ -159,8 +159,14 @@ static void test_batch_invariance(void) {
     }
     di_engine_stats st;
     di_engine_get_stats(e, &st);
-    fprintf(stderr, "steps %lld, prefill rows %lld, decode rows %lld\n", (long long)st.n_steps,
-            (long long)st.n_prefill_tokens, (long long)st.n_decode_tokens);
+    fprintf(stderr,
+            "steps %lld, prefill rows %lld, decode rows %lld; forward %.1f ms, sampling %.1f ms\n",
+            (long long)st.n_steps, (long long)st.n_prefill_tokens, (long long)st.n_decode_tokens,
+            (double)st.forward_us / 1e3, (double)st.sample_us / 1e3);
+    // Both timed: every step ran a forward and sampled rows with log-probabilities (a pass over
+    // the vocabulary at least).
+    CHECK(st.forward_us > 0);
+    CHECK(st.sample_us > 0);
     check_clean(e);
     di_engine_destroy(e);
 }

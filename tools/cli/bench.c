@@ -9,7 +9,9 @@
 // With --shared-prefix N, the prefix-reuse row: requests whose prompts share their first N tokens,
 // on the engine without the prefix cache and on one with it (after one request has left the prefix
 // cached): TTFT, prompt tokens taken from the cache and positions the bounded replay computed
-// again.
+// again. With --temperature T (and --top-p, --top-k), the sampling row: the batch again with
+// seeded sampling, its decode tokens/s beside greedy's and the share of the steps' time the
+// engine spent sampling (di_engine_stats.sample_us against forward_us).
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -30,6 +32,7 @@ static void usage(FILE *f) {
             "                       [--ep-workers HOST:PORT,...] [--ep-placement FILE]\n"
             "                       [--cp-workers HOST:PORT,...] [--cp-min-tokens N]\n"
             "                       [--spec-min-confidence X] [--shared-prefix N]\n"
+            "                       [--temperature T [--top-p P] [--top-k K]]\n"
             "Greedy generation of --gen-len tokens for --requests random prompts submitted\n"
             "together; prints throughput, TTFT and ITL statistics and KV usage, then the\n"
             "decode tokens/s of 16 concurrent sequences over 1 (skip with --no-ratio).\n"
@@ -38,7 +41,10 @@ static void usage(FILE *f) {
             "per verify) and prints the speedup, the acceptance rate and the tokens per verify.\n"
             "--shared-prefix N (< --prompt-len): also runs the batch with prompts sharing\n"
             "their first N tokens without and with the prefix cache and prints the TTFT\n"
-            "ratio, the cached and the replayed tokens per request.\n");
+            "ratio, the cached and the replayed tokens per request.\n"
+            "--temperature T (> 0; with --top-p P, --top-k K): also runs the batch with seeded\n"
+            "sampling and prints its decode tokens/s beside greedy's and the share of the\n"
+            "steps' time spent sampling.\n");
 }
 
 static double now_s(void) {
@@ -126,8 +132,8 @@ static void window_costs(const poll_arg *a, double t0, double t1, run_result *ou
 // Runs n requests at once; decode throughput counts tokens in the window where every request is
 // decoding (after the last first token, before the first request ends). The first `shared`
 // prompt tokens are the same in every request and every run; the rest depend on seed and request.
-static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int shared, int gen_len,
-               uint64_t seed, run_result *out) {
+static int run_sampled(di_engine *e, int32_t n_vocab, int n, int prompt_len, int shared,
+                       int gen_len, uint64_t seed, const di_sample_params *sp, run_result *out) {
     req_times *rt = calloc((size_t)n, sizeof *rt);
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)prompt_len);
     if (!rt || !prompt) return 1;
@@ -151,6 +157,10 @@ static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int shared,
         p.ignore_eos = true;
         p.on_event = on_event;
         p.user = &rt[i];
+        if (sp) {
+            p.sample = *sp;
+            p.sample.seed = seed * 1000003u + (uint64_t)i;
+        }
         uint64_t id;
         di_status st = di_engine_submit(e, &p, &id);
         if (st != DI_OK) {
@@ -202,6 +212,37 @@ static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int shared,
     free(prompt);
     free(ttft);
     free(itl);
+    return 0;
+}
+
+// Greedy requests.
+static int run(di_engine *e, int32_t n_vocab, int n, int prompt_len, int shared, int gen_len,
+               uint64_t seed, run_result *out) {
+    return run_sampled(e, n_vocab, n, prompt_len, shared, gen_len, seed, NULL, out);
+}
+
+// The sampling row: the batch of n requests greedy, then again with seeded sampling (sp) on e;
+// the engine's sampling time of each run against its forward time.
+static int sample_row(di_engine *e, int32_t n_vocab, int n, int prompt_len, int gen_len,
+                      const di_sample_params *sp) {
+    di_engine_stats s0, s1, s2;
+    run_result g, r;
+    di_engine_get_stats(e, &s0);
+    if (run(e, n_vocab, n, prompt_len, 0, gen_len, 1, &g)) return 1;
+    di_engine_get_stats(e, &s1);
+    if (run_sampled(e, n_vocab, n, prompt_len, 0, gen_len, 1, sp, &r)) return 1;
+    di_engine_get_stats(e, &s2);
+    const double gf = (double)(s1.forward_us - s0.forward_us) / 1e3,
+                 gs = (double)(s1.sample_us - s0.sample_us) / 1e3;
+    const double rf = (double)(s2.forward_us - s1.forward_us) / 1e3,
+                 rs = (double)(s2.sample_us - s1.sample_us) / 1e3;
+    printf("sampling (temperature %g, top-p %g, top-k %d, seeded), %d requests:\n",
+           (double)sp->temperature, (double)sp->top_p, (int)sp->top_k, n);
+    printf("  decode    %10.1f tokens/s (greedy: %.1f, %.2fx)\n", r.decode_tps, g.decode_tps,
+           g.decode_tps > 0 ? r.decode_tps / g.decode_tps : 0);
+    printf("  steps' time sampling %.1f ms of %.1f (%.1f %%); greedy %.1f ms of %.1f (%.1f %%)\n",
+           rs, rs + rf, rs + rf > 0 ? 100.0 * rs / (rs + rf) : 0, gs, gs + gf,
+           gs + gf > 0 ? 100.0 * gs / (gs + gf) : 0);
     return 0;
 }
 
@@ -357,6 +398,7 @@ int di_cli_bench(int argc, char **argv) {
          shared = 0;
     double spec_conf = 0;
     bool ratio = true;
+    di_sample_params sp = di_sample_params_default();
     for (int i = 1; i < argc; i++) {
         int r = di_args_model_option(argc, argv, &i, &ma);
         if (r < 0) return 2;
@@ -395,12 +437,31 @@ int di_cli_bench(int argc, char **argv) {
             spec_conf = strtod(v, &end);
             ok = end && !*end && spec_conf >= -1 && spec_conf <= 1;
             if (!ok) fprintf(stderr, "deepinfer bench: --spec-min-confidence is in [-1, 1]\n");
+        } else if (strcmp(a, "--temperature") == 0 || strcmp(a, "--top-p") == 0) {
+            char *end = NULL;
+            const double x = strtod(v, &end);
+            const bool t = a[2] == 't' && a[3] == 'e';
+            ok = end && !*end && (t ? x > 0 && x <= 100 : x > 0 && x <= 1);
+            if (!ok)
+                fprintf(stderr, "deepinfer bench: %s is in %s\n", a, t ? "(0, 100]" : "(0, 1]");
+            else if (t)
+                sp.temperature = (float)x;
+            else
+                sp.top_p = (float)x;
+        } else if (strcmp(a, "--top-k") == 0) {
+            long k = 0;
+            ok = di_args_int(v, a, 0, 1 << 20, &k);
+            sp.top_k = (int32_t)k;
         } else {
             fprintf(stderr, "deepinfer bench: unknown option '%s'\n", a);
             usage(stderr);
             return 2;
         }
         if (!ok) return 2;
+    }
+    if (sp.temperature == 0 && (sp.top_p < 1 || sp.top_k > 0)) {
+        fprintf(stderr, "deepinfer bench: --top-p and --top-k need --temperature\n");
+        return 2;
     }
     if (shared >= prompt_len) {
         fprintf(stderr, "deepinfer bench: --shared-prefix must be below --prompt-len (%ld)\n",
@@ -447,6 +508,9 @@ int di_cli_bench(int argc, char **argv) {
                      ps.device.resident))
             return 1;
     }
+    if (sp.temperature > 0 &&
+        sample_row(e, n_vocab, (int)n_req, (int)prompt_len, (int)gen_len, &sp))
+        return 1;
     if (shared > 0 &&
         prefix_row(e, ma.model, o, n_vocab, (int)n_req, (int)prompt_len, (int)shared, (int)gen_len))
         return 1;

@@ -178,6 +178,12 @@ char *srv_metrics_text(srv *s) {
         "Users (tenants) whose fair-share counter is held (backlogged or recently idle; bounded).",
         "%d", st.n_tenants_tracked);
     COUNTER("deepinfer:engine_steps_total", "Engine steps.", st.n_steps);
+    GAUGE("deepinfer:engine_forward_seconds_total",
+          "Forward-thread time in the steps' forward calls (draft and MTP calls included).", "%.6f",
+          (double)st.forward_us / 1e6);
+    GAUGE("deepinfer:engine_sample_seconds_total",
+          "Forward-thread time sampling the steps' rows (on the model's thread pool).", "%.6f",
+          (double)st.sample_us / 1e6);
     COUNTER("deepinfer:engine_failed_steps_total",
             "Engine steps whose forward failed (their requests ended with an error).",
             st.n_failed_steps);
