@@ -160,16 +160,17 @@ struct di_engine {
     // Speculative decoding (V4.1 with DSpark, opt.spec_tokens > 0; "speculative decoding" below).
     // Logit slot k (a sampled sequence of the plan) owns lstride rows of logits and of sample
     // results: its verify rows. lstride is 1 when speculation is off.
-    int32_t spec_k;    // drafts per verify at most (0: off)
-    float spec_tau;    // the confidence cut (< 0: none)
-    int32_t lstride;   // logit rows per logit slot: spec_k + 1
-    int32_t *x_nrows;  // owned [max_seqs]: rows of slot k to sample (1, or drafts + 1)
-    int32_t *x_emit;   // owned [max_seqs]: tokens slot k yields (1, or accepted drafts + 1)
-    int32_t *x_ndraft; // owned [max_seqs]: drafts verified for slot k (0: no verify)
-    int32_t *x_nprop;  // owned [max_seqs]: drafts proposed for slot k (DSpark, MTP)
-    int32_t *x_lslot;  // owned [max_seqs]: the slot (scheduler / V4.1) of logit slot k
-    int32_t *x_job;    // owned [max_seqs * lstride]: the rows to sample, k * lstride + i
-    int32_t x_n_job;   // (the forward thread's)
+    int32_t spec_k;        // drafts per verify at most (0: off)
+    float spec_tau;        // the confidence cut (< 0: none)
+    int32_t lstride;       // logit rows per logit slot: spec_k + 1
+    int32_t *x_nrows;      // owned [max_seqs]: rows of slot k to sample (1, or drafts + 1)
+    int32_t *x_emit;       // owned [max_seqs]: tokens slot k yields (1, or accepted drafts + 1)
+    int32_t *x_ndraft;     // owned [max_seqs]: drafts verified for slot k (0: no verify)
+    int32_t *x_nprop;      // owned [max_seqs]: drafts proposed for slot k (DSpark, MTP)
+    int32_t *x_lslot;      // owned [max_seqs]: the slot (scheduler / V4.1) of logit slot k
+    int32_t *x_job;        // owned [max_seqs * lstride]: the rows to sample, k * lstride + i
+    int32_t x_n_job;       // (the forward thread's)
+    atomic_int x_job_next; // the next of them a sampling thread takes (sample_task)
     // Greedy picks on the device-resident forward ("greedy rows on the device" below): per logit
     // row (the call's rows, then moved with the logits to the slots' rows k * lstride + i) whether
     // it crossed as its device argmax only, and that pick.
@@ -1987,7 +1988,9 @@ static void sample_constrained(di_engine *e, di_sampler *smp, di_request *r, con
         r->g_status = DI_ERR_UNSUPPORTED; // a limit (the mask allowed the token)
 }
 
-// Samples the step's rows in this thread's share (pool task, one sampler per thread): row i of
+// Samples the step's rows (pool task, one sampler per thread; each thread takes the next row not
+// taken, so a few expensive rows, top-p over a flat distribution, do not wait behind one thread's
+// fixed share): row i of
 // logit slot k samples output token n_gen + i of its request at position n_tokens + i, with the
 // history extended by the drafts before it (written past the known tokens by v41_verify); a
 // plain slot has row 0 only. Reads only what the engine thread leaves alone while a step runs:
@@ -2000,9 +2003,9 @@ static void sample_constrained(di_engine *e, di_sampler *smp, di_request *r, con
 static void sample_task(void *p, int ith, int nth) {
     di_engine *e = p;
     const int64_t V = e->model->hp.n_vocab;
-    int64_t lo, hi;
-    di_split_range(e->x_n_job, ith, nth, &lo, &hi);
-    for (int64_t j = lo; j < hi; j++) {
+    (void)nth;
+    for (int32_t j;
+         (j = atomic_fetch_add_explicit(&e->x_job_next, 1, memory_order_relaxed)) < e->x_n_job;) {
         const int32_t row = e->x_job[j], k = row / e->lstride, i = row % e->lstride;
         di_request *r = e->x_logit_req[k];
         if (e->dev_on && e->x_greedy[row]) { // the device's argmax: di_sampler_sample's result
@@ -2784,6 +2787,7 @@ static void *forward_main(void *p) {
                 for (int32_t i = 0; i < e->x_nrows[k]; i++)
                     e->x_job[e->x_n_job++] = k * e->lstride + i;
             const int64_t ts = mono_us();
+            atomic_store_explicit(&e->x_job_next, 0, memory_order_relaxed);
             di_pool_run(e->model->pool, sample_task, e);
             t_sample = mono_us() - ts;
             if (e->spec_k > 0) spec_accept(e);
