@@ -267,7 +267,11 @@ static bool use_avx2(void) {
     static atomic_int have = -1; // every thread that sets it sets the same value
     int h = atomic_load_explicit(&have, memory_order_relaxed);
     if (h < 0) {
-        h = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        // DI_CPU_ISA=scalar (the CPU backend's debug switch, backend/cpu/gemm.h) takes the
+        // scalar forms on an AVX2 machine too, for the tests of both; read once per process.
+        const char *isa = getenv("DI_CPU_ISA");
+        h = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            !(isa && strcmp(isa, "scalar") == 0);
         atomic_store_explicit(&have, h, memory_order_relaxed);
     }
     return h != 0;

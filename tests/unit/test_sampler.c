@@ -1,11 +1,14 @@
 // sampler: greedy, temperature, top-k / top-p / min-p, penalties, logit bias, logprobs, and the
 // counter-based randomness (same (seed, position) -> same token, whatever the call order); a
-// grammar's allowed-token mask.
+// grammar's allowed-token mask; the randomized equivalence with the oracle (sampler_ref.c: the
+// implementation before the selection rework) bit for bit, and NaN rows' safety.
 #include "harness.h"
 
+#include <float.h>
 #include <math.h>
 
 #include "sample/sampler.h"
+#include "sampler_ref.h"
 
 enum { V = 8 };
 
@@ -268,6 +271,251 @@ static void test_allowed_mask(void) {
     CHECK_EQ(seen[0] + seen[2] + seen[4] + seen[5] + seen[6] + seen[7], 0);
 }
 
+// ---- equivalence with the oracle ----
+
+static uint64_t g_rng = 0x243f6a8885a308d3ull;
+
+static uint64_t rnd(void) {
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int32_t rnd_below(int32_t n) {
+    return (int32_t)(rnd() % (uint64_t)n);
+}
+static double rnd01(void) {
+    return (double)(rnd() >> 11) * (1.0 / 9007199254740992.0);
+}
+static double gauss(void) {
+    double u = rnd01() + 1e-300, v = rnd01();
+    return sqrt(-2 * log(u)) * cos(6.283185307179586 * v);
+}
+
+typedef enum row_shape {
+    SHAPE_FLAT,   // N(0, 3)
+    SHAPE_PEAKED, // N(0, 3) plus 20 tokens at 25, 24.26, ..., 11
+    SHAPE_TIES,   // a handful of values (-0 and +0 among them), most entries equal to others
+    SHAPE_NEGINF, // N(0, 3) with -inf entries (sometimes all but a few)
+    SHAPE_HUGE,   // magnitudes up to FLT_MAX, and +inf entries
+    SHAPE_TINY,   // magnitudes near 1e-30 and subnormals, +-0
+    SHAPE_CONST,  // one value everywhere
+    SHAPE_QUANT,  // N(0, 3) rounded to 1/8: long runs of ties inside the distribution
+    SHAPE_COUNT
+} row_shape;
+
+static const char *const k_shape_names[SHAPE_COUNT] = {"flat", "peaked", "ties",  "neginf",
+                                                       "huge", "tiny",   "const", "quant"};
+
+static void make_row(float *l, int32_t nv, row_shape shape) {
+    switch (shape) {
+    case SHAPE_FLAT:
+    case SHAPE_PEAKED:
+    case SHAPE_NEGINF:
+        for (int32_t i = 0; i < nv; i++) l[i] = (float)(3 * gauss());
+        if (shape == SHAPE_PEAKED)
+            for (int32_t j = 0; j < 20; j++) l[rnd_below(nv)] = 25.0f - (float)j * (14.0f / 19);
+        if (shape == SHAPE_NEGINF) {
+            double frac = rnd01() < 0.3 ? 0.999 : rnd01();
+            for (int32_t i = 0; i < nv; i++)
+                if (rnd01() < frac) l[i] = -INFINITY;
+            l[rnd_below(nv)] = (float)gauss();
+        }
+        break;
+    case SHAPE_TIES: {
+        static const float vals[] = {-2, -1, -0.0f, 0.0f, 0.5f, 1, 3, 3, -INFINITY};
+        int nvals = 2 + rnd_below(8);
+        for (int32_t i = 0; i < nv; i++) l[i] = vals[rnd_below(nvals)];
+        break;
+    }
+    case SHAPE_HUGE:
+        for (int32_t i = 0; i < nv; i++) l[i] = (float)(gauss() * 1e37);
+        for (int j = 0; j < 3; j++) l[rnd_below(nv)] = rnd01() < 0.5 ? FLT_MAX : -FLT_MAX;
+        if (rnd01() < 0.3) l[rnd_below(nv)] = INFINITY;
+        if (rnd01() < 0.3) l[rnd_below(nv)] = -INFINITY;
+        break;
+    case SHAPE_TINY:
+        for (int32_t i = 0; i < nv; i++) {
+            double g = gauss();
+            l[i] = rnd01() < 0.3   ? (float)(g * 1e-42)
+                   : rnd01() < 0.1 ? (g < 0 ? -0.0f : 0.0f)
+                                   : (float)(g * 1e-30);
+        }
+        break;
+    case SHAPE_CONST: {
+        float c = rnd01() < 0.2 ? -INFINITY : (float)gauss();
+        for (int32_t i = 0; i < nv; i++) l[i] = c;
+        if (c == -INFINITY) l[rnd_below(nv)] = 0; // a row with no finite entry is not sampled
+        break;
+    }
+    case SHAPE_QUANT:
+        for (int32_t i = 0; i < nv; i++) l[i] = roundf((float)(3 * gauss()) * 8) / 8;
+        break;
+    case SHAPE_COUNT:
+        break;
+    }
+}
+
+static void make_params(di_sample_params *p, di_logit_bias *bias, int32_t nv) {
+    static const float temps[] = {0, 0.3f, 0.7f, 1, 2};
+    static const float top_ps[] = {1, 1, 0.95f, 0.5f, 1e-6f, 0.999f};
+    static const float rep[] = {1, 1, 1.1f, 0.9f};
+    static const float pen[] = {0, 0, 0.5f, -0.5f, 0.25f};
+    static const float bias_vals[] = {1, -1, 100, -100, 1e9f, INFINITY, -INFINITY, 0.01f};
+    const int32_t top_ks[] = {0, 0, 1, 5, 50, 1000, nv, nv + 7, 2, 64, 1024};
+    *p = di_sample_params_default();
+    p->temperature = temps[rnd_below(5)];
+    p->top_k = top_ks[rnd_below(11)];
+    p->top_p = top_ps[rnd_below(6)];
+    p->min_p = rnd01() < 0.3 ? (rnd01() < 0.5 ? 0.05f : 0.5f) : 0;
+    p->repetition_penalty = rep[rnd_below(4)];
+    p->presence_penalty = pen[rnd_below(5)];
+    p->frequency_penalty = pen[rnd_below(5)];
+    p->n_logit_bias = rnd01() < 0.3 ? 1 + rnd_below(5) : 0;
+    for (int32_t i = 0; i < p->n_logit_bias; i++)
+        bias[i] = (di_logit_bias){rnd_below(nv), bias_vals[rnd_below(8)]};
+    p->logit_bias = p->n_logit_bias ? bias : NULL;
+    p->seed = rnd();
+    p->logprobs = rnd01() < 0.5;
+    p->n_logprobs = rnd01() < 0.5 ? rnd_below(DI_MAX_LOGPROBS + 1) : 0;
+    if (p->n_logprobs > nv) p->n_logprobs = nv;
+}
+
+// The two results agree bit for bit (the top lists up to n_top).
+static bool same_result(const di_sample_result *a, const di_sample_result *b) {
+    return a->token == b->token && memcmp(&a->logprob, &b->logprob, sizeof a->logprob) == 0 &&
+           a->n_top == b->n_top &&
+           memcmp(a->top_ids, b->top_ids, sizeof(int32_t) * (size_t)a->n_top) == 0 &&
+           memcmp(a->top_logprobs, b->top_logprobs, sizeof(float) * (size_t)a->n_top) == 0;
+}
+
+static void report(const char *what, row_shape shape, int32_t nv, const di_sample_params *p,
+                   const di_sample_result *a, const di_sample_result *b) {
+    fprintf(stderr,
+            "%s differs: shape %s V %d t %g top_k %d top_p %g min_p %g rep %g pres %g freq %g "
+            "bias %d lp %d n_lp %d: token %d vs %d, logprob %.9g vs %.9g\n",
+            what, k_shape_names[shape], nv, p->temperature, p->top_k, p->top_p, p->min_p,
+            p->repetition_penalty, p->presence_penalty, p->frequency_penalty, p->n_logit_bias,
+            p->logprobs, p->n_logprobs, a->token, b->token, a->logprob, b->logprob);
+}
+
+// One row under both samplers, plain and under a random allowed-token mask; false on a difference.
+static bool compare_row(di_sampler *s, ref_sampler *r, const float *l, uint64_t *allow,
+                        int32_t *hist, int32_t nv, row_shape shape, const di_sample_params *p) {
+    int32_t n_prompt = rnd01() < 0.5 ? rnd_below(40) : 0, n_gen = rnd_below(40);
+    int32_t span = rnd01() < 0.5 ? (nv < 30 ? nv : 30) : nv; // repeated tokens, or spread
+    for (int32_t i = 0; i < n_prompt + n_gen; i++) hist[i] = rnd_below(span);
+    int64_t pos = n_prompt + n_gen + rnd_below(1000);
+    di_sample_result a, b;
+    memset(&a, 0xa5, sizeof a), memset(&b, 0x5a, sizeof b);
+    di_sampler_sample(s, l, p, hist, n_prompt, n_gen, pos, &a);
+    ref_sampler_sample(r, l, p, hist, n_prompt, n_gen, pos, &b);
+    bool ok = same_result(&a, &b);
+    if (!ok) report("sample", shape, nv, p, &a, &b);
+    // A mask: dense, sparse or in runs of whole words; at least one allowed token.
+    const int32_t n_words = (nv + 63) / 64;
+    double dens = rnd01();
+    int kind = rnd_below(3);
+    for (int32_t w = 0; w < n_words; w++) {
+        if (kind == 0)
+            allow[w] = rnd01() < dens ? ~0ull : 0;
+        else {
+            uint64_t bits = 0;
+            for (int j = 0; j < 64; j++) bits |= (uint64_t)(rnd01() < dens * dens) << j;
+            allow[w] = kind == 1 ? bits : rnd01() < 0.5 ? bits : ~bits;
+        }
+    }
+    int32_t must = rnd_below(nv);
+    allow[must / 64] |= 1ull << (must % 64);
+    memset(&a, 0xa5, sizeof a), memset(&b, 0x5a, sizeof b);
+    di_sampler_sample_allowed(s, l, allow, p, hist, n_prompt, n_gen, pos, &a);
+    ref_sampler_sample_allowed(r, l, allow, p, hist, n_prompt, n_gen, pos, &b);
+    if (!same_result(&a, &b)) report("sample_allowed", shape, nv, p, &a, &b), ok = false;
+    return ok;
+}
+
+// Thousands of rows of every shape, small vocabularies and V4's, under random parameter sets:
+// token, logprob, top ids and top logprobs equal to the oracle's bit for bit.
+static void test_oracle_equivalence(void) {
+    enum { V_BIG = 129280 };
+    static const int32_t sizes[] = {1, 2, 3, 7, 20, 63, 64, 65, 100, 257, 1000, 1031, 4099, 20000};
+    float *l = malloc(sizeof(float) * V_BIG);
+    uint64_t *allow = malloc(sizeof(uint64_t) * (V_BIG / 64 + 1));
+    int32_t hist[80];
+    di_logit_bias bias[5];
+    int n_rows = 0, n_bad = 0;
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0] + 1; si++) {
+        const int32_t nv = si < sizeof sizes / sizeof sizes[0] ? sizes[si] : V_BIG;
+        const int reps = nv == V_BIG ? 48 : nv >= 4099 ? 160 : 480;
+        di_sampler *s = NULL;
+        ref_sampler *r = NULL;
+        CHECK_EQ(di_sampler_create(nv, &s), DI_OK);
+        CHECK_EQ(ref_sampler_create(nv, &r), DI_OK);
+        if (!s || !r) break;
+        for (int rep = 0; rep < reps; rep++) {
+            row_shape shape = (row_shape)(rep % SHAPE_COUNT);
+            make_row(l, nv, shape);
+            for (int j = 0; j < (nv == V_BIG ? 2 : 3); j++) { // several parameter sets per row
+                di_sample_params p;
+                make_params(&p, bias, nv);
+                if (nv == V_BIG && (p.top_k >= nv || (p.top_k == 0 && p.top_p == 1)) &&
+                    rep % 6 != 0)
+                    p.top_k = 50; // the oracle's full heap sorts are slow: a few of them only
+                n_bad += !compare_row(s, r, l, allow, hist, nv, shape, &p);
+                n_rows++;
+            }
+        }
+        di_sampler_destroy(s);
+        ref_sampler_destroy(r);
+    }
+    fprintf(stderr, "  %d rows compared, %d differ\n", n_rows, n_bad);
+    CHECK_EQ(n_bad, 0);
+    free(l);
+    free(allow);
+}
+
+// Rows with NaNs (anywhere, at 0, everywhere): any parameters give a token in [0, V) (under the
+// sanitizers: without reading out of bounds). The order among NaNs is sampler.h's rule.
+static void test_nan_rows(void) {
+    static const int32_t sizes[] = {1, 5, 64, 1000, 129280};
+    float *l = malloc(sizeof(float) * 129280);
+    uint64_t *allow = malloc(sizeof(uint64_t) * (129280 / 64 + 1));
+    int32_t hist[80];
+    di_logit_bias bias[5];
+    int bad = 0;
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+        const int32_t nv = sizes[si];
+        di_sampler *s = NULL;
+        CHECK_EQ(di_sampler_create(nv, &s), DI_OK);
+        if (!s) break;
+        for (int rep = 0; rep < (nv > 10000 ? 40 : 200); rep++) {
+            make_row(l, nv, (row_shape)(rep % SHAPE_COUNT));
+            int kind = rep % 4;
+            for (int32_t i = 0; i < nv; i++)
+                if (kind == 3 || rnd01() < (kind == 0 ? 0.01 : 0.5)) l[i] = NAN;
+            if (kind == 1) l[0] = NAN;
+            if (kind == 2) l[rnd_below(nv)] = -NAN;
+            di_sample_params p;
+            make_params(&p, bias, nv);
+            for (int32_t i = 0; i < 10; i++) hist[i] = rnd_below(nv);
+            di_sample_result res;
+            di_sampler_sample(s, l, &p, hist, 4, 6, 10 + rep, &res);
+            bad += !(res.token >= 0 && res.token < nv);
+            for (int32_t i = 0; i < res.n_top; i++)
+                bad += !(res.top_ids[i] >= 0 && res.top_ids[i] < nv);
+            for (int32_t w = 0; w < (nv + 63) / 64; w++) allow[w] = rnd();
+            allow[0] |= 1;
+            di_sampler_sample_allowed(s, l, allow, &p, hist, 4, 6, 10 + rep, &res);
+            bad += !(res.token >= 0 && res.token < nv);
+        }
+        di_sampler_destroy(s);
+    }
+    CHECK_EQ(bad, 0);
+    free(l);
+    free(allow);
+}
+
 int main(void) {
     if (di_sampler_create(V, &g_s) != DI_OK) return 1;
     RUN(test_allowed_mask);
@@ -279,6 +527,8 @@ int main(void) {
     RUN(test_logprobs);
     RUN(test_logprob_precision);
     RUN(test_params_check);
+    RUN(test_oracle_equivalence);
+    RUN(test_nan_rows);
     di_sampler_destroy(g_s);
     return test_finish();
 }
