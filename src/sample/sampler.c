@@ -13,12 +13,19 @@
 struct di_sampler {
     int32_t n_vocab;
     float *work;    // owned [V]: processed logits
-    double *prob;   // owned [V]
+    double *prob;   // owned [V]: candidates' weights (prefix sums in the untruncated draw)
     int32_t *cand;  // owned [V]: candidate ids (sorted prefix after truncation)
     uint32_t *mark; // owned [V]: stamp of the last call that counted the token
     int32_t *count; // owned [V]: occurrences in the output (valid where mark == stamp)
     uint32_t stamp;
     float *masked; // owned [V]: the logits under a grammar's mask
+    // Selection scratch (select_top): candidates' keys and ids, the radix passes' second buffers,
+    // and the group maxima of the pre-filter.
+    uint32_t *sel_key;  // owned [V]
+    int32_t *sel_id;    // owned [V]
+    uint32_t *sel_key2; // owned [V]
+    int32_t *sel_id2;   // owned [V]
+    uint32_t *gmax;     // owned [V / 8 + 8]
 };
 
 di_sample_params di_sample_params_default(void) {
@@ -41,7 +48,13 @@ di_status di_sampler_create(int32_t n_vocab, di_sampler **out) {
     s->mark = di_calloc(V, sizeof(uint32_t));
     s->count = di_calloc(V, sizeof(int32_t));
     s->masked = di_malloc(sizeof(float) * V);
-    if (!s->work || !s->prob || !s->cand || !s->mark || !s->count || !s->masked) {
+    s->sel_key = di_malloc(sizeof(uint32_t) * V);
+    s->sel_id = di_malloc(sizeof(int32_t) * V);
+    s->sel_key2 = di_malloc(sizeof(uint32_t) * V);
+    s->sel_id2 = di_malloc(sizeof(int32_t) * V);
+    s->gmax = di_malloc(sizeof(uint32_t) * (V / 8 + 8));
+    if (!s->work || !s->prob || !s->cand || !s->mark || !s->count || !s->masked || !s->sel_key ||
+        !s->sel_id || !s->sel_key2 || !s->sel_id2 || !s->gmax) {
         di_sampler_destroy(s);
         return DI_ERR_NOMEM;
     }
@@ -57,6 +70,11 @@ void di_sampler_destroy(di_sampler *s) {
     di_free(s->mark);
     di_free(s->count);
     di_free(s->masked);
+    di_free(s->sel_key);
+    di_free(s->sel_id);
+    di_free(s->sel_key2);
+    di_free(s->sel_id2);
+    di_free(s->gmax);
     di_free(s);
 }
 
@@ -106,12 +124,7 @@ double di_sample_uniform(uint64_t seed, int64_t pos) {
     return (double)(z >> 11) * (1.0 / 9007199254740992.0);
 }
 
-// ---- selection helpers ----
-
-// a ranks before b: higher value, then lower id.
-static inline bool before(const float *v, int32_t a, int32_t b) {
-    return v[a] > v[b] || (v[a] == v[b] && a < b);
-}
+// ---- argmax ----
 
 // The first index of the largest value (NaNs never win; a NaN at 0 keeps 0).
 static int32_t argmax_scalar(const float *v, int32_t n) {
@@ -119,34 +132,6 @@ static int32_t argmax_scalar(const float *v, int32_t n) {
     for (int32_t i = 1; i < n; i++)
         if (v[i] > v[best]) best = i;
     return best;
-}
-
-static void sift_down(const float *v, int32_t *h, int32_t n, int32_t i) {
-    for (;;) { // min-heap on "before": the root is the worst kept candidate
-        int32_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < n && before(v, h[m], h[l])) m = l;
-        if (r < n && before(v, h[m], h[r])) m = r;
-        if (m == i) return;
-        int32_t t = h[m];
-        h[m] = h[i], h[i] = t, i = m;
-    }
-}
-
-// The k best ids of v[n] into out[0..k), best first. O(n log k).
-static void top_k_ids(const float *v, int32_t n, int32_t k, int32_t *out) {
-    for (int32_t i = 0; i < k; i++) out[i] = i;
-    for (int32_t i = k / 2 - 1; i >= 0; i--) sift_down(v, out, k, i);
-    for (int32_t i = k; i < n; i++) {
-        if (before(v, i, out[0])) {
-            out[0] = i;
-            sift_down(v, out, k, 0);
-        }
-    }
-    for (int32_t end = k - 1; end > 0; end--) { // heap sort: worst goes to the end
-        int32_t t = out[0];
-        out[0] = out[end], out[end] = t;
-        sift_down(v, out, end, 0);
-    }
 }
 
 // ---- sampling ----
@@ -305,11 +290,330 @@ static double sum_exp(const float *x, int32_t n, double m, double scale) {
     return (s0 + s1) + (s2 + s3);
 }
 
+// ---- exp over candidates, bit for bit exp_le0 ----
+
+#ifdef DI_SUM_EXP_AVX2
+// exp_le0 on 4 lanes without FMA: the scalar form's operations one by one (each mul and add
+// rounded on its own, as the scalar code is compiled: baseline x86-64 has no FMA and ISO C mode
+// does not contract), so every lane's bits are exp_le0's. target("avx2") without "fma": the
+// compiler cannot fuse them either.
+__attribute__((target("avx2"))) static inline __m256d exp4_le0_exact(__m256d d) {
+    const __m256d shift = _mm256_set1_pd(6755399441055744.0);
+    __m256d ok = _mm256_cmp_pd(d, _mm256_set1_pd(-708.0), _CMP_GE_OQ); // false for NaN
+    __m256d ks = _mm256_add_pd(_mm256_mul_pd(d, _mm256_set1_pd(1.4426950408889634)), shift);
+    __m256d kd = _mm256_sub_pd(ks, shift);
+    __m256d r = _mm256_sub_pd(d, _mm256_mul_pd(kd, _mm256_set1_pd(6.93147180369123816490e-01)));
+    r = _mm256_sub_pd(r, _mm256_mul_pd(kd, _mm256_set1_pd(1.90821492927058770002e-10)));
+    __m256d p = _mm256_set1_pd(1.0 / 479001600.0);
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / 39916800.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / 3628800.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / 362880.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / 40320.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / 5040.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / 720.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / 120.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / 24.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / 6.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(0.5));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0));
+    // (int64_t)kd, as the scalar form takes it: kd is an integer in [-1021, 0] wherever ok holds
+    // (and the lane is 0 elsewhere), and ks's bits are shift's plus kd.
+    __m256i k = _mm256_sub_epi64(_mm256_castpd_si256(ks), _mm256_castpd_si256(shift));
+    __m256i e = _mm256_slli_epi64(_mm256_add_epi64(k, _mm256_set1_epi64x(1023)), 52);
+    return _mm256_and_pd(_mm256_mul_pd(p, _mm256_castsi256_pd(e)), ok);
+}
+
+__attribute__((target("avx2"))) static void
+exp_ids_avx2(const float *w, const int32_t *c, int32_t n, double m, double scale, double *pr) {
+    const __m256d vm = _mm256_set1_pd(m), vs = _mm256_set1_pd(scale);
+    int32_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m128 x = _mm_setr_ps(w[c[i]], w[c[i + 1]], w[c[i + 2]], w[c[i + 3]]);
+        _mm256_storeu_pd(pr + i,
+                         exp4_le0_exact(_mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(x), vm), vs)));
+    }
+    for (; i < n; i++) pr[i] = exp_le0(((double)w[c[i]] - m) * scale);
+}
+
+// prefix_exp's body: eight exps at a time in vectors, then their sequential sum (the chain of
+// dependent adds is the loop's critical path; the exps run beside it).
+__attribute__((target("avx2"))) static double prefix_exp_avx2(const float *x, int32_t n, double m,
+                                                              double scale, double *sums) {
+    const __m256d vm = _mm256_set1_pd(m), vs = _mm256_set1_pd(scale);
+    double acc = 0, e[8];
+    int32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256d d0 = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), vm), vs);
+        __m256d d1 = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)), vm), vs);
+        _mm256_storeu_pd(e, exp4_le0_exact(d0));
+        _mm256_storeu_pd(e + 4, exp4_le0_exact(d1));
+        for (int j = 0; j < 8; j++) sums[i + j] = (acc += e[j]);
+    }
+    for (; i < n; i++) sums[i] = (acc += exp_le0(((double)x[i] - m) * scale));
+    return acc;
+}
+#endif
+
+// pr[i] = exp_le0((w[c[i]] - m) * scale) for i < n.
+static void exp_ids(const float *w, const int32_t *c, int32_t n, double m, double scale,
+                    double *pr) {
+#ifdef DI_SUM_EXP_AVX2
+    if (use_avx2()) {
+        exp_ids_avx2(w, c, n, m, scale, pr);
+        return;
+    }
+#endif
+    for (int32_t i = 0; i < n; i++) pr[i] = exp_le0(((double)w[c[i]] - m) * scale);
+}
+
+// sums[i] = the sequential (id order) double sum of exp_le0((x[j] - m) * scale) over j <= i;
+// returns sums[n - 1] (0 when n == 0). Nondecreasing: every term is >= 0.
+static double prefix_exp(const float *x, int32_t n, double m, double scale, double *sums) {
+#ifdef DI_SUM_EXP_AVX2
+    if (use_avx2()) return prefix_exp_avx2(x, n, m, scale, sums);
+#endif
+    double acc = 0;
+    for (int32_t i = 0; i < n; i++) sums[i] = (acc += exp_le0(((double)x[i] - m) * scale));
+    return acc;
+}
+
+// ---- selection ----
+//
+// The k best ids of a row in the order (value descending, then id ascending): the order the
+// sampler has always used (a strict total order on NaN-free rows, so any exact selection gives
+// the same ids in the same order). Values map to order-preserving keys: -0 counts as +0 (they
+// compare equal), and NaN maps to 0, below -inf: NaNs rank after every number. The k-th best key
+// comes from a radix select (11, 11 and 10 bits); where k is small next to the row, a pre-filter
+// bounds it first: the k-th largest of the maxima of disjoint groups of 8 is at most the k-th
+// largest value (k groups hold a value at least as large), so only values at or above it can be
+// selected, usually a little more than k of them. The selected ones are then sorted (LSD radix,
+// stable over ids in ascending order).
+
+enum {
+    SEL_SMALL = 32,     // candidates sorted by insertion up to this many
+    SEL_PREFILTER = 32, // the pre-filter runs when k * this <= n (and n >= SEL_BLOCK * 4)
+    SEL_BLOCK = 64,     // the pre-filter's block: 8 lanes x 8 rows, one group per lane
+};
+
+static inline uint32_t key_of(float x) {
+    x += 0.0f; // -0 becomes +0
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if (x != x) return 0;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+#ifdef DI_SUM_EXP_AVX2
+__attribute__((target("avx2"))) static inline __m256i key8(const float *v) {
+    __m256 x = _mm256_add_ps(_mm256_loadu_ps(v), _mm256_setzero_ps());
+    __m256i u = _mm256_castps_si256(x);
+    __m256i flip = _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(INT32_MIN));
+    __m256i ord = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
+    return _mm256_and_si256(_mm256_xor_si256(u, flip), ord);
+}
+
+__attribute__((target("avx2"))) static void keys_avx2(const float *v, int32_t n, uint32_t *key,
+                                                      int32_t *id) {
+    int32_t i = 0;
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256i vi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_si256((__m256i *)(key + i), key8(v + i));
+        _mm256_storeu_si256((__m256i *)(id + i), vi);
+        vi = _mm256_add_epi32(vi, step);
+    }
+    for (; i < n; i++) key[i] = key_of(v[i]), id[i] = i;
+}
+
+// The group maxima of the full blocks: gmax[b * 8 + j] = max over r < 8 of key(v[b*64 + r*8 + j]).
+__attribute__((target("avx2"))) static void group_max_avx2(const float *v, int32_t n_blocks,
+                                                           uint32_t *gmax) {
+    for (int32_t b = 0; b < n_blocks; b++) {
+        const float *x = v + (size_t)b * SEL_BLOCK;
+        __m256i m0 = _mm256_max_epu32(key8(x), key8(x + 8));
+        __m256i m1 = _mm256_max_epu32(key8(x + 16), key8(x + 24));
+        __m256i m2 = _mm256_max_epu32(key8(x + 32), key8(x + 40));
+        __m256i m3 = _mm256_max_epu32(key8(x + 48), key8(x + 56));
+        m0 = _mm256_max_epu32(_mm256_max_epu32(m0, m1), _mm256_max_epu32(m2, m3));
+        _mm256_storeu_si256((__m256i *)(gmax + (size_t)b * 8), m0);
+    }
+}
+
+// The keys >= t of the full blocks, in id order, appended at key/id + m; returns the new count.
+__attribute__((target("avx2"))) static int32_t
+filter_avx2(const float *v, int32_t n_blocks, uint32_t t, uint32_t *key, int32_t *id, int32_t m) {
+    const __m256i vt = _mm256_set1_epi32((int32_t)t);
+    uint32_t tmp[8];
+    for (int32_t i = 0; i < n_blocks * SEL_BLOCK; i += 8) {
+        __m256i k = key8(v + i);
+        __m256i ge = _mm256_cmpeq_epi32(_mm256_max_epu32(k, vt), k);
+        unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(ge));
+        if (!bits) continue;
+        _mm256_storeu_si256((__m256i *)tmp, k);
+        while (bits) {
+            int j = __builtin_ctz(bits);
+            bits &= bits - 1;
+            key[m] = tmp[j], id[m] = i + j, m++;
+        }
+    }
+    return m;
+}
+#endif
+
+static void keys_all(const float *v, int32_t n, uint32_t *key, int32_t *id) {
+#ifdef DI_SUM_EXP_AVX2
+    if (use_avx2()) {
+        keys_avx2(v, n, key, id);
+        return;
+    }
+#endif
+    for (int32_t i = 0; i < n; i++) key[i] = key_of(v[i]), id[i] = i;
+}
+
+static void group_max(const float *v, int32_t n_blocks, uint32_t *gmax) {
+#ifdef DI_SUM_EXP_AVX2
+    if (use_avx2()) {
+        group_max_avx2(v, n_blocks, gmax);
+        return;
+    }
+#endif
+    for (int32_t b = 0; b < n_blocks; b++) {
+        const float *x = v + (size_t)b * SEL_BLOCK;
+        for (int j = 0; j < 8; j++) {
+            uint32_t mx = key_of(x[j]);
+            for (int r = 1; r < 8; r++) {
+                uint32_t k = key_of(x[r * 8 + j]);
+                mx = k > mx ? k : mx;
+            }
+            gmax[(size_t)b * 8 + j] = mx;
+        }
+    }
+}
+
+static int32_t filter(const float *v, int32_t n_blocks, uint32_t t, uint32_t *key, int32_t *id,
+                      int32_t m) {
+#ifdef DI_SUM_EXP_AVX2
+    if (use_avx2()) return filter_avx2(v, n_blocks, t, key, id, m);
+#endif
+    for (int32_t i = 0; i < n_blocks * SEL_BLOCK; i++) {
+        uint32_t k = key_of(v[i]);
+        if (k >= t) key[m] = k, id[m] = i, m++;
+    }
+    return m;
+}
+
+// The k-th largest of key[0..m) (1 <= k <= m); *n_above: how many are strictly larger. scratch:
+// [m] (the keys of the bucket followed after the first digit).
+static uint32_t kth_key(const uint32_t *key, int32_t m, int32_t k, uint32_t *scratch,
+                        int32_t *n_above) {
+    static const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+    uint32_t hist[1 << 11];
+    uint32_t prefix = 0;
+    int32_t above = 0;
+    const uint32_t *src = key;
+    int32_t cnt = m;
+    for (int lv = 0; lv < 3; lv++) {
+        const int sh = shifts[lv];
+        const uint32_t nb = 1u << widths[lv], dm = nb - 1;
+        memset(hist, 0, sizeof(uint32_t) * nb);
+        for (int32_t i = 0; i < cnt; i++) hist[(src[i] >> sh) & dm]++;
+        // The bucket holding the k-th largest: buckets above it hold fewer than k - above.
+        int32_t b = (int32_t)nb - 1, acc = above;
+        while (acc + (int32_t)hist[b] < k) acc += (int32_t)hist[b--];
+        above = acc;
+        prefix |= (uint32_t)b << sh;
+        // Keep only that bucket's keys for the next digit.
+        int32_t j = 0;
+        for (int32_t i = 0; i < cnt; i++)
+            if (((src[i] >> sh) & dm) == (uint32_t)b) scratch[j++] = src[i];
+        src = scratch, cnt = j;
+    }
+    *n_above = above;
+    return prefix;
+}
+
+// Sorts key/id[0..m) by key descending, stably (ids in ascending order stay so among equal keys).
+// key2/id2: [m] scratch. The sorted ids end in out (which may be id).
+static void sort_desc(uint32_t *key, int32_t *id, int32_t m, uint32_t *key2, int32_t *id2,
+                      int32_t *out) {
+    if (m <= SEL_SMALL) {
+        for (int32_t i = 1; i < m; i++) {
+            uint32_t k = key[i];
+            int32_t d = id[i], j = i;
+            for (; j > 0 && key[j - 1] < k; j--) key[j] = key[j - 1], id[j] = id[j - 1];
+            key[j] = k, id[j] = d;
+        }
+        if (out != id) memcpy(out, id, sizeof(int32_t) * (size_t)m);
+        return;
+    }
+    // LSD radix on ~key (ascending), 8 bits a pass, a pass skipped where one bucket holds all.
+    uint32_t hist[4][256];
+    memset(hist, 0, sizeof hist);
+    for (int32_t i = 0; i < m; i++) {
+        uint32_t k = ~key[i];
+        hist[0][k & 255]++, hist[1][(k >> 8) & 255]++;
+        hist[2][(k >> 16) & 255]++, hist[3][k >> 24]++;
+    }
+    uint32_t *ka = key, *kb = key2;
+    int32_t *ia = id, *ib = id2;
+    for (int pass = 0; pass < 4; pass++) {
+        const int sh = pass * 8;
+        uint32_t *h = hist[pass];
+        if (h[(~ka[0] >> sh) & 255] == (uint32_t)m) continue;
+        uint32_t sum = 0;
+        for (int b = 0; b < 256; b++) {
+            uint32_t c = h[b];
+            h[b] = sum, sum += c;
+        }
+        for (int32_t i = 0; i < m; i++) {
+            uint32_t pos = h[(~ka[i] >> sh) & 255]++;
+            kb[pos] = ka[i], ib[pos] = ia[i];
+        }
+        uint32_t *tk = ka;
+        ka = kb, kb = tk;
+        int32_t *ti = ia;
+        ia = ib, ib = ti;
+    }
+    if (out != ia) memcpy(out, ia, sizeof(int32_t) * (size_t)m);
+}
+
+// The k best ids of v[n] (1 <= k <= n) into out[0..k), best first; out is not a selection buffer.
+static void select_top(di_sampler *s, const float *v, int32_t n, int32_t k, int32_t *out) {
+    uint32_t *key = s->sel_key;
+    int32_t *id = s->sel_id, m;
+    const int32_t n_blocks = n / SEL_BLOCK;
+    if ((int64_t)k * SEL_PREFILTER <= n && n_blocks >= 4) {
+        // k <= n / 32 <= 8 * n_blocks groups: the bound exists.
+        group_max(v, n_blocks, s->gmax);
+        int32_t n_above;
+        const uint32_t t = kth_key(s->gmax, n_blocks * 8, k, s->sel_key2, &n_above);
+        m = filter(v, n_blocks, t, key, id, 0);
+        for (int32_t i = n_blocks * SEL_BLOCK; i < n; i++) // the tail: every value a candidate
+            key[m] = key_of(v[i]), id[m] = i, m++;
+    } else {
+        keys_all(v, n, key, id);
+        m = n;
+    }
+    if (m > k) {
+        // Exactly k: the keys above the k-th best, then the first ids holding it.
+        int32_t n_above;
+        const uint32_t t = kth_key(key, m, k, s->sel_key2, &n_above);
+        int32_t n_eq = k - n_above, j = 0;
+        for (int32_t i = 0; i < m; i++) {
+            if (key[i] > t || (key[i] == t && n_eq-- > 0)) key[j] = key[i], id[j] = id[i], j++;
+        }
+        m = j;
+    }
+    sort_desc(key, id, m, s->sel_key2, s->sel_id2, out);
+}
+
+// ---- sampling ----
+
 void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_params *p,
                        const int32_t *history, int32_t n_prompt, int32_t n_gen, int64_t pos,
                        di_sample_result *res) {
     const int32_t V = s->n_vocab;
-    float *w = s->work;
 
     // Log-probabilities of the raw logits (reported, whatever the processing), when asked for.
     const int32_t i_max = di_argmax(logits, V);
@@ -317,7 +621,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
     const double lse = want_lp ? logits[i_max] + log(sum_exp(logits, V, logits[i_max], 1.0)) : 0;
     res->n_top = p->n_logprobs;
     if (p->n_logprobs > 0) {
-        top_k_ids(logits, V, p->n_logprobs, res->top_ids);
+        select_top(s, logits, V, p->n_logprobs, res->top_ids);
         for (int32_t i = 0; i < p->n_logprobs; i++)
             res->top_logprobs[i] = (float)(logits[res->top_ids[i]] - lse);
     }
@@ -331,99 +635,137 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
         return;
     }
 
-    // Processing: bias, then penalties.
-    memcpy(w, logits, sizeof(float) * (size_t)V);
-    for (int32_t i = 0; i < p->n_logit_bias; i++)
-        w[p->logit_bias[i].token] += p->logit_bias[i].bias;
-    if (++s->stamp == 0) { // wrapped: clear the stamps
-        memset(s->mark, 0, sizeof(uint32_t) * (size_t)V);
-        s->stamp = 1;
-    }
-    const uint32_t st = s->stamp;
+    // Processing: bias, then penalties, on a copy; without any that changes a logit, the logits
+    // themselves (w == logits, and their argmax is i_max).
     const int32_t n_hist = n_prompt + n_gen;
-    if (p->presence_penalty != 0 || p->frequency_penalty != 0) {
-        for (int32_t i = n_prompt; i < n_hist; i++) {
-            int32_t t = history[i];
-            if (s->mark[t] != st) s->mark[t] = st, s->count[t] = 0;
-            s->count[t]++;
+    const bool modify = p->n_logit_bias > 0 ||
+                        ((p->presence_penalty != 0 || p->frequency_penalty != 0) && n_gen > 0) ||
+                        (p->repetition_penalty != 1 && n_hist > 0);
+    const float *w = logits;
+    if (modify) {
+        float *wm = s->work;
+        memcpy(wm, logits, sizeof(float) * (size_t)V);
+        for (int32_t i = 0; i < p->n_logit_bias; i++)
+            wm[p->logit_bias[i].token] += p->logit_bias[i].bias;
+        if (++s->stamp == 0) { // wrapped: clear the stamps
+            memset(s->mark, 0, sizeof(uint32_t) * (size_t)V);
+            s->stamp = 1;
         }
-        for (int32_t i = n_prompt; i < n_hist; i++) {
-            int32_t t = history[i];
-            if (s->count[t] > 0) {
-                w[t] -= p->presence_penalty + p->frequency_penalty * (float)s->count[t];
-                s->count[t] = 0; // once per distinct token
+        const uint32_t st = s->stamp;
+        if (p->presence_penalty != 0 || p->frequency_penalty != 0) {
+            for (int32_t i = n_prompt; i < n_hist; i++) {
+                int32_t t = history[i];
+                if (s->mark[t] != st) s->mark[t] = st, s->count[t] = 0;
+                s->count[t]++;
+            }
+            for (int32_t i = n_prompt; i < n_hist; i++) {
+                int32_t t = history[i];
+                if (s->count[t] > 0) {
+                    wm[t] -= p->presence_penalty + p->frequency_penalty * (float)s->count[t];
+                    s->count[t] = 0; // once per distinct token
+                }
+            }
+            if (++s->stamp == 0) memset(s->mark, 0, sizeof(uint32_t) * (size_t)V), s->stamp = 1;
+        }
+        if (p->repetition_penalty != 1) {
+            const uint32_t st2 = s->stamp;
+            for (int32_t i = 0; i < n_hist; i++) {
+                int32_t t = history[i];
+                if (s->mark[t] == st2) continue;
+                s->mark[t] = st2;
+                wm[t] = wm[t] > 0 ? wm[t] / p->repetition_penalty : wm[t] * p->repetition_penalty;
             }
         }
-        if (++s->stamp == 0) memset(s->mark, 0, sizeof(uint32_t) * (size_t)V), s->stamp = 1;
+        w = wm;
     }
-    if (p->repetition_penalty != 1) {
-        const uint32_t st2 = s->stamp;
-        for (int32_t i = 0; i < n_hist; i++) {
-            int32_t t = history[i];
-            if (s->mark[t] == st2) continue;
-            s->mark[t] = st2;
-            w[t] = w[t] > 0 ? w[t] / p->repetition_penalty : w[t] * p->repetition_penalty;
-        }
-    }
+    const int32_t w_max = modify ? di_argmax(w, V) : i_max;
 
     int32_t tok;
     if (p->temperature == 0) {
-        tok = di_argmax(w, V);
+        tok = w_max;
+    } else if (!(p->top_k > 0 || p->top_p < 1 || p->min_p > 0)) {
+        // No truncation: the draw over ids in ascending order. The prefix sums of the weights
+        // are the draw's running sum (the same sequential additions as the total), so the token
+        // is the first id whose prefix sum exceeds u: a binary search.
+        double *sums = s->prob;
+        const double z = prefix_exp(w, V, w[w_max], 1.0 / p->temperature, sums);
+        const double u = di_sample_uniform(p->seed, pos) * z;
+        int32_t lo = 0, hi = V; // the first i with u < sums[i], V when none
+        while (lo < hi) {
+            int32_t mid = lo + (hi - lo) / 2;
+            if (u < sums[mid])
+                hi = mid;
+            else
+                lo = mid + 1;
+        }
+        tok = lo < V ? lo : V - 1;
     } else {
         // Candidates, best first: top-k (or everything), then top-p / min-p on the tempered
-        // softmax. Truncation works on a sorted prefix; without any, the draw runs over ids in
-        // ascending order.
-        const bool truncate = p->top_k > 0 || p->top_p < 1 || p->min_p > 0;
-        int32_t n = V;
+        // softmax, on a sorted prefix of the row.
         int32_t *c = s->cand;
         double *pr = s->prob;
         const double inv_t = 1.0 / p->temperature;
-        if (!truncate) {
-            for (int32_t i = 0; i < V; i++) c[i] = i;
-        } else {
-            int32_t k = p->top_k > 0 && p->top_k < V ? p->top_k : V;
-            if (p->top_k == 0 && p->top_p < 1) {
-                // Nucleus without top-k: sort only as much as needed — grow a sorted prefix
-                // until it holds top_p of the mass (the set is the same as with a full sort).
-                double m0 = w[di_argmax(w, V)], z = sum_exp(w, V, m0, inv_t);
-                for (k = 64 < V ? 64 : V;; k = k * 4 < V ? k * 4 : V) {
-                    top_k_ids(w, V, k, c);
-                    double acc = 0;
-                    for (int32_t i = 0; i < k; i++) acc += exp_le0(((double)w[c[i]] - m0) * inv_t);
-                    if (acc / z >= p->top_p || k == V) break;
+        int32_t k = p->top_k > 0 && p->top_k < V ? p->top_k : V, n;
+        if (p->top_k == 0 && p->top_p < 1) {
+            // Nucleus without top-k: the prefix of k = 64, 256, 1024, ... (x4, up to V) that first
+            // holds top_p of the row's mass. Prefixes of one sorted order are prefixes of each
+            // other, so one selection of at least 1024 serves the first three and the prefix
+            // mass runs on; a larger k selects again.
+            const double m0 = w[w_max], z = sum_exp(w, V, m0, inv_t);
+            int32_t have = 0, done = 0;
+            double acc = 0;
+            for (k = 64 < V ? 64 : V;; k = k * 4 < V ? k * 4 : V) {
+                if (k > have) {
+                    have = k > 1024 ? k : 1024 < V ? 1024 : V;
+                    select_top(s, w, V, have, c);
                 }
-            } else {
-                top_k_ids(w, V, k, c);
+                exp_ids(w, c + done, k - done, m0, inv_t, pr + done);
+                for (; done < k; done++) acc += pr[done];
+                if (acc / z >= p->top_p || k == V) break;
             }
             n = k;
-        }
-        double m0 = w[c[0]];
-        if (!truncate) m0 = w[di_argmax(w, V)];
-        double z = 0;
-        for (int32_t i = 0; i < n; i++) z += (pr[i] = exp_le0(((double)w[c[i]] - m0) * inv_t));
-        if (truncate) {
-            // top-p: the smallest best-first prefix reaching top_p of the (top-k) mass.
-            if (p->top_p < 1) {
-                double acc = 0;
-                int32_t keep = n;
-                for (int32_t i = 0; i < n; i++) {
-                    acc += pr[i];
-                    if (acc >= p->top_p * z) {
-                        keep = i + 1;
-                        break;
-                    }
+        } else if (p->top_p == 1) {
+            // min-p alone (with or without top-k): only the prefix up to the first token below
+            // min_p x the best matters; grow a sorted prefix until it shows one (or is all k).
+            int32_t kk = k < 64 ? k : 64, done = 0;
+            for (;;) {
+                select_top(s, w, V, kk, c);
+                exp_ids(w, c + done, kk - done, w[c[0]], inv_t, pr + done);
+                const double lim = p->min_p * pr[0];
+                for (; done < kk && pr[done] >= lim; done++) {
                 }
-                n = keep;
+                if (done < kk || kk == k) break;
+                kk = kk < k / 8 ? kk * 8 : k;
             }
-            // min-p: relative to the best candidate (pr[0] is its unnormalised weight, 1).
-            if (p->min_p > 0) {
-                int32_t keep = 0;
-                while (keep < n && pr[keep] >= p->min_p * pr[0]) keep++;
-                n = keep > 0 ? keep : 1;
-            }
-            z = 0;
-            for (int32_t i = 0; i < n; i++) z += pr[i];
+            n = kk;
+        } else {
+            select_top(s, w, V, k, c);
+            exp_ids(w, c, k, w[c[0]], inv_t, pr);
+            n = k;
         }
+        double z = 0;
+        for (int32_t i = 0; i < n; i++) z += pr[i];
+        // top-p: the smallest best-first prefix reaching top_p of the (top-k) mass.
+        if (p->top_p < 1) {
+            double acc = 0;
+            int32_t keep = n;
+            for (int32_t i = 0; i < n; i++) {
+                acc += pr[i];
+                if (acc >= p->top_p * z) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            n = keep;
+        }
+        // min-p: relative to the best candidate (pr[0] is its unnormalised weight, 1).
+        if (p->min_p > 0) {
+            int32_t keep = 0;
+            while (keep < n && pr[keep] >= p->min_p * pr[0]) keep++;
+            n = keep > 0 ? keep : 1;
+        }
+        z = 0;
+        for (int32_t i = 0; i < n; i++) z += pr[i];
         double u = di_sample_uniform(p->seed, pos) * z, acc = 0;
         tok = c[n - 1];
         for (int32_t i = 0; i < n; i++) {
@@ -443,8 +785,19 @@ void di_sampler_sample_allowed(di_sampler *s, const float *logits, const uint64_
                                int32_t n_gen, int64_t pos, di_sample_result *res) {
     const int32_t V = s->n_vocab;
     float *m = s->masked;
-    for (int32_t i = 0; i < V; i++)
-        m[i] = ((allow[i >> 6] >> (i & 63)) & 1) ? logits[i] : -INFINITY;
+    // Whole words of the mask at once: grammar masks come in long runs of 0s and of 1s.
+    for (int32_t i0 = 0; i0 < V; i0 += 64) {
+        const uint64_t bits = allow[i0 >> 6];
+        const int32_t n = V - i0 < 64 ? V - i0 : 64;
+        if (bits == ~0ull) {
+            memcpy(m + i0, logits + i0, sizeof(float) * (size_t)n);
+        } else if (bits == 0) {
+            for (int32_t j = 0; j < n; j++) m[i0 + j] = -INFINITY;
+        } else {
+            for (int32_t j = 0; j < n; j++)
+                m[i0 + j] = ((bits >> j) & 1) ? logits[i0 + j] : -INFINITY;
+        }
+    }
     di_sampler_sample(s, m, p, history, n_prompt, n_gen, pos, res);
     // The draw's fallback (the last candidate, when rounding leaves the cumulative sum short of
     // the uniform) could land on a masked token: take the best allowed one instead.
