@@ -7,7 +7,7 @@
 // sampler reads the row fewer times than once). Every result is also compared with the oracle's
 // (a mismatch is reported: the bench is no test, test_sampler is). One thread. Not a test.
 //
-//   build/bench_sampler [min_seconds_per_cell]
+//   build/bench_sampler [min_seconds_per_cell [path name substring]]
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,6 +55,7 @@ static volatile float g_sink;
 
 int main(int argc, char **argv) {
     const double min_s = argc > 1 ? atof(argv[1]) : 0.3;
+    const char *only = argc > 2 ? argv[2] : NULL;
     float *rows[2][N_ROWS];
     for (int k = 0; k < 2; k++)
         for (int r = 0; r < N_ROWS; r++) {
@@ -109,6 +110,7 @@ int main(int argc, char **argv) {
            "new pass", "orac pass", "");
     int bad_total = 0;
     for (int c = 0; c < n_cases; c++) {
+        if (only && !strstr(cases[c].name, only)) continue;
         for (int k = 0; k < 2; k++) {
             const bench_case *bc = &cases[c];
             double us[2];

@@ -25,7 +25,7 @@ struct di_sampler {
     int32_t *sel_id;    // owned [V]
     uint32_t *sel_key2; // owned [V]
     int32_t *sel_id2;   // owned [V]
-    uint32_t *gmax;     // owned [V / 8 + 8]
+    uint32_t *gmax;     // owned [V / 32 + 1]
 };
 
 di_sample_params di_sample_params_default(void) {
@@ -52,7 +52,7 @@ di_status di_sampler_create(int32_t n_vocab, di_sampler **out) {
     s->sel_id = di_malloc(sizeof(int32_t) * V);
     s->sel_key2 = di_malloc(sizeof(uint32_t) * V);
     s->sel_id2 = di_malloc(sizeof(int32_t) * V);
-    s->gmax = di_malloc(sizeof(uint32_t) * (V / 8 + 8));
+    s->gmax = di_malloc(sizeof(uint32_t) * (V / 32 + 1));
     if (!s->work || !s->prob || !s->cand || !s->mark || !s->count || !s->masked || !s->sel_key ||
         !s->sel_id || !s->sel_key2 || !s->sel_id2 || !s->gmax) {
         di_sampler_destroy(s);
@@ -385,15 +385,15 @@ static double prefix_exp(const float *x, int32_t n, double m, double scale, doub
 // the same ids in the same order). Values map to order-preserving keys: -0 counts as +0 (they
 // compare equal), and NaN maps to 0, below -inf: NaNs rank after every number. The k-th best key
 // comes from a radix select (11, 11 and 10 bits); where k is small next to the row, a pre-filter
-// bounds it first: the k-th largest of the maxima of disjoint groups of 8 is at most the k-th
+// bounds it first: the k-th largest of the maxima of disjoint groups is at most the k-th
 // largest value (k groups hold a value at least as large), so only values at or above it can be
-// selected, usually a little more than k of them. The selected ones are then sorted (LSD radix,
-// stable over ids in ascending order).
+// selected, usually a little more than k of them (groups: blocks of 32 consecutive ids). The
+// selected ones are then sorted (LSD radix, stable over ids in ascending order).
 
 enum {
     SEL_SMALL = 32,     // candidates sorted by insertion up to this many
     SEL_PREFILTER = 32, // the pre-filter runs when k * this <= n (and n >= SEL_BLOCK * 4)
-    SEL_BLOCK = 64,     // the pre-filter's block: 8 lanes x 8 rows, one group per lane
+    SEL_BLOCK = 32,     // the pre-filter's groups: blocks of 32 values
 };
 
 static inline uint32_t key_of(float x) {
@@ -426,17 +426,17 @@ __attribute__((target("avx2"))) static void keys_avx2(const float *v, int32_t n,
     for (; i < n; i++) key[i] = key_of(v[i]), id[i] = i;
 }
 
-// The group maxima of the full blocks: gmax[b * 8 + j] = max over r < 8 of key(v[b*64 + r*8 + j]).
+// The maxima of the full blocks: gmax[b] = the largest key of v[b * 32 .. b * 32 + 32).
 __attribute__((target("avx2"))) static void group_max_avx2(const float *v, int32_t n_blocks,
                                                            uint32_t *gmax) {
     for (int32_t b = 0; b < n_blocks; b++) {
         const float *x = v + (size_t)b * SEL_BLOCK;
-        __m256i m0 = _mm256_max_epu32(key8(x), key8(x + 8));
-        __m256i m1 = _mm256_max_epu32(key8(x + 16), key8(x + 24));
-        __m256i m2 = _mm256_max_epu32(key8(x + 32), key8(x + 40));
-        __m256i m3 = _mm256_max_epu32(key8(x + 48), key8(x + 56));
-        m0 = _mm256_max_epu32(_mm256_max_epu32(m0, m1), _mm256_max_epu32(m2, m3));
-        _mm256_storeu_si256((__m256i *)(gmax + (size_t)b * 8), m0);
+        __m256i m = _mm256_max_epu32(_mm256_max_epu32(key8(x), key8(x + 8)),
+                                     _mm256_max_epu32(key8(x + 16), key8(x + 24)));
+        __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+        h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
+        h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1));
+        gmax[b] = (uint32_t)_mm_cvtsi128_si32(h);
     }
 }
 
@@ -480,14 +480,12 @@ static void group_max(const float *v, int32_t n_blocks, uint32_t *gmax) {
 #endif
     for (int32_t b = 0; b < n_blocks; b++) {
         const float *x = v + (size_t)b * SEL_BLOCK;
-        for (int j = 0; j < 8; j++) {
-            uint32_t mx = key_of(x[j]);
-            for (int r = 1; r < 8; r++) {
-                uint32_t k = key_of(x[r * 8 + j]);
-                mx = k > mx ? k : mx;
-            }
-            gmax[(size_t)b * 8 + j] = mx;
+        uint32_t mx = 0;
+        for (int j = 0; j < SEL_BLOCK; j++) {
+            uint32_t k = key_of(x[j]);
+            mx = k > mx ? k : mx;
         }
+        gmax[b] = mx;
     }
 }
 
@@ -584,10 +582,10 @@ static void select_top(di_sampler *s, const float *v, int32_t n, int32_t k, int3
     int32_t *id = s->sel_id, m;
     const int32_t n_blocks = n / SEL_BLOCK;
     if ((int64_t)k * SEL_PREFILTER <= n && n_blocks >= 4) {
-        // k <= n / 32 <= 8 * n_blocks groups: the bound exists.
+        // k <= n / 32, so k <= n_blocks groups: the bound exists.
         group_max(v, n_blocks, s->gmax);
         int32_t n_above;
-        const uint32_t t = kth_key(s->gmax, n_blocks * 8, k, s->sel_key2, &n_above);
+        const uint32_t t = kth_key(s->gmax, n_blocks, k, s->sel_key2, &n_above);
         m = filter(v, n_blocks, t, key, id, 0);
         for (int32_t i = n_blocks * SEL_BLOCK; i < n; i++) // the tail: every value a candidate
             key[m] = key_of(v[i]), id[m] = i, m++;
@@ -609,6 +607,22 @@ static void select_top(di_sampler *s, const float *v, int32_t n, int32_t k, int3
 }
 
 // ---- sampling ----
+
+// The nucleus test `acc / z >= top_p` decided without z (the sum_exp of the whole row) where
+// bounds suffice: +1 it holds, -1 it fails, 0 unknown. acc: the prefix mass (the sequential sum
+// of the first k weights); a_have: the sum of the first `have` weights (have >= k), n_rest: the
+// ids outside them, each weighing at most w_last (the have-th weight: the row is sorted, so every
+// other exponent is at most its exponent). The weights are exp_le0 of the same exponents that
+// sum_exp evaluates, so with S their exact mass, z lies within S (1 +- 2e-11) (relative errors:
+// the exps' < 1e-15 each, the sum's < V u) and a_have <= S <= a_have + n_rest w_last (to the
+// same tolerance); a margin of 1e-8 leaves the rounded quotient on the same side of top_p.
+static int nucleus_bound(double acc, double a_have, double w_last, int32_t n_rest, float top_p) {
+    const double upper = a_have + (double)n_rest * w_last;
+    if (!(acc > 0 && a_have > 0 && upper < INFINITY)) return 0; // inf, NaN or no mass: exactly
+    if (acc / upper >= top_p * (1 + 1e-8)) return 1;
+    if (acc / a_have < top_p * (1 - 1e-8)) return -1;
+    return 0;
+}
 
 void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_params *p,
                        const int32_t *history, int32_t n_prompt, int32_t n_gen, int64_t pos,
@@ -678,7 +692,12 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
         }
         w = wm;
     }
-    const int32_t w_max = modify ? di_argmax(w, V) : i_max;
+    // The processed row's argmax, where a path needs it (top-k and min-p do not).
+    const int32_t w_max =
+        !modify ? i_max
+        : p->temperature == 0 || (p->top_k == 0 && p->top_p < 1) || !(p->top_k > 0 || p->min_p > 0)
+            ? di_argmax(w, V)
+            : -1;
 
     int32_t tok;
     if (p->temperature == 0) {
@@ -708,20 +727,30 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
         int32_t k = p->top_k > 0 && p->top_k < V ? p->top_k : V, n;
         if (p->top_k == 0 && p->top_p < 1) {
             // Nucleus without top-k: the prefix of k = 64, 256, 1024, ... (x4, up to V) that first
-            // holds top_p of the row's mass. Prefixes of one sorted order are prefixes of each
+            // holds top_p of the row's mass z. Prefixes of one sorted order are prefixes of each
             // other, so one selection of at least 1024 serves the first three and the prefix
-            // mass runs on; a larger k selects again.
-            const double m0 = w[w_max], z = sum_exp(w, V, m0, inv_t);
+            // mass runs on; a larger k selects again. z (a pass of exps over the row) is computed
+            // only when bounds cannot decide the test (nucleus_bound).
+            const double m0 = w[w_max];
+            double z = 0, a_have = 0;
+            bool have_z = false;
             int32_t have = 0, done = 0;
             double acc = 0;
             for (k = 64 < V ? 64 : V;; k = k * 4 < V ? k * 4 : V) {
                 if (k > have) {
+                    const int32_t was = have;
                     have = k > 1024 ? k : 1024 < V ? 1024 : V;
                     select_top(s, w, V, have, c);
+                    exp_ids(w, c + was, have - was, m0, inv_t, pr + was);
+                    a_have = 0;
+                    for (int32_t i = 0; i < have; i++) a_have += pr[i];
                 }
-                exp_ids(w, c + done, k - done, m0, inv_t, pr + done);
                 for (; done < k; done++) acc += pr[done];
-                if (acc / z >= p->top_p || k == V) break;
+                if (k == V) break;
+                int verdict =
+                    have_z ? 0 : nucleus_bound(acc, a_have, pr[have - 1], V - have, p->top_p);
+                if (verdict == 0 && !have_z) z = sum_exp(w, V, m0, inv_t), have_z = true;
+                if (verdict > 0 || (have_z && acc / z >= p->top_p)) break;
             }
             n = k;
         } else if (p->top_p == 1) {
