@@ -837,3 +837,31 @@ void di_sampler_sample_allowed(di_sampler *s, const float *logits, const uint64_
         if (best >= 0) res->token = best, res->logprob = -INFINITY;
     }
 }
+
+// ---- test hook ----
+
+int64_t di_sampler_exp_mismatches(const float *x, int32_t n, double m, double scale) {
+    if (n < 1) return 0;
+    double *a = di_malloc(sizeof(double) * (size_t)n), *b = di_malloc(sizeof(double) * (size_t)n);
+    int32_t *ids = di_malloc(sizeof(int32_t) * (size_t)n);
+    if (!a || !b || !ids) {
+        di_free(a), di_free(b), di_free(ids);
+        return -1;
+    }
+    for (int32_t i = 0; i < n; i++) ids[i] = n - 1 - i; // gathered in reverse
+    int64_t bad = 0;
+    exp_ids(x, ids, n, m, scale, a);
+    for (int32_t i = 0; i < n; i++) {
+        double e = exp_le0(((double)x[ids[i]] - m) * scale);
+        bad += memcmp(&a[i], &e, sizeof e) != 0;
+    }
+    const double total = prefix_exp(x, n, m, scale, b);
+    double acc = 0;
+    for (int32_t i = 0; i < n; i++) {
+        acc += exp_le0(((double)x[i] - m) * scale);
+        bad += memcmp(&b[i], &acc, sizeof acc) != 0;
+    }
+    bad += memcmp(&total, &acc, sizeof acc) != 0;
+    di_free(a), di_free(b), di_free(ids);
+    return bad;
+}

@@ -57,3 +57,9 @@ void di_sampler_sample_allowed(di_sampler *s, const float *logits, const uint64_
 // The counter-based generator: a uniform double in [0, 1) from (seed, pos) alone (splitmix64
 // finalisers over a hash of both).
 double di_sample_uniform(uint64_t seed, int64_t pos);
+
+// Test hook (tests/unit/test_sampler.c): how many of the weights exp((x[i] - m) * scale) over
+// x[0..n) (gathered by id, and as the untruncated draw's prefix sums), computed at this process's
+// level (AVX2 or scalar, sampler.c use_avx2), differ in any bit from the scalar form's; 0 is the
+// sampler's exactness rule. -1 when out of memory. Allocates; any thread.
+int64_t di_sampler_exp_mismatches(const float *x, int32_t n, double m, double scale);

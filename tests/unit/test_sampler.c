@@ -495,6 +495,46 @@ static void test_oracle_equivalence(void) {
     free(allow);
 }
 
+// The vector exps of the draws equal the scalar exp bit for bit: exponents <= 0 over the whole
+// range (near -708, at the reduction's boundaries k ln2 / 2, huge and tiny scales, -inf, NaN, a
+// +inf maximum), an odd count for the scalar tails.
+static void test_exp_exact(void) {
+    enum { N = 40001 };
+    float *x = malloc(sizeof(float) * N);
+    static const double scales[] = {1, 1 / 0.3, 1 / 0.7, 0.5, 1e-3, 1e3, 1e-30, 1e30};
+    int64_t bad = 0;
+    for (size_t si = 0; si < sizeof scales / sizeof scales[0]; si++) {
+        for (int32_t i = 0; i < N; i++) {
+            double g = gauss();
+            switch (i % 5) {
+            case 0:
+                x[i] = (float)(3 * g);
+                break;
+            case 1:
+                x[i] = (float)(-(rnd01() * 800) / scales[si]);
+                break;
+            case 2:
+                x[i] = (float)((-(double)rnd_below(2100) * 0.34657359027997264) / scales[si]);
+                break;
+            case 3:
+                x[i] = (float)((-708 + 1e-3 * g) / scales[si]);
+                break;
+            default:
+                x[i] = (float)(g * 1e-3);
+            }
+        }
+        for (int32_t i = 0; i < N; i++) x[i] = -fabsf(x[i]); // exponents <= 0: m is the maximum
+        x[7] = -INFINITY, x[11] = NAN, x[17] = 0;
+        bad += di_sampler_exp_mismatches(x, N, 0, scales[si]);
+        bad += di_sampler_exp_mismatches(x, N, 2.5, scales[si]);
+        bad += di_sampler_exp_mismatches(x + 1, 5, 0, scales[si]);
+        x[13] = INFINITY; // a row whose maximum is +inf: NaN and -inf exponents
+        bad += di_sampler_exp_mismatches(x, N, INFINITY, scales[si]);
+    }
+    CHECK_EQ(bad, 0);
+    free(x);
+}
+
 // Rows with NaNs (anywhere, at 0, everywhere): any parameters give a token in [0, V) (under the
 // sanitizers: without reading out of bounds). The order among NaNs is sampler.h's rule.
 static void test_nan_rows(void) {
@@ -548,6 +588,7 @@ int main(void) {
     RUN(test_logprob_precision);
     RUN(test_params_check);
     RUN(test_oracle_equivalence);
+    RUN(test_exp_exact);
     RUN(test_nan_rows);
     di_sampler_destroy(g_s);
     return test_finish();
