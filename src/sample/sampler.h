@@ -60,6 +60,7 @@ double di_sample_uniform(uint64_t seed, int64_t pos);
 
 // Test hook (tests/unit/test_sampler.c): how many of the weights exp((x[i] - m) * scale) over
 // x[0..n) (gathered by id, and as the untruncated draw's prefix sums), computed at this process's
-// level (AVX2 or scalar, sampler.c use_avx2), differ in any bit from the scalar form's; 0 is the
+// level (scalar, AVX2 or AVX-512, sampler.c isa_level), differ in any bit from the scalar form's,
+// plus 1 if the AVX-512 level's row sum (sum_exp) differs from the AVX2 level's; 0 is the
 // sampler's exactness rule. -1 when out of memory. Allocates; any thread.
 int64_t di_sampler_exp_mismatches(const float *x, int32_t n, double m, double scale);
