@@ -471,7 +471,8 @@ static double prefix_exp(const float *x, int32_t n, double m, double scale, doub
 // comes from a radix select (11, 11 and 10 bits); where k is small next to the row, a pre-filter
 // bounds it first: the k-th largest of the maxima of disjoint groups is at most the k-th
 // largest value (k groups hold a value at least as large), so only values at or above it can be
-// selected, usually a little more than k of them (groups: blocks of 32 consecutive ids). The
+// selected, usually a little more than k of them (groups: blocks of 32 consecutive ids), and only
+// in the blocks whose maximum reaches it. The
 // selected ones are then sorted (LSD radix, stable over ids in ascending order).
 
 enum {
@@ -525,20 +526,25 @@ __attribute__((target("avx2"))) static void group_max_avx2(const float *v, int32
 }
 
 // The keys >= t of the full blocks, in id order, appended at key/id + m; returns the new count.
-__attribute__((target("avx2"))) static int32_t
-filter_avx2(const float *v, int32_t n_blocks, uint32_t t, uint32_t *key, int32_t *id, int32_t m) {
+// Only the blocks whose maximum reaches t can hold one: about k of them.
+__attribute__((target("avx2"))) static int32_t filter_avx2(const float *v, int32_t n_blocks,
+                                                           const uint32_t *gmax, uint32_t t,
+                                                           uint32_t *key, int32_t *id, int32_t m) {
     const __m256i vt = _mm256_set1_epi32((int32_t)t);
     uint32_t tmp[8];
-    for (int32_t i = 0; i < n_blocks * SEL_BLOCK; i += 8) {
-        __m256i k = key8(v + i);
-        __m256i ge = _mm256_cmpeq_epi32(_mm256_max_epu32(k, vt), k);
-        unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(ge));
-        if (!bits) continue;
-        _mm256_storeu_si256((__m256i *)tmp, k);
-        while (bits) {
-            int j = __builtin_ctz(bits);
-            bits &= bits - 1;
-            key[m] = tmp[j], id[m] = i + j, m++;
+    for (int32_t b = 0; b < n_blocks; b++) {
+        if (gmax[b] < t) continue;
+        for (int32_t i = b * SEL_BLOCK; i < (b + 1) * SEL_BLOCK; i += 8) {
+            __m256i k = key8(v + i);
+            __m256i ge = _mm256_cmpeq_epi32(_mm256_max_epu32(k, vt), k);
+            unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(ge));
+            if (!bits) continue;
+            _mm256_storeu_si256((__m256i *)tmp, k);
+            while (bits) {
+                int j = __builtin_ctz(bits);
+                bits &= bits - 1;
+                key[m] = tmp[j], id[m] = i + j, m++;
+            }
         }
     }
     return m;
@@ -573,14 +579,17 @@ static void group_max(const float *v, int32_t n_blocks, uint32_t *gmax) {
     }
 }
 
-static int32_t filter(const float *v, int32_t n_blocks, uint32_t t, uint32_t *key, int32_t *id,
-                      int32_t m) {
+static int32_t filter(const float *v, int32_t n_blocks, const uint32_t *gmax, uint32_t t,
+                      uint32_t *key, int32_t *id, int32_t m) {
 #ifdef DI_SUM_EXP_AVX2
-    if (use_avx2()) return filter_avx2(v, n_blocks, t, key, id, m);
+    if (use_avx2()) return filter_avx2(v, n_blocks, gmax, t, key, id, m);
 #endif
-    for (int32_t i = 0; i < n_blocks * SEL_BLOCK; i++) {
-        uint32_t k = key_of(v[i]);
-        if (k >= t) key[m] = k, id[m] = i, m++;
+    for (int32_t b = 0; b < n_blocks; b++) {
+        if (gmax[b] < t) continue;
+        for (int32_t i = b * SEL_BLOCK; i < (b + 1) * SEL_BLOCK; i++) {
+            uint32_t k = key_of(v[i]);
+            if (k >= t) key[m] = k, id[m] = i, m++;
+        }
     }
     return m;
 }
@@ -670,7 +679,7 @@ static void select_top(di_sampler *s, const float *v, int32_t n, int32_t k, int3
         group_max(v, n_blocks, s->gmax);
         int32_t n_above;
         const uint32_t t = kth_key(s->gmax, n_blocks, k, s->sel_key2, &n_above);
-        m = filter(v, n_blocks, t, key, id, 0);
+        m = filter(v, n_blocks, s->gmax, t, key, id, 0);
         for (int32_t i = n_blocks * SEL_BLOCK; i < n; i++) // the tail: every value a candidate
             key[m] = key_of(v[i]), id[m] = i, m++;
     } else {
@@ -713,9 +722,19 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
                        di_sample_result *res) {
     const int32_t V = s->n_vocab;
 
-    // Log-probabilities of the raw logits (reported, whatever the processing), when asked for.
-    const int32_t i_max = di_argmax(logits, V);
     const bool want_lp = p->logprobs || p->n_logprobs > 0;
+    const int32_t n_hist = n_prompt + n_gen;
+    // Whether bias or penalties change a logit (then they work on a copy, else on the logits).
+    const bool modify = p->n_logit_bias > 0 ||
+                        ((p->presence_penalty != 0 || p->frequency_penalty != 0) && n_gen > 0) ||
+                        (p->repetition_penalty != 1 && n_hist > 0);
+    const bool untruncated = !(p->top_k > 0 || p->top_p < 1 || p->min_p > 0);
+    // The raw argmax, where something uses it: the log-probabilities, greedy and the untruncated
+    // draw on the unchanged logits (the truncating paths take their best candidate instead).
+    const int32_t i_max =
+        want_lp || (!modify && (p->temperature == 0 || untruncated)) ? di_argmax(logits, V) : -1;
+
+    // Log-probabilities of the raw logits (reported, whatever the processing), when asked for.
     const double lse = want_lp ? logits[i_max] + log(sum_exp(logits, V, logits[i_max], 1.0)) : 0;
     res->n_top = p->n_logprobs;
     if (p->n_logprobs > 0) {
@@ -735,10 +754,6 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
 
     // Processing: bias, then penalties, on a copy; without any that changes a logit, the logits
     // themselves (w == logits, and their argmax is i_max).
-    const int32_t n_hist = n_prompt + n_gen;
-    const bool modify = p->n_logit_bias > 0 ||
-                        ((p->presence_penalty != 0 || p->frequency_penalty != 0) && n_gen > 0) ||
-                        (p->repetition_penalty != 1 && n_hist > 0);
     const float *w = logits;
     if (modify) {
         float *wm = s->work;
@@ -776,17 +791,15 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
         }
         w = wm;
     }
-    // The processed row's argmax, where a path needs it (top-k and min-p do not).
-    const int32_t w_max =
-        !modify ? i_max
-        : p->temperature == 0 || (p->top_k == 0 && p->top_p < 1) || !(p->top_k > 0 || p->min_p > 0)
-            ? di_argmax(w, V)
-            : -1;
+    // The processed row's argmax, where a path needs it: greedy and the untruncated draw.
+    const int32_t w_max = !modify                              ? i_max
+                          : p->temperature == 0 || untruncated ? di_argmax(w, V)
+                                                               : -1;
 
     int32_t tok;
     if (p->temperature == 0) {
         tok = w_max;
-    } else if (!(p->top_k > 0 || p->top_p < 1 || p->min_p > 0)) {
+    } else if (untruncated) {
         // No truncation: the draw over ids in ascending order. The prefix sums of the weights
         // are the draw's running sum (the same sequential additions as the total), so the token
         // is the first id whose prefix sum exceeds u: a binary search.
@@ -815,8 +828,9 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
             // other, so one selection of at least 1024 serves the first three and the prefix
             // mass runs on; a larger k selects again. z (a pass of exps over the row) is computed
             // only when bounds cannot decide the test (nucleus_bound).
-            const double m0 = w[w_max];
-            double z = 0, a_have = 0;
+            // m0: the best candidate's value, the row's maximum (the oracle took di_argmax's:
+            // the same id on a NaN-free row).
+            double m0 = 0, z = 0, a_have = 0;
             bool have_z = false;
             int32_t have = 0, done = 0;
             double acc = 0;
@@ -825,6 +839,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
                     const int32_t was = have;
                     have = k > 1024 ? k : 1024 < V ? 1024 : V;
                     select_top(s, w, V, have, c);
+                    if (was == 0) m0 = w[c[0]];
                     exp_ids(w, c + was, have - was, m0, inv_t, pr + was);
                     a_have = 0;
                     for (int32_t i = 0; i < have; i++) a_have += pr[i];
