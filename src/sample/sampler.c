@@ -717,6 +717,19 @@ static int nucleus_bound(double acc, double a_have, double w_last, int32_t n_res
     return 0;
 }
 
+// The nucleus' sorted prefix widened from `was` to `have` candidates (s->cand) and their weights
+// (s->prob; the first `was` stay as they are: a prefix of the same order); *m0 is set to the best
+// candidate's value on the first call (was == 0). Returns the sum of the `have` weights.
+static double nucleus_widen(di_sampler *s, const float *w, int32_t V, int32_t was, int32_t have,
+                            double *m0, double inv_t) {
+    select_top(s, w, V, have, s->cand);
+    if (was == 0) *m0 = w[s->cand[0]];
+    exp_ids(w, s->cand + was, have - was, *m0, inv_t, s->prob + was);
+    double a = 0;
+    for (int32_t i = 0; i < have; i++) a += s->prob[i];
+    return a;
+}
+
 void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_params *p,
                        const int32_t *history, int32_t n_prompt, int32_t n_gen, int64_t pos,
                        di_sample_result *res) {
@@ -825,9 +838,9 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
         if (p->top_k == 0 && p->top_p < 1) {
             // Nucleus without top-k: the prefix of k = 64, 256, 1024, ... (x4, up to V) that first
             // holds top_p of the row's mass z. Prefixes of one sorted order are prefixes of each
-            // other, so one selection of at least 1024 serves the first three and the prefix
-            // mass runs on; a larger k selects again. z (a pass of exps over the row) is computed
-            // only when bounds cannot decide the test (nucleus_bound).
+            // other, so a wider selection keeps the weights and the prefix mass computed so far.
+            // z (a pass of exps over the row) is computed only when bounds cannot decide the
+            // test (nucleus_bound).
             // m0: the best candidate's value, the row's maximum (the oracle took di_argmax's:
             // the same id on a NaN-free row).
             double m0 = 0, z = 0, a_have = 0;
@@ -835,19 +848,18 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
             int32_t have = 0, done = 0;
             double acc = 0;
             for (k = 64 < V ? 64 : V;; k = k * 4 < V ? k * 4 : V) {
-                if (k > have) {
-                    const int32_t was = have;
-                    have = k > 1024 ? k : 1024 < V ? 1024 : V;
-                    select_top(s, w, V, have, c);
-                    if (was == 0) m0 = w[c[0]];
-                    exp_ids(w, c + was, have - was, m0, inv_t, pr + was);
-                    a_have = 0;
-                    for (int32_t i = 0; i < have; i++) a_have += pr[i];
-                }
+                if (k > have) a_have = nucleus_widen(s, w, V, have, k, &m0, inv_t), have = k;
                 for (; done < k; done++) acc += pr[done];
                 if (k == V) break;
                 int verdict =
                     have_z ? 0 : nucleus_bound(acc, a_have, pr[have - 1], V - have, p->top_p);
+                if (verdict == 0 && !have_z && have < 1024 && have < V) {
+                    // Undecided on the first prefix alone: the bounds of a wider one may decide
+                    // (and it serves the next two k).
+                    const int32_t wide = 1024 < V ? 1024 : V;
+                    a_have = nucleus_widen(s, w, V, have, wide, &m0, inv_t), have = wide;
+                    verdict = nucleus_bound(acc, a_have, pr[have - 1], V - have, p->top_p);
+                }
                 if (verdict == 0 && !have_z) z = sum_exp(w, V, m0, inv_t), have_z = true;
                 if (verdict > 0 || (have_z && acc / z >= p->top_p)) break;
             }
