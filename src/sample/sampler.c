@@ -10,6 +10,8 @@
 #include "base/log.h"
 #include "base/mem.h"
 
+enum { SEL_HIST16 = 32768 }; // kth_key takes 16 bits at once from this many keys
+
 struct di_sampler {
     int32_t n_vocab;
     float *work;    // owned [V]: processed logits
@@ -19,13 +21,20 @@ struct di_sampler {
     int32_t *count; // owned [V]: occurrences in the output (valid where mark == stamp)
     uint32_t stamp;
     float *masked; // owned [V]: the logits under a grammar's mask
-    // Selection scratch (select_top): candidates' keys and ids, the radix passes' second buffers,
-    // and the group maxima of the pre-filter.
-    uint32_t *sel_key;  // owned [V]
-    int32_t *sel_id;    // owned [V]
-    uint32_t *sel_key2; // owned [V]
-    int32_t *sel_id2;   // owned [V]
-    uint32_t *gmax;     // owned [V / 32 + 1]
+    // Selection scratch (select_top): two buffers of 8 V bytes, each candidates' keys and ids
+    // ([V] each) or the sort's packed (key, id) words ([V]); and the pre-filter's group maxima.
+    uint64_t *sel_a;       // owned [V]
+    uint64_t *sel_b;       // owned [V]
+    uint32_t *sel_key;     // view: sel_a's first half
+    int32_t *sel_id;       // view: sel_a's second half
+    uint32_t *sel_key2;    // view: sel_b's first half
+    int32_t *sel_id2;      // view: sel_b's second half
+    uint32_t *gmax;        // owned [V / 8 + 1]
+    int32_t gmax_bs;       // the block size gmax holds the maxima for
+    uint32_t *hist16;      // owned [65536] where V >= SEL_HIST16, else NULL: kth_key's
+    const float *gmax_row; // borrowed: the row gmax holds the block maxima of (NULL: none); reset
+                           // by every call, so that a row rewritten between calls is never
+                           // taken for the same
 };
 
 di_sample_params di_sample_params_default(void) {
@@ -48,16 +57,23 @@ di_status di_sampler_create(int32_t n_vocab, di_sampler **out) {
     s->mark = di_calloc(V, sizeof(uint32_t));
     s->count = di_calloc(V, sizeof(int32_t));
     s->masked = di_malloc(sizeof(float) * V);
-    s->sel_key = di_malloc(sizeof(uint32_t) * V);
-    s->sel_id = di_malloc(sizeof(int32_t) * V);
-    s->sel_key2 = di_malloc(sizeof(uint32_t) * V);
-    s->sel_id2 = di_malloc(sizeof(int32_t) * V);
-    s->gmax = di_malloc(sizeof(uint32_t) * (V / 32 + 1));
-    if (!s->work || !s->prob || !s->cand || !s->mark || !s->count || !s->masked || !s->sel_key ||
-        !s->sel_id || !s->sel_key2 || !s->sel_id2 || !s->gmax) {
+    s->sel_a = di_malloc(sizeof(uint64_t) * V);
+    s->sel_b = di_malloc(sizeof(uint64_t) * V);
+    if (n_vocab >= SEL_HIST16) {
+        s->hist16 = di_malloc(sizeof(uint32_t) << 16);
+        if (!s->hist16) {
+            di_sampler_destroy(s);
+            return DI_ERR_NOMEM;
+        }
+    }
+    s->gmax = di_malloc(sizeof(uint32_t) * (V / 8 + 1));
+    if (!s->work || !s->prob || !s->cand || !s->mark || !s->count || !s->masked || !s->sel_a ||
+        !s->sel_b || !s->gmax) {
         di_sampler_destroy(s);
         return DI_ERR_NOMEM;
     }
+    s->sel_key = (uint32_t *)s->sel_a, s->sel_id = (int32_t *)(s->sel_key + V);
+    s->sel_key2 = (uint32_t *)s->sel_b, s->sel_id2 = (int32_t *)(s->sel_key2 + V);
     *out = s;
     return DI_OK;
 }
@@ -70,10 +86,9 @@ void di_sampler_destroy(di_sampler *s) {
     di_free(s->mark);
     di_free(s->count);
     di_free(s->masked);
-    di_free(s->sel_key);
-    di_free(s->sel_id);
-    di_free(s->sel_key2);
-    di_free(s->sel_id2);
+    di_free(s->sel_a);
+    di_free(s->sel_b);
+    di_free(s->hist16);
     di_free(s->gmax);
     di_free(s);
 }
@@ -471,14 +486,14 @@ static double prefix_exp(const float *x, int32_t n, double m, double scale, doub
 // comes from a radix select (11, 11 and 10 bits); where k is small next to the row, a pre-filter
 // bounds it first: the k-th largest of the maxima of disjoint groups is at most the k-th
 // largest value (k groups hold a value at least as large), so only values at or above it can be
-// selected, usually a little more than k of them (groups: blocks of 32 consecutive ids), and only
-// in the blocks whose maximum reaches it. The
+// selected, usually a little more than k of them (groups: blocks of 32 consecutive ids, or of 8
+// for larger k), and only in the blocks whose maximum reaches it. The
 // selected ones are then sorted (LSD radix, stable over ids in ascending order).
 
 enum {
-    SEL_SMALL = 32,     // candidates sorted by insertion up to this many
-    SEL_PREFILTER = 32, // the pre-filter runs when k * this <= n (and n >= SEL_BLOCK * 4)
-    SEL_BLOCK = 32,     // the pre-filter's groups: blocks of 32 values
+    SEL_SMALL = 32,      // candidates sorted by insertion up to this many
+    SEL_BLOCK = 32,      // the pre-filter's groups: blocks of 32 values where k <= n / 32,
+    SEL_BLOCK_SMALL = 8, // else blocks of 8 where k <= n / 8 (more groups than k)
 };
 
 static inline uint32_t key_of(float x) {
@@ -511,13 +526,16 @@ __attribute__((target("avx2"))) static void keys_avx2(const float *v, int32_t n,
     for (; i < n; i++) key[i] = key_of(v[i]), id[i] = i;
 }
 
-// The maxima of the full blocks: gmax[b] = the largest key of v[b * 32 .. b * 32 + 32).
+// The maxima of the full blocks of bs (8 or 32) values: gmax[b] = the largest key of
+// v[b * bs .. b * bs + bs).
 __attribute__((target("avx2"))) static void group_max_avx2(const float *v, int32_t n_blocks,
-                                                           uint32_t *gmax) {
+                                                           int32_t bs, uint32_t *gmax) {
     for (int32_t b = 0; b < n_blocks; b++) {
-        const float *x = v + (size_t)b * SEL_BLOCK;
-        __m256i m = _mm256_max_epu32(_mm256_max_epu32(key8(x), key8(x + 8)),
-                                     _mm256_max_epu32(key8(x + 16), key8(x + 24)));
+        const float *x = v + (size_t)b * bs;
+        __m256i m = key8(x);
+        if (bs == 32)
+            m = _mm256_max_epu32(_mm256_max_epu32(m, key8(x + 8)),
+                                 _mm256_max_epu32(key8(x + 16), key8(x + 24)));
         __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
         h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
         h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1));
@@ -528,13 +546,14 @@ __attribute__((target("avx2"))) static void group_max_avx2(const float *v, int32
 // The keys >= t of the full blocks, in id order, appended at key/id + m; returns the new count.
 // Only the blocks whose maximum reaches t can hold one: about k of them.
 __attribute__((target("avx2"))) static int32_t filter_avx2(const float *v, int32_t n_blocks,
-                                                           const uint32_t *gmax, uint32_t t,
-                                                           uint32_t *key, int32_t *id, int32_t m) {
+                                                           int32_t bs, const uint32_t *gmax,
+                                                           uint32_t t, uint32_t *key, int32_t *id,
+                                                           int32_t m) {
     const __m256i vt = _mm256_set1_epi32((int32_t)t);
     uint32_t tmp[8];
     for (int32_t b = 0; b < n_blocks; b++) {
         if (gmax[b] < t) continue;
-        for (int32_t i = b * SEL_BLOCK; i < (b + 1) * SEL_BLOCK; i += 8) {
+        for (int32_t i = b * bs; i < (b + 1) * bs; i += 8) {
             __m256i k = key8(v + i);
             __m256i ge = _mm256_cmpeq_epi32(_mm256_max_epu32(k, vt), k);
             unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(ge));
@@ -549,7 +568,38 @@ __attribute__((target("avx2"))) static int32_t filter_avx2(const float *v, int32
     }
     return m;
 }
+
+// The keys >= t of key[0..n) (ids: their indices), in id order, into okey/oid; returns the count.
+__attribute__((target("avx2"))) static int32_t
+collect_ge_avx2(const uint32_t *key, int32_t n, uint32_t t, uint32_t *okey, int32_t *oid) {
+    const __m256i vt = _mm256_set1_epi32((int32_t)t);
+    int32_t i = 0, m = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i k = _mm256_loadu_si256((const __m256i *)(key + i));
+        __m256i ge = _mm256_cmpeq_epi32(_mm256_max_epu32(k, vt), k);
+        unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(ge));
+        while (bits) {
+            int j = __builtin_ctz(bits);
+            bits &= bits - 1;
+            okey[m] = key[i + j], oid[m] = i + j, m++;
+        }
+    }
+    for (; i < n; i++)
+        if (key[i] >= t) okey[m] = key[i], oid[m] = i, m++;
+    return m;
+}
 #endif
+
+static int32_t collect_ge(const uint32_t *key, int32_t n, uint32_t t, uint32_t *okey,
+                          int32_t *oid) {
+#ifdef DI_SUM_EXP_AVX2
+    if (use_avx2()) return collect_ge_avx2(key, n, t, okey, oid);
+#endif
+    int32_t m = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (key[i] >= t) okey[m] = key[i], oid[m] = i, m++;
+    return m;
+}
 
 static void keys_all(const float *v, int32_t n, uint32_t *key, int32_t *id) {
 #ifdef DI_SUM_EXP_AVX2
@@ -561,17 +611,17 @@ static void keys_all(const float *v, int32_t n, uint32_t *key, int32_t *id) {
     for (int32_t i = 0; i < n; i++) key[i] = key_of(v[i]), id[i] = i;
 }
 
-static void group_max(const float *v, int32_t n_blocks, uint32_t *gmax) {
+static void group_max(const float *v, int32_t n_blocks, int32_t bs, uint32_t *gmax) {
 #ifdef DI_SUM_EXP_AVX2
     if (use_avx2()) {
-        group_max_avx2(v, n_blocks, gmax);
+        group_max_avx2(v, n_blocks, bs, gmax);
         return;
     }
 #endif
     for (int32_t b = 0; b < n_blocks; b++) {
-        const float *x = v + (size_t)b * SEL_BLOCK;
+        const float *x = v + (size_t)b * bs;
         uint32_t mx = 0;
-        for (int j = 0; j < SEL_BLOCK; j++) {
+        for (int j = 0; j < bs; j++) {
             uint32_t k = key_of(x[j]);
             mx = k > mx ? k : mx;
         }
@@ -579,14 +629,14 @@ static void group_max(const float *v, int32_t n_blocks, uint32_t *gmax) {
     }
 }
 
-static int32_t filter(const float *v, int32_t n_blocks, const uint32_t *gmax, uint32_t t,
-                      uint32_t *key, int32_t *id, int32_t m) {
+static int32_t filter(const float *v, int32_t n_blocks, int32_t bs, const uint32_t *gmax,
+                      uint32_t t, uint32_t *key, int32_t *id, int32_t m) {
 #ifdef DI_SUM_EXP_AVX2
-    if (use_avx2()) return filter_avx2(v, n_blocks, gmax, t, key, id, m);
+    if (use_avx2()) return filter_avx2(v, n_blocks, bs, gmax, t, key, id, m);
 #endif
     for (int32_t b = 0; b < n_blocks; b++) {
         if (gmax[b] < t) continue;
-        for (int32_t i = b * SEL_BLOCK; i < (b + 1) * SEL_BLOCK; i++) {
+        for (int32_t i = b * bs; i < (b + 1) * bs; i++) {
             uint32_t k = key_of(v[i]);
             if (k >= t) key[m] = k, id[m] = i, m++;
         }
@@ -594,109 +644,158 @@ static int32_t filter(const float *v, int32_t n_blocks, const uint32_t *gmax, ui
     return m;
 }
 
-// The k-th largest of key[0..m) (1 <= k <= m); *n_above: how many are strictly larger. scratch:
-// [m] (the keys of the bucket followed after the first digit).
+// The k-th largest of key[0..m) (1 <= k <= m); *n_above: how many are strictly larger. A radix
+// select on 8-bit digits (small histograms: m is usually a few thousand); scratch: [m] (the keys
+// of the bucket followed, after each digit but the last).
 static uint32_t kth_key(const uint32_t *key, int32_t m, int32_t k, uint32_t *scratch,
                         int32_t *n_above) {
-    static const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
-    uint32_t hist[1 << 11];
+    uint32_t hist[256];
     uint32_t prefix = 0;
     int32_t above = 0;
     const uint32_t *src = key;
     int32_t cnt = m;
-    for (int lv = 0; lv < 3; lv++) {
-        const int sh = shifts[lv];
-        const uint32_t nb = 1u << widths[lv], dm = nb - 1;
-        memset(hist, 0, sizeof(uint32_t) * nb);
-        for (int32_t i = 0; i < cnt; i++) hist[(src[i] >> sh) & dm]++;
-        // The bucket holding the k-th largest: buckets above it hold fewer than k - above.
-        int32_t b = (int32_t)nb - 1, acc = above;
+    int sh = 24;
+    for (; sh >= 0; sh -= 8) {
+        memset(hist, 0, sizeof hist);
+        if (cnt >= 4096) {
+            // Four histograms in turn: runs of one digit (most keys share their high bits)
+            // would otherwise chain every increment through one counter.
+            uint32_t h4[4][256];
+            memset(h4, 0, sizeof h4);
+            int32_t i = 0;
+            for (; i + 4 <= cnt; i += 4) {
+                h4[0][(src[i] >> sh) & 255]++, h4[1][(src[i + 1] >> sh) & 255]++;
+                h4[2][(src[i + 2] >> sh) & 255]++, h4[3][(src[i + 3] >> sh) & 255]++;
+            }
+            for (; i < cnt; i++) hist[(src[i] >> sh) & 255]++;
+            for (int b = 0; b < 256; b++) hist[b] += h4[0][b] + h4[1][b] + h4[2][b] + h4[3][b];
+        } else {
+            for (int32_t i = 0; i < cnt; i++) hist[(src[i] >> sh) & 255]++;
+        }
+        // The bucket holding the k-th largest: the buckets above it hold fewer than k - above.
+        int32_t b = 255, acc = above;
         while (acc + (int32_t)hist[b] < k) acc += (int32_t)hist[b--];
         above = acc;
         prefix |= (uint32_t)b << sh;
-        // Keep only that bucket's keys for the next digit.
-        int32_t j = 0;
-        for (int32_t i = 0; i < cnt; i++)
-            if (((src[i] >> sh) & dm) == (uint32_t)b) scratch[j++] = src[i];
+        if (sh == 0) break;
+        if ((int32_t)hist[b] == cnt) continue; // every key in it: nothing to drop
+        int32_t j = 0; // branch-free: which keys stay is data, not a pattern
+        for (int32_t i = 0; i < cnt; i++) {
+            const uint32_t kk = src[i];
+            scratch[j] = kk;
+            j += ((kk >> sh) & 255) == (uint32_t)b;
+        }
         src = scratch, cnt = j;
     }
     *n_above = above;
     return prefix;
 }
 
-// Sorts key/id[0..m) by key descending, stably (ids in ascending order stay so among equal keys).
-// key2/id2: [m] scratch. The sorted ids end in out (which may be id).
-static void sort_desc(uint32_t *key, int32_t *id, int32_t m, uint32_t *key2, int32_t *id2,
+// A lower bound on the k-th largest of key[0..n) (1 <= k <= n) at least k keys reach, and fewer
+// than k the next multiple of 2^16: the k-th largest key's first 16 bits, from one histogram
+// (hist16: [65536]).
+static uint32_t bound16(const uint32_t *key, int32_t n, int32_t k, uint32_t *hist16) {
+    memset(hist16, 0, sizeof(uint32_t) << 16);
+    for (int32_t i = 0; i < n; i++) hist16[key[i] >> 16]++;
+    int32_t b = 65535, acc = 0;
+    while (acc + (int32_t)hist16[b] < k) acc += (int32_t)hist16[b--];
+    return (uint32_t)b << 16;
+}
+
+// Sorts key/id[0..m) (ids ascending) by key descending, ids ascending among equal keys, into
+// out[0..m) (ids). x, y: [m] scratch words, x apart from key/id (y may be their memory: they are
+// read once, into x, first). The words are (~key << 32 | id): ascending words are the order, and
+// an LSD radix on the key's bytes keeps the ids' order among equal keys (it is stable).
+static void sort_desc(const uint32_t *key, const int32_t *id, int32_t m, uint64_t *x, uint64_t *y,
                       int32_t *out) {
+    for (int32_t i = 0; i < m; i++) x[i] = (uint64_t)~key[i] << 32 | (uint32_t)id[i];
     if (m <= SEL_SMALL) {
         for (int32_t i = 1; i < m; i++) {
-            uint32_t k = key[i];
-            int32_t d = id[i], j = i;
-            for (; j > 0 && key[j - 1] < k; j--) key[j] = key[j - 1], id[j] = id[j - 1];
-            key[j] = k, id[j] = d;
+            uint64_t w = x[i];
+            int32_t j = i;
+            for (; j > 0 && x[j - 1] > w; j--) x[j] = x[j - 1];
+            x[j] = w;
         }
-        if (out != id) memcpy(out, id, sizeof(int32_t) * (size_t)m);
-        return;
-    }
-    // LSD radix on ~key (ascending), 8 bits a pass, a pass skipped where one bucket holds all.
-    uint32_t hist[4][256];
-    memset(hist, 0, sizeof hist);
-    for (int32_t i = 0; i < m; i++) {
-        uint32_t k = ~key[i];
-        hist[0][k & 255]++, hist[1][(k >> 8) & 255]++;
-        hist[2][(k >> 16) & 255]++, hist[3][k >> 24]++;
-    }
-    uint32_t *ka = key, *kb = key2;
-    int32_t *ia = id, *ib = id2;
-    for (int pass = 0; pass < 4; pass++) {
-        const int sh = pass * 8;
-        uint32_t *h = hist[pass];
-        if (h[(~ka[0] >> sh) & 255] == (uint32_t)m) continue;
-        uint32_t sum = 0;
-        for (int b = 0; b < 256; b++) {
-            uint32_t c = h[b];
-            h[b] = sum, sum += c;
-        }
+    } else {
+        // 8 bits a pass over the key's 4 bytes, a pass skipped where one bucket holds all.
+        uint32_t hist[4][256];
+        memset(hist, 0, sizeof hist);
         for (int32_t i = 0; i < m; i++) {
-            uint32_t pos = h[(~ka[i] >> sh) & 255]++;
-            kb[pos] = ka[i], ib[pos] = ia[i];
+            const uint32_t k = (uint32_t)(x[i] >> 32);
+            hist[0][k & 255]++, hist[1][(k >> 8) & 255]++;
+            hist[2][(k >> 16) & 255]++, hist[3][k >> 24]++;
         }
-        uint32_t *tk = ka;
-        ka = kb, kb = tk;
-        int32_t *ti = ia;
-        ia = ib, ib = ti;
+        for (int pass = 0; pass < 4; pass++) {
+            const int sh = 32 + pass * 8;
+            uint32_t *h = hist[pass];
+            if (h[(x[0] >> sh) & 255] == (uint32_t)m) continue;
+            uint32_t sum = 0;
+            for (int b = 0; b < 256; b++) {
+                uint32_t c = h[b];
+                h[b] = sum, sum += c;
+            }
+            for (int32_t i = 0; i < m; i++) y[h[(x[i] >> sh) & 255]++] = x[i];
+            uint64_t *t = x;
+            x = y, y = t;
+        }
     }
-    if (out != ia) memcpy(out, ia, sizeof(int32_t) * (size_t)m);
+    for (int32_t i = 0; i < m; i++) out[i] = (int32_t)(uint32_t)x[i];
+}
+
+// Keeps, of key/id[0..m) in id order, the keys above t and the first n_eq equal to it (exactly
+// k in all, in the same order); returns their count.
+static int32_t trim_to_k(uint32_t *key, int32_t *id, int32_t m, uint32_t t, int32_t n_eq) {
+    int32_t j = 0;
+    for (int32_t i = 0; i < m; i++) { // branch-free: which keys stay is data, not a pattern
+        const uint32_t kk = key[i];
+        const int32_t d = id[i], eq = kk == t, take = (kk > t) | (eq & (n_eq > 0));
+        key[j] = kk, id[j] = d;
+        j += take, n_eq -= eq & take;
+    }
+    return j;
 }
 
 // The k best ids of v[n] (1 <= k <= n) into out[0..k), best first; out is not a selection buffer.
 static void select_top(di_sampler *s, const float *v, int32_t n, int32_t k, int32_t *out) {
     uint32_t *key = s->sel_key;
     int32_t *id = s->sel_id, m;
-    const int32_t n_blocks = n / SEL_BLOCK;
-    if ((int64_t)k * SEL_PREFILTER <= n && n_blocks >= 4) {
-        // k <= n / 32, so k <= n_blocks groups: the bound exists.
-        group_max(v, n_blocks, s->gmax);
+    const int32_t bs = (int64_t)k * SEL_BLOCK <= n ? SEL_BLOCK : SEL_BLOCK_SMALL;
+    const int32_t n_blocks = n / bs;
+    if ((int64_t)k * bs <= n && n_blocks >= 4) {
+        // k <= n / bs = n_blocks groups: the bound exists. The maxima serve every selection on
+        // the same row within a call (the nucleus may widen several times).
+        if (s->gmax_row != v || s->gmax_bs != bs)
+            group_max(v, n_blocks, bs, s->gmax), s->gmax_row = v, s->gmax_bs = bs;
         int32_t n_above;
         const uint32_t t = kth_key(s->gmax, n_blocks, k, s->sel_key2, &n_above);
-        m = filter(v, n_blocks, s->gmax, t, key, id, 0);
-        for (int32_t i = n_blocks * SEL_BLOCK; i < n; i++) // the tail: every value a candidate
+        m = filter(v, n_blocks, bs, s->gmax, t, key, id, 0);
+        for (int32_t i = n_blocks * bs; i < n; i++) // the tail: every value a candidate
             key[m] = key_of(v[i]), id[m] = i, m++;
+        if (m > k) { // exactly k: the keys above the k-th best, then the first ids holding it
+            int32_t n_above2;
+            const uint32_t t2 = kth_key(key, m, k, s->sel_key2, &n_above2);
+            m = trim_to_k(key, id, m, t2, k - n_above2);
+        }
+    } else if (k < n) {
+        // Every value a candidate: a bound on the k-th best key from the row's keys (their first
+        // 16 bits where the row is long), the keys reaching it in id order (into the second
+        // buffers), then exactly k of them as above.
+        keys_all(v, n, key, id);
+        int32_t n_above;
+        const uint32_t t = s->hist16 && n >= SEL_HIST16 ? bound16(key, n, k, s->hist16)
+                                                        : kth_key(key, n, k, s->sel_key2, &n_above);
+        m = collect_ge(key, n, t, s->sel_key2, s->sel_id2);
+        if (m > k) {
+            const uint32_t t2 = kth_key(s->sel_key2, m, k, key, &n_above);
+            m = trim_to_k(s->sel_key2, s->sel_id2, m, t2, k - n_above);
+        }
+        sort_desc(s->sel_key2, s->sel_id2, m, s->sel_a, s->sel_b, out);
+        return;
     } else {
         keys_all(v, n, key, id);
         m = n;
     }
-    if (m > k) {
-        // Exactly k: the keys above the k-th best, then the first ids holding it.
-        int32_t n_above;
-        const uint32_t t = kth_key(key, m, k, s->sel_key2, &n_above);
-        int32_t n_eq = k - n_above, j = 0;
-        for (int32_t i = 0; i < m; i++) {
-            if (key[i] > t || (key[i] == t && n_eq-- > 0)) key[j] = key[i], id[j] = id[i], j++;
-        }
-        m = j;
-    }
-    sort_desc(key, id, m, s->sel_key2, s->sel_id2, out);
+    sort_desc(key, id, m, s->sel_b, s->sel_a, out);
 }
 
 // ---- sampling ----
@@ -734,6 +833,7 @@ void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_param
                        const int32_t *history, int32_t n_prompt, int32_t n_gen, int64_t pos,
                        di_sample_result *res) {
     const int32_t V = s->n_vocab;
+    s->gmax_row = NULL;
 
     const bool want_lp = p->logprobs || p->n_logprobs > 0;
     const int32_t n_hist = n_prompt + n_gen;
