@@ -657,7 +657,7 @@ static uint32_t kth_key(const uint32_t *key, int32_t m, int32_t k, uint32_t *scr
     int sh = 24;
     for (; sh >= 0; sh -= 8) {
         memset(hist, 0, sizeof hist);
-        if (cnt >= 4096) {
+        if (cnt >= 1024) {
             // Four histograms in turn: runs of one digit (most keys share their high bits)
             // would otherwise chain every increment through one counter.
             uint32_t h4[4][256];
@@ -689,6 +689,73 @@ static uint32_t kth_key(const uint32_t *key, int32_t m, int32_t k, uint32_t *scr
     }
     *n_above = above;
     return prefix;
+}
+
+#ifdef DI_SUM_EXP_AVX2
+// kth_key_grouped's two loops on AVX2: the maxima of the groups (lane j of the 8 rows of each
+// block of 64 keys) and the keys reaching t0, in order; returns the count written.
+__attribute__((target("avx2"))) static void lane_max_avx2(const uint32_t *key, int32_t n_blocks,
+                                                          uint32_t *gm) {
+    for (int32_t b = 0; b < n_blocks; b++) {
+        const __m256i *x = (const __m256i *)(key + (size_t)b * 64);
+        __m256i m0 = _mm256_max_epu32(_mm256_loadu_si256(x), _mm256_loadu_si256(x + 1));
+        __m256i m1 = _mm256_max_epu32(_mm256_loadu_si256(x + 2), _mm256_loadu_si256(x + 3));
+        __m256i m2 = _mm256_max_epu32(_mm256_loadu_si256(x + 4), _mm256_loadu_si256(x + 5));
+        __m256i m3 = _mm256_max_epu32(_mm256_loadu_si256(x + 6), _mm256_loadu_si256(x + 7));
+        m0 = _mm256_max_epu32(_mm256_max_epu32(m0, m1), _mm256_max_epu32(m2, m3));
+        _mm256_storeu_si256((__m256i *)(gm + (size_t)b * 8), m0);
+    }
+}
+
+__attribute__((target("avx2"))) static int32_t keys_ge_avx2(const uint32_t *key, int32_t m,
+                                                            uint32_t t0, uint32_t *out) {
+    const __m256i vt = _mm256_set1_epi32((int32_t)t0);
+    int32_t i = 0, c = 0;
+    for (; i + 8 <= m; i += 8) {
+        __m256i k = _mm256_loadu_si256((const __m256i *)(key + i));
+        unsigned bits = (unsigned)_mm256_movemask_ps(
+            _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_max_epu32(k, vt), k)));
+        while (bits) {
+            out[c++] = key[i + __builtin_ctz(bits)];
+            bits &= bits - 1;
+        }
+    }
+    for (; i < m; i++)
+        if (key[i] >= t0) out[c++] = key[i];
+    return c;
+}
+#endif
+
+// kth_key for many keys and a small k: the k-th largest of the maxima of groups of 8 bounds it
+// from below (as in select_top), so only the keys reaching that bound (usually a few more than k)
+// go through the radix select; the keys above the k-th are all among them, so *n_above is theirs.
+// scratch: [2 m] (the maxima and then the keys reaching the bound, with kth_key's scratch after).
+static uint32_t kth_key_grouped(const uint32_t *key, int32_t m, int32_t k, uint32_t *scratch,
+                                int32_t *n_above) {
+    const int32_t n_blocks = m / 64, g = n_blocks * 8; // groups: lane j of each block's 8 rows
+    if (m < 1024 || (int64_t)k * 16 > m) return kth_key(key, m, k, scratch, n_above);
+    int32_t c = 0, unused;
+#ifdef DI_SUM_EXP_AVX2
+    if (use_avx2()) {
+        lane_max_avx2(key, n_blocks, scratch);
+        const uint32_t t0 = kth_key(scratch, g, k, scratch + g, &unused);
+        c = keys_ge_avx2(key, m, t0, scratch);
+        return kth_key(scratch, c, k, scratch + c, n_above);
+    }
+#endif
+    for (int32_t b = 0; b < n_blocks; b++)
+        for (int j = 0; j < 8; j++) {
+            uint32_t mx = 0;
+            for (int r = 0; r < 8; r++) {
+                const uint32_t x = key[b * 64 + r * 8 + j];
+                mx = x > mx ? x : mx;
+            }
+            scratch[b * 8 + j] = mx;
+        }
+    const uint32_t t0 = kth_key(scratch, g, k, scratch + g, &unused);
+    for (int32_t i = 0; i < m; i++)
+        if (key[i] >= t0) scratch[c++] = key[i];
+    return kth_key(scratch, c, k, scratch + c, n_above);
 }
 
 // A lower bound on the k-th largest of key[0..n) (1 <= k <= n) at least k keys reach, and fewer
@@ -767,7 +834,7 @@ static void select_top(di_sampler *s, const float *v, int32_t n, int32_t k, int3
         if (s->gmax_row != v || s->gmax_bs != bs)
             group_max(v, n_blocks, bs, s->gmax), s->gmax_row = v, s->gmax_bs = bs;
         int32_t n_above;
-        const uint32_t t = kth_key(s->gmax, n_blocks, k, s->sel_key2, &n_above);
+        const uint32_t t = kth_key_grouped(s->gmax, n_blocks, k, s->sel_key2, &n_above);
         m = filter(v, n_blocks, bs, s->gmax, t, key, id, 0);
         for (int32_t i = n_blocks * bs; i < n; i++) // the tail: every value a candidate
             key[m] = key_of(v[i]), id[m] = i, m++;

@@ -457,7 +457,8 @@ static bool compare_row(di_sampler *s, ref_sampler *r, const float *l, uint64_t 
 // token, logprob, top ids and top logprobs equal to the oracle's bit for bit.
 static void test_oracle_equivalence(void) {
     enum { V_BIG = 129280 };
-    static const int32_t sizes[] = {1, 2, 3, 7, 20, 63, 64, 65, 100, 257, 1000, 1031, 4099, 20000};
+    static const int32_t sizes[] = {1,   2,   3,    7,    20,   63,    64,   65,
+                                    100, 257, 1000, 1031, 4099, 20000, 40000};
     float *l = malloc(sizeof(float) * V_BIG);
     uint64_t *allow = malloc(sizeof(uint64_t) * (V_BIG / 64 + 1));
     int32_t hist[80];
@@ -465,7 +466,7 @@ static void test_oracle_equivalence(void) {
     int n_rows = 0, n_bad = 0;
     for (size_t si = 0; si < sizeof sizes / sizeof sizes[0] + 1; si++) {
         const int32_t nv = si < sizeof sizes / sizeof sizes[0] ? sizes[si] : V_BIG;
-        const int reps = nv == V_BIG ? 48 : nv >= 4099 ? 160 : 480;
+        const int reps = nv == V_BIG ? 48 : nv >= 40000 ? 96 : nv >= 4099 ? 160 : 480;
         di_sampler *s = NULL;
         ref_sampler *r = NULL;
         CHECK_EQ(di_sampler_create(nv, &s), DI_OK);
