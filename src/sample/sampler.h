@@ -6,8 +6,25 @@
  * (di_sample_uniform), so a seeded request draws the same tokens alone, in any batch, and after
  * a preemption that recomputes it.
  *
- * Owns: di_sampler owns its work arrays (sized for the vocabulary at create; nothing is
- * allocated per token). Does not: decide when a request stops (sched/request.c and stop.c do).
+ * Candidates (top-k, the nucleus, min-p, the top-N log-probabilities) are the k best ids in the
+ * order (value descending, id ascending), found by a radix select on order-preserving keys of the
+ * values behind a bound from block maxima (about one read pass of the row for small k) and sorted
+ * by an LSD radix; the nucleus decides its prefix test from bounds on the row's mass where they
+ * suffice (peaked rows skip the mass's exp pass); the untruncated draw keeps the prefix sums of
+ * its weights and binary-searches them. Exactness: for every row without NaN (after bias: an
+ * infinite bias on an infinite logit of the other sign makes a NaN) and every parameter set the
+ * token, logprob, top ids and top logprobs are bit for bit those of the implementation before
+ * this selection (kept as the oracle in tests/unit/sampler_ref.c; test_sampler compares them),
+ * on each vector level (scalar, AVX2, AVX-512F; chosen once per process, DI_CPU_ISA=scalar|avx2
+ * lowers it): the vector exps of the draws are the scalar exp's bits (separate multiplies and
+ * adds, no FMA), the row sums keep their lanes and order, every sequential sum its order. NaN
+ * rows: a NaN ranks below every number (-inf included) in the candidates and weighs 0; the result
+ * is a valid token id in [0, V), nothing more is promised (the order among them is not the old
+ * one's).
+ *
+ * Owns: di_sampler owns its work arrays (sized for the vocabulary at create, about 45 bytes per
+ * token plus 256 KiB: 6 MB at V4's 129,280; nothing is allocated per token). Does not: decide when
+ * a request stops (sched/request.c and stop.c do).
  * Thread-safety: a di_sampler is used by one thread (the engine thread).
  */
 #pragma once
@@ -41,7 +58,8 @@ di_status di_sample_params_check(const di_sample_params *p, int32_t n_vocab);
 // Samples from logits [n_vocab] (not modified). history: the request's prompt then its generated
 // tokens (n_prompt + n_gen ids); the repetition penalty covers all of them, the presence and
 // frequency penalties only the generated ones. pos: the absolute position the new token will
-// take (n_prompt + n_gen). Parameters must have passed di_sample_params_check.
+// take (n_prompt + n_gen). Parameters must have passed di_sample_params_check. A row with NaNs
+// gives a valid token id (the rule above).
 void di_sampler_sample(di_sampler *s, const float *logits, const di_sample_params *p,
                        const int32_t *history, int32_t n_prompt, int32_t n_gen, int64_t pos,
                        di_sample_result *res);
