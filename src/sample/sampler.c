@@ -109,6 +109,8 @@ di_status di_sample_params_check(const di_sample_params *p, int32_t n_vocab) {
         why = "penalties must be finite";
     else if (p->n_logprobs < 0 || p->n_logprobs > DI_MAX_LOGPROBS)
         why = "n_logprobs must be in [0, 20]";
+    else if (p->n_logprobs > n_vocab) // the top n_logprobs of the vocabulary (a tiny one)
+        why = "n_logprobs must not exceed the vocabulary";
     else if (p->n_logit_bias < 0 || (p->n_logit_bias > 0 && !p->logit_bias))
         why = "logit_bias is missing";
     for (int32_t i = 0; !why && i < p->n_logit_bias; i++) {

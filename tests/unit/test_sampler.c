@@ -236,6 +236,11 @@ static void test_params_check(void) {
     p = di_sample_params_default();
     p.n_logprobs = DI_MAX_LOGPROBS + 1;
     CHECK_EQ(di_sample_params_check(&p, V), DI_ERR_INVALID);
+    p.n_logprobs = V + 1; // more than the vocabulary holds (the sampler would read past the row)
+    CHECK(V + 1 <= DI_MAX_LOGPROBS);
+    CHECK_EQ(di_sample_params_check(&p, V), DI_ERR_INVALID);
+    p.n_logprobs = V;
+    CHECK_EQ(di_sample_params_check(&p, V), DI_OK);
     p = di_sample_params_default();
     di_logit_bias b = {V, 1};
     p.logit_bias = &b;
