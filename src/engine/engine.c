@@ -1990,12 +1990,12 @@ static void sample_constrained(di_engine *e, di_sampler *smp, di_request *r, con
 
 // Samples the step's rows (pool task, one sampler per thread; each thread takes the next row not
 // taken, so a few expensive rows, top-p over a flat distribution, do not wait behind one thread's
-// fixed share): row i of
-// logit slot k samples output token n_gen + i of its request at position n_tokens + i, with the
-// history extended by the drafts before it (written past the known tokens by v41_verify); a
-// plain slot has row 0 only. Reads only what the engine thread leaves alone while a step runs:
-// the logits, the request's tokens and its sampling parameters. Each row's result depends on that
-// row alone, so a verify row samples exactly what a plain decode of the same position would.
+// fixed share): row i of logit slot k samples output token n_gen + i of its request at position
+// n_tokens + i, with the history extended by the drafts before it (written past the known tokens
+// by v41_verify); a plain slot has row 0 only. Reads only what the engine thread leaves alone
+// while a step runs: the logits, the request's tokens and its sampling parameters. Each row's
+// result depends on that row alone (not on the thread), so a verify row samples exactly what a
+// plain decode of the same position would.
 // A request with an active grammar (it never speculates: one row) samples through
 // sample_constrained, which also advances its matcher (one row per request: no other thread
 // touches it). A plain row that samples the token after which a request's grammar applies
