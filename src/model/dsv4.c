@@ -1038,15 +1038,9 @@ static di_status dev_forward(di_session *s, const int32_t *tokens, int32_t n_tok
 // the slot afresh), or, when the state was dropped (another session's device loss), only s->pos:
 // the replay at the next call feeds dev_tokens [0, s->pos). The device refuses a rollback its
 // rings cannot take back (past DI_DSV4_ROLLBACK_MAX rows below the highest position fed, e.g.
-// after successive rollbacks; dsv4_dev.h "Rollback"): nothing changes then.
+// after successive rollbacks; dsv4_dev.h "Rollback"): nothing changes then. The session's own
+// bound was checked first (di_session_rollback_begin, its only caller).
 di_status di_dsv4_session_dev_rollback(di_session *s, int32_t n) {
-    const int32_t max = s->v41 ? DI_DSV41_ROLLBACK_MAX : DI_DSV4_ROLLBACK_MAX;
-    if (n < 0 || n > s->pos || n > max) {
-        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d on the "
-                     "device-resident %s forward)",
-                     n, s->pos, max, s->v41 ? "V4.1" : "V4");
-        return DI_ERR_INVALID;
-    }
     if (n == 0) return DI_OK;
     const int32_t pos = s->pos - n;
     di_status st = DI_OK;

@@ -257,6 +257,11 @@ void di_dsv4_state_rollback(const di_model *m, di_dsv4_layer_state *layers, int 
 // highest position fed since the reset; after a CPU state's restore its position + the maximum:
 // what the saved session fed past it is unknown).
 di_status di_dsv4_rollback(di_session *s, int32_t n);
+// What di_dsv4_rollback and di_dsv41_rollback share (max: their DI_*_ROLLBACK_MAX): the bound
+// above (DI_ERR_INVALID, logged, nothing changed), and a session on the device-resident forward
+// rolled back there (*done set: its status); otherwise DI_OK for the caller's CPU state. s->hw
+// goes back to 0 with a rollback to 0.
+di_status di_session_rollback_begin(di_session *s, int32_t n, int32_t max, bool *done);
 
 // Debug/test hook: called with named intermediate tensors (FP32 rows, or int32 when is_int).
 typedef void (*di_dsv4_trace_fn)(void *user, const char *name, int il, const void *data,

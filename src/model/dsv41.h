@@ -320,8 +320,9 @@ di_status di_dsv41_draft_block(di_session *s, int32_t anchor, di_dsv41_draft *ou
 // device-resident forward"): di_session_rollback's and (DSpark) di_session_draft's device twins.
 // Rollback: at most DI_DSV41_ROLLBACK_MAX positions on V4.1 (di_dsv41_dev_rollback),
 // DI_DSV4_ROLLBACK_MAX below the highest position fed on V4 (di_dsv4_dev_rollback, an MTP
-// session's MTP ring with it: di_dsv4_dev_rollback_mtp); DI_ERR_INVALID, logged, nothing changed,
-// beyond. Draft: di_dsv41_dev_draft on slot 0 (bit for bit di_dsv41_draft_block's
+// session's MTP ring with it: di_dsv4_dev_rollback_mtp), the session's bound checked before it
+// (di_session_rollback_begin); the device states' own refusals: DI_ERR_INVALID, logged, nothing
+// changed. Draft: di_dsv41_dev_draft on slot 0 (bit for bit di_dsv41_draft_block's
 // drafts, confidences and logits), with the session's device-loss recovery.
 di_status di_dsv4_session_dev_rollback(di_session *s, int32_t n);
 di_status di_dsv4_session_dev_draft(di_session *s, int32_t anchor, di_dsv41_draft *out,

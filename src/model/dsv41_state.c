@@ -356,23 +356,14 @@ void di_dsv41_share_ws(di_session *s, di_dsv4_ws *ws) {
 
 di_status di_dsv41_rollback(di_session *s, int32_t n) {
     // The window ring keeps DI_DSV41_ROLLBACK_MAX rows more than a query reads and the (C, Z)
-    // slots as many positions: a position the rollback returns to must be within that of the
-    // highest one written (s->hw), whatever the calls and rollbacks in between (rows fed again
-    // after a rollback do not give back the rows the taken-back ones overwrote). Back to 0 reads
-    // no ring row: always.
-    if (!s->v41 || n < 0 || n > s->pos || n > DI_DSV41_ROLLBACK_MAX ||
-        (s->pos > n && s->hw - (s->pos - n) > DI_DSV41_ROLLBACK_MAX)) {
-        DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d, and not more "
-                     "than %d below the highest position fed since the reset, %d)",
-                     n, s->pos, DI_DSV41_ROLLBACK_MAX, DI_DSV41_ROLLBACK_MAX, s->hw);
+    // slots as many positions (di_session_rollback_begin's bound).
+    if (!s->v41) {
+        DI_LOG_ERROR("rollback: not a DeepSeek V4.1 session");
         return DI_ERR_INVALID;
     }
-    if (s->dev_on) { // dsv4.c
-        di_status st = di_dsv4_session_dev_rollback(s, n);
-        if (st == DI_OK && s->pos == 0) s->hw = 0;
-        return st;
-    }
-    if (s->pos == n) s->hw = 0;
+    bool done;
+    di_status rs = di_session_rollback_begin(s, n, DI_DSV41_ROLLBACK_MAX, &done);
+    if (rs != DI_OK || done) return rs;
     const di_hparams *hp = &s->model->hp;
     di_dsv41_state *st = s->v41;
     const int32_t pos = s->pos - n;

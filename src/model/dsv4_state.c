@@ -236,24 +236,33 @@ void di_dsv4_state_rollback(const di_model *m, di_dsv4_layer_state *layers, int 
     }
 }
 
-di_status di_dsv4_rollback(di_session *s, int32_t n) {
-    // The rings keep DI_DSV4_ROLLBACK_MAX rows more than they read (+1 on the CPU: W + MAX rows
-    // against W - 1 read; the device's W + MAX - 1): a position the rollback returns to must be
-    // within that of the highest one written, whatever the calls and rollbacks in between.
-    // Back to 0 reads no ring row: always (as new).
-    if (n < 0 || n > s->pos || n > DI_DSV4_ROLLBACK_MAX ||
-        (s->pos > n && s->hw - (s->pos - n) > DI_DSV4_ROLLBACK_MAX)) {
+di_status di_session_rollback_begin(di_session *s, int32_t n, int32_t max, bool *done) {
+    // The rings keep max rows more than they read (V4's +1 on the CPU: W + MAX rows against
+    // W - 1 read; the device's W + MAX - 1): a position the rollback returns to must be within
+    // that of the highest one written, whatever the calls and rollbacks in between (rows fed
+    // again after a rollback do not give back the rows the taken-back ones overwrote). Back to 0
+    // reads no ring row: always (as new).
+    *done = false;
+    if (n < 0 || n > s->pos || n > max || (s->pos > n && s->hw - (s->pos - n) > max)) {
         DI_LOG_ERROR("rollback: cannot take back %d of %d positions (at most %d, and not more "
                      "than %d below the highest position fed since the reset, %d)",
-                     n, s->pos, DI_DSV4_ROLLBACK_MAX, DI_DSV4_ROLLBACK_MAX, s->hw);
+                     n, s->pos, max, max, s->hw);
         return DI_ERR_INVALID;
     }
     if (s->dev_on) { // dsv4.c
+        *done = true;
         di_status st = di_dsv4_session_dev_rollback(s, n);
         if (st == DI_OK && s->pos == 0) s->hw = 0;
         return st;
     }
     if (s->pos == n) s->hw = 0;
+    return DI_OK;
+}
+
+di_status di_dsv4_rollback(di_session *s, int32_t n) {
+    bool done;
+    di_status st = di_session_rollback_begin(s, n, DI_DSV4_ROLLBACK_MAX, &done);
+    if (st != DI_OK || done) return st;
     const di_hparams *hp = &s->model->hp;
     const int32_t pos = s->pos - n;
     di_dsv4_state_rollback(s->model, s->layers, 0, hp->n_layer, pos);
