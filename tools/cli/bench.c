@@ -440,7 +440,7 @@ int di_cli_bench(int argc, char **argv) {
         } else if (strcmp(a, "--temperature") == 0 || strcmp(a, "--top-p") == 0) {
             char *end = NULL;
             const double x = strtod(v, &end);
-            const bool t = a[2] == 't' && a[3] == 'e';
+            const bool t = strcmp(a, "--temperature") == 0;
             ok = end && !*end && (t ? x > 0 && x <= 100 : x > 0 && x <= 1);
             if (!ok)
                 fprintf(stderr, "deepinfer bench: %s is in %s\n", a, t ? "(0, 100]" : "(0, 1]");
