@@ -70,6 +70,12 @@ static synth_mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out) {
     // subnormal FMA operands cost this CPU about a third of the 64-token GEMM's speed.
     if (kind == DI_TENSOR_KIND_MXFP4)
         for (size_t i = 0; i < bytes; i += 17) m.data[i] = (uint8_t)(118 + rnd() % 8);
+    // BF16: high bytes 0x3C..0x3F of either sign (|w| in 2^-7 .. 1, as real weights); masked
+    // bytes make one weight in 64 subnormal, and each subnormal FMA operand costs an Intel core a
+    // microcode assist (the 64-token GEMM ran at 2 GFLOP/s).
+    if (kind == DI_TENSOR_KIND_BF16)
+        for (size_t i = 1; i < bytes; i += 2)
+            m.data[i] = (uint8_t)((rnd() & 0x80) | (0x3C + rnd() % 4));
     t->data = m.data;
     if (kind == DI_TENSOR_KIND_FP8 || kind == DI_TENSOR_KIND_FP4) {
         t->block_out = kind == DI_TENSOR_KIND_FP8 ? 128 : 1;

@@ -12,6 +12,8 @@
 //     AVX2 bits, bit-identity with di_ref_matmul at every level on edge shapes (1..7 tokens, rows
 //     off the tile, 32-column rows, a token-chunk boundary, zero and extreme blocks), and the
 //     distance to exact f32 activations within the quantisation bound;
+//   - the AVX-512 level's bits equal to the AVX2 level's in every case above (gemm_avx512.c keeps
+//     the AVX2 level's arithmetic);
 //   - the DI_CPU_ISA switch;
 //   - under AddressSanitizer, the AVX2 kernels' region checks (gemm_avx2.c "AddressSanitizer":
 //     that file is not instrumented access by access): a call given an input or an output one
@@ -253,8 +255,8 @@ static bool same_bits(const float *a, const float *b, int64_t n) {
     return true;
 }
 
-// One matmul case on every level: fast vs reference, then batch invariance (each token alone
-// gives the same bits as inside the call).
+// One matmul case on every level: fast vs reference, batch invariance (each token alone gives the
+// same bits as inside the call), and the AVX-512 level's bits equal to the AVX2 level's.
 static void gemm_case(run_cfg *rc, const di_tensor *w, int64_t n_tok, const char *what) {
     const int64_t n = w->ne[0], n_out = w->ne[1];
     const int64_t xs = n + 5, ys = n_out + 3; // strided rows
@@ -262,6 +264,7 @@ static void gemm_case(run_cfg *rc, const di_tensor *w, int64_t n_tok, const char
     float *yr = calloc((size_t)(n_tok * ys), sizeof(float));
     float *y = calloc((size_t)(n_tok * ys), sizeof(float));
     float *y1 = calloc((size_t)ys, sizeof(float));
+    float *y2 = calloc((size_t)(n_tok * ys), sizeof(float)); // the AVX2 level's
     di_ref_matmul(rc->ref_cpu, w, x, n_tok, xs, yr, ys);
     for (int isa = 0; isa <= (int)di_cpu_isa_supported(); isa++) {
         CHECK(di_cpu_set_isa(rc->cpu, (di_cpu_isa)isa));
@@ -281,9 +284,16 @@ static void gemm_case(run_cfg *rc, const di_tensor *w, int64_t n_tok, const char
         }
         if (!same) fprintf(stderr, "  %s [%s]: batch variance\n", what, di_cpu_isa_name(isa));
         CHECK(same);
+        if (isa == DI_CPU_ISA_AVX2) memcpy(y2, y, sizeof(float) * (size_t)(n_tok * ys));
+        if (isa == DI_CPU_ISA_AVX512) {
+            const bool as_avx2 = same_bits(y, y2, n_tok * ys);
+            if (!as_avx2) fprintf(stderr, "  %s: avx512 differs from avx2\n", what);
+            CHECK(as_avx2);
+        }
     }
     free(x);
     free(y);
+    free(y2);
     free(yr);
     free(y1);
 }
@@ -304,7 +314,7 @@ static void test_gemm_shapes(void) {
     // 1024-column segment with a tail; rows crossing the 128-row FP8 scale block; full width.
     static const int64_t shapes[][2] = {{8, 1},    {32, 5},    {100, 7},   {264, 9},
                                         {2500, 6}, {384, 130}, {4096, 13}, {1026, 4}};
-    static const int64_t toks[] = {1, 2, 3, 4, 7, 13};
+    static const int64_t toks[] = {1, 2, 3, 4, 7, 13, 25}; // 25: three AVX-512 tiles, 9 + 8 + 8
     for (size_t k = 0; k < sizeof k_kinds / sizeof k_kinds[0]; k++) {
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
             mat m = make_mat(k_kinds[k], shapes[s][0], shapes[s][1], k_normal);
@@ -504,7 +514,9 @@ static void test_gemm_int8_edges(void) {
         const int64_t widen = zero_blk[k][0] / 32; // Q4_K: rows of whole 256-column blocks
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
             mat m = make_mat(kinds[k], shapes[s][0] * widen, shapes[s][1], k_normal);
-            for (int64_t T = 1; T <= 7; T++) {
+            static const int64_t toks[] = {1, 2, 3, 4, 5, 6, 7, 9, 17}; // 17 = 6 + 6 + 5 (VNNI)
+            for (size_t j = 0; j < sizeof toks / sizeof toks[0]; j++) {
+                const int64_t T = toks[j];
                 char what[96];
                 snprintf(what, sizeof what, "%s %lldx%lld T=%lld", di_tensor_kind_name(kinds[k]),
                          (long long)shapes[s][1], (long long)(shapes[s][0] * widen), (long long)T);
@@ -626,13 +638,15 @@ static void test_gemm_extremes(void) {
         {0, 3, false}, {244, 254, false}, {250, 255, true}, {120, 130, true}};
     for (size_t r = 0; r < sizeof ranges / sizeof ranges[0]; r++) {
         for (int kind = DI_TENSOR_KIND_FP8; kind <= DI_TENSOR_KIND_FP4; kind++) {
-            mat m = make_mat((di_tensor_kind)kind, 200, 9, ranges[r]);
-            char what[64];
-            snprintf(what, sizeof what, "%s scales %d..%d", di_tensor_kind_name(kind), ranges[r].lo,
-                     ranges[r].hi);
-            gemm_case(&g_rc, &m.t, 1, what);
-            gemm_case(&g_rc, &m.t, 6, what);
-            free_mat(&m);
+            for (int64_t n = 200; n <= 256; n += 56) { // staged decode; fused GEMV (n % 32 == 0)
+                mat m = make_mat((di_tensor_kind)kind, n, 9, ranges[r]);
+                char what[64];
+                snprintf(what, sizeof what, "%s n=%lld scales %d..%d", di_tensor_kind_name(kind),
+                         (long long)n, ranges[r].lo, ranges[r].hi);
+                gemm_case(&g_rc, &m.t, 1, what);
+                gemm_case(&g_rc, &m.t, 6, what);
+                free_mat(&m);
+            }
         }
     }
 }
@@ -676,6 +690,8 @@ static void test_isa_switch(void) {
     CHECK_EQ(di_cpu_isa_detect(), DI_CPU_ISA_SCALAR);
     setenv("DI_CPU_ISA", "avx2", 1); // clamped to what the CPU has
     CHECK_EQ(di_cpu_isa_detect(), best >= DI_CPU_ISA_AVX2 ? DI_CPU_ISA_AVX2 : best);
+    setenv("DI_CPU_ISA", "avx512", 1);
+    CHECK_EQ(di_cpu_isa_detect(), best);
     setenv("DI_CPU_ISA", "no-such-level", 1);
     CHECK_EQ(di_cpu_isa_detect(), best);
     unsetenv("DI_CPU_ISA");

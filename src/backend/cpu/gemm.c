@@ -1,5 +1,5 @@
 // gemm — instruction-set dispatch, static partitioning and row blocking of di_cpu_matmul (the
-// kernels themselves are in gemm_avx2.c). See gemm.h for the numerics contract.
+// kernels themselves are in gemm_avx2.c and gemm_avx512.c). See gemm.h for the numerics contract.
 #include "backend/cpu/gemm.h"
 
 #include <stdatomic.h>
@@ -17,11 +17,18 @@ static bool cpu_has_f16c(void) {
     unsigned a, b, c, d;
     return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
 }
+
+// AVX-512 VNNI from CPUID leaf 7 (ECX bit 11); the OS's saving of the zmm and mask registers is
+// what __builtin_cpu_supports("avx512f") checks (XCR0).
+static bool cpu_has_avx512_vnni(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & bit_AVX512VNNI);
+}
 #endif
 
 // ---- instruction-set level ----
 
-static const char *const k_isa_names[DI_CPU_ISA_COUNT] = {"scalar", "avx2"};
+static const char *const k_isa_names[DI_CPU_ISA_COUNT] = {"scalar", "avx2", "avx512"};
 
 const char *di_cpu_isa_name(di_cpu_isa isa) {
     return isa >= 0 && isa < DI_CPU_ISA_COUNT ? k_isa_names[isa] : "?";
@@ -29,9 +36,14 @@ const char *di_cpu_isa_name(di_cpu_isa isa) {
 
 di_cpu_isa di_cpu_isa_supported(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (di_gemm_avx2_built() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        cpu_has_f16c())
-        return DI_CPU_ISA_AVX2;
+    if (!di_gemm_avx2_built() || !__builtin_cpu_supports("avx2") ||
+        !__builtin_cpu_supports("fma") || !cpu_has_f16c())
+        return DI_CPU_ISA_SCALAR;
+    if (di_gemm_avx512_built() && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && cpu_has_avx512_vnni())
+        return DI_CPU_ISA_AVX512;
+    return DI_CPU_ISA_AVX2;
 #endif
     return DI_CPU_ISA_SCALAR;
 }
@@ -52,7 +64,7 @@ di_cpu_isa di_cpu_isa_detect(void) {
         return (di_cpu_isa)i;
     }
     if (!atomic_exchange(&warned, 1))
-        DI_LOG_WARN("DI_CPU_ISA=%s is not one of scalar, avx2; ignored", env);
+        DI_LOG_WARN("DI_CPU_ISA=%s is not one of scalar, avx2, avx512; ignored", env);
     return best;
 }
 
@@ -82,8 +94,8 @@ typedef struct matmul_ctx {
     float *y;
     int64_t y_stride;
     bool split_rows; // partition output rows (else tokens)
-    bool simd;       // AVX2 kernels (else the scalar level)
-    bool fused;      // f32 path: AVX2 GEMV decoding in registers (few tokens, supported layout)
+    di_cpu_isa isa;  // the level this call runs (f32 path: scalar when the layout needs it)
+    bool fused;      // f32 path: a GEMV decoding in registers (few tokens, supported layout)
 } matmul_ctx;
 
 // This thread's output rows [r_lo, r_hi) and tokens [t_lo, t_hi): rows or tokens split, the
@@ -110,7 +122,7 @@ static inline float reduce8(const float a[8]) {
 }
 
 // Rows [o0, o0+nr) for tokens [t_lo, t_hi): decode once, multiply every token.
-static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, bool first, int nr,
+static void block_simd(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, bool first, int nr,
                        int64_t t_lo, int64_t t_hi) {
     const di_tensor *w = c->w;
     const int64_t n = w->ne[0];
@@ -120,7 +132,9 @@ static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
         int nt = (int)(t_hi - t_lo);
         for (int j = 0; j < nt; j++) xs[j] = c->x + (t_lo + j) * c->x_stride;
         memset(acc, 0, sizeof acc);
-        if (c->fused)
+        if (c->fused && c->isa >= DI_CPU_ISA_AVX512 && di_gemm_avx512_gemv_ok(w))
+            di_gemm_avx512_gemv(w, o0, nr, xs, nt, acc);
+        else if (c->fused)
             di_gemm_avx2_gemv(w, o0, nr, xs, nt, acc);
         else
             for (int64_t c0 = 0; c0 < n; c0 += SEG) {
@@ -144,10 +158,15 @@ static void block_avx2(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
             __builtin_prefetch(row + b);
     }
     di_gemm_avx2_decode(w, o0, nr, 0, n, scr, ld);
-    // Tokens in balanced tiles of at most 3 (16 = 3+3+3+3+2+2, not ...+3+1): a one-token tile
-    // costs almost what a three-token one does. Every output is the same whatever its tile.
-    di_gemm_avx2_rows_y(scr, ld, nr, c->x + t_lo * c->x_stride, c->x_stride, t_hi - t_lo, n,
-                        c->y + t_lo * c->y_stride + o0, c->y_stride);
+    // Tokens in balanced tiles of at most 3 (AVX2; 16 = 3+3+3+3+2+2, not ...+3+1) or 12
+    // (AVX-512): a one-token tile costs almost what a full one does. Every output is the same
+    // whatever its tile.
+    const float *x = c->x + t_lo * c->x_stride;
+    float *y = c->y + t_lo * c->y_stride + o0;
+    if (c->isa >= DI_CPU_ISA_AVX512)
+        di_gemm_avx512_rows_y(scr, ld, nr, x, c->x_stride, t_hi - t_lo, n, y, c->y_stride);
+    else
+        di_gemm_avx2_rows_y(scr, ld, nr, x, c->x_stride, t_hi - t_lo, n, y, c->y_stride);
 }
 
 static void block_scalar(const matmul_ctx *c, float *scr, int64_t o, int64_t t_lo, int64_t t_hi) {
@@ -162,13 +181,13 @@ static void matmul_task(void *p, int ith, int nth) {
     float *scr = c->cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * ld);
     int64_t r_lo, r_hi, t_lo, t_hi;
     if (!task_range(c, ith, nth, &r_lo, &r_hi, &t_lo, &t_hi)) return;
-    if (!c->simd) {
+    if (c->isa == DI_CPU_ISA_SCALAR) {
         for (int64_t o = r_lo; o < r_hi; o++) block_scalar(c, scr, o, t_lo, t_hi);
         return;
     }
     for (int64_t o = r_lo; o < r_hi; o += ROWS) {
         int nr = (int)(r_hi - o < ROWS ? r_hi - o : ROWS);
-        block_avx2(c, scr, ld, o, o == r_lo, nr, t_lo, t_hi);
+        block_simd(c, scr, ld, o, o == r_lo, nr, t_lo, t_hi);
     }
 }
 
@@ -178,17 +197,17 @@ static void matmul_task(void *p, int ith, int nth) {
 static void quant_rows(const matmul_ctx *c, int64_t t_lo, int64_t t_hi) {
     const di_cpu *cpu = c->cpu;
     const int64_t n = c->w->ne[0], ldd = cpu->act_ld / 32, lds = cpu->act_ld / 16;
-    const bool k = di_ref_matmul_act(c->w) == DI_REF_ACT_Q8_K;
+    const bool k = di_ref_matmul_act(c->w) == DI_REF_ACT_Q8_K, simd = c->isa >= DI_CPU_ISA_AVX2;
     for (int64_t t = t_lo; t < t_hi; t++) {
         const float *x = c->x + t * c->x_stride;
         int8_t *q = cpu->act_q + t * cpu->act_ld;
         float *d = cpu->act_d + t * ldd;
         int16_t *s = cpu->act_s + t * lds;
-        if (k && c->simd)
+        if (k && simd)
             di_gemm_avx2_quant_act_q8_k(x, n, q, d, s);
         else if (k)
             di_quant_act_q8_k(x, n, q, d, s);
-        else if (c->simd)
+        else if (simd)
             di_gemm_avx2_quant_act(x, n, q, d);
         else
             di_quant_act_q8(x, n, q, d);
@@ -202,9 +221,9 @@ static void quant_task(void *p, int ith, int nth) {
     quant_rows(c, t_lo, t_hi);
 }
 
-// Output rows [r_lo, r_hi) x tokens [t_lo, t_hi) of the chunk. AVX2: blocks of 4 rows, tokens in
-// balanced tiles of at most 3 (as block_avx2); scalar: the reference's di_ref_dot_q8 against the
-// row's codes, or di_ref_dot_q4_k.
+// Output rows [r_lo, r_hi) x tokens [t_lo, t_hi) of the chunk. AVX2 / AVX-512: blocks of 4 rows,
+// tokens in balanced tiles of at most 3 (AVX2, and Q4_K at either level) or 8 (AVX-512 VNNI);
+// scalar: the reference's di_ref_dot_q8 against the row's codes, or di_ref_dot_q4_k.
 static void int8_task(void *p, int ith, int nth) {
     const matmul_ctx *c = p;
     const di_cpu *cpu = c->cpu;
@@ -212,7 +231,7 @@ static void int8_task(void *p, int ith, int nth) {
     const bool k8 = di_ref_matmul_act(c->w) == DI_REF_ACT_Q8_K;
     int64_t r_lo, r_hi, t_lo, t_hi;
     if (!task_range(c, ith, nth, &r_lo, &r_hi, &t_lo, &t_hi)) return;
-    if (!c->simd && k8) {
+    if (c->isa == DI_CPU_ISA_SCALAR && k8) {
         for (int64_t o = r_lo; o < r_hi; o++) {
             const uint8_t *row = (const uint8_t *)c->w->data + (size_t)o * c->w->nb1;
             for (int64_t t = t_lo; t < t_hi; t++)
@@ -221,7 +240,7 @@ static void int8_task(void *p, int ith, int nth) {
         }
         return;
     }
-    if (!c->simd) {
+    if (c->isa == DI_CPU_ISA_SCALAR) {
         int8_t *qw = (int8_t *)(cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * cpu->gemm_ld));
         float *dw = (float *)(qw + n);
         for (int64_t o = r_lo; o < r_hi; o++) {
@@ -232,11 +251,13 @@ static void int8_task(void *p, int ith, int nth) {
         }
         return;
     }
-    const int64_t nt_all = t_hi - t_lo, n_tiles = (nt_all + 2) / 3;
+    const bool vnni = c->isa >= DI_CPU_ISA_AVX512 && !k8;
+    const int tile = vnni ? DI_GEMM_AVX512_INT8_TOKS : SEG_TOKS;
+    const int64_t nt_all = t_hi - t_lo, n_tiles = (nt_all + tile - 1) / tile;
     // More than one token tile: each group of rows is decoded once to aligned int8 codes and
     // float scales (per-thread scratch: 4.5 act_ld bytes of the 16 gemm_ld) and every tile reads
     // those; one tile reads the blocks in place.
-    const bool staged = nt_all > SEG_TOKS && !k8; // Q4_K: its scales unpack per block anyway
+    const bool staged = nt_all > tile && !k8; // Q4_K: its scales unpack per block anyway
     const int64_t ldw = cpu->act_ld, ldwd = ldw / 32;
     int8_t *wq = (int8_t *)(cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * cpu->gemm_ld));
     float *wd = (float *)(wq + ROWS * ldw);
@@ -245,9 +266,9 @@ static void int8_task(void *p, int ith, int nth) {
         if (staged) di_gemm_avx2_codes(c->w, o, nr, wq, ldw, wd, ldwd);
         for (int64_t t = t_lo, k = 0; t < t_hi; k++) {
             const int nt = (int)((t_hi - t + (n_tiles - k) - 1) / (n_tiles - k));
-            const int8_t *xq[3];
-            const float *xd[3];
-            const int16_t *xs[3];
+            const int8_t *xq[DI_GEMM_AVX512_INT8_TOKS];
+            const float *xd[DI_GEMM_AVX512_INT8_TOKS];
+            const int16_t *xs[DI_GEMM_AVX512_INT8_TOKS];
             for (int j = 0; j < nt; j++) {
                 xq[j] = cpu->act_q + (t + j) * ldq;
                 xd[j] = cpu->act_d + (t + j) * ldd;
@@ -256,6 +277,10 @@ static void int8_task(void *p, int ith, int nth) {
             float *y = c->y + t * c->y_stride + o;
             if (k8)
                 di_gemm_avx2_gemv_q4_k8(c->w, o, nr, xq, xd, xs, nt, y, c->y_stride);
+            else if (vnni && staged)
+                di_gemm_avx512_gemv_codes(wq, ldw, wd, ldwd, n, nr, xq, xd, nt, y, c->y_stride);
+            else if (vnni)
+                di_gemm_avx512_gemv_int8(c->w, o, nr, xq, xd, nt, y, c->y_stride);
             else if (staged)
                 di_gemm_avx2_gemv_codes(wq, ldw, wd, ldwd, n, nr, xq, xd, nt, y, c->y_stride);
             else
@@ -280,7 +305,7 @@ static void matmul_int8(di_cpu *cpu, const di_tensor *w, const float *x, int64_t
                         .y = y + t0 * y_stride,
                         .y_stride = y_stride,
                         .split_rows = split_rows(cpu, w, nt),
-                        .simd = cpu->isa >= DI_CPU_ISA_AVX2};
+                        .isa = cpu->isa};
         if (nt == 1)
             quant_rows(&c, 0, 1);
         else
@@ -308,9 +333,16 @@ void di_cpu_matmul(di_cpu *cpu, const di_tensor *w, const float *x, int64_t n_to
         matmul_int8(cpu, w, x, n_tok, x_stride, y, y_stride);
         return;
     }
-    matmul_ctx c = {cpu,   w,    x, n_tok, x_stride, y, y_stride, split_rows(cpu, w, n_tok),
-                    false, false};
-    c.simd = cpu->isa >= DI_CPU_ISA_AVX2 && avx2_layout_ok(w);
-    c.fused = c.simd && di_gemm_avx2_gemv_ok(w);
+    matmul_ctx c = {cpu,
+                    w,
+                    x,
+                    n_tok,
+                    x_stride,
+                    y,
+                    y_stride,
+                    split_rows(cpu, w, n_tok),
+                    avx2_layout_ok(w) ? cpu->isa : DI_CPU_ISA_SCALAR,
+                    false};
+    c.fused = c.isa >= DI_CPU_ISA_AVX2 && di_gemm_avx2_gemv_ok(w);
     di_pool_run(cpu->pool, matmul_task, &c);
 }

@@ -6,14 +6,18 @@
  * cpu/ref_ops.c's di_ref_matmul stays the oracle it is tested against (tests/backend/test_ops.c).
  *
  * Instruction-set levels, chosen once per di_cpu at init by CPU features (di_cpu_isa_detect):
+ *   - AVX-512 (F, BW, VL, DQ and VNNI, with the AVX2 level's features): the AVX2 level's
+ *     arithmetic to the bit, two outputs' 8-lane chains per 512-bit register (gemm_avx512.c):
+ *     the many-token FMA tile (4 rows x up to 12 tokens), the fused GEMVs of FP8, FP4 and BF16,
+ *     and vpdpbusd for the integer dots of Q8_0 and MXFP4 (up to 8 tokens a tile); the other
+ *     kinds, the quantisers and the attention kernels run the AVX2 code;
  *   - AVX2 + FMA + F16C: weights decoded eight at a time in registers (e4m3 through the F16C
  *     half-float converter, e2m1 through a pshufb table), multiplied by the block scale (exact:
  *     a power of two) and accumulated with FMA;
  *   - scalar: the portable fallback; the reference arithmetic (row dequantisation + di_ref_dot)
  *     with the same blocking and threading, so it equals di_ref_matmul bit for bit.
- * There is no AVX-512 level yet: the development machine cannot run it, and untested kernels are
- * not shipped. The environment switch DI_CPU_ISA=scalar|avx2 lowers the level (a debug switch for
- * CI to cover the lower levels; it can never raise it above what the CPU supports).
+ * The environment switch DI_CPU_ISA=scalar|avx2|avx512 lowers the level (a debug switch for CI
+ * and benchmarks to cover the lower levels; it can never raise it above what the CPU supports).
  *
  * Two numerics contracts, by weight kind:
  *   - exact weights, f32 activations (F32, F16, BF16, FP8, FP4, Q2_K, IQ2_XXS): every weight
@@ -45,7 +49,9 @@
  * otherwise) and every token of the call is multiplied against them in tiles of 4 rows x 3 tokens.
  * The 8-bit kinds keep the same invariance: a token's codes depend only on its own row, its
  * outputs only on its codes and the weights; the token chunks (DI_CPU_ACT_TOKENS), tiles and
- * thread partition never enter the arithmetic.
+ * thread partition never enter the arithmetic. The AVX-512 level computes every output with the
+ * AVX2 level's operations in the AVX2 level's order, so the two levels agree bit for bit
+ * (test_ops).
  *
  * Owns: nothing; scratch lives in di_cpu (ref_ops.h). Thread-safety: as di_cpu (engine thread).
  */
@@ -59,7 +65,8 @@
 
 typedef enum di_cpu_isa {
     DI_CPU_ISA_SCALAR = 0,
-    DI_CPU_ISA_AVX2 = 1, // AVX2 + FMA + F16C
+    DI_CPU_ISA_AVX2 = 1,   // AVX2 + FMA + F16C
+    DI_CPU_ISA_AVX512 = 2, // AVX-512 F/BW/VL/DQ/VNNI + the AVX2 level's features
     DI_CPU_ISA_COUNT
 } di_cpu_isa;
 
@@ -68,7 +75,7 @@ di_cpu_isa di_cpu_isa_supported(void);
 // di_cpu_isa_supported() lowered by DI_CPU_ISA when set (an unknown name or a level above the
 // supported one is logged once at WARN and ignored / clamped). Any thread.
 di_cpu_isa di_cpu_isa_detect(void);
-// "scalar", "avx2".
+// "scalar", "avx2", "avx512".
 const char *di_cpu_isa_name(di_cpu_isa isa);
 // Sets the level a di_cpu uses (tests sweep the levels). Returns false, changing nothing, when the
 // CPU cannot run it.
@@ -134,3 +141,31 @@ void di_gemm_avx2_gemv_q4_k8(const di_tensor *w, int64_t r0, int nr, const int8_
                              int64_t y_stride);
 // Twelve independent 8-lane FMA chains, `iters` steps each (probe.c's multiply-add peak).
 float di_gemm_avx2_fma_loop(int64_t iters);
+// di_mxfp4_scale's bits for every UE8M0 byte (both levels' MXFP4 kernels).
+extern const uint32_t di_gemm_mxfp4_scale_bits[256];
+
+// ---- internal: the AVX-512 level (gemm_avx512.c, compiled with -mavx512{f,bw,vl,dq,vnni}) ----
+// Each entry gives the bits of its AVX2 twin above, for more rows or tokens per call.
+
+#define DI_GEMM_AVX512_INT8_TOKS 8 // tokens per integer tile
+
+// True when gemm_avx512.c was built with its kernels (x86-64 only).
+bool di_gemm_avx512_built(void);
+// di_gemm_avx2_rows_y in balanced tiles of at most 12 tokens.
+void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float *x,
+                           int64_t x_stride, int64_t n_tok, int64_t n, float *y, int64_t y_stride);
+// True when di_gemm_avx512_gemv handles w: FP8 (block_in and n_in multiples of 16), FP4 (of 32),
+// BF16 (n_in a multiple of 8); the other kinds take di_gemm_avx2_gemv at this level.
+bool di_gemm_avx512_gemv_ok(const di_tensor *w);
+// di_gemm_avx2_gemv (nr <= 4, nt <= 3).
+void di_gemm_avx512_gemv(const di_tensor *w, int64_t r0, int nr, const float *const *xs, int nt,
+                         float acc[4][3][8]);
+// di_gemm_avx2_gemv_int8 with nt <= DI_GEMM_AVX512_INT8_TOKS (xq[j] 32-byte aligned).
+void di_gemm_avx512_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8_t *const *xq,
+                              const float *const *xd, int nt, float *y, int64_t y_stride);
+// di_gemm_avx2_gemv_codes with nt <= DI_GEMM_AVX512_INT8_TOKS.
+void di_gemm_avx512_gemv_codes(const int8_t *q, int64_t ldq, const float *d, int64_t ldd, int64_t n,
+                               int nr, const int8_t *const *xq, const float *const *xd, int nt,
+                               float *y, int64_t y_stride);
+// Twelve independent 16-lane FMA chains, `iters` steps each (probe.c's multiply-add peak).
+float di_gemm_avx512_fma_loop(int64_t iters);

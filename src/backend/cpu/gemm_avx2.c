@@ -15,89 +15,11 @@
 
 #include <immintrin.h>
 
+#include "backend/cpu/gemm_asan.h"
+
 bool di_gemm_avx2_built(void) {
     return true;
 }
-
-// ---- AddressSanitizer: each entry's regions, checked once per call ----
-//
-// Under AddressSanitizer this file is compiled without ASan's per-access instrumentation
-// (CMakeLists.txt: -fno-sanitize=address and DI_ASAN_REGIONS): its SIMD loops were ~70% of the
-// sanitized test run, every 32-byte load checked. Instead each entry below checks, once per call,
-// the exact regions of caller memory it reads and writes (READS / WRITES: the shadow of [p, p + n)
-// through __asan_region_is_poisoned), so an out-of-bounds extent that a caller passes is reported
-// by ASan as a bad access at its first unaddressable byte, and the run aborts. What this does not
-// see: an access of these kernels outside the regions their contracts (gemm.h) name, i.e. a bug
-// inside the kernels themselves; test_ops checks their outputs exactly against the reference on
-// edge shapes, and its ASan case checks that a region one element short is reported.
-#if defined(DI_ASAN_REGIONS)
-#include <sanitizer/asan_interface.h>
-
-__attribute__((noinline)) static void asan_region(const void *p, size_t n, int is_write) {
-    if (n == 0) return;
-    void *bad = __asan_region_is_poisoned((void *)(uintptr_t)p, n);
-    if (bad)
-        __asan_report_error(__builtin_return_address(0), __builtin_frame_address(0),
-                            __builtin_frame_address(0), bad, is_write, 1);
-}
-#define READS(p, n) asan_region((p), (size_t)(n), 0)
-#define WRITES(p, n) asan_region((p), (size_t)(n), 1)
-
-// Bytes of one data row of w (its n_in columns), and of its scale row (FP8, FP4).
-static size_t w_row_bytes(const di_tensor *w) {
-    const int64_t n = w->ne[0];
-    int64_t el = 0;
-    size_t by = 0;
-    switch (w->kind) {
-    case DI_TENSOR_KIND_F32:
-        return (size_t)n * 4;
-    case DI_TENSOR_KIND_F16:
-    case DI_TENSOR_KIND_BF16:
-        return (size_t)n * 2;
-    case DI_TENSOR_KIND_FP8:
-        return (size_t)n;
-    case DI_TENSOR_KIND_FP4:
-        return (size_t)n / 2;
-    default:
-        return di_tensor_kind_block(w->kind, &el, &by) ? (size_t)(n / el) * by : 0;
-    }
-}
-
-// Rows r0 .. r0 + nr - 1 of w: their data and, for FP8 / FP4, their scale rows.
-static void reads_w_rows(const di_tensor *w, int64_t r0, int nr) {
-    const size_t rb = w_row_bytes(w);
-    const bool scaled = w->kind == DI_TENSOR_KIND_FP8 || w->kind == DI_TENSOR_KIND_FP4;
-    for (int i = 0; i < nr; i++) {
-        READS((const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1, rb);
-        if (scaled)
-            READS(w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1,
-                  (w->ne[0] + w->block_in - 1) / w->block_in);
-    }
-}
-
-// nt token rows of n elements of `size` bytes each, from an array of pointers.
-static void reads_each(const void *const *xs, int nt, size_t bytes) {
-    for (int j = 0; j < nt; j++) READS(xs[j], bytes);
-}
-
-// The accumulators acc[i][j] (i < nr, j < nt) of a float[4][3][8]: read and written.
-static void touches_acc(float acc[4][3][8], int nr, int nt) {
-    for (int i = 0; i < nr; i++)
-        for (int j = 0; j < nt; j++) WRITES(acc[i][j], 8 * sizeof(float));
-}
-
-// Sums of nr rows x nt tokens to y[j * y_stride + i].
-static void writes_y(const float *y, int64_t y_stride, int nr, int64_t nt) {
-    for (int64_t j = 0; j < nt; j++) WRITES(y + j * y_stride, (size_t)nr * sizeof(float));
-}
-#else
-#define READS(p, n) ((void)0)
-#define WRITES(p, n) ((void)0)
-#define reads_w_rows(w, r0, nr) ((void)0)
-#define reads_each(xs, nt, bytes) ((void)0)
-#define touches_acc(acc, nr, nt) ((void)0)
-#define writes_y(y, y_stride, nr, nt) ((void)0)
-#endif
 
 // Floats up to the next multiple of 8 (the decoded rows' zero padding).
 static inline int64_t up8(int64_t n) {
@@ -748,7 +670,7 @@ static inline __m128i mxfp4_lut(void) {
 #define MX_S4(e) MX_S(e), MX_S((e) + 1), MX_S((e) + 2), MX_S((e) + 3)
 #define MX_S16(e) MX_S4(e), MX_S4((e) + 4), MX_S4((e) + 8), MX_S4((e) + 12)
 #define MX_S64(e) MX_S16(e), MX_S16((e) + 16), MX_S16((e) + 32), MX_S16((e) + 48)
-static const uint32_t k_mxfp4_scale_bits[256] = {MX_S64(0), MX_S64(64), MX_S64(128), MX_S64(192)};
+const uint32_t di_gemm_mxfp4_scale_bits[256] = {MX_S64(0), MX_S64(64), MX_S64(128), MX_S64(192)};
 #undef MX_S64
 #undef MX_S16
 #undef MX_S4
@@ -782,7 +704,7 @@ int8_block(src_kind sk, const int8_src *src, int i, int64_t b, __m128i lut, floa
     }
     const uint8_t *blk = src->rows[i] + 17 * b;
     _mm_prefetch((const char *)blk + src->pf, _MM_HINT_T0);
-    memcpy(dw, &k_mxfp4_scale_bits[blk[0]], 4);
+    memcpy(dw, &di_gemm_mxfp4_scale_bits[blk[0]], 4);
     const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 1)), m4 = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, m4));
     const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
@@ -799,8 +721,8 @@ mxfp4_pair(const uint8_t *blk, size_t pf, __m128i lut, __m256i w[2], __m256 d[2]
     const __m256i hi = _mm256_shuffle_epi8(l2, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
     w[0] = _mm256_permute2x128_si256(lo, hi, 0x20);
     w[1] = _mm256_permute2x128_si256(lo, hi, 0x31);
-    d[0] = _mm256_castsi256_ps(_mm256_set1_epi32((int)k_mxfp4_scale_bits[blk[0]]));
-    d[1] = _mm256_castsi256_ps(_mm256_set1_epi32((int)k_mxfp4_scale_bits[blk[17]]));
+    d[0] = _mm256_castsi256_ps(_mm256_set1_epi32((int)di_gemm_mxfp4_scale_bits[blk[0]]));
+    d[1] = _mm256_castsi256_ps(_mm256_set1_epi32((int)di_gemm_mxfp4_scale_bits[blk[17]]));
 }
 
 // NR rows x NT tokens, whole rows, sums to y (di_ref_dot_q8's bits). Per block of 32: |w| and

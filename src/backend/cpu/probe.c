@@ -72,13 +72,14 @@ static float fma_scalar(int64_t iters) {
 static void fma_task(void *p, int ith, int nth) {
     (void)ith, (void)nth;
     fma_ctx *c = p;
-    c->sink =
-        c->isa >= DI_CPU_ISA_AVX2 ? di_gemm_avx2_fma_loop(FMA_ITERS) : fma_scalar(FMA_ITERS / 8);
+    c->sink = c->isa >= DI_CPU_ISA_AVX512 ? di_gemm_avx512_fma_loop(FMA_ITERS)
+              : c->isa >= DI_CPU_ISA_AVX2 ? di_gemm_avx2_fma_loop(FMA_ITERS)
+                                          : fma_scalar(FMA_ITERS / 8);
 }
 
 double di_probe_fma_peak(di_pool *pool, di_cpu_isa isa, int reps) {
     fma_ctx c = {.isa = isa};
-    const double lanes = isa >= DI_CPU_ISA_AVX2 ? 8.0 : 1.0;
+    const double lanes = isa >= DI_CPU_ISA_AVX512 ? 16.0 : isa >= DI_CPU_ISA_AVX2 ? 8.0 : 1.0;
     const double per_thread = 12.0 * lanes * (isa >= DI_CPU_ISA_AVX2 ? FMA_ITERS : FMA_ITERS / 8);
     double best = 1e30;
     for (int r = 0; r < reps + 1; r++) {
