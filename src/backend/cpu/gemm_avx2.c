@@ -16,13 +16,14 @@
 #include <immintrin.h>
 
 #include "backend/cpu/gemm_asan.h"
+#include "backend/cpu/simd.h"
 
 bool di_gemm_avx2_built(void) {
     return true;
 }
 
 // Floats up to the next multiple of 8 (the decoded rows' zero padding).
-static inline int64_t up8(int64_t n) {
+__attribute__((unused)) static inline int64_t up8(int64_t n) { // in READS only
     return (n + 7) & ~(int64_t)7;
 }
 
@@ -294,8 +295,10 @@ static inline __attribute__((always_inline)) void gemv_begin(const di_tensor *w,
                                                              int NT, float acc[4][3][8],
                                                              const uint8_t *rows[4],
                                                              __m256 a[4][3]) {
+    DI_UNROLL
     for (int i = 0; i < NR; i++) {
         rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        DI_UNROLL
         for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
     }
 }
@@ -303,8 +306,11 @@ static inline __attribute__((always_inline)) void gemv_begin(const di_tensor *w,
 // The tile and the GEMVs end here: the 8-lane sums back to memory.
 static inline __attribute__((always_inline)) void acc_store(int NR, int NT, __m256 a[4][3],
                                                             float acc[4][3][8]) {
-    for (int i = 0; i < NR; i++)
+    DI_UNROLL
+    for (int i = 0; i < NR; i++) {
+        DI_UNROLL
         for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);
+    }
 }
 
 // ---- the FMA tile ----
@@ -315,15 +321,21 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t w
                                                        const float *const *xs, int NT, int64_t c0,
                                                        int64_t c1, int64_t n, float acc[4][3][8]) {
     __m256 a[4][3];
-    for (int i = 0; i < NR; i++)
+    DI_UNROLL
+    for (int i = 0; i < NR; i++) {
+        DI_UNROLL
         for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);
+    }
     const int64_t full = c1 < (n & ~(int64_t)7) ? c1 : (n & ~(int64_t)7);
     int64_t c = c0;
     for (; c < full; c += 8) {
         __m256 xv[3];
+        DI_UNROLL
         for (int j = 0; j < NT; j++) xv[j] = _mm256_loadu_ps(xs[j] + c);
+        DI_UNROLL
         for (int i = 0; i < NR; i++) {
             __m256 wv = _mm256_load_ps(w + i * ws + (c - c0));
+            DI_UNROLL
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
         }
     }
@@ -332,9 +344,12 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t w
         __m256i mask =
             _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256 xv[3];
+        DI_UNROLL
         for (int j = 0; j < NT; j++) xv[j] = _mm256_maskload_ps(xs[j] + c, mask);
+        DI_UNROLL
         for (int i = 0; i < NR; i++) {
             __m256 wv = _mm256_load_ps(w + i * ws + (c - c0));
+            DI_UNROLL
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
         }
     }
@@ -373,8 +388,10 @@ static inline float hsum8(__m256 v) {
 static inline __attribute__((always_inline)) void sums_store(int NR, int NT, __m256 a[4][3],
                                                              float *y, int64_t y_stride) {
     if (NR == 4) { // four rows of a token at once: three hadds give reduce8's order per row
+        DI_UNROLL
         for (int j = 0; j < NT; j++) {
             __m128 s[4];
+            DI_UNROLL
             for (int i = 0; i < 4; i++)
                 s[i] =
                     _mm_add_ps(_mm256_castps256_ps128(a[i][j]), _mm256_extractf128_ps(a[i][j], 1));
@@ -384,23 +401,32 @@ static inline __attribute__((always_inline)) void sums_store(int NR, int NT, __m
         }
         return;
     }
-    for (int i = 0; i < NR; i++)
+    DI_UNROLL
+    for (int i = 0; i < NR; i++) {
+        DI_UNROLL
         for (int j = 0; j < NT; j++) y[j * y_stride + i] = hsum8(a[i][j]);
+    }
 }
 
 static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t ws, int NR,
                                                          const float *const *xs, int NT, int64_t n,
                                                          float *y, int64_t y_stride) {
     __m256 a[4][3];
-    for (int i = 0; i < NR; i++)
+    DI_UNROLL
+    for (int i = 0; i < NR; i++) {
+        DI_UNROLL
         for (int j = 0; j < NT; j++) a[i][j] = _mm256_setzero_ps();
+    }
     const int64_t full = n & ~(int64_t)7;
     int64_t c = 0;
     for (; c < full; c += 8) {
         __m256 xv[3];
+        DI_UNROLL
         for (int j = 0; j < NT; j++) xv[j] = _mm256_loadu_ps(xs[j] + c);
+        DI_UNROLL
         for (int i = 0; i < NR; i++) {
             __m256 wv = _mm256_load_ps(w + i * ws + c);
+            DI_UNROLL
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
         }
     }
@@ -409,9 +435,12 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
         __m256i mask =
             _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256 xv[3];
+        DI_UNROLL
         for (int j = 0; j < NT; j++) xv[j] = _mm256_maskload_ps(xs[j] + c, mask);
+        DI_UNROLL
         for (int i = 0; i < NR; i++) {
             __m256 wv = _mm256_load_ps(w + i * ws + c);
+            DI_UNROLL
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
         }
     }
@@ -472,19 +501,23 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
     const uint8_t *rows[4], *srows[4];
     __m256 a[4][3];
     gemv_begin(w, r0, NR, NT, acc, rows, a);
+    DI_UNROLL
     for (int i = 0; i < NR; i++)
         srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
     for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
         const int64_t c1 = c0 + bi < n ? c0 + bi : n;
         scale8 s[4];
+        DI_UNROLL
         for (int i = 0; i < NR; i++) s[i] = fp8_scale(srows[i][blk]);
         for (int64_t c = c0; c < c1; c += 16) {
+            DI_UNROLL
             for (int i = 0; i < NR; i++) {
                 _mm_prefetch((const char *)rows[i] + c + PF_BYTES, _MM_HINT_T0);
                 __m256 lo, hi;
                 fp8x16(rows[i] + c, &lo, &hi);
                 lo = _mm256_mul_ps(_mm256_mul_ps(lo, s[i].a), s[i].b);
                 hi = _mm256_mul_ps(_mm256_mul_ps(hi, s[i].a), s[i].b);
+                DI_UNROLL
                 for (int j = 0; j < NT; j++) {
                     a[i][j] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs[j] + c), a[i][j]);
                     a[i][j] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[j] + c + 8), a[i][j]);
@@ -503,10 +536,12 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
     const __m128i lut = fp4_lut(), m4 = _mm_set1_epi8(0x0F), z = _mm_setzero_si128();
     __m256 a[4][3];
     gemv_begin(w, r0, NR, NT, acc, rows, a);
+    DI_UNROLL
     for (int i = 0; i < NR; i++)
         srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
     for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
         const int64_t c1 = c0 + bi < n ? c0 + bi : n;
+        DI_UNROLL
         for (int i = 0; i < NR; i++) {
             const __m256 s = _mm256_set1_ps(di_ue8m0_to_f32(srows[i][blk]));
             for (int64_t c = c0; c < c1; c += 32) {
@@ -519,8 +554,10 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
                                _mm256_cvtph_ps(_mm_unpackhi_epi8(z, h0)),
                                _mm256_cvtph_ps(_mm_unpacklo_epi8(z, h1)),
                                _mm256_cvtph_ps(_mm_unpackhi_epi8(z, h1))};
+                DI_UNROLL
                 for (int k = 0; k < 4; k++) {
                     __m256 wv = _mm256_mul_ps(q[k], s);
+                    DI_UNROLL
                     for (int j = 0; j < NT; j++)
                         a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c + 8 * k), a[i][j]);
                 }
@@ -538,10 +575,12 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
     __m256 a[4][3];
     gemv_begin(w, r0, NR, NT, acc, rows, a);
     for (int64_t c = 0; c < n; c += 8) {
+        DI_UNROLL
         for (int i = 0; i < NR; i++) {
             if ((c & 31) == 0) _mm_prefetch((const char *)rows[i] + 2 * c + PF_BYTES, _MM_HINT_T0);
             __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(rows[i] + 2 * c)));
             __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            DI_UNROLL
             for (int j = 0; j < NT; j++)
                 a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[j] + c), a[i][j]);
         }
@@ -557,11 +596,14 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
         const int64_t n = w->ne[0];                                                                \
         const uint8_t *rows[4];                                                                    \
         __m256 a[4][3];                                                                            \
+        DI_UNROLL                                                                                  \
         for (int i = 0; i < NR; i++) {                                                             \
             rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;                        \
+            DI_UNROLL                                                                              \
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_loadu_ps(acc[i][j]);                     \
         }                                                                                          \
         for (int64_t c = 0; c < n; c += 256) {                                                     \
+            DI_UNROLL                                                                              \
             for (int i = 0; i < NR; i++) {                                                         \
                 const uint8_t *blk = rows[i] + (size_t)(c / 256) * (BB);                           \
                 _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);                           \
@@ -569,10 +611,14 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
                 BLOCK_MACRO(blk, FMA_BODY);                                                        \
             }                                                                                      \
         }                                                                                          \
-        for (int i = 0; i < NR; i++)                                                               \
+        DI_UNROLL                                                                                  \
+        for (int i = 0; i < NR; i++) {                                                             \
+            DI_UNROLL                                                                              \
             for (int j = 0; j < NT; j++) _mm256_storeu_ps(acc[i][j], a[i][j]);                     \
+        }                                                                                          \
     }
 #define FMA_BODY(k, w8)                                                                            \
+    DI_UNROLL                                                                                      \
     for (int j = 0; j < NT; j++)                                                                   \
     a[i][j] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(xs[j] + c + 8 * (k)), a[i][j])
 GEMV_BLOCK256(gemv_q2_k, 84, Q2K_BLOCK)
@@ -636,6 +682,7 @@ void di_gemm_avx2_quant_act(const float *x, int64_t n, int8_t *q, float *d) {
     for (int64_t b = 0; b < n / 32; b++) {
         const float *v = x + 32 * b;
         __m256 xv[4], m = _mm256_setzero_ps();
+        DI_UNROLL
         for (int k = 0; k < 4; k++) {
             xv[k] = _mm256_loadu_ps(v + 8 * k);
             m = _mm256_max_ps(m, _mm256_andnot_ps(sign, xv[k]));
@@ -647,6 +694,7 @@ void di_gemm_avx2_quant_act(const float *x, int64_t n, int8_t *q, float *d) {
         d[b] = di_f16_to_f32(di_f32_to_f16(dr));
         const __m256 id = _mm256_set1_ps(d[b] != 0 ? 1.0f / dr : 0.0f);
         __m256i qi[4];
+        DI_UNROLL
         for (int k = 0; k < 4; k++) {
             __m256 s = _mm256_mul_ps(xv[k], id);
             __m256 r = _mm256_add_ps(s, _mm256_or_ps(_mm256_and_ps(s, sign), half));
@@ -666,7 +714,9 @@ static inline __m128i mxfp4_lut(void) {
 
 // di_mxfp4_scale's bits for every exponent byte: one broadcast load per block instead of a branch,
 // shift and move (the scale was a fifth of the MXFP4 GEMV's instructions).
-#define MX_S(e) ((e) < 2 ? 0x00200000u << (e) : (uint32_t)((e)-1) << 23)
+#define MX_S(e)                                                                                    \
+    ((e) < 2 ? 0x00200000u << ((e)&1)                                                              \
+             : (uint32_t)((e)-1) << 23) // &1: no shift past 31 in the unused arm
 #define MX_S4(e) MX_S(e), MX_S((e) + 1), MX_S((e) + 2), MX_S((e) + 3)
 #define MX_S16(e) MX_S4(e), MX_S4((e) + 4), MX_S4((e) + 8), MX_S4((e) + 12)
 #define MX_S64(e) MX_S16(e), MX_S16((e) + 16), MX_S16((e) + 32), MX_S16((e) + 48)
@@ -735,24 +785,33 @@ gemv_int8(src_kind sk, const int8_src *src, int64_t n, int NR, const int8_t *con
     const __m128i lut = mxfp4_lut();
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 a[4][3];
-    for (int i = 0; i < NR; i++)
+    DI_UNROLL
+    for (int i = 0; i < NR; i++) {
+        DI_UNROLL
         for (int j = 0; j < NT; j++) a[i][j] = _mm256_setzero_ps();
+    }
     int64_t b = 0;
     if (sk == SRC_MXFP4) // two blocks per step: one 256-bit nibble split and table lookup for both
         for (; b + 2 <= n / 32; b += 2) {
             __m256i xv[2][3];
             __m256 dx[2][3];
-            for (int j = 0; j < NT; j++)
+            DI_UNROLL
+            for (int j = 0; j < NT; j++) {
+                DI_UNROLL
                 for (int h = 0; h < 2; h++) {
                     xv[h][j] = _mm256_load_si256((const __m256i *)(xq[j] + 32 * (b + h)));
                     dx[h][j] = _mm256_broadcast_ss(xd[j] + b + h);
                 }
+            }
+            DI_UNROLL
             for (int i = 0; i < NR; i++) {
                 __m256i wv[2];
                 __m256 dwv[2];
                 mxfp4_pair(src->rows[i] + 17 * b, src->pf, lut, wv, dwv);
+                DI_UNROLL
                 for (int h = 0; h < 2; h++) { // block b, then b + 1: the reference's order
                     const __m256i aw = _mm256_sign_epi8(wv[h], wv[h]);
+                    DI_UNROLL
                     for (int j = 0; j < NT; j++) {
                         __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[h][j], wv[h]));
                         __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
@@ -764,15 +823,18 @@ gemv_int8(src_kind sk, const int8_src *src, int64_t n, int NR, const int8_t *con
     for (; b < n / 32; b++) {
         __m256i xv[3];
         __m256 dx[3];
+        DI_UNROLL
         for (int j = 0; j < NT; j++) {
             xv[j] = _mm256_load_si256((const __m256i *)(xq[j] + 32 * b));
             dx[j] = _mm256_broadcast_ss(xd[j] + b);
         }
+        DI_UNROLL
         for (int i = 0; i < NR; i++) {
             float dw;
             const __m256i wv = int8_block(sk, src, i, b, lut, &dw);
             const __m256i aw = _mm256_sign_epi8(wv, wv);
             const __m256 dwv = _mm256_set1_ps(dw);
+            DI_UNROLL
             for (int j = 0; j < NT; j++) {
                 __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[j], wv));
                 __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
@@ -892,8 +954,10 @@ void di_gemm_avx2_quant_act_q8_k(const float *x, int64_t n, int8_t *q, float *d,
         while (fabsf(v[j]) != amax) j++;
         const float is = -127.0f / v[j];
         const __m256 isv = _mm256_set1_ps(is);
+        DI_UNROLL
         for (int k = 0; k < 8; k++) {
             __m256i qi[4];
+            DI_UNROLL
             for (int u = 0; u < 4; u++) {
                 __m256 r = _mm256_round_ps(_mm256_mul_ps(isv, _mm256_loadu_ps(v + 32 * k + 8 * u)),
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -924,26 +988,33 @@ gemv_q4_k8(const di_tensor *w, int64_t r0, int NR, const int8_t *const *xq, cons
     const size_t pf = 4 * w->nb1; // the next group of rows (see di_gemm_avx2_gemv_int8)
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 a[4][3];
+    DI_UNROLL
     for (int i = 0; i < NR; i++) {
         rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
+        DI_UNROLL
         for (int j = 0; j < NT; j++) a[i][j] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < w->ne[0] / 256; b++) {
+        DI_UNROLL
         for (int i = 0; i < NR; i++) {
             const uint8_t *blk = rows[i] + 144 * b;
             _mm_prefetch((const char *)blk + pf, _MM_HINT_T0);
             _mm_prefetch((const char *)blk + pf + 64, _MM_HINT_T0);
             _mm_prefetch((const char *)blk + pf + 128, _MM_HINT_T0);
             uint8_t sc[8], mn[8];
+            DI_UNROLL
             for (int j = 0; j < 8; j++) di_q4_k_scale_min(j, blk + 4, &sc[j], &mn[j]);
             __m256i s[3];
+            DI_UNROLL
             for (int t = 0; t < NT; t++) s[t] = _mm256_setzero_si256();
+            DI_UNROLL
             for (int p = 0; p < 4; p++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * p));
                 const __m256i lo = _mm256_and_si256(v, m4);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                 const __m256i s0 = _mm256_set1_epi16(sc[2 * p]),
                               s1 = _mm256_set1_epi16(sc[2 * p + 1]);
+                DI_UNROLL
                 for (int t = 0; t < NT; t++) {
                     const int8_t *xb = xq[t] + 256 * b + 64 * p;
                     __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i *)xb));
@@ -960,6 +1031,7 @@ gemv_q4_k8(const di_tensor *w, int64_t r0, int NR, const int8_t *const *xq, cons
             const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
             const __m256i mins =
                 _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+            DI_UNROLL
             for (int t = 0; t < NT; t++) {
                 const __m256i ms =
                     _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)(xs[t] + 16 * b)));
@@ -1000,10 +1072,14 @@ void di_gemm_avx2_gemv_q4_k8(const di_tensor *w, int64_t r0, int nr, const int8_
 float di_gemm_avx2_fma_loop(int64_t iters) {
     __m256 a[12];
     const __m256 h = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    DI_UNROLL
     for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps((float)i);
-    for (int64_t k = 0; k < iters; k++)
+    for (int64_t k = 0; k < iters; k++) {
+        DI_UNROLL
         for (int i = 0; i < 12; i++) a[i] = _mm256_fmadd_ps(a[i], h, one);
+    }
     float s = 0;
+    DI_UNROLL
     for (int i = 0; i < 12; i++) s += _mm256_cvtss_f32(a[i]);
     return s;
 }

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include "backend/cpu/gemm_asan.h"
+#include "backend/cpu/simd.h"
 
 bool di_gemm_avx512_built(void) {
     return true;
@@ -79,29 +80,39 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
     const float *wr[4];
     for (int i = 0; i < 4; i++) wr[i] = w + pair_row(i / 2, i % 2, nr) * ws;
     __m512 a[2][TILE_TOKS];
-    for (int p = 0; p < NP; p++)
+    DI_UNROLL
+    for (int p = 0; p < NP; p++) {
+        DI_UNROLL
         for (int j = 0; j < NT; j++) a[p][j] = _mm512_setzero_ps();
+    }
     const int64_t full = n & ~(int64_t)7;
     int64_t c = 0;
     for (; c < full; c += 8) {
         __m512 wv[2];
+        DI_UNROLL
         for (int p = 0; p < NP; p++)
             wv[p] = join8(_mm256_load_ps(wr[2 * p] + c), _mm256_load_ps(wr[2 * p + 1] + c));
+        DI_UNROLL
         for (int j = 0; j < NT; j++) {
             const __m512 xv = bcast8(xs[j] + c);
+            DI_UNROLL
             for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(wv[p], xv, a[p][j]);
         }
     }
     if (c < n) { // the last partial chunk: x masked to zero, w zero-padded by the decoder
         const __mmask8 m = (__mmask8)((1u << (n - c)) - 1);
         __m512 wv[2];
+        DI_UNROLL
         for (int p = 0; p < NP; p++)
             wv[p] = join8(_mm256_load_ps(wr[2 * p] + c), _mm256_load_ps(wr[2 * p + 1] + c));
+        DI_UNROLL
         for (int j = 0; j < NT; j++) {
             const __m512 xv = _mm512_broadcast_f32x8(_mm256_maskz_loadu_ps(m, xs[j] + c));
+            DI_UNROLL
             for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(wv[p], xv, a[p][j]);
         }
     }
+    DI_UNROLL
     for (int j = 0; j < NT; j++) sums_store(a[0][j], a[NP - 1][j], nr, y + j * ys);
 }
 
@@ -145,20 +156,26 @@ void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float
 // The accumulators acc[row][token] (8 lanes each) of NP pairs x NT tokens, in and out.
 static inline __attribute__((always_inline)) void acc_load(int nr, int NP, int NT,
                                                            float acc[4][3][8], __m512 a[2][3]) {
-    for (int p = 0; p < NP; p++)
+    DI_UNROLL
+    for (int p = 0; p < NP; p++) {
+        DI_UNROLL
         for (int j = 0; j < NT; j++)
             a[p][j] = join8(_mm256_loadu_ps(acc[pair_row(p, 0, nr)][j]),
                             _mm256_loadu_ps(acc[pair_row(p, 1, nr)][j]));
+    }
 }
 
 static inline __attribute__((always_inline)) void acc_store(int nr, int NP, int NT, __m512 a[2][3],
                                                             float acc[4][3][8]) {
-    for (int p = 0; p < NP; p++)
+    DI_UNROLL
+    for (int p = 0; p < NP; p++) {
+        DI_UNROLL
         for (int j = 0; j < NT; j++) {
             _mm256_storeu_ps(acc[2 * p][j], _mm512_castps512_ps256(a[p][j]));
             if (2 * p + 1 < nr)
                 _mm256_storeu_ps(acc[2 * p + 1][j], _mm512_extractf32x8_ps(a[p][j], 1));
         }
+    }
 }
 
 // Row pointers of the pairs (data rows, and for FP8 / FP4 their scale rows).
@@ -198,8 +215,10 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
         const int64_t c1 = c0 + bi < n ? c0 + bi : n;
         __m512 sa[2], sb[2];
         bool big = false;
+        DI_UNROLL
         for (int p = 0; p < NP; p++) {
             float fa[2], fb[2];
+            DI_UNROLL
             for (int h = 0; h < 2; h++) {
                 const uint8_t u = srows[2 * p + h][blk];
                 const float s = di_ue8m0_to_f32(u);
@@ -212,10 +231,12 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
         }
         for (int64_t c = c0; c < c1; c += 16) {
             __m512 xl[3], xh[3];
+            DI_UNROLL
             for (int j = 0; j < NT; j++) {
                 xl[j] = bcast8(xs[j] + c);
                 xh[j] = bcast8(xs[j] + c + 8);
             }
+            DI_UNROLL
             for (int p = 0; p < NP; p++) {
                 const uint8_t *ra = rows[2 * p], *rb = rows[2 * p + 1];
                 _mm_prefetch((const char *)ra + c + PF_BYTES, _MM_HINT_T0);
@@ -228,6 +249,7 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
                     lo = _mm512_mul_ps(lo, sb[p]);
                     hi = _mm512_mul_ps(hi, sb[p]);
                 }
+                DI_UNROLL
                 for (int j = 0; j < NT; j++) {
                     a[p][j] = _mm512_fmadd_ps(lo, xl[j], a[p][j]);
                     a[p][j] = _mm512_fmadd_ps(hi, xh[j], a[p][j]);
@@ -258,13 +280,18 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
     for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
         const int64_t c1 = c0 + bi < n ? c0 + bi : n;
         __m512 s[2];
+        DI_UNROLL
         for (int p = 0; p < NP; p++)
             s[p] = pair_scale(di_ue8m0_to_f32(srows[2 * p][blk]),
                               di_ue8m0_to_f32(srows[2 * p + 1][blk]));
         for (int64_t c = c0; c < c1; c += 32) {
             __m512 xv[3][4];
-            for (int j = 0; j < NT; j++)
+            DI_UNROLL
+            for (int j = 0; j < NT; j++) {
+                DI_UNROLL
                 for (int k = 0; k < 4; k++) xv[j][k] = bcast8(xs[j] + c + 8 * k);
+            }
+            DI_UNROLL
             for (int p = 0; p < NP; p++) {
                 const uint8_t *ra = rows[2 * p] + c / 2, *rb = rows[2 * p + 1] + c / 2;
                 _mm_prefetch((const char *)ra + PF_BYTES, _MM_HINT_T0);
@@ -279,8 +306,10 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
                                      _mm512_cvtph_ps(_mm256_unpackhi_epi8(z, h0)),
                                      _mm512_cvtph_ps(_mm256_unpacklo_epi8(z, h1)),
                                      _mm512_cvtph_ps(_mm256_unpackhi_epi8(z, h1))};
+                DI_UNROLL
                 for (int k = 0; k < 4; k++) {
                     const __m512 wv = _mm512_mul_ps(q[k], s[p]);
+                    DI_UNROLL
                     for (int j = 0; j < NT; j++) a[p][j] = _mm512_fmadd_ps(wv, xv[j][k], a[p][j]);
                 }
             }
@@ -299,7 +328,9 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
     acc_load(nr, NP, NT, acc, a);
     for (int64_t c = 0; c < n; c += 8) {
         __m512 xv[3];
+        DI_UNROLL
         for (int j = 0; j < NT; j++) xv[j] = bcast8(xs[j] + c);
+        DI_UNROLL
         for (int p = 0; p < NP; p++) {
             const uint8_t *ra = rows[2 * p] + 2 * c, *rb = rows[2 * p + 1] + 2 * c;
             if ((c & 31) == 0) {
@@ -308,6 +339,7 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
             }
             const __m256i v = _mm256_loadu2_m128i((const __m128i *)rb, (const __m128i *)ra);
             const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+            DI_UNROLL
             for (int j = 0; j < NT; j++) a[p][j] = _mm512_fmadd_ps(wv, xv[j], a[p][j]);
         }
     }
@@ -414,21 +446,27 @@ gemv_int8(src_kind sk, const int8_src *src, int64_t n, int nr, int NP, const int
           const float *const *xd, int NT, float *y, int64_t y_stride) {
     const __m512i z = _mm512_setzero_si512();
     __m512 a[2][INT8_TOKS];
-    for (int p = 0; p < NP; p++)
+    DI_UNROLL
+    for (int p = 0; p < NP; p++) {
+        DI_UNROLL
         for (int j = 0; j < NT; j++) a[p][j] = _mm512_setzero_ps();
+    }
     for (int64_t b = 0; b < n / 32; b++) {
         __m512i aw[2];
         __mmask64 neg[2];
         __m512 dw[2];
+        DI_UNROLL
         for (int p = 0; p < NP; p++) {
             const __m512i wv = int8_pair(sk, src, p, b, &dw[p]);
             aw[p] = _mm512_abs_epi8(wv);
             neg[p] = _mm512_movepi8_mask(wv);
         }
+        DI_UNROLL
         for (int j = 0; j < NT; j++) {
             const __m512i xv =
                 _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)(xq[j] + 32 * b)));
             const __m512 dx = _mm512_set1_ps(xd[j][b]);
+            DI_UNROLL
             for (int p = 0; p < NP; p++) {
                 const __m512i sx = _mm512_mask_sub_epi8(xv, neg[p], z, xv);
                 const __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, aw[p], sx));
@@ -436,6 +474,7 @@ gemv_int8(src_kind sk, const int8_src *src, int64_t n, int nr, int NP, const int
             }
         }
     }
+    DI_UNROLL
     for (int j = 0; j < NT; j++) sums_store(a[0][j], a[NP - 1][j], nr, y + j * y_stride);
 }
 
@@ -504,8 +543,10 @@ float di_gemm_avx512_fma_loop(int64_t iters) {
     __m512 a[12];
     const __m512 h = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
     for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)i);
-    for (int64_t k = 0; k < iters; k++)
+    for (int64_t k = 0; k < iters; k++) {
+        DI_UNROLL
         for (int i = 0; i < 12; i++) a[i] = _mm512_fmadd_ps(a[i], h, one);
+    }
     float s = 0;
     for (int i = 0; i < 12; i++) s += _mm512_cvtss_f32(a[i]);
     return s;

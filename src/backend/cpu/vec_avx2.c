@@ -10,6 +10,8 @@
 
 #include <immintrin.h>
 
+#include "backend/cpu/simd.h"
+
 // di_ref_dot's reduction: ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)).
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -22,12 +24,15 @@ static inline float hsum8(__m256 v) {
 static inline __attribute__((always_inline)) void dots_nr(const float *x, const float *const *r,
                                                           int NR, int64_t n, float *out) {
     __m256 a[8];
+    DI_UNROLL
     for (int i = 0; i < NR; i++) a[i] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= n; k += 8) {
         __m256 xv = _mm256_loadu_ps(x + k);
+        DI_UNROLL
         for (int i = 0; i < NR; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(r[i] + k), xv, a[i]);
     }
+    DI_UNROLL
     for (int i = 0; i < NR; i++) {
         float tail = 0;
         for (int64_t t = k; t < n; t++) tail += x[t] * r[i][t];
@@ -53,13 +58,16 @@ void di_vec_avx2_weighted_sum(const float *p, const float *const *rows, int64_t 
     int64_t c = 0;
     for (; c + 64 <= n; c += 64) { // 64 columns in eight registers across all rows
         __m256 a[8];
+        DI_UNROLL
         for (int k = 0; k < 8; k++) a[k] = _mm256_loadu_ps(o + c + 8 * k);
         for (int64_t j = 0; j < n_rows; j++) {
             __m256 pv = _mm256_broadcast_ss(p + j);
             const float *r = rows[j] + c;
+            DI_UNROLL
             for (int k = 0; k < 8; k++)
                 a[k] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(r + 8 * k), a[k]);
         }
+        DI_UNROLL
         for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + c + 8 * k, a[k]);
     }
     for (; c + 8 <= n; c += 8) {
