@@ -73,7 +73,7 @@ static const float k_e4m3_f32[256] = {
 };
 
 // UE8M0: index = byte, 2^(u-127); 0 is the subnormal 2^-127, 255 is NaN.
-static const float k_ue8m0_f32[256] = {
+const float di_ue8m0_f32_table[256] = {
     0x1p-127f, 0x1p-126f, 0x1p-125f, 0x1p-124f, 0x1p-123f, 0x1p-122f, 0x1p-121f, 0x1p-120f,
     0x1p-119f, 0x1p-118f, 0x1p-117f, 0x1p-116f, 0x1p-115f, 0x1p-114f, 0x1p-113f, 0x1p-112f,
     0x1p-111f, 0x1p-110f, 0x1p-109f, 0x1p-108f, 0x1p-107f, 0x1p-106f, 0x1p-105f, 0x1p-104f,
@@ -222,10 +222,6 @@ uint8_t di_f32_to_e2m1(float x) {
         c++;
     }
     return (uint8_t)(sign | c);
-}
-
-float di_ue8m0_to_f32(uint8_t u) {
-    return k_ue8m0_f32[u];
 }
 
 int di_ceil_log2_bits(float x) {
@@ -400,7 +396,7 @@ void di_quant_q8_unpack(const uint8_t *restrict in, int64_t n, int64_t block, fl
             for (int64_t j = 0; j < block; j++) v[i + j] = NAN;
             continue;
         }
-        const float s = k_ue8m0_f32[u];
+        const float s = di_ue8m0_f32_table[u];
         for (int64_t j = 0; j < block; j++) v[i + j] = k_e4m3_f32[in[i + j]] * s;
     }
 }
@@ -428,7 +424,7 @@ static void unpack_e2m1(const uint8_t *restrict in, int64_t n, int64_t block,
 }
 
 void di_quant_q4_unpack(const uint8_t *restrict in, int64_t n, int64_t block, float *restrict v) {
-    unpack_e2m1(in, n, block, k_ue8m0_f32, 0xFF, v);
+    unpack_e2m1(in, n, block, di_ue8m0_f32_table, 0xFF, v);
 }
 
 void di_quant_q4e_unpack(const uint8_t *restrict in, int64_t n, int64_t block, float *restrict v) {
@@ -492,7 +488,7 @@ void di_dequant_row_fp8(const uint8_t *restrict row, const uint8_t *restrict sca
                         int64_t block, float *restrict out) {
     DI_ASSERT(n >= 0 && block > 0);
     for (int64_t i = 0; i < n; i++) {
-        out[i] = k_e4m3_f32[row[i]] * k_ue8m0_f32[scale_row[i / block]];
+        out[i] = k_e4m3_f32[row[i]] * di_ue8m0_f32_table[scale_row[i / block]];
     }
 }
 
@@ -502,7 +498,7 @@ void di_dequant_row_fp4(const uint8_t *restrict packed, const uint8_t *restrict 
     for (int64_t i = 0; i < n; i++) {
         uint8_t byte = packed[i / 2];
         uint8_t code = (i & 1) ? (uint8_t)(byte >> 4) : (uint8_t)(byte & 0x0Fu); // low = even
-        out[i] = di_e2m1_to_f32(code) * k_ue8m0_f32[scale_row[i / block]];
+        out[i] = di_e2m1_to_f32(code) * di_ue8m0_f32_table[scale_row[i / block]];
     }
 }
 

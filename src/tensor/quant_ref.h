@@ -63,8 +63,11 @@ float di_e2m1_to_f32(uint8_t code);
 uint8_t di_f32_to_e2m1(float x);
 
 // UE8M0 scale byte -> 2^(u-127) (spec §4.3). u = 0 gives 2^-127, an exact f32 subnormal;
-// u = 255 gives NaN. Exact.
-float di_ue8m0_to_f32(uint8_t u);
+// u = 255 gives NaN. Exact. Inline: the kernels look a scale up per block of 32 or 128 weights.
+extern const float di_ue8m0_f32_table[256];
+static inline float di_ue8m0_to_f32(uint8_t u) {
+    return di_ue8m0_f32_table[u];
+}
 
 // ceil(log2(x)) read from the f32 bit pattern: biased exponent - 127 + (mantissa != 0). So an
 // exact power of two gives that power and anything above it gives the next one (spec §5.15).

@@ -77,11 +77,13 @@ typedef struct mat {
 } mat;
 
 typedef struct scale_range {
-    int lo, hi;     // UE8M0 bytes drawn from [lo, hi]
-    bool nan_codes; // FP8: allow the e4m3 NaN codes 0x7F / 0xFF
+    int lo, hi;       // UE8M0 bytes drawn from [lo, hi]
+    bool nan_codes;   // FP8: allow the e4m3 NaN codes 0x7F / 0xFF
+    bool small_codes; // FP8: exponent fields 0..4 only (|v| < 2^-2), so that weights scaled by
+                      // 2^121..2^123 and their sums stay finite
 } scale_range;
 
-static const scale_range k_normal = {118, 134, false};
+static const scale_range k_normal = {118, 134, false, false};
 
 static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, scale_range sr) {
     mat m = {0};
@@ -135,6 +137,7 @@ static mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out, scale_rang
             case DI_TENSOR_KIND_FP8: {
                 uint8_t c = (uint8_t)rnd();
                 if (!sr.nan_codes && (c & 0x7F) == 0x7F) c ^= 1;
+                if (sr.small_codes) c = (uint8_t)((c & 0x87) | ((((c >> 3) & 0xF) % 5) << 3));
                 row[i] = c;
                 break;
             }
@@ -366,7 +369,7 @@ static void test_decode_ggml_exact(void) {
     const int64_t n = 2048;
     float *ref = malloc(sizeof(float) * n), *got = di_aligned_alloc(sizeof(float) * n);
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
-        mat m = make_mat(kinds[k], n, 3, (scale_range){0, 255, false});
+        mat m = make_mat(kinds[k], n, 3, (scale_range){0, 255, false, false});
         bool same = true;
         for (int64_t r = 0; r < 3; r++) {
             di_tensor_row_f32(&m.t, r, ref);
@@ -525,7 +528,7 @@ static void test_gemm_int8_edges(void) {
             free_mat(&m);
         }
         if (kinds[k] == DI_TENSOR_KIND_MXFP4) { // every exponent byte (the AVX2 scale table)
-            mat m = make_mat(kinds[k], 8192, 6, (scale_range){0, 255, false});
+            mat m = make_mat(kinds[k], 8192, 6, (scale_range){0, 255, false, false});
             gemm_case(&g_rc, &m.t, 1, "MXFP4 exponents 0..255 T=1");
             gemm_case(&g_rc, &m.t, 5, "MXFP4 exponents 0..255 T=5");
             free_mat(&m);
@@ -634,12 +637,22 @@ static void test_gemm_views(void) {
 // its 2^8 into the scale), 255 (NaN), and the e4m3 NaN codes; results must match the reference
 // including its infinities and NaNs.
 static void test_gemm_extremes(void) {
-    static const scale_range ranges[] = {
-        {0, 3, false}, {244, 254, false}, {250, 255, true}, {120, 130, true}};
+    // 248..250 with small codes: s * 256 overflows, (v * 256) * s is finite, and so are the sums
+    // (the other ranges' large weights give mostly infinite or NaN outputs).
+    static const scale_range ranges[] = {{0, 3, false, false},
+                                         {244, 254, false, false},
+                                         {250, 255, true, false},
+                                         {120, 130, true, false},
+                                         {248, 250, false, true}};
     for (size_t r = 0; r < sizeof ranges / sizeof ranges[0]; r++) {
         for (int kind = DI_TENSOR_KIND_FP8; kind <= DI_TENSOR_KIND_FP4; kind++) {
-            for (int64_t n = 200; n <= 256; n += 56) { // staged decode; fused GEMV (n % 32 == 0)
-                mat m = make_mat((di_tensor_kind)kind, n, 9, ranges[r]);
+            // Rows with a tail (staged decode), then whole 32-column blocks (the fused GEMV);
+            // FP8 wide and past one 128-row block, so that each range's every byte is drawn
+            // among its 24..32 scales (FP4: 63..72).
+            const bool fp8 = kind == DI_TENSOR_KIND_FP8;
+            for (int k = 0; k < 2; k++) {
+                const int64_t n = fp8 ? (k ? 2048 : 1480) : (k ? 256 : 200);
+                mat m = make_mat((di_tensor_kind)kind, n, fp8 ? 130 : 9, ranges[r]);
                 char what[64];
                 snprintf(what, sizeof what, "%s n=%lld scales %d..%d", di_tensor_kind_name(kind),
                          (long long)n, ranges[r].lo, ranges[r].hi);

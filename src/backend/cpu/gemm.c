@@ -157,7 +157,10 @@ static void block_simd(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
         for (int64_t b = 0; b < (int64_t)w->nb1 && b < PF_ROW_BYTES; b += 64)
             __builtin_prefetch(row + b);
     }
-    di_gemm_avx2_decode(w, o0, nr, 0, n, scr, ld);
+    if (c->isa >= DI_CPU_ISA_AVX512)
+        di_gemm_avx512_decode(w, o0, nr, 0, n, scr, ld);
+    else
+        di_gemm_avx2_decode(w, o0, nr, 0, n, scr, ld);
     // Tokens in balanced tiles of at most 3 (AVX2; 16 = 3+3+3+3+2+2, not ...+3+1) or 12
     // (AVX-512): a one-token tile costs almost what a full one does. Every output is the same
     // whatever its tile.

@@ -8,9 +8,10 @@
  * Instruction-set levels, chosen once per di_cpu at init by CPU features (di_cpu_isa_detect):
  *   - AVX-512 (F, BW, VL, DQ and VNNI, with the AVX2 level's features): the AVX2 level's
  *     arithmetic to the bit, two outputs' 8-lane chains per 512-bit register (gemm_avx512.c):
- *     the many-token FMA tile (4 rows x up to 12 tokens), the fused GEMVs of FP8, FP4 and BF16,
- *     and vpdpbusd for the integer dots of Q8_0 and MXFP4 (up to 8 tokens a tile); the other
- *     kinds, the quantisers and the attention kernels run the AVX2 code;
+ *     the many-token FMA tile (4 rows x up to 12 tokens) and its row decoding of FP8, FP4 and
+ *     BF16 (16 values a step), the fused GEMVs of FP8, FP4 and BF16, and vpdpbusd for the
+ *     integer dots of Q8_0 and MXFP4 (up to 8 tokens a tile); the other kinds, the quantisers
+ *     and the attention kernels run the AVX2 code;
  *   - AVX2 + FMA + F16C: weights decoded eight at a time in registers (e4m3 through the F16C
  *     half-float converter, e2m1 through a pshufb table), multiplied by the block scale (exact:
  *     a power of two) and accumulated with FMA;
@@ -46,7 +47,8 @@
  * same whatever other tokens share the call and whatever the thread count (the serving engine's
  * batch invariance). Each weight row is decoded once per call: groups of four rows are decoded to
  * per-thread scratch (in 1024-column segments when at most 3 tokens use them, whole rows
- * otherwise) and every token of the call is multiplied against them in tiles of 4 rows x 3 tokens.
+ * otherwise) and every token of the call is multiplied against them in tiles of 4 rows x 3 tokens
+ * (AVX2) or 12 tokens (AVX-512).
  * The 8-bit kinds keep the same invariance: a token's codes depend only on its own row, its
  * outputs only on its codes and the weights; the token chunks (DI_CPU_ACT_TOKENS), tiles and
  * thread partition never enter the arithmetic. The AVX-512 level computes every output with the
@@ -154,6 +156,9 @@ bool di_gemm_avx512_built(void);
 // di_gemm_avx2_rows_y in balanced tiles of at most 12 tokens.
 void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float *x,
                            int64_t x_stride, int64_t n_tok, int64_t n, float *y, int64_t y_stride);
+// di_gemm_avx2_decode (FP8, FP4 and BF16 16 values at a time; the other kinds through it).
+void di_gemm_avx512_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
+                           float *dst, int64_t dst_stride);
 // True when di_gemm_avx512_gemv handles w: FP8 (block_in and n_in multiples of 16), FP4 (of 32),
 // BF16 (n_in a multiple of 8); the other kinds take di_gemm_avx2_gemv at this level.
 bool di_gemm_avx512_gemv_ok(const di_tensor *w);

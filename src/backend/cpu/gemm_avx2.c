@@ -107,8 +107,8 @@ static void decode_fp8(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, fl
     const uint8_t *srow = w->scale + (size_t)((w->row0 + r) / w->block_out) * w->scale_nb1;
     const int64_t bi = w->block_in;
     int64_t c = c0;
-    while (c + 8 <= c1) {
-        int64_t blk = c / bi, bend = (blk + 1) * bi;
+    for (int64_t blk = c0 / bi; c + 8 <= c1; blk++) { // no division per block
+        int64_t bend = (blk + 1) * bi;
         if (bend > c1) bend = c1;
         scale8 s = fp8_scale(srow[blk]);
         for (; c + 8 <= bend; c += 8)
@@ -124,8 +124,8 @@ static void decode_fp4(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, fl
     const int64_t bi = w->block_in;
     const __m128i lut = fp4_lut();
     int64_t c = c0;
-    while (c + 8 <= c1) {
-        int64_t blk = c / bi, bend = (blk + 1) * bi;
+    for (int64_t blk = c0 / bi; c + 8 <= c1; blk++) { // no division per block
+        int64_t bend = (blk + 1) * bi;
         if (bend > c1) bend = c1;
         __m256 s = _mm256_set1_ps(di_ue8m0_to_f32(srow[blk]));
         for (; c + 16 <= bend; c += 16) {

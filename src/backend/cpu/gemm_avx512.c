@@ -380,6 +380,100 @@ void di_gemm_avx512_gemv(const di_tensor *w, int64_t r0, int nr, const float *co
     DI_ASSERT(!"gemv shape out of range");
 }
 
+// ---- row decoding for the many-token tile (di_gemm_avx2_decode's values, 16 at a time) ----
+
+// FP8 row r, columns [c0, c1): per block (v * a) * b as the fused GEMV, masked at a block's or
+// the row's end (any block_in). The AVX2 level's scalar tail computes v * s in one product; this
+// is the same number: v * 2^-8 is exact and the one product that rounds sees the same operands'
+// exact product.
+static void decode_fp8(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    const uint8_t *srow = w->scale + (size_t)((w->row0 + r) / w->block_out) * w->scale_nb1;
+    const int64_t bi = w->block_in;
+    for (int64_t blk = c0 / bi, c = c0; c < c1; blk++) { // no division per block
+        const int64_t bend = (blk + 1) * bi < c1 ? (blk + 1) * bi : c1;
+        const uint8_t u = srow[blk];
+        const float s = di_ue8m0_to_f32(u);
+        const __m512 a = _mm512_set1_ps(u < 248 ? s * 256.0f : 256.0f), b = _mm512_set1_ps(s);
+        for (; c < bend; c += 16) {
+            const __mmask16 m = bend - c >= 16 ? 0xFFFF : (__mmask16)((1u << (bend - c)) - 1);
+            __m512 v = _mm512_mul_ps(fp8_pair(_mm_maskz_loadu_epi8(m, row + c)), a);
+            if (u >= 248) v = _mm512_mul_ps(v, b);
+            _mm512_mask_storeu_ps(dst + (c - c0), m, v);
+        }
+        c = bend;
+    }
+}
+
+// 16 FP4 columns from 8 packed bytes (low nibble first): their e2m1 values.
+static inline __m512 fp4x16(__m128i v, __m128i lut) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    const __m128i hb = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(hb), 8));
+}
+
+// FP4 row r, columns [c0, c1): q * s per block, 16 columns a step from an even column; a block
+// that starts on an odd column or leaves fewer than 16 takes the AVX2 level's scalar products.
+static void decode_fp4(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->nb1;
+    const uint8_t *srow = w->scale + (size_t)((w->row0 + r) / w->block_out) * w->scale_nb1;
+    const int64_t bi = w->block_in;
+    const __m128i lut = _mm256_castsi256_si128(fp4_lut2());
+    for (int64_t blk = c0 / bi, c = c0; c < c1; blk++) { // no division per block
+        const int64_t bend = (blk + 1) * bi < c1 ? (blk + 1) * bi : c1;
+        const float s = di_ue8m0_to_f32(srow[blk]);
+        const __m512 sv = _mm512_set1_ps(s);
+        if ((c & 1) == 0)
+            for (; c + 16 <= bend; c += 16)
+                _mm512_storeu_ps(
+                    dst + (c - c0),
+                    _mm512_mul_ps(fp4x16(_mm_loadl_epi64((const __m128i *)(row + c / 2)), lut),
+                                  sv));
+        for (; c < bend; c++) {
+            const uint8_t byte = row[c / 2];
+            dst[c - c0] = di_e2m1_to_f32(c & 1 ? byte >> 4 : byte & 15) * s;
+        }
+    }
+}
+
+// BF16 row r, columns [c0, c1): the high halves of f32, masked at the end.
+static void decode_bf16(const di_tensor *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint16_t *row = (const uint16_t *)((const uint8_t *)w->data + (size_t)r * w->nb1);
+    for (int64_t c = c0; c < c1; c += 16) {
+        const __mmask16 m = c1 - c >= 16 ? 0xFFFF : (__mmask16)((1u << (c1 - c)) - 1);
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + c));
+        _mm512_mask_storeu_ps(dst + (c - c0), m, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
+}
+
+void di_gemm_avx512_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
+                           float *dst, int64_t dst_stride) {
+    const int64_t n = w->ne[0];
+    reads_w_rows(w, r0, nr);
+    for (int i = 0; i < nr; i++)
+        WRITES(dst + i * dst_stride, sizeof(float) * (c1 == n ? up8(c1 - c0) : c1 - c0));
+    for (int i = 0; i < nr; i++) {
+        float *d = dst + i * dst_stride;
+        switch (w->kind) {
+        case DI_TENSOR_KIND_FP8:
+            decode_fp8(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_FP4:
+            decode_fp4(w, r0 + i, c0, c1, d);
+            break;
+        case DI_TENSOR_KIND_BF16:
+            decode_bf16(w, r0 + i, c0, c1, d);
+            break;
+        default: // F32, F16, Q2_K, IQ2_XXS
+            di_gemm_avx2_decode(w, r0 + i, 1, c0, c1, d, dst_stride);
+            continue;
+        }
+        if (c1 == n)
+            for (int64_t c = c1; c < c0 + up8(c1 - c0); c++) d[c - c0] = 0;
+    }
+}
+
 // ---- 8-bit activations: the VNNI integer GEMV (Q8_0, MXFP4) ----
 
 enum { INT8_TOKS = DI_GEMM_AVX512_INT8_TOKS }; // 2 pairs x 8 tokens = 16 accumulators
@@ -562,6 +656,12 @@ void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float
                            int64_t x_stride, int64_t n_tok, int64_t n, float *y, int64_t y_stride) {
     (void)w, (void)w_stride, (void)nr, (void)x, (void)x_stride, (void)n_tok, (void)n, (void)y,
         (void)y_stride;
+    DI_ASSERT(!"AVX-512 kernels not built");
+}
+
+void di_gemm_avx512_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
+                           float *dst, int64_t dst_stride) {
+    (void)w, (void)r0, (void)nr, (void)c0, (void)c1, (void)dst, (void)dst_stride;
     DI_ASSERT(!"AVX-512 kernels not built");
 }
 
