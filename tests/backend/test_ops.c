@@ -619,6 +619,30 @@ static void test_gemm_wide(void) {
     free_mat(&b);
 }
 
+// A di_cpu for rows of at most 2048 holds 32 decoded rows a thread (the AVX-512 many-token block;
+// the shared one, for 16384, holds 8): blocks of 32 rows, a remainder of 2 groups and 3 rows,
+// k-blocks of 384 with a tail, and one short row of a single k-block.
+static void test_gemm_row_blocks(void) {
+    di_cpu c;
+    CHECK(di_cpu_init(&c, g_pool2, 2048) == DI_OK);
+    CHECK_EQ(c.gemm_rows, 32);
+    run_cfg rc = {&c, &g_ref};
+    static const int64_t shapes[][2] = {{1500, 75}, {2048, 64}, {200, 33}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        for (int kind = DI_TENSOR_KIND_BF16; kind <= DI_TENSOR_KIND_FP4; kind++) {
+            mat m = make_mat((di_tensor_kind)kind, shapes[s][0], shapes[s][1], k_normal);
+            char what[64];
+            snprintf(what, sizeof what, "%s %lldx%lld (32-row blocks)",
+                     di_tensor_kind_name((di_tensor_kind)kind), (long long)shapes[s][1],
+                     (long long)shapes[s][0]);
+            gemm_case(&rc, &m.t, 4, what);
+            gemm_case(&rc, &m.t, 29, what);
+            free_mat(&m);
+        }
+    }
+    di_cpu_deinit(&c);
+}
+
 // Row views: the FP8 scale row is (row0 + r) / 128, so a view starting inside a block must use
 // its offset; FP4 views likewise index their own scale rows.
 static void test_gemm_views(void) {
@@ -809,6 +833,7 @@ int main(void) {
     RUN(test_gemm_int8_edges);
     RUN(test_gemm_int8_vs_f32);
     RUN(test_gemm_wide);
+    RUN(test_gemm_row_blocks);
     RUN(test_gemm_views);
     RUN(test_gemm_extremes);
     RUN(test_gemm_threads);

@@ -68,6 +68,11 @@ di_cpu_isa di_cpu_isa_detect(void) {
     return best;
 }
 
+int di_gemm_scratch_rows(int64_t ld) {
+    const int64_t rows = ((int64_t)(512 << 10) / (int64_t)sizeof(float) / ld) & ~(int64_t)3;
+    return rows < 4 ? 4 : rows > DI_GEMM_AVX512_BLOCK_ROWS ? DI_GEMM_AVX512_BLOCK_ROWS : (int)rows;
+}
+
 bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa) {
     if (isa < 0 || isa > di_cpu_isa_supported()) return false;
     cpu->isa = isa;
@@ -77,12 +82,17 @@ bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa) {
 // ---- matmul ----
 
 enum {
-    ROWS = 4,     // rows decoded together (the tile's height)
+    ROWS = 4,     // rows decoded together (the tile's height; AVX-512 many-token: up to gemm_rows)
     SEG = 1024,   // columns per decoded segment when few tokens share it (4 rows x 4 KiB in L1)
     SEG_TOKS = 3, // at most this many tokens: decode in registers or stream segments
     PF_ROW_BYTES = 1024, // bytes of each upcoming row prefetched in the many-token path
-    PF_AHEAD = 8,        // row blocks ahead the many-token path prefetches
+    PF_AHEAD = 8,        // blocks of 4 rows ahead the many-token path prefetches (at least)
 };
+
+// Thread ith's gemm scratch: gemm_rows decoded rows of gemm_ld floats.
+static float *thread_scratch(const di_cpu *cpu, int ith) {
+    return cpu->gemm_scratch + (size_t)ith * (size_t)cpu->gemm_rows * (size_t)cpu->gemm_ld;
+}
 
 // One matmul call (f32 path), or one chunk of DI_CPU_ACT_TOKENS tokens of an 8-bit one (x, y: the
 // chunk's first token).
@@ -147,12 +157,13 @@ static void block_simd(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
                 c->y[(t_lo + j) * c->y_stride + o0 + i] = reduce8(acc[i][j]);
         return;
     }
-    // Row blocks PF_AHEAD ahead, while this one computes (the first block of a thread asks for
-    // all of them): with many tokens the rows are decoded whole, one block at a time, and their
-    // loads would otherwise wait on memory each time (short rows, e.g. a 129280 x 128 head, read
-    // at 2-3x the time without it).
-    const int64_t pf_lo = first ? o0 + ROWS : o0 + (PF_AHEAD - 1) * ROWS;
-    for (int64_t r = pf_lo; r < o0 + PF_AHEAD * ROWS && r < w->ne[1]; r++) {
+    // The rows up to PF_AHEAD blocks of 4 (or one block of nr) ahead, while this block computes
+    // (the first block of a thread asks for all of them, later ones for the last nr): with many
+    // tokens the rows are decoded whole, one block at a time, and their loads would otherwise wait
+    // on memory each time (short rows, e.g. a 129280 x 128 head, read at 2-3x the time without
+    // it).
+    const int64_t pf_hi = o0 + (PF_AHEAD * ROWS > 2 * nr ? PF_AHEAD * ROWS : 2 * nr);
+    for (int64_t r = first ? o0 + nr : pf_hi - nr; r < pf_hi && r < w->ne[1]; r++) {
         const char *row = (const char *)w->data + (size_t)r * w->nb1;
         for (int64_t b = 0; b < (int64_t)w->nb1 && b < PF_ROW_BYTES; b += 64)
             __builtin_prefetch(row + b);
@@ -162,8 +173,8 @@ static void block_simd(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
     else
         di_gemm_avx2_decode(w, o0, nr, 0, n, scr, ld);
     // Tokens in balanced tiles of at most 3 (AVX2; 16 = 3+3+3+3+2+2, not ...+3+1) or 12
-    // (AVX-512): a one-token tile costs almost what a full one does. Every output is the same
-    // whatever its tile.
+    // (AVX-512, all nr rows k-blocked): a one-token tile costs almost what a full one does. Every
+    // output is the same whatever its tile.
     const float *x = c->x + t_lo * c->x_stride;
     float *y = c->y + t_lo * c->y_stride + o0;
     if (c->isa >= DI_CPU_ISA_AVX512)
@@ -181,15 +192,17 @@ static void block_scalar(const matmul_ctx *c, float *scr, int64_t o, int64_t t_l
 static void matmul_task(void *p, int ith, int nth) {
     const matmul_ctx *c = p;
     const int64_t ld = c->cpu->gemm_ld;
-    float *scr = c->cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * ld);
+    float *scr = thread_scratch(c->cpu, ith);
     int64_t r_lo, r_hi, t_lo, t_hi;
     if (!task_range(c, ith, nth, &r_lo, &r_hi, &t_lo, &t_hi)) return;
     if (c->isa == DI_CPU_ISA_SCALAR) {
         for (int64_t o = r_lo; o < r_hi; o++) block_scalar(c, scr, o, t_lo, t_hi);
         return;
     }
-    for (int64_t o = r_lo; o < r_hi; o += ROWS) {
-        int nr = (int)(r_hi - o < ROWS ? r_hi - o : ROWS);
+    const int rows =
+        t_hi - t_lo > SEG_TOKS && c->isa >= DI_CPU_ISA_AVX512 ? c->cpu->gemm_rows : ROWS;
+    for (int64_t o = r_lo; o < r_hi; o += rows) {
+        int nr = (int)(r_hi - o < rows ? r_hi - o : rows);
         block_simd(c, scr, ld, o, o == r_lo, nr, t_lo, t_hi);
     }
 }
@@ -244,7 +257,7 @@ static void int8_task(void *p, int ith, int nth) {
         return;
     }
     if (c->isa == DI_CPU_ISA_SCALAR) {
-        int8_t *qw = (int8_t *)(cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * cpu->gemm_ld));
+        int8_t *qw = (int8_t *)thread_scratch(cpu, ith);
         float *dw = (float *)(qw + n);
         for (int64_t o = r_lo; o < r_hi; o++) {
             di_ref_row_codes(c->w, o, qw, dw);
@@ -262,7 +275,7 @@ static void int8_task(void *p, int ith, int nth) {
     // those; one tile reads the blocks in place.
     const bool staged = nt_all > tile && !k8; // Q4_K: its scales unpack per block anyway
     const int64_t ldw = cpu->act_ld, ldwd = ldw / 32;
-    int8_t *wq = (int8_t *)(cpu->gemm_scratch + (size_t)ith * (size_t)(ROWS * cpu->gemm_ld));
+    int8_t *wq = (int8_t *)thread_scratch(cpu, ith);
     float *wd = (float *)(wq + ROWS * ldw);
     for (int64_t o = r_lo; o < r_hi; o += ROWS) {
         const int nr = (int)(r_hi - o < ROWS ? r_hi - o : ROWS);

@@ -18,8 +18,9 @@ di_status di_cpu_init(di_cpu *cpu, di_pool *pool, int64_t max_row) {
     cpu->n_weight_bytes = 0;
     cpu->n_weight_macs = 0;
     cpu->gemm_ld = (max_row + 15) & ~(int64_t)15;
-    cpu->gemm_scratch =
-        di_aligned_alloc(sizeof(float) * 4 * (size_t)cpu->gemm_ld * (size_t)cpu->n_threads);
+    cpu->gemm_rows = di_gemm_scratch_rows(cpu->gemm_ld);
+    cpu->gemm_scratch = di_aligned_alloc(sizeof(float) * (size_t)cpu->gemm_rows *
+                                         (size_t)cpu->gemm_ld * (size_t)cpu->n_threads);
     cpu->act_ld = (max_row + 63) & ~(int64_t)63;
     cpu->act_q = di_aligned_alloc((size_t)DI_CPU_ACT_TOKENS * (size_t)cpu->act_ld);
     cpu->act_d =

@@ -26,10 +26,11 @@ typedef struct di_cpu {
     int n_threads;
     float *row_scratch; // owned; n_threads * row_cap floats (one dequantised weight row each)
     int64_t row_cap;
-    // gemm.c (the optimised matmul): its level and per-thread scratch of 4 decoded rows.
+    // gemm.c (the optimised matmul): its level and per-thread scratch of decoded rows.
     int isa;             // di_cpu_isa; di_cpu_isa_detect() at init, di_cpu_set_isa() in tests
-    float *gemm_scratch; // owned; n_threads * 4 * gemm_ld floats, 64-byte aligned
+    float *gemm_scratch; // owned; n_threads * gemm_rows * gemm_ld floats, 64-byte aligned
     int64_t gemm_ld;     // floats between decoded rows: row_cap rounded up to 16
+    int gemm_rows;       // rows per thread (di_gemm_scratch_rows: 4..32)
     // Bytes of weights (data + scales) di_cpu_matmul has read since init: the numerator of the
     // decode roofline ratio (bench/cpu). Engine thread only.
     uint64_t n_weight_bytes;
