@@ -1,8 +1,9 @@
 // bench_cpu — CPU roofline benchmark (not a test): in one run, on the same thread pool sizes,
 //   1. a STREAM-like read bandwidth (sum of a buffer far larger than the last-level cache);
 //   2. di_cpu_matmul GEMV over FP8 / FP4 / BF16 / Q8_0 / Q4_K / MXFP4 matrices larger than the
-//      cache: weight bytes per second and the ratio to (1); 64-token GEMM multiply-adds per
-//      second against the FMA peak (probe.h) measured on the same pool;
+//      cache: weight bytes per second and the ratio to (1); 64-token GEMM (whole matrix) and
+//      512-token GEMM (its first 4096 rows) multiply-adds per second against the FMA peak
+//      (probe.h) measured on the same pool;
 //   3. at 1 thread, the attention-side kernels (vec.h) at V4-Flash shapes, scalar vs best level;
 //   4. with --model: prefill tokens/s and decode tokens/s of a checkpoint, decode's weight bytes
 //      per token (counted by di_cpu_matmul) and its roofline ratio = achieved bytes/s / (1).
@@ -97,13 +98,16 @@ static void bench_gemv(di_cpu *cpu, double bw, double mac_peak, int reps) {
     } cases[] = {{DI_TENSOR_KIND_FP8, 4096, 16384},  {DI_TENSOR_KIND_FP4, 4096, 32768},
                  {DI_TENSOR_KIND_BF16, 4096, 8192},  {DI_TENSOR_KIND_Q8_0, 4096, 16384},
                  {DI_TENSOR_KIND_Q4_K, 4096, 32768}, {DI_TENSOR_KIND_MXFP4, 4096, 32768}};
-    float *x = di_aligned_alloc(sizeof(float) * 4096 * 64);
+    // The 512-token GEMM multiplies the first 4096 rows only (a quarter to an eighth of the
+    // time of the whole matrix): its activations (8 MiB) outgrow L2, as a prefill chunk's do.
+    enum { BIG_TOKS = 512, BIG_ROWS = 4096 };
+    float *x = di_aligned_alloc(sizeof(float) * 4096 * BIG_TOKS);
     float *y = di_aligned_alloc(sizeof(float) * 32768 * 64);
-    for (int i = 0; i < 4096 * 64; i++) x[i] = (float)(rnd() % 1000) / 500.0f - 1.0f;
+    for (int i = 0; i < 4096 * BIG_TOKS; i++) x[i] = (float)(rnd() % 1000) / 500.0f - 1.0f;
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         synth_mat m = make_mat(cases[k].kind, cases[k].n_in, cases[k].n_out);
         double bytes = (double)di_tensor_bytes(&m.t);
-        double best = 1e30, best64 = 1e30;
+        double best = 1e30, best64 = 1e30, best_big = 1e30;
         for (int r = 0; r < reps + 1; r++) {
             double t0 = now_s();
             di_cpu_matmul(cpu, &m.t, x, 1, 4096, y, cases[k].n_out);
@@ -116,12 +120,21 @@ static void bench_gemv(di_cpu *cpu, double bw, double mac_peak, int reps) {
             double t = now_s() - t0;
             if (t < best64) best64 = t;
         }
+        const di_tensor top = di_tensor_rows(&m.t, 0, BIG_ROWS);
+        for (int r = 0; r < 2; r++) {
+            double t0 = now_s();
+            di_cpu_matmul(cpu, &top, x, BIG_TOKS, 4096, y, BIG_ROWS);
+            double t = now_s() - t0;
+            if (t < best_big) best_big = t;
+        }
         double flops64 = 2.0 * 64 * (double)cases[k].n_in * (double)cases[k].n_out;
+        double flops_big = 2.0 * BIG_TOKS * (double)cases[k].n_in * BIG_ROWS;
         printf("  gemv %-15s %5lldx%-5lld %6.1f MiB: %6.2f GB/s = %.2f of read bandwidth; "
-               "64 tokens: %6.1f GFLOP/s = %.2f of FMA peak\n",
+               "64 tokens: %6.1f GFLOP/s = %.2f of FMA peak; %d x %d rows: %6.1f = %.2f\n",
                di_tensor_kind_name(cases[k].kind), (long long)cases[k].n_out,
                (long long)cases[k].n_in, bytes / 1048576.0, bytes / best / 1e9, bytes / best / bw,
-               flops64 / best64 / 1e9, flops64 / 2 / best64 / mac_peak);
+               flops64 / best64 / 1e9, flops64 / 2 / best64 / mac_peak, BIG_TOKS, BIG_ROWS,
+               flops_big / best_big / 1e9, flops_big / 2 / best_big / mac_peak);
         di_aligned_free(m.data);
         free(m.scale);
     }

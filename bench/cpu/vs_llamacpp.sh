@@ -8,7 +8,9 @@
 #               decode at that depth (tg: TG tokens after a prompt of that length)
 #   environment: LLAMA_BENCH (required; this script never builds llama.cpp), BENCH_CPU (default
 #   build/bench_cpu), TG (decode tokens per run, default 8), REPS (default 2), BW_MIB (read
-#   bandwidth buffer, default 512), OUT (raw logs, default /tmp/vs_llamacpp)
+#   bandwidth buffer, default 512), OUT (raw logs, default /tmp/vs_llamacpp), LLAMA_ARGS (more
+#   llama-bench flags, word-split, e.g. "--repack 0": at llama.cpp 0c1e57098 on an AVX-512 CPU the
+#   repacked weight buffers fail its scheduler's GGML_ASSERT(*cur_backend_id != -1) on this model)
 #
 # For every thread count and context it runs llama-bench (pp C, then tg TG at depth C, -r REPS, no
 # warm-up, JSON output) and bench_cpu (--prompt C --decode TG --reps REPS; its prefill is the best
@@ -28,13 +30,14 @@ bench_cpu=${BENCH_CPU:-$root/build/bench_cpu}
 tg=${TG:-8}
 reps=${REPS:-2}
 bw_mib=${BW_MIB:-512}
+read -r -a llama_args <<<"${LLAMA_ARGS:-}"
 out=${OUT:-/tmp/vs_llamacpp}
 mkdir -p "$out"
 [[ -x $LLAMA_BENCH ]] || { echo "$0: $LLAMA_BENCH is not executable" >&2; exit 2; }
 [[ -x $bench_cpu ]] || { echo "$0: $bench_cpu not built (cmake --build build)" >&2; exit 2; }
 
 echo "model: $model ($(du -h "$model" | cut -f1))"
-echo "llama-bench: $LLAMA_BENCH"
+echo "llama-bench: $LLAMA_BENCH ${LLAMA_ARGS:-}"
 "$LLAMA_BENCH" --version 2>&1 | head -2 || true
 echo "deepinfer: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?'), $bench_cpu"
 echo "machine: $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -52,9 +55,9 @@ for t in ${threads//,/ }; do
     for c in ${contexts//,/ }; do
         tag="t${t}_c${c}"
         "$LLAMA_BENCH" -m "$model" -t "$t" -p "$c" -n 0 -r "$reps" --no-warmup -o json \
-            >"$out/llama_pp_$tag.json" 2>"$out/llama_pp_$tag.log"
+            "${llama_args[@]}" >"$out/llama_pp_$tag.json" 2>"$out/llama_pp_$tag.log"
         "$LLAMA_BENCH" -m "$model" -t "$t" -p 0 -n "$tg" -d "$c" -r "$reps" --no-warmup -o json \
-            >"$out/llama_tg_$tag.json" 2>"$out/llama_tg_$tag.log"
+            "${llama_args[@]}" >"$out/llama_tg_$tag.json" 2>"$out/llama_tg_$tag.log"
         read -r l_pp l_pp_sd < <(json_ts "$out/llama_pp_$tag.json")
         read -r l_tg l_tg_sd < <(json_ts "$out/llama_tg_$tag.json")
         "$bench_cpu" --model "$model" --threads "$t" --prompt "$c" --decode "$tg" --reps "$reps" \
