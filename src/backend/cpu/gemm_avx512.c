@@ -76,8 +76,8 @@ enum {
     // Columns per k-block: a 12-token tile's activations over one k-block (18 KiB) stay in L1
     // (32 KiB or more) while every 4-row group of the decoded block passes over them (6 KiB each,
     // from L2). Whole rows instead read every group's activations from L2 or, once the call's
-    // tokens outgrow L2, from L3: 64 tokens ran at the same rate either way, 128 and 512 tokens
-    // x 4096 columns at 1.4x and 2.2x with k-blocks (256, 384 and 512 all alike).
+    // tokens outgrow L2, from L3: at 4096 columns, 128 and 512 tokens ran at 1.25x and 2.2x
+    // k-blocked, 32 and 64 tokens at ~0.95x (k-blocks of 256, 384 and 512 alike).
     KBLK = 384,
     GROUPS = DI_GEMM_AVX512_BLOCK_ROWS / 4,
 };
@@ -87,8 +87,8 @@ enum {
 // y[j * ys + i], else the accumulators back to st. Keeping them in memory between k-blocks changes
 // no bit: each output's 8 lane chains still run over the columns in order.
 static inline __attribute__((always_inline)) void
-tile_k(const float *w, int64_t ws, int nr, int NP, const float *const *xs, int NT, int64_t c0,
-       int64_t c1, int64_t n, __m512 st[2][TILE_TOKS], float *y, int64_t ys) {
+tile_k(const float *w, int64_t ws, int nr, int NP, const float *x, int64_t xstride, int NT,
+       int64_t c0, int64_t c1, int64_t n, __m512 st[2][TILE_TOKS], float *y, int64_t ys) {
     const float *wr[4];
     for (int i = 0; i < 4; i++) wr[i] = w + pair_row(i / 2, i % 2, nr) * ws;
     __m512 a[2][TILE_TOKS];
@@ -97,6 +97,13 @@ tile_k(const float *w, int64_t ws, int nr, int NP, const float *const *xs, int N
         DI_UNROLL
         for (int j = 0; j < NT; j++) a[p][j] = c0 == 0 ? _mm512_setzero_ps() : st[p][j];
     }
+    // Token j at xb[j / 3] + (j % 3) * xstride: four pointers and the stride (base + index x
+    // scale addresses) instead of twelve pointers, which did not fit the registers with the
+    // loop's others (GCC reloaded 5-6 from the stack every step, on load ports the tile nearly
+    // fills).
+    const char *xb[4];
+    for (int q = 0; q < 4; q++) xb[q] = (const char *)(x + c0) + (int64_t)(3 * q) * xstride * 4;
+    const int64_t sb = xstride * 4;
     const int64_t full = c1 & ~(int64_t)7;
     int64_t c = c0;
     for (; c < full; c += 8) {
@@ -106,10 +113,12 @@ tile_k(const float *w, int64_t ws, int nr, int NP, const float *const *xs, int N
             wv[p] = join8(_mm256_load_ps(wr[2 * p] + c), _mm256_load_ps(wr[2 * p + 1] + c));
         DI_UNROLL
         for (int j = 0; j < NT; j++) {
-            const __m512 xv = bcast8(xs[j] + c);
+            const __m512 xv = bcast8((const float *)(xb[j / 3] + (j % 3) * sb));
             DI_UNROLL
             for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(wv[p], xv, a[p][j]);
         }
+        DI_UNROLL
+        for (int q = 0; q < 4; q++) xb[q] += 32;
     }
     if (c < c1) { // the last partial chunk (c1 == n): x masked to zero, w zero-padded
         const __mmask8 m = (__mmask8)((1u << (c1 - c)) - 1);
@@ -119,7 +128,8 @@ tile_k(const float *w, int64_t ws, int nr, int NP, const float *const *xs, int N
             wv[p] = join8(_mm256_load_ps(wr[2 * p] + c), _mm256_load_ps(wr[2 * p + 1] + c));
         DI_UNROLL
         for (int j = 0; j < NT; j++) {
-            const __m512 xv = _mm512_broadcast_f32x8(_mm256_maskz_loadu_ps(m, xs[j] + c));
+            const __m512 xv = _mm512_broadcast_f32x8(
+                _mm256_maskz_loadu_ps(m, (const float *)(xb[j / 3] + (j % 3) * sb)));
             DI_UNROLL
             for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(wv[p], xv, a[p][j]);
         }
@@ -145,10 +155,8 @@ void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float
     const int n_groups = (nr + 3) / 4;
     const int64_t n_tiles = (n_tok + TILE_TOKS - 1) / TILE_TOKS;
     __m512 st[GROUPS][2][TILE_TOKS]; // the groups' accumulators between k-blocks (12 KiB)
-    const float *xs[TILE_TOKS];
     for (int64_t t = 0, k = 0; t < n_tok; k++) { // balanced tiles: 13 = 7 + 6, not 12 + 1
         const int nt = (int)((n_tok - t + (n_tiles - k) - 1) / (n_tiles - k));
-        for (int j = 0; j < nt; j++) xs[j] = x + (t + j) * x_stride;
         for (int64_t c0 = 0; c0 < n; c0 += KBLK) {
             const int64_t c1 = n - c0 > KBLK ? c0 + KBLK : n;
             for (int g = 0; g < n_groups; g++) {
@@ -157,7 +165,8 @@ void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float
                 float *yg = y + t * y_stride + 4 * g;
 #define T(P, N)                                                                                    \
     case (P)*16 + (N):                                                                             \
-        tile_k(wg, w_stride, ng, P, xs, N, c0, c1, n, st[g], yg, y_stride);                        \
+        tile_k(wg, w_stride, ng, P, x + t * x_stride, x_stride, N, c0, c1, n, st[g], yg,           \
+               y_stride);                                                                          \
         break;
 #define T12(P)                                                                                     \
     T(P, 1)                                                                                        \
