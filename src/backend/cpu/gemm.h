@@ -46,10 +46,9 @@
  * the column segment nor the thread partition changes that sequence, so a token's outputs are the
  * same whatever other tokens share the call and whatever the thread count (the serving engine's
  * batch invariance). Each weight row is decoded once per call: groups of four rows are decoded to
- * per-thread scratch (in 1024-column segments when at most 3 tokens use them, whole rows
- * otherwise) and every token of the call is multiplied against them in tiles of 4 rows x 3 tokens
- * (AVX2) or 12 tokens (AVX-512, over blocks of up to 32 decoded rows, k-blocked so a tile's
- * activations stay in L1).
+ * per-thread scratch (in 1024-column segments when at most 3 tokens use them; else whole rows, in
+ * blocks of up to 32) and every token of the call is multiplied against them in tiles of 4 rows x
+ * 3 tokens (AVX2) or 12 tokens (AVX-512), k-blocked so a tile's activations stay in L1.
  * The 8-bit kinds keep the same invariance: a token's codes depend only on its own row, its
  * outputs only on its codes and the weights; the token chunks (DI_CPU_ACT_TOKENS), tiles and
  * thread partition never enter the arithmetic. The AVX-512 level computes every output with the
@@ -75,8 +74,8 @@ typedef enum di_cpu_isa {
 
 // The best level this CPU and build support (no environment applied). Any thread.
 di_cpu_isa di_cpu_isa_supported(void);
-// Rows of `ld` floats each thread's gemm scratch holds (di_cpu.gemm_rows): the AVX-512 many-token
-// block, up to DI_GEMM_AVX512_BLOCK_ROWS rows in 512 KiB (a multiple of 4, at least 4).
+// Rows of `ld` floats each thread's gemm scratch holds (di_cpu.gemm_rows): the many-token block,
+// up to DI_GEMM_BLOCK_ROWS rows in 512 KiB (a multiple of 4, at least 4).
 int di_gemm_scratch_rows(int64_t ld);
 // di_cpu_isa_supported() lowered by DI_CPU_ISA when set (an unknown name or a level above the
 // supported one is logged once at WARN and ignored / clamped). Any thread.
@@ -113,12 +112,12 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
 // columns [c0, c1) of a row of n columns; the last partial 8-chunk reads x with a mask.
 void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
                        int64_t c0, int64_t c1, int64_t n, float acc[4][3][8]);
-// Whole rows [0, n) from zero, sums written to y[j * y_stride + i] (row i, token j): the same bits
-// as di_gemm_avx2_tile from zeroed accumulators followed by the reduce8 order.
-void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
-                         int64_t n, float *y, int64_t y_stride);
-// di_gemm_avx2_tile_y over tokens [0, n_tok) (token t at x + t*x_stride, sums to y + t*y_stride)
-// in balanced tiles of at most 3 tokens; the same bits per output as any single tile.
+#define DI_GEMM_BLOCK_ROWS 32 // at most this many decoded rows per many-token call (both levels)
+#define DI_GEMM_KBLK 384      // columns per k-block of the many-token tiles (gemm.c: why)
+// nr <= DI_GEMM_BLOCK_ROWS decoded rows (row i at w + i*w_stride, zero-padded to a multiple of 8)
+// times tokens [0, n_tok) (token t at x + t*x_stride), sums to y[t * y_stride + i]: balanced
+// tiles of at most 3 tokens, each over groups of 4 rows in k-blocks of DI_GEMM_KBLK columns; the
+// bits of di_gemm_avx2_tile over [0, n) from zeroed accumulators followed by reduce8.
 void di_gemm_avx2_rows_y(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
                          int64_t n_tok, int64_t n, float *y, int64_t y_stride);
 // One token's activations (n a multiple of 32) as di_quant_act_q8 computes them, bit for bit.
@@ -153,13 +152,11 @@ extern const uint32_t di_gemm_mxfp4_scale_bits[256];
 // ---- internal: the AVX-512 level (gemm_avx512.c, compiled with -mavx512{f,bw,vl,dq,vnni}) ----
 // Each entry gives the bits of its AVX2 twin above, for more rows or tokens per call.
 
-#define DI_GEMM_AVX512_INT8_TOKS 8   // tokens per integer tile
-#define DI_GEMM_AVX512_BLOCK_ROWS 32 // at most this many decoded rows per many-token call
+#define DI_GEMM_AVX512_INT8_TOKS 8 // tokens per integer tile
 
 // True when gemm_avx512.c was built with its kernels (x86-64 only).
 bool di_gemm_avx512_built(void);
-// di_gemm_avx2_rows_y for nr <= DI_GEMM_AVX512_BLOCK_ROWS rows (groups of 4), in balanced tiles
-// of at most 12 tokens, each tile's columns in k-blocks of 384 across all the groups.
+// di_gemm_avx2_rows_y in balanced tiles of at most 12 tokens.
 void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float *x,
                            int64_t x_stride, int64_t n_tok, int64_t n, float *y, int64_t y_stride);
 // di_gemm_avx2_decode (FP8, FP4 and BF16 16 values at a time; the other kinds through it).

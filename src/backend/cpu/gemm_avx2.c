@@ -408,17 +408,22 @@ static inline __attribute__((always_inline)) void sums_store(int NR, int NT, __m
     }
 }
 
-static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t ws, int NR,
-                                                         const float *const *xs, int NT, int64_t n,
+// NR rows x NT tokens over columns [c0, c1) of decoded rows (w: column 0), continuing the
+// accumulators st (from zero when c0 == 0); when c1 == n the reduce8 sums go to
+// y[j * y_stride + i], else the accumulators back to st (the same bits: each output's 8 lanes
+// still run over the columns in order).
+static inline __attribute__((always_inline)) void tile_k(const float *w, int64_t ws, int NR,
+                                                         const float *const *xs, int NT, int64_t c0,
+                                                         int64_t c1, int64_t n, __m256 st[4][3],
                                                          float *y, int64_t y_stride) {
     __m256 a[4][3];
     DI_UNROLL
     for (int i = 0; i < NR; i++) {
         DI_UNROLL
-        for (int j = 0; j < NT; j++) a[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NT; j++) a[i][j] = c0 == 0 ? _mm256_setzero_ps() : st[i][j];
     }
-    const int64_t full = n & ~(int64_t)7;
-    int64_t c = 0;
+    const int64_t full = c1 & ~(int64_t)7;
+    int64_t c = c0;
     for (; c < full; c += 8) {
         __m256 xv[3];
         DI_UNROLL
@@ -430,8 +435,8 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
         }
     }
-    if (c < n) {
-        int rem = (int)(n - c);
+    if (c < c1) { // the last partial chunk (c1 == n): x masked, w zero-padded by the decoder
+        int rem = (int)(c1 - c);
         __m256i mask =
             _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256 xv[3];
@@ -444,44 +449,56 @@ static inline __attribute__((always_inline)) void tile_y(const float *w, int64_t
             for (int j = 0; j < NT; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
         }
     }
-    sums_store(NR, NT, a, y, y_stride);
-}
-
-void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
-                         int64_t n, float *y, int64_t y_stride) {
-    for (int i = 0; i < nr; i++) READS(w + i * w_stride, sizeof(float) * up8(n));
-    reads_each((const void *const *)xs, nt, sizeof(float) * (size_t)n);
-    writes_y(y, y_stride, nr, nt);
-#define T(R, N)                                                                                    \
-    case (R)*4 + (N):                                                                              \
-        tile_y(w, w_stride, R, xs, N, n, y, y_stride);                                             \
+    if (c1 == n) {
+        sums_store(NR, NT, a, y, y_stride);
         return;
-    switch (nr * 4 + nt) {
-        T(1, 1)
-        T(1, 2) T(1, 3) T(2, 1) T(2, 2) T(2, 3) T(3, 1) T(3, 2) T(3, 3) T(4, 1) T(4, 2) T(4, 3)
     }
-#undef T
-    DI_ASSERT(!"tile shape out of range");
+    DI_UNROLL
+    for (int i = 0; i < NR; i++) {
+        DI_UNROLL
+        for (int j = 0; j < NT; j++) st[i][j] = a[i][j];
+    }
 }
 
-// Every token of [0, n_tok) against nr decoded rows, in balanced tiles of at most 3 tokens
-// (16 = 3+3+3+3+2+2): one call per row block, the common 4 x 3 tile inlined.
+// Every token of [0, n_tok) against nr <= DI_GEMM_BLOCK_ROWS decoded rows (groups of 4), in
+// balanced tiles of at most 3 tokens (16 = 3+3+3+3+2+2), each tile's columns in k-blocks of
+// DI_GEMM_KBLK across all the groups (gemm.c: why).
 void di_gemm_avx2_rows_y(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
                          int64_t n_tok, int64_t n, float *y, int64_t y_stride) {
     for (int i = 0; i < nr; i++) READS(w + i * w_stride, sizeof(float) * up8(n));
     for (int64_t t = 0; t < n_tok; t++) READS(x + t * x_stride, sizeof(float) * (size_t)n);
     writes_y(y, y_stride, nr, n_tok);
+    DI_ASSERT(nr >= 1 && nr <= DI_GEMM_BLOCK_ROWS);
+    const int n_groups = (nr + 3) / 4;
     const int64_t n_tiles = (n_tok + 2) / 3;
+    __m256 st[DI_GEMM_BLOCK_ROWS / 4][4][3]; // the groups' accumulators between k-blocks
     const float *xs[3];
     for (int64_t t = 0, k = 0; t < n_tok; k++) {
-        int nt = (int)((n_tok - t + (n_tiles - k) - 1) / (n_tiles - k));
+        const int nt = (int)((n_tok - t + (n_tiles - k) - 1) / (n_tiles - k));
         for (int j = 0; j < nt; j++) xs[j] = x + (t + j) * x_stride;
-        if (nr == 4 && nt == 3)
-            tile_y(w, w_stride, 4, xs, 3, n, y + t * y_stride, y_stride);
-        else if (nr == 4 && nt == 2)
-            tile_y(w, w_stride, 4, xs, 2, n, y + t * y_stride, y_stride);
-        else
-            di_gemm_avx2_tile_y(w, w_stride, nr, xs, nt, n, y + t * y_stride, y_stride);
+        for (int64_t c0 = 0; c0 < n; c0 += DI_GEMM_KBLK) {
+            const int64_t c1 = n - c0 > DI_GEMM_KBLK ? c0 + DI_GEMM_KBLK : n;
+            for (int g = 0; g < n_groups; g++) {
+                const int ng = nr - 4 * g < 4 ? nr - 4 * g : 4;
+                const float *wg = w + 4 * g * w_stride;
+                float *yg = y + t * y_stride + 4 * g;
+#define T(R, N)                                                                                    \
+    case (R)*4 + (N):                                                                              \
+        tile_k(wg, w_stride, R, xs, N, c0, c1, n, st[g], yg, y_stride);                            \
+        break;
+#define T3(R) T(R, 1) T(R, 2) T(R, 3)
+                switch (ng * 4 + nt) {
+                    T3(1)
+                    T3(2)
+                    T3(3)
+                    T3(4)
+                default:
+                    DI_ASSERT(!"tile shape out of range");
+                }
+#undef T3
+#undef T
+            }
+        }
         t += nt;
     }
 }

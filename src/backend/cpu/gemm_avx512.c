@@ -73,13 +73,7 @@ static inline void sums_store(__m512 p01, __m512 p23, int nr, float *y) {
 
 enum {
     TILE_TOKS = 12, // 2 pairs x 12 tokens = 24 accumulators + 2 weights + 1 activation
-    // Columns per k-block: a 12-token tile's activations over one k-block (18 KiB) stay in L1
-    // (32 KiB or more) while every 4-row group of the decoded block passes over them (6 KiB each,
-    // from L2). Whole rows instead read every group's activations from L2 or, once the call's
-    // tokens outgrow L2, from L3: at 4096 columns, 128 and 512 tokens ran at 1.25x and 2.2x
-    // k-blocked, 32 and 64 tokens at ~0.95x (k-blocks of 256, 384 and 512 alike).
-    KBLK = 384,
-    GROUPS = DI_GEMM_AVX512_BLOCK_ROWS / 4,
+    GROUPS = DI_GEMM_BLOCK_ROWS / 4,
 };
 
 // NP row pairs x NT tokens over columns [c0, c1) of decoded rows (w: column 0), continuing the
@@ -151,14 +145,14 @@ void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float
     for (int i = 0; i < nr; i++) READS(w + i * w_stride, sizeof(float) * up8(n));
     for (int64_t t = 0; t < n_tok; t++) READS(x + t * x_stride, sizeof(float) * (size_t)n);
     writes_y(y, y_stride, nr, n_tok);
-    DI_ASSERT(nr >= 1 && nr <= DI_GEMM_AVX512_BLOCK_ROWS);
+    DI_ASSERT(nr >= 1 && nr <= DI_GEMM_BLOCK_ROWS);
     const int n_groups = (nr + 3) / 4;
     const int64_t n_tiles = (n_tok + TILE_TOKS - 1) / TILE_TOKS;
     __m512 st[GROUPS][2][TILE_TOKS]; // the groups' accumulators between k-blocks (12 KiB)
     for (int64_t t = 0, k = 0; t < n_tok; k++) { // balanced tiles: 13 = 7 + 6, not 12 + 1
         const int nt = (int)((n_tok - t + (n_tiles - k) - 1) / (n_tiles - k));
-        for (int64_t c0 = 0; c0 < n; c0 += KBLK) {
-            const int64_t c1 = n - c0 > KBLK ? c0 + KBLK : n;
+        for (int64_t c0 = 0; c0 < n; c0 += DI_GEMM_KBLK) {
+            const int64_t c1 = n - c0 > DI_GEMM_KBLK ? c0 + DI_GEMM_KBLK : n;
             for (int g = 0; g < n_groups; g++) {
                 const int ng = nr - 4 * g < 4 ? nr - 4 * g : 4;
                 const float *wg = w + 4 * g * w_stride;
