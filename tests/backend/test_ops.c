@@ -619,9 +619,9 @@ static void test_gemm_wide(void) {
     free_mat(&b);
 }
 
-// A di_cpu for rows of at most 2048 holds 32 decoded rows a thread (the AVX-512 many-token block;
-// the shared one, for 16384, holds 8): blocks of 32 rows, a remainder of 2 groups and 3 rows,
-// k-blocks of 384 with a tail, and one short row of a single k-block.
+// A di_cpu for rows of at most 2048 holds 32 decoded rows a thread (the many-token block of both
+// SIMD levels; the shared one, for 16384, holds 8): blocks of 32 rows, a remainder of 2 groups and
+// 3 rows, k-blocks of 384 with a tail, and one short row of a single k-block.
 static void test_gemm_row_blocks(void) {
     di_cpu c;
     CHECK(di_cpu_init(&c, g_pool2, 2048) == DI_OK);

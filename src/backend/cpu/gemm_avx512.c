@@ -96,7 +96,8 @@ tile_k(const float *w, int64_t ws, int nr, int NP, const float *x, int64_t xstri
     // loop's others (GCC reloaded 5-6 from the stack every step, on load ports the tile nearly
     // fills).
     const char *xb[4];
-    for (int q = 0; q < 4; q++) xb[q] = (const char *)(x + c0) + (int64_t)(3 * q) * xstride * 4;
+    const int NQ = (NT + 2) / 3; // the pointers in use (none past the tile's last token)
+    for (int q = 0; q < NQ; q++) xb[q] = (const char *)(x + c0) + (int64_t)(3 * q) * xstride * 4;
     const int64_t sb = xstride * 4;
     const int64_t full = c1 & ~(int64_t)7;
     int64_t c = c0;
@@ -112,7 +113,7 @@ tile_k(const float *w, int64_t ws, int nr, int NP, const float *x, int64_t xstri
             for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(wv[p], xv, a[p][j]);
         }
         DI_UNROLL
-        for (int q = 0; q < 4; q++) xb[q] += 32;
+        for (int q = 0; q < NQ; q++) xb[q] += 32;
     }
     if (c < c1) { // the last partial chunk (c1 == n): x masked to zero, w zero-padded
         const __mmask8 m = (__mmask8)((1u << (c1 - c)) - 1);
