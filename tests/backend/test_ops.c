@@ -770,8 +770,8 @@ static bool asan_reported(int k, bool short_by_one) {
     return died && strstr(buf, "AddressSanitizer") != NULL;
 }
 
-// Case k, with one of its regions a heap block one element short (or exact): 0 rows_y's input
-// rows, 1 rows_y's output, 2 gemv's token (BF16 rows), 3 quant_act's codes.
+// Case k, with one of its regions a heap block one element short (or exact): 0 tile_k's tokens,
+// 1 tile_k's output, 2 gemv's token (BF16 rows), 3 quant_act's codes.
 static void asan_case(int k, bool short_by_one) {
     enum { N = 64, NT = 5 };
     const int64_t s = short_by_one ? 1 : 0;
@@ -781,7 +781,9 @@ static void asan_case(int k, bool short_by_one) {
         float *x = malloc(sizeof(float) * (size_t)(NT * N - (k == 0 ? s : 0)));
         float *y = malloc(sizeof(float) * (size_t)(NT * 4 - (k == 1 ? s : 0)));
         for (int64_t i = 0; i < NT * N - (k == 0 ? s : 0); i++) x[i] = 1.0f;
-        di_gemm_avx2_rows_y(w, N, 4, x, N, NT, N, y, 4);
+        _Alignas(64) unsigned char st[DI_GEMM_TILE_STATE];
+        di_gemm_avx2_tile_k(w, N, 4, x, N, 3, 0, N, N, st, y, 4); // tokens 0..2, then 3..4
+        di_gemm_avx2_tile_k(w, N, 4, x + 3 * N, N, NT - 3, 0, N, N, st, y + 3 * 4, 4);
         free(x);
         free(y);
     } else if (k == 2) {

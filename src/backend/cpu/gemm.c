@@ -183,12 +183,29 @@ static void block_simd(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
     // Tokens in balanced tiles of at most 3 (AVX2; 16 = 3+3+3+3+2+2, not ...+3+1) or 12
     // (AVX-512), k-blocked over all nr rows: a one-token tile costs almost what a full one does.
     // Every output is the same whatever its tile.
-    const float *x = c->x + t_lo * c->x_stride;
-    float *y = c->y + t_lo * c->y_stride + o0;
-    if (c->isa >= DI_CPU_ISA_AVX512)
-        di_gemm_avx512_rows_y(scr, ld, nr, x, c->x_stride, t_hi - t_lo, n, y, c->y_stride);
-    else
-        di_gemm_avx2_rows_y(scr, ld, nr, x, c->x_stride, t_hi - t_lo, n, y, c->y_stride);
+    const bool avx512 = c->isa >= DI_CPU_ISA_AVX512;
+    const int64_t tile = avx512 ? DI_GEMM_AVX512_TILE_TOKS : SEG_TOKS, n_groups = (nr + 3) / 4;
+    const int64_t n_tiles = (t_hi - t_lo + tile - 1) / tile;
+    _Alignas(64) unsigned char st[DI_GEMM_BLOCK_ROWS / 4][DI_GEMM_TILE_STATE];
+    for (int64_t t = t_lo, k = 0; t < t_hi; k++) {
+        const int nt = (int)((t_hi - t + (n_tiles - k) - 1) / (n_tiles - k));
+        const float *x = c->x + t * c->x_stride;
+        for (int64_t c0 = 0; c0 < n; c0 += DI_GEMM_KBLK) {
+            const int64_t c1 = n - c0 > DI_GEMM_KBLK ? c0 + DI_GEMM_KBLK : n;
+            for (int64_t g = 0; g < n_groups; g++) {
+                const int ng = (int)(nr - 4 * g < 4 ? nr - 4 * g : 4);
+                const float *wg = scr + 4 * g * ld;
+                float *yg = c->y + t * c->y_stride + o0 + 4 * g;
+                if (avx512)
+                    di_gemm_avx512_tile_k(wg, ld, ng, x, c->x_stride, nt, c0, c1, n, st[g], yg,
+                                          c->y_stride);
+                else
+                    di_gemm_avx2_tile_k(wg, ld, ng, x, c->x_stride, nt, c0, c1, n, st[g], yg,
+                                        c->y_stride);
+            }
+        }
+        t += nt;
+    }
 }
 
 static void block_scalar(const matmul_ctx *c, float *scr, int64_t o, int64_t t_lo, int64_t t_hi) {

@@ -112,14 +112,17 @@ void di_gemm_avx2_gemv(const di_tensor *w, int64_t r0, int nr, const float *cons
 // columns [c0, c1) of a row of n columns; the last partial 8-chunk reads x with a mask.
 void di_gemm_avx2_tile(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
                        int64_t c0, int64_t c1, int64_t n, float acc[4][3][8]);
-#define DI_GEMM_BLOCK_ROWS 32 // at most this many decoded rows per many-token call (both levels)
-#define DI_GEMM_KBLK 384      // columns per k-block of the many-token tiles (gemm.c: why)
-// nr <= DI_GEMM_BLOCK_ROWS decoded rows (row i at w + i*w_stride, zero-padded to a multiple of 8)
-// times tokens [0, n_tok) (token t at x + t*x_stride), sums to y[t * y_stride + i]: balanced
-// tiles of at most 3 tokens, each over groups of 4 rows in k-blocks of DI_GEMM_KBLK columns; the
-// bits of di_gemm_avx2_tile over [0, n) from zeroed accumulators followed by reduce8.
-void di_gemm_avx2_rows_y(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
-                         int64_t n_tok, int64_t n, float *y, int64_t y_stride);
+#define DI_GEMM_BLOCK_ROWS 32   // at most this many decoded rows per many-token call (both levels)
+#define DI_GEMM_KBLK 384        // columns per k-block of the many-token tiles (gemm.c: why)
+#define DI_GEMM_TILE_STATE 1536 // bytes of one tile's accumulators between k-blocks (either level)
+// One k-block [c0, c1) of nr <= 4 decoded rows (row i at w + i*w_stride, column 0 at w; zero-padded
+// to a multiple of 8 past n) times nt <= 3 tokens (token j at x + j*x_stride), continuing the
+// accumulators in st (DI_GEMM_TILE_STATE bytes, 64-byte aligned; from zero when c0 == 0). When
+// c1 == n the sums go to y[j * y_stride + i]; the bits of di_gemm_avx2_tile over [0, n) from
+// zeroed accumulators followed by reduce8, whatever the k-blocks.
+void di_gemm_avx2_tile_k(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
+                         int nt, int64_t c0, int64_t c1, int64_t n, void *st, float *y,
+                         int64_t y_stride);
 // One token's activations (n a multiple of 32) as di_quant_act_q8 computes them, bit for bit.
 void di_gemm_avx2_quant_act(const float *x, int64_t n, int8_t *q, float *d);
 // y[j * y_stride + i] = row r0+i (i < nr <= 4) of w (Q8_0 or MXFP4) times token j (j < nt <= 3,
@@ -152,13 +155,15 @@ extern const uint32_t di_gemm_mxfp4_scale_bits[256];
 // ---- internal: the AVX-512 level (gemm_avx512.c, compiled with -mavx512{f,bw,vl,dq,vnni}) ----
 // Each entry gives the bits of its AVX2 twin above, for more rows or tokens per call.
 
-#define DI_GEMM_AVX512_INT8_TOKS 8 // tokens per integer tile
+#define DI_GEMM_AVX512_INT8_TOKS 8  // tokens per integer tile
+#define DI_GEMM_AVX512_TILE_TOKS 12 // tokens per FMA tile
 
 // True when gemm_avx512.c was built with its kernels (x86-64 only).
 bool di_gemm_avx512_built(void);
-// di_gemm_avx2_rows_y in balanced tiles of at most 12 tokens.
-void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float *x,
-                           int64_t x_stride, int64_t n_tok, int64_t n, float *y, int64_t y_stride);
+// di_gemm_avx2_tile_k with nt <= DI_GEMM_AVX512_TILE_TOKS.
+void di_gemm_avx512_tile_k(const float *w, int64_t w_stride, int nr, const float *x,
+                           int64_t x_stride, int nt, int64_t c0, int64_t c1, int64_t n, void *st,
+                           float *y, int64_t y_stride);
 // di_gemm_avx2_decode (FP8, FP4 and BF16 16 values at a time; the other kinds through it).
 void di_gemm_avx512_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int64_t c1,
                            float *dst, int64_t dst_stride);

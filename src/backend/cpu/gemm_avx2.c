@@ -460,47 +460,28 @@ static inline __attribute__((always_inline)) void tile_k(const float *w, int64_t
     }
 }
 
-// Every token of [0, n_tok) against nr <= DI_GEMM_BLOCK_ROWS decoded rows (groups of 4), in
-// balanced tiles of at most 3 tokens (16 = 3+3+3+3+2+2), each tile's columns in k-blocks of
-// DI_GEMM_KBLK across all the groups (gemm.c: why).
-void di_gemm_avx2_rows_y(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
-                         int64_t n_tok, int64_t n, float *y, int64_t y_stride) {
-    for (int i = 0; i < nr; i++) READS(w + i * w_stride, sizeof(float) * up8(n));
-    for (int64_t t = 0; t < n_tok; t++) READS(x + t * x_stride, sizeof(float) * (size_t)n);
-    writes_y(y, y_stride, nr, n_tok);
-    DI_ASSERT(nr >= 1 && nr <= DI_GEMM_BLOCK_ROWS);
-    const int n_groups = (nr + 3) / 4;
-    const int64_t n_tiles = (n_tok + 2) / 3;
-    __m256 st[DI_GEMM_BLOCK_ROWS / 4][4][3]; // the groups' accumulators between k-blocks
+void di_gemm_avx2_tile_k(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
+                         int nt, int64_t c0, int64_t c1, int64_t n, void *st, float *y,
+                         int64_t y_stride) {
+    for (int i = 0; i < nr; i++) READS(w + i * w_stride + c0, sizeof(float) * up8(c1 - c0));
+    for (int j = 0; j < nt; j++) READS(x + j * x_stride + c0, sizeof(float) * (size_t)(c1 - c0));
+    if (c1 == n) writes_y(y, y_stride, nr, nt);
     const float *xs[3];
-    for (int64_t t = 0, k = 0; t < n_tok; k++) {
-        const int nt = (int)((n_tok - t + (n_tiles - k) - 1) / (n_tiles - k));
-        for (int j = 0; j < nt; j++) xs[j] = x + (t + j) * x_stride;
-        for (int64_t c0 = 0; c0 < n; c0 += DI_GEMM_KBLK) {
-            const int64_t c1 = n - c0 > DI_GEMM_KBLK ? c0 + DI_GEMM_KBLK : n;
-            for (int g = 0; g < n_groups; g++) {
-                const int ng = nr - 4 * g < 4 ? nr - 4 * g : 4;
-                const float *wg = w + 4 * g * w_stride;
-                float *yg = y + t * y_stride + 4 * g;
+    for (int j = 0; j < nt; j++) xs[j] = x + j * x_stride;
 #define T(R, N)                                                                                    \
     case (R)*4 + (N):                                                                              \
-        tile_k(wg, w_stride, R, xs, N, c0, c1, n, st[g], yg, y_stride);                            \
-        break;
+        tile_k(w, w_stride, R, xs, N, c0, c1, n, (__m256(*)[3])st, y, y_stride);                   \
+        return;
 #define T3(R) T(R, 1) T(R, 2) T(R, 3)
-                switch (ng * 4 + nt) {
-                    T3(1)
-                    T3(2)
-                    T3(3)
-                    T3(4)
-                default:
-                    DI_ASSERT(!"tile shape out of range");
-                }
+    switch (nr * 4 + nt) {
+        T3(1)
+        T3(2)
+        T3(3)
+        T3(4)
+    }
 #undef T3
 #undef T
-            }
-        }
-        t += nt;
-    }
+    DI_ASSERT(!"tile shape out of range");
 }
 
 // ---- fused GEMV: decode in registers, no staging (at most 3 tokens) ----

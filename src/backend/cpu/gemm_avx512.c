@@ -71,10 +71,8 @@ static inline void sums_store(__m512 p01, __m512 p23, int nr, float *y) {
 
 // ---- the many-token FMA tile over decoded rows ----
 
-enum {
-    TILE_TOKS = 12, // 2 pairs x 12 tokens = 24 accumulators + 2 weights + 1 activation
-    GROUPS = DI_GEMM_BLOCK_ROWS / 4,
-};
+enum { TILE_TOKS = DI_GEMM_AVX512_TILE_TOKS }; // 2 pairs x 12 = 24 accumulators + 2 w + 1 x
+_Static_assert(sizeof(__m512[2][TILE_TOKS]) <= DI_GEMM_TILE_STATE, "tile state");
 
 // NP row pairs x NT tokens over columns [c0, c1) of decoded rows (w: column 0), continuing the
 // accumulators st[p][j] (from zero when c0 == 0); when c1 == n the reduce8 sums go to
@@ -141,43 +139,27 @@ tile_k(const float *w, int64_t ws, int nr, int NP, const float *x, int64_t xstri
     }
 }
 
-void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float *x,
-                           int64_t x_stride, int64_t n_tok, int64_t n, float *y, int64_t y_stride) {
-    for (int i = 0; i < nr; i++) READS(w + i * w_stride, sizeof(float) * up8(n));
-    for (int64_t t = 0; t < n_tok; t++) READS(x + t * x_stride, sizeof(float) * (size_t)n);
-    writes_y(y, y_stride, nr, n_tok);
-    DI_ASSERT(nr >= 1 && nr <= DI_GEMM_BLOCK_ROWS);
-    const int n_groups = (nr + 3) / 4;
-    const int64_t n_tiles = (n_tok + TILE_TOKS - 1) / TILE_TOKS;
-    __m512 st[GROUPS][2][TILE_TOKS]; // the groups' accumulators between k-blocks (12 KiB)
-    for (int64_t t = 0, k = 0; t < n_tok; k++) { // balanced tiles: 13 = 7 + 6, not 12 + 1
-        const int nt = (int)((n_tok - t + (n_tiles - k) - 1) / (n_tiles - k));
-        for (int64_t c0 = 0; c0 < n; c0 += DI_GEMM_KBLK) {
-            const int64_t c1 = n - c0 > DI_GEMM_KBLK ? c0 + DI_GEMM_KBLK : n;
-            for (int g = 0; g < n_groups; g++) {
-                const int ng = nr - 4 * g < 4 ? nr - 4 * g : 4;
-                const float *wg = w + 4 * g * w_stride;
-                float *yg = y + t * y_stride + 4 * g;
+void di_gemm_avx512_tile_k(const float *w, int64_t w_stride, int nr, const float *x,
+                           int64_t x_stride, int nt, int64_t c0, int64_t c1, int64_t n, void *st,
+                           float *y, int64_t y_stride) {
+    for (int i = 0; i < nr; i++) READS(w + i * w_stride + c0, sizeof(float) * up8(c1 - c0));
+    for (int j = 0; j < nt; j++) READS(x + j * x_stride + c0, sizeof(float) * (size_t)(c1 - c0));
+    if (c1 == n) writes_y(y, y_stride, nr, nt);
 #define T(P, N)                                                                                    \
     case (P)*16 + (N):                                                                             \
-        tile_k(wg, w_stride, ng, P, x + t * x_stride, x_stride, N, c0, c1, n, st[g], yg,           \
+        tile_k(w, w_stride, nr, P, x, x_stride, N, c0, c1, n, (__m512(*)[TILE_TOKS])st, y,         \
                y_stride);                                                                          \
-        break;
+        return;
 #define T12(P)                                                                                     \
     T(P, 1)                                                                                        \
     T(P, 2) T(P, 3) T(P, 4) T(P, 5) T(P, 6) T(P, 7) T(P, 8) T(P, 9) T(P, 10) T(P, 11) T(P, 12)
-                switch ((ng + 1) / 2 * 16 + nt) {
-                    T12(1)
-                    T12(2)
-                default:
-                    DI_ASSERT(!"tile shape out of range");
-                }
+    switch ((nr + 1) / 2 * 16 + nt) {
+        T12(1)
+        T12(2)
+    }
 #undef T12
 #undef T
-            }
-        }
-        t += nt;
-    }
+    DI_ASSERT(!"tile shape out of range");
 }
 
 // ---- fused GEMV: decode in registers (at most 3 tokens) ----
@@ -684,10 +666,11 @@ bool di_gemm_avx512_built(void) {
     return false;
 }
 
-void di_gemm_avx512_rows_y(const float *w, int64_t w_stride, int nr, const float *x,
-                           int64_t x_stride, int64_t n_tok, int64_t n, float *y, int64_t y_stride) {
-    (void)w, (void)w_stride, (void)nr, (void)x, (void)x_stride, (void)n_tok, (void)n, (void)y,
-        (void)y_stride;
+void di_gemm_avx512_tile_k(const float *w, int64_t w_stride, int nr, const float *x,
+                           int64_t x_stride, int nt, int64_t c0, int64_t c1, int64_t n, void *st,
+                           float *y, int64_t y_stride) {
+    (void)w, (void)w_stride, (void)nr, (void)x, (void)x_stride, (void)nt, (void)c0, (void)c1,
+        (void)n, (void)st, (void)y, (void)y_stride;
     DI_ASSERT(!"AVX-512 kernels not built");
 }
 
