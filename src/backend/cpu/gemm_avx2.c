@@ -1148,9 +1148,11 @@ void di_gemm_avx2_decode(const di_tensor *w, int64_t r0, int nr, int64_t c0, int
     DI_ASSERT(!"AVX2 kernels not built");
 }
 
-void di_gemm_avx2_tile_y(const float *w, int64_t w_stride, int nr, const float *const *xs, int nt,
-                         int64_t n, float *y, int64_t y_stride) {
-    (void)w, (void)w_stride, (void)nr, (void)xs, (void)nt, (void)n, (void)y, (void)y_stride;
+void di_gemm_avx2_tile_k(const float *w, int64_t w_stride, int nr, const float *x, int64_t x_stride,
+                         int nt, int64_t c0, int64_t c1, int64_t n, void *st, float *y,
+                         int64_t y_stride) {
+    (void)w, (void)w_stride, (void)nr, (void)x, (void)x_stride, (void)nt, (void)c0, (void)c1,
+        (void)n, (void)st, (void)y, (void)y_stride;
     DI_ASSERT(!"AVX2 kernels not built");
 }
 
