@@ -5,6 +5,13 @@
  * function called on every thread with (ith, nth); each call partitions its range statically with
  * di_split_range, so results never depend on timing. di_pool_run returns when all threads are done.
  *
+ * Waiting threads (workers between jobs, the submitter for the workers) poll for DI_POOL_SPIN_NS
+ * before they sleep on a condition variable: a forward submits a job every few microseconds, and
+ * waking a sleeping thread costs 10-100 us on a virtual machine (futex wake-up of an idle vCPU),
+ * which made a 2-thread decode of a small model slower than 1 thread. Between steps or requests
+ * every thread is asleep after DI_POOL_SPIN_NS. The polls yield the core now and then, so more
+ * threads than cores (or other processes) still make progress.
+ *
  * Owns: its worker threads. Does not: queue work, nest (a task must not call di_pool_run).
  * Thread-safety: one thread at a time submits to a pool (the engine's forward thread).
  */
@@ -13,6 +20,9 @@
 #include <stdint.h>
 
 #include "deepinfer.h" // di_status
+
+// How long a waiting thread polls before it sleeps (ns).
+#define DI_POOL_SPIN_NS 200000
 
 typedef struct di_pool di_pool;
 typedef void (*di_pool_fn)(void *ctx, int ith, int nth);

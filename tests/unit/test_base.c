@@ -3,6 +3,7 @@
 
 #include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "base/buf.h"
 #include "base/json.h"
@@ -103,6 +104,54 @@ static void test_pool(void) {
     di_pool_destroy(NULL);
 }
 
+typedef struct once_ctx {
+    atomic_int ran[8]; // calls per thread index
+    int slow;          // the thread that takes 4 spins before it returns (-1: none)
+} once_ctx;
+
+static void sleep_ns(long ns) {
+    struct timespec t = {.tv_sec = ns / 1000000000, .tv_nsec = ns % 1000000000};
+    while (nanosleep(&t, &t) != 0) {
+    }
+}
+
+static void once_task(void *p, int ith, int nth) {
+    once_ctx *c = p;
+    (void)nth;
+    if (ith == c->slow) sleep_ns(4L * DI_POOL_SPIN_NS);
+    atomic_fetch_add(&c->ran[ith], 1);
+}
+
+// The pool's waits spin, then sleep (thread.h): jobs that find the workers spinning, jobs that
+// find them asleep (a gap of several spins), a worker slow enough that the submitter sleeps, and
+// the submitter slow while the workers wait. Every job runs on every thread exactly once and has
+// finished when di_pool_run returns; a lost wake-up hangs here (the ctest timeout).
+static void test_pool_sleep(void) {
+    for (int nt = 2; nt <= 4; nt++) {
+        di_pool *pool = NULL;
+        CHECK(di_pool_create(nt, &pool) == DI_OK);
+        for (int rep = 0; rep < 24; rep++) {
+            once_ctx c = {.slow = rep % 3 == 2 ? rep % nt : -1};
+            for (int i = 0; i < 8; i++) atomic_init(&c.ran[i], 0);
+            if (rep % 4 == 1) sleep_ns(3L * DI_POOL_SPIN_NS); // the workers fall asleep
+            di_pool_run(pool, once_task, &c);
+            for (int i = 0; i < nt; i++) CHECK_EQ(atomic_load(&c.ran[i]), 1);
+        }
+        for (int rep = 0; rep < 20000; rep++) { // back to back: the workers never sleep
+            once_ctx c = {.slow = -1};
+            for (int i = 0; i < 8; i++) atomic_init(&c.ran[i], 0);
+            di_pool_run(pool, once_task, &c);
+            int ok = 1;
+            for (int i = 0; i < nt; i++) ok &= atomic_load(&c.ran[i]) == 1;
+            if (!ok) {
+                CHECK(ok);
+                break;
+            }
+        }
+        di_pool_destroy(pool);
+    }
+}
+
 static void test_json(void) {
     json_error_t err;
     json_t *j =
@@ -128,6 +177,7 @@ int main(void) {
     RUN(test_sealed_image);
     RUN(test_split_range);
     RUN(test_pool);
+    RUN(test_pool_sleep);
     RUN(test_json);
     return test_finish();
 }
