@@ -90,6 +90,36 @@ static synth_mat make_mat(di_tensor_kind kind, int64_t n_in, int64_t n_out) {
     return m;
 }
 
+static void empty_job(void *ctx, int ith, int nth) {
+    (void)ctx, (void)ith, (void)nth;
+}
+
+// The pool's hand-off: the time of an empty di_pool_run while the workers poll (back to back),
+// and while they sleep (each job after a pause of 5 polling periods, base/thread.h), best of reps.
+static void bench_pool(di_pool *pool, int nth, int reps) {
+    double hot = 1e30, cold = 1e30;
+    for (int r = 0; r < reps; r++) {
+        const int n = 20000;
+        double t0 = now_s();
+        for (int i = 0; i < n; i++) di_pool_run(pool, empty_job, NULL);
+        double t = (now_s() - t0) / n;
+        if (t < hot) hot = t;
+        double sum = 0;
+        const int m = 100;
+        for (int i = 0; i < m; i++) {
+            const struct timespec pause = {0, 5L * DI_POOL_SPIN_NS};
+            nanosleep(&pause, NULL);
+            double t1 = now_s();
+            di_pool_run(pool, empty_job, NULL);
+            sum += now_s() - t1;
+        }
+        if (sum / m < cold) cold = sum / m;
+    }
+    printf("threads %d: pool hand-off %.2f us per empty job back to back, %.1f us after the "
+           "workers fell asleep\n",
+           nth, hot * 1e6, cold * 1e6);
+}
+
 static void bench_gemv(di_cpu *cpu, double bw, double mac_peak, int reps) {
     // Each matrix is 64 MiB (twice the last-level cache of the development machine).
     static const struct {
@@ -305,6 +335,7 @@ int main(int argc, char **argv) {
         double mac = di_probe_fma_peak(pool, (di_cpu_isa)cpu.isa, reps);
         printf("threads %d: FMA peak %.2f G multiply-adds/s (%s)\n", nth, mac / 1e9,
                di_cpu_isa_name((di_cpu_isa)cpu.isa));
+        if (nth > 1) bench_pool(pool, nth, reps);
         bench_gemv(&cpu, bw, mac, reps);
         if (nth == 1) bench_attention(mac, reps); // one row's attention runs on one thread
         di_cpu_deinit(&cpu);
