@@ -9,9 +9,11 @@
  *   - AVX-512 (F, BW, VL, DQ and VNNI, with the AVX2 level's features): the AVX2 level's
  *     arithmetic to the bit, two outputs' 8-lane chains per 512-bit register (gemm_avx512.c):
  *     the many-token FMA tile (4 rows x up to 12 tokens) and its row decoding of FP8, FP4 and
- *     BF16 (16 values a step), the fused GEMVs of FP8, FP4 and BF16, and vpdpbusd for the
- *     integer dots of Q8_0 and MXFP4 (up to 8 tokens a tile); the other kinds, the quantisers
- *     and the attention kernels run the AVX2 code;
+ *     BF16 (16 values a step), the fused GEMVs of FP8, FP4 and BF16 (FP8: the half-float bits of
+ *     32 codes per shift and fix-up; FP4: word permutes, vpermw, copy each column's nibble into
+ *     its lane and look up its value as bfloat16, exact for e2m1, with no half-float
+ *     conversion), and vpdpbusd for the integer dots of Q8_0 and MXFP4 (up to 8 tokens a tile);
+ *     the other kinds, the quantisers and the attention kernels run the AVX2 code;
  *   - AVX2 + FMA + F16C: weights decoded eight at a time in registers (e4m3 through the F16C
  *     half-float converter, e2m1 through a pshufb table), multiplied by the block scale (exact:
  *     a power of two) and accumulated with FMA;

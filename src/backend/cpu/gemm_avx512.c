@@ -215,6 +215,18 @@ static inline __m512 fp8_pair(__m128i v) {
     return _mm512_cvtph_ps(_mm256_ternarylogic_epi32(h, t, _mm256_set1_epi16(0x4000), 0x78));
 }
 
+// fp8_pair's binary16 bits for 32 codes at once: the 16 columns c..c+15 of a row pair as one
+// register of words [a c..c+7, b c..c+7, a c+8..c+15, b c+8..c+15] (the halves fp8_pair makes of
+// unpacklo / unpackhi_epi64), so the shift and fix-up run once per 32 codes; each half of the
+// result is then fp8_pair's input.
+static inline __m512i fp8_pair2_h(const uint8_t *ra, const uint8_t *rb) {
+    const __m256i v = _mm256_permute4x64_epi64(
+        _mm256_loadu2_m128i((const __m128i *)rb, (const __m128i *)ra), 0xD8);
+    const __m512i h = _mm512_slli_epi16(_mm512_cvtepi8_epi16(v), 7);
+    const __m512i t = _mm512_add_epi16(h, _mm512_set1_epi16(0x80));
+    return _mm512_ternarylogic_epi32(h, t, _mm512_set1_epi16(0x4000), 0x78);
+}
+
 // FP8: w = (v * a) * b per block as the AVX2 level's scale8 (b = 1 unless the UE8M0 byte is
 // >= 248, and multiplying by 1 is exact, so blocks whose rows all have b = 1 skip it).
 static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, int64_t r0, int nr,
@@ -255,10 +267,9 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
                 const uint8_t *ra = rows[2 * p], *rb = rows[2 * p + 1];
                 _mm_prefetch((const char *)ra + c + PF_BYTES, _MM_HINT_T0);
                 _mm_prefetch((const char *)rb + c + PF_BYTES, _MM_HINT_T0);
-                const __m128i va = _mm_loadu_si128((const __m128i *)(ra + c));
-                const __m128i vb = _mm_loadu_si128((const __m128i *)(rb + c));
-                __m512 lo = _mm512_mul_ps(fp8_pair(_mm_unpacklo_epi64(va, vb)), sa[p]);
-                __m512 hi = _mm512_mul_ps(fp8_pair(_mm_unpackhi_epi64(va, vb)), sa[p]);
+                const __m512i h = fp8_pair2_h(ra + c, rb + c);
+                __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sa[p]);
+                __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sa[p]);
                 if (big) {
                     lo = _mm512_mul_ps(lo, sb[p]);
                     hi = _mm512_mul_ps(hi, sb[p]);
@@ -274,21 +285,48 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
     acc_store(nr, NP, NT, a, acc);
 }
 
-// e2m1 code -> high byte of its binary16 value, in each 128-bit lane.
+// e2m1 code -> high byte of its binary16 value, in each 128-bit lane (the row decoder's table).
 static inline __m256i fp4_lut2(void) {
     return _mm256_broadcastsi128_si256(
         _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
                       (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6));
 }
 
-// FP4: w = q * s per block (block_in a multiple of 32); 32 columns of both rows per step.
+// The fused FP4 GEMV's word permutes. A row pair's 32 columns are 16 words (words 0..7 row a,
+// 8..15 row b; word i holds columns 4i..4i+3, low nibble first). For column half h (16 columns),
+// FP4_GATHER[h] copies into every word the source word of one (row, column), placed so that
+// unpacking the looked-up words with zeros (unpacklo / unpackhi_epi16 per 128-bit lane) yields
+// lanes 0..7 = row a's and 8..15 = row b's columns 16h..16h+7, then 16h+8..16h+15: in 128-bit
+// lane L, word j is row L / 2, column (j & 3) + 8 (j >> 2) + 4 (L & 1) of the half. FP4_SHIFT
+// brings that column's nibble to bits 0..3; the lookup (vpermw: bits 0..4 of the index, over a
+// 32-word table of the 16 e2m1 values twice) ignores the bits above 3 that way.
+static const uint16_t FP4_GATHER[2][32] = {
+    {0, 0, 0, 0, 2,  2,  2,  2,  1, 1, 1, 1, 3,  3,  3,  3,            // row a, columns 0..15
+     8, 8, 8, 8, 10, 10, 10, 10, 9, 9, 9, 9, 11, 11, 11, 11},          // row b
+    {4,  4,  4,  4,  6,  6,  6,  6,  5,  5,  5,  5,  7,  7,  7,  7,    // row a, columns 16..31
+     12, 12, 12, 12, 14, 14, 14, 14, 13, 13, 13, 13, 15, 15, 15, 15}}; // row b
+static const uint16_t FP4_SHIFT[32] = {0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12,
+                                       0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12};
+// e2m1 code -> its value as bfloat16 (exact: at most 2 significant bits), twice.
+static const uint16_t FP4_BF16[32] = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, // +0 .. 6
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0, // -0 .. -6
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, // again
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+// FP4: w = q * s per block (block_in a multiple of 32); 32 columns of both rows per step: per 16
+// columns two word permutes, a shift and two unpacks give the 32 values as floats (the same
+// floats as the row decoder's binary16 path: every e2m1 value is exact in both formats).
 static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, int64_t r0, int nr,
                                                            int NP, const float *const *xs, int NT,
                                                            float acc[4][3][8]) {
     const int64_t n = w->ne[0], bi = w->block_in;
     const uint8_t *rows[4], *srows[4];
     pair_rows(w, r0, nr, rows, srows);
-    const __m256i lut = fp4_lut2(), m4 = _mm256_set1_epi8(0x0F), z = _mm256_setzero_si256();
+    const __m512i gather0 = _mm512_loadu_si512(FP4_GATHER[0]),
+                  gather1 = _mm512_loadu_si512(FP4_GATHER[1]),
+                  shift = _mm512_loadu_si512(FP4_SHIFT), table = _mm512_loadu_si512(FP4_BF16),
+                  z = _mm512_setzero_si512();
     __m512 a[2][3];
     acc_load(nr, NP, NT, acc, a);
     for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
@@ -310,16 +348,16 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
                 const uint8_t *ra = rows[2 * p] + c / 2, *rb = rows[2 * p + 1] + c / 2;
                 _mm_prefetch((const char *)ra + PF_BYTES, _MM_HINT_T0);
                 _mm_prefetch((const char *)rb + PF_BYTES, _MM_HINT_T0);
-                const __m256i v = _mm256_loadu2_m128i((const __m128i *)rb, (const __m128i *)ra);
-                const __m256i lo = _mm256_and_si256(v, m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                // per 128-bit lane (row a, row b): columns 0..15, then 16..31
-                const __m256i h0 = _mm256_shuffle_epi8(lut, _mm256_unpacklo_epi8(lo, hi));
-                const __m256i h1 = _mm256_shuffle_epi8(lut, _mm256_unpackhi_epi8(lo, hi));
-                const __m512 q[4] = {_mm512_cvtph_ps(_mm256_unpacklo_epi8(z, h0)),
-                                     _mm512_cvtph_ps(_mm256_unpackhi_epi8(z, h0)),
-                                     _mm512_cvtph_ps(_mm256_unpacklo_epi8(z, h1)),
-                                     _mm512_cvtph_ps(_mm256_unpackhi_epi8(z, h1))};
+                const __m512i v = _mm512_castsi256_si512(
+                    _mm256_loadu2_m128i((const __m128i *)rb, (const __m128i *)ra));
+                const __m512i h0 = _mm512_permutexvar_epi16(
+                    _mm512_srlv_epi16(_mm512_permutexvar_epi16(gather0, v), shift), table);
+                const __m512i h1 = _mm512_permutexvar_epi16(
+                    _mm512_srlv_epi16(_mm512_permutexvar_epi16(gather1, v), shift), table);
+                const __m512 q[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, h0)),
+                                     _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, h0)),
+                                     _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, h1)),
+                                     _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, h1))};
                 DI_UNROLL
                 for (int k = 0; k < 4; k++) {
                     const __m512 wv = _mm512_mul_ps(q[k], s[p]);
