@@ -87,7 +87,6 @@ enum {
     SEG_TOKS = 3, // at most this many tokens: decode in registers or stream segments
     PF_ROW_BYTES = 1024, // bytes of each upcoming row prefetched in the many-token path
     PF_AHEAD = 8,        // blocks of 4 rows ahead the many-token path prefetches (at least)
-    PF_NEXT_BYTES = 512, // bytes of each row of the next group the few-token path prefetches
 };
 
 // Many tokens: each thread decodes blocks of gemm_rows rows (up to 32, 512 KiB) and walks every
@@ -149,12 +148,6 @@ static void block_simd(const matmul_ctx *c, float *scr, int64_t ld, int64_t o0, 
     const float *xs[3];
     if (t_hi - t_lo <= SEG_TOKS) {
         int nt = (int)(t_hi - t_lo);
-        // The next group's row starts: the kernels prefetch ahead within each row only.
-        for (int64_t r = o0 + nr; r < o0 + 2 * nr && r < w->ne[1]; r++) {
-            const char *row = (const char *)w->data + (size_t)r * w->nb1;
-            for (int64_t b = 0; b < (int64_t)w->nb1 && b < PF_NEXT_BYTES; b += 64)
-                __builtin_prefetch(row + b);
-        }
         for (int j = 0; j < nt; j++) xs[j] = c->x + (t_lo + j) * c->x_stride;
         memset(acc, 0, sizeof acc);
         if (c->fused && c->isa >= DI_CPU_ISA_AVX512 && di_gemm_avx512_gemv_ok(w))

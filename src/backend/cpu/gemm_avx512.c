@@ -164,8 +164,11 @@ void di_gemm_avx512_tile_k(const float *w, int64_t w_stride, int nr, const float
 
 // ---- fused GEMV: decode in registers (at most 3 tokens) ----
 
-// How far ahead of the decode position each row is prefetched (as the AVX2 level).
-#define PF_BYTES 512
+// Each row is prefetched at the same columns of the next group of 4 rows (the few-token path's
+// next call, gemm.c's ROWS), as the AVX2 level's GEMVs (di_gemm_avx2_gemv_int8 says why).
+static inline size_t pf_next_group(const di_tensor *w) {
+    return 4 * w->nb1;
+}
 
 // The accumulators acc[row][token] (8 lanes each) of NP pairs x NT tokens, in and out.
 static inline __attribute__((always_inline)) void acc_load(int nr, int NP, int NT,
@@ -235,6 +238,7 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
     const int64_t n = w->ne[0], bi = w->block_in;
     const uint8_t *rows[4], *srows[4];
     pair_rows(w, r0, nr, rows, srows);
+    const size_t pf = pf_next_group(w);
     __m512 a[2][3];
     acc_load(nr, NP, NT, acc, a);
     for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
@@ -265,8 +269,8 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
             DI_UNROLL
             for (int p = 0; p < NP; p++) {
                 const uint8_t *ra = rows[2 * p], *rb = rows[2 * p + 1];
-                _mm_prefetch((const char *)ra + c + PF_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)rb + c + PF_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)ra + c + pf, _MM_HINT_T0);
+                _mm_prefetch((const char *)rb + c + pf, _MM_HINT_T0);
                 const __m512i h = fp8_pair2_h(ra + c, rb + c);
                 __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sa[p]);
                 __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sa[p]);
@@ -323,6 +327,7 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
     const int64_t n = w->ne[0], bi = w->block_in;
     const uint8_t *rows[4], *srows[4];
     pair_rows(w, r0, nr, rows, srows);
+    const size_t pf = pf_next_group(w);
     const __m512i gather0 = _mm512_loadu_si512(FP4_GATHER[0]),
                   gather1 = _mm512_loadu_si512(FP4_GATHER[1]),
                   shift = _mm512_loadu_si512(FP4_SHIFT), table = _mm512_loadu_si512(FP4_BF16),
@@ -346,8 +351,8 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
             DI_UNROLL
             for (int p = 0; p < NP; p++) {
                 const uint8_t *ra = rows[2 * p] + c / 2, *rb = rows[2 * p + 1] + c / 2;
-                _mm_prefetch((const char *)ra + PF_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)rb + PF_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)ra + pf, _MM_HINT_T0);
+                _mm_prefetch((const char *)rb + pf, _MM_HINT_T0);
                 const __m512i v = _mm512_castsi256_si512(
                     _mm256_loadu2_m128i((const __m128i *)rb, (const __m128i *)ra));
                 const __m512i h0 = _mm512_permutexvar_epi16(
@@ -376,6 +381,7 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
     const int64_t n = w->ne[0];
     const uint8_t *rows[4];
     pair_rows(w, r0, nr, rows, NULL);
+    const size_t pf = pf_next_group(w);
     __m512 a[2][3];
     acc_load(nr, NP, NT, acc, a);
     for (int64_t c = 0; c < n; c += 8) {
@@ -386,8 +392,8 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
         for (int p = 0; p < NP; p++) {
             const uint8_t *ra = rows[2 * p] + 2 * c, *rb = rows[2 * p + 1] + 2 * c;
             if ((c & 31) == 0) {
-                _mm_prefetch((const char *)ra + PF_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)rb + PF_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)ra + pf, _MM_HINT_T0);
+                _mm_prefetch((const char *)rb + pf, _MM_HINT_T0);
             }
             const __m256i v = _mm256_loadu2_m128i((const __m128i *)rb, (const __m128i *)ra);
             const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -644,7 +650,7 @@ void di_gemm_avx512_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8
     int8_src src;
     for (int i = 0; i < 4; i++)
         src.rows[i] = (const uint8_t *)w->data + (size_t)(r0 + pair_row(i / 2, i % 2, nr)) * w->nb1;
-    src.pf = 4 * w->nb1; // the same columns of the next group (see di_gemm_avx2_gemv_int8)
+    src.pf = pf_next_group(w);
 #define G(P, N)                                                                                    \
     case (P)*16 + (N):                                                                             \
         if (mx)                                                                                    \
