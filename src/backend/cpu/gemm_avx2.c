@@ -486,14 +486,13 @@ void di_gemm_avx2_tile_k(const float *w, int64_t w_stride, int nr, const float *
 
 // ---- fused GEMV: decode in registers, no staging (at most 3 tokens) ----
 
-// The prefetches of the GEMVs: the four rows of a group are four interleaved streams, which the
-// hardware prefetchers alone follow poorly. FP8, FP4 and BF16 (as Q8_0 and MXFP4,
-// di_gemm_avx2_gemv_int8) prefetch each row at the same columns of the next group of 4 rows (the
-// few-token path's next call): 512 bytes ahead within the row left every group starting on
-// cold lines (flash-4l's decode at 1 thread, AVX-512: 0.263-0.291 s/token with 512 bytes ahead,
-// 0.200-0.208 a group ahead). The ggml block kinds (Q2_K, IQ2_XXS) still read PF_BYTES ahead.
-#define PF_BYTES 512
-
+// Where the GEMVs prefetch: each row at the same columns of the next group of 4 rows (the
+// few-token path's next call, gemm.c's ROWS). A group's four rows are four interleaved short
+// streams, which the hardware prefetchers alone follow poorly, and prefetching a fixed 512 bytes
+// ahead within them left every group starting on cold lines (a 4096-column MXFP4 or FP4 row is
+// 2 KiB): MXFP4 from memory ran at half Q8_0's bytes/s, flash-4l's native decode at 1 thread
+// (AVX-512) 0.226-0.291 s/token against 0.200-0.208 a group ahead, a Q2_K GEMV from memory at
+// 1.42-1.65 GB/s against 1.58-1.81.
 static inline size_t pf_next_group(const di_tensor *w) {
     return 4 * w->nb1;
 }
@@ -603,6 +602,7 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
                                                            const float *const *xs, int NT,         \
                                                            float acc[4][3][8]) {                   \
         const int64_t n = w->ne[0];                                                                \
+        const size_t pf = pf_next_group(w);                                                        \
         const uint8_t *rows[4];                                                                    \
         __m256 a[4][3];                                                                            \
         DI_UNROLL                                                                                  \
@@ -615,8 +615,8 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
             DI_UNROLL                                                                              \
             for (int i = 0; i < NR; i++) {                                                         \
                 const uint8_t *blk = rows[i] + (size_t)(c / 256) * (BB);                           \
-                _mm_prefetch((const char *)blk + PF_BYTES, _MM_HINT_T0);                           \
-                _mm_prefetch((const char *)blk + PF_BYTES + 64, _MM_HINT_T0);                      \
+                _mm_prefetch((const char *)blk + pf, _MM_HINT_T0);                                 \
+                _mm_prefetch((const char *)blk + pf + 64, _MM_HINT_T0);                            \
                 BLOCK_MACRO(blk, FMA_BODY);                                                        \
             }                                                                                      \
         }                                                                                          \
@@ -871,9 +871,6 @@ void di_gemm_avx2_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8_t
     writes_y(y, y_stride, nr, nt);
     int8_src src;
     for (int i = 0; i < nr; i++) src.rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
-    // The same columns of the next group of rows: a group's rows are short streams (a 4096-column
-    // MXFP4 row is 2 KiB), and prefetching a fixed distance ahead within them leaves every group
-    // starting on cold lines (MXFP4 from memory ran at half Q8_0's bytes/s with 512 bytes ahead).
     src.pf = pf_next_group(w);
 #define G(R, N)                                                                                    \
     case (R)*4 + (N):                                                                              \
@@ -994,7 +991,7 @@ static inline __attribute__((always_inline)) void
 gemv_q4_k8(const di_tensor *w, int64_t r0, int NR, const int8_t *const *xq, const float *const *xd,
            const int16_t *const *xs, int NT, float *y, int64_t y_stride) {
     const uint8_t *rows[4];
-    const size_t pf = pf_next_group(w); // see di_gemm_avx2_gemv_int8
+    const size_t pf = pf_next_group(w);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 a[4][3];
     DI_UNROLL

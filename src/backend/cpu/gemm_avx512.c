@@ -165,7 +165,7 @@ void di_gemm_avx512_tile_k(const float *w, int64_t w_stride, int nr, const float
 // ---- fused GEMV: decode in registers (at most 3 tokens) ----
 
 // Each row is prefetched at the same columns of the next group of 4 rows (the few-token path's
-// next call, gemm.c's ROWS), as the AVX2 level's GEMVs (di_gemm_avx2_gemv_int8 says why).
+// next call, gemm.c's ROWS), as at the AVX2 level (gemm_avx2.c's pf_next_group says why).
 static inline size_t pf_next_group(const di_tensor *w) {
     return 4 * w->nb1;
 }
