@@ -82,7 +82,7 @@ bool di_cpu_set_isa(di_cpu *cpu, di_cpu_isa isa) {
 // ---- matmul ----
 
 enum {
-    ROWS = 4,     // rows decoded together when few tokens use them (the tile's height)
+    ROWS = DI_GEMM_GEMV_ROWS, // rows decoded together when few tokens use them (the tile's height)
     SEG = 1024,   // columns per decoded segment when few tokens share it (4 rows x 4 KiB in L1)
     SEG_TOKS = 3, // at most this many tokens: decode in registers or stream segments
     PF_ROW_BYTES = 1024, // bytes of each upcoming row prefetched in the many-token path

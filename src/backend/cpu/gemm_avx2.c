@@ -486,17 +486,6 @@ void di_gemm_avx2_tile_k(const float *w, int64_t w_stride, int nr, const float *
 
 // ---- fused GEMV: decode in registers, no staging (at most 3 tokens) ----
 
-// Where the GEMVs prefetch: each row at the same columns of the next group of 4 rows (the
-// few-token path's next call, gemm.c's ROWS). A group's four rows are four interleaved short
-// streams, which the hardware prefetchers alone follow poorly, and prefetching a fixed 512 bytes
-// ahead within them left every group starting on cold lines (a 4096-column MXFP4 or FP4 row is
-// 2 KiB): MXFP4 from memory ran at half Q8_0's bytes/s, flash-4l's native decode at 1 thread
-// (AVX-512) 0.226-0.291 s/token against 0.200-0.208 a group ahead, a Q2_K GEMV from memory at
-// 1.42-1.65 GB/s against 1.58-1.81.
-static inline size_t pf_next_group(const di_tensor *w) {
-    return 4 * w->nb1;
-}
-
 // The same per-element arithmetic and accumulation order as decode + tile (exact dequantised
 // weight, one FMA per 8 columns in column order), so the two paths give the same bits.
 static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, int64_t r0, int NR,
@@ -506,7 +495,7 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
     const uint8_t *rows[4], *srows[4];
     __m256 a[4][3];
     gemv_begin(w, r0, NR, NT, acc, rows, a);
-    const size_t pf = pf_next_group(w);
+    const size_t pf = di_gemm_pf_next_group(w);
     DI_UNROLL
     for (int i = 0; i < NR; i++)
         srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
@@ -542,7 +531,7 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
     const __m128i lut = fp4_lut(), m4 = _mm_set1_epi8(0x0F), z = _mm_setzero_si128();
     __m256 a[4][3];
     gemv_begin(w, r0, NR, NT, acc, rows, a);
-    const size_t pf = pf_next_group(w);
+    const size_t pf = di_gemm_pf_next_group(w);
     DI_UNROLL
     for (int i = 0; i < NR; i++)
         srows[i] = w->scale + (size_t)((w->row0 + r0 + i) / w->block_out) * w->scale_nb1;
@@ -581,7 +570,7 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
     const uint8_t *rows[4];
     __m256 a[4][3];
     gemv_begin(w, r0, NR, NT, acc, rows, a);
-    const size_t pf = pf_next_group(w);
+    const size_t pf = di_gemm_pf_next_group(w);
     for (int64_t c = 0; c < n; c += 8) {
         DI_UNROLL
         for (int i = 0; i < NR; i++) {
@@ -602,7 +591,7 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
                                                            const float *const *xs, int NT,         \
                                                            float acc[4][3][8]) {                   \
         const int64_t n = w->ne[0];                                                                \
-        const size_t pf = pf_next_group(w);                                                        \
+        const size_t pf = di_gemm_pf_next_group(w);                                                \
         const uint8_t *rows[4];                                                                    \
         __m256 a[4][3];                                                                            \
         DI_UNROLL                                                                                  \
@@ -871,7 +860,7 @@ void di_gemm_avx2_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8_t
     writes_y(y, y_stride, nr, nt);
     int8_src src;
     for (int i = 0; i < nr; i++) src.rows[i] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
-    src.pf = pf_next_group(w);
+    src.pf = di_gemm_pf_next_group(w);
 #define G(R, N)                                                                                    \
     case (R)*4 + (N):                                                                              \
         if (mx)                                                                                    \
@@ -896,7 +885,7 @@ void di_gemm_avx2_codes(const di_tensor *w, int64_t r0, int nr, int8_t *q, int64
     for (int i = 0; i < nr; i++) {
         int8_src src;
         src.rows[0] = (const uint8_t *)w->data + (size_t)(r0 + i) * w->nb1;
-        src.pf = pf_next_group(w);
+        src.pf = di_gemm_pf_next_group(w);
         for (int64_t b = 0; b < w->ne[0] / 32; b++) {
             __m256i v = int8_block(mx ? SRC_MXFP4 : SRC_Q8_0, &src, 0, b, lut, d + i * ldd + b);
             _mm256_store_si256((__m256i *)(q + i * ldq + 32 * b), v);
@@ -991,7 +980,7 @@ static inline __attribute__((always_inline)) void
 gemv_q4_k8(const di_tensor *w, int64_t r0, int NR, const int8_t *const *xq, const float *const *xd,
            const int16_t *const *xs, int NT, float *y, int64_t y_stride) {
     const uint8_t *rows[4];
-    const size_t pf = pf_next_group(w);
+    const size_t pf = di_gemm_pf_next_group(w);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 a[4][3];
     DI_UNROLL

@@ -164,12 +164,6 @@ void di_gemm_avx512_tile_k(const float *w, int64_t w_stride, int nr, const float
 
 // ---- fused GEMV: decode in registers (at most 3 tokens) ----
 
-// Each row is prefetched at the same columns of the next group of 4 rows (the few-token path's
-// next call, gemm.c's ROWS), as at the AVX2 level (gemm_avx2.c's pf_next_group says why).
-static inline size_t pf_next_group(const di_tensor *w) {
-    return 4 * w->nb1;
-}
-
 // The accumulators acc[row][token] (8 lanes each) of NP pairs x NT tokens, in and out.
 static inline __attribute__((always_inline)) void acc_load(int nr, int NP, int NT,
                                                            float acc[4][3][8], __m512 a[2][3]) {
@@ -238,7 +232,7 @@ static inline __attribute__((always_inline)) void gemv_fp8(const di_tensor *w, i
     const int64_t n = w->ne[0], bi = w->block_in;
     const uint8_t *rows[4], *srows[4];
     pair_rows(w, r0, nr, rows, srows);
-    const size_t pf = pf_next_group(w);
+    const size_t pf = di_gemm_pf_next_group(w);
     __m512 a[2][3];
     acc_load(nr, NP, NT, acc, a);
     for (int64_t blk = 0, c0 = 0; c0 < n; blk++, c0 += bi) {
@@ -327,7 +321,7 @@ static inline __attribute__((always_inline)) void gemv_fp4(const di_tensor *w, i
     const int64_t n = w->ne[0], bi = w->block_in;
     const uint8_t *rows[4], *srows[4];
     pair_rows(w, r0, nr, rows, srows);
-    const size_t pf = pf_next_group(w);
+    const size_t pf = di_gemm_pf_next_group(w);
     const __m512i gather0 = _mm512_loadu_si512(FP4_GATHER[0]),
                   gather1 = _mm512_loadu_si512(FP4_GATHER[1]),
                   shift = _mm512_loadu_si512(FP4_SHIFT), table = _mm512_loadu_si512(FP4_BF16),
@@ -381,7 +375,7 @@ static inline __attribute__((always_inline)) void gemv_bf16(const di_tensor *w, 
     const int64_t n = w->ne[0];
     const uint8_t *rows[4];
     pair_rows(w, r0, nr, rows, NULL);
-    const size_t pf = pf_next_group(w);
+    const size_t pf = di_gemm_pf_next_group(w);
     __m512 a[2][3];
     acc_load(nr, NP, NT, acc, a);
     for (int64_t c = 0; c < n; c += 8) {
@@ -650,7 +644,7 @@ void di_gemm_avx512_gemv_int8(const di_tensor *w, int64_t r0, int nr, const int8
     int8_src src;
     for (int i = 0; i < 4; i++)
         src.rows[i] = (const uint8_t *)w->data + (size_t)(r0 + pair_row(i / 2, i % 2, nr)) * w->nb1;
-    src.pf = pf_next_group(w);
+    src.pf = di_gemm_pf_next_group(w);
 #define G(P, N)                                                                                    \
     case (P)*16 + (N):                                                                             \
         if (mx)                                                                                    \
